@@ -1,0 +1,181 @@
+#!/usr/bin/env bash
+# Test environment setup: everything the test suite needs, on a bare Debian 12 machine of
+# this kind (root, a Rust toolchain, Python 3). Idempotent: a second run installs nothing and
+# restarts only the servers that are not answering.
+#
+# Source it (`. ci/setup.sh`) to get the environment the tests read, or run it to just set up.
+#   KILN_CI_CACHE   where caches live (target dir, venv, fixtures); default /var/cache/kiln-ci
+# Exports: CARGO_TARGET_DIR, KILN_TEST_CACHE, KILN_TEST_REGISTRY, KILN_TEST_REGISTRY_AUTH,
+#   KILN_TEST_REGISTRY_USER, KILN_TEST_REGISTRY_PASSWORD, KILN_TEST_S3_ENDPOINT, KILN_TEST_S3_BUCKET
+#   and the AWS_* variables object_store reads for the test S3 server.
+set -euo pipefail
+
+KILN_CI_CACHE=${KILN_CI_CACHE:-/var/cache/kiln-ci}
+export KILN_CI_CACHE
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$KILN_CI_CACHE/target}
+export KILN_TEST_CACHE=${KILN_TEST_CACHE:-$KILN_CI_CACHE/fixtures}
+mkdir -p "$KILN_CI_CACHE" "$KILN_TEST_CACHE" "$KILN_CI_CACHE/run"
+ci_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+
+# --- Debian packages ---------------------------------------------------------------------
+# Packages from bookworm itself.
+apt_main=(docker-registry slirp4netns skopeo umoci busybox-static debootstrap zstd
+  python3-venv apache2-utils curl ca-certificates pkg-config
+  uidmap iproute2 netcat-openbsd)
+# Packages that must come from bookworm-backports: e2fsprogs >= 1.47.1 reads a tarball with
+# `mke2fs -d`, and only when libarchive13 is installed. QEMU too: this kind of machine ships
+# qemu-utils from backports, which breaks bookworm's qemu-system-common.
+apt_bpo=(e2fsprogs libarchive13 qemu-system-x86 qemu-utils)
+
+# The backports suite, on the same mirror apt already uses for bookworm.
+add_backports() {
+  if grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    return
+  fi
+  local mirror
+  mirror=$(apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 2>/dev/null \
+    | awk '$2 == "bookworm" { print $1; exit }')
+  if [ -z "$mirror" ]; then
+    log "cannot find the mirror apt uses for bookworm; add a bookworm-backports line by hand"
+    exit 1
+  fi
+  log "adding bookworm-backports from $mirror"
+  echo "deb $mirror bookworm-backports main" >/etc/apt/sources.list.d/kiln-bookworm-backports.list
+  apt_updated=
+}
+
+need_install() {
+  local p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || return 0
+  done
+  return 1
+}
+
+apt_updated=no
+apt_update() {
+  if [ "$apt_updated" != yes ]; then
+    apt-get update -qq || apt-get update -qq -o APT::Update::Error-Mode=any || true
+    apt_updated=yes
+  fi
+}
+
+e2fs_ok() {
+  # 1.47.1 is the first release whose mke2fs -d reads a tarball.
+  local v
+  v=$(dpkg-query -W -f='${Version}' e2fsprogs 2>/dev/null || echo 0)
+  dpkg --compare-versions "$v" ge 1.47.1 && ! need_install libarchive13
+}
+
+export DEBIAN_FRONTEND=noninteractive
+add_backports
+if need_install "${apt_main[@]}"; then
+  apt_update
+  log "installing ${apt_main[*]}"
+  apt-get install -y -qq --no-install-recommends "${apt_main[@]}" >/dev/null
+fi
+if ! e2fs_ok || need_install "${apt_bpo[@]}"; then
+  apt_update
+  log "installing ${apt_bpo[*]} from bookworm-backports"
+  apt-get install -y -qq --no-install-recommends -t bookworm-backports "${apt_bpo[@]}" >/dev/null
+fi
+e2fs_ok || { log "e2fsprogs >= 1.47.1 with libarchive13 is required"; exit 1; }
+
+# --- Rust components -------------------------------------------------------------------------
+if command -v rustup >/dev/null; then
+  rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+  rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
+fi
+
+# --- Python tools (moto's S3 server) in a venv -----------------------------------------------
+venv=$KILN_CI_CACHE/venv
+moto_version=5.1.4
+if ! "$venv/bin/python" -c "import moto, sys; sys.exit(moto.__version__ != '$moto_version')" 2>/dev/null; then
+  log "installing moto[server]==$moto_version into $venv"
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q "moto[server]==$moto_version"
+fi
+
+# --- servers on 127.0.0.1 ------------------------------------------------------------------
+run=$KILN_CI_CACHE/run
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+wait_port() {
+  local port=$1 name=$2 i
+  for i in $(seq 1 100); do
+    port_open "$port" && return 0
+    sleep 0.1
+  done
+  log "$name did not start on 127.0.0.1:$port; its log:"
+  cat "$run/$name.log" >&2 || true
+  exit 1
+}
+
+start_bg() { # name port command...
+  local name=$1 port=$2
+  shift 2
+  if port_open "$port"; then return; fi
+  log "starting $name on 127.0.0.1:$port"
+  nohup setsid "$@" >"$run/$name.log" 2>&1 </dev/null &
+  echo $! >"$run/$name.pid"
+  wait_port "$port" "$name"
+}
+
+# Two registries (distribution 2.8): one anonymous, one with basic auth. Debian's packaged
+# config turns on htpasswd, so each gets a config of our own.
+registry_conf() { # name port [auth]
+  local name=$1 port=$2 auth=${3:-}
+  mkdir -p "$run/$name-data"
+  {
+    echo "version: 0.1"
+    echo "log: {level: warn}"
+    echo "storage:"
+    echo "  filesystem: {rootdirectory: $run/$name-data}"
+    echo "  delete: {enabled: true}"
+    echo "http: {addr: 127.0.0.1:$port}"
+    if [ -n "$auth" ]; then
+      echo "auth:"
+      echo "  htpasswd: {realm: kiln-test, path: $run/$name.htpasswd}"
+    fi
+  } >"$run/$name.yml"
+}
+export KILN_TEST_REGISTRY_USER=kiln
+export KILN_TEST_REGISTRY_PASSWORD=kiln-test-password
+[ -f "$run/registry-auth.htpasswd" ] ||
+  htpasswd -Bbn "$KILN_TEST_REGISTRY_USER" "$KILN_TEST_REGISTRY_PASSWORD" >"$run/registry-auth.htpasswd"
+registry_conf registry 5000
+registry_conf registry-auth 5001 auth
+start_bg registry 5000 docker-registry serve "$run/registry.yml"
+start_bg registry-auth 5001 docker-registry serve "$run/registry-auth.yml"
+export KILN_TEST_REGISTRY=127.0.0.1:5000
+export KILN_TEST_REGISTRY_AUTH=127.0.0.1:5001
+
+# moto's S3 server, in memory.
+start_bg moto 9000 "$venv/bin/moto_server" -H 127.0.0.1 -p 9000
+export KILN_TEST_S3_ENDPOINT=http://127.0.0.1:9000
+export KILN_TEST_S3_BUCKET=kiln-test
+export AWS_ACCESS_KEY_ID=kiln-test AWS_SECRET_ACCESS_KEY=kiln-test AWS_REGION=us-east-1
+export AWS_ENDPOINT_URL=$KILN_TEST_S3_ENDPOINT AWS_ALLOW_HTTP=true
+"$venv/bin/python" - <<PY
+import boto3, botocore
+s3 = boto3.client("s3", endpoint_url="$KILN_TEST_S3_ENDPOINT")
+try:
+    s3.create_bucket(Bucket="$KILN_TEST_S3_BUCKET")
+except botocore.exceptions.ClientError as e:
+    if e.response["Error"]["Code"] not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+        raise
+PY
+
+# What the tests read, for a shell that did not source this script.
+{
+  for v in CARGO_TARGET_DIR KILN_TEST_CACHE KILN_TEST_REGISTRY KILN_TEST_REGISTRY_AUTH \
+    KILN_TEST_REGISTRY_USER KILN_TEST_REGISTRY_PASSWORD KILN_TEST_S3_ENDPOINT KILN_TEST_S3_BUCKET \
+    AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_REGION AWS_ENDPOINT_URL AWS_ALLOW_HTTP; do
+    printf 'export %s=%q\n' "$v" "${!v}"
+  done
+} >"$KILN_CI_CACHE/env"
+log "ready; environment in $KILN_CI_CACHE/env"

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The test command: sets up the environment (ci/setup.sh), then checks formatting and lints
+# and runs the whole test suite. CI runs exactly this (see .ci/run).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+. ci/setup.sh
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== cargo test"
+cargo test --workspace --locked "$@"

@@ -1,0 +1,1 @@
+//! kiln-store: the content-addressed store (see DESIGN.md, "Store keys").

@@ -1,0 +1,1 @@
+//! kiln-vmm: VMM backends, boot-once snapshots, restore and clone, compatibility keys.
