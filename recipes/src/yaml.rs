@@ -119,9 +119,8 @@ pub struct Recipe {
     pub limits: Option<Spanned<LimitsSpec>>,
 }
 
-/// `from:`.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+/// `from:`: a string (image reference or `scratch`) or `{bootstrap: {...}}`.
+#[derive(Debug)]
 pub enum FromSpec {
     /// An image reference or `scratch`.
     Image(String),
@@ -150,8 +149,7 @@ pub struct BootstrapSpec {
 }
 
 /// A command: a shell string or an argv list.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum CommandSpec {
     /// Run by `/bin/sh -c`.
     Shell(String),
@@ -230,6 +228,59 @@ pub enum MemorySpec {
     Mib(u64),
     /// With a unit.
     Text(String),
+}
+
+// Hand-written visitors instead of `#[serde(untagged)]`, so that a mistake inside a
+// bootstrap spec or a command gets a precise message and location.
+impl<'de> Deserialize<'de> for FromSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = FromSpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an image reference, `scratch`, or {bootstrap: {distro, suite, ...}}")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<FromSpec, E> {
+                Ok(FromSpec::Image(v.to_string()))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<FromSpec, A::Error> {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct Wrapper {
+                    bootstrap: BootstrapSpec,
+                }
+                let w = Wrapper::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                Ok(FromSpec::Bootstrap {
+                    bootstrap: w.bootstrap,
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl<'de> Deserialize<'de> for CommandSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = CommandSpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a shell command string or an argv list of strings")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<CommandSpec, E> {
+                Ok(CommandSpec::Shell(v.to_string()))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                seq: A,
+            ) -> Result<CommandSpec, A::Error> {
+                let v =
+                    Vec::<String>::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))?;
+                Ok(CommandSpec::Exec(v))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// Single-quotes `s` for the substitution layer so it comes out literally.
