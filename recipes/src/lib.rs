@@ -37,6 +37,11 @@ pub struct Options {
     pub build_platform: Option<String>,
     /// Disk size in MiB (`--disk-mib`); overrides the recipe's.
     pub disk_mib: Option<u64>,
+    /// Environment (`KEY=value`) of base images, by reference as written after
+    /// substitution, when the caller has resolved them (the builder's second pass). With
+    /// it, `$VAR` from a base image's env expands as BuildKit expands it and steps carry the
+    /// full env; without it such variables expand to empty, with a warning.
+    pub base_env: BTreeMap<String, Vec<String>>,
 }
 
 /// Which front end a file name selects.

@@ -189,7 +189,9 @@ impl Step {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct StepContext {
     /// Environment as `KEY=value`, in definition order: image `ENV`, then build args in
-    /// scope (for `RUN`; `ENV` wins over an `ARG` of the same name).
+    /// scope (for `RUN`; `ENV` wins over an `ARG` of the same name). For an image base whose
+    /// env was not given in [`crate::Options::base_env`], only what the recipe set: the
+    /// builder puts it over the base image's env, by key.
     pub env: Vec<String>,
     /// `USER` at this step (`None`: the image default, root).
     pub user: Option<String>,
@@ -421,9 +423,11 @@ pub struct MkdirStep {
 pub struct ImageConfig {
     /// `ENTRYPOINT` (exec form; shell form already wrapped in the shell).
     pub entrypoint: Option<Vec<String>>,
-    /// `CMD` (same).
+    /// `CMD` (same). `None`: inherit the base's; `Some([])`: cleared (an `ENTRYPOINT`
+    /// without a later `CMD` drops the inherited one, as BuildKit does).
     pub cmd: Option<Vec<String>>,
-    /// Environment as `KEY=value` in definition order.
+    /// Environment as `KEY=value` in definition order (see [`StepContext::env`] for what
+    /// an image base contributes).
     pub env: Vec<String>,
     /// Labels (`MAINTAINER` becomes `maintainer`).
     pub labels: BTreeMap<String, String>,

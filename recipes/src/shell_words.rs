@@ -111,6 +111,8 @@ struct Scanner<'s, 'l> {
     lookup: &'s mut Lookup<'l>,
     /// Quotes are kept and only `$` and escaped `$` are processed (heredoc bodies).
     raw: bool,
+    /// Names referenced as `$NAME` or `${NAME}` that were unset.
+    unset: Vec<String>,
 }
 
 impl Scanner<'_, '_> {
@@ -224,6 +226,18 @@ impl Scanner<'_, '_> {
         name
     }
 
+    fn plain(&mut self, name: String) -> String {
+        match (self.lookup)(&name) {
+            Some(v) => v,
+            None => {
+                if !self.unset.contains(&name) {
+                    self.unset.push(name);
+                }
+                String::new()
+            }
+        }
+    }
+
     fn dollar(&mut self) -> Result<String, ShellWordsError> {
         self.pos += 1;
         if self.peek() != Some('{') {
@@ -231,7 +245,7 @@ impl Scanner<'_, '_> {
             if name.is_empty() {
                 return Ok("$".to_string());
             }
-            return Ok((self.lookup)(&name).unwrap_or_default());
+            return Ok(self.plain(name));
         }
         self.pos += 1;
         match self.peek() {
@@ -247,7 +261,7 @@ impl Scanner<'_, '_> {
         let mut null_is_unset = false;
         let mut op = ch;
         match ch {
-            '}' => return Ok((self.lookup)(&name).unwrap_or_default()),
+            '}' => return Ok(self.plain(name)),
             ':' => {
                 null_is_unset = true;
                 let Some(next) = self.next() else {
@@ -320,14 +334,26 @@ pub fn expand_word(
     escape: char,
     lookup: &mut Lookup<'_>,
 ) -> Result<String, ShellWordsError> {
+    Ok(expand_word_tracking(word, escape, lookup)?.0)
+}
+
+/// [`expand_word`], also returning the names referenced as `$NAME` or `${NAME}` that were
+/// unset (BuildKit's `UndefinedVar` check; the `${NAME:-word}` forms are not reported).
+pub fn expand_word_tracking(
+    word: &str,
+    escape: char,
+    lookup: &mut Lookup<'_>,
+) -> Result<(String, Vec<String>), ShellWordsError> {
     let mut scanner = Scanner {
         chars: word.chars().collect(),
         pos: 0,
         escape,
         lookup,
         raw: false,
+        unset: Vec::new(),
     };
-    Ok(scanner.process(None)?.0)
+    let out = scanner.process(None)?.0;
+    Ok((out, scanner.unset))
 }
 
 /// Expands variables in a heredoc body (`COPY <<EOF` with an unquoted delimiter): `$` forms
@@ -344,6 +370,7 @@ pub fn expand_heredoc(
         escape,
         lookup,
         raw: true,
+        unset: Vec::new(),
     };
     Ok(scanner.process(None)?.0)
 }
@@ -438,6 +465,14 @@ mod tests {
         );
         assert_eq!(ex("'abc"), Err(ShellWordsError::UnclosedSingleQuote));
         assert_eq!(ex("\"abc"), Err(ShellWordsError::UnclosedDoubleQuote));
+    }
+
+    #[test]
+    fn unset_plain_references_are_reported() {
+        let (out, unset) =
+            expand_word_tracking("$A $NOPE ${NOPE2} ${NOPE3:-x} $NOPE", '\\', &mut env).unwrap();
+        assert_eq!(out, "apple   x ");
+        assert_eq!(unset, ["NOPE", "NOPE2"]);
     }
 
     #[test]

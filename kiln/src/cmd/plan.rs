@@ -60,8 +60,8 @@ pub fn run(args: &PlanArgs) -> ExitCode {
         target: args.target.clone(),
         build_args,
         platform: args.platform.clone(),
-        build_platform: None,
         disk_mib: args.disk_mib,
+        ..Options::default()
     };
     let plan = match load(&name, &bytes, &options) {
         Ok(p) => p,

@@ -15,6 +15,7 @@
 //!   only those stages are kept (a failure in an unneeded stage does not fail the build); a
 //!   cycle through `COPY --from` is an error.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
@@ -28,7 +29,7 @@ use crate::plan::{
     Limits, MkdirStep, Mount, MountFrom, Network, ReadyCheck, RunStep, Sandbox, Security,
     SourceLocation, Stage, StartCommand, Step, StepContext, Warning,
 };
-use crate::shell_words::{ShellWordsError, expand_heredoc, expand_word};
+use crate::shell_words::{ShellWordsError, expand_heredoc, expand_word_tracking};
 
 /// A Dockerfile that parses but cannot be built.
 #[derive(Debug, thiserror::Error)]
@@ -190,6 +191,8 @@ struct Lowering<'o> {
     global: Scope,
     /// Build args an ARG consumed.
     used: BTreeSet<String>,
+    /// Unset variables referenced since the last instruction was finished.
+    undefined: RefCell<Vec<String>>,
 }
 
 /// Where a stage reference points before pruning.
@@ -219,6 +222,8 @@ struct Draft {
     warnings: Vec<Warning>,
     disk_mib: Option<u64>,
     cmd_set: bool,
+    /// Whether the base's environment is known (scratch, a stage, or `Options::base_env`).
+    base_env_known: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -300,6 +305,7 @@ pub(crate) fn lower_instrs(
         escape: directives.escape,
         global,
         used: BTreeSet::new(),
+        undefined: RefCell::new(Vec::new()),
     };
 
     // Global ARGs: everything before the first FROM.
@@ -696,7 +702,31 @@ fn csv_fields(s: &str) -> Vec<String> {
 impl Lowering<'_> {
     fn expand(&self, word: &str, scope: &Scope, offset: usize) -> Result<String, Fault> {
         let mut lookup = |name: &str| scope.get(name);
-        expand_word(word, self.escape, &mut lookup).map_err(|e| words_fault(offset, e))
+        let (out, unset) = expand_word_tracking(word, self.escape, &mut lookup)
+            .map_err(|e| words_fault(offset, e))?;
+        let mut undefined = self.undefined.borrow_mut();
+        for name in unset {
+            if !undefined.contains(&name) {
+                undefined.push(name);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Turns the unset variables referenced by the instruction just lowered into warnings.
+    fn flush_undefined(&self, draft: &mut Draft, location: &SourceLocation) {
+        let names = std::mem::take(&mut *self.undefined.borrow_mut());
+        for name in names {
+            let note = if draft.base_env_known {
+                ""
+            } else {
+                " (the base image's own environment is not known at plan time)"
+            };
+            draft.warnings.push(Warning {
+                location: Some(location.clone()),
+                message: format!("variable {name} is not defined and expands to empty{note}"),
+            });
+        }
     }
 
     /// Declares ARGs into `scope`, applying build args and global inheritance.
@@ -815,6 +845,7 @@ impl Lowering<'_> {
             warnings: Vec::new(),
             disk_mib: None,
             cmd_set: false,
+            base_env_known: true,
         };
         let mut triggers = Vec::new();
         if let Some(parent) = earlier {
@@ -833,10 +864,22 @@ impl Lowering<'_> {
             draft.config.env = vec![format!("PATH={DEFAULT_PATH}")];
             draft.scope.env = vec![("PATH".into(), DEFAULT_PATH.into())];
         } else {
+            match self.options.base_env.get(&image_name) {
+                Some(env) => {
+                    for entry in env {
+                        let (k, v) = entry.split_once('=').unwrap_or((entry.as_str(), ""));
+                        draft.scope.set_env(k.to_string(), v.to_string());
+                    }
+                    draft.config.env = draft.scope.env_strings();
+                }
+                None => draft.base_env_known = false,
+            }
             draft.base = Base::Image {
                 reference: image_name,
             };
         }
+        let from_location = draft.location.clone();
+        self.flush_undefined(&mut draft, &from_location);
         for trigger in &triggers {
             let instr = parse_trigger(trigger, self.escape).map_err(|msg| {
                 invalid(
@@ -894,6 +937,20 @@ impl Lowering<'_> {
     }
 
     fn lower_instr(
+        &mut self,
+        draft: &mut Draft,
+        instr: &Instr,
+        names: &[Option<String>],
+        count: usize,
+    ) -> Result<(), Fault> {
+        self.undefined.borrow_mut().clear();
+        self.lower_instr_inner(draft, instr, names, count)?;
+        let location = self.lines.location(&instr.span);
+        self.flush_undefined(draft, &location);
+        Ok(())
+    }
+
+    fn lower_instr_inner(
         &mut self,
         draft: &mut Draft,
         instr: &Instr,
@@ -974,7 +1031,9 @@ impl Lowering<'_> {
             InstrKind::Entrypoint(c) => {
                 draft.config.entrypoint = Some(self.command_argv(draft, c));
                 if !draft.cmd_set {
-                    draft.config.cmd = None;
+                    // BuildKit drops an inherited CMD when ENTRYPOINT is set; `Some([])`
+                    // tells the builder not to take the base image's CMD either.
+                    draft.config.cmd = Some(Vec::new());
                 }
             }
             InstrKind::Copy(args) | InstrKind::Add(args) => {
@@ -2255,5 +2314,72 @@ mod tests {
         let e =
             load_dockerfile("Dockerfile", b"FROM x\nRUN \xff\n", &Options::default()).unwrap_err();
         assert_eq!(e.line, 2);
+    }
+}
+
+#[cfg(test)]
+mod env_tests {
+    use super::*;
+    use crate::load_dockerfile;
+
+    #[test]
+    fn undefined_variables_warn_and_base_env_fills_them() {
+        let text = "FROM golang:1.22\nENV PATH=/usr/local/go/bin:$PATH GOFLAGS=${GOFLAGS:-x}\nRUN go version\n";
+        let p = load_dockerfile("Dockerfile", text.as_bytes(), &Options::default()).unwrap();
+        assert_eq!(
+            p.stages[0].config.env,
+            ["PATH=/usr/local/go/bin:", "GOFLAGS=x"]
+        );
+        assert_eq!(p.warnings.len(), 1, "{:?}", p.warnings);
+        assert!(p.warnings[0].message.contains("PATH"));
+        assert_eq!(p.warnings[0].location.as_ref().unwrap().start_line, 2);
+        let options = Options {
+            base_env: [(
+                "golang:1.22".to_string(),
+                vec!["PATH=/usr/bin".to_string(), "GOPATH=/go".into()],
+            )]
+            .into(),
+            ..Options::default()
+        };
+        let p = load_dockerfile("Dockerfile", text.as_bytes(), &options).unwrap();
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+        assert_eq!(
+            p.stages[0].config.env,
+            ["PATH=/usr/local/go/bin:/usr/bin", "GOPATH=/go", "GOFLAGS=x"]
+        );
+        assert_eq!(p.stages[0].steps[0].context.env, p.stages[0].config.env);
+    }
+
+    #[test]
+    fn entrypoint_clears_inherited_cmd() {
+        let p = load_dockerfile(
+            "Dockerfile",
+            b"FROM x\nENTRYPOINT [\"e\"]\n",
+            &Options::default(),
+        )
+        .unwrap();
+        assert_eq!(p.stages[0].config.cmd, Some(vec![]));
+        let p = load_dockerfile(
+            "Dockerfile",
+            b"FROM x\nCMD [\"c\"]\nENTRYPOINT [\"e\"]\n",
+            &Options::default(),
+        )
+        .unwrap();
+        assert_eq!(p.stages[0].config.cmd, Some(vec!["c".to_string()]));
+    }
+
+    #[test]
+    fn env_and_label_legacy_forms() {
+        let p = load_dockerfile(
+            "Dockerfile",
+            b"FROM scratch\nENV A  b c \"d\"\nLABEL k v w\n",
+            &Options::default(),
+        )
+        .unwrap();
+        assert!(p.stages[0].config.env.contains(&"A=b c d".to_string()));
+        assert_eq!(
+            p.stages[0].config.labels.get("k").map(String::as_str),
+            Some("v w")
+        );
     }
 }
