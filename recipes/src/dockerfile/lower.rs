@@ -1053,10 +1053,13 @@ impl Lowering<'_> {
             }
             InstrKind::Expose(ports) => {
                 for p in ports {
-                    let p = self.expand(p, &draft.scope, offset)?;
-                    for port in expand_ports(&p).map_err(|m| invalid(offset, m))? {
-                        if !draft.config.exposed_ports.contains(&port) {
-                            draft.config.exposed_ports.push(port);
+                    // BuildKit expands EXPOSE with word splitting: `$PORTS` may hold several.
+                    let expanded = self.expand(p, &draft.scope, offset)?;
+                    for p in expanded.split_whitespace() {
+                        for port in expand_ports(p).map_err(|m| invalid(offset, m))? {
+                            if !draft.config.exposed_ports.contains(&port) {
+                                draft.config.exposed_ports.push(port);
+                            }
                         }
                     }
                 }
@@ -2366,6 +2369,27 @@ mod env_tests {
         )
         .unwrap();
         assert_eq!(p.stages[0].config.cmd, Some(vec!["c".to_string()]));
+    }
+
+    #[test]
+    fn expose_splits_expanded_words() {
+        let p = load_dockerfile(
+            "Dockerfile",
+            b"FROM scratch\nARG PORTS=\"80 443/udp\"\nEXPOSE $PORTS 8000-8002\n",
+            &Options::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            p.stages[0].config.exposed_ports,
+            ["443/udp", "80/tcp", "8000/tcp", "8001/tcp", "8002/tcp"]
+        );
+        let e = load_dockerfile(
+            "Dockerfile",
+            b"FROM scratch\nEXPOSE 1-65535\n",
+            &Options::default(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("range"), "{e}");
     }
 
     #[test]
