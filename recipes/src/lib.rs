@@ -84,6 +84,8 @@ pub fn load_dockerfile(
     options: &Options,
 ) -> Result<BuildPlan, RecipeError> {
     let text = std::str::from_utf8(bytes).map_err(|e| utf8_error(path, bytes, e.valid_up_to()))?;
+    // A UTF-8 byte order mark is not part of the first line (BuildKit strips it too).
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     dockerfile::lower::lower(path, text, options)
         .map_err(|f| RecipeError::at_offset(path, text, f.offset, f.kind))
 }

@@ -146,7 +146,9 @@ impl Scanner<'_, '_> {
                         match self.next() {
                             None => break,
                             Some(next) => {
-                                if self.raw && next != '$' {
+                                // In a heredoc body, as in a shell heredoc, only `\$` and the
+                                // escape character itself are escapes.
+                                if self.raw && next != '$' && next != self.escape {
                                     out.push(ch);
                                 }
                                 out.push(next);
@@ -357,8 +359,9 @@ pub fn expand_word_tracking(
 }
 
 /// Expands variables in a heredoc body (`COPY <<EOF` with an unquoted delimiter): `$` forms
-/// are substituted and an escaped `$` gives a literal `$`; quotes and other escapes are
-/// kept as written, since the body is file content, not a word.
+/// are substituted, an escaped `$` gives a literal `$` and a doubled escape character one
+/// escape character (as in a shell heredoc); quotes and other escapes are kept as
+/// written, since the body is file content, not a word.
 pub fn expand_heredoc(
     body: &str,
     escape: char,
@@ -477,8 +480,8 @@ mod tests {
 
     #[test]
     fn heredoc_bodies_keep_quotes() {
-        let out = expand_heredoc("echo \"$A\" '$A' \\$A \\n\n", '\\', &mut env).unwrap();
-        assert_eq!(out, "echo \"apple\" 'apple' $A \\n\n");
+        let out = expand_heredoc("echo \"$A\" '$A' \\$A \\n \\\\n\n", '\\', &mut env).unwrap();
+        assert_eq!(out, "echo \"apple\" 'apple' $A \\n \\n\n");
     }
 
     #[test]

@@ -42,7 +42,7 @@ pub enum LowerError {
     Cycle(String),
     /// `COPY --from=N` / `from=N` with N past the last stage.
     #[error("stage index {0} is out of range")]
-    StageIndex(usize),
+    StageIndex(i64),
     /// `RUN --mount=type=ssh`: not supported yet.
     #[error("RUN --mount=type=ssh is not supported yet")]
     SshMount,
@@ -150,6 +150,9 @@ struct Scope {
     env: Vec<(String, String)>,
     /// Declared ARGs in declaration order (`None`: declared without a value).
     args: Vec<(String, Option<String>)>,
+    /// The base's env is unknown: `$PATH` falls back to Docker's default PATH, which
+    /// nearly every Linux base image sets (and BuildKit gives `RUN` when a base has none).
+    default_path: bool,
 }
 
 impl Scope {
@@ -157,10 +160,15 @@ impl Scope {
         if let Some((_, v)) = self.env.iter().find(|(k, _)| k == name) {
             return Some(v.clone());
         }
-        self.args
+        let arg = self
+            .args
             .iter()
             .find(|(k, _)| k == name)
-            .and_then(|(_, v)| v.clone())
+            .and_then(|(_, v)| v.clone());
+        if arg.is_none() && self.default_path && name == "PATH" {
+            return Some(DEFAULT_PATH.to_string());
+        }
+        arg
     }
 
     fn set_env(&mut self, key: String, value: String) {
@@ -396,11 +404,11 @@ pub(crate) fn lower_instrs(
             Visit::Fault(f) => f,
             Visit::Stage(i) => match drafts.swap_remove(i) {
                 Err(f) => f,
-                Ok(_) => Fault::new(0, LowerError::StageIndex(i)),
+                Ok(_) => Fault::new(0, LowerError::StageIndex(i as i64)),
             },
         });
     }
-    let order: Vec<usize> = needed.iter().copied().collect();
+    let order = topological(&needed, &drafts);
     let renumber: BTreeMap<usize, usize> = order
         .iter()
         .enumerate()
@@ -471,6 +479,53 @@ pub(crate) fn lower_instrs(
     })
 }
 
+/// The needed stages in dependency order, choosing the lowest source index among the
+/// stages whose dependencies are all placed (so a plan without forward references keeps
+/// source order).
+fn topological(needed: &BTreeSet<usize>, drafts: &[Result<Draft, Fault>]) -> Vec<usize> {
+    let deps_of = |i: usize| -> Vec<usize> {
+        match drafts.get(i) {
+            Some(Ok(d)) => d.base_stage.iter().chain(d.deps.keys()).copied().collect(),
+            _ => Vec::new(),
+        }
+    };
+    let mut placed: Vec<usize> = Vec::new();
+    let mut remaining: BTreeSet<usize> = needed.clone();
+    while !remaining.is_empty() {
+        let next = remaining.iter().copied().find(|&i| {
+            deps_of(i)
+                .iter()
+                .all(|d| placed.contains(d) || !needed.contains(d))
+        });
+        // `visit` rejected cycles, so some stage is always ready; stop rather than loop.
+        let Some(next) = next else { break };
+        remaining.remove(&next);
+        placed.push(next);
+    }
+    placed
+}
+
+/// Whether `s` names a Linux signal (`TERM`, `SIGTERM`, `sigkill`, `SIGRTMIN+3`), as
+/// Docker's signal parsing accepts it.
+fn is_signal_name(s: &str) -> bool {
+    const NAMES: [&str; 34] = [
+        "ABRT", "ALRM", "BUS", "CHLD", "CLD", "CONT", "FPE", "HUP", "ILL", "INT", "IO", "IOT",
+        "KILL", "PIPE", "POLL", "PROF", "PWR", "QUIT", "SEGV", "STKFLT", "STOP", "SYS", "TERM",
+        "TRAP", "TSTP", "TTIN", "TTOU", "UNUSED", "URG", "USR1", "USR2", "VTALRM", "WINCH", "XCPU",
+    ];
+    let upper = s.to_ascii_uppercase();
+    let name = upper.strip_prefix("SIG").unwrap_or(&upper);
+    if NAMES.contains(&name) || name == "XFSZ" || name == "RTMIN" || name == "RTMAX" {
+        return true;
+    }
+    for (base, sep) in [("RTMIN", '+'), ("RTMAX", '-')] {
+        if let Some(n) = name.strip_prefix(base).and_then(|r| r.strip_prefix(sep)) {
+            return n.parse::<u32>().is_ok_and(|n| (1..=30).contains(&n));
+        }
+    }
+    false
+}
+
 /// Why [`visit`] stopped.
 enum Visit {
     /// A dependency problem.
@@ -500,7 +555,12 @@ fn visit(
         return Err(Visit::Fault(Fault::new(offset, LowerError::Cycle(name))));
     }
     let draft = match drafts.get(index) {
-        None => return Err(Visit::Fault(Fault::new(0, LowerError::StageIndex(index)))),
+        None => {
+            return Err(Visit::Fault(Fault::new(
+                0,
+                LowerError::StageIndex(index as i64),
+            )));
+        }
         Some(Err(_)) => return Err(Visit::Stage(index)),
         Some(Ok(d)) => d,
     };
@@ -772,11 +832,12 @@ impl Lowering<'_> {
         {
             return Ok(Ref::Stage(i));
         }
-        if !word.is_empty() && word.chars().all(|c| c.is_ascii_digit()) {
-            return match word.parse::<usize>() {
-                Ok(i) if i < count => Ok(Ref::Stage(i)),
+        let digits = word.strip_prefix('-').unwrap_or(word);
+        if !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit()) {
+            return match word.parse::<i64>() {
+                Ok(i) if i >= 0 && (i as usize) < count => Ok(Ref::Stage(i as usize)),
                 Ok(i) => Err(Fault::new(offset, LowerError::StageIndex(i))),
-                Err(_) => Err(Fault::new(offset, LowerError::StageIndex(usize::MAX))),
+                Err(_) => Err(Fault::new(offset, LowerError::StageIndex(i64::MAX))),
             };
         }
         if word.is_empty() || word.chars().any(char::is_whitespace) {
@@ -872,7 +933,10 @@ impl Lowering<'_> {
                     }
                     draft.config.env = draft.scope.env_strings();
                 }
-                None => draft.base_env_known = false,
+                None => {
+                    draft.base_env_known = false;
+                    draft.scope.default_path = true;
+                }
             }
             draft.base = Base::Image {
                 reference: image_name,
@@ -968,9 +1032,12 @@ impl Lowering<'_> {
                 draft.used_args.extend(used);
             }
             InstrKind::Env(pairs) => {
+                // BuildKit expands every pair against the env before the instruction, so
+                // `ENV A=2 B=$A` sees the old A.
+                let before = draft.scope.clone();
                 for (k, v) in pairs {
-                    let key = self.expand(k, &draft.scope, offset)?;
-                    let value = self.expand(v, &draft.scope, offset)?;
+                    let key = self.expand(k, &before, offset)?;
+                    let value = self.expand(v, &before, offset)?;
                     if key.is_empty() {
                         return Err(invalid(offset, "ENV names can not be blank"));
                     }
@@ -1102,15 +1169,9 @@ impl Lowering<'_> {
             }
             InstrKind::Stopsignal(s) => {
                 let s = self.expand(s, &draft.scope, offset)?;
-                let upper = s.to_ascii_uppercase();
                 let numeric = s.parse::<u32>().is_ok_and(|n| (1..=64).contains(&n));
-                let named = upper
-                    .trim_start_matches("SIG")
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '+' || c == '-')
-                    && !upper.trim_start_matches("SIG").is_empty();
-                if !numeric && !named {
-                    return Err(invalid(offset, format!("invalid signal: {s}")));
+                if !numeric && !is_signal_name(&s) {
+                    return Err(invalid(offset, format!("invalid stop signal '{s}'")));
                 }
                 draft.config.stop_signal = Some(s);
             }
@@ -1259,7 +1320,10 @@ impl Lowering<'_> {
                             path: Some(path.clone()),
                             mode: 0o755,
                         };
-                        (CommandForm::Shell, vec![path], vec![file])
+                        // BuildKit prepends the shell to the script path too.
+                        let mut argv = draft.state.shell.clone();
+                        argv.push(path);
+                        (CommandForm::Shell, argv, vec![file])
                     } else {
                         let mut argv = draft.state.shell.clone();
                         argv.push(data);
@@ -1692,9 +1756,9 @@ mod tests {
     #[test]
     fn substitution_in_the_right_instructions() {
         let p = plan(
-            "FROM scratch\nENV A=one B=\"two words\"\nENV C ${A}-x\nWORKDIR /srv/$A\nWORKDIR sub\n\
+            "FROM scratch\nENV A=one B=\"two words\" S=TERM\nENV C ${A}-x\nWORKDIR /srv/$A\nWORKDIR sub\n\
              COPY $A.txt ${B:+b}/\nUSER ${NOPE:-nobody}\nLABEL k=$A \"q\"='$A'\nEXPOSE 80 ${P:-53}/udp\n\
-             VOLUME /data/$A\nSTOPSIGNAL SIG$A\nRUN echo $A\nCMD echo $A\n",
+             VOLUME /data/$A\nSTOPSIGNAL SIG$S\nRUN echo $A\nCMD echo $A\n",
         );
         let s = &p.stages[0];
         assert_eq!(
@@ -1703,6 +1767,7 @@ mod tests {
                 "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                 "A=one",
                 "B=two words",
+                "S=TERM",
                 "C=one-x"
             ]
         );
@@ -1720,7 +1785,7 @@ mod tests {
         assert_eq!(s.config.labels.get("q").map(String::as_str), Some("$A"));
         assert_eq!(s.config.exposed_ports, ["53/udp", "80/tcp"]);
         assert_eq!(s.config.volumes, ["/data/one"]);
-        assert_eq!(s.config.stop_signal.as_deref(), Some("SIGone"));
+        assert_eq!(s.config.stop_signal.as_deref(), Some("SIGTERM"));
         assert_eq!(run_argv(&s.steps[3]), ["/bin/sh", "-c", "echo $A"]);
         assert_eq!(
             s.config.cmd.as_deref(),
@@ -1876,7 +1941,7 @@ mod tests {
         let Action::Run(r) = &s.steps[1].action else {
             panic!()
         };
-        assert_eq!(r.argv, ["/dev/pipes/EOT"]);
+        assert_eq!(r.argv, ["/bin/sh", "-c", "/dev/pipes/EOT"]);
         assert_eq!(r.files[0].data, "#!/bin/sh\necho hi\n");
         assert_eq!(r.files[0].mode, 0o755);
         assert_eq!(
@@ -2327,14 +2392,19 @@ mod env_tests {
 
     #[test]
     fn undefined_variables_warn_and_base_env_fills_them() {
-        let text = "FROM golang:1.22\nENV PATH=/usr/local/go/bin:$PATH GOFLAGS=${GOFLAGS:-x}\nRUN go version\n";
+        let text = "FROM golang:1.22\nENV PATH=/usr/local/go/bin:$PATH GOFLAGS=${GOFLAGS:-x} G=$GOPATH/bin\nRUN go version\n";
         let p = load_dockerfile("Dockerfile", text.as_bytes(), &Options::default()).unwrap();
+        // Unknown base env: PATH falls back to Docker's default, anything else is empty.
         assert_eq!(
             p.stages[0].config.env,
-            ["PATH=/usr/local/go/bin:", "GOFLAGS=x"]
+            [
+                "PATH=/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "GOFLAGS=x",
+                "G=/bin"
+            ]
         );
         assert_eq!(p.warnings.len(), 1, "{:?}", p.warnings);
-        assert!(p.warnings[0].message.contains("PATH"));
+        assert!(p.warnings[0].message.contains("GOPATH"));
         assert_eq!(p.warnings[0].location.as_ref().unwrap().start_line, 2);
         let options = Options {
             base_env: [(
@@ -2348,7 +2418,12 @@ mod env_tests {
         assert!(p.warnings.is_empty(), "{:?}", p.warnings);
         assert_eq!(
             p.stages[0].config.env,
-            ["PATH=/usr/local/go/bin:/usr/bin", "GOPATH=/go", "GOFLAGS=x"]
+            [
+                "PATH=/usr/local/go/bin:/usr/bin",
+                "GOPATH=/go",
+                "GOFLAGS=x",
+                "G=/go/bin"
+            ]
         );
         assert_eq!(p.stages[0].steps[0].context.env, p.stages[0].config.env);
     }
@@ -2369,6 +2444,76 @@ mod env_tests {
         )
         .unwrap();
         assert_eq!(p.stages[0].config.cmd, Some(vec!["c".to_string()]));
+    }
+
+    fn lower(text: &str) -> Result<BuildPlan, crate::RecipeError> {
+        load_dockerfile("Dockerfile", text.as_bytes(), &Options::default())
+    }
+
+    #[test]
+    fn env_pairs_see_the_env_before_the_instruction() {
+        let p = lower("FROM scratch\nENV A=1\nENV A=2 B=$A\n").unwrap();
+        assert!(p.stages[0].config.env.contains(&"B=1".to_string()));
+    }
+
+    #[test]
+    fn stage_refs_in_dependency_order() {
+        let text =
+            "FROM alpine AS final\nCOPY --from=later /x /x\nFROM alpine AS later\nRUN true\n";
+        let options = Options {
+            target: Some("final".into()),
+            ..Options::default()
+        };
+        let p = load_dockerfile("Dockerfile", text.as_bytes(), &options).unwrap();
+        let names: Vec<_> = p
+            .stages
+            .iter()
+            .map(|s| s.name.clone().unwrap_or_default())
+            .collect();
+        assert_eq!(names, ["later", "final"]);
+        assert_eq!(p.target, 1);
+        let Action::Copy(c) = &p.stages[1].steps[0].action else {
+            panic!()
+        };
+        assert_eq!(c.from, Some(MountFrom::Stage { stage: 0 }));
+        let e = lower("FROM alpine\nCOPY --from=-1 /x /x\n").unwrap_err();
+        assert_eq!(
+            e.to_string().lines().next(),
+            Some("Dockerfile:2:1: stage index -1 is out of range")
+        );
+    }
+
+    #[test]
+    fn stop_signals_are_checked() {
+        for ok in ["SIGTERM", "term", "9", "SIGRTMIN+3", "SIGWINCH"] {
+            assert!(lower(&format!("FROM x\nSTOPSIGNAL {ok}\n")).is_ok(), "{ok}");
+        }
+        for bad in ["SIGNOPE", "0", "99", "SIGRTMIN+99"] {
+            assert!(
+                lower(&format!("FROM x\nSTOPSIGNAL {bad}\n")).is_err(),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn empty_entrypoint_and_bom() {
+        let p = lower("\u{feff}# syntax=x\nFROM scratch\nCMD [\"c\"]\nENTRYPOINT []\n").unwrap();
+        assert_eq!(p.stages[0].config.entrypoint, Some(vec![]));
+        assert_eq!(p.stages[0].config.cmd, Some(vec!["c".to_string()]));
+        assert_eq!(p.stages[0].location.start_line, 2);
+        assert_eq!(p.directives.syntax.as_deref(), Some("x"));
+    }
+
+    #[test]
+    fn copy_heredoc_location_covers_the_body() {
+        let p = lower("FROM scratch\nCOPY <<EOF /empty\nEOF\nCOPY <<A /a\nx\nA\n").unwrap();
+        let l: Vec<_> = p.stages[0]
+            .steps
+            .iter()
+            .map(|s| (s.location.start_line, s.location.end_line))
+            .collect();
+        assert_eq!(l, [(2, 3), (4, 6)]);
     }
 
     #[test]
