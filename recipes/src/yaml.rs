@@ -339,17 +339,19 @@ fn check_names(
     ctx: &Ctx<'_>,
     map: &Spanned<BTreeMap<String, String>>,
     what: &'static str,
-    no_equals: bool,
+    key_name: Option<&'static str>,
 ) -> Result<(), RecipeError> {
     let at = ctx.at(map);
     for key in map.value.keys() {
         if key.trim().is_empty() {
             return Err(ctx.err(key_offset(ctx.text, at, key), YamlError::BlankName(what)));
         }
-        if no_equals && key.contains('=') {
+        if let Some(key_name) = key_name
+            && key.contains('=')
+        {
             return Err(ctx.err(
                 key_offset(ctx.text, at, key),
-                YamlError::NameWithEquals(what, key.clone()),
+                YamlError::NameWithEquals(key_name, key.clone()),
             ));
         }
     }
@@ -425,7 +427,7 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
         },
     });
     if let Some(args) = recipe.args.as_ref().filter(|a| !a.value.is_empty()) {
-        check_names(&ctx, args, "ARG", true)?;
+        check_names(&ctx, args, "ARG", Some("args"))?;
         instrs.push(Instr {
             span: here(ctx.at(args)),
             kind: InstrKind::Arg(
@@ -461,7 +463,7 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
         });
     }
     if let Some(env) = recipe.env.as_ref().filter(|e| !e.value.is_empty()) {
-        check_names(&ctx, env, "ENV", true)?;
+        check_names(&ctx, env, "ENV", Some("env"))?;
         instrs.push(Instr {
             span: here(ctx.at(env)),
             kind: InstrKind::Env(
@@ -508,7 +510,7 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
     let mut labels: Vec<(String, String)> = Vec::new();
     let mut labels_at = from_at;
     if let Some(l) = &recipe.labels {
-        check_names(&ctx, l, "LABEL", false)?;
+        check_names(&ctx, l, "LABEL", None)?;
         labels_at = ctx.at(l);
         labels.extend(l.value.iter().map(|(k, v)| (literal(k), literal(v))));
     }
@@ -806,7 +808,7 @@ mod tests {
         let e = yaml_err("from: x\nenv:\n  OK: 1\n  A=B: x\n");
         assert_eq!((e.line, e.column), (4, 3));
         assert!(
-            e.to_string().contains("ENV name 'A=B' may not contain '='"),
+            e.to_string().contains("env name 'A=B' may not contain '='"),
             "{e}"
         );
         let e = yaml_err("from: x\nenv:\n  \"\": x\n");
@@ -818,7 +820,7 @@ mod tests {
             "{e}"
         );
         let e = yaml_err("from: x\nargs: {\"A=B\": x}\n");
-        assert!(e.to_string().contains("ARG name"), "{e}");
+        assert!(e.to_string().contains("args name"), "{e}");
     }
 
     #[test]
