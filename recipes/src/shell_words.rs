@@ -15,6 +15,9 @@ pub enum ShellWordsError {
     /// `${}`, `${:x}`, `${{x}` and the like.
     #[error("syntax error: bad substitution")]
     BadSubstitution,
+    /// `${A:-${B:-...}}` nested deeper than [`MAX_NESTING`].
+    #[error("variable substitution nested more than {MAX_NESTING} levels deep")]
+    TooDeep,
     /// A modifier kiln does not support (`${x%y}`, `${x/y/z}`, ...).
     #[error("unsupported modifier ({0}) in substitution")]
     UnsupportedModifier(String),
@@ -113,7 +116,13 @@ struct Scanner<'s, 'l> {
     raw: bool,
     /// Names referenced as `$NAME` or `${NAME}` that were unset.
     unset: Vec<String>,
+    /// Nesting of `${...}` words being processed.
+    depth: usize,
 }
+
+/// Deepest `${A:-${B:-...}}` nesting accepted; hostile input could otherwise exhaust the
+/// stack.
+pub const MAX_NESTING: usize = 64;
 
 impl Scanner<'_, '_> {
     fn peek(&self) -> Option<char> {
@@ -278,9 +287,14 @@ impl Scanner<'_, '_> {
             return Err(ShellWordsError::UnsupportedModifier(modifier));
         }
         // The word is itself expanded (nested quotes and variables), up to the `}`.
+        if self.depth >= MAX_NESTING {
+            return Err(ShellWordsError::TooDeep);
+        }
         let raw = self.raw;
         self.raw = false;
+        self.depth += 1;
         let result = self.process(Some('}'));
+        self.depth -= 1;
         self.raw = raw;
         let (word, closed) = result?;
         if !closed {
@@ -353,6 +367,7 @@ pub fn expand_word_tracking(
         lookup,
         raw: false,
         unset: Vec::new(),
+        depth: 0,
     };
     let out = scanner.process(None)?.0;
     Ok((out, scanner.unset))
@@ -374,6 +389,7 @@ pub fn expand_heredoc(
         lookup,
         raw: true,
         unset: Vec::new(),
+        depth: 0,
     };
     Ok(scanner.process(None)?.0)
 }
@@ -497,6 +513,18 @@ mod tests {
         assert_eq!(split_words(r#"k="""#, '\\'), vec![r#"k="""#]);
         assert_eq!(split_words("", '\\'), Vec::<String>::new());
         assert_eq!(split_words("a\\", '\\'), vec!["a"]);
+    }
+
+    #[test]
+    fn deep_nesting_is_refused() {
+        let ok = format!(
+            "{}x{}",
+            "${U:-".repeat(MAX_NESTING),
+            "}".repeat(MAX_NESTING)
+        );
+        assert_eq!(ex(&ok).unwrap(), "x");
+        let deep = format!("{}x{}", "${U:-".repeat(20_000), "}".repeat(20_000));
+        assert_eq!(ex(&deep), Err(ShellWordsError::TooDeep));
     }
 
     #[test]

@@ -397,17 +397,16 @@ pub(crate) fn lower_instrs(
             }
         }
     };
-    let mut needed = BTreeSet::new();
-    let mut visiting = Vec::new();
-    if let Err(failure) = visit(target, &drafts, &names, &mut needed, &mut visiting) {
-        return Err(match failure {
-            Visit::Fault(f) => f,
-            Visit::Stage(i) => match drafts.swap_remove(i) {
+    let needed = match visit(target, &drafts, &names) {
+        Ok(needed) => needed,
+        Err(Visit::Fault(f)) => return Err(f),
+        Err(Visit::Stage(i)) => {
+            return Err(match drafts.swap_remove(i) {
                 Err(f) => f,
                 Ok(_) => Fault::new(0, LowerError::StageIndex(i as i64)),
-            },
-        });
-    }
+            });
+        }
+    };
     let order = topological(&needed, &drafts);
     let renumber: BTreeMap<usize, usize> = order
         .iter()
@@ -483,24 +482,36 @@ pub(crate) fn lower_instrs(
 /// stages whose dependencies are all placed (so a plan without forward references keeps
 /// source order).
 fn topological(needed: &BTreeSet<usize>, drafts: &[Result<Draft, Fault>]) -> Vec<usize> {
-    let deps_of = |i: usize| -> Vec<usize> {
-        match drafts.get(i) {
+    let mut waiting: BTreeMap<usize, usize> = BTreeMap::new();
+    let mut dependents: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for &i in needed {
+        let deps: BTreeSet<usize> = match drafts.get(i) {
             Some(Ok(d)) => d.base_stage.iter().chain(d.deps.keys()).copied().collect(),
-            _ => Vec::new(),
+            _ => BTreeSet::new(),
+        };
+        let deps: Vec<usize> = deps.into_iter().filter(|d| needed.contains(d)).collect();
+        waiting.insert(i, deps.len());
+        for d in deps {
+            dependents.entry(d).or_default().push(i);
         }
-    };
-    let mut placed: Vec<usize> = Vec::new();
-    let mut remaining: BTreeSet<usize> = needed.clone();
-    while !remaining.is_empty() {
-        let next = remaining.iter().copied().find(|&i| {
-            deps_of(i)
-                .iter()
-                .all(|d| placed.contains(d) || !needed.contains(d))
-        });
-        // `visit` rejected cycles, so some stage is always ready; stop rather than loop.
-        let Some(next) = next else { break };
-        remaining.remove(&next);
+    }
+    let mut ready: BTreeSet<usize> = waiting
+        .iter()
+        .filter(|(_, n)| **n == 0)
+        .map(|(&i, _)| i)
+        .collect();
+    let mut placed = Vec::with_capacity(needed.len());
+    // `visit` rejected cycles, so every needed stage becomes ready in turn.
+    while let Some(next) = ready.pop_first() {
         placed.push(next);
+        for &d in dependents.get(&next).map(Vec::as_slice).unwrap_or_default() {
+            if let Some(n) = waiting.get_mut(&d) {
+                *n -= 1;
+                if *n == 0 {
+                    ready.insert(d);
+                }
+            }
+        }
     }
     placed
 }
@@ -534,48 +545,70 @@ enum Visit {
     Stage(usize),
 }
 
-/// Depth-first walk of the stages `index` needs; stops on a cycle and on a needed stage
-/// that failed to lower.
+/// The stages `target` needs (itself included), walking `FROM` stages, `COPY --from` and
+/// `RUN --mount from=` without recursion (a hostile chain of thousands of stages must not
+/// exhaust the stack); stops on a cycle and on a needed stage that failed to lower.
 fn visit(
-    index: usize,
+    target: usize,
     drafts: &[Result<Draft, Fault>],
     names: &[Option<String>],
-    needed: &mut BTreeSet<usize>,
-    visiting: &mut Vec<(usize, usize)>,
-) -> Result<(), Visit> {
-    if needed.contains(&index) {
-        return Ok(());
-    }
-    if let Some(&(_, offset)) = visiting.iter().find(|(i, _)| *i == index) {
-        let name = names
-            .get(index)
-            .cloned()
-            .flatten()
-            .unwrap_or_else(|| index.to_string());
-        return Err(Visit::Fault(Fault::new(offset, LowerError::Cycle(name))));
-    }
-    let draft = match drafts.get(index) {
-        None => {
-            return Err(Visit::Fault(Fault::new(
+) -> Result<BTreeSet<usize>, Visit> {
+    const NEW: u8 = 0;
+    const OPEN: u8 = 1;
+    let deps_of = |i: usize| -> Result<Vec<(usize, usize)>, Visit> {
+        match drafts.get(i) {
+            None => Err(Visit::Fault(Fault::new(
                 0,
-                LowerError::StageIndex(index as i64),
-            )));
+                LowerError::StageIndex(i as i64),
+            ))),
+            Some(Err(_)) => Err(Visit::Stage(i)),
+            Some(Ok(d)) => Ok(d
+                .base_stage
+                .iter()
+                .map(|&b| (b, d.offset))
+                .chain(d.deps.iter().map(|(&k, &v)| (k, v)))
+                .collect()),
         }
-        Some(Err(_)) => return Err(Visit::Stage(index)),
-        Some(Ok(d)) => d,
     };
-    for (&dep, &offset) in draft
-        .base_stage
-        .iter()
-        .map(|b| (b, &draft.offset))
-        .chain(draft.deps.iter())
-    {
-        visiting.push((index, offset));
-        visit(dep, drafts, names, needed, visiting)?;
-        visiting.pop();
+    let mut state = vec![NEW; drafts.len()];
+    let mut needed = BTreeSet::new();
+    let mut stack: Vec<(usize, Vec<(usize, usize)>, usize)> = vec![(target, deps_of(target)?, 0)];
+    if let Some(s) = state.get_mut(target) {
+        *s = OPEN;
     }
-    needed.insert(index);
-    Ok(())
+    while let Some(top) = stack.len().checked_sub(1) {
+        let (node, next) = (stack[top].0, stack[top].2);
+        if next >= stack[top].1.len() {
+            needed.insert(node);
+            state[node] = 2;
+            stack.pop();
+            continue;
+        }
+        stack[top].2 += 1;
+        let (dep, offset) = stack[top].1[next];
+        match state.get(dep).copied() {
+            None => {
+                return Err(Visit::Fault(Fault::new(
+                    offset,
+                    LowerError::StageIndex(dep as i64),
+                )));
+            }
+            Some(OPEN) => {
+                let name = names
+                    .get(dep)
+                    .cloned()
+                    .flatten()
+                    .unwrap_or_else(|| dep.to_string());
+                return Err(Visit::Fault(Fault::new(offset, LowerError::Cycle(name))));
+            }
+            Some(NEW) => {
+                state[dep] = OPEN;
+                stack.push((dep, deps_of(dep)?, 0));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(needed)
 }
 
 fn remap(from: &mut MountFrom, renumber: &BTreeMap<usize, usize>) {
