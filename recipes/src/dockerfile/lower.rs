@@ -572,7 +572,9 @@ fn visit(
     };
     let mut state = vec![NEW; drafts.len()];
     let mut needed = BTreeSet::new();
-    let mut stack: Vec<(usize, Vec<(usize, usize)>, usize)> = vec![(target, deps_of(target)?, 0)];
+    // (stage, its dependencies with the offset of each reference, next dependency to visit)
+    type Frame = (usize, Vec<(usize, usize)>, usize);
+    let mut stack: Vec<Frame> = vec![(target, deps_of(target)?, 0)];
     if let Some(s) = state.get_mut(target) {
         *s = OPEN;
     }
