@@ -904,6 +904,16 @@ impl Lowering<'_> {
         if image_name.is_empty() {
             return Err(Fault::new(offset, LowerError::BlankBase(image.clone())));
         }
+        if image_name
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(invalid(
+                offset,
+                format!("invalid reference format: '{image_name}'"),
+            ));
+        }
+        let explicit_platform = platform.is_some();
         let stage_platform = match platform {
             Some(p) => {
                 let p = self.expand(p, &global, offset)?;
@@ -948,6 +958,10 @@ impl Lowering<'_> {
             draft.base = Base::Stage { stage: parent };
             draft.base_stage = Some(parent);
             if let Some(Ok(p)) = drafts.get(parent) {
+                if !explicit_platform {
+                    // A stage built on another stage runs on that stage's platform.
+                    draft.platform = p.platform.clone();
+                }
                 draft.config = p.config.clone();
                 draft.scope.env = p.scope.env.clone();
                 draft.state = p.state.clone();
@@ -2549,6 +2563,14 @@ mod env_tests {
             .map(|s| (s.location.start_line, s.location.end_line))
             .collect();
         assert_eq!(l, [(2, 3), (4, 6)]);
+    }
+
+    #[test]
+    fn stage_base_keeps_its_platform_and_references_are_checked() {
+        let p = lower("FROM --platform=linux/arm64 alpine AS a\nFROM a\n").unwrap();
+        assert_eq!(p.stages[1].platform, "linux/arm64");
+        let e = lower("ARG I=\"a b\"\nFROM $I\n").unwrap_err();
+        assert!(e.to_string().contains("invalid reference format"), "{e}");
     }
 
     #[test]
