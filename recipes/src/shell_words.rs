@@ -2,7 +2,9 @@
 //! and `parser/line_parsers.go` of moby/buildkit): splitting an argument string into raw words
 //! ([`split_words`]), and expanding one word ([`expand_word`]): quote removal, the escape
 //! character, and `$VAR`, `${VAR}`, `${VAR:-word}`, `${VAR-word}`, `${VAR:+word}`,
-//! `${VAR+word}`, `${VAR:?msg}`, `${VAR?msg}`. An unset variable expands to the empty string.
+//! `${VAR+word}`, `${VAR:?msg}`, `${VAR?msg}`, and the glob operators `${VAR#p}`, `${VAR##p}`,
+//! `${VAR%p}`, `${VAR%%p}`, `${VAR/p/r}`, `${VAR//p/r}`. An unset variable expands to the empty
+//! string. Nesting and pattern work are bounded ([`MAX_NESTING`], [`PATTERN_BUDGET`]).
 //!
 //! `RUN`, `CMD` and `ENTRYPOINT` are not substituted here: the shell does that at run time.
 
@@ -15,6 +17,9 @@ pub enum ShellWordsError {
     /// `${}`, `${:x}`, `${{x}` and the like.
     #[error("syntax error: bad substitution")]
     BadSubstitution,
+    /// A `${V#p}`-style operator that would take too long.
+    #[error("pattern substitution too expensive (value or pattern too long)")]
+    TooExpensive,
     /// `${A:-${B:-...}}` nested deeper than [`MAX_NESTING`].
     #[error("variable substitution nested more than {MAX_NESTING} levels deep")]
     TooDeep,
@@ -118,7 +123,13 @@ struct Scanner<'s, 'l> {
     unset: Vec<String>,
     /// Nesting of `${...}` words being processed.
     depth: usize,
+    /// Glob steps left for pattern operators in this word ([`PATTERN_BUDGET`]).
+    budget: u64,
 }
+
+/// Glob matching steps one word may spend on `${V#p}`-style operators; hostile patterns
+/// over long values are refused rather than left to run for minutes.
+pub const PATTERN_BUDGET: u64 = 5_000_000;
 
 /// Deepest `${A:-${B:-...}}` nesting accepted; hostile input could otherwise exhaust the
 /// stack.
@@ -137,13 +148,13 @@ impl Scanner<'_, '_> {
         ch
     }
 
-    /// Processes until `stop` (consumed) or the end.
-    fn process(&mut self, stop: Option<char>) -> Result<(String, bool), ShellWordsError> {
+    /// Processes until one of `stops` (consumed, and returned) or the end (`None`).
+    fn process(&mut self, stops: &[char]) -> Result<(String, Option<char>), ShellWordsError> {
         let mut out = String::new();
         while let Some(ch) = self.peek() {
-            if Some(ch) == stop {
+            if stops.contains(&ch) {
                 self.pos += 1;
-                return Ok((out, true));
+                return Ok((out, Some(ch)));
             }
             match ch {
                 '\'' if !self.raw => out.push_str(&self.single_quote()?),
@@ -169,7 +180,7 @@ impl Scanner<'_, '_> {
                 }
             }
         }
-        Ok((out, false))
+        Ok((out, None))
     }
 
     fn single_quote(&mut self) -> Result<String, ShellWordsError> {
@@ -237,6 +248,109 @@ impl Scanner<'_, '_> {
         name
     }
 
+    /// Processes a nested word up to one of `stops`, counting nesting depth.
+    fn nested(&mut self, stops: &[char]) -> Result<(String, Option<char>), ShellWordsError> {
+        if self.depth >= MAX_NESTING {
+            return Err(ShellWordsError::TooDeep);
+        }
+        let raw = self.raw;
+        self.raw = false;
+        self.depth += 1;
+        let result = self.process(stops);
+        self.depth -= 1;
+        self.raw = raw;
+        result
+    }
+
+    /// `${V#p}`, `${V##p}`, `${V%p}`, `${V%%p}` (remove the shortest/longest prefix/suffix
+    /// matching the glob `p`) and `${V/p/r}`, `${V//p/r}` (replace the first/every longest
+    /// match), as BuildKit's shell lexer does. Patterns know `*` and `?`.
+    fn pattern_op(&mut self, name: String, op: char) -> Result<String, ShellWordsError> {
+        let doubled = self.peek() == Some(op);
+        if doubled {
+            self.pos += 1;
+        }
+        let (pattern, replacement) = if op == '/' {
+            let (pattern, end) = self.nested(&['/', '}'])?;
+            match end {
+                None => return Err(ShellWordsError::MissingBrace),
+                Some('}') => (pattern, String::new()),
+                Some(_) => {
+                    let (replacement, end) = self.nested(&['}'])?;
+                    if end.is_none() {
+                        return Err(ShellWordsError::MissingBrace);
+                    }
+                    (pattern, replacement)
+                }
+            }
+        } else {
+            let (pattern, end) = self.nested(&['}'])?;
+            if end.is_none() {
+                return Err(ShellWordsError::MissingBrace);
+            }
+            (pattern, String::new())
+        };
+        let value: Vec<char> = self.plain(name).chars().collect();
+        let pattern: Vec<char> = pattern.chars().collect();
+        let n = value.len();
+        let text = |range: std::ops::Range<usize>| value[range].iter().collect::<String>();
+        let mut budget = self.budget;
+        let mut glob = |p: &[char], t: &[char]| {
+            // Every attempt costs at least one step, so empty texts count too. Once the
+            // budget is spent every attempt "matches", which ends the searches at once;
+            // the result is then discarded for an error.
+            budget = budget.saturating_sub(1);
+            glob_counted(p, t, &mut budget) || budget == 0
+        };
+        let result = match (op, doubled) {
+            ('#', false) => match (0..=n).find(|&i| glob(&pattern, &value[..i])) {
+                Some(i) => text(i..n),
+                None => text(0..n),
+            },
+            ('#', true) => match (0..=n).rev().find(|&i| glob(&pattern, &value[..i])) {
+                Some(i) => text(i..n),
+                None => text(0..n),
+            },
+            ('%', false) => match (0..=n).rev().find(|&i| glob(&pattern, &value[i..])) {
+                Some(i) => text(0..i),
+                None => text(0..n),
+            },
+            ('%', true) => match (0..=n).find(|&i| glob(&pattern, &value[i..])) {
+                Some(i) => text(0..i),
+                None => text(0..n),
+            },
+            _ => {
+                let mut out = String::new();
+                let mut i = 0;
+                let mut replaced = false;
+                while i < n {
+                    let found = if (replaced && !doubled) || pattern.is_empty() {
+                        None
+                    } else {
+                        (i + 1..=n).rev().find(|&j| glob(&pattern, &value[i..j]))
+                    };
+                    match found {
+                        Some(j) => {
+                            out.push_str(&replacement);
+                            replaced = true;
+                            i = j;
+                        }
+                        None => {
+                            out.push(value[i]);
+                            i += 1;
+                        }
+                    }
+                }
+                out
+            }
+        };
+        self.budget = budget;
+        if budget == 0 {
+            return Err(ShellWordsError::TooExpensive);
+        }
+        Ok(result)
+    }
+
     fn plain(&mut self, name: String) -> String {
         match (self.lookup)(&name) {
             Some(v) => v,
@@ -283,21 +397,15 @@ impl Scanner<'_, '_> {
             }
             _ => {}
         }
+        if !null_is_unset && matches!(op, '#' | '%' | '/') {
+            return self.pattern_op(name, op);
+        }
         if !matches!(op, '-' | '+' | '?') {
             return Err(ShellWordsError::UnsupportedModifier(modifier));
         }
         // The word is itself expanded (nested quotes and variables), up to the `}`.
-        if self.depth >= MAX_NESTING {
-            return Err(ShellWordsError::TooDeep);
-        }
-        let raw = self.raw;
-        self.raw = false;
-        self.depth += 1;
-        let result = self.process(Some('}'));
-        self.depth -= 1;
-        self.raw = raw;
-        let (word, closed) = result?;
-        if !closed {
+        let (word, closed) = self.nested(&['}'])?;
+        if closed.is_none() {
             return Err(ShellWordsError::MissingBrace);
         }
         let value = (self.lookup)(&name);
@@ -342,6 +450,45 @@ impl Scanner<'_, '_> {
     }
 }
 
+/// Whether `text` matches the glob `pattern` (`*`: any run, `?`: any one character, other
+/// characters literally). Iterative with one backtrack point, no recursion.
+#[cfg(test)]
+fn glob(pattern: &[char], text: &[char]) -> bool {
+    let mut unlimited = u64::MAX;
+    glob_counted(pattern, text, &mut unlimited)
+}
+
+/// [`glob`], taking one from `budget` per step; false once the budget is spent.
+fn glob_counted(pattern: &[char], text: &[char], budget: &mut u64) -> bool {
+    let (mut p, mut t) = (0, 0);
+    let mut backtrack: Option<(usize, usize)> = None;
+    while t < text.len() {
+        if *budget == 0 {
+            return false;
+        }
+        *budget -= 1;
+        match pattern.get(p) {
+            Some('*') => {
+                backtrack = Some((p, t));
+                p += 1;
+            }
+            Some(&c) if c == '?' || c == text[t] => {
+                p += 1;
+                t += 1;
+            }
+            _ => match backtrack {
+                Some((bp, bt)) => {
+                    p = bp + 1;
+                    t = bt + 1;
+                    backtrack = Some((bp, bt + 1));
+                }
+                None => return false,
+            },
+        }
+    }
+    pattern[p..].iter().all(|&c| c == '*')
+}
+
 /// Expands one word (BuildKit's `ProcessWord`): removes quotes (`'...'` literal, `"..."`
 /// with `$` expanded and `"`, `$` and the escape character escapable), applies the escape
 /// character outside quotes, and substitutes variables through `lookup`.
@@ -368,8 +515,9 @@ pub fn expand_word_tracking(
         raw: false,
         unset: Vec::new(),
         depth: 0,
+        budget: PATTERN_BUDGET,
     };
-    let out = scanner.process(None)?.0;
+    let out = scanner.process(&[])?.0;
     Ok((out, scanner.unset))
 }
 
@@ -390,8 +538,9 @@ pub fn expand_heredoc(
         raw: true,
         unset: Vec::new(),
         depth: 0,
+        budget: PATTERN_BUDGET,
     };
-    Ok(scanner.process(None)?.0)
+    Ok(scanner.process(&[])?.0)
 }
 
 #[cfg(test)]
@@ -475,9 +624,15 @@ mod tests {
         assert_eq!(ex("${}"), Err(ShellWordsError::BadSubstitution));
         assert_eq!(ex("${:-x}"), Err(ShellWordsError::BadSubstitution));
         assert_eq!(
-            ex("${A%x}"),
-            Err(ShellWordsError::UnsupportedModifier("%".into()))
+            ex("${A:#x}"),
+            Err(ShellWordsError::UnsupportedModifier(":#".into()))
         );
+        assert_eq!(
+            ex("${A^x}"),
+            Err(ShellWordsError::UnsupportedModifier("^".into()))
+        );
+        assert_eq!(ex("${A#x"), Err(ShellWordsError::MissingBrace));
+        assert_eq!(ex("${A/x"), Err(ShellWordsError::MissingBrace));
         assert_eq!(
             ex("${A:x}"),
             Err(ShellWordsError::UnsupportedModifier(":x".into()))
@@ -513,6 +668,37 @@ mod tests {
         assert_eq!(split_words(r#"k="""#, '\\'), vec![r#"k="""#]);
         assert_eq!(split_words("", '\\'), Vec::<String>::new());
         assert_eq!(split_words("a\\", '\\'), vec!["a"]);
+    }
+
+    #[test]
+    fn pattern_removal_and_replacement() {
+        let mut env = |n: &str| match n {
+            "V" => Some("v1.2.3-rc1".to_string()),
+            "P" => Some("/usr/local/bin".to_string()),
+            _ => None,
+        };
+        let mut e = |w: &str| expand_word(w, '\\', &mut env).unwrap();
+        assert_eq!(e("${V#v}"), "1.2.3-rc1");
+        assert_eq!(e("${V#*.}"), "2.3-rc1");
+        assert_eq!(e("${V##*.}"), "3-rc1");
+        assert_eq!(e("${V%-*}"), "v1.2.3");
+        assert_eq!(e("${V%.*}"), "v1.2");
+        assert_eq!(e("${V%%.*}"), "v1");
+        assert_eq!(e("${V#nomatch}"), "v1.2.3-rc1");
+        assert_eq!(e("${P/local/opt}"), "/usr/opt/bin");
+        assert_eq!(e("${P//o/0}"), "/usr/l0cal/bin");
+        assert_eq!(e("${P/?sr}"), "//local/bin");
+        assert_eq!(e("${UNSET#x}"), "");
+        assert!(glob(&['a', '*', 'c'], &['a', 'b', 'b', 'c']));
+        assert!(!glob(&['a', '?'], &['a']));
+    }
+
+    #[test]
+    fn expensive_patterns_are_refused() {
+        let long = "a".repeat(20_000);
+        let mut env = |_: &str| Some(long.clone());
+        let e = expand_word("${V//*b*/x}", '\\', &mut env);
+        assert_eq!(e, Err(ShellWordsError::TooExpensive));
     }
 
     #[test]
