@@ -849,7 +849,10 @@ impl Lowering<'_> {
             }
             scope.set_arg(name, value);
         }
-        self.used.extend(used.iter().cloned());
+        if is_global {
+            // Stage ARGs count only if their stage is built (`Draft::used_args`).
+            self.used.extend(used.iter().cloned());
+        }
         Ok(used)
     }
 
@@ -2571,6 +2574,18 @@ mod env_tests {
         assert_eq!(p.stages[1].platform, "linux/arm64");
         let e = lower("ARG I=\"a b\"\nFROM $I\n").unwrap_err();
         assert!(e.to_string().contains("invalid reference format"), "{e}");
+    }
+
+    #[test]
+    fn args_of_pruned_stages_do_not_count_as_used() {
+        let text = "FROM alpine AS unused\nARG ONLY_HERE\nFROM alpine\nRUN true\n";
+        let options = Options {
+            build_args: [("ONLY_HERE".to_string(), "1".to_string())].into(),
+            ..Options::default()
+        };
+        let p = load_dockerfile("Dockerfile", text.as_bytes(), &options).unwrap();
+        assert_eq!(p.build_args.unused, ["ONLY_HERE"]);
+        assert!(p.build_args.used.is_empty());
     }
 
     #[test]
