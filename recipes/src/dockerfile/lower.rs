@@ -967,6 +967,8 @@ impl Lowering<'_> {
                 }
                 draft.config = p.config.clone();
                 draft.scope.env = p.scope.env.clone();
+                draft.scope.default_path = p.scope.default_path;
+                draft.base_env_known = p.base_env_known;
                 draft.state = p.state.clone();
                 draft.disk_mib = p.disk_mib;
                 triggers = std::mem::take(&mut draft.config.onbuild);
@@ -1007,10 +1009,10 @@ impl Lowering<'_> {
                 span: from.span.clone(),
                 kind: instr.kind,
             };
-            self.lower_instr(&mut draft, &located, names, drafts.len() + 1)?;
+            self.lower_instr(&mut draft, &located, names, names.len())?;
         }
         for instr in body {
-            self.lower_instr(&mut draft, instr, names, drafts.len().max(names.len()))?;
+            self.lower_instr(&mut draft, instr, names, names.len())?;
         }
         Ok(draft)
     }
@@ -2586,6 +2588,23 @@ mod env_tests {
         let p = load_dockerfile("Dockerfile", text.as_bytes(), &options).unwrap();
         assert_eq!(p.build_args.unused, ["ONLY_HERE"]);
         assert!(p.build_args.used.is_empty());
+    }
+
+    #[test]
+    fn stage_on_image_stage_keeps_unknown_base_env() {
+        let p = lower("FROM golang AS a\nFROM a\nENV P=$PATH:/x G=$GOPATH\n").unwrap();
+        let env = &p.stages[1].config.env;
+        assert!(
+            env.contains(
+                &"P=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/x".to_string()
+            ),
+            "{env:?}"
+        );
+        assert!(
+            p.warnings
+                .iter()
+                .any(|w| w.message.contains("not known at plan time"))
+        );
     }
 
     #[test]
