@@ -479,7 +479,8 @@ fn copy_args(
                     .map_or_else(|| "EOF".to_string(), |d| d.name.clone());
                 SourceArg::Heredoc {
                     name,
-                    data: h.value.to_string(),
+                    // Lines end in `\n` only, as BuildKit's line scanner leaves them.
+                    data: h.value.replace("\r\n", "\n"),
                     expand: h.expand,
                 }
             }

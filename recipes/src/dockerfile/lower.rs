@@ -2608,6 +2608,21 @@ mod env_tests {
     }
 
     #[test]
+    fn crlf_line_endings() {
+        let p = lower("FROM alpine\r\nRUN <<EOF\r\necho hi\r\nEOF\r\nCOPY <<X /x\r\nbody\r\nX\r\n")
+            .unwrap();
+        let s = &p.stages[0];
+        let Action::Run(r) = &s.steps[0].action else {
+            panic!()
+        };
+        assert_eq!(r.argv[2], "echo hi\n");
+        let Action::Copy(c) = &s.steps[1].action else {
+            panic!()
+        };
+        assert!(matches!(&c.sources[0], CopySource::Inline(f) if f.data == "body\n"));
+    }
+
+    #[test]
     fn expose_splits_expanded_words() {
         let p = load_dockerfile(
             "Dockerfile",
