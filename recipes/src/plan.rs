@@ -525,7 +525,8 @@ impl Default for Limits {
 /// Build arguments given to the build and what became of them.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
 pub struct BuildArgs {
-    /// The `--build-arg` values given.
+    /// The `--build-arg` values given. `SOURCE_DATE_EPOCH` among them (Unix seconds) is
+    /// what the builder uses for timestamps, as BuildKit does; it never counts as unused.
     pub given: BTreeMap<String, String>,
     /// Names of given args some `ARG` consumed (or predefined args used).
     pub used: Vec<String>,

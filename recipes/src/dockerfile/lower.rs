@@ -453,6 +453,17 @@ pub(crate) fn lower_instrs(
             });
         }
     }
+    if let Some(epoch) = given.get(SOURCE_DATE_EPOCH)
+        && epoch.parse::<u64>().is_err()
+    {
+        // BuildKit ignores a SOURCE_DATE_EPOCH that is not a Unix time in seconds.
+        warnings.push(Warning {
+            location: None,
+            message: format!(
+                "{SOURCE_DATE_EPOCH}={epoch} is not a Unix time in seconds and is ignored for timestamps"
+            ),
+        });
+    }
     let used: Vec<String> = used.into_iter().filter(|n| given.contains_key(n)).collect();
 
     let plan_target = stages.len().saturating_sub(1);
@@ -2620,6 +2631,19 @@ mod env_tests {
             panic!()
         };
         assert!(matches!(&c.sources[0], CopySource::Inline(f) if f.data == "body\n"));
+    }
+
+    #[test]
+    fn source_date_epoch_must_be_unix_seconds() {
+        let options = |v: &str| Options {
+            build_args: [("SOURCE_DATE_EPOCH".to_string(), v.to_string())].into(),
+            ..Options::default()
+        };
+        let p = load_dockerfile("Dockerfile", b"FROM scratch\n", &options("1700000000")).unwrap();
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+        let p = load_dockerfile("Dockerfile", b"FROM scratch\n", &options("yesterday")).unwrap();
+        assert!(p.warnings[0].message.contains("not a Unix time"));
+        assert!(p.build_args.unused.is_empty());
     }
 
     #[test]
