@@ -65,6 +65,20 @@ impl RecipeFormat {
     }
 }
 
+/// Largest recipe accepted, bytes (4 MiB; real Dockerfiles are a few KiB, heredoc-heavy
+/// ones rarely reach 100 KiB).
+pub const MAX_RECIPE_BYTES: usize = 4 << 20;
+
+fn check_size(path: &str, bytes: &[u8]) -> Result<(), RecipeError> {
+    if bytes.len() > MAX_RECIPE_BYTES {
+        return Err(RecipeError::unlocated(
+            path,
+            RecipeErrorKind::TooLarge(bytes.len()),
+        ));
+    }
+    Ok(())
+}
+
 /// Lowers the recipe `bytes`, named `path` (used in locations and to pick the front end by
 /// [`RecipeFormat::for_path`]), into a [`BuildPlan`].
 ///
@@ -83,6 +97,7 @@ pub fn load_dockerfile(
     bytes: &[u8],
     options: &Options,
 ) -> Result<BuildPlan, RecipeError> {
+    check_size(path, bytes)?;
     let text = std::str::from_utf8(bytes).map_err(|e| utf8_error(path, bytes, e.valid_up_to()))?;
     // A UTF-8 byte order mark is not part of the first line (BuildKit strips it too).
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
@@ -92,6 +107,7 @@ pub fn load_dockerfile(
 
 /// Lowers a YAML recipe whatever its name.
 pub fn load_yaml(path: &str, bytes: &[u8], options: &Options) -> Result<BuildPlan, RecipeError> {
+    check_size(path, bytes)?;
     let text = std::str::from_utf8(bytes).map_err(|e| utf8_error(path, bytes, e.valid_up_to()))?;
     yaml::lower(path, text, options)
 }
@@ -115,6 +131,56 @@ mod tests {
         "from: debian:bookworm\nargs: {A: \"1\"}\nfiles:\n  - {src: a, dest: /b, mode: \"0644\"}\nenv: {E: x}\ncommands: [\"echo\", [\"ls\", \"-l\"]]\nuser: u\nworkdir: /w\nstart: {command: s}\nready: {command: r, interval: 1s}\nlimits: {timeout: 1m, memory: 64}\n",
         "from: {bootstrap: {distro: debian, suite: bookworm, include: [curl]}}\nnetwork: none\ndisk_mib: 4096\nlabels: {a: b}\n",
     ];
+
+    #[test]
+    fn oversized_recipes_are_refused() {
+        let big = vec![b'#'; MAX_RECIPE_BYTES + 1];
+        for name in ["Dockerfile", "r.yaml"] {
+            let e = load(name, &big, &Options::default()).unwrap_err();
+            assert!(matches!(e.kind, RecipeErrorKind::TooLarge(_)), "{e}");
+        }
+    }
+
+    #[test]
+    fn amplification_through_steps_is_refused() {
+        // Each line doubles A (up to the per-word cap), then thousands of RUN steps would
+        // each carry it in their env.
+        let mut text = String::from("FROM scratch\nENV A=0123456789abcdef\n");
+        for _ in 0..16 {
+            text.push_str("ENV A=$A$A\n");
+        }
+        text.push_str(&"RUN true\n".repeat(200));
+        let e = load("Dockerfile", text.as_bytes(), &Options::default()).unwrap_err();
+        assert!(e.to_string().contains("larger than 64 MiB"), "{e}");
+        let mut text = String::from("FROM scratch\nENV A=0123456789abcdef\n");
+        for _ in 0..20 {
+            text.push_str("ENV A=$A$A\n");
+        }
+        let e = load("Dockerfile", text.as_bytes(), &Options::default()).unwrap_err();
+        assert!(e.to_string().contains("more than 1048576 bytes"), "{e}");
+    }
+
+    #[test]
+    fn wide_env_stays_linear() {
+        let pairs: String = (0..100_000).map(|i| format!(" V{i}=1")).collect();
+        let text = format!("FROM scratch\nENV{pairs}\nENV X=$V99999\n");
+        let plan = load("Dockerfile", text.as_bytes(), &Options::default()).unwrap();
+        assert!(plan.stages[0].config.env.contains(&"X=1".to_string()));
+    }
+
+    #[test]
+    fn many_env_and_arg_lines_end_quickly() {
+        let mut text = String::from("FROM scratch\n");
+        for i in 0..20_000 {
+            text.push_str(&format!("ARG A{i}=1\nENV E{i}=$A{i}\n"));
+        }
+        // Either a plan or the size error; what matters is that it ends (a quadratic
+        // implementation takes minutes here).
+        match load("Dockerfile", text.as_bytes(), &Options::default()) {
+            Ok(_) => {}
+            Err(e) => assert!(e.to_string().contains("larger than"), "{e}"),
+        }
+    }
 
     /// Mutates the seeds byte by byte (a small LCG, fixed seed, so failures reproduce) and
     /// checks every outcome is a plan or a located error: no panic, no hang.

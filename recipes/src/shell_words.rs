@@ -17,6 +17,9 @@ pub enum ShellWordsError {
     /// `${}`, `${:x}`, `${{x}` and the like.
     #[error("syntax error: bad substitution")]
     BadSubstitution,
+    /// An expansion larger than [`MAX_WORD_BYTES`].
+    #[error("variable substitution produces more than {MAX_WORD_BYTES} bytes")]
+    TooLong,
     /// A `${V#p}`-style operator that would take too long.
     #[error("pattern substitution too expensive (value or pattern too long)")]
     TooExpensive,
@@ -127,6 +130,10 @@ struct Scanner<'s, 'l> {
     budget: u64,
 }
 
+/// Largest expansion of one word, bytes (1 MiB): `ENV B=$A$A` repeated doubles a value
+/// each line, so without a cap a few lines of recipe expand to gigabytes.
+pub const MAX_WORD_BYTES: usize = 1 << 20;
+
 /// Glob matching steps one word may spend on `${V#p}`-style operators; hostile patterns
 /// over long values are refused rather than left to run for minutes.
 pub const PATTERN_BUDGET: u64 = 5_000_000;
@@ -159,7 +166,12 @@ impl Scanner<'_, '_> {
             match ch {
                 '\'' if !self.raw => out.push_str(&self.single_quote()?),
                 '"' if !self.raw => out.push_str(&self.double_quote()?),
-                '$' => out.push_str(&self.dollar()?),
+                '$' => {
+                    out.push_str(&self.dollar()?);
+                    if out.len() > MAX_WORD_BYTES {
+                        return Err(ShellWordsError::TooLong);
+                    }
+                }
                 _ => {
                     self.pos += 1;
                     if ch == self.escape {
@@ -205,7 +217,12 @@ impl Scanner<'_, '_> {
                     self.pos += 1;
                     return Ok(out);
                 }
-                Some('$') => out.push_str(&self.dollar()?),
+                Some('$') => {
+                    out.push_str(&self.dollar()?);
+                    if out.len() > MAX_WORD_BYTES {
+                        return Err(ShellWordsError::TooLong);
+                    }
+                }
                 Some(ch) => {
                     self.pos += 1;
                     if ch == self.escape {
@@ -699,6 +716,28 @@ mod tests {
         let mut env = |_: &str| Some(long.clone());
         let e = expand_word("${V//*b*/x}", '\\', &mut env);
         assert_eq!(e, Err(ShellWordsError::TooExpensive));
+    }
+
+    #[test]
+    fn amplification_is_capped() {
+        let big = "x".repeat(600_000);
+        let mut env = |_: &str| Some(big.clone());
+        assert_eq!(
+            expand_word("$A", '\\', &mut env).map(|s| s.len()),
+            Ok(600_000)
+        );
+        assert_eq!(
+            expand_word("$A$A", '\\', &mut env),
+            Err(ShellWordsError::TooLong)
+        );
+        assert_eq!(
+            expand_word("\"$A${A}\"", '\\', &mut env),
+            Err(ShellWordsError::TooLong)
+        );
+        assert_eq!(
+            expand_heredoc("$A\n$A\n", '\\', &mut env),
+            Err(ShellWordsError::TooLong)
+        );
     }
 
     #[test]

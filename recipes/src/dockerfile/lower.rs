@@ -55,6 +55,9 @@ pub enum LowerError {
     /// A base image name that substitution left empty.
     #[error("base name ({0}) should not be blank")]
     BlankBase(String),
+    /// The plan would exceed [`MAX_PLAN_BYTES`] (variables re-expanded into many steps).
+    #[error("the recipe expands to a plan larger than {} MiB", MAX_PLAN_BYTES >> 20)]
+    TooLarge,
     /// A stage name BuildKit would reject.
     #[error(
         "invalid name for build stage: '{0}', name can't start with a number or contain symbols"
@@ -85,6 +88,11 @@ const SOURCE_DATE_EPOCH: &str = "SOURCE_DATE_EPOCH";
 
 /// Label that sets the sandbox disk size in MiB.
 pub const DISK_LABEL: &str = "kiln.disk-mib";
+
+/// Largest total of expanded strings (env of every step, substituted words), bytes
+/// (64 MiB). Each step carries its whole env, so a recipe of a few hundred KiB with large
+/// values and many steps could otherwise make a plan of gigabytes.
+pub const MAX_PLAN_BYTES: usize = 64 << 20;
 
 /// Largest number of ports one `EXPOSE` range may expand to (defends against `1-65535`).
 const MAX_EXPOSED_RANGE: u32 = 1024;
@@ -143,13 +151,18 @@ impl Lines {
     }
 }
 
-/// The variables in scope at an instruction.
+/// The variables in scope at an instruction. Lookups go through name indexes, so a
+/// hostile `ENV` with a hundred thousand pairs stays linear.
 #[derive(Debug, Clone, Default)]
 struct Scope {
     /// `ENV`, in definition order.
     env: Vec<(String, String)>,
+    /// Position of each name in `env`.
+    env_index: BTreeMap<String, usize>,
     /// Declared ARGs in declaration order (`None`: declared without a value).
     args: Vec<(String, Option<String>)>,
+    /// Position of each name in `args`.
+    args_index: BTreeMap<String, usize>,
     /// The base's env is unknown: `$PATH` falls back to Docker's default PATH, which
     /// nearly every Linux base image sets (and BuildKit gives `RUN` when a base has none).
     default_path: bool,
@@ -157,14 +170,13 @@ struct Scope {
 
 impl Scope {
     fn get(&self, name: &str) -> Option<String> {
-        if let Some((_, v)) = self.env.iter().find(|(k, _)| k == name) {
-            return Some(v.clone());
+        if let Some(&i) = self.env_index.get(name) {
+            return Some(self.env[i].1.clone());
         }
         let arg = self
-            .args
-            .iter()
-            .find(|(k, _)| k == name)
-            .and_then(|(_, v)| v.clone());
+            .args_index
+            .get(name)
+            .and_then(|&i| self.args[i].1.clone());
         if arg.is_none() && self.default_path && name == "PATH" {
             return Some(DEFAULT_PATH.to_string());
         }
@@ -172,16 +184,31 @@ impl Scope {
     }
 
     fn set_env(&mut self, key: String, value: String) {
-        match self.env.iter_mut().find(|(k, _)| *k == key) {
-            Some(slot) => slot.1 = value,
-            None => self.env.push((key, value)),
+        match self.env_index.get(&key) {
+            Some(&i) => self.env[i].1 = value,
+            None => {
+                self.env_index.insert(key.clone(), self.env.len());
+                self.env.push((key, value));
+            }
+        }
+    }
+
+    /// Replaces the whole env (a stage base's).
+    fn replace_env(&mut self, env: &[(String, String)]) {
+        self.env.clear();
+        self.env_index.clear();
+        for (k, v) in env {
+            self.set_env(k.clone(), v.clone());
         }
     }
 
     fn set_arg(&mut self, key: String, value: Option<String>) {
-        match self.args.iter_mut().find(|(k, _)| *k == key) {
-            Some(slot) => slot.1 = value,
-            None => self.args.push((key, value)),
+        match self.args_index.get(&key) {
+            Some(&i) => self.args[i].1 = value,
+            None => {
+                self.args_index.insert(key.clone(), self.args.len());
+                self.args.push((key, value));
+            }
         }
     }
 
@@ -201,6 +228,8 @@ struct Lowering<'o> {
     used: BTreeSet<String>,
     /// Unset variables referenced since the last instruction was finished.
     undefined: RefCell<Vec<String>>,
+    /// Bytes of expanded strings so far (see [`MAX_PLAN_BYTES`]).
+    plan_bytes: std::cell::Cell<usize>,
 }
 
 /// Where a stage reference points before pruning.
@@ -314,6 +343,7 @@ pub(crate) fn lower_instrs(
         global,
         used: BTreeSet::new(),
         undefined: RefCell::new(Vec::new()),
+        plan_bytes: std::cell::Cell::new(0),
     };
 
     // Global ARGs: everything before the first FROM.
@@ -323,9 +353,10 @@ pub(crate) fn lower_instrs(
         .unwrap_or(0);
     for instr in &instrs[..first_from] {
         if let InstrKind::Arg(pairs) = &instr.kind {
-            let mut scope = lw.global.clone();
-            lw.declare_args(&mut scope, pairs, instr.span.start, true)?;
+            let mut scope = std::mem::take(&mut lw.global);
+            let declared = lw.declare_args(&mut scope, pairs, instr.span.start, true);
             lw.global = scope;
+            declared?;
         }
     }
 
@@ -810,6 +841,7 @@ impl Lowering<'_> {
         let mut lookup = |name: &str| scope.get(name);
         let (out, unset) = expand_word_tracking(word, self.escape, &mut lookup)
             .map_err(|e| words_fault(offset, e))?;
+        self.charge(out.len(), offset)?;
         let mut undefined = self.undefined.borrow_mut();
         for name in unset {
             if !undefined.contains(&name) {
@@ -817,6 +849,16 @@ impl Lowering<'_> {
             }
         }
         Ok(out)
+    }
+
+    /// Counts `bytes` against [`MAX_PLAN_BYTES`].
+    fn charge(&self, bytes: usize, offset: usize) -> Result<(), Fault> {
+        let total = self.plan_bytes.get().saturating_add(bytes);
+        self.plan_bytes.set(total);
+        if total > MAX_PLAN_BYTES {
+            return Err(Fault::new(offset, LowerError::TooLarge));
+        }
+        Ok(())
     }
 
     /// Turns the unset variables referenced by the instruction just lowered into warnings.
@@ -913,8 +955,7 @@ impl Lowering<'_> {
             return Err(invalid(from.span.start, "expected FROM"));
         };
         let offset = from.span.start;
-        let global = self.global.clone();
-        let image_name = self.expand(image, &global, offset)?;
+        let image_name = self.expand(image, &self.global, offset)?;
         if image_name.is_empty() {
             return Err(Fault::new(offset, LowerError::BlankBase(image.clone())));
         }
@@ -930,7 +971,7 @@ impl Lowering<'_> {
         let explicit_platform = platform.is_some();
         let stage_platform = match platform {
             Some(p) => {
-                let p = self.expand(p, &global, offset)?;
+                let p = self.expand(p, &self.global, offset)?;
                 if parse_platform(&p).is_none() {
                     return Err(Fault::new(offset, LowerError::Platform(p)));
                 }
@@ -977,7 +1018,7 @@ impl Lowering<'_> {
                     draft.platform = p.platform.clone();
                 }
                 draft.config = p.config.clone();
-                draft.scope.env = p.scope.env.clone();
+                draft.scope.replace_env(&p.scope.env);
                 draft.scope.default_path = p.scope.default_path;
                 draft.base_env_known = p.base_env_known;
                 draft.state = p.state.clone();
@@ -988,7 +1029,7 @@ impl Lowering<'_> {
         } else if image_name == "scratch" {
             draft.base = Base::Scratch;
             draft.config.env = vec![format!("PATH={DEFAULT_PATH}")];
-            draft.scope.env = vec![("PATH".into(), DEFAULT_PATH.into())];
+            draft.scope.set_env("PATH".into(), DEFAULT_PATH.into());
         } else {
             match self.options.base_env.get(&image_name) {
                 Some(env) => {
@@ -1028,30 +1069,34 @@ impl Lowering<'_> {
         Ok(draft)
     }
 
-    fn context(&self, draft: &Draft, with_args: bool) -> StepContext {
-        let mut env: Vec<(String, String)> = draft.scope.env.clone();
+    /// The context of a step at this point of the stage; its bytes count against
+    /// [`MAX_PLAN_BYTES`].
+    fn context(&self, draft: &Draft, with_args: bool, offset: usize) -> Result<StepContext, Fault> {
+        let mut env: Vec<String> = draft.scope.env_strings();
         if with_args {
             for (k, v) in &draft.scope.args {
                 if let Some(v) = v
-                    && !env.iter().any(|(e, _)| e == k)
+                    && !draft.scope.env_index.contains_key(k)
                 {
-                    env.push((k.clone(), v.clone()));
+                    env.push(format!("{k}={v}"));
                 }
             }
             for proxy in PROXY_ARGS {
                 if let Some(v) = self.options.build_args.get(proxy)
-                    && !env.iter().any(|(e, _)| e == proxy)
+                    && !draft.scope.env_index.contains_key(proxy)
+                    && !draft.scope.args_index.contains_key(proxy)
                 {
-                    env.push((proxy.to_string(), v.clone()));
+                    env.push(format!("{proxy}={v}"));
                 }
             }
         }
-        StepContext {
-            env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
+        self.charge(env.iter().map(|e| e.len() + 24).sum(), offset)?;
+        Ok(StepContext {
+            env,
             user: draft.state.user.clone(),
             workdir: draft.state.workdir.clone(),
             shell: draft.state.shell.clone(),
-        }
+        })
     }
 
     fn command_argv(&self, draft: &Draft, cmd: &CommandLine) -> Vec<String> {
@@ -1091,24 +1136,28 @@ impl Lowering<'_> {
         match &instr.kind {
             InstrKind::From { .. } => return Err(invalid(offset, "unexpected FROM")),
             InstrKind::Arg(pairs) => {
-                let mut scope = draft.scope.clone();
-                let used = self.declare_args(&mut scope, pairs, offset, false)?;
-                draft.scope = scope;
+                let used = self.declare_args(&mut draft.scope, pairs, offset, false)?;
                 draft.used_args.extend(used);
             }
             InstrKind::Env(pairs) => {
                 // BuildKit expands every pair against the env before the instruction, so
                 // `ENV A=2 B=$A` sees the old A.
-                let before = draft.scope.clone();
+                let mut expanded = Vec::with_capacity(pairs.len());
                 for (k, v) in pairs {
-                    let key = self.expand(k, &before, offset)?;
-                    let value = self.expand(v, &before, offset)?;
+                    let key = self.expand(k, &draft.scope, offset)?;
+                    let value = self.expand(v, &draft.scope, offset)?;
                     if key.is_empty() {
                         return Err(invalid(offset, "ENV names can not be blank"));
                     }
+                    expanded.push((key, value));
+                }
+                for (key, value) in expanded {
                     draft.scope.set_env(key, value);
                 }
                 draft.config.env = draft.scope.env_strings();
+                // The config env is rebuilt on each ENV: count it, so thousands of ENV
+                // lines over a wide env cannot go quadratic unnoticed.
+                self.charge(draft.config.env.iter().map(String::len).sum(), offset)?;
             }
             InstrKind::Label(pairs) => {
                 for (k, v) in pairs {
@@ -1149,7 +1198,7 @@ impl Lowering<'_> {
                 let run = self.lower_run(
                     draft, mounts, network, security, command, heredocs, names, count, offset,
                 )?;
-                let context = self.context(draft, true);
+                let context = self.context(draft, true, offset)?;
                 draft.steps.push(Step {
                     location,
                     action: Action::Run(run),
@@ -1171,7 +1220,7 @@ impl Lowering<'_> {
             InstrKind::Copy(args) | InstrKind::Add(args) => {
                 let is_add = matches!(instr.kind, InstrKind::Add(_));
                 let step = self.lower_copy(draft, args, is_add, names, count, offset)?;
-                let context = self.context(draft, false);
+                let context = self.context(draft, false, offset)?;
                 let action = if is_add {
                     Action::Add(step)
                 } else {
@@ -1225,7 +1274,7 @@ impl Lowering<'_> {
                 let path = resolve_path(&draft.state.workdir, &w);
                 draft.state.workdir = path.clone();
                 draft.config.workdir = Some(path.clone());
-                let context = self.context(draft, false);
+                let context = self.context(draft, false, offset)?;
                 draft.steps.push(Step {
                     location,
                     action: Action::Mkdir(MkdirStep { path, mode: 0o755 }),
