@@ -37,11 +37,25 @@ pub struct Options {
     pub build_platform: Option<String>,
     /// Disk size in MiB (`--disk-mib`); overrides the recipe's.
     pub disk_mib: Option<u64>,
-    /// Environment (`KEY=value`) of base images, by reference as written after
-    /// substitution, when the caller has resolved them (the builder's second pass). With
-    /// it, `$VAR` from a base image's env expands as BuildKit expands it and steps carry the
-    /// full env; without it such variables expand to empty, with a warning.
-    pub base_env: BTreeMap<String, Vec<String>>,
+    /// What the caller knows of base images, by reference as written after substitution
+    /// (the builder's second pass, once it has resolved them). With it, `$VAR` from a base
+    /// image's env expands as BuildKit expands it, steps carry the full env, and steps
+    /// start in the base's working directory as its user; without it `$PATH` is Docker's
+    /// default PATH, other base variables expand to empty (with a warning), and steps
+    /// start in `/` as the base's (unknown) user.
+    pub base_images: BTreeMap<String, BaseImage>,
+}
+
+/// The parts of a base image's OCI config that lowering depends on (OCI image spec,
+/// `config.Env`, `config.WorkingDir`, `config.User`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BaseImage {
+    /// `Env`, each `KEY=value`.
+    pub env: Vec<String>,
+    /// `WorkingDir` (`None`: `/`).
+    pub workdir: Option<String>,
+    /// `User` (`None`: root).
+    pub user: Option<String>,
 }
 
 /// Which front end a file name selects.

@@ -190,12 +190,14 @@ impl Step {
 pub struct StepContext {
     /// Environment as `KEY=value`, in definition order: image `ENV`, then build args in
     /// scope (for `RUN`; `ENV` wins over an `ARG` of the same name). For an image base whose
-    /// env was not given in [`crate::Options::base_env`], only what the recipe set: the
+    /// env was not given in [`crate::Options::base_images`], only what the recipe set: the
     /// builder puts it over the base image's env, by key.
     pub env: Vec<String>,
-    /// `USER` at this step (`None`: the image default, root).
+    /// `USER` at this step (`None`: not set by the recipe: the base image's user, root for
+    /// `scratch`).
     pub user: Option<String>,
-    /// Working directory at this step (absolute).
+    /// Working directory at this step (absolute). Before any `WORKDIR`, an image base's
+    /// own working directory when the caller gave it ([`crate::BaseImage`]), else `/`.
     pub workdir: String,
     /// Shell for shell-form commands.
     pub shell: Vec<String>,

@@ -259,7 +259,7 @@ struct Draft {
     warnings: Vec<Warning>,
     disk_mib: Option<u64>,
     cmd_set: bool,
-    /// Whether the base's environment is known (scratch, a stage, or `Options::base_env`).
+    /// Whether the base's environment is known (scratch, a stage, or `Options::base_images`).
     base_env_known: bool,
 }
 
@@ -1031,13 +1031,17 @@ impl Lowering<'_> {
             draft.config.env = vec![format!("PATH={DEFAULT_PATH}")];
             draft.scope.set_env("PATH".into(), DEFAULT_PATH.into());
         } else {
-            match self.options.base_env.get(&image_name) {
-                Some(env) => {
-                    for entry in env {
+            match self.options.base_images.get(&image_name) {
+                Some(base) => {
+                    for entry in &base.env {
                         let (k, v) = entry.split_once('=').unwrap_or((entry.as_str(), ""));
                         draft.scope.set_env(k.to_string(), v.to_string());
                     }
                     draft.config.env = draft.scope.env_strings();
+                    if let Some(w) = base.workdir.as_deref().filter(|w| !w.is_empty()) {
+                        draft.state.workdir = resolve_path("/", w);
+                    }
+                    draft.state.user = base.user.clone().filter(|u| !u.is_empty());
                 }
                 None => {
                     draft.base_env_known = false;
@@ -2520,12 +2524,13 @@ mod env_tests {
         assert_eq!(p.warnings.len(), 1, "{:?}", p.warnings);
         assert!(p.warnings[0].message.contains("GOPATH"));
         assert_eq!(p.warnings[0].location.as_ref().unwrap().start_line, 2);
+        let base = crate::BaseImage {
+            env: vec!["PATH=/usr/bin".to_string(), "GOPATH=/go".into()],
+            workdir: Some("/go".into()),
+            user: Some("gopher".into()),
+        };
         let options = Options {
-            base_env: [(
-                "golang:1.22".to_string(),
-                vec!["PATH=/usr/bin".to_string(), "GOPATH=/go".into()],
-            )]
-            .into(),
+            base_images: [("golang:1.22".to_string(), base)].into(),
             ..Options::default()
         };
         let p = load_dockerfile("Dockerfile", text.as_bytes(), &options).unwrap();
@@ -2540,6 +2545,8 @@ mod env_tests {
             ]
         );
         assert_eq!(p.stages[0].steps[0].context.env, p.stages[0].config.env);
+        assert_eq!(p.stages[0].steps[0].context.workdir, "/go");
+        assert_eq!(p.stages[0].steps[0].context.user.as_deref(), Some("gopher"));
     }
 
     #[test]
