@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use kiln_recipes::plan::{Action, BuildPlan, Step};
+use kiln_recipes::plan::{Action, Base, BuildPlan, Step};
 use kiln_recipes::{Options, load, plan_to_json};
 
 /// Flags of `kiln plan`.
@@ -95,8 +95,9 @@ fn summary(plan: &BuildPlan) -> String {
             .unwrap_or_default();
         let target = if i == plan.target { " [target]" } else { "" };
         out.push_str(&format!(
-            "stage {i}{name}{target}: {:?} on {}\n",
-            stage.base, stage.platform
+            "stage {i}{name}{target}: from {} on {}\n",
+            base(&stage.base),
+            stage.platform
         ));
         for step in &stage.steps {
             out.push_str(&format!(
@@ -117,6 +118,15 @@ fn summary(plan: &BuildPlan) -> String {
         out.push_str(&format!("disk: {disk} MiB\n"));
     }
     out
+}
+
+fn base(base: &Base) -> String {
+    match base {
+        Base::Scratch => "scratch".to_string(),
+        Base::Image { reference } => reference.clone(),
+        Base::Stage { stage } => format!("stage {stage}"),
+        Base::Bootstrap(b) => format!("debootstrap {} {}", b.distro, b.suite),
+    }
 }
 
 fn describe(step: &Step) -> String {
