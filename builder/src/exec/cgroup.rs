@@ -1,0 +1,269 @@
+//! Per-step cgroups for the memory and pids limits, on cgroup v1 or v2, detected at run
+//! time (kernel `Documentation/admin-guide/cgroup-v1/memory.rst`, `cgroup-v2.rst`).
+//!
+//! - v2 (`/sys/fs/cgroup/cgroup.controllers` exists): one group
+//!   `/sys/fs/cgroup/<parent>/<name>` with `memory.max`, `memory.swap.max = 0`, `pids.max`;
+//!   `memory` and `pids` are enabled in the ancestors' `cgroup.subtree_control`. A memory kill
+//!   shows as `oom_kill` in `memory.events`, a refused fork as `max` in `pids.events`.
+//! - v1 or hybrid (the test hosts: `memory` and `pids` controllers under
+//!   `/sys/fs/cgroup/<controller>`): one group per controller, `memory.limit_in_bytes` (and
+//!   `memory.memsw.limit_in_bytes` when swap accounting is on), `pids.max`; a memory kill shows
+//!   as `oom_kill` in `memory.oom_control` (Linux 4.13+), `memory.failcnt` otherwise.
+//!
+//! [`StepCgroup::kill_all`] kills every process of the group until it is empty;
+//! dropping a [`StepCgroup`] kills what is left and removes the directories.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Where cgroups are mounted.
+pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+/// A cgroup failure.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    /// Neither a v2 hierarchy with controllers nor v1 memory and pids controllers.
+    #[error("no usable cgroup hierarchy under {CGROUP_ROOT} (need v2, or v1 memory and pids)")]
+    NoHierarchy,
+    /// A cgroup file could not be written or read.
+    #[error("cgroup {path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        source: io::Error,
+    },
+}
+
+/// Which cgroup layout the host has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CgroupLayout {
+    /// Pure v2 at [`CGROUP_ROOT`].
+    Unified,
+    /// v1 controllers under [`CGROUP_ROOT`]`/<controller>` (legacy or hybrid).
+    Legacy,
+}
+
+/// Detects the layout of this host.
+pub fn detect() -> Result<CgroupLayout, CgroupError> {
+    let root = Path::new(CGROUP_ROOT);
+    if root.join("cgroup.controllers").exists() {
+        Ok(CgroupLayout::Unified)
+    } else if root.join("memory/memory.limit_in_bytes").exists() && root.join("pids").is_dir() {
+        Ok(CgroupLayout::Legacy)
+    } else {
+        Err(CgroupError::NoHierarchy)
+    }
+}
+
+/// Limits applied to one step's cgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CgroupLimits {
+    /// Memory limit, bytes.
+    pub memory_bytes: u64,
+    /// Maximum number of tasks (processes and threads).
+    pub pids_max: u64,
+}
+
+/// What a step's cgroup saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CgroupEvents {
+    /// Processes killed by the OOM killer at the memory limit.
+    pub oom_kills: u64,
+    /// Times the memory limit was reached (v1 `failcnt`; v2 `max` events).
+    pub memory_hits: u64,
+    /// Forks refused at the pids limit.
+    pub pids_hits: u64,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> CgroupError + '_ {
+    move |source| CgroupError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
+    fs::write(path, value).map_err(io_err(path))
+}
+
+fn keyed(path: &Path, key: &str) -> u64 {
+    fs::read_to_string(path)
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                let (k, v) = l.split_once(' ')?;
+                (k == key).then(|| v.trim().parse().ok()).flatten()
+            })
+        })
+        .unwrap_or(0)
+}
+
+/// One step's cgroup (one directory per v1 controller, or one v2 directory).
+#[derive(Debug)]
+pub struct StepCgroup {
+    layout: CgroupLayout,
+    /// `memory` then `pids` directories (v1), or the one v2 directory.
+    dirs: Vec<PathBuf>,
+}
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl StepCgroup {
+    /// Creates a fresh group under `parent` (a relative path such as `kiln`) with `limits`.
+    pub fn create(parent: &str, limits: CgroupLimits) -> Result<StepCgroup, CgroupError> {
+        let layout = detect()?;
+        let name = format!(
+            "step-{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        );
+        let root = Path::new(CGROUP_ROOT);
+        let mut cg = StepCgroup {
+            layout,
+            dirs: Vec::new(),
+        };
+        match layout {
+            CgroupLayout::Unified => {
+                let mut dir = root.to_path_buf();
+                for part in Path::new(parent).components() {
+                    let _ = fs::write(dir.join("cgroup.subtree_control"), "+memory +pids");
+                    dir.push(part);
+                    if !dir.is_dir() {
+                        fs::create_dir(&dir).map_err(io_err(&dir))?;
+                    }
+                }
+                write(&dir.join("cgroup.subtree_control"), "+memory +pids")?;
+                dir.push(&name);
+                fs::create_dir(&dir).map_err(io_err(&dir))?;
+                cg.dirs.push(dir.clone());
+                write(&dir.join("memory.max"), &limits.memory_bytes.to_string())?;
+                let swap = dir.join("memory.swap.max");
+                if swap.exists() {
+                    write(&swap, "0")?;
+                }
+                write(&dir.join("pids.max"), &limits.pids_max.to_string())?;
+            }
+            CgroupLayout::Legacy => {
+                for ctrl in ["memory", "pids"] {
+                    let dir = root.join(ctrl).join(parent).join(&name);
+                    fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+                    cg.dirs.push(dir);
+                }
+                let mem = &cg.dirs[0];
+                write(
+                    &mem.join("memory.limit_in_bytes"),
+                    &limits.memory_bytes.to_string(),
+                )?;
+                let memsw = mem.join("memory.memsw.limit_in_bytes");
+                if memsw.exists() {
+                    write(&memsw, &limits.memory_bytes.to_string())?;
+                }
+                write(&mem.join("memory.swappiness"), "0").ok();
+                write(&cg.dirs[1].join("pids.max"), &limits.pids_max.to_string())?;
+            }
+        }
+        Ok(cg)
+    }
+
+    /// The layout in use.
+    pub fn layout(&self) -> CgroupLayout {
+        self.layout
+    }
+
+    /// The `cgroup.procs` files a process must join (write its pid, or `0` for itself).
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs.iter().map(|d| d.join("cgroup.procs")).collect()
+    }
+
+    /// Pids now in the group.
+    pub fn pids(&self) -> Vec<i32> {
+        let mut out = Vec::new();
+        for d in &self.dirs {
+            if let Ok(s) = fs::read_to_string(d.join("cgroup.procs")) {
+                out.extend(s.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// Kills every process in the group (SIGKILL; `cgroup.kill` on v2 when present) and
+    /// waits, bounded, until the group is empty. Returns whether it is empty.
+    pub fn kill_all(&self) -> bool {
+        if self.layout == CgroupLayout::Unified {
+            let _ = fs::write(self.dirs[0].join("cgroup.kill"), "1");
+        }
+        for _ in 0..2000 {
+            let pids = self.pids();
+            if pids.is_empty() {
+                return true;
+            }
+            for pid in pids {
+                if pid > 0 {
+                    // SAFETY: kill(2) with a positive pid read from our own cgroup and a
+                    // constant signal has no memory-safety preconditions.
+                    unsafe {
+                        libc::kill(pid, libc::SIGKILL);
+                    }
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        self.pids().is_empty()
+    }
+
+    /// Limit events so far.
+    pub fn events(&self) -> CgroupEvents {
+        let d = &self.dirs[0];
+        match self.layout {
+            CgroupLayout::Unified => CgroupEvents {
+                oom_kills: keyed(&d.join("memory.events"), "oom_kill"),
+                memory_hits: keyed(&d.join("memory.events"), "max"),
+                pids_hits: keyed(&d.join("pids.events"), "max"),
+            },
+            CgroupLayout::Legacy => CgroupEvents {
+                oom_kills: keyed(&d.join("memory.oom_control"), "oom_kill"),
+                memory_hits: fs::read_to_string(d.join("memory.failcnt"))
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok())
+                    .unwrap_or(0),
+                pids_hits: keyed(&self.dirs[1].join("pids.events"), "max"),
+            },
+        }
+    }
+}
+
+impl Drop for StepCgroup {
+    fn drop(&mut self) {
+        self.kill_all();
+        for d in &self.dirs {
+            // An emptied cgroup can take a moment to become removable.
+            for _ in 0..200 {
+                if fs::remove_dir(d).is_ok() || !d.exists() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keyed_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("memory.events");
+        fs::write(&p, "low 0\nhigh 0\nmax 12\noom 1\noom_kill 1\n").unwrap();
+        assert_eq!(keyed(&p, "oom_kill"), 1);
+        assert_eq!(keyed(&p, "max"), 12);
+        assert_eq!(keyed(&p, "absent"), 0);
+        assert_eq!(keyed(&dir.path().join("missing"), "max"), 0);
+    }
+}

@@ -1,0 +1,938 @@
+//! The real executor: fork, namespaces, overlayfs, pivot_root, limits.
+//!
+//! Process shape. The (possibly multithreaded) caller forks once with glibc's `fork`
+//! (which resets the allocator's locks in the child, so the child may allocate; it touches
+//! no other lock: no stdio, no environment, no logging). That child, "the keeper", joins
+//! the step's cgroup, unshares mount, pid, uts, ipc and (unless host) network namespaces,
+//! waits for slirp4netns when the network is `default`, and forks the step's pid 1. Pid 1
+//! makes the mounts in its private mount namespace, pivots into the overlay, drops
+//! privileges and execs the command. The keeper reports pid 1's wait status through a pipe
+//! and exits. Setup errors travel as text through a close-on-exec pipe. When pid 1 exits,
+//! the kernel kills the rest of its pid namespace; the mount namespace, and with it every
+//! mount, goes with its last process.
+
+use std::ffi::{CStr, CString};
+use std::fs;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kiln_recipes::plan::{DEFAULT_PATH, Network};
+use rustix::mount::{MountFlags, MountPropagationFlags, UnmountFlags};
+
+use super::cgroup::{CgroupLimits, StepCgroup};
+use super::logs::LogShaper;
+use super::user::resolve_user;
+use super::{
+    DEFAULT_CAPABILITIES, ExecConfig, ExecError, LogLine, StepExecutor, StepReport, StepSpec,
+};
+
+/// Overlay mount options must fit one page (Linux `mount(2)` copies at most 4096 bytes).
+const MAX_MOUNT_DATA: usize = 4000;
+/// Paths created as mount points, removed from the upper directory afterwards when the
+/// step did not put anything there.
+const MOUNT_POINTS: [&str; 5] = ["proc", "sys", "dev", "etc/hosts", "etc/resolv.conf"];
+/// How often the write limit is checked while a step runs.
+const WRITE_CHECK_EVERY: Duration = Duration::from_secs(1);
+/// Exit code of the keeper or pid 1 when setup fails.
+const SETUP_FAILED: i32 = 125;
+
+static STEP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The real Linux executor (needs root).
+#[derive(Debug, Clone, Default)]
+pub struct LinuxExecutor {
+    /// Its configuration.
+    pub config: ExecConfig,
+}
+
+impl LinuxExecutor {
+    /// An executor with `config`.
+    pub fn new(config: ExecConfig) -> Self {
+        LinuxExecutor { config }
+    }
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ExecError {
+    let what = what.into();
+    move |source| ExecError::Io { what, source }
+}
+
+fn overlay_path(p: &Path) -> Result<String, ExecError> {
+    let s = p
+        .to_str()
+        .ok_or_else(|| ExecError::BadPath(p.to_path_buf()))?;
+    if s.contains([':', ',', '\n']) || !s.starts_with('/') {
+        return Err(ExecError::BadPath(p.to_path_buf()));
+    }
+    Ok(s.to_string())
+}
+
+/// Apparent size of everything under `dir` (bytes; directories and links count their own
+/// size), not following symlinks.
+pub(crate) fn tree_size(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            if let Ok(md) = e.metadata() {
+                total += md.len();
+                if md.is_dir() {
+                    stack.push(e.path());
+                }
+            }
+        }
+    }
+    total
+}
+
+/// Host-side scratch of one step: mount point and the hosts / resolv.conf sources.
+struct Scratch {
+    dir: PathBuf,
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Everything the forked children need, prepared before fork.
+struct ChildPlan {
+    procs_files: Vec<PathBuf>,
+    unshare_net: bool,
+    wait_for_net: bool,
+    overlay_data: CString,
+    merged: PathBuf,
+    hosts: PathBuf,
+    resolv: PathBuf,
+    hostname: String,
+    spec: StepSpec,
+    bring_lo_up: bool,
+}
+
+struct Fds {
+    log_w: RawFd,
+    err_w: RawFd,
+    status_w: RawFd,
+    sync_w: RawFd,
+    go_r: RawFd,
+}
+
+fn write_all_fd(fd: RawFd, data: &[u8]) {
+    let mut off = 0;
+    while off < data.len() {
+        // SAFETY: writing from a valid slice to a file descriptor we own.
+        let n = unsafe { libc::write(fd, data[off..].as_ptr().cast(), data.len() - off) };
+        if n <= 0 {
+            return;
+        }
+        off += n as usize;
+    }
+}
+
+fn fail(fds: &Fds, msg: &str) -> ! {
+    write_all_fd(fds.err_w, msg.as_bytes());
+    // SAFETY: _exit never returns and skips atexit handlers, as a forked child must.
+    unsafe { libc::_exit(SETUP_FAILED) }
+}
+
+impl StepExecutor for LinuxExecutor {
+    fn run(
+        &self,
+        spec: &StepSpec,
+        cancel: &AtomicBool,
+        sink: &mut (dyn FnMut(LogLine) + Send),
+    ) -> Result<StepReport, ExecError> {
+        let cfg = &self.config;
+        if spec.argv.is_empty() {
+            return Err(ExecError::EmptyCommand);
+        }
+        if spec.network == Network::Host && !cfg.allow_network_host {
+            return Err(ExecError::NetworkHostRefused);
+        }
+        fs::create_dir_all(&cfg.run_dir).map_err(io("creating the run directory"))?;
+        let scratch = Scratch {
+            dir: cfg.run_dir.join(format!(
+                "step-{}-{}",
+                std::process::id(),
+                STEP_COUNTER.fetch_add(1, Ordering::Relaxed)
+            )),
+        };
+        let merged = scratch.dir.join("root");
+        let empty_lower = scratch.dir.join("empty");
+        fs::create_dir_all(&merged).map_err(io("creating the mount point"))?;
+        fs::create_dir_all(&empty_lower).map_err(io("creating the mount point"))?;
+
+        // Overlay options.
+        let mut lowers = Vec::new();
+        for l in &spec.lower_dirs {
+            lowers.push(overlay_path(l)?);
+        }
+        if lowers.is_empty() {
+            lowers.push(overlay_path(&empty_lower)?);
+        }
+        let data = format!(
+            "lowerdir={},upperdir={},workdir={}",
+            lowers.join(":"),
+            overlay_path(&spec.upper_dir)?,
+            overlay_path(&spec.work_dir)?
+        );
+        if data.len() > MAX_MOUNT_DATA {
+            return Err(ExecError::Unsupported(format!(
+                "{} lower layers do not fit one overlayfs mount ({} bytes of options)",
+                lowers.len(),
+                data.len()
+            )));
+        }
+        let overlay_data =
+            CString::new(data).map_err(|_| ExecError::BadPath(spec.upper_dir.clone()))?;
+
+        // /etc/hosts and /etc/resolv.conf.
+        let hosts = scratch.dir.join("hosts");
+        let resolv = scratch.dir.join("resolv.conf");
+        let hosts_text = format!(
+            "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{}\n",
+            cfg.hostname
+        );
+        let resolv_text = match spec.network {
+            Network::Default => "nameserver 10.0.2.3\n".to_string(),
+            Network::Host => fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
+            Network::None => String::new(),
+        };
+        fs::write(&hosts, hosts_text).map_err(io("writing hosts"))?;
+        fs::write(&resolv, resolv_text).map_err(io("writing resolv.conf"))?;
+
+        let cgroup = StepCgroup::create(
+            &cfg.cgroup_parent,
+            CgroupLimits {
+                memory_bytes: cfg.memory_bytes,
+                pids_max: cfg.pids_max,
+            },
+        )?;
+
+        let plan = ChildPlan {
+            procs_files: cgroup.procs_files(),
+            unshare_net: spec.network != Network::Host,
+            wait_for_net: spec.network == Network::Default,
+            overlay_data,
+            merged: merged.clone(),
+            hosts,
+            resolv,
+            hostname: cfg.hostname.clone(),
+            spec: spec.clone(),
+            bring_lo_up: spec.network != Network::Host,
+        };
+        let pipe = || {
+            rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+                .map_err(|e| io("pipe")(e.into()))
+        };
+        let (log_r, log_w) = pipe()?;
+        let (err_r, err_w) = pipe()?;
+        let (status_r, status_w) = pipe()?;
+        let (sync_r, sync_w) = pipe()?;
+        let (go_r, go_w) = pipe()?;
+        let fds = Fds {
+            log_w: log_w.as_raw_fd(),
+            err_w: err_w.as_raw_fd(),
+            status_w: status_w.as_raw_fd(),
+            sync_w: sync_w.as_raw_fd(),
+            go_r: go_r.as_raw_fd(),
+        };
+
+        // SAFETY: fork(2) has no memory-safety preconditions; the child only runs
+        // `keeper`, which never returns (it calls _exit), uses no lock but the allocator's
+        // (reset by glibc's fork) and touches no Rust-side shared state.
+        let keeper = unsafe { libc::fork() };
+        if keeper < 0 {
+            return Err(io("fork")(std::io::Error::last_os_error()));
+        }
+        if keeper == 0 {
+            keeper_main(&plan, &fds);
+        }
+        drop((log_w, err_w, status_w, sync_w, go_r));
+        let mut guard = KeeperGuard {
+            pid: keeper,
+            reaped: false,
+        };
+
+        let mut slirp: Option<SlirpGuard> = None;
+        if plan.wait_for_net {
+            let mut b = [0u8; 1];
+            let mut sync = fs::File::from(sync_r);
+            if sync.read(&mut b).ok() == Some(1) {
+                match start_slirp(&cfg.slirp4netns, keeper) {
+                    Ok(child) => slirp = Some(SlirpGuard(child)),
+                    Err(e) => {
+                        cgroup.kill_all();
+                        guard.reap();
+                        return Err(e);
+                    }
+                }
+            }
+            let mut go = fs::File::from(go_w);
+            let _ = go.write_all(b"g");
+        } else {
+            drop((sync_r, go_w));
+        }
+
+        // Logs on their own thread; the wait loop here.
+        let mut shaper = LogShaper::new(spec.index, cfg.log_limits, &spec.secrets);
+        let outcome = std::thread::scope(|scope| {
+            let reader = scope.spawn(|| {
+                let mut f = fs::File::from(log_r);
+                let mut buf = vec![0u8; 16384];
+                loop {
+                    match f.read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => shaper.push(&buf[..n], sink),
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(_) => break,
+                    }
+                }
+                shaper.finish(sink);
+                shaper
+            });
+            let deadline = Instant::now() + spec.timeout;
+            let mut next_write_check = Instant::now() + WRITE_CHECK_EVERY;
+            let mut stop: Option<ExecError> = None;
+            loop {
+                if guard.try_reap() {
+                    break;
+                }
+                if stop.is_none() {
+                    let now = Instant::now();
+                    if cancel.load(Ordering::Relaxed) {
+                        stop = Some(ExecError::Cancelled);
+                    } else if now >= deadline {
+                        stop = Some(ExecError::Timeout {
+                            after: spec.timeout,
+                        });
+                    } else if now >= next_write_check {
+                        next_write_check = now + WRITE_CHECK_EVERY;
+                        let written = tree_size(&spec.upper_dir);
+                        if written > cfg.write_limit_bytes {
+                            stop = Some(ExecError::WriteLimit {
+                                limit_bytes: cfg.write_limit_bytes,
+                                written_bytes: written,
+                            });
+                        }
+                    }
+                    if stop.is_some() {
+                        cgroup.kill_all();
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            // The keeper is gone; anything left (there should be nothing) is killed so the
+            // log pipe closes.
+            cgroup.kill_all();
+            // A thread that panicked has already reported the panic; keep its default.
+            let shaper = reader
+                .join()
+                .unwrap_or_else(|_| LogShaper::new(0, cfg.log_limits, &[]));
+            (stop, shaper)
+        });
+        let (stop, shaper) = outcome;
+        drop(slirp);
+        let events = cgroup.events();
+        drop(cgroup);
+
+        let mut setup_err = String::new();
+        let _ = fs::File::from(err_r).read_to_string(&mut setup_err);
+        let mut status_buf = [0u8; 4];
+        let got_status = fs::File::from(status_r).read_exact(&mut status_buf).is_ok();
+        cleanup_mount_points(spec);
+
+        if let Some(e) = stop {
+            return Err(e);
+        }
+        if !setup_err.is_empty() {
+            return Err(ExecError::Setup(setup_err));
+        }
+        let tail = shaper.tail();
+        if !got_status {
+            return Err(ExecError::Setup(
+                "the step's keeper died without a status".into(),
+            ));
+        }
+        let status = i32::from_ne_bytes(status_buf);
+        if libc::WIFSIGNALED(status) {
+            let signal = libc::WTERMSIG(status);
+            if signal == libc::SIGKILL && events.oom_kills > 0 {
+                return Err(ExecError::MemoryLimit {
+                    limit_bytes: cfg.memory_bytes,
+                    tail,
+                });
+            }
+            return Err(ExecError::Signaled { signal, tail });
+        }
+        let exit_code = libc::WEXITSTATUS(status);
+        if exit_code != 0 {
+            if events.oom_kills > 0 {
+                return Err(ExecError::MemoryLimit {
+                    limit_bytes: cfg.memory_bytes,
+                    tail,
+                });
+            }
+            if events.pids_hits > 0 {
+                return Err(ExecError::PidsLimit {
+                    limit: cfg.pids_max,
+                    exit_code,
+                    tail,
+                });
+            }
+            return Err(ExecError::Failed { exit_code, tail });
+        }
+        let written = tree_size(&spec.upper_dir);
+        if written > cfg.write_limit_bytes {
+            return Err(ExecError::WriteLimit {
+                limit_bytes: cfg.write_limit_bytes,
+                written_bytes: written,
+            });
+        }
+        Ok(StepReport {
+            written_bytes: written,
+            log_truncated: shaper.truncated(),
+            tail,
+        })
+    }
+}
+
+/// Reaps the keeper on every path out of `run`.
+struct KeeperGuard {
+    pid: libc::pid_t,
+    reaped: bool,
+}
+
+impl KeeperGuard {
+    fn try_reap(&mut self) -> bool {
+        if self.reaped {
+            return true;
+        }
+        let mut st = 0;
+        // SAFETY: waitpid on our own child with a valid status pointer.
+        let r = unsafe { libc::waitpid(self.pid, &mut st, libc::WNOHANG) };
+        if r == self.pid || r < 0 {
+            self.reaped = true;
+        }
+        self.reaped
+    }
+
+    fn reap(&mut self) {
+        if self.reaped {
+            return;
+        }
+        // SAFETY: signalling and waiting for our own child.
+        unsafe {
+            libc::kill(self.pid, libc::SIGKILL);
+            let mut st = 0;
+            libc::waitpid(self.pid, &mut st, 0);
+        }
+        self.reaped = true;
+    }
+}
+
+impl Drop for KeeperGuard {
+    fn drop(&mut self) {
+        self.reap();
+    }
+}
+
+struct SlirpGuard(Child);
+
+impl Drop for SlirpGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts slirp4netns for the network namespace of `pid` and waits until it is ready
+/// (`--ready-fd`, slirp4netns(1)). `--disable-host-loopback` keeps the host's 127.0.0.1
+/// out of reach through the gateway address.
+fn start_slirp(program: &Path, pid: libc::pid_t) -> Result<Child, ExecError> {
+    let (ready_r, ready_w) = rustix::pipe::pipe().map_err(|e| io("pipe")(e.into()))?;
+    let ready_fd = ready_w.as_raw_fd();
+    let mut cmd = Command::new(program);
+    cmd.args([
+        "--configure",
+        "--mtu=65520",
+        "--disable-host-loopback",
+        &format!("--ready-fd={ready_fd}"),
+        &pid.to_string(),
+        "tap0",
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| ExecError::Slirp(format!("{}: {e}", program.display())))?;
+    drop(ready_w);
+    let mut b = [0u8; 1];
+    let mut r = fs::File::from(ready_r);
+    if r.read(&mut b).ok() != Some(1) {
+        let _ = child.kill();
+        let out = child.wait_with_output().ok();
+        let msg = out
+            .map(|o| String::from_utf8_lossy(&o.stderr).trim().to_string())
+            .unwrap_or_default();
+        return Err(ExecError::Slirp(format!("not ready: {msg}")));
+    }
+    Ok(child)
+}
+
+/// Removes mount points the executor had to create, when the step left them empty and
+/// no lower layer has them (so they do not end up in the layer).
+fn cleanup_mount_points(spec: &StepSpec) {
+    for mp in MOUNT_POINTS.iter().rev() {
+        if spec
+            .lower_dirs
+            .iter()
+            .any(|l| l.join(mp).symlink_metadata().is_ok())
+        {
+            continue;
+        }
+        let p = spec.upper_dir.join(mp);
+        let Ok(md) = p.symlink_metadata() else {
+            continue;
+        };
+        if md.is_dir() {
+            let _ = fs::remove_dir(&p);
+        } else if md.is_file() && md.len() == 0 {
+            let _ = fs::remove_file(&p);
+        }
+    }
+    // `etc` itself, if we created it and it is now empty.
+    if !spec
+        .lower_dirs
+        .iter()
+        .any(|l| l.join("etc").symlink_metadata().is_ok())
+    {
+        let _ = fs::remove_dir(spec.upper_dir.join("etc"));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Forked side. Everything below runs in the keeper or in pid 1 and never returns.
+
+fn keeper_main(plan: &ChildPlan, fds: &Fds) -> ! {
+    for f in &plan.procs_files {
+        if let Err(e) = fs::write(f, "0") {
+            fail(fds, &format!("joining cgroup {}: {e}", f.display()));
+        }
+    }
+    use rustix::thread::UnshareFlags as U;
+    let mut flags = U::NEWNS | U::NEWPID | U::NEWUTS | U::NEWIPC;
+    if plan.unshare_net {
+        flags |= U::NEWNET;
+    }
+    // SAFETY: the keeper is single-threaded (a fresh fork) and holds no file-table or
+    // fs-struct sharing assumptions.
+    if let Err(e) = unsafe { rustix::thread::unshare_unsafe(flags) } {
+        fail(fds, &format!("unshare: {e}"));
+    }
+    if plan.wait_for_net {
+        write_all_fd(fds.sync_w, b"s");
+        let mut b = [0u8; 1];
+        // SAFETY: reading into a valid one-byte buffer.
+        let n = unsafe { libc::read(fds.go_r, b.as_mut_ptr().cast(), 1) };
+        if n != 1 {
+            fail(fds, "the executor went away before the network was ready");
+        }
+    }
+    // SAFETY: as for the first fork; the keeper is single-threaded.
+    let pid1 = unsafe { libc::fork() };
+    if pid1 < 0 {
+        fail(fds, &format!("fork: {}", std::io::Error::last_os_error()));
+    }
+    if pid1 == 0 {
+        if let Err(msg) = pid1_main(plan, fds) {
+            fail(fds, &msg);
+        }
+        // pid1_main only returns on error; exec replaced us otherwise.
+        fail(fds, "exec returned");
+    }
+    // SAFETY: closing our copies so the log and error pipes close when pid 1 is done.
+    unsafe {
+        libc::close(fds.log_w);
+        libc::close(fds.err_w);
+    }
+    let mut st = 0;
+    loop {
+        // SAFETY: waiting for our own child with a valid status pointer.
+        let r = unsafe { libc::waitpid(pid1, &mut st, 0) };
+        if r == pid1 {
+            break;
+        }
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            // SAFETY: exiting a forked child.
+            unsafe { libc::_exit(SETUP_FAILED) }
+        }
+    }
+    write_all_fd(fds.status_w, &st.to_ne_bytes());
+    // SAFETY: exiting a forked child.
+    unsafe { libc::_exit(0) }
+}
+
+fn cstr(s: &str) -> Result<CString, String> {
+    CString::new(s).map_err(|_| format!("NUL byte in {s:?}"))
+}
+
+fn mnt(
+    src: &str,
+    target: &str,
+    fstype: &str,
+    flags: MountFlags,
+    data: Option<&CStr>,
+) -> Result<(), String> {
+    rustix::mount::mount(src, target, fstype, flags, data)
+        .map_err(|e| format!("mounting {fstype} on {target}: {e}"))
+}
+
+/// Creates `path` (a directory) and its missing parents inside the new root.
+fn mkdir_p(path: &str) -> Result<(), String> {
+    fs::create_dir_all(path).map_err(|e| format!("creating {path}: {e}"))
+}
+
+fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
+    let spec = &plan.spec;
+    use rustix::mount::{mount_bind, mount_change, mount_remount, unmount};
+    mount_change(
+        "/",
+        MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
+    )
+    .map_err(|e| format!("making / private: {e}"))?;
+    let merged = plan.merged.to_str().ok_or("mount point is not UTF-8")?;
+    mnt(
+        "overlay",
+        merged,
+        "overlay",
+        MountFlags::empty(),
+        Some(&plan.overlay_data),
+    )?;
+    // Host-side files to bind in, opened before the host's root goes away.
+    let hosts = fs::File::open(&plan.hosts).map_err(|e| format!("hosts: {e}"))?;
+    let resolv = fs::File::open(&plan.resolv).map_err(|e| format!("resolv.conf: {e}"))?;
+
+    rustix::process::chdir(merged).map_err(|e| format!("chdir: {e}"))?;
+    rustix::process::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
+    unmount(".", UnmountFlags::DETACH).map_err(|e| format!("detaching the old root: {e}"))?;
+    rustix::process::chdir("/").map_err(|e| format!("chdir /: {e}"))?;
+
+    // From here on every path resolves inside the step's root, symlinks included.
+    let nsd = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
+    mkdir_p("/proc")?;
+    mnt("proc", "/proc", "proc", nsd, None)?;
+    for p in [
+        "/proc/sys",
+        "/proc/sysrq-trigger",
+        "/proc/irq",
+        "/proc/bus",
+        "/proc/fs",
+    ] {
+        if Path::new(p).exists() {
+            mount_bind(p, p).map_err(|e| format!("binding {p}: {e}"))?;
+            mount_remount(p, MountFlags::BIND | MountFlags::RDONLY | nsd, "")
+                .map_err(|e| format!("making {p} read-only: {e}"))?;
+        }
+    }
+    mkdir_p("/sys")?;
+    mnt("sysfs", "/sys", "sysfs", nsd | MountFlags::RDONLY, None)?;
+
+    mkdir_p("/dev")?;
+    mnt(
+        "tmpfs",
+        "/dev",
+        "tmpfs",
+        MountFlags::NOSUID,
+        Some(c"mode=755,size=65536k"),
+    )?;
+    for (name, major, minor) in [
+        ("null", 1, 3),
+        ("zero", 1, 5),
+        ("full", 1, 7),
+        ("random", 1, 8),
+        ("urandom", 1, 9),
+        ("tty", 5, 0),
+    ] {
+        let path = format!("/dev/{name}");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            path.as_str(),
+            rustix::fs::FileType::CharacterDevice,
+            rustix::fs::Mode::from_raw_mode(0o666),
+            rustix::fs::makedev(major, minor),
+        )
+        .map_err(|e| format!("mknod {path}: {e}"))?;
+        // mknod is subject to the umask.
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o666))
+            .map_err(|e| format!("chmod {path}: {e}"))?;
+    }
+    mkdir_p("/dev/pts")?;
+    mnt(
+        "devpts",
+        "/dev/pts",
+        "devpts",
+        MountFlags::NOSUID | MountFlags::NOEXEC,
+        Some(c"newinstance,ptmxmode=0666,mode=0620,gid=5"),
+    )?;
+    mkdir_p("/dev/shm")?;
+    mnt(
+        "shm",
+        "/dev/shm",
+        "tmpfs",
+        nsd,
+        Some(c"mode=1777,size=65536k"),
+    )?;
+    for (link, target) in [
+        ("/dev/ptmx", "pts/ptmx"),
+        ("/dev/fd", "/proc/self/fd"),
+        ("/dev/stdin", "/proc/self/fd/0"),
+        ("/dev/stdout", "/proc/self/fd/1"),
+        ("/dev/stderr", "/proc/self/fd/2"),
+    ] {
+        std::os::unix::fs::symlink(target, link).map_err(|e| format!("symlink {link}: {e}"))?;
+    }
+    for f in &spec.files {
+        let path = match &f.path {
+            Some(p) => p.clone(),
+            None => continue,
+        };
+        if let Some(parent) = Path::new(&path).parent() {
+            fs::create_dir_all(parent)
+                .map_err(|e| format!("creating {}: {e}", parent.display()))?;
+        }
+        fs::write(&path, &f.data).map_err(|e| format!("writing {path}: {e}"))?;
+        fs::set_permissions(&path, fs::Permissions::from_mode(f.mode & 0o7777))
+            .map_err(|e| format!("chmod {path}: {e}"))?;
+    }
+
+    for (file, target) in [(&hosts, "/etc/hosts"), (&resolv, "/etc/resolv.conf")] {
+        if fs::metadata(target).is_err() {
+            mkdir_p("/etc")?;
+            fs::File::create(target).map_err(|e| format!("creating {target}: {e}"))?;
+        }
+        let src = format!("/proc/self/fd/{}", file.as_raw_fd());
+        mount_bind(src.as_str(), target).map_err(|e| format!("binding {target}: {e}"))?;
+        mount_remount(target, MountFlags::BIND | MountFlags::RDONLY | nsd, "")
+            .map_err(|e| format!("making {target} read-only: {e}"))?;
+    }
+    drop((hosts, resolv));
+
+    rustix::system::sethostname(plan.hostname.as_bytes())
+        .map_err(|e| format!("sethostname: {e}"))?;
+    if plan.bring_lo_up {
+        loopback_up()?;
+    }
+
+    // USER, resolved in the step's own root.
+    let passwd = fs::read_to_string("/etc/passwd").unwrap_or_default();
+    let group = fs::read_to_string("/etc/group").unwrap_or_default();
+    let user = resolve_user(spec.user.as_deref(), &passwd, &group).map_err(|e| e.to_string())?;
+
+    // WORKDIR: missing directories are created owned by the user.
+    if !spec.workdir.starts_with('/') {
+        return Err(format!("WORKDIR {:?} is not absolute", spec.workdir));
+    }
+    let mut cur = PathBuf::from("/");
+    for comp in Path::new(&spec.workdir).components().skip(1) {
+        cur.push(comp);
+        if fs::metadata(&cur).is_err() {
+            fs::create_dir(&cur).map_err(|e| format!("creating WORKDIR {}: {e}", cur.display()))?;
+            std::os::unix::fs::chown(&cur, Some(user.uid), Some(user.gid))
+                .map_err(|e| format!("chown {}: {e}", cur.display()))?;
+        }
+    }
+    rustix::process::chdir(spec.workdir.as_str())
+        .map_err(|e| format!("chdir {}: {e}", spec.workdir))?;
+
+    // Environment: the spec's, PATH and HOME defaulted.
+    let mut env: Vec<(String, String)> = Vec::new();
+    for kv in &spec.env {
+        let (k, v) = kv.split_once('=').unwrap_or((kv.as_str(), ""));
+        env.retain(|(ek, _)| ek != k);
+        env.push((k.to_string(), v.to_string()));
+    }
+    if !env.iter().any(|(k, _)| k == "PATH") {
+        env.push(("PATH".into(), DEFAULT_PATH.into()));
+    }
+    if !env.iter().any(|(k, _)| k == "HOME") {
+        env.push(("HOME".into(), user.home.clone()));
+    }
+    let path_var = env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default();
+    let program = find_program(&spec.argv[0], &path_var)?;
+    let c_prog = cstr(&program)?;
+    let c_argv: Vec<CString> = spec
+        .argv
+        .iter()
+        .map(|a| cstr(a))
+        .collect::<Result<_, _>>()?;
+    let c_env: Vec<CString> = env
+        .iter()
+        .map(|(k, v)| cstr(&format!("{k}={v}")))
+        .collect::<Result<_, _>>()?;
+
+    // stdio: stdin from /dev/null, stdout and stderr into the log pipe.
+    let devnull = fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?;
+    // SAFETY: dup2 onto the standard descriptors of this single-threaded process.
+    unsafe {
+        if libc::dup2(devnull.as_raw_fd(), 0) < 0
+            || libc::dup2(fds.log_w, 1) < 0
+            || libc::dup2(fds.log_w, 2) < 0
+        {
+            return Err(format!("dup2: {}", std::io::Error::last_os_error()));
+        }
+    }
+    drop(devnull);
+
+    // Capabilities: Docker's default set in the bounding, permitted, effective and
+    // inheritable sets, no ambient ones.
+    use rustix::thread::{CapabilitySet, CapabilitySets};
+    let last_cap: u32 = fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(40);
+    for cap in 0..=last_cap.min(63) {
+        if DEFAULT_CAPABILITIES & (1u64 << cap) == 0 {
+            match rustix::thread::remove_capability_from_bounding_set(
+                CapabilitySet::from_bits_retain(1u64 << cap),
+            ) {
+                Ok(()) | Err(rustix::io::Errno::INVAL) => {}
+                Err(e) => return Err(format!("dropping capability {cap}: {e}")),
+            }
+        }
+    }
+    let _ = rustix::thread::clear_ambient_capability_set();
+    let set = CapabilitySet::from_bits_retain(DEFAULT_CAPABILITIES);
+    rustix::thread::set_capabilities(
+        None,
+        CapabilitySets {
+            effective: set,
+            permitted: set,
+            inheritable: set,
+        },
+    )
+    .map_err(|e| format!("capset: {e}"))?;
+
+    let groups: Vec<rustix::fs::Gid> = user
+        .groups
+        .iter()
+        .map(|&g| rustix::fs::Gid::from_raw(g))
+        .collect();
+    rustix::thread::set_thread_groups(&groups).map_err(|e| format!("setgroups: {e}"))?;
+    rustix::thread::set_thread_res_gid(
+        rustix::fs::Gid::from_raw(user.gid),
+        rustix::fs::Gid::from_raw(user.gid),
+        rustix::fs::Gid::from_raw(user.gid),
+    )
+    .map_err(|e| format!("setgid {}: {e}", user.gid))?;
+    rustix::thread::set_thread_res_uid(
+        rustix::fs::Uid::from_raw(user.uid),
+        rustix::fs::Uid::from_raw(user.uid),
+        rustix::fs::Uid::from_raw(user.uid),
+    )
+    .map_err(|e| format!("setuid {}: {e}", user.uid))?;
+    rustix::thread::set_no_new_privs(true).map_err(|e| format!("no_new_privs: {e}"))?;
+
+    let mut argv_p: Vec<*const libc::c_char> = c_argv.iter().map(|c| c.as_ptr()).collect();
+    argv_p.push(std::ptr::null());
+    let mut env_p: Vec<*const libc::c_char> = c_env.iter().map(|c| c.as_ptr()).collect();
+    env_p.push(std::ptr::null());
+    // SAFETY: NUL-terminated arrays of pointers into CStrings that outlive the call.
+    unsafe {
+        libc::execve(c_prog.as_ptr(), argv_p.as_ptr(), env_p.as_ptr());
+    }
+    Err(format!(
+        "exec {program}: {}",
+        std::io::Error::last_os_error()
+    ))
+}
+
+/// `argv[0]` as execvp(3) would find it in `path`.
+fn find_program(name: &str, path: &str) -> Result<String, String> {
+    if name.contains('/') {
+        return Ok(name.to_string());
+    }
+    for dir in path.split(':').filter(|d| !d.is_empty()) {
+        let cand = format!("{dir}/{name}");
+        if let Ok(md) = fs::metadata(&cand)
+            && md.is_file()
+            && md.mode() & 0o111 != 0
+        {
+            return Ok(cand);
+        }
+    }
+    Err(format!("{name}: not found in PATH {path:?}"))
+}
+
+/// Brings `lo` up in the current network namespace (SIOCSIFFLAGS, netdevice(7)).
+fn loopback_up() -> Result<(), String> {
+    // SAFETY: socket(2) with constant arguments.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(format!("socket: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a fresh descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain old data; all-zero is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (i, b) in b"lo".iter().enumerate() {
+        req.ifr_name[i] = *b as libc::c_char;
+    }
+    // SAFETY: ioctl with a valid ifreq for SIOCGIFFLAGS / SIOCSIFFLAGS.
+    unsafe {
+        if libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) < 0 {
+            return Err(format!(
+                "SIOCGIFFLAGS lo: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+        if libc::ioctl(fd.as_raw_fd(), libc::SIOCSIFFLAGS, &req) < 0 {
+            return Err(format!(
+                "SIOCSIFFLAGS lo: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlay_paths_refuse_option_syntax() {
+        assert!(overlay_path(Path::new("/a/b")).is_ok());
+        assert!(overlay_path(Path::new("/a:b")).is_err());
+        assert!(overlay_path(Path::new("/a,upperdir=/x")).is_err());
+        assert!(overlay_path(Path::new("relative")).is_err());
+    }
+
+    #[test]
+    fn program_lookup() {
+        assert_eq!(find_program("/bin/x", "").unwrap(), "/bin/x");
+        assert!(find_program("definitely-not-here", "/nonexistent").is_err());
+        assert_eq!(find_program("sh", "/nonexistent:/bin").unwrap(), "/bin/sh");
+    }
+
+    #[test]
+    fn tree_size_counts_files() {
+        let d = tempfile::tempdir().unwrap();
+        fs::create_dir(d.path().join("a")).unwrap();
+        fs::write(d.path().join("a/f"), vec![0u8; 1000]).unwrap();
+        assert!(tree_size(d.path()) >= 1000);
+    }
+}

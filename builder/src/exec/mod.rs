@@ -1,0 +1,437 @@
+//! Isolated execution of one `RUN` step (issue 5).
+//!
+//! A step runs on an overlayfs whose lower directories are the parent's unpacked layers
+//! (topmost first) and whose upper directory is fresh: what the command writes lands in
+//! [`StepSpec::upper_dir`], which the caller turns into a layer. The isolation itself sits
+//! behind [`StepExecutor`]:
+//!
+//! - [`LinuxExecutor`] (module `linux`): the real one. New mount, pid, uts, ipc and network
+//!   namespaces, `pivot_root`, fresh `/proc` (with `/proc/sys` and friends read-only), a
+//!   minimal `/dev`, read-only `/sys`, hostname, `/etc/hosts` and `/etc/resolv.conf`, `USER`
+//!   ([`user`]), `WORKDIR`, `ENV`, Docker's default capabilities, `no_new_privs`, a cgroup
+//!   ([`cgroup`]) for the memory and pids limits, a timeout, a write limit, and logs shaped by
+//!   [`logs`]. Needs root.
+//! - [`RecordingExecutor`]: a recording fake that runs nothing and returns scripted results,
+//!   for fast unit tests of whatever drives the executor.
+//!
+//! Every mount lives in the step's own mount namespace, which dies with its last process,
+//! so nothing is left mounted on the host whatever the outcome; the step's cgroup is killed
+//! and removed before [`StepExecutor::run`] returns.
+
+pub mod cgroup;
+mod linux;
+pub mod logs;
+pub mod user;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use kiln_recipes::plan::{Action, InlineFile, Network, Step};
+
+pub use cgroup::{CgroupError, CgroupLayout};
+pub use linux::LinuxExecutor;
+pub use logs::{LogLimits, LogLine};
+pub use user::{ExecUser, UserError};
+
+/// Docker's default capability set (moby `oci/caps/defaults.go`): CHOWN, DAC_OVERRIDE,
+/// FOWNER, FSETID, KILL, SETGID, SETUID, SETPCAP, NET_BIND_SERVICE, NET_RAW, SYS_CHROOT,
+/// MKNOD, AUDIT_WRITE, SETFCAP, as a bit mask by capability number (linux/capability.h).
+/// A root step shows it as `CapEff: 00000000a80425fb` in `/proc/self/status`.
+pub const DEFAULT_CAPABILITIES: u64 = (1 << 0)
+    | (1 << 1)
+    | (1 << 3)
+    | (1 << 4)
+    | (1 << 5)
+    | (1 << 6)
+    | (1 << 7)
+    | (1 << 8)
+    | (1 << 10)
+    | (1 << 13)
+    | (1 << 18)
+    | (1 << 27)
+    | (1 << 29)
+    | (1 << 31);
+
+/// Default per-step write limit, bytes (10 GiB): the apparent size of the upper directory.
+pub const DEFAULT_WRITE_LIMIT_BYTES: u64 = 10 << 30;
+/// Default per-step limit on tasks (processes and threads).
+pub const DEFAULT_PIDS_MAX: u64 = 4096;
+/// The hostname every step sees (DESIGN.md: sandboxes are `runtime-guest`).
+pub const DEFAULT_HOSTNAME: &str = "runtime-guest";
+
+/// How the executor is set up (one per build or per process).
+#[derive(Debug, Clone)]
+pub struct ExecConfig {
+    /// Memory limit of a step, bytes (default 1 GiB, DESIGN.md "Build limits").
+    pub memory_bytes: u64,
+    /// Maximum tasks in a step (default [`DEFAULT_PIDS_MAX`]).
+    pub pids_max: u64,
+    /// Maximum bytes a step may write (apparent size of its upper directory, checked about
+    /// every second while it runs and once after; default [`DEFAULT_WRITE_LIMIT_BYTES`]).
+    pub write_limit_bytes: u64,
+    /// Whether `RUN --network=host` is allowed (`--allow network.host`).
+    pub allow_network_host: bool,
+    /// Hostname inside steps.
+    pub hostname: String,
+    /// Parent of the per-step cgroups, relative to each hierarchy (default `kiln`).
+    pub cgroup_parent: String,
+    /// Directory for per-step scratch (mount point, hosts files); default
+    /// `$TMPDIR/kiln-exec`. Must not contain `:` or `,` (overlayfs option syntax).
+    pub run_dir: PathBuf,
+    /// Log limits.
+    pub log_limits: LogLimits,
+    /// The `slirp4netns` program for [`Network::Default`].
+    pub slirp4netns: PathBuf,
+}
+
+impl Default for ExecConfig {
+    fn default() -> Self {
+        ExecConfig {
+            memory_bytes: kiln_recipes::plan::DEFAULT_MEMORY_MIB << 20,
+            pids_max: DEFAULT_PIDS_MAX,
+            write_limit_bytes: DEFAULT_WRITE_LIMIT_BYTES,
+            allow_network_host: false,
+            hostname: DEFAULT_HOSTNAME.to_string(),
+            cgroup_parent: "kiln".to_string(),
+            run_dir: std::env::temp_dir().join("kiln-exec"),
+            log_limits: LogLimits::default(),
+            slirp4netns: PathBuf::from("slirp4netns"),
+        }
+    }
+}
+
+/// Everything one `RUN` step needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepSpec {
+    /// The step's index, carried by every [`LogLine`].
+    pub index: usize,
+    /// Lower directories, topmost first (overlayfs `lowerdir` order); empty for `scratch`.
+    pub lower_dirs: Vec<PathBuf>,
+    /// Fresh, empty upper directory: receives what the step writes.
+    pub upper_dir: PathBuf,
+    /// Empty overlayfs work directory on the same filesystem as `upper_dir`.
+    pub work_dir: PathBuf,
+    /// argv (shell form already wrapped in the shell by the plan).
+    pub argv: Vec<String>,
+    /// Environment, `KEY=value`; later entries win. `PATH` defaults to
+    /// [`kiln_recipes::plan::DEFAULT_PATH`] and `HOME` to the user's home.
+    pub env: Vec<String>,
+    /// `USER` (`None`: root).
+    pub user: Option<String>,
+    /// Working directory (absolute); missing directories are created, owned by the user.
+    pub workdir: String,
+    /// Heredoc files written before the command (under `/dev/pipes/` they stay out of the
+    /// layer).
+    pub files: Vec<InlineFile>,
+    /// Network mode.
+    pub network: Network,
+    /// Values redacted from the logs.
+    pub secrets: Vec<String>,
+    /// Time this step may run (what is left of the build's timeout).
+    pub timeout: Duration,
+}
+
+impl StepSpec {
+    /// A spec for plan step `step` (a `RUN`), numbered `index`, over `lower_dirs` (topmost
+    /// first), writing to `upper_dir` with `work_dir`. Errors: not a `RUN`, or `RUN --mount`
+    /// (not yet supported here).
+    pub fn from_plan(
+        index: usize,
+        step: &Step,
+        lower_dirs: Vec<PathBuf>,
+        upper_dir: PathBuf,
+        work_dir: PathBuf,
+        timeout: Duration,
+    ) -> Result<StepSpec, ExecError> {
+        let Action::Run(run) = &step.action else {
+            return Err(ExecError::Unsupported("only RUN steps are executed".into()));
+        };
+        if !run.mounts.is_empty() {
+            return Err(ExecError::Unsupported(
+                "RUN --mount is not supported by the executor yet".into(),
+            ));
+        }
+        Ok(StepSpec {
+            index,
+            lower_dirs,
+            upper_dir,
+            work_dir,
+            argv: run.argv.clone(),
+            env: step.context.env.clone(),
+            user: step.context.user.clone(),
+            workdir: step.context.workdir.clone(),
+            files: run.files.clone(),
+            network: run.network,
+            secrets: Vec::new(),
+            timeout,
+        })
+    }
+}
+
+/// A step that ran to completion with exit code 0.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StepReport {
+    /// Apparent size of the upper directory after the step, bytes.
+    pub written_bytes: u64,
+    /// Whether the log hit its total limit.
+    pub log_truncated: bool,
+    /// The last lines of the log (at most [`logs::TAIL_LINES`]).
+    pub tail: Vec<String>,
+}
+
+/// A step that did not succeed.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// Something the executor does not do (yet).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// `--network=host` without the entitlement.
+    #[error("RUN --network=host needs the network.host entitlement (--allow network.host)")]
+    NetworkHostRefused,
+    /// The step's argv is empty.
+    #[error("step has an empty command")]
+    EmptyCommand,
+    /// A path the executor cannot hand to overlayfs.
+    #[error("path {0:?} cannot be used in overlayfs options (contains ':' or ',', or too long)")]
+    BadPath(PathBuf),
+    /// Setting up the isolated root failed (message from inside the step's namespaces).
+    #[error("step setup failed: {0}")]
+    Setup(String),
+    /// A host-side operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The step's cgroup could not be made.
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    /// slirp4netns did not come up.
+    #[error("network: slirp4netns: {0}")]
+    Slirp(String),
+    /// The command exited non-zero.
+    #[error("command exited with code {exit_code}")]
+    Failed {
+        /// Exit code.
+        exit_code: i32,
+        /// Last log lines.
+        tail: Vec<String>,
+    },
+    /// The command was killed by a signal (not a limit of ours).
+    #[error("command killed by signal {signal}")]
+    Signaled {
+        /// Signal number.
+        signal: i32,
+        /// Last log lines.
+        tail: Vec<String>,
+    },
+    /// The memory limit was hit and the kernel killed the step.
+    #[error("memory limit of {limit_bytes} bytes exceeded (killed by the OOM killer)")]
+    MemoryLimit {
+        /// The limit, bytes.
+        limit_bytes: u64,
+        /// Last log lines.
+        tail: Vec<String>,
+    },
+    /// The pids limit refused a fork and the command failed.
+    #[error("pids limit of {limit} tasks reached (command exited with code {exit_code})")]
+    PidsLimit {
+        /// The limit, tasks.
+        limit: u64,
+        /// Exit code.
+        exit_code: i32,
+        /// Last log lines.
+        tail: Vec<String>,
+    },
+    /// The step wrote more than allowed.
+    #[error("write limit of {limit_bytes} bytes exceeded ({written_bytes} bytes written)")]
+    WriteLimit {
+        /// The limit, bytes.
+        limit_bytes: u64,
+        /// What the upper directory held when checked, bytes.
+        written_bytes: u64,
+    },
+    /// The timeout passed; the step was killed.
+    #[error("timeout of {}s exceeded", .after.as_secs())]
+    Timeout {
+        /// The step's timeout.
+        after: Duration,
+    },
+    /// The caller cancelled the step; it was killed.
+    #[error("cancelled")]
+    Cancelled,
+}
+
+/// Something that runs one `RUN` step in isolation.
+pub trait StepExecutor: Send + Sync {
+    /// Runs `spec`, sending each log line to `sink` as it comes. Returns when the step and
+    /// every process it started are gone. Setting `cancel` kills the step
+    /// ([`ExecError::Cancelled`]).
+    fn run(
+        &self,
+        spec: &StepSpec,
+        cancel: &AtomicBool,
+        sink: &mut (dyn FnMut(LogLine) + Send),
+    ) -> Result<StepReport, ExecError>;
+}
+
+/// A scripted result for [`RecordingExecutor`].
+pub type Scripted = Box<dyn Fn(&StepSpec) -> Result<StepReport, ExecError> + Send + Sync>;
+
+/// A recording fake: runs nothing, records every spec, emits the argv as one log line, and
+/// answers with the script (default: success).
+#[derive(Default)]
+pub struct RecordingExecutor {
+    /// Specs received, in order.
+    pub recorded: Arc<Mutex<Vec<StepSpec>>>,
+    script: Option<Scripted>,
+}
+
+impl RecordingExecutor {
+    /// A fake whose every step succeeds.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A fake answering with `script`.
+    pub fn with_script(script: Scripted) -> Self {
+        RecordingExecutor {
+            recorded: Arc::default(),
+            script: Some(script),
+        }
+    }
+
+    /// The specs received so far.
+    pub fn specs(&self) -> Vec<StepSpec> {
+        // A poisoned lock only means a test panicked while holding it.
+        self.recorded.lock().map(|v| v.clone()).unwrap_or_default()
+    }
+}
+
+impl StepExecutor for RecordingExecutor {
+    fn run(
+        &self,
+        spec: &StepSpec,
+        _cancel: &AtomicBool,
+        sink: &mut (dyn FnMut(LogLine) + Send),
+    ) -> Result<StepReport, ExecError> {
+        if let Ok(mut v) = self.recorded.lock() {
+            v.push(spec.clone());
+        }
+        sink(LogLine {
+            step: spec.index,
+            text: spec.argv.join(" "),
+        });
+        match &self.script {
+            Some(f) => f(spec),
+            None => Ok(StepReport::default()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_recipes::plan::{CommandForm, RunStep, Security, SourceLocation, StepContext};
+
+    fn run_step(mounts: bool) -> Step {
+        Step {
+            location: SourceLocation {
+                file: "Dockerfile".into(),
+                start_line: 3,
+                end_line: 3,
+            },
+            action: Action::Run(RunStep {
+                form: CommandForm::Shell,
+                argv: vec!["/bin/sh".into(), "-c".into(), "echo hi".into()],
+                files: vec![],
+                mounts: if mounts {
+                    vec![kiln_recipes::plan::Mount::Tmpfs {
+                        target: "/t".into(),
+                        size: None,
+                    }]
+                } else {
+                    vec![]
+                },
+                network: Network::None,
+                security: Security::Sandbox,
+            }),
+            context: StepContext {
+                env: vec!["A=1".into()],
+                user: Some("1000".into()),
+                workdir: "/w".into(),
+                shell: vec!["/bin/sh".into(), "-c".into()],
+            },
+        }
+    }
+
+    #[test]
+    fn spec_from_plan() {
+        let s = StepSpec::from_plan(
+            2,
+            &run_step(false),
+            vec!["/l".into()],
+            "/u".into(),
+            "/w".into(),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert_eq!(s.argv[2], "echo hi");
+        assert_eq!(s.user.as_deref(), Some("1000"));
+        assert_eq!(s.workdir, "/w");
+        assert_eq!(s.network, Network::None);
+        assert!(matches!(
+            StepSpec::from_plan(
+                2,
+                &run_step(true),
+                vec![],
+                "/u".into(),
+                "/w".into(),
+                Duration::ZERO
+            ),
+            Err(ExecError::Unsupported(_))
+        ));
+    }
+
+    #[test]
+    fn recording_executor_records_and_scripts() {
+        let fake = RecordingExecutor::with_script(Box::new(|s: &StepSpec| {
+            if s.index == 1 {
+                Err(ExecError::Failed {
+                    exit_code: 3,
+                    tail: vec![],
+                })
+            } else {
+                Ok(StepReport::default())
+            }
+        }));
+        let step = run_step(false);
+        let cancel = AtomicBool::new(false);
+        let mut lines = Vec::new();
+        for i in 0..2 {
+            let spec = StepSpec::from_plan(
+                i,
+                &step,
+                vec![],
+                "/u".into(),
+                "/w".into(),
+                Duration::from_secs(1),
+            )
+            .unwrap();
+            let r = fake.run(&spec, &cancel, &mut |l| lines.push(l));
+            assert_eq!(r.is_ok(), i == 0);
+        }
+        assert_eq!(fake.specs().len(), 2);
+        assert_eq!(lines[1].step, 1);
+    }
+
+    #[test]
+    fn docker_default_caps_mask() {
+        assert_eq!(DEFAULT_CAPABILITIES, 0xa80425fb);
+    }
+}
