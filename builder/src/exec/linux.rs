@@ -617,9 +617,26 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         MountFlags::empty(),
         Some(&plan.overlay_data),
     )?;
-    // Host-side files to bind in, opened before the host's root goes away.
-    let hosts = fs::File::open(&plan.hosts).map_err(|e| format!("hosts: {e}"))?;
-    let resolv = fs::File::open(&plan.resolv).map_err(|e| format!("resolv.conf: {e}"))?;
+    // /etc/hosts and /etc/resolv.conf, bound in before the host's root goes away; the
+    // targets are resolved inside the new root (RESOLVE_IN_ROOT), so a symlink in the image
+    // cannot point the bind at a host path.
+    let nsd = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
+    let root_fd = rustix::fs::open(
+        merged,
+        rustix::fs::OFlags::PATH | rustix::fs::OFlags::DIRECTORY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| format!("opening the new root: {e}"))?;
+    for (src, target) in [
+        (&plan.hosts, "etc/hosts"),
+        (&plan.resolv, "etc/resolv.conf"),
+    ] {
+        let fd = open_in_root(&root_fd, target)?;
+        let fd_path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+        mount_bind(src.as_path(), fd_path.as_str())
+            .map_err(|e| format!("binding /{target}: {e}"))?;
+    }
+    drop(root_fd);
 
     rustix::process::chdir(merged).map_err(|e| format!("chdir: {e}"))?;
     rustix::process::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
@@ -627,7 +644,6 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
     rustix::process::chdir("/").map_err(|e| format!("chdir /: {e}"))?;
 
     // From here on every path resolves inside the step's root, symlinks included.
-    let nsd = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC;
     mkdir_p("/proc")?;
     mnt("proc", "/proc", "proc", nsd, None)?;
     for p in [
@@ -642,6 +658,10 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
             mount_remount(p, MountFlags::BIND | MountFlags::RDONLY | nsd, "")
                 .map_err(|e| format!("making {p} read-only: {e}"))?;
         }
+    }
+    for target in ["/etc/hosts", "/etc/resolv.conf"] {
+        mount_remount(target, MountFlags::BIND | MountFlags::RDONLY | nsd, "")
+            .map_err(|e| format!("making {target} read-only: {e}"))?;
     }
     mkdir_p("/sys")?;
     mnt("sysfs", "/sys", "sysfs", nsd | MountFlags::RDONLY, None)?;
@@ -713,18 +733,6 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         fs::set_permissions(&path, fs::Permissions::from_mode(f.mode & 0o7777))
             .map_err(|e| format!("chmod {path}: {e}"))?;
     }
-
-    for (file, target) in [(&hosts, "/etc/hosts"), (&resolv, "/etc/resolv.conf")] {
-        if fs::metadata(target).is_err() {
-            mkdir_p("/etc")?;
-            fs::File::create(target).map_err(|e| format!("creating {target}: {e}"))?;
-        }
-        let src = format!("/proc/self/fd/{}", file.as_raw_fd());
-        mount_bind(src.as_str(), target).map_err(|e| format!("binding {target}: {e}"))?;
-        mount_remount(target, MountFlags::BIND | MountFlags::RDONLY | nsd, "")
-            .map_err(|e| format!("making {target} read-only: {e}"))?;
-    }
-    drop((hosts, resolv));
 
     rustix::system::sethostname(plan.hostname.as_bytes())
         .map_err(|e| format!("sethostname: {e}"))?;
@@ -857,6 +865,60 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         "exec {program}: {}",
         std::io::Error::last_os_error()
     ))
+}
+
+/// Opens `rel` (a file, `O_PATH`) inside the root `root`, creating it empty (and `etc`)
+/// when missing; symlinks resolve inside `root`.
+fn open_in_root(root: &OwnedFd, rel: &str) -> Result<OwnedFd, String> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags, openat, openat2};
+    let path_flags = OFlags::PATH | OFlags::CLOEXEC;
+    match openat2(root, rel, path_flags, Mode::empty(), ResolveFlags::IN_ROOT) {
+        Ok(fd) => return Ok(fd),
+        Err(rustix::io::Errno::NOENT) => {}
+        Err(e) => return Err(format!("opening /{rel}: {e}")),
+    }
+    let (dir, name) = rel.rsplit_once('/').unwrap_or((".", rel));
+    let dir_fd = match openat2(
+        root,
+        dir,
+        path_flags | OFlags::DIRECTORY,
+        Mode::empty(),
+        ResolveFlags::IN_ROOT,
+    ) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => {
+            rustix::fs::mkdirat(root, dir, Mode::from_raw_mode(0o755))
+                .map_err(|e| format!("creating /{dir}: {e}"))?;
+            openat2(
+                root,
+                dir,
+                path_flags | OFlags::DIRECTORY,
+                Mode::empty(),
+                ResolveFlags::IN_ROOT,
+            )
+            .map_err(|e| format!("opening /{dir}: {e}"))?
+        }
+        Err(e) => return Err(format!("opening /{dir}: {e}")),
+    };
+    // A dangling symlink is not followed: O_EXCL | O_NOFOLLOW refuse it.
+    let dir_rw = openat2(
+        root,
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::IN_ROOT,
+    )
+    .map_err(|e| format!("opening /{dir}: {e}"))?;
+    drop(dir_fd);
+    openat(
+        &dir_rw,
+        name,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o644),
+    )
+    .map_err(|e| format!("creating /{rel}: {e}"))?;
+    openat2(root, rel, path_flags, Mode::empty(), ResolveFlags::IN_ROOT)
+        .map_err(|e| format!("opening /{rel}: {e}"))
 }
 
 /// `argv[0]` as execvp(3) would find it in `path`.

@@ -1,0 +1,474 @@
+//! The real step executor as root on a busybox root filesystem built from Debian's
+//! `busybox-static` (installed by `ci/setup.sh`): effects, isolation, limits, and that
+//! nothing (mount, process, cgroup) is left behind on any outcome.
+
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use kiln_builder::exec::{
+    ExecConfig, ExecError, LinuxExecutor, LogLine, StepExecutor, StepReport, StepSpec,
+};
+use kiln_recipes::plan::{InlineFile, Network};
+
+const BUSYBOX: &str = "/usr/bin/busybox";
+
+struct Fixture {
+    _tmp: tempfile::TempDir,
+    root: PathBuf,
+    upper: PathBuf,
+    work: PathBuf,
+    run_dir: PathBuf,
+    cgroup_parent: String,
+}
+
+fn fixture(name: &str) -> Fixture {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "the executor tests need root (CI runs them as root)"
+    );
+    assert!(
+        Path::new(BUSYBOX).exists(),
+        "{BUSYBOX} missing: run ci/setup.sh (installs busybox-static)"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("rootfs");
+    for d in ["bin", "etc", "home/alice", "tmp"] {
+        fs::create_dir_all(root.join(d)).unwrap();
+    }
+    fs::copy(BUSYBOX, root.join("bin/busybox")).unwrap();
+    let list = std::process::Command::new(BUSYBOX)
+        .arg("--list")
+        .output()
+        .unwrap();
+    for applet in String::from_utf8(list.stdout).unwrap().lines() {
+        if applet != "busybox" {
+            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+        }
+    }
+    fs::write(
+        root.join("etc/passwd"),
+        "root:x:0:0:root:/root:/bin/sh\nalice:x:1000:1000:Alice:/home/alice:/bin/sh\n",
+    )
+    .unwrap();
+    fs::write(
+        root.join("etc/group"),
+        "root:x:0:\nalice:x:1000:\nwheel:x:10:alice\n",
+    )
+    .unwrap();
+    std::os::unix::fs::chown(root.join("home/alice"), Some(1000), Some(1000)).unwrap();
+    let upper = tmp.path().join("upper");
+    let work = tmp.path().join("work");
+    fs::create_dir(&upper).unwrap();
+    fs::create_dir(&work).unwrap();
+    let run_dir = tmp.path().join("run");
+    Fixture {
+        root,
+        upper,
+        work,
+        run_dir,
+        cgroup_parent: format!("kiln-test-{name}-{}", std::process::id()),
+        _tmp: tmp,
+    }
+}
+
+impl Fixture {
+    fn config(&self) -> ExecConfig {
+        ExecConfig {
+            run_dir: self.run_dir.clone(),
+            cgroup_parent: self.cgroup_parent.clone(),
+            ..ExecConfig::default()
+        }
+    }
+
+    fn spec(&self, script: &str) -> StepSpec {
+        StepSpec {
+            index: 7,
+            lower_dirs: vec![self.root.clone()],
+            upper_dir: self.upper.clone(),
+            work_dir: self.work.clone(),
+            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            env: vec![],
+            user: None,
+            workdir: "/".into(),
+            files: vec![],
+            network: Network::None,
+            secrets: vec![],
+            timeout: Duration::from_secs(120),
+        }
+    }
+
+    /// Runs and checks nothing is left behind.
+    fn run_with(
+        &self,
+        config: ExecConfig,
+        spec: &StepSpec,
+        cancel: &AtomicBool,
+    ) -> (Result<StepReport, ExecError>, Vec<String>) {
+        let exec = LinuxExecutor::new(config);
+        let mut lines = Vec::new();
+        let r = exec.run(spec, cancel, &mut |l: LogLine| {
+            assert_eq!(l.step, 7);
+            lines.push(l.text)
+        });
+        self.assert_clean();
+        (r, lines)
+    }
+
+    fn run(&self, spec: &StepSpec) -> (Result<StepReport, ExecError>, Vec<String>) {
+        self.run_with(self.config(), spec, &AtomicBool::new(false))
+    }
+
+    fn assert_clean(&self) {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let tmp = self._tmp.path().to_str().unwrap();
+        assert!(
+            !mountinfo.contains(tmp),
+            "mount left behind:\n{}",
+            mountinfo
+                .lines()
+                .filter(|l| l.contains(tmp))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        // Every step cgroup removed, so no process is left in one.
+        for ctrl in ["memory", "pids", "unified", ""] {
+            let parent = Path::new("/sys/fs/cgroup")
+                .join(ctrl)
+                .join(&self.cgroup_parent);
+            if let Ok(rd) = fs::read_dir(&parent) {
+                let left: Vec<_> = rd
+                    .flatten()
+                    .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
+                    .map(|e| e.path())
+                    .collect();
+                assert!(left.is_empty(), "cgroups left behind: {left:?}");
+            }
+        }
+        assert!(
+            fs::read_dir(&self.run_dir)
+                .map(|rd| rd.count() == 0)
+                .unwrap_or(true),
+            "scratch left in the run directory"
+        );
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        for ctrl in ["memory", "pids", ""] {
+            let _ = fs::remove_dir(
+                Path::new("/sys/fs/cgroup")
+                    .join(ctrl)
+                    .join(&self.cgroup_parent),
+            );
+        }
+    }
+}
+
+fn upper_entries(f: &Fixture) -> Vec<String> {
+    let mut v: Vec<String> = fs::read_dir(&f.upper)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn write_lands_in_upper_and_mount_points_do_not() {
+    let f = fixture("upper");
+    let (r, lines) = f.run(&f.spec("echo hello > /out.txt && echo done"));
+    let report = r.unwrap();
+    assert_eq!(lines, vec!["done"]);
+    assert_eq!(
+        fs::read_to_string(f.upper.join("out.txt")).unwrap(),
+        "hello\n"
+    );
+    // proc, sys, dev and etc/hosts were created as mount points; none is in the layer.
+    assert_eq!(upper_entries(&f), vec!["out.txt"]);
+    assert!(report.written_bytes >= 6);
+    // The lower layer is untouched.
+    assert!(!f.root.join("out.txt").exists());
+}
+
+#[test]
+fn user_workdir_env() {
+    let f = fixture("user");
+    let mut spec = f.spec("id -u; id -g; id -G; pwd; echo \"$FOO|$HOME|$PATH\"; touch here");
+    spec.user = Some("alice".into());
+    spec.workdir = "/work/a/b".into();
+    spec.env = vec!["FOO=1".into(), "FOO=bar baz".into()];
+    let (r, lines) = f.run(&spec);
+    r.unwrap();
+    assert_eq!(
+        lines,
+        vec![
+            "1000",
+            "1000",
+            "1000 10",
+            "/work/a/b",
+            "bar baz|/home/alice|/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        ]
+    );
+    for d in ["work", "work/a", "work/a/b"] {
+        let md = fs::metadata(f.upper.join(d)).unwrap();
+        assert_eq!((md.uid(), md.gid()), (1000, 1000), "{d}");
+    }
+    assert_eq!(
+        fs::metadata(f.upper.join("work/a/b/here")).unwrap().uid(),
+        1000
+    );
+
+    // A numeric user unknown to /etc/passwd runs with gid = uid.
+    let f = fixture("user2");
+    let mut spec = f.spec("id -u; id -g");
+    spec.user = Some("4242".into());
+    let (r, lines) = f.run(&spec);
+    r.unwrap();
+    assert_eq!(lines, vec!["4242", "4242"]);
+
+    // An unknown name is a setup error naming it.
+    let f = fixture("user3");
+    let mut spec = f.spec("true");
+    spec.user = Some("mallory".into());
+    let (r, _) = f.run(&spec);
+    let e = r.unwrap_err();
+    assert!(
+        matches!(e, ExecError::Setup(ref m) if m.contains("mallory")),
+        "{e}"
+    );
+}
+
+#[test]
+fn exec_form_heredoc_files_hostname_dev() {
+    let f = fixture("exec");
+    let mut spec = f.spec("");
+    spec.argv = vec!["sh".into(), "/dev/pipes/EOF".into()];
+    spec.files = vec![InlineFile {
+        name: "EOF".into(),
+        data: "hostname\nls /dev | tr '\\n' ' '\necho\necho x > /dev/null && echo null-ok\n".into(),
+        path: Some("/dev/pipes/EOF".into()),
+        mode: 0o644,
+    }];
+    let (r, lines) = f.run(&spec);
+    r.unwrap();
+    assert_eq!(lines[0], "runtime-guest");
+    for d in [
+        "full", "null", "pts", "ptmx", "random", "shm", "tty", "urandom", "zero", "pipes",
+    ] {
+        assert!(
+            lines[1].split(' ').any(|x| x == d),
+            "{d} missing: {}",
+            lines[1]
+        );
+    }
+    assert_eq!(lines[2], "null-ok");
+    // Heredoc files live on /dev's tmpfs, not in the layer.
+    assert!(upper_entries(&f).is_empty(), "{:?}", upper_entries(&f));
+}
+
+#[test]
+fn failing_command_reports_exit_code_and_tail() {
+    let f = fixture("fail");
+    let (r, _) = f.run(&f.spec("echo before; echo oops >&2; exit 3"));
+    match r {
+        Err(ExecError::Failed { exit_code, tail }) => {
+            assert_eq!(exit_code, 3);
+            assert_eq!(tail, vec!["before", "oops"]);
+        }
+        other => panic!("{other:?}"),
+    }
+    let f = fixture("notfound");
+    let mut spec = f.spec("");
+    spec.argv = vec!["no-such-program".into()];
+    let (r, _) = f.run(&spec);
+    assert!(matches!(r, Err(ExecError::Setup(ref m)) if m.contains("no-such-program")));
+}
+
+#[test]
+fn network_none_has_only_loopback_and_no_host_services() {
+    let f = fixture("netnone");
+    let registry = std::env::var("KILN_TEST_REGISTRY")
+        .expect("KILN_TEST_REGISTRY unset: source /var/cache/kiln-ci/env (ci/setup.sh)");
+    let script = format!(
+        "ls /sys/class/net; cat /sys/class/net/lo/operstate; \
+         ping -c1 -W1 127.0.0.1 >/dev/null && echo lo-ok; \
+         wget -q -T 2 -O /dev/null http://{registry}/v2/ && echo REACHED || echo unreachable"
+    );
+    let (r, lines) = f.run(&f.spec(&script));
+    r.unwrap();
+    assert_eq!(lines[0], "lo");
+    assert_eq!(lines[2], "lo-ok");
+    assert_eq!(lines[3], "unreachable");
+}
+
+#[test]
+fn network_host_refused_unless_allowed() {
+    let f = fixture("nethost");
+    let registry = std::env::var("KILN_TEST_REGISTRY")
+        .expect("KILN_TEST_REGISTRY unset: source /var/cache/kiln-ci/env (ci/setup.sh)");
+    let mut spec = f.spec(&format!(
+        "wget -q -T 5 -O /dev/null http://{registry}/v2/ && echo REACHED || echo unreachable"
+    ));
+    spec.network = Network::Host;
+    let (r, _) = f.run(&spec);
+    assert!(matches!(r, Err(ExecError::NetworkHostRefused)));
+    let mut cfg = f.config();
+    cfg.allow_network_host = true;
+    let (r, lines) = f.run_with(cfg, &spec, &AtomicBool::new(false));
+    r.unwrap();
+    // The check in the other network tests can tell: the registry is reachable from here.
+    assert_eq!(lines, vec!["REACHED"]);
+}
+
+#[test]
+fn network_default_outbound_namespace_without_host_loopback() {
+    let f = fixture("netdefault");
+    let registry = std::env::var("KILN_TEST_REGISTRY")
+        .expect("KILN_TEST_REGISTRY unset: source /var/cache/kiln-ci/env (ci/setup.sh)");
+    let port = registry.rsplit(':').next().unwrap();
+    let mut spec = f.spec(&format!(
+        "ls /sys/class/net | tr '\\n' ' '; echo; cat /etc/resolv.conf; \
+         wget -q -T 3 -O /dev/null http://127.0.0.1:{port}/v2/ && echo REACHED || echo unreachable; \
+         wget -q -T 3 -O /dev/null http://10.0.2.2:{port}/v2/ && echo REACHED || echo unreachable"
+    ));
+    spec.network = Network::Default;
+    let (r, lines) = f.run(&spec);
+    r.unwrap();
+    assert_eq!(lines[0], "lo tap0 ");
+    assert_eq!(lines[1], "nameserver 10.0.2.3");
+    assert_eq!(lines[2], "unreachable");
+    assert_eq!(lines[3], "unreachable");
+}
+
+#[test]
+fn capabilities_no_new_privs_and_read_only_kernel_interfaces() {
+    let f = fixture("caps");
+    let (r, lines) = f.run(&f.spec(
+        "grep -E '^(CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs)' /proc/self/status | tr -s '\\t ' ' '; \
+         echo x > /sys/kernel/uevent_helper 2>/dev/null && echo sys-WRITABLE || echo sys-ro; \
+         echo 1 > /proc/sys/kernel/sysrq 2>/dev/null && echo procsys-WRITABLE || echo procsys-ro; \
+         mount -t tmpfs none /tmp 2>/dev/null && echo MOUNTED || echo no-mount",
+    ));
+    r.unwrap();
+    assert_eq!(
+        lines,
+        vec![
+            "CapInh: 00000000a80425fb",
+            "CapPrm: 00000000a80425fb",
+            "CapEff: 00000000a80425fb",
+            "CapBnd: 00000000a80425fb",
+            "CapAmb: 0000000000000000",
+            "NoNewPrivs: 1",
+            "sys-ro",
+            "procsys-ro",
+            "no-mount",
+        ]
+    );
+    let f = fixture("caps2");
+    let mut spec = f.spec("grep -E '^(CapEff|CapBnd)' /proc/self/status | tr -s '\\t ' ' '");
+    spec.user = Some("alice".into());
+    let (r, lines) = f.run(&spec);
+    r.unwrap();
+    assert_eq!(
+        lines,
+        vec!["CapEff: 0000000000000000", "CapBnd: 00000000a80425fb"]
+    );
+}
+
+#[test]
+fn timeout_kills_everything() {
+    let f = fixture("timeout");
+    let mut spec = f.spec("sleep 300 & sleep 300 & echo started; sleep 300");
+    spec.timeout = Duration::from_secs(2);
+    let (r, lines) = f.run(&spec);
+    assert!(matches!(r, Err(ExecError::Timeout { .. })), "{r:?}");
+    assert_eq!(lines, vec!["started"]);
+}
+
+#[test]
+fn cancellation_kills_everything() {
+    let f = fixture("cancel");
+    let spec = f.spec("sleep 300 & echo started; sleep 300");
+    let cancel = AtomicBool::new(false);
+    let (r, lines) = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_secs(2));
+            cancel.store(true, Ordering::Relaxed);
+        });
+        f.run_with(f.config(), &spec, &cancel)
+    });
+    assert!(matches!(r, Err(ExecError::Cancelled)), "{r:?}");
+    assert_eq!(lines, vec!["started"]);
+}
+
+#[test]
+fn memory_limit_named() {
+    let f = fixture("memory");
+    let mut cfg = f.config();
+    cfg.memory_bytes = 64 << 20;
+    let (r, _) = f.run_with(
+        cfg,
+        &f.spec("head -c 2000000000 /dev/zero | tail"),
+        &AtomicBool::new(false),
+    );
+    match r {
+        Err(e @ ExecError::MemoryLimit { limit_bytes, .. }) => {
+            assert_eq!(limit_bytes, 64 << 20);
+            assert!(e.to_string().contains("memory limit"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn pids_limit_named() {
+    let f = fixture("pids");
+    let mut cfg = f.config();
+    cfg.pids_max = 8;
+    let (r, _) = f.run_with(
+        cfg,
+        &f.spec("i=0; while [ $i -lt 20 ]; do sleep 300 & i=$((i+1)); done; echo all-started"),
+        &AtomicBool::new(false),
+    );
+    match r {
+        Err(e @ ExecError::PidsLimit { limit: 8, .. }) => {
+            assert!(e.to_string().contains("pids limit"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn write_limit_named() {
+    let f = fixture("write");
+    let mut cfg = f.config();
+    cfg.write_limit_bytes = 1 << 20;
+    let (r, _) = f.run_with(
+        cfg,
+        &f.spec("head -c 5000000 /dev/zero > /big"),
+        &AtomicBool::new(false),
+    );
+    match r {
+        Err(e @ ExecError::WriteLimit { .. }) => {
+            assert!(e.to_string().contains("write limit"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn secrets_redacted_and_lines_bounded() {
+    let f = fixture("logs");
+    let mut spec =
+        f.spec("echo token=s3cr3t-value; head -c 10000 /dev/zero | tr '\\0' a; echo; echo end");
+    spec.secrets = vec!["s3cr3t-value".into()];
+    let (r, lines) = f.run(&spec);
+    r.unwrap();
+    assert_eq!(lines[0], "token=****");
+    assert!(lines[1].len() <= 4096 && lines[1].ends_with("[line truncated]"));
+    assert_eq!(lines[2], "end");
+}
