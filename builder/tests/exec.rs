@@ -294,9 +294,9 @@ fn network_none_has_only_loopback_and_no_host_services() {
     let registry = std::env::var("KILN_TEST_REGISTRY")
         .expect("KILN_TEST_REGISTRY unset: source /var/cache/kiln-ci/env (ci/setup.sh)");
     let script = format!(
-        "ls /sys/class/net; cat /sys/class/net/lo/operstate; \
+        "REG={registry}; ls /sys/class/net; cat /sys/class/net/lo/operstate; \
          ping -c1 -W1 127.0.0.1 >/dev/null && echo lo-ok; \
-         wget -q -T 2 -O /dev/null http://{registry}/v2/ && echo REACHED || echo unreachable"
+         nc -w 2 ${{REG%:*}} ${{REG#*:}} </dev/null 2>/dev/null && echo REACHED || echo unreachable"
     );
     let (r, lines) = f.run(&f.spec(&script));
     r.unwrap();
@@ -311,7 +311,7 @@ fn network_host_refused_unless_allowed() {
     let registry = std::env::var("KILN_TEST_REGISTRY")
         .expect("KILN_TEST_REGISTRY unset: source /var/cache/kiln-ci/env (ci/setup.sh)");
     let mut spec = f.spec(&format!(
-        "wget -q -T 5 -O /dev/null http://{registry}/v2/ && echo REACHED || echo unreachable"
+        "REG={registry}; nc -w 5 ${{REG%:*}} ${{REG#*:}} </dev/null 2>/dev/null && echo REACHED || echo unreachable"
     ));
     spec.network = Network::Host;
     let (r, _) = f.run(&spec);
@@ -332,8 +332,8 @@ fn network_default_outbound_namespace_without_host_loopback() {
     let port = registry.rsplit(':').next().unwrap();
     let mut spec = f.spec(&format!(
         "ls /sys/class/net | tr '\\n' ' '; echo; cat /etc/resolv.conf; \
-         wget -q -T 3 -O /dev/null http://127.0.0.1:{port}/v2/ && echo REACHED || echo unreachable; \
-         wget -q -T 3 -O /dev/null http://10.0.2.2:{port}/v2/ && echo REACHED || echo unreachable"
+         nc -w 3 127.0.0.1 {port} </dev/null 2>/dev/null && echo REACHED || echo unreachable; \
+         nc -w 3 10.0.2.2 {port} </dev/null 2>/dev/null && echo REACHED || echo unreachable"
     ));
     spec.network = Network::Default;
     let (r, lines) = f.run(&spec);
@@ -349,8 +349,10 @@ fn capabilities_no_new_privs_and_read_only_kernel_interfaces() {
     let f = fixture("caps");
     let (r, lines) = f.run(&f.spec(
         "grep -E '^(CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs)' /proc/self/status | tr -s '\\t ' ' '; \
-         echo x > /sys/kernel/uevent_helper 2>/dev/null && echo sys-WRITABLE || echo sys-ro; \
-         echo 1 > /proc/sys/kernel/sysrq 2>/dev/null && echo procsys-WRITABLE || echo procsys-ro; \
+         cat /proc/sys/kernel/hostname; \
+         { echo x > /sys/kernel/uevent_helper; } 2>/dev/null && echo sys-WRITABLE || echo sys-ro; \
+         { echo 1 > /proc/sys/kernel/sysrq; } 2>/dev/null && echo procsys-WRITABLE || echo procsys-ro; \
+         { echo 1 > /proc/sysrq-trigger; } 2>/dev/null && echo sysrq-WRITABLE || echo sysrq-ro; \
          mount -t tmpfs none /tmp 2>/dev/null && echo MOUNTED || echo no-mount",
     ));
     r.unwrap();
@@ -363,8 +365,10 @@ fn capabilities_no_new_privs_and_read_only_kernel_interfaces() {
             "CapBnd: 00000000a80425fb",
             "CapAmb: 0000000000000000",
             "NoNewPrivs: 1",
+            "runtime-guest",
             "sys-ro",
             "procsys-ro",
+            "sysrq-ro",
             "no-mount",
         ]
     );

@@ -509,13 +509,34 @@ fn cleanup_mount_points(spec: &StepSpec) {
             let _ = fs::remove_file(&p);
         }
     }
-    // `etc` itself, if we created it and it is now empty.
-    if !spec
+    // `etc` itself, when making the mount points created or copied it up and the step
+    // left it empty with the lower's owner and mode (and not opaque).
+    let etc = spec.upper_dir.join("etc");
+    let Ok(md) = etc.symlink_metadata() else {
+        return;
+    };
+    let empty = fs::read_dir(&etc)
+        .map(|mut d| d.next().is_none())
+        .unwrap_or(false);
+    if !md.is_dir() || !empty {
+        return;
+    }
+    let mut buf = [0u8; 8];
+    if rustix::fs::lgetxattr(&etc, "trusted.overlay.opaque", &mut buf).is_ok() {
+        return;
+    }
+    let lower = spec
         .lower_dirs
         .iter()
-        .any(|l| l.join("etc").symlink_metadata().is_ok())
-    {
-        let _ = fs::remove_dir(spec.upper_dir.join("etc"));
+        .find_map(|l| l.join("etc").symlink_metadata().ok());
+    let same = match lower {
+        None => true,
+        Some(l) => {
+            l.is_dir() && l.mode() == md.mode() && l.uid() == md.uid() && l.gid() == md.gid()
+        }
+    };
+    if same {
+        let _ = fs::remove_dir(&etc);
     }
 }
 
