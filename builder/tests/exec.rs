@@ -476,3 +476,70 @@ fn secrets_redacted_and_lines_bounded() {
     assert!(lines[1].len() <= 4096 && lines[1].ends_with("[line truncated]"));
     assert_eq!(lines[2], "end");
 }
+
+#[test]
+fn no_descriptor_of_the_caller_reaches_the_step() {
+    let f = fixture("fds");
+    // A host file opened without close-on-exec, as a careless library might.
+    let leaky = fs::File::open(&f.root).unwrap();
+    rustix::io::fcntl_setfd(&leaky, rustix::io::FdFlags::empty()).unwrap();
+    let (r, lines) = f.run(&f.spec("ls /proc/self/fd | tr '\\n' ' '; echo; wc -c < /proc/keys"));
+    r.unwrap();
+    // 0, 1, 2 and the descriptor ls itself opens on /proc/self/fd.
+    assert_eq!(lines[0], "0 1 2 3 ");
+    assert_eq!(lines[1].trim(), "0", "/proc/keys is masked");
+    drop(leaky);
+}
+
+#[test]
+fn concurrent_steps_do_not_wait_for_each_other() {
+    let slow = fixture("slow");
+    let quick = fixture("quick");
+    let cancel_slow = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            slow.run_with(
+                slow.config(),
+                &slow.spec("echo slow; sleep 300"),
+                &cancel_slow,
+            )
+        });
+        // Let the slow step start first, so its keeper exists when the quick one forks.
+        std::thread::sleep(Duration::from_secs(1));
+        let mut spec = quick.spec("echo quick");
+        spec.timeout = Duration::from_secs(60);
+        let (r, lines) = quick.run(&spec);
+        // The quick step ends while the slow one is still running (it only ends when
+        // cancelled below): its log pipe is not held open by the other step's processes.
+        r.unwrap();
+        assert_eq!(lines, vec!["quick"]);
+        assert!(!h.is_finished());
+        cancel_slow.store(true, Ordering::Relaxed);
+        let (r, lines) = h.join().unwrap();
+        assert!(matches!(r, Err(ExecError::Cancelled)), "{r:?}");
+        assert_eq!(lines, vec!["slow"]);
+    });
+}
+
+#[test]
+fn hostile_hosts_symlinks_stay_inside_the_root() {
+    let f = fixture("symlinks");
+    // /etc/hosts points at a host path by absolute symlink, /etc/resolv.conf dangles.
+    let victim = f._tmp.path().join("victim");
+    fs::write(&victim, "host file\n").unwrap();
+    std::os::unix::fs::symlink(&victim, f.root.join("etc/hosts")).unwrap();
+    // The same absolute path inside the root: where the bind must land.
+    let inside = f.root.join(victim.strip_prefix("/").unwrap());
+    fs::create_dir_all(inside.parent().unwrap()).unwrap();
+    fs::write(&inside, "image file\n").unwrap();
+    std::os::unix::fs::symlink("../run/nowhere/resolv.conf", f.root.join("etc/resolv.conf"))
+        .unwrap();
+    let (r, lines) = f
+        .run(&f.spec("grep -c runtime-guest /etc/hosts; ls -l /etc/resolv.conf | grep -c nowhere"));
+    r.unwrap();
+    assert_eq!(lines, vec!["1", "1"]);
+    assert_eq!(fs::read_to_string(&victim).unwrap(), "host file\n");
+    assert_eq!(fs::read_to_string(&inside).unwrap(), "image file\n");
+    // The dangling symlink's target was not created.
+    assert!(!f.upper.join("run").exists());
+}

@@ -104,6 +104,7 @@ impl Drop for Scratch {
 
 /// Everything the forked children need, prepared before fork.
 struct ChildPlan {
+    parent: rustix::process::Pid,
     procs_files: Vec<PathBuf>,
     unshare_net: bool,
     wait_for_net: bool,
@@ -217,6 +218,7 @@ impl StepExecutor for LinuxExecutor {
         )?;
 
         let plan = ChildPlan {
+            parent: rustix::process::getpid(),
             procs_files: cgroup.procs_files(),
             unshare_net: spec.network != Network::Host,
             wait_for_net: spec.network == Network::Default,
@@ -275,8 +277,10 @@ impl StepExecutor for LinuxExecutor {
                     }
                 }
             }
-            let mut go = fs::File::from(go_w);
-            let _ = go.write_all(b"g");
+            if slirp.is_some() {
+                let mut go = fs::File::from(go_w);
+                let _ = go.write_all(b"g");
+            }
         } else {
             drop((sync_r, go_w));
         }
@@ -464,6 +468,8 @@ fn start_slirp(program: &Path, pid: libc::pid_t) -> Result<Child, ExecError> {
         "--configure",
         "--mtu=65520",
         "--disable-host-loopback",
+        "--enable-sandbox",
+        "--enable-seccomp",
         &format!("--ready-fd={ready_fd}"),
         &pid.to_string(),
         "tap0",
@@ -543,7 +549,47 @@ fn cleanup_mount_points(spec: &StepSpec) {
 // ---------------------------------------------------------------------------------------
 // Forked side. Everything below runs in the keeper or in pid 1 and never returns.
 
+/// Closes every descriptor of this process but `keep` (listed from `/proc/self/fd`), so no
+/// descriptor of the (possibly busy, multithreaded) caller reaches a step: neither a host
+/// file nor another step's pipes.
+fn close_other_fds(keep: &[RawFd]) -> Result<(), String> {
+    let fds: Vec<RawFd> = fs::read_dir("/proc/self/fd")
+        .map_err(|e| format!("listing /proc/self/fd: {e}"))?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    for fd in fds {
+        if !keep.contains(&fd) {
+            // SAFETY: closing a descriptor number; nothing in this process refers to it
+            // afterwards (the forked child holds no Rust-owned descriptors but `keep`).
+            unsafe {
+                libc::close(fd);
+            }
+        }
+    }
+    Ok(())
+}
+
 fn keeper_main(plan: &ChildPlan, fds: &Fds) -> ! {
+    // Die with the caller: a keeper whose executor is gone kills its step (pid 1 below dies
+    // with the keeper, and the kernel then kills the rest of its pid namespace).
+    let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
+    if rustix::process::getppid() != Some(plan.parent) {
+        // SAFETY: exiting a forked child.
+        unsafe { libc::_exit(SETUP_FAILED) }
+    }
+    if let Err(msg) = close_other_fds(&[
+        0,
+        1,
+        2,
+        fds.log_w,
+        fds.err_w,
+        fds.status_w,
+        fds.sync_w,
+        fds.go_r,
+    ]) {
+        fail(fds, &msg);
+    }
     for f in &plan.procs_files {
         if let Err(e) = fs::write(f, "0") {
             fail(fds, &format!("joining cgroup {}: {e}", f.display()));
@@ -574,6 +620,8 @@ fn keeper_main(plan: &ChildPlan, fds: &Fds) -> ! {
         fail(fds, &format!("fork: {}", std::io::Error::last_os_error()));
     }
     if pid1 == 0 {
+        let _ =
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
         if let Err(msg) = pid1_main(plan, fds) {
             fail(fds, &msg);
         }
@@ -648,11 +696,15 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         rustix::fs::Mode::empty(),
     )
     .map_err(|e| format!("opening the new root: {e}"))?;
+    let mut bound = Vec::new();
     for (src, target) in [
         (&plan.hosts, "etc/hosts"),
         (&plan.resolv, "etc/resolv.conf"),
     ] {
-        let fd = open_in_root(&root_fd, target)?;
+        let Some(fd) = open_in_root(&root_fd, target)? else {
+            continue;
+        };
+        bound.push(format!("/{target}"));
         let fd_path = format!("/proc/self/fd/{}", fd.as_raw_fd());
         mount_bind(src.as_path(), fd_path.as_str())
             .map_err(|e| format!("binding /{target}: {e}"))?;
@@ -680,9 +732,13 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
                 .map_err(|e| format!("making {p} read-only: {e}"))?;
         }
     }
-    for target in ["/etc/hosts", "/etc/resolv.conf"] {
-        mount_remount(target, MountFlags::BIND | MountFlags::RDONLY | nsd, "")
-            .map_err(|e| format!("making {target} read-only: {e}"))?;
+    for target in &bound {
+        mount_remount(
+            target.as_str(),
+            MountFlags::BIND | MountFlags::RDONLY | nsd,
+            "",
+        )
+        .map_err(|e| format!("making {target} read-only: {e}"))?;
     }
     mkdir_p("/sys")?;
     mnt("sysfs", "/sys", "sysfs", nsd | MountFlags::RDONLY, None)?;
@@ -741,6 +797,30 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
     ] {
         std::os::unix::fs::symlink(target, link).map_err(|e| format!("symlink {link}: {e}"))?;
     }
+    // Docker's masked paths (moby `oci/defaults.go`): kernel data a build has no use for.
+    for p in [
+        "/proc/kcore",
+        "/proc/keys",
+        "/proc/latency_stats",
+        "/proc/timer_list",
+        "/proc/timer_stats",
+        "/proc/sched_debug",
+    ] {
+        if Path::new(p).exists() {
+            mount_bind("/dev/null", p).map_err(|e| format!("masking {p}: {e}"))?;
+        }
+    }
+    for p in ["/proc/acpi", "/proc/scsi", "/sys/firmware"] {
+        if Path::new(p).is_dir() {
+            mnt(
+                "tmpfs",
+                p,
+                "tmpfs",
+                nsd | MountFlags::RDONLY,
+                Some(c"size=0"),
+            )?;
+        }
+    }
     for f in &spec.files {
         let path = match &f.path {
             Some(p) => p.clone(),
@@ -762,8 +842,8 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
     }
 
     // USER, resolved in the step's own root.
-    let passwd = fs::read_to_string("/etc/passwd").unwrap_or_default();
-    let group = fs::read_to_string("/etc/group").unwrap_or_default();
+    let passwd = read_bounded("/etc/passwd");
+    let group = read_bounded("/etc/group");
     let user = resolve_user(spec.user.as_deref(), &passwd, &group).map_err(|e| e.to_string())?;
 
     // WORKDIR: missing directories are created owned by the user.
@@ -824,6 +904,7 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         }
     }
     drop(devnull);
+    close_other_fds(&[0, 1, 2, fds.err_w])?;
 
     // Capabilities: Docker's default set in the bounding, permitted, effective and
     // inheritable sets, no ambient ones.
@@ -889,12 +970,12 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
 }
 
 /// Opens `rel` (a file, `O_PATH`) inside the root `root`, creating it empty (and `etc`)
-/// when missing; symlinks resolve inside `root`.
-fn open_in_root(root: &OwnedFd, rel: &str) -> Result<OwnedFd, String> {
+/// when missing; symlinks resolve inside `root`. `None`: `rel` is a dangling symlink.
+fn open_in_root(root: &OwnedFd, rel: &str) -> Result<Option<OwnedFd>, String> {
     use rustix::fs::{Mode, OFlags, ResolveFlags, openat, openat2};
     let path_flags = OFlags::PATH | OFlags::CLOEXEC;
     match openat2(root, rel, path_flags, Mode::empty(), ResolveFlags::IN_ROOT) {
-        Ok(fd) => return Ok(fd),
+        Ok(fd) => return Ok(Some(fd)),
         Err(rustix::io::Errno::NOENT) => {}
         Err(e) => return Err(format!("opening /{rel}: {e}")),
     }
@@ -931,15 +1012,37 @@ fn open_in_root(root: &OwnedFd, rel: &str) -> Result<OwnedFd, String> {
     )
     .map_err(|e| format!("opening /{dir}: {e}"))?;
     drop(dir_fd);
-    openat(
+    match openat(
         &dir_rw,
         name,
         OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::from_raw_mode(0o644),
-    )
-    .map_err(|e| format!("creating /{rel}: {e}"))?;
+    ) {
+        Ok(_) => {}
+        // A dangling symlink: left alone (not bound), rather than creating its target.
+        Err(rustix::io::Errno::EXIST) => return Ok(None),
+        Err(e) => return Err(format!("creating /{rel}: {e}")),
+    }
     openat2(root, rel, path_flags, Mode::empty(), ResolveFlags::IN_ROOT)
+        .map(Some)
         .map_err(|e| format!("opening /{rel}: {e}"))
+}
+
+/// At most [`super::user::MAX_DB_BYTES`] of a file of the step's root, lossily decoded;
+/// empty when it cannot be read. Only regular files are read (a FIFO or device would block
+/// or never end).
+fn read_bounded(path: &str) -> String {
+    let Ok(f) = fs::File::open(path) else {
+        return String::new();
+    };
+    if !f.metadata().map(|m| m.is_file()).unwrap_or(false) {
+        return String::new();
+    }
+    let mut buf = Vec::new();
+    let _ = f
+        .take(super::user::MAX_DB_BYTES as u64)
+        .read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).into_owned()
 }
 
 /// `argv[0]` as execvp(3) would find it in `path`.
