@@ -543,3 +543,72 @@ fn hostile_hosts_symlinks_stay_inside_the_root() {
     // The dangling symlink's target was not created.
     assert!(!f.upper.join("run").exists());
 }
+
+/// Two steps stacked on the Debian bookworm minbase fixture (ci/fixtures.sh), unpacked with
+/// umoci: the second step's lower directories are the first step's upper over the base, and
+/// its USER comes from the /etc/passwd the first step wrote.
+#[test]
+fn debian_two_stacked_steps() {
+    let f = fixture("debian");
+    let layout = std::env::var("KILN_TEST_DEBIAN_OCI")
+        .expect("KILN_TEST_DEBIAN_OCI unset: run ci/setup.sh (ci/fixtures.sh) and source /var/cache/kiln-ci/env");
+    let bundle = f._tmp.path().join("bundle");
+    let out = std::process::Command::new("umoci")
+        .args(["unpack", "--image"])
+        .arg(format!("{}:bookworm", layout.trim_end_matches('/')))
+        .arg(&bundle)
+        .output()
+        .expect("umoci missing: run ci/setup.sh");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let base = bundle.join("rootfs");
+
+    let mut spec = f.spec(
+        ". /etc/os-release; echo $VERSION_CODENAME; useradd -m -u 1234 -U bob && id bob; \
+         getent hosts localhost | head -1",
+    );
+    spec.lower_dirs = vec![base.clone()];
+    let (r, lines) = f.run(&spec);
+    r.unwrap();
+    assert_eq!(lines[0], "bookworm");
+    assert_eq!(lines[1], "uid=1234(bob) gid=1234(bob) groups=1234(bob)");
+    assert!(
+        lines[2].starts_with("127.0.0.1") || lines[2].starts_with("::1"),
+        "{}",
+        lines[2]
+    );
+    assert!(
+        fs::read_to_string(f.upper.join("etc/passwd"))
+            .unwrap()
+            .contains("bob:x:1234")
+    );
+    // /etc/hosts was only a mount point: not in the layer; the image's resolv.conf untouched.
+    assert!(!f.upper.join("etc/hosts").exists());
+    assert!(!f.upper.join("etc/resolv.conf").exists());
+
+    let upper2 = f._tmp.path().join("upper2");
+    let work2 = f._tmp.path().join("work2");
+    fs::create_dir(&upper2).unwrap();
+    fs::create_dir(&work2).unwrap();
+    let mut spec = f.spec("id; pwd; echo $HOME; touch made");
+    spec.lower_dirs = vec![f.upper.clone(), base];
+    spec.upper_dir = upper2.clone();
+    spec.work_dir = work2;
+    spec.user = Some("bob".into());
+    spec.workdir = "/srv/app".into();
+    let (r, lines) = f.run(&spec);
+    r.unwrap();
+    assert_eq!(
+        lines,
+        vec![
+            "uid=1234(bob) gid=1234(bob) groups=1234(bob)",
+            "/srv/app",
+            "/home/bob"
+        ]
+    );
+    let md = fs::metadata(upper2.join("srv/app/made")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (1234, 1234));
+}
