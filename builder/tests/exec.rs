@@ -97,6 +97,7 @@ impl Fixture {
             network: Network::None,
             secrets: vec![],
             timeout: Duration::from_secs(120),
+            log_budget: None,
         }
     }
 
@@ -475,6 +476,20 @@ fn secrets_redacted_and_lines_bounded() {
     assert_eq!(lines[0], "token=****");
     assert!(lines[1].len() <= 4096 && lines[1].ends_with("[line truncated]"));
     assert_eq!(lines[2], "end");
+
+    // A build-wide budget smaller than the step's output: cut with the marker.
+    let f = fixture("budget");
+    let mut spec = f.spec("i=0; while [ $i -lt 100 ]; do echo line-$i; i=$((i+1)); done");
+    spec.log_budget = Some(50);
+    let (r, lines) = f.run(&spec);
+    let report = r.unwrap();
+    assert!(report.log_truncated);
+    assert_eq!(
+        lines.last().unwrap(),
+        kiln_builder::exec::logs::LOG_TRUNCATED
+    );
+    // Seven lines of 7 bytes fit in 50, then the marker.
+    assert_eq!(lines.len(), 8, "{lines:?}");
 }
 
 #[test]

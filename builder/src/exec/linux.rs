@@ -286,7 +286,11 @@ impl StepExecutor for LinuxExecutor {
         }
 
         // Logs on their own thread; the wait loop here.
-        let mut shaper = LogShaper::new(spec.index, cfg.log_limits, &spec.secrets);
+        let mut limits = cfg.log_limits;
+        if let Some(budget) = spec.log_budget {
+            limits.total_max = limits.total_max.min(budget);
+        }
+        let mut shaper = LogShaper::new(spec.index, limits, &spec.secrets);
         let outcome = std::thread::scope(|scope| {
             let reader = scope.spawn(|| {
                 let mut f = fs::File::from(log_r);
@@ -402,6 +406,7 @@ impl StepExecutor for LinuxExecutor {
         }
         Ok(StepReport {
             written_bytes: written,
+            log_bytes: shaper.emitted_bytes(),
             log_truncated: shaper.truncated(),
             tail,
         })

@@ -141,6 +141,11 @@ impl LogShaper {
         self.truncated
     }
 
+    /// Bytes emitted so far (texts plus one newline each, markers included).
+    pub fn emitted_bytes(&self) -> usize {
+        self.emitted
+    }
+
     /// The last [`TAIL_LINES`] lines emitted.
     pub fn tail(&self) -> Vec<String> {
         self.tail.iter().cloned().collect()

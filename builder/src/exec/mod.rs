@@ -132,6 +132,9 @@ pub struct StepSpec {
     pub secrets: Vec<String>,
     /// Time this step may run (what is left of the build's timeout).
     pub timeout: Duration,
+    /// Log bytes this step may still emit (what is left of the build's 1 MiB log;
+    /// `None`: [`LogLimits::total_max`] of the executor's config).
+    pub log_budget: Option<usize>,
 }
 
 impl StepSpec {
@@ -167,6 +170,7 @@ impl StepSpec {
             network: run.network,
             secrets: Vec::new(),
             timeout,
+            log_budget: None,
         })
     }
 }
@@ -176,6 +180,8 @@ impl StepSpec {
 pub struct StepReport {
     /// Apparent size of the upper directory after the step, bytes.
     pub written_bytes: u64,
+    /// Log bytes emitted (texts plus one newline each), to charge to the build's budget.
+    pub log_bytes: usize,
     /// Whether the log hit its total limit.
     pub log_truncated: bool,
     /// The last lines of the log (at most [`logs::TAIL_LINES`]).
