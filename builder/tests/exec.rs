@@ -292,18 +292,24 @@ fn failing_command_reports_exit_code_and_tail() {
 #[test]
 fn network_none_has_only_loopback_and_no_host_services() {
     let f = fixture("netnone");
+    let (listener, outside) = outside_listener();
     let registry = std::env::var("KILN_TEST_REGISTRY")
         .expect("KILN_TEST_REGISTRY unset: source /var/cache/kiln-ci/env (ci/setup.sh)");
     let script = format!(
         "REG={registry}; ls /sys/class/net; cat /sys/class/net/lo/operstate; \
          ping -c1 -W1 127.0.0.1 >/dev/null && echo lo-ok; \
-         nc -w 2 ${{REG%:*}} ${{REG#*:}} </dev/null 2>/dev/null && echo REACHED || echo unreachable"
+         nc -w 2 ${{REG%:*}} ${{REG#*:}} </dev/null 2>/dev/null && echo REACHED || echo unreachable; \
+         nc -w 2 {} {} </dev/null 2>/dev/null && echo REACHED || echo unreachable",
+        outside.ip(),
+        outside.port()
     );
     let (r, lines) = f.run(&f.spec(&script));
     r.unwrap();
     assert_eq!(lines[0], "lo");
     assert_eq!(lines[2], "lo-ok");
     assert_eq!(lines[3], "unreachable");
+    assert_eq!(lines[4], "unreachable");
+    drop(listener);
 }
 
 #[test]
@@ -331,18 +337,49 @@ fn network_default_outbound_namespace_without_host_loopback() {
     let registry = std::env::var("KILN_TEST_REGISTRY")
         .expect("KILN_TEST_REGISTRY unset: source /var/cache/kiln-ci/env (ci/setup.sh)");
     let port = registry.rsplit(':').next().unwrap();
+    let (listener, outside) = outside_listener();
     let mut spec = f.spec(&format!(
         "ls /sys/class/net | tr '\\n' ' '; echo; cat /etc/resolv.conf; \
          nc -w 3 127.0.0.1 {port} </dev/null 2>/dev/null && echo REACHED || echo unreachable; \
-         nc -w 3 10.0.2.2 {port} </dev/null 2>/dev/null && echo REACHED || echo unreachable"
+         nc -w 3 10.0.2.2 {port} </dev/null 2>/dev/null && echo REACHED || echo unreachable; \
+         nc -w 10 {} {} </dev/null 2>/dev/null && echo REACHED || echo unreachable",
+        outside.ip(),
+        outside.port()
     ));
     spec.network = Network::Default;
     let (r, lines) = f.run(&spec);
+    drop(listener);
     r.unwrap();
     assert_eq!(lines[0], "lo tap0 ");
     assert_eq!(lines[1], "nameserver 10.0.2.3");
     assert_eq!(lines[2], "unreachable");
     assert_eq!(lines[3], "unreachable");
+    // Outbound works: a service on the host's own non-loopback address is reachable.
+    assert_eq!(lines[4], "REACHED");
+}
+
+/// A TCP listener on the host's primary non-loopback address (the address the kernel would
+/// use to reach a public one; no packet is sent), accepting in the background.
+fn outside_listener() -> (std::net::TcpListener, std::net::SocketAddr) {
+    let probe = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+    probe
+        .connect("192.0.2.255:9")
+        .or_else(|_| probe.connect("10.255.255.255:9"))
+        .expect("no non-loopback IPv4 route on this host");
+    let ip = probe.local_addr().unwrap().ip();
+    assert!(
+        !ip.is_loopback(),
+        "no non-loopback IPv4 address on this host"
+    );
+    let listener = std::net::TcpListener::bind((ip, 0)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let l = listener.try_clone().unwrap();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            drop(conn);
+        }
+    });
+    (listener, addr)
 }
 
 #[test]
