@@ -14,6 +14,9 @@ use kiln_builder::exec::{
 use kiln_recipes::plan::{InlineFile, Network};
 
 const BUSYBOX: &str = "/usr/bin/busybox";
+/// For [`helper_step_forever`]: where its fixture lives, and its cgroup parent.
+const HELPER_TMP: &str = "KILN_EXEC_HELPER_TMP";
+const HELPER_CGROUP: &str = "KILN_EXEC_HELPER_CGROUP";
 
 struct Fixture {
     _tmp: tempfile::TempDir,
@@ -33,7 +36,10 @@ fn fixture(name: &str) -> Fixture {
         Path::new(BUSYBOX).exists(),
         "{BUSYBOX} missing: run ci/setup.sh (installs busybox-static)"
     );
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = match std::env::var_os(HELPER_TMP) {
+        Some(dir) => tempfile::tempdir_in(dir).unwrap(),
+        None => tempfile::tempdir().unwrap(),
+    };
     let root = tmp.path().join("rootfs");
     for d in ["bin", "etc", "home/alice", "tmp"] {
         fs::create_dir_all(root.join(d)).unwrap();
@@ -69,7 +75,8 @@ fn fixture(name: &str) -> Fixture {
         upper,
         work,
         run_dir,
-        cgroup_parent: format!("kiln-test-{name}-{}", std::process::id()),
+        cgroup_parent: std::env::var(HELPER_CGROUP)
+            .unwrap_or_else(|_| format!("kiln-test-{name}-{}", std::process::id())),
         _tmp: tmp,
     }
 }
@@ -663,4 +670,97 @@ fn debian_two_stacked_steps() {
     );
     let md = fs::metadata(upper2.join("srv/app/made")).unwrap();
     assert_eq!((md.uid(), md.gid()), (1234, 1234));
+}
+
+/// Not a test: the process [`killed_executor_leaves_no_process`] starts and kills. Runs a
+/// step that never ends on its own.
+#[test]
+#[ignore = "helper process for killed_executor_leaves_no_process"]
+fn helper_step_forever() {
+    assert!(
+        std::env::var_os(HELPER_TMP).is_some(),
+        "run only by killed_executor_leaves_no_process"
+    );
+    let f = fixture("helper");
+    let mut spec = f.spec("sleep 600");
+    spec.timeout = Duration::from_secs(600);
+    let _ = LinuxExecutor::new(f.config()).run(&spec, &AtomicBool::new(false), &mut |_| {});
+}
+
+fn alive(pid: i32) -> bool {
+    // Gone, or a zombie waiting for init to reap it.
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+/// The executor's process is SIGKILLed mid-step (nothing of it runs to clean up): its step's
+/// processes still die, through the parent-death signal of the keeper and pid 1.
+#[test]
+fn killed_executor_leaves_no_process() {
+    assert!(rustix::process::geteuid().is_root(), "needs root");
+    let tmp = tempfile::tempdir().unwrap();
+    let parent = format!("kiln-test-killed-{}", std::process::id());
+    let mut helper = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "helper_step_forever", "--nocapture"])
+        .env(HELPER_TMP, tmp.path())
+        .env(HELPER_CGROUP, &parent)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait (bounded) for the step's pid 1 to run `sleep`: keeper and pid 1 in the cgroup.
+    let cg_parent = Path::new("/sys/fs/cgroup/pids").join(&parent);
+    let mut pids: Vec<i32> = Vec::new();
+    for _ in 0..600 {
+        pids = fs::read_dir(&cg_parent)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| fs::read_to_string(e.path().join("cgroup.procs")).ok())
+            .flat_map(|s| {
+                s.lines()
+                    .filter_map(|l| l.parse().ok())
+                    .collect::<Vec<i32>>()
+            })
+            .collect();
+        let running_sleep = pids.iter().any(|p| {
+            fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "sleep")
+        });
+        if running_sleep {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(pids.len() >= 2, "the helper's step did not start: {pids:?}");
+    helper.kill().unwrap();
+    helper.wait().unwrap();
+    let mut left = pids.clone();
+    for _ in 0..300 {
+        left.retain(|&p| alive(p));
+        if left.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Nothing could clean the cgroups up; do it here before asserting.
+    for ctrl in ["memory", "pids"] {
+        let dir = Path::new("/sys/fs/cgroup").join(ctrl).join(&parent);
+        if let Ok(rd) = fs::read_dir(&dir) {
+            for e in rd.flatten() {
+                let _ = fs::remove_dir(e.path());
+            }
+        }
+        let _ = fs::remove_dir(&dir);
+    }
+    assert!(
+        left.is_empty(),
+        "processes left after the executor was killed: {left:?}"
+    );
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mountinfo.contains(tmp.path().to_str().unwrap()));
 }
