@@ -764,3 +764,29 @@ fn killed_executor_leaves_no_process() {
     let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap();
     assert!(!mountinfo.contains(tmp.path().to_str().unwrap()));
 }
+
+/// More layers than one mount(2) option page can name (about 60 here): mounted with
+/// `lowerdir+`, each layer visible, the topmost winning.
+#[test]
+fn many_layers() {
+    let f = fixture("layers");
+    let mut lowers = Vec::new();
+    for i in 0..120 {
+        let dir = f
+            ._tmp
+            .path()
+            .join(format!("layer-with-a-long-name-to-fill-the-page-{i:03}"));
+        fs::create_dir_all(dir.join("l")).unwrap();
+        fs::write(dir.join(format!("l/{i}")), "").unwrap();
+        fs::write(dir.join("l/top"), format!("{i}")).unwrap();
+        lowers.push(dir);
+    }
+    // Topmost first: the last one made is on top.
+    lowers.reverse();
+    lowers.push(f.root.clone());
+    let mut spec = f.spec("ls /l | wc -l; cat /l/top");
+    spec.lower_dirs = lowers;
+    let (r, lines) = f.run(&spec);
+    r.unwrap();
+    assert_eq!(lines, vec!["121", "119"]);
+}

@@ -108,7 +108,10 @@ struct ChildPlan {
     procs_files: Vec<PathBuf>,
     unshare_net: bool,
     wait_for_net: bool,
-    overlay_data: CString,
+    /// Lower directories, topmost first.
+    lowers: Vec<String>,
+    /// The whole option string for mount(2), when it fits a page.
+    overlay_data: Option<CString>,
     merged: PathBuf,
     hosts: PathBuf,
     resolv: PathBuf,
@@ -184,15 +187,12 @@ impl StepExecutor for LinuxExecutor {
             overlay_path(&spec.upper_dir)?,
             overlay_path(&spec.work_dir)?
         );
-        if data.len() > MAX_MOUNT_DATA {
-            return Err(ExecError::Unsupported(format!(
-                "{} lower layers do not fit one overlayfs mount ({} bytes of options)",
-                lowers.len(),
-                data.len()
-            )));
-        }
-        let overlay_data =
-            CString::new(data).map_err(|_| ExecError::BadPath(spec.upper_dir.clone()))?;
+        // Too long for mount(2): only the new mount API (below, in pid 1) can mount it.
+        let overlay_data = if data.len() > MAX_MOUNT_DATA {
+            None
+        } else {
+            Some(CString::new(data).map_err(|_| ExecError::BadPath(spec.upper_dir.clone()))?)
+        };
 
         // /etc/hosts and /etc/resolv.conf.
         let hosts = scratch.dir.join("hosts");
@@ -223,6 +223,7 @@ impl StepExecutor for LinuxExecutor {
             unshare_net: spec.network != Network::Host,
             wait_for_net: spec.network == Network::Default,
             overlay_data,
+            lowers,
             merged: merged.clone(),
             hosts,
             resolv,
@@ -670,6 +671,58 @@ fn mnt(
         .map_err(|e| format!("mounting {fstype} on {target}: {e}"))
 }
 
+/// Mounts the step's overlay on `merged`: with the new mount API and one `lowerdir+` per
+/// layer (Linux 6.8+, `Documentation/filesystems/overlayfs.rst`), which has no limit on the
+/// number of layers; else with mount(2) and one option string of at most a page.
+fn mount_overlay(plan: &ChildPlan, merged: &str) -> Result<(), String> {
+    use rustix::mount::{
+        FsMountFlags, FsOpenFlags, MountAttrFlags, MoveMountFlags, fsconfig_create,
+        fsconfig_set_string, fsmount, fsopen, move_mount,
+    };
+    let upper = plan
+        .spec
+        .upper_dir
+        .to_str()
+        .ok_or("upper dir is not UTF-8")?;
+    let work = plan.spec.work_dir.to_str().ok_or("work dir is not UTF-8")?;
+    let new_api = || -> Result<(), String> {
+        let fs =
+            fsopen("overlay", FsOpenFlags::FSOPEN_CLOEXEC).map_err(|e| format!("fsopen: {e}"))?;
+        for l in &plan.lowers {
+            fsconfig_set_string(&fs, "lowerdir+", l.as_str())
+                .map_err(|e| format!("overlay lowerdir+ {l}: {e}"))?;
+        }
+        fsconfig_set_string(&fs, "upperdir", upper)
+            .map_err(|e| format!("overlay upperdir: {e}"))?;
+        fsconfig_set_string(&fs, "workdir", work).map_err(|e| format!("overlay workdir: {e}"))?;
+        fsconfig_create(&fs).map_err(|e| format!("creating the overlay: {e}"))?;
+        let mnt = fsmount(&fs, FsMountFlags::FSMOUNT_CLOEXEC, MountAttrFlags::empty())
+            .map_err(|e| format!("fsmount: {e}"))?;
+        move_mount(
+            &mnt,
+            "",
+            rustix::fs::CWD,
+            merged,
+            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+        )
+        .map_err(|e| format!("move_mount: {e}"))
+    };
+    match (new_api(), &plan.overlay_data) {
+        (Ok(()), _) => Ok(()),
+        (Err(_), Some(data)) => mnt(
+            "overlay",
+            merged,
+            "overlay",
+            MountFlags::empty(),
+            Some(data),
+        ),
+        (Err(e), None) => Err(format!(
+            "{} layers need the new mount API's lowerdir+ (Linux 6.8+): {e}",
+            plan.lowers.len()
+        )),
+    }
+}
+
 /// Creates `path` (a directory) and its missing parents inside the new root.
 fn mkdir_p(path: &str) -> Result<(), String> {
     fs::create_dir_all(path).map_err(|e| format!("creating {path}: {e}"))
@@ -684,13 +737,7 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
     )
     .map_err(|e| format!("making / private: {e}"))?;
     let merged = plan.merged.to_str().ok_or("mount point is not UTF-8")?;
-    mnt(
-        "overlay",
-        merged,
-        "overlay",
-        MountFlags::empty(),
-        Some(&plan.overlay_data),
-    )?;
+    mount_overlay(plan, merged)?;
     // /etc/hosts and /etc/resolv.conf, bound in before the host's root goes away; the
     // targets are resolved inside the new root (RESOLVE_IN_ROOT), so a symlink in the image
     // cannot point the bind at a host path.
