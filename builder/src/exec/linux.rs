@@ -72,6 +72,21 @@ fn overlay_path(p: &Path) -> Result<String, ExecError> {
     Ok(s.to_string())
 }
 
+/// Heredoc files go only directly under `/dev/pipes/` (the step's own tmpfs), one plain
+/// name each: never over `/proc`, `/etc/hosts` or into the layer.
+fn check_pipe_path(path: &str) -> Result<(), ExecError> {
+    let ok = path.strip_prefix("/dev/pipes/").is_some_and(|name| {
+        !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\0'])
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(ExecError::Unsupported(format!(
+            "heredoc file {path:?} is not a plain name under /dev/pipes/"
+        )))
+    }
+}
+
 /// Apparent size of everything under `dir` (bytes; directories and links count their own
 /// size), not following symlinks.
 pub(crate) fn tree_size(dir: &Path) -> u64 {
@@ -159,6 +174,11 @@ impl StepExecutor for LinuxExecutor {
         }
         if spec.network == Network::Host && !cfg.allow_network_host {
             return Err(ExecError::NetworkHostRefused);
+        }
+        for f in &spec.files {
+            if let Some(path) = &f.path {
+                check_pipe_path(path)?;
+            }
         }
         fs::create_dir_all(&cfg.run_dir).map_err(io("creating the run directory"))?;
         let scratch = Scratch {
@@ -1157,6 +1177,21 @@ mod tests {
         assert!(overlay_path(Path::new("/a:b")).is_err());
         assert!(overlay_path(Path::new("/a,upperdir=/x")).is_err());
         assert!(overlay_path(Path::new("relative")).is_err());
+    }
+
+    #[test]
+    fn heredoc_paths_stay_in_dev_pipes() {
+        assert!(check_pipe_path("/dev/pipes/EOF").is_ok());
+        for bad in [
+            "/dev/pipes/",
+            "/dev/pipes/..",
+            "/dev/pipes/../../proc/sys/kernel/core_pattern",
+            "/dev/pipes/a/b",
+            "/etc/hosts",
+            "/dev/pipes/a\0b",
+        ] {
+            assert!(check_pipe_path(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
