@@ -790,3 +790,25 @@ fn many_layers() {
     r.unwrap();
     assert_eq!(lines, vec!["121", "119"]);
 }
+
+/// CAP_MKNOD is in Docker's set: a step may make a node for a host device (here the
+/// host's first loop device, which root on this host can open), but never open it (nodev
+/// overlay, read-only /dev, nodev /dev/shm).
+#[test]
+fn device_nodes_made_by_a_step_cannot_be_opened() {
+    let f = fixture("mknod");
+    let dev = fs::read_to_string("/sys/class/block/loop0/dev")
+        .expect("no /dev/loop0 on this host (the loop module: ci/setup.sh)");
+    let (major, minor) = dev.trim().split_once(':').unwrap();
+    // The host can open it: so only the step's isolation can make the opens below fail.
+    fs::File::open("/dev/loop0").expect("the host cannot open /dev/loop0");
+    let (r, lines) = f.run(&f.spec(&format!(
+        "mknod /disk b {major} {minor} && echo made; \
+         ( : </disk ) 2>/dev/null && echo OPENED || echo denied; \
+         mknod /dev/shm/disk b {major} {minor} && {{ ( : </dev/shm/disk ) 2>/dev/null && echo OPENED || echo denied; }}; \
+         mknod /dev/disk b {major} {minor} 2>/dev/null && echo MADE-IN-DEV || echo dev-ro; \
+         echo x > /dev/null && head -c 1 /dev/zero | wc -c"
+    )));
+    r.unwrap();
+    assert_eq!(lines, vec!["made", "denied", "denied", "dev-ro", "1"]);
+}

@@ -691,7 +691,8 @@ fn mnt(
         .map_err(|e| format!("mounting {fstype} on {target}: {e}"))
 }
 
-/// Mounts the step's overlay on `merged`: with the new mount API and one `lowerdir+` per
+/// Mounts the step's overlay on `merged` (nodev: device nodes the step makes with
+/// CAP_MKNOD cannot be opened): with the new mount API and one `lowerdir+` per
 /// layer (Linux 6.8+, `Documentation/filesystems/overlayfs.rst`), which has no limit on the
 /// number of layers; else with mount(2) and one option string of at most a page.
 fn mount_overlay(plan: &ChildPlan, merged: &str) -> Result<(), String> {
@@ -716,8 +717,12 @@ fn mount_overlay(plan: &ChildPlan, merged: &str) -> Result<(), String> {
             .map_err(|e| format!("overlay upperdir: {e}"))?;
         fsconfig_set_string(&fs, "workdir", work).map_err(|e| format!("overlay workdir: {e}"))?;
         fsconfig_create(&fs).map_err(|e| format!("creating the overlay: {e}"))?;
-        let mnt = fsmount(&fs, FsMountFlags::FSMOUNT_CLOEXEC, MountAttrFlags::empty())
-            .map_err(|e| format!("fsmount: {e}"))?;
+        let mnt = fsmount(
+            &fs,
+            FsMountFlags::FSMOUNT_CLOEXEC,
+            MountAttrFlags::MOUNT_ATTR_NODEV,
+        )
+        .map_err(|e| format!("fsmount: {e}"))?;
         move_mount(
             &mnt,
             "",
@@ -729,13 +734,7 @@ fn mount_overlay(plan: &ChildPlan, merged: &str) -> Result<(), String> {
     };
     match (new_api(), &plan.overlay_data) {
         (Ok(()), _) => Ok(()),
-        (Err(_), Some(data)) => mnt(
-            "overlay",
-            merged,
-            "overlay",
-            MountFlags::empty(),
-            Some(data),
-        ),
+        (Err(_), Some(data)) => mnt("overlay", merged, "overlay", MountFlags::NODEV, Some(data)),
         (Err(e), None) => Err(format!(
             "{} layers need the new mount API's lowerdir+ (Linux 6.8+): {e}",
             plan.lowers.len()
@@ -906,6 +905,17 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         fs::set_permissions(&path, fs::Permissions::from_mode(f.mode & 0o7777))
             .map_err(|e| format!("chmod {path}: {e}"))?;
     }
+
+    // Device nodes: Docker keeps CAP_MKNOD and relies on the devices cgroup to make new
+    // nodes useless. Here no filesystem the step can write honours device nodes: the
+    // overlay is mounted nodev, /dev/shm is nodev, and /dev itself (which must not be
+    // nodev, for the nodes above) becomes read-only once populated.
+    mount_remount(
+        "/dev",
+        MountFlags::RDONLY | MountFlags::NOSUID,
+        "mode=755,size=65536k",
+    )
+    .map_err(|e| format!("making /dev read-only: {e}"))?;
 
     rustix::system::sethostname(plan.hostname.as_bytes())
         .map_err(|e| format!("sethostname: {e}"))?;
