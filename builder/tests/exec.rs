@@ -812,3 +812,23 @@ fn device_nodes_made_by_a_step_cannot_be_opened() {
     r.unwrap();
     assert_eq!(lines, vec!["made", "denied", "denied", "dev-ro", "1"]);
 }
+
+/// A step renames /etc away (allowed: it only holds mount points) and puts a symlink to a
+/// host directory in its place: cleaning the mount points up must not follow it on the host.
+#[test]
+fn mount_point_cleanup_does_not_follow_step_symlinks() {
+    let f = fixture("cleanup");
+    let victim_dir = f._tmp.path().join("victim");
+    fs::create_dir(&victim_dir).unwrap();
+    fs::write(victim_dir.join("hosts"), "").unwrap();
+    fs::write(victim_dir.join("resolv.conf"), "").unwrap();
+    // A root without /etc, so /etc/hosts is the executor's own mount point.
+    fs::remove_dir_all(f.root.join("etc")).unwrap();
+    let (r, _) = f.run(&f.spec(&format!(
+        "mv /etc /etc-moved && ln -s {} /etc && echo moved",
+        victim_dir.display()
+    )));
+    r.unwrap();
+    assert!(victim_dir.join("hosts").exists());
+    assert!(victim_dir.join("resolv.conf").exists());
+}

@@ -522,6 +522,20 @@ fn start_slirp(program: &Path, pid: libc::pid_t) -> Result<Child, ExecError> {
 
 /// Removes mount points the executor had to create, when the step left them empty and
 /// no lower layer has them (so they do not end up in the layer).
+/// Whether every parent of `rel` under `base` is a real directory (no symlink).
+fn real_dirs_to(base: &Path, rel: &str) -> bool {
+    let mut cur = base.to_path_buf();
+    let parents: Vec<&str> = rel.split('/').collect();
+    for part in &parents[..parents.len() - 1] {
+        cur.push(part);
+        match cur.symlink_metadata() {
+            Ok(md) if md.is_dir() => {}
+            _ => return false,
+        }
+    }
+    true
+}
+
 fn cleanup_mount_points(spec: &StepSpec) {
     for mp in MOUNT_POINTS.iter().rev() {
         if spec
@@ -529,6 +543,11 @@ fn cleanup_mount_points(spec: &StepSpec) {
             .iter()
             .any(|l| l.join(mp).symlink_metadata().is_ok())
         {
+            continue;
+        }
+        // The step may have renamed a parent away and put a symlink in its place (a
+        // directory holding a mount point can be renamed): never follow one on the host.
+        if !real_dirs_to(&spec.upper_dir, mp) {
             continue;
         }
         let p = spec.upper_dir.join(mp);
