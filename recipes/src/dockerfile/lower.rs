@@ -239,7 +239,34 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
         escape: parsed.escape,
         check: pd.check.as_ref().map(|d| d.value.value.to_string()),
     };
+    let source = SourceText {
+        file,
+        text,
+        frontend: Frontend::Dockerfile,
+        directives,
+    };
+    lower_instrs(&source, &instrs, options)
+}
 
+/// What [`lower_instrs`] needs to know about the text the instructions came from.
+pub(crate) struct SourceText<'a> {
+    /// File name for locations.
+    pub(crate) file: &'a str,
+    /// The text instruction spans index.
+    pub(crate) text: &'a str,
+    /// Which front end.
+    pub(crate) frontend: Frontend,
+    /// Directives (the escape character is used for substitution).
+    pub(crate) directives: Directives,
+}
+
+/// Lowers typed instructions (from a Dockerfile, or made by the YAML front end) into a plan.
+pub(crate) fn lower_instrs(
+    source: &SourceText<'_>,
+    instrs: &[Instr],
+    options: &Options,
+) -> Result<BuildPlan, Fault> {
+    let (file, text, directives) = (source.file, source.text, source.directives.clone());
     let target_platform = options
         .platform
         .clone()
@@ -270,7 +297,7 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
     let mut lw = Lowering {
         options,
         lines: Lines::new(file, text),
-        escape: parsed.escape,
+        escape: directives.escape,
         global,
         used: BTreeSet::new(),
     };
@@ -421,7 +448,7 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
         .map(|s| sandbox_of(&s.config, disk_mib, options))
         .unwrap_or_default();
     Ok(BuildPlan {
-        frontend: Frontend::Dockerfile,
+        frontend: source.frontend,
         file: file.to_string(),
         directives,
         platform: target_platform,
@@ -599,7 +626,7 @@ fn is_octal_mode(s: &str) -> bool {
 }
 
 /// `--chmod`: octal, or symbolic clauses like `u+x,g-w,o=r` (BuildKit 1.14+).
-fn valid_chmod(s: &str) -> bool {
+pub(crate) fn valid_chmod(s: &str) -> bool {
     if is_octal_mode(s) {
         return true;
     }
@@ -614,7 +641,7 @@ fn valid_chmod(s: &str) -> bool {
         })
 }
 
-fn parse_size(s: &str) -> Option<u64> {
+pub(crate) fn parse_size(s: &str) -> Option<u64> {
     let lower = s.to_ascii_lowercase();
     let trimmed = lower.trim_end_matches('b').trim_end_matches('i');
     let (num, mult) = match trimmed.char_indices().last()? {
