@@ -216,10 +216,10 @@ fn positive_cases() {
             Ok(Ok(plan)) => {
                 let json = plan_to_json(&plan);
                 // Same input, same bytes: the JSON must be stable across runs.
-                if let Ok(Ok(again)) = run(input, &bytes, &options) {
-                    if plan_to_json(&again) != json {
-                        failures.push(format!("{case}: two runs gave different JSON"));
-                    }
+                if let Ok(Ok(again)) = run(input, &bytes, &options)
+                    && plan_to_json(&again) != json
+                {
+                    failures.push(format!("{case}: two runs gave different JSON"));
                 }
                 check_file(&mut failures, &case, &dir.join("plan.json"), &json);
             }
@@ -298,13 +298,13 @@ fn recipe_and_dockerfile_lower_alike() {
                 }
             }
         }
-        if let [dockerfile, recipe] = &lowered[..] {
-            if dockerfile != recipe {
-                failures.push(format!(
-                    "{case}: Dockerfile (-) and recipe.yaml (+) lower differently:\n{}",
-                    diff(dockerfile, recipe)
-                ));
-            }
+        if let [dockerfile, recipe] = &lowered[..]
+            && dockerfile != recipe
+        {
+            failures.push(format!(
+                "{case}: Dockerfile (-) and recipe.yaml (+) lower differently:\n{}",
+                diff(dockerfile, recipe)
+            ));
         }
     }
     finish("equivalence", ran, failures);
@@ -340,4 +340,55 @@ fn corpus_is_complete() {
             dir.display()
         );
     }
+}
+
+/// A step's canonical form (what feeds build cache keys) must not depend on where the step
+/// was written: two blank lines in front of a Dockerfile move every location down by two and
+/// change nothing else. (Dockerfiles that start with a directive, a comment or a byte order
+/// mark are skipped: a blank line first would end the directives.)
+#[test]
+fn canonical_steps_ignore_locations() {
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for dir in case_dirs("cases") {
+        let case = case_name(&dir);
+        let (input, bytes) = input_of(&dir);
+        if !selected(&case) || input != "Dockerfile" || bytes.starts_with(b"#") {
+            continue;
+        }
+        if bytes.starts_with(b"\xEF\xBB\xBF") {
+            continue;
+        }
+        let options = options_of(&dir);
+        let mut moved = b"\n\n".to_vec();
+        moved.extend_from_slice(&bytes);
+        let (Ok(Ok(plan)), Ok(Ok(moved_plan))) =
+            (run(input, &bytes, &options), run(input, &moved, &options))
+        else {
+            continue;
+        };
+        ran += 1;
+        for (stage, moved_stage) in plan.stages.iter().zip(&moved_plan.stages) {
+            for (step, moved_step) in stage.steps.iter().zip(&moved_stage.steps) {
+                if step.canonical_json() != moved_step.canonical_json() {
+                    failures.push(format!(
+                        "{case}: canonical form changed with the location:\n  {}\n  {}",
+                        step.canonical_json(),
+                        moved_step.canonical_json()
+                    ));
+                }
+                let shifted = (moved_step.location.start_line, moved_step.location.end_line);
+                let want = (step.location.start_line + 2, step.location.end_line + 2);
+                if shifted != want {
+                    failures.push(format!(
+                        "{case}: step at {want:?} - 2 moved to {shifted:?} instead of {want:?}"
+                    ));
+                }
+            }
+        }
+        if plan.stages.len() != moved_plan.stages.len() {
+            failures.push(format!("{case}: the stages changed"));
+        }
+    }
+    finish("canonical", ran, failures);
 }
