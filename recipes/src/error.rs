@@ -38,6 +38,9 @@ pub enum RecipeErrorKind {
     /// The recipe is not UTF-8.
     #[error("recipe is not valid UTF-8")]
     NotUtf8,
+    /// The recipe is larger than [`crate::MAX_RECIPE_BYTES`].
+    #[error("recipe is {0} bytes; the limit is {max} bytes", max = crate::MAX_RECIPE_BYTES)]
+    TooLarge(usize),
     /// A build option given by the caller is invalid (e.g. `--platform`).
     #[error("invalid option: {0}")]
     Option(String),

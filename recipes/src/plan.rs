@@ -189,11 +189,15 @@ impl Step {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct StepContext {
     /// Environment as `KEY=value`, in definition order: image `ENV`, then build args in
-    /// scope (for `RUN`; `ENV` wins over an `ARG` of the same name).
+    /// scope (for `RUN`; `ENV` wins over an `ARG` of the same name). For an image base whose
+    /// env was not given in [`crate::Options::base_images`], only what the recipe set: the
+    /// builder puts it over the base image's env, by key.
     pub env: Vec<String>,
-    /// `USER` at this step (`None`: the image default, root).
+    /// `USER` at this step (`None`: not set by the recipe: the base image's user, root for
+    /// `scratch`).
     pub user: Option<String>,
-    /// Working directory at this step (absolute).
+    /// Working directory at this step (absolute). Before any `WORKDIR`, an image base's
+    /// own working directory when the caller gave it ([`crate::BaseImage`]), else `/`.
     pub workdir: String,
     /// Shell for shell-form commands.
     pub shell: Vec<String>,
@@ -421,9 +425,11 @@ pub struct MkdirStep {
 pub struct ImageConfig {
     /// `ENTRYPOINT` (exec form; shell form already wrapped in the shell).
     pub entrypoint: Option<Vec<String>>,
-    /// `CMD` (same).
+    /// `CMD` (same). `None`: inherit the base's; `Some([])`: cleared (an `ENTRYPOINT`
+    /// without a later `CMD` drops the inherited one, as BuildKit does).
     pub cmd: Option<Vec<String>>,
-    /// Environment as `KEY=value` in definition order.
+    /// Environment as `KEY=value` in definition order (see [`StepContext::env`] for what
+    /// an image base contributes).
     pub env: Vec<String>,
     /// Labels (`MAINTAINER` becomes `maintainer`).
     pub labels: BTreeMap<String, String>,
@@ -521,7 +527,8 @@ impl Default for Limits {
 /// Build arguments given to the build and what became of them.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
 pub struct BuildArgs {
-    /// The `--build-arg` values given.
+    /// The `--build-arg` values given. `SOURCE_DATE_EPOCH` among them (Unix seconds) is
+    /// what the builder uses for timestamps, as BuildKit does; it never counts as unused.
     pub given: BTreeMap<String, String>,
     /// Names of given args some `ARG` consumed (or predefined args used).
     pub used: Vec<String>,

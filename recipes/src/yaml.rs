@@ -80,6 +80,12 @@ pub enum YamlError {
     /// Empty `from`, `src`, `dest` or similar.
     #[error("{0} may not be empty")]
     Empty(&'static str),
+    /// An empty `env`, `labels` or `args` key.
+    #[error("{0} names can not be blank")]
+    BlankName(&'static str),
+    /// An `env` or `args` name with `=` in it.
+    #[error("{0} name '{1}' may not contain '='")]
+    NameWithEquals(&'static str, String),
 }
 
 /// The recipe document. See the module documentation for the meaning of each key.
@@ -89,14 +95,12 @@ pub struct Recipe {
     /// Base: image reference, `scratch`, or a bootstrap spec.
     pub from: Spanned<FromSpec>,
     /// Build args with defaults.
-    #[serde(default)]
-    pub args: BTreeMap<String, String>,
+    pub args: Option<Spanned<BTreeMap<String, String>>>,
     /// Files copied from the context before the commands.
     #[serde(default)]
     pub files: Vec<Spanned<FileSpec>>,
     /// Image env, also set for commands and start.
-    #[serde(default)]
-    pub env: BTreeMap<String, String>,
+    pub env: Option<Spanned<BTreeMap<String, String>>>,
     /// Commands run at build time as root.
     #[serde(default)]
     pub commands: Vec<Spanned<CommandSpec>>,
@@ -105,8 +109,7 @@ pub struct Recipe {
     /// Image working directory.
     pub workdir: Option<Spanned<String>>,
     /// Image labels.
-    #[serde(default)]
-    pub labels: BTreeMap<String, String>,
+    pub labels: Option<Spanned<BTreeMap<String, String>>>,
     /// Start command.
     pub start: Option<Spanned<StartSpec>>,
     /// Ready check.
@@ -119,9 +122,8 @@ pub struct Recipe {
     pub limits: Option<Spanned<LimitsSpec>>,
 }
 
-/// `from:`.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+/// `from:`: a string (image reference or `scratch`) or `{bootstrap: {...}}`.
+#[derive(Debug)]
 pub enum FromSpec {
     /// An image reference or `scratch`.
     Image(String),
@@ -150,8 +152,7 @@ pub struct BootstrapSpec {
 }
 
 /// A command: a shell string or an argv list.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum CommandSpec {
     /// Run by `/bin/sh -c`.
     Shell(String),
@@ -232,6 +233,59 @@ pub enum MemorySpec {
     Text(String),
 }
 
+// Hand-written visitors instead of `#[serde(untagged)]`, so that a mistake inside a
+// bootstrap spec or a command gets a precise message and location.
+impl<'de> Deserialize<'de> for FromSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = FromSpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an image reference, `scratch`, or {bootstrap: {distro, suite, ...}}")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<FromSpec, E> {
+                Ok(FromSpec::Image(v.to_string()))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<FromSpec, A::Error> {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct Wrapper {
+                    bootstrap: BootstrapSpec,
+                }
+                let w = Wrapper::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                Ok(FromSpec::Bootstrap {
+                    bootstrap: w.bootstrap,
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl<'de> Deserialize<'de> for CommandSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = CommandSpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a shell command string or an argv list of strings")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<CommandSpec, E> {
+                Ok(CommandSpec::Shell(v.to_string()))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                seq: A,
+            ) -> Result<CommandSpec, A::Error> {
+                let v =
+                    Vec::<String>::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))?;
+                Ok(CommandSpec::Exec(v))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
 /// Single-quotes `s` for the substitution layer so it comes out literally.
 fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
@@ -254,6 +308,54 @@ fn offset_of(text: &str, line: u64, column: u64) -> usize {
         offset += l.len();
     }
     text.len()
+}
+
+/// Byte offset of `key` in the block mapping starting at `map_at`, or `map_at` when the
+/// key cannot be found on its own line (flow mappings, odd quoting).
+fn key_offset(text: &str, map_at: usize, key: &str) -> usize {
+    let line_start = text[..map_at.min(text.len())]
+        .rfind('\n')
+        .map_or(0, |i| i + 1);
+    let mut offset = line_start;
+    for line in text[line_start..].split_inclusive('\n') {
+        let trimmed = line.trim_start();
+        let indent = line.len() - trimmed.len();
+        for candidate in [
+            format!("{key}:"),
+            format!("\"{key}\":"),
+            format!("'{key}':"),
+        ] {
+            if trimmed.starts_with(&candidate) {
+                return offset + indent;
+            }
+        }
+        offset += line.len();
+    }
+    map_at
+}
+
+/// Checks the names of an `env`/`labels`/`args` map.
+fn check_names(
+    ctx: &Ctx<'_>,
+    map: &Spanned<BTreeMap<String, String>>,
+    what: &'static str,
+    key_name: Option<&'static str>,
+) -> Result<(), RecipeError> {
+    let at = ctx.at(map);
+    for key in map.value.keys() {
+        if key.trim().is_empty() {
+            return Err(ctx.err(key_offset(ctx.text, at, key), YamlError::BlankName(what)));
+        }
+        if let Some(key_name) = key_name
+            && key.contains('=')
+        {
+            return Err(ctx.err(
+                key_offset(ctx.text, at, key),
+                YamlError::NameWithEquals(key_name, key.clone()),
+            ));
+        }
+    }
+    Ok(())
 }
 
 struct Ctx<'a> {
@@ -324,12 +426,12 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
             name: None,
         },
     });
-    if !recipe.args.is_empty() {
+    if let Some(args) = recipe.args.as_ref().filter(|a| !a.value.is_empty()) {
+        check_names(&ctx, args, "ARG", Some("args"))?;
         instrs.push(Instr {
-            span: here(from_at),
+            span: here(ctx.at(args)),
             kind: InstrKind::Arg(
-                recipe
-                    .args
+                args.value
                     .iter()
                     .map(|(k, v)| (literal(k), Some(literal(v))))
                     .collect(),
@@ -360,12 +462,12 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
             }),
         });
     }
-    if !recipe.env.is_empty() {
+    if let Some(env) = recipe.env.as_ref().filter(|e| !e.value.is_empty()) {
+        check_names(&ctx, env, "ENV", Some("env"))?;
         instrs.push(Instr {
-            span: here(from_at),
+            span: here(ctx.at(env)),
             kind: InstrKind::Env(
-                recipe
-                    .env
+                env.value
                     .iter()
                     .map(|(k, v)| (literal(k), literal(v)))
                     .collect(),
@@ -405,11 +507,13 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
             kind: InstrKind::Workdir(literal(&w.value)),
         });
     }
-    let mut labels: Vec<(String, String)> = recipe
-        .labels
-        .iter()
-        .map(|(k, v)| (literal(k), literal(v)))
-        .collect();
+    let mut labels: Vec<(String, String)> = Vec::new();
+    let mut labels_at = from_at;
+    if let Some(l) = &recipe.labels {
+        check_names(&ctx, l, "LABEL", None)?;
+        labels_at = ctx.at(l);
+        labels.extend(l.value.iter().map(|(k, v)| (literal(k), literal(v))));
+    }
     if let Some(d) = &recipe.disk_mib {
         if d.value == 0 {
             return Err(ctx.err(ctx.at(d), YamlError::Disk));
@@ -418,7 +522,7 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
     }
     if !labels.is_empty() {
         instrs.push(Instr {
-            span: here(from_at),
+            span: here(labels_at),
             kind: InstrKind::Label(labels),
         });
     }
@@ -697,6 +801,26 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn map_names_are_checked_at_the_key() {
+        let e = yaml_err("from: x\nenv:\n  OK: 1\n  A=B: x\n");
+        assert_eq!((e.line, e.column), (4, 3));
+        assert!(
+            e.to_string().contains("env name 'A=B' may not contain '='"),
+            "{e}"
+        );
+        let e = yaml_err("from: x\nenv:\n  \"\": x\n");
+        assert_eq!((e.line, e.column), (3, 3));
+        assert!(e.to_string().contains("ENV names can not be blank"), "{e}");
+        let e = yaml_err("from: x\nlabels:\n  '': x\n");
+        assert!(
+            e.to_string().contains("LABEL names can not be blank"),
+            "{e}"
+        );
+        let e = yaml_err("from: x\nargs: {\"A=B\": x}\n");
+        assert!(e.to_string().contains("args name"), "{e}");
     }
 
     #[test]

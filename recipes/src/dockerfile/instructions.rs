@@ -290,6 +290,10 @@ fn command_line(cmd: &Command<'_>, original: &str, escape: char) -> CommandLine 
         }
         Command::Shell(s) => {
             let raw = original.get(s.span.clone()).unwrap_or(s.value);
+            if raw.trim() == "[]" {
+                // `ENTRYPOINT []`, which the syntax layer hid from parse-dockerfile.
+                return CommandLine::Exec(Vec::new());
+            }
             CommandLine::Shell(join_continuations(raw, escape))
         }
         _ => CommandLine::Shell(String::new()),
@@ -347,8 +351,18 @@ fn name_values(
 
 fn span_end(i: &Instruction<'_>, parsed: &Parsed<'_>) -> usize {
     match i {
-        Instruction::Add(a) => a.dest.span.end.max(heredoc_end(&a.src)),
-        Instruction::Copy(a) => a.dest.span.end.max(heredoc_end(&a.src)),
+        Instruction::Add(a) => a
+            .dest
+            .span
+            .end
+            .max(heredoc_end(&a.src))
+            .max(body_end(parsed, a.add.span.start)),
+        Instruction::Copy(a) => a
+            .dest
+            .span
+            .end
+            .max(heredoc_end(&a.src))
+            .max(body_end(parsed, a.copy.span.start)),
         Instruction::Arg(a) => a.arguments.span.end,
         Instruction::Cmd(c) => command_end(&c.arguments),
         Instruction::Entrypoint(c) => command_end(&c.arguments),
@@ -382,6 +396,16 @@ fn span_end(i: &Instruction<'_>, parsed: &Parsed<'_>) -> usize {
         Instruction::Workdir(w) => w.arguments.span.end,
         _ => 0,
     }
+}
+
+/// End of the last heredoc body (terminator line included) of the instruction at `keyword`.
+fn body_end(parsed: &Parsed<'_>, keyword: usize) -> usize {
+    parsed
+        .heredocs_at(keyword)
+        .iter()
+        .map(|d| d.body.end)
+        .max()
+        .unwrap_or(0)
 }
 
 fn heredoc_end(src: &[parse_dockerfile::Source<'_>]) -> usize {
@@ -455,7 +479,8 @@ fn copy_args(
                     .map_or_else(|| "EOF".to_string(), |d| d.name.clone());
                 SourceArg::Heredoc {
                     name,
-                    data: h.value.to_string(),
+                    // Lines end in `\n` only, as BuildKit's line scanner leaves them.
+                    data: h.value.replace("\r\n", "\n"),
                     expand: h.expand,
                 }
             }

@@ -15,6 +15,7 @@
 //!   only those stages are kept (a failure in an unneeded stage does not fail the build); a
 //!   cycle through `COPY --from` is an error.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
@@ -28,7 +29,7 @@ use crate::plan::{
     Limits, MkdirStep, Mount, MountFrom, Network, ReadyCheck, RunStep, Sandbox, Security,
     SourceLocation, Stage, StartCommand, Step, StepContext, Warning,
 };
-use crate::shell_words::{ShellWordsError, expand_heredoc, expand_word};
+use crate::shell_words::{ShellWordsError, expand_heredoc, expand_word_tracking};
 
 /// A Dockerfile that parses but cannot be built.
 #[derive(Debug, thiserror::Error)]
@@ -41,7 +42,7 @@ pub enum LowerError {
     Cycle(String),
     /// `COPY --from=N` / `from=N` with N past the last stage.
     #[error("stage index {0} is out of range")]
-    StageIndex(usize),
+    StageIndex(i64),
     /// `RUN --mount=type=ssh`: not supported yet.
     #[error("RUN --mount=type=ssh is not supported yet")]
     SshMount,
@@ -54,6 +55,9 @@ pub enum LowerError {
     /// A base image name that substitution left empty.
     #[error("base name ({0}) should not be blank")]
     BlankBase(String),
+    /// The plan would exceed [`MAX_PLAN_BYTES`] (variables re-expanded into many steps).
+    #[error("the recipe expands to a plan larger than {} MiB", MAX_PLAN_BYTES >> 20)]
+    TooLarge,
     /// A stage name BuildKit would reject.
     #[error(
         "invalid name for build stage: '{0}', name can't start with a number or contain symbols"
@@ -84,6 +88,11 @@ const SOURCE_DATE_EPOCH: &str = "SOURCE_DATE_EPOCH";
 
 /// Label that sets the sandbox disk size in MiB.
 pub const DISK_LABEL: &str = "kiln.disk-mib";
+
+/// Largest total of expanded strings (env of every step, substituted words), bytes
+/// (64 MiB). Each step carries its whole env, so a recipe of a few hundred KiB with large
+/// values and many steps could otherwise make a plan of gigabytes.
+pub const MAX_PLAN_BYTES: usize = 64 << 20;
 
 /// Largest number of ports one `EXPOSE` range may expand to (defends against `1-65535`).
 const MAX_EXPOSED_RANGE: u32 = 1024;
@@ -142,37 +151,64 @@ impl Lines {
     }
 }
 
-/// The variables in scope at an instruction.
+/// The variables in scope at an instruction. Lookups go through name indexes, so a
+/// hostile `ENV` with a hundred thousand pairs stays linear.
 #[derive(Debug, Clone, Default)]
 struct Scope {
     /// `ENV`, in definition order.
     env: Vec<(String, String)>,
+    /// Position of each name in `env`.
+    env_index: BTreeMap<String, usize>,
     /// Declared ARGs in declaration order (`None`: declared without a value).
     args: Vec<(String, Option<String>)>,
+    /// Position of each name in `args`.
+    args_index: BTreeMap<String, usize>,
+    /// The base's env is unknown: `$PATH` falls back to Docker's default PATH, which
+    /// nearly every Linux base image sets (and BuildKit gives `RUN` when a base has none).
+    default_path: bool,
 }
 
 impl Scope {
     fn get(&self, name: &str) -> Option<String> {
-        if let Some((_, v)) = self.env.iter().find(|(k, _)| k == name) {
-            return Some(v.clone());
+        if let Some(&i) = self.env_index.get(name) {
+            return Some(self.env[i].1.clone());
         }
-        self.args
-            .iter()
-            .find(|(k, _)| k == name)
-            .and_then(|(_, v)| v.clone())
+        let arg = self
+            .args_index
+            .get(name)
+            .and_then(|&i| self.args[i].1.clone());
+        if arg.is_none() && self.default_path && name == "PATH" {
+            return Some(DEFAULT_PATH.to_string());
+        }
+        arg
     }
 
     fn set_env(&mut self, key: String, value: String) {
-        match self.env.iter_mut().find(|(k, _)| *k == key) {
-            Some(slot) => slot.1 = value,
-            None => self.env.push((key, value)),
+        match self.env_index.get(&key) {
+            Some(&i) => self.env[i].1 = value,
+            None => {
+                self.env_index.insert(key.clone(), self.env.len());
+                self.env.push((key, value));
+            }
+        }
+    }
+
+    /// Replaces the whole env (a stage base's).
+    fn replace_env(&mut self, env: &[(String, String)]) {
+        self.env.clear();
+        self.env_index.clear();
+        for (k, v) in env {
+            self.set_env(k.clone(), v.clone());
         }
     }
 
     fn set_arg(&mut self, key: String, value: Option<String>) {
-        match self.args.iter_mut().find(|(k, _)| *k == key) {
-            Some(slot) => slot.1 = value,
-            None => self.args.push((key, value)),
+        match self.args_index.get(&key) {
+            Some(&i) => self.args[i].1 = value,
+            None => {
+                self.args_index.insert(key.clone(), self.args.len());
+                self.args.push((key, value));
+            }
         }
     }
 
@@ -190,6 +226,10 @@ struct Lowering<'o> {
     global: Scope,
     /// Build args an ARG consumed.
     used: BTreeSet<String>,
+    /// Unset variables referenced since the last instruction was finished.
+    undefined: RefCell<Vec<String>>,
+    /// Bytes of expanded strings so far (see [`MAX_PLAN_BYTES`]).
+    plan_bytes: std::cell::Cell<usize>,
 }
 
 /// Where a stage reference points before pruning.
@@ -219,6 +259,8 @@ struct Draft {
     warnings: Vec<Warning>,
     disk_mib: Option<u64>,
     cmd_set: bool,
+    /// Whether the base's environment is known (scratch, a stage, or `Options::base_images`).
+    base_env_known: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -300,6 +342,8 @@ pub(crate) fn lower_instrs(
         escape: directives.escape,
         global,
         used: BTreeSet::new(),
+        undefined: RefCell::new(Vec::new()),
+        plan_bytes: std::cell::Cell::new(0),
     };
 
     // Global ARGs: everything before the first FROM.
@@ -309,9 +353,10 @@ pub(crate) fn lower_instrs(
         .unwrap_or(0);
     for instr in &instrs[..first_from] {
         if let InstrKind::Arg(pairs) = &instr.kind {
-            let mut scope = lw.global.clone();
-            lw.declare_args(&mut scope, pairs, instr.span.start, true)?;
+            let mut scope = std::mem::take(&mut lw.global);
+            let declared = lw.declare_args(&mut scope, pairs, instr.span.start, true);
             lw.global = scope;
+            declared?;
         }
     }
 
@@ -383,18 +428,17 @@ pub(crate) fn lower_instrs(
             }
         }
     };
-    let mut needed = BTreeSet::new();
-    let mut visiting = Vec::new();
-    if let Err(failure) = visit(target, &drafts, &names, &mut needed, &mut visiting) {
-        return Err(match failure {
-            Visit::Fault(f) => f,
-            Visit::Stage(i) => match drafts.swap_remove(i) {
+    let needed = match visit(target, &drafts, &names) {
+        Ok(needed) => needed,
+        Err(Visit::Fault(f)) => return Err(f),
+        Err(Visit::Stage(i)) => {
+            return Err(match drafts.swap_remove(i) {
                 Err(f) => f,
-                Ok(_) => Fault::new(0, LowerError::StageIndex(i)),
-            },
-        });
-    }
-    let order: Vec<usize> = needed.iter().copied().collect();
+                Ok(_) => Fault::new(0, LowerError::StageIndex(i as i64)),
+            });
+        }
+    };
+    let order = topological(&needed, &drafts);
     let renumber: BTreeMap<usize, usize> = order
         .iter()
         .enumerate()
@@ -440,6 +484,17 @@ pub(crate) fn lower_instrs(
             });
         }
     }
+    if let Some(epoch) = given.get(SOURCE_DATE_EPOCH)
+        && epoch.parse::<u64>().is_err()
+    {
+        // BuildKit ignores a SOURCE_DATE_EPOCH that is not a Unix time in seconds.
+        warnings.push(Warning {
+            location: None,
+            message: format!(
+                "{SOURCE_DATE_EPOCH}={epoch} is not a Unix time in seconds and is ignored for timestamps"
+            ),
+        });
+    }
     let used: Vec<String> = used.into_iter().filter(|n| given.contains_key(n)).collect();
 
     let plan_target = stages.len().saturating_sub(1);
@@ -465,6 +520,65 @@ pub(crate) fn lower_instrs(
     })
 }
 
+/// The needed stages in dependency order, choosing the lowest source index among the
+/// stages whose dependencies are all placed (so a plan without forward references keeps
+/// source order).
+fn topological(needed: &BTreeSet<usize>, drafts: &[Result<Draft, Fault>]) -> Vec<usize> {
+    let mut waiting: BTreeMap<usize, usize> = BTreeMap::new();
+    let mut dependents: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for &i in needed {
+        let deps: BTreeSet<usize> = match drafts.get(i) {
+            Some(Ok(d)) => d.base_stage.iter().chain(d.deps.keys()).copied().collect(),
+            _ => BTreeSet::new(),
+        };
+        let deps: Vec<usize> = deps.into_iter().filter(|d| needed.contains(d)).collect();
+        waiting.insert(i, deps.len());
+        for d in deps {
+            dependents.entry(d).or_default().push(i);
+        }
+    }
+    let mut ready: BTreeSet<usize> = waiting
+        .iter()
+        .filter(|(_, n)| **n == 0)
+        .map(|(&i, _)| i)
+        .collect();
+    let mut placed = Vec::with_capacity(needed.len());
+    // `visit` rejected cycles, so every needed stage becomes ready in turn.
+    while let Some(next) = ready.pop_first() {
+        placed.push(next);
+        for &d in dependents.get(&next).map(Vec::as_slice).unwrap_or_default() {
+            if let Some(n) = waiting.get_mut(&d) {
+                *n -= 1;
+                if *n == 0 {
+                    ready.insert(d);
+                }
+            }
+        }
+    }
+    placed
+}
+
+/// Whether `s` names a Linux signal (`TERM`, `SIGTERM`, `sigkill`, `SIGRTMIN+3`), as
+/// Docker's signal parsing accepts it.
+fn is_signal_name(s: &str) -> bool {
+    const NAMES: [&str; 34] = [
+        "ABRT", "ALRM", "BUS", "CHLD", "CLD", "CONT", "FPE", "HUP", "ILL", "INT", "IO", "IOT",
+        "KILL", "PIPE", "POLL", "PROF", "PWR", "QUIT", "SEGV", "STKFLT", "STOP", "SYS", "TERM",
+        "TRAP", "TSTP", "TTIN", "TTOU", "UNUSED", "URG", "USR1", "USR2", "VTALRM", "WINCH", "XCPU",
+    ];
+    let upper = s.to_ascii_uppercase();
+    let name = upper.strip_prefix("SIG").unwrap_or(&upper);
+    if NAMES.contains(&name) || name == "XFSZ" || name == "RTMIN" || name == "RTMAX" {
+        return true;
+    }
+    for (base, sep) in [("RTMIN", '+'), ("RTMAX", '-')] {
+        if let Some(n) = name.strip_prefix(base).and_then(|r| r.strip_prefix(sep)) {
+            return n.parse::<u32>().is_ok_and(|n| (1..=30).contains(&n));
+        }
+    }
+    false
+}
+
 /// Why [`visit`] stopped.
 enum Visit {
     /// A dependency problem.
@@ -473,43 +587,72 @@ enum Visit {
     Stage(usize),
 }
 
-/// Depth-first walk of the stages `index` needs; stops on a cycle and on a needed stage
-/// that failed to lower.
+/// The stages `target` needs (itself included), walking `FROM` stages, `COPY --from` and
+/// `RUN --mount from=` without recursion (a hostile chain of thousands of stages must not
+/// exhaust the stack); stops on a cycle and on a needed stage that failed to lower.
 fn visit(
-    index: usize,
+    target: usize,
     drafts: &[Result<Draft, Fault>],
     names: &[Option<String>],
-    needed: &mut BTreeSet<usize>,
-    visiting: &mut Vec<(usize, usize)>,
-) -> Result<(), Visit> {
-    if needed.contains(&index) {
-        return Ok(());
-    }
-    if let Some(&(_, offset)) = visiting.iter().find(|(i, _)| *i == index) {
-        let name = names
-            .get(index)
-            .cloned()
-            .flatten()
-            .unwrap_or_else(|| index.to_string());
-        return Err(Visit::Fault(Fault::new(offset, LowerError::Cycle(name))));
-    }
-    let draft = match drafts.get(index) {
-        None => return Err(Visit::Fault(Fault::new(0, LowerError::StageIndex(index)))),
-        Some(Err(_)) => return Err(Visit::Stage(index)),
-        Some(Ok(d)) => d,
+) -> Result<BTreeSet<usize>, Visit> {
+    const NEW: u8 = 0;
+    const OPEN: u8 = 1;
+    let deps_of = |i: usize| -> Result<Vec<(usize, usize)>, Visit> {
+        match drafts.get(i) {
+            None => Err(Visit::Fault(Fault::new(
+                0,
+                LowerError::StageIndex(i as i64),
+            ))),
+            Some(Err(_)) => Err(Visit::Stage(i)),
+            Some(Ok(d)) => Ok(d
+                .base_stage
+                .iter()
+                .map(|&b| (b, d.offset))
+                .chain(d.deps.iter().map(|(&k, &v)| (k, v)))
+                .collect()),
+        }
     };
-    for (&dep, &offset) in draft
-        .base_stage
-        .iter()
-        .map(|b| (b, &draft.offset))
-        .chain(draft.deps.iter())
-    {
-        visiting.push((index, offset));
-        visit(dep, drafts, names, needed, visiting)?;
-        visiting.pop();
+    let mut state = vec![NEW; drafts.len()];
+    let mut needed = BTreeSet::new();
+    // (stage, its dependencies with the offset of each reference, next dependency to visit)
+    type Frame = (usize, Vec<(usize, usize)>, usize);
+    let mut stack: Vec<Frame> = vec![(target, deps_of(target)?, 0)];
+    if let Some(s) = state.get_mut(target) {
+        *s = OPEN;
     }
-    needed.insert(index);
-    Ok(())
+    while let Some(top) = stack.len().checked_sub(1) {
+        let (node, next) = (stack[top].0, stack[top].2);
+        if next >= stack[top].1.len() {
+            needed.insert(node);
+            state[node] = 2;
+            stack.pop();
+            continue;
+        }
+        stack[top].2 += 1;
+        let (dep, offset) = stack[top].1[next];
+        match state.get(dep).copied() {
+            None => {
+                return Err(Visit::Fault(Fault::new(
+                    offset,
+                    LowerError::StageIndex(dep as i64),
+                )));
+            }
+            Some(OPEN) => {
+                let name = names
+                    .get(dep)
+                    .cloned()
+                    .flatten()
+                    .unwrap_or_else(|| dep.to_string());
+                return Err(Visit::Fault(Fault::new(offset, LowerError::Cycle(name))));
+            }
+            Some(NEW) => {
+                state[dep] = OPEN;
+                stack.push((dep, deps_of(dep)?, 0));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(needed)
 }
 
 fn remap(from: &mut MountFrom, renumber: &BTreeMap<usize, usize>) {
@@ -696,7 +839,42 @@ fn csv_fields(s: &str) -> Vec<String> {
 impl Lowering<'_> {
     fn expand(&self, word: &str, scope: &Scope, offset: usize) -> Result<String, Fault> {
         let mut lookup = |name: &str| scope.get(name);
-        expand_word(word, self.escape, &mut lookup).map_err(|e| words_fault(offset, e))
+        let (out, unset) = expand_word_tracking(word, self.escape, &mut lookup)
+            .map_err(|e| words_fault(offset, e))?;
+        self.charge(out.len(), offset)?;
+        let mut undefined = self.undefined.borrow_mut();
+        for name in unset {
+            if !undefined.contains(&name) {
+                undefined.push(name);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Counts `bytes` against [`MAX_PLAN_BYTES`].
+    fn charge(&self, bytes: usize, offset: usize) -> Result<(), Fault> {
+        let total = self.plan_bytes.get().saturating_add(bytes);
+        self.plan_bytes.set(total);
+        if total > MAX_PLAN_BYTES {
+            return Err(Fault::new(offset, LowerError::TooLarge));
+        }
+        Ok(())
+    }
+
+    /// Turns the unset variables referenced by the instruction just lowered into warnings.
+    fn flush_undefined(&self, draft: &mut Draft, location: &SourceLocation) {
+        let names = std::mem::take(&mut *self.undefined.borrow_mut());
+        for name in names {
+            let note = if draft.base_env_known {
+                ""
+            } else {
+                " (the base image's own environment is not known at plan time)"
+            };
+            draft.warnings.push(Warning {
+                location: Some(location.clone()),
+                message: format!("variable {name} is not defined and expands to empty{note}"),
+            });
+        }
     }
 
     /// Declares ARGs into `scope`, applying build args and global inheritance.
@@ -724,7 +902,10 @@ impl Lowering<'_> {
             }
             scope.set_arg(name, value);
         }
-        self.used.extend(used.iter().cloned());
+        if is_global {
+            // Stage ARGs count only if their stage is built (`Draft::used_args`).
+            self.used.extend(used.iter().cloned());
+        }
         Ok(used)
     }
 
@@ -742,11 +923,12 @@ impl Lowering<'_> {
         {
             return Ok(Ref::Stage(i));
         }
-        if !word.is_empty() && word.chars().all(|c| c.is_ascii_digit()) {
-            return match word.parse::<usize>() {
-                Ok(i) if i < count => Ok(Ref::Stage(i)),
+        let digits = word.strip_prefix('-').unwrap_or(word);
+        if !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit()) {
+            return match word.parse::<i64>() {
+                Ok(i) if i >= 0 && (i as usize) < count => Ok(Ref::Stage(i as usize)),
                 Ok(i) => Err(Fault::new(offset, LowerError::StageIndex(i))),
-                Err(_) => Err(Fault::new(offset, LowerError::StageIndex(usize::MAX))),
+                Err(_) => Err(Fault::new(offset, LowerError::StageIndex(i64::MAX))),
             };
         }
         if word.is_empty() || word.chars().any(char::is_whitespace) {
@@ -773,14 +955,23 @@ impl Lowering<'_> {
             return Err(invalid(from.span.start, "expected FROM"));
         };
         let offset = from.span.start;
-        let global = self.global.clone();
-        let image_name = self.expand(image, &global, offset)?;
+        let image_name = self.expand(image, &self.global, offset)?;
         if image_name.is_empty() {
             return Err(Fault::new(offset, LowerError::BlankBase(image.clone())));
         }
+        if image_name
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(invalid(
+                offset,
+                format!("invalid reference format: '{image_name}'"),
+            ));
+        }
+        let explicit_platform = platform.is_some();
         let stage_platform = match platform {
             Some(p) => {
-                let p = self.expand(p, &global, offset)?;
+                let p = self.expand(p, &self.global, offset)?;
                 if parse_platform(&p).is_none() {
                     return Err(Fault::new(offset, LowerError::Platform(p)));
                 }
@@ -815,14 +1006,21 @@ impl Lowering<'_> {
             warnings: Vec::new(),
             disk_mib: None,
             cmd_set: false,
+            base_env_known: true,
         };
         let mut triggers = Vec::new();
         if let Some(parent) = earlier {
             draft.base = Base::Stage { stage: parent };
             draft.base_stage = Some(parent);
             if let Some(Ok(p)) = drafts.get(parent) {
+                if !explicit_platform {
+                    // A stage built on another stage runs on that stage's platform.
+                    draft.platform = p.platform.clone();
+                }
                 draft.config = p.config.clone();
-                draft.scope.env = p.scope.env.clone();
+                draft.scope.replace_env(&p.scope.env);
+                draft.scope.default_path = p.scope.default_path;
+                draft.base_env_known = p.base_env_known;
                 draft.state = p.state.clone();
                 draft.disk_mib = p.disk_mib;
                 triggers = std::mem::take(&mut draft.config.onbuild);
@@ -831,12 +1029,31 @@ impl Lowering<'_> {
         } else if image_name == "scratch" {
             draft.base = Base::Scratch;
             draft.config.env = vec![format!("PATH={DEFAULT_PATH}")];
-            draft.scope.env = vec![("PATH".into(), DEFAULT_PATH.into())];
+            draft.scope.set_env("PATH".into(), DEFAULT_PATH.into());
         } else {
+            match self.options.base_images.get(&image_name) {
+                Some(base) => {
+                    for entry in &base.env {
+                        let (k, v) = entry.split_once('=').unwrap_or((entry.as_str(), ""));
+                        draft.scope.set_env(k.to_string(), v.to_string());
+                    }
+                    draft.config.env = draft.scope.env_strings();
+                    if let Some(w) = base.workdir.as_deref().filter(|w| !w.is_empty()) {
+                        draft.state.workdir = resolve_path("/", w);
+                    }
+                    draft.state.user = base.user.clone().filter(|u| !u.is_empty());
+                }
+                None => {
+                    draft.base_env_known = false;
+                    draft.scope.default_path = true;
+                }
+            }
             draft.base = Base::Image {
                 reference: image_name,
             };
         }
+        let from_location = draft.location.clone();
+        self.flush_undefined(&mut draft, &from_location);
         for trigger in &triggers {
             let instr = parse_trigger(trigger, self.escape).map_err(|msg| {
                 invalid(
@@ -848,38 +1065,42 @@ impl Lowering<'_> {
                 span: from.span.clone(),
                 kind: instr.kind,
             };
-            self.lower_instr(&mut draft, &located, names, drafts.len() + 1)?;
+            self.lower_instr(&mut draft, &located, names, names.len())?;
         }
         for instr in body {
-            self.lower_instr(&mut draft, instr, names, drafts.len().max(names.len()))?;
+            self.lower_instr(&mut draft, instr, names, names.len())?;
         }
         Ok(draft)
     }
 
-    fn context(&self, draft: &Draft, with_args: bool) -> StepContext {
-        let mut env: Vec<(String, String)> = draft.scope.env.clone();
+    /// The context of a step at this point of the stage; its bytes count against
+    /// [`MAX_PLAN_BYTES`].
+    fn context(&self, draft: &Draft, with_args: bool, offset: usize) -> Result<StepContext, Fault> {
+        let mut env: Vec<String> = draft.scope.env_strings();
         if with_args {
             for (k, v) in &draft.scope.args {
                 if let Some(v) = v
-                    && !env.iter().any(|(e, _)| e == k)
+                    && !draft.scope.env_index.contains_key(k)
                 {
-                    env.push((k.clone(), v.clone()));
+                    env.push(format!("{k}={v}"));
                 }
             }
             for proxy in PROXY_ARGS {
                 if let Some(v) = self.options.build_args.get(proxy)
-                    && !env.iter().any(|(e, _)| e == proxy)
+                    && !draft.scope.env_index.contains_key(proxy)
+                    && !draft.scope.args_index.contains_key(proxy)
                 {
-                    env.push((proxy.to_string(), v.clone()));
+                    env.push(format!("{proxy}={v}"));
                 }
             }
         }
-        StepContext {
-            env: env.into_iter().map(|(k, v)| format!("{k}={v}")).collect(),
+        self.charge(env.iter().map(|e| e.len() + 24).sum(), offset)?;
+        Ok(StepContext {
+            env,
             user: draft.state.user.clone(),
             workdir: draft.state.workdir.clone(),
             shell: draft.state.shell.clone(),
-        }
+        })
     }
 
     fn command_argv(&self, draft: &Draft, cmd: &CommandLine) -> Vec<String> {
@@ -900,26 +1121,47 @@ impl Lowering<'_> {
         names: &[Option<String>],
         count: usize,
     ) -> Result<(), Fault> {
+        self.undefined.borrow_mut().clear();
+        self.lower_instr_inner(draft, instr, names, count)?;
+        let location = self.lines.location(&instr.span);
+        self.flush_undefined(draft, &location);
+        Ok(())
+    }
+
+    fn lower_instr_inner(
+        &mut self,
+        draft: &mut Draft,
+        instr: &Instr,
+        names: &[Option<String>],
+        count: usize,
+    ) -> Result<(), Fault> {
         let offset = instr.span.start;
         let location = self.lines.location(&instr.span);
         match &instr.kind {
             InstrKind::From { .. } => return Err(invalid(offset, "unexpected FROM")),
             InstrKind::Arg(pairs) => {
-                let mut scope = draft.scope.clone();
-                let used = self.declare_args(&mut scope, pairs, offset, false)?;
-                draft.scope = scope;
+                let used = self.declare_args(&mut draft.scope, pairs, offset, false)?;
                 draft.used_args.extend(used);
             }
             InstrKind::Env(pairs) => {
+                // BuildKit expands every pair against the env before the instruction, so
+                // `ENV A=2 B=$A` sees the old A.
+                let mut expanded = Vec::with_capacity(pairs.len());
                 for (k, v) in pairs {
                     let key = self.expand(k, &draft.scope, offset)?;
                     let value = self.expand(v, &draft.scope, offset)?;
                     if key.is_empty() {
                         return Err(invalid(offset, "ENV names can not be blank"));
                     }
+                    expanded.push((key, value));
+                }
+                for (key, value) in expanded {
                     draft.scope.set_env(key, value);
                 }
                 draft.config.env = draft.scope.env_strings();
+                // The config env is rebuilt on each ENV: count it, so thousands of ENV
+                // lines over a wide env cannot go quadratic unnoticed.
+                self.charge(draft.config.env.iter().map(String::len).sum(), offset)?;
             }
             InstrKind::Label(pairs) => {
                 for (k, v) in pairs {
@@ -960,7 +1202,7 @@ impl Lowering<'_> {
                 let run = self.lower_run(
                     draft, mounts, network, security, command, heredocs, names, count, offset,
                 )?;
-                let context = self.context(draft, true);
+                let context = self.context(draft, true, offset)?;
                 draft.steps.push(Step {
                     location,
                     action: Action::Run(run),
@@ -974,13 +1216,15 @@ impl Lowering<'_> {
             InstrKind::Entrypoint(c) => {
                 draft.config.entrypoint = Some(self.command_argv(draft, c));
                 if !draft.cmd_set {
-                    draft.config.cmd = None;
+                    // BuildKit drops an inherited CMD when ENTRYPOINT is set; `Some([])`
+                    // tells the builder not to take the base image's CMD either.
+                    draft.config.cmd = Some(Vec::new());
                 }
             }
             InstrKind::Copy(args) | InstrKind::Add(args) => {
                 let is_add = matches!(instr.kind, InstrKind::Add(_));
                 let step = self.lower_copy(draft, args, is_add, names, count, offset)?;
-                let context = self.context(draft, false);
+                let context = self.context(draft, false, offset)?;
                 let action = if is_add {
                     Action::Add(step)
                 } else {
@@ -994,10 +1238,13 @@ impl Lowering<'_> {
             }
             InstrKind::Expose(ports) => {
                 for p in ports {
-                    let p = self.expand(p, &draft.scope, offset)?;
-                    for port in expand_ports(&p).map_err(|m| invalid(offset, m))? {
-                        if !draft.config.exposed_ports.contains(&port) {
-                            draft.config.exposed_ports.push(port);
+                    // BuildKit expands EXPOSE with word splitting: `$PORTS` may hold several.
+                    let expanded = self.expand(p, &draft.scope, offset)?;
+                    for p in expanded.split_whitespace() {
+                        for port in expand_ports(p).map_err(|m| invalid(offset, m))? {
+                            if !draft.config.exposed_ports.contains(&port) {
+                                draft.config.exposed_ports.push(port);
+                            }
                         }
                     }
                 }
@@ -1031,7 +1278,7 @@ impl Lowering<'_> {
                 let path = resolve_path(&draft.state.workdir, &w);
                 draft.state.workdir = path.clone();
                 draft.config.workdir = Some(path.clone());
-                let context = self.context(draft, false);
+                let context = self.context(draft, false, offset)?;
                 draft.steps.push(Step {
                     location,
                     action: Action::Mkdir(MkdirStep { path, mode: 0o755 }),
@@ -1040,15 +1287,9 @@ impl Lowering<'_> {
             }
             InstrKind::Stopsignal(s) => {
                 let s = self.expand(s, &draft.scope, offset)?;
-                let upper = s.to_ascii_uppercase();
                 let numeric = s.parse::<u32>().is_ok_and(|n| (1..=64).contains(&n));
-                let named = upper
-                    .trim_start_matches("SIG")
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '+' || c == '-')
-                    && !upper.trim_start_matches("SIG").is_empty();
-                if !numeric && !named {
-                    return Err(invalid(offset, format!("invalid signal: {s}")));
+                if !numeric && !is_signal_name(&s) {
+                    return Err(invalid(offset, format!("invalid stop signal '{s}'")));
                 }
                 draft.config.stop_signal = Some(s);
             }
@@ -1197,7 +1438,10 @@ impl Lowering<'_> {
                             path: Some(path.clone()),
                             mode: 0o755,
                         };
-                        (CommandForm::Shell, vec![path], vec![file])
+                        // BuildKit prepends the shell to the script path too.
+                        let mut argv = draft.state.shell.clone();
+                        argv.push(path);
+                        (CommandForm::Shell, argv, vec![file])
                     } else {
                         let mut argv = draft.state.shell.clone();
                         argv.push(data);
@@ -1630,9 +1874,9 @@ mod tests {
     #[test]
     fn substitution_in_the_right_instructions() {
         let p = plan(
-            "FROM scratch\nENV A=one B=\"two words\"\nENV C ${A}-x\nWORKDIR /srv/$A\nWORKDIR sub\n\
+            "FROM scratch\nENV A=one B=\"two words\" S=TERM\nENV C ${A}-x\nWORKDIR /srv/$A\nWORKDIR sub\n\
              COPY $A.txt ${B:+b}/\nUSER ${NOPE:-nobody}\nLABEL k=$A \"q\"='$A'\nEXPOSE 80 ${P:-53}/udp\n\
-             VOLUME /data/$A\nSTOPSIGNAL SIG$A\nRUN echo $A\nCMD echo $A\n",
+             VOLUME /data/$A\nSTOPSIGNAL SIG$S\nRUN echo $A\nCMD echo $A\n",
         );
         let s = &p.stages[0];
         assert_eq!(
@@ -1641,6 +1885,7 @@ mod tests {
                 "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                 "A=one",
                 "B=two words",
+                "S=TERM",
                 "C=one-x"
             ]
         );
@@ -1658,7 +1903,7 @@ mod tests {
         assert_eq!(s.config.labels.get("q").map(String::as_str), Some("$A"));
         assert_eq!(s.config.exposed_ports, ["53/udp", "80/tcp"]);
         assert_eq!(s.config.volumes, ["/data/one"]);
-        assert_eq!(s.config.stop_signal.as_deref(), Some("SIGone"));
+        assert_eq!(s.config.stop_signal.as_deref(), Some("SIGTERM"));
         assert_eq!(run_argv(&s.steps[3]), ["/bin/sh", "-c", "echo $A"]);
         assert_eq!(
             s.config.cmd.as_deref(),
@@ -1814,7 +2059,7 @@ mod tests {
         let Action::Run(r) = &s.steps[1].action else {
             panic!()
         };
-        assert_eq!(r.argv, ["/dev/pipes/EOT"]);
+        assert_eq!(r.argv, ["/bin/sh", "-c", "/dev/pipes/EOT"]);
         assert_eq!(r.files[0].data, "#!/bin/sh\necho hi\n");
         assert_eq!(r.files[0].mode, 0o755);
         assert_eq!(
@@ -2255,5 +2500,241 @@ mod tests {
         let e =
             load_dockerfile("Dockerfile", b"FROM x\nRUN \xff\n", &Options::default()).unwrap_err();
         assert_eq!(e.line, 2);
+    }
+}
+
+#[cfg(test)]
+mod env_tests {
+    use super::*;
+    use crate::load_dockerfile;
+
+    #[test]
+    fn undefined_variables_warn_and_base_env_fills_them() {
+        let text = "FROM golang:1.22\nENV PATH=/usr/local/go/bin:$PATH GOFLAGS=${GOFLAGS:-x} G=$GOPATH/bin\nRUN go version\n";
+        let p = load_dockerfile("Dockerfile", text.as_bytes(), &Options::default()).unwrap();
+        // Unknown base env: PATH falls back to Docker's default, anything else is empty.
+        assert_eq!(
+            p.stages[0].config.env,
+            [
+                "PATH=/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "GOFLAGS=x",
+                "G=/bin"
+            ]
+        );
+        assert_eq!(p.warnings.len(), 1, "{:?}", p.warnings);
+        assert!(p.warnings[0].message.contains("GOPATH"));
+        assert_eq!(p.warnings[0].location.as_ref().unwrap().start_line, 2);
+        let base = crate::BaseImage {
+            env: vec!["PATH=/usr/bin".to_string(), "GOPATH=/go".into()],
+            workdir: Some("/go".into()),
+            user: Some("gopher".into()),
+        };
+        let options = Options {
+            base_images: [("golang:1.22".to_string(), base)].into(),
+            ..Options::default()
+        };
+        let p = load_dockerfile("Dockerfile", text.as_bytes(), &options).unwrap();
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+        assert_eq!(
+            p.stages[0].config.env,
+            [
+                "PATH=/usr/local/go/bin:/usr/bin",
+                "GOPATH=/go",
+                "GOFLAGS=x",
+                "G=/go/bin"
+            ]
+        );
+        assert_eq!(p.stages[0].steps[0].context.env, p.stages[0].config.env);
+        assert_eq!(p.stages[0].steps[0].context.workdir, "/go");
+        assert_eq!(p.stages[0].steps[0].context.user.as_deref(), Some("gopher"));
+    }
+
+    #[test]
+    fn entrypoint_clears_inherited_cmd() {
+        let p = load_dockerfile(
+            "Dockerfile",
+            b"FROM x\nENTRYPOINT [\"e\"]\n",
+            &Options::default(),
+        )
+        .unwrap();
+        assert_eq!(p.stages[0].config.cmd, Some(vec![]));
+        let p = load_dockerfile(
+            "Dockerfile",
+            b"FROM x\nCMD [\"c\"]\nENTRYPOINT [\"e\"]\n",
+            &Options::default(),
+        )
+        .unwrap();
+        assert_eq!(p.stages[0].config.cmd, Some(vec!["c".to_string()]));
+    }
+
+    fn lower(text: &str) -> Result<BuildPlan, crate::RecipeError> {
+        load_dockerfile("Dockerfile", text.as_bytes(), &Options::default())
+    }
+
+    #[test]
+    fn env_pairs_see_the_env_before_the_instruction() {
+        let p = lower("FROM scratch\nENV A=1\nENV A=2 B=$A\n").unwrap();
+        assert!(p.stages[0].config.env.contains(&"B=1".to_string()));
+    }
+
+    #[test]
+    fn stage_refs_in_dependency_order() {
+        let text =
+            "FROM alpine AS final\nCOPY --from=later /x /x\nFROM alpine AS later\nRUN true\n";
+        let options = Options {
+            target: Some("final".into()),
+            ..Options::default()
+        };
+        let p = load_dockerfile("Dockerfile", text.as_bytes(), &options).unwrap();
+        let names: Vec<_> = p
+            .stages
+            .iter()
+            .map(|s| s.name.clone().unwrap_or_default())
+            .collect();
+        assert_eq!(names, ["later", "final"]);
+        assert_eq!(p.target, 1);
+        let Action::Copy(c) = &p.stages[1].steps[0].action else {
+            panic!()
+        };
+        assert_eq!(c.from, Some(MountFrom::Stage { stage: 0 }));
+        let e = lower("FROM alpine\nCOPY --from=-1 /x /x\n").unwrap_err();
+        assert_eq!(
+            e.to_string().lines().next(),
+            Some("Dockerfile:2:1: stage index -1 is out of range")
+        );
+    }
+
+    #[test]
+    fn stop_signals_are_checked() {
+        for ok in ["SIGTERM", "term", "9", "SIGRTMIN+3", "SIGWINCH"] {
+            assert!(lower(&format!("FROM x\nSTOPSIGNAL {ok}\n")).is_ok(), "{ok}");
+        }
+        for bad in ["SIGNOPE", "0", "99", "SIGRTMIN+99"] {
+            assert!(
+                lower(&format!("FROM x\nSTOPSIGNAL {bad}\n")).is_err(),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn empty_entrypoint_and_bom() {
+        let p = lower("\u{feff}# syntax=x\nFROM scratch\nCMD [\"c\"]\nENTRYPOINT []\n").unwrap();
+        assert_eq!(p.stages[0].config.entrypoint, Some(vec![]));
+        assert_eq!(p.stages[0].config.cmd, Some(vec!["c".to_string()]));
+        assert_eq!(p.stages[0].location.start_line, 2);
+        assert_eq!(p.directives.syntax.as_deref(), Some("x"));
+    }
+
+    #[test]
+    fn copy_heredoc_location_covers_the_body() {
+        let p = lower("FROM scratch\nCOPY <<EOF /empty\nEOF\nCOPY <<A /a\nx\nA\n").unwrap();
+        let l: Vec<_> = p.stages[0]
+            .steps
+            .iter()
+            .map(|s| (s.location.start_line, s.location.end_line))
+            .collect();
+        assert_eq!(l, [(2, 3), (4, 6)]);
+    }
+
+    #[test]
+    fn stage_base_keeps_its_platform_and_references_are_checked() {
+        let p = lower("FROM --platform=linux/arm64 alpine AS a\nFROM a\n").unwrap();
+        assert_eq!(p.stages[1].platform, "linux/arm64");
+        let e = lower("ARG I=\"a b\"\nFROM $I\n").unwrap_err();
+        assert!(e.to_string().contains("invalid reference format"), "{e}");
+    }
+
+    #[test]
+    fn args_of_pruned_stages_do_not_count_as_used() {
+        let text = "FROM alpine AS unused\nARG ONLY_HERE\nFROM alpine\nRUN true\n";
+        let options = Options {
+            build_args: [("ONLY_HERE".to_string(), "1".to_string())].into(),
+            ..Options::default()
+        };
+        let p = load_dockerfile("Dockerfile", text.as_bytes(), &options).unwrap();
+        assert_eq!(p.build_args.unused, ["ONLY_HERE"]);
+        assert!(p.build_args.used.is_empty());
+    }
+
+    #[test]
+    fn stage_on_image_stage_keeps_unknown_base_env() {
+        let p = lower("FROM golang AS a\nFROM a\nENV P=$PATH:/x G=$GOPATH\n").unwrap();
+        let env = &p.stages[1].config.env;
+        assert!(
+            env.contains(
+                &"P=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/x".to_string()
+            ),
+            "{env:?}"
+        );
+        assert!(
+            p.warnings
+                .iter()
+                .any(|w| w.message.contains("not known at plan time"))
+        );
+    }
+
+    #[test]
+    fn crlf_line_endings() {
+        let p = lower("FROM alpine\r\nRUN <<EOF\r\necho hi\r\nEOF\r\nCOPY <<X /x\r\nbody\r\nX\r\n")
+            .unwrap();
+        let s = &p.stages[0];
+        let Action::Run(r) = &s.steps[0].action else {
+            panic!()
+        };
+        assert_eq!(r.argv[2], "echo hi\n");
+        let Action::Copy(c) = &s.steps[1].action else {
+            panic!()
+        };
+        assert!(matches!(&c.sources[0], CopySource::Inline(f) if f.data == "body\n"));
+    }
+
+    #[test]
+    fn source_date_epoch_must_be_unix_seconds() {
+        let options = |v: &str| Options {
+            build_args: [("SOURCE_DATE_EPOCH".to_string(), v.to_string())].into(),
+            ..Options::default()
+        };
+        let p = load_dockerfile("Dockerfile", b"FROM scratch\n", &options("1700000000")).unwrap();
+        assert!(p.warnings.is_empty(), "{:?}", p.warnings);
+        let p = load_dockerfile("Dockerfile", b"FROM scratch\n", &options("yesterday")).unwrap();
+        assert!(p.warnings[0].message.contains("not a Unix time"));
+        assert!(p.build_args.unused.is_empty());
+    }
+
+    #[test]
+    fn expose_splits_expanded_words() {
+        let p = load_dockerfile(
+            "Dockerfile",
+            b"FROM scratch\nARG PORTS=\"80 443/udp\"\nEXPOSE $PORTS 8000-8002\n",
+            &Options::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            p.stages[0].config.exposed_ports,
+            ["443/udp", "80/tcp", "8000/tcp", "8001/tcp", "8002/tcp"]
+        );
+        let e = load_dockerfile(
+            "Dockerfile",
+            b"FROM scratch\nEXPOSE 1-65535\n",
+            &Options::default(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("range"), "{e}");
+    }
+
+    #[test]
+    fn env_and_label_legacy_forms() {
+        let p = load_dockerfile(
+            "Dockerfile",
+            b"FROM scratch\nENV A  b c \"d\"\nLABEL k v w\n",
+            &Options::default(),
+        )
+        .unwrap();
+        assert!(p.stages[0].config.env.contains(&"A=b c d".to_string()));
+        assert_eq!(
+            p.stages[0].config.labels.get("k").map(String::as_str),
+            Some("v w")
+        );
     }
 }

@@ -136,6 +136,20 @@ pub(crate) fn mask_run_heredocs(text: &str) -> Result<(String, HeredocsByInstruc
         let mut words = shell_words::split_words(&logical, '\\').into_iter();
         let keyword = words.next().unwrap_or_default().to_ascii_uppercase();
         let is_run = keyword == "RUN";
+        if keyword == "ENTRYPOINT" {
+            // BuildKit accepts `ENTRYPOINT []` (clear the entrypoint); parse-dockerfile does
+            // not, so the brackets become `""` here and `[]` again in `instructions`.
+            let instruction_end = lines[i - 1].1;
+            let raw = &text[start..instruction_end];
+            let after = raw.trim_start()["ENTRYPOINT".len().min(raw.trim_start().len())..].trim();
+            if after == "[]"
+                && let Some(at) = raw.rfind("[]")
+            {
+                masked[start + at] = b'"';
+                masked[start + at + 1] = b'"';
+            }
+            continue;
+        }
         if !(is_run || keyword == "COPY" || keyword == "ADD") {
             continue;
         }

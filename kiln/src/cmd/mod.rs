@@ -1,0 +1,3 @@
+//! One module per subcommand: parse flags, call the library, print.
+
+pub mod plan;
