@@ -10,7 +10,8 @@
 //!   same stages and sandbox settings once source locations are removed.
 //!
 //! `args.json` keys, all optional: `target` (string), `build_args` (object of strings),
-//! `platform`, `build_platform` (strings), `disk_mib` (integer).
+//! `platform`, `build_platform` (strings), `disk_mib` (integer), `base_images` (object: image
+//! reference to `{"env": ["K=v", ...], "workdir": "/dir", "user": "name"}`, each key optional).
 //!
 //! `KILN_BLESS=1 cargo test -p kiln-recipes --test golden` rewrites the expected files from
 //! what the front ends produce now; read every rewritten file before committing it.
@@ -21,7 +22,7 @@ use std::fmt::Write as _;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
-use kiln_recipes::{BuildPlan, Options, RecipeError, load, plan_to_json};
+use kiln_recipes::{BaseImage, BuildPlan, Options, RecipeError, load, plan_to_json};
 
 /// Input file names a case may use, in the order they are looked for.
 const INPUTS: [&str; 3] = ["Dockerfile", "recipe.yaml", "recipe.yml"];
@@ -113,6 +114,37 @@ fn options_of(dir: &Path) -> Options {
                     .iter()
                     .map(|(k, v)| (k.clone(), string(v, k)))
                     .collect::<BTreeMap<_, _>>();
+            }
+            "base_images" => {
+                let images = v
+                    .as_object()
+                    .unwrap_or_else(|| panic!("{}: base_images must be an object", path.display()));
+                for (reference, config) in images {
+                    let mut base = BaseImage::default();
+                    for (field, value) in config.as_object().unwrap_or_else(|| {
+                        panic!(
+                            "{}: base_images.{reference} must be an object",
+                            path.display()
+                        )
+                    }) {
+                        match field.as_str() {
+                            "env" => {
+                                base.env = value
+                                    .as_array()
+                                    .unwrap_or_else(|| {
+                                        panic!("{}: env must be a list", path.display())
+                                    })
+                                    .iter()
+                                    .map(|e| string(e, "env"))
+                                    .collect()
+                            }
+                            "workdir" => base.workdir = Some(string(value, field)),
+                            "user" => base.user = Some(string(value, field)),
+                            other => panic!("{}: unknown base image key {other}", path.display()),
+                        }
+                    }
+                    options.base_images.insert(reference.clone(), base);
+                }
             }
             other => panic!("{}: unknown key {other}", path.display()),
         }
