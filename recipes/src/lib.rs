@@ -16,6 +16,7 @@
 use std::collections::BTreeMap;
 
 pub mod dockerfile;
+pub mod dockerignore;
 pub mod error;
 pub mod plan;
 pub mod shell_words;
