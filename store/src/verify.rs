@@ -160,24 +160,12 @@ impl Store {
             }
         }
         // Other roots: as GC sees them (manifests only; their blobs/chunks follow).
-        let marked = Some(self.mark_live(gc, false).await?);
-        let present: HashMap<String, u64> = match &marked {
-            Some(m) => m.objects.iter().map(|o| (o.key.clone(), o.size)).collect(),
-            None => {
-                let mut all = HashMap::new();
-                for p in ["manifests/", "blobs/", "chunks/"] {
-                    for o in self.backend.list(p).await? {
-                        all.insert(o.key, o.size);
-                    }
-                }
-                all
-            }
-        };
-        if let Some(m) = &marked {
-            for r in &m.live {
-                if let ObjectRef::Manifest(d) = r {
-                    roots.push((*d, None));
-                }
+        let Marked { live, objects, .. } = self.mark_live(gc, false).await?;
+        let present: HashMap<&str, u64> =
+            objects.iter().map(|o| (o.key.as_str(), o.size)).collect();
+        for r in &live {
+            if let ObjectRef::Manifest(d) = r {
+                roots.push((*d, None));
             }
         }
         // Walk manifests.
@@ -187,7 +175,7 @@ impl Store {
         let mut chunks: HashMap<ChunkDigest, (ManifestDigest, u64)> = HashMap::new();
         let mut blobs: HashMap<BlobDigest, ManifestDigest> = HashMap::new();
         while let Some((d, tag, parent)) = queue.pop_front() {
-            if !present.contains_key(&d.key()) {
+            if !present.contains_key(d.key().as_str()) {
                 match (tag, parent) {
                     (Some(tag), _) => report
                         .findings
@@ -239,7 +227,7 @@ impl Store {
         report.blobs = blobs.len();
         let mut to_check = Vec::new();
         for (c, (m, len)) in &chunks {
-            if !present.contains_key(&c.key()) {
+            if !present.contains_key(c.key().as_str()) {
                 report.findings.push(Finding::MissingChunk {
                     manifest: *m,
                     chunk: *c,
@@ -249,7 +237,7 @@ impl Store {
             }
         }
         for (b, m) in &blobs {
-            if !present.contains_key(&b.key()) {
+            if !present.contains_key(b.key().as_str()) {
                 report.findings.push(Finding::MissingBlob {
                     manifest: *m,
                     blob: *b,
@@ -291,20 +279,18 @@ impl Store {
             }
         }
         // Orphans.
-        if let Some(Marked { live, objects, .. }) = &marked {
-            let cutoff = SystemTime::now()
-                .checked_sub(gc.grace)
-                .unwrap_or(SystemTime::UNIX_EPOCH);
-            for o in objects {
-                if let Some(r) = ObjectRef::from_key(&o.key)
-                    && !live.contains(&r)
-                {
-                    report.orphans.push(Orphan {
-                        key: o.key.clone(),
-                        size: o.size,
-                        collectable: o.modified <= cutoff,
-                    });
-                }
+        let cutoff = SystemTime::now()
+            .checked_sub(gc.grace)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        for o in &objects {
+            if let Some(r) = ObjectRef::from_key(&o.key)
+                && !live.contains(&r)
+            {
+                report.orphans.push(Orphan {
+                    key: o.key.clone(),
+                    size: o.size,
+                    collectable: o.modified <= cutoff,
+                });
             }
         }
         Ok(report)
