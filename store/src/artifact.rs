@@ -199,8 +199,11 @@ impl Store {
             None => "partial".into(),
         });
         let file = File::create(&partial).map_err(|e| StoreError::io(&partial, e))?;
-        file.set_len(table.size)
-            .map_err(|e| StoreError::io(&partial, e))?;
+        if let Err(e) = file.set_len(table.size) {
+            // E.g. a hostile table claiming exabytes: EFBIG. Leave nothing behind.
+            let _ = std::fs::remove_file(&partial);
+            return Err(StoreError::io(&partial, e));
+        }
         let file = Arc::new(file);
         let reporter = Reporter::new(progress);
         let res = futures::stream::iter(table.entries.iter().cloned())
