@@ -1,8 +1,19 @@
 //! kiln-builder: base image resolution and fetch, layer apply, step execution, build cache,
 //! flattening and ext4 writing. It consumes only `kiln_recipes::plan::BuildPlan`.
 //!
-//! Base images (issue 4): [`reference`] parses image references as Docker does, [`layer`]
-//! applies OCI layers safely onto a root directory.
+//! Base images (issue 4):
+//! - [`reference`]: image references as Docker parses them;
+//! - [`image`]: OCI/Docker manifests, indexes, platforms;
+//! - [`cache`]: the blob cache pulled into ([`cache::BlobCache`], [`cache::LocalCache`]);
+//! - [`registry`]: pull and push through `oci-client`, with resume and credentials;
+//! - [`layout`]: OCI image layout directories (import and export);
+//! - [`layer`]: applying layers safely onto a root directory;
+//! - [`base`]: resolving a FROM (local refs first, then the registry) and unpacking.
 
+pub mod base;
+pub mod cache;
+pub mod image;
 pub mod layer;
+pub mod layout;
 pub mod reference;
+pub mod registry;
