@@ -84,6 +84,9 @@ pub trait BlobCache: Send + Sync {
     fn blob_path(&self, digest: &str) -> Result<Option<PathBuf>, CacheError>;
     /// Where a partial download of `digest` is kept (same file system as the blobs).
     fn ingest_path(&self, digest: &str) -> Result<PathBuf, CacheError>;
+    /// A scratch file path on the cache's file system (for blobs whose digest is known only
+    /// once written); `label` is made unique by the caller.
+    fn scratch_path(&self, label: &str) -> PathBuf;
     /// Hashes the file at `staged` and, when it matches `digest`, moves it in.
     fn commit(&self, staged: &Path, digest: &str) -> Result<PathBuf, CacheError>;
     /// Puts a small blob (a manifest, a config) after checking its digest.
@@ -167,6 +170,22 @@ impl BlobCache for LocalCache {
 
     fn ingest_path(&self, digest: &str) -> Result<PathBuf, CacheError> {
         Ok(self.root.join(".tmp/ingest").join(sha256_hex(digest)?))
+    }
+
+    fn scratch_path(&self, label: &str) -> PathBuf {
+        let safe: String = label
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || c == '-' {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        self.root
+            .join(".tmp")
+            .join(format!("scratch-{}-{safe}", std::process::id()))
     }
 
     fn commit(&self, staged: &Path, digest: &str) -> Result<PathBuf, CacheError> {

@@ -8,9 +8,11 @@
 //! - [`registry`]: pull and push through `oci-client`, with resume and credentials;
 //! - [`layout`]: OCI image layout directories (import and export);
 //! - [`layer`]: applying layers safely onto a root directory;
+//! - [`bootstrap`]: base images built with debootstrap, cached by their inputs;
 //! - [`base`]: resolving a FROM (local refs first, then the registry) and unpacking.
 
 pub mod base;
+pub mod bootstrap;
 pub mod cache;
 pub mod image;
 pub mod layer;

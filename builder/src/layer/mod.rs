@@ -21,6 +21,7 @@
 //! the entry being read.
 
 pub mod whiteout;
+pub mod write;
 
 use std::cell::Cell;
 use std::collections::HashSet;
