@@ -203,6 +203,7 @@ async fn fetch_release(spec: &BootstrapSpec) -> Result<Vec<u8>, BootstrapError> 
         url: url.clone(),
         detail,
     };
+    crate::registry::crypto_provider();
     let client = reqwest::Client::builder()
         .connect_timeout(std::time::Duration::from_secs(30))
         .timeout(std::time::Duration::from_secs(120))

@@ -178,7 +178,7 @@ pub struct Registry {
 }
 
 /// Installs rustls's ring provider once (reqwest is built without a default provider).
-fn crypto_provider() {
+pub(crate) fn crypto_provider() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // Err means another provider is already installed, which is fine.
