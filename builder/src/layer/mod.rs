@@ -42,6 +42,8 @@ use self::whiteout::WhiteoutKind;
 const MAX_SYMLINK_HOPS: usize = 40;
 /// How deep a resolved path may go, in components.
 const MAX_DEPTH: usize = 1024;
+/// Largest PAX (`x`, `g`) or GNU long name/link (`L`, `K`) header data, bytes.
+pub const MAX_METADATA_BYTES: u64 = 1 << 20;
 
 /// Bounds on one layer. Every field is checked while reading; see [`LayerError::Limit`].
 #[derive(Debug, Clone, Copy)]
@@ -84,6 +86,9 @@ pub enum LimitKind {
     FileBytes,
     /// [`Limits::max_ratio`].
     Ratio,
+    /// [`MAX_METADATA_BYTES`]: one PAX or GNU long-name header's data (the tar reader keeps
+    /// it in memory, so it is bounded before the reader sees it).
+    MetadataBytes,
 }
 
 impl std::fmt::Display for LimitKind {
@@ -93,6 +98,7 @@ impl std::fmt::Display for LimitKind {
             LimitKind::Entries => "entry count",
             LimitKind::FileBytes => "file size",
             LimitKind::Ratio => "decompression ratio",
+            LimitKind::MetadataBytes => "extension header size",
         })
     }
 }
@@ -273,6 +279,117 @@ struct Counters {
     compressed: Cell<u64>,
     uncompressed: Cell<u64>,
     hit: Cell<Option<LimitKind>>,
+    /// A GNU sparse entry was seen by the framer (refused: the framer cannot follow it).
+    sparse: Cell<bool>,
+}
+
+/// Follows the tar framing of the uncompressed stream (512-byte headers, data padded to
+/// 512), to bound extension headers before `tar` buffers them and to refuse GNU sparse
+/// entries. Honours a PAX `size` record for the next entry, as the `tar` reader does.
+#[derive(Default)]
+struct Framer {
+    header: Vec<u8>,
+    skip: u64,
+    /// Data of the PAX header being read, and how much of it remains.
+    pax: Option<(Vec<u8>, u64)>,
+    pending_size: Option<u64>,
+}
+
+enum FrameFault {
+    Metadata,
+    Sparse,
+    Malformed,
+}
+
+fn parse_octal_size(field: &[u8]) -> Option<u64> {
+    if field[0] & 0x80 != 0 {
+        // base-256, big-endian in the remaining bytes
+        let mut v: u64 = 0;
+        for b in &field[1..] {
+            v = v.checked_mul(256)?.checked_add(*b as u64)?;
+        }
+        return Some(v);
+    }
+    let t: Vec<u8> = field
+        .iter()
+        .copied()
+        .skip_while(|c| *c == b' ' || *c == 0)
+        .take_while(|c| *c != b' ' && *c != 0)
+        .collect();
+    if t.is_empty() {
+        return Some(0);
+    }
+    u64::from_str_radix(std::str::from_utf8(&t).ok()?, 8).ok()
+}
+
+fn pax_size(data: &[u8]) -> Option<u64> {
+    let mut rest = data;
+    let mut found = None;
+    while !rest.is_empty() {
+        let sp = rest.iter().position(|c| *c == b' ')?;
+        let len: usize = std::str::from_utf8(&rest[..sp]).ok()?.parse().ok()?;
+        if len <= sp || len > rest.len() {
+            return None;
+        }
+        let rec = &rest[sp + 1..len];
+        if let Some(v) = rec.strip_prefix(b"size=") {
+            let v = v.strip_suffix(b"\n").unwrap_or(v);
+            found = std::str::from_utf8(v).ok()?.trim_end().parse().ok();
+        }
+        rest = &rest[len..];
+    }
+    found
+}
+
+impl Framer {
+    fn feed(&mut self, mut data: &[u8]) -> Result<(), FrameFault> {
+        while !data.is_empty() {
+            if self.skip > 0 {
+                let n = (self.skip.min(data.len() as u64)) as usize;
+                if let Some((buf, left)) = &mut self.pax {
+                    let take = (*left).min(n as u64) as usize;
+                    buf.extend_from_slice(&data[..take]);
+                    *left -= take as u64;
+                    if *left == 0 {
+                        self.pending_size = pax_size(buf);
+                        self.pax = None;
+                    }
+                }
+                self.skip -= n as u64;
+                data = &data[n..];
+                continue;
+            }
+            let n = (512 - self.header.len()).min(data.len());
+            self.header.extend_from_slice(&data[..n]);
+            data = &data[n..];
+            if self.header.len() < 512 {
+                break;
+            }
+            let h = std::mem::take(&mut self.header);
+            if h.iter().all(|b| *b == 0) {
+                continue;
+            }
+            let kind = h[156];
+            let header_size = parse_octal_size(&h[124..136]).ok_or(FrameFault::Malformed)?;
+            let is_ext = matches!(kind, b'x' | b'g' | b'L' | b'K');
+            let size = if is_ext {
+                if header_size > MAX_METADATA_BYTES {
+                    return Err(FrameFault::Metadata);
+                }
+                header_size
+            } else {
+                self.pending_size.take().unwrap_or(header_size)
+            };
+            if kind == b'S' {
+                return Err(FrameFault::Sparse);
+            }
+            if kind == b'x' && size > 0 {
+                self.pax = Some((Vec::new(), size));
+            }
+            self.skip = size.checked_add(511).ok_or(FrameFault::Malformed)? & !511;
+        }
+        Ok(())
+    }
 }
 
 struct CountIn<R> {
@@ -292,11 +409,26 @@ struct CountOut<R> {
     inner: R,
     c: Rc<Counters>,
     limits: Limits,
+    framer: Framer,
 }
 
 impl<R: Read> Read for CountOut<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
+        match self.framer.feed(&buf[..n]) {
+            Ok(()) => {}
+            Err(FrameFault::Metadata) => {
+                self.c.hit.set(Some(LimitKind::MetadataBytes));
+                return Err(io::Error::other("extension header too large"));
+            }
+            Err(FrameFault::Sparse) => {
+                self.c.sparse.set(true);
+                return Err(io::Error::other("GNU sparse entry"));
+            }
+            Err(FrameFault::Malformed) => {
+                return Err(io::Error::other("malformed tar header size"));
+            }
+        }
         let total = self.c.uncompressed.get() + n as u64;
         self.c.uncompressed.set(total);
         let kind = if total > self.limits.max_total_bytes {
@@ -363,6 +495,7 @@ pub fn apply_layer(
         inner: decoded,
         c: counters.clone(),
         limits: *limits,
+        framer: Framer::default(),
     };
     let mut applier = Applier {
         root: root_fd,
@@ -375,6 +508,13 @@ pub fn apply_layer(
     let mut archive = tar::Archive::new(counted);
     let mut entries_read = 0u64;
     let limit_or = |c: &Counters, e: io::Error, entry: &str| -> LayerError {
+        if c.sparse.get() {
+            return LayerError::UnsupportedType {
+                digest: digest.to_string(),
+                entry: format!("(after {entry})"),
+                kind: 'S',
+            };
+        }
         match c.hit.get() {
             Some(kind) => LayerError::Limit {
                 digest: digest.to_string(),
@@ -385,6 +525,7 @@ pub fn apply_layer(
                     LimitKind::Ratio => limits.max_ratio,
                     LimitKind::Entries => limits.max_entries,
                     LimitKind::FileBytes => limits.max_file_bytes,
+                    LimitKind::MetadataBytes => MAX_METADATA_BYTES,
                 },
             },
             None => tar_err(e, entry),
