@@ -147,9 +147,12 @@ impl LocalCache {
         &self.root
     }
 
+    /// `refs/oci/<registry>/<repo...>/<tag>`, each segment encoded into the store's key
+    /// alphabet (`[A-Za-z0-9._-]`, other bytes as `~XX`, a leading `.` too), so the store's
+    /// own listing and key checks accept these files.
     fn ref_path(&self, name: &str) -> Result<PathBuf, CacheError> {
         // name is `registry/repo:tag`; tags and repo components are checked by the
-        // reference grammar, but this is a file path, so check again.
+        // reference grammar, but this becomes a file path, so check again.
         let (repo, tag) = name
             .rsplit_once(':')
             .filter(|(r, t)| !r.is_empty() && !t.is_empty() && !t.contains('/'))
@@ -158,8 +161,24 @@ impl LocalCache {
         if !repo.split('/').all(ok) || !ok(tag) {
             return Err(CacheError::BadName(name.to_string()));
         }
-        Ok(self.root.join("refs/oci").join(repo).join(tag))
+        let mut p = self.root.join("refs/oci");
+        for seg in repo.split('/').chain(std::iter::once(tag)) {
+            p.push(encode_segment(seg));
+        }
+        Ok(p)
     }
+}
+
+fn encode_segment(seg: &str) -> String {
+    let mut out = String::new();
+    for (i, b) in seg.bytes().enumerate() {
+        if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || (b == b'.' && i > 0) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("~{b:02x}"));
+        }
+    }
+    out
 }
 
 impl BlobCache for LocalCache {
