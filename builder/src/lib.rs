@@ -9,6 +9,7 @@
 //! - [`layout`]: OCI image layout directories (import and export);
 //! - [`layer`]: applying layers safely onto a root directory;
 //! - [`bootstrap`]: base images built with debootstrap, cached by their inputs;
+//! - [`remote`]: the kiln store (local or S3) as the shared blob cache;
 //! - [`base`]: resolving a FROM (local refs first, then the registry) and unpacking.
 
 pub mod base;
@@ -19,3 +20,4 @@ pub mod layer;
 pub mod layout;
 pub mod reference;
 pub mod registry;
+pub mod remote;

@@ -425,3 +425,67 @@ fn offline_from_oci_layout_and_export() {
         "raw manifest bytes kept their digest through push"
     );
 }
+
+/// The kiln store is the blob cache: a local store on the cache directory sees pulled blobs,
+/// and an image published to the S3 store (moto) is unpacked on an empty cache by digest,
+/// without the registry.
+#[test]
+fn store_as_shared_blob_cache() {
+    let reference = require_env("KILN_TEST_BUSYBOX_REF");
+    let bucket = require_env("KILN_TEST_S3_BUCKET");
+    require_env("KILN_TEST_S3_ENDPOINT");
+    let rt = rt();
+    let reg = registry(RegistryOptions::default());
+    let (dir, cache) = store();
+    let p = rt
+        .block_on(reg.pull(&reference.parse().expect("ref"), &cache))
+        .expect("pull");
+    let m = base::manifest(&cache, &p.digest).expect("manifest");
+    let local = rt
+        .block_on(kiln_store::Store::open(dir.path().to_str().expect("utf8")))
+        .expect("open the same directory as a kiln store");
+    for d in [&p.digest, &m.config.digest, &m.layers[0].digest] {
+        let bd: kiln_store::BlobDigest = d.parse().expect("digest");
+        rt.block_on(local.get_blob(&bd))
+            .expect("the store reads the pulled blob, verified");
+    }
+    let prefix = format!(
+        "s3://{bucket}/kiln-test-base-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_nanos()
+    );
+    let s3 = rt
+        .block_on(kiln_store::Store::open(&prefix))
+        .expect("open S3 store");
+    let uploaded = rt
+        .block_on(kiln_builder::remote::publish(&cache, &p.digest, &s3))
+        .expect("publish");
+    assert_eq!(uploaded, 2 + m.layers.len());
+    assert_eq!(
+        rt.block_on(kiln_builder::remote::publish(&cache, &p.digest, &s3))
+            .expect("again"),
+        0,
+        "put-if-absent: nothing uploaded twice"
+    );
+    let (_d2, empty) = store();
+    let fetched = rt
+        .block_on(kiln_builder::remote::materialize(&s3, &p.digest, &empty))
+        .expect("materialize");
+    assert_eq!(fetched, 1 + m.layers.len());
+    let name = reference.rsplit_once(':').expect("tag").0;
+    let (d, src) = rt
+        .block_on(base::resolve(
+            &format!("{name}@{}", p.digest),
+            PullPolicy::Never,
+            &reg,
+            &empty,
+        ))
+        .expect("offline resolve by digest after materialize");
+    assert_eq!((d.as_str(), src), (p.digest.as_str(), Source::Local));
+    let root = tempfile::tempdir().expect("tempdir");
+    base::unpack(&empty, &d, root.path(), &Limits::default()).expect("unpack");
+    assert!(root.path().join("bin/busybox").is_file());
+}
