@@ -17,7 +17,7 @@ use crate::image::{AnyManifest, ImageError};
 pub enum RemoteError {
     /// The store failed (including a blob that is absent or corrupt there).
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Store(Box<StoreError>),
     /// The local cache failed.
     #[error(transparent)]
     Cache(#[from] CacheError),
@@ -30,6 +30,12 @@ pub enum RemoteError {
     /// A digest that is not a sha256 blob digest.
     #[error("invalid digest {0:?}")]
     Digest(String),
+}
+
+impl From<StoreError> for RemoteError {
+    fn from(e: StoreError) -> Self {
+        RemoteError::Store(Box::new(e))
+    }
 }
 
 fn blob_digest(d: &str) -> Result<BlobDigest, RemoteError> {
