@@ -1,8 +1,10 @@
 //! The `kiln` binary: CLI and HTTP service. Thin: parse, wire, print.
 
-mod cmd;
+use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+
+mod cmd;
 
 /// kiln: image builder and snapshot store for microVM sandboxes.
 #[derive(Debug, Parser)]
@@ -12,8 +14,11 @@ struct Cli {
     command: Command,
 }
 
+/// The subcommands, one module each under `cmd/`.
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Lower a Dockerfile or YAML recipe into a build plan and print it.
+    Plan(cmd::plan::PlanArgs),
     /// Fetch an image from a registry into the local store.
     Pull(cmd::pull::Args),
     /// Upload an image from the local store to a registry.
@@ -28,17 +33,30 @@ enum Command {
     Unpack(cmd::unpack::Args),
 }
 
-fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
+/// Prints an error chain and turns it into a failing exit code.
+fn report(r: anyhow::Result<()>) -> ExitCode {
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kiln: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().command {
-        Command::Pull(a) => cmd::pull::run(a),
-        Command::Push(a) => cmd::push::run(a),
-        Command::Login(a) => cmd::login::run(a),
-        Command::Import(a) => cmd::import::run(a),
-        Command::Export(a) => cmd::export::run(a),
-        Command::Unpack(a) => cmd::unpack::run(a),
+        .try_init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Plan(args) => cmd::plan::run(&args),
+        Command::Pull(a) => report(cmd::pull::run(a)),
+        Command::Push(a) => report(cmd::push::run(a)),
+        Command::Login(a) => report(cmd::login::run(a)),
+        Command::Import(a) => report(cmd::import::run(a)),
+        Command::Export(a) => report(cmd::export::run(a)),
+        Command::Unpack(a) => report(cmd::unpack::run(a)),
     }
 }

@@ -1,0 +1,139 @@
+//! `kiln plan FILE [--target T] [--build-arg K=V]... [--platform P] [--disk-mib N] [--json]`:
+//! lowers a Dockerfile or a YAML recipe (`.yaml`/`.yml`) into its build plan and prints it.
+//! Errors print `file:line:column: message` with a caret snippet and exit with status 1.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use kiln_recipes::plan::{Action, Base, BuildPlan, Step};
+use kiln_recipes::{Options, load, plan_to_json};
+
+/// Flags of `kiln plan`.
+#[derive(Debug, clap::Args)]
+pub struct PlanArgs {
+    /// The Dockerfile, or a YAML recipe (`*.yaml`, `*.yml`).
+    pub file: PathBuf,
+    /// Stage to build (name or index); default: the last stage.
+    #[arg(long)]
+    pub target: Option<String>,
+    /// Build argument `NAME=value`; `NAME` alone takes the value from the environment.
+    #[arg(long = "build-arg", value_name = "NAME=VALUE")]
+    pub build_args: Vec<String>,
+    /// Target platform, `os/arch[/variant]` (default linux/amd64).
+    #[arg(long)]
+    pub platform: Option<String>,
+    /// Sandbox disk size in MiB (overrides `LABEL kiln.disk-mib` / `disk_mib:`).
+    #[arg(long = "disk-mib", value_name = "MIB")]
+    pub disk_mib: Option<u64>,
+    /// Print the plan as stable JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `kiln plan`.
+pub fn run(args: &PlanArgs) -> ExitCode {
+    let name = args.file.display().to_string();
+    let bytes = match std::fs::read(&args.file) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("error: cannot read {name}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut build_args = BTreeMap::new();
+    for arg in &args.build_args {
+        match arg.split_once('=') {
+            Some((k, v)) => {
+                build_args.insert(k.to_string(), v.to_string());
+            }
+            None => {
+                // As `docker build --build-arg NAME`: the value comes from the environment,
+                // and an unset variable is ignored.
+                if let Ok(v) = std::env::var(arg) {
+                    build_args.insert(arg.clone(), v);
+                }
+            }
+        }
+    }
+    let options = Options {
+        target: args.target.clone(),
+        build_args,
+        platform: args.platform.clone(),
+        disk_mib: args.disk_mib,
+        ..Options::default()
+    };
+    let plan = match load(&name, &bytes, &options) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    for w in &plan.warnings {
+        match &w.location {
+            Some(l) => eprintln!("warning: {}:{}: {}", l.file, l.start_line, w.message),
+            None => eprintln!("warning: {}", w.message),
+        }
+    }
+    if args.json {
+        print!("{}", plan_to_json(&plan));
+    } else {
+        print!("{}", summary(&plan));
+    }
+    ExitCode::SUCCESS
+}
+
+/// A short human-readable listing: one line per stage and per step.
+fn summary(plan: &BuildPlan) -> String {
+    let mut out = String::new();
+    for (i, stage) in plan.stages.iter().enumerate() {
+        let name = stage
+            .name
+            .as_deref()
+            .map(|n| format!(" ({n})"))
+            .unwrap_or_default();
+        let target = if i == plan.target { " [target]" } else { "" };
+        out.push_str(&format!(
+            "stage {i}{name}{target}: from {} on {}\n",
+            base(&stage.base),
+            stage.platform
+        ));
+        for step in &stage.steps {
+            out.push_str(&format!(
+                "  {}:{} {}\n",
+                step.location.file,
+                step.location.start_line,
+                describe(step)
+            ));
+        }
+    }
+    if let Some(start) = &plan.sandbox.start {
+        out.push_str(&format!("start: {:?}\n", start.argv));
+    }
+    if let Some(ready) = &plan.sandbox.ready {
+        out.push_str(&format!("ready: {:?}\n", ready.argv));
+    }
+    if let Some(disk) = plan.sandbox.disk_mib {
+        out.push_str(&format!("disk: {disk} MiB\n"));
+    }
+    out
+}
+
+fn base(base: &Base) -> String {
+    match base {
+        Base::Scratch => "scratch".to_string(),
+        Base::Image { reference } => reference.clone(),
+        Base::Stage { stage } => format!("stage {stage}"),
+        Base::Bootstrap(b) => format!("debootstrap {} {}", b.distro, b.suite),
+    }
+}
+
+fn describe(step: &Step) -> String {
+    match &step.action {
+        Action::Run(r) => format!("run {:?}", r.argv),
+        Action::Copy(c) => format!("copy {} source(s) -> {}", c.sources.len(), c.dest),
+        Action::Add(c) => format!("add {} source(s) -> {}", c.sources.len(), c.dest),
+        Action::Mkdir(m) => format!("mkdir {}", m.path),
+    }
+}

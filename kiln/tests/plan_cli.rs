@@ -1,0 +1,120 @@
+//! `kiln plan` from the built binary: JSON on success, a located error and a non-zero
+//! exit status on bad input.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// A scratch directory unique to this test process.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-plan-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir is writable");
+    dir
+}
+
+fn kiln(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .output()
+        .expect("kiln runs")
+}
+
+#[test]
+fn dockerfile_plan_as_json() {
+    let dir = scratch("dockerfile");
+    let file = dir.join("Dockerfile");
+    std::fs::write(
+        &file,
+        "ARG TAG=1\nFROM golang:$TAG AS build\nRUN go build\nFROM scratch\nCOPY --from=build /a /a\nCMD [\"/a\"]\n",
+    )
+    .unwrap();
+    let out = kiln(&[
+        "plan",
+        file.to_str().unwrap(),
+        "--build-arg",
+        "TAG=2",
+        "--build-arg",
+        "UNUSED=1",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is JSON");
+    assert_eq!(plan["stages"][0]["base"]["reference"], "golang:2");
+    assert_eq!(plan["sandbox"]["start"]["argv"][0], "/a");
+    assert_eq!(plan["build_args"]["unused"][0], "UNUSED");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("warning: build argument UNUSED"));
+    let again = kiln(&[
+        "plan",
+        file.to_str().unwrap(),
+        "--build-arg",
+        "TAG=2",
+        "--build-arg",
+        "UNUSED=1",
+        "--json",
+    ]);
+    assert_eq!(out.stdout, again.stdout, "the JSON is stable");
+    let target = kiln(&[
+        "plan",
+        file.to_str().unwrap(),
+        "--target",
+        "build",
+        "--json",
+    ]);
+    let plan: serde_json::Value = serde_json::from_slice(&target.stdout).expect("stdout is JSON");
+    assert_eq!(plan["stages"].as_array().map(Vec::len), Some(1));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn recipe_plan_as_json() {
+    let dir = scratch("recipe");
+    let file = dir.join("recipe.yaml");
+    std::fs::write(
+        &file,
+        "from: debian:bookworm\ncommands: [\"apt-get update\"]\ndisk_mib: 4096\n",
+    )
+    .unwrap();
+    let out = kiln(&[
+        "plan",
+        file.to_str().unwrap(),
+        "--disk-mib",
+        "8192",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is JSON");
+    assert_eq!(plan["frontend"], "recipe");
+    assert_eq!(plan["sandbox"]["disk_mib"], 8192);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_input_is_located_and_fails() {
+    let dir = scratch("bad");
+    let file = dir.join("Dockerfile");
+    std::fs::write(&file, "FROM alpine\nRUN --mount=type=ssh true\n").unwrap();
+    let out = kiln(&["plan", file.to_str().unwrap(), "--json"]);
+    assert!(!out.status.success());
+    assert!(out.stdout.is_empty());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("Dockerfile:2:5: RUN --mount=type=ssh is not supported yet"),
+        "{err}"
+    );
+    assert!(
+        err.contains(" 2 | RUN --mount=type=ssh true\n   |     ^"),
+        "{err}"
+    );
+    let out = kiln(&["plan", dir.join("missing").to_str().unwrap()]);
+    assert!(!out.status.success());
+    let out = kiln(&["plan", file.to_str().unwrap(), "--platform", "nope"]);
+    assert!(!out.status.success());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,562 @@
+//! The [`BuildPlan`]: the one value both front ends lower into and the builder consumes.
+//!
+//! A plan is a list of [`Stage`]s (a DAG: a stage's base or a `COPY --from` may name an
+//! earlier stage by index), each with its base, its ordered [`Step`]s with everything
+//! resolved (environment, user, working directory, shell, mounts, network), and the OCI image
+//! config the stage ends with. The last stage is the target; stages the target does not need
+//! are pruned before anything is resolved, so every stage in a plan is built.
+//!
+//! Serialization is stable: every map is a `BTreeMap` or an ordered `Vec`, and fields are
+//! written in declaration order, so identical inputs give byte-identical JSON
+//! ([`plan_to_json`]). Each step keeps its source location ([`SourceLocation`]) apart from
+//! its canonical form ([`Step::canonical_json`]), which later feeds build cache keys and
+//! does not change when only line numbers move.
+//!
+//! Image references are written as the recipe wrote them (after build-arg substitution);
+//! resolving tags to digests belongs to the builder.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+/// Default build timeout, seconds (15 minutes; DESIGN.md "Build limits").
+pub const DEFAULT_TIMEOUT_SECS: u64 = 15 * 60;
+/// Default build memory limit, MiB (1 GiB; DESIGN.md "Build limits").
+pub const DEFAULT_MEMORY_MIB: u64 = 1024;
+/// Default target and build platform when none is given.
+pub const DEFAULT_PLATFORM: &str = "linux/amd64";
+/// Docker's default shell for shell-form commands on Linux (Dockerfile reference, `SHELL`).
+pub const DEFAULT_SHELL: [&str; 2] = ["/bin/sh", "-c"];
+/// Docker's default `PATH` for Linux images without one (BuildKit `system.DefaultPathEnvUnix`).
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// A whole build: what the builder runs, and what the resulting image and sandbox look like.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BuildPlan {
+    /// Which front end produced the plan.
+    pub frontend: Frontend,
+    /// The recipe file as the caller named it (used in every [`SourceLocation`]).
+    pub file: String,
+    /// Parser directives (Dockerfile only; defaults for a YAML recipe).
+    pub directives: Directives,
+    /// The platform the image is built for, `os/arch[/variant]`.
+    pub platform: String,
+    /// The stages to build, in dependency order; the last one is the target.
+    pub stages: Vec<Stage>,
+    /// Index into `stages` of the target stage (always the last).
+    pub target: usize,
+    /// Build arguments: given, which were used, which were not.
+    pub build_args: BuildArgs,
+    /// How the built image is started as a sandbox.
+    pub sandbox: Sandbox,
+    /// Build limits (may only be lower than the defaults).
+    pub limits: Limits,
+    /// Non-fatal findings, in source order.
+    pub warnings: Vec<Warning>,
+}
+
+/// The front end a plan came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Frontend {
+    /// A Dockerfile (BuildKit semantics).
+    Dockerfile,
+    /// A kiln YAML recipe.
+    Recipe,
+}
+
+/// Dockerfile parser directives (Dockerfile reference, "Parser directives").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Directives {
+    /// `# syntax=`: recorded, never fetched.
+    pub syntax: Option<String>,
+    /// `# escape=`: the escape character (`\` by default).
+    pub escape: char,
+    /// `# check=`: recorded verbatim.
+    pub check: Option<String>,
+}
+
+impl Default for Directives {
+    fn default() -> Self {
+        Directives {
+            syntax: None,
+            escape: '\\',
+            check: None,
+        }
+    }
+}
+
+/// One stage of a multi-stage build.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Stage {
+    /// The stage's name (`FROM ... AS name`), lowercased as BuildKit does.
+    pub name: Option<String>,
+    /// The stage's index in the source recipe (0-based, before pruning). `COPY --from=N`
+    /// and `FROM` refer to this index.
+    pub index: usize,
+    /// What the stage starts from.
+    pub base: Base,
+    /// The stage's platform, `os/arch[/variant]` (from `FROM --platform` or the build's).
+    pub platform: String,
+    /// Where the stage begins (its `FROM` line, or the recipe's `from:` key).
+    pub location: SourceLocation,
+    /// The ordered steps.
+    pub steps: Vec<Step>,
+    /// The image config the stage ends with (inherited parts from a stage base included;
+    /// an image base's config is merged in by the builder).
+    pub config: ImageConfig,
+}
+
+/// What a stage starts from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Base {
+    /// An empty root filesystem (`FROM scratch`).
+    Scratch,
+    /// An image reference as written (after substitution), not yet resolved to a digest.
+    Image {
+        /// The reference, e.g. `debian:bookworm` or `registry:5000/x@sha256:...`.
+        reference: String,
+    },
+    /// An earlier stage of the same plan.
+    Stage {
+        /// Index into [`BuildPlan::stages`] of the base stage (after pruning).
+        stage: usize,
+    },
+    /// A root filesystem made by debootstrap (YAML `from: {bootstrap: ...}`); a later
+    /// issue implements it in the builder.
+    Bootstrap(Bootstrap),
+}
+
+/// A debootstrap specification (`debootstrap --variant V --include I suite dir mirror`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Bootstrap {
+    /// Distribution family, e.g. `debian` or `ubuntu`.
+    pub distro: String,
+    /// Suite (release), e.g. `bookworm`, `noble`.
+    pub suite: String,
+    /// Mirror URL, if not the builder's default.
+    pub mirror: Option<String>,
+    /// debootstrap `--variant`, e.g. `minbase`.
+    pub variant: Option<String>,
+    /// Extra packages (`--include`), in order.
+    pub include: Vec<String>,
+}
+
+/// Where a step or stage came from: a file and an inclusive 1-based line range.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SourceLocation {
+    /// The recipe file.
+    pub file: String,
+    /// First line (1-based).
+    pub start_line: usize,
+    /// Last line (1-based, inclusive).
+    pub end_line: usize,
+}
+
+/// One step: its location, and its canonical content.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Step {
+    /// Where the step was written; not part of the canonical form.
+    pub location: SourceLocation,
+    /// What the step does.
+    pub action: Action,
+    /// The resolved context the step runs in.
+    pub context: StepContext,
+}
+
+#[derive(Serialize)]
+struct CanonicalStep<'a> {
+    action: &'a Action,
+    context: &'a StepContext,
+}
+
+impl Step {
+    /// The step without its location, as compact JSON (fields in declaration order, maps
+    /// sorted). Two steps that do the same thing in the same context give the same bytes
+    /// wherever they were written; this feeds build cache keys.
+    pub fn canonical_json(&self) -> String {
+        let canonical = CanonicalStep {
+            action: &self.action,
+            context: &self.context,
+        };
+        // Serializing plain structs of strings, integers and ordered maps cannot fail.
+        serde_json::to_string(&canonical).expect("plan types always serialize")
+    }
+}
+
+/// The context a step runs in, fully resolved at the step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StepContext {
+    /// Environment as `KEY=value`, in definition order: image `ENV`, then build args in
+    /// scope (for `RUN`; `ENV` wins over an `ARG` of the same name). For an image base whose
+    /// env was not given in [`crate::Options::base_images`], only what the recipe set: the
+    /// builder puts it over the base image's env, by key.
+    pub env: Vec<String>,
+    /// `USER` at this step (`None`: not set by the recipe: the base image's user, root for
+    /// `scratch`).
+    pub user: Option<String>,
+    /// Working directory at this step (absolute). Before any `WORKDIR`, an image base's
+    /// own working directory when the caller gave it ([`crate::BaseImage`]), else `/`.
+    pub workdir: String,
+    /// Shell for shell-form commands.
+    pub shell: Vec<String>,
+}
+
+/// What a step does.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Action {
+    /// Run a command (`RUN`, a recipe command).
+    Run(RunStep),
+    /// Copy files (`COPY`, recipe `files`).
+    Copy(CopyStep),
+    /// Copy files, fetching URLs and unpacking local archives (`ADD`).
+    Add(CopyStep),
+    /// Create a directory with parents (`WORKDIR`, as BuildKit does).
+    Mkdir(MkdirStep),
+}
+
+/// A command to run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RunStep {
+    /// How the command was written.
+    pub form: CommandForm,
+    /// The argv to execute (shell form: the shell plus the command line).
+    pub argv: Vec<String>,
+    /// Files the command needs, from heredocs (written before the command runs).
+    pub files: Vec<InlineFile>,
+    /// Mounts during the command (`RUN --mount`).
+    pub mounts: Vec<Mount>,
+    /// Network during the command.
+    pub network: Network,
+    /// `RUN --security` (only `sandbox` is supported).
+    pub security: Security,
+}
+
+/// How a command was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CommandForm {
+    /// A string run by the shell.
+    Shell,
+    /// A JSON array / argv list, run directly.
+    Exec,
+}
+
+/// A file made from a heredoc.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct InlineFile {
+    /// The heredoc delimiter (BuildKit uses it as the file name).
+    pub name: String,
+    /// Content (after `<<-` tab stripping and any expansion).
+    pub data: String,
+    /// Where the builder places the file for the command (`RUN`: under `/dev/pipes/`), or
+    /// `None` when the content is passed inline to the shell.
+    pub path: Option<String>,
+    /// File mode (octal value as an integer).
+    pub mode: u32,
+}
+
+/// A `RUN --mount` (Dockerfile reference, "RUN --mount").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "type")]
+pub enum Mount {
+    /// Bind a directory of the context, a stage or an image.
+    Bind {
+        /// Mount point (absolute).
+        target: String,
+        /// Path in the source (default: its root).
+        source: String,
+        /// Stage index, image reference, or `None` for the build context.
+        from: Option<MountFrom>,
+        /// Writes allowed (discarded after the step).
+        readwrite: bool,
+    },
+    /// A persistent cache directory.
+    Cache {
+        /// Mount point (absolute).
+        target: String,
+        /// Cache id (default: the target).
+        id: String,
+        /// `shared`, `private` or `locked`.
+        sharing: String,
+        /// Seed from a stage or image.
+        from: Option<MountFrom>,
+        /// Path in `from`.
+        source: Option<String>,
+        /// Directory mode (octal value), default 0o755.
+        mode: u32,
+        /// Owner uid, default 0.
+        uid: u32,
+        /// Owner gid, default 0.
+        gid: u32,
+        /// Read-only.
+        readonly: bool,
+    },
+    /// A tmpfs.
+    Tmpfs {
+        /// Mount point (absolute).
+        target: String,
+        /// Size limit in bytes, if any.
+        size: Option<u64>,
+    },
+    /// A build secret, as a file or an environment variable.
+    Secret {
+        /// Secret id (default: the target's file name).
+        id: String,
+        /// File path, when mounted as a file (default `/run/secrets/<id>`).
+        target: Option<String>,
+        /// Environment variable, when exposed as one.
+        env: Option<String>,
+        /// Fail when the secret is missing.
+        required: bool,
+        /// File mode (octal value), default 0o400.
+        mode: u32,
+        /// Owner uid.
+        uid: u32,
+        /// Owner gid.
+        gid: u32,
+    },
+}
+
+/// Where a mount or copy reads from, besides the build context.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum MountFrom {
+    /// An earlier stage (index into [`BuildPlan::stages`]).
+    Stage {
+        /// Stage index in the plan.
+        stage: usize,
+    },
+    /// An image reference, unresolved.
+    Image {
+        /// The reference.
+        reference: String,
+    },
+}
+
+/// Network for a `RUN` step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Network {
+    /// The builder's default (isolated, with outbound access).
+    #[default]
+    Default,
+    /// No network.
+    None,
+    /// The host's network: accepted here, refused by the builder unless allowed.
+    Host,
+}
+
+/// `RUN --security`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Security {
+    /// The default sandbox.
+    #[default]
+    Sandbox,
+}
+
+/// A `COPY` or `ADD`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CopyStep {
+    /// Sources, in order.
+    pub sources: Vec<CopySource>,
+    /// Destination (absolute, after resolving against the working directory; a trailing
+    /// `/` is kept: it means "into this directory").
+    pub dest: String,
+    /// Where sources are read from (`None`: the build context).
+    pub from: Option<MountFrom>,
+    /// `--chown` as written after substitution (`user[:group]`).
+    pub chown: Option<String>,
+    /// `--chmod`: octal (`0755`) or symbolic (`u+x,g-w`), as written after substitution.
+    pub chmod: Option<String>,
+    /// `--link`.
+    pub link: bool,
+    /// `--parents`.
+    pub parents: bool,
+    /// `--exclude` patterns.
+    pub exclude: Vec<String>,
+    /// `ADD --checksum` (`sha256:<hex>`).
+    pub checksum: Option<String>,
+    /// `ADD` unpacks local tar archives (`--unpack`, default true for local sources;
+    /// always false for `COPY`).
+    pub unpack: bool,
+    /// `ADD --keep-git-dir`.
+    pub keep_git_dir: bool,
+}
+
+/// One source of a copy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum CopySource {
+    /// A path (or glob) in the context, stage or image.
+    Path {
+        /// The path as written after substitution.
+        path: String,
+    },
+    /// A URL fetched by `ADD`.
+    Url {
+        /// The URL.
+        url: String,
+    },
+    /// A git repository fetched by `ADD`.
+    Git {
+        /// The repository URL (with `#ref:subdir` if written).
+        url: String,
+    },
+    /// Content from a heredoc.
+    Inline(InlineFile),
+}
+
+/// A `WORKDIR`'s directory creation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MkdirStep {
+    /// Absolute path, created with parents.
+    pub path: String,
+    /// Mode (octal value), 0o755.
+    pub mode: u32,
+}
+
+/// The OCI image config a stage ends with (OCI image spec, `config` object), in kiln's
+/// plain form. Durations are milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+pub struct ImageConfig {
+    /// `ENTRYPOINT` (exec form; shell form already wrapped in the shell).
+    pub entrypoint: Option<Vec<String>>,
+    /// `CMD` (same). `None`: inherit the base's; `Some([])`: cleared (an `ENTRYPOINT`
+    /// without a later `CMD` drops the inherited one, as BuildKit does).
+    pub cmd: Option<Vec<String>>,
+    /// Environment as `KEY=value` in definition order (see [`StepContext::env`] for what
+    /// an image base contributes).
+    pub env: Vec<String>,
+    /// Labels (`MAINTAINER` becomes `maintainer`).
+    pub labels: BTreeMap<String, String>,
+    /// Exposed ports, `port/proto` (proto defaults to `tcp`).
+    pub exposed_ports: Vec<String>,
+    /// Volumes (absolute paths), sorted, no duplicates.
+    pub volumes: Vec<String>,
+    /// `STOPSIGNAL`.
+    pub stop_signal: Option<String>,
+    /// `HEALTHCHECK`.
+    pub healthcheck: Option<Healthcheck>,
+    /// `USER`.
+    pub user: Option<String>,
+    /// `WORKDIR`.
+    pub workdir: Option<String>,
+    /// `ONBUILD` triggers, as written.
+    pub onbuild: Vec<String>,
+    /// `SHELL` (`None`: the default `/bin/sh -c`).
+    pub shell: Option<Vec<String>>,
+}
+
+/// A health check (OCI config `Healthcheck`, as Docker defines it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Healthcheck {
+    /// `["NONE"]`, `["CMD", args...]` or `["CMD-SHELL", command]`.
+    pub test: Vec<String>,
+    /// Interval between checks, ms (`None`: Docker's default 30 s).
+    pub interval_ms: Option<u64>,
+    /// Timeout of one check, ms (`None`: default 30 s).
+    pub timeout_ms: Option<u64>,
+    /// Start period, ms (`None`: default 0).
+    pub start_period_ms: Option<u64>,
+    /// Interval during the start period, ms (`None`: default 5 s).
+    pub start_interval_ms: Option<u64>,
+    /// Consecutive failures before unhealthy (`None`: default 3).
+    pub retries: Option<u32>,
+}
+
+/// How the built image runs as a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+pub struct Sandbox {
+    /// The start command, if any.
+    pub start: Option<StartCommand>,
+    /// The ready check, if any.
+    pub ready: Option<ReadyCheck>,
+    /// Disk size in MiB, if asked for (`LABEL kiln.disk-mib`, `--disk-mib`, `disk_mib:`).
+    pub disk_mib: Option<u64>,
+}
+
+/// The start command: argv plus its context.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StartCommand {
+    /// ENTRYPOINT and CMD combined as Docker does (exec-form entrypoint + cmd; a shell-form
+    /// entrypoint ignores CMD).
+    pub argv: Vec<String>,
+    /// User to run as (`None`: root).
+    pub user: Option<String>,
+    /// Environment, `KEY=value`.
+    pub env: Vec<String>,
+    /// Working directory (`None`: `/`).
+    pub workdir: Option<String>,
+}
+
+/// The ready check run after the start command.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ReadyCheck {
+    /// argv of the check; exit status 0 means ready.
+    pub argv: Vec<String>,
+    /// Interval between checks, ms.
+    pub interval_ms: u64,
+    /// Timeout of one check, ms.
+    pub timeout_ms: u64,
+    /// Failures tolerated before giving up.
+    pub retries: u32,
+}
+
+/// Build limits. They may only lower [`DEFAULT_TIMEOUT_SECS`] and [`DEFAULT_MEMORY_MIB`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Limits {
+    /// Whole-build timeout, seconds.
+    pub timeout_secs: u64,
+    /// Memory limit, MiB.
+    pub memory_mib: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            timeout_secs: DEFAULT_TIMEOUT_SECS,
+            memory_mib: DEFAULT_MEMORY_MIB,
+        }
+    }
+}
+
+/// Build arguments given to the build and what became of them.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+pub struct BuildArgs {
+    /// The `--build-arg` values given. `SOURCE_DATE_EPOCH` among them (Unix seconds) is
+    /// what the builder uses for timestamps, as BuildKit does; it never counts as unused.
+    pub given: BTreeMap<String, String>,
+    /// Names of given args some `ARG` consumed (or predefined args used).
+    pub used: Vec<String>,
+    /// Names of given args no `ARG` in a built stage declared (each also a warning).
+    pub unused: Vec<String>,
+}
+
+/// A non-fatal finding.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Warning {
+    /// Where, if it has a place in the source.
+    pub location: Option<SourceLocation>,
+    /// What.
+    pub message: String,
+}
+
+/// The plan as pretty JSON with a trailing newline: stable (same plan, same bytes), used
+/// by `kiln plan --json` and the golden tests.
+pub fn plan_to_json(plan: &BuildPlan) -> String {
+    // Plain structs of strings, integers and BTreeMaps: serialization cannot fail.
+    let mut out = serde_json::to_string_pretty(plan).expect("plan types always serialize");
+    out.push('\n');
+    out
+}
+
+impl BuildPlan {
+    /// The target stage (`None` only for a hand-made plan without stages).
+    pub fn target_stage(&self) -> Option<&Stage> {
+        self.stages.get(self.target)
+    }
+}
