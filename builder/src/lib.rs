@@ -10,6 +10,7 @@
 //! - [`layer`]: applying layers safely onto a root directory;
 //! - [`bootstrap`]: base images built with debootstrap, cached by their inputs;
 //! - [`remote`]: the kiln store (local or S3) as the shared blob cache;
+//! - [`resolve`]: the resolve phase of a build plan (every base to a digest, ONBUILD);
 //! - [`base`]: resolving a FROM (local refs first, then the registry) and unpacking.
 
 pub mod base;
@@ -21,3 +22,4 @@ pub mod layout;
 pub mod reference;
 pub mod registry;
 pub mod remote;
+pub mod resolve;
