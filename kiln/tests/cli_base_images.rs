@@ -173,6 +173,20 @@ fn login_pull_export_import() {
         "kiln unpack of an imported image, offline",
     );
     assert!(dir.join("bin/busybox").is_file());
+    // Push the imported image to the anonymous registry and pull it back: same digest.
+    let plain = require_env("KILN_TEST_REGISTRY");
+    let dst = format!("{plain}/kiln-test/cli-push:copy");
+    let pushed = ok(
+        &kiln(&store2, &cfg, &["push", "localhost/bb:copy", &dst], None),
+        "kiln push",
+    );
+    assert_eq!(pushed, digest);
+    let store3 = t.path().join("store3");
+    let pulled = ok(
+        &kiln(&store3, &cfg, &["pull", &dst], None),
+        "kiln pull of the pushed image",
+    );
+    assert_eq!(pulled, digest);
     let missing = kiln(
         &store2,
         &cfg,
