@@ -489,3 +489,27 @@ fn store_as_shared_blob_cache() {
     base::unpack(&empty, &d, root.path(), &Limits::default()).expect("unpack");
     assert!(root.path().join("bin/busybox").is_file());
 }
+
+/// Two pulls of one image into one store at once: each blob is downloaded once (the second
+/// waits for the first's partial file, then finds the blob committed).
+#[test]
+fn concurrent_pulls_download_once() {
+    let reference = require_env("KILN_TEST_DEBIAN_REF");
+    let rt = rt();
+    let reg = registry(RegistryOptions::default());
+    let (_d, cache) = store();
+    let r: kiln_builder::reference::Reference = reference.parse().expect("ref");
+    let (a, b) = rt.block_on(async { tokio::join!(reg.pull(&r, &cache), reg.pull(&r, &cache)) });
+    let (a, b) = (a.expect("first pull"), b.expect("second pull"));
+    assert_eq!(a.digest, b.digest);
+    let m = base::manifest(&cache, &a.digest).expect("manifest");
+    let total: u64 = std::iter::once(&m.config)
+        .chain(&m.layers)
+        .map(|d| d.size)
+        .sum();
+    assert_eq!(
+        a.fetched_bytes + b.fetched_bytes,
+        total,
+        "every blob downloaded once"
+    );
+}

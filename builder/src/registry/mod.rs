@@ -428,6 +428,28 @@ impl Registry {
             path: part.clone(),
             source,
         };
+        // One writer per partial file: another pull of the same blob (in this process or
+        // another) waits here, then finds the blob committed.
+        let lock_path = part.with_extension("lock");
+        let lock = {
+            let lp = lock_path.clone();
+            tokio::task::spawn_blocking(move || -> std::io::Result<std::fs::File> {
+                let f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(&lp)?;
+                rustix::fs::flock(&f, rustix::fs::FlockOperation::LockExclusive)?;
+                Ok(f)
+            })
+            .await
+            .map_err(|e| ingest(std::io::Error::other(e)))?
+            .map_err(ingest)?
+        };
+        if cache.blob_path(digest)?.is_some() {
+            return Ok(0);
+        }
+        let _lock = lock;
         let mut attempts = 0u32;
         let mut downloaded = 0u64;
         let mut last = String::new();
