@@ -186,4 +186,5 @@ PY
     printf 'export %s=%q\n' "$v" "${!v}"
   done
 } >"$KILN_CI_CACHE/env"
+. "$ci_dir/fixtures.sh"
 log "ready; environment in $KILN_CI_CACHE/env"

@@ -1,4 +1,29 @@
 //! kiln-builder: base image resolution and fetch, layer apply, step execution, build cache,
 //! flattening and ext4 writing. It consumes only `kiln_recipes::plan::BuildPlan`.
+//!
+//! Base images (issue 4):
+//! - [`reference`]: image references as Docker parses them;
+//! - [`image`]: OCI/Docker manifests, indexes, platforms;
+//! - [`cache`]: the blob cache pulled into ([`cache::BlobCache`], [`cache::LocalCache`]);
+//! - [`registry`]: pull and push through `oci-client`, with resume and credentials;
+//! - [`layout`]: OCI image layout directories (import and export);
+//! - [`layer`]: applying layers safely onto a root directory;
+//! - [`bootstrap`]: base images built with debootstrap, cached by their inputs;
+//! - [`remote`]: the kiln store (local or S3) as the shared blob cache;
+//! - [`resolve`]: the resolve phase of a build plan (every base to a digest, ONBUILD);
+//! - [`base`]: resolving a FROM (local refs first, then the registry) and unpacking.
+//!
+//! Build execution (issue 5):
+//! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits).
 
+pub mod base;
+pub mod bootstrap;
+pub mod cache;
 pub mod exec;
+pub mod image;
+pub mod layer;
+pub mod layout;
+pub mod reference;
+pub mod registry;
+pub mod remote;
+pub mod resolve;

@@ -1,2 +1,92 @@
 //! kiln-tests: helpers shared by the integration tests in `tests/tests/`, which run against
 //! the real servers that `ci/setup.sh` starts on 127.0.0.1.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use sha2::{Digest as _, Sha256};
+
+/// The value of an environment variable `ci/setup.sh` exports; panics (failing the test,
+/// never skipping it) with a message naming the setup script when it is missing.
+pub fn require_env(name: &str) -> String {
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => v,
+        _ => panic!(
+            "{name} is not set: run `. ci/setup.sh` (or `source /var/cache/kiln-ci/env`) first; \
+             it starts the test servers and builds the fixtures"
+        ),
+    }
+}
+
+/// One line per path under `root` (the root itself excluded), sorted: path, file type,
+/// permission bits, uid, gid, xattrs (name=hex value, sorted), and then the symlink target,
+/// the sha256 of a regular file's content, or a device's major:minor. Used to compare trees
+/// unpacked by different tools.
+pub fn tree_listing(root: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    walk(root, root, &mut out);
+    out.sort();
+    out
+}
+
+fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("read_dir {}: {e}", dir.display()))
+        .map(|e| e.expect("dir entry").path())
+        .collect();
+    entries.sort();
+    for p in entries {
+        let md = std::fs::symlink_metadata(&p).expect("lstat");
+        let rel = p
+            .strip_prefix(root)
+            .expect("under root")
+            .display()
+            .to_string();
+        let ft = md.file_type();
+        use std::os::unix::fs::FileTypeExt;
+        let (kind, extra) = if ft.is_symlink() {
+            (
+                "l",
+                std::fs::read_link(&p)
+                    .expect("readlink")
+                    .display()
+                    .to_string(),
+            )
+        } else if ft.is_dir() {
+            ("d", String::new())
+        } else if ft.is_file() {
+            let data = std::fs::read(&p).expect("read");
+            ("f", hex::encode(Sha256::digest(&data)))
+        } else if ft.is_char_device() || ft.is_block_device() {
+            let r = md.rdev();
+            (
+                if ft.is_char_device() { "c" } else { "b" },
+                format!("{}:{}", rustix::fs::major(r), rustix::fs::minor(r)),
+            )
+        } else if ft.is_fifo() {
+            ("p", String::new())
+        } else {
+            ("s", String::new())
+        };
+        let mut xattrs = Vec::new();
+        let mut names = vec![0u8; 64 << 10];
+        let n = rustix::fs::llistxattr(&p, &mut names[..]).expect("llistxattr");
+        for name in names[..n].split(|b| *b == 0).filter(|s| !s.is_empty()) {
+            let name = std::str::from_utf8(name).expect("xattr name").to_string();
+            let mut val = vec![0u8; 64 << 10];
+            let m = rustix::fs::lgetxattr(&p, name.as_str(), &mut val[..]).expect("lgetxattr");
+            xattrs.push(format!("{name}={}", hex::encode(&val[..m])));
+        }
+        xattrs.sort();
+        out.push(format!(
+            "{rel} {kind} {:o} {}:{} [{}] {extra}",
+            md.mode() & 0o7777,
+            md.uid(),
+            md.gid(),
+            xattrs.join(",")
+        ));
+        if ft.is_dir() {
+            walk(root, &p, out);
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! OCI image manifests, indexes and platforms: the parts the builder reads.
+//!
+//! Shapes from the OCI image spec (`manifest.md`, `image-index.md`, `descriptor.md`,
+//! `config.md`); Docker's v2 schema 2 manifest and manifest list have the same fields under
+//! other media types and are accepted too. Digests are always of the raw bytes as stored:
+//! nothing here re-serializes a manifest.
+
+use serde::{Deserialize, Serialize};
+
+/// OCI image manifest media type.
+pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+/// OCI image index media type.
+pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+/// Docker v2 schema 2 manifest media type.
+pub const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
+/// Docker manifest list media type.
+pub const DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
+/// The media types asked for when fetching a manifest.
+pub const MANIFEST_TYPES: [&str; 4] = [OCI_MANIFEST, OCI_INDEX, DOCKER_MANIFEST, DOCKER_LIST];
+
+/// Errors reading manifests.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    /// The bytes are not a manifest or index.
+    #[error("manifest {digest}: not a valid OCI/Docker manifest: {source}")]
+    Parse {
+        /// Digest of the bytes.
+        digest: String,
+        /// JSON error.
+        source: serde_json::Error,
+    },
+    /// An index has no entry for the platform asked for.
+    #[error("index {digest} has no manifest for {platform} (it has: {available})")]
+    NoPlatform {
+        /// Index digest.
+        digest: String,
+        /// Platform asked for.
+        platform: Platform,
+        /// Platforms present, comma separated.
+        available: String,
+    },
+    /// An index points at another index deeper than allowed.
+    #[error("index {0}: nested indexes deeper than 4 levels")]
+    TooDeep(String),
+    /// A platform string does not parse.
+    #[error("invalid platform {0:?} (expected os/arch[/variant], e.g. linux/amd64)")]
+    BadPlatform(String),
+    /// A descriptor digest is malformed.
+    #[error("manifest {digest}: descriptor digest {bad:?} is not sha256:<64 hex>")]
+    BadDescriptor {
+        /// Manifest digest.
+        digest: String,
+        /// The bad digest.
+        bad: String,
+    },
+}
+
+/// A content descriptor (`descriptor.md`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Descriptor {
+    /// Media type of the referenced content.
+    pub media_type: String,
+    /// `sha256:<hex>` of the referenced bytes.
+    pub digest: String,
+    /// Size of the referenced bytes, bytes.
+    pub size: u64,
+    /// Platform (index entries only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<Platform>,
+    /// Annotations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub annotations: Option<std::collections::BTreeMap<String, String>>,
+}
+
+/// An image manifest (`manifest.md`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Manifest {
+    /// Media type field, when present.
+    #[serde(default)]
+    pub media_type: Option<String>,
+    /// The image config.
+    pub config: Descriptor,
+    /// Layers, bottom first.
+    pub layers: Vec<Descriptor>,
+}
+
+/// An image index or Docker manifest list (`image-index.md`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Index {
+    /// Media type field, when present.
+    #[serde(default)]
+    pub media_type: Option<String>,
+    /// The manifests it lists.
+    pub manifests: Vec<Descriptor>,
+}
+
+/// A manifest or an index, told apart by `mediaType` or by shape.
+#[derive(Debug, Clone)]
+pub enum AnyManifest {
+    /// An image manifest.
+    Image(Manifest),
+    /// An index / manifest list.
+    Index(Index),
+}
+
+impl AnyManifest {
+    /// Parses raw manifest bytes. `digest` is used in errors.
+    pub fn parse(bytes: &[u8], digest: &str) -> Result<AnyManifest, ImageError> {
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Probe {
+            #[serde(default)]
+            media_type: Option<String>,
+            #[serde(default)]
+            manifests: Option<serde_json::Value>,
+        }
+        let perr = |source| ImageError::Parse {
+            digest: digest.to_string(),
+            source,
+        };
+        let probe: Probe = serde_json::from_slice(bytes).map_err(perr)?;
+        let is_index = match probe.media_type.as_deref() {
+            Some(OCI_INDEX) | Some(DOCKER_LIST) => true,
+            Some(_) => false,
+            None => probe.manifests.is_some(),
+        };
+        let m = if is_index {
+            AnyManifest::Index(serde_json::from_slice(bytes).map_err(perr)?)
+        } else {
+            AnyManifest::Image(serde_json::from_slice(bytes).map_err(perr)?)
+        };
+        let descs: Vec<&Descriptor> = match &m {
+            AnyManifest::Index(i) => i.manifests.iter().collect(),
+            AnyManifest::Image(im) => std::iter::once(&im.config).chain(&im.layers).collect(),
+        };
+        for d in descs {
+            if crate::cache::sha256_hex(&d.digest).is_err() {
+                return Err(ImageError::BadDescriptor {
+                    digest: digest.to_string(),
+                    bad: d.digest.clone(),
+                });
+            }
+        }
+        Ok(m)
+    }
+}
+
+/// A platform (`image-index.md`, "platform"): os, architecture, optional variant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Platform {
+    /// e.g. `linux`.
+    pub os: String,
+    /// e.g. `amd64`, `arm64`.
+    pub architecture: String,
+    /// e.g. `v8` for arm64.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub variant: Option<String>,
+}
+
+impl Platform {
+    /// linux/amd64, the platform kiln's sandboxes run.
+    pub fn linux_amd64() -> Platform {
+        Platform {
+            os: "linux".into(),
+            architecture: "amd64".into(),
+            variant: None,
+        }
+    }
+
+    /// Parses `os/arch[/variant]`.
+    pub fn parse(s: &str) -> Result<Platform, ImageError> {
+        let parts: Vec<&str> = s.split('/').collect();
+        let ok =
+            |p: &&str| !p.is_empty() && p.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_');
+        match parts.as_slice() {
+            [os, arch] if ok(os) && ok(arch) => Ok(Platform {
+                os: os.to_string(),
+                architecture: arch.to_string(),
+                variant: None,
+            }),
+            [os, arch, v] if ok(os) && ok(arch) && ok(v) => Ok(Platform {
+                os: os.to_string(),
+                architecture: arch.to_string(),
+                variant: Some(v.to_string()),
+            }),
+            _ => Err(ImageError::BadPlatform(s.to_string())),
+        }
+    }
+
+    /// Whether an index entry's platform satisfies this one: os and architecture equal, and
+    /// the variant equal when this one names a variant.
+    pub fn matches(&self, other: &Platform) -> bool {
+        self.os == other.os
+            && self.architecture == other.architecture
+            && (self.variant.is_none() || self.variant == other.variant)
+    }
+}
+
+impl std::fmt::Display for Platform {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.os, self.architecture)?;
+        if let Some(v) = &self.variant {
+            write!(f, "/{v}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Index {
+    /// The first manifest for `platform`.
+    pub fn select(&self, platform: &Platform, digest: &str) -> Result<&Descriptor, ImageError> {
+        self.manifests
+            .iter()
+            .find(|d| d.platform.as_ref().is_some_and(|p| platform.matches(p)))
+            .ok_or_else(|| ImageError::NoPlatform {
+                digest: digest.to_string(),
+                platform: platform.clone(),
+                available: self
+                    .manifests
+                    .iter()
+                    .filter_map(|d| d.platform.as_ref().map(|p| p.to_string()))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const D1: &str = "sha256:1111111111111111111111111111111111111111111111111111111111111111";
+    const D2: &str = "sha256:2222222222222222222222222222222222222222222222222222222222222222";
+
+    #[test]
+    fn parse_and_select() {
+        let idx = format!(
+            r#"{{"schemaVersion":2,"manifests":[
+              {{"mediaType":"{OCI_MANIFEST}","digest":"{D1}","size":1,"platform":{{"os":"linux","architecture":"arm64","variant":"v8"}}}},
+              {{"mediaType":"{OCI_MANIFEST}","digest":"{D2}","size":2,"platform":{{"os":"linux","architecture":"amd64"}}}}]}}"#
+        );
+        let AnyManifest::Index(i) = AnyManifest::parse(idx.as_bytes(), "x").expect("parse") else {
+            panic!("not an index")
+        };
+        assert_eq!(
+            i.select(&Platform::linux_amd64(), "x")
+                .expect("amd64")
+                .digest,
+            D2
+        );
+        assert_eq!(
+            i.select(&Platform::parse("linux/arm64").expect("p"), "x")
+                .expect("arm")
+                .digest,
+            D1
+        );
+        assert_eq!(
+            i.select(&Platform::parse("linux/arm64/v8").expect("p"), "x")
+                .expect("arm")
+                .digest,
+            D1
+        );
+        let e = i
+            .select(&Platform::parse("linux/s390x").expect("p"), "x")
+            .unwrap_err();
+        assert!(e.to_string().contains("linux/arm64/v8, linux/amd64"), "{e}");
+        assert!(Platform::parse("linux").is_err());
+        assert!(Platform::parse("linux/../x").is_err());
+        let m = format!(
+            r#"{{"schemaVersion":2,"mediaType":"{DOCKER_MANIFEST}","config":{{"mediaType":"c","digest":"{D1}","size":3}},"layers":[{{"mediaType":"l","digest":"{D2}","size":4}}]}}"#
+        );
+        assert!(matches!(
+            AnyManifest::parse(m.as_bytes(), "y"),
+            Ok(AnyManifest::Image(_))
+        ));
+        let bad = m.replace(D2, "sha256:../../x");
+        assert!(matches!(
+            AnyManifest::parse(bad.as_bytes(), "y"),
+            Err(ImageError::BadDescriptor { .. })
+        ));
+    }
+}

@@ -1,0 +1,1161 @@
+//! Applying OCI layers (tar, optionally gzip or zstd compressed) onto a root directory.
+//!
+//! The tar stream is walked entry by entry (never `tar::Archive::unpack`, which turns devices
+//! into files and trusts names). Each entry's parent directory is reached by a
+//! component-by-component walk from a directory fd of the root, opening every directory with
+//! `O_NOFOLLOW | O_DIRECTORY`; a symlink met on the way is resolved *inside* the root (an
+//! absolute target restarts at the root, `..` may not climb above it), so no entry can reach
+//! outside the root, whatever symlinks earlier entries or layers planted. Entry names with
+//! `..` components or a leading `/` are refused outright, as are hard links whose target is
+//! not an existing non-directory inside the root.
+//!
+//! What is applied: regular files, directories, symlinks, hard links, character and block
+//! devices and FIFOs (`mknodat`, needs root), uid/gid (PAX `uid`/`gid` override the header),
+//! permission bits including setuid/setgid/sticky, PAX xattrs (`SCHILY.xattr.*`, including
+//! `security.capability`; `system.*` and `security.selinux` are skipped), and mtimes (set after
+//! the content; directories' at the end of the layer, deepest first). Whiteouts follow
+//! [`whiteout`].
+//!
+//! Bounds ([`Limits`]) on entry count, total uncompressed bytes, one file's size and the
+//! decompression ratio; exceeding one is a [`LayerError::Limit`] naming the layer digest and
+//! the entry being read.
+
+pub mod whiteout;
+pub mod write;
+
+use std::cell::Cell;
+use std::collections::HashSet;
+use std::ffi::OsStr;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::rc::Rc;
+
+use rustix::fs::{AtFlags, FileType, Mode, OFlags, Timespec, Timestamps, XattrFlags};
+use rustix::io::Errno;
+use rustix::process::{Gid, Uid};
+
+use self::whiteout::WhiteoutKind;
+
+/// How many symlinks one path walk may follow (Linux's own limit, `MAXSYMLINKS`, is 40).
+const MAX_SYMLINK_HOPS: usize = 40;
+/// How deep a resolved path may go, in components.
+const MAX_DEPTH: usize = 1024;
+/// Largest PAX (`x`, `g`) or GNU long name/link (`L`, `K`) header data, bytes.
+pub const MAX_METADATA_BYTES: u64 = 1 << 20;
+
+/// Bounds on one layer. Every field is checked while reading; see [`LayerError::Limit`].
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Total uncompressed bytes of the tar stream (headers included), bytes.
+    pub max_total_bytes: u64,
+    /// Number of tar entries.
+    pub max_entries: u64,
+    /// Size of one regular file, bytes.
+    pub max_file_bytes: u64,
+    /// Uncompressed / compressed bytes, checked once the uncompressed side passes
+    /// [`Limits::ratio_floor_bytes`].
+    pub max_ratio: u64,
+    /// Uncompressed bytes below which the ratio is not checked (small layers compress well).
+    pub ratio_floor_bytes: u64,
+}
+
+impl Default for Limits {
+    /// 32 GiB total, 4 Mi entries, 16 GiB per file, ratio 100 past 64 MiB. A Debian or Ubuntu
+    /// base layer is about 80-120 MiB at ratio 2.5-4 (measured on the test fixtures).
+    fn default() -> Self {
+        Limits {
+            max_total_bytes: 32 << 30,
+            max_entries: 4 << 20,
+            max_file_bytes: 16 << 30,
+            max_ratio: 100,
+            ratio_floor_bytes: 64 << 20,
+        }
+    }
+}
+
+/// Which bound a layer broke.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitKind {
+    /// [`Limits::max_total_bytes`].
+    TotalBytes,
+    /// [`Limits::max_entries`].
+    Entries,
+    /// [`Limits::max_file_bytes`].
+    FileBytes,
+    /// [`Limits::max_ratio`].
+    Ratio,
+    /// [`MAX_METADATA_BYTES`]: one PAX or GNU long-name header's data (the tar reader keeps
+    /// it in memory, so it is bounded before the reader sees it).
+    MetadataBytes,
+}
+
+impl std::fmt::Display for LimitKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LimitKind::TotalBytes => "total uncompressed bytes",
+            LimitKind::Entries => "entry count",
+            LimitKind::FileBytes => "file size",
+            LimitKind::Ratio => "decompression ratio",
+            LimitKind::MetadataBytes => "extension header size",
+        })
+    }
+}
+
+/// Why a layer could not be applied. Every variant names the layer digest and the entry.
+#[derive(Debug, thiserror::Error)]
+pub enum LayerError {
+    /// The tar stream (or its compression) is corrupt or truncated.
+    #[error("layer {digest}: unreadable tar stream at {entry}: {source}")]
+    Tar {
+        /// Layer digest.
+        digest: String,
+        /// Entry being read (or the one before it).
+        entry: String,
+        /// Underlying error.
+        source: io::Error,
+    },
+    /// An entry name has a `..` component.
+    #[error("layer {digest}: entry {entry} has a '..' component")]
+    DotDot {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+    },
+    /// An entry name is absolute.
+    #[error("layer {digest}: entry {entry} is an absolute path")]
+    Absolute {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+    },
+    /// A symlink on the entry's path leads above the root.
+    #[error("layer {digest}: entry {entry}: a symlink on its path leads outside the root")]
+    SymlinkEscape {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+    },
+    /// Too many symlinks (a loop) on the entry's path.
+    #[error("layer {digest}: entry {entry}: more than {MAX_SYMLINK_HOPS} symlinks on its path")]
+    SymlinkLoop {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+    },
+    /// The entry's resolved path is deeper than the walker allows.
+    #[error("layer {digest}: entry {entry}: path deeper than {MAX_DEPTH} components")]
+    TooDeep {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+    },
+    /// A component of the entry's parent path is neither a directory nor a symlink.
+    #[error("layer {digest}: entry {entry}: a parent component is not a directory")]
+    NotADirectory {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+    },
+    /// A hard link's target is absolute, has `..`, or resolves outside the root.
+    #[error("layer {digest}: hard link {entry} -> {target}: target outside the root")]
+    HardLinkEscape {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+        /// Link target as written in the tar.
+        target: String,
+    },
+    /// A hard link's target does not exist (yet).
+    #[error("layer {digest}: hard link {entry} -> {target}: target does not exist")]
+    HardLinkMissing {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+        /// Link target.
+        target: String,
+    },
+    /// A hard link's target is a directory.
+    #[error("layer {digest}: hard link {entry} -> {target}: target is a directory")]
+    HardLinkToDirectory {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+        /// Link target.
+        target: String,
+    },
+    /// A whiteout name is malformed (`.wh.`, `.wh..`, `.wh...`).
+    #[error("layer {digest}: entry {entry}: {source}")]
+    Whiteout {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+        /// What is wrong.
+        source: whiteout::WhiteoutError,
+    },
+    /// A tar entry type kiln does not apply (e.g. `V` volume labels, `M` multi-volume).
+    #[error("layer {digest}: entry {entry}: unsupported tar entry type {kind:?}")]
+    UnsupportedType {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+        /// The type byte.
+        kind: char,
+    },
+    /// A bound in [`Limits`] was exceeded.
+    #[error("layer {digest}: entry {entry}: {kind} exceeds the limit of {max}")]
+    Limit {
+        /// Layer digest.
+        digest: String,
+        /// Entry being read.
+        entry: String,
+        /// Which bound.
+        kind: LimitKind,
+        /// The bound's value.
+        max: u64,
+    },
+    /// A file-system operation failed.
+    #[error("layer {digest}: entry {entry}: {op}: {source}")]
+    Io {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+        /// What was being done (`mkdirat`, `mknodat`, ...).
+        op: &'static str,
+        /// Underlying error.
+        source: io::Error,
+    },
+}
+
+/// What one layer application did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayerStats {
+    /// Tar entries read (whiteouts included).
+    pub entries: u64,
+    /// Uncompressed bytes read.
+    pub bytes: u64,
+}
+
+/// The compression of a layer stream, told by its first bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    /// Plain tar.
+    None,
+    /// gzip (RFC 1952; magic `1f 8b`).
+    Gzip,
+    /// zstd (RFC 8878; magic `28 b5 2f fd`).
+    Zstd,
+}
+
+impl Compression {
+    /// Detects the compression from the stream's first bytes.
+    pub fn sniff(head: &[u8]) -> Compression {
+        if head.starts_with(&[0x1f, 0x8b]) {
+            Compression::Gzip
+        } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+            Compression::Zstd
+        } else {
+            Compression::None
+        }
+    }
+}
+
+/// Counters shared between the reader stack and the apply loop.
+#[derive(Default)]
+struct Counters {
+    compressed: Cell<u64>,
+    uncompressed: Cell<u64>,
+    hit: Cell<Option<LimitKind>>,
+    /// A GNU sparse entry was seen by the framer (refused: the framer cannot follow it).
+    sparse: Cell<bool>,
+}
+
+/// Follows the tar framing of the uncompressed stream (512-byte headers, data padded to
+/// 512), to bound extension headers before `tar` buffers them and to refuse GNU sparse
+/// entries. Honours a PAX `size` record for the next entry, as the `tar` reader does.
+#[derive(Default)]
+struct Framer {
+    header: Vec<u8>,
+    skip: u64,
+    /// Data of the PAX header being read, and how much of it remains.
+    pax: Option<(Vec<u8>, u64)>,
+    pending_size: Option<u64>,
+}
+
+enum FrameFault {
+    Metadata,
+    Sparse,
+    Malformed,
+}
+
+fn parse_octal_size(field: &[u8]) -> Option<u64> {
+    if field[0] & 0x80 != 0 {
+        // base-256, big-endian in the remaining bytes
+        let mut v: u64 = 0;
+        for b in &field[1..] {
+            v = v.checked_mul(256)?.checked_add(*b as u64)?;
+        }
+        return Some(v);
+    }
+    let t: Vec<u8> = field
+        .iter()
+        .copied()
+        .skip_while(|c| *c == b' ' || *c == 0)
+        .take_while(|c| *c != b' ' && *c != 0)
+        .collect();
+    if t.is_empty() {
+        return Some(0);
+    }
+    u64::from_str_radix(std::str::from_utf8(&t).ok()?, 8).ok()
+}
+
+fn pax_size(data: &[u8]) -> Option<u64> {
+    let mut rest = data;
+    let mut found = None;
+    while !rest.is_empty() {
+        let sp = rest.iter().position(|c| *c == b' ')?;
+        let len: usize = std::str::from_utf8(&rest[..sp]).ok()?.parse().ok()?;
+        if len <= sp || len > rest.len() {
+            return None;
+        }
+        let rec = &rest[sp + 1..len];
+        if let Some(v) = rec.strip_prefix(b"size=") {
+            let v = v.strip_suffix(b"\n").unwrap_or(v);
+            found = std::str::from_utf8(v).ok()?.trim_end().parse().ok();
+        }
+        rest = &rest[len..];
+    }
+    found
+}
+
+impl Framer {
+    fn feed(&mut self, mut data: &[u8]) -> Result<(), FrameFault> {
+        while !data.is_empty() {
+            if self.skip > 0 {
+                let n = (self.skip.min(data.len() as u64)) as usize;
+                if let Some((buf, left)) = &mut self.pax {
+                    let take = (*left).min(n as u64) as usize;
+                    buf.extend_from_slice(&data[..take]);
+                    *left -= take as u64;
+                    if *left == 0 {
+                        self.pending_size = pax_size(buf);
+                        self.pax = None;
+                    }
+                }
+                self.skip -= n as u64;
+                data = &data[n..];
+                continue;
+            }
+            let n = (512 - self.header.len()).min(data.len());
+            self.header.extend_from_slice(&data[..n]);
+            data = &data[n..];
+            if self.header.len() < 512 {
+                break;
+            }
+            let h = std::mem::take(&mut self.header);
+            if h.iter().all(|b| *b == 0) {
+                continue;
+            }
+            let kind = h[156];
+            let header_size = parse_octal_size(&h[124..136]).ok_or(FrameFault::Malformed)?;
+            let is_ext = matches!(kind, b'x' | b'g' | b'L' | b'K');
+            let size = if is_ext {
+                if header_size > MAX_METADATA_BYTES {
+                    return Err(FrameFault::Metadata);
+                }
+                header_size
+            } else {
+                self.pending_size.take().unwrap_or(header_size)
+            };
+            if kind == b'S' {
+                return Err(FrameFault::Sparse);
+            }
+            if kind == b'x' && size > 0 {
+                self.pax = Some((Vec::new(), size));
+            }
+            self.skip = size.checked_add(511).ok_or(FrameFault::Malformed)? & !511;
+        }
+        Ok(())
+    }
+}
+
+struct CountIn<R> {
+    inner: R,
+    c: Rc<Counters>,
+}
+
+impl<R: Read> Read for CountIn<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.c.compressed.set(self.c.compressed.get() + n as u64);
+        Ok(n)
+    }
+}
+
+struct CountOut<R> {
+    inner: R,
+    c: Rc<Counters>,
+    limits: Limits,
+    framer: Framer,
+}
+
+impl<R: Read> Read for CountOut<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        match self.framer.feed(&buf[..n]) {
+            Ok(()) => {}
+            Err(FrameFault::Metadata) => {
+                self.c.hit.set(Some(LimitKind::MetadataBytes));
+                return Err(io::Error::other("extension header too large"));
+            }
+            Err(FrameFault::Sparse) => {
+                self.c.sparse.set(true);
+                return Err(io::Error::other("GNU sparse entry"));
+            }
+            Err(FrameFault::Malformed) => {
+                return Err(io::Error::other("malformed tar header size"));
+            }
+        }
+        let total = self.c.uncompressed.get() + n as u64;
+        self.c.uncompressed.set(total);
+        let kind = if total > self.limits.max_total_bytes {
+            Some(LimitKind::TotalBytes)
+        } else if total > self.limits.ratio_floor_bytes
+            && total / self.c.compressed.get().max(1) > self.limits.max_ratio
+        {
+            Some(LimitKind::Ratio)
+        } else {
+            None
+        };
+        if let Some(k) = kind {
+            self.c.hit.set(Some(k));
+            return Err(io::Error::other(format!("{k} limit exceeded")));
+        }
+        Ok(n)
+    }
+}
+
+/// Applies one layer stream to `root`. `digest` is used in errors only (the caller verifies
+/// content). `root` must be a directory; the caller should run as root for devices and owners.
+///
+/// Errors: see [`LayerError`]; on error the tree may hold part of the layer (never anything
+/// outside `root`).
+pub fn apply_layer(
+    root: &Path,
+    layer: impl Read,
+    digest: &str,
+    limits: &Limits,
+) -> Result<LayerStats, LayerError> {
+    let root_fd = rustix::fs::open(
+        root,
+        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| LayerError::Io {
+        digest: digest.to_string(),
+        entry: "/".into(),
+        op: "open root",
+        source: e.into(),
+    })?;
+    let counters = Rc::new(Counters::default());
+    let mut raw = BufReader::with_capacity(
+        256 << 10,
+        CountIn {
+            inner: layer,
+            c: counters.clone(),
+        },
+    );
+    let tar_err = |e: io::Error, entry: &str| LayerError::Tar {
+        digest: digest.to_string(),
+        entry: entry.to_string(),
+        source: e,
+    };
+    let head = raw.fill_buf().map_err(|e| tar_err(e, "(start)"))?;
+    let decoded: Box<dyn Read> = match Compression::sniff(head) {
+        Compression::None => Box::new(raw),
+        Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(raw)),
+        Compression::Zstd => Box::new(
+            zstd::stream::read::Decoder::with_buffer(raw).map_err(|e| tar_err(e, "(start)"))?,
+        ),
+    };
+    let counted = CountOut {
+        inner: decoded,
+        c: counters.clone(),
+        limits: *limits,
+        framer: Framer::default(),
+    };
+    let mut applier = Applier {
+        root: root_fd,
+        digest: digest.to_string(),
+        entry: String::from("(start)"),
+        created: HashSet::new(),
+        dirs: Vec::new(),
+        limits: *limits,
+    };
+    let mut archive = tar::Archive::new(counted);
+    let mut entries_read = 0u64;
+    let limit_or = |c: &Counters, e: io::Error, entry: &str| -> LayerError {
+        if c.sparse.get() {
+            return LayerError::UnsupportedType {
+                digest: digest.to_string(),
+                entry: format!("(after {entry})"),
+                kind: 'S',
+            };
+        }
+        match c.hit.get() {
+            Some(kind) => LayerError::Limit {
+                digest: digest.to_string(),
+                entry: entry.to_string(),
+                kind,
+                max: match kind {
+                    LimitKind::TotalBytes => limits.max_total_bytes,
+                    LimitKind::Ratio => limits.max_ratio,
+                    LimitKind::Entries => limits.max_entries,
+                    LimitKind::FileBytes => limits.max_file_bytes,
+                    LimitKind::MetadataBytes => MAX_METADATA_BYTES,
+                },
+            },
+            None => tar_err(e, entry),
+        }
+    };
+    let entries = archive
+        .entries()
+        .map_err(|e| limit_or(&counters, e, "(start)"))?;
+    for entry in entries {
+        let mut entry = entry.map_err(|e| limit_or(&counters, e, &applier.entry))?;
+        entries_read += 1;
+        applier.entry = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+        if entries_read > limits.max_entries {
+            return Err(applier.limit(LimitKind::Entries, limits.max_entries));
+        }
+        match applier.apply_entry(&mut entry) {
+            Ok(()) => {}
+            Err(ApplyFail::Layer(e)) => return Err(e),
+            Err(ApplyFail::Read(e)) => return Err(limit_or(&counters, e, &applier.entry)),
+        }
+    }
+    applier.finish_dirs()?;
+    Ok(LayerStats {
+        entries: entries_read,
+        bytes: counters.uncompressed.get(),
+    })
+}
+
+/// An entry failed either on our side or while reading its data from the stream.
+enum ApplyFail {
+    Layer(LayerError),
+    Read(io::Error),
+}
+
+impl From<LayerError> for ApplyFail {
+    fn from(e: LayerError) -> Self {
+        ApplyFail::Layer(e)
+    }
+}
+
+struct Applier {
+    root: OwnedFd,
+    digest: String,
+    entry: String,
+    /// Paths (components joined by `/`) this layer created, with their ancestors.
+    created: HashSet<Vec<u8>>,
+    /// Directories whose mtime is set at the end: (components, mtime seconds).
+    dirs: Vec<(Vec<Vec<u8>>, u64)>,
+    limits: Limits,
+}
+
+/// Splits an entry name into its components, refusing absolute names and `..`.
+enum Split {
+    Ok(Vec<Vec<u8>>),
+    Absolute,
+    DotDot,
+}
+
+fn split_name(name: &[u8]) -> Split {
+    if name.first() == Some(&b'/') {
+        return Split::Absolute;
+    }
+    let mut out = Vec::new();
+    for c in name.split(|b| *b == b'/') {
+        match c {
+            b"" | b"." => {}
+            b".." => return Split::DotDot,
+            c => out.push(c.to_vec()),
+        }
+    }
+    Split::Ok(out)
+}
+
+fn os(c: &[u8]) -> &OsStr {
+    OsStr::from_bytes(c)
+}
+
+/// Metadata of one entry, with PAX overrides applied.
+struct Meta {
+    mode: u32,
+    uid: u32,
+    gid: u32,
+    mtime: u64,
+    xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+/// Whether an xattr from a layer is applied: `system.*` (ACLs are kernel-encoded) and
+/// `security.selinux` (host policy) are not, as umoci and containerd skip them.
+fn keep_xattr(name: &[u8]) -> bool {
+    !(name.starts_with(b"system.") || name == b"security.selinux")
+}
+
+impl Applier {
+    fn limit(&self, kind: LimitKind, max: u64) -> LayerError {
+        LayerError::Limit {
+            digest: self.digest.clone(),
+            entry: self.entry.clone(),
+            kind,
+            max,
+        }
+    }
+
+    fn io(&self, op: &'static str, e: impl Into<io::Error>) -> LayerError {
+        LayerError::Io {
+            digest: self.digest.clone(),
+            entry: self.entry.clone(),
+            op,
+            source: e.into(),
+        }
+    }
+
+    fn err_entry(&self) -> (String, String) {
+        (self.digest.clone(), self.entry.clone())
+    }
+
+    /// Walks `comps` from the root, following symlinks inside the root, and returns the fd
+    /// of the directory reached. Missing directories are created (0755, root) when `create`;
+    /// otherwise `Ok(None)` is returned for a missing component.
+    fn walk(&self, comps: &[Vec<u8>], create: bool) -> Result<Option<OwnedFd>, LayerError> {
+        let mut stack: Vec<OwnedFd> =
+            vec![self.root.try_clone().map_err(|e| self.io("dup root", e))?];
+        let mut queue: std::collections::VecDeque<Vec<u8>> = comps.iter().cloned().collect();
+        let mut hops = 0;
+        while let Some(c) = queue.pop_front() {
+            if c.is_empty() || c == b"." {
+                continue;
+            }
+            if c == b".." {
+                if stack.len() == 1 {
+                    let (digest, entry) = self.err_entry();
+                    return Err(LayerError::SymlinkEscape { digest, entry });
+                }
+                stack.pop();
+                continue;
+            }
+            if stack.len() > MAX_DEPTH {
+                let (digest, entry) = self.err_entry();
+                return Err(LayerError::TooDeep { digest, entry });
+            }
+            // The last element always exists: the root is never popped (checked above).
+            let cur = stack
+                .last()
+                .map(|f| f.as_fd())
+                .expect("stack holds the root");
+            let st = match rustix::fs::statat(cur, os(&c), AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) => Some(st),
+                Err(Errno::NOENT) => None,
+                Err(e) => return Err(self.io("stat parent", e)),
+            };
+            let st = match st {
+                Some(st) => st,
+                None if create => {
+                    rustix::fs::mkdirat(cur, os(&c), Mode::from_raw_mode(0o755))
+                        .map_err(|e| self.io("mkdirat parent", e))?;
+                    rustix::fs::statat(cur, os(&c), AtFlags::SYMLINK_NOFOLLOW)
+                        .map_err(|e| self.io("stat parent", e))?
+                }
+                None => return Ok(None),
+            };
+            match FileType::from_raw_mode(st.st_mode) {
+                FileType::Directory => {
+                    let fd = rustix::fs::openat(
+                        cur,
+                        os(&c),
+                        OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+                        Mode::empty(),
+                    )
+                    .map_err(|e| self.io("open parent", e))?;
+                    stack.push(fd);
+                }
+                FileType::Symlink => {
+                    hops += 1;
+                    if hops > MAX_SYMLINK_HOPS {
+                        let (digest, entry) = self.err_entry();
+                        return Err(LayerError::SymlinkLoop { digest, entry });
+                    }
+                    let target = rustix::fs::readlinkat(cur, os(&c), Vec::new())
+                        .map_err(|e| self.io("readlinkat", e))?;
+                    let target = target.as_bytes();
+                    if target.first() == Some(&b'/') {
+                        stack.truncate(1);
+                    }
+                    for t in target.split(|b| *b == b'/').rev() {
+                        if !t.is_empty() {
+                            queue.push_front(t.to_vec());
+                        }
+                    }
+                }
+                _ => {
+                    let (digest, entry) = self.err_entry();
+                    return Err(LayerError::NotADirectory { digest, entry });
+                }
+            }
+        }
+        Ok(stack.pop())
+    }
+
+    fn mark_created(&mut self, comps: &[Vec<u8>]) {
+        for i in 1..=comps.len() {
+            self.created.insert(comps[..i].join(&b'/'));
+        }
+    }
+
+    fn meta(&self, entry: &mut tar::Entry<'_, impl Read>) -> Result<Meta, ApplyFail> {
+        let h = entry.header();
+        let bad = |e: io::Error| ApplyFail::Read(e);
+        let mut m = Meta {
+            mode: h.mode().map_err(bad)? & 0o7777,
+            uid: h.uid().map_err(bad)? as u32,
+            gid: h.gid().map_err(bad)? as u32,
+            mtime: h.mtime().map_err(bad)?,
+            xattrs: Vec::new(),
+        };
+        if let Some(exts) = entry.pax_extensions().map_err(bad)? {
+            for ext in exts {
+                let ext = ext.map_err(bad)?;
+                let key = ext.key_bytes();
+                let val = ext.value_bytes();
+                let num = || {
+                    std::str::from_utf8(val)
+                        .ok()
+                        .and_then(|s| s.split('.').next())
+                        .and_then(|s| s.parse::<u64>().ok())
+                };
+                match key {
+                    b"uid" => m.uid = num().unwrap_or(m.uid as u64) as u32,
+                    b"gid" => m.gid = num().unwrap_or(m.gid as u64) as u32,
+                    b"mtime" => m.mtime = num().unwrap_or(m.mtime),
+                    k if k.starts_with(b"SCHILY.xattr.") => {
+                        let name = &k[b"SCHILY.xattr.".len()..];
+                        if keep_xattr(name) {
+                            m.xattrs.push((name.to_vec(), val.to_vec()));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(m)
+    }
+
+    /// Removes `name` in `dir`, recursively for directories, never following symlinks.
+    fn remove_all(&self, dir: BorrowedFd<'_>, name: &[u8], depth: usize) -> Result<(), LayerError> {
+        let st = match rustix::fs::statat(dir, os(name), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::NOENT) => return Ok(()),
+            Err(e) => return Err(self.io("stat for removal", e)),
+        };
+        if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+            if depth > MAX_DEPTH {
+                let (digest, entry) = self.err_entry();
+                return Err(LayerError::TooDeep { digest, entry });
+            }
+            let fd = rustix::fs::openat(
+                dir,
+                os(name),
+                OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|e| self.io("open for removal", e))?;
+            for child in self.list(fd.as_fd())? {
+                self.remove_all(fd.as_fd(), &child, depth + 1)?;
+            }
+            rustix::fs::unlinkat(dir, os(name), AtFlags::REMOVEDIR)
+                .map_err(|e| self.io("rmdir", e))?;
+        } else {
+            rustix::fs::unlinkat(dir, os(name), AtFlags::empty())
+                .map_err(|e| self.io("unlink", e))?;
+        }
+        Ok(())
+    }
+
+    fn list(&self, dir: BorrowedFd<'_>) -> Result<Vec<Vec<u8>>, LayerError> {
+        let mut out = Vec::new();
+        let d = rustix::fs::Dir::read_from(dir).map_err(|e| self.io("readdir", e))?;
+        for ent in d {
+            let ent = ent.map_err(|e| self.io("readdir", e))?;
+            let n = ent.file_name().to_bytes();
+            if n != b"." && n != b".." {
+                out.push(n.to_vec());
+            }
+        }
+        Ok(out)
+    }
+
+    fn apply_entry(&mut self, entry: &mut tar::Entry<'_, impl Read>) -> Result<(), ApplyFail> {
+        let raw = entry.path_bytes().into_owned();
+        let comps = match split_name(&raw) {
+            Split::Ok(c) => c,
+            Split::Absolute => {
+                let (digest, entry) = self.err_entry();
+                return Err(LayerError::Absolute { digest, entry }.into());
+            }
+            Split::DotDot => {
+                let (digest, entry) = self.err_entry();
+                return Err(LayerError::DotDot { digest, entry }.into());
+            }
+        };
+        let kind = entry.header().entry_type();
+        if kind.is_pax_global_extensions() {
+            return Ok(());
+        }
+        let Some((base, parent)) = comps.split_last() else {
+            // The root itself ("./"): its metadata is the caller's.
+            return Ok(());
+        };
+        let wh = WhiteoutKind::parse(base).map_err(|source| {
+            let (digest, entry) = self.err_entry();
+            LayerError::Whiteout {
+                digest,
+                entry,
+                source,
+            }
+        })?;
+        match wh {
+            WhiteoutKind::None => {}
+            WhiteoutKind::Meta => return Ok(()),
+            WhiteoutKind::Remove(name) => {
+                let Some(dir) = self.walk(parent, false)? else {
+                    return Ok(());
+                };
+                let mut full = parent.to_vec();
+                full.push(name.to_vec());
+                if !self.created.contains(&full.join(&b'/')) {
+                    self.remove_all(dir.as_fd(), name, 0)?;
+                }
+                return Ok(());
+            }
+            WhiteoutKind::Opaque => {
+                let Some(dir) = self.walk(parent, true)? else {
+                    return Ok(());
+                };
+                for child in self.list(dir.as_fd())? {
+                    let mut full = parent.to_vec();
+                    full.push(child.clone());
+                    if !self.created.contains(&full.join(&b'/')) {
+                        self.remove_all(dir.as_fd(), &child, 0)?;
+                    }
+                }
+                self.mark_created(parent);
+                return Ok(());
+            }
+        }
+        let meta = self.meta(entry)?;
+        let dir = self
+            .walk(parent, true)?
+            .ok_or_else(|| self.io("walk", io::Error::from(io::ErrorKind::NotFound)))?;
+        let dir = dir.as_fd();
+        let existing = match rustix::fs::statat(dir, os(base), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => Some(FileType::from_raw_mode(st.st_mode)),
+            Err(Errno::NOENT) => None,
+            Err(e) => return Err(self.io("stat", e).into()),
+        };
+        use tar::EntryType as T;
+        match kind {
+            T::Directory => {
+                if existing.is_some_and(|t| t != FileType::Directory) {
+                    self.remove_all(dir, base, 0)?;
+                }
+                if existing != Some(FileType::Directory) {
+                    rustix::fs::mkdirat(dir, os(base), Mode::from_raw_mode(0o700))
+                        .map_err(|e| self.io("mkdirat", e))?;
+                }
+                let fd = rustix::fs::openat(
+                    dir,
+                    os(base),
+                    OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+                .map_err(|e| self.io("open dir", e))?;
+                self.set_fd_meta(fd.as_fd(), &meta)?;
+                self.dirs.push((comps.clone(), meta.mtime));
+            }
+            T::Regular | T::Continuous | T::GNUSparse => {
+                let size = entry.header().size().map_err(ApplyFail::Read)?;
+                if size > self.limits.max_file_bytes {
+                    return Err(self
+                        .limit(LimitKind::FileBytes, self.limits.max_file_bytes)
+                        .into());
+                }
+                if existing.is_some() {
+                    self.remove_all(dir, base, 0)?;
+                }
+                let fd = rustix::fs::openat(
+                    dir,
+                    os(base),
+                    OFlags::CREATE
+                        | OFlags::EXCL
+                        | OFlags::WRONLY
+                        | OFlags::NOFOLLOW
+                        | OFlags::CLOEXEC,
+                    Mode::from_raw_mode(0o600),
+                )
+                .map_err(|e| self.io("create file", e))?;
+                let mut file = std::fs::File::from(fd);
+                let mut buf = vec![0u8; 128 << 10];
+                let mut written = 0u64;
+                loop {
+                    let n = entry.read(&mut buf).map_err(ApplyFail::Read)?;
+                    if n == 0 {
+                        break;
+                    }
+                    written += n as u64;
+                    if written > self.limits.max_file_bytes {
+                        return Err(self
+                            .limit(LimitKind::FileBytes, self.limits.max_file_bytes)
+                            .into());
+                    }
+                    file.write_all(&buf[..n]).map_err(|e| self.io("write", e))?;
+                }
+                self.set_fd_meta(file.as_fd(), &meta)?;
+                self.set_mtime(dir, base, meta.mtime)?;
+            }
+            T::Symlink => {
+                let target = entry
+                    .link_name_bytes()
+                    .ok_or_else(|| self.io("symlink", io::Error::other("no link target")))?
+                    .into_owned();
+                if existing.is_some() {
+                    self.remove_all(dir, base, 0)?;
+                }
+                rustix::fs::symlinkat(os(&target), dir, os(base))
+                    .map_err(|e| self.io("symlinkat", e))?;
+                self.chown_at(dir, base, &meta)?;
+                self.set_path_xattrs(dir, base, &meta)?;
+                self.set_mtime(dir, base, meta.mtime)?;
+            }
+            T::Link => {
+                let target = entry
+                    .link_name_bytes()
+                    .ok_or_else(|| self.io("link", io::Error::other("no link target")))?
+                    .into_owned();
+                self.hard_link(dir, base, &target, existing.is_some())?;
+            }
+            T::Char | T::Block | T::Fifo => {
+                let h = entry.header();
+                let major = h.device_major().ok().flatten().unwrap_or(0);
+                let minor = h.device_minor().ok().flatten().unwrap_or(0);
+                let ft = match kind {
+                    T::Char => FileType::CharacterDevice,
+                    T::Block => FileType::BlockDevice,
+                    _ => FileType::Fifo,
+                };
+                if existing.is_some() {
+                    self.remove_all(dir, base, 0)?;
+                }
+                rustix::fs::mknodat(
+                    dir,
+                    os(base),
+                    ft,
+                    Mode::from_raw_mode(0o600),
+                    rustix::fs::makedev(major, minor),
+                )
+                .map_err(|e| self.io("mknodat", e))?;
+                self.chown_at(dir, base, &meta)?;
+                rustix::fs::chmodat(
+                    dir,
+                    os(base),
+                    Mode::from_raw_mode(meta.mode),
+                    AtFlags::empty(),
+                )
+                .map_err(|e| self.io("chmodat", e))?;
+                self.set_path_xattrs(dir, base, &meta)?;
+                self.set_mtime(dir, base, meta.mtime)?;
+            }
+            other => {
+                let (digest, entry) = self.err_entry();
+                return Err(LayerError::UnsupportedType {
+                    digest,
+                    entry,
+                    kind: other.as_byte() as char,
+                }
+                .into());
+            }
+        }
+        self.mark_created(&comps);
+        Ok(())
+    }
+
+    fn hard_link(
+        &self,
+        dir: BorrowedFd<'_>,
+        base: &[u8],
+        target: &[u8],
+        existing: bool,
+    ) -> Result<(), LayerError> {
+        let tname = String::from_utf8_lossy(target).into_owned();
+        let escape = || LayerError::HardLinkEscape {
+            digest: self.digest.clone(),
+            entry: self.entry.clone(),
+            target: tname.clone(),
+        };
+        let tcomps = match split_name(target) {
+            Split::Ok(c) => c,
+            _ => return Err(escape()),
+        };
+        let Some((tbase, tparent)) = tcomps.split_last() else {
+            return Err(LayerError::HardLinkToDirectory {
+                digest: self.digest.clone(),
+                entry: self.entry.clone(),
+                target: tname,
+            });
+        };
+        let tdir = match self.walk(tparent, false) {
+            Ok(Some(d)) => d,
+            Ok(None) => {
+                return Err(LayerError::HardLinkMissing {
+                    digest: self.digest.clone(),
+                    entry: self.entry.clone(),
+                    target: tname,
+                });
+            }
+            Err(LayerError::SymlinkEscape { .. }) => return Err(escape()),
+            Err(e) => return Err(e),
+        };
+        let st = match rustix::fs::statat(&tdir, os(tbase), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::NOENT) => {
+                return Err(LayerError::HardLinkMissing {
+                    digest: self.digest.clone(),
+                    entry: self.entry.clone(),
+                    target: tname,
+                });
+            }
+            Err(e) => return Err(self.io("stat link target", e)),
+        };
+        if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+            return Err(LayerError::HardLinkToDirectory {
+                digest: self.digest.clone(),
+                entry: self.entry.clone(),
+                target: tname,
+            });
+        }
+        if existing {
+            if let Ok(cur) = rustix::fs::statat(dir, os(base), AtFlags::SYMLINK_NOFOLLOW)
+                && cur.st_ino == st.st_ino
+                && cur.st_dev == st.st_dev
+            {
+                return Ok(());
+            }
+            self.remove_all(dir, base, 0)?;
+        }
+        rustix::fs::linkat(&tdir, os(tbase), dir, os(base), AtFlags::empty())
+            .map_err(|e| self.io("linkat", e))
+    }
+
+    fn chown_at(&self, dir: BorrowedFd<'_>, base: &[u8], m: &Meta) -> Result<(), LayerError> {
+        rustix::fs::chownat(
+            dir,
+            os(base),
+            Some(Uid::from_raw(m.uid)),
+            Some(Gid::from_raw(m.gid)),
+            AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .map_err(|e| self.io("chown", e))
+    }
+
+    /// Owner, then mode (chown clears setuid/setgid), then xattrs, on an open file or dir.
+    fn set_fd_meta(&self, fd: BorrowedFd<'_>, m: &Meta) -> Result<(), LayerError> {
+        rustix::fs::fchown(fd, Some(Uid::from_raw(m.uid)), Some(Gid::from_raw(m.gid)))
+            .map_err(|e| self.io("fchown", e))?;
+        rustix::fs::fchmod(fd, Mode::from_raw_mode(m.mode)).map_err(|e| self.io("fchmod", e))?;
+        for (k, v) in &m.xattrs {
+            rustix::fs::fsetxattr(fd, os(k), v, XattrFlags::empty())
+                .map_err(|e| self.io("fsetxattr", e))?;
+        }
+        Ok(())
+    }
+
+    /// Xattrs on a symlink or device, through `/proc/self/fd/<dir>/<name>` with `lsetxattr`
+    /// (there is no `setxattrat` before Linux 6.13).
+    fn set_path_xattrs(
+        &self,
+        dir: BorrowedFd<'_>,
+        base: &[u8],
+        m: &Meta,
+    ) -> Result<(), LayerError> {
+        if m.xattrs.is_empty() {
+            return Ok(());
+        }
+        use std::os::fd::AsRawFd;
+        let mut p = format!("/proc/self/fd/{}/", dir.as_raw_fd()).into_bytes();
+        p.extend_from_slice(base);
+        for (k, v) in &m.xattrs {
+            rustix::fs::lsetxattr(os(&p), os(k), v, XattrFlags::empty())
+                .map_err(|e| self.io("lsetxattr", e))?;
+        }
+        Ok(())
+    }
+
+    fn set_mtime(&self, dir: BorrowedFd<'_>, base: &[u8], mtime: u64) -> Result<(), LayerError> {
+        let t = Timespec {
+            tv_sec: mtime.min(i64::MAX as u64) as i64,
+            tv_nsec: 0,
+        };
+        rustix::fs::utimensat(
+            dir,
+            os(base),
+            &Timestamps {
+                last_access: t,
+                last_modification: t,
+            },
+            AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .map_err(|e| self.io("utimensat", e))
+    }
+
+    /// Sets the directories' mtimes, deepest first, once all their content is in place.
+    fn finish_dirs(&mut self) -> Result<(), LayerError> {
+        let mut dirs = std::mem::take(&mut self.dirs);
+        dirs.sort_by_key(|(c, _)| std::cmp::Reverse(c.len()));
+        for (comps, mtime) in dirs {
+            self.entry = String::from_utf8_lossy(&comps.join(&b'/')).into_owned();
+            let Some((base, parent)) = comps.split_last() else {
+                continue;
+            };
+            // A directory removed by a later whiteout of the same layer is simply skipped.
+            let Ok(Some(dir)) = self.walk(parent, false) else {
+                continue;
+            };
+            match rustix::fs::statat(&dir, os(base), AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) if FileType::from_raw_mode(st.st_mode) == FileType::Directory => {
+                    self.set_mtime(dir.as_fd(), base, mtime)?
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,739 @@
+//! Layer application tests: features, whiteouts across layers, and a corpus of hostile tars.
+//! They create devices and chown files, so they run as root (as CI does).
+
+use super::*;
+use std::fs;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use tar::{EntryType, Header};
+
+const DIGEST: &str = "sha256:test";
+
+/// One tar entry, built with raw headers so hostile names are not cleaned by the tar crate.
+#[allow(clippy::large_enum_variant)]
+enum E<'a> {
+    File(&'a [u8], &'a [u8]),
+    Dir(&'a [u8]),
+    Sym(&'a [u8], &'a [u8]),
+    Link(&'a [u8], &'a [u8]),
+    Raw(Header, Vec<u8>),
+    Pax(Vec<(&'a str, &'a [u8])>),
+}
+
+fn header(name: &[u8], kind: EntryType, size: u64, link: &[u8], mode: u32) -> Header {
+    let mut h = Header::new_gnu();
+    {
+        let old = h.as_old_mut();
+        old.name[..name.len()].copy_from_slice(name);
+        old.linkname[..link.len()].copy_from_slice(link);
+    }
+    h.set_entry_type(kind);
+    h.set_size(size);
+    h.set_mode(mode);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(1_000_000);
+    h.set_cksum();
+    h
+}
+
+fn tar_of(entries: Vec<E<'_>>) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for e in entries {
+        match e {
+            E::File(n, d) => {
+                let h = header(n, EntryType::Regular, d.len() as u64, b"", 0o644);
+                b.append(&h, d).expect("in-memory tar");
+            }
+            E::Dir(n) => {
+                let h = header(n, EntryType::Directory, 0, b"", 0o755);
+                b.append(&h, &[][..]).expect("in-memory tar");
+            }
+            E::Sym(n, t) => {
+                let h = header(n, EntryType::Symlink, 0, t, 0o777);
+                b.append(&h, &[][..]).expect("in-memory tar");
+            }
+            E::Link(n, t) => {
+                let h = header(n, EntryType::Link, 0, t, 0o644);
+                b.append(&h, &[][..]).expect("in-memory tar");
+            }
+            E::Raw(h, d) => b.append(&h, &d[..]).expect("in-memory tar"),
+            E::Pax(kv) => b.append_pax_extensions(kv).expect("in-memory tar"),
+        }
+    }
+    b.into_inner().expect("in-memory tar")
+}
+
+/// A scratch dir holding `root/` and `sentinel/keep`; nothing else may appear in it.
+struct Sandbox {
+    dir: tempfile::TempDir,
+}
+
+impl Sandbox {
+    fn new() -> Sandbox {
+        let dir = tempfile::tempdir().expect("tempdir");
+        fs::create_dir(dir.path().join("root")).expect("mkdir");
+        fs::create_dir(dir.path().join("sentinel")).expect("mkdir");
+        fs::write(dir.path().join("sentinel/keep"), b"sentinel").expect("write");
+        Sandbox { dir }
+    }
+    fn root(&self) -> std::path::PathBuf {
+        self.dir.path().join("root")
+    }
+    fn apply(&self, tar: &[u8]) -> Result<LayerStats, LayerError> {
+        self.apply_with(tar, &Limits::default())
+    }
+    fn apply_with(&self, tar: &[u8], limits: &Limits) -> Result<LayerStats, LayerError> {
+        apply_layer(&self.root(), tar, DIGEST, limits)
+    }
+    /// Asserts nothing outside `root/` changed.
+    fn assert_untouched(&self, case: &str) {
+        let mut top: Vec<_> = fs::read_dir(self.dir.path())
+            .expect("readdir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        top.sort();
+        assert_eq!(
+            top,
+            ["root", "sentinel"],
+            "{case}: something appeared beside root"
+        );
+        let mut s: Vec<_> = fs::read_dir(self.dir.path().join("sentinel"))
+            .expect("readdir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        s.sort();
+        assert_eq!(s, ["keep"], "{case}: the sentinel dir changed");
+        let keep = self.dir.path().join("sentinel/keep");
+        assert_eq!(fs::read(&keep).expect("read"), b"sentinel", "{case}");
+        let md = fs::symlink_metadata(&keep).expect("stat");
+        assert_eq!(
+            md.nlink(),
+            1,
+            "{case}: the sentinel file gained a hard link"
+        );
+        assert_eq!(md.mode() & 0o7777, 0o644, "{case}");
+    }
+}
+
+fn gzip(data: &[u8]) -> Vec<u8> {
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    e.write_all(data).expect("in-memory gzip");
+    e.finish().expect("in-memory gzip")
+}
+
+#[test]
+fn features_plain_gzip_zstd() {
+    for comp in ["plain", "gzip", "zstd"] {
+        let sb = Sandbox::new();
+        let mut suid = header(b"bin/su", EntryType::Regular, 2, b"", 0o4755);
+        suid.set_uid(1000);
+        suid.set_gid(1001);
+        suid.set_cksum();
+        let mut sticky = header(b"tmp/", EntryType::Directory, 0, b"", 0o1777);
+        sticky.set_mtime(12345);
+        sticky.set_cksum();
+        let mut chr = header(b"dev/null", EntryType::Char, 0, b"", 0o666);
+        chr.set_device_major(1).expect("gnu header");
+        chr.set_device_minor(3).expect("gnu header");
+        chr.set_cksum();
+        let mut blk = header(b"dev/loop0", EntryType::Block, 0, b"", 0o660);
+        blk.set_device_major(7).expect("gnu header");
+        blk.set_device_minor(0).expect("gnu header");
+        blk.set_gid(6);
+        blk.set_cksum();
+        let fifo = header(b"run/fifo", EntryType::Fifo, 0, b"", 0o620);
+        let sgid = header(b"srv/", EntryType::Directory, 0, b"", 0o2775);
+        let t = tar_of(vec![
+            E::Dir(b"bin/"),
+            E::Raw(suid, b"ok".to_vec()),
+            E::Raw(sticky, vec![]),
+            E::Dir(b"dev/"),
+            E::Raw(chr, vec![]),
+            E::Raw(blk, vec![]),
+            E::Raw(fifo, vec![]),
+            E::Raw(sgid, vec![]),
+            E::File(b"usr/lib/libx.so.1", b"ELF"),
+            E::Sym(b"usr/lib/libx.so", b"libx.so.1"),
+            E::Link(b"usr/lib/hard", b"usr/lib/libx.so.1"),
+            E::Pax(vec![
+                ("SCHILY.xattr.security.capability", b"\x01\x00\x00\x02\x00\x20\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00"),
+                ("SCHILY.xattr.user.kiln", b"yes"),
+            ]),
+            E::File(b"usr/bin/ping", b"ping"),
+        ]);
+        let data = match comp {
+            "plain" => t,
+            "gzip" => gzip(&t),
+            _ => zstd::encode_all(&t[..], 3).expect("in-memory zstd"),
+        };
+        let stats = sb.apply(&data).unwrap_or_else(|e| panic!("{comp}: {e}"));
+        // The PAX header is folded into the entry after it by the tar reader.
+        assert_eq!(stats.entries, 12, "{comp}");
+        let r = sb.root();
+        let md = fs::metadata(r.join("bin/su")).expect("stat");
+        assert_eq!(
+            (md.mode() & 0o7777, md.uid(), md.gid()),
+            (0o4755, 1000, 1001),
+            "{comp}"
+        );
+        assert_eq!(fs::read(r.join("bin/su")).expect("read"), b"ok");
+        let md = fs::metadata(r.join("tmp")).expect("stat");
+        assert_eq!(md.mode() & 0o7777, 0o1777);
+        assert_eq!(md.mtime(), 12345, "directory mtime set last");
+        assert_eq!(
+            fs::metadata(r.join("srv")).expect("stat").mode() & 0o7777,
+            0o2775
+        );
+        let md = fs::metadata(r.join("dev/null")).expect("stat");
+        assert!(md.file_type().is_char_device());
+        assert_eq!(md.rdev(), rustix::fs::makedev(1, 3));
+        let md = fs::metadata(r.join("dev/loop0")).expect("stat");
+        assert!(md.file_type().is_block_device());
+        assert_eq!((md.gid(), md.mode() & 0o7777), (6, 0o660));
+        assert!(
+            fs::metadata(r.join("run/fifo"))
+                .expect("stat")
+                .file_type()
+                .is_fifo()
+        );
+        assert_eq!(
+            fs::read_link(r.join("usr/lib/libx.so"))
+                .expect("readlink")
+                .as_os_str(),
+            "libx.so.1"
+        );
+        let a = fs::metadata(r.join("usr/lib/hard")).expect("stat");
+        let b = fs::metadata(r.join("usr/lib/libx.so.1")).expect("stat");
+        assert_eq!((a.ino(), a.nlink()), (b.ino(), 2));
+        assert_eq!(b.mtime(), 1_000_000);
+        let cap = rustix::fs::getxattr(
+            r.join("usr/bin/ping"),
+            "security.capability",
+            &mut [0u8; 64][..],
+        )
+        .expect("security.capability kept");
+        assert_eq!(cap, 20);
+        let mut v = [0u8; 8];
+        let n = rustix::fs::getxattr(r.join("usr/bin/ping"), "user.kiln", &mut v[..])
+            .expect("user xattr");
+        assert_eq!(&v[..n], b"yes");
+        sb.assert_untouched(comp);
+    }
+}
+
+#[test]
+fn whiteouts_across_layers() {
+    let sb = Sandbox::new();
+    let l1 = tar_of(vec![
+        E::Dir(b"a/"),
+        E::File(b"a/x", b"x"),
+        E::File(b"a/y", b"y"),
+        E::Dir(b"b/"),
+        E::File(b"b/z", b"z"),
+        E::Dir(b"b/deep/"),
+        E::File(b"b/deep/w", b"w"),
+        E::File(b"c", b"c"),
+        E::Dir(b"d/"),
+        E::File(b"d/in", b"in"),
+        E::Sym(b"e", b"a"),
+    ]);
+    sb.apply(&l1).expect("layer 1");
+    let l2 = tar_of(vec![
+        E::File(b"a/.wh.x", b""),
+        E::File(b".wh.c", b""),
+        E::File(b"b/new", b"new"),
+        E::File(b"b/.wh..wh..opq", b""),
+        E::File(b".wh.d", b""),
+        // Whiteout of a symlink removes the link, not its target.
+        E::File(b".wh.e", b""),
+        // Whiteouts of names that do not exist are fine.
+        E::File(b"a/.wh.nothing", b""),
+        // The same layer adds and whites out f: the whiteout applies to lower layers only.
+        E::File(b"f", b"f"),
+        E::File(b".wh.f", b""),
+        E::File(b".wh..wh.plnk", b""),
+    ]);
+    sb.apply(&l2).expect("layer 2");
+    let r = sb.root();
+    assert!(!r.join("a/x").exists());
+    assert_eq!(fs::read(r.join("a/y")).expect("a/y"), b"y");
+    assert!(!r.join("c").exists());
+    assert!(!r.join("b/z").exists() && !r.join("b/deep").exists());
+    assert_eq!(fs::read(r.join("b/new")).expect("b/new"), b"new");
+    assert!(!r.join("d").exists());
+    assert!(fs::symlink_metadata(r.join("e")).is_err());
+    assert!(r.join("a").is_dir());
+    assert_eq!(fs::read(r.join("f")).expect("f"), b"f");
+    assert!(!r.join(".wh.f").exists() && !r.join("a/.wh.x").exists());
+    assert!(!r.join("b/.wh..wh..opq").exists() && !r.join(".wh..wh.plnk").exists());
+    // A third layer: a file replaces a directory, a directory replaces a file.
+    let l3 = tar_of(vec![
+        E::File(b"a", b"now a file"),
+        E::Dir(b"f/"),
+        E::File(b"f/g", b"g"),
+    ]);
+    sb.apply(&l3).expect("layer 3");
+    assert_eq!(fs::read(r.join("a")).expect("a"), b"now a file");
+    assert_eq!(fs::read(r.join("f/g")).expect("f/g"), b"g");
+    // Parent symlinks inside the root are followed (merged /usr: lib -> usr/lib).
+    let l4 = tar_of(vec![
+        E::Dir(b"usr/lib/"),
+        E::Sym(b"lib", b"usr/lib"),
+        E::File(b"lib/libc.so", b"c"),
+    ]);
+    sb.apply(&l4).expect("layer 4");
+    assert_eq!(
+        fs::read(r.join("usr/lib/libc.so")).expect("through lib"),
+        b"c"
+    );
+    sb.assert_untouched("whiteouts");
+}
+
+#[test]
+fn absolute_symlink_targets_stay_inside_root() {
+    let sb = Sandbox::new();
+    let outside = sb.dir.path().join("sentinel");
+    let t = tar_of(vec![
+        E::Sym(b"s", outside.as_os_str().as_bytes()),
+        E::File(b"s/pwned", b"no"),
+        E::Sym(b"up", b"/"),
+        E::File(b"up/x", b"x"),
+    ]);
+    sb.apply(&t)
+        .expect("absolute targets resolve inside the root");
+    let r = sb.root();
+    assert!(
+        r.join(outside.strip_prefix("/").expect("absolute"))
+            .join("pwned")
+            .is_file()
+    );
+    assert!(r.join("x").is_file());
+    sb.assert_untouched("absolute symlink");
+}
+
+fn small_limits() -> Limits {
+    Limits {
+        max_total_bytes: 16 << 10,
+        max_entries: 10,
+        max_file_bytes: 4000,
+        max_ratio: 20,
+        ratio_floor_bytes: 64 << 10,
+    }
+}
+
+/// The hostile corpus: each case must be refused with the named error and leave nothing
+/// outside the root.
+#[test]
+fn hostile_corpus() {
+    type Check = fn(&LayerError) -> bool;
+    let mut cases: Vec<(&str, Vec<u8>, Check)> = Vec::new();
+    macro_rules! case {
+        ($name:expr, $tar:expr, $pat:pat) => {
+            cases.push(($name, $tar, |e| matches!(e, $pat)));
+        };
+    }
+    use LayerError as L;
+    case!(
+        "dotdot",
+        tar_of(vec![E::File(b"../escape", b"x")]),
+        L::DotDot { .. }
+    );
+    case!(
+        "inner dotdot",
+        tar_of(vec![E::File(b"a/../../escape", b"x")]),
+        L::DotDot { .. }
+    );
+    case!(
+        "dot dotdot",
+        tar_of(vec![E::File(b"./../sentinel/keep", b"x")]),
+        L::DotDot { .. }
+    );
+    case!(
+        "absolute",
+        tar_of(vec![E::File(b"/tmp/kiln-escape", b"x")]),
+        L::Absolute { .. }
+    );
+    case!(
+        "dir dotdot",
+        tar_of(vec![E::Dir(b"../sentinel/newdir/")]),
+        L::DotDot { .. }
+    );
+    case!(
+        "symlink out then file below",
+        tar_of(vec![
+            E::Sym(b"s", b"../sentinel"),
+            E::File(b"s/pwned", b"x")
+        ]),
+        L::SymlinkEscape { .. }
+    );
+    case!(
+        "symlink far up",
+        tar_of(vec![
+            E::Sym(b"s", b"../../../../../../.."),
+            E::File(b"s/tmp/pwned", b"x")
+        ]),
+        L::SymlinkEscape { .. }
+    );
+    case!(
+        "symlink via subdir dotdot",
+        tar_of(vec![
+            E::Dir(b"sub/"),
+            E::Sym(b"s", b"sub/../../sentinel"),
+            E::File(b"s/pwned", b"x")
+        ]),
+        L::SymlinkEscape { .. }
+    );
+    case!(
+        "symlink chain out",
+        tar_of(vec![
+            E::Sym(b"a", b"b"),
+            E::Sym(b"b", b"../sentinel"),
+            E::File(b"a/pwned", b"x")
+        ]),
+        L::SymlinkEscape { .. }
+    );
+    case!(
+        "nested symlink out",
+        tar_of(vec![
+            E::Dir(b"x/"),
+            E::Dir(b"x/y/"),
+            E::Sym(b"x/y/s", b"../../../sentinel"),
+            E::File(b"x/y/s/pwned", b"x")
+        ]),
+        L::SymlinkEscape { .. }
+    );
+    case!(
+        "hard link dotdot",
+        tar_of(vec![E::Link(b"h", b"../sentinel/keep")]),
+        L::HardLinkEscape { .. }
+    );
+    case!(
+        "hard link absolute",
+        tar_of(vec![E::Link(b"h", b"/etc/passwd")]),
+        L::HardLinkEscape { .. }
+    );
+    case!(
+        "hard link through symlink out",
+        tar_of(vec![E::Sym(b"s", b"../sentinel"), E::Link(b"h", b"s/keep")]),
+        L::HardLinkEscape { .. }
+    );
+    case!(
+        "symlink replaces dir",
+        tar_of(vec![
+            E::Dir(b"d/"),
+            E::File(b"d/a", b"a"),
+            E::Sym(b"d", b"../sentinel"),
+            E::File(b"d/pwned", b"x")
+        ]),
+        L::SymlinkEscape { .. }
+    );
+    case!(
+        "symlink replaces dir then mkdir",
+        tar_of(vec![
+            E::Dir(b"d/"),
+            E::Sym(b"d", b"../sentinel"),
+            E::Dir(b"d/sub/")
+        ]),
+        L::SymlinkEscape { .. }
+    );
+    case!(
+        "symlink loop",
+        tar_of(vec![
+            E::Sym(b"a", b"b"),
+            E::Sym(b"b", b"a"),
+            E::File(b"a/x", b"x")
+        ]),
+        L::SymlinkLoop { .. }
+    );
+    case!(
+        "symlink self loop",
+        tar_of(vec![E::Sym(b"a", b"a"), E::File(b"a/x", b"x")]),
+        L::SymlinkLoop { .. }
+    );
+    case!(
+        "whiteout dotdot",
+        tar_of(vec![E::File(b".wh...", b"")]),
+        L::Whiteout { .. }
+    );
+    case!(
+        "whiteout empty",
+        tar_of(vec![E::File(b"a/.wh.", b"")]),
+        L::Whiteout { .. }
+    );
+    case!(
+        "whiteout dot",
+        tar_of(vec![E::File(b".wh..", b"")]),
+        L::Whiteout { .. }
+    );
+    case!(
+        "whiteout through symlink out",
+        tar_of(vec![
+            E::Sym(b"s", b"../sentinel"),
+            E::File(b"s/.wh.keep", b"")
+        ]),
+        L::SymlinkEscape { .. }
+    );
+    case!(
+        "opaque through symlink out",
+        tar_of(vec![
+            E::Sym(b"s", b"../sentinel"),
+            E::File(b"s/.wh..wh..opq", b"")
+        ]),
+        L::SymlinkEscape { .. }
+    );
+    case!(
+        "hard link to directory",
+        tar_of(vec![E::Dir(b"d/"), E::Link(b"h", b"d")]),
+        L::HardLinkToDirectory { .. }
+    );
+    case!(
+        "hard link to root",
+        tar_of(vec![E::Link(b"h", b"./")]),
+        L::HardLinkToDirectory { .. }
+    );
+    case!(
+        "hard link missing",
+        tar_of(vec![E::Link(b"h", b"nothere")]),
+        L::HardLinkMissing { .. }
+    );
+    case!(
+        "volume label",
+        tar_of(vec![E::Raw(
+            header(b"label", EntryType::new(b'V'), 0, b"", 0o644),
+            vec![]
+        )]),
+        L::UnsupportedType { kind: 'V', .. }
+    );
+    case!(
+        "device below dotdot",
+        tar_of(vec![E::Raw(
+            header(b"../null", EntryType::Char, 0, b"", 0o666),
+            vec![]
+        )]),
+        L::DotDot { .. }
+    );
+    case!(
+        "parent is a file",
+        tar_of(vec![E::File(b"f", b"f"), E::File(b"f/x", b"x")]),
+        L::NotADirectory { .. }
+    );
+    case!(
+        "pax path dotdot",
+        tar_of(vec![
+            E::Pax(vec![("path", b"../../sentinel/pax")]),
+            E::File(b"innocent", b"x")
+        ]),
+        L::DotDot { .. }
+    );
+    case!(
+        "pax linkpath escape",
+        tar_of(vec![
+            E::Pax(vec![("linkpath", b"../sentinel/keep")]),
+            E::Link(b"h", b"innocent")
+        ]),
+        L::HardLinkEscape { .. }
+    );
+    case!(
+        "gnu long name dotdot",
+        {
+            let name = b"../../../sentinel/long\0".to_vec();
+            let ln = header(
+                b"././@LongLink",
+                EntryType::GNULongName,
+                name.len() as u64,
+                b"",
+                0o644,
+            );
+            tar_of(vec![E::Raw(ln, name), E::File(b"short", b"x")])
+        },
+        L::DotDot { .. }
+    );
+    case!(
+        "truncated",
+        {
+            let mut t = tar_of(vec![E::File(b"big", &[7u8; 900])]);
+            t.truncate(512 + 100);
+            t
+        },
+        L::Tar { .. }
+    );
+    case!(
+        "bad checksum",
+        {
+            let mut t = tar_of(vec![E::File(b"f", b"data")]);
+            t[148] ^= 0x11;
+            t
+        },
+        L::Tar { .. }
+    );
+    case!(
+        "corrupt gzip",
+        {
+            let mut g = gzip(&tar_of(vec![E::File(b"f", &[1u8; 5000])]));
+            let n = g.len();
+            for b in &mut g[20..n - 8] {
+                *b ^= 0x5a;
+            }
+            g
+        },
+        L::Tar { .. }
+    );
+    cases.push((
+        "file too big",
+        tar_of(vec![E::File(b"big", &[1u8; 5000])]),
+        |e| matches!(e, L::Limit { kind: LimitKind::FileBytes, entry, .. } if entry == "big"),
+    ));
+    cases.push((
+        "too many entries",
+        tar_of((0..12).map(|_| E::File(b"f", b"x")).collect()),
+        |e| {
+            matches!(
+                e,
+                L::Limit {
+                    kind: LimitKind::Entries,
+                    ..
+                }
+            )
+        },
+    ));
+    cases.push((
+        "total bytes",
+        tar_of(
+            (0..40)
+                .map(|_| E::File(b"f", &[3u8; 3000][..]))
+                .collect::<Vec<_>>(),
+        ),
+        |e| {
+            matches!(
+                e,
+                L::Limit {
+                    kind: LimitKind::TotalBytes,
+                    ..
+                }
+            )
+        },
+    ));
+    let bomb = tar_of(vec![E::File(b"zeros", &vec![0u8; 4 << 20])]);
+    let bomb_limits = Limits {
+        max_total_bytes: 1 << 30,
+        max_file_bytes: 1 << 30,
+        ..small_limits()
+    };
+    let mut bombs: Vec<(&str, Vec<u8>, Check)> = vec![
+        (
+            "gzip bomb",
+            gzip(&bomb),
+            |e| matches!(e, L::Limit { kind: LimitKind::Ratio, entry, .. } if entry == "zeros"),
+        ),
+        (
+            "zstd bomb",
+            zstd::encode_all(&bomb[..], 3).expect("in-memory zstd"),
+            |e| matches!(e, L::Limit { kind: LimitKind::Ratio, entry, .. } if entry == "zeros"),
+        ),
+    ];
+    let n_small = cases.len();
+    cases.append(&mut bombs);
+    assert!(cases.len() >= 25, "corpus has {} cases", cases.len());
+    for (i, (name, tar, check)) in cases.into_iter().enumerate() {
+        let sb = Sandbox::new();
+        let limits = if i < n_small {
+            small_limits()
+        } else {
+            bomb_limits
+        };
+        match sb.apply_with(&tar, &limits) {
+            Ok(s) => panic!("{name}: accepted ({s:?})"),
+            Err(e) => {
+                assert!(check(&e), "{name}: wrong error: {e}");
+                let msg = e.to_string();
+                assert!(
+                    msg.contains(DIGEST),
+                    "{name}: error does not name the layer: {msg}"
+                );
+            }
+        }
+        sb.assert_untouched(name);
+    }
+}
+
+#[test]
+fn ratio_limit_names_entry() {
+    let sb = Sandbox::new();
+    let t = gzip(&tar_of(vec![
+        E::File(b"small", b"x"),
+        E::File(b"zeros", &vec![0u8; 900_000]),
+    ]));
+    let limits = Limits {
+        max_file_bytes: 1 << 20,
+        max_total_bytes: 1 << 20,
+        ..small_limits()
+    };
+    match sb.apply_with(&t, &limits) {
+        Err(LayerError::Limit {
+            kind: LimitKind::Ratio,
+            entry,
+            ..
+        }) => assert_eq!(entry, "zeros"),
+        other => panic!("expected a ratio error, got {other:?}"),
+    }
+}
+
+#[test]
+fn permissions_of_created_files_are_exact() {
+    let sb = Sandbox::new();
+    let t = tar_of(vec![E::Raw(
+        header(b"x", EntryType::Regular, 1, b"", 0o000),
+        b"z".to_vec(),
+    )]);
+    sb.apply(&t).expect("apply");
+    let md = fs::metadata(sb.root().join("x")).expect("stat");
+    assert_eq!(md.permissions().mode() & 0o7777, 0);
+}
+
+/// A tree written by `write::write_layer` and applied again is the same tree (owners, modes,
+/// devices, FIFOs, hard links, symlinks, xattrs, contents), and writing is deterministic.
+#[test]
+fn write_then_apply_round_trip() {
+    let sb = Sandbox::new();
+    let mut chr = header(b"dev/tty", EntryType::Char, 0, b"", 0o620);
+    chr.set_device_major(5).expect("gnu header");
+    chr.set_device_minor(0).expect("gnu header");
+    chr.set_gid(5);
+    chr.set_cksum();
+    let mut suid = header(b"usr/bin/passwd", EntryType::Regular, 3, b"", 0o4755);
+    suid.set_uid(0);
+    suid.set_cksum();
+    let long = format!("usr/share/{}/file", "long-directory-name".repeat(8));
+    let t = tar_of(vec![
+        E::Dir(b"dev/"),
+        E::Raw(chr, vec![]),
+        E::Raw(header(b"run/fifo", EntryType::Fifo, 0, b"", 0o600), vec![]),
+        E::Raw(suid, b"pwd".to_vec()),
+        E::Link(b"usr/bin/chfn", b"usr/bin/passwd"),
+        E::Sym(b"bin", b"usr/bin"),
+        E::Pax(vec![
+            ("SCHILY.xattr.user.k", b"v"),
+            ("path", long.as_bytes()),
+        ]),
+        E::File(b"placeholder", b"long"),
+    ]);
+    sb.apply(&t).expect("apply source tree");
+    let mut first = Vec::new();
+    let w1 = write::write_layer(&sb.root(), &mut first, Some(2_000_000)).expect("write");
+    let mut second = Vec::new();
+    let w2 = write::write_layer(&sb.root(), &mut second, Some(2_000_000)).expect("write again");
+    assert_eq!(w1, w2, "deterministic");
+    assert_eq!(first, second);
+    assert_eq!(w1.size, first.len() as u64);
+    assert_eq!(crate::cache::digest_of(&first), w1.digest);
+    let copy = Sandbox::new();
+    apply_layer(&copy.root(), &first[..], &w1.digest, &Limits::default())
+        .expect("apply written layer");
+    assert_eq!(
+        kiln_tests::tree_listing(&sb.root()),
+        kiln_tests::tree_listing(&copy.root())
+    );
+    let md = fs::metadata(copy.root().join("usr/bin/chfn")).expect("stat");
+    assert_eq!(md.nlink(), 2, "hard link kept");
+    assert!(copy.root().join(&long).is_file(), "long names kept");
+}

@@ -1,0 +1,108 @@
+//! The kiln store as the shared blob cache of base images.
+//!
+//! A [`crate::cache::LocalCache`] directory has the store's key layout for blobs
+//! (`blobs/sha256/<hex>`), so a local kiln store opened on the same directory sees every
+//! pulled manifest, config and layer as an ordinary blob. For a store elsewhere (S3, another
+//! directory), [`publish`] uploads an image's blobs (put-if-absent; the store hashes them
+//! again) and [`materialize`] brings them back into a local cache, verified, so a host that
+//! has never talked to the registry can unpack an image by digest.
+
+use kiln_store::{BlobDigest, Store, StoreError};
+
+use crate::cache::{BlobCache, CacheError};
+use crate::image::{AnyManifest, ImageError};
+
+/// Errors moving an image between the local cache and a kiln store.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    /// The store failed (including a blob that is absent or corrupt there).
+    #[error(transparent)]
+    Store(Box<StoreError>),
+    /// The local cache failed.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    /// A manifest problem.
+    #[error(transparent)]
+    Image(#[from] ImageError),
+    /// The image is not in the local cache.
+    #[error("{0} is not in the local cache")]
+    Missing(String),
+    /// A digest that is not a sha256 blob digest.
+    #[error("invalid digest {0:?}")]
+    Digest(String),
+}
+
+impl From<StoreError> for RemoteError {
+    fn from(e: StoreError) -> Self {
+        RemoteError::Store(Box::new(e))
+    }
+}
+
+fn blob_digest(d: &str) -> Result<BlobDigest, RemoteError> {
+    d.parse::<BlobDigest>()
+        .map_err(|_| RemoteError::Digest(d.to_string()))
+}
+
+fn image_blobs(manifest: &[u8], digest: &str) -> Result<Vec<String>, RemoteError> {
+    match AnyManifest::parse(manifest, digest)? {
+        AnyManifest::Image(m) => Ok(std::iter::once(&m.config)
+            .chain(&m.layers)
+            .map(|d| d.digest.clone())
+            .collect()),
+        AnyManifest::Index(_) => Err(RemoteError::Missing(format!("{digest} (an index)"))),
+    }
+}
+
+/// Uploads the image `digest` (manifest, config, layers) from `cache` to `store`. Returns how
+/// many blobs the store did not have.
+pub async fn publish(
+    cache: &dyn BlobCache,
+    digest: &str,
+    store: &Store,
+) -> Result<usize, RemoteError> {
+    let manifest = cache
+        .read_blob(digest)?
+        .ok_or_else(|| RemoteError::Missing(digest.to_string()))?;
+    let mut uploaded = 0;
+    // Blobs before the manifest that names them, as the store publishes.
+    for d in image_blobs(&manifest, digest)?
+        .iter()
+        .chain(std::iter::once(&digest.to_string()))
+    {
+        let path = cache
+            .blob_path(d)?
+            .ok_or_else(|| RemoteError::Missing(d.clone()))?;
+        let (r, created) = store.put_blob_file(&path).await?;
+        if r.digest != blob_digest(d)? {
+            return Err(RemoteError::Digest(d.clone()));
+        }
+        uploaded += usize::from(created);
+    }
+    Ok(uploaded)
+}
+
+/// Downloads the image `digest` from `store` into `cache` (blobs already cached are skipped;
+/// each is verified by the store's read and again by the cache's commit). Returns how many
+/// blobs were fetched.
+pub async fn materialize(
+    store: &Store,
+    digest: &str,
+    cache: &dyn BlobCache,
+) -> Result<usize, RemoteError> {
+    let manifest = match cache.read_blob(digest)? {
+        Some(b) => b,
+        None => store.get_blob(&blob_digest(digest)?).await?.to_vec(),
+    };
+    let mut fetched = 0;
+    for d in image_blobs(&manifest, digest)? {
+        if cache.blob_path(&d)?.is_some() {
+            continue;
+        }
+        let staged = cache.ingest_path(&d)?;
+        store.get_blob_to_file(&blob_digest(&d)?, &staged).await?;
+        cache.commit(&staged, &d)?;
+        fetched += 1;
+    }
+    cache.put_bytes(digest, &manifest)?;
+    Ok(fetched)
+}

@@ -1,0 +1,239 @@
+//! The resolve phase of a build: before anything runs, every base of the plan becomes a
+//! manifest digest in the local cache, so caches and provenance record digests, never tags.
+//!
+//! - `FROM scratch` and `FROM <stage>` need nothing.
+//! - `FROM <reference>`: a build context of that name (`--build-context
+//!   NAME=oci-layout://DIR[:TAG]`, buildx's spelling) imports from an OCI layout; otherwise
+//!   [`crate::base::resolve`] (local references first, then the registry, per [`PullPolicy`]),
+//!   with the stage's platform selecting from an index. Each distinct (reference, platform)
+//!   is resolved once.
+//! - `from: {bootstrap: ...}` runs [`crate::bootstrap`] (cached by its inputs); a spec without
+//!   a mirror takes [`ResolveOptions::default_mirror`].
+//!
+//! The base image config's `OnBuild` triggers are returned with the stage, as written; the
+//! front end lowers them into steps that run first in the stage (Docker's ONBUILD).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+
+use kiln_recipes::plan::{Base, BuildPlan};
+
+use crate::base::{self, BaseError, PullPolicy};
+use crate::bootstrap::{self, BootstrapError, BootstrapSpec};
+use crate::cache::BlobCache;
+use crate::image::Platform;
+use crate::registry::{Registry, RegistryOptions};
+
+/// Errors of the resolve phase; each names the stage.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// A base image could not be resolved.
+    #[error("stage {stage}: {source}")]
+    Base {
+        /// Stage index.
+        stage: usize,
+        /// Why (boxed: base errors are large).
+        source: Box<BaseError>,
+    },
+    /// A bootstrap base could not be built.
+    #[error("stage {stage}: {source}")]
+    Bootstrap {
+        /// Stage index.
+        stage: usize,
+        /// Why (boxed: bootstrap errors are large).
+        source: Box<BootstrapError>,
+    },
+    /// A stage platform does not parse (`os/arch[/variant]`).
+    #[error("stage {stage}: invalid platform {platform:?}")]
+    Platform {
+        /// Stage index.
+        stage: usize,
+        /// The platform as written.
+        platform: String,
+    },
+    /// A bootstrap spec has no mirror and no default was given.
+    #[error("stage {0}: bootstrap has no mirror and the builder has no default mirror")]
+    NoMirror(usize),
+    /// A `--build-context` value is not `NAME=oci-layout://DIR[:TAG]`.
+    #[error("invalid --build-context {0:?}: expected NAME=oci-layout://DIR[:TAG]")]
+    BuildContext(String),
+    /// An image config is not JSON of the expected shape.
+    #[error("stage {stage}: image config {digest}: {reason}")]
+    Config {
+        /// Stage index.
+        stage: usize,
+        /// Config digest.
+        digest: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// How to resolve.
+#[derive(Debug, Clone, Default)]
+pub struct ResolveOptions {
+    /// `--pull` / `--offline` / neither.
+    pub policy: PullPolicy,
+    /// Named build contexts: NAME → `oci:DIR[:TAG]`.
+    pub build_contexts: BTreeMap<String, String>,
+    /// Mirror for bootstrap specs that name none.
+    pub default_mirror: Option<String>,
+    /// Scratch directory for bootstrap trees.
+    pub work_dir: PathBuf,
+    /// Registry access (its platform is replaced by each stage's).
+    pub registry: RegistryOptions,
+}
+
+/// What a stage starts from, resolved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResolvedBase {
+    /// Empty root.
+    Scratch,
+    /// An earlier stage (index into the plan's stages).
+    Stage(usize),
+    /// An image in the local cache.
+    Image {
+        /// The reference as written in the recipe (for messages).
+        reference: String,
+        /// The platform manifest digest.
+        digest: String,
+        /// The config's `OnBuild` triggers, as written.
+        onbuild: Vec<String>,
+    },
+}
+
+/// Parses `NAME=oci-layout://DIR[:TAG]` into (NAME, `oci:DIR[:TAG]`).
+pub fn parse_build_context(s: &str) -> Result<(String, String), ResolveError> {
+    let bad = || ResolveError::BuildContext(s.to_string());
+    let (name, value) = s.split_once('=').ok_or_else(bad)?;
+    let dir = value.strip_prefix("oci-layout://").ok_or_else(bad)?;
+    if name.is_empty() || dir.is_empty() || dir.contains('@') {
+        return Err(bad());
+    }
+    Ok((name.to_string(), format!("oci:{dir}")))
+}
+
+fn onbuild_of(
+    cache: &dyn BlobCache,
+    stage: usize,
+    digest: &str,
+) -> Result<Vec<String>, ResolveError> {
+    let m = base::manifest(cache, digest).map_err(|e| ResolveError::Base {
+        stage,
+        source: Box::new(e),
+    })?;
+    let cfg_err = |reason: String| ResolveError::Config {
+        stage,
+        digest: m.config.digest.clone(),
+        reason,
+    };
+    let bytes = cache
+        .read_blob(&m.config.digest)
+        .map_err(|e| cfg_err(e.to_string()))?
+        .ok_or_else(|| cfg_err("not in the local store".into()))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| cfg_err(e.to_string()))?;
+    match v.get("config").and_then(|c| c.get("OnBuild")) {
+        None | Some(serde_json::Value::Null) => Ok(Vec::new()),
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .map(|x| {
+                x.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| cfg_err("OnBuild holds a non-string".into()))
+            })
+            .collect(),
+        Some(_) => Err(cfg_err("OnBuild is not a list".into())),
+    }
+}
+
+/// Resolves every stage base of `plan` (one entry per stage, in order).
+pub async fn resolve_plan(
+    plan: &BuildPlan,
+    opts: &ResolveOptions,
+    cache: &dyn BlobCache,
+) -> Result<Vec<ResolvedBase>, ResolveError> {
+    let mut done: HashMap<(String, String), String> = HashMap::new();
+    let mut out = Vec::with_capacity(plan.stages.len());
+    for (i, stage) in plan.stages.iter().enumerate() {
+        let resolved = match &stage.base {
+            Base::Scratch => ResolvedBase::Scratch,
+            Base::Stage { stage } => ResolvedBase::Stage(*stage),
+            Base::Image { reference } => {
+                let key = (reference.clone(), stage.platform.clone());
+                let digest = match done.get(&key) {
+                    Some(d) => d.clone(),
+                    None => {
+                        let platform = Platform::parse(&stage.platform).map_err(|_| {
+                            ResolveError::Platform {
+                                stage: i,
+                                platform: stage.platform.clone(),
+                            }
+                        })?;
+                        let registry = Registry::new(RegistryOptions {
+                            platform,
+                            ..opts.registry.clone()
+                        });
+                        let spec = opts.build_contexts.get(reference).unwrap_or(reference);
+                        let (d, _) = base::resolve(spec, opts.policy, &registry, cache)
+                            .await
+                            .map_err(|e| ResolveError::Base {
+                                stage: i,
+                                source: Box::new(e),
+                            })?;
+                        done.insert(key, d.clone());
+                        d
+                    }
+                };
+                ResolvedBase::Image {
+                    reference: reference.clone(),
+                    onbuild: onbuild_of(cache, i, &digest)?,
+                    digest,
+                }
+            }
+            Base::Bootstrap(b) => {
+                let mirror = b
+                    .mirror
+                    .clone()
+                    .or_else(|| opts.default_mirror.clone())
+                    .ok_or(ResolveError::NoMirror(i))?;
+                let spec = BootstrapSpec {
+                    distro: b.distro.clone(),
+                    suite: b.suite.clone(),
+                    mirror,
+                    variant: b.variant.clone(),
+                    include: b.include.clone(),
+                };
+                let r = bootstrap::bootstrap(&spec, cache, &opts.work_dir)
+                    .await
+                    .map_err(|e| ResolveError::Bootstrap {
+                        stage: i,
+                        source: Box::new(e),
+                    })?;
+                ResolvedBase::Image {
+                    reference: format!("bootstrap:{}:{}", spec.distro, spec.suite),
+                    onbuild: Vec::new(),
+                    digest: r.digest,
+                }
+            }
+        };
+        out.push(resolved);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn build_contexts() {
+        assert_eq!(
+            parse_build_context("base=oci-layout:///srv/l:bookworm").expect("ok"),
+            ("base".to_string(), "oci:/srv/l:bookworm".to_string())
+        );
+        assert!(parse_build_context("base=docker-image://x").is_err());
+        assert!(parse_build_context("=oci-layout:///x").is_err());
+        assert!(parse_build_context("b=oci-layout:///x@sha256:00").is_err());
+    }
+}

@@ -1,0 +1,51 @@
+//! Options shared by the image subcommands (store location, registry access).
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use kiln_builder::cache::LocalCache;
+use kiln_builder::image::Platform;
+use kiln_builder::registry::{Registry, RegistryOptions};
+
+/// Where the local store is and how registries are reached.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ImageOpts {
+    /// The local store directory (default: $KILN_STORE, else ~/.local/share/kiln/store).
+    #[arg(long, env = "KILN_STORE")]
+    pub store: Option<PathBuf>,
+    /// Platform to pick from a multi-platform index, os/arch[/variant].
+    #[arg(long, default_value = "linux/amd64")]
+    pub platform: String,
+    /// A registry (host[:port]) allowed over plain HTTP; loopback registries always are.
+    #[arg(long = "insecure-registry")]
+    pub insecure: Vec<String>,
+    /// Layers downloaded at once.
+    #[arg(long, default_value_t = 3)]
+    pub jobs: usize,
+}
+
+impl ImageOpts {
+    /// Opens the local store.
+    pub fn cache(&self) -> anyhow::Result<LocalCache> {
+        let root = self.store.clone().unwrap_or_else(LocalCache::default_root);
+        LocalCache::open(&root).with_context(|| format!("opening the store at {}", root.display()))
+    }
+
+    /// A registry client for these options.
+    pub fn registry(&self) -> anyhow::Result<Registry> {
+        Ok(Registry::new(RegistryOptions {
+            insecure: self.insecure.clone(),
+            platform: Platform::parse(&self.platform)?,
+            max_parallel: self.jobs,
+            ..RegistryOptions::default()
+        }))
+    }
+}
+
+/// A runtime for one command.
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
