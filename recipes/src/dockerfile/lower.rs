@@ -2635,6 +2635,16 @@ mod env_tests {
             .map(|s| (s.location.start_line, s.location.end_line))
             .collect();
         assert_eq!(l, [(2, 3), (4, 6)]);
+        // As in BuildKit (the node's EndLine is the line of the last terminator), for COPY
+        // as for RUN: the terminator line is the last, the next instruction is not included.
+        let text = "FROM scratch\nCOPY <<A <<B /d/\na\nA\nb\nB\nRUN <<R\nr\nR\nCOPY <<'Q' /q\nq\nQ\nENV X=1\n";
+        let p = lower(text).unwrap();
+        let l: Vec<_> = p.stages[0]
+            .steps
+            .iter()
+            .map(|s| (s.location.start_line, s.location.end_line))
+            .collect();
+        assert_eq!(l, [(2, 6), (7, 9), (10, 12)]);
     }
 
     #[test]
