@@ -1037,11 +1037,16 @@ impl Lowering<'_> {
                         let (k, v) = entry.split_once('=').unwrap_or((entry.as_str(), ""));
                         draft.scope.set_env(k.to_string(), v.to_string());
                     }
+                    // BuildKit starts the stage's image config from the base's, so its
+                    // known env, working directory and user stay in the config (and reach
+                    // the start command) until the Dockerfile changes them.
                     draft.config.env = draft.scope.env_strings();
                     if let Some(w) = base.workdir.as_deref().filter(|w| !w.is_empty()) {
                         draft.state.workdir = resolve_path("/", w);
+                        draft.config.workdir = Some(draft.state.workdir.clone());
                     }
                     draft.state.user = base.user.clone().filter(|u| !u.is_empty());
+                    draft.config.user = draft.state.user.clone();
                 }
                 None => {
                     draft.base_env_known = false;
@@ -2547,6 +2552,56 @@ mod env_tests {
         assert_eq!(p.stages[0].steps[0].context.env, p.stages[0].config.env);
         assert_eq!(p.stages[0].steps[0].context.workdir, "/go");
         assert_eq!(p.stages[0].steps[0].context.user.as_deref(), Some("gopher"));
+        // The known base's user and working directory are the image's too, so the start
+        // command runs where and as whom Docker would run it.
+        assert_eq!(p.stages[0].config.user.as_deref(), Some("gopher"));
+        assert_eq!(p.stages[0].config.workdir.as_deref(), Some("/go"));
+    }
+
+    #[test]
+    fn known_base_user_and_workdir_reach_the_start_command() {
+        let base = crate::BaseImage {
+            env: vec!["PATH=/usr/bin".to_string()],
+            workdir: Some("srv/".into()),
+            user: Some("app".into()),
+        };
+        let options = Options {
+            base_images: [("img".to_string(), base)].into(),
+            ..Options::default()
+        };
+        let start = |text: &str| {
+            let p = load_dockerfile("Dockerfile", text.as_bytes(), &options).unwrap();
+            let s = p.sandbox.start.unwrap();
+            (s.user, s.workdir)
+        };
+        let some = |s: &str| Some(s.to_string());
+        // Inherited as they are (a relative base WorkingDir is taken from `/`).
+        assert_eq!(
+            start("FROM img\nCMD [\"x\"]\n"),
+            (some("app"), some("/srv"))
+        );
+        // A relative WORKDIR resolves against the base's; USER replaces the base's.
+        assert_eq!(
+            start("FROM img\nWORKDIR w\nUSER root\nCMD [\"x\"]\n"),
+            (some("root"), some("/srv/w"))
+        );
+        // A stage built on that stage inherits them in turn.
+        assert_eq!(
+            start("FROM img AS a\nFROM a\nCMD [\"x\"]\n"),
+            (some("app"), some("/srv"))
+        );
+        // An unknown image base contributes nothing: the builder merges its config.
+        let p = load_dockerfile("Dockerfile", b"FROM other\nCMD [\"x\"]\n", &options).unwrap();
+        assert_eq!(p.stages[0].config.user, None);
+        assert_eq!(p.stages[0].config.workdir, None);
+        // A base without user or working directory leaves both unset (root in `/`).
+        let bare = Options {
+            base_images: [("img".to_string(), crate::BaseImage::default())].into(),
+            ..Options::default()
+        };
+        let p = load_dockerfile("Dockerfile", b"FROM img\nCMD [\"x\"]\n", &bare).unwrap();
+        assert_eq!(p.stages[0].config.user, None);
+        assert_eq!(p.stages[0].config.workdir, None);
     }
 
     #[test]
