@@ -724,10 +724,17 @@ fn sandbox_of(config: &ImageConfig, disk_mib: Option<u64>, options: &Options) ->
     }
 }
 
-/// Parses a Go duration (`1h2m3s`, `500ms`, `1.5s`) into milliseconds.
+/// Parses a Go duration (`1h2m3s`, `500ms`, `1.5s`) into milliseconds, rounded.
 pub(crate) fn parse_duration_ms(s: &str) -> Option<u64> {
+    // Bounded to 1e15 ms by `parse_duration_exact_ms`, so the cast cannot saturate.
+    parse_duration_exact_ms(s).map(|ms| ms.round() as u64)
+}
+
+/// Parses a Go duration into milliseconds, unrounded (so `500us` is 0.5). `None`: not a
+/// duration, or above 1e15 ms.
+fn parse_duration_exact_ms(s: &str) -> Option<f64> {
     if s == "0" {
-        return Some(0);
+        return Some(0.0);
     }
     let mut total: f64 = 0.0;
     let mut rest = s;
@@ -761,7 +768,7 @@ pub(crate) fn parse_duration_ms(s: &str) -> Option<u64> {
     if !total.is_finite() || total > 1e15 {
         return None;
     }
-    Some(total.round() as u64)
+    Some(total)
 }
 
 fn is_octal_mode(s: &str) -> bool {
@@ -1324,9 +1331,16 @@ impl Lowering<'_> {
         let dur = |name: &str, v: &Option<String>| -> Result<Option<u64>, Fault> {
             match v {
                 None => Ok(None),
-                Some(s) => match parse_duration_ms(s) {
-                    Some(0) => Ok(None),
-                    Some(ms) => Ok(Some(ms)),
+                // BuildKit's `parseOptInterval`: 0 means the default, and anything else
+                // below `container.MinimumDuration` (1 ms) is refused.
+                Some(s) => match parse_duration_exact_ms(s) {
+                    Some(0.0) => Ok(None),
+                    Some(ms) if ms < 1.0 => Err(invalid(
+                        offset,
+                        format!("HEALTHCHECK --{name}: '{s}' is less than the minimum of 1ms"),
+                    )),
+                    // At most 1e15 (checked by the parser): the cast cannot saturate.
+                    Some(ms) => Ok(Some(ms.round() as u64)),
                     None => Err(invalid(
                         offset,
                         format!("HEALTHCHECK --{name}: invalid duration '{s}'"),
@@ -1660,6 +1674,9 @@ impl Lowering<'_> {
                     let is_git = lower.starts_with("git@")
                         || lower.starts_with("git://")
                         || (is_url && (lower.ends_with(".git") || lower.contains(".git#")));
+                    if is_url && !url_has_host(&p) {
+                        return Err(invalid(offset, format!("URL '{p}' has no host")));
+                    }
                     if (is_url || is_git) && !is_add {
                         return Err(invalid(
                             offset,
@@ -1785,10 +1802,26 @@ fn expand_ports(p: &str) -> Result<Vec<String>, String> {
             (n, n)
         }
     };
-    if hi < lo || u32::from(hi - lo) >= MAX_EXPOSED_RANGE {
+    if hi < lo {
         return Err(format!("invalid port range in EXPOSE '{p}'"));
     }
+    if u32::from(hi - lo) >= MAX_EXPOSED_RANGE {
+        // Docker expands any range; kiln bounds the plan a hostile recipe can produce.
+        return Err(format!(
+            "EXPOSE '{p}' names {} ports; kiln accepts ranges of at most {MAX_EXPOSED_RANGE}",
+            u32::from(hi - lo) + 1
+        ));
+    }
     Ok((lo..=hi).map(|n| format!("{n}/{proto}")).collect())
+}
+
+/// Whether an `http://` or `https://` URL names a host (`https://` alone, or
+/// `https:///path`, cannot be fetched).
+fn url_has_host(url: &str) -> bool {
+    let rest = url.split_once("://").map_or("", |(_, r)| r);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let host = authority.rsplit('@').next().unwrap_or_default();
+    !host.is_empty() && !host.starts_with(':')
 }
 
 /// Parses an ONBUILD trigger's text into an instruction.
@@ -2785,7 +2818,70 @@ mod env_tests {
             &Options::default(),
         )
         .unwrap_err();
-        assert!(e.to_string().contains("range"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("names 65535 ports; kiln accepts ranges of at most 1024"),
+            "{e}"
+        );
+        let e = load_dockerfile(
+            "Dockerfile",
+            b"FROM scratch\nEXPOSE 9-8\n",
+            &Options::default(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("invalid port range"), "{e}");
+        // The largest range accepted.
+        let p = load_dockerfile(
+            "Dockerfile",
+            b"FROM scratch\nEXPOSE 1-1024\n",
+            &Options::default(),
+        )
+        .unwrap();
+        assert_eq!(p.stages[0].config.exposed_ports.len(), 1024);
+    }
+
+    #[test]
+    fn healthcheck_durations_below_one_millisecond_are_refused() {
+        let plan = |d: &str| {
+            let text = format!("FROM scratch\nHEALTHCHECK --interval={d} CMD [\"x\"]\n");
+            load_dockerfile("Dockerfile", text.as_bytes(), &Options::default())
+        };
+        for d in ["500us", "400us", "999999ns"] {
+            let e = plan(d).unwrap_err().to_string();
+            assert!(e.contains("less than the minimum of 1ms"), "{d}: {e}");
+        }
+        // 0 keeps the default, as in BuildKit; 1ms and 1500us are accepted (rounded).
+        let interval = |d: &str| {
+            plan(d).unwrap().stages[0]
+                .config
+                .healthcheck
+                .clone()
+                .unwrap()
+        };
+        assert_eq!(interval("0").interval_ms, None);
+        assert_eq!(interval("1ms").interval_ms, Some(1));
+        assert_eq!(interval("1500us").interval_ms, Some(2));
+    }
+
+    #[test]
+    fn add_url_without_host_is_refused() {
+        for url in [
+            "https://",
+            "http:///x",
+            "https://user@/x",
+            "https://:80/x",
+            "HTTPS://?q",
+        ] {
+            let text = format!("FROM scratch\nADD {url} /z\n");
+            let e = load_dockerfile("Dockerfile", text.as_bytes(), &Options::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("has no host"), "{url}: {e}");
+        }
+        for url in ["https://e.test", "http://u:p@e.test:8080/a?b#c"] {
+            let text = format!("FROM scratch\nADD {url} /z\n");
+            load_dockerfile("Dockerfile", text.as_bytes(), &Options::default()).unwrap();
+        }
     }
 
     #[test]
