@@ -40,10 +40,13 @@ pub struct Options {
     pub disk_mib: Option<u64>,
     /// What the caller knows of base images, by reference as written after substitution
     /// (the builder's second pass, once it has resolved them). With it, `$VAR` from a base
-    /// image's env expands as BuildKit expands it, steps carry the full env, and steps
-    /// start in the base's working directory as its user; without it `$PATH` is Docker's
-    /// default PATH, other base variables expand to empty (with a warning), and steps
-    /// start in `/` as the base's (unknown) user.
+    /// image's env expands as BuildKit expands it, steps carry the full env, steps start
+    /// in the base's working directory as its user, and the stage's image config (hence the
+    /// start command) inherits that env, user and working directory, as a Docker image
+    /// built `FROM` the base does; without it `$PATH` is Docker's default PATH, other base
+    /// variables expand to empty (with a warning), and steps start in `/` as the base's
+    /// (unknown) user. Either way the builder merges the rest of the base's config
+    /// (entrypoint, cmd, labels, ...) under the plan's, as [`plan::Stage::config`] says.
     pub base_images: BTreeMap<String, BaseImage>,
 }
 

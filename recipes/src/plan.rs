@@ -102,8 +102,11 @@ pub struct Stage {
     pub location: SourceLocation,
     /// The ordered steps.
     pub steps: Vec<Step>,
-    /// The image config the stage ends with (inherited parts from a stage base included;
-    /// an image base's config is merged in by the builder).
+    /// The image config the stage ends with. As in BuildKit, a stage starts from its base's
+    /// config: a stage base's whole config is included; of an image base, the parts the
+    /// caller gave in [`crate::Options::base_images`] (env, user, working directory) are
+    /// included, and the rest of its config (or all of it, for an image the caller did not
+    /// describe) is merged in by the builder under the fields set here.
     pub config: ImageConfig,
 }
 
@@ -193,8 +196,9 @@ pub struct StepContext {
     /// env was not given in [`crate::Options::base_images`], only what the recipe set: the
     /// builder puts it over the base image's env, by key.
     pub env: Vec<String>,
-    /// `USER` at this step (`None`: not set by the recipe: the base image's user, root for
-    /// `scratch`).
+    /// User at this step: the last `USER`, else the base's when known (a stage base, or an
+    /// image base given in [`crate::Options::base_images`]). `None`: no user known here:
+    /// an undescribed image base's own user (root if it has none), root for `scratch`.
     pub user: Option<String>,
     /// Working directory at this step (absolute). Before any `WORKDIR`, an image base's
     /// own working directory when the caller gave it ([`crate::BaseImage`]), else `/`.
@@ -441,9 +445,12 @@ pub struct ImageConfig {
     pub stop_signal: Option<String>,
     /// `HEALTHCHECK`.
     pub healthcheck: Option<Healthcheck>,
-    /// `USER`.
+    /// The image's user: the last `USER`, else the base's when known (see
+    /// [`Stage::config`]). `None`: none set or known (the builder keeps an image base's,
+    /// root otherwise).
     pub user: Option<String>,
-    /// `WORKDIR`.
+    /// The image's working directory (absolute): the last `WORKDIR`, else the base's when
+    /// known. `None`: none set or known (the builder keeps an image base's, `/` otherwise).
     pub workdir: Option<String>,
     /// `ONBUILD` triggers, as written.
     pub onbuild: Vec<String>,
@@ -485,11 +492,15 @@ pub struct StartCommand {
     /// ENTRYPOINT and CMD combined as Docker does (exec-form entrypoint + cmd; a shell-form
     /// entrypoint ignores CMD).
     pub argv: Vec<String>,
-    /// User to run as (`None`: root).
+    /// User to run as: the image config's [`ImageConfig::user`] (a YAML `start.user`
+    /// overrides it). `None`: the user the builder's merged image config gives (an
+    /// undescribed image base's), root when there is none.
     pub user: Option<String>,
-    /// Environment, `KEY=value`.
+    /// Environment, `KEY=value` (the image config's env, plus YAML `start.env`).
     pub env: Vec<String>,
-    /// Working directory (`None`: `/`).
+    /// Working directory: the image config's [`ImageConfig::workdir`] (a YAML
+    /// `start.workdir` overrides it). `None`: the merged image config's, `/` when there is
+    /// none.
     pub workdir: Option<String>,
 }
 

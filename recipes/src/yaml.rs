@@ -382,14 +382,32 @@ fn command_line(c: &CommandSpec) -> Result<CommandLine, YamlError> {
     }
 }
 
-/// Strips serde-saphyr's " at line N column M" suffix: the location is reported our way.
+/// Strips serde-saphyr's " at line N column M" suffix (the location is reported our way)
+/// and rewords its messages that give advice about its own API to a recipe's author.
 fn schema_message(e: &serde_saphyr::Error) -> String {
     let plain = e.without_snippet().to_string();
     let first = plain.lines().next().unwrap_or_default();
-    match first.rfind(" at line ") {
-        Some(i) => first[..i].to_string(),
-        None => first.to_string(),
+    let first = match first.rfind(" at line ") {
+        Some(i) => &first[..i],
+        None => first,
+    };
+    reword_schema_message(first)
+}
+
+/// serde-saphyr's wording for a duplicate key and for a second document names its own
+/// API (`DuplicateKeyPolicy`, `from_str_multiple`); a recipe's author gets a plain one.
+fn reword_schema_message(message: &str) -> String {
+    if let Some(rest) = message.strip_prefix("duplicate mapping key: ") {
+        let key = rest
+            .split(", set DuplicateKeyPolicy")
+            .next()
+            .unwrap_or(rest);
+        return format!("duplicate key '{key}'");
     }
+    if message.starts_with("multiple YAML documents detected") {
+        return "a recipe is a single YAML document; found more than one".to_string();
+    }
+    message.to_string()
 }
 
 /// Sentinel base replaced by the bootstrap spec after lowering.
@@ -493,6 +511,9 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
         });
     }
     if let Some(u) = &recipe.user {
+        if u.value.is_empty() {
+            return Err(ctx.err(ctx.at(u), YamlError::Empty("user")));
+        }
         instrs.push(Instr {
             span: here(ctx.at(u)),
             kind: InstrKind::User(literal(&u.value)),
@@ -645,6 +666,36 @@ mod tests {
             Ok(p) => panic!("expected an error, got {}", plan_to_json(&p)),
             Err(e) => e,
         }
+    }
+
+    #[test]
+    fn parser_messages_speak_to_the_author() {
+        let e = yaml_err("from: alpine\nfrom: x\n").to_string();
+        assert!(
+            e.starts_with("recipe.yaml:2:1: duplicate key 'from'\n"),
+            "{e}"
+        );
+        let e = yaml_err("from: alpine\n---\nfrom: x\n").to_string();
+        assert!(
+            e.starts_with(
+                "recipe.yaml:3:1: a recipe is a single YAML document; found more than one\n"
+            ),
+            "{e}"
+        );
+        // Any other message passes through.
+        assert_eq!(
+            reword_schema_message("missing field `from`"),
+            "missing field `from`"
+        );
+    }
+
+    #[test]
+    fn empty_user_is_refused() {
+        let e = yaml_err("from: alpine\nuser: ''\n").to_string();
+        assert!(
+            e.starts_with("recipe.yaml:2:7: user may not be empty\n"),
+            "{e}"
+        );
     }
 
     fn docker(text: &str) -> BuildPlan {

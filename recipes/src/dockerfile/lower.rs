@@ -724,10 +724,17 @@ fn sandbox_of(config: &ImageConfig, disk_mib: Option<u64>, options: &Options) ->
     }
 }
 
-/// Parses a Go duration (`1h2m3s`, `500ms`, `1.5s`) into milliseconds.
+/// Parses a Go duration (`1h2m3s`, `500ms`, `1.5s`) into milliseconds, rounded.
 pub(crate) fn parse_duration_ms(s: &str) -> Option<u64> {
+    // Bounded to 1e15 ms by `parse_duration_exact_ms`, so the cast cannot saturate.
+    parse_duration_exact_ms(s).map(|ms| ms.round() as u64)
+}
+
+/// Parses a Go duration into milliseconds, unrounded (so `500us` is 0.5). `None`: not a
+/// duration, or above 1e15 ms.
+fn parse_duration_exact_ms(s: &str) -> Option<f64> {
     if s == "0" {
-        return Some(0);
+        return Some(0.0);
     }
     let mut total: f64 = 0.0;
     let mut rest = s;
@@ -761,7 +768,7 @@ pub(crate) fn parse_duration_ms(s: &str) -> Option<u64> {
     if !total.is_finite() || total > 1e15 {
         return None;
     }
-    Some(total.round() as u64)
+    Some(total)
 }
 
 fn is_octal_mode(s: &str) -> bool {
@@ -1037,11 +1044,16 @@ impl Lowering<'_> {
                         let (k, v) = entry.split_once('=').unwrap_or((entry.as_str(), ""));
                         draft.scope.set_env(k.to_string(), v.to_string());
                     }
+                    // BuildKit starts the stage's image config from the base's, so its
+                    // known env, working directory and user stay in the config (and reach
+                    // the start command) until the Dockerfile changes them.
                     draft.config.env = draft.scope.env_strings();
                     if let Some(w) = base.workdir.as_deref().filter(|w| !w.is_empty()) {
                         draft.state.workdir = resolve_path("/", w);
+                        draft.config.workdir = Some(draft.state.workdir.clone());
                     }
                     draft.state.user = base.user.clone().filter(|u| !u.is_empty());
+                    draft.config.user = draft.state.user.clone();
                 }
                 None => {
                     draft.base_env_known = false;
@@ -1319,9 +1331,16 @@ impl Lowering<'_> {
         let dur = |name: &str, v: &Option<String>| -> Result<Option<u64>, Fault> {
             match v {
                 None => Ok(None),
-                Some(s) => match parse_duration_ms(s) {
-                    Some(0) => Ok(None),
-                    Some(ms) => Ok(Some(ms)),
+                // BuildKit's `parseOptInterval`: 0 means the default, and anything else
+                // below `container.MinimumDuration` (1 ms) is refused.
+                Some(s) => match parse_duration_exact_ms(s) {
+                    Some(0.0) => Ok(None),
+                    Some(ms) if ms < 1.0 => Err(invalid(
+                        offset,
+                        format!("HEALTHCHECK --{name}: '{s}' is less than the minimum of 1ms"),
+                    )),
+                    // At most 1e15 (checked by the parser): the cast cannot saturate.
+                    Some(ms) => Ok(Some(ms.round() as u64)),
                     None => Err(invalid(
                         offset,
                         format!("HEALTHCHECK --{name}: invalid duration '{s}'"),
@@ -1655,6 +1674,9 @@ impl Lowering<'_> {
                     let is_git = lower.starts_with("git@")
                         || lower.starts_with("git://")
                         || (is_url && (lower.ends_with(".git") || lower.contains(".git#")));
+                    if is_url && !url_has_host(&p) {
+                        return Err(invalid(offset, format!("URL '{p}' has no host")));
+                    }
                     if (is_url || is_git) && !is_add {
                         return Err(invalid(
                             offset,
@@ -1780,10 +1802,26 @@ fn expand_ports(p: &str) -> Result<Vec<String>, String> {
             (n, n)
         }
     };
-    if hi < lo || u32::from(hi - lo) >= MAX_EXPOSED_RANGE {
+    if hi < lo {
         return Err(format!("invalid port range in EXPOSE '{p}'"));
     }
+    if u32::from(hi - lo) >= MAX_EXPOSED_RANGE {
+        // Docker expands any range; kiln bounds the plan a hostile recipe can produce.
+        return Err(format!(
+            "EXPOSE '{p}' names {} ports; kiln accepts ranges of at most {MAX_EXPOSED_RANGE}",
+            u32::from(hi - lo) + 1
+        ));
+    }
     Ok((lo..=hi).map(|n| format!("{n}/{proto}")).collect())
+}
+
+/// Whether an `http://` or `https://` URL names a host (`https://` alone, or
+/// `https:///path`, cannot be fetched).
+fn url_has_host(url: &str) -> bool {
+    let rest = url.split_once("://").map_or("", |(_, r)| r);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let host = authority.rsplit('@').next().unwrap_or_default();
+    !host.is_empty() && !host.starts_with(':')
 }
 
 /// Parses an ONBUILD trigger's text into an instruction.
@@ -2547,6 +2585,56 @@ mod env_tests {
         assert_eq!(p.stages[0].steps[0].context.env, p.stages[0].config.env);
         assert_eq!(p.stages[0].steps[0].context.workdir, "/go");
         assert_eq!(p.stages[0].steps[0].context.user.as_deref(), Some("gopher"));
+        // The known base's user and working directory are the image's too, so the start
+        // command runs where and as whom Docker would run it.
+        assert_eq!(p.stages[0].config.user.as_deref(), Some("gopher"));
+        assert_eq!(p.stages[0].config.workdir.as_deref(), Some("/go"));
+    }
+
+    #[test]
+    fn known_base_user_and_workdir_reach_the_start_command() {
+        let base = crate::BaseImage {
+            env: vec!["PATH=/usr/bin".to_string()],
+            workdir: Some("srv/".into()),
+            user: Some("app".into()),
+        };
+        let options = Options {
+            base_images: [("img".to_string(), base)].into(),
+            ..Options::default()
+        };
+        let start = |text: &str| {
+            let p = load_dockerfile("Dockerfile", text.as_bytes(), &options).unwrap();
+            let s = p.sandbox.start.unwrap();
+            (s.user, s.workdir)
+        };
+        let some = |s: &str| Some(s.to_string());
+        // Inherited as they are (a relative base WorkingDir is taken from `/`).
+        assert_eq!(
+            start("FROM img\nCMD [\"x\"]\n"),
+            (some("app"), some("/srv"))
+        );
+        // A relative WORKDIR resolves against the base's; USER replaces the base's.
+        assert_eq!(
+            start("FROM img\nWORKDIR w\nUSER root\nCMD [\"x\"]\n"),
+            (some("root"), some("/srv/w"))
+        );
+        // A stage built on that stage inherits them in turn.
+        assert_eq!(
+            start("FROM img AS a\nFROM a\nCMD [\"x\"]\n"),
+            (some("app"), some("/srv"))
+        );
+        // An unknown image base contributes nothing: the builder merges its config.
+        let p = load_dockerfile("Dockerfile", b"FROM other\nCMD [\"x\"]\n", &options).unwrap();
+        assert_eq!(p.stages[0].config.user, None);
+        assert_eq!(p.stages[0].config.workdir, None);
+        // A base without user or working directory leaves both unset (root in `/`).
+        let bare = Options {
+            base_images: [("img".to_string(), crate::BaseImage::default())].into(),
+            ..Options::default()
+        };
+        let p = load_dockerfile("Dockerfile", b"FROM img\nCMD [\"x\"]\n", &bare).unwrap();
+        assert_eq!(p.stages[0].config.user, None);
+        assert_eq!(p.stages[0].config.workdir, None);
     }
 
     #[test]
@@ -2635,6 +2723,16 @@ mod env_tests {
             .map(|s| (s.location.start_line, s.location.end_line))
             .collect();
         assert_eq!(l, [(2, 3), (4, 6)]);
+        // As in BuildKit (the node's EndLine is the line of the last terminator), for COPY
+        // as for RUN: the terminator line is the last, the next instruction is not included.
+        let text = "FROM scratch\nCOPY <<A <<B /d/\na\nA\nb\nB\nRUN <<R\nr\nR\nCOPY <<'Q' /q\nq\nQ\nENV X=1\n";
+        let p = lower(text).unwrap();
+        let l: Vec<_> = p.stages[0]
+            .steps
+            .iter()
+            .map(|s| (s.location.start_line, s.location.end_line))
+            .collect();
+        assert_eq!(l, [(2, 6), (7, 9), (10, 12)]);
     }
 
     #[test]
@@ -2720,7 +2818,70 @@ mod env_tests {
             &Options::default(),
         )
         .unwrap_err();
-        assert!(e.to_string().contains("range"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("names 65535 ports; kiln accepts ranges of at most 1024"),
+            "{e}"
+        );
+        let e = load_dockerfile(
+            "Dockerfile",
+            b"FROM scratch\nEXPOSE 9-8\n",
+            &Options::default(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("invalid port range"), "{e}");
+        // The largest range accepted.
+        let p = load_dockerfile(
+            "Dockerfile",
+            b"FROM scratch\nEXPOSE 1-1024\n",
+            &Options::default(),
+        )
+        .unwrap();
+        assert_eq!(p.stages[0].config.exposed_ports.len(), 1024);
+    }
+
+    #[test]
+    fn healthcheck_durations_below_one_millisecond_are_refused() {
+        let plan = |d: &str| {
+            let text = format!("FROM scratch\nHEALTHCHECK --interval={d} CMD [\"x\"]\n");
+            load_dockerfile("Dockerfile", text.as_bytes(), &Options::default())
+        };
+        for d in ["500us", "400us", "999999ns"] {
+            let e = plan(d).unwrap_err().to_string();
+            assert!(e.contains("less than the minimum of 1ms"), "{d}: {e}");
+        }
+        // 0 keeps the default, as in BuildKit; 1ms and 1500us are accepted (rounded).
+        let interval = |d: &str| {
+            plan(d).unwrap().stages[0]
+                .config
+                .healthcheck
+                .clone()
+                .unwrap()
+        };
+        assert_eq!(interval("0").interval_ms, None);
+        assert_eq!(interval("1ms").interval_ms, Some(1));
+        assert_eq!(interval("1500us").interval_ms, Some(2));
+    }
+
+    #[test]
+    fn add_url_without_host_is_refused() {
+        for url in [
+            "https://",
+            "http:///x",
+            "https://user@/x",
+            "https://:80/x",
+            "HTTPS://?q",
+        ] {
+            let text = format!("FROM scratch\nADD {url} /z\n");
+            let e = load_dockerfile("Dockerfile", text.as_bytes(), &Options::default())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("has no host"), "{url}: {e}");
+        }
+        for url in ["https://e.test", "http://u:p@e.test:8080/a?b#c"] {
+            let text = format!("FROM scratch\nADD {url} /z\n");
+            load_dockerfile("Dockerfile", text.as_bytes(), &Options::default()).unwrap();
+        }
     }
 
     #[test]
