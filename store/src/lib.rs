@@ -1,1 +1,127 @@
-//! kiln-store: the content-addressed store (see DESIGN.md, "Store keys").
+//! kiln-store: the content-addressed store for images and snapshots (see DESIGN.md, "Store
+//! keys"). The same key layout lives in a local directory (the default, `$KILN_STORE` or
+//! `~/.local/share/kiln/store`) or under an S3 prefix (`s3://bucket/prefix`).
+//!
+//! ```text
+//! <root>/
+//!   chunks/sha256/<hex>       one chunk: a zstd frame; <hex> = sha256 of the RAW bytes
+//!   blobs/sha256/<hex>        OCI config/layer, vmstate...; <hex> = sha256 of STORED bytes
+//!   manifests/sha256/<hex>    JSON manifest; <hex> = sha256 of its bytes as stored
+//!   tags/<name>/<tag>         mutable: JSON {manifest, time, host}; moved by compare-and-swap
+//!   tags/<name>/<tag>~history JSON lines: every move (time, host, previous, new)
+//!   leases/<id>               JSON: expiry + keys an in-flight build/push relies on
+//!   cache/<key>               JSON: build-cache entry → layer blob digest, with its time
+//!   (local only) .tmp/ .locks/  temp files before rename, flock files for tag CAS
+//! ```
+//! Everything but tags, histories, leases and cache entries is immutable and written with
+//! put-if-absent. Publish order is chunks, then manifest, then tag, so no tag ever names
+//! missing data.
+//!
+//! ## Layers (bottom up)
+//! - [`backend`]: bytes by key. [`backend::Backend`] (get, get_range, head, put_if_absent,
+//!   put, compare_and_swap, list, delete); [`backend::local`], [`backend::s3`]; one
+//!   [`backend::retry::Retrying`] wrapper adds retries and metrics; [`backend::open`] by URL.
+//! - [`digest`]: [`ChunkDigest`] (raw bytes), [`BlobDigest`] (stored bytes),
+//!   [`ManifestDigest`].
+//! - [`chunk`]: chunking (fixed or FastCDC), zstd at a pinned level, [`chunk::ChunkTable`].
+//! - [`Store`] ([`store`] module): the typed store over a backend: blobs ([`blob`]), chunks,
+//!   manifests ([`manifest`]), artifacts ([`artifact`]: chunked upload, reader, materialize),
+//!   with an optional on-disk read cache ([`readcache`]).
+//! - [`tag`]: tags and their history; [`lease`]: leases and build-cache entries.
+//! - [`gc`] (mark is pure; sweep separate), [`verify`], [`copy`] (push/pull between stores,
+//!   with [`progress`] events).
+
+// Errors carry the digests, keys and store URL they are about (reads must name the chunk and
+// the store); that makes them large, a cost paid only on the error path.
+#![allow(clippy::result_large_err)]
+
+pub mod artifact;
+pub mod backend;
+pub mod blob;
+pub mod chunk;
+pub mod copy;
+pub mod digest;
+pub mod gc;
+pub mod lease;
+pub mod manifest;
+pub mod progress;
+pub mod readcache;
+pub mod store;
+pub mod tag;
+pub mod verify;
+
+pub use backend::{Backend, BackendError, StoreUrl};
+pub use blob::BlobError;
+pub use chunk::{ChunkEntry, ChunkError, ChunkTable, Chunking};
+pub use digest::{BlobDigest, ChunkDigest, DigestError, ManifestDigest};
+pub use gc::GcError;
+pub use lease::LeaseError;
+pub use manifest::{
+    BlobRef, ImageManifest, Manifest, ManifestError, ObjectRef, RawManifest, SnapshotManifest,
+};
+pub use store::{Store, StoreOptions};
+pub use tag::{TagError, TagRef};
+
+/// Any error from this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A backend primitive failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// A digest string did not parse.
+    #[error(transparent)]
+    Digest(#[from] DigestError),
+    /// A chunk or chunk table problem.
+    #[error(transparent)]
+    Chunk(#[from] ChunkError),
+    /// A blob problem.
+    #[error(transparent)]
+    Blob(#[from] BlobError),
+    /// A manifest problem.
+    #[error(transparent)]
+    Manifest(#[from] ManifestError),
+    /// A tag problem (including a lost compare-and-swap).
+    #[error(transparent)]
+    Tag(#[from] TagError),
+    /// A lease or build-cache entry problem.
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    /// A garbage-collection problem.
+    #[error(transparent)]
+    Gc(#[from] GcError),
+    /// A local file operation (materialize, read cache, input files).
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What failed.
+        source: std::io::Error,
+    },
+}
+
+impl StoreError {
+    pub(crate) fn io(path: impl AsRef<std::path::Path>, source: std::io::Error) -> Self {
+        StoreError::Io {
+            path: path.as_ref().display().to_string(),
+            source,
+        }
+    }
+}
+
+/// Seconds since the Unix epoch, now.
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// This host's name (`/proc/sys/kernel/hostname`, else `$HOSTNAME`, else `unknown`).
+pub(crate) fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown".into())
+}

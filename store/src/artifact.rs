@@ -1,0 +1,297 @@
+//! Artifacts: large files stored as chunks plus a [`ChunkTable`].
+//!
+//! - Upload ([`Store::put_artifact`]): the input is cut ([`crate::chunk::split`]) on a blocking
+//!   thread; chunks are hashed and compressed on the blocking pool and stored with
+//!   put-if-absent, at most [`crate::StoreOptions::parallelism`] in flight (memory: about
+//!   `2 × parallelism × max chunk`). Chunks in the known-chunk index are skipped; all-zero
+//!   chunks become holes. The table is returned in input order; publish a manifest naming it
+//!   only after this returns (chunks, then manifest, then tag). Rerunning after a crash
+//!   uploads only what is missing.
+//! - Random reads ([`ArtifactReader::read_at`]): offset → chunk by binary search, chunk
+//!   fetched, decompressed and verified (through the read cache when configured).
+//! - [`Store::materialize`]: writes the artifact to a sparse file (holes for zero entries) with
+//!   positional writes, bounded parallelism, to `<dest>.partial` then renamed.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+
+use crate::chunk::{self, ChunkEntry, ChunkError, ChunkTable, Chunking};
+use crate::lease::Lease;
+use crate::manifest::ObjectRef;
+use crate::progress::{ProgressEvent, ProgressFn, Reporter, TransferStats};
+use crate::{Store, StoreError};
+
+/// Options for [`Store::put_artifact`].
+#[derive(Clone, Default)]
+pub struct PutArtifactOptions {
+    /// How to cut; `None` means [`Chunking::DISK_DEFAULT`].
+    pub chunking: Option<Chunking>,
+    /// A lease to record every chunk relied on (uploaded or found present).
+    pub lease: Option<Arc<Lease>>,
+    /// Progress callback.
+    pub progress: Option<ProgressFn>,
+}
+
+enum Piece {
+    Hole { offset: u64, len: u64 },
+    Data { offset: u64, data: Vec<u8> },
+}
+
+impl Store {
+    /// Chunks and stores a local file. Returns its table and transfer totals.
+    pub async fn put_artifact(
+        &self,
+        path: &Path,
+        opts: &PutArtifactOptions,
+    ) -> Result<(ChunkTable, TransferStats), StoreError> {
+        let f = File::open(path).map_err(|e| StoreError::io(path, e))?;
+        self.put_artifact_reader(std::io::BufReader::with_capacity(1 << 20, f), opts)
+            .await
+    }
+
+    /// Chunks and stores everything `input` yields (read on a blocking thread).
+    pub async fn put_artifact_reader<R: Read + Send + 'static>(
+        &self,
+        input: R,
+        opts: &PutArtifactOptions,
+    ) -> Result<(ChunkTable, TransferStats), StoreError> {
+        let chunking = opts.chunking.unwrap_or(Chunking::DISK_DEFAULT);
+        let pieces = chunk::split(input, chunking)?;
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Piece, ChunkError>>(self.parallelism);
+        let producer = tokio::task::spawn_blocking(move || {
+            for c in pieces {
+                let p = c.map(|c| {
+                    if chunk::is_all_zero(&c.data) {
+                        Piece::Hole {
+                            offset: c.offset,
+                            len: c.data.len() as u64,
+                        }
+                    } else {
+                        Piece::Data {
+                            offset: c.offset,
+                            data: c.data,
+                        }
+                    }
+                });
+                let stop = p.is_err();
+                if tx.blocking_send(p).is_err() || stop {
+                    return;
+                }
+            }
+        });
+        let reporter = Reporter::new(opts.progress.clone());
+        let stream = tokio_stream_from(rx).map(|p| {
+            let store = self.clone();
+            let reporter = reporter.clone();
+            async move {
+                match p? {
+                    Piece::Hole { offset, len } => {
+                        reporter.emit(ProgressEvent::Hole { raw_len: len });
+                        Ok::<_, StoreError>(ChunkEntry {
+                            offset,
+                            raw_len: len,
+                            digest: None,
+                            stored_len: 0,
+                        })
+                    }
+                    Piece::Data { offset, data } => {
+                        let (enc, uploaded) = store.put_chunk(Bytes::from(data)).await?;
+                        reporter.emit(ProgressEvent::Chunk {
+                            digest: enc.digest,
+                            raw_len: enc.raw_len,
+                            stored_len: enc.stored.len() as u64,
+                            transferred: uploaded,
+                        });
+                        Ok(ChunkEntry {
+                            offset,
+                            raw_len: enc.raw_len,
+                            digest: Some(enc.digest),
+                            stored_len: enc.stored.len() as u64,
+                        })
+                    }
+                }
+            }
+        });
+        let mut stream = std::pin::pin!(stream.buffered(self.parallelism));
+        let mut table = ChunkTable {
+            size: 0,
+            chunking,
+            entries: Vec::new(),
+        };
+        let mut pending_lease: Vec<ObjectRef> = Vec::new();
+        while let Some(entry) = stream.try_next().await? {
+            table.size = entry.end();
+            if let Some(d) = entry.digest {
+                pending_lease.push(ObjectRef::Chunk(d));
+            }
+            table.push(entry);
+            if pending_lease.len() >= 1024
+                && let Some(l) = &opts.lease
+            {
+                l.add(pending_lease.drain(..)).await?;
+            }
+        }
+        producer.await?;
+        if let Some(l) = &opts.lease {
+            l.add(pending_lease).await?;
+        }
+        table.validate()?;
+        Ok((table, reporter.totals()))
+    }
+
+    /// Writes the artifact `table` describes to `dest` as a sparse file: the file is sized
+    /// first, holes are never written, chunks are fetched, verified and written in parallel
+    /// (bounded). Written to `<dest>.partial`, fsynced, then renamed. Returns bytes written
+    /// (excluding holes).
+    pub async fn materialize(
+        &self,
+        table: &ChunkTable,
+        dest: &Path,
+        progress: Option<ProgressFn>,
+    ) -> Result<u64, StoreError> {
+        table.validate()?;
+        let partial = dest.with_extension(match dest.extension() {
+            Some(e) => format!("{}.partial", e.to_string_lossy()),
+            None => "partial".into(),
+        });
+        let file = File::create(&partial).map_err(|e| StoreError::io(&partial, e))?;
+        file.set_len(table.size)
+            .map_err(|e| StoreError::io(&partial, e))?;
+        let file = Arc::new(file);
+        let reporter = Reporter::new(progress);
+        let res = futures::stream::iter(table.entries.iter().cloned())
+            .map(|e| {
+                let file = file.clone();
+                let reporter = reporter.clone();
+                let partial = partial.clone();
+                async move {
+                    let Some(d) = e.digest else {
+                        reporter.emit(ProgressEvent::Hole { raw_len: e.raw_len });
+                        return Ok(0u64);
+                    };
+                    let raw = self.get_chunk(&d, e.raw_len).await?;
+                    check_len(self, &e, &raw)?;
+                    let n = raw.len() as u64;
+                    tokio::task::spawn_blocking(move || file.write_all_at(&raw, e.offset))
+                        .await?
+                        .map_err(|err| StoreError::io(&partial, err))?;
+                    reporter.emit(ProgressEvent::Chunk {
+                        digest: d,
+                        raw_len: e.raw_len,
+                        stored_len: e.stored_len,
+                        transferred: true,
+                    });
+                    Ok::<_, StoreError>(n)
+                }
+            })
+            .buffer_unordered(self.parallelism)
+            .try_fold(0u64, |a, n| async move { Ok(a + n) })
+            .await;
+        let written = match res {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = std::fs::remove_file(&partial);
+                return Err(e);
+            }
+        };
+        file.sync_all().map_err(|e| StoreError::io(&partial, e))?;
+        std::fs::rename(&partial, dest).map_err(|e| StoreError::io(dest, e))?;
+        Ok(written)
+    }
+}
+
+fn check_len(store: &Store, e: &ChunkEntry, raw: &[u8]) -> Result<(), StoreError> {
+    if raw.len() as u64 != e.raw_len {
+        return Err(ChunkError::Corrupt {
+            // Only called for entries with a digest.
+            digest: e
+                .digest
+                .unwrap_or(crate::ChunkDigest(crate::digest::Sha256Hash([0; 32]))),
+            store: store.url().to_string(),
+            reason: format!("{} raw bytes, the table says {}", raw.len(), e.raw_len),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::Receiver<T>,
+) -> impl futures::Stream<Item = T> {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+/// Random access to an artifact by byte offset.
+#[derive(Debug)]
+pub struct ArtifactReader {
+    store: Store,
+    table: Arc<ChunkTable>,
+    /// The last chunk read (index, raw bytes): sequential small reads hit it.
+    last: Mutex<Option<(usize, Bytes)>>,
+}
+
+impl ArtifactReader {
+    /// A reader over `table` (validated here) in `store`.
+    pub fn new(store: Store, table: Arc<ChunkTable>) -> Result<Self, StoreError> {
+        table.validate()?;
+        Ok(Self {
+            store,
+            table,
+            last: Mutex::new(None),
+        })
+    }
+
+    /// Artifact size in bytes.
+    pub fn size(&self) -> u64 {
+        self.table.size
+    }
+
+    async fn chunk(&self, i: usize) -> Result<Bytes, StoreError> {
+        if let Some((j, b)) = &*self.last.lock().unwrap_or_else(|p| p.into_inner())
+            && *j == i
+        {
+            return Ok(b.clone());
+        }
+        let e = &self.table.entries[i];
+        let raw = match e.digest {
+            // Holes may be large; they are served without this buffer (see read_at).
+            None => Bytes::new(),
+            Some(d) => {
+                let raw = self.store.get_chunk(&d, e.raw_len).await?;
+                check_len(&self.store, e, &raw)?;
+                raw
+            }
+        };
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some((i, raw.clone()));
+        Ok(raw)
+    }
+
+    /// Fills `buf` from byte `offset`, crossing chunks as needed. Returns the bytes read (less
+    /// than `buf.len()` only at the end of the artifact). Every chunk is verified.
+    pub async fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<usize, StoreError> {
+        let mut done = 0usize;
+        while done < buf.len() {
+            let pos = offset + done as u64;
+            let Some(i) = self.table.find(pos) else {
+                break;
+            };
+            let e = &self.table.entries[i];
+            let within = (pos - e.offset) as usize;
+            let avail = (e.raw_len as usize - within).min(buf.len() - done);
+            if e.is_hole() {
+                buf[done..done + avail].fill(0);
+            } else {
+                let raw = self.chunk(i).await?;
+                buf[done..done + avail].copy_from_slice(&raw[within..within + avail]);
+            }
+            done += avail;
+        }
+        Ok(done)
+    }
+}

@@ -1,0 +1,434 @@
+//! The local-directory backend: one file per key under a root directory.
+//!
+//! Writes go to `<root>/.tmp/<unique>`, are fsynced (and, when the caller gives the expected
+//! sha256, hashed and checked), then published: `put_if_absent` with `link(2)` (fails on an
+//! existing name, so concurrent writers of one key are safe and the loser sees
+//! `AlreadyExists`), `put` and `compare_and_swap` with `rename(2)` (atomic replace). The parent
+//! directory is fsynced after publishing. A crash leaves at most a stray file in `.tmp`.
+//!
+//! Compare-and-swap holds an exclusive `flock(2)` on `<root>/.locks/<key with / as %>` while
+//! it reads the current version and renames; the OS drops the lock if the process dies, so a
+//! crash never leaves a tag locked. A version is `<inode>-<ctime ns>-<size>` of the file: every
+//! rename creates a new inode, so a rewrite with identical bytes still changes the version.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{ErrorKind, Read, Write};
+use std::ops::Range;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+
+use super::{Backend, BackendError, ObjectInfo, PutOutcome, Version, validate_key};
+use crate::digest::{Hasher, Sha256Hash};
+
+const TMP_DIR: &str = ".tmp";
+const LOCK_DIR: &str = ".locks";
+
+/// A store in a local directory.
+#[derive(Debug)]
+pub struct LocalBackend {
+    root: PathBuf,
+    url: String,
+}
+
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+fn version_of(meta: &fs::Metadata) -> Version {
+    Version(format!(
+        "{}-{}.{}-{}",
+        meta.ino(),
+        meta.ctime(),
+        meta.ctime_nsec(),
+        meta.size()
+    ))
+}
+
+fn info_of(key: String, meta: &fs::Metadata) -> ObjectInfo {
+    ObjectInfo {
+        key,
+        size: meta.len(),
+        modified: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
+        version: Some(version_of(meta)),
+    }
+}
+
+impl LocalBackend {
+    /// Opens (creating if needed) a store rooted at `root`.
+    pub async fn open(root: &Path) -> Result<Self, BackendError> {
+        let root = root.to_path_buf();
+        let url = format!("file://{}", root.display());
+        let r = root.clone();
+        let u = url.clone();
+        tokio::task::spawn_blocking(move || {
+            for d in [TMP_DIR, LOCK_DIR] {
+                fs::create_dir_all(r.join(d)).map_err(|e| other(&u, "open", "", e))?;
+            }
+            Ok::<_, BackendError>(())
+        })
+        .await
+        .map_err(|e| join_err(&url, e))??;
+        Ok(Self { root, url })
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn path(&self, key: &str) -> Result<PathBuf, BackendError> {
+        validate_key(key)?;
+        Ok(self.root.join(key))
+    }
+
+    fn tmp_path(&self) -> PathBuf {
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        self.root
+            .join(TMP_DIR)
+            .join(format!("{}-{}-{}", std::process::id(), n, nanos))
+    }
+
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(Ctx) -> Result<T, BackendError> + Send + 'static,
+    ) -> Result<T, BackendError> {
+        let ctx = Ctx {
+            url: self.url.clone(),
+            root: self.root.clone(),
+            tmp: self.tmp_path(),
+        };
+        tokio::task::spawn_blocking(move || f(ctx))
+            .await
+            .map_err(|e| join_err(&self.url, e))?
+    }
+}
+
+struct Ctx {
+    url: String,
+    root: PathBuf,
+    tmp: PathBuf,
+}
+
+fn other(url: &str, op: &'static str, key: &str, e: impl std::fmt::Display) -> BackendError {
+    BackendError::Other {
+        store: url.to_string(),
+        op,
+        key: key.to_string(),
+        message: e.to_string(),
+    }
+}
+
+fn join_err(url: &str, e: tokio::task::JoinError) -> BackendError {
+    other(url, "task", "", e)
+}
+
+fn not_found_or(url: &str, op: &'static str, key: &str, e: std::io::Error) -> BackendError {
+    if e.kind() == ErrorKind::NotFound {
+        BackendError::NotFound {
+            store: url.to_string(),
+            key: key.to_string(),
+        }
+    } else {
+        other(url, op, key, e)
+    }
+}
+
+fn fsync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+impl Ctx {
+    /// Writes a temp file from `fill`, fsyncs it, checks the digest. Returns the temp path.
+    fn write_tmp(
+        &self,
+        key: &str,
+        expect: Option<Sha256Hash>,
+        fill: impl FnOnce(&mut File, &mut Hasher) -> std::io::Result<()>,
+    ) -> Result<PathBuf, BackendError> {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&self.tmp)
+            .map_err(|e| other(&self.url, "put", key, e))?;
+        let mut hasher = Hasher::new();
+        let res = fill(&mut f, &mut hasher).and_then(|_| f.sync_all());
+        if let Err(e) = res {
+            let _ = fs::remove_file(&self.tmp);
+            return Err(other(&self.url, "put", key, e));
+        }
+        if let Some(expected) = expect {
+            let actual = hasher.finish();
+            if actual != expected {
+                let _ = fs::remove_file(&self.tmp);
+                return Err(BackendError::DigestMismatch {
+                    store: self.url.clone(),
+                    key: key.to_string(),
+                    expected: expected.to_string(),
+                    actual: actual.to_string(),
+                });
+            }
+        }
+        Ok(self.tmp.clone())
+    }
+
+    fn publish_link(&self, key: &str, tmp: &Path) -> Result<PutOutcome, BackendError> {
+        let dest = self.root.join(key);
+        let parent = dest.parent().unwrap_or(&self.root).to_path_buf();
+        let res = fs::create_dir_all(&parent).and_then(|_| fs::hard_link(tmp, &dest));
+        let _ = fs::remove_file(tmp);
+        match res {
+            Ok(()) => {
+                fsync_dir(&parent).map_err(|e| other(&self.url, "put", key, e))?;
+                Ok(PutOutcome::Created)
+            }
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => Ok(PutOutcome::AlreadyExists),
+            Err(e) => Err(other(&self.url, "put", key, e)),
+        }
+    }
+
+    fn publish_rename(&self, key: &str, tmp: &Path) -> Result<Version, BackendError> {
+        let dest = self.root.join(key);
+        let parent = dest.parent().unwrap_or(&self.root).to_path_buf();
+        let res = fs::create_dir_all(&parent).and_then(|_| fs::rename(tmp, &dest));
+        if let Err(e) = res {
+            let _ = fs::remove_file(tmp);
+            return Err(other(&self.url, "put", key, e));
+        }
+        fsync_dir(&parent).map_err(|e| other(&self.url, "put", key, e))?;
+        let meta = fs::metadata(&dest).map_err(|e| other(&self.url, "put", key, e))?;
+        Ok(version_of(&meta))
+    }
+}
+
+fn walk(root: &Path, dir: &Path, out: &mut Vec<ObjectInfo>) -> std::io::Result<()> {
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name();
+        if name.to_string_lossy().starts_with('.') {
+            continue;
+        }
+        let path = entry.path();
+        let meta = match fs::symlink_metadata(&path) {
+            Ok(m) => m,
+            // Deleted while we walked.
+            Err(e) if e.kind() == ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        if meta.is_dir() {
+            walk(root, &path, out)?;
+        } else if meta.is_file() {
+            let Ok(rel) = path.strip_prefix(root) else {
+                continue;
+            };
+            let key = rel.to_string_lossy().into_owned();
+            if validate_key(&key).is_ok() {
+                out.push(info_of(key, &meta));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[async_trait::async_trait]
+impl Backend for LocalBackend {
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    async fn get(&self, key: &str) -> Result<Bytes, BackendError> {
+        let path = self.path(key)?;
+        let key = key.to_string();
+        self.blocking(move |c| {
+            fs::read(&path)
+                .map(Bytes::from)
+                .map_err(|e| not_found_or(&c.url, "get", &key, e))
+        })
+        .await
+    }
+
+    async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes, BackendError> {
+        let path = self.path(key)?;
+        let key = key.to_string();
+        self.blocking(move |c| {
+            use std::os::unix::fs::FileExt;
+            let f = File::open(&path).map_err(|e| not_found_or(&c.url, "get", &key, e))?;
+            let len = f
+                .metadata()
+                .map_err(|e| other(&c.url, "get", &key, e))?
+                .len();
+            let end = range.end.min(len);
+            let start = range.start.min(end);
+            let mut buf = vec![0u8; (end - start) as usize];
+            f.read_exact_at(&mut buf, start)
+                .map_err(|e| other(&c.url, "get", &key, e))?;
+            Ok(Bytes::from(buf))
+        })
+        .await
+    }
+
+    async fn get_versioned(&self, key: &str) -> Result<(Bytes, Version), BackendError> {
+        let path = self.path(key)?;
+        let key = key.to_string();
+        self.blocking(move |c| {
+            let mut f = File::open(&path).map_err(|e| not_found_or(&c.url, "get", &key, e))?;
+            let meta = f.metadata().map_err(|e| other(&c.url, "get", &key, e))?;
+            let mut buf = Vec::with_capacity(meta.len() as usize);
+            f.read_to_end(&mut buf)
+                .map_err(|e| other(&c.url, "get", &key, e))?;
+            Ok((Bytes::from(buf), version_of(&meta)))
+        })
+        .await
+    }
+
+    async fn head(&self, key: &str) -> Result<Option<ObjectInfo>, BackendError> {
+        let path = self.path(key)?;
+        let key = key.to_string();
+        self.blocking(move |c| match fs::metadata(&path) {
+            Ok(m) if m.is_file() => Ok(Some(info_of(key, &m))),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(other(&c.url, "head", &key, e)),
+        })
+        .await
+    }
+
+    async fn put_if_absent(
+        &self,
+        key: &str,
+        data: Bytes,
+        expect_sha256: Option<Sha256Hash>,
+    ) -> Result<PutOutcome, BackendError> {
+        let dest = self.path(key)?;
+        let key = key.to_string();
+        self.blocking(move |c| {
+            if dest.is_file() {
+                return Ok(PutOutcome::AlreadyExists);
+            }
+            let tmp = c.write_tmp(&key, expect_sha256, |f, h| {
+                h.update(&data);
+                f.write_all(&data)
+            })?;
+            c.publish_link(&key, &tmp)
+        })
+        .await
+    }
+
+    async fn put_file_if_absent(
+        &self,
+        key: &str,
+        path: &Path,
+        expect_sha256: Option<Sha256Hash>,
+    ) -> Result<PutOutcome, BackendError> {
+        let dest = self.path(key)?;
+        let key = key.to_string();
+        let src = path.to_path_buf();
+        self.blocking(move |c| {
+            if dest.is_file() {
+                return Ok(PutOutcome::AlreadyExists);
+            }
+            let tmp = c.write_tmp(&key, expect_sha256, |f, h| {
+                let mut input = File::open(&src)?;
+                let mut buf = vec![0u8; 1 << 20];
+                loop {
+                    let n = input.read(&mut buf)?;
+                    if n == 0 {
+                        return Ok(());
+                    }
+                    h.update(&buf[..n]);
+                    f.write_all(&buf[..n])?;
+                }
+            })?;
+            c.publish_link(&key, &tmp)
+        })
+        .await
+    }
+
+    async fn put(&self, key: &str, data: Bytes) -> Result<Version, BackendError> {
+        self.path(key)?;
+        let key = key.to_string();
+        self.blocking(move |c| {
+            let tmp = c.write_tmp(&key, None, |f, _| f.write_all(&data))?;
+            c.publish_rename(&key, &tmp)
+        })
+        .await
+    }
+
+    async fn compare_and_swap(
+        &self,
+        key: &str,
+        expected: Option<&Version>,
+        data: Bytes,
+    ) -> Result<Version, BackendError> {
+        let dest = self.path(key)?;
+        let key = key.to_string();
+        let expected = expected.cloned();
+        self.blocking(move |c| {
+            let lock_path = c.root.join(LOCK_DIR).join(key.replace('/', "%"));
+            let lock = OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&lock_path)
+                .map_err(|e| other(&c.url, "lock", &key, e))?;
+            lock.lock().map_err(|e| other(&c.url, "lock", &key, e))?;
+            let current = match fs::metadata(&dest) {
+                Ok(m) => Some(version_of(&m)),
+                Err(e) if e.kind() == ErrorKind::NotFound => None,
+                Err(e) => return Err(other(&c.url, "cas", &key, e)),
+            };
+            if current != expected {
+                return Err(BackendError::Conflict {
+                    store: c.url.clone(),
+                    key,
+                });
+            }
+            let tmp = c.write_tmp(&key, None, |f, _| f.write_all(&data))?;
+            let v = c.publish_rename(&key, &tmp);
+            drop(lock);
+            v
+        })
+        .await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError> {
+        // Walk the deepest directory the prefix names, then filter by the full prefix.
+        let dir_part = match prefix.rfind('/') {
+            Some(i) => &prefix[..i],
+            None => "",
+        };
+        if !dir_part.is_empty() {
+            validate_key(dir_part)?;
+        }
+        let prefix = prefix.to_string();
+        let dir_part = dir_part.to_string();
+        self.blocking(move |c| {
+            let mut out = Vec::new();
+            walk(&c.root, &c.root.join(&dir_part), &mut out)
+                .map_err(|e| other(&c.url, "list", &prefix, e))?;
+            out.retain(|o| o.key.starts_with(&prefix));
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &str) -> Result<(), BackendError> {
+        let path = self.path(key)?;
+        let key = key.to_string();
+        self.blocking(move |c| match fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(other(&c.url, "delete", &key, e)),
+        })
+        .await
+    }
+}

@@ -1,0 +1,361 @@
+//! Backends: bytes by key, and nothing else.
+//!
+//! A [`Backend`] is a handful of primitives over flat string keys (`chunks/sha256/<hex>`, ...;
+//! see the crate doc for the layout). It knows nothing of digests, chunks or manifests.
+//! Implementations: [`local`] (our own directory store: temp file, fsync, rename) and
+//! [`s3`] (any S3-compatible server through `object_store`). Policy shared by all backends
+//! (retries with backoff, request counters) lives once, in the [`retry::Retrying`] wrapper
+//! that [`open`] puts around whichever backend the URL names.
+//!
+//! Keys are validated by [`validate_key`] before any backend sees them: relative, `/`-separated,
+//! no empty segment, no segment starting with `.` (so no `.`/`..`), only `[A-Za-z0-9._~-]` characters, at most 512 bytes.
+
+pub mod local;
+pub mod retry;
+pub mod s3;
+
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+
+/// Errors from a backend primitive. `Transient` is the only kind [`retry::Retrying`] retries.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// No object at the key.
+    #[error("{store}: no object at {key}")]
+    NotFound {
+        /// The store (URL) asked.
+        store: String,
+        /// The key asked for.
+        key: String,
+    },
+    /// A compare-and-swap found a different version than expected (or an object where
+    /// absence was expected).
+    #[error("{store}: {key} changed since it was read (compare-and-swap lost)")]
+    Conflict {
+        /// The store (URL) asked.
+        store: String,
+        /// The key written.
+        key: String,
+    },
+    /// A key that fails [`validate_key`].
+    #[error("invalid store key {0:?}")]
+    InvalidKey(String),
+    /// The bytes written did not hash to the expected sha256 (local backend's commit check).
+    #[error("{store}: bytes for {key} hash to {actual}, expected {expected}")]
+    DigestMismatch {
+        /// The store (URL).
+        store: String,
+        /// The key being written.
+        key: String,
+        /// sha256 the caller promised.
+        expected: String,
+        /// sha256 of what was written.
+        actual: String,
+    },
+    /// A store URL that cannot be opened.
+    #[error("store URL {url:?}: {reason}")]
+    Url {
+        /// The URL given.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A failure worth retrying: 5xx, timeout, connection reset, throttling.
+    #[error("{store}: transient failure on {key}: {message}")]
+    Transient {
+        /// The store (URL).
+        store: String,
+        /// The key being accessed.
+        key: String,
+        /// The underlying error, rendered.
+        message: String,
+    },
+    /// Any other failure (permission denied, 4xx, disk full...).
+    #[error("{store}: {op} {key}: {message}")]
+    Other {
+        /// The store (URL).
+        store: String,
+        /// The primitive (`get`, `put`, ...).
+        op: &'static str,
+        /// The key being accessed.
+        key: String,
+        /// The underlying error, rendered.
+        message: String,
+    },
+}
+
+impl BackendError {
+    /// True for [`BackendError::NotFound`].
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, BackendError::NotFound { .. })
+    }
+}
+
+/// An object's version for compare-and-swap: the S3 ETag, or the local backend's generation.
+/// Opaque; only compare it or hand it back to [`Backend::compare_and_swap`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Version(pub String);
+
+/// What [`Backend::head`] and [`Backend::list`] report about an object.
+#[derive(Debug, Clone)]
+pub struct ObjectInfo {
+    /// The object's key.
+    pub key: String,
+    /// Stored size in bytes.
+    pub size: u64,
+    /// Last modification time (creation time for immutable objects).
+    pub modified: SystemTime,
+    /// The version for compare-and-swap, when the backend reports one.
+    pub version: Option<Version>,
+}
+
+/// Result of [`Backend::put_if_absent`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutOutcome {
+    /// This call created the object.
+    Created,
+    /// An object already existed at the key; nothing was written.
+    AlreadyExists,
+}
+
+/// The primitives every backend provides. All are async and cancel-safe in the sense that an
+/// interrupted write leaves either no object or the whole object (never a partial one).
+#[async_trait::async_trait]
+pub trait Backend: Send + Sync + fmt::Debug + 'static {
+    /// The store's URL, used to name the store in errors (`file:///...`, `s3://bucket/prefix`).
+    fn url(&self) -> &str;
+
+    /// Whole object. Errors: `NotFound`.
+    async fn get(&self, key: &str) -> Result<Bytes, BackendError>;
+
+    /// Bytes `range` (half-open, in bytes) of the object. A range past the end is clipped by
+    /// the backend; callers check lengths.
+    async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes, BackendError>;
+
+    /// Whole object and its version, for a later [`Backend::compare_and_swap`].
+    async fn get_versioned(&self, key: &str) -> Result<(Bytes, Version), BackendError>;
+
+    /// Metadata, or `None` when absent.
+    async fn head(&self, key: &str) -> Result<Option<ObjectInfo>, BackendError>;
+
+    /// Creates the object unless one exists (S3 `If-None-Match: *`; locally a `link(2)` that
+    /// fails on an existing name). With `expect_sha256`, the bytes are hashed and the write
+    /// fails with `DigestMismatch` before becoming visible if they differ.
+    async fn put_if_absent(
+        &self,
+        key: &str,
+        data: Bytes,
+        expect_sha256: Option<crate::digest::Sha256Hash>,
+    ) -> Result<PutOutcome, BackendError>;
+
+    /// Like [`Backend::put_if_absent`] but streams from a local file (S3: multipart upload
+    /// above [`s3::MULTIPART_THRESHOLD`] bytes; a duplicate upload of content-addressed data is
+    /// harmless, so the check is a `head` first).
+    async fn put_file_if_absent(
+        &self,
+        key: &str,
+        path: &Path,
+        expect_sha256: Option<crate::digest::Sha256Hash>,
+    ) -> Result<PutOutcome, BackendError>;
+
+    /// Unconditional atomic overwrite (histories, leases, cache entries). Returns the new version.
+    async fn put(&self, key: &str, data: Bytes) -> Result<Version, BackendError>;
+
+    /// Writes `data` only if the object's current version is `expected` (`None`: only if
+    /// absent). Errors: `Conflict` when the condition fails. Returns the new version.
+    async fn compare_and_swap(
+        &self,
+        key: &str,
+        expected: Option<&Version>,
+        data: Bytes,
+    ) -> Result<Version, BackendError>;
+
+    /// Every object whose key starts with `prefix` (a plain string prefix ending in `/`),
+    /// recursively, in no particular order.
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError>;
+
+    /// Removes the object; absent is not an error.
+    async fn delete(&self, key: &str) -> Result<(), BackendError>;
+}
+
+/// Checks a key: relative, `/`-separated segments of `[A-Za-z0-9._~-]`, no empty segment and
+/// none starting with `.`, at most 512 bytes. Keys come partly from users (tag names), so this guards the
+/// local backend against path traversal.
+pub fn validate_key(key: &str) -> Result<(), BackendError> {
+    let ok = !key.is_empty()
+        && key.len() <= 512
+        && key.split('/').all(|seg| {
+            !seg.is_empty()
+                && !seg.starts_with('.')
+                && seg
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'~'))
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(BackendError::InvalidKey(key.to_string()))
+    }
+}
+
+/// Where a store lives, parsed from a path, `file://PATH` or `s3://bucket/prefix`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreUrl {
+    /// A local directory.
+    Local(PathBuf),
+    /// An S3 bucket and key prefix (no leading or trailing `/`; may be empty).
+    S3 {
+        /// Bucket name.
+        bucket: String,
+        /// Key prefix inside the bucket.
+        prefix: String,
+    },
+}
+
+impl StoreUrl {
+    /// Parses `s3://bucket[/prefix]`, `file://PATH` or a plain path.
+    pub fn parse(url: &str) -> Result<Self, BackendError> {
+        let bad = |reason: &str| BackendError::Url {
+            url: url.to_string(),
+            reason: reason.to_string(),
+        };
+        if let Some(rest) = url.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                return Err(bad("no bucket name"));
+            }
+            let prefix = prefix.trim_matches('/').to_string();
+            if !prefix.is_empty() {
+                validate_key(&prefix).map_err(|_| bad("invalid prefix"))?;
+            }
+            return Ok(StoreUrl::S3 {
+                bucket: bucket.to_string(),
+                prefix,
+            });
+        }
+        let path = url.strip_prefix("file://").unwrap_or(url);
+        if path.is_empty() {
+            return Err(bad("empty path"));
+        }
+        if url.contains("://") && !url.starts_with("file://") {
+            return Err(bad(
+                "unknown scheme (use a path, file://PATH or s3://bucket/prefix)",
+            ));
+        }
+        Ok(StoreUrl::Local(PathBuf::from(path)))
+    }
+
+    /// The default store: `$KILN_STORE`, else `$HOME/.local/share/kiln/store`.
+    pub fn default_url() -> Result<String, BackendError> {
+        if let Some(s) = std::env::var_os("KILN_STORE").filter(|s| !s.is_empty()) {
+            return Ok(s.to_string_lossy().into_owned());
+        }
+        let home = std::env::var_os("HOME").ok_or_else(|| BackendError::Url {
+            url: String::new(),
+            reason: "neither KILN_STORE nor HOME is set".into(),
+        })?;
+        Ok(Path::new(&home)
+            .join(".local/share/kiln/store")
+            .to_string_lossy()
+            .into_owned())
+    }
+}
+
+impl fmt::Display for StoreUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreUrl::Local(p) => write!(f, "file://{}", p.display()),
+            StoreUrl::S3 { bucket, prefix } if prefix.is_empty() => write!(f, "s3://{bucket}"),
+            StoreUrl::S3 { bucket, prefix } => write!(f, "s3://{bucket}/{prefix}"),
+        }
+    }
+}
+
+/// Opens the backend a URL names, wrapped once in [`retry::Retrying`] (default policy).
+/// S3 settings come from the environment (see [`s3::S3Options::from_env`]).
+pub async fn open(url: &str) -> Result<Arc<retry::Retrying>, BackendError> {
+    open_with(
+        url,
+        &s3::S3Options::from_env(),
+        retry::RetryPolicy::default(),
+    )
+    .await
+}
+
+/// Like [`open`] with explicit S3 options and retry policy.
+pub async fn open_with(
+    url: &str,
+    s3_options: &s3::S3Options,
+    policy: retry::RetryPolicy,
+) -> Result<Arc<retry::Retrying>, BackendError> {
+    let parsed = StoreUrl::parse(url)?;
+    let inner: Arc<dyn Backend> = match &parsed {
+        StoreUrl::Local(path) => Arc::new(local::LocalBackend::open(path).await?),
+        StoreUrl::S3 { bucket, prefix } => {
+            Arc::new(s3::S3Backend::open(bucket, prefix, s3_options)?)
+        }
+    };
+    Ok(Arc::new(retry::Retrying::new(inner, policy)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys() {
+        for ok in ["chunks/sha256/ab", "tags/my-img/v1.0_x", "a"] {
+            validate_key(ok).unwrap();
+        }
+        for bad in [
+            "",
+            "/abs",
+            "a//b",
+            "a/../b",
+            "..",
+            "a/./b",
+            "a/.hidden",
+            "a/b/",
+            "a b",
+            "a/\u{e9}",
+            "a\\b",
+        ] {
+            assert!(validate_key(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn urls() {
+        assert_eq!(
+            StoreUrl::parse("s3://b/p/q/").unwrap(),
+            StoreUrl::S3 {
+                bucket: "b".into(),
+                prefix: "p/q".into()
+            }
+        );
+        assert_eq!(
+            StoreUrl::parse("s3://b").unwrap(),
+            StoreUrl::S3 {
+                bucket: "b".into(),
+                prefix: "".into()
+            }
+        );
+        assert_eq!(
+            StoreUrl::parse("file:///x/y").unwrap(),
+            StoreUrl::Local("/x/y".into())
+        );
+        assert_eq!(
+            StoreUrl::parse("rel/dir").unwrap(),
+            StoreUrl::Local("rel/dir".into())
+        );
+        assert!(StoreUrl::parse("s3://").is_err());
+        assert!(StoreUrl::parse("s3://b/../x").is_err());
+        assert!(StoreUrl::parse("gs://b").is_err());
+        assert!(StoreUrl::parse("").is_err());
+    }
+}

@@ -1,0 +1,220 @@
+//! Leases and build-cache entries: the two kinds of GC root besides tags.
+//!
+//! A lease (`leases/<id>`, JSON [`LeaseRecord`]) is what an in-flight build or push relies on:
+//! every object key it uploaded or found present, and an expiry (unix seconds). GC treats the
+//! objects of unexpired leases as live, and deletes expired lease objects. A lease is written
+//! before the objects it protects are looked up, and rewritten (unconditional put: one owner)
+//! as objects are added.
+//!
+//! A build-cache entry (`cache/<key>`, JSON [`CacheEntry`]) maps a build step's cache key to
+//! the layer blob it produced, with its creation time; it is a GC root for
+//! [`DEFAULT_CACHE_TTL`] (configurable in [`crate::gc::GcOptions`]).
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{Backend, validate_key};
+use crate::digest::BlobDigest;
+use crate::manifest::ObjectRef;
+use crate::{Store, StoreError, hostname, unix_now};
+
+/// How long a build-cache entry keeps its layer alive (14 days).
+pub const DEFAULT_CACHE_TTL: Duration = Duration::from_secs(14 * 24 * 3600);
+
+/// Errors about leases and cache entries.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// An id or cache key that is not one `[A-Za-z0-9._-]` key segment (max 200 bytes).
+    #[error("invalid lease id or cache key {0:?}")]
+    InvalidId(String),
+    /// A lease or cache object that does not parse.
+    #[error("{key} in {store}: corrupt: {reason}")]
+    Corrupt {
+        /// The object key.
+        key: String,
+        /// The store.
+        store: String,
+        /// The parser's message.
+        reason: String,
+    },
+}
+
+fn check_id(id: &str) -> Result<(), LeaseError> {
+    if id.len() <= 200 && !id.contains('/') && !id.contains('~') && validate_key(id).is_ok() {
+        Ok(())
+    } else {
+        Err(LeaseError::InvalidId(id.to_string()))
+    }
+}
+
+/// What `leases/<id>` holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseRecord {
+    /// The lease id.
+    pub id: String,
+    /// Expiry, unix seconds.
+    pub expires: u64,
+    /// Host holding it.
+    pub host: String,
+    /// Object keys relied on (`chunks/sha256/<hex>`, ...).
+    pub objects: BTreeSet<String>,
+}
+
+impl LeaseRecord {
+    /// Objects as references (keys that are not content-addressed are skipped).
+    pub fn refs(&self) -> Vec<ObjectRef> {
+        self.objects
+            .iter()
+            .filter_map(|k| ObjectRef::from_key(k))
+            .collect()
+    }
+}
+
+/// A lease held by this process. Dropping it does not release it (it expires); call
+/// [`Lease::release`] when done.
+#[derive(Debug)]
+pub struct Lease {
+    store: Store,
+    record: tokio::sync::Mutex<LeaseRecord>,
+}
+
+impl Lease {
+    /// The lease id.
+    pub async fn id(&self) -> String {
+        self.record.lock().await.id.clone()
+    }
+
+    /// Adds objects and rewrites the lease object.
+    pub async fn add(&self, objs: impl IntoIterator<Item = ObjectRef>) -> Result<(), StoreError> {
+        let mut r = self.record.lock().await;
+        let before = r.objects.len();
+        r.objects.extend(objs.into_iter().map(|o| o.key()));
+        if r.objects.len() != before {
+            self.store.write_lease(&r).await?;
+        }
+        Ok(())
+    }
+
+    /// Moves the expiry to `ttl` from now.
+    pub async fn renew(&self, ttl: Duration) -> Result<(), StoreError> {
+        let mut r = self.record.lock().await;
+        r.expires = unix_now() + ttl.as_secs();
+        self.store.write_lease(&r).await
+    }
+
+    /// Deletes the lease object.
+    pub async fn release(self) -> Result<(), StoreError> {
+        let id = self.record.lock().await.id.clone();
+        Ok(self.store.backend.delete(&format!("leases/{id}")).await?)
+    }
+}
+
+/// What `cache/<key>` holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheEntry {
+    /// The layer blob the step produced.
+    pub layer: BlobDigest,
+    /// When written, unix seconds.
+    pub time: u64,
+}
+
+impl Store {
+    async fn write_lease(&self, r: &LeaseRecord) -> Result<(), StoreError> {
+        // Serializing these plain types cannot fail.
+        let bytes = Bytes::from(serde_json::to_vec(r).unwrap_or_default());
+        self.backend.put(&format!("leases/{}", r.id), bytes).await?;
+        Ok(())
+    }
+
+    /// Creates (or replaces) lease `id` expiring `ttl` from now, holding `objs`.
+    pub async fn create_lease(
+        &self,
+        id: &str,
+        ttl: Duration,
+        objs: impl IntoIterator<Item = ObjectRef>,
+    ) -> Result<Lease, StoreError> {
+        check_id(id)?;
+        let record = LeaseRecord {
+            id: id.to_string(),
+            expires: unix_now() + ttl.as_secs(),
+            host: hostname(),
+            objects: objs.into_iter().map(|o| o.key()).collect(),
+        };
+        self.write_lease(&record).await?;
+        Ok(Lease {
+            store: self.clone(),
+            record: tokio::sync::Mutex::new(record),
+        })
+    }
+
+    /// Every lease (expired ones included); corrupt lease objects are errors, since GC must
+    /// not guess what they protect.
+    pub async fn list_leases(&self) -> Result<Vec<LeaseRecord>, StoreError> {
+        let mut out = Vec::new();
+        for o in self.backend.list("leases/").await? {
+            let bytes = match self.backend.get(&o.key).await {
+                Ok(b) => b,
+                Err(e) if e.is_not_found() => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let r: LeaseRecord =
+                serde_json::from_slice(&bytes).map_err(|e| LeaseError::Corrupt {
+                    key: o.key.clone(),
+                    store: self.url().to_string(),
+                    reason: e.to_string(),
+                })?;
+            out.push(r);
+        }
+        Ok(out)
+    }
+
+    /// Writes build-cache entry `cache/<key>` → `layer`, stamped now. `key` is one key
+    /// segment (`[A-Za-z0-9._-]`, e.g. the hex of the step's cache digest).
+    pub async fn put_cache_entry(&self, key: &str, layer: BlobDigest) -> Result<(), StoreError> {
+        check_id(key)?;
+        let e = CacheEntry {
+            layer,
+            time: unix_now(),
+        };
+        // Serializing these plain types cannot fail.
+        let bytes = Bytes::from(serde_json::to_vec(&e).unwrap_or_default());
+        self.backend.put(&format!("cache/{key}"), bytes).await?;
+        Ok(())
+    }
+
+    /// Reads build-cache entry `key`, `None` when absent.
+    pub async fn get_cache_entry(&self, key: &str) -> Result<Option<CacheEntry>, StoreError> {
+        check_id(key)?;
+        let k = format!("cache/{key}");
+        match self.backend.get(&k).await {
+            Ok(b) => Ok(Some(serde_json::from_slice(&b).map_err(|e| {
+                LeaseError::Corrupt {
+                    key: k,
+                    store: self.url().to_string(),
+                    reason: e.to_string(),
+                }
+            })?)),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Every build-cache entry as (key, entry); corrupt ones are skipped with a warning.
+    pub async fn list_cache_entries(&self) -> Result<Vec<(String, CacheEntry)>, StoreError> {
+        let mut out = Vec::new();
+        for o in self.backend.list("cache/").await? {
+            let key = o.key.trim_start_matches("cache/").to_string();
+            match self.get_cache_entry(&key).await {
+                Ok(Some(e)) => out.push((key, e)),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(key, error = %e, "skipping cache entry"),
+            }
+        }
+        Ok(out)
+    }
+}

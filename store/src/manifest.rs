@@ -1,0 +1,413 @@
+//! Manifests: JSON documents naming everything an artifact is made of.
+//!
+//! A manifest is stored at `manifests/sha256/<hex>`, named by the sha256 of its raw bytes
+//! ([`ManifestDigest`]). The raw bytes are kept ([`RawManifest`]) and never re-serialized, so a
+//! digest always matches what was read. Every manifest is a JSON object with `schemaVersion`
+//! (currently 1) and `mediaType`, which selects the type:
+//!
+//! - [`IMAGE_MEDIA_TYPE`] → [`ImageManifest`]: an ext4 image as a chunk table, its size, the
+//!   OCI manifest and config it was built from (as blobs), recipe digest, provenance, and the
+//!   snapshot taken from it once booted. No build time: identical inputs give identical bytes.
+//! - [`SNAPSHOT_MEDIA_TYPE`] → [`SnapshotManifest`]: memory chunk table, vmstate blob, disk
+//!   chunk table, compatibility key, and the image manifest it came from.
+//!
+//! Unknown fields are rejected (`deny_unknown_fields`): GC must never under-count references
+//! because an older reader skipped a field it did not know. Manifests larger than
+//! [`MAX_MANIFEST_LEN`] are refused before parsing. [`references`] lists what a manifest
+//! refers to, for GC, verify and copy alike.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::chunk::{ChunkError, ChunkTable};
+use crate::digest::{BlobDigest, ChunkDigest, ManifestDigest};
+
+/// Media type of [`ImageManifest`].
+pub const IMAGE_MEDIA_TYPE: &str = "application/vnd.kiln.image.manifest.v1+json";
+/// Media type of [`SnapshotManifest`].
+pub const SNAPSHOT_MEDIA_TYPE: &str = "application/vnd.kiln.snapshot.manifest.v1+json";
+/// The only `schemaVersion` written and accepted.
+pub const SCHEMA_VERSION: u32 = 1;
+/// Largest manifest accepted, in bytes (64 MiB: a 1 TiB disk in 64 KiB chunks is ~16 M
+/// entries; real tables are far smaller, and this bounds what a hostile store can make us parse).
+pub const MAX_MANIFEST_LEN: usize = 64 << 20;
+
+/// Errors about manifests.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    /// Not JSON, missing fields, unknown fields, wrong types.
+    #[error("manifest {digest} does not parse: {reason}")]
+    Parse {
+        /// The manifest.
+        digest: ManifestDigest,
+        /// The parser's message.
+        reason: String,
+    },
+    /// A `mediaType` this version does not know.
+    #[error("manifest {digest} has unknown mediaType {media_type:?}")]
+    UnknownMediaType {
+        /// The manifest.
+        digest: ManifestDigest,
+        /// What it says.
+        media_type: String,
+    },
+    /// A `schemaVersion` other than [`SCHEMA_VERSION`].
+    #[error("manifest {digest} has schemaVersion {version}, expected 1")]
+    SchemaVersion {
+        /// The manifest.
+        digest: ManifestDigest,
+        /// What it says.
+        version: u64,
+    },
+    /// Larger than [`MAX_MANIFEST_LEN`].
+    #[error("manifest {digest} is {len} bytes, over the {MAX_MANIFEST_LEN}-byte limit")]
+    TooLarge {
+        /// The manifest.
+        digest: ManifestDigest,
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The bytes read do not hash to the manifest's name.
+    #[error("manifest {digest} in {store}: bytes hash to {actual}")]
+    DigestMismatch {
+        /// The manifest asked for.
+        digest: ManifestDigest,
+        /// The store read.
+        store: String,
+        /// What the bytes hash to.
+        actual: ManifestDigest,
+    },
+    /// A chunk table inside the manifest is invalid.
+    #[error("manifest {digest}: {field}: {source}")]
+    Table {
+        /// The manifest.
+        digest: ManifestDigest,
+        /// Which table (`disk`, `memory`).
+        field: &'static str,
+        /// What is wrong.
+        source: ChunkError,
+    },
+    /// Serializing a new manifest failed (should not happen for these types).
+    #[error("serializing manifest: {0}")]
+    Serialize(String),
+}
+
+/// A blob reference: digest of stored bytes, size, and optionally its media type.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BlobRef {
+    /// sha256 of the stored bytes.
+    pub digest: BlobDigest,
+    /// Stored size in bytes.
+    pub size: u64,
+    /// Media type (e.g. `application/vnd.oci.image.config.v1+json`), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub media_type: Option<String>,
+}
+
+/// An image: an ext4 filesystem image as a chunk table plus where it came from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ImageManifest {
+    /// Always [`SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// Always [`IMAGE_MEDIA_TYPE`].
+    pub media_type: String,
+    /// The ext4 image (its `size` is the image size in bytes).
+    pub disk: ChunkTable,
+    /// The OCI image manifest it was built from, as a blob.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oci_manifest: Option<BlobRef>,
+    /// The OCI image config, as a blob.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oci_config: Option<BlobRef>,
+    /// Other blobs the image needs kept (e.g. OCI layers), in no particular order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub blobs: Vec<BlobRef>,
+    /// Digest (`sha256:<hex>`) of the recipe (Dockerfile or YAML plan) it was built from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recipe_digest: Option<String>,
+    /// Free-form provenance (builder version, base image reference...). No times.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub provenance: BTreeMap<String, String>,
+    /// The snapshot manifest taken from this image once booted, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<ManifestDigest>,
+}
+
+impl ImageManifest {
+    /// A manifest with the required fields and nothing else.
+    pub fn new(disk: ChunkTable) -> Self {
+        Self {
+            schema_version: SCHEMA_VERSION,
+            media_type: IMAGE_MEDIA_TYPE.to_string(),
+            disk,
+            oci_manifest: None,
+            oci_config: None,
+            blobs: Vec::new(),
+            recipe_digest: None,
+            provenance: BTreeMap::new(),
+            snapshot: None,
+        }
+    }
+}
+
+/// A snapshot of a booted VM: memory, device state, disk, and what it needs to wake.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SnapshotManifest {
+    /// Always [`SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// Always [`SNAPSHOT_MEDIA_TYPE`].
+    pub media_type: String,
+    /// The guest memory file.
+    pub memory: ChunkTable,
+    /// The VMM's device/CPU state.
+    pub vmstate: BlobRef,
+    /// The disk at snapshot time.
+    pub disk: ChunkTable,
+    /// What a host must offer to restore it (CPU features, VMM version...), opaque here.
+    pub compatibility_key: String,
+    /// The image manifest the VM booted from.
+    pub image: ManifestDigest,
+}
+
+/// A parsed manifest of any known type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Manifest {
+    /// [`IMAGE_MEDIA_TYPE`].
+    Image(ImageManifest),
+    /// [`SNAPSHOT_MEDIA_TYPE`].
+    Snapshot(SnapshotManifest),
+}
+
+/// A manifest's exact bytes and their digest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawManifest {
+    /// sha256 of `bytes`.
+    pub digest: ManifestDigest,
+    /// The JSON bytes as stored.
+    pub bytes: Bytes,
+}
+
+impl RawManifest {
+    /// Wraps bytes, computing their digest.
+    pub fn new(bytes: Bytes) -> Self {
+        Self {
+            digest: ManifestDigest::of(&bytes),
+            bytes,
+        }
+    }
+
+    /// Serializes a manifest once (compact JSON, field order as declared).
+    pub fn encode(m: &Manifest) -> Result<Self, ManifestError> {
+        let v = match m {
+            Manifest::Image(i) => serde_json::to_vec(i),
+            Manifest::Snapshot(s) => serde_json::to_vec(s),
+        }
+        .map_err(|e| ManifestError::Serialize(e.to_string()))?;
+        Ok(Self::new(Bytes::from(v)))
+    }
+
+    /// Parses and validates (schema version, media type, chunk tables).
+    pub fn parse(&self) -> Result<Manifest, ManifestError> {
+        let digest = self.digest;
+        if self.bytes.len() > MAX_MANIFEST_LEN {
+            return Err(ManifestError::TooLarge {
+                digest,
+                len: self.bytes.len(),
+            });
+        }
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Head {
+            schema_version: u64,
+            media_type: String,
+        }
+        let perr = |e: serde_json::Error| ManifestError::Parse {
+            digest,
+            reason: e.to_string(),
+        };
+        let head: Head = serde_json::from_slice(&self.bytes).map_err(perr)?;
+        if head.schema_version != u64::from(SCHEMA_VERSION) {
+            return Err(ManifestError::SchemaVersion {
+                digest,
+                version: head.schema_version,
+            });
+        }
+        let table = |field, t: &ChunkTable| {
+            t.validate().map_err(|source| ManifestError::Table {
+                digest,
+                field,
+                source,
+            })
+        };
+        match head.media_type.as_str() {
+            IMAGE_MEDIA_TYPE => {
+                let m: ImageManifest = serde_json::from_slice(&self.bytes).map_err(perr)?;
+                table("disk", &m.disk)?;
+                Ok(Manifest::Image(m))
+            }
+            SNAPSHOT_MEDIA_TYPE => {
+                let m: SnapshotManifest = serde_json::from_slice(&self.bytes).map_err(perr)?;
+                table("memory", &m.memory)?;
+                table("disk", &m.disk)?;
+                Ok(Manifest::Snapshot(m))
+            }
+            _ => Err(ManifestError::UnknownMediaType {
+                digest,
+                media_type: head.media_type,
+            }),
+        }
+    }
+}
+
+/// Any object in the store that can be referenced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ObjectRef {
+    /// `manifests/sha256/<hex>`.
+    Manifest(ManifestDigest),
+    /// `blobs/sha256/<hex>`.
+    Blob(BlobDigest),
+    /// `chunks/sha256/<hex>`.
+    Chunk(ChunkDigest),
+}
+
+impl ObjectRef {
+    /// The object's store key.
+    pub fn key(&self) -> String {
+        match self {
+            ObjectRef::Manifest(d) => d.key(),
+            ObjectRef::Blob(d) => d.key(),
+            ObjectRef::Chunk(d) => d.key(),
+        }
+    }
+
+    /// Parses a content-addressed key back into a reference.
+    pub fn from_key(key: &str) -> Option<Self> {
+        ManifestDigest::from_key(key)
+            .map(ObjectRef::Manifest)
+            .or_else(|| BlobDigest::from_key(key).map(ObjectRef::Blob))
+            .or_else(|| ChunkDigest::from_key(key).map(ObjectRef::Chunk))
+    }
+}
+
+impl std::fmt::Display for ObjectRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.key())
+    }
+}
+
+/// Everything a manifest refers to directly: other manifests first, then blobs, then chunks
+/// (distinct, in table order). Holes refer to nothing.
+pub fn references(m: &Manifest) -> Vec<ObjectRef> {
+    let mut out = Vec::new();
+    let mut tables: Vec<&ChunkTable> = Vec::new();
+    match m {
+        Manifest::Image(i) => {
+            out.extend(i.snapshot.map(ObjectRef::Manifest));
+            for b in i.oci_manifest.iter().chain(&i.oci_config).chain(&i.blobs) {
+                out.push(ObjectRef::Blob(b.digest));
+            }
+            tables.push(&i.disk);
+        }
+        Manifest::Snapshot(s) => {
+            out.push(ObjectRef::Manifest(s.image));
+            out.push(ObjectRef::Blob(s.vmstate.digest));
+            tables.push(&s.memory);
+            tables.push(&s.disk);
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    out.retain(|r| seen.insert(*r));
+    for t in tables {
+        for d in t.chunk_digests() {
+            if seen.insert(ObjectRef::Chunk(d)) {
+                out.push(ObjectRef::Chunk(d));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chunk::{ChunkEntry, Chunking};
+
+    fn table() -> ChunkTable {
+        ChunkTable {
+            size: 8,
+            chunking: Chunking::DISK_DEFAULT,
+            entries: vec![
+                ChunkEntry {
+                    offset: 0,
+                    raw_len: 4,
+                    digest: Some(ChunkDigest::of(b"a")),
+                    stored_len: 3,
+                },
+                ChunkEntry {
+                    offset: 4,
+                    raw_len: 4,
+                    digest: None,
+                    stored_len: 0,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn round_trip_keeps_bytes_and_refs() {
+        let mut m = ImageManifest::new(table());
+        m.oci_config = Some(BlobRef {
+            digest: BlobDigest::of(b"cfg"),
+            size: 3,
+            media_type: None,
+        });
+        let raw = RawManifest::encode(&Manifest::Image(m.clone())).unwrap();
+        assert_eq!(raw.parse().unwrap(), Manifest::Image(m.clone()));
+        let refs = references(&Manifest::Image(m));
+        assert_eq!(
+            refs,
+            vec![
+                ObjectRef::Blob(BlobDigest::of(b"cfg")),
+                ObjectRef::Chunk(ChunkDigest::of(b"a"))
+            ]
+        );
+        // Same bytes with different whitespace are a different manifest, kept as is.
+        let spaced = RawManifest::new(Bytes::from(
+            String::from_utf8(raw.bytes.to_vec())
+                .unwrap()
+                .replace(',', ", "),
+        ));
+        assert_ne!(spaced.digest, raw.digest);
+        assert!(spaced.parse().is_ok());
+    }
+
+    #[test]
+    fn bad_manifests_are_named_errors() {
+        let p = |s: &str| RawManifest::new(Bytes::from(s.to_string())).parse();
+        assert!(matches!(p("{"), Err(ManifestError::Parse { .. })));
+        assert!(matches!(p("[]"), Err(ManifestError::Parse { .. })));
+        assert!(matches!(
+            p(r#"{"schemaVersion":2,"mediaType":"x"}"#),
+            Err(ManifestError::SchemaVersion { .. })
+        ));
+        assert!(matches!(
+            p(r#"{"schemaVersion":1,"mediaType":"x"}"#),
+            Err(ManifestError::UnknownMediaType { .. })
+        ));
+        let mut good = serde_json::to_value(ImageManifest::new(table())).unwrap();
+        good["extra"] = 1.into();
+        assert!(matches!(
+            p(&good.to_string()),
+            Err(ManifestError::Parse { .. })
+        ));
+        let mut gap = ImageManifest::new(table());
+        gap.disk.entries[1].offset = 5;
+        let raw = RawManifest::encode(&Manifest::Image(gap)).unwrap();
+        assert!(matches!(raw.parse(), Err(ManifestError::Table { .. })));
+    }
+}

@@ -1,0 +1,307 @@
+//! [`Store`]: the typed store over one backend.
+//!
+//! A `Store` is cheap to clone (shared handles). It adds to the raw backend: digest checks on
+//! every read, put-if-absent for immutable objects, a local index of chunks known to exist
+//! (saves `put` round trips on repeated pushes), and an optional on-disk read cache of chunks.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::backend::retry::{MetricsSnapshot, RetryPolicy, Retrying};
+use crate::backend::s3::S3Options;
+use crate::backend::{self, Backend, PutOutcome};
+use crate::chunk::{self, EncodedChunk};
+use crate::digest::{ChunkDigest, ManifestDigest};
+use crate::manifest::{MAX_MANIFEST_LEN, Manifest, ManifestError, ObjectRef, RawManifest};
+use crate::readcache::ReadCache;
+use crate::{StoreError, unix_now};
+
+/// Options for [`Store::open_with`]. `Default` gives: environment S3 settings, default retry
+/// policy, no read cache, in-memory known-chunk index, 8 parallel uploads.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// S3 overrides (endpoint, region, credentials).
+    pub s3: S3Options,
+    /// Retry policy of the backend wrapper.
+    pub retry: RetryPolicy,
+    /// On-disk read cache of chunks: directory and size bound in bytes.
+    pub read_cache: Option<(PathBuf, u64)>,
+    /// File persisting the known-chunk index across processes (one `<hex> <unix secs>` line per
+    /// chunk); `None` keeps it in memory only.
+    pub known_index: Option<PathBuf>,
+    /// How long a "chunk exists" entry is trusted (default 1 h, the GC grace period: GC never
+    /// deletes an object younger than that, and a push holds a lease on what it found).
+    pub known_ttl: Duration,
+    /// Chunk uploads/downloads in flight at once (default 8).
+    pub parallelism: usize,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            s3: S3Options::default(),
+            retry: RetryPolicy::default(),
+            read_cache: None,
+            known_index: None,
+            known_ttl: Duration::from_secs(3600),
+            parallelism: 8,
+        }
+    }
+}
+
+/// Chunks known to exist in the store, with when that was last confirmed (unix seconds).
+#[derive(Debug)]
+pub(crate) struct KnownChunks {
+    map: Mutex<HashMap<ChunkDigest, u64>>,
+    file: Option<PathBuf>,
+    ttl: Duration,
+}
+
+impl KnownChunks {
+    fn load(file: Option<PathBuf>, ttl: Duration) -> Self {
+        let mut map = HashMap::new();
+        if let Some(f) = &file
+            && let Ok(text) = std::fs::read_to_string(f)
+        {
+            for line in text.lines() {
+                let mut it = line.split(' ');
+                if let (Some(h), Some(t)) = (it.next(), it.next())
+                    && let (Ok(d), Ok(t)) = (crate::digest::Sha256Hash::from_hex(h), t.parse())
+                {
+                    map.insert(ChunkDigest(d), t);
+                }
+            }
+        }
+        Self {
+            map: Mutex::new(map),
+            file,
+            ttl,
+        }
+    }
+
+    pub(crate) fn contains(&self, d: &ChunkDigest) -> bool {
+        let now = unix_now();
+        // The lock is never held across a panic point, so poisoning cannot happen; recover anyway.
+        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.get(d)
+            .is_some_and(|t| now.saturating_sub(*t) < self.ttl.as_secs())
+    }
+
+    pub(crate) fn insert(&self, d: ChunkDigest) {
+        let now = unix_now();
+        self.map
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(d, now);
+        if let Some(f) = &self.file {
+            use std::io::Write;
+            // Best effort: the index only saves round trips.
+            if let Ok(mut file) = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(f)
+            {
+                let _ = writeln!(file, "{} {now}", d.hex());
+            }
+        }
+    }
+
+    pub(crate) fn forget(&self, d: &ChunkDigest) {
+        self.map.lock().unwrap_or_else(|p| p.into_inner()).remove(d);
+    }
+}
+
+/// The content-addressed store. See the crate doc for the key layout.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pub(crate) backend: Arc<Retrying>,
+    pub(crate) known: Arc<KnownChunks>,
+    pub(crate) cache: Option<Arc<ReadCache>>,
+    pub(crate) parallelism: usize,
+}
+
+impl Store {
+    /// Opens the store at `url` (a path, `file://PATH` or `s3://bucket/prefix`) with default
+    /// options. Local directories are created if missing; S3 makes no request yet.
+    pub async fn open(url: &str) -> Result<Self, StoreError> {
+        Self::open_with(url, StoreOptions::default()).await
+    }
+
+    /// Opens the default store: `$KILN_STORE`, else `~/.local/share/kiln/store`.
+    pub async fn open_default() -> Result<Self, StoreError> {
+        Self::open(&backend::StoreUrl::default_url()?).await
+    }
+
+    /// Opens with explicit options.
+    pub async fn open_with(url: &str, opts: StoreOptions) -> Result<Self, StoreError> {
+        let backend = backend::open_with(url, &opts.s3, opts.retry).await?;
+        let cache = match &opts.read_cache {
+            Some((dir, max)) => Some(Arc::new(ReadCache::open(dir, *max).await?)),
+            None => None,
+        };
+        Ok(Self {
+            backend,
+            known: Arc::new(KnownChunks::load(opts.known_index.clone(), opts.known_ttl)),
+            cache,
+            parallelism: opts.parallelism.max(1),
+        })
+    }
+
+    /// Wraps an already-built backend (e.g. a fault injector in tests) with the standard
+    /// retry/metrics wrapper.
+    pub fn from_backend(inner: Arc<dyn Backend>, opts: StoreOptions) -> Self {
+        Self {
+            backend: Arc::new(Retrying::new(inner, opts.retry)),
+            known: Arc::new(KnownChunks::load(opts.known_index, opts.known_ttl)),
+            cache: None,
+            parallelism: opts.parallelism.max(1),
+        }
+    }
+
+    /// The store's URL (`file:///...` or `s3://bucket/prefix`), as used in error messages.
+    pub fn url(&self) -> &str {
+        self.backend.url()
+    }
+
+    /// The backend (with retries and metrics), for primitives this type does not wrap.
+    pub fn backend(&self) -> &Arc<Retrying> {
+        &self.backend
+    }
+
+    /// Request and byte counters since open.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.backend.metrics()
+    }
+
+    /// Whether an object exists (one `head`).
+    pub async fn has(&self, obj: &ObjectRef) -> Result<bool, StoreError> {
+        Ok(self.backend.head(&obj.key()).await?.is_some())
+    }
+
+    // ---- chunks ----
+
+    /// Compresses and stores one raw chunk unless already present. Returns the encoded chunk
+    /// and whether this call uploaded it (`false`: known or found present).
+    pub async fn put_chunk(&self, raw: Bytes) -> Result<(EncodedChunk, bool), StoreError> {
+        let enc = tokio::task::spawn_blocking(move || chunk::encode(&raw))
+            .await
+            .map_err(|e| StoreError::io("encode", std::io::Error::other(e)))??;
+        let uploaded = self.put_encoded_chunk(&enc).await?;
+        Ok((enc, uploaded))
+    }
+
+    /// Stores an encoded chunk unless known or present (put-if-absent). Returns `true` when
+    /// this call wrote it. The caller vouches that `stored` is the zstd frame of bytes hashing
+    /// to `digest` (use [`chunk::encode`]).
+    pub async fn put_encoded_chunk(&self, enc: &EncodedChunk) -> Result<bool, StoreError> {
+        if self.known.contains(&enc.digest) {
+            return Ok(false);
+        }
+        let out = self
+            .backend
+            .put_if_absent(&enc.digest.key(), enc.stored.clone(), None)
+            .await?;
+        self.known.insert(enc.digest);
+        Ok(out == PutOutcome::Created)
+    }
+
+    /// A chunk's stored bytes (the zstd frame), unverified; for copying between stores.
+    pub async fn get_chunk_stored(&self, digest: &ChunkDigest) -> Result<Bytes, StoreError> {
+        Ok(self.backend.get(&digest.key()).await?)
+    }
+
+    /// A chunk's raw bytes, verified: decompressed with at most `max_raw_len` bytes and hashed.
+    /// A mismatch is [`ChunkError::DigestMismatch`] naming chunk and store. Goes through the
+    /// read cache when one is configured.
+    pub async fn get_chunk(
+        &self,
+        digest: &ChunkDigest,
+        max_raw_len: u64,
+    ) -> Result<Bytes, StoreError> {
+        if let Some(c) = &self.cache
+            && let Some(b) = c.get(digest).await
+        {
+            return Ok(b);
+        }
+        let stored = self.backend.get(&digest.key()).await?;
+        let d = *digest;
+        let url = self.url().to_string();
+        let raw =
+            tokio::task::spawn_blocking(move || chunk::decode(&d, &stored, max_raw_len, &url))
+                .await
+                .map_err(|e| StoreError::io("decode", std::io::Error::other(e)))?;
+        let raw = match raw {
+            Ok(r) => Bytes::from(r),
+            Err(e) => {
+                self.known.forget(digest);
+                return Err(e.into());
+            }
+        };
+        if let Some(c) = &self.cache {
+            c.put(digest, &raw).await;
+        }
+        Ok(raw)
+    }
+
+    // ---- manifests ----
+
+    /// Serializes and stores a manifest (put-if-absent). Returns its raw form and digest.
+    pub async fn put_manifest(&self, m: &Manifest) -> Result<RawManifest, StoreError> {
+        let raw = RawManifest::encode(m)?;
+        self.put_raw_manifest(&raw).await?;
+        Ok(raw)
+    }
+
+    /// Stores manifest bytes as given after checking they parse (put-if-absent, digest checked
+    /// by the backend before the object becomes visible).
+    pub async fn put_raw_manifest(&self, raw: &RawManifest) -> Result<(), StoreError> {
+        raw.parse()?;
+        self.backend
+            .put_if_absent(&raw.digest.key(), raw.bytes.clone(), Some(raw.digest.0))
+            .await?;
+        Ok(())
+    }
+
+    /// A manifest's bytes, checked against its digest and size limit (not parsed).
+    pub async fn get_raw_manifest(
+        &self,
+        digest: &ManifestDigest,
+    ) -> Result<RawManifest, StoreError> {
+        let key = digest.key();
+        if let Some(info) = self.backend.head(&key).await?
+            && info.size > MAX_MANIFEST_LEN as u64
+        {
+            return Err(ManifestError::TooLarge {
+                digest: *digest,
+                len: info.size as usize,
+            }
+            .into());
+        }
+        let bytes = self.backend.get(&key).await?;
+        let raw = RawManifest::new(bytes);
+        if raw.digest != *digest {
+            return Err(ManifestError::DigestMismatch {
+                digest: *digest,
+                store: self.url().to_string(),
+                actual: raw.digest,
+            }
+            .into());
+        }
+        Ok(raw)
+    }
+
+    /// A manifest, checked and parsed.
+    pub async fn get_manifest(&self, digest: &ManifestDigest) -> Result<Manifest, StoreError> {
+        Ok(self.get_raw_manifest(digest).await?.parse()?)
+    }
+}
+
+impl From<tokio::task::JoinError> for StoreError {
+    fn from(e: tokio::task::JoinError) -> Self {
+        StoreError::io("task", std::io::Error::other(e))
+    }
+}
