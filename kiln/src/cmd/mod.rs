@@ -1,0 +1,149 @@
+//! Subcommands, one file each, plus what they share: output ([`Out`]: text or JSON lines),
+//! opening a store, and the exit codes ([`exit`]).
+
+pub mod progress;
+pub mod store;
+pub mod tag;
+pub mod tags;
+pub mod untag;
+
+use std::process::ExitCode;
+
+use kiln_store::{StoreError, TagError};
+use serde_json::{Value, json};
+
+/// Exit codes of every `kiln` subcommand.
+///
+/// | code | meaning |
+/// | ---: | --- |
+/// | 0 | success |
+/// | 1 | failure (I/O, network, corrupt data, invalid input) |
+/// | 2 | command-line usage error (clap) |
+/// | 3 | `kiln store verify` found damage (missing or corrupt objects, broken tags) |
+/// | 4 | a tag moved under us: a compare-and-swap lost to another writer (retry may succeed) |
+/// | 5 | the tag or manifest asked for does not exist |
+pub mod exit {
+    /// Success.
+    pub const OK: u8 = 0;
+    /// Any other failure.
+    pub const FAILURE: u8 = 1;
+    /// `kiln store verify` found damage.
+    #[allow(dead_code)] // used by `kiln store verify`, next
+    pub const DAMAGED: u8 = 3;
+    /// A tag compare-and-swap lost.
+    pub const STALE: u8 = 4;
+    /// The tag or manifest does not exist.
+    pub const NOT_FOUND: u8 = 5;
+}
+
+/// A failure with its exit code.
+#[derive(Debug)]
+pub struct Failure {
+    /// The exit code (see [`exit`]).
+    pub code: u8,
+    /// What went wrong.
+    pub error: anyhow::Error,
+}
+
+impl<E: Into<anyhow::Error>> From<E> for Failure {
+    fn from(e: E) -> Self {
+        let error = e.into();
+        let code = match error.downcast_ref::<StoreError>() {
+            Some(StoreError::Tag(TagError::Stale { .. })) => exit::STALE,
+            Some(StoreError::Tag(TagError::NotFound { .. } | TagError::MissingManifest { .. })) => {
+                exit::NOT_FOUND
+            }
+            _ => exit::FAILURE,
+        };
+        Failure { code, error }
+    }
+}
+
+/// What a subcommand returns.
+pub type CmdResult = Result<(), Failure>;
+
+/// Where results go: text on stdout (messages on stderr), or JSON lines on stdout.
+#[derive(Debug, Clone, Copy)]
+pub struct Out {
+    /// `--json` was given.
+    pub json: bool,
+}
+
+impl Out {
+    /// Output in the mode `--json` asks for.
+    pub fn new(json: bool) -> Self {
+        Self { json }
+    }
+
+    /// Emits one event: in JSON mode `{"event": kind, ...fields}` on one stdout line, else
+    /// `text` (when not empty) on stdout.
+    pub fn event(&self, kind: &str, fields: Value, text: impl FnOnce() -> String) {
+        if self.json {
+            let mut obj = serde_json::Map::new();
+            obj.insert("event".into(), Value::String(kind.into()));
+            if let Value::Object(m) = fields {
+                obj.extend(m);
+            }
+            println!("{}", Value::Object(obj));
+        } else {
+            let t = text();
+            if !t.is_empty() {
+                println!("{t}");
+            }
+        }
+    }
+}
+
+/// Runs a subcommand on a tokio runtime and turns its result into the exit code, printing a
+/// failure as `kiln: <error chain>` on stderr (and as an `error` event with `--json`).
+pub fn run<F>(out: &Out, f: F) -> ExitCode
+where
+    F: AsyncFnOnce(&Out) -> CmdResult,
+{
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kiln: cannot start the async runtime: {e}");
+            return ExitCode::from(exit::FAILURE);
+        }
+    };
+    match rt.block_on(f(out)) {
+        Ok(()) => ExitCode::from(exit::OK),
+        Err(Failure { code, error }) => {
+            let msg = format!("{error:#}");
+            if out.json {
+                out.event("error", json!({"code": code, "message": msg}), String::new);
+            }
+            eprintln!("kiln: {msg}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+/// Opens the store `url`, else the default one (`$KILN_STORE`, else
+/// `~/.local/share/kiln/store`).
+pub async fn open_store(url: Option<&str>) -> Result<kiln_store::Store, StoreError> {
+    match url {
+        Some(u) => kiln_store::Store::open(u).await,
+        None => kiln_store::Store::open_default().await,
+    }
+}
+
+/// A lease id unique to this process and moment: `<what>-<host>-<pid>-<nanos>`, within the
+/// store's key grammar.
+pub fn lease_id(what: &str) -> String {
+    let host: String = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{what}-{host}-{}-{nanos}", std::process::id())
+}
