@@ -91,8 +91,11 @@ fi
 
 # --- Python tools (moto's S3 server) in a venv -----------------------------------------------
 venv=$KILN_CI_CACHE/venv
-moto_version=5.1.4
+# 5.1.4 ignores If-Match on PutObject (a stale compare-and-swap succeeds); 5.1.22 checks it.
+moto_version=5.1.22
+moto_reinstalled=
 if ! "$venv/bin/python" -c "import moto, sys; sys.exit(moto.__version__ != '$moto_version')" 2>/dev/null; then
+  moto_reinstalled=1
   log "installing moto[server]==$moto_version into $venv"
   rm -rf "$venv"
   python3 -m venv "$venv"
@@ -154,7 +157,12 @@ start_bg registry-auth 5001 docker-registry serve "$run/registry-auth.yml"
 export KILN_TEST_REGISTRY=127.0.0.1:5000
 export KILN_TEST_REGISTRY_AUTH=127.0.0.1:5001
 
-# moto's S3 server, in memory.
+# moto's S3 server, in memory. A server started from an older install is restarted.
+if [ -n "$moto_reinstalled" ] && [ -f "$run/moto.pid" ] && port_open 9000; then
+  log "restarting moto (version changed)"
+  kill "$(cat "$run/moto.pid")" 2>/dev/null || true
+  for _ in $(seq 1 50); do port_open 9000 || break; sleep 0.1; done
+fi
 start_bg moto 9000 "$venv/bin/moto_server" -H 127.0.0.1 -p 9000
 export KILN_TEST_S3_ENDPOINT=http://127.0.0.1:9000
 export KILN_TEST_S3_BUCKET=kiln-test

@@ -106,8 +106,8 @@ impl Lease {
         self.store.write_lease(&r).await
     }
 
-    /// Deletes the lease object.
-    pub async fn release(self) -> Result<(), StoreError> {
+    /// Deletes the lease object (the handle stays usable: a later `add` recreates it).
+    pub async fn release(&self) -> Result<(), StoreError> {
         let id = self.record.lock().await.id.clone();
         Ok(self.store.backend.delete(&format!("leases/{id}")).await?)
     }

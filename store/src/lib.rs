@@ -30,6 +30,26 @@
 //! - [`tag`]: tags and their history; [`lease`]: leases and build-cache entries.
 //! - [`gc`] (mark is pure; sweep separate), [`verify`], [`copy`] (push/pull between stores,
 //!   with [`progress`] events).
+//!
+//! ## Example: publish an ext4 image and read it back
+//! ```no_run
+//! # async fn demo() -> Result<(), kiln_store::StoreError> {
+//! use kiln_store::{artifact::PutArtifactOptions, ImageManifest, Manifest, Store, TagRef};
+//! let store = Store::open("s3://bucket/prefix").await?; // or a path, or Store::open_default()
+//! let opts = PutArtifactOptions::default(); // FastCDC 16/64/256 KiB
+//! let (table, stats) = store.put_artifact("rootfs.ext4".as_ref(), &opts).await?; // 1. chunks
+//! let mut m = ImageManifest::new(table);
+//! m.oci_config = Some(store.put_blob(b"{}".to_vec().into()).await?);
+//! let raw = store.put_manifest(&Manifest::Image(m)).await?; // 2. manifest
+//! let tag: TagRef = "base:latest".parse()?;
+//! let previous = store.get_tag(&tag).await?.map(|r| r.manifest);
+//! store.set_tag(&tag, previous, raw.digest).await?; // 3. tag (compare-and-swap)
+//! if let Manifest::Image(m) = store.get_manifest(&store.resolve_tag(&tag).await?).await? {
+//!     store.materialize(&m.disk, "out.ext4".as_ref(), None).await?; // sparse, verified
+//! }
+//! println!("uploaded {} of {} chunks", stats.chunks_transferred, stats.chunks);
+//! # Ok(()) }
+//! ```
 
 // Errors carry the digests, keys and store URL they are about (reads must name the chunk and
 // the store); that makes them large, a cost paid only on the error path.

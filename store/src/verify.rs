@@ -1,1 +1,352 @@
-//! verify (in progress).
+//! Verify: check that everything reachable is present and well-formed, and list orphans.
+//!
+//! From every tag (and every live lease and cache entry, as GC sees them): each reachable
+//! manifest must read, hash to its name and parse (including chunk-table validation); each
+//! chunk and blob it names must exist; with `deep`, each chunk must decompress and hash to its
+//! name and each blob must hash to its name. Problems are [`Finding`]s in the report, never
+//! errors: a store full of damage still yields a complete report. Orphans are unreachable
+//! objects, marked with whether GC would collect them now (older than the grace period).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::SystemTime;
+
+use futures::StreamExt;
+use serde::Serialize;
+
+use crate::backend::Backend;
+use crate::digest::{BlobDigest, ChunkDigest, ManifestDigest};
+use crate::gc::{GcOptions, Marked};
+use crate::manifest::{Manifest, ManifestError, ObjectRef, references};
+use crate::{Store, StoreError};
+
+/// One problem found by verify.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "finding", rename_all = "camelCase")]
+pub enum Finding {
+    /// A tag object that does not parse.
+    TagCorrupt {
+        /// The tag key.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+    /// A tag naming a manifest the store does not have.
+    TagMissingManifest {
+        /// `name:tag`.
+        tag: String,
+        /// The manifest named.
+        manifest: ManifestDigest,
+    },
+    /// A manifest named by another manifest but absent.
+    MissingManifest {
+        /// The manifest that names it.
+        parent: ManifestDigest,
+        /// The absent one.
+        manifest: ManifestDigest,
+    },
+    /// A manifest that does not read, hash right or parse.
+    UnparseableManifest {
+        /// The manifest.
+        manifest: ManifestDigest,
+        /// Why.
+        reason: String,
+    },
+    /// A manifest whose chunk table has gaps, overlaps or bad lengths.
+    InvalidChunkTable {
+        /// The manifest.
+        manifest: ManifestDigest,
+        /// Why.
+        reason: String,
+    },
+    /// A chunk named by a manifest but absent.
+    MissingChunk {
+        /// The manifest naming it.
+        manifest: ManifestDigest,
+        /// The chunk.
+        chunk: ChunkDigest,
+    },
+    /// A chunk that does not decompress or hash to its name (deep only).
+    CorruptChunk {
+        /// The chunk.
+        chunk: ChunkDigest,
+        /// Why.
+        reason: String,
+    },
+    /// A blob named by a manifest but absent.
+    MissingBlob {
+        /// The manifest naming it.
+        manifest: ManifestDigest,
+        /// The blob.
+        blob: BlobDigest,
+    },
+    /// A blob whose bytes do not hash to its name (deep only).
+    CorruptBlob {
+        /// The blob.
+        blob: BlobDigest,
+        /// Why.
+        reason: String,
+    },
+    /// A backend error while checking an object.
+    Unreachable {
+        /// The key.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// An unreachable object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Orphan {
+    /// Its key.
+    pub key: String,
+    /// Stored size in bytes.
+    pub size: u64,
+    /// True when GC would delete it now (older than the grace period).
+    pub collectable: bool,
+}
+
+/// The outcome of [`Store::verify`].
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VerifyReport {
+    /// Problems, in discovery order.
+    pub findings: Vec<Finding>,
+    /// Unreachable objects.
+    pub orphans: Vec<Orphan>,
+    /// Manifests checked.
+    pub manifests: usize,
+    /// Distinct chunks checked.
+    pub chunks: usize,
+    /// Distinct blobs checked.
+    pub blobs: usize,
+}
+
+impl VerifyReport {
+    /// True when nothing is wrong (orphans are not problems).
+    pub fn is_ok(&self) -> bool {
+        self.findings.is_empty()
+    }
+}
+
+impl Store {
+    /// Verifies the store (see the module doc). `gc` supplies the grace period used to mark
+    /// orphans collectable and the cache TTL. Errors only when listing the store fails.
+    pub async fn verify(&self, deep: bool, gc: &GcOptions) -> Result<VerifyReport, StoreError> {
+        let mut report = VerifyReport::default();
+        // Tags, including corrupt ones (list_tags skips those).
+        let mut roots: Vec<(ManifestDigest, Option<String>)> = Vec::new();
+        for o in self.backend.list("tags/").await? {
+            if o.key.ends_with("~history") {
+                continue;
+            }
+            let Some((name, tag)) = o.key.trim_start_matches("tags/").split_once('/') else {
+                continue;
+            };
+            let Ok(t) = crate::TagRef::new(name, tag) else {
+                report.findings.push(Finding::TagCorrupt {
+                    key: o.key.clone(),
+                    reason: "invalid tag name".into(),
+                });
+                continue;
+            };
+            match self.get_tag(&t).await {
+                Ok(Some(r)) => roots.push((r.manifest, Some(t.to_string()))),
+                Ok(None) => {}
+                Err(e) => report.findings.push(Finding::TagCorrupt {
+                    key: o.key.clone(),
+                    reason: e.to_string(),
+                }),
+            }
+        }
+        // Other roots: as GC sees them (manifests only; their blobs/chunks follow).
+        let Marked { live, objects, .. } = self.mark_live(gc, false).await?;
+        let present: HashMap<&str, u64> =
+            objects.iter().map(|o| (o.key.as_str(), o.size)).collect();
+        for r in &live {
+            if let ObjectRef::Manifest(d) = r {
+                roots.push((*d, None));
+            }
+        }
+        // Walk manifests.
+        let mut seen: HashSet<ManifestDigest> = HashSet::new();
+        let mut queue: VecDeque<(ManifestDigest, Option<String>, Option<ManifestDigest>)> =
+            roots.into_iter().map(|(d, t)| (d, t, None)).collect();
+        let mut chunks: HashMap<ChunkDigest, (ManifestDigest, u64)> = HashMap::new();
+        let mut blobs: HashMap<BlobDigest, ManifestDigest> = HashMap::new();
+        while let Some((d, tag, parent)) = queue.pop_front() {
+            if !present.contains_key(d.key().as_str()) {
+                match (tag, parent) {
+                    (Some(tag), _) => report
+                        .findings
+                        .push(Finding::TagMissingManifest { tag, manifest: d }),
+                    (None, Some(parent)) => report.findings.push(Finding::MissingManifest {
+                        parent,
+                        manifest: d,
+                    }),
+                    (None, None) => {}
+                }
+                continue;
+            }
+            if !seen.insert(d) {
+                continue;
+            }
+            report.manifests += 1;
+            let m = match self.get_manifest(&d).await {
+                Ok(m) => m,
+                Err(StoreError::Manifest(ManifestError::Table { source, .. })) => {
+                    report.findings.push(Finding::InvalidChunkTable {
+                        manifest: d,
+                        reason: source.to_string(),
+                    });
+                    continue;
+                }
+                Err(e) => {
+                    report.findings.push(Finding::UnparseableManifest {
+                        manifest: d,
+                        reason: e.to_string(),
+                    });
+                    continue;
+                }
+            };
+            let max_len = max_raw_lens(&m);
+            for r in references(&m) {
+                match r {
+                    ObjectRef::Manifest(c) => queue.push_back((c, None, Some(d))),
+                    ObjectRef::Blob(b) => {
+                        blobs.entry(b).or_insert(d);
+                    }
+                    ObjectRef::Chunk(c) => {
+                        let len = max_len.get(&c).copied().unwrap_or(0);
+                        chunks.entry(c).or_insert((d, len));
+                    }
+                }
+            }
+        }
+        report.chunks = chunks.len();
+        report.blobs = blobs.len();
+        let mut to_check = Vec::new();
+        for (c, (m, len)) in &chunks {
+            if !present.contains_key(c.key().as_str()) {
+                report.findings.push(Finding::MissingChunk {
+                    manifest: *m,
+                    chunk: *c,
+                });
+            } else if deep {
+                to_check.push((*c, *len));
+            }
+        }
+        for (b, m) in &blobs {
+            if !present.contains_key(b.key().as_str()) {
+                report.findings.push(Finding::MissingBlob {
+                    manifest: *m,
+                    blob: *b,
+                });
+            } else if deep && let Err(e) = self.check_blob(b).await {
+                report.findings.push(Finding::CorruptBlob {
+                    blob: *b,
+                    reason: e.to_string(),
+                });
+            }
+        }
+        if deep {
+            let results: Vec<_> = futures::stream::iter(to_check)
+                .map(|(c, len)| async move {
+                    // Bypass the read cache: verify what the store holds.
+                    let r = match self.backend.get(&c.key()).await {
+                        Ok(stored) => {
+                            let url = self.url().to_string();
+                            tokio::task::spawn_blocking(move || {
+                                crate::chunk::decode(&c, &stored, len, &url).map(|_| ())
+                            })
+                            .await
+                            .map_err(|e| e.to_string())
+                            .and_then(|r| r.map_err(|e| e.to_string()))
+                        }
+                        Err(e) => Err(e.to_string()),
+                    };
+                    (c, r)
+                })
+                .buffer_unordered(self.parallelism)
+                .collect()
+                .await;
+            for (c, r) in results {
+                if let Err(reason) = r {
+                    report
+                        .findings
+                        .push(Finding::CorruptChunk { chunk: c, reason });
+                }
+            }
+        }
+        // Orphans.
+        let cutoff = SystemTime::now()
+            .checked_sub(gc.grace)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        for o in &objects {
+            if let Some(r) = ObjectRef::from_key(&o.key)
+                && !live.contains(&r)
+            {
+                report.orphans.push(Orphan {
+                    key: o.key.clone(),
+                    size: o.size,
+                    collectable: o.modified <= cutoff,
+                });
+            }
+        }
+        Ok(report)
+    }
+
+    /// Streams a blob in ranges and checks its digest, without keeping it.
+    pub async fn check_blob(&self, digest: &BlobDigest) -> Result<u64, StoreError> {
+        let key = digest.key();
+        let size = self
+            .backend
+            .head(&key)
+            .await?
+            .ok_or_else(|| crate::BackendError::NotFound {
+                store: self.url().to_string(),
+                key: key.clone(),
+            })?
+            .size;
+        let mut h = crate::digest::Hasher::new();
+        let mut pos = 0;
+        while pos < size {
+            let end = (pos + crate::blob::BLOB_READ_RANGE).min(size);
+            let part = self.backend.get_range(&key, pos..end).await?;
+            if part.is_empty() {
+                break;
+            }
+            h.update(&part);
+            pos += part.len() as u64;
+        }
+        let actual = BlobDigest(h.finish());
+        if actual != *digest {
+            return Err(crate::BlobError::DigestMismatch {
+                digest: *digest,
+                store: self.url().to_string(),
+                actual,
+                len: pos,
+            }
+            .into());
+        }
+        Ok(pos)
+    }
+}
+
+/// Largest raw length each chunk is used with in a manifest's tables.
+pub(crate) fn max_raw_lens(m: &Manifest) -> HashMap<ChunkDigest, u64> {
+    let tables = match m {
+        Manifest::Image(i) => vec![&i.disk],
+        Manifest::Snapshot(s) => vec![&s.memory, &s.disk],
+    };
+    let mut out: HashMap<ChunkDigest, u64> = HashMap::new();
+    for t in tables {
+        for e in &t.entries {
+            if let Some(d) = e.digest {
+                let v = out.entry(d).or_insert(0);
+                *v = (*v).max(e.raw_len);
+            }
+        }
+    }
+    out
+}

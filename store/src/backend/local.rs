@@ -432,3 +432,48 @@ impl Backend for LocalBackend {
         .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn leftovers_and_hidden_files_are_not_objects() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        b.put("chunks/sha256/aa", Bytes::from_static(b"x"))
+            .await
+            .unwrap();
+        // A crashed writer's temp file and a stray hidden file.
+        fs::write(dir.path().join(".tmp/123-0-0"), b"partial").unwrap();
+        fs::write(dir.path().join("chunks/.hidden"), b"h").unwrap();
+        let keys: Vec<String> = b
+            .list("")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|o| o.key)
+            .collect();
+        assert_eq!(keys, vec!["chunks/sha256/aa".to_string()]);
+        // A failed digest check leaves neither the object nor a temp file.
+        let wrong = Sha256Hash::of(b"other");
+        assert!(
+            b.put_if_absent("blobs/sha256/bb", Bytes::from_static(b"data"), Some(wrong))
+                .await
+                .is_err()
+        );
+        assert!(b.head("blobs/sha256/bb").await.unwrap().is_none());
+        assert_eq!(fs::read_dir(dir.path().join(".tmp")).unwrap().count(), 1);
+    }
+
+    #[tokio::test]
+    async fn symlinked_and_directory_keys_are_not_followed_as_objects() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        fs::create_dir_all(dir.path().join("tags/n")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", dir.path().join("tags/n/t")).unwrap();
+        // list ignores symlinks; head of a directory is absent.
+        assert!(b.list("tags/").await.unwrap().is_empty());
+        assert!(b.head("tags/n").await.unwrap().is_none());
+    }
+}

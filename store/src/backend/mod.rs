@@ -96,8 +96,11 @@ impl BackendError {
     }
 }
 
-/// An object's version for compare-and-swap: the S3 ETag, or the local backend's generation.
-/// Opaque; only compare it or hand it back to [`Backend::compare_and_swap`].
+/// An object's version for compare-and-swap: the S3 ETag, or the local backend's
+/// `<inode>-<ctime>-<size>`. Opaque; only compare it or hand it back to
+/// [`Backend::compare_and_swap`]. Different content always means a different version;
+/// rewriting identical bytes may keep it (an S3 ETag is the MD5 of single-part content), which
+/// is harmless for compare-and-swap since the state is then the same.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Version(pub String);
 

@@ -290,3 +290,159 @@ impl Backend for Retrying {
         self.run("delete", key, || self.inner.delete(key)).await.0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::local::LocalBackend;
+    use std::sync::atomic::AtomicU32;
+
+    /// Fault injector: fails the first `fail_before` calls of each write with `Transient`;
+    /// with `lose_reply`, the first write is performed and then reported as failed (a reply
+    /// lost on the wire), which a real server cannot be made to do on demand.
+    #[derive(Debug)]
+    struct Flaky {
+        inner: LocalBackend,
+        fail_before: u32,
+        lose_reply: bool,
+        calls: AtomicU32,
+    }
+
+    impl Flaky {
+        fn fault(&self, key: &str) -> Option<BackendError> {
+            let n = self.calls.fetch_add(1, Ordering::SeqCst);
+            (n < self.fail_before).then(|| BackendError::Transient {
+                store: "flaky".into(),
+                key: key.into(),
+                message: "injected".into(),
+            })
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Backend for Flaky {
+        fn url(&self) -> &str {
+            "flaky://"
+        }
+        async fn get(&self, key: &str) -> Result<Bytes, BackendError> {
+            if let Some(e) = self.fault(key) {
+                return Err(e);
+            }
+            self.inner.get(key).await
+        }
+        async fn get_range(&self, key: &str, r: Range<u64>) -> Result<Bytes, BackendError> {
+            self.inner.get_range(key, r).await
+        }
+        async fn get_versioned(&self, key: &str) -> Result<(Bytes, Version), BackendError> {
+            self.inner.get_versioned(key).await
+        }
+        async fn head(&self, key: &str) -> Result<Option<ObjectInfo>, BackendError> {
+            self.inner.head(key).await
+        }
+        async fn put_if_absent(
+            &self,
+            key: &str,
+            data: Bytes,
+            expect: Option<Sha256Hash>,
+        ) -> Result<PutOutcome, BackendError> {
+            self.inner.put_if_absent(key, data, expect).await
+        }
+        async fn put_file_if_absent(
+            &self,
+            key: &str,
+            path: &Path,
+            expect: Option<Sha256Hash>,
+        ) -> Result<PutOutcome, BackendError> {
+            self.inner.put_file_if_absent(key, path, expect).await
+        }
+        async fn put(&self, key: &str, data: Bytes) -> Result<Version, BackendError> {
+            self.inner.put(key, data).await
+        }
+        async fn compare_and_swap(
+            &self,
+            key: &str,
+            expected: Option<&Version>,
+            data: Bytes,
+        ) -> Result<Version, BackendError> {
+            if self.lose_reply && self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                self.inner.compare_and_swap(key, expected, data).await?;
+                return Err(BackendError::Transient {
+                    store: "flaky".into(),
+                    key: key.into(),
+                    message: "reply lost".into(),
+                });
+            }
+            self.inner.compare_and_swap(key, expected, data).await
+        }
+        async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError> {
+            self.inner.list(prefix).await
+        }
+        async fn delete(&self, key: &str) -> Result<(), BackendError> {
+            self.inner.delete(key).await
+        }
+    }
+
+    fn fast() -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: 4,
+            base_delay: Duration::from_millis(1),
+            max_delay: Duration::from_millis(5),
+        }
+    }
+
+    async fn flaky(fail_before: u32, lose_reply: bool) -> (tempfile::TempDir, Retrying) {
+        let dir = tempfile::tempdir().unwrap();
+        let inner = LocalBackend::open(dir.path()).await.unwrap();
+        inner.put("k", Bytes::from_static(b"v")).await.unwrap();
+        let f = Flaky {
+            inner,
+            fail_before,
+            lose_reply,
+            calls: AtomicU32::new(0),
+        };
+        (dir, Retrying::new(Arc::new(f), fast()))
+    }
+
+    #[tokio::test]
+    async fn retries_transient_then_gives_up() {
+        let (_d, r) = flaky(3, false).await;
+        assert_eq!(r.get("k").await.unwrap(), &b"v"[..]);
+        let m = r.metrics();
+        assert_eq!((m.requests, m.retries, m.failures), (4, 3, 0));
+        let (_d, r) = flaky(10, false).await;
+        assert!(matches!(
+            r.get("k").await,
+            Err(BackendError::Transient { .. })
+        ));
+        assert_eq!(r.metrics().requests, 4);
+        assert_eq!(r.metrics().failures, 1);
+        // Permanent errors are not retried.
+        let (_d, r) = flaky(0, false).await;
+        assert!(r.get("../x").await.is_err());
+        assert_eq!(r.metrics().requests, 1);
+    }
+
+    #[tokio::test]
+    async fn cas_with_lost_reply_is_recognised() {
+        let (_d, r) = flaky(0, true).await;
+        let (_, v) = r.get_versioned("k").await.unwrap();
+        // The first attempt lands but reports failure; the retry then sees Conflict, finds its
+        // own bytes and reports success.
+        r.compare_and_swap("k", Some(&v), Bytes::from_static(b"new"))
+            .await
+            .unwrap();
+        assert_eq!(r.get("k").await.unwrap(), &b"new"[..]);
+        // A genuine loser still gets Conflict.
+        let (_d, r) = flaky(0, true).await;
+        let (_, v) = r.get_versioned("k").await.unwrap();
+        r.inner()
+            .put("k", Bytes::from_static(b"other"))
+            .await
+            .unwrap();
+        assert!(matches!(
+            r.compare_and_swap("k", Some(&v), Bytes::from_static(b"mine"))
+                .await,
+            Err(BackendError::Conflict { .. })
+        ));
+    }
+}
