@@ -28,7 +28,6 @@ pub mod exit {
     /// Any other failure.
     pub const FAILURE: u8 = 1;
     /// `kiln store verify` found damage.
-    #[allow(dead_code)] // used by `kiln store verify`, next
     pub const DAMAGED: u8 = 3;
     /// A tag compare-and-swap lost.
     pub const STALE: u8 = 4;
@@ -146,4 +145,50 @@ pub fn lease_id(what: &str) -> String {
         .map(|d| d.as_nanos())
         .unwrap_or(0);
     format!("{what}-{host}-{}-{nanos}", std::process::id())
+}
+
+/// Parses a duration: a number followed by `s`, `m`, `h` or `d` (`90s`, `30m`, `1h`, `14d`);
+/// a bare number is seconds.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, ""), |i| s.split_at(i));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?} (examples: 90s, 30m, 1h, 14d)"))?;
+    let mult = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86400,
+        _ => return Err(format!("invalid duration unit in {s:?} (use s, m, h or d)")),
+    };
+    n.checked_mul(mult)
+        .map(std::time::Duration::from_secs)
+        .ok_or_else(|| format!("duration {s:?} is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90").unwrap().as_secs(), 90);
+        assert_eq!(parse_duration("0s").unwrap().as_secs(), 0);
+        assert_eq!(parse_duration("30m").unwrap().as_secs(), 1800);
+        assert_eq!(parse_duration("1h").unwrap().as_secs(), 3600);
+        assert_eq!(parse_duration("14d").unwrap().as_secs(), 14 * 86400);
+        for bad in [
+            "",
+            "h",
+            "1x",
+            "-1s",
+            "1.5h",
+            "99999999999999999999d",
+            "1h30m",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
 }

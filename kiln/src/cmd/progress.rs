@@ -58,7 +58,7 @@ impl Progress {
                     "{} chunks, {} moved, dedup {:.1}%",
                     s.chunks,
                     s.chunks_transferred,
-                    dedup(&s) * 100.0
+                    s.dedup_ratio() * 100.0
                 ));
             }
         })
@@ -74,14 +74,5 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.finish_and_clear();
         }
-    }
-}
-
-/// Share of chunk bytes that did not move (already present), 0.0 when there were none.
-pub fn dedup(s: &TransferStats) -> f64 {
-    if s.raw_bytes == 0 {
-        0.0
-    } else {
-        1.0 - s.raw_bytes_transferred as f64 / s.raw_bytes as f64
     }
 }

@@ -10,7 +10,7 @@ use kiln_store::artifact::PutArtifactOptions;
 use kiln_store::manifest::{ImageManifest, Manifest, ObjectRef};
 use serde_json::json;
 
-use crate::cmd::progress::{Progress, dedup};
+use crate::cmd::progress::Progress;
 use crate::cmd::{CmdResult, Out, open_store};
 
 /// Arguments of `kiln store import`.
@@ -52,9 +52,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     lease.add([ObjectRef::Manifest(raw.digest)]).await?;
     let previous = store.force_tag(&a.target, raw.digest).await?;
     progress.finish();
-    if let Ok(l) = std::sync::Arc::try_unwrap(lease) {
-        l.release().await?;
-    }
+    lease.release().await?;
     let s = progress.stats();
     out.event(
         "imported",
@@ -71,7 +69,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
                 raw.digest,
                 s.chunks,
                 s.chunks - s.chunks_transferred,
-                dedup(&s) * 100.0,
+                s.dedup_ratio() * 100.0,
                 s.stored_bytes_transferred
             )
         },
