@@ -18,13 +18,27 @@ use kiln_store::digest::Sha256Hash;
 /// The environment variable naming the write after which the process dies (1-based).
 pub const CRASH_AFTER_WRITES: &str = "KILN_TEST_CRASH_AFTER_WRITES";
 
+/// What happens at the chosen write.
+#[derive(Debug)]
+enum AtLimit {
+    /// Abort the process.
+    Abort,
+    /// Tell the test (`reached`), then wait until it says go on (`resume`).
+    Pause {
+        reached: tokio::sync::Notify,
+        resume: tokio::sync::Notify,
+    },
+}
+
 /// A backend that aborts the process after `limit` writes (put, put-if-absent, compare-and-swap,
-/// delete), counted whether or not the write created anything.
+/// delete), counted whether or not the write created anything; or, built with
+/// [`CrashAfterWrites::pause_after`], holds the writer there until the test lets it go.
 #[derive(Debug)]
 pub struct CrashAfterWrites {
     inner: Arc<dyn Backend>,
     limit: u64,
     writes: AtomicU64,
+    action: AtLimit,
 }
 
 impl CrashAfterWrites {
@@ -34,6 +48,35 @@ impl CrashAfterWrites {
             inner,
             limit,
             writes: AtomicU64::new(0),
+            action: AtLimit::Abort,
+        }
+    }
+
+    /// Wraps `inner`; the task making write number `limit` (1-based) stops right after it until
+    /// [`CrashAfterWrites::resume`]; [`CrashAfterWrites::reached`] waits for that moment.
+    pub fn pause_after(inner: Arc<dyn Backend>, limit: u64) -> Self {
+        Self {
+            inner,
+            limit,
+            writes: AtomicU64::new(0),
+            action: AtLimit::Pause {
+                reached: tokio::sync::Notify::new(),
+                resume: tokio::sync::Notify::new(),
+            },
+        }
+    }
+
+    /// Waits until the writer reached the pause point (returns at once for an abort injector).
+    pub async fn reached(&self) {
+        if let AtLimit::Pause { reached, .. } = &self.action {
+            reached.notified().await;
+        }
+    }
+
+    /// Lets a paused writer go on.
+    pub fn resume(&self) {
+        if let AtLimit::Pause { resume, .. } = &self.action {
+            resume.notify_one();
         }
     }
 
@@ -42,11 +85,18 @@ impl CrashAfterWrites {
         self.writes.load(Ordering::SeqCst)
     }
 
-    fn wrote(&self, key: &str) {
+    async fn wrote(&self, key: &str) {
         let n = self.writes.fetch_add(1, Ordering::SeqCst) + 1;
-        if n >= self.limit {
-            eprintln!("kiln-test-pusher: crashing after write {n} ({key})");
-            std::process::abort();
+        match &self.action {
+            AtLimit::Abort if n >= self.limit => {
+                eprintln!("kiln-test-pusher: crashing after write {n} ({key})");
+                std::process::abort();
+            }
+            AtLimit::Pause { reached, resume } if n == self.limit => {
+                reached.notify_one();
+                resume.notified().await;
+            }
+            _ => {}
         }
     }
 }
@@ -80,7 +130,7 @@ impl Backend for CrashAfterWrites {
         expect_sha256: Option<Sha256Hash>,
     ) -> Result<PutOutcome, BackendError> {
         let r = self.inner.put_if_absent(key, data, expect_sha256).await;
-        self.wrote(key);
+        self.wrote(key).await;
         r
     }
 
@@ -94,13 +144,13 @@ impl Backend for CrashAfterWrites {
             .inner
             .put_file_if_absent(key, path, expect_sha256)
             .await;
-        self.wrote(key);
+        self.wrote(key).await;
         r
     }
 
     async fn put(&self, key: &str, data: Bytes) -> Result<Version, BackendError> {
         let r = self.inner.put(key, data).await;
-        self.wrote(key);
+        self.wrote(key).await;
         r
     }
 
@@ -111,7 +161,7 @@ impl Backend for CrashAfterWrites {
         data: Bytes,
     ) -> Result<Version, BackendError> {
         let r = self.inner.compare_and_swap(key, expected, data).await;
-        self.wrote(key);
+        self.wrote(key).await;
         r
     }
 
@@ -121,7 +171,7 @@ impl Backend for CrashAfterWrites {
 
     async fn delete(&self, key: &str) -> Result<(), BackendError> {
         let r = self.inner.delete(key).await;
-        self.wrote(key);
+        self.wrote(key).await;
         r
     }
 }
