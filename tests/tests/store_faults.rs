@@ -200,10 +200,11 @@ async fn killed_at_many_points(kind: Kind) {
         let (manifest, uploaded, seen, _) = parse_pusher(&out.stdout);
         assert_eq!(manifest, want_manifest, "crash at {n}");
         assert_eq!(seen, chunks);
-        assert_eq!(
-            uploaded,
-            chunks - present,
-            "crash at {n}: {present} chunks were there, the rerun should upload only the rest"
+        // Only the rest is uploaded. A request in flight when the pusher died may still land
+        // on the server after the listing, so up to the parallelism (8) may be found present.
+        assert!(
+            uploaded <= chunks - present && uploaded + 8 >= chunks - present,
+            "crash at {n}: {present} of {chunks} chunks were there, the rerun uploaded {uploaded}"
         );
         assert_eq!(
             assert_no_dangling_tag(&store).await,
