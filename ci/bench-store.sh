@@ -18,8 +18,11 @@ set -euo pipefail
 KILN_CI_CACHE=${KILN_CI_CACHE:-/var/cache/kiln-ci}
 ci_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$ci_dir")
+# The servers' variables; keep a CARGO_TARGET_DIR the caller set.
+target_dir=${CARGO_TARGET_DIR:-}
 # shellcheck disable=SC1091
 . "$KILN_CI_CACHE/env"
+[ -z "$target_dir" ] || export CARGO_TARGET_DIR=$target_dir
 work=${KILN_BENCH_DIR:-$KILN_CI_CACHE/bench-store}
 size_mib=${KILN_BENCH_SIZE:-1024}
 source_dir=${KILN_BENCH_SOURCE:-/usr}
