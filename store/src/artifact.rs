@@ -3,8 +3,10 @@
 //! - Upload ([`Store::put_artifact`]): the input is cut ([`crate::chunk::split`]) on a blocking
 //!   thread; chunks are hashed and compressed on the blocking pool and stored with
 //!   put-if-absent, at most [`crate::StoreOptions::parallelism`] in flight (memory: about
-//!   `2 × parallelism × max chunk`). Chunks in the known-chunk index are skipped; all-zero
-//!   chunks become holes. The table is returned in input order; publish a manifest naming it
+//!   `2 × parallelism × max chunk`, plus one group of
+//!   compressed chunks when a lease is given). Chunks in the known-chunk index are skipped; all-zero
+//!   chunks become holes. With a lease, each group of [`LEASE_BATCH`] chunks is added to the
+//!   lease before any of them is looked up or stored. The table is returned in input order; publish a manifest naming it
 //!   only after this returns (chunks, then manifest, then tag). Rerunning after a crash
 //!   uploads only what is missing.
 //! - Random reads ([`ArtifactReader::read_at`]): offset → chunk by binary search, chunk
@@ -25,6 +27,9 @@ use crate::chunk::{self, ChunkEntry, ChunkError, ChunkTable, Chunking};
 use crate::lease::Lease;
 use crate::manifest::ObjectRef;
 use crate::progress::{ProgressEvent, ProgressFn, Reporter, TransferStats};
+
+/// Chunks leased (and then stored) per group during an upload.
+const LEASE_BATCH: usize = 64;
 use crate::{Store, StoreError};
 
 /// Options for [`Store::put_artifact`].
@@ -86,12 +91,24 @@ impl Store {
             }
         });
         let reporter = Reporter::new(opts.progress.clone());
-        let stream = tokio_stream_from(rx).map(|p| {
-            let store = self.clone();
+        // Stage 1: hash and compress on the blocking pool, in input order.
+        let encoded = tokio_stream_from(rx)
+            .map(|p| async move {
+                match p? {
+                    Piece::Hole { offset, len } => Ok::<_, StoreError>((offset, Err(len))),
+                    Piece::Data { offset, data } => {
+                        let enc =
+                            tokio::task::spawn_blocking(move || chunk::encode(&data)).await??;
+                        Ok((offset, Ok(enc)))
+                    }
+                }
+            })
+            .buffered(self.parallelism);
+        let store_one = |offset: u64, e: Result<chunk::EncodedChunk, u64>| {
             let reporter = reporter.clone();
             async move {
-                match p? {
-                    Piece::Hole { offset, len } => {
+                match e {
+                    Err(len) => {
                         reporter.emit(ProgressEvent::Hole { raw_len: len });
                         Ok::<_, StoreError>(ChunkEntry {
                             offset,
@@ -100,47 +117,68 @@ impl Store {
                             stored_len: 0,
                         })
                     }
-                    Piece::Data { offset, data } => {
-                        let (enc, uploaded) = store.put_chunk(Bytes::from(data)).await?;
+                    Ok(enc) => {
+                        let uploaded = self.put_encoded_chunk(&enc).await?;
+                        let stored_len = enc.stored.len() as u64;
                         reporter.emit(ProgressEvent::Chunk {
                             digest: enc.digest,
                             raw_len: enc.raw_len,
-                            stored_len: enc.stored.len() as u64,
+                            stored_len,
                             transferred: uploaded,
                         });
                         Ok(ChunkEntry {
                             offset,
                             raw_len: enc.raw_len,
                             digest: Some(enc.digest),
-                            stored_len: enc.stored.len() as u64,
+                            stored_len,
                         })
                     }
                 }
             }
-        });
-        let mut stream = std::pin::pin!(stream.buffered(self.parallelism));
+        };
         let mut table = ChunkTable {
             size: 0,
             chunking,
             entries: Vec::new(),
         };
-        let mut pending_lease: Vec<ObjectRef> = Vec::new();
-        while let Some(entry) = stream.try_next().await? {
-            table.size = entry.end();
-            if let Some(d) = entry.digest {
-                pending_lease.push(ObjectRef::Chunk(d));
+        let mut push = |e: ChunkEntry| {
+            table.size = e.end();
+            table.push(e);
+        };
+        if let Some(lease) = &opts.lease {
+            // Stage 2 with a lease: per group, lease the chunks first (so GC spares a chunk
+            // found present before we rely on it), then store the group in parallel.
+            let mut groups = std::pin::pin!(encoded.chunks(LEASE_BATCH));
+            while let Some(group) = groups.next().await {
+                let group: Vec<_> = group.into_iter().collect::<Result<_, _>>()?;
+                lease
+                    .add(group.iter().filter_map(|(_, e)| match e {
+                        Ok(enc) => Some(ObjectRef::Chunk(enc.digest)),
+                        Err(_) => None,
+                    }))
+                    .await?;
+                let entries: Vec<ChunkEntry> = futures::stream::iter(group)
+                    .map(|(offset, e)| store_one(offset, e))
+                    .buffered(self.parallelism)
+                    .try_collect()
+                    .await?;
+                entries.into_iter().for_each(&mut push);
             }
-            table.push(entry);
-            if pending_lease.len() >= 1024
-                && let Some(l) = &opts.lease
-            {
-                l.add(pending_lease.drain(..)).await?;
+        } else {
+            // Stage 2 without a lease: store as encoded chunks arrive (fully pipelined).
+            let mut stored = std::pin::pin!(
+                encoded
+                    .map(|r| async move {
+                        let (offset, e) = r?;
+                        store_one(offset, e).await
+                    })
+                    .buffered(self.parallelism)
+            );
+            while let Some(e) = stored.try_next().await? {
+                push(e);
             }
         }
         producer.await?;
-        if let Some(l) = &opts.lease {
-            l.add(pending_lease).await?;
-        }
         table.validate()?;
         Ok((table, reporter.totals()))
     }
@@ -161,8 +199,11 @@ impl Store {
             None => "partial".into(),
         });
         let file = File::create(&partial).map_err(|e| StoreError::io(&partial, e))?;
-        file.set_len(table.size)
-            .map_err(|e| StoreError::io(&partial, e))?;
+        if let Err(e) = file.set_len(table.size) {
+            // E.g. a hostile table claiming exabytes: EFBIG. Leave nothing behind.
+            let _ = std::fs::remove_file(&partial);
+            return Err(StoreError::io(&partial, e));
+        }
         let file = Arc::new(file);
         let reporter = Reporter::new(progress);
         let res = futures::stream::iter(table.entries.iter().cloned())

@@ -468,6 +468,16 @@ mod tests {
     }
 
     #[test]
+    fn hostile_table_json_is_refused() {
+        let j = r#"{"size":10,"chunking":{"fixed":{"size":4096}},"entries":[{"offset":0,"rawLen":10,"digest":"sha256:../../x"}]}"#;
+        assert!(serde_json::from_str::<ChunkTable>(j).is_err());
+        let j = r#"{"size":10,"chunking":{"fixed":{"size":4096}},"entries":[],"extra":1}"#;
+        assert!(serde_json::from_str::<ChunkTable>(j).is_err());
+        let j = r#"{"size":10,"chunking":{"fixed":{"size":4096}},"entries":[{"offset":0,"rawLen":-1}]}"#;
+        assert!(serde_json::from_str::<ChunkTable>(j).is_err());
+    }
+
+    #[test]
     fn find_is_exact_at_boundaries() {
         let t = table(
             vec![entry(0, 10, false), entry(10, 5, true), entry(15, 5, false)],

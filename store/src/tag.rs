@@ -23,6 +23,9 @@ use crate::backend::{Backend, BackendError};
 use crate::digest::ManifestDigest;
 use crate::{Store, StoreError, hostname, unix_now};
 
+/// Largest tag record accepted, in bytes (4 KiB; a record is about 150 bytes).
+pub const MAX_TAG_RECORD_LEN: usize = 4096;
+
 /// Errors about tags.
 #[derive(Debug, thiserror::Error)]
 pub enum TagError {
@@ -183,6 +186,15 @@ impl Store {
         t: &TagRef,
     ) -> Result<Option<(TagRecord, crate::backend::Version)>, StoreError> {
         match self.backend.get_versioned(&t.key()).await {
+            Ok((bytes, _)) if bytes.len() > MAX_TAG_RECORD_LEN => Err(TagError::Corrupt {
+                tag: t.clone(),
+                store: self.url().to_string(),
+                reason: format!(
+                    "{} bytes, over the {MAX_TAG_RECORD_LEN}-byte limit",
+                    bytes.len()
+                ),
+            }
+            .into()),
             Ok((bytes, v)) => {
                 let rec: TagRecord =
                     serde_json::from_slice(&bytes).map_err(|e| TagError::Corrupt {

@@ -621,6 +621,10 @@ async fn verify_reports_damage(f: Fixture) {
     b.put("tags/garbage/v1", Bytes::from_static(b"\x00\x01not json"))
         .await
         .unwrap();
+    // Tag record far over the size limit.
+    b.put("tags/huge/v1", Bytes::from(vec![b' '; 1 << 20]))
+        .await
+        .unwrap();
     // Unparseable manifest, correctly named by its bytes.
     let junk = RawManifest::new(Bytes::from_static(b"{\"schemaVersion\":1,\"mediaType\":"));
     b.put_if_absent(&junk.digest.key(), junk.bytes.clone(), None)
@@ -677,7 +681,10 @@ async fn verify_reports_damage(f: Fixture) {
     assert!(has(
         &|f| matches!(f, Finding::MissingChunk { chunk, .. } if *chunk == lost)
     ));
-    assert_eq!(r.findings.len(), 5, "{:?}", r.findings);
+    assert!(has(
+        &|f| matches!(f, Finding::TagCorrupt { key, reason } if key == "tags/huge/v1" && reason.contains("limit"))
+    ));
+    assert_eq!(r.findings.len(), 6, "{:?}", r.findings);
     assert!(
         r.orphans
             .iter()
