@@ -579,13 +579,11 @@ async fn gc_during_import(kind: Kind) {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "known bug in kiln-store: put_artifact adds chunks to its lease after uploading them, in batches of 1024, so GC with no grace deletes them"]
 async fn gc_during_import_keeps_leased_objects_local() {
     gc_during_import(Kind::Local).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "known bug in kiln-store: put_artifact adds chunks to its lease after uploading them, in batches of 1024, so GC with no grace deletes them"]
 async fn gc_during_import_keeps_leased_objects_s3() {
     gc_during_import(Kind::S3).await;
 }
