@@ -1,15 +1,20 @@
 //! The `kiln` binary: CLI and HTTP service. Thin: parse, wire, print.
+//!
+//! Exit codes (every subcommand): see [`cmd::exit`].
+
+mod cmd;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-mod cmd;
-
 /// kiln: image builder and snapshot store for microVM sandboxes.
 #[derive(Debug, Parser)]
-#[command(name = "kiln", version)]
+#[command(name = "kiln", version, about)]
 struct Cli {
+    /// Print one JSON object per line on stdout (events, results, errors) instead of text.
+    #[arg(long, global = true)]
+    json: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -31,17 +36,15 @@ enum Command {
     Export(cmd::export::Args),
     /// Write an image's root filesystem into a directory.
     Unpack(cmd::unpack::Args),
-}
-
-/// Prints an error chain and turns it into a failing exit code.
-fn report(r: anyhow::Result<()>) -> ExitCode {
-    match r {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("kiln: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    /// Point NAME:TAG at a manifest (by digest or by another tag).
+    Tag(cmd::tag::Args),
+    /// List tags, optionally of one NAME.
+    Tags(cmd::tags::Args),
+    /// Remove a tag.
+    Untag(cmd::untag::Args),
+    /// Store maintenance and copies between stores.
+    #[command(subcommand)]
+    Store(cmd::store::Command),
 }
 
 fn main() -> ExitCode {
@@ -50,13 +53,19 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .try_init();
     let cli = Cli::parse();
+    let out = cmd::Out::new(cli.json);
     match cli.command {
-        Command::Plan(args) => cmd::plan::run(&args),
-        Command::Pull(a) => report(cmd::pull::run(a)),
-        Command::Push(a) => report(cmd::push::run(a)),
-        Command::Login(a) => report(cmd::login::run(a)),
-        Command::Import(a) => report(cmd::import::run(a)),
-        Command::Export(a) => report(cmd::export::run(a)),
-        Command::Unpack(a) => report(cmd::unpack::run(a)),
+        Command::Plan(a) => cmd::plan::run(&a, out.json),
+        // These run their own runtime.
+        Command::Pull(a) => cmd::report(&out, cmd::pull::run(a)),
+        Command::Push(a) => cmd::report(&out, cmd::push::run(a)),
+        Command::Login(a) => cmd::report(&out, cmd::login::run(a)),
+        Command::Import(a) => cmd::report(&out, cmd::import::run(a)),
+        Command::Export(a) => cmd::report(&out, cmd::export::run(a)),
+        Command::Unpack(a) => cmd::report(&out, cmd::unpack::run(a)),
+        Command::Tag(a) => cmd::run(&out, async |out| cmd::tag::run(out, a).await),
+        Command::Tags(a) => cmd::run(&out, async |out| cmd::tags::run(out, a).await),
+        Command::Untag(a) => cmd::run(&out, async |out| cmd::untag::run(out, a).await),
+        Command::Store(c) => cmd::run(&out, async |out| cmd::store::run(out, c).await),
     }
 }

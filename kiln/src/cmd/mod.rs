@@ -1,10 +1,212 @@
-//! One module per subcommand: parse flags, call the library, print.
+//! Subcommands, one file each, plus what they share: output ([`Out`]: text or JSON lines),
+//! opening a store, and the exit codes ([`exit`]).
 
 pub mod common;
 pub mod export;
 pub mod import;
 pub mod login;
 pub mod plan;
+pub mod progress;
 pub mod pull;
 pub mod push;
+pub mod store;
+pub mod tag;
+pub mod tags;
 pub mod unpack;
+pub mod untag;
+
+use std::process::ExitCode;
+
+use kiln_store::{StoreError, TagError};
+use serde_json::{Value, json};
+
+/// Exit codes of every `kiln` subcommand.
+///
+/// | code | meaning |
+/// | ---: | --- |
+/// | 0 | success |
+/// | 1 | failure (I/O, network, corrupt data, invalid input) |
+/// | 2 | command-line usage error (clap) |
+/// | 3 | `kiln store verify` found damage (missing or corrupt objects, broken tags) |
+/// | 4 | a tag moved under us: a compare-and-swap lost to another writer (retry may succeed) |
+/// | 5 | the tag or manifest asked for does not exist |
+pub mod exit {
+    /// Success.
+    pub const OK: u8 = 0;
+    /// Any other failure.
+    pub const FAILURE: u8 = 1;
+    /// `kiln store verify` found damage.
+    pub const DAMAGED: u8 = 3;
+    /// A tag compare-and-swap lost.
+    pub const STALE: u8 = 4;
+    /// The tag or manifest does not exist.
+    pub const NOT_FOUND: u8 = 5;
+}
+
+/// A failure with its exit code.
+#[derive(Debug)]
+pub struct Failure {
+    /// The exit code (see [`exit`]).
+    pub code: u8,
+    /// What went wrong.
+    pub error: anyhow::Error,
+}
+
+impl<E: Into<anyhow::Error>> From<E> for Failure {
+    fn from(e: E) -> Self {
+        let error = e.into();
+        let code = match error.downcast_ref::<StoreError>() {
+            Some(StoreError::Tag(TagError::Stale { .. })) => exit::STALE,
+            Some(StoreError::Tag(TagError::NotFound { .. } | TagError::MissingManifest { .. })) => {
+                exit::NOT_FOUND
+            }
+            _ => exit::FAILURE,
+        };
+        Failure { code, error }
+    }
+}
+
+/// What a subcommand returns.
+pub type CmdResult = Result<(), Failure>;
+
+/// Where results go: text on stdout (messages on stderr), or JSON lines on stdout.
+#[derive(Debug, Clone, Copy)]
+pub struct Out {
+    /// `--json` was given.
+    pub json: bool,
+}
+
+impl Out {
+    /// Output in the mode `--json` asks for.
+    pub fn new(json: bool) -> Self {
+        Self { json }
+    }
+
+    /// Emits one event: in JSON mode `{"event": kind, ...fields}` on one stdout line, else
+    /// `text` (when not empty) on stdout.
+    pub fn event(&self, kind: &str, fields: Value, text: impl FnOnce() -> String) {
+        if self.json {
+            let mut obj = serde_json::Map::new();
+            obj.insert("event".into(), Value::String(kind.into()));
+            if let Value::Object(m) = fields {
+                obj.extend(m);
+            }
+            println!("{}", Value::Object(obj));
+        } else {
+            let t = text();
+            if !t.is_empty() {
+                println!("{t}");
+            }
+        }
+    }
+}
+
+/// Runs a subcommand on a tokio runtime and turns its result into the exit code, printing a
+/// failure as `kiln: <error chain>` on stderr (and as an `error` event with `--json`).
+pub fn run<F>(out: &Out, f: F) -> ExitCode
+where
+    F: AsyncFnOnce(&Out) -> CmdResult,
+{
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kiln: cannot start the async runtime: {e}");
+            return ExitCode::from(exit::FAILURE);
+        }
+    };
+    finish(out, rt.block_on(f(out)))
+}
+
+/// Turns the result of a subcommand that runs its own runtime into the exit code, printing a
+/// failure as [`run`] does.
+pub fn report(out: &Out, r: anyhow::Result<()>) -> ExitCode {
+    finish(out, r.map_err(Failure::from))
+}
+
+fn finish(out: &Out, r: CmdResult) -> ExitCode {
+    match r {
+        Ok(()) => ExitCode::from(exit::OK),
+        Err(Failure { code, error }) => {
+            let msg = format!("{error:#}");
+            if out.json {
+                out.event("error", json!({"code": code, "message": msg}), String::new);
+            }
+            eprintln!("kiln: {msg}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+/// Opens the store `url`, else the default one (`$KILN_STORE`, else
+/// `~/.local/share/kiln/store`).
+pub async fn open_store(url: Option<&str>) -> Result<kiln_store::Store, StoreError> {
+    match url {
+        Some(u) => kiln_store::Store::open(u).await,
+        None => kiln_store::Store::open_default().await,
+    }
+}
+
+/// A lease id unique to this process and moment: `<what>-<host>-<pid>-<nanos>`, within the
+/// store's key grammar.
+pub fn lease_id(what: &str) -> String {
+    let host: String = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{what}-{host}-{}-{nanos}", std::process::id())
+}
+
+/// Parses a duration: a number followed by `s`, `m`, `h` or `d` (`90s`, `30m`, `1h`, `14d`);
+/// a bare number is seconds.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let (num, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((s, ""), |i| s.split_at(i));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?} (examples: 90s, 30m, 1h, 14d)"))?;
+    let mult = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86400,
+        _ => return Err(format!("invalid duration unit in {s:?} (use s, m, h or d)")),
+    };
+    n.checked_mul(mult)
+        .map(std::time::Duration::from_secs)
+        .ok_or_else(|| format!("duration {s:?} is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90").unwrap().as_secs(), 90);
+        assert_eq!(parse_duration("0s").unwrap().as_secs(), 0);
+        assert_eq!(parse_duration("30m").unwrap().as_secs(), 1800);
+        assert_eq!(parse_duration("1h").unwrap().as_secs(), 3600);
+        assert_eq!(parse_duration("14d").unwrap().as_secs(), 14 * 86400);
+        for bad in [
+            "",
+            "h",
+            "1x",
+            "-1s",
+            "1.5h",
+            "99999999999999999999d",
+            "1h30m",
+        ] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -26,13 +26,11 @@ pub struct PlanArgs {
     /// Sandbox disk size in MiB (overrides `LABEL kiln.disk-mib` / `disk_mib:`).
     #[arg(long = "disk-mib", value_name = "MIB")]
     pub disk_mib: Option<u64>,
-    /// Print the plan as stable JSON.
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// Runs `kiln plan`.
-pub fn run(args: &PlanArgs) -> ExitCode {
+/// `json` is the global `--json`: print the plan as stable JSON.
+pub fn run(args: &PlanArgs, json: bool) -> ExitCode {
     let name = args.file.display().to_string();
     let bytes = match std::fs::read(&args.file) {
         Ok(b) => b,
@@ -76,7 +74,7 @@ pub fn run(args: &PlanArgs) -> ExitCode {
             None => eprintln!("warning: {}", w.message),
         }
     }
-    if args.json {
+    if json {
         print!("{}", plan_to_json(&plan));
     } else {
         print!("{}", summary(&plan));

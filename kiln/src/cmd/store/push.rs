@@ -1,0 +1,25 @@
+//! `kiln store push NAME:TAG --to URL`: copy an image (or snapshot) and everything it
+//! references from the local store to another store, moving only missing objects, then set
+//! the tag there.
+
+use kiln_store::TagRef;
+
+use crate::cmd::{CmdResult, Out};
+
+/// Arguments of `kiln store push`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The tag to push.
+    tag: TagRef,
+    /// The destination store (path, `file://PATH` or `s3://bucket/prefix`).
+    #[arg(long, value_name = "URL")]
+    to: String,
+    /// The source store; default `$KILN_STORE`.
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
+}
+
+/// Runs `kiln store push`.
+pub async fn run(out: &Out, a: Args) -> CmdResult {
+    super::copy::copy(out, &a.tag, a.store.as_deref(), Some(&a.to), "pushed").await
+}

@@ -1,0 +1,242 @@
+//! The `kiln` binary's store subcommands, end to end: exit codes, `--json` events, a push to
+//! moto's S3 and a pull back, verify finding a corrupt chunk, gc --dry-run. Needs the S3 server
+//! of `ci/setup.sh` (`source /var/cache/kiln-ci/env`).
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn kiln(store: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .env("KILN_STORE", store)
+        .output()
+        .unwrap()
+}
+
+fn json_lines(o: &Output) -> Vec<Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}")))
+        .collect()
+}
+
+fn last_event<'a>(events: &'a [Value], kind: &str) -> &'a Value {
+    events
+        .iter()
+        .rev()
+        .find(|e| e["event"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} event in {events:?}"))
+}
+
+fn s3_url(label: &str) -> String {
+    let bucket = std::env::var("KILN_TEST_S3_BUCKET").unwrap_or_else(|_| {
+        panic!("KILN_TEST_S3_BUCKET is not set: run ci/setup.sh and source /var/cache/kiln-ci/env")
+    });
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("s3://{bucket}/cli-{}-{nanos}-{label}", std::process::id())
+}
+
+/// 2 MiB of data, 1 MiB of zeros, 1 MiB of data: chunks and a hole.
+fn artifact(path: &Path, seed: u8) -> Vec<u8> {
+    let mut x: u32 = 0x1234_5678 ^ u32::from(seed);
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        x as u8
+    };
+    let mut b: Vec<u8> = (0..2 << 20).map(|_| next()).collect();
+    b.extend(std::iter::repeat_n(0u8, 1 << 20));
+    b.extend((0..1 << 20).map(|_| next()));
+    std::fs::write(path, &b).unwrap();
+    b
+}
+
+#[test]
+fn tags_and_exit_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let file = dir.path().join("a.img");
+    artifact(&file, 1);
+
+    let o = kiln(
+        &store,
+        &[
+            "--json",
+            "store",
+            "import",
+            file.to_str().unwrap(),
+            "img:v1",
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ev = json_lines(&o);
+    let imported = last_event(&ev, "imported");
+    let digest = imported["manifest"].as_str().unwrap().to_string();
+    assert!(imported["chunks"].as_u64().unwrap() > 10);
+    // FastCDC boundaries fall inside the zero run, so most (not all) of it is a hole.
+    assert!(imported["holeBytes"].as_u64().unwrap() >= 512 << 10);
+    assert!(ev.iter().any(|e| e["event"] == "chunk"), "no chunk events");
+
+    // tag by tag and by digest; tags lists both.
+    assert!(kiln(&store, &["tag", "img:v1", "img:v2"]).status.success());
+    assert!(kiln(&store, &["tag", &digest, "other:x"]).status.success());
+    let ev = json_lines(&kiln(&store, &["--json", "tags", "img"]));
+    let tags: Vec<&str> = ev.iter().map(|e| e["tag"].as_str().unwrap()).collect();
+    assert_eq!(tags, ["img:v1", "img:v2"]);
+    assert!(ev.iter().all(|e| e["manifest"] == digest.as_str()));
+
+    // A stale expectation loses with exit 4 and says why.
+    let zero = format!("sha256:{}", "0".repeat(64));
+    let o = kiln(&store, &["tag", "img:v1", "img:v2", "--expect", &zero]);
+    assert_eq!(o.status.code(), Some(4));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("stale"));
+    let o = kiln(&store, &["tag", "img:v1", "img:v3", "--expect", "absent"]);
+    assert!(o.status.success());
+
+    // untag; a missing tag is exit 5, a malformed one exit 1, a usage error exit 2.
+    assert!(kiln(&store, &["untag", "img:v1"]).status.success());
+    assert_eq!(kiln(&store, &["untag", "img:v1"]).status.code(), Some(5));
+    assert_eq!(
+        kiln(&store, &["tag", "img:nope", "img:v4"]).status.code(),
+        Some(5)
+    );
+    let o = kiln(&store, &["--json", "tag", "../etc:x", "img:v4"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(last_event(&json_lines(&o), "error")["code"], 1);
+    assert_eq!(kiln(&store, &["tag"]).status.code(), Some(2));
+}
+
+#[test]
+fn push_pull_verify_gc() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let pulled = dir.path().join("pulled");
+    let file = dir.path().join("a.img");
+    let bytes = artifact(&file, 2);
+    let s3 = s3_url("pushpull");
+    assert!(
+        kiln(
+            &store,
+            &["store", "import", file.to_str().unwrap(), "img:v1"]
+        )
+        .status
+        .success()
+    );
+
+    // Push twice: the second moves nothing.
+    let o = kiln(&store, &["--json", "store", "push", "img:v1", "--to", &s3]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let first = last_event(&json_lines(&o), "pushed").clone();
+    assert!(first["stats"]["chunksTransferred"].as_u64().unwrap() > 10);
+    let o = kiln(&store, &["--json", "store", "push", "img:v1", "--to", &s3]);
+    let second = last_event(&json_lines(&o), "pushed").clone();
+    assert_eq!(second["stats"]["chunksTransferred"], 0);
+    assert_eq!(second["dedupRatio"], 1.0);
+
+    // Pull into a fresh store, export, compare.
+    let p = pulled.to_str().unwrap();
+    let o = kiln(
+        &store,
+        &["store", "pull", "img:v1", "--from", &s3, "--store", p],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = dir.path().join("out.img");
+    let o = kiln(
+        &store,
+        &[
+            "store",
+            "export",
+            "img:v1",
+            out.to_str().unwrap(),
+            "--store",
+            p,
+        ],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(std::fs::read(&out).unwrap() == bytes);
+    for s in [p, s3.as_str()] {
+        let o = kiln(&store, &["store", "verify", "--deep", "--store", s]);
+        assert!(
+            o.status.success(),
+            "{s}: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+    }
+
+    // Corrupt one chunk of the pulled store: deep verify names it, exit 3.
+    let chunks = pulled.join("chunks/sha256");
+    let victim = std::fs::read_dir(&chunks)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    std::fs::write(&victim, b"not zstd").unwrap();
+    let o = kiln(
+        &store,
+        &["--json", "store", "verify", "--deep", "--store", p],
+    );
+    assert_eq!(o.status.code(), Some(3));
+    let ev = json_lines(&o);
+    let finding = last_event(&ev, "finding");
+    assert_eq!(finding["finding"], "corruptChunk");
+    let name = victim.file_name().unwrap().to_str().unwrap();
+    assert!(finding["chunk"].as_str().unwrap().ends_with(name));
+    // A shallow verify does not read chunks: exit 0.
+    assert!(
+        kiln(&store, &["store", "verify", "--store", p])
+            .status
+            .success()
+    );
+
+    // Untag, then gc --dry-run lists everything and deletes nothing; gc deletes it.
+    assert!(
+        kiln(&store, &["untag", "img:v1", "--store", p])
+            .status
+            .success()
+    );
+    let o = kiln(
+        &store,
+        &[
+            "--json",
+            "store",
+            "gc",
+            "--dry-run",
+            "--grace",
+            "0s",
+            "--store",
+            p,
+        ],
+    );
+    let ev = json_lines(&o);
+    let n = last_event(&ev, "gc")["collected"].as_u64().unwrap();
+    assert!(n > 10, "{ev:?}");
+    assert!(victim.exists(), "dry run deleted something");
+    let o = kiln(
+        &store,
+        &["--json", "store", "gc", "--grace", "1h", "--store", p],
+    );
+    assert_eq!(
+        last_event(&json_lines(&o), "gc")["collected"],
+        0,
+        "young objects deleted"
+    );
+    let o = kiln(
+        &store,
+        &["--json", "store", "gc", "--grace", "0s", "--store", p],
+    );
+    assert_eq!(last_event(&json_lines(&o), "gc")["collected"], n);
+    assert!(!victim.exists());
+    assert!(
+        kiln(&store, &["store", "gc", "--grace", "soon"])
+            .status
+            .code()
+            == Some(2)
+    );
+}

@@ -1,0 +1,77 @@
+//! Stores for tests: a fresh local directory, or a fresh prefix in the test bucket of the S3
+//! server that `ci/setup.sh` starts (moto on 127.0.0.1:9000). The S3 settings come from the
+//! environment `ci/setup.sh` writes (`source /var/cache/kiln-ci/env`); a missing variable is a
+//! test failure naming `ci/setup.sh`, never a skip.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Which backend a test runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A local directory.
+    Local,
+    /// A prefix in the moto S3 test bucket.
+    S3,
+}
+
+/// Reads a variable `ci/setup.sh` exports, panicking with a message naming it when absent.
+pub fn env(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        panic!("{var} is not set: run ci/setup.sh and `source /var/cache/kiln-ci/env` first")
+    })
+}
+
+/// The S3 test server's `host:port` (from `KILN_TEST_S3_ENDPOINT`).
+pub fn s3_host_port() -> String {
+    let ep = env("KILN_TEST_S3_ENDPOINT");
+    ep.trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string()
+}
+
+/// A fresh, empty store URL of `kind`. Local stores live under `dir`; S3 stores under a prefix
+/// unique to this process and call.
+pub fn fresh_url(kind: Kind, dir: &std::path::Path, label: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::SeqCst);
+    match kind {
+        Kind::Local => dir
+            .join(format!("{label}-{n}"))
+            .to_string_lossy()
+            .into_owned(),
+        Kind::S3 => {
+            // Checked for its side effect: fail early when the environment is missing.
+            let _ = env("AWS_ENDPOINT_URL");
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            format!(
+                "s3://{}/t-{}-{nanos}-{label}-{n}",
+                env("KILN_TEST_S3_BUCKET"),
+                std::process::id()
+            )
+        }
+    }
+}
+
+/// Deterministic pseudo-random bytes (xorshift64*), half of them compressible runs, so that
+/// chunks are distinct and zstd has something to do.
+pub fn test_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = Vec::with_capacity(len);
+    while out.len() < len {
+        s ^= s >> 12;
+        s ^= s << 25;
+        s ^= s >> 27;
+        let v = s.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        if v.is_multiple_of(4) {
+            let run = (v >> 8) as usize % 200;
+            out.extend(std::iter::repeat_n((v >> 16) as u8, run));
+        } else {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    out.truncate(len);
+    out
+}
