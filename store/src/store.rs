@@ -354,4 +354,41 @@ mod tests {
             assert!(err.to_string().contains("limit"), "{err}");
         }
     }
+
+    /// `verify --deep` reports such an object as a corrupt chunk (and does not load it).
+    #[tokio::test]
+    async fn verify_reports_an_oversized_chunk_object() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::manifest::ImageManifest;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8 + 1).collect();
+        let (table, _) = store
+            .put_artifact_reader(std::io::Cursor::new(data), &PutArtifactOptions::default())
+            .await
+            .unwrap();
+        let raw = store
+            .put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
+            .await
+            .unwrap();
+        store
+            .set_tag(&"img:v1".parse().unwrap(), None, raw.digest)
+            .await
+            .unwrap();
+        let victim = table.entries[0].digest.unwrap();
+        let p = dir.path().join(victim.key());
+        std::fs::remove_file(&p).unwrap();
+        std::fs::File::create(&p).unwrap().set_len(1 << 40).unwrap();
+        let r = store
+            .verify(true, &crate::gc::GcOptions::default())
+            .await
+            .unwrap();
+        assert!(
+            r.findings.iter().any(|f| matches!(f,
+                crate::verify::Finding::CorruptChunk { chunk, reason }
+                    if *chunk == victim && reason.contains("limit"))),
+            "{:?}",
+            r.findings
+        );
+    }
 }
