@@ -26,7 +26,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 
-use super::{Backend, BackendError, ObjectInfo, PutOutcome, Version, validate_key};
+use super::{
+    Backend, BackendError, MAX_MUTABLE_LEN, ObjectInfo, PutOutcome, Version, too_large,
+    validate_key,
+};
 use crate::digest::{Hasher, Sha256Hash};
 
 const TMP_DIR: &str = ".tmp";
@@ -328,11 +331,18 @@ impl Backend for LocalBackend {
         let path = self.path(key)?;
         let key = key.to_string();
         self.blocking(move |c| {
-            let mut f = open_nofollow(&path).map_err(|e| not_found_or(&c.url, "get", &key, e))?;
+            let f = open_nofollow(&path).map_err(|e| not_found_or(&c.url, "get", &key, e))?;
             let meta = f.metadata().map_err(|e| other(&c.url, "get", &key, e))?;
+            if meta.len() > MAX_MUTABLE_LEN {
+                return Err(too_large(&c.url, &key, meta.len()));
+            }
             let mut buf = Vec::with_capacity(meta.len() as usize);
-            f.read_to_end(&mut buf)
+            f.take(MAX_MUTABLE_LEN + 1)
+                .read_to_end(&mut buf)
                 .map_err(|e| other(&c.url, "get", &key, e))?;
+            if buf.len() as u64 > MAX_MUTABLE_LEN {
+                return Err(too_large(&c.url, &key, buf.len() as u64));
+            }
             Ok((Bytes::from(buf), version_of(&meta)))
         })
         .await
@@ -581,5 +591,35 @@ mod tests {
         assert!(b.get_versioned("tags/n/t").await.is_err());
         assert!(b.get_range("tags/n/t", 0..4).await.is_err());
         assert!(b.head("tags/n/t").await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_huge_mutable_object_is_refused_before_reading() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        fs::create_dir_all(dir.path().join("tags/n")).unwrap();
+        // 1 TiB, sparse: allocating or reading it whole would abort or exhaust memory.
+        File::create(dir.path().join("tags/n/t"))
+            .unwrap()
+            .set_len(1 << 40)
+            .unwrap();
+        let err = b.get_versioned("tags/n/t").await.unwrap_err();
+        assert!(err.to_string().contains("limit"), "{err}");
+        // And at the store level: a tag read is a named error, verify reports it.
+        let store = crate::Store::open(dir.path().to_str().unwrap())
+            .await
+            .unwrap();
+        assert!(store.get_tag(&"n:t".parse().unwrap()).await.is_err());
+        let r = store
+            .verify(false, &crate::gc::GcOptions::default())
+            .await
+            .unwrap();
+        assert!(
+            r.findings.iter().any(|f| matches!(f,
+                crate::verify::Finding::TagCorrupt { key, reason }
+                    if key == "tags/n/t" && reason.contains("limit"))),
+            "{:?}",
+            r.findings
+        );
     }
 }
