@@ -223,7 +223,7 @@ pub fn import(
             }
             AnyManifest::Image(m) => {
                 for d in std::iter::once(&m.config).chain(&m.layers) {
-                    copy_in(dir, &d.digest, cache)?;
+                    copy_in(dir, d, cache)?;
                 }
                 cache.put_bytes(&digest, &bytes)?;
                 return Ok(digest);
@@ -248,12 +248,31 @@ fn read_blob_verified(dir: &Path, digest: &str) -> Result<Vec<u8>, LayoutError> 
     Ok(b)
 }
 
-fn copy_in(dir: &Path, digest: &str, cache: &dyn BlobCache) -> Result<(), LayoutError> {
+/// Copies the blob `d` names into the cache. Its file must be exactly `d.size` bytes (the
+/// size bounds what is copied; the digest is checked by the cache).
+fn copy_in(dir: &Path, d: &Descriptor, cache: &dyn BlobCache) -> Result<(), LayoutError> {
+    let digest = d.digest.as_str();
     if cache.blob_path(digest)?.is_some() {
         return Ok(());
     }
     let src = blob_path(dir, digest)?;
     let mut input = open_regular(dir, &src)?;
+    let len = input
+        .metadata()
+        .map_err(|source| LayoutError::Io {
+            path: src.clone(),
+            source,
+        })?
+        .len();
+    if len != d.size {
+        return Err(LayoutError::Format {
+            dir: dir.to_path_buf(),
+            reason: format!(
+                "blob {digest} is {len} bytes, its descriptor says {}",
+                d.size
+            ),
+        });
+    }
     let staged = cache.ingest_path(digest)?;
     fs::File::create(&staged)
         .and_then(|mut out| std::io::copy(&mut input, &mut out))
@@ -369,6 +388,10 @@ mod tests {
 
     /// A one-layer layout in `dir`; returns (manifest digest, layer digest).
     fn layout(dir: &Path) -> (String, String) {
+        layout_with(dir, |_| {})
+    }
+
+    fn layout_with(dir: &Path, tweak: impl FnOnce(&mut Value)) -> (String, String) {
         let put = |b: &[u8]| {
             let d = digest_of(b);
             fs::create_dir_all(dir.join("blobs/sha256")).unwrap();
@@ -379,12 +402,13 @@ mod tests {
             br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#;
         let cd = put(config);
         let ld = put(b"layer bytes");
-        let m = json!({
+        let mut m = json!({
             "schemaVersion": 2,
             "mediaType": OCI_MANIFEST,
             "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": config.len()},
             "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": ld, "size": 11}],
         });
+        tweak(&mut m);
         let mb = serde_json::to_vec(&m).unwrap();
         let md = put(&mb);
         fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
@@ -490,5 +514,23 @@ mod tests {
         std::os::unix::fs::symlink(&elsewhere, out2.join("blobs")).unwrap();
         assert!(export(&cache, &md, &out2, "t").is_err());
         assert_eq!(fs::read_dir(elsewhere.join("sha256")).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn descriptor_sizes_bound_what_is_copied() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = LocalCache::open(&tmp.path().join("cache")).unwrap();
+        // A config claiming 1 TiB is refused before anything is copied.
+        let dir = tmp.path().join("big-config");
+        layout_with(&dir, |m| m["config"]["size"] = json!(1u64 << 40));
+        assert!(matches!(
+            import_t(&dir, &cache),
+            Err(LayoutError::Image(ImageError::ConfigTooLarge { .. }))
+        ));
+        // A layer file larger than its descriptor says is refused.
+        let dir = tmp.path().join("lying-size");
+        layout_with(&dir, |m| m["layers"][0]["size"] = json!(3));
+        let err = import_t(&dir, &cache).unwrap_err();
+        assert!(err.to_string().contains("descriptor says 3"), "{err}");
     }
 }
