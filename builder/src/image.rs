@@ -18,6 +18,11 @@ pub const DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list
 /// The media types asked for when fetching a manifest.
 pub const MANIFEST_TYPES: [&str; 4] = [OCI_MANIFEST, OCI_INDEX, DOCKER_MANIFEST, DOCKER_LIST];
 
+/// Largest image config accepted, bytes (64 MiB; real configs are a few KiB, long histories
+/// a few hundred). Configs are read whole into memory, so a descriptor claiming more is
+/// refused before anything is fetched or copied.
+pub const MAX_CONFIG_BYTES: u64 = 64 << 20;
+
 /// Errors reading manifests.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
@@ -45,6 +50,14 @@ pub enum ImageError {
     /// A platform string does not parse.
     #[error("invalid platform {0:?} (expected os/arch[/variant], e.g. linux/amd64)")]
     BadPlatform(String),
+    /// The config descriptor claims more than [`MAX_CONFIG_BYTES`].
+    #[error("manifest {digest}: config is {size} bytes, over the {MAX_CONFIG_BYTES}-byte limit")]
+    ConfigTooLarge {
+        /// Manifest digest.
+        digest: String,
+        /// The size claimed, bytes.
+        size: u64,
+    },
     /// A descriptor digest is malformed.
     #[error("manifest {digest}: descriptor digest {bad:?} is not sha256:<64 hex>")]
     BadDescriptor {
@@ -143,6 +156,14 @@ impl AnyManifest {
                     bad: d.digest.clone(),
                 });
             }
+        }
+        if let AnyManifest::Image(im) = &m
+            && im.config.size > MAX_CONFIG_BYTES
+        {
+            return Err(ImageError::ConfigTooLarge {
+                digest: digest.to_string(),
+                size: im.config.size,
+            });
         }
         Ok(m)
     }

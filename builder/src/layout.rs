@@ -5,8 +5,17 @@
 //! [`import`] copies an image from a layout into the blob cache (every blob hashed on the
 //! way in); [`export`] writes an image from the cache into a layout, adding or replacing the
 //! entry for its tag and keeping the others.
+//!
+//! A layout directory is untrusted input. Reading, `index.json` and every blob are opened with
+//! `O_NOFOLLOW | O_NONBLOCK` and must be regular files (a blob that is a symlink, a FIFO or a
+//! device such as `/dev/zero` is refused, not read forever); `index.json` and manifests are
+//! read up to [`MAX_MANIFEST_BYTES`]. Writing, each file goes to a fresh `<name>.tmp`
+//! (`O_EXCL`, after removing whatever was planted there) and is renamed over its name, and
+//! `blobs` and `blobs/sha256` must be real directories, so a symlink planted in an existing
+//! layout is replaced, never written through.
 
 use std::fs;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
@@ -16,6 +25,10 @@ use crate::image::{AnyManifest, Descriptor, ImageError, OCI_MANIFEST, Platform};
 
 /// The annotation that names a tag in `index.json`.
 pub const REF_NAME: &str = "org.opencontainers.image.ref.name";
+
+/// Largest `index.json` or manifest read from a layout, bytes. The same 4 MiB bound that
+/// containerd and the distribution registry put on manifests.
+pub const MAX_MANIFEST_BYTES: u64 = 4 << 20;
 
 /// Errors reading or writing a layout.
 #[derive(Debug, thiserror::Error)]
@@ -78,12 +91,81 @@ fn blob_path(dir: &Path, digest: &str) -> Result<PathBuf, LayoutError> {
     Ok(dir.join("blobs/sha256").join(sha256_hex(digest)?))
 }
 
+/// Opens `p` for reading if it is a regular file, never following a symlink at its name and
+/// never blocking on a FIFO.
+fn open_regular(dir: &Path, p: &Path) -> Result<fs::File, LayoutError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let io = |source| LayoutError::Io {
+        path: p.to_path_buf(),
+        source,
+    };
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags((rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK).bits() as i32)
+        .open(p)
+        .map_err(io)?;
+    if !f.metadata().map_err(io)?.is_file() {
+        return Err(LayoutError::Format {
+            dir: dir.to_path_buf(),
+            reason: format!("{} is not a regular file", p.display()),
+        });
+    }
+    Ok(f)
+}
+
+/// Reads a regular file of at most [`MAX_MANIFEST_BYTES`].
+fn read_small(dir: &Path, p: &Path) -> Result<Vec<u8>, LayoutError> {
+    use std::io::Read;
+    let mut b = Vec::new();
+    open_regular(dir, p)?
+        .take(MAX_MANIFEST_BYTES + 1)
+        .read_to_end(&mut b)
+        .map_err(|source| LayoutError::Io {
+            path: p.to_path_buf(),
+            source,
+        })?;
+    if b.len() as u64 > MAX_MANIFEST_BYTES {
+        return Err(LayoutError::Format {
+            dir: dir.to_path_buf(),
+            reason: format!(
+                "{} is over the {MAX_MANIFEST_BYTES}-byte manifest limit",
+                p.display()
+            ),
+        });
+    }
+    Ok(b)
+}
+
+/// Writes `path` through a fresh `<path>.tmp` and a rename, so a symlink planted at either
+/// name is replaced, not written through.
+fn write_replacing(
+    path: &Path,
+    fill: impl FnOnce(&mut fs::File) -> std::io::Result<()>,
+) -> Result<(), LayoutError> {
+    let tmp = path.with_extension("tmp");
+    let io = |p: &Path| {
+        let path = p.to_path_buf();
+        move |source| LayoutError::Io { path, source }
+    };
+    match fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&tmp)(e)),
+        _ => {}
+    }
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .map_err(io(&tmp))?;
+    if let Err(e) = fill(&mut f).and_then(|_| f.sync_all()) {
+        let _ = fs::remove_file(&tmp);
+        return Err(io(&tmp)(e));
+    }
+    fs::rename(&tmp, path).map_err(io(path))
+}
+
 fn read_index(dir: &Path) -> Result<Vec<Descriptor>, LayoutError> {
     let p = dir.join("index.json");
-    let b = fs::read(&p).map_err(|source| LayoutError::Io {
-        path: p.clone(),
-        source,
-    })?;
+    let b = read_small(dir, &p)?;
     let v: Value = serde_json::from_slice(&b).map_err(|e| LayoutError::Format {
         dir: dir.to_path_buf(),
         reason: format!("index.json: {e}"),
@@ -141,7 +223,7 @@ pub fn import(
             }
             AnyManifest::Image(m) => {
                 for d in std::iter::once(&m.config).chain(&m.layers) {
-                    copy_in(dir, &d.digest, cache)?;
+                    copy_in(dir, d, cache)?;
                 }
                 cache.put_bytes(&digest, &bytes)?;
                 return Ok(digest);
@@ -156,7 +238,7 @@ pub fn import(
 
 fn read_blob_verified(dir: &Path, digest: &str) -> Result<Vec<u8>, LayoutError> {
     let p = blob_path(dir, digest)?;
-    let b = fs::read(&p).map_err(|source| LayoutError::Io { path: p, source })?;
+    let b = read_small(dir, &p)?;
     if digest_of(&b) != digest {
         return Err(LayoutError::Corrupt {
             dir: dir.to_path_buf(),
@@ -166,13 +248,35 @@ fn read_blob_verified(dir: &Path, digest: &str) -> Result<Vec<u8>, LayoutError> 
     Ok(b)
 }
 
-fn copy_in(dir: &Path, digest: &str, cache: &dyn BlobCache) -> Result<(), LayoutError> {
+/// Copies the blob `d` names into the cache. Its file must be exactly `d.size` bytes (the
+/// size bounds what is copied; the digest is checked by the cache).
+fn copy_in(dir: &Path, d: &Descriptor, cache: &dyn BlobCache) -> Result<(), LayoutError> {
+    let digest = d.digest.as_str();
     if cache.blob_path(digest)?.is_some() {
         return Ok(());
     }
     let src = blob_path(dir, digest)?;
+    let mut input = open_regular(dir, &src)?;
+    let len = input
+        .metadata()
+        .map_err(|source| LayoutError::Io {
+            path: src.clone(),
+            source,
+        })?
+        .len();
+    if len != d.size {
+        return Err(LayoutError::Format {
+            dir: dir.to_path_buf(),
+            reason: format!(
+                "blob {digest} is {len} bytes, its descriptor says {}",
+                d.size
+            ),
+        });
+    }
     let staged = cache.ingest_path(digest)?;
-    fs::copy(&src, &staged).map_err(|source| LayoutError::Io { path: src, source })?;
+    fs::File::create(&staged)
+        .and_then(|mut out| std::io::copy(&mut input, &mut out))
+        .map_err(|source| LayoutError::Io { path: src, source })?;
     match cache.commit(&staged, digest) {
         Ok(_) => Ok(()),
         Err(CacheError::Mismatch { .. }) => Err(LayoutError::Corrupt {
@@ -197,8 +301,17 @@ pub fn export(
     };
     let blobs = dir.join("blobs/sha256");
     fs::create_dir_all(&blobs).map_err(io(&blobs))?;
-    let lp = dir.join("oci-layout");
-    fs::write(&lp, br#"{"imageLayoutVersion":"1.0.0"}"#).map_err(io(&lp))?;
+    for d in [dir.join("blobs"), blobs] {
+        if !fs::symlink_metadata(&d).map_err(io(&d))?.is_dir() {
+            return Err(LayoutError::Format {
+                dir: dir.to_path_buf(),
+                reason: format!("{} is not a directory", d.display()),
+            });
+        }
+    }
+    write_replacing(&dir.join("oci-layout"), |f| {
+        f.write_all(br#"{"imageLayoutVersion":"1.0.0"}"#)
+    })?;
     let bytes = cache
         .read_blob(digest)?
         .ok_or_else(|| LayoutError::NoImage {
@@ -213,7 +326,7 @@ pub fn export(
     };
     for d in std::iter::once(&m.config).chain(&m.layers) {
         let dst = blob_path(dir, &d.digest)?;
-        if dst.is_file() {
+        if fs::symlink_metadata(&dst).is_ok_and(|m| m.is_file()) {
             continue;
         }
         let src = cache
@@ -222,12 +335,10 @@ pub fn export(
                 dir: dir.to_path_buf(),
                 reason: format!("blob {} is not in the local store", d.digest),
             })?;
-        let tmp = dst.with_extension("tmp");
-        fs::copy(&src, &tmp).map_err(io(&src))?;
-        fs::rename(&tmp, &dst).map_err(io(&dst))?;
+        let mut input = fs::File::open(&src).map_err(io(&src))?;
+        write_replacing(&dst, |out| std::io::copy(&mut input, out).map(|_| ()))?;
     }
-    let mp = blob_path(dir, digest)?;
-    fs::write(&mp, &bytes).map_err(io(&mp))?;
+    write_replacing(&blob_path(dir, digest)?, |f| f.write_all(&bytes))?;
     let mut entries: Vec<Value> = if dir.join("index.json").is_file() {
         read_index(dir)?
             .into_iter()
@@ -251,20 +362,15 @@ pub fn export(
     }));
     let index =
         json!({ "schemaVersion": 2, "mediaType": crate::image::OCI_INDEX, "manifests": entries });
-    let ip = dir.join("index.json");
-    let tmp = dir.join("index.json.tmp");
     // A JSON value always serializes.
-    fs::write(
-        &tmp,
-        serde_json::to_vec(&index).expect("JSON values serialize"),
-    )
-    .map_err(io(&tmp))?;
-    fs::rename(&tmp, &ip).map_err(io(&ip))
+    let body = serde_json::to_vec(&index).expect("JSON values serialize");
+    write_replacing(&dir.join("index.json"), |f| f.write_all(&body))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::LocalCache;
 
     #[test]
     fn specs() {
@@ -278,5 +384,153 @@ mod tests {
             Some((PathBuf::from("rel"), Some("x".into())))
         );
         assert_eq!(parse_spec("docker://x"), None);
+    }
+
+    /// A one-layer layout in `dir`; returns (manifest digest, layer digest).
+    fn layout(dir: &Path) -> (String, String) {
+        layout_with(dir, |_| {})
+    }
+
+    fn layout_with(dir: &Path, tweak: impl FnOnce(&mut Value)) -> (String, String) {
+        let put = |b: &[u8]| {
+            let d = digest_of(b);
+            fs::create_dir_all(dir.join("blobs/sha256")).unwrap();
+            fs::write(blob_path(dir, &d).unwrap(), b).unwrap();
+            d
+        };
+        let config =
+            br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#;
+        let cd = put(config);
+        let ld = put(b"layer bytes");
+        let mut m = json!({
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": config.len()},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": ld, "size": 11}],
+        });
+        tweak(&mut m);
+        let mb = serde_json::to_vec(&m).unwrap();
+        let md = put(&mb);
+        fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
+        let index = json!({"schemaVersion": 2, "manifests": [
+            {"mediaType": OCI_MANIFEST, "digest": md, "size": mb.len(), "annotations": {REF_NAME: "t"}}
+        ]});
+        fs::write(dir.join("index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
+        (md, ld)
+    }
+
+    fn fifo(p: &Path) {
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            p,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from(0o600),
+            0,
+        )
+        .unwrap();
+    }
+
+    fn import_t(dir: &Path, cache: &LocalCache) -> Result<String, LayoutError> {
+        import(dir, Some("t"), &Platform::linux_amd64(), cache)
+    }
+
+    #[test]
+    fn hostile_layout_files_are_refused_not_read_forever() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = LocalCache::open(&tmp.path().join("cache")).unwrap();
+        let dir = tmp.path().join("l");
+        let (md, ld) = layout(&dir);
+        // Sanity: the clean layout imports.
+        assert_eq!(import_t(&dir, &cache).unwrap(), md);
+        let cache = LocalCache::open(&tmp.path().join("cache2")).unwrap();
+        // A layer blob that is a symlink to /dev/zero (fs::copy would fill the disk).
+        let lp = blob_path(&dir, &ld).unwrap();
+        fs::remove_file(&lp).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &lp).unwrap();
+        assert!(import_t(&dir, &cache).is_err());
+        // ... or a FIFO (a read would block forever).
+        fs::remove_file(&lp).unwrap();
+        fifo(&lp);
+        assert!(matches!(
+            import_t(&dir, &cache),
+            Err(LayoutError::Format { .. })
+        ));
+        // The manifest blob a FIFO, and index.json a symlink to /dev/zero.
+        let mp = blob_path(&dir, &md).unwrap();
+        fs::remove_file(&mp).unwrap();
+        fifo(&mp);
+        assert!(matches!(
+            import_t(&dir, &cache),
+            Err(LayoutError::Format { .. })
+        ));
+        fs::remove_file(dir.join("index.json")).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", dir.join("index.json")).unwrap();
+        assert!(import_t(&dir, &cache).is_err());
+    }
+
+    #[test]
+    fn oversized_index_or_manifest_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = LocalCache::open(&tmp.path().join("cache")).unwrap();
+        let dir = tmp.path().join("l");
+        layout(&dir);
+        let mut big = b"{\"schemaVersion\":2,\"manifests\":[]".to_vec();
+        big.resize(MAX_MANIFEST_BYTES as usize + 10, b' ');
+        big.push(b'}');
+        fs::write(dir.join("index.json"), &big).unwrap();
+        let err = import_t(&dir, &cache).unwrap_err();
+        assert!(err.to_string().contains("manifest limit"), "{err}");
+    }
+
+    #[test]
+    fn export_replaces_planted_symlinks_instead_of_writing_through_them() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = LocalCache::open(&tmp.path().join("cache")).unwrap();
+        let src = tmp.path().join("src");
+        let (md, ld) = layout(&src);
+        import_t(&src, &cache).unwrap();
+        let victim = tmp.path().join("victim");
+        fs::write(&victim, b"keep").unwrap();
+        let out = tmp.path().join("out");
+        fs::create_dir_all(out.join("blobs/sha256")).unwrap();
+        for p in [
+            blob_path(&out, &md).unwrap(),
+            blob_path(&out, &ld).unwrap(),
+            blob_path(&out, &ld).unwrap().with_extension("tmp"),
+            out.join("index.json.tmp"),
+            out.join("oci-layout"),
+        ] {
+            std::os::unix::fs::symlink(&victim, p).unwrap();
+        }
+        export(&cache, &md, &out, "t").unwrap();
+        assert_eq!(fs::read(&victim).unwrap(), b"keep");
+        let c2 = LocalCache::open(&tmp.path().join("cache2")).unwrap();
+        assert_eq!(import_t(&out, &c2).unwrap(), md);
+        // A symlinked blobs directory is refused.
+        let out2 = tmp.path().join("out2");
+        fs::create_dir_all(&out2).unwrap();
+        let elsewhere = tmp.path().join("elsewhere");
+        fs::create_dir_all(elsewhere.join("sha256")).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, out2.join("blobs")).unwrap();
+        assert!(export(&cache, &md, &out2, "t").is_err());
+        assert_eq!(fs::read_dir(elsewhere.join("sha256")).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn descriptor_sizes_bound_what_is_copied() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = LocalCache::open(&tmp.path().join("cache")).unwrap();
+        // A config claiming 1 TiB is refused before anything is copied.
+        let dir = tmp.path().join("big-config");
+        layout_with(&dir, |m| m["config"]["size"] = json!(1u64 << 40));
+        assert!(matches!(
+            import_t(&dir, &cache),
+            Err(LayoutError::Image(ImageError::ConfigTooLarge { .. }))
+        ));
+        // A layer file larger than its descriptor says is refused.
+        let dir = tmp.path().join("lying-size");
+        layout_with(&dir, |m| m["layers"][0]["size"] = json!(3));
+        let err = import_t(&dir, &cache).unwrap_err();
+        assert!(err.to_string().contains("descriptor says 3"), "{err}");
     }
 }

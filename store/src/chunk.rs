@@ -50,6 +50,12 @@ pub const ZSTD_LEVEL: i32 = 3;
 /// tables and decompressing hostile frames.
 pub const MAX_CHUNK_LEN: u64 = 16 << 20;
 
+/// Largest stored (compressed) chunk object read, bytes: zstd's worst case for a
+/// [`MAX_CHUNK_LEN`] input (`ZSTD_COMPRESSBOUND` in `zstd.h`: `n + n/256` plus under 128 KiB
+/// for small inputs), with the 128 KiB margin added. A larger object under a chunk key is
+/// planted or corrupt, and is refused before it is read into memory.
+pub const MAX_STORED_CHUNK_LEN: u64 = MAX_CHUNK_LEN + (MAX_CHUNK_LEN >> 8) + (128 << 10);
+
 /// Errors about chunks and chunk tables.
 #[derive(Debug, thiserror::Error)]
 pub enum ChunkError {

@@ -127,8 +127,33 @@ impl Store {
         let now = unix_now();
         let mut roots = Vec::new();
         let mut expired = Vec::new();
-        for (_, m) in self.list_tags(None).await? {
-            roots.push(ObjectRef::Manifest(m));
+        // A root that cannot be read (a corrupt tag or cache entry) stops GC: skipping it would
+        // sweep everything only it keeps alive. (`list_tags` and `list_cache_entries` skip
+        // such entries, so they are read here one by one.) Verify reports them instead.
+        let unreadable = |key: &str, e: StoreError| -> StoreError {
+            GcError::Unreadable {
+                object: key.to_string(),
+                reason: e.to_string(),
+            }
+            .into()
+        };
+        for o in self.backend.list("tags/").await? {
+            let rest = o.key.trim_start_matches("tags/");
+            let Some((name, tag)) = rest.split_once('/') else {
+                continue;
+            };
+            if tag.ends_with("~history") {
+                continue;
+            }
+            let Ok(t) = crate::TagRef::new(name, tag) else {
+                continue;
+            };
+            match self.get_tag(&t).await {
+                Ok(Some(r)) => roots.push(ObjectRef::Manifest(r.manifest)),
+                Ok(None) => {}
+                Err(e) if strict => return Err(unreadable(&o.key, e)),
+                Err(_) => {}
+            }
         }
         for l in self.list_leases().await? {
             if l.expires > now {
@@ -137,7 +162,14 @@ impl Store {
                 expired.push(format!("leases/{}", l.id));
             }
         }
-        for (k, e) in self.list_cache_entries().await? {
+        for o in self.backend.list("cache/").await? {
+            let k = o.key.trim_start_matches("cache/").to_string();
+            let e = match self.get_cache_entry(&k).await {
+                Ok(Some(e)) => e,
+                Ok(None) => continue,
+                Err(e) if strict => return Err(unreadable(&o.key, e)),
+                Err(_) => continue,
+            };
             if now.saturating_sub(e.time) < opts.cache_ttl.as_secs() {
                 roots.push(ObjectRef::Blob(e.layer));
             } else {
@@ -282,5 +314,73 @@ mod tests {
             }
         });
         assert_eq!(err, Err("bad 4"));
+    }
+
+    /// A corrupt tag or cache entry must stop GC, not silently drop the image it keeps alive.
+    #[tokio::test]
+    async fn an_unreadable_root_stops_gc_before_any_delete() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::manifest::{ImageManifest, Manifest};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8 + 1).collect();
+        let (table, _) = store
+            .put_artifact_reader(std::io::Cursor::new(data), &PutArtifactOptions::default())
+            .await
+            .unwrap();
+        let raw = store
+            .put_manifest(&Manifest::Image(ImageManifest::new(table)))
+            .await
+            .unwrap();
+        let t: crate::TagRef = "img:v1".parse().unwrap();
+        store.set_tag(&t, None, raw.digest).await.unwrap();
+        let layer = store
+            .put_blob(bytes::Bytes::from_static(b"layer"))
+            .await
+            .unwrap();
+        store.put_cache_entry("step1", layer.digest).await.unwrap();
+        let opts = GcOptions {
+            grace: Duration::ZERO,
+            ..GcOptions::default()
+        };
+        let count = || {
+            let mut n = 0;
+            for p in ["manifests", "chunks", "blobs"] {
+                for e in walkdir(&dir.path().join(p)) {
+                    n += usize::from(e.is_file());
+                }
+            }
+            n
+        };
+        let before = count();
+        assert!(before >= 3);
+        // Damage the tag (a torn write, a bad disk, a tenant's edit).
+        std::fs::write(dir.path().join("tags/img/v1"), b"{ not json").unwrap();
+        let err = store.gc(&opts).await.unwrap_err();
+        assert!(err.to_string().contains("tags/img/v1"), "{err}");
+        assert_eq!(count(), before);
+        // Damage a cache entry instead.
+        store.set_tag(&t, None, raw.digest).await.ok();
+        std::fs::remove_file(dir.path().join("tags/img/v1")).unwrap();
+        store.set_tag(&t, None, raw.digest).await.unwrap();
+        std::fs::write(dir.path().join("cache/step1"), b"\x00\x01").unwrap();
+        let err = store.gc(&opts).await.unwrap_err();
+        assert!(err.to_string().contains("cache/step1"), "{err}");
+        assert_eq!(count(), before);
+    }
+
+    fn walkdir(p: &std::path::Path) -> Vec<std::path::PathBuf> {
+        let mut out = Vec::new();
+        if let Ok(rd) = std::fs::read_dir(p) {
+            for e in rd.flatten() {
+                let path = e.path();
+                if path.is_dir() {
+                    out.extend(walkdir(&path));
+                } else {
+                    out.push(path);
+                }
+            }
+        }
+        out
     }
 }

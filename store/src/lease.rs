@@ -42,6 +42,34 @@ pub enum LeaseError {
     },
 }
 
+/// Largest lease object read, bytes (256 MiB: a lease names each object once, about 80
+/// bytes a chunk, so this covers some 3 million chunks). Bigger is corrupt or planted.
+pub const MAX_LEASE_LEN: u64 = 256 << 20;
+
+/// Largest build-cache entry read, bytes (an entry is a digest and a time, under 200 bytes).
+pub const MAX_CACHE_ENTRY_LEN: u64 = 4096;
+
+impl Store {
+    /// Reads `key` whole if it is at most `max` bytes (never loading more than `max + 1`);
+    /// `None` when absent.
+    async fn get_small(&self, key: &str, max: u64) -> Result<Option<Bytes>, StoreError> {
+        let b = match self.backend.get_range(key, 0..max + 1).await {
+            Ok(b) => b,
+            Err(e) if e.is_not_found() => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        if b.len() as u64 > max {
+            return Err(LeaseError::Corrupt {
+                key: key.to_string(),
+                store: self.url().to_string(),
+                reason: format!("over the {max}-byte limit"),
+            }
+            .into());
+        }
+        Ok(Some(b))
+    }
+}
+
 fn check_id(id: &str) -> Result<(), LeaseError> {
     if id.len() <= 200 && !id.contains('/') && !id.contains('~') && validate_key(id).is_ok() {
         Ok(())
@@ -157,10 +185,8 @@ impl Store {
     pub async fn list_leases(&self) -> Result<Vec<LeaseRecord>, StoreError> {
         let mut out = Vec::new();
         for o in self.backend.list("leases/").await? {
-            let bytes = match self.backend.get(&o.key).await {
-                Ok(b) => b,
-                Err(e) if e.is_not_found() => continue,
-                Err(e) => return Err(e.into()),
+            let Some(bytes) = self.get_small(&o.key, MAX_LEASE_LEN).await? else {
+                continue;
             };
             let r: LeaseRecord =
                 serde_json::from_slice(&bytes).map_err(|e| LeaseError::Corrupt {
@@ -191,17 +217,16 @@ impl Store {
     pub async fn get_cache_entry(&self, key: &str) -> Result<Option<CacheEntry>, StoreError> {
         check_id(key)?;
         let k = format!("cache/{key}");
-        match self.backend.get(&k).await {
-            Ok(b) => Ok(Some(serde_json::from_slice(&b).map_err(|e| {
-                LeaseError::Corrupt {
-                    key: k,
-                    store: self.url().to_string(),
-                    reason: e.to_string(),
-                }
-            })?)),
-            Err(e) if e.is_not_found() => Ok(None),
-            Err(e) => Err(e.into()),
-        }
+        let Some(b) = self.get_small(&k, MAX_CACHE_ENTRY_LEN).await? else {
+            return Ok(None);
+        };
+        Ok(Some(serde_json::from_slice(&b).map_err(|e| {
+            LeaseError::Corrupt {
+                key: k,
+                store: self.url().to_string(),
+                reason: e.to_string(),
+            }
+        })?))
     }
 
     /// Every build-cache entry as (key, entry); corrupt ones are skipped with a warning.
@@ -216,5 +241,40 @@ impl Store {
             }
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Huge planted lease or cache objects are named errors, never loaded whole; GC stops.
+    #[tokio::test]
+    async fn oversized_lease_and_cache_objects_are_refused_unread() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let layer = store.put_blob(Bytes::from_static(b"layer")).await.unwrap();
+        store.put_cache_entry("k", layer.digest).await.unwrap();
+        assert!(store.get_cache_entry("k").await.unwrap().is_some());
+        assert!(store.get_cache_entry("absent").await.unwrap().is_none());
+        let plant = |key: &str| {
+            // 1 TiB, sparse.
+            std::fs::File::create(dir.path().join(key))
+                .unwrap()
+                .set_len(1 << 40)
+                .unwrap();
+        };
+        plant("cache/k");
+        let err = store.get_cache_entry("k").await.unwrap_err();
+        assert!(err.to_string().contains("limit"), "{err}");
+        let gc = crate::gc::GcOptions::default();
+        assert!(store.gc(&gc).await.is_err());
+        std::fs::remove_file(dir.path().join("cache/k")).unwrap();
+        std::fs::create_dir_all(dir.path().join("leases")).unwrap();
+        plant("leases/l");
+        let err = store.list_leases().await.unwrap_err();
+        assert!(err.to_string().contains("limit"), "{err}");
+        assert!(store.gc(&gc).await.is_err());
+        assert!(store.has(&ObjectRef::Blob(layer.digest)).await.unwrap());
     }
 }

@@ -211,7 +211,24 @@ impl Store {
 
     /// A chunk's stored bytes (the zstd frame), unverified; for copying between stores.
     pub async fn get_chunk_stored(&self, digest: &ChunkDigest) -> Result<Bytes, StoreError> {
-        Ok(self.backend.get(&digest.key()).await?)
+        // Read at most one byte past the bound, so a planted huge object is never loaded.
+        let stored = self
+            .backend
+            .get_range(&digest.key(), 0..chunk::MAX_STORED_CHUNK_LEN + 1)
+            .await?;
+        if stored.len() as u64 > chunk::MAX_STORED_CHUNK_LEN {
+            self.known.forget(digest);
+            return Err(chunk::ChunkError::Corrupt {
+                digest: *digest,
+                store: self.url().to_string(),
+                reason: format!(
+                    "stored object is over the {}-byte limit for a chunk",
+                    chunk::MAX_STORED_CHUNK_LEN
+                ),
+            }
+            .into());
+        }
+        Ok(stored)
     }
 
     /// A chunk's raw bytes, verified: decompressed with at most `max_raw_len` bytes and hashed.
@@ -227,7 +244,7 @@ impl Store {
         {
             return Ok(b);
         }
-        let stored = self.backend.get(&digest.key()).await?;
+        let stored = self.get_chunk_stored(digest).await?;
         let d = *digest;
         let url = self.url().to_string();
         let raw =
@@ -303,5 +320,75 @@ impl Store {
 impl From<tokio::task::JoinError> for StoreError {
     fn from(e: tokio::task::JoinError) -> Self {
         StoreError::io("task", std::io::Error::other(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A huge object planted under a chunk key is refused without being read into memory.
+    #[tokio::test]
+    async fn an_oversized_chunk_object_is_refused_unread() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let enc = chunk::encode(b"some chunk").unwrap();
+        store.put_encoded_chunk(&enc).await.unwrap();
+        assert_eq!(
+            &store.get_chunk(&enc.digest, 10).await.unwrap()[..],
+            b"some chunk"
+        );
+        // Replace it with a 1 TiB sparse file (a read of it all would exhaust memory).
+        let p = dir.path().join(enc.digest.key());
+        std::fs::remove_file(&p).unwrap();
+        std::fs::File::create(&p).unwrap().set_len(1 << 40).unwrap();
+        for r in [
+            store.get_chunk(&enc.digest, 10).await,
+            store.get_chunk_stored(&enc.digest).await,
+        ] {
+            let err = r.unwrap_err();
+            assert!(
+                matches!(err, StoreError::Chunk(chunk::ChunkError::Corrupt { .. })),
+                "{err}"
+            );
+            assert!(err.to_string().contains("limit"), "{err}");
+        }
+    }
+
+    /// `verify --deep` reports such an object as a corrupt chunk (and does not load it).
+    #[tokio::test]
+    async fn verify_reports_an_oversized_chunk_object() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::manifest::ImageManifest;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8 + 1).collect();
+        let (table, _) = store
+            .put_artifact_reader(std::io::Cursor::new(data), &PutArtifactOptions::default())
+            .await
+            .unwrap();
+        let raw = store
+            .put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
+            .await
+            .unwrap();
+        store
+            .set_tag(&"img:v1".parse().unwrap(), None, raw.digest)
+            .await
+            .unwrap();
+        let victim = table.entries[0].digest.unwrap();
+        let p = dir.path().join(victim.key());
+        std::fs::remove_file(&p).unwrap();
+        std::fs::File::create(&p).unwrap().set_len(1 << 40).unwrap();
+        let r = store
+            .verify(true, &crate::gc::GcOptions::default())
+            .await
+            .unwrap();
+        assert!(
+            r.findings.iter().any(|f| matches!(f,
+                crate::verify::Finding::CorruptChunk { chunk, reason }
+                    if *chunk == victim && reason.contains("limit"))),
+            "{:?}",
+            r.findings
+        );
     }
 }

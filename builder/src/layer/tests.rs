@@ -737,3 +737,115 @@ fn write_then_apply_round_trip() {
     assert_eq!(md.nlink(), 2, "hard link kept");
     assert!(copy.root().join(&long).is_file(), "long names kept");
 }
+
+/// Attacks beyond the corpus: each layer either fails with a named error or applies, and in
+/// both cases nothing outside the root changes.
+#[test]
+fn more_hostile_layers_stay_inside_root() {
+    fn outside_abs(s: &Sandbox) -> std::ffi::OsString {
+        s.dir.path().join("sentinel").into_os_string()
+    }
+    type Make = Box<dyn Fn(&Sandbox) -> Vec<u8>>;
+    let cases: Vec<(&str, Make)> = vec![
+        (
+            "hard link to a file later replaced by a symlink out, then written",
+            Box::new(|s| {
+                let out = outside_abs(s);
+                tar_of(vec![
+                    E::File(b"f", b"inside"),
+                    E::Link(b"h", b"f"),
+                    E::Sym(b"f", out.as_encoded_bytes()),
+                    E::File(b"h", b"overwrite"),
+                    E::File(b"f/keep", b"through"),
+                ])
+            }),
+        ),
+        (
+            "dir entry replaces a symlink to outside, then a file below",
+            Box::new(|s| {
+                let out = outside_abs(s);
+                tar_of(vec![
+                    E::Sym(b"d", out.as_encoded_bytes()),
+                    E::Dir(b"d"),
+                    E::File(b"d/keep", b"x"),
+                ])
+            }),
+        ),
+        (
+            "opaque whiteout at the root",
+            Box::new(|_| tar_of(vec![E::File(b"a", b"x"), E::File(b".wh..wh..opq", b"")])),
+        ),
+        (
+            "whiteout of a symlink to outside removes the link only",
+            Box::new(|s| {
+                let out = outside_abs(s);
+                tar_of(vec![
+                    E::Sym(b"l", out.as_encoded_bytes()),
+                    E::File(b".wh.l", b""),
+                ])
+            }),
+        ),
+        (
+            "pax path with a NUL byte",
+            Box::new(|_| {
+                tar_of(vec![
+                    E::Pax(vec![("path", b"a\0/../../sentinel/x")]),
+                    E::File(b"innocent", b"x"),
+                ])
+            }),
+        ),
+        (
+            "overlong component",
+            Box::new(|_| {
+                let name = vec![b'n'; 300];
+                let name: &'static [u8] = Box::leak(name.into_boxed_slice());
+                tar_of(vec![
+                    E::Pax(vec![("path", name)]),
+                    E::File(b"innocent", b"x"),
+                ])
+            }),
+        ),
+        (
+            "xattr outside any namespace and setuid symlink",
+            Box::new(|_| {
+                let mut h = header(b"s", EntryType::Symlink, 0, b"target", 0o6777);
+                h.set_cksum();
+                tar_of(vec![
+                    E::Raw(h, Vec::new()),
+                    E::Pax(vec![("SCHILY.xattr.bogus", b"v")]),
+                    E::File(b"x", b"x"),
+                ])
+            }),
+        ),
+        (
+            "hard link to a symlink to outside, then written through",
+            Box::new(|s| {
+                let keep = s.dir.path().join("sentinel/keep").into_os_string();
+                tar_of(vec![
+                    E::Sym(b"l", keep.as_encoded_bytes()),
+                    E::Link(b"h", b"l"),
+                    E::File(b"h", b"overwrite"),
+                ])
+            }),
+        ),
+        (
+            "device node replacing a symlink to outside",
+            Box::new(|s| {
+                let keep = s.dir.path().join("sentinel/keep").into_os_string();
+                let mut h = header(b"l", EntryType::Fifo, 0, b"", 0o666);
+                h.set_cksum();
+                tar_of(vec![
+                    E::Sym(b"l", keep.as_encoded_bytes()),
+                    E::Raw(h, Vec::new()),
+                ])
+            }),
+        ),
+    ];
+    for (name, make) in cases {
+        let s = Sandbox::new();
+        let tar = make(&s);
+        // Ok or a named error are both acceptable; escaping is not.
+        let _ = s.apply(&tar);
+        s.assert_untouched(name);
+    }
+}

@@ -31,6 +31,11 @@ use crate::reference::Reference;
 
 pub use auth::Credentials;
 
+/// Largest manifest or index response read from a registry, bytes: the 4 MiB bound the
+/// distribution registry and containerd put on manifests. The body is read in pieces and the
+/// read stops past this, so a hostile registry cannot make us buffer more.
+pub const MAX_MANIFEST_BYTES: usize = 4 << 20;
+
 /// Errors talking to a registry.
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
@@ -89,6 +94,14 @@ pub enum RegistryError {
         digest: String,
         /// Descriptor size, bytes.
         size: u64,
+    },
+    /// A manifest (or error) response longer than [`MAX_MANIFEST_BYTES`].
+    #[error("{reference}: manifest response is over the {max}-byte limit")]
+    ManifestTooLarge {
+        /// The reference involved.
+        reference: String,
+        /// The limit, bytes.
+        max: usize,
     },
     /// A file in the ingest area failed.
     #[error("ingest file {path}: {source}")]
@@ -314,10 +327,65 @@ impl Registry {
         r: &Reference,
         auth: &RegistryAuth,
     ) -> Result<(String, Vec<u8>), RegistryError> {
-        let (bytes, _) = client
-            .pull_manifest_raw(&r.to_oci(), auth, &MANIFEST_TYPES)
+        // Not `pull_manifest_raw`: it buffers the whole body, however long. We take the
+        // token from the client and read the body ourselves, bounded.
+        use oci_client::errors::OciDistributionError as O;
+        let oref = r.to_oci();
+        let token = client
+            .auth(&oref, auth, RegistryOperation::Pull)
             .await
             .map_err(|e| map_err(r, e))?;
+        let plain = r.is_loopback() || self.opts.insecure.iter().any(|i| i == r.registry());
+        let url = format!(
+            "{}://{}/v2/{}/manifests/{}",
+            if plain { "http" } else { "https" },
+            oref.resolve_registry(),
+            oref.repository(),
+            oref.digest().or(oref.tag()).unwrap_or("latest"),
+        );
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(30))
+            .read_timeout(Duration::from_secs(120))
+            .build()
+            .map_err(|e| map_err(r, O::RequestError(e)))?;
+        let mut req = http
+            .get(&url)
+            .header(reqwest::header::ACCEPT, MANIFEST_TYPES.join(", "));
+        req = match (token, auth) {
+            (Some(t), _) => req.bearer_auth(t),
+            (None, RegistryAuth::Basic(u, p)) => req.basic_auth(u, Some(p)),
+            _ => req,
+        };
+        let mut res = req
+            .send()
+            .await
+            .map_err(|e| map_err(r, O::RequestError(e)))?;
+        let status = res.status();
+        let mut bytes = Vec::new();
+        while let Some(piece) = res
+            .chunk()
+            .await
+            .map_err(|e| map_err(r, O::RequestError(e)))?
+        {
+            if bytes.len() + piece.len() > MAX_MANIFEST_BYTES {
+                return Err(RegistryError::ManifestTooLarge {
+                    reference: r.to_string(),
+                    max: MAX_MANIFEST_BYTES,
+                });
+            }
+            bytes.extend_from_slice(&piece);
+        }
+        if !status.is_success() {
+            let message = String::from_utf8_lossy(&bytes[..bytes.len().min(4096)]).into_owned();
+            return Err(map_err(
+                r,
+                O::ServerError {
+                    code: status.as_u16(),
+                    url,
+                    message,
+                },
+            ));
+        }
         let digest = digest_of(&bytes);
         if let Some(want) = r.digest()
             && want != digest
@@ -328,7 +396,7 @@ impl Registry {
                 actual: digest,
             });
         }
-        Ok((digest, bytes.to_vec()))
+        Ok((digest, bytes))
     }
 
     /// Resolves a reference to its platform manifest (through an index when there is one).
@@ -616,4 +684,66 @@ impl Registry {
 fn reqwest_header(v: &str) -> http::HeaderValue {
     http::HeaderValue::from_str(v)
         .unwrap_or_else(|_| http::HeaderValue::from_static(crate::image::OCI_MANIFEST))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{BufRead, BufReader, Write};
+
+    /// A fault injector for what a real registry never does: answers `/v2/` with 200 and every
+    /// manifest request with a 200 body of `body_len` bytes (no length header, then close).
+    /// Returns its address.
+    fn endless_registry(body_len: usize) -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = l.local_addr().expect("addr").to_string();
+        std::thread::spawn(move || {
+            for conn in l.incoming() {
+                let Ok(mut c) = conn else { return };
+                let mut r = BufReader::new(c.try_clone().expect("clone"));
+                let mut first = String::new();
+                let _ = r.read_line(&mut first);
+                loop {
+                    let mut h = String::new();
+                    if r.read_line(&mut h).unwrap_or(0) == 0 || h == "\r\n" {
+                        break;
+                    }
+                }
+                if first.starts_with("GET /v2/ ") {
+                    let _ = c.write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+                    );
+                    continue;
+                }
+                let _ = c.write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\nConnection: close\r\n\r\n",
+                );
+                let block = vec![b' '; 64 << 10];
+                let mut sent = 0;
+                while sent < body_len {
+                    if c.write_all(&block).is_err() {
+                        break;
+                    }
+                    sent += block.len();
+                }
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn an_oversized_manifest_response_is_refused_not_buffered() {
+        // 1 GiB offered; the client must stop reading just past the 4 MiB bound.
+        let addr = endless_registry(1 << 30);
+        let reg = Registry::new(RegistryOptions::default());
+        let r: Reference = format!("{addr}/x:t").parse().expect("reference");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        match rt.block_on(reg.resolve(&r)) {
+            Err(RegistryError::ManifestTooLarge { max, .. }) => assert_eq!(max, MAX_MANIFEST_BYTES),
+            other => panic!("expected ManifestTooLarge, got {other:?}"),
+        }
+    }
 }

@@ -10,6 +10,12 @@
 //! it reads the current version and renames; the OS drops the lock if the process dies, so a
 //! crash never leaves a tag locked. A version is `<inode>-<ctime ns>-<size>` of the file: every
 //! rename creates a new inode, so a rewrite with identical bytes still changes the version.
+//!
+//! Symlinks inside the root are never followed: before any operation, every existing directory
+//! between the root and the key (and `.tmp`, `.locks`) is checked with `lstat`, and objects are
+//! opened with `O_NOFOLLOW`, so a symlink planted in the store (say `tags/n -> /etc`) gives a
+//! [`BackendError::Other`] instead of a read or write outside the root. (The root itself may be
+//! a symlink: that is the owner's choice.)
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
@@ -20,7 +26,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 
-use super::{Backend, BackendError, ObjectInfo, PutOutcome, Version, validate_key};
+use super::{
+    Backend, BackendError, MAX_MUTABLE_LEN, ObjectInfo, PutOutcome, Version, too_large,
+    validate_key,
+};
 use crate::digest::{Hasher, Sha256Hash};
 
 const TMP_DIR: &str = ".tmp";
@@ -79,6 +88,21 @@ impl LocalBackend {
 
     fn path(&self, key: &str) -> Result<PathBuf, BackendError> {
         validate_key(key)?;
+        for d in [TMP_DIR, LOCK_DIR] {
+            no_symlink(&self.url, key, &self.root.join(d))?;
+        }
+        // Every ancestor directory of the key that exists must be a real directory.
+        let mut p = self.root.clone();
+        let mut segs = key.split('/').peekable();
+        while let Some(seg) = segs.next() {
+            if segs.peek().is_none() {
+                break;
+            }
+            p.push(seg);
+            if !no_symlink(&self.url, key, &p)? {
+                break;
+            }
+        }
         Ok(self.root.join(key))
     }
 
@@ -136,6 +160,31 @@ fn not_found_or(url: &str, op: &'static str, key: &str, e: std::io::Error) -> Ba
     } else {
         other(url, op, key, e)
     }
+}
+
+/// `Ok(true)` if `p` exists and is not a symlink, `Ok(false)` if it does not exist, an error
+/// naming the key if it is a symlink.
+fn no_symlink(url: &str, key: &str, p: &Path) -> Result<bool, BackendError> {
+    match fs::symlink_metadata(p) {
+        Ok(m) if m.file_type().is_symlink() => Err(other(
+            url,
+            "resolve",
+            key,
+            format!("{} is a symlink; a store never follows one", p.display()),
+        )),
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(other(url, "resolve", key, e)),
+    }
+}
+
+/// Opens an object for reading without following a symlink at its name.
+fn open_nofollow(p: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(p)
 }
 
 fn fsync_dir(dir: &Path) -> std::io::Result<()> {
@@ -249,9 +298,11 @@ impl Backend for LocalBackend {
         let path = self.path(key)?;
         let key = key.to_string();
         self.blocking(move |c| {
-            fs::read(&path)
-                .map(Bytes::from)
-                .map_err(|e| not_found_or(&c.url, "get", &key, e))
+            let mut f = open_nofollow(&path).map_err(|e| not_found_or(&c.url, "get", &key, e))?;
+            let mut buf = Vec::new();
+            f.read_to_end(&mut buf)
+                .map_err(|e| other(&c.url, "get", &key, e))?;
+            Ok(Bytes::from(buf))
         })
         .await
     }
@@ -261,7 +312,7 @@ impl Backend for LocalBackend {
         let key = key.to_string();
         self.blocking(move |c| {
             use std::os::unix::fs::FileExt;
-            let f = File::open(&path).map_err(|e| not_found_or(&c.url, "get", &key, e))?;
+            let f = open_nofollow(&path).map_err(|e| not_found_or(&c.url, "get", &key, e))?;
             let len = f
                 .metadata()
                 .map_err(|e| other(&c.url, "get", &key, e))?
@@ -280,11 +331,18 @@ impl Backend for LocalBackend {
         let path = self.path(key)?;
         let key = key.to_string();
         self.blocking(move |c| {
-            let mut f = File::open(&path).map_err(|e| not_found_or(&c.url, "get", &key, e))?;
+            let f = open_nofollow(&path).map_err(|e| not_found_or(&c.url, "get", &key, e))?;
             let meta = f.metadata().map_err(|e| other(&c.url, "get", &key, e))?;
+            if meta.len() > MAX_MUTABLE_LEN {
+                return Err(too_large(&c.url, &key, meta.len()));
+            }
             let mut buf = Vec::with_capacity(meta.len() as usize);
-            f.read_to_end(&mut buf)
+            f.take(MAX_MUTABLE_LEN + 1)
+                .read_to_end(&mut buf)
                 .map_err(|e| other(&c.url, "get", &key, e))?;
+            if buf.len() as u64 > MAX_MUTABLE_LEN {
+                return Err(too_large(&c.url, &key, buf.len() as u64));
+            }
             Ok((Bytes::from(buf), version_of(&meta)))
         })
         .await
@@ -293,7 +351,7 @@ impl Backend for LocalBackend {
     async fn head(&self, key: &str) -> Result<Option<ObjectInfo>, BackendError> {
         let path = self.path(key)?;
         let key = key.to_string();
-        self.blocking(move |c| match fs::metadata(&path) {
+        self.blocking(move |c| match fs::symlink_metadata(&path) {
             Ok(m) if m.is_file() => Ok(Some(info_of(key, &m))),
             Ok(_) => Ok(None),
             Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
@@ -311,7 +369,7 @@ impl Backend for LocalBackend {
         let dest = self.path(key)?;
         let key = key.to_string();
         self.blocking(move |c| {
-            if dest.is_file() {
+            if fs::symlink_metadata(&dest).is_ok_and(|m| m.is_file()) {
                 return Ok(PutOutcome::AlreadyExists);
             }
             let tmp = c.write_tmp(&key, expect_sha256, |f, h| {
@@ -333,7 +391,7 @@ impl Backend for LocalBackend {
         let key = key.to_string();
         let src = path.to_path_buf();
         self.blocking(move |c| {
-            if dest.is_file() {
+            if fs::symlink_metadata(&dest).is_ok_and(|m| m.is_file()) {
                 return Ok(PutOutcome::AlreadyExists);
             }
             let tmp = c.write_tmp(&key, expect_sha256, |f, h| {
@@ -381,7 +439,7 @@ impl Backend for LocalBackend {
                 .open(&lock_path)
                 .map_err(|e| other(&c.url, "lock", &key, e))?;
             lock.lock().map_err(|e| other(&c.url, "lock", &key, e))?;
-            let current = match fs::metadata(&dest) {
+            let current = match fs::symlink_metadata(&dest) {
                 Ok(m) => Some(version_of(&m)),
                 Err(e) if e.kind() == ErrorKind::NotFound => None,
                 Err(e) => return Err(other(&c.url, "cas", &key, e)),
@@ -407,7 +465,9 @@ impl Backend for LocalBackend {
             None => "",
         };
         if !dir_part.is_empty() {
-            validate_key(dir_part)?;
+            // Checks every directory down to and including `dir_part` (a symlinked `chunks`
+            // would otherwise list, and let GC delete, files outside the root).
+            self.path(&format!("{dir_part}/x"))?;
         }
         let prefix = prefix.to_string();
         let dir_part = dir_part.to_string();
@@ -475,5 +535,91 @@ mod tests {
         // list ignores symlinks; head of a directory is absent.
         assert!(b.list("tags/").await.unwrap().is_empty());
         assert!(b.head("tags/n").await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn planted_directory_symlinks_never_lead_outside_the_root() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let victim = outside.path().join("victim");
+        fs::write(&victim, b"keep").unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        // A tenant plants `tags/n -> outside` and `chunks -> outside`.
+        fs::create_dir_all(dir.path().join("tags")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("tags/n")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("chunks")).unwrap();
+        let data = Bytes::from_static(b"x");
+        assert!(b.put("tags/n/t", data.clone()).await.is_err());
+        assert!(
+            b.compare_and_swap("tags/n/t", None, data.clone())
+                .await
+                .is_err()
+        );
+        assert!(
+            b.put_if_absent("chunks/victim2", data.clone(), None)
+                .await
+                .is_err()
+        );
+        assert!(b.get("tags/n/victim").await.is_err());
+        assert!(b.get_range("chunks/victim", 0..4).await.is_err());
+        assert!(b.head("chunks/victim").await.is_err());
+        // Listing through the symlink is refused (GC would otherwise sweep outside files).
+        assert!(b.list("chunks/").await.is_err());
+        assert!(b.list("tags/n/").await.is_err());
+        assert!(b.delete("chunks/victim").await.is_err());
+        assert_eq!(fs::read(&victim).unwrap(), b"keep");
+        let mut names: Vec<_> = fs::read_dir(outside.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["victim"]);
+        // A symlinked `.tmp` is refused too: temp files would be written outside.
+        fs::remove_dir_all(dir.path().join(".tmp")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join(".tmp")).unwrap();
+        assert!(b.put("blobs/sha256/aa", data).await.is_err());
+        assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_symlink_at_an_object_name_is_not_read_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        fs::create_dir_all(dir.path().join("tags/n")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", dir.path().join("tags/n/t")).unwrap();
+        assert!(b.get("tags/n/t").await.is_err());
+        assert!(b.get_versioned("tags/n/t").await.is_err());
+        assert!(b.get_range("tags/n/t", 0..4).await.is_err());
+        assert!(b.head("tags/n/t").await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_huge_mutable_object_is_refused_before_reading() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        fs::create_dir_all(dir.path().join("tags/n")).unwrap();
+        // 1 TiB, sparse: allocating or reading it whole would abort or exhaust memory.
+        File::create(dir.path().join("tags/n/t"))
+            .unwrap()
+            .set_len(1 << 40)
+            .unwrap();
+        let err = b.get_versioned("tags/n/t").await.unwrap_err();
+        assert!(err.to_string().contains("limit"), "{err}");
+        // And at the store level: a tag read is a named error, verify reports it.
+        let store = crate::Store::open(dir.path().to_str().unwrap())
+            .await
+            .unwrap();
+        assert!(store.get_tag(&"n:t".parse().unwrap()).await.is_err());
+        let r = store
+            .verify(false, &crate::gc::GcOptions::default())
+            .await
+            .unwrap();
+        assert!(
+            r.findings.iter().any(|f| matches!(f,
+                crate::verify::Finding::TagCorrupt { key, reason }
+                    if key == "tags/n/t" && reason.contains("limit"))),
+            "{:?}",
+            r.findings
+        );
     }
 }

@@ -140,7 +140,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// the backend; callers check lengths.
     async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes, BackendError>;
 
-    /// Whole object and its version, for a later [`Backend::compare_and_swap`].
+    /// Whole object and its version, for a later [`Backend::compare_and_swap`]. Only for the
+    /// small mutable objects (tags, tag histories): an object over [`MAX_MUTABLE_LEN`] is
+    /// [`BackendError::Other`], refused before its body is read.
     async fn get_versioned(&self, key: &str) -> Result<(Bytes, Version), BackendError>;
 
     /// Metadata, or `None` when absent.
@@ -184,6 +186,20 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
     /// Removes the object; absent is not an error.
     async fn delete(&self, key: &str) -> Result<(), BackendError>;
+}
+
+/// Largest object [`Backend::get_versioned`] reads, bytes (64 MiB, the manifest limit): far
+/// above any tag record or history, far below what would exhaust memory.
+pub const MAX_MUTABLE_LEN: u64 = 64 << 20;
+
+/// The error for a mutable object over [`MAX_MUTABLE_LEN`].
+pub(crate) fn too_large(store: &str, key: &str, len: u64) -> BackendError {
+    BackendError::Other {
+        store: store.to_string(),
+        op: "get",
+        key: key.to_string(),
+        message: format!("{len} bytes, over the {MAX_MUTABLE_LEN}-byte limit for a mutable object"),
+    }
 }
 
 /// Checks a key: relative, `/`-separated segments of `[A-Za-z0-9._~-]`, no empty segment and

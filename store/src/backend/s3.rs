@@ -278,6 +278,9 @@ impl Backend for S3Backend {
             .get(&p)
             .await
             .map_err(|e| self.err("get", key, e))?;
+        if r.meta.size > super::MAX_MUTABLE_LEN {
+            return Err(super::too_large(&self.url, key, r.meta.size));
+        }
         let etag = r.meta.e_tag.clone();
         let bytes = r.bytes().await.map_err(|e| self.err("get", key, e))?;
         let etag = etag.ok_or_else(|| BackendError::Other {
