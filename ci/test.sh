@@ -8,5 +8,11 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-echo "== cargo test"
-cargo test --workspace --locked "$@"
+if ! command -v cargo-nextest >/dev/null; then
+  echo "== installing cargo-nextest"
+  cargo install --locked cargo-nextest
+fi
+echo "== cargo test --doc"
+cargo test --workspace --locked --doc
+echo "== cargo nextest run (settings: .config/nextest.toml)"
+cargo nextest run --workspace --locked "$@"
