@@ -287,6 +287,12 @@ impl<'de> Deserialize<'de> for CommandSpec {
 }
 
 /// Single-quotes `s` for the substitution layer so it comes out literally.
+/// Whether a `USER` value (`user[:group]`) names root, by name or id.
+fn is_root_user(u: &str) -> bool {
+    let user = u.split(':').next().unwrap_or(u);
+    user.is_empty() || user == "root" || user == "0"
+}
+
 fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
@@ -496,6 +502,24 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
         Some(NetworkSpec::None) => Some("none".to_string()),
         _ => None,
     };
+    // Commands run as root. A base image described with another user gets `USER root` before
+    // them and, unless the recipe names its own user, its user back after them, as the
+    // equivalent Dockerfile would write it.
+    let base_user = match &recipe.from.value {
+        FromSpec::Image(s) => options
+            .base_images
+            .get(s.as_str())
+            .and_then(|b| b.user.clone())
+            .filter(|u| !is_root_user(u)),
+        FromSpec::Bootstrap { .. } => None,
+    };
+    let switch_user = base_user.is_some() && !recipe.commands.is_empty();
+    if switch_user {
+        instrs.push(Instr {
+            span: here(ctx.at(&recipe.commands[0])),
+            kind: InstrKind::User("root".to_string()),
+        });
+    }
     for c in &recipe.commands {
         let at = ctx.at(c);
         let command = command_line(&c.value).map_err(|e| ctx.err(at, e))?;
@@ -508,6 +532,13 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
                 command,
                 heredocs: Vec::new(),
             },
+        });
+    }
+    if let (true, Some(u), None) = (switch_user, &base_user, &recipe.user) {
+        let last = recipe.commands.last().map_or(from_at, |c| ctx.at(c));
+        instrs.push(Instr {
+            span: here(last),
+            kind: InstrKind::User(literal(u)),
         });
     }
     if let Some(u) = &recipe.user {
@@ -754,6 +785,42 @@ mod tests {
             "from: debian:bookworm\ncommands: [\"apt-get update\"]\n",
             "FROM debian:bookworm\nRUN apt-get update\n",
         );
+    }
+
+    /// Issue 2: each command runs as root, even on a base image whose config names another
+    /// user; the image keeps the base's user unless the recipe sets one.
+    #[test]
+    fn commands_run_as_root_on_a_non_root_base() {
+        let base = crate::BaseImage {
+            user: Some("node".to_string()),
+            ..crate::BaseImage::default()
+        };
+        let options = Options {
+            base_images: [("node:22".to_string(), base)].into(),
+            ..Options::default()
+        };
+        let plan = |text: &str| {
+            crate::load("recipe.yaml", text.as_bytes(), &options).expect("valid recipe")
+        };
+        let p = plan("from: node:22\ncommands: [\"id -u\", \"id -g\"]\n");
+        let s = &p.stages[0];
+        assert_eq!(s.steps.len(), 2);
+        for step in &s.steps {
+            assert!(matches!(step.action, Action::Run(_)));
+            assert_eq!(step.context.user.as_deref(), Some("root"));
+        }
+        assert_eq!(s.config.user.as_deref(), Some("node"));
+        assert_eq!(p.sandbox.start, None);
+
+        let p = plan("from: node:22\ncommands: [\"id -u\"]\nuser: app\n");
+        assert_eq!(p.stages[0].steps[0].context.user.as_deref(), Some("root"));
+        assert_eq!(p.stages[0].config.user.as_deref(), Some("app"));
+
+        // Without commands nothing is added, and a root base needs no switch.
+        let p = plan("from: node:22\n");
+        assert_eq!(p.stages[0].config.user.as_deref(), Some("node"));
+        let p = yaml("from: debian:bookworm\ncommands: [\"id -u\"]\n");
+        assert_eq!(p.stages[0].steps[0].context.user, None);
     }
 
     #[test]
