@@ -12,7 +12,8 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "kiln", version, about)]
 struct Cli {
-    /// Print one JSON object per line on stdout (events, results, errors) instead of text.
+    /// Print one JSON object per line on stdout (events, results, errors) instead of text;
+    /// `plan` prints the plan as one indented JSON document (its errors stay text on stderr).
     #[arg(long, global = true)]
     json: bool,
     #[command(subcommand)]

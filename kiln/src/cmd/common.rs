@@ -19,7 +19,7 @@ pub struct ImageOpts {
     /// A registry (host[:port]) allowed over plain HTTP; loopback registries always are.
     #[arg(long = "insecure-registry")]
     pub insecure: Vec<String>,
-    /// Layers downloaded at once.
+    /// Layers downloaded at once (pull, unpack; other commands ignore it).
     #[arg(long, default_value_t = 3)]
     pub jobs: usize,
 }

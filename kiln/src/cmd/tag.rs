@@ -10,14 +10,16 @@ use super::{CmdResult, Out, open_store};
 /// Arguments of `kiln tag`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The manifest: `sha256:<hex>` or an existing `NAME:TAG`.
+    /// The manifest: `sha256:<hex>` (64 hex digits) or an existing `NAME:TAG` of this store
+    /// (see `kiln tags`; images from `kiln pull`/`kiln import` are not tags).
     src: String,
-    /// The tag to set.
+    /// The tag to set, `NAME:TAG` (name `[a-z0-9._-]`, no registry host or `/`).
     target: TagRef,
     /// Only move the tag if it currently names this digest (`absent`: if it is unset).
     #[arg(long, value_name = "DIGEST|absent")]
     expect: Option<String>,
-    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`.
+    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`, else
+    /// `~/.local/share/kiln/store`.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
 }

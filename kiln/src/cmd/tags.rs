@@ -9,7 +9,8 @@ use super::{CmdResult, Out, open_store};
 pub struct Args {
     /// Only tags of this image name.
     name: Option<String>,
-    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`.
+    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`, else
+    /// `~/.local/share/kiln/store`.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
 }

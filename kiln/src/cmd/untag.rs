@@ -14,7 +14,8 @@ pub struct Args {
     /// Only remove it if it names this digest.
     #[arg(long, value_name = "DIGEST")]
     expect: Option<ManifestDigest>,
-    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`.
+    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`, else
+    /// `~/.local/share/kiln/store`.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
 }

@@ -17,7 +17,8 @@ pub struct Args {
     source: TagRef,
     /// Where to write it (replaced atomically).
     file: PathBuf,
-    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`.
+    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`, else
+    /// `~/.local/share/kiln/store`.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
 }

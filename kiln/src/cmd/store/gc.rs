@@ -22,7 +22,8 @@ pub struct Args {
     /// Build-cache entries younger than this are roots; default 14 days.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     cache_ttl: Option<Duration>,
-    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`.
+    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`, else
+    /// `~/.local/share/kiln/store`.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
 }

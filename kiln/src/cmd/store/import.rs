@@ -18,9 +18,10 @@ use crate::cmd::{CmdResult, Out, open_store};
 pub struct Args {
     /// The file to store.
     file: PathBuf,
-    /// The tag to set.
+    /// The tag to set, `NAME:TAG` (name `[a-z0-9._-]`, no registry host or `/`).
     target: TagRef,
-    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`.
+    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`, else
+    /// `~/.local/share/kiln/store`.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
 }

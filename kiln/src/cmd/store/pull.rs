@@ -14,7 +14,7 @@ pub struct Args {
     /// The source store (path, `file://PATH` or `s3://bucket/prefix`).
     #[arg(long, value_name = "URL")]
     from: String,
-    /// The destination store; default `$KILN_STORE`.
+    /// The destination store; default `$KILN_STORE`, else `~/.local/share/kiln/store`.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
 }

@@ -14,7 +14,7 @@ pub struct Args {
     /// The destination store (path, `file://PATH` or `s3://bucket/prefix`).
     #[arg(long, value_name = "URL")]
     to: String,
-    /// The source store; default `$KILN_STORE`.
+    /// The source store; default `$KILN_STORE`, else `~/.local/share/kiln/store`.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
 }

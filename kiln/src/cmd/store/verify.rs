@@ -18,7 +18,8 @@ pub struct Args {
     /// Grace period used to say whether GC would collect an orphan now.
     #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = parse_duration)]
     grace: Duration,
-    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`.
+    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`, else
+    /// `~/.local/share/kiln/store`.
     #[arg(long, value_name = "URL")]
     store: Option<String>,
 }
