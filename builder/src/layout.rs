@@ -205,11 +205,23 @@ pub fn import(
         None => None,
     };
     let Some(desc) = chosen else {
+        let tags: Vec<&str> = entries
+            .iter()
+            .filter_map(|d| d.annotations.as_ref()?.get(REF_NAME).map(String::as_str))
+            .collect();
+        let tags = if tags.is_empty() {
+            "none".to_string()
+        } else {
+            tags.join(", ")
+        };
         return Err(LayoutError::NoImage {
             dir: dir.to_path_buf(),
             reason: match tag {
-                Some(t) => format!("no image tagged {t:?}"),
-                None => format!("{} images and no tag given", entries.len()),
+                Some(t) => format!("no image tagged {t:?} (its tags: {tags})"),
+                None => format!(
+                    "{} images and no tag given: name one as oci:DIR:TAG (its tags: {tags})",
+                    entries.len()
+                ),
             },
         });
     };
