@@ -513,3 +513,58 @@ fn concurrent_pulls_download_once() {
         "every blob downloaded once"
     );
 }
+
+/// Regression (newcomer review, 2026-11-30): `kiln store gc` on the local store collected the
+/// blobs of an image `kiln pull` had just stored, because the OCI reference under `refs/oci/`
+/// was not a GC root. The pulled image must survive a GC with no grace period, while a real
+/// orphan is still collected.
+#[test]
+fn store_gc_keeps_pulled_images() {
+    let reference = require_env("KILN_TEST_BUSYBOX_REF");
+    let reg = registry(RegistryOptions::default());
+    let rt = rt();
+    let (dir, cache) = store();
+    rt.block_on(reg.pull(&reference.parse().expect("ref"), &cache))
+        .expect("pull");
+    let blobs = |d: &Path| {
+        let mut v: Vec<String> = std::fs::read_dir(d.join("blobs/sha256"))
+            .expect("blobs dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let pulled = blobs(dir.path());
+    assert!(
+        pulled.len() >= 3,
+        "manifest, config and a layer: {pulled:?}"
+    );
+    let report = rt.block_on(async {
+        let store = kiln_store::Store::open(dir.path().to_str().expect("utf-8 path"))
+            .await
+            .expect("open store");
+        let orphan = store
+            .put_blob(bytes::Bytes::from_static(b"nothing refers to this"))
+            .await
+            .expect("put orphan");
+        let opts = kiln_store::gc::GcOptions {
+            grace: std::time::Duration::ZERO,
+            ..kiln_store::gc::GcOptions::default()
+        };
+        let report = store.gc(&opts).await.expect("gc");
+        (report, orphan)
+    });
+    let (report, orphan) = report;
+    assert_eq!(
+        blobs(dir.path()),
+        pulled,
+        "gc removed pulled blobs: {report:?}"
+    );
+    assert!(
+        !dir.path()
+            .join("blobs/sha256")
+            .join(orphan.digest.hex())
+            .exists(),
+        "the orphan survived: {report:?}"
+    );
+}
