@@ -170,9 +170,31 @@ fn to_system_time(secs: i64, nanos: u32) -> SystemTime {
 }
 
 /// Maps an `object_store` error onto [`BackendError`], deciding what is transient.
+/// `e` and each of its sources, rendered and joined with `: `.
+fn error_chain(e: &object_store::Error) -> String {
+    let mut message = e.to_string();
+    let mut s = std::error::Error::source(e);
+    while let Some(inner) = s {
+        message.push_str(": ");
+        message.push_str(&inner.to_string());
+        s = inner.source();
+    }
+    message
+}
+
 fn classify(url: &str, op: &'static str, key: &str, e: object_store::Error) -> BackendError {
     use object_store::Error as E;
     match &e {
+        // S3 answers 404 both for a missing key and for a missing bucket (S3 API reference,
+        // error code NoSuchBucket); only the first means "no object here".
+        E::NotFound { .. } if error_chain(&e).contains("NoSuchBucket") => {
+            return BackendError::Other {
+                store: url.to_string(),
+                op,
+                key: key.to_string(),
+                message: "the bucket does not exist (S3 NoSuchBucket)".to_string(),
+            };
+        }
         E::NotFound { .. } => {
             return BackendError::NotFound {
                 store: url.to_string(),
