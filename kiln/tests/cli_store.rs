@@ -240,3 +240,35 @@ fn push_pull_verify_gc() {
             == Some(2)
     );
 }
+
+/// Regression (newcomer review, 2026-11-30): read-only commands on a mistyped local store
+/// path created an empty store there and reported it healthy (`verify` exited 0). They now
+/// refuse with exit code 5 and create nothing; a writing command still creates the store.
+#[test]
+fn read_only_commands_refuse_a_missing_local_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("typo");
+    let m = missing.to_str().unwrap();
+    let file_url = format!("file://{m}");
+    for args in [
+        vec!["store", "verify", "--store", m],
+        vec!["store", "gc", "--dry-run", "--store", m],
+        vec!["tags", "--store", m],
+        vec!["store", "verify", "--store", file_url.as_str()],
+        vec!["store", "pull", "app:v1", "--from", m],
+    ] {
+        let o = kiln(&dir.path().join("default"), &args);
+        assert_eq!(o.status.code(), Some(5), "{args:?}: {o:?}");
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(stderr.contains("no store at"), "{args:?}: {stderr}");
+        assert!(!missing.exists(), "{args:?} created {m}");
+    }
+    let file = dir.path().join("artifact");
+    std::fs::write(&file, b"some bytes").unwrap();
+    let o = kiln(
+        &missing,
+        &["store", "import", file.to_str().unwrap(), "app:v1"],
+    );
+    assert!(o.status.success(), "{o:?}");
+    assert!(missing.is_dir());
+}

@@ -149,6 +149,36 @@ pub async fn open_store(url: Option<&str>) -> Result<kiln_store::Store, StoreErr
     }
 }
 
+/// Opens a store that must already exist, for commands that only read or maintain one
+/// (`tags`, `untag`, `store verify`, `store gc`, `store export`, the source of a copy). A
+/// local directory named explicitly (a path or `file://PATH`) that does not exist is refused
+/// with exit code 5 instead of being created empty, so a mistyped `--store` cannot pass for
+/// an empty, healthy store. Remote stores and the default local store open as with
+/// [`open_store`].
+pub async fn open_existing_store(url: Option<&str>) -> Result<kiln_store::Store, Failure> {
+    if let Some(u) = url {
+        let local = if let Some(p) = u.strip_prefix("file://") {
+            Some(p)
+        } else if u.contains("://") {
+            None
+        } else {
+            Some(u)
+        };
+        if let Some(p) = local
+            && !std::path::Path::new(p).is_dir()
+        {
+            return Err(Failure {
+                code: exit::NOT_FOUND,
+                error: anyhow::anyhow!(
+                    "no store at {p}: the directory does not exist (commands that write, such \
+                     as `kiln store import` or `kiln pull`, create it)"
+                ),
+            });
+        }
+    }
+    Ok(open_store(url).await?)
+}
+
 /// A lease id unique to this process and moment: `<what>-<host>-<pid>-<nanos>`, within the
 /// store's key grammar.
 pub fn lease_id(what: &str) -> String {

@@ -2,7 +2,7 @@
 
 use serde_json::json;
 
-use super::{CmdResult, Out, open_store};
+use super::{CmdResult, Out, open_existing_store};
 
 /// Arguments of `kiln tags`.
 #[derive(Debug, clap::Args)]
@@ -17,7 +17,7 @@ pub struct Args {
 
 /// Runs `kiln tags`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_store(a.store.as_deref()).await?;
+    let store = open_existing_store(a.store.as_deref()).await?;
     for (tag, manifest) in store.list_tags(a.name.as_deref()).await? {
         out.event(
             "tag",

@@ -4,7 +4,7 @@
 use kiln_store::{ManifestDigest, TagRef};
 use serde_json::json;
 
-use super::{CmdResult, Out, open_store};
+use super::{CmdResult, Out, open_existing_store};
 
 /// Arguments of `kiln untag`.
 #[derive(Debug, clap::Args)]
@@ -22,7 +22,7 @@ pub struct Args {
 
 /// Runs `kiln untag`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_store(a.store.as_deref()).await?;
+    let store = open_existing_store(a.store.as_deref()).await?;
     let was = store.untag(&a.target, a.expect).await?;
     out.event(
         "untagged",

@@ -7,7 +7,7 @@ use kiln_store::manifest::Manifest;
 use serde_json::json;
 
 use crate::cmd::progress::Progress;
-use crate::cmd::{CmdResult, Out, open_store};
+use crate::cmd::{CmdResult, Out, open_existing_store, open_store};
 
 /// Copies `tag` from store `src` to store `dst` (default store when `None`); `verb` names the
 /// direction in messages and the final event (`pushed`, `pulled`).
@@ -18,7 +18,7 @@ pub async fn copy(
     dst: Option<&str>,
     verb: &str,
 ) -> CmdResult {
-    let src = open_store(src).await?;
+    let src = open_existing_store(src).await?;
     let dst = open_store(dst).await?;
     // The bar's total: the raw size of the image (or snapshot disk + memory) behind the tag.
     let digest = src.resolve_tag(tag).await?;

@@ -8,7 +8,7 @@ use kiln_store::manifest::Manifest;
 use serde_json::json;
 
 use crate::cmd::progress::Progress;
-use crate::cmd::{CmdResult, Out, open_store};
+use crate::cmd::{CmdResult, Out, open_existing_store};
 
 /// Arguments of `kiln store export`.
 #[derive(Debug, clap::Args)]
@@ -25,7 +25,7 @@ pub struct Args {
 
 /// Runs `kiln store export`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_store(a.store.as_deref()).await?;
+    let store = open_existing_store(a.store.as_deref()).await?;
     let digest = store.resolve_tag(&a.source).await?;
     let table = match store.get_manifest(&digest).await? {
         Manifest::Image(m) => m.disk,

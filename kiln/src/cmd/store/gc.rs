@@ -8,7 +8,7 @@ use kiln_store::gc::GcOptions;
 use kiln_store::lease::DEFAULT_CACHE_TTL;
 use serde_json::json;
 
-use crate::cmd::{CmdResult, Out, open_store, parse_duration};
+use crate::cmd::{CmdResult, Out, open_existing_store, parse_duration};
 
 /// Arguments of `kiln store gc`.
 #[derive(Debug, clap::Args)]
@@ -30,7 +30,7 @@ pub struct Args {
 
 /// Runs `kiln store gc`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_store(a.store.as_deref()).await?;
+    let store = open_existing_store(a.store.as_deref()).await?;
     let opts = GcOptions {
         grace: a.grace,
         cache_ttl: a.cache_ttl.unwrap_or(DEFAULT_CACHE_TTL),

@@ -7,7 +7,7 @@ use std::time::Duration;
 use kiln_store::gc::GcOptions;
 use serde_json::json;
 
-use crate::cmd::{CmdResult, Failure, Out, exit, open_store, parse_duration};
+use crate::cmd::{CmdResult, Failure, Out, exit, open_existing_store, parse_duration};
 
 /// Arguments of `kiln store verify`.
 #[derive(Debug, clap::Args)]
@@ -26,7 +26,7 @@ pub struct Args {
 
 /// Runs `kiln store verify`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_store(a.store.as_deref()).await?;
+    let store = open_existing_store(a.store.as_deref()).await?;
     let gc = GcOptions {
         grace: a.grace,
         ..GcOptions::default()
