@@ -35,8 +35,16 @@ add_backports() {
     return
   fi
   local mirror
-  mirror=$(apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 2>/dev/null \
-    | awk '$2 == "bookworm" { print $1; exit }')
+  bookworm_mirror() {
+    apt-get indextargets --format '$(REPO_URI) $(RELEASE)' 2>/dev/null |
+      awk '$2 == "bookworm" { print $1; exit }'
+  }
+  mirror=$(bookworm_mirror)
+  if [ -z "$mirror" ]; then
+    # indextargets lists only what has been downloaded: a new machine may have no lists yet.
+    apt-get update -qq || true
+    mirror=$(bookworm_mirror)
+  fi
   if [ -z "$mirror" ]; then
     log "cannot find the mirror apt uses for bookworm; add a bookworm-backports line by hand"
     exit 1
