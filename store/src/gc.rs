@@ -129,6 +129,15 @@ pub struct GcReport {
     pub dry_run: bool,
 }
 
+/// A root or reachable object that cannot be read: marking stops (see [`GcError::Unreadable`]).
+fn unreadable(object: &str, reason: impl ToString) -> StoreError {
+    GcError::Unreadable {
+        object: object.to_string(),
+        reason: reason.to_string(),
+    }
+    .into()
+}
+
 /// The live set of a store and the content-addressed objects it holds.
 pub(crate) struct Marked {
     pub(crate) live: HashSet<ObjectRef>,
@@ -152,13 +161,6 @@ impl Store {
         // A root that cannot be read (a corrupt tag or cache entry) stops GC: skipping it would
         // sweep everything only it keeps alive. (`list_tags` and `list_cache_entries` skip
         // such entries, so they are read here one by one.) Verify reports them instead.
-        let unreadable = |key: &str, e: StoreError| -> StoreError {
-            GcError::Unreadable {
-                object: key.to_string(),
-                reason: e.to_string(),
-            }
-            .into()
-        };
         for o in self.backend.list("tags/").await? {
             let rest = o.key.trim_start_matches("tags/");
             let Some((name, tag)) = rest.split_once('/') else {
@@ -246,13 +248,6 @@ impl Store {
     /// Errors (when `strict`): [`GcError::Unreadable`] for a reference that cannot be read or
     /// does not hold a digest, as for tags.
     async fn oci_ref_roots(&self, strict: bool) -> Result<Vec<ObjectRef>, StoreError> {
-        let unreadable = |key: &str, reason: String| -> StoreError {
-            GcError::Unreadable {
-                object: key.to_string(),
-                reason,
-            }
-            .into()
-        };
         let mut queue = Vec::new();
         for o in self.backend.list("refs/").await? {
             if o.key.rsplit('/').next().is_some_and(|n| n.starts_with('.')) {
@@ -289,7 +284,7 @@ impl Store {
             }
             let bytes = match self.get_blob(&d).await {
                 Ok(b) => b,
-                Err(e) if strict => return Err(unreadable(&d.key(), e.to_string())),
+                Err(e) if strict => return Err(unreadable(&d.key(), e)),
                 Err(_) => continue,
             };
             let Ok(doc) = serde_json::from_slice::<OciDocument>(&bytes) else {

@@ -983,3 +983,30 @@ async fn lease_covers_artifact_upload(f: Fixture) {
         .unwrap();
     assert_eq!(r.collected.len(), table.chunk_digests().len());
 }
+
+/// A store URL naming an S3 bucket that does not exist (newcomer review, 2026-11-30): every
+/// operation must say the bucket is missing, not "no object at <key>" (which read as if the
+/// store were there and merely empty). S3 only: a local store has no bucket.
+#[tokio::test]
+async fn s3_missing_bucket_is_named() {
+    let opts = Fixture::s3("missing-bucket").await.opts;
+    let store = Store::open_with("s3://kiln-no-such-bucket/x", opts)
+        .await
+        .expect("opening does not touch the bucket");
+    let put = store
+        .put_blob(Bytes::from_static(b"x"))
+        .await
+        .expect_err("no bucket to write to");
+    assert!(
+        put.to_string().contains("bucket does not exist"),
+        "put: {put}"
+    );
+    let tag = store
+        .get_tag(&"app:v1".parse().expect("tag"))
+        .await
+        .expect_err("a missing bucket is not an empty store");
+    assert!(
+        tag.to_string().contains("bucket does not exist"),
+        "get_tag: {tag}"
+    );
+}

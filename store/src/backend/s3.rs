@@ -170,24 +170,31 @@ fn to_system_time(secs: i64, nanos: u32) -> SystemTime {
 }
 
 /// Maps an `object_store` error onto [`BackendError`], deciding what is transient.
-/// `e` and each of its sources, rendered and joined with `: `.
-fn error_chain(e: &object_store::Error) -> String {
+/// `e` and each of its sources, rendered and joined with `: `, and whether any source is an
+/// HTTP or I/O error (a failure below the HTTP status).
+fn render_chain(e: &object_store::Error) -> (String, bool) {
     let mut message = e.to_string();
     let mut s = std::error::Error::source(e);
+    let mut http = false;
     while let Some(inner) = s {
         message.push_str(": ");
         message.push_str(&inner.to_string());
+        http |= inner
+            .downcast_ref::<object_store::client::HttpError>()
+            .is_some()
+            || inner.downcast_ref::<std::io::Error>().is_some();
         s = inner.source();
     }
-    message
+    (message, http)
 }
 
 fn classify(url: &str, op: &'static str, key: &str, e: object_store::Error) -> BackendError {
     use object_store::Error as E;
+    let (message, http) = render_chain(&e);
     match &e {
         // S3 answers 404 both for a missing key and for a missing bucket (S3 API reference,
         // error code NoSuchBucket); only the first means "no object here".
-        E::NotFound { .. } if error_chain(&e).contains("NoSuchBucket") => {
+        E::NotFound { .. } if message.contains("NoSuchBucket") => {
             return BackendError::Other {
                 store: url.to_string(),
                 op,
@@ -208,18 +215,6 @@ fn classify(url: &str, op: &'static str, key: &str, e: object_store::Error) -> B
             };
         }
         _ => {}
-    }
-    let mut message = e.to_string();
-    let mut s = std::error::Error::source(&e);
-    let mut http = false;
-    while let Some(inner) = s {
-        message.push_str(": ");
-        message.push_str(&inner.to_string());
-        http |= inner
-            .downcast_ref::<object_store::client::HttpError>()
-            .is_some()
-            || inner.downcast_ref::<std::io::Error>().is_some();
-        s = inner.source();
     }
     // object_store keeps its status-carrying error type private, so classify by its rendering:
     // "status code: 5xx/408/429", S3 error codes of retryable responses (S3 API reference,
