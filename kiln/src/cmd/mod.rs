@@ -156,25 +156,18 @@ pub async fn open_store(url: Option<&str>) -> Result<kiln_store::Store, StoreErr
 /// an empty, healthy store. Remote stores and the default local store open as with
 /// [`open_store`].
 pub async fn open_existing_store(url: Option<&str>) -> Result<kiln_store::Store, Failure> {
-    if let Some(u) = url {
-        let local = if let Some(p) = u.strip_prefix("file://") {
-            Some(p)
-        } else if u.contains("://") {
-            None
-        } else {
-            Some(u)
-        };
-        if let Some(p) = local
-            && !std::path::Path::new(p).is_dir()
-        {
-            return Err(Failure {
-                code: exit::NOT_FOUND,
-                error: anyhow::anyhow!(
-                    "no store at {p}: the directory does not exist (commands that write, such \
-                     as `kiln store import` or `kiln pull`, create it)"
-                ),
-            });
-        }
+    if let Some(u) = url
+        && let kiln_store::StoreUrl::Local(p) = kiln_store::StoreUrl::parse(u)?
+        && !p.is_dir()
+    {
+        return Err(Failure {
+            code: exit::NOT_FOUND,
+            error: anyhow::anyhow!(
+                "no store at {}: the directory does not exist (commands that write, such as \
+                 `kiln store import` or `kiln pull`, create it)",
+                p.display()
+            ),
+        });
     }
     Ok(open_store(url).await?)
 }
