@@ -77,7 +77,8 @@ pub use digest::{BlobDigest, ChunkDigest, DigestError, ManifestDigest};
 pub use gc::GcError;
 pub use lease::LeaseError;
 pub use manifest::{
-    BlobRef, ImageManifest, Manifest, ManifestError, ObjectRef, RawManifest, SnapshotManifest,
+    BlobRef, Filesystem, ImageManifest, Manifest, ManifestError, ObjectRef, RawManifest, ReadySpec,
+    SandboxSpec, SnapshotManifest, StartSpec,
 };
 pub use store::{Store, StoreOptions};
 pub use tag::{TagError, TagRef};

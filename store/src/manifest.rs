@@ -135,6 +135,72 @@ pub struct ImageManifest {
     /// The snapshot manifest taken from this image once booted, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<ManifestDigest>,
+    /// How the ext4 image was made (block size, features, UUID), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filesystem: Option<Filesystem>,
+    /// How the image is started as a sandbox (start command, ready check), when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<SandboxSpec>,
+}
+
+/// The ext4 file system of an image, as `mke2fs` was asked to make it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Filesystem {
+    /// File system type; always `ext4` for now.
+    pub kind: String,
+    /// Block size, bytes (always 4096).
+    pub block_size: u32,
+    /// The `mke2fs -O` feature list, in the order given (e.g. `has_journal`, `extent`).
+    pub features: Vec<String>,
+    /// File system UUID (derived from the image digest, so identical inputs agree).
+    pub uuid: String,
+    /// Free-form facts about the tool that made it (e.g. `mke2fs` = `1.47.2`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tool: BTreeMap<String, String>,
+}
+
+/// How an image runs as a sandbox: what the guest init starts and how it knows it is ready.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SandboxSpec {
+    /// The start command, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<StartSpec>,
+    /// The ready check, if any (none: ready as soon as the start command is started).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<ReadySpec>,
+}
+
+/// The start command of a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StartSpec {
+    /// argv, run directly (a shell form is already wrapped in its shell).
+    pub argv: Vec<String>,
+    /// User (`name`, `uid`, `name:group`, `uid:gid`), resolved in the image; `None`: root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Environment, `KEY=value`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+    /// Working directory (absolute); `None`: `/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+}
+
+/// The ready check of a sandbox: run every `interval_ms` until it exits 0.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReadySpec {
+    /// argv of the check; exit status 0 means ready.
+    pub argv: Vec<String>,
+    /// Interval between checks, ms.
+    pub interval_ms: u64,
+    /// Timeout of one check, ms.
+    pub timeout_ms: u64,
+    /// Failures tolerated before the boot is declared failed.
+    pub retries: u32,
 }
 
 impl ImageManifest {
@@ -150,6 +216,8 @@ impl ImageManifest {
             recipe_digest: None,
             provenance: BTreeMap::new(),
             snapshot: None,
+            filesystem: None,
+            sandbox: None,
         }
     }
 }
