@@ -14,11 +14,13 @@
 //! - [`base`]: resolving a FROM (local refs first, then the registry) and unpacking.
 //!
 //! Build execution (issue 5):
-//! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits).
+//! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits);
+//! - [`copy`]: COPY/ADD into a step's root, and the sources' cache-key digest.
 
 pub mod base;
 pub mod bootstrap;
 pub mod cache;
+pub mod copy;
 pub mod exec;
 pub mod image;
 pub mod layer;
