@@ -15,7 +15,8 @@
 //!
 //! Build execution (issue 5):
 //! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits);
-//! - [`copy`]: COPY/ADD into a step's root, and the sources' cache-key digest.
+//! - [`copy`]: COPY/ADD into a step's root, and the sources' cache-key digest;
+//! - [`secrets`]: `--secret id=..,src=..|env=..` build secrets for `RUN --mount=type=secret`.
 
 pub mod base;
 pub mod bootstrap;
@@ -29,3 +30,4 @@ pub mod reference;
 pub mod registry;
 pub mod remote;
 pub mod resolve;
+pub mod secrets;
