@@ -29,6 +29,11 @@
 //! - `--link` changes how the driver stacks the result (on an empty root, as its own layer);
 //!   here it only means names for `--chown` are looked up in [`CopyOptions::user_db_root`].
 //!
+//! How the build driver uses it, per `COPY`/`ADD` step: [`fetch::fetch_urls`] for URL
+//! sources (on the host, async), [`Sources::with_downloads`], [`sources_digest`] for the
+//! step's cache key, then, on a miss, [`copy_into`] onto the step's merged root (synchronous,
+//! no threads: it may run in a forked child that holds the overlay mount).
+//!
 //! Hostile input: a source path that climbs above its root (`../x`) is refused; every path, on
 //! both sides, is resolved inside its root by [`root::Root`] (symlinks, absolute or relative,
 //! cannot lead out; a symlink in `dest_root` pointing at `/etc` means the root's `/etc`);

@@ -639,3 +639,35 @@ async fn add_url_with_checksum_and_address_policy() {
     let e = copy(&s2, &ctx_src(&d), &d.dest).unwrap_err();
     assert!(matches!(e, CopyError::NotDownloaded { .. }), "{e}");
 }
+
+#[test]
+fn symlink_loops_and_non_archives() {
+    let d = dirs();
+    symlink("loop", d.ctx.join("loop")).unwrap();
+    symlink("b2", d.ctx.join("a2")).unwrap();
+    symlink("a2", d.ctx.join("b2")).unwrap();
+    for s in ["loop", "a2/x"] {
+        let e = copy(&step(&[s], "/x"), &ctx_src(&d), &d.dest).unwrap_err();
+        assert!(e.to_string().contains("symbolic links"), "{s}: {e}");
+    }
+    // A loop inside a copied directory is copied as the symlinks it is.
+    symlink("self", d.ctx.join("src/self")).unwrap();
+    copy(&step(&["src"], "/s"), &ctx_src(&d), &d.dest).unwrap();
+    assert!(
+        d.dest
+            .join("s/self")
+            .symlink_metadata()
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    // ADD of a compressed file that is not a tar copies it as it is.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    std::io::Write::write_all(&mut gz, &[b'z'; 2000]).unwrap();
+    fs::write(d.ctx.join("data.gz"), gz.finish().unwrap()).unwrap();
+    let mut s = step(&["data.gz"], "/d/");
+    s.unpack = true;
+    let r = copy(&s, &ctx_src(&d), &d.dest).unwrap();
+    assert_eq!(r.archives, 0);
+    assert!(d.dest.join("d/data.gz").is_file());
+}
