@@ -13,10 +13,12 @@
 //! - [`resolve`]: the resolve phase of a build plan (every base to a digest, ONBUILD);
 //! - [`base`]: resolving a FROM (local refs first, then the registry) and unpacking.
 //!
-//! Build execution (issue 5):
-//! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits);
+//! Build inputs (issue 5):
 //! - [`copy`]: COPY/ADD into a step's root, and the sources' cache-key digest;
 //! - [`secrets`]: `--secret id=..,src=..|env=..` build secrets for `RUN --mount=type=secret`.
+//!
+//! Build execution (issue 5):
+//! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits).
 
 pub mod base;
 pub mod bootstrap;
