@@ -38,7 +38,9 @@
 //! both sides, is resolved inside its root by [`root::Root`] (symlinks, absolute or relative,
 //! cannot lead out; a symlink in `dest_root` pointing at `/etc` means the root's `/etc`);
 //! `.dockerignore` applies to what a symlink resolves to as well as to its own name; sizes and
-//! counts are bounded by [`CopyLimits`]; FIFOs and devices are never opened.
+//! counts are bounded by [`CopyLimits`]; FIFOs and devices are never opened; device nodes
+//! from the context and character devices 0/0 (overlay whiteouts) are never written, nor are
+//! `trusted.overlay.*` xattrs.
 
 mod digest;
 pub mod fetch;
@@ -717,9 +719,13 @@ fn resolve_chown(spec: &str, db_root: &Path) -> Result<(u32, u32), CopyError> {
 }
 
 /// Whether an xattr is copied: not `system.*` (ACLs) nor `security.selinux` (host policy),
-/// as [`crate::layer`] does.
+/// as [`crate::layer`] does, and never `trusted.overlay.*`: in the step's upper directory
+/// overlayfs would obey it (an opaque marker hides the lower layers, a redirect points at
+/// another path of them), and the layer writer turns opaque markers into whiteouts.
 pub(crate) fn keep_xattr(name: &[u8]) -> bool {
-    !(name.starts_with(b"system.") || name == b"security.selinux")
+    !(name.starts_with(b"system.")
+        || name == b"security.selinux"
+        || name.starts_with(b"trusted.overlay."))
 }
 
 /// The kept xattrs of an open file or directory, sorted by name.
@@ -1259,6 +1265,15 @@ impl Copier<'_> {
                 .map_err(ioe(&shown, "chown"))?;
                 let _ = rustix::fs::utimensat(ddir, os(dname), &mtime, AtFlags::SYMLINK_NOFOLLOW);
                 self.report.symlinks += 1;
+                Ok(())
+            }
+            // Device nodes from the build context are not copied (a tenant's upload has
+            // no business carrying them), nor is a character device 0/0 from anywhere: in
+            // the step's upper directory it is an overlay whiteout, and would delete the
+            // lower layers' file of that name from the image.
+            FileType::CharacterDevice | FileType::BlockDevice
+                if self.meta.context || st.st_rdev == 0 =>
+            {
                 Ok(())
             }
             ft @ (FileType::CharacterDevice | FileType::BlockDevice | FileType::Fifo) => {

@@ -671,3 +671,71 @@ fn symlink_loops_and_non_archives() {
     assert_eq!(r.archives, 0);
     assert!(d.dest.join("d/data.gz").is_file());
 }
+
+#[test]
+fn no_whiteouts_devices_or_overlay_xattrs_reach_the_upper_dir() {
+    let d = dirs();
+    let mk = |p: &Path, ft, dev| {
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            p,
+            ft,
+            rustix::fs::Mode::from_raw_mode(0o644),
+            dev,
+        )
+        .unwrap()
+    };
+    use rustix::fs::FileType as T;
+    mk(
+        &d.ctx.join("src/null"),
+        T::CharacterDevice,
+        rustix::fs::makedev(1, 3),
+    );
+    mk(&d.ctx.join("src/passwd"), T::CharacterDevice, 0);
+    fs::create_dir(d.ctx.join("src/opaque")).unwrap();
+    rustix::fs::setxattr(
+        &d.ctx.join("src/opaque"),
+        "trusted.overlay.opaque",
+        b"y",
+        rustix::fs::XattrFlags::empty(),
+    )
+    .unwrap();
+    rustix::fs::setxattr(
+        &d.ctx.join("src/opaque"),
+        "user.kept",
+        b"1",
+        rustix::fs::XattrFlags::empty(),
+    )
+    .unwrap();
+    copy(&step(&["src"], "/etc"), &ctx_src(&d), &d.dest).unwrap();
+    assert!(
+        d.dest.join("etc/passwd").is_file(),
+        "the whiteout replaced /etc/passwd"
+    );
+    assert!(d.dest.join("etc/null").symlink_metadata().is_err());
+    let mut buf = [0u8; 16];
+    assert!(
+        rustix::fs::getxattr(
+            &d.dest.join("etc/opaque"),
+            "trusted.overlay.opaque",
+            &mut buf[..]
+        )
+        .is_err()
+    );
+    assert_eq!(
+        rustix::fs::getxattr(&d.dest.join("etc/opaque"), "user.kept", &mut buf[..]).unwrap(),
+        1
+    );
+    // From a tree, devices are kept but a 0/0 one is not.
+    let tree = d.outside.join("t");
+    fs::create_dir(&tree).unwrap();
+    mk(
+        &tree.join("null"),
+        T::CharacterDevice,
+        rustix::fs::makedev(1, 3),
+    );
+    mk(&tree.join("wh"), T::CharacterDevice, 0);
+    copy(&step(&["/"], "/t"), &Sources::tree(&tree), &d.dest).unwrap();
+    assert!(d.dest.join("t/null").symlink_metadata().is_ok());
+    assert!(d.dest.join("t/wh").symlink_metadata().is_err());
+}
