@@ -694,14 +694,14 @@ fn no_whiteouts_devices_or_overlay_xattrs_reach_the_upper_dir() {
     mk(&d.ctx.join("src/passwd"), T::CharacterDevice, 0);
     fs::create_dir(d.ctx.join("src/opaque")).unwrap();
     rustix::fs::setxattr(
-        &d.ctx.join("src/opaque"),
+        d.ctx.join("src/opaque"),
         "trusted.overlay.opaque",
         b"y",
         rustix::fs::XattrFlags::empty(),
     )
     .unwrap();
     rustix::fs::setxattr(
-        &d.ctx.join("src/opaque"),
+        d.ctx.join("src/opaque"),
         "user.kept",
         b"1",
         rustix::fs::XattrFlags::empty(),
@@ -716,14 +716,14 @@ fn no_whiteouts_devices_or_overlay_xattrs_reach_the_upper_dir() {
     let mut buf = [0u8; 16];
     assert!(
         rustix::fs::getxattr(
-            &d.dest.join("etc/opaque"),
+            d.dest.join("etc/opaque"),
             "trusted.overlay.opaque",
             &mut buf[..]
         )
         .is_err()
     );
     assert_eq!(
-        rustix::fs::getxattr(&d.dest.join("etc/opaque"), "user.kept", &mut buf[..]).unwrap(),
+        rustix::fs::getxattr(d.dest.join("etc/opaque"), "user.kept", &mut buf[..]).unwrap(),
         1
     );
     // From a tree, devices are kept but a 0/0 one is not.
