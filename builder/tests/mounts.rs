@@ -21,6 +21,8 @@ use kiln_recipes::plan::{
 
 const BUSYBOX: &str = "/usr/bin/busybox";
 const SECRET: &str = "s3cr3t-Value-42";
+/// A secret file as keys come: several lines, a trailing newline.
+const KEY: &str = "-----BEGIN KEY-----\nQUJDREVGR0hJSktMTU5PUA\n-----END KEY-----\n";
 
 struct Fixture {
     tmp: tempfile::TempDir,
@@ -112,6 +114,7 @@ impl Fixture {
     fn inputs(&self) -> MountInputs {
         let mut secrets = Secrets::default();
         secrets.insert("tok", SecretValue::new(SECRET.as_bytes().to_vec()));
+        secrets.insert("key", SecretValue::new(KEY.as_bytes().to_vec()));
         MountInputs {
             context: Some((
                 self.ctx.clone(),
@@ -322,6 +325,22 @@ fn secrets_reach_the_step_but_no_log_or_layer() {
     r.result.unwrap();
     assert_eq!(r.lines, vec!["****", "env=****", "400", "RO", "SAME"]);
     assert!(!r.lines.iter().any(|l| l.contains(SECRET)));
+    // A multi-line secret is redacted line by line.
+    let k = f.run(
+        "k",
+        "cat /run/secrets/key; echo done",
+        vec![Mount::Secret {
+            id: "key".into(),
+            target: None,
+            env: None,
+            required: true,
+            mode: 0o400,
+            uid: 0,
+            gid: 0,
+        }],
+    );
+    k.result.unwrap();
+    assert_eq!(k.lines, vec!["****", "****", "****", "done"]);
     // Only what the step wrote itself is in the layer: no mount point, no secret.
     assert_eq!(tree(&r.upper), vec!["kept"]);
     assert!(!contains_bytes(&r.upper, SECRET.as_bytes()));

@@ -288,8 +288,10 @@ pub fn resolve(mounts: &[Mount], inputs: &MountInputs) -> Result<ResolvedMounts,
                     continue;
                 };
                 let text = String::from_utf8_lossy(value.expose()).into_owned();
-                if !text.is_empty() {
-                    out.redact.push(text.clone());
+                for piece in super::logs::secret_pieces(value.expose()) {
+                    if !out.redact.contains(&piece) {
+                        out.redact.push(piece);
+                    }
                 }
                 if let Some(var) = env {
                     out.env.push(format!("{var}={text}"));
@@ -945,7 +947,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.env, vec!["TOKEN=s3cr3t".to_string()]);
-        assert_eq!(r.redact.len(), 2);
+        assert_eq!(r.redact, vec!["s3cr3t".to_string()]);
         assert_eq!(r.mounts.len(), 3);
         assert_eq!(r.mounts[0].target, "/run/secrets/tok");
         assert!(!format!("{:?}", r.mounts).contains("s3cr3t"));
