@@ -739,3 +739,51 @@ fn no_whiteouts_devices_or_overlay_xattrs_reach_the_upper_dir() {
     assert!(d.dest.join("t/null").symlink_metadata().is_ok());
     assert!(d.dest.join("t/wh").symlink_metadata().is_err());
 }
+
+#[test]
+fn deep_trees_are_bounded_and_fit_a_thread_stack() {
+    let d = dirs();
+    let make = |name: &str, depth: usize| {
+        // Built with *at calls: the path grows past PATH_MAX.
+        let mut fd = rustix::fs::open(
+            &d.ctx,
+            rustix::fs::OFlags::DIRECTORY,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        for i in 0..depth {
+            let n = if i == 0 { name } else { "d" };
+            rustix::fs::mkdirat(&fd, n, rustix::fs::Mode::from_raw_mode(0o755)).unwrap();
+            fd = rustix::fs::openat(
+                &fd,
+                n,
+                rustix::fs::OFlags::DIRECTORY,
+                rustix::fs::Mode::empty(),
+            )
+            .unwrap();
+        }
+        rustix::fs::openat(
+            &fd,
+            "leaf",
+            rustix::fs::OFlags::CREATE | rustix::fs::OFlags::WRONLY,
+            rustix::fs::Mode::from_raw_mode(0o644),
+        )
+        .unwrap();
+    };
+    make("ok", 1000);
+    make("deep", MAX_TREE_DEPTH + 10);
+    let (ctx, dest) = (d.ctx.clone(), d.dest.clone());
+    // A spawned thread has the default 2 MiB stack, as the build driver's workers do.
+    std::thread::spawn(move || {
+        let src = Sources::context(&ctx, Dockerignore::default());
+        let r = copy(&step(&["ok"], "/ok"), &src, &dest).unwrap();
+        assert_eq!(r.files, 1);
+        sources_digest(&step(&["ok"], "/ok"), &src).unwrap();
+        let e = copy(&step(&["deep"], "/deep"), &src, &dest).unwrap_err();
+        assert!(matches!(e, CopyError::Limit { .. }), "{e}");
+        let e = sources_digest(&step(&["deep"], "/deep"), &src).unwrap_err();
+        assert!(matches!(e, CopyError::Limit { .. }), "{e}");
+    })
+    .join()
+    .unwrap();
+}
