@@ -787,3 +787,44 @@ fn deep_trees_are_bounded_and_fit_a_thread_stack() {
     .join()
     .unwrap();
 }
+
+/// The build driver copies from a thread with its own mount namespace, where the step's
+/// overlay is mounted; the copy's own walk thread must see that mount.
+#[test]
+fn copies_inside_a_threads_private_mount_namespace() {
+    let d = dirs();
+    let mnt = d.outside.join("mnt");
+    fs::create_dir(&mnt).unwrap();
+    let (ctx, mnt2) = (d.ctx.clone(), mnt.clone());
+    let seen = std::thread::spawn(move || {
+        // SAFETY: only this thread's fs attributes and mount namespace are unshared.
+        unsafe {
+            rustix::thread::unshare_unsafe(
+                rustix::thread::UnshareFlags::FS | rustix::thread::UnshareFlags::NEWNS,
+            )
+        }
+        .unwrap();
+        rustix::mount::mount_change(
+            "/",
+            rustix::mount::MountPropagationFlags::REC
+                | rustix::mount::MountPropagationFlags::PRIVATE,
+        )
+        .unwrap();
+        rustix::mount::mount(
+            "tmpfs",
+            &mnt2,
+            "tmpfs",
+            rustix::mount::MountFlags::empty(),
+            None,
+        )
+        .unwrap();
+        let src = Sources::context(&ctx, Dockerignore::default());
+        copy(&step(&["a.txt"], "/in-ns"), &src, &mnt2).unwrap();
+        fs::read_to_string(mnt2.join("in-ns")).unwrap()
+    })
+    .join()
+    .unwrap();
+    assert_eq!(seen, "A");
+    // The namespace died with the thread: nothing on the host side.
+    assert!(!mnt.join("in-ns").exists());
+}
