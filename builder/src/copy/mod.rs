@@ -828,6 +828,16 @@ fn copy_inner(
     dest_root: &Path,
     opts: &CopyOptions,
 ) -> Result<CopyReport, CopyError> {
+    if step.checksum.is_some()
+        && step
+            .sources
+            .iter()
+            .any(|s| !matches!(s, CopySource::Url { .. }))
+    {
+        return Err(CopyError::Unsupported(
+            "ADD --checksum with a source that is not a URL".into(),
+        ));
+    }
     let chmod = match &step.chmod {
         Some(s) => Some(Chmod::parse(s).map_err(|reason| CopyError::Chmod {
             spec: s.clone(),

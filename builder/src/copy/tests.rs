@@ -635,6 +635,11 @@ async fn add_url_with_checksum_and_address_policy() {
     let s2 = step(&[&format!("{hop}/r/x")], "/opt/");
     let ok = fetch_urls(&s2, &dl, &allow).await.unwrap();
     assert_eq!(ok.get(&format!("{hop}/r/x")).unwrap().size, 7);
+    // --checksum is for URLs only.
+    let mut local = step(&["a.txt"], "/x");
+    local.checksum = Some(format!("sha256:{}", "0".repeat(64)));
+    let e = copy(&local, &ctx_src(&d), &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::Unsupported(_)), "{e}");
     // COPY of a URL without a fetch is a clear error.
     let e = copy(&s2, &ctx_src(&d), &d.dest).unwrap_err();
     assert!(matches!(e, CopyError::NotDownloaded { .. }), "{e}");
