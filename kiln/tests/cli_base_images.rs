@@ -201,3 +201,84 @@ fn login_pull_export_import() {
     assert!(!missing.status.success());
     assert!(String::from_utf8_lossy(&missing.stderr).contains("--offline"));
 }
+
+/// A pulled image is a store-level OCI reference: `kiln tags` lists it, `kiln store push`
+/// copies it (blobs, then the reference) to another store, `kiln store verify` finds both
+/// stores clean, and `kiln store gc` keeps it.
+#[test]
+fn pulled_images_are_store_references() {
+    let reference = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let (store, cfg) = (t.path().join("store"), t.path().join("docker"));
+    let other = t.path().join("other");
+    let digest = ok(&kiln(&store, &cfg, &["pull", &reference], None), "pull");
+    let tags = ok(&kiln(&store, &cfg, &["tags"], None), "tags");
+    assert_eq!(tags, format!("{reference}\t{digest}\toci"));
+    let repo = reference.rsplit_once(':').expect("tag").0;
+    let tags = ok(&kiln(&store, &cfg, &["tags", repo], None), "tags REPO");
+    assert_eq!(tags, format!("{reference}\t{digest}\toci"));
+    ok(
+        &kiln(
+            &store,
+            &cfg,
+            &[
+                "store",
+                "push",
+                &reference,
+                "--to",
+                other.to_str().expect("utf8"),
+            ],
+            None,
+        ),
+        "store push",
+    );
+    let tags = ok(
+        &kiln(
+            &other,
+            &cfg,
+            &["--json", "tags", "--store", other.to_str().expect("utf8")],
+            None,
+        ),
+        "tags in the other store",
+    );
+    let ev: serde_json::Value = serde_json::from_str(&tags).expect("json");
+    assert_eq!(ev["reference"], reference.as_str());
+    assert_eq!(ev["digest"], digest.as_str());
+    for s in [&store, &other] {
+        let s = s.to_str().expect("utf8");
+        ok(
+            &kiln(
+                &store,
+                &cfg,
+                &["store", "verify", "--deep", "--store", s],
+                None,
+            ),
+            "verify",
+        );
+        ok(
+            &kiln(
+                &store,
+                &cfg,
+                &["store", "gc", "--grace", "0s", "--store", s],
+                None,
+            ),
+            "gc",
+        );
+    }
+    // The other store can unpack it without any registry.
+    ok(
+        &kiln(
+            &other,
+            &cfg,
+            &[
+                "unpack",
+                "--offline",
+                &reference,
+                t.path().join("tree").to_str().expect("utf8"),
+            ],
+            None,
+        ),
+        "unpack from the copy",
+    );
+    assert!(t.path().join("tree/bin/busybox").exists());
+}
