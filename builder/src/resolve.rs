@@ -4,7 +4,8 @@
 //! - `FROM scratch` and `FROM <stage>` need nothing.
 //! - `FROM <reference>`: a build context of that name (`--build-context
 //!   NAME=oci-layout://DIR[:TAG]`, buildx's spelling) imports from an OCI layout; otherwise
-//!   [`crate::base::resolve`] (local references first, then the registry, per [`PullPolicy`]),
+//!   [`crate::base::resolve`] (the store's tags first, then pulled images, then the registry,
+//!   per [`PullPolicy`]),
 //!   with the stage's platform selecting from an index. Each distinct (reference, platform)
 //!   is resolved once.
 //! - `from: {bootstrap: ...}` runs [`crate::bootstrap`] (cached by its inputs); a spec without
