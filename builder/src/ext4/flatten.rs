@@ -12,7 +12,8 @@
 //!    `apply_layer` would unpack. An entry replacing something removes it first (a directory
 //!    with everything below it). Each surviving object is given the stream position (layer,
 //!    entry index) it is written at.
-//! 2. [`Flat::write`] reads the layers again and writes one POSIX (ustar + PAX) tar: every
+//! 2. [`Flat::write`] reads the layers again and writes one tar (GNU headers, for their
+//!    atime and ctime fields, plus PAX records for long names and xattrs): every
 //!    surviving entry at its own position, so files stay in layer order (the order that gave
 //!    98-99% chunk reuse between builds, see `kiln_store::chunk`). Directories are written at
 //!    the first entry of their current incarnation with their last metadata; a directory
@@ -22,10 +23,10 @@
 //!    name; its other names follow as hard links. Directories no entry ever named come last.
 //!
 //! Output entries carry mode (permission bits incl. setuid/setgid/sticky), uid/gid, mtime
-//! (clamped to `SOURCE_DATE_EPOCH` when one is set), size, link target, device numbers and
+//! (clamped to `SOURCE_DATE_EPOCH` when one is set; atime and ctime equal to it), size, link target, device numbers and
 //! the xattrs `apply_layer` keeps (`SCHILY.xattr.*`); names and link targets over 100 bytes
-//! go into PAX `path`/`linkpath` records. Nothing else from the input headers (user names,
-//! atime, ctime) passes through. The root directory is not written (mke2fs makes it: 0755,
+//! go into PAX `path`/`linkpath` records. Hard links repeat the inode's metadata. Nothing
+//! else from the input headers (user names, atime, ctime) passes through. The root directory is not written (mke2fs makes it: 0755,
 //! 0:0).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -92,8 +93,15 @@ enum Node {
 enum Action {
     Skip,
     Dir(Vec<u8>),
-    Inode { ino: usize, name: Vec<u8> },
-    Link { name: Vec<u8>, target: Vec<u8> },
+    Inode {
+        ino: usize,
+        name: Vec<u8>,
+    },
+    Link {
+        ino: usize,
+        name: Vec<u8>,
+        target: Vec<u8>,
+    },
 }
 
 /// Counts of the flattened tree (what the ext4 image must hold).
@@ -630,6 +638,7 @@ impl Flat {
             for (p, name) in list {
                 stats.extra_links += 1;
                 self.actions[p.0 as usize][p.1 as usize] = Action::Link {
+                    ino,
                     name,
                     target: cname.clone(),
                 };
@@ -680,7 +689,9 @@ impl Flat {
                 match action {
                     Action::Skip => {}
                     Action::Dir(p) => w.dir(p)?,
-                    Action::Link { name, target } => w.link(name, target)?,
+                    Action::Link { ino, name, target } => {
+                        w.link(name, target, &self.inodes[*ino].meta)?
+                    }
                     Action::Inode { ino, name } => {
                         let inode = &self.inodes[*ino];
                         if let Kind::File { size } = inode.kind
@@ -707,6 +718,32 @@ impl Flat {
         }
         w.b.finish().map_err(Ext4Error::output)?;
         Ok(())
+    }
+}
+
+impl Flat {
+    /// Every xattr of the final tree: (path, name, value), paths as written in the tar
+    /// (a shared inode under its first name), sorted by path.
+    pub fn xattrs(&self) -> Vec<(Vec<u8>, Vec<u8>, Vec<u8>)> {
+        let mut out = Vec::new();
+        for (path, node) in &self.paths {
+            if let Node::Dir { meta: Some(m), .. } = node {
+                for (k, v) in &m.xattrs {
+                    out.push((path.clone(), k.clone(), v.clone()));
+                }
+            }
+        }
+        for acts in &self.actions {
+            for a in acts {
+                if let Action::Inode { ino, name } = a {
+                    for (k, v) in &self.inodes[*ino].meta.xattrs {
+                        out.push((name.clone(), k.clone(), v.clone()));
+                    }
+                }
+            }
+        }
+        out.sort();
+        out
     }
 }
 
@@ -806,19 +843,14 @@ impl<W: Write> Writer<'_, W> {
         Ok(())
     }
 
-    fn link(&mut self, name: &[u8], target: &[u8]) -> Result<(), Ext4Error> {
+    /// A hard link. It carries the inode's metadata: mke2fs applies a link entry's mode,
+    /// owner and times to the shared inode.
+    fn link(&mut self, name: &[u8], target: &[u8], meta: &Meta) -> Result<(), Ext4Error> {
         self.parents(name)?;
-        let meta = Meta {
-            mode: 0,
-            uid: 0,
-            gid: 0,
-            mtime: 0,
-            xattrs: Vec::new(),
-        };
         self.header(
             name,
             tar::EntryType::Link,
-            &meta,
+            meta,
             0,
             Some(target),
             (0, 0),
@@ -871,7 +903,7 @@ impl<W: Write> Writer<'_, W> {
     ) -> Result<(), WriteFail> {
         let out = |e: io::Error| WriteFail::Out(Ext4Error::output(e));
         let mut pax: Vec<(String, Vec<u8>)> = Vec::new();
-        let mut h = tar::Header::new_ustar();
+        let mut h = tar::Header::new_gnu();
         if name.len() > 100 || name.contains(&0) {
             pax.push(("path".into(), name.to_vec()));
         }
@@ -894,15 +926,18 @@ impl<W: Write> Writer<'_, W> {
                 .map_err(out)?;
         }
         {
-            let u = h
-                .as_ustar_mut()
-                .ok_or_else(|| out(io::Error::other("ustar")))?;
+            let g = h
+                .as_gnu_mut()
+                .ok_or_else(|| out(io::Error::other("gnu header")))?;
             let n = name.len().min(100);
-            u.name[..n].copy_from_slice(&name[..n]);
+            g.name[..n].copy_from_slice(&name[..n]);
             if let Some(l) = link {
                 let n = l.len().min(100);
-                u.linkname[..n].copy_from_slice(&l[..n]);
+                g.linkname[..n].copy_from_slice(&l[..n]);
             }
+            // mke2fs sets atime and ctime from the entry (0 when absent): make them mtime.
+            g.set_atime(meta.mtime);
+            g.set_ctime(meta.mtime);
         }
         h.set_entry_type(kind);
         h.set_mode(meta.mode);

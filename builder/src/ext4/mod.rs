@@ -183,6 +183,9 @@ pub enum Ext4Error {
         /// Its output (last 64 KiB).
         output: String,
     },
+    /// debugfs failed to set an xattr mke2fs does not copy.
+    #[error("debugfs could not set xattrs: {0}")]
+    Debugfs(String),
     /// A layer blob read differently in the second pass than in the first.
     #[error("layer {0} changed while it was being read")]
     LayerChanged(String),
@@ -483,6 +486,7 @@ fn build_inner(
         let args = mke2fs_args(&opts.seed, mib, estimate.tree_inodes);
         match run_mke2fs(&flat, dest, &args, mib, epoch, &conf) {
             Ok(()) => {
+                set_xattrs(&flat, dest, epoch, scratch.path())?;
                 fsck(dest, epoch)?;
                 let mut tool = BTreeMap::new();
                 tool.insert("mke2fs".to_string(), tools.version.clone());
@@ -611,6 +615,72 @@ fn run_mke2fs(
         });
     }
     written
+}
+
+/// Sets the xattrs mke2fs does not copy from a tarball (1.47.2 copies only
+/// `security.capability`, `misc/create_inode_libarchive.c`) with one `debugfs -w` run of
+/// `ea_set -f VALUEFILE PATH NAME` commands, in path order.
+fn set_xattrs(flat: &Flat, img: &Path, epoch: u64, scratch: &Path) -> Result<(), Ext4Error> {
+    let todo: Vec<_> = flat
+        .xattrs()
+        .into_iter()
+        .filter(|(_, k, _)| k != b"security.capability")
+        .collect();
+    if todo.is_empty() {
+        return Ok(());
+    }
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Ext4Error::Io { path, source }
+    };
+    let mut script = String::new();
+    for (i, (path, name, value)) in todo.iter().enumerate() {
+        let quoted = |b: &[u8]| -> Result<String, Ext4Error> {
+            let s = std::str::from_utf8(b)
+                .ok()
+                .filter(|s| !s.contains(['\n', '"', '\\']))
+                .ok_or_else(|| {
+                    Ext4Error::Debugfs(format!(
+                        "{}: a path or xattr name debugfs cannot quote",
+                        String::from_utf8_lossy(path)
+                    ))
+                })?;
+            Ok(format!("\"{s}\""))
+        };
+        let vf = scratch.join(format!("xattr-{i}"));
+        std::fs::write(&vf, value).map_err(io(&vf))?;
+        let mut abs = b"/".to_vec();
+        abs.extend_from_slice(path);
+        script.push_str(&format!(
+            "ea_set -f {} {} {}\n",
+            quoted(vf.as_os_str().as_encoded_bytes())?,
+            quoted(&abs)?,
+            quoted(name)?
+        ));
+    }
+    let cmds = scratch.join("xattrs.debugfs");
+    std::fs::write(&cmds, script).map_err(io(&cmds))?;
+    let mut cmd = Command::new("debugfs");
+    tool_env(&mut cmd, epoch, None);
+    let out = cmd
+        .arg("-w")
+        .arg("-f")
+        .arg(&cmds)
+        .arg(img)
+        .output()
+        .map_err(|e| Ext4Error::Tools {
+            problem: format!("cannot run debugfs ({e})"),
+        })?;
+    // debugfs exits 0 even when a command fails; its errors go to stderr, after the banner.
+    let errors: Vec<&str> = std::str::from_utf8(&out.stderr)
+        .unwrap_or("(non-UTF-8 output)")
+        .lines()
+        .filter(|l| !l.starts_with("debugfs ") && !l.trim().is_empty())
+        .collect();
+    if !out.status.success() || !errors.is_empty() {
+        return Err(Ext4Error::Debugfs(errors.join("; ")));
+    }
+    Ok(())
 }
 
 /// `e2fsck -fn IMAGE`: exit status 0 means clean (e2fsck(8), "EXIT CODE").
