@@ -12,10 +12,12 @@
 //!   host's `/etc/mke2fs.conf` does not matter; the environment is cleared;
 //! - the UUID (`-U`) and the directory hash seed (`-E hash_seed=`) derive from
 //!   [`Ext4Options::seed`] (the OCI manifest digest) with sha256 ([`fs_uuid`]);
-//! - every time mke2fs writes (superblock times, inode ctime/atime/crtime, lost+found, the
-//!   root directory) comes from `E2FSPROGS_FAKE_TIME` and `SOURCE_DATE_EPOCH`, set to the
-//!   build's `SOURCE_DATE_EPOCH` or [`DEFAULT_EPOCH`]; file mtimes come from the layers,
-//!   clamped to `SOURCE_DATE_EPOCH` when the build sets one;
+//! - every time mke2fs makes up (superblock times, inode crtime, lost+found, the root
+//!   directory) comes from `E2FSPROGS_FAKE_TIME`, set to the build's `SOURCE_DATE_EPOCH` or
+//!   [`DEFAULT_EPOCH`]; file mtimes come from the layers (atime and ctime = mtime), clamped
+//!   to `SOURCE_DATE_EPOCH` when the build sets one (then also passed to mke2fs, which in
+//!   1.47.2 clamps every file time to it; without one it is not set, or the layers' times
+//!   would be clamped to the default epoch);
 //! - block size 4096 (`-b`: below 512 MiB mke2fs would pick 1 KiB), inode size 256, the
 //!   inode count (`-N`), journal size (`-J size=`), reserved ratio 5% (`-m`), root owner 0:0
 //!   (mke2fs would use the caller's uid), inode tables and journal zeroed at creation
@@ -223,15 +225,20 @@ fn parse_version(s: &str) -> Option<(u32, u32, u32)> {
     Some((it.next()??, it.next()??, it.next().flatten().unwrap_or(0)))
 }
 
-fn tool_env(cmd: &mut Command, epoch: u64, conf: Option<&Path>) {
+/// A clean environment for e2fsprogs: `E2FSPROGS_FAKE_TIME` = `epoch` (mke2fs's own times),
+/// `SOURCE_DATE_EPOCH` only when the build sets one (mke2fs 1.47.2 then also clamps file
+/// times to it, which [`Flat`] has already done), the pinned configuration when given.
+fn tool_env(cmd: &mut Command, epoch: u64, sde: Option<u64>, conf: Option<&Path>) {
     cmd.env_clear()
         .env(
             "PATH",
             "/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin",
         )
         .env("LC_ALL", "C")
-        .env("E2FSPROGS_FAKE_TIME", epoch.to_string())
-        .env("SOURCE_DATE_EPOCH", epoch.to_string());
+        .env("E2FSPROGS_FAKE_TIME", epoch.to_string());
+    if let Some(sde) = sde {
+        cmd.env("SOURCE_DATE_EPOCH", sde.to_string());
+    }
     if let Some(c) = conf {
         cmd.env("MKE2FS_CONFIG", c);
     }
@@ -261,7 +268,7 @@ pub fn check_tools() -> Result<Tools, Ext4Error> {
 fn probe() -> Result<Tools, Ext4Error> {
     let tools = |problem: String| Ext4Error::Tools { problem };
     let mut cmd = Command::new("mke2fs");
-    tool_env(&mut cmd, DEFAULT_EPOCH, None);
+    tool_env(&mut cmd, DEFAULT_EPOCH, None, None);
     let out = cmd
         .arg("-V")
         .output()
@@ -305,7 +312,7 @@ fn probe() -> Result<Tools, Ext4Error> {
         .map_err(io)?;
     let tar = tar.into_inner().map_err(io)?;
     let mut cmd = Command::new("mke2fs");
-    tool_env(&mut cmd, DEFAULT_EPOCH, Some(&conf));
+    tool_env(&mut cmd, DEFAULT_EPOCH, None, Some(&conf));
     cmd.args(["-q", "-F", "-t", "ext4", "-b", "4096", "-d", "-"])
         .arg(&img)
         .arg("4M")
@@ -326,7 +333,7 @@ fn probe() -> Result<Tools, Ext4Error> {
         )));
     }
     let mut cmd = Command::new("debugfs");
-    tool_env(&mut cmd, DEFAULT_EPOCH, None);
+    tool_env(&mut cmd, DEFAULT_EPOCH, None, None);
     let out = cmd
         .args(["-R", "cat /kiln-probe"])
         .arg(&img)
@@ -484,10 +491,11 @@ fn build_inner(
     let mut attempts = 0;
     loop {
         let args = mke2fs_args(&opts.seed, mib, estimate.tree_inodes);
-        match run_mke2fs(&flat, dest, &args, mib, epoch, &conf) {
+        let sde = opts.source_date_epoch;
+        match run_mke2fs(&flat, dest, &args, mib, epoch, sde, &conf) {
             Ok(()) => {
-                set_xattrs(&flat, dest, epoch, scratch.path())?;
-                fsck(dest, epoch)?;
+                set_xattrs(&flat, dest, epoch, sde, scratch.path())?;
+                fsck(dest, epoch, sde)?;
                 let mut tool = BTreeMap::new();
                 tool.insert("mke2fs".to_string(), tools.version.clone());
                 tool.insert("args".to_string(), args.join(" "));
@@ -559,12 +567,14 @@ fn mke2fs_args(seed: &str, mib: u64, tree_inodes: u64) -> Vec<String> {
     ]
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_mke2fs(
     flat: &Flat,
     dest: &Path,
     args: &[String],
     mib: u64,
     epoch: u64,
+    sde: Option<u64>,
     conf: &Path,
 ) -> Result<(), Ext4Error> {
     let io = |source| Ext4Error::Io {
@@ -579,7 +589,7 @@ fn run_mke2fs(
     }
     std::fs::File::create(dest).map_err(io)?;
     let mut cmd = Command::new("mke2fs");
-    tool_env(&mut cmd, epoch, Some(conf));
+    tool_env(&mut cmd, epoch, sde, Some(conf));
     cmd.args(args)
         .args(["-d", "-"])
         .arg(dest)
@@ -620,7 +630,13 @@ fn run_mke2fs(
 /// Sets the xattrs mke2fs does not copy from a tarball (1.47.2 copies only
 /// `security.capability`, `misc/create_inode_libarchive.c`) with one `debugfs -w` run of
 /// `ea_set -f VALUEFILE PATH NAME` commands, in path order.
-fn set_xattrs(flat: &Flat, img: &Path, epoch: u64, scratch: &Path) -> Result<(), Ext4Error> {
+fn set_xattrs(
+    flat: &Flat,
+    img: &Path,
+    epoch: u64,
+    sde: Option<u64>,
+    scratch: &Path,
+) -> Result<(), Ext4Error> {
     let todo: Vec<_> = flat
         .xattrs()
         .into_iter()
@@ -661,7 +677,7 @@ fn set_xattrs(flat: &Flat, img: &Path, epoch: u64, scratch: &Path) -> Result<(),
     let cmds = scratch.join("xattrs.debugfs");
     std::fs::write(&cmds, script).map_err(io(&cmds))?;
     let mut cmd = Command::new("debugfs");
-    tool_env(&mut cmd, epoch, None);
+    tool_env(&mut cmd, epoch, sde, None);
     let out = cmd
         .arg("-w")
         .arg("-f")
@@ -684,9 +700,9 @@ fn set_xattrs(flat: &Flat, img: &Path, epoch: u64, scratch: &Path) -> Result<(),
 }
 
 /// `e2fsck -fn IMAGE`: exit status 0 means clean (e2fsck(8), "EXIT CODE").
-fn fsck(img: &Path, epoch: u64) -> Result<(), Ext4Error> {
+fn fsck(img: &Path, epoch: u64, sde: Option<u64>) -> Result<(), Ext4Error> {
     let mut cmd = Command::new("e2fsck");
-    tool_env(&mut cmd, epoch, None);
+    tool_env(&mut cmd, epoch, sde, None);
     let out = cmd
         .arg("-fn")
         .arg(img)
