@@ -1,1 +1,37 @@
 //! kiln-vmm: VMM backends, boot-once snapshots, restore and clone, compatibility keys.
+//!
+//! QEMU is the one backend for now. Layers, bottom up:
+//! - [`qmp`]: a QMP client (JSON lines over a unix socket, typed errors, bounded waits).
+//! - [`channel`]: the host end of the guest protocol (framed JSON over virtio-serial).
+//! - [`launch`]: host facts, the accelerator probe, QEMU's command line, the process.
+//! - [`compat`]: compatibility keys.
+
+// Errors carry paths and QEMU's messages; large, but only on the error path.
+#![allow(clippy::result_large_err)]
+
+pub mod channel;
+pub mod compat;
+pub mod launch;
+pub mod qmp;
+
+pub use channel::ChannelError;
+pub use compat::{CompatError, CompatKey};
+pub use launch::LaunchError;
+pub use qmp::QmpError;
+
+/// Any error from this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    /// QMP.
+    #[error(transparent)]
+    Qmp(#[from] QmpError),
+    /// The guest channel.
+    #[error(transparent)]
+    Channel(#[from] ChannelError),
+    /// Launching QEMU.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+    /// Compatibility keys.
+    #[error(transparent)]
+    Compat(#[from] CompatError),
+}
