@@ -5,17 +5,23 @@
 //! - [`channel`]: the host end of the guest protocol (framed JSON over virtio-serial).
 //! - [`launch`]: host facts, the accelerator probe, QEMU's command line, the process.
 //! - [`compat`]: compatibility keys.
+//! - [`kernel`]: the guest kernel (Debian's cloud kernel, fetched by name, uncompressed vmlinux).
+//! - [`initramfs`]: the guest initramfs (the static kiln-guest-init and the virtio modules).
 
 // Errors carry paths and QEMU's messages; large, but only on the error path.
 #![allow(clippy::result_large_err)]
 
 pub mod channel;
 pub mod compat;
+pub mod initramfs;
+pub mod kernel;
 pub mod launch;
 pub mod qmp;
 
 pub use channel::ChannelError;
 pub use compat::{CompatError, CompatKey};
+pub use initramfs::InitramfsError;
+pub use kernel::KernelError;
 pub use launch::LaunchError;
 pub use qmp::QmpError;
 
@@ -34,4 +40,10 @@ pub enum VmmError {
     /// Compatibility keys.
     #[error(transparent)]
     Compat(#[from] CompatError),
+    /// The guest kernel.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// The guest initramfs.
+    #[error(transparent)]
+    Initramfs(#[from] InitramfsError),
 }
