@@ -64,8 +64,13 @@ fn artifacts() -> &'static Artifacts {
             .join("guest-init");
         let init = initramfs::build_guest_init(&workspace(), &target).expect("build the init");
         let dir = tempfile::tempdir().unwrap();
-        let ird = initramfs::build(&k, &init, &dir.path().join("initramfs.cpio"))
-            .expect("build the initramfs");
+        let ird = initramfs::build(
+            &k,
+            &init,
+            &kernel::GUEST_MODULES,
+            &dir.path().join("initramfs.cpio"),
+        )
+        .expect("build the initramfs");
         eprintln!(
             "initramfs {} ({} bytes, modules {:?})",
             ird.sha256, ird.size, ird.modules
