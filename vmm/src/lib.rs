@@ -5,19 +5,25 @@
 //! - [`channel`]: the host end of the guest protocol (framed JSON over virtio-serial).
 //! - [`launch`]: host facts, the accelerator probe, QEMU's command line, the process.
 //! - [`compat`]: compatibility keys.
+//! - [`snapshot`]: boot once → snapshot into the store.
+//! - [`clone`]: clone start from a stored snapshot; clones running on this host.
 
 // Errors carry paths and QEMU's messages; large, but only on the error path.
 #![allow(clippy::result_large_err)]
 
 pub mod channel;
+pub mod clone;
 pub mod compat;
 pub mod launch;
 pub mod qmp;
+pub mod snapshot;
 
 pub use channel::ChannelError;
+pub use clone::CloneError;
 pub use compat::{CompatError, CompatKey};
 pub use launch::LaunchError;
 pub use qmp::QmpError;
+pub use snapshot::SnapshotError;
 
 /// Any error from this crate.
 #[derive(Debug, thiserror::Error)]
@@ -34,4 +40,10 @@ pub enum VmmError {
     /// Compatibility keys.
     #[error(transparent)]
     Compat(#[from] CompatError),
+    /// Boot-once snapshots.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    /// Clones.
+    #[error(transparent)]
+    Clone(#[from] CloneError),
 }
