@@ -103,7 +103,7 @@ pub struct Start {
     /// Environment, `KEY=value` each, on top of the init's defaults (`PATH`, `HOME`).
     #[serde(default)]
     pub env: Vec<String>,
-    /// Working directory (absolute); `None`: the user's home, else `/`.
+    /// Working directory (absolute); `None`: `/`.
     #[serde(default)]
     pub workdir: Option<String>,
     /// The ready check; `None`: ready as soon as the start command is started.
