@@ -1,26 +1,18 @@
-//! The host end of the guest protocol (BRIEF "The guest protocol"; the guest end is the
-//! `kiln-guest` crate's init).
+//! The host end of the guest protocol: async transport for [`kiln_guest::protocol`] messages.
 //!
-//! Transport: QEMU's virtio-serial port `org.kiln.guest.0`, whose chardev is a unix socket
-//! QEMU listens on; the host connects. Frame: u32 big-endian length N (1 ≤ N ≤
-//! [`MAX_FRAME`]), then N bytes of one JSON object with `"v": 1` and `"type"`. Fields not
-//! known here are ignored; a frame of an unknown type is returned as [`GuestMsg::Other`] so
-//! the caller decides.
+//! Transport: QEMU's virtio-serial port [`PORT_NAME`], whose chardev is a unix socket QEMU
+//! listens on; the host connects. Frames and messages are `kiln_guest::protocol`'s (u32
+//! big-endian length, 1 ≤ N ≤ 1 MiB, then one JSON object with `"v": 1` and `"type"`). A
+//! frame of an unknown type is skipped by [`GuestChannel::recv_significant`]; a bad length
+//! or a message that does not decode is a [`ChannelError::Protocol`].
 
 use std::path::Path;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use kiln_guest::protocol::{self as proto, DecodeError};
+pub use kiln_guest::protocol::{Message, PORT_NAME, ReadyCheck};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
-
-/// Largest frame body, bytes (1 MiB, as the protocol says).
-pub const MAX_FRAME: usize = 1 << 20;
-/// The protocol version spoken.
-pub const VERSION: u64 = 1;
-/// The virtio-serial port name the guest looks for.
-pub const PORT_NAME: &str = "org.kiln.guest.0";
 
 /// Errors of the guest channel.
 #[derive(Debug, thiserror::Error)]
@@ -47,166 +39,9 @@ pub enum ChannelError {
         /// The bound, ms.
         ms: u128,
     },
-    /// A frame of length 0 or over [`MAX_FRAME`], not JSON, or of another version.
+    /// A bad frame length, or a message that does not decode.
     #[error("guest channel protocol: {0}")]
     Protocol(String),
-}
-
-/// The readiness check sent in `start`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ReadyCheck {
-    /// argv of the check; exit 0 = ready.
-    pub argv: Vec<String>,
-    /// Interval between checks, ms.
-    pub interval_ms: u64,
-    /// Timeout of one check, ms.
-    pub timeout_ms: u64,
-    /// Failures tolerated before `failed`.
-    pub retries: u32,
-}
-
-/// A message, either way. Serialized with `"v": 1` and `"type"` (snake_case of the variant).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case")]
-pub enum GuestMsg {
-    /// guest → host: the init runs.
-    Hello {
-        /// The init's version.
-        #[serde(default)]
-        init_version: String,
-    },
-    /// host → guest: what to run and how to know it is ready.
-    Start {
-        /// Start command argv (empty: no start command).
-        argv: Vec<String>,
-        /// User to run it as (`None`: root).
-        user: Option<String>,
-        /// `KEY=value` environment.
-        env: Vec<String>,
-        /// Working directory (`None`: `/`).
-        workdir: Option<String>,
-        /// Ready check (`None`: ready once started).
-        ready: Option<ReadyCheck>,
-    },
-    /// guest → host: the ready check passed.
-    Ready {
-        /// Time from `start` to ready, ms.
-        #[serde(default)]
-        elapsed_ms: u64,
-    },
-    /// guest → host: the ready check timed out or the start command died.
-    Failed {
-        /// Why.
-        #[serde(default)]
-        reason: String,
-    },
-    /// host → guest, after a restore: fresh entropy, time and environment.
-    Restore {
-        /// Base64 of at least 32 random bytes.
-        entropy: String,
-        /// Host time, ns since the Unix epoch.
-        time_unix_ns: u64,
-        /// `KEY=value` for processes started from now on.
-        env: Vec<String>,
-    },
-    /// guest → host: restore applied.
-    Restored {
-        /// The new `/etc/machine-id`.
-        #[serde(default)]
-        machine_id: String,
-        /// Hex of 16 bytes read from the reseeded RNG.
-        #[serde(default)]
-        random: String,
-        /// The kernel's boot id (shared by clones).
-        #[serde(default)]
-        boot_id: String,
-    },
-    /// Liveness probe.
-    Ping,
-    /// Answer to `ping`.
-    Pong,
-    /// Either way: the other side's message was not understood.
-    Error {
-        /// Why.
-        #[serde(default)]
-        message: String,
-    },
-    /// A type this side does not know (kept raw).
-    #[serde(skip)]
-    Other(Value),
-}
-
-impl GuestMsg {
-    /// The `type` string.
-    pub fn kind(&self) -> &str {
-        match self {
-            GuestMsg::Hello { .. } => "hello",
-            GuestMsg::Start { .. } => "start",
-            GuestMsg::Ready { .. } => "ready",
-            GuestMsg::Failed { .. } => "failed",
-            GuestMsg::Restore { .. } => "restore",
-            GuestMsg::Restored { .. } => "restored",
-            GuestMsg::Ping => "ping",
-            GuestMsg::Pong => "pong",
-            GuestMsg::Error { .. } => "error",
-            GuestMsg::Other(v) => v["type"].as_str().unwrap_or("?"),
-        }
-    }
-
-    /// Encodes one frame (length prefix + JSON with `"v": 1`).
-    pub fn encode(&self) -> Result<Vec<u8>, ChannelError> {
-        let mut v = match self {
-            GuestMsg::Other(v) => v.clone(),
-            m => serde_json::to_value(m).map_err(|e| ChannelError::Protocol(e.to_string()))?,
-        };
-        v["v"] = VERSION.into();
-        let body = serde_json::to_vec(&v).map_err(|e| ChannelError::Protocol(e.to_string()))?;
-        if body.len() > MAX_FRAME {
-            return Err(ChannelError::Protocol(format!(
-                "a {}-byte message is over the {MAX_FRAME}-byte frame limit",
-                body.len()
-            )));
-        }
-        let mut out = (body.len() as u32).to_be_bytes().to_vec();
-        out.extend_from_slice(&body);
-        Ok(out)
-    }
-
-    /// Decodes one frame body. Unknown types become [`GuestMsg::Other`]; a wrong `v` or a
-    /// body that is not a JSON object is an error.
-    pub fn decode(body: &[u8]) -> Result<Self, ChannelError> {
-        let v: Value = serde_json::from_slice(body)
-            .map_err(|e| ChannelError::Protocol(format!("frame is not JSON: {e}")))?;
-        if !v.is_object() {
-            return Err(ChannelError::Protocol("frame is not a JSON object".into()));
-        }
-        if v["v"].as_u64() != Some(VERSION) {
-            return Err(ChannelError::Protocol(format!(
-                "frame has protocol version {}, this host speaks {VERSION}",
-                v["v"]
-            )));
-        }
-        if !v["type"].is_string() {
-            return Err(ChannelError::Protocol("frame has no type".into()));
-        }
-        match serde_json::from_value::<GuestMsg>(v.clone()) {
-            Ok(m) => Ok(m),
-            Err(e) => {
-                let known = [
-                    "hello", "start", "ready", "failed", "restore", "restored", "ping", "pong",
-                    "error",
-                ];
-                if known.contains(&v["type"].as_str().unwrap_or("")) {
-                    Err(ChannelError::Protocol(format!(
-                        "bad {} message: {e}",
-                        v["type"]
-                    )))
-                } else {
-                    Ok(GuestMsg::Other(v))
-                }
-            }
-        }
-    }
 }
 
 /// A connected guest channel.
@@ -239,26 +74,26 @@ impl GuestChannel {
     }
 
     /// Sends one message.
-    pub async fn send(&mut self, m: &GuestMsg) -> Result<(), ChannelError> {
-        let frame = m.encode()?;
+    pub async fn send(&mut self, m: &Message) -> Result<(), ChannelError> {
+        let frame = proto::encode(m).map_err(|e| ChannelError::Protocol(e.to_string()))?;
         self.stream.write_all(&frame).await?;
         Ok(())
     }
 
-    /// Receives one message within `timeout` (`what` names it in errors).
-    pub async fn recv(&mut self, what: &str, timeout: Duration) -> Result<GuestMsg, ChannelError> {
+    /// Receives one frame within `timeout` and decodes it (`what` names it in errors).
+    /// `Ok(Err(_))`: a whole frame arrived but is not a message this side knows.
+    pub async fn recv(
+        &mut self,
+        what: &str,
+        timeout: Duration,
+    ) -> Result<Result<Message, DecodeError>, ChannelError> {
         let read = async {
-            let mut len = [0u8; 4];
-            self.read_exact(&mut len, what).await?;
-            let n = u32::from_be_bytes(len) as usize;
-            if n == 0 || n > MAX_FRAME {
-                return Err(ChannelError::Protocol(format!(
-                    "frame length {n} outside 1..={MAX_FRAME}"
-                )));
-            }
+            let mut header = [0u8; proto::HEADER_LEN];
+            self.read_exact(&mut header, what).await?;
+            let n = proto::body_len(header).map_err(|e| ChannelError::Protocol(e.to_string()))?;
             let mut body = vec![0u8; n];
             self.read_exact(&mut body, what).await?;
-            GuestMsg::decode(&body)
+            Ok(proto::decode_body(&body))
         };
         tokio::time::timeout(timeout, read)
             .await
@@ -268,13 +103,14 @@ impl GuestChannel {
             })?
     }
 
-    /// Receives until a message other than `ping`/`pong`/unknown arrives (answering pings),
-    /// all within `timeout`.
+    /// Receives until a message other than `ping`, `pong` or an unknown type arrives
+    /// (answering pings), all within `timeout`. A known type that does not decode is a
+    /// [`ChannelError::Protocol`].
     pub async fn recv_significant(
         &mut self,
         what: &str,
         timeout: Duration,
-    ) -> Result<GuestMsg, ChannelError> {
+    ) -> Result<Message, ChannelError> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -286,9 +122,10 @@ impl GuestChannel {
                 e => e,
             })?;
             match m {
-                GuestMsg::Ping => self.send(&GuestMsg::Pong).await?,
-                GuestMsg::Pong | GuestMsg::Other(_) => {}
-                m => return Ok(m),
+                Ok(Message::Ping(p)) => self.send(&Message::Pong(p)).await?,
+                Ok(Message::Pong(_)) | Err(DecodeError::UnknownType(_)) => {}
+                Ok(m) => return Ok(m),
+                Err(e) => return Err(ChannelError::Protocol(e.to_string())),
             }
         }
     }
@@ -307,86 +144,70 @@ impl GuestChannel {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn frames_round_trip_with_version_and_type() {
-        let m = GuestMsg::Restore {
-            entropy: "AAAA".into(),
-            time_unix_ns: 1_700_000_000_000_000_000,
-            env: vec!["A=1".into()],
-        };
-        let f = m.encode().unwrap();
-        let n = u32::from_be_bytes(f[..4].try_into().unwrap()) as usize;
-        assert_eq!(n, f.len() - 4);
-        let v: Value = serde_json::from_slice(&f[4..]).unwrap();
-        assert_eq!(v["v"], 1);
-        assert_eq!(v["type"], "restore");
-        assert_eq!(GuestMsg::decode(&f[4..]).unwrap(), m);
-        let ping = GuestMsg::Ping.encode().unwrap();
-        assert_eq!(&ping[4..], br#"{"type":"ping","v":1}"#);
-    }
-
-    #[test]
-    fn unknown_types_fields_and_versions() {
-        // Unknown fields are ignored.
-        let m = GuestMsg::decode(br#"{"v":1,"type":"ready","elapsed_ms":5,"extra":true}"#);
-        assert_eq!(m.unwrap(), GuestMsg::Ready { elapsed_ms: 5 });
-        // An unknown type is kept, not an error.
-        let m = GuestMsg::decode(br#"{"v":1,"type":"stats","x":1}"#).unwrap();
-        assert_eq!(m.kind(), "stats");
-        // Wrong version, no type, not an object, a known type with bad fields: errors.
-        for bad in [
-            &br#"{"v":2,"type":"ready"}"#[..],
-            br#"{"v":1}"#,
-            b"[1]",
-            b"\xff",
-            br#"{"v":1,"type":"restored","machine_id":5}"#,
-        ] {
-            assert!(
-                matches!(GuestMsg::decode(bad), Err(ChannelError::Protocol(_))),
-                "{bad:?}"
-            );
-        }
-    }
+    use kiln_guest::protocol::{Ping, Ready};
 
     #[tokio::test]
     async fn oversized_zero_and_truncated_frames_are_refused() {
         for frame in [
-            ((MAX_FRAME as u32) + 1).to_be_bytes().to_vec(),
+            ((proto::MAX_FRAME_LEN as u32) + 1).to_be_bytes().to_vec(),
             0u32.to_be_bytes().to_vec(),
         ] {
             let (a, mut b) = UnixStream::pair().unwrap();
             b.write_all(&frame).await.unwrap();
             let mut ch = GuestChannel::from_stream(a);
-            let r = ch.recv("hello", Duration::from_secs(5)).await;
+            let r = ch.recv_significant("hello", Duration::from_secs(5)).await;
             assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
         }
         let (a, mut b) = UnixStream::pair().unwrap();
         b.write_all(&[0, 0, 0, 10, b'{']).await.unwrap();
         drop(b);
         let mut ch = GuestChannel::from_stream(a);
-        let r = ch.recv("hello", Duration::from_secs(5)).await;
+        let r = ch.recv_significant("hello", Duration::from_secs(5)).await;
         assert!(matches!(r, Err(ChannelError::Closed(_))), "{r:?}");
     }
 
     #[tokio::test]
-    async fn pings_are_answered_while_waiting() {
-        let (a, b) = UnixStream::pair().unwrap();
+    async fn pings_and_unknown_types_are_skipped_bad_messages_are_not() {
+        let (a, mut b) = UnixStream::pair().unwrap();
         let mut host = GuestChannel::from_stream(a);
+        let unknown = br#"{"v":1,"type":"stats","x":1}"#;
+        b.write_all(&(unknown.len() as u32).to_be_bytes())
+            .await
+            .unwrap();
+        b.write_all(unknown).await.unwrap();
         let mut guest = GuestChannel::from_stream(b);
-        guest.send(&GuestMsg::Ping).await.unwrap();
+        guest.send(&Message::Ping(Ping { nonce: 7 })).await.unwrap();
         guest
-            .send(&GuestMsg::Ready { elapsed_ms: 3 })
+            .send(&Message::Ready(Ready {
+                elapsed_ms: 3,
+                attempts: 1,
+            }))
             .await
             .unwrap();
         let m = host
             .recv_significant("ready", Duration::from_secs(5))
             .await
             .unwrap();
-        assert_eq!(m, GuestMsg::Ready { elapsed_ms: 3 });
+        assert!(matches!(m, Message::Ready(Ready { elapsed_ms: 3, .. })));
         let pong = guest.recv("pong", Duration::from_secs(5)).await.unwrap();
-        assert_eq!(pong, GuestMsg::Pong);
-        let r = host.recv("nothing", Duration::from_millis(30)).await;
-        assert!(matches!(r, Err(ChannelError::Timeout { .. })));
+        assert_eq!(pong.unwrap(), Message::Pong(Ping { nonce: 7 }));
+        let bad = br#"{"v":1,"type":"restored","machine_id":5}"#;
+        guest
+            .stream
+            .write_all(&(bad.len() as u32).to_be_bytes())
+            .await
+            .unwrap();
+        guest.stream.write_all(bad).await.unwrap();
+        let r = host
+            .recv_significant("restored", Duration::from_secs(5))
+            .await;
+        assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
+        let r = host
+            .recv_significant("nothing", Duration::from_millis(30))
+            .await;
+        assert!(
+            matches!(r, Err(ChannelError::Timeout { ms: 30, .. })),
+            "{r:?}"
+        );
     }
 }
