@@ -24,9 +24,11 @@ fn main() {
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace.join("target"))
         .join("guest-init");
-    let run = || -> Result<(), kiln_vmm::VmmError> {
-        let init = initramfs::build_guest_init(&workspace, &target)?;
-        let a = initramfs::guest_artifacts(&cache, &KernelRecipe::shipped(), &init)?;
+    let run = || -> Result<(), Box<kiln_vmm::VmmError>> {
+        let init =
+            initramfs::build_guest_init(&workspace, &target).map_err(|e| Box::new(e.into()))?;
+        let a = initramfs::guest_artifacts(&cache, &KernelRecipe::shipped(), &init)
+            .map_err(|e| Box::new(e.into()))?;
         println!("export KILN_TEST_KERNEL={}", a.kernel.vmlinux().display());
         println!("export KILN_TEST_INITRAMFS={}", a.initramfs.path.display());
         println!(
