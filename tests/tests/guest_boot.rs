@@ -258,7 +258,7 @@ fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
             argv: vec![
                 "/bin/sh".into(),
                 "-c".into(),
-                r#"test -s /tmp/started && test "$(id -u):$(id -g)" = 65534:65534 && test "$FOO" = bar && test "$PWD" = /tmp && test "$(hostname)" = runtime-guest"#.into(),
+                r#"test -s /tmp/started && test "$(id -u):$(id -g)" = 65534:65534 && test "$FOO" = bar && test "$PWD" = /tmp && test "$(hostname)" = runtime-guest && ip addr show lo | grep -q "inet 127.0.0.1""#.into(),
             ],
             interval_ms: 100,
             timeout_ms: 5000,
