@@ -404,3 +404,69 @@ fn debian_root_boots_with_a_fresh_machine_id() {
         other => panic!("expected ready, got {other:?}\nconsole:\n{}", vm.console()),
     }
 }
+
+/// A root tree: a copy of the busybox fixture changed by `edit`.
+fn busybox_variant(name: &str, edit: impl FnOnce(&Path)) -> PathBuf {
+    let root = artifacts().dir.path().join(name);
+    run(Command::new("cp")
+        .arg("-a")
+        .arg(&artifacts().rootfs)
+        .arg(&root));
+    edit(&root);
+    root
+}
+
+#[test]
+fn planted_machine_id_symlink_is_replaced_not_written_through() {
+    let root = busybox_variant("symlinked-machine-id", |r| {
+        std::os::unix::fs::symlink("/etc/passwd", r.join("etc/machine-id")).unwrap();
+        std::os::unix::fs::symlink("/etc/group", r.join("etc/machine-id.kiln-tmp")).unwrap();
+    });
+    let mut vm = Vm::boot_root(&root, "64M");
+    let mut g = hello(&mut vm);
+    g.send(&Message::Start(Start {
+        ready: Some(ReadyCheck {
+            argv: vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                r#"grep -q "^nobody:" /etc/passwd && grep -q "^nogroup:" /etc/group && test ! -L /etc/machine-id && test "$(wc -c < /etc/machine-id)" = 33"#.into(),
+            ],
+            interval_ms: 100,
+            timeout_ms: 5000,
+            retries: 20,
+        }),
+        ..Start::default()
+    }));
+    match g.recv(&vm) {
+        Message::Ready(_) => {}
+        other => panic!("expected ready, got {other:?}\nconsole:\n{}", vm.console()),
+    }
+}
+
+#[test]
+fn image_with_a_symlinked_proc_is_refused_and_the_vm_powers_off() {
+    let root = busybox_variant("symlinked-proc", |r| {
+        std::fs::remove_dir(r.join("proc")).unwrap();
+        std::os::unix::fs::symlink("/kiln", r.join("proc")).unwrap();
+    });
+    let mut vm = Vm::boot_root(&root, "64M");
+    // The init powers the VM off (QEMU runs with -no-reboot and exits); bounded wait.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(s) = vm.qemu.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the VM did not power off\nconsole:\n{}",
+            vm.console()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let console = vm.console();
+    assert!(status.success(), "{status}\n{console}");
+    assert!(
+        console.contains("fatal: mounting /newroot/proc") && console.contains("symlink"),
+        "{console}"
+    );
+}
