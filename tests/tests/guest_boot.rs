@@ -470,3 +470,22 @@ fn image_with_a_symlinked_proc_is_refused_and_the_vm_powers_off() {
         "{console}"
     );
 }
+
+#[test]
+fn kernel_cache_entry_whose_vmlinux_changed_is_refused() {
+    let k = &artifacts().kernel;
+    let cache = tempfile::tempdir().unwrap();
+    let entry = cache.path().join("kernel").join(k.dir.file_name().unwrap());
+    std::fs::create_dir_all(&entry).unwrap();
+    std::fs::copy(k.dir.join("kernel.json"), entry.join("kernel.json")).unwrap();
+    let mut bytes = std::fs::read(k.vmlinux()).unwrap();
+    bytes[4096] ^= 1;
+    std::fs::write(entry.join("vmlinux"), bytes).unwrap();
+    match kernel::fetch(cache.path(), &k.requested) {
+        Err(kernel::KernelError::Cache(dir, why)) => {
+            assert_eq!(dir, entry);
+            assert!(why.contains("digest"), "{why}");
+        }
+        other => panic!("expected a cache error, got {other:?}"),
+    }
+}
