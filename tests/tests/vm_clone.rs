@@ -4,12 +4,13 @@
 //! check that never succeeds fails with its timeout; a corrupted vmstate is caught before
 //! QEMU starts; a host whose key differs is refused and the snapshot is kept.
 //!
-//! Needs `KILN_TEST_BUSYBOX_OCI` (the busybox OCI layout fixture), `KILN_TEST_KERNEL` and
-//! `KILN_TEST_INITRAMFS` (guest kernel and initramfs with kiln-guest-init), all exported by
-//! `ci/setup.sh`, and `qemu-system-x86_64`, `qemu-img`, `umoci`, `mke2fs` on PATH.
+//! Needs `KILN_TEST_BUSYBOX_OCI` (the busybox OCI layout fixture) and `KILN_TEST_CACHE` (where
+//! the guest kernel is fetched and cached), both exported by `ci/setup.sh`, and
+//! `qemu-system-x86_64`, `qemu-img`, `umoci`, `mke2fs` on PATH.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use kiln_store::artifact::PutArtifactOptions;
@@ -21,6 +22,7 @@ use kiln_tests::require_env;
 use kiln_vmm::clone::{self, CloneError, CloneOptions};
 use kiln_vmm::launch::Accel;
 use kiln_vmm::snapshot::{BootAssets, SnapshotError, SnapshotOptions, snapshot_image};
+use kiln_vmm::{initramfs, kernel};
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -29,11 +31,35 @@ fn rt() -> tokio::runtime::Runtime {
         .expect("runtime")
 }
 
+/// The guest kernel (Debian's cloud kernel, fetched by name into `KILN_TEST_CACHE`) and an
+/// initramfs with the static kiln-guest-init, built once per test binary.
 fn assets() -> BootAssets {
-    BootAssets {
-        kernel: require_env("KILN_TEST_KERNEL").into(),
-        initramfs: require_env("KILN_TEST_INITRAMFS").into(),
-    }
+    static A: OnceLock<(BootAssets, tempfile::TempDir)> = OnceLock::new();
+    A.get_or_init(|| {
+        let cache = PathBuf::from(require_env("KILN_TEST_CACHE"));
+        let k = kernel::fetch(&cache, kernel::DEFAULT_PACKAGE).expect("fetch the guest kernel");
+        let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("workspace")
+            .to_path_buf();
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| workspace.join("target"))
+            .join("guest-init");
+        let init = initramfs::build_guest_init(&workspace, &target).expect("build the init");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("initramfs.cpio");
+        initramfs::build(&k, &init, &out).expect("build the initramfs");
+        (
+            BootAssets {
+                kernel: k.vmlinux(),
+                initramfs: out,
+            },
+            dir,
+        )
+    })
+    .0
+    .clone()
 }
 
 fn run(cmd: &mut Command) {

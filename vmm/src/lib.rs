@@ -7,6 +7,8 @@
 //! - [`compat`]: compatibility keys.
 //! - [`snapshot`]: boot once → snapshot into the store.
 //! - [`clone`]: clone start from a stored snapshot; clones running on this host.
+//! - [`kernel`]: the guest kernel (Debian's cloud kernel, fetched by name, uncompressed vmlinux).
+//! - [`initramfs`]: the guest initramfs (the static kiln-guest-init and the virtio modules).
 
 // Errors carry paths and QEMU's messages; large, but only on the error path.
 #![allow(clippy::result_large_err)]
@@ -14,6 +16,8 @@
 pub mod channel;
 pub mod clone;
 pub mod compat;
+pub mod initramfs;
+pub mod kernel;
 pub mod launch;
 pub mod qmp;
 pub mod snapshot;
@@ -21,6 +25,8 @@ pub mod snapshot;
 pub use channel::ChannelError;
 pub use clone::CloneError;
 pub use compat::{CompatError, CompatKey};
+pub use initramfs::InitramfsError;
+pub use kernel::KernelError;
 pub use launch::LaunchError;
 pub use qmp::QmpError;
 pub use snapshot::SnapshotError;
@@ -46,4 +52,10 @@ pub enum VmmError {
     /// Clones.
     #[error(transparent)]
     Clone(#[from] CloneError),
+    /// The guest kernel.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// The guest initramfs.
+    #[error(transparent)]
+    Initramfs(#[from] InitramfsError),
 }
