@@ -195,4 +195,13 @@ PY
   done
 } >"$KILN_CI_CACHE/env"
 . "$ci_dir/fixtures.sh"
+
+# --- guest kernel and initramfs (issue 8) -------------------------------------------------
+# Debian's cloud kernel, fetched by name (apt's lists must know the package), and an
+# initramfs with kiln-guest-init built static from this checkout. Appends KILN_TEST_KERNEL and
+# KILN_TEST_INITRAMFS to the env file.
+apt-cache show linux-image-cloud-amd64 >/dev/null 2>&1 || apt_update
+guest_assets=$(cd "$ci_dir/.." && cargo run -q -p kiln-tests --bin kiln-test-guest-assets)
+eval "$(printf '%s\n' "$guest_assets" | grep '^export ')"
+printf '%s\n' "$guest_assets" >>"$KILN_CI_CACHE/env"
 log "ready; environment in $KILN_CI_CACHE/env"

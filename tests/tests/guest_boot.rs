@@ -64,8 +64,13 @@ fn artifacts() -> &'static Artifacts {
             .join("guest-init");
         let init = initramfs::build_guest_init(&workspace(), &target).expect("build the init");
         let dir = tempfile::tempdir().unwrap();
-        let ird = initramfs::build(&k, &init, &dir.path().join("initramfs.cpio"))
-            .expect("build the initramfs");
+        let ird = initramfs::build(
+            &k,
+            &init,
+            &kernel::GUEST_MODULES,
+            &dir.path().join("initramfs.cpio"),
+        )
+        .expect("build the initramfs");
         eprintln!(
             "initramfs {} ({} bytes, modules {:?})",
             ird.sha256, ird.size, ird.modules
@@ -253,7 +258,7 @@ fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
             argv: vec![
                 "/bin/sh".into(),
                 "-c".into(),
-                r#"test -s /tmp/started && test "$(id -u):$(id -g)" = 65534:65534 && test "$FOO" = bar && test "$PWD" = /tmp && test "$(hostname)" = runtime-guest"#.into(),
+                r#"test -s /tmp/started && test "$(id -u):$(id -g)" = 65534:65534 && test "$FOO" = bar && test "$PWD" = /tmp && test "$(hostname)" = runtime-guest && ip addr show lo | grep -q "inet 127.0.0.1""#.into(),
             ],
             interval_ms: 100,
             timeout_ms: 5000,

@@ -260,16 +260,22 @@ pub struct Initramfs {
 }
 
 /// Build the initramfs for `kernel` with the init at `init` into `out` (written through a
-/// temporary file and renamed): [`kernel::GUEST_MODULES`] and their dependencies.
+/// temporary file and renamed): `modules` (e.g. [`kernel::GUEST_MODULES`]) and their
+/// dependencies.
 ///
 /// Errors: [`InitramfsError`]: an init that is not static, a missing module, I/O.
-pub fn build(kernel: &Kernel, init: &Path, out: &Path) -> Result<Initramfs, InitramfsError> {
+pub fn build(
+    kernel: &Kernel,
+    init: &Path,
+    modules: &[&str],
+    out: &Path,
+) -> Result<Initramfs, InitramfsError> {
     let init_bytes =
         fs::read(init).map_err(|e| InitramfsError::Io(init.display().to_string(), e))?;
     if !is_static(&init_bytes) {
         return Err(InitramfsError::NotStatic(init.into()));
     }
-    let mods = kernel::module_closure(&kernel.modules_dir(), &kernel::GUEST_MODULES)?;
+    let mods = kernel::module_closure(&kernel.modules_dir(), modules)?;
     let mut loaded = Vec::new();
     for m in &mods {
         loaded.push((m.name.clone(), kernel::module_bytes(&m.path)?));
@@ -284,6 +290,77 @@ pub fn build(kernel: &Kernel, init: &Path, out: &Path) -> Result<Initramfs, Init
         size: bytes.len() as u64,
         modules: mods.into_iter().map(|m| m.name).collect(),
     })
+}
+
+/// The guest kernel and initramfs, ready for `-kernel` and `-initrd`.
+#[derive(Debug, Clone)]
+pub struct GuestArtifacts {
+    /// The kernel (its `vmlinux()` and digests).
+    pub kernel: Kernel,
+    /// The initramfs.
+    pub initramfs: Initramfs,
+}
+
+/// Fetch the kernel of `recipe` and build (or reuse) its initramfs with the init at `init`,
+/// both cached under `cache_dir`: the initramfs at
+/// `<cache>/initramfs/<hex of sha256(vmlinux digest, init bytes, module names)>.cpio`.
+///
+/// Errors: [`InitramfsError`] (kernel fetch errors inside [`InitramfsError::Kernel`]).
+pub fn guest_artifacts(
+    cache_dir: &Path,
+    recipe: &kernel::KernelRecipe,
+    init: &Path,
+) -> Result<GuestArtifacts, InitramfsError> {
+    use sha2::{Digest, Sha256};
+    let k = kernel::fetch(cache_dir, &recipe.package)?;
+    let init_bytes =
+        fs::read(init).map_err(|e| InitramfsError::Io(init.display().to_string(), e))?;
+    let mut h = Sha256::new();
+    h.update(k.vmlinux_sha256.as_bytes());
+    h.update([0]);
+    h.update(Sha256::digest(&init_bytes));
+    for m in &recipe.modules {
+        h.update(m.as_bytes());
+        h.update([0]);
+    }
+    let dir = cache_dir.join("initramfs");
+    fs::create_dir_all(&dir).map_err(|e| InitramfsError::Io(dir.display().to_string(), e))?;
+    let out = dir.join(format!("{}.cpio", hex::encode(h.finalize())));
+    let modules: Vec<&str> = recipe.modules.iter().map(String::as_str).collect();
+    // Rebuilding is cheap (a few MiB) and deterministic: the bytes are the same each time,
+    // so the cached file is only an optimisation for callers that hash it.
+    let initramfs = build(&k, init, &modules, &out)?;
+    Ok(GuestArtifacts {
+        kernel: k,
+        initramfs,
+    })
+}
+
+/// The static init to put in initramfs files outside a source checkout: `KILN_GUEST_INIT`
+/// when set, else `kiln-guest-init` beside the running executable (where a release ships it).
+///
+/// Errors: [`InitramfsError::Io`] when neither exists, [`InitramfsError::NotStatic`].
+pub fn find_guest_init() -> Result<PathBuf, InitramfsError> {
+    let path = match std::env::var_os("KILN_GUEST_INIT") {
+        Some(p) => PathBuf::from(p),
+        None => std::env::current_exe()
+            .map_err(|e| InitramfsError::Io("the running executable".into(), e))?
+            .with_file_name("kiln-guest-init"),
+    };
+    let bytes = fs::read(&path).map_err(|e| {
+        InitramfsError::Io(
+            format!(
+                "{} (build it: RUSTFLAGS='-C target-feature=+crt-static' cargo build --release \
+                 -p kiln-guest --bin kiln-guest-init --target {INIT_TARGET}; or set KILN_GUEST_INIT)",
+                path.display()
+            ),
+            e,
+        )
+    })?;
+    if !is_static(&bytes) {
+        return Err(InitramfsError::NotStatic(path));
+    }
+    Ok(path)
 }
 
 /// Whether an ELF executable has no PT_INTERP (is statically linked).

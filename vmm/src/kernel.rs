@@ -45,6 +45,73 @@ const MAX_VMLINUX: usize = 512 << 20;
 /// Largest bzImage or module read, bytes (256 MiB).
 const MAX_INPUT: u64 = 256 << 20;
 
+/// `base-images/kernel.yaml`: which kernel, modules, command line and init the guest gets.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KernelRecipe {
+    /// Always `kernel`.
+    pub kind: String,
+    /// The Debian metapackage to resolve ([`DEFAULT_PACKAGE`]).
+    pub package: String,
+    /// The suite it is meant to come from (recorded, not enforced).
+    pub suite: String,
+    /// Modules for the initramfs (dependencies are added).
+    pub modules: Vec<String>,
+    /// Kernel command line words (the VMM adds accelerator-specific ones).
+    pub cmdline: Vec<String>,
+    /// How the init is built.
+    pub init: InitRecipe,
+}
+
+/// The `init:` section of [`KernelRecipe`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InitRecipe {
+    /// Cargo package (`kiln-guest`).
+    pub package: String,
+    /// Binary (`kiln-guest-init`).
+    pub bin: String,
+    /// Target triple.
+    pub target: String,
+    /// RUSTFLAGS for the build.
+    pub rustflags: String,
+}
+
+impl KernelRecipe {
+    /// The recipe shipped in `base-images/kernel.yaml` (compiled in).
+    pub fn shipped() -> Self {
+        // The shipped file is parsed by a unit test: it cannot fail here.
+        Self::parse(include_str!("../../base-images/kernel.yaml")).unwrap_or_else(|_| Self {
+            kind: "kernel".into(),
+            package: DEFAULT_PACKAGE.into(),
+            suite: "bookworm".into(),
+            modules: GUEST_MODULES.iter().map(|m| m.to_string()).collect(),
+            cmdline: vec!["console=ttyS0".into()],
+            init: InitRecipe {
+                package: "kiln-guest".into(),
+                bin: "kiln-guest-init".into(),
+                target: "x86_64-unknown-linux-gnu".into(),
+                rustflags: "-C target-feature=+crt-static".into(),
+            },
+        })
+    }
+
+    /// Parse a kernel recipe (YAML).
+    ///
+    /// Errors: [`KernelError::Recipe`] for bad YAML, unknown keys or another `kind`.
+    pub fn parse(text: &str) -> Result<Self, KernelError> {
+        let r: KernelRecipe =
+            serde_saphyr::from_str(text).map_err(|e| KernelError::Recipe(e.to_string()))?;
+        if r.kind != "kernel" {
+            return Err(KernelError::Recipe(format!(
+                "kind is {:?}, not kernel",
+                r.kind
+            )));
+        }
+        Ok(r)
+    }
+}
+
 /// A guest kernel in the local cache.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Kernel {
@@ -112,6 +179,9 @@ pub enum KernelError {
     /// I/O.
     #[error("{0}: {1}")]
     Io(String, io::Error),
+    /// A kernel recipe does not parse.
+    #[error("kernel recipe: {0}")]
+    Recipe(String),
     /// The cache entry's metadata is unreadable.
     #[error("cache entry {0}: {1}")]
     Cache(PathBuf, String),
@@ -760,6 +830,18 @@ mod tests {
         // A gzip payload is named, not decoded.
         let err = extract_vmlinux(&[0, 0, 0x1f, 0x8b, 0x08, 0, 0]).unwrap_err();
         assert!(err.to_string().contains("gzip"), "{err}");
+    }
+
+    #[test]
+    fn shipped_recipe_parses_and_matches_the_defaults() {
+        let r = KernelRecipe::parse(include_str!("../../base-images/kernel.yaml")).unwrap();
+        assert_eq!(r.package, DEFAULT_PACKAGE);
+        assert_eq!(r.modules, GUEST_MODULES);
+        assert_eq!(r.init.target, crate::initramfs::INIT_TARGET);
+        assert_eq!(KernelRecipe::shipped(), r);
+        let typo = include_str!("../../base-images/kernel.yaml").replace("modules:", "modulse:");
+        assert!(KernelRecipe::parse(&typo).is_err());
+        assert!(KernelRecipe::parse("kind: image\npackage: x\n").is_err());
     }
 
     #[test]

@@ -5,10 +5,10 @@
 //! - [`channel`]: the host end of the guest protocol (framed JSON over virtio-serial).
 //! - [`launch`]: host facts, the accelerator probe, QEMU's command line, the process.
 //! - [`compat`]: compatibility keys.
-//! - [`snapshot`]: boot once → snapshot into the store.
-//! - [`clone`]: clone start from a stored snapshot; clones running on this host.
 //! - [`kernel`]: the guest kernel (Debian's cloud kernel, fetched by name, uncompressed vmlinux).
 //! - [`initramfs`]: the guest initramfs (the static kiln-guest-init and the virtio modules).
+//! - [`snapshot`]: boot once → snapshot into the store.
+//! - [`clone`]: clone start from a stored snapshot; clones running on this host.
 
 // Errors carry paths and QEMU's messages; large, but only on the error path.
 #![allow(clippy::result_large_err)]
@@ -46,16 +46,16 @@ pub enum VmmError {
     /// Compatibility keys.
     #[error(transparent)]
     Compat(#[from] CompatError),
-    /// Boot-once snapshots.
-    #[error(transparent)]
-    Snapshot(#[from] SnapshotError),
-    /// Clones.
-    #[error(transparent)]
-    Clone(#[from] CloneError),
     /// The guest kernel.
     #[error(transparent)]
     Kernel(#[from] KernelError),
     /// The guest initramfs.
     #[error(transparent)]
     Initramfs(#[from] InitramfsError),
+    /// Boot-once snapshots.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    /// Clones.
+    #[error(transparent)]
+    Clone(#[from] CloneError),
 }

@@ -5,7 +5,7 @@
 //! (finit_module, in the listed order: dependencies first); mount the image root (`/dev/vda`,
 //! ext4, read-write; `kiln.root=` and `kiln.rootfstype=` on the kernel command line override);
 //! move /proc, /sys, /dev into it and make it `/` (MS_MOVE + chroot, staying PID 1); mount
-//! /dev/pts, /dev/shm, /run, /tmp; set the hostname `runtime-guest`; write a machine ID if the
+//! /dev/pts, /dev/shm, /run, /tmp; set the hostname `runtime-guest`; bring `lo` up; write a machine ID if the
 //! image's is empty; open the virtio-serial port `org.kiln.guest.0` and speak
 //! [`kiln_guest::protocol`] with the host. Reaps every zombie. Logs to the console (ttyS0).
 //!
@@ -106,6 +106,9 @@ fn run() -> Result<(), BootError> {
     boot::switch_root(&opts)?;
     if let Err(e) = sys::sethostname("runtime-guest") {
         log!("sethostname: {e}");
+    }
+    if let Err(e) = sys::loopback_up() {
+        log!("bringing lo up: {e}");
     }
     let current = std::fs::read_to_string("/etc/machine-id").unwrap_or_default();
     if current.trim().is_empty() && Path::new("/etc").is_dir() {

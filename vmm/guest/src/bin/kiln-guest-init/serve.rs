@@ -86,6 +86,8 @@ impl Sender {
     pub fn send(&self, msg: &Message) {
         let mut port = self.0.lock().unwrap_or_else(|p| p.into_inner());
         match protocol::write_message(&mut *port, msg) {
+            // Liveness traffic is not logged: the host may ping often.
+            Ok(()) if matches!(msg, Message::Pong(_)) => {}
             Ok(()) => log!("sent {}", msg.type_name()),
             Err(e) => log!("sending {}: {e}", msg.type_name()),
         }
@@ -181,7 +183,9 @@ pub fn serve(port: fs::File) -> ! {
 }
 
 fn handle(msg: Message, tx: &Sender, started: &mut bool) {
-    log!("received {}", msg.type_name());
+    if !matches!(msg, Message::Ping(_) | Message::Pong(_)) {
+        log!("received {}", msg.type_name());
+    }
     match msg {
         Message::Start(start) if !*started => {
             *started = true;

@@ -149,3 +149,31 @@ pub fn power_off() {
         libc::reboot(libc::RB_POWER_OFF);
     }
 }
+
+/// Bring the loopback interface `lo` up (SIOCGIFFLAGS / SIOCSIFFLAGS with IFF_UP); the kernel
+/// then gives it 127.0.0.1/8 and ::1 by itself.
+pub fn loopback_up() -> io::Result<()> {
+    // SAFETY: socket takes no pointers.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: ifreq is plain data; all-zero is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: fd is our socket; ifr is a valid ifreq for both calls; the union member read
+    // is the one SIOCGIFFLAGS wrote.
+    let res = unsafe {
+        if libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut ifr) < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+            check(libc::ioctl(fd, libc::SIOCSIFFLAGS, &ifr))
+        }
+    };
+    // SAFETY: closing the socket we opened.
+    unsafe { libc::close(fd) };
+    res
+}
