@@ -9,25 +9,13 @@
 //! Env: `KILN_TEST_CACHE`, `KILN_TEST_BUSYBOX_OCI` (from ci/setup.sh), `KILN_BENCH_RUNS`
 //! (default 10), `KILN_BENCH_MEMORY_MIB` (default 256), `KILN_BENCH_DIR` (work directory).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::Duration;
 
-use kiln_store::artifact::PutArtifactOptions;
-use kiln_store::{ImageManifest, Manifest, ReadySpec, SandboxSpec, StartSpec, Store, TagRef};
-use kiln_tests::require_env;
+use kiln_store::{ReadySpec, SandboxSpec, StartSpec, Store, TagRef};
+use kiln_tests::vm::{busybox_image, guest_assets, sh};
 use kiln_vmm::clone::{self, CloneOptions};
-use kiln_vmm::snapshot::{BootAssets, SnapshotOptions, snapshot_image};
-use kiln_vmm::{initramfs, kernel};
-
-fn run(cmd: &mut Command) {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use kiln_vmm::snapshot::{SnapshotOptions, snapshot_image};
 
 fn stats(mut v: Vec<Duration>) -> String {
     v.sort();
@@ -57,71 +45,32 @@ async fn main() {
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work).expect("work dir");
 
-    // Kernel and initramfs.
-    let cache = PathBuf::from(require_env("KILN_TEST_CACHE"));
-    let k = kernel::fetch(&cache, kernel::DEFAULT_PACKAGE).expect("kernel");
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("ws")
-        .to_path_buf();
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace.join("target"))
-        .join("guest-init");
-    let init = initramfs::build_guest_init(&workspace, &target).expect("init");
-    let ird = work.join("initramfs.cpio");
-    initramfs::build(&k, &init, &ird).expect("initramfs");
-    let assets = BootAssets {
-        kernel: k.vmlinux(),
-        initramfs: ird,
-    };
-
-    // The image.
+    let assets = guest_assets();
     let store = Store::open(work.join("store").to_str().expect("utf-8"))
         .await
         .expect("store");
-    let root = work.join("rootfs");
-    run(Command::new("umoci").args([
-        "raw",
-        "unpack",
-        "--image",
-        &format!("{}:latest", require_env("KILN_TEST_BUSYBOX_OCI")),
-        &root.display().to_string(),
-    ]));
-    std::fs::write(root.join("etc/machine-id"), "").expect("machine-id");
-    let img = work.join("bb.ext4");
-    run(Command::new("mke2fs")
-        .args(["-q", "-F", "-t", "ext4", "-b", "4096", "-d"])
-        .arg(&root)
-        .arg(&img)
-        .arg("64M"));
-    let (table, _) = store
-        .put_artifact(&img, &PutArtifactOptions::default())
-        .await
-        .expect("ext4");
-    let mut m = ImageManifest::new(table);
-    let sh = |s: &str| vec!["/bin/sh".to_string(), "-c".into(), s.into()];
-    m.sandbox = Some(SandboxSpec {
-        start: Some(StartSpec {
-            argv: sh("echo up > /tmp/started; exec sleep 1000000"),
-            user: None,
-            env: vec![],
-            workdir: None,
-        }),
-        ready: Some(ReadySpec {
-            argv: sh("test -f /tmp/started"),
-            interval_ms: 50,
-            timeout_ms: 2000,
-            retries: 200,
-        }),
-    });
-    let raw = store
-        .put_manifest(&Manifest::Image(m))
-        .await
-        .expect("manifest");
     let tag: TagRef = "bench:latest".parse().expect("tag");
     let snap: TagRef = "bench:snap".parse().expect("tag");
-    store.force_tag(&tag, raw.digest).await.expect("tag");
+    busybox_image(
+        &store,
+        &work,
+        &tag,
+        SandboxSpec {
+            start: Some(StartSpec {
+                argv: sh("echo up > /tmp/started; exec sleep 1000000"),
+                user: None,
+                env: vec![],
+                workdir: None,
+            }),
+            ready: Some(ReadySpec {
+                argv: sh("test -f /tmp/started"),
+                interval_ms: 50,
+                timeout_ms: 2000,
+                retries: 200,
+            }),
+        },
+    )
+    .await;
 
     let opts = SnapshotOptions {
         memory_bytes: mem_mib << 20,

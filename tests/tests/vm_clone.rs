@@ -4,119 +4,26 @@
 //! check that never succeeds fails with its timeout; a corrupted vmstate is caught before
 //! QEMU starts; a host whose key differs is refused and the snapshot is kept.
 //!
-//! Needs `KILN_TEST_BUSYBOX_OCI` (the busybox OCI layout fixture) and `KILN_TEST_CACHE` (where
-//! the guest kernel is fetched and cached), both exported by `ci/setup.sh`, and
-//! `qemu-system-x86_64`, `qemu-img`, `umoci`, `mke2fs` on PATH.
+//! Needs `KILN_TEST_BUSYBOX_OCI`, and `KILN_TEST_KERNEL`/`KILN_TEST_INITRAMFS` (else
+//! `KILN_TEST_CACHE` to build them), exported by `ci/setup.sh`, and `qemu-system-x86_64`,
+//! `qemu-img`, `umoci`, `mke2fs` on PATH.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::OnceLock;
 use std::time::Duration;
 
-use kiln_store::artifact::PutArtifactOptions;
 use kiln_store::{
-    ImageManifest, Manifest, ObjectRef, ReadySpec, SandboxSpec, StartSpec, Store, StoreError,
-    TagRef,
+    Manifest, ObjectRef, ReadySpec, SandboxSpec, StartSpec, Store, StoreError, TagRef,
 };
-use kiln_tests::require_env;
+use kiln_tests::vm::{busybox_image, guest_assets, sh};
 use kiln_vmm::clone::{self, CloneError, CloneOptions};
 use kiln_vmm::launch::Accel;
-use kiln_vmm::snapshot::{BootAssets, SnapshotError, SnapshotOptions, snapshot_image};
-use kiln_vmm::{initramfs, kernel};
+use kiln_vmm::snapshot::{SnapshotError, SnapshotOptions, snapshot_image};
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("runtime")
-}
-
-/// The guest kernel (Debian's cloud kernel, fetched by name into `KILN_TEST_CACHE`) and an
-/// initramfs with the static kiln-guest-init, built once per test binary.
-fn assets() -> BootAssets {
-    static A: OnceLock<(BootAssets, tempfile::TempDir)> = OnceLock::new();
-    A.get_or_init(|| {
-        let cache = PathBuf::from(require_env("KILN_TEST_CACHE"));
-        let k = kernel::fetch(&cache, kernel::DEFAULT_PACKAGE).expect("fetch the guest kernel");
-        let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .parent()
-            .expect("workspace")
-            .to_path_buf();
-        let target = std::env::var_os("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| workspace.join("target"))
-            .join("guest-init");
-        let init = initramfs::build_guest_init(&workspace, &target).expect("build the init");
-        let dir = tempfile::tempdir().expect("tempdir");
-        let out = dir.path().join("initramfs.cpio");
-        initramfs::build(&k, &init, &out).expect("build the initramfs");
-        (
-            BootAssets {
-                kernel: k.vmlinux(),
-                initramfs: out,
-            },
-            dir,
-        )
-    })
-    .0
-    .clone()
-}
-
-fn run(cmd: &mut Command) {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{cmd:?}: {e} (see ci/setup.sh)"));
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// The busybox fixture unpacked (umoci) and made into a 64 MiB ext4 with `mke2fs -d`, stored
-/// as an image manifest with `sandbox` and tagged `tag`.
-async fn busybox_image(store: &Store, work: &Path, tag: &TagRef, sandbox: SandboxSpec) {
-    let layout = require_env("KILN_TEST_BUSYBOX_OCI");
-    let root = work.join("rootfs");
-    if !root.exists() {
-        run(Command::new("umoci").args([
-            "raw",
-            "unpack",
-            "--image",
-            &format!("{layout}:latest"),
-            &root.display().to_string(),
-        ]));
-        // The sandbox preparation the builder does: an empty machine id.
-        std::fs::write(root.join("etc/machine-id"), "").expect("machine-id");
-    }
-    let img = work.join(format!("{}.ext4", tag.to_string().replace(':', "-")));
-    run(Command::new("mke2fs").args([
-        "-q",
-        "-F",
-        "-t",
-        "ext4",
-        "-b",
-        "4096",
-        "-d",
-        &root.display().to_string(),
-        &img.display().to_string(),
-        "64M",
-    ]));
-    let (table, _) = store
-        .put_artifact(&img, &PutArtifactOptions::default())
-        .await
-        .expect("put ext4");
-    let mut m = ImageManifest::new(table);
-    m.sandbox = Some(sandbox);
-    let raw = store
-        .put_manifest(&Manifest::Image(m))
-        .await
-        .expect("manifest");
-    store.force_tag(tag, raw.digest).await.expect("tag");
-}
-
-fn sh(script: &str) -> Vec<String> {
-    vec!["/bin/sh".into(), "-c".into(), script.into()]
 }
 
 fn snap_opts(work: &Path) -> SnapshotOptions {
@@ -180,9 +87,15 @@ fn vm_boot_once_snapshot_and_three_clones() {
         .await;
 
         // Boot once → READY → snapshot stored and attached under the new tag.
-        let r = snapshot_image(&e.store, &tag, &snap_tag, &assets(), &snap_opts(&e.work))
-            .await
-            .expect("boot once and snapshot");
+        let r = snapshot_image(
+            &e.store,
+            &tag,
+            &snap_tag,
+            &guest_assets(),
+            &snap_opts(&e.work),
+        )
+        .await
+        .expect("boot once and snapshot");
         let Manifest::Image(img) = e
             .store
             .get_manifest(&e.store.resolve_tag(&snap_tag).await.expect("snap tag"))
@@ -240,12 +153,22 @@ fn vm_boot_once_snapshot_and_three_clones() {
         let listed = clone::list(&state).expect("ps");
         assert_eq!(listed.len(), 3);
         assert!(listed.iter().all(|c| c.running()), "{listed:#?}");
-        // The saved memory file is read-only and was never written by the clones.
+        // The saved memory file is read-only and the running clones never wrote it: its
+        // chunks still hash to the snapshot's table (root ignores the mode; this does not).
         let mem = cache.join(r.snapshot.hex()).join("memory");
         let mode = std::os::unix::fs::PermissionsExt::mode(
             &std::fs::metadata(&mem).expect("memory file").permissions(),
         );
         assert_eq!(mode & 0o222, 0, "memory file mode {mode:o}");
+        let bytes = std::fs::read(&mem).expect("memory file");
+        for entry in &s.memory.entries {
+            let part = &bytes[entry.offset as usize..(entry.offset + entry.raw_len) as usize];
+            match entry.digest {
+                Some(d) => assert_eq!(kiln_store::ChunkDigest::of(part), d, "{entry:?}"),
+                None => assert!(part.iter().all(|b| *b == 0), "{entry:?}"),
+            }
+        }
+        drop(bytes);
         for c in &listed {
             assert!(clone::stop(&state, &c.id).await.expect("stop"));
         }
@@ -321,7 +244,7 @@ fn vm_ready_check_that_never_succeeds_fails_with_its_timeout() {
         )
         .await;
         let new: TagRef = "never:snap".parse().expect("tag");
-        match snapshot_image(&e.store, &tag, &new, &assets(), &snap_opts(&e.work)).await {
+        match snapshot_image(&e.store, &tag, &new, &guest_assets(), &snap_opts(&e.work)).await {
             Err(SnapshotError::GuestFailed { reason, .. }) => {
                 assert!(reason.contains("ReadyTimeout"), "{reason}")
             }
