@@ -65,18 +65,42 @@ pub fn sh(script: &str) -> Vec<String> {
     vec!["/bin/sh".into(), "-c".into(), script.into()]
 }
 
-/// The `KILN_TEST_BUSYBOX_OCI` fixture unpacked (umoci, once per `work`) with an empty
-/// `/etc/machine-id`, made into a 64 MiB ext4 with `mke2fs -d` (until the ext4 branch's
-/// writer is used here), stored as an image manifest carrying `sandbox`, and tagged `tag`.
+/// The `KILN_TEST_BUSYBOX_OCI` fixture as a 64 MiB image; see [`oci_image`].
 pub async fn busybox_image(store: &Store, work: &Path, tag: &TagRef, sandbox: SandboxSpec) {
-    let layout = require_env("KILN_TEST_BUSYBOX_OCI");
-    let root = work.join("rootfs");
+    oci_image(
+        store,
+        work,
+        "KILN_TEST_BUSYBOX_OCI",
+        "latest",
+        64,
+        tag,
+        sandbox,
+    )
+    .await
+}
+
+/// The image `oci_tag` of the OCI layout fixture named by the environment variable
+/// `layout_env`, unpacked (umoci,
+/// once per `work`) with an empty `/etc/machine-id`, made into a `size_mib` ext4 with
+/// `mke2fs -d` (until the ext4 branch's writer is used here), stored as an image manifest
+/// carrying `sandbox`, and tagged `tag`.
+pub async fn oci_image(
+    store: &Store,
+    work: &Path,
+    layout_env: &str,
+    oci_tag: &str,
+    size_mib: u64,
+    tag: &TagRef,
+    sandbox: SandboxSpec,
+) {
+    let layout = require_env(layout_env);
+    let root = work.join(format!("rootfs-{}", layout_env.to_lowercase()));
     if !root.exists() {
         run(Command::new("umoci").args([
             "raw",
             "unpack",
             "--image",
-            &format!("{layout}:latest"),
+            &format!("{layout}:{oci_tag}"),
             &root.display().to_string(),
         ]));
         // What the builder's sandbox preparation layer does.
@@ -87,7 +111,7 @@ pub async fn busybox_image(store: &Store, work: &Path, tag: &TagRef, sandbox: Sa
         .args(["-q", "-F", "-t", "ext4", "-b", "4096", "-d"])
         .arg(&root)
         .arg(&img)
-        .arg("64M"));
+        .arg(format!("{size_mib}M")));
     let (table, _) = store
         .put_artifact(&img, &PutArtifactOptions::default())
         .await

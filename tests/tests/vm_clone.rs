@@ -14,7 +14,7 @@ use std::time::Duration;
 use kiln_store::{
     Manifest, ObjectRef, ReadySpec, SandboxSpec, StartSpec, Store, StoreError, TagRef,
 };
-use kiln_tests::vm::{busybox_image, guest_assets, sh};
+use kiln_tests::vm::{busybox_image, guest_assets, oci_image, sh};
 use kiln_vmm::clone::{self, CloneError, CloneOptions};
 use kiln_vmm::launch::Accel;
 use kiln_vmm::snapshot::{SnapshotError, SnapshotOptions, snapshot_image};
@@ -251,5 +251,59 @@ fn vm_ready_check_that_never_succeeds_fails_with_its_timeout() {
             other => panic!("expected the ready check to fail, got {other:?}"),
         }
         assert!(e.store.get_tag(&new).await.expect("get tag").is_none());
+    });
+}
+
+/// The Debian fixture (bookworm, debootstrap minbase) boots through the guest init to a
+/// READY whose check uses Debian's own tools, and a clone of it answers.
+#[test]
+fn vm_debian_image_boots_to_ready_and_clones() {
+    rt().block_on(async {
+        let e = env().await;
+        let tag: TagRef = "debian:bookworm".parse().expect("tag");
+        oci_image(
+            &e.store,
+            &e.work,
+            "KILN_TEST_DEBIAN_OCI",
+            "bookworm",
+            512,
+            &tag,
+            SandboxSpec {
+                start: Some(StartSpec {
+                    argv: vec![
+                        "/usr/bin/bash".into(),
+                        "-c".into(),
+                        "echo ready > /run/kiln-ready; exec sleep infinity".into(),
+                    ],
+                    user: None,
+                    env: vec![],
+                    workdir: Some("/root".into()),
+                }),
+                ready: Some(ReadySpec {
+                    argv: vec![
+                        "/usr/bin/test".into(),
+                        "-s".into(),
+                        "/run/kiln-ready".into(),
+                    ],
+                    interval_ms: 100,
+                    timeout_ms: 2000,
+                    retries: 300,
+                }),
+            },
+        )
+        .await;
+        let snap: TagRef = "debian:snap".parse().expect("tag");
+        let r = snapshot_image(&e.store, &tag, &snap, &guest_assets(), &snap_opts(&e.work))
+            .await
+            .expect("Debian boots once to READY");
+        let state = e.work.join("state");
+        let opts = CloneOptions::new(state.clone(), e.work.join("cache"));
+        let clones = clone::start_clones(&e.store, &snap, &opts)
+            .await
+            .expect("a Debian clone");
+        assert_eq!(clones.len(), 1);
+        assert_eq!(clones[0].machine_id.len(), 32, "{clones:?}");
+        assert_eq!(clones[0].snapshot, r.snapshot.to_string());
+        assert!(clone::stop(&state, &clones[0].id).await.expect("stop"));
     });
 }
