@@ -201,7 +201,7 @@ PY
 # initramfs with kiln-guest-init built static from this checkout. Appends KILN_TEST_KERNEL and
 # KILN_TEST_INITRAMFS to the env file.
 apt-cache show linux-image-cloud-amd64 >/dev/null 2>&1 || apt_update
-guest_assets=$(cd "$ci_dir/.." && cargo run -q -p kiln-tests --bin kiln-test-guest-assets)
+guest_assets=$(cd "$ci_dir/.." && cargo run -q --locked -p kiln-tests --bin kiln-test-guest-assets)
 eval "$(printf '%s\n' "$guest_assets" | grep '^export ')"
 printf '%s\n' "$guest_assets" >>"$KILN_CI_CACHE/env"
 log "ready; environment in $KILN_CI_CACHE/env"

@@ -21,7 +21,7 @@ struct Artifacts {
     kernel: kernel::Kernel,
     initramfs: initramfs::Initramfs,
     rootfs: PathBuf,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 fn env_or_fail(name: &str) -> String {
@@ -83,8 +83,24 @@ fn artifacts() -> &'static Artifacts {
             kernel: k,
             initramfs: ird,
             rootfs: bundle.join("rootfs"),
-            _dir: dir,
+            dir,
         }
+    })
+}
+
+/// The Debian bookworm minbase fixture's root tree, with the empty /etc/machine-id a sandbox
+/// image has.
+fn debian_rootfs() -> &'static Path {
+    static D: OnceLock<PathBuf> = OnceLock::new();
+    D.get_or_init(|| {
+        let oci = env_or_fail("KILN_TEST_DEBIAN_OCI");
+        let bundle = artifacts().dir.path().join("debian");
+        run(Command::new("umoci")
+            .args(["unpack", "--image", &format!("{oci}:bookworm")])
+            .arg(&bundle));
+        let rootfs = bundle.join("rootfs");
+        std::fs::write(rootfs.join("etc/machine-id"), b"").unwrap();
+        rootfs
     })
 }
 
@@ -106,14 +122,18 @@ impl Drop for Vm {
 
 impl Vm {
     fn boot() -> Vm {
+        Vm::boot_root(&artifacts().rootfs, "64M")
+    }
+
+    fn boot_root(rootfs: &Path, size: &str) -> Vm {
         let a = artifacts();
         let dir = tempfile::tempdir().unwrap();
         let disk = dir.path().join("root.ext4");
         run(Command::new("mke2fs")
             .args(["-q", "-F", "-t", "ext4", "-b", "4096", "-d"])
-            .arg(&a.rootfs)
+            .arg(rootfs)
             .arg(&disk)
-            .arg("64M"));
+            .arg(size));
         let console = dir.path().join("console.log");
         let sock = dir.path().join("guest.sock");
         let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap();
@@ -249,7 +269,8 @@ fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
         argv: vec![
             "/bin/sh".into(),
             "-c".into(),
-            "echo started > /tmp/started; exec sleep 1000".into(),
+            // Two orphans that exit at once: re-parented to PID 1, which must reap them.
+            "(true &); (true &); echo started > /tmp/started; exec sleep 1000".into(),
         ],
         user: Some("nobody".into()),
         env: vec!["FOO=bar".into()],
@@ -258,7 +279,7 @@ fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
             argv: vec![
                 "/bin/sh".into(),
                 "-c".into(),
-                r#"test -s /tmp/started && test "$(id -u):$(id -g)" = 65534:65534 && test "$FOO" = bar && test "$PWD" = /tmp && test "$(hostname)" = runtime-guest && ip addr show lo | grep -q "inet 127.0.0.1""#.into(),
+                r#"test -s /tmp/started && test "$(id -u):$(id -g)" = 65534:65534 && test "$FOO" = bar && test "$PWD" = /tmp && test "$(hostname)" = runtime-guest && ip addr show lo | grep -q "inet 127.0.0.1" && sleep 0.3 && ! ps -o stat | grep -q Z"#.into(),
             ],
             interval_ms: 100,
             timeout_ms: 5000,
@@ -351,5 +372,120 @@ fn start_command_that_cannot_start_fails() {
     match g.recv(&vm) {
         Message::Failed(f) => assert_eq!(f.kind, FailureKind::StartFailed, "{}", f.reason),
         other => panic!("expected failed, got {other:?}\nconsole:\n{}", vm.console()),
+    }
+}
+
+#[test]
+fn debian_root_boots_with_a_fresh_machine_id() {
+    let mut vm = Vm::boot_root(debian_rootfs(), "512M");
+    let mut g = hello(&mut vm);
+    g.send(&Message::Start(Start {
+        argv: vec!["/bin/sleep".into(), "1000".into()],
+        user: Some("daemon".into()),
+        env: vec!["LANG=C.UTF-8".into()],
+        workdir: None,
+        ready: Some(ReadyCheck {
+            argv: vec![
+                "/bin/bash".into(),
+                "-c".into(),
+                r#"[[ $(id -un) == daemon && $PWD == / && $(wc -c < /etc/machine-id) == 33 && $(stat -c %a /tmp) == 1777 && -d /run && -e /dev/pts/ptmx && $(cat /proc/1/comm) == init ]]"#.into(),
+            ],
+            interval_ms: 200,
+            timeout_ms: 5000,
+            retries: 50,
+        }),
+    }));
+    match g.recv(&vm) {
+        Message::Ready(r) => eprintln!(
+            "debian ready after {:?} (qemu start → ready; {} checks)",
+            vm.started.elapsed(),
+            r.attempts
+        ),
+        other => panic!("expected ready, got {other:?}\nconsole:\n{}", vm.console()),
+    }
+}
+
+/// A root tree: a copy of the busybox fixture changed by `edit`.
+fn busybox_variant(name: &str, edit: impl FnOnce(&Path)) -> PathBuf {
+    let root = artifacts().dir.path().join(name);
+    run(Command::new("cp")
+        .arg("-a")
+        .arg(&artifacts().rootfs)
+        .arg(&root));
+    edit(&root);
+    root
+}
+
+#[test]
+fn planted_machine_id_symlink_is_replaced_not_written_through() {
+    let root = busybox_variant("symlinked-machine-id", |r| {
+        std::os::unix::fs::symlink("/etc/passwd", r.join("etc/machine-id")).unwrap();
+        std::os::unix::fs::symlink("/etc/group", r.join("etc/machine-id.kiln-tmp")).unwrap();
+    });
+    let mut vm = Vm::boot_root(&root, "64M");
+    let mut g = hello(&mut vm);
+    g.send(&Message::Start(Start {
+        ready: Some(ReadyCheck {
+            argv: vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                r#"grep -q "^nobody:" /etc/passwd && grep -q "^nogroup:" /etc/group && test ! -L /etc/machine-id && test "$(wc -c < /etc/machine-id)" = 33"#.into(),
+            ],
+            interval_ms: 100,
+            timeout_ms: 5000,
+            retries: 20,
+        }),
+        ..Start::default()
+    }));
+    match g.recv(&vm) {
+        Message::Ready(_) => {}
+        other => panic!("expected ready, got {other:?}\nconsole:\n{}", vm.console()),
+    }
+}
+
+#[test]
+fn image_with_a_symlinked_proc_is_refused_and_the_vm_powers_off() {
+    let root = busybox_variant("symlinked-proc", |r| {
+        std::fs::remove_dir(r.join("proc")).unwrap();
+        std::os::unix::fs::symlink("/kiln", r.join("proc")).unwrap();
+    });
+    let mut vm = Vm::boot_root(&root, "64M");
+    // The init powers the VM off (QEMU runs with -no-reboot and exits); bounded wait.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(s) = vm.qemu.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the VM did not power off\nconsole:\n{}",
+            vm.console()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let console = vm.console();
+    assert!(status.success(), "{status}\n{console}");
+    assert!(
+        console.contains("fatal: mounting /newroot/proc") && console.contains("symlink"),
+        "{console}"
+    );
+}
+
+#[test]
+fn kernel_cache_entry_whose_vmlinux_changed_is_refused() {
+    let k = &artifacts().kernel;
+    let cache = tempfile::tempdir().unwrap();
+    let entry = cache.path().join("kernel").join(k.dir.file_name().unwrap());
+    std::fs::create_dir_all(&entry).unwrap();
+    std::fs::copy(k.dir.join("kernel.json"), entry.join("kernel.json")).unwrap();
+    let mut bytes = std::fs::read(k.vmlinux()).unwrap();
+    bytes[4096] ^= 1;
+    std::fs::write(entry.join("vmlinux"), bytes).unwrap();
+    match kernel::fetch(cache.path(), &k.requested) {
+        Err(kernel::KernelError::Cache(dir, why)) => {
+            assert_eq!(dir, entry);
+            assert!(why.contains("digest"), "{why}");
+        }
+        other => panic!("expected a cache error, got {other:?}"),
     }
 }

@@ -384,7 +384,7 @@ pub fn is_static(elf: &[u8]) -> bool {
 }
 
 /// Build `kiln-guest-init` static from the workspace at `workspace` into `target_dir`
-/// (`cargo build --release -p kiln-guest --bin kiln-guest-init --target
+/// (`cargo build --locked --release -p kiln-guest --bin kiln-guest-init --target
 /// x86_64-unknown-linux-gnu` with `RUSTFLAGS=-C target-feature=+crt-static`), or take the
 /// file named by `KILN_GUEST_INIT` when set. Returns the binary's path, checked static.
 ///
@@ -406,6 +406,7 @@ pub fn build_guest_init(workspace: &Path, target_dir: &Path) -> Result<PathBuf, 
         .current_dir(workspace)
         .args([
             "build",
+            "--locked",
             "--release",
             "-p",
             "kiln-guest",

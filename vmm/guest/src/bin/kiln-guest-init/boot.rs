@@ -114,6 +114,16 @@ pub fn switch_root(opts: &BootOptions) -> Result<(), BootError> {
     for dir in ["dev", "proc", "sys"] {
         let old = Path::new("/").join(dir);
         let new = Path::new(NEW_ROOT).join(dir);
+        // Before the chroot a symlink in the image would resolve in the initramfs: the image
+        // (untrusted) could aim these mounts anywhere. Only a real directory (or none) is used.
+        if let Ok(meta) = fs::symlink_metadata(&new)
+            && !meta.is_dir()
+        {
+            return Err(BootError::Mount(
+                new.display().to_string(),
+                io::Error::other("the image has a non-directory (or a symlink) here"),
+            ));
+        }
         mkdir(&new, 0o755).map_err(|e| BootError::Mount(new.display().to_string(), e))?;
         sys::mount(&old.display().to_string(), &new, "", libc::MS_MOVE, "")
             .map_err(|e| BootError::Mount(new.display().to_string(), e))?;

@@ -110,8 +110,14 @@ fn run() -> Result<(), BootError> {
     if let Err(e) = sys::loopback_up() {
         log!("bringing lo up: {e}");
     }
-    let current = std::fs::read_to_string("/etc/machine-id").unwrap_or_default();
-    if current.trim().is_empty() && Path::new("/etc").is_dir() {
+    // A sandbox image has an empty /etc/machine-id (or none); a symlink (which could point
+    // anywhere) is replaced too, never read or written through.
+    let needs_id = match std::fs::symlink_metadata("/etc/machine-id") {
+        Ok(m) if m.file_type().is_file() => m.len() == 0,
+        Ok(_) => true,
+        Err(_) => true,
+    };
+    if needs_id && Path::new("/etc").is_dir() {
         match serve::new_machine_id().and_then(|id| serve::write_machine_id(&id)) {
             Ok(()) => {}
             Err(e) => log!("writing /etc/machine-id: {e}"),

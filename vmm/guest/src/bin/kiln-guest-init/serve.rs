@@ -395,11 +395,14 @@ pub fn write_machine_id(id: &str) -> io::Result<()> {
 
 fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     let tmp = path.with_extension("kiln-tmp");
+    // The image is untrusted: never follow a planted symlink at the temporary name; the
+    // rename replaces a symlink at `path` itself rather than writing through it.
+    let _ = fs::remove_file(&tmp);
     {
         let mut f = fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .mode(mode)
             .open(&tmp)?;
         f.write_all(bytes)?;
@@ -458,6 +461,41 @@ mod tests {
             merge_env(&base, &over),
             vec!["PATH=/bin", "HOME=/workspace", "A=2"]
         );
+    }
+
+    #[test]
+    fn atomic_write_never_writes_through_planted_symlinks() {
+        let dir = std::env::temp_dir().join(format!("kiln-init-test-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("passwd");
+        fs::write(&victim, "root:x:0:0::/root:/bin/sh\n").unwrap();
+        let path = dir.join("machine-id");
+        std::os::unix::fs::symlink(&victim, &path).unwrap();
+        std::os::unix::fs::symlink(&victim, path.with_extension("kiln-tmp")).unwrap();
+        write_atomic(&path, b"abc\n", 0o444).unwrap();
+        assert_eq!(
+            fs::read_to_string(&victim).unwrap(),
+            "root:x:0:0::/root:/bin/sh\n"
+        );
+        assert!(
+            !fs::symlink_metadata(&path)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(fs::read_to_string(&path).unwrap(), "abc\n");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn machine_ids_are_v4_uuids_in_hex() {
+        let a = new_machine_id().unwrap();
+        let b = new_machine_id().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 32);
+        assert_eq!(&a[12..13], "4");
+        assert!(matches!(&a[16..17], "8" | "9" | "a" | "b"), "{a}");
     }
 
     #[test]
