@@ -4,93 +4,26 @@
 //! check that never succeeds fails with its timeout; a corrupted vmstate is caught before
 //! QEMU starts; a host whose key differs is refused and the snapshot is kept.
 //!
-//! Needs `KILN_TEST_BUSYBOX_OCI` (the busybox OCI layout fixture), `KILN_TEST_KERNEL` and
-//! `KILN_TEST_INITRAMFS` (guest kernel and initramfs with kiln-guest-init), all exported by
-//! `ci/setup.sh`, and `qemu-system-x86_64`, `qemu-img`, `umoci`, `mke2fs` on PATH.
+//! Needs `KILN_TEST_BUSYBOX_OCI`, and `KILN_TEST_KERNEL`/`KILN_TEST_INITRAMFS` (else
+//! `KILN_TEST_CACHE` to build them), exported by `ci/setup.sh`, and `qemu-system-x86_64`,
+//! `qemu-img`, `umoci`, `mke2fs` on PATH.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
-use kiln_store::artifact::PutArtifactOptions;
 use kiln_store::{
-    ImageManifest, Manifest, ObjectRef, ReadySpec, SandboxSpec, StartSpec, Store, StoreError,
-    TagRef,
+    Manifest, ObjectRef, ReadySpec, SandboxSpec, StartSpec, Store, StoreError, TagRef,
 };
-use kiln_tests::require_env;
+use kiln_tests::vm::{busybox_image, guest_assets, oci_image, sh};
 use kiln_vmm::clone::{self, CloneError, CloneOptions};
 use kiln_vmm::launch::Accel;
-use kiln_vmm::snapshot::{BootAssets, SnapshotError, SnapshotOptions, snapshot_image};
+use kiln_vmm::snapshot::{SnapshotError, SnapshotOptions, snapshot_image};
 
 fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("runtime")
-}
-
-fn assets() -> BootAssets {
-    BootAssets {
-        kernel: require_env("KILN_TEST_KERNEL").into(),
-        initramfs: require_env("KILN_TEST_INITRAMFS").into(),
-    }
-}
-
-fn run(cmd: &mut Command) {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{cmd:?}: {e} (see ci/setup.sh)"));
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// The busybox fixture unpacked (umoci) and made into a 64 MiB ext4 with `mke2fs -d`, stored
-/// as an image manifest with `sandbox` and tagged `tag`.
-async fn busybox_image(store: &Store, work: &Path, tag: &TagRef, sandbox: SandboxSpec) {
-    let layout = require_env("KILN_TEST_BUSYBOX_OCI");
-    let root = work.join("rootfs");
-    if !root.exists() {
-        run(Command::new("umoci").args([
-            "raw",
-            "unpack",
-            "--image",
-            &format!("{layout}:latest"),
-            &root.display().to_string(),
-        ]));
-        // The sandbox preparation the builder does: an empty machine id.
-        std::fs::write(root.join("etc/machine-id"), "").expect("machine-id");
-    }
-    let img = work.join(format!("{}.ext4", tag.to_string().replace(':', "-")));
-    run(Command::new("mke2fs").args([
-        "-q",
-        "-F",
-        "-t",
-        "ext4",
-        "-b",
-        "4096",
-        "-d",
-        &root.display().to_string(),
-        &img.display().to_string(),
-        "64M",
-    ]));
-    let (table, _) = store
-        .put_artifact(&img, &PutArtifactOptions::default())
-        .await
-        .expect("put ext4");
-    let mut m = ImageManifest::new(table);
-    m.sandbox = Some(sandbox);
-    let raw = store
-        .put_manifest(&Manifest::Image(m))
-        .await
-        .expect("manifest");
-    store.force_tag(tag, raw.digest).await.expect("tag");
-}
-
-fn sh(script: &str) -> Vec<String> {
-    vec!["/bin/sh".into(), "-c".into(), script.into()]
 }
 
 fn snap_opts(work: &Path) -> SnapshotOptions {
@@ -154,9 +87,15 @@ fn vm_boot_once_snapshot_and_three_clones() {
         .await;
 
         // Boot once → READY → snapshot stored and attached under the new tag.
-        let r = snapshot_image(&e.store, &tag, &snap_tag, &assets(), &snap_opts(&e.work))
-            .await
-            .expect("boot once and snapshot");
+        let r = snapshot_image(
+            &e.store,
+            &tag,
+            &snap_tag,
+            &guest_assets(),
+            &snap_opts(&e.work),
+        )
+        .await
+        .expect("boot once and snapshot");
         let Manifest::Image(img) = e
             .store
             .get_manifest(&e.store.resolve_tag(&snap_tag).await.expect("snap tag"))
@@ -214,12 +153,22 @@ fn vm_boot_once_snapshot_and_three_clones() {
         let listed = clone::list(&state).expect("ps");
         assert_eq!(listed.len(), 3);
         assert!(listed.iter().all(|c| c.running()), "{listed:#?}");
-        // The saved memory file is read-only and was never written by the clones.
+        // The saved memory file is read-only and the running clones never wrote it: its
+        // chunks still hash to the snapshot's table (root ignores the mode; this does not).
         let mem = cache.join(r.snapshot.hex()).join("memory");
         let mode = std::os::unix::fs::PermissionsExt::mode(
             &std::fs::metadata(&mem).expect("memory file").permissions(),
         );
         assert_eq!(mode & 0o222, 0, "memory file mode {mode:o}");
+        let bytes = std::fs::read(&mem).expect("memory file");
+        for entry in &s.memory.entries {
+            let part = &bytes[entry.offset as usize..(entry.offset + entry.raw_len) as usize];
+            match entry.digest {
+                Some(d) => assert_eq!(kiln_store::ChunkDigest::of(part), d, "{entry:?}"),
+                None => assert!(part.iter().all(|b| *b == 0), "{entry:?}"),
+            }
+        }
+        drop(bytes);
         for c in &listed {
             assert!(clone::stop(&state, &c.id).await.expect("stop"));
         }
@@ -295,12 +244,66 @@ fn vm_ready_check_that_never_succeeds_fails_with_its_timeout() {
         )
         .await;
         let new: TagRef = "never:snap".parse().expect("tag");
-        match snapshot_image(&e.store, &tag, &new, &assets(), &snap_opts(&e.work)).await {
+        match snapshot_image(&e.store, &tag, &new, &guest_assets(), &snap_opts(&e.work)).await {
             Err(SnapshotError::GuestFailed { reason, .. }) => {
                 assert!(reason.contains("ReadyTimeout"), "{reason}")
             }
             other => panic!("expected the ready check to fail, got {other:?}"),
         }
         assert!(e.store.get_tag(&new).await.expect("get tag").is_none());
+    });
+}
+
+/// The Debian fixture (bookworm, debootstrap minbase) boots through the guest init to a
+/// READY whose check uses Debian's own tools, and a clone of it answers.
+#[test]
+fn vm_debian_image_boots_to_ready_and_clones() {
+    rt().block_on(async {
+        let e = env().await;
+        let tag: TagRef = "debian:bookworm".parse().expect("tag");
+        oci_image(
+            &e.store,
+            &e.work,
+            "KILN_TEST_DEBIAN_OCI",
+            "bookworm",
+            512,
+            &tag,
+            SandboxSpec {
+                start: Some(StartSpec {
+                    argv: vec![
+                        "/usr/bin/bash".into(),
+                        "-c".into(),
+                        "echo ready > /run/kiln-ready; exec sleep infinity".into(),
+                    ],
+                    user: None,
+                    env: vec![],
+                    workdir: Some("/root".into()),
+                }),
+                ready: Some(ReadySpec {
+                    argv: vec![
+                        "/usr/bin/test".into(),
+                        "-s".into(),
+                        "/run/kiln-ready".into(),
+                    ],
+                    interval_ms: 100,
+                    timeout_ms: 2000,
+                    retries: 300,
+                }),
+            },
+        )
+        .await;
+        let snap: TagRef = "debian:snap".parse().expect("tag");
+        let r = snapshot_image(&e.store, &tag, &snap, &guest_assets(), &snap_opts(&e.work))
+            .await
+            .expect("Debian boots once to READY");
+        let state = e.work.join("state");
+        let opts = CloneOptions::new(state.clone(), e.work.join("cache"));
+        let clones = clone::start_clones(&e.store, &snap, &opts)
+            .await
+            .expect("a Debian clone");
+        assert_eq!(clones.len(), 1);
+        assert_eq!(clones[0].machine_id.len(), 32, "{clones:?}");
+        assert_eq!(clones[0].snapshot, r.snapshot.to_string());
+        assert!(clone::stop(&state, &clones[0].id).await.expect("stop"));
     });
 }

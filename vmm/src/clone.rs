@@ -230,19 +230,23 @@ async fn materialize(
         disk: dir.join("disk.raw"),
         dir,
     };
+    // Replaced by rename, never rewritten in place: a QEMU of another start may be reading
+    // the previous copy.
+    let fetch = async |digest: &kiln_store::BlobDigest, dest: &Path| {
+        let tmp = dest.with_extension(format!("tmp-{}", std::process::id()));
+        store.get_blob_to_file(digest, &tmp).await?;
+        std::fs::rename(&tmp, dest).map_err(io_err(dest))?;
+        Ok::<_, CloneError>(())
+    };
     if boot_only {
-        store
-            .get_blob_to_file(&snap.kernel.digest, &c.kernel)
-            .await?;
-        store
-            .get_blob_to_file(&snap.initramfs.digest, &c.initramfs)
-            .await?;
+        fetch(&snap.kernel.digest, &c.kernel).await?;
+        fetch(&snap.initramfs.digest, &c.initramfs).await?;
         return Ok(c);
     }
     // The vmstate first: small, and a corrupted one must fail before any QEMU starts.
-    store
-        .get_blob_to_file(&snap.vmstate.digest, &c.vmstate)
-        .await?;
+    fetch(&snap.vmstate.digest, &c.vmstate).await?;
+    // One materializer at a time per snapshot (flock on `<dir>/lock`, released on drop).
+    let _lock = lock(&c.dir.join("lock")).await?;
     let marker = c.dir.join("complete");
     if !marker.exists() {
         let _ = std::fs::remove_file(&c.memory);
@@ -254,6 +258,28 @@ async fn materialize(
         std::fs::write(&marker, digest.to_string()).map_err(io_err(&marker))?;
     }
     Ok(c)
+}
+
+/// Takes an exclusive `flock` on `path` (created if missing) on a blocking thread; the lock
+/// lasts as long as the returned file.
+async fn lock(path: &Path) -> Result<std::fs::File, CloneError> {
+    let p = path.to_path_buf();
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p)
+        .map_err(io_err(&p))?;
+    tokio::task::spawn_blocking(move || {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a file descriptor this function owns; no memory is shared.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(io_err(&p)(std::io::Error::last_os_error()).into());
+        }
+        Ok(f)
+    })
+    .await
+    .map_err(|e| CloneError::from(LaunchError::Host(e.to_string())))?
 }
 
 /// Starts `opts.count` clones of the snapshot attached to `image_ref`. See the module doc.

@@ -126,7 +126,7 @@ pub struct SnapshotReport {
     pub image: ManifestDigest,
     /// The accelerator used.
     pub accel: Accel,
-    /// QEMU start → `ready`.
+    /// QEMU spawned → the guest's `ready` (cold boot, init, start command, ready check).
     pub boot_to_ready: Duration,
     /// `stop` → migration completed.
     pub save: Duration,
@@ -247,8 +247,9 @@ pub async fn snapshot_image(
     };
     let t0 = Instant::now();
     let mut vm = Vm::spawn(&host, &spec, &dir.join("qemu.log"), opts.boot_timeout).await?;
-    let boot_to_ready = run_to_ready(&mut vm, &spec, image.sandbox.as_ref(), opts).await?;
-    tracing::info!(?boot_to_ready, since_spawn = ?t0.elapsed(), "guest ready");
+    run_to_ready(&mut vm, &spec, image.sandbox.as_ref(), opts).await?;
+    let boot_to_ready = t0.elapsed();
+    tracing::info!(?boot_to_ready, "guest ready");
 
     // 3. Pause and save the device state.
     let t1 = Instant::now();
@@ -345,15 +346,13 @@ pub async fn snapshot_image(
     })
 }
 
-/// Connects the guest channel, waits for `hello`, sends `start`, waits for `ready`. Returns
-/// the time from the call to `ready`.
+/// Connects the guest channel, waits for `hello`, sends `start`, waits for `ready`.
 async fn run_to_ready(
     vm: &mut Vm,
     spec: &VmSpec,
     sandbox: Option<&SandboxSpec>,
     opts: &SnapshotOptions,
-) -> Result<Duration, SnapshotError> {
-    let t0 = Instant::now();
+) -> Result<(), SnapshotError> {
     let guest_err = |what: &str, source: ChannelError| SnapshotError::Guest {
         what: what.to_string(),
         source,
@@ -383,7 +382,7 @@ async fn run_to_ready(
         .await
         .map_err(|e| guest_err("waiting for ready", e))?
     {
-        Message::Ready(_) => Ok(t0.elapsed()),
+        Message::Ready(_) => Ok(()),
         Message::Failed(f) => Err(SnapshotError::GuestFailed {
             reason: format!("{:?}: {}", f.kind, f.reason),
             console: console_tail(&spec.serial_log),
