@@ -844,6 +844,141 @@ mod tests {
         assert!(KernelRecipe::parse("kind: image\npackage: x\n").is_err());
     }
 
+    /// A minimal ELF64 relocatable with `.shstrtab` and a `.modinfo` holding `modinfo`.
+    fn fake_module(modinfo: &[u8]) -> Vec<u8> {
+        let shstrtab = b"\0.shstrtab\0.modinfo\0";
+        let mut f = vec![0u8; 64];
+        f[..4].copy_from_slice(b"\x7fELF");
+        f[4] = 2;
+        f[5] = 1;
+        let str_off = f.len();
+        f.extend_from_slice(shstrtab);
+        let info_off = f.len();
+        f.extend_from_slice(modinfo);
+        while !f.len().is_multiple_of(8) {
+            f.push(0);
+        }
+        let shoff = f.len();
+        let mut sh = |name: u32, off: usize, size: usize| {
+            let mut h = [0u8; 64];
+            h[..4].copy_from_slice(&name.to_le_bytes());
+            h[0x18..0x20].copy_from_slice(&(off as u64).to_le_bytes());
+            h[0x20..0x28].copy_from_slice(&(size as u64).to_le_bytes());
+            f.extend_from_slice(&h);
+        };
+        sh(0, 0, 0);
+        sh(1, str_off, shstrtab.len());
+        sh(11, info_off, modinfo.len());
+        f[0x28..0x30].copy_from_slice(&(shoff as u64).to_le_bytes());
+        f[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+        f[0x3c..0x3e].copy_from_slice(&3u16.to_le_bytes());
+        f[0x3e..0x40].copy_from_slice(&1u16.to_le_bytes());
+        f
+    }
+
+    #[test]
+    fn module_closure_orders_dependencies_first_and_refuses_cycles_and_gaps() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("kernel/drivers");
+        fs::create_dir_all(&sub).unwrap();
+        let put = |name: &str, deps: &str| {
+            let info = format!("license=GPL\0depends={deps}\0name={name}\0");
+            fs::write(sub.join(format!("{name}.ko")), fake_module(info.as_bytes())).unwrap();
+        };
+        put("virtio_ring", "");
+        put("virtio", "virtio_ring");
+        put("virtio_blk", "virtio,virtio_ring");
+        put("crc-x", "");
+        put("uses_crc", "crc-x");
+        let order: Vec<String> = module_closure(dir.path(), &["virtio_blk", "uses_crc"])
+            .unwrap()
+            .into_iter()
+            .map(|m| m.name)
+            .collect();
+        assert_eq!(
+            order,
+            ["virtio_ring", "virtio", "virtio_blk", "crc_x", "uses_crc"]
+        );
+
+        put("loop_a", "loop_b");
+        put("loop_b", "loop_a");
+        assert!(matches!(
+            module_closure(dir.path(), &["loop_a"]),
+            Err(KernelError::Cycle(_))
+        ));
+        put("needs_ghost", "ghost");
+        assert!(matches!(
+            module_closure(dir.path(), &["needs_ghost"]),
+            Err(KernelError::Module(name, _)) if name == "ghost"
+        ));
+    }
+
+    #[test]
+    fn hostile_module_files_are_errors_not_panics() {
+        let good = fake_module(b"depends=a,b\0");
+        assert_eq!(module_depends(&good).unwrap(), ["a", "b"]);
+        // Every truncation, and garbage offsets in the header.
+        for n in 0..good.len() {
+            let _ = module_depends(&good[..n]);
+        }
+        for at in [0x28, 0x3a, 0x3c, 0x3e] {
+            let mut bad = good.clone();
+            bad[at] = 0xff;
+            bad[at + 1] = 0xff;
+            let _ = module_depends(&bad);
+        }
+        assert!(module_depends(b"\x7fELF").is_err());
+        assert!(module_depends(&fake_module(b"")).unwrap().is_empty());
+    }
+
+    #[test]
+    fn pvh_note_is_found_in_a_note_segment() {
+        // ELF64 header + one PT_NOTE phdr + a "Xen" note of type 18 with an 8-byte entry.
+        let mut f = vec![0u8; 64];
+        f[..4].copy_from_slice(b"\x7fELF");
+        f[4] = 2;
+        f[5] = 1;
+        f[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+        f[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+        f[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+        let mut note = Vec::new();
+        for v in [4u32, 8, 18] {
+            note.extend_from_slice(&v.to_le_bytes());
+        }
+        note.extend_from_slice(b"Xen\0");
+        note.extend_from_slice(&0x0100_0850u64.to_le_bytes());
+        let mut ph = [0u8; 56];
+        ph[..4].copy_from_slice(&4u32.to_le_bytes());
+        ph[0x08..0x10].copy_from_slice(&(120u64).to_le_bytes());
+        ph[0x20..0x28].copy_from_slice(&(note.len() as u64).to_le_bytes());
+        f.extend_from_slice(&ph);
+        f.extend_from_slice(&note);
+        assert_eq!(pvh_entry(&f).unwrap(), 0x0100_0850);
+        for n in 0..f.len() {
+            let _ = pvh_entry(&f[..n]);
+        }
+        // A segment claiming to run past the file.
+        let mut bad = f.clone();
+        bad[64 + 0x20..64 + 0x28].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(pvh_entry(&bad).is_err());
+    }
+
+    #[test]
+    fn xz_compressed_modules_are_decompressed() {
+        let dir = tempfile::tempdir().unwrap();
+        let plain = fake_module(b"depends=\0");
+        let ko = dir.path().join("m.ko");
+        fs::write(&ko, &plain).unwrap();
+        let st = Command::new("xz")
+            .arg("-k")
+            .arg(&ko)
+            .status()
+            .expect("xz (xz-utils)");
+        assert!(st.success());
+        assert_eq!(module_bytes(&dir.path().join("m.ko.xz")).unwrap(), plain);
+        assert!(module_bytes(&dir.path().join("m.ko.zst")).is_err());
+    }
+
     #[test]
     fn module_names_normalise_dashes_and_suffixes() {
         assert_eq!(module_name("virtio_blk.ko").as_deref(), Some("virtio_blk"));
