@@ -482,6 +482,11 @@ fn lz4_legacy_decompress(input: &[u8]) -> Result<Vec<u8>, String> {
             continue;
         }
         let size = size as usize;
+        // The kernel appends the decompressed length after the stream (scripts/Makefile.lib,
+        // size_append): reaching it ends the stream even when bytes follow (a signature).
+        if !out.is_empty() && size == out.len() {
+            break;
+        }
         let Some(block) = input.get(pos + 4..pos + 4 + size) else {
             break;
         };
@@ -816,6 +821,47 @@ mod tests {
         bad.extend_from_slice(&(big.len() as u32).to_le_bytes());
         bad.extend_from_slice(&big);
         assert!(lz4_legacy_decompress(&bad).is_err());
+    }
+
+    /// An LZ4 legacy stream of one literal-only block holding `data` (< 15 bytes), then the
+    /// kernel's appended decompressed size.
+    fn lz4_literals(data: &[u8]) -> Vec<u8> {
+        let mut s = LZ4_LEGACY_MAGIC.to_vec();
+        let mut blk = vec![(data.len() as u8) << 4];
+        blk.extend_from_slice(data);
+        s.extend_from_slice(&(blk.len() as u32).to_le_bytes());
+        s.extend_from_slice(&blk);
+        s.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        s
+    }
+
+    #[test]
+    fn bzimage_payload_is_found_by_header_or_by_magic() {
+        let payload = lz4_literals(b"\x7fELF-kernel");
+        let mut bz = vec![0u8; 1024];
+        bz[0x1f1] = 1; // setup_sects: protected-mode code at (1 + 1) * 512
+        bz[0x202..0x206].copy_from_slice(b"HdrS");
+        bz[0x206..0x208].copy_from_slice(&0x020fu16.to_le_bytes());
+        bz[0x248..0x24c].copy_from_slice(&16u32.to_le_bytes());
+        bz[0x24c..0x250].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+        bz.extend_from_slice(&[0u8; 16]);
+        bz.extend_from_slice(&payload);
+        bz.extend_from_slice(b"trailing signature bytes");
+        assert_eq!(payload_by_header(&bz), Some(&payload[..]));
+        let (out, format) = extract_vmlinux(&bz).unwrap();
+        assert_eq!((out.as_slice(), format), (&b"\x7fELF-kernel"[..], "lz4"));
+        // A header pointing past the file: the magic scan still finds the payload.
+        let mut lying = bz.clone();
+        lying[0x24c..0x250].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(payload_by_header(&lying), None);
+        assert_eq!(extract_vmlinux(&lying).unwrap().0, b"\x7fELF-kernel");
+        // A payload that is not an ELF file once decompressed is refused.
+        let mut not_elf = vec![0u8; 8];
+        not_elf.extend_from_slice(&lz4_literals(b"MZ-not-elf"));
+        assert!(extract_vmlinux(&not_elf).is_err());
+        for n in 0..bz.len() {
+            let _ = extract_vmlinux(&bz[..n]);
+        }
     }
 
     #[test]
