@@ -344,7 +344,11 @@ fn ready_check_that_never_passes_fails_with_its_timeout() {
         workdir: None,
         ready: Some(ReadyCheck {
             // Never exits by itself: each attempt is killed at its timeout.
-            argv: vec!["/bin/sleep".into(), "1000".into()],
+            argv: vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                "echo not listening yet >&2; exec sleep 1000".into(),
+            ],
             interval_ms: 50,
             timeout_ms: 300,
             retries: 2,
@@ -355,6 +359,11 @@ fn ready_check_that_never_passes_fails_with_its_timeout() {
             assert_eq!(f.kind, FailureKind::ReadyTimeout, "{}", f.reason);
             assert!(f.reason.contains("failed 3 times"), "{}", f.reason);
             assert!(f.reason.contains("timed out after 300 ms"), "{}", f.reason);
+            assert!(
+                f.reason.ends_with("output: not listening yet"),
+                "{}",
+                f.reason
+            );
         }
         other => panic!("expected failed, got {other:?}\nconsole:\n{}", vm.console()),
     }

@@ -200,6 +200,8 @@ pub struct Command<'a> {
     pub user: &'a User,
     /// Keep the init's stdout/stderr (the console); else /dev/null.
     pub console: bool,
+    /// Send stdout and stderr to this open file instead (wins over `console`).
+    pub output: Option<libc::c_int>,
 }
 
 /// Why a command could not be started.
@@ -306,7 +308,10 @@ pub fn spawn(cmd: &Command<'_>) -> Result<Child, SpawnError> {
                 fail(2);
             }
             libc::dup2(null, 0);
-            if !cmd.console {
+            if let Some(out) = cmd.output {
+                libc::dup2(out, 1);
+                libc::dup2(out, 2);
+            } else if !cmd.console {
                 libc::dup2(null, 1);
                 libc::dup2(null, 2);
             }

@@ -242,6 +242,7 @@ fn run_start(start: Start, tx: Sender) {
             workdir: &workdir,
             user: &user,
             console: true,
+            output: None,
         };
         match proc::spawn(&cmd) {
             Ok(c) => {
@@ -308,14 +309,18 @@ fn ready_loop(
             let extra = restore_env().lock().unwrap_or_else(|p| p.into_inner());
             merge_env(env, &extra)
         };
+        // The attempt's output goes to a tmpfs file (never blocks the check, unlike a pipe),
+        // whose tail explains a failure.
+        let log = open_check_log();
         let cmd = Command {
             argv: &check.argv,
             env: &env_now,
             workdir,
             user,
             console: false,
+            output: log.as_ref().map(|f| f.as_raw_fd()),
         };
-        let last = match proc::spawn(&cmd) {
+        let mut last = match proc::spawn(&cmd) {
             Ok(c) => match proc::wait(c.pid, Some(Duration::from_millis(check.timeout_ms))) {
                 Some(0) => return Ok(attempts),
                 Some(status) => proc::describe(status),
@@ -327,6 +332,9 @@ fn ready_loop(
             },
             Err(e) => e.to_string(),
         };
+        if let Some(tail) = log.and_then(|f| output_tail(f, CHECK_OUTPUT_TAIL)) {
+            last = format!("{last}; output: {tail}");
+        }
         if attempts > check.retries {
             return Err((
                 FailureKind::ReadyTimeout,
@@ -358,6 +366,37 @@ fn ready_loop(
             None => std::thread::sleep(Duration::from_millis(check.interval_ms)),
         }
     }
+}
+
+/// Where each ready-check attempt's stdout and stderr go (tmpfs; truncated per attempt).
+const CHECK_LOG: &str = "/run/kiln/ready-check.log";
+
+/// Bytes of a failed check's output quoted in `failed.reason`.
+const CHECK_OUTPUT_TAIL: u64 = 1024;
+
+fn open_check_log() -> Option<fs::File> {
+    let _ = fs::create_dir_all("/run/kiln");
+    fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .mode(0o600)
+        .open(CHECK_LOG)
+        .map_err(|e| log!("opening {CHECK_LOG}: {e}"))
+        .ok()
+}
+
+/// The last `max` bytes of `f` (lossy UTF-8, trimmed), if any.
+fn output_tail(mut f: fs::File, max: u64) -> Option<String> {
+    use std::io::{Seek, SeekFrom};
+    let len = f.metadata().ok()?.len();
+    f.seek(SeekFrom::Start(len.saturating_sub(max))).ok()?;
+    let mut buf = Vec::new();
+    f.take(max).read_to_end(&mut buf).ok()?;
+    let text = String::from_utf8_lossy(&buf).trim().to_string();
+    (!text.is_empty()).then_some(text)
 }
 
 /// Why a restore could not be applied.
@@ -496,6 +535,17 @@ mod tests {
         assert_eq!(a.len(), 32);
         assert_eq!(&a[12..13], "4");
         assert!(matches!(&a[16..17], "8" | "9" | "a" | "b"), "{a}");
+    }
+
+    #[test]
+    fn output_tail_keeps_the_last_bytes() {
+        let path = std::env::temp_dir().join(format!("kiln-tail-{}", std::process::id()));
+        fs::write(&path, format!("{}\nthe end\n", "x".repeat(5000))).unwrap();
+        let tail = output_tail(fs::File::open(&path).unwrap(), 8).unwrap();
+        assert_eq!(tail, "the end");
+        fs::write(&path, "").unwrap();
+        assert_eq!(output_tail(fs::File::open(&path).unwrap(), 8), None);
+        fs::remove_file(&path).unwrap();
     }
 
     #[test]
