@@ -5,7 +5,7 @@
 #   - cold boot to READY (QEMU spawned → the guest's `ready`), median of KILN_BENCH_RUNS (10);
 #   - clone start to answered (QEMU spawned with -incoming → migrate-incoming → cont → the
 #     guest answered `restore`), one clone at a time, median of KILN_BENCH_RUNS;
-#   - the snapshot's stored memory bytes against guest RAM.
+#   - the snapshot's stored memory bytes against guest RAM; Rss vs Pss of 3 clones at once.
 # The accelerator is probed (TCG on a PVM host); KILN_ACCEL=tcg|kvm forces one.
 #
 #   KILN_BENCH_RUNS        runs of each; default 10

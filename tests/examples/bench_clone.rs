@@ -121,6 +121,29 @@ async fn main() {
         clone::stop(&copts.state_dir, &c.id).await.expect("stop");
     }
 
+    // Three clones at once: how much guest RAM they share (Rss vs Pss of each QEMU, from
+    // /proc/<pid>/smaps_rollup, kB).
+    copts.count = 3;
+    let three = clone::start_clones(&store, &snap, &copts)
+        .await
+        .expect("3 clones");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rollup = |pid: u32, field: &str| -> u64 {
+        std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with(field))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            .unwrap_or(0)
+    };
+    let (rss, pss): (Vec<u64>, Vec<u64>) = three
+        .iter()
+        .map(|c| (rollup(c.pid, "Rss:"), rollup(c.pid, "Pss:")))
+        .unzip();
+    for c in &three {
+        clone::stop(&copts.state_dir, &c.id).await.expect("stop");
+    }
+
     println!("accelerator           {}", r.accel.name());
     println!("cold boot to READY    {}", stats(boots));
     println!("clone start→answered  {}", stats(starts));
@@ -132,5 +155,10 @@ async fn main() {
         r.memory_stored_bytes as f64 / 1048576.0,
         100.0 * r.memory_stored_bytes as f64 / r.memory_bytes as f64,
         r.vmstate_bytes >> 10
+    );
+    println!(
+        "3 clones at once: QEMU Rss {:?} MiB, Pss {:?} MiB (Pss < Rss: pages shared)",
+        rss.iter().map(|k| k >> 10).collect::<Vec<_>>(),
+        pss.iter().map(|k| k >> 10).collect::<Vec<_>>()
     );
 }

@@ -67,6 +67,15 @@ pub enum CloneError {
         /// What arrived.
         got: String,
     },
+    /// The snapshot manifest describes a machine kiln will not start (it comes from a store,
+    /// which may be hostile).
+    #[error("snapshot {snapshot}: {reason}")]
+    BadSnapshot {
+        /// The snapshot manifest.
+        snapshot: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// No clone with that id here.
     #[error("no clone {0} on this host (see `kiln ps`)")]
     NoSuchClone(String),
@@ -206,9 +215,48 @@ async fn snapshot_of(
         return Err(CloneError::NoSnapshot(image_ref.to_string()));
     };
     match store.get_manifest(&sd).await? {
-        Manifest::Snapshot(s) => Ok((sd, s)),
+        Manifest::Snapshot(s) => {
+            check_snapshot(&s).map_err(|reason| CloneError::BadSnapshot {
+                snapshot: sd.to_string(),
+                reason,
+            })?;
+            Ok((sd, s))
+        }
         Manifest::Image(_) => Err(CloneError::NotAnImage(image_ref.to_string())),
     }
+}
+
+/// Largest guest RAM a snapshot may ask for, bytes (256 GiB).
+pub const MAX_MEMORY_BYTES: u64 = 256 << 30;
+/// Most vCPUs a snapshot may ask for.
+pub const MAX_VCPUS: u32 = 64;
+
+/// Refuses snapshot manifests kiln would not have written: memory size not a whole number of
+/// MiB, over [`MAX_MEMORY_BYTES`], or different from the memory table's size; vCPUs outside
+/// 1..=[`MAX_VCPUS`].
+pub fn check_snapshot(s: &SnapshotManifest) -> Result<(), String> {
+    if s.memory_bytes == 0 || !s.memory_bytes.is_multiple_of(1 << 20) {
+        return Err(format!(
+            "memory size {} is not a positive whole number of MiB",
+            s.memory_bytes
+        ));
+    }
+    if s.memory_bytes > MAX_MEMORY_BYTES {
+        return Err(format!(
+            "memory size {} is over the {MAX_MEMORY_BYTES}-byte limit",
+            s.memory_bytes
+        ));
+    }
+    if s.memory.size != s.memory_bytes {
+        return Err(format!(
+            "memory table covers {} bytes, the manifest says {}",
+            s.memory.size, s.memory_bytes
+        ));
+    }
+    if !(1..=MAX_VCPUS).contains(&s.vcpus) {
+        return Err(format!("{} vCPUs (1 to {MAX_VCPUS} accepted)", s.vcpus));
+    }
+    Ok(())
 }
 
 /// Fetches the snapshot's kernel, initramfs and vmstate (digest-checked every time), and its
@@ -513,4 +561,79 @@ pub async fn stop(state_dir: &Path, id: &str) -> Result<bool, CloneError> {
     }
     std::fs::remove_dir_all(&rec.dir).map_err(io_err(&rec.dir))?;
     Ok(was_running)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_store::chunk::{ChunkEntry, ChunkTable, Chunking};
+    use kiln_store::manifest::{SCHEMA_VERSION, SNAPSHOT_MEDIA_TYPE};
+    use kiln_store::{BlobDigest, BlobRef};
+
+    fn snap(memory_bytes: u64, table: u64, vcpus: u32) -> SnapshotManifest {
+        let blob = BlobRef {
+            digest: BlobDigest::of(b"x"),
+            size: 1,
+            media_type: None,
+        };
+        let t = |size| ChunkTable {
+            size,
+            chunking: Chunking::MEMORY_DEFAULT,
+            entries: vec![ChunkEntry {
+                offset: 0,
+                raw_len: size,
+                digest: None,
+                stored_len: 0,
+            }],
+        };
+        SnapshotManifest {
+            schema_version: SCHEMA_VERSION,
+            media_type: SNAPSHOT_MEDIA_TYPE.into(),
+            memory: t(table),
+            vmstate: blob.clone(),
+            disk: t(1 << 20),
+            compatibility_key: String::new(),
+            image: ManifestDigest::of(b"i"),
+            kernel: blob.clone(),
+            initramfs: blob,
+            vcpus,
+            memory_bytes,
+        }
+    }
+
+    #[test]
+    fn hostile_snapshot_shapes_are_refused() {
+        assert!(check_snapshot(&snap(256 << 20, 256 << 20, 1)).is_ok());
+        for (m, t, v) in [
+            (0, 0, 1),
+            ((256 << 20) + 1, (256 << 20) + 1, 1),
+            (1 << 50, 1 << 50, 1),
+            (256 << 20, 128 << 20, 1),
+            (256 << 20, 256 << 20, 0),
+            (256 << 20, 256 << 20, 10_000),
+        ] {
+            assert!(check_snapshot(&snap(m, t, v)).is_err(), "{m} {t} {v}");
+        }
+    }
+
+    #[test]
+    fn list_and_stop_refuse_unknown_or_path_like_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(list(dir.path()).unwrap().is_empty());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        for id in ["", "../etc", "abc/def", "0123456789abcdef"] {
+            assert!(matches!(
+                rt.block_on(stop(dir.path(), id)),
+                Err(CloneError::NoSuchClone(_))
+            ));
+        }
+        // A clone.json that does not parse is an error naming it, not a skip.
+        let c = dir.path().join("clones/00");
+        std::fs::create_dir_all(&c).unwrap();
+        std::fs::write(c.join("clone.json"), "{").unwrap();
+        assert!(matches!(list(dir.path()), Err(CloneError::State { .. })));
+    }
 }

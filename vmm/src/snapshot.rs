@@ -34,6 +34,9 @@ use crate::qmp::QmpError;
 /// Errors of boot-once snapshots.
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
+    /// Options kiln will not boot with.
+    #[error("snapshot options: {0}")]
+    Options(String),
     /// The tag names something that is not an image manifest.
     #[error("{0} is not an image")]
     NotAnImage(String),
@@ -203,6 +206,23 @@ pub async fn snapshot_image(
     assets: &BootAssets,
     opts: &SnapshotOptions,
 ) -> Result<SnapshotReport, SnapshotError> {
+    if opts.memory_bytes == 0
+        || !opts.memory_bytes.is_multiple_of(1 << 20)
+        || opts.memory_bytes > crate::clone::MAX_MEMORY_BYTES
+    {
+        return Err(SnapshotError::Options(format!(
+            "guest RAM {} bytes: must be a whole number of MiB, at most {}",
+            opts.memory_bytes,
+            crate::clone::MAX_MEMORY_BYTES
+        )));
+    }
+    if !(1..=crate::clone::MAX_VCPUS).contains(&opts.vcpus) {
+        return Err(SnapshotError::Options(format!(
+            "{} vCPUs: must be 1 to {}",
+            opts.vcpus,
+            crate::clone::MAX_VCPUS
+        )));
+    }
     let image_digest = store.resolve_tag(image_ref).await?;
     let Manifest::Image(image) = store.get_manifest(&image_digest).await? else {
         return Err(SnapshotError::NotAnImage(image_ref.to_string()));
@@ -428,6 +448,33 @@ pub(crate) async fn qcow2_overlay(
 mod tests {
     use super::*;
     use kiln_store::{ReadySpec, StartSpec};
+
+    #[tokio::test]
+    async fn bad_options_are_refused_before_anything_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let t: TagRef = "x:y".parse().unwrap();
+        let assets = BootAssets {
+            kernel: "/nonexistent".into(),
+            initramfs: "/nonexistent".into(),
+        };
+        for opts in [
+            SnapshotOptions {
+                memory_bytes: (256 << 20) + 4096,
+                ..Default::default()
+            },
+            SnapshotOptions {
+                vcpus: 0,
+                ..Default::default()
+            },
+        ] {
+            let r = snapshot_image(&store, &t, &t, &assets, &opts).await;
+            assert!(matches!(r, Err(SnapshotError::Options(_))), "{r:?}");
+        }
+        // A tag that does not exist is the store's error.
+        let r = snapshot_image(&store, &t, &t, &assets, &SnapshotOptions::default()).await;
+        assert!(matches!(r, Err(SnapshotError::Store(_))), "{r:?}");
+    }
 
     #[test]
     fn start_message_carries_the_sandbox_spec() {
