@@ -4,11 +4,16 @@
 pub mod common;
 pub mod export;
 pub mod import;
+pub mod kernel;
 pub mod login;
 pub mod plan;
 pub mod progress;
+pub mod ps;
 pub mod pull;
 pub mod push;
+pub mod snapshot;
+pub mod start;
+pub mod stop;
 pub mod store;
 pub mod tag;
 pub mod tags;
