@@ -154,6 +154,8 @@ pub fn is_public(ip: IpAddr) -> bool {
                 // 100.64.0.0/10 (RFC 6598) and 198.18.0.0/15 (RFC 2544).
                 || (o[0] == 100 && (o[1] & 0xc0) == 64)
                 || (o[0] == 198 && (o[1] & 0xfe) == 18)
+                // 192.0.0.0/24, IETF protocol assignments (RFC 6890), incl. NAT64 discovery
+                || (o[0] == 192 && o[1] == 0 && o[2] == 0)
                 || o[0] >= 240)
         }
         IpAddr::V6(v6) => {
@@ -161,11 +163,31 @@ pub fn is_public(ip: IpAddr) -> bool {
                 return is_public(IpAddr::V4(v4));
             }
             let s = v6.segments();
+            let o = v6.octets();
+            let v4_at = |i: usize| IpAddr::from([o[i], o[i + 1], o[i + 2], o[i + 3]]);
+            // Forms that carry an IPv4 address something on the way turns back into IPv4:
+            // the NAT64 well-known prefix 64:ff9b::/96 (RFC 6052, reaching 169.254.169.254 or
+            // 10/8 through an IPv6-only network's NAT64 gateway), IPv4-compatible ::/96
+            // (RFC 4291 2.5.5.1) and 6to4 2002::/16 (RFC 3056): as public as the IPv4 inside.
+            if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || s[..6] == [0; 6] {
+                return !v6.is_loopback() && !v6.is_unspecified() && is_public(v4_at(12));
+            }
+            if s[0] == 0x2002 {
+                return is_public(v4_at(2));
+            }
             !(v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
                 || (s[0] & 0xfe00) == 0xfc00
-                || (s[0] & 0xffc0) == 0xfe80)
+                // link-local fe80::/10 and the deprecated site-local fec0::/10
+                || (s[0] & 0xff80) == 0xfe80
+                // local-use NAT64 64:ff9b:1::/48 (RFC 8215)
+                || s[..3] == [0x64, 0xff9b, 1]
+                // discard-only 100::/64 (RFC 6666)
+                || s[..4] == [0x100, 0, 0, 0]
+                // documentation 2001:db8::/32 (RFC 3849), Teredo 2001::/32 (RFC 4380)
+                || s[..2] == [0x2001, 0xdb8]
+                || s[..2] == [0x2001, 0])
         }
     }
 }
@@ -383,6 +405,37 @@ mod tests {
             assert!(!is_public(a.parse().unwrap()), "{a}");
         }
         for a in ["8.8.8.8", "151.101.1.1", "2a00:1450::1"] {
+            assert!(is_public(a.parse().unwrap()), "{a}");
+        }
+    }
+
+    /// IPv6 forms that carry an IPv4 address a gateway or the kernel turns back into IPv4
+    /// (NAT64 `64:ff9b::/96` reaches 169.254.169.254 or 10/8 through the NAT64 gateway of an
+    /// IPv6-only network; IPv4-compatible `::/96`, 6to4 `2002::/16`), and IPv6 ranges that
+    /// are not global (site-local, discard, documentation, local-use NAT64, Teredo) are not
+    /// public either.
+    #[test]
+    fn translated_and_special_ipv6_addresses_are_not_public() {
+        for a in [
+            "64:ff9b::a9fe:a9fe",
+            "64:ff9b::7f00:1",
+            "64:ff9b::a00:1",
+            "64:ff9b:1::a00:1",
+            "::7f00:1",
+            "::a9fe:a9fe",
+            "2002:7f00:1::1",
+            "2002:a9fe:a9fe::",
+            "2002:c0a8:101::1",
+            "fec0::1",
+            "100::1",
+            "2001:db8::1",
+            "2001::1",
+            "192.0.0.170",
+        ] {
+            assert!(!is_public(a.parse().unwrap()), "{a}");
+        }
+        // What they wrap when it is public is still reachable.
+        for a in ["64:ff9b::808:808", "2002:808:808::1"] {
             assert!(is_public(a.parse().unwrap()), "{a}");
         }
     }
