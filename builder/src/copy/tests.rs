@@ -833,3 +833,65 @@ fn copies_inside_a_threads_private_mount_namespace() {
     // The namespace died with the thread: nothing on the host side.
     assert!(!mnt.join("in-ns").exists());
 }
+
+/// An inline file's name is the heredoc delimiter, the tenant's text: `COPY <<../../x /d/`
+/// must not become a path that `openat` resolves out of the destination root.
+#[test]
+fn inline_names_with_slashes_or_dots_are_refused() {
+    let d = dirs();
+    fs::create_dir(d.dest.join("app")).unwrap();
+    symlink(&d.outside, d.dest.join("app/link")).unwrap();
+    let outside_name = d.outside.file_name().unwrap().to_str().unwrap().to_string();
+    for name in [
+        format!("../../{outside_name}/pwned"),
+        format!("../../../../../../../../..{}/pwned", d.outside.display()),
+        "link/pwned".to_string(),
+        "..".to_string(),
+        ".".to_string(),
+        "a/b".to_string(),
+        String::new(),
+    ] {
+        let mut s = step(&[], "/app/");
+        s.sources = vec![CopySource::Inline(InlineFile {
+            name: name.clone(),
+            data: "owned\n".into(),
+            path: None,
+            mode: 0o644,
+        })];
+        let e = copy(&s, &ctx_src(&d), &d.dest).unwrap_err();
+        assert!(matches!(e, CopyError::BadName { .. }), "{name:?}: {e}");
+    }
+    let listed: Vec<_> = fs::read_dir(&d.outside).unwrap().flatten().collect();
+    assert_eq!(listed.len(), 1, "only the original secret");
+    // The Dockerfile front end hands such a delimiter over as the name.
+    let plan = kiln_recipes::load_dockerfile(
+        "Dockerfile",
+        b"FROM scratch\nCOPY <<../../x /app/\nowned\n../../x\n",
+        &kiln_recipes::Options::default(),
+    )
+    .unwrap();
+    let copied = plan.stages[0].steps.iter().find_map(|s| match &s.action {
+        kiln_recipes::plan::Action::Copy(c) => Some(c.clone()),
+        _ => None,
+    });
+    let copied = copied.expect("a COPY step");
+    assert!(
+        matches!(&copied.sources[0], CopySource::Inline(f) if f.name == "../../x"),
+        "{copied:?}"
+    );
+    let e = copy(&copied, &ctx_src(&d), &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::BadName { .. }), "{e}");
+    // A file destination names the file itself: the delimiter is not used.
+    let mut s = step(&[], "/app/named");
+    s.sources = vec![CopySource::Inline(InlineFile {
+        name: "../../x".into(),
+        data: "ok\n".into(),
+        path: None,
+        mode: 0o644,
+    })];
+    copy(&s, &ctx_src(&d), &d.dest).unwrap();
+    assert_eq!(
+        fs::read_to_string(d.dest.join("app/named")).unwrap(),
+        "ok\n"
+    );
+}
