@@ -895,3 +895,26 @@ fn inline_names_with_slashes_or_dots_are_refused() {
         "ok\n"
     );
 }
+
+/// File names are bytes: two contexts that differ only in a name that is not UTF-8 must not
+/// share a cache key (a lossy conversion maps `\xff` and `\xfe` alike to U+FFFD, and a hit
+/// would reuse a layer holding the other name).
+#[test]
+fn digest_tells_apart_names_that_are_not_utf8() {
+    use std::os::unix::ffi::OsStrExt;
+    let digest_with = |name: &[u8]| {
+        let d = dirs();
+        fs::write(
+            d.ctx.join("src").join(std::ffi::OsStr::from_bytes(name)),
+            "same",
+        )
+        .unwrap();
+        sources_digest(&step(&["src"], "/app/"), &ctx_src(&d)).unwrap()
+    };
+    let a = digest_with(b"f\xff");
+    let b = digest_with(b"f\xfe");
+    let c = digest_with("f\u{fffd}".as_bytes());
+    assert_ne!(a, b);
+    assert_ne!(a, c);
+    assert_ne!(b, c);
+}
