@@ -25,7 +25,7 @@ pub mod whiteout;
 pub mod write;
 
 use std::cell::Cell;
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -530,7 +530,7 @@ pub fn apply_layer(
         root: root_fd,
         digest: digest.to_string(),
         entry: String::from("(start)"),
-        created: HashSet::new(),
+        created: Created::default(),
         dirs: Vec::new(),
         limits: *limits,
     };
@@ -599,11 +599,48 @@ struct Applier {
     root: OwnedFd,
     digest: String,
     entry: String,
-    /// Paths (components joined by `/`) this layer created, with their ancestors.
-    created: HashSet<Vec<u8>>,
+    /// Paths this layer created, with their ancestors.
+    created: Created,
     /// Directories whose mtime is set at the end: (components, mtime seconds).
     dirs: Vec<(Vec<Vec<u8>>, u64)>,
     limits: Limits,
+}
+
+/// The paths a layer created, with their ancestors, as a tree of components: recording or
+/// looking up a path costs one map operation per component. (A set of joined prefixes costs
+/// depth² × name length per entry: one entry 1024 components deep with 255-byte names is
+/// 134 MB of copying and hashing, and a small layer can hold thousands of them.)
+#[derive(Default)]
+struct Created {
+    /// (parent node, name) → node; node 0 is the root.
+    nodes: HashMap<(usize, Vec<u8>), usize>,
+}
+
+impl Created {
+    fn insert(&mut self, comps: &[Vec<u8>]) {
+        let mut cur = 0;
+        for c in comps {
+            let next = self.nodes.len() + 1;
+            cur = *self.nodes.entry((cur, c.clone())).or_insert(next);
+        }
+    }
+
+    fn contains(&self, comps: &[Vec<u8>]) -> bool {
+        let mut cur = 0;
+        for c in comps {
+            match self.nodes.get(&(cur, c.clone())) {
+                Some(n) => cur = *n,
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Bytes of names held (for the bound's test).
+    #[cfg(test)]
+    fn name_bytes(&self) -> usize {
+        self.nodes.keys().map(|(_, n)| n.len()).sum()
+    }
 }
 
 /// Splits an entry name into its components, refusing absolute names and `..`.
@@ -760,9 +797,7 @@ impl Applier {
     }
 
     fn mark_created(&mut self, comps: &[Vec<u8>]) {
-        for i in 1..=comps.len() {
-            self.created.insert(comps[..i].join(&b'/'));
-        }
+        self.created.insert(comps);
     }
 
     fn meta(&self, entry: &mut tar::Entry<'_, impl Read>) -> Result<Meta, ApplyFail> {
@@ -885,7 +920,7 @@ impl Applier {
                 };
                 let mut full = parent.to_vec();
                 full.push(name.to_vec());
-                if !self.created.contains(&full.join(&b'/')) {
+                if !self.created.contains(&full) {
                     self.remove_all(dir.as_fd(), name, 0)?;
                 }
                 return Ok(());
@@ -897,7 +932,7 @@ impl Applier {
                 for child in self.list(dir.as_fd())? {
                     let mut full = parent.to_vec();
                     full.push(child.clone());
-                    if !self.created.contains(&full.join(&b'/')) {
+                    if !self.created.contains(&full) {
                         self.remove_all(dir.as_fd(), &child, 0)?;
                     }
                 }

@@ -1009,3 +1009,22 @@ fn pax_size_disagreements_hide_nothing_from_the_bounds() {
 fn xh_for(pax: &[u8]) -> Header {
     header(b"pax", EntryType::XHeader, pax.len() as u64, b"", 0o644)
 }
+
+/// What the applier remembers of a layer's paths grows with the names' bytes, not with
+/// depth² × name length per entry: the entries of a small layer can each be 1024 components
+/// of 255 bytes (one PAX path of 256 KiB, a few hundred bytes compressed).
+#[test]
+fn created_paths_cost_their_length() {
+    let deep: Vec<Vec<u8>> = (0..1024)
+        .map(|i| vec![b'a' + (i % 26) as u8; 255])
+        .collect();
+    let mut c = Created::default();
+    for leaf in 0..100u8 {
+        let mut p = deep.clone();
+        p.push(vec![leaf; 1]);
+        c.insert(&p);
+        assert!(c.contains(&p) && c.contains(&p[..10]));
+    }
+    assert!(!c.contains(&[b"b".to_vec()]));
+    assert!(c.name_bytes() <= 1024 * 255 + 100, "{}", c.name_bytes());
+}
