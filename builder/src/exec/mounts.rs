@@ -568,9 +568,10 @@ pub(crate) fn prepare(
                 )
             }
             MountKind::Tmpfs { size_bytes } => {
+                // tmpfs(5) reads size=0 as "no limit": give it the default instead.
                 let data = match size_bytes {
-                    Some(n) => format!("mode=1777,size={n}"),
-                    None => "mode=1777".to_string(),
+                    Some(n) if *n > 0 => format!("mode=1777,size={n}"),
+                    _ => "mode=1777".to_string(),
                 };
                 (
                     false,
@@ -1078,5 +1079,25 @@ mod tests {
                 base.display()
             );
         }
+    }
+
+    /// `size=0` is tmpfs(5)'s "no limit": a recipe's `size=0` gets the default instead.
+    #[test]
+    fn tmpfs_size_zero_is_not_unlimited() {
+        let d = tempfile::tempdir().unwrap();
+        let m = |size| StepMount {
+            target: "/t".into(),
+            kind: MountKind::Tmpfs { size_bytes: size },
+        };
+        let p = prepare(&[m(Some(0)), m(Some(4096)), m(None)], &[], d.path()).unwrap();
+        let data: Vec<String> = p
+            .mounts
+            .iter()
+            .map(|m| match &m.kind {
+                PreparedKind::Tmpfs { data } => data.to_string_lossy().into_owned(),
+                k => panic!("{k:?}"),
+            })
+            .collect();
+        assert_eq!(data, ["mode=1777", "mode=1777,size=4096", "mode=1777"]);
     }
 }
