@@ -918,3 +918,87 @@ fn digest_tells_apart_names_that_are_not_utf8() {
     assert_ne!(a, c);
     assert_ne!(b, c);
 }
+
+/// Attacks that hold (kept as regressions): `.dockerignore` exceptions written for a symlink's
+/// name do not re-include what it resolves to; a symlink one source plants in the
+/// destination is followed inside the root by the next source; FIFOs and sockets in the
+/// context never block the copy or the digest.
+#[test]
+fn hostile_sources_that_hold() {
+    let d = dirs();
+    fs::create_dir(d.ctx.join("secrets")).unwrap();
+    fs::write(d.ctx.join("secrets/key"), "KEY").unwrap();
+    symlink("secrets", d.ctx.join("public")).unwrap();
+    symlink("/secrets/key", d.ctx.join("keylink")).unwrap();
+    let ig =
+        Dockerignore::parse(".dockerignore", b"secrets\n!public\n!public/**\n!keylink\n").unwrap();
+    let src = Sources::context(&d.ctx, ig);
+    for s in [
+        "public",
+        "public/key",
+        "public/*",
+        "pub*/key",
+        "keylink",
+        "*",
+    ] {
+        let _ = copy(&step(&[s], &format!("/x/{}/", s.len())), &src, &d.dest);
+        let _ = sources_digest(&step(&[s], "/y/"), &src);
+    }
+    fn walk(p: &Path, out: &mut Vec<Vec<u8>>) {
+        for e in fs::read_dir(p).unwrap().flatten() {
+            let ft = e.file_type().unwrap();
+            if ft.is_dir() {
+                walk(&e.path(), out);
+            } else if ft.is_file() {
+                out.push(fs::read(e.path()).unwrap());
+            }
+        }
+    }
+    let mut contents = Vec::new();
+    walk(&d.dest, &mut contents);
+    assert!(
+        !contents.iter().any(|c| c == b"KEY"),
+        "an excluded file was copied"
+    );
+
+    // One source plants /out/sub -> <outside>; the next one's sub/ never reaches the real
+    // <outside>.
+    fs::create_dir_all(d.ctx.join("one")).unwrap();
+    symlink(&d.outside, d.ctx.join("one/sub")).unwrap();
+    fs::create_dir_all(d.ctx.join("two/sub")).unwrap();
+    fs::write(d.ctx.join("two/sub/f"), "F").unwrap();
+    let src = ctx_src(&d);
+    copy(&step(&["one", "two"], "/out/"), &src, &d.dest).unwrap();
+    let listed: Vec<_> = fs::read_dir(&d.outside).unwrap().flatten().collect();
+    assert_eq!(listed.len(), 1, "only the original secret");
+    // The link's target does not exist inside the root: the link gives way to a directory.
+    assert_eq!(fs::read_to_string(d.dest.join("out/sub/f")).unwrap(), "F");
+
+    // A FIFO and a socket: copied as a FIFO and skipped, never opened.
+    use std::os::unix::fs::FileTypeExt;
+    fs::create_dir(d.ctx.join("spec")).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &d.ctx.join("spec/fifo"),
+        FileType::Fifo,
+        Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
+    let _sock = std::os::unix::net::UnixListener::bind(d.ctx.join("spec/sock")).unwrap();
+    sources_digest(&step(&["spec"], "/spec/"), &src).unwrap();
+    sources_digest(&step(&["spec/fifo"], "/f"), &src).unwrap();
+    copy(&step(&["spec"], "/spec/"), &src, &d.dest).unwrap();
+    copy(&step(&["spec/fifo"], "/f"), &src, &d.dest).unwrap();
+    let ft = fs::symlink_metadata(d.dest.join("spec/fifo"))
+        .unwrap()
+        .file_type();
+    assert!(ft.is_fifo());
+    assert!(fs::symlink_metadata(d.dest.join("spec/sock")).is_err());
+    assert!(
+        fs::symlink_metadata(d.dest.join("f"))
+            .unwrap()
+            .file_type()
+            .is_fifo()
+    );
+}
