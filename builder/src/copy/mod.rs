@@ -754,13 +754,16 @@ fn resolve_chown(spec: &str, db_root: &Path) -> Result<(u32, u32), CopyError> {
 }
 
 /// Whether an xattr is copied: not `system.*` (ACLs) nor `security.selinux` (host policy),
-/// as [`crate::layer`] does, and never `trusted.overlay.*`: in the step's upper directory
-/// overlayfs would obey it (an opaque marker hides the lower layers, a redirect points at
-/// another path of them), and the layer writer turns opaque markers into whiteouts.
+/// as [`crate::layer`] does, and never overlayfs's own `trusted.overlay.*` or
+/// `user.overlay.*` (read instead of `trusted.` on a `userxattr` mount): in the step's upper
+/// directory overlayfs would obey them (an opaque marker hides the lower layers, a redirect
+/// points at another path of them), and the layer writer turns opaque markers into
+/// whiteouts.
 pub(crate) fn keep_xattr(name: &[u8]) -> bool {
     !(name.starts_with(b"system.")
         || name == b"security.selinux"
-        || name.starts_with(b"trusted.overlay."))
+        || name.starts_with(b"trusted.overlay.")
+        || name.starts_with(b"user.overlay."))
 }
 
 /// The kept xattrs of an open file or directory, sorted by name.

@@ -1002,3 +1002,28 @@ fn hostile_sources_that_hold() {
             .is_fifo()
     );
 }
+
+/// Overlayfs reads its own xattrs from `user.overlay.*` too when mounted with `userxattr`
+/// (Linux `Documentation/filesystems/overlayfs.rst`, as rootless builders mount it): a
+/// context file carrying `user.overlay.redirect` or `.metacopy` must not carry it into the
+/// step's upper directory, as [`crate::layer`] drops them from layers.
+#[test]
+fn user_overlay_xattrs_are_not_copied() {
+    let d = dirs();
+    for (k, v) in [
+        ("user.overlay.redirect", &b"/etc/shadow"[..]),
+        ("user.overlay.metacopy", b""),
+        ("user.overlay.opaque", b"y"),
+        ("user.kept", b"1"),
+    ] {
+        rustix::fs::setxattr(d.ctx.join("a.txt"), k, v, rustix::fs::XattrFlags::empty()).unwrap();
+    }
+    copy(&step(&["a.txt"], "/a"), &ctx_src(&d), &d.dest).unwrap();
+    let mut names = vec![0u8; 4096];
+    let n = rustix::fs::listxattr(d.dest.join("a"), &mut names[..]).unwrap();
+    let names: Vec<&[u8]> = names[..n]
+        .split(|b| *b == 0)
+        .filter(|n| !n.is_empty())
+        .collect();
+    assert_eq!(names, [&b"user.kept"[..]]);
+}
