@@ -10,7 +10,8 @@
 //! addresses that are not public (loopback, private, link-local, CGNAT, unique-local,
 //! multicast, unspecified) are refused, the name is resolved once and the connection pinned to
 //! the address checked (no DNS rebinding), and every redirect is checked the same way, at
-//! most [`MAX_REDIRECTS`] of them. Only `http` and `https` are fetched.
+//! most [`MAX_REDIRECTS`] of them. Only `http` and `https` are fetched, never through a proxy
+//! named by the environment (`HTTP_PROXY`...), which would resolve names itself.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -295,7 +296,10 @@ async fn fetch_one(
                 addr: a.ip(),
             });
         }
+        // No proxy from the environment: it would resolve the name itself, past the check
+        // and the pinning.
         let client = reqwest::Client::builder()
+            .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(30))
             .timeout(opts.timeout)
@@ -438,6 +442,72 @@ mod tests {
         for a in ["64:ff9b::808:808", "2002:808:808::1"] {
             assert!(is_public(a.parse().unwrap()), "{a}");
         }
+    }
+
+    /// A proxy from the environment (`HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY`) would get the
+    /// host name and resolve it itself, past the address check and the pinning (DNS
+    /// rebinding, or a proxy that reaches the host's private networks). The child process
+    /// runs a fetch with `HTTP_PROXY` pointing at a listener of the parent's; nothing may
+    /// connect to it.
+    #[test]
+    fn proxies_from_the_environment_are_not_used() {
+        if std::env::var_os("KILN_TEST_PROXY_CHILD").is_some() {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let step = CopyStep {
+                sources: vec![CopySource::Url {
+                    // Public (the check passes), and on a port nothing listens on.
+                    url: "http://8.8.8.8:9/file".into(),
+                }],
+                dest: "/".into(),
+                from: None,
+                chown: None,
+                chmod: None,
+                link: false,
+                parents: false,
+                exclude: vec![],
+                checksum: None,
+                unpack: false,
+                keep_git_dir: false,
+            };
+            let opts = FetchOptions {
+                timeout: Duration::from_secs(3),
+                ..FetchOptions::default()
+            };
+            let r = rt.block_on(fetch_urls(&step, dir.path(), &opts));
+            eprintln!("child fetch: {r:?}");
+            return;
+        }
+        let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = proxy.local_addr().unwrap().port();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "copy::fetch::tests::proxies_from_the_environment_are_not_used",
+                "--nocapture",
+            ])
+            .env("KILN_TEST_PROXY_CHILD", "1")
+            .env("HTTP_PROXY", format!("http://127.0.0.1:{port}"))
+            .env("http_proxy", format!("http://127.0.0.1:{port}"))
+            .env("ALL_PROXY", format!("http://127.0.0.1:{port}"))
+            .env_remove("NO_PROXY")
+            .env_remove("no_proxy")
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "child failed: {log}");
+        assert!(
+            log.contains("child fetch"),
+            "the child did not fetch: {log}"
+        );
+        proxy.set_nonblocking(true).unwrap();
+        assert!(
+            proxy.accept().is_err(),
+            "the fetch went through the environment's proxy: {log}"
+        );
     }
 
     #[test]
