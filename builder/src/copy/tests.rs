@@ -979,7 +979,7 @@ fn hostile_sources_that_hold() {
     fs::create_dir(d.ctx.join("spec")).unwrap();
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &d.ctx.join("spec/fifo"),
+        d.ctx.join("spec/fifo"),
         FileType::Fifo,
         Mode::from_raw_mode(0o644),
         0,
@@ -1026,4 +1026,44 @@ fn user_overlay_xattrs_are_not_copied() {
         .filter(|n| !n.is_empty())
         .collect();
     assert_eq!(names, [&b"user.kept"[..]]);
+}
+
+/// `--chown` reads the destination's `/etc/passwd` and `/etc/group` inside its root: a
+/// symlink to a host file reads the root's file of that path, a FIFO or a device is not
+/// opened (no hang), and a huge file is read only up to its bound.
+#[test]
+fn chown_databases_that_hold() {
+    let d = dirs();
+    let host_passwd = d.outside.join("passwd");
+    fs::write(&host_passwd, "mallory:x:4242:4242::/:/bin/sh\n").unwrap();
+    fs::remove_file(d.dest.join("etc/passwd")).unwrap();
+    symlink(&host_passwd, d.dest.join("etc/passwd")).unwrap();
+    fs::remove_file(d.dest.join("etc/group")).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        d.dest.join("etc/group"),
+        FileType::Fifo,
+        Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
+    let mut s = step(&["a.txt"], "/a");
+    s.chown = Some("mallory".into());
+    let e = copy(&s, &ctx_src(&d), &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::Chown { .. }), "{e}");
+    s.chown = Some("1000:staff".into());
+    let e = copy(&s, &ctx_src(&d), &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::Chown { .. }), "{e}");
+    // A passwd far over the bound, its one user past it: not found, read in bounded time.
+    fs::remove_file(d.dest.join("etc/passwd")).unwrap();
+    let mut big = "#".repeat(crate::exec::user::MAX_DB_BYTES + 10);
+    big.push_str("\nlate:x:7:7::/:/bin/sh\n");
+    fs::write(d.dest.join("etc/passwd"), big).unwrap();
+    s.chown = Some("late".into());
+    let e = copy(&s, &ctx_src(&d), &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::Chown { .. }), "{e}");
+    s.chown = Some("7".into());
+    copy(&s, &ctx_src(&d), &d.dest).unwrap();
+    let md = fs::metadata(d.dest.join("a")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (7, 7));
 }
