@@ -1028,3 +1028,41 @@ fn created_paths_cost_their_length() {
     assert!(!c.contains(&[b"b".to_vec()]));
     assert!(c.name_bytes() <= 1024 * 255 + 100, "{}", c.name_bytes());
 }
+
+/// Attacks that hold (kept as regressions): a hard link to a name that a later entry turns
+/// into a symlink pointing out, then entries written through every name; an xattr bomb (a
+/// thousand PAX xattrs on one file).
+#[test]
+fn more_layer_attacks_that_hold() {
+    let s = Sandbox::new();
+    let keep = s.dir.path().join("sentinel/keep");
+    let keep = keep.as_os_str().as_encoded_bytes().to_vec();
+    let tar = tar_of(vec![
+        E::File(b"a", b"first"),
+        E::Link(b"b", b"a"),
+        E::Sym(b"a", &keep),
+        E::Link(b"c", b"a"),
+        E::File(b"c", b"through c"),
+        E::File(b"a", b"through a"),
+        E::File(b"b", b"through b"),
+    ]);
+    let r = s.apply(&tar);
+    s.assert_untouched("hard link, then symlink");
+    r.unwrap();
+    assert_eq!(fs::read(s.root().join("a")).unwrap(), b"through a");
+    assert_eq!(fs::read(s.root().join("c")).unwrap(), b"through c");
+
+    let s = Sandbox::new();
+    let names: Vec<String> = (0..1000)
+        .map(|i| format!("SCHILY.xattr.user.x{i}"))
+        .collect();
+    let value = [b'v'; 200];
+    let pax: Vec<(&str, &[u8])> = names.iter().map(|n| (n.as_str(), &value[..])).collect();
+    let tar = tar_of(vec![E::Pax(pax), E::File(b"bomb", b"x")]);
+    let r = s.apply(&tar);
+    s.assert_untouched("xattr bomb");
+    assert!(
+        matches!(r, Ok(_) | Err(LayerError::Io { .. })),
+        "xattr bomb: {r:?}"
+    );
+}
