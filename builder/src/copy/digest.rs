@@ -65,11 +65,17 @@ fn digest_inner(step: &CopyStep, src: &Sources) -> Result<String, CopyError> {
                             op: "open",
                             source: e,
                         })?;
-                        h.entry(fd.as_fd(), None, &st, "", &node.rel(), "", 0)?;
+                        h.entry(fd.as_fd(), None, &st, b"", &node.rel(), "", 0)?;
                     }
-                    Some(name) => {
-                        h.entry(node.parent.as_fd(), Some(name), &st, "", &node.rel(), "", 0)?
-                    }
+                    Some(name) => h.entry(
+                        node.parent.as_fd(),
+                        Some(name),
+                        &st,
+                        b"",
+                        &node.rel(),
+                        "",
+                        0,
+                    )?,
                 }
             }
             Item::Download { url, file, .. } => {
@@ -115,7 +121,7 @@ impl Hasher<'_> {
         dir: BorrowedFd<'_>,
         name: Option<&[u8]>,
         st: &Stat,
-        rel: &str,
+        rel: &[u8],
         ctx_rel: &str,
         src_rel: &str,
         depth: usize,
@@ -142,7 +148,9 @@ impl Hasher<'_> {
         } else {
             (st.st_uid, st.st_gid)
         };
-        self.field(rel.as_bytes());
+        // The path as bytes: names need not be UTF-8, and a lossy conversion would give
+        // two names (`\xff`, `\xfe`) one encoding.
+        self.field(rel);
         self.field(&[type_byte(ft)]);
         self.field(&(st.st_mode & 0o7777).to_be_bytes());
         self.field(&uid.to_be_bytes());
@@ -176,7 +184,11 @@ impl Hasher<'_> {
                     if self.filter.verdict(&crel, &srel, is_dir) == Verdict::Skip {
                         continue;
                     }
-                    let r = join(rel, &child);
+                    let mut r = rel.to_vec();
+                    if !r.is_empty() {
+                        r.push(b'/');
+                    }
+                    r.extend_from_slice(&child);
                     self.entry(fd.as_fd(), Some(&child), &cst, &r, &crel, &srel, depth + 1)?;
                 }
                 self.field(b"end");

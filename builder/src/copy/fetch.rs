@@ -10,7 +10,8 @@
 //! addresses that are not public (loopback, private, link-local, CGNAT, unique-local,
 //! multicast, unspecified) are refused, the name is resolved once and the connection pinned to
 //! the address checked (no DNS rebinding), and every redirect is checked the same way, at
-//! most [`MAX_REDIRECTS`] of them. Only `http` and `https` are fetched.
+//! most [`MAX_REDIRECTS`] of them. Only `http` and `https` are fetched, never through a proxy
+//! named by the environment (`HTTP_PROXY`...), which would resolve names itself.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -154,6 +155,8 @@ pub fn is_public(ip: IpAddr) -> bool {
                 // 100.64.0.0/10 (RFC 6598) and 198.18.0.0/15 (RFC 2544).
                 || (o[0] == 100 && (o[1] & 0xc0) == 64)
                 || (o[0] == 198 && (o[1] & 0xfe) == 18)
+                // 192.0.0.0/24, IETF protocol assignments (RFC 6890), incl. NAT64 discovery
+                || (o[0] == 192 && o[1] == 0 && o[2] == 0)
                 || o[0] >= 240)
         }
         IpAddr::V6(v6) => {
@@ -161,11 +164,31 @@ pub fn is_public(ip: IpAddr) -> bool {
                 return is_public(IpAddr::V4(v4));
             }
             let s = v6.segments();
+            let o = v6.octets();
+            let v4_at = |i: usize| IpAddr::from([o[i], o[i + 1], o[i + 2], o[i + 3]]);
+            // Forms that carry an IPv4 address something on the way turns back into IPv4:
+            // the NAT64 well-known prefix 64:ff9b::/96 (RFC 6052, reaching 169.254.169.254 or
+            // 10/8 through an IPv6-only network's NAT64 gateway), IPv4-compatible ::/96
+            // (RFC 4291 2.5.5.1) and 6to4 2002::/16 (RFC 3056): as public as the IPv4 inside.
+            if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || s[..6] == [0; 6] {
+                return !v6.is_loopback() && !v6.is_unspecified() && is_public(v4_at(12));
+            }
+            if s[0] == 0x2002 {
+                return is_public(v4_at(2));
+            }
             !(v6.is_loopback()
                 || v6.is_unspecified()
                 || v6.is_multicast()
                 || (s[0] & 0xfe00) == 0xfc00
-                || (s[0] & 0xffc0) == 0xfe80)
+                // link-local fe80::/10 and the deprecated site-local fec0::/10
+                || (s[0] & 0xff80) == 0xfe80
+                // local-use NAT64 64:ff9b:1::/48 (RFC 8215)
+                || s[..3] == [0x64, 0xff9b, 1]
+                // discard-only 100::/64 (RFC 6666)
+                || s[..4] == [0x100, 0, 0, 0]
+                // documentation 2001:db8::/32 (RFC 3849), Teredo 2001::/32 (RFC 4380)
+                || s[..2] == [0x2001, 0xdb8]
+                || s[..2] == [0x2001, 0])
         }
     }
 }
@@ -273,7 +296,10 @@ async fn fetch_one(
                 addr: a.ip(),
             });
         }
+        // No proxy from the environment: it would resolve the name itself, past the check
+        // and the pinning.
         let client = reqwest::Client::builder()
+            .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(30))
             .timeout(opts.timeout)
@@ -385,6 +411,103 @@ mod tests {
         for a in ["8.8.8.8", "151.101.1.1", "2a00:1450::1"] {
             assert!(is_public(a.parse().unwrap()), "{a}");
         }
+    }
+
+    /// IPv6 forms that carry an IPv4 address a gateway or the kernel turns back into IPv4
+    /// (NAT64 `64:ff9b::/96` reaches 169.254.169.254 or 10/8 through the NAT64 gateway of an
+    /// IPv6-only network; IPv4-compatible `::/96`, 6to4 `2002::/16`), and IPv6 ranges that
+    /// are not global (site-local, discard, documentation, local-use NAT64, Teredo) are not
+    /// public either.
+    #[test]
+    fn translated_and_special_ipv6_addresses_are_not_public() {
+        for a in [
+            "64:ff9b::a9fe:a9fe",
+            "64:ff9b::7f00:1",
+            "64:ff9b::a00:1",
+            "64:ff9b:1::a00:1",
+            "::7f00:1",
+            "::a9fe:a9fe",
+            "2002:7f00:1::1",
+            "2002:a9fe:a9fe::",
+            "2002:c0a8:101::1",
+            "fec0::1",
+            "100::1",
+            "2001:db8::1",
+            "2001::1",
+            "192.0.0.170",
+        ] {
+            assert!(!is_public(a.parse().unwrap()), "{a}");
+        }
+        // What they wrap when it is public is still reachable.
+        for a in ["64:ff9b::808:808", "2002:808:808::1"] {
+            assert!(is_public(a.parse().unwrap()), "{a}");
+        }
+    }
+
+    /// A proxy from the environment (`HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY`) would get the
+    /// host name and resolve it itself, past the address check and the pinning (DNS
+    /// rebinding, or a proxy that reaches the host's private networks). The child process
+    /// runs a fetch with `HTTP_PROXY` pointing at a listener of the parent's; nothing may
+    /// connect to it.
+    #[test]
+    fn proxies_from_the_environment_are_not_used() {
+        if std::env::var_os("KILN_TEST_PROXY_CHILD").is_some() {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let step = CopyStep {
+                sources: vec![CopySource::Url {
+                    // Public (the check passes), and on a port nothing listens on.
+                    url: "http://8.8.8.8:9/file".into(),
+                }],
+                dest: "/".into(),
+                from: None,
+                chown: None,
+                chmod: None,
+                link: false,
+                parents: false,
+                exclude: vec![],
+                checksum: None,
+                unpack: false,
+                keep_git_dir: false,
+            };
+            let opts = FetchOptions {
+                timeout: Duration::from_secs(3),
+                ..FetchOptions::default()
+            };
+            let r = rt.block_on(fetch_urls(&step, dir.path(), &opts));
+            eprintln!("child fetch: {r:?}");
+            return;
+        }
+        let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = proxy.local_addr().unwrap().port();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "copy::fetch::tests::proxies_from_the_environment_are_not_used",
+                "--nocapture",
+            ])
+            .env("KILN_TEST_PROXY_CHILD", "1")
+            .env("HTTP_PROXY", format!("http://127.0.0.1:{port}"))
+            .env("http_proxy", format!("http://127.0.0.1:{port}"))
+            .env("ALL_PROXY", format!("http://127.0.0.1:{port}"))
+            .env_remove("NO_PROXY")
+            .env_remove("no_proxy")
+            .output()
+            .unwrap();
+        let log = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "child failed: {log}");
+        assert!(
+            log.contains("child fetch"),
+            "the child did not fetch: {log}"
+        );
+        proxy.set_nonblocking(true).unwrap();
+        assert!(
+            proxy.accept().is_err(),
+            "the fetch went through the environment's proxy: {log}"
+        );
     }
 
     #[test]

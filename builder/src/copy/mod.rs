@@ -245,6 +245,16 @@ pub enum CopyError {
         /// The cause.
         source: RootError,
     },
+    /// A name a file would be written under is not one plain path component (empty, `.`,
+    /// `..`, or holding a `/` or NUL): a heredoc delimiter such as `../../x` or a URL's last
+    /// segment used as a file name.
+    #[error("{path:?}: {name:?} cannot be used as a file name (not a single path component)")]
+    BadName {
+        /// The source as written.
+        path: String,
+        /// The name.
+        name: String,
+    },
     /// Several sources (or a glob) and a destination that is not a directory.
     #[error("destination {dest:?} must be a directory ending in '/' when copying several sources")]
     NeedsDirectory {
@@ -744,13 +754,16 @@ fn resolve_chown(spec: &str, db_root: &Path) -> Result<(u32, u32), CopyError> {
 }
 
 /// Whether an xattr is copied: not `system.*` (ACLs) nor `security.selinux` (host policy),
-/// as [`crate::layer`] does, and never `trusted.overlay.*`: in the step's upper directory
-/// overlayfs would obey it (an opaque marker hides the lower layers, a redirect points at
-/// another path of them), and the layer writer turns opaque markers into whiteouts.
+/// as [`crate::layer`] does, and never overlayfs's own `trusted.overlay.*` or
+/// `user.overlay.*` (read instead of `trusted.` on a `userxattr` mount): in the step's upper
+/// directory overlayfs would obey them (an opaque marker hides the lower layers, a redirect
+/// points at another path of them), and the layer writer turns opaque markers into
+/// whiteouts.
 pub(crate) fn keep_xattr(name: &[u8]) -> bool {
     !(name.starts_with(b"system.")
         || name == b"security.selinux"
-        || name.starts_with(b"trusted.overlay."))
+        || name.starts_with(b"trusted.overlay.")
+        || name.starts_with(b"user.overlay."))
 }
 
 /// The kept xattrs of an open file or directory, sorted by name.
@@ -1185,6 +1198,7 @@ impl Copier<'_> {
         src_rel: &str,
         depth: usize,
     ) -> Result<(), CopyError> {
+        check_name(dname, &self.shown)?;
         self.count_entry()?;
         let shown = self.shown.clone();
         let (uid, gid) = self.meta.owner(st);
@@ -1350,6 +1364,7 @@ impl Copier<'_> {
         src: &OwnedFd,
         comps: Vec<Vec<u8>>,
     ) -> Result<(OwnedFd, Vec<Vec<u8>>), CopyError> {
+        check_name(name, &self.shown)?;
         let shown = self.shown.clone();
         rustix::fs::mkdirat(ddir, os(name), Mode::from_raw_mode(0o700))
             .map_err(ioe(&shown, "mkdir"))?;
@@ -1385,6 +1400,7 @@ impl Copier<'_> {
         xattrs: &[(Vec<u8>, Vec<u8>)],
         times: Timestamps,
     ) -> Result<(), CopyError> {
+        check_name(name, &self.shown)?;
         self.count_entry()?;
         let shown = self.shown.clone();
         let dcomps: Vec<Vec<u8>> = Vec::new();
@@ -1435,6 +1451,22 @@ impl Copier<'_> {
         self.report.files += 1;
         Ok(())
     }
+}
+
+/// Refuses a name that is not one plain path component. Every `*at` call of the copy takes
+/// a name relative to a directory fd it resolved inside the root; a name holding `/` or `..`
+/// would make the kernel resolve it, following symlinks and climbing out of the root.
+/// Names read from a directory are always plain; a heredoc delimiter (`COPY <<../../x /d/`)
+/// or a destination ending in `..` are not.
+fn check_name(name: &[u8], shown: &str) -> Result<(), CopyError> {
+    if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0)
+    {
+        return Err(CopyError::BadName {
+            path: shown.to_string(),
+            name: String::from_utf8_lossy(name).into_owned(),
+        });
+    }
+    Ok(())
 }
 
 /// Splits a file target into its parent directory and name; the root cannot be a file.

@@ -207,21 +207,90 @@ fn class_matches(p: &[char], start: usize, c: char) -> bool {
     hit != negated
 }
 
-fn match_from(p: &[char], n: &[char]) -> bool {
-    if p.is_empty() {
-        return n.is_empty();
-    }
-    match p[0] {
-        '*' => (0..=n.len()).any(|k| match_from(&p[1..], &n[k..])),
-        '?' => !n.is_empty() && match_from(&p[1..], &n[1..]),
-        '[' => {
-            // Validated by the caller.
-            let end = class_end(p, 0).unwrap_or(p.len());
-            !n.is_empty() && class_matches(p, 0, n[0]) && match_from(&p[end..], &n[1..])
+/// One element of a validated pattern: each but `Star` matches exactly one character.
+#[derive(Clone, Copy)]
+enum Tok {
+    Star,
+    Any,
+    /// A class: its index in the pattern (the `[`).
+    Class(usize),
+    Lit(char),
+}
+
+/// Matches `n` against the validated pattern `p` in O(`p.len()` × `n.len()`) steps: every
+/// token but `*` takes one character, so on a mismatch only the last `*` needs to take one
+/// more character (a recursive try of every split is exponential in the number of stars:
+/// `*a*a*a*a*a*a*a*a*b` against a long run of `a` never ends). Returns the match and the
+/// steps taken.
+fn match_steps(p: &[char], n: &[char]) -> (bool, u64) {
+    let mut toks = Vec::with_capacity(p.len());
+    let mut i = 0;
+    while i < p.len() {
+        match p[i] {
+            '*' => {
+                toks.push(Tok::Star);
+                i += 1;
+            }
+            '?' => {
+                toks.push(Tok::Any);
+                i += 1;
+            }
+            '[' => {
+                toks.push(Tok::Class(i));
+                // Validated by the caller.
+                i = class_end(p, i).unwrap_or(p.len());
+            }
+            '\\' => {
+                toks.push(Tok::Lit(p.get(i + 1).copied().unwrap_or('\\')));
+                i += 2;
+            }
+            c => {
+                toks.push(Tok::Lit(c));
+                i += 1;
+            }
         }
-        '\\' => n.first() == p.get(1) && match_from(&p[2..], &n[1..]),
-        c => n.first() == Some(&c) && match_from(&p[1..], &n[1..]),
     }
+    let one = |t: Tok, c: char| match t {
+        Tok::Star => false,
+        Tok::Any => true,
+        Tok::Class(at) => class_matches(p, at, c),
+        Tok::Lit(l) => l == c,
+    };
+    let (mut ti, mut ni, mut steps) = (0usize, 0usize, 0u64);
+    // After the last `*` seen: (token index past it, name index it has taken up to).
+    let mut star: Option<(usize, usize)> = None;
+    while ni < n.len() {
+        steps += 1;
+        match toks.get(ti) {
+            Some(Tok::Star) => {
+                star = Some((ti + 1, ni));
+                ti += 1;
+                continue;
+            }
+            Some(t) if one(*t, n[ni]) => {
+                ti += 1;
+                ni += 1;
+                continue;
+            }
+            _ => {}
+        }
+        match star {
+            Some((st, sn)) => {
+                star = Some((st, sn + 1));
+                ti = st;
+                ni = sn + 1;
+            }
+            None => return (false, steps),
+        }
+    }
+    while matches!(toks.get(ti), Some(Tok::Star)) {
+        ti += 1;
+    }
+    (ti == toks.len(), steps)
+}
+
+fn match_from(p: &[char], n: &[char]) -> bool {
+    match_steps(p, n).0
 }
 
 #[cfg(test)]
@@ -261,5 +330,25 @@ mod tests {
         assert!(glob_match("a\\", "a").is_err());
         assert!(glob_match("[z-a]", "b").is_err());
         assert!(has_glob("a*") && !has_glob("abc"));
+        assert!(glob_match("*", "").unwrap());
+        assert!(glob_match("a*b*c", "aXbYbc").unwrap());
+        assert!(!glob_match("a*b*c", "aXbYbcd").unwrap());
+        assert!(glob_match("*[0-9]?", "ab7z").unwrap());
+        assert!(glob_match("\\[*", "[x").unwrap());
+    }
+
+    /// A source glob and the context's names are both the tenant's: many stars against a
+    /// long name must cost at most (pattern × name) steps, not one per way of splitting it.
+    #[test]
+    fn many_stars_stay_polynomial() {
+        let pat = "*a*a*a*a*a*a*a*a*a*a*a*a*a*a*b";
+        let name = "a".repeat(250);
+        assert!(!glob_match(pat, &name).unwrap());
+        let (p, n): (Vec<char>, Vec<char>) = (pat.chars().collect(), name.chars().collect());
+        let (hit, steps) = match_steps(&p, &n);
+        assert!(!hit);
+        let bound = ((p.len() + 1) * (n.len() + 1)) as u64;
+        assert!(steps <= bound, "{steps} steps > {bound}");
+        assert!(glob_match(pat, &format!("{name}b")).unwrap());
     }
 }

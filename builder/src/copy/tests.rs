@@ -833,3 +833,237 @@ fn copies_inside_a_threads_private_mount_namespace() {
     // The namespace died with the thread: nothing on the host side.
     assert!(!mnt.join("in-ns").exists());
 }
+
+/// An inline file's name is the heredoc delimiter, the tenant's text: `COPY <<../../x /d/`
+/// must not become a path that `openat` resolves out of the destination root.
+#[test]
+fn inline_names_with_slashes_or_dots_are_refused() {
+    let d = dirs();
+    fs::create_dir(d.dest.join("app")).unwrap();
+    symlink(&d.outside, d.dest.join("app/link")).unwrap();
+    let outside_name = d.outside.file_name().unwrap().to_str().unwrap().to_string();
+    for name in [
+        format!("../../{outside_name}/pwned"),
+        format!("../../../../../../../../..{}/pwned", d.outside.display()),
+        "link/pwned".to_string(),
+        "..".to_string(),
+        ".".to_string(),
+        "a/b".to_string(),
+        String::new(),
+    ] {
+        let mut s = step(&[], "/app/");
+        s.sources = vec![CopySource::Inline(InlineFile {
+            name: name.clone(),
+            data: "owned\n".into(),
+            path: None,
+            mode: 0o644,
+        })];
+        let e = copy(&s, &ctx_src(&d), &d.dest).unwrap_err();
+        assert!(matches!(e, CopyError::BadName { .. }), "{name:?}: {e}");
+    }
+    let listed: Vec<_> = fs::read_dir(&d.outside).unwrap().flatten().collect();
+    assert_eq!(listed.len(), 1, "only the original secret");
+    // The Dockerfile front end hands such a delimiter over as the name.
+    let plan = kiln_recipes::load_dockerfile(
+        "Dockerfile",
+        b"FROM scratch\nCOPY <<../../x /app/\nowned\n../../x\n",
+        &kiln_recipes::Options::default(),
+    )
+    .unwrap();
+    let copied = plan.stages[0].steps.iter().find_map(|s| match &s.action {
+        kiln_recipes::plan::Action::Copy(c) => Some(c.clone()),
+        _ => None,
+    });
+    let copied = copied.expect("a COPY step");
+    assert!(
+        matches!(&copied.sources[0], CopySource::Inline(f) if f.name == "../../x"),
+        "{copied:?}"
+    );
+    let e = copy(&copied, &ctx_src(&d), &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::BadName { .. }), "{e}");
+    // A file destination names the file itself: the delimiter is not used.
+    let mut s = step(&[], "/app/named");
+    s.sources = vec![CopySource::Inline(InlineFile {
+        name: "../../x".into(),
+        data: "ok\n".into(),
+        path: None,
+        mode: 0o644,
+    })];
+    copy(&s, &ctx_src(&d), &d.dest).unwrap();
+    assert_eq!(
+        fs::read_to_string(d.dest.join("app/named")).unwrap(),
+        "ok\n"
+    );
+}
+
+/// File names are bytes: two contexts that differ only in a name that is not UTF-8 must not
+/// share a cache key (a lossy conversion maps `\xff` and `\xfe` alike to U+FFFD, and a hit
+/// would reuse a layer holding the other name).
+#[test]
+fn digest_tells_apart_names_that_are_not_utf8() {
+    use std::os::unix::ffi::OsStrExt;
+    let digest_with = |name: &[u8]| {
+        let d = dirs();
+        fs::write(
+            d.ctx.join("src").join(std::ffi::OsStr::from_bytes(name)),
+            "same",
+        )
+        .unwrap();
+        sources_digest(&step(&["src"], "/app/"), &ctx_src(&d)).unwrap()
+    };
+    let a = digest_with(b"f\xff");
+    let b = digest_with(b"f\xfe");
+    let c = digest_with("f\u{fffd}".as_bytes());
+    assert_ne!(a, b);
+    assert_ne!(a, c);
+    assert_ne!(b, c);
+}
+
+/// Attacks that hold (kept as regressions): `.dockerignore` exceptions written for a symlink's
+/// name do not re-include what it resolves to; a symlink one source plants in the
+/// destination is followed inside the root by the next source; FIFOs and sockets in the
+/// context never block the copy or the digest.
+#[test]
+fn hostile_sources_that_hold() {
+    let d = dirs();
+    fs::create_dir(d.ctx.join("secrets")).unwrap();
+    fs::write(d.ctx.join("secrets/key"), "KEY").unwrap();
+    symlink("secrets", d.ctx.join("public")).unwrap();
+    symlink("/secrets/key", d.ctx.join("keylink")).unwrap();
+    let ig =
+        Dockerignore::parse(".dockerignore", b"secrets\n!public\n!public/**\n!keylink\n").unwrap();
+    let src = Sources::context(&d.ctx, ig);
+    for s in [
+        "public",
+        "public/key",
+        "public/*",
+        "pub*/key",
+        "keylink",
+        "*",
+    ] {
+        let _ = copy(&step(&[s], &format!("/x/{}/", s.len())), &src, &d.dest);
+        let _ = sources_digest(&step(&[s], "/y/"), &src);
+    }
+    fn walk(p: &Path, out: &mut Vec<Vec<u8>>) {
+        for e in fs::read_dir(p).unwrap().flatten() {
+            let ft = e.file_type().unwrap();
+            if ft.is_dir() {
+                walk(&e.path(), out);
+            } else if ft.is_file() {
+                out.push(fs::read(e.path()).unwrap());
+            }
+        }
+    }
+    let mut contents = Vec::new();
+    walk(&d.dest, &mut contents);
+    assert!(
+        !contents.iter().any(|c| c == b"KEY"),
+        "an excluded file was copied"
+    );
+
+    // One source plants /out/sub -> <outside>; the next one's sub/ never reaches the real
+    // <outside>.
+    fs::create_dir_all(d.ctx.join("one")).unwrap();
+    symlink(&d.outside, d.ctx.join("one/sub")).unwrap();
+    fs::create_dir_all(d.ctx.join("two/sub")).unwrap();
+    fs::write(d.ctx.join("two/sub/f"), "F").unwrap();
+    let src = ctx_src(&d);
+    copy(&step(&["one", "two"], "/out/"), &src, &d.dest).unwrap();
+    let listed: Vec<_> = fs::read_dir(&d.outside).unwrap().flatten().collect();
+    assert_eq!(listed.len(), 1, "only the original secret");
+    // The link's target does not exist inside the root: the link gives way to a directory.
+    assert_eq!(fs::read_to_string(d.dest.join("out/sub/f")).unwrap(), "F");
+
+    // A FIFO and a socket: copied as a FIFO and skipped, never opened.
+    use std::os::unix::fs::FileTypeExt;
+    fs::create_dir(d.ctx.join("spec")).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        d.ctx.join("spec/fifo"),
+        FileType::Fifo,
+        Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
+    let _sock = std::os::unix::net::UnixListener::bind(d.ctx.join("spec/sock")).unwrap();
+    sources_digest(&step(&["spec"], "/spec/"), &src).unwrap();
+    sources_digest(&step(&["spec/fifo"], "/f"), &src).unwrap();
+    copy(&step(&["spec"], "/spec/"), &src, &d.dest).unwrap();
+    copy(&step(&["spec/fifo"], "/f"), &src, &d.dest).unwrap();
+    let ft = fs::symlink_metadata(d.dest.join("spec/fifo"))
+        .unwrap()
+        .file_type();
+    assert!(ft.is_fifo());
+    assert!(fs::symlink_metadata(d.dest.join("spec/sock")).is_err());
+    assert!(
+        fs::symlink_metadata(d.dest.join("f"))
+            .unwrap()
+            .file_type()
+            .is_fifo()
+    );
+}
+
+/// Overlayfs reads its own xattrs from `user.overlay.*` too when mounted with `userxattr`
+/// (Linux `Documentation/filesystems/overlayfs.rst`, as rootless builders mount it): a
+/// context file carrying `user.overlay.redirect` or `.metacopy` must not carry it into the
+/// step's upper directory, as [`crate::layer`] drops them from layers.
+#[test]
+fn user_overlay_xattrs_are_not_copied() {
+    let d = dirs();
+    for (k, v) in [
+        ("user.overlay.redirect", &b"/etc/shadow"[..]),
+        ("user.overlay.metacopy", b""),
+        ("user.overlay.opaque", b"y"),
+        ("user.kept", b"1"),
+    ] {
+        rustix::fs::setxattr(d.ctx.join("a.txt"), k, v, rustix::fs::XattrFlags::empty()).unwrap();
+    }
+    copy(&step(&["a.txt"], "/a"), &ctx_src(&d), &d.dest).unwrap();
+    let mut names = vec![0u8; 4096];
+    let n = rustix::fs::listxattr(d.dest.join("a"), &mut names[..]).unwrap();
+    let names: Vec<&[u8]> = names[..n]
+        .split(|b| *b == 0)
+        .filter(|n| !n.is_empty())
+        .collect();
+    assert_eq!(names, [&b"user.kept"[..]]);
+}
+
+/// `--chown` reads the destination's `/etc/passwd` and `/etc/group` inside its root: a
+/// symlink to a host file reads the root's file of that path, a FIFO or a device is not
+/// opened (no hang), and a huge file is read only up to its bound.
+#[test]
+fn chown_databases_that_hold() {
+    let d = dirs();
+    let host_passwd = d.outside.join("passwd");
+    fs::write(&host_passwd, "mallory:x:4242:4242::/:/bin/sh\n").unwrap();
+    fs::remove_file(d.dest.join("etc/passwd")).unwrap();
+    symlink(&host_passwd, d.dest.join("etc/passwd")).unwrap();
+    fs::remove_file(d.dest.join("etc/group")).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        d.dest.join("etc/group"),
+        FileType::Fifo,
+        Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
+    let mut s = step(&["a.txt"], "/a");
+    s.chown = Some("mallory".into());
+    let e = copy(&s, &ctx_src(&d), &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::Chown { .. }), "{e}");
+    s.chown = Some("1000:staff".into());
+    let e = copy(&s, &ctx_src(&d), &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::Chown { .. }), "{e}");
+    // A passwd far over the bound, its one user past it: not found, read in bounded time.
+    fs::remove_file(d.dest.join("etc/passwd")).unwrap();
+    let mut big = "#".repeat(crate::exec::user::MAX_DB_BYTES + 10);
+    big.push_str("\nlate:x:7:7::/:/bin/sh\n");
+    fs::write(d.dest.join("etc/passwd"), big).unwrap();
+    s.chown = Some("late".into());
+    let e = copy(&s, &ctx_src(&d), &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::Chown { .. }), "{e}");
+    s.chown = Some("7".into());
+    copy(&s, &ctx_src(&d), &d.dest).unwrap();
+    let md = fs::metadata(d.dest.join("a")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (7, 7));
+}

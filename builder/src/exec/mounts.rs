@@ -568,9 +568,10 @@ pub(crate) fn prepare(
                 )
             }
             MountKind::Tmpfs { size_bytes } => {
+                // tmpfs(5) reads size=0 as "no limit": give it the default instead.
                 let data = match size_bytes {
-                    Some(n) => format!("mode=1777,size={n}"),
-                    None => "mode=1777".to_string(),
+                    Some(n) if *n > 0 => format!("mode=1777,size={n}"),
+                    _ => "mode=1777".to_string(),
                 };
                 (
                     false,
@@ -601,7 +602,16 @@ pub(crate) fn prepare(
     Ok(p)
 }
 
+/// Name of the directory mounted, inside each cache instance's guard directory.
+const CACHE_DATA: &str = "data";
+
 /// The cache directory to mount, created with its owner and mode, locked per `sharing`.
+///
+/// A step writes into it as root (with CAP_FOWNER, CAP_FSETID), so it may hold a
+/// setuid-root program that outlives the step on the host: the mount is nosuid inside
+/// steps, and on the host the mounted directory is `<dir>/data`, below `<dir>` made root's
+/// and 0700 (checked on every use), so no other host user can reach it, whatever mode and
+/// owner the recipe gives the mounted directory and whatever the cache base's permissions.
 fn cache_dir(
     dir: &Path,
     sharing: CacheSharing,
@@ -614,11 +624,23 @@ fn cache_dir(
         if let Some(parent) = d.parent() {
             fs::create_dir_all(parent).map_err(io_err("creating the cache directory"))?;
         }
-        match fs::create_dir(d) {
+        if let Err(e) = fs::create_dir(d)
+            && !(e.kind() == std::io::ErrorKind::AlreadyExists
+                && d.symlink_metadata().is_ok_and(|m| m.is_dir()))
+        {
+            return Err(io_err("creating a cache directory")(e));
+        }
+        // The guard: root's, 0700, a real directory (never a symlink).
+        std::os::unix::fs::lchown(d, Some(0), Some(0))
+            .map_err(io_err("chown of a cache guard directory"))?;
+        fs::set_permissions(d, fs::Permissions::from_mode(0o700))
+            .map_err(io_err("chmod of a cache guard directory"))?;
+        let data = d.join(CACHE_DATA);
+        match fs::create_dir(&data) {
             Ok(()) => {
-                std::os::unix::fs::chown(d, Some(uid), Some(gid))
+                std::os::unix::fs::chown(&data, Some(uid), Some(gid))
                     .map_err(io_err("chown of a cache directory"))?;
-                fs::set_permissions(d, fs::Permissions::from_mode(mode))
+                fs::set_permissions(&data, fs::Permissions::from_mode(mode))
                     .map_err(io_err("chmod of a cache directory"))?;
                 Ok(())
             }
@@ -651,12 +673,12 @@ fn cache_dir(
                 ));
                 make(&tmp)?;
                 p.temp_dirs.push(tmp.clone());
-                return Ok(tmp);
+                return Ok(tmp.join(CACHE_DATA));
             }
         }
     }
     p._locks.push(lock);
-    Ok(dir.to_path_buf())
+    Ok(dir.join(CACHE_DATA))
 }
 
 /// Opens `path` inside `root` (`O_PATH`, `RESOLVE_IN_ROOT`: symlinks stay in `root`).
@@ -999,5 +1021,83 @@ mod tests {
         assert_eq!(canonical(&lowers, "/abs/y"), vec!["tmp", "elsewhere", "y"]);
         assert_eq!(canonical(&lowers, "/loop/loop/z"), vec!["z"]);
         assert_eq!(canonical(&lowers, "/../../w"), vec!["w"]);
+    }
+
+    /// A cache directory lives on the host across builds, and a step (root, with
+    /// CAP_FOWNER and CAP_FSETID) can leave a setuid-root program in it. The mount is nosuid
+    /// inside steps, but on the host any user who can reach the directory could run it: what
+    /// a step can write must sit below a directory only root can enter, whatever the mode
+    /// and owner the recipe asks for (here 0777, owned by uid 1000) and whatever the
+    /// permissions of the cache base the caller gives (here 0755).
+    #[test]
+    fn cache_contents_are_unreachable_for_host_users() {
+        assert!(rustix::process::geteuid().is_root(), "needs root (chown)");
+        let d = tempfile::tempdir().unwrap();
+        let base = d.path().join("cache");
+        fs::create_dir(&base).unwrap();
+        fs::set_permissions(&base, fs::Permissions::from_mode(0o755)).unwrap();
+        let inputs = MountInputs {
+            cache_dir: Some(base.clone()),
+            ..MountInputs::default()
+        };
+        let cache = |sharing: &str| Mount::Cache {
+            target: "/root/.cache".into(),
+            id: "pip".into(),
+            sharing: sharing.into(),
+            from: None,
+            source: None,
+            mode: 0o777,
+            uid: 1000,
+            gid: 1000,
+            readonly: false,
+        };
+        let r = resolve(&[cache("private")], &inputs).unwrap();
+        let scratch = d.path().join("scratch");
+        fs::create_dir(&scratch).unwrap();
+        let first = prepare(&r.mounts, &[], &scratch).unwrap();
+        // A second private user gets a temporary instance: the same rule holds for it.
+        let second = prepare(&r.mounts, &[], &scratch).unwrap();
+        for p in [&first, &second] {
+            let PreparedKind::Dir { dir, .. } = &p.mounts[0].kind else {
+                panic!("{:?}", p.mounts[0]);
+            };
+            let md = fs::metadata(dir).unwrap();
+            assert_eq!((md.uid(), md.mode() & 0o7777), (1000, 0o777), "as asked");
+            // Some directory between the base and the mounted one is root's and 0700.
+            let guarded = dir
+                .ancestors()
+                .skip(1)
+                .take_while(|a| a.starts_with(&base) && *a != base.as_path())
+                .any(|a| {
+                    let m = fs::metadata(a).unwrap();
+                    m.uid() == 0 && m.mode() & 0o077 == 0
+                });
+            assert!(
+                guarded,
+                "{} is reachable from {}",
+                dir.display(),
+                base.display()
+            );
+        }
+    }
+
+    /// `size=0` is tmpfs(5)'s "no limit": a recipe's `size=0` gets the default instead.
+    #[test]
+    fn tmpfs_size_zero_is_not_unlimited() {
+        let d = tempfile::tempdir().unwrap();
+        let m = |size| StepMount {
+            target: "/t".into(),
+            kind: MountKind::Tmpfs { size_bytes: size },
+        };
+        let p = prepare(&[m(Some(0)), m(Some(4096)), m(None)], &[], d.path()).unwrap();
+        let data: Vec<String> = p
+            .mounts
+            .iter()
+            .map(|m| match &m.kind {
+                PreparedKind::Tmpfs { data } => data.to_string_lossy().into_owned(),
+                k => panic!("{k:?}"),
+            })
+            .collect();
+        assert_eq!(data, ["mode=1777", "mode=1777,size=4096", "mode=1777"]);
     }
 }

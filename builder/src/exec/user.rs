@@ -68,6 +68,13 @@ fn bounded(db: &str) -> &str {
     &db[..end]
 }
 
+/// A uid or gid as written: decimal, and never 4294967295, which is `(uid_t)-1`: chown(2)
+/// and setresuid(2) read it as "leave unchanged", so a file or step given it would stay
+/// root's.
+fn parse_id(s: &str) -> Option<u32> {
+    s.parse::<u32>().ok().filter(|id| *id != u32::MAX)
+}
+
 fn passwd_entries(db: &str) -> impl Iterator<Item = PasswdEntry<'_>> {
     bounded(db).lines().filter_map(|line| {
         if line.starts_with('#') {
@@ -79,8 +86,8 @@ fn passwd_entries(db: &str) -> impl Iterator<Item = PasswdEntry<'_>> {
         }
         Some(PasswdEntry {
             name: f[0],
-            uid: f[2].parse().ok()?,
-            gid: f[3].parse().ok()?,
+            uid: parse_id(f[2])?,
+            gid: parse_id(f[3])?,
             home: f[5],
         })
     })
@@ -97,7 +104,7 @@ fn group_entries(db: &str) -> impl Iterator<Item = GroupEntry<'_>> {
         }
         Some(GroupEntry {
             name: f[0],
-            gid: f[2].parse().ok()?,
+            gid: parse_id(f[2])?,
             members: f[3].split(',').filter(|m| !m.is_empty()).collect(),
         })
     })
@@ -117,7 +124,13 @@ pub fn resolve_user(spec: Option<&str>, passwd: &str, group: &str) -> Result<Exe
     if user_part.is_empty() || group_part == Some("") {
         return Err(UserError::Invalid(spec.to_string()));
     }
-    let numeric_user: Option<u32> = user_part.parse().ok();
+    let digits = |s: &str| s.bytes().all(|b| b.is_ascii_digit());
+    // A numeric part must be a valid id (not one that overflows, nor -1).
+    let numeric_user: Option<u32> = if digits(user_part) {
+        Some(parse_id(user_part).ok_or_else(|| UserError::Invalid(spec.to_string()))?)
+    } else {
+        None
+    };
     let entry = match numeric_user {
         Some(uid) => passwd_entries(passwd).find(|e| e.uid == uid),
         None => passwd_entries(passwd).find(|e| e.name == user_part),
@@ -130,9 +143,9 @@ pub fn resolve_user(spec: Option<&str>, passwd: &str, group: &str) -> Result<Exe
     let mut groups = Vec::new();
     match group_part {
         Some(g) => {
-            gid = match g.parse::<u32>() {
-                Ok(n) => n,
-                Err(_) => group_entries(group)
+            gid = match digits(g) {
+                true => parse_id(g).ok_or_else(|| UserError::Invalid(spec.to_string()))?,
+                false => group_entries(group)
                     .find(|e| e.name == g)
                     .map(|e| e.gid)
                     .ok_or_else(|| UserError::UnknownGroup(g.to_string()))?,
@@ -241,5 +254,35 @@ mod tests {
         }
         let u = resolve_user(Some("alice"), PASSWD, &group).unwrap();
         assert_eq!(u.groups.len(), MAX_GROUPS);
+    }
+
+    /// uid/gid 4294967295 is (uid_t)-1, which chown(2) and setresuid(2) read as "leave
+    /// unchanged": a step or file given it would silently stay root's. Refused wherever it
+    /// comes from (the spec, /etc/passwd, /etc/group).
+    #[test]
+    fn id_minus_one_is_refused() {
+        for spec in ["4294967295", "0:4294967295", "4294967295:0", "99999999999"] {
+            assert!(
+                matches!(
+                    resolve_user(Some(spec), PASSWD, GROUP),
+                    Err(UserError::Invalid(_))
+                ),
+                "{spec}"
+            );
+        }
+        let passwd = "evil:x:4294967295:4294967295::/:/bin/sh\nhalf:x:1000:4294967295::/:/bin/sh\n";
+        assert!(matches!(
+            resolve_user(Some("evil"), passwd, GROUP),
+            Err(UserError::UnknownUser(_))
+        ));
+        assert!(resolve_user(Some("half"), passwd, GROUP).is_err());
+        let group = "evil:x:4294967295:alice\n";
+        assert!(matches!(
+            resolve_user(Some("alice:evil"), PASSWD, group),
+            Err(UserError::UnknownGroup(_))
+        ));
+        // alice's supplementary groups never include it either.
+        let u = resolve_user(Some("alice"), PASSWD, group).unwrap();
+        assert!(u.groups.is_empty());
     }
 }

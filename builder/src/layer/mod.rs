@@ -25,7 +25,7 @@ pub mod whiteout;
 pub mod write;
 
 use std::cell::Cell;
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -323,23 +323,40 @@ fn parse_octal_size(field: &[u8]) -> Option<u64> {
     u64::from_str_radix(std::str::from_utf8(&t).ok()?, 8).ok()
 }
 
+/// The `size` a PAX header gives the next entry, read exactly as the `tar` crate (0.4.46,
+/// `pax::pax_extensions_value`) reads it, so the framer and the reader agree on where every
+/// header is: records split on newlines, each line's length field must be the line's length
+/// plus one, the *first* `size` record wins and its value must parse whole as a `u64`; a
+/// malformed record before it, or an unparsable value, means no size at all. (Reading records
+/// by their length, or taking the last `size`, or trimming blanks, would make the framer
+/// skip what the reader reads as headers: a sparse entry or a huge long name would hide
+/// there.)
 fn pax_size(data: &[u8]) -> Option<u64> {
-    let mut rest = data;
-    let mut found = None;
-    while !rest.is_empty() {
-        let sp = rest.iter().position(|c| *c == b' ')?;
-        let len: usize = std::str::from_utf8(&rest[..sp]).ok()?.parse().ok()?;
-        if len <= sp || len > rest.len() {
+    for line in data.split(|b| *b == b'\n') {
+        if line.is_empty() {
             return None;
         }
-        let rec = &rest[sp + 1..len];
-        if let Some(v) = rec.strip_prefix(b"size=") {
-            let v = v.strip_suffix(b"\n").unwrap_or(v);
-            found = std::str::from_utf8(v).ok()?.trim_end().parse().ok();
+        let sp = line.iter().position(|c| *c == b' ')?;
+        let len: usize = std::str::from_utf8(&line[..sp]).ok()?.parse().ok()?;
+        if line.len() + 1 != len {
+            return None;
         }
-        rest = &rest[len..];
+        let kv = &line[sp + 1..];
+        let eq = kv.iter().position(|c| *c == b'=')?;
+        if &kv[..eq] != b"size" {
+            continue;
+        }
+        return std::str::from_utf8(&kv[eq + 1..]).ok()?.parse().ok();
     }
-    found
+    None
+}
+
+/// Whether the `tar` crate treats a header's extension type (`x`, `g`, `L`, `K`) as one: only
+/// with the POSIX `ustar\000` or the GNU `ustar  \0` magic; otherwise it is an ordinary
+/// entry (which the applier then refuses as an unsupported type).
+fn recognized(h: &[u8]) -> bool {
+    let (magic, version) = (&h[257..263], &h[263..265]);
+    (magic == b"ustar\0" && version == b"00") || (magic == b"ustar " && version == b" \0")
 }
 
 impl Framer {
@@ -372,20 +389,31 @@ impl Framer {
             }
             let kind = h[156];
             let header_size = parse_octal_size(&h[124..136]).ok_or(FrameFault::Malformed)?;
-            let is_ext = matches!(kind, b'x' | b'g' | b'L' | b'K');
-            let size = if is_ext {
-                if header_size > MAX_METADATA_BYTES {
+            // As the tar reader: a PAX size applies to the next header that is not an
+            // extension type (recognised or not), and only recognised `x`, `L`, `K`
+            // headers are read as extension data (into memory: bounded here).
+            let ext_type = matches!(kind, b'x' | b'g' | b'L' | b'K');
+            let ext = ext_type && recognized(&h);
+            let size = if ext_type {
+                if ext && header_size > MAX_METADATA_BYTES {
                     return Err(FrameFault::Metadata);
                 }
                 header_size
             } else {
                 self.pending_size.take().unwrap_or(header_size)
             };
+            if !ext || kind == b'g' {
+                // An entry of its own: the PAX header before it was used up.
+                self.pending_size = None;
+            }
             if kind == b'S' {
                 return Err(FrameFault::Sparse);
             }
-            if kind == b'x' && size > 0 {
-                self.pax = Some((Vec::new(), size));
+            if kind == b'x' && ext {
+                self.pending_size = None;
+                if size > 0 {
+                    self.pax = Some((Vec::new(), size));
+                }
             }
             self.skip = size.checked_add(511).ok_or(FrameFault::Malformed)? & !511;
         }
@@ -502,7 +530,7 @@ pub fn apply_layer(
         root: root_fd,
         digest: digest.to_string(),
         entry: String::from("(start)"),
-        created: HashSet::new(),
+        created: Created::default(),
         dirs: Vec::new(),
         limits: *limits,
     };
@@ -571,11 +599,48 @@ struct Applier {
     root: OwnedFd,
     digest: String,
     entry: String,
-    /// Paths (components joined by `/`) this layer created, with their ancestors.
-    created: HashSet<Vec<u8>>,
+    /// Paths this layer created, with their ancestors.
+    created: Created,
     /// Directories whose mtime is set at the end: (components, mtime seconds).
     dirs: Vec<(Vec<Vec<u8>>, u64)>,
     limits: Limits,
+}
+
+/// The paths a layer created, with their ancestors, as a tree of components: recording or
+/// looking up a path costs one map operation per component. (A set of joined prefixes costs
+/// depth² × name length per entry: one entry 1024 components deep with 255-byte names is
+/// 134 MB of copying and hashing, and a small layer can hold thousands of them.)
+#[derive(Default)]
+struct Created {
+    /// (parent node, name) → node; node 0 is the root.
+    nodes: HashMap<(usize, Vec<u8>), usize>,
+}
+
+impl Created {
+    fn insert(&mut self, comps: &[Vec<u8>]) {
+        let mut cur = 0;
+        for c in comps {
+            let next = self.nodes.len() + 1;
+            cur = *self.nodes.entry((cur, c.clone())).or_insert(next);
+        }
+    }
+
+    fn contains(&self, comps: &[Vec<u8>]) -> bool {
+        let mut cur = 0;
+        for c in comps {
+            match self.nodes.get(&(cur, c.clone())) {
+                Some(n) => cur = *n,
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Bytes of names held (for the bound's test).
+    #[cfg(test)]
+    fn name_bytes(&self) -> usize {
+        self.nodes.keys().map(|(_, n)| n.len()).sum()
+    }
 }
 
 /// Splits an entry name into its components, refusing absolute names and `..`.
@@ -732,9 +797,7 @@ impl Applier {
     }
 
     fn mark_created(&mut self, comps: &[Vec<u8>]) {
-        for i in 1..=comps.len() {
-            self.created.insert(comps[..i].join(&b'/'));
-        }
+        self.created.insert(comps);
     }
 
     fn meta(&self, entry: &mut tar::Entry<'_, impl Read>) -> Result<Meta, ApplyFail> {
@@ -857,7 +920,7 @@ impl Applier {
                 };
                 let mut full = parent.to_vec();
                 full.push(name.to_vec());
-                if !self.created.contains(&full.join(&b'/')) {
+                if !self.created.contains(&full) {
                     self.remove_all(dir.as_fd(), name, 0)?;
                 }
                 return Ok(());
@@ -869,7 +932,7 @@ impl Applier {
                 for child in self.list(dir.as_fd())? {
                     let mut full = parent.to_vec();
                     full.push(child.clone());
-                    if !self.created.contains(&full.join(&b'/')) {
+                    if !self.created.contains(&full) {
                         self.remove_all(dir.as_fd(), &child, 0)?;
                     }
                 }
@@ -907,7 +970,9 @@ impl Applier {
                 self.set_fd_meta(fd.as_fd(), &meta)?;
                 self.dirs.push((comps.clone(), meta.mtime));
             }
-            T::Regular | T::Continuous | T::GNUSparse => {
+            // GNU sparse entries are refused here too, whatever the framer saw: their
+            // holes are zeros the reader makes up, past every byte bound.
+            T::Regular | T::Continuous => {
                 let size = entry.header().size().map_err(ApplyFail::Read)?;
                 if size > self.limits.max_file_bytes {
                     return Err(self

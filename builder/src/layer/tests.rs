@@ -887,3 +887,182 @@ fn overlay_xattrs_are_dropped() {
     }
     sb.assert_untouched("overlay xattrs");
 }
+
+/// One PAX record, `"<len> <key>=<value>\n"` (POSIX pax(1), "pax Extended Header").
+fn pax_record(key: &str, value: &[u8]) -> Vec<u8> {
+    let body = [key.as_bytes(), b"=", value, b"\n"].concat();
+    let mut len = body.len() + 2;
+    while format!("{len} ").len() + body.len() != len {
+        len += 1;
+    }
+    [format!("{len} ").into_bytes(), body].concat()
+}
+
+/// The byte counter reads the tar framing itself (to bound extension headers before the tar
+/// reader buffers them, and to refuse GNU sparse entries, whose holes are zeros that never
+/// pass through it). When it and the tar reader disagree on the size a PAX header gives the
+/// next entry, what one reads as that entry's data the other reads as headers: a sparse
+/// entry (a 3 KiB layer writing an 8 MiB file of zeros past every byte bound) or an
+/// oversized GNU long name (buffered whole in memory) hides in the "data". PAX headers the
+/// two could read differently: two `size` records (the reader takes the first), a `size`
+/// value with trailing blanks (the reader ignores it), a record whose value holds a newline
+/// (the reader splits records on newlines and gives up).
+#[test]
+fn pax_size_disagreements_hide_nothing_from_the_bounds() {
+    let limits = Limits {
+        max_total_bytes: 1 << 20,
+        max_entries: 100,
+        max_file_bytes: 64 << 20,
+        max_ratio: 100,
+        ratio_floor_bytes: 1 << 20,
+    };
+    // Each gives the entry after it no data for the reader and `hidden` bytes for a framer
+    // that reads PAX records another way.
+    type Pax = fn(u64) -> Vec<u8>;
+    let paxes: Vec<(&str, Pax)> = vec![
+        ("two size records", |hidden| {
+            [
+                pax_record("size", b"0"),
+                pax_record("size", hidden.to_string().as_bytes()),
+            ]
+            .concat()
+        }),
+        ("trailing blank", |hidden| {
+            pax_record("size", format!("{hidden} ").as_bytes())
+        }),
+        ("newline in an earlier value", |hidden| {
+            [
+                pax_record("comment", b"x\ny"),
+                pax_record("size", hidden.to_string().as_bytes()),
+            ]
+            .concat()
+        }),
+    ];
+    for (what, pax) in paxes {
+        // Hidden entry 1: a GNU sparse file, 512 stored bytes, 8 MiB of size.
+        let mut sparse = header(b"sparse", EntryType::GNUSparse, 512, b"", 0o644);
+        {
+            let g = sparse.as_gnu_mut().expect("gnu header");
+            g.sparse[0].set_offset((8 << 20) - 512);
+            g.sparse[0].set_length(512);
+            g.set_real_size(8 << 20);
+        }
+        sparse.set_cksum();
+        let p = pax(1024);
+        let tar = tar_of(vec![
+            E::Raw(xh_for(&p), p.clone()),
+            E::Raw(header(b"a", EntryType::Regular, 0, b"", 0o644), vec![]),
+            E::Raw(sparse, vec![7u8; 512]),
+        ]);
+        let s = Sandbox::new();
+        let r = s.apply_with(&tar, &limits);
+        assert!(
+            matches!(
+                &r,
+                Err(LayerError::UnsupportedType { kind: 'S', .. } | LayerError::Tar { .. })
+            ),
+            "{what}: sparse entry: {r:?}"
+        );
+        assert!(
+            fs::metadata(s.root().join("sparse")).is_err(),
+            "{what}: the sparse file was written"
+        );
+        s.assert_untouched(what);
+
+        // Hidden entry 2: a GNU long name over the metadata bound (buffered whole by the
+        // reader).
+        let long = vec![b'n'; (MAX_METADATA_BYTES + 512) as usize];
+        let lh = header(
+            b"././@LongLink",
+            EntryType::GNULongName,
+            long.len() as u64,
+            b"",
+            0o644,
+        );
+        let p = pax(512 + long.len() as u64);
+        let tar = tar_of(vec![
+            E::Raw(xh_for(&p), p.clone()),
+            E::Raw(header(b"a", EntryType::Regular, 0, b"", 0o644), vec![]),
+            E::Raw(lh, long),
+            E::Raw(header(b"x", EntryType::Regular, 0, b"", 0o644), vec![]),
+        ]);
+        let big = Limits {
+            max_total_bytes: 64 << 20,
+            ..limits
+        };
+        let s = Sandbox::new();
+        let r = s.apply_with(&tar, &big);
+        assert!(
+            matches!(
+                &r,
+                Err(LayerError::Limit {
+                    kind: LimitKind::MetadataBytes,
+                    ..
+                } | LayerError::Tar { .. })
+            ),
+            "{what}: long name: {r:?}"
+        );
+        s.assert_untouched(what);
+    }
+}
+
+fn xh_for(pax: &[u8]) -> Header {
+    header(b"pax", EntryType::XHeader, pax.len() as u64, b"", 0o644)
+}
+
+/// What the applier remembers of a layer's paths grows with the names' bytes, not with
+/// depth² × name length per entry: the entries of a small layer can each be 1024 components
+/// of 255 bytes (one PAX path of 256 KiB, a few hundred bytes compressed).
+#[test]
+fn created_paths_cost_their_length() {
+    let deep: Vec<Vec<u8>> = (0..1024)
+        .map(|i| vec![b'a' + (i % 26) as u8; 255])
+        .collect();
+    let mut c = Created::default();
+    for leaf in 0..100u8 {
+        let mut p = deep.clone();
+        p.push(vec![leaf; 1]);
+        c.insert(&p);
+        assert!(c.contains(&p) && c.contains(&p[..10]));
+    }
+    assert!(!c.contains(&[b"b".to_vec()]));
+    assert!(c.name_bytes() <= 1024 * 255 + 100, "{}", c.name_bytes());
+}
+
+/// Attacks that hold (kept as regressions): a hard link to a name that a later entry turns
+/// into a symlink pointing out, then entries written through every name; an xattr bomb (a
+/// thousand PAX xattrs on one file).
+#[test]
+fn more_layer_attacks_that_hold() {
+    let s = Sandbox::new();
+    let keep = s.dir.path().join("sentinel/keep");
+    let keep = keep.as_os_str().as_encoded_bytes().to_vec();
+    let tar = tar_of(vec![
+        E::File(b"a", b"first"),
+        E::Link(b"b", b"a"),
+        E::Sym(b"a", &keep),
+        E::Link(b"c", b"a"),
+        E::File(b"c", b"through c"),
+        E::File(b"a", b"through a"),
+        E::File(b"b", b"through b"),
+    ]);
+    let r = s.apply(&tar);
+    s.assert_untouched("hard link, then symlink");
+    r.unwrap();
+    assert_eq!(fs::read(s.root().join("a")).unwrap(), b"through a");
+    assert_eq!(fs::read(s.root().join("c")).unwrap(), b"through c");
+
+    let s = Sandbox::new();
+    let names: Vec<String> = (0..1000)
+        .map(|i| format!("SCHILY.xattr.user.x{i}"))
+        .collect();
+    let value = [b'v'; 200];
+    let pax: Vec<(&str, &[u8])> = names.iter().map(|n| (n.as_str(), &value[..])).collect();
+    let tar = tar_of(vec![E::Pax(pax), E::File(b"bomb", b"x")]);
+    let r = s.apply(&tar);
+    s.assert_untouched("xattr bomb");
+    assert!(
+        matches!(r, Ok(_) | Err(LayerError::Io { .. })),
+        "xattr bomb: {r:?}"
+    );
+}
