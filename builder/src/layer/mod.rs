@@ -678,6 +678,21 @@ struct Meta {
     xattrs: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
+/// A tar owner id as a Linux uid/gid. Ids that do not fit 32 bits would wrap (4294967296 is
+/// root), and 4294967295 is `(uid_t)-1`, which `chown` reads as "leave unchanged": both are
+/// refused as invalid data rather than truncated.
+fn owner_id(what: &str, v: u64) -> io::Result<u32> {
+    u32::try_from(v)
+        .ok()
+        .filter(|&id| id != u32::MAX)
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{what} {v} is not a valid id (0 to 4294967294)"),
+            )
+        })
+}
+
 /// Whether an xattr from a layer is applied: `system.*` (ACLs are kernel-encoded) and
 /// `security.selinux` (host policy) are not, as umoci and containerd skip them; nor are
 /// overlayfs's own `trusted.overlay.*` and `user.overlay.*` (opaque, redirect, metacopy,
@@ -805,8 +820,8 @@ impl Applier {
         let bad = |e: io::Error| ApplyFail::Read(e);
         let mut m = Meta {
             mode: h.mode().map_err(bad)? & 0o7777,
-            uid: h.uid().map_err(bad)? as u32,
-            gid: h.gid().map_err(bad)? as u32,
+            uid: owner_id("uid", h.uid().map_err(bad)?).map_err(bad)?,
+            gid: owner_id("gid", h.gid().map_err(bad)?).map_err(bad)?,
             mtime: h.mtime().map_err(bad)?,
             xattrs: Vec::new(),
         };
@@ -822,8 +837,21 @@ impl Applier {
                         .and_then(|s| s.parse::<u64>().ok())
                 };
                 match key {
-                    b"uid" => m.uid = num().unwrap_or(m.uid as u64) as u32,
-                    b"gid" => m.gid = num().unwrap_or(m.gid as u64) as u32,
+                    b"uid" | b"gid" => {
+                        let what = if key == b"uid" { "uid" } else { "gid" };
+                        let v = num().ok_or_else(|| {
+                            bad(io::Error::new(
+                                io::ErrorKind::InvalidData,
+                                format!("PAX {what} is not a number"),
+                            ))
+                        })?;
+                        let id = owner_id(what, v).map_err(bad)?;
+                        if key == b"uid" {
+                            m.uid = id;
+                        } else {
+                            m.gid = id;
+                        }
+                    }
                     b"mtime" => m.mtime = num().unwrap_or(m.mtime),
                     k if k.starts_with(b"SCHILY.xattr.") => {
                         let name = &k[b"SCHILY.xattr.".len()..];

@@ -1066,3 +1066,41 @@ fn more_layer_attacks_that_hold() {
         "xattr bomb: {r:?}"
     );
 }
+
+/// Owner ids that do not fit a Linux uid/gid are refused, never truncated: a PAX `uid` of
+/// 4294967296 would wrap to 0 (root), and 4294967295 is `(uid_t)-1`, which `chown` reads as
+/// "leave unchanged".
+#[test]
+fn owner_ids_out_of_range_are_refused() {
+    for (key, value) in [
+        ("uid", &b"4294967296"[..]),
+        ("gid", &b"4294967296"[..]),
+        ("uid", &b"4294967295"[..]),
+        ("gid", &b"18446744073709551615"[..]),
+        ("uid", &b"-1"[..]),
+    ] {
+        let s = Sandbox::new();
+        let tar = tar_of(vec![E::Pax(vec![(key, value)]), E::File(b"owned", b"data")]);
+        let r = s.apply(&tar);
+        assert!(
+            r.is_err(),
+            "PAX {key}={} was accepted: {r:?}",
+            String::from_utf8_lossy(value)
+        );
+        assert!(
+            fs::symlink_metadata(s.root().join("owned")).is_err(),
+            "PAX {key}={}: the file was written",
+            String::from_utf8_lossy(value)
+        );
+        s.assert_untouched(key);
+    }
+    // In range: applied with that owner.
+    let s = Sandbox::new();
+    let tar = tar_of(vec![
+        E::Pax(vec![("uid", &b"4294967294"[..]), ("gid", &b"70000"[..])]),
+        E::File(b"owned", b"data"),
+    ]);
+    s.apply(&tar).expect("ids in range");
+    let md = fs::symlink_metadata(s.root().join("owned")).expect("written");
+    assert_eq!((md.uid(), md.gid()), (4294967294, 70000));
+}
