@@ -4,7 +4,8 @@
 //! Base images (issue 4):
 //! - [`reference`]: image references as Docker parses them;
 //! - [`image`]: OCI/Docker manifests, indexes, platforms;
-//! - [`cache`]: the blob cache pulled into ([`cache::BlobCache`], [`cache::LocalCache`]);
+//! - [`cache`]: the blob cache pulled into, which is the local store ([`cache::BlobCache`],
+//!   [`cache::LocalCache`] over [`kiln_store::LocalBlobs`]);
 //! - [`registry`]: pull and push through `oci-client`, with resume and credentials;
 //! - [`layout`]: OCI image layout directories (import and export);
 //! - [`layer`]: applying layers safely onto a root directory;
@@ -13,12 +14,17 @@
 //! - [`resolve`]: the resolve phase of a build plan (every base to a digest, ONBUILD);
 //! - [`base`]: resolving a FROM (local refs first, then the registry) and unpacking.
 //!
+//! Build inputs (issue 5):
+//! - [`copy`]: COPY/ADD into a step's root, and the sources' cache-key digest;
+//! - [`secrets`]: `--secret id=..,src=..|env=..` build secrets for `RUN --mount=type=secret`.
+//!
 //! Build execution (issue 5):
 //! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits).
 
 pub mod base;
 pub mod bootstrap;
 pub mod cache;
+pub mod copy;
 pub mod exec;
 pub mod image;
 pub mod layer;
@@ -27,3 +33,4 @@ pub mod reference;
 pub mod registry;
 pub mod remote;
 pub mod resolve;
+pub mod secrets;

@@ -21,6 +21,7 @@
 pub mod cgroup;
 mod linux;
 pub mod logs;
+pub mod mounts;
 pub mod user;
 
 use std::path::PathBuf;
@@ -34,6 +35,7 @@ use kiln_recipes::plan::{Action, InlineFile, Network, Step};
 pub use cgroup::{CgroupError, CgroupLayout};
 pub use linux::LinuxExecutor;
 pub use logs::{LogLimits, LogLine};
+pub use mounts::{MountInputs, MountKind, MountsError, StepMount};
 pub use user::{ExecUser, UserError};
 
 /// Docker's default capability set (moby `oci/caps/defaults.go`): CHOWN, DAC_OVERRIDE,
@@ -103,8 +105,9 @@ impl Default for ExecConfig {
     }
 }
 
-/// Everything one `RUN` step needs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Everything one `RUN` step needs. Its `Debug` form redacts [`StepSpec::secrets`] wherever
+/// they appear (the environment, heredoc files) and shows only how many there are.
+#[derive(Clone, PartialEq, Eq)]
 pub struct StepSpec {
     /// The step's index, carried by every [`LogLine`].
     pub index: usize,
@@ -128,6 +131,9 @@ pub struct StepSpec {
     pub files: Vec<InlineFile>,
     /// Network mode.
     pub network: Network,
+    /// `RUN --mount`s, resolved ([`mounts::resolve`]); mounted after the overlay, never part
+    /// of the upper directory.
+    pub mounts: Vec<StepMount>,
     /// Values redacted from the logs.
     pub secrets: Vec<String>,
     /// Time this step may run (what is left of the build's timeout).
@@ -137,10 +143,48 @@ pub struct StepSpec {
     pub log_budget: Option<usize>,
 }
 
+impl std::fmt::Debug for StepSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hide = |s: &str| -> String {
+            let mut out = s.to_string();
+            for secret in self.secrets.iter().filter(|x| !x.is_empty()) {
+                out = out.replace(secret.as_str(), logs::REDACTED);
+            }
+            out
+        };
+        let env: Vec<String> = self.env.iter().map(|e| hide(e)).collect();
+        let argv: Vec<String> = self.argv.iter().map(|a| hide(a)).collect();
+        let files: Vec<(String, Option<String>, String)> = self
+            .files
+            .iter()
+            .map(|fl| (fl.name.clone(), fl.path.clone(), hide(&fl.data)))
+            .collect();
+        f.debug_struct("StepSpec")
+            .field("index", &self.index)
+            .field("lower_dirs", &self.lower_dirs)
+            .field("upper_dir", &self.upper_dir)
+            .field("work_dir", &self.work_dir)
+            .field("argv", &argv)
+            .field("env", &env)
+            .field("user", &self.user)
+            .field("workdir", &self.workdir)
+            .field("files", &files)
+            .field("network", &self.network)
+            .field("mounts", &self.mounts)
+            .field(
+                "secrets",
+                &format_args!("<{} redacted>", self.secrets.len()),
+            )
+            .field("timeout", &self.timeout)
+            .field("log_budget", &self.log_budget)
+            .finish()
+    }
+}
+
 impl StepSpec {
     /// A spec for plan step `step` (a `RUN`), numbered `index`, over `lower_dirs` (topmost
-    /// first), writing to `upper_dir` with `work_dir`. Errors: not a `RUN`, or `RUN --mount`
-    /// (not yet supported here).
+    /// first), writing to `upper_dir` with `work_dir`. Errors: not a `RUN`, or a `RUN --mount`
+    /// (use [`StepSpec::from_plan_with_mounts`], which is given what mounts need).
     pub fn from_plan(
         index: usize,
         step: &Step,
@@ -154,7 +198,7 @@ impl StepSpec {
         };
         if !run.mounts.is_empty() {
             return Err(ExecError::Unsupported(
-                "RUN --mount is not supported by the executor yet".into(),
+                "RUN --mount needs StepSpec::from_plan_with_mounts".into(),
             ));
         }
         Ok(StepSpec {
@@ -168,10 +212,38 @@ impl StepSpec {
             workdir: step.context.workdir.clone(),
             files: run.files.clone(),
             network: run.network,
+            mounts: Vec::new(),
             secrets: Vec::new(),
             timeout,
             log_budget: None,
         })
+    }
+
+    /// As [`StepSpec::from_plan`], with the step's `RUN --mount`s resolved from `inputs`
+    /// ([`mounts::resolve`]): secrets exposed as environment variables are appended to the
+    /// environment, and every secret value the step sees is redacted from its logs.
+    pub fn from_plan_with_mounts(
+        index: usize,
+        step: &Step,
+        lower_dirs: Vec<PathBuf>,
+        upper_dir: PathBuf,
+        work_dir: PathBuf,
+        timeout: Duration,
+        inputs: &MountInputs,
+    ) -> Result<StepSpec, ExecError> {
+        let Action::Run(run) = &step.action else {
+            return Err(ExecError::Unsupported("only RUN steps are executed".into()));
+        };
+        let resolved = mounts::resolve(&run.mounts, inputs)?;
+        let mut bare = step.clone();
+        if let Action::Run(r) = &mut bare.action {
+            r.mounts.clear();
+        }
+        let mut spec = StepSpec::from_plan(index, &bare, lower_dirs, upper_dir, work_dir, timeout)?;
+        spec.mounts = resolved.mounts;
+        spec.env.extend(resolved.env);
+        spec.secrets.extend(resolved.redact);
+        Ok(spec)
     }
 }
 
@@ -217,6 +289,9 @@ pub enum ExecError {
     /// The step's cgroup could not be made.
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
+    /// A `RUN --mount` could not be resolved.
+    #[error(transparent)]
+    Mounts(#[from] MountsError),
     /// slirp4netns did not come up.
     #[error("network: slirp4netns: {0}")]
     Slirp(String),
@@ -402,6 +477,26 @@ mod tests {
             ),
             Err(ExecError::Unsupported(_))
         ));
+        let s = StepSpec::from_plan_with_mounts(
+            2,
+            &run_step(true),
+            vec![],
+            "/u".into(),
+            "/w".into(),
+            Duration::ZERO,
+            &MountInputs::default(),
+        )
+        .unwrap();
+        assert_eq!(s.mounts.len(), 1);
+        assert_eq!(s.mounts[0].target, "/t");
+        let mut s = s;
+        s.env.push("TOKEN=hunter2".into());
+        s.secrets.push("hunter2".into());
+        let shown = format!("{s:?}");
+        assert!(
+            !shown.contains("hunter2") && shown.contains("TOKEN=****"),
+            "{shown}"
+        );
     }
 
     #[test]
