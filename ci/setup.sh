@@ -23,7 +23,7 @@ log() { printf 'setup: %s\n' "$*" >&2; }
 # Packages from bookworm itself.
 apt_main=(docker-registry slirp4netns skopeo umoci busybox-static debootstrap zstd
   python3-venv apache2-utils curl ca-certificates pkg-config
-  uidmap iproute2 netcat-openbsd)
+  uidmap iproute2 netcat-openbsd xz-utils)
 # Packages that must come from bookworm-backports: e2fsprogs >= 1.47.1 reads a tarball with
 # `mke2fs -d`, and only when libarchive13 is installed. QEMU too: this kind of machine ships
 # qemu-utils from backports, which breaks bookworm's qemu-system-common.

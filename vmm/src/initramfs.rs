@@ -312,9 +312,13 @@ pub fn guest_artifacts(
     init: &Path,
 ) -> Result<GuestArtifacts, InitramfsError> {
     use sha2::{Digest, Sha256};
-    let k = kernel::fetch(cache_dir, &recipe.package)?;
+    // Check the init before fetching anything.
     let init_bytes =
         fs::read(init).map_err(|e| InitramfsError::Io(init.display().to_string(), e))?;
+    if !is_static(&init_bytes) {
+        return Err(InitramfsError::NotStatic(init.into()));
+    }
+    let k = kernel::fetch(cache_dir, &recipe.package)?;
     let mut h = Sha256::new();
     h.update(k.vmlinux_sha256.as_bytes());
     h.update([0]);

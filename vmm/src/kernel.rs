@@ -482,6 +482,11 @@ fn lz4_legacy_decompress(input: &[u8]) -> Result<Vec<u8>, String> {
             continue;
         }
         let size = size as usize;
+        // The kernel appends the decompressed length after the stream (scripts/Makefile.lib,
+        // size_append): reaching it ends the stream even when bytes follow (a signature).
+        if !out.is_empty() && size == out.len() {
+            break;
+        }
         let Some(block) = input.get(pos + 4..pos + 4 + size) else {
             break;
         };
@@ -818,6 +823,47 @@ mod tests {
         assert!(lz4_legacy_decompress(&bad).is_err());
     }
 
+    /// An LZ4 legacy stream of one literal-only block holding `data` (< 15 bytes), then the
+    /// kernel's appended decompressed size.
+    fn lz4_literals(data: &[u8]) -> Vec<u8> {
+        let mut s = LZ4_LEGACY_MAGIC.to_vec();
+        let mut blk = vec![(data.len() as u8) << 4];
+        blk.extend_from_slice(data);
+        s.extend_from_slice(&(blk.len() as u32).to_le_bytes());
+        s.extend_from_slice(&blk);
+        s.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        s
+    }
+
+    #[test]
+    fn bzimage_payload_is_found_by_header_or_by_magic() {
+        let payload = lz4_literals(b"\x7fELF-kernel");
+        let mut bz = vec![0u8; 1024];
+        bz[0x1f1] = 1; // setup_sects: protected-mode code at (1 + 1) * 512
+        bz[0x202..0x206].copy_from_slice(b"HdrS");
+        bz[0x206..0x208].copy_from_slice(&0x020fu16.to_le_bytes());
+        bz[0x248..0x24c].copy_from_slice(&16u32.to_le_bytes());
+        bz[0x24c..0x250].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+        bz.extend_from_slice(&[0u8; 16]);
+        bz.extend_from_slice(&payload);
+        bz.extend_from_slice(b"trailing signature bytes");
+        assert_eq!(payload_by_header(&bz), Some(&payload[..]));
+        let (out, format) = extract_vmlinux(&bz).unwrap();
+        assert_eq!((out.as_slice(), format), (&b"\x7fELF-kernel"[..], "lz4"));
+        // A header pointing past the file: the magic scan still finds the payload.
+        let mut lying = bz.clone();
+        lying[0x24c..0x250].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(payload_by_header(&lying), None);
+        assert_eq!(extract_vmlinux(&lying).unwrap().0, b"\x7fELF-kernel");
+        // A payload that is not an ELF file once decompressed is refused.
+        let mut not_elf = vec![0u8; 8];
+        not_elf.extend_from_slice(&lz4_literals(b"MZ-not-elf"));
+        assert!(extract_vmlinux(&not_elf).is_err());
+        for n in 0..bz.len() {
+            let _ = extract_vmlinux(&bz[..n]);
+        }
+    }
+
     #[test]
     fn non_elf_and_note_less_elf_are_refused() {
         assert!(pvh_entry(b"MZ not elf").is_err());
@@ -842,6 +888,141 @@ mod tests {
         let typo = include_str!("../../base-images/kernel.yaml").replace("modules:", "modulse:");
         assert!(KernelRecipe::parse(&typo).is_err());
         assert!(KernelRecipe::parse("kind: image\npackage: x\n").is_err());
+    }
+
+    /// A minimal ELF64 relocatable with `.shstrtab` and a `.modinfo` holding `modinfo`.
+    fn fake_module(modinfo: &[u8]) -> Vec<u8> {
+        let shstrtab = b"\0.shstrtab\0.modinfo\0";
+        let mut f = vec![0u8; 64];
+        f[..4].copy_from_slice(b"\x7fELF");
+        f[4] = 2;
+        f[5] = 1;
+        let str_off = f.len();
+        f.extend_from_slice(shstrtab);
+        let info_off = f.len();
+        f.extend_from_slice(modinfo);
+        while !f.len().is_multiple_of(8) {
+            f.push(0);
+        }
+        let shoff = f.len();
+        let mut sh = |name: u32, off: usize, size: usize| {
+            let mut h = [0u8; 64];
+            h[..4].copy_from_slice(&name.to_le_bytes());
+            h[0x18..0x20].copy_from_slice(&(off as u64).to_le_bytes());
+            h[0x20..0x28].copy_from_slice(&(size as u64).to_le_bytes());
+            f.extend_from_slice(&h);
+        };
+        sh(0, 0, 0);
+        sh(1, str_off, shstrtab.len());
+        sh(11, info_off, modinfo.len());
+        f[0x28..0x30].copy_from_slice(&(shoff as u64).to_le_bytes());
+        f[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+        f[0x3c..0x3e].copy_from_slice(&3u16.to_le_bytes());
+        f[0x3e..0x40].copy_from_slice(&1u16.to_le_bytes());
+        f
+    }
+
+    #[test]
+    fn module_closure_orders_dependencies_first_and_refuses_cycles_and_gaps() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("kernel/drivers");
+        fs::create_dir_all(&sub).unwrap();
+        let put = |name: &str, deps: &str| {
+            let info = format!("license=GPL\0depends={deps}\0name={name}\0");
+            fs::write(sub.join(format!("{name}.ko")), fake_module(info.as_bytes())).unwrap();
+        };
+        put("virtio_ring", "");
+        put("virtio", "virtio_ring");
+        put("virtio_blk", "virtio,virtio_ring");
+        put("crc-x", "");
+        put("uses_crc", "crc-x");
+        let order: Vec<String> = module_closure(dir.path(), &["virtio_blk", "uses_crc"])
+            .unwrap()
+            .into_iter()
+            .map(|m| m.name)
+            .collect();
+        assert_eq!(
+            order,
+            ["virtio_ring", "virtio", "virtio_blk", "crc_x", "uses_crc"]
+        );
+
+        put("loop_a", "loop_b");
+        put("loop_b", "loop_a");
+        assert!(matches!(
+            module_closure(dir.path(), &["loop_a"]),
+            Err(KernelError::Cycle(_))
+        ));
+        put("needs_ghost", "ghost");
+        assert!(matches!(
+            module_closure(dir.path(), &["needs_ghost"]),
+            Err(KernelError::Module(name, _)) if name == "ghost"
+        ));
+    }
+
+    #[test]
+    fn hostile_module_files_are_errors_not_panics() {
+        let good = fake_module(b"depends=a,b\0");
+        assert_eq!(module_depends(&good).unwrap(), ["a", "b"]);
+        // Every truncation, and garbage offsets in the header.
+        for n in 0..good.len() {
+            let _ = module_depends(&good[..n]);
+        }
+        for at in [0x28, 0x3a, 0x3c, 0x3e] {
+            let mut bad = good.clone();
+            bad[at] = 0xff;
+            bad[at + 1] = 0xff;
+            let _ = module_depends(&bad);
+        }
+        assert!(module_depends(b"\x7fELF").is_err());
+        assert!(module_depends(&fake_module(b"")).unwrap().is_empty());
+    }
+
+    #[test]
+    fn pvh_note_is_found_in_a_note_segment() {
+        // ELF64 header + one PT_NOTE phdr + a "Xen" note of type 18 with an 8-byte entry.
+        let mut f = vec![0u8; 64];
+        f[..4].copy_from_slice(b"\x7fELF");
+        f[4] = 2;
+        f[5] = 1;
+        f[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+        f[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+        f[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+        let mut note = Vec::new();
+        for v in [4u32, 8, 18] {
+            note.extend_from_slice(&v.to_le_bytes());
+        }
+        note.extend_from_slice(b"Xen\0");
+        note.extend_from_slice(&0x0100_0850u64.to_le_bytes());
+        let mut ph = [0u8; 56];
+        ph[..4].copy_from_slice(&4u32.to_le_bytes());
+        ph[0x08..0x10].copy_from_slice(&(120u64).to_le_bytes());
+        ph[0x20..0x28].copy_from_slice(&(note.len() as u64).to_le_bytes());
+        f.extend_from_slice(&ph);
+        f.extend_from_slice(&note);
+        assert_eq!(pvh_entry(&f).unwrap(), 0x0100_0850);
+        for n in 0..f.len() {
+            let _ = pvh_entry(&f[..n]);
+        }
+        // A segment claiming to run past the file.
+        let mut bad = f.clone();
+        bad[64 + 0x20..64 + 0x28].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(pvh_entry(&bad).is_err());
+    }
+
+    #[test]
+    fn xz_compressed_modules_are_decompressed() {
+        let dir = tempfile::tempdir().unwrap();
+        let plain = fake_module(b"depends=\0");
+        let ko = dir.path().join("m.ko");
+        fs::write(&ko, &plain).unwrap();
+        let st = Command::new("xz")
+            .arg("-k")
+            .arg(&ko)
+            .status()
+            .expect("xz (xz-utils)");
+        assert!(st.success());
+        assert_eq!(module_bytes(&dir.path().join("m.ko.xz")).unwrap(), plain);
+        assert!(module_bytes(&dir.path().join("m.ko.zst")).is_err());
     }
 
     #[test]

@@ -4,6 +4,7 @@
 pub mod common;
 pub mod export;
 pub mod import;
+pub mod kernel;
 pub mod login;
 pub mod plan;
 pub mod progress;
