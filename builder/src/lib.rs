@@ -20,15 +20,21 @@
 //!
 //! Build execution (issue 5):
 //! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits).
+//!
+//! Root file systems (issue 6):
+//! - [`ext4`]: layers flattened into a deterministic, checked ext4 image (`mke2fs -d -`);
+//! - [`publish`]: a built image into the store: ext4 chunks, OCI blobs, manifest, tags.
 
 pub mod base;
 pub mod bootstrap;
 pub mod cache;
 pub mod copy;
 pub mod exec;
+pub mod ext4;
 pub mod image;
 pub mod layer;
 pub mod layout;
+pub mod publish;
 pub mod reference;
 pub mod registry;
 pub mod remote;
