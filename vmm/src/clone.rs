@@ -424,7 +424,14 @@ async fn start_one(
         .map(|d| d.as_secs())
         .unwrap_or(0);
     let res = async {
-        let mut vm = Vm::spawn(host, &spec, &dir.join("qemu.log"), opts.restore_timeout).await?;
+        let mut vm = Vm::spawn(
+            host,
+            &spec,
+            &dir.join("qemu.log"),
+            opts.restore_timeout,
+            false,
+        )
+        .await?;
         vm.qmp
             .set_capabilities(&[("x-ignore-shared", true)])
             .await?;

@@ -336,18 +336,33 @@ pub struct Vm {
 
 impl Vm {
     /// Starts QEMU with `spec` (in its own process group, stdin closed, stdout and stderr to
-    /// `stderr_log`) and connects QMP within `timeout`. QEMU keeps running if this process
-    /// exits (clones outlive `kiln start`); [`Vm::kill`] ends it.
+    /// `stderr_log`) and connects QMP within `timeout`. With `tied`, QEMU is killed
+    /// (`PR_SET_PDEATHSIG`) when the thread that started it exits, so a killed boot-once run
+    /// leaves no QEMU behind; without it, QEMU keeps running if this process exits (clones
+    /// outlive `kiln start`). [`Vm::kill`] and dropping the handle end it.
     pub async fn spawn(
         host: &Host,
         spec: &VmSpec,
         stderr_log: &Path,
         timeout: Duration,
+        tied: bool,
     ) -> Result<Self, LaunchError> {
         let log = std::fs::File::create(stderr_log).map_err(io_err(stderr_log))?;
         let log2 = log.try_clone().map_err(io_err(stderr_log))?;
         let mut cmd = std::process::Command::new(&host.qemu);
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        if tied {
+            // SAFETY: the closure runs in the child between fork and exec and only calls
+            // prctl(2), which is async-signal-safe; it touches no memory of the parent.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         let mut child = cmd
             .args(spec.args())
             .stdin(Stdio::null())

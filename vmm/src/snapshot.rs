@@ -266,7 +266,7 @@ pub async fn snapshot_image(
         tsc_khz: host.tsc_khz,
     };
     let t0 = Instant::now();
-    let mut vm = Vm::spawn(&host, &spec, &dir.join("qemu.log"), opts.boot_timeout).await?;
+    let mut vm = Vm::spawn(&host, &spec, &dir.join("qemu.log"), opts.boot_timeout, true).await?;
     run_to_ready(&mut vm, &spec, image.sandbox.as_ref(), opts).await?;
     let boot_to_ready = t0.elapsed();
     tracing::info!(?boot_to_ready, "guest ready");
