@@ -14,15 +14,19 @@
 //! - [`base`]: resolving a FROM (local refs first, then the registry) and unpacking.
 //!
 //! Build execution (issue 5):
-//! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits).
+//! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits);
+//! - [`build`]: the build driver, a plan into an OCI image in the store;
+//! - [`publish`]: what a build hands over for publishing ([`publish::BuiltImage`]).
 
 pub mod base;
 pub mod bootstrap;
+pub mod build;
 pub mod cache;
 pub mod exec;
 pub mod image;
 pub mod layer;
 pub mod layout;
+pub mod publish;
 pub mod reference;
 pub mod registry;
 pub mod remote;
