@@ -1006,7 +1006,7 @@ async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<(), BuildEr
     (ctx.events)(BuildEvent::Step {
         index,
         stage: ctx.plan.target,
-        location: "kiln".into(),
+        location: "(generated)".into(),
         instruction: SANDBOX_LAYER_CREATED_BY.into(),
         cached: hit.is_some(),
     });
