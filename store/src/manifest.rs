@@ -243,6 +243,9 @@ pub struct SnapshotManifest {
 }
 
 /// A parsed manifest of any known type.
+// Manifests are few and short-lived; boxing the image variant would change every caller's
+// `Manifest::Image(m)` for no measurable gain.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Manifest {
     /// [`IMAGE_MEDIA_TYPE`].
