@@ -13,6 +13,10 @@
 //! - [`resolve`]: the resolve phase of a build plan (every base to a digest, ONBUILD);
 //! - [`base`]: resolving a FROM (local refs first, then the registry) and unpacking.
 //!
+//! Build inputs (issue 5):
+//! - [`copy`]: COPY/ADD into a step's root, and the sources' cache-key digest;
+//! - [`secrets`]: `--secret id=..,src=..|env=..` build secrets for `RUN --mount=type=secret`.
+//!
 //! Build execution (issue 5):
 //! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits);
 //! - [`build`]: the build driver, a plan into an OCI image in the store;
@@ -22,6 +26,7 @@ pub mod base;
 pub mod bootstrap;
 pub mod build;
 pub mod cache;
+pub mod copy;
 pub mod exec;
 pub mod image;
 pub mod layer;
@@ -31,3 +36,4 @@ pub mod reference;
 pub mod registry;
 pub mod remote;
 pub mod resolve;
+pub mod secrets;
