@@ -19,8 +19,11 @@
 //!
 //! Build execution (issue 5):
 //! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits);
-//! - [`build`]: the build driver, a plan into an OCI image in the store;
-//! - [`publish`]: what a build hands over for publishing ([`publish::BuiltImage`]).
+//! - [`build`]: the build driver, a plan into an OCI image in the store.
+//!
+//! Root file systems (issue 6):
+//! - [`ext4`]: layers flattened into a deterministic, checked ext4 image (`mke2fs -d -`);
+//! - [`publish`]: a built image into the store: ext4 chunks, OCI blobs, manifest, tags.
 
 pub mod base;
 pub mod bootstrap;
@@ -28,6 +31,7 @@ pub mod build;
 pub mod cache;
 pub mod copy;
 pub mod exec;
+pub mod ext4;
 pub mod image;
 pub mod layer;
 pub mod layout;

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kiln_builder::build::{
-    BuildError, BuildEvent, BuildOptions, BuildOutput, build, plan_and_resolve,
+    BuildError, BuildEvent, BuildOptions, BuildOutput, build,
 };
 use kiln_builder::cache::LocalCache;
 use kiln_builder::exec::ExecError;
@@ -84,7 +84,7 @@ impl Fx {
             ..Default::default()
         };
         let r = self.rt.block_on(async {
-            let (mut plan, bases) = plan_and_resolve(
+            let (mut plan, bases) = kiln_builder::resolve::resolve_recipe(
                 file,
                 text.as_bytes(),
                 &kiln_recipes::Options::default(),

@@ -40,7 +40,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use kiln_recipes::plan::{Action, BuildPlan, MountFrom, Stage, Step};
 use kiln_store::{BlobDigest, Store};
 
-use self::config::{History, OciConfig, RunConfig};
+use self::config::{History, OciConfig};
 use self::lower::{LayerDirs, LowerError};
 use crate::cache::{BlobCache, CacheError};
 use crate::exec::{ExecConfig, ExecError, LinuxExecutor, LogLine, StepExecutor, StepSpec};
@@ -1132,73 +1132,4 @@ async fn finish(ctx: &Ctx, out: StageOut, target: usize) -> Result<BuildOutput, 
             steps_cached: ctx.cached.load(Ordering::Relaxed),
         },
     })
-}
-
-/// Reads the base image configs of `bases` into what the front end needs for its second
-/// pass ([`kiln_recipes::Options::base_images`]), keyed by the reference as written.
-pub fn base_images(
-    plan: &BuildPlan,
-    bases: &[ResolvedBase],
-    cache: &dyn BlobCache,
-) -> Result<BTreeMap<String, kiln_recipes::BaseImage>, BuildError> {
-    let mut out = BTreeMap::new();
-    for (i, (stage, b)) in plan.stages.iter().zip(bases).enumerate() {
-        let (kiln_recipes::plan::Base::Image { reference }, ResolvedBase::Image { digest, .. }) =
-            (&stage.base, b)
-        else {
-            continue;
-        };
-        let bad = |reason: String| BuildError::Base {
-            stage: i,
-            digest: digest.clone(),
-            reason,
-        };
-        let m = crate::base::manifest(cache, digest).map_err(|e| bad(e.to_string()))?;
-        let bytes = cache
-            .read_blob(&m.config.digest)?
-            .ok_or_else(|| bad("config not in the store".into()))?;
-        let c: OciConfig = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
-        let rc: RunConfig = c.config;
-        out.insert(
-            reference.clone(),
-            kiln_recipes::BaseImage {
-                env: rc.env.unwrap_or_default(),
-                workdir: rc.working_dir.filter(|w| !w.is_empty()),
-                user: rc.user.filter(|u| !u.is_empty()),
-            },
-        );
-    }
-    Ok(out)
-}
-
-/// Lowers the recipe `bytes` named `path` and resolves its bases, in two passes as
-/// [`kiln_recipes::Options::base_images`] describes: the first plan's bases are resolved,
-/// their configs (env, user, working directory) read, and the recipe lowered again with
-/// them, so steps see the base's environment and start in its working directory as its
-/// user. Returns the second plan and its resolved bases.
-pub async fn plan_and_resolve(
-    path: &str,
-    bytes: &[u8],
-    options: &kiln_recipes::Options,
-    resolve: &crate::resolve::ResolveOptions,
-    cache: &dyn BlobCache,
-) -> Result<(BuildPlan, Vec<ResolvedBase>), BuildError> {
-    let first = kiln_recipes::load(path, bytes, options)?;
-    let bases = crate::resolve::resolve_plan(&first, resolve, cache).await?;
-    let described = base_images(&first, &bases, cache)?;
-    if described.is_empty() {
-        return Ok((first, bases));
-    }
-    let mut o = options.clone();
-    o.base_images = described;
-    let second = kiln_recipes::load(path, bytes, &o)?;
-    // Same references in the same stages: the second resolve finds them locally, except
-    // under --pull, which asks the registry again (and may see a newer digest, which is
-    // then what the build uses throughout).
-    let mut again = resolve.clone();
-    if again.policy == crate::base::PullPolicy::Always {
-        again.policy = crate::base::PullPolicy::Missing;
-    }
-    let bases = crate::resolve::resolve_plan(&second, &again, cache).await?;
-    Ok((second, bases))
 }

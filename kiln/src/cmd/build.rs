@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 
 use anyhow::{Context as _, bail};
 use kiln_builder::base::PullPolicy;
-use kiln_builder::build::{BuildEvent, BuildOptions, build, plan_and_resolve};
+use kiln_builder::build::{BuildEvent, BuildOptions, build};
 use kiln_builder::cache::{BlobCache as _, LocalCache};
 use kiln_builder::registry::RegistryOptions;
 use kiln_builder::resolve::{ResolveOptions, parse_build_context};
@@ -270,7 +270,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         });
         let store = kiln_store::Store::open(&root.to_string_lossy()).await?;
         let (plan, bases) =
-            plan_and_resolve(&name, &bytes, &options, &resolve, cache.as_ref()).await?;
+            kiln_builder::resolve::resolve_recipe(&name, &bytes, &options, &resolve, cache.as_ref()).await?;
         for w in &plan.warnings {
             match &w.location {
                 Some(l) => eprintln!("warning: {}:{}: {}", l.file, l.start_line, w.message),
