@@ -90,6 +90,9 @@ pub struct Args {
     /// A secret for `RUN --mount=type=secret`: `id=ID,src=PATH` or `id=ID,env=VAR`.
     #[arg(long)]
     pub secret: Vec<String>,
+    /// SSH agent forwarding: refused (not supported).
+    #[arg(long)]
+    pub ssh: Vec<String>,
     /// A named context: `NAME=oci-layout://DIR[:TAG]` (a FROM of NAME uses it).
     #[arg(long = "build-context")]
     pub build_context: Vec<String>,
@@ -187,9 +190,15 @@ fn printer(progress: Progress) -> Arc<dyn Fn(BuildEvent) + Send + Sync> {
 
 /// Runs `kiln build`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if !a.secret.is_empty() {
-        bail!("--secret: RUN --mount=type=secret is not supported by this build of kiln yet");
+    for f in &a.ssh {
+        kiln_builder::secrets::refuse_ssh(f)?;
     }
+    let specs = a
+        .secret
+        .iter()
+        .map(|f| kiln_builder::secrets::parse_secret_flag(f))
+        .collect::<Result<Vec<_>, _>>()?;
+    let secrets = kiln_builder::secrets::Secrets::load(&specs)?;
     for e in &a.allow {
         if e != "network.host" {
             bail!("--allow {e:?}: the only entitlement is network.host");
@@ -248,6 +257,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     opts.jobs = a.jobs.max(1);
     opts.exec.allow_network_host = a.allow.iter().any(|e| e == "network.host");
     opts.exec.run_dir = work.join("run");
+    opts.context = Some((context.clone(), dockerignore(&context, &file)?));
+    opts.secrets = secrets;
     let cancel = opts.cancel.clone();
     let events = printer(a.progress);
 
@@ -269,8 +280,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             flag.store(true, Ordering::Relaxed);
         });
         let store = kiln_store::Store::open(&root.to_string_lossy()).await?;
-        let (plan, bases) =
-            kiln_builder::resolve::resolve_recipe(&name, &bytes, &options, &resolve, cache.as_ref()).await?;
+        let (plan, bases) = kiln_builder::resolve::resolve_recipe(
+            &name,
+            &bytes,
+            &options,
+            &resolve,
+            cache.as_ref(),
+        )
+        .await?;
         for w in &plan.warnings {
             match &w.location {
                 Some(l) => eprintln!("warning: {}:{}: {}", l.file, l.start_line, w.message),
@@ -323,4 +340,27 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 fn write_file(p: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::write(p, bytes).with_context(|| format!("writing {}", p.display()))
+}
+
+/// The build context's ignore file, as BuildKit picks it: `<recipe>.dockerignore` beside the
+/// recipe when it exists, else `CONTEXT/.dockerignore`, else none.
+fn dockerignore(
+    context: &Path,
+    recipe: &Path,
+) -> anyhow::Result<kiln_recipes::dockerignore::Dockerignore> {
+    let mut specific = recipe.as_os_str().to_owned();
+    specific.push(".dockerignore");
+    for p in [PathBuf::from(specific), context.join(".dockerignore")] {
+        match std::fs::read(&p) {
+            Ok(b) => {
+                return Ok(kiln_recipes::dockerignore::Dockerignore::parse(
+                    &p.display().to_string(),
+                    &b,
+                )?);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("reading {}", p.display())),
+        }
+    }
+    Ok(Default::default())
 }
