@@ -326,6 +326,12 @@ mod tests {
         for e in a.entries().unwrap() {
             let mut e = e.unwrap();
             names.push(String::from_utf8(e.path_bytes().into_owned()).unwrap());
+            // Strict readers (the ext4 flattener) need every numeric field.
+            let h = e.header();
+            h.uid().unwrap();
+            h.gid().unwrap();
+            h.mtime().unwrap();
+            h.mode().unwrap();
             for x in e.pax_extensions().unwrap().into_iter().flatten() {
                 let x = x.unwrap();
                 assert!(!x.key().unwrap().contains("overlay"), "{:?}", x.key());
