@@ -630,3 +630,32 @@ fn gcc_multi_stage_into_busybox() {
     );
     f.assert_clean();
 }
+
+/// The log limit holds for the whole build, not per step: a later step gets what is left.
+#[test]
+fn log_budget_is_build_wide() {
+    let f = fx("logs");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let mut o = f.options();
+    o.exec.log_limits.total_max = 3000;
+    // Each step prints 100 lines of 20 bytes (2100 bytes with newlines).
+    let text = format!(
+        "FROM {bb}\nRUN seq 100 | sed 's/^/first-step-line-/' | cut -c1-20\n\
+         RUN seq 100 | sed 's/^/second-step-line-/' | cut -c1-20\n"
+    );
+    let (r, ev) = f.build_with("Dockerfile", &text, &o, |_| {});
+    r.unwrap_or_else(|e| panic!("build: {e}"));
+    let l = logs(&ev);
+    let total: usize = l.iter().map(|x| x.len() + 1).sum();
+    assert!(total <= 3000 + 64, "{total} bytes of log");
+    assert_eq!(
+        l.iter().filter(|x| x.starts_with("first-step")).count(),
+        100
+    );
+    assert!(l.iter().filter(|x| x.starts_with("second-step")).count() < 100);
+    assert!(
+        l.iter()
+            .any(|x| x == kiln_builder::exec::logs::LOG_TRUNCATED),
+        "{l:?}"
+    );
+}

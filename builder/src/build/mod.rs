@@ -348,6 +348,8 @@ struct Ctx {
     timeout: Duration,
     epoch: Option<u64>,
     step_counter: AtomicUsize,
+    /// Log bytes the build has emitted (its whole log is bounded, DESIGN.md "Build limits").
+    log_bytes: AtomicUsize,
     run: AtomicUsize,
     cached: AtomicUsize,
 }
@@ -417,6 +419,7 @@ pub async fn build_with(
         timeout,
         epoch,
         step_counter: AtomicUsize::new(0),
+        log_bytes: AtomicUsize::new(0),
         run: AtomicUsize::new(0),
         cached: AtomicUsize::new(0),
     });
@@ -959,6 +962,8 @@ async fn run_step(
             spec.env = env.to_vec();
             spec.env.extend(added);
             spec.user = user;
+            let used = ctx.log_bytes.load(Ordering::Relaxed);
+            spec.log_budget = Some(ctx.opts.exec.log_limits.total_max.saturating_sub(used));
             let c = ctx.clone();
             let r = tokio::task::spawn_blocking(move || {
                 let events = c.events.clone();
@@ -968,7 +973,9 @@ async fn run_step(
             .await
             .map_err(|e| BuildError::Task(e.to_string()))?;
             match r {
-                Ok(_) => {}
+                Ok(report) => {
+                    ctx.log_bytes.fetch_add(report.log_bytes, Ordering::Relaxed);
+                }
                 Err(ExecError::Cancelled) => return Err(BuildError::Cancelled),
                 Err(ExecError::Timeout { .. }) if Instant::now() >= ctx.deadline => {
                     return Err(BuildError::Timeout {
