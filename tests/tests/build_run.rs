@@ -453,6 +453,11 @@ fn yaml_recipe_matches_dockerfile() {
     let d2 = r2.unwrap_or_else(|e| panic!("yaml: {e}"));
     assert_eq!(d1.image.oci_manifest.digest, d2.image.oci_manifest.digest);
     assert!(ran(&ev2).is_empty(), "the same step: a cache hit");
+    // Where the recipe lies does not change its digest.
+    let (r3, _) = f.build_with("/some/other/dir/Dockerfile", &docker, &f.options(), |_| {});
+    let d3 = r3.unwrap_or_else(|e| panic!("dockerfile: {e}"));
+    assert_eq!(d3.image.recipe_digest, d1.image.recipe_digest);
+    assert_eq!(d3.image.oci_manifest, d1.image.oci_manifest);
 }
 
 fn steps(events: &[BuildEvent]) -> Vec<(String, bool)> {

@@ -246,6 +246,10 @@ pub struct BuildOptions {
     pub secrets: Secrets,
     /// How `ADD` fetches URLs.
     pub fetch: FetchOptions,
+    /// [`BuiltImage::recipe_digest`]: the caller's digest of the recipe bytes; `None`: the
+    /// digest of the plan's JSON with every file name reduced to its last component (so the
+    /// directory a recipe sits in changes nothing).
+    pub recipe_digest: Option<String>,
 }
 
 impl BuildOptions {
@@ -263,6 +267,7 @@ impl BuildOptions {
             context: None,
             secrets: Secrets::default(),
             fetch: FetchOptions::default(),
+            recipe_digest: None,
         }
     }
 }
@@ -1172,7 +1177,10 @@ async fn finish(ctx: &Ctx, out: StageOut, target: usize) -> Result<BuildOutput, 
         }
     }
     provenance.insert("target".into(), target.to_string());
-    let plan_json = kiln_recipes::plan_to_json(&ctx.plan);
+    let recipe_digest = match &ctx.opts.recipe_digest {
+        Some(d) => d.clone(),
+        None => crate::cache::digest_of(plan_json_without_paths(&ctx.plan).as_bytes()),
+    };
     Ok(BuildOutput {
         image: BuiltImage {
             oci_manifest: Descriptor {
@@ -1185,7 +1193,7 @@ async fn finish(ctx: &Ctx, out: StageOut, target: usize) -> Result<BuildOutput, 
             config: config_desc,
             layers,
             sandbox: ctx.plan.sandbox.clone(),
-            recipe_digest: crate::cache::digest_of(plan_json.as_bytes()),
+            recipe_digest,
             provenance,
             source_date_epoch: ctx.epoch,
         },
@@ -1404,4 +1412,27 @@ async fn prepare_inputs(
         _ => {}
     }
     Ok(p)
+}
+
+/// The plan's JSON with file names cut to their last component.
+fn plan_json_without_paths(plan: &BuildPlan) -> String {
+    fn base(f: &mut String) {
+        if let Some((_, b)) = f.rsplit_once('/') {
+            *f = b.to_string();
+        }
+    }
+    let mut p = plan.clone();
+    base(&mut p.file);
+    for st in &mut p.stages {
+        base(&mut st.location.file);
+        for step in &mut st.steps {
+            base(&mut step.location.file);
+        }
+    }
+    for w in &mut p.warnings {
+        if let Some(l) = &mut w.location {
+            base(&mut l.file);
+        }
+    }
+    kiln_recipes::plan_to_json(&p)
 }

@@ -280,6 +280,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     opts.exec.run_dir = work.join("run");
     opts.context = Some((context.clone(), dockerignore(&context, &file)?));
     opts.secrets = secrets;
+    opts.recipe_digest = Some(kiln_builder::cache::digest_of(&bytes));
     let cancel = opts.cancel.clone();
     let events = printer(a.progress);
 
