@@ -546,7 +546,8 @@ fn multi_stage_copy_from() {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let text = format!(
         "FROM {bb} AS a\nRUN echo A > /a.txt && rm /bin/vi\nFROM {bb} AS b\nRUN echo B > /b.txt\n\
-         FROM a\nCOPY --from=b /b.txt /out/\nCOPY --from=a /a.txt /out/\nRUN cat /out/a.txt /out/b.txt\n"
+         FROM a\nCOPY --from=b /b.txt /out/\nCOPY --from=a /a.txt /out/\nCOPY --from={bb} /bin/vi /out/vi\n\
+         RUN cat /out/a.txt /out/b.txt\n"
     );
     let (r, ev) = f.build(&text);
     let out = r.unwrap_or_else(|e| panic!("build: {e}"));
@@ -561,6 +562,7 @@ fn multi_stage_copy_from() {
         "B\n"
     );
     assert!(!root.join("bin/vi").exists(), "FROM a keeps a's whiteout");
+    assert!(root.join("out/vi").exists(), "COPY --from=<image>");
     f.assert_clean();
 }
 

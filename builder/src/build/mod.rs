@@ -250,6 +250,9 @@ pub struct BuildOptions {
     /// digest of the plan's JSON with every file name reduced to its last component (so the
     /// directory a recipe sits in changes nothing).
     pub recipe_digest: Option<String>,
+    /// How images named by `COPY --from=<image>` and `RUN --mount=from=<image>` are found
+    /// (pull policy, build contexts, registry access; the stage's platform is used).
+    pub resolve: crate::resolve::ResolveOptions,
 }
 
 impl BuildOptions {
@@ -268,6 +271,7 @@ impl BuildOptions {
             secrets: Secrets::default(),
             fetch: FetchOptions::default(),
             recipe_digest: None,
+            resolve: Default::default(),
         }
     }
 }
@@ -863,7 +867,7 @@ async fn run_stage(
         let env = config::merge_env(base_run.env.as_deref().unwrap_or(&[]), &step.context.env);
         let user = step.context.user.clone().or_else(|| base_run.user.clone());
         let canonical = step.canonical_json();
-        let prepared = prepare_inputs(&ctx, step, &inputs, &loc).await?;
+        let prepared = prepare_inputs(&ctx, step, &inputs, &stage.platform, &loc).await?;
         let sources = prepared.digest.clone();
         let key = key::StepKey {
             parent: &st.key,
@@ -1284,6 +1288,7 @@ async fn source_root(
     ctx: &Arc<Ctx>,
     from: Option<&MountFrom>,
     inputs: &BTreeMap<usize, StageOut>,
+    platform: &str,
     loc: &str,
 ) -> Result<Sources, BuildError> {
     match from {
@@ -1302,11 +1307,77 @@ async fn source_root(
             })?;
             Ok(Sources::tree(stage_tree(ctx, so).await?))
         }
-        Some(MountFrom::Image { reference }) => Err(BuildError::Unsupported {
-            location: loc.to_string(),
-            what: format!("--from={reference}: copying from an image (use a stage FROM it)"),
-        }),
+        Some(MountFrom::Image { reference }) => Ok(Sources::tree(
+            image_tree(ctx, reference, platform, loc).await?,
+        )),
     }
+}
+
+/// The root of image `reference` (resolved as a FROM is, for `platform`) as a plain
+/// directory `work/trees/image-<hex>`, unpacked once per manifest digest.
+async fn image_tree(
+    ctx: &Arc<Ctx>,
+    reference: &str,
+    platform: &str,
+    loc: &str,
+) -> Result<PathBuf, BuildError> {
+    let r = &ctx.opts.resolve;
+    let mut reg = r.registry.clone();
+    reg.platform = crate::image::Platform::parse(platform).map_err(|e| BuildError::Copy {
+        location: loc.to_string(),
+        message: e.to_string(),
+    })?;
+    let spec = r
+        .build_contexts
+        .get(reference)
+        .cloned()
+        .unwrap_or_else(|| reference.to_string());
+    let (digest, _) = crate::base::resolve(
+        &spec,
+        r.policy,
+        &crate::registry::Registry::new(reg),
+        ctx.cache.as_ref(),
+    )
+    .await
+    .map_err(|e| BuildError::Copy {
+        location: loc.to_string(),
+        message: format!("--from={reference}: {e}"),
+    })?;
+    let dir = ctx
+        .opts
+        .work_dir
+        .join("trees")
+        .join(format!("image-{}", crate::cache::sha256_hex(&digest)?));
+    if dir.is_dir() {
+        return Ok(dir);
+    }
+    let c = ctx.clone();
+    let loc = loc.to_string();
+    tokio::task::spawn_blocking(move || {
+        let parent = dir.parent().map(Path::to_path_buf).unwrap_or_default();
+        fs::create_dir_all(&parent).map_err(io_err("creating", &parent))?;
+        let tmp = parent.join(format!(
+            "image.tmp-{}-{}",
+            std::process::id(),
+            c.step_counter.load(Ordering::Relaxed)
+        ));
+        let guard = TempDir(tmp.clone());
+        crate::base::unpack(c.cache.as_ref(), &digest, &tmp, &c.opts.layer_limits).map_err(
+            |e| BuildError::Copy {
+                location: loc.clone(),
+                message: e.to_string(),
+            },
+        )?;
+        if let Err(e) = fs::rename(&tmp, &dir)
+            && !dir.is_dir()
+        {
+            return Err(io_err("moving an image tree to", &dir)(e));
+        }
+        drop(guard);
+        Ok(dir)
+    })
+    .await
+    .map_err(|e| BuildError::Task(e.to_string()))?
 }
 
 /// Digest of the sources of `c` in `src` (blocking work on a worker thread).
@@ -1322,12 +1393,13 @@ async fn prepare_inputs(
     ctx: &Arc<Ctx>,
     step: &Step,
     inputs: &BTreeMap<usize, StageOut>,
+    platform: &str,
     loc: &str,
 ) -> Result<Prepared, BuildError> {
     let mut p = Prepared::default();
     match &step.action {
         Action::Copy(c) | Action::Add(c) => {
-            let mut src = source_root(ctx, c.from.as_ref(), inputs, loc).await?;
+            let mut src = source_root(ctx, c.from.as_ref(), inputs, platform, loc).await?;
             if c.sources
                 .iter()
                 .any(|s| matches!(s, CopySource::Url { .. }))
@@ -1375,13 +1447,17 @@ async fn prepare_inputs(
                         parts.push(format!("stage:{}", so.key));
                     }
                     Some(MountFrom::Image { reference }) => {
-                        return Err(BuildError::Unsupported {
-                            location: loc.to_string(),
-                            what: format!("--mount from={reference}: mounting an image"),
-                        });
+                        let tree = image_tree(ctx, reference, platform, loc).await?;
+                        parts.push(format!(
+                            "image:{}",
+                            tree.file_name()
+                                .map(|n| n.to_string_lossy().into_owned())
+                                .unwrap_or_default()
+                        ));
+                        mi.image_roots.insert(reference.clone(), tree);
                     }
                     None if matches!(m, Mount::Bind { .. }) => {
-                        let src = source_root(ctx, None, inputs, loc).await?;
+                        let src = source_root(ctx, None, inputs, platform, loc).await?;
                         let path = source.unwrap_or_else(|| ".".into());
                         let sel = CopyStep {
                             sources: vec![CopySource::Path { path }],

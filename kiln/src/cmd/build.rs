@@ -281,6 +281,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     opts.context = Some((context.clone(), dockerignore(&context, &file)?));
     opts.secrets = secrets;
     opts.recipe_digest = Some(kiln_builder::cache::digest_of(&bytes));
+    opts.resolve = resolve.clone();
     let cancel = opts.cancel.clone();
     let events = printer(a.progress);
 
