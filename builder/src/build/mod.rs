@@ -1093,6 +1093,11 @@ async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<(), BuildEr
             ctx.store
                 .put_cache_entry(&key, blob_digest(&l.desc.digest)?)
                 .await?;
+            (ctx.events)(BuildEvent::Layer {
+                index,
+                digest: l.desc.digest.clone(),
+                size: l.desc.size,
+            });
             l
         }
     };
