@@ -371,6 +371,12 @@ fn failing_run_reports_location_exit_code_and_tail() {
         "{msg}"
     );
     assert!(!ran(&ev).iter().any(|r| r.contains("never")));
+    assert!(
+        f.rt.block_on(f.store.list_leases())
+            .expect("leases")
+            .is_empty(),
+        "a failed build releases its lease"
+    );
     f.assert_clean();
 }
 
@@ -458,6 +464,24 @@ fn yaml_recipe_matches_dockerfile() {
     let d3 = r3.unwrap_or_else(|e| panic!("dockerfile: {e}"));
     assert_eq!(d3.image.recipe_digest, d1.image.recipe_digest);
     assert_eq!(d3.image.oci_manifest, d1.image.oci_manifest);
+    // Each build holds a lease on what it made until the caller releases it.
+    let leases = f.rt.block_on(f.store.list_leases()).expect("leases");
+    assert_eq!(leases.len(), 3, "{leases:?}");
+    let hex = &d3.image.oci_manifest.digest[7..];
+    assert!(
+        leases
+            .iter()
+            .all(|l| l.objects.iter().any(|o| o.ends_with(hex))),
+        "{leases:?}"
+    );
+    for d in [&d1, &d2, &d3] {
+        f.rt.block_on(d.lease.release()).expect("release");
+    }
+    assert!(
+        f.rt.block_on(f.store.list_leases())
+            .expect("leases")
+            .is_empty()
+    );
 }
 
 fn steps(events: &[BuildEvent]) -> Vec<(String, bool)> {

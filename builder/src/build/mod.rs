@@ -326,6 +326,11 @@ pub struct BuildOutput {
     pub config: OciConfig,
     /// Counts.
     pub stats: BuildStats,
+    /// The store lease (`leases/<id>`) holding every blob of the image (and the layers
+    /// made on the way) against GC until the caller has published: release it then
+    /// ([`kiln_store::lease::Lease::release`]); otherwise it expires with the build's
+    /// timeout plus an hour.
+    pub lease: Arc<kiln_store::lease::Lease>,
 }
 
 /// A layer of a stage: its descriptor and diff id.
@@ -357,6 +362,8 @@ struct Ctx {
     timeout: Duration,
     epoch: Option<u64>,
     step_counter: AtomicUsize,
+    /// What this build relies on in the store.
+    lease: Arc<kiln_store::lease::Lease>,
     /// Log bytes the build has emitted (its whole log is bounded, DESIGN.md "Build limits").
     log_bytes: AtomicUsize,
     run: AtomicUsize,
@@ -414,6 +421,19 @@ pub async fn build_with(
     let timeout = Duration::from_secs(plan.limits.timeout_secs);
     let dirs = LayerDirs::open(&opts.work_dir.join("layers"))?;
     let cancel = Arc::new(AtomicBool::new(false));
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let lease = Arc::new(
+        store
+            .create_lease(
+                &format!("build-{}-{nanos}", std::process::id()),
+                timeout + Duration::from_secs(3600),
+                [],
+            )
+            .await?,
+    );
     let ctx = Arc::new(Ctx {
         plan: plan.clone(),
         bases: bases.to_vec(),
@@ -428,6 +448,7 @@ pub async fn build_with(
         timeout,
         epoch,
         step_counter: AtomicUsize::new(0),
+        lease: lease.clone(),
         log_bytes: AtomicUsize::new(0),
         run: AtomicUsize::new(0),
         cached: AtomicUsize::new(0),
@@ -445,17 +466,34 @@ pub async fn build_with(
             }
         })
     };
-    let r = run_stages(ctx.clone()).await;
-    watch.abort();
-    let outs = r?;
-    let target = plan.target.min(plan.stages.len() - 1);
-    let mut out = outs[target]
-        .clone()
-        .ok_or_else(|| BuildError::Plan("target stage was not built".into()))?;
-    if opts.sandbox_layer {
-        sandbox_layer(&ctx, &mut out).await?;
+    let r = async {
+        let outs = run_stages(ctx.clone()).await?;
+        let target = plan.target.min(plan.stages.len() - 1);
+        let mut out = outs[target]
+            .clone()
+            .ok_or_else(|| BuildError::Plan("target stage was not built".into()))?;
+        if opts.sandbox_layer {
+            sandbox_layer(&ctx, &mut out).await?;
+        }
+        finish(&ctx, out, target).await
     }
-    finish(&ctx, out, target).await
+    .await;
+    watch.abort();
+    if r.is_err() {
+        // Nothing to protect: layers that were made stay reachable through cache entries.
+        let _ = lease.release().await;
+    }
+    r
+}
+
+/// Adds `digests` (blobs) to the build's lease.
+async fn hold(ctx: &Ctx, digests: impl IntoIterator<Item = &str>) -> Result<(), BuildError> {
+    let mut objs = Vec::new();
+    for d in digests {
+        objs.push(kiln_store::ObjectRef::Blob(blob_digest(d)?));
+    }
+    ctx.lease.add(objs).await?;
+    Ok(())
 }
 
 /// Stage indexes a stage needs first.
@@ -851,6 +889,7 @@ async fn run_stage(
     inputs: BTreeMap<usize, StageOut>,
 ) -> Result<StageOut, BuildError> {
     let mut st = stage_base(&ctx, i, &inputs)?;
+    hold(&ctx, st.layers.iter().map(|l| l.desc.digest.as_str())).await?;
     // As BuildKit: a stage whose base has no PATH gets the default one, in its steps and
     // in its image config.
     let env = st.config.config.env.get_or_insert_with(Vec::new);
@@ -911,6 +950,7 @@ async fn run_stage(
                 l
             }
         };
+        hold(&ctx, [layer.desc.digest.as_str()]).await?;
         st.config.rootfs.diff_ids.push(layer.diff_id.clone());
         st.config.history.push(History {
             created: ctx.epoch.map(config::rfc3339),
@@ -1101,6 +1141,7 @@ async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<(), BuildEr
             l
         }
     };
+    hold(ctx, [layer.desc.digest.as_str()]).await?;
     out.config.rootfs.diff_ids.push(layer.diff_id.clone());
     out.config.history.push(History {
         created: ctx.epoch.map(config::rfc3339),
@@ -1170,6 +1211,7 @@ async fn finish(ctx: &Ctx, out: StageOut, target: usize) -> Result<BuildOutput, 
     // A JSON value always serializes.
     let manifest_bytes = serde_json::to_vec(&manifest).expect("JSON values serialize");
     let manifest_digest = crate::cache::digest_of(&manifest_bytes);
+    hold(ctx, [config_desc.digest.as_str(), manifest_digest.as_str()]).await?;
     ctx.cache.put_bytes(&manifest_digest, &manifest_bytes)?;
     let mut provenance = BTreeMap::new();
     provenance.insert(
@@ -1211,6 +1253,7 @@ async fn finish(ctx: &Ctx, out: StageOut, target: usize) -> Result<BuildOutput, 
             steps_run: ctx.run.load(Ordering::Relaxed),
             steps_cached: ctx.cached.load(Ordering::Relaxed),
         },
+        lease: ctx.lease.clone(),
     })
 }
 

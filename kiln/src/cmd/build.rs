@@ -340,9 +340,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     ..Default::default()
                 },
             )
-            .await?;
-            Some(p)
+            .await;
+            let _ = out.lease.release().await;
+            Some(p?)
         };
+        if a.oci_only {
+            // The local references made below keep the image; the lease is not needed.
+            let _ = out.lease.release().await;
+        }
         anyhow::Ok((out, published))
     })?;
     if cancel.load(Ordering::Relaxed) {
