@@ -19,7 +19,8 @@
 //! - [`secrets`]: `--secret id=..,src=..|env=..` build secrets for `RUN --mount=type=secret`.
 //!
 //! Build execution (issue 5):
-//! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits).
+//! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits);
+//! - [`build`]: the build driver, a plan into an OCI image in the store.
 //!
 //! Root file systems (issue 6):
 //! - [`ext4`]: layers flattened into a deterministic, checked ext4 image (`mke2fs -d -`);
@@ -27,6 +28,7 @@
 
 pub mod base;
 pub mod bootstrap;
+pub mod build;
 pub mod cache;
 pub mod copy;
 pub mod exec;

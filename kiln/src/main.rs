@@ -23,6 +23,8 @@ struct Cli {
 /// The subcommands, one module each under `cmd/`.
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Build a Dockerfile or YAML recipe into the local store; prints the image digest.
+    Build(Box<cmd::build::Args>),
     /// Lower a Dockerfile or YAML recipe into a build plan and print it.
     Plan(cmd::plan::PlanArgs),
     /// Fetch an image from a registry into the local store.
@@ -66,6 +68,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let out = cmd::Out::new(cli.json);
     match cli.command {
+        Command::Build(a) => cmd::report(&out, cmd::build::run(*a)),
         Command::Plan(a) => cmd::plan::run(&a, out.json),
         // These run their own runtime.
         Command::Pull(a) => cmd::report(&out, cmd::pull::run(a)),
