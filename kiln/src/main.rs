@@ -3,6 +3,7 @@
 //! Exit codes (every subcommand): see [`cmd::exit`].
 
 mod cmd;
+mod config;
 
 use std::process::ExitCode;
 
@@ -16,6 +17,10 @@ struct Cli {
     /// `plan` prints the plan as one indented JSON document (its errors stay text on stderr).
     #[arg(long, global = true)]
     json: bool,
+    /// More log output on stderr: -v info, -vv debug, -vvv trace (else $KILN_LOG, the config
+    /// file's `log`, or warnings only).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
     #[command(subcommand)]
     command: Command,
 }
@@ -46,14 +51,23 @@ enum Command {
     /// Store maintenance and copies between stores.
     #[command(subcommand)]
     Store(cmd::store::Command),
+    /// Show the configuration (flags, then environment, then config file, then defaults).
+    #[command(subcommand)]
+    Config(cmd::config::Command),
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // A broken configuration is reported by the commands that need it; logging falls back.
+    let log = config::Config::load(&config::Flags {
+        verbose: cli.verbose,
+        ..config::Flags::default()
+    })
+    .map_or_else(|_| "warn".to_string(), |c| c.log.value);
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(tracing_subscriber::EnvFilter::new(log))
         .with_writer(std::io::stderr)
         .try_init();
-    let cli = Cli::parse();
     let out = cmd::Out::new(cli.json);
     match cli.command {
         Command::Plan(a) => cmd::plan::run(&a, out.json),
@@ -68,5 +82,6 @@ fn main() -> ExitCode {
         Command::Tags(a) => cmd::run(&out, async |out| cmd::tags::run(out, a).await),
         Command::Untag(a) => cmd::run(&out, async |out| cmd::untag::run(out, a).await),
         Command::Store(c) => cmd::run(&out, async |out| cmd::store::run(out, c).await),
+        Command::Config(c) => cmd::report_cmd(&out, cmd::config::run(&out, c, cli.verbose)),
     }
 }

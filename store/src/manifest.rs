@@ -243,6 +243,8 @@ pub struct SnapshotManifest {
 }
 
 /// A parsed manifest of any known type.
+// Image manifests outnumber snapshots and are parsed once per command; boxing buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Manifest {
     /// [`IMAGE_MEDIA_TYPE`].
