@@ -51,6 +51,12 @@ enum Command {
     /// Store maintenance and copies between stores.
     #[command(subcommand)]
     Store(cmd::store::Command),
+    /// List the images of the store (tags naming image manifests).
+    Images(cmd::images::Args),
+    /// Show one image: sizes, chunk table, file system, config, sandbox, provenance.
+    Inspect(cmd::inspect::Args),
+    /// Remove image tags (the data stays until `kiln store gc`).
+    Rmi(cmd::rmi::Args),
     /// Show the configuration (flags, then environment, then config file, then defaults).
     #[command(subcommand)]
     Config(cmd::config::Command),
@@ -82,6 +88,9 @@ fn main() -> ExitCode {
         Command::Tags(a) => cmd::run(&out, async |out| cmd::tags::run(out, a).await),
         Command::Untag(a) => cmd::run(&out, async |out| cmd::untag::run(out, a).await),
         Command::Store(c) => cmd::run(&out, async |out| cmd::store::run(out, c).await),
+        Command::Images(a) => cmd::run(&out, async |out| cmd::images::run(out, a).await),
+        Command::Inspect(a) => cmd::run(&out, async |out| cmd::inspect::run(out, a).await),
+        Command::Rmi(a) => cmd::run(&out, async |out| cmd::rmi::run(out, a).await),
         Command::Config(c) => cmd::report_cmd(&out, cmd::config::run(&out, c, cli.verbose)),
     }
 }

@@ -4,12 +4,15 @@
 pub mod common;
 pub mod config;
 pub mod export;
+pub mod images;
 pub mod import;
+pub mod inspect;
 pub mod login;
 pub mod plan;
 pub mod progress;
 pub mod pull;
 pub mod push;
+pub mod rmi;
 pub mod store;
 pub mod tag;
 pub mod tags;
