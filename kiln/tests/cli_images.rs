@@ -210,3 +210,49 @@ async fn images_inspect_rmi() {
     assert_eq!(kiln(&s, &["rmi", &b.to_string()]).status.code(), Some(5));
     assert_eq!(kiln(&s, &["rmi"]).status.code(), Some(2));
 }
+
+/// The same commands on an S3 store (moto, from `ci/setup.sh`): the configured cache
+/// directory (`KILN_CACHE`) receives the chunks `inspect --fsck` reads, and `rmi` untags there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_inspect_rmi_on_s3_through_the_read_cache() {
+    let bucket = std::env::var("KILN_TEST_S3_BUCKET").unwrap_or_else(|_| {
+        panic!("KILN_TEST_S3_BUCKET is not set: run ci/setup.sh and source /var/cache/kiln-ci/env")
+    });
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let url = format!("s3://{bucket}/cli-images-{}-{nanos}", std::process::id());
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&url).await.unwrap();
+    let d = publish(&store, &ext4(dir.path(), "s3"), "remote:v1").await;
+    let cache = dir.path().join("cache");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(args)
+            .env("KILN_STORE", &url)
+            .env("KILN_CACHE", &cache)
+            .env("XDG_CONFIG_HOME", dir.path().join("no-config"))
+            .env_remove("KILN_CONFIG")
+            .output()
+            .unwrap()
+    };
+    let ev = events(&run(&["--json", "images"]));
+    assert_eq!(ev.len(), 1);
+    assert_eq!(ev[0]["manifest"], d.to_string());
+    let ev = events(&run(&["--json", "inspect", "remote:v1", "--fsck"]));
+    assert_eq!(ev[0]["fsck"]["clean"], true, "{}", ev[0]);
+    let cached = std::fs::read_dir(cache.join("chunks")).unwrap().count() as u64;
+    assert!(
+        cached >= ev[0]["chunkTable"]["distinctChunks"].as_u64().unwrap(),
+        "{cached} chunks in the read cache"
+    );
+    events(&run(&["--json", "rmi", "remote:v1"]));
+    assert!(
+        store
+            .get_tag(&"remote:v1".parse().unwrap())
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
