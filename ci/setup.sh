@@ -6,7 +6,7 @@
 # Source it (`. ci/setup.sh`) to get the environment the tests read, or run it to just set up.
 #   KILN_CI_CACHE   where caches live (target dir, venv, fixtures); default /var/cache/kiln-ci
 #   KILN_SETUP_PACKAGES_ONLY=1  stop after the packages (what `ci/main-job.sh` needs)
-# Exports: CARGO_TARGET_DIR, KILN_TEST_CACHE, KILN_TEST_REGISTRY, KILN_TEST_REGISTRY_AUTH,
+# Exports: CARGO_TARGET_DIR, KILN_TEST_CACHE, KILN_TEST_REGISTRY, KILN_TEST_REGISTRY_AUTH, KILN_TEST_REGISTRY_TOKEN,
 #   KILN_TEST_REGISTRY_USER, KILN_TEST_REGISTRY_PASSWORD, KILN_TEST_S3_ENDPOINT, KILN_TEST_S3_BUCKET
 #   and the AWS_* variables object_store reads for the test S3 server.
 set -euo pipefail
@@ -143,8 +143,9 @@ start_bg() { # name port command...
   wait_port "$port" "$name"
 }
 
-# Two registries (distribution 2.8): one anonymous, one with basic auth. Debian's packaged
-# config turns on htpasswd, so each gets a config of our own.
+# Three registries (distribution 2.8): one anonymous, one with basic auth, one with token auth
+# (bearer tokens from ci/token-server.py on :5003: anonymous pull, push for the test user).
+# Debian's packaged config turns on htpasswd, so each gets a config of our own.
 registry_conf() { # name port [auth]
   local name=$1 port=$2 auth=${3:-}
   mkdir -p "$run/$name-data"
@@ -155,7 +156,11 @@ registry_conf() { # name port [auth]
     echo "  filesystem: {rootdirectory: $run/$name-data}"
     echo "  delete: {enabled: true}"
     echo "http: {addr: 127.0.0.1:$port}"
-    if [ -n "$auth" ]; then
+    if [ "$auth" = token ]; then
+      echo "auth:"
+      echo "  token: {realm: 'http://127.0.0.1:5003/token', service: kiln-test-registry,"
+      echo "    issuer: kiln-test-token-issuer, rootcertbundle: $run/token.crt}"
+    elif [ -n "$auth" ]; then
       echo "auth:"
       echo "  htpasswd: {realm: kiln-test, path: $run/$name.htpasswd}"
     fi
@@ -171,6 +176,13 @@ start_bg registry 5000 docker-registry serve "$run/registry.yml"
 start_bg registry-auth 5001 docker-registry serve "$run/registry-auth.yml"
 export KILN_TEST_REGISTRY=127.0.0.1:5000
 export KILN_TEST_REGISTRY_AUTH=127.0.0.1:5001
+"$venv/bin/python" "$ci_dir/token-server.py" init "$run"
+start_bg token-server 5003 env KILN_TEST_REGISTRY_USER="$KILN_TEST_REGISTRY_USER" \
+  KILN_TEST_REGISTRY_PASSWORD="$KILN_TEST_REGISTRY_PASSWORD" \
+  "$venv/bin/python" "$ci_dir/token-server.py" serve "$run" 5003
+registry_conf registry-token 5002 token
+start_bg registry-token 5002 docker-registry serve "$run/registry-token.yml"
+export KILN_TEST_REGISTRY_TOKEN=127.0.0.1:5002
 
 # moto's S3 server, in memory. A server started from an older install is restarted.
 if [ -n "$moto_reinstalled" ] && [ -f "$run/moto.pid" ] && port_open 9000; then
@@ -196,10 +208,25 @@ PY
 # What the tests read, for a shell that did not source this script.
 {
   for v in CARGO_TARGET_DIR KILN_TEST_CACHE KILN_TEST_REGISTRY KILN_TEST_REGISTRY_AUTH \
-    KILN_TEST_REGISTRY_USER KILN_TEST_REGISTRY_PASSWORD KILN_TEST_S3_ENDPOINT KILN_TEST_S3_BUCKET \
+    KILN_TEST_REGISTRY_TOKEN KILN_TEST_REGISTRY_USER KILN_TEST_REGISTRY_PASSWORD KILN_TEST_S3_ENDPOINT KILN_TEST_S3_BUCKET \
     AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_REGION AWS_ENDPOINT_URL AWS_ALLOW_HTTP; do
     printf 'export %s=%q\n' "$v" "${!v}"
   done
 } >"$KILN_CI_CACHE/env"
 . "$ci_dir/fixtures.sh"
+
+# The busybox fixture on the token-auth registry too, pushed with the test user's token unless
+# the registry already has that manifest (looked up with an anonymous pull token).
+token_have=$(curl -fsS "http://127.0.0.1:5003/token?service=kiln-test-registry&scope=repository:busybox:pull" |
+  python3 -c 'import json, sys; print(json.load(sys.stdin)["token"])' |
+  xargs -I{} curl -fsS -o /dev/null -D - -H 'Authorization: Bearer {}' \
+    -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
+    "http://$KILN_TEST_REGISTRY_TOKEN/v2/busybox/manifests/latest" 2>/dev/null |
+  awk -F': ' 'tolower($1) == "docker-content-digest" { gsub("\r", "", $2); print $2 }') || true
+if [ "$token_have" != "$(fixture_layout_digest "$KILN_TEST_BUSYBOX_OCI" latest)" ]; then
+  log "pushing the busybox fixture to $KILN_TEST_REGISTRY_TOKEN"
+  skopeo copy -q --preserve-digests --dest-tls-verify=false \
+    --dest-creds "$KILN_TEST_REGISTRY_USER:$KILN_TEST_REGISTRY_PASSWORD" \
+    "oci:$KILN_TEST_BUSYBOX_OCI:latest" "docker://$KILN_TEST_REGISTRY_TOKEN/busybox:latest"
+fi
 log "ready; environment in $KILN_CI_CACHE/env"

@@ -63,6 +63,7 @@ fn main() {
             workdir: "/".into(),
             files: vec![],
             network,
+            mounts: vec![],
             secrets: vec![],
             timeout: Duration::from_secs(900),
             log_budget: None,

@@ -3,10 +3,14 @@
 //!
 //! Resolution order, as Docker uses local images: an `oci:DIR[:TAG]` spec imports from a
 //! layout; a reference pinned by digest whose manifest is cached is used as is; otherwise the
-//! local references (`registry/repo:tag`) are looked at first, then the registry.
-//! [`PullPolicy::Always`] (`--pull`) always asks the registry; [`PullPolicy::Never`]
-//! (`--offline`) never does and fails with [`RegistryError::Offline`] when something is
-//! missing. The digest, never the tag, is what callers should record.
+//! local store is looked at first: its own tags (`kiln tag` / `kiln build -t`: a spec as
+//! written that is a store tag `NAME[:TAG]` whose kiln image manifest has an OCI manifest
+//! gives that OCI image), then its OCI references (`registry/repo:tag`, from `kiln pull` and
+//! `kiln import`), then the registry. An image found locally whose config or layers are not
+//! all in the store counts as not found. [`PullPolicy::Always`] (`--pull`) always asks the
+//! registry; [`PullPolicy::Never`] (`--offline`) never does and fails with
+//! [`BaseError::NotCached`], naming what was looked for. The digest, never the tag, is what
+//! callers should record.
 
 use std::path::Path;
 
@@ -38,6 +42,18 @@ pub enum BaseError {
     /// A cache problem.
     #[error(transparent)]
     Cache(#[from] crate::cache::CacheError),
+    /// `--offline` and the image is not (completely) in the local store.
+    #[error(
+        "{spec} is not in the local store and --offline forbids asking a registry \
+         (looked for {looked}; kiln pull or kiln import it, or build and tag it, first)"
+    )]
+    NotCached {
+        /// The reference as written.
+        spec: String,
+        /// What was looked for, e.g. `store tag debian:bookworm, pulled image
+        /// docker.io/library/debian:bookworm`, or the blob that is missing.
+        looked: String,
+    },
     /// A layer blob the manifest names is not cached.
     #[error("layer {0} is not in the local store (pull the image first)")]
     MissingBlob(String),
@@ -92,11 +108,27 @@ pub async fn resolve(
     }
     let r: Reference = spec.parse()?;
     if policy != PullPolicy::Always {
-        if let Some(d) = local(&r, cache)? {
-            return Ok((d, Source::Local));
+        let found = match store_tag(spec, cache)? {
+            Some(d) => Some(d),
+            None => local(&r, cache)?,
+        };
+        if let Some(d) = &found {
+            match first_missing(cache, d)? {
+                None => return Ok((d.clone(), Source::Local)),
+                Some(missing) if policy == PullPolicy::Never => {
+                    return Err(BaseError::NotCached {
+                        spec: spec.to_string(),
+                        looked: format!("image {d}, whose blob {missing} is missing"),
+                    });
+                }
+                Some(_) => {}
+            }
         }
         if policy == PullPolicy::Never {
-            return Err(RegistryError::Offline(r.to_string()).into());
+            return Err(BaseError::NotCached {
+                spec: spec.to_string(),
+                looked: looked_for(spec, &r),
+            });
         }
     }
     let p = registry.pull(&r, cache).await?;
@@ -107,6 +139,59 @@ pub async fn resolve(
             bytes: p.fetched_bytes,
         },
     ))
+}
+
+/// The store tag a spec as written names (`NAME:TAG`, or `NAME` for `NAME:latest`), if it is
+/// one in kiln's tag grammar.
+fn as_store_tag(spec: &str) -> Option<kiln_store::TagRef> {
+    if spec.contains('@') || spec.contains('/') {
+        return None;
+    }
+    let full = if spec.contains(':') {
+        spec.to_string()
+    } else {
+        format!("{spec}:{}", crate::reference::DEFAULT_TAG)
+    };
+    full.parse().ok()
+}
+
+/// The OCI manifest digest of the kiln image the store tag `spec` names, when it is a store
+/// tag, exists, and its image has an OCI manifest in the store.
+pub fn store_tag(spec: &str, cache: &dyn BlobCache) -> Result<Option<String>, BaseError> {
+    let Some(t) = as_store_tag(spec) else {
+        return Ok(None);
+    };
+    match cache.store_tag(&t.to_string())? {
+        Some(d) if cache.blob_path(&d)?.is_some() => Ok(Some(d)),
+        _ => Ok(None),
+    }
+}
+
+fn looked_for(spec: &str, r: &Reference) -> String {
+    let pulled = match r.digest() {
+        Some(d) => format!("image {d}"),
+        None => format!(
+            "pulled image {}:{}",
+            r.name(),
+            r.tag().unwrap_or(crate::reference::DEFAULT_TAG)
+        ),
+    };
+    match as_store_tag(spec) {
+        Some(t) => format!("store tag {t}, {pulled}"),
+        None => pulled,
+    }
+}
+
+/// The first blob (config, then layers) of image manifest `digest` that the cache lacks;
+/// `None` when the image is complete.
+fn first_missing(cache: &dyn BlobCache, digest: &str) -> Result<Option<String>, BaseError> {
+    let m = manifest(cache, digest)?;
+    for d in std::iter::once(&m.config).chain(&m.layers) {
+        if cache.blob_path(&d.digest)?.is_none() {
+            return Ok(Some(d.digest.clone()));
+        }
+    }
+    Ok(None)
 }
 
 /// The cached platform manifest for a reference, if any: by its digest, or by its name.
@@ -127,11 +212,15 @@ pub fn local(r: &Reference, cache: &dyn BlobCache) -> Result<Option<String>, Bas
     }
 }
 
-/// Finds an image in the cache by `sha256:<hex>`, `oci:` spec (imported), or reference.
+/// Finds an image in the cache by `sha256:<hex>`, store tag, or reference (pulled or
+/// imported).
 pub fn lookup(spec: &str, cache: &dyn BlobCache) -> Result<Option<String>, BaseError> {
     if spec.starts_with("sha256:") {
         crate::cache::sha256_hex(spec)?;
         return Ok(cache.blob_path(spec)?.map(|_| spec.to_string()));
+    }
+    if let Some(d) = store_tag(spec, cache)? {
+        return Ok(Some(d));
     }
     local(&spec.parse()?, cache)
 }

@@ -2,19 +2,22 @@
 //! plus named references (`registry/repo:tag` → manifest digest).
 //!
 //! [`BlobCache`] is the narrow interface the builder needs (read and ingest, containerd's
-//! `Provider` + `Ingester` split); [`LocalCache`] implements it on a local directory with the
-//! store's key layout (`blobs/sha256/<hex>`, DESIGN.md "Store keys"), so a kiln-store
-//! directory and this cache share blobs. References live under `refs/oci/<name>/<tag>` (one
-//! line: the manifest digest); they are not kiln-store tags, which name kiln image manifests.
+//! `Provider` + `Ingester` split). The blob cache is the store: [`LocalCache`] implements it
+//! by delegating to kiln-store's [`LocalBlobs`] on the local store directory, so blobs are
+//! the store's `blobs/sha256/<hex>` (written temp + fsync + digest check + put-if-absent by
+//! the store's local backend), references are the store's OCI references
+//! ([`kiln_store::ociref`]: GC roots, verified, copied, listed by `kiln tags`), and
+//! [`BlobCache::store_tag`] reads the store's own tags.
 //!
 //! Blobs become visible only after their digest checks out: an ingest writes to
 //! `.tmp/ingest/<hex>` (kept across runs, so an interrupted download resumes), is hashed in
-//! full, then renamed into place.
+//! full, then moved into place.
 
 use std::fs;
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
+use kiln_store::{BlobDigest, LocalBlobs, Manifest, OciRef, TagRef};
 use sha2::{Digest as _, Sha256};
 
 /// Errors of the blob cache.
@@ -34,6 +37,9 @@ pub enum CacheError {
     /// A reference name cannot be a cache key.
     #[error("invalid reference name {0:?}")]
     BadName(String),
+    /// The store failed (I/O, a corrupt reference or tag, an unreadable manifest).
+    #[error(transparent)]
+    Store(Box<kiln_store::StoreError>),
     /// A file-system operation failed.
     #[error("blob cache at {path}: {source}")]
     Io {
@@ -42,6 +48,18 @@ pub enum CacheError {
         /// Underlying error.
         source: io::Error,
     },
+}
+
+impl From<kiln_store::StoreError> for CacheError {
+    fn from(e: kiln_store::StoreError) -> Self {
+        use kiln_store::{BackendError, StoreError};
+        match e {
+            StoreError::Backend(BackendError::DigestMismatch {
+                expected, actual, ..
+            }) => CacheError::Mismatch { expected, actual },
+            e => CacheError::Store(Box::new(e)),
+        }
+    }
 }
 
 /// The hex part of a `sha256:<hex>` digest, validated.
@@ -96,6 +114,14 @@ pub trait BlobCache: Send + Sync {
     /// Points a reference name at a manifest digest.
     fn set_ref(&self, name: &str, digest: &str) -> Result<(), CacheError>;
 
+    /// The OCI manifest digest of the kiln image a store tag (`name:tag`, kiln's grammar)
+    /// names: the tag's image manifest's `oci_manifest`. `None` when there is no such tag,
+    /// the tag names no image or one without an OCI manifest, or this cache has no tags.
+    fn store_tag(&self, tag: &str) -> Result<Option<String>, CacheError> {
+        let _ = tag;
+        Ok(None)
+    }
+
     /// Reads a whole blob (for manifests and configs), `None` when absent.
     fn read_blob(&self, digest: &str) -> Result<Option<Vec<u8>>, CacheError> {
         match self.blob_path(digest)? {
@@ -107,28 +133,29 @@ pub trait BlobCache: Send + Sync {
     }
 }
 
-/// [`BlobCache`] on a local directory.
+/// [`BlobCache`] on the local store directory, through kiln-store's [`LocalBlobs`].
 #[derive(Debug, Clone)]
 pub struct LocalCache {
-    root: PathBuf,
+    blobs: LocalBlobs,
 }
 
-fn io_at(path: &Path) -> impl FnOnce(io::Error) -> CacheError + '_ {
-    move |source| CacheError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
+fn blob_digest(digest: &str) -> Result<BlobDigest, CacheError> {
+    sha256_hex(digest)?;
+    digest
+        .parse()
+        .map_err(|_| CacheError::BadDigest(digest.to_string()))
+}
+
+fn oci_ref(name: &str) -> Result<OciRef, CacheError> {
+    name.parse()
+        .map_err(|_| CacheError::BadName(name.to_string()))
 }
 
 impl LocalCache {
-    /// Opens (creating) a cache at `root`.
+    /// Opens (creating) the store directory `root`.
     pub fn open(root: &Path) -> Result<LocalCache, CacheError> {
-        for sub in ["blobs/sha256", ".tmp/ingest", "refs/oci"] {
-            let p = root.join(sub);
-            fs::create_dir_all(&p).map_err(io_at(&p))?;
-        }
         Ok(LocalCache {
-            root: root.to_path_buf(),
+            blobs: LocalBlobs::open(root)?,
         })
     }
 
@@ -142,133 +169,63 @@ impl LocalCache {
         Path::new(&home).join(".local/share/kiln/store")
     }
 
-    /// The cache's root directory.
+    /// The store's root directory.
     pub fn root(&self) -> &Path {
-        &self.root
+        self.blobs.root()
     }
 
-    /// `refs/oci/<registry>/<repo...>/<tag>`, each segment encoded into the store's key
-    /// alphabet (`[A-Za-z0-9._-]`, other bytes as `~XX`, a leading `.` too), so the store's
-    /// own listing and key checks accept these files.
-    fn ref_path(&self, name: &str) -> Result<PathBuf, CacheError> {
-        // name is `registry/repo:tag`; tags and repo components are checked by the
-        // reference grammar, but this becomes a file path, so check again.
-        let (repo, tag) = name
-            .rsplit_once(':')
-            .filter(|(r, t)| !r.is_empty() && !t.is_empty() && !t.contains('/'))
-            .ok_or_else(|| CacheError::BadName(name.to_string()))?;
-        let ok = |c: &str| !c.is_empty() && c != "." && c != ".." && !c.contains('\0');
-        if !repo.split('/').all(ok) || !ok(tag) {
-            return Err(CacheError::BadName(name.to_string()));
-        }
-        let mut p = self.root.join("refs/oci");
-        for seg in repo.split('/').chain(std::iter::once(tag)) {
-            p.push(encode_segment(seg));
-        }
-        Ok(p)
+    /// The store underneath.
+    pub fn blobs(&self) -> &LocalBlobs {
+        &self.blobs
     }
-}
-
-fn encode_segment(seg: &str) -> String {
-    let mut out = String::new();
-    for (i, b) in seg.bytes().enumerate() {
-        if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || (b == b'.' && i > 0) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("~{b:02x}"));
-        }
-    }
-    out
 }
 
 impl BlobCache for LocalCache {
     fn blob_path(&self, digest: &str) -> Result<Option<PathBuf>, CacheError> {
-        let p = self.root.join("blobs/sha256").join(sha256_hex(digest)?);
-        Ok(p.is_file().then_some(p))
+        Ok(self.blobs.blob_path(&blob_digest(digest)?)?)
     }
 
     fn ingest_path(&self, digest: &str) -> Result<PathBuf, CacheError> {
-        Ok(self.root.join(".tmp/ingest").join(sha256_hex(digest)?))
+        Ok(self.blobs.ingest_path(&blob_digest(digest)?))
     }
 
     fn scratch_path(&self, label: &str) -> PathBuf {
-        let safe: String = label
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
-        self.root
-            .join(".tmp")
-            .join(format!("scratch-{}-{safe}", std::process::id()))
+        self.blobs.scratch_path(label)
     }
 
     fn commit(&self, staged: &Path, digest: &str) -> Result<PathBuf, CacheError> {
-        let hex = sha256_hex(digest)?;
-        let actual = digest_of_file(staged).map_err(io_at(staged))?;
-        if actual != digest {
-            let _ = fs::remove_file(staged);
-            return Err(CacheError::Mismatch {
-                expected: digest.to_string(),
-                actual,
-            });
-        }
-        let dst = self.root.join("blobs/sha256").join(hex);
-        fs::rename(staged, &dst).map_err(io_at(&dst))?;
-        Ok(dst)
+        Ok(self.blobs.commit(staged, &blob_digest(digest)?)?)
     }
 
     fn put_bytes(&self, digest: &str, bytes: &[u8]) -> Result<(), CacheError> {
-        let hex = sha256_hex(digest)?;
-        let actual = digest_of(bytes);
-        if actual != digest {
-            return Err(CacheError::Mismatch {
-                expected: digest.to_string(),
-                actual,
-            });
-        }
-        let dst = self.root.join("blobs/sha256").join(hex);
-        if dst.is_file() {
-            return Ok(());
-        }
-        let tmp = self
-            .root
-            .join(".tmp")
-            .join(format!("put-{hex}-{}", std::process::id()));
-        let mut f = fs::File::create(&tmp).map_err(io_at(&tmp))?;
-        f.write_all(bytes).map_err(io_at(&tmp))?;
-        f.sync_all().map_err(io_at(&tmp))?;
-        fs::rename(&tmp, &dst).map_err(io_at(&dst))
+        self.blobs.put_bytes(&blob_digest(digest)?, bytes)?;
+        Ok(())
     }
 
     fn get_ref(&self, name: &str) -> Result<Option<String>, CacheError> {
-        let p = self.ref_path(name)?;
-        match fs::read_to_string(&p) {
-            Ok(s) => {
-                let d = s.trim().to_string();
-                sha256_hex(&d)?;
-                Ok(Some(d))
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(CacheError::Io { path: p, source }),
-        }
+        Ok(self
+            .blobs
+            .get_oci_ref(&oci_ref(name)?)?
+            .map(|d| d.to_string()))
     }
 
     fn set_ref(&self, name: &str, digest: &str) -> Result<(), CacheError> {
-        sha256_hex(digest)?;
-        let p = self.ref_path(name)?;
-        let dir = p
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_else(|| self.root.clone());
-        fs::create_dir_all(&dir).map_err(io_at(&dir))?;
-        let tmp = dir.join(format!(".{}.tmp", std::process::id()));
-        fs::write(&tmp, format!("{digest}\n")).map_err(io_at(&tmp))?;
-        fs::rename(&tmp, &p).map_err(io_at(&p))
+        Ok(self
+            .blobs
+            .set_oci_ref(&oci_ref(name)?, &blob_digest(digest)?)?)
+    }
+
+    fn store_tag(&self, tag: &str) -> Result<Option<String>, CacheError> {
+        let Ok(t) = tag.parse::<TagRef>() else {
+            return Ok(None);
+        };
+        let Some(m) = self.blobs.get_tag(&t)? else {
+            return Ok(None);
+        };
+        match self.blobs.get_manifest(&m)? {
+            Manifest::Image(i) => Ok(i.oci_manifest.map(|b| b.digest.to_string())),
+            Manifest::Snapshot(_) => Ok(None),
+        }
     }
 }
 

@@ -13,17 +13,31 @@
 //! - [`resolve`]: the resolve phase of a build plan (every base to a digest, ONBUILD);
 //! - [`base`]: resolving a FROM (local refs first, then the registry) and unpacking.
 //!
+//! Build inputs (issue 5):
+//! - [`copy`]: COPY/ADD into a step's root, and the sources' cache-key digest;
+//! - [`secrets`]: `--secret id=..,src=..|env=..` build secrets for `RUN --mount=type=secret`.
+//!
 //! Build execution (issue 5):
-//! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits).
+//! - [`exec`]: one RUN step in an isolated root (namespaces, overlayfs, cgroup limits);
+//! - [`build`]: the build driver, a plan into an OCI image in the store.
+//!
+//! Root file systems (issue 6):
+//! - [`ext4`]: layers flattened into a deterministic, checked ext4 image (`mke2fs -d -`);
+//! - [`publish`]: a built image into the store: ext4 chunks, OCI blobs, manifest, tags.
 
 pub mod base;
 pub mod bootstrap;
+pub mod build;
 pub mod cache;
+pub mod copy;
 pub mod exec;
+pub mod ext4;
 pub mod image;
 pub mod layer;
 pub mod layout;
+pub mod publish;
 pub mod reference;
 pub mod registry;
 pub mod remote;
 pub mod resolve;
+pub mod secrets;

@@ -1,9 +1,8 @@
 //! The kiln store as the shared blob cache of base images.
 //!
-//! A [`crate::cache::LocalCache`] directory has the store's key layout for blobs
-//! (`blobs/sha256/<hex>`), so a local kiln store opened on the same directory sees every
-//! pulled manifest, config and layer as an ordinary blob. For a store elsewhere (S3, another
-//! directory), [`publish`] uploads an image's blobs (put-if-absent; the store hashes them
+//! A [`crate::cache::LocalCache`] is the local kiln store itself (through
+//! [`kiln_store::LocalBlobs`]), so every pulled manifest, config and layer is an ordinary
+//! blob there. For a store elsewhere (S3, another directory), [`publish`] uploads an image's blobs (put-if-absent; the store hashes them
 //! again) and [`materialize`] brings them back into a local cache, verified, so a host that
 //! has never talked to the registry can unpack an image by digest.
 

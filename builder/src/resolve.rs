@@ -4,14 +4,19 @@
 //! - `FROM scratch` and `FROM <stage>` need nothing.
 //! - `FROM <reference>`: a build context of that name (`--build-context
 //!   NAME=oci-layout://DIR[:TAG]`, buildx's spelling) imports from an OCI layout; otherwise
-//!   [`crate::base::resolve`] (local references first, then the registry, per [`PullPolicy`]),
+//!   [`crate::base::resolve`] (the store's tags first, then pulled images, then the registry,
+//!   per [`PullPolicy`]),
 //!   with the stage's platform selecting from an index. Each distinct (reference, platform)
 //!   is resolved once.
 //! - `from: {bootstrap: ...}` runs [`crate::bootstrap`] (cached by its inputs); a spec without
 //!   a mirror takes [`ResolveOptions::default_mirror`].
 //!
-//! The base image config's `OnBuild` triggers are returned with the stage, as written; the
-//! front end lowers them into steps that run first in the stage (Docker's ONBUILD).
+//! The base image config's `OnBuild` triggers are returned with the stage, as written, and
+//! [`resolve_recipe`] applies them: it lowers the recipe, resolves every base, then lowers it
+//! again with what each base's config says ([`base_images`]: env, working directory, user,
+//! ONBUILD triggers, as [`kiln_recipes::BaseImage`]). kiln-recipes splices the triggers right
+//! after the FROM, in the stage's context, as Docker does; they are not inherited further,
+//! and `FROM`, `MAINTAINER` and `ONBUILD` triggers are refused.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -57,6 +62,14 @@ pub enum ResolveError {
     /// A `--build-context` value is not `NAME=oci-layout://DIR[:TAG]`.
     #[error("invalid --build-context {0:?}: expected NAME=oci-layout://DIR[:TAG]")]
     BuildContext(String),
+    /// The recipe did not lower (first pass, or the second with the bases' configs, e.g. a
+    /// refused ONBUILD trigger).
+    #[error(transparent)]
+    Recipe(Box<kiln_recipes::RecipeError>),
+    /// The second lowering gave stages other bases than the first (cannot happen: bases
+    /// depend on global ARGs only).
+    #[error("the plan's bases changed between lowering passes")]
+    BasesChanged,
     /// An image config is not JSON of the expected shape.
     #[error("stage {stage}: image config {digest}: {reason}")]
     Config {
@@ -113,11 +126,13 @@ pub fn parse_build_context(s: &str) -> Result<(String, String), ResolveError> {
     Ok((name.to_string(), format!("oci:{dir}")))
 }
 
-fn onbuild_of(
+/// The parts of image `digest`'s config that lowering needs (OCI image spec, config.md:
+/// `config.Env`, `config.WorkingDir`, `config.User`, and Docker's `config.OnBuild`).
+pub fn base_image_of(
     cache: &dyn BlobCache,
     stage: usize,
     digest: &str,
-) -> Result<Vec<String>, ResolveError> {
+) -> Result<kiln_recipes::BaseImage, ResolveError> {
     let m = base::manifest(cache, digest).map_err(|e| ResolveError::Base {
         stage,
         source: Box::new(e),
@@ -133,18 +148,92 @@ fn onbuild_of(
         .ok_or_else(|| cfg_err("not in the local store".into()))?;
     let v: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| cfg_err(e.to_string()))?;
-    match v.get("config").and_then(|c| c.get("OnBuild")) {
-        None | Some(serde_json::Value::Null) => Ok(Vec::new()),
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .map(|x| {
-                x.as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| cfg_err("OnBuild holds a non-string".into()))
-            })
-            .collect(),
-        Some(_) => Err(cfg_err("OnBuild is not a list".into())),
+    let config = v.get("config");
+    let strings = |key: &str| -> Result<Vec<String>, ResolveError> {
+        match config.and_then(|c| c.get(key)) {
+            None | Some(serde_json::Value::Null) => Ok(Vec::new()),
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| cfg_err(format!("{key} holds a non-string")))
+                })
+                .collect(),
+            Some(_) => Err(cfg_err(format!("{key} is not a list"))),
+        }
+    };
+    let string = |key: &str| -> Result<Option<String>, ResolveError> {
+        match config.and_then(|c| c.get(key)) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(serde_json::Value::String(s)) if s.is_empty() => Ok(None),
+            Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(cfg_err(format!("{key} is not a string"))),
+        }
+    };
+    Ok(kiln_recipes::BaseImage {
+        env: strings("Env")?,
+        workdir: string("WorkingDir")?,
+        user: string("User")?,
+        onbuild: strings("OnBuild")?,
+    })
+}
+
+fn onbuild_of(
+    cache: &dyn BlobCache,
+    stage: usize,
+    digest: &str,
+) -> Result<Vec<String>, ResolveError> {
+    Ok(base_image_of(cache, stage, digest)?.onbuild)
+}
+
+/// What lowering needs of every image base of `plan` (env, working directory, user, ONBUILD
+/// triggers), keyed by the reference as the plan writes it, for
+/// [`kiln_recipes::Options::base_images`]. `resolved` is [`resolve_plan`]'s answer for `plan`.
+pub fn base_images(
+    plan: &BuildPlan,
+    resolved: &[ResolvedBase],
+    cache: &dyn BlobCache,
+) -> Result<BTreeMap<String, kiln_recipes::BaseImage>, ResolveError> {
+    let mut out = BTreeMap::new();
+    for (i, (stage, r)) in plan.stages.iter().zip(resolved).enumerate() {
+        if let (Base::Image { reference }, ResolvedBase::Image { digest, .. }) = (&stage.base, r)
+            && !out.contains_key(reference)
+        {
+            out.insert(reference.clone(), base_image_of(cache, i, digest)?);
+        }
     }
+    Ok(out)
+}
+
+/// The resolve phase of a build from recipe bytes: lowers the recipe (`path` picks the front
+/// end, see [`kiln_recipes::load`]), resolves every base ([`resolve_plan`]), then lowers it
+/// again with the bases' configs ([`base_images`], merged over any the caller gave), so the
+/// plan has the bases' env, working directory and user and their ONBUILD triggers spliced in.
+/// Returns that plan and its resolved bases. Errors: [`ResolveError::Recipe`] (either pass,
+/// including a refused trigger), any [`resolve_plan`] error.
+pub async fn resolve_recipe(
+    path: &str,
+    bytes: &[u8],
+    options: &kiln_recipes::Options,
+    opts: &ResolveOptions,
+    cache: &dyn BlobCache,
+) -> Result<(BuildPlan, Vec<ResolvedBase>), ResolveError> {
+    let recipe = |o: &kiln_recipes::Options| {
+        kiln_recipes::load(path, bytes, o).map_err(|e| ResolveError::Recipe(Box::new(e)))
+    };
+    let first = recipe(options)?;
+    let resolved = resolve_plan(&first, opts, cache).await?;
+    let mut second_opts = options.clone();
+    for (k, v) in base_images(&first, &resolved, cache)? {
+        second_opts.base_images.insert(k, v);
+    }
+    let plan = recipe(&second_opts)?;
+    let bases = |p: &BuildPlan| p.stages.iter().map(|s| s.base.clone()).collect::<Vec<_>>();
+    if bases(&plan) != bases(&first) {
+        return Err(ResolveError::BasesChanged);
+    }
+    Ok((plan, resolved))
 }
 
 /// Resolves every stage base of `plan` (one entry per stage, in order).

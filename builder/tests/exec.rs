@@ -102,6 +102,7 @@ impl Fixture {
             workdir: "/".into(),
             files: vec![],
             network: Network::None,
+            mounts: vec![],
             secrets: vec![],
             timeout: Duration::from_secs(120),
             log_budget: None,

@@ -28,6 +28,8 @@ struct Cli {
 /// The subcommands, one module each under `cmd/`.
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Build a Dockerfile or YAML recipe into the local store; prints the image digest.
+    Build(cmd::build::Args),
     /// Lower a Dockerfile or YAML recipe into a build plan and print it.
     Plan(cmd::plan::PlanArgs),
     /// Fetch an image from a registry into the local store.
@@ -76,6 +78,7 @@ fn main() -> ExitCode {
         .try_init();
     let out = cmd::Out::new(cli.json);
     match cli.command {
+        Command::Build(a) => cmd::report(&out, cmd::build::run(a)),
         Command::Plan(a) => cmd::plan::run(&a, out.json),
         // These run their own runtime.
         Command::Pull(a) => cmd::report(&out, cmd::pull::run(a)),

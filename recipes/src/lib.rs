@@ -60,6 +60,12 @@ pub struct BaseImage {
     pub workdir: Option<String>,
     /// `User` (`None`: root).
     pub user: Option<String>,
+    /// `OnBuild`: the base's ONBUILD triggers, each one Dockerfile instruction as written
+    /// (e.g. `RUN make`). Lowering runs them right after the stage's FROM, in the stage's
+    /// context, before the stage's own instructions, as Docker does; the stage's image does
+    /// not inherit them. A trigger that is not exactly one instruction, or is `FROM`,
+    /// `MAINTAINER` or `ONBUILD`, is an error naming the trigger.
+    pub onbuild: Vec<String>,
 }
 
 /// Which front end a file name selects.

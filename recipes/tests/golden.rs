@@ -11,7 +11,8 @@
 //!
 //! `args.json` keys, all optional: `target` (string), `build_args` (object of strings),
 //! `platform`, `build_platform` (strings), `disk_mib` (integer), `base_images` (object: image
-//! reference to `{"env": ["K=v", ...], "workdir": "/dir", "user": "name"}`, each key optional).
+//! reference to `{"env": ["K=v", ...], "workdir": "/dir", "user": "name", "onbuild":
+//! ["RUN make", ...]}`, each key optional).
 //!
 //! `KILN_BLESS=1 cargo test -p kiln-recipes --test golden` rewrites the expected files from
 //! what the front ends produce now; read every rewritten file before committing it.
@@ -128,6 +129,16 @@ fn options_of(dir: &Path) -> Options {
                         )
                     }) {
                         match field.as_str() {
+                            "onbuild" => {
+                                base.onbuild = value
+                                    .as_array()
+                                    .unwrap_or_else(|| {
+                                        panic!("{}: onbuild must be a list", path.display())
+                                    })
+                                    .iter()
+                                    .map(|e| string(e, "onbuild"))
+                                    .collect()
+                            }
                             "env" => {
                                 base.env = value
                                     .as_array()

@@ -1,4 +1,5 @@
-//! Copy between stores: push and pull of a tag and everything it references.
+//! Copy between stores: push and pull of a tag and everything it references, or of an OCI
+//! reference ([`copy_oci_ref`]) and the blobs it reaches.
 //!
 //! [`copy_tag`] reads the tag in the source, collects the closure of manifests it reaches,
 //! and copies, in publish order: chunks (in parallel, bounded, skipping chunks the
@@ -16,6 +17,7 @@ use futures::{StreamExt, TryStreamExt};
 use crate::backend::{Backend, PutOutcome};
 use crate::digest::{BlobDigest, ChunkDigest, ManifestDigest};
 use crate::manifest::{ObjectRef, RawManifest, references};
+use crate::ociref::OciRef;
 use crate::progress::{ProgressEvent, ProgressFn, Reporter, TransferStats};
 use crate::tag::TagRef;
 use crate::{Store, StoreError};
@@ -162,37 +164,7 @@ async fn copy_closure(
 
     // Blobs.
     for b in blobs {
-        let (size, transferred) = match dst.backend.head(&b.key()).await? {
-            Some(i) => (i.size, false),
-            None => {
-                let size = src
-                    .backend
-                    .head(&b.key())
-                    .await?
-                    .map(|i| i.size)
-                    .unwrap_or(0);
-                if size <= IN_MEMORY_BLOB_LIMIT {
-                    let data = src.get_blob(&b).await?;
-                    dst.put_blob(data).await?;
-                } else {
-                    let dir = tempfile_dir();
-                    let tmp = dir.join(format!("kiln-copy-{}-{}", b.hex(), std::process::id()));
-                    let r = async {
-                        src.get_blob_to_file(&b, &tmp).await?;
-                        dst.put_blob_file(&tmp).await
-                    }
-                    .await;
-                    let _ = tokio::fs::remove_file(&tmp).await;
-                    r?;
-                }
-                (size, true)
-            }
-        };
-        reporter.emit(ProgressEvent::Blob {
-            digest: b,
-            size,
-            transferred,
-        });
+        copy_blob(src, dst, b, reporter).await?;
     }
 
     // Manifests, referenced before referencing.
@@ -208,6 +180,114 @@ async fn copy_closure(
     }
     // The caller releases the lease once the tag is set (or the copy is abandoned).
     Ok(lease)
+}
+
+/// Copies one blob unless `dst` has it (verified on read; large blobs through a temp file).
+async fn copy_blob(
+    src: &Store,
+    dst: &Store,
+    b: BlobDigest,
+    reporter: &Reporter,
+) -> Result<(), StoreError> {
+    let (size, transferred) = match dst.backend.head(&b.key()).await? {
+        Some(i) => (i.size, false),
+        None => {
+            let size = src
+                .backend
+                .head(&b.key())
+                .await?
+                .map(|i| i.size)
+                .unwrap_or(0);
+            if size <= IN_MEMORY_BLOB_LIMIT {
+                let data = src.get_blob(&b).await?;
+                dst.put_blob(data).await?;
+            } else {
+                let dir = tempfile_dir();
+                let tmp = dir.join(format!("kiln-copy-{}-{}", b.hex(), std::process::id()));
+                let r = async {
+                    src.get_blob_to_file(&b, &tmp).await?;
+                    dst.put_blob_file(&tmp).await
+                }
+                .await;
+                let _ = tokio::fs::remove_file(&tmp).await;
+                r?;
+            }
+            (size, true)
+        }
+    };
+    reporter.emit(ProgressEvent::Blob {
+        digest: b,
+        size,
+        transferred,
+    });
+    Ok(())
+}
+
+/// What [`copy_oci_ref`] did.
+#[derive(Debug, Clone)]
+pub struct OciCopyReport {
+    /// The OCI manifest or index blob the reference names.
+    pub digest: BlobDigest,
+    /// Totals (blobs only).
+    pub stats: TransferStats,
+}
+
+/// Copies the OCI reference `r` from `src` to `dst`: every blob it reaches (its manifest or
+/// index, the stored manifests of an index, configs and layers), verified, under a lease on
+/// `dst`, then sets the reference there. Errors: the reference missing in `src`
+/// ([`crate::BackendError::NotFound`] on its key), a blob it needs absent in `src`, any
+/// read/verify/write failure.
+pub async fn copy_oci_ref(
+    src: &Store,
+    dst: &Store,
+    r: &OciRef,
+    opts: &CopyOptions,
+) -> Result<OciCopyReport, StoreError> {
+    let digest = src
+        .get_oci_ref(r)
+        .await?
+        .ok_or_else(|| crate::BackendError::NotFound {
+            store: src.url().to_string(),
+            key: r.key(),
+        })?;
+    let closure = src.oci_closure(digest, true).await?;
+    if let Some((b, _)) = closure
+        .missing
+        .first()
+        .copied()
+        .or_else(|| (!closure.top_present).then_some((digest, digest)))
+    {
+        return Err(crate::BackendError::NotFound {
+            store: src.url().to_string(),
+            key: b.key(),
+        }
+        .into());
+    }
+    let reporter = Reporter::new(opts.progress.clone());
+    let lease_id = format!(
+        "copy-oci-{}-{}-{}",
+        &digest.hex()[..16],
+        crate::hostname().replace(|c: char| !c.is_ascii_alphanumeric(), "-"),
+        std::process::id()
+    );
+    let lease = dst
+        .create_lease(
+            &lease_id,
+            opts.lease_ttl,
+            closure.blobs.iter().map(|b| ObjectRef::Blob(*b)),
+        )
+        .await?;
+    // Configs and layers before the manifests naming them: the closure lists a manifest
+    // before what it names, so copy in reverse.
+    for b in closure.blobs.iter().rev() {
+        copy_blob(src, dst, *b, &reporter).await?;
+    }
+    dst.set_oci_ref(r, digest).await?;
+    lease.release().await?;
+    Ok(OciCopyReport {
+        digest,
+        stats: reporter.totals(),
+    })
 }
 
 fn tempfile_dir() -> std::path::PathBuf {

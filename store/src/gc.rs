@@ -4,7 +4,7 @@
 //! it never touches storage (unit-tested on an in-memory graph). [`Store::gc`] gathers the
 //! roots — every tag's manifest, every object of an unexpired lease, the layer of every
 //! build-cache entry younger than [`GcOptions::cache_ttl`], every OCI image an OCI reference
-//! under `refs/` names (its manifest or index, config and layers) — loads every manifest in the store
+//! reference ([`crate::ociref`]) names (its manifest or index, config and layers) — loads every manifest in the store
 //! to answer `refs_of`, marks, then sweeps: only unmarked chunks, blobs and manifests last
 //! modified more than [`GcOptions::grace`] ago are deleted (manifests first, so no surviving
 //! manifest ever names a deleted chunk), after re-reading the leases to spare anything a
@@ -18,31 +18,12 @@ use std::time::{Duration, SystemTime};
 use serde::Serialize;
 
 use crate::backend::Backend;
-use crate::digest::{BlobDigest, ManifestDigest};
+use crate::digest::ManifestDigest;
 use crate::lease::DEFAULT_CACHE_TTL;
 use crate::manifest::{ObjectRef, references};
 use crate::{Store, StoreError, unix_now};
 
-/// Largest blob parsed as an OCI manifest or index when marking from `refs/` (bytes, 4 MiB:
-/// the limit the builder applies to manifests it fetches).
-pub const MAX_OCI_MANIFEST_BYTES: u64 = 4 << 20;
-
-/// The descriptors of an OCI image manifest or index that GC follows (OCI image spec,
-/// manifest.md and image-index.md); every other field is ignored.
-#[derive(serde::Deserialize)]
-struct OciDocument {
-    #[serde(default)]
-    config: Option<OciDescriptor>,
-    #[serde(default)]
-    layers: Vec<OciDescriptor>,
-    #[serde(default)]
-    manifests: Vec<OciDescriptor>,
-}
-
-#[derive(serde::Deserialize)]
-struct OciDescriptor {
-    digest: String,
-}
+pub use crate::ociref::MAX_OCI_MANIFEST_BYTES;
 
 /// Errors from garbage collection.
 #[derive(Debug, thiserror::Error)]
@@ -236,70 +217,22 @@ impl Store {
         })
     }
 
-    /// Roots from OCI references: every object under `refs/` (written by the builder's
-    /// `kiln pull` and `kiln import`: `refs/oci/<registry>/<repo>/<tag>`) holds the digest
-    /// (`sha256:<hex>`) of an OCI image manifest or index stored as a blob. That blob is live,
-    /// and so is every blob its descriptors name (OCI image spec, manifest.md `config` and
-    /// `layers`, image-index.md `manifests`); an index's manifests are followed in turn, and a
-    /// child manifest not stored (a platform never pulled) is skipped. Only blobs of at most
-    /// [`MAX_OCI_MANIFEST_BYTES`] are parsed; layers and configs are never read. Names whose
-    /// last segment starts with `.` are temporary files of an interrupted write.
+    /// Roots from OCI references ([`crate::ociref`], written by the builder's `kiln pull`
+    /// and `kiln import`): the OCI manifest or index blob each names, and every blob that
+    /// reaches ([`Store::oci_closure`]: config, layers, stored index children).
     ///
     /// Errors (when `strict`): [`GcError::Unreadable`] for a reference that cannot be read or
     /// does not hold a digest, as for tags.
     async fn oci_ref_roots(&self, strict: bool) -> Result<Vec<ObjectRef>, StoreError> {
-        let mut queue = Vec::new();
-        for o in self.backend.list("refs/").await? {
-            if o.key.rsplit('/').next().is_some_and(|n| n.starts_with('.')) {
-                continue;
-            }
-            let parsed = if o.size > 1024 {
-                Err(format!("{} bytes is too large for a reference", o.size))
-            } else {
-                match self.backend.get(&o.key).await {
-                    Ok(b) => std::str::from_utf8(&b)
-                        .map_err(|e| e.to_string())
-                        .and_then(|t| t.trim().parse::<BlobDigest>().map_err(|e| e.to_string())),
-                    Err(e) => Err(e.to_string()),
-                }
-            };
-            match parsed {
-                Ok(d) => queue.push(d),
-                Err(reason) if strict => return Err(unreadable(&o.key, reason)),
-                Err(_) => {}
-            }
-        }
-        let mut seen = HashSet::new();
         let mut roots = Vec::new();
-        while let Some(d) = queue.pop() {
-            if !seen.insert(d) {
-                continue;
-            }
-            roots.push(ObjectRef::Blob(d));
-            let Some(info) = self.backend.head(&d.key()).await? else {
-                continue;
-            };
-            if info.size > MAX_OCI_MANIFEST_BYTES {
-                continue;
-            }
-            let bytes = match self.get_blob(&d).await {
-                Ok(b) => b,
-                Err(e) if strict => return Err(unreadable(&d.key(), e)),
+        for (r, d) in self.list_oci_refs().await? {
+            let d = match d {
+                Ok(d) => d,
+                Err(reason) if strict => return Err(unreadable(&r.key(), reason)),
                 Err(_) => continue,
             };
-            let Ok(doc) = serde_json::from_slice::<OciDocument>(&bytes) else {
-                continue;
-            };
-            for desc in doc.config.iter().chain(&doc.layers) {
-                if let Ok(c) = desc.digest.parse::<BlobDigest>() {
-                    roots.push(ObjectRef::Blob(c));
-                }
-            }
-            for desc in &doc.manifests {
-                if let Ok(m) = desc.digest.parse::<BlobDigest>() {
-                    queue.push(m);
-                }
-            }
+            let c = self.oci_closure(d, strict).await?;
+            roots.extend(c.blobs.into_iter().map(ObjectRef::Blob));
         }
         Ok(roots)
     }

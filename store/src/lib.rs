@@ -9,11 +9,12 @@
 //!   manifests/sha256/<hex>    JSON manifest; <hex> = sha256 of its bytes as stored
 //!   tags/<name>/<tag>         mutable: JSON {manifest, time, host}; moved by compare-and-swap
 //!   tags/<name>/<tag>~history JSON lines: every move (time, host, previous, new)
+//!   refs/oci/<registry>/<repo..>/<tag>  mutable: `sha256:<hex>` of an OCI manifest/index blob
 //!   leases/<id>               JSON: expiry + keys an in-flight build/push relies on
 //!   cache/<key>               JSON: build-cache entry → layer blob digest, with its time
 //!   (local only) .tmp/ .locks/  temp files before rename, flock files for tag CAS
 //! ```
-//! Everything but tags, histories, leases and cache entries is immutable and written with
+//! Everything but tags, histories, OCI references, leases and cache entries is immutable and written with
 //! put-if-absent. Publish order is chunks, then manifest, then tag, so no tag ever names
 //! missing data.
 //!
@@ -27,7 +28,10 @@
 //! - [`Store`] ([`store`] module): the typed store over a backend: blobs ([`blob`]), chunks,
 //!   manifests ([`manifest`]), artifacts ([`artifact`]: chunked upload, reader, materialize),
 //!   with an optional on-disk read cache ([`readcache`]).
-//! - [`tag`]: tags and their history; [`lease`]: leases and build-cache entries.
+//! - [`tag`]: tags and their history; [`ociref`]: OCI references (pulled images);
+//!   [`lease`]: leases and build-cache entries.
+//! - [`local_blobs`]: blocking access to a local store's blobs, OCI references and tags, for
+//!   the builder (download into the store, unpack from it).
 //! - [`gc`] (mark is pure; sweep separate), [`verify`], [`copy`] (push/pull between stores,
 //!   with [`progress`] events).
 //!
@@ -63,7 +67,9 @@ pub mod copy;
 pub mod digest;
 pub mod gc;
 pub mod lease;
+pub mod local_blobs;
 pub mod manifest;
+pub mod ociref;
 pub mod progress;
 pub mod readcache;
 pub mod store;
@@ -76,10 +82,12 @@ pub use chunk::{ChunkEntry, ChunkError, ChunkTable, Chunking};
 pub use digest::{BlobDigest, ChunkDigest, DigestError, ManifestDigest};
 pub use gc::GcError;
 pub use lease::LeaseError;
+pub use local_blobs::LocalBlobs;
 pub use manifest::{
     BlobRef, Filesystem, ImageManifest, Manifest, ManifestError, ObjectRef, RawManifest, ReadySpec,
     SandboxSpec, SnapshotManifest, StartSpec,
 };
+pub use ociref::{OciRef, OciRefError};
 pub use store::{Store, StoreOptions};
 pub use tag::{TagError, TagRef};
 
@@ -104,6 +112,9 @@ pub enum StoreError {
     /// A tag problem (including a lost compare-and-swap).
     #[error(transparent)]
     Tag(#[from] TagError),
+    /// An OCI reference problem.
+    #[error(transparent)]
+    OciRef(#[from] OciRefError),
     /// A lease or build-cache entry problem.
     #[error(transparent)]
     Lease(#[from] LeaseError),

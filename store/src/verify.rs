@@ -3,7 +3,9 @@
 //! From every tag (and every live lease and cache entry, as GC sees them): each reachable
 //! manifest must read, hash to its name and parse (including chunk-table validation); each
 //! chunk and blob it names must exist; with `deep`, each chunk must decompress and hash to its
-//! name and each blob must hash to its name. Problems are [`Finding`]s in the report, never
+//! name and each blob must hash to its name. Every OCI reference ([`crate::ociref`]) must hold
+//! a digest, and its manifest or index, and each config and layer of an image manifest it
+//! reaches, must be present (and, with `deep`, hash to its name). Problems are [`Finding`]s in the report, never
 //! errors: a store full of damage still yields a complete report. Orphans are unreachable
 //! objects, marked with whether GC would collect them now (older than the grace period).
 
@@ -85,6 +87,21 @@ pub enum Finding {
         blob: BlobDigest,
         /// Why.
         reason: String,
+    },
+    /// An OCI reference that does not hold a digest.
+    OciRefCorrupt {
+        /// The reference key.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+    /// A blob an OCI reference reaches (its manifest or index, or a config or layer of an
+    /// image manifest) that is absent.
+    OciRefMissingBlob {
+        /// `registry/repository:tag`.
+        reference: String,
+        /// The absent blob.
+        blob: BlobDigest,
     },
     /// A backend error while checking an object.
     Unreachable {
@@ -225,6 +242,7 @@ impl Store {
         }
         report.chunks = chunks.len();
         report.blobs = blobs.len();
+        let mut checked_oci: HashSet<BlobDigest> = HashSet::new();
         let mut to_check = Vec::new();
         for (c, (m, len)) in &chunks {
             if !present.contains_key(c.key().as_str()) {
@@ -247,6 +265,46 @@ impl Store {
                     blob: *b,
                     reason: e.to_string(),
                 });
+            }
+        }
+        // OCI references: what each reaches must be present (and hash right, deep).
+        for (r, d) in self.list_oci_refs().await? {
+            let d = match d {
+                Ok(d) => d,
+                Err(reason) => {
+                    report.findings.push(Finding::OciRefCorrupt {
+                        key: r.key(),
+                        reason,
+                    });
+                    continue;
+                }
+            };
+            let c = self.oci_closure(d, false).await?;
+            let missing: HashSet<BlobDigest> = c.missing.iter().map(|(b, _)| *b).collect();
+            if !c.top_present {
+                report.findings.push(Finding::OciRefMissingBlob {
+                    reference: r.to_string(),
+                    blob: d,
+                });
+                continue;
+            }
+            for b in &c.missing {
+                report.findings.push(Finding::OciRefMissingBlob {
+                    reference: r.to_string(),
+                    blob: b.0,
+                });
+            }
+            for b in c.blobs {
+                if missing.contains(&b) || blobs.contains_key(&b) || !checked_oci.insert(b) {
+                    continue;
+                }
+                report.blobs += 1;
+                if deep && let Err(e) = self.check_blob(&b).await {
+                    report.findings.push(Finding::CorruptBlob {
+                        blob: b,
+                        reason: e.to_string(),
+                    });
+                }
             }
         }
         if deep {

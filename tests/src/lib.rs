@@ -2,6 +2,7 @@
 //! the real servers that `ci/setup.sh` starts on 127.0.0.1.
 
 pub mod crash;
+pub mod ext4;
 pub mod fault_proxy;
 pub mod stores;
 

@@ -372,8 +372,12 @@ fn offline_from_oci_layout_and_export() {
         &reg,
         &cache,
     )) {
-        Err(base::BaseError::Registry(RegistryError::Offline(_))) => {}
-        other => panic!("expected Offline, got {other:?}"),
+        Err(e @ base::BaseError::NotCached { .. }) => assert!(
+            e.to_string()
+                .contains("pulled image 127.0.0.1:5000/busybox:latest"),
+            "{e}"
+        ),
+        other => panic!("expected NotCached, got {other:?}"),
     }
     let spec = format!("oci:{layout}:latest");
     let (digest, src) = rt
@@ -567,4 +571,130 @@ fn store_gc_keeps_pulled_images() {
             .exists(),
         "the orphan survived: {report:?}"
     );
+}
+
+/// FROM looks first among the store's own tags (a kiln image whose manifest has an OCI
+/// manifest), then at pulled images, then at the registry; `--pull` always asks the registry;
+/// `--offline` names what it looked for.
+#[test]
+fn from_looks_at_store_tags_then_pulled_images_then_the_registry() {
+    let reference = require_env("KILN_TEST_BUSYBOX_REF");
+    let multi_layout = require_env("KILN_TEST_BUSYBOX_OCI");
+    let rt = rt();
+    let reg = registry(RegistryOptions::default());
+    let (dir, cache) = store();
+    // The busybox image from its layout (no registry), then a kiln image tagged `mybase:v1`
+    // in the same store whose OCI manifest is that image.
+    let (busybox, _) = rt
+        .block_on(base::resolve(
+            &format!("oci:{multi_layout}:latest"),
+            PullPolicy::Never,
+            &reg,
+            &cache,
+        ))
+        .expect("import");
+    let size = std::fs::metadata(cache.blob_path(&busybox).expect("ok").expect("cached"))
+        .expect("stat")
+        .len();
+    rt.block_on(async {
+        let store = kiln_store::Store::open(dir.path().to_str().expect("utf8"))
+            .await
+            .expect("store");
+        let (table, _) = store
+            .put_artifact_reader(
+                std::io::Cursor::new(vec![1u8; 10_000]),
+                &kiln_store::artifact::PutArtifactOptions::default(),
+            )
+            .await
+            .expect("artifact");
+        let mut m = kiln_store::ImageManifest::new(table);
+        m.oci_manifest = Some(kiln_store::BlobRef {
+            digest: busybox.parse().expect("digest"),
+            size,
+            media_type: Some("application/vnd.oci.image.manifest.v1+json".into()),
+        });
+        let raw = store
+            .put_manifest(&kiln_store::Manifest::Image(m))
+            .await
+            .expect("manifest");
+        for t in ["mybase:v1", "mybase:latest"] {
+            store
+                .set_tag(&t.parse().expect("tag"), None, raw.digest)
+                .await
+                .expect("tag");
+        }
+    });
+    for (spec, policy) in [
+        ("mybase:v1", PullPolicy::Missing),
+        ("mybase:v1", PullPolicy::Never),
+        ("mybase", PullPolicy::Never),
+    ] {
+        let (d, src) = rt
+            .block_on(base::resolve(spec, policy, &reg, &cache))
+            .unwrap_or_else(|e| panic!("{spec} {policy:?}: {e}"));
+        assert_eq!(
+            (d.as_str(), src),
+            (busybox.as_str(), Source::Local),
+            "{spec}"
+        );
+    }
+    assert_eq!(
+        base::lookup("mybase:v1", &cache).expect("lookup"),
+        Some(busybox.clone())
+    );
+    let err = rt
+        .block_on(base::resolve("mybase:v2", PullPolicy::Never, &reg, &cache))
+        .expect_err("not cached");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("store tag mybase:v2")
+            && msg.contains("pulled image docker.io/library/mybase:v2")
+            && msg.contains("--offline"),
+        "{msg}"
+    );
+    // A pulled reference pointing at another image: used as is without --pull; --pull asks
+    // the registry, gets its busybox and moves the reference.
+    let other = {
+        let amd64 = require_env("KILN_TEST_MULTI_AMD64_DIGEST");
+        let (d, _) = rt
+            .block_on(base::resolve(
+                &format!(
+                    "{}@{amd64}",
+                    require_env("KILN_TEST_MULTI_REF")
+                        .rsplit_once(':')
+                        .expect("tag")
+                        .0
+                ),
+                PullPolicy::Missing,
+                &reg,
+                &cache,
+            ))
+            .expect("pull multi amd64");
+        d
+    };
+    let r: kiln_builder::reference::Reference = reference.parse().expect("ref");
+    let name = format!("{}:{}", r.name(), r.tag().expect("tag"));
+    cache.set_ref(&name, &other).expect("set ref");
+    let (d, src) = rt
+        .block_on(base::resolve(&reference, PullPolicy::Missing, &reg, &cache))
+        .expect("local");
+    assert_eq!((d.as_str(), src), (other.as_str(), Source::Local));
+    let (d, src) = rt
+        .block_on(base::resolve(&reference, PullPolicy::Always, &reg, &cache))
+        .expect("--pull");
+    assert!(matches!(src, Source::Registry { .. }), "{src:?}");
+    assert_eq!(d, busybox, "the registry's busybox is the fixture's");
+    assert_eq!(cache.get_ref(&name).expect("ref"), Some(busybox.clone()));
+    // A locally found image with a missing layer: --offline names the blob; without it the
+    // registry fills the gap.
+    let m = base::manifest(&cache, &busybox).expect("manifest");
+    let layer = &m.layers[0].digest;
+    std::fs::remove_file(cache.blob_path(layer).expect("ok").expect("cached")).expect("rm");
+    let err = rt
+        .block_on(base::resolve(&reference, PullPolicy::Never, &reg, &cache))
+        .expect_err("incomplete");
+    assert!(err.to_string().contains(layer.as_str()), "{err}");
+    rt.block_on(base::resolve(&reference, PullPolicy::Missing, &reg, &cache))
+        .expect("re-pull");
+    assert!(cache.blob_path(layer).expect("ok").is_some());
 }

@@ -5,7 +5,7 @@ use kiln_builder::base::PullPolicy;
 use kiln_builder::cache::{BlobCache, LocalCache, digest_of};
 use kiln_builder::registry::{Registry, RegistryOptions};
 use kiln_builder::resolve::{
-    ResolveError, ResolveOptions, ResolvedBase, parse_build_context, resolve_plan,
+    ResolveError, ResolveOptions, ResolvedBase, parse_build_context, resolve_plan, resolve_recipe,
 };
 use kiln_tests::require_env;
 
@@ -101,6 +101,76 @@ fn every_base_becomes_a_digest() {
         }
         other => panic!("stage 2: {other:?}"),
     }
+
+    // The resolve phase applies the triggers: lowered after the FROM, in the stage's context,
+    // not inherited by the image.
+    let df = "FROM localhost/onbuild-base:1\nRUN echo own $FROM_ONBUILD\n";
+    let (p, r) = rt
+        .block_on(resolve_recipe(
+            "Dockerfile",
+            df.as_bytes(),
+            &kiln_recipes::Options::default(),
+            &opts(),
+            &cache,
+        ))
+        .expect("resolve recipe");
+    assert!(matches!(&r[0], ResolvedBase::Image { digest, .. } if digest == &md));
+    let argv: Vec<Vec<String>> = p.stages[0]
+        .steps
+        .iter()
+        .map(|s| match &s.action {
+            kiln_recipes::plan::Action::Run(r) => r.argv.clone(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        argv,
+        [
+            vec!["/bin/sh", "-c", "echo triggered"],
+            vec!["/bin/sh", "-c", "echo own $FROM_ONBUILD"]
+        ]
+    );
+    assert!(
+        p.stages[0].steps[1]
+            .context
+            .env
+            .contains(&"FROM_ONBUILD=1".to_string())
+    );
+    assert!(p.stages[0].config.onbuild.is_empty(), "not inherited");
+    // A hostile base whose trigger is FROM is refused, naming the trigger.
+    let hostile = serde_json::json!({
+        "architecture": "amd64", "os": "linux",
+        "config": { "OnBuild": ["FROM evil"] },
+        "rootfs": base_cfg["rootfs"],
+    });
+    let hb = serde_json::to_vec(&hostile).expect("json");
+    let hd = digest_of(&hb);
+    cache.put_bytes(&hd, &hb).expect("put config");
+    let mut hm = manifest.clone();
+    hm["config"]["digest"] = hd.clone().into();
+    hm["config"]["size"] = hb.len().into();
+    let hmb = serde_json::to_vec(&hm).expect("json");
+    let hmd = digest_of(&hmb);
+    cache.put_bytes(&hmd, &hmb).expect("put manifest");
+    cache
+        .set_ref("localhost/hostile-base:1", &hmd)
+        .expect("tag");
+    let err = rt
+        .block_on(resolve_recipe(
+            "Dockerfile",
+            b"FROM localhost/hostile-base:1\nRUN true\n",
+            &kiln_recipes::Options::default(),
+            &opts(),
+            &cache,
+        ))
+        .expect_err("refused trigger");
+    assert!(
+        matches!(err, ResolveError::Recipe(_))
+            && err
+                .to_string()
+                .contains("FROM is not allowed as an ONBUILD trigger"),
+        "{err}"
+    );
 
     // A stage on a stage, and scratch.
     let p = plan(&format!(

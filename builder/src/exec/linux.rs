@@ -133,6 +133,8 @@ struct ChildPlan {
     hostname: String,
     spec: StepSpec,
     bring_lo_up: bool,
+    /// `RUN --mount`s (cache locks held until the plan is dropped, after the step).
+    mounts: super::mounts::PreparedMounts,
 }
 
 struct Fds {
@@ -229,6 +231,8 @@ impl StepExecutor for LinuxExecutor {
         fs::write(&hosts, hosts_text).map_err(io("writing hosts"))?;
         fs::write(&resolv, resolv_text).map_err(io("writing resolv.conf"))?;
 
+        let mounts = super::mounts::prepare(&spec.mounts, &spec.lower_dirs, &scratch.dir)?;
+
         let cgroup = StepCgroup::create(
             &cfg.cgroup_parent,
             CgroupLimits {
@@ -250,6 +254,7 @@ impl StepExecutor for LinuxExecutor {
             hostname: cfg.hostname.clone(),
             spec: spec.clone(),
             bring_lo_up: spec.network != Network::Host,
+            mounts,
         };
         let pipe = || {
             rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
@@ -377,6 +382,7 @@ impl StepExecutor for LinuxExecutor {
         let mut status_buf = [0u8; 4];
         let got_status = fs::File::from(status_r).read_exact(&mut status_buf).is_ok();
         cleanup_mount_points(spec);
+        super::mounts::cleanup(&plan.mounts, &spec.upper_dir, &spec.lower_dirs);
 
         if let Some(e) = stop {
             return Err(e);
@@ -523,7 +529,7 @@ fn start_slirp(program: &Path, pid: libc::pid_t) -> Result<Child, ExecError> {
 /// Removes mount points the executor had to create, when the step left them empty and
 /// no lower layer has them (so they do not end up in the layer).
 /// Whether every parent of `rel` under `base` is a real directory (no symlink).
-fn real_dirs_to(base: &Path, rel: &str) -> bool {
+pub(super) fn real_dirs_to(base: &Path, rel: &str) -> bool {
     let mut cur = base.to_path_buf();
     let parents: Vec<&str> = rel.split('/').collect();
     for part in &parents[..parents.len() - 1] {
@@ -799,6 +805,8 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         mount_bind(src.as_path(), fd_path.as_str())
             .map_err(|e| format!("binding /{target}: {e}"))?;
     }
+    // RUN --mount, while host paths (binds, caches) can still be reached.
+    super::mounts::mount_all(&root_fd, &plan.mounts)?;
     drop(root_fd);
 
     rustix::process::chdir(merged).map_err(|e| format!("chdir: {e}"))?;

@@ -33,6 +33,27 @@ impl Default for LogLimits {
     }
 }
 
+/// What to redact for one secret `value`, given that logs are redacted line by line: the
+/// value itself when it is one line (a trailing newline dropped), else each of its lines
+/// (without `\r`) of 3 bytes or more. A key file's lines are redacted wherever they appear.
+pub fn secret_pieces(value: &[u8]) -> Vec<String> {
+    let text = String::from_utf8_lossy(value);
+    let lines: Vec<&str> = text
+        .split('\n')
+        .map(|l| l.trim_end_matches('\r'))
+        .filter(|l| !l.is_empty())
+        .collect();
+    match lines.as_slice() {
+        [] => Vec::new(),
+        [one] => vec![one.to_string()],
+        many => many
+            .iter()
+            .filter(|l| l.len() >= 3)
+            .map(|l| l.to_string())
+            .collect(),
+    }
+}
+
 /// One log message of a step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogLine {
@@ -252,5 +273,16 @@ mod tests {
         assert_eq!(out.iter().filter(|l| *l == LOG_TRUNCATED).count(), 1);
         let body: usize = out[..out.len() - 1].iter().map(|l| l.len() + 1).sum();
         assert!(body <= 100);
+    }
+
+    #[test]
+    fn secret_pieces_cover_lines() {
+        assert_eq!(secret_pieces(b"tok\n"), vec!["tok"]);
+        assert_eq!(secret_pieces(b"ab"), vec!["ab"]);
+        assert_eq!(
+            secret_pieces(b"-----BEGIN-----\r\nAAAA\nx\n-----END-----\n"),
+            vec!["-----BEGIN-----", "AAAA", "-----END-----"]
+        );
+        assert!(secret_pieces(b"\n\n").is_empty());
     }
 }

@@ -21,6 +21,7 @@
 pub mod cgroup;
 mod linux;
 pub mod logs;
+pub mod mounts;
 pub mod user;
 
 use std::path::PathBuf;
@@ -34,6 +35,7 @@ use kiln_recipes::plan::{Action, InlineFile, Network, Step};
 pub use cgroup::{CgroupError, CgroupLayout};
 pub use linux::LinuxExecutor;
 pub use logs::{LogLimits, LogLine};
+pub use mounts::{MountInputs, MountKind, MountsError, StepMount};
 pub use user::{ExecUser, UserError};
 
 /// Docker's default capability set (moby `oci/caps/defaults.go`): CHOWN, DAC_OVERRIDE,
@@ -128,6 +130,9 @@ pub struct StepSpec {
     pub files: Vec<InlineFile>,
     /// Network mode.
     pub network: Network,
+    /// `RUN --mount`s, resolved ([`mounts::resolve`]); mounted after the overlay, never part
+    /// of the upper directory.
+    pub mounts: Vec<StepMount>,
     /// Values redacted from the logs.
     pub secrets: Vec<String>,
     /// Time this step may run (what is left of the build's timeout).
@@ -139,8 +144,8 @@ pub struct StepSpec {
 
 impl StepSpec {
     /// A spec for plan step `step` (a `RUN`), numbered `index`, over `lower_dirs` (topmost
-    /// first), writing to `upper_dir` with `work_dir`. Errors: not a `RUN`, or `RUN --mount`
-    /// (not yet supported here).
+    /// first), writing to `upper_dir` with `work_dir`. Errors: not a `RUN`, or a `RUN --mount`
+    /// (use [`StepSpec::from_plan_with_mounts`], which is given what mounts need).
     pub fn from_plan(
         index: usize,
         step: &Step,
@@ -154,7 +159,7 @@ impl StepSpec {
         };
         if !run.mounts.is_empty() {
             return Err(ExecError::Unsupported(
-                "RUN --mount is not supported by the executor yet".into(),
+                "RUN --mount needs StepSpec::from_plan_with_mounts".into(),
             ));
         }
         Ok(StepSpec {
@@ -168,10 +173,38 @@ impl StepSpec {
             workdir: step.context.workdir.clone(),
             files: run.files.clone(),
             network: run.network,
+            mounts: Vec::new(),
             secrets: Vec::new(),
             timeout,
             log_budget: None,
         })
+    }
+
+    /// As [`StepSpec::from_plan`], with the step's `RUN --mount`s resolved from `inputs`
+    /// ([`mounts::resolve`]): secrets exposed as environment variables are appended to the
+    /// environment, and every secret value the step sees is redacted from its logs.
+    pub fn from_plan_with_mounts(
+        index: usize,
+        step: &Step,
+        lower_dirs: Vec<PathBuf>,
+        upper_dir: PathBuf,
+        work_dir: PathBuf,
+        timeout: Duration,
+        inputs: &MountInputs,
+    ) -> Result<StepSpec, ExecError> {
+        let Action::Run(run) = &step.action else {
+            return Err(ExecError::Unsupported("only RUN steps are executed".into()));
+        };
+        let resolved = mounts::resolve(&run.mounts, inputs)?;
+        let mut bare = step.clone();
+        if let Action::Run(r) = &mut bare.action {
+            r.mounts.clear();
+        }
+        let mut spec = StepSpec::from_plan(index, &bare, lower_dirs, upper_dir, work_dir, timeout)?;
+        spec.mounts = resolved.mounts;
+        spec.env.extend(resolved.env);
+        spec.secrets.extend(resolved.redact);
+        Ok(spec)
     }
 }
 
@@ -217,6 +250,9 @@ pub enum ExecError {
     /// The step's cgroup could not be made.
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
+    /// A `RUN --mount` could not be resolved.
+    #[error(transparent)]
+    Mounts(#[from] MountsError),
     /// slirp4netns did not come up.
     #[error("network: slirp4netns: {0}")]
     Slirp(String),
@@ -402,6 +438,18 @@ mod tests {
             ),
             Err(ExecError::Unsupported(_))
         ));
+        let s = StepSpec::from_plan_with_mounts(
+            2,
+            &run_step(true),
+            vec![],
+            "/u".into(),
+            "/w".into(),
+            Duration::ZERO,
+            &MountInputs::default(),
+        )
+        .unwrap();
+        assert_eq!(s.mounts.len(), 1);
+        assert_eq!(s.mounts[0].target, "/t");
     }
 
     #[test]

@@ -614,7 +614,7 @@ struct Meta {
 
 /// Whether an xattr from a layer is applied: `system.*` (ACLs are kernel-encoded) and
 /// `security.selinux` (host policy) are not, as umoci and containerd skip them.
-fn keep_xattr(name: &[u8]) -> bool {
+pub(crate) fn keep_xattr(name: &[u8]) -> bool {
     !(name.starts_with(b"system.") || name == b"security.selinux")
 }
 
@@ -1154,6 +1154,98 @@ impl Applier {
             }
         }
         Ok(())
+    }
+}
+
+/// A layer's decompressed tar stream with the bounds of [`Limits`] enforced, for readers of
+/// layers other than [`apply_layer`] (the ext4 flattener): the same compression sniffing,
+/// byte, ratio and extension-header bounds and GNU-sparse refusal.
+pub(crate) struct BoundedStream {
+    counters: Rc<Counters>,
+    limits: Limits,
+    digest: String,
+}
+
+/// Opens `layer` (gzip, zstd or plain) as a bounded tar stream. Errors: [`LayerError::Tar`]
+/// when the compression header is unreadable.
+pub(crate) fn bounded_stream<'a>(
+    layer: impl Read + 'a,
+    digest: &str,
+    limits: &Limits,
+) -> Result<(Box<dyn Read + 'a>, BoundedStream), LayerError> {
+    let counters = Rc::new(Counters::default());
+    let mut raw = BufReader::with_capacity(
+        256 << 10,
+        CountIn {
+            inner: layer,
+            c: counters.clone(),
+        },
+    );
+    let tar_err = |e: io::Error| LayerError::Tar {
+        digest: digest.to_string(),
+        entry: "(start)".into(),
+        source: e,
+    };
+    let head = raw.fill_buf().map_err(tar_err)?;
+    let decoded: Box<dyn Read + 'a> = match Compression::sniff(head) {
+        Compression::None => Box::new(raw),
+        Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(raw)),
+        Compression::Zstd => {
+            Box::new(zstd::stream::read::Decoder::with_buffer(raw).map_err(tar_err)?)
+        }
+    };
+    let counted = CountOut {
+        inner: decoded,
+        c: counters.clone(),
+        limits: *limits,
+        framer: Framer::default(),
+    };
+    Ok((
+        Box::new(counted),
+        BoundedStream {
+            counters,
+            limits: *limits,
+            digest: digest.to_string(),
+        },
+    ))
+}
+
+impl BoundedStream {
+    /// Turns a read error of the stream into the [`LayerError`] it stands for (a bound hit,
+    /// a sparse entry, or a plain tar error at `entry`).
+    pub(crate) fn error(&self, e: io::Error, entry: &str) -> LayerError {
+        let digest = self.digest.clone();
+        if self.counters.sparse.get() {
+            return LayerError::UnsupportedType {
+                digest,
+                entry: format!("(after {entry})"),
+                kind: 'S',
+            };
+        }
+        match self.counters.hit.get() {
+            Some(kind) => LayerError::Limit {
+                digest,
+                entry: entry.to_string(),
+                kind,
+                max: match kind {
+                    LimitKind::TotalBytes => self.limits.max_total_bytes,
+                    LimitKind::Ratio => self.limits.max_ratio,
+                    LimitKind::Entries => self.limits.max_entries,
+                    LimitKind::FileBytes => self.limits.max_file_bytes,
+                    LimitKind::MetadataBytes => MAX_METADATA_BYTES,
+                },
+            },
+            None => LayerError::Tar {
+                digest,
+                entry: entry.to_string(),
+                source: e,
+            },
+        }
+    }
+
+    /// Uncompressed bytes read so far.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.counters.uncompressed.get()
     }
 }
 

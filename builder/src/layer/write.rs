@@ -56,6 +56,34 @@ pub fn write_layer(
     out: impl Write,
     source_date_epoch: Option<u64>,
 ) -> io::Result<Written> {
+    write_tree(root, out, source_date_epoch, false)
+}
+
+/// Writes an overlayfs upper directory as a gzip layer into `out`, like [`write_layer`] but
+/// with overlayfs' change markers turned into the OCI image spec's (`layer.md`,
+/// "Whiteouts"; Linux `Documentation/filesystems/overlayfs.rst`, "whiteouts and opaque
+/// directories"): a character device 0/0 named `x` becomes an empty regular file `.wh.x`,
+/// a directory with the xattr `trusted.overlay.opaque=y` gets a `.wh..wh..opq` entry first
+/// inside it, and no `trusted.overlay.*` xattr reaches the layer.
+pub fn write_upper_layer(
+    root: &Path,
+    out: impl Write,
+    source_date_epoch: Option<u64>,
+) -> io::Result<Written> {
+    write_tree(root, out, source_date_epoch, true)
+}
+
+/// The overlayfs xattr namespace (`trusted.overlay.`), never written into a layer.
+const OVERLAY_XATTR_PREFIX: &str = "trusted.overlay.";
+/// The overlayfs opaque directory marker.
+pub const OVERLAY_OPAQUE_XATTR: &str = "trusted.overlay.opaque";
+
+fn write_tree(
+    root: &Path,
+    out: impl Write,
+    source_date_epoch: Option<u64>,
+    overlay: bool,
+) -> io::Result<Written> {
     let outer = HashWriter {
         inner: out,
         hash: Sha256::new(),
@@ -73,7 +101,14 @@ pub fn write_layer(
     b.mode(tar::HeaderMode::Complete);
     b.follow_symlinks(false);
     let mut links: HashMap<(u64, u64), Vec<u8>> = HashMap::new();
-    walk(root, Vec::new(), &mut b, &mut links, source_date_epoch)?;
+    walk(
+        root,
+        Vec::new(),
+        &mut b,
+        &mut links,
+        source_date_epoch,
+        overlay,
+    )?;
     let inner = b.into_inner()?;
     let diff_id = format!("sha256:{}", hex::encode(inner.hash.finalize()));
     let mut outer = inner.inner.finish()?;
@@ -91,12 +126,38 @@ fn walk<W: Write>(
     b: &mut tar::Builder<W>,
     links: &mut HashMap<(u64, u64), Vec<u8>>,
     epoch: Option<u64>,
+    overlay: bool,
 ) -> io::Result<()> {
-    let mut names: Vec<_> = std::fs::read_dir(dir)?
-        .map(|e| e.map(|e| e.file_name()))
-        .collect::<Result<_, _>>()?;
-    names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
-    for name in names {
+    // (name in the layer, name on disk), sorted by the former.
+    let mut names: Vec<(Vec<u8>, std::ffi::OsString)> = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let name = e.file_name();
+        let mut out_name = name.as_bytes().to_vec();
+        if overlay {
+            let md = std::fs::symlink_metadata(e.path())?;
+            if md.file_type().is_char_device() && md.rdev() == 0 {
+                out_name = [super::whiteout::PREFIX.as_bytes(), name.as_bytes()].concat();
+            }
+        }
+        names.push((out_name, name));
+    }
+    names.sort_by(|a, b| a.0.cmp(&b.0));
+    if overlay && !prefix.is_empty() && is_opaque(dir)? {
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_size(0);
+        h.set_mtime(epoch.unwrap_or(0));
+        let mut rel = prefix.clone();
+        rel.extend_from_slice(super::whiteout::OPAQUE.as_bytes());
+        b.append_data(
+            &mut h,
+            Path::new(std::ffi::OsStr::from_bytes(&rel)),
+            io::empty(),
+        )?;
+    }
+    for (out_name, name) in names {
         let path = dir.join(&name);
         let md = std::fs::symlink_metadata(&path)?;
         let ft = md.file_type();
@@ -104,13 +165,28 @@ fn walk<W: Write>(
             continue;
         }
         let mut rel = prefix.clone();
-        rel.extend_from_slice(name.as_bytes());
+        rel.extend_from_slice(&out_name);
+        if overlay && ft.is_char_device() && md.rdev() == 0 {
+            // An overlayfs whiteout: an empty regular `.wh.<name>`.
+            let mut h = tar::Header::new_gnu();
+            h.set_mode(0o644);
+            h.set_entry_type(tar::EntryType::Regular);
+            h.set_size(0);
+            let mtime = md.mtime().max(0) as u64;
+            h.set_mtime(epoch.map_or(mtime, |e| mtime.min(e)));
+            b.append_data(
+                &mut h,
+                Path::new(std::ffi::OsStr::from_bytes(&rel)),
+                io::empty(),
+            )?;
+            continue;
+        }
         let mut xattrs: Vec<(String, Vec<u8>)> = Vec::new();
         let mut buf = vec![0u8; 64 << 10];
         let n = rustix::fs::llistxattr(&path, &mut buf[..]).map_err(io::Error::from)?;
         for k in buf[..n].split(|c| *c == 0).filter(|s| !s.is_empty()) {
             let k = String::from_utf8_lossy(k).into_owned();
-            if k == "security.selinux" {
+            if k == "security.selinux" || (overlay && k.starts_with(OVERLAY_XATTR_PREFIX)) {
                 continue;
             }
             let mut v = vec![0u8; 64 << 10];
@@ -142,7 +218,7 @@ fn walk<W: Write>(
             )?;
             let mut p = rel.clone();
             p.push(b'/');
-            walk(&path, p, b, links, epoch)?;
+            walk(&path, p, b, links, epoch, overlay)?;
         } else if ft.is_symlink() {
             h.set_entry_type(tar::EntryType::Symlink);
             let target = std::fs::read_link(&path)?;
@@ -180,4 +256,14 @@ fn walk<W: Write>(
         }
     }
     Ok(())
+}
+
+/// Whether `dir` carries overlayfs' opaque marker (`trusted.overlay.opaque` = `y`).
+pub fn is_opaque(dir: &Path) -> io::Result<bool> {
+    let mut v = [0u8; 8];
+    match rustix::fs::lgetxattr(dir, OVERLAY_OPAQUE_XATTR, &mut v[..]) {
+        Ok(n) => Ok(&v[..n] == b"y"),
+        Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
 }

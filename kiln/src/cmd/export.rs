@@ -1,4 +1,6 @@
 //! `kiln export REF --format oci -o DIR`: write an image from the local store as an OCI layout.
+//! `kiln export NAME:TAG --format ext4 -o FILE`: write a kiln image's ext4 root file system
+//! (its chunks materialized, verified, as a sparse file).
 
 use anyhow::Context as _;
 use kiln_builder::{base, layout};
@@ -10,6 +12,9 @@ use super::common::ImageOpts;
 pub enum Format {
     /// An OCI image layout directory.
     Oci,
+    /// The ext4 root file system of a kiln image (a store tag `name:tag` or a manifest
+    /// digest `sha256:<hex>`), as one file.
+    Ext4,
 }
 
 /// Arguments of `kiln export`.
@@ -20,7 +25,7 @@ pub struct Args {
     /// Output format.
     #[arg(long, value_enum, default_value = "oci")]
     pub format: Format,
-    /// Output directory.
+    /// Output directory (oci) or file (ext4).
     #[arg(short, long)]
     pub output: std::path::PathBuf,
     /// Tag inside the layout (default: the reference's tag, else latest).
@@ -32,6 +37,9 @@ pub struct Args {
 
 /// Runs `kiln export`.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    if let Format::Ext4 = a.format {
+        return ext4(&a);
+    }
     let cache = a.opts.cache()?;
     let digest = base::lookup(&a.reference, &cache)?
         .with_context(|| format!("{} is not in the local store", a.reference))?;
@@ -47,7 +55,29 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     match a.format {
         Format::Oci => layout::export(&cache, &digest, &a.output, &tag)?,
+        Format::Ext4 => unreachable!("handled above"),
     }
     println!("{digest}");
     Ok(())
+}
+
+/// `--format ext4`: resolve the tag (or digest) in the store and materialize the disk.
+fn ext4(a: &Args) -> anyhow::Result<()> {
+    let cache = a.opts.cache()?;
+    let root = cache.root().to_string_lossy().into_owned();
+    super::common::runtime()?.block_on(async {
+        let store = kiln_store::Store::open(&root).await?;
+        let digest = if a.reference.starts_with("sha256:") {
+            a.reference.parse::<kiln_store::ManifestDigest>()?
+        } else {
+            let t: kiln_store::TagRef = a.reference.parse()?;
+            store.resolve_tag(&t).await?
+        };
+        let kiln_store::Manifest::Image(m) = store.get_manifest(&digest).await? else {
+            anyhow::bail!("{} is not an image manifest", a.reference);
+        };
+        store.materialize(&m.disk, &a.output, None).await?;
+        println!("{digest}");
+        Ok(())
+    })
 }

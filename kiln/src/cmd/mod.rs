@@ -1,6 +1,7 @@
 //! Subcommands, one file each, plus what they share: output ([`Out`]: text or JSON lines),
 //! opening a store, and the exit codes ([`exit`]).
 
+pub mod build;
 pub mod common;
 pub mod config;
 pub mod export;

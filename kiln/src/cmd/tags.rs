@@ -1,4 +1,6 @@
-//! `kiln tags [NAME]`: list tags (all, or those of one image name) with their manifests.
+//! `kiln tags [NAME]`: list tags (all, or those of one image name) with their manifests, then
+//! the OCI references of pulled and imported images (`registry/repository:tag`, the OCI
+//! manifest or index blob, and `oci`).
 
 use serde_json::json;
 
@@ -7,7 +9,7 @@ use super::{CmdResult, Out, open_existing_store};
 /// Arguments of `kiln tags`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Only tags of this image name.
+    /// Only tags of this image name (or OCI references of this `registry/repository`).
     name: Option<String>,
     /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`, else
     /// `~/.local/share/kiln/store`.
@@ -18,11 +20,33 @@ pub struct Args {
 /// Runs `kiln tags`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
     let store = open_existing_store(a.store.as_deref()).await?;
-    for (tag, manifest) in store.list_tags(a.name.as_deref()).await? {
+    // A name with a `/` can only be an OCI reference's repository.
+    let tags = match a.name.as_deref() {
+        Some(n) if n.contains('/') => Vec::new(),
+        n => store.list_tags(n).await?,
+    };
+    for (tag, manifest) in tags {
         out.event(
             "tag",
             json!({"tag": tag.to_string(), "manifest": manifest}),
             || format!("{tag}\t{manifest}"),
+        );
+    }
+    for (r, digest) in store.list_oci_refs().await? {
+        if a.name.as_deref().is_some_and(|n| n != r.repository) {
+            continue;
+        }
+        let digest = digest.map_err(|reason| {
+            kiln_store::StoreError::from(kiln_store::OciRefError::Corrupt {
+                reference: r.clone(),
+                store: store.url().to_string(),
+                reason,
+            })
+        })?;
+        out.event(
+            "ociRef",
+            json!({"reference": r.to_string(), "digest": digest.to_string()}),
+            || format!("{r}\t{digest}\toci"),
         );
     }
     Ok(())

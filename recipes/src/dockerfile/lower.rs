@@ -1016,6 +1016,7 @@ impl Lowering<'_> {
             base_env_known: true,
         };
         let mut triggers = Vec::new();
+        let mut trigger_source = "base stage";
         if let Some(parent) = earlier {
             draft.base = Base::Stage { stage: parent };
             draft.base_stage = Some(parent);
@@ -1054,6 +1055,9 @@ impl Lowering<'_> {
                     }
                     draft.state.user = base.user.clone().filter(|u| !u.is_empty());
                     draft.config.user = draft.state.user.clone();
+                    // The base image's ONBUILD triggers run first, as a stage base's do.
+                    triggers = base.onbuild.clone();
+                    trigger_source = "base image";
                 }
                 None => {
                     draft.base_env_known = false;
@@ -1070,7 +1074,7 @@ impl Lowering<'_> {
             let instr = parse_trigger(trigger, self.escape).map_err(|msg| {
                 invalid(
                     offset,
-                    format!("ONBUILD trigger '{trigger}' of the base stage: {msg}"),
+                    format!("ONBUILD trigger '{trigger}' of the {trigger_source}: {msg}"),
                 )
             })?;
             let located = Instr {
@@ -1836,10 +1840,24 @@ fn parse_trigger(trigger: &str, escape: char) -> Result<Instr, String> {
     let parsed = syntax::parse(&text, &masked, docs).map_err(|f| f.kind.to_string())?;
     let instrs =
         super::instructions::convert_all(&parsed, &text).map_err(|f| f.kind.to_string())?;
-    instrs
+    if instrs.len() > 2 {
+        return Err("a trigger is exactly one instruction".to_string());
+    }
+    let instr = instrs
         .into_iter()
         .nth(1)
-        .ok_or_else(|| "empty trigger".to_string())
+        .ok_or_else(|| "empty trigger".to_string())?;
+    // Docker refuses these as triggers; a base image's config may still hold them.
+    let refused = match &instr.kind {
+        InstrKind::From { .. } => Some("FROM"),
+        InstrKind::Maintainer(_) => Some("MAINTAINER"),
+        InstrKind::Onbuild { .. } => Some("ONBUILD"),
+        _ => None,
+    };
+    match refused {
+        Some(k) => Err(format!("{k} is not allowed as an ONBUILD trigger")),
+        None => Ok(instr),
+    }
 }
 
 #[cfg(test)]
@@ -2566,6 +2584,7 @@ mod env_tests {
             env: vec!["PATH=/usr/bin".to_string(), "GOPATH=/go".into()],
             workdir: Some("/go".into()),
             user: Some("gopher".into()),
+            onbuild: Vec::new(),
         };
         let options = Options {
             base_images: [("golang:1.22".to_string(), base)].into(),
@@ -2597,6 +2616,7 @@ mod env_tests {
             env: vec!["PATH=/usr/bin".to_string()],
             workdir: Some("srv/".into()),
             user: Some("app".into()),
+            onbuild: Vec::new(),
         };
         let options = Options {
             base_images: [("img".to_string(), base)].into(),

@@ -117,18 +117,133 @@ impl LocalBackend {
             .join(format!("{}-{}-{}", std::process::id(), n, nanos))
     }
 
+    fn ctx(&self) -> Ctx {
+        Ctx {
+            url: self.url.clone(),
+            root: self.root.clone(),
+            tmp: self.tmp_path(),
+        }
+    }
+
     async fn blocking<T: Send + 'static>(
         &self,
         f: impl FnOnce(Ctx) -> Result<T, BackendError> + Send + 'static,
     ) -> Result<T, BackendError> {
-        let ctx = Ctx {
-            url: self.url.clone(),
-            root: self.root.clone(),
-            tmp: self.tmp_path(),
-        };
+        let ctx = self.ctx();
         tokio::task::spawn_blocking(move || f(ctx))
             .await
             .map_err(|e| join_err(&self.url, e))?
+    }
+
+    /// Opens (creating if needed) a store rooted at `root`, from blocking code.
+    pub fn open_blocking(root: &Path) -> Result<Self, BackendError> {
+        let url = format!("file://{}", root.display());
+        for d in [TMP_DIR, LOCK_DIR] {
+            fs::create_dir_all(root.join(d)).map_err(|e| other(&url, "open", "", e))?;
+        }
+        Ok(Self {
+            root: root.to_path_buf(),
+            url,
+        })
+    }
+
+    /// The path of the object `key` when it exists as a regular file (no symlink on the way).
+    pub(crate) fn object_path_blocking(&self, key: &str) -> Result<Option<PathBuf>, BackendError> {
+        let p = self.path(key)?;
+        match fs::symlink_metadata(&p) {
+            Ok(m) if m.is_file() => Ok(Some(p)),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(other(&self.url, "head", key, e)),
+        }
+    }
+
+    /// [`Backend::put_if_absent`], from blocking code.
+    pub(crate) fn put_if_absent_blocking(
+        &self,
+        key: &str,
+        data: &[u8],
+        expect_sha256: Option<Sha256Hash>,
+    ) -> Result<PutOutcome, BackendError> {
+        let dest = self.path(key)?;
+        self.ctx().put_if_absent(key, &dest, data, expect_sha256)
+    }
+
+    /// [`Backend::put`] (atomic replace), from blocking code.
+    pub(crate) fn put_blocking(&self, key: &str, data: &[u8]) -> Result<Version, BackendError> {
+        self.path(key)?;
+        let c = self.ctx();
+        let tmp = c.write_tmp(key, None, |f, _| f.write_all(data))?;
+        c.publish_rename(key, &tmp)
+    }
+
+    /// Moves the file `staged` (on the store's file system, e.g. under `.tmp/`) in as the
+    /// object `key` after fsyncing it and checking that it hashes to `expect_sha256`;
+    /// put-if-absent (an existing object wins). On a mismatch the staged file is removed
+    /// and the error is [`BackendError::DigestMismatch`].
+    pub(crate) fn adopt_file_blocking(
+        &self,
+        key: &str,
+        staged: &Path,
+        expect_sha256: Sha256Hash,
+    ) -> Result<PutOutcome, BackendError> {
+        self.path(key)?;
+        let c = self.ctx();
+        let res = (|| {
+            let mut f = OpenOptions::new().read(true).write(true).open(staged)?;
+            f.sync_all()?;
+            let mut h = Hasher::new();
+            let mut buf = vec![0u8; 1 << 20];
+            loop {
+                let n = f.read(&mut buf)?;
+                if n == 0 {
+                    return Ok::<_, std::io::Error>(h.finish());
+                }
+                h.update(&buf[..n]);
+            }
+        })();
+        let actual = match res {
+            Ok(a) => a,
+            Err(e) => return Err(not_found_or(&c.url, "put", key, e)),
+        };
+        if actual != expect_sha256 {
+            let _ = fs::remove_file(staged);
+            return Err(BackendError::DigestMismatch {
+                store: c.url.clone(),
+                key: key.to_string(),
+                expected: expect_sha256.to_string(),
+                actual: actual.to_string(),
+            });
+        }
+        c.publish_link(key, staged)
+    }
+
+    /// Reads the object `key` whole when it is at most `max` bytes (`None`: absent);
+    /// a larger object is an error naming the limit, read no further.
+    pub(crate) fn get_bounded_blocking(
+        &self,
+        key: &str,
+        max: u64,
+    ) -> Result<Option<Bytes>, BackendError> {
+        let path = self.path(key)?;
+        let f = match open_nofollow(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(other(&self.url, "get", key, e)),
+        };
+        let mut buf = Vec::new();
+        f.take(max + 1)
+            .read_to_end(&mut buf)
+            .map_err(|e| other(&self.url, "get", key, e))?;
+        if buf.len() as u64 > max {
+            return Err(BackendError::Other {
+                store: self.url.clone(),
+                op: "get",
+                key: key.to_string(),
+                message: format!("over the {max}-byte limit for this object"),
+            });
+        }
+        Ok(Some(Bytes::from(buf)))
     }
 }
 
@@ -192,6 +307,24 @@ fn fsync_dir(dir: &Path) -> std::io::Result<()> {
 }
 
 impl Ctx {
+    /// Put-if-absent of `data` at `key` (whose path is `dest`), digest checked when given.
+    fn put_if_absent(
+        &self,
+        key: &str,
+        dest: &Path,
+        data: &[u8],
+        expect: Option<Sha256Hash>,
+    ) -> Result<PutOutcome, BackendError> {
+        if fs::symlink_metadata(dest).is_ok_and(|m| m.is_file()) {
+            return Ok(PutOutcome::AlreadyExists);
+        }
+        let tmp = self.write_tmp(key, expect, |f, h| {
+            h.update(data);
+            f.write_all(data)
+        })?;
+        self.publish_link(key, &tmp)
+    }
+
     /// Writes a temp file from `fill`, fsyncs it, checks the digest. Returns the temp path.
     fn write_tmp(
         &self,
@@ -368,17 +501,8 @@ impl Backend for LocalBackend {
     ) -> Result<PutOutcome, BackendError> {
         let dest = self.path(key)?;
         let key = key.to_string();
-        self.blocking(move |c| {
-            if fs::symlink_metadata(&dest).is_ok_and(|m| m.is_file()) {
-                return Ok(PutOutcome::AlreadyExists);
-            }
-            let tmp = c.write_tmp(&key, expect_sha256, |f, h| {
-                h.update(&data);
-                f.write_all(&data)
-            })?;
-            c.publish_link(&key, &tmp)
-        })
-        .await
+        self.blocking(move |c| c.put_if_absent(&key, &dest, &data, expect_sha256))
+            .await
     }
 
     async fn put_file_if_absent(

@@ -1,9 +1,10 @@
 //! What `kiln store push` and `kiln store pull` share: copy one tag between two stores with a
-//! progress display, then report totals.
+//! progress display, then report totals. A name with a `/` is an OCI reference (a pulled or
+//! imported image, `registry/repository:tag`), copied with its blobs.
 
-use kiln_store::TagRef;
-use kiln_store::copy::{CopyOptions, copy_tag};
+use kiln_store::copy::{CopyOptions, copy_oci_ref, copy_tag};
 use kiln_store::manifest::Manifest;
+use kiln_store::{OciRef, TagRef};
 use serde_json::json;
 
 use crate::cmd::progress::Progress;
@@ -13,13 +14,37 @@ use crate::cmd::{CmdResult, Out, open_existing_store, open_store};
 /// direction in messages and the final event (`pushed`, `pulled`).
 pub async fn copy(
     out: &Out,
-    tag: &TagRef,
+    name: &str,
     src: Option<&str>,
     dst: Option<&str>,
     verb: &str,
 ) -> CmdResult {
     let src = open_existing_store(src).await?;
     let dst = open_store(dst).await?;
+    if name.contains('/') {
+        let r: OciRef = name.parse().map_err(kiln_store::StoreError::from)?;
+        let report = copy_oci_ref(&src, &dst, &r, &CopyOptions::default()).await?;
+        let s = report.stats;
+        out.event(
+            verb,
+            json!({
+                "reference": r.to_string(), "digest": report.digest.to_string(),
+                "from": src.url(), "to": dst.url(), "stats": s,
+            }),
+            || {
+                format!(
+                    "{verb} {r} ({}) {} -> {}: {} blobs, {} moved",
+                    report.digest,
+                    src.url(),
+                    dst.url(),
+                    s.blobs,
+                    s.blobs_transferred
+                )
+            },
+        );
+        return Ok(());
+    }
+    let tag: &TagRef = &name.parse().map_err(kiln_store::StoreError::from)?;
     // The bar's total: the raw size of the image (or snapshot disk + memory) behind the tag.
     let digest = src.resolve_tag(tag).await?;
     let total = match src.get_manifest(&digest).await? {

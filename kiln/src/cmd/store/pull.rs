@@ -2,15 +2,14 @@
 //! references from another store into the local store, moving only missing objects, then set
 //! the tag locally.
 
-use kiln_store::TagRef;
-
 use crate::cmd::{CmdResult, Out};
 
 /// Arguments of `kiln store pull`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The tag to pull.
-    tag: TagRef,
+    /// The tag to pull (NAME:TAG), or an OCI reference (a name with a `/`, as `kiln tags`
+    /// lists it, e.g. 127.0.0.1:5000/debian:bookworm).
+    tag: String,
     /// The source store (path, `file://PATH` or `s3://bucket/prefix`).
     #[arg(long, value_name = "URL")]
     from: String,

@@ -2,15 +2,14 @@
 //! references from the local store to another store, moving only missing objects, then set
 //! the tag there.
 
-use kiln_store::TagRef;
-
 use crate::cmd::{CmdResult, Out};
 
 /// Arguments of `kiln store push`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The tag to push.
-    tag: TagRef,
+    /// The tag to push (NAME:TAG), or an OCI reference (a name with a `/`, as `kiln tags`
+    /// lists it, e.g. 127.0.0.1:5000/debian:bookworm).
+    tag: String,
     /// The destination store (path, `file://PATH` or `s3://bucket/prefix`).
     #[arg(long, value_name = "URL")]
     to: String,

@@ -1,0 +1,388 @@
+//! Unpacked layers as overlayfs lower directories, one directory per layer digest.
+//!
+//! `<work>/layers/<hex>` holds the layer with digest `sha256:<hex>` on its own, in
+//! overlayfs' form (Linux `Documentation/filesystems/overlayfs.rst`): an OCI whiteout
+//! `.wh.x` becomes a character device 0/0 named `x`, and an opaque whiteout `.wh..wh..opq`
+//! becomes the xattr `trusted.overlay.opaque=y` on its directory, so stacking the
+//! directories as lowers gives the same tree as applying the layers in order. A step's upper
+//! directory is already in that form and is moved here as is once its layer is written.
+//!
+//! A directory appears under its final name only when complete (unpacked under a temporary
+//! name, then renamed), so a crash leaves at most a `*.tmp-*` directory, removed by the next
+//! [`LayerDirs::open`].
+
+use std::fs;
+use std::io::{self, Read};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rustix::fs::{AtFlags, FileType, Mode, OFlags, XattrFlags};
+use rustix::io::Errno;
+use sha2::{Digest as _, Sha256};
+
+use crate::cache::{BlobCache, sha256_hex};
+use crate::layer::whiteout::WhiteoutKind;
+use crate::layer::write::OVERLAY_OPAQUE_XATTR;
+use crate::layer::{Limits, apply_layer};
+
+/// Errors preparing lower directories.
+#[derive(Debug, thiserror::Error)]
+pub enum LowerError {
+    /// The layer blob is not in the store.
+    #[error("layer {0} is not in the local store")]
+    Missing(String),
+    /// A digest is malformed.
+    #[error(transparent)]
+    Cache(#[from] crate::cache::CacheError),
+    /// The layer could not be applied.
+    #[error(transparent)]
+    Layer(#[from] crate::layer::LayerError),
+    /// A file-system operation failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// Where.
+        path: PathBuf,
+        /// Why.
+        source: io::Error,
+    },
+}
+
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The per-digest layer directories under one work directory.
+#[derive(Debug, Clone)]
+pub struct LayerDirs {
+    root: PathBuf,
+}
+
+fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> LowerError + 'a {
+    move |source| LowerError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl LayerDirs {
+    /// Opens (creating) `root`, removing unfinished directories a crash left.
+    pub fn open(root: &Path) -> Result<LayerDirs, LowerError> {
+        fs::create_dir_all(root).map_err(io_err("creating", root))?;
+        if let Ok(rd) = fs::read_dir(root) {
+            for e in rd.flatten() {
+                if e.file_name().to_string_lossy().contains(".tmp-") {
+                    let _ = fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        Ok(LayerDirs {
+            root: root.to_path_buf(),
+        })
+    }
+
+    /// The directory of layer `digest` (whether or not it exists yet).
+    pub fn path(&self, digest: &str) -> Result<PathBuf, LowerError> {
+        Ok(self.root.join(sha256_hex(digest)?))
+    }
+
+    /// A fresh temporary directory name under the root (same file system).
+    pub fn temp(&self, label: &str) -> PathBuf {
+        self.root.join(format!(
+            "{label}.tmp-{}-{}",
+            std::process::id(),
+            TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
+        ))
+    }
+
+    /// Moves a finished directory in as layer `digest` (an upper directory whose layer was
+    /// just written). When the layer is already there, `dir` is removed instead.
+    pub fn adopt(&self, dir: &Path, digest: &str) -> Result<PathBuf, LowerError> {
+        let dst = self.path(digest)?;
+        if dst.is_dir() {
+            let _ = fs::remove_dir_all(dir);
+            return Ok(dst);
+        }
+        match fs::rename(dir, &dst) {
+            Ok(()) => Ok(dst),
+            Err(_) if dst.is_dir() => {
+                let _ = fs::remove_dir_all(dir);
+                Ok(dst)
+            }
+            Err(e) => Err(io_err("moving a layer directory to", &dst)(e)),
+        }
+    }
+
+    /// The directory of layer `digest`, unpacking the blob from `cache` first if needed.
+    pub fn ensure(
+        &self,
+        cache: &dyn BlobCache,
+        digest: &str,
+        limits: &Limits,
+    ) -> Result<PathBuf, LowerError> {
+        let dst = self.path(digest)?;
+        if dst.is_dir() {
+            return Ok(dst);
+        }
+        let blob = cache
+            .blob_path(digest)?
+            .ok_or_else(|| LowerError::Missing(digest.to_string()))?;
+        let tmp = self.temp(sha256_hex(digest)?);
+        fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
+        let r = (|| {
+            let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
+            apply_layer(&tmp, f, digest, limits)?;
+            let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
+            mark_whiteouts(&tmp, f).map_err(io_err("marking whiteouts in", &tmp))
+        })();
+        if let Err(e) = r {
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        self.adopt(&tmp, digest)
+    }
+}
+
+/// A decompressing reader for a layer blob (gzip, zstd or plain tar, by magic bytes).
+pub fn decompressed(blob: impl Read + 'static) -> io::Result<Box<dyn Read>> {
+    let mut raw = io::BufReader::with_capacity(256 << 10, blob);
+    let head = io::BufRead::fill_buf(&mut raw)?;
+    Ok(match crate::layer::Compression::sniff(head) {
+        crate::layer::Compression::None => Box::new(raw),
+        crate::layer::Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(raw)),
+        crate::layer::Compression::Zstd => Box::new(zstd::stream::read::Decoder::with_buffer(raw)?),
+    })
+}
+
+/// `sha256:` of a layer blob's uncompressed tar (its `diff_id`, OCI image spec `config.md`).
+pub fn diff_id_of(blob: &Path) -> io::Result<String> {
+    let mut r = decompressed(fs::File::open(blob)?)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = r.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(format!("sha256:{}", hex::encode(h.finalize())))
+}
+
+/// Second pass over a layer already applied to the empty directory `root`: its whiteouts
+/// become overlayfs markers. A whiteout under a path this layer made a symlink (or any
+/// non-directory) is dropped: overlayfs could not honour it either.
+fn mark_whiteouts(root: &Path, blob: impl Read + 'static) -> io::Result<()> {
+    let root_fd = rustix::fs::open(
+        root,
+        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let mut archive = tar::Archive::new(decompressed(blob)?);
+    for entry in archive.entries()? {
+        let entry = entry?;
+        let name = entry.path_bytes().into_owned();
+        let comps: Vec<&[u8]> = name
+            .split(|c| *c == b'/')
+            .filter(|c| !c.is_empty() && *c != b".")
+            .collect();
+        let Some((base, parent)) = comps.split_last() else {
+            continue;
+        };
+        // apply_layer already refused `..` and malformed whiteouts.
+        let kind = match WhiteoutKind::parse(base) {
+            Ok(k) => k,
+            Err(_) => continue,
+        };
+        if matches!(kind, WhiteoutKind::None | WhiteoutKind::Meta) {
+            continue;
+        }
+        let Some(dir) = walk_create(&root_fd, parent)? else {
+            continue;
+        };
+        match kind {
+            WhiteoutKind::Remove(target) => {
+                let target = std::ffi::OsStr::from_bytes(target);
+                match rustix::fs::statat(&dir, target, AtFlags::SYMLINK_NOFOLLOW) {
+                    // Made by this same layer: the whiteout hides only lower layers' entry,
+                    // and this one shadows it already.
+                    Ok(_) => {}
+                    Err(Errno::NOENT) => rustix::fs::mknodat(
+                        &dir,
+                        target,
+                        FileType::CharacterDevice,
+                        Mode::empty(),
+                        rustix::fs::makedev(0, 0),
+                    )?,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            WhiteoutKind::Opaque => {
+                rustix::fs::fsetxattr(&dir, OVERLAY_OPAQUE_XATTR, b"y", XattrFlags::empty())?
+            }
+            WhiteoutKind::None | WhiteoutKind::Meta => {}
+        }
+    }
+    Ok(())
+}
+
+/// Opens `comps` under `root` one component at a time without following symlinks, creating
+/// missing directories (0755, root). `None` when a component is not a directory.
+fn walk_create(root: &OwnedFd, comps: &[&[u8]]) -> io::Result<Option<OwnedFd>> {
+    let flags = OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC;
+    let mut cur = rustix::fs::openat(root.as_fd(), ".", flags, Mode::empty())?;
+    for c in comps {
+        let c = std::ffi::OsStr::from_bytes(c);
+        let next = match rustix::fs::openat(&cur, c, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => {
+                rustix::fs::mkdirat(&cur, c, Mode::from_raw_mode(0o755))?;
+                rustix::fs::openat(&cur, c, flags, Mode::empty())?
+            }
+            Err(Errno::NOTDIR) | Err(Errno::LOOP) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        cur = next;
+    }
+    Ok(Some(cur))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+
+    fn hdr() -> tar::Header {
+        let mut h = tar::Header::new_gnu();
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        h
+    }
+
+    fn tar_gz(entries: &[(&str, Option<&[u8]>)]) -> Vec<u8> {
+        let gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        let mut b = tar::Builder::new(gz);
+        for (name, data) in entries {
+            let mut h = hdr();
+            match data {
+                Some(d) => {
+                    h.set_entry_type(tar::EntryType::Regular);
+                    h.set_size(d.len() as u64);
+                    h.set_mode(0o644);
+                    b.append_data(&mut h, name, *d).unwrap();
+                }
+                None => {
+                    h.set_entry_type(tar::EntryType::Directory);
+                    h.set_size(0);
+                    h.set_mode(0o755);
+                    b.append_data(&mut h, name, io::empty()).unwrap();
+                }
+            }
+        }
+        b.into_inner().unwrap().finish().unwrap()
+    }
+
+    /// OCI whiteouts become overlay markers; what the same layer adds stays; an upper
+    /// directory written back as a layer gives the OCI form again.
+    #[test]
+    fn whiteouts_round_trip_through_overlay_form() {
+        if !rustix::process::geteuid().is_root() {
+            panic!("needs root (mknod, trusted.* xattrs); CI runs as root");
+        }
+        let t = tempfile::tempdir().unwrap();
+        let cache = crate::cache::LocalCache::open(&t.path().join("store")).unwrap();
+        let blob = tar_gz(&[
+            ("a/", None),
+            ("a/.wh.gone", Some(b"")),
+            ("b/", None),
+            ("b/.wh..wh..opq", Some(b"")),
+            ("b/kept", Some(b"k")),
+            ("c/d/.wh.x", Some(b"")),
+            (".wh.top", Some(b"")),
+            ("f", Some(b"data")),
+        ]);
+        let digest = crate::cache::digest_of(&blob);
+        cache.put_bytes(&digest, &blob).unwrap();
+        let dirs = LayerDirs::open(&t.path().join("layers")).unwrap();
+        let d = dirs.ensure(&cache, &digest, &Limits::default()).unwrap();
+        let wh = |p: &str| {
+            let m = fs::symlink_metadata(d.join(p)).unwrap();
+            m.file_type().is_char_device() && m.rdev() == 0
+        };
+        assert!(wh("a/gone") && wh("c/d/x") && wh("top"));
+        assert!(crate::layer::write::is_opaque(&d.join("b")).unwrap());
+        assert!(!crate::layer::write::is_opaque(&d.join("a")).unwrap());
+        assert_eq!(fs::read(d.join("b/kept")).unwrap(), b"k");
+        // Second call: cached, same directory.
+        assert_eq!(dirs.ensure(&cache, &digest, &Limits::default()).unwrap(), d);
+
+        let mut out = Vec::new();
+        crate::layer::write::write_upper_layer(&d, &mut out, None).unwrap();
+        let mut names = Vec::new();
+        let mut a = tar::Archive::new(flate2::read::GzDecoder::new(&out[..]));
+        for e in a.entries().unwrap() {
+            let mut e = e.unwrap();
+            names.push(String::from_utf8(e.path_bytes().into_owned()).unwrap());
+            for x in e.pax_extensions().unwrap().into_iter().flatten() {
+                let x = x.unwrap();
+                assert!(!x.key().unwrap().contains("overlay"), "{:?}", x.key());
+            }
+        }
+        assert_eq!(
+            names,
+            [
+                ".wh.top",
+                "a/",
+                "a/.wh.gone",
+                "b/",
+                "b/.wh..wh..opq",
+                "b/kept",
+                "c/",
+                "c/d/",
+                "c/d/.wh.x",
+                "f"
+            ]
+        );
+        // The diff_id is the sha256 of the uncompressed tar.
+        let p = t.path().join("l.tgz");
+        fs::write(&p, &out).unwrap();
+        let mut raw = Vec::new();
+        flate2::read::GzDecoder::new(&out[..])
+            .read_to_end(&mut raw)
+            .unwrap();
+        assert_eq!(diff_id_of(&p).unwrap(), crate::cache::digest_of(&raw));
+    }
+
+    /// A whiteout below a symlink the layer planted is dropped, never followed.
+    #[test]
+    fn whiteout_below_symlink_is_not_followed() {
+        if !rustix::process::geteuid().is_root() {
+            panic!("needs root; CI runs as root");
+        }
+        let t = tempfile::tempdir().unwrap();
+        let victim = t.path().join("victim");
+        fs::create_dir(&victim).unwrap();
+        let gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        let mut b = tar::Builder::new(gz);
+        let mut h = hdr();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_size(0);
+        h.set_mode(0o777);
+        b.append_link(&mut h, "s", &victim).unwrap();
+        let mut h = hdr();
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_size(0);
+        h.set_mode(0o644);
+        b.append_data(&mut h, "s/.wh.x", io::empty()).unwrap();
+        let blob = b.into_inner().unwrap().finish().unwrap();
+        let cache = crate::cache::LocalCache::open(&t.path().join("store")).unwrap();
+        let digest = crate::cache::digest_of(&blob);
+        cache.put_bytes(&digest, &blob).unwrap();
+        let dirs = LayerDirs::open(&t.path().join("layers")).unwrap();
+        dirs.ensure(&cache, &digest, &Limits::default()).unwrap();
+        assert_eq!(fs::read_dir(&victim).unwrap().count(), 0);
+    }
+}

@@ -1,0 +1,232 @@
+//! Host-side work on a step's merged overlay view (`WORKDIR` directories, and `COPY`/`ADD`
+//! once they land), without leaving a mount behind whatever happens.
+//!
+//! The overlay (the parent's layer directories as lowers, a fresh upper) is mounted by a
+//! dedicated thread that first unshares its file-system attributes and mount namespace
+//! (`unshare(CLONE_FS | CLONE_NEWNS)`, allowed in a multithreaded process) and makes every
+//! mount in it private. The mount exists only in that namespace, which dies with the thread,
+//! or with the process if it crashes or is killed: nothing is left mounted on the host.
+
+use std::ffi::OsStr;
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{Mode, OFlags, ResolveFlags};
+use rustix::io::Errno;
+use rustix::mount::{
+    FsMountFlags, FsOpenFlags, MountAttrFlags, MountPropagationFlags, MoveMountFlags, UnmountFlags,
+    fsconfig_create, fsconfig_set_string, fsmount, fsopen, mount_change, move_mount, unmount,
+};
+
+/// Errors of merged-view work.
+#[derive(Debug, thiserror::Error)]
+pub enum MergedError {
+    /// Setting up the private mount failed.
+    #[error("mounting the merged view: {0}")]
+    Mount(String),
+    /// The work itself failed.
+    #[error("{0}")]
+    Work(String),
+    /// The worker thread died.
+    #[error("the merged-view worker thread panicked")]
+    Panicked,
+}
+
+/// Mounts lowers (topmost first) + `upper` (with `work`) on `mountpoint` in a private mount
+/// namespace of a fresh thread, runs `f` on the merged root, and returns its result. The
+/// mount is gone when this returns.
+pub fn with_merged<T: Send + 'static>(
+    lowers: Vec<PathBuf>,
+    upper: PathBuf,
+    work: PathBuf,
+    mountpoint: PathBuf,
+    f: impl FnOnce(&Path) -> Result<T, String> + Send + 'static,
+) -> Result<T, MergedError> {
+    std::thread::spawn(move || -> Result<T, MergedError> {
+        // SAFETY: unshare_unsafe is unsafe because unsharing CLONE_FILES (or the like) can
+        // invalidate file descriptors other code holds; CLONE_FS and CLONE_NEWNS only give
+        // this thread its own cwd/root/umask and mount namespace, which nothing else shares.
+        unsafe {
+            rustix::thread::unshare_unsafe(
+                rustix::thread::UnshareFlags::FS | rustix::thread::UnshareFlags::NEWNS,
+            )
+        }
+        .map_err(|e| MergedError::Mount(format!("unshare: {e}")))?;
+        mount_change(
+            "/",
+            MountPropagationFlags::REC | MountPropagationFlags::PRIVATE,
+        )
+        .map_err(|e| MergedError::Mount(format!("making mounts private: {e}")))?;
+        mount_overlay(&lowers, &upper, &work, &mountpoint).map_err(MergedError::Mount)?;
+        let r = f(&mountpoint).map_err(MergedError::Work);
+        let _ = unmount(&mountpoint, UnmountFlags::DETACH);
+        r
+    })
+    .join()
+    .map_err(|_| MergedError::Panicked)?
+}
+
+fn mount_overlay(
+    lowers: &[PathBuf],
+    upper: &Path,
+    work: &Path,
+    target: &Path,
+) -> Result<(), String> {
+    let empty;
+    let lowers: Vec<&Path> = if lowers.is_empty() {
+        // overlayfs needs one lower; an empty directory beside the upper will do.
+        empty = work.with_extension("empty");
+        std::fs::create_dir_all(&empty).map_err(|e| format!("{}: {e}", empty.display()))?;
+        vec![empty.as_path()]
+    } else {
+        lowers.iter().map(PathBuf::as_path).collect()
+    };
+    let fs = fsopen("overlay", FsOpenFlags::FSOPEN_CLOEXEC).map_err(|e| format!("fsopen: {e}"))?;
+    for l in &lowers {
+        fsconfig_set_string(&fs, "lowerdir+", *l)
+            .map_err(|e| format!("overlay lowerdir+ {}: {e}", l.display()))?;
+    }
+    fsconfig_set_string(&fs, "upperdir", upper).map_err(|e| format!("overlay upperdir: {e}"))?;
+    fsconfig_set_string(&fs, "workdir", work).map_err(|e| format!("overlay workdir: {e}"))?;
+    fsconfig_create(&fs).map_err(|e| format!("creating the overlay: {e}"))?;
+    let mnt = fsmount(
+        &fs,
+        FsMountFlags::FSMOUNT_CLOEXEC,
+        MountAttrFlags::MOUNT_ATTR_NODEV | MountAttrFlags::MOUNT_ATTR_NOSUID,
+    )
+    .map_err(|e| format!("fsmount: {e}"))?;
+    move_mount(
+        &mnt,
+        "",
+        rustix::fs::CWD,
+        target,
+        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+    )
+    .map_err(|e| format!("move_mount: {e}"))
+}
+
+/// Opens `path` (absolute, inside the root `root`) as a directory, resolving every symlink
+/// inside the root (`openat2` `RESOLVE_IN_ROOT`), creating missing directories with `mode`
+/// owned by `uid:gid`. Returns the directory.
+pub fn mkdir_in_root(
+    root: &Path,
+    path: &str,
+    mode: u32,
+    uid: u32,
+    gid: u32,
+) -> io::Result<OwnedFd> {
+    let rootfd = rustix::fs::open(
+        root,
+        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let flags = OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC;
+    let resolve = ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS;
+    let comps: Vec<&str> = path
+        .split('/')
+        .filter(|c| !c.is_empty() && *c != ".")
+        .collect();
+    let mut so_far = String::from(".");
+    let mut parent = rustix::fs::openat2(&rootfd, ".", flags, Mode::empty(), resolve)?;
+    for c in comps {
+        if c == ".." {
+            so_far.push_str("/..");
+            parent = rustix::fs::openat2(&rootfd, so_far.as_str(), flags, Mode::empty(), resolve)?;
+            continue;
+        }
+        so_far.push('/');
+        so_far.push_str(c);
+        parent = match rustix::fs::openat2(&rootfd, so_far.as_str(), flags, Mode::empty(), resolve)
+        {
+            Ok(fd) => fd,
+            Err(Errno::NOENT) => {
+                let name = OsStr::from_bytes(c.as_bytes());
+                match rustix::fs::mkdirat(parent.as_fd(), name, Mode::from_raw_mode(mode)) {
+                    Ok(()) | Err(Errno::EXIST) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                // A dangling symlink named `c` resolves to its target inside the root: open
+                // the final path again, through openat2.
+                let fd = match rustix::fs::openat2(
+                    &rootfd,
+                    so_far.as_str(),
+                    flags,
+                    Mode::empty(),
+                    resolve,
+                ) {
+                    Ok(fd) => fd,
+                    Err(Errno::NOENT) => {
+                        return Err(io::Error::other(format!(
+                            "{path}: {c} is a dangling symlink"
+                        )));
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))?;
+                rustix::fs::fchown(
+                    &fd,
+                    Some(rustix::process::Uid::from_raw(uid)),
+                    Some(rustix::process::Gid::from_raw(gid)),
+                )?;
+                fd
+            }
+            Err(e) => return Err(e.into()),
+        };
+    }
+    Ok(parent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+    use std::os::unix::fs::MetadataExt;
+
+    /// A directory made through the merged view lands in the upper directory, symlinks
+    /// resolve inside the root, and nothing stays mounted.
+    #[test]
+    fn mkdir_through_merged_view() {
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "needs root (overlayfs); CI runs as root"
+        );
+        let t = tempfile::tempdir().unwrap();
+        let lower = t.path().join("lower");
+        fs::create_dir_all(lower.join("srv")).unwrap();
+        std::os::unix::fs::symlink("/srv", lower.join("link")).unwrap();
+        std::os::unix::fs::symlink("/../../../..", lower.join("up")).unwrap();
+        let (upper, work, mnt) = (
+            t.path().join("upper"),
+            t.path().join("work"),
+            t.path().join("mnt"),
+        );
+        for d in [&upper, &work, &mnt] {
+            fs::create_dir(d).unwrap();
+        }
+        with_merged(
+            vec![lower.clone()],
+            upper.clone(),
+            work,
+            mnt.clone(),
+            |root| {
+                mkdir_in_root(root, "/link/app/x", 0o755, 1000, 1000).map_err(|e| e.to_string())?;
+                mkdir_in_root(root, "/up/escaped", 0o755, 0, 0).map_err(|e| e.to_string())?;
+                Ok(())
+            },
+        )
+        .unwrap();
+        let md = fs::metadata(upper.join("srv/app/x")).unwrap();
+        assert_eq!((md.uid(), md.mode() & 0o7777), (1000, 0o755));
+        assert!(upper.join("escaped").is_dir(), "`up` resolves to the root");
+        assert!(!t.path().join("escaped").exists());
+        assert_eq!(
+            fs::read_dir(&mnt).unwrap().count(),
+            0,
+            "nothing stays mounted"
+        );
+        let mounts = fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(!mounts.contains(mnt.to_str().unwrap()));
+    }
+}

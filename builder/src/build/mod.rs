@@ -1,0 +1,1135 @@
+//! The build driver: a resolved [`BuildPlan`] becomes an OCI image (manifest, config and
+//! gzip layers as blobs in the store), described by a [`BuiltImage`].
+//!
+//! For each stage, in dependency order (independent stages at once, up to
+//! [`BuildOptions::jobs`]):
+//!
+//! 1. the base: nothing (`scratch`), the layers and config of an earlier stage, or an image
+//!    in the store (layers, `rootfs.diff_ids`, history and config from its config blob);
+//! 2. each step gets a cache key ([`key`]); with caching on and an entry `cache/<key>`
+//!    whose layer blob is present, the step is a hit and nothing runs. Otherwise the
+//!    parent's layers are unpacked once per digest as overlayfs lower directories
+//!    ([`lower::LayerDirs`]), the step runs on an overlay with a fresh upper directory
+//!    (`RUN`: [`crate::exec::LinuxExecutor`], its own namespaces; `WORKDIR`: [`merged`], a
+//!    private mount namespace), the upper directory becomes one deterministic gzip layer
+//!    ([`crate::layer::write::write_upper_layer`], overlay whiteouts turned into OCI ones),
+//!    the layer goes into the store, the upper directory becomes that layer's lower
+//!    directory, and the entry `cache/<key>` is written;
+//! 3. the stage's image config is the plan's over the base's ([`config`]).
+//!
+//! After the target stage, a generated "sandbox preparation" layer (an empty
+//! `/etc/machine-id`, `/etc/hostname` = `runtime-guest`; DESIGN.md "The sandbox
+//! environment") is added, with its history entry, cached like a step. Then the config and
+//! the OCI manifest are written as blobs. A failed, timed-out or cancelled build writes no
+//! manifest (layers of steps that succeeded stay in the cache) and leaves no mount and no
+//! process: each step's mounts live in namespaces that die with it.
+
+pub mod config;
+pub mod key;
+pub mod lower;
+pub mod merged;
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use kiln_recipes::plan::{Action, BuildPlan, MountFrom, Stage, Step};
+use kiln_store::{BlobDigest, Store};
+
+use self::config::{History, OciConfig};
+use self::lower::{LayerDirs, LowerError};
+use crate::cache::{BlobCache, CacheError};
+use crate::exec::{ExecConfig, ExecError, LinuxExecutor, LogLine, StepExecutor, StepSpec};
+use crate::image::{Descriptor, OCI_MANIFEST};
+use crate::layer::Limits;
+use crate::publish::BuiltImage;
+use crate::resolve::ResolvedBase;
+
+/// OCI image config media type (`media-types.md`).
+pub const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
+/// OCI gzip layer media type (`media-types.md`).
+pub const OCI_LAYER_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+/// The hostname written into `/etc/hostname` by the sandbox preparation layer.
+pub const SANDBOX_HOSTNAME: &str = "runtime-guest";
+/// The history `created_by` of the sandbox preparation layer.
+pub const SANDBOX_LAYER_CREATED_BY: &str =
+    "kiln: sandbox preparation (/etc/machine-id empty, /etc/hostname runtime-guest)";
+
+/// Errors of a build. Step failures name the recipe file and line.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// A step failed (non-zero exit, limit, setup problem). Display: `file:line: what:
+    /// why`, then the last log lines, indented.
+    #[error("{location}: {instruction}: {source}{}", tail_text(.source))]
+    Step {
+        /// `file:line`.
+        location: String,
+        /// The step, shortened.
+        instruction: String,
+        /// What the executor said.
+        source: ExecError,
+    },
+    /// The build's timeout passed.
+    #[error("{location}: build timeout of {}s exceeded", .after.as_secs())]
+    Timeout {
+        /// Where the build was.
+        location: String,
+        /// The build's timeout.
+        after: Duration,
+    },
+    /// The build was cancelled (SIGINT, SIGTERM, or the caller's flag).
+    #[error("build cancelled")]
+    Cancelled,
+    /// Something the driver does not do yet.
+    #[error("{location}: unsupported: {what}")]
+    Unsupported {
+        /// `file:line`.
+        location: String,
+        /// What.
+        what: String,
+    },
+    /// The plan and its resolved bases do not match.
+    #[error("invalid plan: {0}")]
+    Plan(String),
+    /// A base image's manifest or config is missing or malformed.
+    #[error("stage {stage}: base image {digest}: {reason}")]
+    Base {
+        /// Stage index.
+        stage: usize,
+        /// Manifest digest.
+        digest: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Preparing lower directories failed.
+    #[error(transparent)]
+    Lower(#[from] LowerError),
+    /// The blob cache failed.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    /// The store (cache entries) failed.
+    #[error(transparent)]
+    Store(Box<kiln_store::StoreError>),
+    /// Work on a merged view failed.
+    #[error("{location}: {source}")]
+    Merged {
+        /// `file:line`.
+        location: String,
+        /// Why.
+        source: merged::MergedError,
+    },
+    /// A file-system operation failed.
+    #[error("{what} {path}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// Where.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A worker task died.
+    #[error("internal: a build task failed: {0}")]
+    Task(String),
+    /// The recipe does not lower into a plan.
+    #[error(transparent)]
+    Recipe(Box<kiln_recipes::RecipeError>),
+    /// A base could not be resolved.
+    #[error(transparent)]
+    Resolve(Box<crate::resolve::ResolveError>),
+}
+
+impl From<kiln_store::StoreError> for BuildError {
+    fn from(e: kiln_store::StoreError) -> Self {
+        BuildError::Store(Box::new(e))
+    }
+}
+
+impl From<kiln_recipes::RecipeError> for BuildError {
+    fn from(e: kiln_recipes::RecipeError) -> Self {
+        BuildError::Recipe(Box::new(e))
+    }
+}
+
+impl From<crate::resolve::ResolveError> for BuildError {
+    fn from(e: crate::resolve::ResolveError) -> Self {
+        BuildError::Resolve(Box::new(e))
+    }
+}
+
+fn tail_text(e: &ExecError) -> String {
+    let tail = match e {
+        ExecError::Failed { tail, .. }
+        | ExecError::Signaled { tail, .. }
+        | ExecError::MemoryLimit { tail, .. }
+        | ExecError::PidsLimit { tail, .. } => tail,
+        _ => return String::new(),
+    };
+    if tail.is_empty() {
+        return String::new();
+    }
+    let mut s = String::from("\nlast log lines:");
+    for l in tail {
+        s.push_str("\n  ");
+        s.push_str(l);
+    }
+    s
+}
+
+impl BuildError {
+    /// The exit code of a failed command, if that is what failed.
+    pub fn exit_code(&self) -> Option<i32> {
+        match self {
+            BuildError::Step {
+                source: ExecError::Failed { exit_code, .. },
+                ..
+            } => Some(*exit_code),
+            _ => None,
+        }
+    }
+}
+
+fn io_err<'a>(
+    what: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> BuildError + 'a {
+    move |source| BuildError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// How to build.
+#[derive(Debug, Clone)]
+pub struct BuildOptions {
+    /// Scratch and layer directories (`layers/<hex>`, step uppers); must be on a file
+    /// system overlayfs accepts as upper (not overlayfs itself) and its path must not hold
+    /// `:` or `,`.
+    pub work_dir: PathBuf,
+    /// The executor's configuration (memory is lowered to the plan's limit).
+    pub exec: ExecConfig,
+    /// `--no-cache`: look up no cache entry (entries are still written).
+    pub no_cache: bool,
+    /// `--no-cache-filter`: stages (by name or index) whose steps look up no entry.
+    pub no_cache_filter: Vec<String>,
+    /// Stages built at once (`--jobs`), at least 1.
+    pub jobs: usize,
+    /// Set by the caller to cancel (Ctrl-C, SIGTERM).
+    pub cancel: Arc<AtomicBool>,
+    /// Bounds when unpacking base layers.
+    pub layer_limits: Limits,
+    /// Add the sandbox preparation layer (default true).
+    pub sandbox_layer: bool,
+}
+
+impl BuildOptions {
+    /// Defaults with `work_dir`.
+    pub fn new(work_dir: PathBuf) -> Self {
+        BuildOptions {
+            work_dir,
+            exec: ExecConfig::default(),
+            no_cache: false,
+            no_cache_filter: Vec::new(),
+            jobs: 2,
+            cancel: Arc::default(),
+            layer_limits: Limits::default(),
+            sandbox_layer: true,
+        }
+    }
+}
+
+/// Progress of a build, in order per stage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BuildEvent {
+    /// A step starts (or is found in the cache).
+    Step {
+        /// Build-wide step number (also in [`LogLine::step`]).
+        index: usize,
+        /// Stage index.
+        stage: usize,
+        /// `file:line`.
+        location: String,
+        /// The step, shortened.
+        instruction: String,
+        /// Found in the cache: nothing runs.
+        cached: bool,
+    },
+    /// A log line of a running step.
+    Log(LogLine),
+    /// A step made its layer.
+    Layer {
+        /// Build-wide step number.
+        index: usize,
+        /// Layer digest.
+        digest: String,
+        /// Compressed size, bytes.
+        size: u64,
+    },
+}
+
+/// Where events go.
+pub type EventSink = Arc<dyn Fn(BuildEvent) + Send + Sync>;
+
+/// Counts of a finished build.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BuildStats {
+    /// Steps that ran.
+    pub steps_run: usize,
+    /// Steps found in the cache.
+    pub steps_cached: usize,
+}
+
+/// A finished build.
+#[derive(Debug, Clone)]
+pub struct BuildOutput {
+    /// The image.
+    pub image: BuiltImage,
+    /// Its config.
+    pub config: OciConfig,
+    /// Counts.
+    pub stats: BuildStats,
+}
+
+/// A layer of a stage: its descriptor and diff id.
+#[derive(Debug, Clone)]
+struct LayerRef {
+    desc: Descriptor,
+    diff_id: String,
+}
+
+/// A finished stage.
+#[derive(Debug, Clone)]
+struct StageOut {
+    layers: Vec<LayerRef>,
+    config: OciConfig,
+    key: String,
+}
+
+struct Ctx {
+    plan: BuildPlan,
+    bases: Vec<ResolvedBase>,
+    cache: Arc<dyn BlobCache>,
+    store: Store,
+    dirs: LayerDirs,
+    opts: BuildOptions,
+    executor: Arc<dyn StepExecutor>,
+    events: EventSink,
+    cancel: Arc<AtomicBool>,
+    deadline: Instant,
+    timeout: Duration,
+    epoch: Option<u64>,
+    step_counter: AtomicUsize,
+    run: AtomicUsize,
+    cached: AtomicUsize,
+}
+
+/// Builds `plan` whose bases `bases` were resolved by [`crate::resolve::resolve_plan`],
+/// with blobs in `cache` and cache entries in `store` (the same store). Events go to
+/// `events`. Returns the image; nothing is tagged.
+pub async fn build(
+    plan: &BuildPlan,
+    bases: &[ResolvedBase],
+    cache: Arc<dyn BlobCache>,
+    store: &Store,
+    opts: &BuildOptions,
+    events: EventSink,
+) -> Result<BuildOutput, BuildError> {
+    let mut exec = opts.exec.clone();
+    exec.memory_bytes = exec.memory_bytes.min(plan.limits.memory_mib << 20);
+    build_with(
+        plan,
+        bases,
+        cache,
+        store,
+        opts,
+        events,
+        Arc::new(LinuxExecutor::new(exec)),
+    )
+    .await
+}
+
+/// [`build`] with a given step executor.
+pub async fn build_with(
+    plan: &BuildPlan,
+    bases: &[ResolvedBase],
+    cache: Arc<dyn BlobCache>,
+    store: &Store,
+    opts: &BuildOptions,
+    events: EventSink,
+    executor: Arc<dyn StepExecutor>,
+) -> Result<BuildOutput, BuildError> {
+    if bases.len() != plan.stages.len() || plan.stages.is_empty() {
+        return Err(BuildError::Plan(format!(
+            "{} stages but {} resolved bases",
+            plan.stages.len(),
+            bases.len()
+        )));
+    }
+    let epoch = match plan.build_args.given.get("SOURCE_DATE_EPOCH") {
+        Some(v) => Some(v.trim().parse::<u64>().map_err(|_| {
+            BuildError::Plan(format!("SOURCE_DATE_EPOCH {v:?} is not Unix seconds"))
+        })?),
+        None => None,
+    };
+    let timeout = Duration::from_secs(plan.limits.timeout_secs);
+    let dirs = LayerDirs::open(&opts.work_dir.join("layers"))?;
+    let cancel = Arc::new(AtomicBool::new(false));
+    let ctx = Arc::new(Ctx {
+        plan: plan.clone(),
+        bases: bases.to_vec(),
+        cache,
+        store: store.clone(),
+        dirs,
+        opts: opts.clone(),
+        executor,
+        events,
+        cancel: cancel.clone(),
+        deadline: Instant::now() + timeout,
+        timeout,
+        epoch,
+        step_counter: AtomicUsize::new(0),
+        run: AtomicUsize::new(0),
+        cached: AtomicUsize::new(0),
+    });
+    // The caller's flag is copied into the build's own, which a failing stage also sets
+    // to stop its siblings.
+    let watch = {
+        let (outer, inner) = (opts.cancel.clone(), cancel.clone());
+        tokio::spawn(async move {
+            loop {
+                if outer.load(Ordering::Relaxed) {
+                    inner.store(true, Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    let r = run_stages(ctx.clone()).await;
+    watch.abort();
+    let outs = r?;
+    let target = plan.target.min(plan.stages.len() - 1);
+    let mut out = outs[target]
+        .clone()
+        .ok_or_else(|| BuildError::Plan("target stage was not built".into()))?;
+    if opts.sandbox_layer {
+        sandbox_layer(&ctx, &mut out).await?;
+    }
+    finish(&ctx, out, target).await
+}
+
+/// Stage indexes a stage needs first.
+fn stage_deps(stage: &Stage, base: &ResolvedBase) -> Vec<usize> {
+    let mut d = Vec::new();
+    if let ResolvedBase::Stage(s) = base {
+        d.push(*s);
+    }
+    for step in &stage.steps {
+        let from = match &step.action {
+            Action::Copy(c) | Action::Add(c) => c.from.as_ref(),
+            Action::Run(r) => {
+                for m in &r.mounts {
+                    if let kiln_recipes::plan::Mount::Bind {
+                        from: Some(MountFrom::Stage { stage }),
+                        ..
+                    }
+                    | kiln_recipes::plan::Mount::Cache {
+                        from: Some(MountFrom::Stage { stage }),
+                        ..
+                    } = m
+                    {
+                        d.push(*stage);
+                    }
+                }
+                None
+            }
+            Action::Mkdir(_) => None,
+        };
+        if let Some(MountFrom::Stage { stage }) = from {
+            d.push(*stage);
+        }
+    }
+    d.sort_unstable();
+    d.dedup();
+    d
+}
+
+async fn run_stages(ctx: Arc<Ctx>) -> Result<Vec<Option<StageOut>>, BuildError> {
+    let n = ctx.plan.stages.len();
+    let deps: Vec<Vec<usize>> = (0..n)
+        .map(|i| stage_deps(&ctx.plan.stages[i], &ctx.bases[i]))
+        .collect();
+    for (i, d) in deps.iter().enumerate() {
+        if d.iter().any(|&s| s >= i) {
+            return Err(BuildError::Plan(format!(
+                "stage {i} depends on a later stage"
+            )));
+        }
+    }
+    let mut outs: Vec<Option<StageOut>> = vec![None; n];
+    let mut started: HashSet<usize> = HashSet::new();
+    let mut running = FuturesUnordered::new();
+    let jobs = ctx.opts.jobs.max(1);
+    let mut first_err: Option<BuildError> = None;
+    loop {
+        if first_err.is_none() {
+            for (i, deps_i) in deps.iter().enumerate() {
+                if running.len() >= jobs {
+                    break;
+                }
+                if started.contains(&i) || deps_i.iter().any(|&d| outs[d].is_none()) {
+                    continue;
+                }
+                started.insert(i);
+                let inputs: BTreeMap<usize, StageOut> = deps_i
+                    .iter()
+                    .filter_map(|&d| outs[d].clone().map(|o| (d, o)))
+                    .collect();
+                let c = ctx.clone();
+                running.push(async move { (i, run_stage(c, i, inputs).await) });
+            }
+        }
+        let Some((i, r)) = running.next().await else {
+            break;
+        };
+        match r {
+            Ok(o) => outs[i] = Some(o),
+            Err(e) => {
+                ctx.cancel.store(true, Ordering::Relaxed);
+                // The first real error wins over the cancellations it caused.
+                if first_err.is_none() || matches!(first_err, Some(BuildError::Cancelled)) {
+                    first_err = Some(e);
+                }
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(outs),
+    }
+}
+
+fn location(step: &Step) -> String {
+    format!("{}:{}", step.location.file, step.location.start_line)
+}
+
+/// The history `created_by` of a step, Docker-like.
+pub fn describe(step: &Step) -> String {
+    match &step.action {
+        Action::Run(r) => format!("RUN {}", r.argv.join(" ")),
+        Action::Copy(c) | Action::Add(c) => {
+            let verb = if matches!(step.action, Action::Copy(_)) {
+                "COPY"
+            } else {
+                "ADD"
+            };
+            let srcs: Vec<String> = c
+                .sources
+                .iter()
+                .map(|s| match s {
+                    kiln_recipes::plan::CopySource::Path { path } => path.clone(),
+                    kiln_recipes::plan::CopySource::Url { url }
+                    | kiln_recipes::plan::CopySource::Git { url } => url.clone(),
+                    kiln_recipes::plan::CopySource::Inline(f) => format!("<<{}", f.name),
+                })
+                .collect();
+            let from = match &c.from {
+                Some(MountFrom::Stage { stage }) => format!("--from={stage} "),
+                Some(MountFrom::Image { reference }) => format!("--from={reference} "),
+                None => String::new(),
+            };
+            format!("{verb} {from}{} {}", srcs.join(" "), c.dest)
+        }
+        Action::Mkdir(m) => format!("WORKDIR {}", m.path),
+    }
+}
+
+fn short(s: &str) -> String {
+    let s = s.replace('\n', " ");
+    if s.chars().count() > 120 {
+        let mut t: String = s.chars().take(117).collect();
+        t.push_str("...");
+        t
+    } else {
+        s
+    }
+}
+
+fn stage_uses_cache(ctx: &Ctx, i: usize) -> bool {
+    if ctx.opts.no_cache {
+        return false;
+    }
+    let st = &ctx.plan.stages[i];
+    !ctx.opts.no_cache_filter.iter().any(|f| {
+        st.name.as_deref() == Some(f.to_ascii_lowercase().as_str())
+            || f.parse::<usize>().is_ok_and(|n| n == st.index)
+    })
+}
+
+fn platform_parts(p: &str) -> (String, String, Option<String>) {
+    let mut it = p.split('/');
+    let os = it.next().unwrap_or("linux").to_string();
+    let arch = it.next().unwrap_or("amd64").to_string();
+    (os, arch, it.next().map(str::to_string))
+}
+
+/// The starting point of stage `i`.
+fn stage_base(
+    ctx: &Ctx,
+    i: usize,
+    inputs: &BTreeMap<usize, StageOut>,
+) -> Result<StageOut, BuildError> {
+    let stage = &ctx.plan.stages[i];
+    let (os, architecture, variant) = platform_parts(&stage.platform);
+    match &ctx.bases[i] {
+        ResolvedBase::Scratch => Ok(StageOut {
+            layers: Vec::new(),
+            config: OciConfig {
+                architecture,
+                os,
+                variant,
+                ..OciConfig::default()
+            },
+            key: key::root_key("scratch", "", &stage.platform),
+        }),
+        ResolvedBase::Stage(s) => inputs
+            .get(s)
+            .cloned()
+            .ok_or_else(|| BuildError::Plan(format!("stage {i}: base stage {s} not built"))),
+        ResolvedBase::Image { digest, .. } => {
+            let bad = |reason: String| BuildError::Base {
+                stage: i,
+                digest: digest.clone(),
+                reason,
+            };
+            let m = crate::base::manifest(ctx.cache.as_ref(), digest)
+                .map_err(|e| bad(e.to_string()))?;
+            let bytes = ctx
+                .cache
+                .read_blob(&m.config.digest)?
+                .ok_or_else(|| bad(format!("config {} is not in the store", m.config.digest)))?;
+            let mut config: OciConfig = serde_json::from_slice(&bytes)
+                .map_err(|e| bad(format!("config {}: {e}", m.config.digest)))?;
+            if config.rootfs.diff_ids.len() != m.layers.len() {
+                return Err(bad(format!(
+                    "{} layers but {} diff_ids",
+                    m.layers.len(),
+                    config.rootfs.diff_ids.len()
+                )));
+            }
+            config.created = None;
+            config.config.on_build = None;
+            let layers = m
+                .layers
+                .iter()
+                .zip(&config.rootfs.diff_ids)
+                .map(|(d, diff)| LayerRef {
+                    desc: Descriptor {
+                        media_type: config::oci_layer_media_type(&d.media_type),
+                        digest: d.digest.clone(),
+                        size: d.size,
+                        platform: None,
+                        annotations: None,
+                    },
+                    diff_id: diff.clone(),
+                })
+                .collect();
+            Ok(StageOut {
+                layers,
+                config,
+                key: key::root_key("image", digest, &stage.platform),
+            })
+        }
+    }
+}
+
+/// Lower directories for `layers`, topmost first, unpacking what is missing.
+async fn lowers_for(ctx: &Arc<Ctx>, layers: &[LayerRef]) -> Result<Vec<PathBuf>, BuildError> {
+    let c = ctx.clone();
+    let digests: Vec<String> = layers.iter().map(|l| l.desc.digest.clone()).collect();
+    tokio::task::spawn_blocking(move || {
+        let mut v = Vec::with_capacity(digests.len());
+        for d in digests.iter().rev() {
+            v.push(c.dirs.ensure(c.cache.as_ref(), d, &c.opts.layer_limits)?);
+        }
+        Ok::<_, BuildError>(v)
+    })
+    .await
+    .map_err(|e| BuildError::Task(e.to_string()))?
+}
+
+/// Looks `key` up; a hit whose layer blob is present gives the layer.
+async fn lookup(ctx: &Ctx, key: &str) -> Result<Option<LayerRef>, BuildError> {
+    let Some(entry) = ctx.store.get_cache_entry(key).await? else {
+        return Ok(None);
+    };
+    let digest = format!("sha256:{}", entry.layer.hex());
+    let Some(path) = ctx.cache.blob_path(&digest)? else {
+        return Ok(None);
+    };
+    let size = fs::metadata(&path).map_err(io_err("reading", &path))?.len();
+    let diff_path = ctx.opts.work_dir.join("diffids").join(entry.layer.hex());
+    let diff_id = match fs::read_to_string(&diff_path) {
+        Ok(s) if crate::cache::sha256_hex(s.trim()).is_ok() => s.trim().to_string(),
+        _ => {
+            let p = path.clone();
+            let d = tokio::task::spawn_blocking(move || lower::diff_id_of(&p))
+                .await
+                .map_err(|e| BuildError::Task(e.to_string()))?
+                .map_err(io_err("reading", &path))?;
+            remember_diff_id(&ctx.opts.work_dir, &digest, &d);
+            d
+        }
+    };
+    Ok(Some(LayerRef {
+        desc: Descriptor {
+            media_type: OCI_LAYER_GZIP.into(),
+            digest,
+            size,
+            platform: None,
+            annotations: None,
+        },
+        diff_id,
+    }))
+}
+
+fn remember_diff_id(work: &Path, digest: &str, diff_id: &str) {
+    let Ok(hex) = crate::cache::sha256_hex(digest) else {
+        return;
+    };
+    let dir = work.join("diffids");
+    let _ = fs::create_dir_all(&dir);
+    let tmp = dir.join(format!(".{hex}.{}", std::process::id()));
+    if fs::write(&tmp, diff_id).is_ok() {
+        let _ = fs::rename(&tmp, dir.join(hex));
+    }
+}
+
+/// A step's fresh upper and work directories, removed on drop unless taken.
+struct Scratch {
+    upper: Option<PathBuf>,
+    work: PathBuf,
+    mnt: PathBuf,
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Some(u) = &self.upper {
+            let _ = fs::remove_dir_all(u);
+        }
+        let _ = fs::remove_dir_all(&self.work);
+        let _ = fs::remove_dir_all(self.work.with_extension("empty"));
+        let _ = fs::remove_dir(&self.mnt);
+    }
+}
+
+fn scratch(ctx: &Ctx) -> Result<Scratch, BuildError> {
+    let s = Scratch {
+        upper: Some(ctx.dirs.temp("upper")),
+        work: ctx.dirs.temp("work"),
+        mnt: ctx.dirs.temp("mnt"),
+    };
+    for d in [s.upper.as_deref().unwrap_or(&s.work), &s.work, &s.mnt] {
+        fs::create_dir(d).map_err(io_err("creating", d))?;
+    }
+    Ok(s)
+}
+
+/// Writes the upper directory as a layer into the store and adopts it as that layer's
+/// lower directory.
+async fn commit_upper(ctx: &Arc<Ctx>, mut s: Scratch) -> Result<LayerRef, BuildError> {
+    let upper = s
+        .upper
+        .take()
+        .ok_or_else(|| BuildError::Task("upper directory taken twice".into()))?;
+    let c = ctx.clone();
+    let r = tokio::task::spawn_blocking(move || -> Result<LayerRef, BuildError> {
+        let staged = c
+            .cache
+            .scratch_path(&format!("layer-{}", c.step_counter.load(Ordering::Relaxed)));
+        let staged = staged.with_file_name(format!(
+            "{}-{}",
+            staged
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            upper
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        ));
+        if let Some(p) = staged.parent() {
+            fs::create_dir_all(p).map_err(io_err("creating", p))?;
+        }
+        let f = fs::File::create(&staged).map_err(io_err("creating", &staged))?;
+        let w = crate::layer::write::write_upper_layer(&upper, std::io::BufWriter::new(f), c.epoch)
+            .map_err(io_err("writing a layer from", &upper));
+        let w = match w {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = fs::remove_file(&staged);
+                let _ = fs::remove_dir_all(&upper);
+                return Err(e);
+            }
+        };
+        c.cache.commit(&staged, &w.digest)?;
+        remember_diff_id(&c.opts.work_dir, &w.digest, &w.diff_id);
+        c.dirs.adopt(&upper, &w.digest)?;
+        Ok(LayerRef {
+            desc: Descriptor {
+                media_type: OCI_LAYER_GZIP.into(),
+                digest: w.digest,
+                size: w.size,
+                platform: None,
+                annotations: None,
+            },
+            diff_id: w.diff_id,
+        })
+    })
+    .await
+    .map_err(|e| BuildError::Task(e.to_string()))?;
+    drop(s);
+    r
+}
+
+fn check_cancel(ctx: &Ctx, loc: &str) -> Result<(), BuildError> {
+    if ctx.opts.cancel.load(Ordering::Relaxed) || ctx.cancel.load(Ordering::Relaxed) {
+        return Err(BuildError::Cancelled);
+    }
+    if Instant::now() >= ctx.deadline {
+        return Err(BuildError::Timeout {
+            location: loc.to_string(),
+            after: ctx.timeout,
+        });
+    }
+    Ok(())
+}
+
+async fn run_stage(
+    ctx: Arc<Ctx>,
+    i: usize,
+    inputs: BTreeMap<usize, StageOut>,
+) -> Result<StageOut, BuildError> {
+    let mut st = stage_base(&ctx, i, &inputs)?;
+    // As BuildKit: a stage whose base has no PATH gets the default one, in its steps and
+    // in its image config.
+    let env = st.config.config.env.get_or_insert_with(Vec::new);
+    if !env.iter().any(|e| e.starts_with("PATH=")) {
+        env.insert(0, format!("PATH={}", kiln_recipes::plan::DEFAULT_PATH));
+    }
+    let base_run = st.config.config.clone();
+    let use_cache = stage_uses_cache(&ctx, i);
+    let stage = ctx.plan.stages[i].clone();
+    for step in &stage.steps {
+        let loc = location(step);
+        check_cancel(&ctx, &loc)?;
+        let index = ctx.step_counter.fetch_add(1, Ordering::Relaxed);
+        let env = config::merge_env(base_run.env.as_deref().unwrap_or(&[]), &step.context.env);
+        let user = step.context.user.clone().or_else(|| base_run.user.clone());
+        let canonical = step.canonical_json();
+        let sources: Option<String> = match &step.action {
+            Action::Copy(_) | Action::Add(_) => {
+                return Err(BuildError::Unsupported {
+                    location: loc,
+                    what: "COPY/ADD are not supported by the build driver yet".into(),
+                });
+            }
+            _ => None,
+        };
+        let key = key::StepKey {
+            parent: &st.key,
+            step: &canonical,
+            env: &env,
+            user: user.as_deref(),
+            workdir: &step.context.workdir,
+            sources: sources.as_deref(),
+        }
+        .key();
+        let instruction = short(&describe(step));
+        let hit = if use_cache {
+            lookup(&ctx, &key).await?
+        } else {
+            None
+        };
+        (ctx.events)(BuildEvent::Step {
+            index,
+            stage: i,
+            location: loc.clone(),
+            instruction: instruction.clone(),
+            cached: hit.is_some(),
+        });
+        let layer = match hit {
+            Some(l) => {
+                ctx.cached.fetch_add(1, Ordering::Relaxed);
+                l
+            }
+            None => {
+                let l = run_step(&ctx, step, index, &st, &env, user.clone(), &loc).await?;
+                ctx.run.fetch_add(1, Ordering::Relaxed);
+                ctx.store
+                    .put_cache_entry(&key, blob_digest(&l.desc.digest)?)
+                    .await?;
+                (ctx.events)(BuildEvent::Layer {
+                    index,
+                    digest: l.desc.digest.clone(),
+                    size: l.desc.size,
+                });
+                l
+            }
+        };
+        st.config.rootfs.diff_ids.push(layer.diff_id.clone());
+        st.config.history.push(History {
+            created: ctx.epoch.map(config::rfc3339),
+            created_by: Some(describe(step)),
+            comment: None,
+            empty_layer: false,
+        });
+        st.layers.push(layer);
+        st.key = key;
+    }
+    st.config.config = config::merge_run_config(&base_run, &stage.config);
+    st.config.created = ctx.epoch.map(config::rfc3339);
+    Ok(st)
+}
+
+fn blob_digest(d: &str) -> Result<BlobDigest, BuildError> {
+    let hex = crate::cache::sha256_hex(d)?;
+    BlobDigest::from_key(&format!("blobs/sha256/{hex}"))
+        .ok_or_else(|| BuildError::Task(format!("digest {d} does not convert")))
+}
+
+async fn run_step(
+    ctx: &Arc<Ctx>,
+    step: &Step,
+    index: usize,
+    st: &StageOut,
+    env: &[String],
+    user: Option<String>,
+    loc: &str,
+) -> Result<LayerRef, BuildError> {
+    let lowers = lowers_for(ctx, &st.layers).await?;
+    let s = scratch(ctx)?;
+    let upper = s.upper.clone().unwrap_or_default();
+    match &step.action {
+        Action::Run(_) => {
+            let remaining = ctx.deadline.saturating_duration_since(Instant::now());
+            let mut spec =
+                StepSpec::from_plan(index, step, lowers, upper, s.work.clone(), remaining)
+                    .map_err(|e| BuildError::Step {
+                        location: loc.to_string(),
+                        instruction: short(&describe(step)),
+                        source: e,
+                    })?;
+            spec.env = env.to_vec();
+            spec.user = user;
+            let c = ctx.clone();
+            let r = tokio::task::spawn_blocking(move || {
+                let events = c.events.clone();
+                c.executor
+                    .run(&spec, &c.cancel, &mut |l| events(BuildEvent::Log(l)))
+            })
+            .await
+            .map_err(|e| BuildError::Task(e.to_string()))?;
+            match r {
+                Ok(_) => {}
+                Err(ExecError::Cancelled) => return Err(BuildError::Cancelled),
+                Err(ExecError::Timeout { .. }) if Instant::now() >= ctx.deadline => {
+                    return Err(BuildError::Timeout {
+                        location: loc.to_string(),
+                        after: ctx.timeout,
+                    });
+                }
+                Err(e) => {
+                    return Err(BuildError::Step {
+                        location: loc.to_string(),
+                        instruction: short(&describe(step)),
+                        source: e,
+                    });
+                }
+            }
+        }
+        Action::Mkdir(m) => {
+            let (path, mode) = (m.path.clone(), m.mode);
+            let user = user.clone();
+            let r = tokio::task::spawn_blocking({
+                let (upper, work, mnt) = (upper.clone(), s.work.clone(), s.mnt.clone());
+                move || {
+                    merged::with_merged(lowers, upper, work, mnt, move |root| {
+                        let (uid, gid) = match &user {
+                            None => (0, 0),
+                            Some(u) => {
+                                let passwd =
+                                    fs::read_to_string(root.join("etc/passwd")).unwrap_or_default();
+                                let group =
+                                    fs::read_to_string(root.join("etc/group")).unwrap_or_default();
+                                let eu = crate::exec::user::resolve_user(Some(u), &passwd, &group)
+                                    .map_err(|e| e.to_string())?;
+                                (eu.uid, eu.gid)
+                            }
+                        };
+                        merged::mkdir_in_root(root, &path, mode, uid, gid)
+                            .map(|_| ())
+                            .map_err(|e| format!("creating {path}: {e}"))
+                    })
+                }
+            })
+            .await
+            .map_err(|e| BuildError::Task(e.to_string()))?;
+            r.map_err(|source| BuildError::Merged {
+                location: loc.to_string(),
+                source,
+            })?;
+        }
+        Action::Copy(_) | Action::Add(_) => {
+            return Err(BuildError::Unsupported {
+                location: loc.to_string(),
+                what: "COPY/ADD".into(),
+            });
+        }
+    }
+    commit_upper(ctx, s).await
+}
+
+/// Adds the sandbox preparation layer to the target stage.
+async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<(), BuildError> {
+    let key = key::generated_key(&out.key, "sandbox-preparation-v1");
+    let index = ctx.step_counter.fetch_add(1, Ordering::Relaxed);
+    let hit = if ctx.opts.no_cache {
+        None
+    } else {
+        lookup(ctx, &key).await?
+    };
+    (ctx.events)(BuildEvent::Step {
+        index,
+        stage: ctx.plan.target,
+        location: "(generated)".into(),
+        instruction: SANDBOX_LAYER_CREATED_BY.into(),
+        cached: hit.is_some(),
+    });
+    let layer = match hit {
+        Some(l) => l,
+        None => {
+            let s = scratch(ctx)?;
+            let upper = s.upper.clone().unwrap_or_default();
+            let t = ctx.epoch.unwrap_or(0);
+            make_sandbox_tree(&upper, t).map_err(io_err("writing", &upper))?;
+            let l = commit_upper(ctx, s).await?;
+            ctx.store
+                .put_cache_entry(&key, blob_digest(&l.desc.digest)?)
+                .await?;
+            l
+        }
+    };
+    out.config.rootfs.diff_ids.push(layer.diff_id.clone());
+    out.config.history.push(History {
+        created: ctx.epoch.map(config::rfc3339),
+        created_by: Some(SANDBOX_LAYER_CREATED_BY.into()),
+        comment: Some("generated by kiln".into()),
+        empty_layer: false,
+    });
+    out.layers.push(layer);
+    out.key = key;
+    Ok(())
+}
+
+/// `etc/` (0755), `etc/machine-id` (empty, 0444) and `etc/hostname` (0644), root-owned,
+/// every mtime `t`.
+fn make_sandbox_tree(root: &Path, t: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let etc = root.join("etc");
+    fs::create_dir(&etc)?;
+    fs::write(etc.join("machine-id"), b"")?;
+    fs::write(etc.join("hostname"), format!("{SANDBOX_HOSTNAME}\n"))?;
+    for (p, mode) in [
+        (etc.join("machine-id"), 0o444),
+        (etc.join("hostname"), 0o644),
+        (etc.clone(), 0o755),
+    ] {
+        fs::set_permissions(&p, fs::Permissions::from_mode(mode))?;
+        std::os::unix::fs::lchown(&p, Some(0), Some(0))?;
+        let ts = rustix::fs::Timestamps {
+            last_access: rustix::fs::Timespec {
+                tv_sec: t as i64,
+                tv_nsec: 0,
+            },
+            last_modification: rustix::fs::Timespec {
+                tv_sec: t as i64,
+                tv_nsec: 0,
+            },
+        };
+        rustix::fs::utimensat(
+            rustix::fs::CWD,
+            &p,
+            &ts,
+            rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+        )?;
+    }
+    Ok(())
+}
+
+/// Writes the config and manifest blobs of the target stage.
+async fn finish(ctx: &Ctx, out: StageOut, target: usize) -> Result<BuildOutput, BuildError> {
+    let config_bytes = out.config.to_bytes();
+    let config_digest = crate::cache::digest_of(&config_bytes);
+    ctx.cache.put_bytes(&config_digest, &config_bytes)?;
+    let config_desc = Descriptor {
+        media_type: OCI_CONFIG.into(),
+        digest: config_digest,
+        size: config_bytes.len() as u64,
+        platform: None,
+        annotations: None,
+    };
+    let layers: Vec<Descriptor> = out.layers.iter().map(|l| l.desc.clone()).collect();
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": config_desc,
+        "layers": layers,
+    });
+    // A JSON value always serializes.
+    let manifest_bytes = serde_json::to_vec(&manifest).expect("JSON values serialize");
+    let manifest_digest = crate::cache::digest_of(&manifest_bytes);
+    ctx.cache.put_bytes(&manifest_digest, &manifest_bytes)?;
+    let mut provenance = BTreeMap::new();
+    provenance.insert(
+        "kiln.version".to_string(),
+        env!("CARGO_PKG_VERSION").to_string(),
+    );
+    for (i, b) in ctx.bases.iter().enumerate() {
+        if let ResolvedBase::Image {
+            reference, digest, ..
+        } = b
+        {
+            provenance.insert(format!("base.{i}.reference"), reference.clone());
+            provenance.insert(format!("base.{i}.digest"), digest.clone());
+        }
+    }
+    provenance.insert("target".into(), target.to_string());
+    let plan_json = kiln_recipes::plan_to_json(&ctx.plan);
+    Ok(BuildOutput {
+        image: BuiltImage {
+            oci_manifest: Descriptor {
+                media_type: OCI_MANIFEST.into(),
+                digest: manifest_digest,
+                size: manifest_bytes.len() as u64,
+                platform: None,
+                annotations: None,
+            },
+            config: config_desc,
+            layers,
+            sandbox: ctx.plan.sandbox.clone(),
+            recipe_digest: crate::cache::digest_of(plan_json.as_bytes()),
+            provenance,
+            source_date_epoch: ctx.epoch,
+        },
+        config: out.config,
+        stats: BuildStats {
+            steps_run: ctx.run.load(Ordering::Relaxed),
+            steps_cached: ctx.cached.load(Ordering::Relaxed),
+        },
+    })
+}

@@ -1,0 +1,397 @@
+//! `ADD <url>`: downloading URL sources before the copy, with `--checksum`.
+//!
+//! [`fetch_urls`] runs on the host, before the step's copy (which may run where no async
+//! runtime is), and leaves one file per URL in a directory the caller owns; the copy and
+//! [`super::sources_digest`] read them from [`Downloads`]. Each body is bounded
+//! ([`FetchOptions::max_bytes`]); `--checksum=sha256:<hex>` is checked before the file is
+//! handed over (Dockerfile reference, "ADD --checksum").
+//!
+//! A tenant's recipe is hostile, and the fetch runs with the host's network: by default
+//! addresses that are not public (loopback, private, link-local, CGNAT, unique-local,
+//! multicast, unspecified) are refused, the name is resolved once and the connection pinned to
+//! the address checked (no DNS rebinding), and every redirect is checked the same way, at
+//! most [`MAX_REDIRECTS`] of them. Only `http` and `https` are fetched.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kiln_recipes::plan::{CopySource, CopyStep};
+use sha2::{Digest, Sha256};
+
+/// Most redirects followed for one URL (as curl's and Go's default of 10).
+pub const MAX_REDIRECTS: usize = 10;
+
+/// One downloaded URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Download {
+    /// The file holding the body.
+    pub file: PathBuf,
+    /// The name the file is copied under: the last segment of the URL's path.
+    pub name: String,
+    /// `sha256:<hex>` of the body.
+    pub digest: String,
+    /// Body size, bytes.
+    pub size: u64,
+}
+
+/// URL → download, for one step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Downloads {
+    map: BTreeMap<String, Download>,
+}
+
+impl Downloads {
+    /// The download of `url`.
+    pub fn get(&self, url: &str) -> Option<&Download> {
+        self.map.get(url)
+    }
+
+    /// Records a download (for callers that fetched by other means).
+    pub fn insert(&mut self, url: String, d: Download) {
+        self.map.insert(url, d);
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+/// How URLs are fetched.
+#[derive(Debug, Clone)]
+pub struct FetchOptions {
+    /// Largest body, bytes (default 4 GiB).
+    pub max_bytes: u64,
+    /// Whole-request timeout (default 10 minutes; the build's own timeout still applies).
+    pub timeout: Duration,
+    /// Allow loopback, private and link-local addresses (tests; trusted builds only).
+    pub allow_private_addresses: bool,
+}
+
+impl Default for FetchOptions {
+    fn default() -> Self {
+        FetchOptions {
+            max_bytes: 4 << 30,
+            timeout: Duration::from_secs(600),
+            allow_private_addresses: false,
+        }
+    }
+}
+
+/// Why a URL could not be fetched.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    /// The URL is malformed or of a scheme other than http(s).
+    #[error("ADD {url}: {reason}")]
+    BadUrl {
+        /// The URL.
+        url: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The host resolves to an address builds may not reach.
+    #[error("ADD {url}: address {addr} is not public (loopback, private or link-local)")]
+    Forbidden {
+        /// The URL (or the redirect target).
+        url: String,
+        /// The address refused.
+        addr: IpAddr,
+    },
+    /// The request failed, or the server answered with an error.
+    #[error("ADD {url}: {detail}")]
+    Http {
+        /// The URL.
+        url: String,
+        /// What happened.
+        detail: String,
+    },
+    /// The body is larger than [`FetchOptions::max_bytes`].
+    #[error("ADD {url}: body larger than {max} bytes")]
+    TooLarge {
+        /// The URL.
+        url: String,
+        /// The bound, bytes.
+        max: u64,
+    },
+    /// `--checksum` does not match the body.
+    #[error("ADD {url}: checksum mismatch: expected {expected}, got {actual}")]
+    Checksum {
+        /// The URL.
+        url: String,
+        /// The `--checksum` value.
+        expected: String,
+        /// The body's digest.
+        actual: String,
+    },
+    /// Writing the download failed.
+    #[error("ADD {url}: writing {path}: {source}")]
+    Io {
+        /// The URL.
+        url: String,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// Whether builds may reach `ip` (a public unicast address).
+pub fn is_public(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            !(v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_broadcast()
+                || v4.is_multicast()
+                || v4.is_documentation()
+                || o[0] == 0
+                // 100.64.0.0/10 (RFC 6598) and 198.18.0.0/15 (RFC 2544).
+                || (o[0] == 100 && (o[1] & 0xc0) == 64)
+                || (o[0] == 198 && (o[1] & 0xfe) == 18)
+                || o[0] >= 240)
+        }
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return is_public(IpAddr::V4(v4));
+            }
+            let s = v6.segments();
+            !(v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                || (s[0] & 0xfe00) == 0xfc00
+                || (s[0] & 0xffc0) == 0xfe80)
+        }
+    }
+}
+
+/// The name a URL's file is copied under: its path's last segment (percent-decoding is
+/// not applied, as Docker keeps it). Errors when there is none (`http://h/`).
+pub fn url_file_name(url: &reqwest::Url) -> Option<String> {
+    let seg = url.path_segments()?.next_back()?;
+    if seg.is_empty() || seg == "." || seg == ".." {
+        None
+    } else {
+        Some(seg.to_string())
+    }
+}
+
+/// Downloads every URL source of `step` into `dir` (which must exist; the caller removes
+/// it), verifying `--checksum` when given. Errors: [`FetchError`].
+pub async fn fetch_urls(
+    step: &CopyStep,
+    dir: &Path,
+    opts: &FetchOptions,
+) -> Result<Downloads, FetchError> {
+    let urls: Vec<&String> = step
+        .sources
+        .iter()
+        .filter_map(|s| match s {
+            CopySource::Url { url } => Some(url),
+            _ => None,
+        })
+        .collect();
+    let mut out = Downloads::default();
+    if let Some(sum) = &step.checksum
+        && urls.len() != 1
+    {
+        return Err(FetchError::BadUrl {
+            url: sum.clone(),
+            reason: "--checksum needs exactly one URL source".into(),
+        });
+    }
+    for (i, url) in urls.into_iter().enumerate() {
+        let file = dir.join(format!("download-{i}"));
+        let d = fetch_one(url, &file, step.checksum.as_deref(), opts).await?;
+        out.insert(url.clone(), d);
+    }
+    Ok(out)
+}
+
+async fn fetch_one(
+    url_text: &str,
+    file: &Path,
+    checksum: Option<&str>,
+    opts: &FetchOptions,
+) -> Result<Download, FetchError> {
+    let bad = |reason: &str| FetchError::BadUrl {
+        url: url_text.to_string(),
+        reason: reason.to_string(),
+    };
+    let first = reqwest::Url::parse(url_text).map_err(|e| bad(&e.to_string()))?;
+    let name = url_file_name(&first).ok_or_else(|| bad("the URL has no file name"))?;
+    let expected = match checksum {
+        None => None,
+        Some(c) => {
+            let hex = c
+                .strip_prefix("sha256:")
+                .filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+                .ok_or_else(|| bad("--checksum must be sha256:<64 hex digits>"))?;
+            Some(format!("sha256:{}", hex.to_ascii_lowercase()))
+        }
+    };
+    crate::registry::crypto_provider();
+    let mut url = first;
+    let mut redirects = 0;
+    let resp = loop {
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(bad(&format!(
+                "scheme {:?} is not http or https",
+                url.scheme()
+            )));
+        }
+        let host = url
+            .host_str()
+            .ok_or_else(|| bad("the URL has no host"))?
+            .to_string();
+        let port = url.port_or_known_default().ok_or_else(|| bad("no port"))?;
+        let http_err = |detail: String| FetchError::Http {
+            url: url_text.to_string(),
+            detail,
+        };
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let addrs: Vec<SocketAddr> = match bare.parse::<IpAddr>() {
+            Ok(ip) => vec![SocketAddr::new(ip, port)],
+            Err(_) => tokio::net::lookup_host((bare, port))
+                .await
+                .map_err(|e| http_err(format!("resolving {host}: {e}")))?
+                .collect(),
+        };
+        let addr = *addrs
+            .first()
+            .ok_or_else(|| http_err(format!("{host} has no address")))?;
+        if !opts.allow_private_addresses
+            && let Some(a) = addrs.iter().find(|a| !is_public(a.ip()))
+        {
+            return Err(FetchError::Forbidden {
+                url: url.to_string(),
+                addr: a.ip(),
+            });
+        }
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .connect_timeout(Duration::from_secs(30))
+            .timeout(opts.timeout)
+            .resolve(bare, addr)
+            .build()
+            .map_err(|e| http_err(e.to_string()))?;
+        let resp = client
+            .get(url.clone())
+            .send()
+            .await
+            .map_err(|e| http_err(e.to_string()))?;
+        if resp.status().is_redirection() {
+            redirects += 1;
+            if redirects > MAX_REDIRECTS {
+                return Err(http_err(format!("more than {MAX_REDIRECTS} redirects")));
+            }
+            let loc = resp
+                .headers()
+                .get(reqwest::header::LOCATION)
+                .and_then(|v| v.to_str().ok())
+                .ok_or_else(|| http_err(format!("{} without Location", resp.status())))?;
+            url = url
+                .join(loc)
+                .map_err(|e| http_err(format!("bad redirect {loc:?}: {e}")))?;
+            continue;
+        }
+        if !resp.status().is_success() {
+            return Err(http_err(format!("HTTP {}", resp.status())));
+        }
+        break resp;
+    };
+    if let Some(len) = resp.content_length()
+        && len > opts.max_bytes
+    {
+        return Err(FetchError::TooLarge {
+            url: url_text.to_string(),
+            max: opts.max_bytes,
+        });
+    }
+    let io_err = |source| FetchError::Io {
+        url: url_text.to_string(),
+        path: file.to_path_buf(),
+        source,
+    };
+    let mut out = std::fs::File::create(file).map_err(io_err)?;
+    let mut hasher = Sha256::new();
+    let mut size = 0u64;
+    let mut resp = resp;
+    loop {
+        let chunk = resp.chunk().await.map_err(|e| FetchError::Http {
+            url: url_text.to_string(),
+            detail: e.to_string(),
+        })?;
+        let Some(chunk) = chunk else { break };
+        size += chunk.len() as u64;
+        if size > opts.max_bytes {
+            drop(out);
+            let _ = std::fs::remove_file(file);
+            return Err(FetchError::TooLarge {
+                url: url_text.to_string(),
+                max: opts.max_bytes,
+            });
+        }
+        hasher.update(&chunk);
+        out.write_all(&chunk).map_err(io_err)?;
+    }
+    out.flush().map_err(io_err)?;
+    let digest = format!("sha256:{}", hex::encode(hasher.finalize()));
+    if let Some(expected) = expected
+        && expected != digest
+    {
+        drop(out);
+        let _ = std::fs::remove_file(file);
+        return Err(FetchError::Checksum {
+            url: url_text.to_string(),
+            expected,
+            actual: digest,
+        });
+    }
+    Ok(Download {
+        file: file.to_path_buf(),
+        name,
+        digest,
+        size,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn public_addresses() {
+        for a in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "0.0.0.0",
+            "100.64.0.1",
+            "::1",
+            "fe80::1",
+            "fd00::1",
+            "::ffff:127.0.0.1",
+        ] {
+            assert!(!is_public(a.parse().unwrap()), "{a}");
+        }
+        for a in ["8.8.8.8", "151.101.1.1", "2a00:1450::1"] {
+            assert!(is_public(a.parse().unwrap()), "{a}");
+        }
+    }
+
+    #[test]
+    fn file_names() {
+        let n = |u: &str| url_file_name(&reqwest::Url::parse(u).unwrap());
+        assert_eq!(n("http://h/a/b.tar.gz?x=1").as_deref(), Some("b.tar.gz"));
+        assert_eq!(n("http://h/"), None);
+        assert_eq!(n("http://h/a/"), None);
+    }
+}

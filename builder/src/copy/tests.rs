@@ -1,0 +1,741 @@
+//! COPY/ADD on plain directories (root needed for owners, as CI runs the suite).
+
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
+use std::path::Path;
+
+use kiln_recipes::dockerignore::Dockerignore;
+use kiln_recipes::plan::{CopySource, CopyStep, InlineFile, SourceLocation};
+
+use super::fetch::{FetchError, FetchOptions, fetch_urls};
+use super::*;
+
+fn step(sources: &[&str], dest: &str) -> CopyStep {
+    CopyStep {
+        sources: sources
+            .iter()
+            .map(|p| {
+                if p.starts_with("http://") {
+                    CopySource::Url { url: p.to_string() }
+                } else {
+                    CopySource::Path {
+                        path: p.to_string(),
+                    }
+                }
+            })
+            .collect(),
+        dest: dest.into(),
+        from: None,
+        chown: None,
+        chmod: None,
+        link: false,
+        parents: false,
+        exclude: vec![],
+        checksum: None,
+        unpack: false,
+        keep_git_dir: false,
+    }
+}
+
+struct Dirs {
+    _t: tempfile::TempDir,
+    ctx: std::path::PathBuf,
+    dest: std::path::PathBuf,
+    outside: std::path::PathBuf,
+}
+
+fn dirs() -> Dirs {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "the copy tests need root (owners); CI runs them as root"
+    );
+    let t = tempfile::tempdir().unwrap();
+    let ctx = t.path().join("ctx");
+    let dest = t.path().join("dest");
+    let outside = t.path().join("outside");
+    for d in [&ctx, &dest, &outside] {
+        fs::create_dir(d).unwrap();
+    }
+    fs::create_dir_all(ctx.join("src/sub")).unwrap();
+    fs::write(ctx.join("a.txt"), "A").unwrap();
+    fs::write(ctx.join("b.txt"), "B").unwrap();
+    fs::write(ctx.join("src/main.c"), "int main;").unwrap();
+    fs::write(ctx.join("src/sub/x.h"), "x").unwrap();
+    fs::write(outside.join("secret"), "host secret").unwrap();
+    fs::create_dir(dest.join("etc")).unwrap();
+    fs::write(
+        dest.join("etc/passwd"),
+        "root:x:0:0::/root:/bin/sh\nalice:x:1000:1001::/home/alice:/bin/sh\n",
+    )
+    .unwrap();
+    fs::write(
+        dest.join("etc/group"),
+        "root:x:0:\nstaff:x:50:\nalice:x:1001:\n",
+    )
+    .unwrap();
+    Dirs {
+        _t: t,
+        ctx,
+        dest,
+        outside,
+    }
+}
+
+fn ctx_src(d: &Dirs) -> Sources {
+    Sources::context(&d.ctx, Dockerignore::default())
+}
+
+fn copy(s: &CopyStep, src: &Sources, dest: &Path) -> Result<CopyReport, CopyError> {
+    copy_into(s, src, dest, &CopyOptions::default())
+}
+
+#[test]
+fn files_dirs_rename_and_trailing_slash() {
+    let d = dirs();
+    let src = ctx_src(&d);
+    copy(&step(&["a.txt"], "/renamed"), &src, &d.dest).unwrap();
+    assert_eq!(fs::read_to_string(d.dest.join("renamed")).unwrap(), "A");
+    copy(&step(&["a.txt"], "/into/"), &src, &d.dest).unwrap();
+    assert_eq!(fs::read_to_string(d.dest.join("into/a.txt")).unwrap(), "A");
+    // A directory copies its contents.
+    let r = copy(&step(&["src"], "/app"), &src, &d.dest).unwrap();
+    assert_eq!(
+        fs::read_to_string(d.dest.join("app/main.c")).unwrap(),
+        "int main;"
+    );
+    assert_eq!(fs::read_to_string(d.dest.join("app/sub/x.h")).unwrap(), "x");
+    assert!(!d.dest.join("app/src").exists());
+    assert_eq!(r.files, 2);
+    // An existing directory receives a file under its own name.
+    copy(&step(&["b.txt"], "/app"), &src, &d.dest).unwrap();
+    assert_eq!(fs::read_to_string(d.dest.join("app/b.txt")).unwrap(), "B");
+    // Several sources need a directory.
+    let e = copy(&step(&["a.txt", "b.txt"], "/single"), &src, &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::NeedsDirectory { .. }), "{e}");
+    copy(&step(&["*.txt"], "/globbed/"), &src, &d.dest).unwrap();
+    assert!(d.dest.join("globbed/a.txt").exists() && d.dest.join("globbed/b.txt").exists());
+    // Context files become root's; parents made 0755.
+    let md = fs::metadata(d.dest.join("globbed/a.txt")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (0, 0));
+    assert_eq!(
+        fs::metadata(d.dest.join("globbed")).unwrap().mode() & 0o7777,
+        0o755
+    );
+    let e = copy(&step(&["nope*"], "/x/"), &src, &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::NotFound { .. }), "{e}");
+    let e = copy(&step(&["missing"], "/x/"), &src, &d.dest).unwrap_err();
+    assert!(e.to_string().contains("\"missing\" not found"), "{e}");
+}
+
+#[test]
+fn errors_carry_the_step_location() {
+    let d = dirs();
+    let opts = CopyOptions {
+        location: Some(SourceLocation {
+            file: "Dockerfile".into(),
+            start_line: 7,
+            end_line: 7,
+        }),
+        ..CopyOptions::default()
+    };
+    let e = copy_into(&step(&["gone.txt"], "/x"), &ctx_src(&d), &d.dest, &opts).unwrap_err();
+    assert_eq!(e.to_string(), "Dockerfile:7: source \"gone.txt\" not found");
+}
+
+#[test]
+fn dockerignore_applies_to_names_and_symlink_targets() {
+    let d = dirs();
+    fs::write(d.ctx.join("secret.env"), "TOKEN").unwrap();
+    symlink("secret.env", d.ctx.join("innocent")).unwrap();
+    let ig = Dockerignore::parse(".dockerignore", b"secret.env\nsrc/sub\n").unwrap();
+    let src = Sources::context(&d.ctx, ig);
+    copy(&step(&["."], "/all/"), &src, &d.dest).unwrap();
+    assert!(d.dest.join("all/a.txt").exists());
+    assert!(!d.dest.join("all/secret.env").exists());
+    assert!(!d.dest.join("all/src/sub").exists());
+    assert!(d.dest.join("all/src/main.c").exists());
+    let e = copy(&step(&["secret.env"], "/x"), &src, &d.dest).unwrap_err();
+    assert!(
+        matches!(e, CopyError::NotFound { ignored: true, .. }),
+        "{e}"
+    );
+    let e = copy(&step(&["innocent"], "/x"), &src, &d.dest).unwrap_err();
+    assert!(
+        matches!(e, CopyError::NotFound { ignored: true, .. }),
+        "{e}"
+    );
+    assert!(!d.dest.join("x").exists());
+    // Exceptions reach into an excluded directory.
+    let ig = Dockerignore::parse(".dockerignore", b"src\n!src/sub/x.h\n").unwrap();
+    let src = Sources::context(&d.ctx, ig);
+    copy(&step(&["."], "/exc/"), &src, &d.dest).unwrap();
+    assert!(d.dest.join("exc/src/sub/x.h").exists());
+    assert!(!d.dest.join("exc/src/main.c").exists());
+}
+
+#[test]
+fn sources_cannot_climb_out() {
+    let d = dirs();
+    let src = ctx_src(&d);
+    for bad in ["../outside/secret", "src/../../outside/secret", ".."] {
+        let e = copy(&step(&[bad], "/x"), &src, &d.dest).unwrap_err();
+        assert!(matches!(e, CopyError::Escapes { .. }), "{bad}: {e}");
+    }
+    // Symlinks in the context resolve inside it: absolute ones and climbing ones alike.
+    symlink(&d.outside, d.ctx.join("abs")).unwrap();
+    symlink("../outside", d.ctx.join("rel")).unwrap();
+    symlink("../../../../../../..", d.ctx.join("up")).unwrap();
+    let outside_name = d.outside.file_name().unwrap().to_str().unwrap().to_string();
+    for s in [
+        "abs/secret".to_string(),
+        "rel/secret".to_string(),
+        format!("up/{outside_name}/secret"),
+    ] {
+        let e = copy(&step(&[&s], "/x"), &src, &d.dest).unwrap_err();
+        assert!(matches!(e, CopyError::NotFound { .. }), "{s}: {e}");
+    }
+    // A symlink to a real file inside the context is followed when named as a source.
+    symlink("/a.txt", d.ctx.join("abs-in")).unwrap();
+    copy(&step(&["abs-in"], "/followed"), &src, &d.dest).unwrap();
+    assert_eq!(fs::read_to_string(d.dest.join("followed")).unwrap(), "A");
+    // Inside a copied directory, symlinks are copied as they are, never followed.
+    symlink(&d.outside, d.ctx.join("src/escape")).unwrap();
+    copy(&step(&["src"], "/tree"), &src, &d.dest).unwrap();
+    let l = d.dest.join("tree/escape");
+    assert!(l.symlink_metadata().unwrap().file_type().is_symlink());
+    assert_eq!(fs::read_link(&l).unwrap(), d.outside);
+}
+
+#[test]
+fn destination_symlinks_stay_inside_the_root() {
+    let d = dirs();
+    let src = ctx_src(&d);
+    symlink(&d.outside, d.dest.join("abs")).unwrap();
+    symlink("../../../../../../../../..", d.dest.join("up")).unwrap();
+    copy(&step(&["a.txt"], "/abs/"), &src, &d.dest).unwrap();
+    copy(&step(&["b.txt"], "/up/tmp/x/"), &src, &d.dest).unwrap();
+    // Nothing reached the real outside directory.
+    let listed: Vec<_> = fs::read_dir(&d.outside).unwrap().flatten().collect();
+    assert_eq!(listed.len(), 1, "only the original secret");
+    let inner = d.dest.join(d.outside.strip_prefix("/").unwrap());
+    assert_eq!(fs::read_to_string(inner.join("a.txt")).unwrap(), "A");
+    assert_eq!(fs::read_to_string(d.dest.join("tmp/x/b.txt")).unwrap(), "B");
+    // A file written over a symlink replaces the symlink, not its target.
+    symlink(d.outside.join("secret"), d.dest.join("victim")).unwrap();
+    copy(&step(&["a.txt"], "/victim"), &src, &d.dest).unwrap();
+    assert_eq!(
+        fs::read_to_string(d.outside.join("secret")).unwrap(),
+        "host secret"
+    );
+    assert!(d.dest.join("victim").symlink_metadata().unwrap().is_file());
+    // A directory source merges through an image symlink such as /lib -> usr/lib.
+    fs::create_dir_all(d.dest.join("usr/lib")).unwrap();
+    symlink("usr/lib", d.dest.join("lib")).unwrap();
+    fs::create_dir_all(d.ctx.join("root/lib")).unwrap();
+    fs::write(d.ctx.join("root/lib/libx.so"), "so").unwrap();
+    copy(&step(&["root"], "/"), &src, &d.dest).unwrap();
+    assert_eq!(
+        fs::read_to_string(d.dest.join("usr/lib/libx.so")).unwrap(),
+        "so"
+    );
+    assert!(
+        d.dest
+            .join("lib")
+            .symlink_metadata()
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+}
+
+#[test]
+fn chown_names_resolve_in_the_destination() {
+    let d = dirs();
+    let src = ctx_src(&d);
+    let mut s = step(&["src"], "/owned/deep/");
+    s.chown = Some("alice".into());
+    copy(&s, &src, &d.dest).unwrap();
+    let md = fs::metadata(d.dest.join("owned/deep/main.c")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (1000, 1001));
+    // Created parents belong to the --chown owner too.
+    let md = fs::metadata(d.dest.join("owned")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (1000, 1001));
+    s.chown = Some("alice:staff".into());
+    copy(&s, &src, &d.dest).unwrap();
+    assert_eq!(
+        fs::metadata(d.dest.join("owned/deep/main.c"))
+            .unwrap()
+            .gid(),
+        50
+    );
+    s.chown = Some("4242".into());
+    copy(&s, &src, &d.dest).unwrap();
+    let md = fs::metadata(d.dest.join("owned/deep/main.c")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (4242, 4242));
+    s.chown = Some("mallory".into());
+    let e = copy(&s, &src, &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::Chown { .. }), "{e}");
+    // /etc/passwd as an absolute symlink is the root's file, never the host's.
+    fs::write(d.dest.join("etc/realpw"), "bob:x:7:7::/:/bin/sh\n").unwrap();
+    fs::remove_file(d.dest.join("etc/passwd")).unwrap();
+    symlink("/etc/realpw", d.dest.join("etc/passwd")).unwrap();
+    s.chown = Some("bob".into());
+    copy(&s, &src, &d.dest).unwrap();
+    assert_eq!(
+        fs::metadata(d.dest.join("owned/deep/main.c"))
+            .unwrap()
+            .uid(),
+        7
+    );
+    s.chown = Some("root".into());
+    assert!(
+        copy(&s, &src, &d.dest).is_err(),
+        "root is only in the host's file"
+    );
+}
+
+#[test]
+fn chmod_octal_and_symbolic() {
+    let d = dirs();
+    let src = ctx_src(&d);
+    fs::set_permissions(d.ctx.join("a.txt"), fs::Permissions::from_mode(0o640)).unwrap();
+    let mut s = step(&["a.txt"], "/m1");
+    s.chmod = Some("0755".into());
+    copy(&s, &src, &d.dest).unwrap();
+    assert_eq!(
+        fs::metadata(d.dest.join("m1")).unwrap().mode() & 0o7777,
+        0o755
+    );
+    s.chmod = Some("u+x,o=r".into());
+    s.dest = "/m2".into();
+    copy(&s, &src, &d.dest).unwrap();
+    assert_eq!(
+        fs::metadata(d.dest.join("m2")).unwrap().mode() & 0o7777,
+        0o744
+    );
+    let mut s = step(&["src"], "/m3");
+    s.chmod = Some("a=rX".into());
+    copy(&s, &src, &d.dest).unwrap();
+    assert_eq!(
+        fs::metadata(d.dest.join("m3/sub")).unwrap().mode() & 0o7777,
+        0o555
+    );
+    assert_eq!(
+        fs::metadata(d.dest.join("m3/main.c")).unwrap().mode() & 0o7777,
+        0o444
+    );
+    s.chmod = Some("u+q".into());
+    assert!(matches!(
+        copy(&s, &src, &d.dest).unwrap_err(),
+        CopyError::Chmod { .. }
+    ));
+}
+
+#[test]
+fn parents_and_exclude() {
+    let d = dirs();
+    let src = ctx_src(&d);
+    let mut s = step(&["src/sub/x.h", "a.txt"], "/p/");
+    s.parents = true;
+    copy(&s, &src, &d.dest).unwrap();
+    assert!(d.dest.join("p/src/sub/x.h").exists());
+    assert!(d.dest.join("p/a.txt").exists());
+    let mut s = step(&["src/./sub/x.h"], "/q/");
+    s.parents = true;
+    copy(&s, &src, &d.dest).unwrap();
+    assert!(d.dest.join("q/sub/x.h").exists());
+    let mut s = step(&["."], "/e/");
+    s.exclude = vec!["*.txt".into(), "src/sub".into()];
+    copy(&s, &src, &d.dest).unwrap();
+    assert!(!d.dest.join("e/a.txt").exists());
+    assert!(!d.dest.join("e/src/sub").exists());
+    assert!(d.dest.join("e/src/main.c").exists());
+    let mut s = step(&["*.txt"], "/f/");
+    s.exclude = vec!["b.txt".into()];
+    copy(&s, &src, &d.dest).unwrap();
+    assert!(d.dest.join("f/a.txt").exists() && !d.dest.join("f/b.txt").exists());
+}
+
+#[test]
+fn trees_keep_owners_and_specials_are_not_opened() {
+    let d = dirs();
+    let tree = d.outside.join("tree");
+    fs::create_dir_all(tree.join("opt")).unwrap();
+    fs::write(tree.join("opt/tool"), "bin").unwrap();
+    std::os::unix::fs::chown(tree.join("opt/tool"), Some(123), Some(456)).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        tree.join("opt/fifo"),
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
+    let r = copy(&step(&["/opt"], "/opt"), &Sources::tree(&tree), &d.dest).unwrap();
+    let md = fs::metadata(d.dest.join("opt/tool")).unwrap();
+    assert_eq!((md.uid(), md.gid()), (123, 456));
+    let ft = fs::symlink_metadata(d.dest.join("opt/fifo"))
+        .unwrap()
+        .file_type();
+    use std::os::unix::fs::FileTypeExt;
+    assert!(ft.is_fifo());
+    assert_eq!(r.specials, 1);
+    // A FIFO named as a source is not read (it would block), and is copied as a FIFO.
+    copy(&step(&["/opt/fifo"], "/f2"), &Sources::tree(&tree), &d.dest).unwrap();
+    assert!(
+        fs::symlink_metadata(d.dest.join("f2"))
+            .unwrap()
+            .file_type()
+            .is_fifo()
+    );
+}
+
+#[test]
+fn limits_are_enforced() {
+    let d = dirs();
+    fs::write(d.ctx.join("big"), vec![7u8; 10_000]).unwrap();
+    let opts = CopyOptions {
+        limits: CopyLimits {
+            max_file_bytes: 4096,
+            ..CopyLimits::default()
+        },
+        ..CopyOptions::default()
+    };
+    let e = copy_into(&step(&["big"], "/big"), &ctx_src(&d), &d.dest, &opts).unwrap_err();
+    assert!(matches!(e, CopyError::Limit { .. }), "{e}");
+    let opts = CopyOptions {
+        limits: CopyLimits {
+            max_entries: 3,
+            ..CopyLimits::default()
+        },
+        ..CopyOptions::default()
+    };
+    let e = copy_into(&step(&["."], "/all/"), &ctx_src(&d), &d.dest, &opts).unwrap_err();
+    assert!(matches!(e, CopyError::Limit { .. }), "{e}");
+}
+
+fn tar_gz(entries: &[(&str, &[u8])], symlinks: &[(&str, &str)]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (name, data) in entries {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        h.set_entry_type(tar::EntryType::Regular);
+        // Names are set raw so hostile ones ("../x") get through the builder.
+        let raw = &mut h.as_old_mut().name;
+        raw[..name.len()].copy_from_slice(name.as_bytes());
+        h.set_cksum();
+        b.append(&h, *data).unwrap();
+    }
+    for (name, target) in symlinks {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(0);
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_link_name(target).unwrap();
+        h.set_mode(0o777);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        let raw = &mut h.as_old_mut().name;
+        raw[..name.len()].copy_from_slice(name.as_bytes());
+        h.set_cksum();
+        b.append(&h, &[][..]).unwrap();
+    }
+    let tar = b.into_inner().unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    std::io::Write::write_all(&mut gz, &tar).unwrap();
+    gz.finish().unwrap()
+}
+
+#[test]
+fn add_extracts_local_archives_within_bounds() {
+    let d = dirs();
+    fs::write(
+        d.ctx.join("app.tgz"),
+        tar_gz(&[("bin/tool", b"T"), ("README", b"R")], &[]),
+    )
+    .unwrap();
+    let mut s = step(&["app.tgz"], "/opt/app");
+    s.unpack = true;
+    let r = copy(&s, &ctx_src(&d), &d.dest).unwrap();
+    assert_eq!(r.archives, 1);
+    assert_eq!(
+        fs::read_to_string(d.dest.join("opt/app/bin/tool")).unwrap(),
+        "T"
+    );
+    // COPY never unpacks.
+    s.unpack = false;
+    s.dest = "/copied.tgz".into();
+    copy(&s, &ctx_src(&d), &d.dest).unwrap();
+    assert!(d.dest.join("copied.tgz").is_file());
+    // A hostile archive: `..` names and a symlink then a write through it.
+    fs::write(d.ctx.join("evil.tgz"), tar_gz(&[("../escaped", b"E")], &[])).unwrap();
+    let mut s = step(&["evil.tgz"], "/x/");
+    s.unpack = true;
+    let e = copy(&s, &ctx_src(&d), &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::Archive { .. }), "{e}");
+    let out = d.outside.display().to_string();
+    fs::write(
+        d.ctx.join("evil2.tgz"),
+        tar_gz(&[("link/planted", b"P")], &[("link", &out)]),
+    )
+    .unwrap();
+    let mut s = step(&["evil2.tgz"], "/y/");
+    s.unpack = true;
+    copy(&s, &ctx_src(&d), &d.dest).unwrap();
+    assert!(!d.outside.join("planted").exists());
+    // Bounds of the layer applier hold.
+    fs::write(d.ctx.join("big.tgz"), tar_gz(&[("f", &[1u8; 5000])], &[])).unwrap();
+    let mut s = step(&["big.tgz"], "/z/");
+    s.unpack = true;
+    let opts = CopyOptions {
+        tar_limits: crate::layer::Limits {
+            max_file_bytes: 1000,
+            ..crate::layer::Limits::default()
+        },
+        ..CopyOptions::default()
+    };
+    let e = copy_into(&s, &ctx_src(&d), &d.dest, &opts).unwrap_err();
+    assert!(e.to_string().contains("file size"), "{e}");
+}
+
+#[test]
+fn inline_heredoc_files() {
+    let d = dirs();
+    let mut s = step(&[], "/etc/motd");
+    s.sources = vec![CopySource::Inline(InlineFile {
+        name: "EOF".into(),
+        data: "hello\n".into(),
+        path: None,
+        mode: 0o644,
+    })];
+    copy(&s, &ctx_src(&d), &d.dest).unwrap();
+    assert_eq!(
+        fs::read_to_string(d.dest.join("etc/motd")).unwrap(),
+        "hello\n"
+    );
+}
+
+#[test]
+fn digest_ignores_mtime_but_not_content_or_mode() {
+    let d = dirs();
+    let src = ctx_src(&d);
+    let s = step(&["src", "a.txt"], "/app/");
+    let d0 = sources_digest(&s, &src).unwrap();
+    assert!(d0.starts_with("sha256:") && d0.len() == 71);
+    let f = fs::File::options()
+        .write(true)
+        .open(d.ctx.join("src/main.c"))
+        .unwrap();
+    f.set_modified(std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(12345))
+        .unwrap();
+    drop(f);
+    assert_eq!(
+        sources_digest(&s, &src).unwrap(),
+        d0,
+        "mtime changed the digest"
+    );
+    fs::write(d.ctx.join("src/main.c"), "int main2;").unwrap();
+    let d1 = sources_digest(&s, &src).unwrap();
+    assert_ne!(d1, d0);
+    fs::set_permissions(d.ctx.join("src/main.c"), fs::Permissions::from_mode(0o755)).unwrap();
+    let d2 = sources_digest(&s, &src).unwrap();
+    assert_ne!(d2, d1);
+    // A file the copy does not select does not count.
+    fs::write(d.ctx.join("b.txt"), "changed").unwrap();
+    assert_eq!(sources_digest(&s, &src).unwrap(), d2);
+    // Nor one .dockerignore leaves out.
+    let ig = Dockerignore::parse(".dockerignore", b"src/sub\n").unwrap();
+    let src2 = Sources::context(&d.ctx, ig);
+    let d3 = sources_digest(&s, &src2).unwrap();
+    fs::write(d.ctx.join("src/sub/x.h"), "changed").unwrap();
+    assert_eq!(sources_digest(&s, &src2).unwrap(), d3);
+    assert_ne!(sources_digest(&s, &src).unwrap(), d2);
+    // A new symlink changes it.
+    symlink("a.txt", d.ctx.join("src/l")).unwrap();
+    assert_ne!(sources_digest(&s, &src2).unwrap(), d3);
+    let e = sources_digest(&step(&["../x"], "/"), &src).unwrap_err();
+    assert!(matches!(e, CopyError::Escapes { .. }));
+}
+
+/// A one-shot HTTP/1.1 server on 127.0.0.1 answering every request with `body` (or a
+/// redirect to `redirect` when given).
+async fn serve(body: Vec<u8>, redirect: Option<String>) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut c, _)) = l.accept().await {
+            let mut buf = vec![0u8; 4096];
+            let _ = c.read(&mut buf).await;
+            let head = match &redirect {
+                Some(to) => format!(
+                    "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                ),
+                None => format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                ),
+            };
+            let _ = c.write_all(head.as_bytes()).await;
+            if redirect.is_none() {
+                let _ = c.write_all(&body).await;
+            }
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test]
+async fn add_url_with_checksum_and_address_policy() {
+    let d = dirs();
+    let base = serve(b"payload".to_vec(), None).await;
+    let url = format!("{base}/files/tool.bin");
+    let dl = d.outside.join("dl");
+    fs::create_dir(&dl).unwrap();
+    let allow = FetchOptions {
+        allow_private_addresses: true,
+        ..FetchOptions::default()
+    };
+    let mut s = step(&[&url], "/opt/");
+    s.checksum = Some(format!(
+        "sha256:{}",
+        hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"payload"))
+    ));
+    let downloads = fetch_urls(&s, &dl, &allow).await.unwrap();
+    let src = ctx_src(&d).with_downloads(downloads);
+    copy(&s, &src, &d.dest).unwrap();
+    let f = d.dest.join("opt/tool.bin");
+    assert_eq!(fs::read(&f).unwrap(), b"payload");
+    assert_eq!(fs::metadata(&f).unwrap().mode() & 0o7777, 0o600);
+    let dg = sources_digest(&s, &src).unwrap();
+    assert!(dg.starts_with("sha256:"));
+    // A wrong checksum.
+    s.checksum = Some(format!("sha256:{}", "0".repeat(64)));
+    let e = fetch_urls(&s, &dl, &allow).await.unwrap_err();
+    assert!(matches!(e, FetchError::Checksum { .. }), "{e}");
+    // The default policy refuses the host's loopback, also behind a redirect.
+    s.checksum = None;
+    let e = fetch_urls(&s, &dl, &FetchOptions::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FetchError::Forbidden { .. }), "{e}");
+    // Bounded size.
+    let small = FetchOptions {
+        max_bytes: 3,
+        ..allow.clone()
+    };
+    let e = fetch_urls(&s, &dl, &small).await.unwrap_err();
+    assert!(matches!(e, FetchError::TooLarge { .. }), "{e}");
+    // Redirects are followed, each hop checked by the same policy.
+    let hop = serve(Vec::new(), Some(url.clone())).await;
+    let s2 = step(&[&format!("{hop}/r/x")], "/opt/");
+    let ok = fetch_urls(&s2, &dl, &allow).await.unwrap();
+    assert_eq!(ok.get(&format!("{hop}/r/x")).unwrap().size, 7);
+    // COPY of a URL without a fetch is a clear error.
+    let e = copy(&s2, &ctx_src(&d), &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::NotDownloaded { .. }), "{e}");
+}
+
+#[test]
+fn symlink_loops_and_non_archives() {
+    let d = dirs();
+    symlink("loop", d.ctx.join("loop")).unwrap();
+    symlink("b2", d.ctx.join("a2")).unwrap();
+    symlink("a2", d.ctx.join("b2")).unwrap();
+    for s in ["loop", "a2/x"] {
+        let e = copy(&step(&[s], "/x"), &ctx_src(&d), &d.dest).unwrap_err();
+        assert!(e.to_string().contains("symbolic links"), "{s}: {e}");
+    }
+    // A loop inside a copied directory is copied as the symlinks it is.
+    symlink("self", d.ctx.join("src/self")).unwrap();
+    copy(&step(&["src"], "/s"), &ctx_src(&d), &d.dest).unwrap();
+    assert!(
+        d.dest
+            .join("s/self")
+            .symlink_metadata()
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    // ADD of a compressed file that is not a tar copies it as it is.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    std::io::Write::write_all(&mut gz, &[b'z'; 2000]).unwrap();
+    fs::write(d.ctx.join("data.gz"), gz.finish().unwrap()).unwrap();
+    let mut s = step(&["data.gz"], "/d/");
+    s.unpack = true;
+    let r = copy(&s, &ctx_src(&d), &d.dest).unwrap();
+    assert_eq!(r.archives, 0);
+    assert!(d.dest.join("d/data.gz").is_file());
+}
+
+#[test]
+fn no_whiteouts_devices_or_overlay_xattrs_reach_the_upper_dir() {
+    let d = dirs();
+    let mk = |p: &Path, ft, dev| {
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            p,
+            ft,
+            rustix::fs::Mode::from_raw_mode(0o644),
+            dev,
+        )
+        .unwrap()
+    };
+    use rustix::fs::FileType as T;
+    mk(
+        &d.ctx.join("src/null"),
+        T::CharacterDevice,
+        rustix::fs::makedev(1, 3),
+    );
+    mk(&d.ctx.join("src/passwd"), T::CharacterDevice, 0);
+    fs::create_dir(d.ctx.join("src/opaque")).unwrap();
+    rustix::fs::setxattr(
+        d.ctx.join("src/opaque"),
+        "trusted.overlay.opaque",
+        b"y",
+        rustix::fs::XattrFlags::empty(),
+    )
+    .unwrap();
+    rustix::fs::setxattr(
+        d.ctx.join("src/opaque"),
+        "user.kept",
+        b"1",
+        rustix::fs::XattrFlags::empty(),
+    )
+    .unwrap();
+    copy(&step(&["src"], "/etc"), &ctx_src(&d), &d.dest).unwrap();
+    assert!(
+        d.dest.join("etc/passwd").is_file(),
+        "the whiteout replaced /etc/passwd"
+    );
+    assert!(d.dest.join("etc/null").symlink_metadata().is_err());
+    let mut buf = [0u8; 16];
+    assert!(
+        rustix::fs::getxattr(
+            d.dest.join("etc/opaque"),
+            "trusted.overlay.opaque",
+            &mut buf[..]
+        )
+        .is_err()
+    );
+    assert_eq!(
+        rustix::fs::getxattr(d.dest.join("etc/opaque"), "user.kept", &mut buf[..]).unwrap(),
+        1
+    );
+    // From a tree, devices are kept but a 0/0 one is not.
+    let tree = d.outside.join("t");
+    fs::create_dir(&tree).unwrap();
+    mk(
+        &tree.join("null"),
+        T::CharacterDevice,
+        rustix::fs::makedev(1, 3),
+    );
+    mk(&tree.join("wh"), T::CharacterDevice, 0);
+    copy(&step(&["/"], "/t"), &Sources::tree(&tree), &d.dest).unwrap();
+    assert!(d.dest.join("t/null").symlink_metadata().is_ok());
+    assert!(d.dest.join("t/wh").symlink_metadata().is_err());
+}

@@ -1,0 +1,1003 @@
+//! `RUN --mount` (Dockerfile reference, "RUN --mount"): resolution on the caller's side,
+//! mounting inside the step, and removal of the mount points from the layer.
+//!
+//! 1. [`resolve`] turns the plan's [`Mount`]s into [`StepMount`]s with host paths, given
+//!    [`MountInputs`] (context, stage and image roots, the cache directory, the build's
+//!    secrets). A secret exposed as an environment variable becomes an entry of the step's
+//!    environment; every secret value joins the values the logs redact.
+//! 2. [`LinuxExecutor`](super::LinuxExecutor) calls [`prepare`] before it forks: the target
+//!    is resolved through the lower layers' symlinks (as the step will see it), cache
+//!    directories are made and locked by their sharing mode, and scratch directories for
+//!    read-write binds are made under the step's scratch directory.
+//! 3. In the step's pid 1, after the overlay is mounted and before `pivot_root`,
+//!    [`mount_all`] creates each mount point inside the new root (never following a symlink
+//!    out of it) and mounts: `bind` read-only (`nosuid,nodev`), or read-write as an overlay
+//!    whose upper directory is scratch (writes never reach the context or stage); `cache` a
+//!    bind of its persistent directory; `tmpfs` with its size; `secret` a file on a private
+//!    tmpfs (mode default 0400) bound onto its target (default `/run/secrets/<id>`).
+//! 4. After the step, [`cleanup`] removes from the upper directory the mount points the step
+//!    left empty (and parents made or copied up only for them), so no mount shows in the
+//!    layer. What a mount held never touches the upper directory: it lives in the mounted
+//!    file system.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::fs;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kiln_recipes::dockerignore::Dockerignore;
+use kiln_recipes::plan::{CopySource, CopyStep, Mount, MountFrom};
+use rustix::fs::{Mode, OFlags, ResolveFlags};
+use rustix::mount::MountFlags;
+use sha2::{Digest, Sha256};
+
+use crate::secrets::{SecretValue, Secrets};
+
+/// Default directory for a secret file without a target (BuildKit's).
+pub const SECRETS_DIR: &str = "/run/secrets";
+
+/// One resolved `RUN --mount`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepMount {
+    /// Mount point inside the step (absolute).
+    pub target: String,
+    /// What is mounted.
+    pub kind: MountKind,
+}
+
+/// What a [`StepMount`] mounts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MountKind {
+    /// `path` (relative, resolved inside `root` when mounted) of a host tree.
+    Bind {
+        /// The tree: the build context (or a filtered copy of it), a stage's or image's root.
+        root: PathBuf,
+        /// Path inside `root` (empty: the root).
+        path: String,
+        /// Writable; writes go to a scratch upper directory discarded after the step.
+        readwrite: bool,
+    },
+    /// A persistent cache directory.
+    Cache {
+        /// Host directory (made by [`prepare`] with `mode`, `uid`, `gid` when missing).
+        dir: PathBuf,
+        /// Sharing between concurrent steps.
+        sharing: CacheSharing,
+        /// Mounted read-only.
+        readonly: bool,
+        /// Mode of a new cache directory (permission bits).
+        mode: u32,
+        /// Owner of a new cache directory.
+        uid: u32,
+        /// Group of a new cache directory.
+        gid: u32,
+    },
+    /// A tmpfs.
+    Tmpfs {
+        /// Size limit, bytes (`None`: the kernel's default, half of RAM; pages are charged
+        /// to the step's memory cgroup either way).
+        size_bytes: Option<u64>,
+    },
+    /// A secret as a file.
+    Secret {
+        /// The secret's id (for messages).
+        id: String,
+        /// Its value.
+        value: SecretValue,
+        /// File mode (permission bits).
+        mode: u32,
+        /// File owner.
+        uid: u32,
+        /// File group.
+        gid: u32,
+    },
+}
+
+/// `sharing=` of a cache mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheSharing {
+    /// Any number of steps at once.
+    Shared,
+    /// One step at a time; a second one gets a fresh, temporary directory.
+    Private,
+    /// One step at a time; a second one waits.
+    Locked,
+}
+
+/// What [`resolve`] needs to give mounts their host paths.
+#[derive(Debug, Clone, Default)]
+pub struct MountInputs {
+    /// The build context and its `.dockerignore` (binds without `from`).
+    pub context: Option<(PathBuf, Dockerignore)>,
+    /// Merged roots of built stages, by stage index (`from=<stage>`).
+    pub stage_roots: BTreeMap<usize, PathBuf>,
+    /// Roots of images, by reference as written (`from=<image>`).
+    pub image_roots: BTreeMap<String, PathBuf>,
+    /// Where cache mounts persist (one directory per id); e.g. the store's cache directory.
+    pub cache_dir: Option<PathBuf>,
+    /// Scratch for a filtered copy of the context (a context bind when `.dockerignore` has
+    /// patterns); the caller removes it after the step.
+    pub scratch_dir: Option<PathBuf>,
+    /// The build's secrets.
+    pub secrets: Secrets,
+}
+
+/// Mounts resolved for one step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResolvedMounts {
+    /// The mounts, in the recipe's order.
+    pub mounts: Vec<StepMount>,
+    /// `KEY=value` entries for secrets exposed as environment variables.
+    pub env: Vec<String>,
+    /// Every secret value the step can see (for log redaction).
+    pub redact: Vec<String>,
+}
+
+/// A mount that cannot be resolved or set up.
+#[derive(Debug, thiserror::Error)]
+pub enum MountsError {
+    /// A mount point that is not absolute, or is `/`.
+    #[error("--mount target {0:?} must be an absolute path other than /")]
+    BadTarget(String),
+    /// `from=` names a stage or image the caller did not provide, or there is no context.
+    #[error("--mount source {0} is not available to this step")]
+    MissingSource(String),
+    /// A required secret the build was not given.
+    #[error("secret {0:?} is required but was not given (--secret id={0},src=...)")]
+    MissingSecret(String),
+    /// A cache mount without a cache directory.
+    #[error("cache mounts need a cache directory")]
+    NoCacheDir,
+    /// Unsupported option.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// Copying the filtered context failed.
+    #[error("--mount from the context: {0}")]
+    Context(String),
+    /// A host-side operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+fn check_target(t: &str) -> Result<(), MountsError> {
+    if !t.starts_with('/') || t.split('/').all(|c| c.is_empty() || c == ".") {
+        return Err(MountsError::BadTarget(t.to_string()));
+    }
+    Ok(())
+}
+
+static FILTERED: AtomicU64 = AtomicU64::new(0);
+
+/// Resolves the plan's mounts of one step. See the module documentation.
+pub fn resolve(mounts: &[Mount], inputs: &MountInputs) -> Result<ResolvedMounts, MountsError> {
+    let mut out = ResolvedMounts::default();
+    for m in mounts {
+        match m {
+            Mount::Bind {
+                target,
+                source,
+                from,
+                readwrite,
+            } => {
+                check_target(target)?;
+                let (root, path) =
+                    match from {
+                        Some(MountFrom::Stage { stage }) => (
+                            inputs.stage_roots.get(stage).cloned().ok_or_else(|| {
+                                MountsError::MissingSource(format!("stage {stage}"))
+                            })?,
+                            source.clone(),
+                        ),
+                        Some(MountFrom::Image { reference }) => (
+                            inputs
+                                .image_roots
+                                .get(reference)
+                                .cloned()
+                                .ok_or_else(|| MountsError::MissingSource(reference.clone()))?,
+                            source.clone(),
+                        ),
+                        None => {
+                            let (dir, ignore) = inputs
+                                .context
+                                .as_ref()
+                                .ok_or_else(|| MountsError::MissingSource("the context".into()))?;
+                            if ignore.patterns().is_empty() {
+                                (dir.clone(), source.clone())
+                            } else {
+                                filtered_context(dir, ignore, source, inputs)?
+                            }
+                        }
+                    };
+                out.mounts.push(StepMount {
+                    target: target.clone(),
+                    kind: MountKind::Bind {
+                        root,
+                        path,
+                        readwrite: *readwrite,
+                    },
+                });
+            }
+            Mount::Cache {
+                target,
+                id,
+                sharing,
+                from,
+                mode,
+                uid,
+                gid,
+                readonly,
+                ..
+            } => {
+                check_target(target)?;
+                if from.is_some() {
+                    return Err(MountsError::Unsupported(
+                        "cache mounts seeded from a stage or image (from=)".into(),
+                    ));
+                }
+                let base = inputs.cache_dir.as_ref().ok_or(MountsError::NoCacheDir)?;
+                let sharing = match sharing.as_str() {
+                    "shared" => CacheSharing::Shared,
+                    "private" => CacheSharing::Private,
+                    "locked" => CacheSharing::Locked,
+                    other => {
+                        return Err(MountsError::Unsupported(format!("sharing={other}")));
+                    }
+                };
+                // The id is hashed: it names a directory, and is the tenant's text.
+                let name = hex::encode(&Sha256::digest(id.as_bytes())[..16]);
+                out.mounts.push(StepMount {
+                    target: target.clone(),
+                    kind: MountKind::Cache {
+                        dir: base.join(name),
+                        sharing,
+                        readonly: *readonly,
+                        mode: *mode & 0o7777,
+                        uid: *uid,
+                        gid: *gid,
+                    },
+                });
+            }
+            Mount::Tmpfs { target, size } => {
+                check_target(target)?;
+                out.mounts.push(StepMount {
+                    target: target.clone(),
+                    kind: MountKind::Tmpfs { size_bytes: *size },
+                });
+            }
+            Mount::Secret {
+                id,
+                target,
+                env,
+                required,
+                mode,
+                uid,
+                gid,
+            } => {
+                let Some(value) = inputs.secrets.get(id) else {
+                    if *required {
+                        return Err(MountsError::MissingSecret(id.clone()));
+                    }
+                    continue;
+                };
+                let text = String::from_utf8_lossy(value.expose()).into_owned();
+                for piece in super::logs::secret_pieces(value.expose()) {
+                    if !out.redact.contains(&piece) {
+                        out.redact.push(piece);
+                    }
+                }
+                if let Some(var) = env {
+                    out.env.push(format!("{var}={text}"));
+                }
+                if target.is_some() || env.is_none() {
+                    let t = target
+                        .clone()
+                        .unwrap_or_else(|| format!("{SECRETS_DIR}/{id}"));
+                    check_target(&t)?;
+                    out.mounts.push(StepMount {
+                        target: t,
+                        kind: MountKind::Secret {
+                            id: id.clone(),
+                            value: value.clone(),
+                            mode: *mode & 0o7777,
+                            uid: *uid,
+                            gid: *gid,
+                        },
+                    });
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The part of the context `.dockerignore` keeps, copied under the scratch directory.
+fn filtered_context(
+    dir: &Path,
+    ignore: &Dockerignore,
+    source: &str,
+    inputs: &MountInputs,
+) -> Result<(PathBuf, String), MountsError> {
+    let scratch = inputs.scratch_dir.as_ref().ok_or_else(|| {
+        MountsError::Context("a context with .dockerignore patterns needs a scratch dir".into())
+    })?;
+    let dest = scratch.join(format!(
+        "bind-{}-{}",
+        std::process::id(),
+        FILTERED.fetch_add(1, Ordering::Relaxed)
+    ));
+    fs::create_dir_all(&dest).map_err(|source| MountsError::Io {
+        what: format!("creating {}", dest.display()),
+        source,
+    })?;
+    let src = crate::copy::Sources::context(dir, ignore.clone());
+    let step = CopyStep {
+        sources: vec![CopySource::Path {
+            path: if source.is_empty() {
+                ".".into()
+            } else {
+                source.into()
+            },
+        }],
+        dest: "/m/".into(),
+        from: None,
+        chown: None,
+        chmod: None,
+        link: false,
+        parents: false,
+        exclude: vec![],
+        checksum: None,
+        unpack: false,
+        keep_git_dir: false,
+    };
+    crate::copy::copy_into(&step, &src, &dest, &crate::copy::CopyOptions::default())
+        .map_err(|e| MountsError::Context(e.to_string()))?;
+    // A file source lands as m/<name>; a directory's contents land in m/.
+    let name = source.rsplit('/').find(|c| !c.is_empty()).unwrap_or("");
+    let file = !name.is_empty()
+        && name != "."
+        && dest
+            .join("m")
+            .join(name)
+            .symlink_metadata()
+            .is_ok_and(|m| !m.is_dir());
+    let path = if file {
+        format!("m/{name}")
+    } else {
+        "m".to_string()
+    };
+    Ok((dest, path))
+}
+
+// ---------------------------------------------------------------------------------------
+// Executor side.
+
+/// A mount ready for the step's pid 1.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    /// Target relative to the root, symlinks of the lower layers resolved.
+    rel: String,
+    /// Whether the mount point is a file (else a directory).
+    file: bool,
+    kind: PreparedKind,
+}
+
+#[derive(Debug)]
+enum PreparedKind {
+    Bind {
+        root: PathBuf,
+        path: String,
+        /// Read-write: overlay upper and work directories.
+        rw: Option<(PathBuf, PathBuf)>,
+    },
+    Dir {
+        dir: PathBuf,
+        readonly: bool,
+    },
+    Tmpfs {
+        data: CString,
+    },
+    Secret {
+        name: String,
+        value: SecretValue,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+    },
+}
+
+/// Mounts prepared for one step, with the cache locks held until it is dropped.
+#[derive(Debug, Default)]
+pub(crate) struct PreparedMounts {
+    pub(crate) mounts: Vec<Prepared>,
+    /// Where secret files live (a tmpfs in the step's mount namespace).
+    secrets_dir: PathBuf,
+    _locks: Vec<fs::File>,
+    /// Temporary cache instances (`sharing=private` under contention), removed on drop.
+    temp_dirs: Vec<PathBuf>,
+}
+
+impl Drop for PreparedMounts {
+    fn drop(&mut self) {
+        for d in &self.temp_dirs {
+            let _ = fs::remove_dir_all(d);
+        }
+    }
+}
+
+fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> super::ExecError {
+    let what = what.into();
+    move |source| super::ExecError::Io { what, source }
+}
+
+/// Resolves `target` as the step will see it: through the lower layers (topmost first),
+/// following symlinks inside the root, at most 40 of them. Returns the components.
+fn canonical(lowers: &[PathBuf], target: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut queue: std::collections::VecDeque<String> = target
+        .split('/')
+        .filter(|c| !c.is_empty() && *c != ".")
+        .map(str::to_string)
+        .collect();
+    let mut hops = 0;
+    while let Some(c) = queue.pop_front() {
+        if c == ".." {
+            out.pop();
+            continue;
+        }
+        let mut cand = out.clone();
+        cand.push(c.clone());
+        let rel = cand.join("/");
+        let mut link = None;
+        for l in lowers {
+            if !super::linux::real_dirs_to(l, &rel) {
+                continue;
+            }
+            let Ok(md) = l.join(&rel).symlink_metadata() else {
+                continue;
+            };
+            // An overlay whiteout (char 0/0) hides what lies below.
+            use std::os::unix::fs::FileTypeExt;
+            if md.file_type().is_char_device() && md.rdev() == 0 {
+                break;
+            }
+            if md.file_type().is_symlink() {
+                link = fs::read_link(l.join(&rel)).ok();
+            }
+            break;
+        }
+        match link {
+            Some(t) if hops < 40 => {
+                hops += 1;
+                let t = t.to_string_lossy().into_owned();
+                if t.starts_with('/') {
+                    out.clear();
+                }
+                for part in t.split('/').rev().filter(|p| !p.is_empty() && *p != ".") {
+                    queue.push_front(part.to_string());
+                }
+            }
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+static PRIVATE: AtomicU64 = AtomicU64::new(0);
+
+/// Prepares `mounts` for a step over `lowers`, with scratch under `scratch`.
+pub(crate) fn prepare(
+    mounts: &[StepMount],
+    lowers: &[PathBuf],
+    scratch: &Path,
+) -> Result<PreparedMounts, super::ExecError> {
+    use super::ExecError;
+    let mut p = PreparedMounts::default();
+    p.secrets_dir = scratch.join("secrets");
+    if mounts.is_empty() {
+        return Ok(p);
+    }
+    fs::create_dir_all(&p.secrets_dir).map_err(io_err("creating the secrets directory"))?;
+    for (i, m) in mounts.iter().enumerate() {
+        check_target(&m.target).map_err(|e| ExecError::Setup(e.to_string()))?;
+        let comps = canonical(lowers, &m.target);
+        if comps.is_empty() {
+            return Err(ExecError::Setup(format!(
+                "--mount target {} resolves to /",
+                m.target
+            )));
+        }
+        let rel = comps.join("/");
+        let (file, kind) = match &m.kind {
+            MountKind::Bind {
+                root,
+                path,
+                readwrite,
+            } => {
+                // A file bind needs a file mount point; resolved inside `root`.
+                let src = open_in(root, path)
+                    .map_err(|e| ExecError::Setup(format!("--mount source {path:?}: {e}")))?;
+                let st = rustix::fs::fstat(&src).map_err(|e| io_err("stat")(e.into()))?;
+                let is_dir = rustix::fs::FileType::from_raw_mode(st.st_mode)
+                    == rustix::fs::FileType::Directory;
+                let rw = if *readwrite {
+                    if !is_dir {
+                        return Err(ExecError::Unsupported(format!(
+                            "--mount type=bind,rw of a file ({path})"
+                        )));
+                    }
+                    let upper = scratch.join(format!("rw-{i}/upper"));
+                    let work = scratch.join(format!("rw-{i}/work"));
+                    fs::create_dir_all(&upper).map_err(io_err("creating a bind's upper"))?;
+                    fs::create_dir_all(&work).map_err(io_err("creating a bind's work dir"))?;
+                    Some((upper, work))
+                } else {
+                    None
+                };
+                (
+                    !is_dir,
+                    PreparedKind::Bind {
+                        root: root.clone(),
+                        path: path.clone(),
+                        rw,
+                    },
+                )
+            }
+            MountKind::Cache {
+                dir,
+                sharing,
+                readonly,
+                mode,
+                uid,
+                gid,
+            } => {
+                let dir = cache_dir(dir, *sharing, *mode, *uid, *gid, &mut p)?;
+                (
+                    false,
+                    PreparedKind::Dir {
+                        dir,
+                        readonly: *readonly,
+                    },
+                )
+            }
+            MountKind::Tmpfs { size_bytes } => {
+                let data = match size_bytes {
+                    Some(n) => format!("mode=1777,size={n}"),
+                    None => "mode=1777".to_string(),
+                };
+                (
+                    false,
+                    PreparedKind::Tmpfs {
+                        data: CString::new(data).expect("no NUL in digits"),
+                    },
+                )
+            }
+            MountKind::Secret {
+                value,
+                mode,
+                uid,
+                gid,
+                ..
+            } => (
+                true,
+                PreparedKind::Secret {
+                    name: format!("s{i}"),
+                    value: value.clone(),
+                    mode: *mode,
+                    uid: *uid,
+                    gid: *gid,
+                },
+            ),
+        };
+        p.mounts.push(Prepared { rel, file, kind });
+    }
+    Ok(p)
+}
+
+/// The cache directory to mount, created with its owner and mode, locked per `sharing`.
+fn cache_dir(
+    dir: &Path,
+    sharing: CacheSharing,
+    mode: u32,
+    uid: u32,
+    gid: u32,
+    p: &mut PreparedMounts,
+) -> Result<PathBuf, super::ExecError> {
+    let make = |d: &Path| -> Result<(), super::ExecError> {
+        if let Some(parent) = d.parent() {
+            fs::create_dir_all(parent).map_err(io_err("creating the cache directory"))?;
+        }
+        match fs::create_dir(d) {
+            Ok(()) => {
+                std::os::unix::fs::chown(d, Some(uid), Some(gid))
+                    .map_err(io_err("chown of a cache directory"))?;
+                fs::set_permissions(d, fs::Permissions::from_mode(mode))
+                    .map_err(io_err("chmod of a cache directory"))?;
+                Ok(())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+            Err(e) => Err(io_err("creating a cache directory")(e)),
+        }
+    };
+    make(dir)?;
+    let lock_path = dir.with_extension("lock");
+    let lock = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(io_err("opening a cache lock"))?;
+    use rustix::fs::{FlockOperation as F, flock};
+    match sharing {
+        CacheSharing::Shared => {
+            flock(&lock, F::LockShared).map_err(|e| io_err("locking a cache")(e.into()))?
+        }
+        CacheSharing::Locked => {
+            flock(&lock, F::LockExclusive).map_err(|e| io_err("locking a cache")(e.into()))?
+        }
+        CacheSharing::Private => {
+            if flock(&lock, F::NonBlockingLockExclusive).is_err() {
+                let tmp = dir.with_extension(format!(
+                    "private-{}-{}",
+                    std::process::id(),
+                    PRIVATE.fetch_add(1, Ordering::Relaxed)
+                ));
+                make(&tmp)?;
+                p.temp_dirs.push(tmp.clone());
+                return Ok(tmp);
+            }
+        }
+    }
+    p._locks.push(lock);
+    Ok(dir.to_path_buf())
+}
+
+/// Opens `path` inside `root` (`O_PATH`, `RESOLVE_IN_ROOT`: symlinks stay in `root`).
+fn open_in(root: &Path, path: &str) -> Result<OwnedFd, String> {
+    let root_fd = rustix::fs::open(
+        root,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| format!("opening {}: {e}", root.display()))?;
+    let p = if path.trim_matches('/').is_empty() {
+        "."
+    } else {
+        path
+    };
+    rustix::fs::openat2(
+        &root_fd,
+        p,
+        OFlags::PATH | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+    )
+    .map_err(|e| format!("{e}"))
+}
+
+fn fd_path(fd: &OwnedFd) -> String {
+    format!("/proc/self/fd/{}", fd.as_raw_fd())
+}
+
+/// Creates the mount point `rel` under the root `root` (never following a symlink: the path
+/// was resolved by [`canonical`]; a symlink met now is refused) and opens it `O_PATH`.
+fn mount_point(root: &OwnedFd, rel: &str, file: bool) -> Result<OwnedFd, String> {
+    let comps: Vec<&str> = rel.split('/').filter(|c| !c.is_empty()).collect();
+    let Some((last, parents)) = comps.split_last() else {
+        return Err("mount target is the root".into());
+    };
+    let mut dir = root.try_clone().map_err(|e| format!("dup: {e}"))?;
+    for c in parents {
+        match rustix::fs::mkdirat(&dir, *c, Mode::from_raw_mode(0o755)) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(format!("creating mount point /{rel}: {e}")),
+        }
+        dir = rustix::fs::openat(
+            &dir,
+            *c,
+            OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| format!("mount point /{rel}: {c}: {e}"))?;
+    }
+    if file {
+        match rustix::fs::openat(
+            &dir,
+            *last,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o644),
+        ) {
+            Ok(_) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(format!("creating mount point /{rel}: {e}")),
+        }
+    } else {
+        match rustix::fs::mkdirat(&dir, *last, Mode::from_raw_mode(0o755)) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(format!("creating mount point /{rel}: {e}")),
+        }
+    }
+    let mut flags = OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    if !file {
+        flags |= OFlags::DIRECTORY;
+    }
+    rustix::fs::openat(&dir, *last, flags, Mode::empty()).map_err(|e| {
+        format!(
+            "mount point /{rel} is not a {}: {e}",
+            if file { "file" } else { "directory" }
+        )
+    })
+}
+
+/// Remounts the bind mount now on top of `rel` nosuid, nodev, and read-only when
+/// `readonly`.
+fn remount(root: &OwnedFd, rel: &str, file: bool, readonly: bool) -> Result<(), String> {
+    let fd = mount_point(root, rel, file)?;
+    let mut flags = MountFlags::BIND | MountFlags::NOSUID | MountFlags::NODEV;
+    if readonly {
+        flags |= MountFlags::RDONLY;
+    }
+    rustix::mount::mount_remount(fd_path(&fd).as_str(), flags, "")
+        .map_err(|e| format!("remounting /{rel}: {e}"))
+}
+
+/// In the step's pid 1, before `pivot_root`: mounts everything onto the new root `root`.
+pub(crate) fn mount_all(root: &OwnedFd, p: &PreparedMounts) -> Result<(), String> {
+    use rustix::mount::{mount, mount_bind};
+    let nsd = MountFlags::NOSUID | MountFlags::NODEV;
+    if p.mounts
+        .iter()
+        .any(|m| matches!(m.kind, PreparedKind::Secret { .. }))
+    {
+        let dir = p.secrets_dir.to_str().ok_or("secrets dir is not UTF-8")?;
+        mount(
+            "tmpfs",
+            dir,
+            "tmpfs",
+            nsd | MountFlags::NOEXEC,
+            Some(c"mode=0711,size=4m"),
+        )
+        .map_err(|e| format!("mounting the secrets tmpfs: {e}"))?;
+    }
+    for m in &p.mounts {
+        let target = mount_point(root, &m.rel, m.file)?;
+        let t = fd_path(&target);
+        match &m.kind {
+            PreparedKind::Bind {
+                root: src_root,
+                path,
+                rw,
+            } => {
+                let src =
+                    open_in(src_root, path).map_err(|e| format!("--mount source {path:?}: {e}"))?;
+                match rw {
+                    None => {
+                        mount_bind(fd_path(&src).as_str(), t.as_str())
+                            .map_err(|e| format!("binding /{}: {e}", m.rel))?;
+                        drop(target);
+                        remount(root, &m.rel, m.file, true)?;
+                    }
+                    Some((upper, work)) => {
+                        let data = format!(
+                            "lowerdir={},upperdir={},workdir={}",
+                            fd_path(&src),
+                            upper.display(),
+                            work.display()
+                        );
+                        let data = CString::new(data).map_err(|_| "NUL in a path".to_string())?;
+                        mount("overlay", t.as_str(), "overlay", nsd, Some(data.as_c_str()))
+                            .map_err(|e| format!("mounting rw bind /{}: {e}", m.rel))?;
+                    }
+                }
+            }
+            PreparedKind::Dir { dir, readonly } => {
+                mount_bind(dir.as_path(), t.as_str())
+                    .map_err(|e| format!("binding cache /{}: {e}", m.rel))?;
+                drop(target);
+                remount(root, &m.rel, m.file, *readonly)?;
+            }
+            PreparedKind::Tmpfs { data } => {
+                mount("tmpfs", t.as_str(), "tmpfs", nsd, Some(data.as_c_str()))
+                    .map_err(|e| format!("mounting tmpfs /{}: {e}", m.rel))?;
+            }
+            PreparedKind::Secret {
+                name,
+                value,
+                mode,
+                uid,
+                gid,
+            } => {
+                let f = p.secrets_dir.join(name);
+                fs::write(&f, value.expose()).map_err(|e| format!("writing a secret: {e}"))?;
+                std::os::unix::fs::chown(&f, Some(*uid), Some(*gid))
+                    .map_err(|e| format!("chown of a secret: {e}"))?;
+                fs::set_permissions(&f, fs::Permissions::from_mode(*mode))
+                    .map_err(|e| format!("chmod of a secret: {e}"))?;
+                mount_bind(f.as_path(), t.as_str())
+                    .map_err(|e| format!("binding secret /{}: {e}", m.rel))?;
+                drop(target);
+                remount(root, &m.rel, m.file, true)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// After the step: removes from `upper` the mount points (and the parents made or copied
+/// up for them) that the step left empty and that no lower layer has as they are.
+pub(crate) fn cleanup(p: &PreparedMounts, upper: &Path, lowers: &[PathBuf]) {
+    let mut paths: Vec<String> = Vec::new();
+    for m in &p.mounts {
+        let comps: Vec<&str> = m.rel.split('/').collect();
+        for i in (1..=comps.len()).rev() {
+            let rel = comps[..i].join("/");
+            if !paths.contains(&rel) {
+                paths.push(rel);
+            }
+        }
+    }
+    // Deepest first.
+    paths.sort_by_key(|r| std::cmp::Reverse(r.matches('/').count()));
+    for rel in paths {
+        if !super::linux::real_dirs_to(upper, &rel) {
+            continue;
+        }
+        let path = upper.join(&rel);
+        let Ok(md) = path.symlink_metadata() else {
+            continue;
+        };
+        let lower = lowers
+            .iter()
+            .filter(|l| super::linux::real_dirs_to(l, &rel))
+            .find_map(|l| l.join(&rel).symlink_metadata().ok());
+        let mut opaque = [0u8; 8];
+        if rustix::fs::lgetxattr(&path, "trusted.overlay.opaque", &mut opaque).is_ok() {
+            continue;
+        }
+        if md.is_dir() {
+            let empty = fs::read_dir(&path)
+                .map(|mut d| d.next().is_none())
+                .unwrap_or(false);
+            let same = match &lower {
+                None => true,
+                Some(l) => {
+                    l.is_dir()
+                        && l.mode() == md.mode()
+                        && l.uid() == md.uid()
+                        && l.gid() == md.gid()
+                }
+            };
+            if empty && same {
+                let _ = fs::remove_dir(&path);
+            }
+        } else if md.is_file() && md.len() == 0 && lower.is_none() {
+            let _ = fs::remove_file(&path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resolve_mounts() {
+        let mut secrets = Secrets::default();
+        secrets.insert("tok", SecretValue::new(b"s3cr3t".to_vec()));
+        let inputs = MountInputs {
+            context: Some(("/ctx".into(), Dockerignore::default())),
+            cache_dir: Some("/cache".into()),
+            secrets,
+            ..MountInputs::default()
+        };
+        let r = resolve(
+            &[
+                Mount::Secret {
+                    id: "tok".into(),
+                    target: None,
+                    env: Some("TOKEN".into()),
+                    required: true,
+                    mode: 0o400,
+                    uid: 0,
+                    gid: 0,
+                },
+                Mount::Secret {
+                    id: "tok".into(),
+                    target: None,
+                    env: None,
+                    required: false,
+                    mode: 0o400,
+                    uid: 0,
+                    gid: 0,
+                },
+                Mount::Secret {
+                    id: "absent".into(),
+                    target: None,
+                    env: None,
+                    required: false,
+                    mode: 0o400,
+                    uid: 0,
+                    gid: 0,
+                },
+                Mount::Bind {
+                    target: "/src".into(),
+                    source: "sub".into(),
+                    from: None,
+                    readwrite: false,
+                },
+                Mount::Cache {
+                    target: "/root/.cache".into(),
+                    id: "../../etc".into(),
+                    sharing: "locked".into(),
+                    from: None,
+                    source: None,
+                    mode: 0o755,
+                    uid: 0,
+                    gid: 0,
+                    readonly: false,
+                },
+            ],
+            &inputs,
+        )
+        .unwrap();
+        assert_eq!(r.env, vec!["TOKEN=s3cr3t".to_string()]);
+        assert_eq!(r.redact, vec!["s3cr3t".to_string()]);
+        assert_eq!(r.mounts.len(), 3);
+        assert_eq!(r.mounts[0].target, "/run/secrets/tok");
+        assert!(!format!("{:?}", r.mounts).contains("s3cr3t"));
+        match &r.mounts[2].kind {
+            MountKind::Cache { dir, .. } => {
+                assert_eq!(dir.parent().unwrap(), Path::new("/cache"));
+                assert!(!dir.to_string_lossy().contains(".."));
+            }
+            k => panic!("{k:?}"),
+        }
+        let e = resolve(
+            &[Mount::Secret {
+                id: "absent".into(),
+                target: None,
+                env: None,
+                required: true,
+                mode: 0o400,
+                uid: 0,
+                gid: 0,
+            }],
+            &inputs,
+        )
+        .unwrap_err();
+        assert!(matches!(e, MountsError::MissingSecret(_)));
+        let e = resolve(
+            &[Mount::Tmpfs {
+                target: "/".into(),
+                size: None,
+            }],
+            &inputs,
+        )
+        .unwrap_err();
+        assert!(matches!(e, MountsError::BadTarget(_)));
+    }
+
+    #[test]
+    fn canonical_follows_lower_symlinks_inside_the_root() {
+        let d = tempfile::tempdir().unwrap();
+        let top = d.path().join("top");
+        let low = d.path().join("low");
+        fs::create_dir_all(low.join("run")).unwrap();
+        fs::create_dir_all(low.join("var")).unwrap();
+        std::os::unix::fs::symlink("../run", low.join("var/run")).unwrap();
+        std::os::unix::fs::symlink("/", low.join("loop")).unwrap();
+        fs::create_dir_all(&top).unwrap();
+        std::os::unix::fs::symlink("/tmp/elsewhere", top.join("abs")).unwrap();
+        let lowers = vec![top, low];
+        assert_eq!(canonical(&lowers, "/var/run/x"), vec!["run", "x"]);
+        assert_eq!(canonical(&lowers, "/abs/y"), vec!["tmp", "elsewhere", "y"]);
+        assert_eq!(canonical(&lowers, "/loop/loop/z"), vec!["z"]);
+        assert_eq!(canonical(&lowers, "/../../w"), vec!["w"]);
+    }
+}

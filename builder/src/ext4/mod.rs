@@ -1,0 +1,725 @@
+//! ext4 root file system images from an image's layers, deterministically, without root.
+//!
+//! [`build`] flattens the layer blobs ([`flatten`], bottom first, whiteouts applied) into one
+//! tar stream written straight into `mke2fs -d -` (e2fsprogs ≥ 1.47.1 reads a tarball from
+//! standard input when libarchive is installed; nothing is unpacked to disk and nothing is
+//! mounted), then checks the result with `e2fsck -fn`; a failing check is an error.
+//!
+//! ## Determinism
+//! The same layers and options give a byte-identical image (tested). What mke2fs would take
+//! from the machine is pinned:
+//! - a configuration file written by kiln ([`MKE2FS_CONF`], through `MKE2FS_CONFIG`), so the
+//!   host's `/etc/mke2fs.conf` does not matter; the environment is cleared;
+//! - the UUID (`-U`) and the directory hash seed (`-E hash_seed=`) derive from
+//!   [`Ext4Options::seed`] (the OCI manifest digest) with sha256 ([`fs_uuid`]);
+//! - every time mke2fs makes up (superblock times, inode crtime, lost+found, the root
+//!   directory) comes from `E2FSPROGS_FAKE_TIME`, set to the build's `SOURCE_DATE_EPOCH` or
+//!   [`DEFAULT_EPOCH`]; file mtimes come from the layers (atime and ctime = mtime), clamped
+//!   to `SOURCE_DATE_EPOCH` when the build sets one (then also passed to mke2fs, which in
+//!   1.47.2 clamps every file time to it; without one it is not set, or the layers' times
+//!   would be clamped to the default epoch);
+//! - block size 4096 (`-b`: below 512 MiB mke2fs would pick 1 KiB), inode size 256, the
+//!   inode count (`-N`), journal size (`-J size=`), reserved ratio 5% (`-m`), root owner 0:0
+//!   (mke2fs would use the caller's uid), inode tables and journal zeroed at creation
+//!   (`lazy_itable_init=0,lazy_journal_init=0`, so the guest kernel has nothing to write
+//!   lazily after boot), `nodiscard`.
+//!
+//! ## Features ([`FEATURES`])
+//! `sparse_super large_file filetype resize_inode dir_index ext_attr has_journal extent
+//! huge_file flex_bg metadata_csum 64bit dir_nlink extra_isize`: Debian bookworm's ext4 set
+//! minus `metadata_csum_seed` and `orphan_file`. Every one is supported by Linux 6.1 (the
+//! guest kernel; the newest, `metadata_csum`, since 3.18) and by e2fsprogs ≥ 1.43, so
+//! `resize2fs` on any current host can grow the image (`resize_inode` reserves room for
+//! growth to 1024×). `orphan_file` (1.47) is left out so older e2fsprogs can still check and
+//! resize the images. The list is recorded in the image manifest ([`kiln_store::Filesystem`]).
+//!
+//! ## Size
+//! [`Ext4Options::disk_mib`] when given (the recipe's `disk_mib`, the default image's 3072,
+//! or `--disk-mib`); otherwise the smallest whole MiB that holds the tree plus headroom
+//! ([`size_estimate`]): the tree's blocks (file data, directory blocks, long symlinks, xattr
+//! blocks) + 10% + 16 MiB (block group metadata, reserved GDT blocks, allocation slack) +
+//! the journal + inode tables (256 bytes per inode, at least one inode per 16 KiB, at least
+//! 1.25× the tree's inodes + 1024). A tree that does not fit the given or the largest allowed
+//! size is [`Ext4Error::TooLarge`]: "image too large: needs N MiB, limit M MiB". If mke2fs
+//! still runs out of space on a computed size, the build is retried at 1.5× (twice at most).
+
+mod flatten;
+
+pub use flatten::{Flat, FlatStats, Meta};
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+use sha2::{Digest as _, Sha256};
+
+use crate::layer::{LayerError, Limits};
+
+/// Block size of every image, bytes.
+pub const BLOCK_SIZE: u32 = 4096;
+/// Inode size, bytes.
+pub const INODE_SIZE: u32 = 256;
+/// Bytes per inode at least (`-i`), i.e. one inode per 16 KiB.
+pub const INODE_RATIO: u64 = 16384;
+/// The pinned feature list (`mke2fs -O`), see the module doc.
+pub const FEATURES: &[&str] = &[
+    "sparse_super",
+    "large_file",
+    "filetype",
+    "resize_inode",
+    "dir_index",
+    "ext_attr",
+    "has_journal",
+    "extent",
+    "huge_file",
+    "flex_bg",
+    "metadata_csum",
+    "64bit",
+    "dir_nlink",
+    "extra_isize",
+];
+/// The epoch used when the build sets no `SOURCE_DATE_EPOCH`: 2024-01-01T00:00:00Z.
+pub const DEFAULT_EPOCH: u64 = 1_704_067_200;
+/// Largest computed image size, MiB (64 GiB).
+pub const DEFAULT_MAX_MIB: u64 = 64 * 1024;
+/// Oldest e2fsprogs that reads a tarball with `-d` (1.47.1; 1.47.0 cannot).
+pub const MIN_E2FSPROGS: (u32, u32, u32) = (1, 47, 1);
+/// What to install when tar input does not work.
+pub const INSTALL_HINT: &str = "install e2fsprogs >= 1.47.1 and libarchive13 (Debian \
+    bookworm: add bookworm-backports to the apt sources, then `apt-get install -t \
+    bookworm-backports e2fsprogs libarchive13`; ci/setup.sh does this)";
+
+/// The mke2fs configuration kiln runs with (`MKE2FS_CONFIG`), replacing the host's.
+pub const MKE2FS_CONF: &str = "[defaults]
+\tbase_features = sparse_super,large_file,filetype,resize_inode,dir_index,ext_attr
+\tdefault_mntopts = acl,user_xattr
+\tenable_periodic_fsck = 0
+\tblocksize = 4096
+\tinode_size = 256
+\tinode_ratio = 16384
+\treserved_ratio = 5.0
+\thash_alg = half_md4
+\terrors = continue
+
+[fs_types]
+\text4 = {
+\t\tfeatures = has_journal,extent,huge_file,flex_bg,metadata_csum,64bit,dir_nlink,extra_isize
+\t}
+\tdefault = {
+\t}
+";
+
+/// One layer blob: its digest (for errors) and where the verified file is.
+#[derive(Debug, Clone)]
+pub struct LayerBlob {
+    /// `sha256:<hex>` of the blob.
+    pub digest: String,
+    /// The blob file (gzip, zstd or plain tar).
+    pub path: PathBuf,
+}
+
+/// Options of [`build`].
+#[derive(Debug, Clone)]
+pub struct Ext4Options {
+    /// Image size, MiB; `None`: computed ([`size_estimate`]).
+    pub disk_mib: Option<u64>,
+    /// Largest computed size, MiB (ignored when `disk_mib` is set).
+    pub max_mib: u64,
+    /// `SOURCE_DATE_EPOCH` of the build, seconds; `None`: [`DEFAULT_EPOCH`] for mke2fs's
+    /// own times, and layer mtimes kept as they are.
+    pub source_date_epoch: Option<u64>,
+    /// What UUID and hash seed derive from (the OCI manifest digest).
+    pub seed: String,
+    /// Bounds applied to each layer while reading it.
+    pub limits: Limits,
+}
+
+/// A built and checked image.
+#[derive(Debug, Clone)]
+pub struct Ext4Image {
+    /// Size of the image file, bytes.
+    pub size_bytes: u64,
+    /// How it was made (recorded in the image manifest).
+    pub filesystem: kiln_store::Filesystem,
+    /// Counts of the flattened tree.
+    pub stats: FlatStats,
+    /// The size computation.
+    pub estimate: SizeEstimate,
+}
+
+/// Errors of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum Ext4Error {
+    /// A layer is unreadable or hostile.
+    #[error(transparent)]
+    Layer(#[from] LayerError),
+    /// e2fsprogs is missing, too old, or cannot read a tarball.
+    #[error("{problem}: {INSTALL_HINT}")]
+    Tools {
+        /// What was found.
+        problem: String,
+    },
+    /// The tree does not fit.
+    #[error("image too large: needs {needs_mib} MiB, limit {limit_mib} MiB")]
+    TooLarge {
+        /// Estimated size needed, MiB.
+        needs_mib: u64,
+        /// The size asked for or the largest allowed, MiB.
+        limit_mib: u64,
+    },
+    /// mke2fs failed.
+    #[error("mke2fs failed ({status}): {stderr}")]
+    Mke2fs {
+        /// Exit status.
+        status: String,
+        /// Its standard error (last 64 KiB).
+        stderr: String,
+    },
+    /// `e2fsck -fn` found a problem in the new image.
+    #[error("e2fsck -fn found problems in the new image ({status}): {output}")]
+    Fsck {
+        /// Exit status.
+        status: String,
+        /// Its output (last 64 KiB).
+        output: String,
+    },
+    /// debugfs failed to set an xattr mke2fs does not copy.
+    #[error("debugfs could not set xattrs: {0}")]
+    Debugfs(String),
+    /// A layer blob read differently in the second pass than in the first.
+    #[error("layer {0} changed while it was being read")]
+    LayerChanged(String),
+    /// An xattr name that is not UTF-8 (PAX records are UTF-8).
+    #[error("{0}: an xattr name is not UTF-8")]
+    XattrName(String),
+    /// A file operation failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Underlying error.
+        source: std::io::Error,
+    },
+}
+
+impl Ext4Error {
+    fn output(source: std::io::Error) -> Self {
+        Ext4Error::Io {
+            path: PathBuf::from("(flattened tar stream)"),
+            source,
+        }
+    }
+}
+
+/// The e2fsprogs found by [`check_tools`].
+#[derive(Debug, Clone)]
+pub struct Tools {
+    /// `mke2fs -V`'s version, e.g. `1.47.2`.
+    pub version: String,
+}
+
+fn parse_version(s: &str) -> Option<(u32, u32, u32)> {
+    let mut it = s.split('.').map(|p| p.parse::<u32>().ok());
+    Some((it.next()??, it.next()??, it.next().flatten().unwrap_or(0)))
+}
+
+/// A clean environment for e2fsprogs: `E2FSPROGS_FAKE_TIME` = `epoch` (mke2fs's own times),
+/// `SOURCE_DATE_EPOCH` only when the build sets one (mke2fs 1.47.2 then also clamps file
+/// times to it, which [`Flat`] has already done), the pinned configuration when given.
+fn tool_env(cmd: &mut Command, epoch: u64, sde: Option<u64>, conf: Option<&Path>) {
+    cmd.env_clear()
+        .env(
+            "PATH",
+            "/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin",
+        )
+        .env("LC_ALL", "C")
+        .env("E2FSPROGS_FAKE_TIME", epoch.to_string());
+    if let Some(sde) = sde {
+        cmd.env("SOURCE_DATE_EPOCH", sde.to_string());
+    }
+    if let Some(c) = conf {
+        cmd.env("MKE2FS_CONFIG", c);
+    }
+}
+
+fn tail(b: &[u8]) -> String {
+    let s = &b[b.len().saturating_sub(64 << 10)..];
+    String::from_utf8_lossy(s).trim().to_string()
+}
+
+/// Checks once per process that `mke2fs` is ≥ 1.47.1 and really reads a tarball on standard
+/// input (it needs libarchive at run time), by making a tiny image from a one-file tar and
+/// reading the file back with `debugfs`. Errors: [`Ext4Error::Tools`], saying what to install.
+pub fn check_tools() -> Result<Tools, Ext4Error> {
+    static CHECKED: OnceLock<Result<Tools, String>> = OnceLock::new();
+    CHECKED
+        .get_or_init(|| {
+            probe().map_err(|e| match e {
+                Ext4Error::Tools { problem } => problem,
+                other => other.to_string(),
+            })
+        })
+        .clone()
+        .map_err(|problem| Ext4Error::Tools { problem })
+}
+
+fn probe() -> Result<Tools, Ext4Error> {
+    let tools = |problem: String| Ext4Error::Tools { problem };
+    let mut cmd = Command::new("mke2fs");
+    tool_env(&mut cmd, DEFAULT_EPOCH, None, None);
+    let out = cmd
+        .arg("-V")
+        .output()
+        .map_err(|e| tools(format!("cannot run mke2fs ({e})")))?;
+    let text =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    let version = text
+        .split_whitespace()
+        .skip_while(|w| *w != "mke2fs")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
+    match parse_version(&version) {
+        Some(v) if v >= MIN_E2FSPROGS => {}
+        _ => {
+            return Err(tools(format!(
+                "mke2fs {version:?} cannot read a tarball (1.47.1 or newer needed)"
+            )));
+        }
+    }
+    let dir = tempfile::tempdir().map_err(|source| Ext4Error::Io {
+        path: std::env::temp_dir(),
+        source,
+    })?;
+    let img = dir.path().join("probe.ext4");
+    let conf = dir.path().join("mke2fs.conf");
+    std::fs::write(&conf, MKE2FS_CONF).map_err(|source| Ext4Error::Io {
+        path: conf.clone(),
+        source,
+    })?;
+    let mut tar = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_ustar();
+    h.set_size(5);
+    h.set_mode(0o644);
+    h.set_cksum();
+    let io = |source| Ext4Error::Io {
+        path: img.clone(),
+        source,
+    };
+    tar.append_data(&mut h, "kiln-probe", &b"probe"[..])
+        .map_err(io)?;
+    let tar = tar.into_inner().map_err(io)?;
+    let mut cmd = Command::new("mke2fs");
+    tool_env(&mut cmd, DEFAULT_EPOCH, None, Some(&conf));
+    cmd.args(["-q", "-F", "-t", "ext4", "-b", "4096", "-d", "-"])
+        .arg(&img)
+        .arg("4M")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| tools(format!("cannot run mke2fs ({e})")))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        let _ = stdin.write_all(&tar);
+    }
+    let out = child.wait_with_output().map_err(io)?;
+    if !out.status.success() {
+        return Err(tools(format!(
+            "mke2fs {version} cannot read a tarball ({})",
+            tail(&out.stderr)
+        )));
+    }
+    let mut cmd = Command::new("debugfs");
+    tool_env(&mut cmd, DEFAULT_EPOCH, None, None);
+    let out = cmd
+        .args(["-R", "cat /kiln-probe"])
+        .arg(&img)
+        .output()
+        .map_err(|e| tools(format!("cannot run debugfs ({e})")))?;
+    if out.stdout != b"probe" {
+        return Err(tools(format!(
+            "mke2fs {version} made an image without the tarball's file ({})",
+            tail(&out.stderr)
+        )));
+    }
+    Ok(Tools { version })
+}
+
+/// The UUID of an image: the first 16 bytes of sha256(`kiln-ext4-uuid:` + seed), marked as a
+/// version 4 (random) UUID per RFC 9562 section 5.4.
+pub fn fs_uuid(seed: &str) -> String {
+    uuid_from(&format!("kiln-ext4-uuid:{seed}"))
+}
+
+/// The directory hash seed of an image, derived like [`fs_uuid`] with another prefix.
+pub fn hash_seed(seed: &str) -> String {
+    uuid_from(&format!("kiln-ext4-hash-seed:{seed}"))
+}
+
+fn uuid_from(s: &str) -> String {
+    let d = Sha256::digest(s.as_bytes());
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&d[..16]);
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h = hex::encode(b);
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+/// How big an image must be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SizeEstimate {
+    /// Blocks of the tree itself ([`FlatStats::blocks`]), bytes.
+    pub tree_bytes: u64,
+    /// Inodes the tree needs (with the 11 reserved ones and lost+found).
+    pub tree_inodes: u64,
+    /// The smallest size that holds the tree with the headroom, MiB.
+    pub min_mib: u64,
+}
+
+const MIB: u64 = 1 << 20;
+
+/// Journal size for an image of `mib` MiB: 4 MiB below 128 MiB, 16 below 1 GiB, 32 below
+/// 2 GiB, 64 below 16 GiB, else 128 (e2fsprogs' `ext2fs_default_journal_size` steps).
+pub fn journal_mib(mib: u64) -> u64 {
+    match mib {
+        0..128 => 4,
+        128..1024 => 16,
+        1024..2048 => 32,
+        2048..16384 => 64,
+        _ => 128,
+    }
+}
+
+/// The inode count given to mke2fs for an image of `mib` MiB holding `tree_inodes`.
+pub fn inode_count(mib: u64, tree_inodes: u64) -> u64 {
+    (mib * MIB / INODE_RATIO).max(tree_inodes + tree_inodes / 4 + 1024)
+}
+
+/// The size computation described in the module doc.
+pub fn size_estimate(s: &FlatStats) -> SizeEstimate {
+    let tree_bytes = s.blocks * BLOCK_SIZE as u64;
+    let tree_inodes = 12 + s.dirs + s.files + s.symlinks + s.specials;
+    let base = tree_bytes + tree_bytes / 10 + 16 * MIB;
+    let mut mib = base.div_ceil(MIB);
+    // Journal and inode tables depend on the size: iterate to a fixed point (a few rounds).
+    for _ in 0..8 {
+        let inodes = inode_count(mib, tree_inodes);
+        let total = base + journal_mib(mib) * MIB + inodes * INODE_SIZE as u64;
+        let next = total.div_ceil(MIB);
+        if next <= mib {
+            break;
+        }
+        mib = next;
+    }
+    SizeEstimate {
+        tree_bytes,
+        tree_inodes,
+        min_mib: mib,
+    }
+}
+
+/// Writes the flattened tar of `layers` to `out` (both passes of [`Flat`]). Returns the
+/// counts of the tree. `source_date_epoch` clamps mtimes as in [`build`].
+pub fn flatten(
+    layers: &[LayerBlob],
+    out: impl Write,
+    limits: &Limits,
+    source_date_epoch: Option<u64>,
+) -> Result<FlatStats, Ext4Error> {
+    let epoch = source_date_epoch.unwrap_or(DEFAULT_EPOCH);
+    let flat = Flat::scan(layers, limits, source_date_epoch, epoch)?;
+    flat.write(out)?;
+    Ok(flat.stats)
+}
+
+/// Makes the ext4 image of `layers` at `dest` (replaced if present) and checks it. See the
+/// module doc for what is pinned and how the size is chosen. Blocking; runs `mke2fs` and
+/// `e2fsck`. Errors: see [`Ext4Error`]; on error `dest` is removed.
+pub fn build(
+    layers: &[LayerBlob],
+    dest: &Path,
+    opts: &Ext4Options,
+) -> Result<Ext4Image, Ext4Error> {
+    let r = build_inner(layers, dest, opts);
+    if r.is_err() {
+        let _ = std::fs::remove_file(dest);
+    }
+    r
+}
+
+fn build_inner(
+    layers: &[LayerBlob],
+    dest: &Path,
+    opts: &Ext4Options,
+) -> Result<Ext4Image, Ext4Error> {
+    let tools = check_tools()?;
+    let epoch = opts.source_date_epoch.unwrap_or(DEFAULT_EPOCH);
+    let flat = Flat::scan(layers, &opts.limits, opts.source_date_epoch, epoch)?;
+    let estimate = size_estimate(&flat.stats);
+    let (mut mib, fixed) = match opts.disk_mib {
+        Some(d) => (d, true),
+        None => (estimate.min_mib, false),
+    };
+    let limit = opts.disk_mib.unwrap_or(opts.max_mib);
+    if estimate.min_mib > limit {
+        return Err(Ext4Error::TooLarge {
+            needs_mib: estimate.min_mib,
+            limit_mib: limit,
+        });
+    }
+    let scratch = tempfile::tempdir().map_err(|source| Ext4Error::Io {
+        path: std::env::temp_dir(),
+        source,
+    })?;
+    let conf = scratch.path().join("mke2fs.conf");
+    std::fs::write(&conf, MKE2FS_CONF).map_err(|source| Ext4Error::Io {
+        path: conf.clone(),
+        source,
+    })?;
+    let uuid = fs_uuid(&opts.seed);
+    let mut attempts = 0;
+    loop {
+        let args = mke2fs_args(&opts.seed, mib, estimate.tree_inodes);
+        let sde = opts.source_date_epoch;
+        match run_mke2fs(&flat, dest, &args, mib, epoch, sde, &conf) {
+            Ok(()) => {
+                set_xattrs(&flat, dest, epoch, sde, scratch.path())?;
+                fsck(dest, epoch, sde)?;
+                let mut tool = BTreeMap::new();
+                tool.insert("mke2fs".to_string(), tools.version.clone());
+                tool.insert("args".to_string(), args.join(" "));
+                return Ok(Ext4Image {
+                    size_bytes: mib * MIB,
+                    filesystem: kiln_store::Filesystem {
+                        kind: "ext4".into(),
+                        block_size: BLOCK_SIZE,
+                        features: FEATURES.iter().map(|f| f.to_string()).collect(),
+                        uuid,
+                        tool,
+                    },
+                    stats: flat.stats,
+                    estimate,
+                });
+            }
+            Err(Ext4Error::Mke2fs { stderr, status }) if no_space(&stderr) => {
+                attempts += 1;
+                let next = mib + mib / 2;
+                if fixed || attempts > 2 || next > limit {
+                    tracing::debug!(%status, %stderr, "mke2fs ran out of space");
+                    return Err(Ext4Error::TooLarge {
+                        needs_mib: if fixed { mib + 1 } else { next },
+                        limit_mib: limit,
+                    });
+                }
+                tracing::info!(mib, next, "mke2fs ran out of space; retrying larger");
+                mib = next;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn no_space(stderr: &str) -> bool {
+    stderr.contains("Could not allocate") || stderr.contains("No space left")
+}
+
+/// The mke2fs arguments (without `-d`, the device and the size).
+fn mke2fs_args(seed: &str, mib: u64, tree_inodes: u64) -> Vec<String> {
+    vec![
+        "-q".into(),
+        "-F".into(),
+        "-t".into(),
+        "ext4".into(),
+        "-T".into(),
+        "default".into(),
+        "-o".into(),
+        "Linux".into(),
+        "-b".into(),
+        BLOCK_SIZE.to_string(),
+        "-I".into(),
+        INODE_SIZE.to_string(),
+        "-N".into(),
+        inode_count(mib, tree_inodes).to_string(),
+        "-m".into(),
+        "5".into(),
+        "-J".into(),
+        format!("size={}", journal_mib(mib)),
+        "-O".into(),
+        format!("none,{}", FEATURES.join(",")),
+        "-U".into(),
+        fs_uuid(seed),
+        "-E".into(),
+        format!(
+            "hash_seed={},root_owner=0:0,lazy_itable_init=0,lazy_journal_init=0,nodiscard",
+            hash_seed(seed)
+        ),
+    ]
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_mke2fs(
+    flat: &Flat,
+    dest: &Path,
+    args: &[String],
+    mib: u64,
+    epoch: u64,
+    sde: Option<u64>,
+    conf: &Path,
+) -> Result<(), Ext4Error> {
+    let io = |source| Ext4Error::Io {
+        path: dest.to_path_buf(),
+        source,
+    };
+    // A fresh, empty file: mke2fs writes only what it needs, the rest stays a hole.
+    match std::fs::remove_file(dest) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(e)),
+    }
+    std::fs::File::create(dest).map_err(io)?;
+    let mut cmd = Command::new("mke2fs");
+    tool_env(&mut cmd, epoch, sde, Some(conf));
+    cmd.args(args)
+        .args(["-d", "-"])
+        .arg(dest)
+        .arg(format!("{}k", mib * 1024))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().map_err(|e| Ext4Error::Tools {
+        problem: format!("cannot run mke2fs ({e})"),
+    })?;
+    let mut stderr = child.stderr.take();
+    let mut stdout = child.stdout.take();
+    let err_reader = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        if let Some(s) = stderr.as_mut() {
+            let _ = s.read_to_end(&mut buf);
+        }
+        if let Some(s) = stdout.as_mut() {
+            let _ = s.read_to_end(&mut buf);
+        }
+        buf
+    });
+    let written = match child.stdin.take() {
+        Some(stdin) => flat.write(std::io::BufWriter::with_capacity(1 << 20, stdin)),
+        None => Ok(()),
+    };
+    let status = child.wait().map_err(io)?;
+    let stderr = err_reader.join().unwrap_or_default();
+    if !status.success() {
+        return Err(Ext4Error::Mke2fs {
+            status: status.to_string(),
+            stderr: tail(&stderr),
+        });
+    }
+    written
+}
+
+/// Sets the xattrs mke2fs does not copy from a tarball (1.47.2 copies only
+/// `security.capability`, `misc/create_inode_libarchive.c`) with one `debugfs -w` run of
+/// `ea_set -f VALUEFILE PATH NAME` commands, in path order.
+fn set_xattrs(
+    flat: &Flat,
+    img: &Path,
+    epoch: u64,
+    sde: Option<u64>,
+    scratch: &Path,
+) -> Result<(), Ext4Error> {
+    let todo: Vec<_> = flat
+        .xattrs()
+        .into_iter()
+        .filter(|(_, k, _)| k != b"security.capability")
+        .collect();
+    if todo.is_empty() {
+        return Ok(());
+    }
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| Ext4Error::Io { path, source }
+    };
+    let mut script = String::new();
+    for (i, (path, name, value)) in todo.iter().enumerate() {
+        let quoted = |b: &[u8]| -> Result<String, Ext4Error> {
+            let s = std::str::from_utf8(b)
+                .ok()
+                .filter(|s| !s.contains(['\n', '"', '\\']))
+                .ok_or_else(|| {
+                    Ext4Error::Debugfs(format!(
+                        "{}: a path or xattr name debugfs cannot quote",
+                        String::from_utf8_lossy(path)
+                    ))
+                })?;
+            Ok(format!("\"{s}\""))
+        };
+        let vf = scratch.join(format!("xattr-{i}"));
+        std::fs::write(&vf, value).map_err(io(&vf))?;
+        let mut abs = b"/".to_vec();
+        abs.extend_from_slice(path);
+        script.push_str(&format!(
+            "ea_set -f {} {} {}\n",
+            quoted(vf.as_os_str().as_encoded_bytes())?,
+            quoted(&abs)?,
+            quoted(name)?
+        ));
+    }
+    let cmds = scratch.join("xattrs.debugfs");
+    std::fs::write(&cmds, script).map_err(io(&cmds))?;
+    let mut cmd = Command::new("debugfs");
+    tool_env(&mut cmd, epoch, sde, None);
+    let out = cmd
+        .arg("-w")
+        .arg("-f")
+        .arg(&cmds)
+        .arg(img)
+        .output()
+        .map_err(|e| Ext4Error::Tools {
+            problem: format!("cannot run debugfs ({e})"),
+        })?;
+    // debugfs exits 0 even when a command fails; its errors go to stderr, after the banner.
+    let errors: Vec<&str> = std::str::from_utf8(&out.stderr)
+        .unwrap_or("(non-UTF-8 output)")
+        .lines()
+        .filter(|l| !l.starts_with("debugfs ") && !l.trim().is_empty())
+        .collect();
+    if !out.status.success() || !errors.is_empty() {
+        return Err(Ext4Error::Debugfs(errors.join("; ")));
+    }
+    Ok(())
+}
+
+/// `e2fsck -fn IMAGE`: exit status 0 means clean (e2fsck(8), "EXIT CODE").
+fn fsck(img: &Path, epoch: u64, sde: Option<u64>) -> Result<(), Ext4Error> {
+    let mut cmd = Command::new("e2fsck");
+    tool_env(&mut cmd, epoch, sde, None);
+    let out = cmd
+        .arg("-fn")
+        .arg(img)
+        .output()
+        .map_err(|e| Ext4Error::Tools {
+            problem: format!("cannot run e2fsck ({e})"),
+        })?;
+    if !out.status.success() {
+        let mut all = out.stdout;
+        all.extend_from_slice(&out.stderr);
+        return Err(Ext4Error::Fsck {
+            status: out.status.to_string(),
+            output: tail(&all),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

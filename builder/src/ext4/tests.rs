@@ -1,0 +1,405 @@
+//! Flattening and ext4 building on synthetic layers, with the real e2fsprogs.
+
+use std::io::Write;
+use std::path::Path;
+
+use super::*;
+use crate::cache::digest_of;
+
+enum E<'a> {
+    Dir(&'a str, u32),
+    File(&'a str, &'a [u8]),
+    FileMeta(&'a str, &'a [u8], u32, u32, u32, u64),
+    FileX(&'a str, &'a [u8], &'a [(&'a str, &'a [u8])]),
+    Sym(&'a str, &'a str),
+    Hard(&'a str, &'a str),
+    Char(&'a str, u32, u32),
+    Fifo(&'a str),
+}
+
+fn tar_of(entries: &[E<'_>]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for e in entries {
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_600_000_000);
+        match e {
+            E::Dir(p, mode) => {
+                h.set_entry_type(tar::EntryType::Directory);
+                h.set_mode(*mode);
+                h.set_size(0);
+                b.append_data(&mut h, p, std::io::empty()).unwrap();
+            }
+            E::File(p, d) => {
+                h.set_size(d.len() as u64);
+                b.append_data(&mut h, p, *d).unwrap();
+            }
+            E::FileMeta(p, d, mode, uid, gid, mtime) => {
+                h.set_size(d.len() as u64);
+                h.set_mode(*mode);
+                h.set_uid(*uid as u64);
+                h.set_gid(*gid as u64);
+                h.set_mtime(*mtime);
+                b.append_data(&mut h, p, *d).unwrap();
+            }
+            E::FileX(p, d, xs) => {
+                let recs: Vec<(String, &[u8])> = xs
+                    .iter()
+                    .map(|(k, v)| (format!("SCHILY.xattr.{k}"), *v))
+                    .collect();
+                b.append_pax_extensions(recs.iter().map(|(k, v)| (k.as_str(), *v)))
+                    .unwrap();
+                h.set_size(d.len() as u64);
+                b.append_data(&mut h, p, *d).unwrap();
+            }
+            E::Sym(p, t) => {
+                h.set_entry_type(tar::EntryType::Symlink);
+                h.set_mode(0o777);
+                h.set_size(0);
+                b.append_link(&mut h, p, t).unwrap();
+            }
+            E::Hard(p, t) => {
+                h.set_entry_type(tar::EntryType::Link);
+                h.set_size(0);
+                b.append_link(&mut h, p, t).unwrap();
+            }
+            E::Char(p, ma, mi) => {
+                h.set_entry_type(tar::EntryType::Char);
+                h.set_device_major(*ma).unwrap();
+                h.set_device_minor(*mi).unwrap();
+                h.set_size(0);
+                b.append_data(&mut h, p, std::io::empty()).unwrap();
+            }
+            E::Fifo(p) => {
+                h.set_entry_type(tar::EntryType::Fifo);
+                h.set_size(0);
+                b.append_data(&mut h, p, std::io::empty()).unwrap();
+            }
+        }
+    }
+    b.into_inner().unwrap()
+}
+
+#[derive(Clone, Copy)]
+enum Z {
+    Plain,
+    Gzip,
+    Zstd,
+}
+
+fn blob(dir: &Path, entries: &[E<'_>], z: Z) -> LayerBlob {
+    let raw = tar_of(entries);
+    let bytes = match z {
+        Z::Plain => raw,
+        Z::Gzip => {
+            let mut g = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            g.write_all(&raw).unwrap();
+            g.finish().unwrap()
+        }
+        Z::Zstd => zstd::encode_all(&raw[..], 3).unwrap(),
+    };
+    let digest = digest_of(&bytes);
+    let path = dir.join(&digest[7..]);
+    std::fs::write(&path, &bytes).unwrap();
+    LayerBlob { digest, path }
+}
+
+fn opts(seed: &str) -> Ext4Options {
+    Ext4Options {
+        disk_mib: None,
+        max_mib: DEFAULT_MAX_MIB,
+        source_date_epoch: None,
+        seed: seed.to_string(),
+        limits: Limits::default(),
+    }
+}
+
+const LONG: &str = "a-name-longer-than-one-hundred-bytes-so-that-the-writer-needs-a-pax-path-record-\
+                    for-it-and-then-some-more.txt";
+
+fn three_layers(dir: &Path) -> Vec<LayerBlob> {
+    let long_target = "t/".repeat(60);
+    let l0 = blob(
+        dir,
+        &[
+            E::Dir("etc/", 0o755),
+            E::File("etc/a", b"A0"),
+            E::FileMeta("etc/b", b"B", 0o600, 5, 6, 1_500_000_000),
+            E::Dir("etc/opq/", 0o750),
+            E::File("etc/opq/old", b"old"),
+            E::File("data/h1", b"shared"),
+            E::Dir("gone/", 0o755),
+            E::File("gone/x", b"x"),
+            E::Dir("rep/", 0o755),
+            E::File("rep/child", b"c"),
+            E::Dir("usr/", 0o755),
+            E::Dir("usr/lib/", 0o755),
+            E::Sym("lib", "usr/lib"),
+            E::Char("dev/null", 1, 3),
+            E::Fifo("fifo"),
+            E::FileX(
+                "cap",
+                b"#!/bin/true\n",
+                &[
+                    ("user.kiln", b"v"),
+                    (
+                        "security.capability",
+                        &[1, 0, 0, 2, 0, 32, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                    ),
+                    ("trusted.kiln", b"\x00binary\xff"),
+                ],
+            ),
+            E::FileMeta(LONG, b"long", 0o4755, 1000, 1000, 1_600_000_001),
+            E::Sym("longlink", &long_target),
+        ],
+        Z::Gzip,
+    );
+    let l1 = blob(
+        dir,
+        &[
+            E::File("etc/a", b"A1"),
+            E::File(".wh.gone", b""),
+            E::File("etc/opq/new", b"new"),
+            E::File("etc/opq/.wh..wh..opq", b""),
+            E::File("rep", b"now a file"),
+            E::Hard("data/h2", "data/h1"),
+            E::File("lib/in-lib", b"through the symlink"),
+            E::File("etc/.wh.b", b""),
+        ],
+        Z::Zstd,
+    );
+    let l2 = blob(
+        dir,
+        &[
+            E::File("data/h1", b"replaced"),
+            E::File("newdir/deep/f", b"implicit parents"),
+            E::Hard("newdir/h3", "data/h2"),
+        ],
+        Z::Plain,
+    );
+    vec![l0, l1, l2]
+}
+
+#[test]
+fn flatten_applies_whiteouts_links_and_symlinked_parents() {
+    let d = tempfile::tempdir().unwrap();
+    let layers = three_layers(d.path());
+    let mut out = Vec::new();
+    let stats = flatten(&layers, &mut out, &Limits::default(), None).unwrap();
+    let tree = kiln_tests::ext4::tar_tree(&out);
+    let keys: Vec<&str> = tree.keys().map(String::as_str).collect();
+    assert_eq!(
+        keys,
+        vec![
+            LONG,
+            "cap",
+            "data",
+            "data/h1",
+            "data/h2",
+            "dev",
+            "dev/null",
+            "etc",
+            "etc/a",
+            "etc/opq",
+            "etc/opq/new",
+            "fifo",
+            "lib",
+            "longlink",
+            "newdir",
+            "newdir/deep",
+            "newdir/deep/f",
+            "newdir/h3",
+            "rep",
+            "usr",
+            "usr/lib",
+            "usr/lib/in-lib",
+        ]
+    );
+    let hash = |b: &[u8]| hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b));
+    assert_eq!(tree["etc/a"].hash, hash(b"A1"));
+    assert_eq!(tree["data/h1"].hash, hash(b"replaced"));
+    // data/h2 was a link to the old data/h1: it keeps the old content, and so does h3.
+    assert_eq!(tree["data/h2"].hash, hash(b"shared"));
+    assert_eq!(tree["newdir/h3"].hash, hash(b"shared"));
+    assert_eq!(tree["rep"].kind, 'f');
+    assert_eq!(tree["etc/opq"].mode, 0o750);
+    assert_eq!(tree["data"].mode, 0o755, "implicit parent");
+    assert_eq!(tree["dev/null"].kind, 'c');
+    assert_eq!(tree[LONG].mode, 0o4755);
+    assert_eq!((tree[LONG].uid, tree[LONG].gid), (1000, 1000));
+    assert_eq!(tree["longlink"].link.len(), 120);
+    assert_eq!(tree["cap"].xattrs.len(), 3);
+    assert_eq!(stats.files, 9, "{stats:?}");
+    assert_eq!(stats.extra_links, 1, "{stats:?}");
+
+    // Layer order: the surviving entries of layer 0 come before those of layer 1.
+    let mut order = Vec::new();
+    for e in tar::Archive::new(&out[..]).entries().unwrap() {
+        let e = e.unwrap();
+        order.push(String::from_utf8_lossy(&e.path_bytes()).into_owned());
+    }
+    let at = |n: &str| order.iter().position(|p| p == n).unwrap();
+    assert!(at("cap") < at("etc/a"), "{order:?}");
+    assert!(at("etc/a") < at("data/h1"), "{order:?}");
+    // The carrier of the shared inode is written at layer 0's position under its new name.
+    assert!(at("data/h2") < at("etc/a"), "{order:?}");
+}
+
+#[test]
+fn ext4_reads_back_as_the_flattened_tar() {
+    let d = tempfile::tempdir().unwrap();
+    let layers = three_layers(d.path());
+    let mut out = Vec::new();
+    flatten(&layers, &mut out, &Limits::default(), None).unwrap();
+    let img = d.path().join("root.ext4");
+    let built = build(&layers, &img, &opts("sha256:test")).unwrap();
+    assert_eq!(built.filesystem.block_size, 4096);
+    assert_eq!(
+        std::fs::metadata(&img).unwrap().len(),
+        built.size_bytes,
+        "the file has the recorded size"
+    );
+    let diffs = kiln_tests::ext4::compare(
+        &kiln_tests::ext4::tar_tree(&out),
+        &kiln_tests::ext4::image_tree(&img),
+    );
+    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+    let dump = std::process::Command::new("dumpe2fs")
+        .arg("-h")
+        .arg(&img)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&dump.stdout);
+    let feats: Vec<&str> = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Filesystem features:"))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    let mut want: Vec<&str> = FEATURES.to_vec();
+    let mut got = feats.clone();
+    want.sort_unstable();
+    got.sort_unstable();
+    assert_eq!(got, want, "exactly the pinned features");
+    assert!(text.contains(&fs_uuid("sha256:test")), "{text}");
+    assert!(text.contains("Block size:               4096"), "{text}");
+}
+
+#[test]
+fn identical_input_gives_identical_bytes() {
+    let d = tempfile::tempdir().unwrap();
+    let layers = three_layers(d.path());
+    let sha = |p: &Path| crate::cache::digest_of_file(p).unwrap();
+    let a = d.path().join("a.ext4");
+    let b = d.path().join("b.ext4");
+    let c = d.path().join("c.ext4");
+    build(&layers, &a, &opts("sha256:one")).unwrap();
+    build(&layers, &b, &opts("sha256:one")).unwrap();
+    build(&layers, &c, &opts("sha256:two")).unwrap();
+    assert_eq!(sha(&a), sha(&b));
+    assert_ne!(sha(&a), sha(&c), "the UUID follows the seed");
+    let mut sde = opts("sha256:one");
+    sde.source_date_epoch = Some(1_550_000_000);
+    let e = d.path().join("e.ext4");
+    build(&layers, &e, &sde).unwrap();
+    let tree = kiln_tests::ext4::image_tree(&e);
+    assert!(tree.values().all(|o| o.mtime <= 1_550_000_000));
+    assert_eq!(tree["etc/a"].mtime, 1_550_000_000);
+}
+
+#[test]
+fn fixed_size_too_small_is_refused_with_numbers() {
+    let d = tempfile::tempdir().unwrap();
+    let big = vec![7u8; 3 << 20];
+    let layers = vec![blob(d.path(), &[E::File("big", &big)], Z::Gzip)];
+    let mut o = opts("s");
+    o.disk_mib = Some(8);
+    let err = build(&layers, &d.path().join("x.ext4"), &o).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("image too large: needs ") && msg.ends_with(" MiB, limit 8 MiB"),
+        "{msg}"
+    );
+    assert!(!d.path().join("x.ext4").exists());
+    // Given enough room it fits, at exactly the size asked for.
+    o.disk_mib = Some(64);
+    let img = build(&layers, &d.path().join("y.ext4"), &o).unwrap();
+    assert_eq!(img.size_bytes, 64 << 20);
+}
+
+#[test]
+fn hostile_layers_are_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let cases: Vec<(Vec<E<'_>>, &str)> = vec![
+        (
+            vec![E::Sym("esc", "../../.."), E::File("esc/x", b"x")],
+            "outside the root",
+        ),
+        (vec![E::Hard("h", "missing")], "does not exist"),
+        (
+            vec![E::Dir("d/", 0o755), E::Hard("h", "d")],
+            "is a directory",
+        ),
+        (
+            vec![E::File("f", b"x"), E::File("f/y", b"y")],
+            "not a directory",
+        ),
+        (vec![E::File("d/.wh..", b"")], "malformed whiteout"),
+    ];
+    for (entries, want) in cases {
+        let layers = vec![blob(d.path(), &entries, Z::Plain)];
+        let err = flatten(&layers, std::io::sink(), &Limits::default(), None).unwrap_err();
+        assert!(err.to_string().contains(want), "{err} (wanted {want:?})");
+    }
+    // A hard link whose target escapes through `..`, and a name with `..`, written raw.
+    let mut raw = tar_of(&[E::File("ok", b"x")]);
+    raw.truncate(raw.len() - 1024);
+    let mut h = tar::Header::new_gnu();
+    h.as_gnu_mut().unwrap().name[..9].copy_from_slice(b"../escape");
+    h.set_size(0);
+    h.set_mode(0o644);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(0);
+    h.set_cksum();
+    raw.extend_from_slice(h.as_bytes());
+    raw.extend_from_slice(&[0u8; 1024]);
+    let digest = digest_of(&raw);
+    let path = d.path().join("raw");
+    std::fs::write(&path, &raw).unwrap();
+    let err = flatten(
+        &[LayerBlob { digest, path }],
+        std::io::sink(),
+        &Limits::default(),
+        None,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("'..'"), "{err}");
+    // Bounds apply: a file over max_file_bytes.
+    let layers = vec![blob(d.path(), &[E::File("f", &[1u8; 4096])], Z::Gzip)];
+    let limits = Limits {
+        max_file_bytes: 100,
+        ..Limits::default()
+    };
+    let err = flatten(&layers, std::io::sink(), &limits, None).unwrap_err();
+    assert!(err.to_string().contains("file size exceeds"), "{err}");
+}
+
+#[test]
+fn tools_check_passes_here() {
+    let t = check_tools().expect("ci/setup.sh installs e2fsprogs 1.47.2 and libarchive13");
+    assert!(parse_version(&t.version).unwrap() >= MIN_E2FSPROGS);
+    assert_eq!(parse_version("1.47.0"), Some((1, 47, 0)));
+    assert!(parse_version("1.47.0").unwrap() < MIN_E2FSPROGS);
+}
+
+#[test]
+fn uuids_are_well_formed_and_seeded() {
+    let u = fs_uuid("sha256:abc");
+    assert_eq!(u.len(), 36);
+    assert_eq!(&u[14..15], "4");
+    assert_ne!(u, fs_uuid("sha256:abd"));
+    assert_ne!(u, hash_seed("sha256:abc"));
+}

@@ -1,0 +1,274 @@
+//! Publishing a built image: OCI blobs + ext4 root file system → kiln image manifest → tags.
+//!
+//! [`publish`] takes what a build produced ([`BuiltImage`]: the OCI manifest, config and
+//! layers, all already in the local blob cache) and, in DESIGN.md's publish order:
+//!
+//! 1. flattens the layers into one ext4 image with [`crate::ext4::build`] (deterministic,
+//!    checked with `e2fsck -fn`), in a scratch file beside the blob cache;
+//! 2. stores it as a chunked artifact ([`Store::put_artifact`], FastCDC 16/64/256 KiB unless
+//!    [`PublishOptions::chunking`] says otherwise);
+//! 3. stores the OCI manifest, config and layers as blobs of the store. The blob cache and a
+//!    local store on the same directory share `blobs/sha256/<hex>`, so for that store this is
+//!    a put-if-absent that finds every blob present; for any other store (S3, another
+//!    directory) the blobs are uploaded (streamed, multipart on S3). Either way the image
+//!    manifest only names blobs the store holds, and GC keeps them through it;
+//! 4. writes the [`ImageManifest`]: the disk chunk table, the OCI manifest and config as
+//!    blobs, the layers (bottom first) in `blobs`, [`ImageManifest::filesystem`] (block size,
+//!    pinned feature list, UUID, mke2fs version), [`ImageManifest::sandbox`], the recipe
+//!    digest and provenance. Nothing in it depends on the time or the host, so identical
+//!    inputs give an identical manifest digest; build time and host go into the tag history;
+//! 5. moves each tag to the manifest by compare-and-swap ([`Store::force_tag`]), recording the
+//!    previous digest in the tag history.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use kiln_store::artifact::PutArtifactOptions;
+use kiln_store::{
+    BlobDigest, BlobRef, Chunking, ImageManifest, Manifest, ManifestDigest, ReadySpec, SandboxSpec,
+    StartSpec, Store, StoreError, TagRef,
+};
+
+use crate::cache::{BlobCache, CacheError};
+use crate::ext4::{self, Ext4Error, Ext4Options, LayerBlob};
+use crate::image;
+
+/// What a build produced. All blobs are already in the blob cache.
+#[derive(Debug, Clone)]
+pub struct BuiltImage {
+    /// Digest, size and media type of the OCI image manifest blob.
+    pub oci_manifest: image::Descriptor,
+    /// The OCI image config blob.
+    pub config: image::Descriptor,
+    /// The layer blobs, bottom first.
+    pub layers: Vec<image::Descriptor>,
+    /// How the image runs as a sandbox: start command, ready check, disk size.
+    pub sandbox: kiln_recipes::plan::Sandbox,
+    /// Digest (`sha256:<hex>`) of the recipe the image was built from.
+    pub recipe_digest: String,
+    /// Base image digests, kiln version and the like. No times (they would make the manifest
+    /// digest depend on when it was built).
+    pub provenance: BTreeMap<String, String>,
+    /// `SOURCE_DATE_EPOCH` of the build, seconds; `None`: kiln's fixed default epoch
+    /// ([`crate::ext4::DEFAULT_EPOCH`]).
+    pub source_date_epoch: Option<u64>,
+}
+
+/// Options of [`publish`].
+#[derive(Clone, Default)]
+pub struct PublishOptions {
+    /// Disk size in MiB (`--disk-mib`); overrides the recipe's `disk_mib`. `None` and no
+    /// recipe value: the smallest size holding the tree plus [`crate::ext4`]'s headroom.
+    pub disk_mib: Option<u64>,
+    /// Largest image accepted when the size is computed, MiB; `None`:
+    /// [`crate::ext4::DEFAULT_MAX_MIB`].
+    pub max_mib: Option<u64>,
+    /// Chunking of the ext4 artifact; `None`: [`Chunking::DISK_DEFAULT`].
+    pub chunking: Option<Chunking>,
+    /// Bounds applied while reading the layers.
+    pub limits: crate::layer::Limits,
+    /// Where the scratch ext4 file goes; `None`: the blob cache's scratch area.
+    pub scratch_dir: Option<PathBuf>,
+}
+
+/// Why publishing failed. Nothing is tagged when any step fails.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// Making or checking the ext4 image failed.
+    #[error(transparent)]
+    Ext4(#[from] Ext4Error),
+    /// The blob cache failed.
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    /// The store failed (chunks, blobs, manifest or a tag).
+    #[error(transparent)]
+    Store(Box<StoreError>),
+    /// A blob the image names is not in the blob cache.
+    #[error("blob {0} of the built image is not in the blob cache")]
+    MissingBlob(String),
+    /// A descriptor's digest is not a sha256 digest, or the store hashed a blob differently.
+    #[error("blob {digest}: {reason}")]
+    BadBlob {
+        /// The digest named.
+        digest: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Writing the scratch file failed.
+    #[error("scratch file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Underlying error.
+        source: std::io::Error,
+    },
+}
+
+impl From<StoreError> for PublishError {
+    fn from(e: StoreError) -> Self {
+        PublishError::Store(Box::new(e))
+    }
+}
+
+/// The store's [`SandboxSpec`] for a plan's sandbox; `None` when it has neither a start
+/// command nor a ready check.
+pub fn sandbox_spec(s: &kiln_recipes::plan::Sandbox) -> Option<SandboxSpec> {
+    if s.start.is_none() && s.ready.is_none() {
+        return None;
+    }
+    Some(SandboxSpec {
+        start: s.start.as_ref().map(|c| StartSpec {
+            argv: c.argv.clone(),
+            user: c.user.clone(),
+            env: c.env.clone(),
+            workdir: c.workdir.clone(),
+        }),
+        ready: s.ready.as_ref().map(|r| ReadySpec {
+            argv: r.argv.clone(),
+            interval_ms: r.interval_ms,
+            timeout_ms: r.timeout_ms,
+            retries: r.retries,
+        }),
+    })
+}
+
+/// Stores one cached blob in `store` and checks the store's digest against the descriptor.
+async fn put_blob(
+    store: &Store,
+    cache: &dyn BlobCache,
+    d: &image::Descriptor,
+) -> Result<BlobRef, PublishError> {
+    let want: BlobDigest = d.digest.parse().map_err(|_| PublishError::BadBlob {
+        digest: d.digest.clone(),
+        reason: "not a sha256 digest".into(),
+    })?;
+    let path = cache
+        .blob_path(&d.digest)?
+        .ok_or_else(|| PublishError::MissingBlob(d.digest.clone()))?;
+    let (mut r, _) = store.put_blob_file(&path).await?;
+    if r.digest != want || r.size != d.size {
+        return Err(PublishError::BadBlob {
+            digest: d.digest.clone(),
+            reason: format!(
+                "the cached file hashes to {} ({} bytes), the descriptor says {} bytes",
+                r.digest, r.size, d.size
+            ),
+        });
+    }
+    r.media_type = Some(d.media_type.clone());
+    Ok(r)
+}
+
+/// Publishes `image` into `store` and points `tags` at it. Returns the image manifest digest.
+///
+/// The ext4 size is [`PublishOptions::disk_mib`], else the recipe's
+/// [`kiln_recipes::plan::Sandbox::disk_mib`], else computed (see [`crate::ext4`]). The UUID
+/// and directory hash seed derive from the OCI manifest digest. Errors: see
+/// [`PublishError`]; on any error no tag moves (chunks and blobs already stored stay, for GC).
+pub async fn publish(
+    store: &Store,
+    cache: &dyn BlobCache,
+    image: &BuiltImage,
+    tags: &[TagRef],
+    opts: &PublishOptions,
+) -> Result<ManifestDigest, PublishError> {
+    let mut layers = Vec::with_capacity(image.layers.len());
+    for l in &image.layers {
+        let path = cache
+            .blob_path(&l.digest)?
+            .ok_or_else(|| PublishError::MissingBlob(l.digest.clone()))?;
+        layers.push(LayerBlob {
+            digest: l.digest.clone(),
+            path,
+        });
+    }
+    let ext4_opts = Ext4Options {
+        disk_mib: opts.disk_mib.or(image.sandbox.disk_mib),
+        max_mib: opts.max_mib.unwrap_or(ext4::DEFAULT_MAX_MIB),
+        source_date_epoch: image.source_date_epoch,
+        seed: image.oci_manifest.digest.clone(),
+        limits: opts.limits,
+    };
+    let scratch = match &opts.scratch_dir {
+        Some(d) => d.join(format!(
+            "kiln-ext4-{}-{}",
+            std::process::id(),
+            crate::cache::sha256_hex(&image.oci_manifest.digest)?
+        )),
+        None => cache.scratch_path(&format!(
+            "ext4-{}",
+            crate::cache::sha256_hex(&image.oci_manifest.digest)?
+        )),
+    };
+    if let Some(dir) = scratch.parent() {
+        std::fs::create_dir_all(dir).map_err(|source| PublishError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    let result = publish_with(
+        store, cache, image, tags, opts, &layers, &ext4_opts, &scratch,
+    )
+    .await;
+    let _ = std::fs::remove_file(&scratch);
+    result
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn publish_with(
+    store: &Store,
+    cache: &dyn BlobCache,
+    image: &BuiltImage,
+    tags: &[TagRef],
+    opts: &PublishOptions,
+    layers: &[LayerBlob],
+    ext4_opts: &Ext4Options,
+    scratch: &std::path::Path,
+) -> Result<ManifestDigest, PublishError> {
+    let built = {
+        let layers = layers.to_vec();
+        let o = ext4_opts.clone();
+        let dest = scratch.to_path_buf();
+        tokio::task::spawn_blocking(move || ext4::build(&layers, &dest, &o))
+            .await
+            .map_err(|e| PublishError::Io {
+                path: scratch.to_path_buf(),
+                source: std::io::Error::other(e),
+            })??
+    };
+    // 1. chunks
+    let (table, _stats) = store
+        .put_artifact(
+            scratch,
+            &PutArtifactOptions {
+                chunking: opts.chunking,
+                ..Default::default()
+            },
+        )
+        .await?;
+    // 2. blobs
+    let oci_manifest = put_blob(store, cache, &image.oci_manifest).await?;
+    let oci_config = put_blob(store, cache, &image.config).await?;
+    let mut blobs = Vec::with_capacity(image.layers.len());
+    for l in &image.layers {
+        blobs.push(put_blob(store, cache, l).await?);
+    }
+    // 3. manifest
+    let mut m = ImageManifest::new(table);
+    m.oci_manifest = Some(oci_manifest);
+    m.oci_config = Some(oci_config);
+    m.blobs = blobs;
+    m.recipe_digest = Some(image.recipe_digest.clone());
+    m.provenance = image.provenance.clone();
+    m.filesystem = Some(built.filesystem);
+    m.sandbox = sandbox_spec(&image.sandbox);
+    let raw = store.put_manifest(&Manifest::Image(m)).await?;
+    // 4. tags
+    for t in tags {
+        if store.get_tag(t).await?.map(|r| r.manifest) == Some(raw.digest) {
+            continue;
+        }
+        store.force_tag(t, raw.digest).await?;
+    }
+    Ok(raw.digest)
+}

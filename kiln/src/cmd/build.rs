@@ -1,0 +1,326 @@
+//! `kiln build [CONTEXT] -f FILE -t NAME:TAG...`: builds a Dockerfile or a YAML recipe into
+//! the local store (flags named as `docker buildx build` names them) and prints the image
+//! (OCI manifest) digest as the last line on stdout. Progress and step logs go to stderr:
+//! plain lines, or one JSON object per line with `--progress rawjson`.
+//!
+//! Ctrl-C and SIGTERM cancel the build: the running step is killed, nothing is tagged, no
+//! mount or process is left.
+
+use std::collections::BTreeMap;
+use std::io::IsTerminal as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use anyhow::{Context as _, bail};
+use kiln_builder::base::PullPolicy;
+use kiln_builder::build::{BuildEvent, BuildOptions, build};
+use kiln_builder::cache::{BlobCache as _, LocalCache};
+use kiln_builder::registry::RegistryOptions;
+use kiln_builder::resolve::{ResolveOptions, parse_build_context};
+use serde_json::json;
+
+/// `--progress` values (buildx's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Progress {
+    /// `tty` on a terminal, else `plain`.
+    Auto,
+    /// Step lines with their status (no bars yet: the same lines as `plain`).
+    Tty,
+    /// One line per step and per log line.
+    Plain,
+    /// One JSON object per event and line.
+    Rawjson,
+}
+
+/// Arguments of `kiln build`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The build context directory (default: `.`; for a YAML recipe given with `-f`, the
+    /// recipe's folder).
+    pub context: Option<PathBuf>,
+    /// The Dockerfile or YAML recipe (`*.yaml`, `*.yml`); default `CONTEXT/Dockerfile`.
+    #[arg(short = 'f', long = "file")]
+    pub file: Option<PathBuf>,
+    /// Name and tag for the image, `name:tag` (repeatable).
+    #[arg(short = 't', long = "tag")]
+    pub tags: Vec<String>,
+    /// Build argument `NAME=value`; `NAME` alone takes the value from the environment.
+    #[arg(long = "build-arg", value_name = "NAME=VALUE")]
+    pub build_args: Vec<String>,
+    /// Stage to build (name or index); default the last.
+    #[arg(long)]
+    pub target: Option<String>,
+    /// Do not use the build cache.
+    #[arg(long = "no-cache")]
+    pub no_cache: bool,
+    /// Do not use the build cache for these stages (name or index, repeatable).
+    #[arg(long = "no-cache-filter", value_delimiter = ',')]
+    pub no_cache_filter: Vec<String>,
+    /// Target platform, `os/arch[/variant]` (default linux/amd64).
+    #[arg(long)]
+    pub platform: Option<String>,
+    /// Progress output on stderr.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub progress: Progress,
+    /// Never contact a registry: bases must be in the local store.
+    #[arg(long, conflicts_with = "pull")]
+    pub offline: bool,
+    /// Always ask the registry for newer base images.
+    #[arg(long)]
+    pub pull: bool,
+    /// The local store directory (default: $KILN_STORE, else ~/.local/share/kiln/store).
+    #[arg(long, env = "KILN_STORE")]
+    pub store: Option<PathBuf>,
+    /// Sandbox disk size in MiB (overrides `LABEL kiln.disk-mib` / `disk_mib:`).
+    #[arg(long = "disk-mib", value_name = "MIB")]
+    pub disk_mib: Option<u64>,
+    /// Stages built at once.
+    #[arg(long, default_value_t = 2)]
+    pub jobs: usize,
+    /// Write the image (OCI manifest) digest to this file.
+    #[arg(long)]
+    pub iidfile: Option<PathBuf>,
+    /// Write build metadata (JSON, buildx's keys) to this file.
+    #[arg(long = "metadata-file")]
+    pub metadata_file: Option<PathBuf>,
+    /// Extra privileges: `network.host` allows `RUN --network=host`.
+    #[arg(long = "allow")]
+    pub allow: Vec<String>,
+    /// A secret for `RUN --mount=type=secret`: `id=ID,src=PATH` or `id=ID,env=VAR`.
+    #[arg(long)]
+    pub secret: Vec<String>,
+    /// A named context: `NAME=oci-layout://DIR[:TAG]` (a FROM of NAME uses it).
+    #[arg(long = "build-context")]
+    pub build_context: Vec<String>,
+    /// A registry (host[:port]) allowed over plain HTTP; loopback registries always are.
+    #[arg(long = "insecure-registry")]
+    pub insecure: Vec<String>,
+    /// Scratch and layer directories (default: STORE/.build).
+    #[arg(long = "work-dir", env = "KILN_BUILD_DIR")]
+    pub work_dir: Option<PathBuf>,
+}
+
+/// Parses `--build-arg` values as `docker build` does.
+fn build_args(args: &[String]) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for a in args {
+        match a.split_once('=') {
+            Some((k, v)) => {
+                out.insert(k.to_string(), v.to_string());
+            }
+            None => {
+                if let Ok(v) = std::env::var(a) {
+                    out.insert(a.clone(), v);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Context directory and recipe file from the arguments.
+fn locate(a: &Args) -> (PathBuf, PathBuf) {
+    match (&a.context, &a.file) {
+        (Some(c), Some(f)) => (c.clone(), f.clone()),
+        (Some(c), None) => (c.clone(), c.join("Dockerfile")),
+        (None, Some(f)) => {
+            let yaml = kiln_recipes::RecipeFormat::for_path(&f.to_string_lossy())
+                == kiln_recipes::RecipeFormat::Yaml;
+            let dir = match f.parent() {
+                Some(p) if yaml && !p.as_os_str().is_empty() => p.to_path_buf(),
+                _ => PathBuf::from("."),
+            };
+            (dir, f.clone())
+        }
+        (None, None) => (PathBuf::from("."), PathBuf::from("Dockerfile")),
+    }
+}
+
+fn printer(progress: Progress) -> Arc<dyn Fn(BuildEvent) + Send + Sync> {
+    let mode = match progress {
+        Progress::Auto if std::io::stderr().is_terminal() => Progress::Tty,
+        Progress::Auto => Progress::Plain,
+        p => p,
+    };
+    Arc::new(move |ev: BuildEvent| {
+        if mode == Progress::Rawjson {
+            let v = match &ev {
+                BuildEvent::Step {
+                    index,
+                    stage,
+                    location,
+                    instruction,
+                    cached,
+                } => json!({"event": "step", "step": index, "stage": stage,
+                    "location": location, "instruction": instruction, "cached": cached}),
+                BuildEvent::Log(l) => json!({"event": "log", "step": l.step, "text": l.text}),
+                BuildEvent::Layer {
+                    index,
+                    digest,
+                    size,
+                } => json!({"event": "layer", "step": index, "digest": digest, "size": size}),
+            };
+            eprintln!("{v}");
+            return;
+        }
+        match ev {
+            BuildEvent::Step {
+                index,
+                stage,
+                location,
+                instruction,
+                cached,
+            } => {
+                let c = if cached { " CACHED" } else { "" };
+                eprintln!("#{index} [stage {stage}] {location} {instruction}{c}");
+            }
+            BuildEvent::Log(l) => eprintln!("#{} {}", l.step, l.text),
+            BuildEvent::Layer {
+                index,
+                digest,
+                size,
+            } => eprintln!("#{index} layer {digest} ({size} bytes)"),
+        }
+    })
+}
+
+/// Runs `kiln build`.
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if !a.secret.is_empty() {
+        bail!("--secret: RUN --mount=type=secret is not supported by this build of kiln yet");
+    }
+    for e in &a.allow {
+        if e != "network.host" {
+            bail!("--allow {e:?}: the only entitlement is network.host");
+        }
+    }
+    let (context, file) = locate(&a);
+    if !context.is_dir() {
+        bail!("build context {} is not a directory", context.display());
+    }
+    let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+    let name = file.display().to_string();
+    let tags: Vec<kiln_builder::reference::Reference> = a
+        .tags
+        .iter()
+        .map(|t| {
+            t.parse()
+                .with_context(|| format!("-t {t}: not a valid name:tag"))
+        })
+        .collect::<anyhow::Result<_>>()?;
+
+    let root = a.store.clone().unwrap_or_else(LocalCache::default_root);
+    let cache = Arc::new(
+        LocalCache::open(&root)
+            .with_context(|| format!("opening the store at {}", root.display()))?,
+    );
+    let work = a.work_dir.clone().unwrap_or_else(|| root.join(".build"));
+    let options = kiln_recipes::Options {
+        target: a.target.clone(),
+        build_args: build_args(&a.build_args),
+        platform: a.platform.clone(),
+        disk_mib: a.disk_mib,
+        ..Default::default()
+    };
+    let mut resolve = ResolveOptions {
+        policy: if a.offline {
+            PullPolicy::Never
+        } else if a.pull {
+            PullPolicy::Always
+        } else {
+            PullPolicy::Missing
+        },
+        work_dir: work.join("bootstrap"),
+        registry: RegistryOptions {
+            insecure: a.insecure.clone(),
+            ..RegistryOptions::default()
+        },
+        ..Default::default()
+    };
+    for bc in &a.build_context {
+        let (n, v) = parse_build_context(bc)?;
+        resolve.build_contexts.insert(n, v);
+    }
+    let mut opts = BuildOptions::new(work.clone());
+    opts.no_cache = a.no_cache;
+    opts.no_cache_filter = a.no_cache_filter.clone();
+    opts.jobs = a.jobs.max(1);
+    opts.exec.allow_network_host = a.allow.iter().any(|e| e == "network.host");
+    opts.exec.run_dir = work.join("run");
+    let cancel = opts.cancel.clone();
+    let events = printer(a.progress);
+
+    let rt = super::common::runtime()?;
+    let out = rt.block_on(async {
+        // Ctrl-C and SIGTERM cancel the build.
+        let flag = cancel.clone();
+        tokio::spawn(async move {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(s) => s,
+                    Err(_) => return,
+                };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            eprintln!("kiln: cancelling the build");
+            flag.store(true, Ordering::Relaxed);
+        });
+        let store = kiln_store::Store::open(&root.to_string_lossy()).await?;
+        let (plan, bases) =
+            kiln_builder::resolve::resolve_recipe(&name, &bytes, &options, &resolve, cache.as_ref()).await?;
+        for w in &plan.warnings {
+            match &w.location {
+                Some(l) => eprintln!("warning: {}:{}: {}", l.file, l.start_line, w.message),
+                None => eprintln!("warning: {}", w.message),
+            }
+        }
+        let out = build(&plan, &bases, cache.clone(), &store, &opts, events).await?;
+        anyhow::Ok(out)
+    })?;
+    if cancel.load(Ordering::Relaxed) {
+        bail!("build cancelled");
+    }
+    let digest = out.image.oci_manifest.digest.clone();
+    let mut names = Vec::new();
+    for t in &tags {
+        let full = format!("{}:{}", t.name(), t.tag().unwrap_or("latest"));
+        cache
+            .set_ref(&full, &digest)
+            .with_context(|| format!("tagging {full}"))?;
+        names.push(full);
+    }
+    if let Some(p) = &a.iidfile {
+        write_file(p, digest.as_bytes())?;
+    }
+    if let Some(p) = &a.metadata_file {
+        let meta = json!({
+            "containerimage.digest": digest,
+            "containerimage.config.digest": out.image.config.digest,
+            "containerimage.descriptor": out.image.oci_manifest,
+            "image.name": names.join(","),
+            "kiln.recipe.digest": out.image.recipe_digest,
+            "kiln.steps.run": out.stats.steps_run,
+            "kiln.steps.cached": out.stats.steps_cached,
+        });
+        write_file(p, serde_json::to_string_pretty(&meta)?.as_bytes())?;
+    }
+    eprintln!(
+        "built {digest}: {} steps run, {} cached{}",
+        out.stats.steps_run,
+        out.stats.steps_cached,
+        if names.is_empty() {
+            String::new()
+        } else {
+            format!(", tagged {}", names.join(", "))
+        }
+    );
+    println!("{digest}");
+    Ok(())
+}
+
+fn write_file(p: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    std::fs::write(p, bytes).with_context(|| format!("writing {}", p.display()))
+}

@@ -1,0 +1,457 @@
+//! The build driver (`kiln_builder::build`) as root on the busybox and Debian fixtures of
+//! `ci/setup.sh`, pulled from the test registry: RUN, WORKDIR, USER, ENV, heredocs, the
+//! cache, the sandbox preparation layer, failures and limits, and that nothing (mount,
+//! scratch directory) is left behind.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kiln_builder::build::{
+    BuildError, BuildEvent, BuildOptions, BuildOutput, build,
+};
+use kiln_builder::cache::LocalCache;
+use kiln_builder::exec::ExecError;
+use kiln_builder::registry::RegistryOptions;
+use kiln_builder::resolve::ResolveOptions;
+use kiln_tests::require_env;
+
+struct Fx {
+    tmp: tempfile::TempDir,
+    cache: Arc<LocalCache>,
+    store: kiln_store::Store,
+    rt: tokio::runtime::Runtime,
+    cgroup: String,
+}
+
+fn fx(name: &str) -> Fx {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "the build tests need root (CI runs them as root)"
+    );
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let root = tmp.path().join("store");
+    let cache = Arc::new(LocalCache::open(&root).expect("cache"));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let store = rt
+        .block_on(kiln_store::Store::open(root.to_str().expect("utf-8")))
+        .expect("store");
+    Fx {
+        tmp,
+        cache,
+        store,
+        rt,
+        cgroup: format!("kiln-test-build-{name}-{}", std::process::id()),
+    }
+}
+
+impl Fx {
+    fn work(&self) -> PathBuf {
+        self.tmp.path().join("work")
+    }
+
+    fn options(&self) -> BuildOptions {
+        let mut o = BuildOptions::new(self.work());
+        o.exec.run_dir = self.tmp.path().join("run");
+        o.exec.cgroup_parent = self.cgroup.clone();
+        o
+    }
+
+    /// Plans, resolves and builds `text` (named `file`).
+    fn build_with(
+        &self,
+        file: &str,
+        text: &str,
+        opts: &BuildOptions,
+        edit: impl FnOnce(&mut kiln_recipes::BuildPlan),
+    ) -> (Result<BuildOutput, BuildError>, Vec<BuildEvent>) {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let sink = {
+            let e = events.clone();
+            Arc::new(move |ev: BuildEvent| e.lock().expect("lock").push(ev))
+        };
+        let resolve = ResolveOptions {
+            registry: RegistryOptions {
+                docker_config: "/nonexistent/kiln-test/config.json".into(),
+                ..Default::default()
+            },
+            work_dir: self.tmp.path().join("bootstrap"),
+            ..Default::default()
+        };
+        let r = self.rt.block_on(async {
+            let (mut plan, bases) = kiln_builder::resolve::resolve_recipe(
+                file,
+                text.as_bytes(),
+                &kiln_recipes::Options::default(),
+                &resolve,
+                self.cache.as_ref(),
+            )
+            .await?;
+            edit(&mut plan);
+            build(&plan, &bases, self.cache.clone(), &self.store, opts, sink).await
+        });
+        let ev = events.lock().expect("lock").clone();
+        (r, ev)
+    }
+
+    fn build(&self, text: &str) -> (Result<BuildOutput, BuildError>, Vec<BuildEvent>) {
+        self.build_with("Dockerfile", text, &self.options(), |_| {})
+    }
+
+    /// Unpacks the built image (all layers, whiteouts applied) into a fresh directory.
+    fn unpack(&self, out: &BuildOutput) -> PathBuf {
+        let dir = self.tmp.path().join(format!(
+            "unpacked-{}",
+            &out.image.oci_manifest.digest[7..19]
+        ));
+        kiln_builder::base::unpack(
+            self.cache.as_ref(),
+            &out.image.oci_manifest.digest,
+            &dir,
+            &Default::default(),
+        )
+        .expect("unpack the built image");
+        dir
+    }
+
+    /// No mount under the test directory, no scratch directory left, no cgroup left.
+    fn assert_clean(&self) {
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+        let t = self.tmp.path().to_str().expect("utf-8");
+        assert!(!mounts.contains(t), "a mount is left under {t}:\n{mounts}");
+        let layers = self.work().join("layers");
+        if let Ok(rd) = std::fs::read_dir(&layers) {
+            for e in rd.flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                assert!(!n.contains(".tmp-"), "scratch directory left: {n}");
+            }
+        }
+        for h in [
+            "/sys/fs/cgroup/memory",
+            "/sys/fs/cgroup/pids",
+            "/sys/fs/cgroup",
+        ] {
+            let p = Path::new(h).join(&self.cgroup);
+            if let Ok(rd) = std::fs::read_dir(&p) {
+                let steps = rd
+                    .flatten()
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .count();
+                assert_eq!(steps, 0, "step cgroups left under {}", p.display());
+            }
+        }
+    }
+}
+
+impl Drop for Fx {
+    fn drop(&mut self) {
+        for h in [
+            "/sys/fs/cgroup/memory",
+            "/sys/fs/cgroup/pids",
+            "/sys/fs/cgroup",
+        ] {
+            let _ = std::fs::remove_dir(Path::new(h).join(&self.cgroup));
+        }
+    }
+}
+
+fn ran(events: &[BuildEvent]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            BuildEvent::Step {
+                instruction,
+                cached: false,
+                ..
+            } if instruction.starts_with("RUN") => Some(instruction.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn logs(events: &[BuildEvent]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            BuildEvent::Log(l) => Some(l.text.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn busybox_dockerfile() -> String {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    format!(
+        r#"FROM {bb}
+ENV GREETING=hello
+RUN echo "$GREETING" > /greeting && echo 'bob:x:1234:1234::/home/bob:/bin/sh' >> /etc/passwd \
+ && echo 'bob:x:1234:' >> /etc/group && rm /bin/vi && mkdir -p /opq/sub && touch /opq/old
+RUN rm -rf /opq && mkdir /opq && touch /opq/new
+USER bob
+WORKDIR /work/dir
+RUN <<EOF
+set -e
+echo "uid=$(id -u) pwd=$(pwd) greeting=$GREETING" > seen
+echo built
+EOF
+ENTRYPOINT ["/bin/sh"]
+CMD ["-c", "cat /work/dir/seen"]
+LABEL org.example=yes
+EXPOSE 8080
+STOPSIGNAL SIGINT
+"#
+    )
+}
+
+/// RUN, ENV, USER, WORKDIR and a heredoc over busybox; deletions reach the image as
+/// whiteouts; the sandbox layer is last; a second build runs nothing and gives the same
+/// digest; the exported layout passes skopeo and umoci.
+#[test]
+fn busybox_steps_cache_and_export() {
+    let f = fx("busybox");
+    let text = busybox_dockerfile();
+    let (r, ev) = f.build(&text);
+    let out = r.unwrap_or_else(|e| panic!("build: {e}"));
+    f.assert_clean();
+    assert_eq!(ran(&ev).len(), 3, "{ev:?}");
+    assert!(logs(&ev).contains(&"built".to_string()), "{ev:?}");
+    assert_eq!(out.stats.steps_run, 4, "3 RUN + 1 WORKDIR");
+
+    let root = f.unpack(&out);
+    let read =
+        |p: &str| std::fs::read_to_string(root.join(p)).unwrap_or_else(|e| panic!("{p}: {e}"));
+    assert_eq!(read("greeting"), "hello\n");
+    assert_eq!(
+        read("work/dir/seen"),
+        "uid=1234 pwd=/work/dir greeting=hello\n"
+    );
+    assert!(!root.join("bin/vi").exists(), "deleted file whited out");
+    assert!(root.join("bin/ls").exists());
+    assert!(root.join("opq/new").exists() && !root.join("opq/old").exists());
+    assert!(
+        !root.join("opq/sub").exists(),
+        "opaque directory hides the lower's"
+    );
+    assert_eq!(read("etc/hostname"), "runtime-guest\n");
+    assert_eq!(read("etc/machine-id"), "");
+    {
+        use std::os::unix::fs::MetadataExt;
+        let md = std::fs::metadata(root.join("work/dir")).expect("workdir");
+        assert_eq!(md.uid(), 1234, "WORKDIR after USER is owned by the user");
+    }
+
+    let c = &out.config;
+    assert_eq!(c.config.user.as_deref(), Some("bob"));
+    assert_eq!(c.config.working_dir.as_deref(), Some("/work/dir"));
+    assert!(
+        c.config
+            .env
+            .as_ref()
+            .is_some_and(|e| e.contains(&"GREETING=hello".to_string())
+                && e.iter().any(|v| v.starts_with("PATH="))),
+        "{:?}",
+        c.config.env
+    );
+    assert_eq!(
+        c.config.entrypoint.as_deref(),
+        Some(&["/bin/sh".to_string()][..])
+    );
+    assert_eq!(c.config.stop_signal.as_deref(), Some("SIGINT"));
+    assert!(
+        c.config
+            .exposed_ports
+            .as_ref()
+            .is_some_and(|p| p.contains_key("8080/tcp"))
+    );
+    assert!(c.created.is_none(), "no build time in the config");
+    assert_eq!(c.rootfs.diff_ids.len(), out.image.layers.len());
+    let last = c.history.last().expect("history");
+    assert!(
+        last.created_by
+            .as_deref()
+            .is_some_and(|s| s.contains("sandbox preparation"))
+    );
+    assert!(
+        c.history
+            .iter()
+            .any(|h| h.created_by.as_deref() == Some("WORKDIR /work/dir"))
+    );
+
+    // Second identical build: nothing runs, same digest.
+    let (r2, ev2) = f.build(&text);
+    let out2 = r2.unwrap_or_else(|e| panic!("second build: {e}"));
+    assert!(ran(&ev2).is_empty(), "{ev2:?}");
+    assert_eq!(out2.stats.steps_run, 0);
+    assert_eq!(
+        out2.image.oci_manifest.digest,
+        out.image.oci_manifest.digest
+    );
+
+    // --no-cache runs everything again; --no-cache-filter on another stage does not.
+    let mut o = f.options();
+    o.no_cache_filter = vec!["other".into()];
+    let (r3, ev3) = f.build_with("Dockerfile", &text, &o, |_| {});
+    r3.expect("filtered build");
+    assert!(ran(&ev3).is_empty());
+    let mut o = f.options();
+    o.no_cache = true;
+    let (r4, ev4) = f.build_with("Dockerfile", &text, &o, |_| {});
+    r4.expect("no-cache build");
+    assert_eq!(ran(&ev4).len(), 3);
+    f.assert_clean();
+
+    // Export as an OCI layout; skopeo and umoci accept it.
+    let layout = f.tmp.path().join("layout");
+    kiln_builder::layout::export(
+        f.cache.as_ref(),
+        &out.image.oci_manifest.digest,
+        &layout,
+        "t",
+    )
+    .expect("export");
+    let o = std::process::Command::new("skopeo")
+        .args(["inspect", &format!("oci:{}:t", layout.display())])
+        .output()
+        .expect("skopeo missing: run ci/setup.sh");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let inspected: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    assert_eq!(inspected["Digest"], out.image.oci_manifest.digest.as_str());
+    let bundle = f.tmp.path().join("bundle");
+    let o = std::process::Command::new("umoci")
+        .args(["unpack", "--image"])
+        .arg(format!("{}:t", layout.display()))
+        .arg(&bundle)
+        .output()
+        .expect("umoci missing: run ci/setup.sh");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        std::fs::read_to_string(bundle.join("rootfs/work/dir/seen")).expect("seen"),
+        "uid=1234 pwd=/work/dir greeting=hello\n"
+    );
+    assert!(!bundle.join("rootfs/bin/vi").exists());
+}
+
+/// A failing RUN names its file:line, exit code and last lines; nothing is left behind.
+#[test]
+fn failing_run_reports_location_exit_code_and_tail() {
+    let f = fx("fail");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let text = format!("FROM {bb}\nRUN echo ok\nRUN echo one; echo two; exit 3\nRUN echo never\n");
+    let (r, ev) = f.build(&text);
+    let e = r.expect_err("must fail");
+    assert_eq!(e.exit_code(), Some(3), "{e}");
+    let msg = e.to_string();
+    assert!(msg.starts_with("Dockerfile:3: RUN"), "{msg}");
+    assert!(
+        msg.contains("exited with code 3") && msg.contains("\n  two"),
+        "{msg}"
+    );
+    assert!(!ran(&ev).iter().any(|r| r.contains("never")));
+    f.assert_clean();
+}
+
+/// The build timeout kills the step; the error names the limit.
+#[test]
+fn timeout_stops_the_build() {
+    let f = fx("timeout");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (r, _) = f.build_with(
+        "Dockerfile",
+        &format!("FROM {bb}\nRUN sleep 600\n"),
+        &f.options(),
+        |p| p.limits.timeout_secs = 2,
+    );
+    let e = r.expect_err("must time out");
+    assert!(matches!(e, BuildError::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("timeout of 2s"), "{e}");
+    f.assert_clean();
+}
+
+/// A step over the build's memory limit is killed and the error says so.
+#[test]
+fn memory_limit_is_named() {
+    let f = fx("memory");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (r, _) = f.build_with(
+        "Dockerfile",
+        &format!("FROM {bb}\nRUN dd if=/dev/zero of=/dev/null bs=256M count=1\n"),
+        &f.options(),
+        |p| p.limits.memory_mib = 64,
+    );
+    let e = r.expect_err("must hit the limit");
+    assert!(
+        matches!(
+            e,
+            BuildError::Step {
+                source: ExecError::MemoryLimit { .. },
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("memory limit"), "{e}");
+    f.assert_clean();
+}
+
+/// Cancelling (what SIGINT/SIGTERM do in `kiln build`) kills the running step.
+#[test]
+fn cancel_stops_the_build() {
+    let f = fx("cancel");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let o = f.options();
+    let flag = o.cancel.clone();
+    let setter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(2));
+        flag.store(true, Ordering::Relaxed);
+    });
+    let (r, ev) = f.build_with(
+        "Dockerfile",
+        &format!("FROM {bb}\nRUN echo started; sleep 600\n"),
+        &o,
+        |_| {},
+    );
+    setter.join().expect("setter");
+    assert!(matches!(r, Err(BuildError::Cancelled)), "{r:?}");
+    assert!(logs(&ev).contains(&"started".to_string()));
+    f.assert_clean();
+}
+
+/// A YAML recipe and the Dockerfile it corresponds to give the same image digest.
+#[test]
+fn yaml_recipe_matches_dockerfile() {
+    let f = fx("yaml");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let docker = format!("FROM {bb}\nENV A=1\nRUN echo \"$A\" > /a\n");
+    let yaml = format!("from: {bb}\nenv:\n  A: \"1\"\ncommands:\n  - echo \"$A\" > /a\n");
+    let (r1, _) = f.build(&docker);
+    let d1 = r1.unwrap_or_else(|e| panic!("dockerfile: {e}"));
+    let (r2, ev2) = f.build_with("recipe.yaml", &yaml, &f.options(), |_| {});
+    let d2 = r2.unwrap_or_else(|e| panic!("yaml: {e}"));
+    assert_eq!(d1.image.oci_manifest.digest, d2.image.oci_manifest.digest);
+    assert!(ran(&ev2).is_empty(), "the same step: a cache hit");
+}
+
+/// Debian bookworm: apt-get install from Debian's mirror through the default network.
+#[test]
+fn debian_apt_get_install() {
+    let f = fx("debian");
+    let deb = require_env("KILN_TEST_DEBIAN_REF");
+    let text = format!(
+        "FROM {deb}\nRUN apt-get update -qq && apt-get install -y -qq --no-install-recommends hello >/dev/null && hello\n"
+    );
+    let (r, ev) = f.build(&text);
+    let out = r.unwrap_or_else(|e| panic!("build: {e}\n{:?}", logs(&[])));
+    assert!(
+        logs(&ev).contains(&"Hello, world!".to_string()),
+        "{:?}",
+        logs(&ev)
+    );
+    let root = f.unpack(&out);
+    assert!(root.join("usr/bin/hello").is_file());
+    f.assert_clean();
+}
