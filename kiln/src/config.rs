@@ -18,10 +18,14 @@
 //! | `s3.endpoint` | `KILN_S3_ENDPOINT` | | unset: `AWS_ENDPOINT_URL` or the AWS default |
 //! | `s3.region` | `KILN_S3_REGION` | | unset: `AWS_REGION` or `us-east-1` |
 //! | `s3.allow_http` | `KILN_S3_ALLOW_HTTP` | | unset: `AWS_ALLOW_HTTP` or `false` |
+//! | `bootstrap_mirror` | `KILN_BOOTSTRAP_MIRROR` | | the archive this host's apt uses |
 //!
 //! `cache` is this machine's cache directory: chunks read from a remote (S3) store are kept
 //! under `<cache>/chunks`, at most `cache_max_mib` MiB. S3 credentials are never read from
-//! the config file: they come from the usual `AWS_*` variables.
+//! the config file: they come from the usual `AWS_*` variables. `bootstrap_mirror` is the
+//! archive `kiln build` bootstraps `from: {bootstrap: ...}` recipes from when they name no
+//! mirror; by default the first release suite (no `-updates`, `-security`...) in this host's
+//! apt sources (`/etc/apt/sources.list`, `/etc/apt/sources.list.d/*.list` and `*.sources`).
 //!
 //! The file is TOML with exactly these keys (unknown keys are an error, so a typo fails
 //! loudly); it is read with a size bound of [`MAX_CONFIG_BYTES`]. A local store or cache path
@@ -193,6 +197,7 @@ struct FileConfig {
     cache: Option<String>,
     cache_max_mib: Option<u64>,
     log: Option<String>,
+    bootstrap_mirror: Option<String>,
     #[serde(default)]
     s3: FileS3,
 }
@@ -216,6 +221,8 @@ pub struct Config {
     pub s3_region: Setting<Option<String>>,
     /// Whether a plain-HTTP S3 endpoint is allowed (override).
     pub s3_allow_http: Setting<Option<bool>>,
+    /// The archive to bootstrap from when a recipe names none (`None`: no default).
+    pub bootstrap_mirror: Setting<Option<String>>,
 }
 
 /// Where to look for the config file, given the environment.
@@ -269,16 +276,18 @@ impl Config {
             Some(p) => read_file(p)?,
             None => None,
         };
-        Self::resolve(flags, &process_env, path, text.as_deref())
+        Self::resolve(flags, &process_env, path, text.as_deref(), host_apt_mirror)
     }
 
     /// Resolves the configuration from `flags`, an environment lookup, and the config file's
-    /// path and text (`None`: no file). Pure: touches nothing else.
+    /// path and text (`None`: no file); `apt_mirror` finds the host's archive, asked only when
+    /// nothing else names a bootstrap mirror. Touches nothing else.
     pub fn resolve(
         flags: &Flags,
         env: &dyn Fn(&str) -> Option<String>,
         path: Option<PathBuf>,
         text: Option<&str>,
+        apt_mirror: fn() -> Option<String>,
     ) -> Result<Self, ConfigError> {
         let path = path.unwrap_or_default();
         let file: FileConfig = match text {
@@ -427,6 +436,30 @@ impl Config {
             },
         };
 
+        let bootstrap_mirror = match pick(None, &["KILN_BOOTSTRAP_MIRROR"], file.bootstrap_mirror) {
+            Some(s) => {
+                let v = s.value.trim_end_matches('/').to_string();
+                if !(v.starts_with("http://") || v.starts_with("https://"))
+                    || v.chars().any(|c| c.is_whitespace() || c.is_control())
+                {
+                    return Err(ConfigError::Invalid {
+                        key: "bootstrap_mirror",
+                        value: s.value,
+                        origin: s.origin,
+                        reason: "not an http:// or https:// URL".into(),
+                    });
+                }
+                Setting {
+                    value: Some(v),
+                    origin: s.origin,
+                }
+            }
+            None => Setting {
+                value: apt_mirror(),
+                origin: Origin::Default,
+            },
+        };
+
         Ok(Config {
             file: (path.clone(), text.is_some()),
             store,
@@ -436,6 +469,7 @@ impl Config {
             s3_endpoint,
             s3_region,
             s3_allow_http,
+            bootstrap_mirror,
         })
     }
 
@@ -486,7 +520,68 @@ impl Config {
                 self.s3_allow_http.value.map(|b| b.to_string()),
                 &self.s3_allow_http.origin,
             ),
+            (
+                "bootstrap_mirror",
+                self.bootstrap_mirror.value.clone(),
+                &self.bootstrap_mirror.origin,
+            ),
         ]
+    }
+}
+
+/// The archive this host's apt uses for a release suite: the first `deb` source, in
+/// `/etc/apt/sources.list` then `/etc/apt/sources.list.d/` (`*.list`, `*.sources`) in name
+/// order, whose suite has no `-` (so not `-updates`, `-security`, `-backports`).
+pub fn host_apt_mirror() -> Option<String> {
+    let mut files = vec![PathBuf::from("/etc/apt/sources.list")];
+    if let Ok(rd) = std::fs::read_dir("/etc/apt/sources.list.d") {
+        let mut more: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+        more.sort();
+        files.extend(more);
+    }
+    files.iter().find_map(|f| {
+        let ext = f.extension()?.to_str()?;
+        // Sources files are a few KiB; a bound keeps a strange one from being read whole.
+        let text = read_file(f).ok().flatten()?;
+        apt_mirror_in(ext, &text)
+    })
+}
+
+/// The first release-suite `deb` URI in one apt sources file (`list`: one-line format,
+/// `sources`: deb822), per sources.list(5).
+fn apt_mirror_in(ext: &str, text: &str) -> Option<String> {
+    let release = |suite: &str| !suite.is_empty() && !suite.contains('-') && !suite.contains('/');
+    let http = |u: &str| u.starts_with("http://") || u.starts_with("https://");
+    match ext {
+        "list" => text.lines().find_map(|l| {
+            let l = l.split('#').next()?.trim();
+            let rest = l.strip_prefix("deb ")?.trim_start();
+            // Skip an `[option=value ...]` block.
+            let rest = match rest.strip_prefix('[') {
+                Some(r) => r.split_once(']')?.1.trim_start(),
+                None => rest,
+            };
+            let mut w = rest.split_whitespace();
+            let (uri, suite) = (w.next()?, w.next()?);
+            (http(uri) && release(suite)).then(|| uri.trim_end_matches('/').to_string())
+        }),
+        "sources" => text.split("\n\n").find_map(|stanza| {
+            let field = |name: &str| {
+                stanza.lines().find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+                })
+            };
+            if field("Enabled").is_some_and(|v| v.eq_ignore_ascii_case("no"))
+                || !field("Types")?.split_whitespace().any(|t| t == "deb")
+                || !field("Suites")?.split_whitespace().any(release)
+            {
+                return None;
+            }
+            let uri = field("URIs")?.split_whitespace().next()?;
+            http(uri).then(|| uri.trim_end_matches('/').to_string())
+        }),
+        _ => None,
     }
 }
 
@@ -631,7 +726,7 @@ mod tests {
     fn resolve(flags: &Flags, env: &[(&str, &str)], file: Option<&str>) -> Config {
         let env = env_of(env);
         let path = config_path(&env);
-        Config::resolve(flags, &env, path, file).unwrap()
+        Config::resolve(flags, &env, path, file, || None).unwrap()
     }
 
     #[test]
@@ -731,7 +826,7 @@ mod tests {
         let env = env_of(&[("HOME", "/h")]);
         let path = config_path(&env);
         let err = |flags: &Flags, env: &dyn Fn(&str) -> Option<String>, text: Option<&str>| {
-            Config::resolve(flags, env, path.clone(), text)
+            Config::resolve(flags, env, path.clone(), text, || None)
                 .unwrap_err()
                 .to_string()
         };
@@ -761,6 +856,64 @@ mod tests {
         // No HOME and nothing set: the error says what to set.
         let e = err(&f, &env_of(&[]), None);
         assert!(e.contains("KILN_STORE"), "{e}");
+    }
+
+    #[test]
+    fn bootstrap_mirror_from_env_file_or_apt() {
+        let c = resolve(&Flags::default(), &[("HOME", "/h")], None);
+        assert_eq!(c.bootstrap_mirror.value, None);
+        let env = env_of(&[("HOME", "/h")]);
+        let c = Config::resolve(&Flags::default(), &env, None, None, || {
+            Some("http://archive.example/debian".into())
+        })
+        .unwrap();
+        assert_eq!(
+            c.bootstrap_mirror.value.as_deref(),
+            Some("http://archive.example/debian")
+        );
+        let c = resolve(
+            &Flags::default(),
+            &[
+                ("HOME", "/h"),
+                ("KILN_BOOTSTRAP_MIRROR", "https://m.example/d/"),
+            ],
+            Some("bootstrap_mirror = \"http://f.example/d\""),
+        );
+        assert_eq!(
+            c.bootstrap_mirror.value.as_deref(),
+            Some("https://m.example/d")
+        );
+        assert_eq!(
+            c.bootstrap_mirror.origin,
+            Origin::Env("KILN_BOOTSTRAP_MIRROR")
+        );
+        let bad = env_of(&[("HOME", "/h"), ("KILN_BOOTSTRAP_MIRROR", "ftp://x")]);
+        assert!(Config::resolve(&Flags::default(), &bad, None, None, || None).is_err());
+    }
+
+    #[test]
+    fn apt_sources_formats() {
+        let deb822 = "Types: deb\nURIs: http://a.example/debian-security\nSuites: bookworm-security\n\n\
+                      Types: deb-src deb\nURIs: http://a.example/debian/ http://b.example/\n\
+                      Suites: bookworm bookworm-updates\nComponents: main\n";
+        assert_eq!(
+            apt_mirror_in("sources", deb822).as_deref(),
+            Some("http://a.example/debian")
+        );
+        let disabled = "Enabled: no\nTypes: deb\nURIs: http://a.example/d\nSuites: bookworm\n";
+        assert_eq!(apt_mirror_in("sources", disabled), None);
+        let list = "# comment\ndeb-src http://s.example/d bookworm main\n\
+                    deb [arch=amd64 signed-by=/k.gpg] http://x.example/d bookworm-backports main\n\
+                    deb [arch=amd64] http://x.example/debian/ bookworm main # trailing\n";
+        assert_eq!(
+            apt_mirror_in("list", list).as_deref(),
+            Some("http://x.example/debian")
+        );
+        assert_eq!(
+            apt_mirror_in("list", "deb file:/cdrom bookworm main\n"),
+            None
+        );
+        assert_eq!(apt_mirror_in("disabled", list), None);
     }
 
     #[test]

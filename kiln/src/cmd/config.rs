@@ -41,14 +41,14 @@ pub fn run(out: &Out, c: Command, verbose: u8) -> CmdResult {
         json!({"file": path, "fileExists": exists, "values": Value::Object(values)}),
         || {
             let mut s = format!(
-                "{:<14} {}{}\n",
+                "{:<17} {}{}\n",
                 "config file",
                 path.display(),
                 if *exists { "" } else { " (not found)" }
             );
             for (key, value, origin) in cfg.entries() {
                 let v = value.unwrap_or_else(|| "(unset)".into());
-                s.push_str(&format!("{key:<14} {v:<40} {origin}\n"));
+                s.push_str(&format!("{key:<17} {v:<40} {origin}\n"));
             }
             s.trim_end().to_string()
         },
