@@ -31,7 +31,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Build a Dockerfile or YAML recipe into the local store; prints the image digest.
-    Build(cmd::build::Args),
+    Build(Box<cmd::build::Args>),
     /// Lower a Dockerfile or YAML recipe into a build plan and print it.
     Plan(cmd::plan::PlanArgs),
     /// Fetch an image from a registry into the local store.
@@ -80,7 +80,7 @@ fn main() -> ExitCode {
         .try_init();
     let out = cmd::Out::new(cli.json);
     match cli.command {
-        Command::Build(a) => cmd::report(&out, cmd::build::run(a)),
+        Command::Build(a) => cmd::report(&out, cmd::build::run(*a)),
         Command::Plan(a) => cmd::plan::run(&a, out.json),
         // These run their own runtime.
         Command::Pull(a) => cmd::report(&out, cmd::pull::run(a)),

@@ -53,10 +53,13 @@ fn build_tag_export_skopeo_umoci() {
         digest.starts_with("sha256:") && digest.len() == 71,
         "{stdout}"
     );
-    assert_eq!(std::fs::read_to_string(&iid).expect("iid"), digest);
+    // stdout: the kiln image manifest; --iidfile: the OCI manifest, as buildx.
+    let oci = std::fs::read_to_string(&iid).expect("iid");
+    assert!(oci.starts_with("sha256:") && oci != digest, "{oci}");
     let m: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&meta).expect("meta")).expect("json");
-    assert_eq!(m["containerimage.digest"], digest.as_str());
+    assert_eq!(m["containerimage.digest"], oci.as_str());
+    assert_eq!(m["kiln.image.manifest"], digest.as_str());
     assert!(stderr.contains("Dockerfile:2 RUN"), "{stderr}");
 
     let layout = t.path().join("layout");
@@ -80,7 +83,7 @@ fn build_tag_export_skopeo_umoci() {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
-    assert_eq!(v["Digest"], digest.as_str());
+    assert_eq!(v["Digest"], oci.as_str());
     let bundle = t.path().join("bundle");
     let out = Command::new("umoci")
         .args(["unpack", "--image"])
@@ -102,6 +105,33 @@ fn build_tag_export_skopeo_umoci() {
     assert_eq!(
         std::fs::read_to_string(bundle.join("rootfs/etc/hostname")).expect("hostname"),
         "runtime-guest\n"
+    );
+
+    // The checked ext4 image is in the store under the tag.
+    let ext4 = t.path().join("rootfs.ext4");
+    let out = kiln(&store)
+        .args(["export", "demo:1", "--format", "ext4", "-o"])
+        .arg(&ext4)
+        .output()
+        .expect("run kiln export");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).lines().last(),
+        Some(digest.as_str())
+    );
+    let out = Command::new("e2fsck")
+        .arg("-fn")
+        .arg(&ext4)
+        .output()
+        .expect("e2fsck missing: run ci/setup.sh");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
     );
 
     // Same build again: all cached, same digest.
@@ -150,7 +180,7 @@ fn sigterm_cancels_and_leaves_nothing() {
     let mut child = kiln(&store)
         .arg("build")
         .arg(&ctx)
-        .args(["-t", "cancelled:1", "--progress", "plain"])
+        .args(["-t", "cancelled:1", "--progress", "plain", "--oci-only"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -8,10 +8,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kiln_builder::build::{
-    BuildError, BuildEvent, BuildOptions, BuildOutput, build,
-};
-use kiln_builder::cache::LocalCache;
+use kiln_builder::build::{BuildError, BuildEvent, BuildOptions, BuildOutput, build};
+use kiln_builder::cache::{BlobCache as _, LocalCache};
 use kiln_builder::exec::ExecError;
 use kiln_builder::registry::RegistryOptions;
 use kiln_builder::resolve::ResolveOptions;
@@ -55,10 +53,31 @@ impl Fx {
         self.tmp.path().join("work")
     }
 
+    fn ctx(&self) -> PathBuf {
+        self.tmp.path().join("ctx")
+    }
+
+    /// Writes `files` (path, content) into the build context.
+    fn write_ctx(&self, files: &[(&str, &str)]) {
+        for (p, c) in files {
+            let path = self.ctx().join(p);
+            std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+            std::fs::write(path, c).expect("write");
+        }
+    }
+
     fn options(&self) -> BuildOptions {
         let mut o = BuildOptions::new(self.work());
         o.exec.run_dir = self.tmp.path().join("run");
         o.exec.cgroup_parent = self.cgroup.clone();
+        let ctx = self.ctx();
+        std::fs::create_dir_all(&ctx).expect("mkdir");
+        let ignore = match std::fs::read(ctx.join(".dockerignore")) {
+            Ok(b) => kiln_recipes::dockerignore::Dockerignore::parse(".dockerignore", &b)
+                .expect("dockerignore"),
+            Err(_) => Default::default(),
+        };
+        o.context = Some((ctx, ignore));
         o
     }
 
@@ -436,22 +455,207 @@ fn yaml_recipe_matches_dockerfile() {
     assert!(ran(&ev2).is_empty(), "the same step: a cache hit");
 }
 
-/// Debian bookworm: apt-get install from Debian's mirror through the default network.
+fn steps(events: &[BuildEvent]) -> Vec<(String, bool)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            BuildEvent::Step {
+                instruction,
+                cached,
+                ..
+            } => Some((instruction.clone(), *cached)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// COPY from the context with `--chown`/`--chmod` and `.dockerignore`; changing one
+/// context file invalidates the steps from its COPY on, and only those.
 #[test]
-fn debian_apt_get_install() {
-    let f = fx("debian");
-    let deb = require_env("KILN_TEST_DEBIAN_REF");
+fn context_copy_and_invalidation() {
+    let f = fx("copy");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    f.write_ctx(&[
+        ("f.txt", "one\n"),
+        ("dir/a", "A\n"),
+        ("secret.txt", "do not copy\n"),
+        (".dockerignore", "secret.txt\n"),
+    ]);
     let text = format!(
-        "FROM {deb}\nRUN apt-get update -qq && apt-get install -y -qq --no-install-recommends hello >/dev/null && hello\n"
+        "FROM {bb}\nRUN echo first > /first\nCOPY --chmod=0600 --chown=1234:1234 f.txt /data/f.txt\n\
+         COPY dir /ctx/dir/\nCOPY . /all/\nRUN cat /data/f.txt > /data/g.txt\n"
     );
     let (r, ev) = f.build(&text);
-    let out = r.unwrap_or_else(|e| panic!("build: {e}\n{:?}", logs(&[])));
+    let out = r.unwrap_or_else(|e| panic!("build: {e}"));
+    assert!(steps(&ev).iter().all(|(_, c)| !c), "{ev:?}");
+    let root = f.unpack(&out);
+    {
+        use std::os::unix::fs::MetadataExt;
+        let md = std::fs::metadata(root.join("data/f.txt")).expect("f.txt");
+        assert_eq!(
+            (md.mode() & 0o7777, md.uid(), md.gid()),
+            (0o600, 1234, 1234)
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(root.join("data/g.txt")).expect("g"),
+        "one\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(root.join("ctx/dir/a")).expect("a"),
+        "A\n"
+    );
+    assert!(root.join("all/f.txt").exists());
     assert!(
-        logs(&ev).contains(&"Hello, world!".to_string()),
+        !root.join("all/secret.txt").exists(),
+        ".dockerignore applies"
+    );
+
+    // Touching a file without changing it changes nothing.
+    f.write_ctx(&[("dir/a", "A\n")]);
+    let (r, ev) = f.build(&text);
+    assert_eq!(
+        r.expect("rebuild").image.oci_manifest.digest,
+        out.image.oci_manifest.digest
+    );
+    assert!(steps(&ev).iter().all(|(_, c)| *c), "{ev:?}");
+
+    f.write_ctx(&[("f.txt", "two\n")]);
+    let (r, ev) = f.build(&text);
+    let out2 = r.unwrap_or_else(|e| panic!("rebuild: {e}"));
+    let cached: Vec<bool> = steps(&ev).iter().map(|(_, c)| *c).collect();
+    // RUN first, COPY f.txt, COPY dir, COPY ., RUN cat, sandbox layer.
+    assert_eq!(cached, [true, false, false, false, false, false], "{ev:?}");
+    let root = f.unpack(&out2);
+    assert_eq!(
+        std::fs::read_to_string(root.join("data/g.txt")).expect("g"),
+        "two\n"
+    );
+    f.assert_clean();
+}
+
+/// Independent stages build at once (--jobs 2); COPY --from takes each one's tree.
+#[test]
+fn multi_stage_copy_from() {
+    let f = fx("stages");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let text = format!(
+        "FROM {bb} AS a\nRUN echo A > /a.txt && rm /bin/vi\nFROM {bb} AS b\nRUN echo B > /b.txt\n\
+         FROM a\nCOPY --from=b /b.txt /out/\nCOPY --from=a /a.txt /out/\nRUN cat /out/a.txt /out/b.txt\n"
+    );
+    let (r, ev) = f.build(&text);
+    let out = r.unwrap_or_else(|e| panic!("build: {e}"));
+    let l = logs(&ev);
+    assert!(
+        l.contains(&"A".to_string()) && l.contains(&"B".to_string()),
+        "{l:?}"
+    );
+    let root = f.unpack(&out);
+    assert_eq!(
+        std::fs::read_to_string(root.join("out/b.txt")).expect("b"),
+        "B\n"
+    );
+    assert!(!root.join("bin/vi").exists(), "FROM a keeps a's whiteout");
+    f.assert_clean();
+}
+
+/// A secret given to the build reaches its RUN --mount and appears in no log and no layer.
+#[test]
+fn secret_in_no_layer_and_no_log() {
+    let f = fx("secret");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let value = "s3cr3t-kiln-value-42";
+    let mut o = f.options();
+    o.secrets.insert(
+        "tok",
+        kiln_builder::secrets::SecretValue::new(value.as_bytes().to_vec()),
+    );
+    let text = format!(
+        "FROM {bb}\nRUN --mount=type=secret,id=tok cat /run/secrets/tok; echo; \
+         test \"$(cat /run/secrets/tok)\" = {value} && echo present\n"
+    );
+    let (r, ev) = f.build_with("Dockerfile", &text, &o, |_| {});
+    let out = r.unwrap_or_else(|e| panic!("build: {e}"));
+    let l = logs(&ev);
+    assert!(l.contains(&"present".to_string()), "{l:?}");
+    assert!(!l.iter().any(|x| x.contains(value)), "{l:?}");
+    for d in &out.image.layers {
+        let p = f.cache.blob_path(&d.digest).expect("ok").expect("layer");
+        let mut raw = Vec::new();
+        std::io::Read::read_to_end(
+            &mut flate2::read::GzDecoder::new(std::fs::File::open(p).expect("open")),
+            &mut raw,
+        )
+        .expect("gunzip");
+        assert!(
+            !raw.windows(value.len()).any(|w| w == value.as_bytes()),
+            "secret in layer {}",
+            d.digest
+        );
+    }
+    let root = f.unpack(&out);
+    assert!(!root.join("run/secrets/tok").exists());
+    f.assert_clean();
+}
+
+/// A C program compiled with gcc on Debian (installed with apt-get from Debian's mirror
+/// through the default network) and copied into a busybox stage.
+#[test]
+fn gcc_multi_stage_into_busybox() {
+    let f = fx("gcc");
+    let deb = require_env("KILN_TEST_DEBIAN_REF");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    f.write_ctx(&[(
+        "hello.c",
+        "#include <stdio.h>\nint main(void) { puts(\"hello from gcc\"); return 0; }\n",
+    )]);
+    let text = format!(
+        "FROM {deb} AS build\n\
+         RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null\n\
+         COPY hello.c /src/\nRUN gcc -static -O2 -o /hello /src/hello.c\n\
+         FROM {bb}\nCOPY --from=build /hello /usr/local/bin/hello\nRUN hello\n"
+    );
+    let (r, ev) = f.build(&text);
+    let out = r.unwrap_or_else(|e| panic!("build: {e}"));
+    assert!(
+        logs(&ev).contains(&"hello from gcc".to_string()),
         "{:?}",
         logs(&ev)
     );
     let root = f.unpack(&out);
-    assert!(root.join("usr/bin/hello").is_file());
+    assert!(root.join("usr/local/bin/hello").is_file());
+    assert!(
+        !root.join("usr/bin/gcc").exists(),
+        "only the busybox stage is in the image"
+    );
     f.assert_clean();
+}
+
+/// The log limit holds for the whole build, not per step: a later step gets what is left.
+#[test]
+fn log_budget_is_build_wide() {
+    let f = fx("logs");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let mut o = f.options();
+    o.exec.log_limits.total_max = 3000;
+    // Each step prints 100 lines of 20 bytes (2100 bytes with newlines).
+    let text = format!(
+        "FROM {bb}\nRUN seq 100 | sed 's/^/first-step-line-/' | cut -c1-20\n\
+         RUN seq 100 | sed 's/^/second-step-line-/' | cut -c1-20\n"
+    );
+    let (r, ev) = f.build_with("Dockerfile", &text, &o, |_| {});
+    r.unwrap_or_else(|e| panic!("build: {e}"));
+    let l = logs(&ev);
+    let total: usize = l.iter().map(|x| x.len() + 1).sum();
+    assert!(total <= 3000 + 64, "{total} bytes of log");
+    assert_eq!(
+        l.iter().filter(|x| x.starts_with("first-step")).count(),
+        100
+    );
+    assert!(l.iter().filter(|x| x.starts_with("second-step")).count() < 100);
+    assert!(
+        l.iter()
+            .any(|x| x == kiln_builder::exec::logs::LOG_TRUNCATED),
+        "{l:?}"
+    );
 }

@@ -73,7 +73,7 @@ impl LayerDirs {
         fs::create_dir_all(root).map_err(io_err("creating", root))?;
         if let Ok(rd) = fs::read_dir(root) {
             for e in rd.flatten() {
-                if e.file_name().to_string_lossy().contains(".tmp-") {
+                if stale_temp(&e.file_name().to_string_lossy()) {
                     let _ = fs::remove_dir_all(e.path());
                 }
             }
@@ -143,6 +143,18 @@ impl LayerDirs {
         }
         self.adopt(&tmp, digest)
     }
+}
+
+/// Whether `name` is a temporary directory (`<label>.tmp-<pid>-<n>`) of a process that no
+/// longer runs: another build on the same work directory keeps its own.
+fn stale_temp(name: &str) -> bool {
+    let Some((_, rest)) = name.split_once(".tmp-") else {
+        return false;
+    };
+    let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else {
+        return true;
+    };
+    pid != std::process::id() as i32 && !Path::new(&format!("/proc/{pid}")).exists()
 }
 
 /// A decompressing reader for a layer blob (gzip, zstd or plain tar, by magic bytes).
@@ -326,6 +338,12 @@ mod tests {
         for e in a.entries().unwrap() {
             let mut e = e.unwrap();
             names.push(String::from_utf8(e.path_bytes().into_owned()).unwrap());
+            // Strict readers (the ext4 flattener) need every numeric field.
+            let h = e.header();
+            h.uid().unwrap();
+            h.gid().unwrap();
+            h.mtime().unwrap();
+            h.mode().unwrap();
             for x in e.pax_extensions().unwrap().into_iter().flatten() {
                 let x = x.unwrap();
                 assert!(!x.key().unwrap().contains("overlay"), "{:?}", x.key());
@@ -354,6 +372,15 @@ mod tests {
             .read_to_end(&mut raw)
             .unwrap();
         assert_eq!(diff_id_of(&p).unwrap(), crate::cache::digest_of(&raw));
+    }
+
+    #[test]
+    fn only_dead_processes_temps_are_stale() {
+        assert!(!stale_temp("0123abcd"));
+        assert!(!stale_temp(&format!("upper.tmp-{}-3", std::process::id())));
+        assert!(!stale_temp("upper.tmp-1-0"), "pid 1 is alive");
+        assert!(stale_temp("upper.tmp-2147483646-0"));
+        assert!(stale_temp("upper.tmp-x"));
     }
 
     /// A whiteout below a symlink the layer planted is dropped, never followed.

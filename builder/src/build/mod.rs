@@ -43,11 +43,17 @@ use kiln_store::{BlobDigest, Store};
 use self::config::{History, OciConfig};
 use self::lower::{LayerDirs, LowerError};
 use crate::cache::{BlobCache, CacheError};
+use crate::copy::fetch::FetchOptions;
+use crate::copy::{CopyOptions, Sources};
+use crate::exec::mounts::MountInputs;
 use crate::exec::{ExecConfig, ExecError, LinuxExecutor, LogLine, StepExecutor, StepSpec};
 use crate::image::{Descriptor, OCI_MANIFEST};
 use crate::layer::Limits;
 use crate::publish::BuiltImage;
 use crate::resolve::ResolvedBase;
+use crate::secrets::Secrets;
+use kiln_recipes::dockerignore::Dockerignore;
+use kiln_recipes::plan::{CopySource, CopyStep, Mount};
 
 /// OCI image config media type (`media-types.md`).
 pub const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
@@ -135,6 +141,14 @@ pub enum BuildError {
     /// A worker task died.
     #[error("internal: a build task failed: {0}")]
     Task(String),
+    /// A `COPY`/`ADD` could not select, fetch or hash its sources.
+    #[error("{location}: {message}")]
+    Copy {
+        /// `file:line`.
+        location: String,
+        /// Why.
+        message: String,
+    },
     /// The recipe does not lower into a plan.
     #[error(transparent)]
     Recipe(Box<kiln_recipes::RecipeError>),
@@ -225,6 +239,13 @@ pub struct BuildOptions {
     pub layer_limits: Limits,
     /// Add the sandbox preparation layer (default true).
     pub sandbox_layer: bool,
+    /// The build context and its `.dockerignore` (`COPY`/`ADD` without `--from`, `RUN
+    /// --mount=type=bind` without `from`); `None`: such steps fail.
+    pub context: Option<(PathBuf, Dockerignore)>,
+    /// The build's secrets (`--secret`), for `RUN --mount=type=secret`.
+    pub secrets: Secrets,
+    /// How `ADD` fetches URLs.
+    pub fetch: FetchOptions,
 }
 
 impl BuildOptions {
@@ -239,6 +260,9 @@ impl BuildOptions {
             cancel: Arc::default(),
             layer_limits: Limits::default(),
             sandbox_layer: true,
+            context: None,
+            secrets: Secrets::default(),
+            fetch: FetchOptions::default(),
         }
     }
 }
@@ -324,6 +348,8 @@ struct Ctx {
     timeout: Duration,
     epoch: Option<u64>,
     step_counter: AtomicUsize,
+    /// Log bytes the build has emitted (its whole log is bounded, DESIGN.md "Build limits").
+    log_bytes: AtomicUsize,
     run: AtomicUsize,
     cached: AtomicUsize,
 }
@@ -393,6 +419,7 @@ pub async fn build_with(
         timeout,
         epoch,
         step_counter: AtomicUsize::new(0),
+        log_bytes: AtomicUsize::new(0),
         run: AtomicUsize::new(0),
         cached: AtomicUsize::new(0),
     });
@@ -831,15 +858,8 @@ async fn run_stage(
         let env = config::merge_env(base_run.env.as_deref().unwrap_or(&[]), &step.context.env);
         let user = step.context.user.clone().or_else(|| base_run.user.clone());
         let canonical = step.canonical_json();
-        let sources: Option<String> = match &step.action {
-            Action::Copy(_) | Action::Add(_) => {
-                return Err(BuildError::Unsupported {
-                    location: loc,
-                    what: "COPY/ADD are not supported by the build driver yet".into(),
-                });
-            }
-            _ => None,
-        };
+        let prepared = prepare_inputs(&ctx, step, &inputs, &loc).await?;
+        let sources = prepared.digest.clone();
         let key = key::StepKey {
             parent: &st.key,
             step: &canonical,
@@ -868,7 +888,8 @@ async fn run_stage(
                 l
             }
             None => {
-                let l = run_step(&ctx, step, index, &st, &env, user.clone(), &loc).await?;
+                let l =
+                    run_step(&ctx, step, index, &st, &env, user.clone(), &loc, prepared).await?;
                 ctx.run.fetch_add(1, Ordering::Relaxed);
                 ctx.store
                     .put_cache_entry(&key, blob_digest(&l.desc.digest)?)
@@ -902,6 +923,7 @@ fn blob_digest(d: &str) -> Result<BlobDigest, BuildError> {
         .ok_or_else(|| BuildError::Task(format!("digest {d} does not convert")))
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_step(
     ctx: &Arc<Ctx>,
     step: &Step,
@@ -910,6 +932,7 @@ async fn run_step(
     env: &[String],
     user: Option<String>,
     loc: &str,
+    prepared: Prepared,
 ) -> Result<LayerRef, BuildError> {
     let lowers = lowers_for(ctx, &st.layers).await?;
     let s = scratch(ctx)?;
@@ -917,15 +940,30 @@ async fn run_step(
     match &step.action {
         Action::Run(_) => {
             let remaining = ctx.deadline.saturating_duration_since(Instant::now());
-            let mut spec =
-                StepSpec::from_plan(index, step, lowers, upper, s.work.clone(), remaining)
-                    .map_err(|e| BuildError::Step {
-                        location: loc.to_string(),
-                        instruction: short(&describe(step)),
-                        source: e,
-                    })?;
+            let mounts = prepared.mounts.clone().unwrap_or_default();
+            let mut spec = StepSpec::from_plan_with_mounts(
+                index,
+                step,
+                lowers,
+                upper,
+                s.work.clone(),
+                remaining,
+                &mounts,
+            )
+            .map_err(|e| BuildError::Step {
+                location: loc.to_string(),
+                instruction: short(&describe(step)),
+                source: e,
+            })?;
+            // The plan's env merged over the base's, then what the mounts add (secret env).
+            let added: Vec<String> = spec
+                .env
+                .split_off(step.context.env.len().min(spec.env.len()));
             spec.env = env.to_vec();
+            spec.env.extend(added);
             spec.user = user;
+            let used = ctx.log_bytes.load(Ordering::Relaxed);
+            spec.log_budget = Some(ctx.opts.exec.log_limits.total_max.saturating_sub(used));
             let c = ctx.clone();
             let r = tokio::task::spawn_blocking(move || {
                 let events = c.events.clone();
@@ -935,7 +973,9 @@ async fn run_step(
             .await
             .map_err(|e| BuildError::Task(e.to_string()))?;
             match r {
-                Ok(_) => {}
+                Ok(report) => {
+                    ctx.log_bytes.fetch_add(report.log_bytes, Ordering::Relaxed);
+                }
                 Err(ExecError::Cancelled) => return Err(BuildError::Cancelled),
                 Err(ExecError::Timeout { .. }) if Instant::now() >= ctx.deadline => {
                     return Err(BuildError::Timeout {
@@ -984,13 +1024,36 @@ async fn run_step(
                 source,
             })?;
         }
-        Action::Copy(_) | Action::Add(_) => {
-            return Err(BuildError::Unsupported {
+        Action::Copy(c) | Action::Add(c) => {
+            let sources = prepared.sources.clone().ok_or_else(|| BuildError::Copy {
                 location: loc.to_string(),
-                what: "COPY/ADD".into(),
-            });
+                message: "sources were not prepared".into(),
+            })?;
+            let c = c.clone();
+            let limits = ctx.opts.layer_limits;
+            let r = tokio::task::spawn_blocking({
+                let (upper, work, mnt) = (upper.clone(), s.work.clone(), s.mnt.clone());
+                move || {
+                    merged::with_merged(lowers, upper, work, mnt, move |root| {
+                        let opts = CopyOptions {
+                            tar_limits: limits,
+                            ..CopyOptions::default()
+                        };
+                        crate::copy::copy_into(&c, &sources, root, &opts)
+                            .map(|_| ())
+                            .map_err(|e| e.to_string())
+                    })
+                }
+            })
+            .await
+            .map_err(|e| BuildError::Task(e.to_string()))?;
+            r.map_err(|source| BuildError::Merged {
+                location: loc.to_string(),
+                source,
+            })?;
         }
     }
+    drop(prepared);
     commit_upper(ctx, s).await
 }
 
@@ -1132,4 +1195,213 @@ async fn finish(ctx: &Ctx, out: StageOut, target: usize) -> Result<BuildOutput, 
             steps_cached: ctx.cached.load(Ordering::Relaxed),
         },
     })
+}
+
+/// A directory removed when dropped.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// What a step needs besides its parent: copy sources, mount inputs, and the digest of
+/// what it reads for its cache key.
+#[derive(Default)]
+struct Prepared {
+    /// `COPY`/`ADD`: the sources (with `ADD`'s downloads).
+    sources: Option<Sources>,
+    /// `RUN --mount`: what the mounts resolve against.
+    mounts: Option<MountInputs>,
+    /// Digest of the sources or bound inputs, for the cache key.
+    digest: Option<String>,
+    /// Scratch removed after the step.
+    _temps: Vec<TempDir>,
+}
+
+/// The merged tree of a finished stage as a plain directory (`work/trees/<key>`), made once
+/// per stage key by applying its layers in order (whiteouts applied).
+async fn stage_tree(ctx: &Arc<Ctx>, st: &StageOut) -> Result<PathBuf, BuildError> {
+    let dir = ctx.opts.work_dir.join("trees").join(&st.key);
+    if dir.is_dir() {
+        return Ok(dir);
+    }
+    let c = ctx.clone();
+    let digests: Vec<String> = st.layers.iter().map(|l| l.desc.digest.clone()).collect();
+    tokio::task::spawn_blocking(move || {
+        let parent = dir.parent().map(Path::to_path_buf).unwrap_or_default();
+        fs::create_dir_all(&parent).map_err(io_err("creating", &parent))?;
+        let tmp = parent.join(format!(
+            "{}.tmp-{}",
+            c.dirs
+                .temp("tree")
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            std::process::id()
+        ));
+        fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
+        let guard = TempDir(tmp.clone());
+        for d in &digests {
+            let blob = c
+                .cache
+                .blob_path(d)?
+                .ok_or_else(|| LowerError::Missing(d.clone()))?;
+            let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
+            crate::layer::apply_layer(&tmp, f, d, &c.opts.layer_limits)
+                .map_err(LowerError::from)?;
+        }
+        if let Err(e) = fs::rename(&tmp, &dir)
+            && !dir.is_dir()
+        {
+            return Err(io_err("moving a stage tree to", &dir)(e));
+        }
+        drop(guard);
+        Ok(dir)
+    })
+    .await
+    .map_err(|e| BuildError::Task(e.to_string()))?
+}
+
+fn copy_err(loc: &str) -> impl FnOnce(crate::copy::CopyError) -> BuildError + '_ {
+    move |e| BuildError::Copy {
+        location: loc.to_string(),
+        message: e.to_string(),
+    }
+}
+
+/// Sources of a copy from `from`, resolved against the stages built so far.
+async fn source_root(
+    ctx: &Arc<Ctx>,
+    from: Option<&MountFrom>,
+    inputs: &BTreeMap<usize, StageOut>,
+    loc: &str,
+) -> Result<Sources, BuildError> {
+    match from {
+        None => {
+            let (dir, ignore) = ctx.opts.context.clone().ok_or_else(|| BuildError::Copy {
+                location: loc.to_string(),
+                message: "this build has no build context".into(),
+            })?;
+            Ok(Sources::context(dir, ignore))
+        }
+        Some(MountFrom::Stage { stage }) => {
+            let so = inputs.get(stage).ok_or_else(|| {
+                BuildError::Plan(format!(
+                    "{loc}: stage {stage} is not built before this step"
+                ))
+            })?;
+            Ok(Sources::tree(stage_tree(ctx, so).await?))
+        }
+        Some(MountFrom::Image { reference }) => Err(BuildError::Unsupported {
+            location: loc.to_string(),
+            what: format!("--from={reference}: copying from an image (use a stage FROM it)"),
+        }),
+    }
+}
+
+/// Digest of the sources of `c` in `src` (blocking work on a worker thread).
+async fn digest_sources(c: &CopyStep, src: &Sources, loc: &str) -> Result<String, BuildError> {
+    let (c2, s2) = (c.clone(), src.clone());
+    tokio::task::spawn_blocking(move || crate::copy::sources_digest(&c2, &s2))
+        .await
+        .map_err(|e| BuildError::Task(e.to_string()))?
+        .map_err(copy_err(loc))
+}
+
+async fn prepare_inputs(
+    ctx: &Arc<Ctx>,
+    step: &Step,
+    inputs: &BTreeMap<usize, StageOut>,
+    loc: &str,
+) -> Result<Prepared, BuildError> {
+    let mut p = Prepared::default();
+    match &step.action {
+        Action::Copy(c) | Action::Add(c) => {
+            let mut src = source_root(ctx, c.from.as_ref(), inputs, loc).await?;
+            if c.sources
+                .iter()
+                .any(|s| matches!(s, CopySource::Url { .. }))
+            {
+                let dir = ctx.dirs.temp("download");
+                fs::create_dir(&dir).map_err(io_err("creating", &dir))?;
+                p._temps.push(TempDir(dir.clone()));
+                let d = crate::copy::fetch::fetch_urls(c, &dir, &ctx.opts.fetch)
+                    .await
+                    .map_err(|e| BuildError::Copy {
+                        location: loc.to_string(),
+                        message: e.to_string(),
+                    })?;
+                src = src.with_downloads(d);
+            }
+            p.digest = Some(digest_sources(c, &src, loc).await?);
+            p.sources = Some(src);
+        }
+        Action::Run(r) if !r.mounts.is_empty() => {
+            let mut mi = MountInputs {
+                context: ctx.opts.context.clone(),
+                cache_dir: Some(ctx.opts.work_dir.join("cache-mounts")),
+                secrets: ctx.opts.secrets.clone(),
+                ..MountInputs::default()
+            };
+            let scratch = ctx.dirs.temp("mount-scratch");
+            fs::create_dir(&scratch).map_err(io_err("creating", &scratch))?;
+            p._temps.push(TempDir(scratch.clone()));
+            mi.scratch_dir = Some(scratch);
+            // What bind mounts read enters the key: a stage by its key, the context by the
+            // digest of the bound path's content.
+            let mut parts: Vec<String> = Vec::new();
+            for m in &r.mounts {
+                let (from, source) = match m {
+                    Mount::Bind { from, source, .. } => (from.as_ref(), Some(source.clone())),
+                    Mount::Cache { from, source, .. } => (from.as_ref(), source.clone()),
+                    _ => continue,
+                };
+                match from {
+                    Some(MountFrom::Stage { stage }) => {
+                        let so = inputs.get(stage).ok_or_else(|| {
+                            BuildError::Plan(format!("{loc}: stage {stage} is not built yet"))
+                        })?;
+                        mi.stage_roots.insert(*stage, stage_tree(ctx, so).await?);
+                        parts.push(format!("stage:{}", so.key));
+                    }
+                    Some(MountFrom::Image { reference }) => {
+                        return Err(BuildError::Unsupported {
+                            location: loc.to_string(),
+                            what: format!("--mount from={reference}: mounting an image"),
+                        });
+                    }
+                    None if matches!(m, Mount::Bind { .. }) => {
+                        let src = source_root(ctx, None, inputs, loc).await?;
+                        let path = source.unwrap_or_else(|| ".".into());
+                        let sel = CopyStep {
+                            sources: vec![CopySource::Path { path }],
+                            dest: "/".into(),
+                            from: None,
+                            chown: None,
+                            chmod: None,
+                            link: false,
+                            parents: false,
+                            exclude: Vec::new(),
+                            checksum: None,
+                            unpack: false,
+                            keep_git_dir: false,
+                        };
+                        parts.push(format!(
+                            "context:{}",
+                            digest_sources(&sel, &src, loc).await?
+                        ));
+                    }
+                    None => {}
+                }
+            }
+            if !parts.is_empty() {
+                p.digest = Some(crate::cache::digest_of(parts.join("\n").as_bytes()));
+            }
+            p.mounts = Some(mi);
+        }
+        _ => {}
+    }
+    Ok(p)
 }

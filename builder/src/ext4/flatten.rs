@@ -42,6 +42,10 @@ use super::{Ext4Error, LayerBlob};
 const MAX_SYMLINK_HOPS: usize = 40;
 /// How deep a resolved path may go, in components.
 const MAX_DEPTH: usize = 1024;
+/// Names, link targets and xattrs the scan keeps in memory over all layers, bytes (1 GiB;
+/// the Debian base needs about 1 MiB). A hostile image could otherwise fill memory with
+/// long PAX names or xattrs within the per-layer [`Limits`].
+pub const MAX_SCAN_BYTES: u64 = 1 << 30;
 
 /// A stream position: (layer index, entry index in that layer's tar stream).
 type Pos = (u32, u32);
@@ -243,8 +247,14 @@ fn open_layer(l: &LayerBlob) -> Result<File, Ext4Error> {
     })
 }
 
-/// Reads every header of one layer (data skipped).
-fn scan_layer(l: &LayerBlob, limits: &Limits) -> Result<(Vec<Scanned>, u64), Ext4Error> {
+/// Reads every header of one layer (data skipped). `kept` counts the bytes of names, link
+/// targets and xattrs held so far, against [`MAX_SCAN_BYTES`].
+fn scan_layer(
+    l: &LayerBlob,
+    limits: &Limits,
+    kept: &mut u64,
+    max_kept: u64,
+) -> Result<(Vec<Scanned>, u64), Ext4Error> {
     let (stream, bounded) = bounded_stream(open_layer(l)?, &l.digest, limits)?;
     let mut archive = tar::Archive::new(stream);
     let mut out = Vec::new();
@@ -295,6 +305,19 @@ fn scan_layer(l: &LayerBlob, limits: &Limits) -> Result<(Vec<Scanned>, u64), Ext
             .into());
         }
         let link = entry.link_name_bytes().map(|c| c.into_owned());
+        *kept += (raw.len() + link.as_ref().map_or(0, Vec::len)) as u64
+            + meta
+                .xattrs
+                .iter()
+                .map(|(k, v)| (k.len() + v.len()) as u64)
+                .sum::<u64>();
+        if *kept > max_kept {
+            return Err(Ext4Error::ScanTooLarge {
+                digest: l.digest.clone(),
+                entry: last,
+                limit: max_kept,
+            });
+        }
         let h = entry.header();
         let dev = (
             h.device_major().ok().flatten().unwrap_or(0),
@@ -328,6 +351,17 @@ impl Flat {
         clamp: Option<u64>,
         default_mtime: u64,
     ) -> Result<Flat, Ext4Error> {
+        Self::scan_bounded(layers, limits, clamp, default_mtime, MAX_SCAN_BYTES)
+    }
+
+    /// [`Flat::scan`] with another bound than [`MAX_SCAN_BYTES`] on what it keeps.
+    pub(crate) fn scan_bounded(
+        layers: &[LayerBlob],
+        limits: &Limits,
+        clamp: Option<u64>,
+        default_mtime: u64,
+        max_kept: u64,
+    ) -> Result<Flat, Ext4Error> {
         let mut f = Flat {
             layers: layers.to_vec(),
             limits: *limits,
@@ -338,8 +372,9 @@ impl Flat {
             actions: Vec::with_capacity(layers.len()),
             stats: FlatStats::default(),
         };
+        let mut kept = 0u64;
         for (li, l) in layers.iter().enumerate() {
-            let (entries, bytes) = scan_layer(l, limits)?;
+            let (entries, bytes) = scan_layer(l, limits, &mut kept, max_kept)?;
             f.stats.entries_read += entries.len() as u64;
             f.stats.layer_bytes += bytes;
             f.actions.push(vec![Action::Skip; entries.len()]);

@@ -45,7 +45,7 @@
 
 mod flatten;
 
-pub use flatten::{Flat, FlatStats, Meta};
+pub use flatten::{Flat, FlatStats, MAX_SCAN_BYTES, Meta};
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -191,6 +191,18 @@ pub enum Ext4Error {
     /// A layer blob read differently in the second pass than in the first.
     #[error("layer {0} changed while it was being read")]
     LayerChanged(String),
+    /// The layers' names, link targets and xattrs together exceed what the scan may hold.
+    #[error(
+        "layer {digest}: entry {entry}: names, link targets and xattrs of the image exceed {limit} bytes"
+    )]
+    ScanTooLarge {
+        /// Layer digest.
+        digest: String,
+        /// Entry being read.
+        entry: String,
+        /// [`MAX_SCAN_BYTES`].
+        limit: u64,
+    },
     /// An xattr name that is not UTF-8 (PAX records are UTF-8).
     #[error("{0}: an xattr name is not UTF-8")]
     XattrName(String),
@@ -613,7 +625,12 @@ fn run_mke2fs(
         buf
     });
     let written = match child.stdin.take() {
-        Some(stdin) => flat.write(std::io::BufWriter::with_capacity(1 << 20, stdin)),
+        Some(stdin) => {
+            // mke2fs reads the tarball in 4 KiB pieces; a 1 MiB pipe lets the writer run
+            // ahead (best effort: the default 64 KiB works too).
+            let _ = rustix::pipe::fcntl_setpipe_size(&stdin, 1 << 20);
+            flat.write(std::io::BufWriter::with_capacity(1 << 20, stdin))
+        }
         None => Ok(()),
     };
     let status = child.wait().map_err(io)?;

@@ -388,6 +388,24 @@ fn hostile_layers_are_refused() {
 }
 
 #[test]
+fn what_the_scan_keeps_is_bounded() {
+    let d = tempfile::tempdir().unwrap();
+    let long = "n".repeat(200);
+    let names: Vec<String> = (0..20).map(|i| format!("{long}{i}")).collect();
+    let entries: Vec<E<'_>> = names.iter().map(|n| E::File(n, b"x")).collect();
+    let layers = vec![blob(d.path(), &entries, Z::Gzip)];
+    let err = match Flat::scan_bounded(&layers, &Limits::default(), None, 0, 2048) {
+        Err(e) => e,
+        Ok(_) => panic!("4 KiB of names kept under a 2 KiB bound"),
+    };
+    assert!(
+        matches!(err, Ext4Error::ScanTooLarge { limit: 2048, .. }),
+        "{err}"
+    );
+    assert!(Flat::scan_bounded(&layers, &Limits::default(), None, 0, 8192).is_ok());
+}
+
+#[test]
 fn tools_check_passes_here() {
     let t = check_tools().expect("ci/setup.sh installs e2fsprogs 1.47.2 and libarchive13");
     assert!(parse_version(&t.version).unwrap() >= MIN_E2FSPROGS);

@@ -146,6 +146,8 @@ fn walk<W: Write>(
     if overlay && !prefix.is_empty() && is_opaque(dir)? {
         let mut h = tar::Header::new_gnu();
         h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
         h.set_entry_type(tar::EntryType::Regular);
         h.set_size(0);
         h.set_mtime(epoch.unwrap_or(0));
@@ -170,6 +172,8 @@ fn walk<W: Write>(
             // An overlayfs whiteout: an empty regular `.wh.<name>`.
             let mut h = tar::Header::new_gnu();
             h.set_mode(0o644);
+            h.set_uid(0);
+            h.set_gid(0);
             h.set_entry_type(tar::EntryType::Regular);
             h.set_size(0);
             let mtime = md.mtime().max(0) as u64;

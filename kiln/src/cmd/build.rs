@@ -1,6 +1,9 @@
 //! `kiln build [CONTEXT] -f FILE -t NAME:TAG...`: builds a Dockerfile or a YAML recipe into
-//! the local store (flags named as `docker buildx build` names them) and prints the image
-//! (OCI manifest) digest as the last line on stdout. Progress and step logs go to stderr:
+//! the local store (flags named as `docker buildx build` names them): the OCI image, then
+//! its checked ext4 image, the kiln image manifest and the tags
+//! ([`kiln_builder::publish::publish`]). Prints the image manifest digest as the last line
+//! on stdout (with `--oci-only`, the OCI manifest digest); `--iidfile` gets the OCI
+//! manifest digest, as buildx writes it. Progress and step logs go to stderr:
 //! plain lines, or one JSON object per line with `--progress rawjson`.
 //!
 //! Ctrl-C and SIGTERM cancel the build: the running step is killed, nothing is tagged, no
@@ -90,12 +93,19 @@ pub struct Args {
     /// A secret for `RUN --mount=type=secret`: `id=ID,src=PATH` or `id=ID,env=VAR`.
     #[arg(long)]
     pub secret: Vec<String>,
+    /// SSH agent forwarding: refused (not supported).
+    #[arg(long)]
+    pub ssh: Vec<String>,
     /// A named context: `NAME=oci-layout://DIR[:TAG]` (a FROM of NAME uses it).
     #[arg(long = "build-context")]
     pub build_context: Vec<String>,
     /// A registry (host[:port]) allowed over plain HTTP; loopback registries always are.
     #[arg(long = "insecure-registry")]
     pub insecure: Vec<String>,
+    /// Stop at the OCI image: no ext4 image, no kiln image manifest; `-t` names become
+    /// local OCI references (what `kiln pull` makes) instead of store tags.
+    #[arg(long = "oci-only")]
+    pub oci_only: bool,
     /// Scratch and layer directories (default: STORE/.build).
     #[arg(long = "work-dir", env = "KILN_BUILD_DIR")]
     pub work_dir: Option<PathBuf>,
@@ -187,9 +197,15 @@ fn printer(progress: Progress) -> Arc<dyn Fn(BuildEvent) + Send + Sync> {
 
 /// Runs `kiln build`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if !a.secret.is_empty() {
-        bail!("--secret: RUN --mount=type=secret is not supported by this build of kiln yet");
+    for f in &a.ssh {
+        kiln_builder::secrets::refuse_ssh(f)?;
     }
+    let specs = a
+        .secret
+        .iter()
+        .map(|f| kiln_builder::secrets::parse_secret_flag(f))
+        .collect::<Result<Vec<_>, _>>()?;
+    let secrets = kiln_builder::secrets::Secrets::load(&specs)?;
     for e in &a.allow {
         if e != "network.host" {
             bail!("--allow {e:?}: the only entitlement is network.host");
@@ -201,14 +217,28 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
     let name = file.display().to_string();
-    let tags: Vec<kiln_builder::reference::Reference> = a
-        .tags
-        .iter()
-        .map(|t| {
-            t.parse()
-                .with_context(|| format!("-t {t}: not a valid name:tag"))
-        })
-        .collect::<anyhow::Result<_>>()?;
+    let oci_tags: Vec<kiln_builder::reference::Reference> = if a.oci_only {
+        a.tags
+            .iter()
+            .map(|t| {
+                t.parse()
+                    .with_context(|| format!("-t {t}: not a valid name:tag"))
+            })
+            .collect::<anyhow::Result<_>>()?
+    } else {
+        Vec::new()
+    };
+    let store_tags: Vec<kiln_store::TagRef> = if a.oci_only {
+        Vec::new()
+    } else {
+        a.tags
+            .iter()
+            .map(|t| {
+                t.parse()
+                    .with_context(|| format!("-t {t}: not a valid store tag (name:tag)"))
+            })
+            .collect::<anyhow::Result<_>>()?
+    };
 
     let config = crate::config::Config::load(&crate::config::Flags::default())?;
     let root = match &a.store {
@@ -255,11 +285,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     opts.jobs = a.jobs.max(1);
     opts.exec.allow_network_host = a.allow.iter().any(|e| e == "network.host");
     opts.exec.run_dir = work.join("run");
+    opts.context = Some((context.clone(), dockerignore(&context, &file)?));
+    opts.secrets = secrets;
     let cancel = opts.cancel.clone();
     let events = printer(a.progress);
 
     let rt = super::common::runtime()?;
-    let out = rt.block_on(async {
+    let (out, published) = rt.block_on(async {
         // Ctrl-C and SIGTERM cancel the build.
         let flag = cancel.clone();
         tokio::spawn(async move {
@@ -291,14 +323,36 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         }
         let out = build(&plan, &bases, cache.clone(), &store, &opts, events).await?;
-        anyhow::Ok(out)
+        if cancel.load(Ordering::Relaxed) {
+            bail!("build cancelled");
+        }
+        // The ext4 image, the kiln image manifest and the store tags (nothing is tagged
+        // when any of it fails).
+        let published = if a.oci_only {
+            None
+        } else {
+            eprintln!("publishing: ext4 image, image manifest, tags");
+            let p = kiln_builder::publish::publish(
+                &store,
+                cache.as_ref(),
+                &out.image,
+                &store_tags,
+                &kiln_builder::publish::PublishOptions {
+                    disk_mib: a.disk_mib,
+                    ..Default::default()
+                },
+            )
+            .await?;
+            Some(p)
+        };
+        anyhow::Ok((out, published))
     })?;
     if cancel.load(Ordering::Relaxed) {
         bail!("build cancelled");
     }
     let digest = out.image.oci_manifest.digest.clone();
-    let mut names = Vec::new();
-    for t in &tags {
+    let mut names: Vec<String> = store_tags.iter().map(|t| t.to_string()).collect();
+    for t in &oci_tags {
         let full = format!("{}:{}", t.name(), t.tag().unwrap_or("latest"));
         cache
             .set_ref(&full, &digest)
@@ -314,14 +368,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "containerimage.config.digest": out.image.config.digest,
             "containerimage.descriptor": out.image.oci_manifest,
             "image.name": names.join(","),
+            "kiln.image.manifest": published.as_ref().map(|d| d.to_string()),
             "kiln.recipe.digest": out.image.recipe_digest,
             "kiln.steps.run": out.stats.steps_run,
             "kiln.steps.cached": out.stats.steps_cached,
         });
         write_file(p, serde_json::to_string_pretty(&meta)?.as_bytes())?;
     }
+    let last = published
+        .as_ref()
+        .map(|d| d.to_string())
+        .unwrap_or_else(|| digest.clone());
     eprintln!(
-        "built {digest}: {} steps run, {} cached{}",
+        "built {last} (OCI manifest {digest}): {} steps run, {} cached{}",
         out.stats.steps_run,
         out.stats.steps_cached,
         if names.is_empty() {
@@ -330,10 +389,33 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!(", tagged {}", names.join(", "))
         }
     );
-    println!("{digest}");
+    println!("{last}");
     Ok(())
 }
 
 fn write_file(p: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::write(p, bytes).with_context(|| format!("writing {}", p.display()))
+}
+
+/// The build context's ignore file, as BuildKit picks it: `<recipe>.dockerignore` beside the
+/// recipe when it exists, else `CONTEXT/.dockerignore`, else none.
+fn dockerignore(
+    context: &Path,
+    recipe: &Path,
+) -> anyhow::Result<kiln_recipes::dockerignore::Dockerignore> {
+    let mut specific = recipe.as_os_str().to_owned();
+    specific.push(".dockerignore");
+    for p in [PathBuf::from(specific), context.join(".dockerignore")] {
+        match std::fs::read(&p) {
+            Ok(b) => {
+                return Ok(kiln_recipes::dockerignore::Dockerignore::parse(
+                    &p.display().to_string(),
+                    &b,
+                )?);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("reading {}", p.display())),
+        }
+    }
+    Ok(Default::default())
 }
