@@ -12,7 +12,10 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 /// The shell command of README.md's main-job block: the first fenced block after the
@@ -23,10 +26,16 @@ fn main_job_command() -> String {
         .find("<!-- main job")
         .expect("README.md has no `<!-- main job` marker before its main-job command");
     let rest = &readme[at..];
-    let open = rest.find("```sh\n").expect("no ```sh block after the marker") + 6;
+    let open = rest
+        .find("```sh\n")
+        .expect("no ```sh block after the marker")
+        + 6;
     let close = rest[open..].find("```").unwrap();
     let cmd = rest[open..open + close].trim().to_string();
-    assert!(!cmd.is_empty() && cmd.lines().count() == 1, "one command: {cmd:?}");
+    assert!(
+        !cmd.is_empty() && cmd.lines().count() == 1,
+        "one command: {cmd:?}"
+    );
     cmd
 }
 
@@ -95,7 +104,11 @@ fn readme_main_job_builds_a_checked_image_that_survives_s3() {
         .iter()
         .find(|i| i["manifest"] == digest.as_str())
         .unwrap_or_else(|| panic!("{digest} is not tagged: {images:?}"));
-    let tag = format!("{}:{}", img["name"].as_str().unwrap(), img["tag"].as_str().unwrap());
+    let tag = format!(
+        "{}:{}",
+        img["name"].as_str().unwrap(),
+        img["tag"].as_str().unwrap()
+    );
     let o = kiln(&store, &["--json", "inspect", &digest, "--fsck"]);
     let i: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(i["fsck"]["clean"], true, "{i}");
@@ -111,7 +124,10 @@ fn readme_main_job_builds_a_checked_image_that_survives_s3() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_nanos();
-    let s3 = format!("s3://{bucket}/readme-main-job-{}-{nanos}", std::process::id());
+    let s3 = format!(
+        "s3://{bucket}/readme-main-job-{}-{nanos}",
+        std::process::id()
+    );
     kiln(&store, &["store", "push", &tag, "--to", &s3]);
     let empty = dir.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
@@ -121,5 +137,9 @@ fn readme_main_job_builds_a_checked_image_that_survives_s3() {
     assert_eq!(sha256_file(&built), sha256_file(&pulled));
     let o = kiln(&empty, &["--json", "inspect", &tag]);
     let j: Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(j["manifest"], digest.as_str(), "same manifest after the round trip");
+    assert_eq!(
+        j["manifest"],
+        digest.as_str(),
+        "same manifest after the round trip"
+    );
 }
