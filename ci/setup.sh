@@ -24,7 +24,7 @@ log() { printf 'setup: %s\n' "$*" >&2; }
 # Packages from bookworm itself.
 apt_main=(docker-registry slirp4netns skopeo umoci busybox-static debootstrap zstd
   python3-venv apache2-utils curl ca-certificates pkg-config
-  uidmap iproute2 netcat-openbsd)
+  uidmap iproute2 netcat-openbsd xz-utils)
 # Packages that must come from bookworm-backports: e2fsprogs >= 1.47.1 reads a tarball with
 # `mke2fs -d`, and only when libarchive13 is installed. QEMU too: this kind of machine ships
 # qemu-utils from backports, which breaks bookworm's qemu-system-common.
@@ -229,4 +229,13 @@ if [ "$token_have" != "$(fixture_layout_digest "$KILN_TEST_BUSYBOX_OCI" latest)"
     --dest-creds "$KILN_TEST_REGISTRY_USER:$KILN_TEST_REGISTRY_PASSWORD" \
     "oci:$KILN_TEST_BUSYBOX_OCI:latest" "docker://$KILN_TEST_REGISTRY_TOKEN/busybox:latest"
 fi
+
+# --- guest kernel and initramfs (issue 8) -------------------------------------------------
+# Debian's cloud kernel, fetched by name (apt's lists must know the package), and an
+# initramfs with kiln-guest-init built static from this checkout. Appends KILN_TEST_KERNEL and
+# KILN_TEST_INITRAMFS to the env file.
+apt-cache show linux-image-cloud-amd64 >/dev/null 2>&1 || apt_update
+guest_assets=$(cd "$ci_dir/.." && cargo run -q --locked -p kiln-tests --bin kiln-test-guest-assets)
+eval "$(printf '%s\n' "$guest_assets" | grep '^export ')"
+printf '%s\n' "$guest_assets" >>"$KILN_CI_CACHE/env"
 log "ready; environment in $KILN_CI_CACHE/env"

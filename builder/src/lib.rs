@@ -4,7 +4,8 @@
 //! Base images (issue 4):
 //! - [`reference`]: image references as Docker parses them;
 //! - [`image`]: OCI/Docker manifests, indexes, platforms;
-//! - [`cache`]: the blob cache pulled into ([`cache::BlobCache`], [`cache::LocalCache`]);
+//! - [`cache`]: the blob cache pulled into, which is the local store ([`cache::BlobCache`],
+//!   [`cache::LocalCache`] over [`kiln_store::LocalBlobs`]);
 //! - [`registry`]: pull and push through `oci-client`, with resume and credentials;
 //! - [`layout`]: OCI image layout directories (import and export);
 //! - [`layer`]: applying layers safely onto a root directory;

@@ -41,6 +41,21 @@ pub enum ReferenceError {
     /// The registry domain is not a host name with an optional port.
     #[error("invalid registry domain {0:?}")]
     BadDomain(String),
+    /// A `:` with nothing after it.
+    #[error(
+        "invalid image reference {0:?}: empty tag after ':' (write NAME:TAG, or NAME for :latest)"
+    )]
+    EmptyTag(String),
+    /// A repository path component with upper-case letters.
+    #[error(
+        "invalid repository name {name:?}: repository names must be lower case ({component:?})"
+    )]
+    UpperCase {
+        /// The whole name.
+        name: String,
+        /// The component with upper-case letters.
+        component: String,
+    },
     /// The tag breaks the grammar.
     #[error("invalid tag {0:?}: must match [A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}}")]
     BadTag(String),
@@ -240,6 +255,9 @@ impl FromStr for Reference {
         let (name, tag) = match rest[last_slash..].rfind(':') {
             Some(i) => {
                 let t = &rest[last_slash + i + 1..];
+                if t.is_empty() {
+                    return Err(ReferenceError::EmptyTag(s.to_string()));
+                }
                 if !valid_tag(t) {
                     return Err(ReferenceError::BadTag(t.to_string()));
                 }
@@ -274,6 +292,13 @@ impl FromStr for Reference {
             path
         };
         for c in path.split('/') {
+            if c.bytes().any(|b| b.is_ascii_uppercase()) && valid_component(&c.to_ascii_lowercase())
+            {
+                return Err(ReferenceError::UpperCase {
+                    name: name.to_string(),
+                    component: c.to_string(),
+                });
+            }
             if !valid_component(c) {
                 return Err(ReferenceError::BadComponent {
                     name: name.to_string(),
@@ -381,13 +406,22 @@ mod tests {
     #[test]
     fn refusals() {
         assert_eq!("".parse::<Reference>(), Err(ReferenceError::Empty));
+        // Upper case and an empty tag are named as such (the newcomer review's leftovers).
+        for s in ["Debian", "127.0.0.1:5000/BusyBox:1", "ghcr.io/Org/x"] {
+            let e = s.parse::<Reference>().unwrap_err();
+            assert!(matches!(e, ReferenceError::UpperCase { .. }), "{s}: {e}");
+            assert!(e.to_string().contains("lower case"), "{e}");
+        }
+        // A domain may have upper case (it is not a repository component).
+        assert_eq!(p("Registry.Example/x").registry(), "Registry.Example");
+        for s in ["debian:", "127.0.0.1:5000/x:"] {
+            let e = s.parse::<Reference>().unwrap_err();
+            assert_eq!(e, ReferenceError::EmptyTag(s.to_string()));
+            assert!(e.to_string().contains("empty tag"), "{e}");
+        }
         assert!(matches!(
-            "Debian".parse::<Reference>(),
+            "Deb!an".parse::<Reference>(),
             Err(ReferenceError::BadComponent { .. })
-        ));
-        assert!(matches!(
-            "debian:".parse::<Reference>(),
-            Err(ReferenceError::BadTag(_))
         ));
         assert!(matches!(
             "debian:-x".parse::<Reference>(),

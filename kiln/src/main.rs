@@ -52,6 +52,16 @@ enum Command {
     Tags(cmd::tags::Args),
     /// Remove a tag.
     Untag(cmd::untag::Args),
+    /// Fetch the guest kernel and build its initramfs; prints `export KILN_KERNEL=…` lines.
+    Kernel(cmd::kernel::Args),
+    /// Boot an image once and store its snapshot.
+    Snapshot(cmd::snapshot::Args),
+    /// Start clones of an image's snapshot on this host.
+    Start(cmd::start::Args),
+    /// List clones started on this host.
+    Ps(cmd::ps::Args),
+    /// Stop clones started on this host.
+    Stop(cmd::stop::Args),
     /// Store maintenance and copies between stores.
     #[command(subcommand)]
     Store(cmd::store::Command),
@@ -92,6 +102,11 @@ fn main() -> ExitCode {
         Command::Tag(a) => cmd::run(&out, async |out| cmd::tag::run(out, a).await),
         Command::Tags(a) => cmd::run(&out, async |out| cmd::tags::run(out, a).await),
         Command::Untag(a) => cmd::run(&out, async |out| cmd::untag::run(out, a).await),
+        Command::Kernel(a) => cmd::run(&out, async |out| cmd::kernel::run(out, a).await),
+        Command::Snapshot(a) => cmd::run(&out, async |out| cmd::snapshot::run(out, a).await),
+        Command::Start(a) => cmd::run(&out, async |out| cmd::start::run(out, a).await),
+        Command::Ps(a) => cmd::run(&out, async |out| cmd::ps::run(out, a).await),
+        Command::Stop(a) => cmd::run(&out, async |out| cmd::stop::run(out, a).await),
         Command::Store(c) => cmd::run(&out, async |out| cmd::store::run(out, c).await),
         Command::Images(a) => cmd::run(&out, async |out| cmd::images::run(out, a).await),
         Command::Inspect(a) => cmd::run(&out, async |out| cmd::inspect::run(out, a).await),

@@ -281,6 +281,42 @@ fn pulled_images_are_store_references() {
         "unpack from the copy",
     );
     assert!(t.path().join("tree/bin/busybox").exists());
+    // A non-empty destination is refused unless --merge.
+    let tree = t.path().join("tree");
+    let again = kiln(
+        &other,
+        &cfg,
+        &[
+            "unpack",
+            "--offline",
+            &reference,
+            tree.to_str().expect("utf8"),
+        ],
+        None,
+    );
+    assert!(!again.status.success());
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        err.contains("not empty") && err.contains("--merge"),
+        "{err}"
+    );
+    std::fs::write(tree.join("mine"), b"kept").expect("write");
+    ok(
+        &kiln(
+            &other,
+            &cfg,
+            &[
+                "unpack",
+                "--offline",
+                "--merge",
+                &reference,
+                tree.to_str().expect("utf8"),
+            ],
+            None,
+        ),
+        "unpack --merge",
+    );
+    assert_eq!(std::fs::read(tree.join("mine")).expect("kept"), b"kept");
 }
 
 /// Anonymous bearer tokens: the token-auth registry of `ci/setup.sh` (:5002, tokens from

@@ -9,7 +9,8 @@
 //!   OCI manifest and config it was built from (as blobs), recipe digest, provenance, and the
 //!   snapshot taken from it once booted. No build time: identical inputs give identical bytes.
 //! - [`SNAPSHOT_MEDIA_TYPE`] → [`SnapshotManifest`]: memory chunk table, vmstate blob, disk
-//!   chunk table, compatibility key, and the image manifest it came from.
+//!   chunk table, compatibility key, the image manifest it came from, the kernel and
+//!   initramfs it booted (as blobs), its vCPU count and memory size.
 //!
 //! Unknown fields are rejected (`deny_unknown_fields`): GC must never under-count references
 //! because an older reader skipped a field it did not know. Manifests larger than
@@ -236,10 +237,19 @@ pub struct SnapshotManifest {
     pub vmstate: BlobRef,
     /// The disk at snapshot time.
     pub disk: ChunkTable,
-    /// What a host must offer to restore it (CPU features, VMM version...), opaque here.
+    /// What a host must offer to restore it (CPU features, VMM version...), opaque here
+    /// (kiln-vmm's `CompatKey` renders and parses it).
     pub compatibility_key: String,
     /// The image manifest the VM booted from.
     pub image: ManifestDigest,
+    /// The guest kernel it booted (uncompressed vmlinux), as a blob.
+    pub kernel: BlobRef,
+    /// The initramfs it booted (cpio newc), as a blob.
+    pub initramfs: BlobRef,
+    /// Number of vCPUs.
+    pub vcpus: u32,
+    /// Guest RAM in bytes (the memory file's size).
+    pub memory_bytes: u64,
 }
 
 /// A parsed manifest of any known type.
@@ -387,6 +397,8 @@ pub fn references(m: &Manifest) -> Vec<ObjectRef> {
         Manifest::Snapshot(s) => {
             out.push(ObjectRef::Manifest(s.image));
             out.push(ObjectRef::Blob(s.vmstate.digest));
+            out.push(ObjectRef::Blob(s.kernel.digest));
+            out.push(ObjectRef::Blob(s.initramfs.digest));
             tables.push(&s.memory);
             tables.push(&s.disk);
         }
@@ -455,6 +467,41 @@ mod tests {
         ));
         assert_ne!(spaced.digest, raw.digest);
         assert!(spaced.parse().is_ok());
+    }
+
+    #[test]
+    fn snapshot_references_name_kernel_initramfs_vmstate_and_image() {
+        let blob = |b: &[u8]| BlobRef {
+            digest: BlobDigest::of(b),
+            size: b.len() as u64,
+            media_type: None,
+        };
+        let image = ManifestDigest::of(b"image");
+        let s = SnapshotManifest {
+            schema_version: SCHEMA_VERSION,
+            media_type: SNAPSHOT_MEDIA_TYPE.to_string(),
+            memory: table(),
+            vmstate: blob(b"vmstate"),
+            disk: table(),
+            compatibility_key: "qemu=10.0.2".into(),
+            image,
+            kernel: blob(b"vmlinux"),
+            initramfs: blob(b"initrd"),
+            vcpus: 1,
+            memory_bytes: 8,
+        };
+        let raw = RawManifest::encode(&Manifest::Snapshot(s.clone())).unwrap();
+        assert_eq!(raw.parse().unwrap(), Manifest::Snapshot(s.clone()));
+        assert_eq!(
+            references(&Manifest::Snapshot(s)),
+            vec![
+                ObjectRef::Manifest(image),
+                ObjectRef::Blob(BlobDigest::of(b"vmstate")),
+                ObjectRef::Blob(BlobDigest::of(b"vmlinux")),
+                ObjectRef::Blob(BlobDigest::of(b"initrd")),
+                ObjectRef::Chunk(ChunkDigest::of(b"a")),
+            ]
+        );
     }
 
     #[test]

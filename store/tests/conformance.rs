@@ -14,13 +14,13 @@ use bytes::Bytes;
 use kiln_store::artifact::{ArtifactReader, PutArtifactOptions};
 use kiln_store::backend::s3::S3Options;
 use kiln_store::backend::{Backend, PutOutcome};
-use kiln_store::copy::{CopyOptions, copy_tag};
+use kiln_store::copy::{CopyOptions, copy_oci_ref, copy_tag};
 use kiln_store::gc::GcOptions;
 use kiln_store::progress::{ProgressEvent, ProgressFn};
 use kiln_store::verify::Finding;
 use kiln_store::{
-    ChunkError, Chunking, ImageManifest, Manifest, ManifestDigest, ObjectRef, RawManifest, Store,
-    StoreError, StoreOptions, TagError, TagRef,
+    ChunkError, Chunking, ImageManifest, Manifest, ManifestDigest, ObjectRef, OciRef, RawManifest,
+    Store, StoreError, StoreOptions, TagError, TagRef,
 };
 
 /// A fresh, empty store plus a way to open more handles on the same store.
@@ -132,6 +132,7 @@ conformance!(
     copy_between_stores,
     read_cache_and_known_index,
     lease_covers_artifact_upload,
+    oci_refs_round_trip,
 );
 
 /// Deterministic pseudo-random bytes (xorshift), so failures reproduce.
@@ -1009,4 +1010,61 @@ async fn s3_missing_bucket_is_named() {
         tag.to_string().contains("bucket does not exist"),
         "get_tag: {tag}"
     );
+}
+
+/// OCI references (pulled images) on every backend: set, list, copy in and out with their
+/// blobs, GC keeps what they reach until the reference goes, verify knows them.
+async fn oci_refs_round_trip(f: Fixture) {
+    let a = Fixture::local().await;
+    let c = Fixture::local().await;
+    let config = a.store.put_blob(Bytes::from_static(b"{}")).await.unwrap();
+    let layer = a
+        .store
+        .put_blob(Bytes::from(noise(1 << 20, 51)))
+        .await
+        .unwrap();
+    let manifest = a
+        .store
+        .put_blob(Bytes::from(format!(
+            r#"{{"schemaVersion":2,"config":{{"digest":"{}"}},"layers":[{{"digest":"{}"}}]}}"#,
+            config.digest, layer.digest
+        )))
+        .await
+        .unwrap();
+    let r: OciRef = "127.0.0.1:5000/kiln/busybox:latest".parse().unwrap();
+    a.store.set_oci_ref(&r, manifest.digest).await.unwrap();
+    let report = copy_oci_ref(&a.store, &f.store, &r, &CopyOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(report.digest, manifest.digest);
+    assert_eq!(report.stats.blobs_transferred, 3);
+    let listed = f.store.list_oci_refs().await.unwrap();
+    assert_eq!(listed, vec![(r.clone(), Ok(manifest.digest))]);
+    assert_eq!(
+        f.store.get_oci_ref(&r).await.unwrap(),
+        Some(manifest.digest)
+    );
+    let again = copy_oci_ref(&a.store, &f.store, &r, &CopyOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(again.stats.blobs_transferred, 0);
+    let gc = GcOptions {
+        grace: Duration::ZERO,
+        ..GcOptions::default()
+    };
+    let v = f.store.verify(true, &gc).await.unwrap();
+    assert!(v.is_ok() && v.orphans.is_empty(), "{v:?}");
+    assert!(f.store.gc(&gc).await.unwrap().collected.is_empty());
+    copy_oci_ref(&f.store, &c.store, &r, &CopyOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        c.store.get_blob(&layer.digest).await.unwrap(),
+        a.store.get_blob(&layer.digest).await.unwrap()
+    );
+    assert!(f.store.list_leases().await.unwrap().is_empty());
+    // Without its reference, the image is garbage.
+    f.store.delete_oci_ref(&r).await.unwrap();
+    assert_eq!(f.store.get_oci_ref(&r).await.unwrap(), None);
+    assert_eq!(f.store.gc(&gc).await.unwrap().collected.len(), 3);
 }

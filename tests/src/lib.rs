@@ -5,6 +5,7 @@ pub mod crash;
 pub mod ext4;
 pub mod fault_proxy;
 pub mod stores;
+pub mod vm;
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;

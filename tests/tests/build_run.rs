@@ -371,6 +371,12 @@ fn failing_run_reports_location_exit_code_and_tail() {
         "{msg}"
     );
     assert!(!ran(&ev).iter().any(|r| r.contains("never")));
+    assert!(
+        f.rt.block_on(f.store.list_leases())
+            .expect("leases")
+            .is_empty(),
+        "a failed build releases its lease"
+    );
     f.assert_clean();
 }
 
@@ -453,6 +459,29 @@ fn yaml_recipe_matches_dockerfile() {
     let d2 = r2.unwrap_or_else(|e| panic!("yaml: {e}"));
     assert_eq!(d1.image.oci_manifest.digest, d2.image.oci_manifest.digest);
     assert!(ran(&ev2).is_empty(), "the same step: a cache hit");
+    // Where the recipe lies does not change its digest.
+    let (r3, _) = f.build_with("/some/other/dir/Dockerfile", &docker, &f.options(), |_| {});
+    let d3 = r3.unwrap_or_else(|e| panic!("dockerfile: {e}"));
+    assert_eq!(d3.image.recipe_digest, d1.image.recipe_digest);
+    assert_eq!(d3.image.oci_manifest, d1.image.oci_manifest);
+    // Each build holds a lease on what it made until the caller releases it.
+    let leases = f.rt.block_on(f.store.list_leases()).expect("leases");
+    assert_eq!(leases.len(), 3, "{leases:?}");
+    let hex = &d3.image.oci_manifest.digest[7..];
+    assert!(
+        leases
+            .iter()
+            .all(|l| l.objects.iter().any(|o| o.ends_with(hex))),
+        "{leases:?}"
+    );
+    for d in [&d1, &d2, &d3] {
+        f.rt.block_on(d.lease.release()).expect("release");
+    }
+    assert!(
+        f.rt.block_on(f.store.list_leases())
+            .expect("leases")
+            .is_empty()
+    );
 }
 
 fn steps(events: &[BuildEvent]) -> Vec<(String, bool)> {
@@ -541,7 +570,8 @@ fn multi_stage_copy_from() {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let text = format!(
         "FROM {bb} AS a\nRUN echo A > /a.txt && rm /bin/vi\nFROM {bb} AS b\nRUN echo B > /b.txt\n\
-         FROM a\nCOPY --from=b /b.txt /out/\nCOPY --from=a /a.txt /out/\nRUN cat /out/a.txt /out/b.txt\n"
+         FROM a\nCOPY --from=b /b.txt /out/\nCOPY --from=a /a.txt /out/\nCOPY --from={bb} /bin/vi /out/vi\n\
+         RUN cat /out/a.txt /out/b.txt\n"
     );
     let (r, ev) = f.build(&text);
     let out = r.unwrap_or_else(|e| panic!("build: {e}"));
@@ -556,6 +586,7 @@ fn multi_stage_copy_from() {
         "B\n"
     );
     assert!(!root.join("bin/vi").exists(), "FROM a keeps a's whiteout");
+    assert!(root.join("out/vi").exists(), "COPY --from=<image>");
     f.assert_clean();
 }
 

@@ -1,1 +1,61 @@
 //! kiln-vmm: VMM backends, boot-once snapshots, restore and clone, compatibility keys.
+//!
+//! QEMU is the one backend for now. Layers, bottom up:
+//! - [`qmp`]: a QMP client (JSON lines over a unix socket, typed errors, bounded waits).
+//! - [`channel`]: the host end of the guest protocol (framed JSON over virtio-serial).
+//! - [`launch`]: host facts, the accelerator probe, QEMU's command line, the process.
+//! - [`compat`]: compatibility keys.
+//! - [`kernel`]: the guest kernel (Debian's cloud kernel, fetched by name, uncompressed vmlinux).
+//! - [`initramfs`]: the guest initramfs (the static kiln-guest-init and the virtio modules).
+//! - [`snapshot`]: boot once → snapshot into the store.
+//! - [`clone`]: clone start from a stored snapshot; clones running on this host.
+
+// Errors carry paths and QEMU's messages; large, but only on the error path.
+#![allow(clippy::result_large_err)]
+
+pub mod channel;
+pub mod clone;
+pub mod compat;
+pub mod initramfs;
+pub mod kernel;
+pub mod launch;
+pub mod qmp;
+pub mod snapshot;
+
+pub use channel::ChannelError;
+pub use clone::CloneError;
+pub use compat::{CompatError, CompatKey};
+pub use initramfs::InitramfsError;
+pub use kernel::KernelError;
+pub use launch::LaunchError;
+pub use qmp::QmpError;
+pub use snapshot::SnapshotError;
+
+/// Any error from this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    /// QMP.
+    #[error(transparent)]
+    Qmp(#[from] QmpError),
+    /// The guest channel.
+    #[error(transparent)]
+    Channel(#[from] ChannelError),
+    /// Launching QEMU.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+    /// Compatibility keys.
+    #[error(transparent)]
+    Compat(#[from] CompatError),
+    /// The guest kernel.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// The guest initramfs.
+    #[error(transparent)]
+    Initramfs(#[from] InitramfsError),
+    /// Boot-once snapshots.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    /// Clones.
+    #[error(transparent)]
+    Clone(#[from] CloneError),
+}

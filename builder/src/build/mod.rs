@@ -246,6 +246,13 @@ pub struct BuildOptions {
     pub secrets: Secrets,
     /// How `ADD` fetches URLs.
     pub fetch: FetchOptions,
+    /// [`BuiltImage::recipe_digest`]: the caller's digest of the recipe bytes; `None`: the
+    /// digest of the plan's JSON with every file name reduced to its last component (so the
+    /// directory a recipe sits in changes nothing).
+    pub recipe_digest: Option<String>,
+    /// How images named by `COPY --from=<image>` and `RUN --mount=from=<image>` are found
+    /// (pull policy, build contexts, registry access; the stage's platform is used).
+    pub resolve: crate::resolve::ResolveOptions,
 }
 
 impl BuildOptions {
@@ -263,6 +270,8 @@ impl BuildOptions {
             context: None,
             secrets: Secrets::default(),
             fetch: FetchOptions::default(),
+            recipe_digest: None,
+            resolve: Default::default(),
         }
     }
 }
@@ -317,6 +326,11 @@ pub struct BuildOutput {
     pub config: OciConfig,
     /// Counts.
     pub stats: BuildStats,
+    /// The store lease (`leases/<id>`) holding every blob of the image (and the layers
+    /// made on the way) against GC until the caller has published: release it then
+    /// ([`kiln_store::lease::Lease::release`]); otherwise it expires with the build's
+    /// timeout plus an hour.
+    pub lease: Arc<kiln_store::lease::Lease>,
 }
 
 /// A layer of a stage: its descriptor and diff id.
@@ -348,6 +362,8 @@ struct Ctx {
     timeout: Duration,
     epoch: Option<u64>,
     step_counter: AtomicUsize,
+    /// What this build relies on in the store.
+    lease: Arc<kiln_store::lease::Lease>,
     /// Log bytes the build has emitted (its whole log is bounded, DESIGN.md "Build limits").
     log_bytes: AtomicUsize,
     run: AtomicUsize,
@@ -405,6 +421,19 @@ pub async fn build_with(
     let timeout = Duration::from_secs(plan.limits.timeout_secs);
     let dirs = LayerDirs::open(&opts.work_dir.join("layers"))?;
     let cancel = Arc::new(AtomicBool::new(false));
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let lease = Arc::new(
+        store
+            .create_lease(
+                &format!("build-{}-{nanos}", std::process::id()),
+                timeout + Duration::from_secs(3600),
+                [],
+            )
+            .await?,
+    );
     let ctx = Arc::new(Ctx {
         plan: plan.clone(),
         bases: bases.to_vec(),
@@ -419,6 +448,7 @@ pub async fn build_with(
         timeout,
         epoch,
         step_counter: AtomicUsize::new(0),
+        lease: lease.clone(),
         log_bytes: AtomicUsize::new(0),
         run: AtomicUsize::new(0),
         cached: AtomicUsize::new(0),
@@ -436,17 +466,34 @@ pub async fn build_with(
             }
         })
     };
-    let r = run_stages(ctx.clone()).await;
-    watch.abort();
-    let outs = r?;
-    let target = plan.target.min(plan.stages.len() - 1);
-    let mut out = outs[target]
-        .clone()
-        .ok_or_else(|| BuildError::Plan("target stage was not built".into()))?;
-    if opts.sandbox_layer {
-        sandbox_layer(&ctx, &mut out).await?;
+    let r = async {
+        let outs = run_stages(ctx.clone()).await?;
+        let target = plan.target.min(plan.stages.len() - 1);
+        let mut out = outs[target]
+            .clone()
+            .ok_or_else(|| BuildError::Plan("target stage was not built".into()))?;
+        if opts.sandbox_layer {
+            sandbox_layer(&ctx, &mut out).await?;
+        }
+        finish(&ctx, out, target).await
     }
-    finish(&ctx, out, target).await
+    .await;
+    watch.abort();
+    if r.is_err() {
+        // Nothing to protect: layers that were made stay reachable through cache entries.
+        let _ = lease.release().await;
+    }
+    r
+}
+
+/// Adds `digests` (blobs) to the build's lease.
+async fn hold(ctx: &Ctx, digests: impl IntoIterator<Item = &str>) -> Result<(), BuildError> {
+    let mut objs = Vec::new();
+    for d in digests {
+        objs.push(kiln_store::ObjectRef::Blob(blob_digest(d)?));
+    }
+    ctx.lease.add(objs).await?;
+    Ok(())
 }
 
 /// Stage indexes a stage needs first.
@@ -842,6 +889,7 @@ async fn run_stage(
     inputs: BTreeMap<usize, StageOut>,
 ) -> Result<StageOut, BuildError> {
     let mut st = stage_base(&ctx, i, &inputs)?;
+    hold(&ctx, st.layers.iter().map(|l| l.desc.digest.as_str())).await?;
     // As BuildKit: a stage whose base has no PATH gets the default one, in its steps and
     // in its image config.
     let env = st.config.config.env.get_or_insert_with(Vec::new);
@@ -858,7 +906,7 @@ async fn run_stage(
         let env = config::merge_env(base_run.env.as_deref().unwrap_or(&[]), &step.context.env);
         let user = step.context.user.clone().or_else(|| base_run.user.clone());
         let canonical = step.canonical_json();
-        let prepared = prepare_inputs(&ctx, step, &inputs, &loc).await?;
+        let prepared = prepare_inputs(&ctx, step, &inputs, &stage.platform, &loc).await?;
         let sources = prepared.digest.clone();
         let key = key::StepKey {
             parent: &st.key,
@@ -902,6 +950,7 @@ async fn run_stage(
                 l
             }
         };
+        hold(&ctx, [layer.desc.digest.as_str()]).await?;
         st.config.rootfs.diff_ids.push(layer.diff_id.clone());
         st.config.history.push(History {
             created: ctx.epoch.map(config::rfc3339),
@@ -1084,9 +1133,15 @@ async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<(), BuildEr
             ctx.store
                 .put_cache_entry(&key, blob_digest(&l.desc.digest)?)
                 .await?;
+            (ctx.events)(BuildEvent::Layer {
+                index,
+                digest: l.desc.digest.clone(),
+                size: l.desc.size,
+            });
             l
         }
     };
+    hold(ctx, [layer.desc.digest.as_str()]).await?;
     out.config.rootfs.diff_ids.push(layer.diff_id.clone());
     out.config.history.push(History {
         created: ctx.epoch.map(config::rfc3339),
@@ -1156,6 +1211,7 @@ async fn finish(ctx: &Ctx, out: StageOut, target: usize) -> Result<BuildOutput, 
     // A JSON value always serializes.
     let manifest_bytes = serde_json::to_vec(&manifest).expect("JSON values serialize");
     let manifest_digest = crate::cache::digest_of(&manifest_bytes);
+    hold(ctx, [config_desc.digest.as_str(), manifest_digest.as_str()]).await?;
     ctx.cache.put_bytes(&manifest_digest, &manifest_bytes)?;
     let mut provenance = BTreeMap::new();
     provenance.insert(
@@ -1172,7 +1228,10 @@ async fn finish(ctx: &Ctx, out: StageOut, target: usize) -> Result<BuildOutput, 
         }
     }
     provenance.insert("target".into(), target.to_string());
-    let plan_json = kiln_recipes::plan_to_json(&ctx.plan);
+    let recipe_digest = match &ctx.opts.recipe_digest {
+        Some(d) => d.clone(),
+        None => crate::cache::digest_of(plan_json_without_paths(&ctx.plan).as_bytes()),
+    };
     Ok(BuildOutput {
         image: BuiltImage {
             oci_manifest: Descriptor {
@@ -1185,7 +1244,7 @@ async fn finish(ctx: &Ctx, out: StageOut, target: usize) -> Result<BuildOutput, 
             config: config_desc,
             layers,
             sandbox: ctx.plan.sandbox.clone(),
-            recipe_digest: crate::cache::digest_of(plan_json.as_bytes()),
+            recipe_digest,
             provenance,
             source_date_epoch: ctx.epoch,
         },
@@ -1194,6 +1253,7 @@ async fn finish(ctx: &Ctx, out: StageOut, target: usize) -> Result<BuildOutput, 
             steps_run: ctx.run.load(Ordering::Relaxed),
             steps_cached: ctx.cached.load(Ordering::Relaxed),
         },
+        lease: ctx.lease.clone(),
     })
 }
 
@@ -1276,6 +1336,7 @@ async fn source_root(
     ctx: &Arc<Ctx>,
     from: Option<&MountFrom>,
     inputs: &BTreeMap<usize, StageOut>,
+    platform: &str,
     loc: &str,
 ) -> Result<Sources, BuildError> {
     match from {
@@ -1294,11 +1355,77 @@ async fn source_root(
             })?;
             Ok(Sources::tree(stage_tree(ctx, so).await?))
         }
-        Some(MountFrom::Image { reference }) => Err(BuildError::Unsupported {
-            location: loc.to_string(),
-            what: format!("--from={reference}: copying from an image (use a stage FROM it)"),
-        }),
+        Some(MountFrom::Image { reference }) => Ok(Sources::tree(
+            image_tree(ctx, reference, platform, loc).await?,
+        )),
     }
+}
+
+/// The root of image `reference` (resolved as a FROM is, for `platform`) as a plain
+/// directory `work/trees/image-<hex>`, unpacked once per manifest digest.
+async fn image_tree(
+    ctx: &Arc<Ctx>,
+    reference: &str,
+    platform: &str,
+    loc: &str,
+) -> Result<PathBuf, BuildError> {
+    let r = &ctx.opts.resolve;
+    let mut reg = r.registry.clone();
+    reg.platform = crate::image::Platform::parse(platform).map_err(|e| BuildError::Copy {
+        location: loc.to_string(),
+        message: e.to_string(),
+    })?;
+    let spec = r
+        .build_contexts
+        .get(reference)
+        .cloned()
+        .unwrap_or_else(|| reference.to_string());
+    let (digest, _) = crate::base::resolve(
+        &spec,
+        r.policy,
+        &crate::registry::Registry::new(reg),
+        ctx.cache.as_ref(),
+    )
+    .await
+    .map_err(|e| BuildError::Copy {
+        location: loc.to_string(),
+        message: format!("--from={reference}: {e}"),
+    })?;
+    let dir = ctx
+        .opts
+        .work_dir
+        .join("trees")
+        .join(format!("image-{}", crate::cache::sha256_hex(&digest)?));
+    if dir.is_dir() {
+        return Ok(dir);
+    }
+    let c = ctx.clone();
+    let loc = loc.to_string();
+    tokio::task::spawn_blocking(move || {
+        let parent = dir.parent().map(Path::to_path_buf).unwrap_or_default();
+        fs::create_dir_all(&parent).map_err(io_err("creating", &parent))?;
+        let tmp = parent.join(format!(
+            "image.tmp-{}-{}",
+            std::process::id(),
+            c.step_counter.load(Ordering::Relaxed)
+        ));
+        let guard = TempDir(tmp.clone());
+        crate::base::unpack(c.cache.as_ref(), &digest, &tmp, &c.opts.layer_limits).map_err(
+            |e| BuildError::Copy {
+                location: loc.clone(),
+                message: e.to_string(),
+            },
+        )?;
+        if let Err(e) = fs::rename(&tmp, &dir)
+            && !dir.is_dir()
+        {
+            return Err(io_err("moving an image tree to", &dir)(e));
+        }
+        drop(guard);
+        Ok(dir)
+    })
+    .await
+    .map_err(|e| BuildError::Task(e.to_string()))?
 }
 
 /// Digest of the sources of `c` in `src` (blocking work on a worker thread).
@@ -1314,12 +1441,13 @@ async fn prepare_inputs(
     ctx: &Arc<Ctx>,
     step: &Step,
     inputs: &BTreeMap<usize, StageOut>,
+    platform: &str,
     loc: &str,
 ) -> Result<Prepared, BuildError> {
     let mut p = Prepared::default();
     match &step.action {
         Action::Copy(c) | Action::Add(c) => {
-            let mut src = source_root(ctx, c.from.as_ref(), inputs, loc).await?;
+            let mut src = source_root(ctx, c.from.as_ref(), inputs, platform, loc).await?;
             if c.sources
                 .iter()
                 .any(|s| matches!(s, CopySource::Url { .. }))
@@ -1367,13 +1495,17 @@ async fn prepare_inputs(
                         parts.push(format!("stage:{}", so.key));
                     }
                     Some(MountFrom::Image { reference }) => {
-                        return Err(BuildError::Unsupported {
-                            location: loc.to_string(),
-                            what: format!("--mount from={reference}: mounting an image"),
-                        });
+                        let tree = image_tree(ctx, reference, platform, loc).await?;
+                        parts.push(format!(
+                            "image:{}",
+                            tree.file_name()
+                                .map(|n| n.to_string_lossy().into_owned())
+                                .unwrap_or_default()
+                        ));
+                        mi.image_roots.insert(reference.clone(), tree);
                     }
                     None if matches!(m, Mount::Bind { .. }) => {
-                        let src = source_root(ctx, None, inputs, loc).await?;
+                        let src = source_root(ctx, None, inputs, platform, loc).await?;
                         let path = source.unwrap_or_else(|| ".".into());
                         let sel = CopyStep {
                             sources: vec![CopySource::Path { path }],
@@ -1404,4 +1536,27 @@ async fn prepare_inputs(
         _ => {}
     }
     Ok(p)
+}
+
+/// The plan's JSON with file names cut to their last component.
+fn plan_json_without_paths(plan: &BuildPlan) -> String {
+    fn base(f: &mut String) {
+        if let Some((_, b)) = f.rsplit_once('/') {
+            *f = b.to_string();
+        }
+    }
+    let mut p = plan.clone();
+    base(&mut p.file);
+    for st in &mut p.stages {
+        base(&mut st.location.file);
+        for step in &mut st.steps {
+            base(&mut step.location.file);
+        }
+    }
+    for w in &mut p.warnings {
+        if let Some(l) = &mut w.location {
+            base(&mut l.file);
+        }
+    }
+    kiln_recipes::plan_to_json(&p)
 }

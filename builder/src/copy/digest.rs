@@ -25,6 +25,10 @@ use super::{
 /// Errors: as [`super::copy_into`] for selection (missing source, escape, bounds of
 /// [`CopyLimits::default`]); place them with [`CopyError::at`].
 pub fn sources_digest(step: &CopyStep, src: &Sources) -> Result<String, CopyError> {
+    super::on_walk_stack(|| digest_inner(step, src))
+}
+
+fn digest_inner(step: &CopyStep, src: &Sources) -> Result<String, CopyError> {
     let root = Root::open(src.dir()).map_err(|e| CopyError::Io {
         path: src.dir().display().to_string(),
         op: "open source root",
@@ -124,11 +128,11 @@ impl Hasher<'_> {
                 max: self.limits.max_entries,
             });
         }
-        if depth > super::root::MAX_DEPTH {
+        if depth > super::MAX_TREE_DEPTH {
             return Err(CopyError::Limit {
                 path: self.shown.clone(),
                 what: "directory depth",
-                max: super::root::MAX_DEPTH as u64,
+                max: super::MAX_TREE_DEPTH as u64,
             });
         }
         let shown = self.shown.clone();

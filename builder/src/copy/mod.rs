@@ -63,6 +63,31 @@ use self::mode::{Chmod, glob_match, has_glob};
 use self::root::{Create, Resolved, Root, RootError, components, os};
 use crate::layer::{LayerError, Limits as TarLimits};
 
+/// How deep a copied (or hashed) directory tree may go below its source, in directories.
+pub const MAX_TREE_DEPTH: usize = 1024;
+/// Stack of the thread a copy or digest walks on, bytes (64 MiB of address space; only what
+/// is used is backed). The walk recurses; a debug build needs about 10 KiB per level, so
+/// [`MAX_TREE_DEPTH`] levels fit with room to spare (a test walks 1000), whatever stack the
+/// caller's thread has (2 MiB for a spawned one).
+const WALK_STACK_BYTES: usize = 64 << 20;
+
+/// Runs `f` on a scoped thread with a [`WALK_STACK_BYTES`] stack.
+fn on_walk_stack<T: Send>(f: impl FnOnce() -> Result<T, CopyError> + Send) -> Result<T, CopyError> {
+    std::thread::scope(|s| {
+        let h = std::thread::Builder::new()
+            .name("kiln-copy".into())
+            .stack_size(WALK_STACK_BYTES)
+            .spawn_scoped(s, f)
+            .map_err(|e| CopyError::Io {
+                path: String::new(),
+                op: "spawning the copy thread",
+                source: e,
+            })?;
+        // A panic in the walk is a bug; carry it to the caller as one.
+        h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
+}
+
 /// Where a copy's sources are read from.
 #[derive(Debug, Clone)]
 pub enum SourceRoot {
@@ -339,7 +364,7 @@ pub fn copy_into(
     dest_root: &Path,
     opts: &CopyOptions,
 ) -> Result<CopyReport, CopyError> {
-    let r = copy_inner(step, src, dest_root, opts);
+    let r = on_walk_stack(|| copy_inner(step, src, dest_root, opts));
     match (&opts.location, r) {
         (Some(loc), Err(e)) => Err(e.at(loc)),
         (_, r) => r,
@@ -803,6 +828,16 @@ fn copy_inner(
     dest_root: &Path,
     opts: &CopyOptions,
 ) -> Result<CopyReport, CopyError> {
+    if step.checksum.is_some()
+        && step
+            .sources
+            .iter()
+            .any(|s| !matches!(s, CopySource::Url { .. }))
+    {
+        return Err(CopyError::Unsupported(
+            "ADD --checksum with a source that is not a URL".into(),
+        ));
+    }
     let chmod = match &step.chmod {
         Some(s) => Some(Chmod::parse(s).map_err(|reason| CopyError::Chmod {
             spec: s.clone(),
@@ -1077,11 +1112,11 @@ impl Copier<'_> {
         dcomps: &[Vec<u8>],
         depth: usize,
     ) -> Result<(), CopyError> {
-        if depth > root::MAX_DEPTH {
+        if depth > MAX_TREE_DEPTH {
             return Err(CopyError::Limit {
                 path: self.shown.clone(),
                 what: "directory depth",
-                max: root::MAX_DEPTH as u64,
+                max: MAX_TREE_DEPTH as u64,
             });
         }
         let shown = self.shown.clone();

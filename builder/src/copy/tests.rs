@@ -635,6 +635,11 @@ async fn add_url_with_checksum_and_address_policy() {
     let s2 = step(&[&format!("{hop}/r/x")], "/opt/");
     let ok = fetch_urls(&s2, &dl, &allow).await.unwrap();
     assert_eq!(ok.get(&format!("{hop}/r/x")).unwrap().size, 7);
+    // --checksum is for URLs only.
+    let mut local = step(&["a.txt"], "/x");
+    local.checksum = Some(format!("sha256:{}", "0".repeat(64)));
+    let e = copy(&local, &ctx_src(&d), &d.dest).unwrap_err();
+    assert!(matches!(e, CopyError::Unsupported(_)), "{e}");
     // COPY of a URL without a fetch is a clear error.
     let e = copy(&s2, &ctx_src(&d), &d.dest).unwrap_err();
     assert!(matches!(e, CopyError::NotDownloaded { .. }), "{e}");
@@ -738,4 +743,93 @@ fn no_whiteouts_devices_or_overlay_xattrs_reach_the_upper_dir() {
     copy(&step(&["/"], "/t"), &Sources::tree(&tree), &d.dest).unwrap();
     assert!(d.dest.join("t/null").symlink_metadata().is_ok());
     assert!(d.dest.join("t/wh").symlink_metadata().is_err());
+}
+
+#[test]
+fn deep_trees_are_bounded_and_fit_a_thread_stack() {
+    let d = dirs();
+    let make = |name: &str, depth: usize| {
+        // Built with *at calls: the path grows past PATH_MAX.
+        let mut fd = rustix::fs::open(
+            &d.ctx,
+            rustix::fs::OFlags::DIRECTORY,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        for i in 0..depth {
+            let n = if i == 0 { name } else { "d" };
+            rustix::fs::mkdirat(&fd, n, rustix::fs::Mode::from_raw_mode(0o755)).unwrap();
+            fd = rustix::fs::openat(
+                &fd,
+                n,
+                rustix::fs::OFlags::DIRECTORY,
+                rustix::fs::Mode::empty(),
+            )
+            .unwrap();
+        }
+        rustix::fs::openat(
+            &fd,
+            "leaf",
+            rustix::fs::OFlags::CREATE | rustix::fs::OFlags::WRONLY,
+            rustix::fs::Mode::from_raw_mode(0o644),
+        )
+        .unwrap();
+    };
+    make("ok", 1000);
+    make("deep", MAX_TREE_DEPTH + 10);
+    let (ctx, dest) = (d.ctx.clone(), d.dest.clone());
+    // A spawned thread has the default 2 MiB stack, as the build driver's workers do.
+    std::thread::spawn(move || {
+        let src = Sources::context(&ctx, Dockerignore::default());
+        let r = copy(&step(&["ok"], "/ok"), &src, &dest).unwrap();
+        assert_eq!(r.files, 1);
+        sources_digest(&step(&["ok"], "/ok"), &src).unwrap();
+        let e = copy(&step(&["deep"], "/deep"), &src, &dest).unwrap_err();
+        assert!(matches!(e, CopyError::Limit { .. }), "{e}");
+        let e = sources_digest(&step(&["deep"], "/deep"), &src).unwrap_err();
+        assert!(matches!(e, CopyError::Limit { .. }), "{e}");
+    })
+    .join()
+    .unwrap();
+}
+
+/// The build driver copies from a thread with its own mount namespace, where the step's
+/// overlay is mounted; the copy's own walk thread must see that mount.
+#[test]
+fn copies_inside_a_threads_private_mount_namespace() {
+    let d = dirs();
+    let mnt = d.outside.join("mnt");
+    fs::create_dir(&mnt).unwrap();
+    let (ctx, mnt2) = (d.ctx.clone(), mnt.clone());
+    let seen = std::thread::spawn(move || {
+        // SAFETY: only this thread's fs attributes and mount namespace are unshared.
+        unsafe {
+            rustix::thread::unshare_unsafe(
+                rustix::thread::UnshareFlags::FS | rustix::thread::UnshareFlags::NEWNS,
+            )
+        }
+        .unwrap();
+        rustix::mount::mount_change(
+            "/",
+            rustix::mount::MountPropagationFlags::REC
+                | rustix::mount::MountPropagationFlags::PRIVATE,
+        )
+        .unwrap();
+        rustix::mount::mount(
+            "tmpfs",
+            &mnt2,
+            "tmpfs",
+            rustix::mount::MountFlags::empty(),
+            None,
+        )
+        .unwrap();
+        let src = Sources::context(&ctx, Dockerignore::default());
+        copy(&step(&["a.txt"], "/in-ns"), &src, &mnt2).unwrap();
+        fs::read_to_string(mnt2.join("in-ns")).unwrap()
+    })
+    .join()
+    .unwrap();
+    assert_eq!(seen, "A");
+    // The namespace died with the thread: nothing on the host side.
+    assert!(!mnt.join("in-ns").exists());
 }

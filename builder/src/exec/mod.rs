@@ -105,8 +105,9 @@ impl Default for ExecConfig {
     }
 }
 
-/// Everything one `RUN` step needs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Everything one `RUN` step needs. Its `Debug` form redacts [`StepSpec::secrets`] wherever
+/// they appear (the environment, heredoc files) and shows only how many there are.
+#[derive(Clone, PartialEq, Eq)]
 pub struct StepSpec {
     /// The step's index, carried by every [`LogLine`].
     pub index: usize,
@@ -140,6 +141,44 @@ pub struct StepSpec {
     /// Log bytes this step may still emit (what is left of the build's 1 MiB log;
     /// `None`: [`LogLimits::total_max`] of the executor's config).
     pub log_budget: Option<usize>,
+}
+
+impl std::fmt::Debug for StepSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let hide = |s: &str| -> String {
+            let mut out = s.to_string();
+            for secret in self.secrets.iter().filter(|x| !x.is_empty()) {
+                out = out.replace(secret.as_str(), logs::REDACTED);
+            }
+            out
+        };
+        let env: Vec<String> = self.env.iter().map(|e| hide(e)).collect();
+        let argv: Vec<String> = self.argv.iter().map(|a| hide(a)).collect();
+        let files: Vec<(String, Option<String>, String)> = self
+            .files
+            .iter()
+            .map(|fl| (fl.name.clone(), fl.path.clone(), hide(&fl.data)))
+            .collect();
+        f.debug_struct("StepSpec")
+            .field("index", &self.index)
+            .field("lower_dirs", &self.lower_dirs)
+            .field("upper_dir", &self.upper_dir)
+            .field("work_dir", &self.work_dir)
+            .field("argv", &argv)
+            .field("env", &env)
+            .field("user", &self.user)
+            .field("workdir", &self.workdir)
+            .field("files", &files)
+            .field("network", &self.network)
+            .field("mounts", &self.mounts)
+            .field(
+                "secrets",
+                &format_args!("<{} redacted>", self.secrets.len()),
+            )
+            .field("timeout", &self.timeout)
+            .field("log_budget", &self.log_budget)
+            .finish()
+    }
 }
 
 impl StepSpec {
@@ -450,6 +489,14 @@ mod tests {
         .unwrap();
         assert_eq!(s.mounts.len(), 1);
         assert_eq!(s.mounts[0].target, "/t");
+        let mut s = s;
+        s.env.push("TOKEN=hunter2".into());
+        s.secrets.push("hunter2".into());
+        let shown = format!("{s:?}");
+        assert!(
+            !shown.contains("hunter2") && shown.contains("TOKEN=****"),
+            "{shown}"
+        );
     }
 
     #[test]

@@ -5,17 +5,17 @@
 //!    [`MountInputs`] (context, stage and image roots, the cache directory, the build's
 //!    secrets). A secret exposed as an environment variable becomes an entry of the step's
 //!    environment; every secret value joins the values the logs redact.
-//! 2. [`LinuxExecutor`](super::LinuxExecutor) calls [`prepare`] before it forks: the target
+//! 2. [`LinuxExecutor`](super::LinuxExecutor) calls `prepare` before it forks: the target
 //!    is resolved through the lower layers' symlinks (as the step will see it), cache
 //!    directories are made and locked by their sharing mode, and scratch directories for
 //!    read-write binds are made under the step's scratch directory.
 //! 3. In the step's pid 1, after the overlay is mounted and before `pivot_root`,
-//!    [`mount_all`] creates each mount point inside the new root (never following a symlink
+//!    `mount_all` creates each mount point inside the new root (never following a symlink
 //!    out of it) and mounts: `bind` read-only (`nosuid,nodev`), or read-write as an overlay
 //!    whose upper directory is scratch (writes never reach the context or stage); `cache` a
 //!    bind of its persistent directory; `tmpfs` with its size; `secret` a file on a private
 //!    tmpfs (mode default 0400) bound onto its target (default `/run/secrets/<id>`).
-//! 4. After the step, [`cleanup`] removes from the upper directory the mount points the step
+//! 4. After the step, `cleanup` removes from the upper directory the mount points the step
 //!    left empty (and parents made or copied up only for them), so no mount shows in the
 //!    layer. What a mount held never touches the upper directory: it lives in the mounted
 //!    file system.
@@ -62,7 +62,7 @@ pub enum MountKind {
     },
     /// A persistent cache directory.
     Cache {
-        /// Host directory (made by [`prepare`] with `mode`, `uid`, `gid` when missing).
+        /// Host directory (made by `prepare` with `mode`, `uid`, `gid` when missing).
         dir: PathBuf,
         /// Sharing between concurrent steps.
         sharing: CacheSharing,

@@ -12,7 +12,8 @@
 //! What is applied: regular files, directories, symlinks, hard links, character and block
 //! devices and FIFOs (`mknodat`, needs root), uid/gid (PAX `uid`/`gid` override the header),
 //! permission bits including setuid/setgid/sticky, PAX xattrs (`SCHILY.xattr.*`, including
-//! `security.capability`; `system.*` and `security.selinux` are skipped), and mtimes (set after
+//! `security.capability`; `system.*`, `security.selinux` and overlayfs's `trusted.overlay.*`
+//! and `user.overlay.*` are dropped), and mtimes (set after
 //! the content; directories' at the end of the layer, deepest first). Whiteouts follow
 //! [`whiteout`].
 //!
@@ -613,9 +614,16 @@ struct Meta {
 }
 
 /// Whether an xattr from a layer is applied: `system.*` (ACLs are kernel-encoded) and
-/// `security.selinux` (host policy) are not, as umoci and containerd skip them.
+/// `security.selinux` (host policy) are not, as umoci and containerd skip them; nor are
+/// overlayfs's own `trusted.overlay.*` and `user.overlay.*` (opaque, redirect, metacopy,
+/// origin...: Linux `Documentation/filesystems/overlayfs.rst`), which would change what an
+/// overlay mounted over the unpacked tree shows (a planted `redirect` or `metacopy` points it
+/// at other files). Whiteouts reach the tree only through the OCI `.wh.` entries.
 pub(crate) fn keep_xattr(name: &[u8]) -> bool {
-    !(name.starts_with(b"system.") || name == b"security.selinux")
+    !(name.starts_with(b"system.")
+        || name == b"security.selinux"
+        || name.starts_with(b"trusted.overlay.")
+        || name.starts_with(b"user.overlay."))
 }
 
 impl Applier {

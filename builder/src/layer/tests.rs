@@ -849,3 +849,41 @@ fn more_hostile_layers_stay_inside_root() {
         s.assert_untouched(name);
     }
 }
+
+/// Overlayfs's own xattrs in a layer (a planted opaque marker, redirect or metacopy) are
+/// dropped, so an overlay mounted over the unpacked tree sees only what the layer's OCI
+/// entries say; other xattrs are kept.
+#[test]
+fn overlay_xattrs_are_dropped() {
+    let sb = Sandbox::new();
+    let t = tar_of(vec![
+        E::Pax(vec![
+            ("SCHILY.xattr.trusted.overlay.opaque", b"y"),
+            ("SCHILY.xattr.user.kiln", b"dir"),
+        ]),
+        E::Dir(b"etc/"),
+        E::Pax(vec![
+            ("SCHILY.xattr.trusted.overlay.redirect", b"/sentinel/keep"),
+            ("SCHILY.xattr.trusted.overlay.metacopy", b""),
+            ("SCHILY.xattr.user.overlay.origin", b"x"),
+            ("SCHILY.xattr.user.kiln", b"file"),
+        ]),
+        E::File(b"etc/passwd", b"root:x:0:0::/root:/bin/sh\n"),
+    ]);
+    sb.apply(&t).expect("apply");
+    let r = sb.root();
+    for (path, kept) in [("etc", &b"dir"[..]), ("etc/passwd", &b"file"[..])] {
+        let p = r.join(path);
+        let mut buf = vec![0u8; 4096];
+        let n = rustix::fs::llistxattr(&p, &mut buf[..]).expect("listxattr");
+        let names: Vec<&[u8]> = buf[..n]
+            .split(|c| *c == 0)
+            .filter(|s| !s.is_empty())
+            .collect();
+        assert_eq!(names, [&b"user.kiln"[..]], "{path}");
+        let mut v = [0u8; 16];
+        let m = rustix::fs::getxattr(&p, "user.kiln", &mut v[..]).expect("user xattr");
+        assert_eq!(&v[..m], kept);
+    }
+    sb.assert_untouched("overlay xattrs");
+}

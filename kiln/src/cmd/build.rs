@@ -28,7 +28,7 @@ use serde_json::json;
 pub enum Progress {
     /// `tty` on a terminal, else `plain`.
     Auto,
-    /// Step lines with their status (no bars yet: the same lines as `plain`).
+    /// One spinner per running step with its last log line; finished steps stay as lines.
     Tty,
     /// One line per step and per log line.
     Plain,
@@ -153,6 +153,9 @@ fn printer(progress: Progress) -> Arc<dyn Fn(BuildEvent) + Send + Sync> {
         Progress::Auto => Progress::Plain,
         p => p,
     };
+    if mode == Progress::Tty {
+        return tty_printer();
+    }
     Arc::new(move |ev: BuildEvent| {
         if mode == Progress::Rawjson {
             let v = match &ev {
@@ -287,6 +290,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     opts.exec.run_dir = work.join("run");
     opts.context = Some((context.clone(), dockerignore(&context, &file)?));
     opts.secrets = secrets;
+    opts.recipe_digest = Some(kiln_builder::cache::digest_of(&bytes));
+    opts.resolve = resolve.clone();
     let cancel = opts.cancel.clone();
     let events = printer(a.progress);
 
@@ -342,9 +347,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     ..Default::default()
                 },
             )
-            .await?;
-            Some(p)
+            .await;
+            let _ = out.lease.release().await;
+            Some(p?)
         };
+        if a.oci_only {
+            // The local references made below keep the image; the lease is not needed.
+            let _ = out.lease.release().await;
+        }
         anyhow::Ok((out, published))
     })?;
     if cancel.load(Ordering::Relaxed) {
@@ -379,8 +389,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .as_ref()
         .map(|d| d.to_string())
         .unwrap_or_else(|| digest.clone());
+    let oci_note = if published.is_some() {
+        format!(" (OCI manifest {digest})")
+    } else {
+        String::new()
+    };
     eprintln!(
-        "built {last} (OCI manifest {digest}): {} steps run, {} cached{}",
+        "built {last}{oci_note}: {} steps run, {} cached{}",
         out.stats.steps_run,
         out.stats.steps_cached,
         if names.is_empty() {
@@ -418,4 +433,58 @@ fn dockerignore(
         }
     }
     Ok(Default::default())
+}
+
+/// The terminal display: an indicatif spinner per running step (its `file:line`, the
+/// instruction and its last log line), turned into a plain line when the step ends.
+fn tty_printer() -> Arc<dyn Fn(BuildEvent) + Send + Sync> {
+    use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    let multi = MultiProgress::new();
+    // The template is a constant that parses; fall back to the default style anyway.
+    let style = ProgressStyle::with_template("{spinner} {prefix} {elapsed} {wide_msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_spinner());
+    let bars: Mutex<HashMap<usize, ProgressBar>> = Mutex::default();
+    Arc::new(move |ev: BuildEvent| {
+        // A poisoned lock only means another event panicked; drawing is best effort.
+        let Ok(mut bars) = bars.lock() else { return };
+        match ev {
+            BuildEvent::Step {
+                index,
+                stage,
+                location,
+                instruction,
+                cached,
+            } => {
+                let line = format!("#{index} [stage {stage}] {location} {instruction}");
+                if cached {
+                    let _ = multi.println(format!("{line} CACHED"));
+                    return;
+                }
+                let _ = multi.println(line.clone());
+                let b = multi.add(ProgressBar::new_spinner());
+                b.set_style(style.clone());
+                b.set_prefix(format!("#{index}"));
+                b.enable_steady_tick(std::time::Duration::from_millis(120));
+                bars.insert(index, b);
+            }
+            BuildEvent::Log(l) => match bars.get(&l.step) {
+                Some(b) => b.set_message(l.text),
+                None => {
+                    let _ = multi.println(format!("#{} {}", l.step, l.text));
+                }
+            },
+            BuildEvent::Layer {
+                index,
+                digest,
+                size,
+            } => {
+                if let Some(b) = bars.remove(&index) {
+                    b.finish_and_clear();
+                }
+                let _ = multi.println(format!("#{index} done: layer {digest} ({size} bytes)"));
+            }
+        }
+    })
 }

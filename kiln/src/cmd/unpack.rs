@@ -1,4 +1,5 @@
-//! `kiln unpack REF DIR`: write an image's root filesystem into a directory.
+//! `kiln unpack REF DIR [--merge]`: write an image's root filesystem into a directory (an empty
+//! one, unless `--merge`).
 
 use kiln_builder::base::{self, PullPolicy};
 use kiln_builder::layer::Limits;
@@ -10,8 +11,11 @@ use super::common::{ImageOpts, runtime};
 pub struct Args {
     /// The image: a reference (local first, then its registry), sha256:<hex>, or oci:DIR[:TAG].
     pub reference: String,
-    /// Target directory (created if missing).
+    /// Target directory (created if missing; must be empty unless --merge).
     pub dir: std::path::PathBuf,
+    /// Apply the image over what a non-empty DIR already holds (whiteouts remove from it).
+    #[arg(long)]
+    pub merge: bool,
     /// Never ask a registry.
     #[arg(long)]
     pub offline: bool,
@@ -21,6 +25,16 @@ pub struct Args {
 
 /// Runs `kiln unpack`.
 pub fn run(a: Args) -> anyhow::Result<()> {
+    if !a.merge
+        && let Ok(mut entries) = std::fs::read_dir(&a.dir)
+        && entries.next().is_some()
+    {
+        anyhow::bail!(
+            "{} is not empty; unpack into an empty directory, or pass --merge to apply the \
+             image over its contents",
+            a.dir.display()
+        );
+    }
     let cache = a.opts.cache()?;
     let cached = if a.reference.starts_with("oci:") {
         None

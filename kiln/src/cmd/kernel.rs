@@ -1,0 +1,77 @@
+//! `kiln kernel`: fetch the guest kernel (base-images/kernel.yaml: Debian's cloud kernel, by
+//! name) and build the initramfs with the static kiln-guest-init; print the two paths as
+//! `export KILN_KERNEL=…` / `export KILN_INITRAMFS=…` lines for `eval "$(kiln kernel)"`, which
+//! `kiln snapshot` then reads.
+
+use std::path::PathBuf;
+
+use kiln_vmm::initramfs::{find_guest_init, guest_artifacts};
+use kiln_vmm::kernel::KernelRecipe;
+use serde_json::json;
+
+use super::{CmdResult, Out};
+
+/// Arguments of `kiln kernel`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Cache directory for the kernel (`kernel/<package>_<version>/`) and initramfs files
+    /// (`initramfs/<digest>.cpio`); default `~/.cache/kiln`.
+    #[arg(long, env = "KILN_CACHE_DIR", value_name = "DIR")]
+    cache: Option<PathBuf>,
+    /// The static kiln-guest-init (default: `kiln-guest-init` beside this executable).
+    #[arg(long, env = "KILN_GUEST_INIT", value_name = "FILE")]
+    init: Option<PathBuf>,
+    /// A kernel recipe (default: the shipped base-images/kernel.yaml).
+    #[arg(long, value_name = "FILE")]
+    recipe: Option<PathBuf>,
+}
+
+/// Runs `kiln kernel`.
+pub async fn run(out: &Out, a: Args) -> CmdResult {
+    let recipe = match &a.recipe {
+        Some(p) => KernelRecipe::parse(&std::fs::read_to_string(p)?)?,
+        None => KernelRecipe::shipped(),
+    };
+    let cache = a.cache.unwrap_or_else(|| match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".cache/kiln"),
+        None => PathBuf::from("/tmp/kiln-cache"),
+    });
+    let init = match a.init {
+        Some(p) => p,
+        None => find_guest_init()?,
+    };
+    let g = tokio::task::spawn_blocking(move || guest_artifacts(&cache, &recipe, &init))
+        .await
+        .map_err(anyhow::Error::from)??;
+    let (k, i) = (&g.kernel, &g.initramfs);
+    if !out.json {
+        eprintln!(
+            "kernel {} {} ({}): deb {}, vmlinux {}; initramfs {} ({} bytes; modules {})",
+            k.package,
+            k.version,
+            k.release,
+            k.deb_sha256,
+            k.vmlinux_sha256,
+            i.sha256,
+            i.size,
+            i.modules.join(",")
+        );
+    }
+    out.event(
+        "kernel",
+        json!({
+            "package": k.package, "version": k.version, "release": k.release,
+            "deb_sha256": k.deb_sha256, "vmlinux_sha256": k.vmlinux_sha256,
+            "vmlinux": k.vmlinux(), "initramfs": i.path, "initramfs_sha256": i.sha256,
+            "modules": i.modules,
+        }),
+        || {
+            format!(
+                "export KILN_KERNEL={}\nexport KILN_INITRAMFS={}",
+                k.vmlinux().display(),
+                i.path.display()
+            )
+        },
+    );
+    Ok(())
+}

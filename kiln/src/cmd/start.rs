@@ -1,0 +1,53 @@
+//! `kiln start NAME:TAG [--count N] [--env K=V]...`: start clones of an image's snapshot on
+//! this host (refused when this host's compatibility key differs from the snapshot's).
+
+use kiln_store::TagRef;
+use kiln_vmm::clone::{CloneOptions, default_cache_dir, default_state_dir, start_clones};
+use serde_json::json;
+
+use super::{CmdResult, Out, open_store};
+
+/// Arguments of `kiln start`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The image with a snapshot (`kiln snapshot`), `NAME:TAG` of this store.
+    image: TagRef,
+    /// How many clones.
+    #[arg(long, default_value_t = 1)]
+    count: usize,
+    /// `KEY=value` for the clones' processes started after the restore (repeatable).
+    #[arg(long = "env", value_name = "K=V")]
+    env: Vec<String>,
+    /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`, else
+    /// `~/.local/share/kiln/store`.
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
+}
+
+/// Runs `kiln start`.
+pub async fn run(out: &Out, a: Args) -> CmdResult {
+    if let Some(bad) = a
+        .env
+        .iter()
+        .find(|e| !e.contains('=') || e.starts_with('='))
+    {
+        return Err(anyhow::anyhow!("--env {bad:?}: expected KEY=value").into());
+    }
+    let store = open_store(a.store.as_deref()).await?;
+    let mut opts = CloneOptions::new(default_state_dir(), default_cache_dir());
+    opts.count = a.count;
+    opts.env = a.env;
+    for c in start_clones(&store, &a.image, &opts).await? {
+        out.event(
+            "started",
+            serde_json::to_value(&c).unwrap_or_else(|_| json!({"id": c.id})),
+            || {
+                format!(
+                    "{} pid {} machine-id {} answered in {} ms",
+                    c.id, c.pid, c.machine_id, c.start_ms
+                )
+            },
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,140 @@
+//! `kiln snapshot`, `kiln start`, `kiln ps`, `kiln stop` end to end on a real TCG boot of the
+//! busybox fixture: exit codes, `--json` events, clone state, and the refusal of a host whose
+//! compatibility key differs (exit 1, snapshot kept). Needs what `ci/setup.sh` exports
+//! (`KILN_TEST_BUSYBOX_OCI`, `KILN_TEST_KERNEL`/`KILN_TEST_INITRAMFS` or `KILN_TEST_CACHE`).
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use kiln_store::{ReadySpec, SandboxSpec, StartSpec, Store, TagRef};
+use kiln_tests::vm::{busybox_image, guest_assets, sh};
+use serde_json::Value;
+
+fn kiln(dir: &Path, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
+    let a = guest_assets();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    c.args(args)
+        .env("KILN_STORE", dir.join("store"))
+        .env("KILN_STATE_DIR", dir.join("state"))
+        .env("KILN_SNAPSHOT_CACHE", dir.join("cache"))
+        .env("KILN_KERNEL", &a.kernel)
+        .env("KILN_INITRAMFS", &a.initramfs)
+        .env("TMPDIR", dir);
+    for (k, v) in extra_env {
+        c.env(k, v);
+    }
+    c.output().expect("run kiln")
+}
+
+fn events(o: &Output, kind: &str) -> Vec<Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+        .filter(|v| v["event"] == kind)
+        .collect()
+}
+
+fn ok(o: &Output) {
+    assert!(
+        o.status.success(),
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn vm_cli_snapshot_start_ps_stop() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let store = Store::open(d.join("store").to_str().expect("utf-8"))
+            .await
+            .expect("store");
+        let tag: TagRef = "bb:latest".parse().expect("tag");
+        busybox_image(
+            &store,
+            d,
+            &tag,
+            SandboxSpec {
+                start: Some(StartSpec {
+                    argv: sh("touch /tmp/up; exec sleep 1000000"),
+                    user: None,
+                    env: vec![],
+                    workdir: None,
+                }),
+                ready: Some(ReadySpec {
+                    argv: sh("test -e /tmp/up"),
+                    interval_ms: 100,
+                    timeout_ms: 1000,
+                    retries: 300,
+                }),
+            },
+        )
+        .await;
+    });
+
+    let o = kiln(
+        d,
+        &[
+            "--json",
+            "snapshot",
+            "bb:latest",
+            "-t",
+            "bb:snap",
+            "--memory-mib",
+            "256",
+        ],
+        &[],
+    );
+    ok(&o);
+    let snap = &events(&o, "snapshot")[0];
+    assert_eq!(snap["tag"], "bb:snap");
+    assert!(snap["memory_stored_bytes"].as_u64().expect("stored") < 256 << 20);
+
+    let o = kiln(
+        d,
+        &["--json", "start", "bb:snap", "--count", "2", "--env", "A=1"],
+        &[],
+    );
+    ok(&o);
+    let started = events(&o, "started");
+    assert_eq!(started.len(), 2, "{started:?}");
+    assert_ne!(started[0]["machine_id"], started[1]["machine_id"]);
+    assert_eq!(started[0]["snapshot"], snap["snapshot"]);
+
+    let o = kiln(d, &["--json", "ps"], &[]);
+    ok(&o);
+    let ps = events(&o, "clone");
+    assert_eq!(ps.len(), 2, "{ps:?}");
+    assert!(ps.iter().all(|c| c["state"] == "running"), "{ps:?}");
+
+    // A bad --env is a usage error before anything starts.
+    let o = kiln(d, &["start", "bb:snap", "--env", "NOEQUALS"], &[]);
+    assert_eq!(o.status.code(), Some(1));
+
+    // A host whose key differs (KVM asked for a TCG snapshot) is refused; the snapshot stays.
+    let o = kiln(d, &["start", "bb:snap"], &[("KILN_ACCEL", "kvm")]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("compatibility key differs in accel"), "{err}");
+    let o = kiln(d, &["--json", "ps"], &[]);
+    assert_eq!(events(&o, "clone").len(), 2);
+
+    let id = started[0]["id"].as_str().expect("id");
+    ok(&kiln(d, &["stop", id], &[]));
+    let o = kiln(d, &["--json", "ps"], &[]);
+    assert_eq!(events(&o, "clone").len(), 1);
+    let o = kiln(d, &["stop", id], &[]);
+    assert_eq!(o.status.code(), Some(1), "stopping a stopped clone fails");
+    ok(&kiln(d, &["stop", "--all"], &[]));
+    let o = kiln(d, &["--json", "ps"], &[]);
+    assert!(events(&o, "clone").is_empty());
+
+    // The snapshot is still there for the next start.
+    let o = kiln(d, &["--json", "start", "bb:snap"], &[]);
+    ok(&o);
+    ok(&kiln(d, &["stop", "--all"], &[]));
+}

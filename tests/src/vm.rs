@@ -1,0 +1,126 @@
+//! Shared by the VM tests and the clone benchmark: the guest kernel and initramfs, and a
+//! small busybox image in a store.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use kiln_store::artifact::PutArtifactOptions;
+use kiln_store::{ImageManifest, Manifest, SandboxSpec, Store, TagRef};
+use kiln_vmm::initramfs;
+use kiln_vmm::kernel::KernelRecipe;
+use kiln_vmm::snapshot::BootAssets;
+
+use crate::require_env;
+
+/// The guest kernel (vmlinux) and initramfs: `KILN_TEST_KERNEL` and `KILN_TEST_INITRAMFS`
+/// when `ci/setup.sh` exported them, else built once per process like `ci/setup.sh` does (the
+/// kernel of `base-images/kernel.yaml` fetched into `KILN_TEST_CACHE`, kiln-guest-init built
+/// static from this checkout).
+pub fn guest_assets() -> BootAssets {
+    static A: OnceLock<BootAssets> = OnceLock::new();
+    A.get_or_init(|| {
+        if let (Ok(k), Ok(i)) = (
+            std::env::var("KILN_TEST_KERNEL"),
+            std::env::var("KILN_TEST_INITRAMFS"),
+        ) {
+            return BootAssets {
+                kernel: k.into(),
+                initramfs: i.into(),
+            };
+        }
+        let cache = PathBuf::from(require_env("KILN_TEST_CACHE"));
+        let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("the workspace is the parent of tests/")
+            .to_path_buf();
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| workspace.join("target"))
+            .join("guest-init");
+        let init = initramfs::build_guest_init(&workspace, &target).expect("build the init");
+        let a = initramfs::guest_artifacts(&cache, &KernelRecipe::shipped(), &init)
+            .expect("kernel and initramfs");
+        BootAssets {
+            kernel: a.kernel.vmlinux(),
+            initramfs: a.initramfs.path,
+        }
+    })
+    .clone()
+}
+
+fn run(cmd: &mut Command) {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd:?}: {e} (see ci/setup.sh)"));
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `["/bin/sh", "-c", script]`.
+pub fn sh(script: &str) -> Vec<String> {
+    vec!["/bin/sh".into(), "-c".into(), script.into()]
+}
+
+/// The `KILN_TEST_BUSYBOX_OCI` fixture as a 64 MiB image; see [`oci_image`].
+pub async fn busybox_image(store: &Store, work: &Path, tag: &TagRef, sandbox: SandboxSpec) {
+    oci_image(
+        store,
+        work,
+        "KILN_TEST_BUSYBOX_OCI",
+        "latest",
+        64,
+        tag,
+        sandbox,
+    )
+    .await
+}
+
+/// The image `oci_tag` of the OCI layout fixture named by the environment variable
+/// `layout_env`, unpacked (umoci,
+/// once per `work`) with an empty `/etc/machine-id`, made into a `size_mib` ext4 with
+/// `mke2fs -d` (until the ext4 branch's writer is used here), stored as an image manifest
+/// carrying `sandbox`, and tagged `tag`.
+pub async fn oci_image(
+    store: &Store,
+    work: &Path,
+    layout_env: &str,
+    oci_tag: &str,
+    size_mib: u64,
+    tag: &TagRef,
+    sandbox: SandboxSpec,
+) {
+    let layout = require_env(layout_env);
+    let root = work.join(format!("rootfs-{}", layout_env.to_lowercase()));
+    if !root.exists() {
+        run(Command::new("umoci").args([
+            "raw",
+            "unpack",
+            "--image",
+            &format!("{layout}:{oci_tag}"),
+            &root.display().to_string(),
+        ]));
+        // What the builder's sandbox preparation layer does.
+        std::fs::write(root.join("etc/machine-id"), "").expect("machine-id");
+    }
+    let img = work.join(format!("{}.ext4", tag.to_string().replace(':', "-")));
+    run(Command::new("mke2fs")
+        .args(["-q", "-F", "-t", "ext4", "-b", "4096", "-d"])
+        .arg(&root)
+        .arg(&img)
+        .arg(format!("{size_mib}M")));
+    let (table, _) = store
+        .put_artifact(&img, &PutArtifactOptions::default())
+        .await
+        .expect("put ext4");
+    let mut m = ImageManifest::new(table);
+    m.sandbox = Some(sandbox);
+    let raw = store
+        .put_manifest(&Manifest::Image(m))
+        .await
+        .expect("manifest");
+    store.force_tag(tag, raw.digest).await.expect("tag");
+}

@@ -1,0 +1,555 @@
+//! The host conversation: the virtio-serial port, `start` (start command and ready check),
+//! `restore`, `ping`.
+
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use kiln_guest::protocol::{
+    self, DecodeError, ErrorMessage, Failed, FailureKind, FrameBuffer, Hello, Message, Ready,
+    ReadyCheck, Restore, Restored, Start,
+};
+
+use crate::proc::{self, Command, User};
+use crate::{BootError, log, sys};
+
+/// How long to wait for the port's device to appear after loading virtio_console.
+const PORT_WAIT: Duration = Duration::from_secs(10);
+
+/// The environment every command starts with, before the image's and the host's.
+const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Where the environment a restore set is written for processes started outside the init
+/// (`KEY=value` lines, mode 0600).
+const RESTORE_ENV_FILE: &str = "/run/kiln/env";
+
+/// Find the virtio-serial port named [`protocol::PORT_NAME`] under `/sys/class/virtio-ports`
+/// and open its character device (made with mknod from its `dev` file when /dev lacks it).
+pub fn open_port() -> Result<fs::File, BootError> {
+    let start = Instant::now();
+    loop {
+        if let Some(path) = find_port()? {
+            return fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_CLOEXEC | libc::O_NOCTTY)
+                .open(&path)
+                .map_err(|e| BootError::Port(format!("opening {}: {e}", path.display())));
+        }
+        if start.elapsed() > PORT_WAIT {
+            return Err(BootError::Port(format!(
+                "no virtio-serial port named {} in /sys/class/virtio-ports",
+                protocol::PORT_NAME
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn find_port() -> Result<Option<PathBuf>, BootError> {
+    let Ok(dir) = fs::read_dir("/sys/class/virtio-ports") else {
+        return Ok(None);
+    };
+    for entry in dir.flatten() {
+        let name = fs::read_to_string(entry.path().join("name")).unwrap_or_default();
+        if name.trim() != protocol::PORT_NAME {
+            continue;
+        }
+        let dev_name = entry.file_name();
+        let dev = Path::new("/dev").join(&dev_name);
+        if !dev.exists() {
+            let numbers = fs::read_to_string(entry.path().join("dev"))
+                .map_err(|e| BootError::Port(format!("reading its dev number: {e}")))?;
+            let (maj, min) = numbers
+                .trim()
+                .split_once(':')
+                .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+                .ok_or_else(|| BootError::Port(format!("bad dev number {numbers:?}")))?;
+            sys::mknod_char(&dev, 0o600, maj, min)
+                .map_err(|e| BootError::Port(format!("mknod {}: {e}", dev.display())))?;
+        }
+        return Ok(Some(dev));
+    }
+    Ok(None)
+}
+
+/// The sending half, shared by the threads that answer the host.
+#[derive(Clone)]
+pub struct Sender(Arc<Mutex<fs::File>>);
+
+impl Sender {
+    /// Send one message; failures are logged (the host may be gone; it reconnects later).
+    pub fn send(&self, msg: &Message) {
+        let mut port = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match protocol::write_message(&mut *port, msg) {
+            // Liveness traffic is not logged: the host may ping often.
+            Ok(()) if matches!(msg, Message::Pong(_)) => {}
+            Ok(()) => log!("sent {}", msg.type_name()),
+            Err(e) => log!("sending {}: {e}", msg.type_name()),
+        }
+    }
+}
+
+/// Environment set by the last restore, applied to every process started after it.
+fn restore_env() -> &'static Mutex<Vec<String>> {
+    static E: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
+    E.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+/// `base` with `overlay` applied: a `KEY=value` in `overlay` replaces the same KEY in place,
+/// new keys are appended. Entries without `=` are dropped.
+pub fn merge_env(base: &[String], overlay: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(base.len() + overlay.len());
+    for v in base.iter().chain(overlay) {
+        let Some((key, _)) = v.split_once('=') else {
+            continue;
+        };
+        match out
+            .iter_mut()
+            .find(|o| o.split_once('=').map(|(k, _)| k) == Some(key))
+        {
+            Some(slot) => *slot = v.clone(),
+            None => out.push(v.clone()),
+        }
+    }
+    out
+}
+
+/// Serve the host forever: send hello, answer each message.
+pub fn serve(port: fs::File) -> ! {
+    let mut reader = match port.try_clone() {
+        Ok(r) => r,
+        Err(e) => crate::fatal(&format!("duplicating the port: {e}")),
+    };
+    let tx = Sender(Arc::new(Mutex::new(port)));
+    tx.send(&Message::Hello(Hello {
+        init_version: env!("CARGO_PKG_VERSION").into(),
+    }));
+    let mut started = false;
+    let mut frames = FrameBuffer::new();
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match reader.read(&mut buf) {
+            Ok(0) => {
+                // The host side is not connected: virtio-console reads return 0. Drop any
+                // partial frame and wait for it to come back.
+                if frames.pending() > 0 {
+                    log!(
+                        "host disconnected inside a frame; dropped {} bytes",
+                        frames.pending()
+                    );
+                    frames = FrameBuffer::new();
+                }
+                std::thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                log!("reading the port: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        frames.push(&buf[..n]);
+        loop {
+            let body = match frames.next_frame() {
+                Ok(Some(b)) => b,
+                Ok(None) => break,
+                Err(e) => {
+                    // Out of step: nothing after a bad header can be trusted. Refuse, drop
+                    // what is buffered, resynchronise on the next connection's data.
+                    log!("bad frame from the host: {e}");
+                    tx.send(&Message::Error(ErrorMessage {
+                        message: e.to_string(),
+                    }));
+                    frames = FrameBuffer::new();
+                    break;
+                }
+            };
+            match protocol::decode_body(&body) {
+                Ok(msg) => handle(msg, &tx, &mut started),
+                Err(e) => {
+                    log!("refused a message: {e}");
+                    tx.send(&Message::error(&e));
+                }
+            }
+        }
+    }
+}
+
+fn handle(msg: Message, tx: &Sender, started: &mut bool) {
+    if !matches!(msg, Message::Ping(_) | Message::Pong(_)) {
+        log!("received {}", msg.type_name());
+    }
+    match msg {
+        Message::Start(start) if !*started => {
+            *started = true;
+            let tx = tx.clone();
+            std::thread::spawn(move || run_start(start, tx));
+        }
+        Message::Start(_) => tx.send(&Message::Error(ErrorMessage {
+            message: "already started".into(),
+        })),
+        Message::Restore(r) => match restore(&r) {
+            Ok(done) => tx.send(&Message::Restored(done)),
+            Err(e) => {
+                log!("restore failed: {e}");
+                tx.send(&Message::Error(ErrorMessage {
+                    message: format!("restore failed: {e}"),
+                }))
+            }
+        },
+        Message::Ping(p) => tx.send(&Message::Pong(p)),
+        Message::Pong(_) | Message::Error(_) => {}
+        other => tx.send(&Message::Error(ErrorMessage {
+            message: format!("{} is not a host → guest message", other.type_name()),
+        })),
+    }
+}
+
+fn elapsed_ms(t0: Instant) -> u64 {
+    t0.elapsed().as_millis().try_into().unwrap_or(u64::MAX)
+}
+
+fn run_start(start: Start, tx: Sender) {
+    let t0 = Instant::now();
+    let fail = |kind: FailureKind, reason: String| {
+        log!("failed: {reason}");
+        tx.send(&Message::Failed(Failed { kind, reason }));
+    };
+    let user = match proc::resolve_user(start.user.as_deref()) {
+        Ok(u) => u,
+        Err(e) => return fail(FailureKind::StartFailed, e.to_string()),
+    };
+    let base = vec![
+        DEFAULT_PATH.to_string(),
+        format!("HOME={}", user.home),
+        "HOSTNAME=runtime-guest".to_string(),
+    ];
+    let env = merge_env(&base, &start.env);
+    let workdir = start.workdir.clone().unwrap_or_else(|| "/".into());
+    let child = if start.argv.is_empty() {
+        None
+    } else {
+        let cmd = Command {
+            argv: &start.argv,
+            env: &env,
+            workdir: &workdir,
+            user: &user,
+            console: true,
+            output: None,
+        };
+        match proc::spawn(&cmd) {
+            Ok(c) => {
+                log!("started {:?} as pid {}", start.argv, c.pid);
+                Some(c.pid)
+            }
+            Err(e) => return fail(FailureKind::StartFailed, e.to_string()),
+        }
+    };
+    let attempts = match &start.ready {
+        None => 0,
+        Some(check) => match ready_loop(check, child, &env, &workdir, &user, t0) {
+            Ok(n) => n,
+            Err((kind, reason)) => {
+                if let Some(pid) = child
+                    && kind != FailureKind::StartExited
+                {
+                    proc::kill_group(pid);
+                }
+                return fail(kind, reason);
+            }
+        },
+    };
+    let elapsed_ms = elapsed_ms(t0);
+    log!("ready after {elapsed_ms} ms ({attempts} checks)");
+    tx.send(&Message::Ready(Ready {
+        elapsed_ms,
+        attempts,
+    }));
+    if let Some(pid) = child
+        && let Some(status) = proc::wait(pid, None)
+    {
+        log!(
+            "start command (pid {pid}) ended: {}",
+            proc::describe(status)
+        );
+    }
+}
+
+/// Run the check until it passes (returns the attempts made) or fails `retries + 1` times.
+fn ready_loop(
+    check: &ReadyCheck,
+    child: Option<libc::pid_t>,
+    env: &[String],
+    workdir: &str,
+    user: &User,
+    t0: Instant,
+) -> Result<u32, (FailureKind, String)> {
+    let mut attempts = 0u32;
+    loop {
+        if let Some(pid) = child
+            && let Some(status) = proc::exited(pid)
+        {
+            return Err((
+                FailureKind::StartExited,
+                format!(
+                    "the start command ended ({}) before it was ready",
+                    proc::describe(status)
+                ),
+            ));
+        }
+        attempts += 1;
+        let env_now = {
+            let extra = restore_env().lock().unwrap_or_else(|p| p.into_inner());
+            merge_env(env, &extra)
+        };
+        // The attempt's output goes to a tmpfs file (never blocks the check, unlike a pipe),
+        // whose tail explains a failure.
+        let log = open_check_log();
+        let cmd = Command {
+            argv: &check.argv,
+            env: &env_now,
+            workdir,
+            user,
+            console: false,
+            output: log.as_ref().map(|f| f.as_raw_fd()),
+        };
+        let mut last = match proc::spawn(&cmd) {
+            Ok(c) => match proc::wait(c.pid, Some(Duration::from_millis(check.timeout_ms))) {
+                Some(0) => return Ok(attempts),
+                Some(status) => proc::describe(status),
+                None => {
+                    proc::kill_group(c.pid);
+                    let _ = proc::wait(c.pid, None);
+                    format!("timed out after {} ms", check.timeout_ms)
+                }
+            },
+            Err(e) => e.to_string(),
+        };
+        if let Some(tail) = log.and_then(|f| output_tail(f, CHECK_OUTPUT_TAIL)) {
+            last = format!("{last}; output: {tail}");
+        }
+        if attempts > check.retries {
+            return Err((
+                FailureKind::ReadyTimeout,
+                format!(
+                    "ready check {:?} failed {attempts} times over {} ms (interval {} ms, timeout {} ms, retries {}); last: {last}",
+                    check.argv,
+                    elapsed_ms(t0),
+                    check.interval_ms,
+                    check.timeout_ms,
+                    check.retries
+                ),
+            ));
+        }
+        // Sleep the interval, waking early if the start command dies.
+        match child {
+            Some(pid) => {
+                if let Some(status) =
+                    proc::wait(pid, Some(Duration::from_millis(check.interval_ms)))
+                {
+                    return Err((
+                        FailureKind::StartExited,
+                        format!(
+                            "the start command ended ({}) before it was ready",
+                            proc::describe(status)
+                        ),
+                    ));
+                }
+            }
+            None => std::thread::sleep(Duration::from_millis(check.interval_ms)),
+        }
+    }
+}
+
+/// Where each ready-check attempt's stdout and stderr go (tmpfs; truncated per attempt).
+const CHECK_LOG: &str = "/run/kiln/ready-check.log";
+
+/// Bytes of a failed check's output quoted in `failed.reason`.
+const CHECK_OUTPUT_TAIL: u64 = 1024;
+
+fn open_check_log() -> Option<fs::File> {
+    let _ = fs::create_dir_all("/run/kiln");
+    fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .mode(0o600)
+        .open(CHECK_LOG)
+        .map_err(|e| log!("opening {CHECK_LOG}: {e}"))
+        .ok()
+}
+
+/// The last `max` bytes of `f` (lossy UTF-8, trimmed), if any.
+fn output_tail(mut f: fs::File, max: u64) -> Option<String> {
+    use std::io::{Seek, SeekFrom};
+    let len = f.metadata().ok()?.len();
+    f.seek(SeekFrom::Start(len.saturating_sub(max))).ok()?;
+    let mut buf = Vec::new();
+    f.take(max).read_to_end(&mut buf).ok()?;
+    let text = String::from_utf8_lossy(&buf).trim().to_string();
+    (!text.is_empty()).then_some(text)
+}
+
+/// Why a restore could not be applied.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    /// bad message
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    /// a step failed
+    #[error("{0}: {1}")]
+    Step(&'static str, io::Error),
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A fresh machine ID: 128 random bits formatted as systemd does (a v4 UUID, 32 hex digits).
+pub fn new_machine_id() -> io::Result<String> {
+    let mut id = [0u8; 16];
+    sys::getrandom(&mut id)?;
+    id[6] = (id[6] & 0x0f) | 0x40;
+    id[8] = (id[8] & 0x3f) | 0x80;
+    Ok(hex(&id))
+}
+
+/// Write `/etc/machine-id` (via a temporary file and rename).
+pub fn write_machine_id(id: &str) -> io::Result<()> {
+    write_atomic(
+        Path::new("/etc/machine-id"),
+        format!("{id}\n").as_bytes(),
+        0o444,
+    )
+}
+
+fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    let tmp = path.with_extension("kiln-tmp");
+    // The image is untrusted: never follow a planted symlink at the temporary name; the
+    // rename replaces a symlink at `path` itself rather than writing through it.
+    let _ = fs::remove_file(&tmp);
+    {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .mode(mode)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    fs::rename(&tmp, path)
+}
+
+fn restore(r: &Restore) -> Result<Restored, RestoreError> {
+    let entropy = r.entropy_bytes()?;
+    let urandom = fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")
+        .map_err(|e| RestoreError::Step("opening /dev/urandom", e))?;
+    sys::add_entropy_and_reseed(urandom.as_raw_fd(), &entropy)
+        .map_err(|e| RestoreError::Step("RNDADDENTROPY/RNDRESEEDCRNG", e))?;
+    sys::set_realtime(r.time_unix_ns).map_err(|e| RestoreError::Step("clock_settime", e))?;
+    {
+        let mut env = restore_env().lock().unwrap_or_else(|p| p.into_inner());
+        *env = merge_env(&[], &r.env);
+        let body: String = env.iter().map(|v| format!("{v}\n")).collect();
+        fs::create_dir_all("/run/kiln").map_err(|e| RestoreError::Step("mkdir /run/kiln", e))?;
+        write_atomic(Path::new(RESTORE_ENV_FILE), body.as_bytes(), 0o600)
+            .map_err(|e| RestoreError::Step("writing /run/kiln/env", e))?;
+    }
+    let machine_id = new_machine_id().map_err(|e| RestoreError::Step("getrandom", e))?;
+    write_machine_id(&machine_id).map_err(|e| RestoreError::Step("writing /etc/machine-id", e))?;
+    let mut random = [0u8; 16];
+    sys::getrandom(&mut random).map_err(|e| RestoreError::Step("getrandom", e))?;
+    let boot_id = fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map_err(|e| RestoreError::Step("reading boot_id", e))?
+        .trim()
+        .to_string();
+    log!("restored: machine-id {machine_id}");
+    Ok(Restored {
+        machine_id,
+        random: hex(&random),
+        boot_id,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_overlay_replaces_in_place_and_appends() {
+        let base = vec!["PATH=/bin".to_string(), "HOME=/".to_string()];
+        let over = vec![
+            "HOME=/workspace".to_string(),
+            "A=1".to_string(),
+            "junk".to_string(),
+            "A=2".to_string(),
+        ];
+        assert_eq!(
+            merge_env(&base, &over),
+            vec!["PATH=/bin", "HOME=/workspace", "A=2"]
+        );
+    }
+
+    #[test]
+    fn atomic_write_never_writes_through_planted_symlinks() {
+        let dir = std::env::temp_dir().join(format!("kiln-init-test-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("passwd");
+        fs::write(&victim, "root:x:0:0::/root:/bin/sh\n").unwrap();
+        let path = dir.join("machine-id");
+        std::os::unix::fs::symlink(&victim, &path).unwrap();
+        std::os::unix::fs::symlink(&victim, path.with_extension("kiln-tmp")).unwrap();
+        write_atomic(&path, b"abc\n", 0o444).unwrap();
+        assert_eq!(
+            fs::read_to_string(&victim).unwrap(),
+            "root:x:0:0::/root:/bin/sh\n"
+        );
+        assert!(
+            !fs::symlink_metadata(&path)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(fs::read_to_string(&path).unwrap(), "abc\n");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn machine_ids_are_v4_uuids_in_hex() {
+        let a = new_machine_id().unwrap();
+        let b = new_machine_id().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 32);
+        assert_eq!(&a[12..13], "4");
+        assert!(matches!(&a[16..17], "8" | "9" | "a" | "b"), "{a}");
+    }
+
+    #[test]
+    fn output_tail_keeps_the_last_bytes() {
+        let path = std::env::temp_dir().join(format!("kiln-tail-{}", std::process::id()));
+        fs::write(&path, format!("{}\nthe end\n", "x".repeat(5000))).unwrap();
+        let tail = output_tail(fs::File::open(&path).unwrap(), 8).unwrap();
+        assert_eq!(tail, "the end");
+        fs::write(&path, "").unwrap();
+        assert_eq!(output_tail(fs::File::open(&path).unwrap(), 8), None);
+        fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn hex_is_lowercase_two_digits_a_byte() {
+        assert_eq!(hex(&[0, 0xab, 0x0f]), "00ab0f");
+    }
+}

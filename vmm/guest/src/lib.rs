@@ -1,0 +1,10 @@
+//! kiln-guest: the guest side of a kiln microVM.
+//!
+//! - [`protocol`]: the messages the host (kiln-vmm) and the guest init exchange over the
+//!   virtio-serial port [`protocol::PORT_NAME`], their framing and versioning. Both sides use
+//!   this module; it depends on serde, serde_json, base64 and thiserror only.
+//! - the binary `kiln-guest-init` (`src/bin/kiln-guest-init/`): the static PID 1 that lives in
+//!   the initramfs, mounts the image's root, starts its start command, runs its ready check and
+//!   serves the host's requests (restore, ping).
+
+pub mod protocol;

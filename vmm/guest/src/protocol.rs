@@ -1,0 +1,808 @@
+//! The host ⇄ guest protocol of a kiln microVM (version 1).
+//!
+//! Transport: the virtio-serial port named [`PORT_NAME`] (QEMU: `-device
+//! virtio-serial-device -chardev socket,id=guest,path=SOCK,server=on,wait=off -device
+//! virtserialport,chardev=guest,name=org.kiln.guest.0`). The guest finds its character device
+//! through `/sys/class/virtio-ports/*/name`.
+//!
+//! Frame (both directions):
+//!
+//! ```text
+//! +-------------------+------------------------------------------------+
+//! | N: u32 big-endian | N bytes: one JSON object {"v": 1, "type": ...} |
+//! +-------------------+------------------------------------------------+
+//!                       1 <= N <= MAX_FRAME_LEN (1 MiB)
+//! ```
+//!
+//! A length of 0 or above [`MAX_FRAME_LEN`] is a [`FrameError`]: the stream cannot be
+//! resynchronised and the reader drops the connection. A frame of the right length whose body
+//! is not JSON, has another `v`, or an unknown `type` is a [`DecodeError`]: the reader answers
+//! with [`Message::Error`] and goes on. Fields a side does not know are ignored.
+//!
+//! Conversation:
+//!
+//! ```text
+//! guest → host  hello    {init_version}                      once the init runs
+//! host → guest  start    {argv, user, env, workdir, ready}   the image manifest's sandbox
+//! guest → host  ready    {elapsed_ms, attempts}              ready check passed
+//!            or failed   {kind, reason}                      check timed out, command died
+//! host → guest  restore  {entropy, time_unix_ns, env}        after a snapshot is restored
+//! guest → host  restored {machine_id, random, boot_id}
+//! either        ping {nonce} → pong {nonce}                  liveness
+//! either        error {message}                              answer to a frame it refused
+//! ```
+
+use std::io::{self, Read, Write};
+
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+
+/// The virtio-serial port name the guest init opens (`/sys/class/virtio-ports/vportNpM/name`).
+pub const PORT_NAME: &str = "org.kiln.guest.0";
+
+/// The protocol version this module speaks: the `"v"` field of every message.
+pub const PROTOCOL_VERSION: u64 = 1;
+
+/// Largest frame body, bytes (1 MiB). Frames announcing more are refused before reading them.
+pub const MAX_FRAME_LEN: usize = 1 << 20;
+
+/// Length of the frame header (the big-endian u32 body length), bytes.
+pub const HEADER_LEN: usize = 4;
+
+/// Fewest entropy bytes a [`Restore`] must carry (after base64 decoding).
+pub const MIN_ENTROPY_LEN: usize = 32;
+
+/// Most entropy bytes a [`Restore`] may carry (after base64 decoding); the kernel's
+/// `RNDADDENTROPY` accepts any size, this only bounds what a host can make the guest allocate.
+pub const MAX_ENTROPY_LEN: usize = 4096;
+
+/// One protocol message. Serialised as a JSON object with `"v": 1` and `"type"` set to the
+/// variant's snake_case name; the variant's fields sit beside them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Message {
+    /// guest → host: the init runs and listens.
+    Hello(Hello),
+    /// host → guest: what to start, and how to know it is ready.
+    Start(Start),
+    /// guest → host: the start command runs and its ready check passed (or it has none).
+    Ready(Ready),
+    /// guest → host: the start command could not start or died, or the ready check gave up.
+    Failed(Failed),
+    /// host → guest: this VM is a copy restored from a snapshot; refresh what must differ.
+    Restore(Restore),
+    /// guest → host: the restore is applied.
+    Restored(Restored),
+    /// either side: are you alive? Answered with [`Message::Pong`] carrying the same nonce.
+    Ping(Ping),
+    /// either side: answer to a [`Message::Ping`].
+    Pong(Ping),
+    /// either side: a frame was refused (bad JSON, other version, unknown type, bad field,
+    /// a message not expected now).
+    Error(ErrorMessage),
+}
+
+/// `hello`: sent by the guest init once it runs and has opened the port.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// The init's version (its crate version, e.g. `0.1.0`).
+    pub init_version: String,
+}
+
+/// `start`: the image's start command and ready check (from its manifest's `sandbox`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Start {
+    /// argv of the start command, run directly (no shell); empty: the image has none, and the
+    /// guest is ready once its ready check passes (or at once without one).
+    #[serde(default)]
+    pub argv: Vec<String>,
+    /// User to run as: `name`, `uid`, `name:group` or `uid:gid`, resolved in the image's
+    /// `/etc/passwd` and `/etc/group`; `None`: root.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Environment, `KEY=value` each, on top of the init's defaults (`PATH`, `HOME`).
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// Working directory (absolute); `None`: `/`.
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// The ready check; `None`: ready as soon as the start command is started.
+    #[serde(default)]
+    pub ready: Option<ReadyCheck>,
+}
+
+/// The ready check: run `argv` (as the start command's user, env and workdir) every
+/// `interval_ms` until it exits 0.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadyCheck {
+    /// argv of the check; exit status 0 means ready.
+    pub argv: Vec<String>,
+    /// Time between the end of one attempt and the start of the next, ms.
+    pub interval_ms: u64,
+    /// Time one attempt may take before it is killed and counted as failed, ms.
+    pub timeout_ms: u64,
+    /// Failed attempts tolerated: the guest sends [`Message::Failed`] with
+    /// [`FailureKind::ReadyTimeout`] when attempt `retries + 1` fails.
+    pub retries: u32,
+}
+
+/// `ready`: the guest is ready.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ready {
+    /// Time from receiving `start` to the passing check, ms (guest monotonic clock).
+    pub elapsed_ms: u64,
+    /// Ready-check attempts run, the passing one included (0 without a check).
+    #[serde(default)]
+    pub attempts: u32,
+}
+
+/// Why the guest failed to become ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureKind {
+    /// The ready check failed `retries + 1` times.
+    ReadyTimeout,
+    /// The start command exited (or was killed) before the check passed.
+    StartExited,
+    /// The start command could not be started (no such file, bad user, bad workdir...).
+    StartFailed,
+    /// A failure kind this version does not know.
+    #[serde(other)]
+    Other,
+}
+
+/// `failed`: the guest will not become ready.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failed {
+    /// What failed.
+    pub kind: FailureKind,
+    /// Human-readable detail (at most a few KiB).
+    pub reason: String,
+}
+
+/// `restore`: sent by the host right after a clone resumes from a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Restore {
+    /// Fresh entropy from the host, standard base64 (RFC 4648 §4, padded), at least
+    /// [`MIN_ENTROPY_LEN`] and at most [`MAX_ENTROPY_LEN`] bytes once decoded.
+    pub entropy: String,
+    /// The host's wall clock, nanoseconds since the Unix epoch (CLOCK_REALTIME).
+    pub time_unix_ns: u64,
+    /// The clone's environment, `KEY=value` each, applied to processes started from now on.
+    #[serde(default)]
+    pub env: Vec<String>,
+}
+
+impl Restore {
+    /// A restore message carrying `entropy` (base64-encoded here).
+    pub fn new(entropy: &[u8], time_unix_ns: u64, env: Vec<String>) -> Self {
+        Self {
+            entropy: base64::engine::general_purpose::STANDARD.encode(entropy),
+            time_unix_ns,
+            env,
+        }
+    }
+
+    /// The decoded entropy bytes.
+    ///
+    /// Errors: [`DecodeError::BadField`] when it is not base64 or its length is outside
+    /// [`MIN_ENTROPY_LEN`]..=[`MAX_ENTROPY_LEN`].
+    pub fn entropy_bytes(&self) -> Result<Vec<u8>, DecodeError> {
+        // Bound before decoding: base64 is 4 characters per 3 bytes.
+        if self.entropy.len() > MAX_ENTROPY_LEN.div_ceil(3) * 4 {
+            return Err(DecodeError::BadField {
+                field: "entropy",
+                reason: format!("longer than {MAX_ENTROPY_LEN} bytes"),
+            });
+        }
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(&self.entropy)
+            .map_err(|e| DecodeError::BadField {
+                field: "entropy",
+                reason: format!("not base64: {e}"),
+            })?;
+        if !(MIN_ENTROPY_LEN..=MAX_ENTROPY_LEN).contains(&bytes.len()) {
+            return Err(DecodeError::BadField {
+                field: "entropy",
+                reason: format!(
+                    "{} bytes, must be {MIN_ENTROPY_LEN} to {MAX_ENTROPY_LEN}",
+                    bytes.len()
+                ),
+            });
+        }
+        Ok(bytes)
+    }
+}
+
+/// `restored`: the guest applied a restore.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Restored {
+    /// The new `/etc/machine-id`: 32 lowercase hex digits.
+    pub machine_id: String,
+    /// 16 bytes from `getrandom(2)` read after the reseed, 32 lowercase hex digits.
+    pub random: String,
+    /// The kernel's boot ID (`/proc/sys/kernel/random/boot_id`); clones of one snapshot share it.
+    pub boot_id: String,
+}
+
+/// `ping` and `pong`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Ping {
+    /// Chosen by the pinging side, echoed in the pong.
+    #[serde(default)]
+    pub nonce: u64,
+}
+
+/// `error`: a refused frame or an unexpected message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorMessage {
+    /// What was wrong.
+    pub message: String,
+}
+
+impl Message {
+    /// The `"type"` string of this message.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Message::Hello(_) => "hello",
+            Message::Start(_) => "start",
+            Message::Ready(_) => "ready",
+            Message::Failed(_) => "failed",
+            Message::Restore(_) => "restore",
+            Message::Restored(_) => "restored",
+            Message::Ping(_) => "ping",
+            Message::Pong(_) => "pong",
+            Message::Error(_) => "error",
+        }
+    }
+
+    /// An `error` message answering a refused frame.
+    pub fn error(err: &DecodeError) -> Self {
+        Message::Error(ErrorMessage {
+            message: err.to_string(),
+        })
+    }
+}
+
+const KNOWN_TYPES: [&str; 9] = [
+    "hello", "start", "ready", "failed", "restore", "restored", "ping", "pong", "error",
+];
+
+/// Why a frame could not be read from a stream. After any of these the stream is out of step
+/// (or closed) and the connection should be dropped.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// the frame announces {0} bytes; a frame body is 1 to 1048576 bytes
+    #[error("the frame announces {0} bytes; a frame body is 1 to {MAX_FRAME_LEN} bytes")]
+    BadLength(u64),
+    /// the stream ended inside a frame
+    #[error("the stream ended inside a frame ({got} of {want} bytes)")]
+    Truncated {
+        /// Bytes of the frame (header included) received.
+        got: usize,
+        /// Bytes the frame needs (header included).
+        want: usize,
+    },
+    /// I/O error
+    #[error("reading or writing a frame: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// Why a frame body is not a message this version accepts. The connection stays usable: answer
+/// with [`Message::error`].
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// The body is not one JSON object.
+    #[error("the frame is not a JSON object: {0}")]
+    NotJson(String),
+    /// `"v"` is missing or not [`PROTOCOL_VERSION`].
+    #[error("unsupported protocol version {0} (this side speaks v{PROTOCOL_VERSION})")]
+    UnknownVersion(String),
+    /// `"type"` is missing or not a string.
+    #[error("the message has no \"type\" string")]
+    MissingType,
+    /// `"type"` names no message of this version.
+    #[error("unknown message type {0:?}")]
+    UnknownType(String),
+    /// A known type with missing or ill-typed fields.
+    #[error("bad {type_name} message: {reason}")]
+    BadMessage {
+        /// The message's `"type"`.
+        type_name: String,
+        /// serde's description.
+        reason: String,
+    },
+    /// A field's value is out of its domain.
+    #[error("bad field {field}: {reason}")]
+    BadField {
+        /// The field's name.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A message is larger than [`MAX_FRAME_LEN`] once encoded.
+    #[error("the message is {0} bytes once encoded; the limit is {MAX_FRAME_LEN}")]
+    TooLarge(usize),
+}
+
+/// The JSON body of `msg` (no frame header), with `"v": 1` first.
+///
+/// Errors: [`DecodeError::TooLarge`] when it exceeds [`MAX_FRAME_LEN`].
+pub fn encode_body(msg: &Message) -> Result<Vec<u8>, DecodeError> {
+    let value = serde_json::to_value(msg).map_err(|e| DecodeError::BadMessage {
+        type_name: msg.type_name().to_string(),
+        reason: e.to_string(),
+    })?;
+    let serde_json::Value::Object(fields) = value else {
+        // Every variant is a struct newtype in an internally tagged enum: always an object.
+        return Err(DecodeError::BadMessage {
+            type_name: msg.type_name().to_string(),
+            reason: "did not serialise to an object".into(),
+        });
+    };
+    let mut out = serde_json::Map::new();
+    out.insert("v".into(), PROTOCOL_VERSION.into());
+    out.extend(fields);
+    // Serialising a Value to a Vec cannot fail (no I/O, string keys only).
+    let body = serde_json::to_vec(&serde_json::Value::Object(out)).unwrap_or_default();
+    if body.len() > MAX_FRAME_LEN {
+        return Err(DecodeError::TooLarge(body.len()));
+    }
+    Ok(body)
+}
+
+/// One whole frame: header and body.
+///
+/// Errors: as [`encode_body`].
+pub fn encode(msg: &Message) -> Result<Vec<u8>, DecodeError> {
+    let body = encode_body(msg)?;
+    let mut frame = Vec::with_capacity(HEADER_LEN + body.len());
+    // body.len() <= MAX_FRAME_LEN < u32::MAX, checked in encode_body.
+    frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&body);
+    Ok(frame)
+}
+
+/// Decode one frame body (without its header).
+///
+/// Errors: [`DecodeError`] naming what is wrong; unknown fields are ignored.
+pub fn decode_body(body: &[u8]) -> Result<Message, DecodeError> {
+    let value: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| DecodeError::NotJson(e.to_string()))?;
+    let serde_json::Value::Object(mut fields) = value else {
+        return Err(DecodeError::NotJson("not an object".into()));
+    };
+    match fields.get("v") {
+        Some(v) if v.as_u64() == Some(PROTOCOL_VERSION) => {}
+        Some(v) => return Err(DecodeError::UnknownVersion(truncate(&v.to_string(), 64))),
+        None => return Err(DecodeError::UnknownVersion("(missing)".into())),
+    }
+    fields.remove("v");
+    let type_name = match fields.get("type") {
+        Some(serde_json::Value::String(t)) => t.clone(),
+        _ => return Err(DecodeError::MissingType),
+    };
+    if !KNOWN_TYPES.contains(&type_name.as_str()) {
+        return Err(DecodeError::UnknownType(truncate(&type_name, 64)));
+    }
+    serde_json::from_value(serde_json::Value::Object(fields)).map_err(|e| DecodeError::BadMessage {
+        type_name,
+        reason: e.to_string(),
+    })
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+/// Check a frame header; returns the body length.
+///
+/// Errors: [`FrameError::BadLength`] for 0 or more than [`MAX_FRAME_LEN`].
+pub fn body_len(header: [u8; HEADER_LEN]) -> Result<usize, FrameError> {
+    let n = u32::from_be_bytes(header);
+    if n == 0 || n as usize > MAX_FRAME_LEN {
+        return Err(FrameError::BadLength(n.into()));
+    }
+    Ok(n as usize)
+}
+
+/// Read one frame's body from a blocking stream. `Ok(None)`: the stream ended cleanly between
+/// frames.
+///
+/// Errors: [`FrameError`]; the length is checked before any body byte is read or allocated.
+pub fn read_frame<R: Read>(r: &mut R) -> Result<Option<Vec<u8>>, FrameError> {
+    let mut header = [0u8; HEADER_LEN];
+    let got = read_full(r, &mut header)?;
+    if got == 0 {
+        return Ok(None);
+    }
+    if got < HEADER_LEN {
+        return Err(FrameError::Truncated {
+            got,
+            want: HEADER_LEN,
+        });
+    }
+    let len = body_len(header)?;
+    let mut body = vec![0u8; len];
+    let got = read_full(r, &mut body)?;
+    if got < len {
+        return Err(FrameError::Truncated {
+            got: HEADER_LEN + got,
+            want: HEADER_LEN + len,
+        });
+    }
+    Ok(Some(body))
+}
+
+/// Read until `buf` is full or the stream ends; returns the bytes read.
+fn read_full<R: Read>(r: &mut R, buf: &mut [u8]) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match r.read(&mut buf[done..]) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+/// Write one message as a frame and flush.
+///
+/// Errors: [`WriteError`]: the message is too large, or I/O.
+pub fn write_message<W: Write>(w: &mut W, msg: &Message) -> Result<(), WriteError> {
+    let frame = encode(msg)?;
+    w.write_all(&frame)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// Why a message could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    /// The message cannot be encoded.
+    #[error(transparent)]
+    Encode(#[from] DecodeError),
+    /// I/O error.
+    #[error("writing a frame: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// Incremental frame splitter for non-blocking readers (an async socket, a poll loop): push the
+/// bytes as they arrive, take whole frame bodies out.
+#[derive(Debug, Default)]
+pub struct FrameBuffer {
+    buf: Vec<u8>,
+}
+
+impl FrameBuffer {
+    /// An empty buffer.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Append received bytes.
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// Bytes held that do not make a whole frame yet.
+    pub fn pending(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The next whole frame body, if one has arrived.
+    ///
+    /// Errors: [`FrameError::BadLength`] as soon as a bad header is seen (the buffer then
+    /// never yields again: drop the connection). Memory held is bounded by
+    /// [`MAX_FRAME_LEN`] + [`HEADER_LEN`] plus what one `push` adds.
+    pub fn next_frame(&mut self) -> Result<Option<Vec<u8>>, FrameError> {
+        let Some(header) = self.buf.first_chunk::<HEADER_LEN>() else {
+            return Ok(None);
+        };
+        let len = body_len(*header)?;
+        if self.buf.len() < HEADER_LEN + len {
+            return Ok(None);
+        }
+        let body = self.buf[HEADER_LEN..HEADER_LEN + len].to_vec();
+        self.buf.drain(..HEADER_LEN + len);
+        Ok(Some(body))
+    }
+
+    /// Call at end of stream: an error if a partial frame is left.
+    ///
+    /// Errors: [`FrameError::Truncated`].
+    pub fn finish(&self) -> Result<(), FrameError> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let want = match self.buf.first_chunk::<HEADER_LEN>() {
+            Some(h) => HEADER_LEN + u32::from_be_bytes(*h) as usize,
+            None => HEADER_LEN,
+        };
+        Err(FrameError::Truncated {
+            got: self.buf.len(),
+            want,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_messages() -> Vec<Message> {
+        vec![
+            Message::Hello(Hello {
+                init_version: "0.1.0".into(),
+            }),
+            Message::Start(Start {
+                argv: vec!["/bin/sh".into(), "-c".into(), "sleep 100".into()],
+                user: Some("runtime:runtime".into()),
+                env: vec!["A=b".into()],
+                workdir: Some("/workspace".into()),
+                ready: Some(ReadyCheck {
+                    argv: vec!["true".into()],
+                    interval_ms: 100,
+                    timeout_ms: 1000,
+                    retries: 3,
+                }),
+            }),
+            Message::Start(Start::default()),
+            Message::Ready(Ready {
+                elapsed_ms: 12,
+                attempts: 2,
+            }),
+            Message::Failed(Failed {
+                kind: FailureKind::ReadyTimeout,
+                reason: "gave up".into(),
+            }),
+            Message::Restore(Restore::new(&[7u8; 32], 1_700_000_000_000_000_000, vec![])),
+            Message::Restored(Restored {
+                machine_id: "0".repeat(32),
+                random: "ab".repeat(16),
+                boot_id: "b".into(),
+            }),
+            Message::Ping(Ping { nonce: 9 }),
+            Message::Pong(Ping { nonce: 9 }),
+            Message::Error(ErrorMessage {
+                message: "no".into(),
+            }),
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips_through_a_frame() {
+        for msg in all_messages() {
+            let frame = encode(&msg).unwrap();
+            let len = u32::from_be_bytes(frame[..4].try_into().unwrap()) as usize;
+            assert_eq!(len, frame.len() - 4);
+            let body: serde_json::Value = serde_json::from_slice(&frame[4..]).unwrap();
+            assert_eq!(body["v"], 1);
+            assert_eq!(body["type"], msg.type_name());
+            let back = read_frame(&mut &frame[..]).unwrap().unwrap();
+            assert_eq!(decode_body(&back).unwrap(), msg);
+        }
+    }
+
+    #[test]
+    fn wire_names_are_the_documented_ones() {
+        let body = encode_body(&Message::Hello(Hello {
+            init_version: "1".into(),
+        }))
+        .unwrap();
+        assert_eq!(
+            std::str::from_utf8(&body).unwrap(),
+            r#"{"v":1,"type":"hello","init_version":"1"}"#
+        );
+        let start = decode_body(
+            br#"{"v":1,"type":"start","argv":["x"],"user":null,"env":[],"workdir":null,
+                "ready":{"argv":["y"],"interval_ms":5,"timeout_ms":6,"retries":7}}"#,
+        )
+        .unwrap();
+        let Message::Start(start) = start else {
+            panic!("not a start: {start:?}")
+        };
+        assert_eq!(start.ready.unwrap().retries, 7);
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored() {
+        let msg = decode_body(br#"{"v":1,"type":"ping","nonce":3,"future":{"x":[1,2]}}"#).unwrap();
+        assert_eq!(msg, Message::Ping(Ping { nonce: 3 }));
+        let msg =
+            decode_body(br#"{"v":1,"type":"failed","kind":"kernel_panic","reason":"r"}"#).unwrap();
+        assert_eq!(
+            msg,
+            Message::Failed(Failed {
+                kind: FailureKind::Other,
+                reason: "r".into()
+            })
+        );
+    }
+
+    #[test]
+    fn oversize_frame_is_refused_before_reading_its_body() {
+        let mut frame = ((MAX_FRAME_LEN + 1) as u32).to_be_bytes().to_vec();
+        frame.extend_from_slice(b"{}");
+        let err = read_frame(&mut &frame[..]).unwrap_err();
+        assert!(matches!(err, FrameError::BadLength(n) if n == MAX_FRAME_LEN as u64 + 1));
+        let huge = u32::MAX.to_be_bytes();
+        assert!(matches!(
+            read_frame(&mut &huge[..]),
+            Err(FrameError::BadLength(_))
+        ));
+        let mut fb = FrameBuffer::new();
+        fb.push(&huge);
+        assert!(matches!(fb.next_frame(), Err(FrameError::BadLength(_))));
+    }
+
+    #[test]
+    fn zero_length_frame_is_refused() {
+        let zero = 0u32.to_be_bytes();
+        assert!(matches!(
+            read_frame(&mut &zero[..]),
+            Err(FrameError::BadLength(0))
+        ));
+    }
+
+    #[test]
+    fn largest_frame_is_accepted_and_larger_message_is_not_encoded() {
+        let pad = "x".repeat(MAX_FRAME_LEN - 64);
+        let msg = Message::Error(ErrorMessage { message: pad });
+        let frame = encode(&msg).unwrap();
+        assert!(frame.len() - 4 <= MAX_FRAME_LEN);
+        assert_eq!(
+            decode_body(&read_frame(&mut &frame[..]).unwrap().unwrap()).unwrap(),
+            msg
+        );
+        let msg = Message::Error(ErrorMessage {
+            message: "x".repeat(MAX_FRAME_LEN),
+        });
+        assert!(matches!(encode(&msg), Err(DecodeError::TooLarge(_))));
+    }
+
+    #[test]
+    fn truncated_frames_are_errors_and_clean_end_is_none() {
+        assert!(read_frame(&mut &b""[..]).unwrap().is_none());
+        assert!(matches!(
+            read_frame(&mut &[0u8, 0][..]),
+            Err(FrameError::Truncated { got: 2, want: 4 })
+        ));
+        let frame = encode(&Message::Ping(Ping { nonce: 1 })).unwrap();
+        let cut = &frame[..frame.len() - 1];
+        assert!(matches!(
+            read_frame(&mut &cut[..]),
+            Err(FrameError::Truncated { .. })
+        ));
+        let mut fb = FrameBuffer::new();
+        fb.push(cut);
+        assert!(fb.next_frame().unwrap().is_none());
+        assert!(matches!(fb.finish(), Err(FrameError::Truncated { .. })));
+    }
+
+    #[test]
+    fn frame_buffer_splits_byte_by_byte_input() {
+        let mut stream = Vec::new();
+        for msg in all_messages() {
+            stream.extend(encode(&msg).unwrap());
+        }
+        let mut fb = FrameBuffer::new();
+        let mut got = Vec::new();
+        for b in &stream {
+            fb.push(std::slice::from_ref(b));
+            while let Some(body) = fb.next_frame().unwrap() {
+                got.push(decode_body(&body).unwrap());
+            }
+        }
+        fb.finish().unwrap();
+        assert_eq!(got, all_messages());
+    }
+
+    #[test]
+    fn bad_json_is_a_decode_error_not_a_crash() {
+        for body in [
+            &b"{"[..],
+            b"not json",
+            b"\xff\xfe",
+            b"[1,2]",
+            b"\"hello\"",
+            b"null",
+        ] {
+            let err = decode_body(body).unwrap_err();
+            assert!(matches!(err, DecodeError::NotJson(_)), "{body:?}: {err:?}");
+            // The answer is itself a valid message.
+            let answer = encode(&Message::error(&err)).unwrap();
+            decode_body(&answer[4..]).unwrap();
+        }
+        // Deep nesting is refused by serde_json's recursion limit, not a stack overflow.
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        assert!(decode_body(deep.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn unknown_or_missing_version_is_refused() {
+        for body in [
+            &br#"{"type":"ping"}"#[..],
+            br#"{"v":2,"type":"ping"}"#,
+            br#"{"v":"1","type":"ping"}"#,
+            br#"{"v":1.5,"type":"ping"}"#,
+            br#"{"v":-1,"type":"ping"}"#,
+        ] {
+            assert!(
+                matches!(decode_body(body), Err(DecodeError::UnknownVersion(_))),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_or_missing_type_is_refused() {
+        assert!(matches!(
+            decode_body(br#"{"v":1,"type":"reboot"}"#),
+            Err(DecodeError::UnknownType(t)) if t == "reboot"
+        ));
+        assert!(matches!(
+            decode_body(br#"{"v":1}"#),
+            Err(DecodeError::MissingType)
+        ));
+        assert!(matches!(
+            decode_body(br#"{"v":1,"type":7}"#),
+            Err(DecodeError::MissingType)
+        ));
+        // A long hostile type name is truncated in the error.
+        let long = format!(r#"{{"v":1,"type":"{}"}}"#, "a".repeat(10_000));
+        let err = decode_body(long.as_bytes()).unwrap_err().to_string();
+        assert!(err.len() < 200, "{err}");
+    }
+
+    #[test]
+    fn known_type_with_bad_fields_is_refused() {
+        for body in [
+            &br#"{"v":1,"type":"hello"}"#[..],
+            br#"{"v":1,"type":"start","argv":"sh"}"#,
+            br#"{"v":1,"type":"ready","elapsed_ms":-1}"#,
+            br#"{"v":1,"type":"restore","entropy":"AA==","time_unix_ns":"now"}"#,
+            br#"{"v":1,"type":"start","ready":{"argv":[],"interval_ms":1}}"#,
+        ] {
+            assert!(
+                matches!(decode_body(body), Err(DecodeError::BadMessage { .. })),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+
+    #[test]
+    fn restore_entropy_is_bounded_and_checked() {
+        let ok = Restore::new(&[1u8; 32], 0, vec![]);
+        assert_eq!(ok.entropy_bytes().unwrap(), vec![1u8; 32]);
+        for bad in [
+            Restore::new(&[1u8; 31], 0, vec![]),
+            Restore::new(&vec![1u8; MAX_ENTROPY_LEN + 1], 0, vec![]),
+            Restore {
+                entropy: "!!!not base64!!!".into(),
+                time_unix_ns: 0,
+                env: vec![],
+            },
+            Restore {
+                entropy: "A".repeat(10 << 20),
+                time_unix_ns: 0,
+                env: vec![],
+            },
+        ] {
+            assert!(matches!(
+                bad.entropy_bytes(),
+                Err(DecodeError::BadField {
+                    field: "entropy",
+                    ..
+                })
+            ));
+        }
+    }
+}

@@ -1,0 +1,639 @@
+//! Clone start: wake copies of a snapshot, and the state of clones running on this host.
+//!
+//! [`start_clones`]:
+//! 1. Resolve the image tag; its manifest's `snapshot` names the [`SnapshotManifest`].
+//! 2. Fetch kernel and initramfs (blobs, digest-checked) into the local snapshot cache
+//!    (`<cache>/<snapshot hex>/`), pick the accelerator, and compare this host's
+//!    [`CompatKey`] with the stored one: a mismatch is refused ([`CloneError::Compat`]) and
+//!    nothing is removed from the store.
+//! 3. Fetch the vmstate (digest-checked), then materialize the memory file and the disk (every
+//!    chunk verified), unless a previous start already completed them (marker `complete`,
+//!    written only after a verified materialize). All of this happens before QEMU starts, so a
+//!    corrupted chunk or blob fails the start with the store's error naming it. The memory
+//!    file is made read-only (0444).
+//! 4. Per clone: a directory `<state>/<id>/`, a qcow2 overlay over the cached disk, QEMU with
+//!    the memory file mapped `share=off,readonly=on,rom=off` (never shared again), `-S
+//!    -incoming defer`; `x-ignore-shared`; `migrate-incoming file:vmstate`; `cont`; send
+//!    `restore` (32 fresh bytes from `/dev/urandom`, the time, the env); wait for `restored`.
+//!    QEMU is then left running on its own; `clone.json` records it for [`list`] / [`stop`].
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kiln_guest::protocol::{Message, Restore};
+use kiln_store::{Manifest, ManifestDigest, SnapshotManifest, Store, StoreError, TagRef};
+use serde::{Deserialize, Serialize};
+
+use crate::channel::{ChannelError, GuestChannel};
+use crate::compat::CompatError;
+use crate::launch::{self, Accel, Host, LaunchError, MemoryMode, Vm, VmSpec, io_err};
+use crate::qmp::{Qmp, QmpError};
+use crate::snapshot::{console_tail, host_key, qcow2_overlay};
+
+/// Errors of clone start, list and stop.
+#[derive(Debug, thiserror::Error)]
+pub enum CloneError {
+    /// The image has no snapshot.
+    #[error("{0} has no snapshot (make one with `kiln snapshot {0}`)")]
+    NoSnapshot(String),
+    /// The tag does not name an image, or its snapshot is not a snapshot manifest.
+    #[error("{0} is not an image with a snapshot manifest")]
+    NotAnImage(String),
+    /// This host cannot restore the snapshot (the snapshot is kept).
+    #[error("{image}: {source}")]
+    Compat {
+        /// The image.
+        image: String,
+        /// Which fields differ.
+        source: CompatError,
+    },
+    /// The guest did not answer `restore`, or answered wrongly.
+    #[error("clone {id}: {what}: {source}\nconsole (tail):\n{console}")]
+    Guest {
+        /// The clone.
+        id: String,
+        /// Which step.
+        what: String,
+        /// The channel error.
+        source: ChannelError,
+        /// Serial console tail.
+        console: String,
+    },
+    /// The guest answered something other than `restored`.
+    #[error("clone {id}: the guest sent {got} instead of restored")]
+    Unexpected {
+        /// The clone.
+        id: String,
+        /// What arrived.
+        got: String,
+    },
+    /// The snapshot manifest describes a machine kiln will not start (it comes from a store,
+    /// which may be hostile).
+    #[error("snapshot {snapshot}: {reason}")]
+    BadSnapshot {
+        /// The snapshot manifest.
+        snapshot: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No clone with that id here.
+    #[error("no clone {0} on this host (see `kiln ps`)")]
+    NoSuchClone(String),
+    /// A clone state file that does not parse.
+    #[error("{path}: {reason}")]
+    State {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The store.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// QEMU.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+}
+
+impl From<QmpError> for CloneError {
+    fn from(e: QmpError) -> Self {
+        CloneError::Launch(e.into())
+    }
+}
+
+/// Options of [`start_clones`].
+#[derive(Debug, Clone)]
+pub struct CloneOptions {
+    /// How many clones (default 1).
+    pub count: usize,
+    /// `KEY=value` given to the guest in `restore` (for processes started after it).
+    pub env: Vec<String>,
+    /// Where running clones are recorded ([`default_state_dir`]).
+    pub state_dir: PathBuf,
+    /// Where materialized snapshots are cached ([`default_cache_dir`]).
+    pub cache_dir: PathBuf,
+    /// QEMU start → `restored`, per clone (default 60 s).
+    pub restore_timeout: Duration,
+    /// Accelerator; `None`: [`launch::probe_accel`].
+    pub accel: Option<Accel>,
+}
+
+impl CloneOptions {
+    /// Defaults with the given directories.
+    pub fn new(state_dir: PathBuf, cache_dir: PathBuf) -> Self {
+        Self {
+            count: 1,
+            env: Vec::new(),
+            state_dir,
+            cache_dir,
+            restore_timeout: Duration::from_secs(60),
+            accel: None,
+        }
+    }
+}
+
+/// `$KILN_STATE_DIR`, else `$XDG_RUNTIME_DIR/kiln`, else `~/.local/state/kiln`, else
+/// `/tmp/kiln-state`; clones live in `<it>/clones/`.
+pub fn default_state_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KILN_STATE_DIR") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
+        return PathBuf::from(d).join("kiln");
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".local/state/kiln"),
+        None => PathBuf::from("/tmp/kiln-state"),
+    }
+}
+
+/// `$KILN_SNAPSHOT_CACHE`, else `~/.cache/kiln/snapshots`, else `/tmp/kiln-snapshots`.
+pub fn default_cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KILN_SNAPSHOT_CACHE") {
+        return PathBuf::from(d);
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".cache/kiln/snapshots"),
+        None => PathBuf::from("/tmp/kiln-snapshots"),
+    }
+}
+
+/// A clone running on this host (`<state>/clones/<id>/clone.json`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CloneRecord {
+    /// Clone id (16 hex digits).
+    pub id: String,
+    /// QEMU's pid.
+    pub pid: u32,
+    /// The image reference it was started from.
+    pub image: String,
+    /// The snapshot manifest.
+    pub snapshot: String,
+    /// The guest's new machine id.
+    pub machine_id: String,
+    /// Hex of 16 random bytes the guest read after the reseed.
+    pub random: String,
+    /// The guest's boot id (shared with the snapshot's other clones).
+    pub boot_id: String,
+    /// Unix seconds when it started.
+    pub started_unix: u64,
+    /// QEMU start → `restored`, ms.
+    pub start_ms: u64,
+    /// The clone's directory (QMP socket, overlay, console log).
+    pub dir: PathBuf,
+}
+
+impl CloneRecord {
+    /// Whether its QEMU process still runs (the pid exists and is a QEMU).
+    pub fn running(&self) -> bool {
+        std::fs::read(format!("/proc/{}/cmdline", self.pid))
+            .map(|c| String::from_utf8_lossy(&c).contains("qemu"))
+            .unwrap_or(false)
+    }
+}
+
+/// A snapshot materialized in the local cache.
+#[derive(Debug, Clone)]
+struct Cached {
+    dir: PathBuf,
+    kernel: PathBuf,
+    initramfs: PathBuf,
+    vmstate: PathBuf,
+    memory: PathBuf,
+    disk: PathBuf,
+}
+
+async fn snapshot_of(
+    store: &Store,
+    image_ref: &TagRef,
+) -> Result<(ManifestDigest, SnapshotManifest), CloneError> {
+    let d = store.resolve_tag(image_ref).await?;
+    let Manifest::Image(img) = store.get_manifest(&d).await? else {
+        return Err(CloneError::NotAnImage(image_ref.to_string()));
+    };
+    let Some(sd) = img.snapshot else {
+        return Err(CloneError::NoSnapshot(image_ref.to_string()));
+    };
+    match store.get_manifest(&sd).await? {
+        Manifest::Snapshot(s) => {
+            check_snapshot(&s).map_err(|reason| CloneError::BadSnapshot {
+                snapshot: sd.to_string(),
+                reason,
+            })?;
+            Ok((sd, s))
+        }
+        Manifest::Image(_) => Err(CloneError::NotAnImage(image_ref.to_string())),
+    }
+}
+
+/// Largest guest RAM a snapshot may ask for, bytes (256 GiB).
+pub const MAX_MEMORY_BYTES: u64 = 256 << 30;
+/// Most vCPUs a snapshot may ask for.
+pub const MAX_VCPUS: u32 = 64;
+
+/// Refuses snapshot manifests kiln would not have written: memory size not a whole number of
+/// MiB, over [`MAX_MEMORY_BYTES`], or different from the memory table's size; vCPUs outside
+/// 1..=[`MAX_VCPUS`].
+pub fn check_snapshot(s: &SnapshotManifest) -> Result<(), String> {
+    if s.memory_bytes == 0 || !s.memory_bytes.is_multiple_of(1 << 20) {
+        return Err(format!(
+            "memory size {} is not a positive whole number of MiB",
+            s.memory_bytes
+        ));
+    }
+    if s.memory_bytes > MAX_MEMORY_BYTES {
+        return Err(format!(
+            "memory size {} is over the {MAX_MEMORY_BYTES}-byte limit",
+            s.memory_bytes
+        ));
+    }
+    if s.memory.size != s.memory_bytes {
+        return Err(format!(
+            "memory table covers {} bytes, the manifest says {}",
+            s.memory.size, s.memory_bytes
+        ));
+    }
+    if !(1..=MAX_VCPUS).contains(&s.vcpus) {
+        return Err(format!("{} vCPUs (1 to {MAX_VCPUS} accepted)", s.vcpus));
+    }
+    Ok(())
+}
+
+/// Fetches the snapshot's kernel, initramfs and vmstate (digest-checked every time), and its
+/// memory and disk (verified chunks) unless already complete in the cache.
+async fn materialize(
+    store: &Store,
+    digest: &ManifestDigest,
+    snap: &SnapshotManifest,
+    cache_dir: &Path,
+    boot_only: bool,
+) -> Result<Cached, CloneError> {
+    let dir = cache_dir.join(digest.hex());
+    std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+    let c = Cached {
+        kernel: dir.join("vmlinux"),
+        initramfs: dir.join("initramfs"),
+        vmstate: dir.join("vmstate"),
+        memory: dir.join("memory"),
+        disk: dir.join("disk.raw"),
+        dir,
+    };
+    // Replaced by rename, never rewritten in place: a QEMU of another start may be reading
+    // the previous copy.
+    let fetch = async |digest: &kiln_store::BlobDigest, dest: &Path| {
+        let tmp = dest.with_extension(format!("tmp-{}", std::process::id()));
+        store.get_blob_to_file(digest, &tmp).await?;
+        std::fs::rename(&tmp, dest).map_err(io_err(dest))?;
+        Ok::<_, CloneError>(())
+    };
+    if boot_only {
+        fetch(&snap.kernel.digest, &c.kernel).await?;
+        fetch(&snap.initramfs.digest, &c.initramfs).await?;
+        return Ok(c);
+    }
+    // The vmstate first: small, and a corrupted one must fail before any QEMU starts.
+    fetch(&snap.vmstate.digest, &c.vmstate).await?;
+    // One materializer at a time per snapshot (flock on `<dir>/lock`, released on drop).
+    let _lock = lock(&c.dir.join("lock")).await?;
+    let marker = c.dir.join("complete");
+    if !marker.exists() {
+        let _ = std::fs::remove_file(&c.memory);
+        store.materialize(&snap.memory, &c.memory, None).await?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&c.memory, std::fs::Permissions::from_mode(0o444))
+            .map_err(io_err(&c.memory))?;
+        store.materialize(&snap.disk, &c.disk, None).await?;
+        std::fs::write(&marker, digest.to_string()).map_err(io_err(&marker))?;
+    }
+    Ok(c)
+}
+
+/// Takes an exclusive `flock` on `path` (created if missing) on a blocking thread; the lock
+/// lasts as long as the returned file.
+async fn lock(path: &Path) -> Result<std::fs::File, CloneError> {
+    let p = path.to_path_buf();
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p)
+        .map_err(io_err(&p))?;
+    tokio::task::spawn_blocking(move || {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a file descriptor this function owns; no memory is shared.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(io_err(&p)(std::io::Error::last_os_error()).into());
+        }
+        Ok(f)
+    })
+    .await
+    .map_err(|e| CloneError::from(LaunchError::Host(e.to_string())))?
+}
+
+/// Starts `opts.count` clones of the snapshot attached to `image_ref`. See the module doc.
+pub async fn start_clones(
+    store: &Store,
+    image_ref: &TagRef,
+    opts: &CloneOptions,
+) -> Result<Vec<CloneRecord>, CloneError> {
+    let (digest, snap) = snapshot_of(store, image_ref).await?;
+    let host = Host::detect().await?;
+    let cached = materialize(store, &digest, &snap, &opts.cache_dir, true).await?;
+    let accel = match opts.accel {
+        Some(a) => a,
+        None => launch::probe_accel(&host, &cached.kernel, &cached.initramfs, &cached.dir).await?,
+    };
+    let key = host_key(
+        &host,
+        accel,
+        &snap.kernel,
+        &snap.initramfs,
+        snap.vcpus,
+        snap.memory_bytes,
+    );
+    key.check(&snap.compatibility_key)
+        .map_err(|source| CloneError::Compat {
+            image: image_ref.to_string(),
+            source,
+        })?;
+    let cached = materialize(store, &digest, &snap, &opts.cache_dir, false).await?;
+    let clones_dir = opts.state_dir.join("clones");
+    std::fs::create_dir_all(&clones_dir).map_err(io_err(&clones_dir))?;
+    let mut out = Vec::new();
+    for _ in 0..opts.count {
+        let rec = start_one(
+            &host,
+            accel,
+            &snap,
+            &digest,
+            image_ref,
+            &cached,
+            &clones_dir,
+            opts,
+        )
+        .await?;
+        out.push(rec);
+    }
+    Ok(out)
+}
+
+fn random_bytes(n: usize) -> Result<Vec<u8>, LaunchError> {
+    use std::io::Read;
+    let mut b = vec![0u8; n];
+    let p = Path::new("/dev/urandom");
+    std::fs::File::open(p)
+        .and_then(|mut f| f.read_exact(&mut b))
+        .map_err(io_err(p))?;
+    Ok(b)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn start_one(
+    host: &Host,
+    accel: Accel,
+    snap: &SnapshotManifest,
+    digest: &ManifestDigest,
+    image_ref: &TagRef,
+    cached: &Cached,
+    clones_dir: &Path,
+    opts: &CloneOptions,
+) -> Result<CloneRecord, CloneError> {
+    let id = hex::encode(random_bytes(8)?);
+    let dir = clones_dir.join(&id);
+    std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+    let overlay = dir.join("disk.qcow2");
+    qcow2_overlay(host, &cached.disk, &overlay).await?;
+    let spec = VmSpec {
+        accel,
+        vcpus: snap.vcpus,
+        memory_bytes: snap.memory_bytes,
+        kernel: cached.kernel.clone(),
+        initramfs: cached.initramfs.clone(),
+        memory_file: cached.memory.clone(),
+        memory_mode: MemoryMode::Private,
+        disk: overlay,
+        qmp_socket: dir.join("qmp.sock"),
+        guest_socket: dir.join("guest.sock"),
+        serial_log: dir.join("console.log"),
+        incoming: true,
+        tsc_khz: host.tsc_khz,
+    };
+    let t0 = Instant::now();
+    let started_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let res = async {
+        let mut vm = Vm::spawn(host, &spec, &dir.join("qemu.log"), opts.restore_timeout).await?;
+        vm.qmp
+            .set_capabilities(&[("x-ignore-shared", true)])
+            .await?;
+        vm.qmp
+            .execute(
+                "migrate-incoming",
+                Some(serde_json::json!({"uri": format!("file:{}", cached.vmstate.display())})),
+            )
+            .await?;
+        vm.qmp.wait_migration(opts.restore_timeout).await?;
+        vm.qmp.execute("cont", None).await?;
+        let guest_err = |what: &str, source: ChannelError| CloneError::Guest {
+            id: id.clone(),
+            what: what.to_string(),
+            source,
+            console: console_tail(&spec.serial_log),
+        };
+        let mut ch = GuestChannel::connect(&spec.guest_socket, opts.restore_timeout)
+            .await
+            .map_err(|e| guest_err("connecting to the guest channel", e))?;
+        let now_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        ch.send(&Message::Restore(Restore::new(
+            &random_bytes(32)?,
+            now_ns,
+            opts.env.clone(),
+        )))
+        .await
+        .map_err(|e| guest_err("sending restore", e))?;
+        let left = opts.restore_timeout.saturating_sub(t0.elapsed());
+        let r = match ch
+            .recv_significant("restored", left)
+            .await
+            .map_err(|e| guest_err("waiting for restored", e))?
+        {
+            Message::Restored(r) => r,
+            m => {
+                return Err(CloneError::Unexpected {
+                    id: id.clone(),
+                    got: m.type_name().into(),
+                });
+            }
+        };
+        Ok::<_, CloneError>((vm, r))
+    }
+    .await;
+    let (vm, r) = match res {
+        Ok(x) => x,
+        Err(e) => {
+            // Vm's Drop killed QEMU if it was started; leave no directory behind.
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+    };
+    let rec = CloneRecord {
+        id: id.clone(),
+        pid: vm.pid,
+        image: image_ref.to_string(),
+        snapshot: digest.to_string(),
+        machine_id: r.machine_id,
+        random: r.random,
+        boot_id: r.boot_id,
+        started_unix,
+        start_ms: t0.elapsed().as_millis() as u64,
+        dir: dir.clone(),
+    };
+    let path = dir.join("clone.json");
+    std::fs::write(
+        &path,
+        serde_json::to_vec_pretty(&rec).map_err(|e| CloneError::State {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?,
+    )
+    .map_err(io_err(&path))?;
+    vm.detach();
+    Ok(rec)
+}
+
+/// The clones recorded under `state_dir` (running or not), sorted by start time.
+pub fn list(state_dir: &Path) -> Result<Vec<CloneRecord>, CloneError> {
+    let dir = state_dir.join("clones");
+    let rd = match std::fs::read_dir(&dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err(&dir)(e).into()),
+    };
+    let mut out = Vec::new();
+    for ent in rd.flatten() {
+        let p = ent.path().join("clone.json");
+        let Ok(bytes) = std::fs::read(&p) else {
+            continue; // a clone still starting, or a stray directory
+        };
+        let rec: CloneRecord = serde_json::from_slice(&bytes).map_err(|e| CloneError::State {
+            path: p.clone(),
+            reason: e.to_string(),
+        })?;
+        out.push(rec);
+    }
+    out.sort_by(|a, b| (a.started_unix, &a.id).cmp(&(b.started_unix, &b.id)));
+    Ok(out)
+}
+
+/// Stops the clone `id`: QMP `quit` (2 s), else SIGKILL of its recorded pid (only if that pid
+/// is still a QEMU); removes its directory. Returns whether it was running.
+pub async fn stop(state_dir: &Path, id: &str) -> Result<bool, CloneError> {
+    if id.is_empty() || !id.chars().all(|c| c.is_ascii_hexdigit()) {
+        return Err(CloneError::NoSuchClone(id.to_string()));
+    }
+    let rec = list(state_dir)?
+        .into_iter()
+        .find(|r| r.id == id)
+        .ok_or_else(|| CloneError::NoSuchClone(id.to_string()))?;
+    let was_running = rec.running();
+    if was_running {
+        if let Ok(mut q) = Qmp::connect(&rec.dir.join("qmp.sock"), Duration::from_secs(2)).await {
+            let _ = q.execute_within("quit", None, Duration::from_secs(2)).await;
+        }
+        for _ in 0..100 {
+            if !rec.running() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if rec.running() {
+            // SAFETY: kill(2) with a pid we recorded and just checked is a QEMU; no memory
+            // is touched.
+            unsafe {
+                libc::kill(rec.pid as libc::pid_t, libc::SIGKILL);
+            }
+        }
+    }
+    std::fs::remove_dir_all(&rec.dir).map_err(io_err(&rec.dir))?;
+    Ok(was_running)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_store::chunk::{ChunkEntry, ChunkTable, Chunking};
+    use kiln_store::manifest::{SCHEMA_VERSION, SNAPSHOT_MEDIA_TYPE};
+    use kiln_store::{BlobDigest, BlobRef};
+
+    fn snap(memory_bytes: u64, table: u64, vcpus: u32) -> SnapshotManifest {
+        let blob = BlobRef {
+            digest: BlobDigest::of(b"x"),
+            size: 1,
+            media_type: None,
+        };
+        let t = |size| ChunkTable {
+            size,
+            chunking: Chunking::MEMORY_DEFAULT,
+            entries: vec![ChunkEntry {
+                offset: 0,
+                raw_len: size,
+                digest: None,
+                stored_len: 0,
+            }],
+        };
+        SnapshotManifest {
+            schema_version: SCHEMA_VERSION,
+            media_type: SNAPSHOT_MEDIA_TYPE.into(),
+            memory: t(table),
+            vmstate: blob.clone(),
+            disk: t(1 << 20),
+            compatibility_key: String::new(),
+            image: ManifestDigest::of(b"i"),
+            kernel: blob.clone(),
+            initramfs: blob,
+            vcpus,
+            memory_bytes,
+        }
+    }
+
+    #[test]
+    fn hostile_snapshot_shapes_are_refused() {
+        assert!(check_snapshot(&snap(256 << 20, 256 << 20, 1)).is_ok());
+        for (m, t, v) in [
+            (0, 0, 1),
+            ((256 << 20) + 1, (256 << 20) + 1, 1),
+            (1 << 50, 1 << 50, 1),
+            (256 << 20, 128 << 20, 1),
+            (256 << 20, 256 << 20, 0),
+            (256 << 20, 256 << 20, 10_000),
+        ] {
+            assert!(check_snapshot(&snap(m, t, v)).is_err(), "{m} {t} {v}");
+        }
+    }
+
+    #[test]
+    fn list_and_stop_refuse_unknown_or_path_like_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(list(dir.path()).unwrap().is_empty());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        for id in ["", "../etc", "abc/def", "0123456789abcdef"] {
+            assert!(matches!(
+                rt.block_on(stop(dir.path(), id)),
+                Err(CloneError::NoSuchClone(_))
+            ));
+        }
+        // A clone.json that does not parse is an error naming it, not a skip.
+        let c = dir.path().join("clones/00");
+        std::fs::create_dir_all(&c).unwrap();
+        std::fs::write(c.join("clone.json"), "{").unwrap();
+        assert!(matches!(list(dir.path()), Err(CloneError::State { .. })));
+    }
+}

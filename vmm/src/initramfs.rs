@@ -1,0 +1,530 @@
+//! The guest initramfs: a deterministic cpio "newc" archive holding the static guest init as
+//! `/init`, the kernel modules it loads (`/lib/modules/<name>.ko`, listed in load order in
+//! `/kiln/modules`), `/dev/console` and the mount points the init uses.
+//!
+//! Format: cpio newc (the kernel's Documentation/driver-api/early-userspace/buffer-format.rst):
+//! per entry a 110-byte ASCII header (`070701` and 13 eight-digit hex fields), the NUL-ended
+//! name padded to 4 bytes, the data padded to 4 bytes; then a `TRAILER!!!` entry. Uncompressed
+//! (the kernel reads it directly; the init dominates its size anyway).
+//!
+//! Determinism: entries sorted by path (parents before children), inode numbers assigned in
+//! that order, mtime 0, uid/gid 0; identical inputs give identical bytes.
+//!
+//! The init binary: [`build_guest_init`] builds `kiln-guest-init` static
+//! (`RUSTFLAGS=-C target-feature=+crt-static`, `--target x86_64-unknown-linux-gnu` so build
+//! scripts and proc macros stay dynamic) into its own target directory; `KILN_GUEST_INIT`
+//! names a prebuilt one instead.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::kernel::{self, Kernel, KernelError};
+
+/// Where the init finds its module list (must match kiln-guest-init's `MODULE_LIST`).
+pub const MODULE_LIST: &str = "kiln/modules";
+
+/// The target triple the init is built for (the gnu target is the one installed; glibc
+/// links statically with `+crt-static`).
+pub const INIT_TARGET: &str = "x86_64-unknown-linux-gnu";
+
+/// Errors of this module.
+#[derive(Debug, thiserror::Error)]
+pub enum InitramfsError {
+    /// A path is not a relative path of normal components.
+    #[error("bad archive path {0:?}")]
+    BadPath(String),
+    /// The kernel's modules could not be gathered.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// Building the init failed.
+    #[error("building kiln-guest-init: {0}")]
+    Build(String),
+    /// The init binary is not static.
+    #[error("{0} is not a static executable (it has a PT_INTERP program header)")]
+    NotStatic(PathBuf),
+    /// I/O.
+    #[error("{0}: {1}")]
+    Io(String, io::Error),
+}
+
+#[derive(Debug, Clone)]
+enum Entry {
+    Dir { mode: u32 },
+    File { mode: u32, data: Vec<u8> },
+    CharDev { mode: u32, major: u32, minor: u32 },
+}
+
+/// A cpio newc archive being assembled. Paths are relative (`init`, `dev/console`); missing
+/// parent directories are added (mode 0755).
+#[derive(Debug, Default, Clone)]
+pub struct Cpio {
+    entries: BTreeMap<String, Entry>,
+}
+
+fn check_path(path: &str) -> Result<String, InitramfsError> {
+    let p = path.trim_start_matches('/');
+    if p.is_empty()
+        || p.len() > 4096
+        || p.split('/').any(|c| c.is_empty() || c == "." || c == "..")
+        || p.contains('\0')
+    {
+        return Err(InitramfsError::BadPath(path.into()));
+    }
+    Ok(p.to_string())
+}
+
+impl Cpio {
+    /// An empty archive.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn parents(&mut self, path: &str) {
+        let mut at = 0;
+        while let Some(i) = path[at..].find('/') {
+            let dir = &path[..at + i];
+            self.entries
+                .entry(dir.to_string())
+                .or_insert(Entry::Dir { mode: 0o755 });
+            at += i + 1;
+        }
+    }
+
+    /// Add a directory (permission bits `mode`).
+    ///
+    /// Errors: [`InitramfsError::BadPath`].
+    pub fn dir(&mut self, path: &str, mode: u32) -> Result<(), InitramfsError> {
+        let p = check_path(path)?;
+        self.parents(&p);
+        self.entries.insert(
+            p,
+            Entry::Dir {
+                mode: mode & 0o7777,
+            },
+        );
+        Ok(())
+    }
+
+    /// Add a regular file.
+    ///
+    /// Errors: [`InitramfsError::BadPath`].
+    pub fn file(&mut self, path: &str, mode: u32, data: Vec<u8>) -> Result<(), InitramfsError> {
+        let p = check_path(path)?;
+        self.parents(&p);
+        self.entries.insert(
+            p,
+            Entry::File {
+                mode: mode & 0o7777,
+                data,
+            },
+        );
+        Ok(())
+    }
+
+    /// Add a character device node.
+    ///
+    /// Errors: [`InitramfsError::BadPath`].
+    pub fn char_dev(
+        &mut self,
+        path: &str,
+        mode: u32,
+        major: u32,
+        minor: u32,
+    ) -> Result<(), InitramfsError> {
+        let p = check_path(path)?;
+        self.parents(&p);
+        self.entries.insert(
+            p,
+            Entry::CharDev {
+                mode: mode & 0o7777,
+                major,
+                minor,
+            },
+        );
+        Ok(())
+    }
+
+    /// Write the archive.
+    ///
+    /// Errors: I/O from `w`; a file over 4 GiB (the newc size field is 32 bits).
+    pub fn write_to<W: Write>(&self, w: &mut W) -> io::Result<()> {
+        let mut written = 0usize;
+        let mut ino = 0u32;
+        for (path, entry) in &self.entries {
+            ino += 1;
+            let (mode, nlink, data, rmaj, rmin): (u32, u32, &[u8], u32, u32) = match entry {
+                Entry::Dir { mode } => (0o040000 | mode, 2, &[], 0, 0),
+                Entry::File { mode, data } => (0o100000 | mode, 1, data, 0, 0),
+                Entry::CharDev { mode, major, minor } => (0o020000 | mode, 1, &[], *major, *minor),
+            };
+            let size = u32::try_from(data.len())
+                .map_err(|_| io::Error::other(format!("{path}: larger than 4 GiB")))?;
+            written += header(w, ino, mode, nlink, size, rmaj, rmin, path)?;
+            w.write_all(data)?;
+            written += data.len();
+            written += pad(w, written)?;
+        }
+        written += header(w, 0, 0, 1, 0, 0, 0, "TRAILER!!!")?;
+        pad(w, written)?;
+        Ok(())
+    }
+
+    /// The archive's bytes.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        // Writing to a Vec cannot fail, and every size was bounded when added... except files
+        // over 4 GiB, which callers here never add (the init and modules are MiB).
+        let _ = self.write_to(&mut out);
+        out
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn header<W: Write>(
+    w: &mut W,
+    ino: u32,
+    mode: u32,
+    nlink: u32,
+    size: u32,
+    rmaj: u32,
+    rmin: u32,
+    name: &str,
+) -> io::Result<usize> {
+    let namesize = name.len() + 1;
+    let h = format!(
+        "070701{ino:08x}{mode:08x}{uid:08x}{gid:08x}{nlink:08x}{mtime:08x}{size:08x}\
+         {dmaj:08x}{dmin:08x}{rmaj:08x}{rmin:08x}{namesize:08x}{check:08x}",
+        uid = 0,
+        gid = 0,
+        mtime = 0,
+        dmaj = 0,
+        dmin = 0,
+        check = 0,
+    );
+    w.write_all(h.as_bytes())?;
+    w.write_all(name.as_bytes())?;
+    w.write_all(&[0])?;
+    let n = h.len() + namesize;
+    Ok(n + pad(w, n)?)
+}
+
+fn pad<W: Write>(w: &mut W, len: usize) -> io::Result<usize> {
+    let p = (4 - len % 4) % 4;
+    w.write_all(&[0u8; 3][..p])?;
+    Ok(p)
+}
+
+/// The guest initramfs: `init` (the static init's bytes), the `modules` (name, ELF bytes) in
+/// load order under `lib/modules/`, their list in [`MODULE_LIST`], `dev/console` (5:1, so the
+/// kernel gives the init a console before devtmpfs is mounted), and the directories `dev`,
+/// `proc`, `sys`, `newroot`.
+///
+/// Errors: [`InitramfsError::BadPath`] for a module name with a `/`.
+pub fn guest_initramfs(
+    init: Vec<u8>,
+    modules: Vec<(String, Vec<u8>)>,
+) -> Result<Cpio, InitramfsError> {
+    let mut c = Cpio::new();
+    for d in ["dev", "proc", "sys", "newroot", "kiln", "lib/modules"] {
+        c.dir(d, 0o755)?;
+    }
+    c.char_dev("dev/console", 0o600, 5, 1)?;
+    c.file("init", 0o755, init)?;
+    let mut list = String::new();
+    for (name, bytes) in modules {
+        if name.contains('/') {
+            return Err(InitramfsError::BadPath(name));
+        }
+        let path = format!("lib/modules/{name}.ko");
+        list.push_str(&format!("/{path}\n"));
+        c.file(&path, 0o644, bytes)?;
+    }
+    c.file(MODULE_LIST, 0o644, list.into_bytes())?;
+    Ok(c)
+}
+
+/// What [`build`] made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Initramfs {
+    /// The archive file.
+    pub path: PathBuf,
+    /// `sha256:<hex>` of its bytes.
+    pub sha256: String,
+    /// Its size, bytes.
+    pub size: u64,
+    /// The modules in it, in load order.
+    pub modules: Vec<String>,
+}
+
+/// Build the initramfs for `kernel` with the init at `init` into `out` (written through a
+/// temporary file and renamed): `modules` (e.g. [`kernel::GUEST_MODULES`]) and their
+/// dependencies.
+///
+/// Errors: [`InitramfsError`]: an init that is not static, a missing module, I/O.
+pub fn build(
+    kernel: &Kernel,
+    init: &Path,
+    modules: &[&str],
+    out: &Path,
+) -> Result<Initramfs, InitramfsError> {
+    let init_bytes =
+        fs::read(init).map_err(|e| InitramfsError::Io(init.display().to_string(), e))?;
+    if !is_static(&init_bytes) {
+        return Err(InitramfsError::NotStatic(init.into()));
+    }
+    let mods = kernel::module_closure(&kernel.modules_dir(), modules)?;
+    let mut loaded = Vec::new();
+    for m in &mods {
+        loaded.push((m.name.clone(), kernel::module_bytes(&m.path)?));
+    }
+    let bytes = guest_initramfs(init_bytes, loaded)?.to_bytes();
+    let tmp = out.with_extension("tmp");
+    fs::write(&tmp, &bytes).map_err(|e| InitramfsError::Io(tmp.display().to_string(), e))?;
+    fs::rename(&tmp, out).map_err(|e| InitramfsError::Io(out.display().to_string(), e))?;
+    Ok(Initramfs {
+        path: out.into(),
+        sha256: kernel::sha256_digest(&bytes),
+        size: bytes.len() as u64,
+        modules: mods.into_iter().map(|m| m.name).collect(),
+    })
+}
+
+/// The guest kernel and initramfs, ready for `-kernel` and `-initrd`.
+#[derive(Debug, Clone)]
+pub struct GuestArtifacts {
+    /// The kernel (its `vmlinux()` and digests).
+    pub kernel: Kernel,
+    /// The initramfs.
+    pub initramfs: Initramfs,
+}
+
+/// Fetch the kernel of `recipe` and build (or reuse) its initramfs with the init at `init`,
+/// both cached under `cache_dir`: the initramfs at
+/// `<cache>/initramfs/<hex of sha256(vmlinux digest, init bytes, module names)>.cpio`.
+///
+/// Errors: [`InitramfsError`] (kernel fetch errors inside [`InitramfsError::Kernel`]).
+pub fn guest_artifacts(
+    cache_dir: &Path,
+    recipe: &kernel::KernelRecipe,
+    init: &Path,
+) -> Result<GuestArtifacts, InitramfsError> {
+    use sha2::{Digest, Sha256};
+    // Check the init before fetching anything.
+    let init_bytes =
+        fs::read(init).map_err(|e| InitramfsError::Io(init.display().to_string(), e))?;
+    if !is_static(&init_bytes) {
+        return Err(InitramfsError::NotStatic(init.into()));
+    }
+    let k = kernel::fetch(cache_dir, &recipe.package)?;
+    let mut h = Sha256::new();
+    h.update(k.vmlinux_sha256.as_bytes());
+    h.update([0]);
+    h.update(Sha256::digest(&init_bytes));
+    for m in &recipe.modules {
+        h.update(m.as_bytes());
+        h.update([0]);
+    }
+    let dir = cache_dir.join("initramfs");
+    fs::create_dir_all(&dir).map_err(|e| InitramfsError::Io(dir.display().to_string(), e))?;
+    let out = dir.join(format!("{}.cpio", hex::encode(h.finalize())));
+    let modules: Vec<&str> = recipe.modules.iter().map(String::as_str).collect();
+    // Rebuilding is cheap (a few MiB) and deterministic: the bytes are the same each time,
+    // so the cached file is only an optimisation for callers that hash it.
+    let initramfs = build(&k, init, &modules, &out)?;
+    Ok(GuestArtifacts {
+        kernel: k,
+        initramfs,
+    })
+}
+
+/// The static init to put in initramfs files outside a source checkout: `KILN_GUEST_INIT`
+/// when set, else `kiln-guest-init` beside the running executable (where a release ships it).
+///
+/// Errors: [`InitramfsError::Io`] when neither exists, [`InitramfsError::NotStatic`].
+pub fn find_guest_init() -> Result<PathBuf, InitramfsError> {
+    let path = match std::env::var_os("KILN_GUEST_INIT") {
+        Some(p) => PathBuf::from(p),
+        None => std::env::current_exe()
+            .map_err(|e| InitramfsError::Io("the running executable".into(), e))?
+            .with_file_name("kiln-guest-init"),
+    };
+    let bytes = fs::read(&path).map_err(|e| {
+        InitramfsError::Io(
+            format!(
+                "{} (build it: RUSTFLAGS='-C target-feature=+crt-static' cargo build --release \
+                 -p kiln-guest --bin kiln-guest-init --target {INIT_TARGET}; or set KILN_GUEST_INIT)",
+                path.display()
+            ),
+            e,
+        )
+    })?;
+    if !is_static(&bytes) {
+        return Err(InitramfsError::NotStatic(path));
+    }
+    Ok(path)
+}
+
+/// Whether an ELF executable has no PT_INTERP (is statically linked).
+pub fn is_static(elf: &[u8]) -> bool {
+    let le16 = |o: usize| elf.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let le64 = |o: usize| {
+        elf.get(o..o + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+    };
+    if !elf.starts_with(b"\x7fELF") || elf.get(4) != Some(&2) {
+        return false;
+    }
+    let (Some(phoff), Some(phentsize), Some(phnum)) = (le64(0x20), le16(0x36), le16(0x38)) else {
+        return false;
+    };
+    (0..phnum as usize).all(|n| {
+        let ph = phoff as usize + n * phentsize as usize;
+        elf.get(ph..ph + 4) != Some(&3u32.to_le_bytes()[..])
+    })
+}
+
+/// Build `kiln-guest-init` static from the workspace at `workspace` into `target_dir`
+/// (`cargo build --locked --release -p kiln-guest --bin kiln-guest-init --target
+/// x86_64-unknown-linux-gnu` with `RUSTFLAGS=-C target-feature=+crt-static`), or take the
+/// file named by `KILN_GUEST_INIT` when set. Returns the binary's path, checked static.
+///
+/// `cargo` is `$CARGO` when set (as under `cargo test`), else `cargo` from `PATH`.
+///
+/// Errors: [`InitramfsError::Build`] (cargo failed; its stderr), [`InitramfsError::NotStatic`].
+pub fn build_guest_init(workspace: &Path, target_dir: &Path) -> Result<PathBuf, InitramfsError> {
+    if let Some(p) = std::env::var_os("KILN_GUEST_INIT") {
+        let p = PathBuf::from(p);
+        let bytes = fs::read(&p).map_err(|e| InitramfsError::Io(p.display().to_string(), e))?;
+        return if is_static(&bytes) {
+            Ok(p)
+        } else {
+            Err(InitramfsError::NotStatic(p))
+        };
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = Command::new(cargo)
+        .current_dir(workspace)
+        .args([
+            "build",
+            "--locked",
+            "--release",
+            "-p",
+            "kiln-guest",
+            "--bin",
+            "kiln-guest-init",
+            "--target",
+            INIT_TARGET,
+        ])
+        .env("CARGO_TARGET_DIR", target_dir)
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .env("RUSTFLAGS", "-C target-feature=+crt-static")
+        .output()
+        .map_err(|e| InitramfsError::Build(e.to_string()))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = err.lines().rev().take(30).collect();
+        return Err(InitramfsError::Build(
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
+        ));
+    }
+    let bin = target_dir
+        .join(INIT_TARGET)
+        .join("release")
+        .join("kiln-guest-init");
+    let bytes = fs::read(&bin).map_err(|e| InitramfsError::Io(bin.display().to_string(), e))?;
+    if !is_static(&bytes) {
+        return Err(InitramfsError::NotStatic(bin));
+    }
+    Ok(bin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (name, mode, (rdev major, minor), data).
+    type Parsed = (String, u32, (u32, u32), Vec<u8>);
+
+    /// Parse a newc archive back (test-side reader), in order.
+    fn parse(mut b: &[u8]) -> Vec<Parsed> {
+        let mut out = Vec::new();
+        let total = b.len();
+        loop {
+            assert_eq!(&b[..6], b"070701");
+            let f = |i: usize| {
+                u32::from_str_radix(std::str::from_utf8(&b[6 + i * 8..14 + i * 8]).unwrap(), 16)
+                    .unwrap()
+            };
+            let (mode, size, rmaj, rmin, namesize) = (f(1), f(6), f(9), f(10), f(11));
+            assert_eq!(f(5), 0, "mtime");
+            let name = std::str::from_utf8(&b[110..110 + namesize as usize - 1])
+                .unwrap()
+                .to_string();
+            let mut at = 110 + namesize as usize;
+            at += (4 - (total - b.len() + at) % 4) % 4;
+            let data = b[at..at + size as usize].to_vec();
+            at += size as usize;
+            at += (4 - (total - b.len() + at) % 4) % 4;
+            b = &b[at..];
+            if name == "TRAILER!!!" {
+                assert!(b.is_empty());
+                return out;
+            }
+            out.push((name, mode, (rmaj, rmin), data));
+        }
+    }
+
+    #[test]
+    fn archive_is_sorted_with_parents_and_deterministic() {
+        let mk = || {
+            guest_initramfs(
+                b"\x7fELFinit".to_vec(),
+                vec![
+                    ("virtio".into(), b"a".to_vec()),
+                    ("virtio_blk".into(), b"bb".to_vec()),
+                ],
+            )
+            .unwrap()
+            .to_bytes()
+        };
+        let bytes = mk();
+        assert_eq!(bytes, mk());
+        let entries = parse(&bytes);
+        let names: Vec<&str> = entries.iter().map(|e| e.0.as_str()).collect();
+        let mut sorted = names.clone();
+        sorted.sort();
+        assert_eq!(names, sorted);
+        assert!(names.contains(&"lib"));
+        let init = entries.iter().find(|e| e.0 == "init").unwrap();
+        assert_eq!(init.1, 0o100755);
+        assert_eq!(init.3, b"\x7fELFinit");
+        let console = entries.iter().find(|e| e.0 == "dev/console").unwrap();
+        assert_eq!((console.1, console.2), (0o020600, (5, 1)));
+        let list = entries.iter().find(|e| e.0 == MODULE_LIST).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&list.3).unwrap(),
+            "/lib/modules/virtio.ko\n/lib/modules/virtio_blk.ko\n"
+        );
+    }
+
+    #[test]
+    fn escaping_paths_are_refused() {
+        let mut c = Cpio::new();
+        for p in ["../x", "a/../b", "a//b", "", "/", "a/./b"] {
+            assert!(c.file(p, 0o644, vec![]).is_err(), "{p}");
+        }
+        assert!(guest_initramfs(vec![], vec![("../evil".into(), vec![])]).is_err());
+    }
+
+    #[test]
+    fn static_check_reads_program_headers() {
+        assert!(!is_static(b"#!/bin/sh"));
+        let me = fs::read("/proc/self/exe").unwrap();
+        // The test binary is dynamically linked (it has an interpreter).
+        assert!(!is_static(&me));
+    }
+}

@@ -1,0 +1,656 @@
+//! The QEMU launcher: host facts, the accelerator probe, the command line, the process.
+//!
+//! The guest is a `-M microvm` machine (QEMU `docs/system/i386/microvm.rst`): an ISA serial
+//! port (ttyS0, the kernel console, written to a log file) and virtio-mmio devices only, in a
+//! fixed order ([`DEVICE_LAYOUT`], part of the compatibility key):
+//! 1. `virtio-blk-device` on drive `disk0` (qcow2, opened read-write at boot and at restore:
+//!    a mismatch breaks the virtio-blk state);
+//! 2. `virtio-serial-device` with one `virtserialport` named [`crate::channel::PORT_NAME`],
+//!    whose chardev is a unix socket QEMU listens on.
+//!
+//! Guest RAM is a `memory-backend-file`: `share=on` on a fresh file during the boot-once run
+//! (so the file IS the guest memory at snapshot time and `x-ignore-shared` skips it in the
+//! migration stream), and for clones `share=off,readonly=on,rom=off` (QEMU ≥ 8.2,
+//! `backends/hostmem-file.c`): the saved file is opened read-only and mapped private and
+//! writable, so clones share its page cache copy-on-write and can never write it.
+//!
+//! CPU: [`CPU_MODEL`], a named model with AVX, AVX2 and FMA and no AVX-512, minus the four
+//! features QEMU's TCG does not implement, passed with `enforce` so that QEMU refuses to
+//! start instead of silently dropping a feature: the guest sees the same CPUID under TCG and
+//! KVM, or does not start.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use crate::qmp::{Qmp, QmpError};
+
+/// Machine type.
+pub const MACHINE: &str = "microvm";
+/// The `-cpu` model: Haswell (no TSX, IBRS: `Haswell-v4`) has AVX, AVX2, FMA, no AVX-512;
+/// `pcid`, `tsc-deadline`, `invpcid` and `spec-ctrl` are removed because QEMU 10.0's TCG
+/// refuses them under `enforce` (measured on this host, see the module doc).
+pub const CPU_MODEL: &str = "Haswell-v4,-pcid,-tsc-deadline,-invpcid,-spec-ctrl";
+/// The device layout, in QEMU's creation order; recorded in the compatibility key.
+pub const DEVICE_LAYOUT: &str =
+    "isa-serial:ttyS0,virtio-blk-device:disk0,virtio-serial-device,virtserialport:org.kiln.guest.0";
+/// Drive id of the root disk.
+const DRIVE_ID: &str = "disk0";
+
+/// Errors of the launcher.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// A program could not be run.
+    #[error("{program}: {source} (is qemu-system-x86 installed? see ci/setup.sh)")]
+    Exec {
+        /// The program.
+        program: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A program ran and failed.
+    #[error("{program} failed: {stderr}")]
+    Failed {
+        /// The program and its arguments.
+        program: String,
+        /// Its stderr (last 4 KiB).
+        stderr: String,
+    },
+    /// QEMU exited before it could be driven.
+    #[error("QEMU exited early ({status}): {log}")]
+    Exited {
+        /// Exit status.
+        status: String,
+        /// The tail of its stderr log.
+        log: String,
+    },
+    /// A host fact could not be read.
+    #[error("host: {0}")]
+    Host(String),
+    /// The accelerator asked for (`KILN_ACCEL`) is not usable.
+    #[error("accelerator {0:?} is not usable here: {1}")]
+    Accel(String, String),
+    /// Talking to QEMU failed.
+    #[error(transparent)]
+    Qmp(#[from] QmpError),
+    /// A local file operation failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> LaunchError + '_ {
+    move |source| LaunchError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The accelerator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    /// QEMU's binary translator (always available, slower).
+    Tcg,
+    /// Linux KVM (only when it runs a stock guest kernel; see [`probe_accel`]).
+    Kvm,
+}
+
+impl Accel {
+    /// `tcg` or `kvm`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Accel::Tcg => "tcg",
+            Accel::Kvm => "kvm",
+        }
+    }
+}
+
+/// Facts about this host's QEMU.
+#[derive(Debug, Clone)]
+pub struct Host {
+    /// `qemu-system-x86_64`.
+    pub qemu: PathBuf,
+    /// `qemu-img`.
+    pub qemu_img: PathBuf,
+    /// QEMU's version (`10.0.2`), from `--version`.
+    pub qemu_version: String,
+    /// Host TSC frequency, kHz (`cpu MHz` of `/proc/cpuinfo` × 1000; on this host the TSC is
+    /// invariant, `constant_tsc nonstop_tsc`), given to TCG guests as `tsc_early_khz`.
+    pub tsc_khz: Option<u64>,
+}
+
+impl Host {
+    /// Finds QEMU (`$KILN_QEMU` or `qemu-system-x86_64` on `PATH`, and `qemu-img`) and reads
+    /// its version.
+    pub async fn detect() -> Result<Self, LaunchError> {
+        let qemu = PathBuf::from(
+            std::env::var("KILN_QEMU").unwrap_or_else(|_| "qemu-system-x86_64".into()),
+        );
+        let qemu_img =
+            PathBuf::from(std::env::var("KILN_QEMU_IMG").unwrap_or_else(|_| "qemu-img".into()));
+        let out = run(&qemu, &["--version"]).await?;
+        let qemu_version = parse_qemu_version(&out)
+            .ok_or_else(|| LaunchError::Host(format!("cannot read QEMU's version from {out:?}")))?;
+        let tsc_khz = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| parse_tsc_khz(&s));
+        Ok(Self {
+            qemu,
+            qemu_img,
+            qemu_version,
+            tsc_khz,
+        })
+    }
+}
+
+/// `QEMU emulator version 10.0.2 (Debian ...)` → `10.0.2`.
+pub fn parse_qemu_version(out: &str) -> Option<String> {
+    let rest = out.split("version ").nth(1)?;
+    let v: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    (!v.is_empty()).then_some(v)
+}
+
+/// The first `cpu MHz : 2596.140` line of `/proc/cpuinfo`, in kHz (`2596140`).
+pub fn parse_tsc_khz(cpuinfo: &str) -> Option<u64> {
+    let line = cpuinfo.lines().find(|l| l.starts_with("cpu MHz"))?;
+    let mhz: f64 = line.split(':').nth(1)?.trim().parse().ok()?;
+    (mhz > 0.0).then(|| (mhz * 1000.0).round() as u64)
+}
+
+async fn run(program: &Path, args: &[&str]) -> Result<String, LaunchError> {
+    let out = tokio::process::Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .map_err(|source| LaunchError::Exec {
+            program: program.display().to_string(),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(LaunchError::Failed {
+            program: format!("{} {}", program.display(), args.join(" ")),
+            stderr: tail(&String::from_utf8_lossy(&out.stderr), 4096),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+pub(crate) async fn run_img(host: &Host, args: &[&str]) -> Result<String, LaunchError> {
+    run(&host.qemu_img, args).await
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let s = s.trim();
+    if s.len() <= n {
+        return s.to_string();
+    }
+    let mut start = s.len() - n;
+    while !s.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("...{}", &s[start..])
+}
+
+/// How guest RAM maps its file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryMode {
+    /// `share=on`: guest writes go to the file (boot-once run).
+    Shared,
+    /// `share=off,readonly=on,rom=off`: file opened read-only, mapped private (clones).
+    Private,
+}
+
+/// Everything one QEMU run needs.
+#[derive(Debug, Clone)]
+pub struct VmSpec {
+    /// Accelerator.
+    pub accel: Accel,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Guest RAM, bytes (a multiple of 1 MiB).
+    pub memory_bytes: u64,
+    /// Uncompressed vmlinux (PVH entry).
+    pub kernel: PathBuf,
+    /// Initramfs (cpio newc).
+    pub initramfs: PathBuf,
+    /// Guest RAM file.
+    pub memory_file: PathBuf,
+    /// How it is mapped.
+    pub memory_mode: MemoryMode,
+    /// The root disk (qcow2).
+    pub disk: PathBuf,
+    /// QMP socket (QEMU listens).
+    pub qmp_socket: PathBuf,
+    /// Guest channel socket (QEMU listens).
+    pub guest_socket: PathBuf,
+    /// Serial console log.
+    pub serial_log: PathBuf,
+    /// Start paused waiting for `migrate-incoming` (`-incoming defer`).
+    pub incoming: bool,
+    /// Host TSC kHz (TCG: `tsc_early_khz`).
+    pub tsc_khz: Option<u64>,
+}
+
+impl VmSpec {
+    /// The kernel command line: console on ttyS0, reboot/panic make QEMU exit, root on the
+    /// virtio disk; under TCG `tsc_early_khz=<host kHz> tsc=reliable` (without it about half
+    /// the TCG boots on microvm hang calibrating the TSC).
+    pub fn cmdline(&self) -> String {
+        let mut c = String::from("console=ttyS0 reboot=t panic=-1 root=/dev/vda rw");
+        if self.accel == Accel::Tcg
+            && let Some(khz) = self.tsc_khz
+        {
+            c.push_str(&format!(" tsc_early_khz={khz} tsc=reliable"));
+        }
+        c
+    }
+
+    /// QEMU's arguments (without the program).
+    pub fn args(&self) -> Vec<String> {
+        let p = |p: &Path| p.display().to_string();
+        let mib = self.memory_bytes >> 20;
+        let mem = match self.memory_mode {
+            MemoryMode::Shared => format!(
+                "memory-backend-file,id=mem,size={mib}M,mem-path={},share=on",
+                p(&self.memory_file)
+            ),
+            MemoryMode::Private => format!(
+                "memory-backend-file,id=mem,size={mib}M,mem-path={},share=off,readonly=on,rom=off",
+                p(&self.memory_file)
+            ),
+        };
+        let mut a: Vec<String> = vec![
+            "-nodefaults".into(),
+            "-no-user-config".into(),
+            "-display".into(),
+            "none".into(),
+            "-no-reboot".into(),
+            "-accel".into(),
+            self.accel.name().into(),
+            "-M".into(),
+            format!("{MACHINE},memory-backend=mem"),
+            "-cpu".into(),
+            format!("{CPU_MODEL},enforce"),
+            "-smp".into(),
+            self.vcpus.to_string(),
+            "-m".into(),
+            format!("{mib}M"),
+            "-object".into(),
+            mem,
+            "-kernel".into(),
+            p(&self.kernel),
+            "-initrd".into(),
+            p(&self.initramfs),
+            "-append".into(),
+            self.cmdline(),
+            "-serial".into(),
+            format!("file:{}", p(&self.serial_log)),
+            "-drive".into(),
+            format!(
+                "file={},format=qcow2,if=none,id={DRIVE_ID},readonly=off",
+                p(&self.disk)
+            ),
+            "-device".into(),
+            format!("virtio-blk-device,drive={DRIVE_ID}"),
+            "-device".into(),
+            "virtio-serial-device".into(),
+            "-chardev".into(),
+            format!(
+                "socket,id=guest,path={},server=on,wait=off",
+                p(&self.guest_socket)
+            ),
+            "-device".into(),
+            format!(
+                "virtserialport,chardev=guest,name={}",
+                crate::channel::PORT_NAME
+            ),
+            "-qmp".into(),
+            format!("unix:{},server=on,wait=off", p(&self.qmp_socket)),
+        ];
+        if self.incoming {
+            a.extend(["-S".into(), "-incoming".into(), "defer".into()]);
+        }
+        a
+    }
+}
+
+/// A QEMU process and its QMP session.
+#[derive(Debug)]
+pub struct Vm {
+    /// QEMU's pid.
+    pub pid: u32,
+    child: Option<std::process::Child>,
+    /// QMP, in command mode.
+    pub qmp: Qmp,
+    /// QEMU's stderr log.
+    pub stderr_log: PathBuf,
+}
+
+impl Vm {
+    /// Starts QEMU with `spec` (in its own process group, stdin closed, stdout and stderr to
+    /// `stderr_log`) and connects QMP within `timeout`. QEMU keeps running if this process
+    /// exits (clones outlive `kiln start`); [`Vm::kill`] ends it.
+    pub async fn spawn(
+        host: &Host,
+        spec: &VmSpec,
+        stderr_log: &Path,
+        timeout: Duration,
+    ) -> Result<Self, LaunchError> {
+        let log = std::fs::File::create(stderr_log).map_err(io_err(stderr_log))?;
+        let log2 = log.try_clone().map_err(io_err(stderr_log))?;
+        let mut cmd = std::process::Command::new(&host.qemu);
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let mut child = cmd
+            .args(spec.args())
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            .spawn()
+            .map_err(|source| LaunchError::Exec {
+                program: host.qemu.display().to_string(),
+                source,
+            })?;
+        let pid = child.id();
+        let deadline = tokio::time::Instant::now() + timeout;
+        let qmp = loop {
+            if let Some(status) = child.try_wait().map_err(io_err(&host.qemu))? {
+                return Err(LaunchError::Exited {
+                    status: status.to_string(),
+                    log: tail(
+                        &std::fs::read_to_string(stderr_log).unwrap_or_default(),
+                        4096,
+                    ),
+                });
+            }
+            if spec.qmp_socket.exists() {
+                match Qmp::connect(&spec.qmp_socket, timeout).await {
+                    Ok(q) => break q,
+                    Err(e) if tokio::time::Instant::now() >= deadline => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return Err(e.into());
+                    }
+                    Err(_) => {}
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(QmpError::Timeout {
+                    what: "QMP socket".into(),
+                    ms: timeout.as_millis(),
+                }
+                .into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        Ok(Self {
+            pid,
+            child: Some(child),
+            qmp,
+            stderr_log: stderr_log.to_path_buf(),
+        })
+    }
+
+    /// Whether QEMU has exited (reaping it), with its status.
+    pub fn exited(&mut self) -> Option<String> {
+        let c = self.child.as_mut()?;
+        match c.try_wait() {
+            Ok(Some(s)) => Some(s.to_string()),
+            _ => None,
+        }
+    }
+
+    /// The tail of QEMU's stderr log (for error messages).
+    pub fn log_tail(&self) -> String {
+        tail(
+            &std::fs::read_to_string(&self.stderr_log).unwrap_or_default(),
+            4096,
+        )
+    }
+
+    /// `quit` over QMP, then waits up to 5 s for the process; kills it if still there.
+    pub async fn quit(mut self) {
+        let _ = self
+            .qmp
+            .execute_within("quit", None, Duration::from_secs(2))
+            .await;
+        self.reap(Duration::from_secs(5)).await;
+    }
+
+    /// Kills QEMU (SIGKILL) and reaps it.
+    pub async fn kill(mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.kill();
+        }
+        self.reap(Duration::from_secs(5)).await;
+    }
+
+    /// Leaves QEMU running on its own (clones): the handle no longer owns the process.
+    pub fn detach(mut self) -> u32 {
+        self.child = None;
+        self.pid
+    }
+
+    async fn reap(&mut self, within: Duration) {
+        let Some(mut c) = self.child.take() else {
+            return;
+        };
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if let Ok(Some(_)) = c.try_wait() {
+                return;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        // A VM handle dropped on an error path must not leave QEMU running.
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Picks the accelerator: `$KILN_ACCEL` (`tcg`/`kvm`) when set; else KVM when `/dev/kvm`
+/// opens and QEMU starts our CPU model under KVM with `enforce` and then boots `kernel` +
+/// `initramfs` to the point where the kernel runs `/init` (looked for on the serial console
+/// within 20 s); else TCG. On this host KVM is PVM: QEMU refuses the CPU model (PVM's CPUID
+/// lacks most of it), so the probe ends in well under a second.
+pub async fn probe_accel(
+    host: &Host,
+    kernel: &Path,
+    initramfs: &Path,
+    scratch: &Path,
+) -> Result<Accel, LaunchError> {
+    match std::env::var("KILN_ACCEL").as_deref() {
+        Ok("tcg") => return Ok(Accel::Tcg),
+        Ok("kvm") => return Ok(Accel::Kvm),
+        Ok(other) if !other.is_empty() => {
+            return Err(LaunchError::Accel(
+                other.to_string(),
+                "KILN_ACCEL must be tcg or kvm".into(),
+            ));
+        }
+        _ => {}
+    }
+    if std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_err()
+    {
+        return Ok(Accel::Tcg);
+    }
+    Ok(if kvm_boots(host, kernel, initramfs, scratch).await {
+        Accel::Kvm
+    } else {
+        Accel::Tcg
+    })
+}
+
+async fn kvm_boots(host: &Host, kernel: &Path, initramfs: &Path, scratch: &Path) -> bool {
+    let dir = match tempfile::Builder::new()
+        .prefix("kvm-probe")
+        .tempdir_in(scratch)
+    {
+        Ok(d) => d,
+        Err(_) => return false,
+    };
+    let d = dir.path();
+    let console = d.join("console.log");
+    let child = tokio::process::Command::new(&host.qemu)
+        .args([
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-accel",
+            "kvm",
+            "-M",
+            MACHINE,
+            "-cpu",
+            &format!("{CPU_MODEL},enforce"),
+            "-m",
+            "256M",
+            "-kernel",
+            &kernel.display().to_string(),
+            "-initrd",
+            &initramfs.display().to_string(),
+            "-append",
+            "console=ttyS0 panic=-1 rdinit=/nonexistent-kiln-probe",
+            "-serial",
+            &format!("file:{}", console.display()),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn();
+    let Ok(mut child) = child else {
+        return false;
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = std::fs::read_to_string(&console).unwrap_or_default();
+        // The kernel got as far as looking for an init: it runs under KVM.
+        if text.contains("Run /") || text.contains("Kernel panic") && text.contains("init") {
+            let _ = child.kill().await;
+            return true;
+        }
+        if let Ok(Some(_)) = child.try_wait() {
+            return false;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let _ = child.kill().await;
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> VmSpec {
+        VmSpec {
+            accel: Accel::Tcg,
+            vcpus: 1,
+            memory_bytes: 256 << 20,
+            kernel: "/k/vmlinux".into(),
+            initramfs: "/k/initrd".into(),
+            memory_file: "/s/mem".into(),
+            memory_mode: MemoryMode::Shared,
+            disk: "/s/disk.qcow2".into(),
+            qmp_socket: "/s/qmp.sock".into(),
+            guest_socket: "/s/guest.sock".into(),
+            serial_log: "/s/console.log".into(),
+            incoming: false,
+            tsc_khz: Some(2_596_140),
+        }
+    }
+
+    #[test]
+    fn versions_and_tsc_parse() {
+        assert_eq!(
+            parse_qemu_version("QEMU emulator version 10.0.2 (Debian 1:10.0.2+ds-2)\nCopyright"),
+            Some("10.0.2".into())
+        );
+        assert_eq!(parse_qemu_version("nothing"), None);
+        assert_eq!(
+            parse_tsc_khz("processor\t: 0\ncpu MHz\t\t: 2596.140\n"),
+            Some(2_596_140)
+        );
+        assert_eq!(parse_tsc_khz("cpu MHz : x"), None);
+    }
+
+    #[test]
+    fn boot_args_share_memory_and_tcg_gets_the_tsc() {
+        let s = spec();
+        let a = s.args().join(" ");
+        assert!(a.contains("-accel tcg"), "{a}");
+        assert!(a.contains("-M microvm,memory-backend=mem"), "{a}");
+        assert!(a.contains(&format!("-cpu {CPU_MODEL},enforce")), "{a}");
+        assert!(
+            a.contains("memory-backend-file,id=mem,size=256M,mem-path=/s/mem,share=on"),
+            "{a}"
+        );
+        assert!(
+            a.contains("format=qcow2,if=none,id=disk0,readonly=off"),
+            "{a}"
+        );
+        assert!(a.contains("name=org.kiln.guest.0"), "{a}");
+        assert!(!a.contains("-incoming"), "{a}");
+        assert!(
+            s.cmdline().ends_with("tsc_early_khz=2596140 tsc=reliable"),
+            "{}",
+            s.cmdline()
+        );
+        let kvm = VmSpec {
+            accel: Accel::Kvm,
+            ..spec()
+        };
+        assert!(!kvm.cmdline().contains("tsc_early_khz"));
+    }
+
+    #[test]
+    fn clone_args_map_the_file_private_and_wait_for_incoming() {
+        let s = VmSpec {
+            memory_mode: MemoryMode::Private,
+            incoming: true,
+            ..spec()
+        };
+        let a = s.args();
+        let j = a.join(" ");
+        assert!(j.contains("share=off,readonly=on,rom=off"), "{j}");
+        assert!(!j.contains("share=on"), "{j}");
+        assert!(j.ends_with("-S -incoming defer"), "{j}");
+        // Same devices in the same order as the boot run.
+        let devices = |a: &[String]| -> Vec<String> {
+            a.windows(2)
+                .filter(|w| w[0] == "-device")
+                .map(|w| w[1].clone())
+                .collect()
+        };
+        assert_eq!(devices(&a), devices(&spec().args()));
+    }
+}

@@ -1,0 +1,507 @@
+//! Boot once → snapshot: boot an image, run its start command until ready, pause, save.
+//!
+//! 1. Resolve the image tag; materialize its ext4 disk (verified chunks) as `base.raw` and
+//!    put a qcow2 overlay over it; create the guest memory file (sparse, the guest RAM size).
+//! 2. Boot QEMU ([`crate::launch`]) with the memory file `share=on`; wait for the guest's
+//!    `hello` (bounded by [`SnapshotOptions::boot_timeout`]); send `start` built from the image
+//!    manifest's `sandbox`; wait for `ready` or `failed` (bounded by
+//!    [`SnapshotOptions::ready_timeout`]).
+//! 3. QMP `stop`; `migrate-set-capabilities` `x-ignore-shared` (RAM in the shared file is
+//!    not copied into the stream); `migrate` to `file:vmstate`; wait until `completed`; quit.
+//! 4. Flatten the overlay (`qemu-img convert -O raw`: the disk at that instant, not qcow2
+//!    bytes). Store: memory file chunks (fixed 256 KiB, [`Chunking::MEMORY_DEFAULT`], zero
+//!    chunks are holes), vmstate blob, kernel and initramfs blobs, disk chunks (FastCDC like
+//!    images), then the [`SnapshotManifest`] with its [`CompatKey`], then a copy of the image
+//!    manifest whose `snapshot` names it, then the new tag (chunks, manifest, tag order).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kiln_guest::protocol::{Message, ReadyCheck, Start};
+use kiln_store::artifact::PutArtifactOptions;
+use kiln_store::chunk::Chunking;
+use kiln_store::manifest::{SCHEMA_VERSION, SNAPSHOT_MEDIA_TYPE};
+use kiln_store::{
+    BlobRef, ImageManifest, Manifest, ManifestDigest, SandboxSpec, SnapshotManifest, Store,
+    StoreError, TagRef,
+};
+
+use crate::channel::{ChannelError, GuestChannel};
+use crate::compat::CompatKey;
+use crate::launch::{self, Accel, Host, LaunchError, MemoryMode, Vm, VmSpec, io_err};
+use crate::qmp::QmpError;
+
+/// Errors of boot-once snapshots.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// Options kiln will not boot with.
+    #[error("snapshot options: {0}")]
+    Options(String),
+    /// The tag names something that is not an image manifest.
+    #[error("{0} is not an image")]
+    NotAnImage(String),
+    /// The guest reported that its start command or ready check failed.
+    #[error("the guest's start failed: {reason}\nconsole (tail):\n{console}")]
+    GuestFailed {
+        /// The guest's reason.
+        reason: String,
+        /// The tail of the serial console.
+        console: String,
+    },
+    /// No `hello` or no `ready` within the bound, or QEMU died meanwhile.
+    #[error("{what}: {source}\nconsole (tail):\n{console}")]
+    Guest {
+        /// Which step (`waiting for hello`, `waiting for ready`...).
+        what: String,
+        /// The channel error (timeout, closed...).
+        source: ChannelError,
+        /// The tail of the serial console.
+        console: String,
+    },
+    /// The guest answered something unexpected.
+    #[error("the guest sent {got} while kiln waited for {want}")]
+    Unexpected {
+        /// What arrived.
+        got: String,
+        /// What was awaited.
+        want: String,
+    },
+    /// The store.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// QEMU.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+}
+
+impl From<QmpError> for SnapshotError {
+    fn from(e: QmpError) -> Self {
+        SnapshotError::Launch(e.into())
+    }
+}
+
+/// The guest kernel and initramfs to boot.
+#[derive(Debug, Clone)]
+pub struct BootAssets {
+    /// Uncompressed vmlinux (a bzImage also boots, but Firecracker needs vmlinux).
+    pub kernel: PathBuf,
+    /// Initramfs with the guest init (`kiln-guest-init`).
+    pub initramfs: PathBuf,
+}
+
+/// Options of [`snapshot_image`].
+#[derive(Debug, Clone)]
+pub struct SnapshotOptions {
+    /// vCPUs (default 1).
+    pub vcpus: u32,
+    /// Guest RAM in bytes, a multiple of 1 MiB (default 512 MiB).
+    pub memory_bytes: u64,
+    /// From QEMU start to the guest's `hello` (default 120 s: TCG boots take about 4 s here).
+    pub boot_timeout: Duration,
+    /// From `start` to `ready`/`failed` (default 600 s; the guest's own ready check has its
+    /// own interval, timeout and retries and normally reports `failed` first).
+    pub ready_timeout: Duration,
+    /// Scratch directory for the run (a temporary directory is made inside and removed).
+    pub work_dir: PathBuf,
+    /// Accelerator; `None`: [`launch::probe_accel`].
+    pub accel: Option<Accel>,
+}
+
+impl Default for SnapshotOptions {
+    fn default() -> Self {
+        Self {
+            vcpus: 1,
+            memory_bytes: 512 << 20,
+            boot_timeout: Duration::from_secs(120),
+            ready_timeout: Duration::from_secs(600),
+            work_dir: std::env::temp_dir(),
+            accel: None,
+        }
+    }
+}
+
+/// What [`snapshot_image`] did.
+#[derive(Debug, Clone)]
+pub struct SnapshotReport {
+    /// The snapshot manifest.
+    pub snapshot: ManifestDigest,
+    /// The new image manifest (the old one plus `snapshot`), now at the new tag.
+    pub image: ManifestDigest,
+    /// The accelerator used.
+    pub accel: Accel,
+    /// QEMU spawned → the guest's `ready` (cold boot, init, start command, ready check).
+    pub boot_to_ready: Duration,
+    /// `stop` → migration completed.
+    pub save: Duration,
+    /// Guest RAM, bytes.
+    pub memory_bytes: u64,
+    /// Memory chunks' stored (compressed) bytes.
+    pub memory_stored_bytes: u64,
+    /// Memory bytes that are not holes (raw).
+    pub memory_nonzero_bytes: u64,
+    /// vmstate blob size, bytes.
+    pub vmstate_bytes: u64,
+    /// The compatibility key recorded.
+    pub key: CompatKey,
+}
+
+/// The host's compatibility key for booting `kernel`/`initramfs` with these settings.
+pub fn host_key(
+    host: &Host,
+    accel: Accel,
+    kernel: &BlobRef,
+    initramfs: &BlobRef,
+    vcpus: u32,
+    memory_bytes: u64,
+) -> CompatKey {
+    CompatKey {
+        vmm: "qemu".into(),
+        vmm_version: host.qemu_version.clone(),
+        accel: accel.name().into(),
+        cpu: launch::CPU_MODEL.into(),
+        kernel: kernel.digest.to_string(),
+        initramfs: initramfs.digest.to_string(),
+        vcpus,
+        memory_bytes,
+        machine: launch::MACHINE.into(),
+        devices: launch::DEVICE_LAYOUT.into(),
+    }
+}
+
+/// The `start` message for an image's sandbox spec (`None`: no start command, ready as soon
+/// as the init runs).
+pub fn start_message(sandbox: Option<&SandboxSpec>) -> Start {
+    let Some(s) = sandbox else {
+        return Start::default();
+    };
+    let mut m = Start::default();
+    if let Some(st) = &s.start {
+        m.argv = st.argv.clone();
+        m.user = st.user.clone();
+        m.env = st.env.clone();
+        m.workdir = st.workdir.clone();
+    }
+    m.ready = s.ready.as_ref().map(|r| ReadyCheck {
+        argv: r.argv.clone(),
+        interval_ms: r.interval_ms,
+        timeout_ms: r.timeout_ms,
+        retries: r.retries,
+    });
+    m
+}
+
+/// The last 4 KiB of a console log.
+pub(crate) fn console_tail(path: &Path) -> String {
+    let s = std::fs::read(path).unwrap_or_default();
+    let start = s.len().saturating_sub(4096);
+    String::from_utf8_lossy(&s[start..]).into_owned()
+}
+
+/// Boots the image at `image_ref` once and stores its snapshot; tags the image manifest that
+/// names the snapshot as `new_tag` (compare-and-swap against its current value).
+pub async fn snapshot_image(
+    store: &Store,
+    image_ref: &TagRef,
+    new_tag: &TagRef,
+    assets: &BootAssets,
+    opts: &SnapshotOptions,
+) -> Result<SnapshotReport, SnapshotError> {
+    if opts.memory_bytes == 0
+        || !opts.memory_bytes.is_multiple_of(1 << 20)
+        || opts.memory_bytes > crate::clone::MAX_MEMORY_BYTES
+    {
+        return Err(SnapshotError::Options(format!(
+            "guest RAM {} bytes: must be a whole number of MiB, at most {}",
+            opts.memory_bytes,
+            crate::clone::MAX_MEMORY_BYTES
+        )));
+    }
+    if !(1..=crate::clone::MAX_VCPUS).contains(&opts.vcpus) {
+        return Err(SnapshotError::Options(format!(
+            "{} vCPUs: must be 1 to {}",
+            opts.vcpus,
+            crate::clone::MAX_VCPUS
+        )));
+    }
+    let image_digest = store.resolve_tag(image_ref).await?;
+    let Manifest::Image(image) = store.get_manifest(&image_digest).await? else {
+        return Err(SnapshotError::NotAnImage(image_ref.to_string()));
+    };
+    let host = Host::detect().await?;
+    std::fs::create_dir_all(&opts.work_dir).map_err(io_err(&opts.work_dir))?;
+    let tmp = tempfile::Builder::new()
+        .prefix("kiln-boot-")
+        .tempdir_in(&opts.work_dir)
+        .map_err(io_err(&opts.work_dir))?;
+    let dir = tmp.path();
+    let accel = match opts.accel {
+        Some(a) => a,
+        None => launch::probe_accel(&host, &assets.kernel, &assets.initramfs, dir).await?,
+    };
+
+    // 1. Disk and memory file.
+    let base = dir.join("base.raw");
+    store.materialize(&image.disk, &base, None).await?;
+    let overlay = dir.join("disk.qcow2");
+    qcow2_overlay(&host, &base, &overlay).await?;
+    let memory = dir.join("memory");
+    std::fs::File::create(&memory)
+        .and_then(|f| f.set_len(opts.memory_bytes))
+        .map_err(io_err(&memory))?;
+
+    // 2. Boot, start, ready.
+    let spec = VmSpec {
+        accel,
+        vcpus: opts.vcpus,
+        memory_bytes: opts.memory_bytes,
+        kernel: assets.kernel.clone(),
+        initramfs: assets.initramfs.clone(),
+        memory_file: memory.clone(),
+        memory_mode: MemoryMode::Shared,
+        disk: overlay.clone(),
+        qmp_socket: dir.join("qmp.sock"),
+        guest_socket: dir.join("guest.sock"),
+        serial_log: dir.join("console.log"),
+        incoming: false,
+        tsc_khz: host.tsc_khz,
+    };
+    let t0 = Instant::now();
+    let mut vm = Vm::spawn(&host, &spec, &dir.join("qemu.log"), opts.boot_timeout).await?;
+    run_to_ready(&mut vm, &spec, image.sandbox.as_ref(), opts).await?;
+    let boot_to_ready = t0.elapsed();
+    tracing::info!(?boot_to_ready, "guest ready");
+
+    // 3. Pause and save the device state.
+    let t1 = Instant::now();
+    let vmstate = dir.join("vmstate");
+    vm.qmp.execute("stop", None).await?;
+    vm.qmp
+        .set_capabilities(&[("x-ignore-shared", true)])
+        .await?;
+    vm.qmp
+        .execute(
+            "migrate",
+            Some(serde_json::json!({"uri": format!("file:{}", vmstate.display())})),
+        )
+        .await?;
+    vm.qmp.wait_migration(Duration::from_secs(120)).await?;
+    let save = t1.elapsed();
+    vm.quit().await;
+
+    // 4. Flatten the disk and store everything.
+    let flat = dir.join("disk.raw");
+    launch::run_img(
+        &host,
+        &[
+            "convert",
+            "-O",
+            "raw",
+            &overlay.display().to_string(),
+            &flat.display().to_string(),
+        ],
+    )
+    .await?;
+    let (kernel, _) = store.put_blob_file(&assets.kernel).await?;
+    let (initramfs, _) = store.put_blob_file(&assets.initramfs).await?;
+    let (vmstate_ref, _) = store.put_blob_file(&vmstate).await?;
+    let (mem_table, _) = store
+        .put_artifact(
+            &memory,
+            &PutArtifactOptions {
+                chunking: Some(Chunking::MEMORY_DEFAULT),
+                ..Default::default()
+            },
+        )
+        .await?;
+    let (disk_table, _) = store
+        .put_artifact(&flat, &PutArtifactOptions::default())
+        .await?;
+    let key = host_key(
+        &host,
+        accel,
+        &kernel,
+        &initramfs,
+        opts.vcpus,
+        opts.memory_bytes,
+    );
+    let memory_stored_bytes = mem_table.stored_bytes();
+    let memory_nonzero_bytes = mem_table
+        .entries
+        .iter()
+        .filter(|e| !e.is_hole())
+        .map(|e| e.raw_len)
+        .sum();
+    let snap = SnapshotManifest {
+        schema_version: SCHEMA_VERSION,
+        media_type: SNAPSHOT_MEDIA_TYPE.to_string(),
+        memory: mem_table,
+        vmstate: vmstate_ref.clone(),
+        disk: disk_table,
+        compatibility_key: key.render(),
+        image: image_digest,
+        kernel,
+        initramfs,
+        vcpus: opts.vcpus,
+        memory_bytes: opts.memory_bytes,
+    };
+    let snap_raw = store.put_manifest(&Manifest::Snapshot(snap)).await?;
+    let with_snapshot = ImageManifest {
+        snapshot: Some(snap_raw.digest),
+        ..image
+    };
+    let img_raw = store.put_manifest(&Manifest::Image(with_snapshot)).await?;
+    let previous = store.get_tag(new_tag).await?.map(|r| r.manifest);
+    store.set_tag(new_tag, previous, img_raw.digest).await?;
+    Ok(SnapshotReport {
+        snapshot: snap_raw.digest,
+        image: img_raw.digest,
+        accel,
+        boot_to_ready,
+        save,
+        memory_bytes: opts.memory_bytes,
+        memory_stored_bytes,
+        memory_nonzero_bytes,
+        vmstate_bytes: vmstate_ref.size,
+        key,
+    })
+}
+
+/// Connects the guest channel, waits for `hello`, sends `start`, waits for `ready`.
+async fn run_to_ready(
+    vm: &mut Vm,
+    spec: &VmSpec,
+    sandbox: Option<&SandboxSpec>,
+    opts: &SnapshotOptions,
+) -> Result<(), SnapshotError> {
+    let guest_err = |what: &str, source: ChannelError| SnapshotError::Guest {
+        what: what.to_string(),
+        source,
+        console: console_tail(&spec.serial_log),
+    };
+    let mut ch = GuestChannel::connect(&spec.guest_socket, opts.boot_timeout)
+        .await
+        .map_err(|e| guest_err("connecting to the guest channel", e))?;
+    match ch
+        .recv_significant("hello", opts.boot_timeout)
+        .await
+        .map_err(|e| guest_err("waiting for the guest's hello", e))?
+    {
+        Message::Hello(h) => tracing::debug!(init = %h.init_version, "guest hello"),
+        m => {
+            return Err(SnapshotError::Unexpected {
+                got: m.type_name().into(),
+                want: "hello".into(),
+            });
+        }
+    }
+    ch.send(&Message::Start(start_message(sandbox)))
+        .await
+        .map_err(|e| guest_err("sending start", e))?;
+    match ch
+        .recv_significant("ready", opts.ready_timeout)
+        .await
+        .map_err(|e| guest_err("waiting for ready", e))?
+    {
+        Message::Ready(_) => Ok(()),
+        Message::Failed(f) => Err(SnapshotError::GuestFailed {
+            reason: format!("{:?}: {}", f.kind, f.reason),
+            console: console_tail(&spec.serial_log),
+        }),
+        m => Err(SnapshotError::Unexpected {
+            got: m.type_name().into(),
+            want: "ready".into(),
+        }),
+    }
+    .inspect_err(|_| {
+        if let Some(s) = vm.exited() {
+            tracing::warn!(status = %s, log = %vm.log_tail(), "QEMU exited");
+        }
+    })
+}
+
+/// `qemu-img create -f qcow2 -b BASE -F raw OVERLAY` (BASE by absolute path).
+pub(crate) async fn qcow2_overlay(
+    host: &Host,
+    base: &Path,
+    overlay: &Path,
+) -> Result<(), LaunchError> {
+    let base = std::path::absolute(base).map_err(io_err(base))?;
+    launch::run_img(
+        host,
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            &base.display().to_string(),
+            "-F",
+            "raw",
+            &overlay.display().to_string(),
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_store::{ReadySpec, StartSpec};
+
+    #[tokio::test]
+    async fn bad_options_are_refused_before_anything_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let t: TagRef = "x:y".parse().unwrap();
+        let assets = BootAssets {
+            kernel: "/nonexistent".into(),
+            initramfs: "/nonexistent".into(),
+        };
+        for opts in [
+            SnapshotOptions {
+                memory_bytes: (256 << 20) + 4096,
+                ..Default::default()
+            },
+            SnapshotOptions {
+                vcpus: 0,
+                ..Default::default()
+            },
+        ] {
+            let r = snapshot_image(&store, &t, &t, &assets, &opts).await;
+            assert!(matches!(r, Err(SnapshotError::Options(_))), "{r:?}");
+        }
+        // A tag that does not exist is the store's error.
+        let r = snapshot_image(&store, &t, &t, &assets, &SnapshotOptions::default()).await;
+        assert!(matches!(r, Err(SnapshotError::Store(_))), "{r:?}");
+    }
+
+    #[test]
+    fn start_message_carries_the_sandbox_spec() {
+        assert_eq!(start_message(None), Start::default());
+        let s = SandboxSpec {
+            start: Some(StartSpec {
+                argv: vec!["/bin/server".into()],
+                user: Some("runtime".into()),
+                env: vec!["A=1".into()],
+                workdir: Some("/workspace".into()),
+            }),
+            ready: Some(ReadySpec {
+                argv: vec!["true".into()],
+                interval_ms: 100,
+                timeout_ms: 1000,
+                retries: 5,
+            }),
+        };
+        let m = start_message(Some(&s));
+        assert_eq!(m.argv, ["/bin/server"]);
+        assert_eq!(m.user.as_deref(), Some("runtime"));
+        assert_eq!(m.env, ["A=1"]);
+        assert_eq!(m.workdir.as_deref(), Some("/workspace"));
+        let r = m.ready.unwrap();
+        assert_eq!(
+            (r.argv, r.interval_ms, r.timeout_ms, r.retries),
+            (vec!["true".to_string()], 100, 1000, 5)
+        );
+    }
+}
