@@ -17,7 +17,18 @@
 //!    surviving entry at its own position, so files stay in layer order (the order that gave
 //!    98-99% chunk reuse between builds, see `kiln_store::chunk`). Directories are written at
 //!    the first entry of their current incarnation with their last metadata; a directory
-//!    needed earlier (an implicit parent) is written just before its first child. A file
+//!    needed earlier (an implicit parent) is written just before its first child. A regular
+//!    file that replaces a lower layer's regular file (an edited `/etc/passwd`, dpkg's
+//!    status) is written *in place*: at the position of that path's first version, its data
+//!    taken from a spool the scan filled (at most [`SPOOL_FILE_MAX`] per file and
+//!    [`SPOOL_TOTAL_MAX`] in all, in an unlinked temporary file; beyond that, or when the old
+//!    inode lives on through a hard link, it is written at its own position). mke2fs lays
+//!    file data out in stream order, so without this one changed file early in the base
+//!    layer shifts every later file by its blocks. Measured (2026-11-30, `measure_chunking`
+//!    of `kiln-store`, 512 MiB images) on the Debian fixture against the same plus a layer
+//!    adding ten files and changing `/etc/motd`: FastCDC 64 KiB reused 88.9% of chunks
+//!    (82.8% of bytes) and fixed 64 KiB 0.5% before, 99.4% (98.8%) and 99.5% in place;
+//!    adding the files only gives 99.5% (98.9%). A file
 //!    whose original name is gone but which lives on through a hard link made in a later
 //!    layer is written, data and all, at its original position under the first surviving
 //!    name; its other names follow as hard links. Directories no entry ever named come last.
@@ -79,6 +90,11 @@ struct Inode {
     kind: Kind,
     meta: Meta,
     src: Pos,
+    /// For a file that replaced a file of a lower layer: the position of the first version
+    /// of that path (where this one is written when its data is spooled).
+    slot: Option<Pos>,
+    /// Where its data is in the spool: (offset, length).
+    spool: Option<(u64, u64)>,
 }
 
 #[derive(Debug)]
@@ -106,6 +122,11 @@ enum Action {
         name: Vec<u8>,
         target: Vec<u8>,
     },
+    /// A replacing file written at its first version's position, data from the spool.
+    Spooled {
+        ino: usize,
+        name: Vec<u8>,
+    },
 }
 
 /// Counts of the flattened tree (what the ext4 image must hold).
@@ -125,6 +146,8 @@ pub struct FlatStats {
     pub specials: u64,
     /// Names beyond the first of multiply linked inodes.
     pub extra_links: u64,
+    /// Files that replace a lower layer's file, written at its position.
+    pub in_place: u64,
     /// Bytes of regular file data.
     pub data_bytes: u64,
     /// 4 KiB blocks the tree needs: file data, long symlinks, directory blocks, xattr blocks
@@ -141,8 +164,73 @@ pub struct Flat {
     paths: BTreeMap<Vec<u8>, Node>,
     inodes: Vec<Inode>,
     actions: Vec<Vec<Action>>,
+    spool: Spool,
     /// Counts of the flattened tree.
     pub stats: FlatStats,
+}
+
+/// Largest file whose data is spooled to be written in place, bytes.
+pub const SPOOL_FILE_MAX: u64 = 16 << 20;
+/// Largest total of spooled data, bytes.
+pub const SPOOL_TOTAL_MAX: u64 = 256 << 20;
+
+/// The data of files that replace a lower layer's file, kept (in an unlinked temporary file)
+/// so they can be written at the position of the file they replace: a changed file then
+/// does not shift every later file of the image by its blocks.
+struct Spool {
+    file: Option<File>,
+    len: u64,
+}
+
+impl Spool {
+    fn put(&mut self, data: &mut impl Read, size: u64) -> io::Result<Option<(u64, u64)>> {
+        if size > SPOOL_FILE_MAX || self.len + size > SPOOL_TOTAL_MAX {
+            return Ok(None);
+        }
+        let f = match &mut self.file {
+            Some(f) => f,
+            None => self.file.insert(tempfile::tempfile()?),
+        };
+        let off = self.len;
+        let n = io::copy(&mut data.take(size), f)?;
+        if n != size {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "file data shorter than its header says",
+            ));
+        }
+        self.len += size;
+        Ok(Some((off, size)))
+    }
+
+    fn reader(&self, (off, len): (u64, u64)) -> SpoolReader<'_> {
+        SpoolReader {
+            file: self.file.as_ref(),
+            off,
+            left: len,
+        }
+    }
+}
+
+struct SpoolReader<'a> {
+    file: Option<&'a File>,
+    off: u64,
+    left: u64,
+}
+
+impl Read for SpoolReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        let Some(f) = self.file else { return Ok(0) };
+        let want = (buf.len() as u64).min(self.left) as usize;
+        if want == 0 {
+            return Ok(0);
+        }
+        let n = f.read_at(&mut buf[..want], self.off)?;
+        self.off += n as u64;
+        self.left -= n as u64;
+        Ok(n)
+    }
 }
 
 /// One entry as read in the scan.
@@ -154,6 +242,7 @@ struct Scanned {
     size: u64,
     link: Option<Vec<u8>>,
     dev: (u32, u32),
+    spooled: Option<(u64, u64)>,
 }
 
 enum Split {
@@ -249,11 +338,15 @@ fn open_layer(l: &LayerBlob) -> Result<File, Ext4Error> {
 
 /// Reads every header of one layer (data skipped). `kept` counts the bytes of names, link
 /// targets and xattrs held so far, against [`MAX_SCAN_BYTES`].
+/// `replaces(comps)`: whether a file at that name replaces a lower layer's file (its data is
+/// then spooled, within the spool's bounds).
 fn scan_layer(
     l: &LayerBlob,
     limits: &Limits,
     kept: &mut u64,
     max_kept: u64,
+    replaces: &dyn Fn(&[Vec<u8>]) -> bool,
+    spool: &mut Spool,
 ) -> Result<(Vec<Scanned>, u64), Ext4Error> {
     let (stream, bounded) = bounded_stream(open_layer(l)?, &l.digest, limits)?;
     let mut archive = tar::Archive::new(stream);
@@ -323,6 +416,15 @@ fn scan_layer(
             h.device_major().ok().flatten().unwrap_or(0),
             h.device_minor().ok().flatten().unwrap_or(0),
         );
+        let spooled = if matches!(kind, tar::EntryType::Regular | tar::EntryType::Continuous)
+            && replaces(&comps)
+        {
+            spool
+                .put(&mut entry, size)
+                .map_err(|e| bounded.error(e, &last))?
+        } else {
+            None
+        };
         out.push(Scanned {
             comps,
             name: last.clone(),
@@ -331,6 +433,7 @@ fn scan_layer(
             size,
             link,
             dev,
+            spooled,
         });
     }
     Ok((out, bounded.bytes()))
@@ -370,11 +473,28 @@ impl Flat {
             paths: BTreeMap::new(),
             inodes: Vec::new(),
             actions: Vec::with_capacity(layers.len()),
+            spool: Spool { file: None, len: 0 },
             stats: FlatStats::default(),
         };
         let mut kept = 0u64;
         for (li, l) in layers.iter().enumerate() {
-            let (entries, bytes) = scan_layer(l, limits, &mut kept, max_kept)?;
+            let (entries, bytes) = {
+                let Flat {
+                    paths,
+                    inodes,
+                    spool,
+                    ..
+                } = &mut f;
+                // A plain lookup of the name (no symlink resolution): layers written from an
+                // overlay's upper directory name real paths.
+                let replaces = |comps: &[Vec<u8>]| {
+                    li > 0
+                        && matches!(paths.get(&join(comps)),
+                            Some(Node::Leaf { ino, .. })
+                                if matches!(inodes[*ino].kind, Kind::File { .. }))
+                };
+                scan_layer(l, limits, &mut kept, max_kept, &replaces, spool)?
+            };
             f.stats.entries_read += entries.len() as u64;
             f.stats.layer_bytes += bytes;
             f.actions.push(vec![Action::Skip; entries.len()]);
@@ -508,7 +628,13 @@ impl Flat {
 
     fn new_inode(&mut self, kind: Kind, meta: Meta, src: Pos) -> usize {
         let meta = self.clamp_meta(meta);
-        self.inodes.push(Inode { kind, meta, src });
+        self.inodes.push(Inode {
+            kind,
+            meta,
+            src,
+            slot: None,
+            spool: None,
+        });
         self.inodes.len() - 1
     }
 
@@ -571,7 +697,16 @@ impl Flat {
                 }));
             }
         };
+        let is_file = matches!(kind, Kind::File { .. });
         let ino = self.new_inode(kind, e.meta, pos);
+        if is_file
+            && let Some(Node::Leaf { ino: old, .. }) = self.paths.get(&full)
+            && let Kind::File { .. } = self.inodes[*old].kind
+        {
+            let slot = self.inodes[*old].slot.unwrap_or(self.inodes[*old].src);
+            self.inodes[ino].slot = Some(slot);
+            self.inodes[ino].spool = e.spooled;
+        }
         self.remove(&full);
         self.paths.insert(full, Node::Leaf { ino, pos });
         Ok(())
@@ -664,12 +799,33 @@ impl Flat {
             list.sort();
             let inode = &self.inodes[ino];
             let carrier = list.iter().position(|(p, _)| *p == inode.src).unwrap_or(0);
-            let (_, cname) = list.remove(carrier);
+            let (cpos, cname) = list.remove(carrier);
             let (s0, s1) = (inode.src.0 as usize, inode.src.1 as usize);
-            self.actions[s0][s1] = Action::Inode {
-                ino,
-                name: cname.clone(),
+            let in_place = match (inode.slot, inode.spool) {
+                (Some(slot), Some(_))
+                    if list.is_empty()
+                        && cpos == inode.src
+                        && matches!(
+                            self.actions[slot.0 as usize][slot.1 as usize],
+                            Action::Skip
+                        ) =>
+                {
+                    Some(slot)
+                }
+                _ => None,
             };
+            if let Some(slot) = in_place {
+                stats.in_place += 1;
+                self.actions[slot.0 as usize][slot.1 as usize] = Action::Spooled {
+                    ino,
+                    name: cname.clone(),
+                };
+            } else {
+                self.actions[s0][s1] = Action::Inode {
+                    ino,
+                    name: cname.clone(),
+                };
+            }
             for (p, name) in list {
                 stats.extra_links += 1;
                 self.actions[p.0 as usize][p.1 as usize] = Action::Link {
@@ -726,6 +882,20 @@ impl Flat {
                     Action::Dir(p) => w.dir(p)?,
                     Action::Link { ino, name, target } => {
                         w.link(name, target, &self.inodes[*ino].meta)?
+                    }
+                    Action::Spooled { ino, name } => {
+                        let inode = &self.inodes[*ino];
+                        let Some(at) = inode.spool else {
+                            return Err(Ext4Error::LayerChanged(l.digest.clone()));
+                        };
+                        w.inode(name, inode, self.spool.reader(at))
+                            .map_err(|e| match e {
+                                WriteFail::Read(e) => Ext4Error::Io {
+                                    path: "(spool)".into(),
+                                    source: e,
+                                },
+                                WriteFail::Out(e) => e,
+                            })?;
                     }
                     Action::Inode { ino, name } => {
                         let inode = &self.inodes[*ino];

@@ -241,10 +241,14 @@ fn flatten_applies_whiteouts_links_and_symlinked_parents() {
         order.push(String::from_utf8_lossy(&e.path_bytes()).into_owned());
     }
     let at = |n: &str| order.iter().position(|p| p == n).unwrap();
-    assert!(at("cap") < at("etc/a"), "{order:?}");
-    assert!(at("etc/a") < at("data/h1"), "{order:?}");
-    // The carrier of the shared inode is written at layer 0's position under its new name.
-    assert!(at("data/h2") < at("etc/a"), "{order:?}");
+    assert!(at("cap") < at("etc/opq/new"), "{order:?}");
+    // etc/a replaced in layer 1 is written in place: at layer 0's position.
+    assert!(at("etc/a") < at("cap"), "{order:?}");
+    assert_eq!(stats.in_place, 1, "{stats:?}");
+    // The carrier of the shared inode is written at layer 0's position under its new name;
+    // data/h1's replacement (layer 2) is not in place, the old inode lives on as data/h2.
+    assert!(at("data/h2") < at("cap"), "{order:?}");
+    assert!(at("etc/opq/new") < at("data/h1"), "{order:?}");
 }
 
 #[test]

@@ -37,10 +37,10 @@ pub struct Args {
 
 /// Runs `kiln export`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if let Format::Ext4 = a.format {
-        return ext4(&a);
-    }
     let cache = a.opts.cache()?;
+    if let Format::Ext4 = a.format {
+        return ext4(&a, &cache);
+    }
     let digest = base::lookup(&a.reference, &cache)?
         .with_context(|| format!("{} is not in the local store", a.reference))?;
     let tag = match a.tag {
@@ -53,17 +53,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .unwrap_or("latest")
             .to_string(),
     };
-    match a.format {
-        Format::Oci => layout::export(&cache, &digest, &a.output, &tag)?,
-        Format::Ext4 => unreachable!("handled above"),
-    }
+    layout::export(&cache, &digest, &a.output, &tag)?;
     println!("{digest}");
     Ok(())
 }
 
 /// `--format ext4`: resolve the tag (or digest) in the store and materialize the disk.
-fn ext4(a: &Args) -> anyhow::Result<()> {
-    let cache = a.opts.cache()?;
+fn ext4(a: &Args, cache: &kiln_builder::cache::LocalCache) -> anyhow::Result<()> {
     let root = cache.root().to_string_lossy().into_owned();
     super::common::runtime()?.block_on(async {
         let store = kiln_store::Store::open(&root).await?;
