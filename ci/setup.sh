@@ -5,6 +5,7 @@
 #
 # Source it (`. ci/setup.sh`) to get the environment the tests read, or run it to just set up.
 #   KILN_CI_CACHE   where caches live (target dir, venv, fixtures); default /var/cache/kiln-ci
+#   KILN_SETUP_PACKAGES_ONLY=1  stop after the packages (what `ci/main-job.sh` needs)
 # Exports: CARGO_TARGET_DIR, KILN_TEST_CACHE, KILN_TEST_REGISTRY, KILN_TEST_REGISTRY_AUTH, KILN_TEST_REGISTRY_TOKEN,
 #   KILN_TEST_REGISTRY_USER, KILN_TEST_REGISTRY_PASSWORD, KILN_TEST_S3_ENDPOINT, KILN_TEST_S3_BUCKET
 #   and the AWS_* variables object_store reads for the test S3 server.
@@ -95,6 +96,12 @@ e2fs_ok || { log "e2fsprogs >= 1.47.1 with libarchive13 is required"; exit 1; }
 if command -v rustup >/dev/null; then
   rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
   rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
+fi
+
+# `ci/main-job.sh` (the README's main job) needs the packages above, not the test servers.
+if [ "${KILN_SETUP_PACKAGES_ONLY:-}" = 1 ]; then
+  log "packages installed (KILN_SETUP_PACKAGES_ONLY=1: no servers, no fixtures)"
+  return 0 2>/dev/null || exit 0
 fi
 
 # --- Python tools (moto's S3 server) in a venv -----------------------------------------------

@@ -3,6 +3,7 @@
 //! Exit codes (every subcommand): see [`cmd::exit`].
 
 mod cmd;
+mod config;
 
 use std::process::ExitCode;
 
@@ -16,11 +17,17 @@ struct Cli {
     /// `plan` prints the plan as one indented JSON document (its errors stay text on stderr).
     #[arg(long, global = true)]
     json: bool,
+    /// More log output on stderr: -v info, -vv debug, -vvv trace (else $KILN_LOG, the config
+    /// file's `log`, or warnings only).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
     #[command(subcommand)]
     command: Command,
 }
 
 /// The subcommands, one module each under `cmd/`.
+// Parsed once per process; boxing `build`'s many flags would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Build a Dockerfile or YAML recipe into the local store; prints the image digest.
@@ -58,14 +65,29 @@ enum Command {
     /// Store maintenance and copies between stores.
     #[command(subcommand)]
     Store(cmd::store::Command),
+    /// List the images of the store (tags naming image manifests).
+    Images(cmd::images::Args),
+    /// Show one image: sizes, chunk table, file system, config, sandbox, provenance.
+    Inspect(cmd::inspect::Args),
+    /// Remove image tags (the data stays until `kiln store gc`).
+    Rmi(cmd::rmi::Args),
+    /// Show the configuration (flags, then environment, then config file, then defaults).
+    #[command(subcommand)]
+    Config(cmd::config::Command),
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // A broken configuration is reported by the commands that need it; logging falls back.
+    let log = config::Config::load(&config::Flags {
+        verbose: cli.verbose,
+        ..config::Flags::default()
+    })
+    .map_or_else(|_| "warn".to_string(), |c| c.log.value);
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(tracing_subscriber::EnvFilter::new(log))
         .with_writer(std::io::stderr)
         .try_init();
-    let cli = Cli::parse();
     let out = cmd::Out::new(cli.json);
     match cli.command {
         Command::Build(a) => cmd::report(&out, cmd::build::run(*a)),
@@ -86,5 +108,9 @@ fn main() -> ExitCode {
         Command::Ps(a) => cmd::run(&out, async |out| cmd::ps::run(out, a).await),
         Command::Stop(a) => cmd::run(&out, async |out| cmd::stop::run(out, a).await),
         Command::Store(c) => cmd::run(&out, async |out| cmd::store::run(out, c).await),
+        Command::Images(a) => cmd::run(&out, async |out| cmd::images::run(out, a).await),
+        Command::Inspect(a) => cmd::run(&out, async |out| cmd::inspect::run(out, a).await),
+        Command::Rmi(a) => cmd::run(&out, async |out| cmd::rmi::run(out, a).await),
+        Command::Config(c) => cmd::report_cmd(&out, cmd::config::run(&out, c, cli.verbose)),
     }
 }

@@ -243,7 +243,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?
     };
 
-    let root = a.store.clone().unwrap_or_else(LocalCache::default_root);
+    let config = crate::config::Config::load(&crate::config::Flags::default())?;
+    let root = match &a.store {
+        Some(p) => p.clone(),
+        None => crate::config::local_store_dir()?,
+    };
     let cache = Arc::new(
         LocalCache::open(&root)
             .with_context(|| format!("opening the store at {}", root.display()))?,
@@ -265,6 +269,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             PullPolicy::Missing
         },
         work_dir: work.join("bootstrap"),
+        // `from: {bootstrap: ...}` without a mirror: the configured one, else this host's apt
+        // archive (see `kiln config show`).
+        default_mirror: config.bootstrap_mirror.value.clone(),
         registry: RegistryOptions {
             insecure: a.insecure.clone(),
             ..RegistryOptions::default()

@@ -10,8 +10,9 @@ use kiln_builder::registry::{Registry, RegistryOptions};
 /// Where the local store is and how registries are reached.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ImageOpts {
-    /// The local store directory (default: $KILN_STORE, else ~/.local/share/kiln/store).
-    #[arg(long, env = "KILN_STORE")]
+    /// The local store directory (default: $KILN_STORE, else the config file's `store`, else
+    /// ~/.local/share/kiln/store).
+    #[arg(long)]
     pub store: Option<PathBuf>,
     /// Platform to pick from a multi-platform index, os/arch[/variant].
     #[arg(long, default_value = "linux/amd64")]
@@ -27,7 +28,10 @@ pub struct ImageOpts {
 impl ImageOpts {
     /// Opens the local store.
     pub fn cache(&self) -> anyhow::Result<LocalCache> {
-        let root = self.store.clone().unwrap_or_else(LocalCache::default_root);
+        let root = match &self.store {
+            Some(p) => p.clone(),
+            None => crate::config::local_store_dir()?,
+        };
         LocalCache::open(&root).with_context(|| format!("opening the store at {}", root.display()))
     }
 

@@ -3,8 +3,11 @@
 
 pub mod build;
 pub mod common;
+pub mod config;
 pub mod export;
+pub mod images;
 pub mod import;
+pub mod inspect;
 pub mod kernel;
 pub mod login;
 pub mod plan;
@@ -12,6 +15,7 @@ pub mod progress;
 pub mod ps;
 pub mod pull;
 pub mod push;
+pub mod rmi;
 pub mod snapshot;
 pub mod start;
 pub mod stop;
@@ -36,6 +40,7 @@ use serde_json::{Value, json};
 /// | 3 | `kiln store verify` found damage (missing or corrupt objects, broken tags) |
 /// | 4 | a tag moved under us: a compare-and-swap lost to another writer (retry may succeed) |
 /// | 5 | the tag or manifest asked for does not exist |
+/// | 6 | the configuration is invalid (config file unreadable or malformed, a bad `KILN_*` value) |
 pub mod exit {
     /// Success.
     pub const OK: u8 = 0;
@@ -47,6 +52,8 @@ pub mod exit {
     pub const STALE: u8 = 4;
     /// The tag or manifest does not exist.
     pub const NOT_FOUND: u8 = 5;
+    /// The configuration is invalid.
+    pub const CONFIG: u8 = 6;
 }
 
 /// A failure with its exit code.
@@ -66,6 +73,7 @@ impl<E: Into<anyhow::Error>> From<E> for Failure {
             Some(StoreError::Tag(TagError::NotFound { .. } | TagError::MissingManifest { .. })) => {
                 exit::NOT_FOUND
             }
+            _ if error.is::<crate::config::ConfigError>() => exit::CONFIG,
             _ => exit::FAILURE,
         };
         Failure { code, error }
@@ -132,6 +140,12 @@ pub fn report(out: &Out, r: anyhow::Result<()>) -> ExitCode {
     finish(out, r.map_err(Failure::from))
 }
 
+/// Turns the result of a synchronous subcommand into the exit code, printing a failure as
+/// [`run`] does.
+pub fn report_cmd(out: &Out, r: CmdResult) -> ExitCode {
+    finish(out, r)
+}
+
 fn finish(out: &Out, r: CmdResult) -> ExitCode {
     match r {
         Ok(()) => ExitCode::from(exit::OK),
@@ -146,36 +160,37 @@ fn finish(out: &Out, r: CmdResult) -> ExitCode {
     }
 }
 
-/// Opens the store `url`, else the default one (`$KILN_STORE`, else
-/// `~/.local/share/kiln/store`).
-pub async fn open_store(url: Option<&str>) -> Result<kiln_store::Store, StoreError> {
-    match url {
-        Some(u) => kiln_store::Store::open(u).await,
-        None => kiln_store::Store::open_default().await,
-    }
+/// Opens the store `url` (a `--store` flag), else the configured one (`$KILN_STORE`, else the
+/// config file's `store`, else `~/.local/share/kiln/store`; see [`crate::config`]), with the
+/// configured S3 settings and read cache.
+pub async fn open_store(url: Option<&str>) -> Result<kiln_store::Store, Failure> {
+    let cfg = crate::config::Config::load(&crate::config::Flags::store(url))?;
+    Ok(kiln_store::Store::open_with(&cfg.store.value, cfg.store_options()).await?)
 }
 
 /// Opens a store that must already exist, for commands that only read or maintain one
 /// (`tags`, `untag`, `store verify`, `store gc`, `store export`, the source of a copy). A
-/// local directory named explicitly (a path or `file://PATH`) that does not exist is refused
-/// with exit code 5 instead of being created empty, so a mistyped `--store` cannot pass for
-/// an empty, healthy store. Remote stores and the default local store open as with
-/// [`open_store`].
+/// local directory named explicitly (`--store`, `$KILN_STORE` or the config file; a path or
+/// `file://PATH`) that does not exist is refused with exit code 5 instead of being created
+/// empty, so a mistyped store cannot pass for an empty, healthy store. Remote stores and the
+/// default local store open as with [`open_store`].
 pub async fn open_existing_store(url: Option<&str>) -> Result<kiln_store::Store, Failure> {
-    if let Some(u) = url
-        && let kiln_store::StoreUrl::Local(p) = kiln_store::StoreUrl::parse(u)?
+    let cfg = crate::config::Config::load(&crate::config::Flags::store(url))?;
+    if cfg.store.origin != crate::config::Origin::Default
+        && let kiln_store::StoreUrl::Local(p) = kiln_store::StoreUrl::parse(&cfg.store.value)?
         && !p.is_dir()
     {
         return Err(Failure {
             code: exit::NOT_FOUND,
             error: anyhow::anyhow!(
-                "no store at {}: the directory does not exist (commands that write, such as \
-                 `kiln store import` or `kiln pull`, create it)",
-                p.display()
+                "no store at {} (from {}): the directory does not exist (commands that \
+                 write, such as `kiln store import` or `kiln pull`, create it)",
+                p.display(),
+                cfg.store.origin
             ),
         });
     }
-    Ok(open_store(url).await?)
+    Ok(kiln_store::Store::open_with(&cfg.store.value, cfg.store_options()).await?)
 }
 
 /// A lease id unique to this process and moment: `<what>-<host>-<pid>-<nanos>`, within the

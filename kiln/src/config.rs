@@ -1,0 +1,929 @@
+//! Configuration of the `kiln` binary: every setting is taken from the first of
+//!
+//! 1. a command-line flag (`--store URL`, `-v`),
+//! 2. an environment variable (`KILN_STORE`, `KILN_CACHE`, ...),
+//! 3. the config file: `$KILN_CONFIG`, else `$XDG_CONFIG_HOME/kiln/config.toml`, else
+//!    `~/.config/kiln/config.toml` (XDG Base Directory Specification 0.8, `XDG_CONFIG_HOME`:
+//!    used only when set to an absolute path),
+//! 4. the built-in default,
+//!
+//! and remembers which one it came from ([`Origin`]), for `kiln config show`.
+//!
+//! | key (file) | environment | flag | default |
+//! | --- | --- | --- | --- |
+//! | `store` | `KILN_STORE` | `--store` | `~/.local/share/kiln/store` |
+//! | `cache` | `KILN_CACHE` | | `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln` |
+//! | `cache_max_mib` | `KILN_CACHE_MAX_MIB` | | `10240` |
+//! | `log` | `KILN_LOG`, then `RUST_LOG` | `-v` (info), `-vv` (debug), `-vvv` (trace) | `warn` |
+//! | `s3.endpoint` | `KILN_S3_ENDPOINT` | | unset: `AWS_ENDPOINT_URL` or the AWS default |
+//! | `s3.region` | `KILN_S3_REGION` | | unset: `AWS_REGION` or `us-east-1` |
+//! | `s3.allow_http` | `KILN_S3_ALLOW_HTTP` | | unset: `AWS_ALLOW_HTTP` or `false` |
+//! | `bootstrap_mirror` | `KILN_BOOTSTRAP_MIRROR` | | the archive this host's apt uses |
+//!
+//! `cache` is this machine's cache directory: chunks read from a remote (S3) store are kept
+//! under `<cache>/chunks`, at most `cache_max_mib` MiB. S3 credentials are never read from
+//! the config file: they come from the usual `AWS_*` variables. `bootstrap_mirror` is the
+//! archive `kiln build` bootstraps `from: {bootstrap: ...}` recipes from when they name no
+//! mirror; by default the first release suite (no `-updates`, `-security`...) in this host's
+//! apt sources (`/etc/apt/sources.list`, `/etc/apt/sources.list.d/*.list` and `*.sources`).
+//!
+//! The file is TOML with exactly these keys (unknown keys are an error, so a typo fails
+//! loudly); it is read with a size bound of [`MAX_CONFIG_BYTES`]. A local store or cache path
+//! in the file must be absolute or start with `~/`.
+//!
+//! ```toml
+//! store = "s3://kiln-images/prod"
+//! cache = "~/.cache/kiln"
+//! cache_max_mib = 20480
+//! log = "info"
+//!
+//! [s3]
+//! endpoint = "http://127.0.0.1:9000"
+//! region = "us-east-1"
+//! allow_http = true
+//! ```
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use kiln_store::StoreOptions;
+use kiln_store::StoreUrl;
+use serde::Deserialize;
+
+/// Largest config file read, in bytes (1 MiB; a real one is a few hundred bytes).
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// Default bound of the chunk read cache, MiB.
+pub const DEFAULT_CACHE_MAX_MIB: u64 = 10240;
+
+/// Errors loading the configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The config file exists but cannot be read.
+    #[error("config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// The config file is larger than [`MAX_CONFIG_BYTES`].
+    #[error("config file {path}: larger than the {MAX_CONFIG_BYTES}-byte limit")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The config file is not valid TOML or has unknown keys or wrong types.
+    #[error("config file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message (with line and column).
+        message: String,
+    },
+    /// A value, wherever it came from, is not acceptable.
+    #[error("{key} = {value:?} (from {origin}): {reason}")]
+    Invalid {
+        /// The setting.
+        key: &'static str,
+        /// What was given.
+        value: String,
+        /// Where it was given.
+        origin: Origin,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// A command that works on a local store directory was configured with a remote store.
+    #[error(
+        "this command needs a local store directory, but the store is {url} (from {origin}); \
+         give --store DIR"
+    )]
+    NotLocal {
+        /// The configured store.
+        url: String,
+        /// Where it was configured.
+        origin: Origin,
+    },
+    /// No home directory to put defaults under.
+    #[error(
+        "{key}: HOME is not set, so there is no default; set {env} or `{key}` in the config file"
+    )]
+    NoHome {
+        /// The setting needing a default.
+        key: &'static str,
+        /// Its environment variable.
+        env: &'static str,
+    },
+}
+
+/// Where a setting's value came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// A command-line flag (its spelling, e.g. `--store`).
+    Flag(&'static str),
+    /// An environment variable (its name).
+    Env(&'static str),
+    /// The config file (its path).
+    File(PathBuf),
+    /// The built-in default.
+    Default,
+}
+
+impl Origin {
+    /// One word for the kind: `flag`, `env`, `file` or `default`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Origin::Flag(_) => "flag",
+            Origin::Env(_) => "env",
+            Origin::File(_) => "file",
+            Origin::Default => "default",
+        }
+    }
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Origin::Flag(n) => write!(f, "flag {n}"),
+            Origin::Env(n) => write!(f, "env {n}"),
+            Origin::File(p) => write!(f, "file {}", p.display()),
+            Origin::Default => f.write_str("default"),
+        }
+    }
+}
+
+/// One setting's value and where it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Setting<T> {
+    /// The value.
+    pub value: T,
+    /// Where it came from.
+    pub origin: Origin,
+}
+
+/// What the command line said (every field optional: `None`/`0` means not given).
+#[derive(Debug, Clone, Default)]
+pub struct Flags {
+    /// `--store URL`.
+    pub store: Option<String>,
+    /// `-v` count.
+    pub verbose: u8,
+}
+
+impl Flags {
+    /// Only `--store` (what most subcommands have).
+    pub fn store(store: Option<&str>) -> Self {
+        Self {
+            store: store.map(str::to_string),
+            ..Self::default()
+        }
+    }
+}
+
+/// The `[s3]` table of the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileS3 {
+    endpoint: Option<String>,
+    region: Option<String>,
+    allow_http: Option<bool>,
+}
+
+/// The file's schema.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    store: Option<String>,
+    cache: Option<String>,
+    cache_max_mib: Option<u64>,
+    log: Option<String>,
+    bootstrap_mirror: Option<String>,
+    #[serde(default)]
+    s3: FileS3,
+}
+
+/// The effective configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// The config file looked at, and whether it exists.
+    pub file: (PathBuf, bool),
+    /// The store URL (a path, `file://PATH` or `s3://bucket/prefix`).
+    pub store: Setting<String>,
+    /// This machine's cache directory.
+    pub cache: Setting<PathBuf>,
+    /// Bound of the chunk read cache, MiB.
+    pub cache_max_mib: Setting<u64>,
+    /// The tracing filter (`warn`, `info`, `debug`, `trace`, or an `EnvFilter` directive).
+    pub log: Setting<String>,
+    /// S3 endpoint override.
+    pub s3_endpoint: Setting<Option<String>>,
+    /// S3 region override.
+    pub s3_region: Setting<Option<String>>,
+    /// Whether a plain-HTTP S3 endpoint is allowed (override).
+    pub s3_allow_http: Setting<Option<bool>>,
+    /// The archive to bootstrap from when a recipe names none (`None`: no default).
+    pub bootstrap_mirror: Setting<Option<String>>,
+}
+
+/// Where to look for the config file, given the environment.
+pub fn config_path(env: &dyn Fn(&str) -> Option<String>) -> Option<PathBuf> {
+    if let Some(p) = env("KILN_CONFIG") {
+        return Some(PathBuf::from(p));
+    }
+    if let Some(x) = env("XDG_CONFIG_HOME").filter(|x| Path::new(x).is_absolute()) {
+        return Some(Path::new(&x).join("kiln/config.toml"));
+    }
+    env("HOME").map(|h| Path::new(&h).join(".config/kiln/config.toml"))
+}
+
+/// The process environment, empty values treated as unset.
+pub fn process_env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+fn read_file(path: &Path) -> Result<Option<String>, ConfigError> {
+    use std::io::Read as _;
+    let f = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(ConfigError::Read {
+                path: path.into(),
+                source,
+            });
+        }
+    };
+    let mut text = String::new();
+    let n = f
+        .take(MAX_CONFIG_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+    if n as u64 > MAX_CONFIG_BYTES {
+        return Err(ConfigError::TooLarge { path: path.into() });
+    }
+    Ok(Some(text))
+}
+
+impl Config {
+    /// Loads the configuration from the process environment and the config file, under
+    /// `flags`.
+    pub fn load(flags: &Flags) -> Result<Self, ConfigError> {
+        let path = config_path(&process_env);
+        let text = match &path {
+            Some(p) => read_file(p)?,
+            None => None,
+        };
+        Self::resolve(flags, &process_env, path, text.as_deref(), host_apt_mirror)
+    }
+
+    /// Resolves the configuration from `flags`, an environment lookup, and the config file's
+    /// path and text (`None`: no file); `apt_mirror` finds the host's archive, asked only when
+    /// nothing else names a bootstrap mirror. Touches nothing else.
+    pub fn resolve(
+        flags: &Flags,
+        env: &dyn Fn(&str) -> Option<String>,
+        path: Option<PathBuf>,
+        text: Option<&str>,
+        apt_mirror: fn() -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let path = path.unwrap_or_default();
+        let file: FileConfig = match text {
+            Some(t) => toml::from_str(t).map_err(|e: toml::de::Error| ConfigError::Parse {
+                path: path.clone(),
+                message: match e.span() {
+                    Some(span) => {
+                        let before = &t[..span.start.min(t.len())];
+                        let line = before.matches('\n').count() + 1;
+                        let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+                        format!("line {line}, column {col}: {}", e.message())
+                    }
+                    None => e.message().to_string(),
+                },
+            })?,
+            None => FileConfig::default(),
+        };
+        let from_file = Origin::File(path.clone());
+        let home = env("HOME");
+
+        // First of flag, env vars, file; `None` if none of them says anything.
+        let pick = |flag: Option<(String, &'static str)>,
+                    envs: &[&'static str],
+                    file: Option<String>|
+         -> Option<Setting<String>> {
+            if let Some((v, name)) = flag {
+                return Some(Setting {
+                    value: v,
+                    origin: Origin::Flag(name),
+                });
+            }
+            for name in envs {
+                if let Some(v) = env(name) {
+                    return Some(Setting {
+                        value: v,
+                        origin: Origin::Env(name),
+                    });
+                }
+            }
+            file.map(|v| Setting {
+                value: v,
+                origin: from_file.clone(),
+            })
+        };
+
+        let store = match pick(
+            flags.store.clone().map(|s| (s, "--store")),
+            &["KILN_STORE"],
+            file.store,
+        ) {
+            Some(s) => {
+                let value = check_store(s.value, &s.origin, home.as_deref())?;
+                Setting { value, ..s }
+            }
+            None => Setting {
+                value: default_under(home.as_deref(), ".local/share/kiln/store", "store")?
+                    .to_string_lossy()
+                    .into_owned(),
+                origin: Origin::Default,
+            },
+        };
+
+        let cache = match pick(None, &["KILN_CACHE"], file.cache) {
+            Some(s) => Setting {
+                value: check_dir("cache", &s.value, &s.origin, home.as_deref())?,
+                origin: s.origin,
+            },
+            None => match env("XDG_CACHE_HOME").filter(|x| Path::new(x).is_absolute()) {
+                Some(x) => Setting {
+                    value: Path::new(&x).join("kiln"),
+                    origin: Origin::Default,
+                },
+                None => Setting {
+                    value: default_under(home.as_deref(), ".cache/kiln", "cache")?,
+                    origin: Origin::Default,
+                },
+            },
+        };
+
+        let cache_max_mib = match pick(
+            None,
+            &["KILN_CACHE_MAX_MIB"],
+            file.cache_max_mib.map(|n| n.to_string()),
+        ) {
+            Some(s) => Setting {
+                value: parse_mib(&s.value, &s.origin)?,
+                origin: s.origin,
+            },
+            None => Setting {
+                value: DEFAULT_CACHE_MAX_MIB,
+                origin: Origin::Default,
+            },
+        };
+
+        let verbose = match flags.verbose {
+            0 => None,
+            1 => Some(("info".to_string(), "-v")),
+            2 => Some(("debug".to_string(), "-vv")),
+            _ => Some(("trace".to_string(), "-vvv")),
+        };
+        let log = match pick(verbose, &["KILN_LOG", "RUST_LOG"], file.log) {
+            Some(s) => {
+                check_log(&s.value, &s.origin)?;
+                s
+            }
+            None => Setting {
+                value: "warn".into(),
+                origin: Origin::Default,
+            },
+        };
+
+        let opt = |s: Option<Setting<String>>| match s {
+            Some(s) => Setting {
+                value: Some(s.value),
+                origin: s.origin,
+            },
+            None => Setting {
+                value: None,
+                origin: Origin::Default,
+            },
+        };
+        let s3_endpoint = opt(pick(None, &["KILN_S3_ENDPOINT"], file.s3.endpoint));
+        if let Some(e) = &s3_endpoint.value
+            && !(e.starts_with("http://") || e.starts_with("https://"))
+        {
+            return Err(ConfigError::Invalid {
+                key: "s3.endpoint",
+                value: e.clone(),
+                origin: s3_endpoint.origin,
+                reason: "not an http:// or https:// URL".into(),
+            });
+        }
+        let s3_region = opt(pick(None, &["KILN_S3_REGION"], file.s3.region));
+        let s3_allow_http = match pick(
+            None,
+            &["KILN_S3_ALLOW_HTTP"],
+            file.s3.allow_http.map(|b| b.to_string()),
+        ) {
+            Some(s) => Setting {
+                value: Some(parse_bool("s3.allow_http", &s.value, &s.origin)?),
+                origin: s.origin,
+            },
+            None => Setting {
+                value: None,
+                origin: Origin::Default,
+            },
+        };
+
+        let bootstrap_mirror = match pick(None, &["KILN_BOOTSTRAP_MIRROR"], file.bootstrap_mirror) {
+            Some(s) => {
+                let v = s.value.trim_end_matches('/').to_string();
+                if !(v.starts_with("http://") || v.starts_with("https://"))
+                    || v.chars().any(|c| c.is_whitespace() || c.is_control())
+                {
+                    return Err(ConfigError::Invalid {
+                        key: "bootstrap_mirror",
+                        value: s.value,
+                        origin: s.origin,
+                        reason: "not an http:// or https:// URL".into(),
+                    });
+                }
+                Setting {
+                    value: Some(v),
+                    origin: s.origin,
+                }
+            }
+            None => Setting {
+                value: apt_mirror(),
+                origin: Origin::Default,
+            },
+        };
+
+        Ok(Config {
+            file: (path.clone(), text.is_some()),
+            store,
+            cache,
+            cache_max_mib,
+            log,
+            s3_endpoint,
+            s3_region,
+            s3_allow_http,
+            bootstrap_mirror,
+        })
+    }
+
+    /// Options to open [`Config::store`] with: the S3 overrides, and for a remote store the
+    /// chunk read cache under `<cache>/chunks`.
+    pub fn store_options(&self) -> StoreOptions {
+        let mut o = StoreOptions::default();
+        o.s3.endpoint = self.s3_endpoint.value.clone();
+        o.s3.region = self.s3_region.value.clone();
+        o.s3.allow_http = self.s3_allow_http.value;
+        if matches!(StoreUrl::parse(&self.store.value), Ok(StoreUrl::S3 { .. })) {
+            o.read_cache = Some((
+                self.cache.value.join("chunks"),
+                self.cache_max_mib.value.saturating_mul(1 << 20),
+            ));
+        }
+        o
+    }
+
+    /// Every setting as `(key, value as text, origin)`, in the table's order. Unset optional
+    /// values show as `None`.
+    pub fn entries(&self) -> Vec<(&'static str, Option<String>, &Origin)> {
+        vec![
+            ("store", Some(self.store.value.clone()), &self.store.origin),
+            (
+                "cache",
+                Some(self.cache.value.display().to_string()),
+                &self.cache.origin,
+            ),
+            (
+                "cache_max_mib",
+                Some(self.cache_max_mib.value.to_string()),
+                &self.cache_max_mib.origin,
+            ),
+            ("log", Some(self.log.value.clone()), &self.log.origin),
+            (
+                "s3.endpoint",
+                self.s3_endpoint.value.clone(),
+                &self.s3_endpoint.origin,
+            ),
+            (
+                "s3.region",
+                self.s3_region.value.clone(),
+                &self.s3_region.origin,
+            ),
+            (
+                "s3.allow_http",
+                self.s3_allow_http.value.map(|b| b.to_string()),
+                &self.s3_allow_http.origin,
+            ),
+            (
+                "bootstrap_mirror",
+                self.bootstrap_mirror.value.clone(),
+                &self.bootstrap_mirror.origin,
+            ),
+        ]
+    }
+}
+
+/// The archive this host's apt uses for a release suite: the first `deb` source, in
+/// `/etc/apt/sources.list` then `/etc/apt/sources.list.d/` (`*.list`, `*.sources`) in name
+/// order, whose suite has no `-` (so not `-updates`, `-security`, `-backports`).
+pub fn host_apt_mirror() -> Option<String> {
+    let mut files = vec![PathBuf::from("/etc/apt/sources.list")];
+    if let Ok(rd) = std::fs::read_dir("/etc/apt/sources.list.d") {
+        let mut more: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+        more.sort();
+        files.extend(more);
+    }
+    files.iter().find_map(|f| {
+        let ext = f.extension()?.to_str()?;
+        // Sources files are a few KiB; a bound keeps a strange one from being read whole.
+        let text = read_file(f).ok().flatten()?;
+        apt_mirror_in(ext, &text)
+    })
+}
+
+/// The first release-suite `deb` URI in one apt sources file (`list`: one-line format,
+/// `sources`: deb822), per sources.list(5).
+fn apt_mirror_in(ext: &str, text: &str) -> Option<String> {
+    let release = |suite: &str| !suite.is_empty() && !suite.contains('-') && !suite.contains('/');
+    let http = |u: &str| u.starts_with("http://") || u.starts_with("https://");
+    match ext {
+        "list" => text.lines().find_map(|l| {
+            let l = l.split('#').next()?.trim();
+            let rest = l.strip_prefix("deb ")?.trim_start();
+            // Skip an `[option=value ...]` block.
+            let rest = match rest.strip_prefix('[') {
+                Some(r) => r.split_once(']')?.1.trim_start(),
+                None => rest,
+            };
+            let mut w = rest.split_whitespace();
+            let (uri, suite) = (w.next()?, w.next()?);
+            (http(uri) && release(suite)).then(|| uri.trim_end_matches('/').to_string())
+        }),
+        "sources" => text.split("\n\n").find_map(|stanza| {
+            let field = |name: &str| {
+                stanza.lines().find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+                })
+            };
+            if field("Enabled").is_some_and(|v| v.eq_ignore_ascii_case("no"))
+                || !field("Types")?.split_whitespace().any(|t| t == "deb")
+                || !field("Suites")?.split_whitespace().any(release)
+            {
+                return None;
+            }
+            let uri = field("URIs")?.split_whitespace().next()?;
+            http(uri).then(|| uri.trim_end_matches('/').to_string())
+        }),
+        _ => None,
+    }
+}
+
+/// The configured store as a local directory, for the commands that only work on one
+/// (`pull`, `push`, `import`, `export`, `unpack`). Errors: [`ConfigError::NotLocal`] for S3.
+pub fn local_store_dir() -> Result<PathBuf, ConfigError> {
+    let cfg = Config::load(&Flags::default())?;
+    match StoreUrl::parse(&cfg.store.value) {
+        Ok(StoreUrl::Local(p)) => Ok(p),
+        _ => Err(ConfigError::NotLocal {
+            url: cfg.store.value,
+            origin: cfg.store.origin,
+        }),
+    }
+}
+
+fn default_under(home: Option<&str>, rel: &str, key: &'static str) -> Result<PathBuf, ConfigError> {
+    let env = match key {
+        "store" => "KILN_STORE",
+        _ => "KILN_CACHE",
+    };
+    home.map(|h| Path::new(h).join(rel))
+        .ok_or(ConfigError::NoHome { key, env })
+}
+
+/// `~/x` → `$HOME/x`; in the file, a relative path is refused (relative to what?).
+fn expand(
+    key: &'static str,
+    value: &str,
+    origin: &Origin,
+    home: Option<&str>,
+) -> Result<PathBuf, ConfigError> {
+    let invalid = |reason: &str| ConfigError::Invalid {
+        key,
+        value: value.to_string(),
+        origin: origin.clone(),
+        reason: reason.to_string(),
+    };
+    if value.contains('\0') {
+        return Err(invalid("contains a NUL byte"));
+    }
+    if let Some(rest) = value.strip_prefix("~/") {
+        let h = home.ok_or_else(|| invalid("starts with ~/ but HOME is not set"))?;
+        return Ok(Path::new(h).join(rest));
+    }
+    if matches!(origin, Origin::File(_)) && !Path::new(value).is_absolute() {
+        return Err(invalid(
+            "a path in the config file must be absolute or start with ~/",
+        ));
+    }
+    Ok(PathBuf::from(value))
+}
+
+fn check_store(value: String, origin: &Origin, home: Option<&str>) -> Result<String, ConfigError> {
+    let invalid = |reason: String| ConfigError::Invalid {
+        key: "store",
+        value: value.clone(),
+        origin: origin.clone(),
+        reason,
+    };
+    match StoreUrl::parse(&value).map_err(|e| invalid(e.to_string()))? {
+        StoreUrl::S3 { .. } => Ok(value),
+        StoreUrl::Local(p) => {
+            let p = p.to_string_lossy();
+            let expanded = expand("store", &p, origin, home)?;
+            Ok(if value.starts_with("file://") {
+                format!("file://{}", expanded.display())
+            } else {
+                expanded.to_string_lossy().into_owned()
+            })
+        }
+    }
+}
+
+fn check_dir(
+    key: &'static str,
+    value: &str,
+    origin: &Origin,
+    home: Option<&str>,
+) -> Result<PathBuf, ConfigError> {
+    if value.is_empty() {
+        return Err(ConfigError::Invalid {
+            key,
+            value: String::new(),
+            origin: origin.clone(),
+            reason: "empty path".into(),
+        });
+    }
+    expand(key, value, origin, home)
+}
+
+fn parse_mib(value: &str, origin: &Origin) -> Result<u64, ConfigError> {
+    match value.trim().parse::<u64>() {
+        Ok(n) if n > 0 && n <= (1 << 40) => Ok(n),
+        _ => Err(ConfigError::Invalid {
+            key: "cache_max_mib",
+            value: value.to_string(),
+            origin: origin.clone(),
+            reason: "expected a whole number of MiB, 1 to 2^40".into(),
+        }),
+    }
+}
+
+fn parse_bool(key: &'static str, value: &str, origin: &Origin) -> Result<bool, ConfigError> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(ConfigError::Invalid {
+            key,
+            value: value.to_string(),
+            origin: origin.clone(),
+            reason: "expected true or false".into(),
+        }),
+    }
+}
+
+fn check_log(value: &str, origin: &Origin) -> Result<(), ConfigError> {
+    tracing_subscriber::EnvFilter::try_new(value)
+        .map(|_| ())
+        .map_err(|e| ConfigError::Invalid {
+            key: "log",
+            value: value.to_string(),
+            origin: origin.clone(),
+            reason: format!("not a log level or filter: {e}"),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    fn resolve(flags: &Flags, env: &[(&str, &str)], file: Option<&str>) -> Config {
+        let env = env_of(env);
+        let path = config_path(&env);
+        Config::resolve(flags, &env, path, file, || None).unwrap()
+    }
+
+    #[test]
+    fn defaults_live_under_home() {
+        let c = resolve(&Flags::default(), &[("HOME", "/home/u")], None);
+        assert_eq!(c.store.value, "/home/u/.local/share/kiln/store");
+        assert_eq!(c.store.origin, Origin::Default);
+        assert_eq!(c.cache.value, Path::new("/home/u/.cache/kiln"));
+        assert_eq!(c.cache_max_mib.value, DEFAULT_CACHE_MAX_MIB);
+        assert_eq!(c.log.value, "warn");
+        assert_eq!(c.s3_endpoint.value, None);
+        assert_eq!(
+            c.file,
+            (PathBuf::from("/home/u/.config/kiln/config.toml"), false)
+        );
+    }
+
+    #[test]
+    fn flag_beats_env_beats_file_beats_default() {
+        let file = "store = \"/srv/file-store\"\ncache = \"~/c\"\nlog = \"debug\"\n";
+        let env = [("HOME", "/h"), ("KILN_STORE", "/srv/env-store")];
+        let c = resolve(&Flags::store(Some("/srv/flag-store")), &env, Some(file));
+        assert_eq!(c.store.value, "/srv/flag-store");
+        assert_eq!(c.store.origin, Origin::Flag("--store"));
+
+        let c = resolve(&Flags::default(), &env, Some(file));
+        assert_eq!(c.store.value, "/srv/env-store");
+        assert_eq!(c.store.origin, Origin::Env("KILN_STORE"));
+
+        let c = resolve(&Flags::default(), &[("HOME", "/h")], Some(file));
+        assert_eq!(c.store.value, "/srv/file-store");
+        assert_eq!(
+            c.store.origin,
+            Origin::File("/h/.config/kiln/config.toml".into())
+        );
+        assert_eq!(c.cache.value, Path::new("/h/c"));
+        assert_eq!(c.log.value, "debug");
+
+        let c = resolve(
+            &Flags {
+                verbose: 2,
+                ..Flags::default()
+            },
+            &[("HOME", "/h"), ("KILN_LOG", "info")],
+            Some(file),
+        );
+        assert_eq!(c.log.value, "debug");
+        assert_eq!(c.log.origin, Origin::Flag("-vv"));
+    }
+
+    #[test]
+    fn xdg_and_kiln_config_choose_the_file() {
+        let env = env_of(&[("HOME", "/h"), ("XDG_CONFIG_HOME", "/x")]);
+        assert_eq!(
+            config_path(&env),
+            Some(PathBuf::from("/x/kiln/config.toml"))
+        );
+        // A relative XDG_CONFIG_HOME is ignored, as the spec says.
+        let env = env_of(&[("HOME", "/h"), ("XDG_CONFIG_HOME", "rel")]);
+        assert_eq!(
+            config_path(&env),
+            Some(PathBuf::from("/h/.config/kiln/config.toml"))
+        );
+        let env = env_of(&[("HOME", "/h"), ("KILN_CONFIG", "/etc/kiln.toml")]);
+        assert_eq!(config_path(&env), Some(PathBuf::from("/etc/kiln.toml")));
+        let c = resolve(
+            &Flags::default(),
+            &[("HOME", "/h"), ("XDG_CACHE_HOME", "/xc")],
+            None,
+        );
+        assert_eq!(c.cache.value, Path::new("/xc/kiln"));
+    }
+
+    #[test]
+    fn s3_settings_reach_the_store_options() {
+        let file = "store = \"s3://bucket/prefix\"\ncache_max_mib = 5\n[s3]\nendpoint = \"http://127.0.0.1:9000\"\nallow_http = true\n";
+        let c = resolve(
+            &Flags::default(),
+            &[("HOME", "/h"), ("KILN_S3_REGION", "eu-west-1")],
+            Some(file),
+        );
+        let o = c.store_options();
+        assert_eq!(o.s3.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+        assert_eq!(o.s3.region.as_deref(), Some("eu-west-1"));
+        assert_eq!(o.s3.allow_http, Some(true));
+        assert_eq!(
+            o.read_cache,
+            Some((PathBuf::from("/h/.cache/kiln/chunks"), 5 << 20))
+        );
+        // A local store needs no read cache.
+        let c = resolve(&Flags::store(Some("/tmp/s")), &[("HOME", "/h")], None);
+        assert_eq!(c.store_options().read_cache, None);
+    }
+
+    #[test]
+    fn bad_input_is_refused_with_its_origin() {
+        let env = env_of(&[("HOME", "/h")]);
+        let path = config_path(&env);
+        let err = |flags: &Flags, env: &dyn Fn(&str) -> Option<String>, text: Option<&str>| {
+            Config::resolve(flags, env, path.clone(), text, || None)
+                .unwrap_err()
+                .to_string()
+        };
+        let f = Flags::default();
+        // Unknown key (a typo), wrong type, not TOML at all.
+        assert!(err(&f, &env, Some("stor = \"/x\"")).contains("unknown field"));
+        assert!(err(&f, &env, Some("cache_max_mib = \"lots\"")).contains("config.toml"));
+        assert!(err(&f, &env, Some("store = [")).contains("config file"));
+        assert!(err(&f, &env, Some("[s3]\nsecret_access_key = \"x\"")).contains("unknown field"));
+        // Relative paths in the file; unknown schemes anywhere.
+        let e = err(&f, &env, Some("store = \"rel/store\""));
+        assert!(e.contains("must be absolute"), "{e}");
+        let e = err(&Flags::store(Some("ftp://x/y")), &env, None);
+        assert!(
+            e.contains("flag --store") && e.contains("unknown scheme"),
+            "{e}"
+        );
+        let bad_env = env_of(&[("HOME", "/h"), ("KILN_CACHE_MAX_MIB", "-3")]);
+        let e = err(&f, &bad_env, None);
+        assert!(e.contains("env KILN_CACHE_MAX_MIB"), "{e}");
+        let bad_env = env_of(&[("HOME", "/h"), ("KILN_S3_ALLOW_HTTP", "perhaps")]);
+        assert!(err(&f, &bad_env, None).contains("true or false"));
+        let bad_env = env_of(&[("HOME", "/h"), ("KILN_S3_ENDPOINT", "127.0.0.1:9000")]);
+        assert!(err(&f, &bad_env, None).contains("http://"));
+        let bad_env = env_of(&[("HOME", "/h"), ("KILN_LOG", "kiln=loud[")]);
+        assert!(err(&f, &bad_env, None).contains("log"));
+        // No HOME and nothing set: the error says what to set.
+        let e = err(&f, &env_of(&[]), None);
+        assert!(e.contains("KILN_STORE"), "{e}");
+    }
+
+    #[test]
+    fn bootstrap_mirror_from_env_file_or_apt() {
+        let c = resolve(&Flags::default(), &[("HOME", "/h")], None);
+        assert_eq!(c.bootstrap_mirror.value, None);
+        let env = env_of(&[("HOME", "/h")]);
+        let c = Config::resolve(&Flags::default(), &env, None, None, || {
+            Some("http://archive.example/debian".into())
+        })
+        .unwrap();
+        assert_eq!(
+            c.bootstrap_mirror.value.as_deref(),
+            Some("http://archive.example/debian")
+        );
+        let c = resolve(
+            &Flags::default(),
+            &[
+                ("HOME", "/h"),
+                ("KILN_BOOTSTRAP_MIRROR", "https://m.example/d/"),
+            ],
+            Some("bootstrap_mirror = \"http://f.example/d\""),
+        );
+        assert_eq!(
+            c.bootstrap_mirror.value.as_deref(),
+            Some("https://m.example/d")
+        );
+        assert_eq!(
+            c.bootstrap_mirror.origin,
+            Origin::Env("KILN_BOOTSTRAP_MIRROR")
+        );
+        let bad = env_of(&[("HOME", "/h"), ("KILN_BOOTSTRAP_MIRROR", "ftp://x")]);
+        assert!(Config::resolve(&Flags::default(), &bad, None, None, || None).is_err());
+    }
+
+    #[test]
+    fn apt_sources_formats() {
+        let deb822 = "Types: deb\nURIs: http://a.example/debian-security\nSuites: bookworm-security\n\n\
+                      Types: deb-src deb\nURIs: http://a.example/debian/ http://b.example/\n\
+                      Suites: bookworm bookworm-updates\nComponents: main\n";
+        assert_eq!(
+            apt_mirror_in("sources", deb822).as_deref(),
+            Some("http://a.example/debian")
+        );
+        let disabled = "Enabled: no\nTypes: deb\nURIs: http://a.example/d\nSuites: bookworm\n";
+        assert_eq!(apt_mirror_in("sources", disabled), None);
+        let list = "# comment\ndeb-src http://s.example/d bookworm main\n\
+                    deb [arch=amd64 signed-by=/k.gpg] http://x.example/d bookworm-backports main\n\
+                    deb [arch=amd64] http://x.example/debian/ bookworm main # trailing\n";
+        assert_eq!(
+            apt_mirror_in("list", list).as_deref(),
+            Some("http://x.example/debian")
+        );
+        assert_eq!(
+            apt_mirror_in("list", "deb file:/cdrom bookworm main\n"),
+            None
+        );
+        assert_eq!(apt_mirror_in("disabled", list), None);
+    }
+
+    #[test]
+    fn oversized_file_is_refused_unread() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("config.toml");
+        let f = std::fs::File::create(&p).unwrap();
+        f.set_len(1 << 40).unwrap(); // sparse: costs nothing on disk
+        let e = read_file(&p).unwrap_err();
+        assert!(matches!(e, ConfigError::TooLarge { .. }), "{e}");
+        assert_eq!(read_file(&dir.path().join("absent")).unwrap(), None);
+    }
+}
