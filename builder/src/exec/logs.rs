@@ -173,9 +173,6 @@ impl LogShaper {
     }
 
     fn emit(&mut self, raw: &[u8], force_cut: bool, sink: &mut dyn FnMut(LogLine)) {
-        if self.truncated {
-            return;
-        }
         let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
         let red = redact(raw, &self.secrets);
         let mut text = String::from_utf8_lossy(&red).into_owned();
@@ -187,15 +184,20 @@ impl LogShaper {
             text.truncate(end);
             text.push_str(LINE_TRUNCATED);
         }
+        // The tail keeps the last lines even past the total limit: a step that fails after
+        // the build's log budget is spent still reports why (redacted and cut like any line).
+        if self.tail.len() == TAIL_LINES {
+            self.tail.pop_front();
+        }
+        self.tail.push_back(text.clone());
+        if self.truncated {
+            return;
+        }
         if self.emitted + text.len() + 1 > self.limits.total_max {
             self.truncated = true;
             text = LOG_TRUNCATED.to_string();
         }
         self.emitted += text.len() + 1;
-        if self.tail.len() == TAIL_LINES {
-            self.tail.pop_front();
-        }
-        self.tail.push_back(text.clone());
         sink(LogLine {
             step: self.step,
             text,
@@ -273,6 +275,35 @@ mod tests {
         assert_eq!(out.iter().filter(|l| *l == LOG_TRUNCATED).count(), 1);
         let body: usize = out[..out.len() - 1].iter().map(|l| l.len() + 1).sum();
         assert!(body <= 100);
+    }
+
+    /// A step that fails after the build's log budget is spent still reports its last lines
+    /// (the error shows them), redacted like any line; the log itself stays cut.
+    #[test]
+    fn tail_outlives_the_total_limit() {
+        let limits = LogLimits {
+            line_max: 4096,
+            total_max: 100,
+        };
+        let secrets = vec!["hunter2".to_string()];
+        let mut s = LogShaper::new(1, limits, &secrets);
+        let mut out = Vec::new();
+        s.push("0123456789\n".repeat(50).as_bytes(), &mut |l| {
+            out.push(l.text)
+        });
+        s.push(b"E: Unable to locate package hunter2\n", &mut |l| {
+            out.push(l.text)
+        });
+        s.finish(&mut |l| out.push(l.text));
+        assert!(s.truncated());
+        assert_eq!(out.last().map(String::as_str), Some(LOG_TRUNCATED));
+        assert!(out.iter().all(|l| !l.contains("Unable to locate")));
+        let tail = s.tail();
+        assert_eq!(tail.len(), TAIL_LINES);
+        assert_eq!(
+            tail.last().map(String::as_str),
+            Some("E: Unable to locate package ****")
+        );
     }
 
     #[test]
