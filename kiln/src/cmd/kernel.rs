@@ -121,3 +121,21 @@ pub fn boot_assets(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_given_are_used_and_one_alone_is_refused() {
+        let a = boot_assets(Some("k".into()), Some("i".into())).expect("both given");
+        assert_eq!(
+            (a.kernel, a.initramfs),
+            (PathBuf::from("k"), PathBuf::from("i"))
+        );
+        for (k, i) in [(Some("k".into()), None), (None, Some("i".into()))] {
+            let e = boot_assets(k, i).expect_err("one alone");
+            assert!(e.to_string().contains("give both"), "{e}");
+        }
+    }
+}
