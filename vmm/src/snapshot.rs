@@ -12,7 +12,8 @@
 //!    bytes). Store: memory file chunks (fixed 256 KiB, [`Chunking::MEMORY_DEFAULT`], zero
 //!    chunks are holes), vmstate blob, kernel and initramfs blobs, disk chunks (FastCDC like
 //!    images), then the [`SnapshotManifest`] with its [`CompatKey`], then a copy of the image
-//!    manifest whose `snapshot` names it, then the new tag (chunks, manifest, tag order).
+//!    manifest whose `snapshot` names it ([`snapshot_manifest`]), then the new tag
+//!    ([`snapshot_image`]; chunks, manifest, tag order).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -198,7 +199,8 @@ pub(crate) fn console_tail(path: &Path) -> String {
 }
 
 /// Boots the image at `image_ref` once and stores its snapshot; tags the image manifest that
-/// names the snapshot as `new_tag` (compare-and-swap against its current value).
+/// names the snapshot as `new_tag` (compare-and-swap against its current value). See
+/// [`snapshot_manifest`] for the boot and what is stored.
 pub async fn snapshot_image(
     store: &Store,
     image_ref: &TagRef,
@@ -206,6 +208,15 @@ pub async fn snapshot_image(
     assets: &BootAssets,
     opts: &SnapshotOptions,
 ) -> Result<SnapshotReport, SnapshotError> {
+    check_options(opts)?;
+    let image_digest = store.resolve_tag(image_ref).await?;
+    let r = snapshot_manifest(store, image_digest, assets, opts).await?;
+    let previous = store.get_tag(new_tag).await?.map(|t| t.manifest);
+    store.set_tag(new_tag, previous, r.image).await?;
+    Ok(r)
+}
+
+fn check_options(opts: &SnapshotOptions) -> Result<(), SnapshotError> {
     if opts.memory_bytes == 0
         || !opts.memory_bytes.is_multiple_of(1 << 20)
         || opts.memory_bytes > crate::clone::MAX_MEMORY_BYTES
@@ -223,9 +234,25 @@ pub async fn snapshot_image(
             crate::clone::MAX_VCPUS
         )));
     }
-    let image_digest = store.resolve_tag(image_ref).await?;
+    Ok(())
+}
+
+/// Boots the image manifest `image_digest` once and stores its snapshot and a copy of the
+/// image manifest whose `snapshot` names it; moves no tag (the caller does, so that a build
+/// can move all its tags at the end). Returns what was stored; [`SnapshotReport::image`] is
+/// the new image manifest.
+///
+/// Errors: [`SnapshotError`]; a failed boot or ready check stores no manifest (chunks and
+/// blobs already stored stay, for GC).
+pub async fn snapshot_manifest(
+    store: &Store,
+    image_digest: ManifestDigest,
+    assets: &BootAssets,
+    opts: &SnapshotOptions,
+) -> Result<SnapshotReport, SnapshotError> {
+    check_options(opts)?;
     let Manifest::Image(image) = store.get_manifest(&image_digest).await? else {
-        return Err(SnapshotError::NotAnImage(image_ref.to_string()));
+        return Err(SnapshotError::NotAnImage(image_digest.to_string()));
     };
     let host = Host::detect().await?;
     std::fs::create_dir_all(&opts.work_dir).map_err(io_err(&opts.work_dir))?;
@@ -350,8 +377,6 @@ pub async fn snapshot_image(
         ..image
     };
     let img_raw = store.put_manifest(&Manifest::Image(with_snapshot)).await?;
-    let previous = store.get_tag(new_tag).await?.map(|r| r.manifest);
-    store.set_tag(new_tag, previous, img_raw.digest).await?;
     Ok(SnapshotReport {
         snapshot: snap_raw.digest,
         image: img_raw.digest,

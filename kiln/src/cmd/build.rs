@@ -6,6 +6,12 @@
 //! manifest digest, as buildx writes it. Progress and step logs go to stderr:
 //! plain lines, or one JSON object per line with `--progress rawjson`.
 //!
+//! `--snapshot` (kiln's own flag) then boots the image once in a microVM, runs its start
+//! command until its ready check passes and stores the snapshot
+//! ([`kiln_vmm::snapshot::snapshot_manifest`]); the tags then name the image manifest that
+//! names the snapshot, so `kiln start NAME:TAG` works at once. A failed boot or ready check
+//! fails the build and moves no tag (the image stays in the store, untagged, for GC).
+//!
 //! Ctrl-C and SIGTERM cancel the build: the running step is killed, nothing is tagged, no
 //! mount or process is left.
 
@@ -109,6 +115,25 @@ pub struct Args {
     /// Scratch and layer directories (default: STORE/.build).
     #[arg(long = "work-dir", env = "KILN_BUILD_DIR")]
     pub work_dir: Option<PathBuf>,
+    /// After publishing, boot the image once, run its start command until ready and store
+    /// the snapshot; `-t` tags then name the image with its snapshot (for `kiln start`).
+    #[arg(long, conflicts_with = "oci_only")]
+    pub snapshot: bool,
+    /// With `--snapshot`: guest kernel (uncompressed vmlinux); default `kiln kernel`'s.
+    #[arg(long, env = "KILN_KERNEL", value_name = "FILE")]
+    pub kernel: Option<PathBuf>,
+    /// With `--snapshot`: guest initramfs with kiln-guest-init; default `kiln kernel`'s.
+    #[arg(long, env = "KILN_INITRAMFS", value_name = "FILE")]
+    pub initramfs: Option<PathBuf>,
+    /// With `--snapshot`: guest RAM, MiB.
+    #[arg(long = "memory-mib", default_value_t = 512)]
+    pub memory_mib: u64,
+    /// With `--snapshot`: vCPUs.
+    #[arg(long, default_value_t = 1)]
+    pub vcpus: u32,
+    /// With `--snapshot`: seconds to wait for the ready check (after the guest's hello).
+    #[arg(long = "ready-timeout", default_value_t = 600)]
+    pub ready_timeout: u64,
 }
 
 /// Parses `--build-arg` values as `docker build` does.
@@ -243,6 +268,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?
     };
 
+    // The guest kernel and initramfs first: a missing guest init fails before the build.
+    let boot = if a.snapshot {
+        Some(super::kernel::boot_assets(
+            a.kernel.clone(),
+            a.initramfs.clone(),
+        )?)
+    } else {
+        None
+    };
     let config = crate::config::Config::load(&crate::config::Flags::default())?;
     let root = match &a.store {
         Some(p) => p.clone(),
@@ -337,17 +371,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             None
         } else {
             eprintln!("publishing: ext4 image, image manifest, tags");
+            // With --snapshot the tags move only once the snapshot is stored.
+            let tags: &[kiln_store::TagRef] = if boot.is_some() { &[] } else { &store_tags };
             let p = kiln_builder::publish::publish(
                 &store,
                 cache.as_ref(),
                 &out.image,
-                &store_tags,
+                tags,
                 &kiln_builder::publish::PublishOptions {
                     disk_mib: a.disk_mib,
                     ..Default::default()
                 },
             )
             .await;
+            let p = match (p, &boot) {
+                (Ok(d), Some(assets)) => {
+                    snapshot_and_tag(&store, &out.lease, d, assets, &a, &store_tags).await
+                }
+                (p, _) => p.map(|d| (d, None)).map_err(anyhow::Error::from),
+            };
             let _ = out.lease.release().await;
             Some(p?)
         };
@@ -357,6 +399,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         anyhow::Ok((out, published))
     })?;
+    let (published, snapshot) = match published {
+        Some((d, s)) => (Some(d), s),
+        None => (None, None),
+    };
     if cancel.load(Ordering::Relaxed) {
         bail!("build cancelled");
     }
@@ -379,6 +425,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "containerimage.descriptor": out.image.oci_manifest,
             "image.name": names.join(","),
             "kiln.image.manifest": published.as_ref().map(|d| d.to_string()),
+            "kiln.snapshot": snapshot.as_ref().map(|d| d.to_string()),
             "kiln.recipe.digest": out.image.recipe_digest,
             "kiln.steps.run": out.stats.steps_run,
             "kiln.steps.cached": out.stats.steps_cached,
@@ -406,6 +453,55 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
     println!("{last}");
     Ok(())
+}
+
+/// Boots the published image manifest `image` once and stores its snapshot
+/// ([`kiln_vmm::snapshot::snapshot_manifest`]), the image held by the build's lease
+/// meanwhile; then points `tags` at the image manifest that names the snapshot. Returns that
+/// manifest and the snapshot manifest. On error no tag has moved.
+async fn snapshot_and_tag(
+    store: &kiln_store::Store,
+    lease: &kiln_store::lease::Lease,
+    image: kiln_store::ManifestDigest,
+    assets: &kiln_vmm::snapshot::BootAssets,
+    a: &Args,
+    tags: &[kiln_store::TagRef],
+) -> anyhow::Result<(
+    kiln_store::ManifestDigest,
+    Option<kiln_store::ManifestDigest>,
+)> {
+    use kiln_store::manifest::ObjectRef;
+    lease.add([ObjectRef::Manifest(image)]).await?;
+    eprintln!("snapshot: booting {image} once, waiting for its ready check");
+    let opts = kiln_vmm::snapshot::SnapshotOptions {
+        vcpus: a.vcpus,
+        memory_bytes: a.memory_mib << 20,
+        ready_timeout: std::time::Duration::from_secs(a.ready_timeout),
+        ..Default::default()
+    };
+    let r = kiln_vmm::snapshot::snapshot_manifest(store, image, assets, &opts)
+        .await
+        .context("kiln build --snapshot: nothing tagged")?;
+    lease.add([ObjectRef::Manifest(r.image)]).await?;
+    eprintln!(
+        "snapshot {} ({}: ready in {} ms, saved in {} ms; memory {} MiB stored as {} KiB)",
+        r.snapshot,
+        r.accel.name(),
+        r.boot_to_ready.as_millis(),
+        r.save.as_millis(),
+        r.memory_bytes >> 20,
+        r.memory_stored_bytes >> 10
+    );
+    for t in tags {
+        if store.get_tag(t).await?.map(|x| x.manifest) == Some(r.image) {
+            continue;
+        }
+        store
+            .force_tag(t, r.image)
+            .await
+            .with_context(|| format!("tagging {t}"))?;
+    }
+    Ok((r.image, Some(r.snapshot)))
 }
 
 fn write_file(p: &Path, bytes: &[u8]) -> anyhow::Result<()> {

@@ -1,12 +1,15 @@
 //! `kiln kernel`: fetch the guest kernel (base-images/kernel.yaml: Debian's cloud kernel, by
 //! name) and build the initramfs with the static kiln-guest-init; print the two paths as
 //! `export KILN_KERNEL=…` / `export KILN_INITRAMFS=…` lines for `eval "$(kiln kernel)"`, which
-//! `kiln snapshot` then reads.
+//! `kiln snapshot` then reads. [`boot_assets`] is the default resolution that `kiln snapshot`
+//! and `kiln build --snapshot` share: flags, then `KILN_KERNEL`/`KILN_INITRAMFS`, else the
+//! kernel cache and the guest init found as `kiln kernel` finds them.
 
 use std::path::PathBuf;
 
 use kiln_vmm::initramfs::{find_guest_init, guest_artifacts};
 use kiln_vmm::kernel::KernelRecipe;
+use kiln_vmm::snapshot::BootAssets;
 use serde_json::json;
 
 use super::{CmdResult, Out};
@@ -32,10 +35,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         Some(p) => KernelRecipe::parse(&std::fs::read_to_string(p)?)?,
         None => KernelRecipe::shipped(),
     };
-    let cache = a.cache.unwrap_or_else(|| match std::env::var_os("HOME") {
-        Some(h) => PathBuf::from(h).join(".cache/kiln"),
-        None => PathBuf::from("/tmp/kiln-cache"),
-    });
+    let cache = a.cache.unwrap_or_else(default_cache_dir);
     let init = match a.init {
         Some(p) => p,
         None => find_guest_init()?,
@@ -74,4 +74,68 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         },
     );
     Ok(())
+}
+
+/// `~/.cache/kiln` (`/tmp/kiln-cache` without `HOME`): `kiln kernel`'s default cache.
+fn default_cache_dir() -> PathBuf {
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".cache/kiln"),
+        None => PathBuf::from("/tmp/kiln-cache"),
+    }
+}
+
+/// The guest kernel and initramfs to boot: `kernel`/`initramfs` when both are given (clap
+/// fills them from `--kernel`/`--initramfs`, else `KILN_KERNEL`/`KILN_INITRAMFS`); otherwise
+/// what `kiln kernel` makes: the shipped kernel recipe fetched into `$KILN_CACHE_DIR` (else
+/// `~/.cache/kiln`) and an initramfs with the static init from `$KILN_GUEST_INIT`, else
+/// `kiln-guest-init` beside this executable. Blocking (may download the kernel package).
+///
+/// Errors: only one of the two given; no static guest init found; the kernel fetch.
+pub fn boot_assets(
+    kernel: Option<PathBuf>,
+    initramfs: Option<PathBuf>,
+) -> anyhow::Result<BootAssets> {
+    match (kernel, initramfs) {
+        (Some(kernel), Some(initramfs)) => Ok(BootAssets { kernel, initramfs }),
+        (Some(_), None) | (None, Some(_)) => anyhow::bail!(
+            "give both the guest kernel and the initramfs (--kernel/--initramfs or \
+             KILN_KERNEL/KILN_INITRAMFS), or neither to use `kiln kernel`'s"
+        ),
+        (None, None) => {
+            let cache = std::env::var_os("KILN_CACHE_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(default_cache_dir);
+            let init = find_guest_init()?;
+            let g = guest_artifacts(&cache, &KernelRecipe::shipped(), &init)?;
+            eprintln!(
+                "guest kernel {} {}, initramfs {} (from {})",
+                g.kernel.package,
+                g.kernel.version,
+                g.initramfs.sha256,
+                init.display()
+            );
+            Ok(BootAssets {
+                kernel: g.kernel.vmlinux(),
+                initramfs: g.initramfs.path,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_given_are_used_and_one_alone_is_refused() {
+        let a = boot_assets(Some("k".into()), Some("i".into())).expect("both given");
+        assert_eq!(
+            (a.kernel, a.initramfs),
+            (PathBuf::from("k"), PathBuf::from("i"))
+        );
+        for (k, i) in [(Some("k".into()), None), (None, Some("i".into()))] {
+            let e = boot_assets(k, i).expect_err("one alone");
+            assert!(e.to_string().contains("give both"), "{e}");
+        }
+    }
 }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kiln_store::TagRef;
-use kiln_vmm::snapshot::{BootAssets, SnapshotOptions, snapshot_image};
+use kiln_vmm::snapshot::{SnapshotOptions, snapshot_image};
 use serde_json::json;
 
 use super::{CmdResult, Out, open_store};
@@ -18,12 +18,13 @@ pub struct Args {
     /// The tag to give the image with its snapshot (default: the image's own tag).
     #[arg(short = 't', long = "tag", value_name = "NAME:TAG")]
     tag: Option<TagRef>,
-    /// Guest kernel (uncompressed vmlinux).
+    /// Guest kernel (uncompressed vmlinux); default: `kiln kernel`'s (fetched and cached).
     #[arg(long, env = "KILN_KERNEL", value_name = "FILE")]
-    kernel: PathBuf,
-    /// Guest initramfs with kiln-guest-init.
+    kernel: Option<PathBuf>,
+    /// Guest initramfs with kiln-guest-init; default: `kiln kernel`'s (built with the init
+    /// from `$KILN_GUEST_INIT`, else beside this executable).
     #[arg(long, env = "KILN_INITRAMFS", value_name = "FILE")]
-    initramfs: PathBuf,
+    initramfs: Option<PathBuf>,
     /// Guest RAM, MiB.
     #[arg(long, default_value_t = 512)]
     memory_mib: u64,
@@ -49,10 +50,10 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         ready_timeout: Duration::from_secs(a.ready_timeout),
         ..Default::default()
     };
-    let assets = BootAssets {
-        kernel: a.kernel,
-        initramfs: a.initramfs,
-    };
+    let (kernel, initramfs) = (a.kernel, a.initramfs);
+    let assets = tokio::task::spawn_blocking(move || super::kernel::boot_assets(kernel, initramfs))
+        .await
+        .map_err(anyhow::Error::from)??;
     let r = snapshot_image(&store, &a.image, &tag, &assets, &opts).await?;
     out.event(
         "snapshot",
