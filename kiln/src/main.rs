@@ -77,6 +77,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    quiet_broken_pipe();
     let cli = Cli::parse();
     // A broken configuration is reported by the commands that need it; logging falls back.
     let log = config::Config::load(&config::Flags {
@@ -113,4 +114,25 @@ fn main() -> ExitCode {
         Command::Rmi(a) => cmd::run(&out, async |out| cmd::rmi::run(out, a).await),
         Command::Config(c) => cmd::report_cmd(&out, cmd::config::run(&out, c, cli.verbose)),
     }
+}
+
+/// `kiln images | head -1`: when the reader of stdout goes away, `println!` panics with
+/// "failed printing to stdout: Broken pipe". Like other command-line tools, exit quietly with
+/// the shell's code for a SIGPIPE death (128 + 13) instead of printing a panic. SIGPIPE itself
+/// stays ignored (Rust's default), because kiln also writes to sockets (S3, registries, QMP,
+/// the guest channel), where a peer that went away must be an error, not a killed process.
+fn quiet_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        default(info);
+    }));
 }

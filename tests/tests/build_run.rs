@@ -413,7 +413,7 @@ fn memory_limit_is_named() {
         matches!(
             e,
             BuildError::Step {
-                source: ExecError::MemoryLimit { .. },
+                error: ExecError::MemoryLimit { .. },
                 ..
             }
         ),

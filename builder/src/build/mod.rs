@@ -70,14 +70,16 @@ pub const SANDBOX_LAYER_CREATED_BY: &str =
 pub enum BuildError {
     /// A step failed (non-zero exit, limit, setup problem). Display: `file:line: what:
     /// why`, then the last log lines, indented.
-    #[error("{location}: {instruction}: {source}{}", tail_text(.source))]
+    /// The executor's error is part of this message, not a `source()`, so an error chain
+    /// printed by the CLI does not say it twice.
+    #[error("{location}: {instruction}: {error}{}", tail_text(.error))]
     Step {
         /// `file:line`.
         location: String,
         /// The step, shortened.
         instruction: String,
         /// What the executor said.
-        source: ExecError,
+        error: ExecError,
     },
     /// The build's timeout passed.
     #[error("{location}: build timeout of {}s exceeded", .after.as_secs())]
@@ -199,7 +201,7 @@ impl BuildError {
     pub fn exit_code(&self) -> Option<i32> {
         match self {
             BuildError::Step {
-                source: ExecError::Failed { exit_code, .. },
+                error: ExecError::Failed { exit_code, .. },
                 ..
             } => Some(*exit_code),
             _ => None,
@@ -1002,7 +1004,7 @@ async fn run_step(
             .map_err(|e| BuildError::Step {
                 location: loc.to_string(),
                 instruction: short(&describe(step)),
-                source: e,
+                error: e,
             })?;
             // The plan's env merged over the base's, then what the mounts add (secret env).
             let added: Vec<String> = spec
@@ -1036,7 +1038,7 @@ async fn run_step(
                     return Err(BuildError::Step {
                         location: loc.to_string(),
                         instruction: short(&describe(step)),
-                        source: e,
+                        error: e,
                     });
                 }
             }
