@@ -45,7 +45,7 @@ use std::fs::File;
 use std::io::{self, Read, Write};
 
 use crate::layer::whiteout::WhiteoutKind;
-use crate::layer::{LayerError, LimitKind, Limits, bounded_stream, keep_xattr};
+use crate::layer::{LayerError, LimitKind, Limits, Split, bounded_stream, keep_xattr, split_name};
 
 use super::{Ext4Error, LayerBlob};
 
@@ -243,27 +243,6 @@ struct Scanned {
     link: Option<Vec<u8>>,
     dev: (u32, u32),
     spooled: Option<(u64, u64)>,
-}
-
-enum Split {
-    Ok(Vec<Vec<u8>>),
-    Absolute,
-    DotDot,
-}
-
-fn split_name(name: &[u8]) -> Split {
-    if name.first() == Some(&b'/') {
-        return Split::Absolute;
-    }
-    let mut out = Vec::new();
-    for c in name.split(|b| *b == b'/') {
-        match c {
-            b"" | b"." => {}
-            b".." => return Split::DotDot,
-            c => out.push(c.to_vec()),
-        }
-    }
-    Split::Ok(out)
 }
 
 fn join(comps: &[Vec<u8>]) -> Vec<u8> {

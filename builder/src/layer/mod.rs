@@ -643,14 +643,16 @@ impl Created {
     }
 }
 
-/// Splits an entry name into its components, refusing absolute names and `..`.
-enum Split {
+/// An entry name split into its components by [`split_name`] (also used by the ext4
+/// flattener, which must place entries exactly as [`apply_layer`] does).
+pub(crate) enum Split {
     Ok(Vec<Vec<u8>>),
     Absolute,
     DotDot,
 }
 
-fn split_name(name: &[u8]) -> Split {
+/// Splits an entry name into its components, refusing absolute names and `..`.
+pub(crate) fn split_name(name: &[u8]) -> Split {
     if name.first() == Some(&b'/') {
         return Split::Absolute;
     }

@@ -79,26 +79,11 @@ pub async fn created(
         .map(|h| (h.time, h.host.clone())))
 }
 
-/// `YYYY-MM-DD HH:MM:SS UTC` for unix seconds (proleptic Gregorian calendar).
+/// `YYYY-MM-DD HH:MM:SS UTC` for unix seconds: the builder's RFC 3339 form
+/// ([`kiln_builder::build::config::rfc3339`]), spelled for people.
 pub fn format_time(secs: u64) -> String {
-    let days = (secs / 86400) as i64;
-    let rem = secs % 86400;
-    // Civil from days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    let t = kiln_builder::build::config::rfc3339(secs);
+    format!("{} UTC", t.trim_end_matches('Z').replacen('T', " ", 1))
 }
 
 /// Bytes as a short human figure (binary units: KiB, MiB, GiB).
