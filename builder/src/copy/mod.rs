@@ -362,6 +362,30 @@ fn ioe<'p>(path: &'p str, op: &'static str) -> impl FnOnce(Errno) -> CopyError +
     }
 }
 
+/// Creates directory `name` in `dir` private (0700) first, then gives it its owner and
+/// `mode` through the opened fd, so it is never reachable with the wrong owner or bits.
+fn create_owned_dir(
+    dir: BorrowedFd<'_>,
+    name: &[u8],
+    uid: u32,
+    gid: u32,
+    mode: u32,
+    shown: &str,
+) -> Result<OwnedFd, CopyError> {
+    rustix::fs::mkdirat(dir, os(name), Mode::from_raw_mode(0o700)).map_err(ioe(shown, "mkdir"))?;
+    let fd = rustix::fs::openat(
+        dir,
+        os(name),
+        OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(ioe(shown, "open"))?;
+    rustix::fs::fchown(&fd, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))
+        .map_err(ioe(shown, "chown"))?;
+    rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode)).map_err(ioe(shown, "chmod"))?;
+    Ok(fd)
+}
+
 /// Copies the sources of `step` from `src` into `dest_root` (a writable directory: the
 /// step's merged root). Paths in `step` are absolute in the destination; see the module
 /// documentation for the semantics. Needs root for owners and devices.
@@ -952,18 +976,7 @@ impl Copier<'_> {
             }
             (None, Some(name)) => {
                 let (uid, gid, mode) = new_meta.unwrap_or((create.uid, create.gid, 0o755));
-                rustix::fs::mkdirat(&r.parent, os(name), Mode::from_raw_mode(0o700))
-                    .map_err(ioe(&shown, "mkdir"))?;
-                let fd = rustix::fs::openat(
-                    &r.parent,
-                    os(name),
-                    OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
-                    Mode::empty(),
-                )
-                .map_err(ioe(&shown, "open"))?;
-                rustix::fs::fchown(&fd, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))
-                    .map_err(ioe(&shown, "chown"))?;
-                rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode)).map_err(ioe(&shown, "chmod"))?;
+                let fd = create_owned_dir(r.parent.as_fd(), name, uid, gid, mode, &shown)?;
                 self.report.dirs += 1;
                 Ok((fd, r.comps))
             }
@@ -1366,18 +1379,7 @@ impl Copier<'_> {
     ) -> Result<(OwnedFd, Vec<Vec<u8>>), CopyError> {
         check_name(name, &self.shown)?;
         let shown = self.shown.clone();
-        rustix::fs::mkdirat(ddir, os(name), Mode::from_raw_mode(0o700))
-            .map_err(ioe(&shown, "mkdir"))?;
-        let fd = rustix::fs::openat(
-            ddir,
-            os(name),
-            OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(ioe(&shown, "open"))?;
-        rustix::fs::fchown(&fd, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))
-            .map_err(ioe(&shown, "chown"))?;
-        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode)).map_err(ioe(&shown, "chmod"))?;
+        let fd = create_owned_dir(ddir, name, uid, gid, mode, &shown)?;
         for (k, v) in xattrs(src.as_fd()) {
             rustix::fs::fsetxattr(&fd, os(&k), &v, XattrFlags::empty())
                 .map_err(ioe(&shown, "setxattr"))?;
