@@ -1,15 +1,16 @@
-//! Real guest boots under QEMU (`-M microvm`, TCG): Debian's cloud kernel (fetched by name,
-//! uncompressed vmlinux), the initramfs with the static kiln-guest-init, a busybox ext4 root
-//! (`mke2fs -d` from the unpacked KILN_TEST_BUSYBOX_OCI fixture), and the host side of the
-//! guest protocol spoken over the virtio-serial socket by plain std code.
+//! Real guest boots under QEMU (`-M microvm`, the accelerator probe decides: TCG here):
+//! Debian's cloud kernel (fetched by name, uncompressed vmlinux), the initramfs with the
+//! static kiln-guest-init, a busybox ext4 root (`mke2fs -d` from the unpacked
+//! KILN_TEST_BUSYBOX_OCI fixture), and the host side of the guest protocol spoken over the
+//! virtio-serial socket by plain std code. QEMU is started by kiln-vmm's launcher
+//! ([`launch::VmSpec`], [`launch::Vm::spawn`]): the tests boot exactly the machine kiln boots.
 //!
 //! Needs: ci/setup.sh (qemu-system-x86 10, e2fsprogs, umoci, apt lists for bookworm,
 //! KILN_TEST_CACHE and KILN_TEST_BUSYBOX_OCI). Boot times are printed, never asserted.
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -104,20 +105,43 @@ fn debian_rootfs() -> &'static Path {
     })
 }
 
-/// A running VM; killed on drop.
+/// The runtime the launcher's async API runs on (the tests themselves are synchronous).
+fn rt() -> &'static tokio::runtime::Runtime {
+    static R: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    R.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    })
+}
+
+/// This host's QEMU and the accelerator kiln picks for it, probed once.
+fn host() -> &'static (launch::Host, launch::Accel) {
+    static H: OnceLock<(launch::Host, launch::Accel)> = OnceLock::new();
+    H.get_or_init(|| {
+        rt().block_on(async {
+            let host = launch::Host::detect()
+                .await
+                .expect("QEMU (run ci/setup.sh)");
+            let a = artifacts();
+            let accel =
+                launch::probe_accel(&host, &a.kernel.vmlinux(), &a.initramfs.path, a.dir.path())
+                    .await
+                    .expect("accelerator");
+            (host, accel)
+        })
+    })
+}
+
+/// A running VM; QEMU is killed when the launcher's handle drops.
 struct Vm {
-    qemu: Child,
+    vm: launch::Vm,
     console: PathBuf,
     sock: PathBuf,
     _dir: tempfile::TempDir,
     started: Instant,
-}
-
-impl Drop for Vm {
-    fn drop(&mut self) {
-        let _ = self.qemu.kill();
-        let _ = self.qemu.wait();
-    }
 }
 
 impl Vm {
@@ -127,6 +151,7 @@ impl Vm {
 
     fn boot_root(rootfs: &Path, size: &str) -> Vm {
         let a = artifacts();
+        let (host, accel) = host();
         let dir = tempfile::tempdir().unwrap();
         let disk = dir.path().join("root.ext4");
         run(Command::new("mke2fs")
@@ -134,51 +159,44 @@ impl Vm {
             .arg(rootfs)
             .arg(&disk)
             .arg(size));
-        let console = dir.path().join("console.log");
-        let sock = dir.path().join("guest.sock");
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap();
-        let tsc_khz = launch::parse_tsc_khz(&cpuinfo).expect("cpu MHz in /proc/cpuinfo");
-        let append =
-            format!("console=ttyS0 tsc_early_khz={tsc_khz} tsc=reliable panic=-1 reboot=t quiet");
-        let p = |x: &Path| x.display().to_string();
+        let overlay = dir.path().join("root.qcow2");
+        rt().block_on(launch::qcow2_overlay(host, &disk, &overlay))
+            .expect("qcow2 overlay");
+        let memory_bytes = 256 << 20;
+        let memory = dir.path().join("memory");
+        std::fs::File::create(&memory)
+            .and_then(|f| f.set_len(memory_bytes))
+            .expect("memory file");
+        let spec = launch::VmSpec {
+            accel: *accel,
+            vcpus: 1,
+            memory_bytes,
+            kernel: a.kernel.vmlinux(),
+            initramfs: a.initramfs.path.clone(),
+            memory_file: memory,
+            memory_mode: launch::MemoryMode::Shared,
+            disk: overlay,
+            qmp_socket: dir.path().join("qmp.sock"),
+            guest_socket: dir.path().join("guest.sock"),
+            serial_log: dir.path().join("console.log"),
+            incoming: false,
+            tsc_khz: host.tsc_khz,
+            kernel_args: vec![],
+        };
         let started = Instant::now();
-        let qemu = Command::new("qemu-system-x86_64")
-            .args(["-M", "microvm", "-accel", "tcg", "-m", "256", "-smp", "1"])
-            .args(["-cpu", &format!("{},enforce", launch::CPU_MODEL)])
-            .args([
-                "-nodefaults",
-                "-no-user-config",
-                "-display",
-                "none",
-                "-no-reboot",
-            ])
-            .args(["-serial", &format!("file:{}", p(&console))])
-            .args(["-kernel", &p(&a.kernel.vmlinux())])
-            .args(["-initrd", &p(&a.initramfs.path)])
-            .args(["-append", &append])
-            .args([
-                "-drive",
-                &format!("id=root,file={},format=raw,if=none", p(&disk)),
-            ])
-            .args(["-device", "virtio-blk-device,drive=root"])
-            .args(["-device", "virtio-serial-device"])
-            .args([
-                "-chardev",
-                &format!("socket,id=guest,path={},server=on,wait=off", p(&sock)),
-            ])
-            .args([
-                "-device",
-                &format!("virtserialport,chardev=guest,name={}", protocol::PORT_NAME),
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start qemu-system-x86_64 (run ci/setup.sh)");
+        let vm = rt()
+            .block_on(launch::Vm::spawn(
+                host,
+                &spec,
+                &dir.path().join("qemu.log"),
+                Duration::from_secs(30),
+                true,
+            ))
+            .unwrap_or_else(|e| panic!("start QEMU: {e}"));
         Vm {
-            qemu,
-            console,
-            sock,
+            vm,
+            console: spec.serial_log,
+            sock: spec.guest_socket,
             _dir: dir,
             started,
         }
@@ -186,6 +204,12 @@ impl Vm {
 
     fn console(&self) -> String {
         std::fs::read_to_string(&self.console).unwrap_or_default()
+    }
+
+    /// The console as the launcher summarises it for errors (the kernel's panic or oops
+    /// line first, then the tail).
+    fn report(&self) -> String {
+        launch::console_report(&self.console)
     }
 
     /// Connect to the guest port's socket (QEMU creates it shortly after starting).
@@ -197,17 +221,11 @@ impl Vm {
                 s.set_read_timeout(Some(Duration::from_secs(180))).unwrap();
                 return Guest { s };
             }
-            if let Ok(Some(status)) = self.qemu.try_wait() {
-                let mut err = String::new();
-                if let Some(e) = self.qemu.stderr.take() {
-                    for l in BufReader::new(e).lines().map_while(Result::ok) {
-                        err.push_str(&l);
-                        err.push('\n');
-                    }
-                }
+            if let Some(status) = self.vm.exited() {
                 panic!(
-                    "qemu exited ({status}): {err}\nconsole:\n{}",
-                    self.console()
+                    "QEMU exited ({status}): {}\n{}",
+                    self.vm.log_tail(),
+                    self.report()
                 );
             }
             assert!(Instant::now() < deadline, "qemu made no socket");
@@ -221,14 +239,14 @@ struct Guest {
 }
 
 impl Guest {
-    fn recv(&mut self, vm: &Vm) -> Message {
+    fn recv(&mut self, vm: &mut Vm) -> Message {
         match protocol::read_frame(&mut self.s) {
-            Ok(Some(body)) => protocol::decode_body(&body).unwrap_or_else(|e| {
-                panic!("guest sent a bad message: {e}\nconsole:\n{}", vm.console())
-            }),
+            Ok(Some(body)) => protocol::decode_body(&body)
+                .unwrap_or_else(|e| panic!("guest sent a bad message: {e}\n{}", vm.report())),
             other => panic!(
-                "no message from the guest: {other:?}\nconsole:\n{}",
-                vm.console()
+                "no message from the guest: {other:?} (QEMU: {})\n{}",
+                vm.vm.exited().unwrap_or_else(|| "running".into()),
+                vm.report()
             ),
         }
     }
@@ -261,7 +279,7 @@ fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
     g.s.write_all(&14u32.to_be_bytes()).unwrap();
     g.s.write_all(br#"{"v":2,"x":1}"#).unwrap();
     g.s.write_all(b" ").unwrap();
-    match g.recv(&vm) {
+    match g.recv(&mut vm) {
         Message::Error(e) => assert!(e.message.contains("version"), "{}", e.message),
         other => panic!("expected error, got {other:?}"),
     }
@@ -286,7 +304,7 @@ fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
             retries: 100,
         }),
     }));
-    match g.recv(&vm) {
+    match g.recv(&mut vm) {
         Message::Ready(r) => {
             assert!(r.attempts >= 1);
             eprintln!(
@@ -296,10 +314,10 @@ fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
                 r.attempts
             );
         }
-        other => panic!("expected ready, got {other:?}\nconsole:\n{}", vm.console()),
+        other => panic!("expected ready, got {other:?}\n{}", vm.report()),
     }
     g.send(&Message::Ping(Ping { nonce: 42 }));
-    assert_eq!(g.recv(&vm), Message::Pong(Ping { nonce: 42 }));
+    assert_eq!(g.recv(&mut vm), Message::Pong(Ping { nonce: 42 }));
 
     let now = 1_900_000_000_000_000_000u64;
     let mut seen = Vec::new();
@@ -309,7 +327,7 @@ fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
             now,
             vec!["CLONE=1".into()],
         )));
-        match g.recv(&vm) {
+        match g.recv(&mut vm) {
             Message::Restored(r) => {
                 assert_eq!(r.machine_id.len(), 32, "{r:?}");
                 assert_eq!(r.random.len(), 32, "{r:?}");
@@ -317,10 +335,7 @@ fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
                 assert_eq!(r.boot_id.len(), 36, "{r:?}");
                 seen.push(r);
             }
-            other => panic!(
-                "expected restored, got {other:?}\nconsole:\n{}",
-                vm.console()
-            ),
+            other => panic!("expected restored, got {other:?}\n{}", vm.report()),
         }
     }
     assert_ne!(seen[0].machine_id, seen[1].machine_id);
@@ -328,9 +343,9 @@ fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
     assert_eq!(seen[0].boot_id, seen[1].boot_id);
     // Too little entropy is refused with an error, and the guest goes on answering.
     g.send(&Message::Restore(Restore::new(&[1; 8], now, vec![])));
-    assert!(matches!(g.recv(&vm), Message::Error(_)));
+    assert!(matches!(g.recv(&mut vm), Message::Error(_)));
     g.send(&Message::Ping(Ping { nonce: 7 }));
-    assert_eq!(g.recv(&vm), Message::Pong(Ping { nonce: 7 }));
+    assert_eq!(g.recv(&mut vm), Message::Pong(Ping { nonce: 7 }));
 }
 
 #[test]
@@ -354,7 +369,7 @@ fn ready_check_that_never_passes_fails_with_its_timeout() {
             retries: 2,
         }),
     }));
-    match g.recv(&vm) {
+    match g.recv(&mut vm) {
         Message::Failed(f) => {
             assert_eq!(f.kind, FailureKind::ReadyTimeout, "{}", f.reason);
             assert!(f.reason.contains("failed 3 times"), "{}", f.reason);
@@ -365,7 +380,7 @@ fn ready_check_that_never_passes_fails_with_its_timeout() {
                 f.reason
             );
         }
-        other => panic!("expected failed, got {other:?}\nconsole:\n{}", vm.console()),
+        other => panic!("expected failed, got {other:?}\n{}", vm.report()),
     }
 }
 
@@ -378,9 +393,9 @@ fn start_command_that_cannot_start_fails() {
         user: Some("nobody".into()),
         ..Start::default()
     }));
-    match g.recv(&vm) {
+    match g.recv(&mut vm) {
         Message::Failed(f) => assert_eq!(f.kind, FailureKind::StartFailed, "{}", f.reason),
-        other => panic!("expected failed, got {other:?}\nconsole:\n{}", vm.console()),
+        other => panic!("expected failed, got {other:?}\n{}", vm.report()),
     }
 }
 
@@ -404,13 +419,13 @@ fn debian_root_boots_with_a_fresh_machine_id() {
             retries: 50,
         }),
     }));
-    match g.recv(&vm) {
+    match g.recv(&mut vm) {
         Message::Ready(r) => eprintln!(
             "debian ready after {:?} (qemu start → ready; {} checks)",
             vm.started.elapsed(),
             r.attempts
         ),
-        other => panic!("expected ready, got {other:?}\nconsole:\n{}", vm.console()),
+        other => panic!("expected ready, got {other:?}\n{}", vm.report()),
     }
 }
 
@@ -446,9 +461,9 @@ fn planted_machine_id_symlink_is_replaced_not_written_through() {
         }),
         ..Start::default()
     }));
-    match g.recv(&vm) {
+    match g.recv(&mut vm) {
         Message::Ready(_) => {}
-        other => panic!("expected ready, got {other:?}\nconsole:\n{}", vm.console()),
+        other => panic!("expected ready, got {other:?}\n{}", vm.report()),
     }
 }
 
@@ -462,7 +477,7 @@ fn image_with_a_symlinked_proc_is_refused_and_the_vm_powers_off() {
     // The init powers the VM off (QEMU runs with -no-reboot and exits); bounded wait.
     let deadline = Instant::now() + Duration::from_secs(300);
     let status = loop {
-        if let Some(s) = vm.qemu.try_wait().unwrap() {
+        if let Some(s) = vm.vm.exit_status() {
             break s;
         }
         assert!(

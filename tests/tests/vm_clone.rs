@@ -256,6 +256,38 @@ fn vm_ready_check_that_never_succeeds_fails_with_its_timeout() {
 
 /// The Debian fixture (bookworm, debootstrap minbase) boots through the guest init to a
 /// READY whose check uses Debian's own tools, and a clone of it answers.
+/// Issue 12: a guest that dies before its init speaks must fail the boot with the kernel's own
+/// panic line in kiln's error, not "no message from the guest". Here the initramfs' init is
+/// pointed nowhere, so nothing loads the virtio-blk module and the kernel cannot mount a root.
+#[test]
+fn vm_kernel_panic_before_the_init_speaks_is_quoted_in_the_error() {
+    rt().block_on(async {
+        let e = env().await;
+        let tag: TagRef = "panics:latest".parse().expect("tag");
+        busybox_image(&e.store, &e.work, &tag, SandboxSpec::default()).await;
+        let new: TagRef = "panics:snap".parse().expect("tag");
+        let opts = SnapshotOptions {
+            kernel_args: vec!["rdinit=/nonexistent-kiln-test".into()],
+            ..snap_opts(&e.work)
+        };
+        let err = snapshot_image(&e.store, &tag, &new, &guest_assets(), &opts)
+            .await
+            .expect_err("a kernel without an init cannot become ready");
+        assert!(
+            matches!(err, SnapshotError::Guest { .. }),
+            "expected the guest to be gone, got {err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.lines().any(|l| l.starts_with("guest kernel: ")
+                && l.contains("Kernel panic - not syncing: VFS: Unable to mount root fs")),
+            "{msg}"
+        );
+        assert!(msg.contains("QEMU exited"), "{msg}");
+        assert!(e.store.get_tag(&new).await.expect("get tag").is_none());
+    });
+}
+
 #[test]
 fn vm_debian_image_boots_to_ready_and_clones() {
     rt().block_on(async {

@@ -28,7 +28,7 @@ use crate::channel::{ChannelError, GuestChannel};
 use crate::compat::CompatError;
 use crate::launch::{self, Accel, Host, LaunchError, MemoryMode, Vm, VmSpec, io_err};
 use crate::qmp::{Qmp, QmpError};
-use crate::snapshot::{console_tail, host_key, qcow2_overlay};
+use crate::snapshot::host_key;
 
 /// Errors of clone start, list and stop.
 #[derive(Debug, thiserror::Error)]
@@ -48,7 +48,7 @@ pub enum CloneError {
         source: CompatError,
     },
     /// The guest did not answer `restore`, or answered wrongly.
-    #[error("clone {id}: {what}: {source}\nconsole (tail):\n{console}")]
+    #[error("clone {id}: {what}: {source}\n{console}")]
     Guest {
         /// The clone.
         id: String,
@@ -402,7 +402,7 @@ async fn start_one(
     let dir = clones_dir.join(&id);
     std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
     let overlay = dir.join("disk.qcow2");
-    qcow2_overlay(host, &cached.disk, &overlay).await?;
+    launch::qcow2_overlay(host, &cached.disk, &overlay).await?;
     let spec = VmSpec {
         accel,
         vcpus: snap.vcpus,
@@ -417,6 +417,7 @@ async fn start_one(
         serial_log: dir.join("console.log"),
         incoming: true,
         tsc_khz: host.tsc_khz,
+        kernel_args: vec![],
     };
     let t0 = Instant::now();
     let started_unix = std::time::SystemTime::now()
@@ -447,7 +448,7 @@ async fn start_one(
             id: id.clone(),
             what: what.to_string(),
             source,
-            console: console_tail(&spec.serial_log),
+            console: launch::console_report(&spec.serial_log),
         };
         let mut ch = GuestChannel::connect(&spec.guest_socket, opts.restore_timeout)
             .await

@@ -32,8 +32,9 @@ pub enum CompatError {
     },
 }
 
-/// Everything a restore depends on. Field values never contain `;` or `=` (checked by
-/// [`CompatKey::render`] callers through [`CompatKey::parse`] round trips in tests).
+/// Everything a restore depends on. Field values never contain `;` (checked by
+/// [`CompatKey::render`] callers through [`CompatKey::parse`] round trips in tests); they may
+/// contain `=` (`microvm,pit=off`): a pair splits at its first `=`, and field names have none.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CompatKey {
     /// VMM name (`qemu`).
@@ -52,7 +53,8 @@ pub struct CompatKey {
     pub vcpus: u32,
     /// Guest RAM, bytes.
     pub memory_bytes: u64,
-    /// Machine type (`microvm`).
+    /// Machine type with the options that change what the guest sees, as passed to `-M`
+    /// (`microvm,pit=off`: [`crate::launch::MACHINE`]).
     pub machine: String,
     /// Device layout (see [`crate::launch::DEVICE_LAYOUT`]).
     pub devices: String,
@@ -160,9 +162,27 @@ mod tests {
             initramfs: "sha256:bb".into(),
             vcpus: 1,
             memory_bytes: 512 << 20,
-            machine: "microvm".into(),
+            machine: "microvm,pit=off".into(),
             devices: "virtio-blk-device,virtio-serial-device".into(),
         }
+    }
+
+    #[test]
+    fn snapshot_taken_with_other_machine_options_is_refused_by_name() {
+        // A snapshot of a kiln whose microvm still had its PIT (the machine string had no
+        // options then) must not wake on a host that boots with `pit=off`.
+        let host = key();
+        let mut snap = key();
+        snap.machine = "microvm".into();
+        let msg = host.check(&snap.render()).unwrap_err().to_string();
+        assert!(
+            msg.contains(r#"machine (snapshot "microvm", host "microvm,pit=off")"#),
+            "{msg}"
+        );
+        assert_eq!(
+            CompatKey::parse(&host.render()).unwrap().machine,
+            crate::launch::MACHINE
+        );
     }
 
     #[test]
@@ -171,7 +191,7 @@ mod tests {
         assert_eq!(
             k.render(),
             "accel=tcg;cpu=Haswell-v4,-pcid;devices=virtio-blk-device,virtio-serial-device;\
-             initramfs=sha256:bb;kernel=sha256:aa;machine=microvm;memory=536870912;vcpus=1;\
+             initramfs=sha256:bb;kernel=sha256:aa;machine=microvm,pit=off;memory=536870912;vcpus=1;\
              vmm=qemu;vmm_version=10.0.2"
         );
         assert_eq!(CompatKey::parse(&k.render()).unwrap(), k);

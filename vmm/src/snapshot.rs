@@ -15,7 +15,7 @@
 //!    manifest whose `snapshot` names it ([`snapshot_manifest`]), then the new tag
 //!    ([`snapshot_image`]; chunks, manifest, tag order).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kiln_guest::protocol::{Message, ReadyCheck, Start};
@@ -42,21 +42,21 @@ pub enum SnapshotError {
     #[error("{0} is not an image")]
     NotAnImage(String),
     /// The guest reported that its start command or ready check failed.
-    #[error("the guest's start failed: {reason}\nconsole (tail):\n{console}")]
+    #[error("the guest's start failed: {reason}\n{console}")]
     GuestFailed {
         /// The guest's reason.
         reason: String,
-        /// The tail of the serial console.
+        /// The serial console ([`launch::console_report`]).
         console: String,
     },
     /// No `hello` or no `ready` within the bound, or QEMU died meanwhile.
-    #[error("{what}: {source}\nconsole (tail):\n{console}")]
+    #[error("{what}: {source}\n{console}")]
     Guest {
         /// Which step (`waiting for hello`, `waiting for ready`...).
         what: String,
         /// The channel error (timeout, closed...).
         source: ChannelError,
-        /// The tail of the serial console.
+        /// The serial console ([`launch::console_report`]).
         console: String,
     },
     /// The guest answered something unexpected.
@@ -106,6 +106,8 @@ pub struct SnapshotOptions {
     pub work_dir: PathBuf,
     /// Accelerator; `None`: [`launch::probe_accel`].
     pub accel: Option<Accel>,
+    /// Extra kernel command-line arguments ([`VmSpec::kernel_args`]); empty by default.
+    pub kernel_args: Vec<String>,
 }
 
 impl Default for SnapshotOptions {
@@ -117,6 +119,7 @@ impl Default for SnapshotOptions {
             ready_timeout: Duration::from_secs(600),
             work_dir: std::env::temp_dir(),
             accel: None,
+            kernel_args: Vec::new(),
         }
     }
 }
@@ -191,13 +194,6 @@ pub fn start_message(sandbox: Option<&SandboxSpec>) -> Start {
     m
 }
 
-/// The last 4 KiB of a console log.
-pub(crate) fn console_tail(path: &Path) -> String {
-    let s = std::fs::read(path).unwrap_or_default();
-    let start = s.len().saturating_sub(4096);
-    String::from_utf8_lossy(&s[start..]).into_owned()
-}
-
 /// Boots the image at `image_ref` once and stores its snapshot; tags the image manifest that
 /// names the snapshot as `new_tag` (compare-and-swap against its current value). See
 /// [`snapshot_manifest`] for the boot and what is stored.
@@ -270,7 +266,7 @@ pub async fn snapshot_manifest(
     let base = dir.join("base.raw");
     store.materialize(&image.disk, &base, None).await?;
     let overlay = dir.join("disk.qcow2");
-    qcow2_overlay(&host, &base, &overlay).await?;
+    launch::qcow2_overlay(&host, &base, &overlay).await?;
     let memory = dir.join("memory");
     std::fs::File::create(&memory)
         .and_then(|f| f.set_len(opts.memory_bytes))
@@ -291,6 +287,7 @@ pub async fn snapshot_manifest(
         serial_log: dir.join("console.log"),
         incoming: false,
         tsc_khz: host.tsc_khz,
+        kernel_args: opts.kernel_args.clone(),
     };
     let t0 = Instant::now();
     let mut vm = Vm::spawn(&host, &spec, &dir.join("qemu.log"), opts.boot_timeout, true).await?;
@@ -391,6 +388,24 @@ pub async fn snapshot_manifest(
     })
 }
 
+/// A guest-channel failure as a [`SnapshotError::Guest`]: whether QEMU has gone too (a closed
+/// channel means it is exiting: up to 2 s are given for it to be reaped), then the console,
+/// where a guest that died early says why.
+async fn guest_err(vm: &mut Vm, spec: &VmSpec, what: &str, source: ChannelError) -> SnapshotError {
+    let wait = match source {
+        ChannelError::Closed(_) => Duration::from_secs(2),
+        _ => Duration::ZERO,
+    };
+    SnapshotError::Guest {
+        what: match vm.wait_exited(wait).await {
+            Some(status) => format!("{what} (QEMU exited: {status})"),
+            None => what.to_string(),
+        },
+        source,
+        console: launch::console_report(&spec.serial_log),
+    }
+}
+
 /// Connects the guest channel, waits for `hello`, sends `start`, waits for `ready`.
 async fn run_to_ready(
     vm: &mut Vm,
@@ -398,19 +413,18 @@ async fn run_to_ready(
     sandbox: Option<&SandboxSpec>,
     opts: &SnapshotOptions,
 ) -> Result<(), SnapshotError> {
-    let guest_err = |what: &str, source: ChannelError| SnapshotError::Guest {
-        what: what.to_string(),
-        source,
-        console: console_tail(&spec.serial_log),
+    let ch = GuestChannel::connect(&spec.guest_socket, opts.boot_timeout)
+        .await
+        .map_err(|e| ("connecting to the guest channel", e));
+    let mut ch = match ch {
+        Ok(ch) => ch,
+        Err((what, e)) => return Err(guest_err(vm, spec, what, e).await),
     };
-    let mut ch = GuestChannel::connect(&spec.guest_socket, opts.boot_timeout)
-        .await
-        .map_err(|e| guest_err("connecting to the guest channel", e))?;
-    match ch
-        .recv_significant("hello", opts.boot_timeout)
-        .await
-        .map_err(|e| guest_err("waiting for the guest's hello", e))?
-    {
+    let hello = match ch.recv_significant("hello", opts.boot_timeout).await {
+        Ok(m) => m,
+        Err(e) => return Err(guest_err(vm, spec, "waiting for the guest's hello", e).await),
+    };
+    match hello {
         Message::Hello(h) => tracing::debug!(init = %h.init_version, "guest hello"),
         m => {
             return Err(SnapshotError::Unexpected {
@@ -419,18 +433,18 @@ async fn run_to_ready(
             });
         }
     }
-    ch.send(&Message::Start(start_message(sandbox)))
-        .await
-        .map_err(|e| guest_err("sending start", e))?;
-    match ch
-        .recv_significant("ready", opts.ready_timeout)
-        .await
-        .map_err(|e| guest_err("waiting for ready", e))?
-    {
+    if let Err(e) = ch.send(&Message::Start(start_message(sandbox))).await {
+        return Err(guest_err(vm, spec, "sending start", e).await);
+    }
+    let ready = match ch.recv_significant("ready", opts.ready_timeout).await {
+        Ok(m) => m,
+        Err(e) => return Err(guest_err(vm, spec, "waiting for ready", e).await),
+    };
+    match ready {
         Message::Ready(_) => Ok(()),
         Message::Failed(f) => Err(SnapshotError::GuestFailed {
             reason: format!("{:?}: {}", f.kind, f.reason),
-            console: console_tail(&spec.serial_log),
+            console: launch::console_report(&spec.serial_log),
         }),
         m => Err(SnapshotError::Unexpected {
             got: m.type_name().into(),
@@ -442,91 +456,4 @@ async fn run_to_ready(
             tracing::warn!(status = %s, log = %vm.log_tail(), "QEMU exited");
         }
     })
-}
-
-/// `qemu-img create -f qcow2 -b BASE -F raw OVERLAY` (BASE by absolute path).
-pub(crate) async fn qcow2_overlay(
-    host: &Host,
-    base: &Path,
-    overlay: &Path,
-) -> Result<(), LaunchError> {
-    let base = std::path::absolute(base).map_err(io_err(base))?;
-    launch::run_img(
-        host,
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-b",
-            &base.display().to_string(),
-            "-F",
-            "raw",
-            &overlay.display().to_string(),
-        ],
-    )
-    .await?;
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use kiln_store::{ReadySpec, StartSpec};
-
-    #[tokio::test]
-    async fn bad_options_are_refused_before_anything_runs() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
-        let t: TagRef = "x:y".parse().unwrap();
-        let assets = BootAssets {
-            kernel: "/nonexistent".into(),
-            initramfs: "/nonexistent".into(),
-        };
-        for opts in [
-            SnapshotOptions {
-                memory_bytes: (256 << 20) + 4096,
-                ..Default::default()
-            },
-            SnapshotOptions {
-                vcpus: 0,
-                ..Default::default()
-            },
-        ] {
-            let r = snapshot_image(&store, &t, &t, &assets, &opts).await;
-            assert!(matches!(r, Err(SnapshotError::Options(_))), "{r:?}");
-        }
-        // A tag that does not exist is the store's error.
-        let r = snapshot_image(&store, &t, &t, &assets, &SnapshotOptions::default()).await;
-        assert!(matches!(r, Err(SnapshotError::Store(_))), "{r:?}");
-    }
-
-    #[test]
-    fn start_message_carries_the_sandbox_spec() {
-        assert_eq!(start_message(None), Start::default());
-        let s = SandboxSpec {
-            start: Some(StartSpec {
-                argv: vec!["/bin/server".into()],
-                user: Some("runtime".into()),
-                env: vec!["A=1".into()],
-                workdir: Some("/workspace".into()),
-            }),
-            ready: Some(ReadySpec {
-                argv: vec!["true".into()],
-                interval_ms: 100,
-                timeout_ms: 1000,
-                retries: 5,
-            }),
-        };
-        let m = start_message(Some(&s));
-        assert_eq!(m.argv, ["/bin/server"]);
-        assert_eq!(m.user.as_deref(), Some("runtime"));
-        assert_eq!(m.env, ["A=1"]);
-        assert_eq!(m.workdir.as_deref(), Some("/workspace"));
-        let r = m.ready.unwrap();
-        assert_eq!(
-            (r.argv, r.interval_ms, r.timeout_ms, r.retries),
-            (vec!["true".to_string()], 100, 1000, 5)
-        );
-    }
 }
