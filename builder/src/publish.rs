@@ -163,7 +163,8 @@ async fn put_blob(
 ///
 /// The ext4 size is [`PublishOptions::disk_mib`], else the recipe's
 /// [`kiln_recipes::plan::Sandbox::disk_mib`], else computed (see [`crate::ext4`]). The UUID
-/// and directory hash seed derive from the OCI manifest digest. Errors: see
+/// and directory hash seed derive from [`ext4::ROOTFS_SEED`], the same for every image, so a
+/// rebuild shares its metadata blocks with the image before it. Errors: see
 /// [`PublishError`]; on any error no tag moves (chunks and blobs already stored stay, for GC).
 pub async fn publish(
     store: &Store,
@@ -186,7 +187,7 @@ pub async fn publish(
         disk_mib: opts.disk_mib.or(image.sandbox.disk_mib),
         max_mib: opts.max_mib.unwrap_or(ext4::DEFAULT_MAX_MIB),
         source_date_epoch: image.source_date_epoch,
-        seed: image.oci_manifest.digest.clone(),
+        seed: ext4::ROOTFS_SEED.to_string(),
         limits: opts.limits,
     };
     let scratch = match &opts.scratch_dir {
