@@ -690,3 +690,25 @@ fn log_budget_is_build_wide() {
         "{l:?}"
     );
 }
+
+/// Issue 17, case 1: one layer digest twice in a stage's lowers ("overlayfs: conflicting
+/// lowerdir path", ELOOP at the next RUN). `RUN true` three times gives three identical empty
+/// layers; two `WORKDIR /src` change nothing the second time; a step re-creating what an
+/// earlier one wrote gives that layer again.
+#[test]
+fn identical_layers_in_one_stage_do_not_break_the_next_run() {
+    let f = fx("identical-layers");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (r, ev) = f.build(&format!(
+        "FROM {bb}\nRUN true\nRUN true\nRUN true\nWORKDIR /src\nWORKDIR /src\n\
+         RUN echo x > /f\nRUN rm /f\nRUN echo x > /f\nRUN test \"$(cat /f)\" = x && pwd > /where\n"
+    ));
+    let out = r.unwrap_or_else(|e| panic!("build: {e}\n{}", logs(&ev).join("\n")));
+    let root = f.unpack(&out);
+    assert_eq!(
+        std::fs::read_to_string(root.join("where")).expect("/where"),
+        "/src\n"
+    );
+    assert_eq!(std::fs::read_to_string(root.join("f")).expect("/f"), "x\n");
+    f.assert_clean();
+}

@@ -723,19 +723,31 @@ fn stage_base(
     }
 }
 
-/// Lower directories for `layers`, topmost first, unpacking what is missing.
+/// Lower directories for `layers`, topmost first, unpacking what is missing. A layer digest
+/// that occurs more than once (`RUN true` twice, a `WORKDIR` that changes nothing) is one
+/// directory, which overlayfs refuses to take twice ("conflicting lowerdir path", ELOOP), so
+/// only its topmost occurrence is kept ([`topmost_unique`]).
 async fn lowers_for(ctx: &Arc<Ctx>, layers: &[LayerRef]) -> Result<Vec<PathBuf>, BuildError> {
     let c = ctx.clone();
     let digests: Vec<String> = layers.iter().map(|l| l.desc.digest.clone()).collect();
     tokio::task::spawn_blocking(move || {
         let mut v = Vec::with_capacity(digests.len());
-        for d in digests.iter().rev() {
+        for d in topmost_unique(&digests) {
             v.push(c.dirs.ensure(c.cache.as_ref(), d, &c.opts.layer_limits)?);
         }
         Ok::<_, BuildError>(v)
     })
     .await
     .map_err(|e| BuildError::Task(e.to_string()))?
+}
+
+/// `digests` (bottom first) as overlay lowers: topmost first, each digest once, at its
+/// topmost position. Dropping the lower copies changes nothing: the upper copy holds the
+/// same entries, so it already shadows every path the lower copy has, and its whiteouts and
+/// opaque directories hide everything below it, the lower copy's range included.
+fn topmost_unique(digests: &[String]) -> Vec<&String> {
+    let mut seen = std::collections::HashSet::new();
+    digests.iter().rev().filter(|d| seen.insert(*d)).collect()
 }
 
 /// Looks `key` up; a hit whose layer blob is present gives the layer.
@@ -1561,4 +1573,21 @@ fn plan_json_without_paths(plan: &BuildPlan) -> String {
         }
     }
     kiln_recipes::plan_to_json(&p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::topmost_unique;
+
+    #[test]
+    fn lowers_keep_each_layer_once_at_its_topmost_place() {
+        let d = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        // Bottom first in, topmost first out.
+        assert_eq!(
+            topmost_unique(&d(&["base", "a", "empty", "b", "empty", "a"])),
+            ["a", "empty", "b", "base"]
+        );
+        assert_eq!(topmost_unique(&d(&["x", "x", "x"])), ["x"]);
+        assert!(topmost_unique(&[]).is_empty());
+    }
 }
