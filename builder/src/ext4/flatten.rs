@@ -347,13 +347,6 @@ fn scan_layer(
         }
         let comps = match split_name(&raw) {
             Split::Ok(c) => c,
-            Split::Absolute => {
-                return Err(LayerError::Absolute {
-                    digest: l.digest.clone(),
-                    entry: last,
-                }
-                .into());
-            }
             Split::DotDot => {
                 return Err(LayerError::DotDot {
                     digest: l.digest.clone(),

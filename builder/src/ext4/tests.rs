@@ -425,3 +425,55 @@ fn uuids_are_well_formed_and_seeded() {
     assert_ne!(u, fs_uuid("sha256:abd"));
     assert_ne!(u, hash_seed("sha256:abc"));
 }
+
+/// One raw entry: name, kind, data, link target (bytes as given, uncleaned).
+type RawEntry<'a> = (&'a [u8], tar::EntryType, &'a [u8], &'a [u8]);
+
+/// A tar of raw GNU headers.
+fn raw_tar(entries: &[RawEntry<'_>]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (name, kind, data, link) in entries {
+        let mut h = tar::Header::new_gnu();
+        let gnu = h.as_gnu_mut().unwrap();
+        gnu.name[..name.len()].copy_from_slice(name);
+        gnu.linkname[..link.len()].copy_from_slice(link);
+        h.set_entry_type(*kind);
+        h.set_size(data.len() as u64);
+        h.set_mode(if kind.is_dir() { 0o755 } else { 0o644 });
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_600_000_000);
+        h.set_cksum();
+        b.append(&h, *data).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+/// Issue 17, case 3, for the flattener: the tree `umoci insert ROOTFS /` makes (the root as
+/// an entry named `/`, absolute names, an absolute hard-link target) flattens to the same
+/// names `apply_layer` gives them, inside the root.
+#[test]
+fn absolute_names_and_a_root_named_slash_flatten_inside_the_root() {
+    use tar::EntryType as T;
+    let d = tempfile::tempdir().unwrap();
+    let raw = raw_tar(&[
+        (b"/", T::Directory, b"", b""),
+        (b"/tmp/", T::Directory, b"", b""),
+        (b"/tmp/x", T::Regular, b"x", b""),
+        (b"//etc//conf", T::Regular, b"c", b""),
+        (b"/etc/conf-link", T::Link, b"", b"/etc/conf"),
+    ]);
+    let path = d.path().join("abs");
+    std::fs::write(&path, &raw).unwrap();
+    let layers = [LayerBlob {
+        digest: digest_of(&raw),
+        path,
+    }];
+    let mut out = Vec::new();
+    let stats = flatten(&layers, &mut out, &Limits::default(), None).unwrap();
+    let tree = kiln_tests::ext4::tar_tree(&out);
+    let keys: Vec<&str> = tree.keys().map(String::as_str).collect();
+    assert_eq!(keys, ["etc", "etc/conf", "etc/conf-link", "tmp", "tmp/x"]);
+    assert_eq!(stats.extra_links, 1, "{stats:?}");
+    build(&layers, &d.path().join("abs.ext4"), &opts("sha256:abs")).expect("e2fsck-clean image");
+}

@@ -5,9 +5,11 @@
 //! component-by-component walk from a directory fd of the root, opening every directory with
 //! `O_NOFOLLOW | O_DIRECTORY`; a symlink met on the way is resolved *inside* the root (an
 //! absolute target restarts at the root, `..` may not climb above it), so no entry can reach
-//! outside the root, whatever symlinks earlier entries or layers planted. Entry names with
-//! `..` components or a leading `/` are refused outright, as are hard links whose target is
-//! not an existing non-directory inside the root.
+//! outside the root, whatever symlinks earlier entries or layers planted. Entry names and
+//! hard-link targets are read relative to the root: a leading `/` is dropped (`umoci insert
+//! ROOTFS /` writes the root as an entry named `/`; GNU tar, buildah and containerd read
+//! absolute names this way), while names with `..` components are refused outright, as are
+//! hard links whose target is not an existing non-directory inside the root.
 //!
 //! What is applied: regular files, directories, symlinks, hard links, character and block
 //! devices and FIFOs (`mknodat`, needs root), uid/gid (PAX `uid`/`gid` override the header),
@@ -120,14 +122,6 @@ pub enum LayerError {
     /// An entry name has a `..` component.
     #[error("layer {digest}: entry {entry} has a '..' component")]
     DotDot {
-        /// Layer digest.
-        digest: String,
-        /// Entry name.
-        entry: String,
-    },
-    /// An entry name is absolute.
-    #[error("layer {digest}: entry {entry} is an absolute path")]
-    Absolute {
         /// Layer digest.
         digest: String,
         /// Entry name.
@@ -647,15 +641,13 @@ impl Created {
 /// flattener, which must place entries exactly as [`apply_layer`] does).
 pub(crate) enum Split {
     Ok(Vec<Vec<u8>>),
-    Absolute,
     DotDot,
 }
 
-/// Splits an entry name into its components, refusing absolute names and `..`.
+/// Splits an entry name (or a hard link's target) into its components, relative to the
+/// root: empty and `.` components, leading `/`s included, are dropped, so `/`, `./` and `//`
+/// name the root and `/etc/x` is `etc/x`; a `..` component is refused.
 pub(crate) fn split_name(name: &[u8]) -> Split {
-    if name.first() == Some(&b'/') {
-        return Split::Absolute;
-    }
     let mut out = Vec::new();
     for c in name.split(|b| *b == b'/') {
         match c {
@@ -916,10 +908,6 @@ impl Applier {
         let raw = entry.path_bytes().into_owned();
         let comps = match split_name(&raw) {
             Split::Ok(c) => c,
-            Split::Absolute => {
-                let (digest, entry) = self.err_entry();
-                return Err(LayerError::Absolute { digest, entry }.into());
-            }
             Split::DotDot => {
                 let (digest, entry) = self.err_entry();
                 return Err(LayerError::DotDot { digest, entry }.into());
