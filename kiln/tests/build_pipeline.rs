@@ -237,3 +237,75 @@ fn cli_and_library_build_the_same_image() {
     assert!(matches!(r, Err(PipelineError::Cancelled)), "{r:?}");
     assert_eq!(at(&fifth), None);
 }
+
+/// The text a build's steps logged.
+fn logged(events: &[Event]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Log { text, .. } => Some(text.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Cache mounts scoped to a workspace are that workspace's only; the request's time limit
+/// lowers the recipe's, and a build over it fails and tags nothing.
+#[test]
+fn workspace_cache_mounts_and_time_limit() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let ctx = t.path().join("ctx");
+    std::fs::create_dir(&ctx).expect("mkdir");
+    let store = t.path().join("store");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let build = |ws: &str| {
+        let mut req = request(&ctx, TagMove::force("ws:1".parse().expect("tag")));
+        req.no_cache = true;
+        req.build_args.insert("WS".into(), ws.into());
+        req.cache_mounts = kiln_pipeline::CacheMountScope::Workspace(ws.parse().expect("id"));
+        let (r, events) = rt.block_on(run(&store, req));
+        r.expect("build");
+        logged(&events)
+    };
+    // Each build logs what the previous build of its workspace left in the cache mount.
+    std::fs::write(
+        ctx.join("Dockerfile"),
+        format!(
+            "FROM {bb}\nARG WS\nRUN --mount=type=cache,target=/c \
+             sh -c 'echo seen:$(cat /c/mark 2>/dev/null || echo nothing); echo $WS > /c/mark'\n"
+        ),
+    )
+    .expect("write");
+    assert!(build("alpha").contains(&"seen:nothing".to_string()));
+    let beta = build("beta");
+    assert!(beta.contains(&"seen:nothing".to_string()), "{beta:?}");
+    let alpha = build("alpha");
+    assert!(alpha.contains(&"seen:alpha".to_string()), "{alpha:?}");
+
+    // A step longer than the request's time limit fails the build; no tag moves.
+    std::fs::write(
+        ctx.join("Dockerfile"),
+        format!("FROM {bb}\nRUN sleep 600\n"),
+    )
+    .expect("write");
+    let tag: TagRef = "slow:1".parse().expect("tag");
+    let mut req = request(&ctx, TagMove::force(tag.clone()));
+    req.limits.timeout = Some(std::time::Duration::from_secs(2));
+    let (r, _) = rt.block_on(run(&store, req));
+    match r {
+        Err(PipelineError::Build(e)) => assert!(
+            matches!(*e, kiln_builder::build::BuildError::Timeout { .. }),
+            "{e}"
+        ),
+        r => panic!("not a timeout: {r:?}"),
+    }
+    let s = rt
+        .block_on(kiln_store::Store::open(store.to_str().expect("utf-8")))
+        .expect("store");
+    assert_eq!(rt.block_on(s.get_tag(&tag)).expect("get tag"), None);
+}
