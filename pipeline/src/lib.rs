@@ -115,6 +115,24 @@ pub enum PipelineError {
     Cancelled,
 }
 
+impl PipelineError {
+    /// The recipe's own error (it does not parse or lower; its message names the file and
+    /// line), when that is why the build failed: the caller's fault, not the build's.
+    pub fn recipe_error(&self) -> Option<&kiln_recipes::RecipeError> {
+        match self {
+            PipelineError::Resolve(e) => match &**e {
+                ResolveError::Recipe(r) => Some(r),
+                _ => None,
+            },
+            PipelineError::Build(e) => match &**e {
+                BuildError::Recipe(r) => Some(r),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
 impl From<StoreError> for PipelineError {
     fn from(e: StoreError) -> Self {
         PipelineError::Store(Box::new(e))
@@ -524,4 +542,25 @@ async fn move_tags(
         names.push(m.tag.to_string());
     }
     Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recipe_errors_are_told_apart() {
+        let bad = kiln_recipes::load("Dockerfile", b"FROM scratch\nFRM x\n", &Default::default())
+            .expect_err("FRM is no instruction");
+        let text = bad.to_string();
+        let e = PipelineError::from(ResolveError::Recipe(Box::new(bad)));
+        assert_eq!(e.recipe_error().map(|r| r.to_string()), Some(text.clone()));
+        assert!(text.contains("Dockerfile:2"), "{text}");
+        assert!(PipelineError::Cancelled.recipe_error().is_none());
+        assert!(
+            PipelineError::from(BuildError::Cancelled)
+                .recipe_error()
+                .is_none()
+        );
+    }
 }
