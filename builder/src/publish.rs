@@ -22,8 +22,11 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use kiln_store::artifact::PutArtifactOptions;
+use kiln_store::lease::Lease;
+use kiln_store::progress::ProgressFn;
 use kiln_store::{
     BlobDigest, BlobRef, Chunking, ImageManifest, Manifest, ManifestDigest, ReadySpec, SandboxSpec,
     StartSpec, Store, StoreError, TagRef,
@@ -69,6 +72,13 @@ pub struct PublishOptions {
     pub limits: crate::layer::Limits,
     /// Where the scratch ext4 file goes; `None`: the blob cache's scratch area.
     pub scratch_dir: Option<PathBuf>,
+    /// Told of each ext4 chunk stored or found present, and of each hole
+    /// ([`Store::put_artifact`]'s events); [`kiln_store::progress::TransferStats`] adds them
+    /// up into new and reused chunks.
+    pub progress: Option<ProgressFn>,
+    /// A lease (the build's) that records every ext4 chunk as it is stored or found, so GC
+    /// keeps them until the manifest names them.
+    pub lease: Option<Arc<Lease>>,
 }
 
 /// Why publishing failed. Nothing is tagged when any step fails.
@@ -243,7 +253,8 @@ async fn publish_with(
             scratch,
             &PutArtifactOptions {
                 chunking: opts.chunking,
-                ..Default::default()
+                lease: opts.lease.clone(),
+                progress: opts.progress.clone(),
             },
         )
         .await?;

@@ -255,6 +255,10 @@ pub struct BuildOptions {
     /// How images named by `COPY --from=<image>` and `RUN --mount=from=<image>` are found
     /// (pull policy, build contexts, registry access; the stage's platform is used).
     pub resolve: crate::resolve::ResolveOptions,
+    /// Where `RUN --mount=type=cache` directories persist, one per cache id; `None`:
+    /// `work_dir/cache-mounts`. Builds given different directories share no cache mount
+    /// (the caller's scope, e.g. one directory per workspace).
+    pub cache_mount_dir: Option<PathBuf>,
 }
 
 impl BuildOptions {
@@ -274,6 +278,7 @@ impl BuildOptions {
             fetch: FetchOptions::default(),
             recipe_digest: None,
             resolve: Default::default(),
+            cache_mount_dir: None,
         }
     }
 }
@@ -1483,7 +1488,12 @@ async fn prepare_inputs(
         Action::Run(r) if !r.mounts.is_empty() => {
             let mut mi = MountInputs {
                 context: ctx.opts.context.clone(),
-                cache_dir: Some(ctx.opts.work_dir.join("cache-mounts")),
+                cache_dir: Some(
+                    ctx.opts
+                        .cache_mount_dir
+                        .clone()
+                        .unwrap_or_else(|| ctx.opts.work_dir.join("cache-mounts")),
+                ),
                 secrets: ctx.opts.secrets.clone(),
                 ..MountInputs::default()
             };

@@ -1,10 +1,11 @@
 //! `kiln build [CONTEXT] -f FILE -t NAME:TAG...`: builds a Dockerfile or a YAML recipe into
 //! the local store (flags named as `docker buildx build` names them): the OCI image, then
-//! its checked ext4 image, the kiln image manifest and the tags
-//! ([`kiln_builder::publish::publish`]). Prints the image manifest digest as the last line
-//! on stdout (with `--oci-only`, the OCI manifest digest); `--iidfile` gets the OCI
-//! manifest digest, as buildx writes it. Progress and step logs go to stderr:
-//! plain lines, or one JSON object per line with `--progress rawjson`.
+//! its checked ext4 image, the kiln image manifest and the tags. The flags become one
+//! [`BuildRequest`] for [`kiln_pipeline::run`], the function the HTTP API and the nightly
+//! job call too. Prints the image manifest digest as the last line on stdout (with
+//! `--oci-only`, the OCI manifest digest); `--iidfile` gets the OCI manifest digest, as
+//! buildx writes it. Progress and step logs (the pipeline's [`Event`]s) go to stderr: plain
+//! lines, a terminal display, or one JSON object per step event with `--progress rawjson`.
 //!
 //! `--snapshot` (kiln's own flag) then boots the image once in a microVM, runs its start
 //! command until its ready check passes and stores the snapshot
@@ -19,14 +20,15 @@ use std::collections::BTreeMap;
 use std::io::IsTerminal as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use anyhow::{Context as _, bail};
 use kiln_builder::base::PullPolicy;
-use kiln_builder::build::{BuildEvent, BuildOptions, build};
-use kiln_builder::cache::{BlobCache as _, LocalCache};
 use kiln_builder::registry::RegistryOptions;
-use kiln_builder::resolve::{ResolveOptions, parse_build_context};
+use kiln_builder::resolve::parse_build_context;
+use kiln_pipeline::{
+    BuildRequest, ContextSource, Event, EventSink, NetworkPolicy, Output, Recipe, Setup,
+    SnapshotRequest, TagMove,
+};
 use serde_json::json;
 
 /// `--progress` values (buildx's).
@@ -172,7 +174,8 @@ fn locate(a: &Args) -> (PathBuf, PathBuf) {
     }
 }
 
-fn printer(progress: Progress) -> Arc<dyn Fn(BuildEvent) + Send + Sync> {
+/// The build's display for `--progress`: pipeline events as buildx-like lines on stderr.
+fn printer(progress: Progress) -> Arc<dyn EventSink> {
     let mode = match progress {
         Progress::Auto if std::io::stderr().is_terminal() => Progress::Tty,
         Progress::Auto => Progress::Plain,
@@ -181,49 +184,94 @@ fn printer(progress: Progress) -> Arc<dyn Fn(BuildEvent) + Send + Sync> {
     if mode == Progress::Tty {
         return tty_printer();
     }
-    Arc::new(move |ev: BuildEvent| {
+    Arc::new(move |ev: Event| {
+        if let Some(line) = phase_line(&ev) {
+            eprintln!("{line}");
+            return;
+        }
         if mode == Progress::Rawjson {
             let v = match &ev {
-                BuildEvent::Step {
-                    index,
+                Event::StepStarted {
+                    step,
                     stage,
                     location,
                     instruction,
-                    cached,
-                } => json!({"event": "step", "step": index, "stage": stage,
-                    "location": location, "instruction": instruction, "cached": cached}),
-                BuildEvent::Log(l) => json!({"event": "log", "step": l.step, "text": l.text}),
-                BuildEvent::Layer {
-                    index,
-                    digest,
-                    size,
-                } => json!({"event": "layer", "step": index, "digest": digest, "size": size}),
+                }
+                | Event::CacheHit {
+                    step,
+                    stage,
+                    location,
+                    instruction,
+                } => json!({"event": "step", "step": step, "stage": stage,
+                    "location": location, "instruction": instruction,
+                    "cached": matches!(ev, Event::CacheHit { .. })}),
+                Event::Log { step, text } => json!({"event": "log", "step": step, "text": text}),
+                Event::StepDone { step, layer, size } => {
+                    json!({"event": "layer", "step": step, "digest": layer, "size": size})
+                }
+                _ => return,
             };
             eprintln!("{v}");
             return;
         }
         match ev {
-            BuildEvent::Step {
-                index,
+            Event::StepStarted {
+                step,
                 stage,
                 location,
                 instruction,
-                cached,
-            } => {
-                let c = if cached { " CACHED" } else { "" };
-                eprintln!("#{index} [stage {stage}] {location} {instruction}{c}");
+            } => eprintln!("#{step} [stage {stage}] {location} {instruction}"),
+            Event::CacheHit {
+                step,
+                stage,
+                location,
+                instruction,
+            } => eprintln!("#{step} [stage {stage}] {location} {instruction} CACHED"),
+            Event::Log { step, text } => eprintln!("#{step} {text}"),
+            Event::StepDone { step, layer, size } => {
+                eprintln!("#{step} layer {layer} ({size} bytes)")
             }
-            BuildEvent::Log(l) => eprintln!("#{} {}", l.step, l.text),
-            BuildEvent::Layer {
-                index,
-                digest,
-                size,
-            } => eprintln!("#{index} layer {digest} ({size} bytes)"),
+            _ => {}
         }
     })
 }
 
-/// Runs `kiln build`.
+/// The line printed, in every progress mode, for an event that is not about one step:
+/// warnings, the start of publishing and of the boot, the stored snapshot.
+fn phase_line(ev: &Event) -> Option<String> {
+    Some(match ev {
+        Event::Warning {
+            location: Some(l),
+            message,
+        } => format!("warning: {l}: {message}"),
+        Event::Warning {
+            location: None,
+            message,
+        } => format!("warning: {message}"),
+        Event::Publishing => "publishing: ext4 image, image manifest, tags".to_string(),
+        Event::Booting { image } => {
+            format!("snapshot: booting {image} once, waiting for its ready check")
+        }
+        Event::SnapshotStored {
+            snapshot,
+            accel,
+            boot_to_ready_ms,
+            save_ms,
+            memory_bytes,
+            memory_stored_bytes,
+            ..
+        } => format!(
+            "snapshot {snapshot} ({accel}: ready in {boot_to_ready_ms} ms, saved in {save_ms} ms; \
+             memory {} MiB stored as {} KiB)",
+            memory_bytes >> 20,
+            memory_stored_bytes >> 10
+        ),
+        _ => return None,
+    })
+}
+
+/// Runs `kiln build`: flags → [`BuildRequest`] → [`kiln_pipeline::run`] → the digest on
+/// stdout, `--iidfile`, `--metadata-file` and a summary line on stderr.
 pub fn run(a: Args) -> anyhow::Result<()> {
     for f in &a.ssh {
         kiln_builder::secrets::refuse_ssh(f)?;
@@ -240,32 +288,33 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     }
     let (context, file) = locate(&a);
-    if !context.is_dir() {
-        bail!("build context {} is not a directory", context.display());
-    }
+    let context = ContextSource::dir(&context, Some(&file))?;
     let bytes = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
-    let name = file.display().to_string();
-    let oci_tags: Vec<kiln_builder::reference::Reference> = if a.oci_only {
-        a.tags
+    let output = if a.oci_only {
+        let refs = a
+            .tags
             .iter()
             .map(|t| {
                 t.parse()
                     .with_context(|| format!("-t {t}: not a valid name:tag"))
             })
-            .collect::<anyhow::Result<_>>()?
+            .collect::<anyhow::Result<_>>()?;
+        Output::Oci { refs }
     } else {
-        Vec::new()
-    };
-    let store_tags: Vec<kiln_store::TagRef> = if a.oci_only {
-        Vec::new()
-    } else {
-        a.tags
+        let tags = a
+            .tags
             .iter()
             .map(|t| {
                 t.parse()
+                    .map(TagMove::force)
                     .with_context(|| format!("-t {t}: not a valid store tag (name:tag)"))
             })
-            .collect::<anyhow::Result<_>>()?
+            .collect::<anyhow::Result<_>>()?;
+        let snapshot = a.snapshot.then(|| SnapshotRequest {
+            memory_bytes: a.memory_mib << 20,
+            ready_timeout: std::time::Duration::from_secs(a.ready_timeout),
+        });
+        Output::Image { tags, snapshot }
     };
 
     // The guest kernel and initramfs first: a missing guest init fails before the build.
@@ -282,57 +331,43 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(p) => p.clone(),
         None => crate::config::local_store_dir()?,
     };
-    let cache = Arc::new(
-        LocalCache::open(&root)
-            .with_context(|| format!("opening the store at {}", root.display()))?,
+    let mut req = BuildRequest::new(
+        Recipe {
+            name: file.display().to_string(),
+            bytes,
+        },
+        context,
     );
-    let work = a.work_dir.clone().unwrap_or_else(|| root.join(".build"));
-    let options = kiln_recipes::Options {
-        target: a.target.clone(),
-        build_args: build_args(&a.build_args),
-        platform: a.platform.clone(),
-        disk_mib: a.disk_mib,
-        ..Default::default()
-    };
-    let mut resolve = ResolveOptions {
-        policy: if a.offline {
-            PullPolicy::Never
-        } else if a.pull {
-            PullPolicy::Always
-        } else {
-            PullPolicy::Missing
-        },
-        work_dir: work.join("bootstrap"),
-        // `from: {bootstrap: ...}` without a mirror: the configured one, else this host's apt
-        // archive (see `kiln config show`).
-        default_mirror: config.bootstrap_mirror.value.clone(),
-        registry: RegistryOptions {
-            insecure: a.insecure.clone(),
-            ..RegistryOptions::default()
-        },
-        ..Default::default()
+    req.build_args = build_args(&a.build_args);
+    req.target = a.target.clone();
+    req.platform = a.platform.clone();
+    req.disk_mib = a.disk_mib;
+    req.pull = if a.offline {
+        PullPolicy::Never
+    } else if a.pull {
+        PullPolicy::Always
+    } else {
+        PullPolicy::Missing
     };
     for bc in &a.build_context {
         let (n, v) = parse_build_context(bc)?;
-        resolve.build_contexts.insert(n, v);
+        req.build_contexts.insert(n, v);
     }
-    let mut opts = BuildOptions::new(work.clone());
-    opts.no_cache = a.no_cache;
-    opts.no_cache_filter = a.no_cache_filter.clone();
-    opts.jobs = a.jobs.max(1);
-    opts.exec.allow_network_host = a.allow.iter().any(|e| e == "network.host");
-    opts.exec.run_dir = work.join("run");
-    opts.context = Some((context.clone(), dockerignore(&context, &file)?));
-    opts.secrets = secrets;
-    opts.recipe_digest = Some(kiln_builder::cache::digest_of(&bytes));
-    opts.resolve = resolve.clone();
-    let cancel = opts.cancel.clone();
+    req.no_cache = a.no_cache;
+    req.no_cache_filter = a.no_cache_filter.clone();
+    req.secrets = secrets;
+    if a.allow.iter().any(|e| e == "network.host") {
+        req.network = NetworkPolicy::AllowHost;
+    }
+    req.limits.vcpus = Some(a.vcpus);
+    req.output = output;
+    let cancel = req.cancel.clone();
     let events = printer(a.progress);
 
     let rt = super::common::runtime()?;
-    let (out, published) = rt.block_on(async {
+    let report = rt.block_on(async {
         // Ctrl-C and SIGTERM cancel the build.
-        let flag = cancel.clone();
+        let token = cancel.clone();
         tokio::spawn(async move {
             let mut term =
                 match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -344,98 +379,46 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 _ = term.recv() => {}
             }
             eprintln!("kiln: cancelling the build");
-            flag.store(true, Ordering::Relaxed);
+            token.cancel();
         });
-        let store = kiln_store::Store::open(&root.to_string_lossy()).await?;
-        let (plan, bases) = kiln_builder::resolve::resolve_recipe(
-            &name,
-            &bytes,
-            &options,
-            &resolve,
-            cache.as_ref(),
-        )
-        .await?;
-        for w in &plan.warnings {
-            match &w.location {
-                Some(l) => eprintln!("warning: {}:{}: {}", l.file, l.start_line, w.message),
-                None => eprintln!("warning: {}", w.message),
-            }
+        let mut setup = Setup::open_local(&root).await?;
+        if let Some(w) = &a.work_dir {
+            setup.work_dir = w.clone();
         }
-        let out = build(&plan, &bases, cache.clone(), &store, &opts, events).await?;
-        if cancel.load(Ordering::Relaxed) {
-            bail!("build cancelled");
-        }
-        // The ext4 image, the kiln image manifest and the store tags (nothing is tagged
-        // when any of it fails).
-        let published = if a.oci_only {
-            None
-        } else {
-            eprintln!("publishing: ext4 image, image manifest, tags");
-            // With --snapshot the tags move only once the snapshot is stored.
-            let tags: &[kiln_store::TagRef] = if boot.is_some() { &[] } else { &store_tags };
-            let p = kiln_builder::publish::publish(
-                &store,
-                cache.as_ref(),
-                &out.image,
-                tags,
-                &kiln_builder::publish::PublishOptions {
-                    disk_mib: a.disk_mib,
-                    ..Default::default()
-                },
-            )
-            .await;
-            let p = match (p, &boot) {
-                (Ok(d), Some(assets)) => {
-                    snapshot_and_tag(&store, &out.lease, d, assets, &a, &store_tags).await
-                }
-                (p, _) => p.map(|d| (d, None)).map_err(anyhow::Error::from),
-            };
-            let _ = out.lease.release().await;
-            Some(p?)
+        setup.registry = RegistryOptions {
+            insecure: a.insecure.clone(),
+            ..RegistryOptions::default()
         };
-        if a.oci_only {
-            // The local references made below keep the image; the lease is not needed.
-            let _ = out.lease.release().await;
-        }
-        anyhow::Ok((out, published))
+        // `from: {bootstrap: ...}` without a mirror: the configured one, else this host's apt
+        // archive (see `kiln config show`).
+        setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
+        setup.boot = boot;
+        setup.jobs = a.jobs.max(1);
+        anyhow::Ok(kiln_pipeline::run(&setup, req, events).await?)
     })?;
-    let (published, snapshot) = match published {
-        Some((d, s)) => (Some(d), s),
-        None => (None, None),
-    };
-    if cancel.load(Ordering::Relaxed) {
-        bail!("build cancelled");
-    }
-    let digest = out.image.oci_manifest.digest.clone();
-    let mut names: Vec<String> = store_tags.iter().map(|t| t.to_string()).collect();
-    for t in &oci_tags {
-        let full = format!("{}:{}", t.name(), t.tag().unwrap_or("latest"));
-        cache
-            .set_ref(&full, &digest)
-            .with_context(|| format!("tagging {full}"))?;
-        names.push(full);
-    }
+    let digest = &report.oci_manifest.digest;
+    let published = report.image.as_ref().map(|i| i.manifest);
+    let last = report
+        .final_image()
+        .map(|d| d.to_string())
+        .unwrap_or_else(|| digest.clone());
     if let Some(p) = &a.iidfile {
         write_file(p, digest.as_bytes())?;
     }
     if let Some(p) = &a.metadata_file {
         let meta = json!({
             "containerimage.digest": digest,
-            "containerimage.config.digest": out.image.config.digest,
-            "containerimage.descriptor": out.image.oci_manifest,
-            "image.name": names.join(","),
-            "kiln.image.manifest": published.as_ref().map(|d| d.to_string()),
-            "kiln.snapshot": snapshot.as_ref().map(|d| d.to_string()),
-            "kiln.recipe.digest": out.image.recipe_digest,
-            "kiln.steps.run": out.stats.steps_run,
-            "kiln.steps.cached": out.stats.steps_cached,
+            "containerimage.config.digest": report.config.digest,
+            "containerimage.descriptor": report.oci_manifest,
+            "image.name": report.tags.join(","),
+            "kiln.image.manifest": report.final_image().map(|d| d.to_string()),
+            "kiln.snapshot": report.snapshot.as_ref().map(|s| s.snapshot.to_string()),
+            "kiln.recipe.digest": report.recipe_digest,
+            "kiln.steps.run": report.steps_run,
+            "kiln.steps.cached": report.steps_cached,
         });
         write_file(p, serde_json::to_string_pretty(&meta)?.as_bytes())?;
     }
-    let last = published
-        .as_ref()
-        .map(|d| d.to_string())
-        .unwrap_or_else(|| digest.clone());
     let oci_note = if published.is_some() {
         format!(" (OCI manifest {digest})")
     } else {
@@ -443,144 +426,115 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     eprintln!(
         "built {last}{oci_note}: {} steps run, {} cached{}",
-        out.stats.steps_run,
-        out.stats.steps_cached,
-        if names.is_empty() {
+        report.steps_run,
+        report.steps_cached,
+        if report.tags.is_empty() {
             String::new()
         } else {
-            format!(", tagged {}", names.join(", "))
+            format!(", tagged {}", report.tags.join(", "))
         }
     );
     println!("{last}");
     Ok(())
 }
 
-/// Boots the published image manifest `image` once and stores its snapshot
-/// ([`kiln_vmm::snapshot::snapshot_manifest`]), the image held by the build's lease
-/// meanwhile; then points `tags` at the image manifest that names the snapshot. Returns that
-/// manifest and the snapshot manifest. On error no tag has moved.
-async fn snapshot_and_tag(
-    store: &kiln_store::Store,
-    lease: &kiln_store::lease::Lease,
-    image: kiln_store::ManifestDigest,
-    assets: &kiln_vmm::snapshot::BootAssets,
-    a: &Args,
-    tags: &[kiln_store::TagRef],
-) -> anyhow::Result<(
-    kiln_store::ManifestDigest,
-    Option<kiln_store::ManifestDigest>,
-)> {
-    use kiln_store::manifest::ObjectRef;
-    lease.add([ObjectRef::Manifest(image)]).await?;
-    eprintln!("snapshot: booting {image} once, waiting for its ready check");
-    let opts = kiln_vmm::snapshot::SnapshotOptions {
-        vcpus: a.vcpus,
-        memory_bytes: a.memory_mib << 20,
-        ready_timeout: std::time::Duration::from_secs(a.ready_timeout),
-        ..Default::default()
-    };
-    let r = kiln_vmm::snapshot::snapshot_manifest(store, image, assets, &opts)
-        .await
-        .context("kiln build --snapshot: nothing tagged")?;
-    lease.add([ObjectRef::Manifest(r.image)]).await?;
-    eprintln!(
-        "snapshot {} ({}: ready in {} ms, saved in {} ms; memory {} MiB stored as {} KiB)",
-        r.snapshot,
-        r.accel.name(),
-        r.boot_to_ready.as_millis(),
-        r.save.as_millis(),
-        r.memory_bytes >> 20,
-        r.memory_stored_bytes >> 10
-    );
-    for t in tags {
-        if store.get_tag(t).await?.map(|x| x.manifest) == Some(r.image) {
-            continue;
-        }
-        store
-            .force_tag(t, r.image)
-            .await
-            .with_context(|| format!("tagging {t}"))?;
-    }
-    Ok((r.image, Some(r.snapshot)))
-}
-
 fn write_file(p: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::write(p, bytes).with_context(|| format!("writing {}", p.display()))
 }
 
-/// The build context's ignore file, as BuildKit picks it: `<recipe>.dockerignore` beside the
-/// recipe when it exists, else `CONTEXT/.dockerignore`, else none.
-fn dockerignore(
-    context: &Path,
-    recipe: &Path,
-) -> anyhow::Result<kiln_recipes::dockerignore::Dockerignore> {
-    let mut specific = recipe.as_os_str().to_owned();
-    specific.push(".dockerignore");
-    for p in [PathBuf::from(specific), context.join(".dockerignore")] {
-        match std::fs::read(&p) {
-            Ok(b) => {
-                return Ok(kiln_recipes::dockerignore::Dockerignore::parse(
-                    &p.display().to_string(),
-                    &b,
-                )?);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e).with_context(|| format!("reading {}", p.display())),
-        }
-    }
-    Ok(Default::default())
-}
-
 /// The terminal display: an indicatif spinner per running step (its `file:line`, the
-/// instruction and its last log line), turned into a plain line when the step ends.
-fn tty_printer() -> Arc<dyn Fn(BuildEvent) + Send + Sync> {
+/// instruction and its last log line), turned into a plain line when the step ends; while
+/// publishing, one spinner with the ext4 chunks stored so far.
+fn tty_printer() -> Arc<dyn EventSink> {
     use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+    use kiln_store::progress::TransferStats;
     use std::collections::HashMap;
     use std::sync::Mutex;
+    /// The spinners shown.
+    #[derive(Default)]
+    struct Bars {
+        steps: HashMap<usize, ProgressBar>,
+        publish: Option<(ProgressBar, TransferStats)>,
+    }
     let multi = MultiProgress::new();
     // The template is a constant that parses; fall back to the default style anyway.
     let style = ProgressStyle::with_template("{spinner} {prefix} {elapsed} {wide_msg}")
         .unwrap_or_else(|_| ProgressStyle::default_spinner());
-    let bars: Mutex<HashMap<usize, ProgressBar>> = Mutex::default();
-    Arc::new(move |ev: BuildEvent| {
+    let bars: Mutex<Bars> = Mutex::default();
+    let spinner = move |multi: &MultiProgress, prefix: String| {
+        let b = multi.add(ProgressBar::new_spinner());
+        b.set_style(style.clone());
+        b.set_prefix(prefix);
+        b.enable_steady_tick(std::time::Duration::from_millis(120));
+        b
+    };
+    Arc::new(move |ev: Event| {
         // A poisoned lock only means another event panicked; drawing is best effort.
         let Ok(mut bars) = bars.lock() else { return };
+        if let Some(line) = phase_line(&ev) {
+            let _ = multi.println(line);
+        }
         match ev {
-            BuildEvent::Step {
-                index,
+            Event::StepStarted {
+                step,
                 stage,
                 location,
                 instruction,
-                cached,
             } => {
-                let line = format!("#{index} [stage {stage}] {location} {instruction}");
-                if cached {
-                    let _ = multi.println(format!("{line} CACHED"));
-                    return;
-                }
-                let _ = multi.println(line.clone());
-                let b = multi.add(ProgressBar::new_spinner());
-                b.set_style(style.clone());
-                b.set_prefix(format!("#{index}"));
-                b.enable_steady_tick(std::time::Duration::from_millis(120));
-                bars.insert(index, b);
+                let _ = multi.println(format!("#{step} [stage {stage}] {location} {instruction}"));
+                bars.steps.insert(step, spinner(&multi, format!("#{step}")));
             }
-            BuildEvent::Log(l) => match bars.get(&l.step) {
-                Some(b) => b.set_message(l.text),
+            Event::CacheHit {
+                step,
+                stage,
+                location,
+                instruction,
+            } => {
+                let _ = multi.println(format!(
+                    "#{step} [stage {stage}] {location} {instruction} CACHED"
+                ));
+            }
+            Event::Log { step, text } => match bars.steps.get(&step) {
+                Some(b) => b.set_message(text),
                 None => {
-                    let _ = multi.println(format!("#{} {}", l.step, l.text));
+                    let _ = multi.println(format!("#{step} {text}"));
                 }
             },
-            BuildEvent::Layer {
-                index,
-                digest,
-                size,
-            } => {
-                if let Some(b) = bars.remove(&index) {
+            Event::StepDone { step, layer, size } => {
+                if let Some(b) = bars.steps.remove(&step) {
                     b.finish_and_clear();
                 }
-                let _ = multi.println(format!("#{index} done: layer {digest} ({size} bytes)"));
+                let _ = multi.println(format!("#{step} done: layer {layer} ({size} bytes)"));
             }
+            Event::Publishing => {
+                bars.publish = Some((
+                    spinner(&multi, "ext4".to_string()),
+                    TransferStats::default(),
+                ));
+            }
+            Event::Progress { progress } => {
+                if let Some((b, stats)) = &mut bars.publish {
+                    stats.record(&progress);
+                    b.set_message(format!(
+                        "{} chunks ({} new), {} MiB",
+                        stats.chunks,
+                        stats.chunks_transferred,
+                        (stats.raw_bytes + stats.hole_bytes) >> 20
+                    ));
+                }
+            }
+            Event::Published { image, disk, .. } => {
+                if let Some((b, _)) = bars.publish.take() {
+                    b.finish_and_clear();
+                }
+                let _ = multi.println(format!(
+                    "published {image}: {} new chunks ({} KiB stored), {} reused",
+                    disk.new_chunks,
+                    disk.new_stored_bytes >> 10,
+                    disk.reused_chunks
+                ));
+            }
+            _ => {}
         }
     })
 }

@@ -68,7 +68,15 @@ pub struct Failure {
 impl<E: Into<anyhow::Error>> From<E> for Failure {
     fn from(e: E) -> Self {
         let error = e.into();
-        let code = match error.downcast_ref::<StoreError>() {
+        // A store error, or one the pipeline met while tagging or holding its lease.
+        let store = error.downcast_ref::<StoreError>().or_else(|| {
+            match error.downcast_ref::<kiln_pipeline::PipelineError>()? {
+                kiln_pipeline::PipelineError::Tag { source, .. }
+                | kiln_pipeline::PipelineError::Store(source) => Some(&**source),
+                _ => None,
+            }
+        });
+        let code = match store {
             Some(StoreError::Tag(TagError::Stale { .. })) => exit::STALE,
             Some(StoreError::Tag(TagError::NotFound { .. } | TagError::MissingManifest { .. })) => {
                 exit::NOT_FOUND

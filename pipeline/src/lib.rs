@@ -1,0 +1,566 @@
+//! kiln's build pipeline: one [`BuildRequest`] in, one [`BuildReport`] out, [`Event`]s on
+//! the way. The CLI (`kiln build`), the HTTP API (`kiln serve`) and the nightly rebuild all
+//! call [`run`], so the same inputs give the same digests whoever asks.
+//!
+//! - A [`BuildRequest`] is plain data: the [`Recipe`] (bytes and name), a [`ContextSource`],
+//!   build args, target, platform, the [`NetworkPolicy`], [`Limits`], the [`Executor`], the
+//!   [`CacheMountScope`], and the [`Output`]: a published image with its [`TagMove`]s and an
+//!   optional [`SnapshotRequest`], or only the OCI image. Its `cancel` token stops the build.
+//! - A [`Setup`] is where it runs: the [`Store`], its local blob cache, a scratch directory,
+//!   registry access and the guest kernel for snapshots. One per process (or per command).
+//! - [`run`] lowers the recipe and resolves its bases (`kiln_builder::resolve`), runs the
+//!   steps into an OCI image (`kiln_builder::build`), publishes the ext4 image and the kiln
+//!   image manifest (`kiln_builder::publish`), boots it once and stores the snapshot
+//!   (`kiln_vmm::snapshot`), and only then moves the tags, by compare-and-swap where the
+//!   request says so. A lease holds everything it relies on until the tags name it.
+//! - An [`EventSink`] receives each [`Event`]: step started, cache hit, log line, step done,
+//!   publish progress, published, snapshot stored, tagged. A closure or a channel will do.
+//! - A [`BuildReport`] gives the digests, sizes, phase times and the new and reused chunk
+//!   counts ([`ChunkCounts`]); a [`PipelineError`] says which phase failed, and on any error
+//!   no tag has moved.
+
+pub mod event;
+pub mod report;
+pub mod request;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use kiln_builder::build::{BuildError, BuildOptions, BuildOutput};
+use kiln_builder::cache::{BlobCache as _, CacheError, LocalCache};
+use kiln_builder::publish::{PublishError, PublishOptions};
+use kiln_builder::registry::RegistryOptions;
+use kiln_builder::resolve::{ResolveError, ResolveOptions};
+use kiln_store::manifest::ObjectRef;
+use kiln_store::progress::{ProgressEvent, TransferStats};
+use kiln_store::{ManifestDigest, Store, StoreError, TagError};
+use kiln_vmm::SnapshotError;
+use kiln_vmm::snapshot::BootAssets;
+
+pub use event::{Event, EventSink};
+pub use report::{BuildReport, ChunkCounts, PublishedImage, SnapshotSummary, Times};
+pub use request::{
+    BuildRequest, CacheMountScope, ContextSource, Executor, Limits, NetworkPolicy, Output, Recipe,
+    SnapshotRequest, TagExpect, TagMove, WorkspaceId,
+};
+pub use tokio_util::sync::CancellationToken;
+
+/// Why a build failed. Whatever the phase, no tag has moved.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// The request is inconsistent (e.g. a snapshot without boot assets).
+    #[error("invalid build request: {0}")]
+    Request(String),
+    /// The build context directory does not exist or is not a directory.
+    #[error("build context {} is not a directory", .0.display())]
+    ContextNotDir(PathBuf),
+    /// Reading a file of the request (an ignore file) failed.
+    #[error("reading {}: {source}", .path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The local store's blob cache could not be opened.
+    #[error("opening the store at {}: {source}", .path.display())]
+    OpenCache {
+        /// The store directory.
+        path: PathBuf,
+        /// Why.
+        source: CacheError,
+    },
+    /// An ignore file does not parse; the message names file and line.
+    #[error(transparent)]
+    Dockerignore(#[from] kiln_recipes::dockerignore::DockerignoreError),
+    /// Lowering the recipe or resolving a base image failed.
+    #[error(transparent)]
+    Resolve(Box<ResolveError>),
+    /// A step failed, or the build hit a limit; the message names the step's file and line.
+    #[error(transparent)]
+    Build(Box<BuildError>),
+    /// Writing the ext4 image, its chunks or the image manifest failed.
+    #[error(transparent)]
+    Publish(Box<PublishError>),
+    /// The boot-once VM did not reach its ready check, or its snapshot was not stored.
+    #[error("the boot-once snapshot failed; nothing tagged")]
+    Snapshot(#[source] Box<SnapshotError>),
+    /// The store failed (the build's lease).
+    #[error(transparent)]
+    Store(Box<StoreError>),
+    /// A tag did not move: the store failed, or (compare-and-swap) the tag held something
+    /// else than expected ([`kiln_store::TagError::Stale`]). Earlier tags of the request
+    /// may have moved only when the store failed between two moves.
+    #[error("tagging {tag}")]
+    Tag {
+        /// `name:tag`.
+        tag: String,
+        /// Why.
+        #[source]
+        source: Box<StoreError>,
+    },
+    /// A local OCI reference ([`Output::Oci`]) could not be set.
+    #[error("tagging {tag}")]
+    Ref {
+        /// The reference.
+        tag: String,
+        /// Why.
+        #[source]
+        source: CacheError,
+    },
+    /// The request's cancellation token fired.
+    #[error("build cancelled")]
+    Cancelled,
+}
+
+impl PipelineError {
+    /// The recipe's own error (it does not parse or lower; its message names the file and
+    /// line), when that is why the build failed: the caller's fault, not the build's.
+    pub fn recipe_error(&self) -> Option<&kiln_recipes::RecipeError> {
+        match self {
+            PipelineError::Resolve(e) => match &**e {
+                ResolveError::Recipe(r) => Some(r),
+                _ => None,
+            },
+            PipelineError::Build(e) => match &**e {
+                BuildError::Recipe(r) => Some(r),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
+impl From<StoreError> for PipelineError {
+    fn from(e: StoreError) -> Self {
+        PipelineError::Store(Box::new(e))
+    }
+}
+
+impl From<BuildError> for PipelineError {
+    fn from(e: BuildError) -> Self {
+        match e {
+            BuildError::Cancelled => PipelineError::Cancelled,
+            e => PipelineError::Build(Box::new(e)),
+        }
+    }
+}
+
+impl From<ResolveError> for PipelineError {
+    fn from(e: ResolveError) -> Self {
+        PipelineError::Resolve(Box::new(e))
+    }
+}
+
+impl From<PublishError> for PipelineError {
+    fn from(e: PublishError) -> Self {
+        PipelineError::Publish(Box::new(e))
+    }
+}
+
+/// Where builds run: the store and the parts of this host they use. Cheap to clone.
+#[derive(Clone)]
+pub struct Setup {
+    /// The store images, snapshots, tags, leases and build-cache entries go to. Its blobs
+    /// must be [`Setup::cache`]'s (a local store directory and its blob cache).
+    pub store: Store,
+    /// The local blob cache: base image layers, step layers, OCI manifests and configs.
+    pub cache: Arc<LocalCache>,
+    /// Scratch and layer directories (`layers/`, step uppers, `cache-mounts/`, bootstrap
+    /// trees); see [`BuildOptions::work_dir`] for what the file system must allow.
+    pub work_dir: PathBuf,
+    /// Registry access for base images (plain-HTTP registries, credentials).
+    pub registry: RegistryOptions,
+    /// Mirror for `from: {bootstrap: ...}` recipes that name none.
+    pub bootstrap_mirror: Option<String>,
+    /// Guest kernel and initramfs, needed by [`Output::Image`] with a snapshot.
+    pub boot: Option<BootAssets>,
+    /// Stages built at once, at least 1.
+    pub jobs: usize,
+}
+
+impl Setup {
+    /// The local store directory `root` (created when missing) with its blob cache, scratch
+    /// under `root/.build`, default registry access, no bootstrap mirror, no boot assets and
+    /// 2 stages at once.
+    pub async fn open_local(root: &Path) -> Result<Setup, PipelineError> {
+        let cache = LocalCache::open(root).map_err(|source| PipelineError::OpenCache {
+            path: root.to_path_buf(),
+            source,
+        })?;
+        let store = Store::open(&root.to_string_lossy()).await?;
+        Ok(Setup {
+            store,
+            cache: Arc::new(cache),
+            work_dir: root.join(".build"),
+            registry: RegistryOptions::default(),
+            bootstrap_mirror: None,
+            boot: None,
+            jobs: 2,
+        })
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Runs the build `req` in `setup`, telling `events` what happens. Returns the report once
+/// the tags have moved.
+///
+/// Order: lower and resolve → steps → (with [`Output::Image`]) ext4 image, chunks, blobs,
+/// image manifest → boot once and snapshot (when asked) → tags. Every tag expectation is
+/// checked before the first tag moves, so a stale compare-and-swap moves none.
+///
+/// Cancellation ([`BuildRequest::cancel`]) is seen between steps and kills a running step;
+/// a boot in progress is stopped; resolving and writing the ext4 image run to their end
+/// first. A cancelled build returns [`PipelineError::Cancelled`] and moves no tag. What was
+/// stored on the way (layers, chunks, manifests) stays untagged, for GC.
+pub async fn run(
+    setup: &Setup,
+    req: BuildRequest,
+    events: Arc<dyn EventSink>,
+) -> Result<BuildReport, PipelineError> {
+    let t0 = Instant::now();
+    let mut times = Times::default();
+    let cancel = req.cancel.clone();
+    if let Output::Image {
+        snapshot: Some(_), ..
+    } = &req.output
+        && setup.boot.is_none()
+    {
+        return Err(PipelineError::Request(
+            "a snapshot needs the guest kernel and initramfs (boot assets)".into(),
+        ));
+    }
+    match req.executor {
+        Executor::Namespace => {}
+    }
+
+    // 1. Lower and resolve.
+    let options = kiln_recipes::Options {
+        target: req.target.clone(),
+        build_args: req.build_args.clone(),
+        platform: req.platform.clone(),
+        disk_mib: req.disk_mib,
+        ..Default::default()
+    };
+    let resolve = ResolveOptions {
+        policy: req.pull,
+        build_contexts: req.build_contexts.clone(),
+        default_mirror: setup.bootstrap_mirror.clone(),
+        work_dir: setup.work_dir.join("bootstrap"),
+        registry: setup.registry.clone(),
+    };
+    let (mut plan, bases) = kiln_builder::resolve::resolve_recipe(
+        &req.recipe.name,
+        &req.recipe.bytes,
+        &options,
+        &resolve,
+        setup.cache.as_ref(),
+    )
+    .await?;
+    for w in &plan.warnings {
+        events.event(Event::Warning {
+            location: w
+                .location
+                .as_ref()
+                .map(|l| format!("{}:{}", l.file, l.start_line)),
+            message: w.message.clone(),
+        });
+    }
+    if let Some(t) = req.limits.timeout {
+        let secs = t.as_secs() + u64::from(t.subsec_nanos() > 0);
+        plan.limits.timeout_secs = plan.limits.timeout_secs.min(secs);
+    }
+    times.resolve = t0.elapsed();
+    if cancel.is_cancelled() {
+        return Err(PipelineError::Cancelled);
+    }
+
+    // 2. Steps.
+    let t = Instant::now();
+    let opts = build_options(setup, &req, resolve);
+    let _bridge = {
+        let (token, flag) = (cancel.clone(), opts.cancel.clone());
+        AbortOnDrop(tokio::spawn(async move {
+            token.cancelled().await;
+            flag.store(true, Ordering::Relaxed);
+        }))
+    };
+    let sink = events.clone();
+    let out = kiln_builder::build::build(
+        &plan,
+        &bases,
+        setup.cache.clone(),
+        &setup.store,
+        &opts,
+        Arc::new(move |e| sink.event(event::from_build(e))),
+    )
+    .await?;
+    times.build = t.elapsed();
+    let r = finish(setup, &req, &out, &events, &mut times).await;
+    let _ = out.lease.release().await;
+    let (image, snapshot, tags) = r?;
+    times.total = t0.elapsed();
+    Ok(BuildReport {
+        oci_manifest: out.image.oci_manifest.clone(),
+        config: out.image.config.clone(),
+        layers: out.image.layers.clone(),
+        recipe_digest: out.image.recipe_digest.clone(),
+        steps_run: out.stats.steps_run,
+        steps_cached: out.stats.steps_cached,
+        image,
+        snapshot,
+        tags,
+        times,
+    })
+}
+
+/// The builder's options for `req`.
+fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> BuildOptions {
+    let work = &setup.work_dir;
+    let mut opts = BuildOptions::new(work.clone());
+    opts.no_cache = req.no_cache;
+    opts.no_cache_filter = req.no_cache_filter.clone();
+    opts.jobs = setup.jobs.max(1);
+    opts.exec.allow_network_host = req.network == NetworkPolicy::AllowHost;
+    opts.exec.run_dir = work.join("run");
+    if let Some(m) = req.limits.memory_bytes {
+        opts.exec.memory_bytes = opts.exec.memory_bytes.min(m);
+    }
+    opts.context = match &req.context {
+        ContextSource::None => None,
+        ContextSource::Dir { path, dockerignore } => Some((path.clone(), dockerignore.clone())),
+    };
+    opts.secrets = req.secrets.clone();
+    opts.recipe_digest = Some(kiln_builder::cache::digest_of(&req.recipe.bytes));
+    opts.resolve = resolve;
+    opts.cache_mount_dir = match &req.cache_mounts {
+        CacheMountScope::Shared => None,
+        CacheMountScope::Workspace(w) => {
+            Some(work.join("cache-mounts-by-workspace").join(w.as_str()))
+        }
+    };
+    opts
+}
+
+type Finished = (Option<PublishedImage>, Option<SnapshotSummary>, Vec<String>);
+
+/// Everything after the steps: publish, snapshot, tags (or the local OCI references).
+async fn finish(
+    setup: &Setup,
+    req: &BuildRequest,
+    out: &BuildOutput,
+    events: &Arc<dyn EventSink>,
+    times: &mut Times,
+) -> Result<Finished, PipelineError> {
+    let cancel = &req.cancel;
+    if cancel.is_cancelled() {
+        return Err(PipelineError::Cancelled);
+    }
+    let (tags, snapshot) = match &req.output {
+        Output::Oci { refs } => {
+            let digest = &out.image.oci_manifest.digest;
+            let mut names = Vec::new();
+            for r in refs {
+                let full = format!("{}:{}", r.name(), r.tag().unwrap_or("latest"));
+                setup
+                    .cache
+                    .set_ref(&full, digest)
+                    .map_err(|source| PipelineError::Ref {
+                        tag: full.clone(),
+                        source,
+                    })?;
+                events.event(Event::Tagged {
+                    tag: full.clone(),
+                    manifest: digest.clone(),
+                });
+                names.push(full);
+            }
+            return Ok((None, None, names));
+        }
+        Output::Image { tags, snapshot } => (tags, snapshot),
+    };
+
+    // 3. ext4 image, chunks, blobs, image manifest.
+    let t = Instant::now();
+    events.event(Event::Publishing);
+    let stats: Arc<Mutex<TransferStats>> = Arc::default();
+    let progress = {
+        let (stats, events) = (stats.clone(), events.clone());
+        Arc::new(move |e: &ProgressEvent| {
+            stats.lock().unwrap_or_else(|p| p.into_inner()).record(e);
+            events.event(Event::Progress {
+                progress: e.clone(),
+            });
+        })
+    };
+    let manifest = kiln_builder::publish::publish(
+        &setup.store,
+        setup.cache.as_ref(),
+        &out.image,
+        &[],
+        &PublishOptions {
+            disk_mib: req.disk_mib,
+            progress: Some(progress),
+            lease: Some(out.lease.clone()),
+            ..Default::default()
+        },
+    )
+    .await?;
+    out.lease.add([ObjectRef::Manifest(manifest)]).await?;
+    let totals = *stats.lock().unwrap_or_else(|p| p.into_inner());
+    let published = PublishedImage {
+        manifest,
+        disk_bytes: totals.raw_bytes + totals.hole_bytes,
+        disk: totals.into(),
+    };
+    events.event(Event::Published {
+        image: manifest,
+        oci_manifest: out.image.oci_manifest.digest.clone(),
+        disk: published.disk,
+    });
+    times.publish = t.elapsed();
+    if cancel.is_cancelled() {
+        return Err(PipelineError::Cancelled);
+    }
+
+    // 4. Boot once and snapshot.
+    let mut target = manifest;
+    let summary = match (snapshot, &setup.boot) {
+        (Some(s), Some(assets)) => {
+            let t = Instant::now();
+            events.event(Event::Booting { image: manifest });
+            let opts = kiln_vmm::snapshot::SnapshotOptions {
+                vcpus: req.limits.vcpus.unwrap_or(1),
+                memory_bytes: s.memory_bytes,
+                ready_timeout: s.ready_timeout,
+                ..Default::default()
+            };
+            // Dropping the boot kills the VMM and removes its scratch directory.
+            let r = tokio::select! {
+                r = kiln_vmm::snapshot::snapshot_manifest(&setup.store, manifest, assets, &opts) => r,
+                _ = cancel.cancelled() => return Err(PipelineError::Cancelled),
+            }
+            .map_err(|e| PipelineError::Snapshot(Box::new(e)))?;
+            out.lease.add([ObjectRef::Manifest(r.image)]).await?;
+            events.event(Event::SnapshotStored {
+                snapshot: r.snapshot,
+                image: r.image,
+                accel: r.accel.name().to_string(),
+                boot_to_ready_ms: r.boot_to_ready.as_millis() as u64,
+                save_ms: r.save.as_millis() as u64,
+                memory_bytes: r.memory_bytes,
+                memory_stored_bytes: r.memory_stored_bytes,
+            });
+            times.snapshot = t.elapsed();
+            target = r.image;
+            Some(SnapshotSummary {
+                snapshot: r.snapshot,
+                image: r.image,
+                accel: r.accel.name().to_string(),
+                boot_to_ready: r.boot_to_ready,
+                save: r.save,
+                memory_bytes: r.memory_bytes,
+                memory_nonzero_bytes: r.memory_nonzero_bytes,
+                memory_stored_bytes: r.memory_stored_bytes,
+                vmstate_bytes: r.vmstate_bytes,
+            })
+        }
+        // `run` refused a snapshot without boot assets.
+        _ => None,
+    };
+    if cancel.is_cancelled() {
+        return Err(PipelineError::Cancelled);
+    }
+
+    // 5. Tags.
+    let names = move_tags(&setup.store, tags, target, events).await?;
+    Ok((Some(published), summary, names))
+}
+
+/// Points every tag of `moves` at `new`. Every compare-and-swap expectation is checked
+/// first: when one does not hold, no tag moves. A tag already naming `new` is left alone.
+async fn move_tags(
+    store: &Store,
+    moves: &[TagMove],
+    new: ManifestDigest,
+    events: &Arc<dyn EventSink>,
+) -> Result<Vec<String>, PipelineError> {
+    let tag_err = |m: &TagMove| {
+        let tag = m.tag.to_string();
+        move |e: StoreError| PipelineError::Tag {
+            tag,
+            source: Box::new(e),
+        }
+    };
+    let expected = |m: &TagMove| match m.expect {
+        TagExpect::Any => None,
+        TagExpect::Absent => Some(None),
+        TagExpect::Digest(d) => Some(Some(d)),
+    };
+    let mut current = Vec::with_capacity(moves.len());
+    for m in moves {
+        let now = store
+            .get_tag(&m.tag)
+            .await
+            .map_err(tag_err(m))?
+            .map(|r| r.manifest);
+        if let Some(want) = expected(m)
+            && now != want
+        {
+            return Err(tag_err(m)(StoreError::Tag(TagError::Stale {
+                tag: m.tag.clone(),
+                store: store.url().to_string(),
+                expected: want,
+                actual: now,
+            })));
+        }
+        current.push(now);
+    }
+    let mut names = Vec::with_capacity(moves.len());
+    for (m, now) in moves.iter().zip(current) {
+        if now != Some(new) {
+            match expected(m) {
+                None => store.force_tag(&m.tag, new).await.map(|_| ()),
+                Some(want) => store.set_tag(&m.tag, want, new).await,
+            }
+            .map_err(tag_err(m))?;
+        }
+        events.event(Event::Tagged {
+            tag: m.tag.to_string(),
+            manifest: new.to_string(),
+        });
+        names.push(m.tag.to_string());
+    }
+    Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recipe_errors_are_told_apart() {
+        let bad = kiln_recipes::load("Dockerfile", b"FROM scratch\nFRM x\n", &Default::default())
+            .expect_err("FRM is no instruction");
+        let text = bad.to_string();
+        let e = PipelineError::from(ResolveError::Recipe(Box::new(bad)));
+        assert_eq!(e.recipe_error().map(|r| r.to_string()), Some(text.clone()));
+        assert!(text.contains("Dockerfile:2"), "{text}");
+        assert!(PipelineError::Cancelled.recipe_error().is_none());
+        assert!(
+            PipelineError::from(BuildError::Cancelled)
+                .recipe_error()
+                .is_none()
+        );
+    }
+}
