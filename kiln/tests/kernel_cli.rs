@@ -74,3 +74,23 @@ fn kernel_prints_the_vmlinux_and_initramfs_it_made() {
         )
     );
 }
+
+/// Issue 16: after a plain `cargo build`, no static `kiln-guest-init` is beside kiln (cargo's
+/// is dynamic, or absent); `kiln kernel` (and so a first `kiln build --snapshot`) builds the
+/// init from the source checkout instead of failing with "No such file or directory".
+#[test]
+fn kernel_without_an_init_builds_one_from_the_checkout() {
+    let cache = require_env("KILN_TEST_CACHE");
+    let o = kiln(&["kernel", "--cache", &cache]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("kiln-guest-init is not beside kiln; building it from"),
+        "{err}"
+    );
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.starts_with("export KILN_KERNEL=") && text.contains("\nexport KILN_INITRAMFS="),
+        "{text}"
+    );
+}

@@ -5,9 +5,9 @@
 //! and `kiln build --snapshot` share: flags, then `KILN_KERNEL`/`KILN_INITRAMFS`, else the
 //! kernel cache and the guest init found as `kiln kernel` finds them.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use kiln_vmm::initramfs::{find_guest_init, guest_artifacts};
+use kiln_vmm::initramfs::{build_guest_init, find_guest_init, guest_artifacts};
 use kiln_vmm::kernel::KernelRecipe;
 use kiln_vmm::snapshot::BootAssets;
 use serde_json::json;
@@ -36,13 +36,15 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         None => KernelRecipe::shipped(),
     };
     let cache = a.cache.unwrap_or_else(default_cache_dir);
-    let init = match a.init {
-        Some(p) => p,
-        None => find_guest_init()?,
-    };
-    let g = tokio::task::spawn_blocking(move || guest_artifacts(&cache, &recipe, &init))
-        .await
-        .map_err(anyhow::Error::from)??;
+    let g = tokio::task::spawn_blocking(move || {
+        let init = match a.init {
+            Some(p) => p,
+            None => guest_init(&cache)?,
+        };
+        anyhow::Ok(guest_artifacts(&cache, &recipe, &init)?)
+    })
+    .await
+    .map_err(anyhow::Error::from)??;
     let (k, i) = (&g.kernel, &g.initramfs);
     if !out.json {
         eprintln!(
@@ -105,7 +107,7 @@ pub fn boot_assets(
             let cache = std::env::var_os("KILN_CACHE_DIR")
                 .map(PathBuf::from)
                 .unwrap_or_else(default_cache_dir);
-            let init = find_guest_init()?;
+            let init = guest_init(&cache)?;
             let g = guest_artifacts(&cache, &KernelRecipe::shipped(), &init)?;
             eprintln!(
                 "guest kernel {} {}, initramfs {} (from {})",
@@ -120,6 +122,32 @@ pub fn boot_assets(
             })
         }
     }
+}
+
+/// The static guest init: `KILN_GUEST_INIT`, else `kiln-guest-init` beside this executable
+/// ([`find_guest_init`]; `ci/main-job.sh` puts it there). When neither exists and this kiln
+/// was built from a source checkout that is still there, the init is built from it (static,
+/// release, about a minute the first time; a no-op for cargo after that) into
+/// `cache/guest-init/`, so that a first `kiln build --snapshot` after `cargo build -p kiln`
+/// just works. Blocking. Errors: the lookup's, or cargo's when the build fails.
+pub fn guest_init(cache: &Path) -> anyhow::Result<PathBuf> {
+    let missing = match find_guest_init() {
+        Ok(p) => return Ok(p),
+        Err(e) => e,
+    };
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .filter(|w| w.join("vmm/guest/Cargo.toml").is_file());
+    let (Some(workspace), None) = (workspace, std::env::var_os("KILN_GUEST_INIT")) else {
+        return Err(missing.into());
+    };
+    let target = cache.join("guest-init");
+    eprintln!(
+        "kiln-guest-init is not beside kiln; building it from {} into {} (once)",
+        workspace.display(),
+        target.display()
+    );
+    Ok(build_guest_init(workspace, &target)?)
 }
 
 #[cfg(test)]
