@@ -45,7 +45,7 @@ use std::fs::File;
 use std::io::{self, Read, Write};
 
 use crate::layer::whiteout::WhiteoutKind;
-use crate::layer::{LayerError, LimitKind, Limits, Split, bounded_stream, keep_xattr, split_name};
+use crate::layer::{LayerError, LimitKind, Limits, Split, bounded_stream, read_meta, split_name};
 
 use super::{Ext4Error, LayerBlob};
 
@@ -61,20 +61,8 @@ pub const MAX_SCAN_BYTES: u64 = 1 << 30;
 /// A stream position: (layer index, entry index in that layer's tar stream).
 type Pos = (u32, u32);
 
-/// Metadata of one output entry.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Meta {
-    /// Permission bits (`& 0o7777`).
-    pub mode: u32,
-    /// Owner.
-    pub uid: u32,
-    /// Group.
-    pub gid: u32,
-    /// Modification time, seconds since the epoch.
-    pub mtime: u64,
-    /// Extended attributes kept (name, value), in stream order.
-    pub xattrs: Vec<(Vec<u8>, Vec<u8>)>,
-}
+/// Metadata of one output entry: the layer entry reader's ([`crate::layer::read_meta`]).
+pub use crate::layer::Meta;
 
 #[derive(Debug, Clone)]
 enum Kind {
@@ -268,44 +256,6 @@ fn below(dir: &[u8]) -> (Vec<u8>, Vec<u8>) {
     let mut hi = dir.to_vec();
     hi.push(b'/' + 1);
     (lo, hi)
-}
-
-fn read_meta(entry: &mut tar::Entry<'_, impl Read>) -> io::Result<Meta> {
-    let h = entry.header();
-    let mut m = Meta {
-        mode: h.mode()? & 0o7777,
-        uid: h.uid()? as u32,
-        gid: h.gid()? as u32,
-        mtime: h.mtime()?,
-        xattrs: Vec::new(),
-    };
-    if let Some(exts) = entry.pax_extensions()? {
-        for ext in exts {
-            let ext = ext?;
-            let key = ext.key_bytes();
-            let val = ext.value_bytes();
-            let num = || {
-                std::str::from_utf8(val)
-                    .ok()
-                    .and_then(|s| s.split('.').next())
-                    .and_then(|s| s.parse::<u64>().ok())
-            };
-            match key {
-                b"uid" => m.uid = num().unwrap_or(m.uid as u64) as u32,
-                b"gid" => m.gid = num().unwrap_or(m.gid as u64) as u32,
-                b"mtime" => m.mtime = num().unwrap_or(m.mtime),
-                k if k.starts_with(b"SCHILY.xattr.") => {
-                    let name = &k[b"SCHILY.xattr.".len()..];
-                    if keep_xattr(name) {
-                        m.xattrs.retain(|(n, _)| n != name);
-                        m.xattrs.push((name.to_vec(), val.to_vec()));
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    Ok(m)
 }
 
 fn open_layer(l: &LayerBlob) -> Result<File, Ext4Error> {

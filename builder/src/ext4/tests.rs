@@ -477,3 +477,60 @@ fn absolute_names_and_a_root_named_slash_flatten_inside_the_root() {
     assert_eq!(stats.extra_links, 1, "{stats:?}");
     build(&layers, &d.path().join("abs.ext4"), &opts("sha256:abs")).expect("e2fsck-clean image");
 }
+
+/// Issue 17, case 2: owner ids past 32 bits, in PAX records, wrapped to other owners in the
+/// flattened tree (`uid=4294967296` became root) while `apply_layer` refused them. Both now
+/// read entries with one metadata reader, which refuses them.
+#[test]
+fn owner_ids_past_32_bits_are_refused_not_wrapped() {
+    let d = tempfile::tempdir().unwrap();
+    for (key, value) in [
+        ("uid", "4294967296"),
+        ("uid", "4294967297"),
+        ("gid", "4294967296"),
+        ("uid", "4294967295"),
+    ] {
+        let mut b = tar::Builder::new(Vec::new());
+        b.append_pax_extensions([(key, value.as_bytes())]).unwrap();
+        let mut h = tar::Header::new_gnu();
+        h.set_size(1);
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        b.append_data(&mut h, "owned", &b"x"[..]).unwrap();
+        let raw = b.into_inner().unwrap();
+        let path = d.path().join(format!("{key}-{value}"));
+        std::fs::write(&path, &raw).unwrap();
+        let layer = LayerBlob {
+            digest: digest_of(&raw),
+            path: path.clone(),
+        };
+        let err = flatten(
+            std::slice::from_ref(&layer),
+            std::io::sink(),
+            &Limits::default(),
+            None,
+        )
+        .expect_err("an id that is not a Linux id");
+        assert!(
+            err.to_string()
+                .contains(&format!("{key} {value} is not a valid id")),
+            "{key}={value}: {err}"
+        );
+        // The applier says the same about the same layer.
+        let root = d.path().join(format!("root-{key}-{value}"));
+        std::fs::create_dir(&root).unwrap();
+        let applied = crate::layer::apply_layer(
+            &root,
+            std::fs::File::open(&path).unwrap(),
+            &layer.digest,
+            &Limits::default(),
+        );
+        let err = applied.expect_err("the applier refuses it too").to_string();
+        assert!(
+            err.contains(&format!("{key} {value} is not a valid id")),
+            "{err}"
+        );
+    }
+}

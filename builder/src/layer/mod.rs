@@ -663,13 +663,79 @@ fn os(c: &[u8]) -> &OsStr {
     OsStr::from_bytes(c)
 }
 
-/// Metadata of one entry, with PAX overrides applied.
-struct Meta {
-    mode: u32,
-    uid: u32,
-    gid: u32,
-    mtime: u64,
-    xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+/// Metadata of one layer entry as [`read_meta`] reads it: the header's fields with PAX
+/// overrides applied. The ext4 flattener carries the same type (`ext4::Meta`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Meta {
+    /// Permission bits (`& 0o7777`: setuid, setgid and sticky included).
+    pub mode: u32,
+    /// Owner, a valid Linux uid ([`owner_id`]).
+    pub uid: u32,
+    /// Group, a valid Linux gid.
+    pub gid: u32,
+    /// Modification time, seconds since the epoch (PAX `mtime`, fraction dropped).
+    pub mtime: u64,
+    /// Extended attributes kept ([`keep_xattr`]), in stream order, each name once (a
+    /// repeated name keeps its last value, as setting them in order would).
+    pub xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+/// Reads one entry's metadata: the one reader of owners, modes, times and xattrs that layer
+/// apply and the ext4 flattener share, so that they cannot diverge. PAX `uid`/`gid` override
+/// the header's, `mtime` too, `SCHILY.xattr.*` records give the xattrs (POSIX.1-2008 pax
+/// format; the xattr key form is GNU tar's and star's).
+///
+/// Errors (`InvalidData`): an owner id that is not a Linux id ([`owner_id`]), a PAX
+/// `uid`/`gid` that is not a number; the header's own read errors.
+pub(crate) fn read_meta(entry: &mut tar::Entry<'_, impl Read>) -> io::Result<Meta> {
+    let h = entry.header();
+    let mut m = Meta {
+        mode: h.mode()? & 0o7777,
+        uid: owner_id("uid", h.uid()?)?,
+        gid: owner_id("gid", h.gid()?)?,
+        mtime: h.mtime()?,
+        xattrs: Vec::new(),
+    };
+    if let Some(exts) = entry.pax_extensions()? {
+        for ext in exts {
+            let ext = ext?;
+            let key = ext.key_bytes();
+            let val = ext.value_bytes();
+            let num = || {
+                std::str::from_utf8(val)
+                    .ok()
+                    .and_then(|s| s.split('.').next())
+                    .and_then(|s| s.parse::<u64>().ok())
+            };
+            match key {
+                b"uid" | b"gid" => {
+                    let what = if key == b"uid" { "uid" } else { "gid" };
+                    let v = num().ok_or_else(|| {
+                        io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            format!("PAX {what} is not a number"),
+                        )
+                    })?;
+                    let id = owner_id(what, v)?;
+                    if key == b"uid" {
+                        m.uid = id;
+                    } else {
+                        m.gid = id;
+                    }
+                }
+                b"mtime" => m.mtime = num().unwrap_or(m.mtime),
+                k if k.starts_with(b"SCHILY.xattr.") => {
+                    let name = &k[b"SCHILY.xattr.".len()..];
+                    if keep_xattr(name) {
+                        m.xattrs.retain(|(n, _)| n != name);
+                        m.xattrs.push((name.to_vec(), val.to_vec()));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(m)
 }
 
 /// A tar owner id as a Linux uid/gid. Ids that do not fit 32 bits would wrap (4294967296 is
@@ -810,54 +876,7 @@ impl Applier {
     }
 
     fn meta(&self, entry: &mut tar::Entry<'_, impl Read>) -> Result<Meta, ApplyFail> {
-        let h = entry.header();
-        let bad = |e: io::Error| ApplyFail::Read(e);
-        let mut m = Meta {
-            mode: h.mode().map_err(bad)? & 0o7777,
-            uid: owner_id("uid", h.uid().map_err(bad)?).map_err(bad)?,
-            gid: owner_id("gid", h.gid().map_err(bad)?).map_err(bad)?,
-            mtime: h.mtime().map_err(bad)?,
-            xattrs: Vec::new(),
-        };
-        if let Some(exts) = entry.pax_extensions().map_err(bad)? {
-            for ext in exts {
-                let ext = ext.map_err(bad)?;
-                let key = ext.key_bytes();
-                let val = ext.value_bytes();
-                let num = || {
-                    std::str::from_utf8(val)
-                        .ok()
-                        .and_then(|s| s.split('.').next())
-                        .and_then(|s| s.parse::<u64>().ok())
-                };
-                match key {
-                    b"uid" | b"gid" => {
-                        let what = if key == b"uid" { "uid" } else { "gid" };
-                        let v = num().ok_or_else(|| {
-                            bad(io::Error::new(
-                                io::ErrorKind::InvalidData,
-                                format!("PAX {what} is not a number"),
-                            ))
-                        })?;
-                        let id = owner_id(what, v).map_err(bad)?;
-                        if key == b"uid" {
-                            m.uid = id;
-                        } else {
-                            m.gid = id;
-                        }
-                    }
-                    b"mtime" => m.mtime = num().unwrap_or(m.mtime),
-                    k if k.starts_with(b"SCHILY.xattr.") => {
-                        let name = &k[b"SCHILY.xattr.".len()..];
-                        if keep_xattr(name) {
-                            m.xattrs.push((name.to_vec(), val.to_vec()));
-                        }
-                    }
-                    _ => {}
-                }
-            }
-        }
-        Ok(m)
+        read_meta(entry).map_err(ApplyFail::Read)
     }
 
     /// Removes `name` in `dir`, recursively for directories, never following symlinks.
