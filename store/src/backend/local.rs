@@ -6,7 +6,8 @@
 //! `AlreadyExists`), `put` and `compare_and_swap` with `rename(2)` (atomic replace). The parent
 //! directory is fsynced after publishing. A crash leaves at most a stray file in `.tmp`.
 //!
-//! Compare-and-swap holds an exclusive `flock(2)` on `<root>/.locks/<key with / as %>` while
+//! Compare-and-swap holds an exclusive `flock(2)` on `<root>/.locks/<key with / as %>` (or
+//! `#<sha256 hex of the key>` when that is longer than a file name may be) while
 //! it reads the current version and renames; the OS drops the lock if the process dies, so a
 //! crash never leaves a tag locked. A version is `<inode>-<ctime ns>-<size>` of the file: every
 //! rename creates a new inode, so a rewrite with identical bytes still changes the version.
@@ -387,6 +388,21 @@ impl Ctx {
     }
 }
 
+/// Longest file name (bytes) on Linux file systems (`NAME_MAX`).
+const NAME_MAX: usize = 255;
+
+/// The file under `.locks` that serializes compare-and-swap on `key`: the key with `/` as
+/// `%`, or, when that is longer than [`NAME_MAX`], `#` and the sha256 of the key (neither `%`
+/// nor `#` is in the key alphabet, so the two forms never meet).
+fn lock_name(key: &str) -> String {
+    let flat = key.replace('/', "%");
+    if flat.len() <= NAME_MAX {
+        flat
+    } else {
+        format!("#{}", crate::digest::Sha256Hash::of(key.as_bytes()).hex())
+    }
+}
+
 fn walk(root: &Path, dir: &Path, out: &mut Vec<ObjectInfo>) -> std::io::Result<()> {
     let entries = match fs::read_dir(dir) {
         Ok(e) => e,
@@ -555,7 +571,7 @@ impl Backend for LocalBackend {
         let key = key.to_string();
         let expected = expected.cloned();
         self.blocking(move |c| {
-            let lock_path = c.root.join(LOCK_DIR).join(key.replace('/', "%"));
+            let lock_path = c.root.join(LOCK_DIR).join(lock_name(&key));
             let lock = OpenOptions::new()
                 .create(true)
                 .truncate(false)
