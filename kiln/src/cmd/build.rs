@@ -78,9 +78,11 @@ pub struct Args {
     /// Always ask the registry for newer base images.
     #[arg(long)]
     pub pull: bool,
-    /// The local store directory (default: $KILN_STORE, else ~/.local/share/kiln/store).
-    #[arg(long, env = "KILN_STORE")]
-    pub store: Option<PathBuf>,
+    /// The local store directory or `file://PATH` (default: $KILN_STORE, else the config
+    /// file's `store`, else ~/.local/share/kiln/store). An S3 store is refused: a build
+    /// writes into a local store; `kiln store push` copies it to S3.
+    #[arg(long, value_name = "DIR")]
+    pub store: Option<String>,
     /// Sandbox disk size in MiB (overrides `LABEL kiln.disk-mib` / `disk_mib:`).
     #[arg(long = "disk-mib", value_name = "MIB")]
     pub disk_mib: Option<u64>,
@@ -278,10 +280,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         None
     };
     let config = crate::config::Config::load(&crate::config::Flags::default())?;
-    let root = match &a.store {
-        Some(p) => p.clone(),
-        None => crate::config::local_store_dir()?,
-    };
+    let root = crate::config::local_store_dir(a.store.as_deref(), "kiln build")?;
     let cache = Arc::new(
         LocalCache::open(&root)
             .with_context(|| format!("opening the store at {}", root.display()))?,
