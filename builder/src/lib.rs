@@ -24,7 +24,8 @@
 //!
 //! Root file systems (issue 6):
 //! - [`ext4`]: layers flattened into a deterministic, checked ext4 image (`mke2fs -d -`);
-//! - [`publish`]: a built image into the store: ext4 chunks, OCI blobs, manifest, tags.
+//! - [`publish`]: a built image into the store: ext4 chunks, OCI blobs, manifest, tags;
+//! - [`space`]: a full host file system reported with its path and free space.
 
 pub mod base;
 pub mod bootstrap;
@@ -42,3 +43,4 @@ pub mod registry;
 pub mod remote;
 pub mod resolve;
 pub mod secrets;
+pub mod space;
