@@ -40,9 +40,10 @@ impl NoSpace {
     }
 }
 
-/// Whether an I/O error is `ENOSPC`.
+/// Whether an I/O error is `ENOSPC` (also when wrapped by a library that kept its kind,
+/// [`std::io::ErrorKind::StorageFull`]).
 pub fn is_no_space(e: &std::io::Error) -> bool {
-    e.raw_os_error() == Some(libc::ENOSPC)
+    e.raw_os_error() == Some(libc::ENOSPC) || e.kind() == std::io::ErrorKind::StorageFull
 }
 
 fn mib(bytes: u64) -> String {

@@ -130,6 +130,9 @@ pub enum BuildError {
         /// Why.
         source: merged::MergedError,
     },
+    /// The host file system ran out of space ([`crate::space`]).
+    #[error(transparent)]
+    NoSpace(#[from] crate::space::NoSpace),
     /// A file-system operation failed.
     #[error("{what} {path}: {source}")]
     Io {
@@ -213,10 +216,15 @@ fn io_err<'a>(
     what: &'static str,
     path: &'a Path,
 ) -> impl FnOnce(std::io::Error) -> BuildError + 'a {
-    move |source| BuildError::Io {
-        what,
-        path: path.to_path_buf(),
-        source,
+    move |source| {
+        if crate::space::is_no_space(&source) {
+            return crate::space::NoSpace::at(what, path, None).into();
+        }
+        BuildError::Io {
+            what,
+            path: path.to_path_buf(),
+            source,
+        }
     }
 }
 
@@ -842,12 +850,18 @@ async fn commit_upper(ctx: &Arc<Ctx>, mut s: Scratch) -> Result<LayerRef, BuildE
             fs::create_dir_all(p).map_err(io_err("creating", p))?;
         }
         let f = fs::File::create(&staged).map_err(io_err("creating", &staged))?;
-        let w = crate::layer::write::write_upper_layer(&upper, std::io::BufWriter::new(f), c.epoch)
-            .map_err(io_err("writing a layer from", &upper));
+        let w = crate::layer::write::write_upper_layer(&upper, std::io::BufWriter::new(f), c.epoch);
         let w = match w {
             Ok(w) => w,
             Err(e) => {
                 let _ = fs::remove_file(&staged);
+                // Out of space is about the file being written (its free space measured
+                // without the partial layer, beside the step's files), not the directory read.
+                let e = if crate::space::is_no_space(&e) {
+                    crate::space::NoSpace::at("writing the layer", &staged, None).into()
+                } else {
+                    io_err("writing a layer from", &upper)(e)
+                };
                 let _ = fs::remove_dir_all(&upper);
                 return Err(e);
             }
