@@ -415,6 +415,7 @@ pub async fn build_with(
     events: EventSink,
     executor: Arc<dyn StepExecutor>,
 ) -> Result<BuildOutput, BuildError> {
+    check_supported(plan)?;
     if bases.len() != plan.stages.len() || plan.stages.is_empty() {
         return Err(BuildError::Plan(format!(
             "{} stages but {} resolved bases",
@@ -599,6 +600,40 @@ async fn run_stages(ctx: Arc<Ctx>) -> Result<Vec<Option<StageOut>>, BuildError> 
 
 fn location(step: &Step) -> String {
     format!("{}:{}", step.location.file, step.location.start_line)
+}
+
+/// Refuses, with the step's `file:line`, what a plan may say but this builder does not do:
+/// `COPY --link`/`ADD --link` (BuildKit's independent layer, rebased without the layers
+/// below) and `ADD` of a git repository. [`build_with`] calls it first; `kiln plan` calls it
+/// too, so the plan it prints is one that builds. Errors: [`BuildError::Unsupported`].
+pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
+    for step in plan.stages.iter().flat_map(|s| &s.steps) {
+        let (verb, c) = match &step.action {
+            Action::Copy(c) => ("COPY", c),
+            Action::Add(c) => ("ADD", c),
+            _ => continue,
+        };
+        let unsupported = |what: String| BuildError::Unsupported {
+            location: location(step),
+            what,
+        };
+        if c.link {
+            return Err(unsupported(format!(
+                "{verb} --link (kiln makes every {verb} an ordinary layer over the ones below \
+                 it, not an independent one; drop --link for the same files)"
+            )));
+        }
+        if let Some(url) = c.sources.iter().find_map(|s| match s {
+            kiln_recipes::plan::CopySource::Git { url } => Some(url),
+            _ => None,
+        }) {
+            return Err(unsupported(format!(
+                "ADD of a git repository ({url}): kiln does not fetch git sources yet; clone \
+                 it into the build context and COPY it"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The history `created_by` of a step, Docker-like.

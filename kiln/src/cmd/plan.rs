@@ -68,6 +68,11 @@ pub fn run(args: &PlanArgs, json: bool) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // A plan that lowers but that kiln cannot build is refused here, not at build time.
+    if let Err(e) = kiln_builder::build::check_supported(&plan) {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     for w in &plan.warnings {
         match &w.location {
             Some(l) => eprintln!("warning: {}:{}: {}", l.file, l.start_line, w.message),
