@@ -22,8 +22,9 @@
 //! - `--parents` keeps each source's path (from the root, or from a `/./` pivot in the
 //!   source) under the destination; `--exclude` patterns (`.dockerignore` syntax) are matched
 //!   against each copied path relative to its source, and against the source's own path;
-//! - `ADD` of a local tar archive (plain, gzip, zstd, xz or bzip2, as Docker; told by content, not name) extracts it
-//!   into the destination directory with [`crate::layer::apply_layer`] and its bounds;
+//! - `ADD` of a local tar archive (plain, gzip, zstd, xz or bzip2, as Docker; told by content,
+//!   not name) extracts it into the destination directory with [`crate::layer::apply_layer`]
+//!   and its bounds;
 //!   `ADD` of a URL copies the file [`fetch::fetch_urls`] downloaded beforehand (mode 0600),
 //!   never unpacked; `ADD` of a git repository is refused ([`CopyError::Unsupported`]);
 //! - `--link` changes how the driver stacks the result (on an empty root, as its own layer);
