@@ -4,7 +4,9 @@
 //! ([`kiln_builder::publish::publish`]). Prints the image manifest digest as the last line
 //! on stdout (with `--oci-only`, the OCI manifest digest); `--iidfile` gets the OCI
 //! manifest digest, as buildx writes it. Progress and step logs go to stderr:
-//! plain lines, or one JSON object per line with `--progress rawjson`.
+//! plain lines, or one JSON object per line with `--progress rawjson`. With the global
+//! `--json`, stdout has only JSON lines: those events, then a `built` event (image manifest,
+//! OCI manifest, snapshot, tags, steps run and cached) instead of the digest line.
 //!
 //! `--snapshot` (kiln's own flag) then boots the image once in a microVM, runs its start
 //! command until its ready check passes and stores the snapshot
@@ -174,17 +176,19 @@ fn locate(a: &Args) -> (PathBuf, PathBuf) {
     }
 }
 
-fn printer(progress: Progress) -> Arc<dyn Fn(BuildEvent) + Send + Sync> {
+/// The progress printer; with the global `--json` (`json`), every event is a JSON line on
+/// stdout instead (the `--progress rawjson` objects), whatever `--progress` says.
+fn printer(progress: Progress, json: bool) -> Arc<dyn Fn(BuildEvent) + Send + Sync> {
     let mode = match progress {
         Progress::Auto if std::io::stderr().is_terminal() => Progress::Tty,
         Progress::Auto => Progress::Plain,
         p => p,
     };
-    if mode == Progress::Tty {
+    if mode == Progress::Tty && !json {
         return tty_printer();
     }
     Arc::new(move |ev: BuildEvent| {
-        if mode == Progress::Rawjson {
+        if json || mode == Progress::Rawjson {
             let v = match &ev {
                 BuildEvent::Step {
                     index,
@@ -201,7 +205,11 @@ fn printer(progress: Progress) -> Arc<dyn Fn(BuildEvent) + Send + Sync> {
                     size,
                 } => json!({"event": "layer", "step": index, "digest": digest, "size": size}),
             };
-            eprintln!("{v}");
+            if json {
+                println!("{v}");
+            } else {
+                eprintln!("{v}");
+            }
             return;
         }
         match ev {
@@ -225,8 +233,8 @@ fn printer(progress: Progress) -> Arc<dyn Fn(BuildEvent) + Send + Sync> {
     })
 }
 
-/// Runs `kiln build`.
-pub fn run(a: Args) -> anyhow::Result<()> {
+/// Runs `kiln build`; `cli` carries the global `--json` choice.
+pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
     for f in &a.ssh {
         kiln_builder::secrets::refuse_ssh(f)?;
     }
@@ -326,7 +334,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     opts.recipe_digest = Some(kiln_builder::cache::digest_of(&bytes));
     opts.resolve = resolve.clone();
     let cancel = opts.cancel.clone();
-    let events = printer(a.progress);
+    let events = printer(a.progress, cli.json);
 
     let rt = super::common::runtime()?;
     let (out, published) = rt.block_on(async {
@@ -450,7 +458,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!(", tagged {}", names.join(", "))
         }
     );
-    println!("{last}");
+    cli.event(
+        "built",
+        json!({
+            "manifest": published.as_ref().map(|d| d.to_string()),
+            "ociManifest": digest, "snapshot": snapshot.as_ref().map(|d| d.to_string()),
+            "tags": names, "stepsRun": out.stats.steps_run, "stepsCached": out.stats.steps_cached,
+        }),
+        || last.clone(),
+    );
     Ok(())
 }
 
