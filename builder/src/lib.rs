@@ -24,8 +24,7 @@
 //!
 //! Root file systems (issue 6):
 //! - [`ext4`]: layers flattened into a deterministic, checked ext4 image (`mke2fs -d -`);
-//! - [`publish`]: a built image into the store: ext4 chunks, OCI blobs, manifest, tags;
-//! - [`space`]: a full host file system reported with its path and free space.
+//! - [`publish`]: a built image into the store: ext4 chunks, OCI blobs, manifest, tags.
 
 pub mod base;
 pub mod bootstrap;
@@ -43,4 +42,3 @@ pub mod registry;
 pub mod remote;
 pub mod resolve;
 pub mod secrets;
-pub mod space;

@@ -35,6 +35,7 @@
 //!   the builder (download into the store, unpack from it).
 //! - [`gc`] (mark is pure; sweep separate), [`verify`], [`copy`] (push/pull between stores,
 //!   with [`progress`] events).
+//! - [`space`]: a full host file system (ENOSPC) reported with its path and free space.
 //!
 //! ## Example: publish an ext4 image and read it back
 //! ```no_run
@@ -73,6 +74,7 @@ pub mod manifest;
 pub mod ociref;
 pub mod progress;
 pub mod readcache;
+pub mod space;
 pub mod store;
 pub mod tag;
 pub mod verify;

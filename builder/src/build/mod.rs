@@ -132,7 +132,7 @@ pub enum BuildError {
     },
     /// The host file system ran out of space ([`crate::space`]).
     #[error(transparent)]
-    NoSpace(#[from] crate::space::NoSpace),
+    NoSpace(#[from] kiln_store::space::NoSpace),
     /// A file-system operation failed.
     #[error("{what} {path}: {source}")]
     Io {
@@ -217,8 +217,8 @@ fn io_err<'a>(
     path: &'a Path,
 ) -> impl FnOnce(std::io::Error) -> BuildError + 'a {
     move |source| {
-        if crate::space::is_no_space(&source) {
-            return crate::space::NoSpace::at(what, path, None).into();
+        if kiln_store::space::is_no_space(&source) {
+            return kiln_store::space::NoSpace::at(what, path, None).into();
         }
         BuildError::Io {
             what,
@@ -892,8 +892,8 @@ async fn commit_upper(ctx: &Arc<Ctx>, mut s: Scratch) -> Result<LayerRef, BuildE
                 let _ = fs::remove_file(&staged);
                 // Out of space is about the file being written (its free space measured
                 // without the partial layer, beside the step's files), not the directory read.
-                let e = if crate::space::is_no_space(&e) {
-                    crate::space::NoSpace::at("writing the layer", &staged, None).into()
+                let e = if kiln_store::space::is_no_space(&e) {
+                    kiln_store::space::NoSpace::at("writing the layer", &staged, None).into()
                 } else {
                     io_err("writing a layer from", &upper)(e)
                 };

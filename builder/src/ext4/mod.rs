@@ -174,7 +174,7 @@ pub enum Ext4Error {
     },
     /// The host file system holding the image is full (not the image).
     #[error(transparent)]
-    NoSpace(#[from] crate::space::NoSpace),
+    NoSpace(#[from] kiln_store::space::NoSpace),
     /// mke2fs failed.
     #[error("mke2fs failed ({status}): {stderr}")]
     Mke2fs {
@@ -536,9 +536,12 @@ fn build_inner(
                 let needs = estimate.tree_bytes
                     + inode_count(mib, estimate.tree_inodes) * u64::from(INODE_SIZE)
                     + journal_mib(mib) * MIB;
-                return Err(
-                    crate::space::NoSpace::at("writing the ext4 image", dest, Some(needs)).into(),
-                );
+                return Err(kiln_store::space::NoSpace::at(
+                    "writing the ext4 image",
+                    dest,
+                    Some(needs),
+                )
+                .into());
             }
             Err(Ext4Error::Mke2fs { stderr, status }) if image_full(&stderr) => {
                 attempts += 1;
@@ -615,8 +618,8 @@ fn run_mke2fs(
     conf: &Path,
 ) -> Result<(), Ext4Error> {
     let io = |source: std::io::Error| {
-        if crate::space::is_no_space(&source) {
-            crate::space::NoSpace::at("writing the ext4 image", dest, None).into()
+        if kiln_store::space::is_no_space(&source) {
+            kiln_store::space::NoSpace::at("writing the ext4 image", dest, None).into()
         } else {
             Ext4Error::Io {
                 path: dest.to_path_buf(),

@@ -326,6 +326,20 @@ impl Ctx {
         self.publish_link(key, &tmp)
     }
 
+    /// The error for a failed write of `key`'s temp file: [`BackendError::NoSpace`] (with
+    /// the free space measured once the partial file is gone) when the file system is full.
+    fn write_err(&self, key: &str, e: std::io::Error) -> BackendError {
+        if crate::space::is_no_space(&e) {
+            return BackendError::NoSpace {
+                store: self.url.clone(),
+                op: "put",
+                key: key.to_string(),
+                space: crate::space::NoSpace::at("writing", &self.tmp, None),
+            };
+        }
+        other(&self.url, "put", key, e)
+    }
+
     /// Writes a temp file from `fill`, fsyncs it, checks the digest. Returns the temp path.
     fn write_tmp(
         &self,
@@ -337,12 +351,12 @@ impl Ctx {
             .write(true)
             .create_new(true)
             .open(&self.tmp)
-            .map_err(|e| other(&self.url, "put", key, e))?;
+            .map_err(|e| self.write_err(key, e))?;
         let mut hasher = Hasher::new();
         let res = fill(&mut f, &mut hasher).and_then(|_| f.sync_all());
         if let Err(e) = res {
             let _ = fs::remove_file(&self.tmp);
-            return Err(other(&self.url, "put", key, e));
+            return Err(self.write_err(key, e));
         }
         if let Some(expected) = expect {
             let actual = hasher.finish();

@@ -1,6 +1,7 @@
 //! A full host file system (`ENOSPC`, "No space left on device") reported as what it is: the
 //! path being written and the free space of the file system holding it, measured when the
 //! error is made. Never retried: a bigger attempt cannot fit where a smaller one did not.
+//! Used by the local backend and by the builder (layers, ext4 images).
 
 use std::path::{Path, PathBuf};
 
@@ -43,7 +44,8 @@ impl NoSpace {
 /// Whether an I/O error is `ENOSPC` (also when wrapped by a library that kept its kind,
 /// [`std::io::ErrorKind::StorageFull`]).
 pub fn is_no_space(e: &std::io::Error) -> bool {
-    e.raw_os_error() == Some(libc::ENOSPC) || e.kind() == std::io::ErrorKind::StorageFull
+    e.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error())
+        || e.kind() == std::io::ErrorKind::StorageFull
 }
 
 fn mib(bytes: u64) -> String {
@@ -81,9 +83,7 @@ mod tests {
                 && msg.ends_with(" (about 3.0 MiB needed)"),
             "{msg}"
         );
-        assert!(is_no_space(&std::io::Error::from_raw_os_error(
-            libc::ENOSPC
-        )));
-        assert!(!is_no_space(&std::io::Error::from_raw_os_error(libc::EIO)));
+        assert!(is_no_space(&std::io::Error::from_raw_os_error(28)));
+        assert!(!is_no_space(&std::io::Error::from_raw_os_error(5)));
     }
 }
