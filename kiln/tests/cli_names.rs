@@ -132,7 +132,8 @@ fn docker_style_names_through_every_store_command() {
 }
 
 /// `kiln build -t myorg/app:v1 -t app` tags both; a later `FROM myorg/app:v1` finds the built
-/// image in the store with `--offline`; `kiln export myorg/app:v1 --format oci` exports it.
+/// image in the store with `--offline`; `kiln export`, `kiln unpack` and `kiln push` take it
+/// by that name.
 #[test]
 fn build_tags_nested_and_bare_names_and_from_finds_them() {
     assert!(
@@ -186,4 +187,16 @@ fn build_tags_nested_and_bare_names_and_from_finds_them() {
     assert!(o.status.success(), "{o:?}");
     let index = std::fs::read_to_string(layout.join("index.json")).unwrap();
     assert!(index.contains("\"v1\""), "{index}");
+    // `kiln unpack` and `kiln push` (to the test registry) find it by the same name.
+    let rootfs = dir.path().join("rootfs");
+    let o = kiln(
+        &store,
+        &["unpack", "myorg/app:v1", rootfs.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "{o:?}");
+    assert_eq!(std::fs::read_to_string(rootfs.join("hi")).unwrap(), "hi\n");
+    let registry = kiln_tests::require_env("KILN_TEST_REGISTRY");
+    let dst = format!("{registry}/names-{}/app:v1", std::process::id());
+    let o = kiln(&store, &["push", "myorg/app:v1", &dst]);
+    assert!(o.status.success(), "{o:?}");
 }
