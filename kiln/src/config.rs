@@ -589,7 +589,7 @@ fn apt_mirror_in(ext: &str, text: &str) -> Option<String> {
 }
 
 /// The store as a local directory, for the commands that only work on one (`build`, `pull`,
-/// `push`, `import`, `export`, `unpack`, `login`): `flag` (their `--store`), else the
+/// `push`, `import`, `export`, `unpack`, `plan --resolve`): `flag` (their `--store`), else the
 /// configured store, resolved as every other command resolves it (`file://PATH` and `~/`
 /// understood). Errors: [`ConfigError::NotLocal`] naming `command` for an S3 store.
 pub fn local_store_dir(flag: Option<&str>, command: &'static str) -> Result<PathBuf, ConfigError> {
