@@ -141,18 +141,13 @@ pub async fn resolve(
     ))
 }
 
-/// The store tag a spec as written names (`NAME:TAG`, or `NAME` for `NAME:latest`), if it is
-/// one in kiln's tag grammar.
+/// The store tag a spec as written names (`NAME:TAG`, or `NAME` for `NAME:latest`; `NAME` may
+/// be `myorg/app`), if it is one in kiln's tag grammar. A digest-pinned spec never is.
 fn as_store_tag(spec: &str) -> Option<kiln_store::TagRef> {
-    if spec.contains('@') || spec.contains('/') {
+    if spec.contains('@') {
         return None;
     }
-    let full = if spec.contains(':') {
-        spec.to_string()
-    } else {
-        format!("{spec}:{}", crate::reference::DEFAULT_TAG)
-    };
-    full.parse().ok()
+    spec.parse().ok()
 }
 
 /// The OCI manifest digest of the kiln image the store tag `spec` names, when it is a store

@@ -93,12 +93,15 @@ pub enum ConfigError {
         /// Why it is refused.
         reason: String,
     },
-    /// A command that works on a local store directory was configured with a remote store.
+    /// A command that works on a local store directory only was given a remote store.
     #[error(
-        "this command needs a local store directory, but the store is {url} (from {origin}); \
-         give --store DIR"
+        "{command} works on a local store directory only, but the store is {url} (from \
+         {origin}); {command} straight into S3 is not supported yet: give --store DIR (or \
+         KILN_STORE=DIR), then copy the result with `kiln store push NAME:TAG --to {url}`"
     )]
     NotLocal {
+        /// The command (`kiln build`).
+        command: &'static str,
         /// The configured store.
         url: String,
         /// Where it was configured.
@@ -585,15 +588,22 @@ fn apt_mirror_in(ext: &str, text: &str) -> Option<String> {
     }
 }
 
-/// The configured store as a local directory, for the commands that only work on one
-/// (`pull`, `push`, `import`, `export`, `unpack`). Errors: [`ConfigError::NotLocal`] for S3.
-pub fn local_store_dir() -> Result<PathBuf, ConfigError> {
-    let cfg = Config::load(&Flags::default())?;
-    match StoreUrl::parse(&cfg.store.value) {
+/// The store as a local directory, for the commands that only work on one (`build`, `pull`,
+/// `push`, `import`, `export`, `unpack`, `plan --resolve`): `flag` (their `--store`), else the
+/// configured store, resolved as every other command resolves it (`file://PATH` and `~/`
+/// understood). Errors: [`ConfigError::NotLocal`] naming `command` for an S3 store.
+pub fn local_store_dir(flag: Option<&str>, command: &'static str) -> Result<PathBuf, ConfigError> {
+    let cfg = Config::load(&Flags::store(flag))?;
+    local_dir_of(cfg.store, command)
+}
+
+fn local_dir_of(store: Setting<String>, command: &'static str) -> Result<PathBuf, ConfigError> {
+    match StoreUrl::parse(&store.value) {
         Ok(StoreUrl::Local(p)) => Ok(p),
         _ => Err(ConfigError::NotLocal {
-            url: cfg.store.value,
-            origin: cfg.store.origin,
+            command,
+            url: store.value,
+            origin: store.origin,
         }),
     }
 }
@@ -819,6 +829,48 @@ mod tests {
         // A local store needs no read cache.
         let c = resolve(&Flags::store(Some("/tmp/s")), &[("HOME", "/h")], None);
         assert_eq!(c.store_options().read_cache, None);
+    }
+
+    /// Issue 17, item 7: `kiln build --store s3://…` and `KILN_STORE=s3://…` name the limit
+    /// instead of becoming a local directory called `s3:`.
+    #[test]
+    fn local_only_commands_refuse_an_s3_store_by_name() {
+        let home = [("HOME", "/h")];
+        let s3 = [("HOME", "/h"), ("KILN_STORE", "s3://bucket/prefix")];
+        for (flags, env, origin) in [
+            (
+                Flags::store(Some("s3://bucket/prefix")),
+                &home[..],
+                "flag --store",
+            ),
+            (Flags::default(), &s3[..], "env KILN_STORE"),
+        ] {
+            let e = local_dir_of(resolve(&flags, env, None).store, "kiln build")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with("kiln build works on a local store directory only")
+                    && e.contains("s3://bucket/prefix")
+                    && e.contains(origin)
+                    && e.contains("not supported yet")
+                    && e.contains("kiln store push"),
+                "{e}"
+            );
+        }
+        let c = resolve(&Flags::store(Some("file:///srv/s")), &home, None);
+        assert_eq!(
+            local_dir_of(c.store, "kiln build").unwrap(),
+            PathBuf::from("/srv/s")
+        );
+        let c = resolve(
+            &Flags::default(),
+            &[("HOME", "/h"), ("KILN_STORE", "~/s")],
+            None,
+        );
+        assert_eq!(
+            local_dir_of(c.store, "kiln pull").unwrap(),
+            PathBuf::from("/h/s")
+        );
     }
 
     #[test]

@@ -91,7 +91,7 @@ fn main() -> ExitCode {
         .try_init();
     let out = cmd::Out::new(cli.json);
     match cli.command {
-        Command::Build(a) => cmd::report(&out, cmd::build::run(*a)),
+        Command::Build(a) => cmd::report(&out, cmd::build::run(*a, &out)),
         Command::Plan(a) => cmd::plan::run(&a, out.json),
         // These run their own runtime.
         Command::Pull(a) => cmd::report(&out, cmd::pull::run(a)),

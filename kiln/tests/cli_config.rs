@@ -136,3 +136,58 @@ fn commands_use_the_configured_store() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("env KILN_STORE"));
     assert!(!missing.exists());
 }
+
+/// Issue 17, item 7: the commands that work on a local store only (`build`, `pull`, `push`,
+/// `import`, `export`, `unpack`) refuse an S3 store, from `--store` or `KILN_STORE`, with an
+/// error naming the limit (exit 6), and make no directory called `s3:`.
+#[test]
+fn local_only_commands_refuse_an_s3_store_by_name() {
+    let home = tempfile::tempdir().unwrap();
+    let h = home.path();
+    let ctx = h.join("ctx");
+    std::fs::create_dir(&ctx).unwrap();
+    std::fs::write(ctx.join("Dockerfile"), "FROM scratch\nCOPY Dockerfile /\n").unwrap();
+    let ctx = ctx.to_str().unwrap();
+    let out = h.join("out");
+    let out = out.to_str().unwrap();
+    let url = "s3://kiln-names-test/prefix";
+    let commands: [&[&str]; 6] = [
+        &["build", ctx, "-t", "app:v1"],
+        &["pull", "127.0.0.1:1/busybox:latest"],
+        &["push", "app:v1", "127.0.0.1:1/app:v1"],
+        &["import", "oci:/nonexistent", "-t", "app:v1"],
+        &["export", "app:v1", "--format", "oci", "-o", out],
+        &["unpack", "app:v1", out],
+    ];
+    for args in commands {
+        let name = format!("kiln {}", args[0]);
+        let mut with_flag = args.to_vec();
+        with_flag.extend(["--store", url]);
+        for (env, argv, origin) in [
+            (&[][..], with_flag.as_slice(), "flag --store"),
+            (&[("KILN_STORE", url)][..], args, "env KILN_STORE"),
+        ] {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+            c.args(argv)
+                .current_dir(h)
+                .env_clear()
+                .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+                .env("HOME", h)
+                .env("XDG_CONFIG_HOME", h.join("xdg"));
+            for (k, v) in env {
+                c.env(k, v);
+            }
+            let o = c.output().unwrap();
+            let stderr = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(6), "{name} ({origin}): {o:?}");
+            assert!(
+                stderr.contains(&format!("{name} works on a local store directory only"))
+                    && stderr.contains(url)
+                    && stderr.contains(origin)
+                    && stderr.contains("not supported yet"),
+                "{name} ({origin}): {stderr}"
+            );
+            assert!(!h.join("s3:").exists(), "{name} ({origin}) made ./s3:");
+        }
+    }
+}

@@ -118,3 +118,43 @@ fn bad_input_is_located_and_fails() {
     assert!(!out.status.success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Issue 17, item 7: what lowers but kiln cannot build (`COPY --link`, `ADD` of a git
+/// repository) is refused by `kiln plan` with its file and line, as the build would refuse it.
+#[test]
+fn plan_refuses_what_kiln_cannot_build() {
+    let dir = scratch("unsupported");
+    let file = dir.join("Dockerfile");
+    let f = file.to_str().unwrap();
+    for (text, want) in [
+        (
+            "FROM scratch\nCOPY a /a\nCOPY --link b /b\n",
+            format!("{f}:3: unsupported: COPY --link"),
+        ),
+        (
+            "FROM scratch\nADD --link b /b\n",
+            format!("{f}:2: unsupported: ADD --link"),
+        ),
+        (
+            "FROM scratch\nWORKDIR /src\nADD https://example.com/x/y.git /src\n",
+            format!("{f}:3: unsupported: ADD of a git repository (https://example.com/x/y.git)"),
+        ),
+        (
+            "FROM scratch\nADD --keep-git-dir git@example.com:x/y.git /src\n",
+            format!("{f}:2: unsupported: ADD of a git repository (git@example.com:x/y.git)"),
+        ),
+    ] {
+        std::fs::write(&file, text).unwrap();
+        for json in [false, true] {
+            let mut args = vec!["plan", f];
+            if json {
+                args.push("--json");
+            }
+            let out = kiln(&args);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{text}: {stderr}");
+            assert!(stderr.contains(&want), "{text}: {stderr}");
+            assert!(out.stdout.is_empty(), "{text}: no plan is printed");
+        }
+    }
+}

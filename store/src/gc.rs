@@ -143,14 +143,10 @@ impl Store {
         // sweep everything only it keeps alive. (`list_tags` and `list_cache_entries` skip
         // such entries, so they are read here one by one.) Verify reports them instead.
         for o in self.backend.list("tags/").await? {
-            let rest = o.key.trim_start_matches("tags/");
-            let Some((name, tag)) = rest.split_once('/') else {
-                continue;
-            };
-            if tag.ends_with("~history") {
+            if o.key.ends_with("~history") {
                 continue;
             }
-            let Ok(t) = crate::TagRef::new(name, tag) else {
+            let Some(t) = crate::TagRef::from_key(&o.key) else {
                 continue;
             };
             match self.get_tag(&t).await {

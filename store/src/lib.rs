@@ -8,6 +8,7 @@
 //!   blobs/sha256/<hex>        OCI config/layer, vmstate...; <hex> = sha256 of STORED bytes
 //!   manifests/sha256/<hex>    JSON manifest; <hex> = sha256 of its bytes as stored
 //!   tags/<name>/<tag>         mutable: JSON {manifest, time, host}; moved by compare-and-swap
+//!                             (a `/` in the name is written `~2f`: `tags/myorg~2fapp/v1`)
 //!   tags/<name>/<tag>~history JSON lines: every move (time, host, previous, new)
 //!   refs/oci/<registry>/<repo..>/<tag>  mutable: `sha256:<hex>` of an OCI manifest/index blob
 //!   leases/<id>               JSON: expiry + keys an in-flight build/push relies on
@@ -34,6 +35,7 @@
 //!   the builder (download into the store, unpack from it).
 //! - [`gc`] (mark is pure; sweep separate), [`verify`], [`copy`] (push/pull between stores,
 //!   with [`progress`] events).
+//! - [`space`]: a full host file system (ENOSPC) reported with its path and free space.
 //!
 //! ## Example: publish an ext4 image and read it back
 //! ```no_run
@@ -72,6 +74,7 @@ pub mod manifest;
 pub mod ociref;
 pub mod progress;
 pub mod readcache;
+pub mod space;
 pub mod store;
 pub mod tag;
 pub mod verify;

@@ -94,7 +94,9 @@ impl OciRef {
     }
 }
 
-fn encode_segment(seg: &str, out: &mut String) {
+/// Appends `seg` in the key alphabet: `[A-Za-z0-9_-]` and a `.` after the first byte kept,
+/// every other byte as `~xx` (two lower-case hex digits).
+pub(crate) fn encode_segment(seg: &str, out: &mut String) {
     for (i, b) in seg.bytes().enumerate() {
         if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || (b == b'.' && i > 0) {
             out.push(b as char);
@@ -104,7 +106,8 @@ fn encode_segment(seg: &str, out: &mut String) {
     }
 }
 
-fn decode_segment(seg: &str) -> Option<String> {
+/// The inverse of [`encode_segment`] (`None` for a bad escape or bytes that are not UTF-8).
+pub(crate) fn decode_segment(seg: &str) -> Option<String> {
     let b = seg.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

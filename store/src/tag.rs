@@ -4,10 +4,18 @@
 //! [`HistoryEntry`]: time, host, previous and new digest), itself updated by compare-and-swap.
 //! Manifests hold no times; the history does.
 //!
-//! Grammar (OCI distribution spec, "Pulling manifests", tag and repository name rules,
-//! restricted to one path segment so that the key layout stays unambiguous):
-//! name `[a-z0-9]+([._-][a-z0-9]+)*` up to 128 bytes; tag `[A-Za-z0-9_][A-Za-z0-9._-]{0,127}`.
-//! Written `name:tag`.
+//! Grammar (OCI distribution spec v1.1, "Pulling manifests": the `<name>` and `<reference>`
+//! rules, as `docker build -t` takes them, without a registry host): a name is one or more
+//! `/`-separated path components `[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*`, up to 255 bytes in all
+//! (the total Docker's reference grammar allows) with each `/` counted as the 3 bytes of its
+//! escape below; a tag is `[A-Za-z0-9_][A-Za-z0-9._-]{0,127}`.
+//! Written `name:tag`; a name alone means `name:latest`, as in Docker.
+//!
+//! In keys the name is one segment: each `/` is written `~2f`, the escape OCI references use
+//! ([`crate::ociref`]). A path component never holds `~`, so the encoding is one-to-one and a
+//! tag key is always `tags/<one segment>/<one segment>`: `a/b:t` (`tags/a~2fb/t`) can neither
+//! collide with the tag `b` of `a` (`tags/a/b`) nor reach outside `tags/`. Names without a `/`
+//! keep the keys they always had.
 //!
 //! A tag is set only after its manifest exists (publish order). Untagging checks the expected
 //! digest then deletes; backends have no conditional delete, so an untag racing a move can
@@ -31,7 +39,10 @@ pub const MAX_TAG_RECORD_LEN: usize = 4096;
 pub enum TagError {
     /// A `name:tag` string that breaks the grammar.
     #[error(
-        "invalid tag reference {0:?} (expected name:tag, name [a-z0-9._-], tag [A-Za-z0-9._-])"
+        "invalid tag reference {0:?} (expected NAME[:TAG]: NAME is /-separated components of \
+         [a-z0-9] joined by . _ __ or -, up to 255 bytes (a / counts 3), without a registry \
+         host; \
+         TAG is [A-Za-z0-9_][A-Za-z0-9._-], up to 128 bytes)"
     )]
     Invalid(String),
     /// No such tag.
@@ -80,23 +91,58 @@ fn show(d: &Option<ManifestDigest>) -> String {
     d.map_or_else(|| "absent".to_string(), |d| d.to_string())
 }
 
+/// The tag a name alone means (`app` is `app:latest`), as in Docker.
+pub const DEFAULT_TAG: &str = "latest";
+
+/// Longest name, in bytes, each `/` counting 3 (Docker's reference grammar allows 255,
+/// `NameTotalLengthMax`; the key segment of a name must also fit one file name).
+pub const MAX_NAME_LEN: usize = 255;
+
 /// `name:tag`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TagRef {
-    /// Repository-like name.
+    /// Repository name: `/`-separated path components (`myorg/app`).
     pub name: String,
     /// Tag within the name.
     pub tag: String,
 }
 
+/// One path component: `[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*`.
+fn valid_component(s: &str) -> bool {
+    let b = s.as_bytes();
+    let alnum = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    let mut i = 0;
+    loop {
+        // A run of [a-z0-9]+.
+        let start = i;
+        while i < b.len() && alnum(b[i]) {
+            i += 1;
+        }
+        if i == start {
+            return false;
+        }
+        if i == b.len() {
+            return true;
+        }
+        // A separator: `.`, `_`, `__` or `-+`, followed by another run.
+        match b[i] {
+            b'.' => i += 1,
+            b'_' => i += if b.get(i + 1) == Some(&b'_') { 2 } else { 1 },
+            b'-' => {
+                while b.get(i) == Some(&b'-') {
+                    i += 1;
+                }
+            }
+            _ => return false,
+        }
+    }
+}
+
+/// A repository name: `/`-separated [`valid_component`]s whose key segment (the name with
+/// each `/` written as the 3 bytes `~2f`) is at most [`MAX_NAME_LEN`] bytes, so that it is
+/// one file name in a local store (`NAME_MAX`, 255 on Linux).
 fn valid_name(s: &str) -> bool {
-    s.len() <= 128
-        && !s.is_empty()
-        && s.split(['.', '_', '-']).all(|p| {
-            !p.is_empty()
-                && p.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-        })
+    s.len() + 2 * s.matches('/').count() <= MAX_NAME_LEN && s.split('/').all(valid_component)
 }
 
 fn valid_tag(s: &str) -> bool {
@@ -121,29 +167,41 @@ impl TagRef {
         }
     }
 
-    /// `tags/<name>/<tag>`.
+    /// `tags/<name>/<tag>`, the name's `/` written `~2f` (see the module doc).
     pub fn key(&self) -> String {
-        format!("tags/{}/{}", self.name, self.tag)
+        format!("{}{}", name_prefix(&self.name), self.tag)
     }
 
     /// `tags/<name>/<tag>~history`.
     pub fn history_key(&self) -> String {
-        format!("tags/{}/{}~history", self.name, self.tag)
+        format!("{}~history", self.key())
     }
 
-    fn from_key(key: &str) -> Option<Self> {
+    /// The tag a key names (`None` for a history key or anything that is not a tag key:
+    /// exactly `tags/<segment>/<segment>`, decoding to a valid name and tag, and written the
+    /// one way [`TagRef::key`] writes it).
+    pub(crate) fn from_key(key: &str) -> Option<Self> {
         let rest = key.strip_prefix("tags/")?;
         let (name, tag) = rest.split_once('/')?;
-        TagRef::new(name, tag).ok()
+        let t = TagRef::new(&crate::ociref::decode_segment(name)?, tag).ok()?;
+        (t.key() == key).then_some(t)
     }
+}
+
+/// `tags/<encoded name>/`: the prefix of every key of `name`'s tags.
+fn name_prefix(name: &str) -> String {
+    let mut k = String::from("tags/");
+    crate::ociref::encode_segment(name, &mut k);
+    k.push('/');
+    k
 }
 
 impl FromStr for TagRef {
     type Err = TagError;
+    /// `NAME:TAG`, or `NAME` for `NAME:latest` ([`DEFAULT_TAG`]). A name holds no `:`, so the
+    /// first `:` ends it.
     fn from_str(s: &str) -> Result<Self, TagError> {
-        let (n, t) = s
-            .split_once(':')
-            .ok_or_else(|| TagError::Invalid(s.to_string()))?;
+        let (n, t) = s.split_once(':').unwrap_or((s, DEFAULT_TAG));
         TagRef::new(n, t).map_err(|_| TagError::Invalid(s.to_string()))
     }
 }
@@ -324,7 +382,7 @@ impl Store {
         name: Option<&str>,
     ) -> Result<Vec<(TagRef, ManifestDigest)>, StoreError> {
         let prefix = match name {
-            Some(n) if valid_name(n) => format!("tags/{n}/"),
+            Some(n) if valid_name(n) => name_prefix(n),
             Some(n) => return Err(TagError::Invalid(n.to_string()).into()),
             None => "tags/".to_string(),
         };
@@ -433,11 +491,9 @@ mod tests {
         let t: TagRef = "my-img.x:v1.0_rc-1".parse().unwrap();
         assert_eq!(t.key(), "tags/my-img.x/v1.0_rc-1");
         for bad in [
-            "x",
             ":t",
             "n:",
             "N:t",
-            "n/x:t",
             "n:.t",
             "n:-t",
             "../x:t",
@@ -452,5 +508,162 @@ mod tests {
             TagRef::from_key("tags/n/t"),
             Some(TagRef::new("n", "t").unwrap())
         );
+    }
+
+    /// Issue 17, item 6: `-t myorg/app:v1` and `-t app` as Docker users write them.
+    #[test]
+    fn docker_repository_paths_and_the_default_tag() {
+        let t: TagRef = "myorg/app:v1".parse().unwrap();
+        assert_eq!((t.name.as_str(), t.tag.as_str()), ("myorg/app", "v1"));
+        assert_eq!(t.to_string(), "myorg/app:v1");
+        assert_eq!(
+            "app".parse::<TagRef>().unwrap(),
+            TagRef::new("app", "latest").unwrap()
+        );
+        assert_eq!(
+            "myorg/team/app".parse::<TagRef>().unwrap().to_string(),
+            "myorg/team/app:latest"
+        );
+        // The separators of the OCI distribution spec's path-component rule.
+        for ok in [
+            "a__b",
+            "a--b",
+            "a---b",
+            "a.b-c_d",
+            "0/1/2",
+            "docker.io/library/busybox",
+        ] {
+            assert!(TagRef::new(ok, "t").is_ok(), "{ok}");
+        }
+        let longest = format!("{}/{}", "a".repeat(126), "b".repeat(126));
+        assert!(TagRef::new(&longest, &"t".repeat(128)).is_ok());
+        assert!(TagRef::new(&"a/".repeat(85)[..169], "t").is_err());
+        for bad in [
+            "a/",
+            "/a",
+            "a//b",
+            "a/../b",
+            "a/./b",
+            "..",
+            "a/.b",
+            "a/b.",
+            "a/_b",
+            "a/b_",
+            "a/-b",
+            "a___b",
+            "a_-b",
+            "a.-b",
+            "a..b",
+            "A/b",
+            "a/B",
+            "a~2fb",
+            "a%2fb",
+            "a b",
+            "a\\b",
+            "127.0.0.1:5000/app",
+            "localhost:5000/app",
+            "a/b@sha256",
+        ] {
+            assert!(TagRef::new(bad, "t").is_err(), "{bad}");
+        }
+        assert!(TagRef::new(&format!("{longest}c"), "t").is_err());
+        for bad in ["127.0.0.1:5000/app:v1", "a/b:c/d", "a/b:", "a/:t", "a:b:c"] {
+            assert!(bad.parse::<TagRef>().is_err(), "{bad}");
+        }
+    }
+
+    /// A name's `/` cannot escape `tags/` or collide with another name's tag.
+    #[test]
+    fn slashed_names_have_their_own_key_segment() {
+        let nested = TagRef::new("a/b", "t").unwrap();
+        let sibling = TagRef::new("a", "b").unwrap();
+        assert_eq!(nested.key(), "tags/a~2fb/t");
+        assert_eq!(nested.history_key(), "tags/a~2fb/t~history");
+        assert_eq!(sibling.key(), "tags/a/b");
+        assert!(!nested.key().starts_with(&format!("{}/", sibling.key())));
+        for t in [&nested, &sibling] {
+            crate::backend::validate_key(&t.key()).unwrap();
+            crate::backend::validate_key(&t.history_key()).unwrap();
+            assert_eq!(TagRef::from_key(&t.key()).as_ref(), Some(t));
+        }
+        let longest = TagRef::new(
+            &format!("{}/{}", "a".repeat(126), "b".repeat(126)),
+            &"t".repeat(128),
+        )
+        .unwrap();
+        assert_eq!(
+            longest.key().split('/').nth(1).map(str::len),
+            Some(MAX_NAME_LEN)
+        );
+        crate::backend::validate_key(&longest.history_key()).unwrap();
+        // Keys not written by `key`: nested segments, other escapes, a raw `/` in the name.
+        for k in [
+            "tags/a/b/t",
+            "tags/a~2Fb/t",
+            "tags/a~2e~2e/t",
+            "tags/~2e~2e/t",
+            "tags/a~2f~2fb/t",
+            "tags/a~2f/t",
+            "tags/a~2fb~2f~2e~2e/t",
+            "tags/a~2fb/t~history",
+            "tags/a~2",
+        ] {
+            assert_eq!(TagRef::from_key(k), None, "{k}");
+        }
+    }
+
+    /// `a:b`, `a/b:t`, `a/b/c:t` and the longest name live side by side in one local store:
+    /// each resolves to its own manifest, listing by name is exact, GC keeps all four
+    /// images, verify finds nothing wrong, untag removes only the one named.
+    #[tokio::test]
+    async fn nested_names_and_their_neighbours_in_one_local_store() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::manifest::{ImageManifest, Manifest};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let longest = format!(
+            "{}/{}:{}",
+            "a".repeat(126),
+            "b".repeat(126),
+            "t".repeat(128)
+        );
+        let names = ["a:b", "a/b:t", "a/b/c:t", longest.as_str()];
+        let mut want = Vec::new();
+        for (i, n) in names.iter().enumerate() {
+            let data = vec![i as u8 + 1; 5000];
+            let (table, _) = store
+                .put_artifact_reader(std::io::Cursor::new(data), &PutArtifactOptions::default())
+                .await
+                .unwrap();
+            let raw = store
+                .put_manifest(&Manifest::Image(ImageManifest::new(table)))
+                .await
+                .unwrap();
+            let t: TagRef = n.parse().unwrap();
+            store.set_tag(&t, None, raw.digest).await.unwrap();
+            store.force_tag(&t, raw.digest).await.unwrap();
+            want.push((t, raw.digest));
+        }
+        for (t, d) in &want {
+            assert_eq!(store.resolve_tag(t).await.unwrap(), *d, "{t}");
+            assert_eq!(store.tag_history(t).await.unwrap().len(), 2, "{t}");
+        }
+        let mut sorted = want.clone();
+        sorted.sort();
+        assert_eq!(store.list_tags(None).await.unwrap(), sorted);
+        assert_eq!(store.list_tags(Some("a")).await.unwrap(), want[..1]);
+        assert_eq!(store.list_tags(Some("a/b")).await.unwrap(), want[1..2]);
+        assert!(store.list_tags(Some("a/")).await.is_err());
+        let gc = crate::gc::GcOptions {
+            grace: std::time::Duration::ZERO,
+            ..Default::default()
+        };
+        let report = store.gc(&gc).await.unwrap();
+        assert!(report.collected.is_empty(), "{:?}", report.collected);
+        let v = store.verify(true, &gc).await.unwrap();
+        assert!(v.is_ok(), "{:?}", v.findings);
+        store.untag(&want[0].0, None).await.unwrap();
+        assert_eq!(store.list_tags(None).await.unwrap().len(), 3);
+        assert_eq!(store.resolve_tag(&want[1].0).await.unwrap(), want[1].1);
     }
 }

@@ -157,10 +157,10 @@ impl Store {
             if o.key.ends_with("~history") {
                 continue;
             }
-            let Some((name, tag)) = o.key.trim_start_matches("tags/").split_once('/') else {
+            if !o.key.trim_start_matches("tags/").contains('/') {
                 continue;
-            };
-            let Ok(t) = crate::TagRef::new(name, tag) else {
+            }
+            let Some(t) = crate::TagRef::from_key(&o.key) else {
                 report.findings.push(Finding::TagCorrupt {
                     key: o.key.clone(),
                     reason: "invalid tag name".into(),

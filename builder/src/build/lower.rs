@@ -157,15 +157,11 @@ fn stale_temp(name: &str) -> bool {
     pid != std::process::id() as i32 && !Path::new(&format!("/proc/{pid}")).exists()
 }
 
-/// A decompressing reader for a layer blob (gzip, zstd or plain tar, by magic bytes).
+/// A decompressing reader for a layer blob (by magic bytes: [`crate::layer::Compression`]).
 pub fn decompressed(blob: impl Read + 'static) -> io::Result<Box<dyn Read>> {
     let mut raw = io::BufReader::with_capacity(256 << 10, blob);
     let head = io::BufRead::fill_buf(&mut raw)?;
-    Ok(match crate::layer::Compression::sniff(head) {
-        crate::layer::Compression::None => Box::new(raw),
-        crate::layer::Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(raw)),
-        crate::layer::Compression::Zstd => Box::new(zstd::stream::read::Decoder::with_buffer(raw)?),
-    })
+    crate::layer::Compression::sniff(head).decoder(raw)
 }
 
 /// `sha256:` of a layer blob's uncompressed tar (its `diff_id`, OCI image spec `config.md`).

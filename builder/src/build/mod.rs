@@ -130,6 +130,9 @@ pub enum BuildError {
         /// Why.
         source: merged::MergedError,
     },
+    /// The host file system ran out of space ([`crate::space`]).
+    #[error(transparent)]
+    NoSpace(#[from] kiln_store::space::NoSpace),
     /// A file-system operation failed.
     #[error("{what} {path}: {source}")]
     Io {
@@ -213,10 +216,15 @@ fn io_err<'a>(
     what: &'static str,
     path: &'a Path,
 ) -> impl FnOnce(std::io::Error) -> BuildError + 'a {
-    move |source| BuildError::Io {
-        what,
-        path: path.to_path_buf(),
-        source,
+    move |source| {
+        if kiln_store::space::is_no_space(&source) {
+            return kiln_store::space::NoSpace::at(what, path, None).into();
+        }
+        BuildError::Io {
+            what,
+            path: path.to_path_buf(),
+            source,
+        }
     }
 }
 
@@ -412,6 +420,7 @@ pub async fn build_with(
     events: EventSink,
     executor: Arc<dyn StepExecutor>,
 ) -> Result<BuildOutput, BuildError> {
+    check_supported(plan)?;
     if bases.len() != plan.stages.len() || plan.stages.is_empty() {
         return Err(BuildError::Plan(format!(
             "{} stages but {} resolved bases",
@@ -596,6 +605,40 @@ async fn run_stages(ctx: Arc<Ctx>) -> Result<Vec<Option<StageOut>>, BuildError> 
 
 fn location(step: &Step) -> String {
     format!("{}:{}", step.location.file, step.location.start_line)
+}
+
+/// Refuses, with the step's `file:line`, what a plan may say but this builder does not do:
+/// `COPY --link`/`ADD --link` (BuildKit's independent layer, rebased without the layers
+/// below) and `ADD` of a git repository. [`build_with`] calls it first; `kiln plan` calls it
+/// too, so the plan it prints is one that builds. Errors: [`BuildError::Unsupported`].
+pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
+    for step in plan.stages.iter().flat_map(|s| &s.steps) {
+        let (verb, c) = match &step.action {
+            Action::Copy(c) => ("COPY", c),
+            Action::Add(c) => ("ADD", c),
+            _ => continue,
+        };
+        let unsupported = |what: String| BuildError::Unsupported {
+            location: location(step),
+            what,
+        };
+        if c.link {
+            return Err(unsupported(format!(
+                "{verb} --link (kiln makes every {verb} an ordinary layer over the ones below \
+                 it, not an independent one; drop --link for the same files)"
+            )));
+        }
+        if let Some(url) = c.sources.iter().find_map(|s| match s {
+            kiln_recipes::plan::CopySource::Git { url } => Some(url),
+            _ => None,
+        }) {
+            return Err(unsupported(format!(
+                "ADD of a git repository ({url}): kiln does not fetch git sources yet; clone \
+                 it into the build context and COPY it"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The history `created_by` of a step, Docker-like.
@@ -859,12 +902,18 @@ async fn commit_upper(ctx: &Arc<Ctx>, mut s: Scratch) -> Result<LayerRef, BuildE
             fs::create_dir_all(p).map_err(io_err("creating", p))?;
         }
         let f = fs::File::create(&staged).map_err(io_err("creating", &staged))?;
-        let w = crate::layer::write::write_upper_layer(&upper, std::io::BufWriter::new(f), c.epoch)
-            .map_err(io_err("writing a layer from", &upper));
+        let w = crate::layer::write::write_upper_layer(&upper, std::io::BufWriter::new(f), c.epoch);
         let w = match w {
             Ok(w) => w,
             Err(e) => {
                 let _ = fs::remove_file(&staged);
+                // Out of space is about the file being written (its free space measured
+                // without the partial layer, beside the step's files), not the directory read.
+                let e = if kiln_store::space::is_no_space(&e) {
+                    kiln_store::space::NoSpace::at("writing the layer", &staged, None).into()
+                } else {
+                    io_err("writing a layer from", &upper)(e)
+                };
                 let _ = fs::remove_dir_all(&upper);
                 return Err(e);
             }

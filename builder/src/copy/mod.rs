@@ -22,8 +22,9 @@
 //! - `--parents` keeps each source's path (from the root, or from a `/./` pivot in the
 //!   source) under the destination; `--exclude` patterns (`.dockerignore` syntax) are matched
 //!   against each copied path relative to its source, and against the source's own path;
-//! - `ADD` of a local tar archive (plain, gzip or zstd; told by content, not name) extracts it
-//!   into the destination directory with [`crate::layer::apply_layer`] and its bounds;
+//! - `ADD` of a local tar archive (plain, gzip, zstd, xz or bzip2, as Docker; told by content,
+//!   not name) extracts it into the destination directory with [`crate::layer::apply_layer`]
+//!   and its bounds;
 //!   `ADD` of a URL copies the file [`fetch::fetch_urls`] downloaded beforehand (mode 0600),
 //!   never unpacked; `ADD` of a git repository is refused ([`CopyError::Unsupported`]);
 //! - `--link` changes how the driver stacks the result (on an empty root, as its own layer);
@@ -1484,7 +1485,7 @@ fn split_target<'t>(
     }
 }
 
-/// Whether the file looks like a tar archive (plain, gzip or zstd): its first 512-byte
+/// Whether the file looks like a tar archive (plain, gzip, zstd, xz or bzip2): its first 512-byte
 /// block, once decompressed, is a tar header with a valid checksum (POSIX `ustar` and old
 /// V7 headers alike; pax(1) "ustar Interchange Format"). The file offset is restored.
 pub(crate) fn is_tar(fd: &OwnedFd) -> bool {
@@ -1498,13 +1499,8 @@ pub(crate) fn is_tar(fd: &OwnedFd) -> bool {
     let mut block = [0u8; 512];
     let ok = (|| -> io::Result<bool> {
         rustix::fs::seek(&f, rustix::fs::SeekFrom::Start(0))?;
-        let got = match Compression::sniff(&head[..n]) {
-            Compression::None => read_full(&mut f, &mut block)?,
-            Compression::Gzip => read_full(&mut flate2::read::GzDecoder::new(&mut f), &mut block)?,
-            Compression::Zstd => {
-                read_full(&mut zstd::stream::read::Decoder::new(&mut f)?, &mut block)?
-            }
-        };
+        let mut decoded = Compression::sniff(&head[..n]).decoder(io::BufReader::new(&mut f))?;
+        let got = read_full(&mut decoded, &mut block)?;
         Ok(got == 512 && tar_checksum_ok(&block))
     })()
     .unwrap_or(false);

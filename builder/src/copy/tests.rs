@@ -450,6 +450,101 @@ fn tar_gz(entries: &[(&str, &[u8])], symlinks: &[(&str, &str)]) -> Vec<u8> {
     gz.finish().unwrap()
 }
 
+/// Issue 17, item 7: an xz or bzip2 tar in `ADD` is extracted, as Docker extracts it, through
+/// the same layer applier (and its bounds) as a gzip one; one that is not a tar is copied.
+#[test]
+fn add_extracts_xz_and_bzip2_archives_as_docker_does() {
+    use std::io::Write as _;
+    let d = dirs();
+    let gz = tar_gz(&[("bin/tool", b"T"), ("README", b"R")], &[]);
+    let mut tar = Vec::new();
+    std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&gz[..]), &mut tar).unwrap();
+    let mut xz = liblzma::write::XzEncoder::new(Vec::new(), 6);
+    xz.write_all(&tar).unwrap();
+    let xz = xz.finish().unwrap();
+    let mut bz = bzip2::write::BzEncoder::new(Vec::new(), bzip2::Compression::default());
+    bz.write_all(&tar).unwrap();
+    let bz = bz.finish().unwrap();
+    assert_eq!(
+        crate::layer::Compression::sniff(&xz),
+        crate::layer::Compression::Xz
+    );
+    assert_eq!(
+        crate::layer::Compression::sniff(&bz),
+        crate::layer::Compression::Bzip2
+    );
+    for (name, bytes) in [("app.tar.xz", &xz), ("app.tar.bz2", &bz)] {
+        fs::write(d.ctx.join(name), bytes).unwrap();
+        let dest = format!("/opt/{name}/");
+        let mut s = step(&[name], &dest);
+        s.unpack = true;
+        let r = copy(&s, &ctx_src(&d), &d.dest).unwrap();
+        assert_eq!(r.archives, 1, "{name}");
+        let got = d.dest.join(dest.trim_start_matches('/'));
+        assert_eq!(
+            fs::read_to_string(got.join("bin/tool")).unwrap(),
+            "T",
+            "{name}"
+        );
+        assert_eq!(
+            fs::read_to_string(got.join("README")).unwrap(),
+            "R",
+            "{name}"
+        );
+    }
+    // Compressed bytes that are no tar are copied as they are, as Docker does.
+    let mut not_tar = liblzma::write::XzEncoder::new(Vec::new(), 6);
+    not_tar.write_all(&[b'x'; 2000]).unwrap();
+    fs::write(d.ctx.join("notes.xz"), not_tar.finish().unwrap()).unwrap();
+    let mut s = step(&["notes.xz"], "/n/");
+    s.unpack = true;
+    let r = copy(&s, &ctx_src(&d), &d.dest).unwrap();
+    assert_eq!(r.archives, 0);
+    assert!(d.dest.join("n/notes.xz").is_file());
+    // The applier's bounds hold for xz and bzip2 as for gzip, and so does its path rule.
+    let big = tar_gz_plain(&[("f", &[1u8; 5000])]);
+    let evil = tar_gz_plain(&[("../escaped", b"E")]);
+    let opts = CopyOptions {
+        tar_limits: crate::layer::Limits {
+            max_file_bytes: 1000,
+            ..crate::layer::Limits::default()
+        },
+        ..CopyOptions::default()
+    };
+    for (name, tar, opts) in [
+        ("big.tar.xz", &big, &opts),
+        ("evil.tar.xz", &evil, &CopyOptions::default()),
+        ("evil.tar.bz2", &evil, &CopyOptions::default()),
+    ] {
+        let bytes = if name.ends_with(".xz") {
+            let mut z = liblzma::write::XzEncoder::new(Vec::new(), 6);
+            z.write_all(tar).unwrap();
+            z.finish().unwrap()
+        } else {
+            let mut z = bzip2::write::BzEncoder::new(Vec::new(), bzip2::Compression::default());
+            z.write_all(tar).unwrap();
+            z.finish().unwrap()
+        };
+        fs::write(d.ctx.join(name), bytes).unwrap();
+        let mut s = step(&[name], "/b/");
+        s.unpack = true;
+        let e = copy_into(&s, &ctx_src(&d), &d.dest, opts).unwrap_err();
+        assert!(matches!(e, CopyError::Archive { .. }), "{name}: {e}");
+    }
+    assert!(!d.dest.join("escaped").exists() && !d.outside.join("escaped").exists());
+}
+
+/// The plain tar of `entries` (what [`tar_gz`] compresses).
+fn tar_gz_plain(entries: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut tar = Vec::new();
+    std::io::Read::read_to_end(
+        &mut flate2::read::GzDecoder::new(&tar_gz(entries, &[])[..]),
+        &mut tar,
+    )
+    .unwrap();
+    tar
+}
+
 #[test]
 fn add_extracts_local_archives_within_bounds() {
     let d = dirs();

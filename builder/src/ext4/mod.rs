@@ -49,7 +49,10 @@
 //! the journal + inode tables (256 bytes per inode, at least one inode per 16 KiB, at least
 //! 1.25× the tree's inodes + 1024). A tree that does not fit the given or the largest allowed
 //! size is [`Ext4Error::TooLarge`]: "image too large: needs N MiB, limit M MiB". If mke2fs
-//! still runs out of space on a computed size, the build is retried at 1.5× (twice at most).
+//! still runs out of room inside the image on a computed size ("Could not allocate"), the
+//! build is retried at 1.5× (twice at most). A full host file system (`ENOSPC`, "No space
+//! left on device") is [`Ext4Error::NoSpace`], with the image's path and the free space, and
+//! is not retried.
 
 mod flatten;
 
@@ -182,6 +185,9 @@ pub enum Ext4Error {
         /// The size asked for or the largest allowed, MiB.
         limit_mib: u64,
     },
+    /// The host file system holding the image is full (not the image).
+    #[error(transparent)]
+    NoSpace(#[from] kiln_store::space::NoSpace),
     /// mke2fs failed.
     #[error("mke2fs failed ({status}): {stderr}")]
     Mke2fs {
@@ -537,7 +543,20 @@ fn build_inner(
                     estimate,
                 });
             }
-            Err(Ext4Error::Mke2fs { stderr, status }) if no_space(&stderr) => {
+            Err(Ext4Error::Mke2fs { stderr, .. }) if host_full(&stderr) => {
+                // The free space that matters is what is left without the partial image.
+                let _ = std::fs::remove_file(dest);
+                let needs = estimate.tree_bytes
+                    + inode_count(mib, estimate.tree_inodes) * u64::from(INODE_SIZE)
+                    + journal_mib(mib) * MIB;
+                return Err(kiln_store::space::NoSpace::at(
+                    "writing the ext4 image",
+                    dest,
+                    Some(needs),
+                )
+                .into());
+            }
+            Err(Ext4Error::Mke2fs { stderr, status }) if image_full(&stderr) => {
                 attempts += 1;
                 let next = mib + mib / 2;
                 if fixed || attempts > 2 || next > limit {
@@ -555,8 +574,17 @@ fn build_inner(
     }
 }
 
-fn no_space(stderr: &str) -> bool {
-    stderr.contains("Could not allocate") || stderr.contains("No space left")
+/// mke2fs ran out of blocks or inodes inside the image (libext2fs's
+/// `EXT2_ET_BLOCK_ALLOC_FAIL`, `EXT2_ET_INODE_ALLOC_FAIL`: "Could not allocate block/inode in
+/// ext2 filesystem").
+fn image_full(stderr: &str) -> bool {
+    stderr.contains("Could not allocate")
+}
+
+/// mke2fs could not write the image file: `ENOSPC` from the host (`strerror`: "No space left
+/// on device"; libext2fs's own errors never read so).
+fn host_full(stderr: &str) -> bool {
+    stderr.contains("No space left on device")
 }
 
 /// The mke2fs arguments (without `-d`, the device and the size).
@@ -602,9 +630,15 @@ fn run_mke2fs(
     sde: Option<u64>,
     conf: &Path,
 ) -> Result<(), Ext4Error> {
-    let io = |source| Ext4Error::Io {
-        path: dest.to_path_buf(),
-        source,
+    let io = |source: std::io::Error| {
+        if kiln_store::space::is_no_space(&source) {
+            kiln_store::space::NoSpace::at("writing the ext4 image", dest, None).into()
+        } else {
+            Ext4Error::Io {
+                path: dest.to_path_buf(),
+                source,
+            }
+        }
     };
     // A fresh, empty file: mke2fs writes only what it needs, the rest stays a hole.
     match std::fs::remove_file(dest) {

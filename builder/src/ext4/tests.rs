@@ -313,6 +313,57 @@ fn identical_input_gives_identical_bytes() {
     assert_eq!(tree["etc/a"].mtime, 1_550_000_000);
 }
 
+/// Issue 17, fault 3: with the image on a full host file system (a 64 MiB tmpfs), mke2fs
+/// fails with "No space left on device". That is reported as what it is, with the path and
+/// the free space, not retried larger and not called "image too large". Needs root (mount).
+#[test]
+fn a_full_host_file_system_is_no_space_not_image_too_large() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "mounting a tmpfs needs root (CI runs the tests as root)"
+    );
+    let d = tempfile::tempdir().unwrap();
+    let big = vec![7u8; 100 << 20];
+    let layers = vec![blob(d.path(), &[E::File("big", &big)], Z::Plain)];
+    let small = d.path().join("small");
+    std::fs::create_dir(&small).unwrap();
+    rustix::mount::mount(
+        "tmpfs",
+        &small,
+        "tmpfs",
+        rustix::mount::MountFlags::empty(),
+        Some(c"size=64m"),
+    )
+    .unwrap();
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = rustix::mount::unmount(self.0, rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+    let _unmount = Unmount(&small);
+    let dest = small.join("x.ext4");
+    let err = build(&layers, &dest, &opts("s")).unwrap_err();
+    let msg = err.to_string();
+    let Ext4Error::NoSpace(e) = &err else {
+        panic!("expected NoSpace, got: {msg}");
+    };
+    assert_eq!(e.path, dest);
+    assert_eq!(e.total_bytes, Some(64 << 20));
+    // The partial image is gone, so (nearly) all of the tmpfs is free again.
+    assert!(e.free_bytes.unwrap() > 60 << 20, "{msg}");
+    assert!(e.needs_bytes.unwrap() > 100 << 20, "{msg}");
+    assert!(
+        msg.starts_with(&format!(
+            "no space left on device: writing the ext4 image {}: the file system holding it \
+             has ",
+            dest.display()
+        )) && msg.contains(" free of 64.0 MiB (about "),
+        "{msg}"
+    );
+    assert!(!dest.exists());
+}
+
 #[test]
 fn fixed_size_too_small_is_refused_with_numbers() {
     let d = tempfile::tempdir().unwrap();

@@ -244,7 +244,8 @@ pub struct LayerStats {
     pub bytes: u64,
 }
 
-/// The compression of a layer stream, told by its first bytes.
+/// The compression of a layer stream (or of an archive `ADD` unpacks), told by its first
+/// bytes, as Docker's archive package tells it (`DetectCompression`: gzip, bzip2, xz, zstd).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Compression {
     /// Plain tar.
@@ -253,18 +254,40 @@ pub enum Compression {
     Gzip,
     /// zstd (RFC 8878; magic `28 b5 2f fd`).
     Zstd,
+    /// xz (the .xz file format 1.2.1, section 2.1.1.1; magic `fd 37 7a 58 5a 00`).
+    Xz,
+    /// bzip2 (magic `BZh` and a block size digit `1`-`9`).
+    Bzip2,
 }
 
 impl Compression {
-    /// Detects the compression from the stream's first bytes.
+    /// Detects the compression from the stream's first bytes (6 are enough).
     pub fn sniff(head: &[u8]) -> Compression {
         if head.starts_with(&[0x1f, 0x8b]) {
             Compression::Gzip
         } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
             Compression::Zstd
+        } else if head.starts_with(&[0xfd, b'7', b'z', b'X', b'Z', 0x00]) {
+            Compression::Xz
+        } else if head.len() >= 4 && head.starts_with(b"BZh") && matches!(head[3], b'1'..=b'9') {
+            Compression::Bzip2
         } else {
             Compression::None
         }
+    }
+
+    /// The decompressed stream of `raw` (concatenated gzip, xz and bzip2 members are read
+    /// through, as `gzip -d`, `xz -d` and `bzip2 -d` do). The one place that maps a
+    /// [`Compression`] to a decoder: layer apply, the entry reader and `ADD`'s archive test
+    /// all use it.
+    pub fn decoder<'a>(self, raw: impl BufRead + 'a) -> io::Result<Box<dyn Read + 'a>> {
+        Ok(match self {
+            Compression::None => Box::new(raw),
+            Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(raw)),
+            Compression::Zstd => Box::new(zstd::stream::read::Decoder::with_buffer(raw)?),
+            Compression::Xz => Box::new(liblzma::bufread::XzDecoder::new_multi_decoder(raw)),
+            Compression::Bzip2 => Box::new(bzip2::bufread::MultiBzDecoder::new(raw)),
+        })
     }
 }
 
@@ -507,13 +530,9 @@ pub fn apply_layer(
         source: e,
     };
     let head = raw.fill_buf().map_err(|e| tar_err(e, "(start)"))?;
-    let decoded: Box<dyn Read> = match Compression::sniff(head) {
-        Compression::None => Box::new(raw),
-        Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(raw)),
-        Compression::Zstd => Box::new(
-            zstd::stream::read::Decoder::with_buffer(raw).map_err(|e| tar_err(e, "(start)"))?,
-        ),
-    };
+    let decoded: Box<dyn Read> = Compression::sniff(head)
+        .decoder(raw)
+        .map_err(|e| tar_err(e, "(start)"))?;
     let counted = CountOut {
         inner: decoded,
         c: counters.clone(),
@@ -1297,13 +1316,7 @@ pub(crate) fn bounded_stream<'a>(
         source: e,
     };
     let head = raw.fill_buf().map_err(tar_err)?;
-    let decoded: Box<dyn Read + 'a> = match Compression::sniff(head) {
-        Compression::None => Box::new(raw),
-        Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(raw)),
-        Compression::Zstd => {
-            Box::new(zstd::stream::read::Decoder::with_buffer(raw).map_err(tar_err)?)
-        }
-    };
+    let decoded: Box<dyn Read + 'a> = Compression::sniff(head).decoder(raw).map_err(tar_err)?;
     let counted = CountOut {
         inner: decoded,
         c: counters.clone(),

@@ -6,6 +6,9 @@
 //! `--oci-only`, the OCI manifest digest); `--iidfile` gets the OCI manifest digest, as
 //! buildx writes it. Progress and step logs (the pipeline's [`Event`]s) go to stderr: plain
 //! lines, a terminal display, or one JSON object per step event with `--progress rawjson`.
+//! With the global `--json`, stdout has only JSON lines: those step events, then a `built`
+//! event (image manifest, OCI manifest, snapshot, tags, steps run and cached) instead of the
+//! digest line.
 //!
 //! `--snapshot` (kiln's own flag) then boots the image once in a microVM, runs its start
 //! command until its ready check passes and stores the snapshot
@@ -80,9 +83,11 @@ pub struct Args {
     /// Always ask the registry for newer base images.
     #[arg(long)]
     pub pull: bool,
-    /// The local store directory (default: $KILN_STORE, else ~/.local/share/kiln/store).
-    #[arg(long, env = "KILN_STORE")]
-    pub store: Option<PathBuf>,
+    /// The local store directory or `file://PATH` (default: $KILN_STORE, else the config
+    /// file's `store`, else ~/.local/share/kiln/store). An S3 store is refused: a build
+    /// writes into a local store; `kiln store push` copies it to S3.
+    #[arg(long, value_name = "DIR")]
+    pub store: Option<String>,
     /// Sandbox disk size in MiB (overrides `LABEL kiln.disk-mib` / `disk_mib:`).
     #[arg(long = "disk-mib", value_name = "MIB")]
     pub disk_mib: Option<u64>,
@@ -174,14 +179,16 @@ fn locate(a: &Args) -> (PathBuf, PathBuf) {
     }
 }
 
-/// The build's display for `--progress`: pipeline events as buildx-like lines on stderr.
-fn printer(progress: Progress) -> Arc<dyn EventSink> {
+/// The build's display for `--progress`: pipeline events as buildx-like lines on stderr;
+/// with the global `--json` (`json`), every step event is a JSON line on stdout instead (the
+/// `--progress rawjson` objects), whatever `--progress` says.
+fn printer(progress: Progress, json: bool) -> Arc<dyn EventSink> {
     let mode = match progress {
         Progress::Auto if std::io::stderr().is_terminal() => Progress::Tty,
         Progress::Auto => Progress::Plain,
         p => p,
     };
-    if mode == Progress::Tty {
+    if mode == Progress::Tty && !json {
         return tty_printer();
     }
     Arc::new(move |ev: Event| {
@@ -189,7 +196,7 @@ fn printer(progress: Progress) -> Arc<dyn EventSink> {
             eprintln!("{line}");
             return;
         }
-        if mode == Progress::Rawjson {
+        if json || mode == Progress::Rawjson {
             let v = match &ev {
                 Event::StepStarted {
                     step,
@@ -211,7 +218,11 @@ fn printer(progress: Progress) -> Arc<dyn EventSink> {
                 }
                 _ => return,
             };
-            eprintln!("{v}");
+            if json {
+                println!("{v}");
+            } else {
+                eprintln!("{v}");
+            }
             return;
         }
         match ev {
@@ -271,8 +282,8 @@ fn phase_line(ev: &Event) -> Option<String> {
 }
 
 /// Runs `kiln build`: flags → [`BuildRequest`] → [`kiln_pipeline::run`] → the digest on
-/// stdout, `--iidfile`, `--metadata-file` and a summary line on stderr.
-pub fn run(a: Args) -> anyhow::Result<()> {
+/// stdout (or the `built` event with `--json`), `--iidfile`, `--metadata-file` and a summary line on stderr.
+pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
     for f in &a.ssh {
         kiln_builder::secrets::refuse_ssh(f)?;
     }
@@ -327,10 +338,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         None
     };
     let config = crate::config::Config::load(&crate::config::Flags::default())?;
-    let root = match &a.store {
-        Some(p) => p.clone(),
-        None => crate::config::local_store_dir()?,
-    };
+    let root = crate::config::local_store_dir(a.store.as_deref(), "kiln build")?;
     let mut req = BuildRequest::new(
         Recipe {
             name: file.display().to_string(),
@@ -362,7 +370,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     req.limits.vcpus = Some(a.vcpus);
     req.output = output;
     let cancel = req.cancel.clone();
-    let events = printer(a.progress);
+    let events = printer(a.progress, cli.json);
 
     let rt = super::common::runtime()?;
     let report = rt.block_on(async {
@@ -434,7 +442,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             format!(", tagged {}", report.tags.join(", "))
         }
     );
-    println!("{last}");
+    cli.event(
+        "built",
+        json!({
+            "manifest": published.as_ref().map(|d| d.to_string()),
+            "ociManifest": digest,
+            "snapshot": report.snapshot.as_ref().map(|s| s.snapshot.to_string()),
+            "tags": report.tags, "stepsRun": report.steps_run, "stepsCached": report.steps_cached,
+        }),
+        || last.clone(),
+    );
     Ok(())
 }
 

@@ -1,7 +1,5 @@
 //! Options shared by the image subcommands (store location, registry access).
 
-use std::path::PathBuf;
-
 use anyhow::Context as _;
 use kiln_builder::cache::LocalCache;
 use kiln_builder::image::Platform;
@@ -10,10 +8,11 @@ use kiln_builder::registry::{Registry, RegistryOptions};
 /// Where the local store is and how registries are reached.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ImageOpts {
-    /// The local store directory (default: $KILN_STORE, else the config file's `store`, else
-    /// ~/.local/share/kiln/store).
-    #[arg(long)]
-    pub store: Option<PathBuf>,
+    /// The local store directory or `file://PATH` (default: $KILN_STORE, else the config
+    /// file's `store`, else ~/.local/share/kiln/store). An S3 store is refused: these commands
+    /// work on a local store only.
+    #[arg(long, value_name = "DIR")]
+    pub store: Option<String>,
     /// Platform to pick from a multi-platform index, os/arch[/variant].
     #[arg(long, default_value = "linux/amd64")]
     pub platform: String,
@@ -26,12 +25,9 @@ pub struct ImageOpts {
 }
 
 impl ImageOpts {
-    /// Opens the local store.
-    pub fn cache(&self) -> anyhow::Result<LocalCache> {
-        let root = match &self.store {
-            Some(p) => p.clone(),
-            None => crate::config::local_store_dir()?,
-        };
+    /// Opens the local store for `command` (`kiln pull`: named in the error for an S3 store).
+    pub fn cache(&self, command: &'static str) -> anyhow::Result<LocalCache> {
+        let root = crate::config::local_store_dir(self.store.as_deref(), command)?;
         LocalCache::open(&root).with_context(|| format!("opening the store at {}", root.display()))
     }
 

@@ -37,7 +37,7 @@ pub struct Args {
 
 /// Runs `kiln export`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let cache = a.opts.cache()?;
+    let cache = a.opts.cache("kiln export")?;
     if let Format::Ext4 = a.format {
         return ext4(&a, &cache);
     }

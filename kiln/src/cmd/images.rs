@@ -25,8 +25,8 @@ pub struct Args {
     store: Option<String>,
 }
 
-/// An image named on the command line: `NAME:TAG`, `NAME` (meaning `NAME:latest`) or a
-/// manifest digest `sha256:<64 hex>`.
+/// An image named on the command line: `NAME:TAG`, `NAME` (meaning `NAME:latest`; a name may
+/// have `/`-separated components, `myorg/app`) or a manifest digest `sha256:<64 hex>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ImageRef {
     /// A tag of the store.
@@ -45,13 +45,7 @@ impl FromStr for ImageRef {
                 .map(ImageRef::Digest)
                 .map_err(|_| kiln_store::TagError::Invalid(s.to_string()));
         }
-        if s.contains(':') {
-            s.parse().map(ImageRef::Tag)
-        } else {
-            TagRef::new(s, "latest")
-                .map(ImageRef::Tag)
-                .map_err(|_| kiln_store::TagError::Invalid(s.to_string()))
-        }
+        s.parse().map(ImageRef::Tag)
     }
 }
 
@@ -169,7 +163,20 @@ mod tests {
             ImageRef::Tag(TagRef::new("app", "latest").unwrap())
         );
         assert_eq!("app:v1".parse::<ImageRef>().unwrap().to_string(), "app:v1");
-        for bad in ["", "App", "sha256:12", "a/b:c", "app:", ":x", "../x:y"] {
+        assert_eq!(
+            "myorg/app".parse::<ImageRef>().unwrap(),
+            ImageRef::Tag(TagRef::new("myorg/app", "latest").unwrap())
+        );
+        for bad in [
+            "",
+            "App",
+            "sha256:12",
+            "a/B:c",
+            "app:",
+            ":x",
+            "../x:y",
+            "127.0.0.1:5000/app:v1",
+        ] {
             assert!(bad.parse::<ImageRef>().is_err(), "{bad}");
         }
     }

@@ -23,7 +23,7 @@ pub struct Args {
 /// Runs `kiln import`; prints the manifest digest.
 pub fn run(a: Args) -> anyhow::Result<()> {
     let (dir, tag) = layout::parse_spec(&a.spec).context("expected oci:DIR[:TAG]")?;
-    let cache = a.opts.cache()?;
+    let cache = a.opts.cache("kiln import")?;
     let digest = layout::import(
         &dir,
         tag.as_deref(),

@@ -158,7 +158,7 @@ fn finish(out: &Out, r: CmdResult) -> ExitCode {
     match r {
         Ok(()) => ExitCode::from(exit::OK),
         Err(Failure { code, error }) => {
-            let msg = format!("{error:#}");
+            let msg = one_line(&error);
             if out.json {
                 out.event("error", json!({"code": code, "message": msg}), String::new);
             }
@@ -166,6 +166,23 @@ fn finish(out: &Out, r: CmdResult) -> ExitCode {
             ExitCode::from(code)
         }
     }
+}
+
+/// An error and its causes on one line, `what: why: why…`, as anyhow's `{:#}` prints them,
+/// except that a cause whose text the line already holds is not said again (many errors
+/// include their source in their own message, `writing X: No space left on device`).
+pub fn one_line(error: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if line.is_empty() {
+            line = text;
+        } else if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+    }
+    line
 }
 
 /// Opens the store `url` (a `--store` flag), else the configured one (`$KILN_STORE`, else the
@@ -241,6 +258,33 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 17, fault 3: `writing a layer from …: No space left on device (os error 28)` was
+    /// followed by the same cause again, from the error chain.
+    #[test]
+    fn a_cause_already_in_the_message_is_not_repeated() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("writing {path}: {source}")]
+        struct Says {
+            path: &'static str,
+            source: std::io::Error,
+        }
+        let e = anyhow::Error::from(Says {
+            path: "/s/upper",
+            source: std::io::Error::from_raw_os_error(28),
+        });
+        assert_eq!(
+            one_line(&e),
+            "writing /s/upper: No space left on device (os error 28)"
+        );
+        assert_eq!(format!("{e:#}").matches("os error 28").count(), 2);
+        // A cause that adds something is kept, as `{:#}` keeps it.
+        let e = anyhow::Error::from(std::io::Error::from_raw_os_error(28)).context("put chunk");
+        assert_eq!(
+            one_line(&e),
+            "put chunk: No space left on device (os error 28)"
+        );
+    }
 
     #[test]
     fn durations() {

@@ -1,5 +1,7 @@
 //! `kiln plan FILE [--target T] [--build-arg K=V]... [--platform P] [--disk-mib N] [--json]`:
 //! lowers a Dockerfile or a YAML recipe (`.yaml`/`.yml`) into its build plan and prints it.
+//! `--resolve` first resolves the base images as `kiln build` does, so the plan printed has
+//! their config and ONBUILD triggers, as built.
 //! Errors print `file:line:column: message` with a caret snippet and exit with status 1.
 
 use std::collections::BTreeMap;
@@ -26,6 +28,53 @@ pub struct PlanArgs {
     /// Sandbox disk size in MiB (overrides `LABEL kiln.disk-mib` / `disk_mib:`).
     #[arg(long = "disk-mib", value_name = "MIB")]
     pub disk_mib: Option<u64>,
+    /// Resolve the base images first, as `kiln build` does (the local store, then the
+    /// registry), and print the plan that is built: with the bases' env, working directory
+    /// and user, and their ONBUILD triggers. Without it the plan is lowered from the file
+    /// alone.
+    #[arg(long)]
+    pub resolve: bool,
+    /// With --resolve: never contact a registry (bases must be in the local store).
+    #[arg(long, requires = "resolve")]
+    pub offline: bool,
+    /// With --resolve: the local store directory (default: as for `kiln build`).
+    #[arg(long, value_name = "DIR", requires = "resolve")]
+    pub store: Option<String>,
+    /// With --resolve: a registry (host[:port]) allowed over plain HTTP.
+    #[arg(long = "insecure-registry", requires = "resolve")]
+    pub insecure: Vec<String>,
+}
+
+/// The plan as `kiln build` builds it: the recipe lowered again with its resolved bases'
+/// configs ([`kiln_builder::resolve::resolve_recipe`]).
+fn resolved(
+    args: &PlanArgs,
+    name: &str,
+    bytes: &[u8],
+    options: &Options,
+) -> anyhow::Result<BuildPlan> {
+    use kiln_builder::base::PullPolicy;
+    let root = crate::config::local_store_dir(args.store.as_deref(), "kiln plan --resolve")?;
+    let cache = kiln_builder::cache::LocalCache::open(&root)?;
+    let config = crate::config::Config::load(&crate::config::Flags::default())?;
+    let resolve = kiln_builder::resolve::ResolveOptions {
+        policy: if args.offline {
+            PullPolicy::Never
+        } else {
+            PullPolicy::Missing
+        },
+        work_dir: root.join(".build").join("bootstrap"),
+        default_mirror: config.bootstrap_mirror.value.clone(),
+        registry: kiln_builder::registry::RegistryOptions {
+            insecure: args.insecure.clone(),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let (plan, _) = super::common::runtime()?.block_on(kiln_builder::resolve::resolve_recipe(
+        name, bytes, options, &resolve, &cache,
+    ))?;
+    Ok(plan)
 }
 
 /// Runs `kiln plan`.
@@ -68,6 +117,22 @@ pub fn run(args: &PlanArgs, json: bool) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let plan = if args.resolve {
+        match resolved(args, &name, &bytes, &options) {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("error: {}", super::one_line(&e));
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        plan
+    };
+    // A plan that lowers but that kiln cannot build is refused here, not at build time.
+    if let Err(e) = kiln_builder::build::check_supported(&plan) {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
+    }
     for w in &plan.warnings {
         match &w.location {
             Some(l) => eprintln!("warning: {}:{}: {}", l.file, l.start_line, w.message),

@@ -15,7 +15,7 @@ pub struct Args {
 
 /// Runs `kiln pull`: always asks the registry; prints the manifest digest.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let cache = a.opts.cache()?;
+    let cache = a.opts.cache("kiln pull")?;
     let reg = a.opts.registry()?;
     let (digest, src) = runtime()?.block_on(base::resolve(
         &a.reference,

@@ -19,7 +19,7 @@ pub struct Args {
 
 /// Runs `kiln push`; prints the pushed manifest digest.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let cache = a.opts.cache()?;
+    let cache = a.opts.cache("kiln push")?;
     let digest = base::lookup(&a.name, &cache)?
         .with_context(|| format!("{} is not in the local store", a.name))?;
     let dst: Reference = a.reference.parse()?;

@@ -2,6 +2,8 @@
 //! the OCI references of pulled and imported images (`registry/repository:tag`, the OCI
 //! manifest or index blob, and `oci`).
 
+use kiln_store::TagRef;
+use kiln_store::tag::DEFAULT_TAG;
 use serde_json::json;
 
 use super::{CmdResult, Out, open_existing_store};
@@ -20,9 +22,10 @@ pub struct Args {
 /// Runs `kiln tags`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
     let store = open_existing_store(a.store.as_deref()).await?;
-    // A name with a `/` can only be an OCI reference's repository.
+    // A name that is no store name but has a `/` can only be an OCI reference's repository
+    // (`127.0.0.1:5000/busybox`); `myorg/app` may be either.
     let tags = match a.name.as_deref() {
-        Some(n) if n.contains('/') => Vec::new(),
+        Some(n) if n.contains('/') && TagRef::new(n, DEFAULT_TAG).is_err() => Vec::new(),
         n => store.list_tags(n).await?,
     };
     for (tag, manifest) in tags {

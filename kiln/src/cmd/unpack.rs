@@ -35,7 +35,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.dir.display()
         );
     }
-    let cache = a.opts.cache()?;
+    let cache = a.opts.cache("kiln unpack")?;
     let cached = if a.reference.starts_with("oci:") {
         None
     } else {

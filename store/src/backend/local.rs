@@ -6,7 +6,8 @@
 //! `AlreadyExists`), `put` and `compare_and_swap` with `rename(2)` (atomic replace). The parent
 //! directory is fsynced after publishing. A crash leaves at most a stray file in `.tmp`.
 //!
-//! Compare-and-swap holds an exclusive `flock(2)` on `<root>/.locks/<key with / as %>` while
+//! Compare-and-swap holds an exclusive `flock(2)` on `<root>/.locks/<key with / as %>` (or
+//! `#<sha256 hex of the key>` when that is longer than a file name may be) while
 //! it reads the current version and renames; the OS drops the lock if the process dies, so a
 //! crash never leaves a tag locked. A version is `<inode>-<ctime ns>-<size>` of the file: every
 //! rename creates a new inode, so a rewrite with identical bytes still changes the version.
@@ -325,6 +326,20 @@ impl Ctx {
         self.publish_link(key, &tmp)
     }
 
+    /// The error for a failed write of `key`'s temp file: [`BackendError::NoSpace`] (with
+    /// the free space measured once the partial file is gone) when the file system is full.
+    fn write_err(&self, key: &str, e: std::io::Error) -> BackendError {
+        if crate::space::is_no_space(&e) {
+            return BackendError::NoSpace {
+                store: self.url.clone(),
+                op: "put",
+                key: key.to_string(),
+                space: crate::space::NoSpace::at("writing", &self.tmp, None),
+            };
+        }
+        other(&self.url, "put", key, e)
+    }
+
     /// Writes a temp file from `fill`, fsyncs it, checks the digest. Returns the temp path.
     fn write_tmp(
         &self,
@@ -336,12 +351,12 @@ impl Ctx {
             .write(true)
             .create_new(true)
             .open(&self.tmp)
-            .map_err(|e| other(&self.url, "put", key, e))?;
+            .map_err(|e| self.write_err(key, e))?;
         let mut hasher = Hasher::new();
         let res = fill(&mut f, &mut hasher).and_then(|_| f.sync_all());
         if let Err(e) = res {
             let _ = fs::remove_file(&self.tmp);
-            return Err(other(&self.url, "put", key, e));
+            return Err(self.write_err(key, e));
         }
         if let Some(expected) = expect {
             let actual = hasher.finish();
@@ -384,6 +399,21 @@ impl Ctx {
         fsync_dir(&parent).map_err(|e| other(&self.url, "put", key, e))?;
         let meta = fs::metadata(&dest).map_err(|e| other(&self.url, "put", key, e))?;
         Ok(version_of(&meta))
+    }
+}
+
+/// Longest file name (bytes) on Linux file systems (`NAME_MAX`).
+const NAME_MAX: usize = 255;
+
+/// The file under `.locks` that serializes compare-and-swap on `key`: the key with `/` as
+/// `%`, or, when that is longer than [`NAME_MAX`], `#` and the sha256 of the key (neither `%`
+/// nor `#` is in the key alphabet, so the two forms never meet).
+fn lock_name(key: &str) -> String {
+    let flat = key.replace('/', "%");
+    if flat.len() <= NAME_MAX {
+        flat
+    } else {
+        format!("#{}", crate::digest::Sha256Hash::of(key.as_bytes()).hex())
     }
 }
 
@@ -555,7 +585,7 @@ impl Backend for LocalBackend {
         let key = key.to_string();
         let expected = expected.cloned();
         self.blocking(move |c| {
-            let lock_path = c.root.join(LOCK_DIR).join(key.replace('/', "%"));
+            let lock_path = c.root.join(LOCK_DIR).join(lock_name(&key));
             let lock = OpenOptions::new()
                 .create(true)
                 .truncate(false)

@@ -75,7 +75,19 @@ pub enum BackendError {
         /// The underlying error, rendered.
         message: String,
     },
-    /// Any other failure (permission denied, 4xx, disk full...).
+    /// The file system holding a local store is full (ENOSPC).
+    #[error("{store}: {op} {key}: {space}")]
+    NoSpace {
+        /// The store (URL).
+        store: String,
+        /// The primitive (`put`, ...).
+        op: &'static str,
+        /// The key being written.
+        key: String,
+        /// The file written and the free space.
+        space: crate::space::NoSpace,
+    },
+    /// Any other failure (permission denied, 4xx...).
     #[error("{store}: {op} {key}: {message}")]
     Other {
         /// The store (URL).

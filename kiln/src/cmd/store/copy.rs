@@ -1,6 +1,6 @@
 //! What `kiln store push` and `kiln store pull` share: copy one tag between two stores with a
-//! progress display, then report totals. A name with a `/` is an OCI reference (a pulled or
-//! imported image, `registry/repository:tag`), copied with its blobs.
+//! progress display, then report totals. A name that is no tag of the source store but an OCI
+//! reference (a pulled or imported image, `registry/repository:tag`) is copied with its blobs.
 
 use kiln_store::copy::{CopyOptions, copy_oci_ref, copy_tag};
 use kiln_store::manifest::Manifest;
@@ -21,8 +21,22 @@ pub async fn copy(
 ) -> CmdResult {
     let src = open_existing_store(src).await?;
     let dst = open_store(dst).await?;
-    if name.contains('/') {
-        let r: OciRef = name.parse().map_err(kiln_store::StoreError::from)?;
+    // `myorg/app:v1` may be a store tag or an OCI reference: the store's own tags first, as a
+    // FROM looks; when it is neither, the error is about the tag.
+    let tag = name.parse::<TagRef>();
+    let oci = match (&tag, name.contains('/')) {
+        (_, false) => None,
+        (Ok(t), true) if src.get_tag(t).await?.is_some() => None,
+        (Ok(_), true) => match name.parse::<OciRef>() {
+            Ok(r) if src.get_oci_ref(&r).await?.is_some() => Some(r),
+            _ => None,
+        },
+        (Err(_), true) => Some(
+            name.parse::<OciRef>()
+                .map_err(kiln_store::StoreError::from)?,
+        ),
+    };
+    if let Some(r) = oci {
         let report = copy_oci_ref(&src, &dst, &r, &CopyOptions::default()).await?;
         let s = report.stats;
         out.event(
@@ -44,7 +58,7 @@ pub async fn copy(
         );
         return Ok(());
     }
-    let tag: &TagRef = &name.parse().map_err(kiln_store::StoreError::from)?;
+    let tag: &TagRef = &tag.map_err(kiln_store::StoreError::from)?;
     // The bar's total: the raw size of the image (or snapshot disk + memory) behind the tag.
     let digest = src.resolve_tag(tag).await?;
     let total = match src.get_manifest(&digest).await? {
