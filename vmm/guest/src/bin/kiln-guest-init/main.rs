@@ -12,6 +12,7 @@
 //! PID 1 must never exit (the kernel panics): a fatal error is logged and the VM powered off.
 
 mod boot;
+mod exec;
 mod proc;
 mod serve;
 mod sys;
