@@ -62,6 +62,8 @@ enum Command {
     Ps(cmd::ps::Args),
     /// Stop clones started on this host.
     Stop(cmd::stop::Args),
+    /// Run a command in a running clone; exits with its exit code (125/126/127: see README).
+    Exec(cmd::exec::Args),
     /// Store maintenance and copies between stores.
     #[command(subcommand)]
     Store(cmd::store::Command),
@@ -108,6 +110,7 @@ fn main() -> ExitCode {
         Command::Start(a) => cmd::run(&out, async |out| cmd::start::run(out, a).await),
         Command::Ps(a) => cmd::run(&out, async |out| cmd::ps::run(out, a).await),
         Command::Stop(a) => cmd::run(&out, async |out| cmd::stop::run(out, a).await),
+        Command::Exec(a) => cmd::exec::main(&out, a),
         Command::Store(c) => cmd::run(&out, async |out| cmd::store::run(out, c).await),
         Command::Images(a) => cmd::run(&out, async |out| cmd::images::run(out, a).await),
         Command::Inspect(a) => cmd::run(&out, async |out| cmd::inspect::run(out, a).await),

@@ -32,11 +32,13 @@ use std::path::Path;
 use std::time::Duration;
 
 use kiln_guest::protocol::{
-    self as proto, DecodeError, Exec, ExecExit, ExecFailure, ExecFailureKind, Message, Ping, Stream,
+    self as proto, DecodeError, Exec, ExecExit, ExecFailure, ExecFailureKind, Message, Ping,
 };
 
 use crate::channel::{ChannelError, GuestChannel};
 use crate::clone::{self, CloneError, CloneRecord};
+
+pub use kiln_guest::protocol::{MAX_STDIN_LEN, Stream};
 
 /// Most bytes discarded before the guest's `connected` answer: one partial frame of an older
 /// connection (at most [`proto::MAX_FRAME_LEN`] plus its header) and what QEMU had queued
