@@ -105,7 +105,7 @@ pub struct ExecRequest {
     pub env: Vec<String>,
     /// User; `None`: the image's (its start command's), root without one.
     pub user: Option<String>,
-    /// Working directory; `None`: the user's home directory.
+    /// Working directory; `None`: the user's home directory (`/` when it does not exist).
     pub workdir: Option<String>,
     /// Bytes for stdin (at most [`proto::MAX_STDIN_LEN`]); empty: `/dev/null`.
     pub stdin: Vec<u8>,

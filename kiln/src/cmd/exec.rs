@@ -33,7 +33,8 @@ pub struct Args {
     /// `KEY=value` for the command, over the image's and `kiln start --env`'s (repeatable).
     #[arg(short, long = "env", value_name = "K=V")]
     env: Vec<String>,
-    /// Working directory (absolute); default the user's home directory.
+    /// Working directory (absolute); default the user's home directory (`/` when it does
+    /// not exist).
     #[arg(short, long, value_name = "DIR")]
     workdir: Option<String>,
     /// Pass kiln's stdin to the command (read to its end first, at most 512 KiB); without

@@ -167,7 +167,8 @@ pub struct Exec {
     /// and `/etc/group`); `None`: the image's user (its start command's), root without one.
     #[serde(default)]
     pub user: Option<String>,
-    /// Working directory (absolute); `None`: the user's home directory.
+    /// Working directory (absolute); `None`: the user's home directory (`/` when it does
+    /// not exist).
     #[serde(default)]
     pub workdir: Option<String>,
     /// Bytes given to the command's stdin, which is then closed; empty: stdin is

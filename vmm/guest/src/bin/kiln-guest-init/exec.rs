@@ -8,7 +8,8 @@
 //! 3. Environment, later entries replacing earlier ones of the same KEY: `PATH` (the init's
 //!    default), `HOME` (the user's home), `HOSTNAME`; the image's start environment; the
 //!    clone's environment (`kiln start --env`, from the last `restore`); the exec's own `env`.
-//! 4. Working directory: the exec's, else the user's home directory from /etc/passwd.
+//! 4. Working directory: the exec's, else the user's home directory from /etc/passwd (`/`
+//!    when that does not exist, as login(1) does).
 //! 5. A cgroup v2 of its own, `/sys/fs/cgroup/kiln-exec-<id>` (cgroup2 is mounted there at
 //!    the first exec, the memory controller enabled for the root's children); the child
 //!    joins it before exec. After the exit its `memory.events` `oom_kill` counter says
@@ -258,7 +259,15 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
         let env = merge_env(&env, &clone_env);
         merge_env(&env, &e.env)
     };
-    let workdir = e.workdir.clone().unwrap_or_else(|| user.home.clone());
+    // As login(1) does, a home directory that does not exist (`nobody`'s `/nonexistent`)
+    // gives `/`; a workdir asked for that does not exist is the exec's failure (126).
+    let workdir = e.workdir.clone().unwrap_or_else(|| {
+        if Path::new(&user.home).is_dir() {
+            user.home.clone()
+        } else {
+            "/".into()
+        }
+    });
     let io = (|| {
         Ok::<_, io::Error>((
             pipe()?,
