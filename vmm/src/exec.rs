@@ -223,7 +223,7 @@ impl ExecSession {
         if !rec.running() {
             return Err(ExecError::NotRunning(rec.id.clone()));
         }
-        let lock = lock(&rec.dir.join("exec.lock")).await?;
+        let lock = lock(&rec.dir.join("exec.lock"), &rec.id).await?;
         let ch = GuestChannel::connect(&rec.dir.join("guest.sock"), timeout)
             .await
             .map_err(|source| ExecError::Channel {
@@ -401,8 +401,9 @@ pub async fn exec(
     }
 }
 
-/// Takes an exclusive `flock` on `path` (created if missing) on a blocking thread.
-async fn lock(path: &Path) -> Result<std::fs::File, ExecError> {
+/// Takes an exclusive `flock` on `path` (created if missing) on a blocking thread, warning
+/// (tracing) when another session of the clone `id` holds it.
+async fn lock(path: &Path, id: &str) -> Result<std::fs::File, ExecError> {
     let p = path.to_path_buf();
     let err = |source| ExecError::Lock {
         path: path.display().to_string(),
@@ -414,9 +415,14 @@ async fn lock(path: &Path) -> Result<std::fs::File, ExecError> {
         .write(true)
         .open(&p)
         .map_err(err)?;
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a file descriptor this function owns; no memory is shared.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(f);
+    }
+    tracing::warn!("clone {id}: waiting for another exec session (kiln exec) to end");
     tokio::task::spawn_blocking(move || {
-        use std::os::fd::AsRawFd;
-        // SAFETY: flock on a file descriptor this closure owns; no memory is shared.
+        // SAFETY: as above.
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
             return Err(std::io::Error::last_os_error());
         }

@@ -56,7 +56,9 @@
 //! new connection can begin with the tail of an older conversation, even in the middle of a
 //! frame. The host therefore opens with `connect {nonce}` (a fresh random nonce) and discards
 //! bytes until the exact frame [`encode`] makes of `connected {nonce}`; from there on the
-//! stream is in step.
+//! stream is in step. The other way round, the guest may miss a disconnect (the host left and
+//! came back between two of its reads) and hold the cut frame of an older host; it drops
+//! what comes before a `connect` frame ([`FrameBuffer::push_watching_connect`]).
 //!
 //! Bounds, checked by [`encode_body`] before sending and by [`decode_body`] on receipt (a
 //! hostile host or guest gets a [`DecodeError::BadField`]): see [`MAX_ARGS`],
@@ -815,6 +817,11 @@ pub enum WriteError {
     Io(#[from] io::Error),
 }
 
+/// The bytes every `connect` frame body begins with ([`encode_body`] writes `v`, then
+/// `type`). Inside any other valid frame they cannot appear: in a JSON string the quotes
+/// would be escaped.
+pub const CONNECT_PREFIX: &[u8] = br#"{"v":1,"type":"connect","#;
+
 /// Incremental frame splitter for non-blocking readers (an async socket, a poll loop): push the
 /// bytes as they arrive, take whole frame bodies out.
 #[derive(Debug, Default)]
@@ -831,6 +838,34 @@ impl FrameBuffer {
     /// Append received bytes.
     pub fn push(&mut self, bytes: &[u8]) {
         self.buf.extend_from_slice(bytes);
+    }
+
+    /// Append received bytes, then drop everything before the first `connect` frame that
+    /// starts anywhere but at the front (its body begins with [`CONNECT_PREFIX`]): what
+    /// came before it belongs to an older host connection, possibly cut inside a frame whose
+    /// announced length would otherwise swallow the new connection's frames. Returns the
+    /// bytes dropped. Only the new bytes (and the few before them a prefix could start in)
+    /// are searched.
+    pub fn push_watching_connect(&mut self, bytes: &[u8]) -> usize {
+        let old = self.buf.len();
+        self.buf.extend_from_slice(bytes);
+        let from = old
+            .saturating_sub(CONNECT_PREFIX.len() - 1)
+            .max(HEADER_LEN + 1);
+        let Some(i) = self
+            .buf
+            .get(from..)
+            .and_then(|tail| {
+                tail.windows(CONNECT_PREFIX.len())
+                    .position(|w| w == CONNECT_PREFIX)
+            })
+            .map(|p| from + p)
+        else {
+            return 0;
+        };
+        let start = i - HEADER_LEN;
+        self.buf.drain(..start);
+        start
     }
 
     /// Bytes held that do not make a whole frame yet.
@@ -1293,6 +1328,44 @@ mod tests {
         }
         fb.finish().unwrap();
         assert_eq!(got, all_messages());
+    }
+
+    #[test]
+    fn a_connect_after_a_cut_frame_is_found() {
+        let connect = encode(&Message::Connect(Ping { nonce: 3 })).unwrap();
+        let exec = encode(&Message::Exec(Exec {
+            id: 1,
+            argv: vec![String::from_utf8(CONNECT_PREFIX.to_vec()).unwrap()],
+            ..Exec::default()
+        }))
+        .unwrap();
+        // An older connection's frame announcing 600000 bytes, cut after 100, then the new
+        // connection's connect and exec (whose argv holds the prefix as text, escaped).
+        let mut fb = FrameBuffer::new();
+        let mut stale = 600_000u32.to_be_bytes().to_vec();
+        stale.extend(vec![b'x'; 100]);
+        assert_eq!(fb.push_watching_connect(&stale), 0);
+        let mut new = connect.clone();
+        new.extend(&exec);
+        // Byte by byte, so the prefix straddles pushes.
+        let mut dropped = 0;
+        for b in &new {
+            dropped += fb.push_watching_connect(std::slice::from_ref(b));
+        }
+        assert_eq!(dropped, stale.len());
+        assert_eq!(
+            decode_body(&fb.next_frame().unwrap().unwrap()).unwrap(),
+            Message::Connect(Ping { nonce: 3 })
+        );
+        assert!(matches!(
+            decode_body(&fb.next_frame().unwrap().unwrap()).unwrap(),
+            Message::Exec(_)
+        ));
+        assert_eq!(fb.pending(), 0);
+        // A connect at the front is left alone.
+        let mut fb = FrameBuffer::new();
+        assert_eq!(fb.push_watching_connect(&connect), 0);
+        assert!(fb.next_frame().unwrap().is_some());
     }
 
     #[test]

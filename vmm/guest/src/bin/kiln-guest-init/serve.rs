@@ -161,7 +161,13 @@ pub fn serve(port: fs::File) -> ! {
             }
         };
         connected = true;
-        frames.push(&buf[..n]);
+        let stale = frames.push_watching_connect(&buf[..n]);
+        if stale > 0 {
+            // A disconnect this loop did not see (the host left and came back between two
+            // reads), in the middle of a frame.
+            log!("dropped {stale} bytes of an older host connection");
+            exec::connection_ended("a new host connection");
+        }
         loop {
             let body = match frames.next_frame() {
                 Ok(Some(b)) => b,
