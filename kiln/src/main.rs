@@ -80,7 +80,16 @@ enum Command {
 
 fn main() -> ExitCode {
     quiet_broken_pipe();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // `kiln exec`'s own failures, usage errors included, are 125 as in `docker exec`, so
+        // that they cannot pass for the command's exit code 2.
+        Err(e) if e.use_stderr() && subcommand_is("exec") => {
+            let _ = e.print();
+            return ExitCode::from(cmd::exec::KILN_ERROR);
+        }
+        Err(e) => e.exit(),
+    };
     // A broken configuration is reported by the commands that need it; logging falls back.
     let log = config::Config::load(&config::Flags {
         verbose: cli.verbose,
@@ -117,6 +126,15 @@ fn main() -> ExitCode {
         Command::Rmi(a) => cmd::run(&out, async |out| cmd::rmi::run(out, a).await),
         Command::Config(c) => cmd::report_cmd(&out, cmd::config::run(&out, c, cli.verbose)),
     }
+}
+
+/// Whether the first argument that is not a flag (the global flags take no values) names
+/// the subcommand `name`.
+fn subcommand_is(name: &str) -> bool {
+    std::env::args_os()
+        .skip(1)
+        .find(|a| !a.to_string_lossy().starts_with('-'))
+        .is_some_and(|a| a == name)
 }
 
 /// `kiln images | head -1`: when the reader of stdout goes away, `println!` panics with

@@ -230,6 +230,24 @@ fn vm_exec_in_one_clone() {
     assert_eq!(code, 125, "{err}");
     let (code, _, _) = exec(d, id, &["--env", "NOEQUALS", "--", "true"]);
     assert_eq!(code, 125);
+    let (code, _, err) = exec(d, id, &["--no-such-flag", "--", "true"]);
+    assert_eq!(code, 125, "a usage error is kiln's: {err}");
+
+    // kiln exec processes started together all get their turn on the guest channel.
+    let children: Vec<_> = (0..3)
+        .map(|i| {
+            kiln_cmd(d, &["exec", id, "--", "sh", "-c", &format!("echo {i}")])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn kiln exec")
+        })
+        .collect();
+    for (i, c) in children.into_iter().enumerate() {
+        let o = c.wait_with_output().expect("wait");
+        assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+        assert_eq!(String::from_utf8_lossy(&o.stdout), format!("{i}\n"));
+    }
 
     let state = d.join("state");
     rt.block_on(async {

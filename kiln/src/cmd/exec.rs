@@ -5,7 +5,7 @@
 //! 125 when kiln failed (no such clone, the clone not running, the connection to its guest
 //! lost, a request over the protocol's bounds); 126 when the command cannot be run (not
 //! executable, unknown user, bad working directory); 127 when it is not found. Usage errors
-//! are 2, as for every command.
+//! are kiln's too: 125, not the 2 of other commands.
 
 use std::io::{Read, Write};
 use std::process::ExitCode;
