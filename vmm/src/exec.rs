@@ -73,6 +73,9 @@ pub enum ExecError {
         /// The channel's error.
         source: ChannelError,
     },
+    /// Reading `/dev/urandom` (for a nonce or an exec id) failed.
+    #[error("reading /dev/urandom: {0}")]
+    Random(std::io::Error),
     /// The request breaks the protocol's bounds (too many or too long arguments, stdin
     /// too large...); nothing was sent.
     #[error("the command cannot be sent: {0}")]
@@ -194,10 +197,7 @@ fn random_u64() -> Result<u64, ExecError> {
     let mut b = [0u8; 8];
     std::fs::File::open("/dev/urandom")
         .and_then(|mut f| f.read_exact(&mut b))
-        .map_err(|e| ExecError::Lock {
-            path: "/dev/urandom".into(),
-            source: e,
-        })?;
+        .map_err(ExecError::Random)?;
     Ok(u64::from_le_bytes(b))
 }
 
