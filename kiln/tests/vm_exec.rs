@@ -1,6 +1,6 @@
 //! `kiln exec` and `kiln_vmm::exec` against one real clone (TCG) of the busybox fixture,
-//! whose start command runs as `nobody` (home `/nonexistent`, which does not exist) with an
-//! image variable: exit codes, a signal, stdout/stderr separation, stdin, large output,
+//! whose OCI config names the user `nobody` (home `/nonexistent`, which does not exist) and
+//! image variables: exit codes, a signal, stdout/stderr separation, stdin, large output,
 //! environment merging (image, `kiln start --env`, `--env`), user and workdir defaults,
 //! 125/126/127, two commands at once, detached and non-detached commands when the connection
 //! drops, and an OOM-killed command flagged. One boot and one clone for all of it.
@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use kiln_store::{SandboxSpec, StartSpec, Store, TagRef};
+use kiln_store::{Manifest, SandboxSpec, StartSpec, Store, TagRef};
 use kiln_tests::vm::{busybox_image, guest_assets, sh};
 use kiln_vmm::exec::{ExecEvent, ExecRequest, ExecSession, Stream};
 use serde_json::Value;
@@ -117,14 +117,37 @@ fn vm_exec_in_one_clone() {
             SandboxSpec {
                 start: Some(StartSpec {
                     argv: sh("exec sleep 1000000"),
-                    user: Some("nobody".into()),
-                    env: vec!["IMAGE_VAR=img".into(), "SHARED=image".into()],
+                    user: None,
+                    env: vec![],
                     workdir: None,
                 }),
                 ready: None,
             },
         )
         .await;
+        // The image's OCI config names its user and environment, as a built image's does
+        // (the start command itself runs as root).
+        let config = d.join("config.json");
+        std::fs::write(
+            &config,
+            serde_json::json!({"architecture": "amd64", "os": "linux", "config": {
+                "User": "nobody",
+                "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "IMAGE_VAR=img", "SHARED=image"],
+            }})
+            .to_string(),
+        )
+        .expect("config");
+        let (blob, _) = store.put_blob_file(&config).await.expect("config blob");
+        let digest = store.resolve_tag(&tag).await.expect("tag");
+        let Manifest::Image(mut m) = store.get_manifest(&digest).await.expect("manifest") else {
+            panic!("not an image")
+        };
+        m.oci_config = Some(blob);
+        let raw = store
+            .put_manifest(&Manifest::Image(m))
+            .await
+            .expect("put manifest");
+        store.force_tag(&tag, raw.digest).await.expect("tag");
     });
     let o = kiln(
         d,
@@ -166,7 +189,7 @@ fn vm_exec_in_one_clone() {
     let (code, _, _) = exec(d, id, &["--", "sh", "-c", "kill -TERM $$"]);
     assert_eq!(code, 143);
 
-    // The image's user (the start command's, nobody) by default, in its home, which does not
+    // The image's user (its OCI config's, nobody) by default, in its home, which does not
     // exist here: `/`, with HOME still set from /etc/passwd.
     let (code, out, _) = exec(d, id, &["--", "sh", "-c", "id -u; pwd; echo $HOME"]);
     assert_eq!((code, out.as_str()), (0, "65534\n/\n/nonexistent\n"));

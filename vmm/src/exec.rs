@@ -106,7 +106,8 @@ pub struct ExecRequest {
     pub argv: Vec<String>,
     /// `KEY=value`, over the image's and `kiln start --env`'s environment.
     pub env: Vec<String>,
-    /// User; `None`: the image's (its start command's), root without one.
+    /// User; `None`: the image's (its OCI config's `User`, else its start command's), root
+    /// without one.
     pub user: Option<String>,
     /// Working directory; `None`: the user's home directory (`/` when it does not exist).
     pub workdir: Option<String>,

@@ -27,7 +27,7 @@ pub struct Args {
     /// The clone (see `kiln ps`).
     id: String,
     /// User: `name`, `uid`, `name:group` or `uid:gid` of the image; default the image's
-    /// user (its start command's), root without one.
+    /// user (its OCI config's `User`), root without one.
     #[arg(short, long, value_name = "USER")]
     user: Option<String>,
     /// `KEY=value` for the command, over the image's and `kiln start --env`'s (repeatable).

@@ -26,7 +26,8 @@
 //! host → guest  start    {argv, user, env, workdir, ready}   the image manifest's sandbox
 //! guest → host  ready    {elapsed_ms, attempts}              ready check passed
 //!            or failed   {kind, reason}                      check timed out, command died
-//! host → guest  restore  {entropy, time_unix_ns, env}        after a snapshot is restored
+//! host → guest  restore  {entropy, time_unix_ns, env,        after a snapshot is restored
+//!                         image_user, image_env}
 //! guest → host  restored {machine_id, random, boot_id}
 //! either        ping {nonce} → pong {nonce}                  liveness
 //! either        error {message}                              answer to a frame it refused
@@ -166,7 +167,8 @@ pub struct Exec {
     #[serde(default)]
     pub env: Vec<String>,
     /// User (`name`, `uid`, `name:group`, `uid:gid`, resolved in the image's `/etc/passwd`
-    /// and `/etc/group`); `None`: the image's user (its start command's), root without one.
+    /// and `/etc/group`); `None`: the image's user (the last [`Restore::image_user`], else
+    /// the start command's), root without one.
     #[serde(default)]
     pub user: Option<String>,
     /// Working directory (absolute); `None`: the user's home directory (`/` when it does
@@ -344,15 +346,25 @@ pub struct Restore {
     /// The clone's environment, `KEY=value` each, applied to processes started from now on.
     #[serde(default)]
     pub env: Vec<String>,
+    /// The image's user (its OCI config's `User`, `0` when that is empty), the default user
+    /// of `exec`s from now on; `None` (an image without a config): the start command's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_user: Option<String>,
+    /// The image's environment (its OCI config's `Env`), under every `exec`'s from now on;
+    /// `None` (an image without a config): the start command's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_env: Option<Vec<String>>,
 }
 
 impl Restore {
-    /// A restore message carrying `entropy` (base64-encoded here).
+    /// A restore message carrying `entropy` (base64-encoded here), without image defaults.
     pub fn new(entropy: &[u8], time_unix_ns: u64, env: Vec<String>) -> Self {
         Self {
             entropy: base64::engine::general_purpose::STANDARD.encode(entropy),
             time_unix_ns,
             env,
+            image_user: None,
+            image_env: None,
         }
     }
 
@@ -940,6 +952,11 @@ mod tests {
                 reason: "gave up".into(),
             }),
             Message::Restore(Restore::new(&[7u8; 32], 1_700_000_000_000_000_000, vec![])),
+            Message::Restore(Restore {
+                image_user: Some("runtime".into()),
+                image_env: Some(vec!["PATH=/workspace/.local/bin:/bin".into()]),
+                ..Restore::new(&[7u8; 32], 0, vec!["A=1".into()])
+            }),
             Message::Restored(Restored {
                 machine_id: "0".repeat(32),
                 random: "ab".repeat(16),
@@ -1452,13 +1469,11 @@ mod tests {
             Restore::new(&vec![1u8; MAX_ENTROPY_LEN + 1], 0, vec![]),
             Restore {
                 entropy: "!!!not base64!!!".into(),
-                time_unix_ns: 0,
-                env: vec![],
+                ..Restore::new(&[], 0, vec![])
             },
             Restore {
                 entropy: "A".repeat(10 << 20),
-                time_unix_ns: 0,
-                env: vec![],
+                ..Restore::new(&[], 0, vec![])
             },
         ] {
             assert!(matches!(

@@ -3,11 +3,13 @@
 //!
 //! Per exec (one thread, plus one writing its stdin when it has any):
 //! 1. Refuse an id that is running, or a 65th exec at once ([`MAX_RUNNING`]).
-//! 2. Resolve the user (the exec's, else the image's: the start command's user the guest got
-//!    in `start` at boot, root without one) in the image's /etc/passwd and /etc/group.
+//! 2. Resolve the user (the exec's, else the image's: the last `restore`'s `image_user`, the
+//!    OCI config's, else the start command's user from `start`; root without either) in the
+//!    image's /etc/passwd and /etc/group.
 //! 3. Environment, later entries replacing earlier ones of the same KEY: `PATH` (the init's
-//!    default), `HOME` (the user's home), `HOSTNAME`; the image's start environment; the
-//!    clone's environment (`kiln start --env`, from the last `restore`); the exec's own `env`.
+//!    default), `HOME` (the user's home), `HOSTNAME`; the image's (`restore`'s `image_env`,
+//!    else the start command's `env`); the clone's (`kiln start --env`, from the last
+//!    `restore`); the exec's own `env`.
 //! 4. Working directory: the exec's, else the user's home directory from /etc/passwd (`/`
 //!    when that does not exist, as login(1) does).
 //! 5. A cgroup v2 of its own, `/sys/fs/cgroup/kiln-exec-<id>` (cgroup2 is mounted there at
@@ -45,12 +47,12 @@ pub const MAX_RUNNING: usize = 64;
 /// Where cgroup2 is mounted.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
-/// What the image gives every exec: the start command's user and environment (from `start`).
+/// What the image gives every exec (from `start`: the image's user and environment).
 #[derive(Debug, Default, Clone)]
 pub struct ImageDefaults {
-    /// The start command's user; `None`: root.
+    /// The image's user; `None`: root.
     pub user: Option<String>,
-    /// The start command's environment, `KEY=value`.
+    /// The image's environment, `KEY=value`.
     pub env: Vec<String>,
 }
 
@@ -62,6 +64,17 @@ fn image_defaults() -> &'static Mutex<ImageDefaults> {
 /// Record what `start` said the image's user and environment are.
 pub fn set_image_defaults(d: ImageDefaults) {
     *image_defaults().lock().unwrap_or_else(|p| p.into_inner()) = d;
+}
+
+/// Replace what a `restore` gives of the image's user and environment (its OCI config's).
+pub fn update_image_defaults(user: Option<String>, env: Option<Vec<String>>) {
+    let mut d = image_defaults().lock().unwrap_or_else(|p| p.into_inner());
+    if user.is_some() {
+        d.user = user;
+    }
+    if let Some(env) = env {
+        d.env = env;
+    }
 }
 
 /// A running exec.

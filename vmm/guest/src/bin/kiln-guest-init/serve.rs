@@ -506,6 +506,9 @@ fn restore(r: &Restore) -> Result<Restored, RestoreError> {
         write_atomic(Path::new(RESTORE_ENV_FILE), body.as_bytes(), 0o600)
             .map_err(|e| RestoreError::Step("writing /run/kiln/env", e))?;
     }
+    if r.image_user.is_some() || r.image_env.is_some() {
+        exec::update_image_defaults(r.image_user.clone(), r.image_env.clone());
+    }
     let machine_id = new_machine_id().map_err(|e| RestoreError::Step("getrandom", e))?;
     write_machine_id(&machine_id).map_err(|e| RestoreError::Step("writing /etc/machine-id", e))?;
     let mut random = [0u8; 16];
