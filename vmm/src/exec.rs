@@ -18,7 +18,8 @@
 //! 2. It connects and sends `connect {nonce}` (64 random bits); the guest kills the
 //!    commands of earlier connections that were not detached and answers `connected
 //!    {nonce}`. Bytes before that exact frame are the tail of an older conversation and are
-//!    discarded (at most [`MAX_STALE_BYTES`]).
+//!    discarded (at most [`MAX_STALE_BYTES`]). The guest, for its part, drops whatever an
+//!    older host left before the `connect` frame, even a frame cut in its middle.
 //! 3. Each [`ExecSession::start`] sends one `exec` with a random id; the guest's `output`
 //!    frames of that id must come with `seq` 0, 1, 2, … and end with one `exit` carrying the
 //!    next number, else [`ExecError::Protocol`]. Frames of ids this session did not start
@@ -26,6 +27,9 @@
 //!
 //! Dropping the session closes the connection: the guest then kills every command it
 //! started that was not asked to `detach`.
+//!
+//! The image's user and environment, the defaults of every exec, reach the guest in the
+//! clone's `restore` ([`clone::ImageDefaults`], from the image's OCI config).
 
 use std::collections::HashMap;
 use std::path::Path;
