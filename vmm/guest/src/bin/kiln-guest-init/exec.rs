@@ -347,6 +347,14 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
     }
     let seq = pump(e.id, child.pid, out_r, err_r, tx, conn);
     let status = proc::wait(child.pid, None).unwrap_or(0);
+    // Reaped: its pid may be reused from now on, so a connection's end must not signal it.
+    if let Some(slot) = running()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_mut(&e.id)
+    {
+        slot.pid = None;
+    }
     let oom = cgroup.as_deref().is_some_and(|cg| oom_kills(cg) > 0);
     let (code, signal) = if libc::WIFSIGNALED(status) {
         (None, Some(libc::WTERMSIG(status)))
