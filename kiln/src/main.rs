@@ -62,6 +62,8 @@ enum Command {
     Ps(cmd::ps::Args),
     /// Stop clones started on this host.
     Stop(cmd::stop::Args),
+    /// Run a command in a running clone; exits with its exit code (125/126/127: see README).
+    Exec(cmd::exec::Args),
     /// Store maintenance and copies between stores.
     #[command(subcommand)]
     Store(cmd::store::Command),
@@ -78,7 +80,16 @@ enum Command {
 
 fn main() -> ExitCode {
     quiet_broken_pipe();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // `kiln exec`'s own failures, usage errors included, are 125 as in `docker exec`, so
+        // that they cannot pass for the command's exit code 2.
+        Err(e) if e.use_stderr() && subcommand_is("exec") => {
+            let _ = e.print();
+            return ExitCode::from(cmd::exec::KILN_ERROR);
+        }
+        Err(e) => e.exit(),
+    };
     // A broken configuration is reported by the commands that need it; logging falls back.
     let log = config::Config::load(&config::Flags {
         verbose: cli.verbose,
@@ -108,12 +119,22 @@ fn main() -> ExitCode {
         Command::Start(a) => cmd::run(&out, async |out| cmd::start::run(out, a).await),
         Command::Ps(a) => cmd::run(&out, async |out| cmd::ps::run(out, a).await),
         Command::Stop(a) => cmd::run(&out, async |out| cmd::stop::run(out, a).await),
+        Command::Exec(a) => cmd::exec::main(&out, a),
         Command::Store(c) => cmd::run(&out, async |out| cmd::store::run(out, c).await),
         Command::Images(a) => cmd::run(&out, async |out| cmd::images::run(out, a).await),
         Command::Inspect(a) => cmd::run(&out, async |out| cmd::inspect::run(out, a).await),
         Command::Rmi(a) => cmd::run(&out, async |out| cmd::rmi::run(out, a).await),
         Command::Config(c) => cmd::report_cmd(&out, cmd::config::run(&out, c, cli.verbose)),
     }
+}
+
+/// Whether the first argument that is not a flag (the global flags take no values) names
+/// the subcommand `name`.
+fn subcommand_is(name: &str) -> bool {
+    std::env::args_os()
+        .skip(1)
+        .find(|a| !a.to_string_lossy().starts_with('-'))
+        .is_some_and(|a| a == name)
 }
 
 /// `kiln images | head -1`: when the reader of stdout goes away, `println!` panics with

@@ -48,6 +48,8 @@ pub enum ChannelError {
 #[derive(Debug)]
 pub struct GuestChannel {
     stream: UnixStream,
+    /// Bytes read past the end of what [`GuestChannel::sync_to`] looked for, served first.
+    pending: Vec<u8>,
 }
 
 impl GuestChannel {
@@ -56,7 +58,7 @@ impl GuestChannel {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             match UnixStream::connect(path).await {
-                Ok(stream) => return Ok(Self { stream }),
+                Ok(stream) => return Ok(Self::from_stream(stream)),
                 Err(e) if tokio::time::Instant::now() >= deadline => {
                     return Err(ChannelError::Connect {
                         path: path.display().to_string(),
@@ -70,13 +72,71 @@ impl GuestChannel {
 
     /// Wraps a connected stream.
     pub fn from_stream(stream: UnixStream) -> Self {
-        Self { stream }
+        Self {
+            stream,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Discards received bytes up to and including the first occurrence of `frame` (a whole
+    /// encoded frame the peer is known to send next), all within `timeout`; returns how many
+    /// bytes came before it. Puts the stream in step after a connection that may begin with
+    /// the tail of an older conversation (see `kiln_guest::protocol`'s module doc).
+    ///
+    /// Errors: [`ChannelError::Protocol`] when more than `max_skip` bytes come first;
+    /// [`ChannelError::Timeout`], [`ChannelError::Closed`], [`ChannelError::Io`].
+    pub async fn sync_to(
+        &mut self,
+        frame: &[u8],
+        max_skip: usize,
+        timeout: Duration,
+    ) -> Result<usize, ChannelError> {
+        let what = "the answer to connect";
+        let mut window = std::mem::take(&mut self.pending);
+        let mut skipped = 0usize;
+        let scan = async {
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                if let Some(i) = window.windows(frame.len()).position(|w| w == frame) {
+                    self.pending = window.split_off(i + frame.len());
+                    return Ok(skipped + i);
+                }
+                // Keep only what could still begin the frame.
+                let keep = frame.len().saturating_sub(1).min(window.len());
+                let drop_n = window.len() - keep;
+                skipped += drop_n;
+                window.drain(..drop_n);
+                if skipped > max_skip {
+                    return Err(ChannelError::Protocol(format!(
+                        "more than {max_skip} bytes arrived before {what}"
+                    )));
+                }
+                let n = self.stream.read(&mut buf).await?;
+                if n == 0 {
+                    return Err(ChannelError::Closed(what.to_string()));
+                }
+                window.extend_from_slice(&buf[..n]);
+            }
+        };
+        tokio::time::timeout(timeout, scan)
+            .await
+            .map_err(|_| ChannelError::Timeout {
+                what: what.to_string(),
+                ms: timeout.as_millis(),
+            })?
     }
 
     /// Sends one message.
     pub async fn send(&mut self, m: &Message) -> Result<(), ChannelError> {
         let frame = proto::encode(m).map_err(|e| ChannelError::Protocol(e.to_string()))?;
         self.stream.write_all(&frame).await?;
+        Ok(())
+    }
+
+    /// Writes bytes as they are, unframed: for tests that play a hostile peer.
+    #[cfg(test)]
+    pub(crate) async fn write_raw(&mut self, bytes: &[u8]) -> Result<(), ChannelError> {
+        self.stream.write_all(bytes).await?;
         Ok(())
     }
 
@@ -131,6 +191,13 @@ impl GuestChannel {
     }
 
     async fn read_exact(&mut self, buf: &mut [u8], what: &str) -> Result<(), ChannelError> {
+        let from_pending = buf.len().min(self.pending.len());
+        buf[..from_pending].copy_from_slice(&self.pending[..from_pending]);
+        self.pending.drain(..from_pending);
+        let buf = &mut buf[from_pending..];
+        if buf.is_empty() {
+            return Ok(());
+        }
         match self.stream.read_exact(buf).await {
             Ok(_) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
@@ -163,6 +230,49 @@ mod tests {
         drop(b);
         let mut ch = GuestChannel::from_stream(a);
         let r = ch.recv_significant("hello", Duration::from_secs(5)).await;
+        assert!(matches!(r, Err(ChannelError::Closed(_))), "{r:?}");
+    }
+
+    #[tokio::test]
+    async fn sync_to_skips_stale_bytes_and_keeps_what_follows() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let mut host = GuestChannel::from_stream(a);
+        let want = proto::encode(&Message::Connected(Ping { nonce: 42 })).unwrap();
+        // The tail of an older conversation, cut inside a frame, then the answer, then a
+        // frame of the new conversation, split across writes.
+        let old = proto::encode(&Message::Connected(Ping { nonce: 41 })).unwrap();
+        let next = proto::encode(&Message::Pong(Ping { nonce: 7 })).unwrap();
+        let mut stream = b"\x00\x00\x01\x00{\"v\":1,\"ty".to_vec();
+        stream.extend(&old);
+        stream.extend(&want);
+        stream.extend(&next);
+        let y = stream.split_off(want.len() + 20);
+        b.write_all(&stream).await.unwrap();
+        let writer = tokio::spawn(async move {
+            tokio::task::yield_now().await;
+            b.write_all(&y).await.unwrap();
+            b
+        });
+        let skipped = host
+            .sync_to(&want, 4096, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(skipped, 14 + old.len());
+        let m = host.recv("pong", Duration::from_secs(5)).await.unwrap();
+        assert_eq!(m.unwrap(), Message::Pong(Ping { nonce: 7 }));
+        drop(writer.await.unwrap());
+
+        // Too much before it is refused, and so is a stream that ends first.
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let mut host = GuestChannel::from_stream(a);
+        b.write_all(&vec![0u8; 10_000]).await.unwrap();
+        let r = host.sync_to(&want, 4096, Duration::from_secs(5)).await;
+        assert!(matches!(r, Err(ChannelError::Protocol(_))), "{r:?}");
+        drop(b);
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut host = GuestChannel::from_stream(a);
+        drop(b);
+        let r = host.sync_to(&want, 4096, Duration::from_secs(5)).await;
         assert!(matches!(r, Err(ChannelError::Closed(_))), "{r:?}");
     }
 

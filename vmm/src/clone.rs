@@ -14,7 +14,8 @@
 //! 4. Per clone: a directory `<state>/<id>/`, a qcow2 overlay over the cached disk, QEMU with
 //!    the memory file mapped `share=off,readonly=on,rom=off` (never shared again), `-S
 //!    -incoming defer`; `x-ignore-shared`; `migrate-incoming file:vmstate`; `cont`; send
-//!    `restore` (32 fresh bytes from `/dev/urandom`, the time, the env); wait for `restored`.
+//!    `restore` (32 fresh bytes from `/dev/urandom`, the time, the env, the image's OCI
+//!    config user and env for `exec`s: [`ImageDefaults`]); wait for `restored`.
 //!    QEMU is then left running on its own; `clone.json` records it for [`list`] / [`stop`].
 
 use std::path::{Path, PathBuf};
@@ -76,6 +77,9 @@ pub enum CloneError {
         /// What is wrong.
         reason: String,
     },
+    /// The image's OCI config is too large or not JSON.
+    #[error("the image's OCI config: {0}")]
+    BadConfig(String),
     /// No clone with that id here.
     #[error("no clone {0} on this host (see `kiln ps`)")]
     NoSuchClone(String),
@@ -226,6 +230,69 @@ async fn snapshot_of(
     }
 }
 
+/// The image's user and environment, the defaults of `exec`s in its clones: its OCI config's
+/// `config.User` (`0` when empty) and `config.Env` (image-spec `config.md`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageDefaults {
+    /// `config.User`, or `0`.
+    pub user: String,
+    /// `config.Env`.
+    pub env: Vec<String>,
+}
+
+/// Largest OCI config read for [`ImageDefaults`], bytes (4 MiB; the store may be hostile).
+const MAX_OCI_CONFIG_LEN: u64 = 4 << 20;
+
+/// Reads [`ImageDefaults`] from the OCI config of the image manifest `image`; `None` when it
+/// has none.
+///
+/// Errors: the store's; a config over 4 MiB or not JSON is [`CloneError::BadConfig`].
+pub async fn image_defaults(
+    store: &Store,
+    image: &ManifestDigest,
+) -> Result<Option<ImageDefaults>, CloneError> {
+    let Manifest::Image(img) = store.get_manifest(image).await? else {
+        return Err(CloneError::NotAnImage(image.to_string()));
+    };
+    let Some(cfg) = &img.oci_config else {
+        return Ok(None);
+    };
+    if cfg.size > MAX_OCI_CONFIG_LEN {
+        return Err(CloneError::BadConfig(format!(
+            "{} bytes, more than {MAX_OCI_CONFIG_LEN}",
+            cfg.size
+        )));
+    }
+    let bytes = store.get_blob(&cfg.digest).await?;
+    parse_image_defaults(&bytes).map(Some)
+}
+
+fn parse_image_defaults(bytes: &[u8]) -> Result<ImageDefaults, CloneError> {
+    #[derive(Deserialize, Default)]
+    struct Oci {
+        #[serde(default)]
+        config: Option<Config>,
+    }
+    #[derive(Deserialize, Default)]
+    #[serde(rename_all = "PascalCase")]
+    struct Config {
+        #[serde(default)]
+        user: Option<String>,
+        #[serde(default)]
+        env: Option<Vec<String>>,
+    }
+    let oci: Oci = serde_json::from_slice(bytes)
+        .map_err(|e| CloneError::BadConfig(format!("not an OCI image config: {e}")))?;
+    let c = oci.config.unwrap_or_default();
+    Ok(ImageDefaults {
+        user: c
+            .user
+            .filter(|u| !u.is_empty())
+            .unwrap_or_else(|| "0".into()),
+        env: c.env.unwrap_or_default(),
+    })
+}
+
 /// Largest guest RAM a snapshot may ask for, bytes (256 GiB).
 pub const MAX_MEMORY_BYTES: u64 = 256 << 30;
 /// Most vCPUs a snapshot may ask for.
@@ -357,6 +424,7 @@ pub async fn start_clones(
             source,
         })?;
     let cached = materialize(store, &digest, &snap, &opts.cache_dir, false).await?;
+    let defaults = image_defaults(store, &snap.image).await?;
     let clones_dir = opts.state_dir.join("clones");
     std::fs::create_dir_all(&clones_dir).map_err(io_err(&clones_dir))?;
     let mut out = Vec::new();
@@ -370,6 +438,7 @@ pub async fn start_clones(
             &cached,
             &clones_dir,
             opts,
+            defaults.as_ref(),
         )
         .await?;
         out.push(rec);
@@ -397,6 +466,7 @@ async fn start_one(
     cached: &Cached,
     clones_dir: &Path,
     opts: &CloneOptions,
+    defaults: Option<&ImageDefaults>,
 ) -> Result<CloneRecord, CloneError> {
     let id = hex::encode(random_bytes(8)?);
     let dir = clones_dir.join(&id);
@@ -457,11 +527,11 @@ async fn start_one(
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0);
-        ch.send(&Message::Restore(Restore::new(
-            &random_bytes(32)?,
-            now_ns,
-            opts.env.clone(),
-        )))
+        ch.send(&Message::Restore(Restore {
+            image_user: defaults.map(|d| d.user.clone()),
+            image_env: defaults.map(|d| d.env.clone()),
+            ..Restore::new(&random_bytes(32)?, now_ns, opts.env.clone())
+        }))
         .await
         .map_err(|e| guest_err("sending restore", e))?;
         let left = opts.restore_timeout.saturating_sub(t0.elapsed());
@@ -606,6 +676,26 @@ mod tests {
             initramfs: blob,
             vcpus,
             memory_bytes,
+        }
+    }
+
+    #[test]
+    fn image_defaults_come_from_the_oci_config() {
+        let d = parse_image_defaults(
+            br#"{"architecture":"amd64","config":{"User":"runtime","Env":["PATH=/x","A=1"]}}"#,
+        )
+        .unwrap();
+        assert_eq!(d.user, "runtime");
+        assert_eq!(d.env, ["PATH=/x", "A=1"]);
+        let d = parse_image_defaults(br#"{"config":{"User":""}}"#).unwrap();
+        assert_eq!((d.user.as_str(), d.env.len()), ("0", 0));
+        let d = parse_image_defaults(br#"{"os":"linux"}"#).unwrap();
+        assert_eq!(d.user, "0");
+        for bad in [&b"{"[..], br#"{"config":{"Env":"A=1"}}"#, b"\"str\""] {
+            assert!(matches!(
+                parse_image_defaults(bad),
+                Err(CloneError::BadConfig(_))
+            ));
         }
     }
 

@@ -9,6 +9,7 @@
 //! - [`initramfs`]: the guest initramfs (the static kiln-guest-init and the virtio modules).
 //! - [`snapshot`]: boot once → snapshot into the store.
 //! - [`clone`]: clone start from a stored snapshot; clones running on this host.
+//! - [`exec`]: commands in a running clone (the guest protocol's `exec`), from any process.
 
 // Errors carry paths and QEMU's messages; large, but only on the error path.
 #![allow(clippy::result_large_err)]
@@ -16,6 +17,7 @@
 pub mod channel;
 pub mod clone;
 pub mod compat;
+pub mod exec;
 pub mod initramfs;
 pub mod kernel;
 pub mod launch;
@@ -25,6 +27,7 @@ pub mod snapshot;
 pub use channel::ChannelError;
 pub use clone::CloneError;
 pub use compat::{CompatError, CompatKey};
+pub use exec::ExecError;
 pub use initramfs::InitramfsError;
 pub use kernel::KernelError;
 pub use launch::LaunchError;
@@ -58,4 +61,7 @@ pub enum VmmError {
     /// Clones.
     #[error(transparent)]
     Clone(#[from] CloneError),
+    /// Commands in clones.
+    #[error(transparent)]
+    Exec(#[from] ExecError),
 }

@@ -4,6 +4,7 @@
 pub mod build;
 pub mod common;
 pub mod config;
+pub mod exec;
 pub mod export;
 pub mod images;
 pub mod import;

@@ -5,6 +5,6 @@
 //!   this module; it depends on serde, serde_json, base64 and thiserror only.
 //! - the binary `kiln-guest-init` (`src/bin/kiln-guest-init/`): the static PID 1 that lives in
 //!   the initramfs, mounts the image's root, starts its start command, runs its ready check and
-//!   serves the host's requests (restore, ping).
+//!   serves the host's requests (restore, ping, exec: commands with streamed output).
 
 pub mod protocol;

@@ -26,11 +26,45 @@
 //! host → guest  start    {argv, user, env, workdir, ready}   the image manifest's sandbox
 //! guest → host  ready    {elapsed_ms, attempts}              ready check passed
 //!            or failed   {kind, reason}                      check timed out, command died
-//! host → guest  restore  {entropy, time_unix_ns, env}        after a snapshot is restored
+//! host → guest  restore  {entropy, time_unix_ns, env,        after a snapshot is restored
+//!                         image_user, image_env}
 //! guest → host  restored {machine_id, random, boot_id}
 //! either        ping {nonce} → pong {nonce}                  liveness
 //! either        error {message}                              answer to a frame it refused
+//!
+//! host → guest  connect  {nonce}                             first frame of a new connection
+//! guest → host  connected {nonce}, then hello
+//! host → guest  exec     {id, argv, env, user, workdir, stdin, detach}
+//! guest → host  output   {id, seq, stream, data}             0 or more per exec
+//! guest → host  exit     {id, seq, code | signal, oom, failure}   exactly one per exec
 //! ```
+//!
+//! ## Commands (`exec`)
+//!
+//! The host picks each exec's `id` (any u64 not running now; kiln-vmm draws 64 random bits).
+//! Several execs may run at once; their frames interleave, each carrying its `id`. `seq`
+//! numbers one exec's `output` frames from 0 in the order the guest read them (stdout and
+//! stderr share the counter, so their relative order is kept); the `exit` frame carries the
+//! next number, so a receiver knows that nothing was lost. A chunk holds 1 to
+//! [`MAX_CHUNK_LEN`] bytes.
+//!
+//! A host connection ends when the guest's reads of the port return 0 (QEMU's chardev lost
+//! its client) or when a `connect` arrives. Either way the guest kills (SIGKILL, the whole
+//! process group) every running exec that was not started with `detach`. A detached exec goes
+//! on running; its later output and its exit are dropped (logged on the guest console).
+//!
+//! Because QEMU keeps guest bytes it could not deliver and hands them to the next client, a
+//! new connection can begin with the tail of an older conversation, even in the middle of a
+//! frame. The host therefore opens with `connect {nonce}` (a fresh random nonce) and discards
+//! bytes until the exact frame [`encode`] makes of `connected {nonce}`; from there on the
+//! stream is in step. The other way round, the guest may miss a disconnect (the host left and
+//! came back between two of its reads) and hold the cut frame of an older host; it drops
+//! what comes before a `connect` frame ([`FrameBuffer::push_watching_connect`]).
+//!
+//! Bounds, checked by [`encode_body`] before sending and by [`decode_body`] on receipt (a
+//! hostile host or guest gets a [`DecodeError::BadField`]): see [`MAX_ARGS`],
+//! [`MAX_ARGV_BYTES`], [`MAX_ENV_VARS`], [`MAX_ENV_BYTES`], [`MAX_USER_LEN`],
+//! [`MAX_WORKDIR_LEN`], [`MAX_STDIN_LEN`], [`MAX_CHUNK_LEN`].
 
 use std::io::{self, Read, Write};
 
@@ -56,6 +90,33 @@ pub const MIN_ENTROPY_LEN: usize = 32;
 /// `RNDADDENTROPY` accepts any size, this only bounds what a host can make the guest allocate.
 pub const MAX_ENTROPY_LEN: usize = 4096;
 
+/// Most argv entries an [`Exec`] may carry (1 at least). Linux's own limit is the
+/// argument-and-environment bytes below; this bounds what a host can make the guest allocate.
+pub const MAX_ARGS: usize = 4096;
+
+/// Most bytes all argv entries of an [`Exec`] may hold together (128 KiB, the size Linux
+/// guarantees for one argument string, `MAX_ARG_STRLEN`).
+pub const MAX_ARGV_BYTES: usize = 128 << 10;
+
+/// Most `KEY=value` entries in an [`Exec`]'s `env`.
+pub const MAX_ENV_VARS: usize = 4096;
+
+/// Most bytes all `env` entries of an [`Exec`] may hold together (128 KiB).
+pub const MAX_ENV_BYTES: usize = 128 << 10;
+
+/// Longest `user` of an [`Exec`], bytes.
+pub const MAX_USER_LEN: usize = 256;
+
+/// Longest `workdir` of an [`Exec`], bytes (Linux's `PATH_MAX`).
+pub const MAX_WORKDIR_LEN: usize = 4096;
+
+/// Most stdin bytes an [`Exec`] may carry (512 KiB; base64 makes it 683 KiB of the 1 MiB
+/// frame, leaving room for argv and env).
+pub const MAX_STDIN_LEN: usize = 512 << 10;
+
+/// Most bytes one [`Output`] chunk may carry (64 KiB, the size of a Linux pipe buffer).
+pub const MAX_CHUNK_LEN: usize = 64 << 10;
+
 /// One protocol message. Serialised as a JSON object with `"v": 1` and `"type"` set to the
 /// variant's snake_case name; the variant's fields sit beside them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -80,6 +141,120 @@ pub enum Message {
     /// either side: a frame was refused (bad JSON, other version, unknown type, bad field,
     /// a message not expected now).
     Error(ErrorMessage),
+    /// host → guest: the first frame of a new host connection.
+    Connect(Ping),
+    /// guest → host: answer to [`Message::Connect`], same nonce; everything before it on the
+    /// stream belongs to an older connection.
+    Connected(Ping),
+    /// host → guest: run a command.
+    Exec(Exec),
+    /// guest → host: a chunk of an exec's stdout or stderr.
+    Output(Output),
+    /// guest → host: an exec ended (or never started); its last frame.
+    Exit(ExecExit),
+}
+
+/// `exec`: run one command in the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Exec {
+    /// The exec's id, chosen by the host, unique among the running execs.
+    pub id: u64,
+    /// argv, run directly (no shell); `argv[0]` without a `/` is looked up in the `PATH` of
+    /// the command's environment. 1 to [`MAX_ARGS`] entries, [`MAX_ARGV_BYTES`] in all.
+    pub argv: Vec<String>,
+    /// `KEY=value` each, merged over the guest's environment (see the guest init's doc):
+    /// these win. At most [`MAX_ENV_VARS`] entries and [`MAX_ENV_BYTES`].
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// User (`name`, `uid`, `name:group`, `uid:gid`, resolved in the image's `/etc/passwd`
+    /// and `/etc/group`); `None`: the image's user (the last [`Restore::image_user`], else
+    /// the start command's), root without one.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Working directory (absolute); `None`: the user's home directory (`/` when it does
+    /// not exist).
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// Bytes given to the command's stdin, which is then closed; empty: stdin is
+    /// `/dev/null`. Standard base64 on the wire, at most [`MAX_STDIN_LEN`] bytes decoded.
+    #[serde(default, with = "base64_bytes", skip_serializing_if = "Vec::is_empty")]
+    pub stdin: Vec<u8>,
+    /// Keep running when the host connection drops (output and exit are then dropped).
+    #[serde(default)]
+    pub detach: bool,
+}
+
+/// Which output stream a chunk comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stream {
+    /// fd 1.
+    Stdout,
+    /// fd 2.
+    Stderr,
+}
+
+/// `output`: a chunk of an exec's stdout or stderr.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Output {
+    /// The exec.
+    pub id: u64,
+    /// This exec's frame number, from 0 (see the module doc).
+    pub seq: u64,
+    /// Which stream.
+    pub stream: Stream,
+    /// 1 to [`MAX_CHUNK_LEN`] bytes; standard base64 on the wire.
+    #[serde(with = "base64_bytes")]
+    pub data: Vec<u8>,
+}
+
+/// Why an exec did not start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExecFailureKind {
+    /// `argv[0]` is not in `PATH`, or the file does not exist (`docker exec`: 127).
+    NotFound,
+    /// It exists but cannot be run: not executable, bad format, unknown user, bad working
+    /// directory (`docker exec`: 126).
+    CannotRun,
+    /// The guest refused the request: a running exec has this id, too many run at once
+    /// (`docker exec`: 125, the runtime's own error).
+    Refused,
+    /// A kind this version does not know.
+    #[serde(other)]
+    Other,
+}
+
+/// The reason an exec did not start.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecFailure {
+    /// Which kind.
+    pub kind: ExecFailureKind,
+    /// Human-readable detail.
+    pub message: String,
+}
+
+/// `exit`: the last frame of an exec. Exactly one of `code`, `signal` and `failure` is set.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ExecExit {
+    /// The exec.
+    pub id: u64,
+    /// The number of `output` frames sent before this one.
+    pub seq: u64,
+    /// Exit status (0 to 255) when the command exited.
+    #[serde(default)]
+    pub code: Option<i32>,
+    /// The signal (1 to 64) that ended it.
+    #[serde(default)]
+    pub signal: Option<i32>,
+    /// The kernel's OOM killer ended it (or one of its processes): the `oom_kill` counter of
+    /// the exec's own cgroup v2 `memory.events` went up. The guest kernel counts there for a
+    /// cgroup limit and for the whole VM running out of memory alike.
+    #[serde(default)]
+    pub oom: bool,
+    /// The command did not start.
+    #[serde(default)]
+    pub failure: Option<ExecFailure>,
 }
 
 /// `hello`: sent by the guest init once it runs and has opened the port.
@@ -171,15 +346,25 @@ pub struct Restore {
     /// The clone's environment, `KEY=value` each, applied to processes started from now on.
     #[serde(default)]
     pub env: Vec<String>,
+    /// The image's user (its OCI config's `User`, `0` when that is empty), the default user
+    /// of `exec`s from now on; `None` (an image without a config): the start command's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_user: Option<String>,
+    /// The image's environment (its OCI config's `Env`), under every `exec`'s from now on;
+    /// `None` (an image without a config): the start command's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_env: Option<Vec<String>>,
 }
 
 impl Restore {
-    /// A restore message carrying `entropy` (base64-encoded here).
+    /// A restore message carrying `entropy` (base64-encoded here), without image defaults.
     pub fn new(entropy: &[u8], time_unix_ns: u64, env: Vec<String>) -> Self {
         Self {
             entropy: base64::engine::general_purpose::STANDARD.encode(entropy),
             time_unix_ns,
             env,
+            image_user: None,
+            image_env: None,
         }
     }
 
@@ -253,6 +438,23 @@ impl Message {
             Message::Ping(_) => "ping",
             Message::Pong(_) => "pong",
             Message::Error(_) => "error",
+            Message::Connect(_) => "connect",
+            Message::Connected(_) => "connected",
+            Message::Exec(_) => "exec",
+            Message::Output(_) => "output",
+            Message::Exit(_) => "exit",
+        }
+    }
+
+    /// Check the bounds of the messages that have them ([`Exec`], [`Output`], [`ExecExit`]).
+    ///
+    /// Errors: [`DecodeError::BadField`] naming the field.
+    pub fn check(&self) -> Result<(), DecodeError> {
+        match self {
+            Message::Exec(e) => e.check(),
+            Message::Output(o) => o.check(),
+            Message::Exit(x) => x.check(),
+            _ => Ok(()),
         }
     }
 
@@ -264,9 +466,157 @@ impl Message {
     }
 }
 
-const KNOWN_TYPES: [&str; 9] = [
-    "hello", "start", "ready", "failed", "restore", "restored", "ping", "pong", "error",
+const KNOWN_TYPES: [&str; 14] = [
+    "hello",
+    "start",
+    "ready",
+    "failed",
+    "restore",
+    "restored",
+    "ping",
+    "pong",
+    "error",
+    "connect",
+    "connected",
+    "exec",
+    "output",
+    "exit",
 ];
+
+fn bad(field: &'static str, reason: String) -> DecodeError {
+    DecodeError::BadField { field, reason }
+}
+
+/// Check a list of strings: at most `max_n` entries and `max_bytes` in all, no NUL.
+fn check_strings(
+    field: &'static str,
+    v: &[String],
+    max_n: usize,
+    max_bytes: usize,
+) -> Result<(), DecodeError> {
+    if v.len() > max_n {
+        return Err(bad(field, format!("{} entries, at most {max_n}", v.len())));
+    }
+    let bytes: usize = v.iter().map(String::len).sum();
+    if bytes > max_bytes {
+        return Err(bad(field, format!("{bytes} bytes, at most {max_bytes}")));
+    }
+    if v.iter().any(|s| s.contains('\0')) {
+        return Err(bad(field, "an entry contains a NUL byte".into()));
+    }
+    Ok(())
+}
+
+impl Exec {
+    /// Check the bounds (see the module doc) and the shapes: argv not empty, env entries
+    /// `KEY=value` with a non-empty KEY, workdir absolute, no NUL anywhere.
+    ///
+    /// Errors: [`DecodeError::BadField`].
+    pub fn check(&self) -> Result<(), DecodeError> {
+        if self.argv.is_empty() {
+            return Err(bad("argv", "empty".into()));
+        }
+        check_strings("argv", &self.argv, MAX_ARGS, MAX_ARGV_BYTES)?;
+        check_strings("env", &self.env, MAX_ENV_VARS, MAX_ENV_BYTES)?;
+        if let Some(e) = self
+            .env
+            .iter()
+            .find(|e| e.split_once('=').is_none_or(|(k, _)| k.is_empty()))
+        {
+            return Err(bad(
+                "env",
+                format!("{:?} is not KEY=value", truncate(e, 64)),
+            ));
+        }
+        if let Some(u) = &self.user
+            && (u.is_empty() || u.len() > MAX_USER_LEN || u.contains('\0'))
+        {
+            return Err(bad(
+                "user",
+                format!("must be 1 to {MAX_USER_LEN} bytes without NUL"),
+            ));
+        }
+        if let Some(w) = &self.workdir
+            && (!w.starts_with('/') || w.len() > MAX_WORKDIR_LEN || w.contains('\0'))
+        {
+            return Err(bad(
+                "workdir",
+                format!("must be an absolute path of at most {MAX_WORKDIR_LEN} bytes"),
+            ));
+        }
+        if self.stdin.len() > MAX_STDIN_LEN {
+            return Err(bad(
+                "stdin",
+                format!("{} bytes, at most {MAX_STDIN_LEN}", self.stdin.len()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Output {
+    /// Check that `data` holds 1 to [`MAX_CHUNK_LEN`] bytes.
+    ///
+    /// Errors: [`DecodeError::BadField`].
+    pub fn check(&self) -> Result<(), DecodeError> {
+        if self.data.is_empty() || self.data.len() > MAX_CHUNK_LEN {
+            return Err(bad(
+                "data",
+                format!("{} bytes, must be 1 to {MAX_CHUNK_LEN}", self.data.len()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl ExecExit {
+    /// Check that exactly one of `code` (0 to 255), `signal` (1 to 64) and `failure` is set.
+    ///
+    /// Errors: [`DecodeError::BadField`].
+    pub fn check(&self) -> Result<(), DecodeError> {
+        let set = [
+            self.code.is_some(),
+            self.signal.is_some(),
+            self.failure.is_some(),
+        ];
+        if set.iter().filter(|s| **s).count() != 1 {
+            return Err(bad(
+                "code",
+                "exactly one of code, signal and failure must be set".into(),
+            ));
+        }
+        if let Some(c) = self.code
+            && !(0..=255).contains(&c)
+        {
+            return Err(bad("code", format!("{c}, must be 0 to 255")));
+        }
+        if let Some(s) = self.signal
+            && !(1..=64).contains(&s)
+        {
+            return Err(bad("signal", format!("{s}, must be 1 to 64")));
+        }
+        Ok(())
+    }
+}
+
+/// serde for `Vec<u8>` as a standard base64 string (RFC 4648 §4, padded).
+mod base64_bytes {
+    use base64::Engine as _;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(v))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        // The string is bounded by the frame (1 MiB); the decoded length by the message's
+        // check.
+        let s = String::deserialize(d)?;
+        base64::engine::general_purpose::STANDARD
+            .decode(s.as_bytes())
+            .map_err(|e| serde::de::Error::custom(format!("not base64: {e}")))
+    }
+}
 
 /// Why a frame could not be read from a stream. After any of these the stream is out of step
 /// (or closed) and the connection should be dropped.
@@ -327,8 +677,10 @@ pub enum DecodeError {
 
 /// The JSON body of `msg` (no frame header), with `"v": 1` first.
 ///
-/// Errors: [`DecodeError::TooLarge`] when it exceeds [`MAX_FRAME_LEN`].
+/// Errors: [`DecodeError::BadField`] when the message breaks its bounds ([`Message::check`]);
+/// [`DecodeError::TooLarge`] when it exceeds [`MAX_FRAME_LEN`].
 pub fn encode_body(msg: &Message) -> Result<Vec<u8>, DecodeError> {
+    msg.check()?;
     let value = serde_json::to_value(msg).map_err(|e| DecodeError::BadMessage {
         type_name: msg.type_name().to_string(),
         reason: e.to_string(),
@@ -365,7 +717,8 @@ pub fn encode(msg: &Message) -> Result<Vec<u8>, DecodeError> {
 
 /// Decode one frame body (without its header).
 ///
-/// Errors: [`DecodeError`] naming what is wrong; unknown fields are ignored.
+/// Errors: [`DecodeError`] naming what is wrong (bounds included: [`Message::check`]);
+/// unknown fields are ignored.
 pub fn decode_body(body: &[u8]) -> Result<Message, DecodeError> {
     let value: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| DecodeError::NotJson(e.to_string()))?;
@@ -385,10 +738,14 @@ pub fn decode_body(body: &[u8]) -> Result<Message, DecodeError> {
     if !KNOWN_TYPES.contains(&type_name.as_str()) {
         return Err(DecodeError::UnknownType(truncate(&type_name, 64)));
     }
-    serde_json::from_value(serde_json::Value::Object(fields)).map_err(|e| DecodeError::BadMessage {
-        type_name,
-        reason: e.to_string(),
-    })
+    let msg: Message = serde_json::from_value(serde_json::Value::Object(fields)).map_err(|e| {
+        DecodeError::BadMessage {
+            type_name,
+            reason: e.to_string(),
+        }
+    })?;
+    msg.check()?;
+    Ok(msg)
 }
 
 fn truncate(s: &str, max: usize) -> String {
@@ -472,6 +829,11 @@ pub enum WriteError {
     Io(#[from] io::Error),
 }
 
+/// The bytes every `connect` frame body begins with ([`encode_body`] writes `v`, then
+/// `type`). Inside any other valid frame they cannot appear: in a JSON string the quotes
+/// would be escaped.
+pub const CONNECT_PREFIX: &[u8] = br#"{"v":1,"type":"connect","#;
+
 /// Incremental frame splitter for non-blocking readers (an async socket, a poll loop): push the
 /// bytes as they arrive, take whole frame bodies out.
 #[derive(Debug, Default)]
@@ -488,6 +850,34 @@ impl FrameBuffer {
     /// Append received bytes.
     pub fn push(&mut self, bytes: &[u8]) {
         self.buf.extend_from_slice(bytes);
+    }
+
+    /// Append received bytes, then drop everything before the first `connect` frame that
+    /// starts anywhere but at the front (its body begins with [`CONNECT_PREFIX`]): what
+    /// came before it belongs to an older host connection, possibly cut inside a frame whose
+    /// announced length would otherwise swallow the new connection's frames. Returns the
+    /// bytes dropped. Only the new bytes (and the few before them a prefix could start in)
+    /// are searched.
+    pub fn push_watching_connect(&mut self, bytes: &[u8]) -> usize {
+        let old = self.buf.len();
+        self.buf.extend_from_slice(bytes);
+        let from = old
+            .saturating_sub(CONNECT_PREFIX.len() - 1)
+            .max(HEADER_LEN + 1);
+        let Some(i) = self
+            .buf
+            .get(from..)
+            .and_then(|tail| {
+                tail.windows(CONNECT_PREFIX.len())
+                    .position(|w| w == CONNECT_PREFIX)
+            })
+            .map(|p| from + p)
+        else {
+            return 0;
+        };
+        let start = i - HEADER_LEN;
+        self.buf.drain(..start);
+        start
     }
 
     /// Bytes held that do not make a whole frame yet.
@@ -562,6 +952,11 @@ mod tests {
                 reason: "gave up".into(),
             }),
             Message::Restore(Restore::new(&[7u8; 32], 1_700_000_000_000_000_000, vec![])),
+            Message::Restore(Restore {
+                image_user: Some("runtime".into()),
+                image_env: Some(vec!["PATH=/workspace/.local/bin:/bin".into()]),
+                ..Restore::new(&[7u8; 32], 0, vec!["A=1".into()])
+            }),
             Message::Restored(Restored {
                 machine_id: "0".repeat(32),
                 random: "ab".repeat(16),
@@ -572,7 +967,256 @@ mod tests {
             Message::Error(ErrorMessage {
                 message: "no".into(),
             }),
+            Message::Connect(Ping { nonce: u64::MAX }),
+            Message::Connected(Ping { nonce: 1 }),
+            Message::Exec(Exec {
+                id: 5,
+                argv: vec!["sh".into(), "-c".into(), "cat".into()],
+                env: vec!["A=b=c".into()],
+                user: Some("nobody".into()),
+                workdir: Some("/tmp".into()),
+                stdin: b"in\0put".to_vec(),
+                detach: true,
+            }),
+            Message::Exec(Exec {
+                id: 6,
+                argv: vec!["true".into()],
+                ..Exec::default()
+            }),
+            Message::Output(Output {
+                id: 5,
+                seq: 0,
+                stream: Stream::Stderr,
+                data: vec![0, 255, 10],
+            }),
+            Message::Exit(ExecExit {
+                id: 5,
+                seq: 1,
+                code: Some(3),
+                ..ExecExit::default()
+            }),
+            Message::Exit(ExecExit {
+                id: 6,
+                seq: 0,
+                signal: Some(9),
+                oom: true,
+                ..ExecExit::default()
+            }),
+            Message::Exit(ExecExit {
+                id: 7,
+                seq: 0,
+                failure: Some(ExecFailure {
+                    kind: ExecFailureKind::NotFound,
+                    message: "nope".into(),
+                }),
+                ..ExecExit::default()
+            }),
         ]
+    }
+
+    fn exec(argv: &[&str]) -> Exec {
+        Exec {
+            id: 1,
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            ..Exec::default()
+        }
+    }
+
+    /// A frame body with `"v": 1` made from `json` without the sending side's checks, as a
+    /// hostile peer would send it.
+    fn raw(json: serde_json::Value) -> Vec<u8> {
+        let mut m = serde_json::Map::new();
+        m.insert("v".into(), 1.into());
+        if let serde_json::Value::Object(f) = json {
+            m.extend(f);
+        }
+        serde_json::to_vec(&serde_json::Value::Object(m)).unwrap()
+    }
+
+    fn refused_field(body: &[u8]) -> &'static str {
+        match decode_body(body) {
+            Err(DecodeError::BadField { field, .. }) => field,
+            other => panic!("{}: {other:?}", String::from_utf8_lossy(body)),
+        }
+    }
+
+    #[test]
+    fn exec_bounds_are_refused_by_the_guest_and_never_sent_by_the_host() {
+        let many = vec!["x"; MAX_ARGS + 1];
+        let long = "a".repeat(MAX_ARGV_BYTES + 1);
+        let big_env: Vec<String> = (0..MAX_ENV_VARS + 1).map(|i| format!("K{i}=v")).collect();
+        let fat_env = vec![format!("K={}", "v".repeat(MAX_ENV_BYTES))];
+        let cases: Vec<(Exec, &str)> = vec![
+            (exec(&[]), "argv"),
+            (exec(&many), "argv"),
+            (exec(&[&long]), "argv"),
+            (exec(&["a\0b"]), "argv"),
+            (
+                Exec {
+                    env: big_env,
+                    ..exec(&["true"])
+                },
+                "env",
+            ),
+            (
+                Exec {
+                    env: fat_env,
+                    ..exec(&["true"])
+                },
+                "env",
+            ),
+            (
+                Exec {
+                    env: vec!["NOEQUALS".into()],
+                    ..exec(&["true"])
+                },
+                "env",
+            ),
+            (
+                Exec {
+                    env: vec!["=v".into()],
+                    ..exec(&["true"])
+                },
+                "env",
+            ),
+            (
+                Exec {
+                    user: Some("u".repeat(MAX_USER_LEN + 1)),
+                    ..exec(&["true"])
+                },
+                "user",
+            ),
+            (
+                Exec {
+                    user: Some(String::new()),
+                    ..exec(&["true"])
+                },
+                "user",
+            ),
+            (
+                Exec {
+                    workdir: Some("relative".into()),
+                    ..exec(&["true"])
+                },
+                "workdir",
+            ),
+            (
+                Exec {
+                    workdir: Some(format!("/{}", "d".repeat(MAX_WORKDIR_LEN))),
+                    ..exec(&["true"])
+                },
+                "workdir",
+            ),
+            (
+                Exec {
+                    stdin: vec![0; MAX_STDIN_LEN + 1],
+                    ..exec(&["true"])
+                },
+                "stdin",
+            ),
+        ];
+        for (e, field) in cases {
+            // The sending side refuses to encode it...
+            assert!(
+                matches!(encode(&Message::Exec(e.clone())), Err(DecodeError::BadField { field: f, .. }) if f == field),
+                "{field}"
+            );
+            // ...and the receiving side refuses it when a hostile peer sends it anyway.
+            let mut json = serde_json::to_value(Message::Exec(e)).unwrap();
+            json["v"] = 1.into();
+            let body = serde_json::to_vec(&json).unwrap();
+            assert_eq!(refused_field(&body), field);
+        }
+        // The largest allowed values pass.
+        let ok = Exec {
+            stdin: vec![7; MAX_STDIN_LEN],
+            env: vec!["K=v".into()],
+            ..exec(&["true"])
+        };
+        let frame = encode(&Message::Exec(ok.clone())).unwrap();
+        assert_eq!(decode_body(&frame[4..]).unwrap(), Message::Exec(ok));
+        // stdin that is not base64 is a bad message.
+        let body = raw(serde_json::json!({"type": "exec", "id": 1, "argv": ["x"], "stdin": "!!"}));
+        assert!(matches!(
+            decode_body(&body),
+            Err(DecodeError::BadMessage { .. })
+        ));
+    }
+
+    #[test]
+    fn output_and_exit_bounds_are_refused_by_the_host() {
+        use base64::Engine as _;
+        let b64 = |n: usize| base64::engine::general_purpose::STANDARD.encode(vec![1u8; n]);
+        let chunk = |n: usize| {
+            raw(
+                serde_json::json!({"type": "output", "id": 1, "seq": 0, "stream": "stdout", "data": b64(n)}),
+            )
+        };
+        assert!(decode_body(&chunk(MAX_CHUNK_LEN)).is_ok());
+        assert_eq!(refused_field(&chunk(MAX_CHUNK_LEN + 1)), "data");
+        assert_eq!(refused_field(&chunk(0)), "data");
+        let body = raw(
+            serde_json::json!({"type": "output", "id": 1, "seq": 0, "stream": "stdin", "data": b64(1)}),
+        );
+        assert!(matches!(
+            decode_body(&body),
+            Err(DecodeError::BadMessage { .. })
+        ));
+        for (json, field) in [
+            (
+                serde_json::json!({"type": "exit", "id": 1, "seq": 0}),
+                "code",
+            ),
+            (
+                serde_json::json!({"type": "exit", "id": 1, "seq": 0, "code": 0, "signal": 9}),
+                "code",
+            ),
+            (
+                serde_json::json!({"type": "exit", "id": 1, "seq": 0, "code": 256}),
+                "code",
+            ),
+            (
+                serde_json::json!({"type": "exit", "id": 1, "seq": 0, "code": -1}),
+                "code",
+            ),
+            (
+                serde_json::json!({"type": "exit", "id": 1, "seq": 0, "signal": 0}),
+                "signal",
+            ),
+            (
+                serde_json::json!({"type": "exit", "id": 1, "seq": 0, "signal": 65}),
+                "signal",
+            ),
+        ] {
+            assert_eq!(refused_field(&raw(json)), field);
+        }
+        // An unknown failure kind from a newer guest still decodes.
+        let body = raw(serde_json::json!({"type": "exit", "id": 1, "seq": 0,
+            "failure": {"kind": "quota", "message": "m"}}));
+        let Ok(Message::Exit(x)) = decode_body(&body) else {
+            panic!()
+        };
+        assert_eq!(x.failure.unwrap().kind, ExecFailureKind::Other);
+    }
+
+    #[test]
+    fn exec_wire_names_are_the_documented_ones() {
+        let body = encode_body(&Message::Output(Output {
+            id: 2,
+            seq: 3,
+            stream: Stream::Stdout,
+            data: b"hi".to_vec(),
+        }))
+        .unwrap();
+        assert_eq!(
+            std::str::from_utf8(&body).unwrap(),
+            r#"{"v":1,"type":"output","id":2,"seq":3,"stream":"stdout","data":"aGk="}"#
+        );
+        let body = encode_body(&Message::Connected(Ping { nonce: 4 })).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&body).unwrap(),
+            r#"{"v":1,"type":"connected","nonce":4}"#
+        );
     }
 
     #[test]
@@ -704,6 +1348,44 @@ mod tests {
     }
 
     #[test]
+    fn a_connect_after_a_cut_frame_is_found() {
+        let connect = encode(&Message::Connect(Ping { nonce: 3 })).unwrap();
+        let exec = encode(&Message::Exec(Exec {
+            id: 1,
+            argv: vec![String::from_utf8(CONNECT_PREFIX.to_vec()).unwrap()],
+            ..Exec::default()
+        }))
+        .unwrap();
+        // An older connection's frame announcing 600000 bytes, cut after 100, then the new
+        // connection's connect and exec (whose argv holds the prefix as text, escaped).
+        let mut fb = FrameBuffer::new();
+        let mut stale = 600_000u32.to_be_bytes().to_vec();
+        stale.extend(vec![b'x'; 100]);
+        assert_eq!(fb.push_watching_connect(&stale), 0);
+        let mut new = connect.clone();
+        new.extend(&exec);
+        // Byte by byte, so the prefix straddles pushes.
+        let mut dropped = 0;
+        for b in &new {
+            dropped += fb.push_watching_connect(std::slice::from_ref(b));
+        }
+        assert_eq!(dropped, stale.len());
+        assert_eq!(
+            decode_body(&fb.next_frame().unwrap().unwrap()).unwrap(),
+            Message::Connect(Ping { nonce: 3 })
+        );
+        assert!(matches!(
+            decode_body(&fb.next_frame().unwrap().unwrap()).unwrap(),
+            Message::Exec(_)
+        ));
+        assert_eq!(fb.pending(), 0);
+        // A connect at the front is left alone.
+        let mut fb = FrameBuffer::new();
+        assert_eq!(fb.push_watching_connect(&connect), 0);
+        assert!(fb.next_frame().unwrap().is_some());
+    }
+
+    #[test]
     fn bad_json_is_a_decode_error_not_a_crash() {
         for body in [
             &b"{"[..],
@@ -787,13 +1469,11 @@ mod tests {
             Restore::new(&vec![1u8; MAX_ENTROPY_LEN + 1], 0, vec![]),
             Restore {
                 entropy: "!!!not base64!!!".into(),
-                time_unix_ns: 0,
-                env: vec![],
+                ..Restore::new(&[], 0, vec![])
             },
             Restore {
                 entropy: "A".repeat(10 << 20),
-                time_unix_ns: 0,
-                env: vec![],
+                ..Restore::new(&[], 0, vec![])
             },
         ] {
             assert!(matches!(

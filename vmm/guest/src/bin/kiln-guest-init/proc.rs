@@ -200,8 +200,16 @@ pub struct Command<'a> {
     pub user: &'a User,
     /// Keep the init's stdout/stderr (the console); else /dev/null.
     pub console: bool,
-    /// Send stdout and stderr to this open file instead (wins over `console`).
+    /// Send stdout (and stderr, unless `stderr` is set) to this open file instead (wins over
+    /// `console`).
     pub output: Option<libc::c_int>,
+    /// Send stderr to this open file (wins over `output` and `console`).
+    pub stderr: Option<libc::c_int>,
+    /// Read stdin from this open file instead of /dev/null.
+    pub stdin: Option<libc::c_int>,
+    /// A cgroup's `cgroup.procs`, open for writing: the child moves itself there (writes
+    /// `0`) before it execs.
+    pub cgroup_procs: Option<libc::c_int>,
 }
 
 /// Why a command could not be started.
@@ -216,6 +224,9 @@ pub enum SpawnError {
     /// not found
     #[error("{0:?} not found in PATH")]
     NotFound(String),
+    /// the program's file does not exist (execve's ENOENT)
+    #[error("{0}: no such file or directory")]
+    Missing(String),
     /// the exec or set-up in the child failed
     #[error("starting {0:?}: {1}")]
     Exec(String, io::Error),
@@ -307,7 +318,7 @@ pub fn spawn(cmd: &Command<'_>) -> Result<Child, SpawnError> {
             if null < 0 {
                 fail(2);
             }
-            libc::dup2(null, 0);
+            libc::dup2(cmd.stdin.unwrap_or(null), 0);
             if let Some(out) = cmd.output {
                 libc::dup2(out, 1);
                 libc::dup2(out, 2);
@@ -315,8 +326,16 @@ pub fn spawn(cmd: &Command<'_>) -> Result<Child, SpawnError> {
                 libc::dup2(null, 1);
                 libc::dup2(null, 2);
             }
+            if let Some(err) = cmd.stderr {
+                libc::dup2(err, 2);
+            }
             if null > 2 {
                 libc::close(null);
+            }
+            if let Some(procs) = cmd.cgroup_procs
+                && libc::write(procs, b"0".as_ptr().cast(), 1) != 1
+            {
+                fail(8);
             }
             if libc::setgroups(groups.len(), groups.as_ptr()) < 0 {
                 fail(3);
@@ -368,8 +387,13 @@ pub fn spawn(cmd: &Command<'_>) -> Result<Child, SpawnError> {
     if n == 8 {
         let step = i32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]);
         let errno = i32::from_ne_bytes([buf[4], buf[5], buf[6], buf[7]]);
+        let _ = wait(pid, None);
+        if step == 7 && errno == libc::ENOENT {
+            return Err(SpawnError::Missing(prog));
+        }
         let what = match step {
             1 => "setsid",
+            8 => "joining its cgroup",
             2 => "open /dev/null",
             3 => "setgroups",
             4 => "setgid",
@@ -377,7 +401,6 @@ pub fn spawn(cmd: &Command<'_>) -> Result<Child, SpawnError> {
             6 => "chdir to the working directory",
             _ => "exec",
         };
-        let _ = wait(pid, None);
         return Err(SpawnError::Exec(
             format!("{prog} ({what})"),
             io::Error::from_raw_os_error(errno),

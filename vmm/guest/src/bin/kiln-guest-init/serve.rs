@@ -1,5 +1,5 @@
 //! The host conversation: the virtio-serial port, `start` (start command and ready check),
-//! `restore`, `ping`.
+//! `restore`, `ping`, `connect`, `exec` (in [`crate::exec`]).
 
 use std::fs;
 use std::io::{self, Read, Write};
@@ -15,7 +15,7 @@ use kiln_guest::protocol::{
 };
 
 use crate::proc::{self, Command, User};
-use crate::{BootError, log, sys};
+use crate::{BootError, exec, log, sys};
 
 /// How long to wait for the port's device to appear after loading virtio_console.
 const PORT_WAIT: Duration = Duration::from_secs(10);
@@ -86,8 +86,8 @@ impl Sender {
     pub fn send(&self, msg: &Message) {
         let mut port = self.0.lock().unwrap_or_else(|p| p.into_inner());
         match protocol::write_message(&mut *port, msg) {
-            // Liveness traffic is not logged: the host may ping often.
-            Ok(()) if matches!(msg, Message::Pong(_)) => {}
+            // Liveness traffic and output chunks are not logged: there may be many.
+            Ok(()) if matches!(msg, Message::Pong(_) | Message::Output(_)) => {}
             Ok(()) => log!("sent {}", msg.type_name()),
             Err(e) => log!("sending {}: {e}", msg.type_name()),
         }
@@ -95,7 +95,7 @@ impl Sender {
 }
 
 /// Environment set by the last restore, applied to every process started after it.
-fn restore_env() -> &'static Mutex<Vec<String>> {
+pub fn restore_env() -> &'static Mutex<Vec<String>> {
     static E: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
     E.get_or_init(|| Mutex::new(Vec::new()))
 }
@@ -126,17 +126,22 @@ pub fn serve(port: fs::File) -> ! {
         Err(e) => crate::fatal(&format!("duplicating the port: {e}")),
     };
     let tx = Sender(Arc::new(Mutex::new(port)));
-    tx.send(&Message::Hello(Hello {
-        init_version: env!("CARGO_PKG_VERSION").into(),
-    }));
+    tx.send(&hello());
     let mut started = false;
+    // Data arrived since the host connection last ended.
+    let mut connected = false;
     let mut frames = FrameBuffer::new();
     let mut buf = vec![0u8; 64 << 10];
     loop {
         let n = match reader.read(&mut buf) {
             Ok(0) => {
-                // The host side is not connected: virtio-console reads return 0. Drop any
-                // partial frame and wait for it to come back.
+                // The host side is not connected: virtio-console reads return 0. End what
+                // depended on the connection, drop any partial frame and wait for it to come
+                // back.
+                if connected {
+                    connected = false;
+                    exec::connection_ended("the host disconnected");
+                }
                 if frames.pending() > 0 {
                     log!(
                         "host disconnected inside a frame; dropped {} bytes",
@@ -155,7 +160,14 @@ pub fn serve(port: fs::File) -> ! {
                 continue;
             }
         };
-        frames.push(&buf[..n]);
+        connected = true;
+        let stale = frames.push_watching_connect(&buf[..n]);
+        if stale > 0 {
+            // A disconnect this loop did not see (the host left and came back between two
+            // reads), in the middle of a frame.
+            log!("dropped {stale} bytes of an older host connection");
+            exec::connection_ended("a new host connection");
+        }
         loop {
             let body = match frames.next_frame() {
                 Ok(Some(b)) => b,
@@ -182,6 +194,12 @@ pub fn serve(port: fs::File) -> ! {
     }
 }
 
+fn hello() -> Message {
+    Message::Hello(Hello {
+        init_version: env!("CARGO_PKG_VERSION").into(),
+    })
+}
+
 fn handle(msg: Message, tx: &Sender, started: &mut bool) {
     if !matches!(msg, Message::Ping(_) | Message::Pong(_)) {
         log!("received {}", msg.type_name());
@@ -189,6 +207,10 @@ fn handle(msg: Message, tx: &Sender, started: &mut bool) {
     match msg {
         Message::Start(start) if !*started => {
             *started = true;
+            exec::set_image_defaults(exec::ImageDefaults {
+                user: start.user.clone(),
+                env: start.env.clone(),
+            });
             let tx = tx.clone();
             std::thread::spawn(move || run_start(start, tx));
         }
@@ -205,11 +227,27 @@ fn handle(msg: Message, tx: &Sender, started: &mut bool) {
             }
         },
         Message::Ping(p) => tx.send(&Message::Pong(p)),
+        Message::Connect(p) => {
+            exec::connection_ended("a new host connection");
+            tx.send(&Message::Connected(p));
+            tx.send(&hello());
+        }
+        Message::Exec(e) => exec::start(e, tx.clone()),
         Message::Pong(_) | Message::Error(_) => {}
         other => tx.send(&Message::Error(ErrorMessage {
             message: format!("{} is not a host → guest message", other.type_name()),
         })),
     }
+}
+
+/// The environment every command starts with, before the image's and the host's: `PATH`,
+/// `HOME` (the user's home directory) and `HOSTNAME`.
+pub fn base_env(user: &User) -> Vec<String> {
+    vec![
+        DEFAULT_PATH.to_string(),
+        format!("HOME={}", user.home),
+        "HOSTNAME=runtime-guest".to_string(),
+    ]
 }
 
 fn elapsed_ms(t0: Instant) -> u64 {
@@ -226,12 +264,7 @@ fn run_start(start: Start, tx: Sender) {
         Ok(u) => u,
         Err(e) => return fail(FailureKind::StartFailed, e.to_string()),
     };
-    let base = vec![
-        DEFAULT_PATH.to_string(),
-        format!("HOME={}", user.home),
-        "HOSTNAME=runtime-guest".to_string(),
-    ];
-    let env = merge_env(&base, &start.env);
+    let env = merge_env(&base_env(&user), &start.env);
     let workdir = start.workdir.clone().unwrap_or_else(|| "/".into());
     let child = if start.argv.is_empty() {
         None
@@ -243,6 +276,9 @@ fn run_start(start: Start, tx: Sender) {
             user: &user,
             console: true,
             output: None,
+            stderr: None,
+            stdin: None,
+            cgroup_procs: None,
         };
         match proc::spawn(&cmd) {
             Ok(c) => {
@@ -319,6 +355,9 @@ fn ready_loop(
             user,
             console: false,
             output: log.as_ref().map(|f| f.as_raw_fd()),
+            stderr: None,
+            stdin: None,
+            cgroup_procs: None,
         };
         let mut last = match proc::spawn(&cmd) {
             Ok(c) => match proc::wait(c.pid, Some(Duration::from_millis(check.timeout_ms))) {
@@ -466,6 +505,9 @@ fn restore(r: &Restore) -> Result<Restored, RestoreError> {
         fs::create_dir_all("/run/kiln").map_err(|e| RestoreError::Step("mkdir /run/kiln", e))?;
         write_atomic(Path::new(RESTORE_ENV_FILE), body.as_bytes(), 0o600)
             .map_err(|e| RestoreError::Step("writing /run/kiln/env", e))?;
+    }
+    if r.image_user.is_some() || r.image_env.is_some() {
+        exec::update_image_defaults(r.image_user.clone(), r.image_env.clone());
     }
     let machine_id = new_machine_id().map_err(|e| RestoreError::Step("getrandom", e))?;
     write_machine_id(&machine_id).map_err(|e| RestoreError::Step("writing /etc/machine-id", e))?;

@@ -1,0 +1,392 @@
+//! `kiln exec` and `kiln_vmm::exec` against one real clone (TCG) of the busybox fixture,
+//! whose OCI config names the user `nobody` (home `/nonexistent`, which does not exist) and
+//! image variables: exit codes, a signal, stdout/stderr separation, stdin, large output,
+//! environment merging (image, `kiln start --env`, `--env`), user and workdir defaults,
+//! 125/126/127, two commands at once, detached and non-detached commands when the connection
+//! drops, and an OOM-killed command flagged. One boot and one clone for all of it.
+//! Needs what `ci/setup.sh` exports (`KILN_TEST_BUSYBOX_OCI`, the guest kernel).
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use kiln_store::{Manifest, SandboxSpec, StartSpec, Store, TagRef};
+use kiln_tests::vm::{busybox_image, guest_assets, sh};
+use kiln_vmm::exec::{ExecEvent, ExecRequest, ExecSession, Stream};
+use serde_json::Value;
+
+fn kiln_cmd(dir: &Path, args: &[&str]) -> Command {
+    let a = guest_assets();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    c.args(args)
+        .env("KILN_STORE", dir.join("store"))
+        .env("KILN_STATE_DIR", dir.join("state"))
+        .env("KILN_SNAPSHOT_CACHE", dir.join("cache"))
+        .env("KILN_KERNEL", &a.kernel)
+        .env("KILN_INITRAMFS", &a.initramfs)
+        .env("TMPDIR", dir);
+    c
+}
+
+fn kiln(dir: &Path, args: &[&str]) -> Output {
+    kiln_cmd(dir, args).output().expect("run kiln")
+}
+
+fn kiln_stdin(dir: &Path, args: &[&str], input: &[u8]) -> Output {
+    let mut child = kiln_cmd(dir, args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kiln");
+    let mut stdin = child.stdin.take().expect("stdin");
+    let input = input.to_vec();
+    let writer = std::thread::spawn(move || stdin.write_all(&input));
+    let out = child.wait_with_output().expect("wait kiln");
+    writer.join().expect("writer").expect("write stdin");
+    out
+}
+
+fn show(o: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// `kiln exec ID args...`: (exit code, stdout, stderr).
+fn exec(dir: &Path, id: &str, args: &[&str]) -> (i32, String, String) {
+    let mut full = vec!["exec", id];
+    full.extend_from_slice(args);
+    let o = kiln(dir, &full);
+    (
+        o.status
+            .code()
+            .unwrap_or_else(|| panic!("killed: {}", show(&o))),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+fn req(user: &str, script: &str) -> ExecRequest {
+    ExecRequest {
+        argv: sh(script),
+        user: Some(user.into()),
+        ..ExecRequest::default()
+    }
+}
+
+/// Runs the session until every exec ended; stdout per exec id and the exit codes.
+async fn drain(s: &mut ExecSession) -> Vec<(u64, String, i32)> {
+    let mut out: Vec<(u64, String, i32)> = Vec::new();
+    let mut text = std::collections::HashMap::<u64, String>::new();
+    while s.running() > 0 {
+        match s.next_event().await.expect("event") {
+            ExecEvent::Output { id, stream, data } => {
+                if stream == Stream::Stdout {
+                    text.entry(id)
+                        .or_default()
+                        .push_str(&String::from_utf8_lossy(&data));
+                }
+            }
+            ExecEvent::Exit { id, status } => {
+                out.push((id, text.remove(&id).unwrap_or_default(), status.exit_code()))
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn vm_exec_in_one_clone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let store = Store::open(d.join("store").to_str().expect("utf-8"))
+            .await
+            .expect("store");
+        let tag: TagRef = "bb:latest".parse().expect("tag");
+        busybox_image(
+            &store,
+            d,
+            &tag,
+            SandboxSpec {
+                start: Some(StartSpec {
+                    argv: sh("exec sleep 1000000"),
+                    user: None,
+                    env: vec![],
+                    workdir: None,
+                }),
+                ready: None,
+            },
+        )
+        .await;
+        // The image's OCI config names its user and environment, as a built image's does
+        // (the start command itself runs as root).
+        let config = d.join("config.json");
+        std::fs::write(
+            &config,
+            serde_json::json!({"architecture": "amd64", "os": "linux", "config": {
+                "User": "nobody",
+                "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "IMAGE_VAR=img", "SHARED=image"],
+            }})
+            .to_string(),
+        )
+        .expect("config");
+        let (blob, _) = store.put_blob_file(&config).await.expect("config blob");
+        let digest = store.resolve_tag(&tag).await.expect("tag");
+        let Manifest::Image(mut m) = store.get_manifest(&digest).await.expect("manifest") else {
+            panic!("not an image")
+        };
+        m.oci_config = Some(blob);
+        let raw = store
+            .put_manifest(&Manifest::Image(m))
+            .await
+            .expect("put manifest");
+        store.force_tag(&tag, raw.digest).await.expect("tag");
+    });
+    let o = kiln(
+        d,
+        &[
+            "snapshot",
+            "bb:latest",
+            "-t",
+            "bb:snap",
+            "--memory-mib",
+            "256",
+        ],
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    let o = kiln(
+        d,
+        &[
+            "--json",
+            "start",
+            "bb:snap",
+            "--env",
+            "START_VAR=s",
+            "--env",
+            "SHARED=start",
+        ],
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    let started: Value = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("json"))
+        .find(|v| v["event"] == "started")
+        .expect("started event");
+    let id = started["id"].as_str().expect("id").to_string();
+    let id = id.as_str();
+
+    // Exit code passthrough, stdout and stderr apart.
+    let (code, out, err) = exec(d, id, &["--", "sh", "-c", "echo out; echo err >&2; exit 3"]);
+    assert_eq!((code, out.as_str(), err.as_str()), (3, "out\n", "err\n"));
+    // A signal: 128 + N.
+    let (code, _, _) = exec(d, id, &["--", "sh", "-c", "kill -TERM $$"]);
+    assert_eq!(code, 143);
+
+    // The image's user (its OCI config's, nobody) by default, in its home, which does not
+    // exist here: `/`, with HOME still set from /etc/passwd.
+    let (code, out, _) = exec(d, id, &["--", "sh", "-c", "id -u; pwd; echo $HOME"]);
+    assert_eq!((code, out.as_str()), (0, "65534\n/\n/nonexistent\n"));
+    // Another user: its uid, and its home as working directory; --workdir wins.
+    let (code, out, _) = exec(d, id, &["--user", "root", "--", "sh", "-c", "id -u; pwd"]);
+    assert_eq!((code, out.as_str()), (0, "0\n/root\n"));
+    let (code, out, _) = exec(d, id, &["-u", "root", "-w", "/tmp", "--", "pwd"]);
+    assert_eq!((code, out.as_str()), (0, "/tmp\n"));
+
+    // The environment: the image's, under kiln start --env's, under the command's own.
+    let script = "echo $IMAGE_VAR $START_VAR $SHARED $X";
+    let (code, out, _) = exec(d, id, &["--", "sh", "-c", script]);
+    assert_eq!((code, out.as_str()), (0, "img s start\n"));
+    let (code, out, _) = exec(
+        d,
+        id,
+        &["--env", "SHARED=cmd", "-e", "X=1", "--", "sh", "-c", script],
+    );
+    assert_eq!((code, out.as_str()), (0, "img s cmd 1\n"));
+
+    // stdin with -i, and without it /dev/null.
+    let o = kiln_stdin(d, &["exec", "-i", id, "--", "cat"], b"hello\x00 there");
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(o.stdout, b"hello\x00 there");
+    let o = kiln_stdin(d, &["exec", id, "--", "wc", "-c"], b"ignored");
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        "0",
+        "{}",
+        show(&o)
+    );
+    // Large output arrives whole and in order (many chunks), stdin at its limit too.
+    let (code, out, _) = exec(d, id, &["--", "seq", "1", "100000"]);
+    assert_eq!(code, 0);
+    let want: String = (1..=100_000).map(|i| format!("{i}\n")).collect();
+    assert!(out == want, "seq output differs ({} bytes)", out.len());
+    let big: Vec<u8> = (0..512u32 << 10).map(|i| (i % 251) as u8).collect();
+    let o = kiln_stdin(d, &["exec", "-i", id, "--", "cat"], &big);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(o.stdout == big, "cat of 512 KiB differs");
+    let o = kiln_stdin(
+        d,
+        &["exec", "-i", id, "--", "cat"],
+        &vec![0u8; (512 << 10) + 1],
+    );
+    assert_eq!(o.status.code(), Some(125), "{}", show(&o));
+
+    // kiln's own failures and the command's: docker exec's codes.
+    let (code, _, err) = exec(d, id, &["--", "no-such-command"]);
+    assert_eq!(code, 127, "{err}");
+    assert!(err.contains("no-such-command"), "{err}");
+    let (code, _, _) = exec(d, id, &["--", "/no/such/file"]);
+    assert_eq!(code, 127);
+    let (code, _, err) = exec(d, id, &["-u", "root", "--", "/etc/passwd"]);
+    assert_eq!(code, 126, "{err}");
+    let (code, _, _) = exec(d, id, &["-w", "/no/such/dir", "--", "true"]);
+    assert_eq!(code, 126);
+    let (code, _, err) = exec(d, id, &["--user", "no-such-user", "--", "true"]);
+    assert_eq!(code, 126, "{err}");
+    let (code, _, err) = exec(d, "0123456789abcdef", &["--", "true"]);
+    assert_eq!(code, 125, "{err}");
+    let (code, _, _) = exec(d, id, &["--env", "NOEQUALS", "--", "true"]);
+    assert_eq!(code, 125);
+    let (code, _, err) = exec(d, id, &["--no-such-flag", "--", "true"]);
+    assert_eq!(code, 125, "a usage error is kiln's: {err}");
+
+    // kiln exec processes started together all get their turn on the guest channel.
+    let children: Vec<_> = (0..3)
+        .map(|i| {
+            kiln_cmd(d, &["exec", id, "--", "sh", "-c", &format!("echo {i}")])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn kiln exec")
+        })
+        .collect();
+    for (i, c) in children.into_iter().enumerate() {
+        let o = c.wait_with_output().expect("wait");
+        assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+        assert_eq!(String::from_utf8_lossy(&o.stdout), format!("{i}\n"));
+    }
+
+    let state = d.join("state");
+    rt.block_on(async {
+        // Two commands at once in one session: the first waits (at most 30 s) for a file only
+        // the second makes, so it passes only if both run together.
+        let mut s = ExecSession::open(&state, id, Duration::from_secs(60))
+            .await
+            .expect("session");
+        let a = s
+            .start(&req(
+                "root",
+                "i=0; while [ ! -e /tmp/b ]; do i=$((i+1)); [ $i -gt 300 ] && exit 1; sleep 0.1; done; echo a",
+            ))
+            .await
+            .expect("start a");
+        let b = s
+            .start(&req("root", "touch /tmp/b; echo b"))
+            .await
+            .expect("start b");
+        let mut ends = drain(&mut s).await;
+        ends.sort();
+        let mut want = vec![(a, "a\n".to_string(), 0), (b, "b\n".to_string(), 0)];
+        want.sort();
+        assert_eq!(ends, want);
+
+        // A dropped connection kills the commands not detached, and only those.
+        let wait_for = |f: &str| {
+            format!("i=0; while [ ! -s {f} ]; do i=$((i+1)); [ $i -gt 300 ] && exit 1; sleep 0.1; done")
+        };
+        s.start(&req("root", "echo $$ > /tmp/attached.pid; exec sleep 1000000"))
+            .await
+            .expect("attached");
+        let mut detached = req("root", "echo $$ > /tmp/detached.pid; exec sleep 1000000");
+        detached.detach = true;
+        s.start(&detached).await.expect("detached");
+        let w = s
+            .start(&req(
+                "root",
+                &format!("{}; {}", wait_for("/tmp/attached.pid"), wait_for("/tmp/detached.pid")),
+            ))
+            .await
+            .expect("wait");
+        loop {
+            if let ExecEvent::Exit { id, status } = s.next_event().await.expect("event")
+                && id == w
+            {
+                assert_eq!(status.exit_code(), 0);
+                break;
+            }
+        }
+        drop(s);
+    });
+    // The attached one is gone (waiting at most 30 s for the kill to land), the detached
+    // one runs.
+    let (code, _, err) = exec(
+        d,
+        id,
+        &[
+            "-u",
+            "root",
+            "--",
+            "sh",
+            "-c",
+            "p=$(cat /tmp/attached.pid); i=0; while kill -0 $p 2>/dev/null; do i=$((i+1)); [ $i -gt 300 ] && exit 1; sleep 0.1; done; kill -0 $(cat /tmp/detached.pid)",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    // kiln exec -d returns at once; its command runs on.
+    let (code, _, err) = exec(
+        d,
+        id,
+        &[
+            "-d",
+            "-u",
+            "root",
+            "--",
+            "sh",
+            "-c",
+            "sleep 1; echo done > /tmp/d",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let (code, out, _) = exec(
+        d,
+        id,
+        &[
+            "--",
+            "sh",
+            "-c",
+            "i=0; while [ ! -s /tmp/d ]; do i=$((i+1)); [ $i -gt 300 ] && exit 1; sleep 0.1; done; cat /tmp/d",
+        ],
+    );
+    assert_eq!((code, out.as_str()), (0, "done\n"));
+
+    // The kernel's OOM killer: 137 and the flag (the guest has 256 MiB; busybox tail keeps
+    // a line without a newline whole).
+    let o = kiln(
+        d,
+        &[
+            "--json",
+            "exec",
+            id,
+            "--",
+            "sh",
+            "-c",
+            "head -c 2000000000 /dev/zero | tail >/dev/null",
+        ],
+    );
+    let exit: Value = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["event"] == "exit")
+        .unwrap_or_else(|| panic!("no exit event: {}", show(&o)));
+    assert_eq!(exit["oom"], true, "{exit}");
+    // The shell reports its killed pipeline as 128 + SIGKILL.
+    assert_eq!(o.status.code(), Some(137), "{}", show(&o));
+
+    assert!(kiln(d, &["stop", "--all"]).status.success());
+}

@@ -1,0 +1,467 @@
+//! `exec`: commands the host runs in the guest, several at once, each streaming its stdout
+//! and stderr back as sequenced `output` chunks and ending with one `exit` frame.
+//!
+//! Per exec (one thread, plus one writing its stdin when it has any):
+//! 1. Refuse an id that is running, or a 65th exec at once ([`MAX_RUNNING`]).
+//! 2. Resolve the user (the exec's, else the image's: the last `restore`'s `image_user`, the
+//!    OCI config's, else the start command's user from `start`; root without either) in the
+//!    image's /etc/passwd and /etc/group.
+//! 3. Environment, later entries replacing earlier ones of the same KEY: `PATH` (the init's
+//!    default), `HOME` (the user's home), `HOSTNAME`; the image's (`restore`'s `image_env`,
+//!    else the start command's `env`); the clone's (`kiln start --env`, from the last
+//!    `restore`); the exec's own `env`.
+//! 4. Working directory: the exec's, else the user's home directory from /etc/passwd (`/`
+//!    when that does not exist, as login(1) does).
+//! 5. A cgroup v2 of its own, `/sys/fs/cgroup/kiln-exec-<id>` (cgroup2 is mounted there at
+//!    the first exec, the memory controller enabled for the root's children); the child
+//!    joins it before exec. After the exit its `memory.events` `oom_kill` counter says
+//!    whether the kernel's OOM killer ended one of its processes: that is the `oom` flag.
+//!    Without cgroup2 (a kernel without it) the exec runs, and `oom` is always false.
+//! 6. stdout and stderr are two pipes read with poll(2) in one thread, so `seq` follows the
+//!    order the guest read them. Once the command's process has exited, what its pipes still
+//!    hold is sent and the exec ends, even if a background process keeps them open.
+//!
+//! A connection's end ([`connection_ended`]) kills the cgroup (`cgroup.kill`, else the
+//! process group) of every running exec not started with `detach`; a detached one runs on,
+//! its output read and dropped.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use kiln_guest::protocol::{
+    Exec, ExecExit, ExecFailure, ExecFailureKind, MAX_CHUNK_LEN, Message, Output, Stream,
+};
+
+use crate::proc::{self, Command, SpawnError};
+use crate::serve::{Sender, base_env, merge_env, restore_env};
+use crate::{log, sys};
+
+/// Most execs running at once; one more is refused.
+pub const MAX_RUNNING: usize = 64;
+
+/// Where cgroup2 is mounted.
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+/// What the image gives every exec (from `start`: the image's user and environment).
+#[derive(Debug, Default, Clone)]
+pub struct ImageDefaults {
+    /// The image's user; `None`: root.
+    pub user: Option<String>,
+    /// The image's environment, `KEY=value`.
+    pub env: Vec<String>,
+}
+
+fn image_defaults() -> &'static Mutex<ImageDefaults> {
+    static D: OnceLock<Mutex<ImageDefaults>> = OnceLock::new();
+    D.get_or_init(|| Mutex::new(ImageDefaults::default()))
+}
+
+/// Record what `start` said the image's user and environment are.
+pub fn set_image_defaults(d: ImageDefaults) {
+    *image_defaults().lock().unwrap_or_else(|p| p.into_inner()) = d;
+}
+
+/// Replace what a `restore` gives of the image's user and environment (its OCI config's).
+pub fn update_image_defaults(user: Option<String>, env: Option<Vec<String>>) {
+    let mut d = image_defaults().lock().unwrap_or_else(|p| p.into_inner());
+    if user.is_some() {
+        d.user = user;
+    }
+    if let Some(env) = env {
+        d.env = env;
+    }
+}
+
+/// A running exec.
+struct Running {
+    /// Its process (and process group) id, once started.
+    pid: Option<libc::pid_t>,
+    /// Its cgroup, if it has one.
+    cgroup: Option<PathBuf>,
+    /// Survives the end of its connection.
+    detach: bool,
+}
+
+fn running() -> &'static Mutex<HashMap<u64, Running>> {
+    static R: OnceLock<Mutex<HashMap<u64, Running>>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The host connection's number: bumped when one ends. An exec sends frames only while the
+/// connection it came on lasts.
+static CONNECTION: AtomicU64 = AtomicU64::new(0);
+
+/// The host connection ended (`why`: disconnected, or a new one said `connect`): kill every
+/// running exec that is not detached.
+pub fn connection_ended(why: &str) {
+    CONNECTION.fetch_add(1, Ordering::SeqCst);
+    let r = running().lock().unwrap_or_else(|p| p.into_inner());
+    for (id, ex) in r.iter().filter(|(_, e)| !e.detach) {
+        if let Some(pid) = ex.pid {
+            log!("exec {id:016x}: {why}; killing it");
+            kill(pid, ex.cgroup.as_deref());
+        }
+    }
+}
+
+fn kill(pid: libc::pid_t, cgroup: Option<&Path>) {
+    if let Some(cg) = cgroup
+        && fs::write(cg.join("cgroup.kill"), "1").is_ok()
+    {
+        return;
+    }
+    proc::kill_group(pid);
+}
+
+/// Start `e` on its own thread; its frames go to `tx`.
+pub fn start(e: Exec, tx: Sender) {
+    let conn = CONNECTION.load(Ordering::SeqCst);
+    {
+        let mut r = running().lock().unwrap_or_else(|p| p.into_inner());
+        let refuse = if r.contains_key(&e.id) {
+            Some(format!("exec {:016x} is already running", e.id))
+        } else if r.len() >= MAX_RUNNING {
+            Some(format!(
+                "{MAX_RUNNING} execs are running; wait for one to end"
+            ))
+        } else {
+            None
+        };
+        if let Some(message) = refuse {
+            drop(r);
+            return tx.send(&failure(e.id, ExecFailureKind::Refused, message));
+        }
+        r.insert(
+            e.id,
+            Running {
+                pid: None,
+                cgroup: None,
+                detach: e.detach,
+            },
+        );
+    }
+    std::thread::spawn(move || {
+        let id = e.id;
+        let exit = run(e, &tx, conn);
+        let cgroup = running()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id)
+            .and_then(|r| r.cgroup);
+        if let Some(cg) = cgroup {
+            // Fails (EBUSY) while a background process of the command lives on in it.
+            let _ = fs::remove_dir(cg);
+        }
+        if CONNECTION.load(Ordering::SeqCst) == conn {
+            tx.send(&exit);
+        } else {
+            log!("exec {id:016x} ended after its connection: {exit:?}");
+        }
+    });
+}
+
+fn failure(id: u64, kind: ExecFailureKind, message: String) -> Message {
+    Message::Exit(ExecExit {
+        id,
+        seq: 0,
+        failure: Some(ExecFailure { kind, message }),
+        ..ExecExit::default()
+    })
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: fds is a valid out array of two ints.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 returned two new descriptors this function now owns.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Mount cgroup2 at [`CGROUP_ROOT`] and enable the memory controller for its children, once;
+/// whether that worked.
+fn cgroups_ready() -> bool {
+    static READY: OnceLock<bool> = OnceLock::new();
+    *READY.get_or_init(|| {
+        let root = Path::new(CGROUP_ROOT);
+        if !root.join("cgroup.controllers").exists()
+            && let Err(e) = sys::mount(
+                "cgroup2",
+                root,
+                "cgroup2",
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                "",
+            )
+        {
+            log!("mounting cgroup2 at {CGROUP_ROOT}: {e}; execs get no OOM flag");
+            return false;
+        }
+        if let Err(e) = fs::write(root.join("cgroup.subtree_control"), "+memory") {
+            log!("enabling the memory controller: {e}; execs get no OOM flag");
+            return false;
+        }
+        true
+    })
+}
+
+/// The exec's cgroup directory and its `cgroup.procs` open for writing.
+fn make_cgroup(id: u64) -> Option<(PathBuf, fs::File)> {
+    if !cgroups_ready() {
+        return None;
+    }
+    let dir = Path::new(CGROUP_ROOT).join(format!("kiln-exec-{id:016x}"));
+    // A leftover of an earlier exec with this id (its background processes ended since).
+    let _ = fs::remove_dir(&dir);
+    let made = fs::create_dir(&dir).and_then(|()| {
+        fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join("cgroup.procs"))
+    });
+    match made {
+        Ok(f) => Some((dir, f)),
+        Err(e) => {
+            log!("exec {id:016x}: cgroup {}: {e}", dir.display());
+            None
+        }
+    }
+}
+
+/// The `oom_kill` counter of `cgroup`'s `memory.events` (0 when unreadable).
+fn oom_kills(cgroup: &Path) -> u64 {
+    let events = fs::read_to_string(cgroup.join("memory.events")).unwrap_or_default();
+    parse_oom_kills(&events)
+}
+
+/// The `oom_kill` line of a cgroup v2 `memory.events` file (`key value` lines).
+fn parse_oom_kills(events: &str) -> u64 {
+    events
+        .lines()
+        .find_map(|l| l.strip_prefix("oom_kill "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn spawn_failure(id: u64, e: &SpawnError) -> Message {
+    let kind = match e {
+        SpawnError::NotFound(_) | SpawnError::Missing(_) => ExecFailureKind::NotFound,
+        _ => ExecFailureKind::CannotRun,
+    };
+    failure(id, kind, e.to_string())
+}
+
+/// Run one exec to its end; returns its `exit` frame.
+fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
+    let defaults = image_defaults()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    let spec = e.user.as_deref().or(defaults.user.as_deref());
+    let user = match proc::resolve_user(spec) {
+        Ok(u) => u,
+        Err(err) => return failure(e.id, ExecFailureKind::CannotRun, err.to_string()),
+    };
+    let env = {
+        let clone_env = restore_env().lock().unwrap_or_else(|p| p.into_inner());
+        let env = merge_env(&base_env(&user), &defaults.env);
+        let env = merge_env(&env, &clone_env);
+        merge_env(&env, &e.env)
+    };
+    // As login(1) does, a home directory that does not exist (`nobody`'s `/nonexistent`)
+    // gives `/`; a workdir asked for that does not exist is the exec's failure (126).
+    let workdir = e.workdir.clone().unwrap_or_else(|| {
+        if Path::new(&user.home).is_dir() {
+            user.home.clone()
+        } else {
+            "/".into()
+        }
+    });
+    let io = (|| {
+        Ok::<_, io::Error>((
+            pipe()?,
+            pipe()?,
+            (!e.stdin.is_empty()).then(pipe).transpose()?,
+        ))
+    })();
+    let ((out_r, out_w), (err_r, err_w), stdin) = match io {
+        Ok(p) => p,
+        Err(err) => return failure(e.id, ExecFailureKind::CannotRun, format!("pipe: {err}")),
+    };
+    let cgroup = make_cgroup(e.id);
+    let cmd = Command {
+        argv: &e.argv,
+        env: &env,
+        workdir: &workdir,
+        user: &user,
+        console: false,
+        output: Some(out_w.as_raw_fd()),
+        stderr: Some(err_w.as_raw_fd()),
+        stdin: stdin.as_ref().map(|(r, _)| r.as_raw_fd()),
+        cgroup_procs: cgroup.as_ref().map(|(_, f)| f.as_raw_fd()),
+    };
+    let spawned = proc::spawn(&cmd);
+    // Our copies of the child's ends: the pipes reach EOF when the command's side closes.
+    drop((out_w, err_w));
+    let cgroup = cgroup.map(|(dir, _)| dir);
+    let (stdin_r, stdin_w) = stdin.unzip();
+    drop(stdin_r);
+    let child = match spawned {
+        Ok(c) => c,
+        Err(err) => {
+            if let Some(cg) = &cgroup {
+                let _ = fs::remove_dir(cg);
+            }
+            return spawn_failure(e.id, &err);
+        }
+    };
+    {
+        let mut r = running().lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(slot) = r.get_mut(&e.id) {
+            slot.pid = Some(child.pid);
+            slot.cgroup = cgroup.clone();
+        }
+    }
+    // The connection may have ended while the command was being started.
+    if !e.detach && CONNECTION.load(Ordering::SeqCst) != conn {
+        kill(child.pid, cgroup.as_deref());
+    }
+    log!(
+        "exec {:016x}: {:?} as uid {} pid {}",
+        e.id,
+        e.argv,
+        user.uid,
+        child.pid
+    );
+    if let Some(w) = stdin_w {
+        let bytes = e.stdin;
+        std::thread::spawn(move || {
+            let mut f = fs::File::from(w);
+            // EPIPE when the command does not read it all: not an error of the exec.
+            let _ = f.write_all(&bytes);
+        });
+    }
+    let seq = pump(e.id, child.pid, out_r, err_r, tx, conn);
+    let status = proc::wait(child.pid, None).unwrap_or(0);
+    // Reaped: its pid may be reused from now on, so a connection's end must not signal it.
+    if let Some(slot) = running()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get_mut(&e.id)
+    {
+        slot.pid = None;
+    }
+    let oom = cgroup.as_deref().is_some_and(|cg| oom_kills(cg) > 0);
+    let (code, signal) = if libc::WIFSIGNALED(status) {
+        (None, Some(libc::WTERMSIG(status)))
+    } else {
+        (Some(libc::WEXITSTATUS(status)), None)
+    };
+    Message::Exit(ExecExit {
+        id: e.id,
+        seq,
+        code,
+        signal,
+        oom,
+        failure: None,
+    })
+}
+
+/// Read both pipes until both end, or until the command's process has exited and the pipes
+/// hold nothing more; send each read as an `output` chunk while the connection lasts.
+/// Returns the number of chunks sent.
+fn pump(id: u64, pid: libc::pid_t, out: OwnedFd, err: OwnedFd, tx: &Sender, conn: u64) -> u64 {
+    let mut fds = [(Some(out), Stream::Stdout), (Some(err), Stream::Stderr)];
+    let mut buf = vec![0u8; MAX_CHUNK_LEN];
+    let mut seq = 0u64;
+    // Reads taken after the process exited: a background process that keeps writing must not
+    // keep the exec from ending.
+    let mut after_exit = 0;
+    loop {
+        let exited = proc::exited(pid).is_some();
+        if exited {
+            after_exit += 1;
+            if after_exit > 64 {
+                return seq;
+            }
+        }
+        let mut polls: Vec<libc::pollfd> = fds
+            .iter()
+            .filter_map(|(fd, _)| fd.as_ref())
+            .map(|fd| libc::pollfd {
+                fd: fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        if polls.is_empty() {
+            return seq;
+        }
+        // Wake every 100 ms to notice the process's exit (pipes a background process keeps
+        // open never reach EOF); once it has exited, only take what is there now.
+        let timeout = if exited { 0 } else { 100 };
+        // SAFETY: polls is a valid array of pollfd of the given length.
+        let n = unsafe { libc::poll(polls.as_mut_ptr(), polls.len() as libc::nfds_t, timeout) };
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            if err.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            log!("exec {id:016x}: poll: {err}");
+            return seq;
+        }
+        if n == 0 {
+            if exited {
+                return seq;
+            }
+            continue;
+        }
+        for p in polls.iter().filter(|p| p.revents != 0) {
+            let Some(slot) = fds
+                .iter_mut()
+                .find(|(fd, _)| fd.as_ref().is_some_and(|f| f.as_raw_fd() == p.fd))
+            else {
+                continue;
+            };
+            // SAFETY: reading into buf, which is valid for buf.len() bytes, from an open fd.
+            let got = unsafe { libc::read(p.fd, buf.as_mut_ptr().cast(), buf.len()) };
+            if got < 0 {
+                let err = io::Error::last_os_error();
+                if err.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+            }
+            if got <= 0 {
+                slot.0 = None;
+                continue;
+            }
+            if CONNECTION.load(Ordering::SeqCst) != conn {
+                continue; // nobody to send it to; keep draining so the command never blocks
+            }
+            tx.send(&Message::Output(Output {
+                id,
+                seq,
+                stream: slot.1,
+                data: buf[..got as usize].to_vec(),
+            }));
+            seq += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oom_kill_counter_is_read_from_memory_events() {
+        let events = "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\noom_group_kill 0\n";
+        assert_eq!(parse_oom_kills(events), 2);
+        assert_eq!(parse_oom_kills("oom 1\noom_group_kill 0\n"), 0);
+        assert_eq!(parse_oom_kills(""), 0);
+    }
+}
