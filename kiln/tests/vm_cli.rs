@@ -1,6 +1,6 @@
 //! `kiln snapshot`, `kiln start`, `kiln ps`, `kiln stop` end to end on a real TCG boot of the
 //! busybox fixture: exit codes, `--json` events, clone state, and the refusal of a host whose
-//! compatibility key differs (exit 1, snapshot kept). Needs what `ci/setup.sh` exports
+//! compatibility key differs (exit 7, snapshot kept). Needs what `ci/setup.sh` exports
 //! (`KILN_TEST_BUSYBOX_OCI`, `KILN_TEST_KERNEL`/`KILN_TEST_INITRAMFS` or `KILN_TEST_CACHE`).
 
 use std::path::Path;
@@ -115,9 +115,10 @@ fn vm_cli_snapshot_start_ps_stop() {
     let o = kiln(d, &["start", "bb:snap", "--env", "NOEQUALS"], &[]);
     assert_eq!(o.status.code(), Some(1));
 
-    // A host whose key differs (KVM asked for a TCG snapshot) is refused; the snapshot stays.
+    // A host whose key differs (KVM asked for a TCG snapshot) is refused with exit 7; the
+    // snapshot stays.
     let o = kiln(d, &["start", "bb:snap"], &[("KILN_ACCEL", "kvm")]);
-    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    assert_eq!(o.status.code(), Some(7), "{o:?}");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("compatibility key differs in accel"), "{err}");
     let o = kiln(d, &["--json", "ps"], &[]);

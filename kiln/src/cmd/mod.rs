@@ -42,6 +42,7 @@ use serde_json::{Value, json};
 /// | 4 | a tag moved under us: a compare-and-swap lost to another writer (retry may succeed) |
 /// | 5 | the tag or manifest asked for does not exist |
 /// | 6 | the configuration is invalid (config file unreadable or malformed, a bad `KILN_*` value) |
+/// | 7 | this host cannot restore the snapshot: its compatibility key differs (the snapshot is kept) |
 pub mod exit {
     /// Success.
     pub const OK: u8 = 0;
@@ -55,6 +56,9 @@ pub mod exit {
     pub const NOT_FOUND: u8 = 5;
     /// The configuration is invalid.
     pub const CONFIG: u8 = 6;
+    /// The snapshot's compatibility key differs from this host's
+    /// ([`kiln_vmm::compat::CompatError::Mismatch`]).
+    pub const INCOMPATIBLE: u8 = 7;
 }
 
 /// A failure with its exit code.
@@ -83,6 +87,15 @@ impl<E: Into<anyhow::Error>> From<E> for Failure {
                 exit::NOT_FOUND
             }
             _ if error.is::<crate::config::ConfigError>() => exit::CONFIG,
+            _ if error.chain().any(|e| {
+                matches!(
+                    e.downcast_ref::<kiln_vmm::compat::CompatError>(),
+                    Some(kiln_vmm::compat::CompatError::Mismatch { .. })
+                )
+            }) =>
+            {
+                exit::INCOMPATIBLE
+            }
             _ => exit::FAILURE,
         };
         Failure { code, error }
