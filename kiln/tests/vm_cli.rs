@@ -11,6 +11,10 @@ use kiln_tests::vm::{busybox_image, guest_assets, sh};
 use serde_json::Value;
 
 fn kiln(dir: &Path, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
+    kiln_cmd(dir, args, extra_env).output().expect("run kiln")
+}
+
+fn kiln_cmd(dir: &Path, args: &[&str], extra_env: &[(&str, &str)]) -> Command {
     let a = guest_assets();
     let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
     c.args(args)
@@ -23,7 +27,23 @@ fn kiln(dir: &Path, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
     for (k, v) in extra_env {
         c.env(k, v);
     }
-    c.output().expect("run kiln")
+    c
+}
+
+/// The pids of the QEMU processes whose command line names `dir` (clones of this test).
+fn qemus_under(dir: &Path) -> Vec<u32> {
+    let d = dir.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let c = String::from_utf8_lossy(&c);
+                c.contains("qemu") && c.contains(&d)
+            })
+        })
+        .collect()
 }
 
 fn events(o: &Output, kind: &str) -> Vec<Value> {
@@ -123,6 +143,58 @@ fn vm_cli_snapshot_start_ps_stop() {
     assert!(err.contains("compatibility key differs in accel"), "{err}");
     let o = kiln(d, &["--json", "ps"], &[]);
     assert_eq!(events(&o, "clone").len(), 2);
+
+    // Issue 16: a `kiln start` killed while starting leaves no QEMU that `kiln ps` does not
+    // know: the next listing stops and removes the half-started clone. Killed as soon as its
+    // QEMU runs (starting.json appears), or wherever it is if it finished first.
+    let clones = d.join("state/clones");
+    let mut child = kiln_cmd(d, &["start", "bb:snap"], &[])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run kiln start");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let mut caught_starting = false;
+    while std::time::Instant::now() < deadline {
+        caught_starting = std::fs::read_dir(&clones)
+            .expect("clones dir")
+            .flatten()
+            .any(|e| e.path().join("starting.json").exists());
+        if caught_starting || child.try_wait().expect("wait").is_some() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    eprintln!("kiln start killed while starting: {caught_starting}");
+    let o = kiln(d, &["--json", "ps"], &[]);
+    ok(&o);
+    let listed: Vec<u64> = events(&o, "clone")
+        .iter()
+        .filter(|c| c["state"] == "running")
+        .filter_map(|c| c["pid"].as_u64())
+        .collect();
+    for pid in qemus_under(d) {
+        assert!(
+            listed.contains(&u64::from(pid)),
+            "QEMU {pid} runs but kiln ps does not list it: {listed:?}"
+        );
+    }
+    let left: Vec<_> = std::fs::read_dir(&clones)
+        .expect("clones dir")
+        .flatten()
+        .filter(|e| e.path().join("starting.json").exists())
+        .collect();
+    assert!(left.is_empty(), "half-started clones left: {left:?}");
+    // A start that finished before the kill made a third clone: stop it, so the counts below
+    // are those of the two clones started above.
+    for c in events(&o, "clone") {
+        let id = c["id"].as_str().expect("id");
+        if started.iter().all(|s| s["id"].as_str() != Some(id)) {
+            ok(&kiln(d, &["stop", id], &[]));
+        }
+    }
 
     let id = started[0]["id"].as_str().expect("id");
     ok(&kiln(d, &["stop", id], &[]));

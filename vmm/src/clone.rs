@@ -503,6 +503,8 @@ async fn start_one(
             false,
         )
         .await?;
+        // QEMU outlives this process from here on: say whose it is until clone.json exists.
+        write_starting(&dir, vm.pid)?;
         vm.qmp
             .set_capabilities(&[("x-ignore-shared", true)])
             .await?;
@@ -580,11 +582,77 @@ async fn start_one(
         })?,
     )
     .map_err(io_err(&path))?;
+    let _ = std::fs::remove_file(dir.join(STARTING));
     vm.detach();
     Ok(rec)
 }
 
-/// The clones recorded under `state_dir` (running or not), sorted by start time.
+/// The file of a clone being started (`<clone dir>/starting.json`), written as soon as QEMU
+/// runs and removed once `clone.json` is: QEMU's pid and the pid of the `kiln start` that owns
+/// it. A clone directory that has it but no `clone.json`, and whose starter is gone, is a
+/// start that was killed midway; [`list`] stops its QEMU and removes it.
+const STARTING: &str = "starting.json";
+
+/// What [`STARTING`] holds.
+#[derive(Debug, Serialize, Deserialize)]
+struct Starting {
+    /// QEMU's pid.
+    qemu: u32,
+    /// The starting process's pid.
+    starter: u32,
+}
+
+fn write_starting(dir: &Path, qemu: u32) -> Result<(), CloneError> {
+    let path = dir.join(STARTING);
+    let s = Starting {
+        qemu,
+        starter: std::process::id(),
+    };
+    // Serializing two integers cannot fail.
+    let bytes = serde_json::to_vec(&s).unwrap_or_default();
+    std::fs::write(&path, bytes).map_err(io_err(&path))?;
+    Ok(())
+}
+
+/// Whether process `pid` exists (`kill(pid, 0)`: ESRCH means it does not).
+fn alive(pid: u32) -> bool {
+    // SAFETY: kill(2) with signal 0 sends nothing; it only checks that the pid exists.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+/// Stops and removes the clone in `dir` if it is a start whose starter died (see
+/// [`STARTING`]): SIGKILL of its QEMU, only if that pid is still a QEMU of this clone (its
+/// command line names the directory). Returns whether it was removed.
+fn reap_abandoned(dir: &Path) -> bool {
+    let Ok(bytes) = std::fs::read(dir.join(STARTING)) else {
+        return false;
+    };
+    let Ok(s) = serde_json::from_slice::<Starting>(&bytes) else {
+        return false;
+    };
+    if alive(s.starter) || dir.join("clone.json").exists() {
+        return false;
+    }
+    let ours = std::fs::read(format!("/proc/{}/cmdline", s.qemu))
+        .map(|c| {
+            let c = String::from_utf8_lossy(&c);
+            c.contains("qemu") && c.contains(&*dir.to_string_lossy())
+        })
+        .unwrap_or(false);
+    if ours {
+        // SAFETY: kill(2) with a pid whose command line we just checked is this clone's QEMU;
+        // no memory is touched.
+        unsafe {
+            libc::kill(s.qemu as libc::pid_t, libc::SIGKILL);
+        }
+    }
+    tracing::warn!(dir = %dir.display(), "removing a clone whose kiln start died while starting it");
+    std::fs::remove_dir_all(dir).is_ok()
+}
+
+/// The clones recorded under `state_dir` (running or not), sorted by start time. A start
+/// that was killed before it recorded its clone is stopped and removed on the way.
 pub fn list(state_dir: &Path) -> Result<Vec<CloneRecord>, CloneError> {
     let dir = state_dir.join("clones");
     let rd = match std::fs::read_dir(&dir) {
@@ -596,7 +664,10 @@ pub fn list(state_dir: &Path) -> Result<Vec<CloneRecord>, CloneError> {
     for ent in rd.flatten() {
         let p = ent.path().join("clone.json");
         let Ok(bytes) = std::fs::read(&p) else {
-            continue; // a clone still starting, or a stray directory
+            // A clone still starting, a start that was killed midway (stopped and removed
+            // here), or a stray directory.
+            reap_abandoned(&ent.path());
+            continue;
         };
         let rec: CloneRecord = serde_json::from_slice(&bytes).map_err(|e| CloneError::State {
             path: p.clone(),
