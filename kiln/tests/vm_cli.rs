@@ -30,10 +30,11 @@ fn kiln_cmd(dir: &Path, args: &[&str], extra_env: &[(&str, &str)]) -> Command {
     c
 }
 
-/// The pids of the QEMU processes whose command line names `dir` (clones of this test).
+/// The pids of the QEMU processes whose command line names `dir` (clones of this test),
+/// sorted.
 fn qemus_under(dir: &Path) -> Vec<u32> {
     let d = dir.to_string_lossy().into_owned();
-    std::fs::read_dir("/proc")
+    let mut pids: Vec<u32> = std::fs::read_dir("/proc")
         .expect("/proc")
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
@@ -43,7 +44,9 @@ fn qemus_under(dir: &Path) -> Vec<u32> {
                 c.contains("qemu") && c.contains(&d)
             })
         })
-        .collect()
+        .collect();
+    pids.sort();
+    pids
 }
 
 fn events(o: &Output, kind: &str) -> Vec<Value> {
@@ -195,6 +198,56 @@ fn vm_cli_snapshot_start_ps_stop() {
             ok(&kiln(d, &["stop", id], &[]));
         }
     }
+
+    // Issue 16: `kiln start --count 2` whose second clone fails (its QEMU killed while it
+    // restores) stops the first one too: all or nothing.
+    let before = qemus_under(d);
+    let mut child = kiln_cmd(d, &["start", "bb:snap", "--count", "2"], &[])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run kiln start");
+    let mut seen = std::collections::BTreeSet::new();
+    let mut killed = None;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while killed.is_none() && std::time::Instant::now() < deadline {
+        for e in std::fs::read_dir(&clones).expect("clones dir").flatten() {
+            let Ok(b) = std::fs::read(e.path().join("starting.json")) else {
+                continue;
+            };
+            seen.insert(e.file_name());
+            if seen.len() == 2 {
+                let s: Value = serde_json::from_slice(&b).expect("starting.json");
+                let pid = s["qemu"].as_u64().expect("qemu pid") as i32;
+                rustix::process::kill_process(
+                    rustix::process::Pid::from_raw(pid).expect("pid"),
+                    rustix::process::Signal::KILL,
+                )
+                .expect("kill the second clone's QEMU");
+                killed = Some(pid);
+                break;
+            }
+        }
+        if child.try_wait().expect("wait").is_some() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let o = child.wait_with_output().expect("kiln start");
+    assert!(killed.is_some(), "never saw the second clone start: {o:?}");
+    assert!(!o.status.success(), "{o:?}");
+    assert_eq!(
+        qemus_under(d),
+        before,
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let o = kiln(d, &["--json", "ps"], &[]);
+    assert_eq!(
+        events(&o, "clone").len(),
+        2,
+        "only the two clones from before"
+    );
 
     let id = started[0]["id"].as_str().expect("id");
     ok(&kiln(d, &["stop", id], &[]));

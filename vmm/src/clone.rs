@@ -397,7 +397,9 @@ async fn lock(path: &Path) -> Result<std::fs::File, CloneError> {
     .map_err(|e| CloneError::from(LaunchError::Host(e.to_string())))?
 }
 
-/// Starts `opts.count` clones of the snapshot attached to `image_ref`. See the module doc.
+/// Starts `opts.count` clones of the snapshot attached to `image_ref`, all or none: when one
+/// fails, those already started by this call are stopped before the error returns. See the
+/// module doc.
 pub async fn start_clones(
     store: &Store,
     image_ref: &TagRef,
@@ -427,9 +429,9 @@ pub async fn start_clones(
     let defaults = image_defaults(store, &snap.image).await?;
     let clones_dir = opts.state_dir.join("clones");
     std::fs::create_dir_all(&clones_dir).map_err(io_err(&clones_dir))?;
-    let mut out = Vec::new();
+    let mut out: Vec<CloneRecord> = Vec::new();
     for _ in 0..opts.count {
-        let rec = start_one(
+        match start_one(
             &host,
             accel,
             &snap,
@@ -440,8 +442,19 @@ pub async fn start_clones(
             opts,
             defaults.as_ref(),
         )
-        .await?;
-        out.push(rec);
+        .await
+        {
+            Ok(rec) => out.push(rec),
+            Err(e) => {
+                // All or nothing: the clones this call already started are stopped.
+                for rec in &out {
+                    if let Err(se) = stop(&opts.state_dir, &rec.id).await {
+                        tracing::warn!(id = %rec.id, error = %se, "stopping an earlier clone");
+                    }
+                }
+                return Err(e);
+            }
+        }
     }
     Ok(out)
 }
