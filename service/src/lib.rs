@@ -71,13 +71,11 @@ pub struct ServiceConfig {
     /// After SIGTERM, how long running builds may go on before they are cancelled
     /// (default 60 s).
     pub shutdown_grace: Duration,
-    /// The quota of a workspace created by `kiln serve keys create` without quota flags.
-    pub default_quota: Quota,
 }
 
 impl ServiceConfig {
     /// Defaults for the state directory `state_dir`: 2 workers, 1 GiB contexts, 4 GiB
-    /// unpacked, 24 h idempotency window, 60 s shutdown grace, [`Quota::default`].
+    /// unpacked, 24 h idempotency window, 60 s shutdown grace.
     pub fn new(state_dir: PathBuf) -> Self {
         ServiceConfig {
             state_dir,
@@ -86,7 +84,6 @@ impl ServiceConfig {
             max_unpacked_bytes: 4 << 30,
             idempotency_window: Duration::from_secs(24 * 3600),
             shutdown_grace: Duration::from_secs(60),
-            default_quota: Quota::default(),
         }
     }
 
