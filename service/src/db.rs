@@ -278,6 +278,14 @@ impl Db {
         Ok(Db { pool })
     }
 
+    /// A transaction that takes the write lock at once (`BEGIN IMMEDIATE`): a deferred one
+    /// that reads and then writes gets `SQLITE_BUSY` at once, without waiting, when another
+    /// connection writes in between (SQLite's lock upgrade rule), which concurrent
+    /// submissions hit.
+    async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, DbError> {
+        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
+    }
+
     /// Creates workspace `ws` with `quota`, or sets the quota of an existing one when
     /// `replace`.
     pub async fn upsert_workspace(
@@ -368,7 +376,7 @@ impl Db {
         max_queued: u32,
         window_ms: i64,
     ) -> Result<Inserted, DbError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let now = now_ms();
         if let Some((key, hash)) = &b.idempotency {
             let r = sqlx::query(
@@ -502,7 +510,7 @@ impl Db {
     /// flagged (its worker cancels it). Returns the state it was in, `None` when there is no
     /// such build.
     pub async fn request_cancel(&self, ws: &str, id: &str) -> Result<Option<String>, DbError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         let r = sqlx::query("SELECT state FROM builds WHERE id = ? AND workspace = ?")
             .bind(id)
             .bind(ws)
@@ -626,7 +634,7 @@ impl Db {
 
     /// Writes one batch of a running build's records in one transaction.
     pub async fn write_batch(&self, id: &str, batch: &[Record]) -> Result<(), DbError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.write_tx().await?;
         for rec in batch {
             match rec {
                 Record::Log(l) => {
