@@ -64,7 +64,8 @@ pub struct Args {
 #[derive(Debug, Clone, clap::Args)]
 pub struct Common {
     /// The server's state directory: kiln.db (SQLite: keys, builds, logs) and uploaded
-    /// contexts (default: $XDG_STATE_HOME/kiln/serve, else ~/.local/state/kiln/serve).
+    /// contexts (default: $KILN_STATE_DIR/serve, else $XDG_STATE_HOME/kiln/serve, else
+    /// ~/.local/state/kiln/serve).
     #[arg(long = "state-dir", env = "KILN_SERVE_STATE_DIR", global = true)]
     pub state_dir: Option<PathBuf>,
 }
@@ -108,9 +109,15 @@ pub enum Keys {
     },
 }
 
+/// `--state-dir`, else `$KILN_STATE_DIR/serve`, else `$XDG_STATE_HOME/kiln/serve`, else
+/// `~/.local/state/kiln/serve` (never `$XDG_RUNTIME_DIR`: the database must outlive a
+/// reboot).
 fn state_dir(c: &Common) -> anyhow::Result<PathBuf> {
     if let Some(p) = &c.state_dir {
         return Ok(p.clone());
+    }
+    if let Some(d) = std::env::var_os("KILN_STATE_DIR").filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(d).join("serve"));
     }
     if let Some(x) = std::env::var_os("XDG_STATE_HOME").map(PathBuf::from)
         && x.is_absolute()
