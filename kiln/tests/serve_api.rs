@@ -973,3 +973,68 @@ fn quotas_sigterm_and_kill_9_end_every_build() {
         );
     });
 }
+
+#[test]
+fn logs_keep_the_message_and_build_limits_with_one_marker() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, state, store) = env();
+    // A 6000-byte line, then about 1.3 MiB of 31-byte lines; the build goes on past the cut.
+    let ctx = context_dir(
+        t.path(),
+        &format!(
+            "FROM {bb}\nRUN printf '%6000s\\n' x | tr ' ' a; \
+             yes 0123456789012345678901234567890 | head -n 45000; echo after > /after\n"
+        ),
+    );
+    let s = Server::start(&state, &store, &[]);
+    let key = s.key("acme", &[]);
+    let c = client();
+    rt().block_on(async {
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            &json!({"tags": ["big:1"]}),
+            Some(&tar_dir(&ctx)),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 202);
+        let id = json_of(r).await["id"].as_str().expect("id").to_string();
+        let v = wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await;
+        assert_eq!(v["state"], "succeeded", "{v:#}");
+        let text = get(&c, &s, &key, &format!("/v1/builds/{id}/logs"))
+            .await
+            .text()
+            .await
+            .expect("text");
+        let lines: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("ndjson"))
+            .collect();
+        let texts: Vec<&str> = lines.iter().filter_map(|v| v["text"].as_str()).collect();
+        let long = texts
+            .iter()
+            .find(|t| t.starts_with("aaaa"))
+            .expect("the long line");
+        assert!(
+            long.len() <= 4096 + 64 && long.ends_with("[line truncated]"),
+            "{}",
+            long.len()
+        );
+        let markers = texts
+            .iter()
+            .filter(|t| t.contains("[log truncated"))
+            .count();
+        assert_eq!(markers, 1, "one truncation marker");
+        let step_bytes: usize = lines
+            .iter()
+            .filter(|v| v["step"].is_i64())
+            .map(|v| v["text"].as_str().map_or(0, |t| t.len() + 1))
+            .sum();
+        assert!(step_bytes <= (1 << 20) + 4096, "{step_bytes}");
+        let seqs: Vec<i64> = lines.iter().filter_map(|v| v["seq"].as_i64()).collect();
+        assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+    });
+}

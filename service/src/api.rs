@@ -354,7 +354,12 @@ pub fn router(state: AppState) -> axum::Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
-        .route("/v1/builds", post(submit))
+        // Only a submission's multipart body is buffered past axum's 2 MB default (its
+        // context part streams to disk; blob uploads stream without an extractor limit).
+        .route(
+            "/v1/builds",
+            post(submit).layer(axum::extract::DefaultBodyLimit::max(limit)),
+        )
         .route("/v1/builds/{id}", get(get_build))
         .route("/v1/builds/{id}/logs", get(logs))
         .route("/v1/builds/{id}/cancel", post(cancel))
@@ -366,7 +371,6 @@ pub fn router(state: AppState) -> axum::Router {
             get(get_tag).put(put_tag).delete(delete_tag),
         )
         .route("/v1/manifests/{digest}", get(get_manifest))
-        .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(state)
 }
 

@@ -132,6 +132,14 @@ pub async fn serve(
         what: format!("creating {}", config.state_dir.display()),
         source,
     })?;
+    // Build directories a killed server left behind (unpacked contexts).
+    let work = config.state_dir.join("work");
+    if work.exists() {
+        std::fs::remove_dir_all(&work).map_err(|source| ServiceError::Io {
+            what: format!("removing {}", work.display()),
+            source,
+        })?;
+    }
     let db = Db::open(&config.db_path()).await?;
     let recovered = db.fail_running(db::SERVER_STOPPED).await?;
     if recovered > 0 {
