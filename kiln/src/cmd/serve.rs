@@ -6,7 +6,6 @@
 //! `--trust-tenants` says that tenants' `RUN` steps may run in this host's namespace
 //! executor (for development only).
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::{Context as _, bail};
@@ -22,9 +21,10 @@ pub struct Args {
     /// Key management (the server is not started).
     #[command(subcommand)]
     pub command: Option<Command>,
-    /// Address to listen on (port 0: any free port; the address is printed on stderr).
-    #[arg(long, env = "KILN_LISTEN", default_value = "127.0.0.1:8080")]
-    pub listen: SocketAddr,
+    /// Address to listen on (port 0: any free port; the address is printed on stderr);
+    /// default: $KILN_LISTEN, else the config file's `serve.listen`, else 127.0.0.1:8080.
+    #[arg(long)]
+    pub listen: Option<String>,
     /// DEVELOPMENT ONLY: run tenants' RUN steps in this host's namespace executor, which is
     /// not a boundary against a hostile recipe. kiln has no microVM executor for untrusted
     /// steps yet, so the server refuses to start without this flag.
@@ -64,9 +64,10 @@ pub struct Args {
 #[derive(Debug, Clone, clap::Args)]
 pub struct Common {
     /// The server's state directory: kiln.db (SQLite: keys, builds, logs) and uploaded
-    /// contexts (default: $KILN_STATE_DIR/serve, else $XDG_STATE_HOME/kiln/serve, else
+    /// contexts (default: $KILN_SERVE_STATE_DIR, else the config file's `serve.state_dir`,
+    /// else $KILN_STATE_DIR/serve, else $XDG_STATE_HOME/kiln/serve, else
     /// ~/.local/state/kiln/serve).
-    #[arg(long = "state-dir", env = "KILN_SERVE_STATE_DIR", global = true)]
+    #[arg(long = "state-dir", global = true)]
     pub state_dir: Option<PathBuf>,
 }
 
@@ -109,27 +110,17 @@ pub enum Keys {
     },
 }
 
-/// `--state-dir`, else `$KILN_STATE_DIR/serve`, else `$XDG_STATE_HOME/kiln/serve`, else
-/// `~/.local/state/kiln/serve` (never `$XDG_RUNTIME_DIR`: the database must outlive a
-/// reboot).
-fn state_dir(c: &Common) -> anyhow::Result<PathBuf> {
-    if let Some(p) = &c.state_dir {
-        return Ok(p.clone());
-    }
-    if let Some(d) = std::env::var_os("KILN_STATE_DIR").filter(|d| !d.is_empty()) {
-        return Ok(PathBuf::from(d).join("serve"));
-    }
-    if let Some(x) = std::env::var_os("XDG_STATE_HOME").map(PathBuf::from)
-        && x.is_absolute()
-    {
-        return Ok(x.join("kiln/serve"));
-    }
-    let home = std::env::var_os("HOME").context("HOME is not set: give --state-dir")?;
-    Ok(PathBuf::from(home).join(".local/state/kiln/serve"))
+/// The configuration with `kiln serve`'s flags (see [`crate::config`]).
+fn config(c: &Common, listen: Option<&str>) -> anyhow::Result<crate::config::Config> {
+    Ok(crate::config::Config::load(&crate::config::Flags {
+        listen: listen.map(str::to_string),
+        serve_state_dir: c.state_dir.as_ref().map(|p| p.display().to_string()),
+        ..Default::default()
+    })?)
 }
 
 async fn open_db(c: &Common) -> anyhow::Result<Db> {
-    let dir = state_dir(c)?;
+    let dir = config(c, None)?.serve_state_dir.value;
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(Db::open(&dir.join("kiln.db")).await?)
 }
@@ -206,7 +197,8 @@ async fn serve(a: Args) -> anyhow::Result<()> {
         Some(p) => p.clone(),
         None => crate::config::local_store_dir()?,
     };
-    let config = crate::config::Config::load(&crate::config::Flags::default())?;
+    let config = config(&a.common, a.listen.as_deref())?;
+    let listen = config.serve_listen.value;
     let boot = match (&a.kernel, &a.initramfs) {
         (Some(k), Some(i)) => Some(kiln_vmm::snapshot::BootAssets {
             kernel: k.clone(),
@@ -222,14 +214,14 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     };
     setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
     setup.boot = boot;
-    let mut cfg = ServiceConfig::new(state_dir(&a.common)?);
+    let mut cfg = ServiceConfig::new(config.serve_state_dir.value.clone());
     cfg.workers = a.workers.max(1);
     cfg.max_context_bytes = a.max_context_mib << 20;
     cfg.shutdown_grace = a.shutdown_grace;
     cfg.idempotency_window = a.idempotency_window;
-    let listener = tokio::net::TcpListener::bind(a.listen)
+    let listener = tokio::net::TcpListener::bind(listen)
         .await
-        .with_context(|| format!("listening on {}", a.listen))?;
+        .with_context(|| format!("listening on {listen}"))?;
     let addr = listener.local_addr()?;
     eprintln!(
         "kiln serve: listening on http://{addr} (store {})",
