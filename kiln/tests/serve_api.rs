@@ -1038,3 +1038,50 @@ fn logs_keep_the_message_and_build_limits_with_one_marker() {
         assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
     });
 }
+
+/// Regression: two workers publishing the same image at once shared one scratch file for
+/// the ext4 image (`scratch-<pid>-ext4-<digest>`) and failed ("No such file or directory",
+/// e2fsck "short read"); every identical build must succeed with the same digest.
+#[test]
+fn identical_builds_at_once_all_succeed() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, state, store) = env();
+    let ctx = context_dir(t.path(), &format!("FROM {bb}\nRUN echo same > /same\n"));
+    let s = Server::start(&state, &store, &["--workers", "4"]);
+    let key = s.key("acme", &["--max-concurrent", "4", "--max-queued", "100"]);
+    let c = client();
+    rt().block_on(async {
+        let tarball = tar_dir(&ctx);
+        let digest = format!("sha256:{}", hex_sha256(&tarball));
+        let r = c
+            .put(s.url(&format!("/v1/blobs/{digest}")))
+            .bearer_auth(&key)
+            .body(tarball)
+            .send()
+            .await
+            .expect("PUT");
+        assert_eq!(r.status(), 201);
+        let body = json!({"context": digest, "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}})
+            .to_string();
+        let mut ids = Vec::new();
+        for _ in 0..24 {
+            let r = c
+                .post(s.url("/v1/builds"))
+                .bearer_auth(&key)
+                .header("content-type", "application/json")
+                .body(body.clone())
+                .send()
+                .await
+                .expect("POST");
+            assert_eq!(r.status(), 202);
+            ids.push(json_of(r).await["id"].as_str().expect("id").to_string());
+        }
+        let mut images = std::collections::BTreeSet::new();
+        for id in &ids {
+            let v = wait_for(&c, &s, &key, id, Duration::from_secs(300), terminal).await;
+            assert_eq!(v["state"], "succeeded", "{v:#}");
+            images.insert(v["image"].as_str().expect("image").to_string());
+        }
+        assert_eq!(images.len(), 1, "{images:?}");
+    });
+}

@@ -570,8 +570,9 @@ async fn read_field(
 #[utoipa::path(post, path = "/v1/builds", request_body = BuildSpec,
     params(("Idempotency-Key" = Option<String>, Header, description = "retry key, 24 h")),
     responses((status = 202, body = Accepted), (status = 400, body = ErrorBody),
-              (status = 401, body = ErrorBody), (status = 422, body = ErrorBody),
-              (status = 429, body = ErrorBody)),
+              (status = 401, body = ErrorBody), (status = 413, body = ErrorBody),
+              (status = 422, body = ErrorBody), (status = 429, body = ErrorBody),
+              (status = 503, body = ErrorBody)),
     security(("bearer" = [])))]
 async fn submit(
     State(s): State<AppState>,
@@ -917,8 +918,8 @@ async fn logs(
 /// Cancel a build: a queued one at once; a running one stops, publishes nothing and moves
 /// no tag. 409 when it has already ended.
 #[utoipa::path(post, path = "/v1/builds/{id}/cancel", params(("id" = String, Path)),
-    responses((status = 202, body = BuildView), (status = 404, body = ErrorBody),
-              (status = 409, body = ErrorBody)),
+    responses((status = 202, body = BuildView), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)),
     security(("bearer" = [])))]
 async fn cancel(
     State(s): State<AppState>,
@@ -952,7 +953,8 @@ pub struct BlobView {
 /// Upload a context tarball by its digest; the body's sha256 must match.
 #[utoipa::path(put, path = "/v1/blobs/{digest}", params(("digest" = String, Path)),
     request_body(content_type = "application/x-tar"),
-    responses((status = 201, body = BlobView), (status = 400, body = ErrorBody)),
+    responses((status = 201, body = BlobView), (status = 400, body = ErrorBody),
+              (status = 401, body = ErrorBody), (status = 413, body = ErrorBody)),
     security(("bearer" = [])))]
 async fn put_blob(
     State(s): State<AppState>,
@@ -1140,8 +1142,12 @@ fn precondition(h: &HeaderMap) -> Result<Option<Option<kiln_store::ManifestDiges
 /// Move a tag by compare-and-swap: `If-Match: "<digest it holds>"`, or `If-None-Match: *`
 /// to create it.
 #[utoipa::path(put, path = "/v1/images/{name}/tags/{tag}",
-    params(("name" = String, Path), ("tag" = String, Path)), request_body = TagBody,
-    responses((status = 200, body = TagView), (status = 404, body = ErrorBody),
+    params(("name" = String, Path), ("tag" = String, Path),
+           ("If-Match" = Option<String>, Header, description = "\"<digest the tag holds>\""),
+           ("If-None-Match" = Option<String>, Header, description = "* : the tag must not exist")),
+    request_body = TagBody,
+    responses((status = 200, body = TagView), (status = 400, body = ErrorBody),
+              (status = 404, body = ErrorBody),
               (status = 412, body = ErrorBody), (status = 428, body = ErrorBody)),
     security(("bearer" = [])))]
 async fn put_tag(
@@ -1186,8 +1192,10 @@ async fn put_tag(
 
 /// Remove a tag (with `If-Match`, only while it names that digest).
 #[utoipa::path(delete, path = "/v1/images/{name}/tags/{tag}",
-    params(("name" = String, Path), ("tag" = String, Path)),
-    responses((status = 204), (status = 404, body = ErrorBody), (status = 412, body = ErrorBody)),
+    params(("name" = String, Path), ("tag" = String, Path),
+           ("If-Match" = Option<String>, Header, description = "\"<digest the tag holds>\"")),
+    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 412, body = ErrorBody)),
     security(("bearer" = [])))]
 async fn delete_tag(
     State(s): State<AppState>,
