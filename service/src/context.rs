@@ -224,8 +224,11 @@ pub fn read_member(
     Ok(found)
 }
 
+/// Most entries a context may hold (an inode bomb of empty files is refused past it).
+pub const MAX_ENTRIES: u64 = 1_000_000;
+
 /// Unpacks the tarball `path` into the empty directory `dest` (see the module doc for what
-/// is refused). `limit`: most bytes of file data.
+/// is refused). `limit`: most bytes of file data; at most [`MAX_ENTRIES`] entries.
 pub fn unpack(path: &Path, dest: &Path, limit: u64) -> Result<(), ContextError> {
     let mut ar = tar::Archive::new(open_tar(path)?);
     ar.set_preserve_permissions(true);
@@ -233,7 +236,7 @@ pub fn unpack(path: &Path, dest: &Path, limit: u64) -> Result<(), ContextError> 
     ar.set_unpack_xattrs(false);
     ar.set_preserve_ownerships(false);
     ar.set_overwrite(true);
-    let mut total = 0u64;
+    let (mut total, mut count) = (0u64, 0u64);
     let entries = ar
         .entries()
         .map_err(|e| ContextError::BadTar(e.to_string()))?;
@@ -254,6 +257,12 @@ pub fn unpack(path: &Path, dest: &Path, limit: u64) -> Result<(), ContextError> 
                     "{name}: entry type {other:?} is not allowed (only files, directories and links)"
                 )));
             }
+        }
+        count += 1;
+        if count > MAX_ENTRIES {
+            return Err(ContextError::BadTar(format!(
+                "more than {MAX_ENTRIES} entries"
+            )));
         }
         total += e.size();
         if total > limit {
@@ -343,6 +352,19 @@ mod tests {
         std::fs::create_dir(&d).expect("mkdir");
         let e = unpack(&p, &d, 1 << 20).expect_err("device refused");
         assert!(e.to_string().contains("not allowed"), "{e}");
+
+        // A hard link to a host file.
+        let p = tarball(t.path(), |b| {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(tar::EntryType::Link);
+            h.set_size(0);
+            b.append_link(&mut h, "passwd", "/etc/passwd")
+                .expect("link");
+        });
+        let d = t.path().join("d4");
+        std::fs::create_dir(&d).expect("mkdir");
+        assert!(unpack(&p, &d, 1 << 20).is_err());
+        assert!(!d.join("passwd").exists());
 
         let p = tarball(t.path(), |b| file(b, "big", &[0u8; 4096]));
         let d = t.path().join("d3");

@@ -162,17 +162,17 @@ async fn run_one(state: &AppState, row: BuildRow) {
         })
     };
     let work = state.config.state_dir.join("work");
-    let outcome = match tempfile::Builder::new().prefix(&id).tempdir_in(&work) {
+    let dir = std::fs::create_dir_all(&work)
+        .and_then(|_| tempfile::Builder::new().prefix(&id).tempdir_in(&work));
+    let outcome = match dir {
         Ok(dir) => execute(state, &row, dir.path(), token).await,
-        Err(_) => match std::fs::create_dir_all(&work)
-            .and_then(|_| tempfile::Builder::new().prefix(&id).tempdir_in(&work))
-        {
-            Ok(dir) => execute(state, &row, dir.path(), token).await,
-            Err(e) => Outcome::Failed(Failure {
-                reason: format!("creating the build's directory: {e}"),
-                ..Default::default()
-            }),
-        },
+        Err(e) => Outcome::Failed(Failure {
+            reason: format!(
+                "creating the build's directory under {}: {e}",
+                work.display()
+            ),
+            ..Default::default()
+        }),
     };
     watcher.abort();
     lock(&state.running).remove(&id);
