@@ -906,7 +906,11 @@ async fn logs(
                 return;
             }
             if !got {
-                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                // Wait for more lines; a client that went away ends the stream now.
+                tokio::select! {
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+                    _ = tx.closed() => return,
+                }
             }
         }
     });
