@@ -492,6 +492,12 @@ fn keys_blobs_recipe_errors_and_idempotency() {
     let other = s.key("rival", &[]);
     let c = client();
     rt().block_on(async {
+        // Liveness and readiness need no key.
+        let r = c.get(s.url("/healthz")).send().await.expect("GET");
+        assert_eq!(r.status(), 200);
+        let r = c.get(s.url("/readyz")).send().await.expect("GET");
+        assert_eq!(r.status(), 200);
+
         // 401: no key, a wrong key, a revoked key.
         let r = c.get(s.url("/v1/images")).send().await.expect("GET");
         assert_eq!(r.status(), 401);
@@ -1084,4 +1090,28 @@ fn identical_builds_at_once_all_succeed() {
         }
         assert_eq!(images.len(), 1, "{images:?}");
     });
+}
+
+/// Without an executor for untrusted steps, the server starts only when told that tenants
+/// are trusted, and its help says what that means.
+#[test]
+fn serve_refuses_to_start_without_trust_tenants() {
+    let t = tempfile::tempdir().expect("tempdir");
+    let out = kiln()
+        .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(t.path().join("state"))
+        .arg("--store")
+        .arg(t.path().join("store"))
+        .output()
+        .expect("kiln serve");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--trust-tenants"), "{err}");
+    assert!(
+        !t.path().join("state").join("kiln.db").exists(),
+        "nothing set up"
+    );
+    let help = kiln().args(["serve", "--help"]).output().expect("help");
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("DEVELOPMENT ONLY"), "{help}");
 }
