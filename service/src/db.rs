@@ -758,3 +758,141 @@ pub enum Record {
         layer: String,
     },
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quota(max_concurrent: u32, max_queued: u32) -> Quota {
+        Quota {
+            max_concurrent,
+            max_queued,
+            ..Quota::default()
+        }
+    }
+
+    fn build(id: &str, ws: &str) -> NewBuild {
+        NewBuild {
+            id: id.into(),
+            workspace: ws.into(),
+            spec: "{}".into(),
+            recipe: b"FROM scratch\n".to_vec(),
+            context: None,
+            idempotency: None,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn each_build_is_claimed_once_within_the_caps() {
+        let t = tempfile::tempdir().expect("tmp");
+        let db = Db::open(&t.path().join("kiln.db")).await.expect("open");
+        db.upsert_workspace("a", &quota(100, 1000), true)
+            .await
+            .expect("ws");
+        db.upsert_workspace("b", &quota(1, 1000), true)
+            .await
+            .expect("ws");
+        for i in 0..60 {
+            let r = db
+                .insert_build(&build(&format!("a{i}"), "a"), 1000, 1000)
+                .await
+                .expect("insert");
+            assert_eq!(r, Inserted::Queued);
+        }
+        for i in 0..3 {
+            db.insert_build(&build(&format!("b{i}"), "b"), 1000, 1000)
+                .await
+                .expect("insert");
+        }
+        let tasks: Vec<_> = (0..8)
+            .map(|w| {
+                let db = db.clone();
+                tokio::spawn(async move {
+                    let mut got = Vec::new();
+                    while let Some(b) = db.claim(&format!("w{w}")).await.expect("claim") {
+                        got.push(b.id);
+                    }
+                    got
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await.expect("task"));
+        }
+        let n = all.len();
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), n, "a build was claimed twice");
+        // Every build of `a`; one of `b`, whose cap is one running build.
+        assert_eq!(all.iter().filter(|i| i.starts_with('a')).count(), 60);
+        assert_eq!(all.iter().filter(|i| i.starts_with('b')).count(), 1);
+        let b = all.iter().find(|i| i.starts_with('b')).expect("b").clone();
+        assert!(
+            db.finish(&b, "succeeded", None, None, None)
+                .await
+                .expect("finish")
+        );
+        assert!(
+            !db.finish(&b, "failed", None, None, None)
+                .await
+                .expect("finish"),
+            "ends once"
+        );
+        assert!(
+            db.claim("w")
+                .await
+                .expect("claim")
+                .is_some_and(|r| r.workspace == "b")
+        );
+    }
+
+    #[tokio::test]
+    async fn queue_cap_idempotency_and_restart() {
+        let t = tempfile::tempdir().expect("tmp");
+        let db = Db::open(&t.path().join("kiln.db")).await.expect("open");
+        db.upsert_workspace("a", &quota(1, 2), true)
+            .await
+            .expect("ws");
+        let mut b = build("x1", "a");
+        b.idempotency = Some(("k".into(), "h1".into()));
+        assert_eq!(
+            db.insert_build(&b, 2, 1000).await.expect("ins"),
+            Inserted::Queued
+        );
+        let mut again = build("x2", "a");
+        again.idempotency = Some(("k".into(), "h1".into()));
+        assert_eq!(
+            db.insert_build(&again, 2, 1000).await.expect("ins"),
+            Inserted::Existing("x1".into())
+        );
+        again.idempotency = Some(("k".into(), "h2".into()));
+        assert_eq!(
+            db.insert_build(&again, 2, 1000).await.expect("ins"),
+            Inserted::KeyReused
+        );
+        // Past the window the key names a new build.
+        assert_eq!(
+            db.insert_build(&again, 2, 0).await.expect("ins"),
+            Inserted::Queued
+        );
+        assert_eq!(
+            db.insert_build(&build("x3", "a"), 2, 1000)
+                .await
+                .expect("ins"),
+            Inserted::OverQuota
+        );
+        // A restart fails what was running, and only that.
+        let claimed = db.claim("w").await.expect("claim").expect("one");
+        assert_eq!(db.fail_running(SERVER_STOPPED).await.expect("fail"), 1);
+        assert_eq!(
+            db.state(&claimed.id).await.expect("state").as_deref(),
+            Some("failed")
+        );
+        let other = if claimed.id == "x1" { "x2" } else { "x1" };
+        assert_eq!(
+            db.state(other).await.expect("state").as_deref(),
+            Some("queued")
+        );
+    }
+}
