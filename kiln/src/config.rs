@@ -20,6 +20,7 @@
 //! | `s3.allow_http` | `KILN_S3_ALLOW_HTTP` | | unset: `AWS_ALLOW_HTTP` or `false` |
 //! | `bootstrap_mirror` | `KILN_BOOTSTRAP_MIRROR` | | the archive this host's apt uses |
 //! | `serve.listen` | `KILN_LISTEN` | `kiln serve --listen` | `127.0.0.1:8080` |
+//! | `serve.database` | `KILN_SERVE_DATABASE` | `kiln serve --database` | unset: SQLite, `<state_dir>/kiln.db` |
 //! | `serve.state_dir` | `KILN_SERVE_STATE_DIR` | `kiln serve --state-dir` | `$KILN_STATE_DIR/serve`, else `$XDG_STATE_HOME/kiln/serve`, else `~/.local/state/kiln/serve` |
 //!
 //! `cache` is this machine's cache directory: chunks read from a remote (S3) store are kept
@@ -172,6 +173,8 @@ pub struct Flags {
     pub listen: Option<String>,
     /// `kiln serve --state-dir DIR`.
     pub serve_state_dir: Option<String>,
+    /// `kiln serve --database URL`.
+    pub serve_database: Option<String>,
     /// `-v` count.
     pub verbose: u8,
 }
@@ -200,6 +203,7 @@ struct FileS3 {
 #[serde(deny_unknown_fields)]
 struct FileServe {
     listen: Option<String>,
+    database: Option<String>,
     state_dir: Option<String>,
 }
 
@@ -243,6 +247,8 @@ pub struct Config {
     pub serve_listen: Setting<std::net::SocketAddr>,
     /// `kiln serve`'s state directory (its SQLite database and uploaded contexts).
     pub serve_state_dir: Setting<PathBuf>,
+    /// `kiln serve`'s PostgreSQL URL (`None`: SQLite in the state directory).
+    pub serve_database: Setting<Option<String>>,
 }
 
 /// Where to look for the config file, given the environment.
@@ -526,6 +532,22 @@ impl Config {
             },
         };
 
+        let serve_database = opt(pick(
+            flags.serve_database.clone().map(|s| (s, "--database")),
+            &["KILN_SERVE_DATABASE"],
+            file.serve.database,
+        ));
+        if let Some(u) = &serve_database.value
+            && !(u.starts_with("postgres://") || u.starts_with("postgresql://"))
+        {
+            return Err(ConfigError::Invalid {
+                key: "serve.database",
+                value: u.clone(),
+                origin: serve_database.origin,
+                reason: "not a postgres:// URL".into(),
+            });
+        }
+
         Ok(Config {
             file: (path.clone(), text.is_some()),
             store,
@@ -538,6 +560,7 @@ impl Config {
             bootstrap_mirror,
             serve_listen,
             serve_state_dir,
+            serve_database,
         })
     }
 
@@ -597,6 +620,11 @@ impl Config {
                 "serve.listen",
                 Some(self.serve_listen.value.to_string()),
                 &self.serve_listen.origin,
+            ),
+            (
+                "serve.database",
+                self.serve_database.value.clone(),
+                &self.serve_database.origin,
             ),
             (
                 "serve.state_dir",
@@ -885,6 +913,19 @@ mod tests {
         let c = resolve(&flags, &env, Some(file));
         assert_eq!(c.serve_listen.value.to_string(), "127.0.0.1:0");
         assert_eq!(c.serve_state_dir.value, Path::new("/x"));
+        assert_eq!(c.serve_database.value, None);
+        let env = [
+            ("HOME", "/h"),
+            ("KILN_SERVE_DATABASE", "postgres://k@127.0.0.1/db"),
+        ];
+        let c = resolve(&Flags::default(), &env, None);
+        assert_eq!(
+            c.serve_database.value.as_deref(),
+            Some("postgres://k@127.0.0.1/db")
+        );
+        let env = env_of(&[("HOME", "/h"), ("KILN_SERVE_DATABASE", "mysql://x")]);
+        let e = Config::resolve(&Flags::default(), &env, None, None, || None).unwrap_err();
+        assert!(e.to_string().contains("serve.database"), "{e}");
         let env = env_of(&[("HOME", "/h"), ("KILN_LISTEN", "localhost")]);
         let e = Config::resolve(&Flags::default(), &env, None, None, || None).unwrap_err();
         assert!(e.to_string().contains("serve.listen"), "{e}");

@@ -27,10 +27,42 @@ struct Server {
     base: String,
     state: PathBuf,
     store: PathBuf,
+    /// `--database URL` when the server uses PostgreSQL.
+    db: Vec<String>,
+}
+
+/// A new, empty database on the PostgreSQL test server (`KILN_TEST_POSTGRES_URL`, started by
+/// `ci/setup.sh`), as `--database URL` arguments.
+fn postgres() -> Vec<String> {
+    let url = require_env("KILN_TEST_POSTGRES_URL");
+    let name = format!(
+        "kiln_serve_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("time")
+            .as_nanos()
+    );
+    let out = Command::new("psql")
+        .arg(&url)
+        .args(["-qAtc", &format!("CREATE DATABASE {name}")])
+        .output()
+        .expect("psql (postgresql-client) missing: run ci/setup.sh");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let base = url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b);
+    vec!["--database".into(), format!("{base}/{name}")]
 }
 
 impl Server {
     fn start(state: &Path, store: &Path, extra: &[&str]) -> Server {
+        Self::start_db(state, store, &[], extra)
+    }
+
+    fn start_db(state: &Path, store: &Path, db: &[String], extra: &[&str]) -> Server {
         let mut child = kiln()
             .args([
                 "serve",
@@ -42,6 +74,7 @@ impl Server {
             .arg(state)
             .arg("--store")
             .arg(store)
+            .args(db)
             .args(extra)
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
@@ -69,11 +102,14 @@ impl Server {
             base,
             state: state.to_path_buf(),
             store: store.to_path_buf(),
+            db: db.to_vec(),
         }
     }
 
     fn key(&self, ws: &str, extra: &[&str]) -> String {
-        create_key(&self.state, ws, extra)
+        let mut args: Vec<&str> = self.db.iter().map(String::as_str).collect();
+        args.extend_from_slice(extra);
+        create_key(&self.state, ws, &args)
     }
 
     fn url(&self, p: &str) -> String {
@@ -707,13 +743,22 @@ async fn read_frames(r: reqwest::Response, mut stop: impl FnMut(&Value) -> bool)
 
 #[test]
 fn logs_resume_without_gaps_or_duplicates_and_cancel_publishes_nothing() {
+    logs_and_cancel(&[]);
+}
+
+#[test]
+fn postgres_logs_resume_without_gaps_or_duplicates_and_cancel_publishes_nothing() {
+    logs_and_cancel(&postgres());
+}
+
+fn logs_and_cancel(db: &[String]) {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let (t, state, store) = env();
     let ctx = context_dir(
         t.path(),
         &format!("FROM {bb}\nRUN for i in $(seq 1 300); do echo line $i; sleep 0.01; done\n"),
     );
-    let s = Server::start(&state, &store, &[]);
+    let s = Server::start_db(&state, &store, db, &[]);
     let key = s.key("acme", &[]);
     let c = client();
     rt().block_on(async {
@@ -830,6 +875,15 @@ fn logs_resume_without_gaps_or_duplicates_and_cancel_publishes_nothing() {
 
 #[test]
 fn quotas_sigterm_and_kill_9_end_every_build() {
+    quotas_and_faults(&[]);
+}
+
+#[test]
+fn postgres_quotas_sigterm_and_kill_9_end_every_build() {
+    quotas_and_faults(&postgres());
+}
+
+fn quotas_and_faults(db: &[String]) {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let (t, state, store) = env();
     let sleeper = context_dir(
@@ -837,7 +891,7 @@ fn quotas_sigterm_and_kill_9_end_every_build() {
         &format!("FROM {bb}\nRUN echo start && sleep 120\n"),
     );
     let quick = context_dir(&t.path().join("q"), &format!("FROM {bb}\nRUN echo quick\n"));
-    let mut s = Server::start(&state, &store, &["--shutdown-grace", "1s"]);
+    let mut s = Server::start_db(&state, &store, db, &["--shutdown-grace", "1s"]);
     let key = s.key("acme", &["--max-concurrent", "1", "--max-queued", "2"]);
     let c = client();
     let (running, queued) = rt().block_on(async {
@@ -895,7 +949,7 @@ fn quotas_sigterm_and_kill_9_end_every_build() {
     s.signal(rustix::process::Signal::KILL);
     s.wait(Duration::from_secs(30));
     drop(s);
-    let mut s = Server::start(&state, &store, &["--shutdown-grace", "1s"]);
+    let mut s = Server::start_db(&state, &store, db, &["--shutdown-grace", "1s"]);
     rt().block_on(async {
         let v = json_of(get(&c, &s, &key, &format!("/v1/builds/{running}")).await).await;
         assert_eq!(v["state"], "failed", "{v:#}");
@@ -968,7 +1022,7 @@ fn quotas_sigterm_and_kill_9_end_every_build() {
     let status = s.wait(Duration::from_secs(120));
     assert!(status.success(), "{status:?}");
     drop(s);
-    let s = Server::start(&state, &store, &[]);
+    let s = Server::start_db(&state, &store, db, &[]);
     rt().block_on(async {
         let v = json_of(get(&c, &s, &key, &format!("/v1/builds/{running}")).await).await;
         assert_eq!(v["state"], "failed", "{v:#}");

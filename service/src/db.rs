@@ -15,11 +15,11 @@
 //! build and one end per build.
 
 use std::path::Path;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sqlx::Row as _;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::{AnyPool, Executor as _};
 
 /// The failure reason of a build that was running when its server stopped (kill -9, crash).
 pub const SERVER_STOPPED: &str = "server stopped during the build";
@@ -45,30 +45,30 @@ pub enum DbError {
 const SCHEMA: &[&str] = &[
     "CREATE TABLE IF NOT EXISTS workspaces (
         id TEXT PRIMARY KEY,
-        created_ms INTEGER NOT NULL,
-        max_concurrent INTEGER NOT NULL,
-        max_queued INTEGER NOT NULL,
-        max_timeout_secs INTEGER NOT NULL,
-        max_memory_mib INTEGER NOT NULL,
-        max_vcpus INTEGER NOT NULL)",
+        created_ms BIGINT NOT NULL,
+        max_concurrent BIGINT NOT NULL,
+        max_queued BIGINT NOT NULL,
+        max_timeout_secs BIGINT NOT NULL,
+        max_memory_mib BIGINT NOT NULL,
+        max_vcpus BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS api_keys (
         id TEXT PRIMARY KEY,
         workspace TEXT NOT NULL REFERENCES workspaces(id),
         hash TEXT NOT NULL UNIQUE,
-        created_ms INTEGER NOT NULL,
-        revoked_ms INTEGER)",
+        created_ms BIGINT NOT NULL,
+        revoked_ms BIGINT)",
     "CREATE TABLE IF NOT EXISTS builds (
         id TEXT PRIMARY KEY,
         workspace TEXT NOT NULL REFERENCES workspaces(id),
         state TEXT NOT NULL,
         spec TEXT NOT NULL,
-        recipe BLOB NOT NULL,
+        recipe {blob} NOT NULL,
         context TEXT,
-        created_ms INTEGER NOT NULL,
-        started_ms INTEGER,
-        finished_ms INTEGER,
+        created_ms BIGINT NOT NULL,
+        started_ms BIGINT,
+        finished_ms BIGINT,
         claimed_by TEXT,
-        cancel_requested INTEGER NOT NULL DEFAULT 0,
+        cancel_requested BIGINT NOT NULL DEFAULT 0,
         image TEXT,
         result TEXT,
         failure TEXT)",
@@ -76,20 +76,20 @@ const SCHEMA: &[&str] = &[
     "CREATE INDEX IF NOT EXISTS builds_ws ON builds (workspace, state)",
     "CREATE TABLE IF NOT EXISTS build_steps (
         build_id TEXT NOT NULL,
-        step INTEGER NOT NULL,
-        stage INTEGER NOT NULL,
+        step BIGINT NOT NULL,
+        stage BIGINT NOT NULL,
         location TEXT NOT NULL,
         instruction TEXT NOT NULL,
-        cached INTEGER NOT NULL,
-        started_ms INTEGER NOT NULL,
-        finished_ms INTEGER,
+        cached BIGINT NOT NULL,
+        started_ms BIGINT NOT NULL,
+        finished_ms BIGINT,
         layer TEXT,
         PRIMARY KEY (build_id, step))",
     "CREATE TABLE IF NOT EXISTS build_logs (
         build_id TEXT NOT NULL,
-        seq INTEGER NOT NULL,
-        time_ms INTEGER NOT NULL,
-        step INTEGER,
+        seq BIGINT NOT NULL,
+        time_ms BIGINT NOT NULL,
+        step BIGINT,
         text TEXT NOT NULL,
         PRIMARY KEY (build_id, seq))",
     "CREATE TABLE IF NOT EXISTS idempotency (
@@ -97,13 +97,13 @@ const SCHEMA: &[&str] = &[
         key TEXT NOT NULL,
         request_hash TEXT NOT NULL,
         build_id TEXT NOT NULL,
-        created_ms INTEGER NOT NULL,
+        created_ms BIGINT NOT NULL,
         PRIMARY KEY (workspace, key))",
     "CREATE TABLE IF NOT EXISTS blobs (
         workspace TEXT NOT NULL,
         digest TEXT NOT NULL,
-        size INTEGER NOT NULL,
-        created_ms INTEGER NOT NULL,
+        size BIGINT NOT NULL,
+        created_ms BIGINT NOT NULL,
         PRIMARY KEY (workspace, digest))",
 ];
 
@@ -236,13 +236,23 @@ pub fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
+/// Which database a [`Db`] talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// An embedded SQLite file (one node).
+    Sqlite,
+    /// A PostgreSQL server (several nodes sharing one store).
+    Postgres,
+}
+
 /// The database handle; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Db {
-    pool: SqlitePool,
+    pool: AnyPool,
+    backend: Backend,
 }
 
-fn build_row(r: &sqlx::sqlite::SqliteRow) -> Result<BuildRow, sqlx::Error> {
+fn build_row(r: &AnyRow) -> Result<BuildRow, sqlx::Error> {
     Ok(BuildRow {
         id: r.try_get("id")?,
         workspace: r.try_get("workspace")?,
@@ -260,30 +270,74 @@ fn build_row(r: &sqlx::sqlite::SqliteRow) -> Result<BuildRow, sqlx::Error> {
 }
 
 impl Db {
-    /// Opens (creating when missing) the database file `path` and its tables.
+    /// Opens (creating when missing) the SQLite database file `path` and its tables.
     pub async fn open(path: &Path) -> Result<Db, DbError> {
-        let opts = SqliteConnectOptions::new()
-            .filename(path)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .busy_timeout(Duration::from_secs(30))
-            .foreign_keys(true);
-        let pool = SqlitePoolOptions::new()
-            .max_connections(8)
-            .connect_with(opts)
-            .await?;
-        for s in SCHEMA {
-            sqlx::query(s).execute(&pool).await?;
-        }
-        Ok(Db { pool })
+        let url = format!("sqlite://{}?mode=rwc", path.display());
+        Self::connect(&url).await
     }
 
-    /// A transaction that takes the write lock at once (`BEGIN IMMEDIATE`): a deferred one
-    /// that reads and then writes gets `SQLITE_BUSY` at once, without waiting, when another
-    /// connection writes in between (SQLite's lock upgrade rule), which concurrent
-    /// submissions hit.
-    async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, DbError> {
-        Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?)
+    /// Connects to `url` (`sqlite://PATH?mode=rwc` or `postgres://...`) and makes the tables.
+    /// SQLite runs in WAL mode with a 30 s busy timeout and foreign keys on.
+    pub async fn connect(url: &str) -> Result<Db, DbError> {
+        sqlx::any::install_default_drivers();
+        let backend = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Backend::Postgres
+        } else {
+            Backend::Sqlite
+        };
+        let pool = AnyPoolOptions::new()
+            .max_connections(8)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if backend == Backend::Sqlite {
+                        conn.execute("PRAGMA journal_mode = WAL").await?;
+                        conn.execute("PRAGMA busy_timeout = 30000").await?;
+                        conn.execute("PRAGMA foreign_keys = ON").await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect(url)
+            .await?;
+        let blob = match backend {
+            Backend::Sqlite => "BLOB",
+            Backend::Postgres => "BYTEA",
+        };
+        let db = Db { pool, backend };
+        // One schema writer at a time: PostgreSQL's `CREATE TABLE IF NOT EXISTS` races with
+        // itself across connections (a unique violation in pg_type).
+        let mut tx = db.write_tx().await?;
+        for s in SCHEMA {
+            sqlx::query(&s.replace("{blob}", blob))
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(db)
+    }
+
+    /// Which database this is.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// A transaction that holds the database's one write lock from its start. SQLite:
+    /// `BEGIN IMMEDIATE` (a deferred transaction that reads and then writes gets
+    /// `SQLITE_BUSY` at once, without waiting, when another connection writes in between,
+    /// which concurrent submissions hit). PostgreSQL: a transaction-scoped advisory lock, so
+    /// a quota count and its insert, or a claim's cap check and its update, are atomic across
+    /// nodes.
+    async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>, DbError> {
+        match self.backend {
+            Backend::Sqlite => Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?),
+            Backend::Postgres => {
+                let mut tx = self.pool.begin().await?;
+                sqlx::query("SELECT pg_advisory_xact_lock(7147041)")
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(tx)
+            }
+        }
     }
 
     /// Creates workspace `ws` with `quota`, or sets the quota of an existing one when
@@ -295,21 +349,21 @@ impl Db {
         replace: bool,
     ) -> Result<(), DbError> {
         let sql = if replace {
-            "INSERT INTO workspaces VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET
+            "INSERT INTO workspaces VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT(id) DO UPDATE SET
              max_concurrent = excluded.max_concurrent, max_queued = excluded.max_queued,
              max_timeout_secs = excluded.max_timeout_secs,
              max_memory_mib = excluded.max_memory_mib, max_vcpus = excluded.max_vcpus"
         } else {
-            "INSERT INTO workspaces VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO NOTHING"
+            "INSERT INTO workspaces VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT(id) DO NOTHING"
         };
         sqlx::query(sql)
             .bind(ws)
             .bind(now_ms())
-            .bind(quota.max_concurrent)
-            .bind(quota.max_queued)
+            .bind(i64::from(quota.max_concurrent))
+            .bind(i64::from(quota.max_queued))
             .bind(quota.max_timeout_secs as i64)
             .bind(quota.max_memory_mib as i64)
-            .bind(quota.max_vcpus)
+            .bind(i64::from(quota.max_vcpus))
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -317,25 +371,25 @@ impl Db {
 
     /// The quota of workspace `ws`.
     pub async fn quota(&self, ws: &str) -> Result<Option<Quota>, DbError> {
-        let r = sqlx::query("SELECT * FROM workspaces WHERE id = ?")
+        let r = sqlx::query("SELECT * FROM workspaces WHERE id = $1")
             .bind(ws)
             .fetch_optional(&self.pool)
             .await?;
         Ok(match r {
             None => None,
             Some(r) => Some(Quota {
-                max_concurrent: r.try_get("max_concurrent")?,
-                max_queued: r.try_get("max_queued")?,
+                max_concurrent: r.try_get::<i64, _>("max_concurrent")? as u32,
+                max_queued: r.try_get::<i64, _>("max_queued")? as u32,
                 max_timeout_secs: r.try_get::<i64, _>("max_timeout_secs")? as u64,
                 max_memory_mib: r.try_get::<i64, _>("max_memory_mib")? as u64,
-                max_vcpus: r.try_get("max_vcpus")?,
+                max_vcpus: r.try_get::<i64, _>("max_vcpus")? as u32,
             }),
         })
     }
 
     /// Stores a key's hash for workspace `ws` under the key id `id`.
     pub async fn insert_key(&self, id: &str, ws: &str, hash: &str) -> Result<(), DbError> {
-        sqlx::query("INSERT INTO api_keys VALUES (?, ?, ?, ?, NULL)")
+        sqlx::query("INSERT INTO api_keys VALUES ($1, $2, $3, $4, NULL)")
             .bind(id)
             .bind(ws)
             .bind(hash)
@@ -348,7 +402,7 @@ impl Db {
     /// Revokes key `id`; false when there is no such live key.
     pub async fn revoke_key(&self, id: &str) -> Result<bool, DbError> {
         let r =
-            sqlx::query("UPDATE api_keys SET revoked_ms = ? WHERE id = ? AND revoked_ms IS NULL")
+            sqlx::query("UPDATE api_keys SET revoked_ms = $1 WHERE id = $2 AND revoked_ms IS NULL")
                 .bind(now_ms())
                 .bind(id)
                 .execute(&self.pool)
@@ -358,10 +412,11 @@ impl Db {
 
     /// The workspace of the live key whose hash is `hash`.
     pub async fn key_workspace(&self, hash: &str) -> Result<Option<String>, DbError> {
-        let r = sqlx::query("SELECT workspace FROM api_keys WHERE hash = ? AND revoked_ms IS NULL")
-            .bind(hash)
-            .fetch_optional(&self.pool)
-            .await?;
+        let r =
+            sqlx::query("SELECT workspace FROM api_keys WHERE hash = $1 AND revoked_ms IS NULL")
+                .bind(hash)
+                .fetch_optional(&self.pool)
+                .await?;
         Ok(match r {
             Some(r) => Some(r.try_get("workspace")?),
             None => None,
@@ -381,7 +436,7 @@ impl Db {
         if let Some((key, hash)) = &b.idempotency {
             let r = sqlx::query(
                 "SELECT request_hash, build_id, created_ms FROM idempotency
-                 WHERE workspace = ? AND key = ?",
+                 WHERE workspace = $1 AND key = $2",
             )
             .bind(&b.workspace)
             .bind(key)
@@ -400,7 +455,7 @@ impl Db {
             }
         }
         let active: i64 = sqlx::query(
-            "SELECT COUNT(*) AS n FROM builds WHERE workspace = ? AND state IN ('queued', 'running')",
+            "SELECT COUNT(*) AS n FROM builds WHERE workspace = $1 AND state IN ('queued', 'running')",
         )
         .bind(&b.workspace)
         .fetch_one(&mut *tx)
@@ -411,7 +466,7 @@ impl Db {
         }
         sqlx::query(
             "INSERT INTO builds (id, workspace, state, spec, recipe, context, created_ms)
-             VALUES (?, ?, 'queued', ?, ?, ?, ?)",
+             VALUES ($1, $2, 'queued', $3, $4, $5, $6)",
         )
         .bind(&b.id)
         .bind(&b.workspace)
@@ -423,7 +478,7 @@ impl Db {
         .await?;
         if let Some((key, hash)) = &b.idempotency {
             sqlx::query(
-                "INSERT INTO idempotency VALUES (?, ?, ?, ?, ?) ON CONFLICT(workspace, key)
+                "INSERT INTO idempotency VALUES ($1, $2, $3, $4, $5) ON CONFLICT(workspace, key)
                  DO UPDATE SET request_hash = excluded.request_hash,
                  build_id = excluded.build_id, created_ms = excluded.created_ms",
             )
@@ -441,7 +496,7 @@ impl Db {
 
     /// Build `id` of workspace `ws`.
     pub async fn build(&self, ws: &str, id: &str) -> Result<Option<BuildRow>, DbError> {
-        let r = sqlx::query("SELECT * FROM builds WHERE id = ? AND workspace = ?")
+        let r = sqlx::query("SELECT * FROM builds WHERE id = $1 AND workspace = $2")
             .bind(id)
             .bind(ws)
             .fetch_optional(&self.pool)
@@ -451,7 +506,7 @@ impl Db {
 
     /// The state of build `id` (any workspace: for workers and log streams).
     pub async fn state(&self, id: &str) -> Result<Option<String>, DbError> {
-        let r = sqlx::query("SELECT state FROM builds WHERE id = ?")
+        let r = sqlx::query("SELECT state FROM builds WHERE id = $1")
             .bind(id)
             .fetch_optional(&self.pool)
             .await?;
@@ -465,19 +520,27 @@ impl Db {
     /// builds: `queued → running`, claimed by `worker`. The `state = 'queued'` condition
     /// makes the claim happen once per build.
     pub async fn claim(&self, worker: &str) -> Result<Option<BuildRow>, DbError> {
-        let r = sqlx::query(
-            "UPDATE builds SET state = 'running', started_ms = ?, claimed_by = ?
+        // PostgreSQL: rows another node's claim holds are skipped, not waited for.
+        let lock = match self.backend {
+            Backend::Sqlite => "",
+            Backend::Postgres => "FOR UPDATE OF b SKIP LOCKED",
+        };
+        let sql = format!(
+            "UPDATE builds SET state = 'running', started_ms = $1, claimed_by = $2
              WHERE state = 'queued' AND id = (
                SELECT b.id FROM builds b JOIN workspaces w ON w.id = b.workspace
                WHERE b.state = 'queued' AND (SELECT COUNT(*) FROM builds r
                  WHERE r.workspace = b.workspace AND r.state = 'running') < w.max_concurrent
-               ORDER BY b.created_ms, b.rowid LIMIT 1)
-             RETURNING *",
-        )
-        .bind(now_ms())
-        .bind(worker)
-        .fetch_optional(&self.pool)
-        .await?;
+               ORDER BY b.created_ms, b.id LIMIT 1 {lock})
+             RETURNING *"
+        );
+        let mut tx = self.write_tx().await?;
+        let r = sqlx::query(&sql)
+            .bind(now_ms())
+            .bind(worker)
+            .fetch_optional(&mut *tx)
+            .await?;
+        tx.commit().await?;
         Ok(r.as_ref().map(build_row).transpose()?)
     }
 
@@ -492,8 +555,8 @@ impl Db {
         failure: Option<&str>,
     ) -> Result<bool, DbError> {
         let r = sqlx::query(
-            "UPDATE builds SET state = ?, finished_ms = ?, image = ?, result = ?, failure = ?
-             WHERE id = ? AND state = 'running'",
+            "UPDATE builds SET state = $1, finished_ms = $2, image = $3, result = $4, failure = $5
+             WHERE id = $6 AND state = 'running'",
         )
         .bind(state)
         .bind(now_ms())
@@ -511,7 +574,7 @@ impl Db {
     /// such build.
     pub async fn request_cancel(&self, ws: &str, id: &str) -> Result<Option<String>, DbError> {
         let mut tx = self.write_tx().await?;
-        let r = sqlx::query("SELECT state FROM builds WHERE id = ? AND workspace = ?")
+        let r = sqlx::query("SELECT state FROM builds WHERE id = $1 AND workspace = $2")
             .bind(id)
             .bind(ws)
             .fetch_optional(&mut *tx)
@@ -521,8 +584,8 @@ impl Db {
         match state.as_str() {
             "queued" => {
                 sqlx::query(
-                    "UPDATE builds SET state = 'cancelled', finished_ms = ?, cancel_requested = 1,
-                     failure = ? WHERE id = ? AND state = 'queued'",
+                    "UPDATE builds SET state = 'cancelled', finished_ms = $1, cancel_requested = 1,
+                     failure = $2 WHERE id = $3 AND state = 'queued'",
                 )
                 .bind(now_ms())
                 .bind(r#"{"reason":"cancelled before it started"}"#)
@@ -531,7 +594,7 @@ impl Db {
                 .await?;
             }
             "running" => {
-                sqlx::query("UPDATE builds SET cancel_requested = 1 WHERE id = ?")
+                sqlx::query("UPDATE builds SET cancel_requested = 1 WHERE id = $1")
                     .bind(id)
                     .execute(&mut *tx)
                     .await?;
@@ -544,7 +607,7 @@ impl Db {
 
     /// Whether build `id`'s cancellation was asked for.
     pub async fn cancel_requested(&self, id: &str) -> Result<bool, DbError> {
-        let r = sqlx::query("SELECT cancel_requested FROM builds WHERE id = ?")
+        let r = sqlx::query("SELECT cancel_requested FROM builds WHERE id = $1")
             .bind(id)
             .fetch_optional(&self.pool)
             .await?;
@@ -554,14 +617,18 @@ impl Db {
         })
     }
 
-    /// Ends every running build as failed with `reason` (at start-up: their server is gone).
-    pub async fn fail_running(&self, reason: &str) -> Result<u64, DbError> {
+    /// Ends as failed with `reason` every running build claimed by a worker whose name starts
+    /// with `claimed_by` (at start-up: this host's previous server is gone; on SQLite, one
+    /// node, every running build).
+    pub async fn fail_running(&self, reason: &str, claimed_by: &str) -> Result<u64, DbError> {
         let failure = serde_json::json!({ "reason": reason }).to_string();
         let r = sqlx::query(
-            "UPDATE builds SET state = 'failed', finished_ms = ?, failure = ? WHERE state = 'running'",
+            "UPDATE builds SET state = 'failed', finished_ms = $1, failure = $2
+             WHERE state = 'running' AND substr(claimed_by, 1, length($3)) = $3",
         )
         .bind(now_ms())
         .bind(failure)
+        .bind(claimed_by)
         .execute(&self.pool)
         .await?;
         Ok(r.rows_affected())
@@ -569,7 +636,7 @@ impl Db {
 
     /// Steps of build `id`, in step order.
     pub async fn steps(&self, id: &str) -> Result<Vec<StepRow>, DbError> {
-        let rows = sqlx::query("SELECT * FROM build_steps WHERE build_id = ? ORDER BY step")
+        let rows = sqlx::query("SELECT * FROM build_steps WHERE build_id = $1 ORDER BY step")
             .bind(id)
             .fetch_all(&self.pool)
             .await?;
@@ -593,8 +660,8 @@ impl Db {
     /// Log lines of build `id` after `after`, at most `limit`, in order.
     pub async fn logs(&self, id: &str, after: i64, limit: i64) -> Result<Vec<LogLine>, DbError> {
         let rows = sqlx::query(
-            "SELECT seq, time_ms, step, text FROM build_logs WHERE build_id = ? AND seq > ?
-             ORDER BY seq LIMIT ?",
+            "SELECT seq, time_ms, step, text FROM build_logs WHERE build_id = $1 AND seq > $2
+             ORDER BY seq LIMIT $3",
         )
         .bind(id)
         .bind(after)
@@ -617,7 +684,7 @@ impl Db {
     /// The last `n` log lines of `step` of build `id`, oldest first.
     pub async fn last_lines(&self, id: &str, step: i64, n: i64) -> Result<Vec<String>, DbError> {
         let rows = sqlx::query(
-            "SELECT text FROM build_logs WHERE build_id = ? AND step = ? ORDER BY seq DESC LIMIT ?",
+            "SELECT text FROM build_logs WHERE build_id = $1 AND step = $2 ORDER BY seq DESC LIMIT $3",
         )
         .bind(id)
         .bind(step)
@@ -638,7 +705,7 @@ impl Db {
         for rec in batch {
             match rec {
                 Record::Log(l) => {
-                    sqlx::query("INSERT INTO build_logs VALUES (?, ?, ?, ?, ?)")
+                    sqlx::query("INSERT INTO build_logs VALUES ($1, $2, $3, $4, $5)")
                         .bind(id)
                         .bind(l.seq)
                         .bind(l.time_ms)
@@ -649,14 +716,18 @@ impl Db {
                 }
                 Record::Step(s) => {
                     sqlx::query(
-                        "INSERT OR REPLACE INTO build_steps VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        "INSERT INTO build_steps VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                         ON CONFLICT (build_id, step) DO UPDATE SET stage = excluded.stage,
+                         location = excluded.location, instruction = excluded.instruction,
+                         cached = excluded.cached, started_ms = excluded.started_ms,
+                         finished_ms = excluded.finished_ms, layer = excluded.layer",
                     )
                     .bind(id)
                     .bind(s.step)
                     .bind(s.stage)
                     .bind(&s.location)
                     .bind(&s.instruction)
-                    .bind(s.cached)
+                    .bind(i64::from(s.cached))
                     .bind(s.started_ms)
                     .bind(s.finished_ms)
                     .bind(&s.layer)
@@ -669,8 +740,8 @@ impl Db {
                     layer,
                 } => {
                     sqlx::query(
-                        "UPDATE build_steps SET finished_ms = ?, layer = ?
-                         WHERE build_id = ? AND step = ?",
+                        "UPDATE build_steps SET finished_ms = $1, layer = $2
+                         WHERE build_id = $3 AND step = $4",
                     )
                     .bind(finished_ms)
                     .bind(layer)
@@ -687,19 +758,21 @@ impl Db {
 
     /// Records that `ws` uploaded blob `digest` of `size` bytes.
     pub async fn add_blob(&self, ws: &str, digest: &str, size: u64) -> Result<(), DbError> {
-        sqlx::query("INSERT OR IGNORE INTO blobs VALUES (?, ?, ?, ?)")
-            .bind(ws)
-            .bind(digest)
-            .bind(size as i64)
-            .bind(now_ms())
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "INSERT INTO blobs VALUES ($1, $2, $3, $4) ON CONFLICT (workspace, digest) DO NOTHING",
+        )
+        .bind(ws)
+        .bind(digest)
+        .bind(size as i64)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 
     /// The size of blob `digest` when `ws` uploaded it.
     pub async fn blob(&self, ws: &str, digest: &str) -> Result<Option<u64>, DbError> {
-        let r = sqlx::query("SELECT size FROM blobs WHERE workspace = ? AND digest = ?")
+        let r = sqlx::query("SELECT size FROM blobs WHERE workspace = $1 AND digest = $2")
             .bind(ws)
             .bind(digest)
             .fetch_optional(&self.pool)
@@ -714,7 +787,7 @@ impl Db {
     /// at its own images).
     pub async fn owns_manifest(&self, ws: &str, digest: &str) -> Result<bool, DbError> {
         let r = sqlx::query(
-            "SELECT 1 FROM builds WHERE workspace = ? AND state = 'succeeded' AND image = ?
+            "SELECT 1 FROM builds WHERE workspace = $1 AND state = 'succeeded' AND image = $2
              LIMIT 1",
         )
         .bind(ws)
@@ -782,10 +855,49 @@ mod tests {
         }
     }
 
+    /// A new, empty PostgreSQL database on the test server (`KILN_TEST_POSTGRES_URL`, which
+    /// `ci/setup.sh` starts).
+    pub(crate) async fn postgres() -> Db {
+        let url = std::env::var("KILN_TEST_POSTGRES_URL").unwrap_or_else(|_| {
+            panic!(
+                "KILN_TEST_POSTGRES_URL is not set: run `. ci/setup.sh` (or source \
+                 /var/cache/kiln-ci/env) first; it starts PostgreSQL on 127.0.0.1"
+            )
+        });
+        sqlx::any::install_default_drivers();
+        let mut b = [0u8; 8];
+        getrandom::fill(&mut b).expect("random");
+        let name = format!("kiln_test_{}", hex::encode(b));
+        let admin = sqlx::AnyPool::connect(&url)
+            .await
+            .expect("connect to PostgreSQL");
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&admin)
+            .await
+            .expect("create database");
+        let base = url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b);
+        Db::connect(&format!("{base}/{name}")).await.expect("open")
+    }
+
+    async fn sqlite(t: &tempfile::TempDir) -> Db {
+        Db::open(&t.path().join("kiln.db")).await.expect("open")
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn each_build_is_claimed_once_within_the_caps() {
         let t = tempfile::tempdir().expect("tmp");
-        let db = Db::open(&t.path().join("kiln.db")).await.expect("open");
+        claims(sqlite(&t).await).await;
+        claims(postgres().await).await;
+    }
+
+    #[tokio::test]
+    async fn queue_cap_idempotency_and_restart() {
+        let t = tempfile::tempdir().expect("tmp");
+        queue(sqlite(&t).await).await;
+        queue(postgres().await).await;
+    }
+
+    async fn claims(db: Db) {
         db.upsert_workspace("a", &quota(100, 1000), true)
             .await
             .expect("ws");
@@ -847,10 +959,7 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn queue_cap_idempotency_and_restart() {
-        let t = tempfile::tempdir().expect("tmp");
-        let db = Db::open(&t.path().join("kiln.db")).await.expect("open");
+    async fn queue(db: Db) {
         db.upsert_workspace("a", &quota(1, 2), true)
             .await
             .expect("ws");
@@ -884,7 +993,7 @@ mod tests {
         );
         // A restart fails what was running, and only that.
         let claimed = db.claim("w").await.expect("claim").expect("one");
-        assert_eq!(db.fail_running(SERVER_STOPPED).await.expect("fail"), 1);
+        assert_eq!(db.fail_running(SERVER_STOPPED, "").await.expect("fail"), 1);
         assert_eq!(
             db.state(&claimed.id).await.expect("state").as_deref(),
             Some("failed")

@@ -2,7 +2,8 @@
 //! the server queues the build, a worker runs it through [`kiln_pipeline::run`] (the function
 //! `kiln build` calls), and the tenant reads its state, steps and logs and moves its tags.
 //!
-//! - [`db`]: the persisted state in an embedded SQLite database: workspaces and their quotas,
+//! - [`db`]: the persisted state in an embedded SQLite database (or PostgreSQL, for several
+//!   nodes sharing one store): workspaces and their quotas,
 //!   API keys (sha256 hashes only), builds (the job queue), their steps and log lines,
 //!   idempotency keys and uploaded blobs.
 //! - [`auth`]: API keys (`kiln_<64 hex>`) and the `Authorization: Bearer` extractor; a
@@ -59,6 +60,8 @@ pub enum ServiceError {
 pub struct ServiceConfig {
     /// The state directory: `kiln.db` (SQLite) and `blobs/` (build contexts).
     pub state_dir: PathBuf,
+    /// A PostgreSQL URL (`postgres://...`) for the database instead of `kiln.db`.
+    pub database: Option<String>,
     /// Builds run at once by this server, all workspaces together.
     pub workers: usize,
     /// Largest context tarball accepted, bytes (default 1 GiB).
@@ -74,11 +77,12 @@ pub struct ServiceConfig {
 }
 
 impl ServiceConfig {
-    /// Defaults for the state directory `state_dir`: 2 workers, 1 GiB contexts, 4 GiB
+    /// Defaults for the state directory `state_dir`: SQLite, 2 workers, 1 GiB contexts, 4 GiB
     /// unpacked, 24 h idempotency window, 60 s shutdown grace.
     pub fn new(state_dir: PathBuf) -> Self {
         ServiceConfig {
             state_dir,
+            database: None,
             workers: 2,
             max_context_bytes: 1 << 30,
             max_unpacked_bytes: 4 << 30,
@@ -140,8 +144,17 @@ pub async fn serve(
             source,
         })?;
     }
-    let db = Db::open(&config.db_path()).await?;
-    let recovered = db.fail_running(db::SERVER_STOPPED).await?;
+    let db = match &config.database {
+        Some(url) => Db::connect(url).await?,
+        None => Db::open(&config.db_path()).await?,
+    };
+    // SQLite has one node: whatever was running, its server is gone. A shared PostgreSQL
+    // database: only what this host's previous server ran.
+    let owner = match db.backend() {
+        db::Backend::Sqlite => String::new(),
+        db::Backend::Postgres => worker::host_prefix(),
+    };
+    let recovered = db.fail_running(db::SERVER_STOPPED, &owner).await?;
     if recovered > 0 {
         tracing::warn!(
             recovered,

@@ -96,6 +96,11 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// What the names of this host's workers start with: `<hostname>-`.
+pub fn host_prefix() -> String {
+    format!("{}-", hostname())
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .unwrap_or_default()

@@ -69,6 +69,11 @@ pub struct Common {
     /// ~/.local/state/kiln/serve).
     #[arg(long = "state-dir", global = true)]
     pub state_dir: Option<PathBuf>,
+    /// A PostgreSQL URL (`postgres://USER@HOST:PORT/DB`) for the keys, builds and logs, so
+    /// that several servers share one database (default: $KILN_SERVE_DATABASE, else the
+    /// config file's `serve.database`, else SQLite in the state directory).
+    #[arg(long, global = true, value_name = "URL")]
+    pub database: Option<String>,
 }
 
 /// `kiln serve keys ...`.
@@ -115,12 +120,17 @@ fn config(c: &Common, listen: Option<&str>) -> anyhow::Result<crate::config::Con
     Ok(crate::config::Config::load(&crate::config::Flags {
         listen: listen.map(str::to_string),
         serve_state_dir: c.state_dir.as_ref().map(|p| p.display().to_string()),
+        serve_database: c.database.clone(),
         ..Default::default()
     })?)
 }
 
 async fn open_db(c: &Common) -> anyhow::Result<Db> {
-    let dir = config(c, None)?.serve_state_dir.value;
+    let cfg = config(c, None)?;
+    if let Some(url) = &cfg.serve_database.value {
+        return Ok(Db::connect(url).await?);
+    }
+    let dir = cfg.serve_state_dir.value;
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(Db::open(&dir.join("kiln.db")).await?)
 }
@@ -215,6 +225,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
     setup.boot = boot;
     let mut cfg = ServiceConfig::new(config.serve_state_dir.value.clone());
+    cfg.database = config.serve_database.value.clone();
     cfg.workers = a.workers.max(1);
     cfg.max_context_bytes = a.max_context_mib << 20;
     cfg.shutdown_grace = a.shutdown_grace;
