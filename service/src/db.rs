@@ -1,4 +1,8 @@
-//! The persisted state: one SQLite database (WAL mode) under the state directory.
+//! The persisted state: one SQLite database (WAL mode) under the state directory, or, for
+//! several nodes sharing one store, one PostgreSQL database; the same SQL runs on both
+//! through sqlx's `Any` driver (`$N` parameters, `ON CONFLICT`, `RETURNING`), and
+//! [`Backend`] picks the few differences: how a write transaction locks, `FOR UPDATE SKIP
+//! LOCKED` in the claim, `BLOB` or `BYTEA`.
 //!
 //! | table | rows |
 //! | --- | --- |
@@ -10,7 +14,7 @@
 //! | `idempotency` | workspace, key, sha256 of the request, build id, time |
 //! | `blobs` | workspace, digest: which workspace uploaded which context |
 //!
-//! Times are Unix milliseconds. A build's state moves `queued → running → succeeded | failed
+//! Times are Unix milliseconds (`BIGINT`). A build's state moves `queued → running → succeeded | failed
 //! | cancelled` or `queued → cancelled`, each move a conditional `UPDATE`, so one claim per
 //! build and one end per build.
 
