@@ -117,6 +117,18 @@ if ! "$venv/bin/python" -c "import moto, sys; sys.exit(moto.__version__ != '$mot
   "$venv/bin/pip" install -q "moto[server]==$moto_version"
 fi
 
+# schemathesis, run by the kiln serve tests against its /openapi.json, in a venv of its own.
+st_venv=$KILN_CI_CACHE/venv-schemathesis
+schemathesis_version=4.32.5
+if ! "$st_venv/bin/schemathesis" --version 2>/dev/null |
+  grep -qx "schemathesis, version $schemathesis_version"; then
+  log "installing schemathesis==$schemathesis_version into $st_venv"
+  rm -rf "$st_venv"
+  python3 -m venv "$st_venv"
+  "$st_venv/bin/pip" install -q "schemathesis==$schemathesis_version"
+fi
+export KILN_TEST_SCHEMATHESIS=$st_venv/bin/schemathesis
+
 # --- servers on 127.0.0.1 ------------------------------------------------------------------
 run=$KILN_CI_CACHE/run
 
@@ -225,7 +237,7 @@ export KILN_TEST_POSTGRES_URL=postgres://kiln@127.0.0.1:5433/postgres
   for v in CARGO_TARGET_DIR KILN_TEST_CACHE KILN_TEST_REGISTRY KILN_TEST_REGISTRY_AUTH \
     KILN_TEST_REGISTRY_TOKEN KILN_TEST_REGISTRY_USER KILN_TEST_REGISTRY_PASSWORD KILN_TEST_S3_ENDPOINT KILN_TEST_S3_BUCKET \
     AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_REGION AWS_ENDPOINT_URL AWS_ALLOW_HTTP \
-    KILN_TEST_POSTGRES_URL; do
+    KILN_TEST_POSTGRES_URL KILN_TEST_SCHEMATHESIS; do
     printf 'export %s=%q\n' "$v" "${!v}"
   done
 } >"$KILN_CI_CACHE/env"

@@ -1169,3 +1169,32 @@ fn serve_refuses_to_start_without_trust_tenants() {
     let help = String::from_utf8_lossy(&help.stdout);
     assert!(help.contains("DEVELOPMENT ONLY"), "{help}");
 }
+
+/// schemathesis against `/openapi.json` with a valid key: no response is a server error, and
+/// every response matches the document (status, content type, schema).
+#[test]
+fn schemathesis_finds_no_server_error_or_schema_violation() {
+    let st = require_env("KILN_TEST_SCHEMATHESIS");
+    let (_t, state, store) = env();
+    let s = Server::start(&state, &store, &[]);
+    let key = s.key("acme", &[]);
+    let out = Command::new(&st)
+        .args(["run", &s.url("/openapi.json"), "-H"])
+        .arg(format!("Authorization: Bearer {key}"))
+        .args([
+            "--checks",
+            "not_a_server_error,response_schema_conformance,status_code_conformance,content_type_conformance",
+            "--max-examples",
+            "50",
+            "--seed",
+            "1",
+        ])
+        .output()
+        .unwrap_or_else(|e| panic!("{st}: {e} (run ci/setup.sh)"));
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

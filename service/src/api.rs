@@ -956,7 +956,7 @@ pub struct BlobView {
 
 /// Upload a context tarball by its digest; the body's sha256 must match.
 #[utoipa::path(put, path = "/v1/blobs/{digest}", params(("digest" = String, Path)),
-    request_body(content_type = "application/x-tar"),
+    request_body(content_type = "application/octet-stream", description = "the tarball (plain or gzip)"),
     responses((status = 201, body = BlobView), (status = 400, body = ErrorBody),
               (status = 401, body = ErrorBody), (status = 413, body = ErrorBody)),
     security(("bearer" = [])))]
