@@ -24,7 +24,7 @@ log() { printf 'setup: %s\n' "$*" >&2; }
 # Packages from bookworm itself.
 apt_main=(docker-registry slirp4netns skopeo umoci busybox-static debootstrap zstd
   python3-venv apache2-utils curl ca-certificates pkg-config
-  uidmap iproute2 netcat-openbsd xz-utils)
+  uidmap iproute2 netcat-openbsd xz-utils postgresql)
 # Packages that must come from bookworm-backports: e2fsprogs >= 1.47.1 reads a tarball with
 # `mke2fs -d`, and only when libarchive13 is installed. QEMU too: this kind of machine ships
 # qemu-utils from backports, which breaks bookworm's qemu-system-common.
@@ -117,6 +117,18 @@ if ! "$venv/bin/python" -c "import moto, sys; sys.exit(moto.__version__ != '$mot
   "$venv/bin/pip" install -q "moto[server]==$moto_version"
 fi
 
+# schemathesis, run by the kiln serve tests against its /openapi.json, in a venv of its own.
+st_venv=$KILN_CI_CACHE/venv-schemathesis
+schemathesis_version=4.32.5
+if ! "$st_venv/bin/schemathesis" --version 2>/dev/null |
+  grep -qx "schemathesis, version $schemathesis_version"; then
+  log "installing schemathesis==$schemathesis_version into $st_venv"
+  rm -rf "$st_venv"
+  python3 -m venv "$st_venv"
+  "$st_venv/bin/pip" install -q "schemathesis==$schemathesis_version"
+fi
+export KILN_TEST_SCHEMATHESIS=$st_venv/bin/schemathesis
+
 # --- servers on 127.0.0.1 ------------------------------------------------------------------
 run=$KILN_CI_CACHE/run
 
@@ -205,11 +217,27 @@ except botocore.exceptions.ClientError as e:
         raise
 PY
 
+# PostgreSQL (Debian's), the second queue backend of `kiln serve`: a cluster of our own on
+# 127.0.0.1:5433 (trust auth, user kiln), beside whatever cluster the package started.
+pg_bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
+pgdata=$KILN_CI_CACHE/postgres
+if [ ! -f "$pgdata/PG_VERSION" ]; then
+  install -d -o postgres -m 700 "$pgdata"
+  su postgres -s /bin/sh -c "$pg_bin/initdb -D '$pgdata' -A trust -U kiln" >/dev/null
+fi
+if ! port_open 5433; then
+  log "starting postgres on 127.0.0.1:5433"
+  su postgres -s /bin/sh -c "$pg_bin/pg_ctl -D '$pgdata' -l '$pgdata/server.log' -w \
+    -o '-c listen_addresses=127.0.0.1 -p 5433 -k /tmp' start" >/dev/null
+fi
+export KILN_TEST_POSTGRES_URL=postgres://kiln@127.0.0.1:5433/postgres
+
 # What the tests read, for a shell that did not source this script.
 {
   for v in CARGO_TARGET_DIR KILN_TEST_CACHE KILN_TEST_REGISTRY KILN_TEST_REGISTRY_AUTH \
     KILN_TEST_REGISTRY_TOKEN KILN_TEST_REGISTRY_USER KILN_TEST_REGISTRY_PASSWORD KILN_TEST_S3_ENDPOINT KILN_TEST_S3_BUCKET \
-    AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_REGION AWS_ENDPOINT_URL AWS_ALLOW_HTTP; do
+    AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_REGION AWS_ENDPOINT_URL AWS_ALLOW_HTTP \
+    KILN_TEST_POSTGRES_URL KILN_TEST_SCHEMATHESIS; do
     printf 'export %s=%q\n' "$v" "${!v}"
   done
 } >"$KILN_CI_CACHE/env"

@@ -103,7 +103,7 @@ pub trait BlobCache: Send + Sync {
     /// Where a partial download of `digest` is kept (same file system as the blobs).
     fn ingest_path(&self, digest: &str) -> Result<PathBuf, CacheError>;
     /// A scratch file path on the cache's file system (for blobs whose digest is known only
-    /// once written); `label` is made unique by the caller.
+    /// once written); a new path at every call, whatever `label` (which names what it holds).
     fn scratch_path(&self, label: &str) -> PathBuf;
     /// Hashes the file at `staged` and, when it matches `digest`, moves it in.
     fn commit(&self, staged: &Path, digest: &str) -> Result<PathBuf, CacheError>;

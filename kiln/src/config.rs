@@ -19,6 +19,9 @@
 //! | `s3.region` | `KILN_S3_REGION` | | unset: `AWS_REGION` or `us-east-1` |
 //! | `s3.allow_http` | `KILN_S3_ALLOW_HTTP` | | unset: `AWS_ALLOW_HTTP` or `false` |
 //! | `bootstrap_mirror` | `KILN_BOOTSTRAP_MIRROR` | | the archive this host's apt uses |
+//! | `serve.listen` | `KILN_LISTEN` | `kiln serve --listen` | `127.0.0.1:8080` |
+//! | `serve.database` | `KILN_SERVE_DATABASE` | `kiln serve --database` | unset: SQLite, `<state_dir>/kiln.db` |
+//! | `serve.state_dir` | `KILN_SERVE_STATE_DIR` | `kiln serve --state-dir` | `$KILN_STATE_DIR/serve`, else `$XDG_STATE_HOME/kiln/serve`, else `~/.local/state/kiln/serve` |
 //!
 //! `cache` is this machine's cache directory: chunks read from a remote (S3) store are kept
 //! under `<cache>/chunks`, at most `cache_max_mib` MiB. S3 credentials are never read from
@@ -169,6 +172,12 @@ pub struct Setting<T> {
 pub struct Flags {
     /// `--store URL`.
     pub store: Option<String>,
+    /// `kiln serve --listen ADDR`.
+    pub listen: Option<String>,
+    /// `kiln serve --state-dir DIR`.
+    pub serve_state_dir: Option<String>,
+    /// `kiln serve --database URL`.
+    pub serve_database: Option<String>,
     /// `-v` count.
     pub verbose: u8,
 }
@@ -192,6 +201,15 @@ struct FileS3 {
     allow_http: Option<bool>,
 }
 
+/// The `[serve]` table of the file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileServe {
+    listen: Option<String>,
+    database: Option<String>,
+    state_dir: Option<String>,
+}
+
 /// The file's schema.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -203,6 +221,8 @@ struct FileConfig {
     bootstrap_mirror: Option<String>,
     #[serde(default)]
     s3: FileS3,
+    #[serde(default)]
+    serve: FileServe,
 }
 
 /// The effective configuration.
@@ -226,6 +246,12 @@ pub struct Config {
     pub s3_allow_http: Setting<Option<bool>>,
     /// The archive to bootstrap from when a recipe names none (`None`: no default).
     pub bootstrap_mirror: Setting<Option<String>>,
+    /// The address `kiln serve` listens on.
+    pub serve_listen: Setting<std::net::SocketAddr>,
+    /// `kiln serve`'s state directory (its SQLite database and uploaded contexts).
+    pub serve_state_dir: Setting<PathBuf>,
+    /// `kiln serve`'s PostgreSQL URL (`None`: SQLite in the state directory).
+    pub serve_database: Setting<Option<String>>,
 }
 
 /// Where to look for the config file, given the environment.
@@ -463,6 +489,68 @@ impl Config {
             },
         };
 
+        let serve_listen = match pick(
+            flags.listen.clone().map(|s| (s, "--listen")),
+            &["KILN_LISTEN"],
+            file.serve.listen,
+        ) {
+            Some(s) => Setting {
+                value: s.value.parse().map_err(|_| ConfigError::Invalid {
+                    key: "serve.listen",
+                    value: s.value.clone(),
+                    origin: s.origin.clone(),
+                    reason: "expected IP:PORT (e.g. 127.0.0.1:8080)".into(),
+                })?,
+                origin: s.origin,
+            },
+            None => Setting {
+                value: std::net::SocketAddr::from(([127, 0, 0, 1], 8080)),
+                origin: Origin::Default,
+            },
+        };
+        let serve_state_dir = match pick(
+            flags.serve_state_dir.clone().map(|s| (s, "--state-dir")),
+            &["KILN_SERVE_STATE_DIR"],
+            file.serve.state_dir,
+        ) {
+            Some(s) => Setting {
+                value: check_dir("serve.state_dir", &s.value, &s.origin, home.as_deref())?,
+                origin: s.origin,
+            },
+            // Never $XDG_RUNTIME_DIR: the database must outlive a reboot.
+            None => Setting {
+                value: match (
+                    env("KILN_STATE_DIR"),
+                    env("XDG_STATE_HOME").filter(|x| Path::new(x).is_absolute()),
+                ) {
+                    (Some(d), _) => Path::new(&d).join("serve"),
+                    (None, Some(x)) => Path::new(&x).join("kiln/serve"),
+                    (None, None) => default_under(
+                        home.as_deref(),
+                        ".local/state/kiln/serve",
+                        "serve.state_dir",
+                    )?,
+                },
+                origin: Origin::Default,
+            },
+        };
+
+        let serve_database = opt(pick(
+            flags.serve_database.clone().map(|s| (s, "--database")),
+            &["KILN_SERVE_DATABASE"],
+            file.serve.database,
+        ));
+        if let Some(u) = &serve_database.value
+            && !(u.starts_with("postgres://") || u.starts_with("postgresql://"))
+        {
+            return Err(ConfigError::Invalid {
+                key: "serve.database",
+                value: u.clone(),
+                origin: serve_database.origin,
+                reason: "not a postgres:// URL".into(),
+            });
+        }
+
         Ok(Config {
             file: (path.clone(), text.is_some()),
             store,
@@ -473,6 +561,9 @@ impl Config {
             s3_region,
             s3_allow_http,
             bootstrap_mirror,
+            serve_listen,
+            serve_state_dir,
+            serve_database,
         })
     }
 
@@ -527,6 +618,21 @@ impl Config {
                 "bootstrap_mirror",
                 self.bootstrap_mirror.value.clone(),
                 &self.bootstrap_mirror.origin,
+            ),
+            (
+                "serve.listen",
+                Some(self.serve_listen.value.to_string()),
+                &self.serve_listen.origin,
+            ),
+            (
+                "serve.database",
+                self.serve_database.value.clone(),
+                &self.serve_database.origin,
+            ),
+            (
+                "serve.state_dir",
+                Some(self.serve_state_dir.value.display().to_string()),
+                &self.serve_state_dir.origin,
             ),
         ]
     }
@@ -611,6 +717,7 @@ fn local_dir_of(store: Setting<String>, command: &'static str) -> Result<PathBuf
 fn default_under(home: Option<&str>, rel: &str, key: &'static str) -> Result<PathBuf, ConfigError> {
     let env = match key {
         "store" => "KILN_STORE",
+        "serve.state_dir" => "KILN_SERVE_STATE_DIR",
         _ => "KILN_CACHE",
     };
     home.map(|h| Path::new(h).join(rel))
@@ -785,6 +892,53 @@ mod tests {
         );
         assert_eq!(c.log.value, "debug");
         assert_eq!(c.log.origin, Origin::Flag("-vv"));
+    }
+
+    #[test]
+    fn serve_settings_flag_env_file_default() {
+        let c = resolve(&Flags::default(), &[("HOME", "/h")], None);
+        assert_eq!(c.serve_listen.value.to_string(), "127.0.0.1:8080");
+        assert_eq!(
+            c.serve_state_dir.value,
+            Path::new("/h/.local/state/kiln/serve")
+        );
+        let c = resolve(
+            &Flags::default(),
+            &[("HOME", "/h"), ("KILN_STATE_DIR", "/run/k")],
+            None,
+        );
+        assert_eq!(c.serve_state_dir.value, Path::new("/run/k/serve"));
+        let file = "[serve]\nlisten = \"127.0.0.1:9000\"\nstate_dir = \"~/srv\"\n";
+        let c = resolve(&Flags::default(), &[("HOME", "/h")], Some(file));
+        assert_eq!(c.serve_listen.value.to_string(), "127.0.0.1:9000");
+        assert_eq!(c.serve_state_dir.value, Path::new("/h/srv"));
+        let env = [("HOME", "/h"), ("KILN_LISTEN", "127.0.0.1:9100")];
+        let c = resolve(&Flags::default(), &env, Some(file));
+        assert_eq!(c.serve_listen.origin, Origin::Env("KILN_LISTEN"));
+        let flags = Flags {
+            listen: Some("127.0.0.1:0".into()),
+            serve_state_dir: Some("/x".into()),
+            ..Flags::default()
+        };
+        let c = resolve(&flags, &env, Some(file));
+        assert_eq!(c.serve_listen.value.to_string(), "127.0.0.1:0");
+        assert_eq!(c.serve_state_dir.value, Path::new("/x"));
+        assert_eq!(c.serve_database.value, None);
+        let env = [
+            ("HOME", "/h"),
+            ("KILN_SERVE_DATABASE", "postgres://k@127.0.0.1/db"),
+        ];
+        let c = resolve(&Flags::default(), &env, None);
+        assert_eq!(
+            c.serve_database.value.as_deref(),
+            Some("postgres://k@127.0.0.1/db")
+        );
+        let env = env_of(&[("HOME", "/h"), ("KILN_SERVE_DATABASE", "mysql://x")]);
+        let e = Config::resolve(&Flags::default(), &env, None, None, || None).unwrap_err();
+        assert!(e.to_string().contains("serve.database"), "{e}");
+        let env = env_of(&[("HOME", "/h"), ("KILN_LISTEN", "localhost")]);
+        let e = Config::resolve(&Flags::default(), &env, None, None, || None).unwrap_err();
+        assert!(e.to_string().contains("serve.listen"), "{e}");
     }
 
     #[test]

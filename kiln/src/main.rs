@@ -73,6 +73,8 @@ enum Command {
     Inspect(cmd::inspect::Args),
     /// Remove image tags (the data stays until `kiln store gc`).
     Rmi(cmd::rmi::Args),
+    /// Run the custom-image HTTP API; `keys create|revoke` manage its API keys.
+    Serve(Box<cmd::serve::Args>),
     /// Show the configuration (flags, then environment, then config file, then defaults).
     #[command(subcommand)]
     Config(cmd::config::Command),
@@ -124,6 +126,7 @@ fn main() -> ExitCode {
         Command::Images(a) => cmd::run(&out, async |out| cmd::images::run(out, a).await),
         Command::Inspect(a) => cmd::run(&out, async |out| cmd::inspect::run(out, a).await),
         Command::Rmi(a) => cmd::run(&out, async |out| cmd::rmi::run(out, a).await),
+        Command::Serve(a) => cmd::report(&out, cmd::serve::run(*a)),
         Command::Config(c) => cmd::report_cmd(&out, cmd::config::run(&out, c, cli.verbose)),
     }
 }

@@ -324,6 +324,24 @@ pub async fn run(
     })
 }
 
+/// Lowers `req`'s recipe with its target, build args, platform and disk size, as `kiln plan`
+/// does, without resolving any base image: a caller that queues builds (the HTTP API) can
+/// refuse a recipe error at submission. The error's text is `kiln plan`'s
+/// (`file:line:column: message` and a snippet). [`run`] lowers again, with the bases'
+/// configs, so a recipe that passes here can still fail there (e.g. a refused `ONBUILD`).
+pub fn check_recipe(req: &BuildRequest) -> Result<(), PipelineError> {
+    let options = kiln_recipes::Options {
+        target: req.target.clone(),
+        build_args: req.build_args.clone(),
+        platform: req.platform.clone(),
+        disk_mib: req.disk_mib,
+        ..Default::default()
+    };
+    kiln_recipes::load(&req.recipe.name, &req.recipe.bytes, &options)
+        .map(|_| ())
+        .map_err(|e| PipelineError::Resolve(Box::new(ResolveError::Recipe(Box::new(e)))))
+}
+
 /// The builder's options for `req`.
 fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> BuildOptions {
     let work = &setup.work_dir;

@@ -65,8 +65,12 @@ impl LocalBlobs {
     }
 
     /// A scratch file path under `.tmp/` for a blob whose digest is known only once written:
-    /// `scratch-<pid>-<label>`, `label` reduced to `[A-Za-z0-9-]` (the caller makes it unique).
+    /// `scratch-<pid>-<n>-<label>`, `label` reduced to `[A-Za-z0-9-]`, `n` a per-process
+    /// sequence number, so every call gets its own path even when concurrent builds of one
+    /// process (the HTTP API's workers) pass the same label.
     pub fn scratch_path(&self, label: &str) -> PathBuf {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let safe: String = label
             .chars()
             .map(|c| {
@@ -79,7 +83,7 @@ impl LocalBlobs {
             .collect();
         self.root
             .join(".tmp")
-            .join(format!("scratch-{}-{safe}", std::process::id()))
+            .join(format!("scratch-{}-{n}-{safe}", std::process::id()))
     }
 
     /// Moves the file `staged` (on the store's file system) in as blob `digest` after

@@ -27,6 +27,7 @@ pub fn run(out: &Out, c: Command, verbose: u8) -> CmdResult {
     let cfg = Config::load(&Flags {
         store: a.store,
         verbose,
+        ..Flags::default()
     })?;
     let (path, exists) = &cfg.file;
     let mut values = Map::new();

@@ -17,6 +17,7 @@ pub mod ps;
 pub mod pull;
 pub mod push;
 pub mod rmi;
+pub mod serve;
 pub mod snapshot;
 pub mod start;
 pub mod stop;

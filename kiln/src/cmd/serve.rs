@@ -1,0 +1,261 @@
+//! `kiln serve`: the custom-image HTTP API ([`kiln_service`]) over the local store, and
+//! `kiln serve keys create|revoke` for its API keys. Thin: flags → [`ServiceConfig`] and a
+//! [`Setup`] → [`kiln_service::serve`] until SIGTERM or Ctrl-C.
+//!
+//! There is no executor for untrusted steps yet, so the server refuses to start unless
+//! `--trust-tenants` says that tenants' `RUN` steps may run in this host's namespace
+//! executor (for development only).
+
+use std::path::PathBuf;
+
+use anyhow::{Context as _, bail};
+use kiln_builder::registry::RegistryOptions;
+use kiln_pipeline::Setup;
+use kiln_service::{Db, Quota, ServiceConfig};
+use tokio_util::sync::CancellationToken;
+
+/// Arguments of `kiln serve`.
+#[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct Args {
+    /// Key management (the server is not started).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Address to listen on (port 0: any free port; the address is printed on stderr);
+    /// default: $KILN_LISTEN, else the config file's `serve.listen`, else 127.0.0.1:8080.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// DEVELOPMENT ONLY: run tenants' RUN steps in this host's namespace executor, which is
+    /// not a boundary against a hostile recipe. kiln has no microVM executor for untrusted
+    /// steps yet, so the server refuses to start without this flag.
+    #[arg(long = "trust-tenants")]
+    pub trust_tenants: bool,
+    #[command(flatten)]
+    pub common: Common,
+    /// The local store directory (default: $KILN_STORE, else ~/.local/share/kiln/store).
+    #[arg(long, env = "KILN_STORE")]
+    pub store: Option<PathBuf>,
+    /// Builds run at once, all workspaces together.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Largest context tarball, MiB.
+    #[arg(long = "max-context-mib", default_value_t = 1024)]
+    pub max_context_mib: u64,
+    /// After SIGTERM, how long running builds may go on before they are cancelled (90s,
+    /// 5m, ...).
+    #[arg(long = "shutdown-grace", default_value = "60s", value_parser = super::parse_duration)]
+    pub shutdown_grace: std::time::Duration,
+    /// How long an Idempotency-Key names its build.
+    #[arg(long = "idempotency-window", default_value = "24h", value_parser = super::parse_duration)]
+    pub idempotency_window: std::time::Duration,
+    /// A registry (host[:port]) allowed over plain HTTP; loopback registries always are.
+    #[arg(long = "insecure-registry")]
+    pub insecure: Vec<String>,
+    /// Guest kernel for builds that ask for a snapshot (with --initramfs); without both,
+    /// snapshot builds are refused.
+    #[arg(long, env = "KILN_KERNEL", value_name = "FILE")]
+    pub kernel: Option<PathBuf>,
+    /// Guest initramfs with kiln-guest-init, for snapshot builds.
+    #[arg(long, env = "KILN_INITRAMFS", value_name = "FILE")]
+    pub initramfs: Option<PathBuf>,
+}
+
+/// What `kiln serve` and its key commands share.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Common {
+    /// The server's state directory: kiln.db (SQLite: keys, builds, logs) and uploaded
+    /// contexts (default: $KILN_SERVE_STATE_DIR, else the config file's `serve.state_dir`,
+    /// else $KILN_STATE_DIR/serve, else $XDG_STATE_HOME/kiln/serve, else
+    /// ~/.local/state/kiln/serve).
+    #[arg(long = "state-dir", global = true)]
+    pub state_dir: Option<PathBuf>,
+    /// A PostgreSQL URL (`postgres://USER@HOST:PORT/DB`) for the keys, builds and logs, so
+    /// that several servers share one database (default: $KILN_SERVE_DATABASE, else the
+    /// config file's `serve.database`, else SQLite in the state directory).
+    #[arg(long, global = true, value_name = "URL")]
+    pub database: Option<String>,
+}
+
+/// `kiln serve keys ...`.
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// API keys.
+    #[command(subcommand)]
+    Keys(Keys),
+}
+
+/// `kiln serve keys create|revoke`.
+#[derive(Debug, clap::Subcommand)]
+pub enum Keys {
+    /// Create a key for a workspace (created when new) and print it, once.
+    Create {
+        /// The workspace, `[a-z0-9]+([_-][a-z0-9]+)*`.
+        #[arg(long)]
+        workspace: String,
+        /// Set the workspace's cap on builds running at once.
+        #[arg(long = "max-concurrent")]
+        max_concurrent: Option<u32>,
+        /// Set the workspace's cap on builds queued or running (past it: 429).
+        #[arg(long = "max-queued")]
+        max_queued: Option<u32>,
+        /// Set the workspace's longest build, seconds.
+        #[arg(long = "max-timeout-secs")]
+        max_timeout_secs: Option<u64>,
+        /// Set the workspace's most memory per step, MiB.
+        #[arg(long = "max-memory-mib")]
+        max_memory_mib: Option<u64>,
+        /// Set the workspace's most vCPUs.
+        #[arg(long = "max-vcpus")]
+        max_vcpus: Option<u32>,
+    },
+    /// Revoke a key by its id (printed by `create`).
+    Revoke {
+        /// The key id.
+        id: String,
+    },
+}
+
+/// The configuration with `kiln serve`'s flags (see [`crate::config`]).
+fn config(c: &Common, listen: Option<&str>) -> anyhow::Result<crate::config::Config> {
+    Ok(crate::config::Config::load(&crate::config::Flags {
+        listen: listen.map(str::to_string),
+        serve_state_dir: c.state_dir.as_ref().map(|p| p.display().to_string()),
+        serve_database: c.database.clone(),
+        ..Default::default()
+    })?)
+}
+
+async fn open_db(c: &Common) -> anyhow::Result<Db> {
+    let cfg = config(c, None)?;
+    if let Some(url) = &cfg.serve_database.value {
+        return Ok(Db::connect(url).await?);
+    }
+    let dir = cfg.serve_state_dir.value;
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(Db::open(&dir.join("kiln.db")).await?)
+}
+
+/// Runs `kiln serve` or one of its key commands.
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let rt = super::common::runtime()?;
+    rt.block_on(async move {
+        match a.command {
+            Some(Command::Keys(k)) => keys(&a.common, k).await,
+            None => serve(a).await,
+        }
+    })
+}
+
+async fn keys(c: &Common, k: Keys) -> anyhow::Result<()> {
+    let db = open_db(c).await?;
+    match k {
+        Keys::Create {
+            workspace,
+            max_concurrent,
+            max_queued,
+            max_timeout_secs,
+            max_memory_mib,
+            max_vcpus,
+        } => {
+            kiln_service::tags::workspace_id(&workspace).map_err(anyhow::Error::msg)?;
+            let given = max_concurrent.is_some()
+                || max_queued.is_some()
+                || max_timeout_secs.is_some()
+                || max_memory_mib.is_some()
+                || max_vcpus.is_some();
+            let base = db.quota(&workspace).await?.unwrap_or_default();
+            let quota = Quota {
+                max_concurrent: max_concurrent.unwrap_or(base.max_concurrent),
+                max_queued: max_queued.unwrap_or(base.max_queued),
+                max_timeout_secs: max_timeout_secs.unwrap_or(base.max_timeout_secs),
+                max_memory_mib: max_memory_mib.unwrap_or(base.max_memory_mib),
+                max_vcpus: max_vcpus.unwrap_or(base.max_vcpus),
+            };
+            db.upsert_workspace(&workspace, &quota, given).await?;
+            let key = kiln_service::auth::generate()?;
+            db.insert_key(
+                &key.id,
+                &workspace,
+                &kiln_service::auth::hash_key(&key.secret),
+            )
+            .await?;
+            eprintln!(
+                "key {} for workspace {workspace} (shown once; revoke with `kiln serve keys revoke {}`)",
+                key.id, key.id
+            );
+            println!("{}", key.secret);
+        }
+        Keys::Revoke { id } => {
+            if !db.revoke_key(&id).await? {
+                bail!("no live key {id}");
+            }
+            eprintln!("revoked key {id}");
+        }
+    }
+    Ok(())
+}
+
+async fn serve(a: Args) -> anyhow::Result<()> {
+    if !a.trust_tenants {
+        bail!(
+            "kiln has no executor for untrusted build steps yet: tenants' RUN steps would run \
+             in this host's namespace executor, which a hostile recipe can escape. Pass \
+             --trust-tenants to accept that (development only)"
+        );
+    }
+    let store_flag = match &a.store {
+        Some(p) => Some(
+            p.to_str()
+                .with_context(|| format!("--store {}: not UTF-8", p.display()))?,
+        ),
+        None => None,
+    };
+    let root = crate::config::local_store_dir(store_flag, "kiln serve")?;
+    let config = config(&a.common, a.listen.as_deref())?;
+    let listen = config.serve_listen.value;
+    let boot = match (&a.kernel, &a.initramfs) {
+        (Some(k), Some(i)) => Some(kiln_vmm::snapshot::BootAssets {
+            kernel: k.clone(),
+            initramfs: i.clone(),
+        }),
+        (None, None) => None,
+        _ => bail!("give both --kernel and --initramfs (KILN_KERNEL/KILN_INITRAMFS), or neither"),
+    };
+    let mut setup = Setup::open_local(&root).await?;
+    setup.registry = RegistryOptions {
+        insecure: a.insecure.clone(),
+        ..RegistryOptions::default()
+    };
+    setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
+    setup.boot = boot;
+    let mut cfg = ServiceConfig::new(config.serve_state_dir.value.clone());
+    cfg.database = config.serve_database.value.clone();
+    cfg.workers = a.workers.max(1);
+    cfg.max_context_bytes = a.max_context_mib << 20;
+    cfg.shutdown_grace = a.shutdown_grace;
+    cfg.idempotency_window = a.idempotency_window;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("listening on {listen}"))?;
+    let addr = listener.local_addr()?;
+    eprintln!(
+        "kiln serve: listening on http://{addr} (store {})",
+        root.display()
+    );
+    let shutdown = CancellationToken::new();
+    {
+        let token = shutdown.clone();
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            eprintln!("kiln serve: shutting down");
+            token.cancel();
+        });
+    }
+    kiln_service::serve(cfg, setup, listener, shutdown).await?;
+    eprintln!("kiln serve: stopped");
+    Ok(())
+}

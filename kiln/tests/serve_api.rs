@@ -1,0 +1,1202 @@
+//! `kiln serve` end to end (as root): the real server as a process on 127.0.0.1 (a free
+//! port), a real local store and SQLite database, driven by a real HTTP client, building the
+//! busybox fixture (`KILN_TEST_BUSYBOX_REF`).
+//!
+//! Cases: the same inputs give the same image digest through `kiln build` and the API; tags
+//! by compare-and-swap; missing and wrong keys (401); another workspace's objects answer
+//! byte for byte as missing ones (404); a recipe error is 400 with `kiln plan`'s text; an
+//! idempotent retry; logs resumed after a disconnect at a random line with no gap and no
+//! duplicate; cancel publishes nothing; over quota is 429; SIGTERM and kill -9 end every
+//! accepted build in a terminal state.
+
+use std::io::{BufRead as _, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kiln_tests::require_env;
+use serde_json::{Value, json};
+
+fn kiln() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+}
+
+/// A running `kiln serve` and its directories.
+struct Server {
+    child: Child,
+    base: String,
+    state: PathBuf,
+    store: PathBuf,
+    /// `--database URL` when the server uses PostgreSQL.
+    db: Vec<String>,
+}
+
+/// A new, empty database on the PostgreSQL test server (`KILN_TEST_POSTGRES_URL`, started by
+/// `ci/setup.sh`), as `--database URL` arguments.
+fn postgres() -> Vec<String> {
+    let url = require_env("KILN_TEST_POSTGRES_URL");
+    let name = format!(
+        "kiln_serve_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("time")
+            .as_nanos()
+    );
+    let out = Command::new("psql")
+        .arg(&url)
+        .args(["-qAtc", &format!("CREATE DATABASE {name}")])
+        .output()
+        .expect("psql (postgresql-client) missing: run ci/setup.sh");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let base = url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b);
+    vec!["--database".into(), format!("{base}/{name}")]
+}
+
+impl Server {
+    fn start(state: &Path, store: &Path, extra: &[&str]) -> Server {
+        Self::start_db(state, store, &[], extra)
+    }
+
+    fn start_db(state: &Path, store: &Path, db: &[String], extra: &[&str]) -> Server {
+        let mut child = kiln()
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--trust-tenants",
+                "--state-dir",
+            ])
+            .arg(state)
+            .arg("--store")
+            .arg(store)
+            .args(db)
+            .args(extra)
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start kiln serve");
+        let stderr = child.stderr.take().expect("stderr");
+        let mut lines = BufReader::new(stderr).lines();
+        let base = loop {
+            let l = lines
+                .next()
+                .expect("kiln serve ended before listening")
+                .expect("read stderr");
+            if let Some(rest) = l.strip_prefix("kiln serve: listening on ") {
+                break rest.split_whitespace().next().expect("address").to_string();
+            }
+        };
+        // Keep draining stderr so the server never blocks on it.
+        std::thread::spawn(move || {
+            for l in lines.map_while(Result::ok) {
+                eprintln!("[server] {l}");
+            }
+        });
+        Server {
+            child,
+            base,
+            state: state.to_path_buf(),
+            store: store.to_path_buf(),
+            db: db.to_vec(),
+        }
+    }
+
+    fn key(&self, ws: &str, extra: &[&str]) -> String {
+        let mut args: Vec<&str> = self.db.iter().map(String::as_str).collect();
+        args.extend_from_slice(extra);
+        create_key(&self.state, ws, &args)
+    }
+
+    fn url(&self, p: &str) -> String {
+        format!("{}{p}", self.base)
+    }
+
+    /// Sends `sig` to the server process.
+    fn signal(&self, sig: rustix::process::Signal) {
+        let pid = rustix::process::Pid::from_child(&self.child);
+        rustix::process::kill_process(pid, sig).expect("signal the server");
+    }
+
+    /// Waits for the server process to exit.
+    fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let t0 = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().expect("wait") {
+                return s;
+            }
+            assert!(
+                t0.elapsed() < limit,
+                "kiln serve did not exit within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn create_key(state: &Path, ws: &str, extra: &[&str]) -> String {
+    let out = kiln()
+        .args(["serve", "keys", "create", "--workspace", ws, "--state-dir"])
+        .arg(state)
+        .args(extra)
+        .output()
+        .expect("kiln serve keys create");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let key = String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .trim()
+        .to_string();
+    assert!(key.starts_with("kiln_"), "{key}");
+    key
+}
+
+fn env() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln serve build tests need root (CI runs them as root)"
+    );
+    let t = tempfile::tempdir().expect("tempdir");
+    let state = t.path().join("state");
+    let store = t.path().join("store");
+    (t, state, store)
+}
+
+fn client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .expect("client")
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// A tarball of the directory `dir` (what a tenant sends as its context).
+fn tar_dir(dir: &Path) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    b.follow_symlinks(false);
+    b.append_dir_all(".", dir).expect("tar");
+    b.into_inner().expect("tar")
+}
+
+/// A multipart body with a `build` JSON part and a `context` tarball part.
+fn multipart(spec: &Value, context: Option<&[u8]>, recipe: Option<&[u8]>) -> (String, Vec<u8>) {
+    let boundary = "kiln-test-boundary-7d1f0c";
+    let mut body = Vec::new();
+    let mut part = |name: &str, ct: &str, data: &[u8]| {
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"{name}\"\r\nContent-Type: {ct}\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        body.extend_from_slice(data);
+        body.extend_from_slice(b"\r\n");
+    };
+    part("build", "application/json", spec.to_string().as_bytes());
+    if let Some(c) = context {
+        part("context", "application/x-tar", c);
+    }
+    if let Some(r) = recipe {
+        part("recipe", "text/plain", r);
+    }
+    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    (format!("multipart/form-data; boundary={boundary}"), body)
+}
+
+async fn submit(
+    c: &reqwest::Client,
+    s: &Server,
+    key: &str,
+    spec: &Value,
+    context: Option<&[u8]>,
+    recipe: Option<&[u8]>,
+    idem: Option<&str>,
+) -> reqwest::Response {
+    let (ct, body) = multipart(spec, context, recipe);
+    let mut r = c
+        .post(s.url("/v1/builds"))
+        .bearer_auth(key)
+        .header("content-type", ct)
+        .body(body);
+    if let Some(k) = idem {
+        r = r.header("idempotency-key", k);
+    }
+    r.send().await.expect("POST /v1/builds")
+}
+
+async fn json_of(r: reqwest::Response) -> Value {
+    let status = r.status();
+    let t = r.text().await.expect("body");
+    serde_json::from_str(&t).unwrap_or_else(|e| panic!("{status}: {e}: {t}"))
+}
+
+async fn get(c: &reqwest::Client, s: &Server, key: &str, p: &str) -> reqwest::Response {
+    c.get(s.url(p)).bearer_auth(key).send().await.expect("GET")
+}
+
+/// Polls the build until `pred` holds for it; panics after `limit`.
+async fn wait_for(
+    c: &reqwest::Client,
+    s: &Server,
+    key: &str,
+    id: &str,
+    limit: Duration,
+    pred: impl Fn(&Value) -> bool,
+) -> Value {
+    let t0 = Instant::now();
+    loop {
+        let v = json_of(get(c, s, key, &format!("/v1/builds/{id}")).await).await;
+        if pred(&v) {
+            return v;
+        }
+        assert!(t0.elapsed() < limit, "build {id} never got there: {v:#}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn terminal(v: &Value) -> bool {
+    matches!(
+        v["state"].as_str(),
+        Some("succeeded" | "failed" | "cancelled")
+    )
+}
+
+fn running_step(v: &Value) -> bool {
+    v["state"] == "running"
+        && v["steps"].as_array().is_some_and(|s| {
+            s.iter().any(|s| {
+                s["instruction"]
+                    .as_str()
+                    .is_some_and(|i| i.contains("sleep"))
+            })
+        })
+}
+
+fn context_dir(t: &Path, dockerfile: &str) -> PathBuf {
+    let ctx = t.join("ctx");
+    std::fs::create_dir_all(&ctx).expect("mkdir");
+    std::fs::write(ctx.join("Dockerfile"), dockerfile).expect("write");
+    std::fs::write(ctx.join("hello.txt"), "hello from the context\n").expect("write");
+    ctx
+}
+
+#[test]
+fn api_build_matches_kiln_build_and_moves_tags_by_cas() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, state, store) = env();
+    let ctx = context_dir(
+        t.path(),
+        &format!("FROM {bb}\nCOPY hello.txt /hello.txt\nRUN cat /hello.txt > /copy.txt\n"),
+    );
+    // `kiln build` into its own store.
+    let out = kiln()
+        .current_dir(&ctx)
+        .env("KILN_STORE", t.path().join("cli-store"))
+        .args(["build", ".", "-f", "Dockerfile", "--progress", "plain"])
+        .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000"])
+        .output()
+        .expect("kiln build");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cli_digest = String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .lines()
+        .last()
+        .expect("digest")
+        .to_string();
+
+    let s = Server::start(&state, &store, &[]);
+    let key = s.key("acme", &[]);
+    let other = s.key("rival", &[]);
+    let c = client();
+    rt().block_on(async {
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            // SOURCE_DATE_EPOCH, as for any reproducible build: the RUN step writes a file.
+            &json!({"tags": ["app:1"], "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}}),
+            Some(&tar_dir(&ctx)),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 202);
+        let a = json_of(r).await;
+        let id = a["id"].as_str().expect("id").to_string();
+        assert_eq!(a["urls"]["logs"], format!("/v1/builds/{id}/logs"));
+        let v = wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await;
+        assert_eq!(v["state"], "succeeded", "{v:#}");
+        assert_eq!(
+            v["image"],
+            cli_digest.as_str(),
+            "same inputs, same digest: {v:#}"
+        );
+        let steps = v["steps"].as_array().expect("steps");
+        assert_eq!(steps[0]["location"], "Dockerfile:2");
+        assert_eq!(steps[1]["location"], "Dockerfile:3");
+        assert!(steps.iter().all(|s| s["duration_ms"].is_i64()), "{v:#}");
+
+        // The tag, in the workspace's namespace.
+        let r = get(&c, &s, &key, "/v1/images/app/tags/1").await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            r.headers()["etag"].to_str().expect("etag"),
+            format!("\"{cli_digest}\"")
+        );
+        let images = json_of(get(&c, &s, &key, "/v1/images").await).await;
+        assert_eq!(images[0]["name"], "app", "{images:#}");
+        let store_tags = kiln_store_tags(&s.store);
+        assert_eq!(store_tags, vec![format!("acme.app:1 {cli_digest}")]);
+
+        // Another workspace sees none of it, exactly as if it did not exist.
+        for p in [
+            "/v1/images/app/tags/1".to_string(),
+            "/v1/images/app/tags".to_string(),
+            format!("/v1/builds/{id}"),
+            format!("/v1/builds/{id}/logs"),
+            format!("/v1/manifests/{cli_digest}"),
+        ] {
+            let theirs = get(&c, &s, &other, &p).await;
+            let missing = get(
+                &c,
+                &s,
+                &key,
+                &p.replace(&id, "bnosuchbuild")
+                    .replace("app", "nosuch")
+                    .replace(&cli_digest[7..], &"0".repeat(64)),
+            )
+            .await;
+            assert_eq!(theirs.status(), 404, "{p}");
+            assert_eq!(missing.status(), 404, "{p}");
+            assert_eq!(
+                theirs.bytes().await.expect("b"),
+                missing.bytes().await.expect("b"),
+                "{p}"
+            );
+        }
+        assert_eq!(
+            json_of(get(&c, &s, &other, "/v1/images").await).await,
+            json!([])
+        );
+        // Nor can it point its own tag at our image.
+        let r = c
+            .put(s.url("/v1/images/stolen/tags/1"))
+            .bearer_auth(&other)
+            .header("if-none-match", "*")
+            .body(json!({"digest": cli_digest}).to_string())
+            .send()
+            .await
+            .expect("PUT");
+        assert_eq!(r.status(), 404);
+
+        // PUT moves by compare-and-swap.
+        let put = |tag: &'static str, hdr: (&'static str, String)| {
+            c.put(s.url(&format!("/v1/images/app/tags/{tag}")))
+                .bearer_auth(&key)
+                .header(hdr.0, hdr.1)
+                .body(json!({"digest": cli_digest}).to_string())
+                .send()
+        };
+        let zero = format!("\"sha256:{}\"", "0".repeat(64));
+        assert_eq!(
+            put("1", ("if-match", zero)).await.expect("PUT").status(),
+            412
+        );
+        assert_eq!(
+            put("2", ("if-none-match", "*".into()))
+                .await
+                .expect("PUT")
+                .status(),
+            200
+        );
+        assert_eq!(
+            put("2", ("if-none-match", "*".into()))
+                .await
+                .expect("PUT")
+                .status(),
+            412
+        );
+        assert_eq!(
+            put("1", ("if-match", format!("\"{cli_digest}\"")))
+                .await
+                .expect("PUT")
+                .status(),
+            200
+        );
+        let r = c
+            .put(s.url("/v1/images/app/tags/3"))
+            .bearer_auth(&key)
+            .body(json!({"digest": cli_digest}).to_string())
+            .send()
+            .await
+            .expect("PUT");
+        assert_eq!(r.status(), 428);
+        let r = c
+            .delete(s.url("/v1/images/app/tags/2"))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .expect("DELETE");
+        assert_eq!(r.status(), 204);
+        assert_eq!(
+            get(&c, &s, &key, "/v1/images/app/tags/2").await.status(),
+            404
+        );
+        let m = json_of(get(&c, &s, &key, &format!("/v1/manifests/{cli_digest}")).await).await;
+        assert_eq!(m["kind"], "image", "{m:#}");
+
+        // The OpenAPI document and the metrics.
+        let doc = json_of(c.get(s.url("/openapi.json")).send().await.expect("GET")).await;
+        assert!(doc["paths"]["/v1/builds"]["post"].is_object(), "{doc:#}");
+        let m = c
+            .get(s.url("/metrics"))
+            .send()
+            .await
+            .expect("GET")
+            .text()
+            .await
+            .expect("text");
+        assert!(m.contains("kiln_builds{state=\"succeeded\"} 1"), "{m}");
+        assert!(
+            m.contains("kiln_build_duration_seconds_count{state=\"succeeded\"} 1"),
+            "{m}"
+        );
+        assert!(m.contains("kiln_queue_depth 0"), "{m}");
+    });
+}
+
+/// The store's tags, `name:tag digest`, read with `kiln tags`.
+fn kiln_store_tags(store: &Path) -> Vec<String> {
+    let out = kiln()
+        .args(["--json", "tags", "--store"])
+        .arg(store)
+        .output()
+        .expect("kiln tags");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut v: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == "tag")
+        .map(|v| {
+            format!(
+                "{} {}",
+                v["tag"].as_str().unwrap_or(""),
+                v["manifest"].as_str().unwrap_or("")
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn keys_blobs_recipe_errors_and_idempotency() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, state, store) = env();
+    let ctx = context_dir(t.path(), &format!("FROM {bb}\nRUN echo one\n"));
+    let s = Server::start(&state, &store, &[]);
+    let key = s.key("acme", &[]);
+    let other = s.key("rival", &[]);
+    let c = client();
+    rt().block_on(async {
+        // Liveness and readiness need no key.
+        let r = c.get(s.url("/healthz")).send().await.expect("GET");
+        assert_eq!(r.status(), 200);
+        let r = c.get(s.url("/readyz")).send().await.expect("GET");
+        assert_eq!(r.status(), 200);
+
+        // 401: no key, a wrong key, a revoked key.
+        let r = c.get(s.url("/v1/images")).send().await.expect("GET");
+        assert_eq!(r.status(), 401);
+        assert_eq!(r.headers()["www-authenticate"], "Bearer");
+        assert_eq!(get(&c, &s, "kiln_wrong", "/v1/images").await.status(), 401);
+        let doomed = s.key("acme", &[]);
+        assert_eq!(get(&c, &s, &doomed, "/v1/images").await.status(), 200);
+        let id = &kiln_service::auth::hash_key(&doomed)[..12];
+        let out = kiln()
+            .args(["serve", "keys", "revoke", id, "--state-dir"])
+            .arg(&s.state)
+            .output()
+            .expect("revoke");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(get(&c, &s, &doomed, "/v1/images").await.status(), 401);
+
+        // Blobs: the digest is checked; HEAD answers absent for another workspace.
+        let tarball = tar_dir(&ctx);
+        let digest = format!("sha256:{}", hex_sha256(&tarball));
+        let wrong = format!("sha256:{}", "1".repeat(64));
+        let r = c
+            .put(s.url(&format!("/v1/blobs/{wrong}")))
+            .bearer_auth(&key)
+            .body(tarball.clone())
+            .send()
+            .await
+            .expect("PUT");
+        assert_eq!(r.status(), 400);
+        let head = |k: &str| {
+            c.head(s.url(&format!("/v1/blobs/{digest}")))
+                .bearer_auth(k.to_string())
+                .send()
+        };
+        assert_eq!(head(&key).await.expect("HEAD").status(), 404);
+        let r = c
+            .put(s.url(&format!("/v1/blobs/{digest}")))
+            .bearer_auth(&key)
+            .body(tarball.clone())
+            .send()
+            .await
+            .expect("PUT");
+        assert_eq!(r.status(), 201);
+        assert_eq!(head(&key).await.expect("HEAD").status(), 200);
+        assert_eq!(head(&other).await.expect("HEAD").status(), 404);
+        // Another workspace cannot build from it either.
+        let r = c
+            .post(s.url("/v1/builds"))
+            .bearer_auth(&other)
+            .header("content-type", "application/json")
+            .body(json!({"context": digest}).to_string())
+            .send()
+            .await
+            .expect("POST");
+        assert_eq!(r.status(), 400);
+
+        // Unknown fields are refused.
+        let r = c
+            .post(s.url("/v1/builds"))
+            .bearer_auth(&key)
+            .header("content-type", "application/json")
+            .body(json!({"context": digest, "tagz": ["x:1"]}).to_string())
+            .send()
+            .await
+            .expect("POST");
+        assert_eq!(r.status(), 400);
+        assert!(
+            json_of(r).await["message"]
+                .as_str()
+                .expect("msg")
+                .contains("tagz")
+        );
+
+        // A recipe error: 400 with the text `kiln plan` prints.
+        let bad = t.path().join("bad");
+        std::fs::create_dir(&bad).expect("mkdir");
+        std::fs::write(
+            bad.join("Dockerfile"),
+            format!("FROM {bb}\nRUN true\nCOPPY a b\n"),
+        )
+        .expect("write");
+        let plan = kiln()
+            .current_dir(&bad)
+            .args(["plan", "Dockerfile"])
+            .output()
+            .expect("kiln plan");
+        assert!(!plan.status.success());
+        let plan_err = String::from_utf8_lossy(&plan.stderr);
+        let plan_err = plan_err
+            .trim_end()
+            .strip_prefix("error: ")
+            .expect("error: prefix");
+        assert!(plan_err.starts_with("Dockerfile:3:"), "{plan_err}");
+        let r = submit(&c, &s, &key, &json!({}), Some(&tar_dir(&bad)), None, None).await;
+        assert_eq!(r.status(), 400);
+        assert_eq!(
+            json_of(r).await["message"]
+                .as_str()
+                .expect("msg")
+                .trim_end(),
+            plan_err
+        );
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            &json!({}),
+            None,
+            Some(&std::fs::read(bad.join("Dockerfile")).expect("read")),
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 400);
+        // A bad tag name cannot reach another namespace.
+        for tag in ["../rival.app:1", "rival/app:1", "x"] {
+            let r = c
+                .post(s.url("/v1/builds"))
+                .bearer_auth(&key)
+                .header("content-type", "application/json")
+                .body(json!({"context": digest, "tags": [tag]}).to_string())
+                .send()
+                .await
+                .expect("POST");
+            assert_eq!(r.status(), 400, "{tag}");
+        }
+
+        // Idempotency: same key and body → the original build; another body → 422.
+        let body = json!({"context": digest, "tags": ["idem:1"]});
+        let post = |b: Value, k: &'static str| {
+            c.post(s.url("/v1/builds"))
+                .bearer_auth(&key)
+                .header("content-type", "application/json")
+                .header("idempotency-key", k)
+                .body(b.to_string())
+                .send()
+        };
+        let r1 = post(body.clone(), "retry-1").await.expect("POST");
+        assert_eq!(r1.status(), 202);
+        let b1 = r1.bytes().await.expect("b");
+        let r2 = post(body.clone(), "retry-1").await.expect("POST");
+        assert_eq!(r2.status(), 202);
+        assert_eq!(r2.headers()["idempotent-replayed"], "true");
+        assert_eq!(r2.bytes().await.expect("b"), b1);
+        let r3 = post(json!({"context": digest, "tags": ["idem:2"]}), "retry-1")
+            .await
+            .expect("POST");
+        assert_eq!(r3.status(), 422);
+        // The same key in another workspace is another key.
+        let r4 = c
+            .post(s.url("/v1/builds"))
+            .bearer_auth(&other)
+            .header("content-type", "application/json")
+            .header("idempotency-key", "retry-1")
+            .body(json!({}).to_string())
+            .send()
+            .await
+            .expect("POST");
+        assert_eq!(r4.status(), 400);
+        let id = serde_json::from_slice::<Value>(&b1).expect("json")["id"]
+            .as_str()
+            .expect("id")
+            .to_string();
+        let v = wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await;
+        assert_eq!(v["state"], "succeeded", "{v:#}");
+        let m = c
+            .get(s.url("/metrics"))
+            .send()
+            .await
+            .expect("GET")
+            .text()
+            .await
+            .expect("text");
+        assert!(
+            m.contains("kiln_builds{state=\"succeeded\"} 1\n"),
+            "one build for two POSTs: {m}"
+        );
+    });
+}
+
+fn hex_sha256(b: &[u8]) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(b))
+}
+
+/// Reads NDJSON frames of a log stream until `stop` says so (or it ends).
+async fn read_frames(r: reqwest::Response, mut stop: impl FnMut(&Value) -> bool) -> Vec<Value> {
+    let mut r = r;
+    let mut buf = Vec::new();
+    let mut out = Vec::new();
+    while let Some(chunk) = r.chunk().await.expect("chunk") {
+        buf.extend_from_slice(&chunk);
+        while let Some(i) = buf.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=i).collect();
+            let v: Value = serde_json::from_slice(&line).expect("ndjson");
+            let done = stop(&v);
+            out.push(v);
+            if done {
+                return out;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn logs_resume_without_gaps_or_duplicates_and_cancel_publishes_nothing() {
+    logs_and_cancel(&[]);
+}
+
+#[test]
+fn postgres_logs_resume_without_gaps_or_duplicates_and_cancel_publishes_nothing() {
+    logs_and_cancel(&postgres());
+}
+
+fn logs_and_cancel(db: &[String]) {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, state, store) = env();
+    let ctx = context_dir(
+        t.path(),
+        &format!("FROM {bb}\nRUN for i in $(seq 1 300); do echo line $i; sleep 0.01; done\n"),
+    );
+    let s = Server::start_db(&state, &store, db, &[]);
+    let key = s.key("acme", &[]);
+    let c = client();
+    rt().block_on(async {
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            &json!({"tags": ["logs:1"]}),
+            Some(&tar_dir(&ctx)),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 202);
+        let id = json_of(r).await["id"].as_str().expect("id").to_string();
+        // Disconnect at a random line, then resume after it.
+        let cut = 1
+            + (std::process::id() as i64 * 7919 + Instant::now().elapsed().subsec_nanos() as i64)
+                % 250;
+        let logs = format!("/v1/builds/{id}/logs");
+        let first = read_frames(
+            get(&c, &s, &key, &format!("{logs}?follow=true")).await,
+            |v| v["seq"].as_i64() == Some(cut),
+        )
+        .await;
+        let last_seq = first.last().expect("a frame")["seq"].as_i64().expect("seq");
+        assert_eq!(last_seq, cut);
+        let rest = read_frames(
+            get(
+                &c,
+                &s,
+                &key,
+                &format!("{logs}?follow=true&after={last_seq}"),
+            )
+            .await,
+            |_| false,
+        )
+        .await;
+        let end = rest.last().expect("final frame");
+        assert_eq!(end["end"], true, "{end}");
+        assert_eq!(end["state"], "succeeded", "{end}");
+        let seqs: Vec<i64> = first
+            .iter()
+            .chain(&rest)
+            .filter_map(|v| v["seq"].as_i64())
+            .collect();
+        let want: Vec<i64> = (1..=seqs.len() as i64).collect();
+        assert_eq!(seqs, want, "no gap and no duplicate");
+        let texts: Vec<&str> = first
+            .iter()
+            .chain(&rest)
+            .filter_map(|v| v["text"].as_str())
+            .collect();
+        for i in 1..=300 {
+            assert!(texts.contains(&format!("line {i}").as_str()), "line {i}");
+        }
+        // Without follow: the same lines after N, no final frame.
+        let plain = get(&c, &s, &key, &format!("{logs}?after={cut}"))
+            .await
+            .text()
+            .await
+            .expect("text");
+        let plain: Vec<Value> = plain
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("ndjson"))
+            .collect();
+        assert_eq!(plain.first().expect("line")["seq"], cut + 1);
+        assert_eq!(plain.len(), seqs.len() - cut as usize);
+
+        // Cancel a running build: it ends cancelled, publishes nothing and moves no tag.
+        let sleeper = context_dir(
+            &t.path().join("s"),
+            &format!("FROM {bb}\nRUN echo start && sleep 120\n"),
+        );
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            &json!({"tags": ["logs:1", "sleepy:1"]}),
+            Some(&tar_dir(&sleeper)),
+            None,
+            None,
+        )
+        .await;
+        let id = json_of(r).await["id"].as_str().expect("id").to_string();
+        wait_for(&c, &s, &key, &id, Duration::from_secs(120), running_step).await;
+        let before = kiln_store_tags(&s.store);
+        let r = c
+            .post(s.url(&format!("/v1/builds/{id}/cancel")))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .expect("cancel");
+        assert_eq!(r.status(), 202);
+        let t0 = Instant::now();
+        let v = wait_for(&c, &s, &key, &id, Duration::from_secs(60), terminal).await;
+        eprintln!("cancel took {:?}", t0.elapsed());
+        assert_eq!(v["state"], "cancelled", "{v:#}");
+        assert!(v["image"].is_null(), "{v:#}");
+        assert_eq!(kiln_store_tags(&s.store), before, "no tag moved");
+        assert_eq!(
+            get(&c, &s, &key, "/v1/images/sleepy/tags/1").await.status(),
+            404
+        );
+        let r = c
+            .post(s.url(&format!("/v1/builds/{id}/cancel")))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .expect("cancel");
+        assert_eq!(r.status(), 409);
+    });
+}
+
+#[test]
+fn quotas_sigterm_and_kill_9_end_every_build() {
+    quotas_and_faults(&[]);
+}
+
+#[test]
+fn postgres_quotas_sigterm_and_kill_9_end_every_build() {
+    quotas_and_faults(&postgres());
+}
+
+fn quotas_and_faults(db: &[String]) {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, state, store) = env();
+    let sleeper = context_dir(
+        t.path(),
+        &format!("FROM {bb}\nRUN echo start && sleep 120\n"),
+    );
+    let quick = context_dir(&t.path().join("q"), &format!("FROM {bb}\nRUN echo quick\n"));
+    let mut s = Server::start_db(&state, &store, db, &["--shutdown-grace", "1s"]);
+    let key = s.key("acme", &["--max-concurrent", "1", "--max-queued", "2"]);
+    let c = client();
+    let (running, queued) = rt().block_on(async {
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            &json!({"tags": ["slow:1"]}),
+            Some(&tar_dir(&sleeper)),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 202);
+        let running = json_of(r).await["id"].as_str().expect("id").to_string();
+        wait_for(
+            &c,
+            &s,
+            &key,
+            &running,
+            Duration::from_secs(120),
+            running_step,
+        )
+        .await;
+        // The workspace runs one build at once: the next waits in the queue.
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            &json!({"tags": ["quick:1"]}),
+            Some(&tar_dir(&quick)),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 202);
+        let queued = json_of(r).await["id"].as_str().expect("id").to_string();
+        // Past the queue cap: 429 with Retry-After.
+        let r = submit(&c, &s, &key, &json!({}), Some(&tar_dir(&quick)), None, None).await;
+        assert_eq!(r.status(), 429);
+        assert!(
+            r.headers()["retry-after"]
+                .to_str()
+                .expect("h")
+                .parse::<u64>()
+                .is_ok()
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let v = json_of(get(&c, &s, &key, &format!("/v1/builds/{queued}")).await).await;
+        assert_eq!(v["state"], "queued", "{v:#}");
+        (running, queued)
+    });
+
+    // kill -9 mid-build, then restart: the running build ends failed, the queued one runs.
+    s.signal(rustix::process::Signal::KILL);
+    s.wait(Duration::from_secs(30));
+    drop(s);
+    let mut s = Server::start_db(&state, &store, db, &["--shutdown-grace", "1s"]);
+    rt().block_on(async {
+        let v = json_of(get(&c, &s, &key, &format!("/v1/builds/{running}")).await).await;
+        assert_eq!(v["state"], "failed", "{v:#}");
+        assert_eq!(v["failure"]["reason"], "server stopped during the build");
+        let v = wait_for(&c, &s, &key, &queued, Duration::from_secs(300), terminal).await;
+        assert_eq!(v["state"], "succeeded", "{v:#}");
+        assert_eq!(
+            get(&c, &s, &key, "/v1/images/slow/tags/1").await.status(),
+            404
+        );
+
+        // 100 concurrent submissions: each accepted or 429; every accepted one ends.
+        let tarball = tar_dir(&quick);
+        let digest = format!("sha256:{}", hex_sha256(&tarball));
+        let r = c
+            .put(s.url(&format!("/v1/blobs/{digest}")))
+            .bearer_auth(&key)
+            .body(tarball)
+            .send()
+            .await
+            .expect("PUT");
+        assert_eq!(r.status(), 201);
+        let body = json!({"context": digest}).to_string();
+        let posts = (0..100).map(|_| {
+            c.post(s.url("/v1/builds"))
+                .bearer_auth(&key)
+                .header("content-type", "application/json")
+                .body(body.clone())
+                .send()
+        });
+        let answers = futures_util::future::join_all(posts).await;
+        let mut accepted = Vec::new();
+        for a in answers {
+            let a = a.expect("POST");
+            match a.status().as_u16() {
+                202 => accepted.push(json_of(a).await["id"].as_str().expect("id").to_string()),
+                429 => {}
+                other => panic!("status {other}: {}", a.text().await.unwrap_or_default()),
+            }
+        }
+        assert!(
+            !accepted.is_empty() && accepted.len() <= 2,
+            "{}",
+            accepted.len()
+        );
+        for id in &accepted {
+            let v = wait_for(&c, &s, &key, id, Duration::from_secs(300), terminal).await;
+            assert_eq!(v["state"], "succeeded", "{v:#}");
+        }
+    });
+
+    // SIGTERM: running builds get the grace period (1 s here), then end failed, "server
+    // shutdown", moving no tag; the server exits.
+    let running = rt().block_on(async {
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            &json!({"tags": ["slow:1"]}),
+            Some(&tar_dir(&sleeper)),
+            None,
+            None,
+        )
+        .await;
+        let id = json_of(r).await["id"].as_str().expect("id").to_string();
+        wait_for(&c, &s, &key, &id, Duration::from_secs(120), running_step).await;
+        id
+    });
+    s.signal(rustix::process::Signal::TERM);
+    let status = s.wait(Duration::from_secs(120));
+    assert!(status.success(), "{status:?}");
+    drop(s);
+    let s = Server::start_db(&state, &store, db, &[]);
+    rt().block_on(async {
+        let v = json_of(get(&c, &s, &key, &format!("/v1/builds/{running}")).await).await;
+        assert_eq!(v["state"], "failed", "{v:#}");
+        assert_eq!(v["failure"]["reason"], "server shutdown");
+        assert_eq!(
+            get(&c, &s, &key, "/v1/images/slow/tags/1").await.status(),
+            404
+        );
+    });
+}
+
+#[test]
+fn logs_keep_the_message_and_build_limits_with_one_marker() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, state, store) = env();
+    // A 6000-byte line, then about 1.3 MiB of 31-byte lines; the build goes on past the cut.
+    let ctx = context_dir(
+        t.path(),
+        &format!(
+            "FROM {bb}\nRUN printf '%6000s\\n' x | tr ' ' a; \
+             yes 0123456789012345678901234567890 | head -n 45000; echo after > /after\n"
+        ),
+    );
+    let s = Server::start(&state, &store, &[]);
+    let key = s.key("acme", &[]);
+    let c = client();
+    rt().block_on(async {
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            &json!({"tags": ["big:1"]}),
+            Some(&tar_dir(&ctx)),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 202);
+        let id = json_of(r).await["id"].as_str().expect("id").to_string();
+        let v = wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await;
+        assert_eq!(v["state"], "succeeded", "{v:#}");
+        let text = get(&c, &s, &key, &format!("/v1/builds/{id}/logs"))
+            .await
+            .text()
+            .await
+            .expect("text");
+        let lines: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("ndjson"))
+            .collect();
+        let texts: Vec<&str> = lines.iter().filter_map(|v| v["text"].as_str()).collect();
+        let long = texts
+            .iter()
+            .find(|t| t.starts_with("aaaa"))
+            .expect("the long line");
+        assert!(
+            long.len() <= 4096 + 64 && long.ends_with("[line truncated]"),
+            "{}",
+            long.len()
+        );
+        let markers = texts
+            .iter()
+            .filter(|t| t.contains("[log truncated"))
+            .count();
+        assert_eq!(markers, 1, "one truncation marker");
+        let step_bytes: usize = lines
+            .iter()
+            .filter(|v| v["step"].is_i64())
+            .map(|v| v["text"].as_str().map_or(0, |t| t.len() + 1))
+            .sum();
+        assert!(step_bytes <= (1 << 20) + 4096, "{step_bytes}");
+        let seqs: Vec<i64> = lines.iter().filter_map(|v| v["seq"].as_i64()).collect();
+        assert_eq!(seqs, (1..=seqs.len() as i64).collect::<Vec<_>>());
+    });
+}
+
+/// Regression: two workers publishing the same image at once shared one scratch file for
+/// the ext4 image (`scratch-<pid>-ext4-<digest>`) and failed ("No such file or directory",
+/// e2fsck "short read"); every identical build must succeed with the same digest.
+#[test]
+fn identical_builds_at_once_all_succeed() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, state, store) = env();
+    let ctx = context_dir(t.path(), &format!("FROM {bb}\nRUN echo same > /same\n"));
+    let s = Server::start(&state, &store, &["--workers", "4"]);
+    let key = s.key("acme", &["--max-concurrent", "4", "--max-queued", "100"]);
+    let c = client();
+    rt().block_on(async {
+        let tarball = tar_dir(&ctx);
+        let digest = format!("sha256:{}", hex_sha256(&tarball));
+        let r = c
+            .put(s.url(&format!("/v1/blobs/{digest}")))
+            .bearer_auth(&key)
+            .body(tarball)
+            .send()
+            .await
+            .expect("PUT");
+        assert_eq!(r.status(), 201);
+        let body = json!({"context": digest, "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}})
+            .to_string();
+        let mut ids = Vec::new();
+        for _ in 0..24 {
+            let r = c
+                .post(s.url("/v1/builds"))
+                .bearer_auth(&key)
+                .header("content-type", "application/json")
+                .body(body.clone())
+                .send()
+                .await
+                .expect("POST");
+            assert_eq!(r.status(), 202);
+            ids.push(json_of(r).await["id"].as_str().expect("id").to_string());
+        }
+        let mut images = std::collections::BTreeSet::new();
+        for id in &ids {
+            let v = wait_for(&c, &s, &key, id, Duration::from_secs(300), terminal).await;
+            assert_eq!(v["state"], "succeeded", "{v:#}");
+            images.insert(v["image"].as_str().expect("image").to_string());
+        }
+        assert_eq!(images.len(), 1, "{images:?}");
+    });
+}
+
+/// Without an executor for untrusted steps, the server starts only when told that tenants
+/// are trusted, and its help says what that means.
+#[test]
+fn serve_refuses_to_start_without_trust_tenants() {
+    let t = tempfile::tempdir().expect("tempdir");
+    let out = kiln()
+        .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+        .arg(t.path().join("state"))
+        .arg("--store")
+        .arg(t.path().join("store"))
+        .output()
+        .expect("kiln serve");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--trust-tenants"), "{err}");
+    assert!(
+        !t.path().join("state").join("kiln.db").exists(),
+        "nothing set up"
+    );
+    let help = kiln().args(["serve", "--help"]).output().expect("help");
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("DEVELOPMENT ONLY"), "{help}");
+}
+
+/// schemathesis against `/openapi.json` with a valid key: no response is a server error, and
+/// every response matches the document (status, content type, schema).
+#[test]
+fn schemathesis_finds_no_server_error_or_schema_violation() {
+    let st = require_env("KILN_TEST_SCHEMATHESIS");
+    let (t, state, store) = env();
+    let s = Server::start(&state, &store, &[]);
+    let key = s.key("acme", &[]);
+    // Its cache (`.schemathesis/`) goes into the test's directory, not the checkout.
+    let out = Command::new(&st)
+        .current_dir(t.path())
+        .args(["run", &s.url("/openapi.json"), "-H"])
+        .arg(format!("Authorization: Bearer {key}"))
+        .args([
+            "--checks",
+            "not_a_server_error,response_schema_conformance,status_code_conformance,content_type_conformance",
+            "--max-examples",
+            "50",
+            "--seed",
+            "1",
+        ])
+        .output()
+        .unwrap_or_else(|e| panic!("{st}: {e} (run ci/setup.sh)"));
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

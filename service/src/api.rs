@@ -1,0 +1,1261 @@
+//! The HTTP API: routes, request and response bodies, errors.
+//!
+//! Every `/v1` route needs `Authorization: Bearer <key>` and acts within the key's
+//! workspace. Error bodies are `{"error": "<code>", "message": "<text>"}`; a 404 body names
+//! only the kind of object, so another workspace's object and a missing one get the same
+//! bytes. Request bodies with unknown fields are refused (400).
+
+use std::collections::BTreeMap;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{FromRequest as _, Multipart, Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use futures_util::StreamExt as _;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+use utoipa::{OpenApi, ToSchema};
+
+use crate::AppState;
+use crate::auth::Workspace;
+use crate::context::{self, ContextError};
+use crate::db::{DbError, Inserted, NewBuild};
+use crate::tags;
+
+/// Largest recipe, bytes (1 MiB).
+pub const MAX_RECIPE_BYTES: u64 = 1 << 20;
+/// Largest JSON body or `build` part, bytes (1 MiB).
+pub const MAX_JSON_BYTES: usize = 1 << 20;
+/// Seconds a 429 asks the client to wait (`Retry-After`).
+pub const RETRY_AFTER_SECS: u64 = 10;
+
+/// An error answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// No key, or an unknown or revoked one.
+    #[error("a valid API key is required (Authorization: Bearer <key>)")]
+    Unauthorized,
+    /// No such object in this workspace (or in another one: the same answer).
+    #[error("{0} not found")]
+    NotFound(&'static str),
+    /// The request is malformed; the text says where.
+    #[error("{0}")]
+    BadRequest(String),
+    /// The `Idempotency-Key` was used with another request.
+    #[error("{0}")]
+    Unprocessable(String),
+    /// The object is not in a state that allows it.
+    #[error("{0}")]
+    Conflict(String),
+    /// A compare-and-swap lost: the tag holds another digest.
+    #[error("{0}")]
+    PreconditionFailed(String),
+    /// `PUT` of a tag without `If-Match` or `If-None-Match`.
+    #[error("{0}")]
+    PreconditionRequired(String),
+    /// The workspace's queue is full.
+    #[error("the workspace has too many queued builds; retry later")]
+    TooManyRequests,
+    /// A body past its limit.
+    #[error("{0}")]
+    TooLarge(String),
+    /// The server is stopping.
+    #[error("the server is shutting down")]
+    Unavailable,
+    /// Something failed on our side (logged; the text is generic).
+    #[error("internal error")]
+    Internal,
+}
+
+impl From<DbError> for ApiError {
+    fn from(e: DbError) -> Self {
+        tracing::error!(error = %e, "database");
+        ApiError::Internal
+    }
+}
+
+impl From<kiln_store::StoreError> for ApiError {
+    fn from(e: kiln_store::StoreError) -> Self {
+        tracing::error!(error = %e, "store");
+        ApiError::Internal
+    }
+}
+
+impl From<ContextError> for ApiError {
+    fn from(e: ContextError) -> Self {
+        match e {
+            ContextError::Io { .. } => {
+                tracing::error!(error = %e, "blob storage");
+                ApiError::Internal
+            }
+            ContextError::TooLarge { .. } => ApiError::TooLarge(e.to_string()),
+            e => ApiError::BadRequest(e.to_string()),
+        }
+    }
+}
+
+/// An error body.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    /// `unauthorized`, `not_found`, `bad_request`, `unprocessable`, `conflict`,
+    /// `precondition_failed`, `precondition_required`, `too_many_requests`, `too_large`,
+    /// `unavailable`, `internal`.
+    pub error: String,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, code) = match &self {
+            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found"),
+            ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "bad_request"),
+            ApiError::Unprocessable(_) => (StatusCode::UNPROCESSABLE_ENTITY, "unprocessable"),
+            ApiError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
+            ApiError::PreconditionFailed(_) => {
+                (StatusCode::PRECONDITION_FAILED, "precondition_failed")
+            }
+            ApiError::PreconditionRequired(_) => {
+                (StatusCode::PRECONDITION_REQUIRED, "precondition_required")
+            }
+            ApiError::TooManyRequests => (StatusCode::TOO_MANY_REQUESTS, "too_many_requests"),
+            ApiError::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
+            ApiError::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+        };
+        let body = ErrorBody {
+            error: code.into(),
+            message: self.to_string(),
+        };
+        let mut r = (status, Json(body)).into_response();
+        match self {
+            ApiError::Unauthorized => {
+                r.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            ApiError::TooManyRequests => {
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+            }
+            _ => {}
+        }
+        r
+    }
+}
+
+/// The limits a build asks for; each is capped by the workspace's quota.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsSpec {
+    /// Time for the whole build, seconds (default and cap: the quota's, 900).
+    pub timeout_secs: Option<u64>,
+    /// Memory of each step, MiB (default and cap: the quota's, 1024).
+    pub memory_mib: Option<u64>,
+    /// vCPUs of the boot-once VM (default 1; cap: the quota's).
+    pub vcpus: Option<u32>,
+}
+
+/// What the steps' network may do.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum NetworkSpec {
+    /// Each `RUN` has its own network namespace (user-mode networking).
+    #[default]
+    Sandboxed,
+    /// `RUN --network=host` is allowed too.
+    Host,
+}
+
+/// A build submission: the `build` part of a multipart body, the JSON body, or the
+/// `Kiln-Build` header of a tar body.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BuildSpec {
+    /// The recipe's name: its path inside the context (default `Dockerfile`), or, with a
+    /// `recipe` part, the name its errors use. `*.yaml`/`*.yml`: a YAML recipe.
+    pub recipe: Option<String>,
+    /// An uploaded context blob (`PUT /v1/blobs/...`), instead of a `context` part.
+    pub context: Option<String>,
+    /// Tags to point at the image, `name:tag`, in the workspace's namespace.
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// Build arguments.
+    #[serde(default)]
+    pub build_args: BTreeMap<String, String>,
+    /// Stage to build (name or index); default the last.
+    pub target: Option<String>,
+    /// `os/arch[/variant]`; default `linux/amd64`.
+    pub platform: Option<String>,
+    /// Boot the image once and store its snapshot.
+    #[serde(default)]
+    pub snapshot: bool,
+    /// The steps' network.
+    #[serde(default)]
+    pub network: NetworkSpec,
+    /// Limits, capped by the workspace's quota.
+    #[serde(default)]
+    pub limits: LimitsSpec,
+    /// Look no step up in the build cache.
+    #[serde(default)]
+    pub no_cache: bool,
+}
+
+/// The limits a build runs with (after the quota).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct EffectiveLimits {
+    /// Seconds.
+    pub timeout_secs: u64,
+    /// MiB.
+    pub memory_mib: u64,
+    /// vCPUs.
+    pub vcpus: u32,
+}
+
+/// What is stored of an accepted submission (its hash decides idempotent retries).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredSpec {
+    /// The recipe's name.
+    pub recipe: String,
+    /// Whether the recipe came from the context (its `.dockerignore` sibling applies).
+    pub recipe_in_context: bool,
+    /// sha256 of the recipe bytes.
+    pub recipe_digest: String,
+    /// The context blob.
+    pub context: Option<String>,
+    /// Tags as the tenant wrote them.
+    pub tags: Vec<String>,
+    /// The store tags (`<workspace>.<name>:<tag>`).
+    pub store_tags: Vec<String>,
+    /// Build arguments.
+    pub build_args: BTreeMap<String, String>,
+    /// Stage.
+    pub target: Option<String>,
+    /// Platform.
+    pub platform: Option<String>,
+    /// Boot once.
+    pub snapshot: bool,
+    /// `RUN --network=host` allowed.
+    pub network_host: bool,
+    /// Limits.
+    pub limits: EffectiveLimits,
+    /// No cache lookups.
+    pub no_cache: bool,
+}
+
+/// URLs of a build.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct BuildUrls {
+    /// `GET` its state.
+    #[serde(rename = "self")]
+    pub this: String,
+    /// `GET` its log.
+    pub logs: String,
+    /// `POST` to cancel it.
+    pub cancel: String,
+}
+
+impl BuildUrls {
+    fn new(id: &str) -> Self {
+        BuildUrls {
+            this: format!("/v1/builds/{id}"),
+            logs: format!("/v1/builds/{id}/logs"),
+            cancel: format!("/v1/builds/{id}/cancel"),
+        }
+    }
+}
+
+/// The answer to an accepted submission (the same for an idempotent retry).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Accepted {
+    /// The build id.
+    pub id: String,
+    /// Its URLs.
+    pub urls: BuildUrls,
+}
+
+/// One step of a build.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct StepView {
+    /// Build-wide step number.
+    pub step: i64,
+    /// Stage index.
+    pub stage: i64,
+    /// `file:line` in the recipe.
+    pub location: String,
+    /// The instruction, shortened.
+    pub instruction: String,
+    /// Found in the build cache.
+    pub cached: bool,
+    /// Milliseconds it ran (none while running).
+    pub duration_ms: Option<i64>,
+    /// Its layer digest.
+    pub layer: Option<String>,
+}
+
+/// Why a build failed.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+pub struct FailureView {
+    /// The error.
+    pub reason: String,
+    /// The failing step's `file:line`.
+    pub location: Option<String>,
+    /// Its last log lines.
+    pub last_lines: Vec<String>,
+}
+
+/// A build's state.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct BuildView {
+    /// The id.
+    pub id: String,
+    /// `queued`, `running`, `succeeded`, `failed`, `cancelled`.
+    pub state: String,
+    /// RFC 3339 times.
+    pub created_at: String,
+    /// When a worker claimed it.
+    pub started_at: Option<String>,
+    /// When it ended.
+    pub finished_at: Option<String>,
+    /// The recipe's name.
+    pub recipe: String,
+    /// The tags it moves (when it succeeds), `name:tag`.
+    pub tags: Vec<String>,
+    /// The limits it runs with.
+    pub limits: EffectiveLimits,
+    /// Steps, in order.
+    pub steps: Vec<StepView>,
+    /// The image manifest its tags name.
+    pub image: Option<String>,
+    /// The snapshot manifest.
+    pub snapshot: Option<String>,
+    /// The OCI image manifest.
+    pub oci_manifest: Option<String>,
+    /// Why it failed (or was cancelled).
+    pub failure: Option<FailureView>,
+    /// Its URLs.
+    pub urls: BuildUrls,
+}
+
+/// RFC 3339 (UTC, milliseconds) of a Unix-ms time.
+pub fn rfc3339(ms: i64) -> String {
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.max(0) as u64);
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// The router.
+pub fn router(state: AppState) -> axum::Router {
+    let limit =
+        state.config.max_context_bytes as usize + MAX_JSON_BYTES + MAX_RECIPE_BYTES as usize;
+    axum::Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        // Only a submission's multipart body is buffered past axum's 2 MB default (its
+        // context part streams to disk; blob uploads stream without an extractor limit).
+        .route(
+            "/v1/builds",
+            post(submit).layer(axum::extract::DefaultBodyLimit::max(limit)),
+        )
+        .route("/v1/builds/{id}", get(get_build))
+        .route("/v1/builds/{id}/logs", get(logs))
+        .route("/v1/builds/{id}/cancel", post(cancel))
+        .route("/v1/blobs/{digest}", put(put_blob).head(head_blob))
+        .route("/v1/images", get(list_images))
+        .route("/v1/images/{name}/tags", get(list_tags))
+        .route(
+            "/v1/images/{name}/tags/{tag}",
+            get(get_tag).put(put_tag).delete(delete_tag),
+        )
+        .route("/v1/manifests/{digest}", get(get_manifest))
+        .with_state(state)
+}
+
+/// The OpenAPI document.
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "kiln", description = "kiln's custom-image build API"),
+    paths(
+        submit,
+        get_build,
+        logs,
+        cancel,
+        put_blob,
+        head_blob,
+        list_images,
+        list_tags,
+        get_tag,
+        put_tag,
+        delete_tag,
+        get_manifest,
+        healthz,
+        readyz,
+        metrics
+    ),
+    components(schemas(
+        BuildSpec,
+        LimitsSpec,
+        NetworkSpec,
+        Accepted,
+        BuildUrls,
+        BuildView,
+        StepView,
+        FailureView,
+        EffectiveLimits,
+        ErrorBody,
+        TagView,
+        TagBody,
+        ImageView,
+        BlobView
+    ))
+)]
+pub struct ApiDoc;
+
+async fn openapi() -> impl IntoResponse {
+    Json(ApiDoc::openapi())
+}
+
+/// Liveness.
+#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "alive")))]
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+/// Readiness: the database answers and the server is not stopping.
+#[utoipa::path(get, path = "/readyz", responses((status = 200, description = "ready"),
+    (status = 503, description = "not ready")))]
+async fn readyz(State(s): State<AppState>) -> Response {
+    if !s.stopping.is_cancelled() && s.db.ping().await {
+        "ready\n".into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response()
+    }
+}
+
+/// Prometheus text metrics.
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text")))]
+async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
+    let by_state = s.db.count_by_state().await?;
+    Ok((
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.metrics.render(&by_state),
+    )
+        .into_response())
+}
+
+fn random_id() -> Result<String, ApiError> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).map_err(|e| {
+        tracing::error!(error = %e, "random source");
+        ApiError::Internal
+    })?;
+    Ok(format!("b{}", hex::encode(b)))
+}
+
+fn parse_spec(bytes: &[u8]) -> Result<BuildSpec, ApiError> {
+    serde_json::from_slice(bytes).map_err(|e| ApiError::BadRequest(format!("build spec: {e}")))
+}
+
+/// What a submission's body gave.
+struct Submission {
+    spec: BuildSpec,
+    recipe: Option<Vec<u8>>,
+    /// A context received with the submission.
+    context: Option<String>,
+}
+
+async fn read_submission(s: &AppState, ws: &str, req: Request) -> Result<Submission, ApiError> {
+    let ct = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let limit = s.config.max_context_bytes;
+    if ct.starts_with("multipart/form-data") {
+        let mut mp = Multipart::from_request(req, s)
+            .await
+            .map_err(|e| ApiError::BadRequest(e.body_text()))?;
+        let (mut spec, mut recipe, mut context) = (None, None, None);
+        while let Some(field) = mp
+            .next_field()
+            .await
+            .map_err(|e| ApiError::BadRequest(e.body_text()))?
+        {
+            let name = field.name().unwrap_or("").to_string();
+            match name.as_str() {
+                "build" if spec.is_none() => {
+                    let b = read_field(field, MAX_JSON_BYTES as u64, "build").await?;
+                    spec = Some(parse_spec(&b)?);
+                }
+                "recipe" if recipe.is_none() => {
+                    recipe = Some(read_field(field, MAX_RECIPE_BYTES, "recipe").await?);
+                }
+                "context" if context.is_none() => {
+                    let stream = field.map(|r| r.map_err(|e| e.body_text()));
+                    let (d, n) = s.blobs.put(stream, None, limit).await?;
+                    s.db.add_blob(ws, &d, n).await?;
+                    s.metrics.uploaded(n);
+                    context = Some(d);
+                }
+                other => {
+                    return Err(ApiError::BadRequest(format!(
+                        "multipart part {other:?}: expected one each of build, recipe, context"
+                    )));
+                }
+            }
+        }
+        return Ok(Submission {
+            spec: spec.unwrap_or_default(),
+            recipe,
+            context,
+        });
+    }
+    if ct.starts_with("application/json") {
+        let b = axum::body::to_bytes(req.into_body(), MAX_JSON_BYTES)
+            .await
+            .map_err(|e| ApiError::BadRequest(format!("reading the body: {e}")))?;
+        return Ok(Submission {
+            spec: parse_spec(&b)?,
+            recipe: None,
+            context: None,
+        });
+    }
+    if ct.starts_with("application/x-tar") || ct.starts_with("application/gzip") {
+        let spec = match req.headers().get("kiln-build") {
+            Some(v) => parse_spec(v.as_bytes())?,
+            None => BuildSpec::default(),
+        };
+        let stream = req.into_body().into_data_stream();
+        let (d, n) = s.blobs.put(stream, None, limit).await?;
+        s.db.add_blob(ws, &d, n).await?;
+        s.metrics.uploaded(n);
+        return Ok(Submission {
+            spec,
+            recipe: None,
+            context: Some(d),
+        });
+    }
+    Err(ApiError::BadRequest(format!(
+        "Content-Type {ct:?}: expected multipart/form-data, application/json or application/x-tar"
+    )))
+}
+
+async fn read_field(
+    mut f: axum::extract::multipart::Field<'_>,
+    limit: u64,
+    what: &str,
+) -> Result<Vec<u8>, ApiError> {
+    let mut out = Vec::new();
+    while let Some(c) = f
+        .chunk()
+        .await
+        .map_err(|e| ApiError::BadRequest(e.body_text()))?
+    {
+        out.extend_from_slice(&c);
+        if out.len() as u64 > limit {
+            return Err(ApiError::TooLarge(format!(
+                "the {what} part is larger than {limit} bytes"
+            )));
+        }
+    }
+    Ok(out)
+}
+
+/// Submit a build: multipart (`build` JSON, `context` tarball, optional `recipe`), a JSON
+/// body naming an uploaded `context`, or a tar body with the JSON in `Kiln-Build`.
+#[utoipa::path(post, path = "/v1/builds", request_body = BuildSpec,
+    params(("Idempotency-Key" = Option<String>, Header, description = "retry key, 24 h")),
+    responses((status = 202, body = Accepted), (status = 400, body = ErrorBody),
+              (status = 401, body = ErrorBody), (status = 413, body = ErrorBody),
+              (status = 422, body = ErrorBody), (status = 429, body = ErrorBody),
+              (status = 503, body = ErrorBody)),
+    security(("bearer" = [])))]
+async fn submit(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+    req: Request,
+) -> Result<Response, ApiError> {
+    if s.stopping.is_cancelled() {
+        return Err(ApiError::Unavailable);
+    }
+    let idem = match req.headers().get("idempotency-key") {
+        None => None,
+        Some(v) => {
+            let k = v
+                .to_str()
+                .ok()
+                .filter(|k| !k.is_empty() && k.len() <= 255)
+                .ok_or_else(|| {
+                    ApiError::BadRequest(
+                        "Idempotency-Key: expected 1 to 255 visible ASCII characters".into(),
+                    )
+                })?;
+            Some(k.to_string())
+        }
+    };
+    let sub = read_submission(&s, &ws, req).await?;
+    let spec = sub.spec;
+    let quota = s.db.quota(&ws).await?.ok_or(ApiError::Internal)?;
+    let context = match (sub.context, &spec.context) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::BadRequest(
+                "give the context either as a part or as an uploaded blob, not both".into(),
+            ));
+        }
+        (Some(d), None) => Some(d),
+        (None, Some(d)) => {
+            context::parse_digest(d)?;
+            if s.db.blob(&ws, d).await?.is_none() || !s.blobs.exists(d) {
+                return Err(ApiError::BadRequest(format!(
+                    "context {d}: no such blob in this workspace (upload it with PUT /v1/blobs/{d})"
+                )));
+            }
+            Some(d.clone())
+        }
+        (None, None) => None,
+    };
+    let recipe_name = spec.recipe.clone().unwrap_or_else(|| "Dockerfile".into());
+    let member = context::check_member_path(&recipe_name).map_err(ApiError::BadRequest)?;
+    let (recipe, in_context) = match (sub.recipe, &context) {
+        (Some(r), _) => (r, false),
+        (None, Some(d)) => {
+            let path = s.blobs.path(d)?;
+            let m = member.clone();
+            let r = tokio::task::spawn_blocking(move || {
+                context::read_member(&path, &m, MAX_RECIPE_BYTES)
+            })
+            .await
+            .map_err(|_| ApiError::Internal)??;
+            match r {
+                Some(r) => (r, true),
+                None => {
+                    return Err(ApiError::BadRequest(format!(
+                        "recipe {recipe_name:?} is not a file in the context"
+                    )));
+                }
+            }
+        }
+        (None, None) => {
+            return Err(ApiError::BadRequest(
+                "no recipe: send a recipe part or a context holding it".into(),
+            ));
+        }
+    };
+    let mut store_tags = Vec::new();
+    for t in &spec.tags {
+        let (n, tag) = t
+            .split_once(':')
+            .ok_or_else(|| ApiError::BadRequest(format!("tag {t:?}: expected name:tag")))?;
+        store_tags.push(
+            tags::to_store(&ws, n, tag)
+                .map_err(ApiError::BadRequest)?
+                .to_string(),
+        );
+    }
+    if spec.snapshot && s.setup.boot.is_none() {
+        return Err(ApiError::BadRequest(
+            "snapshot: this server has no guest kernel and initramfs (start it with --kernel and --initramfs)".into(),
+        ));
+    }
+    let limits = EffectiveLimits {
+        timeout_secs: spec
+            .limits
+            .timeout_secs
+            .unwrap_or(quota.max_timeout_secs)
+            .clamp(1, quota.max_timeout_secs),
+        memory_mib: spec
+            .limits
+            .memory_mib
+            .unwrap_or(quota.max_memory_mib)
+            .clamp(16, quota.max_memory_mib.max(16)),
+        vcpus: spec
+            .limits
+            .vcpus
+            .unwrap_or(1)
+            .clamp(1, quota.max_vcpus.max(1)),
+    };
+    // The recipe error `kiln plan` would print, before anything is queued.
+    let mut check = kiln_pipeline::BuildRequest::new(
+        kiln_pipeline::Recipe {
+            name: recipe_name.clone(),
+            bytes: recipe.clone(),
+        },
+        kiln_pipeline::ContextSource::None,
+    );
+    check.target = spec.target.clone();
+    check.build_args = spec.build_args.clone();
+    check.platform = spec.platform.clone();
+    kiln_pipeline::check_recipe(&check).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+
+    let stored = StoredSpec {
+        recipe: recipe_name,
+        recipe_in_context: in_context,
+        recipe_digest: format!("sha256:{}", hex::encode(Sha256::digest(&recipe))),
+        context,
+        tags: spec.tags.clone(),
+        store_tags,
+        build_args: spec.build_args.clone(),
+        target: spec.target.clone(),
+        platform: spec.platform.clone(),
+        snapshot: spec.snapshot,
+        network_host: spec.network == NetworkSpec::Host,
+        limits,
+        no_cache: spec.no_cache,
+    };
+    let spec_json = serde_json::to_string(&stored).map_err(|_| ApiError::Internal)?;
+    let hash = hex::encode(Sha256::digest(spec_json.as_bytes()));
+    let id = random_id()?;
+    let new = NewBuild {
+        id: id.clone(),
+        workspace: ws.clone(),
+        spec: spec_json,
+        recipe,
+        context: stored.context.clone(),
+        idempotency: idem.map(|k| (k, hash)),
+    };
+    let window = s.config.idempotency_window.as_millis() as i64;
+    let (id, replayed) = match s.db.insert_build(&new, quota.max_queued, window).await? {
+        Inserted::Queued => (id, false),
+        Inserted::Existing(old) => (old, true),
+        Inserted::KeyReused => {
+            return Err(ApiError::Unprocessable(
+                "Idempotency-Key was used with a different request in the last 24 h".into(),
+            ));
+        }
+        Inserted::OverQuota => {
+            s.metrics
+                .throttled
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(ApiError::TooManyRequests);
+        }
+    };
+    if !replayed {
+        s.queued.notify_one();
+    }
+    let urls = BuildUrls::new(&id);
+    let location = urls.this.clone();
+    let mut r = (StatusCode::ACCEPTED, Json(Accepted { id, urls })).into_response();
+    if let Ok(v) = HeaderValue::from_str(&location) {
+        r.headers_mut().insert(header::LOCATION, v);
+    }
+    if replayed {
+        r.headers_mut()
+            .insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    Ok(r)
+}
+
+async fn view(s: &AppState, ws: &str, id: &str) -> Result<BuildView, ApiError> {
+    let row =
+        s.db.build(ws, id)
+            .await?
+            .ok_or(ApiError::NotFound("build"))?;
+    let spec: StoredSpec = serde_json::from_str(&row.spec).map_err(|_| ApiError::Internal)?;
+    let result: Option<crate::worker::BuildResult> = row
+        .result
+        .as_deref()
+        .and_then(|r| serde_json::from_str(r).ok());
+    let failure: Option<crate::worker::Failure> = row
+        .failure
+        .as_deref()
+        .and_then(|r| serde_json::from_str(r).ok());
+    let steps =
+        s.db.steps(id)
+            .await?
+            .into_iter()
+            .map(|st| StepView {
+                duration_ms: st.finished_ms.map(|f| f - st.started_ms),
+                step: st.step,
+                stage: st.stage,
+                location: st.location,
+                instruction: st.instruction,
+                cached: st.cached,
+                layer: st.layer,
+            })
+            .collect();
+    Ok(BuildView {
+        id: row.id.clone(),
+        state: row.state,
+        created_at: rfc3339(row.created_ms),
+        started_at: row.started_ms.map(rfc3339),
+        finished_at: row.finished_ms.map(rfc3339),
+        recipe: spec.recipe,
+        tags: spec.tags,
+        limits: spec.limits,
+        steps,
+        image: result.as_ref().and_then(|r| r.image.clone()),
+        snapshot: result.as_ref().and_then(|r| r.snapshot.clone()),
+        oci_manifest: result.as_ref().map(|r| r.oci_manifest.clone()),
+        failure: failure.map(|f| FailureView {
+            reason: f.reason,
+            location: f.location,
+            last_lines: f.last_lines,
+        }),
+        urls: BuildUrls::new(&row.id),
+    })
+}
+
+/// A build's state, steps, digests and failure.
+#[utoipa::path(get, path = "/v1/builds/{id}", params(("id" = String, Path)),
+    responses((status = 200, body = BuildView), (status = 404, body = ErrorBody)),
+    security(("bearer" = [])))]
+async fn get_build(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+    Path(id): Path<String>,
+) -> Result<Json<BuildView>, ApiError> {
+    Ok(Json(view(&s, &ws, &id).await?))
+}
+
+/// Query of `GET /v1/builds/{id}/logs`.
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct LogQuery {
+    /// Lines after this sequence number (default 0: from the first).
+    pub after: Option<i64>,
+    /// Stream until the build ends, then send a final frame.
+    pub follow: Option<bool>,
+}
+
+fn is_terminal(state: &str) -> bool {
+    matches!(state, "succeeded" | "failed" | "cancelled")
+}
+
+fn log_frame(l: &crate::db::LogLine) -> bytes::Bytes {
+    let mut v = serde_json::to_vec(&serde_json::json!({
+        "seq": l.seq,
+        "time": rfc3339(l.time_ms),
+        "step": l.step,
+        "text": l.text,
+    }))
+    .unwrap_or_default();
+    v.push(b'\n');
+    v.into()
+}
+
+/// A build's log, NDJSON: `{"seq", "time", "step", "text"}` per line; with `follow`, a
+/// final `{"end": true, "state": ...}` once the build has ended.
+#[utoipa::path(get, path = "/v1/builds/{id}/logs", params(("id" = String, Path), LogQuery),
+    responses((status = 200, description = "NDJSON lines", content_type = "application/x-ndjson"),
+              (status = 404, body = ErrorBody)),
+    security(("bearer" = [])))]
+async fn logs(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+    Path(id): Path<String>,
+    Query(q): Query<LogQuery>,
+) -> Result<Response, ApiError> {
+    s.db.build(&ws, &id)
+        .await?
+        .ok_or(ApiError::NotFound("build"))?;
+    let after = q.after.unwrap_or(0).max(0);
+    let ndjson = [(header::CONTENT_TYPE, "application/x-ndjson")];
+    if !q.follow.unwrap_or(false) {
+        let mut out = Vec::new();
+        let mut last = after;
+        loop {
+            let lines = s.db.logs(&id, last, 1000).await?;
+            if lines.is_empty() {
+                break;
+            }
+            for l in &lines {
+                out.extend_from_slice(&log_frame(l));
+                last = l.seq;
+            }
+        }
+        return Ok((ndjson, out).into_response());
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(64);
+    let db = s.db.clone();
+    tokio::spawn(async move {
+        let mut last = after;
+        loop {
+            // The state first: a build ends only after its last line is stored, so lines
+            // read after seeing the end are all of them.
+            let state = match db.state(&id).await {
+                Ok(Some(st)) => st,
+                _ => return,
+            };
+            let mut got = false;
+            loop {
+                let Ok(lines) = db.logs(&id, last, 1000).await else {
+                    return;
+                };
+                if lines.is_empty() {
+                    break;
+                }
+                got = true;
+                for l in &lines {
+                    if tx.send(Ok(log_frame(l))).await.is_err() {
+                        return;
+                    }
+                    last = l.seq;
+                }
+            }
+            if is_terminal(&state) {
+                let mut v = serde_json::to_vec(&serde_json::json!({
+                    "end": true, "state": state, "last_seq": last,
+                }))
+                .unwrap_or_default();
+                v.push(b'\n');
+                let _ = tx.send(Ok(v.into())).await;
+                return;
+            }
+            if !got {
+                // Wait for more lines; a client that went away ends the stream now.
+                tokio::select! {
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+                    _ = tx.closed() => return,
+                }
+            }
+        }
+    });
+    let stream =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|x| (x, rx)) });
+    Ok((ndjson, Body::from_stream(stream)).into_response())
+}
+
+/// Cancel a build: a queued one at once; a running one stops, publishes nothing and moves
+/// no tag. 409 when it has already ended.
+#[utoipa::path(post, path = "/v1/builds/{id}/cancel", params(("id" = String, Path)),
+    responses((status = 202, body = BuildView), (status = 401, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)),
+    security(("bearer" = [])))]
+async fn cancel(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let prev =
+        s.db.request_cancel(&ws, &id)
+            .await?
+            .ok_or(ApiError::NotFound("build"))?;
+    if is_terminal(&prev) {
+        return Err(ApiError::Conflict(format!(
+            "the build has already ended ({prev})"
+        )));
+    }
+    if let Some(t) = s.running.lock().unwrap_or_else(|p| p.into_inner()).get(&id) {
+        t.cancel();
+    }
+    Ok((StatusCode::ACCEPTED, Json(view(&s, &ws, &id).await?)).into_response())
+}
+
+/// An uploaded blob.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BlobView {
+    /// `sha256:<hex>`.
+    pub digest: String,
+    /// Bytes.
+    pub size: u64,
+}
+
+/// Upload a context tarball by its digest; the body's sha256 must match.
+#[utoipa::path(put, path = "/v1/blobs/{digest}", params(("digest" = String, Path)),
+    request_body(content_type = "application/octet-stream", description = "the tarball (plain or gzip)"),
+    responses((status = 201, body = BlobView), (status = 400, body = ErrorBody),
+              (status = 401, body = ErrorBody), (status = 413, body = ErrorBody)),
+    security(("bearer" = [])))]
+async fn put_blob(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+    Path(digest): Path<String>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    context::parse_digest(&digest)?;
+    let (d, n) = s
+        .blobs
+        .put(
+            body.into_data_stream(),
+            Some(&digest),
+            s.config.max_context_bytes,
+        )
+        .await?;
+    s.db.add_blob(&ws, &d, n).await?;
+    s.metrics.uploaded(n);
+    Ok((StatusCode::CREATED, Json(BlobView { digest: d, size: n })).into_response())
+}
+
+/// Whether this workspace has uploaded the blob (another workspace's blob: 404).
+#[utoipa::path(head, path = "/v1/blobs/{digest}", params(("digest" = String, Path)),
+    responses((status = 200, description = "present"), (status = 404, description = "absent")),
+    security(("bearer" = [])))]
+async fn head_blob(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+    Path(digest): Path<String>,
+) -> Result<Response, ApiError> {
+    if context::parse_digest(&digest).is_err() {
+        return Err(ApiError::NotFound("blob"));
+    }
+    match s.db.blob(&ws, &digest).await? {
+        Some(n) if s.blobs.exists(&digest) => {
+            Ok(([(header::CONTENT_LENGTH, n.to_string())], StatusCode::OK).into_response())
+        }
+        _ => Err(ApiError::NotFound("blob")),
+    }
+}
+
+/// An image name and its tags.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ImageView {
+    /// The name.
+    pub name: String,
+    /// Its tags.
+    pub tags: Vec<TagView>,
+}
+
+/// A tag.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TagView {
+    /// The image name.
+    pub name: String,
+    /// The tag.
+    pub tag: String,
+    /// The manifest it names.
+    pub digest: String,
+}
+
+async fn workspace_tags(s: &AppState, ws: &str) -> Result<Vec<TagView>, ApiError> {
+    let mut out = Vec::new();
+    for (t, d) in s.setup.store.list_tags(None).await? {
+        if let Some(n) = tags::from_store(ws, &t.name) {
+            out.push(TagView {
+                name: n.to_string(),
+                tag: t.tag.clone(),
+                digest: d.to_string(),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The workspace's images (names with tags).
+#[utoipa::path(get, path = "/v1/images", responses((status = 200, body = Vec<ImageView>)),
+    security(("bearer" = [])))]
+async fn list_images(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+) -> Result<Json<Vec<ImageView>>, ApiError> {
+    let mut by: BTreeMap<String, Vec<TagView>> = BTreeMap::new();
+    for t in workspace_tags(&s, &ws).await? {
+        by.entry(t.name.clone()).or_default().push(t);
+    }
+    Ok(Json(
+        by.into_iter()
+            .map(|(name, tags)| ImageView { name, tags })
+            .collect(),
+    ))
+}
+
+/// The tags of one image name.
+#[utoipa::path(get, path = "/v1/images/{name}/tags", params(("name" = String, Path)),
+    responses((status = 200, body = Vec<TagView>), (status = 404, body = ErrorBody)),
+    security(("bearer" = [])))]
+async fn list_tags(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+    Path(name): Path<String>,
+) -> Result<Json<Vec<TagView>>, ApiError> {
+    let t = tags::to_store(&ws, &name, "x").map_err(|_| ApiError::NotFound("image"))?;
+    let list: Vec<TagView> = s
+        .setup
+        .store
+        .list_tags(Some(&t.name))
+        .await?
+        .into_iter()
+        .map(|(t, d)| TagView {
+            name: name.clone(),
+            tag: t.tag,
+            digest: d.to_string(),
+        })
+        .collect();
+    if list.is_empty() {
+        return Err(ApiError::NotFound("image"));
+    }
+    Ok(Json(list))
+}
+
+fn store_tag(ws: &str, name: &str, tag: &str) -> Result<kiln_store::TagRef, ApiError> {
+    tags::to_store(ws, name, tag).map_err(|_| ApiError::NotFound("tag"))
+}
+
+fn etag(d: &str) -> HeaderValue {
+    HeaderValue::from_str(&format!("\"{d}\"")).unwrap_or(HeaderValue::from_static("\"\""))
+}
+
+/// One tag; its `ETag` is the digest it names.
+#[utoipa::path(get, path = "/v1/images/{name}/tags/{tag}",
+    params(("name" = String, Path), ("tag" = String, Path)),
+    responses((status = 200, body = TagView), (status = 404, body = ErrorBody)),
+    security(("bearer" = [])))]
+async fn get_tag(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+    Path((name, tag)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let t = store_tag(&ws, &name, &tag)?;
+    let rec = s
+        .setup
+        .store
+        .get_tag(&t)
+        .await?
+        .ok_or(ApiError::NotFound("tag"))?;
+    let d = rec.manifest.to_string();
+    let mut r = Json(TagView {
+        name,
+        tag,
+        digest: d.clone(),
+    })
+    .into_response();
+    r.headers_mut().insert(header::ETAG, etag(&d));
+    Ok(r)
+}
+
+/// Body of `PUT /v1/images/{name}/tags/{tag}`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TagBody {
+    /// The image manifest to point at (one built in this workspace).
+    pub digest: String,
+}
+
+fn precondition(h: &HeaderMap) -> Result<Option<Option<kiln_store::ManifestDigest>>, ApiError> {
+    if let Some(v) = h.get(header::IF_MATCH) {
+        let s = v.to_str().unwrap_or("").trim().trim_matches('"');
+        let d = s.parse().map_err(|_| {
+            ApiError::BadRequest(format!("If-Match {s:?}: expected \"sha256:<hex>\""))
+        })?;
+        return Ok(Some(Some(d)));
+    }
+    if let Some(v) = h.get(header::IF_NONE_MATCH) {
+        if v.as_bytes() == b"*" {
+            return Ok(Some(None));
+        }
+        return Err(ApiError::BadRequest(
+            "If-None-Match: only * is supported".into(),
+        ));
+    }
+    Ok(None)
+}
+
+/// Move a tag by compare-and-swap: `If-Match: "<digest it holds>"`, or `If-None-Match: *`
+/// to create it.
+#[utoipa::path(put, path = "/v1/images/{name}/tags/{tag}",
+    params(("name" = String, Path), ("tag" = String, Path),
+           ("If-Match" = Option<String>, Header, description = "\"<digest the tag holds>\""),
+           ("If-None-Match" = Option<String>, Header, description = "* : the tag must not exist")),
+    request_body = TagBody,
+    responses((status = 200, body = TagView), (status = 400, body = ErrorBody),
+              (status = 404, body = ErrorBody),
+              (status = 412, body = ErrorBody), (status = 428, body = ErrorBody)),
+    security(("bearer" = [])))]
+async fn put_tag(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+    Path((name, tag)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    let b: TagBody = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::BadRequest(format!("tag body: {e}")))?;
+    let t = tags::to_store(&ws, &name, &tag).map_err(ApiError::BadRequest)?;
+    let expected = precondition(&headers)?.ok_or_else(|| {
+        ApiError::PreconditionRequired(
+            "moving a tag needs If-Match: \"<digest it holds>\" or If-None-Match: *".into(),
+        )
+    })?;
+    let new: kiln_store::ManifestDigest = b.digest.parse().map_err(|_| {
+        ApiError::BadRequest(format!("digest {:?}: expected sha256:<hex>", b.digest))
+    })?;
+    if !s.db.owns_manifest(&ws, &b.digest).await? {
+        return Err(ApiError::NotFound("manifest"));
+    }
+    match s.setup.store.set_tag(&t, expected, new).await {
+        Ok(()) => {}
+        Err(kiln_store::StoreError::Tag(e @ kiln_store::TagError::Stale { .. })) => {
+            return Err(ApiError::PreconditionFailed(
+                e.to_string().replace(&format!("{ws}."), ""),
+            ));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    let mut r = Json(TagView {
+        name,
+        tag,
+        digest: b.digest.clone(),
+    })
+    .into_response();
+    r.headers_mut().insert(header::ETAG, etag(&b.digest));
+    Ok(r)
+}
+
+/// Remove a tag (with `If-Match`, only while it names that digest).
+#[utoipa::path(delete, path = "/v1/images/{name}/tags/{tag}",
+    params(("name" = String, Path), ("tag" = String, Path),
+           ("If-Match" = Option<String>, Header, description = "\"<digest the tag holds>\"")),
+    responses((status = 204), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody),
+              (status = 412, body = ErrorBody)),
+    security(("bearer" = [])))]
+async fn delete_tag(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+    Path((name, tag)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let t = store_tag(&ws, &name, &tag)?;
+    let expected = match precondition(&headers)? {
+        Some(Some(d)) => Some(d),
+        Some(None) => return Err(ApiError::BadRequest("If-None-Match: not for DELETE".into())),
+        None => None,
+    };
+    match s.setup.store.untag(&t, expected).await {
+        Ok(_) => Ok(StatusCode::NO_CONTENT.into_response()),
+        Err(kiln_store::StoreError::Tag(kiln_store::TagError::NotFound { .. })) => {
+            Err(ApiError::NotFound("tag"))
+        }
+        Err(kiln_store::StoreError::Tag(kiln_store::TagError::Stale { .. })) => Err(
+            ApiError::PreconditionFailed("the tag names another digest".into()),
+        ),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The summary of an image or snapshot manifest built in this workspace.
+#[utoipa::path(get, path = "/v1/manifests/{digest}", params(("digest" = String, Path)),
+    responses((status = 200, description = "summary"), (status = 404, body = ErrorBody)),
+    security(("bearer" = [])))]
+async fn get_manifest(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+    Path(digest): Path<String>,
+) -> Result<Response, ApiError> {
+    let d: kiln_store::ManifestDigest =
+        digest.parse().map_err(|_| ApiError::NotFound("manifest"))?;
+    if !s.db.owns_manifest(&ws, &digest).await? {
+        return Err(ApiError::NotFound("manifest"));
+    }
+    let m = s.setup.store.get_manifest(&d).await?;
+    let v = match m {
+        kiln_store::manifest::Manifest::Image(i) => serde_json::json!({
+            "digest": digest,
+            "kind": "image",
+            "disk_bytes": i.disk.size,
+            "oci_manifest": i.oci_manifest.map(|b| b.digest.to_string()),
+            "recipe_digest": i.recipe_digest,
+            "snapshot": i.snapshot.map(|d| d.to_string()),
+            "start": i.sandbox.as_ref().map(|s| serde_json::to_value(s).unwrap_or_default()),
+        }),
+        kiln_store::manifest::Manifest::Snapshot(sn) => serde_json::json!({
+            "digest": digest,
+            "kind": "snapshot",
+            "memory_bytes": sn.memory.size,
+            "disk_bytes": sn.disk.size,
+        }),
+    };
+    Ok(Json(v).into_response())
+}

@@ -1,0 +1,378 @@
+//! Build contexts: tarballs (plain or gzip) stored by content address under the state
+//! directory, `blobs/sha256/<hex>`, written to `blobs/tmp/` while the digest is computed and
+//! renamed into place only once it matches (containerd's ingest-then-commit).
+//!
+//! A context is hostile input. Unpacking ([`unpack`]) takes only regular files, directories,
+//! symbolic links and hard links, refuses paths that leave the directory (`..`, absolute
+//! paths, writes through a symlink: the `tar` crate's `unpack_in`), keeps modes and mtimes
+//! (so a context gives the same layers as the same directory given to `kiln build`), and
+//! stops past [`crate::ServiceConfig::max_unpacked_bytes`].
+
+use std::io::Read;
+use std::path::{Component, Path, PathBuf};
+
+use futures_util::{Stream, StreamExt as _};
+use sha2::{Digest as _, Sha256};
+
+/// Errors about contexts.
+#[derive(Debug, thiserror::Error)]
+pub enum ContextError {
+    /// The body's sha256 is not the one its URL names.
+    #[error("digest mismatch: the body's sha256 is {actual}")]
+    DigestMismatch {
+        /// `sha256:<hex>` of what arrived.
+        actual: String,
+    },
+    /// The body is larger than the limit.
+    #[error("the context is larger than {limit} bytes")]
+    TooLarge {
+        /// The limit, bytes.
+        limit: u64,
+    },
+    /// A digest that is not `sha256:<64 lowercase hex>`.
+    #[error("invalid digest {0:?}: expected sha256:<64 lowercase hex digits>")]
+    InvalidDigest(String),
+    /// The tarball is not a valid (plain or gzip) tar, or holds something refused.
+    #[error("context tarball: {0}")]
+    BadTar(String),
+    /// The request body could not be read.
+    #[error("reading the body: {0}")]
+    Body(String),
+    /// A file operation on the state directory failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What.
+        what: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ContextError {
+    let what = what.into();
+    move |source| ContextError::Io { what, source }
+}
+
+/// Checks `sha256:<hex>` and returns the hex.
+pub fn parse_digest(d: &str) -> Result<&str, ContextError> {
+    let hex = d
+        .strip_prefix("sha256:")
+        .filter(|h| {
+            h.len() == 64
+                && h.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        })
+        .ok_or_else(|| ContextError::InvalidDigest(d.to_string()))?;
+    Ok(hex)
+}
+
+/// The blob directory.
+#[derive(Debug, Clone)]
+pub struct BlobDir {
+    root: PathBuf,
+}
+
+impl BlobDir {
+    /// Opens (creating) `root` with its `sha256/` and `tmp/` directories.
+    pub fn open(root: &Path) -> std::io::Result<BlobDir> {
+        std::fs::create_dir_all(root.join("sha256"))?;
+        std::fs::create_dir_all(root.join("tmp"))?;
+        Ok(BlobDir {
+            root: root.to_path_buf(),
+        })
+    }
+
+    /// The file of blob `digest` (`sha256:<hex>`, checked).
+    pub fn path(&self, digest: &str) -> Result<PathBuf, ContextError> {
+        Ok(self.root.join("sha256").join(parse_digest(digest)?))
+    }
+
+    /// Whether the blob is stored.
+    pub fn exists(&self, digest: &str) -> bool {
+        self.path(digest).map(|p| p.is_file()).unwrap_or(false)
+    }
+
+    /// Stores `body`, at most `limit` bytes, checking its sha256 against `expected` when
+    /// given. Returns `sha256:<hex>` and the size.
+    pub async fn put<S, E>(
+        &self,
+        mut body: S,
+        expected: Option<&str>,
+        limit: u64,
+    ) -> Result<(String, u64), ContextError>
+    where
+        S: Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+        E: std::fmt::Display,
+    {
+        if let Some(e) = expected {
+            parse_digest(e)?;
+        }
+        let tmp = tempfile::NamedTempFile::new_in(self.root.join("tmp"))
+            .map_err(io("creating a temporary blob"))?;
+        let (file, tmp_path) = tmp.into_parts();
+        let mut file = tokio::fs::File::from_std(file);
+        let mut hasher = Sha256::new();
+        let mut size = 0u64;
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| ContextError::Body(e.to_string()))?;
+            size += chunk.len() as u64;
+            if size > limit {
+                return Err(ContextError::TooLarge { limit });
+            }
+            hasher.update(&chunk);
+            tokio::io::AsyncWriteExt::write_all(&mut file, &chunk)
+                .await
+                .map_err(io("writing a blob"))?;
+        }
+        tokio::io::AsyncWriteExt::flush(&mut file)
+            .await
+            .map_err(io("writing a blob"))?;
+        file.sync_all().await.map_err(io("syncing a blob"))?;
+        let digest = format!("sha256:{}", hex::encode(hasher.finalize()));
+        if let Some(e) = expected
+            && e != digest
+        {
+            return Err(ContextError::DigestMismatch { actual: digest });
+        }
+        let dest = self.path(&digest)?;
+        tmp_path.persist(&dest).map_err(|e| ContextError::Io {
+            what: "storing a blob".into(),
+            source: e.error,
+        })?;
+        Ok((digest, size))
+    }
+
+    /// Stores bytes already in memory.
+    pub async fn put_bytes(
+        &self,
+        b: bytes::Bytes,
+        limit: u64,
+    ) -> Result<(String, u64), ContextError> {
+        let s = futures_util::stream::iter([Ok::<_, std::convert::Infallible>(b)]);
+        self.put(s, None, limit).await
+    }
+}
+
+/// A reader of the tarball `path`, gunzipped when it starts with gzip's magic.
+fn open_tar(path: &Path) -> Result<Box<dyn Read>, ContextError> {
+    let mut f = std::fs::File::open(path).map_err(io(format!("opening {}", path.display())))?;
+    let mut magic = [0u8; 2];
+    let n = f.read(&mut magic).map_err(io("reading a context"))?;
+    let f = std::fs::File::open(path).map_err(io(format!("opening {}", path.display())))?;
+    let r = std::io::BufReader::new(f);
+    Ok(if n == 2 && magic == [0x1f, 0x8b] {
+        Box::new(flate2::read::GzDecoder::new(r))
+    } else {
+        Box::new(r)
+    })
+}
+
+/// Checks a recipe path within a context: relative, no `..`, not empty.
+pub fn check_member_path(p: &str) -> Result<PathBuf, String> {
+    let path = Path::new(p);
+    let mut out = PathBuf::new();
+    for c in path.components() {
+        match c {
+            Component::Normal(n) => out.push(n),
+            Component::CurDir => {}
+            _ => {
+                return Err(format!(
+                    "recipe path {p:?}: expected a relative path inside the context"
+                ));
+            }
+        }
+    }
+    if out.as_os_str().is_empty() {
+        return Err(format!("recipe path {p:?}: empty"));
+    }
+    Ok(out)
+}
+
+/// The bytes of the regular file `member` (a path checked by [`check_member_path`]) in the
+/// tarball `path`, at most `limit` bytes; `None` when the tarball has no such file.
+pub fn read_member(
+    path: &Path,
+    member: &Path,
+    limit: u64,
+) -> Result<Option<Vec<u8>>, ContextError> {
+    let mut ar = tar::Archive::new(open_tar(path)?);
+    let entries = ar
+        .entries()
+        .map_err(|e| ContextError::BadTar(e.to_string()))?;
+    let mut found = None;
+    for e in entries {
+        let mut e = e.map_err(|e| ContextError::BadTar(e.to_string()))?;
+        let p = e.path().map_err(|e| ContextError::BadTar(e.to_string()))?;
+        let p: PathBuf = p
+            .components()
+            .filter(|c| matches!(c, Component::Normal(_)))
+            .collect();
+        if p == member && e.header().entry_type().is_file() {
+            if e.size() > limit {
+                return Err(ContextError::BadTar(format!(
+                    "{} is larger than {limit} bytes",
+                    member.display()
+                )));
+            }
+            let mut b = Vec::new();
+            e.read_to_end(&mut b)
+                .map_err(|e| ContextError::BadTar(e.to_string()))?;
+            // The last entry of a name wins, as when the tarball is unpacked.
+            found = Some(b);
+        }
+    }
+    Ok(found)
+}
+
+/// Most entries a context may hold (an inode bomb of empty files is refused past it).
+pub const MAX_ENTRIES: u64 = 1_000_000;
+
+/// Unpacks the tarball `path` into the empty directory `dest` (see the module doc for what
+/// is refused). `limit`: most bytes of file data; at most [`MAX_ENTRIES`] entries.
+pub fn unpack(path: &Path, dest: &Path, limit: u64) -> Result<(), ContextError> {
+    let mut ar = tar::Archive::new(open_tar(path)?);
+    ar.set_preserve_permissions(true);
+    ar.set_preserve_mtime(true);
+    ar.set_unpack_xattrs(false);
+    ar.set_preserve_ownerships(false);
+    ar.set_overwrite(true);
+    let (mut total, mut count) = (0u64, 0u64);
+    let entries = ar
+        .entries()
+        .map_err(|e| ContextError::BadTar(e.to_string()))?;
+    for e in entries {
+        let mut e = e.map_err(|e| ContextError::BadTar(e.to_string()))?;
+        let kind = e.header().entry_type();
+        let name = e
+            .path()
+            .map(|p| p.display().to_string())
+            .unwrap_or_else(|_| "?".into());
+        use tar::EntryType as T;
+        match kind {
+            T::Regular | T::Directory | T::Symlink | T::Link | T::Continuous => {}
+            // Metadata entries of the pax and GNU formats are read by the tar crate itself.
+            T::XGlobalHeader | T::XHeader | T::GNULongName | T::GNULongLink => continue,
+            other => {
+                return Err(ContextError::BadTar(format!(
+                    "{name}: entry type {other:?} is not allowed (only files, directories and links)"
+                )));
+            }
+        }
+        count += 1;
+        if count > MAX_ENTRIES {
+            return Err(ContextError::BadTar(format!(
+                "more than {MAX_ENTRIES} entries"
+            )));
+        }
+        total += e.size();
+        if total > limit {
+            return Err(ContextError::BadTar(format!(
+                "unpacks to more than {limit} bytes"
+            )));
+        }
+        let ok = e
+            .unpack_in(dest)
+            .map_err(|err| ContextError::BadTar(format!("{name}: {err}")))?;
+        if !ok {
+            return Err(ContextError::BadTar(format!(
+                "{name}: path leaves the context"
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tarball(dir: &Path, f: impl FnOnce(&mut tar::Builder<std::fs::File>)) -> PathBuf {
+        let p = dir.join("ctx.tar");
+        let mut b = tar::Builder::new(std::fs::File::create(&p).expect("create"));
+        f(&mut b);
+        b.finish().expect("finish");
+        p
+    }
+
+    fn file(b: &mut tar::Builder<std::fs::File>, name: &str, data: &[u8]) {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        b.append_data(&mut h, name, data).expect("append");
+    }
+
+    #[test]
+    fn unpacks_files_and_reads_the_recipe() {
+        let t = tempfile::tempdir().expect("tmp");
+        let p = tarball(t.path(), |b| {
+            file(b, "Dockerfile", b"FROM scratch\n");
+            file(b, "sub/a.txt", b"a");
+        });
+        let member = check_member_path("./Dockerfile").expect("ok");
+        assert_eq!(
+            read_member(&p, &member, 1 << 20).expect("read"),
+            Some(b"FROM scratch\n".to_vec())
+        );
+        assert_eq!(
+            read_member(&p, Path::new("nope"), 1 << 20).expect("read"),
+            None
+        );
+        let d = t.path().join("out");
+        std::fs::create_dir(&d).expect("mkdir");
+        unpack(&p, &d, 1 << 20).expect("unpack");
+        assert_eq!(std::fs::read(d.join("sub/a.txt")).expect("a"), b"a");
+    }
+
+    #[test]
+    fn refuses_escapes_devices_and_bombs() {
+        let t = tempfile::tempdir().expect("tmp");
+        // A symlink to the outside, then a file written through it.
+        let p = tarball(t.path(), |b| {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(tar::EntryType::Symlink);
+            h.set_size(0);
+            b.append_link(&mut h, "out", "/tmp").expect("link");
+            file(b, "out/kiln-escape-test", b"x");
+        });
+        let d = t.path().join("d1");
+        std::fs::create_dir(&d).expect("mkdir");
+        assert!(unpack(&p, &d, 1 << 20).is_err());
+        assert!(!Path::new("/tmp/kiln-escape-test").exists());
+
+        let p = tarball(t.path(), |b| {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(tar::EntryType::Char);
+            h.set_size(0);
+            h.set_device_major(1).expect("major");
+            h.set_device_minor(3).expect("minor");
+            b.append_data(&mut h, "null", &[][..]).expect("dev");
+        });
+        let d = t.path().join("d2");
+        std::fs::create_dir(&d).expect("mkdir");
+        let e = unpack(&p, &d, 1 << 20).expect_err("device refused");
+        assert!(e.to_string().contains("not allowed"), "{e}");
+
+        // A hard link to a host file.
+        let p = tarball(t.path(), |b| {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(tar::EntryType::Link);
+            h.set_size(0);
+            b.append_link(&mut h, "passwd", "/etc/passwd")
+                .expect("link");
+        });
+        let d = t.path().join("d4");
+        std::fs::create_dir(&d).expect("mkdir");
+        assert!(unpack(&p, &d, 1 << 20).is_err());
+        assert!(!d.join("passwd").exists());
+
+        let p = tarball(t.path(), |b| file(b, "big", &[0u8; 4096]));
+        let d = t.path().join("d3");
+        std::fs::create_dir(&d).expect("mkdir");
+        assert!(unpack(&p, &d, 1000).is_err());
+
+        for bad in ["../x", "/etc/passwd", "", "."] {
+            assert!(check_member_path(bad).is_err(), "{bad}");
+        }
+    }
+}

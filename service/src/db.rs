@@ -1,0 +1,1011 @@
+//! The persisted state: one SQLite database (WAL mode) under the state directory, or, for
+//! several nodes sharing one store, one PostgreSQL database; the same SQL runs on both
+//! through sqlx's `Any` driver (`$N` parameters, `ON CONFLICT`, `RETURNING`), and
+//! [`Backend`] picks the few differences: how a write transaction locks, `FOR UPDATE SKIP
+//! LOCKED` in the claim, `BLOB` or `BYTEA`.
+//!
+//! | table | rows |
+//! | --- | --- |
+//! | `workspaces` | id, quota |
+//! | `api_keys` | key id, workspace, sha256 of the key (hex), created, revoked |
+//! | `builds` | the job queue: id, workspace, state, the submitted spec (JSON), recipe bytes, context digest, times, claim, results, failure |
+//! | `build_steps` | per build and step number: location, instruction, cached, start/end, layer |
+//! | `build_logs` | per build: seq (1, 2, ...), time, step, text |
+//! | `idempotency` | workspace, key, sha256 of the request, build id, time |
+//! | `blobs` | workspace, digest: which workspace uploaded which context |
+//!
+//! Times are Unix milliseconds (`BIGINT`). A build's state moves `queued → running → succeeded | failed
+//! | cancelled` or `queued → cancelled`, each move a conditional `UPDATE`, so one claim per
+//! build and one end per build.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use sqlx::Row as _;
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::{AnyPool, Executor as _};
+
+/// The failure reason of a build that was running when its server stopped (kill -9, crash).
+pub const SERVER_STOPPED: &str = "server stopped during the build";
+/// The failure reason of a build cancelled by a server shutdown after its grace period.
+pub const SERVER_SHUTDOWN: &str = "server shutdown";
+
+/// Errors of the database.
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    /// SQLite failed.
+    #[error("database: {0}")]
+    Sql(#[from] sqlx::Error),
+    /// A stored JSON column does not parse (a damaged database).
+    #[error("database: corrupt {what}: {source}")]
+    Corrupt {
+        /// The column.
+        what: &'static str,
+        /// Why.
+        source: serde_json::Error,
+    },
+}
+
+const SCHEMA: &[&str] = &[
+    "CREATE TABLE IF NOT EXISTS workspaces (
+        id TEXT PRIMARY KEY,
+        created_ms BIGINT NOT NULL,
+        max_concurrent BIGINT NOT NULL,
+        max_queued BIGINT NOT NULL,
+        max_timeout_secs BIGINT NOT NULL,
+        max_memory_mib BIGINT NOT NULL,
+        max_vcpus BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS api_keys (
+        id TEXT PRIMARY KEY,
+        workspace TEXT NOT NULL REFERENCES workspaces(id),
+        hash TEXT NOT NULL UNIQUE,
+        created_ms BIGINT NOT NULL,
+        revoked_ms BIGINT)",
+    "CREATE TABLE IF NOT EXISTS builds (
+        id TEXT PRIMARY KEY,
+        workspace TEXT NOT NULL REFERENCES workspaces(id),
+        state TEXT NOT NULL,
+        spec TEXT NOT NULL,
+        recipe {blob} NOT NULL,
+        context TEXT,
+        created_ms BIGINT NOT NULL,
+        started_ms BIGINT,
+        finished_ms BIGINT,
+        claimed_by TEXT,
+        cancel_requested BIGINT NOT NULL DEFAULT 0,
+        image TEXT,
+        result TEXT,
+        failure TEXT)",
+    "CREATE INDEX IF NOT EXISTS builds_queue ON builds (state, created_ms)",
+    "CREATE INDEX IF NOT EXISTS builds_ws ON builds (workspace, state)",
+    "CREATE TABLE IF NOT EXISTS build_steps (
+        build_id TEXT NOT NULL,
+        step BIGINT NOT NULL,
+        stage BIGINT NOT NULL,
+        location TEXT NOT NULL,
+        instruction TEXT NOT NULL,
+        cached BIGINT NOT NULL,
+        started_ms BIGINT NOT NULL,
+        finished_ms BIGINT,
+        layer TEXT,
+        PRIMARY KEY (build_id, step))",
+    "CREATE TABLE IF NOT EXISTS build_logs (
+        build_id TEXT NOT NULL,
+        seq BIGINT NOT NULL,
+        time_ms BIGINT NOT NULL,
+        step BIGINT,
+        text TEXT NOT NULL,
+        PRIMARY KEY (build_id, seq))",
+    "CREATE TABLE IF NOT EXISTS idempotency (
+        workspace TEXT NOT NULL,
+        key TEXT NOT NULL,
+        request_hash TEXT NOT NULL,
+        build_id TEXT NOT NULL,
+        created_ms BIGINT NOT NULL,
+        PRIMARY KEY (workspace, key))",
+    "CREATE TABLE IF NOT EXISTS blobs (
+        workspace TEXT NOT NULL,
+        digest TEXT NOT NULL,
+        size BIGINT NOT NULL,
+        created_ms BIGINT NOT NULL,
+        PRIMARY KEY (workspace, digest))",
+];
+
+/// A workspace's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Quota {
+    /// Builds running at once; more wait in the queue.
+    pub max_concurrent: u32,
+    /// Builds queued or running at once; past it a submission gets 429.
+    pub max_queued: u32,
+    /// Longest build, seconds (the platform default: 15 min).
+    pub max_timeout_secs: u64,
+    /// Most memory a build's step may use, MiB (the platform default: 1 GiB).
+    pub max_memory_mib: u64,
+    /// Most vCPUs of a build's microVMs.
+    pub max_vcpus: u32,
+}
+
+impl Default for Quota {
+    /// 2 running, 20 queued or running, 15 min, 1 GiB, 2 vCPUs.
+    fn default() -> Self {
+        Quota {
+            max_concurrent: 2,
+            max_queued: 20,
+            max_timeout_secs: 900,
+            max_memory_mib: 1024,
+            max_vcpus: 2,
+        }
+    }
+}
+
+/// A build row.
+#[derive(Debug, Clone)]
+pub struct BuildRow {
+    /// Build id.
+    pub id: String,
+    /// Workspace.
+    pub workspace: String,
+    /// `queued`, `running`, `succeeded`, `failed`, `cancelled`.
+    pub state: String,
+    /// The accepted spec, JSON ([`crate::api::StoredSpec`]).
+    pub spec: String,
+    /// The recipe's bytes.
+    pub recipe: Vec<u8>,
+    /// The context blob digest.
+    pub context: Option<String>,
+    /// Times, Unix ms.
+    pub created_ms: i64,
+    /// Claimed by a worker.
+    pub started_ms: Option<i64>,
+    /// Reached a terminal state.
+    pub finished_ms: Option<i64>,
+    /// The image manifest the tags name (succeeded builds).
+    pub image: Option<String>,
+    /// Results (JSON, [`crate::worker::BuildResult`]).
+    pub result: Option<String>,
+    /// Failure (JSON, [`crate::worker::Failure`]).
+    pub failure: Option<String>,
+}
+
+/// A step row.
+#[derive(Debug, Clone)]
+pub struct StepRow {
+    /// Build-wide step number.
+    pub step: i64,
+    /// Stage index.
+    pub stage: i64,
+    /// `file:line`.
+    pub location: String,
+    /// The instruction, shortened.
+    pub instruction: String,
+    /// Found in the build cache.
+    pub cached: bool,
+    /// Start, Unix ms.
+    pub started_ms: i64,
+    /// End, Unix ms.
+    pub finished_ms: Option<i64>,
+    /// Its layer.
+    pub layer: Option<String>,
+}
+
+/// One log line.
+#[derive(Debug, Clone, Serialize)]
+pub struct LogLine {
+    /// 1, 2, ... per build.
+    pub seq: i64,
+    /// Unix ms.
+    pub time_ms: i64,
+    /// The step that wrote it (none: a build-wide message).
+    pub step: Option<i64>,
+    /// The text.
+    pub text: String,
+}
+
+/// What a submission needs inserted.
+#[derive(Debug, Clone)]
+pub struct NewBuild {
+    /// Build id.
+    pub id: String,
+    /// Workspace.
+    pub workspace: String,
+    /// Spec JSON.
+    pub spec: String,
+    /// Recipe bytes.
+    pub recipe: Vec<u8>,
+    /// Context blob.
+    pub context: Option<String>,
+    /// `Idempotency-Key` and the request's hash.
+    pub idempotency: Option<(String, String)>,
+}
+
+/// What [`Db::insert_build`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Inserted {
+    /// Queued.
+    Queued,
+    /// The idempotency key names this earlier build of the same request.
+    Existing(String),
+    /// The idempotency key was used with another request.
+    KeyReused,
+    /// The workspace has `max_queued` builds queued or running.
+    OverQuota,
+}
+
+/// Unix time, milliseconds.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// Which database a [`Db`] talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// An embedded SQLite file (one node).
+    Sqlite,
+    /// A PostgreSQL server (several nodes sharing one store).
+    Postgres,
+}
+
+/// The database handle; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Db {
+    pool: AnyPool,
+    backend: Backend,
+}
+
+fn build_row(r: &AnyRow) -> Result<BuildRow, sqlx::Error> {
+    Ok(BuildRow {
+        id: r.try_get("id")?,
+        workspace: r.try_get("workspace")?,
+        state: r.try_get("state")?,
+        spec: r.try_get("spec")?,
+        recipe: r.try_get("recipe")?,
+        context: r.try_get("context")?,
+        created_ms: r.try_get("created_ms")?,
+        started_ms: r.try_get("started_ms")?,
+        finished_ms: r.try_get("finished_ms")?,
+        image: r.try_get("image")?,
+        result: r.try_get("result")?,
+        failure: r.try_get("failure")?,
+    })
+}
+
+impl Db {
+    /// Opens (creating when missing) the SQLite database file `path` and its tables.
+    pub async fn open(path: &Path) -> Result<Db, DbError> {
+        let url = format!("sqlite://{}?mode=rwc", path.display());
+        Self::connect(&url).await
+    }
+
+    /// Connects to `url` (`sqlite://PATH?mode=rwc` or `postgres://...`) and makes the tables.
+    /// SQLite runs in WAL mode with a 30 s busy timeout and foreign keys on.
+    pub async fn connect(url: &str) -> Result<Db, DbError> {
+        sqlx::any::install_default_drivers();
+        let backend = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Backend::Postgres
+        } else {
+            Backend::Sqlite
+        };
+        let pool = AnyPoolOptions::new()
+            .max_connections(8)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    if backend == Backend::Sqlite {
+                        conn.execute("PRAGMA journal_mode = WAL").await?;
+                        conn.execute("PRAGMA busy_timeout = 30000").await?;
+                        conn.execute("PRAGMA foreign_keys = ON").await?;
+                    }
+                    Ok(())
+                })
+            })
+            .connect(url)
+            .await?;
+        let blob = match backend {
+            Backend::Sqlite => "BLOB",
+            Backend::Postgres => "BYTEA",
+        };
+        let db = Db { pool, backend };
+        // One schema writer at a time: PostgreSQL's `CREATE TABLE IF NOT EXISTS` races with
+        // itself across connections (a unique violation in pg_type).
+        let mut tx = db.write_tx().await?;
+        for s in SCHEMA {
+            sqlx::query(&s.replace("{blob}", blob))
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(db)
+    }
+
+    /// Which database this is.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// A transaction that holds the database's one write lock from its start. SQLite:
+    /// `BEGIN IMMEDIATE` (a deferred transaction that reads and then writes gets
+    /// `SQLITE_BUSY` at once, without waiting, when another connection writes in between,
+    /// which concurrent submissions hit). PostgreSQL: a transaction-scoped advisory lock, so
+    /// a quota count and its insert, or a claim's cap check and its update, are atomic across
+    /// nodes.
+    async fn write_tx(&self) -> Result<sqlx::Transaction<'static, sqlx::Any>, DbError> {
+        match self.backend {
+            Backend::Sqlite => Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?),
+            Backend::Postgres => {
+                let mut tx = self.pool.begin().await?;
+                sqlx::query("SELECT pg_advisory_xact_lock(7147041)")
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(tx)
+            }
+        }
+    }
+
+    /// Creates workspace `ws` with `quota`, or sets the quota of an existing one when
+    /// `replace`.
+    pub async fn upsert_workspace(
+        &self,
+        ws: &str,
+        quota: &Quota,
+        replace: bool,
+    ) -> Result<(), DbError> {
+        let sql = if replace {
+            "INSERT INTO workspaces VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT(id) DO UPDATE SET
+             max_concurrent = excluded.max_concurrent, max_queued = excluded.max_queued,
+             max_timeout_secs = excluded.max_timeout_secs,
+             max_memory_mib = excluded.max_memory_mib, max_vcpus = excluded.max_vcpus"
+        } else {
+            "INSERT INTO workspaces VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT(id) DO NOTHING"
+        };
+        sqlx::query(sql)
+            .bind(ws)
+            .bind(now_ms())
+            .bind(i64::from(quota.max_concurrent))
+            .bind(i64::from(quota.max_queued))
+            .bind(quota.max_timeout_secs as i64)
+            .bind(quota.max_memory_mib as i64)
+            .bind(i64::from(quota.max_vcpus))
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// The quota of workspace `ws`.
+    pub async fn quota(&self, ws: &str) -> Result<Option<Quota>, DbError> {
+        let r = sqlx::query("SELECT * FROM workspaces WHERE id = $1")
+            .bind(ws)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(match r {
+            None => None,
+            Some(r) => Some(Quota {
+                max_concurrent: r.try_get::<i64, _>("max_concurrent")? as u32,
+                max_queued: r.try_get::<i64, _>("max_queued")? as u32,
+                max_timeout_secs: r.try_get::<i64, _>("max_timeout_secs")? as u64,
+                max_memory_mib: r.try_get::<i64, _>("max_memory_mib")? as u64,
+                max_vcpus: r.try_get::<i64, _>("max_vcpus")? as u32,
+            }),
+        })
+    }
+
+    /// Stores a key's hash for workspace `ws` under the key id `id`.
+    pub async fn insert_key(&self, id: &str, ws: &str, hash: &str) -> Result<(), DbError> {
+        sqlx::query("INSERT INTO api_keys VALUES ($1, $2, $3, $4, NULL)")
+            .bind(id)
+            .bind(ws)
+            .bind(hash)
+            .bind(now_ms())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Revokes key `id`; false when there is no such live key.
+    pub async fn revoke_key(&self, id: &str) -> Result<bool, DbError> {
+        let r =
+            sqlx::query("UPDATE api_keys SET revoked_ms = $1 WHERE id = $2 AND revoked_ms IS NULL")
+                .bind(now_ms())
+                .bind(id)
+                .execute(&self.pool)
+                .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    /// The workspace of the live key whose hash is `hash`.
+    pub async fn key_workspace(&self, hash: &str) -> Result<Option<String>, DbError> {
+        let r =
+            sqlx::query("SELECT workspace FROM api_keys WHERE hash = $1 AND revoked_ms IS NULL")
+                .bind(hash)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(match r {
+            Some(r) => Some(r.try_get("workspace")?),
+            None => None,
+        })
+    }
+
+    /// Queues `b` unless its idempotency key names an earlier build (within `window_ms`) or
+    /// the workspace's queue is full, in one transaction.
+    pub async fn insert_build(
+        &self,
+        b: &NewBuild,
+        max_queued: u32,
+        window_ms: i64,
+    ) -> Result<Inserted, DbError> {
+        let mut tx = self.write_tx().await?;
+        let now = now_ms();
+        if let Some((key, hash)) = &b.idempotency {
+            let r = sqlx::query(
+                "SELECT request_hash, build_id, created_ms FROM idempotency
+                 WHERE workspace = $1 AND key = $2",
+            )
+            .bind(&b.workspace)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some(r) = r {
+                let created: i64 = r.try_get("created_ms")?;
+                if now - created < window_ms {
+                    let h: String = r.try_get("request_hash")?;
+                    return Ok(if &h == hash {
+                        Inserted::Existing(r.try_get("build_id")?)
+                    } else {
+                        Inserted::KeyReused
+                    });
+                }
+            }
+        }
+        let active: i64 = sqlx::query(
+            "SELECT COUNT(*) AS n FROM builds WHERE workspace = $1 AND state IN ('queued', 'running')",
+        )
+        .bind(&b.workspace)
+        .fetch_one(&mut *tx)
+        .await?
+        .try_get("n")?;
+        if active >= i64::from(max_queued) {
+            return Ok(Inserted::OverQuota);
+        }
+        sqlx::query(
+            "INSERT INTO builds (id, workspace, state, spec, recipe, context, created_ms)
+             VALUES ($1, $2, 'queued', $3, $4, $5, $6)",
+        )
+        .bind(&b.id)
+        .bind(&b.workspace)
+        .bind(&b.spec)
+        .bind(&b.recipe)
+        .bind(&b.context)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        if let Some((key, hash)) = &b.idempotency {
+            sqlx::query(
+                "INSERT INTO idempotency VALUES ($1, $2, $3, $4, $5) ON CONFLICT(workspace, key)
+                 DO UPDATE SET request_hash = excluded.request_hash,
+                 build_id = excluded.build_id, created_ms = excluded.created_ms",
+            )
+            .bind(&b.workspace)
+            .bind(key)
+            .bind(hash)
+            .bind(&b.id)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(Inserted::Queued)
+    }
+
+    /// Build `id` of workspace `ws`.
+    pub async fn build(&self, ws: &str, id: &str) -> Result<Option<BuildRow>, DbError> {
+        let r = sqlx::query("SELECT * FROM builds WHERE id = $1 AND workspace = $2")
+            .bind(id)
+            .bind(ws)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(r.as_ref().map(build_row).transpose()?)
+    }
+
+    /// The state of build `id` (any workspace: for workers and log streams).
+    pub async fn state(&self, id: &str) -> Result<Option<String>, DbError> {
+        let r = sqlx::query("SELECT state FROM builds WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(match r {
+            Some(r) => Some(r.try_get("state")?),
+            None => None,
+        })
+    }
+
+    /// Claims the oldest queued build whose workspace runs fewer than its `max_concurrent`
+    /// builds: `queued → running`, claimed by `worker`. The `state = 'queued'` condition
+    /// makes the claim happen once per build.
+    pub async fn claim(&self, worker: &str) -> Result<Option<BuildRow>, DbError> {
+        // PostgreSQL: rows another node's claim holds are skipped, not waited for.
+        let lock = match self.backend {
+            Backend::Sqlite => "",
+            Backend::Postgres => "FOR UPDATE OF b SKIP LOCKED",
+        };
+        let sql = format!(
+            "UPDATE builds SET state = 'running', started_ms = $1, claimed_by = $2
+             WHERE state = 'queued' AND id = (
+               SELECT b.id FROM builds b JOIN workspaces w ON w.id = b.workspace
+               WHERE b.state = 'queued' AND (SELECT COUNT(*) FROM builds r
+                 WHERE r.workspace = b.workspace AND r.state = 'running') < w.max_concurrent
+               ORDER BY b.created_ms, b.id LIMIT 1 {lock})
+             RETURNING *"
+        );
+        let mut tx = self.write_tx().await?;
+        let r = sqlx::query(&sql)
+            .bind(now_ms())
+            .bind(worker)
+            .fetch_optional(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(r.as_ref().map(build_row).transpose()?)
+    }
+
+    /// Ends build `id` (`running` → `state`), with its result or failure JSON. False when it
+    /// was not running.
+    pub async fn finish(
+        &self,
+        id: &str,
+        state: &str,
+        image: Option<&str>,
+        result: Option<&str>,
+        failure: Option<&str>,
+    ) -> Result<bool, DbError> {
+        let r = sqlx::query(
+            "UPDATE builds SET state = $1, finished_ms = $2, image = $3, result = $4, failure = $5
+             WHERE id = $6 AND state = 'running'",
+        )
+        .bind(state)
+        .bind(now_ms())
+        .bind(image)
+        .bind(result)
+        .bind(failure)
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    /// Asks build `id` of `ws` to stop: a queued build is cancelled at once; a running one is
+    /// flagged (its worker cancels it). Returns the state it was in, `None` when there is no
+    /// such build.
+    pub async fn request_cancel(&self, ws: &str, id: &str) -> Result<Option<String>, DbError> {
+        let mut tx = self.write_tx().await?;
+        let r = sqlx::query("SELECT state FROM builds WHERE id = $1 AND workspace = $2")
+            .bind(id)
+            .bind(ws)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(r) = r else { return Ok(None) };
+        let state: String = r.try_get("state")?;
+        match state.as_str() {
+            "queued" => {
+                sqlx::query(
+                    "UPDATE builds SET state = 'cancelled', finished_ms = $1, cancel_requested = 1,
+                     failure = $2 WHERE id = $3 AND state = 'queued'",
+                )
+                .bind(now_ms())
+                .bind(r#"{"reason":"cancelled before it started"}"#)
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+            }
+            "running" => {
+                sqlx::query("UPDATE builds SET cancel_requested = 1 WHERE id = $1")
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            _ => {}
+        }
+        tx.commit().await?;
+        Ok(Some(state))
+    }
+
+    /// Whether build `id`'s cancellation was asked for.
+    pub async fn cancel_requested(&self, id: &str) -> Result<bool, DbError> {
+        let r = sqlx::query("SELECT cancel_requested FROM builds WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(match r {
+            Some(r) => r.try_get::<i64, _>("cancel_requested")? != 0,
+            None => false,
+        })
+    }
+
+    /// Ends as failed with `reason` every running build claimed by a worker whose name starts
+    /// with `claimed_by` (at start-up: this host's previous server is gone; on SQLite, one
+    /// node, every running build).
+    pub async fn fail_running(&self, reason: &str, claimed_by: &str) -> Result<u64, DbError> {
+        let failure = serde_json::json!({ "reason": reason }).to_string();
+        let r = sqlx::query(
+            "UPDATE builds SET state = 'failed', finished_ms = $1, failure = $2
+             WHERE state = 'running' AND substr(claimed_by, 1, length($3)) = $3",
+        )
+        .bind(now_ms())
+        .bind(failure)
+        .bind(claimed_by)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected())
+    }
+
+    /// Steps of build `id`, in step order.
+    pub async fn steps(&self, id: &str) -> Result<Vec<StepRow>, DbError> {
+        let rows = sqlx::query("SELECT * FROM build_steps WHERE build_id = $1 ORDER BY step")
+            .bind(id)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(StepRow {
+                    step: r.try_get("step")?,
+                    stage: r.try_get("stage")?,
+                    location: r.try_get("location")?,
+                    instruction: r.try_get("instruction")?,
+                    cached: r.try_get::<i64, _>("cached")? != 0,
+                    started_ms: r.try_get("started_ms")?,
+                    finished_ms: r.try_get("finished_ms")?,
+                    layer: r.try_get("layer")?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(DbError::from)
+    }
+
+    /// Log lines of build `id` after `after`, at most `limit`, in order.
+    pub async fn logs(&self, id: &str, after: i64, limit: i64) -> Result<Vec<LogLine>, DbError> {
+        let rows = sqlx::query(
+            "SELECT seq, time_ms, step, text FROM build_logs WHERE build_id = $1 AND seq > $2
+             ORDER BY seq LIMIT $3",
+        )
+        .bind(id)
+        .bind(after)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(LogLine {
+                    seq: r.try_get("seq")?,
+                    time_ms: r.try_get("time_ms")?,
+                    step: r.try_get("step")?,
+                    text: r.try_get("text")?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(DbError::from)
+    }
+
+    /// The last `n` log lines of `step` of build `id`, oldest first.
+    pub async fn last_lines(&self, id: &str, step: i64, n: i64) -> Result<Vec<String>, DbError> {
+        let rows = sqlx::query(
+            "SELECT text FROM build_logs WHERE build_id = $1 AND step = $2 ORDER BY seq DESC LIMIT $3",
+        )
+        .bind(id)
+        .bind(step)
+        .bind(n)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut out = rows
+            .iter()
+            .map(|r| r.try_get("text"))
+            .collect::<Result<Vec<String>, _>>()?;
+        out.reverse();
+        Ok(out)
+    }
+
+    /// Writes one batch of a running build's records in one transaction.
+    pub async fn write_batch(&self, id: &str, batch: &[Record]) -> Result<(), DbError> {
+        let mut tx = self.write_tx().await?;
+        for rec in batch {
+            match rec {
+                Record::Log(l) => {
+                    sqlx::query("INSERT INTO build_logs VALUES ($1, $2, $3, $4, $5)")
+                        .bind(id)
+                        .bind(l.seq)
+                        .bind(l.time_ms)
+                        .bind(l.step)
+                        .bind(&l.text)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                Record::Step(s) => {
+                    sqlx::query(
+                        "INSERT INTO build_steps VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                         ON CONFLICT (build_id, step) DO UPDATE SET stage = excluded.stage,
+                         location = excluded.location, instruction = excluded.instruction,
+                         cached = excluded.cached, started_ms = excluded.started_ms,
+                         finished_ms = excluded.finished_ms, layer = excluded.layer",
+                    )
+                    .bind(id)
+                    .bind(s.step)
+                    .bind(s.stage)
+                    .bind(&s.location)
+                    .bind(&s.instruction)
+                    .bind(i64::from(s.cached))
+                    .bind(s.started_ms)
+                    .bind(s.finished_ms)
+                    .bind(&s.layer)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                Record::StepDone {
+                    step,
+                    finished_ms,
+                    layer,
+                } => {
+                    sqlx::query(
+                        "UPDATE build_steps SET finished_ms = $1, layer = $2
+                         WHERE build_id = $3 AND step = $4",
+                    )
+                    .bind(finished_ms)
+                    .bind(layer)
+                    .bind(id)
+                    .bind(step)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+            }
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Records that `ws` uploaded blob `digest` of `size` bytes.
+    pub async fn add_blob(&self, ws: &str, digest: &str, size: u64) -> Result<(), DbError> {
+        sqlx::query(
+            "INSERT INTO blobs VALUES ($1, $2, $3, $4) ON CONFLICT (workspace, digest) DO NOTHING",
+        )
+        .bind(ws)
+        .bind(digest)
+        .bind(size as i64)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The size of blob `digest` when `ws` uploaded it.
+    pub async fn blob(&self, ws: &str, digest: &str) -> Result<Option<u64>, DbError> {
+        let r = sqlx::query("SELECT size FROM blobs WHERE workspace = $1 AND digest = $2")
+            .bind(ws)
+            .bind(digest)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(match r {
+            Some(r) => Some(r.try_get::<i64, _>("size")? as u64),
+            None => None,
+        })
+    }
+
+    /// Whether a build of `ws` produced manifest `digest` (a tenant may point its tags only
+    /// at its own images).
+    pub async fn owns_manifest(&self, ws: &str, digest: &str) -> Result<bool, DbError> {
+        let r = sqlx::query(
+            "SELECT 1 FROM builds WHERE workspace = $1 AND state = 'succeeded' AND image = $2
+             LIMIT 1",
+        )
+        .bind(ws)
+        .bind(digest)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(r.is_some())
+    }
+
+    /// Builds per state (all workspaces), for `/metrics`.
+    pub async fn count_by_state(&self) -> Result<Vec<(String, i64)>, DbError> {
+        let rows = sqlx::query("SELECT state, COUNT(*) AS n FROM builds GROUP BY state")
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|r| Ok((r.try_get("state")?, r.try_get("n")?)))
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(DbError::from)
+    }
+
+    /// Whether the database answers (for `/readyz`).
+    pub async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
+    }
+}
+
+/// One thing a running build writes.
+#[derive(Debug, Clone)]
+pub enum Record {
+    /// A log line.
+    Log(LogLine),
+    /// A step started or was a cache hit.
+    Step(StepRow),
+    /// A step made its layer.
+    StepDone {
+        /// Step number.
+        step: i64,
+        /// End, Unix ms.
+        finished_ms: i64,
+        /// The layer digest.
+        layer: String,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quota(max_concurrent: u32, max_queued: u32) -> Quota {
+        Quota {
+            max_concurrent,
+            max_queued,
+            ..Quota::default()
+        }
+    }
+
+    fn build(id: &str, ws: &str) -> NewBuild {
+        NewBuild {
+            id: id.into(),
+            workspace: ws.into(),
+            spec: "{}".into(),
+            recipe: b"FROM scratch\n".to_vec(),
+            context: None,
+            idempotency: None,
+        }
+    }
+
+    /// A new, empty PostgreSQL database on the test server (`KILN_TEST_POSTGRES_URL`, which
+    /// `ci/setup.sh` starts).
+    pub(crate) async fn postgres() -> Db {
+        let url = std::env::var("KILN_TEST_POSTGRES_URL").unwrap_or_else(|_| {
+            panic!(
+                "KILN_TEST_POSTGRES_URL is not set: run `. ci/setup.sh` (or source \
+                 /var/cache/kiln-ci/env) first; it starts PostgreSQL on 127.0.0.1"
+            )
+        });
+        sqlx::any::install_default_drivers();
+        let mut b = [0u8; 8];
+        getrandom::fill(&mut b).expect("random");
+        let name = format!("kiln_test_{}", hex::encode(b));
+        let admin = sqlx::AnyPool::connect(&url)
+            .await
+            .expect("connect to PostgreSQL");
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&admin)
+            .await
+            .expect("create database");
+        let base = url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b);
+        Db::connect(&format!("{base}/{name}")).await.expect("open")
+    }
+
+    async fn sqlite(t: &tempfile::TempDir) -> Db {
+        Db::open(&t.path().join("kiln.db")).await.expect("open")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn each_build_is_claimed_once_within_the_caps() {
+        let t = tempfile::tempdir().expect("tmp");
+        claims(sqlite(&t).await).await;
+        claims(postgres().await).await;
+    }
+
+    #[tokio::test]
+    async fn queue_cap_idempotency_and_restart() {
+        let t = tempfile::tempdir().expect("tmp");
+        queue(sqlite(&t).await).await;
+        queue(postgres().await).await;
+    }
+
+    async fn claims(db: Db) {
+        db.upsert_workspace("a", &quota(100, 1000), true)
+            .await
+            .expect("ws");
+        db.upsert_workspace("b", &quota(1, 1000), true)
+            .await
+            .expect("ws");
+        for i in 0..60 {
+            let r = db
+                .insert_build(&build(&format!("a{i}"), "a"), 1000, 1000)
+                .await
+                .expect("insert");
+            assert_eq!(r, Inserted::Queued);
+        }
+        for i in 0..3 {
+            db.insert_build(&build(&format!("b{i}"), "b"), 1000, 1000)
+                .await
+                .expect("insert");
+        }
+        let tasks: Vec<_> = (0..8)
+            .map(|w| {
+                let db = db.clone();
+                tokio::spawn(async move {
+                    let mut got = Vec::new();
+                    while let Some(b) = db.claim(&format!("w{w}")).await.expect("claim") {
+                        got.push(b.id);
+                    }
+                    got
+                })
+            })
+            .collect();
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await.expect("task"));
+        }
+        let n = all.len();
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), n, "a build was claimed twice");
+        // Every build of `a`; one of `b`, whose cap is one running build.
+        assert_eq!(all.iter().filter(|i| i.starts_with('a')).count(), 60);
+        assert_eq!(all.iter().filter(|i| i.starts_with('b')).count(), 1);
+        let b = all.iter().find(|i| i.starts_with('b')).expect("b").clone();
+        assert!(
+            db.finish(&b, "succeeded", None, None, None)
+                .await
+                .expect("finish")
+        );
+        assert!(
+            !db.finish(&b, "failed", None, None, None)
+                .await
+                .expect("finish"),
+            "ends once"
+        );
+        assert!(
+            db.claim("w")
+                .await
+                .expect("claim")
+                .is_some_and(|r| r.workspace == "b")
+        );
+    }
+
+    async fn queue(db: Db) {
+        db.upsert_workspace("a", &quota(1, 2), true)
+            .await
+            .expect("ws");
+        let mut b = build("x1", "a");
+        b.idempotency = Some(("k".into(), "h1".into()));
+        assert_eq!(
+            db.insert_build(&b, 2, 1000).await.expect("ins"),
+            Inserted::Queued
+        );
+        let mut again = build("x2", "a");
+        again.idempotency = Some(("k".into(), "h1".into()));
+        assert_eq!(
+            db.insert_build(&again, 2, 1000).await.expect("ins"),
+            Inserted::Existing("x1".into())
+        );
+        again.idempotency = Some(("k".into(), "h2".into()));
+        assert_eq!(
+            db.insert_build(&again, 2, 1000).await.expect("ins"),
+            Inserted::KeyReused
+        );
+        // Past the window the key names a new build.
+        assert_eq!(
+            db.insert_build(&again, 2, 0).await.expect("ins"),
+            Inserted::Queued
+        );
+        assert_eq!(
+            db.insert_build(&build("x3", "a"), 2, 1000)
+                .await
+                .expect("ins"),
+            Inserted::OverQuota
+        );
+        // A restart fails what was running, and only that.
+        let claimed = db.claim("w").await.expect("claim").expect("one");
+        assert_eq!(db.fail_running(SERVER_STOPPED, "").await.expect("fail"), 1);
+        assert_eq!(
+            db.state(&claimed.id).await.expect("state").as_deref(),
+            Some("failed")
+        );
+        let other = if claimed.id == "x1" { "x2" } else { "x1" };
+        assert_eq!(
+            db.state(other).await.expect("state").as_deref(),
+            Some("queued")
+        );
+    }
+}

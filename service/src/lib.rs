@@ -1,0 +1,196 @@
+//! kiln's custom-image HTTP API (`kiln serve`): tenants send a recipe and a build context,
+//! the server queues the build, a worker runs it through [`kiln_pipeline::run`] (the function
+//! `kiln build` calls), and the tenant reads its state, steps and logs and moves its tags.
+//!
+//! - [`db`]: the persisted state in an embedded SQLite database (or PostgreSQL, for several
+//!   nodes sharing one store): workspaces and their quotas,
+//!   API keys (sha256 hashes only), builds (the job queue), their steps and log lines,
+//!   idempotency keys and uploaded blobs.
+//! - [`auth`]: API keys (`kiln_<64 hex>`) and the `Authorization: Bearer` extractor; a
+//!   missing or unknown key gets 401.
+//! - [`api`]: the axum router under `/v1`, `/openapi.json` (utoipa), `/metrics`, `/healthz`,
+//!   `/readyz`. Every object belongs to one workspace; another workspace's object gets the
+//!   same 404 as a missing one.
+//! - [`context`]: build contexts as content-addressed tarballs under the state directory
+//!   (`PUT /v1/blobs/sha256:<hex>`, or the `context` part of a submission), unpacked for a
+//!   build with hostile-input checks.
+//! - [`worker`]: the pool that claims queued builds (one claim per build, per-workspace
+//!   concurrency caps), runs them, stores what they tell and ends each in a terminal state.
+//! - [`tags`]: a workspace's tags live in the store as `<workspace>.<name>:<tag>`; workspace
+//!   ids hold no `.`, so no tag name reaches another workspace's names.
+//!
+//! What the pipeline needs (store, caches, registry, boot assets) comes in as a
+//! [`kiln_pipeline::Setup`]; everything about HTTP stays here.
+
+pub mod api;
+pub mod auth;
+pub mod context;
+pub mod db;
+pub mod metrics;
+pub mod tags;
+pub mod worker;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kiln_pipeline::Setup;
+use tokio_util::sync::CancellationToken;
+
+pub use db::{Db, DbError, Quota};
+
+/// Errors of the service outside one request (start-up, the database, the listener).
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// The database failed.
+    #[error(transparent)]
+    Db(#[from] DbError),
+    /// A file or socket operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// The server's settings (the `kiln serve` flags).
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// The state directory: `kiln.db` (SQLite) and `blobs/` (build contexts).
+    pub state_dir: PathBuf,
+    /// A PostgreSQL URL (`postgres://...`) for the database instead of `kiln.db`.
+    pub database: Option<String>,
+    /// Builds run at once by this server, all workspaces together.
+    pub workers: usize,
+    /// Largest context tarball accepted, bytes (default 1 GiB).
+    pub max_context_bytes: u64,
+    /// Largest unpacked context, bytes: the sum of the tarball's file sizes (default 4 GiB).
+    pub max_unpacked_bytes: u64,
+    /// How long an `Idempotency-Key` names its build (default 24 h, as Stripe's API keeps
+    /// keys).
+    pub idempotency_window: Duration,
+    /// After SIGTERM, how long running builds may go on before they are cancelled
+    /// (default 60 s).
+    pub shutdown_grace: Duration,
+}
+
+impl ServiceConfig {
+    /// Defaults for the state directory `state_dir`: SQLite, 2 workers, 1 GiB contexts, 4 GiB
+    /// unpacked, 24 h idempotency window, 60 s shutdown grace.
+    pub fn new(state_dir: PathBuf) -> Self {
+        ServiceConfig {
+            state_dir,
+            database: None,
+            workers: 2,
+            max_context_bytes: 1 << 30,
+            max_unpacked_bytes: 4 << 30,
+            idempotency_window: Duration::from_secs(24 * 3600),
+            shutdown_grace: Duration::from_secs(60),
+        }
+    }
+
+    /// The SQLite database file.
+    pub fn db_path(&self) -> PathBuf {
+        self.state_dir.join("kiln.db")
+    }
+}
+
+/// What the handlers and workers share.
+#[derive(Clone)]
+pub struct AppState {
+    /// The settings.
+    pub config: Arc<ServiceConfig>,
+    /// The database.
+    pub db: Db,
+    /// The pipeline's setup (store, caches, registry, boot assets).
+    pub setup: Setup,
+    /// The uploaded contexts.
+    pub blobs: context::BlobDir,
+    /// Wakes idle workers when a build is queued.
+    pub queued: Arc<tokio::sync::Notify>,
+    /// In-process metrics.
+    pub metrics: Arc<metrics::Metrics>,
+    /// Cancellation tokens of the builds running in this process, by build id.
+    pub running: Arc<std::sync::Mutex<std::collections::HashMap<String, CancellationToken>>>,
+    /// Fired when the server stops accepting (SIGTERM): `/readyz` fails, workers claim no
+    /// more builds.
+    pub stopping: CancellationToken,
+}
+
+/// Runs the server on `listener` until `shutdown` fires, then stops accepting, lets running
+/// builds go on for [`ServiceConfig::shutdown_grace`] and cancels those still running
+/// (failed, "server shutdown"; no tag moved).
+///
+/// At start, builds a previous process left running end failed with "server stopped during
+/// the build" (one node owns the SQLite database), so every accepted build reaches a
+/// terminal state.
+pub async fn serve(
+    config: ServiceConfig,
+    setup: Setup,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), ServiceError> {
+    std::fs::create_dir_all(&config.state_dir).map_err(|source| ServiceError::Io {
+        what: format!("creating {}", config.state_dir.display()),
+        source,
+    })?;
+    // Build directories a killed server left behind (unpacked contexts).
+    let work = config.state_dir.join("work");
+    if work.exists() {
+        std::fs::remove_dir_all(&work).map_err(|source| ServiceError::Io {
+            what: format!("removing {}", work.display()),
+            source,
+        })?;
+    }
+    let db = match &config.database {
+        Some(url) => Db::connect(url).await?,
+        None => Db::open(&config.db_path()).await?,
+    };
+    // SQLite has one node: whatever was running, its server is gone. A shared PostgreSQL
+    // database: only what this host's previous server ran.
+    let owner = match db.backend() {
+        db::Backend::Sqlite => String::new(),
+        db::Backend::Postgres => worker::host_prefix(),
+    };
+    let recovered = db.fail_running(db::SERVER_STOPPED, &owner).await?;
+    if recovered > 0 {
+        tracing::warn!(
+            recovered,
+            "builds left running by a stopped server marked failed"
+        );
+    }
+    let blobs = context::BlobDir::open(&config.state_dir.join("blobs")).map_err(|source| {
+        ServiceError::Io {
+            what: "opening the blob directory".into(),
+            source,
+        }
+    })?;
+    let state = AppState {
+        config: Arc::new(config),
+        db,
+        setup,
+        blobs,
+        queued: Arc::new(tokio::sync::Notify::new()),
+        metrics: Arc::new(metrics::Metrics::default()),
+        running: Arc::default(),
+        stopping: CancellationToken::new(),
+    };
+    let workers = worker::spawn_pool(state.clone());
+    let app = api::router(state.clone());
+    let stopping = state.stopping.clone();
+    let http = {
+        let stop = stopping.clone();
+        axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await })
+    };
+    let http = tokio::spawn(async move { http.await });
+    shutdown.cancelled().await;
+    tracing::info!("shutting down: no new builds accepted");
+    stopping.cancel();
+    state.queued.notify_waiters();
+    worker::shutdown(&state, workers).await;
+    // Open log streams end when their builds do; the listener closes after them.
+    let _ = http.await;
+    Ok(())
+}

@@ -1,0 +1,72 @@
+//! A workspace's tags in the store. The tenant writes `name:tag`; the store holds
+//! `<workspace>.<name>:<tag>`. Workspace ids (`[a-z0-9]+([_-][a-z0-9]+)*`, see
+//! [`workspace_id`]) hold no `.`, so the text before the first `.` of a stored name is
+//! always its workspace, and no tenant name reaches another workspace's names.
+
+use kiln_pipeline::WorkspaceId;
+use kiln_store::TagRef;
+
+/// Checks a workspace id: [`WorkspaceId`]'s grammar, and one that makes valid store names
+/// (no `_`/`-` at the end or doubled), at most 64 bytes.
+pub fn workspace_id(s: &str) -> Result<WorkspaceId, String> {
+    let id: WorkspaceId = s
+        .parse()
+        .map_err(|e: kiln_pipeline::PipelineError| e.to_string())?;
+    let ok = s.split(['_', '-']).all(|p| !p.is_empty());
+    if ok {
+        Ok(id)
+    } else {
+        Err(format!(
+            "workspace id {s:?}: expected [a-z0-9]+([_-][a-z0-9]+)*, at most 64 bytes"
+        ))
+    }
+}
+
+/// The store tag of the tenant tag `name:tag` of workspace `ws`. Errors: the grammar of
+/// [`TagRef`], or a name too long once prefixed.
+pub fn to_store(ws: &str, name: &str, tag: &str) -> Result<TagRef, String> {
+    TagRef::new(name, tag).map_err(|e| e.to_string())?;
+    TagRef::new(&format!("{ws}.{name}"), tag).map_err(|_| {
+        format!(
+            "invalid tag reference {name}:{tag}: name too long (at most {} bytes here)",
+            128usize.saturating_sub(ws.len() + 1)
+        )
+    })
+}
+
+/// The tenant's name of a stored name, when it is in workspace `ws`.
+pub fn from_store<'a>(ws: &str, stored: &'a str) -> Option<&'a str> {
+    stored.strip_prefix(ws)?.strip_prefix('.')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_stay_in_their_workspace() {
+        let t = to_store("acme", "app", "1").expect("valid");
+        assert_eq!(t.to_string(), "acme.app:1");
+        assert_eq!(from_store("acme", &t.name), Some("app"));
+        assert_eq!(from_store("acm", &t.name), None);
+        assert_eq!(from_store("acme-2", &t.name), None);
+        // A name with dots is still inside the workspace that wrote it.
+        let t = to_store("a", "b.app", "1").expect("valid");
+        assert_eq!(from_store("a", &t.name), Some("b.app"));
+        assert_eq!(from_store("b", &t.name), None);
+        for bad in ["../x", "a/b", "A", "", ".x", "x."] {
+            assert!(to_store("acme", bad, "1").is_err(), "{bad}");
+        }
+        assert!(to_store("acme", &"a".repeat(124), "1").is_err());
+    }
+
+    #[test]
+    fn workspace_ids() {
+        for ok in ["a", "acme", "a-b", "a_b-c1"] {
+            assert!(workspace_id(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "a-", "a--b", "a.b", "A", "-a", "a/b"] {
+            assert!(workspace_id(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,440 @@
+//! The worker pool: each worker claims the oldest queued build its workspace's concurrency
+//! cap allows ([`Db::claim`](crate::Db::claim): one claim per build), unpacks its context,
+//! runs it through [`kiln_pipeline::run`] with the namespace executor, writes its steps and
+//! log lines as they come, and ends it in a terminal state, after its last log line is
+//! stored (so a log stream that sees the end has every line).
+//!
+//! Cancellation: `POST /v1/builds/{id}/cancel` fires the build's token here and flags it in
+//! the database; a watcher also polls the flag (every 250 ms), so a cancel reaches the build
+//! whichever node took it. A cancelled build publishes nothing and moves no tag (the
+//! pipeline's guarantee).
+
+use std::error::Error as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kiln_pipeline::{
+    BuildRequest, CacheMountScope, ContextSource, Event, Limits, NetworkPolicy, Output,
+    PipelineError, Recipe, SnapshotRequest, TagMove,
+};
+use serde::{Deserialize, Serialize};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::AppState;
+use crate::api::StoredSpec;
+use crate::db::{self, BuildRow, LogLine, Record, StepRow, now_ms};
+
+/// What a succeeded build stored (the `result` column).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BuildResult {
+    /// The image manifest the tags name (with a snapshot: the one naming it).
+    pub image: Option<String>,
+    /// The image manifest before any snapshot.
+    pub published: Option<String>,
+    /// The snapshot manifest.
+    pub snapshot: Option<String>,
+    /// The OCI image manifest digest.
+    pub oci_manifest: String,
+    /// The ext4 image size, bytes.
+    pub disk_bytes: Option<u64>,
+    /// Steps that ran.
+    pub steps_run: usize,
+    /// Steps found in the build cache.
+    pub steps_cached: usize,
+}
+
+/// Why a build did not succeed (the `failure` column).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Failure {
+    /// The error, with its causes.
+    pub reason: String,
+    /// The failing step's `file:line`, when a step failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub location: Option<String>,
+    /// Its last log lines (at most 20).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub last_lines: Vec<String>,
+}
+
+/// Set when the shutdown grace period is over: builds cancelled then end failed with
+/// [`db::SERVER_SHUTDOWN`].
+static SHUTDOWN_CANCEL: AtomicBool = AtomicBool::new(false);
+
+/// Starts [`crate::ServiceConfig::workers`] workers.
+pub fn spawn_pool(state: AppState) -> Vec<JoinHandle<()>> {
+    (0..state.config.workers.max(1))
+        .map(|i| {
+            let state = state.clone();
+            let name = format!("{}-{}-{i}", hostname(), std::process::id());
+            tokio::spawn(async move { worker(state, name).await })
+        })
+        .collect()
+}
+
+/// After the server stopped accepting: waits up to the grace period for the workers to
+/// finish their builds, then cancels what still runs and waits for those to end.
+pub async fn shutdown(state: &AppState, workers: Vec<JoinHandle<()>>) {
+    let all = futures_util::future::join_all(workers);
+    tokio::pin!(all);
+    if tokio::time::timeout(state.config.shutdown_grace, &mut all)
+        .await
+        .is_err()
+    {
+        tracing::warn!("shutdown grace period over: cancelling running builds");
+        SHUTDOWN_CANCEL.store(true, Ordering::SeqCst);
+        let tokens: Vec<_> = lock(&state.running).values().cloned().collect();
+        for t in tokens {
+            t.cancel();
+        }
+        all.await;
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What the names of this host's workers start with: `<hostname>-`.
+pub fn host_prefix() -> String {
+    format!("{}-", hostname())
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+async fn worker(state: AppState, name: String) {
+    loop {
+        if state.stopping.is_cancelled() {
+            return;
+        }
+        match state.db.claim(&name).await {
+            Ok(Some(row)) => {
+                run_one(&state, row).await;
+                // A slot of the workspace is free: another worker may claim now.
+                state.queued.notify_one();
+            }
+            Ok(None) => {
+                tokio::select! {
+                    _ = state.queued.notified() => {}
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    _ = state.stopping.cancelled() => return,
+                }
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "claiming a build");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+/// The error and its causes, each once.
+fn chain(e: &PipelineError) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = c.source();
+    }
+    s
+}
+
+async fn run_one(state: &AppState, row: BuildRow) {
+    let id = row.id.clone();
+    let t0 = Instant::now();
+    let token = CancellationToken::new();
+    lock(&state.running).insert(id.clone(), token.clone());
+    let watcher = {
+        let (db, id, token) = (state.db.clone(), id.clone(), token.clone());
+        tokio::spawn(async move {
+            loop {
+                if db.cancel_requested(&id).await.unwrap_or(false) {
+                    token.cancel();
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        })
+    };
+    let work = state.config.state_dir.join("work");
+    let dir = std::fs::create_dir_all(&work)
+        .and_then(|_| tempfile::Builder::new().prefix(&id).tempdir_in(&work));
+    let outcome = match dir {
+        Ok(dir) => execute(state, &row, dir.path(), token).await,
+        Err(e) => Outcome::Failed(Failure {
+            reason: format!(
+                "creating the build's directory under {}: {e}",
+                work.display()
+            ),
+            ..Default::default()
+        }),
+    };
+    watcher.abort();
+    lock(&state.running).remove(&id);
+    let (st, image, result, failure) = match outcome {
+        Outcome::Succeeded(r) => (
+            "succeeded",
+            r.image.clone(),
+            serde_json::to_string(&r).ok(),
+            None,
+        ),
+        Outcome::Cancelled => (
+            "cancelled",
+            None,
+            None,
+            serde_json::to_string(&Failure {
+                reason: "cancelled".into(),
+                ..Default::default()
+            })
+            .ok(),
+        ),
+        Outcome::Failed(f) => ("failed", None, None, serde_json::to_string(&f).ok()),
+    };
+    match state
+        .db
+        .finish(
+            &id,
+            st,
+            image.as_deref(),
+            result.as_deref(),
+            failure.as_deref(),
+        )
+        .await
+    {
+        Ok(true) => state.metrics.finished(st, t0.elapsed()),
+        Ok(false) => tracing::warn!(build = %id, "build was no longer running when it ended"),
+        Err(e) => tracing::error!(build = %id, error = %e, "recording the end of a build"),
+    }
+}
+
+enum Outcome {
+    Succeeded(BuildResult),
+    Cancelled,
+    Failed(Failure),
+}
+
+async fn execute(
+    state: &AppState,
+    row: &BuildRow,
+    dir: &std::path::Path,
+    token: CancellationToken,
+) -> Outcome {
+    let failed = |reason: String| {
+        Outcome::Failed(Failure {
+            reason,
+            ..Default::default()
+        })
+    };
+    let spec: StoredSpec = match serde_json::from_str(&row.spec) {
+        Ok(s) => s,
+        Err(e) => return failed(format!("stored build spec: {e}")),
+    };
+    let ctx_dir = dir.join("context");
+    let context = match &row.context {
+        None => ContextSource::None,
+        Some(d) => {
+            let path = match state.blobs.path(d) {
+                Ok(p) => p,
+                Err(e) => return failed(e.to_string()),
+            };
+            let (dest, limit) = (ctx_dir.clone(), state.config.max_unpacked_bytes);
+            let r = tokio::task::spawn_blocking(move || {
+                std::fs::create_dir_all(&dest).map_err(|e| e.to_string())?;
+                crate::context::unpack(&path, &dest, limit).map_err(|e| e.to_string())
+            })
+            .await;
+            match r {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return failed(e),
+                Err(e) => return failed(format!("unpacking the context: {e}")),
+            }
+            let recipe_path = spec.recipe_in_context.then(|| ctx_dir.join(&spec.recipe));
+            match ContextSource::dir(&ctx_dir, recipe_path.as_deref()) {
+                Ok(c) => c,
+                Err(e) => return failed(chain(&e)),
+            }
+        }
+    };
+    let mut req = BuildRequest::new(
+        Recipe {
+            name: spec.recipe.clone(),
+            bytes: row.recipe.clone(),
+        },
+        context,
+    );
+    req.build_args = spec.build_args.clone();
+    req.target = spec.target.clone();
+    req.platform = spec.platform.clone();
+    req.no_cache = spec.no_cache;
+    req.network = if spec.network_host {
+        NetworkPolicy::AllowHost
+    } else {
+        NetworkPolicy::Sandboxed
+    };
+    req.limits = Limits {
+        timeout: Some(Duration::from_secs(spec.limits.timeout_secs)),
+        memory_bytes: Some(spec.limits.memory_mib << 20),
+        vcpus: Some(spec.limits.vcpus),
+    };
+    match row.workspace.parse() {
+        Ok(w) => req.cache_mounts = CacheMountScope::Workspace(w),
+        Err(e) => return failed(chain(&e)),
+    }
+    let mut tags = Vec::new();
+    for t in &spec.store_tags {
+        match t.parse() {
+            Ok(t) => tags.push(TagMove::force(t)),
+            Err(e) => return failed(format!("tag {t}: {e}")),
+        }
+    }
+    req.output = Output::Image {
+        tags,
+        snapshot: spec.snapshot.then(SnapshotRequest::default),
+    };
+    req.cancel = token.clone();
+
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Event>();
+    let writer = tokio::spawn(write_events(state.db.clone(), row.id.clone(), rx));
+    let r = kiln_pipeline::run(&state.setup, req, Arc::new(tx)).await;
+    // Every event is stored before the build ends.
+    let _ = writer.await;
+    match r {
+        Ok(report) => Outcome::Succeeded(BuildResult {
+            image: report.final_image().map(|d| d.to_string()),
+            published: report.image.as_ref().map(|i| i.manifest.to_string()),
+            snapshot: report.snapshot.as_ref().map(|s| s.snapshot.to_string()),
+            oci_manifest: report.oci_manifest.digest.clone(),
+            disk_bytes: report.image.as_ref().map(|i| i.disk_bytes),
+            steps_run: report.steps_run,
+            steps_cached: report.steps_cached,
+        }),
+        Err(PipelineError::Cancelled) if SHUTDOWN_CANCEL.load(Ordering::SeqCst) => {
+            failed(db::SERVER_SHUTDOWN.to_string())
+        }
+        Err(PipelineError::Cancelled) => Outcome::Cancelled,
+        Err(e) => {
+            let mut f = Failure {
+                reason: chain(&e),
+                ..Default::default()
+            };
+            if let Ok(steps) = state.db.steps(&row.id).await
+                && let Some(s) = steps
+                    .iter()
+                    .rev()
+                    .find(|s| !s.cached && s.finished_ms.is_none())
+            {
+                f.location = Some(s.location.clone());
+                f.last_lines = state
+                    .db
+                    .last_lines(&row.id, s.step, 20)
+                    .await
+                    .unwrap_or_default();
+            }
+            Outcome::Failed(f)
+        }
+    }
+}
+
+/// Stores a build's events in order: log lines numbered 1, 2, ..., steps as they start and
+/// end; batched, one transaction per batch.
+async fn write_events(
+    db: crate::Db,
+    id: String,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+) {
+    let mut seq = 0i64;
+    let mut batch = Vec::new();
+    while let Some(first) = rx.recv().await {
+        let mut next = Some(first);
+        while let Some(e) = next {
+            let now = now_ms();
+            let mut log = |step: Option<i64>, text: String, batch: &mut Vec<Record>| {
+                seq += 1;
+                batch.push(Record::Log(LogLine {
+                    seq,
+                    time_ms: now,
+                    step,
+                    text,
+                }));
+            };
+            match e {
+                Event::Warning { location, message } => {
+                    let text = match location {
+                        Some(l) => format!("warning: {l}: {message}"),
+                        None => format!("warning: {message}"),
+                    };
+                    log(None, text, &mut batch);
+                }
+                Event::StepStarted {
+                    step,
+                    stage,
+                    location,
+                    instruction,
+                } => batch.push(Record::Step(StepRow {
+                    step: step as i64,
+                    stage: stage as i64,
+                    location,
+                    instruction,
+                    cached: false,
+                    started_ms: now,
+                    finished_ms: None,
+                    layer: None,
+                })),
+                Event::CacheHit {
+                    step,
+                    stage,
+                    location,
+                    instruction,
+                } => batch.push(Record::Step(StepRow {
+                    step: step as i64,
+                    stage: stage as i64,
+                    location,
+                    instruction,
+                    cached: true,
+                    started_ms: now,
+                    finished_ms: Some(now),
+                    layer: None,
+                })),
+                Event::Log { step, text } => log(Some(step as i64), text, &mut batch),
+                Event::StepDone { step, layer, .. } => batch.push(Record::StepDone {
+                    step: step as i64,
+                    finished_ms: now,
+                    layer,
+                }),
+                Event::Published { image, .. } => {
+                    log(None, format!("published {image}"), &mut batch)
+                }
+                Event::Booting { image } => log(
+                    None,
+                    format!("booting {image} once for its snapshot"),
+                    &mut batch,
+                ),
+                Event::SnapshotStored { snapshot, .. } => {
+                    log(None, format!("snapshot {snapshot} stored"), &mut batch)
+                }
+                Event::Tagged { .. } | Event::Publishing | Event::Progress { .. } => {}
+            }
+            next = if batch.len() < 512 {
+                rx.try_recv().ok()
+            } else {
+                None
+            };
+        }
+        if !batch.is_empty() {
+            if let Err(e) = db.write_batch(&id, &batch).await {
+                tracing::error!(build = %id, error = %e, "storing build events");
+            }
+            batch.clear();
+        }
+    }
+}
