@@ -20,6 +20,7 @@
 //!   no tag has moved.
 
 pub mod event;
+pub mod nightly;
 pub mod report;
 pub mod request;
 
@@ -40,6 +41,7 @@ use kiln_vmm::SnapshotError;
 use kiln_vmm::snapshot::BootAssets;
 
 pub use event::{Event, EventSink};
+pub use nightly::{NightlyOutcome, NightlyReport, NightlyRequest, nightly};
 pub use report::{BuildReport, ChunkCounts, PublishedImage, SnapshotSummary, Times};
 pub use request::{
     BuildRequest, CacheMountScope, ContextSource, Executor, Limits, NetworkPolicy, Output, Recipe,
