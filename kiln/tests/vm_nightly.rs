@@ -6,7 +6,8 @@
 //! 3. another promotion moves the tag, then a night expecting the digest read before it:
 //!    exit 4, the tag stays where the other promotion put it, only the night's tag is set.
 //!
-//! Then `kiln nightly --rollback` twice walks the tag back through the nights. Needs what
+//! Each night's report is kept in the store beside the tag's history. Then `kiln nightly
+//! --rollback` twice walks the tag back through the nights. Needs what
 //! `ci/setup.sh` exports (`KILN_TEST_BUSYBOX_REF`, the guest kernel and initramfs).
 
 use std::path::Path;
@@ -180,6 +181,13 @@ fn vm_nightly_promotes_only_on_success() {
         rt.block_on(tag(&store, "bb:nightly-20261202")),
         Some(second)
     );
+
+    // Each night's report is kept beside the tag's history.
+    let kept = rt
+        .block_on(store.tag_reports(&"bb:latest".parse().unwrap()))
+        .expect("reports");
+    let outcomes: Vec<&Value> = kept.iter().map(|r| &r["outcome"]).collect();
+    assert_eq!(outcomes, ["failed", "promoted", "lost_race"], "{kept:?}");
 
     // Rollback: the newest night first (the tag names no night), then the one before it.
     for want in [second, first] {

@@ -16,6 +16,9 @@
 //!    tag does not move.
 //! 4. `keep`: with [`NightlyRequest::keep`], `nightly-*` tags beyond the newest N are
 //!    untagged (GC then collects their data).
+//!
+//! Whatever the outcome, the report is appended to the tag's reports in the store,
+//! `tags/<name>/<tag>~reports` beside its `~history` ([`Store::tag_reports`] reads them).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -196,8 +199,28 @@ pub fn nightly_day(tag: &str) -> Option<&str> {
 
 /// Runs one night (see the module doc). Every failure is in the report's outcome, with the
 /// step that failed; the error is only for a night that could not start (the tag could not
-/// be read, or the recipe's `smoke:` does not parse).
+/// be read, or the recipe's `smoke:` does not parse). The report is kept beside the tag's
+/// history ([`Store::append_tag_report`], JSON as [`NightlyReport`] serializes); a report
+/// that cannot be kept is a warning, not a failed night.
 pub async fn nightly(
+    setup: &Setup,
+    req: NightlyRequest,
+    events: Arc<dyn EventSink>,
+) -> Result<NightlyReport, PipelineError> {
+    let tag = req.tag.clone();
+    let report = night(setup, req, events).await?;
+    match serde_json::to_value(&report) {
+        Ok(v) => {
+            if let Err(e) = setup.store.append_tag_report(&tag, &v).await {
+                tracing::warn!(tag = %tag, error = %e, "keeping the nightly report");
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "serializing the nightly report"),
+    }
+    Ok(report)
+}
+
+async fn night(
     setup: &Setup,
     req: NightlyRequest,
     events: Arc<dyn EventSink>,
