@@ -2,7 +2,8 @@
 //! checks, three nights in one test to keep boots few:
 //! 1. a night whose smoke check fails: exit 1, the check's output in the error, no tag;
 //! 2. a night that passes: the tag and `NAME:nightly-YYYYMMDD` name the new image, which
-//!    names a snapshot; the JSON report has the chunk counts and the checks;
+//!    names a snapshot; the JSON report has the chunk counts and the checks; `--keep 1`
+//!    untags the older `nightly-*` tag;
 //! 3. another promotion moves the tag, then a night expecting the digest read before it:
 //!    exit 4, the tag stays where the other promotion put it, only the night's tag is set.
 //!
@@ -132,17 +133,29 @@ fn vm_nightly_promotes_only_on_success() {
         show(&ps)
     );
 
-    // 2. Every check passes: promoted.
+    // 2. Every check passes: promoted; `--keep 1` untags the older night (an older
+    // `nightly-*` tag set by hand here), not other tags.
+    for t in ["bb:nightly-20261101", "bb:keep-me"] {
+        let o = kiln(d, &["tag", &failed_image.to_string(), t]);
+        assert!(o.status.success(), "{}", show(&o));
+    }
     let good = recipe(
         d,
         &bb,
         "  - {command: cat /greeting, output: night}\n  - {command: [hostname], output: runtime-guest}\n  - {command: [sh, -c, \"exit 5\"], exit: 5}\n",
     );
-    let (o, r) = night(d, &good, "20261201", &["--keep", "2"]);
+    let (o, r) = night(d, &good, "20261201", &["--keep", "1"]);
     assert!(o.status.success(), "{}", show(&o));
     assert_eq!(r["outcome"], "promoted", "{r}");
     assert_eq!(r["previous"], Value::Null, "{r}");
     assert_eq!(r["checks"].as_array().map(Vec::len), Some(3), "{r}");
+    assert_eq!(
+        r["untagged"],
+        serde_json::json!(["bb:nightly-20261101"]),
+        "{r}"
+    );
+    assert_eq!(rt.block_on(tag(&store, "bb:nightly-20261101")), None);
+    assert_eq!(rt.block_on(tag(&store, "bb:keep-me")), Some(failed_image));
     assert!(r["disk"]["new_chunks"].as_u64().is_some(), "{r}");
     assert!(r["disk"]["reused_chunks"].as_u64().is_some(), "{r}");
     assert!(r["steps_run"].as_u64() >= Some(1), "no cache: {r}");
