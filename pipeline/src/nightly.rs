@@ -7,8 +7,9 @@
 //!    digest when upstream moved) and `no_cache` (no step is served from an earlier night's
 //!    build cache; the entries are still written). The snapshot is asked for; no tag moves.
 //! 2. `smoke`: one clone of the new snapshot ([`kiln_vmm::clone::start_clones_of`]), each
-//!    check run in it in order with [`kiln_vmm::exec::exec`] as the image's user, the clone
-//!    stopped afterwards whatever happened.
+//!    check run in it in order with [`kiln_vmm::exec::exec`] as the image's user (each at
+//!    most [`NightlyRequest::check_timeout`]), the clone stopped afterwards whatever
+//!    happened (a check that failed, timed out, or the request's cancel token).
 //! 3. `promote`: `NAME:nightly-YYYYMMDD` (the UTC day) is forced to the new image, then the
 //!    tag moves by compare-and-swap from the digest read when the night started
 //!    ([`NightlyRequest::expect`]); a tag that moved in between is
@@ -16,6 +17,11 @@
 //!    tag does not move.
 //! 4. `keep`: with [`NightlyRequest::keep`], `nightly-*` tags beyond the newest N are
 //!    untagged (GC then collects their data).
+//!
+//! Between the build and the promotion the new image is named by no tag and held by no
+//! lease (the build's lease ends with [`crate::run`]): a `kiln store gc` run in that window
+//! with a grace period shorter than the night could collect it, and the promotion would then
+//! fail (the store refuses a tag naming a missing manifest).
 //!
 //! Whatever the outcome, the report is appended to the tag's reports in the store,
 //! `tags/<name>/<tag>~reports` beside its `~history` ([`Store::tag_reports`] reads them).
@@ -64,6 +70,8 @@ pub struct NightlyRequest {
     pub clone_state_dir: PathBuf,
     /// Where materialized snapshots are cached.
     pub clone_cache_dir: PathBuf,
+    /// Time one smoke check may take; a check still running then fails the night.
+    pub check_timeout: Duration,
 }
 
 /// How a night ended.
@@ -374,7 +382,10 @@ async fn smoke(
         .first()
         .map(|c| c.id.clone())
         .ok_or_else(|| "starting a clone: none started".to_string())?;
-    let r = run_checks(&req.clone_state_dir, &id, checks, out).await;
+    let r = tokio::select! {
+        r = run_checks(&req.clone_state_dir, &id, checks, req.check_timeout, out) => r,
+        _ = req.build.cancel.cancelled() => Err("cancelled".to_string()),
+    };
     if let Err(e) = kiln_vmm::clone::stop(&req.clone_state_dir, &id).await {
         tracing::warn!(id = %id, error = %e, "stopping the smoke clone");
     }
@@ -385,23 +396,35 @@ async fn run_checks(
     state_dir: &std::path::Path,
     id: &str,
     checks: &[SmokeCheck],
+    timeout: Duration,
     out: &mut Vec<CheckResult>,
 ) -> Result<(), String> {
     for c in checks {
         let mut output = Vec::new();
-        let status = kiln_vmm::exec::exec(
-            state_dir,
-            id,
-            &ExecRequest {
-                argv: c.argv.clone(),
-                ..ExecRequest::default()
-            },
-            |_, data| {
-                let room = MAX_MATCHED_OUTPUT.saturating_sub(output.len());
-                output.extend_from_slice(&data[..data.len().min(room)]);
-            },
+        let status = tokio::time::timeout(
+            timeout,
+            kiln_vmm::exec::exec(
+                state_dir,
+                id,
+                &ExecRequest {
+                    argv: c.argv.clone(),
+                    ..ExecRequest::default()
+                },
+                |_, data| {
+                    let room = MAX_MATCHED_OUTPUT.saturating_sub(output.len());
+                    output.extend_from_slice(&data[..data.len().min(room)]);
+                },
+            ),
         )
         .await
+        .map_err(|_| {
+            format!(
+                "smoke check {} ({}) still running after {} s",
+                c.location,
+                c.argv.join(" "),
+                timeout.as_secs()
+            )
+        })?
         .map_err(|e| format!("{}: exec: {}", c.location, error_chain(&e)))?;
         let exit = status.exit_code();
         let text = String::from_utf8_lossy(&output).into_owned();

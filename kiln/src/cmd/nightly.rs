@@ -4,7 +4,8 @@
 //! a clone, then promote: `NAME:nightly-YYYYMMDD` (UTC) and the tag, moved by
 //! compare-and-swap from what it named when the night started. Prints the report (text, or
 //! one `nightly` JSON event with `--json`). Exit codes: 0 promoted; 1 a step or check failed
-//! (no tag moved); 4 the tag moved under the night (only the nightly tag was set).
+//! (no tag moved); 4 the tag moved under the night (only the nightly tag was set). Ctrl-C
+//! and SIGTERM cancel the night (nothing promoted, the smoke clone stopped).
 //!
 //! `kiln nightly --rollback --tag NAME:TAG` points the tag back at the previous night
 //! ([`kiln_pipeline::nightly::rollback`]).
@@ -69,6 +70,9 @@ pub struct Args {
     /// Seconds to wait for the ready check of the boot-once VM.
     #[arg(long = "ready-timeout", default_value_t = 600)]
     ready_timeout: u64,
+    /// Seconds one smoke check may take.
+    #[arg(long = "check-timeout", default_value_t = 120)]
+    check_timeout: u64,
     /// Progress output on stderr (as `kiln build`).
     #[arg(long, value_enum, default_value = "plain")]
     progress: Progress,
@@ -140,7 +144,24 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         },
         clone_state_dir: default_state_dir(),
         clone_cache_dir: default_cache_dir(),
+        check_timeout: std::time::Duration::from_secs(a.check_timeout),
     };
+    // Ctrl-C and SIGTERM cancel the night: the build or the checks stop, the smoke clone is
+    // stopped, no tag moves.
+    let token = req.build.cancel.clone();
+    let _signals = tokio::spawn(async move {
+        let Ok(mut term) =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        else {
+            return;
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        eprintln!("kiln: cancelling the night");
+        token.cancel();
+    });
     let events = super::build::printer(a.progress, false);
     let report = kiln_pipeline::nightly(&setup, req, events)
         .await
