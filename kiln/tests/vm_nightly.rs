@@ -5,7 +5,8 @@
 //!    names a snapshot; the JSON report has the chunk counts and the checks; `--keep 1`
 //!    untags the older `nightly-*` tag;
 //! 3. another promotion moves the tag, then a night expecting the digest read before it:
-//!    exit 4, the tag stays where the other promotion put it, only the night's tag is set.
+//!    exit 4, the tag stays where the other promotion put it, only the night's tag is set;
+//!    with `SOURCE_DATE_EPOCH` fixed in nights 2 and 3, night 3 stores no new ext4 chunk.
 //!
 //! Each night's report is kept in the store beside the tag's history. Then `kiln nightly
 //! --rollback` twice walks the tag back through the nights. Needs what
@@ -144,7 +145,8 @@ fn vm_nightly_promotes_only_on_success() {
         &bb,
         "  - {command: cat /greeting, output: night}\n  - {command: [hostname], output: runtime-guest}\n  - {command: [sh, -c, \"exit 5\"], exit: 5}\n",
     );
-    let (o, r) = night(d, &good, "20261201", &["--keep", "1"]);
+    let epoch = "SOURCE_DATE_EPOCH=1700000000";
+    let (o, r) = night(d, &good, "20261201", &["--keep", "1", "--build-arg", epoch]);
     assert!(o.status.success(), "{}", show(&o));
     assert_eq!(r["outcome"], "promoted", "{r}");
     assert_eq!(r["previous"], Value::Null, "{r}");
@@ -179,7 +181,14 @@ fn vm_nightly_promotes_only_on_success() {
         d,
         &good,
         "20261202",
-        &["--expect", &first.to_string(), "--keep", "2"],
+        &[
+            "--expect",
+            &first.to_string(),
+            "--keep",
+            "2",
+            "--build-arg",
+            epoch,
+        ],
     );
     assert_eq!(o.status.code(), Some(4), "{}", show(&o));
     assert_eq!(r["outcome"], "lost_race", "{r}");
@@ -189,6 +198,11 @@ fn vm_nightly_promotes_only_on_success() {
         show(&o)
     );
     let second: ManifestDigest = r["image"].as_str().expect("image").parse().unwrap();
+    // The same recipe, SOURCE_DATE_EPOCH fixed, nothing changed upstream: every step reran
+    // (no cache) and the ext4 image is made of the chunks the night before stored.
+    assert_eq!(r["steps_cached"], 0, "{r}");
+    assert_eq!(r["disk"]["new_chunks"], 0, "{r}");
+    assert!(r["disk"]["reused_chunks"].as_u64() > Some(0), "{r}");
     assert_eq!(rt.block_on(tag(&store, "bb:latest")), Some(failed_image));
     assert_eq!(
         rt.block_on(tag(&store, "bb:nightly-20261202")),
