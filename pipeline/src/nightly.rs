@@ -18,10 +18,8 @@
 //! 4. `keep`: with [`NightlyRequest::keep`], `nightly-*` tags beyond the newest N are
 //!    untagged (GC then collects their data).
 //!
-//! Between the build and the promotion the new image is named by no tag and held by no
-//! lease (the build's lease ends with [`crate::run`]): a `kiln store gc` run in that window
-//! with a grace period shorter than the night could collect it, and the promotion would then
-//! fail (the store refuses a tag naming a missing manifest).
+//! Between the build and the promotion the new image is named by no tag: the build's lease
+//! holds it (and everything it names) against GC until the night ends.
 //!
 //! Whatever the outcome, the report is appended to the tag's reports in the store,
 //! `tags/<name>/<tag>~reports` beside its `~history` ([`Store::tag_reports`] reads them).
@@ -237,13 +235,6 @@ async fn night(
     let checks = kiln_recipes::smoke_checks(&req.build.recipe.name, &req.build.recipe.bytes)
         .map_err(|e| PipelineError::Request(e.to_string()))?;
     let store = &setup.store;
-    let tag_err = |t: &TagRef| {
-        let tag = t.to_string();
-        move |e: StoreError| PipelineError::Tag {
-            tag,
-            source: Box::new(e),
-        }
-    };
     let previous = match req.expect {
         Some(e) => e,
         None => store
@@ -258,7 +249,7 @@ async fn night(
         .unwrap_or_else(|| utc_day(SystemTime::now()));
     let nightly_tag = TagRef::new(&req.tag.name, &format!("nightly-{day}"))
         .map_err(|e| PipelineError::Request(format!("day {day:?}: {e}")))?;
-    let mut report = NightlyReport {
+    let report = NightlyReport {
         tag: req.tag.to_string(),
         nightly_tag: nightly_tag.to_string(),
         previous,
@@ -273,14 +264,6 @@ async fn night(
         times_ms: NightlyTimes::default(),
         outcome: NightlyOutcome::Promoted,
     };
-    let fail = |mut r: NightlyReport, step: &str, message: String| {
-        r.outcome = NightlyOutcome::Failed {
-            step: step.to_string(),
-            message,
-        };
-        r.times_ms.total = ms(t0.elapsed());
-        Ok(r)
-    };
 
     // 1. Build with fresh inputs, boot once, snapshot; no tag.
     let mut build = req.build.clone();
@@ -290,10 +273,27 @@ async fn night(
         tags: Vec::new(),
         snapshot: Some(req.snapshot.clone()),
     };
-    let built: BuildReport = match crate::run(setup, build, events).await {
+    let (built, lease): (BuildReport, _) = match crate::run_leased(setup, build, events).await {
         Ok(b) => b,
-        Err(e) => return fail(report, "build", error_chain(&e)),
+        Err(e) => return fail(t0, report, "build", error_chain(&e)),
     };
+    // The build's lease holds the untagged image until the night is over.
+    let r = after_build(store, &req, &checks, built, nightly_tag, report, t0).await;
+    let _ = lease.release().await;
+    r
+}
+
+/// Smoke, promote, keep: everything after the build.
+async fn after_build(
+    store: &Store,
+    req: &NightlyRequest,
+    checks: &[SmokeCheck],
+    built: BuildReport,
+    nightly_tag: TagRef,
+    mut report: NightlyReport,
+    t0: Instant,
+) -> Result<NightlyReport, PipelineError> {
+    let previous = report.previous;
     report.image = built.final_image();
     report.snapshot = built.snapshot.as_ref().map(|s| s.snapshot);
     report.disk = built.image.as_ref().map(|i| i.disk);
@@ -309,20 +309,25 @@ async fn night(
     report.times_ms.publish = ms(built.times.publish);
     report.times_ms.snapshot = ms(built.times.snapshot);
     let Some(image) = report.image else {
-        return fail(report, "build", "the build made no image".into());
+        return fail(t0, report, "build", "the build made no image".into());
     };
 
     // 2. Smoke checks in one clone.
     let t = Instant::now();
-    let smoke = smoke(store, image, &req, &checks, &mut report.checks).await;
+    let smoke = smoke(store, image, req, checks, &mut report.checks).await;
     report.times_ms.smoke = ms(t.elapsed());
     if let Err(message) = smoke {
-        return fail(report, "smoke", message);
+        return fail(t0, report, "smoke", message);
     }
 
     // 3. Promote.
     if let Err(e) = store.force_tag(&nightly_tag, image).await {
-        return fail(report, "promote", error_chain(&tag_err(&nightly_tag)(e)));
+        return fail(
+            t0,
+            report,
+            "promote",
+            error_chain(&tag_err(&nightly_tag)(e)),
+        );
     }
     match store.set_tag(&req.tag, previous, image).await {
         Ok(()) => {}
@@ -335,18 +340,42 @@ async fn night(
             report.times_ms.total = ms(t0.elapsed());
             return Ok(report);
         }
-        Err(e) => return fail(report, "promote", error_chain(&tag_err(&req.tag)(e))),
+        Err(e) => return fail(t0, report, "promote", error_chain(&tag_err(&req.tag)(e))),
     }
 
     // 4. Keep the newest N nights.
     if let Some(n) = req.keep {
         match prune(store, &req.tag.name, n).await {
             Ok(u) => report.untagged = u,
-            Err(e) => return fail(report, "keep", error_chain(&e)),
+            Err(e) => return fail(t0, report, "keep", error_chain(&e)),
         }
     }
     report.times_ms.total = ms(t0.elapsed());
     Ok(report)
+}
+
+/// `e` from moving or reading the tag `t`.
+fn tag_err(t: &TagRef) -> impl FnOnce(StoreError) -> PipelineError {
+    let tag = t.to_string();
+    move |e| PipelineError::Tag {
+        tag,
+        source: Box::new(e),
+    }
+}
+
+/// `r` ended by a failure of `step`.
+fn fail(
+    t0: Instant,
+    mut r: NightlyReport,
+    step: &str,
+    message: String,
+) -> Result<NightlyReport, PipelineError> {
+    r.outcome = NightlyOutcome::Failed {
+        step: step.to_string(),
+        message,
+    };
+    r.times_ms.total = ms(t0.elapsed());
+    Ok(r)
 }
 
 /// `e` and its sources, `: `-joined.
