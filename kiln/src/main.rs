@@ -64,6 +64,8 @@ enum Command {
     Stop(cmd::stop::Args),
     /// Run a command in a running clone; exits with its exit code (125/126/127: see README).
     Exec(cmd::exec::Args),
+    /// Rebuild an image with fresh inputs, smoke-test a clone, promote its tag on success.
+    Nightly(Box<cmd::nightly::Args>),
     /// Store maintenance and copies between stores.
     #[command(subcommand)]
     Store(cmd::store::Command),
@@ -122,6 +124,7 @@ fn main() -> ExitCode {
         Command::Ps(a) => cmd::run(&out, async |out| cmd::ps::run(out, a).await),
         Command::Stop(a) => cmd::run(&out, async |out| cmd::stop::run(out, a).await),
         Command::Exec(a) => cmd::exec::main(&out, a),
+        Command::Nightly(a) => cmd::run(&out, async |out| cmd::nightly::run(out, *a).await),
         Command::Store(c) => cmd::run(&out, async |out| cmd::store::run(out, c).await),
         Command::Images(a) => cmd::run(&out, async |out| cmd::images::run(out, a).await),
         Command::Inspect(a) => cmd::run(&out, async |out| cmd::inspect::run(out, a).await),

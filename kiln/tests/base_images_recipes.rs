@@ -132,3 +132,26 @@ fn default_recipe_plans_the_sandbox_shape() {
             .contains("userdel --remove ubuntu")
     );
 }
+
+#[test]
+fn debian_recipe_smoke_checks_cover_the_sandbox_spec() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../base-images/debian.yaml");
+    let bytes = std::fs::read(path).unwrap();
+    let checks = kiln_recipes::smoke_checks("debian.yaml", &bytes).unwrap();
+    let all: Vec<String> = checks.iter().map(|c| c.argv.join(" ")).collect();
+    for want in [
+        "python3 --version",
+        "node --version",
+        "bun --version",
+        "uv --version",
+        "git --version",
+        "whoami",
+        "$HOME",
+        "/workspace/.local/bin:",
+        "sudo -n true",
+        "hostname",
+    ] {
+        assert!(all.iter().any(|c| c.contains(want)), "{want:?} not checked");
+    }
+    assert!(checks.iter().all(|c| c.exit == 0));
+}

@@ -20,6 +20,7 @@
 //!   no tag has moved.
 
 pub mod event;
+pub mod nightly;
 pub mod report;
 pub mod request;
 
@@ -40,6 +41,7 @@ use kiln_vmm::SnapshotError;
 use kiln_vmm::snapshot::BootAssets;
 
 pub use event::{Event, EventSink};
+pub use nightly::{NightlyOutcome, NightlyReport, NightlyRequest, nightly};
 pub use report::{BuildReport, ChunkCounts, PublishedImage, SnapshotSummary, Times};
 pub use request::{
     BuildRequest, CacheMountScope, ContextSource, Executor, Limits, NetworkPolicy, Output, Recipe,
@@ -228,6 +230,20 @@ pub async fn run(
     req: BuildRequest,
     events: Arc<dyn EventSink>,
 ) -> Result<BuildReport, PipelineError> {
+    let (report, lease) = run_leased(setup, req, events).await?;
+    let _ = lease.release().await;
+    Ok(report)
+}
+
+/// [`run`], returning the build's lease still held (it holds the image, its snapshot and
+/// every blob and chunk they name against GC) for a caller that tags later: the nightly job
+/// smoke-tests the image before any tag names it. The caller releases it (else it expires
+/// with the build's time limit plus an hour). On an error the lease is released.
+pub(crate) async fn run_leased(
+    setup: &Setup,
+    req: BuildRequest,
+    events: Arc<dyn EventSink>,
+) -> Result<(BuildReport, Arc<kiln_store::lease::Lease>), PipelineError> {
     let t0 = Instant::now();
     let mut times = Times::default();
     let cancel = req.cancel.clone();
@@ -307,10 +323,15 @@ pub async fn run(
     .await?;
     times.build = t.elapsed();
     let r = finish(setup, &req, &out, &events, &mut times).await;
-    let _ = out.lease.release().await;
-    let (image, snapshot, tags) = r?;
+    let (image, snapshot, tags) = match r {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = out.lease.release().await;
+            return Err(e);
+        }
+    };
     times.total = t0.elapsed();
-    Ok(BuildReport {
+    let report = BuildReport {
         oci_manifest: out.image.oci_manifest.clone(),
         config: out.image.config.clone(),
         layers: out.image.layers.clone(),
@@ -321,7 +342,8 @@ pub async fn run(
         snapshot,
         tags,
         times,
-    })
+    };
+    Ok((report, out.lease.clone()))
 }
 
 /// Lowers `req`'s recipe with its target, build args, platform and disk size, as `kiln plan`

@@ -136,6 +136,17 @@ pub fn load_yaml(path: &str, bytes: &[u8], options: &Options) -> Result<BuildPla
     yaml::lower(path, text, options)
 }
 
+/// The `smoke:` checks of the YAML recipe `bytes` named `path` ([`yaml::smoke_checks`]);
+/// a Dockerfile has none.
+pub fn smoke_checks(path: &str, bytes: &[u8]) -> Result<Vec<yaml::SmokeCheck>, RecipeError> {
+    if RecipeFormat::for_path(path) != RecipeFormat::Yaml {
+        return Ok(Vec::new());
+    }
+    check_size(path, bytes)?;
+    let text = std::str::from_utf8(bytes).map_err(|e| utf8_error(path, bytes, e.valid_up_to()))?;
+    yaml::smoke_checks(path, text)
+}
+
 fn utf8_error(path: &str, bytes: &[u8], valid_up_to: usize) -> RecipeError {
     // The prefix up to `valid_up_to` is valid UTF-8 by definition of `valid_up_to`.
     let text = std::str::from_utf8(&bytes[..valid_up_to]).unwrap_or("");

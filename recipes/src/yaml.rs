@@ -27,6 +27,10 @@
 //! disk_mib: 4096                   # sandbox disk size, MiB
 //! network: none                    # network during commands: default | none
 //! limits: {timeout: 10m, memory: 512MiB}   # may only lower the 15 min / 1 GiB defaults
+//! smoke:                           # checks `kiln nightly` runs in a clone before it promotes
+//!   - command: python3 --version   # string: /bin/sh -c; list: argv
+//!     output: "Python 3"           # optional: a substring of stdout + stderr
+//!   - {command: ["sudo", "-n", "true"], exit: 0}   # exit: expected code (default 0)
 //! ```
 //!
 //! Unknown keys are errors. Values are taken literally: no `$VAR` substitution (commands
@@ -34,7 +38,8 @@
 //!
 //! A recipe lowers exactly as this Dockerfile would (see the tests): `FROM`, one `ARG` per
 //! arg, one `COPY` per file, `ENV`, one `RUN` per command, `USER`, `WORKDIR`, `LABEL`s,
-//! `LABEL kiln.disk-mib`, `HEALTHCHECK` for `ready`, `CMD` for `start`.
+//! `LABEL kiln.disk-mib`, `HEALTHCHECK` for `ready`, `CMD` for `start`. `smoke:` is not
+//! part of the image: [`smoke_checks`] reads it for the nightly job.
 
 use std::collections::BTreeMap;
 
@@ -120,6 +125,57 @@ pub struct Recipe {
     pub network: Option<NetworkSpec>,
     /// Build limits.
     pub limits: Option<Spanned<LimitsSpec>>,
+    /// Smoke checks run in a clone by the nightly job (not part of the image).
+    #[serde(default)]
+    pub smoke: Vec<Spanned<SmokeSpec>>,
+}
+
+/// One entry of `smoke:`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SmokeSpec {
+    /// The command: a string runs under `/bin/sh -c`, a list is an argv.
+    pub command: CommandSpec,
+    /// The exit code it must end with (default 0).
+    #[serde(default)]
+    pub exit: i32,
+    /// A substring its stdout or stderr must contain.
+    pub output: Option<String>,
+}
+
+/// A smoke check as the nightly job runs it: [`SmokeSpec`] checked and located.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SmokeCheck {
+    /// `file:line` of the entry, to name the check in reports.
+    pub location: String,
+    /// The argv (a shell string becomes `["/bin/sh", "-c", string]`).
+    pub argv: Vec<String>,
+    /// The exit code expected.
+    pub exit: i32,
+    /// A substring of stdout + stderr expected, when given.
+    pub output: Option<String>,
+}
+
+/// The `smoke:` checks of the YAML recipe `text` named `file`, in order (none when the key
+/// is absent). Errors: the recipe does not parse, or a check's command is empty.
+pub fn smoke_checks(file: &str, text: &str) -> Result<Vec<SmokeCheck>, RecipeError> {
+    let ctx = Ctx { file, text };
+    let recipe = parse(file, text)?;
+    let mut out = Vec::with_capacity(recipe.smoke.len());
+    for s in &recipe.smoke {
+        let at = ctx.at(s);
+        let argv = match command_line(&s.value.command).map_err(|e| ctx.err(at, e))? {
+            CommandLine::Shell(c) => vec!["/bin/sh".to_string(), "-c".to_string(), c],
+            CommandLine::Exec(v) => v,
+        };
+        out.push(SmokeCheck {
+            location: format!("{file}:{}", s.referenced.line()),
+            argv,
+            exit: s.value.exit,
+            output: s.value.output.clone(),
+        });
+    }
+    Ok(out)
 }
 
 /// `from:`: a string (image reference or `scratch`) or `{bootstrap: {...}}`.
@@ -416,13 +472,9 @@ fn reword_schema_message(message: &str) -> String {
     message.to_string()
 }
 
-/// Sentinel base replaced by the bootstrap spec after lowering.
-const BOOTSTRAP_SENTINEL: &str = "kiln-internal/bootstrap";
-
-/// Lowers the YAML recipe `text` named `file`.
-pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPlan, RecipeError> {
-    let ctx = Ctx { file, text };
-    let recipe: Recipe = serde_saphyr::from_str(text).map_err(|e| {
+/// Parses the YAML recipe `text` named `file` against the schema.
+fn parse(file: &str, text: &str) -> Result<Recipe, RecipeError> {
+    serde_saphyr::from_str(text).map_err(|e| {
         let (line, column) = e.location().map_or((1, 1), |l| (l.line(), l.column()));
         RecipeError::at_offset(
             file,
@@ -430,7 +482,16 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
             offset_of(text, line, column),
             RecipeErrorKind::Yaml(YamlError::Schema(schema_message(&e))),
         )
-    })?;
+    })
+}
+
+/// Sentinel base replaced by the bootstrap spec after lowering.
+const BOOTSTRAP_SENTINEL: &str = "kiln-internal/bootstrap";
+
+/// Lowers the YAML recipe `text` named `file`.
+pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPlan, RecipeError> {
+    let ctx = Ctx { file, text };
+    let recipe = parse(file, text)?;
 
     let mut instrs = Vec::new();
     let here = |offset: usize| offset..offset + 1;
@@ -939,6 +1000,42 @@ mod tests {
         );
         let e = yaml_err("from: x\nargs: {\"A=B\": x}\n");
         assert!(e.to_string().contains("args name"), "{e}");
+    }
+
+    #[test]
+    fn smoke_checks_are_read_and_checked() {
+        let text = "from: x\nsmoke:\n  - command: echo hi\n    output: hi\n  - {command: [\"false\"], exit: 1}\n";
+        let checks = crate::smoke_checks("r.yaml", text.as_bytes()).expect("smoke");
+        assert_eq!(
+            checks,
+            vec![
+                SmokeCheck {
+                    location: "r.yaml:3".into(),
+                    argv: vec!["/bin/sh".into(), "-c".into(), "echo hi".into()],
+                    exit: 0,
+                    output: Some("hi".into()),
+                },
+                SmokeCheck {
+                    location: "r.yaml:5".into(),
+                    argv: vec!["false".into()],
+                    exit: 1,
+                    output: None,
+                },
+            ]
+        );
+        // The image does not change with its checks: they lower to nothing.
+        load("r.yaml", text.as_bytes(), &Options::default()).expect("lowers");
+        let e = yaml_err("from: x\nsmoke:\n  - {command: x, expect: 1}\n");
+        assert_eq!(e.line, 3, "{e}");
+        assert!(e.to_string().contains("expect"), "{e}");
+        let e = crate::smoke_checks("r.yaml", b"from: x\nsmoke:\n  - command: []\n")
+            .expect_err("empty");
+        assert!(e.to_string().contains("may not be empty"), "{e}");
+        assert!(
+            crate::smoke_checks("Dockerfile", b"FROM x\n")
+                .unwrap()
+                .is_empty()
+        );
     }
 
     #[test]

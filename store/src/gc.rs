@@ -143,7 +143,7 @@ impl Store {
         // sweep everything only it keeps alive. (`list_tags` and `list_cache_entries` skip
         // such entries, so they are read here one by one.) Verify reports them instead.
         for o in self.backend.list("tags/").await? {
-            if o.key.ends_with("~history") {
+            if crate::tag::is_side_key(&o.key) {
                 continue;
             }
             let Some(t) = crate::TagRef::from_key(&o.key) else {

@@ -10,6 +10,7 @@
 //!   tags/<name>/<tag>         mutable: JSON {manifest, time, host}; moved by compare-and-swap
 //!                             (a `/` in the name is written `~2f`: `tags/myorg~2fapp/v1`)
 //!   tags/<name>/<tag>~history JSON lines: every move (time, host, previous, new)
+//!   tags/<name>/<tag>~reports JSON lines: reports kept beside the tag (the nightly job's)
 //!   refs/oci/<registry>/<repo..>/<tag>  mutable: `sha256:<hex>` of an OCI manifest/index blob
 //!   leases/<id>               JSON: expiry + keys an in-flight build/push relies on
 //!   cache/<key>               JSON: build-cache entry → layer blob digest, with its time

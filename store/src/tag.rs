@@ -177,6 +177,18 @@ impl TagRef {
         format!("{}~history", self.key())
     }
 
+    /// `tags/<name>/<tag>~reports` ([`Store::append_tag_report`]).
+    pub fn reports_key(&self) -> String {
+        format!("{}~reports", self.key())
+    }
+}
+
+/// Whether `key` is one of a tag's side objects (its history or its reports), not a tag.
+pub(crate) fn is_side_key(key: &str) -> bool {
+    key.ends_with("~history") || key.ends_with("~reports")
+}
+
+impl TagRef {
     /// The tag a key names (`None` for a history key or anything that is not a tag key:
     /// exactly `tags/<segment>/<segment>`, decoding to a valid name and tag, and written the
     /// one way [`TagRef::key`] writes it).
@@ -441,14 +453,54 @@ impl Store {
         // Serializing these plain types cannot fail.
         let mut line = serde_json::to_vec(&entry).unwrap_or_default();
         line.push(b'\n');
-        let key = t.history_key();
+        self.append_line(t.history_key(), &line).await
+    }
+
+    /// Appends one report (a JSON value, written as one line) to `t`'s reports,
+    /// `tags/<name>/<tag>~reports`: what the nightly job keeps of each night beside the
+    /// tag's history. Not copied by `kiln store push`; GC and verify leave it alone.
+    pub async fn append_tag_report(
+        &self,
+        t: &TagRef,
+        report: &serde_json::Value,
+    ) -> Result<(), StoreError> {
+        let mut line = serde_json::to_vec(report).unwrap_or_default();
+        line.push(b'\n');
+        self.append_line(t.reports_key(), &line).await
+    }
+
+    /// `t`'s reports ([`Store::append_tag_report`]), oldest first.
+    pub async fn tag_reports(&self, t: &TagRef) -> Result<Vec<serde_json::Value>, StoreError> {
+        let bytes = match self.backend.get(&t.reports_key()).await {
+            Ok(b) => b,
+            Err(e) if e.is_not_found() => return Ok(Vec::new()),
+            Err(e) => return Err(e.into()),
+        };
+        bytes
+            .split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty())
+            .map(|l| {
+                serde_json::from_slice(l).map_err(|e| {
+                    TagError::Corrupt {
+                        tag: t.clone(),
+                        store: self.url().to_string(),
+                        reason: format!("reports: {e}"),
+                    }
+                    .into()
+                })
+            })
+            .collect()
+    }
+
+    /// Appends `line` to the object `key` by compare-and-swap (a few attempts).
+    async fn append_line(&self, key: String, line: &[u8]) -> Result<(), StoreError> {
         for _ in 0..20 {
             let (mut bytes, version) = match self.backend.get_versioned(&key).await {
                 Ok((b, v)) => (b.to_vec(), Some(v)),
                 Err(e) if e.is_not_found() => (Vec::new(), None),
                 Err(e) => return Err(e.into()),
             };
-            bytes.extend_from_slice(&line);
+            bytes.extend_from_slice(line);
             match self
                 .backend
                 .compare_and_swap(&key, version.as_ref(), Bytes::from(bytes))

@@ -154,7 +154,7 @@ impl Store {
         // Tags, including corrupt ones (list_tags skips those).
         let mut roots: Vec<(ManifestDigest, Option<String>)> = Vec::new();
         for o in self.backend.list("tags/").await? {
-            if o.key.ends_with("~history") {
+            if crate::tag::is_side_key(&o.key) {
                 continue;
             }
             if !o.key.trim_start_matches("tags/").contains('/') {

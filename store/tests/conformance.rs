@@ -417,6 +417,18 @@ async fn tags_history_list_untag(f: Fixture) {
     let h2 = s.tag_history(&t2).await.unwrap();
     assert_eq!(h2.last().unwrap().new, None);
     assert_eq!(s.list_tags(None).await.unwrap().len(), 2);
+    // Reports beside a tag: kept in order, and no tag themselves (listing, verify and GC see
+    // only the tags).
+    let r = |n: u64| serde_json::json!({"night": n});
+    s.append_tag_report(&t1, &r(1)).await.unwrap();
+    s.append_tag_report(&t1, &r(2)).await.unwrap();
+    assert_eq!(s.tag_reports(&t1).await.unwrap(), vec![r(1), r(2)]);
+    assert!(s.tag_reports(&t3).await.unwrap().is_empty());
+    assert_eq!(s.list_tags(None).await.unwrap().len(), 2);
+    let v = s.verify(false, &GcOptions::default()).await.unwrap();
+    assert!(v.is_ok(), "{:?}", v.findings);
+    s.gc(&GcOptions::default()).await.unwrap();
+    assert_eq!(s.tag_reports(&t1).await.unwrap().len(), 2);
 }
 
 async fn list_by_prefix(f: Fixture) {

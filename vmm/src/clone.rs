@@ -209,9 +209,9 @@ struct Cached {
 
 async fn snapshot_of(
     store: &Store,
-    image_ref: &TagRef,
+    d: ManifestDigest,
+    image_ref: &str,
 ) -> Result<(ManifestDigest, SnapshotManifest), CloneError> {
-    let d = store.resolve_tag(image_ref).await?;
     let Manifest::Image(img) = store.get_manifest(&d).await? else {
         return Err(CloneError::NotAnImage(image_ref.to_string()));
     };
@@ -405,7 +405,21 @@ pub async fn start_clones(
     image_ref: &TagRef,
     opts: &CloneOptions,
 ) -> Result<Vec<CloneRecord>, CloneError> {
-    let (digest, snap) = snapshot_of(store, image_ref).await?;
+    let d = store.resolve_tag(image_ref).await?;
+    start_clones_of(store, d, &image_ref.to_string(), opts).await
+}
+
+/// [`start_clones`] of the image manifest `image` itself (no tag needs to name it; the
+/// nightly job smoke-tests an image before any tag moves); `name` is what the clone records
+/// say it is a clone of.
+pub async fn start_clones_of(
+    store: &Store,
+    image: ManifestDigest,
+    name: &str,
+    opts: &CloneOptions,
+) -> Result<Vec<CloneRecord>, CloneError> {
+    let image_ref = name;
+    let (digest, snap) = snapshot_of(store, image, image_ref).await?;
     let host = Host::detect().await?;
     let cached = materialize(store, &digest, &snap, &opts.cache_dir, true).await?;
     let accel = match opts.accel {
@@ -475,7 +489,7 @@ async fn start_one(
     accel: Accel,
     snap: &SnapshotManifest,
     digest: &ManifestDigest,
-    image_ref: &TagRef,
+    image_ref: &str,
     cached: &Cached,
     clones_dir: &Path,
     opts: &CloneOptions,

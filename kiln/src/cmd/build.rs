@@ -182,7 +182,7 @@ fn locate(a: &Args) -> (PathBuf, PathBuf) {
 /// The build's display for `--progress`: pipeline events as buildx-like lines on stderr;
 /// with the global `--json` (`json`), every step event is a JSON line on stdout instead (the
 /// `--progress rawjson` objects), whatever `--progress` says.
-fn printer(progress: Progress, json: bool) -> Arc<dyn EventSink> {
+pub(crate) fn printer(progress: Progress, json: bool) -> Arc<dyn EventSink> {
     let mode = match progress {
         Progress::Auto if std::io::stderr().is_terminal() => Progress::Tty,
         Progress::Auto => Progress::Plain,

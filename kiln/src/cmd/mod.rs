@@ -11,6 +11,7 @@ pub mod import;
 pub mod inspect;
 pub mod kernel;
 pub mod login;
+pub mod nightly;
 pub mod plan;
 pub mod progress;
 pub mod ps;

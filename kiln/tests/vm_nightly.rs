@@ -1,0 +1,232 @@
+//! `kiln nightly` end to end (as root, real TCG boots) on a busybox YAML recipe with smoke
+//! checks, three nights in one test to keep boots few:
+//! 1. a night whose smoke check fails: exit 1, the check's output in the error, no tag;
+//! 2. a night that passes: the tag and `NAME:nightly-YYYYMMDD` name the new image, which
+//!    names a snapshot; the JSON report has the chunk counts and the checks; `--keep 1`
+//!    untags the older `nightly-*` tag;
+//! 3. another promotion moves the tag, then a night expecting the digest read before it:
+//!    exit 4, the tag stays where the other promotion put it, only the night's tag is set;
+//!    with `SOURCE_DATE_EPOCH` fixed in nights 2 and 3, night 3 stores no new ext4 chunk.
+//!
+//! Each night's report is kept in the store beside the tag's history. Then `kiln nightly
+//! --rollback` twice walks the tag back through the nights. Needs what
+//! `ci/setup.sh` exports (`KILN_TEST_BUSYBOX_REF`, the guest kernel and initramfs).
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use kiln_store::{Manifest, ManifestDigest, Store, TagRef};
+use kiln_tests::require_env;
+use kiln_tests::vm::guest_assets;
+use serde_json::Value;
+
+fn kiln(dir: &Path, args: &[&str]) -> Output {
+    let a = guest_assets();
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .env("KILN_STORE", dir.join("store"))
+        .env("KILN_STATE_DIR", dir.join("state"))
+        .env("KILN_SNAPSHOT_CACHE", dir.join("cache"))
+        .env("KILN_KERNEL", &a.kernel)
+        .env("KILN_INITRAMFS", &a.initramfs)
+        .env("TMPDIR", dir)
+        .output()
+        .expect("run kiln")
+}
+
+fn show(o: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A busybox recipe with a start command, a ready check and `smoke`.
+fn recipe(dir: &Path, bb: &str, smoke: &str) -> String {
+    let ctx = dir.join("ctx");
+    std::fs::create_dir_all(&ctx).expect("mkdir");
+    let f = ctx.join("nightly.yaml");
+    std::fs::write(
+        &f,
+        format!(
+            "from: {bb}\n\
+             commands:\n  - echo night > /greeting\n\
+             start:\n  command: [sh, -c, \"touch /tmp/up; exec sleep 1000000\"]\n\
+             ready:\n  command: test -e /tmp/up\n  interval: 100ms\n  retries: 300\n\
+             smoke:\n{smoke}"
+        ),
+    )
+    .expect("write");
+    f.to_str().expect("utf-8").to_string()
+}
+
+/// `kiln --json nightly RECIPE --tag bb:latest --day DAY EXTRA...`: the output and the
+/// `nightly` report event.
+fn night(dir: &Path, recipe: &str, day: &str, extra: &[&str]) -> (Output, Value) {
+    let mut args = vec![
+        "--json",
+        "nightly",
+        recipe,
+        "--tag",
+        "bb:latest",
+        "--day",
+        day,
+        "--memory-mib",
+        "256",
+    ];
+    args.extend_from_slice(extra);
+    let o = kiln(dir, &args);
+    let report = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["event"] == "nightly")
+        .unwrap_or_else(|| panic!("no nightly report: {}", show(&o)));
+    (o, report)
+}
+
+async fn tag(store: &Store, t: &str) -> Option<ManifestDigest> {
+    let t: TagRef = t.parse().expect("tag");
+    store
+        .get_tag(&t)
+        .await
+        .expect("get tag")
+        .map(|r| r.manifest)
+}
+
+#[test]
+fn vm_nightly_promotes_only_on_success() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let store = rt
+        .block_on(Store::open(d.join("store").to_str().expect("utf-8")))
+        .expect("store");
+
+    // 1. A failing check: nothing promoted, the check's output said.
+    let bad = recipe(
+        d,
+        &bb,
+        "  - {command: cat /greeting, output: night}\n  - command: echo smoke-says-no; exit 3\n",
+    );
+    let (o, r) = night(d, &bad, "20261130", &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("smoke-says-no"), "{}", show(&o));
+    assert!(stderr.contains("exited 3, expected 0"), "{}", show(&o));
+    assert_eq!(r["outcome"], "failed", "{r}");
+    assert_eq!(r["step"], "smoke", "{r}");
+    assert_eq!(r["checks"][0]["passed"], true, "{r}");
+    assert_eq!(r["checks"][1]["passed"], false, "{r}");
+    let failed_image: ManifestDigest = r["image"].as_str().expect("image").parse().unwrap();
+    assert_eq!(rt.block_on(tag(&store, "bb:latest")), None);
+    assert_eq!(rt.block_on(tag(&store, "bb:nightly-20261130")), None);
+    let ps = kiln(d, &["--json", "ps"]);
+    assert!(
+        !String::from_utf8_lossy(&ps.stdout).contains("\"id\""),
+        "the smoke clone was stopped: {}",
+        show(&ps)
+    );
+
+    // 2. Every check passes: promoted; `--keep 1` untags the older night (an older
+    // `nightly-*` tag set by hand here), not other tags.
+    for t in ["bb:nightly-20261101", "bb:keep-me"] {
+        let o = kiln(d, &["tag", &failed_image.to_string(), t]);
+        assert!(o.status.success(), "{}", show(&o));
+    }
+    let good = recipe(
+        d,
+        &bb,
+        "  - {command: cat /greeting, output: night}\n  - {command: [hostname], output: runtime-guest}\n  - {command: [sh, -c, \"exit 5\"], exit: 5}\n",
+    );
+    let epoch = "SOURCE_DATE_EPOCH=1700000000";
+    let (o, r) = night(d, &good, "20261201", &["--keep", "1", "--build-arg", epoch]);
+    assert!(o.status.success(), "{}", show(&o));
+    assert_eq!(r["outcome"], "promoted", "{r}");
+    assert_eq!(r["previous"], Value::Null, "{r}");
+    assert_eq!(r["checks"].as_array().map(Vec::len), Some(3), "{r}");
+    assert_eq!(
+        r["untagged"],
+        serde_json::json!(["bb:nightly-20261101"]),
+        "{r}"
+    );
+    assert_eq!(rt.block_on(tag(&store, "bb:nightly-20261101")), None);
+    assert_eq!(rt.block_on(tag(&store, "bb:keep-me")), Some(failed_image));
+    assert!(r["disk"]["new_chunks"].as_u64().is_some(), "{r}");
+    assert!(r["disk"]["reused_chunks"].as_u64().is_some(), "{r}");
+    assert!(r["steps_run"].as_u64() >= Some(1), "no cache: {r}");
+    assert_eq!(r["steps_cached"], 0, "no cache: {r}");
+    let first: ManifestDigest = r["image"].as_str().expect("image").parse().unwrap();
+    assert_eq!(rt.block_on(tag(&store, "bb:latest")), Some(first));
+    assert_eq!(rt.block_on(tag(&store, "bb:nightly-20261201")), Some(first));
+    match rt.block_on(store.get_manifest(&first)).expect("manifest") {
+        Manifest::Image(m) => assert_eq!(
+            m.snapshot.map(|s| s.to_string()),
+            r["snapshot"].as_str().map(str::to_string)
+        ),
+        m => panic!("not an image: {m:?}"),
+    }
+
+    // 3. Another promotion between the night's start and its end: exit 4, nothing moved
+    // but the night's own tag.
+    let o = kiln(d, &["tag", &failed_image.to_string(), "bb:latest"]);
+    assert!(o.status.success(), "{}", show(&o));
+    let (o, r) = night(
+        d,
+        &good,
+        "20261202",
+        &[
+            "--expect",
+            &first.to_string(),
+            "--keep",
+            "2",
+            "--build-arg",
+            epoch,
+        ],
+    );
+    assert_eq!(o.status.code(), Some(4), "{}", show(&o));
+    assert_eq!(r["outcome"], "lost_race", "{r}");
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("moved during the night"),
+        "{}",
+        show(&o)
+    );
+    let second: ManifestDigest = r["image"].as_str().expect("image").parse().unwrap();
+    // The same recipe, SOURCE_DATE_EPOCH fixed, nothing changed upstream: every step reran
+    // (no cache) and the ext4 image is made of the chunks the night before stored.
+    assert_eq!(r["steps_cached"], 0, "{r}");
+    assert_eq!(r["disk"]["new_chunks"], 0, "{r}");
+    assert!(r["disk"]["reused_chunks"].as_u64() > Some(0), "{r}");
+    assert_eq!(rt.block_on(tag(&store, "bb:latest")), Some(failed_image));
+    assert_eq!(
+        rt.block_on(tag(&store, "bb:nightly-20261202")),
+        Some(second)
+    );
+
+    // Each night's report is kept beside the tag's history.
+    let kept = rt
+        .block_on(store.tag_reports(&"bb:latest".parse().unwrap()))
+        .expect("reports");
+    let outcomes: Vec<&Value> = kept.iter().map(|r| &r["outcome"]).collect();
+    assert_eq!(outcomes, ["failed", "promoted", "lost_race"], "{kept:?}");
+
+    // Rollback: the newest night first (the tag names no night), then the one before it.
+    for want in [second, first] {
+        let o = kiln(d, &["nightly", "--rollback", "--tag", "bb:latest"]);
+        assert!(o.status.success(), "{}", show(&o));
+        assert_eq!(rt.block_on(tag(&store, "bb:latest")), Some(want));
+    }
+    let o = kiln(d, &["nightly", "--rollback", "--tag", "bb:latest"]);
+    assert!(
+        !o.status.success(),
+        "no night before the first: {}",
+        show(&o)
+    );
+    assert_eq!(rt.block_on(tag(&store, "bb:latest")), Some(first));
+}

@@ -1,0 +1,562 @@
+//! The nightly rebuild of an image: [`nightly`] rebuilds a recipe with fresh inputs, boots
+//! it once and snapshots it, smoke-tests a clone with the recipe's `smoke:` checks, and only
+//! then promotes it; [`rollback`] points the tag back at the previous night.
+//!
+//! Steps of one night, in order (the first that fails ends the night and moves no tag):
+//! 1. `build`: [`crate::run`] with [`PullPolicy::Always`] (the base is resolved again: a new
+//!    digest when upstream moved) and `no_cache` (no step is served from an earlier night's
+//!    build cache; the entries are still written). The snapshot is asked for; no tag moves.
+//! 2. `smoke`: one clone of the new snapshot ([`kiln_vmm::clone::start_clones_of`]), each
+//!    check run in it in order with [`kiln_vmm::exec::exec`] as the image's user (each at
+//!    most [`NightlyRequest::check_timeout`]), the clone stopped afterwards whatever
+//!    happened (a check that failed, timed out, or the request's cancel token).
+//! 3. `promote`: `NAME:nightly-YYYYMMDD` (the UTC day) is forced to the new image, then the
+//!    tag moves by compare-and-swap from the digest read when the night started
+//!    ([`NightlyRequest::expect`]); a tag that moved in between is
+//!    [`NightlyOutcome::LostRace`]: the nightly tag stays (the night's image is kept), the
+//!    tag does not move.
+//! 4. `keep`: with [`NightlyRequest::keep`], `nightly-*` tags beyond the newest N are
+//!    untagged (GC then collects their data).
+//!
+//! Between the build and the promotion the new image is named by no tag: the build's lease
+//! holds it (and everything it names) against GC until the night ends.
+//!
+//! Whatever the outcome, the report is appended to the tag's reports in the store,
+//! `tags/<name>/<tag>~reports` beside its `~history` ([`Store::tag_reports`] reads them).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kiln_builder::base::PullPolicy;
+use kiln_recipes::yaml::SmokeCheck;
+use kiln_store::{ManifestDigest, Store, StoreError, TagError, TagRef};
+use kiln_vmm::clone::CloneOptions;
+use kiln_vmm::exec::ExecRequest;
+use serde::Serialize;
+
+use crate::{
+    BuildReport, BuildRequest, ChunkCounts, EventSink, Output, PipelineError, Setup,
+    SnapshotRequest,
+};
+
+/// Output of one check kept in the report, bytes (the last ones; the match sees at most
+/// [`MAX_MATCHED_OUTPUT`]).
+pub const MAX_REPORTED_OUTPUT: usize = 4096;
+/// Output of one check matched against its pattern, bytes (the first ones).
+pub const MAX_MATCHED_OUTPUT: usize = 1 << 20;
+
+/// One night: what to build and which tag it promotes.
+#[derive(Debug, Clone)]
+pub struct NightlyRequest {
+    /// The build: recipe, context, build args. Its pull policy, `no_cache` and output are
+    /// replaced (see the module doc).
+    pub build: BuildRequest,
+    /// The tag promoted, e.g. `default:latest`; the night is also kept as
+    /// `NAME:nightly-YYYYMMDD`.
+    pub tag: TagRef,
+    /// What the tag must hold for the promotion; `None`: what it holds when the night starts
+    /// (absent is allowed: the first night creates it).
+    pub expect: Option<Option<ManifestDigest>>,
+    /// The night's UTC day, `YYYYMMDD`; `None`: today ([`utc_day`]).
+    pub day: Option<String>,
+    /// Keep only the newest N `nightly-*` tags of the name after a promotion.
+    pub keep: Option<usize>,
+    /// The boot-once VM.
+    pub snapshot: SnapshotRequest,
+    /// Where the smoke clone is recorded and its snapshot cached.
+    pub clone_state_dir: PathBuf,
+    /// Where materialized snapshots are cached.
+    pub clone_cache_dir: PathBuf,
+    /// Time one smoke check may take; a check still running then fails the night.
+    pub check_timeout: Duration,
+}
+
+/// How a night ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum NightlyOutcome {
+    /// Every check passed and the tag moved.
+    Promoted,
+    /// A step failed (or a check did not pass); no tag moved.
+    Failed {
+        /// `build`, `smoke` or `promote`.
+        step: String,
+        /// Why, with the failing check's location and output.
+        message: String,
+    },
+    /// The tag no longer held the digest read when the night started: it did not move.
+    /// `NAME:nightly-YYYYMMDD` names the night's image.
+    LostRace {
+        /// The digest expected.
+        expected: Option<ManifestDigest>,
+        /// What the tag held.
+        actual: Option<ManifestDigest>,
+    },
+}
+
+/// One smoke check's result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CheckResult {
+    /// `file:line` of the check.
+    pub location: String,
+    /// Its argv.
+    pub argv: Vec<String>,
+    /// Exit code expected.
+    pub expected_exit: i32,
+    /// Exit code it ended with (128+N for signal N; 125–127 when it could not run).
+    pub exit: i32,
+    /// The substring expected, if any.
+    pub output_pattern: Option<String>,
+    /// Whether it passed.
+    pub passed: bool,
+    /// stdout and stderr as they arrived, lossy UTF-8, the last [`MAX_REPORTED_OUTPUT`]
+    /// bytes.
+    pub output: String,
+}
+
+/// What a night did: the digests, the chunks it stored, the checks and the outcome.
+#[derive(Debug, Clone, Serialize)]
+pub struct NightlyReport {
+    /// The tag promoted.
+    pub tag: String,
+    /// `NAME:nightly-YYYYMMDD`.
+    pub nightly_tag: String,
+    /// What the tag named when the night started (the digest the promotion expects).
+    pub previous: Option<ManifestDigest>,
+    /// The new image manifest that names the snapshot (what the tags name).
+    pub image: Option<ManifestDigest>,
+    /// The snapshot manifest.
+    pub snapshot: Option<ManifestDigest>,
+    /// The ext4 image's chunks: new to the store vs already there.
+    pub disk: Option<ChunkCounts>,
+    /// The snapshot's memory: raw bytes, non-zero bytes and stored (compressed) bytes.
+    pub snapshot_memory: Option<SnapshotBytes>,
+    /// Steps run and cached.
+    pub steps_run: usize,
+    /// Steps served from the build cache (0 unless a step has no network input).
+    pub steps_cached: usize,
+    /// The checks run (up to and including the first failure).
+    pub checks: Vec<CheckResult>,
+    /// `nightly-*` tags untagged by `keep`.
+    pub untagged: Vec<String>,
+    /// Phase times, milliseconds.
+    pub times_ms: NightlyTimes,
+    /// How it ended.
+    #[serde(flatten)]
+    pub outcome: NightlyOutcome,
+}
+
+/// Memory of the snapshot, bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SnapshotBytes {
+    /// Guest RAM.
+    pub memory: u64,
+    /// Not holes.
+    pub nonzero: u64,
+    /// Stored (zstd).
+    pub stored: u64,
+}
+
+/// Times of a night's phases, milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct NightlyTimes {
+    /// Resolve the bases.
+    pub resolve: u64,
+    /// Run the steps.
+    pub build: u64,
+    /// ext4 image and image manifest.
+    pub publish: u64,
+    /// Boot once and snapshot.
+    pub snapshot: u64,
+    /// Start the clone, run the checks, stop it.
+    pub smoke: u64,
+    /// The whole night.
+    pub total: u64,
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+/// The UTC day of `t` as `YYYYMMDD` (the proleptic Gregorian calendar; days from the civil
+/// algorithm in Howard Hinnant's "chrono-Compatible Low-Level Date Algorithms").
+pub fn utc_day(t: SystemTime) -> String {
+    let days = t
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() / 86400) as i64;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}{m:02}{d:02}")
+}
+
+/// Whether `tag` is a nightly tag, `nightly-YYYYMMDD`; returns the day.
+pub fn nightly_day(tag: &str) -> Option<&str> {
+    let d = tag.strip_prefix("nightly-")?;
+    (d.len() == 8 && d.bytes().all(|b| b.is_ascii_digit())).then_some(d)
+}
+
+/// Runs one night (see the module doc). Every failure is in the report's outcome, with the
+/// step that failed; the error is only for a night that could not start (the tag could not
+/// be read, or the recipe's `smoke:` does not parse). The report is kept beside the tag's
+/// history ([`Store::append_tag_report`], JSON as [`NightlyReport`] serializes); a report
+/// that cannot be kept is a warning, not a failed night.
+pub async fn nightly(
+    setup: &Setup,
+    req: NightlyRequest,
+    events: Arc<dyn EventSink>,
+) -> Result<NightlyReport, PipelineError> {
+    let tag = req.tag.clone();
+    let report = night(setup, req, events).await?;
+    match serde_json::to_value(&report) {
+        Ok(v) => {
+            if let Err(e) = setup.store.append_tag_report(&tag, &v).await {
+                tracing::warn!(tag = %tag, error = %e, "keeping the nightly report");
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "serializing the nightly report"),
+    }
+    Ok(report)
+}
+
+async fn night(
+    setup: &Setup,
+    req: NightlyRequest,
+    events: Arc<dyn EventSink>,
+) -> Result<NightlyReport, PipelineError> {
+    let t0 = Instant::now();
+    let checks = kiln_recipes::smoke_checks(&req.build.recipe.name, &req.build.recipe.bytes)
+        .map_err(|e| PipelineError::Request(e.to_string()))?;
+    let store = &setup.store;
+    let previous = match req.expect {
+        Some(e) => e,
+        None => store
+            .get_tag(&req.tag)
+            .await
+            .map_err(tag_err(&req.tag))?
+            .map(|r| r.manifest),
+    };
+    let day = req
+        .day
+        .clone()
+        .unwrap_or_else(|| utc_day(SystemTime::now()));
+    let nightly_tag = TagRef::new(&req.tag.name, &format!("nightly-{day}"))
+        .map_err(|e| PipelineError::Request(format!("day {day:?}: {e}")))?;
+    let report = NightlyReport {
+        tag: req.tag.to_string(),
+        nightly_tag: nightly_tag.to_string(),
+        previous,
+        image: None,
+        snapshot: None,
+        disk: None,
+        snapshot_memory: None,
+        steps_run: 0,
+        steps_cached: 0,
+        checks: Vec::new(),
+        untagged: Vec::new(),
+        times_ms: NightlyTimes::default(),
+        outcome: NightlyOutcome::Promoted,
+    };
+
+    // 1. Build with fresh inputs, boot once, snapshot; no tag.
+    let mut build = req.build.clone();
+    build.pull = PullPolicy::Always;
+    build.no_cache = true;
+    build.output = Output::Image {
+        tags: Vec::new(),
+        snapshot: Some(req.snapshot.clone()),
+    };
+    let (built, lease): (BuildReport, _) = match crate::run_leased(setup, build, events).await {
+        Ok(b) => b,
+        Err(e) => return fail(t0, report, "build", error_chain(&e)),
+    };
+    // The build's lease holds the untagged image until the night is over.
+    let r = after_build(store, &req, &checks, built, nightly_tag, report, t0).await;
+    let _ = lease.release().await;
+    r
+}
+
+/// Smoke, promote, keep: everything after the build.
+async fn after_build(
+    store: &Store,
+    req: &NightlyRequest,
+    checks: &[SmokeCheck],
+    built: BuildReport,
+    nightly_tag: TagRef,
+    mut report: NightlyReport,
+    t0: Instant,
+) -> Result<NightlyReport, PipelineError> {
+    let previous = report.previous;
+    report.image = built.final_image();
+    report.snapshot = built.snapshot.as_ref().map(|s| s.snapshot);
+    report.disk = built.image.as_ref().map(|i| i.disk);
+    report.snapshot_memory = built.snapshot.as_ref().map(|s| SnapshotBytes {
+        memory: s.memory_bytes,
+        nonzero: s.memory_nonzero_bytes,
+        stored: s.memory_stored_bytes,
+    });
+    report.steps_run = built.steps_run;
+    report.steps_cached = built.steps_cached;
+    report.times_ms.resolve = ms(built.times.resolve);
+    report.times_ms.build = ms(built.times.build);
+    report.times_ms.publish = ms(built.times.publish);
+    report.times_ms.snapshot = ms(built.times.snapshot);
+    let Some(image) = report.image else {
+        return fail(t0, report, "build", "the build made no image".into());
+    };
+
+    // 2. Smoke checks in one clone.
+    let t = Instant::now();
+    let smoke = smoke(store, image, req, checks, &mut report.checks).await;
+    report.times_ms.smoke = ms(t.elapsed());
+    if let Err(message) = smoke {
+        return fail(t0, report, "smoke", message);
+    }
+
+    // 3. Promote.
+    if let Err(e) = store.force_tag(&nightly_tag, image).await {
+        return fail(
+            t0,
+            report,
+            "promote",
+            error_chain(&tag_err(&nightly_tag)(e)),
+        );
+    }
+    match store.set_tag(&req.tag, previous, image).await {
+        Ok(()) => {}
+        // Already promoted by this image (a night rerun with nothing changed).
+        Err(StoreError::Tag(TagError::Stale { actual, .. })) if actual == Some(image) => {}
+        Err(StoreError::Tag(TagError::Stale {
+            expected, actual, ..
+        })) => {
+            report.outcome = NightlyOutcome::LostRace { expected, actual };
+            report.times_ms.total = ms(t0.elapsed());
+            return Ok(report);
+        }
+        Err(e) => return fail(t0, report, "promote", error_chain(&tag_err(&req.tag)(e))),
+    }
+
+    // 4. Keep the newest N nights.
+    if let Some(n) = req.keep {
+        match prune(store, &req.tag.name, n).await {
+            Ok(u) => report.untagged = u,
+            Err(e) => return fail(t0, report, "keep", error_chain(&e)),
+        }
+    }
+    report.times_ms.total = ms(t0.elapsed());
+    Ok(report)
+}
+
+/// `e` from moving or reading the tag `t`.
+fn tag_err(t: &TagRef) -> impl FnOnce(StoreError) -> PipelineError {
+    let tag = t.to_string();
+    move |e| PipelineError::Tag {
+        tag,
+        source: Box::new(e),
+    }
+}
+
+/// `r` ended by a failure of `step`.
+fn fail(
+    t0: Instant,
+    mut r: NightlyReport,
+    step: &str,
+    message: String,
+) -> Result<NightlyReport, PipelineError> {
+    r.outcome = NightlyOutcome::Failed {
+        step: step.to_string(),
+        message,
+    };
+    r.times_ms.total = ms(t0.elapsed());
+    Ok(r)
+}
+
+/// `e` and its sources, `: `-joined.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        let m = c.to_string();
+        if !s.contains(&m) {
+            s.push_str(": ");
+            s.push_str(&m);
+        }
+        src = c.source();
+    }
+    s
+}
+
+/// Starts one clone of `image`, runs `checks` in it until one fails (recording each in
+/// `out`), stops the clone. Errors: the message naming the failure.
+async fn smoke(
+    store: &Store,
+    image: ManifestDigest,
+    req: &NightlyRequest,
+    checks: &[SmokeCheck],
+    out: &mut Vec<CheckResult>,
+) -> Result<(), String> {
+    let mut opts = CloneOptions::new(req.clone_state_dir.clone(), req.clone_cache_dir.clone());
+    opts.count = 1;
+    let clones = kiln_vmm::clone::start_clones_of(store, image, &req.tag.to_string(), &opts)
+        .await
+        .map_err(|e| format!("starting a clone: {}", error_chain(&e)))?;
+    let id = clones
+        .first()
+        .map(|c| c.id.clone())
+        .ok_or_else(|| "starting a clone: none started".to_string())?;
+    let r = tokio::select! {
+        r = run_checks(&req.clone_state_dir, &id, checks, req.check_timeout, out) => r,
+        _ = req.build.cancel.cancelled() => Err("cancelled".to_string()),
+    };
+    if let Err(e) = kiln_vmm::clone::stop(&req.clone_state_dir, &id).await {
+        tracing::warn!(id = %id, error = %e, "stopping the smoke clone");
+    }
+    r
+}
+
+async fn run_checks(
+    state_dir: &std::path::Path,
+    id: &str,
+    checks: &[SmokeCheck],
+    timeout: Duration,
+    out: &mut Vec<CheckResult>,
+) -> Result<(), String> {
+    for c in checks {
+        let mut output = Vec::new();
+        let status = tokio::time::timeout(
+            timeout,
+            kiln_vmm::exec::exec(
+                state_dir,
+                id,
+                &ExecRequest {
+                    argv: c.argv.clone(),
+                    ..ExecRequest::default()
+                },
+                |_, data| {
+                    let room = MAX_MATCHED_OUTPUT.saturating_sub(output.len());
+                    output.extend_from_slice(&data[..data.len().min(room)]);
+                },
+            ),
+        )
+        .await
+        .map_err(|_| {
+            format!(
+                "smoke check {} ({}) still running after {} s",
+                c.location,
+                c.argv.join(" "),
+                timeout.as_secs()
+            )
+        })?
+        .map_err(|e| format!("{}: exec: {}", c.location, error_chain(&e)))?;
+        let exit = status.exit_code();
+        let text = String::from_utf8_lossy(&output).into_owned();
+        let matched = c.output.as_ref().is_none_or(|p| text.contains(p.as_str()));
+        let passed = exit == c.exit && matched;
+        let tail = {
+            let mut start = text.len().saturating_sub(MAX_REPORTED_OUTPUT);
+            while !text.is_char_boundary(start) {
+                start += 1;
+            }
+            text[start..].to_string()
+        };
+        out.push(CheckResult {
+            location: c.location.clone(),
+            argv: c.argv.clone(),
+            expected_exit: c.exit,
+            exit,
+            output_pattern: c.output.clone(),
+            passed,
+            output: tail.clone(),
+        });
+        if !passed {
+            let why = if exit != c.exit {
+                format!("exited {exit}, expected {}", c.exit)
+            } else {
+                format!(
+                    "output does not contain {:?}",
+                    c.output.as_deref().unwrap_or("")
+                )
+            };
+            return Err(format!(
+                "smoke check {} ({}) failed: {why}; output:\n{tail}",
+                c.location,
+                c.argv.join(" ")
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The `nightly-*` tags of `name`, newest day first.
+async fn nights(store: &Store, name: &str) -> Result<Vec<(TagRef, ManifestDigest)>, StoreError> {
+    let mut v: Vec<_> = store
+        .list_tags(Some(name))
+        .await?
+        .into_iter()
+        .filter(|(t, _)| nightly_day(&t.tag).is_some())
+        .collect();
+    v.sort_by(|a, b| b.0.tag.cmp(&a.0.tag));
+    Ok(v)
+}
+
+/// Untags `name`'s `nightly-*` tags beyond the newest `keep` (each only if it still names
+/// what it named when listed). Returns the tags removed.
+pub async fn prune(store: &Store, name: &str, keep: usize) -> Result<Vec<String>, StoreError> {
+    let mut gone = Vec::new();
+    for (t, d) in nights(store, name).await?.into_iter().skip(keep) {
+        store.untag(&t, Some(d)).await?;
+        gone.push(t.to_string());
+    }
+    Ok(gone)
+}
+
+/// Points `tag` back at the previous night: the newest `nightly-*` tag of its name that
+/// names something else than `tag` and is older than the night `tag` names now (any night
+/// when `tag` names none). Compare-and-swap from what `tag` names now. Returns the night's
+/// tag and its digest. Errors: [`TagError::NotFound`] when there is no such night.
+pub async fn rollback(store: &Store, tag: &TagRef) -> Result<(TagRef, ManifestDigest), StoreError> {
+    let now = store.get_tag(tag).await?.map(|r| r.manifest);
+    let all = nights(store, &tag.name).await?;
+    let current_night = all.iter().position(|(_, d)| Some(*d) == now);
+    let from = current_night.map_or(0, |i| i + 1);
+    let Some((night, d)) = all.into_iter().skip(from).find(|(_, d)| Some(*d) != now) else {
+        return Err(TagError::NotFound {
+            tag: TagRef::new(&tag.name, "nightly-YYYYMMDD").unwrap_or_else(|_| tag.clone()),
+            store: store.url().to_string(),
+        }
+        .into());
+    };
+    store.set_tag(tag, now, d).await?;
+    Ok((night, d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_days() {
+        let at = |s: u64| utc_day(UNIX_EPOCH + Duration::from_secs(s));
+        assert_eq!(at(0), "19700101");
+        assert_eq!(at(86399), "19700101");
+        assert_eq!(at(951_782_400), "20000229");
+        assert_eq!(at(1_798_761_599), "20261231");
+        assert_eq!(at(1_798_761_600), "20270101");
+        assert_eq!(nightly_day("nightly-20261201"), Some("20261201"));
+        for bad in [
+            "nightly-2026120",
+            "nightly-2026120x",
+            "latest",
+            "nightly-202612011",
+        ] {
+            assert_eq!(nightly_day(bad), None, "{bad}");
+        }
+    }
+}
