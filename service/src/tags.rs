@@ -54,7 +54,12 @@ mod tests {
         let t = to_store("a", "b.app", "1").expect("valid");
         assert_eq!(from_store("a", &t.name), Some("b.app"));
         assert_eq!(from_store("b", &t.name), None);
-        for bad in ["../x", "a/b", "A", "", ".x", "x."] {
+        // Docker names may have `/`-separated components: still inside the workspace.
+        let t = to_store("acme", "rival/app", "1").expect("valid");
+        assert_eq!(t.to_string(), "acme.rival/app:1");
+        assert_eq!(from_store("acme", &t.name), Some("rival/app"));
+        assert_eq!(from_store("rival", &t.name), None);
+        for bad in ["../x", "a/../b", "/a", "a/", "a//b", "A", "", ".x", "x."] {
             assert!(to_store("acme", bad, "1").is_err(), "{bad}");
         }
         assert!(to_store("acme", &"a".repeat(124), "1").is_err());
