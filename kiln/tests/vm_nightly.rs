@@ -1,12 +1,14 @@
 //! `kiln nightly` end to end (as root, real TCG boots) on a busybox YAML recipe with smoke
-//! checks, three nights in one test to keep boots few:
+//! checks, four nights in one test to keep boots few:
 //! 1. a night whose smoke check fails: exit 1, the check's output in the error, no tag;
 //! 2. a night that passes: the tag and `NAME:nightly-YYYYMMDD` name the new image, which
 //!    names a snapshot; the JSON report has the chunk counts and the checks; `--keep 1`
 //!    untags the older `nightly-*` tag;
 //! 3. another promotion moves the tag, then a night expecting the digest read before it:
 //!    exit 4, the tag stays where the other promotion put it, only the night's tag is set;
-//!    with `SOURCE_DATE_EPOCH` fixed in nights 2 and 3, night 3 stores no new ext4 chunk.
+//!    with `SOURCE_DATE_EPOCH` fixed in nights 2 and 3, night 3 stores no new ext4 chunk and
+//!    reports no package changed;
+//! 4. a night whose one dpkg package moved to a new version: the report names it.
 //!
 //! Each night's report is kept in the store beside the tag's history. Then `kiln nightly
 //! --rollback` twice walks the tag back through the nights. Needs what
@@ -52,7 +54,9 @@ fn recipe(dir: &Path, bb: &str, smoke: &str) -> String {
         &f,
         format!(
             "from: {bb}\n\
+             args:\n  PKG_VERSION: \"1.0\"\n\
              commands:\n  - echo night > /greeting\n\
+             \x20 - 'mkdir -p /var/lib/dpkg && printf \"Package: kiln-probe\\nStatus: install ok installed\\nVersion: %s\\n\" \"$PKG_VERSION\" > /var/lib/dpkg/status'\n\
              start:\n  command: [sh, -c, \"touch /tmp/up; exec sleep 1000000\"]\n\
              ready:\n  command: test -e /tmp/up\n  interval: 100ms\n  retries: 300\n\
              smoke:\n{smoke}"
@@ -150,6 +154,7 @@ fn vm_nightly_promotes_only_on_success() {
     assert!(o.status.success(), "{}", show(&o));
     assert_eq!(r["outcome"], "promoted", "{r}");
     assert_eq!(r["previous"], Value::Null, "{r}");
+    assert_eq!(r["packages"], Value::Null, "nothing to compare with: {r}");
     assert_eq!(r["checks"].as_array().map(Vec::len), Some(3), "{r}");
     assert_eq!(
         r["untagged"],
@@ -202,6 +207,11 @@ fn vm_nightly_promotes_only_on_success() {
     // (no cache) and the ext4 image is made of the chunks the night before stored.
     assert_eq!(r["steps_cached"], 0, "{r}");
     assert_eq!(r["disk"]["new_chunks"], 0, "{r}");
+    assert_eq!(
+        r["packages"],
+        serde_json::json!({"added": [], "removed": [], "changed": []}),
+        "the same dpkg status: {r}"
+    );
     assert!(r["disk"]["reused_chunks"].as_u64() > Some(0), "{r}");
     assert_eq!(rt.block_on(tag(&store, "bb:latest")), Some(failed_image));
     assert_eq!(
@@ -209,12 +219,39 @@ fn vm_nightly_promotes_only_on_success() {
         Some(second)
     );
 
+    // 4. One package changed (its version is a build arg): the report names it, against the
+    // image the tag names when the night starts (night 1's, tagged by hand above).
+    let (o, r) = night(
+        d,
+        &good,
+        "20261203",
+        &["--build-arg", epoch, "--build-arg", "PKG_VERSION=1.1"],
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    assert_eq!(r["previous"], failed_image.to_string(), "{r}");
+    assert_eq!(
+        r["packages"],
+        serde_json::json!({"added": [], "removed": [],
+            "changed": [{"name": "kiln-probe", "from": "1.0", "to": "1.1"}]}),
+        "{r}"
+    );
+    let fourth: ManifestDigest = r["image"].as_str().expect("image").parse().unwrap();
+    let o = kiln(d, &["nightly", "--rollback", "--tag", "bb:latest"]);
+    assert!(o.status.success(), "{}", show(&o));
+    assert_eq!(rt.block_on(tag(&store, "bb:latest")), Some(second));
+    let o = kiln(d, &["tag", &fourth.to_string(), "bb:latest"]);
+    assert!(o.status.success(), "{}", show(&o));
+
     // Each night's report is kept beside the tag's history.
     let kept = rt
         .block_on(store.tag_reports(&"bb:latest".parse().unwrap()))
         .expect("reports");
     let outcomes: Vec<&Value> = kept.iter().map(|r| &r["outcome"]).collect();
-    assert_eq!(outcomes, ["failed", "promoted", "lost_race"], "{kept:?}");
+    assert_eq!(
+        outcomes,
+        ["failed", "promoted", "lost_race", "promoted"],
+        "{kept:?}"
+    );
 
     // Rollback: the newest night first (the tag names no night), then the one before it.
     for want in [second, first] {

@@ -21,6 +21,7 @@
 
 pub mod event;
 pub mod nightly;
+pub mod packages;
 pub mod report;
 pub mod request;
 

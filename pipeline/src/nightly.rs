@@ -24,7 +24,7 @@
 //! Whatever the outcome, the report is appended to the tag's reports in the store,
 //! `tags/<name>/<tag>~reports` beside its `~history` ([`Store::tag_reports`] reads them).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -35,6 +35,7 @@ use kiln_vmm::clone::CloneOptions;
 use kiln_vmm::exec::ExecRequest;
 use serde::Serialize;
 
+use crate::packages::{self, PackageChanges};
 use crate::{
     BuildReport, BuildRequest, ChunkCounts, EventSink, Output, PipelineError, Setup,
     SnapshotRequest,
@@ -130,6 +131,13 @@ pub struct NightlyReport {
     pub snapshot: Option<ManifestDigest>,
     /// The ext4 image's chunks: new to the store vs already there.
     pub disk: Option<ChunkCounts>,
+    /// The Debian packages of the new image against the previous one (their dpkg status
+    /// files); `None` on the first night, for images without dpkg, or when a status file
+    /// could not be read (see [`NightlyReport::packages_error`]).
+    pub packages: Option<PackageChanges>,
+    /// Why the packages could not be compared, when they could not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub packages_error: Option<String>,
     /// The snapshot's memory: raw bytes, non-zero bytes and stored (compressed) bytes.
     pub snapshot_memory: Option<SnapshotBytes>,
     /// Steps run and cached.
@@ -256,6 +264,8 @@ async fn night(
         image: None,
         snapshot: None,
         disk: None,
+        packages: None,
+        packages_error: None,
         snapshot_memory: None,
         steps_run: 0,
         steps_cached: 0,
@@ -278,14 +288,26 @@ async fn night(
         Err(e) => return fail(t0, report, "build", error_chain(&e)),
     };
     // The build's lease holds the untagged image until the night is over.
-    let r = after_build(store, &req, &checks, built, nightly_tag, report, t0).await;
+    let r = after_build(
+        store,
+        &setup.work_dir,
+        &req,
+        &checks,
+        built,
+        nightly_tag,
+        report,
+        t0,
+    )
+    .await;
     let _ = lease.release().await;
     r
 }
 
 /// Smoke, promote, keep: everything after the build.
+#[allow(clippy::too_many_arguments)]
 async fn after_build(
     store: &Store,
+    scratch: &Path,
     req: &NightlyRequest,
     checks: &[SmokeCheck],
     built: BuildReport,
@@ -311,6 +333,15 @@ async fn after_build(
     let Some(image) = report.image else {
         return fail(t0, report, "build", "the build made no image".into());
     };
+    if let Some(prev) = previous {
+        match compare_packages(store, &prev, &image, scratch).await {
+            Ok(p) => report.packages = p,
+            Err(e) => {
+                tracing::warn!(error = %e, "comparing the images' packages");
+                report.packages_error = Some(e);
+            }
+        }
+    }
 
     // 2. Smoke checks in one clone.
     let t = Instant::now();
@@ -352,6 +383,22 @@ async fn after_build(
     }
     report.times_ms.total = ms(t0.elapsed());
     Ok(report)
+}
+
+/// The packages of `new` against `old`; `None` when either has no dpkg status.
+async fn compare_packages(
+    store: &Store,
+    old: &ManifestDigest,
+    new: &ManifestDigest,
+    scratch: &Path,
+) -> Result<Option<PackageChanges>, String> {
+    let Some(old) = packages::image_packages(store, old, scratch).await? else {
+        return Ok(None);
+    };
+    let Some(new) = packages::image_packages(store, new, scratch).await? else {
+        return Ok(None);
+    };
+    Ok(Some(packages::diff(&old, &new)))
 }
 
 /// `e` from moving or reading the tag `t`.

@@ -379,6 +379,57 @@ fn probe() -> Result<Tools, Ext4Error> {
     Ok(Tools { version })
 }
 
+/// Reads the regular file at absolute `path` from the ext4 image file `image` without
+/// mounting it, with `debugfs -R "cat PATH"` (e2fsprogs' debugfs(8)). Returns `None` when the
+/// image has no such file. Errors: [`Ext4Error::Debugfs`] for a path debugfs cannot quote
+/// (whitespace, quotes, not absolute) or any other debugfs complaint, [`Ext4Error::Tools`] when
+/// debugfs cannot run. At most `limit` bytes are kept; a longer file is an error.
+pub fn read_file(image: &Path, path: &str, limit: usize) -> Result<Option<Vec<u8>>, Ext4Error> {
+    if !path.starts_with('/')
+        || path
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || c == '"' || c == '\'' || c == '\\')
+    {
+        return Err(Ext4Error::Debugfs(format!(
+            "{path:?}: not an absolute path debugfs can read"
+        )));
+    }
+    let mut cmd = Command::new("debugfs");
+    tool_env(&mut cmd, DEFAULT_EPOCH, None, None);
+    let out = cmd
+        .arg("-R")
+        .arg(format!("cat {path}"))
+        .arg(image)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| Ext4Error::Tools {
+            problem: format!("cannot run debugfs ({e})"),
+        })?;
+    // debugfs exits 0 even when its command fails; the complaint is on stderr, after the
+    // version banner ("debugfs 1.47.2 (1-Jan-2025)").
+    let complaint = String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .filter(|l| !l.starts_with("debugfs ") && !l.trim().is_empty())
+        .collect::<Vec<_>>()
+        .join("; ");
+    if complaint.contains("File not found by ext2_lookup") {
+        return Ok(None);
+    }
+    if !out.status.success() || !complaint.is_empty() {
+        return Err(Ext4Error::Debugfs(format!(
+            "{}: cat {path}: {complaint} ({})",
+            image.display(),
+            out.status
+        )));
+    }
+    if out.stdout.len() > limit {
+        return Err(Ext4Error::Debugfs(format!(
+            "{}: {path} is larger than {limit} bytes",
+            image.display()
+        )));
+    }
+    Ok(Some(out.stdout))
+}
 /// The UUID of an image: the first 16 bytes of sha256(`kiln-ext4-uuid:` + seed), marked as a
 /// version 4 (random) UUID per RFC 9562 section 5.4.
 pub fn fs_uuid(seed: &str) -> String {

@@ -585,3 +585,36 @@ fn owner_ids_past_32_bits_are_refused_not_wrapped() {
         );
     }
 }
+
+#[test]
+fn read_file_reads_back_a_file_says_none_for_a_missing_one_and_refuses_unquotable_paths() {
+    let d = tempfile::tempdir().unwrap();
+    let status = b"Package: a\nStatus: install ok installed\nVersion: 1\n";
+    let layers = vec![blob(
+        d.path(),
+        &[
+            E::Dir("var", 0o755),
+            E::Dir("var/lib", 0o755),
+            E::Dir("var/lib/dpkg", 0o755),
+            E::File("var/lib/dpkg/status", status),
+        ],
+        Z::Plain,
+    )];
+    let img = d.path().join("root.ext4");
+    build(&layers, &img, &opts("sha256:read-file")).unwrap();
+    let got = read_file(&img, "/var/lib/dpkg/status", 1 << 20).unwrap();
+    assert_eq!(got.as_deref(), Some(&status[..]));
+    assert_eq!(
+        read_file(&img, "/var/lib/dpkg/nothing", 1 << 20).unwrap(),
+        None
+    );
+    let small = read_file(&img, "/var/lib/dpkg/status", 4).unwrap_err();
+    assert!(small.to_string().contains("larger than 4 bytes"), "{small}");
+    for bad in ["var/lib/dpkg/status", "/a b", "/a\"b", "/a\nb"] {
+        let e = read_file(&img, bad, 1 << 20).unwrap_err();
+        assert!(
+            e.to_string().contains("not an absolute path"),
+            "{bad:?}: {e}"
+        );
+    }
+}

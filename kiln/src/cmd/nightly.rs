@@ -222,6 +222,28 @@ fn text(r: &NightlyReport) -> String {
             d.hole_bytes
         ));
     }
+    match (&r.packages, &r.packages_error) {
+        (Some(p), _) if p.is_empty() => s.push_str("  packages: none changed\n"),
+        (Some(p), _) => {
+            s.push_str(&format!(
+                "  packages: {} changed, {} added, {} removed\n",
+                p.changed.len(),
+                p.added.len(),
+                p.removed.len()
+            ));
+            for c in &p.changed {
+                s.push_str(&format!("    {} {} -> {}\n", c.name, c.from, c.to));
+            }
+            for a in &p.added {
+                s.push_str(&format!("    + {} {}\n", a.name, a.version));
+            }
+            for r in &p.removed {
+                s.push_str(&format!("    - {} {}\n", r.name, r.version));
+            }
+        }
+        (None, Some(e)) => s.push_str(&format!("  packages: not compared: {e}\n")),
+        (None, None) => {}
+    }
     if let Some(m) = &r.snapshot_memory {
         s.push_str(&format!(
             "  snapshot memory: {} bytes, {} non-zero, {} stored\n",
