@@ -29,7 +29,7 @@ pub fn to_store(ws: &str, name: &str, tag: &str) -> Result<TagRef, String> {
     TagRef::new(&format!("{ws}.{name}"), tag).map_err(|_| {
         format!(
             "invalid tag reference {name}:{tag}: name too long (at most {} bytes here)",
-            128usize.saturating_sub(ws.len() + 1)
+            kiln_store::tag::MAX_NAME_LEN.saturating_sub(ws.len() + 1)
         )
     })
 }
@@ -62,7 +62,11 @@ mod tests {
         for bad in ["../x", "a/../b", "/a", "a/", "a//b", "A", "", ".x", "x."] {
             assert!(to_store("acme", bad, "1").is_err(), "{bad}");
         }
-        assert!(to_store("acme", &"a".repeat(124), "1").is_err());
+        // A name valid alone but too long once prefixed with `acme.`.
+        let long = "a".repeat(kiln_store::tag::MAX_NAME_LEN - 4);
+        assert!(TagRef::new(&long, "1").is_ok());
+        let e = to_store("acme", &long, "1").unwrap_err();
+        assert!(e.contains("at most 250 bytes here"), "{e}");
     }
 
     #[test]
