@@ -125,6 +125,36 @@ fn vm_exec_in_one_clone() {
             },
         )
         .await;
+        // An ssh-keygen (a stand-in that records the clone's machine-id in each key) and an
+        // empty /etc/ssh, as in the sandbox images: a clone's first start makes the keys.
+        let root = d.join("rootfs-kiln_test_busybox_oci");
+        std::fs::create_dir_all(root.join("etc/ssh")).expect("mkdir");
+        let keygen = root.join("usr/bin/ssh-keygen");
+        std::fs::create_dir_all(keygen.parent().expect("parent")).expect("mkdir");
+        std::fs::write(
+            &keygen,
+            "#!/bin/sh\n[ \"$1\" = -A ] || exit 2\n\
+             for t in rsa ecdsa ed25519; do f=/etc/ssh/ssh_host_${t}_key; \
+             [ -e $f ] || echo \"$t $(cat /etc/machine-id)\" > $f; done\n",
+        )
+        .expect("write");
+        std::fs::set_permissions(&keygen, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .expect("chmod");
+        busybox_image(
+            &store,
+            d,
+            &tag,
+            SandboxSpec {
+                start: Some(StartSpec {
+                    argv: sh("exec sleep 1000000"),
+                    user: None,
+                    env: vec![],
+                    workdir: None,
+                }),
+                ready: None,
+            },
+        )
+        .await;
         // The image's OCI config names its user and environment, as a built image's does
         // (the start command itself runs as root).
         let config = d.join("config.json");
@@ -181,6 +211,35 @@ fn vm_exec_in_one_clone() {
         .expect("started event");
     let id = started["id"].as_str().expect("id").to_string();
     let id = id.as_str();
+
+    // The first start made the SSH host keys, for this clone's machine-id (in the
+    // background: wait a little for the last one).
+    let (_, mid, _) = exec(d, id, &["--", "cat", "/etc/machine-id"]);
+    let mut keys = String::new();
+    for _ in 0..100 {
+        let (code, out, _) = exec(
+            d,
+            id,
+            &[
+                "-u",
+                "root",
+                "--",
+                "sh",
+                "-c",
+                "cat /etc/ssh/ssh_host_*_key",
+            ],
+        );
+        keys = out;
+        if code == 0 && keys.lines().count() == 3 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let want: String = ["ecdsa", "ed25519", "rsa"]
+        .iter()
+        .map(|t| format!("{t} {}", mid))
+        .collect();
+    assert_eq!(keys, want, "host keys made at the first start");
 
     // Exit code passthrough, stdout and stderr apart.
     let (code, out, err) = exec(d, id, &["--", "sh", "-c", "echo out; echo err >&2; exit 3"]);

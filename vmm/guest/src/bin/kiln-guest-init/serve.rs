@@ -489,6 +489,41 @@ fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     fs::rename(&tmp, path)
 }
 
+/// OpenSSH's key generator (ssh-keygen(1)); images without it get no host keys.
+const SSH_KEYGEN: &str = "/usr/bin/ssh-keygen";
+
+/// The host key types `ssh-keygen -A` makes (ssh-keygen(1), `-A`: rsa, ecdsa, ed25519).
+const SSH_HOST_KEY_TYPES: [&str; 3] = ["rsa", "ecdsa", "ed25519"];
+
+/// A clone's first start: host keys are per machine, so the sandbox images hold none, and
+/// `ssh-keygen -A` makes the missing ones (it leaves existing keys alone). It runs in the
+/// background: RSA key generation can take seconds under TCG, and the restore reply (so the
+/// clone's start) does not wait for it; the reaper collects it. Nothing happens in an image
+/// without ssh-keygen or `/etc/ssh`.
+fn start_ssh_host_keys() {
+    if !Path::new(SSH_KEYGEN).is_file() || !Path::new("/etc/ssh").is_dir() {
+        return;
+    }
+    let missing = SSH_HOST_KEY_TYPES
+        .iter()
+        .any(|t| !Path::new(&format!("/etc/ssh/ssh_host_{t}_key")).exists());
+    if !missing {
+        return;
+    }
+    match std::process::Command::new(SSH_KEYGEN)
+        .arg("-A")
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+    {
+        Ok(c) => log!("restored: ssh-keygen -A started (pid {})", c.id()),
+        Err(e) => log!("restored: cannot run ssh-keygen -A: {e}"),
+    }
+}
+
 fn restore(r: &Restore) -> Result<Restored, RestoreError> {
     let entropy = r.entropy_bytes()?;
     let urandom = fs::OpenOptions::new()
@@ -511,6 +546,7 @@ fn restore(r: &Restore) -> Result<Restored, RestoreError> {
     }
     let machine_id = new_machine_id().map_err(|e| RestoreError::Step("getrandom", e))?;
     write_machine_id(&machine_id).map_err(|e| RestoreError::Step("writing /etc/machine-id", e))?;
+    start_ssh_host_keys();
     let mut random = [0u8; 16];
     sys::getrandom(&mut random).map_err(|e| RestoreError::Step("getrandom", e))?;
     let boot_id = fs::read_to_string("/proc/sys/kernel/random/boot_id")
