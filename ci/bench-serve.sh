@@ -28,10 +28,11 @@
 #   KILN_BENCH_THREADS        wrk threads; default 1 (2 cores: one for the server)
 #   KILN_BENCH_WORKERS        the server's --workers; default 2
 #   KILN_BENCH_MAX_QUEUED     the workspace's queue cap (past it: 429); default 100000, so
-#                             that every POST is accepted (draining them takes a while: the
-#                             workers end about 5 cache-hit builds a second on 2 cores)
+#                             that every POST is accepted. Draining them takes a while: 2
+#                             workers end 3 to 5 cache-hit builds a second on 2 cores, so
+#                             10 s of POSTs (about 1800 builds) take 6 to 10 minutes
 #   KILN_BENCH_MAX_CONCURRENT the workspace's builds at once; default 2
-#   KILN_BENCH_DRAIN_TIMEOUT  seconds to wait for the accepted builds; default 900
+#   KILN_BENCH_DRAIN_TIMEOUT  seconds to wait for the accepted builds; default 1800
 #   KILN_BENCH_DIR            work directory; default a new /var/tmp/kiln-bench-serve.*,
 #                             removed at the end unless KILN_BENCH_KEEP=1
 #   PROFILE                   cargo profile of the kiln binary; default release
@@ -45,7 +46,7 @@ threads=${KILN_BENCH_THREADS:-1}
 workers=${KILN_BENCH_WORKERS:-2}
 max_queued=${KILN_BENCH_MAX_QUEUED:-100000}
 max_concurrent=${KILN_BENCH_MAX_CONCURRENT:-2}
-drain_timeout=${KILN_BENCH_DRAIN_TIMEOUT:-900}
+drain_timeout=${KILN_BENCH_DRAIN_TIMEOUT:-1800}
 pg_url=${KILN_TEST_POSTGRES_URL:-}
 PROFILE=${PROFILE:-release}
 
