@@ -348,6 +348,8 @@ for name, label in rows:
     lat = f["latency_us"]
     answers = " ".join(f"{k}:{v}" for k, v in sorted(f["statuses"].items()))
     errs = {k: v for k, v in f["errors"].items() if v}
+    if not f["requests"]:
+        bad.append(f"{label}: no request answered in {env['BENCH_DURATION']} s")
     if errs:
         answers += " no answer: " + " ".join(f"{k}:{v}" for k, v in errs.items())
         bad.append(f"{label}: requests without an answer: {errs}")
