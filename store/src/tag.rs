@@ -422,6 +422,17 @@ impl Store {
     }
 
     fn parse_history(&self, t: &TagRef, bytes: &[u8]) -> Result<Vec<HistoryEntry>, StoreError> {
+        self.parse_json_lines(t, bytes, "history")
+    }
+
+    /// One JSON value per non-empty line of `t`'s side object `what` (`history`, `reports`);
+    /// a bad line is [`TagError::Corrupt`].
+    fn parse_json_lines<T: serde::de::DeserializeOwned>(
+        &self,
+        t: &TagRef,
+        bytes: &[u8],
+        what: &str,
+    ) -> Result<Vec<T>, StoreError> {
         bytes
             .split(|b| *b == b'\n')
             .filter(|l| !l.is_empty())
@@ -430,7 +441,7 @@ impl Store {
                     TagError::Corrupt {
                         tag: t.clone(),
                         store: self.url().to_string(),
-                        reason: format!("history: {e}"),
+                        reason: format!("{what}: {e}"),
                     }
                     .into()
                 })
@@ -476,20 +487,7 @@ impl Store {
             Err(e) if e.is_not_found() => return Ok(Vec::new()),
             Err(e) => return Err(e.into()),
         };
-        bytes
-            .split(|b| *b == b'\n')
-            .filter(|l| !l.is_empty())
-            .map(|l| {
-                serde_json::from_slice(l).map_err(|e| {
-                    TagError::Corrupt {
-                        tag: t.clone(),
-                        store: self.url().to_string(),
-                        reason: format!("reports: {e}"),
-                    }
-                    .into()
-                })
-            })
-            .collect()
+        self.parse_json_lines(t, &bytes, "reports")
     }
 
     /// Appends `line` to the object `key` by compare-and-swap (a few attempts).
