@@ -405,13 +405,7 @@ pub fn read_file(image: &Path, path: &str, limit: usize) -> Result<Option<Vec<u8
         .map_err(|e| Ext4Error::Tools {
             problem: format!("cannot run debugfs ({e})"),
         })?;
-    // debugfs exits 0 even when its command fails; the complaint is on stderr, after the
-    // version banner ("debugfs 1.47.2 (1-Jan-2025)").
-    let complaint = String::from_utf8_lossy(&out.stderr)
-        .lines()
-        .filter(|l| !l.starts_with("debugfs ") && !l.trim().is_empty())
-        .collect::<Vec<_>>()
-        .join("; ");
+    let complaint = debugfs_complaints(&out.stderr);
     if complaint.contains("File not found by ext2_lookup") {
         return Ok(None);
     }
@@ -802,16 +796,22 @@ fn set_xattrs(
         .map_err(|e| Ext4Error::Tools {
             problem: format!("cannot run debugfs ({e})"),
         })?;
-    // debugfs exits 0 even when a command fails; its errors go to stderr, after the banner.
-    let errors: Vec<&str> = std::str::from_utf8(&out.stderr)
-        .unwrap_or("(non-UTF-8 output)")
-        .lines()
-        .filter(|l| !l.starts_with("debugfs ") && !l.trim().is_empty())
-        .collect();
+    let errors = debugfs_complaints(&out.stderr);
     if !out.status.success() || !errors.is_empty() {
-        return Err(Ext4Error::Debugfs(errors.join("; ")));
+        return Err(Ext4Error::Debugfs(errors));
     }
     Ok(())
+}
+
+/// What debugfs complained of, `; `-joined (empty when nothing): debugfs exits 0 even when a
+/// command fails, and writes its errors to stderr after its version banner
+/// (`debugfs 1.47.2 (1-Jan-2025)`).
+fn debugfs_complaints(stderr: &[u8]) -> String {
+    String::from_utf8_lossy(stderr)
+        .lines()
+        .filter(|l| !l.starts_with("debugfs ") && !l.trim().is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// `e2fsck -fn IMAGE`: exit status 0 means clean (e2fsck(8), "EXIT CODE").
