@@ -403,7 +403,8 @@ pub fn split<R: Read + Send + 'static>(
             min: min as usize,
             avg: avg as usize,
             max: max as usize,
-            buf: Vec::with_capacity(max as usize + ZERO_BLOCK),
+            buf: Vec::with_capacity(2 * max as usize + ZERO_BLOCK),
+            start: 0,
             offset: 0,
             zeros: 0,
             out: std::collections::VecDeque::new(),
@@ -426,8 +427,11 @@ struct CdcSplit<R> {
     min: usize,
     avg: usize,
     max: usize,
-    /// Data not yet cut, starting at `offset`.
+    /// Data not yet cut is `buf[start..]`, starting at `offset` in the input; the cut part
+    /// before `start` is dropped once it reaches `max` bytes, so the rest is moved about
+    /// once per `max` bytes cut rather than once per chunk.
     buf: Vec<u8>,
+    start: usize,
     offset: u64,
     /// Zero bytes read after `buf`, in whole blocks, not yet placed.
     zeros: usize,
@@ -439,17 +443,28 @@ impl<R: Read> CdcSplit<R> {
     /// Cuts chunks from `buf` while at least `max` bytes remain, or all of it at a segment's
     /// end.
     fn cut(&mut self, all: bool) {
-        while !self.buf.is_empty() && (all || self.buf.len() >= self.max) {
-            let cdc = fastcdc::v2020::FastCDC::new(&self.buf, self.min, self.avg, self.max);
-            let (_, n) = cdc.cut(0, self.buf.len());
-            let n = if n == 0 { self.buf.len() } else { n };
-            let rest = self.buf.split_off(n);
-            let data = std::mem::replace(&mut self.buf, rest);
+        loop {
+            let left = self.buf.len() - self.start;
+            if left == 0 || (!all && left < self.max) {
+                break;
+            }
+            let rest = &self.buf[self.start..];
+            let (_, n) =
+                fastcdc::v2020::FastCDC::new(rest, self.min, self.avg, self.max).cut(0, left);
+            let n = if n == 0 { left } else { n };
             self.out.push_back(RawChunk {
                 offset: self.offset,
-                data,
+                data: rest[..n].to_vec(),
             });
             self.offset += n as u64;
+            self.start += n;
+        }
+        if self.start == self.buf.len() {
+            self.buf.clear();
+            self.start = 0;
+        } else if self.start >= self.max {
+            self.buf.drain(..self.start);
+            self.start = 0;
         }
     }
 
