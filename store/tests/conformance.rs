@@ -468,6 +468,11 @@ async fn list_by_prefix(f: Fixture) {
     b.delete("cache/k1").await.unwrap();
     assert!(b.head("cache/k1").await.unwrap().is_none());
     assert_eq!(b.get_range("leases/a", 1..10).await.unwrap(), &b"}"[..]);
+    assert!(b.get_range("leases/a", 100..200).await.unwrap().is_empty());
+    for _ in 0..20 {
+        let e = b.get_range("cache/none", 0..10).await.unwrap_err();
+        assert!(e.is_not_found(), "{e}");
+    }
     // Hostile keys never reach the backend.
     for bad in ["../etc/passwd", "/abs", "a/../../b", "tags/.hidden"] {
         assert!(b.get(bad).await.is_err());

@@ -188,6 +188,24 @@ fn render_chain(e: &object_store::Error) -> (String, bool) {
     (message, http)
 }
 
+/// The HTTP status in a rendered object_store error chain: the three digits after
+/// "status code: " (object_store's `RequestError::Status` rendering), `None` without one.
+fn http_status(message: &str) -> Option<u16> {
+    message
+        .split("status code: ")
+        .nth(1)
+        .and_then(|r| r.get(..3))
+        .and_then(|c| c.parse::<u16>().ok())
+}
+
+/// Whether `e` is S3's answer to a range wholly past the end of an object: 416 InvalidRange
+/// (RFC 9110 §15.5.17), which object_store passes on as a generic error. A missing key is its
+/// own variant and never counts, whatever digits its message carries.
+fn range_not_satisfiable(e: &object_store::Error) -> bool {
+    !matches!(e, object_store::Error::NotFound { .. })
+        && http_status(&render_chain(e).0) == Some(416)
+}
+
 fn classify(url: &str, op: &'static str, key: &str, e: object_store::Error) -> BackendError {
     use object_store::Error as E;
     let (message, http) = render_chain(&e);
@@ -219,11 +237,7 @@ fn classify(url: &str, op: &'static str, key: &str, e: object_store::Error) -> B
     // object_store keeps its status-carrying error type private, so classify by its rendering:
     // "status code: 5xx/408/429", S3 error codes of retryable responses (S3 API reference,
     // "Error responses"), or a connection/IO-level failure with no HTTP status at all.
-    let status = message
-        .split("status code: ")
-        .nth(1)
-        .and_then(|r| r.get(..3))
-        .and_then(|c| c.parse::<u16>().ok());
+    let status = http_status(&message);
     let transient = match status {
         Some(c) => c >= 500 || c == 408 || c == 429,
         None => {
@@ -282,8 +296,8 @@ impl Backend for S3Backend {
         };
         match self.store.get_opts(&p, opts).await {
             Ok(r) => r.bytes().await.map_err(|e| self.err("get", key, e)),
-            // A range wholly past the end: S3 answers 416.
-            Err(e) if e.to_string().contains("416") => Ok(Bytes::new()),
+            // A range wholly past the end reads as empty, as on the local backend.
+            Err(e) if range_not_satisfiable(&e) => Ok(Bytes::new()),
             Err(e) => Err(self.err("get", key, e)),
         }
     }
@@ -506,4 +520,46 @@ async fn read_full(f: &mut tokio::fs::File, buf: &mut [u8]) -> std::io::Result<u
         n += r;
     }
     Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn boxed(m: &str) -> Box<dyn std::error::Error + Send + Sync> {
+        m.into()
+    }
+
+    /// A missing key stayed "not found" for ranged reads only by chance: the message carries
+    /// the request's elapsed time, and "in 1.416ms" was read as a 416 (seen in CI as an OCI
+    /// reference that read as "" after its delete).
+    #[test]
+    fn a_missing_key_is_never_a_range_past_the_end() {
+        let not_found = object_store::Error::NotFound {
+            path: "refs/oci/x".into(),
+            source: boxed(
+                "Error performing GET http://127.0.0.1:4166/b/refs/oci/x in 1.416ms - \
+                 Server returned non-2xx status code: 404 Not Found: NoSuchKey",
+            ),
+        };
+        assert!(!range_not_satisfiable(&not_found));
+        let past_end = object_store::Error::Generic {
+            store: "S3",
+            source: boxed(
+                "Error performing GET http://127.0.0.1:4166/b/k in 2ms - \
+                 Server returned non-2xx status code: 416 Range Not Satisfiable: InvalidRange",
+            ),
+        };
+        assert!(range_not_satisfiable(&past_end));
+        let other = object_store::Error::Generic {
+            store: "S3",
+            source: boxed("Error performing GET http://h/k in 4.16ms - connection reset"),
+        };
+        assert!(!range_not_satisfiable(&other));
+        assert_eq!(
+            http_status("status code: 503 Service Unavailable"),
+            Some(503)
+        );
+        assert_eq!(http_status("no status"), None);
+    }
 }
