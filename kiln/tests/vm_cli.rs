@@ -149,7 +149,7 @@ fn vm_cli_snapshot_start_ps_stop() {
 
     // Issue 16: a `kiln start` killed while starting leaves no QEMU that `kiln ps` does not
     // know: the next listing stops and removes the half-started clone. Killed as soon as its
-    // QEMU runs (starting.json appears), or wherever it is if it finished first.
+    // QEMU runs (starting.json names QEMU's pid), or wherever it is if it finished first.
     let clones = d.join("state/clones");
     let mut child = kiln_cmd(d, &["start", "bb:snap"], &[])
         .stdout(std::process::Stdio::null())
@@ -162,7 +162,7 @@ fn vm_cli_snapshot_start_ps_stop() {
         caught_starting = std::fs::read_dir(&clones)
             .expect("clones dir")
             .flatten()
-            .any(|e| e.path().join("starting.json").exists());
+            .any(|e| starting_qemu(&e.path()).is_some());
         if caught_starting || child.try_wait().expect("wait").is_some() {
             break;
         }
@@ -212,13 +212,11 @@ fn vm_cli_snapshot_start_ps_stop() {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     while killed.is_none() && std::time::Instant::now() < deadline {
         for e in std::fs::read_dir(&clones).expect("clones dir").flatten() {
-            let Ok(b) = std::fs::read(e.path().join("starting.json")) else {
+            let Some(pid) = starting_qemu(&e.path()) else {
                 continue;
             };
             seen.insert(e.file_name());
             if seen.len() == 2 {
-                let s: Value = serde_json::from_slice(&b).expect("starting.json");
-                let pid = s["qemu"].as_u64().expect("qemu pid") as i32;
                 rustix::process::kill_process(
                     rustix::process::Pid::from_raw(pid).expect("pid"),
                     rustix::process::Signal::KILL,
@@ -263,4 +261,12 @@ fn vm_cli_snapshot_start_ps_stop() {
     let o = kiln(d, &["--json", "start", "bb:snap"], &[]);
     ok(&o);
     ok(&kiln(d, &["stop", "--all"], &[]));
+}
+
+/// QEMU's pid from the `starting.json` of the clone directory `dir`, once the start has
+/// written it (the file is replaced whole, by rename, so it always parses).
+fn starting_qemu(dir: &std::path::Path) -> Option<i32> {
+    let b = std::fs::read(dir.join("starting.json")).ok()?;
+    let s: Value = serde_json::from_slice(&b).expect("starting.json parses");
+    s["qemu"].as_u64().map(|p| p as i32)
 }

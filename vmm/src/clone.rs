@@ -498,6 +498,9 @@ async fn start_one(
     let id = hex::encode(random_bytes(8)?);
     let dir = clones_dir.join(&id);
     std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+    // Say whose directory this is before any process is started in it: a start killed from
+    // here on leaves a record that [`list`] reaps.
+    write_starting(&dir, None)?;
     let overlay = dir.join("disk.qcow2");
     launch::qcow2_overlay(host, &cached.disk, &overlay).await?;
     let spec = VmSpec {
@@ -530,8 +533,9 @@ async fn start_one(
             false,
         )
         .await?;
-        // QEMU outlives this process from here on: say whose it is until clone.json exists.
-        write_starting(&dir, vm.pid)?;
+        // QEMU outlives this process from here on; a reaper finds it by its command line even
+        // if this process dies before this line.
+        write_starting(&dir, Some(vm.pid))?;
         vm.qmp
             .set_capabilities(&[("x-ignore-shared", true)])
             .await?;
@@ -614,30 +618,34 @@ async fn start_one(
     Ok(rec)
 }
 
-/// The file of a clone being started (`<clone dir>/starting.json`), written as soon as QEMU
-/// runs and removed once `clone.json` is: QEMU's pid and the pid of the `kiln start` that owns
-/// it. A clone directory that has it but no `clone.json`, and whose starter is gone, is a
-/// start that was killed midway; [`list`] stops its QEMU and removes it.
+/// The file of a clone being started (`<clone dir>/starting.json`), written (atomically, by
+/// rename) when its directory is made and again once QEMU runs, and removed once `clone.json`
+/// is: the pid of the `kiln start` that owns the directory and, once known, QEMU's pid. A
+/// clone directory that has it but no `clone.json`, and whose starter is gone, is a start that
+/// was killed midway; [`list`] stops every QEMU whose command line names the directory and
+/// removes it.
 const STARTING: &str = "starting.json";
 
 /// What [`STARTING`] holds.
 #[derive(Debug, Serialize, Deserialize)]
 struct Starting {
-    /// QEMU's pid.
-    qemu: u32,
+    /// QEMU's pid, `null` until QEMU runs.
+    qemu: Option<u32>,
     /// The starting process's pid.
     starter: u32,
 }
 
-fn write_starting(dir: &Path, qemu: u32) -> Result<(), CloneError> {
+fn write_starting(dir: &Path, qemu: Option<u32>) -> Result<(), CloneError> {
     let path = dir.join(STARTING);
+    let tmp = dir.join(format!("{STARTING}.tmp"));
     let s = Starting {
         qemu,
         starter: std::process::id(),
     };
     // Serializing two integers cannot fail.
     let bytes = serde_json::to_vec(&s).unwrap_or_default();
-    std::fs::write(&path, bytes).map_err(io_err(&path))?;
+    std::fs::write(&tmp, bytes).map_err(io_err(&tmp))?;
+    std::fs::rename(&tmp, &path).map_err(io_err(&path))?;
     Ok(())
 }
 
@@ -648,9 +656,33 @@ fn alive(pid: u32) -> bool {
     r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
+/// The pids of the QEMU processes (qemu-system-*, qemu-img) whose command line names a path
+/// inside `dir`, from `/proc/<pid>/cmdline` (proc(5)).
+fn qemus_in(dir: &Path) -> Vec<u32> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut prefix = dir.as_os_str().as_encoded_bytes().to_vec();
+    prefix.push(b'/');
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let Ok(c) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                return false;
+            };
+            let mut args = c.split(|b| *b == 0);
+            let is_qemu = args
+                .next()
+                .and_then(|a0| a0.rsplit(|b| *b == b'/').next())
+                .is_some_and(|name| name.starts_with(b"qemu-"));
+            is_qemu && args.any(|a| a.windows(prefix.len()).any(|w| w == prefix.as_slice()))
+        })
+        .collect()
+}
+
 /// Stops and removes the clone in `dir` if it is a start whose starter died (see
-/// [`STARTING`]): SIGKILL of its QEMU, only if that pid is still a QEMU of this clone (its
-/// command line names the directory). Returns whether it was removed.
+/// [`STARTING`]): SIGKILL of every QEMU whose command line names the directory. Returns
+/// whether it was removed.
 fn reap_abandoned(dir: &Path) -> bool {
     let Ok(bytes) = std::fs::read(dir.join(STARTING)) else {
         return false;
@@ -661,17 +693,11 @@ fn reap_abandoned(dir: &Path) -> bool {
     if alive(s.starter) || dir.join("clone.json").exists() {
         return false;
     }
-    let ours = std::fs::read(format!("/proc/{}/cmdline", s.qemu))
-        .map(|c| {
-            let c = String::from_utf8_lossy(&c);
-            c.contains("qemu") && c.contains(&*dir.to_string_lossy())
-        })
-        .unwrap_or(false);
-    if ours {
-        // SAFETY: kill(2) with a pid whose command line we just checked is this clone's QEMU;
-        // no memory is touched.
+    for pid in qemus_in(dir) {
+        // SAFETY: kill(2) of a pid whose command line we just read as a QEMU of this clone's
+        // directory; no memory is touched.
         unsafe {
-            libc::kill(s.qemu as libc::pid_t, libc::SIGKILL);
+            libc::kill(pid as libc::pid_t, libc::SIGKILL);
         }
     }
     tracing::warn!(dir = %dir.display(), "removing a clone whose kiln start died while starting it");
@@ -745,6 +771,68 @@ mod tests {
     use kiln_store::chunk::{ChunkEntry, ChunkTable, Chunking};
     use kiln_store::manifest::{SCHEMA_VERSION, SNAPSHOT_MEDIA_TYPE};
     use kiln_store::{BlobDigest, BlobRef};
+
+    /// A start killed between QEMU's spawn and its record must still be reaped: the reaper
+    /// finds the clone's QEMU processes by the directory in their command line, and only those.
+    #[test]
+    fn abandoned_start_reaps_the_qemus_that_name_its_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fake = tmp.path().join("qemu-system-x86_64");
+        // A shell under QEMU's name, blocked reading its stdin (no child processes).
+        std::fs::copy("/bin/sh", &fake).unwrap();
+        let ours = tmp.path().join("clones/aa");
+        let theirs = tmp.path().join("clones/aab");
+        std::fs::create_dir_all(&ours).unwrap();
+        std::fs::create_dir_all(&theirs).unwrap();
+        let spawn = |arg: &Path| {
+            std::process::Command::new(&fake)
+                .args(["-c", "read x", "qemu"])
+                .arg(arg)
+                .stdin(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        let mut q_ours = spawn(&ours.join("qmp.sock"));
+        let mut q_theirs = spawn(&theirs.join("qmp.sock"));
+        let mut not_qemu = std::process::Command::new("/bin/sh")
+            .args(["-c", "read x", "sh"])
+            .arg(ours.join("x"))
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Wait until the children have exec'd (their command lines are theirs).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while qemus_in(&ours).is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(qemus_in(&ours), vec![q_ours.id()]);
+        // A starter that is alive keeps its clone; a dead one (a pid past pid_max) does not.
+        write_starting(&ours, None).unwrap();
+        assert!(!reap_abandoned(&ours));
+        let dead = Starting {
+            qemu: None,
+            starter: u32::MAX / 2,
+        };
+        std::fs::write(ours.join(STARTING), serde_json::to_vec(&dead).unwrap()).unwrap();
+        assert!(reap_abandoned(&ours));
+        assert!(!ours.exists());
+        assert!(
+            q_ours.wait().unwrap().code().is_none(),
+            "killed by a signal"
+        );
+        assert!(
+            q_theirs.try_wait().unwrap().is_none(),
+            "another clone's QEMU runs on"
+        );
+        assert!(
+            not_qemu.try_wait().unwrap().is_none(),
+            "not a QEMU: left alone"
+        );
+        let _ = q_theirs.kill();
+        let _ = not_qemu.kill();
+        let _ = q_theirs.wait();
+        let _ = not_qemu.wait();
+    }
 
     fn snap(memory_bytes: u64, table: u64, vcpus: u32) -> SnapshotManifest {
         let blob = BlobRef {
