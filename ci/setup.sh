@@ -18,7 +18,8 @@ export KILN_TEST_CACHE=${KILN_TEST_CACHE:-$KILN_CI_CACHE/fixtures}
 mkdir -p "$KILN_CI_CACHE" "$KILN_TEST_CACHE" "$KILN_CI_CACHE/run"
 ci_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
-log() { printf 'setup: %s\n' "$*" >&2; }
+# Each line says how long the run has taken so far ($SECONDS: seconds since this shell began).
+log() { printf 'setup: [%ss] %s\n' "$SECONDS" "$*" >&2; }
 
 # --- Debian packages ---------------------------------------------------------------------
 # Packages from bookworm itself.
@@ -263,6 +264,7 @@ fi
 # initramfs with kiln-guest-init built static from this checkout. Appends KILN_TEST_KERNEL and
 # KILN_TEST_INITRAMFS to the env file.
 apt-cache show linux-image-cloud-amd64 >/dev/null 2>&1 || apt_update
+log "guest kernel and initramfs (cargo builds kiln-test-guest-assets and the static init)"
 guest_assets=$(cd "$ci_dir/.." && cargo run -q --locked -p kiln-tests --bin kiln-test-guest-assets)
 eval "$(printf '%s\n' "$guest_assets" | grep '^export ')"
 printf '%s\n' "$guest_assets" >>"$KILN_CI_CACHE/env"

@@ -4,15 +4,16 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . ci/setup.sh
-echo "== cargo fmt --check"
+echo "== cargo fmt --check [${SECONDS}s]"
 cargo fmt --all -- --check
-echo "== cargo clippy --all-targets -- -D warnings"
+echo "== cargo clippy --all-targets -- -D warnings [${SECONDS}s]"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 if ! command -v cargo-nextest >/dev/null; then
-  echo "== installing cargo-nextest"
+  echo "== installing cargo-nextest [${SECONDS}s]"
   cargo install --locked cargo-nextest
 fi
-echo "== cargo test --doc"
+echo "== cargo test --doc [${SECONDS}s]"
 cargo test --workspace --locked --doc
-echo "== cargo nextest run (settings: .config/nextest.toml)"
+echo "== cargo nextest run (settings: .config/nextest.toml) [${SECONDS}s]"
 cargo nextest run --workspace --locked "$@"
+echo "== done [${SECONDS}s]"
