@@ -80,6 +80,10 @@ impl S3Backend {
         } else {
             format!("s3://{bucket}/{prefix}")
         };
+        // reqwest is built without a TLS crypto provider of its own (the workspace's
+        // "rustls-no-provider"): make ring the process's provider before a client exists, as the
+        // registry client does. Err means one is installed already, which is as good.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
         if let Some(e) = &opts.endpoint {
             b = b.with_endpoint(e);
