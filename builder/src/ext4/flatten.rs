@@ -153,9 +153,17 @@ pub struct Flat {
     inodes: Vec<Inode>,
     actions: Vec<Vec<Action>>,
     spool: Spool,
+    /// Directories whose link count passes [`LINK_MAX`], see [`Flat::link_max_dirs`].
+    link_max_dirs: Vec<Vec<u8>>,
     /// Counts of the flattened tree.
     pub stats: FlatStats,
 }
+
+/// The largest link count ext4 keeps for a directory (`EXT4_LINK_MAX` of the Linux kernel,
+/// `EXT2_LINK_MAX` of e2fsprogs: 65,000). With `dir_nlink`, a directory whose count would
+/// pass it (2 + its subdirectories) has the count 1 instead: the kernel's `ext4_inc_count`
+/// sets it so, and `e2fsck` pass 4 expects it.
+pub const LINK_MAX: u64 = 65_000;
 
 /// Largest file whose data is spooled to be written in place, bytes.
 pub const SPOOL_FILE_MAX: u64 = 16 << 20;
@@ -396,6 +404,7 @@ impl Flat {
             inodes: Vec::new(),
             actions: Vec::with_capacity(layers.len()),
             spool: Spool { file: None, len: 0 },
+            link_max_dirs: Vec::new(),
             stats: FlatStats::default(),
         };
         let mut kept = 0u64;
@@ -682,6 +691,7 @@ impl Flat {
     fn plan(&mut self) {
         let mut names: HashMap<usize, Vec<(Pos, Vec<u8>)>> = HashMap::new();
         let mut dir_bytes: HashMap<Vec<u8>, u64> = HashMap::new();
+        let mut subdirs: HashMap<Vec<u8>, u64> = HashMap::new();
         let mut stats = std::mem::take(&mut self.stats);
         for (path, node) in &self.paths {
             let (parent, base) = match path.iter().rposition(|b| *b == b'/') {
@@ -690,10 +700,12 @@ impl Flat {
             };
             // ext4 directory entry: 8 bytes + name, padded to 4 (ext4 disk layout, "Linear
             // (Classic) Directories").
-            *dir_bytes.entry(parent).or_default() += 8 + (base.len() as u64).div_ceil(4) * 4;
+            *dir_bytes.entry(parent.clone()).or_default() +=
+                8 + (base.len() as u64).div_ceil(4) * 4;
             match node {
                 Node::Dir { first, meta } => {
                     stats.dirs += 1;
+                    *subdirs.entry(parent.clone()).or_default() += 1;
                     stats.blocks += xattr_blocks(meta.as_ref());
                     if let Some(p) = first {
                         self.actions[p.0 as usize][p.1 as usize] = Action::Dir(path.clone());
@@ -704,14 +716,30 @@ impl Flat {
                 }
             }
         }
+        // Every directory has at least one block, an empty one too (for `.` and `..`).
+        for (path, node) in &self.paths {
+            if matches!(node, Node::Dir { .. }) {
+                dir_bytes.entry(path.clone()).or_default();
+            }
+        }
         for bytes in dir_bytes.values() {
             // `.` and `..` take 24 bytes; each 4 KiB block keeps 12 bytes for its checksum
             // tail (metadata_csum); an htree directory adds its root block.
             let b = (24 + bytes).div_ceil(4096 - 12);
             stats.blocks += if b > 1 { b + 1 } else { b };
         }
-        // The root and lost+found.
+        // The root (counted above when it has entries) and lost+found.
         stats.blocks += 1 + 4;
+        // A directory's link count is 2 + its subdirectories (the root's include
+        // lost+found, which mke2fs makes).
+        *subdirs.entry(Vec::new()).or_default() += 1;
+        let mut over: Vec<Vec<u8>> = subdirs
+            .into_iter()
+            .filter(|(_, n)| 2 + n > LINK_MAX)
+            .map(|(p, _)| p)
+            .collect();
+        over.sort();
+        self.link_max_dirs = over;
         let mut inos: Vec<usize> = names.keys().copied().collect();
         inos.sort_unstable();
         for ino in inos {
@@ -849,6 +877,14 @@ impl Flat {
 }
 
 impl Flat {
+    /// The directories (paths as in [`Flat::xattrs`], `""` for the root) whose link count
+    /// passes [`LINK_MAX`] (more than 64,998 subdirectories), sorted. mke2fs 1.47.2 (its
+    /// `ext2fs_mkdir`) counts every subdirectory into the parent's link count regardless of
+    /// `dir_nlink`, so [`super::build`] sets these to 1 after it.
+    pub fn link_max_dirs(&self) -> &[Vec<u8>] {
+        &self.link_max_dirs
+    }
+
     /// Every xattr of the final tree: (path, name, value), paths as written in the tar
     /// (a shared inode under its first name), sorted by path.
     pub fn xattrs(&self) -> Vec<(Vec<u8>, Vec<u8>, Vec<u8>)> {
