@@ -222,15 +222,14 @@ mod tests {
             .map(|p| p.strip_prefix(w).unwrap().display().to_string())
             .collect();
         removed.sort();
-        assert_eq!(
-            removed,
-            [
-                format!("layers/upper.tmp-{}-3", dead.token()),
-                format!("run/step-{}-0", dead.token()),
-                format!("run/step-{}-1", reused.token()),
-                format!("trees/tree.tmp-{}-5", dead.token()),
-            ]
-        );
+        let mut expected = [
+            format!("layers/upper.tmp-{}-3", dead.token()),
+            format!("run/step-{}-0", dead.token()),
+            format!("run/step-{}-1", reused.token()),
+            format!("trees/tree.tmp-{}-5", dead.token()),
+        ];
+        expected.sort();
+        assert_eq!(removed, expected);
         for kept in [
             format!("run/step-{}-2", me.token()),
             format!("layers/upper.tmp-{}-4", me.token()),
