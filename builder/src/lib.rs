@@ -42,3 +42,4 @@ pub mod registry;
 pub mod remote;
 pub mod resolve;
 pub mod secrets;
+pub mod workdir;

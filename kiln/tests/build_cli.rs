@@ -227,3 +227,175 @@ fn sigterm_cancels_and_leaves_nothing() {
         .expect("run kiln export");
     assert!(!out.status.success(), "nothing was tagged");
 }
+
+/// Processes of a `kiln build` run with `KILN_STORE=store` (slirp4netns and the step's
+/// keeper inherit its environment) or of the step `sleep <marker>`, as `pid: cmdline`.
+fn processes_of(store: &Path, marker: u32) -> Vec<String> {
+    let env_needle = format!("KILN_STORE={}", store.display());
+    let cmd_needle = format!("sleep\0{marker}");
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let environ = std::fs::read(e.path().join("environ")).unwrap_or_default();
+        let ours = environ
+            .split(|&b| b == 0)
+            .any(|v| v == env_needle.as_bytes());
+        if ours || String::from_utf8_lossy(&cmdline).contains(&cmd_needle) {
+            found.push(format!(
+                "{}: {}",
+                e.file_name().to_string_lossy(),
+                String::from_utf8_lossy(&cmdline).replace('\0', " ")
+            ));
+        }
+    }
+    found
+}
+
+/// Step cgroups named after the build process `pid` (`step-p<pid>s<start>-<n>`, or
+/// `step-<pid>-<n>` as they were named before).
+fn cgroups_of(pid: u32) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    for parent in [
+        "/sys/fs/cgroup/kiln",
+        "/sys/fs/cgroup/memory/kiln",
+        "/sys/fs/cgroup/pids/kiln",
+    ] {
+        for e in std::fs::read_dir(parent).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with(&format!("step-p{pid}s"))
+                || name.starts_with(&format!("step-{pid}-"))
+            {
+                found.push(e.path());
+            }
+        }
+    }
+    found
+}
+
+/// Entries of `dir` whose names start with `prefix`.
+fn entries(dir: &Path, prefix: &str) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(prefix))
+        .collect()
+}
+
+/// Starts `kiln build` of a `RUN sleep <marker>` step (default network: slirp4netns runs),
+/// SIGKILLs it once the step runs, and checks that no process of the build or its step is
+/// left (each dies with its parent) while its step directory and lease are. Returns the
+/// test directory, the store, the marker and the killed kiln's pid.
+fn sigkill_during_run() -> (tempfile::TempDir, std::path::PathBuf, u32, u32) {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let marker = 600_000 + std::process::id() % 100_000;
+    let (t, ctx, store) = setup(&format!("FROM {bb}\nRUN echo started; sleep {marker}\n"));
+    let mut child = kiln(&store)
+        .arg("build")
+        .arg(&ctx)
+        .args(["-t", "killed:1", "--progress", "plain", "--oci-only"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kiln");
+    let pid = child.id();
+    let stderr = child.stderr.take().expect("stderr");
+    let mut lines = BufReader::new(stderr).lines();
+    loop {
+        let l = lines
+            .next()
+            .expect("kiln ended before the step started")
+            .expect("read");
+        if l.ends_with(" started") {
+            break;
+        }
+    }
+    assert!(
+        processes_of(&store, marker)
+            .iter()
+            .any(|p| p.contains("slirp4netns")),
+        "the step runs with slirp4netns: {:?}",
+        processes_of(&store, marker)
+    );
+    child.kill().expect("SIGKILL kiln");
+    child.wait().expect("wait");
+    drop(lines);
+    // Parent-death signals are sent as kiln exits; the processes take a moment to go.
+    let t0 = std::time::Instant::now();
+    let mut left = processes_of(&store, marker);
+    while !left.is_empty() && t0.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        left = processes_of(&store, marker);
+    }
+    assert!(
+        left.is_empty(),
+        "processes of the killed build left after 10 s: {left:?}"
+    );
+    // What only a later build or GC can clean up.
+    assert_eq!(entries(&store.join(".build/run"), "step-").len(), 1);
+    assert_eq!(entries(&store.join("leases"), "build-").len(), 1);
+    (t, store, marker, pid)
+}
+
+/// `kill -9` of a build during a RUN leaves no process (slirp4netns, keeper, pid 1), and
+/// `kiln store gc` then removes its step directory, cgroups and lease (75 minutes before the
+/// lease would expire) and the unpacked layers.
+#[test]
+fn sigkilled_build_leaves_no_process_and_gc_cleans_up() {
+    let (_t, store, _marker, pid) = sigkill_during_run();
+    let out = kiln(&store)
+        .args(["store", "gc", "--grace", "0s"])
+        .output()
+        .expect("run kiln store gc");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        entries(&store.join(".build/run"), "step-"),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        entries(&store.join(".build/layers"), ""),
+        [".lock"],
+        "{stdout}"
+    );
+    assert_eq!(
+        entries(&store.join("leases"), ""),
+        Vec::<String>::new(),
+        "{stdout}"
+    );
+    assert_eq!(cgroups_of(pid), Vec::<std::path::PathBuf>::new());
+}
+
+/// The next build cleans up after a SIGKILLed one: step directory, cgroups and lease.
+#[test]
+fn next_build_cleans_up_after_a_sigkilled_build() {
+    let (t, store, _marker, pid) = sigkill_during_run();
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let ctx = t.path().join("ctx2");
+    std::fs::create_dir(&ctx).expect("mkdir");
+    std::fs::write(ctx.join("Dockerfile"), format!("FROM {bb}\nRUN true\n")).expect("write");
+    let out = kiln(&store)
+        .arg("build")
+        .arg(&ctx)
+        .args(["-t", "next:1", "--progress", "plain", "--oci-only"])
+        .output()
+        .expect("run kiln build");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        entries(&store.join(".build/run"), "step-"),
+        Vec::<String>::new()
+    );
+    assert_eq!(entries(&store.join("leases"), ""), Vec::<String>::new());
+    assert_eq!(cgroups_of(pid), Vec::<std::path::PathBuf>::new());
+}

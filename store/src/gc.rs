@@ -2,14 +2,15 @@
 //!
 //! [`mark`] takes roots and a "what does this refer to" function and returns the live set;
 //! it never touches storage (unit-tested on an in-memory graph). [`Store::gc`] gathers the
-//! roots — every tag's manifest, every object of an unexpired lease, the layer of every
+//! roots — every tag's manifest, every object of a live lease ([`crate::lease::LeaseRecord::is_live`]), the layer of every
 //! build-cache entry younger than [`GcOptions::cache_ttl`], every OCI image an OCI reference
 //! reference ([`crate::ociref`]) names (its manifest or index, config and layers) — loads every manifest in the store
 //! to answer `refs_of`, marks, then sweeps: only unmarked chunks, blobs and manifests last
 //! modified more than [`GcOptions::grace`] ago are deleted (manifests first, so no surviving
 //! manifest ever names a deleted chunk), after re-reading the leases to spare anything a
 //! push leased meanwhile. A reachable manifest that cannot be read stops GC before any
-//! delete. Expired leases and cache entries are deleted too. `dry_run` deletes nothing and
+//! delete. Leases no longer live (expired, or their owner died) and expired cache entries are
+//! deleted too. `dry_run` deletes nothing and
 //! returns the same report.
 
 use std::collections::{HashMap, HashSet};
@@ -104,7 +105,8 @@ pub struct GcReport {
     pub young_kept: usize,
     /// Unmarked objects older than the grace period: deleted, or listed in a dry run.
     pub collected: Vec<Collected>,
-    /// Expired leases and cache entries removed (or that would be).
+    /// Leases no longer live (expired, or held by a dead process of this host) and expired
+    /// cache entries, removed (or that would be).
     pub expired: Vec<String>,
     /// Whether this was a dry run.
     pub dry_run: bool,
@@ -157,7 +159,7 @@ impl Store {
             }
         }
         for l in self.list_leases().await? {
-            if l.expires > now {
+            if l.is_live(now) {
                 roots.extend(l.refs());
             } else {
                 expired.push(format!("leases/{}", l.id));
@@ -269,7 +271,7 @@ impl Store {
             .list_leases()
             .await?
             .into_iter()
-            .filter(|l| l.expires > now)
+            .filter(|l| l.is_live(now))
             .flat_map(|l| l.refs())
             .collect();
         doomed.retain(|(r, _)| !leased.contains(r));

@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::backend::{Backend, validate_key};
 use crate::digest::BlobDigest;
 use crate::manifest::ObjectRef;
+use crate::owner::{LeaseOwner, Liveness};
 use crate::{Store, StoreError, hostname, unix_now};
 
 /// How long a build-cache entry keeps its layer alive (14 days).
@@ -90,9 +91,25 @@ pub struct LeaseRecord {
     pub host: String,
     /// Object keys relied on (`chunks/sha256/<hex>`, ...).
     pub objects: BTreeSet<String>,
+    /// The process holding it; absent in leases written before owners were recorded (those
+    /// live until they expire).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<LeaseOwner>,
 }
 
 impl LeaseRecord {
+    /// Whether GC must still honour it at `now` (unix seconds): not expired, and its owner
+    /// not known to be dead ([`LeaseOwner::liveness`]: only a process on the owner's host,
+    /// boot and pid namespace can know that, so a store shared by several hosts keeps another
+    /// host's lease until it expires).
+    pub fn is_live(&self, now: u64) -> bool {
+        self.expires > now
+            && self
+                .owner
+                .as_ref()
+                .is_none_or(|o| o.liveness() != Liveness::Dead)
+    }
+
     /// Objects as references (keys that are not content-addressed are skipped).
     pub fn refs(&self) -> Vec<ObjectRef> {
         self.objects
@@ -172,6 +189,7 @@ impl Store {
             expires: unix_now() + ttl.as_secs(),
             host: hostname(),
             objects: objs.into_iter().map(|o| o.key()).collect(),
+            owner: Some(LeaseOwner::current()),
         };
         self.write_lease(&record).await?;
         Ok(Lease {
@@ -197,6 +215,23 @@ impl Store {
             out.push(r);
         }
         Ok(out)
+    }
+
+    /// Deletes every lease that is no longer live ([`LeaseRecord::is_live`]: expired, or
+    /// held by a process of this host that has died, such as a killed build) and returns
+    /// their keys (`leases/<id>`). What they held is left for GC. A corrupt lease object is
+    /// an error, as in [`Store::list_leases`].
+    pub async fn release_dead_leases(&self) -> Result<Vec<String>, StoreError> {
+        let now = unix_now();
+        let mut released = Vec::new();
+        for l in self.list_leases().await? {
+            if !l.is_live(now) {
+                let key = format!("leases/{}", l.id);
+                self.backend.delete(&key).await?;
+                released.push(key);
+            }
+        }
+        Ok(released)
     }
 
     /// Writes build-cache entry `cache/<key>` → `layer`, stamped now. `key` is one key
@@ -247,6 +282,84 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::owner::ProcessId;
+
+    /// A lease whose owner died on this host (a killed build) is released by GC and by
+    /// [`Store::release_dead_leases`] long before it expires, and stops holding its objects;
+    /// the same lease recorded by another host is left to its expiry.
+    #[tokio::test]
+    async fn a_dead_owners_lease_is_released_before_it_expires() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let start_ticks = crate::owner::start_ticks(pid).unwrap_or(1);
+        child.wait().unwrap();
+        let dead = LeaseOwner {
+            process: ProcessId { pid, start_ticks },
+            ..LeaseOwner::current()
+        };
+        let blob = store.put_blob(Bytes::from_static(b"held")).await.unwrap();
+        let other_blob = store
+            .put_blob(Bytes::from_static(b"held elsewhere"))
+            .await
+            .unwrap();
+        let lease = |id: &str, owner: LeaseOwner, b: BlobDigest| LeaseRecord {
+            id: id.to_string(),
+            expires: unix_now() + 3600,
+            host: owner.host.clone(),
+            objects: [ObjectRef::Blob(b).key()].into(),
+            owner: Some(owner),
+        };
+        let mine = lease("killed-build", dead.clone(), blob.digest);
+        let theirs = lease(
+            "other-host",
+            LeaseOwner {
+                host: format!("{}-elsewhere", dead.host),
+                ..dead.clone()
+            },
+            other_blob.digest,
+        );
+        store.write_lease(&mine).await.unwrap();
+        store.write_lease(&theirs).await.unwrap();
+        let live = store
+            .create_lease("alive", Duration::from_secs(3600), [])
+            .await
+            .unwrap();
+        assert!(!mine.is_live(unix_now()));
+        assert!(theirs.is_live(unix_now()));
+
+        let gc = crate::gc::GcOptions {
+            grace: Duration::ZERO,
+            ..Default::default()
+        };
+        let report = store.gc(&gc).await.unwrap();
+        assert_eq!(report.expired, vec!["leases/killed-build".to_string()]);
+        assert!(!store.has(&ObjectRef::Blob(blob.digest)).await.unwrap());
+        assert!(
+            store
+                .has(&ObjectRef::Blob(other_blob.digest))
+                .await
+                .unwrap()
+        );
+        let mut ids: Vec<String> = store
+            .list_leases()
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|l| l.id)
+            .collect();
+        ids.sort();
+        assert_eq!(ids, ["alive", "other-host"]);
+
+        store.write_lease(&mine).await.unwrap();
+        assert_eq!(
+            store.release_dead_leases().await.unwrap(),
+            ["leases/killed-build"]
+        );
+        assert_eq!(store.list_leases().await.unwrap().len(), 2);
+        live.release().await.unwrap();
+    }
 
     /// Huge planted lease or cache objects are named errors, never loaded whole; GC stops.
     #[tokio::test]

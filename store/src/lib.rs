@@ -12,7 +12,7 @@
 //!   tags/<name>/<tag>~history JSON lines: every move (time, host, previous, new)
 //!   tags/<name>/<tag>~reports JSON lines: reports kept beside the tag (the nightly job's)
 //!   refs/oci/<registry>/<repo..>/<tag>  mutable: `sha256:<hex>` of an OCI manifest/index blob
-//!   leases/<id>               JSON: expiry + keys an in-flight build/push relies on
+//!   leases/<id>               JSON: expiry, owner + keys an in-flight build/push relies on
 //!   cache/<key>               JSON: build-cache entry → layer blob digest, with its time
 //!   (local only) .tmp/ .locks/  temp files before rename, flock files for tag CAS
 //! ```
@@ -31,7 +31,8 @@
 //!   manifests ([`manifest`]), artifacts ([`artifact`]: chunked upload, reader, materialize),
 //!   with an optional on-disk read cache ([`readcache`]).
 //! - [`tag`]: tags and their history; [`ociref`]: OCI references (pulled images);
-//!   [`lease`]: leases and build-cache entries.
+//!   [`lease`]: leases and build-cache entries; [`owner`]: who holds a lease (or a work
+//!   directory), told apart from a later process that reuses its pid.
 //! - [`local_blobs`]: blocking access to a local store's blobs, OCI references and tags, for
 //!   the builder (download into the store, unpack from it).
 //! - [`gc`] (mark is pure; sweep separate), [`verify`], [`copy`] (push/pull between stores,
@@ -73,6 +74,7 @@ pub mod lease;
 pub mod local_blobs;
 pub mod manifest;
 pub mod ociref;
+pub mod owner;
 pub mod progress;
 pub mod readcache;
 pub mod space;

@@ -8,8 +8,11 @@
 //! directory is already in that form and is moved here as is once its layer is written.
 //!
 //! A directory appears under its final name only when complete (unpacked under a temporary
-//! name, then renamed), so a crash leaves at most a `*.tmp-*` directory, removed by the next
-//! [`LayerDirs::open`].
+//! name, then renamed), so a crash leaves at most a `*.tmp-*` directory, named after its
+//! owner and removed by the next [`LayerDirs::open`] once that owner is dead
+//! ([`crate::workdir`]). An open [`LayerDirs`] holds the shared lock on `layers/.lock`, so
+//! `kiln store gc` ([`crate::workdir::collect_layers`]) never removes a layer while a build
+//! may mount it.
 
 use std::fs;
 use std::io::{self, Read};
@@ -57,6 +60,8 @@ static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 #[derive(Debug, Clone)]
 pub struct LayerDirs {
     root: PathBuf,
+    /// Held while any clone lives: the layers are in use.
+    _lock: std::sync::Arc<crate::workdir::LayersLock>,
 }
 
 fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> LowerError + 'a {
@@ -68,18 +73,16 @@ fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> L
 }
 
 impl LayerDirs {
-    /// Opens (creating) `root`, removing unfinished directories a crash left.
+    /// Opens (creating) `root` and takes its shared lock (waiting while `kiln store gc`
+    /// collects layers), then removes unfinished directories of builds that died.
     pub fn open(root: &Path) -> Result<LayerDirs, LowerError> {
         fs::create_dir_all(root).map_err(io_err("creating", root))?;
-        if let Ok(rd) = fs::read_dir(root) {
-            for e in rd.flatten() {
-                if stale_temp(&e.file_name().to_string_lossy()) {
-                    let _ = fs::remove_dir_all(e.path());
-                }
-            }
-        }
+        let lock = crate::workdir::LayersLock::shared(root)
+            .map_err(io_err("locking", &root.join(crate::workdir::LAYERS_LOCK)))?;
+        crate::workdir::remove_dead_entries(root, ".tmp-");
         Ok(LayerDirs {
             root: root.to_path_buf(),
+            _lock: std::sync::Arc::new(lock),
         })
     }
 
@@ -92,7 +95,7 @@ impl LayerDirs {
     pub fn temp(&self, label: &str) -> PathBuf {
         self.root.join(format!(
             "{label}.tmp-{}-{}",
-            std::process::id(),
+            crate::workdir::owner_token(),
             TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
         ))
     }
@@ -143,18 +146,6 @@ impl LayerDirs {
         }
         self.adopt(&tmp, digest)
     }
-}
-
-/// Whether `name` is a temporary directory (`<label>.tmp-<pid>-<n>`) of a process that no
-/// longer runs: another build on the same work directory keeps its own.
-fn stale_temp(name: &str) -> bool {
-    let Some((_, rest)) = name.split_once(".tmp-") else {
-        return false;
-    };
-    let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else {
-        return true;
-    };
-    pid != std::process::id() as i32 && !Path::new(&format!("/proc/{pid}")).exists()
 }
 
 /// A decompressing reader for a layer blob (by magic bytes: [`crate::layer::Compression`]).
@@ -372,11 +363,19 @@ mod tests {
 
     #[test]
     fn only_dead_processes_temps_are_stale() {
+        let stale_temp = |name: &str| crate::workdir::owned_by_dead_process(name, ".tmp-");
         assert!(!stale_temp("0123abcd"));
         assert!(!stale_temp(&format!("upper.tmp-{}-3", std::process::id())));
         assert!(!stale_temp("upper.tmp-1-0"), "pid 1 is alive");
         assert!(stale_temp("upper.tmp-2147483646-0"));
         assert!(stale_temp("upper.tmp-x"));
+        let me = kiln_store::owner::ProcessId::current();
+        assert!(!stale_temp(&format!("upper.tmp-{}-3", me.token())));
+        let reused = kiln_store::owner::ProcessId {
+            start_ticks: me.start_ticks + 1,
+            ..me
+        };
+        assert!(stale_temp(&format!("upper.tmp-{}-3", reused.token())));
     }
 
     /// A whiteout below a symlink the layer planted is dropped, never followed.

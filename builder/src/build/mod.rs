@@ -435,6 +435,27 @@ pub async fn build_with(
         None => None,
     };
     let timeout = Duration::from_secs(plan.limits.timeout_secs);
+    // What builds killed before they could clean up left: their step processes (any still
+    // in a step cgroup), their scratch directories and their leases (crate::workdir).
+    let (work, cgroups) = (opts.work_dir.clone(), opts.exec.cgroup_parent.clone());
+    let dead =
+        tokio::task::spawn_blocking(move || crate::workdir::clean_up_dead_builds(&work, &cgroups))
+            .await
+            .map_err(|e| BuildError::Task(e.to_string()))?;
+    // A store whose leases cannot be read fails GC, which names the object; the build
+    // itself does not depend on them.
+    let released = store.release_dead_leases().await.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "not releasing dead builds' leases");
+        Vec::new()
+    });
+    if dead != crate::workdir::DeadBuilds::default() || !released.is_empty() {
+        tracing::info!(
+            cgroups = dead.cgroups.len(),
+            dirs = dead.dirs.len(),
+            leases = released.len(),
+            "cleaned up after dead builds"
+        );
+    }
     let dirs = LayerDirs::open(&opts.work_dir.join("layers"))?;
     let cancel = Arc::new(AtomicBool::new(false));
     let nanos = std::time::SystemTime::now()
@@ -1360,15 +1381,8 @@ async fn stage_tree(ctx: &Arc<Ctx>, st: &StageOut) -> Result<PathBuf, BuildError
     tokio::task::spawn_blocking(move || {
         let parent = dir.parent().map(Path::to_path_buf).unwrap_or_default();
         fs::create_dir_all(&parent).map_err(io_err("creating", &parent))?;
-        let tmp = parent.join(format!(
-            "{}.tmp-{}",
-            c.dirs
-                .temp("tree")
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            std::process::id()
-        ));
+        // Named as the layer directory's temporaries, after this process (crate::workdir).
+        let tmp = parent.join(c.dirs.temp("tree").file_name().unwrap_or_default());
         fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
         let guard = TempDir(tmp.clone());
         for d in &digests {
@@ -1472,11 +1486,7 @@ async fn image_tree(
     tokio::task::spawn_blocking(move || {
         let parent = dir.parent().map(Path::to_path_buf).unwrap_or_default();
         fs::create_dir_all(&parent).map_err(io_err("creating", &parent))?;
-        let tmp = parent.join(format!(
-            "image.tmp-{}-{}",
-            std::process::id(),
-            c.step_counter.load(Ordering::Relaxed)
-        ));
+        let tmp = parent.join(c.dirs.temp("image").file_name().unwrap_or_default());
         let guard = TempDir(tmp.clone());
         crate::base::unpack(c.cache.as_ref(), &digest, &tmp, &c.opts.layer_limits).map_err(
             |e| BuildError::Copy {

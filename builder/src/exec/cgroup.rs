@@ -117,7 +117,7 @@ impl StepCgroup {
         let layout = detect()?;
         let name = format!(
             "step-{}-{}",
-            std::process::id(),
+            crate::workdir::owner_token(),
             COUNTER.fetch_add(1, Ordering::Relaxed)
         );
         let root = Path::new(CGROUP_ROOT);
@@ -235,6 +235,47 @@ impl StepCgroup {
             },
         }
     }
+}
+
+/// Kills the processes of, and removes, every step cgroup under `parent` (as
+/// [`StepCgroup::create`] names them, `step-<owner>-<n>`) whose owning build no longer runs
+/// ([`crate::workdir::owned_by_dead_process`]); a live build's are not touched. Returns the
+/// directories removed. Without a usable hierarchy there is nothing to reap.
+pub fn reap_dead(parent: &str) -> Vec<PathBuf> {
+    let Ok(layout) = detect() else {
+        return Vec::new();
+    };
+    let root = Path::new(CGROUP_ROOT);
+    let parents: Vec<PathBuf> = match layout {
+        CgroupLayout::Unified => vec![root.join(parent)],
+        CgroupLayout::Legacy => vec![
+            root.join("memory").join(parent),
+            root.join("pids").join(parent),
+        ],
+    };
+    let mut removed = Vec::new();
+    for p in parents {
+        let Ok(rd) = fs::read_dir(&p) else { continue };
+        for e in rd.flatten() {
+            let name = e.file_name();
+            if !e.file_type().is_ok_and(|t| t.is_dir())
+                || !name.to_string_lossy().starts_with("step-")
+                || !crate::workdir::owned_by_dead_process(&name.to_string_lossy(), "step-")
+            {
+                continue;
+            }
+            // Dropping kills what is left in it and removes the directory.
+            let dir = e.path();
+            drop(StepCgroup {
+                layout,
+                dirs: vec![dir.clone()],
+            });
+            if !dir.exists() {
+                removed.push(dir);
+            }
+        }
+    }
+    removed
 }
 
 impl Drop for StepCgroup {

@@ -184,9 +184,11 @@ impl StepExecutor for LinuxExecutor {
         }
         fs::create_dir_all(&cfg.run_dir).map_err(io("creating the run directory"))?;
         let scratch = Scratch {
+            // Named after this process, so that the next build can tell a dead build's
+            // scratch from a live one's (crate::workdir::reap_dead_builds).
             dir: cfg.run_dir.join(format!(
                 "step-{}-{}",
-                std::process::id(),
+                crate::workdir::owner_token(),
                 STEP_COUNTER.fetch_add(1, Ordering::Relaxed)
             )),
         };
@@ -294,7 +296,7 @@ impl StepExecutor for LinuxExecutor {
             let mut b = [0u8; 1];
             let mut sync = fs::File::from(sync_r);
             if sync.read(&mut b).ok() == Some(1) {
-                match start_slirp(&cfg.slirp4netns, keeper) {
+                match start_slirp(&cfg.slirp4netns, keeper, plan.parent) {
                     Ok(child) => slirp = Some(SlirpGuard(child)),
                     Err(e) => {
                         cgroup.kill_all();
@@ -492,7 +494,16 @@ impl Drop for SlirpGuard {
 /// Starts slirp4netns for the network namespace of `pid` and waits until it is ready
 /// (`--ready-fd`, slirp4netns(1)). `--disable-host-loopback` keeps the host's 127.0.0.1
 /// out of reach through the gateway address.
-fn start_slirp(program: &Path, pid: libc::pid_t) -> Result<Child, ExecError> {
+///
+/// slirp4netns dies with the thread that starts it (`PR_SET_PDEATHSIG`, prctl(2)): the
+/// thread running [`LinuxExecutor::run`], which waits for the step, so a SIGKILLed kiln leaves
+/// no slirp4netns behind (the keeper and pid 1 die the same way). `parent` is this process:
+/// a child whose parent died before the prctl took effect exits at once.
+fn start_slirp(
+    program: &Path,
+    pid: libc::pid_t,
+    parent: rustix::process::Pid,
+) -> Result<Child, ExecError> {
     let (ready_r, ready_w) = rustix::pipe::pipe().map_err(|e| io("pipe")(e.into()))?;
     let ready_fd = ready_w.as_raw_fd();
     let mut cmd = Command::new(program);
@@ -509,6 +520,14 @@ fn start_slirp(program: &Path, pid: libc::pid_t) -> Result<Child, ExecError> {
     .stdin(Stdio::null())
     .stdout(Stdio::null())
     .stderr(Stdio::piped());
+    // SAFETY: the closure runs in the child between fork and exec and calls only prctl(2),
+    // getppid(2) and _exit(2), which are async-signal-safe; it touches no memory of the parent.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+            tie_to_parent(parent);
+            Ok(())
+        });
+    }
     let mut child = cmd
         .spawn()
         .map_err(|e| ExecError::Slirp(format!("{}: {e}", program.display())))?;
@@ -621,14 +640,21 @@ fn close_other_fds(keep: &[RawFd]) -> Result<(), String> {
     Ok(())
 }
 
-fn keeper_main(plan: &ChildPlan, fds: &Fds) -> ! {
-    // Die with the caller: a keeper whose executor is gone kills its step (pid 1 below dies
-    // with the keeper, and the kernel then kills the rest of its pid namespace).
+/// Makes this forked child die (SIGKILL) when the thread that forked it exits
+/// (`PR_SET_PDEATHSIG`, prctl(2)), and exits at once if `parent` already died before that
+/// took effect (the child was then reparented, and no signal will come).
+fn tie_to_parent(parent: rustix::process::Pid) {
     let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
-    if rustix::process::getppid() != Some(plan.parent) {
+    if rustix::process::getppid() != Some(parent) {
         // SAFETY: exiting a forked child.
         unsafe { libc::_exit(SETUP_FAILED) }
     }
+}
+
+fn keeper_main(plan: &ChildPlan, fds: &Fds) -> ! {
+    // Die with the caller: a keeper whose executor is gone kills its step (pid 1 below dies
+    // with the keeper, and the kernel then kills the rest of its pid namespace).
+    tie_to_parent(plan.parent);
     if let Err(msg) = close_other_fds(&[
         0,
         1,
@@ -665,6 +691,14 @@ fn keeper_main(plan: &ChildPlan, fds: &Fds) -> ! {
             fail(fds, "the executor went away before the network was ready");
         }
     }
+    // Pid 1 cannot see its parent (getppid is 0 across the pid namespace), so it learns
+    // whether the keeper is still there from this pipe: the keeper holds the write end
+    // until it exits.
+    let mut alive = [0 as RawFd; 2];
+    // SAFETY: pipe2 into a valid two-element array.
+    if unsafe { libc::pipe2(alive.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        fail(fds, &format!("pipe: {}", std::io::Error::last_os_error()));
+    }
     // SAFETY: as for the first fork; the keeper is single-threaded.
     let pid1 = unsafe { libc::fork() };
     if pid1 < 0 {
@@ -673,6 +707,22 @@ fn keeper_main(plan: &ChildPlan, fds: &Fds) -> ! {
     if pid1 == 0 {
         let _ =
             rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
+        // A keeper that died before the prctl took effect sends no signal: with its write
+        // end closed, the pipe reads as hung up.
+        let mut pfd = libc::pollfd {
+            fd: alive[0],
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: closing our copy of the write end; polling one valid pollfd, no wait.
+        let hung_up = unsafe {
+            libc::close(alive[1]);
+            libc::poll(&mut pfd, 1, 0) != 0 && pfd.revents & libc::POLLHUP != 0
+        };
+        if hung_up {
+            // SAFETY: exiting a forked child.
+            unsafe { libc::_exit(SETUP_FAILED) }
+        }
         if let Err(msg) = pid1_main(plan, fds) {
             fail(fds, &msg);
         }

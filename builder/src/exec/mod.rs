@@ -34,6 +34,7 @@ use kiln_recipes::plan::{Action, InlineFile, Network, Step};
 
 pub use cgroup::{CgroupError, CgroupLayout};
 pub use linux::LinuxExecutor;
+pub(crate) use linux::tree_size;
 pub use logs::{LogLimits, LogLine};
 pub use mounts::{MountInputs, MountKind, MountsError, StepMount};
 pub use user::{ExecUser, UserError};

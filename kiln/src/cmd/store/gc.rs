@@ -1,7 +1,16 @@
 //! `kiln store gc [--dry-run] [--grace DURATION] [--store URL]`: delete content-addressed
 //! objects that no tag, live lease or build-cache entry reaches and that are older than the
-//! grace period, and expired leases and cache entries. `--dry-run` lists them only.
+//! grace period, and leases that are no longer live (expired, or held by a process of this
+//! host that died) and expired cache entries. `--dry-run` lists them only.
+//!
+//! For a local store it also cleans its build work directory (`<store>/.build`, the default
+//! of `kiln build`): what dead builds left (step processes still in their cgroups, scratch
+//! and unfinished directories, [`kiln_builder::workdir::clean_up_dead_builds`]), and, when no
+//! build is running there, the unpacked layers of `layers/`, a cache re-made from the store's
+//! blobs on use ([`kiln_builder::workdir::collect_layers`]). A dry run removes none of it and
+//! reports the layers it would.
 
+use std::path::Path;
 use std::time::Duration;
 
 use kiln_store::gc::GcOptions;
@@ -38,6 +47,9 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     };
     let r = store.gc(&opts).await?;
     let verb = if a.dry_run { "would delete" } else { "deleted" };
+    if let kiln_store::StoreUrl::Local(root) = kiln_store::StoreUrl::parse(store.url())? {
+        clean_work_dir(out, &root.join(".build"), a.dry_run, verb)?;
+    }
     for c in &r.collected {
         out.event(
             "collected",
@@ -67,6 +79,34 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
                 r.collected.len(),
                 r.expired.len()
             )
+        },
+    );
+    Ok(())
+}
+
+/// The work-directory part of `kiln store gc` for a local store (see the module docs).
+fn clean_work_dir(out: &Out, work: &Path, dry_run: bool, verb: &str) -> CmdResult {
+    if !dry_run {
+        let cgroup_parent = kiln_builder::exec::ExecConfig::default().cgroup_parent;
+        let dead = kiln_builder::workdir::clean_up_dead_builds(work, &cgroup_parent);
+        for p in dead.cgroups.iter().chain(&dead.dirs) {
+            out.event("deadBuild", json!({"path": p}), || {
+                format!("removed {} of a dead build", p.display())
+            });
+        }
+    }
+    let layers = work.join("layers");
+    let c = kiln_builder::workdir::collect_layers(&layers, dry_run)
+        .map_err(|e| anyhow::anyhow!("collecting unpacked layers in {}: {e}", layers.display()))?;
+    out.event(
+        "layers",
+        json!({"path": layers, "busy": c.busy, "dirs": c.dirs, "bytes": c.bytes, "dryRun": dry_run}),
+        || {
+            if c.busy {
+                format!("{}: kept, a build is using it", layers.display())
+            } else {
+                format!("{}: {verb} {} unpacked layers ({} bytes)", layers.display(), c.dirs, c.bytes)
+            }
         },
     );
     Ok(())

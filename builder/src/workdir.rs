@@ -1,0 +1,266 @@
+//! What builds leave in a work directory, and cleaning up after builds that died.
+//!
+//! Every directory a build makes for its own use is named after its owner: the build
+//! process's [`ProcessId`] token (pid and start time, so a later process that reuses the pid
+//! is not taken for the owner), as `<label>.tmp-p<pid>s<start>-<n>` under `layers/` and
+//! `trees/`, `run/step-p<pid>s<start>-<n>` for a step's scratch, and the step cgroups
+//! `step-p<pid>s<start>-<n>` ([`crate::exec::cgroup::reap_dead`]). A build killed with
+//! SIGKILL cannot remove them; [`reap_dead_builds`] (called by every build before it starts,
+//! and by `kiln store gc`) removes the ones whose owner no longer runs and never touches a
+//! live build's.
+//!
+//! `layers/<hex>` (one unpacked layer per digest, [`crate::build::lower::LayerDirs`]) is a
+//! cache of what the blob cache holds, read as overlay lower directories by running steps.
+//! Every build holds a shared lock on `layers/.lock` for its whole run; [`collect_layers`]
+//! takes it exclusively, without waiting, and only then removes the unpacked layers, so a
+//! build never loses a lower directory it mounted. A later build unpacks again what it needs.
+
+use std::fs;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use kiln_store::owner::ProcessId;
+use rustix::fs::{FlockOperation, Mode, OFlags};
+
+/// The name of the lock file in `layers/` (see the module documentation).
+pub const LAYERS_LOCK: &str = ".lock";
+
+/// This process's owner token (`p<pid>s<start>`, [`ProcessId::token`]), read once.
+pub fn owner_token() -> &'static str {
+    static TOKEN: OnceLock<String> = OnceLock::new();
+    TOKEN.get_or_init(|| ProcessId::current().token())
+}
+
+/// Whether the directory entry `name`, made by a build as `<prefix><token>-<n>`, belongs
+/// to a process that no longer runs. Names without `prefix` are not a build's and are never
+/// dead. After the prefix, an owner token ([`ProcessId::parse_token`]) is judged by pid and
+/// start time; an older name with a bare pid (`<prefix><pid>-<n>`) by the pid alone; anything
+/// else after the prefix is an unfinished directory of unknown owner, taken as dead.
+pub fn owned_by_dead_process(name: &str, prefix: &str) -> bool {
+    let Some(rest) = name.find(prefix).map(|i| &name[i + prefix.len()..]) else {
+        return false;
+    };
+    if let Some((owner, _)) = ProcessId::parse_token(rest) {
+        return !owner.is_alive();
+    }
+    match rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) {
+        Some(pid) => pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists(),
+        None => true,
+    }
+}
+
+/// Removes the entries of `dir` named `<prefix><owner>-<n>` whose owner is dead
+/// ([`owned_by_dead_process`]); returns them. A missing `dir` has none; entries that cannot
+/// be removed are left (and not returned).
+pub fn remove_dead_entries(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    let Ok(rd) = fs::read_dir(dir) else {
+        return removed;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        if !owned_by_dead_process(&name.to_string_lossy(), prefix) {
+            continue;
+        }
+        let path = e.path();
+        let gone = match e.file_type() {
+            Ok(t) if t.is_dir() => fs::remove_dir_all(&path),
+            _ => fs::remove_file(&path),
+        };
+        if gone.is_ok() {
+            removed.push(path);
+        }
+    }
+    removed
+}
+
+/// Removes what dead builds left in `work_dir` (the build's work directory, `.build` of a
+/// local store): `run/step-*` scratch, unfinished `layers/*.tmp-*` (step upper, work and
+/// unpack directories) and `trees/*.tmp-*`, of owners that no longer run. Returns the paths
+/// removed.
+pub fn reap_dead_builds(work_dir: &Path) -> Vec<PathBuf> {
+    let mut removed = remove_dead_entries(&work_dir.join("run"), "step-");
+    removed.extend(remove_dead_entries(&work_dir.join("layers"), ".tmp-"));
+    removed.extend(remove_dead_entries(&work_dir.join("trees"), ".tmp-"));
+    removed
+}
+
+/// What [`clean_up_dead_builds`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeadBuilds {
+    /// Step cgroups of dead builds, their processes killed ([`crate::exec::cgroup::reap_dead`]).
+    pub cgroups: Vec<PathBuf>,
+    /// Their directories in the work directory ([`reap_dead_builds`]).
+    pub dirs: Vec<PathBuf>,
+}
+
+/// Cleans up after builds that died in `work_dir` whose step cgroups are under
+/// `cgroup_parent` ([`crate::exec::ExecConfig::cgroup_parent`]): kills what is left in
+/// their cgroups and removes those, then their directories. Their leases are the store's
+/// ([`kiln_store::Store::release_dead_leases`], and GC). Run by every build before it
+/// starts, and by `kiln store gc`.
+pub fn clean_up_dead_builds(work_dir: &Path, cgroup_parent: &str) -> DeadBuilds {
+    DeadBuilds {
+        cgroups: crate::exec::cgroup::reap_dead(cgroup_parent),
+        dirs: reap_dead_builds(work_dir),
+    }
+}
+
+/// A lock on `layers/.lock`: shared while a build uses `layers/`, exclusive while
+/// [`collect_layers`] empties it. Released when dropped.
+#[derive(Debug)]
+pub struct LayersLock {
+    _fd: OwnedFd,
+}
+
+fn open_lock(layers: &Path) -> io::Result<OwnedFd> {
+    fs::create_dir_all(layers)?;
+    Ok(rustix::fs::open(
+        &layers.join(LAYERS_LOCK),
+        OFlags::RDWR | OFlags::CREATE | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o644),
+    )?)
+}
+
+impl LayersLock {
+    /// Takes the shared lock on `layers/` (a build's), waiting while [`collect_layers`]
+    /// runs. Errors: the lock file cannot be created or locked.
+    pub fn shared(layers: &Path) -> io::Result<LayersLock> {
+        let fd = open_lock(layers)?;
+        rustix::fs::flock(&fd, FlockOperation::LockShared)?;
+        Ok(LayersLock { _fd: fd })
+    }
+}
+
+/// What [`collect_layers`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LayersCollected {
+    /// A build was using `layers/`, so nothing was removed.
+    pub busy: bool,
+    /// Unpacked layer directories removed (or that would be, in a dry run).
+    pub dirs: usize,
+    /// Their apparent size, bytes.
+    pub bytes: u64,
+}
+
+/// Removes every unpacked layer directory (`<64 hex>`) under `layers`, when no build holds
+/// it (the exclusive lock is taken without waiting; a busy directory is reported, not
+/// waited for). With `dry_run`, only counts. Errors: the lock file cannot be created, or a
+/// directory cannot be removed (named in the error).
+pub fn collect_layers(layers: &Path, dry_run: bool) -> io::Result<LayersCollected> {
+    let mut out = LayersCollected::default();
+    if !layers.is_dir() {
+        return Ok(out);
+    }
+    let fd = open_lock(layers)?;
+    match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::WOULDBLOCK) => {
+            out.busy = true;
+            return Ok(out);
+        }
+        Err(e) => return Err(e.into()),
+    }
+    for e in fs::read_dir(layers)?.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        let is_layer = name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit());
+        if !is_layer || !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let path = e.path();
+        out.bytes += crate::exec::tree_size(&path);
+        out.dirs += 1;
+        if !dry_run {
+            fs::remove_dir_all(&path)
+                .map_err(|err| io::Error::new(err.kind(), format!("{}: {err}", path.display())))?;
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dead_pid() -> ProcessId {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let start_ticks = kiln_store::owner::start_ticks(pid).unwrap_or(1);
+        child.wait().unwrap();
+        ProcessId { pid, start_ticks }
+    }
+
+    /// Directories of a dead build are removed, a live build's are kept even when its pid
+    /// was once a dead build's (the start time tells them apart).
+    #[test]
+    fn dead_builds_dirs_are_reaped_and_live_ones_kept() {
+        let t = tempfile::tempdir().unwrap();
+        let w = t.path();
+        let dead = dead_pid();
+        let me = ProcessId::current();
+        let reused = ProcessId {
+            start_ticks: me.start_ticks + 1,
+            ..me
+        };
+        for d in [
+            format!("run/step-{}-0", dead.token()),
+            format!("run/step-{}-1", reused.token()),
+            format!("run/step-{}-2", me.token()),
+            format!("layers/upper.tmp-{}-3", dead.token()),
+            format!("layers/upper.tmp-{}-4", me.token()),
+            format!("trees/tree.tmp-{}-5", dead.token()),
+            "layers/aaaa".to_string(),
+            "run/other".to_string(),
+        ] {
+            fs::create_dir_all(w.join(&d).join("x")).unwrap();
+        }
+        let mut removed: Vec<String> = reap_dead_builds(w)
+            .iter()
+            .map(|p| p.strip_prefix(w).unwrap().display().to_string())
+            .collect();
+        removed.sort();
+        let mut expected = [
+            format!("layers/upper.tmp-{}-3", dead.token()),
+            format!("run/step-{}-0", dead.token()),
+            format!("run/step-{}-1", reused.token()),
+            format!("trees/tree.tmp-{}-5", dead.token()),
+        ];
+        expected.sort();
+        assert_eq!(removed, expected);
+        for kept in [
+            format!("run/step-{}-2", me.token()),
+            format!("layers/upper.tmp-{}-4", me.token()),
+            "layers/aaaa".to_string(),
+            "run/other".to_string(),
+        ] {
+            assert!(w.join(&kept).is_dir(), "{kept}");
+        }
+    }
+
+    /// Unpacked layers go only when no build holds the layers directory.
+    #[test]
+    fn layers_are_collected_only_when_no_build_holds_them() {
+        let t = tempfile::tempdir().unwrap();
+        let layers = t.path().join("layers");
+        let hex = "ab".repeat(32);
+        fs::create_dir_all(layers.join(&hex).join("etc")).unwrap();
+        fs::write(layers.join(&hex).join("etc/f"), vec![0u8; 1000]).unwrap();
+        fs::create_dir_all(layers.join("not-a-layer")).unwrap();
+        let lock = LayersLock::shared(&layers).unwrap();
+        let busy = collect_layers(&layers, false).unwrap();
+        assert!(busy.busy && busy.dirs == 0, "{busy:?}");
+        assert!(layers.join(&hex).is_dir());
+        drop(lock);
+        let dry = collect_layers(&layers, true).unwrap();
+        assert_eq!((dry.busy, dry.dirs), (false, 1));
+        assert!(dry.bytes >= 1000, "{dry:?}");
+        assert!(layers.join(&hex).is_dir());
+        let done = collect_layers(&layers, false).unwrap();
+        assert_eq!(done, dry);
+        assert!(!layers.join(&hex).exists());
+        assert!(layers.join("not-a-layer").is_dir());
+    }
+}
