@@ -118,7 +118,7 @@ pub struct LayersLock {
 fn open_lock(layers: &Path) -> io::Result<OwnedFd> {
     fs::create_dir_all(layers)?;
     Ok(rustix::fs::open(
-        &layers.join(LAYERS_LOCK),
+        layers.join(LAYERS_LOCK),
         OFlags::RDWR | OFlags::CREATE | OFlags::CLOEXEC,
         Mode::from_raw_mode(0o644),
     )?)
