@@ -1170,7 +1170,8 @@ mod tests {
             ("KILN_STORE_ATTEMPTS", "101"),
             ("KILN_S3_REQUEST_TIMEOUT_SECS", "soon"),
         ] {
-            let env = env_of(&[("HOME", "/h"), (var, bad)]);
+            let pairs = [("HOME", "/h"), (var, bad)];
+            let env = env_of(&pairs);
             let e = Config::resolve(&Flags::default(), &env, None, None, || None)
                 .unwrap_err()
                 .to_string();
