@@ -15,9 +15,12 @@
 //! | `cache` | `KILN_CACHE` | | `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln` |
 //! | `cache_max_mib` | `KILN_CACHE_MAX_MIB` | | `10240` |
 //! | `log` | `KILN_LOG`, then `RUST_LOG` | `-v` (info), `-vv` (debug), `-vvv` (trace) | `warn` |
+//! | `store_attempts` | `KILN_STORE_ATTEMPTS` | | `6` |
+//! | `store_timeout_secs` | `KILN_STORE_TIMEOUT_SECS` | | `300` |
 //! | `s3.endpoint` | `KILN_S3_ENDPOINT` | | unset: `AWS_ENDPOINT_URL` or the AWS default |
 //! | `s3.region` | `KILN_S3_REGION` | | unset: `AWS_REGION` or `us-east-1` |
 //! | `s3.allow_http` | `KILN_S3_ALLOW_HTTP` | | unset: `AWS_ALLOW_HTTP` or `false` |
+//! | `s3.request_timeout_secs` | `KILN_S3_REQUEST_TIMEOUT_SECS` | | `30` |
 //! | `bootstrap_mirror` | `KILN_BOOTSTRAP_MIRROR` | | the archive this host's apt uses |
 //! | `serve.listen` | `KILN_LISTEN` | `kiln serve --listen` | `127.0.0.1:8080` |
 //! | `serve.database` | `KILN_SERVE_DATABASE` | `kiln serve --database` | unset: SQLite, `<state_dir>/kiln.db` |
@@ -30,6 +33,17 @@
 //! mirror; by default the first release suite (no `-updates`, `-security`...) in this host's
 //! apt sources (`/etc/apt/sources.list`, `/etc/apt/sources.list.d/*.list` and `*.sources`).
 //!
+//! Every store operation (one get, put, list... of one object; a multipart upload of one file
+//! is one operation) that fails transiently (5xx, throttling, a timeout, a reset connection) is
+//! retried: `store_attempts` attempts in all, with waits of 100 ms doubling up to 5 s, each
+//! retry logged as a warning (and with `--json` a `retry` event), and the operation gives up
+//! after `store_timeout_secs` seconds whatever attempts remain. On S3, one request that gets
+//! no answer is abandoned after `s3.request_timeout_secs` seconds. The defaults:
+//! [`kiln_store::backend::retry::DEFAULT_MAX_ATTEMPTS`] and
+//! [`kiln_store::backend::retry::DEFAULT_OPERATION_TIMEOUT`] (300 s: above the 6 × 30 s a
+//! hung server costs with the other defaults), and [`DEFAULT_S3_REQUEST_TIMEOUT_SECS`]
+//! (object_store's default).
+//!
 //! The file is TOML with exactly these keys (unknown keys are an error, so a typo fails
 //! loudly); it is read with a size bound of [`MAX_CONFIG_BYTES`]. A local store or cache path
 //! in the file must be absolute or start with `~/`.
@@ -39,18 +53,23 @@
 //! cache = "~/.cache/kiln"
 //! cache_max_mib = 20480
 //! log = "info"
+//! store_attempts = 6
+//! store_timeout_secs = 300
 //!
 //! [s3]
 //! endpoint = "http://127.0.0.1:9000"
 //! region = "us-east-1"
 //! allow_http = true
+//! request_timeout_secs = 30
 //! ```
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use kiln_store::StoreOptions;
 use kiln_store::StoreUrl;
+use kiln_store::backend::retry;
 use serde::Deserialize;
 
 /// Largest config file read, in bytes (1 MiB; a real one is a few hundred bytes).
@@ -58,6 +77,17 @@ pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
 /// Default bound of the chunk read cache, MiB.
 pub const DEFAULT_CACHE_MAX_MIB: u64 = 10240;
+
+/// Default `s3.request_timeout_secs`: 30 s, object_store's default request timeout
+/// (`ClientOptions`, which cites AWS's advice on timeouts for latency-sensitive applications
+/// and rounds up).
+pub const DEFAULT_S3_REQUEST_TIMEOUT_SECS: u64 = 30;
+
+/// Largest `store_attempts` accepted: 100.
+pub const MAX_STORE_ATTEMPTS: u64 = 100;
+
+/// Largest `store_timeout_secs` and `s3.request_timeout_secs` accepted: 7 days, in seconds.
+pub const MAX_TIMEOUT_SECS: u64 = 7 * 86400;
 
 /// Errors loading the configuration.
 #[derive(Debug, thiserror::Error)]
@@ -199,6 +229,7 @@ struct FileS3 {
     endpoint: Option<String>,
     region: Option<String>,
     allow_http: Option<bool>,
+    request_timeout_secs: Option<u64>,
 }
 
 /// The `[serve]` table of the file.
@@ -218,6 +249,8 @@ struct FileConfig {
     cache: Option<String>,
     cache_max_mib: Option<u64>,
     log: Option<String>,
+    store_attempts: Option<u64>,
+    store_timeout_secs: Option<u64>,
     bootstrap_mirror: Option<String>,
     #[serde(default)]
     s3: FileS3,
@@ -238,12 +271,21 @@ pub struct Config {
     pub cache_max_mib: Setting<u64>,
     /// The tracing filter (`warn`, `info`, `debug`, `trace`, or an `EnvFilter` directive).
     pub log: Setting<String>,
+    /// Attempts of one store operation in all, the first included (1 to
+    /// [`MAX_STORE_ATTEMPTS`]).
+    pub store_attempts: Setting<u32>,
+    /// Bound on one store operation, every attempt and wait included, seconds (1 to
+    /// [`MAX_TIMEOUT_SECS`]).
+    pub store_timeout_secs: Setting<u64>,
     /// S3 endpoint override.
     pub s3_endpoint: Setting<Option<String>>,
     /// S3 region override.
     pub s3_region: Setting<Option<String>>,
     /// Whether a plain-HTTP S3 endpoint is allowed (override).
     pub s3_allow_http: Setting<Option<bool>>,
+    /// How long one S3 request may go unanswered before it is abandoned (and retried),
+    /// seconds (1 to [`MAX_TIMEOUT_SECS`]).
+    pub s3_request_timeout_secs: Setting<u64>,
     /// The archive to bootstrap from when a recipe names none (`None`: no default).
     pub bootstrap_mirror: Setting<Option<String>>,
     /// The address `kiln serve` listens on.
@@ -402,7 +444,7 @@ impl Config {
             file.cache_max_mib.map(|n| n.to_string()),
         ) {
             Some(s) => Setting {
-                value: parse_mib(&s.value, &s.origin)?,
+                value: parse_whole("cache_max_mib", &s.value, &s.origin, 1 << 40, "MiB")?,
                 origin: s.origin,
             },
             None => Setting {
@@ -427,6 +469,63 @@ impl Config {
                 origin: Origin::Default,
             },
         };
+
+        // A whole number from flag, env or file, else `default`.
+        let whole = |s: Option<Setting<String>>,
+                     key: &'static str,
+                     max: u64,
+                     unit: &str,
+                     default: u64|
+         -> Result<Setting<u64>, ConfigError> {
+            Ok(match s {
+                Some(s) => Setting {
+                    value: parse_whole(key, &s.value, &s.origin, max, unit)?,
+                    origin: s.origin,
+                },
+                None => Setting {
+                    value: default,
+                    origin: Origin::Default,
+                },
+            })
+        };
+        let store_attempts = whole(
+            pick(
+                None,
+                &["KILN_STORE_ATTEMPTS"],
+                file.store_attempts.map(|n| n.to_string()),
+            ),
+            "store_attempts",
+            MAX_STORE_ATTEMPTS,
+            "attempts",
+            u64::from(retry::DEFAULT_MAX_ATTEMPTS),
+        )?;
+        let store_attempts = Setting {
+            // At most MAX_STORE_ATTEMPTS (100), so it fits.
+            value: u32::try_from(store_attempts.value).unwrap_or(retry::DEFAULT_MAX_ATTEMPTS),
+            origin: store_attempts.origin,
+        };
+        let store_timeout_secs = whole(
+            pick(
+                None,
+                &["KILN_STORE_TIMEOUT_SECS"],
+                file.store_timeout_secs.map(|n| n.to_string()),
+            ),
+            "store_timeout_secs",
+            MAX_TIMEOUT_SECS,
+            "seconds",
+            retry::DEFAULT_OPERATION_TIMEOUT.as_secs(),
+        )?;
+        let s3_request_timeout_secs = whole(
+            pick(
+                None,
+                &["KILN_S3_REQUEST_TIMEOUT_SECS"],
+                file.s3.request_timeout_secs.map(|n| n.to_string()),
+            ),
+            "s3.request_timeout_secs",
+            MAX_TIMEOUT_SECS,
+            "seconds",
+            DEFAULT_S3_REQUEST_TIMEOUT_SECS,
+        )?;
 
         let opt = |s: Option<Setting<String>>| match s {
             Some(s) => Setting {
@@ -557,9 +656,12 @@ impl Config {
             cache,
             cache_max_mib,
             log,
+            store_attempts,
+            store_timeout_secs,
             s3_endpoint,
             s3_region,
             s3_allow_http,
+            s3_request_timeout_secs,
             bootstrap_mirror,
             serve_listen,
             serve_state_dir,
@@ -567,13 +669,17 @@ impl Config {
         })
     }
 
-    /// Options to open [`Config::store`] with: the S3 overrides, and for a remote store the
-    /// chunk read cache under `<cache>/chunks`.
+    /// Options to open [`Config::store`] with: the retry policy's attempts and bound, the S3
+    /// overrides and request timeout, and for a remote store the chunk read cache under
+    /// `<cache>/chunks`.
     pub fn store_options(&self) -> StoreOptions {
         let mut o = StoreOptions::default();
+        o.retry.max_attempts = self.store_attempts.value;
+        o.retry.operation_timeout = Duration::from_secs(self.store_timeout_secs.value);
         o.s3.endpoint = self.s3_endpoint.value.clone();
         o.s3.region = self.s3_region.value.clone();
         o.s3.allow_http = self.s3_allow_http.value;
+        o.s3.request_timeout = Some(Duration::from_secs(self.s3_request_timeout_secs.value));
         if matches!(StoreUrl::parse(&self.store.value), Ok(StoreUrl::S3 { .. })) {
             o.read_cache = Some((
                 self.cache.value.join("chunks"),
@@ -600,6 +706,16 @@ impl Config {
             ),
             ("log", Some(self.log.value.clone()), &self.log.origin),
             (
+                "store_attempts",
+                Some(self.store_attempts.value.to_string()),
+                &self.store_attempts.origin,
+            ),
+            (
+                "store_timeout_secs",
+                Some(self.store_timeout_secs.value.to_string()),
+                &self.store_timeout_secs.origin,
+            ),
+            (
                 "s3.endpoint",
                 self.s3_endpoint.value.clone(),
                 &self.s3_endpoint.origin,
@@ -613,6 +729,11 @@ impl Config {
                 "s3.allow_http",
                 self.s3_allow_http.value.map(|b| b.to_string()),
                 &self.s3_allow_http.origin,
+            ),
+            (
+                "s3.request_timeout_secs",
+                Some(self.s3_request_timeout_secs.value.to_string()),
+                &self.s3_request_timeout_secs.origin,
             ),
             (
                 "bootstrap_mirror",
@@ -790,14 +911,21 @@ fn check_dir(
     expand(key, value, origin, home)
 }
 
-fn parse_mib(value: &str, origin: &Origin) -> Result<u64, ConfigError> {
+/// A whole number of `unit`, 1 to `max`, for setting `key`.
+fn parse_whole(
+    key: &'static str,
+    value: &str,
+    origin: &Origin,
+    max: u64,
+    unit: &str,
+) -> Result<u64, ConfigError> {
     match value.trim().parse::<u64>() {
-        Ok(n) if n > 0 && n <= (1 << 40) => Ok(n),
+        Ok(n) if n > 0 && n <= max => Ok(n),
         _ => Err(ConfigError::Invalid {
-            key: "cache_max_mib",
+            key,
             value: value.to_string(),
             origin: origin.clone(),
-            reason: "expected a whole number of MiB, 1 to 2^40".into(),
+            reason: format!("expected a whole number of {unit}, 1 to {max}"),
         }),
     }
 }
@@ -983,6 +1111,72 @@ mod tests {
         // A local store needs no read cache.
         let c = resolve(&Flags::store(Some("/tmp/s")), &[("HOME", "/h")], None);
         assert_eq!(c.store_options().read_cache, None);
+    }
+
+    /// Issue 17, fault 4: the attempts, the bound on one store operation and the S3 request
+    /// timeout are settings (env, file, default), and reach the store's retry policy.
+    #[test]
+    fn store_retry_settings_reach_the_store_options() {
+        let c = resolve(&Flags::default(), &[("HOME", "/h")], None);
+        assert_eq!(
+            (
+                c.store_attempts.value,
+                c.store_timeout_secs.value,
+                c.s3_request_timeout_secs.value
+            ),
+            (6, 300, 30)
+        );
+        assert_eq!(c.store_timeout_secs.origin, Origin::Default);
+        let o = c.store_options();
+        assert_eq!(o.retry.max_attempts, retry::DEFAULT_MAX_ATTEMPTS);
+        assert_eq!(o.retry.operation_timeout, retry::DEFAULT_OPERATION_TIMEOUT);
+        assert_eq!(o.s3.request_timeout, Some(Duration::from_secs(30)));
+
+        let file = "store_attempts = 3\nstore_timeout_secs = 40\n[s3]\nrequest_timeout_secs = 7\n";
+        let c = resolve(&Flags::default(), &[("HOME", "/h")], Some(file));
+        let o = c.store_options();
+        assert_eq!(o.retry.max_attempts, 3);
+        assert_eq!(o.retry.operation_timeout, Duration::from_secs(40));
+        assert_eq!(o.s3.request_timeout, Some(Duration::from_secs(7)));
+        assert!(matches!(c.store_timeout_secs.origin, Origin::File(_)));
+
+        let env = [
+            ("HOME", "/h"),
+            ("KILN_STORE_ATTEMPTS", "2"),
+            ("KILN_STORE_TIMEOUT_SECS", "5"),
+            ("KILN_S3_REQUEST_TIMEOUT_SECS", "1"),
+        ];
+        let c = resolve(&Flags::default(), &env, Some(file));
+        assert_eq!(
+            c.store_timeout_secs.origin,
+            Origin::Env("KILN_STORE_TIMEOUT_SECS")
+        );
+        let o = c.store_options();
+        assert_eq!(o.retry.max_attempts, 2);
+        assert_eq!(o.retry.operation_timeout, Duration::from_secs(5));
+        assert_eq!(o.s3.request_timeout, Some(Duration::from_secs(1)));
+        let shown: Vec<_> = c.entries().into_iter().map(|(k, v, _)| (k, v)).collect();
+        for (k, v) in [
+            ("store_attempts", "2"),
+            ("store_timeout_secs", "5"),
+            ("s3.request_timeout_secs", "1"),
+        ] {
+            assert!(shown.contains(&(k, Some(v.to_string()))), "{k}: {shown:?}");
+        }
+
+        for (var, bad) in [
+            ("KILN_STORE_TIMEOUT_SECS", "0"),
+            ("KILN_STORE_TIMEOUT_SECS", "1.5"),
+            ("KILN_STORE_ATTEMPTS", "101"),
+            ("KILN_S3_REQUEST_TIMEOUT_SECS", "soon"),
+        ] {
+            let pairs = [("HOME", "/h"), (var, bad)];
+            let env = env_of(&pairs);
+            let e = Config::resolve(&Flags::default(), &env, None, None, || None)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(var) && e.contains("whole number"), "{e}");
+        }
     }
 
     /// Issue 17, item 7: `kiln build --store s3://…` and `KILN_STORE=s3://…` name the limit

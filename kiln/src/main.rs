@@ -102,7 +102,8 @@ fn main() -> ExitCode {
     .map_or_else(|_| "warn".to_string(), |c| c.log.value);
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(log))
-        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(cmd::progress::LogWriter)
         .try_init();
     let out = cmd::Out::new(cli.json);
     match cli.command {

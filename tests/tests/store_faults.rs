@@ -255,6 +255,7 @@ fn s3_through(
             max_attempts: attempts,
             base_delay: Duration::from_millis(20),
             max_delay: Duration::from_millis(500),
+            ..RetryPolicy::default()
         },
         parallelism: 4,
         ..Default::default()

@@ -41,15 +41,23 @@ pub fn run(out: &Out, c: Command, verbose: u8) -> CmdResult {
         "config",
         json!({"file": path, "fileExists": exists, "values": Value::Object(values)}),
         || {
+            // The key column as wide as the longest key.
+            let width = cfg
+                .entries()
+                .iter()
+                .map(|(k, _, _)| k.len())
+                .chain(["config file".len()])
+                .max()
+                .unwrap_or(0);
             let mut s = format!(
-                "{:<17} {}{}\n",
+                "{:<width$} {}{}\n",
                 "config file",
                 path.display(),
                 if *exists { "" } else { " (not found)" }
             );
             for (key, value, origin) in cfg.entries() {
                 let v = value.unwrap_or_else(|| "(unset)".into());
-                s.push_str(&format!("{key:<17} {v:<40} {origin}\n"));
+                s.push_str(&format!("{key:<width$} {v:<40} {origin}\n"));
             }
             s.trim_end().to_string()
         },

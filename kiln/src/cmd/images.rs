@@ -98,7 +98,7 @@ pub fn human(bytes: u64) -> String {
 
 /// Runs `kiln images`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_existing_store(a.store.as_deref()).await?;
+    let store = open_existing_store(out, a.store.as_deref()).await?;
     let tags = store.list_tags(a.name.as_deref()).await?;
     if !out.json {
         println!(

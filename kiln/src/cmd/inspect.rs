@@ -80,7 +80,7 @@ async fn oci_config(store: &Store, r: &BlobRef) -> Result<Option<Value>, Failure
 
 /// Runs `kiln inspect`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_existing_store(a.store.as_deref()).await?;
+    let store = open_existing_store(out, a.store.as_deref()).await?;
     let digest = match &a.reference {
         ImageRef::Tag(t) => store.resolve_tag(t).await?,
         ImageRef::Digest(d) => *d,

@@ -203,10 +203,23 @@ pub fn one_line(error: &anyhow::Error) -> String {
 
 /// Opens the store `url` (a `--store` flag), else the configured one (`$KILN_STORE`, else the
 /// config file's `store`, else `~/.local/share/kiln/store`; see [`crate::config`]), with the
-/// configured S3 settings and read cache.
-pub async fn open_store(url: Option<&str>) -> Result<kiln_store::Store, Failure> {
+/// configured retry policy, S3 settings and read cache. Every retry of an operation on it is
+/// a warning on stderr (the store logs it) and, with `--json`, a `retry` event on stdout
+/// ([`progress::retry_observer`]).
+pub async fn open_store(out: &Out, url: Option<&str>) -> Result<kiln_store::Store, Failure> {
     let cfg = crate::config::Config::load(&crate::config::Flags::store(url))?;
-    Ok(kiln_store::Store::open_with(&cfg.store.value, cfg.store_options()).await?)
+    open_configured(out, &cfg).await
+}
+
+async fn open_configured(
+    out: &Out,
+    cfg: &crate::config::Config,
+) -> Result<kiln_store::Store, Failure> {
+    let store = kiln_store::Store::open_with(&cfg.store.value, cfg.store_options()).await?;
+    store
+        .backend()
+        .set_observer(progress::retry_observer(out, None));
+    Ok(store)
 }
 
 /// Opens a store that must already exist, for commands that only read or maintain one
@@ -215,7 +228,10 @@ pub async fn open_store(url: Option<&str>) -> Result<kiln_store::Store, Failure>
 /// `file://PATH`) that does not exist is refused with exit code 5 instead of being created
 /// empty, so a mistyped store cannot pass for an empty, healthy store. Remote stores and the
 /// default local store open as with [`open_store`].
-pub async fn open_existing_store(url: Option<&str>) -> Result<kiln_store::Store, Failure> {
+pub async fn open_existing_store(
+    out: &Out,
+    url: Option<&str>,
+) -> Result<kiln_store::Store, Failure> {
     let cfg = crate::config::Config::load(&crate::config::Flags::store(url))?;
     if cfg.store.origin != crate::config::Origin::Default
         && let kiln_store::StoreUrl::Local(p) = kiln_store::StoreUrl::parse(&cfg.store.value)?
@@ -231,7 +247,7 @@ pub async fn open_existing_store(url: Option<&str>) -> Result<kiln_store::Store,
             ),
         });
     }
-    Ok(kiln_store::Store::open_with(&cfg.store.value, cfg.store_options()).await?)
+    open_configured(out, &cfg).await
 }
 
 /// A lease id unique to this process and moment: `<what>-<host>-<pid>-<nanos>`, within the

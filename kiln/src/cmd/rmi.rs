@@ -21,7 +21,7 @@ pub struct Args {
 
 /// Runs `kiln rmi`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_existing_store(a.store.as_deref()).await?;
+    let store = open_existing_store(out, a.store.as_deref()).await?;
     for r in &a.references {
         let tags = match r {
             ImageRef::Tag(t) => vec![t.clone()],

@@ -42,7 +42,7 @@ pub struct Args {
 
 /// Runs `kiln snapshot`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_store(a.store.as_deref()).await?;
+    let store = open_store(out, a.store.as_deref()).await?;
     let tag = a.tag.clone().unwrap_or_else(|| a.image.clone());
     let opts = SnapshotOptions {
         vcpus: a.vcpus,

@@ -33,7 +33,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     {
         return Err(anyhow::anyhow!("--env {bad:?}: expected KEY=value").into());
     }
-    let store = open_store(a.store.as_deref()).await?;
+    let store = open_store(out, a.store.as_deref()).await?;
     let mut opts = CloneOptions::new(default_state_dir(), default_cache_dir());
     opts.count = a.count;
     opts.env = a.env;

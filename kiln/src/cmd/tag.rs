@@ -26,7 +26,7 @@ pub struct Args {
 
 /// Runs `kiln tag`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_store(a.store.as_deref()).await?;
+    let store = open_store(out, a.store.as_deref()).await?;
     let manifest = match a.src.parse::<ManifestDigest>() {
         Ok(d) => d,
         Err(_) => store.resolve_tag(&a.src.parse::<TagRef>()?).await?,

@@ -21,7 +21,7 @@ pub struct Args {
 
 /// Runs `kiln tags`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_existing_store(a.store.as_deref()).await?;
+    let store = open_existing_store(out, a.store.as_deref()).await?;
     // A name that is no store name but has a `/` can only be an OCI reference's repository
     // (`127.0.0.1:5000/busybox`); `myorg/app` may be either.
     let tags = match a.name.as_deref() {

@@ -22,7 +22,7 @@ pub struct Args {
 
 /// Runs `kiln untag`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_existing_store(a.store.as_deref()).await?;
+    let store = open_existing_store(out, a.store.as_deref()).await?;
     let was = store.untag(&a.target, a.expect).await?;
     out.event(
         "untagged",

@@ -75,6 +75,29 @@ pub enum BackendError {
         /// The underlying error, rendered.
         message: String,
     },
+    /// A transient failure that did not go away: every attempt of one operation failed, or
+    /// the operation's time bound ([`retry::RetryPolicy::operation_timeout`]) ran out. Only
+    /// [`retry::Retrying`] returns it.
+    #[error(
+        "{store}: {op} {key}: {}: {last}",
+        retry::gave_up_text(.attempts, .elapsed, .bound)
+    )]
+    GaveUp {
+        /// The store (URL).
+        store: String,
+        /// The primitive (`get`, `put_if_absent`, ...).
+        op: &'static str,
+        /// The key (or, for `list`, the prefix) being accessed.
+        key: String,
+        /// Attempts made, the last one included.
+        attempts: u32,
+        /// Time from the first attempt's start to giving up.
+        elapsed: std::time::Duration,
+        /// `Some(bound)` when the time bound ran out, `None` when the attempts did.
+        bound: Option<std::time::Duration>,
+        /// What the last attempt met (the rendered failure, or that it had no answer yet).
+        last: String,
+    },
     /// The file system holding a local store is full (ENOSPC).
     #[error("{store}: {op} {key}: {space}")]
     NoSpace {

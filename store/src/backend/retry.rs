@@ -1,41 +1,141 @@
 //! The one wrapper around any backend: retries transient failures with exponential backoff
-//! and jitter, and counts requests, retries and bytes.
+//! and jitter, bounds each operation in time, and counts requests, retries and bytes.
 //!
 //! Only [`BackendError::Transient`] is retried. Writes are safe to retry: content-addressed
 //! objects are immutable (a repeated `put_if_absent` that finds its own earlier write reports
 //! `AlreadyExists`), and a compare-and-swap that lost its reply and then sees `Conflict` checks
 //! whether the object now holds exactly the bytes it wrote, and if so reports success.
+//!
+//! Every retry is visible: it is logged as a `tracing` warning naming the store, the
+//! operation, the key, the attempt and the wait, and handed as a [`RetryEvent`] to the
+//! store's observer ([`Retrying::set_observer`]; the CLI prints it as a JSON event and shows it
+//! in its progress bar). An operation that cannot succeed ends in [`BackendError::GaveUp`],
+//! which says how many attempts were made and whether the attempts or the time bound ran out.
 
 use std::ops::Range;
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use serde::Serialize;
 
 use super::{Backend, BackendError, ObjectInfo, PutOutcome, Version};
 use crate::digest::Sha256Hash;
 
+/// Default [`RetryPolicy::max_attempts`]: 6.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 6;
+
+/// Default [`RetryPolicy::operation_timeout`]: 300 s. Chosen above the worst case of the other
+/// defaults for a server that stopped answering (6 attempts of the S3 backend's 30 s request
+/// timeout, plus at most 3.1 s of backoff: about 183 s), so that by default the attempts end
+/// such an operation, and so that one multipart upload of a large file (one operation) has
+/// room: 1 GiB at 3.6 MB/s.
+pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// How often and how patiently to retry.
 #[derive(Debug, Clone, Copy)]
 pub struct RetryPolicy {
-    /// Attempts in total, including the first (default 6).
+    /// Attempts in total, including the first (default [`DEFAULT_MAX_ATTEMPTS`]; 0 counts
+    /// as 1).
     pub max_attempts: u32,
-    /// Delay before the first retry (default 100 ms); doubled each retry.
+    /// Delay before the first retry (default 100 ms); doubled each retry, then 50-100% of it
+    /// is waited (jitter).
     pub base_delay: Duration,
     /// Cap on one delay (default 5 s).
     pub max_delay: Duration,
+    /// Bound on one operation (one primitive call: a get, a put, a list, a whole multipart
+    /// upload of one file), every attempt and wait included (default
+    /// [`DEFAULT_OPERATION_TIMEOUT`]). An attempt still running when it passes is abandoned,
+    /// and no retry is begun whose wait would end past it.
+    pub operation_timeout: Duration,
 }
 
 impl Default for RetryPolicy {
     fn default() -> Self {
         Self {
-            max_attempts: 6,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
             base_delay: Duration::from_millis(100),
             max_delay: Duration::from_secs(5),
+            operation_timeout: DEFAULT_OPERATION_TIMEOUT,
         }
     }
+}
+
+/// One failed attempt about to be retried: what [`Retrying`] logs and tells its observer.
+/// Serialized (camelCase) as the CLI's `retry` JSON event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RetryEvent {
+    /// The store (URL).
+    pub store: String,
+    /// The primitive (`get`, `put_if_absent`, `list`, ...).
+    pub op: &'static str,
+    /// The key (for `list`, the prefix).
+    pub key: String,
+    /// The attempt that failed, from 1.
+    pub attempt: u32,
+    /// Attempts allowed in total ([`RetryPolicy::max_attempts`]).
+    pub max_attempts: u32,
+    /// Wait before the next attempt, milliseconds.
+    pub wait_ms: u64,
+    /// Time since the operation's first attempt began, milliseconds.
+    pub elapsed_ms: u64,
+    /// The operation's time bound ([`RetryPolicy::operation_timeout`]), milliseconds.
+    pub bound_ms: u64,
+    /// What the attempt met, rendered on one line.
+    pub error: String,
+}
+
+impl std::fmt::Display for RetryEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} {}: attempt {} of {} failed after {:.1}s ({}); retrying in {:.1}s \
+             (bound {})",
+            self.store,
+            self.op,
+            self.key,
+            self.attempt,
+            self.max_attempts,
+            self.elapsed_ms as f64 / 1000.0,
+            self.error,
+            self.wait_ms as f64 / 1000.0,
+            bound_secs(Duration::from_millis(self.bound_ms)),
+        )
+    }
+}
+
+/// What a store's observer is called with, once per retry; called from async tasks, must not
+/// block.
+pub type RetryFn = Arc<dyn Fn(&RetryEvent) + Send + Sync>;
+
+/// A time bound in seconds for messages: `4s` when whole, else to a tenth (`0.3s`).
+fn bound_secs(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        format!("{}s", d.as_secs())
+    } else {
+        format!("{:.1}s", d.as_secs_f64())
+    }
+}
+
+/// The middle of [`BackendError::GaveUp`]'s message: `gave up after 3 attempts in 4.0s (the
+/// 4s bound on one store operation ran out)`, or `(all 6 attempts failed)`.
+pub(crate) fn gave_up_text(attempts: &u32, elapsed: &Duration, bound: &Option<Duration>) -> String {
+    let reason = match bound {
+        Some(b) => format!(
+            "the {} bound on one store operation ran out",
+            bound_secs(*b)
+        ),
+        None if *attempts == 1 => "its only attempt failed".to_string(),
+        None => format!("all {attempts} attempts failed"),
+    };
+    format!(
+        "gave up after {attempts} attempt{} in {:.1}s ({reason})",
+        if *attempts == 1 { "" } else { "s" },
+        elapsed.as_secs_f64()
+    )
 }
 
 /// Counters since the store was opened.
@@ -68,12 +168,28 @@ pub struct MetricsSnapshot {
     pub bytes_written: u64,
 }
 
-/// Retries and metrics around any [`Backend`].
+/// The observer slot (a newtype only to give it a `Debug`).
+#[derive(Default)]
+struct Observer(RwLock<Option<RetryFn>>);
+
+impl std::fmt::Debug for Observer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = self.0.read().map(|o| o.is_some()).unwrap_or(false);
+        f.write_str(if set {
+            "Observer(set)"
+        } else {
+            "Observer(none)"
+        })
+    }
+}
+
+/// Retries, time bounds and metrics around any [`Backend`].
 #[derive(Debug)]
 pub struct Retrying {
     inner: Arc<dyn Backend>,
     policy: RetryPolicy,
     metrics: Metrics,
+    observer: Observer,
 }
 
 impl Retrying {
@@ -83,12 +199,24 @@ impl Retrying {
             inner,
             policy,
             metrics: Metrics::default(),
+            observer: Observer::default(),
         }
     }
 
     /// The wrapped backend.
     pub fn inner(&self) -> &Arc<dyn Backend> {
         &self.inner
+    }
+
+    /// The policy in force.
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+
+    /// Sets the function told of every retry of every operation on this backend (replacing
+    /// the one set before; `None` removes it). The `tracing` warning is logged either way.
+    pub fn set_observer(&self, f: Option<RetryFn>) {
+        *self.observer.0.write().unwrap_or_else(|p| p.into_inner()) = f;
     }
 
     /// Current counter values.
@@ -103,11 +231,12 @@ impl Retrying {
         }
     }
 
+    /// The wait after failed attempt `attempt` (from 1).
     fn delay(&self, attempt: u32) -> Duration {
         let exp = self
             .policy
             .base_delay
-            .saturating_mul(1u32 << attempt.min(16))
+            .saturating_mul(1u32 << (attempt - 1).min(16))
             .min(self.policy.max_delay);
         // Jitter: 50..100% of the delay, from the clock's low bits (no RNG dependency needed).
         let nanos = std::time::SystemTime::now()
@@ -117,26 +246,100 @@ impl Retrying {
         exp / 2 + exp.mul_f64(f64::from(nanos % 1000) / 2000.0)
     }
 
-    /// Runs `f` until it succeeds, fails permanently, or attempts run out. Returns the result
-    /// and whether any attempt before the last failed transiently.
-    async fn run<T, F, Fut>(&self, op: &str, key: &str, mut f: F) -> (Result<T, BackendError>, bool)
+    fn gave_up(
+        &self,
+        op: &'static str,
+        key: &str,
+        attempts: u32,
+        start: Instant,
+        bound: Option<Duration>,
+        last: String,
+    ) -> BackendError {
+        self.metrics.failures.fetch_add(1, Ordering::Relaxed);
+        BackendError::GaveUp {
+            store: self.inner.url().to_string(),
+            op,
+            key: key.to_string(),
+            attempts,
+            elapsed: start.elapsed(),
+            bound,
+            last,
+        }
+    }
+
+    /// Runs `f` until it succeeds, fails permanently, or the attempts or the time bound run
+    /// out ([`BackendError::GaveUp`]). Returns the result and whether any attempt before the
+    /// last failed transiently.
+    async fn run<T, F, Fut>(
+        &self,
+        op: &'static str,
+        key: &str,
+        mut f: F,
+    ) -> (Result<T, BackendError>, bool)
     where
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, BackendError>>,
     {
+        let start = Instant::now();
+        let bound = self.policy.operation_timeout;
+        // A bound too large to add to the clock is no bound.
+        let deadline = start.checked_add(bound);
+        let max = self.policy.max_attempts.max(1);
         let mut attempt = 0;
-        let mut retried = false;
+        let mut last: Option<String> = None;
         loop {
+            attempt += 1;
             self.metrics.requests.fetch_add(1, Ordering::Relaxed);
-            match f().await {
-                Err(e @ BackendError::Transient { .. })
-                    if attempt + 1 < self.policy.max_attempts =>
-                {
-                    tracing::debug!(op, key, attempt, error = %e, "transient store error, retrying");
-                    tokio::time::sleep(self.delay(attempt)).await;
-                    attempt += 1;
-                    retried = true;
+            let r = match deadline {
+                Some(d) => match tokio::time::timeout_at(d.into(), f()).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        let mut why = format!("attempt {attempt} had no answer yet");
+                        if let Some(l) = last {
+                            why.push_str(&format!("; attempt {} failed: {l}", attempt - 1));
+                        }
+                        let e = self.gave_up(op, key, attempt, start, Some(bound), why);
+                        return (Err(e), attempt > 1);
+                    }
+                },
+                None => f().await,
+            };
+            match r {
+                Err(BackendError::Transient { message, .. }) => {
+                    if attempt >= max {
+                        let e = self.gave_up(op, key, attempt, start, None, message);
+                        return (Err(e), attempt > 1);
+                    }
+                    let wait = self.delay(attempt);
+                    if deadline.is_some_and(|d| Instant::now() + wait >= d) {
+                        let why = format!("attempt {attempt} failed: {message}");
+                        let e = self.gave_up(op, key, attempt, start, Some(bound), why);
+                        return (Err(e), attempt > 1);
+                    }
+                    let ev = RetryEvent {
+                        store: self.inner.url().to_string(),
+                        op,
+                        key: key.to_string(),
+                        attempt,
+                        max_attempts: max,
+                        wait_ms: wait.as_millis().try_into().unwrap_or(u64::MAX),
+                        elapsed_ms: start.elapsed().as_millis().try_into().unwrap_or(u64::MAX),
+                        bound_ms: bound.as_millis().try_into().unwrap_or(u64::MAX),
+                        error: message.clone(),
+                    };
+                    tracing::warn!("{ev}");
+                    let observer = self
+                        .observer
+                        .0
+                        .read()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .clone();
+                    if let Some(o) = observer {
+                        o(&ev);
+                    }
+                    tokio::time::sleep(wait).await;
                     self.metrics.retries.fetch_add(1, Ordering::Relaxed);
+                    last = Some(message);
                 }
                 r => {
                     if let Err(e) = &r
@@ -144,7 +347,7 @@ impl Retrying {
                     {
                         self.metrics.failures.fetch_add(1, Ordering::Relaxed);
                     }
-                    return (r, retried);
+                    return (r, attempt > 1);
                 }
             }
         }
@@ -299,12 +502,14 @@ mod tests {
 
     /// Fault injector: fails the first `fail_before` calls of each write with `Transient`;
     /// with `lose_reply`, the first write is performed and then reported as failed (a reply
-    /// lost on the wire), which a real server cannot be made to do on demand.
+    /// lost on the wire), which a real server cannot be made to do on demand; with `hang`,
+    /// `get` never answers (a server that stopped, seen from one request).
     #[derive(Debug)]
     struct Flaky {
         inner: LocalBackend,
         fail_before: u32,
         lose_reply: bool,
+        hang: bool,
         calls: AtomicU32,
     }
 
@@ -325,6 +530,9 @@ mod tests {
             "flaky://"
         }
         async fn get(&self, key: &str) -> Result<Bytes, BackendError> {
+            if self.hang {
+                std::future::pending::<()>().await;
+            }
             if let Some(e) = self.fault(key) {
                 return Err(e);
             }
@@ -387,6 +595,7 @@ mod tests {
             max_attempts: 4,
             base_delay: Duration::from_millis(1),
             max_delay: Duration::from_millis(5),
+            operation_timeout: Duration::from_secs(60),
         }
     }
 
@@ -398,6 +607,7 @@ mod tests {
             inner,
             fail_before,
             lose_reply,
+            hang: false,
             calls: AtomicU32::new(0),
         };
         (dir, Retrying::new(Arc::new(f), fast()))
@@ -412,7 +622,11 @@ mod tests {
         let (_d, r) = flaky(10, false).await;
         assert!(matches!(
             r.get("k").await,
-            Err(BackendError::Transient { .. })
+            Err(BackendError::GaveUp {
+                attempts: 4,
+                bound: None,
+                ..
+            })
         ));
         assert_eq!(r.metrics().requests, 4);
         assert_eq!(r.metrics().failures, 1);
@@ -420,6 +634,103 @@ mod tests {
         let (_d, r) = flaky(0, false).await;
         assert!(r.get("../x").await.is_err());
         assert_eq!(r.metrics().requests, 1);
+    }
+
+    /// Issue 17, fault 4: retries were logged at debug level only, so a push against a hung
+    /// server printed nothing for minutes. Each retry is an event naming the store, the
+    /// operation, the key, the attempt and the wait; the final error says it gave up and why.
+    #[tokio::test]
+    async fn every_retry_is_told_and_giving_up_names_op_key_and_attempts() {
+        let (_d, r) = flaky(10, false).await;
+        let seen: Arc<std::sync::Mutex<Vec<RetryEvent>>> = Arc::default();
+        let s = seen.clone();
+        r.set_observer(Some(Arc::new(move |e: &RetryEvent| {
+            s.lock().unwrap().push(e.clone());
+        })));
+        let e = r.get("k").await.unwrap_err();
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(
+            seen.iter().map(|e| e.attempt).collect::<Vec<_>>(),
+            [1, 2, 3]
+        );
+        for ev in &seen {
+            assert_eq!(
+                (ev.store.as_str(), ev.op, ev.key.as_str(), ev.max_attempts),
+                ("flaky://", "get", "k", 4)
+            );
+            assert!(ev.wait_ms <= 5 && ev.error == "injected", "{ev:?}");
+            let line = ev.to_string();
+            assert!(
+                line.starts_with("flaky://: get k: attempt ")
+                    && line.contains("of 4 failed")
+                    && line.contains("retrying in"),
+                "{line}"
+            );
+        }
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("flaky://: get k: gave up after 4 attempts in ")
+                && msg.contains("(all 4 attempts failed): injected"),
+            "{msg}"
+        );
+    }
+
+    /// Issue 17, fault 4: the whole operation has a bound. An attempt that never answers is
+    /// abandoned when the bound runs out, and a retry whose wait would pass it is not begun.
+    #[tokio::test]
+    async fn an_operation_gives_up_at_its_time_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let hung = Flaky {
+            inner: LocalBackend::open(dir.path()).await.unwrap(),
+            fail_before: 0,
+            lose_reply: false,
+            hang: true,
+            calls: AtomicU32::new(0),
+        };
+        let bound = Duration::from_millis(300);
+        let r = Retrying::new(
+            Arc::new(hung),
+            RetryPolicy {
+                operation_timeout: bound,
+                ..fast()
+            },
+        );
+        let t = Instant::now();
+        let e = r.get("k").await.unwrap_err();
+        assert!(t.elapsed() < bound * 4, "{:?}", t.elapsed());
+        assert!(
+            matches!(e, BackendError::GaveUp { attempts: 1, bound: Some(b), .. } if b == bound),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("get k: gave up after 1 attempt in ")
+                && msg.contains("the 0.3s bound on one store operation ran out")
+                && msg.contains("attempt 1 had no answer yet"),
+            "{msg}"
+        );
+
+        // Waits of 10 s against a 300 ms bound: giving up at once beats waiting past it.
+        let (_d, r) = flaky(10, false).await;
+        let r = Retrying::new(
+            r.inner().clone(),
+            RetryPolicy {
+                max_attempts: 6,
+                base_delay: Duration::from_secs(10),
+                max_delay: Duration::from_secs(10),
+                operation_timeout: bound,
+            },
+        );
+        let t = Instant::now();
+        let e = r.get("k").await.unwrap_err();
+        assert!(t.elapsed() < bound, "{:?}", t.elapsed());
+        let msg = e.to_string();
+        assert!(
+            msg.contains("gave up after 1 attempt")
+                && msg.contains("bound")
+                && msg.contains("attempt 1 failed: injected"),
+            "{msg}"
+        );
     }
 
     #[tokio::test]

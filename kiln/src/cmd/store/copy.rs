@@ -19,8 +19,8 @@ pub async fn copy(
     dst: Option<&str>,
     verb: &str,
 ) -> CmdResult {
-    let src = open_existing_store(src).await?;
-    let dst = open_store(dst).await?;
+    let src = open_existing_store(out, src).await?;
+    let dst = open_store(out, dst).await?;
     // `myorg/app:v1` may be a store tag or an OCI reference: the store's own tags first, as a
     // FROM looks; when it is neither, the error is about the tag.
     let tag = name.parse::<TagRef>();
@@ -66,12 +66,15 @@ pub async fn copy(
         Manifest::Snapshot(m) => m.disk.size.saturating_add(m.memory.size),
     };
     let progress = Progress::new(out, total, verb);
+    progress.watch_retries(out, &src);
+    progress.watch_retries(out, &dst);
     let opts = CopyOptions {
         progress: Some(progress.callback(out)),
         ..CopyOptions::default()
     };
-    let report = copy_tag(&src, &dst, tag, &opts).await?;
+    let report = copy_tag(&src, &dst, tag, &opts).await;
     progress.finish();
+    let report = report?;
     let s = report.stats;
     out.event(
         verb,

@@ -25,17 +25,19 @@ pub struct Args {
 
 /// Runs `kiln store export`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_existing_store(a.store.as_deref()).await?;
+    let store = open_existing_store(out, a.store.as_deref()).await?;
     let digest = store.resolve_tag(&a.source).await?;
     let table = match store.get_manifest(&digest).await? {
         Manifest::Image(m) => m.disk,
         Manifest::Snapshot(m) => m.disk,
     };
     let progress = Progress::new(out, table.size, "export");
+    progress.watch_retries(out, &store);
     let written = store
         .materialize(&table, &a.file, Some(progress.callback(out)))
-        .await?;
+        .await;
     progress.finish();
+    let written = written?;
     out.event(
         "exported",
         json!({"tag": a.source.to_string(), "manifest": digest, "file": a.file, "size": table.size, "written": written}),

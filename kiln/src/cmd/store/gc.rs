@@ -39,7 +39,7 @@ pub struct Args {
 
 /// Runs `kiln store gc`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_existing_store(a.store.as_deref()).await?;
+    let store = open_existing_store(out, a.store.as_deref()).await?;
     let opts = GcOptions {
         grace: a.grace,
         cache_ttl: a.cache_ttl.unwrap_or(DEFAULT_CACHE_TTL),

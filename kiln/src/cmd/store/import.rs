@@ -31,7 +31,7 @@ const LEASE_TTL: Duration = Duration::from_secs(6 * 3600);
 
 /// Runs `kiln store import`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_store(a.store.as_deref()).await?;
+    let store = open_store(out, a.store.as_deref()).await?;
     let size = std::fs::metadata(&a.file)
         .map_err(|e| anyhow::anyhow!("{}: {e}", a.file.display()))?
         .len();
@@ -41,18 +41,24 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
             .await?,
     );
     let progress = Progress::new(out, size, "import");
+    progress.watch_retries(out, &store);
     let opts = PutArtifactOptions {
         chunking: None,
         lease: Some(lease.clone()),
         progress: Some(progress.callback(out)),
     };
-    let (table, _) = store.put_artifact(&a.file, &opts).await?;
-    let raw = store
-        .put_manifest(&Manifest::Image(ImageManifest::new(table)))
-        .await?;
-    lease.add([ObjectRef::Manifest(raw.digest)]).await?;
-    let previous = store.force_tag(&a.target, raw.digest).await?;
+    let stored = async {
+        let (table, _) = store.put_artifact(&a.file, &opts).await?;
+        let raw = store
+            .put_manifest(&Manifest::Image(ImageManifest::new(table)))
+            .await?;
+        lease.add([ObjectRef::Manifest(raw.digest)]).await?;
+        let previous = store.force_tag(&a.target, raw.digest).await?;
+        Ok::<_, kiln_store::StoreError>((raw, previous))
+    }
+    .await;
     progress.finish();
+    let (raw, previous) = stored?;
     lease.release().await?;
     let s = progress.stats();
     out.event(

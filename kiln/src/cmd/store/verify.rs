@@ -26,7 +26,7 @@ pub struct Args {
 
 /// Runs `kiln store verify`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let store = open_existing_store(a.store.as_deref()).await?;
+    let store = open_existing_store(out, a.store.as_deref()).await?;
     let gc = GcOptions {
         grace: a.grace,
         ..GcOptions::default()
