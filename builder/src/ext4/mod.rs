@@ -927,46 +927,41 @@ fn debugfs_complaints(stderr: &[u8]) -> String {
 /// repaired something, 4 when it would need a question answered (e2fsck(8), "EXIT CODE");
 /// anything but 0 is [`Ext4Error::Index`]: this pass indexes, it must not hide a fault.
 fn index_dirs(img: &Path, epoch: u64, sde: Option<u64>) -> Result<(), Ext4Error> {
-    let mut cmd = Command::new("e2fsck");
-    tool_env(&mut cmd, epoch, sde, None);
-    let out = cmd
-        .arg("-fpD")
-        .arg(img)
-        .output()
-        .map_err(|e| Ext4Error::Tools {
-            problem: format!("cannot run e2fsck ({e})"),
-        })?;
-    if !out.status.success() {
-        let mut all = out.stdout;
-        all.extend_from_slice(&out.stderr);
-        return Err(Ext4Error::Index {
-            status: out.status.to_string(),
-            output: tail(&all),
-        });
-    }
-    Ok(())
+    e2fsck(img, "-fpD", epoch, sde)?.map_or(Ok(()), |(status, output)| {
+        Err(Ext4Error::Index { status, output })
+    })
 }
 
 /// `e2fsck -fn IMAGE`: exit status 0 means clean (e2fsck(8), "EXIT CODE").
 fn fsck(img: &Path, epoch: u64, sde: Option<u64>) -> Result<(), Ext4Error> {
+    e2fsck(img, "-fn", epoch, sde)?.map_or(Ok(()), |(status, output)| {
+        Err(Ext4Error::Fsck { status, output })
+    })
+}
+
+/// Runs `e2fsck FLAGS IMAGE` in [`tool_env`]: `None` on exit 0, else its exit status and the
+/// last 64 KiB of its stdout and stderr.
+fn e2fsck(
+    img: &Path,
+    flags: &str,
+    epoch: u64,
+    sde: Option<u64>,
+) -> Result<Option<(String, String)>, Ext4Error> {
     let mut cmd = Command::new("e2fsck");
     tool_env(&mut cmd, epoch, sde, None);
     let out = cmd
-        .arg("-fn")
+        .arg(flags)
         .arg(img)
         .output()
         .map_err(|e| Ext4Error::Tools {
             problem: format!("cannot run e2fsck ({e})"),
         })?;
-    if !out.status.success() {
-        let mut all = out.stdout;
-        all.extend_from_slice(&out.stderr);
-        return Err(Ext4Error::Fsck {
-            status: out.status.to_string(),
-            output: tail(&all),
-        });
+    if out.status.success() {
+        return Ok(None);
     }
-    Ok(())
+    let mut all = out.stdout;
+    all.extend_from_slice(&out.stderr);
+    Ok(Some((out.status.to_string(), tail(&all))))
 }
 
 #[cfg(test)]
