@@ -150,8 +150,20 @@ fn debian_recipe_smoke_checks_cover_the_sandbox_spec() {
         "/workspace/.local/bin:",
         "sudo -n true",
         "hostname",
+        "pip install --user",
+        "npm install -g",
     ] {
         assert!(all.iter().any(|c| c.contains(want)), "{want:?} not checked");
+    }
+    // Both installs must be seen landing in the user's bin directory, first in PATH.
+    for tool in ["kiln-smoke-py", "kiln-smoke-js"] {
+        let want = format!("/workspace/.local/bin/{tool} {tool} ok");
+        assert!(
+            checks
+                .iter()
+                .any(|c| c.output.as_deref() == Some(want.as_str())),
+            "no check expects {want:?}"
+        );
     }
     assert!(checks.iter().all(|c| c.exit == 0));
 }

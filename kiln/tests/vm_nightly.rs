@@ -155,7 +155,14 @@ fn vm_nightly_promotes_only_on_success() {
     assert_eq!(r["outcome"], "promoted", "{r}");
     assert_eq!(r["previous"], Value::Null, "{r}");
     assert_eq!(r["packages"], Value::Null, "nothing to compare with: {r}");
-    assert_eq!(r["checks"].as_array().map(Vec::len), Some(3), "{r}");
+    assert_eq!(r["checks"].as_array().map(Vec::len), Some(4), "{r}");
+    // The built-in check after the recipe's: two clones, two different machine-ids.
+    assert_eq!(
+        r["checks"][3]["location"],
+        kiln_pipeline::nightly::MACHINE_ID_CHECK,
+        "{r}"
+    );
+    assert_eq!(r["checks"][3]["passed"], true, "{r}");
     assert_eq!(
         r["untagged"],
         serde_json::json!(["bb:nightly-20261101"]),

@@ -6,9 +6,10 @@
 //! 1. `build`: [`crate::run`] with [`PullPolicy::Always`] (the base is resolved again: a new
 //!    digest when upstream moved) and `no_cache` (no step is served from an earlier night's
 //!    build cache; the entries are still written). The snapshot is asked for; no tag moves.
-//! 2. `smoke`: one clone of the new snapshot ([`kiln_vmm::clone::start_clones_of`]), each
-//!    check run in it in order with [`kiln_vmm::exec::exec`] as the image's user (each at
-//!    most [`NightlyRequest::check_timeout`]), the clone stopped afterwards whatever
+//! 2. `smoke`: two clones of the new snapshot ([`kiln_vmm::clone::start_clones_of`]); each
+//!    check runs in the first, in order, with [`kiln_vmm::exec::exec`] as the image's user
+//!    (each at most [`NightlyRequest::check_timeout`]); then the two clones' machine-ids
+//!    must differ ([`MACHINE_ID_CHECK`]); both clones are stopped afterwards whatever
 //!    happened (a check that failed, timed out, or the request's cancel token).
 //! 3. `promote`: `NAME:nightly-YYYYMMDD` (the UTC day) is forced to the new image, then the
 //!    tag moves by compare-and-swap from the digest read when the night started
@@ -440,8 +441,17 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// Starts one clone of `image`, runs `checks` in it until one fails (recording each in
-/// `out`), stops the clone. Errors: the message naming the failure.
+/// Where the machine-id check reads each clone's identity (systemd's machine-id(5)).
+const MACHINE_ID_FILE: &str = "/etc/machine-id";
+
+/// `location` of the built-in check that two clones of one snapshot got different
+/// machine-ids (the sandbox spec: a machine's identity is new at its first start).
+pub const MACHINE_ID_CHECK: &str = "nightly: machine-id differs between two clones";
+
+/// Starts two clones of `image`, runs `checks` in the first until one fails (recording each
+/// in `out`), then checks that the two clones' [`MACHINE_ID_FILE`]s differ (recorded as
+/// [`MACHINE_ID_CHECK`]), and stops both clones whatever happened. Errors: the message
+/// naming the failure.
 async fn smoke(
     store: &Store,
     image: ManifestDigest,
@@ -450,69 +460,98 @@ async fn smoke(
     out: &mut Vec<CheckResult>,
 ) -> Result<(), String> {
     let mut opts = CloneOptions::new(req.clone_state_dir.clone(), req.clone_cache_dir.clone());
-    opts.count = 1;
+    opts.count = 2;
     let clones = kiln_vmm::clone::start_clones_of(store, image, &req.tag.to_string(), &opts)
         .await
-        .map_err(|e| format!("starting a clone: {}", error_chain(&e)))?;
-    let id = clones
-        .first()
-        .map(|c| c.id.clone())
-        .ok_or_else(|| "starting a clone: none started".to_string())?;
+        .map_err(|e| format!("starting two clones: {}", error_chain(&e)))?;
+    let ids: Vec<String> = clones.iter().map(|c| c.id.clone()).collect();
     let r = tokio::select! {
-        r = run_checks(&req.clone_state_dir, &id, checks, req.check_timeout, out) => r,
+        r = async {
+            let [first, second] = ids.as_slice() else {
+                return Err(format!("starting two clones: {} started", ids.len()));
+            };
+            run_checks(&req.clone_state_dir, first, checks, req.check_timeout, out).await?;
+            machine_ids_differ(&req.clone_state_dir, [first, second], req.check_timeout, out).await
+        } => r,
         _ = req.build.cancel.cancelled() => Err("cancelled".to_string()),
     };
-    if let Err(e) = kiln_vmm::clone::stop(&req.clone_state_dir, &id).await {
-        tracing::warn!(id = %id, error = %e, "stopping the smoke clone");
+    for id in &ids {
+        if let Err(e) = kiln_vmm::clone::stop(&req.clone_state_dir, id).await {
+            tracing::warn!(id = %id, error = %e, "stopping a smoke clone");
+        }
     }
     r
 }
 
+/// Runs `argv` in clone `id` with exec's defaults, at most `timeout`; returns its exit code
+/// and its output (stdout and stderr as they arrived, the first [`MAX_MATCHED_OUTPUT`]
+/// bytes). Errors: the message naming `what`, for a timeout or an exec failure.
+async fn run_in(
+    state_dir: &Path,
+    id: &str,
+    argv: &[String],
+    timeout: Duration,
+    what: &str,
+) -> Result<(i32, String), String> {
+    let mut output = Vec::new();
+    let status = tokio::time::timeout(
+        timeout,
+        kiln_vmm::exec::exec(
+            state_dir,
+            id,
+            &ExecRequest {
+                argv: argv.to_vec(),
+                ..ExecRequest::default()
+            },
+            |_, data| {
+                let room = MAX_MATCHED_OUTPUT.saturating_sub(output.len());
+                output.extend_from_slice(&data[..data.len().min(room)]);
+            },
+        ),
+    )
+    .await
+    .map_err(|_| {
+        format!(
+            "{what} ({}) still running after {} s",
+            argv.join(" "),
+            timeout.as_secs()
+        )
+    })?
+    .map_err(|e| format!("{what}: exec: {}", error_chain(&e)))?;
+    Ok((
+        status.exit_code(),
+        String::from_utf8_lossy(&output).into_owned(),
+    ))
+}
+
+/// The last [`MAX_REPORTED_OUTPUT`] bytes of `text`, cut at a character boundary.
+fn tail(text: &str) -> String {
+    let mut start = text.len().saturating_sub(MAX_REPORTED_OUTPUT);
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    text[start..].to_string()
+}
+
 async fn run_checks(
-    state_dir: &std::path::Path,
+    state_dir: &Path,
     id: &str,
     checks: &[SmokeCheck],
     timeout: Duration,
     out: &mut Vec<CheckResult>,
 ) -> Result<(), String> {
     for c in checks {
-        let mut output = Vec::new();
-        let status = tokio::time::timeout(
+        let (exit, text) = run_in(
+            state_dir,
+            id,
+            &c.argv,
             timeout,
-            kiln_vmm::exec::exec(
-                state_dir,
-                id,
-                &ExecRequest {
-                    argv: c.argv.clone(),
-                    ..ExecRequest::default()
-                },
-                |_, data| {
-                    let room = MAX_MATCHED_OUTPUT.saturating_sub(output.len());
-                    output.extend_from_slice(&data[..data.len().min(room)]);
-                },
-            ),
+            &format!("smoke check {}", c.location),
         )
-        .await
-        .map_err(|_| {
-            format!(
-                "smoke check {} ({}) still running after {} s",
-                c.location,
-                c.argv.join(" "),
-                timeout.as_secs()
-            )
-        })?
-        .map_err(|e| format!("{}: exec: {}", c.location, error_chain(&e)))?;
-        let exit = status.exit_code();
-        let text = String::from_utf8_lossy(&output).into_owned();
+        .await?;
         let matched = c.output.as_ref().is_none_or(|p| text.contains(p.as_str()));
         let passed = exit == c.exit && matched;
-        let tail = {
-            let mut start = text.len().saturating_sub(MAX_REPORTED_OUTPUT);
-            while !text.is_char_boundary(start) {
-                start += 1;
-            }
-            text[start..].to_string()
-        };
+        let tail = tail(&text);
         out.push(CheckResult {
             location: c.location.clone(),
             argv: c.argv.clone(),
@@ -539,6 +578,46 @@ async fn run_checks(
         }
     }
     Ok(())
+}
+
+/// Reads [`MACHINE_ID_FILE`] in both clones and records [`MACHINE_ID_CHECK`]: it passes when
+/// both reads exit 0 with a non-empty id and the ids differ. Errors: the message naming the
+/// failure and both outputs.
+async fn machine_ids_differ(
+    state_dir: &Path,
+    ids: [&String; 2],
+    timeout: Duration,
+    out: &mut Vec<CheckResult>,
+) -> Result<(), String> {
+    let argv = vec!["cat".to_string(), MACHINE_ID_FILE.to_string()];
+    let mut read = Vec::new();
+    for id in ids {
+        read.push(run_in(state_dir, id, &argv, timeout, MACHINE_ID_CHECK).await?);
+    }
+    let [(exit_a, a), (exit_b, b)] = [read[0].clone(), read[1].clone()];
+    let exit = if exit_a != 0 { exit_a } else { exit_b };
+    let output = format!("{}: {}\n{}: {}", ids[0], a.trim(), ids[1], b.trim());
+    let passed = exit == 0 && !a.trim().is_empty() && a.trim() != b.trim();
+    out.push(CheckResult {
+        location: MACHINE_ID_CHECK.to_string(),
+        argv: argv.clone(),
+        expected_exit: 0,
+        exit,
+        output_pattern: None,
+        passed,
+        output: tail(&output),
+    });
+    if passed {
+        Ok(())
+    } else if exit != 0 {
+        Err(format!(
+            "{MACHINE_ID_CHECK}: `cat {MACHINE_ID_FILE}` exited {exit}; output:\n{output}"
+        ))
+    } else {
+        Err(format!(
+            "{MACHINE_ID_CHECK}: the clones' ids are empty or equal:\n{output}"
+        ))
+    }
 }
 
 /// The `nightly-*` tags of `name`, newest day first.
