@@ -18,6 +18,10 @@
 # dpkg-scanpackages (dpkg-dev) and python3. Runs as root (the builder's namespaces, QEMU).
 #
 #   ci/measure-nightly-dedup.sh [WORKDIR]      # WORKDIR default: a new mktemp -d
+#
+# Behind a TLS-inspecting proxy, set EXTRA_CA_CERTS to its CA certificates (PEM), e.g.
+# EXTRA_CA_CERTS="$(cat /usr/local/share/ca-certificates/*.crt)": it is passed on as the
+# recipe's build argument of that name (see base-images/debian.yaml's header).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 kiln=${KILN_BIN:-target/release/kiln}
@@ -74,6 +78,7 @@ night() {
   KILN_STORE=$store KILN_STATE_DIR=$work/state KILN_SNAPSHOT_CACHE=$work/snapshots \
     "$kiln" nightly "$recipe" --tag debian-probe:latest --day "$day" --json \
     --build-arg SOURCE_DATE_EPOCH=1700000000 --build-arg "LOCAL_APT=http://$addr:$port" \
+    --build-arg "EXTRA_CA_CERTS=${EXTRA_CA_CERTS:-}" \
     --report-file "$work/night-$day.json" >"$work/night-$day.out" 2>"$work/night-$day.err" || {
     echo "measure: night $day failed (exit $?); see $work/night-$day.err" >&2
     tail -20 "$work/night-$day.err" >&2
