@@ -308,14 +308,11 @@ impl Registry {
         let a = RegistryAuth::Basic(creds.username.clone(), creds.password.clone());
         match client.catalog(&r.to_oci(), &a, Some(1), None).await {
             Ok(_) => Ok(()),
+            // oci-client reports a 401 as `UnauthorizedError` and a refused token request as
+            // `AuthenticationFailure`; `map_err` makes both `Unauthorized`. Anything else
+            // (no catalog, 404, 405) says nothing about the credentials.
             Err(e) => match map_err(&r, e) {
                 e @ RegistryError::Unauthorized { .. } => Err(e),
-                e @ RegistryError::Client { .. } if e.to_string().contains("401") => {
-                    Err(RegistryError::Unauthorized {
-                        registry: registry.to_string(),
-                        detail: e.to_string(),
-                    })
-                }
                 _ => Ok(()),
             },
         }
