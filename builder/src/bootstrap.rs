@@ -177,24 +177,13 @@ fn release_epoch(release: &str) -> Option<u64> {
     let months = [
         "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
     ];
-    let m = months.iter().position(|x| x == mon)? as i64 + 1;
-    let d: i64 = day.parse().ok()?;
-    let y: i64 = year.parse().ok()?;
-    let hms: Vec<i64> = time
-        .split(':')
-        .map(|x| x.parse().ok())
-        .collect::<Option<_>>()?;
-    let [hh, mm, ss] = hms.as_slice() else {
-        return None;
-    };
-    // Days from civil (Howard Hinnant's algorithm).
-    let (y2, m2) = if m <= 2 { (y - 1, m + 9) } else { (y, m - 3) };
-    let era = y2.div_euclid(400);
-    let yoe = y2 - era * 400;
-    let doy = (153 * m2 + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146097 + doe - 719468;
-    u64::try_from(days * 86400 + hh * 3600 + mm * 60 + ss).ok()
+    let m = months.iter().position(|x| x == mon)? + 1;
+    let d: u32 = day.parse().ok()?;
+    let y: u32 = year.parse().ok()?;
+    let t = humantime::parse_rfc3339(&format!("{y:04}-{m:02}-{d:02}T{time}Z")).ok()?;
+    t.duration_since(std::time::UNIX_EPOCH)
+        .ok()
+        .map(|d| d.as_secs())
 }
 
 async fn fetch_release(spec: &BootstrapSpec) -> Result<Vec<u8>, BootstrapError> {

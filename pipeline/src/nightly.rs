@@ -191,19 +191,11 @@ fn ms(d: Duration) -> u64 {
 /// The UTC day of `t` as `YYYYMMDD` (the proleptic Gregorian calendar; days from the civil
 /// algorithm in Howard Hinnant's "chrono-Compatible Low-Level Date Algorithms").
 pub fn utc_day(t: SystemTime) -> String {
-    let days = t
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() / 86400) as i64;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}{m:02}{d:02}")
+    // humantime writes `YYYY-MM-DDTHH:MM:SSZ` for years up to 9999 (its Display fails past
+    // them; such a clock is clamped to 9999-12-31).
+    let t = t.min(UNIX_EPOCH + Duration::from_secs(kiln_builder::build::config::MAX_UNIX_SECONDS));
+    let text = humantime::format_rfc3339_seconds(t).to_string();
+    text[..10].replace('-', "")
 }
 
 /// Whether `tag` is a nightly tag, `nightly-YYYYMMDD`; returns the day.

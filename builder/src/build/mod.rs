@@ -429,9 +429,7 @@ pub async fn build_with(
         )));
     }
     let epoch = match plan.build_args.given.get("SOURCE_DATE_EPOCH") {
-        Some(v) => Some(v.trim().parse::<u64>().map_err(|_| {
-            BuildError::Plan(format!("SOURCE_DATE_EPOCH {v:?} is not Unix seconds"))
-        })?),
+        Some(v) => Some(config::parse_source_date_epoch(v).map_err(BuildError::Plan)?),
         None => None,
     };
     let timeout = Duration::from_secs(plan.limits.timeout_secs);
