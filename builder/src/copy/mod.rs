@@ -1521,29 +1521,17 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
     Ok(n)
 }
 
+/// Whether `block` is a tar header whose checksum field matches its bytes (POSIX.1-2017
+/// `ustar` "chksum", as the tar crate reads and computes it). An all-zero block (end of
+/// archive) is not a header.
 fn tar_checksum_ok(block: &[u8; 512]) -> bool {
-    let field = &block[148..156];
-    let text: String = field
-        .iter()
-        .take_while(|b| **b != 0)
-        .map(|b| *b as char)
-        .collect();
-    let Ok(want) = u32::from_str_radix(text.trim(), 8) else {
+    let header = tar::Header::from_byte_slice(block);
+    let Ok(want) = header.cksum() else {
         return false;
     };
-    let sum: u32 = block
-        .iter()
-        .enumerate()
-        .map(|(i, b)| {
-            if (148..156).contains(&i) {
-                32
-            } else {
-                *b as u32
-            }
-        })
-        .sum();
-    // An all-zero block (end of archive) is not a header.
-    sum == want && block.iter().any(|b| *b != 0)
+    let mut computed = header.clone();
+    computed.set_cksum();
+    computed.cksum().is_ok_and(|sum| sum == want) && block.iter().any(|b| *b != 0)
 }
 
 #[cfg(test)]

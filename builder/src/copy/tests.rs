@@ -1162,3 +1162,21 @@ fn chown_databases_that_hold() {
     let md = fs::metadata(d.dest.join("a")).unwrap();
     assert_eq!((md.uid(), md.gid()), (7, 7));
 }
+
+#[test]
+fn tar_header_sniffing_checks_the_checksum() {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_ustar();
+    h.set_size(3);
+    h.set_mode(0o644);
+    h.set_cksum();
+    b.append_data(&mut h, "f", &b"abc"[..]).unwrap();
+    let tar = b.into_inner().unwrap();
+    let block: [u8; 512] = tar[..512].try_into().unwrap();
+    assert!(super::tar_checksum_ok(&block), "a real header");
+    let mut flipped = block;
+    flipped[0] ^= 1;
+    assert!(!super::tar_checksum_ok(&flipped), "one name byte changed");
+    assert!(!super::tar_checksum_ok(&[0; 512]), "end-of-archive block");
+    assert!(!super::tar_checksum_ok(&[b'a'; 512]), "text");
+}
