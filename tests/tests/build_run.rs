@@ -258,6 +258,11 @@ fn busybox_steps_cache_and_export() {
     );
     assert_eq!(read("etc/hostname"), "runtime-guest\n");
     assert_eq!(read("etc/machine-id"), "");
+    assert!(
+        read("etc/hosts").contains("127.0.1.1\truntime-guest\n"),
+        "the hostname resolves: {}",
+        read("etc/hosts")
+    );
     {
         use std::os::unix::fs::MetadataExt;
         let md = std::fs::metadata(root.join("work/dir")).expect("workdir");

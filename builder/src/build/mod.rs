@@ -18,8 +18,8 @@
 //! 3. the stage's image config is the plan's over the base's ([`config`]).
 //!
 //! After the target stage, a generated "sandbox preparation" layer (an empty
-//! `/etc/machine-id`, `/etc/hostname` = `runtime-guest`; DESIGN.md "The sandbox
-//! environment") is added, with its history entry, cached like a step. Then the config and
+//! `/etc/machine-id`, `/etc/hostname` = `runtime-guest`, and an `/etc/hosts` that resolves
+//! it; DESIGN.md "The sandbox environment") is added, with its history entry, cached like a step. Then the config and
 //! the OCI manifest are written as blobs. A failed, timed-out or cancelled build writes no
 //! manifest (layers of steps that succeeded stay in the cache) and leaves no mount and no
 //! process: each step's mounts live in namespaces that die with it.
@@ -63,7 +63,19 @@ pub const OCI_LAYER_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 pub const SANDBOX_HOSTNAME: &str = "runtime-guest";
 /// The history `created_by` of the sandbox preparation layer.
 pub const SANDBOX_LAYER_CREATED_BY: &str =
-    "kiln: sandbox preparation (/etc/machine-id empty, /etc/hostname runtime-guest)";
+    "kiln: sandbox preparation (/etc/machine-id empty, /etc/hostname runtime-guest, /etc/hosts)";
+
+/// `/etc/hosts` of the sandbox preparation layer (hosts(5)): the loopback names and
+/// [`SANDBOX_HOSTNAME`] on 127.0.1.1, Debian's address for the machine's own name (Debian
+/// reference manual, "The hostname resolution"). Like Docker, which writes a container's
+/// `/etc/hosts` itself, it replaces the image's: without it `sudo` and other programs that
+/// resolve the hostname print "unable to resolve host runtime-guest".
+pub fn sandbox_hosts() -> String {
+    format!(
+        "127.0.0.1\tlocalhost\n127.0.1.1\t{SANDBOX_HOSTNAME}\n\
+         ::1\tlocalhost ip6-localhost ip6-loopback\nff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n"
+    )
+}
 
 /// Errors of a build. Step failures name the recipe file and line.
 #[derive(Debug, thiserror::Error)]
@@ -1195,7 +1207,7 @@ async fn run_step(
 
 /// Adds the sandbox preparation layer to the target stage.
 async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<(), BuildError> {
-    let key = key::generated_key(&out.key, "sandbox-preparation-v1");
+    let key = key::generated_key(&out.key, "sandbox-preparation-v2");
     let index = ctx.step_counter.fetch_add(1, Ordering::Relaxed);
     let hit = if ctx.opts.no_cache {
         None
@@ -1249,9 +1261,11 @@ fn make_sandbox_tree(root: &Path, t: u64) -> std::io::Result<()> {
     fs::create_dir(&etc)?;
     fs::write(etc.join("machine-id"), b"")?;
     fs::write(etc.join("hostname"), format!("{SANDBOX_HOSTNAME}\n"))?;
+    fs::write(etc.join("hosts"), sandbox_hosts())?;
     for (p, mode) in [
         (etc.join("machine-id"), 0o444),
         (etc.join("hostname"), 0o644),
+        (etc.join("hosts"), 0o644),
         (etc.clone(), 0o755),
     ] {
         fs::set_permissions(&p, fs::Permissions::from_mode(mode))?;
