@@ -72,9 +72,10 @@ pub struct Limits {
     pub max_entries: u64,
     /// Size of one regular file, bytes: its apparent size, holes of a sparse entry included.
     /// Holes cost no stream bytes and no disk blocks, so this is what bounds them: whatever
-    /// reads the file as bytes (`COPY --from`'s digests, programs in the sandbox, a guest
-    /// reading the disk) reads its apparent size, and an unbounded one (a 2 KiB layer can
-    /// describe a file of 8 EiB) would make those reads endless.
+    /// reads the file as bytes without knowing holes (a later step's program, a tool in the
+    /// sandbox, `COPY --from` of the file) reads its apparent size, and an unbounded one (a
+    /// 2 KiB layer can describe a file of 8 EiB) would make those reads endless. 16 GiB
+    /// (the default) is what `truncate -s 16G` makes.
     pub max_file_bytes: u64,
     /// Uncompressed / compressed bytes, checked once the uncompressed side passes
     /// [`Limits::ratio_floor_bytes`].
@@ -436,7 +437,7 @@ impl Framer {
     }
 
     fn feed_inner(&mut self, mut data: &[u8]) -> Result<(), FrameFault> {
-        // Stream position of the byte `data[0]`.
+        // Stream position just past `data`'s last byte (`feed` counted it).
         let end = self.pos;
         while !data.is_empty() {
             if self.skip > 0 {
