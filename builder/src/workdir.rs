@@ -141,7 +141,7 @@ pub struct LayersCollected {
     pub busy: bool,
     /// Unpacked layer directories removed (or that would be, in a dry run).
     pub dirs: usize,
-    /// Their apparent size, bytes.
+    /// Their allocated size (`st_blocks` × 512: the disk space freed), bytes.
     pub bytes: u64,
 }
 

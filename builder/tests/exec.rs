@@ -510,6 +510,29 @@ fn write_limit_named() {
     }
 }
 
+/// The write limit counts the blocks a step allocated, not apparent sizes: a 1 GiB sparse
+/// file (`truncate -s`, as `useradd` makes `/var/log/lastlog`) writes next to nothing, and
+/// passes a 1 MiB limit; real data past the limit is still stopped ([`write_limit_named`]).
+#[test]
+fn write_limit_counts_allocated_blocks_not_apparent_size() {
+    let f = fixture("sparse-write");
+    let mut cfg = f.config();
+    cfg.write_limit_bytes = 1 << 20;
+    let (r, _) = f.run_with(
+        cfg,
+        &f.spec("truncate -s 1G /sparse.img && echo tail >> /sparse.img"),
+        &AtomicBool::new(false),
+    );
+    let report = r.expect("a sparse file within the limit");
+    assert!(
+        report.written_bytes < 1 << 20,
+        "written_bytes {} counts holes",
+        report.written_bytes
+    );
+    let md = fs::metadata(f.upper.join("sparse.img")).expect("sparse.img in the upper dir");
+    assert_eq!(md.len(), (1 << 30) + 5);
+}
+
 #[test]
 fn secrets_redacted_and_lines_bounded() {
     let f = fixture("logs");

@@ -399,3 +399,147 @@ fn next_build_cleans_up_after_a_sigkilled_build() {
     assert_eq!(entries(&store.join("leases"), ""), Vec::<String>::new());
     assert_eq!(cgroups_of(pid), Vec::<std::path::PathBuf>::new());
 }
+
+/// Bytes of the files below `dir` (apparent sizes), 0 when it does not exist.
+fn bytes_below(dir: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    rd.map(|e| e.expect("dir entry"))
+        .map(|e| {
+            let md = e.metadata().expect("stat");
+            if md.is_dir() {
+                bytes_below(&e.path())
+            } else {
+                md.len()
+            }
+        })
+        .sum()
+}
+
+/// Issue 17, case 4: `RUN truncate -s 16G` failed with "write limit of 10737418240 bytes
+/// exceeded" (the limit counted apparent size), and a smaller sparse file became a layer of
+/// gzip'd zeros that applying refused for its decompression ratio. The build succeeds; the
+/// step's layer blob is under 1 MiB (GNU tar lists the file in it with its size); the ext4 image holds the file with its apparent size,
+/// its data at 8 GiB and nearly no blocks, `e2fsck -fn` is clean; the image's chunks in the
+/// store are a few MiB.
+#[test]
+fn a_16_gib_sparse_file_builds_into_a_small_layer_and_image() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, ctx, store) = setup(&format!(
+        "FROM {bb}\nRUN mkdir -p /var && truncate -s 16G /var/sparse.img && printf kiln | dd of=/var/sparse.img \
+         bs=1 seek=8589934592 conv=notrunc\n"
+    ));
+    let out = kiln(&store)
+        .arg("build")
+        .arg(&ctx)
+        .args(["-t", "sparse:1", "--progress", "plain"])
+        .output()
+        .expect("run kiln");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let layout = t.path().join("layout");
+    let out = kiln(&store)
+        .args(["export", "sparse:1", "--format", "oci", "-o"])
+        .arg(&layout)
+        .output()
+        .expect("run kiln export");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json = |p: std::path::PathBuf| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(&p).expect("read")).expect("json")
+    };
+    let blob = |d: &serde_json::Value| {
+        let d = d.as_str().expect("a digest");
+        layout.join("blobs/sha256").join(&d["sha256:".len()..])
+    };
+    let index = json(layout.join("index.json"));
+    let manifest = json(blob(&index["manifests"][0]["digest"]));
+    // The RUN layer is the one GNU tar lists the file in, with its apparent size (the last
+    // layer is kiln's /etc/hostname one).
+    let layers = manifest["layers"].as_array().expect("layers");
+    let run: Vec<_> = layers
+        .iter()
+        .filter(|l| {
+            let out = Command::new("tar")
+                .arg("-tvzf")
+                .arg(blob(&l["digest"]))
+                .output()
+                .expect("GNU tar");
+            assert!(out.status.success(), "tar -tvzf {l}");
+            let list = String::from_utf8_lossy(&out.stdout).into_owned();
+            list.lines()
+                .any(|l| l.ends_with("var/sparse.img") && l.contains(" 17179869184 "))
+        })
+        .collect();
+    assert_eq!(run.len(), 1, "one layer holds var/sparse.img: {layers:?}");
+    let size = run[0]["size"].as_u64().expect("a size");
+    assert!(size < 1 << 20, "the RUN layer blob has {size} bytes");
+    assert_eq!(
+        std::fs::metadata(blob(&run[0]["digest"]))
+            .expect("blob")
+            .len(),
+        size
+    );
+
+    let ext4 = t.path().join("rootfs.ext4");
+    let out = kiln(&store)
+        .args(["export", "sparse:1", "--format", "ext4", "-o"])
+        .arg(&ext4)
+        .output()
+        .expect("run kiln export");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new("e2fsck")
+        .arg("-fn")
+        .arg(&ext4)
+        .output()
+        .expect("e2fsck missing: run ci/setup.sh");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let debugfs = |req: &str| {
+        let out = Command::new("debugfs")
+            .args(["-R", req])
+            .arg(&ext4)
+            .output()
+            .expect("debugfs missing: run ci/setup.sh");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let stat = debugfs("stat /var/sparse.img");
+    assert!(stat.contains("Size: 17179869184"), "{stat}");
+    let blocks: u64 = stat
+        .split("Blockcount: ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no Blockcount in {stat}"));
+    assert!(
+        blocks <= 64,
+        "Blockcount {blocks} (512-byte units):\n{stat}"
+    );
+    let extents = debugfs("dump_extents /var/sparse.img");
+    assert!(
+        extents.contains("2097152"),
+        "no data block at 8 GiB:\n{extents}"
+    );
+    let image = std::fs::metadata(&ext4).expect("image").len();
+    assert!(image < 1 << 30, "a {image}-byte image");
+    let chunks = bytes_below(&store.join("chunks"));
+    assert!(
+        chunks > 0 && chunks < 16 << 20,
+        "{chunks} bytes of chunks in the store"
+    );
+}

@@ -87,8 +87,9 @@ fn check_pipe_path(path: &str) -> Result<(), ExecError> {
     }
 }
 
-/// Apparent size of everything under `dir` (bytes; directories and links count their own
-/// size), not following symlinks.
+/// Bytes allocated to everything under `dir` (`st_blocks` × 512: what was really written,
+/// so a file's holes cost nothing: `truncate -s 16G` allocates no block), directories and
+/// symlinks counting their own blocks, not following symlinks.
 pub(crate) fn tree_size(dir: &Path) -> u64 {
     let mut total = 0;
     let mut stack = vec![dir.to_path_buf()];
@@ -96,7 +97,7 @@ pub(crate) fn tree_size(dir: &Path) -> u64 {
         let Ok(rd) = fs::read_dir(&d) else { continue };
         for e in rd.flatten() {
             if let Ok(md) = e.metadata() {
-                total += md.len();
+                total += md.blocks() * 512;
                 if md.is_dir() {
                     stack.push(e.path());
                 }

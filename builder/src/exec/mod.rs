@@ -58,7 +58,7 @@ pub const DEFAULT_CAPABILITIES: u64 = (1 << 0)
     | (1 << 29)
     | (1 << 31);
 
-/// Default per-step write limit, bytes (10 GiB): the apparent size of the upper directory.
+/// Default per-step write limit, bytes (10 GiB): the blocks allocated in the upper directory.
 pub const DEFAULT_WRITE_LIMIT_BYTES: u64 = 10 << 30;
 /// Default per-step limit on tasks (processes and threads).
 pub const DEFAULT_PIDS_MAX: u64 = 4096;
@@ -72,7 +72,8 @@ pub struct ExecConfig {
     pub memory_bytes: u64,
     /// Maximum tasks in a step (default [`DEFAULT_PIDS_MAX`]).
     pub pids_max: u64,
-    /// Maximum bytes a step may write (apparent size of its upper directory, checked about
+    /// Maximum bytes a step may write (the blocks allocated in its upper directory, `st_blocks`
+    /// × 512, so holes of sparse files do not count; checked about
     /// every second while it runs and once after; default [`DEFAULT_WRITE_LIMIT_BYTES`]).
     pub write_limit_bytes: u64,
     /// Whether `RUN --network=host` is allowed (`--allow network.host`).
@@ -251,7 +252,7 @@ impl StepSpec {
 /// A step that ran to completion with exit code 0.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct StepReport {
-    /// Apparent size of the upper directory after the step, bytes.
+    /// Bytes allocated in the upper directory after the step (`st_blocks` × 512).
     pub written_bytes: u64,
     /// Log bytes emitted (texts plus one newline each), to charge to the build's budget.
     pub log_bytes: usize,
@@ -335,7 +336,7 @@ pub enum ExecError {
     WriteLimit {
         /// The limit, bytes.
         limit_bytes: u64,
-        /// What the upper directory held when checked, bytes.
+        /// Bytes allocated in the upper directory when checked (`st_blocks` × 512).
         written_bytes: u64,
     },
     /// The timeout passed; the step was killed.

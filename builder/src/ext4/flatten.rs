@@ -36,7 +36,10 @@
 //! Output entries carry mode (permission bits incl. setuid/setgid/sticky), uid/gid, mtime
 //! (clamped to `SOURCE_DATE_EPOCH` when one is set; atime and ctime equal to it), size, link target, device numbers and
 //! the xattrs `apply_layer` keeps (`SCHILY.xattr.*`); names and link targets over 100 bytes
-//! go into PAX `path`/`linkpath` records. Hard links repeat the inode's metadata. Nothing
+//! go into PAX `path`/`linkpath` records. A sparse file of a layer (a GNU sparse entry, read
+//! by the entry reader's [`crate::layer::Extents`]) is written as one again, its map and
+//! then only its data, so its holes never pass through the pipe (mke2fs, through libarchive,
+//! makes them holes in the image); its blocks in the size estimate are those of its data. Hard links repeat the inode's metadata. Nothing
 //! else from the input headers (user names, atime, ctime) passes through. The root directory is not written (mke2fs makes it: 0755,
 //! 0:0).
 
@@ -45,7 +48,10 @@ use std::fs::File;
 use std::io::{self, Read, Write};
 
 use crate::layer::whiteout::WhiteoutKind;
-use crate::layer::{LayerError, LimitKind, Limits, Split, bounded_stream, read_meta, split_name};
+use crate::layer::write::set_sparse;
+use crate::layer::{
+    DataReader, LayerError, LimitKind, Limits, Split, bounded_stream, read_meta, split_name,
+};
 
 use super::{Ext4Error, LayerBlob};
 
@@ -66,7 +72,12 @@ pub use crate::layer::Meta;
 
 #[derive(Debug, Clone)]
 enum Kind {
-    File { size: u64 },
+    /// A regular file of `size` bytes (apparent); `map`: the pieces of data of a sparse one
+    /// ((offset, length), [`crate::layer::Extents`]), written as a GNU sparse entry.
+    File {
+        size: u64,
+        map: Option<Vec<(u64, u64)>>,
+    },
     Symlink(Vec<u8>),
     Char(u32, u32),
     Block(u32, u32),
@@ -239,6 +250,8 @@ struct Scanned {
     link: Option<Vec<u8>>,
     dev: (u32, u32),
     spooled: Option<(u64, u64)>,
+    /// A sparse file's pieces of data.
+    map: Option<Vec<(u64, u64)>>,
 }
 
 fn join(comps: &[Vec<u8>]) -> Vec<u8> {
@@ -316,9 +329,19 @@ fn scan_layer(
         let kind = entry.header().entry_type();
         let meta = read_meta(&mut entry).map_err(|e| bounded.error(e, &last))?;
         let size = entry.size();
-        if matches!(kind, tar::EntryType::Regular | tar::EntryType::Continuous)
-            && size > limits.max_file_bytes
-        {
+        let is_file = matches!(
+            kind,
+            tar::EntryType::Regular | tar::EntryType::Continuous | tar::EntryType::GNUSparse
+        );
+        let map = if is_file {
+            let ext = bounded
+                .extents(&entry)
+                .map_err(|e| bounded.error(e, &last))?;
+            ext.sparse.then_some(ext.segments)
+        } else {
+            None
+        };
+        if is_file && size > limits.max_file_bytes {
             return Err(LayerError::Limit {
                 digest: l.digest.clone(),
                 entry: last,
@@ -329,6 +352,7 @@ fn scan_layer(
         }
         let link = entry.link_name_bytes().map(|c| c.into_owned());
         *kept += (raw.len() + link.as_ref().map_or(0, Vec::len)) as u64
+            + 16 * map.as_ref().map_or(0, Vec::len) as u64
             + meta
                 .xattrs
                 .iter()
@@ -346,9 +370,8 @@ fn scan_layer(
             h.device_major().ok().flatten().unwrap_or(0),
             h.device_minor().ok().flatten().unwrap_or(0),
         );
-        let spooled = if matches!(kind, tar::EntryType::Regular | tar::EntryType::Continuous)
-            && replaces(&comps)
-        {
+        // A sparse file is not spooled: it is written at its own position.
+        let spooled = if is_file && map.is_none() && replaces(&comps) {
             spool
                 .put(&mut entry, size)
                 .map_err(|e| bounded.error(e, &last))?
@@ -364,6 +387,7 @@ fn scan_layer(
             link,
             dev,
             spooled,
+            map,
         });
     }
     Ok((out, bounded.bytes()))
@@ -615,7 +639,10 @@ impl Flat {
                 self.paths.insert(full, Node::Leaf { ino, pos });
                 return Ok(());
             }
-            T::Regular | T::Continuous => Kind::File { size: e.size },
+            T::Regular | T::Continuous | T::GNUSparse => Kind::File {
+                size: e.size,
+                map: e.map,
+            },
             T::Symlink => Kind::Symlink(e.link.unwrap_or_default()),
             T::Char => Kind::Char(e.dev.0, e.dev.1),
             T::Block => Kind::Block(e.dev.0, e.dev.1),
@@ -786,12 +813,30 @@ impl Flat {
             }
             stats.blocks += xattr_blocks(Some(&inode.meta));
             match &inode.kind {
-                Kind::File { size } => {
+                Kind::File { size, map: None } => {
                     stats.files += 1;
                     stats.data_bytes += size;
                     // Data blocks, plus an extent index block past 4 extents of up to
                     // 128 MiB each.
                     stats.blocks += size.div_ceil(4096) + u64::from(*size > 512 << 20);
+                }
+                Kind::File { map: Some(map), .. } => {
+                    // A sparse file: the blocks its pieces of data touch (holes take none),
+                    // each piece at least one extent (up to 128 MiB), and extent tree
+                    // blocks of 340 extents past the 4 that fit in the inode.
+                    stats.files += 1;
+                    let mut extents = 0u64;
+                    for (off, len) in map {
+                        stats.data_bytes += len;
+                        if *len > 0 {
+                            let b = (off + len).div_ceil(4096) - off / 4096;
+                            stats.blocks += b;
+                            extents += b.div_ceil(32768);
+                        }
+                    }
+                    if extents > 4 {
+                        stats.blocks += extents.div_ceil(340) + 1;
+                    }
                 }
                 Kind::Symlink(t) => {
                     stats.symlinks += 1;
@@ -849,12 +894,25 @@ impl Flat {
                     }
                     Action::Inode { ino, name } => {
                         let inode = &self.inodes[*ino];
-                        if let Kind::File { size } = inode.kind
-                            && entry.size() != size
-                        {
-                            return Err(Ext4Error::LayerChanged(l.digest.clone()));
+                        let mut extents = None;
+                        if let Kind::File { size, map } = &inode.kind {
+                            let ext = bounded
+                                .extents(&entry)
+                                .map_err(|e| bounded.error(e, &last))?;
+                            if entry.size() != *size
+                                || map.as_ref().is_some_and(|m| *m != ext.segments)
+                            {
+                                return Err(Ext4Error::LayerChanged(l.digest.clone()));
+                            }
+                            extents = Some(ext);
                         }
-                        let res = w.inode(name, inode, &mut entry);
+                        // A sparse file's data without the holes the reader makes up.
+                        let res = match &extents {
+                            Some(ext) if ext.sparse => {
+                                w.inode(name, inode, DataReader::new(&mut entry, ext))
+                            }
+                            _ => w.inode(name, inode, &mut entry),
+                        };
                         res.map_err(|e| match e {
                             WriteFail::Read(e) => bounded.error(e, &last).into(),
                             WriteFail::Out(e) => e,
@@ -996,6 +1054,7 @@ impl<W: Write> Writer<'_, W> {
             0,
             None,
             (0, 0),
+            None,
             io::empty(),
         )
         .map_err(|e| match e {
@@ -1017,6 +1076,7 @@ impl<W: Write> Writer<'_, W> {
             0,
             Some(target),
             (0, 0),
+            None,
             io::empty(),
         )
         .map_err(|e| match e {
@@ -1029,9 +1089,16 @@ impl<W: Write> Writer<'_, W> {
         self.parents(name).map_err(WriteFail::Out)?;
         use tar::EntryType as T;
         match &inode.kind {
-            Kind::File { size } => {
-                self.header(name, T::Regular, &inode.meta, *size, None, (0, 0), data)
-            }
+            Kind::File { size, map } => self.header(
+                name,
+                T::Regular,
+                &inode.meta,
+                *size,
+                None,
+                (0, 0),
+                map.as_deref(),
+                data,
+            ),
             Kind::Symlink(t) => self.header(
                 name,
                 T::Symlink,
@@ -1039,15 +1106,39 @@ impl<W: Write> Writer<'_, W> {
                 0,
                 Some(t),
                 (0, 0),
+                None,
                 io::empty(),
             ),
-            Kind::Char(a, b) => {
-                self.header(name, T::Char, &inode.meta, 0, None, (*a, *b), io::empty())
-            }
-            Kind::Block(a, b) => {
-                self.header(name, T::Block, &inode.meta, 0, None, (*a, *b), io::empty())
-            }
-            Kind::Fifo => self.header(name, T::Fifo, &inode.meta, 0, None, (0, 0), io::empty()),
+            Kind::Char(a, b) => self.header(
+                name,
+                T::Char,
+                &inode.meta,
+                0,
+                None,
+                (*a, *b),
+                None,
+                io::empty(),
+            ),
+            Kind::Block(a, b) => self.header(
+                name,
+                T::Block,
+                &inode.meta,
+                0,
+                None,
+                (*a, *b),
+                None,
+                io::empty(),
+            ),
+            Kind::Fifo => self.header(
+                name,
+                T::Fifo,
+                &inode.meta,
+                0,
+                None,
+                (0, 0),
+                None,
+                io::empty(),
+            ),
         }
     }
 
@@ -1062,6 +1153,7 @@ impl<W: Write> Writer<'_, W> {
         size: u64,
         link: Option<&[u8]>,
         dev: (u32, u32),
+        sparse: Option<&[(u64, u64)]>,
         data: impl Read,
     ) -> Result<(), WriteFail> {
         let out = |e: io::Error| WriteFail::Out(Ext4Error::output(e));
@@ -1112,9 +1204,20 @@ impl<W: Write> Writer<'_, W> {
             h.set_device_major(dev.0).map_err(out)?;
             h.set_device_minor(dev.1).map_err(out)?;
         }
+        // A sparse file: its map in the header and the extension headers that follow it,
+        // then only its data ([`set_sparse`]).
+        let (ext, want) = match sparse {
+            Some(map) => {
+                let ext = set_sparse(&mut h, size, map).map_err(out)?;
+                let data: u64 = map.iter().map(|(_, l)| l).sum();
+                let n = ext.len() as u64;
+                (ext, n + data)
+            }
+            None => (Vec::new(), size),
+        };
         h.set_cksum();
         let mut counted = CountRead {
-            inner: data,
+            inner: io::Cursor::new(ext).chain(data),
             n: 0,
             err: None,
         };
@@ -1123,7 +1226,7 @@ impl<W: Write> Writer<'_, W> {
             return Err(WriteFail::Read(e));
         }
         r.map_err(out)?;
-        if counted.n != size {
+        if counted.n != want {
             return Err(WriteFail::Read(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 "file data shorter than its header says",

@@ -783,3 +783,53 @@ fn running_out_inside_the_image_says_what_ran_out_and_where() {
     );
     assert!(!msg.contains("too large"), "{msg}");
 }
+
+/// Issue 17, case 4: a 16 GiB sparse file (as `truncate -s 16G` makes) with a little data in
+/// it, captured by `write_layer`, is in the ext4 image with its apparent size and nearly no
+/// blocks (`debugfs stat`: Blockcount), its data at its offset; the image is sized by the
+/// data, not by the holes; `e2fsck -fn` is clean.
+#[test]
+fn sparse_files_stay_sparse_in_the_image() {
+    use std::os::unix::fs::FileExt;
+    let d = tempfile::tempdir().unwrap();
+    let tree = d.path().join("tree");
+    std::fs::create_dir_all(tree.join("var")).unwrap();
+    let f = std::fs::File::create(tree.join("var/sparse.img")).unwrap();
+    f.set_len(16 << 30).unwrap();
+    f.write_all_at(b"kiln", 8 << 30).unwrap();
+    drop(f);
+    let mut bytes = Vec::new();
+    let w = crate::layer::write::write_layer(&tree, &mut bytes, None).unwrap();
+    assert!(w.size < 1 << 20, "layer blob of {} bytes", w.size);
+    let path = d.path().join("layer");
+    std::fs::write(&path, &bytes).unwrap();
+    let layers = vec![LayerBlob {
+        digest: w.digest.clone(),
+        path,
+    }];
+    let img = d.path().join("img.ext4");
+    build(&layers, &img, &opts("sha256:sparse")).unwrap();
+    assert_fsck_clean(&img);
+    let image_bytes = std::fs::metadata(&img).unwrap().len();
+    assert!(
+        image_bytes < 1 << 30,
+        "a {image_bytes}-byte image for 4 bytes of data"
+    );
+    let stat = debugfs_says(&img, "stat /var/sparse.img");
+    assert!(stat.contains("Size: 17179869184"), "{stat}");
+    let blocks: u64 = stat
+        .split("Blockcount: ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no Blockcount in {stat}"));
+    assert!(
+        blocks <= 64,
+        "Blockcount {blocks} (512-byte units):\n{stat}"
+    );
+    let extents = debugfs_says(&img, "dump_extents /var/sparse.img");
+    assert!(
+        extents.contains("2097152"),
+        "the data block is at 8 GiB (block 2097152):\n{extents}"
+    );
+}

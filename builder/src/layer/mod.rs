@@ -22,6 +22,21 @@
 //! Bounds ([`Limits`]) on entry count, total uncompressed bytes, one file's size and the
 //! decompression ratio; exceeding one is a [`LayerError::Limit`] naming the layer digest and
 //! the entry being read.
+//!
+//! ## Sparse files
+//! GNU sparse entries (type `S`, the "old GNU" sparse format of the GNU tar manual, section
+//! "Sparse Formats": up to 4 (offset, length) pairs in the header, more in 512-byte extension
+//! headers after it, then only the data) are read by the `tar` crate, which makes the holes
+//! up as zeros. The byte counter's framer reads each one's map from the raw stream (bounding
+//! its extension headers like other extension data), and [`BoundedStream::extents`] hands it
+//! to the entry's reader, so that apply and the ext4 flattener write the holes as holes
+//! (apply: data written at its offsets, the file's length set after; zero 4 KiB blocks of
+//! any file are not written either). Byte bounds: the total, ratio and extension-header
+//! bounds count the stream's bytes, which for a sparse entry are its data and map only, so
+//! the decompression-bomb bound holds for data and costs nothing for holes; a file's
+//! apparent size (its real size) is bounded by [`Limits::max_file_bytes`], see there.
+//! PAX sparse entries (`GNU.sparse.*` records, formats 0.0, 0.1 and 1.0) are not read as
+//! sparse: the `tar` crate does not interpret them.
 
 pub mod whiteout;
 pub mod write;
@@ -29,7 +44,7 @@ pub mod write;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::OsStr;
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Read};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -55,7 +70,12 @@ pub struct Limits {
     pub max_total_bytes: u64,
     /// Number of tar entries.
     pub max_entries: u64,
-    /// Size of one regular file, bytes.
+    /// Size of one regular file, bytes: its apparent size, holes of a sparse entry included.
+    /// Holes cost no stream bytes and no disk blocks, so this is what bounds them: whatever
+    /// reads the file as bytes without knowing holes (a later step's program, a tool in the
+    /// sandbox, `COPY --from` of the file) reads its apparent size, and an unbounded one (a
+    /// 2 KiB layer can describe a file of 8 EiB) would make those reads endless. 16 GiB
+    /// (the default) is what `truncate -s 16G` makes.
     pub max_file_bytes: u64,
     /// Uncompressed / compressed bytes, checked once the uncompressed side passes
     /// [`Limits::ratio_floor_bytes`].
@@ -297,26 +317,60 @@ struct Counters {
     compressed: Cell<u64>,
     uncompressed: Cell<u64>,
     hit: Cell<Option<LimitKind>>,
-    /// A GNU sparse entry was seen by the framer (refused: the framer cannot follow it).
-    sparse: Cell<bool>,
+    /// The map of the last GNU sparse entry the framer read whole, for
+    /// [`BoundedStream::extents`].
+    sparse: std::cell::RefCell<Option<SparseMap>>,
+}
+
+/// The map of one GNU sparse entry as the framer read it from the raw stream (GNU tar
+/// manual, "Sparse Formats", "Old GNU Format").
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SparseMap {
+    /// Stream position of the entry's own header (`tar::Entry::raw_header_position`).
+    header_pos: u64,
+    /// The file's apparent size (the header's `realsize`), bytes.
+    real_size: u64,
+    /// (offset, length) of each piece of data, in stream order.
+    segments: Vec<(u64, u64)>,
 }
 
 /// Follows the tar framing of the uncompressed stream (512-byte headers, data padded to
-/// 512), to bound extension headers before `tar` buffers them and to refuse GNU sparse
-/// entries. Honours a PAX `size` record for the next entry, as the `tar` reader does.
+/// 512), to bound extension headers before `tar` buffers them and to read the maps of GNU
+/// sparse entries (their extension headers included, bounded alike). Honours a PAX `size`
+/// record for the next entry, as the `tar` reader does.
 #[derive(Default)]
 struct Framer {
     header: Vec<u8>,
     skip: u64,
+    /// Bytes fed so far (the stream position).
+    pos: u64,
     /// Data of the PAX header being read, and how much of it remains.
     pax: Option<(Vec<u8>, u64)>,
     pending_size: Option<u64>,
+    /// A GNU sparse entry whose extension headers are being read: its map so far, its data
+    /// size (read after the extension headers) and the extension bytes read.
+    sparse: Option<(SparseMap, u64, u64)>,
+    /// The last sparse map read whole, for the counters.
+    done: Option<SparseMap>,
 }
 
 enum FrameFault {
     Metadata,
-    Sparse,
     Malformed,
+}
+
+/// Adds the non-empty pieces of a sparse header's slots to `m` (the `tar` crate's reading:
+/// a slot whose offset or length field starts with a NUL is unused).
+fn add_slots(m: &mut SparseMap, slots: &[tar::GnuSparseHeader]) -> Result<(), FrameFault> {
+    for s in slots {
+        if s.is_empty() {
+            continue;
+        }
+        let off = s.offset().map_err(|_| FrameFault::Malformed)?;
+        let len = s.length().map_err(|_| FrameFault::Malformed)?;
+        m.segments.push((off, len));
+    }
+    Ok(())
 }
 
 fn parse_octal_size(field: &[u8]) -> Option<u64> {
@@ -377,7 +431,14 @@ fn recognized(h: &[u8]) -> bool {
 }
 
 impl Framer {
-    fn feed(&mut self, mut data: &[u8]) -> Result<(), FrameFault> {
+    fn feed(&mut self, data: &[u8]) -> Result<(), FrameFault> {
+        self.pos += data.len() as u64;
+        self.feed_inner(data)
+    }
+
+    fn feed_inner(&mut self, mut data: &[u8]) -> Result<(), FrameFault> {
+        // Stream position just past `data`'s last byte (`feed` counted it).
+        let end = self.pos;
         while !data.is_empty() {
             if self.skip > 0 {
                 let n = (self.skip.min(data.len() as u64)) as usize;
@@ -401,6 +462,24 @@ impl Framer {
                 break;
             }
             let h = std::mem::take(&mut self.header);
+            let header_pos = end - data.len() as u64 - 512;
+            if let Some((mut map, size, ext)) = self.sparse.take() {
+                // An extension header of a GNU sparse entry: 21 more slots.
+                let ext = ext + 512;
+                if ext > MAX_METADATA_BYTES {
+                    return Err(FrameFault::Metadata);
+                }
+                let mut e = tar::GnuExtSparseHeader::new();
+                e.as_mut_bytes().copy_from_slice(&h);
+                add_slots(&mut map, e.sparse())?;
+                if e.is_extended() {
+                    self.sparse = Some((map, size, ext));
+                } else {
+                    self.done = Some(map);
+                    self.skip = size.checked_add(511).ok_or(FrameFault::Malformed)? & !511;
+                }
+                continue;
+            }
             if h.iter().all(|b| *b == 0) {
                 continue;
             }
@@ -424,7 +503,23 @@ impl Framer {
                 self.pending_size = None;
             }
             if kind == b'S' {
-                return Err(FrameFault::Sparse);
+                // As the `tar` reader: a sparse entry needs a GNU header; its extension
+                // headers follow it, then `size` bytes of data.
+                let hdr = tar::Header::from_byte_slice(&h);
+                let g = hdr.as_gnu().ok_or(FrameFault::Malformed)?;
+                let mut map = SparseMap {
+                    header_pos,
+                    real_size: g.real_size().map_err(|_| FrameFault::Malformed)?,
+                    segments: Vec::new(),
+                };
+                add_slots(&mut map, &g.sparse)?;
+                if g.is_extended() {
+                    self.sparse = Some((map, size, 0));
+                } else {
+                    self.done = Some(map);
+                    self.skip = size.checked_add(511).ok_or(FrameFault::Malformed)? & !511;
+                }
+                continue;
             }
             if kind == b'x' && ext {
                 self.pending_size = None;
@@ -467,13 +562,12 @@ impl<R: Read> Read for CountOut<R> {
                 self.c.hit.set(Some(LimitKind::MetadataBytes));
                 return Err(io::Error::other("extension header too large"));
             }
-            Err(FrameFault::Sparse) => {
-                self.c.sparse.set(true);
-                return Err(io::Error::other("GNU sparse entry"));
-            }
             Err(FrameFault::Malformed) => {
-                return Err(io::Error::other("malformed tar header size"));
+                return Err(io::Error::other("malformed tar header size or sparse map"));
             }
+        }
+        if let Some(map) = self.framer.done.take() {
+            *self.c.sparse.borrow_mut() = Some(map);
         }
         let total = self.c.uncompressed.get() + n as u64;
         self.c.uncompressed.set(total);
@@ -516,29 +610,7 @@ pub fn apply_layer(
         op: "open root",
         source: e.into(),
     })?;
-    let counters = Rc::new(Counters::default());
-    let mut raw = BufReader::with_capacity(
-        256 << 10,
-        CountIn {
-            inner: layer,
-            c: counters.clone(),
-        },
-    );
-    let tar_err = |e: io::Error, entry: &str| LayerError::Tar {
-        digest: digest.to_string(),
-        entry: entry.to_string(),
-        source: e,
-    };
-    let head = raw.fill_buf().map_err(|e| tar_err(e, "(start)"))?;
-    let decoded: Box<dyn Read> = Compression::sniff(head)
-        .decoder(raw)
-        .map_err(|e| tar_err(e, "(start)"))?;
-    let counted = CountOut {
-        inner: decoded,
-        c: counters.clone(),
-        limits: *limits,
-        framer: Framer::default(),
-    };
+    let (stream, bounded) = bounded_stream(layer, digest, limits)?;
     let mut applier = Applier {
         root: root_fd,
         digest: digest.to_string(),
@@ -547,52 +619,26 @@ pub fn apply_layer(
         dirs: Vec::new(),
         limits: *limits,
     };
-    let mut archive = tar::Archive::new(counted);
+    let mut archive = tar::Archive::new(stream);
     let mut entries_read = 0u64;
-    let limit_or = |c: &Counters, e: io::Error, entry: &str| -> LayerError {
-        if c.sparse.get() {
-            return LayerError::UnsupportedType {
-                digest: digest.to_string(),
-                entry: format!("(after {entry})"),
-                kind: 'S',
-            };
-        }
-        match c.hit.get() {
-            Some(kind) => LayerError::Limit {
-                digest: digest.to_string(),
-                entry: entry.to_string(),
-                kind,
-                max: match kind {
-                    LimitKind::TotalBytes => limits.max_total_bytes,
-                    LimitKind::Ratio => limits.max_ratio,
-                    LimitKind::Entries => limits.max_entries,
-                    LimitKind::FileBytes => limits.max_file_bytes,
-                    LimitKind::MetadataBytes => MAX_METADATA_BYTES,
-                },
-            },
-            None => tar_err(e, entry),
-        }
-    };
-    let entries = archive
-        .entries()
-        .map_err(|e| limit_or(&counters, e, "(start)"))?;
+    let entries = archive.entries().map_err(|e| bounded.error(e, "(start)"))?;
     for entry in entries {
-        let mut entry = entry.map_err(|e| limit_or(&counters, e, &applier.entry))?;
+        let mut entry = entry.map_err(|e| bounded.error(e, &applier.entry))?;
         entries_read += 1;
         applier.entry = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
         if entries_read > limits.max_entries {
             return Err(applier.limit(LimitKind::Entries, limits.max_entries));
         }
-        match applier.apply_entry(&mut entry) {
+        match applier.apply_entry(&mut entry, &bounded) {
             Ok(()) => {}
             Err(ApplyFail::Layer(e)) => return Err(e),
-            Err(ApplyFail::Read(e)) => return Err(limit_or(&counters, e, &applier.entry)),
+            Err(ApplyFail::Read(e)) => return Err(bounded.error(e, &applier.entry)),
         }
     }
     applier.finish_dirs()?;
     Ok(LayerStats {
         entries: entries_read,
-        bytes: counters.uncompressed.get(),
+        bytes: bounded.bytes(),
     })
 }
 
@@ -942,7 +988,11 @@ impl Applier {
         Ok(out)
     }
 
-    fn apply_entry(&mut self, entry: &mut tar::Entry<'_, impl Read>) -> Result<(), ApplyFail> {
+    fn apply_entry(
+        &mut self,
+        entry: &mut tar::Entry<'_, impl Read>,
+        bounded: &BoundedStream,
+    ) -> Result<(), ApplyFail> {
         let raw = entry.path_bytes().into_owned();
         let comps = match split_name(&raw) {
             Split::Ok(c) => c,
@@ -1026,11 +1076,9 @@ impl Applier {
                 self.set_fd_meta(fd.as_fd(), &meta)?;
                 self.dirs.push((comps.clone(), meta.mtime));
             }
-            // GNU sparse entries are refused here too, whatever the framer saw: their
-            // holes are zeros the reader makes up, past every byte bound.
-            T::Regular | T::Continuous => {
-                let size = entry.header().size().map_err(ApplyFail::Read)?;
-                if size > self.limits.max_file_bytes {
+            T::Regular | T::Continuous | T::GNUSparse => {
+                let extents = bounded.extents(entry).map_err(ApplyFail::Read)?;
+                if extents.size > self.limits.max_file_bytes {
                     return Err(self
                         .limit(LimitKind::FileBytes, self.limits.max_file_bytes)
                         .into());
@@ -1049,22 +1097,15 @@ impl Applier {
                     Mode::from_raw_mode(0o600),
                 )
                 .map_err(|e| self.io("create file", e))?;
-                let mut file = std::fs::File::from(fd);
+                let file = std::fs::File::from(fd);
+                let mut data = DataReader::new(entry, &extents);
                 let mut buf = vec![0u8; 128 << 10];
-                let mut written = 0u64;
-                loop {
-                    let n = entry.read(&mut buf).map_err(ApplyFail::Read)?;
-                    if n == 0 {
-                        break;
-                    }
-                    written += n as u64;
-                    if written > self.limits.max_file_bytes {
-                        return Err(self
-                            .limit(LimitKind::FileBytes, self.limits.max_file_bytes)
-                            .into());
-                    }
-                    file.write_all(&buf[..n]).map_err(|e| self.io("write", e))?;
+                while let Some((off, n)) = data.next_piece(&mut buf).map_err(ApplyFail::Read)? {
+                    write_skipping_zero_blocks(&file, off, &buf[..n])
+                        .map_err(|e| self.io("write", e))?;
                 }
+                file.set_len(extents.size)
+                    .map_err(|e| self.io("set length", e))?;
                 self.set_fd_meta(file.as_fd(), &meta)?;
                 self.set_mtime(dir, base, meta.mtime)?;
             }
@@ -1335,16 +1376,9 @@ pub(crate) fn bounded_stream<'a>(
 
 impl BoundedStream {
     /// Turns a read error of the stream into the [`LayerError`] it stands for (a bound hit,
-    /// a sparse entry, or a plain tar error at `entry`).
+    /// or a plain tar error at `entry`).
     pub(crate) fn error(&self, e: io::Error, entry: &str) -> LayerError {
         let digest = self.digest.clone();
-        if self.counters.sparse.get() {
-            return LayerError::UnsupportedType {
-                digest,
-                entry: format!("(after {entry})"),
-                kind: 'S',
-            };
-        }
         match self.counters.hit.get() {
             Some(kind) => LayerError::Limit {
                 digest,
@@ -1370,6 +1404,156 @@ impl BoundedStream {
     pub(crate) fn bytes(&self) -> u64 {
         self.counters.uncompressed.get()
     }
+
+    /// Where the data of a regular-file entry (`0`, `7` or GNU sparse `S`) of this stream
+    /// goes in the file. For a sparse entry, the map the framer read with its header; for
+    /// others, all of its size is one piece of data.
+    ///
+    /// Errors (`InvalidData`): a sparse entry whose map the framer did not read with this
+    /// entry's header, or whose map disagrees with the `tar` reader's size.
+    pub(crate) fn extents(&self, entry: &tar::Entry<'_, impl Read>) -> io::Result<Extents> {
+        if !entry.header().entry_type().is_gnu_sparse() {
+            return Ok(Extents {
+                size: entry.size(),
+                segments: vec![(0, entry.size())],
+                sparse: false,
+            });
+        }
+        match self.counters.sparse.borrow_mut().take() {
+            Some(m)
+                if m.header_pos == entry.raw_header_position() && m.real_size == entry.size() =>
+            {
+                Ok(Extents {
+                    size: m.real_size,
+                    segments: m.segments,
+                    sparse: true,
+                })
+            }
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "GNU sparse entry whose map was not read with its header",
+            )),
+        }
+    }
+}
+
+/// Where a regular file's bytes go, as [`BoundedStream::extents`] reads it: its apparent
+/// size and its pieces of data; everything else is a hole (zeros, no blocks).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Extents {
+    /// Apparent size, bytes.
+    pub(crate) size: u64,
+    /// (offset, length) in bytes of each piece of data, in file order, none overlapping
+    /// (the `tar` reader refuses a map that is out of order or overlaps).
+    pub(crate) segments: Vec<(u64, u64)>,
+    /// Whether the entry was a sparse one (`S`).
+    pub(crate) sparse: bool,
+}
+
+/// Reads an entry's data piece by piece as its [`Extents`] lay it out: the `tar` reader
+/// makes a sparse entry's holes up as zeros between the pieces, and those are read past
+/// (they never come from the stream, so they cost no stream bytes), never handed out.
+pub(crate) struct DataReader<'e, R> {
+    inner: R,
+    /// Where the made-up zeros of holes are read to (64 KiB: it stays in the CPU's cache,
+    /// so a 16 GiB hole costs well under a second).
+    scratch: Vec<u8>,
+    segments: &'e [(u64, u64)],
+    /// Apparent offset of the next byte `inner` gives.
+    at: u64,
+    /// Index of the piece being read, and its bytes left.
+    idx: usize,
+    left: u64,
+}
+
+impl<'e, R: Read> DataReader<'e, R> {
+    /// `inner`: the entry's data as the `tar` reader gives it (apparent bytes).
+    pub(crate) fn new(inner: R, extents: &'e Extents) -> Self {
+        DataReader {
+            inner,
+            scratch: Vec::new(),
+            segments: &extents.segments,
+            at: 0,
+            idx: 0,
+            left: extents.segments.first().map_or(0, |s| s.1),
+        }
+    }
+
+    /// The next piece of data into `buf`: `Some((file offset, length))`, `None` at the end.
+    /// Errors: the entry's read errors; `UnexpectedEof` when it ends before its map does.
+    pub(crate) fn next_piece(&mut self, buf: &mut [u8]) -> io::Result<Option<(u64, usize)>> {
+        loop {
+            let Some(&(off, _)) = self.segments.get(self.idx) else {
+                return Ok(None);
+            };
+            if self.left == 0 {
+                self.idx += 1;
+                self.left = self.segments.get(self.idx).map_or(0, |s| s.1);
+                continue;
+            }
+            // The hole before the piece (zeros made up by the reader).
+            if self.at < off && self.scratch.is_empty() {
+                self.scratch = vec![0u8; 64 << 10];
+            }
+            while self.at < off {
+                let want = (off - self.at).min(self.scratch.len() as u64) as usize;
+                let n = self.inner.read(&mut self.scratch[..want])?;
+                if n == 0 {
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+                self.at += n as u64;
+            }
+            let want = self.left.min(buf.len() as u64) as usize;
+            let n = self.inner.read(&mut buf[..want])?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            let at = self.at;
+            self.at += n as u64;
+            self.left -= n as u64;
+            return Ok(Some((at, n)));
+        }
+    }
+}
+
+impl<R: Read> Read for DataReader<'_, R> {
+    /// The data bytes only, in order (what a sparse entry stores after its map).
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        Ok(self.next_piece(buf)?.map_or(0, |(_, n)| n))
+    }
+}
+
+/// Block size of the zero test in [`write_skipping_zero_blocks`], bytes (ext4's, and the
+/// page size).
+const ZERO_BLOCK: u64 = 4096;
+
+/// Writes `data` at `off` into a new file, leaving out every 4 KiB block (aligned to the
+/// file's start) that is all zero: the file is new, so those read back as zeros, and they
+/// stay holes (a layer written without sparse entries, or a sparse file's data with zero
+/// runs, costs no blocks for them).
+fn write_skipping_zero_blocks(file: &std::fs::File, off: u64, data: &[u8]) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    // Runs of blocks that are not all zero are written with one call each.
+    let mut run: Option<usize> = None;
+    let mut pos = 0usize;
+    while pos < data.len() {
+        let at = off + pos as u64;
+        let n = ((ZERO_BLOCK - at % ZERO_BLOCK) as usize).min(data.len() - pos);
+        let zero = kiln_store::chunk::is_all_zero(&data[pos..pos + n]);
+        match (zero, run) {
+            (false, None) => run = Some(pos),
+            (true, Some(start)) => {
+                file.write_all_at(&data[start..pos], off + start as u64)?;
+                run = None;
+            }
+            _ => {}
+        }
+        pos += n;
+    }
+    if let Some(start) = run {
+        file.write_all_at(&data[start..], off + start as u64)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

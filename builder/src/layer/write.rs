@@ -8,9 +8,18 @@
 //! mtimes are clamped to `SOURCE_DATE_EPOCH` when given. Sockets are skipped (tar cannot hold
 //! them). gzip uses a pinned level with a zero header mtime and no file name, so the same tree
 //! gives the same bytes.
+//!
+//! A regular file with holes (fewer allocated blocks than its size, and `SEEK_DATA` /
+//! `SEEK_HOLE` find a hole: `truncate -s 16G`, `useradd`'s `/var/log/lastlog`) is written as
+//! a GNU sparse entry ([`set_sparse`]): its map, then only its data, so a 16 GiB file of
+//! holes is a few hundred bytes of layer and the holes stay holes wherever it is read (GNU
+//! tar, containerd's and Go's `archive/tar`, libarchive, and kiln's own reader,
+//! [`super::apply_layer`] and the ext4 flattener). Its pieces of data are widened to whole
+//! 4 KiB blocks, so the map does not depend on a file system reporting holes at a finer
+//! granularity. A file without holes is a plain entry, as before.
 
 use std::collections::HashMap;
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
@@ -241,9 +250,26 @@ fn walk<W: Write>(
                 links.insert((md.dev(), md.ino()), rel.clone());
             }
             h.set_entry_type(tar::EntryType::Regular);
-            h.set_size(md.len());
             let f = std::fs::File::open(&path)?;
-            b.append_data(&mut h, &rel_path, f)?;
+            match data_segments(&f, &md)? {
+                Some(segments) => {
+                    let ext = set_sparse(&mut h, md.len(), &segments)?;
+                    let data = SegmentReader {
+                        file: &f,
+                        segments: &segments,
+                        idx: 0,
+                        done: 0,
+                    };
+                    b.append_data(&mut h, &rel_path, io::Cursor::new(ext).chain(data))
+                        .map_err(|e| {
+                            io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+                        })?;
+                }
+                None => {
+                    h.set_size(md.len());
+                    b.append_data(&mut h, &rel_path, f)?;
+                }
+            }
         } else if ft.is_char_device() || ft.is_block_device() || ft.is_fifo() {
             h.set_entry_type(if ft.is_char_device() {
                 tar::EntryType::Char
@@ -269,5 +295,135 @@ pub fn is_opaque(dir: &Path) -> io::Result<bool> {
         Ok(n) => Ok(&v[..n] == b"y"),
         Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(false),
         Err(e) => Err(e.into()),
+    }
+}
+
+/// Block size the pieces of a sparse file's data are widened to, bytes (ext4's block and
+/// the page size: holes a file system reports are at least this coarse).
+const SPARSE_BLOCK: u64 = 4096;
+
+/// The pieces of data of the regular file `f` ((offset, length), in file order) when it has
+/// holes, by `SEEK_DATA` / `SEEK_HOLE` (Linux `lseek(2)`), each widened to whole
+/// [`SPARSE_BLOCK`]s (clamped to the file's end) and merged when they touch; `None` for a
+/// file without holes (or on a file system without `SEEK_DATA`). The last piece ends at the
+/// file's size: a zero-length one at the end is added when the file ends in a hole (the
+/// GNU sparse map says the file's end that way; the `tar` crate's reader needs it).
+fn data_segments(f: &std::fs::File, md: &std::fs::Metadata) -> io::Result<Option<Vec<(u64, u64)>>> {
+    use rustix::fs::SeekFrom;
+    use rustix::io::Errno;
+    let size = md.len();
+    if size == 0 || md.blocks() * 512 >= size {
+        return Ok(None);
+    }
+    let mut segments: Vec<(u64, u64)> = Vec::new();
+    let mut off = 0u64;
+    while off < size {
+        let start = match rustix::fs::seek(f, SeekFrom::Data(off)) {
+            Ok(p) => p,
+            Err(Errno::NXIO) => break,
+            Err(Errno::INVAL) if off == 0 => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        if start >= size {
+            break;
+        }
+        let end = rustix::fs::seek(f, SeekFrom::Hole(start))?.min(size);
+        let s = start / SPARSE_BLOCK * SPARSE_BLOCK;
+        let e = end
+            .div_ceil(SPARSE_BLOCK)
+            .saturating_mul(SPARSE_BLOCK)
+            .min(size);
+        match segments.last_mut() {
+            Some(last) if s <= last.0 + last.1 => last.1 = last.1.max(e - last.0),
+            _ => segments.push((s, e - s)),
+        }
+        if end <= off {
+            return Err(io::Error::other("lseek(SEEK_HOLE) did not advance"));
+        }
+        off = end;
+    }
+    if segments.as_slice() == [(0, size)] {
+        return Ok(None);
+    }
+    if segments.last().is_none_or(|(o, l)| o + l < size) {
+        segments.push((size, 0));
+    }
+    Ok(Some(segments))
+}
+
+/// Makes `h` (a GNU header; name, owner, mode and times set or to be set by the caller) a
+/// GNU sparse entry (type `S`) of a file of `real_size` bytes whose data is `segments`
+/// ((offset, length) in file order; every length but the last a multiple of 512; the last
+/// piece ending at `real_size`), and returns the extension headers that must follow the
+/// header, before the data. The format is the "old GNU" one of the GNU tar manual, section
+/// "Sparse Formats": the header's `size` is the data's length, `realsize` the file's, up to
+/// 4 (offset, numbytes) slots in the header and `isextended` set when 512-byte extension
+/// headers of 21 slots each follow. It is the format the `tar` crate reads (and writes for
+/// `append_file`, whose headers kiln cannot give its own mtimes and owners).
+///
+/// Errors: `InvalidInput` when `h` is not a GNU header.
+pub(crate) fn set_sparse(
+    h: &mut tar::Header,
+    real_size: u64,
+    segments: &[(u64, u64)],
+) -> io::Result<Vec<u8>> {
+    h.set_entry_type(tar::EntryType::GNUSparse);
+    h.set_size(segments.iter().map(|(_, l)| l).sum());
+    let g = h
+        .as_gnu_mut()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "not a GNU header"))?;
+    g.set_real_size(real_size);
+    let (first, rest) = segments.split_at(segments.len().min(g.sparse.len()));
+    for (slot, (off, len)) in g.sparse.iter_mut().zip(first) {
+        slot.set_offset(*off);
+        slot.set_length(*len);
+    }
+    g.set_is_extended(!rest.is_empty());
+    let mut ext = Vec::new();
+    let mut chunks = rest.chunks(21).peekable();
+    while let Some(chunk) = chunks.next() {
+        let mut e = tar::GnuExtSparseHeader::new();
+        for (slot, (off, len)) in e.sparse_mut().iter_mut().zip(chunk) {
+            slot.set_offset(*off);
+            slot.set_length(*len);
+        }
+        e.set_is_extended(chunks.peek().is_some());
+        ext.extend_from_slice(e.as_bytes());
+    }
+    Ok(ext)
+}
+
+/// Reads the pieces of data of a file, in order, with `pread`.
+struct SegmentReader<'a> {
+    file: &'a std::fs::File,
+    segments: &'a [(u64, u64)],
+    idx: usize,
+    /// Bytes of the current piece read.
+    done: u64,
+}
+
+impl Read for SegmentReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        loop {
+            let Some(&(off, len)) = self.segments.get(self.idx) else {
+                return Ok(0);
+            };
+            if self.done == len {
+                self.idx += 1;
+                self.done = 0;
+                continue;
+            }
+            let want = (len - self.done).min(buf.len() as u64) as usize;
+            let n = self.file.read_at(&mut buf[..want], off + self.done)?;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the file shrank while it was written into the layer",
+                ));
+            }
+            self.done += n as u64;
+            return Ok(n);
+        }
     }
 }
