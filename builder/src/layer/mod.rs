@@ -751,7 +751,8 @@ pub struct Meta {
 /// format; the xattr key form is GNU tar's and star's).
 ///
 /// Errors (`InvalidData`): an owner id that is not a Linux id ([`owner_id`]), a PAX
-/// `uid`/`gid` that is not a number; the header's own read errors.
+/// `uid`/`gid` that is not a number, a PAX sparse file (`GNU.sparse.*` records); the
+/// header's own read errors.
 pub(crate) fn read_meta(entry: &mut tar::Entry<'_, impl Read>) -> io::Result<Meta> {
     let h = entry.header();
     let mut m = Meta {
@@ -789,6 +790,19 @@ pub(crate) fn read_meta(entry: &mut tar::Entry<'_, impl Read>) -> io::Result<Met
                     }
                 }
                 b"mtime" => m.mtime = num().unwrap_or(m.mtime),
+                // PAX sparse files (GNU tar manual, "Sparse Formats": 0.0, 0.1 and 1.0, as
+                // `tar --posix --sparse` writes) are regular files whose name and data hide a
+                // map; read as plain files they would land as `GNUSparseFile.N/...` holding
+                // the map. The tar crate does not read them, so they are refused.
+                k if k.starts_with(b"GNU.sparse.") => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!(
+                            "a PAX sparse file (record {}): not supported; expected a plain file or an old GNU sparse ('S') entry",
+                            String::from_utf8_lossy(k)
+                        ),
+                    ));
+                }
                 k if k.starts_with(b"SCHILY.xattr.") => {
                     let name = &k[b"SCHILY.xattr.".len()..];
                     if keep_xattr(name) {

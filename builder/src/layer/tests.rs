@@ -1338,3 +1338,33 @@ fn sparse_maps_are_bounded_like_extension_headers() {
     }
     s.assert_untouched("sparse map bound");
 }
+
+/// `tar --posix --sparse` writes PAX sparse files (format 1.0: a `GNU.sparse.*` record and a
+/// name under `GNUSparseFile.N/`, the map inside the data). Read as a plain file it would land
+/// under that name holding the map: it is refused, naming the record, and nothing lands.
+#[test]
+fn pax_sparse_files_are_refused_not_misread() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let src = d.path().join("src");
+    sparse_file(&src.join("big"), 8 << 20, &[0, 4 << 20]);
+    let out = std::process::Command::new("tar")
+        .args(["--posix", "--sparse", "-cf", "-", "-C"])
+        .arg(&src)
+        .arg("big")
+        .output()
+        .expect("GNU tar");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s = Sandbox::new();
+    let e = s.apply(&out.stdout).expect_err("a PAX sparse file");
+    let text = e.to_string();
+    assert!(text.contains("GNU.sparse."), "{text}");
+    assert!(!s.root().join("GNUSparseFile.0").exists(), "nothing landed");
+    assert!(
+        fs::read_dir(s.root()).map(|r| r.count()).unwrap_or(0) == 0,
+        "nothing landed"
+    );
+}
