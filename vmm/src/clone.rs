@@ -17,6 +17,19 @@
 //!    `restore` (32 fresh bytes from `/dev/urandom`, the time, the env, the image's OCI
 //!    config user and env for `exec`s: [`ImageDefaults`]); wait for `restored`.
 //!    QEMU is then left running on its own; `clone.json` records it for [`list`] / [`stop`].
+//!
+//! A larger disk ([`CloneOptions::disk_mib`], checked against the image's size before
+//! anything is fetched or started: [`clone_disk_bytes`]): the overlay is made at the image's
+//! size, so the clone restores with the capacity its saved device state was taken with, and
+//! after `cont` QMP `block_resize` grows it. QEMU reads virtio-blk's capacity from the drive
+//! whenever the guest reads the device's configuration, but Linux reads it only when the
+//! device is probed and on a configuration-change interrupt, so an overlay made larger
+//! before the restore would restore but stay invisible to the guest; `block_resize` grows
+//! the drive and raises that interrupt (QEMU `hw/block/virtio-blk.c`, its resize callback
+//! calls `virtio_notify_config`). The `restore` message then carries the new size and the
+//! guest init grows the root file system online before it answers (`fs_bytes` in
+//! `restored`); a snapshot whose init does not answer it is refused
+//! ([`CloneError::BadSnapshot`]).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -77,6 +90,20 @@ pub enum CloneError {
         /// What is wrong.
         reason: String,
     },
+    /// `disk_mib` asks for a disk smaller than the image's (a clone's disk only grows).
+    #[error(
+        "a disk of {asked_mib} MiB ({asked_bytes} bytes) is smaller than the image's disk, {image_bytes} bytes ({image_mib} MiB): a clone's disk can only grow"
+    )]
+    DiskTooSmall {
+        /// What was asked, MiB.
+        asked_mib: u64,
+        /// The same in bytes (saturated at `u64::MAX`).
+        asked_bytes: u64,
+        /// The image's disk, bytes.
+        image_bytes: u64,
+        /// The same in MiB, rounded up.
+        image_mib: u64,
+    },
     /// The image's OCI config is too large or not JSON.
     #[error("the image's OCI config: {0}")]
     BadConfig(String),
@@ -120,6 +147,9 @@ pub struct CloneOptions {
     pub restore_timeout: Duration,
     /// Accelerator; `None`: [`launch::probe_accel`].
     pub accel: Option<Accel>,
+    /// The clones' disk size, MiB (`kiln start --disk-mib`); `None`: the image's. Smaller
+    /// than the image's is refused ([`CloneError::DiskTooSmall`]).
+    pub disk_mib: Option<u64>,
 }
 
 impl CloneOptions {
@@ -132,6 +162,7 @@ impl CloneOptions {
             cache_dir,
             restore_timeout: Duration::from_secs(60),
             accel: None,
+            disk_mib: None,
         }
     }
 }
@@ -185,6 +216,10 @@ pub struct CloneRecord {
     pub start_ms: u64,
     /// The clone's directory (QMP socket, overlay, console log).
     pub dir: PathBuf,
+    /// The clone's disk size, bytes (the image's unless grown with
+    /// [`CloneOptions::disk_mib`]); 0 in records written before this field existed.
+    #[serde(default)]
+    pub disk_bytes: u64,
 }
 
 impl CloneRecord {
@@ -291,6 +326,28 @@ fn parse_image_defaults(bytes: &[u8]) -> Result<ImageDefaults, CloneError> {
             .unwrap_or_else(|| "0".into()),
         env: c.env.unwrap_or_default(),
     })
+}
+
+/// The disk size of a clone of an image whose disk is `image_bytes`, when `disk_mib` asks
+/// for one: `Some(bytes)` to grow to, `None` when nothing is to grow (not asked, or the
+/// image's size exactly).
+///
+/// Errors: [`CloneError::DiskTooSmall`] (naming both sizes) when `disk_mib` MiB is less than
+/// `image_bytes`.
+pub fn clone_disk_bytes(disk_mib: Option<u64>, image_bytes: u64) -> Result<Option<u64>, CloneError> {
+    let Some(mib) = disk_mib else {
+        return Ok(None);
+    };
+    let bytes = mib.saturating_mul(1 << 20);
+    if bytes < image_bytes {
+        return Err(CloneError::DiskTooSmall {
+            asked_mib: mib,
+            asked_bytes: bytes,
+            image_bytes,
+            image_mib: image_bytes.div_ceil(1 << 20),
+        });
+    }
+    Ok((bytes > image_bytes).then_some(bytes))
 }
 
 /// Largest guest RAM a snapshot may ask for, bytes (256 GiB).
@@ -420,6 +477,8 @@ pub async fn start_clones_of(
 ) -> Result<Vec<CloneRecord>, CloneError> {
     let image_ref = name;
     let (digest, snap) = snapshot_of(store, image, image_ref).await?;
+    // Refused before anything is fetched or started.
+    let grow = clone_disk_bytes(opts.disk_mib, snap.disk.size)?;
     let host = Host::detect().await?;
     let cached = materialize(store, &digest, &snap, &opts.cache_dir, true).await?;
     let accel = match opts.accel {
@@ -455,6 +514,7 @@ pub async fn start_clones_of(
             &clones_dir,
             opts,
             defaults.as_ref(),
+            grow,
         )
         .await
         {
@@ -494,6 +554,7 @@ async fn start_one(
     clones_dir: &Path,
     opts: &CloneOptions,
     defaults: Option<&ImageDefaults>,
+    grow: Option<u64>,
 ) -> Result<CloneRecord, CloneError> {
     let id = hex::encode(random_bytes(8)?);
     let dir = clones_dir.join(&id);
@@ -547,6 +608,15 @@ async fn start_one(
             .await?;
         vm.qmp.wait_migration(opts.restore_timeout).await?;
         vm.qmp.execute("cont", None).await?;
+        if let Some(size) = grow {
+            // Grows the overlay and tells the guest (see the module doc).
+            vm.qmp
+                .execute(
+                    "block_resize",
+                    Some(serde_json::json!({"device": launch::DRIVE_ID, "size": size})),
+                )
+                .await?;
+        }
         let guest_err = |what: &str, source: ChannelError| CloneError::Guest {
             id: id.clone(),
             what: what.to_string(),
@@ -563,6 +633,7 @@ async fn start_one(
         ch.send(&Message::Restore(Restore {
             image_user: defaults.map(|d| d.user.clone()),
             image_env: defaults.map(|d| d.env.clone()),
+            disk_bytes: grow,
             ..Restore::new(&random_bytes(32)?, now_ns, opts.env.clone())
         }))
         .await
@@ -573,6 +644,15 @@ async fn start_one(
             .await
             .map_err(|e| guest_err("waiting for restored", e))?
         {
+            Message::Restored(r) if grow.is_some() && r.fs_bytes.is_none() => {
+                return Err(CloneError::BadSnapshot {
+                    snapshot: digest.to_string(),
+                    reason: "its guest init does not grow the root file system (it answered \
+                             restore without fs_bytes); a larger disk needs a snapshot made by \
+                             this kiln"
+                        .into(),
+                });
+            }
             Message::Restored(r) => r,
             m => {
                 return Err(CloneError::Unexpected {
@@ -603,6 +683,7 @@ async fn start_one(
         started_unix,
         start_ms: t0.elapsed().as_millis() as u64,
         dir: dir.clone(),
+        disk_bytes: grow.unwrap_or(snap.disk.size),
     };
     let path = dir.join("clone.json");
     std::fs::write(
@@ -883,6 +964,28 @@ mod tests {
                 Err(CloneError::BadConfig(_))
             ));
         }
+    }
+
+    #[test]
+    fn disk_below_the_image_is_refused_naming_both_sizes() {
+        let image = 64 << 20;
+        assert_eq!(clone_disk_bytes(None, image).unwrap(), None);
+        assert_eq!(clone_disk_bytes(Some(64), image).unwrap(), None);
+        assert_eq!(clone_disk_bytes(Some(256), image).unwrap(), Some(256 << 20));
+        let e = clone_disk_bytes(Some(32), image).unwrap_err();
+        assert!(matches!(e, CloneError::DiskTooSmall { .. }), "{e}");
+        let msg = e.to_string();
+        for want in ["32 MiB", "33554432 bytes", "67108864 bytes", "64 MiB"] {
+            assert!(msg.contains(want), "{want} not in {msg}");
+        }
+        // An image of a size that is not whole MiB: one MiB less than its rounded-up size
+        // is too small.
+        assert!(clone_disk_bytes(Some(64), image + 1).is_err());
+        assert_eq!(clone_disk_bytes(Some(65), image + 1).unwrap(), Some(65 << 20));
+        assert_eq!(
+            clone_disk_bytes(Some(u64::MAX), image).unwrap(),
+            Some(u64::MAX)
+        );
     }
 
     #[test]

@@ -55,8 +55,8 @@ pub const CPU_MODEL: &str = "Haswell-v4,-pcid,-tsc-deadline,-invpcid,-spec-ctrl"
 /// The device layout, in QEMU's creation order; recorded in the compatibility key.
 pub const DEVICE_LAYOUT: &str =
     "isa-serial:ttyS0,virtio-blk-device:disk0,virtio-serial-device,virtserialport:org.kiln.guest.0";
-/// Drive id of the root disk.
-const DRIVE_ID: &str = "disk0";
+/// Drive id of the root disk (also its block backend's name in QMP, e.g. `block_resize`).
+pub(crate) const DRIVE_ID: &str = "disk0";
 
 /// Errors of the launcher.
 #[derive(Debug, thiserror::Error)]
