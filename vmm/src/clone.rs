@@ -3,7 +3,8 @@
 //! [`start_clones`]:
 //! 1. Resolve the image tag; its manifest's `snapshot` names the [`SnapshotManifest`].
 //! 2. Fetch kernel and initramfs (blobs, digest-checked) into the local snapshot cache
-//!    (`<cache>/<snapshot hex>/`), pick the accelerator, and compare this host's
+//!    (`<cache>/<snapshot hex>/`), pick the accelerator (probed once per host and remembered in
+//!    `<cache>/accel.json`: [`launch::probe_accel_cached`]), and compare this host's
 //!    [`CompatKey`] with the stored one: a mismatch is refused ([`CloneError::Compat`]) and
 //!    nothing is removed from the store.
 //! 3. Fetch the vmstate (digest-checked), then materialize the memory file and the disk (every
@@ -145,7 +146,7 @@ pub struct CloneOptions {
     pub cache_dir: PathBuf,
     /// QEMU start → `restored`, per clone (default 60 s).
     pub restore_timeout: Duration,
-    /// Accelerator; `None`: [`launch::probe_accel`].
+    /// Accelerator; `None`: [`launch::probe_accel_cached`].
     pub accel: Option<Accel>,
     /// The clones' disk size, MiB (`kiln start --disk-mib`); `None`: the image's. Smaller
     /// than the image's is refused ([`CloneError::DiskTooSmall`]).
@@ -334,7 +335,10 @@ fn parse_image_defaults(bytes: &[u8]) -> Result<ImageDefaults, CloneError> {
 ///
 /// Errors: [`CloneError::DiskTooSmall`] (naming both sizes) when `disk_mib` MiB is less than
 /// `image_bytes`.
-pub fn clone_disk_bytes(disk_mib: Option<u64>, image_bytes: u64) -> Result<Option<u64>, CloneError> {
+pub fn clone_disk_bytes(
+    disk_mib: Option<u64>,
+    image_bytes: u64,
+) -> Result<Option<u64>, CloneError> {
     let Some(mib) = disk_mib else {
         return Ok(None);
     };
@@ -454,6 +458,10 @@ async fn lock(path: &Path) -> Result<std::fs::File, CloneError> {
     .map_err(|e| CloneError::from(LaunchError::Host(e.to_string())))?
 }
 
+/// The accelerator probe's answer on this host, remembered beside the cached snapshots
+/// (`<cache>/accel.json`, [`launch::probe_accel_cached`]).
+pub const PROBE_CACHE: &str = "accel.json";
+
 /// Starts `opts.count` clones of the snapshot attached to `image_ref`, all or none: when one
 /// fails, those already started by this call are stopped before the error returns. See the
 /// module doc.
@@ -483,7 +491,17 @@ pub async fn start_clones_of(
     let cached = materialize(store, &digest, &snap, &opts.cache_dir, true).await?;
     let accel = match opts.accel {
         Some(a) => a,
-        None => launch::probe_accel(&host, &cached.kernel, &cached.initramfs, &cached.dir).await?,
+        None => {
+            launch::probe_accel_cached(
+                &host,
+                &cached.kernel,
+                &cached.initramfs,
+                &cached.dir,
+                &format!("{} {}", snap.kernel.digest, snap.initramfs.digest),
+                &opts.cache_dir.join(PROBE_CACHE),
+            )
+            .await?
+        }
     };
     let key = host_key(
         &host,
@@ -981,7 +999,10 @@ mod tests {
         // An image of a size that is not whole MiB: one MiB less than its rounded-up size
         // is too small.
         assert!(clone_disk_bytes(Some(64), image + 1).is_err());
-        assert_eq!(clone_disk_bytes(Some(65), image + 1).unwrap(), Some(65 << 20));
+        assert_eq!(
+            clone_disk_bytes(Some(65), image + 1).unwrap(),
+            Some(65 << 20)
+        );
         assert_eq!(
             clone_disk_bytes(Some(u64::MAX), image).unwrap(),
             Some(u64::MAX)
