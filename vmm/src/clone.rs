@@ -36,6 +36,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kiln_guest::protocol::{Message, Restore};
+use kiln_store::owner::ProcessId;
 use kiln_store::{Manifest, ManifestDigest, SnapshotManifest, Store, StoreError, TagRef};
 use serde::{Deserialize, Serialize};
 
@@ -224,11 +225,11 @@ pub struct CloneRecord {
 }
 
 impl CloneRecord {
-    /// Whether its QEMU process still runs (the pid exists and is a QEMU).
+    /// Whether its QEMU process still runs: the recorded pid is a QEMU whose command line
+    /// names the clone's directory (so a pid reused by another process, another clone's QEMU
+    /// too, is not taken for it).
     pub fn running(&self) -> bool {
-        std::fs::read(format!("/proc/{}/cmdline", self.pid))
-            .map(|c| String::from_utf8_lossy(&c).contains("qemu"))
-            .unwrap_or(false)
+        is_qemu_of(self.pid, &self.dir)
     }
 }
 
@@ -730,8 +731,9 @@ const STARTING: &str = "starting.json";
 struct Starting {
     /// QEMU's pid, `null` until QEMU runs.
     qemu: Option<u32>,
-    /// The starting process's pid.
-    starter: u32,
+    /// The starting process: pid and start time, so that a pid reused by another process
+    /// after the starter died does not keep the start alive ([`kiln_store::owner`]).
+    starter: ProcessId,
 }
 
 fn write_starting(dir: &Path, qemu: Option<u32>) -> Result<(), CloneError> {
@@ -739,7 +741,7 @@ fn write_starting(dir: &Path, qemu: Option<u32>) -> Result<(), CloneError> {
     let tmp = dir.join(format!("{STARTING}.tmp"));
     let s = Starting {
         qemu,
-        starter: std::process::id(),
+        starter: ProcessId::current(),
     };
     // Serializing two integers cannot fail.
     let bytes = serde_json::to_vec(&s).unwrap_or_default();
@@ -748,34 +750,32 @@ fn write_starting(dir: &Path, qemu: Option<u32>) -> Result<(), CloneError> {
     Ok(())
 }
 
-/// Whether process `pid` exists (`kill(pid, 0)`: ESRCH means it does not).
-fn alive(pid: u32) -> bool {
-    // SAFETY: kill(2) with signal 0 sends nothing; it only checks that the pid exists.
-    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+/// Whether process `pid` is a QEMU (qemu-system-*, qemu-img: its program's file name starts
+/// `qemu-`) whose command line names a path inside `dir`, from `/proc/<pid>/cmdline`
+/// (proc(5): the arguments, each ended by a NUL byte).
+fn is_qemu_of(pid: u32, dir: &Path) -> bool {
+    let Ok(c) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let mut prefix = dir.as_os_str().as_encoded_bytes().to_vec();
+    prefix.push(b'/');
+    let mut args = c.split(|b| *b == 0);
+    let is_qemu = args
+        .next()
+        .and_then(|a0| a0.rsplit(|b| *b == b'/').next())
+        .is_some_and(|name| name.starts_with(b"qemu-"));
+    is_qemu && args.any(|a| a.windows(prefix.len()).any(|w| w == prefix.as_slice()))
 }
 
-/// The pids of the QEMU processes (qemu-system-*, qemu-img) whose command line names a path
-/// inside `dir`, from `/proc/<pid>/cmdline` (proc(5)).
+/// The pids of the QEMU processes whose command line names a path inside `dir`
+/// ([`is_qemu_of`]).
 fn qemus_in(dir: &Path) -> Vec<u32> {
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
-    let mut prefix = dir.as_os_str().as_encoded_bytes().to_vec();
-    prefix.push(b'/');
     rd.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let Ok(c) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-                return false;
-            };
-            let mut args = c.split(|b| *b == 0);
-            let is_qemu = args
-                .next()
-                .and_then(|a0| a0.rsplit(|b| *b == b'/').next())
-                .is_some_and(|name| name.starts_with(b"qemu-"));
-            is_qemu && args.any(|a| a.windows(prefix.len()).any(|w| w == prefix.as_slice()))
-        })
+        .filter(|pid| is_qemu_of(*pid, dir))
         .collect()
 }
 
@@ -789,7 +789,7 @@ fn reap_abandoned(dir: &Path) -> bool {
     let Ok(s) = serde_json::from_slice::<Starting>(&bytes) else {
         return false;
     };
-    if alive(s.starter) || dir.join("clone.json").exists() {
+    if s.starter.is_alive() || dir.join("clone.json").exists() {
         return false;
     }
     for pid in qemus_in(dir) {
@@ -910,7 +910,10 @@ mod tests {
         assert!(!reap_abandoned(&ours));
         let dead = Starting {
             qemu: None,
-            starter: u32::MAX / 2,
+            starter: ProcessId {
+                pid: u32::MAX / 2,
+                start_ticks: 0,
+            },
         };
         std::fs::write(ours.join(STARTING), serde_json::to_vec(&dead).unwrap()).unwrap();
         assert!(reap_abandoned(&ours));
@@ -931,6 +934,76 @@ mod tests {
         let _ = not_qemu.kill();
         let _ = q_theirs.wait();
         let _ = not_qemu.wait();
+    }
+
+    /// A starter judged by its pid alone stays "alive" as long as any process has that pid:
+    /// the start of a `kiln start` that died and whose pid was reused was never reaped. The
+    /// starter is its pid and start time; here the pid is this test's own (alive) with
+    /// another start time, as a reused pid looks.
+    #[test]
+    fn a_recycled_starter_pid_does_not_keep_a_dead_start_alive() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("clones/ab");
+        std::fs::create_dir_all(&dir).unwrap();
+        let me = std::process::id();
+        let ticks = kiln_store::owner::start_ticks(me).unwrap();
+        let starting = |start_ticks: u64| {
+            serde_json::json!({"qemu": null, "starter": {"pid": me, "start_ticks": start_ticks}})
+                .to_string()
+        };
+        std::fs::write(dir.join(STARTING), starting(ticks)).unwrap();
+        assert!(!reap_abandoned(&dir), "its starter runs: kept");
+        std::fs::write(dir.join(STARTING), starting(ticks + 1)).unwrap();
+        assert!(reap_abandoned(&dir), "a reused pid is not the starter");
+        assert!(!dir.exists());
+    }
+
+    /// `running` is true only for a QEMU whose command line names the clone's directory: a
+    /// recorded pid now held by another clone's QEMU (or by anything whose command line merely
+    /// contains "qemu") is not the clone.
+    #[test]
+    fn running_means_a_qemu_of_this_clone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fake = tmp.path().join("qemu-system-x86_64");
+        std::fs::copy("/bin/sh", &fake).unwrap();
+        let ours = tmp.path().join("clones/aa");
+        let theirs = tmp.path().join("clones/aab");
+        let spawn = |program: &Path, arg: &Path| {
+            std::process::Command::new(program)
+                .args(["-c", "read x", "qemu"])
+                .arg(arg)
+                .stdin(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        let mut q_ours = spawn(&fake, &ours.join("qmp.sock"));
+        let mut q_theirs = spawn(&fake, &theirs.join("qmp.sock"));
+        let mut sh = spawn(Path::new("/bin/sh"), &ours.join("qemu"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while qemus_in(&ours).is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let rec = |pid: u32| CloneRecord {
+            id: "aa".into(),
+            pid,
+            image: "i:t".into(),
+            snapshot: String::new(),
+            machine_id: String::new(),
+            random: String::new(),
+            boot_id: String::new(),
+            started_unix: 0,
+            start_ms: 0,
+            dir: ours.clone(),
+            disk_bytes: 0,
+        };
+        assert!(rec(q_ours.id()).running());
+        assert!(!rec(q_theirs.id()).running(), "another clone's QEMU");
+        assert!(!rec(sh.id()).running(), "not a QEMU, though it says qemu");
+        assert!(!rec(u32::MAX / 2).running(), "no such process");
+        for c in [&mut q_ours, &mut q_theirs, &mut sh] {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 
     fn snap(memory_bytes: u64, table: u64, vcpus: u32) -> SnapshotManifest {
