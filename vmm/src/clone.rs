@@ -75,7 +75,7 @@ pub enum CloneError {
         /// Serial console tail.
         console: String,
     },
-    /// The guest answered something other than `restored`.
+    /// The guest answered something other than `restored` (an `error` with its message).
     #[error("clone {id}: the guest sent {got} instead of restored")]
     Unexpected {
         /// The clone.
@@ -676,7 +676,11 @@ async fn start_one(
             m => {
                 return Err(CloneError::Unexpected {
                     id: id.clone(),
-                    got: m.type_name().into(),
+                    // A restore the guest could not apply (a disk it could not grow) says why.
+                    got: match m {
+                        Message::Error(e) => format!("error ({})", e.message),
+                        m => m.type_name().into(),
+                    },
                 });
             }
         };
