@@ -3,7 +3,9 @@
 //! image variables: exit codes, a signal, stdout/stderr separation, stdin, large output,
 //! environment merging (image, `kiln start --env`, `--env`), user and workdir defaults,
 //! 125/126/127, two commands at once, detached and non-detached commands when the connection
-//! drops, and an OOM-killed command flagged. One boot and one clone for all of it.
+//! drops, and an OOM-killed command flagged; then a second clone of the same snapshot with a
+//! grown disk (`kiln start --disk-mib`), and a size below the image's refused. One boot for
+//! all of it.
 //! Needs what `ci/setup.sh` exports (`KILN_TEST_BUSYBOX_OCI`, the guest kernel).
 
 use std::io::Write;
@@ -452,6 +454,110 @@ fn vm_exec_in_one_clone() {
     assert_eq!(exit["oom"], true, "{exit}");
     // The shell reports its killed pipeline as 128 + SIGKILL.
     assert_eq!(o.status.code(), Some(137), "{}", show(&o));
+
+    // `kiln start --disk-mib`: a size below the image's (64 MiB) is refused before anything
+    // starts, naming both sizes, with exit 1 (invalid input, the README's table).
+    let clones = || {
+        std::fs::read_dir(d.join("state/clones"))
+            .expect("clones dir")
+            .count()
+    };
+    let before = clones();
+    let o = kiln(d, &["start", "bb:snap", "--disk-mib", "32"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("32 MiB") && err.contains("64 MiB") && err.contains("only grow"),
+        "{err}"
+    );
+    assert_eq!(clones(), before, "a refused start leaves no clone");
+    // A larger one: a second clone of the same snapshot whose root file system the guest
+    // grew online before `kiln start` returned. df shows the new size, the image's files are
+    // the same as in the first clone, and a file larger than the image's whole disk fits.
+    let o = kiln(d, &["--json", "start", "bb:snap", "--disk-mib", "256"]);
+    assert!(o.status.success(), "{}", show(&o));
+    let started: Value = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("json"))
+        .find(|v| v["event"] == "started")
+        .expect("started event");
+    assert_eq!(started["disk_bytes"], 256u64 << 20, "{started}");
+    let grown = started["id"].as_str().expect("id").to_string();
+    let (code, out, err) = exec(d, &grown, &["--", "df", "-k", "/"]);
+    assert_eq!(code, 0, "{err}");
+    let kib: u64 = out
+        .lines()
+        .nth(1)
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("df -k output: {out}"));
+    // The file system's own metadata (journal, inode tables) is not counted by df.
+    assert!(
+        (192 << 10..=256 << 10).contains(&kib),
+        "df -k / says {kib} KiB on a 256 MiB disk grown from 64 MiB:\n{out}"
+    );
+    let sums = "md5sum /bin/busybox /etc/passwd";
+    let (_, image_files, _) = exec(d, id, &["-u", "root", "--", "sh", "-c", sums]);
+    let (code, grown_files, _) = exec(d, &grown, &["-u", "root", "--", "sh", "-c", sums]);
+    assert_eq!(code, 0);
+    assert_eq!(grown_files, image_files, "the image's data is still there");
+    let (code, out, err) = exec(
+        d,
+        &grown,
+        &[
+            "-u",
+            "root",
+            "--",
+            "sh",
+            "-c",
+            "head -c 100000000 /dev/zero > /big && sync && wc -c < /big && rm /big",
+        ],
+    );
+    assert_eq!(
+        (code, out.trim()),
+        (0, "100000000"),
+        "a 100 MB file on the grown disk: {err}"
+    );
+    // The grown file system is sound: made read-only in the guest (which writes back
+    // everything, QEMU's qcow2 metadata too), then a raw copy of the clone's disk passes
+    // `e2fsck -fn` and holds 256 MiB of 4 KiB blocks.
+    let (code, _, err) = exec(
+        d,
+        &grown,
+        &["-u", "root", "--", "mount", "-o", "remount,ro", "/"],
+    );
+    assert_eq!(code, 0, "remount read-only: {err}");
+    let raw = d.join("grown.raw");
+    let o = Command::new("qemu-img")
+        .args(["convert", "-U", "-f", "qcow2", "-O", "raw"])
+        .arg(d.join("state/clones").join(&grown).join("disk.qcow2"))
+        .arg(&raw)
+        .output()
+        .expect("qemu-img");
+    assert!(o.status.success(), "{}", show(&o));
+    let o = Command::new("e2fsck")
+        .arg("-fn")
+        .arg(&raw)
+        .output()
+        .expect("e2fsck");
+    assert!(
+        o.status.success(),
+        "e2fsck -fn of the grown disk: {}",
+        show(&o)
+    );
+    let o = Command::new("dumpe2fs")
+        .arg("-h")
+        .arg(&raw)
+        .output()
+        .expect("dumpe2fs");
+    let header = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        header
+            .lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["Block", "count:", "65536"]),
+        "{header}"
+    );
+    std::fs::remove_file(&raw).expect("rm raw copy");
 
     assert!(kiln(d, &["stop", "--all"]).status.success());
 }

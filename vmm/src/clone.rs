@@ -3,7 +3,8 @@
 //! [`start_clones`]:
 //! 1. Resolve the image tag; its manifest's `snapshot` names the [`SnapshotManifest`].
 //! 2. Fetch kernel and initramfs (blobs, digest-checked) into the local snapshot cache
-//!    (`<cache>/<snapshot hex>/`), pick the accelerator, and compare this host's
+//!    (`<cache>/<snapshot hex>/`), pick the accelerator (probed once per host and remembered in
+//!    `<cache>/accel.json`: [`launch::probe_accel_cached`]), and compare this host's
 //!    [`CompatKey`] with the stored one: a mismatch is refused ([`CloneError::Compat`]) and
 //!    nothing is removed from the store.
 //! 3. Fetch the vmstate (digest-checked), then materialize the memory file and the disk (every
@@ -17,11 +18,25 @@
 //!    `restore` (32 fresh bytes from `/dev/urandom`, the time, the env, the image's OCI
 //!    config user and env for `exec`s: [`ImageDefaults`]); wait for `restored`.
 //!    QEMU is then left running on its own; `clone.json` records it for [`list`] / [`stop`].
+//!
+//! A larger disk ([`CloneOptions::disk_mib`], checked against the image's size before
+//! anything is fetched or started: [`clone_disk_bytes`]): the overlay is made at the image's
+//! size, so the clone restores with the capacity its saved device state was taken with, and
+//! after `cont` QMP `block_resize` grows it. QEMU reads virtio-blk's capacity from the drive
+//! whenever the guest reads the device's configuration, but Linux reads it only when the
+//! device is probed and on a configuration-change interrupt, so an overlay made larger
+//! before the restore would restore but stay invisible to the guest; `block_resize` grows
+//! the drive and raises that interrupt (QEMU `hw/block/virtio-blk.c`, its resize callback
+//! calls `virtio_notify_config`). The `restore` message then carries the new size and the
+//! guest init grows the root file system online before it answers (`fs_bytes` in
+//! `restored`); a snapshot whose init does not answer it is refused
+//! ([`CloneError::BadSnapshot`]).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kiln_guest::protocol::{Message, Restore};
+use kiln_store::owner::ProcessId;
 use kiln_store::{Manifest, ManifestDigest, SnapshotManifest, Store, StoreError, TagRef};
 use serde::{Deserialize, Serialize};
 
@@ -60,7 +75,7 @@ pub enum CloneError {
         /// Serial console tail.
         console: String,
     },
-    /// The guest answered something other than `restored`.
+    /// The guest answered something other than `restored` (an `error` with its message).
     #[error("clone {id}: the guest sent {got} instead of restored")]
     Unexpected {
         /// The clone.
@@ -76,6 +91,20 @@ pub enum CloneError {
         snapshot: String,
         /// What is wrong.
         reason: String,
+    },
+    /// `disk_mib` asks for a disk smaller than the image's (a clone's disk only grows).
+    #[error(
+        "a disk of {asked_mib} MiB ({asked_bytes} bytes) is smaller than the image's disk, {image_bytes} bytes ({image_mib} MiB): a clone's disk can only grow"
+    )]
+    DiskTooSmall {
+        /// What was asked, MiB.
+        asked_mib: u64,
+        /// The same in bytes (saturated at `u64::MAX`).
+        asked_bytes: u64,
+        /// The image's disk, bytes.
+        image_bytes: u64,
+        /// The same in MiB, rounded up.
+        image_mib: u64,
     },
     /// The image's OCI config is too large or not JSON.
     #[error("the image's OCI config: {0}")]
@@ -118,8 +147,11 @@ pub struct CloneOptions {
     pub cache_dir: PathBuf,
     /// QEMU start → `restored`, per clone (default 60 s).
     pub restore_timeout: Duration,
-    /// Accelerator; `None`: [`launch::probe_accel`].
+    /// Accelerator; `None`: [`launch::probe_accel_cached`].
     pub accel: Option<Accel>,
+    /// The clones' disk size, MiB (`kiln start --disk-mib`); `None`: the image's. Smaller
+    /// than the image's is refused ([`CloneError::DiskTooSmall`]).
+    pub disk_mib: Option<u64>,
 }
 
 impl CloneOptions {
@@ -132,6 +164,7 @@ impl CloneOptions {
             cache_dir,
             restore_timeout: Duration::from_secs(60),
             accel: None,
+            disk_mib: None,
         }
     }
 }
@@ -185,14 +218,18 @@ pub struct CloneRecord {
     pub start_ms: u64,
     /// The clone's directory (QMP socket, overlay, console log).
     pub dir: PathBuf,
+    /// The clone's disk size, bytes (the image's unless grown with
+    /// [`CloneOptions::disk_mib`]); 0 in records written before this field existed.
+    #[serde(default)]
+    pub disk_bytes: u64,
 }
 
 impl CloneRecord {
-    /// Whether its QEMU process still runs (the pid exists and is a QEMU).
+    /// Whether its QEMU process still runs: the recorded pid is a QEMU whose command line
+    /// names the clone's directory (so a pid reused by another process, another clone's QEMU
+    /// too, is not taken for it).
     pub fn running(&self) -> bool {
-        std::fs::read(format!("/proc/{}/cmdline", self.pid))
-            .map(|c| String::from_utf8_lossy(&c).contains("qemu"))
-            .unwrap_or(false)
+        is_qemu_of(self.pid, &self.dir)
     }
 }
 
@@ -291,6 +328,31 @@ fn parse_image_defaults(bytes: &[u8]) -> Result<ImageDefaults, CloneError> {
             .unwrap_or_else(|| "0".into()),
         env: c.env.unwrap_or_default(),
     })
+}
+
+/// The disk size of a clone of an image whose disk is `image_bytes`, when `disk_mib` asks
+/// for one: `Some(bytes)` to grow to, `None` when nothing is to grow (not asked, or the
+/// image's size exactly).
+///
+/// Errors: [`CloneError::DiskTooSmall`] (naming both sizes) when `disk_mib` MiB is less than
+/// `image_bytes`.
+pub fn clone_disk_bytes(
+    disk_mib: Option<u64>,
+    image_bytes: u64,
+) -> Result<Option<u64>, CloneError> {
+    let Some(mib) = disk_mib else {
+        return Ok(None);
+    };
+    let bytes = mib.saturating_mul(1 << 20);
+    if bytes < image_bytes {
+        return Err(CloneError::DiskTooSmall {
+            asked_mib: mib,
+            asked_bytes: bytes,
+            image_bytes,
+            image_mib: image_bytes.div_ceil(1 << 20),
+        });
+    }
+    Ok((bytes > image_bytes).then_some(bytes))
 }
 
 /// Largest guest RAM a snapshot may ask for, bytes (256 GiB).
@@ -397,6 +459,10 @@ async fn lock(path: &Path) -> Result<std::fs::File, CloneError> {
     .map_err(|e| CloneError::from(LaunchError::Host(e.to_string())))?
 }
 
+/// The accelerator probe's answer on this host, remembered beside the cached snapshots
+/// (`<cache>/accel.json`, [`launch::probe_accel_cached`]).
+pub const PROBE_CACHE: &str = "accel.json";
+
 /// Starts `opts.count` clones of the snapshot attached to `image_ref`, all or none: when one
 /// fails, those already started by this call are stopped before the error returns. See the
 /// module doc.
@@ -420,11 +486,23 @@ pub async fn start_clones_of(
 ) -> Result<Vec<CloneRecord>, CloneError> {
     let image_ref = name;
     let (digest, snap) = snapshot_of(store, image, image_ref).await?;
+    // Refused before anything is fetched or started.
+    let grow = clone_disk_bytes(opts.disk_mib, snap.disk.size)?;
     let host = Host::detect().await?;
     let cached = materialize(store, &digest, &snap, &opts.cache_dir, true).await?;
     let accel = match opts.accel {
         Some(a) => a,
-        None => launch::probe_accel(&host, &cached.kernel, &cached.initramfs, &cached.dir).await?,
+        None => {
+            launch::probe_accel_cached(
+                &host,
+                &cached.kernel,
+                &cached.initramfs,
+                &cached.dir,
+                &format!("{} {}", snap.kernel.digest, snap.initramfs.digest),
+                &opts.cache_dir.join(PROBE_CACHE),
+            )
+            .await?
+        }
     };
     let key = host_key(
         &host,
@@ -455,6 +533,7 @@ pub async fn start_clones_of(
             &clones_dir,
             opts,
             defaults.as_ref(),
+            grow,
         )
         .await
         {
@@ -494,6 +573,7 @@ async fn start_one(
     clones_dir: &Path,
     opts: &CloneOptions,
     defaults: Option<&ImageDefaults>,
+    grow: Option<u64>,
 ) -> Result<CloneRecord, CloneError> {
     let id = hex::encode(random_bytes(8)?);
     let dir = clones_dir.join(&id);
@@ -547,6 +627,15 @@ async fn start_one(
             .await?;
         vm.qmp.wait_migration(opts.restore_timeout).await?;
         vm.qmp.execute("cont", None).await?;
+        if let Some(size) = grow {
+            // Grows the overlay and tells the guest (see the module doc).
+            vm.qmp
+                .execute(
+                    "block_resize",
+                    Some(serde_json::json!({"device": launch::DRIVE_ID, "size": size})),
+                )
+                .await?;
+        }
         let guest_err = |what: &str, source: ChannelError| CloneError::Guest {
             id: id.clone(),
             what: what.to_string(),
@@ -563,6 +652,7 @@ async fn start_one(
         ch.send(&Message::Restore(Restore {
             image_user: defaults.map(|d| d.user.clone()),
             image_env: defaults.map(|d| d.env.clone()),
+            disk_bytes: grow,
             ..Restore::new(&random_bytes(32)?, now_ns, opts.env.clone())
         }))
         .await
@@ -573,11 +663,24 @@ async fn start_one(
             .await
             .map_err(|e| guest_err("waiting for restored", e))?
         {
+            Message::Restored(r) if grow.is_some() && r.fs_bytes.is_none() => {
+                return Err(CloneError::BadSnapshot {
+                    snapshot: digest.to_string(),
+                    reason: "its guest init does not grow the root file system (it answered \
+                             restore without fs_bytes); a larger disk needs a snapshot made by \
+                             this kiln"
+                        .into(),
+                });
+            }
             Message::Restored(r) => r,
             m => {
                 return Err(CloneError::Unexpected {
                     id: id.clone(),
-                    got: m.type_name().into(),
+                    // A restore the guest could not apply (a disk it could not grow) says why.
+                    got: match m {
+                        Message::Error(e) => format!("error ({})", e.message),
+                        m => m.type_name().into(),
+                    },
                 });
             }
         };
@@ -603,6 +706,7 @@ async fn start_one(
         started_unix,
         start_ms: t0.elapsed().as_millis() as u64,
         dir: dir.clone(),
+        disk_bytes: grow.unwrap_or(snap.disk.size),
     };
     let path = dir.join("clone.json");
     std::fs::write(
@@ -631,8 +735,9 @@ const STARTING: &str = "starting.json";
 struct Starting {
     /// QEMU's pid, `null` until QEMU runs.
     qemu: Option<u32>,
-    /// The starting process's pid.
-    starter: u32,
+    /// The starting process: pid and start time, so that a pid reused by another process
+    /// after the starter died does not keep the start alive ([`kiln_store::owner`]).
+    starter: ProcessId,
 }
 
 fn write_starting(dir: &Path, qemu: Option<u32>) -> Result<(), CloneError> {
@@ -640,7 +745,7 @@ fn write_starting(dir: &Path, qemu: Option<u32>) -> Result<(), CloneError> {
     let tmp = dir.join(format!("{STARTING}.tmp"));
     let s = Starting {
         qemu,
-        starter: std::process::id(),
+        starter: ProcessId::current(),
     };
     // Serializing two integers cannot fail.
     let bytes = serde_json::to_vec(&s).unwrap_or_default();
@@ -649,34 +754,32 @@ fn write_starting(dir: &Path, qemu: Option<u32>) -> Result<(), CloneError> {
     Ok(())
 }
 
-/// Whether process `pid` exists (`kill(pid, 0)`: ESRCH means it does not).
-fn alive(pid: u32) -> bool {
-    // SAFETY: kill(2) with signal 0 sends nothing; it only checks that the pid exists.
-    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+/// Whether process `pid` is a QEMU (qemu-system-*, qemu-img: its program's file name starts
+/// `qemu-`) whose command line names a path inside `dir`, from `/proc/<pid>/cmdline`
+/// (proc(5): the arguments, each ended by a NUL byte).
+fn is_qemu_of(pid: u32, dir: &Path) -> bool {
+    let Ok(c) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let mut prefix = dir.as_os_str().as_encoded_bytes().to_vec();
+    prefix.push(b'/');
+    let mut args = c.split(|b| *b == 0);
+    let is_qemu = args
+        .next()
+        .and_then(|a0| a0.rsplit(|b| *b == b'/').next())
+        .is_some_and(|name| name.starts_with(b"qemu-"));
+    is_qemu && args.any(|a| a.windows(prefix.len()).any(|w| w == prefix.as_slice()))
 }
 
-/// The pids of the QEMU processes (qemu-system-*, qemu-img) whose command line names a path
-/// inside `dir`, from `/proc/<pid>/cmdline` (proc(5)).
+/// The pids of the QEMU processes whose command line names a path inside `dir`
+/// ([`is_qemu_of`]).
 fn qemus_in(dir: &Path) -> Vec<u32> {
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
-    let mut prefix = dir.as_os_str().as_encoded_bytes().to_vec();
-    prefix.push(b'/');
     rd.flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let Ok(c) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-                return false;
-            };
-            let mut args = c.split(|b| *b == 0);
-            let is_qemu = args
-                .next()
-                .and_then(|a0| a0.rsplit(|b| *b == b'/').next())
-                .is_some_and(|name| name.starts_with(b"qemu-"));
-            is_qemu && args.any(|a| a.windows(prefix.len()).any(|w| w == prefix.as_slice()))
-        })
+        .filter(|pid| is_qemu_of(*pid, dir))
         .collect()
 }
 
@@ -690,7 +793,7 @@ fn reap_abandoned(dir: &Path) -> bool {
     let Ok(s) = serde_json::from_slice::<Starting>(&bytes) else {
         return false;
     };
-    if alive(s.starter) || dir.join("clone.json").exists() {
+    if s.starter.is_alive() || dir.join("clone.json").exists() {
         return false;
     }
     for pid in qemus_in(dir) {
@@ -811,7 +914,10 @@ mod tests {
         assert!(!reap_abandoned(&ours));
         let dead = Starting {
             qemu: None,
-            starter: u32::MAX / 2,
+            starter: ProcessId {
+                pid: u32::MAX / 2,
+                start_ticks: 0,
+            },
         };
         std::fs::write(ours.join(STARTING), serde_json::to_vec(&dead).unwrap()).unwrap();
         assert!(reap_abandoned(&ours));
@@ -832,6 +938,76 @@ mod tests {
         let _ = not_qemu.kill();
         let _ = q_theirs.wait();
         let _ = not_qemu.wait();
+    }
+
+    /// A starter judged by its pid alone stays "alive" as long as any process has that pid:
+    /// the start of a `kiln start` that died and whose pid was reused was never reaped. The
+    /// starter is its pid and start time; here the pid is this test's own (alive) with
+    /// another start time, as a reused pid looks.
+    #[test]
+    fn a_recycled_starter_pid_does_not_keep_a_dead_start_alive() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("clones/ab");
+        std::fs::create_dir_all(&dir).unwrap();
+        let me = std::process::id();
+        let ticks = kiln_store::owner::start_ticks(me).unwrap();
+        let starting = |start_ticks: u64| {
+            serde_json::json!({"qemu": null, "starter": {"pid": me, "start_ticks": start_ticks}})
+                .to_string()
+        };
+        std::fs::write(dir.join(STARTING), starting(ticks)).unwrap();
+        assert!(!reap_abandoned(&dir), "its starter runs: kept");
+        std::fs::write(dir.join(STARTING), starting(ticks + 1)).unwrap();
+        assert!(reap_abandoned(&dir), "a reused pid is not the starter");
+        assert!(!dir.exists());
+    }
+
+    /// `running` is true only for a QEMU whose command line names the clone's directory: a
+    /// recorded pid now held by another clone's QEMU (or by anything whose command line merely
+    /// contains "qemu") is not the clone.
+    #[test]
+    fn running_means_a_qemu_of_this_clone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fake = tmp.path().join("qemu-system-x86_64");
+        std::fs::copy("/bin/sh", &fake).unwrap();
+        let ours = tmp.path().join("clones/aa");
+        let theirs = tmp.path().join("clones/aab");
+        let spawn = |program: &Path, arg: &Path| {
+            std::process::Command::new(program)
+                .args(["-c", "read x", "qemu"])
+                .arg(arg)
+                .stdin(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        let mut q_ours = spawn(&fake, &ours.join("qmp.sock"));
+        let mut q_theirs = spawn(&fake, &theirs.join("qmp.sock"));
+        let mut sh = spawn(Path::new("/bin/sh"), &ours.join("qemu"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while qemus_in(&ours).is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let rec = |pid: u32| CloneRecord {
+            id: "aa".into(),
+            pid,
+            image: "i:t".into(),
+            snapshot: String::new(),
+            machine_id: String::new(),
+            random: String::new(),
+            boot_id: String::new(),
+            started_unix: 0,
+            start_ms: 0,
+            dir: ours.clone(),
+            disk_bytes: 0,
+        };
+        assert!(rec(q_ours.id()).running());
+        assert!(!rec(q_theirs.id()).running(), "another clone's QEMU");
+        assert!(!rec(sh.id()).running(), "not a QEMU, though it says qemu");
+        assert!(!rec(u32::MAX / 2).running(), "no such process");
+        for c in [&mut q_ours, &mut q_theirs, &mut sh] {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 
     fn snap(memory_bytes: u64, table: u64, vcpus: u32) -> SnapshotManifest {
@@ -883,6 +1059,31 @@ mod tests {
                 Err(CloneError::BadConfig(_))
             ));
         }
+    }
+
+    #[test]
+    fn disk_below_the_image_is_refused_naming_both_sizes() {
+        let image = 64 << 20;
+        assert_eq!(clone_disk_bytes(None, image).unwrap(), None);
+        assert_eq!(clone_disk_bytes(Some(64), image).unwrap(), None);
+        assert_eq!(clone_disk_bytes(Some(256), image).unwrap(), Some(256 << 20));
+        let e = clone_disk_bytes(Some(32), image).unwrap_err();
+        assert!(matches!(e, CloneError::DiskTooSmall { .. }), "{e}");
+        let msg = e.to_string();
+        for want in ["32 MiB", "33554432 bytes", "67108864 bytes", "64 MiB"] {
+            assert!(msg.contains(want), "{want} not in {msg}");
+        }
+        // An image of a size that is not whole MiB: one MiB less than its rounded-up size
+        // is too small.
+        assert!(clone_disk_bytes(Some(64), image + 1).is_err());
+        assert_eq!(
+            clone_disk_bytes(Some(65), image + 1).unwrap(),
+            Some(65 << 20)
+        );
+        assert_eq!(
+            clone_disk_bytes(Some(u64::MAX), image).unwrap(),
+            Some(u64::MAX)
+        );
     }
 
     #[test]

@@ -23,7 +23,8 @@ pub async fn run(out: &Out, _a: Args) -> CmdResult {
         out.event(
             "clone",
             json!({"id": c.id, "pid": c.pid, "state": state, "image": c.image,
-                   "snapshot": c.snapshot, "machine_id": c.machine_id, "started_unix": c.started_unix}),
+                   "snapshot": c.snapshot, "machine_id": c.machine_id, "started_unix": c.started_unix,
+                   "disk_bytes": c.disk_bytes}),
             || format!("{:<16}  {:>8}  {:<8}  {:<32}  {}", c.id, c.pid, state, c.machine_id, c.image),
         );
     }

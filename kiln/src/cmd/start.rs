@@ -1,5 +1,6 @@
-//! `kiln start NAME:TAG [--count N] [--env K=V]...`: start clones of an image's snapshot on
-//! this host (refused when this host's compatibility key differs from the snapshot's).
+//! `kiln start NAME:TAG [--count N] [--env K=V]... [--disk-mib N]`: start clones of an
+//! image's snapshot on this host (refused when this host's compatibility key differs from the
+//! snapshot's, or when `--disk-mib` is below the image's disk size).
 
 use kiln_store::TagRef;
 use kiln_vmm::clone::{CloneOptions, default_cache_dir, default_state_dir, start_clones};
@@ -18,6 +19,10 @@ pub struct Args {
     /// `KEY=value` for the clones' processes started after the restore (repeatable).
     #[arg(long = "env", value_name = "K=V")]
     env: Vec<String>,
+    /// The clones' disk size in MiB, at least the image's: the disk is grown and the guest
+    /// grows its root file system online before the clone is reported started.
+    #[arg(long, value_name = "MIB")]
+    disk_mib: Option<u64>,
     /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`, else
     /// `~/.local/share/kiln/store`.
     #[arg(long, value_name = "URL")]
@@ -37,6 +42,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     let mut opts = CloneOptions::new(default_state_dir(), default_cache_dir());
     opts.count = a.count;
     opts.env = a.env;
+    opts.disk_mib = a.disk_mib;
     for c in start_clones(&store, &a.image, &opts).await? {
         out.event(
             "started",

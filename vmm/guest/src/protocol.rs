@@ -354,6 +354,12 @@ pub struct Restore {
     /// `None` (an image without a config): the start command's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_env: Option<Vec<String>>,
+    /// The size the host grew the root disk to, bytes (`kiln start --disk-mib`): the guest
+    /// waits until its root block device is at least this large, then grows the root file
+    /// system online to the device's size before it answers. `None`: the disk keeps the
+    /// image's size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_bytes: Option<u64>,
 }
 
 impl Restore {
@@ -365,6 +371,7 @@ impl Restore {
             env,
             image_user: None,
             image_env: None,
+            disk_bytes: None,
         }
     }
 
@@ -408,6 +415,11 @@ pub struct Restored {
     pub random: String,
     /// The kernel's boot ID (`/proc/sys/kernel/random/boot_id`); clones of one snapshot share it.
     pub boot_id: String,
+    /// When the restore asked for a grown disk ([`Restore::disk_bytes`]): the root file
+    /// system's size after growing it, bytes (statfs(2) `f_blocks × f_bsize`). `None` when no
+    /// grow was asked, or from an init that cannot grow disks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fs_bytes: Option<u64>,
 }
 
 /// `ping` and `pong`.
@@ -957,10 +969,21 @@ mod tests {
                 image_env: Some(vec!["PATH=/workspace/.local/bin:/bin".into()]),
                 ..Restore::new(&[7u8; 32], 0, vec!["A=1".into()])
             }),
+            Message::Restore(Restore {
+                disk_bytes: Some(256 << 20),
+                ..Restore::new(&[7u8; 32], 0, vec![])
+            }),
             Message::Restored(Restored {
                 machine_id: "0".repeat(32),
                 random: "ab".repeat(16),
                 boot_id: "b".into(),
+                fs_bytes: None,
+            }),
+            Message::Restored(Restored {
+                machine_id: "0".repeat(32),
+                random: "ab".repeat(16),
+                boot_id: "b".into(),
+                fs_bytes: Some(268_435_456),
             }),
             Message::Ping(Ping { nonce: 9 }),
             Message::Pong(Ping { nonce: 9 }),

@@ -5,6 +5,7 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::sys;
@@ -92,6 +93,14 @@ pub fn load_modules() -> Result<usize, BootError> {
     Ok(n)
 }
 
+/// The root block device mounted as `/` ([`BootOptions::root`]), once [`switch_root`] has
+/// mounted it; `/dev/vda` before.
+pub fn root_device() -> &'static str {
+    ROOT_DEVICE.get().map_or("/dev/vda", String::as_str)
+}
+
+static ROOT_DEVICE: OnceLock<String> = OnceLock::new();
+
 /// Wait for `path` to exist, polling every 10 ms up to `limit`.
 pub fn wait_for(path: &Path, limit: Duration) -> bool {
     let start = Instant::now();
@@ -111,6 +120,7 @@ pub fn switch_root(opts: &BootOptions) -> Result<(), BootError> {
         return Err(BootError::NoRoot(opts.root.clone()));
     }
     mount_at(&opts.root, NEW_ROOT, &opts.fstype, 0, "")?;
+    let _ = ROOT_DEVICE.set(opts.root.clone());
     for dir in ["dev", "proc", "sys"] {
         let old = Path::new("/").join(dir);
         let new = Path::new(NEW_ROOT).join(dir);

@@ -7,12 +7,14 @@
 //! move /proc, /sys, /dev into it and make it `/` (MS_MOVE + chroot, staying PID 1); mount
 //! /dev/pts, /dev/shm, /run, /tmp; set the hostname `runtime-guest`; bring `lo` up; write a machine ID if the
 //! image's is empty; open the virtio-serial port `org.kiln.guest.0` and speak
-//! [`kiln_guest::protocol`] with the host (`exec`: see [`exec`]). Reaps every zombie. Logs to the console (ttyS0).
+//! [`kiln_guest::protocol`] with the host (`exec`: see [`exec`]; a `restore` asking for a
+//! larger disk grows the root file system online: see [`grow`]). Reaps every zombie. Logs to the console (ttyS0).
 //!
 //! PID 1 must never exit (the kernel panics): a fatal error is logged and the VM powered off.
 
 mod boot;
 mod exec;
+mod grow;
 mod proc;
 mod serve;
 mod sys;

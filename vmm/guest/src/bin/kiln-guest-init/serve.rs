@@ -447,6 +447,9 @@ pub enum RestoreError {
     /// a step failed
     #[error("{0}: {1}")]
     Step(&'static str, io::Error),
+    /// growing the root file system failed
+    #[error("growing the root file system: {0}")]
+    Grow(#[from] crate::grow::GrowError),
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -547,6 +550,10 @@ fn restore(r: &Restore) -> Result<Restored, RestoreError> {
     let machine_id = new_machine_id().map_err(|e| RestoreError::Step("getrandom", e))?;
     write_machine_id(&machine_id).map_err(|e| RestoreError::Step("writing /etc/machine-id", e))?;
     start_ssh_host_keys();
+    let fs_bytes = match r.disk_bytes {
+        Some(want) => Some(crate::grow::grow_root(crate::boot::root_device(), want)?),
+        None => None,
+    };
     let mut random = [0u8; 16];
     sys::getrandom(&mut random).map_err(|e| RestoreError::Step("getrandom", e))?;
     let boot_id = fs::read_to_string("/proc/sys/kernel/random/boot_id")
@@ -558,6 +565,7 @@ fn restore(r: &Restore) -> Result<Restored, RestoreError> {
         machine_id,
         random: hex(&random),
         boot_id,
+        fs_bytes,
     })
 }
 
