@@ -68,7 +68,8 @@ pub fn tar_tree(tar_bytes: &[u8]) -> BTreeMap<String, Obj> {
         }
         let kind = match ty {
             T::Directory => 'd',
-            T::Regular => 'f',
+            // The tar crate reads an old GNU sparse entry's data with its holes as zeros.
+            T::Regular | T::GNUSparse => 'f',
             T::Symlink => 'l',
             T::Char => 'c',
             T::Block => 'b',
@@ -100,6 +101,82 @@ pub fn tar_tree(tar_bytes: &[u8]) -> BTreeMap<String, Obj> {
             out.insert(path.clone(), obj).is_none(),
             "{path} twice in the flattened tar"
         );
+    }
+    out
+}
+
+/// Reads the directory tree under `root` (not `root` itself) into path → object, as
+/// [`tar_tree`] reads a flattened tar: lstat for kind, mode, owner and mtime, the content's
+/// sha256, symlink targets, and every xattr (llistxattr/lgetxattr). Hard links are not told
+/// apart: each path gets its inode's object, as `tar_tree` gives a link its target's.
+pub fn dir_tree(root: &Path) -> BTreeMap<String, Obj> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let mut out = BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for ent in std::fs::read_dir(&dir).expect("read_dir") {
+            let p = ent.expect("dir entry").path();
+            let md = std::fs::symlink_metadata(&p).expect("lstat");
+            let ft = md.file_type();
+            let kind = if ft.is_dir() {
+                stack.push(p.clone());
+                'd'
+            } else if ft.is_file() {
+                'f'
+            } else if ft.is_symlink() {
+                'l'
+            } else if ft.is_char_device() {
+                'c'
+            } else if ft.is_block_device() {
+                'b'
+            } else if ft.is_fifo() {
+                'p'
+            } else {
+                panic!("{}: unexpected file type", p.display())
+            };
+            let mut names = vec![0u8; 1 << 16];
+            let n = rustix::fs::llistxattr(&p, &mut names[..]).expect("llistxattr");
+            let mut xattrs = BTreeMap::new();
+            for name in names[..n].split(|b| *b == 0).filter(|n| !n.is_empty()) {
+                let mut value = vec![0u8; 1 << 16];
+                let len = rustix::fs::lgetxattr(&p, name, &mut value[..]).expect("lgetxattr");
+                value.truncate(len);
+                xattrs.insert(String::from_utf8_lossy(name).into_owned(), value);
+            }
+            let data = if kind == 'f' {
+                std::fs::read(&p).expect("read")
+            } else {
+                Vec::new()
+            };
+            let rel = p.strip_prefix(root).expect("under the root");
+            out.insert(
+                String::from_utf8_lossy(rel.as_os_str().as_bytes()).into_owned(),
+                Obj {
+                    kind,
+                    mode: md.mode() & 0o7777,
+                    uid: md.uid(),
+                    gid: md.gid(),
+                    mtime: md.mtime() as u64,
+                    size: if kind == 'f' { md.len() } else { 0 },
+                    hash: if kind == 'f' {
+                        hex::encode(Sha256::digest(&data))
+                    } else {
+                        String::new()
+                    },
+                    link: if kind == 'l' {
+                        std::fs::read_link(&p)
+                            .expect("readlink")
+                            .as_os_str()
+                            .as_bytes()
+                            .to_vec()
+                    } else {
+                        Vec::new()
+                    },
+                    xattrs,
+                },
+            );
+        }
     }
     out
 }
