@@ -252,6 +252,15 @@ impl LeasedCache {
     fn obj(digest: &str) -> Result<kiln_store::ObjectRef, CacheError> {
         Ok(kiln_store::ObjectRef::Blob(blob_digest(digest)?))
     }
+
+    /// Leases `digest` before it is written. A lease on a store that is not a local
+    /// directory protects nothing here (that store's GC never touches this cache's files).
+    fn before_write(&self, digest: &str) -> Result<(), CacheError> {
+        if self.lease.is_local() {
+            self.lease.add_blocking([Self::obj(digest)?])?;
+        }
+        Ok(())
+    }
 }
 
 impl BlobCache for LeasedCache {
@@ -270,12 +279,12 @@ impl BlobCache for LeasedCache {
     }
 
     fn commit(&self, staged: &Path, digest: &str) -> Result<PathBuf, CacheError> {
-        self.lease.add_blocking([Self::obj(digest)?])?;
+        self.before_write(digest)?;
         self.inner.commit(staged, digest)
     }
 
     fn put_bytes(&self, digest: &str, bytes: &[u8]) -> Result<(), CacheError> {
-        self.lease.add_blocking([Self::obj(digest)?])?;
+        self.before_write(digest)?;
         self.inner.put_bytes(digest, bytes)
     }
 

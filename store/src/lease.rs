@@ -197,6 +197,11 @@ impl Lease {
         Ok(())
     }
 
+    /// Whether the lease is on a local store directory (where [`Lease::add_blocking`] works).
+    pub fn is_local(&self) -> bool {
+        self.store.local_root().is_some()
+    }
+
     /// [`Lease::add`] from blocking code, for a local store (the builder's blob cache is that
     /// store's directory). Errors: the store is not a local directory, or the write failed.
     pub fn add_blocking(
@@ -243,6 +248,9 @@ impl Lease {
     /// look-up: leases `objs` ([`Lease::add_blocking`]), then runs `look` under the sweep
     /// lock (shared) and returns what it returns. For a store that is not a local directory
     /// (whose GC never touches this machine's files) `look` runs without either.
+    ///
+    /// It blocks the calling thread while a GC of the store sweeps; a process that runs GC
+    /// itself must not call it from every worker of the runtime that GC needs.
     pub fn hold_blocking<T>(
         &self,
         objs: impl IntoIterator<Item = ObjectRef>,
