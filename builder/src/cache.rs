@@ -16,6 +16,7 @@
 use std::fs;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use kiln_store::{BlobDigest, LocalBlobs, Manifest, OciRef, TagRef};
 use sha2::{Digest as _, Sha256};
@@ -226,6 +227,77 @@ impl BlobCache for LocalCache {
             Manifest::Image(i) => Ok(i.oci_manifest.map(|b| b.digest.to_string())),
             Manifest::Snapshot(_) => Ok(None),
         }
+    }
+}
+
+/// A [`BlobCache`] whose every blob is put under a store lease: a blob before it is written
+/// ([`BlobCache::commit`], [`BlobCache::put_bytes`]), and a blob found before it is looked up
+/// ([`BlobCache::blob_path`], which the look-ups of base layers, cache-hit layers and
+/// configs go through), with the look-up under the store's sweep lock
+/// ([`kiln_store::lease::Lease::hold_blocking`]). So GC, with any grace period, keeps every
+/// blob a build relies on until the lease is released (after its tag is published). The
+/// lease must be on the store whose directory `inner` is. A look-up may wait while a GC of
+/// that store sweeps.
+pub struct LeasedCache {
+    inner: Arc<dyn BlobCache>,
+    lease: Arc<kiln_store::lease::Lease>,
+}
+
+impl LeasedCache {
+    /// `inner` with every blob it writes or finds added to `lease`.
+    pub fn new(inner: Arc<dyn BlobCache>, lease: Arc<kiln_store::lease::Lease>) -> Self {
+        LeasedCache { inner, lease }
+    }
+
+    fn obj(digest: &str) -> Result<kiln_store::ObjectRef, CacheError> {
+        Ok(kiln_store::ObjectRef::Blob(blob_digest(digest)?))
+    }
+
+    /// Leases `digest` before it is written. A lease on a store that is not a local
+    /// directory protects nothing here (that store's GC never touches this cache's files).
+    fn before_write(&self, digest: &str) -> Result<(), CacheError> {
+        if self.lease.is_local() {
+            self.lease.add_blocking([Self::obj(digest)?])?;
+        }
+        Ok(())
+    }
+}
+
+impl BlobCache for LeasedCache {
+    fn blob_path(&self, digest: &str) -> Result<Option<PathBuf>, CacheError> {
+        let obj = Self::obj(digest)?;
+        self.lease
+            .hold_blocking([obj], || self.inner.blob_path(digest))?
+    }
+
+    fn ingest_path(&self, digest: &str) -> Result<PathBuf, CacheError> {
+        self.inner.ingest_path(digest)
+    }
+
+    fn scratch_path(&self, label: &str) -> PathBuf {
+        self.inner.scratch_path(label)
+    }
+
+    fn commit(&self, staged: &Path, digest: &str) -> Result<PathBuf, CacheError> {
+        self.before_write(digest)?;
+        self.inner.commit(staged, digest)
+    }
+
+    fn put_bytes(&self, digest: &str, bytes: &[u8]) -> Result<(), CacheError> {
+        self.before_write(digest)?;
+        self.inner.put_bytes(digest, bytes)
+    }
+
+    fn get_ref(&self, name: &str) -> Result<Option<String>, CacheError> {
+        self.inner.get_ref(name)
+    }
+
+    fn set_ref(&self, name: &str, digest: &str) -> Result<(), CacheError> {
+        self.inner.set_ref(name, digest)
+    }
+
+    fn store_tag(&self, tag: &str) -> Result<Option<String>, CacheError> {
+        self.inner.store_tag(tag)
     }
 }
 

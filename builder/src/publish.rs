@@ -76,8 +76,9 @@ pub struct PublishOptions {
     /// ([`Store::put_artifact`]'s events); [`kiln_store::progress::TransferStats`] adds them
     /// up into new and reused chunks.
     pub progress: Option<ProgressFn>,
-    /// A lease (the build's) that records every ext4 chunk as it is stored or found, so GC
-    /// keeps them until the manifest names them.
+    /// A lease (the build's) that records every ext4 chunk, blob and the image manifest
+    /// before each is stored or looked up, so GC keeps them until a tag names them
+    /// ([`kiln_store::gc`]).
     pub lease: Option<Arc<Lease>>,
 }
 
@@ -258,7 +259,23 @@ async fn publish_with(
             },
         )
         .await?;
-    // 2. blobs
+    // 2. blobs (leased before they are put: for another store than the cache's they are
+    // written there)
+    if let Some(lease) = &opts.lease {
+        let mut objs = Vec::new();
+        for d in [&image.oci_manifest, &image.config]
+            .into_iter()
+            .chain(&image.layers)
+        {
+            objs.push(kiln_store::ObjectRef::Blob(d.digest.parse().map_err(
+                |_| PublishError::BadBlob {
+                    digest: d.digest.clone(),
+                    reason: "not a sha256 digest".into(),
+                },
+            )?));
+        }
+        lease.add(objs).await?;
+    }
     let oci_manifest = put_blob(store, cache, &image.oci_manifest).await?;
     let oci_config = put_blob(store, cache, &image.config).await?;
     let mut blobs = Vec::with_capacity(image.layers.len());
@@ -274,7 +291,12 @@ async fn publish_with(
     m.provenance = image.provenance.clone();
     m.filesystem = Some(built.filesystem);
     m.sandbox = sandbox_spec(&image.sandbox);
-    let raw = store.put_manifest(&Manifest::Image(m)).await?;
+    let m = Manifest::Image(m);
+    let raw = match &opts.lease {
+        // Leased before it is written, so GC keeps it until a tag names it.
+        Some(lease) => lease.put_manifest(&m).await?,
+        None => store.put_manifest(&m).await?,
+    };
     // 4. tags
     for t in tags {
         if store.get_tag(t).await?.map(|r| r.manifest) == Some(raw.digest) {

@@ -28,7 +28,11 @@ pub mod request;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// Expiry of a build's lease while its bases are resolved (1 h; renewed to the build's time
+/// limit plus an hour once the plan is known).
+const RESOLVE_LEASE_TTL: Duration = Duration::from_secs(3600);
 
 use kiln_builder::build::{BuildError, BuildOptions, BuildOutput};
 use kiln_builder::cache::{BlobCache as _, CacheError, LocalCache};
@@ -276,14 +280,39 @@ pub(crate) async fn run_leased(
         work_dir: setup.work_dir.join("bootstrap"),
         registry: setup.registry.clone(),
     };
-    let (mut plan, bases) = kiln_builder::resolve::resolve_recipe(
+    // The build's lease, taken before anything is fetched or looked up: every blob the
+    // resolution writes or finds, and then the build's layers, chunks and manifest, are put
+    // under it first (kiln_builder::cache::LeasedCache, kiln_store::gc).
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let lease = Arc::new(
+        setup
+            .store
+            .create_lease(
+                &format!("build-{}-{nanos}", std::process::id()),
+                RESOLVE_LEASE_TTL,
+                [],
+            )
+            .await?,
+    );
+    let leased_cache = kiln_builder::cache::LeasedCache::new(setup.cache.clone(), lease.clone());
+    let resolved = kiln_builder::resolve::resolve_recipe(
         &req.recipe.name,
         &req.recipe.bytes,
         &options,
         &resolve,
-        setup.cache.as_ref(),
+        &leased_cache,
     )
-    .await?;
+    .await;
+    let (mut plan, bases) = match resolved {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = lease.release().await;
+            return Err(e.into());
+        }
+    };
     for w in &plan.warnings {
         events.event(Event::Warning {
             location: w
@@ -299,12 +328,22 @@ pub(crate) async fn run_leased(
     }
     times.resolve = t0.elapsed();
     if cancel.is_cancelled() {
+        let _ = lease.release().await;
         return Err(PipelineError::Cancelled);
+    }
+    // As long as the build may take, plus an hour to publish.
+    if let Err(e) = lease
+        .renew(Duration::from_secs(plan.limits.timeout_secs + 3600))
+        .await
+    {
+        let _ = lease.release().await;
+        return Err(e.into());
     }
 
     // 2. Steps.
     let t = Instant::now();
-    let opts = build_options(setup, &req, resolve);
+    let mut opts = build_options(setup, &req, resolve);
+    opts.lease = Some(lease.clone());
     let _bridge = {
         let (token, flag) = (cancel.clone(), opts.cancel.clone());
         AbortOnDrop(tokio::spawn(async move {
@@ -313,7 +352,7 @@ pub(crate) async fn run_leased(
         }))
     };
     let sink = events.clone();
-    let out = kiln_builder::build::build(
+    let out = match kiln_builder::build::build(
         &plan,
         &bases,
         setup.cache.clone(),
@@ -321,7 +360,14 @@ pub(crate) async fn run_leased(
         &opts,
         Arc::new(move |e| sink.event(event::from_build(e))),
     )
-    .await?;
+    .await
+    {
+        Ok(o) => o,
+        Err(e) => {
+            let _ = lease.release().await;
+            return Err(e.into());
+        }
+    };
     times.build = t.elapsed();
     let r = finish(setup, &req, &out, &events, &mut times).await;
     let (image, snapshot, tags) = match r {
@@ -457,7 +503,7 @@ async fn finish(
         },
     )
     .await?;
-    out.lease.add([ObjectRef::Manifest(manifest)]).await?;
+    // publish leased the manifest before writing it.
     let totals = *stats.lock().unwrap_or_else(|p| p.into_inner());
     let published = PublishedImage {
         manifest,

@@ -4,9 +4,11 @@
 //!   thread; chunks are hashed and compressed on the blocking pool and stored with
 //!   put-if-absent, at most [`crate::StoreOptions::parallelism`] in flight (memory: about
 //!   `2 × parallelism × max chunk`, plus one group of
-//!   compressed chunks when a lease is given). Chunks in the known-chunk index are skipped; all-zero
-//!   chunks become holes. With a lease, each group of [`LEASE_BATCH`] chunks is added to the
-//!   lease before any of them is looked up or stored. The table is returned in input order; publish a manifest naming it
+//!   compressed chunks when a lease is given). All-zero chunks become holes. Without a lease,
+//!   chunks in the known-chunk index are skipped. With a lease, each group of
+//!   [`LEASE_BATCH`] chunks is added to the lease and only then looked up, under the store's
+//!   sweep lock ([`Lease::find_present`]); those found are relied on, the rest written, so
+//!   GC with any grace period keeps every chunk of the table (see [`crate::gc`]). The table is returned in input order; publish a manifest naming it
 //!   only after this returns (chunks, then manifest, then tag). Rerunning after a crash
 //!   uploads only what is missing.
 //! - Random reads ([`ArtifactReader::read_at`]): offset → chunk by binary search, chunk
@@ -104,7 +106,9 @@ impl Store {
                 }
             })
             .buffered(self.parallelism);
-        let store_one = |offset: u64, e: Result<chunk::EncodedChunk, u64>| {
+        // `found`: `None` without a lease (the known-chunk index may skip the write);
+        // `Some(p)` with one: whether the chunk was found under it (then it is not written).
+        let store_one = |offset: u64, e: Result<chunk::EncodedChunk, u64>, found: Option<bool>| {
             let reporter = reporter.clone();
             async move {
                 match e {
@@ -118,7 +122,11 @@ impl Store {
                         })
                     }
                     Ok(enc) => {
-                        let uploaded = self.put_encoded_chunk(&enc).await?;
+                        let uploaded = match found {
+                            None => self.put_encoded_chunk(&enc).await?,
+                            Some(true) => false,
+                            Some(false) => self.put_encoded_chunk_unindexed(&enc).await?,
+                        };
                         let stored_len = enc.stored.len() as u64;
                         reporter.emit(ProgressEvent::Chunk {
                             digest: enc.digest,
@@ -146,19 +154,28 @@ impl Store {
             table.push(e);
         };
         if let Some(lease) = &opts.lease {
-            // Stage 2 with a lease: per group, lease the chunks first (so GC spares a chunk
-            // found present before we rely on it), then store the group in parallel.
+            // Stage 2 with a lease: per group, lease the chunks and then look them up under
+            // the sweep lock (Lease::find_present), then write the missing ones in parallel.
+            // The known-chunk index is not trusted here: GC may have deleted a chunk since.
             let mut groups = std::pin::pin!(encoded.chunks(LEASE_BATCH));
             while let Some(group) = groups.next().await {
                 let group: Vec<_> = group.into_iter().collect::<Result<_, _>>()?;
-                lease
-                    .add(group.iter().filter_map(|(_, e)| match e {
+                let objs: Vec<ObjectRef> = group
+                    .iter()
+                    .filter_map(|(_, e)| match e {
                         Ok(enc) => Some(ObjectRef::Chunk(enc.digest)),
                         Err(_) => None,
-                    }))
-                    .await?;
+                    })
+                    .collect();
+                let present = lease.find_present(&objs).await?;
                 let entries: Vec<ChunkEntry> = futures::stream::iter(group)
-                    .map(|(offset, e)| store_one(offset, e))
+                    .map(|(offset, e)| {
+                        let found = match &e {
+                            Ok(enc) => present.contains(&ObjectRef::Chunk(enc.digest)),
+                            Err(_) => false,
+                        };
+                        store_one(offset, e, Some(found))
+                    })
                     .buffered(self.parallelism)
                     .try_collect()
                     .await?;
@@ -170,7 +187,7 @@ impl Store {
                 encoded
                     .map(|r| async move {
                         let (offset, e) = r?;
-                        store_one(offset, e).await
+                        store_one(offset, e, None).await
                     })
                     .buffered(self.parallelism)
             );

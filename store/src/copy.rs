@@ -130,12 +130,16 @@ async fn copy_closure(
     let lease = dst
         .create_lease(&lease_id, opts.lease_ttl, seen.iter().copied())
         .await?;
+    // Everything is leased before it is looked up (under the sweep lock) or written, so GC
+    // with any grace period spares it (crate::gc).
+    let wanted: Vec<ObjectRef> = seen.iter().copied().collect();
+    let present = &lease.find_present(&wanted).await?;
 
     // Chunks.
     futures::stream::iter(chunks)
         .map(|(c, len)| async move {
             let stored_len;
-            let transferred = if dst.known.contains(&c) || dst.has(&ObjectRef::Chunk(c)).await? {
+            let transferred = if present.contains(&ObjectRef::Chunk(c)) {
                 dst.known.insert(c);
                 stored_len = 0;
                 false
@@ -164,12 +168,12 @@ async fn copy_closure(
 
     // Blobs.
     for b in blobs {
-        copy_blob(src, dst, b, reporter).await?;
+        copy_blob(src, dst, b, reporter, present).await?;
     }
 
     // Manifests, referenced before referencing.
     for raw in order.iter().rev() {
-        let transferred = dst.backend.head(&raw.digest.key()).await?.is_none();
+        let transferred = !present.contains(&ObjectRef::Manifest(raw.digest));
         if transferred {
             dst.put_raw_manifest(raw).await?;
         }
@@ -182,14 +186,21 @@ async fn copy_closure(
     Ok(lease)
 }
 
-/// Copies one blob unless `dst` has it (verified on read; large blobs through a temp file).
+/// Copies one blob unless `present` (what the copy's lease found in `dst`) has it (verified
+/// on read; large blobs through a temp file).
 async fn copy_blob(
     src: &Store,
     dst: &Store,
     b: BlobDigest,
     reporter: &Reporter,
+    present: &HashSet<ObjectRef>,
 ) -> Result<(), StoreError> {
-    let (size, transferred) = match dst.backend.head(&b.key()).await? {
+    let found = if present.contains(&ObjectRef::Blob(b)) {
+        dst.backend.head(&b.key()).await?
+    } else {
+        None
+    };
+    let (size, transferred) = match found {
         Some(i) => (i.size, false),
         None => {
             let size = src
@@ -277,10 +288,12 @@ pub async fn copy_oci_ref(
             closure.blobs.iter().map(|b| ObjectRef::Blob(*b)),
         )
         .await?;
+    let wanted: Vec<ObjectRef> = closure.blobs.iter().map(|b| ObjectRef::Blob(*b)).collect();
+    let present = lease.find_present(&wanted).await?;
     // Configs and layers before the manifests naming them: the closure lists a manifest
     // before what it names, so copy in reverse.
     for b in closure.blobs.iter().rev() {
-        copy_blob(src, dst, *b, &reporter).await?;
+        copy_blob(src, dst, *b, &reporter, &present).await?;
     }
     dst.set_oci_ref(r, digest).await?;
     lease.release().await?;

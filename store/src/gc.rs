@@ -1,17 +1,38 @@
 //! Garbage collection: a pure mark over references, and a separate sweep.
 //!
 //! [`mark`] takes roots and a "what does this refer to" function and returns the live set;
-//! it never touches storage (unit-tested on an in-memory graph). [`Store::gc`] gathers the
-//! roots — every tag's manifest, every object of a live lease ([`crate::lease::LeaseRecord::is_live`]), the layer of every
+//! it never touches storage (unit-tested on an in-memory graph). [`Store::gc`] lists every
+//! chunk, blob and manifest first; then takes the store's sweep lock (exclusive; see
+//! [`crate::lease::Lease`]) and, in this order, gathers the roots: every object of a live
+//! lease ([`crate::lease::LeaseRecord::is_live`]), every tag's manifest, the layer of every
 //! build-cache entry younger than [`GcOptions::cache_ttl`], every OCI image an OCI reference
-//! reference ([`crate::ociref`]) names (its manifest or index, config and layers) — loads every manifest in the store
-//! to answer `refs_of`, marks, then sweeps: only unmarked chunks, blobs and manifests last
-//! modified more than [`GcOptions::grace`] ago are deleted (manifests first, so no surviving
-//! manifest ever names a deleted chunk), after re-reading the leases to spare anything a
-//! push leased meanwhile. A reachable manifest that cannot be read stops GC before any
-//! delete. Leases no longer live (expired, or their owner died) and expired cache entries are
-//! deleted too. `dry_run` deletes nothing and
-//! returns the same report.
+//! ([`crate::ociref`]) names (its manifest or index, config and layers). It loads every
+//! listed manifest (and any root names that the listing missed) to answer `refs_of`, marks,
+//! then sweeps: only listed, unmarked chunks, blobs and manifests last modified more than
+//! [`GcOptions::grace`] ago are deleted (manifests first, so no surviving manifest ever
+//! names a deleted chunk), and the lock is released after the last delete. A reachable
+//! manifest that cannot be read stops GC before any delete. Leases no longer live
+//! (expired, or their owner died) and expired cache entries are deleted too. `dry_run`
+//! deletes nothing and returns the same report.
+//!
+//! Why an in-flight build or push loses nothing, whatever the grace period (even zero):
+//! - *An object it writes.* It leases the object before writing it ([`crate::lease::Lease`]).
+//!   GC deletes only objects it listed, so a deleted object was written, hence leased, before
+//!   the listing, hence before GC read the leases. If the lease was still there, GC saw the
+//!   object in it. If it was released, the holder had first moved its tag (publish order:
+//!   objects, manifest, tag, then release), and GC reads the tags after the leases, so it
+//!   marked the object from the tag. Either way it is live.
+//! - *An object it reuses because it exists* (a base layer, a cache hit, a chunk deduplicated
+//!   and so not written). The race is "GC lists X unreferenced; the build sees X and skips
+//!   writing it; GC deletes X; the build publishes a manifest naming X". The build leases X
+//!   first and then looks under the sweep lock (shared,
+//!   [`crate::lease::Lease::find_present`]); GC reads the leases and deletes while holding
+//!   that lock exclusively. So the look comes either wholly before GC's lease read (which
+//!   then sees X leased and spares it) or wholly after GC's last delete (and then finds X
+//!   gone, if GC took it, and writes it again).
+//! - The sweep lock is a `flock(2)` in a local store's directory. An S3 store has no lock
+//!   shared by every host, so there the second case is closed only by the grace period; the
+//!   first holds on any store.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime};
@@ -125,11 +146,21 @@ fn unreadable(object: &str, reason: impl ToString) -> StoreError {
 pub(crate) struct Marked {
     pub(crate) live: HashSet<ObjectRef>,
     pub(crate) objects: Vec<crate::backend::ObjectInfo>,
+    /// Lease records no longer live and expired cache entries.
     pub(crate) expired: Vec<String>,
+    /// The parts (`leases/<id>~<n>`) of the expired lease records.
+    pub(crate) expired_parts: Vec<String>,
+    /// The sweep lock, when asked for.
+    pub(crate) lock: Option<crate::lease::SweepLock>,
 }
 
 impl Store {
-    /// Gathers roots, loads manifests and marks. Shared by GC and verify.
+    /// Lists the objects, then gathers roots, loads manifests and marks. Shared by GC and
+    /// verify. With `lock`, the sweep lock is taken (exclusively) after the listing and
+    /// before the leases are read, and returned held in [`Marked::lock`].
+    ///
+    /// The order is what makes GC safe with any grace period (see the module doc): objects
+    /// first, then leases, then tags, cache entries and OCI references.
     ///
     /// `strict`: a reachable manifest that cannot be read stops marking (GC); otherwise it
     /// is treated as referring to nothing (verify, which reports it separately).
@@ -137,10 +168,29 @@ impl Store {
         &self,
         opts: &GcOptions,
         strict: bool,
+        lock: bool,
     ) -> Result<Marked, StoreError> {
+        let mut objects = Vec::new();
+        for p in ["manifests/", "blobs/", "chunks/"] {
+            objects.extend(self.backend.list(p).await?);
+        }
+        let lock = if lock {
+            Some(self.sweep_lock(true).await?)
+        } else {
+            None
+        };
         let now = unix_now();
         let mut roots = Vec::new();
         let mut expired = Vec::new();
+        let mut expired_parts = Vec::new();
+        for (key, l, parts) in self.list_lease_objects().await? {
+            if l.is_live(now) {
+                roots.extend(l.refs());
+            } else {
+                expired.push(key);
+                expired_parts.extend(parts);
+            }
+        }
         // A root that cannot be read (a corrupt tag or cache entry) stops GC: skipping it would
         // sweep everything only it keeps alive. (`list_tags` and `list_cache_entries` skip
         // such entries, so they are read here one by one.) Verify reports them instead.
@@ -158,13 +208,6 @@ impl Store {
                 Err(_) => {}
             }
         }
-        for l in self.list_leases().await? {
-            if l.is_live(now) {
-                roots.extend(l.refs());
-            } else {
-                expired.push(format!("leases/{}", l.id));
-            }
-        }
         for o in self.backend.list("cache/").await? {
             let k = o.key.trim_start_matches("cache/").to_string();
             let e = match self.get_cache_entry(&k).await {
@@ -180,39 +223,59 @@ impl Store {
             }
         }
         roots.extend(self.oci_ref_roots(strict).await?);
-        let mut objects = Vec::new();
-        for p in ["manifests/", "blobs/", "chunks/"] {
-            objects.extend(self.backend.list(p).await?);
-        }
-        // Load every manifest present; remember failures (they matter only if reachable).
+        // Load every manifest listed; remember failures (they matter only if reachable).
         let mut refs: HashMap<ManifestDigest, Result<Vec<ObjectRef>, String>> = HashMap::new();
         for o in &objects {
             if let Some(ObjectRef::Manifest(d)) = ObjectRef::from_key(&o.key) {
-                let r = match self.get_manifest(&d).await {
-                    Ok(m) => Ok(references(&m)),
-                    Err(e) => Err(e.to_string()),
+                refs.insert(d, self.manifest_refs(&d).await);
+            }
+        }
+        // A root read after the listing may name a manifest written after it (a build that
+        // published meanwhile): load those too, until nothing reachable is unknown.
+        let live = loop {
+            let mut unknown = Vec::new();
+            let live = mark(roots.iter().copied(), |o| match o {
+                ObjectRef::Manifest(d) => match refs.get(d) {
+                    Some(Ok(r)) => Ok(r.clone()),
+                    Some(Err(_)) if !strict => Ok(Vec::new()),
+                    Some(Err(reason)) => Err(GcError::Unreadable {
+                        object: d.key(),
+                        reason: reason.clone(),
+                    }),
+                    None => {
+                        unknown.push(*d);
+                        Ok(Vec::new())
+                    }
+                },
+                _ => Ok(Vec::new()),
+            })?;
+            if unknown.is_empty() {
+                break live;
+            }
+            for d in unknown {
+                let r = match self.manifest_refs(&d).await {
+                    // Named but absent: nothing further to keep (verify reports it).
+                    Err(_) if !self.has(&ObjectRef::Manifest(d)).await? => Ok(Vec::new()),
+                    r => r,
                 };
                 refs.insert(d, r);
             }
-        }
-        let live = mark(roots, |o| match o {
-            ObjectRef::Manifest(d) => match refs.get(d) {
-                Some(Ok(r)) => Ok(r.clone()),
-                Some(Err(_)) if !strict => Ok(Vec::new()),
-                Some(Err(reason)) => Err(GcError::Unreadable {
-                    object: d.key(),
-                    reason: reason.clone(),
-                }),
-                // Named but absent: nothing further to keep (verify reports it).
-                None => Ok(Vec::new()),
-            },
-            _ => Ok(Vec::new()),
-        })?;
+        };
         Ok(Marked {
             live,
             objects,
             expired,
+            expired_parts,
+            lock,
         })
+    }
+
+    /// What manifest `d` refers to, or why it cannot be read.
+    async fn manifest_refs(&self, d: &ManifestDigest) -> Result<Vec<ObjectRef>, String> {
+        match self.get_manifest(d).await {
+            Ok(m) => Ok(references(&m)),
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     /// Roots from OCI references ([`crate::ociref`], written by the builder's `kiln pull`
@@ -241,7 +304,9 @@ impl Store {
             live,
             objects,
             expired,
-        } = self.mark_live(opts, true).await?;
+            expired_parts,
+            lock,
+        } = self.mark_live(opts, true, true).await?;
         let cutoff = SystemTime::now()
             .checked_sub(opts.grace)
             .unwrap_or(SystemTime::UNIX_EPOCH);
@@ -265,16 +330,6 @@ impl Store {
                 doomed.push((r, o.size));
             }
         }
-        // Spare anything a lease taken during marking relies on.
-        let now = unix_now();
-        let leased: HashSet<ObjectRef> = self
-            .list_leases()
-            .await?
-            .into_iter()
-            .filter(|l| l.is_live(now))
-            .flat_map(|l| l.refs())
-            .collect();
-        doomed.retain(|(r, _)| !leased.contains(r));
         // Manifests first, then blobs, then chunks.
         doomed.sort_by_key(|(r, _)| match r {
             ObjectRef::Manifest(_) => 0,
@@ -294,7 +349,11 @@ impl Store {
             for k in &report.expired {
                 self.backend.delete(k).await?;
             }
+            for k in &expired_parts {
+                self.backend.delete(k).await?;
+            }
         }
+        drop(lock);
         Ok(report)
     }
 }
@@ -391,6 +450,297 @@ mod tests {
         let err = store.gc(&opts).await.unwrap_err();
         assert!(err.to_string().contains("cache/step1"), "{err}");
         assert_eq!(count(), before);
+    }
+
+    /// A local backend that watches the order of writes: every content-addressed object
+    /// written must already be named by a lease object; and `on_lease_list` runs once, the
+    /// first time the leases are listed (GC's read of its roots, after its listing).
+    struct Watched {
+        inner: crate::backend::local::LocalBackend,
+        unleased_writes: std::sync::Mutex<Vec<String>>,
+        on_lease_list: std::sync::Mutex<Option<LeaseListHook>>,
+    }
+
+    type LeaseListHook = Box<
+        dyn FnOnce(
+                Vec<crate::backend::ObjectInfo>,
+            )
+                -> futures::future::BoxFuture<'static, Vec<crate::backend::ObjectInfo>>
+            + Send,
+    >;
+
+    impl std::fmt::Debug for Watched {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Watched")
+                .field("inner", &self.inner)
+                .finish()
+        }
+    }
+
+    impl Watched {
+        async fn leased(&self) -> HashSet<String> {
+            let mut out = HashSet::new();
+            for o in self.inner.list("leases/").await.unwrap() {
+                let b = self.inner.get(&o.key).await.unwrap();
+                let r: crate::lease::LeaseRecord = serde_json::from_slice(&b).unwrap();
+                out.extend(r.objects);
+            }
+            out
+        }
+
+        async fn check(&self, key: &str) {
+            if ObjectRef::from_key(key).is_some() && !self.leased().await.contains(key) {
+                self.unleased_writes.lock().unwrap().push(key.to_string());
+            }
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl Backend for Watched {
+        fn url(&self) -> &str {
+            self.inner.url()
+        }
+        async fn get(&self, key: &str) -> Result<bytes::Bytes, crate::BackendError> {
+            self.inner.get(key).await
+        }
+        async fn get_range(
+            &self,
+            key: &str,
+            r: std::ops::Range<u64>,
+        ) -> Result<bytes::Bytes, crate::BackendError> {
+            self.inner.get_range(key, r).await
+        }
+        async fn get_versioned(
+            &self,
+            key: &str,
+        ) -> Result<(bytes::Bytes, crate::backend::Version), crate::BackendError> {
+            self.inner.get_versioned(key).await
+        }
+        async fn head(
+            &self,
+            key: &str,
+        ) -> Result<Option<crate::backend::ObjectInfo>, crate::BackendError> {
+            self.inner.head(key).await
+        }
+        async fn put_if_absent(
+            &self,
+            key: &str,
+            data: bytes::Bytes,
+            expect: Option<crate::digest::Sha256Hash>,
+        ) -> Result<crate::backend::PutOutcome, crate::BackendError> {
+            self.check(key).await;
+            self.inner.put_if_absent(key, data, expect).await
+        }
+        async fn put_file_if_absent(
+            &self,
+            key: &str,
+            path: &std::path::Path,
+            expect: Option<crate::digest::Sha256Hash>,
+        ) -> Result<crate::backend::PutOutcome, crate::BackendError> {
+            self.check(key).await;
+            self.inner.put_file_if_absent(key, path, expect).await
+        }
+        async fn put(
+            &self,
+            key: &str,
+            data: bytes::Bytes,
+        ) -> Result<crate::backend::Version, crate::BackendError> {
+            self.check(key).await;
+            self.inner.put(key, data).await
+        }
+        async fn compare_and_swap(
+            &self,
+            key: &str,
+            expected: Option<&crate::backend::Version>,
+            data: bytes::Bytes,
+        ) -> Result<crate::backend::Version, crate::BackendError> {
+            self.inner.compare_and_swap(key, expected, data).await
+        }
+        async fn list(
+            &self,
+            prefix: &str,
+        ) -> Result<Vec<crate::backend::ObjectInfo>, crate::BackendError> {
+            let l = self.inner.list(prefix).await?;
+            let hook = if prefix == "leases/" {
+                self.on_lease_list.lock().unwrap().take()
+            } else {
+                None
+            };
+            Ok(match hook {
+                Some(h) => h(l).await,
+                None => l,
+            })
+        }
+        async fn delete(&self, key: &str) -> Result<(), crate::BackendError> {
+            self.inner.delete(key).await
+        }
+    }
+
+    async fn watched(dir: &std::path::Path) -> (std::sync::Arc<Watched>, Store) {
+        let w = std::sync::Arc::new(Watched {
+            inner: crate::backend::local::LocalBackend::open(dir)
+                .await
+                .unwrap(),
+            unleased_writes: Default::default(),
+            on_lease_list: Default::default(),
+        });
+        let store = Store::from_backend(w.clone(), crate::StoreOptions::default());
+        (w, store)
+    }
+
+    /// 1 MiB of pseudo-random bytes (xorshift from `seed`): several distinct chunks.
+    fn data(seed: u32) -> Vec<u8> {
+        let mut x = 0x9e37_79b9u32 ^ seed;
+        (0..1u32 << 20)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                x as u8
+            })
+            .collect()
+    }
+
+    /// Every chunk and the manifest an upload under a lease writes is in the lease before it
+    /// is written, so a GC at any moment sees it leased.
+    #[tokio::test]
+    async fn every_object_is_leased_before_it_is_written() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::manifest::{ImageManifest, Manifest};
+        let dir = tempfile::tempdir().unwrap();
+        let (w, store) = watched(dir.path()).await;
+        let lease = std::sync::Arc::new(
+            store
+                .create_lease("upload", Duration::from_secs(600), [])
+                .await
+                .unwrap(),
+        );
+        let opts = PutArtifactOptions {
+            lease: Some(lease.clone()),
+            ..Default::default()
+        };
+        let (table, _) = store
+            .put_artifact_reader(std::io::Cursor::new(data(7)), &opts)
+            .await
+            .unwrap();
+        assert!(table.entries.iter().filter(|e| e.digest.is_some()).count() > 2);
+        let raw = lease
+            .put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
+            .await
+            .unwrap();
+        let blob = bytes::Bytes::from_static(b"a blob");
+        let b = crate::digest::BlobDigest(crate::digest::Sha256Hash::of(&blob));
+        lease.add([ObjectRef::Blob(b)]).await.unwrap();
+        store.put_blob(blob).await.unwrap();
+        assert!(
+            w.unleased_writes.lock().unwrap().is_empty(),
+            "{:?}",
+            w.unleased_writes
+        );
+        // Written without a lease, the watcher sees it.
+        store
+            .put_blob(bytes::Bytes::from_static(b"unleased"))
+            .await
+            .unwrap();
+        assert_eq!(w.unleased_writes.lock().unwrap().len(), 1);
+        let gc = GcOptions {
+            grace: Duration::ZERO,
+            ..Default::default()
+        };
+        store.gc(&gc).await.unwrap();
+        assert!(store.has(&ObjectRef::Manifest(raw.digest)).await.unwrap());
+        for e in &table.entries {
+            if let Some(d) = e.digest {
+                assert!(store.has(&ObjectRef::Chunk(d)).await.unwrap());
+            }
+        }
+    }
+
+    /// GC lists the objects, then reads the leases: a lease taken between the two (a build
+    /// that leases chunk X after GC listed it) is seen, and X is kept.
+    #[tokio::test]
+    async fn gc_sees_a_lease_taken_after_it_listed_the_objects() {
+        let dir = tempfile::tempdir().unwrap();
+        let (w, store) = watched(dir.path()).await;
+        let (x, _) = store.put_chunk(bytes::Bytes::from(data(3))).await.unwrap();
+        let x = ObjectRef::Chunk(x.digest);
+        let leaser = store.clone();
+        *w.on_lease_list.lock().unwrap() = Some(Box::new(move |_listed| {
+            Box::pin(async move {
+                // GC has listed chunks (X among them, unreferenced); now a build leases X.
+                let l = leaser
+                    .create_lease("late", Duration::from_secs(600), [])
+                    .await
+                    .unwrap();
+                l.add([x]).await.unwrap();
+                leaser.backend.inner().list("leases/").await.unwrap()
+            })
+        }));
+        let gc = GcOptions {
+            grace: Duration::ZERO,
+            ..Default::default()
+        };
+        let r = store.gc(&gc).await.unwrap();
+        assert!(store.has(&x).await.unwrap(), "{r:?}");
+        assert!(r.collected.is_empty(), "{r:?}");
+    }
+
+    /// The race "GC lists unreferenced chunk X; a build sees X exists and skips writing it;
+    /// GC deletes X": a build that leases X after GC read the leases looks for X under the
+    /// sweep lock, so it waits for the sweep and finds X gone (and writes it), never
+    /// present-then-deleted.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reuse_look_up_during_a_sweep_never_finds_what_the_sweep_deletes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (w, store) = watched(dir.path()).await;
+        let (x, _) = store.put_chunk(bytes::Bytes::from(data(5))).await.unwrap();
+        let x = ObjectRef::Chunk(x.digest);
+        let reuser = store.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        *w.on_lease_list.lock().unwrap() = Some(Box::new(move |listed| {
+            Box::pin(async move {
+                // GC holds the leases it read (X not among them); a build now leases X and
+                // looks for it.
+                let lease = reuser
+                    .create_lease("reuser", Duration::from_secs(600), [])
+                    .await
+                    .unwrap();
+                let look = tokio::spawn(async move {
+                    let found = lease.find_present(&[x]).await.unwrap();
+                    (lease, found)
+                });
+                // Wait until its lease part is written: it is looking (or waiting to).
+                while !reuser
+                    .backend
+                    .inner()
+                    .list("leases/")
+                    .await
+                    .unwrap()
+                    .iter()
+                    .any(|o| o.key.starts_with("leases/reuser~"))
+                {
+                    tokio::task::yield_now().await;
+                }
+                let _ = tx.send(look);
+                listed
+            })
+        }));
+        let gc = GcOptions {
+            grace: Duration::ZERO,
+            ..Default::default()
+        };
+        let r = store.gc(&gc).await.unwrap();
+        let (lease, found) = rx.await.unwrap().await.unwrap();
+        assert_eq!(
+            found.contains(&x),
+            store.has(&x).await.unwrap(),
+            "the look-up said {found:?}; GC: {r:?}"
+        );
+        assert!(
+            !found.contains(&x),
+            "the sweep ran first and deleted X: {r:?}"
+        );
+        lease.release().await.unwrap();
     }
 
     fn walkdir(p: &std::path::Path) -> Vec<std::path::PathBuf> {

@@ -18,7 +18,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::{Backend, validate_key};
 use crate::digest::BlobDigest;
-use crate::manifest::ObjectRef;
+use futures::StreamExt;
+
+use crate::manifest::{Manifest, ObjectRef, RawManifest};
 use crate::owner::{LeaseOwner, Liveness};
 use crate::{Store, StoreError, hostname, unix_now};
 
@@ -121,41 +123,219 @@ impl LeaseRecord {
 
 /// A lease held by this process. Dropping it does not release it (it expires); call
 /// [`Lease::release`] when done.
+///
+/// The rule every writer follows (as containerd's leases, whose resources are added to the
+/// lease before they are written): an object goes into the lease *before* it is written
+/// ([`Lease::add`], [`Lease::add_blocking`], [`Lease::put_manifest`]), and an object that is
+/// to be reused because it already exists is leased *before* it is looked up, with the look-up
+/// made under the store's sweep lock ([`Lease::find_present`], [`Lease::hold_blocking`]).
+/// Why that is enough against [`Store::gc`] with any grace period is said in [`crate::gc`].
+///
+/// Each [`Lease::add`] writes one more object, `leases/<id>~<n>` (`~` is never in an id),
+/// holding only the objects not yet recorded, so adds never rewrite what earlier ones wrote
+/// and need no ordering among themselves; [`Store::list_leases`] merges them into the record
+/// `leases/<id>`; each part carries the record's expiry and owner as well, so a part whose
+/// record is gone still ends as the lease would.
 #[derive(Debug)]
 pub struct Lease {
     store: Store,
-    record: tokio::sync::Mutex<LeaseRecord>,
+    record: std::sync::Mutex<LeaseRecord>,
+    /// Objects durably recorded (in the record or a written part).
+    recorded: std::sync::Mutex<BTreeSet<String>>,
+    next_part: std::sync::atomic::AtomicU64,
 }
 
 impl Lease {
     /// The lease id.
     pub async fn id(&self) -> String {
-        self.record.lock().await.id.clone()
+        self.lock_record().id.clone()
     }
 
-    /// Adds objects and rewrites the lease object.
-    pub async fn add(&self, objs: impl IntoIterator<Item = ObjectRef>) -> Result<(), StoreError> {
-        let mut r = self.record.lock().await;
-        let before = r.objects.len();
-        r.objects.extend(objs.into_iter().map(|o| o.key()));
-        if r.objects.len() != before {
-            self.store.write_lease(&r).await?;
+    fn lock_record(&self) -> std::sync::MutexGuard<'_, LeaseRecord> {
+        // Never held across a panic point; recover anyway.
+        self.record.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The part to write for `objs`: the record with only the objects not yet recorded, and
+    /// its key; `None` when all are recorded.
+    fn part(&self, objs: impl IntoIterator<Item = ObjectRef>) -> Option<(String, LeaseRecord)> {
+        let recorded = self.recorded.lock().unwrap_or_else(|p| p.into_inner());
+        let new: BTreeSet<String> = objs
+            .into_iter()
+            .map(|o| o.key())
+            .filter(|k| !recorded.contains(k))
+            .collect();
+        drop(recorded);
+        if new.is_empty() {
+            return None;
         }
+        let mut part = self.lock_record().clone();
+        part.objects = new;
+        let n = self
+            .next_part
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some((format!("leases/{}~{n}", part.id), part))
+    }
+
+    /// Marks a written part's objects as recorded. Only after the write: a concurrent add
+    /// of the same object writes it again rather than returning before it is durable.
+    fn recorded(&self, part: LeaseRecord) {
+        self.recorded
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(part.objects);
+    }
+
+    /// Adds objects: when this returns, a lease object naming them is written, so GC keeps
+    /// them. Call it before writing them (see the type's doc).
+    pub async fn add(&self, objs: impl IntoIterator<Item = ObjectRef>) -> Result<(), StoreError> {
+        let Some((key, part)) = self.part(objs) else {
+            return Ok(());
+        };
+        self.store.backend.put(&key, encode_record(&part)).await?;
+        self.recorded(part);
         Ok(())
     }
 
-    /// Moves the expiry to `ttl` from now.
+    /// Whether the lease is on a local store directory (where [`Lease::add_blocking`] works).
+    pub fn is_local(&self) -> bool {
+        self.store.local_root().is_some()
+    }
+
+    /// [`Lease::add`] from blocking code, for a local store (the builder's blob cache is that
+    /// store's directory). Errors: the store is not a local directory, or the write failed.
+    pub fn add_blocking(
+        &self,
+        objs: impl IntoIterator<Item = ObjectRef>,
+    ) -> Result<(), StoreError> {
+        let Some((key, part)) = self.part(objs) else {
+            return Ok(());
+        };
+        let root = self.store.local_root().ok_or_else(|| {
+            StoreError::io(
+                self.store.url(),
+                std::io::Error::other("a lease is added from blocking code only on a local store"),
+            )
+        })?;
+        let backend = crate::backend::local::LocalBackend::open_blocking(&root)?;
+        backend.put_blocking(&key, &encode_record(&part))?;
+        self.recorded(part);
+        Ok(())
+    }
+
+    /// Leases `objs`, then, under the store's sweep lock (shared), tells which of them exist:
+    /// those can be relied on without writing them (they stay until the lease is released).
+    /// Leasing first and looking under the lock closes the race "GC finds X unreferenced;
+    /// the caller sees X and skips writing it; GC deletes X": a sweep that began before the
+    /// lock was taken has finished (X is then absent, so the caller writes it), and one that
+    /// begins after reads the leases afterwards and sees X (see [`crate::gc`]).
+    pub async fn find_present(
+        &self,
+        objs: &[ObjectRef],
+    ) -> Result<std::collections::HashSet<ObjectRef>, StoreError> {
+        self.add(objs.iter().copied()).await?;
+        let _lock = self.store.sweep_lock(false).await?;
+        let mut present = std::collections::HashSet::new();
+        let checks = futures::stream::iter(objs.iter().copied())
+            .map(|o| async move { Ok::<_, StoreError>((o, self.store.has(&o).await?)) })
+            .buffer_unordered(self.store.parallelism);
+        let found: Vec<(ObjectRef, bool)> = futures::TryStreamExt::try_collect(checks).await?;
+        present.extend(found.into_iter().filter(|(_, p)| *p).map(|(o, _)| o));
+        Ok(present)
+    }
+
+    /// [`Lease::find_present`] for blocking code on a local store, with the caller's own
+    /// look-up: leases `objs` ([`Lease::add_blocking`]), then runs `look` under the sweep
+    /// lock (shared) and returns what it returns. For a store that is not a local directory
+    /// (whose GC never touches this machine's files) `look` runs without either.
+    ///
+    /// It blocks the calling thread while a GC of the store sweeps; a process that runs GC
+    /// itself must not call it from every worker of the runtime that GC needs.
+    pub fn hold_blocking<T>(
+        &self,
+        objs: impl IntoIterator<Item = ObjectRef>,
+        look: impl FnOnce() -> T,
+    ) -> Result<T, StoreError> {
+        let Some(root) = self.store.local_root() else {
+            return Ok(look());
+        };
+        self.add_blocking(objs)?;
+        let _lock = SweepLock::take(&root, false)?;
+        Ok(look())
+    }
+
+    /// Stores manifest `m` after leasing it (the object is named by its digest, known before
+    /// the write). Returns the stored form.
+    pub async fn put_manifest(&self, m: &Manifest) -> Result<RawManifest, StoreError> {
+        let raw = RawManifest::encode(m)?;
+        self.add([ObjectRef::Manifest(raw.digest)]).await?;
+        self.store.put_raw_manifest(&raw).await?;
+        Ok(raw)
+    }
+
+    /// Moves the expiry to `ttl` from now (rewrites the record; the parts follow it).
     pub async fn renew(&self, ttl: Duration) -> Result<(), StoreError> {
-        let mut r = self.record.lock().await;
-        r.expires = unix_now() + ttl.as_secs();
+        let r = {
+            let mut r = self.lock_record();
+            r.expires = unix_now() + ttl.as_secs();
+            r.clone()
+        };
         self.store.write_lease(&r).await
     }
 
-    /// Deletes the lease object (the handle stays usable: a later `add` recreates it).
+    /// Deletes the lease: its record, then its parts. The handle stays usable: a later `add`
+    /// records its objects again.
     pub async fn release(&self) -> Result<(), StoreError> {
-        let id = self.record.lock().await.id.clone();
-        Ok(self.store.backend.delete(&format!("leases/{id}")).await?)
+        let r = self.lock_record().clone();
+        self.store
+            .backend
+            .delete(&format!("leases/{}", r.id))
+            .await?;
+        let n = self.next_part.load(std::sync::atomic::Ordering::Relaxed);
+        for i in 0..n {
+            self.store
+                .backend
+                .delete(&format!("leases/{}~{i}", r.id))
+                .await?;
+        }
+        self.recorded
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        self.lock_record().objects.clear();
+        Ok(())
     }
+}
+
+/// The store's sweep lock: a `flock(2)` on `<root>/.locks/%sweep` of a local store (the
+/// name is the flattened form of the key `/sweep`, which no object can have, so it never
+/// meets a compare-and-swap lock). [`Store::gc`] holds it exclusively from reading the leases
+/// to its last delete; [`Lease::find_present`] and [`Lease::hold_blocking`] hold it shared
+/// while they look. The OS drops it when the holder dies. A store that is not a local
+/// directory has none (see [`crate::gc`] for what that leaves).
+#[derive(Debug)]
+pub(crate) struct SweepLock(#[allow(dead_code)] Option<std::fs::File>);
+
+impl SweepLock {
+    /// Blocks until the lock on the local store at `root` is held (`exclusive` or shared).
+    pub(crate) fn take(root: &std::path::Path, exclusive: bool) -> Result<SweepLock, StoreError> {
+        let dir = root.join(".locks");
+        std::fs::create_dir_all(&dir).map_err(|e| StoreError::io(&dir, e))?;
+        let path = dir.join("%sweep");
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| StoreError::io(&path, e))?;
+        if exclusive { f.lock() } else { f.lock_shared() }.map_err(|e| StoreError::io(&path, e))?;
+        Ok(SweepLock(Some(f)))
+    }
+}
+
+fn encode_record(r: &LeaseRecord) -> Bytes {
+    // Serializing these plain types cannot fail.
+    Bytes::from(serde_json::to_vec(r).unwrap_or_default())
 }
 
 /// What `cache/<key>` holds.
@@ -170,10 +350,27 @@ pub struct CacheEntry {
 
 impl Store {
     async fn write_lease(&self, r: &LeaseRecord) -> Result<(), StoreError> {
-        // Serializing these plain types cannot fail.
-        let bytes = Bytes::from(serde_json::to_vec(r).unwrap_or_default());
-        self.backend.put(&format!("leases/{}", r.id), bytes).await?;
+        self.backend
+            .put(&format!("leases/{}", r.id), encode_record(r))
+            .await?;
         Ok(())
+    }
+
+    /// The root directory when this store is a local directory (`file://<root>`).
+    pub(crate) fn local_root(&self) -> Option<std::path::PathBuf> {
+        self.url()
+            .strip_prefix("file://")
+            .map(std::path::PathBuf::from)
+    }
+
+    /// Takes the sweep lock ([`SweepLock`]); a no-op guard for a store that is not local.
+    pub(crate) async fn sweep_lock(&self, exclusive: bool) -> Result<SweepLock, StoreError> {
+        let Some(root) = self.local_root() else {
+            return Ok(SweepLock(None));
+        };
+        tokio::task::spawn_blocking(move || SweepLock::take(&root, exclusive))
+            .await
+            .map_err(|e| StoreError::io("sweep lock", std::io::Error::other(e)))?
     }
 
     /// Creates (or replaces) lease `id` expiring `ttl` from now, holding `objs`.
@@ -194,14 +391,35 @@ impl Store {
         self.write_lease(&record).await?;
         Ok(Lease {
             store: self.clone(),
-            record: tokio::sync::Mutex::new(record),
+            recorded: std::sync::Mutex::new(record.objects.clone()),
+            record: std::sync::Mutex::new(record),
+            next_part: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
-    /// Every lease (expired ones included); corrupt lease objects are errors, since GC must
-    /// not guess what they protect.
+    /// Every lease (expired ones included), each record merged with its parts
+    /// (`leases/<id>~<n>`, see [`Lease`]); parts whose record is gone (a released lease)
+    /// are dropped. Corrupt lease objects are errors, since GC must not guess what they
+    /// protect.
     pub async fn list_leases(&self) -> Result<Vec<LeaseRecord>, StoreError> {
-        let mut out = Vec::new();
+        Ok(self
+            .list_lease_objects()
+            .await?
+            .into_iter()
+            .map(|(_, r, _)| r)
+            .collect())
+    }
+
+    /// Every lease: the record's key, the record with the objects of its parts merged in,
+    /// and the parts' keys. A part whose record is gone (a release in progress, or one a
+    /// crash interrupted) stands as a lease of its own under its own key, which its owner and
+    /// expiry end as any other.
+    pub(crate) async fn list_lease_objects(
+        &self,
+    ) -> Result<Vec<(String, LeaseRecord, Vec<String>)>, StoreError> {
+        let mut records: std::collections::BTreeMap<String, (String, LeaseRecord, Vec<String>)> =
+            Default::default();
+        let mut parts: Vec<(String, LeaseRecord)> = Vec::new();
         for o in self.backend.list("leases/").await? {
             let Some(bytes) = self.get_small(&o.key, MAX_LEASE_LEN).await? else {
                 continue;
@@ -212,9 +430,23 @@ impl Store {
                     store: self.url().to_string(),
                     reason: e.to_string(),
                 })?;
-            out.push(r);
+            if o.key.contains('~') {
+                parts.push((o.key, r));
+            } else {
+                records.insert(r.id.clone(), (o.key, r, Vec::new()));
+            }
         }
-        Ok(out)
+        let mut orphans = Vec::new();
+        for (key, p) in parts {
+            match records.get_mut(&p.id) {
+                Some((_, r, keys)) => {
+                    r.objects.extend(p.objects);
+                    keys.push(key);
+                }
+                None => orphans.push((key, p, Vec::new())),
+            }
+        }
+        Ok(records.into_values().chain(orphans).collect())
     }
 
     /// Deletes every lease that is no longer live ([`LeaseRecord::is_live`]: expired, or
@@ -224,14 +456,22 @@ impl Store {
     pub async fn release_dead_leases(&self) -> Result<Vec<String>, StoreError> {
         let now = unix_now();
         let mut released = Vec::new();
-        for l in self.list_leases().await? {
+        for (key, l, parts) in self.list_lease_objects().await? {
             if !l.is_live(now) {
-                let key = format!("leases/{}", l.id);
-                self.backend.delete(&key).await?;
+                self.delete_lease(&key, &parts).await?;
                 released.push(key);
             }
         }
         Ok(released)
+    }
+
+    /// Deletes lease record `key`, then its `parts`.
+    pub(crate) async fn delete_lease(&self, key: &str, parts: &[String]) -> Result<(), StoreError> {
+        self.backend.delete(key).await?;
+        for p in parts {
+            self.backend.delete(p).await?;
+        }
+        Ok(())
     }
 
     /// Writes build-cache entry `cache/<key>` → `layer`, stamped now. `key` is one key

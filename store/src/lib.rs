@@ -13,8 +13,10 @@
 //!   tags/<name>/<tag>~reports JSON lines: reports kept beside the tag (the nightly job's)
 //!   refs/oci/<registry>/<repo..>/<tag>  mutable: `sha256:<hex>` of an OCI manifest/index blob
 //!   leases/<id>               JSON: expiry, owner + keys an in-flight build/push relies on
+//!   leases/<id>~<n>           JSON: the same lease, keys added later ([`lease::Lease`])
 //!   cache/<key>               JSON: build-cache entry → layer blob digest, with its time
-//!   (local only) .tmp/ .locks/  temp files before rename, flock files for tag CAS
+//!   (local only) .tmp/ .locks/  temp files before rename, flock files for tag CAS and the
+//!                             sweep lock `.locks/%sweep` ([`gc`])
 //! ```
 //! Everything but tags, histories, OCI references, leases and cache entries is immutable and written with
 //! put-if-absent. Publish order is chunks, then manifest, then tag, so no tag ever names

@@ -201,6 +201,15 @@ impl Store {
         if self.known.contains(&enc.digest) {
             return Ok(false);
         }
+        self.put_encoded_chunk_unindexed(enc).await
+    }
+
+    /// Stores an encoded chunk with put-if-absent, whatever the known-chunk index says (for a
+    /// chunk a lease found absent). Returns `true` when this call wrote it.
+    pub(crate) async fn put_encoded_chunk_unindexed(
+        &self,
+        enc: &EncodedChunk,
+    ) -> Result<bool, StoreError> {
         let out = self
             .backend
             .put_if_absent(&enc.digest.key(), enc.stored.clone(), None)

@@ -177,7 +177,7 @@ impl Store {
             }
         }
         // Other roots: as GC sees them (manifests only; their blobs/chunks follow).
-        let Marked { live, objects, .. } = self.mark_live(gc, false).await?;
+        let Marked { live, objects, .. } = self.mark_live(gc, false, false).await?;
         let present: HashMap<&str, u64> =
             objects.iter().map(|o| (o.key.as_str(), o.size)).collect();
         for r in &live {

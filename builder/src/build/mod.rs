@@ -279,6 +279,9 @@ pub struct BuildOptions {
     /// `work_dir/cache-mounts`. Builds given different directories share no cache mount
     /// (the caller's scope, e.g. one directory per workspace).
     pub cache_mount_dir: Option<PathBuf>,
+    /// The store lease the build records what it relies on in (the caller's, taken before
+    /// it resolved the bases); `None`: the build takes its own.
+    pub lease: Option<Arc<kiln_store::lease::Lease>>,
 }
 
 impl BuildOptions {
@@ -299,6 +302,7 @@ impl BuildOptions {
             recipe_digest: None,
             resolve: Default::default(),
             cache_mount_dir: None,
+            lease: None,
         }
     }
 }
@@ -472,15 +476,21 @@ pub async fn build_with(
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or(0);
-    let lease = Arc::new(
-        store
-            .create_lease(
-                &format!("build-{}-{nanos}", std::process::id()),
-                timeout + Duration::from_secs(3600),
-                [],
-            )
-            .await?,
-    );
+    let lease = match &opts.lease {
+        Some(l) => l.clone(),
+        None => Arc::new(
+            store
+                .create_lease(
+                    &format!("build-{}-{nanos}", std::process::id()),
+                    timeout + Duration::from_secs(3600),
+                    [],
+                )
+                .await?,
+        ),
+    };
+    // Every blob the build writes into, or finds in, the blob cache (the store's directory)
+    // is leased first (crate::cache::LeasedCache).
+    let cache: Arc<dyn BlobCache> = Arc::new(crate::cache::LeasedCache::new(cache, lease.clone()));
     let ctx = Arc::new(Ctx {
         plan: plan.clone(),
         bases: bases.to_vec(),

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kiln_store::TagRef;
 use kiln_store::artifact::PutArtifactOptions;
-use kiln_store::manifest::{ImageManifest, Manifest, ObjectRef};
+use kiln_store::manifest::{ImageManifest, Manifest};
 use serde_json::json;
 
 use crate::cmd::progress::Progress;
@@ -49,10 +49,10 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     };
     let stored = async {
         let (table, _) = store.put_artifact(&a.file, &opts).await?;
-        let raw = store
+        // Leased before it is written (kiln_store::gc).
+        let raw = lease
             .put_manifest(&Manifest::Image(ImageManifest::new(table)))
             .await?;
-        lease.add([ObjectRef::Manifest(raw.digest)]).await?;
         let previous = store.force_tag(&a.target, raw.digest).await?;
         Ok::<_, kiln_store::StoreError>((raw, previous))
     }
