@@ -146,8 +146,28 @@ pub fn base_image_of(
         .read_blob(&m.config.digest)
         .map_err(|e| cfg_err(e.to_string()))?
         .ok_or_else(|| cfg_err("not in the local store".into()))?;
+    base_image_of_config(stage, &m.config.digest, &bytes)
+}
+
+/// [`base_image_of`]'s reading of the config bytes themselves (`bytes`: an image config
+/// JSON, OCI image spec config.md, as stored under `config_digest`): `config.Env` and
+/// `config.OnBuild` as lists of strings, `config.WorkingDir` and `config.User` as strings
+/// (empty or null: unset). Other fields are not looked at.
+///
+/// Errors: [`ResolveError::Config`] naming `stage`, `config_digest` and what is wrong (not
+/// JSON, a field of another type).
+pub fn base_image_of_config(
+    stage: usize,
+    config_digest: &str,
+    bytes: &[u8],
+) -> Result<kiln_recipes::BaseImage, ResolveError> {
+    let cfg_err = |reason: String| ResolveError::Config {
+        stage,
+        digest: config_digest.to_string(),
+        reason,
+    };
     let v: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| cfg_err(e.to_string()))?;
+        serde_json::from_slice(bytes).map_err(|e| cfg_err(e.to_string()))?;
     let config = v.get("config");
     let strings = |key: &str| -> Result<Vec<String>, ResolveError> {
         match config.and_then(|c| c.get(key)) {
