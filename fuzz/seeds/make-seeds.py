@@ -72,7 +72,7 @@ base = tar([
     {"name": "run/fifo", "type": tarfile.FIFOTYPE},
     {"name": "home/user/", "type": D, "uid": 1000, "gid": 1000, "mode": 0o700},
     {"name": "tmp/", "type": D, "mode": 0o1777},
-    {"name": "opt/cap", "data": b"x", "pax": {"SCHILY.xattr.security.capability": "\x01\x00\x00\x02",
+    {"name": "opt/cap", "data": b"x", "pax": {"SCHILY.xattr.security.capability": "\0\0\0\x02\0\x04" + "\0" * 14,
                                               "SCHILY.xattr.user.note": "v", "uid": "70000", "mtime": "1700000001.5"}},
 ])
 upper = tar([
