@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test command: sets up the environment (ci/setup.sh), then checks formatting and lints
-# and runs the whole test suite. CI runs exactly this (see .ci/run).
+# The test command: sets up the environment (ci/setup.sh), then checks formatting and lints,
+# fuzzes every target of fuzz/ for a bounded time (ci/fuzz.sh) and runs the whole test suite.
+# CI runs exactly this (see .ci/run).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . ci/setup.sh
@@ -14,6 +15,8 @@ if ! command -v cargo-nextest >/dev/null; then
 fi
 echo "== cargo test --doc [${SECONDS}s]"
 cargo test --workspace --locked --doc
+echo "== fuzz: every target of fuzz/ from its seeds (ci/fuzz.sh) [${SECONDS}s]"
+bash ci/fuzz.sh
 echo "== cargo nextest run (settings: .config/nextest.toml) [${SECONDS}s]"
 cargo nextest run --workspace --locked "$@"
 echo "== done [${SECONDS}s]"

@@ -146,8 +146,27 @@ pub fn base_image_of(
         .read_blob(&m.config.digest)
         .map_err(|e| cfg_err(e.to_string()))?
         .ok_or_else(|| cfg_err("not in the local store".into()))?;
-    let v: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| cfg_err(e.to_string()))?;
+    base_image_of_config(stage, &m.config.digest, &bytes)
+}
+
+/// [`base_image_of`]'s reading of the config bytes themselves (`bytes`: an image config
+/// JSON, OCI image spec config.md, as stored under `config_digest`): `config.Env` and
+/// `config.OnBuild` as lists of strings, `config.WorkingDir` and `config.User` as strings
+/// (empty or null: unset). Other fields are not looked at.
+///
+/// Errors: [`ResolveError::Config`] naming `stage`, `config_digest` and what is wrong (not
+/// JSON, a field of another type).
+pub fn base_image_of_config(
+    stage: usize,
+    config_digest: &str,
+    bytes: &[u8],
+) -> Result<kiln_recipes::BaseImage, ResolveError> {
+    let cfg_err = |reason: String| ResolveError::Config {
+        stage,
+        digest: config_digest.to_string(),
+        reason,
+    };
+    let v: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| cfg_err(e.to_string()))?;
     let config = v.get("config");
     let strings = |key: &str| -> Result<Vec<String>, ResolveError> {
         match config.and_then(|c| c.get(key)) {
@@ -324,5 +343,29 @@ mod tests {
         assert!(parse_build_context("base=docker-image://x").is_err());
         assert!(parse_build_context("=oci-layout:///x").is_err());
         assert!(parse_build_context("b=oci-layout:///x@sha256:00").is_err());
+    }
+
+    #[test]
+    fn base_image_of_config_reads_env_user_workdir_onbuild_and_names_bad_fields() {
+        let cfg = br#"{"architecture":"amd64","os":"linux","config":{"Env":["A=1"],
+            "User":"1000","WorkingDir":"","OnBuild":["RUN make"]}}"#;
+        let b = base_image_of_config(2, "sha256:cfg", cfg).expect("reads");
+        assert_eq!(b.env, ["A=1"]);
+        assert_eq!(b.user.as_deref(), Some("1000"));
+        assert_eq!(b.workdir, None, "an empty WorkingDir is unset");
+        assert_eq!(b.onbuild, ["RUN make"]);
+        let b = base_image_of_config(0, "sha256:cfg", br#"{"config":null}"#).expect("reads");
+        assert!(b.env.is_empty() && b.user.is_none() && b.onbuild.is_empty());
+        for bad in [
+            &br#"{"config":{"Env":"A=1"}}"#[..],
+            br#"{"config":{"User":7}}"#,
+            b"{",
+        ] {
+            let e = base_image_of_config(3, "sha256:cfg", bad).expect_err("refused");
+            assert!(
+                matches!(&e, ResolveError::Config { stage: 3, digest, .. } if digest == "sha256:cfg"),
+                "{e}"
+            );
+        }
     }
 }
