@@ -25,7 +25,8 @@ log() { printf 'setup: [%ss] %s\n' "$SECONDS" "$*" >&2; }
 # Packages from bookworm itself.
 apt_main=(docker-registry slirp4netns skopeo umoci busybox-static debootstrap zstd
   python3-venv apache2-utils curl ca-certificates pkg-config
-  uidmap iproute2 netcat-openbsd xz-utils postgresql)
+  uidmap iproute2 netcat-openbsd xz-utils postgresql
+  g++) # g++: libfuzzer-sys builds libFuzzer's C++ sources (ci/fuzz.sh)
 # Packages that must come from bookworm-backports: e2fsprogs >= 1.47.1 reads a tarball with
 # `mke2fs -d`, and only when libarchive13 is installed. QEMU too: this kind of machine ships
 # qemu-utils from backports, which breaks bookworm's qemu-system-common.
