@@ -9,9 +9,10 @@ echo "== cargo fmt --check [${SECONDS}s]"
 cargo fmt --all -- --check
 echo "== cargo clippy --all-targets -- -D warnings [${SECONDS}s]"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The machine comes with cargo-nextest; a machine without it gets the same version.
 if ! command -v cargo-nextest >/dev/null; then
   echo "== installing cargo-nextest [${SECONDS}s]"
-  cargo install --locked cargo-nextest
+  cargo install --locked cargo-nextest --version 0.9.143
 fi
 echo "== cargo test --doc [${SECONDS}s]"
 cargo test --workspace --locked --doc
