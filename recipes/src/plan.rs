@@ -535,6 +535,25 @@ impl Default for Limits {
     }
 }
 
+/// The last Unix second RFC 3339 can write with a four-digit year, 9999-12-31T23:59:59Z
+/// (RFC 3339 section 5.6, `date-fullyear = 4DIGIT`).
+pub const MAX_UNIX_SECONDS: u64 = 253_402_300_799;
+
+/// `SOURCE_DATE_EPOCH` (reproducible-builds.org's specification: decimal Unix seconds) as
+/// seconds. Errors: the message naming the value and what was expected, for text that is not
+/// a decimal number or a time past [`MAX_UNIX_SECONDS`].
+pub fn parse_source_date_epoch(v: &str) -> Result<u64, String> {
+    match v.trim().parse::<u64>() {
+        Ok(t) if t <= MAX_UNIX_SECONDS => Ok(t),
+        Ok(_) => Err(format!(
+            "SOURCE_DATE_EPOCH {v:?} is past 9999-12-31T23:59:59Z: expected Unix seconds up to {MAX_UNIX_SECONDS}"
+        )),
+        Err(_) => Err(format!(
+            "SOURCE_DATE_EPOCH {v:?} is not Unix seconds: expected a decimal number of seconds since 1970-01-01T00:00:00Z"
+        )),
+    }
+}
+
 /// Build arguments given to the build and what became of them.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
 pub struct BuildArgs {
@@ -569,5 +588,25 @@ impl BuildPlan {
     /// The target stage (`None` only for a hand-made plan without stages).
     pub fn target_stage(&self) -> Option<&Stage> {
         self.stages.get(self.target)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_date_epoch_past_year_9999_is_refused() {
+        assert_eq!(parse_source_date_epoch(" 1700000000\n"), Ok(1_700_000_000));
+        assert_eq!(
+            parse_source_date_epoch("253402300799"),
+            Ok(MAX_UNIX_SECONDS)
+        );
+        let e = parse_source_date_epoch("253402300800").unwrap_err();
+        assert!(e.contains("up to 253402300799"), "{e}");
+        let e = parse_source_date_epoch("18446744073709551615").unwrap_err();
+        assert!(e.contains("past 9999"), "{e}");
+        let e = parse_source_date_epoch("-1").unwrap_err();
+        assert!(e.contains("not Unix seconds"), "{e}");
     }
 }

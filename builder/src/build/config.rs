@@ -246,30 +246,13 @@ pub fn merge_run_config(base: &RunConfig, plan: &ImageConfig) -> RunConfig {
     }
 }
 
-/// The last Unix second RFC 3339 can write with a four-digit year, 9999-12-31T23:59:59Z
-/// (RFC 3339 section 5.6, `date-fullyear = 4DIGIT`).
-pub const MAX_UNIX_SECONDS: u64 = 253_402_300_799;
+pub use kiln_recipes::plan::{MAX_UNIX_SECONDS, parse_source_date_epoch};
 
 /// RFC 3339 UTC time of Unix seconds `t` (`1970-01-01T00:00:00Z`), by humantime. Times past
 /// [`MAX_UNIX_SECONDS`] (which have no four-digit year) are written as that second.
 pub fn rfc3339(t: u64) -> String {
     let t = std::time::UNIX_EPOCH + std::time::Duration::from_secs(t.min(MAX_UNIX_SECONDS));
     humantime::format_rfc3339_seconds(t).to_string()
-}
-
-/// `SOURCE_DATE_EPOCH` (reproducible-builds.org's specification: decimal Unix seconds) as
-/// seconds. Errors: the message naming the value and what was expected, for text that is not
-/// a decimal number or a time past [`MAX_UNIX_SECONDS`].
-pub fn parse_source_date_epoch(v: &str) -> Result<u64, String> {
-    match v.trim().parse::<u64>() {
-        Ok(t) if t <= MAX_UNIX_SECONDS => Ok(t),
-        Ok(_) => Err(format!(
-            "SOURCE_DATE_EPOCH {v:?} is past 9999-12-31T23:59:59Z: expected Unix seconds up to {MAX_UNIX_SECONDS}"
-        )),
-        Err(_) => Err(format!(
-            "SOURCE_DATE_EPOCH {v:?} is not Unix seconds: expected a decimal number of seconds since 1970-01-01T00:00:00Z"
-        )),
-    }
 }
 
 #[cfg(test)]
@@ -328,20 +311,5 @@ mod tests {
         assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
         assert_eq!(rfc3339(MAX_UNIX_SECONDS), "9999-12-31T23:59:59Z");
         assert_eq!(rfc3339(u64::MAX), "9999-12-31T23:59:59Z");
-    }
-
-    #[test]
-    fn source_date_epoch_past_year_9999_is_refused() {
-        assert_eq!(parse_source_date_epoch(" 1700000000\n"), Ok(1_700_000_000));
-        assert_eq!(
-            parse_source_date_epoch("253402300799"),
-            Ok(MAX_UNIX_SECONDS)
-        );
-        let e = parse_source_date_epoch("253402300800").unwrap_err();
-        assert!(e.contains("up to 253402300799"), "{e}");
-        let e = parse_source_date_epoch("18446744073709551615").unwrap_err();
-        assert!(e.contains("past 9999"), "{e}");
-        let e = parse_source_date_epoch("-1").unwrap_err();
-        assert!(e.contains("not Unix seconds"), "{e}");
     }
 }

@@ -484,16 +484,12 @@ pub(crate) fn lower_instrs(
             });
         }
     }
-    if let Some(epoch) = given.get(SOURCE_DATE_EPOCH)
-        && epoch.parse::<u64>().is_err()
-    {
-        // BuildKit ignores a SOURCE_DATE_EPOCH that is not a Unix time in seconds.
-        warnings.push(Warning {
-            location: None,
-            message: format!(
-                "{SOURCE_DATE_EPOCH}={epoch} is not a Unix time in seconds and is ignored for timestamps"
-            ),
-        });
+    // The builder clamps timestamps to it; a value that is not Unix seconds is refused here,
+    // where `kiln plan` sees it too, rather than ignored as BuildKit does: a reproducible
+    // build that silently used the current time would not be one.
+    if let Some(epoch) = given.get(SOURCE_DATE_EPOCH) {
+        crate::plan::parse_source_date_epoch(epoch)
+            .map_err(|e| invalid(0, format!("--build-arg {e}")))?;
     }
     let used: Vec<String> = used.into_iter().filter(|n| given.contains_key(n)).collect();
 
@@ -2815,9 +2811,16 @@ mod env_tests {
         };
         let p = load_dockerfile("Dockerfile", b"FROM scratch\n", &options("1700000000")).unwrap();
         assert!(p.warnings.is_empty(), "{:?}", p.warnings);
-        let p = load_dockerfile("Dockerfile", b"FROM scratch\n", &options("yesterday")).unwrap();
-        assert!(p.warnings[0].message.contains("not a Unix time"));
         assert!(p.build_args.unused.is_empty());
+        // Refused by the plan, as the builder refuses it (not ignored with a warning, as it
+        // once was here while `kiln build` failed on it).
+        for bad in ["yesterday", "-1", "1.5", "253402300800"] {
+            let e = load_dockerfile("Dockerfile", b"FROM scratch\n", &options(bad)).unwrap_err();
+            let text = e.to_string();
+            assert!(text.contains("--build-arg SOURCE_DATE_EPOCH"), "{text}");
+            assert!(text.contains(&format!("{bad:?}")), "{text}");
+            assert!(text.contains("expected"), "{text}");
+        }
     }
 
     #[test]
