@@ -63,15 +63,10 @@ fn build_tag_export_skopeo_umoci() {
     assert!(stderr.contains("Dockerfile:2 RUN"), "{stderr}");
 
     let layout = t.path().join("layout");
-    let out = kiln(&store)
-        .args(["export", "demo:1", "--format", "oci", "-o"])
-        .arg(&layout)
-        .output()
-        .expect("run kiln export");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    kiln_tests::run_ok(
+        kiln(&store)
+            .args(["export", "demo:1", "--format", "oci", "-o"])
+            .arg(&layout),
     );
     let out = Command::new("skopeo")
         .args(["inspect", &format!("oci:{}:1", layout.display())])
@@ -109,15 +104,10 @@ fn build_tag_export_skopeo_umoci() {
 
     // The checked ext4 image is in the store under the tag.
     let ext4 = t.path().join("rootfs.ext4");
-    let out = kiln(&store)
-        .args(["export", "demo:1", "--format", "ext4", "-o"])
-        .arg(&ext4)
-        .output()
-        .expect("run kiln export");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = kiln_tests::run_ok(
+        kiln(&store)
+            .args(["export", "demo:1", "--format", "ext4", "-o"])
+            .arg(&ext4),
     );
     assert_eq!(
         String::from_utf8_lossy(&out.stdout).lines().last(),
@@ -450,15 +440,10 @@ fn a_16_gib_sparse_file_builds_into_a_small_layer_and_image() {
     );
 
     let layout = t.path().join("layout");
-    let out = kiln(&store)
-        .args(["export", "sparse:1", "--format", "oci", "-o"])
-        .arg(&layout)
-        .output()
-        .expect("run kiln export");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    kiln_tests::run_ok(
+        kiln(&store)
+            .args(["export", "sparse:1", "--format", "oci", "-o"])
+            .arg(&layout),
     );
     let json = |p: std::path::PathBuf| -> serde_json::Value {
         serde_json::from_slice(&std::fs::read(&p).expect("read")).expect("json")
@@ -497,15 +482,10 @@ fn a_16_gib_sparse_file_builds_into_a_small_layer_and_image() {
     );
 
     let ext4 = t.path().join("rootfs.ext4");
-    let out = kiln(&store)
-        .args(["export", "sparse:1", "--format", "ext4", "-o"])
-        .arg(&ext4)
-        .output()
-        .expect("run kiln export");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    kiln_tests::run_ok(
+        kiln(&store)
+            .args(["export", "sparse:1", "--format", "ext4", "-o"])
+            .arg(&ext4),
     );
     let out = Command::new("e2fsck")
         .arg("-fn")

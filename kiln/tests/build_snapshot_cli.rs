@@ -29,13 +29,7 @@ fn kiln(dir: &Path, args: &[&str]) -> Output {
 }
 
 fn ok(o: &Output) {
-    assert!(
-        o.status.success(),
-        "exit {:?}\nstdout: {}\nstderr: {}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    kiln_tests::assert_success(o, "kiln");
 }
 
 fn build(dir: &Path, dockerfile: &str, tag: &str) -> Output {

@@ -29,13 +29,7 @@ fn kiln(store: &Path, docker_config: &Path, args: &[&str], stdin: Option<&str>) 
 }
 
 fn ok(o: &Output, what: &str) -> String {
-    assert!(
-        o.status.success(),
-        "{what} failed: {}\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).trim().to_string()
+    kiln_tests::assert_success(o, what)
 }
 
 /// Done when: `kiln pull 127.0.0.1:5000/debian:bookworm` fills the store, and

@@ -58,13 +58,7 @@ fn events(o: &Output, kind: &str) -> Vec<Value> {
 }
 
 fn ok(o: &Output) {
-    assert!(
-        o.status.success(),
-        "exit {:?}\nstdout: {}\nstderr: {}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    kiln_tests::assert_success(o, "kiln");
 }
 
 #[test]

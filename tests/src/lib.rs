@@ -24,6 +24,31 @@ pub fn require_env(name: &str) -> String {
     }
 }
 
+/// Asserts that a finished command exited 0; otherwise fails the test with `what` (the
+/// command, in the caller's words), the exit status and both outputs. Returns its stdout as
+/// text, trimmed.
+pub fn assert_success(o: &std::process::Output, what: &str) -> String {
+    assert!(
+        o.status.success(),
+        "{what} failed: {}\nstdout: {}\nstderr: {}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).trim().to_string()
+}
+
+/// Runs `cmd` to completion and [`assert_success`]es it, naming it by its program and
+/// arguments. Returns its output.
+pub fn run_ok(cmd: &mut std::process::Command) -> std::process::Output {
+    let what = format!("{cmd:?}");
+    let o = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{what} could not start: {e}"));
+    assert_success(&o, &what);
+    o
+}
+
 /// One line per path under `root` (the root itself excluded), sorted: path, file type,
 /// permission bits, uid, gid, xattrs (name=hex value, sorted), and then the symlink target,
 /// the sha256 of a regular file's content, or a device's major:minor. Used to compare trees
