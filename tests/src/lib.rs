@@ -49,6 +49,42 @@ pub fn run_ok(cmd: &mut std::process::Command) -> std::process::Output {
     o
 }
 
+/// Asserts that two files hold the same bytes, reading both in 4 MiB blocks (cheaper than
+/// hashing each: multi-GiB disk images are compared this way); fails the test naming the
+/// first differing byte offset, or both lengths.
+pub fn assert_same_bytes(a: &Path, b: &Path) {
+    use std::io::Read as _;
+    let open = |p: &Path| std::fs::File::open(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    let (mut fa, mut fb) = (open(a), open(b));
+    let (la, lb) = (
+        fa.metadata().expect("metadata").len(),
+        fb.metadata().expect("metadata").len(),
+    );
+    assert_eq!(
+        la,
+        lb,
+        "{} has {la} bytes, {} has {lb}",
+        a.display(),
+        b.display()
+    );
+    let (mut ba, mut bb) = (vec![0u8; 4 << 20], vec![0u8; 4 << 20]);
+    let mut at = 0u64;
+    while at < la {
+        let n = (la - at).min(ba.len() as u64) as usize;
+        fa.read_exact(&mut ba[..n]).expect("read");
+        fb.read_exact(&mut bb[..n]).expect("read");
+        if let Some(i) = ba[..n].iter().zip(&bb[..n]).position(|(x, y)| x != y) {
+            panic!(
+                "{} and {} differ at byte {}",
+                a.display(),
+                b.display(),
+                at + i as u64
+            );
+        }
+        at += n as u64;
+    }
+}
+
 /// One line per path under `root` (the root itself excluded), sorted: path, file type,
 /// permission bits, uid, gid, xattrs (name=hex value, sorted), and then the symlink target,
 /// the sha256 of a regular file's content, or a device's major:minor. Used to compare trees
@@ -119,5 +155,32 @@ fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) {
         if ft.is_dir() {
             walk(root, &p, out);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_bytes_names_the_first_differing_offset() {
+        let t = tempfile::tempdir().expect("tempdir");
+        let (a, b) = (t.path().join("a"), t.path().join("b"));
+        let mut data = vec![7u8; (4 << 20) + 3];
+        std::fs::write(&a, &data).expect("write");
+        std::fs::write(&b, &data).expect("write");
+        assert_same_bytes(&a, &b);
+        data[(4 << 20) + 1] = 8;
+        std::fs::write(&b, &data).expect("write");
+        let e = std::panic::catch_unwind(|| assert_same_bytes(&a, &b)).unwrap_err();
+        let msg = e.downcast_ref::<String>().expect("a message");
+        assert!(
+            msg.ends_with(&format!("differ at byte {}", (4 << 20) + 1)),
+            "{msg}"
+        );
+        std::fs::write(&b, &data[..10]).expect("write");
+        let e = std::panic::catch_unwind(|| assert_same_bytes(&a, &b)).unwrap_err();
+        let msg = e.downcast_ref::<String>().expect("a message");
+        assert!(msg.contains("has 10"), "{msg}");
     }
 }
