@@ -10,7 +10,8 @@
 #   KILN_FUZZ_TARGETS   space-separated targets to run (default: all, `cargo fuzz list`)
 # Only a stable toolchain is needed: RUSTC_BOOTSTRAP=1 lets it take the nightly flags
 # (-Zsanitizer, sancov passes) cargo-fuzz passes. Builds without a sanitizer (-s none: the
-# targets are safe Rust, and the build and the runs are about twice as fast), optimized, with
+# targets are safe Rust, and the build and the runs are about twice as fast), at opt-level 1
+# (fuzz/Cargo.toml's release profile) in 16 codegen units, with
 # debug assertions and overflow checks on.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -34,7 +35,9 @@ cd fuzz
 # cargo fuzz build has no --locked: check first that fuzz/Cargo.lock needs no change.
 cargo metadata --locked --format-version 1 >/dev/null
 log "building the fuzz targets into $target_dir"
-cargo fuzz build -O -a -s none --target-dir "$target_dir"
+# --codegen-units 16: cargo-fuzz's release default is 1 (for ThinLTO's inlining across
+# sancov-instrumented code), which compiles each crate on one core.
+cargo fuzz build -O -a -s none --codegen-units 16 --target-dir "$target_dir"
 bin_dir=$target_dir/x86_64-unknown-linux-gnu/release
 
 read -r -a targets <<<"${KILN_FUZZ_TARGETS:-$(cargo fuzz list | tr '\n' ' ')}"
