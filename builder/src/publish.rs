@@ -173,9 +173,9 @@ async fn put_blob(
 /// Publishes `image` into `store` and points `tags` at it. Returns the image manifest digest.
 ///
 /// The ext4 size is [`PublishOptions::disk_mib`], else the recipe's
-/// [`kiln_recipes::plan::Sandbox::disk_mib`], else computed (see [`crate::ext4`]). The UUID
-/// and directory hash seed derive from [`ext4::ROOTFS_SEED`], the same for every image, so a
-/// rebuild shares its metadata blocks with the image before it. Errors: see
+/// [`kiln_recipes::plan::Sandbox::disk_mib`], else computed (see [`crate::ext4`]). The
+/// file-system identity is [`ext4::ROOTFS_SEED`]'s, the same for every image, so a rebuild
+/// shares its metadata blocks with the image before it. Errors: see
 /// [`PublishError`]; on any error no tag moves (chunks and blobs already stored stay, for GC).
 pub async fn publish(
     store: &Store,
@@ -198,7 +198,6 @@ pub async fn publish(
         disk_mib: opts.disk_mib.or(image.sandbox.disk_mib),
         max_mib: opts.max_mib.unwrap_or(ext4::DEFAULT_MAX_MIB),
         source_date_epoch: image.source_date_epoch,
-        seed: ext4::ROOTFS_SEED.to_string(),
         limits: opts.limits,
     };
     let scratch = match &opts.scratch_dir {

@@ -76,7 +76,6 @@ fn read_back(env: &str, tag: &str) {
         disk_mib: None,
         max_mib: ext4::DEFAULT_MAX_MIB,
         source_date_epoch: None,
-        seed: digest.clone(),
         limits: Limits::default(),
     };
     let out = ext4::build(&layers, &img, &opts).expect("build ext4 (e2fsck -fn passed)");
