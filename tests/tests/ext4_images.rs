@@ -145,7 +145,8 @@ fn publish_fresh(kind: Kind, env: &str, tag: &str, work: &Path, label: &str) -> 
             &PublishOptions::default(),
         )
         .await
-        .expect("publish");
+        .expect("publish")
+        .manifest;
         assert_eq!(store.resolve_tag(&t).await.expect("tag set"), m);
         let Manifest::Image(im) = store.get_manifest(&m).await.expect("manifest") else {
             panic!("not an image manifest");

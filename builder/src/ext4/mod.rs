@@ -136,6 +136,12 @@ pub const FEATURES: &[&str] = &[
 /// A new value would be a new on-disk identity for every image: change it only with the
 /// format.
 pub const ROOTFS_SEED: &str = "kiln-rootfs-v1";
+/// Version of what the flattener makes of given layers and options (the tar it feeds mke2fs,
+/// the mke2fs arguments, the debugfs edits, the indexing pass): part of the publish's
+/// flatten key ([`crate::publish::flatten_key`]), so an image cache entry made by another
+/// version is not reused. Bump it with any change that makes the same inputs give other
+/// image bytes.
+pub const FLATTEN_VERSION: u32 = 2;
 /// The epoch used when the build sets no `SOURCE_DATE_EPOCH`: 2024-01-01T00:00:00Z.
 pub const DEFAULT_EPOCH: u64 = 1_704_067_200;
 /// Largest computed image size, MiB (64 GiB).
