@@ -7,8 +7,9 @@
 //! buildx writes it. Progress and step logs (the pipeline's [`Event`]s) go to stderr: plain
 //! lines, a terminal display, or one JSON object per step event with `--progress rawjson`.
 //! With the global `--json`, stdout has only JSON lines: those step events, then a `built`
-//! event (image manifest, OCI manifest, snapshot, tags, steps run and cached) instead of the
-//! digest line.
+//! event (image manifest, OCI manifest, snapshot, tags, steps run and cached, `imageReused`:
+//! whether an identical earlier image was reused without flattening, and `disk`: the ext4
+//! image's new and reused chunks, [`kiln_pipeline::ChunkCounts`]) instead of the digest line.
 //!
 //! `--snapshot` (kiln's own flag) then boots the image once in a microVM, runs its start
 //! command until its ready check passes and stores the snapshot
