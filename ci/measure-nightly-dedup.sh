@@ -24,10 +24,8 @@
 # recipe's build argument of that name (see base-images/debian.yaml's header).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-kiln=${KILN_BIN:-target/release/kiln}
-work=${1:-$(mktemp -d)}
-mkdir -p "$work"
-work=$(cd "$work" && pwd)
+. ci/measure-lib.sh
+measure_init "${1:-}"
 store=$work/store
 repo=$work/apt
 mkdir -p "$repo"
@@ -75,15 +73,12 @@ PY
 
 night() {
   local day=$1
-  KILN_STORE=$store KILN_STATE_DIR=$work/state KILN_SNAPSHOT_CACHE=$work/snapshots \
+  measure_run "night-$day" env KILN_STORE="$store" KILN_STATE_DIR="$work/state" \
+    KILN_SNAPSHOT_CACHE="$work/snapshots" \
     "$kiln" nightly "$recipe" --tag debian-probe:latest --day "$day" --json \
     --build-arg SOURCE_DATE_EPOCH=1700000000 --build-arg "LOCAL_APT=http://$addr:$port" \
     --build-arg "EXTRA_CA_CERTS=${EXTRA_CA_CERTS:-}" \
-    --report-file "$work/night-$day.json" >"$work/night-$day.out" 2>"$work/night-$day.err" || {
-    echo "measure: night $day failed (exit $?); see $work/night-$day.err" >&2
-    tail -20 "$work/night-$day.err" >&2
-    exit 1
-  }
+    --report-file "$work/night-$day.json"
 }
 
 publish 1.0

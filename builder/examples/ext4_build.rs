@@ -33,7 +33,6 @@ fn main() {
         disk_mib: std::env::var("DISK_MIB").ok().and_then(|s| s.parse().ok()),
         max_mib: ext4::DEFAULT_MAX_MIB,
         source_date_epoch: None,
-        seed: "sha256:bench".into(),
         limits: Limits::default(),
     };
     if std::env::var_os("FLATTEN_ONLY").is_some() {

@@ -19,6 +19,20 @@
 //!    inputs give an identical manifest digest; build time and host go into the tag history;
 //! 5. moves each tag to the manifest by compare-and-swap ([`Store::force_tag`]), recording the
 //!    previous digest in the tag history.
+//!
+//! ## Reusing an image
+//! Steps 1–4 are skipped when the store already holds the image manifest they would write:
+//! [`flatten_key`] hashes everything the manifest is made from (the OCI manifest, config and
+//! layer digests, recipe digest, provenance, sandbox, the ext4 options, the pinned features
+//! and identity, the mke2fs configuration and version, [`ext4::FLATTEN_VERSION`], kiln's
+//! version, the chunking), and an image cache entry (`images/<key>`,
+//! [`Store::put_image_entry`]) written after each publish names its manifest. A later
+//! publish with the same key leases that manifest and everything it names (every chunk and
+//! blob: [`kiln_store::manifest::references`]) and checks under the sweep lock that all of
+//! it is present ([`Lease::find_present`]); only then do the tags move to it. If anything is
+//! missing (a GC swept it, an entry from another store's history), it flattens as usual and
+//! the entry is rewritten. Reuse needs [`PublishOptions::lease`]: without a lease nothing
+//! keeps the objects between the check and the tag, so it flattens.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -170,12 +184,100 @@ async fn put_blob(
     Ok(r)
 }
 
-/// Publishes `image` into `store` and points `tags` at it. Returns the image manifest digest.
+/// What [`publish`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Publication {
+    /// The image manifest the tags name.
+    pub manifest: ManifestDigest,
+    /// `true`: an earlier publish's manifest with the same [`flatten_key`] was reused, all of
+    /// it present; nothing was flattened or chunked.
+    pub reused: bool,
+}
+
+/// The key of the image cache entry for `image` made with `ext4_opts` and `chunking` by
+/// mke2fs `mke2fs_version`: lowercase hex sha256 (64 characters) of a JSON object of every
+/// input of the image manifest (see the module doc). Equal keys mean equal manifests, as
+/// long as [`ext4::FLATTEN_VERSION`] is bumped with any change to what the flattener makes
+/// of the same layers. Errors: none (serializing plain values cannot fail).
+pub fn flatten_key(
+    image: &BuiltImage,
+    ext4_opts: &Ext4Options,
+    chunking: Chunking,
+    mke2fs_version: &str,
+) -> String {
+    let l = &ext4_opts.limits;
+    let v = serde_json::json!({
+        "flattener": ext4::FLATTEN_VERSION,
+        "kiln": env!("CARGO_PKG_VERSION"),
+        "ociManifest": image.oci_manifest.digest,
+        "config": image.config.digest,
+        "layers": image.layers.iter().map(|d| &d.digest).collect::<Vec<_>>(),
+        "recipeDigest": image.recipe_digest,
+        "provenance": image.provenance,
+        "sandbox": sandbox_spec(&image.sandbox),
+        "diskMib": ext4_opts.disk_mib,
+        "maxMib": ext4_opts.max_mib,
+        "sourceDateEpoch": ext4_opts.source_date_epoch,
+        "limits": [l.max_total_bytes, l.max_entries, l.max_file_bytes, l.max_ratio,
+            l.ratio_floor_bytes],
+        "features": ext4::FEATURES,
+        "identity": ext4::ROOTFS_SEED,
+        "mke2fsConf": ext4::MKE2FS_CONF,
+        "mke2fs": mke2fs_version,
+        "chunking": chunking,
+    });
+    hex::encode(<sha2::Sha256 as sha2::Digest>::digest(
+        v.to_string().as_bytes(),
+    ))
+}
+
+/// The image manifest of image cache entry `key` when it and every object it names are in
+/// `store`, all leased by `lease` first; `None` otherwise (no entry, a corrupt one, or
+/// something missing: logged).
+async fn reusable(
+    store: &Store,
+    lease: &Lease,
+    key: &str,
+) -> Result<Option<(ManifestDigest, Manifest)>, PublishError> {
+    let entry = match store.get_image_entry(key).await {
+        Ok(Some(e)) => e,
+        Ok(None) => return Ok(None),
+        Err(e) => {
+            tracing::warn!(key, error = %e, "ignoring the image cache entry");
+            return Ok(None);
+        }
+    };
+    let d = entry.manifest;
+    let top = [kiln_store::ObjectRef::Manifest(d)];
+    if lease.find_present(&top).await?.is_empty() {
+        tracing::info!(key, manifest = %d, "image cache entry names a manifest not in the store");
+        return Ok(None);
+    }
+    let m = match store.get_manifest(&d).await? {
+        m @ Manifest::Image(_) => m,
+        _ => return Ok(None),
+    };
+    let refs = kiln_store::manifest::references(&m);
+    let present = lease.find_present(&refs).await?;
+    if present.len() != refs.len() {
+        tracing::info!(
+            key,
+            manifest = %d,
+            missing = refs.len() - present.len(),
+            "image cache entry's manifest misses objects; flattening again"
+        );
+        return Ok(None);
+    }
+    Ok(Some((d, m)))
+}
+
+/// Publishes `image` into `store` and points `tags` at it, reusing the image manifest of an
+/// identical earlier publish when all of it is present (module doc, "Reusing an image").
 ///
 /// The ext4 size is [`PublishOptions::disk_mib`], else the recipe's
-/// [`kiln_recipes::plan::Sandbox::disk_mib`], else computed (see [`crate::ext4`]). The UUID
-/// and directory hash seed derive from [`ext4::ROOTFS_SEED`], the same for every image, so a
-/// rebuild shares its metadata blocks with the image before it. Errors: see
+/// [`kiln_recipes::plan::Sandbox::disk_mib`], else computed (see [`crate::ext4`]). The
+/// file-system identity is [`ext4::ROOTFS_SEED`]'s, the same for every image, so a rebuild
+/// shares its metadata blocks with the image before it. Errors: see
 /// [`PublishError`]; on any error no tag moves (chunks and blobs already stored stay, for GC).
 pub async fn publish(
     store: &Store,
@@ -183,7 +285,7 @@ pub async fn publish(
     image: &BuiltImage,
     tags: &[TagRef],
     opts: &PublishOptions,
-) -> Result<ManifestDigest, PublishError> {
+) -> Result<Publication, PublishError> {
     let mut layers = Vec::with_capacity(image.layers.len());
     for l in &image.layers {
         let path = cache
@@ -198,9 +300,33 @@ pub async fn publish(
         disk_mib: opts.disk_mib.or(image.sandbox.disk_mib),
         max_mib: opts.max_mib.unwrap_or(ext4::DEFAULT_MAX_MIB),
         source_date_epoch: image.source_date_epoch,
-        seed: ext4::ROOTFS_SEED.to_string(),
         limits: opts.limits,
     };
+    let chunking = opts.chunking.unwrap_or(Chunking::DISK_DEFAULT);
+    let key = flatten_key(image, &ext4_opts, chunking, &ext4::check_tools()?.version);
+    if let Some(lease) = &opts.lease
+        && let Some((d, m)) = reusable(store, lease, &key).await?
+    {
+        if let (Some(progress), Manifest::Image(m)) = (&opts.progress, &m) {
+            // Told as a publish that found every chunk present would tell it.
+            for e in &m.disk.entries {
+                progress(&match e.digest {
+                    Some(digest) => kiln_store::progress::ProgressEvent::Chunk {
+                        digest,
+                        raw_len: e.raw_len,
+                        stored_len: e.stored_len,
+                        transferred: false,
+                    },
+                    None => kiln_store::progress::ProgressEvent::Hole { raw_len: e.raw_len },
+                });
+            }
+        }
+        move_tags(store, tags, d).await?;
+        return Ok(Publication {
+            manifest: d,
+            reused: true,
+        });
+    }
     let scratch = match &opts.scratch_dir {
         Some(d) => d.join(format!(
             "kiln-ext4-{}-{}",
@@ -218,12 +344,26 @@ pub async fn publish(
             source,
         })?;
     }
-    let result = publish_with(
-        store, cache, image, tags, opts, &layers, &ext4_opts, &scratch,
-    )
-    .await;
+    let result = publish_with(store, cache, image, opts, &layers, &ext4_opts, &scratch).await;
     let _ = std::fs::remove_file(&scratch);
-    result
+    let manifest = result?;
+    store.put_image_entry(&key, manifest).await?;
+    move_tags(store, tags, manifest).await?;
+    Ok(Publication {
+        manifest,
+        reused: false,
+    })
+}
+
+/// Moves each of `tags` to `d` unless it names it already.
+async fn move_tags(store: &Store, tags: &[TagRef], d: ManifestDigest) -> Result<(), PublishError> {
+    for t in tags {
+        if store.get_tag(t).await?.map(|r| r.manifest) == Some(d) {
+            continue;
+        }
+        store.force_tag(t, d).await?;
+    }
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -231,7 +371,6 @@ async fn publish_with(
     store: &Store,
     cache: &dyn BlobCache,
     image: &BuiltImage,
-    tags: &[TagRef],
     opts: &PublishOptions,
     layers: &[LayerBlob],
     ext4_opts: &Ext4Options,
@@ -297,12 +436,5 @@ async fn publish_with(
         Some(lease) => lease.put_manifest(&m).await?,
         None => store.put_manifest(&m).await?,
     };
-    // 4. tags
-    for t in tags {
-        if store.get_tag(t).await?.map(|r| r.manifest) == Some(raw.digest) {
-            continue;
-        }
-        store.force_tag(t, raw.digest).await?;
-    }
     Ok(raw.digest)
 }

@@ -126,6 +126,7 @@ fn cli_and_library_build_the_same_image() {
     let published = report.image.as_ref().expect("published");
     assert!(published.disk.new_chunks > 0, "{published:?}");
     assert_eq!(published.disk.reused_chunks, 0, "{published:?}");
+    assert!(!published.reused, "{published:?}");
     assert!(
         events
             .iter()
@@ -171,6 +172,8 @@ fn cli_and_library_build_the_same_image() {
     let disk = again.image.as_ref().expect("published").disk;
     assert_eq!(disk.new_chunks, 0, "{disk:?}");
     assert_eq!(disk.reused_chunks, published.disk.new_chunks, "{disk:?}");
+    // ... and nothing was flattened: the first build's image manifest was reused.
+    assert!(again.image.as_ref().expect("published").reused, "{again:?}");
     assert_eq!(at(&other), Some(image));
 
     // Compare-and-swap: a tag that exists is not absent, and a wrong digest is wrong.

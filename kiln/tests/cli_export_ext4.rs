@@ -51,7 +51,8 @@ fn publish_busybox(store: &Path) -> (String, u64) {
         let t: kiln_store::TagRef = "bb:v1".parse().expect("tag");
         let d = publish::publish(&s, &cache, &image, &[t], &PublishOptions::default())
             .await
-            .expect("publish");
+            .expect("publish")
+            .manifest;
         (d.to_string(), 40 << 20)
     })
 }

@@ -4,6 +4,9 @@
 //! must stay at or below 3% (the issue's goal). With a file-system UUID per image digest it
 //! was far above: `metadata_csum` spreads the UUID into every inode table, bitmap and
 //! directory block, so about every chunk holding metadata was new.
+//!
+//! And a rebuild that changes nothing reuses the image manifest without flattening, unless
+//! part of it is gone from the store.
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -98,4 +101,83 @@ fn one_changed_context_file_adds_at_most_three_percent_new_chunk_bytes() {
             share * 100.0
         );
     });
+}
+
+/// `kiln --json build`: the `built` event (the last stdout line) and the stderr text.
+fn build_json(store: &Path, ctx: &Path, tag: &str) -> (serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .env("KILN_STORE", store)
+        .args(["--json", "build"])
+        .arg(ctx)
+        .args(["-t", tag])
+        .output()
+        .expect("run kiln");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8(out.stdout).expect("utf-8");
+    let built: serde_json::Value =
+        serde_json::from_str(stdout.lines().last().expect("a built event")).expect("json");
+    assert_eq!(built["event"], "built", "{stdout}");
+    (built, stderr)
+}
+
+/// Issue 16: a rebuild in which every step is a cache hit and the file-system options are
+/// the same publishes the same image manifest without flattening or chunking it again
+/// (`imageReused` in the `built` event, from the publish's own report; "reused" on stderr).
+/// When one of that image's chunks is gone (as after a GC), the next rebuild does
+/// not reuse it: it flattens again, stores the chunk again, and the tag names a whole image.
+#[test]
+fn unchanged_rebuild_reuses_the_image_manifest_without_flattening() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let ctx = t.path().join("ctx");
+    let store_dir = t.path().join("store");
+    std::fs::create_dir_all(&ctx).expect("mkdir");
+    std::fs::write(ctx.join("f.txt"), "some context\n").expect("write");
+    std::fs::write(
+        ctx.join("Dockerfile"),
+        format!("FROM {bb}\nCOPY f.txt /f.txt\nRUN cat /f.txt > /copied\n"),
+    )
+    .expect("write");
+    let (first, _) = build_json(&store_dir, &ctx, "same:1");
+    assert_eq!(first["imageReused"], false, "{first}");
+    let (again, stderr) = build_json(&store_dir, &ctx, "same:2");
+    assert_eq!(again["manifest"], first["manifest"], "{again}");
+    assert_eq!(again["stepsRun"], 0, "{again}");
+    assert_eq!(again["imageReused"], true, "{again}");
+    assert!(stderr.contains(": reused ("), "{stderr}");
+
+    // Take one chunk of the image away, as a GC of an untagged image would.
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let digest: kiln_store::ManifestDigest = first["manifest"]
+        .as_str()
+        .expect("a manifest")
+        .parse()
+        .expect("digest");
+    let chunk = rt.block_on(async {
+        let store = Store::open(store_dir.to_str().expect("utf-8"))
+            .await
+            .expect("store");
+        let Manifest::Image(m) = store.get_manifest(&digest).await.expect("manifest") else {
+            panic!("not an image manifest");
+        };
+        m.disk
+            .entries
+            .iter()
+            .find_map(|e| e.digest)
+            .expect("a chunk")
+    });
+    let chunk_file = store_dir.join(kiln_store::ObjectRef::Chunk(chunk).key());
+    std::fs::remove_file(&chunk_file).expect("remove the chunk");
+    let (third, _) = build_json(&store_dir, &ctx, "same:3");
+    assert_eq!(third["imageReused"], false, "{third}");
+    assert_eq!(third["manifest"], first["manifest"], "{third}");
+    assert!(chunk_file.exists(), "the missing chunk is stored again");
+    // And now it is whole again, so it is reused again.
+    let (fourth, _) = build_json(&store_dir, &ctx, "same:4");
+    assert_eq!(fourth["imageReused"], true, "{fourth}");
 }

@@ -77,6 +77,9 @@ pub enum Event {
         oci_manifest: String,
         /// The ext4 image's chunks.
         disk: ChunkCounts,
+        /// `true`: an earlier identical publish's manifest was reused, nothing flattened
+        /// ([`crate::PublishedImage::reused`]).
+        reused: bool,
     },
     /// The image is booting once for its snapshot.
     Booting {

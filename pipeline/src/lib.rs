@@ -490,7 +490,7 @@ async fn finish(
             });
         })
     };
-    let manifest = kiln_builder::publish::publish(
+    let publication = kiln_builder::publish::publish(
         &setup.store,
         setup.cache.as_ref(),
         &out.image,
@@ -503,17 +503,20 @@ async fn finish(
         },
     )
     .await?;
-    // publish leased the manifest before writing it.
+    // publish leased the manifest before writing it (or before reusing it).
+    let manifest = publication.manifest;
     let totals = *stats.lock().unwrap_or_else(|p| p.into_inner());
     let published = PublishedImage {
         manifest,
         disk_bytes: totals.raw_bytes + totals.hole_bytes,
         disk: totals.into(),
+        reused: publication.reused,
     };
     events.event(Event::Published {
         image: manifest,
         oci_manifest: out.image.oci_manifest.digest.clone(),
         disk: published.disk,
+        reused: publication.reused,
     });
     times.publish = t.elapsed();
     if cancel.is_cancelled() {

@@ -54,6 +54,10 @@ pub struct PublishedImage {
     pub disk_bytes: u64,
     /// Its chunks.
     pub disk: ChunkCounts,
+    /// `true`: the image manifest of an earlier identical publish, all of it present, was
+    /// reused and nothing was flattened (`kiln_builder::publish`, "Reusing an image"); its
+    /// chunks then all count as reused.
+    pub reused: bool,
 }
 
 /// Chunks of one artifact: how many were new to the store and how many it had already.

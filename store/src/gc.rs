@@ -126,8 +126,9 @@ pub struct GcReport {
     pub young_kept: usize,
     /// Unmarked objects older than the grace period: deleted, or listed in a dry run.
     pub collected: Vec<Collected>,
-    /// Leases no longer live (expired, or held by a dead process of this host) and expired
-    /// cache entries, removed (or that would be).
+    /// Leases no longer live (expired, or held by a dead process of this host), expired
+    /// cache entries and the image cache entries (`images/<key>`) of swept manifests,
+    /// removed (or that would be).
     pub expired: Vec<String>,
     /// Whether this was a dry run.
     pub dry_run: bool,
@@ -344,6 +345,26 @@ impl Store {
                 }
             }
             report.collected.push(Collected { key: r.key(), size });
+        }
+        // Image cache entries of the manifests swept now (listed after the sweep: an entry
+        // written meanwhile names a manifest some lease or tag keeps, so not one of these).
+        let swept: HashSet<ManifestDigest> = report
+            .collected
+            .iter()
+            .filter_map(|c| match ObjectRef::from_key(&c.key) {
+                Some(ObjectRef::Manifest(d)) => Some(d),
+                _ => None,
+            })
+            .collect();
+        if !swept.is_empty() {
+            for o in self.backend.list("images/").await? {
+                let k = o.key.trim_start_matches("images/");
+                if let Ok(Some(e)) = self.get_image_entry(k).await
+                    && swept.contains(&e.manifest)
+                {
+                    report.expired.push(o.key.clone());
+                }
+            }
         }
         if !opts.dry_run {
             for k in &report.expired {
@@ -654,6 +675,49 @@ mod tests {
                 assert!(store.has(&ObjectRef::Chunk(d)).await.unwrap());
             }
         }
+    }
+
+    /// Issue 16: an image cache entry (`images/<key>`) is not a GC root: the image it names
+    /// is swept once no tag keeps it, and the entry goes with it; an entry whose image a tag
+    /// keeps stays.
+    #[tokio::test]
+    async fn image_cache_entries_go_with_the_images_gc_sweeps() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::manifest::{ImageManifest, Manifest};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let mut digests = Vec::new();
+        for n in [1u32, 2] {
+            let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8 + n as u8).collect();
+            let (table, _) = store
+                .put_artifact_reader(std::io::Cursor::new(data), &PutArtifactOptions::default())
+                .await
+                .unwrap();
+            let raw = store
+                .put_manifest(&Manifest::Image(ImageManifest::new(table)))
+                .await
+                .unwrap();
+            store
+                .put_image_entry(&format!("key{n}"), raw.digest)
+                .await
+                .unwrap();
+            digests.push(raw.digest);
+        }
+        let t: crate::TagRef = "img:kept".parse().unwrap();
+        store.set_tag(&t, None, digests[1]).await.unwrap();
+        let opts = GcOptions {
+            grace: Duration::ZERO,
+            ..GcOptions::default()
+        };
+        let report = store.gc(&opts).await.unwrap();
+        assert!(
+            report.expired.contains(&"images/key1".to_string()),
+            "{report:?}"
+        );
+        assert!(!store.has(&ObjectRef::Manifest(digests[0])).await.unwrap());
+        assert_eq!(store.get_image_entry("key1").await.unwrap(), None);
+        let kept = store.get_image_entry("key2").await.unwrap().expect("kept");
+        assert_eq!(kept.manifest, digests[1]);
     }
 
     /// GC lists the objects, then reads the leases: a lease taken between the two (a build

@@ -9,6 +9,14 @@
 //! A build-cache entry (`cache/<key>`, JSON [`CacheEntry`]) maps a build step's cache key to
 //! the layer blob it produced, with its creation time; it is a GC root for
 //! [`DEFAULT_CACHE_TTL`] (configurable in [`crate::gc::GcOptions`]).
+//!
+//! An image cache entry (`images/<key>`, JSON [`ImageCacheEntry`]) maps what an ext4 image
+//! is made from (the builder's flatten key: layers, file-system options, flattener version)
+//! to the image manifest published for it, so a rebuild with the same key reuses that
+//! manifest instead of flattening again. It is not a GC root: the tags and leases that keep
+//! the manifest keep it useful, GC deletes the entries of the manifests it sweeps, and a
+//! reader checks that the manifest and everything it names are present before relying on
+//! it (an entry can outlive its manifest on a store swept by an older kiln).
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -17,7 +25,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{Backend, validate_key};
-use crate::digest::BlobDigest;
+use crate::digest::{BlobDigest, ManifestDigest};
 use futures::StreamExt;
 
 use crate::manifest::{Manifest, ObjectRef, RawManifest};
@@ -49,7 +57,8 @@ pub enum LeaseError {
 /// bytes a chunk, so this covers some 3 million chunks). Bigger is corrupt or planted.
 pub const MAX_LEASE_LEN: u64 = 256 << 20;
 
-/// Largest build-cache entry read, bytes (an entry is a digest and a time, under 200 bytes).
+/// Largest build-cache or image cache entry read, bytes (an entry is a digest and a time,
+/// under 200 bytes).
 pub const MAX_CACHE_ENTRY_LEN: u64 = 4096;
 
 impl Store {
@@ -348,6 +357,16 @@ pub struct CacheEntry {
     pub time: u64,
 }
 
+/// What `images/<key>` holds (see the module doc).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageCacheEntry {
+    /// The image manifest published for the key.
+    pub manifest: ManifestDigest,
+    /// When written, unix seconds.
+    pub time: u64,
+}
+
 impl Store {
     async fn write_lease(&self, r: &LeaseRecord) -> Result<(), StoreError> {
         self.backend
@@ -492,6 +511,43 @@ impl Store {
     pub async fn get_cache_entry(&self, key: &str) -> Result<Option<CacheEntry>, StoreError> {
         check_id(key)?;
         let k = format!("cache/{key}");
+        let Some(b) = self.get_small(&k, MAX_CACHE_ENTRY_LEN).await? else {
+            return Ok(None);
+        };
+        Ok(Some(serde_json::from_slice(&b).map_err(|e| {
+            LeaseError::Corrupt {
+                key: k,
+                store: self.url().to_string(),
+                reason: e.to_string(),
+            }
+        })?))
+    }
+
+    /// Writes image cache entry `images/<key>` → `manifest`, stamped now (unconditional
+    /// put: a newer publish of the same key replaces it). `key` is one key segment, as for
+    /// [`Store::put_cache_entry`]. Errors: [`LeaseError::InvalidId`], backend errors.
+    pub async fn put_image_entry(
+        &self,
+        key: &str,
+        manifest: ManifestDigest,
+    ) -> Result<(), StoreError> {
+        check_id(key)?;
+        let e = ImageCacheEntry {
+            manifest,
+            time: unix_now(),
+        };
+        // Serializing these plain types cannot fail.
+        let bytes = Bytes::from(serde_json::to_vec(&e).unwrap_or_default());
+        self.backend.put(&format!("images/{key}"), bytes).await?;
+        Ok(())
+    }
+
+    /// Reads image cache entry `key`, `None` when absent. It says nothing of whether the
+    /// manifest is still there. Errors: [`LeaseError::Corrupt`] naming `images/<key>` for
+    /// one that does not parse.
+    pub async fn get_image_entry(&self, key: &str) -> Result<Option<ImageCacheEntry>, StoreError> {
+        check_id(key)?;
+        let k = format!("images/{key}");
         let Some(b) = self.get_small(&k, MAX_CACHE_ENTRY_LEN).await? else {
             return Ok(None);
         };

@@ -15,12 +15,14 @@
 //!   leases/<id>               JSON: expiry, owner + keys an in-flight build/push relies on
 //!   leases/<id>~<n>           JSON: the same lease, keys added later ([`lease::Lease`])
 //!   cache/<key>               JSON: build-cache entry → layer blob digest, with its time
+//!   images/<key>              JSON: image cache entry → image manifest digest, with its
+//!                             time ([`lease::ImageCacheEntry`]; not a GC root)
 //!   (local only) .tmp/ .locks/  temp files before rename, flock files for tag CAS and the
 //!                             sweep lock `.locks/%sweep` ([`gc`])
 //! ```
-//! Everything but tags, histories, OCI references, leases and cache entries is immutable and written with
-//! put-if-absent. Publish order is chunks, then manifest, then tag, so no tag ever names
-//! missing data.
+//! Everything but tags, histories, OCI references, leases, cache and image cache entries
+//! is immutable and written with put-if-absent. Publish order is chunks, then manifest,
+//! then tag, so no tag ever names missing data.
 //!
 //! ## Layers (bottom up)
 //! - [`backend`]: bytes by key. [`backend::Backend`] (get, get_range, head, put_if_absent,

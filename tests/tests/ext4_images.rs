@@ -76,7 +76,6 @@ fn read_back(env: &str, tag: &str) {
         disk_mib: None,
         max_mib: ext4::DEFAULT_MAX_MIB,
         source_date_epoch: None,
-        seed: digest.clone(),
         limits: Limits::default(),
     };
     let out = ext4::build(&layers, &img, &opts).expect("build ext4 (e2fsck -fn passed)");
@@ -146,7 +145,8 @@ fn publish_fresh(kind: Kind, env: &str, tag: &str, work: &Path, label: &str) -> 
             &PublishOptions::default(),
         )
         .await
-        .expect("publish");
+        .expect("publish")
+        .manifest;
         assert_eq!(store.resolve_tag(&t).await.expect("tag set"), m);
         let Manifest::Image(im) = store.get_manifest(&m).await.expect("manifest") else {
             panic!("not an image manifest");

@@ -25,16 +25,11 @@
 //! from the machine is pinned:
 //! - a configuration file written by kiln ([`MKE2FS_CONF`], through `MKE2FS_CONFIG`), so the
 //!   host's `/etc/mke2fs.conf` does not matter; the environment is cleared;
-//! - the UUID (`-U`) and the directory hash seed (`-E hash_seed=`) derive from
-//!   [`Ext4Options::seed`] with sha256 ([`fs_uuid`]). Published images all use
-//!   [`ROOTFS_SEED`]: the file system's identity must not change when the tree does, because
-//!   with `metadata_csum` (and no `metadata_csum_seed`) every inode, directory, extent and
-//!   bitmap checksum depends on the UUID. A UUID per image digest made about 1,200–1,500
-//!   scattered 4 KiB blocks differ between two builds of nearly the same tree, so 14% of a
-//!   rebuilt image's chunk bytes were new; with the first image's UUID, 0.4–0.9% were. A
-//!   constant is a function of the build's inputs that every caller (CLI, API, nightly)
-//!   computes alike, and it keeps a nightly whose base layer changed from rewriting every
-//!   metadata block. The guest mounts its root as `/dev/vda`, never by UUID;
+//! - the file system's identity: the UUID (`-U`), the metadata checksum seed and the
+//!   directory hash seed (`-E hash_seed=`) are the same for every image kiln makes, derived
+//!   from [`ROOTFS_SEED`] with sha256 ([`fs_uuid`], [`hash_seed`]); no caller chooses them
+//!   ([`Ext4Options`] has no such field), so the CLI, the HTTP API and the nightly get the
+//!   same bytes for the same layers. See [`ROOTFS_SEED`] for why it is one constant;
 //! - every time mke2fs makes up (superblock times, inode crtime, lost+found, the root
 //!   directory) comes from `E2FSPROGS_FAKE_TIME`, set to the build's `SOURCE_DATE_EPOCH` or
 //!   [`DEFAULT_EPOCH`], and the superblock times `e2fsck -fpD` writes (last write, last
@@ -50,12 +45,18 @@
 //!
 //! ## Features ([`FEATURES`])
 //! `sparse_super large_file filetype resize_inode dir_index ext_attr has_journal extent
-//! huge_file flex_bg metadata_csum 64bit dir_nlink extra_isize`: Debian bookworm's ext4 set
-//! minus `metadata_csum_seed` and `orphan_file`. Every one is supported by Linux 6.1 (the
-//! guest kernel; the newest, `metadata_csum`, since 3.18) and by e2fsprogs ≥ 1.43, so
-//! `resize2fs` on any current host can grow the image (`resize_inode` reserves room for
-//! growth to 1024×). `orphan_file` (1.47) is left out so older e2fsprogs can still check and
-//! resize the images. The list is recorded in the image manifest ([`kiln_store::Filesystem`]).
+//! huge_file flex_bg metadata_csum metadata_csum_seed 64bit dir_nlink extra_isize`: Debian
+//! bookworm's ext4 set plus `metadata_csum_seed`, minus `orphan_file`. With
+//! `metadata_csum_seed` the metadata checksums use the seed stored in the superblock
+//! (`s_checksum_seed`, set by mke2fs to crc32c of the UUID it was made with) instead of the
+//! UUID itself (kernel `Documentation/filesystems/ext4/superblock.rst`, `INCOMPAT_CSUM_SEED`),
+//! so a copy of an image can be given its own UUID (`tune2fs -U random`) by rewriting the
+//! superblock alone, not every checksummed block. Every feature is supported by Linux 6.1
+//! (the guest kernel; `metadata_csum` since 3.18, `metadata_csum_seed` since 4.4) and by
+//! e2fsprogs ≥ 1.43, so `resize2fs` on any current host can grow the image (`resize_inode`
+//! reserves room for growth to 1024×). `orphan_file` (1.47) is left out so older e2fsprogs
+//! can still check and resize the images. The list is recorded in the image manifest
+//! ([`kiln_store::Filesystem`]).
 //!
 //! ## Size
 //! [`Ext4Options::disk_mib`] when given (the recipe's `disk_mib`, the default image's 3072,
@@ -105,14 +106,42 @@ pub const FEATURES: &[&str] = &[
     "huge_file",
     "flex_bg",
     "metadata_csum",
+    "metadata_csum_seed",
     "64bit",
     "dir_nlink",
     "extra_isize",
 ];
-/// The seed of every published image's file-system identity (UUID and directory hash seed):
-/// one constant, so that rebuilds and images of one base share their metadata blocks. A new
-/// value would be a new on-disk identity for every image: change it only with the format.
+/// The seed of every image's file-system identity: its UUID ([`fs_uuid`]), through it the
+/// metadata checksum seed, and its directory hash seed ([`hash_seed`]).
+///
+/// One constant, not a value per image, per base or per caller:
+/// - with `metadata_csum` the UUID (or the checksum seed made from it) is in every inode,
+///   directory, extent, bitmap and group descriptor checksum. A UUID per image digest made
+///   about 1,200–1,500 scattered 4 KiB blocks differ between two builds of nearly the same
+///   tree, so 14–23% of a rebuilt image's chunk bytes were new (issue 16); a UUID per base
+///   image would do the same to every image when its base is rebuilt (a nightly), and would
+///   keep images on different bases from sharing metadata chunks. A constant is trivially a
+///   function of the build's inputs that every caller computes alike;
+/// - what it costs: every kiln image has the same UUID. The guest mounts its root as
+///   `/dev/vda`, never by UUID, and Linux's ext4 does not refuse two mounted file systems
+///   of one UUID. A host that attaches two images at once and mounts by UUID (udev's
+///   `/dev/disk/by-uuid` names one of them) must not rely on it; `tune2fs -U random` on a
+///   copy gives it its own UUID cheaply ([`FEATURES`]: `metadata_csum_seed`);
+/// - a known directory hash seed lets whoever writes a directory choose names that collide
+///   in its htree index, which makes lookups in that directory slower (a linear scan of the
+///   colliding blocks), never wrong. Image trees come from the recipe's own author, and in
+///   the guest the seed is readable from the superblock by root anyway, so a secret seed
+///   would protect nothing there.
+///
+/// A new value would be a new on-disk identity for every image: change it only with the
+/// format.
 pub const ROOTFS_SEED: &str = "kiln-rootfs-v1";
+/// Version of what the flattener makes of given layers and options (the tar it feeds mke2fs,
+/// the mke2fs arguments, the debugfs edits, the indexing pass): part of the publish's
+/// flatten key ([`crate::publish::flatten_key`]), so an image cache entry made by another
+/// version is not reused. Bump it with any change that makes the same inputs give other
+/// image bytes.
+pub const FLATTEN_VERSION: u32 = 2;
 /// The epoch used when the build sets no `SOURCE_DATE_EPOCH`: 2024-01-01T00:00:00Z.
 pub const DEFAULT_EPOCH: u64 = 1_704_067_200;
 /// Largest computed image size, MiB (64 GiB).
@@ -138,7 +167,7 @@ pub const MKE2FS_CONF: &str = "[defaults]
 
 [fs_types]
 \text4 = {
-\t\tfeatures = has_journal,extent,huge_file,flex_bg,metadata_csum,64bit,dir_nlink,extra_isize
+\t\tfeatures = has_journal,extent,huge_file,flex_bg,metadata_csum,metadata_csum_seed,64bit,dir_nlink,extra_isize
 \t}
 \tdefault = {
 \t}
@@ -163,9 +192,6 @@ pub struct Ext4Options {
     /// `SOURCE_DATE_EPOCH` of the build, seconds; `None`: [`DEFAULT_EPOCH`] for mke2fs's
     /// own times, and layer mtimes kept as they are.
     pub source_date_epoch: Option<u64>,
-    /// What UUID and hash seed derive from ([`fs_uuid`], [`hash_seed`]); publishing passes
-    /// [`ROOTFS_SEED`] (see the module doc for why it is not per image).
-    pub seed: String,
     /// Bounds applied to each layer while reading it.
     pub limits: Limits,
 }
@@ -618,11 +644,11 @@ fn build_inner(
         path: conf.clone(),
         source,
     })?;
-    let uuid = fs_uuid(&opts.seed);
+    let uuid = fs_uuid(ROOTFS_SEED);
     let mut tried: Vec<u64> = Vec::new();
     loop {
         tried.push(mib);
-        let args = mke2fs_args(&opts.seed, mib, estimate.tree_inodes);
+        let args = mke2fs_args(mib, estimate.tree_inodes);
         let sde = opts.source_date_epoch;
         match run_mke2fs(&flat, dest, &args, mib, epoch, sde, &conf) {
             Ok(()) => {
@@ -730,7 +756,7 @@ fn host_full(stderr: &str) -> bool {
 }
 
 /// The mke2fs arguments (without `-d`, the device and the size).
-fn mke2fs_args(seed: &str, mib: u64, tree_inodes: u64) -> Vec<String> {
+fn mke2fs_args(mib: u64, tree_inodes: u64) -> Vec<String> {
     vec![
         "-q".into(),
         "-F".into(),
@@ -753,11 +779,11 @@ fn mke2fs_args(seed: &str, mib: u64, tree_inodes: u64) -> Vec<String> {
         "-O".into(),
         format!("none,{}", FEATURES.join(",")),
         "-U".into(),
-        fs_uuid(seed),
+        fs_uuid(ROOTFS_SEED),
         "-E".into(),
         format!(
             "hash_seed={},root_owner=0:0,lazy_itable_init=0,lazy_journal_init=0,nodiscard",
-            hash_seed(seed)
+            hash_seed(ROOTFS_SEED)
         ),
     ]
 }

@@ -106,12 +106,11 @@ fn blob(dir: &Path, entries: &[E<'_>], z: Z) -> LayerBlob {
     LayerBlob { digest, path }
 }
 
-fn opts(seed: &str) -> Ext4Options {
+fn opts() -> Ext4Options {
     Ext4Options {
         disk_mib: None,
         max_mib: DEFAULT_MAX_MIB,
         source_date_epoch: None,
-        seed: seed.to_string(),
         limits: Limits::default(),
     }
 }
@@ -258,7 +257,7 @@ fn ext4_reads_back_as_the_flattened_tar() {
     let mut out = Vec::new();
     flatten(&layers, &mut out, &Limits::default(), None).unwrap();
     let img = d.path().join("root.ext4");
-    let built = build(&layers, &img, &opts("sha256:test")).unwrap();
+    let built = build(&layers, &img, &opts()).unwrap();
     assert_eq!(built.filesystem.block_size, 4096);
     assert_eq!(
         std::fs::metadata(&img).unwrap().len(),
@@ -287,7 +286,7 @@ fn ext4_reads_back_as_the_flattened_tar() {
     want.sort_unstable();
     got.sort_unstable();
     assert_eq!(got, want, "exactly the pinned features");
-    assert!(text.contains(&fs_uuid("sha256:test")), "{text}");
+    assert!(text.contains(&fs_uuid(ROOTFS_SEED)), "{text}");
     assert!(text.contains("Block size:               4096"), "{text}");
 }
 
@@ -299,12 +298,18 @@ fn identical_input_gives_identical_bytes() {
     let a = d.path().join("a.ext4");
     let b = d.path().join("b.ext4");
     let c = d.path().join("c.ext4");
-    build(&layers, &a, &opts("sha256:one")).unwrap();
-    build(&layers, &b, &opts("sha256:one")).unwrap();
-    build(&layers, &c, &opts("sha256:two")).unwrap();
+    build(&layers, &a, &opts()).unwrap();
+    build(&layers, &b, &opts()).unwrap();
+    build(&layers[..1], &c, &opts()).unwrap();
     assert_eq!(sha(&a), sha(&b));
-    assert_ne!(sha(&a), sha(&c), "the UUID follows the seed");
-    let mut sde = opts("sha256:one");
+    assert_ne!(sha(&a), sha(&c), "another tree, another image");
+    // ... with the same identity: it does not follow the tree.
+    for img in [&a, &c] {
+        let s = debugfs_says(img, "stats");
+        assert!(s.contains(&fs_uuid(ROOTFS_SEED)), "{s}");
+        assert!(s.contains(&hash_seed(ROOTFS_SEED)), "{s}");
+    }
+    let mut sde = opts();
     sde.source_date_epoch = Some(1_550_000_000);
     let e = d.path().join("e.ext4");
     build(&layers, &e, &sde).unwrap();
@@ -343,7 +348,7 @@ fn a_full_host_file_system_is_no_space_not_image_too_large() {
     }
     let _unmount = Unmount(&small);
     let dest = small.join("x.ext4");
-    let err = build(&layers, &dest, &opts("s")).unwrap_err();
+    let err = build(&layers, &dest, &opts()).unwrap_err();
     let msg = err.to_string();
     let Ext4Error::NoSpace(e) = &err else {
         panic!("expected NoSpace, got: {msg}");
@@ -369,7 +374,7 @@ fn fixed_size_too_small_is_refused_with_numbers() {
     let d = tempfile::tempdir().unwrap();
     let big = vec![7u8; 3 << 20];
     let layers = vec![blob(d.path(), &[E::File("big", &big)], Z::Gzip)];
-    let mut o = opts("s");
+    let mut o = opts();
     o.disk_mib = Some(8);
     let err = build(&layers, &d.path().join("x.ext4"), &o).unwrap_err();
     let msg = err.to_string();
@@ -526,7 +531,7 @@ fn absolute_names_and_a_root_named_slash_flatten_inside_the_root() {
     let keys: Vec<&str> = tree.keys().map(String::as_str).collect();
     assert_eq!(keys, ["etc", "etc/conf", "etc/conf-link", "tmp", "tmp/x"]);
     assert_eq!(stats.extra_links, 1, "{stats:?}");
-    build(&layers, &d.path().join("abs.ext4"), &opts("sha256:abs")).expect("e2fsck-clean image");
+    build(&layers, &d.path().join("abs.ext4"), &opts()).expect("e2fsck-clean image");
 }
 
 /// Issue 17, case 2: owner ids past 32 bits, in PAX records, wrapped to other owners in the
@@ -601,7 +606,7 @@ fn read_file_reads_back_a_file_says_none_for_a_missing_one_and_refuses_unquotabl
         Z::Plain,
     )];
     let img = d.path().join("root.ext4");
-    build(&layers, &img, &opts("sha256:read-file")).unwrap();
+    build(&layers, &img, &opts()).unwrap();
     let got = read_file(&img, "/var/lib/dpkg/status", 1 << 20).unwrap();
     assert_eq!(got.as_deref(), Some(&status[..]));
     assert_eq!(
@@ -690,9 +695,9 @@ fn large_directories_are_hash_indexed_and_reproducible() {
     let layers = vec![names_blob(d.path(), names)];
     let a = d.path().join("a.ext4");
     let b = d.path().join("b.ext4");
-    build(&layers, &a, &opts("sha256:big")).unwrap();
+    build(&layers, &a, &opts()).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(1100));
-    build(&layers, &b, &opts("sha256:big")).unwrap();
+    build(&layers, &b, &opts()).unwrap();
     let sha = |p: &Path| crate::cache::digest_of_file(p).unwrap();
     assert_eq!(sha(&a), sha(&b), "identical inputs, identical image");
     let htree = debugfs_says(&a, "htree /big");
@@ -721,7 +726,7 @@ fn many_empty_directories_fit_on_the_first_try() {
     });
     let layers = vec![names_blob(d.path(), names)];
     let img = d.path().join("root.ext4");
-    let built = build(&layers, &img, &opts("sha256:dirs")).unwrap();
+    let built = build(&layers, &img, &opts()).unwrap();
     assert_eq!(built.stats.dirs, 255 + 250 * 255 + 5 * 252);
     assert_eq!(
         built.size_bytes,
@@ -808,7 +813,7 @@ fn sparse_files_stay_sparse_in_the_image() {
         path,
     }];
     let img = d.path().join("img.ext4");
-    build(&layers, &img, &opts("sha256:sparse")).unwrap();
+    build(&layers, &img, &opts()).unwrap();
     assert_fsck_clean(&img);
     let image_bytes = std::fs::metadata(&img).unwrap().len();
     assert!(
@@ -918,4 +923,98 @@ fn flattened_tree_equals_the_applied_tree_for_every_corpus() {
             diffs.join("\n")
         );
     }
+}
+
+/// The share of `b`'s non-zero raw chunk bytes, cut by the store's disk chunking
+/// ([`kiln_store::Chunking::DISK_DEFAULT`], FastCDC 16/64/256 KiB), that `a` does not have.
+fn new_chunk_share(a: &Path, b: &Path) -> f64 {
+    let chunks = |p: &Path| {
+        let f = std::fs::File::open(p).unwrap();
+        kiln_store::chunk::split(f, kiln_store::Chunking::DISK_DEFAULT)
+            .unwrap()
+            .map(|c| c.unwrap())
+            .filter(|c| !kiln_store::chunk::is_all_zero(&c.data))
+            .map(|c| (kiln_store::ChunkDigest::of(&c.data), c.data.len() as u64))
+            .collect::<Vec<_>>()
+    };
+    let have: std::collections::HashSet<_> = chunks(a).into_iter().map(|(d, _)| d).collect();
+    let (mut total, mut new) = (0u64, 0u64);
+    for (d, n) in chunks(b) {
+        total += n;
+        if !have.contains(&d) {
+            new += n;
+        }
+    }
+    assert!(total > 0);
+    new as f64 / total as f64
+}
+
+/// Issue 16: the file system's identity (UUID, checksum seed, directory hash seed) must not
+/// follow the tree. Two images whose trees differ by one small file, each built as its
+/// caller would (any seed a caller could choose was per image: the image's digest), share at
+/// least 97% of their chunk bytes. With a per-image UUID, `metadata_csum` put it into every
+/// inode table, bitmap, directory and extent checksum, and most metadata chunks were new.
+#[test]
+fn one_added_file_keeps_97_percent_of_chunk_bytes_shared() {
+    let d = tempfile::tempdir().unwrap();
+    // 4,000 files of about 2 KiB in 40 directories (8 MiB): metadata (inode tables,
+    // directory blocks) is a large share of the image, as in a distribution's tree.
+    let bodies: Vec<(String, Vec<u8>)> = (0..4000)
+        .map(|i| {
+            let body: String = (0..100)
+                .map(|l| format!("file {i:04} line {l:05}\n"))
+                .collect();
+            (format!("d{:02}/f{i:04}.txt", i % 40), body.into_bytes())
+        })
+        .collect();
+    let base: Vec<E<'_>> = (0..40)
+        .map(|i| E::Dir(Box::leak(format!("d{i:02}/").into_boxed_str()), 0o755))
+        .chain(bodies.iter().map(|(p, b)| E::File(p, b)))
+        .collect();
+    let la = vec![blob(d.path(), &base, Z::Plain)];
+    let mut more = base;
+    more.push(E::File("d07/added.txt", b"one more small file\n"));
+    let lb = vec![blob(d.path(), &more, Z::Plain)];
+    let (a, b) = (d.path().join("a.ext4"), d.path().join("b.ext4"));
+    build(&la, &a, &opts()).unwrap();
+    build(&lb, &b, &opts()).unwrap();
+    assert_fsck_clean(&a);
+    assert_fsck_clean(&b);
+    let share = new_chunk_share(&a, &b);
+    eprintln!("new chunk bytes: {:.2}%", share * 100.0);
+    assert!(
+        share <= 0.03,
+        "{:.2}% of the chunk bytes are new",
+        share * 100.0
+    );
+}
+
+/// Issue 16: images carry `metadata_csum_seed`, so the checksums do not depend on the UUID
+/// field: a copy given its own UUID (`tune2fs -U`, for a host that mounts two images by UUID
+/// at once) differs from the original in its superblock block only, and checks clean.
+#[test]
+fn a_new_uuid_rewrites_the_superblock_only() {
+    let d = tempfile::tempdir().unwrap();
+    let layers = three_layers(d.path());
+    let a = d.path().join("a.ext4");
+    build(&layers, &a, &opts()).unwrap();
+    let b = d.path().join("b.ext4");
+    std::fs::copy(&a, &b).unwrap();
+    let out = std::process::Command::new("tune2fs")
+        .args(["-U", "6d1f0c9a-0b3e-4c55-9a51-2f4b8e7d1c20"])
+        .arg(&b)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_fsck_clean(&b);
+    let (x, y) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    let differ: Vec<usize> = x
+        .chunks(BLOCK_SIZE as usize)
+        .zip(y.chunks(BLOCK_SIZE as usize))
+        .enumerate()
+        .filter(|(_, (p, q))| p != q)
+        .map(|(i, _)| i)
+        .collect();
+    // One block group (the image is under 128 MiB): the only superblock is in block 0.
+    assert_eq!(differ, vec![0], "blocks that differ");
 }

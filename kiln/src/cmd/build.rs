@@ -7,8 +7,9 @@
 //! buildx writes it. Progress and step logs (the pipeline's [`Event`]s) go to stderr: plain
 //! lines, a terminal display, or one JSON object per step event with `--progress rawjson`.
 //! With the global `--json`, stdout has only JSON lines: those step events, then a `built`
-//! event (image manifest, OCI manifest, snapshot, tags, steps run and cached) instead of the
-//! digest line.
+//! event (image manifest, OCI manifest, snapshot, tags, steps run and cached, `imageReused`:
+//! whether an identical earlier image was reused without flattening, and `disk`: the ext4
+//! image's new and reused chunks, [`kiln_pipeline::ChunkCounts`]) instead of the digest line.
 //!
 //! `--snapshot` (kiln's own flag) then boots the image once in a microVM, runs its start
 //! command until its ready check passes and stores the snapshot
@@ -248,7 +249,8 @@ pub(crate) fn printer(progress: Progress, json: bool) -> Arc<dyn EventSink> {
 }
 
 /// The line printed, in every progress mode, for an event that is not about one step:
-/// warnings, the start of publishing and of the boot, the stored snapshot.
+/// warnings, the start and the end of publishing, the start of the boot, the stored
+/// snapshot.
 fn phase_line(ev: &Event) -> Option<String> {
     Some(match ev {
         Event::Warning {
@@ -260,6 +262,12 @@ fn phase_line(ev: &Event) -> Option<String> {
             message,
         } => format!("warning: {message}"),
         Event::Publishing => "publishing: ext4 image, image manifest, tags".to_string(),
+        Event::Published {
+            image,
+            disk,
+            reused,
+            ..
+        } => published_line(*image, *disk, *reused),
         Event::Booting { image } => {
             format!("snapshot: booting {image} once, waiting for its ready check")
         }
@@ -279,6 +287,27 @@ fn phase_line(ev: &Event) -> Option<String> {
         ),
         _ => return None,
     })
+}
+
+/// The line saying what publishing stored, or that it reused an identical image.
+fn published_line(
+    image: kiln_store::ManifestDigest,
+    disk: kiln_pipeline::ChunkCounts,
+    reused: bool,
+) -> String {
+    if reused {
+        format!(
+            "published {image}: reused (an identical image, all {} chunks present; not flattened)",
+            disk.reused_chunks
+        )
+    } else {
+        format!(
+            "published {image}: {} new chunks ({} KiB stored), {} reused",
+            disk.new_chunks,
+            disk.new_stored_bytes >> 10,
+            disk.reused_chunks
+        )
+    }
 }
 
 /// Runs `kiln build`: flags → [`BuildRequest`] → [`kiln_pipeline::run`] → the digest on
@@ -449,6 +478,8 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
             "ociManifest": digest,
             "snapshot": report.snapshot.as_ref().map(|s| s.snapshot.to_string()),
             "tags": report.tags, "stepsRun": report.steps_run, "stepsCached": report.steps_cached,
+            "imageReused": report.image.as_ref().map(|i| i.reused),
+            "disk": report.image.as_ref().map(|i| i.disk),
         }),
         || last.clone(),
     );
@@ -540,16 +571,11 @@ fn tty_printer() -> Arc<dyn EventSink> {
                     ));
                 }
             }
-            Event::Published { image, disk, .. } => {
+            // Its line is `phase_line`'s, printed above.
+            Event::Published { .. } => {
                 if let Some((b, _)) = bars.publish.take() {
                     b.finish_and_clear();
                 }
-                let _ = multi.println(format!(
-                    "published {image}: {} new chunks ({} KiB stored), {} reused",
-                    disk.new_chunks,
-                    disk.new_stored_bytes >> 10,
-                    disk.reused_chunks
-                ));
             }
             _ => {}
         }
