@@ -269,6 +269,39 @@ fn hello(vm: &mut Vm) -> Guest {
     g
 }
 
+/// The host side is hardened as Firecracker's jailer does it (issue 14): QEMU runs under its
+/// seccomp sandbox (`launch::SANDBOX`), so the guest boots and QEMU's process has a seccomp
+/// filter (`Seccomp: 2`, filter mode, in /proc/<pid>/status), and a request that makes QEMU
+/// fork (a migration to `exec:`) is refused while QEMU runs on. Without `-sandbox` QEMU has
+/// no filter (`Seccomp: 0`) and forks the command.
+#[test]
+fn qemu_runs_under_its_seccomp_sandbox_and_cannot_fork() {
+    let mut vm = Vm::boot();
+    let _g = hello(&mut vm);
+    let status = std::fs::read_to_string(format!("/proc/{}/status", vm.vm.pid))
+        .expect("QEMU's /proc status");
+    let seccomp: Vec<&str> = status
+        .lines()
+        .filter(|l| l.starts_with("Seccomp"))
+        .collect();
+    assert!(
+        seccomp.contains(&"Seccomp:\t2"),
+        "QEMU (pid {}) has no seccomp filter: {seccomp:?}",
+        vm.vm.pid
+    );
+    let r = rt().block_on(vm.vm.qmp.execute(
+        "migrate",
+        Some(serde_json::json!({"uri": "exec:cat > /dev/null"})),
+    ));
+    match r {
+        Err(kiln_vmm::qmp::QmpError::Command { desc, .. }) => {
+            assert!(desc.contains("fork"), "{desc}")
+        }
+        other => panic!("QEMU was let fork for an exec: migration: {other:?}"),
+    }
+    assert_eq!(vm.vm.exited(), None, "QEMU died: {}", vm.vm.log_tail());
+}
+
 #[test]
 fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
     let mut vm = Vm::boot();

@@ -5,7 +5,9 @@
 //! Format: cpio newc (the kernel's Documentation/driver-api/early-userspace/buffer-format.rst):
 //! per entry a 110-byte ASCII header (`070701` and 13 eight-digit hex fields), the NUL-ended
 //! name padded to 4 bytes, the data padded to 4 bytes; then a `TRAILER!!!` entry. Uncompressed
-//! (the kernel reads it directly; the init dominates its size anyway).
+//! (the kernel reads it directly; the init dominates its size anyway). The headers, padding
+//! and trailer are written by the `cpio` crate (`cpio::newc`); [`Cpio`] only chooses the
+//! entries, their order and their fields.
 //!
 //! Determinism: entries sorted by path (parents before children), inode numbers assigned in
 //! that order, mtime 0, uid/gid 0; identical inputs give identical bytes.
@@ -45,6 +47,9 @@ pub enum InitramfsError {
     /// The init binary is not static.
     #[error("{0} is not a static executable (it has a PT_INTERP program header)")]
     NotStatic(PathBuf),
+    /// The init binary is not an x86-64 ELF executable (the file, what it is instead).
+    #[error("{0} cannot be the guest's init: {1}")]
+    NotX86_64(PathBuf, String),
     /// I/O.
     #[error("{0}: {1}")]
     Io(String, io::Error),
@@ -147,14 +152,11 @@ impl Cpio {
         Ok(())
     }
 
-    /// Write the archive.
+    /// Write the archive (entries by the `cpio` crate's newc writer, then its trailer).
     ///
     /// Errors: I/O from `w`; a file over 4 GiB (the newc size field is 32 bits).
     pub fn write_to<W: Write>(&self, w: &mut W) -> io::Result<()> {
-        let mut written = 0usize;
-        let mut ino = 0u32;
-        for (path, entry) in &self.entries {
-            ino += 1;
+        for (ino, (path, entry)) in (1u32..).zip(&self.entries) {
             let (mode, nlink, data, rmaj, rmin): (u32, u32, &[u8], u32, u32) = match entry {
                 Entry::Dir { mode } => (0o040000 | mode, 2, &[], 0, 0),
                 Entry::File { mode, data } => (0o100000 | mode, 1, data, 0, 0),
@@ -162,13 +164,18 @@ impl Cpio {
             };
             let size = u32::try_from(data.len())
                 .map_err(|_| io::Error::other(format!("{path}: larger than 4 GiB")))?;
-            written += header(w, ino, mode, nlink, size, rmaj, rmin, path)?;
-            w.write_all(data)?;
-            written += data.len();
-            written += pad(w, written)?;
+            // uid, gid, mtime and the device of the file itself default to 0.
+            let mut out = cpio::newc::Builder::new(path)
+                .ino(ino)
+                .mode(mode)
+                .nlink(nlink)
+                .rdev_major(rmaj)
+                .rdev_minor(rmin)
+                .write(&mut *w, size);
+            out.write_all(data)?;
+            out.finish()?;
         }
-        written += header(w, 0, 0, 1, 0, 0, 0, "TRAILER!!!")?;
-        pad(w, written)?;
+        cpio::newc::trailer(w)?;
         Ok(())
     }
 
@@ -180,41 +187,6 @@ impl Cpio {
         let _ = self.write_to(&mut out);
         out
     }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn header<W: Write>(
-    w: &mut W,
-    ino: u32,
-    mode: u32,
-    nlink: u32,
-    size: u32,
-    rmaj: u32,
-    rmin: u32,
-    name: &str,
-) -> io::Result<usize> {
-    let namesize = name.len() + 1;
-    let h = format!(
-        "070701{ino:08x}{mode:08x}{uid:08x}{gid:08x}{nlink:08x}{mtime:08x}{size:08x}\
-         {dmaj:08x}{dmin:08x}{rmaj:08x}{rmin:08x}{namesize:08x}{check:08x}",
-        uid = 0,
-        gid = 0,
-        mtime = 0,
-        dmaj = 0,
-        dmin = 0,
-        check = 0,
-    );
-    w.write_all(h.as_bytes())?;
-    w.write_all(name.as_bytes())?;
-    w.write_all(&[0])?;
-    let n = h.len() + namesize;
-    Ok(n + pad(w, n)?)
-}
-
-fn pad<W: Write>(w: &mut W, len: usize) -> io::Result<usize> {
-    let p = (4 - len % 4) % 4;
-    w.write_all(&[0u8; 3][..p])?;
-    Ok(p)
 }
 
 /// The guest initramfs: `init` (the static init's bytes), the `modules` (name, ELF bytes) in
@@ -272,9 +244,7 @@ pub fn build(
 ) -> Result<Initramfs, InitramfsError> {
     let init_bytes =
         fs::read(init).map_err(|e| InitramfsError::Io(init.display().to_string(), e))?;
-    if !is_static(&init_bytes) {
-        return Err(InitramfsError::NotStatic(init.into()));
-    }
+    check_init(init, &init_bytes)?;
     let mods = kernel::module_closure(&kernel.modules_dir(), modules)?;
     let mut loaded = Vec::new();
     for m in &mods {
@@ -315,9 +285,7 @@ pub fn guest_artifacts(
     // Check the init before fetching anything.
     let init_bytes =
         fs::read(init).map_err(|e| InitramfsError::Io(init.display().to_string(), e))?;
-    if !is_static(&init_bytes) {
-        return Err(InitramfsError::NotStatic(init.into()));
-    }
+    check_init(init, &init_bytes)?;
     let k = kernel::fetch(cache_dir, &recipe.package)?;
     let mut h = Sha256::new();
     h.update(k.vmlinux_sha256.as_bytes());
@@ -343,7 +311,8 @@ pub fn guest_artifacts(
 /// The static init to put in initramfs files outside a source checkout: `KILN_GUEST_INIT`
 /// when set, else `kiln-guest-init` beside the running executable (where a release ships it).
 ///
-/// Errors: [`InitramfsError::Io`] when neither exists, [`InitramfsError::NotStatic`].
+/// Errors: [`InitramfsError::Io`] when neither exists, [`InitramfsError::NotStatic`],
+/// [`InitramfsError::NotX86_64`].
 pub fn find_guest_init() -> Result<PathBuf, InitramfsError> {
     let path = match std::env::var_os("KILN_GUEST_INIT") {
         Some(p) => PathBuf::from(p),
@@ -361,30 +330,35 @@ pub fn find_guest_init() -> Result<PathBuf, InitramfsError> {
             e,
         )
     })?;
-    if !is_static(&bytes) {
-        return Err(InitramfsError::NotStatic(path));
-    }
+    check_init(&path, &bytes)?;
     Ok(path)
 }
 
-/// Whether an ELF executable has no PT_INTERP (is statically linked).
-pub fn is_static(elf: &[u8]) -> bool {
-    let le16 = |o: usize| elf.get(o..o + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
-    let le64 = |o: usize| {
-        elf.get(o..o + 8)
-            .and_then(|b| b.try_into().ok())
-            .map(u64::from_le_bytes)
-    };
-    if !elf.starts_with(b"\x7fELF") || elf.get(4) != Some(&2) {
-        return false;
+/// Check that `bytes`, the file at `path`, can be the guest's `/init`: an x86-64 ELF64
+/// executable with no PT_INTERP program header (statically linked; [`is_static`]).
+///
+/// Errors: [`InitramfsError::NotX86_64`], [`InitramfsError::NotStatic`].
+pub fn check_init(path: &Path, bytes: &[u8]) -> Result<(), InitramfsError> {
+    match is_static(bytes) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(InitramfsError::NotStatic(path.into())),
+        Err(why) => Err(InitramfsError::NotX86_64(path.into(), why)),
     }
-    let (Some(phoff), Some(phentsize), Some(phnum)) = (le64(0x20), le16(0x36), le16(0x38)) else {
-        return false;
-    };
-    (0..phnum as usize).all(|n| {
-        let ph = phoff as usize + n * phentsize as usize;
-        elf.get(ph..ph + 4) != Some(&3u32.to_le_bytes()[..])
-    })
+}
+
+/// Whether an x86-64 ELF64 executable has no PT_INTERP program header (is statically
+/// linked); program headers read with the `object` crate.
+///
+/// Errors (a message): not an x86-64 ELF64 file, malformed program headers.
+pub fn is_static(elf: &[u8]) -> Result<bool, String> {
+    use object::read::elf::{FileHeader, ProgramHeader};
+    let (header, endian) = kernel::elf_x86_64(elf)?;
+    let phdrs = header
+        .program_headers(endian, elf)
+        .map_err(|e| format!("program headers: {e}"))?;
+    Ok(phdrs
+        .iter()
+        .all(|ph| ph.p_type(endian) != object::elf::PT_INTERP))
 }
 
 /// Build `kiln-guest-init` static from the workspace at `workspace` into `target_dir`
@@ -394,16 +368,14 @@ pub fn is_static(elf: &[u8]) -> bool {
 ///
 /// `cargo` is `$CARGO` when set (as under `cargo test`), else `cargo` from `PATH`.
 ///
-/// Errors: [`InitramfsError::Build`] (cargo failed; its stderr), [`InitramfsError::NotStatic`].
+/// Errors: [`InitramfsError::Build`] (cargo failed; its stderr), [`InitramfsError::NotStatic`],
+/// [`InitramfsError::NotX86_64`].
 pub fn build_guest_init(workspace: &Path, target_dir: &Path) -> Result<PathBuf, InitramfsError> {
     if let Some(p) = std::env::var_os("KILN_GUEST_INIT") {
         let p = PathBuf::from(p);
         let bytes = fs::read(&p).map_err(|e| InitramfsError::Io(p.display().to_string(), e))?;
-        return if is_static(&bytes) {
-            Ok(p)
-        } else {
-            Err(InitramfsError::NotStatic(p))
-        };
+        check_init(&p, &bytes)?;
+        return Ok(p);
     }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let out = Command::new(cargo)
@@ -436,9 +408,7 @@ pub fn build_guest_init(workspace: &Path, target_dir: &Path) -> Result<PathBuf, 
         .join("release")
         .join("kiln-guest-init");
     let bytes = fs::read(&bin).map_err(|e| InitramfsError::Io(bin.display().to_string(), e))?;
-    if !is_static(&bytes) {
-        return Err(InitramfsError::NotStatic(bin));
-    }
+    check_init(&bin, &bytes)?;
     Ok(bin)
 }
 
@@ -493,6 +463,12 @@ mod tests {
         };
         let bytes = mk();
         assert_eq!(bytes, mk());
+        // The same bytes the hand-written newc writer made before the `cpio` crate wrote them
+        // (the snapshot compatibility key holds the initramfs digest).
+        assert_eq!(
+            kernel::sha256_digest(&bytes),
+            "sha256:bd206b816daa8a5d91cf16a076a9d21f48c7d6160913631ced11d53208f3bbd7"
+        );
         let entries = parse(&bytes);
         let names: Vec<&str> = entries.iter().map(|e| e.0.as_str()).collect();
         let mut sorted = names.clone();
@@ -520,11 +496,52 @@ mod tests {
         assert!(guest_initramfs(vec![], vec![("../evil".into(), vec![])]).is_err());
     }
 
+    /// A minimal x86-64 (`e_machine` 62, or `machine`) ELF64 executable with one program
+    /// header of type `p_type`.
+    fn elf_exec(machine: u16, p_type: u32) -> Vec<u8> {
+        let mut f = vec![0u8; 64 + 56];
+        f[..4].copy_from_slice(b"\x7fELF");
+        f[4] = 2;
+        f[5] = 1;
+        f[6] = 1;
+        f[0x10..0x12].copy_from_slice(&2u16.to_le_bytes()); // ET_EXEC
+        f[0x12..0x14].copy_from_slice(&machine.to_le_bytes());
+        f[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+        f[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+        f[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+        f[64..68].copy_from_slice(&p_type.to_le_bytes());
+        f
+    }
+
     #[test]
     fn static_check_reads_program_headers() {
-        assert!(!is_static(b"#!/bin/sh"));
+        assert!(is_static(b"#!/bin/sh").is_err());
         let me = fs::read("/proc/self/exe").unwrap();
         // The test binary is dynamically linked (it has an interpreter).
-        assert!(!is_static(&me));
+        assert_eq!(is_static(&me), Ok(false));
+        assert_eq!(is_static(&elf_exec(62, 1)), Ok(true)); // PT_LOAD only
+        assert_eq!(is_static(&elf_exec(62, 3)), Ok(false)); // PT_INTERP
+        let p = Path::new("/x/init");
+        assert!(matches!(
+            check_init(p, &me),
+            Err(InitramfsError::NotStatic(q)) if q == p
+        ));
+        assert!(check_init(p, &elf_exec(62, 1)).is_ok());
+    }
+
+    /// An init built for another machine is refused as such, naming the file (before, it
+    /// passed as "static" when it had no PT_INTERP).
+    #[test]
+    fn init_for_another_machine_is_refused_naming_the_file() {
+        let p = Path::new("/x/aarch64-init");
+        let err = check_init(p, &elf_exec(183, 1)).unwrap_err();
+        assert!(matches!(err, InitramfsError::NotX86_64(..)), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("/x/aarch64-init") && msg.contains("not x86-64"),
+            "{msg}"
+        );
+        let err = check_init(p, b"#!/bin/sh\n").unwrap_err();
+        assert!(err.to_string().contains("not an ELF file"), "{err}");
     }
 }

@@ -11,9 +11,25 @@
 //! 4. decompress the bzImage's payload into `vmlinux` ([`extract_vmlinux`]): the payload is
 //!    located by the x86 boot protocol header (`payload_offset`/`payload_length`,
 //!    Documentation/arch/x86/boot.rst, protocol 2.08+), else by scanning for a compression
-//!    magic as the kernel's `scripts/extract-vmlinux` does; the result must be an ELF file
-//!    with a PVH entry note ([`pvh_entry`]);
+//!    magic as the kernel's `scripts/extract-vmlinux` does; the result must be an x86-64
+//!    ELF64 file with a PVH entry note ([`pvh_entry`]);
 //! 5. keep `lib/modules/<release>` beside it for the initramfs ([`module_closure`]).
+//!
+//! Formats, and which crate reads them:
+//! - LZ4 blocks: the `lz4_flex` crate's block decoder. The framing around them is read here,
+//!   in `lz4_legacy_decompress`'s loop of a few lines: the kernel's payload is an LZ4
+//!   *legacy* frame (magic 0x184C2102; `lz4 -l`) followed by a 4-byte decompressed size that
+//!   the kernel build appends (`size_append`, scripts/Makefile.lib). `lz4_flex`'s frame
+//!   decoder (0.14) reads legacy frames, but it takes every 4-byte word after a block as the
+//!   next block's size, so that trailing word ends it with `BlockTooBig` (checked on
+//!   `linux-image-6.1.0-57-cloud-amd64`: its 14 MB payload decodes only with the last 4
+//!   bytes cut off), and a payload found by the magic scan has no known end to cut at. The
+//!   loop here stops at that word and checks it against the bytes decompressed, which also
+//!   catches a truncated payload.
+//! - ELF (the vmlinux's PT_NOTE segments, modules' `.modinfo` section): the `object` crate
+//!   (read-only ELF: its `read_core` and `elf` features).
+//! - The x86 boot protocol header and the `.modinfo` strings: a few fixed offsets and a split
+//!   on NUL, read here; no crate parses bzImage headers.
 //!
 //! Cache entry layout:
 //! ```text
@@ -165,11 +181,22 @@ pub enum KernelError {
     #[error("{0} depends on no linux-image package (apt-cache depends)")]
     Unresolved(String),
     /// The bzImage is not one this code can unpack.
-    #[error("bzImage: {0}")]
-    BzImage(String),
-    /// The decompressed kernel is not a PVH-bootable ELF.
-    #[error("vmlinux: {0}")]
-    Vmlinux(String),
+    #[error("bzImage {}: {detail}", file.display())]
+    BzImage {
+        /// The bzImage (`boot/vmlinuz-<release>` of the package), or the package when it has
+        /// none.
+        file: PathBuf,
+        /// What is wrong (truncated or corrupt LZ4, another compression, no payload).
+        detail: String,
+    },
+    /// The decompressed kernel is not a PVH-bootable x86-64 ELF.
+    #[error("vmlinux decompressed from {}: {detail}", file.display())]
+    Vmlinux {
+        /// The bzImage it came from.
+        file: PathBuf,
+        /// What is wrong (not x86-64 ELF64, no PVH note).
+        detail: String,
+    },
     /// A module is missing or malformed.
     #[error("module {0}: {1}")]
     Module(String, String),
@@ -317,7 +344,10 @@ pub fn fetch(cache_dir: &Path, metapackage: &str) -> Result<Kernel, KernelError>
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with("vmlinuz-"))
         })
-        .ok_or_else(|| KernelError::BzImage("no /boot/vmlinuz-* in the package".into()))?;
+        .ok_or_else(|| KernelError::BzImage {
+            file: deb.clone(),
+            detail: "no /boot/vmlinuz-* in the package".into(),
+        })?;
     let release = vmlinuz
         .file_name()
         .and_then(|n| n.to_str())
@@ -325,8 +355,8 @@ pub fn fetch(cache_dir: &Path, metapackage: &str) -> Result<Kernel, KernelError>
         .unwrap_or_default()
         .to_string();
     let bz = read_bounded(&vmlinuz)?;
-    let (vmlinux, compression) = extract_vmlinux(&bz)?;
-    let pvh = pvh_entry(&vmlinux)?;
+    let (vmlinux, compression) = extract_vmlinux(&vmlinuz, &bz)?;
+    let pvh = pvh_entry(&vmlinuz, &vmlinux)?;
 
     let staging = tmp.path().join("entry");
     fs::create_dir_all(&staging).map_err(io_err(staging.display()))?;
@@ -403,9 +433,6 @@ fn le32(b: &[u8], off: usize) -> Option<u32> {
 fn le16(b: &[u8], off: usize) -> Option<u16> {
     Some(u16::from_le_bytes(b.get(off..off + 2)?.try_into().ok()?))
 }
-fn le64(b: &[u8], off: usize) -> Option<u64> {
-    Some(u64::from_le_bytes(b.get(off..off + 8)?.try_into().ok()?))
-}
 
 /// The compressed payload of a bzImage located by its boot protocol header (`HdrS` at
 /// 0x202, protocol ≥ 2.08: `setup_sects` at 0x1f1, `payload_offset` at 0x248 and
@@ -424,13 +451,14 @@ fn payload_by_header(bz: &[u8]) -> Option<&[u8]> {
 }
 
 /// Decompress a bzImage's payload into the vmlinux ELF; returns it and the compression name.
+/// `file` names the bzImage in errors.
 ///
 /// Only LZ4 (Debian cloud kernels: `CONFIG_KERNEL_LZ4`) is decompressed; another format is
 /// named in the error.
 ///
-/// Errors: [`KernelError::BzImage`] (no payload, unsupported or corrupt compression),
-/// [`KernelError::Vmlinux`] (the result is not ELF).
-pub fn extract_vmlinux(bz: &[u8]) -> Result<(Vec<u8>, &'static str), KernelError> {
+/// Errors: [`KernelError::BzImage`] (no payload, unsupported, truncated or corrupt
+/// compression), [`KernelError::Vmlinux`] (the result is not an x86-64 ELF file).
+pub fn extract_vmlinux(file: &Path, bz: &[u8]) -> Result<(Vec<u8>, &'static str), KernelError> {
     let mut candidates: Vec<&[u8]> = Vec::new();
     if let Some(p) = payload_by_header(bz) {
         candidates.push(p);
@@ -446,167 +474,193 @@ pub fn extract_vmlinux(bz: &[u8]) -> Result<(Vec<u8>, &'static str), KernelError
             }
         }
     }
-    let mut last = String::from("no compressed payload found");
+    // The first LZ4 payload's error is the one to report (the header's payload comes first):
+    // a truncated kernel must not be reported as another format because its compressed
+    // bytes happen to hold another format's magic further on.
+    let mut lz4_err = None;
+    let mut other = None;
     for payload in candidates {
         let Some((name, _)) = MAGICS.iter().find(|(_, m)| payload.starts_with(m)) else {
             continue;
         };
         if *name != "lz4" {
-            last = format!("payload is {name}-compressed; only lz4 is supported");
+            other.get_or_insert_with(|| {
+                format!("payload is {name}-compressed; only lz4 is supported")
+            });
             continue;
         }
-        match lz4_legacy_decompress(payload) {
-            Ok(out) if out.starts_with(b"\x7fELF") => return Ok((out, "lz4")),
-            Ok(_) => last = "lz4 payload does not decompress to an ELF file".into(),
-            Err(e) => last = e,
-        }
+        let err = match lz4_legacy_decompress(payload) {
+            Ok(out) => match elf_x86_64(&out) {
+                Ok(_) => return Ok((out, "lz4")),
+                Err(e) if out.starts_with(&object::elf::ELFMAG) => {
+                    return Err(KernelError::Vmlinux {
+                        file: file.into(),
+                        detail: e,
+                    });
+                }
+                Err(_) => "lz4 payload does not decompress to an ELF file".into(),
+            },
+            Err(e) => e,
+        };
+        lz4_err.get_or_insert(err);
     }
-    Err(KernelError::BzImage(last))
+    Err(KernelError::BzImage {
+        file: file.into(),
+        detail: lz4_err
+            .or(other)
+            .unwrap_or_else(|| "no compressed payload found".into()),
+    })
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
-/// Decompress an LZ4 legacy-format stream (magic 0x184C2102, then blocks of `u32 LE
-/// compressed size` + LZ4 block, each at most 8 MiB decompressed; lz4's
-/// doc/lz4_Frame_format.md, "Legacy frame"). Stops at the end of input or at a block size
-/// that does not fit (the kernel appends the decompressed size after the stream).
+/// Decompressed size of one legacy-frame block, bytes (lz4's doc/lz4_Frame_format.md,
+/// "Legacy frame": 8 MiB).
+const LZ4_LEGACY_BLOCK: usize = 8 << 20;
+
+/// The largest compressed size of one legacy block: `LZ4_COMPRESSBOUND(8 MiB)` = n + n/255 +
+/// 16 (lz4.h). lz4's own legacy reader takes a larger size field as the start of the next
+/// frame, not as a block.
+const LZ4_LEGACY_BOUND: usize = LZ4_LEGACY_BLOCK + LZ4_LEGACY_BLOCK / 255 + 16;
+
+/// Decompress the kernel's LZ4 stream: a legacy frame (magic 0x184C2102, then blocks of `u32
+/// LE compressed size` + one independent LZ4 block of at most 8 MiB decompressed; lz4's
+/// doc/lz4_Frame_format.md, "Legacy frame") and the `u32 LE` decompressed size the kernel
+/// build appends (`size_append` in scripts/Makefile.lib, `cmd_lz4_with_size`, which
+/// arch/x86/boot/compressed uses). Each block is decoded by `lz4_flex`'s block decoder; the
+/// framing is read here (see the module doc for why not `lz4_flex`'s frame decoder).
+///
+/// The stream ends at the size word, which must equal the bytes decompressed; bytes after it
+/// (a signature, the rest of the bzImage when the payload was found by scanning) are ignored.
+///
+/// Errors (a message): a corrupt block, a block running past the input or a stream without
+/// its size word (truncated), a size word that disagrees, more than 512 MiB of output.
 fn lz4_legacy_decompress(input: &[u8]) -> Result<Vec<u8>, String> {
-    const BLOCK_MAX: usize = 8 << 20;
     let mut pos = 4;
     let mut out = Vec::new();
-    while let Some(size) = le32(input, pos) {
+    let mut blocks = 0usize;
+    // One block's output, grown to what the largest block so far can hold: at most 8 MiB,
+    // and at most 255 bytes per input byte (a sequence's length bytes add 255 each, its
+    // literals one per byte; lz4's doc/lz4_Block_format.md).
+    let mut window = Vec::new();
+    loop {
+        let Some(size) = le32(input, pos) else {
+            return Err(format!(
+                "lz4 stream truncated: it ends at byte {pos} after {blocks} blocks ({} bytes \
+                 decompressed) without the kernel's decompressed-size word",
+                out.len()
+            ));
+        };
         if size.to_le_bytes() == LZ4_LEGACY_MAGIC {
+            // Concatenated legacy frames (lib/decompress_unlz4.c skips the magic too).
             pos += 4;
             continue;
         }
         let size = size as usize;
-        // The kernel appends the decompressed length after the stream (scripts/Makefile.lib,
-        // size_append): reaching it ends the stream even when bytes follow (a signature).
         if !out.is_empty() && size == out.len() {
-            break;
+            return Ok(out);
         }
-        let Some(block) = input.get(pos + 4..pos + 4 + size) else {
-            break;
-        };
-        if size == 0 {
-            break;
+        if size == 0 || size > LZ4_LEGACY_BOUND {
+            return Err(format!(
+                "lz4 stream ends at byte {pos} after {blocks} blocks with the word {size}, \
+                 not its decompressed size {} (corrupt or truncated)",
+                out.len()
+            ));
         }
-        lz4_block(block, &mut out, BLOCK_MAX)?;
+        let block = input.get(pos + 4..pos + 4 + size).ok_or_else(|| {
+            format!(
+                "lz4 stream truncated or corrupt: after {blocks} blocks ({} bytes) the word at \
+                 byte {pos} is {size}, neither the decompressed size nor a block that fits the \
+                 {} bytes left",
+                out.len(),
+                input.len() - pos - 4
+            )
+        })?;
+        let room = LZ4_LEGACY_BLOCK.min(size * 255);
+        if window.len() < room {
+            window.resize(room, 0);
+        }
+        let n = lz4_flex::block::decompress_into(block, &mut window[..room])
+            .map_err(|e| format!("lz4 block {blocks} at byte {pos} is corrupt: {e}"))?;
+        out.extend_from_slice(&window[..n]);
         if out.len() > MAX_VMLINUX {
             return Err("decompressed kernel larger than 512 MiB".into());
         }
         pos += 4 + size;
+        blocks += 1;
     }
-    if out.is_empty() {
-        return Err("empty lz4 stream".into());
-    }
-    Ok(out)
 }
 
-/// Decompress one LZ4 block (lz4's doc/lz4_Block_format.md) onto `out`, at most `max` bytes.
-/// Matches may reach back into earlier blocks' output (the legacy format links blocks).
-fn lz4_block(src: &[u8], out: &mut Vec<u8>, max: usize) -> Result<(), String> {
-    let start = out.len();
-    let mut i = 0;
-    let byte = |i: &mut usize| -> Result<u8, String> {
-        let b = *src.get(*i).ok_or("lz4 block truncated")?;
-        *i += 1;
-        Ok(b)
-    };
-    let ext = |i: &mut usize, mut n: usize| -> Result<usize, String> {
-        loop {
-            let b = byte(i)?;
-            n += b as usize;
-            if b != 255 {
-                return Ok(n);
-            }
-        }
-    };
-    loop {
-        let token = byte(&mut i)?;
-        let mut lit = (token >> 4) as usize;
-        if lit == 15 {
-            lit = ext(&mut i, lit)?;
-        }
-        let lits = src.get(i..i + lit).ok_or("lz4 literals past the block")?;
-        out.extend_from_slice(lits);
-        i += lit;
-        if i == src.len() {
-            break;
-        }
-        let off = le16(src, i).ok_or("lz4 offset truncated")? as usize;
-        i += 2;
-        let mut mlen = (token & 15) as usize;
-        if mlen == 15 {
-            mlen = ext(&mut i, mlen)?;
-        }
-        mlen += 4;
-        if off == 0 || off > out.len() {
-            return Err("lz4 match offset out of range".into());
-        }
-        if out.len() - start + mlen > max {
-            return Err("lz4 block decompresses past its limit".into());
-        }
-        let from = out.len() - off;
-        for k in 0..mlen {
-            let b = out[from + k];
-            out.push(b);
-        }
-    }
-    if out.len() - start > max {
-        return Err("lz4 block decompresses past its limit".into());
-    }
-    Ok(())
-}
+// --- ELF ----------------------------------------------------------------------------------
 
-/// The PVH entry point of an ELF64 kernel: the `Xen` note of type
-/// XEN_ELFNOTE_PHYS32_ENTRY (18; xen/include/public/elfnote.h) in a PT_NOTE segment.
+type Elf64 = object::elf::FileHeader64<object::Endianness>;
+
+/// The header of a little-endian ELF64 file for x86-64 (`e_machine` EM_X86_64, 62), read by
+/// the `object` crate, and its byte order.
 ///
-/// Errors: [`KernelError::Vmlinux`] for a non-ELF64 file or no such note.
-pub fn pvh_entry(elf: &[u8]) -> Result<u64, KernelError> {
-    let bad = |m: &str| KernelError::Vmlinux(m.into());
-    if !elf.starts_with(b"\x7fELF") || elf.get(4) != Some(&2) || elf.get(5) != Some(&1) {
-        return Err(bad("not a little-endian ELF64 file"));
+/// Errors (a message): not ELF, not ELF64 little-endian, another machine.
+pub(crate) fn elf_x86_64(elf: &[u8]) -> Result<(&Elf64, object::Endianness), String> {
+    use object::read::elf::FileHeader;
+    if !elf.starts_with(&object::elf::ELFMAG) {
+        return Err("not an ELF file (no \\x7fELF magic)".into());
     }
-    let phoff = le64(elf, 0x20).ok_or_else(|| bad("short header"))? as usize;
-    let phentsize = le16(elf, 0x36).ok_or_else(|| bad("short header"))? as usize;
-    let phnum = le16(elf, 0x38).ok_or_else(|| bad("short header"))? as usize;
-    for n in 0..phnum {
-        let ph = phoff + n * phentsize;
-        if le32(elf, ph) != Some(4) {
-            continue; // not PT_NOTE
-        }
-        let off = le64(elf, ph + 0x08).ok_or_else(|| bad("short phdr"))? as usize;
-        let size = le64(elf, ph + 0x20).ok_or_else(|| bad("short phdr"))? as usize;
-        let notes = elf
-            .get(off..off.saturating_add(size))
-            .ok_or_else(|| bad("note segment past the end"))?;
-        let mut p = 0;
-        while p + 12 <= notes.len() {
-            let namesz = le32(notes, p).unwrap_or(0) as usize;
-            let descsz = le32(notes, p + 4).unwrap_or(0) as usize;
-            let ty = le32(notes, p + 8).unwrap_or(0);
-            let name_at = p + 12;
-            let desc_at = name_at + namesz.div_ceil(4) * 4;
-            let next = desc_at + descsz.div_ceil(4) * 4;
-            if next > notes.len() {
-                break;
+    let header = Elf64::parse(elf).map_err(|e| format!("not an ELF64 file: {e}"))?;
+    let endian = header
+        .endian()
+        .map_err(|e| format!("not an ELF64 file: {e}"))?;
+    if !header.is_little_endian() {
+        return Err("a big-endian ELF file, not x86-64".into());
+    }
+    let machine = header.e_machine(endian);
+    if machine != object::elf::EM_X86_64 {
+        return Err(format!(
+            "an ELF file for machine {} (e_machine), not x86-64 (EM_X86_64, 62)",
+            machine.0
+        ));
+    }
+    Ok((header, endian))
+}
+
+/// The PVH entry point of an x86-64 ELF64 kernel: the `Xen` note of type
+/// XEN_ELFNOTE_PHYS32_ENTRY (18; xen/include/public/elfnote.h) in a PT_NOTE segment, read
+/// with the `object` crate. `file` names the kernel in errors.
+///
+/// Errors: [`KernelError::Vmlinux`] for a file that is not an x86-64 ELF64 one, a malformed
+/// program header or note, or no such note.
+pub fn pvh_entry(file: &Path, elf: &[u8]) -> Result<u64, KernelError> {
+    use object::read::elf::{FileHeader, ProgramHeader};
+    const XEN_ELFNOTE_PHYS32_ENTRY: u32 = 18;
+    let bad = |detail: String| KernelError::Vmlinux {
+        file: file.into(),
+        detail,
+    };
+    let (header, endian) = elf_x86_64(elf).map_err(bad)?;
+    let phdrs = header
+        .program_headers(endian, elf)
+        .map_err(|e| bad(format!("program headers: {e}")))?;
+    for ph in phdrs {
+        let Some(mut notes) = ph
+            .notes(endian, elf)
+            .map_err(|e| bad(format!("note segment: {e}")))?
+        else {
+            continue;
+        };
+        while let Some(note) = notes.next().map_err(|e| bad(format!("note: {e}")))? {
+            if note.name() != b"Xen" || note.n_type(endian).0 != XEN_ELFNOTE_PHYS32_ENTRY {
+                continue;
             }
-            if ty == 18 && notes.get(name_at..name_at + namesz) == Some(b"Xen\0") {
-                let desc = &notes[desc_at..desc_at + descsz];
-                return match descsz {
-                    4 => Ok(le32(desc, 0).unwrap_or(0).into()),
-                    8 => Ok(le64(desc, 0).unwrap_or(0)),
-                    _ => Err(bad("PVH note of unexpected size")),
-                };
-            }
-            p = next;
+            let desc = note.desc();
+            return match desc.len() {
+                4 => Ok(le32(desc, 0).unwrap_or(0).into()),
+                8 => Ok(u64::from_le_bytes(desc.try_into().unwrap_or_default())),
+                n => Err(bad(format!("PVH note of {n} bytes, not 4 or 8"))),
+            };
         }
     }
     Err(bad(
-        "no PVH entry note (XEN_ELFNOTE_PHYS32_ENTRY): the kernel lacks CONFIG_PVH",
+        "no PVH entry note (XEN_ELFNOTE_PHYS32_ENTRY): the kernel lacks CONFIG_PVH".into(),
     ))
 }
 
@@ -667,51 +721,32 @@ pub fn module_bytes(path: &Path) -> Result<Vec<u8>, KernelError> {
     ))
 }
 
-/// The `depends=` list of a module's `.modinfo` section (ELF64 section headers).
+/// The `depends=` list of an x86-64 module's `.modinfo` section (`NUL`-separated `key=value`
+/// strings; section headers read with the `object` crate), names normalised (`-` → `_`).
+///
+/// Errors (a message): not an x86-64 ELF64 file, malformed section headers, no `.modinfo`.
 pub fn module_depends(ko: &[u8]) -> Result<Vec<String>, String> {
-    if !ko.starts_with(b"\x7fELF") || ko.get(4) != Some(&2) {
-        return Err("not an ELF64 file".into());
-    }
-    let shoff = le64(ko, 0x28).ok_or("short header")? as usize;
-    let shentsize = le16(ko, 0x3a).ok_or("short header")? as usize;
-    let shnum = le16(ko, 0x3c).ok_or("short header")? as usize;
-    let shstrndx = le16(ko, 0x3e).ok_or("short header")? as usize;
-    let sect = |n: usize| -> Option<(u32, usize, usize)> {
-        let sh = shoff.checked_add(n.checked_mul(shentsize)?)?;
-        Some((
-            le32(ko, sh)?,
-            le64(ko, sh + 0x18)? as usize,
-            le64(ko, sh + 0x20)? as usize,
-        ))
-    };
-    let (_, str_off, str_size) = sect(shstrndx).ok_or("bad section string table")?;
-    let strtab = ko
-        .get(str_off..str_off.saturating_add(str_size))
-        .ok_or("section string table past the end")?;
-    for n in 0..shnum {
-        let (name_off, off, size) = sect(n).ok_or("bad section header")?;
-        let name = strtab
-            .get(name_off as usize..)
-            .and_then(|s| s.split(|b| *b == 0).next())
-            .unwrap_or_default();
-        if name != b".modinfo" {
-            continue;
+    use object::read::elf::{FileHeader, SectionHeader};
+    let (header, endian) = elf_x86_64(ko)?;
+    let sections = header
+        .sections(endian, ko)
+        .map_err(|e| format!("section headers: {e}"))?;
+    let (_, modinfo) = sections
+        .section_by_name(endian, b".modinfo")
+        .ok_or("no .modinfo section")?;
+    let data = modinfo
+        .data(endian, ko)
+        .map_err(|e| format!(".modinfo: {e}"))?;
+    for kv in data.split(|b| *b == 0) {
+        if let Some(deps) = kv.strip_prefix(b"depends=") {
+            return Ok(String::from_utf8_lossy(deps)
+                .split(',')
+                .filter(|d| !d.is_empty())
+                .map(|d| d.replace('-', "_"))
+                .collect());
         }
-        let data = ko
-            .get(off..off.saturating_add(size))
-            .ok_or(".modinfo past the end")?;
-        for kv in data.split(|b| *b == 0) {
-            if let Some(deps) = kv.strip_prefix(b"depends=") {
-                return Ok(String::from_utf8_lossy(deps)
-                    .split(',')
-                    .filter(|d| !d.is_empty())
-                    .map(|d| d.replace('-', "_"))
-                    .collect());
-            }
-        }
-        return Ok(Vec::new());
     }
-    Err("no .modinfo section".into())
+    Ok(Vec::new())
 }
 
 /// `wanted` modules and everything they depend on (read from each module's `.modinfo`, so no
@@ -823,21 +858,67 @@ mod tests {
         assert!(lz4_legacy_decompress(&bad).is_err());
     }
 
-    /// An LZ4 legacy stream of one literal-only block holding `data` (< 15 bytes), then the
-    /// kernel's appended decompressed size.
-    fn lz4_literals(data: &[u8]) -> Vec<u8> {
-        let mut s = LZ4_LEGACY_MAGIC.to_vec();
-        let mut blk = vec![(data.len() as u8) << 4];
+    /// One LZ4 block holding `data` as literals only (lz4's doc/lz4_Block_format.md: a token
+    /// of 15 literals, then length bytes of 255 and a last one below 255).
+    fn lz4_literal_block(data: &[u8]) -> Vec<u8> {
+        let mut blk = Vec::new();
+        if data.len() < 15 {
+            blk.push((data.len() as u8) << 4);
+        } else {
+            blk.push(0xf0);
+            let mut rest = data.len() - 15;
+            while rest >= 255 {
+                blk.push(255);
+                rest -= 255;
+            }
+            blk.push(rest as u8);
+        }
         blk.extend_from_slice(data);
-        s.extend_from_slice(&(blk.len() as u32).to_le_bytes());
-        s.extend_from_slice(&blk);
-        s.extend_from_slice(&(data.len() as u32).to_le_bytes());
+        blk
+    }
+
+    /// An LZ4 legacy stream of one literal-only block per item of `blocks`, then the kernel's
+    /// appended decompressed size.
+    fn lz4_stream(blocks: &[&[u8]]) -> Vec<u8> {
+        let mut s = LZ4_LEGACY_MAGIC.to_vec();
+        let mut total = 0;
+        for data in blocks {
+            let blk = lz4_literal_block(data);
+            s.extend_from_slice(&(blk.len() as u32).to_le_bytes());
+            s.extend_from_slice(&blk);
+            total += data.len();
+        }
+        s.extend_from_slice(&(total as u32).to_le_bytes());
         s
     }
 
-    #[test]
-    fn bzimage_payload_is_found_by_header_or_by_magic() {
-        let payload = lz4_literals(b"\x7fELF-kernel");
+    /// [`lz4_stream`] of one block.
+    fn lz4_literals(data: &[u8]) -> Vec<u8> {
+        lz4_stream(&[data])
+    }
+
+    /// A minimal little-endian ELF64 header (64 bytes) for machine `e_machine`.
+    fn elf_header(e_machine: u16) -> Vec<u8> {
+        let mut f = vec![0u8; 64];
+        f[..4].copy_from_slice(b"\x7fELF");
+        f[4] = 2; // ELFCLASS64
+        f[5] = 1; // ELFDATA2LSB
+        f[6] = 1; // EV_CURRENT
+        f[0x12..0x14].copy_from_slice(&e_machine.to_le_bytes());
+        f[0x14..0x18].copy_from_slice(&1u32.to_le_bytes());
+        f[0x34..0x36].copy_from_slice(&64u16.to_le_bytes()); // e_ehsize
+        f
+    }
+
+    /// What the test bzImages decompress to: an x86-64 ELF header and some bytes.
+    fn kernel_elf() -> Vec<u8> {
+        let mut k = elf_header(62);
+        k.extend_from_slice(b"kernel text");
+        k
+    }
+
+    /// A bzImage (boot protocol 2.15) whose header points at `payload`, with trailing bytes.
+    fn bzimage(payload: &[u8]) -> Vec<u8> {
         let mut bz = vec![0u8; 1024];
         bz[0x1f1] = 1; // setup_sects: protected-mode code at (1 + 1) * 512
         bz[0x202..0x206].copy_from_slice(b"HdrS");
@@ -845,36 +926,138 @@ mod tests {
         bz[0x248..0x24c].copy_from_slice(&16u32.to_le_bytes());
         bz[0x24c..0x250].copy_from_slice(&(payload.len() as u32).to_le_bytes());
         bz.extend_from_slice(&[0u8; 16]);
-        bz.extend_from_slice(&payload);
+        bz.extend_from_slice(payload);
         bz.extend_from_slice(b"trailing signature bytes");
+        bz
+    }
+
+    const BZ: &str = "/boot/vmlinuz-test";
+
+    #[test]
+    fn bzimage_payload_is_found_by_header_or_by_magic() {
+        let payload = lz4_literals(&kernel_elf());
+        let bz = bzimage(&payload);
+        let file = Path::new(BZ);
         assert_eq!(payload_by_header(&bz), Some(&payload[..]));
-        let (out, format) = extract_vmlinux(&bz).unwrap();
-        assert_eq!((out.as_slice(), format), (&b"\x7fELF-kernel"[..], "lz4"));
+        let (out, format) = extract_vmlinux(file, &bz).unwrap();
+        assert_eq!((out, format), (kernel_elf(), "lz4"));
         // A header pointing past the file: the magic scan still finds the payload.
         let mut lying = bz.clone();
         lying[0x24c..0x250].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(payload_by_header(&lying), None);
-        assert_eq!(extract_vmlinux(&lying).unwrap().0, b"\x7fELF-kernel");
+        assert_eq!(extract_vmlinux(file, &lying).unwrap().0, kernel_elf());
         // A payload that is not an ELF file once decompressed is refused.
         let mut not_elf = vec![0u8; 8];
         not_elf.extend_from_slice(&lz4_literals(b"MZ-not-elf"));
-        assert!(extract_vmlinux(&not_elf).is_err());
+        assert!(extract_vmlinux(file, &not_elf).is_err());
         for n in 0..bz.len() {
-            let _ = extract_vmlinux(&bz[..n]);
+            let _ = extract_vmlinux(file, &bz[..n]);
         }
+    }
+
+    /// A truncated kernel file (a download cut short) or a corrupt LZ4 payload is an error
+    /// that names the bzImage; none decodes to a shortened kernel, none panics.
+    #[test]
+    fn truncated_or_corrupt_kernel_lz4_is_an_error_naming_the_bzimage() {
+        let elf = kernel_elf();
+        let filler: Vec<u8> = (0..300u32).map(|i| (i * 7) as u8).collect();
+        // Two blocks, so that a cut can fall between them.
+        let payload = lz4_stream(&[&elf, &filler]);
+        let bz = bzimage(&payload);
+        let file = Path::new(BZ);
+        let whole = [elf.clone(), filler.clone()].concat();
+        assert_eq!(extract_vmlinux(file, &bz).unwrap().0, whole);
+        let payload_end = 1024 + 16 + payload.len();
+        for n in 0..payload_end {
+            let err = extract_vmlinux(file, &bz[..n]).expect_err(&format!(
+                "a bzImage cut at byte {n} of {payload_end} decoded"
+            ));
+            assert!(err.to_string().contains(BZ), "cut at {n}: {err}");
+        }
+        // Cut after the first block: named as truncated.
+        let first_block_end = 1024 + 16 + 4 + 4 + lz4_literal_block(&elf).len();
+        let err = extract_vmlinux(file, &bz[..first_block_end]).unwrap_err();
+        assert!(err.to_string().contains("truncated"), "{err}");
+        // Compressed bytes that hold another format's magic (as a real kernel's do: the
+        // first half of 6.1.0-57-cloud-amd64's holds a zstd one) do not turn a truncated LZ4
+        // payload into "zstd-compressed".
+        let magic_filler = [&b"data "[..], &[0x28, 0xb5, 0x2f, 0xfd], &b" more data"[..]].concat();
+        let bz = bzimage(&lz4_stream(&[&elf, &magic_filler, &filler]));
+        let cut = 1024 + 16 + 4 + 4 + lz4_literal_block(&elf).len() + 4 + 10;
+        let err = extract_vmlinux(file, &bz[..cut]).unwrap_err();
+        assert!(err.to_string().contains("lz4 stream truncated"), "{err}");
+        // A match reaching before the block's start (legacy blocks are independent).
+        let mut corrupt = LZ4_LEGACY_MAGIC.to_vec();
+        let blk = [0x10, b'a', 9, 0, 0x00];
+        corrupt.extend_from_slice(&(blk.len() as u32).to_le_bytes());
+        corrupt.extend_from_slice(&blk);
+        corrupt.extend_from_slice(&1u32.to_le_bytes());
+        let err = extract_vmlinux(file, &bzimage(&corrupt)).unwrap_err();
+        assert!(matches!(err, KernelError::BzImage { .. }), "{err}");
+        assert!(
+            err.to_string().contains(BZ) && err.to_string().contains("corrupt"),
+            "{err}"
+        );
+        // The size word disagreeing with what the blocks hold.
+        let mut wrong = payload.clone();
+        let at = wrong.len() - 4;
+        wrong[at..].copy_from_slice(&(whole.len() as u32 + 1).to_le_bytes());
+        let err = extract_vmlinux(file, &bzimage(&wrong)).unwrap_err();
+        assert!(err.to_string().contains("decompressed size"), "{err}");
+        // Every one-byte corruption of the payload: an error naming the file, or a decode.
+        for i in 0..payload.len() {
+            let mut c = bz.clone();
+            c[1024 + 16 + i] ^= 0xa5;
+            if let Err(e) = extract_vmlinux(file, &c) {
+                assert!(e.to_string().contains(BZ), "byte {i}: {e}");
+            }
+        }
+    }
+
+    /// A kernel or module built for another machine is refused, saying so.
+    #[test]
+    fn elf_for_another_machine_than_x86_64_is_refused_by_name() {
+        let aarch64 = elf_header(183);
+        let err = elf_x86_64(&aarch64).unwrap_err();
+        assert!(
+            err.contains("machine 183") && err.contains("x86-64"),
+            "{err}"
+        );
+        // A bzImage whose payload is an aarch64 ELF: a vmlinux error, not "no payload".
+        let err = extract_vmlinux(Path::new(BZ), &bzimage(&lz4_literals(&aarch64))).unwrap_err();
+        assert!(matches!(err, KernelError::Vmlinux { .. }), "{err}");
+        assert!(err.to_string().contains("not x86-64"), "{err}");
+        assert!(err.to_string().contains(BZ), "{err}");
+        // A PVH note does not make an aarch64 kernel bootable here.
+        let err = pvh_entry(Path::new(BZ), &pvh_kernel(183)).unwrap_err();
+        assert!(err.to_string().contains("not x86-64"), "{err}");
+        assert_eq!(
+            pvh_entry(Path::new(BZ), &pvh_kernel(62)).unwrap(),
+            0x0100_0850
+        );
+        // A module built for another machine.
+        let mut ko = fake_module(b"depends=\0");
+        ko[0x12..0x14].copy_from_slice(&183u16.to_le_bytes());
+        assert!(module_depends(&ko).unwrap_err().contains("not x86-64"));
+        // Big-endian and 32-bit files.
+        let mut be = elf_header(62);
+        be[5] = 2;
+        assert!(elf_x86_64(&be).is_err());
+        let mut elf32 = elf_header(62);
+        elf32[4] = 1;
+        assert!(elf_x86_64(&elf32).is_err());
     }
 
     #[test]
     fn non_elf_and_note_less_elf_are_refused() {
-        assert!(pvh_entry(b"MZ not elf").is_err());
-        let mut elf = vec![0u8; 64];
-        elf[..4].copy_from_slice(b"\x7fELF");
-        elf[4] = 2;
-        elf[5] = 1;
-        assert!(matches!(pvh_entry(&elf), Err(KernelError::Vmlinux(_))));
-        assert!(extract_vmlinux(b"no kernel here").is_err());
+        let file = Path::new(BZ);
+        assert!(pvh_entry(file, b"MZ not elf").is_err());
+        let err = pvh_entry(file, &elf_header(62)).unwrap_err();
+        assert!(matches!(err, KernelError::Vmlinux { .. }), "{err}");
+        assert!(err.to_string().contains("no PVH entry note"), "{err}");
+        assert!(extract_vmlinux(file, b"no kernel here").is_err());
         // A gzip payload is named, not decoded.
-        let err = extract_vmlinux(&[0, 0, 0x1f, 0x8b, 0x08, 0, 0]).unwrap_err();
+        let err = extract_vmlinux(file, &[0, 0, 0x1f, 0x8b, 0x08, 0, 0]).unwrap_err();
         assert!(err.to_string().contains("gzip"), "{err}");
     }
 
@@ -893,10 +1076,8 @@ mod tests {
     /// A minimal ELF64 relocatable with `.shstrtab` and a `.modinfo` holding `modinfo`.
     fn fake_module(modinfo: &[u8]) -> Vec<u8> {
         let shstrtab = b"\0.shstrtab\0.modinfo\0";
-        let mut f = vec![0u8; 64];
-        f[..4].copy_from_slice(b"\x7fELF");
-        f[4] = 2;
-        f[5] = 1;
+        let mut f = elf_header(62);
+        f[0x10..0x12].copy_from_slice(&1u16.to_le_bytes()); // ET_REL
         let str_off = f.len();
         f.extend_from_slice(shstrtab);
         let info_off = f.len();
@@ -905,16 +1086,17 @@ mod tests {
             f.push(0);
         }
         let shoff = f.len();
-        let mut sh = |name: u32, off: usize, size: usize| {
+        let mut sh = |name: u32, ty: u32, off: usize, size: usize| {
             let mut h = [0u8; 64];
             h[..4].copy_from_slice(&name.to_le_bytes());
+            h[4..8].copy_from_slice(&ty.to_le_bytes());
             h[0x18..0x20].copy_from_slice(&(off as u64).to_le_bytes());
             h[0x20..0x28].copy_from_slice(&(size as u64).to_le_bytes());
             f.extend_from_slice(&h);
         };
-        sh(0, 0, 0);
-        sh(1, str_off, shstrtab.len());
-        sh(11, info_off, modinfo.len());
+        sh(0, 0, 0, 0);
+        sh(1, 3, str_off, shstrtab.len()); // SHT_STRTAB
+        sh(11, 1, info_off, modinfo.len()); // SHT_PROGBITS
         f[0x28..0x30].copy_from_slice(&(shoff as u64).to_le_bytes());
         f[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
         f[0x3c..0x3e].copy_from_slice(&3u16.to_le_bytes());
@@ -977,13 +1159,10 @@ mod tests {
         assert!(module_depends(&fake_module(b"")).unwrap().is_empty());
     }
 
-    #[test]
-    fn pvh_note_is_found_in_a_note_segment() {
-        // ELF64 header + one PT_NOTE phdr + a "Xen" note of type 18 with an 8-byte entry.
-        let mut f = vec![0u8; 64];
-        f[..4].copy_from_slice(b"\x7fELF");
-        f[4] = 2;
-        f[5] = 1;
+    /// An ELF64 kernel for machine `e_machine`: header + one PT_NOTE phdr + a "Xen" note of
+    /// type 18 (XEN_ELFNOTE_PHYS32_ENTRY) with an 8-byte entry, 0x0100_0850.
+    fn pvh_kernel(e_machine: u16) -> Vec<u8> {
+        let mut f = elf_header(e_machine);
         f[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
         f[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
         f[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
@@ -999,14 +1178,21 @@ mod tests {
         ph[0x20..0x28].copy_from_slice(&(note.len() as u64).to_le_bytes());
         f.extend_from_slice(&ph);
         f.extend_from_slice(&note);
-        assert_eq!(pvh_entry(&f).unwrap(), 0x0100_0850);
+        f
+    }
+
+    #[test]
+    fn pvh_note_is_found_in_a_note_segment() {
+        let file = Path::new(BZ);
+        let f = pvh_kernel(62);
+        assert_eq!(pvh_entry(file, &f).unwrap(), 0x0100_0850);
         for n in 0..f.len() {
-            let _ = pvh_entry(&f[..n]);
+            let _ = pvh_entry(file, &f[..n]);
         }
         // A segment claiming to run past the file.
         let mut bad = f.clone();
         bad[64 + 0x20..64 + 0x28].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert!(pvh_entry(&bad).is_err());
+        assert!(pvh_entry(file, &bad).is_err());
     }
 
     #[test]

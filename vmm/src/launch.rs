@@ -33,6 +33,15 @@
 //! One command line: [`VmSpec::args`] is the only place that builds QEMU's arguments; the
 //! KVM probe, the boot-once run, clones and the VM tests all go through it.
 //!
+//! Sandbox: every QEMU runs under its own seccomp filter, [`SANDBOX`] (`-sandbox`,
+//! qemu-system(1)), installed before the machine is created, so a guest that takes over
+//! QEMU's device emulation cannot fork or exec a program, change its uid or gid, or change
+//! its CPU affinity or scheduling. Nothing kiln asks of QEMU needs those calls: migration
+//! to and from `file:` (snapshot and restore) opens a file, QMP `block_resize` grows the
+//! overlay in place, the guest channel and QMP are sockets QEMU opened at start, and vCPU
+//! and migration threads are threads, which the filter allows. `exec:` migration would
+//! need a fork, and fails (`Failed to fork (Operation not permitted)`); kiln uses none.
+//!
 //! CPU: [`CPU_MODEL`], a named model with AVX, AVX2 and FMA and no AVX-512, minus the four
 //! features QEMU's TCG does not implement, passed with `enforce` so that QEMU refuses to
 //! start instead of silently dropping a feature: the guest sees the same CPUID under TCG and
@@ -52,6 +61,18 @@ pub const MACHINE: &str = "microvm,pit=off";
 /// `pcid`, `tsc-deadline`, `invpcid` and `spec-ctrl` are removed because QEMU 10.0's TCG
 /// refuses them under `enforce` (measured on this host, see the module doc).
 pub const CPU_MODEL: &str = "Haswell-v4,-pcid,-tsc-deadline,-invpcid,-spec-ctrl";
+/// QEMU's seccomp filter, as passed to `-sandbox` (qemu-system(1), "-sandbox"; the system
+/// calls of each group are listed in QEMU's system/qemu-seccomp.c). `on` installs the filter
+/// with QEMU's default deny set (`reboot`, `swapon`, `mount`, `kexec_load`, `syslog`, ...);
+/// `obsolete=deny` adds calls modern C libraries no longer make (`_sysctl`, `uselib`,
+/// `ustat`, ...); `elevateprivileges=deny` adds `setuid`, `setgid`, `setsid`, `setpgid` and
+/// the `setre*`/`setres*`/`setfs*` variants; `spawn=deny` adds `fork`, `vfork`, `execve`
+/// (and, since QEMU 8.2, `execveat`, `setns`, `unshare` and a `clone` that makes a process:
+/// threads stay allowed); `resourcecontrol=deny` adds `setpriority`, `sched_setparam`,
+/// `sched_setscheduler` (except to SCHED_IDLE) and `sched_setaffinity`. Each option has its
+/// tightest value (`elevateprivileges=children` would allow what `deny` refuses). Not part of
+/// the compatibility key: it changes no guest-visible state.
+pub const SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
 /// The device layout, in QEMU's creation order; recorded in the compatibility key.
 pub const DEVICE_LAYOUT: &str =
     "isa-serial:ttyS0,virtio-blk-device:disk0,virtio-serial-device,virtserialport:org.kiln.guest.0";
@@ -305,6 +326,8 @@ impl VmSpec {
         let mut a: Vec<String> = vec![
             "-nodefaults".into(),
             "-no-user-config".into(),
+            "-sandbox".into(),
+            SANDBOX.into(),
             "-display".into(),
             "none".into(),
             "-no-reboot".into(),
@@ -979,6 +1002,12 @@ mod tests {
         );
         assert!(a.contains("name=org.kiln.guest.0"), "{a}");
         assert!(!a.contains("-incoming"), "{a}");
+        assert!(
+            a.contains(
+                "-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+            ),
+            "{a}"
+        );
         assert!(
             s.cmdline().ends_with("tsc_early_khz=2596140 tsc=reliable"),
             "{}",
