@@ -5,7 +5,7 @@
 //! 2. Fetch kernel and initramfs (blobs, digest-checked) into the local snapshot cache
 //!    (`<cache>/<snapshot hex>/`), pick the accelerator (probed once per host and remembered in
 //!    `<cache>/accel.json`: [`launch::probe_accel_cached`]), and compare this host's
-//!    [`CompatKey`] with the stored one: a mismatch is refused ([`CloneError::Compat`]) and
+//!    [`CompatKey`](crate::compat::CompatKey) with the stored one: a mismatch is refused ([`CloneError::Compat`]) and
 //!    nothing is removed from the store.
 //! 3. Fetch the vmstate (digest-checked), then materialize the memory file and the disk (every
 //!    chunk verified), unless a previous start already completed them (marker `complete`,
