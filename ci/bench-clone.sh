@@ -13,13 +13,11 @@
 #   KILN_BENCH_DIR         work directory; default $KILN_CI_CACHE/bench-clone
 set -euo pipefail
 
-KILN_CI_CACHE=${KILN_CI_CACHE:-/var/cache/kiln-ci}
 ci_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$ci_dir")
-target_dir=${CARGO_TARGET_DIR:-}
-# shellcheck disable=SC1091
-. "$KILN_CI_CACHE/env"
-[ -z "$target_dir" ] || export CARGO_TARGET_DIR=$target_dir
+# shellcheck source=ci/bench-common.sh
+. "$ci_dir/bench-common.sh"
+bench_env
 export KILN_BENCH_DIR=${KILN_BENCH_DIR:-$KILN_CI_CACHE/bench-clone}
 
 cd "$repo"

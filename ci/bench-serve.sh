@@ -39,7 +39,6 @@
 set -euo pipefail
 
 ci_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-repo=$(dirname "$ci_dir")
 duration=${KILN_BENCH_DURATION:-10}
 conns=${KILN_BENCH_CONNECTIONS:-16}
 threads=${KILN_BENCH_THREADS:-1}
@@ -52,24 +51,15 @@ PROFILE=${PROFILE:-release}
 
 log() { printf 'bench-serve: %s\n' "$*" >&2; }
 
+# shellcheck source=ci/bench-common.sh
+. "$ci_dir/bench-common.sh"
 # What this script needs from Debian: wrk, busybox-static (the recipe's one binary), curl,
 # and psql for the PostgreSQL run.
-pkgs=()
-command -v wrk >/dev/null || pkgs+=(wrk)
-[ -x /bin/busybox ] || pkgs+=(busybox-static)
-command -v curl >/dev/null || pkgs+=(curl)
-[ -z "$pg_url" ] || command -v psql >/dev/null || pkgs+=(postgresql-client)
-if [ ${#pkgs[@]} -gt 0 ]; then
-  log "installing ${pkgs[*]}"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null ||
-    { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null; }
-fi
+pkgs=(wrk busybox-static curl)
+[ -z "$pg_url" ] || pkgs+=(postgresql-client)
+bench_apt "${pkgs[@]}"
 
-(cd "$repo" && cargo build -q --profile "$PROFILE" -p kiln)
-dir=debug
-[ "$PROFILE" = dev ] || dir=$PROFILE
-kiln=${CARGO_TARGET_DIR:-$repo/target}/$dir/kiln
+bench_kiln "$PROFILE"
 
 if [ -n "${KILN_BENCH_DIR:-}" ]; then
   work=$KILN_BENCH_DIR

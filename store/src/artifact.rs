@@ -3,8 +3,8 @@
 //! - Upload ([`Store::put_artifact`]): the input is cut ([`crate::chunk::split`]) on a blocking
 //!   thread; chunks are hashed and compressed on the blocking pool and stored with
 //!   put-if-absent, at most [`crate::StoreOptions::parallelism`] in flight (memory: about
-//!   `2 × parallelism × max chunk`, plus one group of
-//!   compressed chunks when a lease is given). All-zero chunks become holes. Without a lease,
+//!   `2 × parallelism × max chunk`, plus two groups of
+//!   compressed chunks when a lease is given, one being written while the next is encoded). All-zero chunks become holes. Without a lease,
 //!   chunks in the known-chunk index are skipped. With a lease, each group of
 //!   [`LEASE_BATCH`] chunks is added to the lease and only then looked up, under the store's
 //!   sweep lock ([`Lease::find_present`]); those found are relied on, the rest written, so
@@ -32,6 +32,9 @@ use crate::progress::{ProgressEvent, ProgressFn, Reporter, TransferStats};
 
 /// Chunks leased (and then stored) per group during an upload.
 const LEASE_BATCH: usize = 64;
+/// Groups of [`LEASE_BATCH`] chunks being looked up and written at once during a leased
+/// upload: while one is, the next is encoded.
+const GROUPS_IN_FLIGHT: usize = 2;
 use crate::{Store, StoreError};
 
 /// Options for [`Store::put_artifact`].
@@ -157,28 +160,38 @@ impl Store {
             // Stage 2 with a lease: per group, lease the chunks and then look them up under
             // the sweep lock (Lease::find_present), then write the missing ones in parallel.
             // The known-chunk index is not trusted here: GC may have deleted a chunk since.
-            let mut groups = std::pin::pin!(encoded.chunks(LEASE_BATCH));
-            while let Some(group) = groups.next().await {
-                let group: Vec<_> = group.into_iter().collect::<Result<_, _>>()?;
-                let objs: Vec<ObjectRef> = group
-                    .iter()
-                    .filter_map(|(_, e)| match e {
-                        Ok(enc) => Some(ObjectRef::Chunk(enc.digest)),
-                        Err(_) => None,
+            // GROUPS_IN_FLIGHT groups at once, in order: while one is looked up and written,
+            // the next one's chunks are hashed and compressed (before, encoding stopped for
+            // every group's look-up and writes).
+            let store_one = &store_one;
+            let mut groups = std::pin::pin!(
+                encoded
+                    .chunks(LEASE_BATCH)
+                    .map(|group| async move {
+                        let group: Vec<_> = group.into_iter().collect::<Result<_, _>>()?;
+                        let objs: Vec<ObjectRef> = group
+                            .iter()
+                            .filter_map(|(_, e)| match e {
+                                Ok(enc) => Some(ObjectRef::Chunk(enc.digest)),
+                                Err(_) => None,
+                            })
+                            .collect();
+                        let present = lease.find_present(&objs).await?;
+                        futures::stream::iter(group)
+                            .map(|(offset, e)| {
+                                let found = match &e {
+                                    Ok(enc) => present.contains(&ObjectRef::Chunk(enc.digest)),
+                                    Err(_) => false,
+                                };
+                                store_one(offset, e, Some(found))
+                            })
+                            .buffered(self.parallelism)
+                            .try_collect::<Vec<ChunkEntry>>()
+                            .await
                     })
-                    .collect();
-                let present = lease.find_present(&objs).await?;
-                let entries: Vec<ChunkEntry> = futures::stream::iter(group)
-                    .map(|(offset, e)| {
-                        let found = match &e {
-                            Ok(enc) => present.contains(&ObjectRef::Chunk(enc.digest)),
-                            Err(_) => false,
-                        };
-                        store_one(offset, e, Some(found))
-                    })
-                    .buffered(self.parallelism)
-                    .try_collect()
-                    .await?;
+                    .buffered(GROUPS_IN_FLIGHT)
+            );
+            while let Some(entries) = groups.try_next().await? {
                 entries.into_iter().for_each(&mut push);
             }
         } else {

@@ -339,10 +339,29 @@ pub fn is_all_zero(data: &[u8]) -> bool {
     chunks.iter().all(|c| u128::from_ne_bytes(*c) == 0) && tail.iter().all(|b| *b == 0)
 }
 
+thread_local! {
+    /// This thread's zstd compression context at [`ZSTD_LEVEL`], made on first use and kept:
+    /// making one per chunk (what `zstd::bulk::compress` does) allocates and clears the
+    /// level's tables every time, a large share of the work for a 64 KiB chunk. A reused
+    /// context writes the same frame (the parameters are set once and never changed).
+    static COMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 /// Hashes and compresses one raw chunk (CPU-bound: call from a blocking thread for big ones).
 pub fn encode(raw: &[u8]) -> Result<EncodedChunk, ChunkError> {
     let digest = ChunkDigest::of(raw);
-    let stored = zstd::bulk::compress(raw, ZSTD_LEVEL)?;
+    let stored = COMPRESSOR.with(|c| -> std::io::Result<Vec<u8>> {
+        let mut c = c.borrow_mut();
+        let c = match &mut *c {
+            Some(c) => c,
+            none => none.insert(zstd::bulk::Compressor::new(ZSTD_LEVEL)?),
+        };
+        let mut out = c.compress(raw)?;
+        // The buffer was sized for the worst case; keep only the frame.
+        out.shrink_to_fit();
+        Ok(out)
+    })?;
     Ok(EncodedChunk {
         digest,
         raw_len: raw.len() as u64,

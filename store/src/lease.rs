@@ -26,7 +26,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::{Backend, validate_key};
 use crate::digest::{BlobDigest, ManifestDigest};
-use futures::StreamExt;
 
 use crate::manifest::{Manifest, ObjectRef, RawManifest};
 use crate::owner::{LeaseOwner, Liveness};
@@ -244,13 +243,13 @@ impl Lease {
     ) -> Result<std::collections::HashSet<ObjectRef>, StoreError> {
         self.add(objs.iter().copied()).await?;
         let _lock = self.store.sweep_lock(false).await?;
-        let mut present = std::collections::HashSet::new();
-        let checks = futures::stream::iter(objs.iter().copied())
-            .map(|o| async move { Ok::<_, StoreError>((o, self.store.has(&o).await?)) })
-            .buffer_unordered(self.store.parallelism);
-        let found: Vec<(ObjectRef, bool)> = futures::TryStreamExt::try_collect(checks).await?;
-        present.extend(found.into_iter().filter(|(_, p)| *p).map(|(o, _)| o));
-        Ok(present)
+        let found = self.store.exist(objs).await?;
+        Ok(objs
+            .iter()
+            .zip(found)
+            .filter(|(_, p)| *p)
+            .map(|(o, _)| *o)
+            .collect())
     }
 
     /// [`Lease::find_present`] for blocking code on a local store, with the caller's own

@@ -133,6 +133,8 @@ conformance!(
     read_cache_and_known_index,
     lease_covers_artifact_upload,
     oci_refs_round_trip,
+    import_table_is_pinned,
+    push_of_present_image_checks_every_object,
 );
 
 /// Deterministic pseudo-random bytes (xorshift), so failures reproduce.
@@ -1084,4 +1086,137 @@ async fn oci_refs_round_trip(f: Fixture) {
     f.store.delete_oci_ref(&r).await.unwrap();
     assert_eq!(f.store.get_oci_ref(&r).await.unwrap(), None);
     assert_eq!(f.store.gc(&gc).await.unwrap().collected.len(), 3);
+}
+
+/// The chunk table an import makes (the `kiln store import` path: under a lease; and
+/// without one) for a multi-chunk file of data, short and long zero runs and a zero tail,
+/// pinned by the sha256 of its JSON: how chunks are cut, hashed and compressed may change
+/// its speed but not one byte of a manifest. The pin was taken before hashing and
+/// compression were pipelined across groups and cores (issue 16).
+async fn import_table_is_pinned(f: Fixture) {
+    let mut data = noise(3 << 20, 61);
+    data.extend(std::iter::repeat_n(0u8, 1 << 20));
+    data.extend(noise(1 << 20, 62));
+    data.extend(std::iter::repeat_n(0u8, 8 << 10));
+    data.extend(noise((2 << 20) + 12345, 63));
+    data.extend(std::iter::repeat_n(0u8, 3 << 20));
+    let lease = Arc::new(
+        f.store
+            .create_lease("import-pin", Duration::from_secs(600), [])
+            .await
+            .unwrap(),
+    );
+    let mut tables = Vec::new();
+    for lease in [Some(lease.clone()), None] {
+        let opts = PutArtifactOptions {
+            lease,
+            ..Default::default()
+        };
+        let (table, _) = f
+            .reopen()
+            .await
+            .put_artifact_reader(std::io::Cursor::new(data.clone()), &opts)
+            .await
+            .unwrap();
+        tables.push(table);
+    }
+    lease.release().await.unwrap();
+    assert_eq!(tables[0], tables[1]);
+    let t = &tables[0];
+    assert!(
+        t.entries.iter().filter(|e| !e.is_hole()).count() > 50,
+        "{t:?}"
+    );
+    assert!(
+        t.entries.iter().filter(|e| e.is_hole()).count() >= 2,
+        "{t:?}"
+    );
+    let json = serde_json::to_vec(t).unwrap();
+    let digest = kiln_store::digest::Sha256Hash::of(&json);
+    assert_eq!(
+        hex::encode(digest.0),
+        "3460e05fdd44a497b6c6f464963d525f4d14883a05f23f8ec4d67d1aed0c8253",
+        "the import's chunk table changed"
+    );
+}
+
+/// A push of an image whose objects are all in the destination uploads nothing and still
+/// asks the destination about every object: one chunk deleted there is uploaded again, and
+/// only it. Where the backend lists in key order (S3), the presence check of 2,048 chunks
+/// costs a few listing requests, not one `head` per chunk (issue 16: 2,797 heads took 5 s).
+async fn push_of_present_image_checks_every_object(f: Fixture) {
+    let a = Fixture::local().await;
+    let (_, table) = publish_image(
+        &a.store,
+        &noise(8 << 20, 71),
+        Chunking::Fixed { size: 4096 },
+    )
+    .await;
+    let chunks = table.chunk_digests();
+    assert_eq!(chunks.len(), 2048);
+    let top = a
+        .store
+        .put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
+        .await
+        .unwrap()
+        .digest;
+    let t: TagRef = "present:v1".parse().unwrap();
+    a.store.set_tag(&t, None, top).await.unwrap();
+    let first = copy_tag(&a.store, &f.store, &t, &CopyOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(first.stats.chunks_transferred, 2048);
+
+    // Again, from a fresh handle (no known-chunk index): nothing moves.
+    let dst = f.reopen().await;
+    let again = copy_tag(&a.store, &dst, &t, &CopyOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(again.stats.chunks_transferred, 0);
+    assert_eq!(again.stats.chunks, 2048);
+    let requests = dst.metrics().requests;
+    if dst.backend().ordered_listing() {
+        assert!(
+            requests <= 40,
+            "{requests} requests to find 2,048 present chunks"
+        );
+    }
+
+    // One chunk gone from the destination: the next push uploads exactly it.
+    let victim = chunks[1000];
+    f.store.backend().delete(&victim.key()).await.unwrap();
+    let events = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let ev = events.clone();
+    let opts = CopyOptions {
+        progress: Some(Arc::new(move |e: &ProgressEvent| {
+            ev.lock().unwrap().push(e.clone())
+        })),
+        ..Default::default()
+    };
+    let third = copy_tag(&a.store, &f.reopen().await, &t, &opts)
+        .await
+        .unwrap();
+    assert_eq!(third.stats.chunks_transferred, 1);
+    let sent: Vec<_> = events
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|e| match e {
+            ProgressEvent::Chunk {
+                digest,
+                transferred: true,
+                ..
+            } => Some(*digest),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(sent, vec![victim]);
+    assert!(f.store.has(&ObjectRef::Chunk(victim)).await.unwrap());
+    assert!(
+        f.store
+            .verify(true, &GcOptions::default())
+            .await
+            .unwrap()
+            .is_ok()
+    );
 }

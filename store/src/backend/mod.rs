@@ -152,6 +152,19 @@ pub struct ObjectInfo {
     pub version: Option<Version>,
 }
 
+/// Most keys one listing request returns: S3 ListObjectsV2's `max-keys` default and limit
+/// (1000, Amazon S3 API Reference, ListObjectsV2).
+pub const LIST_PAGE_MAX: usize = 1000;
+
+/// What [`Backend::list_page`] returns.
+#[derive(Debug, Clone)]
+pub struct ListPage {
+    /// The objects, in key order.
+    pub objects: Vec<ObjectInfo>,
+    /// More keys follow the last one.
+    pub truncated: bool,
+}
+
 /// Result of [`Backend::put_if_absent`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PutOutcome {
@@ -218,6 +231,32 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Every object whose key starts with `prefix` (a plain string prefix ending in `/`),
     /// recursively, in no particular order.
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError>;
+
+    /// Whether [`Backend::list_page`] works here: one request lists many keys in key order
+    /// (S3's ListObjectsV2). `false` by default, and for the local backend, where a `stat`
+    /// per key is cheaper than reading a directory.
+    fn ordered_listing(&self) -> bool {
+        false
+    }
+
+    /// One listing request: up to `max` objects (at most [`LIST_PAGE_MAX`]) whose keys start
+    /// with `prefix` (ending in `/`) and sort after `start_after` (byte order), in key order;
+    /// [`ListPage::truncated`] when more follow. Errors: [`BackendError::Other`] on a backend
+    /// without [`Backend::ordered_listing`].
+    async fn list_page(
+        &self,
+        prefix: &str,
+        start_after: &str,
+        max: usize,
+    ) -> Result<ListPage, BackendError> {
+        let _ = (start_after, max);
+        Err(BackendError::Other {
+            store: self.url().to_string(),
+            op: "list_page",
+            key: prefix.to_string(),
+            message: "this backend has no ordered listing".into(),
+        })
+    }
 
     /// Removes the object; absent is not an error.
     async fn delete(&self, key: &str) -> Result<(), BackendError>;

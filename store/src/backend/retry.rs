@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde::Serialize;
 
-use super::{Backend, BackendError, ObjectInfo, PutOutcome, Version};
+use super::{Backend, BackendError, ListPage, ObjectInfo, PutOutcome, Version};
 use crate::digest::Sha256Hash;
 
 /// Default [`RetryPolicy::max_attempts`]: 6.
@@ -487,6 +487,23 @@ impl Backend for Retrying {
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError> {
         self.run("list", prefix, || self.inner.list(prefix)).await.0
+    }
+
+    fn ordered_listing(&self) -> bool {
+        self.inner.ordered_listing()
+    }
+
+    async fn list_page(
+        &self,
+        prefix: &str,
+        start_after: &str,
+        max: usize,
+    ) -> Result<ListPage, BackendError> {
+        self.run("list_page", prefix, || {
+            self.inner.list_page(prefix, start_after, max)
+        })
+        .await
+        .0
     }
 
     async fn delete(&self, key: &str) -> Result<(), BackendError> {
