@@ -495,21 +495,42 @@ impl Store {
     /// Writes build-cache entry `cache/<key>` → `layer`, stamped now. `key` is one key
     /// segment (`[A-Za-z0-9._-]`, e.g. the hex of the step's cache digest).
     pub async fn put_cache_entry(&self, key: &str, layer: BlobDigest) -> Result<(), StoreError> {
-        check_id(key)?;
         let e = CacheEntry {
             layer,
             time: unix_now(),
         };
-        // Serializing these plain types cannot fail.
-        let bytes = Bytes::from(serde_json::to_vec(&e).unwrap_or_default());
-        self.backend.put(&format!("cache/{key}"), bytes).await?;
-        Ok(())
+        self.put_entry("cache", key, &e).await
     }
 
     /// Reads build-cache entry `key`, `None` when absent.
     pub async fn get_cache_entry(&self, key: &str) -> Result<Option<CacheEntry>, StoreError> {
+        self.get_entry("cache", key).await
+    }
+
+    /// Writes `<prefix>/<key>` as the JSON of `e` (an unconditional put). Errors:
+    /// [`LeaseError::InvalidId`] for a `key` that is not one key segment, backend errors.
+    async fn put_entry<T: Serialize>(
+        &self,
+        prefix: &str,
+        key: &str,
+        e: &T,
+    ) -> Result<(), StoreError> {
         check_id(key)?;
-        let k = format!("cache/{key}");
+        // Serializing these plain types cannot fail.
+        let bytes = Bytes::from(serde_json::to_vec(e).unwrap_or_default());
+        self.backend.put(&format!("{prefix}/{key}"), bytes).await?;
+        Ok(())
+    }
+
+    /// Reads `<prefix>/<key>` (at most [`MAX_CACHE_ENTRY_LEN`] bytes), `None` when absent.
+    /// Errors: [`LeaseError::Corrupt`] naming the key for JSON that does not parse as `T`.
+    async fn get_entry<T: serde::de::DeserializeOwned>(
+        &self,
+        prefix: &str,
+        key: &str,
+    ) -> Result<Option<T>, StoreError> {
+        check_id(key)?;
+        let k = format!("{prefix}/{key}");
         let Some(b) = self.get_small(&k, MAX_CACHE_ENTRY_LEN).await? else {
             return Ok(None);
         };
@@ -530,33 +551,18 @@ impl Store {
         key: &str,
         manifest: ManifestDigest,
     ) -> Result<(), StoreError> {
-        check_id(key)?;
         let e = ImageCacheEntry {
             manifest,
             time: unix_now(),
         };
-        // Serializing these plain types cannot fail.
-        let bytes = Bytes::from(serde_json::to_vec(&e).unwrap_or_default());
-        self.backend.put(&format!("images/{key}"), bytes).await?;
-        Ok(())
+        self.put_entry("images", key, &e).await
     }
 
     /// Reads image cache entry `key`, `None` when absent. It says nothing of whether the
     /// manifest is still there. Errors: [`LeaseError::Corrupt`] naming `images/<key>` for
     /// one that does not parse.
     pub async fn get_image_entry(&self, key: &str) -> Result<Option<ImageCacheEntry>, StoreError> {
-        check_id(key)?;
-        let k = format!("images/{key}");
-        let Some(b) = self.get_small(&k, MAX_CACHE_ENTRY_LEN).await? else {
-            return Ok(None);
-        };
-        Ok(Some(serde_json::from_slice(&b).map_err(|e| {
-            LeaseError::Corrupt {
-                key: k,
-                store: self.url().to_string(),
-                reason: e.to_string(),
-            }
-        })?))
+        self.get_entry("images", key).await
     }
 
     /// Every build-cache entry as (key, entry); corrupt ones are skipped with a warning.
