@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The fuzz phase of the test command (ci/test.sh runs it; fuzz/README.md describes the
-# targets): installs cargo-fuzz, builds every target of fuzz/ and runs each one in turn from
-# its committed seeds (fuzz/seeds/<target>/) for an equal share of KILN_FUZZ_SECONDS.
+# targets): installs cargo-fuzz, builds every target of fuzz/ and runs each one from
+# its committed seeds (fuzz/seeds/<target>/) for an equal share of KILN_FUZZ_SECONDS,
+# KILN_FUZZ_JOBS targets at once (default: one per core, nproc).
 # A crash, timeout or out-of-memory input fails the run, with the input's path printed.
 #   KILN_CI_CACHE       cargo-fuzz and the fuzz build's target dir live here (ci/setup.sh's)
 #   KILN_FUZZ_SECONDS   total fuzzing time over all targets, seconds (default 96: 8 s per
@@ -43,15 +44,15 @@ bin_dir=$target_dir/x86_64-unknown-linux-gnu/release
 read -r -a targets <<<"${KILN_FUZZ_TARGETS:-$(cargo fuzz list | tr '\n' ' ')}"
 share=$((total / ${#targets[@]}))
 [ "$share" -ge 1 ] || share=1
-log "built; running ${#targets[@]} targets for ${share} s each"
-failed=()
-for t in "${targets[@]}"; do
-  corpus=corpus/$t
-  artifacts=artifacts/$t
+# Each libFuzzer run is one process on one core: run one target per core at once.
+jobs=${KILN_FUZZ_JOBS:-$(nproc)}
+log "built; running ${#targets[@]} targets for ${share} s each, ${jobs} at a time"
+results=$(mktemp -d)
+# One target's run; its verdict goes to $results/<target>.fail or is logged as a pass.
+run_target() {
+  local t=$1 corpus=corpus/$1 artifacts=artifacts/$1 out=$results/$1.out rc=0 runs found
   mkdir -p "$corpus" "$artifacts"
   if [ -d "seeds/$t" ]; then cp -n "seeds/$t"/* "$corpus"/ 2>/dev/null || true; fi
-  out=$(mktemp)
-  rc=0
   # -timeout: one input running 10 s is a hang; -rss_limit_mb: 2 GiB is an OOM.
   "$bin_dir/$t" -max_total_time="$share" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
     -artifact_prefix="$PWD/$artifacts/" "$corpus" >"$out" 2>&1 || rc=$?
@@ -60,12 +61,21 @@ for t in "${targets[@]}"; do
     tail -n 60 "$out" >&2
     found=$(sed -n 's/.*Test unit written to \(.*\)$/\1/p' "$out")
     log "$t FAILED (exit $rc) after ${runs:-?} runs; input: ${found:-none written (see above)}"
-    failed+=("$t: ${found:-exit $rc}")
+    echo "$t: ${found:-exit $rc}" >"$results/$t.fail"
   else
     log "$t: ${runs:-?} runs in ${share} s, corpus $(ls "$corpus" | wc -l) inputs"
   fi
-  rm -f "$out"
+}
+for t in "${targets[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+  run_target "$t" &
 done
+wait
+failed=()
+for f in "$results"/*.fail; do
+  [ -e "$f" ] && failed+=("$(cat "$f")")
+done
+rm -rf "$results"
 if [ "${#failed[@]}" -ne 0 ]; then
   log "${#failed[@]} target(s) failed; reproduce with $bin_dir/<target> <input>:"
   printf '  %s\n' "${failed[@]}" >&2
