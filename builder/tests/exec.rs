@@ -429,6 +429,36 @@ fn capabilities_no_new_privs_and_read_only_kernel_interfaces() {
     );
 }
 
+/// Issue 14, part 3: every step runs under Docker's default seccomp profile
+/// (`builder/src/exec/seccomp.rs`). What the capabilities alone leave open is closed: a
+/// user namespace (no capability needed, the door to most container escapes through kernel
+/// bugs) and a namespace flag to `clone`; a chroot (CAP_SYS_CHROOT's rule) and ordinary
+/// processes still work.
+#[test]
+fn steps_run_under_dockers_default_seccomp_profile() {
+    let f = fixture("seccomp");
+    let (r, lines) = f.run(&f.spec(
+        "grep -E '^Seccomp:' /proc/self/status | tr -s '\\t ' ' '; \
+         unshare -U true 2>/dev/null && echo USERNS || echo no-userns; \
+         unshare -n true 2>/dev/null && echo NETNS || echo no-netns; \
+         unshare -p -f true 2>/dev/null && echo PIDNS || echo no-pidns; \
+         chroot / true && echo chroot-ok; \
+         sh -c 'echo child-ok' & wait",
+    ));
+    r.unwrap();
+    assert_eq!(
+        lines,
+        vec![
+            "Seccomp: 2",
+            "no-userns",
+            "no-netns",
+            "no-pidns",
+            "chroot-ok",
+            "child-ok",
+        ]
+    );
+}
+
 #[test]
 fn timeout_kills_everything() {
     let f = fixture("timeout");

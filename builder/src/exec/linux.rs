@@ -6,7 +6,8 @@
 //! the step's cgroup, unshares mount, pid, uts, ipc and (unless host) network namespaces,
 //! waits for slirp4netns when the network is `default`, and forks the step's pid 1. Pid 1
 //! makes the mounts in its private mount namespace, pivots into the overlay, drops
-//! privileges and execs the command. The keeper reports pid 1's wait status through a pipe
+//! privileges, installs Docker's default seccomp profile (`seccomp.rs`) and execs the
+//! command. The keeper reports pid 1's wait status through a pipe
 //! and exits. Setup errors travel as text through a close-on-exec pipe. When pid 1 exits,
 //! the kernel kills the rest of its pid namespace; the mount namespace, and with it every
 //! mount, goes with its last process.
@@ -136,6 +137,8 @@ struct ChildPlan {
     bring_lo_up: bool,
     /// `RUN --mount`s (cache locks held until the plan is dropped, after the step).
     mounts: super::mounts::PreparedMounts,
+    /// The seccomp filter pid 1 installs right before `execve` (compiled before the fork).
+    seccomp: &'static super::seccomp::StepFilter,
 }
 
 struct Fds {
@@ -258,6 +261,7 @@ impl StepExecutor for LinuxExecutor {
             spec: spec.clone(),
             bring_lo_up: spec.network != Network::Host,
             mounts,
+            seccomp: super::seccomp::step_filter().map_err(ExecError::Seccomp)?,
         };
         let pipe = || {
             rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
@@ -1114,6 +1118,8 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
     )
     .map_err(|e| format!("setuid {}: {e}", user.uid))?;
     rustix::thread::set_no_new_privs(true).map_err(|e| format!("no_new_privs: {e}"))?;
+    // Docker's default seccomp profile, last: nothing after it but execve.
+    super::seccomp::install(plan.seccomp)?;
 
     let mut argv_p: Vec<*const libc::c_char> = c_argv.iter().map(|c| c.as_ptr()).collect();
     argv_p.push(std::ptr::null());

@@ -22,6 +22,7 @@ pub mod cgroup;
 mod linux;
 pub mod logs;
 pub mod mounts;
+mod seccomp;
 pub mod user;
 
 use std::path::PathBuf;
@@ -280,6 +281,10 @@ pub enum ExecError {
     /// Setting up the isolated root failed (message from inside the step's namespaces).
     #[error("step setup failed: {0}")]
     Setup(String),
+    /// The step seccomp filter (Docker's default profile, `exec/seccomp.rs`) could not be
+    /// compiled.
+    #[error("{0}")]
+    Seccomp(String),
     /// A host-side operation failed.
     #[error("{what}: {source}")]
     Io {
