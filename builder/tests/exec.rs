@@ -459,6 +459,48 @@ fn steps_run_under_dockers_default_seccomp_profile() {
     );
 }
 
+/// Issue 14, part 3, hostile steps on the namespace executor: loading or removing a kernel
+/// module, swapping, rebooting, renaming the host, entering another namespace and signalling
+/// a host process all fail, and the step goes on (a reboot that worked would have killed
+/// its pid namespace). Capabilities and the seccomp profile both stand in the way; either
+/// alone makes these fail.
+#[test]
+fn hostile_steps_cannot_load_modules_reboot_or_reach_host_processes() {
+    let f = fixture("hostile");
+    let host_pid = std::process::id();
+    let host_name = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
+    let (r, lines) = f.run(&f.spec(&format!(
+        "echo x > /tmp/m.ko; \
+         insmod /tmp/m.ko 2>/dev/null && echo INSMOD || echo no-insmod; \
+         rmmod loop 2>/dev/null && echo RMMOD || echo no-rmmod; \
+         swapon /tmp/m.ko 2>/dev/null && echo SWAPON || echo no-swapon; \
+         reboot -f 2>/dev/null; sleep 0.2; echo after-reboot; \
+         hostname evil 2>/dev/null && echo HOSTNAME || echo no-hostname; \
+         nsenter -t 1 -n true 2>/dev/null && echo NSENTER || echo no-nsenter; \
+         kill -0 {host_pid} 2>/dev/null && echo HOST-PID || echo no-host-pid"
+    )));
+    r.unwrap();
+    assert_eq!(
+        lines,
+        vec![
+            "no-insmod",
+            "no-rmmod",
+            "no-swapon",
+            "after-reboot",
+            "no-hostname",
+            "no-nsenter",
+            "no-host-pid",
+        ]
+    );
+    assert_eq!(
+        rustix::system::uname().nodename().to_string_lossy(),
+        host_name
+    );
+}
+
 #[test]
 fn timeout_kills_everything() {
     let f = fixture("timeout");

@@ -371,10 +371,8 @@ fn arg(index: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, value: u64) -> Seccom
 }
 
 fn compile() -> Result<StepFilter, String> {
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = ALLOWED
-        .iter()
-        .map(|&(_, nr)| (nr, Vec::new()))
-        .collect();
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+        ALLOWED.iter().map(|&(_, nr)| (nr, Vec::new())).collect();
     // clone3 is allowed here and refused with ENOSYS by the second filter.
     rules.insert(libc::SYS_clone3, Vec::new());
     let rule = |conds: Vec<SeccompCondition>| SeccompRule::new(conds).map_err(|e| e.to_string());
