@@ -5,19 +5,22 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . ci/setup.sh
-echo "== cargo fmt --check [${SECONDS}s]"
+# Each phase line carries the machine's CPU seconds so far, busy and idle over all cores
+# (/proc/stat, proc(5)), so that a log shows how well each phase used the cores.
+cpu() { awk -v hz="$(getconf CLK_TCK)" '/^cpu / { printf "cpu busy %.0fs idle %.0fs", ($2+$3+$4+$7+$8)/hz, ($5+$6)/hz }' /proc/stat; }
+echo "== cargo fmt --check [${SECONDS}s, $(cpu)]"
 cargo fmt --all -- --check
-echo "== cargo clippy --all-targets -- -D warnings [${SECONDS}s]"
+echo "== cargo clippy --all-targets -- -D warnings [${SECONDS}s, $(cpu)]"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # The machine comes with cargo-nextest; a machine without it gets the same version.
 if ! command -v cargo-nextest >/dev/null; then
-  echo "== installing cargo-nextest [${SECONDS}s]"
+  echo "== installing cargo-nextest [${SECONDS}s, $(cpu)]"
   cargo install --locked cargo-nextest --version 0.9.143
 fi
-echo "== cargo test --doc [${SECONDS}s]"
+echo "== cargo test --doc [${SECONDS}s, $(cpu)]"
 cargo test --workspace --locked --doc
-echo "== fuzz: every target of fuzz/ from its seeds (ci/fuzz.sh) [${SECONDS}s]"
+echo "== fuzz: every target of fuzz/ from its seeds (ci/fuzz.sh) [${SECONDS}s, $(cpu)]"
 bash ci/fuzz.sh
-echo "== cargo nextest run (settings: .config/nextest.toml) [${SECONDS}s]"
+echo "== cargo nextest run (settings: .config/nextest.toml) [${SECONDS}s, $(cpu)]"
 cargo nextest run --workspace --locked "$@"
-echo "== done [${SECONDS}s]"
+echo "== done [${SECONDS}s, $(cpu)]"
