@@ -275,8 +275,15 @@ fn control_field(text: &str, field: &str) -> Option<String> {
 
 fn read_bounded(path: &Path) -> Result<Vec<u8>, KernelError> {
     let f = fs::File::open(path).map_err(io_err(path.display()))?;
+    read_bounded_from(f, path)
+}
+
+/// Everything `r` yields (the contents of `path`, or what its bytes decompress to), at most
+/// [`MAX_INPUT`] bytes: more is an error naming `path`, so that a decompression bomb stops
+/// at the bound.
+fn read_bounded_from(r: impl Read, path: &Path) -> Result<Vec<u8>, KernelError> {
     let mut buf = Vec::new();
-    f.take(MAX_INPUT + 1)
+    r.take(MAX_INPUT + 1)
         .read_to_end(&mut buf)
         .map_err(io_err(path.display()))?;
     if buf.len() as u64 > MAX_INPUT {
@@ -697,23 +704,21 @@ fn index_modules(dir: &Path, index: &mut BTreeMap<String, PathBuf>) -> Result<()
     Ok(())
 }
 
-/// The plain ELF bytes of a module file (`.ko`; `.ko.xz` is decompressed with `xz -dc`,
-/// for kernels that cannot load compressed modules themselves).
+/// The plain ELF bytes of a module file: a `.ko` as it is, a `.ko.xz` decompressed (the
+/// `liblzma` crate, every stream of the file, as `xz -dc` does), for kernels that cannot
+/// load compressed modules themselves. At most [`MAX_INPUT`] bytes either way.
+///
+/// Errors, each naming the file: [`KernelError::Io`] (unreadable, not xz, corrupt or cut
+/// short, larger than the bound), [`KernelError::Module`] (another compression).
 pub fn module_bytes(path: &Path) -> Result<Vec<u8>, KernelError> {
     let name = path.display().to_string();
     if name.ends_with(".ko") {
         return read_bounded(path);
     }
     if name.ends_with(".ko.xz") {
-        let out = Command::new("xz")
-            .arg("-dc")
-            .arg(path)
-            .output()
-            .map_err(|e| KernelError::Module(name.clone(), format!("xz: {e}")))?;
-        if !out.status.success() {
-            return Err(KernelError::Module(name, "xz -dc failed".into()));
-        }
-        return Ok(out.stdout);
+        let f = fs::File::open(path).map_err(io_err(path.display()))?;
+        let xz = liblzma::read::XzDecoder::new_multi_decoder(io::BufReader::new(f));
+        return read_bounded_from(xz, path);
     }
     Err(KernelError::Module(
         name,
@@ -1209,6 +1214,14 @@ mod tests {
         assert!(st.success());
         assert_eq!(module_bytes(&dir.path().join("m.ko.xz")).unwrap(), plain);
         assert!(module_bytes(&dir.path().join("m.ko.zst")).is_err());
+        // Not xz, or cut short: an error naming the file.
+        fs::write(dir.path().join("bad.ko.xz"), b"not xz at all").unwrap();
+        let e = module_bytes(&dir.path().join("bad.ko.xz")).unwrap_err();
+        assert!(e.to_string().contains("bad.ko.xz"), "{e}");
+        let whole = fs::read(dir.path().join("m.ko.xz")).unwrap();
+        fs::write(dir.path().join("cut.ko.xz"), &whole[..whole.len() / 2]).unwrap();
+        let e = module_bytes(&dir.path().join("cut.ko.xz")).unwrap_err();
+        assert!(e.to_string().contains("cut.ko.xz"), "{e}");
     }
 
     #[test]
