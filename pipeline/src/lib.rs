@@ -264,6 +264,8 @@ pub(crate) async fn run_leased(
     match req.executor {
         Executor::Namespace => {}
     }
+    // What each `AtStart` tag names now: the build moves it only if it still does.
+    let req = pin_tags(&setup.store, req).await?;
 
     // 1. Lower and resolve.
     let options = kiln_recipes::Options {
@@ -577,6 +579,28 @@ async fn finish(
     Ok((Some(published), summary, names))
 }
 
+/// `req` with each [`TagExpect::AtStart`] of its tags replaced by what the tag names in
+/// `store` now ([`TagExpect::Digest`], or [`TagExpect::Absent`] for a tag that does not exist).
+/// Errors: [`PipelineError::Tag`] when a tag cannot be read.
+async fn pin_tags(store: &Store, mut req: BuildRequest) -> Result<BuildRequest, PipelineError> {
+    if let Output::Image { tags, .. } = &mut req.output {
+        for m in tags.iter_mut().filter(|m| m.expect == TagExpect::AtStart) {
+            let now = store
+                .get_tag(&m.tag)
+                .await
+                .map_err(|e| PipelineError::Tag {
+                    tag: m.tag.to_string(),
+                    source: Box::new(e),
+                })?;
+            m.expect = match now {
+                Some(r) => TagExpect::Digest(r.manifest),
+                None => TagExpect::Absent,
+            };
+        }
+    }
+    Ok(req)
+}
+
 /// Points every tag of `moves` at `new`. Every compare-and-swap expectation is checked
 /// first: when one does not hold, no tag moves. A tag already naming `new` is left alone.
 async fn move_tags(
@@ -596,6 +620,8 @@ async fn move_tags(
         TagExpect::Any => None,
         TagExpect::Absent => Some(None),
         TagExpect::Digest(d) => Some(Some(d)),
+        // `run` pinned these (pin_tags); one left unpinned must still be what it was.
+        TagExpect::AtStart => Some(None),
     };
     let mut current = Vec::with_capacity(moves.len());
     for m in moves {

@@ -57,7 +57,9 @@ pub struct Args {
     /// The Dockerfile or YAML recipe (`*.yaml`, `*.yml`); default `CONTEXT/Dockerfile`.
     #[arg(short = 'f', long = "file")]
     pub file: Option<PathBuf>,
-    /// Name and tag for the image, `name:tag` (repeatable).
+    /// Name and tag for the image, `name:tag` (repeatable). Each moves by compare-and-swap
+    /// against what it named when the build started: a build that another writer overtook
+    /// moves none of them and exits 4, naming the tag, the expected and the found digest.
     #[arg(short = 't', long = "tag")]
     pub tags: Vec<String>,
     /// Build argument `NAME=value`; `NAME` alone takes the value from the environment.
@@ -346,7 +348,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
             .iter()
             .map(|t| {
                 t.parse()
-                    .map(TagMove::force)
+                    .map(TagMove::at_start)
                     .with_context(|| format!("-t {t}: not a valid store tag (name:tag)"))
             })
             .collect::<anyhow::Result<_>>()?;
