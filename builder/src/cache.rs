@@ -18,7 +18,8 @@ use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kiln_store::{BlobDigest, LocalBlobs, Manifest, OciRef, TagRef};
+use kiln_store::lease::Lease;
+use kiln_store::{BlobDigest, LocalBlobs, Manifest, ObjectRef, OciRef, Store, TagRef};
 use sha2::{Digest as _, Sha256};
 
 /// Errors of the blob cache.
@@ -228,6 +229,71 @@ impl BlobCache for LocalCache {
             Manifest::Snapshot(_) => Ok(None),
         }
     }
+}
+
+/// The path of blob `digest` (`sha256:<hex>`) in `cache`, fetched from `store` first when
+/// only the store has it: a store that is not `cache`'s own directory (an S3 store, whose
+/// local files are a cache) may hold layers that other hosts built, which a build-cache hit
+/// names. The download goes to a fresh scratch file, hashed in full by
+/// [`BlobCache::commit`] before it becomes visible. `None` when neither has it. Errors: the
+/// store's (a digest mismatch names blob and store), the cache's.
+pub async fn fetch_blob(
+    cache: &dyn BlobCache,
+    store: &Store,
+    digest: &str,
+) -> Result<Option<PathBuf>, CacheError> {
+    if let Some(p) = cache.blob_path(digest)? {
+        return Ok(Some(p));
+    }
+    let d = blob_digest(digest)?;
+    if !store.has(&ObjectRef::Blob(d)).await? {
+        return Ok(None);
+    }
+    let staged = cache.scratch_path(&format!("fetch-{}", d.hex()));
+    if let Some(dir) = staged.parent() {
+        fs::create_dir_all(dir).map_err(|source| CacheError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    if let Err(e) = store.get_blob_to_file(&d, &staged).await {
+        let _ = fs::remove_file(&staged);
+        return Err(e.into());
+    }
+    Ok(Some(cache.commit(&staged, digest)?))
+}
+
+/// Makes blob `digest` of `cache` an object of `store` too, so that what names it there (a
+/// build-cache entry `cache/<key>`, written after this returns) never names a missing blob,
+/// and another host's build can fetch it ([`fetch_blob`]). Leases it in `lease` first; one
+/// `head`, and an upload only when the store lacks it (for the store whose directory `cache`
+/// is, the head finds it). Errors: [`CacheError::Store`], the blob missing from `cache`
+/// ([`CacheError::Io`] naming its would-be path).
+pub async fn share_blob(
+    cache: &dyn BlobCache,
+    store: &Store,
+    digest: &str,
+    lease: Option<&Lease>,
+) -> Result<(), CacheError> {
+    let d = blob_digest(digest)?;
+    let obj = ObjectRef::Blob(d);
+    if let Some(l) = lease {
+        l.add([obj]).await?;
+    }
+    if store.has(&obj).await? {
+        return Ok(());
+    }
+    let Some(path) = cache.blob_path(digest)? else {
+        return Err(CacheError::Io {
+            path: cache.scratch_path(&d.hex()),
+            source: io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("blob {digest} is not in the blob cache"),
+            ),
+        });
+    };
+    store.put_blob_file(&path).await?;
+    Ok(())
 }
 
 /// A [`BlobCache`] whose every blob is put under a store lease: a blob before it is written

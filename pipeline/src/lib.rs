@@ -170,10 +170,12 @@ impl From<PublishError> for PipelineError {
 /// Where builds run: the store and the parts of this host they use. Cheap to clone.
 #[derive(Clone)]
 pub struct Setup {
-    /// The store images, snapshots, tags, leases and build-cache entries go to. Its blobs
-    /// must be [`Setup::cache`]'s (a local store directory and its blob cache).
+    /// The store images, snapshots, tags, leases and build-cache entries go to: the local
+    /// store directory of [`Setup::cache`], or a remote (S3) store that cache fronts
+    /// ([`Setup::open`]).
     pub store: Store,
-    /// The local blob cache: base image layers, step layers, OCI manifests and configs.
+    /// The local blob cache: base image layers, step layers, OCI manifests and configs (the
+    /// store's own directory, or a cache of a remote store's blobs on this host).
     pub cache: Arc<LocalCache>,
     /// Scratch and layer directories (`layers/`, step uppers, `cache-mounts/`, bootstrap
     /// trees); see [`BuildOptions::work_dir`] for what the file system must allow.
@@ -193,15 +195,27 @@ impl Setup {
     /// under `root/.build`, default registry access, no bootstrap mirror, no boot assets and
     /// 2 stages at once.
     pub async fn open_local(root: &Path) -> Result<Setup, PipelineError> {
-        let cache = LocalCache::open(root).map_err(|source| PipelineError::OpenCache {
-            path: root.to_path_buf(),
+        let store = Store::open(&root.to_string_lossy()).await?;
+        Setup::open(store, root)
+    }
+
+    /// Builds into `store` with the files they need on this host under `local`: the blob
+    /// cache (base and step layers, OCI manifests and configs, laid out as a local store
+    /// directory) and scratch under `local/.build`; the rest as [`Setup::open_local`]. For a
+    /// local store `local` is its own directory; for any other (S3) it is a directory of
+    /// this host's cache: layers the build needs are fetched from the store into it
+    /// ([`kiln_builder::cache::fetch_blob`]), and step layers go from it to the store before
+    /// their build-cache entry ([`kiln_builder::cache::share_blob`]), so the store holds
+    /// everything and `local` only saves downloads. Errors: [`PipelineError::OpenCache`].
+    pub fn open(store: Store, local: &Path) -> Result<Setup, PipelineError> {
+        let cache = LocalCache::open(local).map_err(|source| PipelineError::OpenCache {
+            path: local.to_path_buf(),
             source,
         })?;
-        let store = Store::open(&root.to_string_lossy()).await?;
         Ok(Setup {
             store,
             cache: Arc::new(cache),
-            work_dir: root.join(".build"),
+            work_dir: local.join(".build"),
             registry: RegistryOptions::default(),
             bootstrap_mirror: None,
             boot: None,
@@ -468,6 +482,12 @@ async fn finish(
                         tag: full.clone(),
                         source,
                     })?;
+                write_through_ref(setup, &full)
+                    .await
+                    .map_err(|source| PipelineError::Tag {
+                        tag: full.clone(),
+                        source: Box::new(source),
+                    })?;
                 events.event(Event::Tagged {
                     tag: full.clone(),
                     manifest: digest.clone(),
@@ -577,6 +597,20 @@ async fn finish(
     // 5. Tags.
     let names = move_tags(&setup.store, tags, target, events).await?;
     Ok((Some(published), summary, names))
+}
+
+/// Copies the OCI reference `name` (`registry/repo:tag`), just set in the blob cache, and
+/// every blob it reaches to the store, when the store is not the cache's own directory (an
+/// S3 store): other hosts then find the image there. Errors: the store's.
+async fn write_through_ref(setup: &Setup, name: &str) -> Result<(), StoreError> {
+    let root = setup.cache.root();
+    if setup.store.local_root().as_deref() == Some(root) {
+        return Ok(());
+    }
+    let r: kiln_store::OciRef = name.parse()?;
+    let local = Store::open(&root.to_string_lossy()).await?;
+    kiln_store::copy::copy_oci_ref(&local, &setup.store, &r, &Default::default()).await?;
+    Ok(())
 }
 
 /// `req` with each [`TagExpect::AtStart`] of its tags replaced by what the tag names in
