@@ -72,8 +72,9 @@ fn built(stdout: &str) -> Value {
 /// Issue 19: `kiln build --store s3://…` was refused ("works on a local store directory
 /// only"). Now a busybox build goes straight into S3; `kiln store verify --deep` finds that
 /// store clean; `kiln export --format ext4` from it on another host gives the bytes of the
-/// same build into a local store, which `e2fsck -fn` passes; and a build on a third host
-/// runs no step and flattens nothing: the build cache and the image cache are the store's.
+/// same build into a local store, which `e2fsck -fn` passes; a build on a third host runs no
+/// step and flattens nothing: the build cache and the image cache are the store's; and on a
+/// fourth host an `--offline` build `FROM` that image finds it in the store.
 #[test]
 fn a_build_straight_into_s3_verifies_exports_the_local_bytes_and_hits_the_shared_cache() {
     need_root();
@@ -146,6 +147,24 @@ fn a_build_straight_into_s3_verifies_exports_the_local_bytes_and_hits_the_shared
     assert_eq!(second["stepsRun"], 0, "{second}");
     assert_eq!(second["stepsCached"], 2, "{second}");
     assert_eq!(second["imageReused"], true, "{second}");
+
+    // And another: a FROM of the image built into the store, offline, finds it there.
+    let child = context(
+        &t.path().join("child"),
+        "FROM app:1\nRUN cat /hi /app/data.txt\n",
+    );
+    let host_d = t.path().join("host-d");
+    let third = built(&ok(
+        kiln(
+            &s3,
+            &host_d,
+            &["--json", "build", "--offline", "-t", "child:1"],
+        )
+        .arg(&child)
+        .args(["--build-arg", EPOCH]),
+        "kiln build --offline FROM the image in S3 on a fourth host",
+    ));
+    assert_eq!(third["stepsRun"], 1, "{third}");
 }
 
 /// Issue 19: `kiln pull`, `push`, `import`, `export --format oci` and `unpack` refused an S3

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 const RESOLVE_LEASE_TTL: Duration = Duration::from_secs(3600);
 
 use kiln_builder::build::{BuildError, BuildOptions, BuildOutput};
-use kiln_builder::cache::{BlobCache as _, CacheError, LocalCache};
+use kiln_builder::cache::{BlobCache as _, CacheError, Fronted, LocalCache};
 use kiln_builder::publish::{PublishError, PublishOptions};
 use kiln_builder::registry::RegistryOptions;
 use kiln_builder::resolve::{ResolveError, ResolveOptions};
@@ -177,6 +177,9 @@ pub struct Setup {
     /// The local blob cache: base image layers, step layers, OCI manifests and configs (the
     /// store's own directory, or a cache of a remote store's blobs on this host).
     pub cache: Arc<LocalCache>,
+    /// The store and [`Setup::cache`]'s directory as a store, when the store is not that
+    /// directory (an S3 store): images are fetched from it by name and written through to it.
+    pub front: Option<Fronted>,
     /// Scratch and layer directories (`layers/`, step uppers, `cache-mounts/`, bootstrap
     /// trees); see [`BuildOptions::work_dir`] for what the file system must allow.
     pub work_dir: PathBuf,
@@ -196,7 +199,7 @@ impl Setup {
     /// 2 stages at once.
     pub async fn open_local(root: &Path) -> Result<Setup, PipelineError> {
         let store = Store::open(&root.to_string_lossy()).await?;
-        Setup::open(store, root)
+        Setup::open(store, root).await
     }
 
     /// Builds into `store` with the files they need on this host under `local`: the blob
@@ -206,13 +209,23 @@ impl Setup {
     /// this host's cache: layers the build needs are fetched from the store into it
     /// ([`kiln_builder::cache::fetch_blob`]), and step layers go from it to the store before
     /// their build-cache entry ([`kiln_builder::cache::share_blob`]), so the store holds
-    /// everything and `local` only saves downloads. Errors: [`PipelineError::OpenCache`].
-    pub fn open(store: Store, local: &Path) -> Result<Setup, PipelineError> {
+    /// everything and `local` only saves downloads; a FROM is fetched from the store first
+    /// ([`Setup::front`]). Errors: [`PipelineError::OpenCache`].
+    pub async fn open(store: Store, local: &Path) -> Result<Setup, PipelineError> {
         let cache = LocalCache::open(local).map_err(|source| PipelineError::OpenCache {
             path: local.to_path_buf(),
             source,
         })?;
+        let front = if store.local_root().as_deref() == Some(local) {
+            None
+        } else {
+            Some(Fronted {
+                remote: store.clone(),
+                local: Store::open(&local.to_string_lossy()).await?,
+            })
+        };
         Ok(Setup {
+            front,
             store,
             cache: Arc::new(cache),
             work_dir: local.join(".build"),
@@ -295,6 +308,7 @@ pub(crate) async fn run_leased(
         default_mirror: setup.bootstrap_mirror.clone(),
         work_dir: setup.work_dir.join("bootstrap"),
         registry: setup.registry.clone(),
+        front: setup.front.clone(),
     };
     // The build's lease, taken before anything is fetched or looked up: every blob the
     // resolution writes or finds, and then the build's layers, chunks and manifest, are put
@@ -482,12 +496,15 @@ async fn finish(
                         tag: full.clone(),
                         source,
                     })?;
-                write_through_ref(setup, &full)
-                    .await
-                    .map_err(|source| PipelineError::Tag {
-                        tag: full.clone(),
-                        source: Box::new(source),
-                    })?;
+                // Other hosts find it in the store (an S3 store the cache fronts).
+                if let Some(f) = &setup.front {
+                    f.publish(digest, Some(&full))
+                        .await
+                        .map_err(|source| PipelineError::Ref {
+                            tag: full.clone(),
+                            source,
+                        })?;
+                }
                 events.event(Event::Tagged {
                     tag: full.clone(),
                     manifest: digest.clone(),
@@ -597,20 +614,6 @@ async fn finish(
     // 5. Tags.
     let names = move_tags(&setup.store, tags, target, events).await?;
     Ok((Some(published), summary, names))
-}
-
-/// Copies the OCI reference `name` (`registry/repo:tag`), just set in the blob cache, and
-/// every blob it reaches to the store, when the store is not the cache's own directory (an
-/// S3 store): other hosts then find the image there. Errors: the store's.
-async fn write_through_ref(setup: &Setup, name: &str) -> Result<(), StoreError> {
-    let root = setup.cache.root();
-    if setup.store.local_root().as_deref() == Some(root) {
-        return Ok(());
-    }
-    let r: kiln_store::OciRef = name.parse()?;
-    let local = Store::open(&root.to_string_lossy()).await?;
-    kiln_store::copy::copy_oci_ref(&local, &setup.store, &r, &Default::default()).await?;
-    Ok(())
 }
 
 /// `req` with each [`TagExpect::AtStart`] of its tags replaced by what the tag names in

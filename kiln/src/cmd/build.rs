@@ -423,7 +423,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
         let (store, local) = super::open_store_and_local_dir(cli, a.store.as_deref())
             .await
             .map_err(|f| f.error)?;
-        let mut setup = Setup::open(store, &local)?;
+        let mut setup = Setup::open(store, &local).await?;
         if let Some(w) = &a.work_dir {
             setup.work_dir = w.clone();
         }

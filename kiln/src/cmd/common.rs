@@ -2,13 +2,10 @@
 //! [`ImageStore`] they work on.
 
 use anyhow::Context as _;
-use kiln_builder::base;
-use kiln_builder::cache::LocalCache;
+use kiln_builder::cache::{Fronted, LocalCache};
 use kiln_builder::image::Platform;
-use kiln_builder::reference::{DEFAULT_TAG, Reference};
 use kiln_builder::registry::{Registry, RegistryOptions};
-use kiln_store::copy::{CopyOptions, copy_oci_manifest, copy_oci_ref};
-use kiln_store::{BlobDigest, Manifest, ObjectRef, OciRef, Store};
+use kiln_store::Store;
 
 /// Where the store is and how registries are reached.
 #[derive(Debug, Clone, clap::Args)]
@@ -36,15 +33,18 @@ impl ImageOpts {
         let cache = LocalCache::open(&dir)
             .with_context(|| format!("opening the store at {}", dir.display()))?;
         let store = Store::open_with(&cfg.store.value, cfg.store_options()).await?;
-        let local = if store.local_root().is_some() {
+        let front = if store.local_root().is_some() {
             None
         } else {
-            Some(Store::open(&dir.to_string_lossy()).await?)
+            Some(Fronted {
+                remote: store.clone(),
+                local: Store::open(&dir.to_string_lossy()).await?,
+            })
         };
         Ok(ImageStore {
             cache,
             store,
-            local,
+            front,
         })
     }
 
@@ -63,103 +63,37 @@ impl ImageOpts {
 /// a local store is its own blob cache; a remote (S3) store is fronted by a directory of
 /// this host's cache ([`crate::config::Config::local_dir`]), which [`ImageStore::fetch`]
 /// fills from the store before a command reads and [`ImageStore::publish`] writes through
-/// to the store after a command wrote. So every command reads and writes the same images
-/// whichever the store is.
+/// to the store after a command wrote ([`Fronted`]). So every command reads and writes the
+/// same images whichever the store is.
 pub struct ImageStore {
     /// The blob files the builder's code reads and writes (OCI manifests, configs, layers,
     /// OCI references, and copies of store tags).
     pub cache: LocalCache,
     /// The configured store.
     pub store: Store,
-    /// [`ImageStore::cache`]'s directory as a store, when it is not [`ImageStore::store`].
-    local: Option<Store>,
+    /// The store and the cache's directory as a store, when the store is remote.
+    front: Option<Fronted>,
 }
 
 impl ImageStore {
-    /// Copies what `spec` names in a remote store into the cache, so that
-    /// [`base::lookup`] finds it there: a store tag (`NAME:TAG`: its image manifest, the
-    /// tag itself and the OCI image it was built as), an OCI reference `kiln pull` or
-    /// `kiln import` wrote (`registry/repo:tag`), or an OCI manifest digest
-    /// (`sha256:<hex>`, `repo@sha256:<hex>`), each with every blob it reaches, verified. The
-    /// same order as [`base::lookup`]: store tags first. Nothing for a local store, or when
-    /// the store has nothing by that name. Errors: the store's (a missing or corrupt blob
-    /// names its key and the store).
+    /// Copies what `spec` names in a remote store into the cache ([`Fronted::fetch`]), so
+    /// that [`kiln_builder::base::lookup`] finds it there. Nothing for a local store.
     pub async fn fetch(&self, spec: &str) -> anyhow::Result<()> {
-        let Some(local) = &self.local else {
-            return Ok(());
-        };
-        let remote = &self.store;
-        let opts = CopyOptions::default();
-        if spec.starts_with("sha256:") {
-            let d: BlobDigest = spec.parse()?;
-            if remote.has(&ObjectRef::Blob(d)).await? {
-                copy_oci_manifest(remote, local, d, &opts).await?;
-            }
-            return Ok(());
-        }
-        if let Some(t) = base::as_store_tag(spec)
-            && let Some(rec) = remote.get_tag(&t).await?
-        {
-            let raw = remote.get_raw_manifest(&rec.manifest).await?;
-            if let Manifest::Image(m) = raw.parse()?
-                && let Some(oci) = m.oci_manifest
-            {
-                copy_oci_manifest(remote, local, oci.digest, &opts).await?;
-                local.put_raw_manifest(&raw).await?;
-                local.force_tag(&t, rec.manifest).await?;
-                return Ok(());
-            }
-        }
-        let Ok(r) = spec.parse::<Reference>() else {
-            return Ok(());
-        };
-        if let Some(d) = r.digest() {
-            let d: BlobDigest = d.parse()?;
-            if remote.has(&ObjectRef::Blob(d)).await? {
-                copy_oci_manifest(remote, local, d, &opts).await?;
-            }
-        } else if let Some(o) = oci_ref_of(&r)
-            && remote.get_oci_ref(&o).await?.is_some()
-        {
-            copy_oci_ref(remote, local, &o, &opts).await?;
+        if let Some(f) = &self.front {
+            f.fetch(spec).await?;
         }
         Ok(())
     }
 
-    /// After a command put the OCI image `digest` into the cache (a pull, an import, an
-    /// unpack that fetched its image), writes it through to a remote store: every blob it
-    /// reaches, then the OCI reference `reference` (`registry/repo:tag`, as the command set
-    /// it in the cache) when given. Nothing for a local store. Errors: the store's, a
-    /// reference that is not a valid OCI reference name.
+    /// After a command put the OCI image `digest` into the cache, writes it and the OCI
+    /// reference `reference` through to a remote store ([`Fronted::publish`]). Nothing for
+    /// a local store.
     pub async fn publish(&self, digest: &str, reference: Option<&str>) -> anyhow::Result<()> {
-        let Some(local) = &self.local else {
-            return Ok(());
-        };
-        let opts = CopyOptions::default();
-        match reference {
-            Some(name) => {
-                let o: OciRef = name
-                    .parse()
-                    .with_context(|| format!("{name}: not an OCI reference name"))?;
-                copy_oci_ref(local, &self.store, &o, &opts).await?;
-            }
-            None => {
-                copy_oci_manifest(local, &self.store, digest.parse()?, &opts).await?;
-            }
+        if let Some(f) = &self.front {
+            f.publish(digest, reference).await?;
         }
         Ok(())
     }
-}
-
-/// The OCI reference (`registry/repo:tag`) a pull of `r` sets, `None` for a digest-pinned
-/// reference (a pull of one sets none).
-pub fn oci_ref_of(r: &Reference) -> Option<OciRef> {
-    if r.digest().is_some() {
-        return None;
-    }
-    format!("{}:{}", r.name(), r.tag().unwrap_or(DEFAULT_TAG))
-        .parse()
-        .ok()
 }
 
 /// A runtime for one command.

@@ -122,7 +122,9 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     };
     let boot = super::kernel::boot_assets(a.kernel.clone(), a.initramfs.clone())?;
     let config = crate::config::Config::load(&crate::config::Flags::default())?;
-    let mut setup = Setup::open(store, &root).map_err(anyhow::Error::from)?;
+    let mut setup = Setup::open(store, &root)
+        .await
+        .map_err(anyhow::Error::from)?;
     setup.registry = RegistryOptions {
         insecure: a.insecure.clone(),
         ..RegistryOptions::default()

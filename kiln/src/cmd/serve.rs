@@ -223,7 +223,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     };
     let store =
         kiln_store::Store::open_with(&store_cfg.store.value, store_cfg.store_options()).await?;
-    let mut setup = Setup::open(store, &root)?;
+    let mut setup = Setup::open(store, &root).await?;
     setup.registry = RegistryOptions {
         insecure: a.insecure.clone(),
         ..RegistryOptions::default()
