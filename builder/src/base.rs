@@ -143,7 +143,7 @@ pub async fn resolve(
 
 /// The store tag a spec as written names (`NAME:TAG`, or `NAME` for `NAME:latest`; `NAME` may
 /// be `myorg/app`), if it is one in kiln's tag grammar. A digest-pinned spec never is.
-fn as_store_tag(spec: &str) -> Option<kiln_store::TagRef> {
+pub fn as_store_tag(spec: &str) -> Option<kiln_store::TagRef> {
     if spec.contains('@') {
         return None;
     }

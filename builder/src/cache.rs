@@ -18,7 +18,8 @@ use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kiln_store::{BlobDigest, LocalBlobs, Manifest, OciRef, TagRef};
+use kiln_store::lease::Lease;
+use kiln_store::{BlobDigest, LocalBlobs, Manifest, ObjectRef, OciRef, Store, TagRef};
 use sha2::{Digest as _, Sha256};
 
 /// Errors of the blob cache.
@@ -228,6 +229,174 @@ impl BlobCache for LocalCache {
             Manifest::Snapshot(_) => Ok(None),
         }
     }
+}
+
+/// The path of blob `digest` (`sha256:<hex>`) in `cache`, fetched from `store` first when
+/// only the store has it: a store that is not `cache`'s own directory (an S3 store, whose
+/// local files are a cache) may hold layers that other hosts built, which a build-cache hit
+/// names. The download goes to a fresh scratch file, hashed in full by
+/// [`BlobCache::commit`] before it becomes visible. `None` when neither has it. Errors: the
+/// store's (a digest mismatch names blob and store), the cache's.
+pub async fn fetch_blob(
+    cache: &dyn BlobCache,
+    store: &Store,
+    digest: &str,
+) -> Result<Option<PathBuf>, CacheError> {
+    if let Some(p) = cache.blob_path(digest)? {
+        return Ok(Some(p));
+    }
+    let d = blob_digest(digest)?;
+    if !store.has(&ObjectRef::Blob(d)).await? {
+        return Ok(None);
+    }
+    let staged = cache.scratch_path(&format!("fetch-{}", d.hex()));
+    if let Some(dir) = staged.parent() {
+        fs::create_dir_all(dir).map_err(|source| CacheError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    }
+    if let Err(e) = store.get_blob_to_file(&d, &staged).await {
+        let _ = fs::remove_file(&staged);
+        return Err(e.into());
+    }
+    Ok(Some(cache.commit(&staged, digest)?))
+}
+
+/// Makes blob `digest` of `cache` an object of `store` too, so that what names it there (a
+/// build-cache entry `cache/<key>`, written after this returns) never names a missing blob,
+/// and another host's build can fetch it ([`fetch_blob`]). Leases it in `lease` first; one
+/// `head`, and an upload only when the store lacks it (for the store whose directory `cache`
+/// is, the head finds it). Errors: [`CacheError::Store`], the blob missing from `cache`
+/// ([`CacheError::Io`] naming its would-be path).
+pub async fn share_blob(
+    cache: &dyn BlobCache,
+    store: &Store,
+    digest: &str,
+    lease: Option<&Lease>,
+) -> Result<(), CacheError> {
+    let d = blob_digest(digest)?;
+    let obj = ObjectRef::Blob(d);
+    if let Some(l) = lease {
+        l.add([obj]).await?;
+    }
+    if store.has(&obj).await? {
+        return Ok(());
+    }
+    let Some(path) = cache.blob_path(digest)? else {
+        return Err(CacheError::Io {
+            path: cache.scratch_path(&d.hex()),
+            source: io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("blob {digest} is not in the blob cache"),
+            ),
+        });
+    };
+    store.put_blob_file(&path).await?;
+    Ok(())
+}
+
+/// A remote (S3) store and the directory of this host's cache that fronts it, opened as a
+/// local store: the blob cache that the builder's code reads and writes. [`Fronted::fetch`]
+/// fills it from the store before something reads an image by name; [`Fronted::publish`]
+/// writes an image put into it through to the store. So what one host pulled, imported or
+/// built is found by name on every host sharing the store. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Fronted {
+    /// The store.
+    pub remote: Store,
+    /// The cache directory as a store.
+    pub local: Store,
+}
+
+impl Fronted {
+    /// Copies what `spec` names in the remote store into the local one, so that
+    /// [`crate::base::lookup`] and [`crate::base::resolve`] find it there: a store tag
+    /// (`NAME:TAG`: its image manifest, the tag itself and the OCI image it was built as), an
+    /// OCI reference that `kiln pull` or `kiln import` wrote (`registry/repo:tag`), or an OCI
+    /// manifest digest (`sha256:<hex>`, `repo@sha256:<hex>`), each with every blob it
+    /// reaches, verified ([`kiln_store::copy`]). Store tags first, as a lookup does. Nothing
+    /// when the store has nothing by that name, or `spec` is an OCI layout (`oci:DIR`).
+    /// Errors: the store's (a missing or corrupt blob names its key and the store).
+    pub async fn fetch(&self, spec: &str) -> Result<(), CacheError> {
+        use kiln_store::copy::{CopyOptions, copy_oci_manifest, copy_oci_ref};
+        let (remote, local) = (&self.remote, &self.local);
+        let opts = CopyOptions::default();
+        if crate::layout::parse_spec(spec).is_some() {
+            return Ok(());
+        }
+        let by_digest = |d: &str| {
+            d.parse::<BlobDigest>()
+                .map_err(|_| CacheError::BadDigest(d.to_string()))
+        };
+        if spec.starts_with("sha256:") {
+            let d = by_digest(spec)?;
+            if remote.has(&ObjectRef::Blob(d)).await? {
+                copy_oci_manifest(remote, local, d, &opts).await?;
+            }
+            return Ok(());
+        }
+        if let Some(t) = crate::base::as_store_tag(spec)
+            && let Some(rec) = remote.get_tag(&t).await?
+        {
+            let raw = remote.get_raw_manifest(&rec.manifest).await?;
+            if let Manifest::Image(m) = raw.parse().map_err(kiln_store::StoreError::from)?
+                && let Some(oci) = m.oci_manifest
+            {
+                copy_oci_manifest(remote, local, oci.digest, &opts).await?;
+                local.put_raw_manifest(&raw).await?;
+                local.force_tag(&t, rec.manifest).await?;
+                return Ok(());
+            }
+        }
+        let Ok(r) = spec.parse::<crate::reference::Reference>() else {
+            return Ok(());
+        };
+        if let Some(d) = r.digest() {
+            let d = by_digest(d)?;
+            if remote.has(&ObjectRef::Blob(d)).await? {
+                copy_oci_manifest(remote, local, d, &opts).await?;
+            }
+        } else if let Some(o) = oci_ref_of(&r)
+            && remote.get_oci_ref(&o).await?.is_some()
+        {
+            copy_oci_ref(remote, local, &o, &opts).await?;
+        }
+        Ok(())
+    }
+
+    /// Writes the OCI image `digest` (`sha256:<hex>`), put into the local store (a pull, an
+    /// import, a `--oci-only` build), through to the remote one: every blob it reaches, then
+    /// the OCI reference `reference` (`registry/repo:tag`, as set locally) when given.
+    /// Errors: the store's, [`CacheError::BadName`] for a reference that is not one.
+    pub async fn publish(&self, digest: &str, reference: Option<&str>) -> Result<(), CacheError> {
+        use kiln_store::copy::{CopyOptions, copy_oci_manifest, copy_oci_ref};
+        let opts = CopyOptions::default();
+        match reference {
+            Some(name) => {
+                copy_oci_ref(&self.local, &self.remote, &oci_ref(name)?, &opts).await?;
+            }
+            None => {
+                copy_oci_manifest(&self.local, &self.remote, blob_digest(digest)?, &opts).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The OCI reference (`registry/repo:tag`) that a pull of `r` sets, `None` for a
+/// digest-pinned reference (a pull of one sets none).
+pub fn oci_ref_of(r: &crate::reference::Reference) -> Option<OciRef> {
+    if r.digest().is_some() {
+        return None;
+    }
+    format!(
+        "{}:{}",
+        r.name(),
+        r.tag().unwrap_or(crate::reference::DEFAULT_TAG)
+    )
+    .parse()
+    .ok()
 }
 
 /// A [`BlobCache`] whose every blob is put under a store lease: a blob before it is written

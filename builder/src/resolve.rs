@@ -95,6 +95,10 @@ pub struct ResolveOptions {
     pub work_dir: PathBuf,
     /// Registry access (its platform is replaced by each stage's).
     pub registry: RegistryOptions,
+    /// The remote store the cache fronts, when it is not the cache's own directory: each
+    /// image base is first fetched from it ([`crate::cache::Fronted::fetch`]), so a FROM
+    /// finds the store's built images and pulled references whichever host made them.
+    pub front: Option<crate::cache::Fronted>,
 }
 
 /// What a stage starts from, resolved.
@@ -283,6 +287,12 @@ pub async fn resolve_plan(
                             ..opts.registry.clone()
                         });
                         let spec = opts.build_contexts.get(reference).unwrap_or(reference);
+                        if let Some(f) = &opts.front {
+                            f.fetch(spec).await.map_err(|e| ResolveError::Base {
+                                stage: i,
+                                source: Box::new(e.into()),
+                            })?;
+                        }
                         let (d, _) = base::resolve(spec, opts.policy, &registry, cache)
                             .await
                             .map_err(|e| ResolveError::Base {

@@ -126,20 +126,6 @@ pub enum ConfigError {
         /// Why it is refused.
         reason: String,
     },
-    /// A command that works on a local store directory only was given a remote store.
-    #[error(
-        "{command} works on a local store directory only, but the store is {url} (from \
-         {origin}); {command} straight into S3 is not supported yet: give --store DIR (or \
-         KILN_STORE=DIR), then copy the result with `kiln store push NAME:TAG --to {url}`"
-    )]
-    NotLocal {
-        /// The command (`kiln build`).
-        command: &'static str,
-        /// The configured store.
-        url: String,
-        /// Where it was configured.
-        origin: Origin,
-    },
     /// No home directory to put defaults under.
     #[error(
         "{key}: HOME is not set, so there is no default; set {env} or `{key}` in the config file"
@@ -689,6 +675,23 @@ impl Config {
         o
     }
 
+    /// The directory on this host that holds the store's blobs as files, for the commands
+    /// that need files (layers to unpack, an ext4 image to flatten): a local store's own
+    /// directory; for an S3 store, `<cache>/stores/<16 hex>` (the first 16 hex digits of the
+    /// sha256 of the store URL, so two stores never share OCI references), a cache that
+    /// every command fills from the store and writes through to it (see the README's
+    /// "Pointing kiln at S3").
+    pub fn local_dir(&self) -> PathBuf {
+        match StoreUrl::parse(&self.store.value) {
+            Ok(StoreUrl::Local(p)) => p,
+            _ => {
+                let d = kiln_builder::cache::digest_of(self.store.value.as_bytes());
+                let hex = d.trim_start_matches("sha256:");
+                self.cache.value.join("stores").join(&hex[..16])
+            }
+        }
+    }
+
     /// Every setting as `(key, value as text, origin)`, in the table's order. Unset optional
     /// values show as `None`.
     pub fn entries(&self) -> Vec<(&'static str, Option<String>, &Origin)> {
@@ -815,24 +818,13 @@ fn apt_mirror_in(ext: &str, text: &str) -> Option<String> {
     }
 }
 
-/// The store as a local directory, for the commands that only work on one (`build`, `pull`,
-/// `push`, `import`, `export`, `unpack`, `plan --resolve`): `flag` (their `--store`), else the
-/// configured store, resolved as every other command resolves it (`file://PATH` and `~/`
-/// understood). Errors: [`ConfigError::NotLocal`] naming `command` for an S3 store.
-pub fn local_store_dir(flag: Option<&str>, command: &'static str) -> Result<PathBuf, ConfigError> {
+/// The configured store (`flag`, a command's `--store`, else as every other command
+/// resolves it: `file://PATH` and `~/` understood) with the directory on this host where
+/// the commands that need files keep them ([`Config::local_dir`]).
+pub fn store_and_local_dir(flag: Option<&str>) -> Result<(Config, PathBuf), ConfigError> {
     let cfg = Config::load(&Flags::store(flag))?;
-    local_dir_of(cfg.store, command)
-}
-
-fn local_dir_of(store: Setting<String>, command: &'static str) -> Result<PathBuf, ConfigError> {
-    match StoreUrl::parse(&store.value) {
-        Ok(StoreUrl::Local(p)) => Ok(p),
-        _ => Err(ConfigError::NotLocal {
-            command,
-            url: store.value,
-            origin: store.origin,
-        }),
-    }
+    let dir = cfg.local_dir();
+    Ok((cfg, dir))
 }
 
 fn default_under(home: Option<&str>, rel: &str, key: &'static str) -> Result<PathBuf, ConfigError> {
@@ -1179,46 +1171,39 @@ mod tests {
         }
     }
 
-    /// Issue 17, item 7: `kiln build --store s3://…` and `KILN_STORE=s3://…` name the limit
-    /// instead of becoming a local directory called `s3:`.
+    /// Issue 19 (replacing issue 17's item 7, which refused an S3 store): every command
+    /// takes `--store s3://…` and `KILN_STORE=s3://…`; its files live under the cache
+    /// directory, one directory per store URL, never in a local directory called `s3:`.
     #[test]
-    fn local_only_commands_refuse_an_s3_store_by_name() {
+    fn an_s3_store_keeps_its_files_under_the_cache_by_url() {
         let home = [("HOME", "/h")];
         let s3 = [("HOME", "/h"), ("KILN_STORE", "s3://bucket/prefix")];
-        for (flags, env, origin) in [
-            (
-                Flags::store(Some("s3://bucket/prefix")),
-                &home[..],
-                "flag --store",
-            ),
-            (Flags::default(), &s3[..], "env KILN_STORE"),
+        let mut dirs = Vec::new();
+        for (flags, env) in [
+            (Flags::store(Some("s3://bucket/prefix")), &home[..]),
+            (Flags::default(), &s3[..]),
         ] {
-            let e = local_dir_of(resolve(&flags, env, None).store, "kiln build")
-                .unwrap_err()
-                .to_string();
-            assert!(
-                e.starts_with("kiln build works on a local store directory only")
-                    && e.contains("s3://bucket/prefix")
-                    && e.contains(origin)
-                    && e.contains("not supported yet")
-                    && e.contains("kiln store push"),
-                "{e}"
-            );
+            let c = resolve(&flags, env, None);
+            assert_eq!(c.store.value, "s3://bucket/prefix");
+            let d = c.local_dir();
+            assert!(d.starts_with("/h/.cache/kiln/stores"), "{}", d.display());
+            dirs.push(d);
         }
-        let c = resolve(&Flags::store(Some("file:///srv/s")), &home, None);
-        assert_eq!(
-            local_dir_of(c.store, "kiln build").unwrap(),
-            PathBuf::from("/srv/s")
+        assert_eq!(dirs[0], dirs[1], "one store, one directory");
+        let other = resolve(&Flags::store(Some("s3://bucket/other")), &home, None);
+        assert_ne!(
+            other.local_dir(),
+            dirs[0],
+            "another store, another directory"
         );
+        let c = resolve(&Flags::store(Some("file:///srv/s")), &home, None);
+        assert_eq!(c.local_dir(), PathBuf::from("/srv/s"));
         let c = resolve(
             &Flags::default(),
             &[("HOME", "/h"), ("KILN_STORE", "~/s")],
             None,
         );
-        assert_eq!(
-            local_dir_of(c.store, "kiln pull").unwrap(),
-            PathBuf::from("/h/s")
-        );
+        assert_eq!(c.local_dir(), PathBuf::from("/h/s"));
     }
 
     #[test]

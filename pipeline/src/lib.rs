@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 const RESOLVE_LEASE_TTL: Duration = Duration::from_secs(3600);
 
 use kiln_builder::build::{BuildError, BuildOptions, BuildOutput};
-use kiln_builder::cache::{BlobCache as _, CacheError, LocalCache};
+use kiln_builder::cache::{BlobCache as _, CacheError, Fronted, LocalCache};
 use kiln_builder::publish::{PublishError, PublishOptions};
 use kiln_builder::registry::RegistryOptions;
 use kiln_builder::resolve::{ResolveError, ResolveOptions};
@@ -170,11 +170,16 @@ impl From<PublishError> for PipelineError {
 /// Where builds run: the store and the parts of this host they use. Cheap to clone.
 #[derive(Clone)]
 pub struct Setup {
-    /// The store images, snapshots, tags, leases and build-cache entries go to. Its blobs
-    /// must be [`Setup::cache`]'s (a local store directory and its blob cache).
+    /// The store images, snapshots, tags, leases and build-cache entries go to: the local
+    /// store directory of [`Setup::cache`], or a remote (S3) store that cache fronts
+    /// ([`Setup::open`]).
     pub store: Store,
-    /// The local blob cache: base image layers, step layers, OCI manifests and configs.
+    /// The local blob cache: base image layers, step layers, OCI manifests and configs (the
+    /// store's own directory, or a cache of a remote store's blobs on this host).
     pub cache: Arc<LocalCache>,
+    /// The store and [`Setup::cache`]'s directory as a store, when the store is not that
+    /// directory (an S3 store): images are fetched from it by name and written through to it.
+    pub front: Option<Fronted>,
     /// Scratch and layer directories (`layers/`, step uppers, `cache-mounts/`, bootstrap
     /// trees); see [`BuildOptions::work_dir`] for what the file system must allow.
     pub work_dir: PathBuf,
@@ -193,15 +198,37 @@ impl Setup {
     /// under `root/.build`, default registry access, no bootstrap mirror, no boot assets and
     /// 2 stages at once.
     pub async fn open_local(root: &Path) -> Result<Setup, PipelineError> {
-        let cache = LocalCache::open(root).map_err(|source| PipelineError::OpenCache {
-            path: root.to_path_buf(),
+        let store = Store::open(&root.to_string_lossy()).await?;
+        Setup::open(store, root).await
+    }
+
+    /// Builds into `store` with the files they need on this host under `local`: the blob
+    /// cache (base and step layers, OCI manifests and configs, laid out as a local store
+    /// directory) and scratch under `local/.build`; the rest as [`Setup::open_local`]. For a
+    /// local store `local` is its own directory; for any other (S3) it is a directory of
+    /// this host's cache: layers the build needs are fetched from the store into it
+    /// ([`kiln_builder::cache::fetch_blob`]), and step layers go from it to the store before
+    /// their build-cache entry ([`kiln_builder::cache::share_blob`]), so the store holds
+    /// everything and `local` only saves downloads; a FROM is fetched from the store first
+    /// ([`Setup::front`]). Errors: [`PipelineError::OpenCache`].
+    pub async fn open(store: Store, local: &Path) -> Result<Setup, PipelineError> {
+        let cache = LocalCache::open(local).map_err(|source| PipelineError::OpenCache {
+            path: local.to_path_buf(),
             source,
         })?;
-        let store = Store::open(&root.to_string_lossy()).await?;
+        let front = if store.local_root().as_deref() == Some(local) {
+            None
+        } else {
+            Some(Fronted {
+                remote: store.clone(),
+                local: Store::open(&local.to_string_lossy()).await?,
+            })
+        };
         Ok(Setup {
+            front,
             store,
             cache: Arc::new(cache),
-            work_dir: root.join(".build"),
+            work_dir: local.join(".build"),
             registry: RegistryOptions::default(),
             bootstrap_mirror: None,
             boot: None,
@@ -264,6 +291,8 @@ pub(crate) async fn run_leased(
     match req.executor {
         Executor::Namespace => {}
     }
+    // What each `AtStart` tag names now: the build moves it only if it still does.
+    let req = pin_tags(&setup.store, req).await?;
 
     // 1. Lower and resolve.
     let options = kiln_recipes::Options {
@@ -279,6 +308,7 @@ pub(crate) async fn run_leased(
         default_mirror: setup.bootstrap_mirror.clone(),
         work_dir: setup.work_dir.join("bootstrap"),
         registry: setup.registry.clone(),
+        front: setup.front.clone(),
     };
     // The build's lease, taken before anything is fetched or looked up: every blob the
     // resolution writes or finds, and then the build's layers, chunks and manifest, are put
@@ -466,6 +496,15 @@ async fn finish(
                         tag: full.clone(),
                         source,
                     })?;
+                // Other hosts find it in the store (an S3 store the cache fronts).
+                if let Some(f) = &setup.front {
+                    f.publish(digest, Some(&full))
+                        .await
+                        .map_err(|source| PipelineError::Ref {
+                            tag: full.clone(),
+                            source,
+                        })?;
+                }
                 events.event(Event::Tagged {
                     tag: full.clone(),
                     manifest: digest.clone(),
@@ -577,6 +616,28 @@ async fn finish(
     Ok((Some(published), summary, names))
 }
 
+/// `req` with each [`TagExpect::AtStart`] of its tags replaced by what the tag names in
+/// `store` now ([`TagExpect::Digest`], or [`TagExpect::Absent`] for a tag that does not exist).
+/// Errors: [`PipelineError::Tag`] when a tag cannot be read.
+async fn pin_tags(store: &Store, mut req: BuildRequest) -> Result<BuildRequest, PipelineError> {
+    if let Output::Image { tags, .. } = &mut req.output {
+        for m in tags.iter_mut().filter(|m| m.expect == TagExpect::AtStart) {
+            let now = store
+                .get_tag(&m.tag)
+                .await
+                .map_err(|e| PipelineError::Tag {
+                    tag: m.tag.to_string(),
+                    source: Box::new(e),
+                })?;
+            m.expect = match now {
+                Some(r) => TagExpect::Digest(r.manifest),
+                None => TagExpect::Absent,
+            };
+        }
+    }
+    Ok(req)
+}
+
 /// Points every tag of `moves` at `new`. Every compare-and-swap expectation is checked
 /// first: when one does not hold, no tag moves. A tag already naming `new` is left alone.
 async fn move_tags(
@@ -596,6 +657,8 @@ async fn move_tags(
         TagExpect::Any => None,
         TagExpect::Absent => Some(None),
         TagExpect::Digest(d) => Some(Some(d)),
+        // `run` pinned these (pin_tags); one left unpinned must still be what it was.
+        TagExpect::AtStart => Some(None),
     };
     let mut current = Vec::with_capacity(moves.len());
     for m in moves {

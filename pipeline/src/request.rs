@@ -284,6 +284,15 @@ impl TagMove {
             expect: TagExpect::Any,
         }
     }
+
+    /// `tag`, moved only if it still names what it named when the build started
+    /// ([`TagExpect::AtStart`]): what `kiln build -t` and the HTTP API's builds do.
+    pub fn at_start(tag: TagRef) -> Self {
+        TagMove {
+            tag,
+            expect: TagExpect::AtStart,
+        }
+    }
 }
 
 /// What a tag must hold for the build to move it (compare-and-swap,
@@ -296,6 +305,13 @@ pub enum TagExpect {
     Absent,
     /// The tag must name this manifest.
     Digest(ManifestDigest),
+    /// The tag must still hold what it held when the build started (a manifest, or nothing):
+    /// [`crate::run`] reads each such tag before it resolves anything and turns this into
+    /// [`TagExpect::Digest`] or [`TagExpect::Absent`], so a build that another writer
+    /// overtook (another node's build of the same tag, a `kiln tag`) moves no tag and fails
+    /// with [`kiln_store::TagError::Stale`] naming the tag, the digest it expected and the
+    /// one it found.
+    AtStart,
 }
 
 /// How the image is booted once and snapshotted.

@@ -293,7 +293,7 @@ async fn execute(
     let mut tags = Vec::new();
     for t in &spec.store_tags {
         match t.parse() {
-            Ok(t) => tags.push(TagMove::force(t)),
+            Ok(t) => tags.push(TagMove::at_start(t)),
             Err(e) => return failed(format!("tag {t}: {e}")),
         }
     }

@@ -261,6 +261,36 @@ pub async fn copy_oci_ref(
             store: src.url().to_string(),
             key: r.key(),
         })?;
+    let (lease, report) = copy_oci_blobs(src, dst, digest, opts).await?;
+    dst.set_oci_ref(r, digest).await?;
+    lease.release().await?;
+    Ok(report)
+}
+
+/// Copies the OCI manifest or index blob `digest` from `src` to `dst` with every blob it
+/// reaches, as [`copy_oci_ref`] does, without a reference: for a caller that names it
+/// otherwise (a kiln image manifest's `oci_manifest`, a reference set afterwards). What is
+/// copied is unprotected by a lease once this returns. Errors: as [`copy_oci_ref`]'s, a
+/// missing blob named by its key in `src`.
+pub async fn copy_oci_manifest(
+    src: &Store,
+    dst: &Store,
+    digest: BlobDigest,
+    opts: &CopyOptions,
+) -> Result<OciCopyReport, StoreError> {
+    let (lease, report) = copy_oci_blobs(src, dst, digest, opts).await?;
+    lease.release().await?;
+    Ok(report)
+}
+
+/// The blobs `digest` reaches, copied from `src` to `dst` under a lease on `dst`, which is
+/// returned still held.
+async fn copy_oci_blobs(
+    src: &Store,
+    dst: &Store,
+    digest: BlobDigest,
+    opts: &CopyOptions,
+) -> Result<(crate::lease::Lease, OciCopyReport), StoreError> {
     let closure = src.oci_closure(digest, true).await?;
     if let Some((b, _)) = closure
         .missing
@@ -295,12 +325,13 @@ pub async fn copy_oci_ref(
     for b in closure.blobs.iter().rev() {
         copy_blob(src, dst, *b, &reporter, &present).await?;
     }
-    dst.set_oci_ref(r, digest).await?;
-    lease.release().await?;
-    Ok(OciCopyReport {
-        digest,
-        stats: reporter.totals(),
-    })
+    Ok((
+        lease,
+        OciCopyReport {
+            digest,
+            stats: reporter.totals(),
+        },
+    ))
 }
 
 fn tempfile_dir() -> std::path::PathBuf {

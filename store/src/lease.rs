@@ -375,7 +375,7 @@ impl Store {
     }
 
     /// The root directory when this store is a local directory (`file://<root>`).
-    pub(crate) fn local_root(&self) -> Option<std::path::PathBuf> {
+    pub fn local_root(&self) -> Option<std::path::PathBuf> {
         self.url()
             .strip_prefix("file://")
             .map(std::path::PathBuf::from)

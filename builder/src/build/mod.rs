@@ -839,13 +839,24 @@ fn topmost_unique(digests: &[String]) -> Vec<&String> {
     digests.iter().rev().filter(|d| seen.insert(*d)).collect()
 }
 
+/// Writes build-cache entry `key` → `layer` in the store, after the layer blob itself
+/// ([`crate::cache::share_blob`]): an entry never names a blob the store lacks, so any host
+/// sharing the store gets the hit.
+async fn share_entry(ctx: &Ctx, key: &str, layer: &str) -> Result<(), BuildError> {
+    crate::cache::share_blob(ctx.cache.as_ref(), &ctx.store, layer, Some(&ctx.lease)).await?;
+    ctx.store.put_cache_entry(key, blob_digest(layer)?).await?;
+    Ok(())
+}
+
 /// Looks `key` up; a hit whose layer blob is present gives the layer.
 async fn lookup(ctx: &Ctx, key: &str) -> Result<Option<LayerRef>, BuildError> {
     let Some(entry) = ctx.store.get_cache_entry(key).await? else {
         return Ok(None);
     };
     let digest = format!("sha256:{}", entry.layer.hex());
-    let Some(path) = ctx.cache.blob_path(&digest)? else {
+    // An entry another host wrote names a layer only the store has (an S3 store).
+    let Some(path) = crate::cache::fetch_blob(ctx.cache.as_ref(), &ctx.store, &digest).await?
+    else {
         return Ok(None);
     };
     let size = fs::metadata(&path).map_err(io_err("reading", &path))?.len();
@@ -1048,9 +1059,7 @@ async fn run_stage(
                 let l =
                     run_step(&ctx, step, index, &st, &env, user.clone(), &loc, prepared).await?;
                 ctx.run.fetch_add(1, Ordering::Relaxed);
-                ctx.store
-                    .put_cache_entry(&key, blob_digest(&l.desc.digest)?)
-                    .await?;
+                share_entry(&ctx, &key, &l.desc.digest).await?;
                 (ctx.events)(BuildEvent::Layer {
                     index,
                     digest: l.desc.digest.clone(),
@@ -1239,9 +1248,7 @@ async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<(), BuildEr
             let t = ctx.epoch.unwrap_or(0);
             make_sandbox_tree(&upper, t).map_err(io_err("writing", &upper))?;
             let l = commit_upper(ctx, s).await?;
-            ctx.store
-                .put_cache_entry(&key, blob_digest(&l.desc.digest)?)
-                .await?;
+            share_entry(ctx, &key, &l.desc.digest).await?;
             (ctx.events)(BuildEvent::Layer {
                 index,
                 digest: l.desc.digest.clone(),

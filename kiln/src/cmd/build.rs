@@ -57,7 +57,9 @@ pub struct Args {
     /// The Dockerfile or YAML recipe (`*.yaml`, `*.yml`); default `CONTEXT/Dockerfile`.
     #[arg(short = 'f', long = "file")]
     pub file: Option<PathBuf>,
-    /// Name and tag for the image, `name:tag` (repeatable).
+    /// Name and tag for the image, `name:tag` (repeatable). Each moves by compare-and-swap
+    /// against what it named when the build started: a build that another writer overtook
+    /// moves none of them and exits 4, naming the tag, the expected and the found digest.
     #[arg(short = 't', long = "tag")]
     pub tags: Vec<String>,
     /// Build argument `NAME=value`; `NAME` alone takes the value from the environment.
@@ -84,9 +86,10 @@ pub struct Args {
     /// Always ask the registry for newer base images.
     #[arg(long)]
     pub pull: bool,
-    /// The local store directory or `file://PATH` (default: $KILN_STORE, else the config
-    /// file's `store`, else ~/.local/share/kiln/store). An S3 store is refused: a build
-    /// writes into a local store; `kiln store push` copies it to S3.
+    /// The store: a directory, `file://PATH` or `s3://BUCKET/PREFIX` (default: $KILN_STORE,
+    /// else the config file's `store`, else ~/.local/share/kiln/store). With S3, layers are
+    /// kept as files in this host's cache (`<cache>/stores/…`) and the chunks read back in
+    /// `<cache>/chunks` (at most `cache_max_mib`).
     #[arg(long, value_name = "DIR")]
     pub store: Option<String>,
     /// Sandbox disk size in MiB (overrides `LABEL kiln.disk-mib` / `disk_mib:`).
@@ -346,7 +349,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
             .iter()
             .map(|t| {
                 t.parse()
-                    .map(TagMove::force)
+                    .map(TagMove::at_start)
                     .with_context(|| format!("-t {t}: not a valid store tag (name:tag)"))
             })
             .collect::<anyhow::Result<_>>()?;
@@ -367,7 +370,6 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
         None
     };
     let config = crate::config::Config::load(&crate::config::Flags::default())?;
-    let root = crate::config::local_store_dir(a.store.as_deref(), "kiln build")?;
     let mut req = BuildRequest::new(
         Recipe {
             name: file.display().to_string(),
@@ -418,7 +420,10 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
             eprintln!("kiln: cancelling the build");
             token.cancel();
         });
-        let mut setup = Setup::open_local(&root).await?;
+        let (store, local) = super::open_store_and_local_dir(cli, a.store.as_deref())
+            .await
+            .map_err(|f| f.error)?;
+        let mut setup = Setup::open(store, &local).await?;
         if let Some(w) = &a.work_dir {
             setup.work_dir = w.clone();
         }

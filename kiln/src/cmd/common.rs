@@ -1,17 +1,19 @@
-//! Options shared by the image subcommands (store location, registry access).
+//! Options shared by the image subcommands (store location, registry access), and the
+//! [`ImageStore`] they work on.
 
 use anyhow::Context as _;
-use kiln_builder::cache::LocalCache;
+use kiln_builder::cache::{Fronted, LocalCache};
 use kiln_builder::image::Platform;
 use kiln_builder::registry::{Registry, RegistryOptions};
+use kiln_store::Store;
 
-/// Where the local store is and how registries are reached.
+/// Where the store is and how registries are reached.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ImageOpts {
-    /// The local store directory or `file://PATH` (default: $KILN_STORE, else the config
-    /// file's `store`, else ~/.local/share/kiln/store). An S3 store is refused: these commands
-    /// work on a local store only.
-    #[arg(long, value_name = "DIR")]
+    /// The store: a directory, `file://PATH` or `s3://BUCKET/PREFIX` (default: $KILN_STORE,
+    /// else the config file's `store`, else ~/.local/share/kiln/store). With S3, blobs are
+    /// kept as files in this host's cache (`<cache>/stores/…`) in front of the store.
+    #[arg(long, value_name = "STORE")]
     pub store: Option<String>,
     /// Platform to pick from a multi-platform index, os/arch[/variant].
     #[arg(long, default_value = "linux/amd64")]
@@ -25,10 +27,25 @@ pub struct ImageOpts {
 }
 
 impl ImageOpts {
-    /// Opens the local store for `command` (`kiln pull`: named in the error for an S3 store).
-    pub fn cache(&self, command: &'static str) -> anyhow::Result<LocalCache> {
-        let root = crate::config::local_store_dir(self.store.as_deref(), command)?;
-        LocalCache::open(&root).with_context(|| format!("opening the store at {}", root.display()))
+    /// Opens the configured store with its local blob directory.
+    pub async fn open(&self) -> anyhow::Result<ImageStore> {
+        let (cfg, dir) = crate::config::store_and_local_dir(self.store.as_deref())?;
+        let cache = LocalCache::open(&dir)
+            .with_context(|| format!("opening the store at {}", dir.display()))?;
+        let store = Store::open_with(&cfg.store.value, cfg.store_options()).await?;
+        let front = if store.local_root().is_some() {
+            None
+        } else {
+            Some(Fronted {
+                remote: store.clone(),
+                local: Store::open(&dir.to_string_lossy()).await?,
+            })
+        };
+        Ok(ImageStore {
+            cache,
+            store,
+            front,
+        })
     }
 
     /// A registry client for these options.
@@ -39,6 +56,43 @@ impl ImageOpts {
             max_parallel: self.jobs,
             ..RegistryOptions::default()
         }))
+    }
+}
+
+/// The store an image command works on, with its blobs as files in [`ImageStore::cache`]:
+/// a local store is its own blob cache; a remote (S3) store is fronted by a directory of
+/// this host's cache ([`crate::config::Config::local_dir`]), which [`ImageStore::fetch`]
+/// fills from the store before a command reads and [`ImageStore::publish`] writes through
+/// to the store after a command wrote ([`Fronted`]). So every command reads and writes the
+/// same images whichever the store is.
+pub struct ImageStore {
+    /// The blob files the builder's code reads and writes (OCI manifests, configs, layers,
+    /// OCI references, and copies of store tags).
+    pub cache: LocalCache,
+    /// The configured store.
+    pub store: Store,
+    /// The store and the cache's directory as a store, when the store is remote.
+    front: Option<Fronted>,
+}
+
+impl ImageStore {
+    /// Copies what `spec` names in a remote store into the cache ([`Fronted::fetch`]), so
+    /// that [`kiln_builder::base::lookup`] finds it there. Nothing for a local store.
+    pub async fn fetch(&self, spec: &str) -> anyhow::Result<()> {
+        if let Some(f) = &self.front {
+            f.fetch(spec).await?;
+        }
+        Ok(())
+    }
+
+    /// After a command put the OCI image `digest` into the cache, writes it and the OCI
+    /// reference `reference` through to a remote store ([`Fronted::publish`]). Nothing for
+    /// a local store.
+    pub async fn publish(&self, digest: &str, reference: Option<&str>) -> anyhow::Result<()> {
+        if let Some(f) = &self.front {
+            f.publish(digest, reference).await?;
+        }
+        Ok(())
     }
 }
 

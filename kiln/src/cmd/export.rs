@@ -1,4 +1,4 @@
-//! `kiln export REF --format oci -o DIR`: write an image from the local store as an OCI layout.
+//! `kiln export REF --format oci -o DIR`: write an image from the store as an OCI layout.
 //! `kiln export NAME:TAG --format ext4 -o FILE`: write a kiln image's ext4 root file system
 //! (its chunks materialized, verified, as a sparse file).
 
@@ -20,7 +20,7 @@ pub enum Format {
 /// Arguments of `kiln export`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The image in the local store (a reference or sha256:<hex>).
+    /// The image in the store (a reference or sha256:<hex>).
     pub reference: String,
     /// Output format.
     #[arg(long, value_enum, default_value = "oci")]
@@ -37,12 +37,15 @@ pub struct Args {
 
 /// Runs `kiln export`.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let cache = a.opts.cache("kiln export")?;
+    let rt = super::common::runtime()?;
+    let s = rt.block_on(a.opts.open())?;
     if let Format::Ext4 = a.format {
-        return ext4(&a, &cache);
+        return rt.block_on(ext4(&a, &s.store));
     }
-    let digest = base::lookup(&a.reference, &cache)?
-        .with_context(|| format!("{} is not in the local store", a.reference))?;
+    rt.block_on(s.fetch(&a.reference))?;
+    let cache = &s.cache;
+    let digest = base::lookup(&a.reference, cache)?
+        .with_context(|| format!("{} is not in the store {}", a.reference, s.store.url()))?;
     let tag = match a.tag {
         Some(t) => t,
         None if a.reference.starts_with("sha256:") => "latest".to_string(),
@@ -53,27 +56,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .unwrap_or("latest")
             .to_string(),
     };
-    layout::export(&cache, &digest, &a.output, &tag)?;
+    layout::export(cache, &digest, &a.output, &tag)?;
     println!("{digest}");
     Ok(())
 }
 
-/// `--format ext4`: resolve the tag (or digest) in the store and materialize the disk.
-fn ext4(a: &Args, cache: &kiln_builder::cache::LocalCache) -> anyhow::Result<()> {
-    let root = cache.root().to_string_lossy().into_owned();
-    super::common::runtime()?.block_on(async {
-        let store = kiln_store::Store::open(&root).await?;
-        let digest = if a.reference.starts_with("sha256:") {
-            a.reference.parse::<kiln_store::ManifestDigest>()?
-        } else {
-            let t: kiln_store::TagRef = a.reference.parse()?;
-            store.resolve_tag(&t).await?
-        };
-        let kiln_store::Manifest::Image(m) = store.get_manifest(&digest).await? else {
-            anyhow::bail!("{} is not an image manifest", a.reference);
-        };
-        store.materialize(&m.disk, &a.output, None).await?;
-        println!("{digest}");
-        Ok(())
-    })
+/// `--format ext4`: resolve the tag (or digest) in the store and materialize the disk
+/// (chunks read through the store's read cache when it has one).
+async fn ext4(a: &Args, store: &kiln_store::Store) -> anyhow::Result<()> {
+    let digest = if a.reference.starts_with("sha256:") {
+        a.reference.parse::<kiln_store::ManifestDigest>()?
+    } else {
+        let t: kiln_store::TagRef = a.reference.parse()?;
+        store.resolve_tag(&t).await?
+    };
+    let kiln_store::Manifest::Image(m) = store.get_manifest(&digest).await? else {
+        anyhow::bail!("{} is not an image manifest", a.reference);
+    };
+    store.materialize(&m.disk, &a.output, None).await?;
+    println!("{digest}");
+    Ok(())
 }

@@ -1,4 +1,4 @@
-//! `kiln import oci:DIR[:TAG]`: copy an image from an OCI layout into the local store.
+//! `kiln import oci:DIR[:TAG]`: copy an image from an OCI layout into the store.
 
 use anyhow::Context as _;
 use kiln_builder::cache::BlobCache as _;
@@ -13,7 +13,7 @@ use super::common::ImageOpts;
 pub struct Args {
     /// The layout, spelled oci:DIR[:TAG].
     pub spec: String,
-    /// Name the image in the local store (registry/repo:tag).
+    /// Name the image in the store (registry/repo:tag).
     #[arg(short, long)]
     pub tag: Option<String>,
     #[command(flatten)]
@@ -23,18 +23,21 @@ pub struct Args {
 /// Runs `kiln import`; prints the manifest digest.
 pub fn run(a: Args) -> anyhow::Result<()> {
     let (dir, tag) = layout::parse_spec(&a.spec).context("expected oci:DIR[:TAG]")?;
-    let cache = a.opts.cache("kiln import")?;
-    let digest = layout::import(
-        &dir,
-        tag.as_deref(),
-        &Platform::parse(&a.opts.platform)?,
-        &cache,
-    )?;
-    if let Some(t) = a.tag {
-        let r: Reference = t.parse()?;
-        let tag = r.tag().unwrap_or("latest");
-        cache.set_ref(&format!("{}:{tag}", r.name()), &digest)?;
-    }
+    let platform = Platform::parse(&a.opts.platform)?;
+    let digest = super::common::runtime()?.block_on(async {
+        let s = a.opts.open().await?;
+        let digest = layout::import(&dir, tag.as_deref(), &platform, &s.cache)?;
+        let mut name = None;
+        if let Some(t) = &a.tag {
+            let r: Reference = t.parse()?;
+            let tag = r.tag().unwrap_or("latest");
+            let n = format!("{}:{tag}", r.name());
+            s.cache.set_ref(&n, &digest)?;
+            name = Some(n);
+        }
+        s.publish(&digest, name.as_deref()).await?;
+        anyhow::Ok(digest)
+    })?;
     println!("{digest}");
     Ok(())
 }

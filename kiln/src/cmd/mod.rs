@@ -211,6 +211,17 @@ pub async fn open_store(out: &Out, url: Option<&str>) -> Result<kiln_store::Stor
     open_configured(out, &cfg).await
 }
 
+/// [`open_store`], with the directory on this host where the commands that need files keep
+/// them ([`crate::config::Config::local_dir`]: the store's own directory, or the cache of an
+/// S3 store's blobs).
+pub async fn open_store_and_local_dir(
+    out: &Out,
+    url: Option<&str>,
+) -> Result<(kiln_store::Store, std::path::PathBuf), Failure> {
+    let (cfg, dir) = crate::config::store_and_local_dir(url)?;
+    Ok((open_configured(out, &cfg).await?, dir))
+}
+
 async fn open_configured(
     out: &Out,
     cfg: &crate::config::Config,

@@ -80,9 +80,8 @@ pub struct Args {
 
 /// Runs `kiln nightly`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
-    let root = crate::config::local_store_dir(a.store.as_deref(), "kiln nightly")?;
+    let (store, root) = super::open_store_and_local_dir(out, a.store.as_deref()).await?;
     if a.rollback {
-        let store = kiln_store::Store::open(&root.to_string_lossy()).await?;
         let (night, d) = kiln_pipeline::nightly::rollback(&store, &a.tag).await?;
         out.event(
             "rolled_back",
@@ -123,7 +122,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     };
     let boot = super::kernel::boot_assets(a.kernel.clone(), a.initramfs.clone())?;
     let config = crate::config::Config::load(&crate::config::Flags::default())?;
-    let mut setup = Setup::open_local(&root)
+    let mut setup = Setup::open(store, &root)
         .await
         .map_err(anyhow::Error::from)?;
     setup.registry = RegistryOptions {

@@ -54,7 +54,7 @@ fn resolved(
     options: &Options,
 ) -> anyhow::Result<BuildPlan> {
     use kiln_builder::base::PullPolicy;
-    let root = crate::config::local_store_dir(args.store.as_deref(), "kiln plan --resolve")?;
+    let (_, root) = crate::config::store_and_local_dir(args.store.as_deref())?;
     let cache = kiln_builder::cache::LocalCache::open(&root)?;
     let config = crate::config::Config::load(&crate::config::Flags::default())?;
     let resolve = kiln_builder::resolve::ResolveOptions {

@@ -1,4 +1,5 @@
-//! `kiln pull REF`: fetch an image from a registry into the local store.
+//! `kiln pull REF`: fetch an image from a registry into the store (through this host's blob
+//! cache when the store is S3).
 
 use kiln_builder::base::{self, PullPolicy, Source};
 
@@ -15,14 +16,14 @@ pub struct Args {
 
 /// Runs `kiln pull`: always asks the registry; prints the manifest digest.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let cache = a.opts.cache("kiln pull")?;
     let reg = a.opts.registry()?;
-    let (digest, src) = runtime()?.block_on(base::resolve(
-        &a.reference,
-        PullPolicy::Always,
-        &reg,
-        &cache,
-    ))?;
+    let (digest, src) = runtime()?.block_on(async {
+        let s = a.opts.open().await?;
+        let (digest, src) = base::resolve(&a.reference, PullPolicy::Always, &reg, &s.cache).await?;
+        s.publish(&digest, written_ref(&a.reference).as_deref())
+            .await?;
+        anyhow::Ok((digest, src))
+    })?;
     if let Source::Registry { fetched, bytes } = src {
         eprintln!(
             "pulled {}: {fetched} blobs, {bytes} bytes downloaded",
@@ -31,4 +32,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     println!("{digest}");
     Ok(())
+}
+
+/// The OCI reference a resolve of `spec` set in the blob cache (`registry/repo:tag`), `None`
+/// for an OCI layout (`oci:DIR`) or a digest-pinned reference.
+pub fn written_ref(spec: &str) -> Option<String> {
+    if kiln_builder::layout::parse_spec(spec).is_some() {
+        return None;
+    }
+    let r = spec.parse().ok()?;
+    kiln_builder::cache::oci_ref_of(&r).map(|o| o.to_string())
 }

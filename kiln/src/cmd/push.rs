@@ -1,4 +1,4 @@
-//! `kiln push NAME:TAG REF`: upload an image from the local store to a registry.
+//! `kiln push NAME:TAG REF`: upload an image from the store to a registry.
 
 use anyhow::Context as _;
 use kiln_builder::base;
@@ -9,7 +9,7 @@ use super::common::{ImageOpts, runtime};
 /// Arguments of `kiln push`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The image in the local store (a reference or sha256:<hex>).
+    /// The image in the store (a reference or sha256:<hex>).
     pub name: String,
     /// Where to push it (registry/repo:tag).
     pub reference: String,
@@ -19,12 +19,15 @@ pub struct Args {
 
 /// Runs `kiln push`; prints the pushed manifest digest.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let cache = a.opts.cache("kiln push")?;
-    let digest = base::lookup(&a.name, &cache)?
-        .with_context(|| format!("{} is not in the local store", a.name))?;
     let dst: Reference = a.reference.parse()?;
     let reg = a.opts.registry()?;
-    let d = runtime()?.block_on(reg.push(&cache, &digest, &dst))?;
+    let d = runtime()?.block_on(async {
+        let s = a.opts.open().await?;
+        s.fetch(&a.name).await?;
+        let digest = base::lookup(&a.name, &s.cache)?
+            .with_context(|| format!("{} is not in the store {}", a.name, s.store.url()))?;
+        anyhow::Ok(reg.push(&s.cache, &digest, &dst).await?)
+    })?;
     println!("{d}");
     Ok(())
 }

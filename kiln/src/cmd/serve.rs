@@ -210,7 +210,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let root = crate::config::local_store_dir(store_flag, "kiln serve")?;
+    let (store_cfg, root) = crate::config::store_and_local_dir(store_flag)?;
     let config = config(&a.common, a.listen.as_deref())?;
     let listen = config.serve_listen.value;
     let boot = match (&a.kernel, &a.initramfs) {
@@ -221,7 +221,9 @@ async fn serve(a: Args) -> anyhow::Result<()> {
         (None, None) => None,
         _ => bail!("give both --kernel and --initramfs (KILN_KERNEL/KILN_INITRAMFS), or neither"),
     };
-    let mut setup = Setup::open_local(&root).await?;
+    let store =
+        kiln_store::Store::open_with(&store_cfg.store.value, store_cfg.store_options()).await?;
+    let mut setup = Setup::open(store, &root).await?;
     setup.registry = RegistryOptions {
         insecure: a.insecure.clone(),
         ..RegistryOptions::default()
@@ -240,7 +242,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     eprintln!(
         "kiln serve: listening on http://{addr} (store {})",
-        root.display()
+        store_cfg.store.value
     );
     let shutdown = CancellationToken::new();
     {

@@ -35,27 +35,32 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.dir.display()
         );
     }
-    let cache = a.opts.cache("kiln unpack")?;
-    let cached = if a.reference.starts_with("oci:") {
-        None
-    } else {
-        base::lookup(&a.reference, &cache)?
-    };
-    let digest = match cached {
-        Some(d) => d,
-        None => {
-            let policy = if a.offline {
-                PullPolicy::Never
-            } else {
-                PullPolicy::Missing
-            };
-            let reg = a.opts.registry()?;
-            runtime()?
-                .block_on(base::resolve(&a.reference, policy, &reg, &cache))?
-                .0
-        }
-    };
-    let stats = base::unpack(&cache, &digest, &a.dir, &Limits::default())?;
+    let reg = a.opts.registry()?;
+    let (s, digest) = runtime()?.block_on(async {
+        let s = a.opts.open().await?;
+        let cached = if a.reference.starts_with("oci:") {
+            None
+        } else {
+            s.fetch(&a.reference).await?;
+            base::lookup(&a.reference, &s.cache)?
+        };
+        let digest = match cached {
+            Some(d) => d,
+            None => {
+                let policy = if a.offline {
+                    PullPolicy::Never
+                } else {
+                    PullPolicy::Missing
+                };
+                let d = base::resolve(&a.reference, policy, &reg, &s.cache).await?.0;
+                s.publish(&d, super::pull::written_ref(&a.reference).as_deref())
+                    .await?;
+                d
+            }
+        };
+        anyhow::Ok((s, digest))
+    })?;
+    let stats = base::unpack(&s.cache, &digest, &a.dir, &Limits::default())?;
     eprintln!(
         "unpacked {digest}: {} entries, {} bytes",
         stats.entries, stats.bytes
