@@ -856,3 +856,239 @@ fn mount_point_cleanup_does_not_follow_step_symlinks() {
     assert!(victim_dir.join("hosts").exists());
     assert!(victim_dir.join("resolv.conf").exists());
 }
+
+/// A layer holding the host's `curl` and the shared libraries it loads (Debian bookworm's,
+/// as the host's: `ldd` lists them), to stack over the busybox root.
+fn curl_layer(f: &Fixture) -> PathBuf {
+    let layer = f._tmp.path().join("curl-layer");
+    let ldd = std::process::Command::new("ldd")
+        .arg("/usr/bin/curl")
+        .output()
+        .expect("ldd missing (libc-bin)");
+    assert!(
+        ldd.status.success(),
+        "ldd /usr/bin/curl failed: is curl installed?"
+    );
+    let mut files = vec![PathBuf::from("/usr/bin/curl")];
+    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+        let path = match line.split_once("=>") {
+            Some((_, rest)) => rest.split_whitespace().next(),
+            None => line.split_whitespace().next(),
+        };
+        if let Some(p) = path.filter(|p| p.starts_with('/')) {
+            files.push(PathBuf::from(p));
+        }
+    }
+    for src in files {
+        let dest = layer.join(src.strip_prefix("/").unwrap());
+        fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        fs::copy(&src, &dest).unwrap_or_else(|e| panic!("copying {}: {e}", src.display()));
+    }
+    layer
+}
+
+/// An HTTP/1.1 server on 127.0.0.1 answering every request with `hello <path>`, recording
+/// each request line and `Host` field it got.
+struct LocalServer {
+    port: u16,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+fn local_server() -> LocalServer {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = seen.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut r = BufReader::new(conn.try_clone().unwrap());
+            let mut first = String::new();
+            if r.read_line(&mut first).is_err() {
+                continue;
+            }
+            let mut host = String::new();
+            loop {
+                let mut l = String::new();
+                if r.read_line(&mut l).unwrap_or(0) == 0 || l == "\r\n" {
+                    break;
+                }
+                if let Some(v) = l.strip_prefix("Host: ") {
+                    host = v.trim().to_string();
+                }
+            }
+            let line = first.trim().to_string();
+            record.lock().unwrap().push(format!("{line} host={host}"));
+            let path = line.split(' ').nth(1).unwrap_or("").to_string();
+            let body = format!("hello {path}\n");
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    LocalServer { port, seen }
+}
+
+fn egress_rules(allow: &[&str], deny: &[&str]) -> kiln_recipes::plan::Egress {
+    let p = |v: &[&str]| {
+        v.iter()
+            .map(|r| kiln_recipes::plan::EgressRule::parse(r).unwrap())
+            .collect()
+    };
+    kiln_recipes::plan::Egress {
+        allow: p(allow),
+        deny: p(deny),
+    }
+}
+
+/// A hosts table pointing `names` at 127.0.0.1 (the test resolver of the egress proxy).
+fn loopback_hosts(names: &[&str]) -> std::collections::BTreeMap<String, Vec<std::net::IpAddr>> {
+    names
+        .iter()
+        .map(|n| (n.to_string(), vec![std::net::Ipv4Addr::LOCALHOST.into()]))
+        .collect()
+}
+
+/// With the test-only switch on (servers on 127.0.0.1), an allow-list step reaches a listed
+/// name through the proxy by plain HTTP and by CONNECT, `*.domain` covers names under it,
+/// deny wins, a name not on the list is refused with one log line naming destination and
+/// rule, and a program that ignores the proxy variables reaches nothing.
+#[test]
+fn egress_allow_list_reaches_listed_names_only() {
+    let f = fixture("egress-allow");
+    let server = local_server();
+    let port = server.port;
+    let mut cfg = f.config();
+    cfg.addresses = kiln_builder::egress::address::AddressPolicy {
+        allow_private_addresses: true,
+        hosts: loopback_hosts(&["pkg.test", "other.test", "a.cdn.test", "bad.cdn.test"]),
+    };
+    let mut spec = f.spec(&format!(
+        "env | grep -i _proxy= | sort | tr '\\n' ' '; echo; wc -c < /etc/resolv.conf; \
+         curl -fsS 'http://pkg.test:{port}/plain?q=1'; \
+         curl -fsS -p http://pkg.test:{port}/tunnel; \
+         curl -fsS http://a.cdn.test:{port}/sub; \
+         echo other $(curl -s -o /dev/null -w '%{{http_code}}' http://other.test:{port}/); \
+         echo other-connect $(curl -s -p -o /dev/null -w '%{{http_connect}}' http://other.test:{port}/); \
+         echo bad $(curl -s -o /dev/null -w '%{{http_code}}' http://bad.cdn.test:{port}/); \
+         curl --noproxy '*' -s -o /dev/null -m 5 http://127.0.0.1:{port}/ && echo REACHED || echo direct-unreachable"
+    ));
+    spec.lower_dirs = vec![curl_layer(&f), f.root.clone()];
+    spec.network = Network::Allow(egress_rules(&["pkg.test", "*.cdn.test"], &["bad.cdn.test"]));
+    let (r, lines) = f.run_with(cfg, &spec, &AtomicBool::new(false));
+    r.unwrap_or_else(|e| panic!("{e}: {lines:#?}"));
+    let has = |l: &str| lines.iter().any(|x| x == l);
+    assert_eq!(
+        lines[0],
+        "HTTPS_PROXY=http://127.0.0.1:3128 HTTP_PROXY=http://127.0.0.1:3128 \
+         NO_PROXY=localhost,127.0.0.1,::1 http_proxy=http://127.0.0.1:3128 \
+         https_proxy=http://127.0.0.1:3128 no_proxy=localhost,127.0.0.1,::1 ",
+        "{lines:#?}"
+    );
+    assert_eq!(lines[1], "0", "resolv.conf is empty: {lines:#?}");
+    for l in [
+        "hello /plain?q=1",
+        "hello /tunnel",
+        "hello /sub",
+        "other 403",
+        "other-connect 403",
+        "bad 403",
+        "direct-unreachable",
+    ] {
+        assert!(has(l), "{l:?} missing: {lines:#?}");
+    }
+    for l in [
+        format!("egress: refused GET other.test:{port}: not on the allow list"),
+        format!("egress: refused CONNECT other.test:{port}: not on the allow list"),
+        format!("egress: refused GET bad.cdn.test:{port}: deny bad.cdn.test"),
+    ] {
+        assert!(has(&l), "{l:?} missing: {lines:#?}");
+    }
+    let refusals = lines.iter().filter(|l| l.starts_with("egress: ")).count();
+    assert_eq!(refusals, 3, "{lines:#?}");
+    // The server saw the allowed requests only, in origin form, with their names.
+    let seen = server.seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        vec![
+            format!("GET /plain?q=1 HTTP/1.1 host=pkg.test:{port}"),
+            format!("GET /tunnel HTTP/1.1 host=pkg.test:{port}"),
+            format!("GET /sub HTTP/1.1 host=a.cdn.test:{port}"),
+        ]
+    );
+}
+
+/// With the switch off (production), a listed name that resolves to a private address is
+/// refused after the lookup, and the metadata addresses are refused even when listed.
+#[test]
+fn egress_refuses_private_and_metadata_addresses_even_when_listed() {
+    let f = fixture("egress-private");
+    let server = local_server();
+    let port = server.port;
+    let mut cfg = f.config();
+    cfg.addresses = kiln_builder::egress::address::AddressPolicy {
+        allow_private_addresses: false,
+        hosts: loopback_hosts(&["pkg.test"]),
+    };
+    let mut spec = f.spec(&format!(
+        "echo pkg $(curl -s -o /dev/null -w '%{{http_code}}' http://pkg.test:{port}/); \
+         echo pkg-connect $(curl -s -p -o /dev/null -w '%{{http_connect}}' http://pkg.test:{port}/); \
+         echo md $(curl -s -o /dev/null -w '%{{http_code}}' http://169.254.169.254/latest/meta-data/); \
+         echo md6 $(curl -s -o /dev/null -w '%{{http_code}}' 'http://[fd00:ec2::254]/latest/meta-data/'); \
+         echo lo $(curl -s -o /dev/null -w '%{{http_code}}' http://127.0.0.1:{port}/)"
+    ));
+    spec.lower_dirs = vec![curl_layer(&f), f.root.clone()];
+    spec.network = Network::Allow(egress_rules(
+        &[
+            "pkg.test",
+            "169.254.169.254",
+            "fd00:ec2::254",
+            "127.0.0.0/8",
+        ],
+        &[],
+    ));
+    // The step's own NO_PROXY would send 127.0.0.1 past the proxy; here it must ask it.
+    spec.env = vec!["NO_PROXY=".into(), "no_proxy=".into()];
+    let (r, lines) = f.run_with(cfg, &spec, &AtomicBool::new(false));
+    r.unwrap_or_else(|e| panic!("{e}: {lines:#?}"));
+    let has = |l: &str| lines.iter().any(|x| x == l);
+    for l in ["pkg 403", "pkg-connect 403", "md 403", "md6 403", "lo 403"] {
+        assert!(has(l), "{l:?} missing: {lines:#?}");
+    }
+    let why = "is not a public address (loopback, private, link-local, metadata or NAT64)";
+    for l in [
+        format!("egress: refused GET pkg.test:{port}: 127.0.0.1 {why}"),
+        format!("egress: refused CONNECT pkg.test:{port}: 127.0.0.1 {why}"),
+        format!("egress: refused GET 169.254.169.254:80: 169.254.169.254 {why}"),
+        format!("egress: refused GET [fd00:ec2::254]:80: fd00:ec2::254 {why}"),
+        format!("egress: refused GET 127.0.0.1:{port}: 127.0.0.1 {why}"),
+    ] {
+        assert!(has(&l), "{l:?} missing: {lines:#?}");
+    }
+    assert!(server.seen.lock().unwrap().is_empty());
+}
+
+/// `none` reaches nothing: no proxy listens in the step, so even a client pointed at the
+/// proxy's address gets no connection, and the host's loopback server is out of reach.
+#[test]
+fn egress_none_reaches_nothing_even_through_the_proxy_address() {
+    let f = fixture("egress-none");
+    let server = local_server();
+    let port = server.port;
+    let mut spec = f.spec(&format!(
+        "curl -s -m 5 -x http://127.0.0.1:3128 http://pkg.test:{port}/ && echo REACHED || echo proxy-unreachable; \
+         curl -s -m 5 http://127.0.0.1:{port}/ && echo REACHED || echo direct-unreachable"
+    ));
+    spec.lower_dirs = vec![curl_layer(&f), f.root.clone()];
+    spec.network = Network::None;
+    let mut cfg = f.config();
+    cfg.addresses.allow_private_addresses = true;
+    cfg.addresses.hosts = loopback_hosts(&["pkg.test"]);
+    let (r, lines) = f.run_with(cfg, &spec, &AtomicBool::new(false));
+    r.unwrap();
+    assert_eq!(lines, vec!["proxy-unreachable", "direct-unreachable"]);
+    assert!(server.seen.lock().unwrap().is_empty());
+}

@@ -266,8 +266,11 @@ pub struct BuildOptions {
     pub context: Option<(PathBuf, Dockerignore)>,
     /// The build's secrets (`--secret`), for `RUN --mount=type=secret`.
     pub secrets: Secrets,
-    /// How `ADD` fetches URLs.
+    /// How `ADD` fetches URLs; its address policy is the egress proxy's too.
     pub fetch: FetchOptions,
+    /// The network of every step, over the recipe's
+    /// ([`crate::egress::effective_network`]); `None`: as the recipe says.
+    pub network: Option<kiln_recipes::plan::Network>,
     /// [`BuiltImage::recipe_digest`]: the caller's digest of the recipe bytes; `None`: the
     /// digest of the plan's JSON with every file name reduced to its last component (so the
     /// directory a recipe sits in changes nothing).
@@ -299,6 +302,7 @@ impl BuildOptions {
             context: None,
             secrets: Secrets::default(),
             fetch: FetchOptions::default(),
+            network: None,
             recipe_digest: None,
             resolve: Default::default(),
             cache_mount_dir: None,
@@ -414,6 +418,8 @@ pub async fn build(
 ) -> Result<BuildOutput, BuildError> {
     let mut exec = opts.exec.clone();
     exec.memory_bytes = exec.memory_bytes.min(plan.limits.memory_mib << 20);
+    // One address policy for everything the build reaches: ADD's fetch and the proxy.
+    exec.addresses = opts.fetch.addresses.clone();
     build_with(
         plan,
         bases,
@@ -1120,6 +1126,8 @@ async fn run_step(
             spec.env = env.to_vec();
             spec.env.extend(added);
             spec.user = user;
+            spec.network =
+                crate::egress::effective_network(&spec.network, ctx.opts.network.as_ref());
             let used = ctx.log_bytes.load(Ordering::Relaxed);
             spec.log_budget = Some(ctx.opts.exec.log_limits.total_max.saturating_sub(used));
             let c = ctx.clone();
