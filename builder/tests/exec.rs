@@ -887,51 +887,6 @@ fn curl_layer(f: &Fixture) -> PathBuf {
     layer
 }
 
-/// An HTTP/1.1 server on 127.0.0.1 answering every request with `hello <path>`, recording
-/// each request line and `Host` field it got.
-struct LocalServer {
-    port: u16,
-    seen: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-}
-
-fn local_server() -> LocalServer {
-    use std::io::{BufRead, BufReader, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let record = seen.clone();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(mut conn) = conn else { continue };
-            let mut r = BufReader::new(conn.try_clone().unwrap());
-            let mut first = String::new();
-            if r.read_line(&mut first).is_err() {
-                continue;
-            }
-            let mut host = String::new();
-            loop {
-                let mut l = String::new();
-                if r.read_line(&mut l).unwrap_or(0) == 0 || l == "\r\n" {
-                    break;
-                }
-                if let Some(v) = l.strip_prefix("Host: ") {
-                    host = v.trim().to_string();
-                }
-            }
-            let line = first.trim().to_string();
-            record.lock().unwrap().push(format!("{line} host={host}"));
-            let path = line.split(' ').nth(1).unwrap_or("").to_string();
-            let body = format!("hello {path}\n");
-            let _ = write!(
-                conn,
-                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-        }
-    });
-    LocalServer { port, seen }
-}
-
 fn egress_rules(allow: &[&str], deny: &[&str]) -> kiln_recipes::plan::Egress {
     let p = |v: &[&str]| {
         v.iter()
@@ -959,7 +914,7 @@ fn loopback_hosts(names: &[&str]) -> std::collections::BTreeMap<String, Vec<std:
 #[test]
 fn egress_allow_list_reaches_listed_names_only() {
     let f = fixture("egress-allow");
-    let server = local_server();
+    let server = kiln_tests::http::LocalServer::start();
     let port = server.port;
     let mut cfg = f.config();
     cfg.addresses = kiln_builder::egress::address::AddressPolicy {
@@ -1026,7 +981,7 @@ fn egress_allow_list_reaches_listed_names_only() {
 #[test]
 fn egress_refuses_private_and_metadata_addresses_even_when_listed() {
     let f = fixture("egress-private");
-    let server = local_server();
+    let server = kiln_tests::http::LocalServer::start();
     let port = server.port;
     let mut cfg = f.config();
     cfg.addresses = kiln_builder::egress::address::AddressPolicy {
@@ -1076,7 +1031,7 @@ fn egress_refuses_private_and_metadata_addresses_even_when_listed() {
 #[test]
 fn egress_none_reaches_nothing_even_through_the_proxy_address() {
     let f = fixture("egress-none");
-    let server = local_server();
+    let server = kiln_tests::http::LocalServer::start();
     let port = server.port;
     let mut spec = f.spec(&format!(
         "curl -s -m 5 -x http://127.0.0.1:3128 http://pkg.test:{port}/ && echo REACHED || echo proxy-unreachable; \

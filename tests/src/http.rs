@@ -1,0 +1,51 @@
+//! A plain HTTP/1.1 server on 127.0.0.1 for tests of clients and proxies.
+
+/// An HTTP/1.1 server on 127.0.0.1 answering every request with `hello <path>`, recording
+/// each request line and `Host` field it got.
+pub struct LocalServer {
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    /// `<request line> host=<Host field>` of each request, in order.
+    pub seen: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl LocalServer {
+    /// Starts one; it serves until the test process ends.
+    pub fn start() -> LocalServer {
+        use std::io::{BufRead, BufReader, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let record = seen.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                let mut r = BufReader::new(conn.try_clone().unwrap());
+                let mut first = String::new();
+                if r.read_line(&mut first).is_err() {
+                    continue;
+                }
+                let mut host = String::new();
+                loop {
+                    let mut l = String::new();
+                    if r.read_line(&mut l).unwrap_or(0) == 0 || l == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = l.strip_prefix("Host: ") {
+                        host = v.trim().to_string();
+                    }
+                }
+                let line = first.trim().to_string();
+                record.lock().unwrap().push(format!("{line} host={host}"));
+                let path = line.split(' ').nth(1).unwrap_or("").to_string();
+                let body = format!("hello {path}\n");
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        LocalServer { port, seen }
+    }
+}
