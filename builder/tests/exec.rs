@@ -633,21 +633,7 @@ fn hostile_hosts_symlinks_stay_inside_the_root() {
 #[test]
 fn debian_two_stacked_steps() {
     let f = fixture("debian");
-    let layout = std::env::var("KILN_TEST_DEBIAN_OCI")
-        .expect("KILN_TEST_DEBIAN_OCI unset: run ci/setup.sh (ci/fixtures.sh) and source /var/cache/kiln-ci/env");
-    let bundle = f._tmp.path().join("bundle");
-    let out = std::process::Command::new("umoci")
-        .args(["unpack", "--image"])
-        .arg(format!("{}:bookworm", layout.trim_end_matches('/')))
-        .arg(&bundle)
-        .output()
-        .expect("umoci missing: run ci/setup.sh");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let base = bundle.join("rootfs");
+    let base = debian_root(&f);
 
     let mut spec = f.spec(
         ". /etc/os-release; echo $VERSION_CODENAME; useradd -m -u 1234 -U bob && id bob; \
@@ -694,6 +680,25 @@ fn debian_two_stacked_steps() {
     );
     let md = fs::metadata(upper2.join("srv/app/made")).unwrap();
     assert_eq!((md.uid(), md.gid()), (1234, 1234));
+}
+
+/// The Debian bookworm minbase fixture (ci/fixtures.sh), unpacked with umoci under `f`.
+fn debian_root(f: &Fixture) -> PathBuf {
+    let layout = std::env::var("KILN_TEST_DEBIAN_OCI")
+        .expect("KILN_TEST_DEBIAN_OCI unset: run ci/setup.sh (ci/fixtures.sh) and source /var/cache/kiln-ci/env");
+    let bundle = f._tmp.path().join("bundle");
+    let out = std::process::Command::new("umoci")
+        .args(["unpack", "--image"])
+        .arg(format!("{}:bookworm", layout.trim_end_matches('/')))
+        .arg(&bundle)
+        .output()
+        .expect("umoci missing: run ci/setup.sh");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    bundle.join("rootfs")
 }
 
 /// Not a test: the process [`killed_executor_leaves_no_process`] starts and kills. Runs a
@@ -1046,4 +1051,79 @@ fn egress_none_reaches_nothing_even_through_the_proxy_address() {
     r.unwrap();
     assert_eq!(lines, vec!["proxy-unreachable", "direct-unreachable"]);
     assert!(server.seen.lock().unwrap().is_empty());
+}
+
+/// apt through the proxy: an allow-list step on the Debian fixture runs `apt-get update`
+/// and `apt-get install` against an apt repository served on 127.0.0.1 (a `.deb` made
+/// with `dpkg-deb`, a hand-written `Release` with its SHA256, `[trusted=yes]`); apt reads
+/// `http_proxy` from the environment.
+#[test]
+fn egress_apt_installs_from_a_local_repository_through_the_proxy() {
+    use sha2::{Digest as _, Sha256};
+    let f = fixture("egress-apt");
+    let base = debian_root(&f);
+    let repo = f._tmp.path().join("repo");
+    let pkg = f._tmp.path().join("pkg");
+    fs::create_dir_all(pkg.join("DEBIAN")).unwrap();
+    fs::create_dir_all(pkg.join("usr/share/kiln-hello")).unwrap();
+    let control = "Package: kiln-hello\nVersion: 1.0\nArchitecture: all\n\
+                   Maintainer: kiln tests <tests@kiln.invalid>\nDescription: egress test package\n";
+    fs::write(pkg.join("DEBIAN/control"), control).unwrap();
+    fs::write(
+        pkg.join("usr/share/kiln-hello/hello.txt"),
+        "installed through the proxy\n",
+    )
+    .unwrap();
+    fs::create_dir_all(repo.join("pool")).unwrap();
+    let deb = repo.join("pool/kiln-hello_1.0_all.deb");
+    kiln_tests::run_ok(
+        std::process::Command::new("dpkg-deb")
+            .args(["--build", "--root-owner-group"])
+            .arg(&pkg)
+            .arg(&deb),
+    );
+    let deb_bytes = fs::read(&deb).unwrap();
+    let packages = format!(
+        "{control}Filename: pool/kiln-hello_1.0_all.deb\nSize: {}\nSHA256: {}\n",
+        deb_bytes.len(),
+        hex::encode(Sha256::digest(&deb_bytes))
+    );
+    let bin = repo.join("dists/test/main/binary-amd64");
+    fs::create_dir_all(&bin).unwrap();
+    fs::write(bin.join("Packages"), &packages).unwrap();
+    let release = format!(
+        "Suite: test\nCodename: test\nComponents: main\nArchitectures: amd64 all\nSHA256:\n {} {} main/binary-amd64/Packages\n",
+        hex::encode(Sha256::digest(packages.as_bytes())),
+        packages.len()
+    );
+    fs::write(repo.join("dists/test/Release"), release).unwrap();
+    let server = kiln_tests::http::LocalServer::serve_dir(&repo);
+    let port = server.port;
+    let mut cfg = f.config();
+    cfg.addresses = kiln_builder::egress::address::AddressPolicy {
+        allow_private_addresses: true,
+        hosts: loopback_hosts(&["apt.test"]),
+    };
+    let mut spec = f.spec(&format!(
+        "set -e; rm -f /etc/apt/sources.list /etc/apt/sources.list.d/*; \
+         echo 'deb [trusted=yes] http://apt.test:{port}/ test main' > /etc/apt/sources.list.d/t.list; \
+         apt-get -q update >/dev/null; apt-get -q install -y kiln-hello >/dev/null; \
+         cat /usr/share/kiln-hello/hello.txt"
+    ));
+    spec.lower_dirs = vec![base];
+    spec.network = Network::Allow(egress_rules(&["apt.test"], &[]));
+    spec.timeout = Duration::from_secs(300);
+    let (r, lines) = f.run_with(cfg, &spec, &AtomicBool::new(false));
+    r.unwrap_or_else(|e| panic!("{e}: {lines:#?}"));
+    assert_eq!(
+        lines.last().map(String::as_str),
+        Some("installed through the proxy"),
+        "{lines:#?}"
+    );
+    let seen = server.seen.lock().unwrap().clone();
+    assert!(
+        seen.iter()
+            .any(|l| l.starts_with("GET /pool/kiln-hello_1.0_all.deb ")),
+        "{seen:#?}"
+    );
 }
