@@ -862,26 +862,30 @@ fn mount_point_cleanup_does_not_follow_step_symlinks() {
     assert!(victim_dir.join("resolv.conf").exists());
 }
 
-/// A layer holding the host's `curl` and the shared libraries it loads (Debian bookworm's,
-/// as the host's: `ldd` lists them), to stack over the busybox root.
-fn curl_layer(f: &Fixture) -> PathBuf {
-    let layer = f._tmp.path().join("curl-layer");
-    let ldd = std::process::Command::new("ldd")
-        .arg("/usr/bin/curl")
-        .output()
-        .expect("ldd missing (libc-bin)");
-    assert!(
-        ldd.status.success(),
-        "ldd /usr/bin/curl failed: is curl installed?"
-    );
-    let mut files = vec![PathBuf::from("/usr/bin/curl")];
-    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
-        let path = match line.split_once("=>") {
-            Some((_, rest)) => rest.split_whitespace().next(),
-            None => line.split_whitespace().next(),
-        };
-        if let Some(p) = path.filter(|p| p.starts_with('/')) {
-            files.push(PathBuf::from(p));
+/// A layer holding the host's `programs` (absolute paths) and the shared libraries they
+/// load (Debian bookworm's, as the host's: `ldd` lists them), each at its host path, to
+/// stack over a fixture's root.
+fn host_programs_layer(f: &Fixture, name: &str, programs: &[PathBuf]) -> PathBuf {
+    let layer = f._tmp.path().join(name);
+    let mut files = programs.to_vec();
+    for prog in programs {
+        let ldd = std::process::Command::new("ldd")
+            .arg(prog)
+            .output()
+            .expect("ldd missing (libc-bin)");
+        assert!(
+            ldd.status.success(),
+            "ldd {} failed: is it installed?",
+            prog.display()
+        );
+        for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+            let path = match line.split_once("=>") {
+                Some((_, rest)) => rest.split_whitespace().next(),
+                None => line.split_whitespace().next(),
+            };
+            if let Some(p) = path.filter(|p| p.starts_with('/')) {
+                files.push(PathBuf::from(p));
+            }
         }
     }
     for src in files {
@@ -890,6 +894,11 @@ fn curl_layer(f: &Fixture) -> PathBuf {
         fs::copy(&src, &dest).unwrap_or_else(|e| panic!("copying {}: {e}", src.display()));
     }
     layer
+}
+
+/// [`host_programs_layer`] with the host's `curl`.
+fn curl_layer(f: &Fixture) -> PathBuf {
+    host_programs_layer(f, "curl-layer", &[PathBuf::from("/usr/bin/curl")])
 }
 
 fn egress_rules(allow: &[&str], deny: &[&str]) -> kiln_recipes::plan::Egress {
@@ -1124,6 +1133,81 @@ fn egress_apt_installs_from_a_local_repository_through_the_proxy() {
     assert!(
         seen.iter()
             .any(|l| l.starts_with("GET /pool/kiln-hello_1.0_all.deb ")),
+        "{seen:#?}"
+    );
+}
+
+/// git over HTTP through the proxy: an allow-list step clones a repository served on
+/// 127.0.0.1 with git's "dumb" HTTP protocol (static files after `git update-server-info`,
+/// gitprotocol-http(5)); git's `git-remote-http` reads `http_proxy` through libcurl.
+#[test]
+fn egress_git_clones_over_http_through_the_proxy() {
+    let f = fixture("egress-git");
+    let git_cmd = |args: &[&str], dir: &Path| {
+        kiln_tests::run_ok(
+            std::process::Command::new("git")
+                .args([
+                    "-c",
+                    "user.name=kiln",
+                    "-c",
+                    "user.email=tests@kiln.invalid",
+                ])
+                .args(args)
+                .current_dir(dir),
+        )
+    };
+    let work = f._tmp.path().join("src");
+    fs::create_dir_all(&work).unwrap();
+    git_cmd(&["init", "-q", "-b", "main"], &work);
+    fs::write(work.join("README"), "cloned through the proxy\n").unwrap();
+    git_cmd(&["add", "README"], &work);
+    git_cmd(&["commit", "-q", "-m", "one"], &work);
+    let served = f._tmp.path().join("served");
+    fs::create_dir_all(&served).unwrap();
+    git_cmd(
+        &["clone", "-q", "--bare", work.to_str().unwrap(), "repo.git"],
+        &served,
+    );
+    git_cmd(&["update-server-info"], &served.join("repo.git"));
+    let server = kiln_tests::http::LocalServer::serve_dir(&served);
+    let port = server.port;
+    let which = |prog: &str| {
+        let o = std::process::Command::new("sh")
+            .args(["-c", &format!("command -v {prog}")])
+            .output()
+            .unwrap();
+        PathBuf::from(String::from_utf8(o.stdout).unwrap().trim())
+    };
+    let git = which("git");
+    let exec_path = String::from_utf8(
+        kiln_tests::run_ok(std::process::Command::new(&git).arg("--exec-path")).stdout,
+    )
+    .unwrap();
+    let remote_http = Path::new(exec_path.trim()).join("git-remote-http");
+    let layer = host_programs_layer(&f, "git-layer", &[git.clone(), remote_http]);
+    let mut cfg = f.config();
+    cfg.addresses = kiln_builder::egress::address::AddressPolicy {
+        allow_private_addresses: true,
+        hosts: loopback_hosts(&["git.test"]),
+    };
+    let mut spec = f.spec(&format!(
+        "{} clone -q http://git.test:{port}/repo.git /tmp/r && cat /tmp/r/README",
+        git.display()
+    ));
+    spec.env = vec!["HOME=/tmp".into()];
+    spec.lower_dirs = vec![layer, f.root.clone()];
+    spec.network = Network::Allow(egress_rules(&["git.test"], &[]));
+    let (r, lines) = f.run_with(cfg, &spec, &AtomicBool::new(false));
+    r.unwrap_or_else(|e| panic!("{e}: {lines:#?}"));
+    assert_eq!(
+        lines.last().map(String::as_str),
+        Some("cloned through the proxy"),
+        "{lines:#?}"
+    );
+    let seen = server.seen.lock().unwrap().clone();
+    assert!(
+        seen.iter()
+            .any(|l| l.starts_with("GET /repo.git/info/refs")),
         "{seen:#?}"
     );
 }
