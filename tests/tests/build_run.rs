@@ -767,12 +767,17 @@ fn network_allow_list_and_build_wide_modes_reach_the_steps() {
         allow: vec![EgressRule::parse("pkg.test").expect("rule")],
         deny: vec![],
     }));
-    // A build-wide mode is not part of the step's cache key: look nothing up.
-    o.no_cache = true;
+    // The build-wide mode is part of the step's cache key: the `none` build's layer (whose
+    // fetch failed) is not reused, the step runs again and reaches the server.
     let (r, ev) = f.build_with("Dockerfile", &docker, &o, |_| {});
     r.unwrap_or_else(|e| panic!("allow: {e}"));
+    assert_eq!(ran(&ev).len(), 1, "{:#?}", steps(&ev));
     let l = logs(&ev);
     assert!(l.iter().any(|x| x == "hello /docker"), "{l:#?}");
+    // And the same build again is a cache hit.
+    let (r, ev) = f.build_with("Dockerfile", &docker, &o, |_| {});
+    r.unwrap_or_else(|e| panic!("allow again: {e}"));
+    assert!(ran(&ev).is_empty(), "{:#?}", steps(&ev));
     let seen = server.seen.lock().expect("lock").clone();
     assert_eq!(
         seen,

@@ -269,7 +269,8 @@ pub struct BuildOptions {
     /// How `ADD` fetches URLs; its address policy is the egress proxy's too.
     pub fetch: FetchOptions,
     /// The network of every step, over the recipe's
-    /// ([`crate::egress::effective_network`]); `None`: as the recipe says.
+    /// ([`crate::egress::effective_network`], written into the plan before anything is
+    /// built, so it is part of the steps' cache keys); `None`: as the recipe says.
     pub network: Option<kiln_recipes::plan::Network>,
     /// [`BuiltImage::recipe_digest`]: the caller's digest of the recipe bytes; `None`: the
     /// digest of the plan's JSON with every file name reduced to its last component (so the
@@ -442,6 +443,17 @@ pub async fn build_with(
     events: EventSink,
     executor: Arc<dyn StepExecutor>,
 ) -> Result<BuildOutput, BuildError> {
+    // A build-wide network is written into the plan, so that it is part of each step's
+    // canonical form and cache key: a step run without network is not reused by a build
+    // whose steps have some.
+    let rewritten;
+    let plan = match &opts.network {
+        None => plan,
+        Some(over) => {
+            rewritten = crate::egress::with_network(plan, over);
+            &rewritten
+        }
+    };
     check_supported(plan)?;
     if bases.len() != plan.stages.len() || plan.stages.is_empty() {
         return Err(BuildError::Plan(format!(
@@ -1126,8 +1138,6 @@ async fn run_step(
             spec.env = env.to_vec();
             spec.env.extend(added);
             spec.user = user;
-            spec.network =
-                crate::egress::effective_network(&spec.network, ctx.opts.network.as_ref());
             let used = ctx.log_bytes.load(Ordering::Relaxed);
             spec.log_budget = Some(ctx.opts.exec.log_limits.total_max.saturating_sub(used));
             let c = ctx.clone();

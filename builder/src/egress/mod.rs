@@ -58,6 +58,17 @@ pub fn effective_network(step: &Network, over: Option<&Network>) -> Network {
     }
 }
 
+/// `plan` with every `RUN` step's network replaced by [`effective_network`] under `over`.
+pub fn with_network(plan: &kiln_recipes::BuildPlan, over: &Network) -> kiln_recipes::BuildPlan {
+    let mut plan = plan.clone();
+    for step in plan.stages.iter_mut().flat_map(|s| s.steps.iter_mut()) {
+        if let kiln_recipes::plan::Action::Run(r) = &mut step.action {
+            r.network = effective_network(&r.network, Some(over));
+        }
+    }
+    plan
+}
+
 /// The proxy variables an allow-list step gets, `KEY=value` (curl, apt, pip, npm, git and
 /// Python's `urllib` read the lowercase forms; some tools only the uppercase ones).
 pub fn proxy_env() -> Vec<String> {
