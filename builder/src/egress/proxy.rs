@@ -316,3 +316,93 @@ impl Drop for ProxyThread {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_recipes::plan::EgressRule;
+    use std::sync::Mutex;
+
+    /// [`Proxy::serve`] over an in-memory stream (as a guest channel would hand it one): a
+    /// plain request is forwarded in origin form with the hop-by-hop fields (the fixed ones
+    /// and those `Connection` names) removed and `Connection: close` added; a request that
+    /// is not a proxy request is answered `400` and not logged.
+    #[test]
+    fn forwards_origin_form_without_hop_by_hop_fields() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = upstream.local_addr().unwrap().port();
+            let got = tokio::spawn(async move {
+                let (mut s, _) = upstream.accept().await.unwrap();
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while !buf.ends_with(b"\r\n\r\n") {
+                    let n = s.read(&mut chunk).await.unwrap();
+                    assert!(n > 0, "upstream: early EOF after {buf:?}");
+                    buf.extend_from_slice(&chunk[..n]);
+                }
+                s.write_all(b"HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n")
+                    .await
+                    .unwrap();
+                String::from_utf8(buf).unwrap()
+            });
+            let logged = std::sync::Arc::new(Mutex::new(Vec::<String>::new()));
+            let sink = logged.clone();
+            let mut addresses = AddressPolicy {
+                allow_private_addresses: true,
+                ..Default::default()
+            };
+            addresses
+                .hosts
+                .insert("up.test".into(), vec!["127.0.0.1".parse().unwrap()]);
+            let proxy = Proxy::new(
+                Egress {
+                    allow: vec![EgressRule::parse("up.test").unwrap()],
+                    deny: vec![],
+                },
+                addresses,
+                move |l| sink.lock().unwrap().push(l.to_string()),
+            );
+            let (mut client, server) = tokio::io::duplex(4096);
+            let serving = proxy.serve(server);
+            let request = format!(
+                "GET http://up.test:{port}/p?q HTTP/1.1\r\nHost: up.test:{port}\r\n\
+                 Proxy-Authorization: Basic eA==\r\nProxy-Connection: keep-alive\r\n\
+                 Connection: keep-alive, X-Hop\r\nX-Hop: 1\r\nX-Keep: 2\r\n\r\n"
+            );
+            // The client goes away when it has read the answer, as a real one does.
+            let talk = async move {
+                client.write_all(request.as_bytes()).await.unwrap();
+                let mut resp = Vec::new();
+                client.read_to_end(&mut resp).await.unwrap();
+                String::from_utf8(resp).unwrap()
+            };
+            let ((), resp) = tokio::join!(serving, talk);
+            assert!(resp.starts_with("HTTP/1.1 204 "), "{resp}");
+            assert_eq!(
+                got.await.unwrap(),
+                format!(
+                    "GET /p?q HTTP/1.1\r\nHost: up.test:{port}\r\nX-Keep: 2\r\nConnection: close\r\n\r\n"
+                )
+            );
+
+            let (mut client, server) = tokio::io::duplex(4096);
+            let talk = async move {
+                client
+                    .write_all(b"GET /origin-form HTTP/1.1\r\nHost: x\r\n\r\n")
+                    .await
+                    .unwrap();
+                let mut resp = Vec::new();
+                client.read_to_end(&mut resp).await.unwrap();
+                String::from_utf8(resp).unwrap()
+            };
+            let ((), resp) = tokio::join!(proxy.serve(server), talk);
+            assert!(resp.starts_with("HTTP/1.1 400 "), "{resp}");
+            assert!(logged.lock().unwrap().is_empty());
+        });
+    }
+}
