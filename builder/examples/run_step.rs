@@ -62,7 +62,7 @@ fn main() {
             user: None,
             workdir: "/".into(),
             files: vec![],
-            network,
+            network: network.clone(),
             mounts: vec![],
             secrets: vec![],
             timeout: Duration::from_secs(900),

@@ -31,6 +31,7 @@ pub mod bootstrap;
 pub mod build;
 pub mod cache;
 pub mod copy;
+pub mod egress;
 pub mod exec;
 pub mod ext4;
 pub mod image;

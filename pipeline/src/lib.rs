@@ -449,6 +449,7 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
     opts.no_cache_filter = req.no_cache_filter.clone();
     opts.jobs = setup.jobs.max(1);
     opts.exec.allow_network_host = req.network == NetworkPolicy::AllowHost;
+    opts.network = req.network.step_network();
     opts.exec.run_dir = work.join("run");
     if let Some(m) = req.limits.memory_bytes {
         opts.exec.memory_bytes = opts.exec.memory_bytes.min(m);

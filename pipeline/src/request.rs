@@ -15,6 +15,7 @@ use kiln_builder::base::PullPolicy;
 use kiln_builder::reference::Reference;
 use kiln_builder::secrets::Secrets;
 use kiln_recipes::dockerignore::Dockerignore;
+use kiln_recipes::plan::{Egress, EgressRule};
 use kiln_store::{ManifestDigest, TagRef};
 use tokio_util::sync::CancellationToken;
 
@@ -163,15 +164,49 @@ impl ContextSource {
 }
 
 /// What the steps' network may do.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum NetworkPolicy {
-    /// Each `RUN` gets its own network namespace: user-mode networking (slirp4netns) by
-    /// default, none with `RUN --network=none`; `RUN --network=host` is refused.
+    /// Each `RUN` gets its own network namespace with the network its recipe asks for:
+    /// user-mode networking (slirp4netns) by default, none with `RUN --network=none`, an
+    /// allow-list through the egress proxy with the YAML `network: {allow: ...}`;
+    /// `RUN --network=host` is refused.
     #[default]
     Sandboxed,
     /// As `Sandboxed`, and `RUN --network=host` is allowed (`--allow network.host`).
     AllowHost,
+    /// No step has any network, whatever the recipe says.
+    None,
+    /// Every step the recipe gives the default network or an allow-list reaches only what
+    /// these rules allow, through the egress proxy (`kiln_builder::egress`); `none` steps
+    /// keep none, `RUN --network=host` is refused.
+    Allow(Egress),
+}
+
+impl NetworkPolicy {
+    /// An allow-list policy from the entries as written (domains, `*.domain`, addresses,
+    /// CIDR ranges: [`EgressRule::parse`]). Errors: the first entry that does not parse,
+    /// named with its list (`allow entry '10.0.0.1/8': ...`).
+    pub fn allow_list(allow: &[String], deny: &[String]) -> Result<NetworkPolicy, String> {
+        let parse = |list: &[String], which: &str| -> Result<Vec<EgressRule>, String> {
+            list.iter()
+                .map(|e| EgressRule::parse(e).map_err(|m| format!("{which} entry {m}")))
+                .collect()
+        };
+        Ok(NetworkPolicy::Allow(Egress {
+            allow: parse(allow, "allow")?,
+            deny: parse(deny, "deny")?,
+        }))
+    }
+
+    /// The builder's build-wide network ([`kiln_builder::build::BuildOptions::network`]).
+    pub(crate) fn step_network(&self) -> Option<kiln_recipes::plan::Network> {
+        match self {
+            NetworkPolicy::Sandboxed | NetworkPolicy::AllowHost => None,
+            NetworkPolicy::None => Some(kiln_recipes::plan::Network::None),
+            NetworkPolicy::Allow(e) => Some(kiln_recipes::plan::Network::Allow(e.clone())),
+        }
+    }
 }
 
 /// Build limits. Each may only lower the recipe's own limits, which may only lower

@@ -341,7 +341,7 @@ pub enum MountFrom {
 }
 
 /// Network for a `RUN` step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Network {
     /// The builder's default (isolated, with outbound access).
@@ -351,6 +351,134 @@ pub enum Network {
     None,
     /// The host's network: accepted here, refused by the builder unless allowed.
     Host,
+    /// Only through the builder's egress proxy, to the destinations the rules allow
+    /// (YAML `network: {allow: [...], deny: [...]}`). Serialized as
+    /// `{"allow": {"allow": [...], "deny": [...]}}`, each rule in its written form.
+    Allow(Egress),
+}
+
+/// The rules of an allow-list network: a destination is reachable when some `allow` rule
+/// matches it and no `deny` rule does (deny always wins). Whatever the rules say, the
+/// builder refuses addresses that are not public (loopback, private, link-local, metadata,
+/// NAT64...).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+pub struct Egress {
+    /// Destinations allowed.
+    pub allow: Vec<EgressRule>,
+    /// Destinations refused even when an `allow` rule matches.
+    pub deny: Vec<EgressRule>,
+}
+
+/// One allow-list or deny-list entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EgressRule {
+    /// `example.com`: that name only (ASCII, compared case-insensitively, a trailing dot
+    /// ignored).
+    Domain(String),
+    /// `*.example.com`: every name under `example.com`, not `example.com` itself.
+    Subdomains(String),
+    /// `192.0.2.7`, `2001:db8::1`: that address, asked for as a literal.
+    Address(std::net::IpAddr),
+    /// `192.0.2.0/24`, `2001:db8::/32`: every address in the range (RFC 4632 section 3.1
+    /// prefix notation), asked for as a literal. Bits past the prefix must be zero.
+    Cidr {
+        /// The network address.
+        addr: std::net::IpAddr,
+        /// Prefix length, bits (at most 32 for IPv4, 128 for IPv6).
+        prefix: u8,
+    },
+}
+
+impl EgressRule {
+    /// Parses an entry: `*.domain`, a domain, an IPv4 or IPv6 address (IPv6 without
+    /// brackets), or `addr/prefix`. Domains are LDH labels of 1 to 63 bytes (RFC 1123
+    /// section 2.1), at most 253 bytes in all, and are lowercased. Errors: the reason, for
+    /// the caller to place.
+    pub fn parse(text: &str) -> Result<EgressRule, String> {
+        let t = text.trim();
+        if t.is_empty() {
+            return Err("an empty entry".into());
+        }
+        if let Some((a, p)) = t.split_once('/') {
+            let addr: std::net::IpAddr = a
+                .parse()
+                .map_err(|_| format!("'{t}': '{a}' is not an IP address"))?;
+            let max = if addr.is_ipv4() { 32 } else { 128 };
+            let prefix: u8 =
+                p.parse().ok().filter(|n| *n <= max).ok_or_else(|| {
+                    format!("'{t}': prefix '{p}' is not a number from 0 to {max}")
+                })?;
+            let bits = ip_bits(addr);
+            let mask = prefix_mask(prefix, max);
+            if bits & !mask != 0 {
+                return Err(format!(
+                    "'{t}': bits are set past the /{prefix} prefix (write the network address)"
+                ));
+            }
+            return Ok(EgressRule::Cidr { addr, prefix });
+        }
+        if let Ok(addr) = t.trim_start_matches('[').trim_end_matches(']').parse() {
+            return Ok(EgressRule::Address(addr));
+        }
+        let (wild, name) = match t.strip_prefix("*.") {
+            Some(rest) => (true, rest),
+            None => (false, t),
+        };
+        let name = name.strip_suffix('.').unwrap_or(name).to_ascii_lowercase();
+        let label_ok = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        };
+        if name.is_empty() || name.len() > 253 || !name.split('.').all(label_ok) {
+            return Err(format!(
+                "'{t}': expected a domain, *.domain, an IP address or a CIDR range"
+            ));
+        }
+        Ok(if wild {
+            EgressRule::Subdomains(name)
+        } else {
+            EgressRule::Domain(name)
+        })
+    }
+}
+
+/// The address as a 128-bit number (IPv4 in the low 32 bits).
+pub fn ip_bits(ip: std::net::IpAddr) -> u128 {
+    match ip {
+        std::net::IpAddr::V4(v4) => u32::from(v4) as u128,
+        std::net::IpAddr::V6(v6) => u128::from(v6),
+    }
+}
+
+/// The mask of a `prefix`-bit prefix of a `width`-bit address (32 or 128), as [`ip_bits`]
+/// lays it out.
+pub fn prefix_mask(prefix: u8, width: u8) -> u128 {
+    let ones = if width == 128 {
+        u128::MAX
+    } else {
+        (1u128 << width) - 1
+    };
+    ones & !ones.checked_shr(u32::from(prefix)).unwrap_or(0)
+}
+
+impl std::fmt::Display for EgressRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EgressRule::Domain(d) => f.write_str(d),
+            EgressRule::Subdomains(d) => write!(f, "*.{d}"),
+            EgressRule::Address(a) => write!(f, "{a}"),
+            EgressRule::Cidr { addr, prefix } => write!(f, "{addr}/{prefix}"),
+        }
+    }
+}
+
+impl Serialize for EgressRule {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
 }
 
 /// `RUN --security`.
@@ -593,6 +721,41 @@ impl BuildPlan {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn egress_rules_parse_and_print_as_written() {
+        use super::EgressRule as R;
+        for (text, shown) in [
+            ("Example.COM.", "example.com"),
+            ("*.pkg.example", "*.pkg.example"),
+            ("192.0.2.7", "192.0.2.7"),
+            ("[2001:db8::1]", "2001:db8::1"),
+            ("10.0.0.0/8", "10.0.0.0/8"),
+            ("2001:db8::/32", "2001:db8::/32"),
+            ("0.0.0.0/0", "0.0.0.0/0"),
+            ("::/0", "::/0"),
+            ("2001:db8::1/128", "2001:db8::1/128"),
+        ] {
+            let r = R::parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(r.to_string(), shown);
+        }
+        for bad in [
+            "",
+            "*.",
+            "*",
+            "a..b",
+            "-a.b",
+            "a_b.c",
+            "http://x",
+            "10.0.0.1/8",
+            "10.0.0.0/33",
+            "2001:db8::/129",
+            "x/8",
+            "*.*.a",
+        ] {
+            assert!(R::parse(bad).is_err(), "{bad:?} parsed");
+        }
+    }
+
     use super::*;
 
     #[test]

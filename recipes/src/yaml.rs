@@ -25,7 +25,8 @@
 //!   timeout: 10s
 //!   retries: 30
 //! disk_mib: 4096                   # sandbox disk size, MiB
-//! network: none                    # network during commands: default | none
+//! network: none                    # network during commands: default | none | {allow, deny}
+//! # network: {allow: [pypi.example, "*.debian.example", 192.0.2.0/24], deny: [bad.debian.example]}
 //! limits: {timeout: 10m, memory: 512MiB}   # may only lower the 15 min / 1 GiB defaults
 //! smoke:                           # checks `kiln nightly` runs in a clone before it promotes
 //!   - command: python3 --version   # string: /bin/sh -c; list: argv
@@ -53,8 +54,8 @@ use crate::dockerfile::lower::{
     DISK_LABEL, SourceText, lower_instrs, parse_duration_ms, parse_size, valid_chmod,
 };
 use crate::plan::{
-    Base, Bootstrap, BuildPlan, DEFAULT_MEMORY_MIB, DEFAULT_TIMEOUT_SECS, Directives, Frontend,
-    Limits,
+    Action, Base, Bootstrap, BuildPlan, DEFAULT_MEMORY_MIB, DEFAULT_TIMEOUT_SECS, Directives,
+    Egress, EgressRule, Frontend, Limits, Network,
 };
 use crate::{Options, RecipeError, RecipeErrorKind};
 
@@ -88,6 +89,9 @@ pub enum YamlError {
     /// An empty `env`, `labels` or `args` key.
     #[error("{0} names can not be blank")]
     BlankName(&'static str),
+    /// A `network: {allow, deny}` entry that does not parse.
+    #[error("network {0} entry {1}")]
+    Egress(&'static str, String),
     /// An `env` or `args` name with `=` in it.
     #[error("{0} name '{1}' may not contain '='")]
     NameWithEquals(&'static str, String),
@@ -122,7 +126,7 @@ pub struct Recipe {
     /// Disk size, MiB.
     pub disk_mib: Option<Spanned<u64>>,
     /// Network during the commands.
-    pub network: Option<NetworkSpec>,
+    pub network: Option<Spanned<NetworkSpec>>,
     /// Build limits.
     pub limits: Option<Spanned<LimitsSpec>>,
     /// Smoke checks run in a clone by the nightly job (not part of the image).
@@ -259,14 +263,27 @@ pub struct ReadySpec {
     pub retries: Option<u32>,
 }
 
-/// `network:`.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
+/// `network:`: `default`, `none`, or `{allow: [...], deny: [...]}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NetworkSpec {
     /// The builder's default.
     Default,
     /// No network during commands.
     None,
+    /// Only the destinations allowed, through the builder's egress proxy.
+    Allow(AllowSpec),
+}
+
+/// `network: {allow: [...], deny: [...]}`: entries as [`crate::plan::EgressRule::parse`]
+/// reads them.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllowSpec {
+    /// Destinations allowed.
+    pub allow: Vec<String>,
+    /// Destinations refused even when allowed (deny wins).
+    #[serde(default)]
+    pub deny: Vec<String>,
 }
 
 /// `limits:`.
@@ -312,6 +329,35 @@ impl<'de> Deserialize<'de> for FromSpec {
                 Ok(FromSpec::Bootstrap {
                     bootstrap: w.bootstrap,
                 })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl<'de> Deserialize<'de> for NetworkSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = NetworkSpec;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("default, none, or {allow: [...], deny: [...]}")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<NetworkSpec, E> {
+                match v {
+                    "default" => Ok(NetworkSpec::Default),
+                    "none" => Ok(NetworkSpec::None),
+                    other => Err(E::custom(format!(
+                        "network '{other}': expected default, none, or {{allow: [...], deny: [...]}}"
+                    ))),
+                }
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<NetworkSpec, A::Error> {
+                AllowSpec::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(NetworkSpec::Allow)
             }
         }
         d.deserialize_any(V)
@@ -559,9 +605,18 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
             ),
         });
     }
-    let network = match recipe.network {
+    let network = match recipe.network.as_ref().map(|n| &n.value) {
         Some(NetworkSpec::None) => Some("none".to_string()),
         _ => None,
+    };
+    // An allow-list has no Dockerfile spelling: its steps lower as `default` and get the
+    // rules after lowering.
+    let egress = match &recipe.network {
+        Some(n) => match &n.value {
+            NetworkSpec::Allow(a) => Some(lower_egress(&ctx, ctx.at(n), a)?),
+            _ => None,
+        },
+        None => None,
     };
     // Commands run as root. A base image described with another user gets `USER root` before
     // them and, unless the recipe names its own user, its user back after them, as the
@@ -679,6 +734,13 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
     let mut plan = lower_instrs(&source, &instrs, options)
         .map_err(|f| RecipeError::at_offset(file, text, f.offset, f.kind))?;
     plan.limits = limits;
+    if let Some(egress) = egress {
+        for step in plan.stages.iter_mut().flat_map(|st| st.steps.iter_mut()) {
+            if let Action::Run(r) = &mut step.action {
+                r.network = Network::Allow(egress.clone());
+            }
+        }
+    }
     if let FromSpec::Bootstrap { bootstrap: b } = &recipe.from.value
         && let Some(stage) = plan.stages.first_mut()
     {
@@ -704,6 +766,30 @@ pub(crate) fn lower(file: &str, text: &str, options: &Options) -> Result<BuildPl
         }
     }
     Ok(plan)
+}
+
+/// The rules of `network: {allow, deny}` whose map starts at `at`; a bad entry's error
+/// points at the entry.
+fn lower_egress(ctx: &Ctx<'_>, at: usize, a: &AllowSpec) -> Result<Egress, RecipeError> {
+    let mut search = at;
+    let mut rules = |list: &[String],
+                     which: &'static str|
+     -> Result<Vec<EgressRule>, RecipeError> {
+        let mut out = Vec::with_capacity(list.len());
+        for e in list {
+            let offset = ctx.text[search.min(ctx.text.len())..]
+                .find(e.as_str())
+                .map_or(at, |i| search + i);
+            search = offset.max(search);
+            out.push(
+                EgressRule::parse(e).map_err(|m| ctx.err(offset, YamlError::Egress(which, m)))?,
+            );
+        }
+        Ok(out)
+    };
+    let allow = rules(&a.allow, "allow")?;
+    let deny = rules(&a.deny, "deny")?;
+    Ok(Egress { allow, deny })
 }
 
 fn lower_limits(ctx: &Ctx<'_>, l: &Spanned<LimitsSpec>) -> Result<Limits, RecipeError> {
@@ -743,7 +829,7 @@ fn lower_limits(ctx: &Ctx<'_>, l: &Spanned<LimitsSpec>) -> Result<Limits, Recipe
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Action, Network, Step};
+    use crate::plan::{Action, Step};
     use crate::{load, plan_to_json};
 
     fn yaml(text: &str) -> BuildPlan {
@@ -980,6 +1066,50 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn network_allow_list_reaches_every_command_and_bad_entries_are_located() {
+        let plan = yaml(
+            "from: x\ncommands:\n  - a\n  - b\nnetwork:\n  allow: [pkg.example, \"*.cdn.example\", 192.0.2.0/24, \"2001:db8::1\"]\n  deny: [bad.cdn.example]\n",
+        );
+        let steps: Vec<_> = plan.stages[0]
+            .steps
+            .iter()
+            .filter_map(|s| match &s.action {
+                Action::Run(r) => Some(&r.network),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(steps.len(), 2);
+        for n in steps {
+            let Network::Allow(e) = n else {
+                panic!("{n:?}")
+            };
+            let shown: Vec<String> = e.allow.iter().map(|r| r.to_string()).collect();
+            assert_eq!(
+                shown,
+                [
+                    "pkg.example",
+                    "*.cdn.example",
+                    "192.0.2.0/24",
+                    "2001:db8::1"
+                ]
+            );
+            assert_eq!(e.deny.len(), 1);
+        }
+        let json: serde_json::Value = serde_json::from_str(&plan_to_json(&plan)).unwrap();
+        let run = &json["stages"][0]["steps"][0]["action"]["network"];
+        assert_eq!(run["allow"]["allow"][1], "*.cdn.example", "{json}");
+        assert_eq!(run["allow"]["deny"][0], "bad.cdn.example", "{json}");
+        let e = yaml_err("from: x\nnetwork:\n  allow:\n    - ok.example\n    - 10.0.0.1/8\n");
+        assert_eq!(e.line, 5, "{e}");
+        assert!(
+            e.to_string().contains("network allow entry '10.0.0.1/8'"),
+            "{e}"
+        );
+        let e = yaml_err("from: x\nnetwork: {allow: [a.example], bogus: 1}\n");
+        assert!(e.to_string().contains("bogus"), "{e}");
     }
 
     #[test]

@@ -158,15 +158,71 @@ pub struct LimitsSpec {
     pub vcpus: Option<u32>,
 }
 
-/// What the steps' network may do.
+/// What the steps' network may do: a mode (`"sandboxed"`, also spelled `"default"`;
+/// `"host"`; `"none"`) or an allow-list `{"allow": [...], "deny": [...]}`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum NetworkSpec {
+    /// A network mode.
+    Mode(NetworkMode),
+    /// Every step that would have the default network reaches only what the list allows,
+    /// through the builder's egress proxy.
+    AllowList(AllowListSpec),
+}
+
+impl Default for NetworkSpec {
+    fn default() -> Self {
+        NetworkSpec::Mode(NetworkMode::Sandboxed)
+    }
+}
+
+impl NetworkSpec {
+    /// Whether this is the default mode (left out of stored specs, so that their hashes
+    /// stay what they were before the allow-list existed).
+    pub fn is_sandboxed(&self) -> bool {
+        *self == NetworkSpec::Mode(NetworkMode::Sandboxed)
+    }
+
+    /// The pipeline's policy. Errors: an allow-list entry that does not parse.
+    pub fn policy(&self) -> Result<kiln_pipeline::NetworkPolicy, String> {
+        use kiln_pipeline::NetworkPolicy as P;
+        match self {
+            NetworkSpec::Mode(NetworkMode::Sandboxed) => Ok(P::Sandboxed),
+            NetworkSpec::Mode(NetworkMode::Host) => Ok(P::AllowHost),
+            NetworkSpec::Mode(NetworkMode::None) => Ok(P::None),
+            NetworkSpec::AllowList(a) => P::allow_list(&a.allow, &a.deny),
+        }
+    }
+}
+
+/// A network mode of the API.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
-pub enum NetworkSpec {
-    /// Each `RUN` has its own network namespace (user-mode networking).
+pub enum NetworkMode {
+    /// Each `RUN` has its own network namespace with what its recipe asks for (user-mode
+    /// networking by default).
     #[default]
+    #[serde(alias = "default")]
     Sandboxed,
     /// `RUN --network=host` is allowed too.
     Host,
+    /// No step has any network.
+    None,
+}
+
+/// `{"allow": [...], "deny": [...]}`: entries are domains (`pkg.example`), `*.domain`
+/// (every name under it), IP addresses and CIDR ranges (`192.0.2.0/24`); a deny entry always
+/// wins, and addresses that are not public (loopback, private, link-local, metadata,
+/// NAT64...) are refused whatever the lists say. A program that ignores the proxy
+/// variables (`HTTP_PROXY`, `HTTPS_PROXY`) gets no network.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AllowListSpec {
+    /// Destinations allowed.
+    pub allow: Vec<String>,
+    /// Destinations refused even when allowed.
+    #[serde(default)]
+    pub deny: Vec<String>,
 }
 
 /// A build submission: the `build` part of a multipart body, the JSON body, or the
@@ -237,8 +293,12 @@ pub struct StoredSpec {
     pub platform: Option<String>,
     /// Boot once.
     pub snapshot: bool,
-    /// `RUN --network=host` allowed.
+    /// `RUN --network=host` allowed (`network: "host"`; kept as its own field, as rows
+    /// stored before [`StoredSpec::network`] have it).
     pub network_host: bool,
+    /// The network asked for, when not the default.
+    #[serde(default, skip_serializing_if = "NetworkSpec::is_sandboxed")]
+    pub network: NetworkSpec,
     /// Limits.
     pub limits: EffectiveLimits,
     /// No cache lookups.
@@ -399,6 +459,8 @@ pub fn router(state: AppState) -> axum::Router {
         BuildSpec,
         LimitsSpec,
         NetworkSpec,
+        NetworkMode,
+        AllowListSpec,
         Accepted,
         BuildUrls,
         BuildView,
@@ -690,6 +752,9 @@ async fn submit(
     check.build_args = spec.build_args.clone();
     check.platform = spec.platform.clone();
     kiln_pipeline::check_recipe(&check).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    spec.network
+        .policy()
+        .map_err(|e| ApiError::BadRequest(format!("build spec: network: {e}")))?;
 
     let stored = StoredSpec {
         recipe: recipe_name,
@@ -702,7 +767,8 @@ async fn submit(
         target: spec.target.clone(),
         platform: spec.platform.clone(),
         snapshot: spec.snapshot,
-        network_host: spec.network == NetworkSpec::Host,
+        network_host: spec.network == NetworkSpec::Mode(NetworkMode::Host),
+        network: spec.network.clone(),
         limits,
         no_cache: spec.no_cache,
     };
@@ -1258,4 +1324,72 @@ async fn get_manifest(
         }),
     };
     Ok(Json(v).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(network: serde_json::Value) -> Result<BuildSpec, serde_json::Error> {
+        serde_json::from_value(serde_json::json!({ "network": network }))
+    }
+
+    /// The build options' network: the modes (with `default` for `sandboxed`), an
+    /// allow-list checked entry by entry, unknown keys refused; the default mode stays out
+    /// of the stored spec, so stored hashes of earlier submissions do not change.
+    #[test]
+    fn network_modes_and_allow_lists_in_build_options() {
+        use kiln_pipeline::NetworkPolicy as P;
+        for (v, want) in [
+            (serde_json::json!("sandboxed"), P::Sandboxed),
+            (serde_json::json!("default"), P::Sandboxed),
+            (serde_json::json!("host"), P::AllowHost),
+            (serde_json::json!("none"), P::None),
+        ] {
+            assert_eq!(
+                spec(v.clone()).unwrap().network.policy().unwrap(),
+                want,
+                "{v}"
+            );
+        }
+        let s = spec(serde_json::json!({"allow": ["pkg.example", "*.cdn.example", "192.0.2.0/24"], "deny": ["bad.cdn.example"]}))
+            .unwrap();
+        let P::Allow(e) = s.network.policy().unwrap() else {
+            panic!("{:?}", s.network)
+        };
+        assert_eq!(e.allow.len(), 3);
+        assert_eq!(e.deny[0].to_string(), "bad.cdn.example");
+        let bad = spec(serde_json::json!({"allow": ["10.0.0.1/8"]})).unwrap();
+        let err = bad.network.policy().unwrap_err();
+        assert!(err.starts_with("allow entry '10.0.0.1/8'"), "{err}");
+        assert!(spec(serde_json::json!({"allow": [], "bogus": 1})).is_err());
+        assert!(spec(serde_json::json!("bridge")).is_err());
+        let stored = |network: NetworkSpec| StoredSpec {
+            recipe: "Dockerfile".into(),
+            recipe_in_context: true,
+            recipe_digest: String::new(),
+            context: None,
+            tags: vec![],
+            store_tags: vec![],
+            build_args: BTreeMap::new(),
+            target: None,
+            platform: None,
+            snapshot: false,
+            network_host: false,
+            network,
+            limits: EffectiveLimits {
+                timeout_secs: 1,
+                memory_mib: 1,
+                vcpus: 1,
+            },
+            no_cache: false,
+        };
+        let plain = serde_json::to_string(&stored(NetworkSpec::default())).unwrap();
+        assert!(!plain.contains("\"network\""), "{plain}");
+        let listed = serde_json::to_string(&stored(s.network.clone())).unwrap();
+        let back: StoredSpec = serde_json::from_str(&listed).unwrap();
+        assert_eq!(back.network, s.network);
+        let old: StoredSpec = serde_json::from_str(&plain).unwrap();
+        assert!(old.network.is_sandboxed());
+    }
 }

@@ -279,7 +279,11 @@ async fn execute(
     req.network = if spec.network_host {
         NetworkPolicy::AllowHost
     } else {
-        NetworkPolicy::Sandboxed
+        // Checked when the build was accepted.
+        match spec.network.policy() {
+            Ok(p) => p,
+            Err(e) => return failed(format!("network: {e}")),
+        }
     };
     req.limits = Limits {
         timeout: Some(Duration::from_secs(spec.limits.timeout_secs)),

@@ -717,3 +717,74 @@ fn identical_layers_in_one_stage_do_not_break_the_next_run() {
     assert_eq!(std::fs::read_to_string(root.join("f")).expect("/f"), "x\n");
     f.assert_clean();
 }
+
+/// The network modes through the whole builder: a YAML recipe's allow-list reaches each
+/// command's step (busybox `wget` honours `http_proxy`) with the build's address policy
+/// (`fetch.addresses`, the one ADD uses) handed to the proxy, and refusals land in the build
+/// log; a build-wide `none` or allow-list (`BuildOptions::network`) overrides a
+/// Dockerfile's default network.
+#[test]
+fn network_allow_list_and_build_wide_modes_reach_the_steps() {
+    use kiln_recipes::plan::{Egress, EgressRule, Network};
+    let f = fx("egress");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let server = kiln_tests::http::LocalServer::start();
+    let port = server.port;
+    let mut o = f.options();
+    o.fetch.addresses.allow_private_addresses = true;
+    for n in ["pkg.test", "other.test"] {
+        o.fetch
+            .addresses
+            .hosts
+            .insert(n.into(), vec![std::net::Ipv4Addr::LOCALHOST.into()]);
+    }
+    let fetch = |name: &str, path: &str| {
+        format!("wget -q -O- http://{name}:{port}/{path} || echo {path}-refused")
+    };
+    let yaml = format!(
+        "from: {bb}\ncommands:\n  - {}\n  - {}\nnetwork:\n  allow: [pkg.test]\n",
+        fetch("pkg.test", "yaml"),
+        fetch("other.test", "yaml-other")
+    );
+    let (r, ev) = f.build_with("recipe.yaml", &yaml, &o, |_| {});
+    r.unwrap_or_else(|e| panic!("yaml: {e}"));
+    let l = logs(&ev);
+    assert!(l.iter().any(|x| x == "hello /yaml"), "{l:#?}");
+    assert!(l.iter().any(|x| x == "yaml-other-refused"), "{l:#?}");
+    assert!(
+        l.iter()
+            .any(|x| *x == format!("egress: refused GET other.test:{port}: not on the allow list")),
+        "{l:#?}"
+    );
+
+    let docker = format!("FROM {bb}\nRUN {}\n", fetch("pkg.test", "docker"));
+    o.network = Some(Network::None);
+    let (r, ev) = f.build_with("Dockerfile", &docker, &o, |_| {});
+    r.unwrap_or_else(|e| panic!("none: {e}"));
+    let l = logs(&ev);
+    assert!(l.iter().any(|x| x == "docker-refused"), "{l:#?}");
+    o.network = Some(Network::Allow(Egress {
+        allow: vec![EgressRule::parse("pkg.test").expect("rule")],
+        deny: vec![],
+    }));
+    // The build-wide mode is part of the step's cache key: the `none` build's layer (whose
+    // fetch failed) is not reused, the step runs again and reaches the server.
+    let (r, ev) = f.build_with("Dockerfile", &docker, &o, |_| {});
+    r.unwrap_or_else(|e| panic!("allow: {e}"));
+    assert_eq!(ran(&ev).len(), 1, "{:#?}", steps(&ev));
+    let l = logs(&ev);
+    assert!(l.iter().any(|x| x == "hello /docker"), "{l:#?}");
+    // And the same build again is a cache hit.
+    let (r, ev) = f.build_with("Dockerfile", &docker, &o, |_| {});
+    r.unwrap_or_else(|e| panic!("allow again: {e}"));
+    assert!(ran(&ev).is_empty(), "{:#?}", steps(&ev));
+    let seen = server.seen.lock().expect("lock").clone();
+    assert_eq!(
+        seen,
+        vec![
+            format!("GET /yaml HTTP/1.1 host=pkg.test:{port}"),
+            format!("GET /docker HTTP/1.1 host=pkg.test:{port}"),
+        ]
+    );
+    f.assert_clean();
+}

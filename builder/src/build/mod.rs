@@ -266,8 +266,12 @@ pub struct BuildOptions {
     pub context: Option<(PathBuf, Dockerignore)>,
     /// The build's secrets (`--secret`), for `RUN --mount=type=secret`.
     pub secrets: Secrets,
-    /// How `ADD` fetches URLs.
+    /// How `ADD` fetches URLs; its address policy is the egress proxy's too.
     pub fetch: FetchOptions,
+    /// The network of every step, over the recipe's
+    /// ([`crate::egress::effective_network`], written into the plan before anything is
+    /// built, so it is part of the steps' cache keys); `None`: as the recipe says.
+    pub network: Option<kiln_recipes::plan::Network>,
     /// [`BuiltImage::recipe_digest`]: the caller's digest of the recipe bytes; `None`: the
     /// digest of the plan's JSON with every file name reduced to its last component (so the
     /// directory a recipe sits in changes nothing).
@@ -299,6 +303,7 @@ impl BuildOptions {
             context: None,
             secrets: Secrets::default(),
             fetch: FetchOptions::default(),
+            network: None,
             recipe_digest: None,
             resolve: Default::default(),
             cache_mount_dir: None,
@@ -414,6 +419,8 @@ pub async fn build(
 ) -> Result<BuildOutput, BuildError> {
     let mut exec = opts.exec.clone();
     exec.memory_bytes = exec.memory_bytes.min(plan.limits.memory_mib << 20);
+    // One address policy for everything the build reaches: ADD's fetch and the proxy.
+    exec.addresses = opts.fetch.addresses.clone();
     build_with(
         plan,
         bases,
@@ -436,6 +443,17 @@ pub async fn build_with(
     events: EventSink,
     executor: Arc<dyn StepExecutor>,
 ) -> Result<BuildOutput, BuildError> {
+    // A build-wide network is written into the plan, so that it is part of each step's
+    // canonical form and cache key: a step run without network is not reused by a build
+    // whose steps have some.
+    let rewritten;
+    let plan = match &opts.network {
+        None => plan,
+        Some(over) => {
+            rewritten = crate::egress::with_network(plan, over);
+            &rewritten
+        }
+    };
     check_supported(plan)?;
     if bases.len() != plan.stages.len() || plan.stages.is_empty() {
         return Err(BuildError::Plan(format!(

@@ -8,19 +8,22 @@
 //!
 //! A tenant's recipe is hostile, and the fetch runs with the host's network: by default
 //! addresses that are not public (loopback, private, link-local, CGNAT, unique-local,
-//! multicast, unspecified) are refused, the name is resolved once and the connection pinned to
+//! multicast, unspecified: [`crate::egress::address`], the policy the egress proxy uses too)
+//! are refused, the name is resolved once and the connection pinned to
 //! the address checked (no DNS rebinding), and every redirect is checked the same way, at
 //! most [`MAX_REDIRECTS`] of them. Only `http` and `https` are fetched, never through a proxy
 //! named by the environment (`HTTP_PROXY`...), which would resolve names itself.
 
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kiln_recipes::plan::{CopySource, CopyStep};
 use sha2::{Digest, Sha256};
+
+use crate::egress::address::{AddressError, AddressPolicy};
 
 /// Most redirects followed for one URL (as curl's and Go's default of 10).
 pub const MAX_REDIRECTS: usize = 10;
@@ -68,8 +71,9 @@ pub struct FetchOptions {
     pub max_bytes: u64,
     /// Whole-request timeout (default 10 minutes; the build's own timeout still applies).
     pub timeout: Duration,
-    /// Allow loopback, private and link-local addresses (tests; trusted builds only).
-    pub allow_private_addresses: bool,
+    /// Which addresses may be fetched from ([`AddressPolicy::allow_private_addresses`]:
+    /// tests and trusted builds only), shared with the egress proxy.
+    pub addresses: AddressPolicy,
 }
 
 impl Default for FetchOptions {
@@ -77,7 +81,7 @@ impl Default for FetchOptions {
         FetchOptions {
             max_bytes: 4 << 30,
             timeout: Duration::from_secs(600),
-            allow_private_addresses: false,
+            addresses: AddressPolicy::default(),
         }
     }
 }
@@ -137,60 +141,6 @@ pub enum FetchError {
         /// The cause.
         source: std::io::Error,
     },
-}
-
-/// Whether builds may reach `ip` (a public unicast address).
-pub fn is_public(ip: IpAddr) -> bool {
-    match ip {
-        IpAddr::V4(v4) => {
-            let o = v4.octets();
-            !(v4.is_loopback()
-                || v4.is_private()
-                || v4.is_link_local()
-                || v4.is_unspecified()
-                || v4.is_broadcast()
-                || v4.is_multicast()
-                || v4.is_documentation()
-                || o[0] == 0
-                // 100.64.0.0/10 (RFC 6598) and 198.18.0.0/15 (RFC 2544).
-                || (o[0] == 100 && (o[1] & 0xc0) == 64)
-                || (o[0] == 198 && (o[1] & 0xfe) == 18)
-                // 192.0.0.0/24, IETF protocol assignments (RFC 6890), incl. NAT64 discovery
-                || (o[0] == 192 && o[1] == 0 && o[2] == 0)
-                || o[0] >= 240)
-        }
-        IpAddr::V6(v6) => {
-            if let Some(v4) = v6.to_ipv4_mapped() {
-                return is_public(IpAddr::V4(v4));
-            }
-            let s = v6.segments();
-            let o = v6.octets();
-            let v4_at = |i: usize| IpAddr::from([o[i], o[i + 1], o[i + 2], o[i + 3]]);
-            // Forms that carry an IPv4 address something on the way turns back into IPv4:
-            // the NAT64 well-known prefix 64:ff9b::/96 (RFC 6052, reaching 169.254.169.254 or
-            // 10/8 through an IPv6-only network's NAT64 gateway), IPv4-compatible ::/96
-            // (RFC 4291 2.5.5.1) and 6to4 2002::/16 (RFC 3056): as public as the IPv4 inside.
-            if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] || s[..6] == [0; 6] {
-                return !v6.is_loopback() && !v6.is_unspecified() && is_public(v4_at(12));
-            }
-            if s[0] == 0x2002 {
-                return is_public(v4_at(2));
-            }
-            !(v6.is_loopback()
-                || v6.is_unspecified()
-                || v6.is_multicast()
-                || (s[0] & 0xfe00) == 0xfc00
-                // link-local fe80::/10 and the deprecated site-local fec0::/10
-                || (s[0] & 0xff80) == 0xfe80
-                // local-use NAT64 64:ff9b:1::/48 (RFC 8215)
-                || s[..3] == [0x64, 0xff9b, 1]
-                // discard-only 100::/64 (RFC 6666)
-                || s[..4] == [0x100, 0, 0, 0]
-                // documentation 2001:db8::/32 (RFC 3849), Teredo 2001::/32 (RFC 4380)
-                || s[..2] == [0x2001, 0xdb8]
-                || s[..2] == [0x2001, 0])
-        }
-    }
 }
 
 /// The name a URL's file is copied under: its path's last segment (percent-decoding is
@@ -278,24 +228,18 @@ async fn fetch_one(
             detail,
         };
         let bare = host.trim_start_matches('[').trim_end_matches(']');
-        let addrs: Vec<SocketAddr> = match bare.parse::<IpAddr>() {
-            Ok(ip) => vec![SocketAddr::new(ip, port)],
-            Err(_) => tokio::net::lookup_host((bare, port))
-                .await
-                .map_err(|e| http_err(format!("resolving {host}: {e}")))?
-                .collect(),
-        };
-        let addr = *addrs
-            .first()
-            .ok_or_else(|| http_err(format!("{host} has no address")))?;
-        if !opts.allow_private_addresses
-            && let Some(a) = addrs.iter().find(|a| !is_public(a.ip()))
-        {
-            return Err(FetchError::Forbidden {
-                url: url.to_string(),
-                addr: a.ip(),
-            });
-        }
+        let addrs = opts
+            .addresses
+            .resolve(&host, port)
+            .await
+            .map_err(|e| match e {
+                AddressError::NotPublic { addr, .. } => FetchError::Forbidden {
+                    url: url.to_string(),
+                    addr,
+                },
+                other => http_err(other.to_string()),
+            })?;
+        let addr = addrs[0];
         // No proxy from the environment: it would resolve the name itself, past the check
         // and the pinning.
         let client = reqwest::Client::builder()
@@ -390,59 +334,6 @@ async fn fetch_one(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn public_addresses() {
-        for a in [
-            "127.0.0.1",
-            "10.1.2.3",
-            "172.16.0.1",
-            "192.168.1.1",
-            "169.254.169.254",
-            "0.0.0.0",
-            "100.64.0.1",
-            "::1",
-            "fe80::1",
-            "fd00::1",
-            "::ffff:127.0.0.1",
-        ] {
-            assert!(!is_public(a.parse().unwrap()), "{a}");
-        }
-        for a in ["8.8.8.8", "151.101.1.1", "2a00:1450::1"] {
-            assert!(is_public(a.parse().unwrap()), "{a}");
-        }
-    }
-
-    /// IPv6 forms that carry an IPv4 address a gateway or the kernel turns back into IPv4
-    /// (NAT64 `64:ff9b::/96` reaches 169.254.169.254 or 10/8 through the NAT64 gateway of an
-    /// IPv6-only network; IPv4-compatible `::/96`, 6to4 `2002::/16`), and IPv6 ranges that
-    /// are not global (site-local, discard, documentation, local-use NAT64, Teredo) are not
-    /// public either.
-    #[test]
-    fn translated_and_special_ipv6_addresses_are_not_public() {
-        for a in [
-            "64:ff9b::a9fe:a9fe",
-            "64:ff9b::7f00:1",
-            "64:ff9b::a00:1",
-            "64:ff9b:1::a00:1",
-            "::7f00:1",
-            "::a9fe:a9fe",
-            "2002:7f00:1::1",
-            "2002:a9fe:a9fe::",
-            "2002:c0a8:101::1",
-            "fec0::1",
-            "100::1",
-            "2001:db8::1",
-            "2001::1",
-            "192.0.0.170",
-        ] {
-            assert!(!is_public(a.parse().unwrap()), "{a}");
-        }
-        // What they wrap when it is public is still reachable.
-        for a in ["64:ff9b::808:808", "2002:808:808::1"] {
-            assert!(is_public(a.parse().unwrap()), "{a}");
-        }
-    }
 
     /// A proxy from the environment (`HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY`) would get the
     /// host name and resolve it itself, past the address check and the pinning (DNS

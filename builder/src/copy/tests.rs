@@ -692,7 +692,10 @@ async fn add_url_with_checksum_and_address_policy() {
     let dl = d.outside.join("dl");
     fs::create_dir(&dl).unwrap();
     let allow = FetchOptions {
-        allow_private_addresses: true,
+        addresses: crate::egress::address::AddressPolicy {
+            allow_private_addresses: true,
+            ..Default::default()
+        },
         ..FetchOptions::default()
     };
     let mut s = step(&[&url], "/opt/");

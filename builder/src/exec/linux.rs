@@ -232,7 +232,8 @@ impl StepExecutor for LinuxExecutor {
         let resolv_text = match spec.network {
             Network::Default => "nameserver 10.0.2.3\n".to_string(),
             Network::Host => fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
-            Network::None => String::new(),
+            // Names are resolved by the egress proxy, on the host.
+            Network::None | Network::Allow(_) => String::new(),
         };
         fs::write(&hosts, hosts_text).map_err(io("writing hosts"))?;
         fs::write(&resolv, resolv_text).map_err(io("writing resolv.conf"))?;
@@ -251,14 +252,14 @@ impl StepExecutor for LinuxExecutor {
             parent: rustix::process::getpid(),
             procs_files: cgroup.procs_files(),
             unshare_net: spec.network != Network::Host,
-            wait_for_net: spec.network == Network::Default,
+            wait_for_net: matches!(spec.network, Network::Default | Network::Allow(_)),
             overlay_data,
             lowers,
             merged: merged.clone(),
             hosts,
             resolv,
             hostname: cfg.hostname.clone(),
-            spec: spec.clone(),
+            spec: child_spec(spec),
             bring_lo_up: spec.network != Network::Host,
             mounts,
             seccomp: super::seccomp::step_filter().map_err(ExecError::Seccomp)?,
@@ -290,6 +291,11 @@ impl StepExecutor for LinuxExecutor {
         if keeper == 0 {
             keeper_main(&plan, &fds);
         }
+        // The egress proxy writes its refusals into the step's log, as the step does.
+        let proxy_log = match spec.network {
+            Network::Allow(_) => Some(log_w.try_clone().map_err(io("dup of the log pipe"))?),
+            _ => None,
+        };
         drop((log_w, err_w, status_w, sync_w, go_r));
         let mut guard = KeeperGuard {
             pid: keeper,
@@ -297,20 +303,25 @@ impl StepExecutor for LinuxExecutor {
         };
 
         let mut slirp: Option<SlirpGuard> = None;
+        let mut proxy: Option<crate::egress::proxy::ProxyThread> = None;
         if plan.wait_for_net {
             let mut b = [0u8; 1];
             let mut sync = fs::File::from(sync_r);
             if sync.read(&mut b).ok() == Some(1) {
-                match start_slirp(&cfg.slirp4netns, keeper, plan.parent) {
-                    Ok(child) => slirp = Some(SlirpGuard(child)),
-                    Err(e) => {
-                        cgroup.kill_all();
-                        guard.reap();
-                        return Err(e);
+                let up = match (&spec.network, proxy_log) {
+                    (Network::Allow(rules), Some(log)) => {
+                        start_proxy(keeper, rules, &cfg.addresses, log).map(|p| proxy = Some(p))
                     }
+                    _ => start_slirp(&cfg.slirp4netns, keeper, plan.parent)
+                        .map(|child| slirp = Some(SlirpGuard(child))),
+                };
+                if let Err(e) = up {
+                    cgroup.kill_all();
+                    guard.reap();
+                    return Err(e);
                 }
             }
-            if slirp.is_some() {
+            if slirp.is_some() || proxy.is_some() {
                 let mut go = fs::File::from(go_w);
                 let _ = go.write_all(b"g");
             }
@@ -370,9 +381,10 @@ impl StepExecutor for LinuxExecutor {
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
-            // The keeper is gone; anything left (there should be nothing) is killed so the
-            // log pipe closes.
+            // The keeper is gone; anything left (there should be nothing) is killed, and
+            // the proxy stopped (it holds a writer), so the log pipe closes.
             cgroup.kill_all();
+            drop(proxy);
             // A thread that panicked has already reported the panic; keep its default.
             let shaper = reader
                 .join()
@@ -548,6 +560,61 @@ fn start_slirp(
         return Err(ExecError::Slirp(format!("not ready: {msg}")));
     }
     Ok(child)
+}
+
+/// The spec pid 1 runs: an allow-list step also gets the proxy variables, before its own
+/// environment (so an `ENV` of the recipe still wins; one that points elsewhere reaches
+/// nothing).
+fn child_spec(spec: &StepSpec) -> StepSpec {
+    let mut s = spec.clone();
+    if matches!(spec.network, Network::Allow(_)) {
+        let mut env = crate::egress::proxy_env();
+        env.append(&mut s.env);
+        s.env = env;
+    }
+    s
+}
+
+/// Opens the egress proxy's listener inside the network namespace of `pid` (the keeper,
+/// after its `unshare`) and serves it on the host ([`crate::egress`] explains the shape):
+/// a host thread joins the namespace (`setns(2)`), brings `lo` up, binds
+/// `127.0.0.1:`[`crate::egress::PROXY_PORT`] and ends; the socket stays in the step's
+/// namespace. Refusals are written to `log` (the step's log pipe).
+fn start_proxy(
+    pid: libc::pid_t,
+    rules: &kiln_recipes::plan::Egress,
+    addresses: &crate::egress::address::AddressPolicy,
+    log: OwnedFd,
+) -> Result<crate::egress::proxy::ProxyThread, ExecError> {
+    let ns_path = format!("/proc/{pid}/ns/net");
+    let ns = fs::File::open(&ns_path).map_err(io(format!("opening {ns_path}")))?;
+    let listener = std::thread::scope(|s| {
+        s.spawn(|| -> Result<std::net::TcpListener, String> {
+            // SAFETY: setns(2) on a descriptor we own; it changes only this thread's network
+            // namespace, and the thread ends right after.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(format!(
+                    "setns {ns_path}: {}",
+                    std::io::Error::last_os_error()
+                ));
+            }
+            loopback_up()?;
+            std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, crate::egress::PROXY_PORT))
+                .map_err(|e| format!("binding the egress proxy in the step: {e}"))
+        })
+        .join()
+        .unwrap_or_else(|_| Err("the egress listener thread panicked".into()))
+    })
+    .map_err(ExecError::Setup)?;
+    let log = fs::File::from(log);
+    let proxy = crate::egress::proxy::Proxy::new(rules.clone(), addresses.clone(), move |line| {
+        let mut l = line.to_string();
+        l.push('\n');
+        // One write per line: a pipe write of at most PIPE_BUF bytes is atomic (pipe(7)),
+        // so the line does not interleave with the step's own output.
+        let _ = (&log).write_all(l.as_bytes());
+    });
+    crate::egress::proxy::spawn(listener, proxy).map_err(io("starting the egress proxy"))
 }
 
 /// Removes mount points the executor had to create, when the step left them empty and

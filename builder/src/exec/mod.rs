@@ -7,7 +7,9 @@
 //!
 //! - [`LinuxExecutor`] (module `linux`): the real one. New mount, pid, uts, ipc and network
 //!   namespaces, `pivot_root`, fresh `/proc` (with `/proc/sys` and friends read-only), a
-//!   minimal `/dev`, read-only `/sys`, hostname, `/etc/hosts` and `/etc/resolv.conf`, `USER`
+//!   minimal `/dev`, read-only `/sys`, hostname, `/etc/hosts` and `/etc/resolv.conf`, the
+//!   network mode (`none`: only `lo`; `default`: slirp4netns; an allow-list: only `lo` and
+//!   the egress proxy, [`crate::egress`]), `USER`
 //!   ([`user`]), `WORKDIR`, `ENV`, Docker's default capabilities, `no_new_privs`, a cgroup
 //!   ([`cgroup`]) for the memory and pids limits, a timeout, a write limit, and logs shaped by
 //!   [`logs`]. Needs root.
@@ -90,6 +92,9 @@ pub struct ExecConfig {
     pub log_limits: LogLimits,
     /// The `slirp4netns` program for [`Network::Default`].
     pub slirp4netns: PathBuf,
+    /// What the egress proxy of [`Network::Allow`] steps may connect to
+    /// ([`crate::egress`]); the build sets it to its `ADD` fetch's policy.
+    pub addresses: crate::egress::address::AddressPolicy,
 }
 
 impl Default for ExecConfig {
@@ -104,6 +109,7 @@ impl Default for ExecConfig {
             run_dir: std::env::temp_dir().join("kiln-exec"),
             log_limits: LogLimits::default(),
             slirp4netns: PathBuf::from("slirp4netns"),
+            addresses: Default::default(),
         }
     }
 }
@@ -214,7 +220,7 @@ impl StepSpec {
             user: step.context.user.clone(),
             workdir: step.context.workdir.clone(),
             files: run.files.clone(),
-            network: run.network,
+            network: run.network.clone(),
             mounts: Vec::new(),
             secrets: Vec::new(),
             timeout,

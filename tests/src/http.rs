@@ -1,0 +1,75 @@
+//! A plain HTTP/1.1 server on 127.0.0.1 for tests of clients and proxies.
+
+/// An HTTP/1.1 server on 127.0.0.1 answering every request with `hello <path>`
+/// ([`LocalServer::start`]) or with the files of a directory ([`LocalServer::serve_dir`]),
+/// recording each request line and `Host` field it got.
+pub struct LocalServer {
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    /// `<request line> host=<Host field>` of each request, in order.
+    pub seen: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl LocalServer {
+    /// Starts one answering `hello <path>`; it serves until the test process ends.
+    pub fn start() -> LocalServer {
+        Self::serve(None)
+    }
+
+    /// Starts one serving the files under `root` (`GET /a/b` is `root/a/b`, the query
+    /// ignored; anything else, `..` included, is 404).
+    pub fn serve_dir(root: &std::path::Path) -> LocalServer {
+        Self::serve(Some(root.to_path_buf()))
+    }
+
+    fn serve(root: Option<std::path::PathBuf>) -> LocalServer {
+        use std::io::{BufRead, BufReader, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let record = seen.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                let mut r = BufReader::new(conn.try_clone().unwrap());
+                let mut first = String::new();
+                if r.read_line(&mut first).is_err() {
+                    continue;
+                }
+                let mut host = String::new();
+                loop {
+                    let mut l = String::new();
+                    if r.read_line(&mut l).unwrap_or(0) == 0 || l == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = l.strip_prefix("Host: ") {
+                        host = v.trim().to_string();
+                    }
+                }
+                let line = first.trim().to_string();
+                record.lock().unwrap().push(format!("{line} host={host}"));
+                let path = line.split(' ').nth(1).unwrap_or("").to_string();
+                let (status, body) = match &root {
+                    None => ("200 OK", format!("hello {path}\n").into_bytes()),
+                    Some(dir) => {
+                        let rel = path.split('?').next().unwrap_or("").trim_start_matches('/');
+                        match (
+                            rel.split('/').any(|c| c == ".."),
+                            std::fs::read(dir.join(rel)),
+                        ) {
+                            (false, Ok(b)) => ("200 OK", b),
+                            _ => ("404 Not Found", Vec::new()),
+                        }
+                    }
+                };
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = conn.write_all(&body);
+            }
+        });
+        LocalServer { port, seen }
+    }
+}
