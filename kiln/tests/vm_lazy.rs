@@ -201,6 +201,20 @@ fn vm_lazy_start_from_s3() {
     );
     // Every memory chunk the start read (some only by the kernel's readahead, whose failure
     // alone would not stop a clone).
+    // The figure of the issue: bytes served before the clone answered and ran a command, as
+    // a share of memory plus disk (printed, not asserted: speed and size goals are figures).
+    let served_bytes: u64 = std::fs::read_to_string(snapdir1.join(lazy::CHUNK_LOG))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(3)?.parse::<u64>().ok())
+        .sum();
+    eprintln!(
+        "lazy start from S3: {} of {} chunks, {served_bytes} of {} bytes of memory+disk ({:.2}%)",
+        served_set.len(),
+        all.len(),
+        snap.memory.size + snap.disk.size,
+        100.0 * served_bytes as f64 / (snap.memory.size + snap.disk.size) as f64
+    );
     let memory_chunks: Vec<String> = served
         .iter()
         .filter(|(n, _, _)| n == "memory")
@@ -240,6 +254,11 @@ fn vm_lazy_start_from_s3() {
     assert!(o.status.success(), "{}", show(&o));
     let o = kiln(d, &s3, &c1, &["exec", &id, "--", "true"]);
     assert_eq!(o.status.code(), Some(125), "{}", show(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("chunk server"),
+        "kiln exec says why: {}",
+        show(&o)
+    );
     let o = kiln(d, &s3, &c1, &["stop", &id]);
     assert!(o.status.success(), "{}", show(&o));
 

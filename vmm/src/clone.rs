@@ -253,6 +253,13 @@ impl CloneRecord {
     pub fn running(&self) -> bool {
         is_qemu_of(self.pid, &self.dir)
     }
+
+    /// Why kiln stopped the clone, when it did: the chunk server's watcher writes it to
+    /// `<dir>/stopped` ([`crate::lazy::STOPPED`]) when the server that served the clone's
+    /// memory and disk died.
+    pub fn stopped_reason(&self) -> Option<String> {
+        std::fs::read_to_string(self.dir.join(crate::lazy::STOPPED)).ok()
+    }
 }
 
 /// A snapshot materialized in the local cache.
