@@ -7,11 +7,18 @@
 //!    `<cache>/accel.json`: [`launch::probe_accel_cached`]), and compare this host's
 //!    [`CompatKey`](crate::compat::CompatKey) with the stored one: a mismatch is refused ([`CloneError::Compat`]) and
 //!    nothing is removed from the store.
-//! 3. Fetch the vmstate (digest-checked), then materialize the memory file and the disk (every
-//!    chunk verified), unless a previous start already completed them (marker `complete`,
-//!    written only after a verified materialize). All of this happens before QEMU starts, so a
-//!    corrupted chunk or blob fails the start with the store's error naming it. The memory
-//!    file is made read-only (0444).
+//! 3. Fetch the vmstate (digest-checked). With a chunk server
+//!    ([`CloneOptions::lazy_server`], what `kiln start` uses): make sure the snapshot's
+//!    server runs ([`crate::lazy::ensure_server`]) and start the clones from its files
+//!    `<cache>/<hex>/mnt/{memory,disk.raw}`, which fetch, verify and cache each chunk when a
+//!    clone first reads it: nothing of memory or disk is fetched before QEMU starts. A
+//!    chunk the server refuses (digest mismatch, store unreachable after its retries) makes
+//!    the read fail and the start fail with [`CloneError::ChunkServer`] naming it. Without a
+//!    server (library callers that have no program to run as one: the pipeline's nightly
+//!    smoke test, `tests/tests/vm_clone.rs`), materialize the memory file and the disk
+//!    (every chunk verified) before QEMU starts, unless a previous start already completed
+//!    them (marker `complete`, written only after a verified materialize); the memory file
+//!    is made read-only (0444).
 //! 4. Per clone: a directory `<state>/<id>/`, a qcow2 overlay over the cached disk, QEMU with
 //!    the memory file mapped `share=off,readonly=on,rom=off` (never shared again), `-S
 //!    -incoming defer`; `x-ignore-shared`; `migrate-incoming file:vmstate`; `cont`; send
