@@ -1,5 +1,5 @@
 //! Lazy clone start: a snapshot's memory file and disk image served to QEMU on demand, from
-//! the chunk tables of its [`SnapshotManifest`], by a small FUSE file system per snapshot and
+//! the chunk tables of its [`SnapshotManifest`](kiln_store::SnapshotManifest), by a small FUSE file system per snapshot and
 //! host (the "chunk server").
 //!
 //! ## Why FUSE (and not NBD, nor userfaultfd)
