@@ -715,3 +715,42 @@ pub async fn ensure_server(
     }
     Ok(served)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_store::{ChunkDigest, ChunkEntry, Chunking};
+
+    /// The chunk log is what tells which chunks a clone needed: each chunk a read covers is
+    /// logged once, holes (zero chunks, never fetched) never.
+    #[test]
+    fn chunk_log_names_each_served_chunk_once_and_skips_holes() {
+        let d = ChunkDigest::of(b"a");
+        let e = |offset, digest| ChunkEntry {
+            offset,
+            raw_len: 100,
+            digest,
+            stored_len: 10,
+        };
+        let table = ChunkTable {
+            size: 300,
+            chunking: Chunking::MEMORY_DEFAULT,
+            entries: vec![e(0, Some(d)), e(100, None), e(200, Some(d))],
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join(CHUNK_LOG);
+        let log = Mutex::new(Some(std::fs::File::create(&path).unwrap()));
+        let seen = Mutex::default();
+        note_chunks("memory", MEMORY_INO, &table, 50, 200, &seen, &log);
+        note_chunks("memory", MEMORY_INO, &table, 0, 300, &seen, &log);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, format!("memory 0 {d} 100\nmemory 2 {d} 100\n"));
+    }
+
+    #[test]
+    fn only_mount_points_are_mounted() {
+        assert!(is_mounted(Path::new("/proc")));
+        let tmp = tempfile::tempdir().unwrap();
+        assert!(!is_mounted(tmp.path()));
+    }
+}
