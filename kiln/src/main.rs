@@ -80,6 +80,9 @@ enum Command {
     /// Show the configuration (flags, then environment, then config file, then defaults).
     #[command(subcommand)]
     Config(cmd::config::Command),
+    /// The chunk server `kiln start` spawns (not for people).
+    #[command(name = "__lazy-serve", hide = true)]
+    LazyServe(cmd::lazy_serve::Args),
 }
 
 fn main() -> ExitCode {
@@ -132,6 +135,8 @@ fn main() -> ExitCode {
         Command::Rmi(a) => cmd::run(&out, async |out| cmd::rmi::run(out, a).await),
         Command::Serve(a) => cmd::report(&out, cmd::serve::run(*a)),
         Command::Config(c) => cmd::report_cmd(&out, cmd::config::run(&out, c, cli.verbose)),
+        // Forks: no runtime may exist yet.
+        Command::LazyServe(a) => cmd::lazy_serve::main(a),
     }
 }
 

@@ -7,11 +7,18 @@
 //!    `<cache>/accel.json`: [`launch::probe_accel_cached`]), and compare this host's
 //!    [`CompatKey`](crate::compat::CompatKey) with the stored one: a mismatch is refused ([`CloneError::Compat`]) and
 //!    nothing is removed from the store.
-//! 3. Fetch the vmstate (digest-checked), then materialize the memory file and the disk (every
-//!    chunk verified), unless a previous start already completed them (marker `complete`,
-//!    written only after a verified materialize). All of this happens before QEMU starts, so a
-//!    corrupted chunk or blob fails the start with the store's error naming it. The memory
-//!    file is made read-only (0444).
+//! 3. Fetch the vmstate (digest-checked). With a chunk server
+//!    ([`CloneOptions::lazy_server`], what `kiln start` uses): make sure the snapshot's
+//!    server runs ([`crate::lazy::ensure_server`]) and start the clones from its files
+//!    `<cache>/<hex>/mnt/{memory,disk.raw}`, which fetch, verify and cache each chunk when a
+//!    clone first reads it: nothing of memory or disk is fetched before QEMU starts. A
+//!    chunk the server refuses (digest mismatch, store unreachable after its retries) makes
+//!    the read fail and the start fail with [`CloneError::ChunkServer`] naming it. Without a
+//!    server (library callers that have no program to run as one: the pipeline's nightly
+//!    smoke test, `tests/tests/vm_clone.rs`), materialize the memory file and the disk
+//!    (every chunk verified) before QEMU starts, unless a previous start already completed
+//!    them (marker `complete`, written only after a verified materialize); the memory file
+//!    is made read-only (0444).
 //! 4. Per clone: a directory `<state>/<id>/`, a qcow2 overlay over the cached disk, QEMU with
 //!    the memory file mapped `share=off,readonly=on,rom=off` (never shared again), `-S
 //!    -incoming defer`; `x-ignore-shared`; `migrate-incoming file:vmstate`; `cont`; send
@@ -43,6 +50,7 @@ use serde::{Deserialize, Serialize};
 use crate::channel::{ChannelError, GuestChannel};
 use crate::compat::CompatError;
 use crate::launch::{self, Accel, Host, LaunchError, MemoryMode, Vm, VmSpec, io_err};
+use crate::lazy;
 use crate::qmp::{Qmp, QmpError};
 use crate::snapshot::host_key;
 
@@ -120,6 +128,21 @@ pub enum CloneError {
         /// Why.
         reason: String,
     },
+    /// The chunk server refused a read the clone made (it names the chunk and the store).
+    #[error(
+        "snapshot {snapshot}: the chunk server refused a read: {reason} (the clone failed: {source})"
+    )]
+    ChunkServer {
+        /// The snapshot manifest.
+        snapshot: String,
+        /// The server's first read error.
+        reason: String,
+        /// How the clone start failed.
+        source: Box<CloneError>,
+    },
+    /// The chunk server could not be started.
+    #[error(transparent)]
+    Lazy(#[from] crate::lazy::LazyError),
     /// The store.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -152,6 +175,11 @@ pub struct CloneOptions {
     /// The clones' disk size, MiB (`kiln start --disk-mib`); `None`: the image's. Smaller
     /// than the image's is refused ([`CloneError::DiskTooSmall`]).
     pub disk_mib: Option<u64>,
+    /// How to run the chunk server that serves memory and disk lazily ([`crate::lazy`]): a
+    /// program and its first arguments, to which the snapshot digest and its cache
+    /// directory are appended (`kiln` passes itself and `__lazy-serve`). `None`: memory and
+    /// disk are materialized into the cache before QEMU starts (step 3 of the module doc).
+    pub lazy_server: Option<Vec<std::ffi::OsString>>,
 }
 
 impl CloneOptions {
@@ -165,6 +193,7 @@ impl CloneOptions {
             restore_timeout: Duration::from_secs(60),
             accel: None,
             disk_mib: None,
+            lazy_server: None,
         }
     }
 }
@@ -230,6 +259,13 @@ impl CloneRecord {
     /// too, is not taken for it).
     pub fn running(&self) -> bool {
         is_qemu_of(self.pid, &self.dir)
+    }
+
+    /// Why kiln stopped the clone, when it did: the chunk server's watcher writes it to
+    /// `<dir>/stopped` ([`crate::lazy::STOPPED`]) when the server that served the clone's
+    /// memory and disk died.
+    pub fn stopped_reason(&self) -> Option<String> {
+        std::fs::read_to_string(self.dir.join(crate::lazy::STOPPED)).ok()
     }
 }
 
@@ -388,14 +424,26 @@ pub fn check_snapshot(s: &SnapshotManifest) -> Result<(), String> {
     Ok(())
 }
 
-/// Fetches the snapshot's kernel, initramfs and vmstate (digest-checked every time), and its
-/// memory and disk (verified chunks) unless already complete in the cache.
+/// What [`materialize`] fetches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fetch {
+    /// Kernel and initramfs.
+    Boot,
+    /// The vmstate (the chunk server serves memory and disk).
+    VmState,
+    /// The vmstate, and memory and disk as local files.
+    All,
+}
+
+/// Fetches the snapshot's kernel and initramfs ([`Fetch::Boot`]), or its vmstate
+/// (digest-checked every time) and, for [`Fetch::All`], its memory and disk (verified
+/// chunks) unless already complete in the cache.
 async fn materialize(
     store: &Store,
     digest: &ManifestDigest,
     snap: &SnapshotManifest,
     cache_dir: &Path,
-    boot_only: bool,
+    what: Fetch,
 ) -> Result<Cached, CloneError> {
     let dir = cache_dir.join(digest.hex());
     std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
@@ -415,13 +463,16 @@ async fn materialize(
         std::fs::rename(&tmp, dest).map_err(io_err(dest))?;
         Ok::<_, CloneError>(())
     };
-    if boot_only {
+    if what == Fetch::Boot {
         fetch(&snap.kernel.digest, &c.kernel).await?;
         fetch(&snap.initramfs.digest, &c.initramfs).await?;
         return Ok(c);
     }
     // The vmstate first: small, and a corrupted one must fail before any QEMU starts.
     fetch(&snap.vmstate.digest, &c.vmstate).await?;
+    if what == Fetch::VmState {
+        return Ok(c);
+    }
     // One materializer at a time per snapshot (flock on `<dir>/lock`, released on drop).
     let _lock = lock(&c.dir.join("lock")).await?;
     let marker = c.dir.join("complete");
@@ -489,7 +540,7 @@ pub async fn start_clones_of(
     // Refused before anything is fetched or started.
     let grow = clone_disk_bytes(opts.disk_mib, snap.disk.size)?;
     let host = Host::detect().await?;
-    let cached = materialize(store, &digest, &snap, &opts.cache_dir, true).await?;
+    let cached = materialize(store, &digest, &snap, &opts.cache_dir, Fetch::Boot).await?;
     let accel = match opts.accel {
         Some(a) => a,
         None => {
@@ -517,7 +568,23 @@ pub async fn start_clones_of(
             image: image_ref.to_string(),
             source,
         })?;
-    let cached = materialize(store, &digest, &snap, &opts.cache_dir, false).await?;
+    // With a chunk server, nothing of memory or disk is fetched before QEMU runs: the
+    // server fetches what the clones read (module doc, step 3).
+    let (cached, served) = match &opts.lazy_server {
+        Some(program) => {
+            let mut c = materialize(store, &digest, &snap, &opts.cache_dir, Fetch::VmState).await?;
+            let served = lazy::ensure_server(program, &digest, &c.dir, opts.restore_timeout)
+                .await
+                .map_err(CloneError::Lazy)?;
+            c.memory = served.memory.clone();
+            c.disk = served.disk.clone();
+            (c, Some(served))
+        }
+        None => (
+            materialize(store, &digest, &snap, &opts.cache_dir, Fetch::All).await?,
+            None,
+        ),
+    };
     let defaults = image_defaults(store, &snap.image).await?;
     let clones_dir = opts.state_dir.join("clones");
     std::fs::create_dir_all(&clones_dir).map_err(io_err(&clones_dir))?;
@@ -539,6 +606,16 @@ pub async fn start_clones_of(
         {
             Ok(rec) => out.push(rec),
             Err(e) => {
+                // A read the chunk server refused (a corrupt chunk, an unreachable store) is
+                // why the clone died: say so, naming the chunk.
+                let e = match served.as_ref().and_then(|s| lazy::failure(&s.dir)) {
+                    Some(reason) => CloneError::ChunkServer {
+                        snapshot: digest.to_string(),
+                        reason,
+                        source: Box::new(e),
+                    },
+                    None => e,
+                };
                 // All or nothing: the clones this call already started are stopped.
                 for rec in &out {
                     if let Err(se) = stop(&opts.state_dir, &rec.id).await {
@@ -549,6 +626,8 @@ pub async fn start_clones_of(
             }
         }
     }
+    // The use lock is released only now that every clone's QEMU runs.
+    drop(served);
     Ok(out)
 }
 
@@ -773,7 +852,7 @@ fn is_qemu_of(pid: u32, dir: &Path) -> bool {
 
 /// The pids of the QEMU processes whose command line names a path inside `dir`
 /// ([`is_qemu_of`]).
-fn qemus_in(dir: &Path) -> Vec<u32> {
+pub(crate) fn qemus_in(dir: &Path) -> Vec<u32> {
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };

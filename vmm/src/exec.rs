@@ -58,9 +58,10 @@ pub enum ExecError {
     /// No such clone, or its state is unreadable.
     #[error(transparent)]
     Clone(#[from] CloneError),
-    /// The clone's QEMU is not running.
-    #[error("clone {0} is not running (see `kiln ps`)")]
-    NotRunning(String),
+    /// The clone's QEMU is not running; with why, when kiln stopped it
+    /// ([`CloneRecord::stopped_reason`]).
+    #[error("clone {0} is not running{reason} (see `kiln ps`)", reason = .1.as_ref().map(|r| format!(": {r}")).unwrap_or_default())]
+    NotRunning(String, Option<String>),
     /// The clone's `exec.lock` could not be taken.
     #[error("locking {path}: {source}")]
     Lock {
@@ -226,7 +227,7 @@ impl ExecSession {
     /// [`clone::list`]).
     pub async fn open_record(rec: &CloneRecord, timeout: Duration) -> Result<Self, ExecError> {
         if !rec.running() {
-            return Err(ExecError::NotRunning(rec.id.clone()));
+            return Err(ExecError::NotRunning(rec.id.clone(), rec.stopped_reason()));
         }
         let lock = lock(&rec.dir.join("exec.lock"), &rec.id).await?;
         let ch = GuestChannel::connect(&rec.dir.join("guest.sock"), timeout)

@@ -21,6 +21,7 @@ pub mod exec;
 pub mod initramfs;
 pub mod kernel;
 pub mod launch;
+pub mod lazy;
 pub mod qmp;
 pub mod snapshot;
 

@@ -10,6 +10,7 @@ pub mod images;
 pub mod import;
 pub mod inspect;
 pub mod kernel;
+pub mod lazy_serve;
 pub mod login;
 pub mod nightly;
 pub mod plan;

@@ -24,7 +24,7 @@ pub async fn run(out: &Out, _a: Args) -> CmdResult {
             "clone",
             json!({"id": c.id, "pid": c.pid, "state": state, "image": c.image,
                    "snapshot": c.snapshot, "machine_id": c.machine_id, "started_unix": c.started_unix,
-                   "disk_bytes": c.disk_bytes}),
+                   "disk_bytes": c.disk_bytes, "stopped_reason": c.stopped_reason()}),
             || format!("{:<16}  {:>8}  {:<8}  {:<32}  {}", c.id, c.pid, state, c.machine_id, c.image),
         );
     }

@@ -43,6 +43,15 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     opts.count = a.count;
     opts.env = a.env;
     opts.disk_mib = a.disk_mib;
+    // Memory and disk are served on demand by a chunk server: this program, run as
+    // `kiln __lazy-serve` with the same store.
+    let exe = std::env::current_exe()
+        .map_err(|e| anyhow::anyhow!("cannot find this program to run its chunk server: {e}"))?;
+    let mut server = vec![exe.into_os_string(), "__lazy-serve".into()];
+    if let Some(url) = &a.store {
+        server.extend(["--store".into(), url.into()]);
+    }
+    opts.lazy_server = Some(server);
     for c in start_clones(&store, &a.image, &opts).await? {
         out.event(
             "started",

@@ -1,0 +1,35 @@
+//! `kiln __lazy-serve [--store URL] DIGEST DIR` (hidden): the chunk server that `kiln start`
+//! spawns to serve a snapshot's memory file and disk to its clones on demand
+//! ([`kiln_vmm::lazy`]). Not for people: `kiln start` runs it, and it prints only "ready".
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use kiln_store::ManifestDigest;
+
+use super::{Out, open_store};
+
+/// Arguments of `kiln __lazy-serve`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The store to read chunks from (as `kiln start --store`).
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
+    /// The snapshot manifest.
+    snapshot: ManifestDigest,
+    /// The snapshot's cache directory; the files are served at `<DIR>/mnt`.
+    dir: PathBuf,
+}
+
+/// Runs the chunk server; must be called before any thread starts ([`kiln_vmm::lazy::run_daemon`]
+/// forks).
+pub fn main(a: Args) -> ExitCode {
+    let url = a.store.clone();
+    let code = kiln_vmm::lazy::run_daemon(a.snapshot, a.dir, move |rt| {
+        // Retries of the chunk reads are warnings on stderr, in the server's log.
+        let out = Out::new(false);
+        rt.block_on(open_store(&out, url.as_deref()))
+            .map_err(|f| super::one_line(&f.error))
+    });
+    ExitCode::from(code.clamp(0, 255) as u8)
+}

@@ -1,0 +1,756 @@
+//! Lazy clone start: a snapshot's memory file and disk image served to QEMU on demand, from
+//! the chunk tables of its [`SnapshotManifest`](kiln_store::SnapshotManifest), by a small FUSE file system per snapshot and
+//! host (the "chunk server").
+//!
+//! ## Why FUSE (and not NBD, nor userfaultfd)
+//! QEMU maps a clone's memory file `share=off` ([`crate::launch::MemoryMode::Private`]): a
+//! private mapping of a *file*. A FUSE file is such a file, so QEMU and the restore path stay
+//! exactly as with a materialized snapshot, and every clone of one snapshot on one host maps
+//! the same inode: clean pages are read once into the page cache and shared by all of them
+//! (a clone's writes go to its private copies). The disk is the same kind of file, opened
+//! read-only as the backing file of the per-clone qcow2 overlay. One mechanism serves both.
+//! NBD would serve only the disk (memory still needs a file), and userfaultfd would need to
+//! live inside QEMU's process. The price of FUSE is one mount per snapshot, which must not
+//! outlive its server (below).
+//!
+//! ## The files
+//! `<cache>/<snapshot hex>/mnt/` is the mount point; it holds `memory` and `disk.raw` (mode
+//! 0444, read-only; their sizes are the chunk tables' sizes). A read of a range fetches every
+//! chunk it covers through [`kiln_store::artifact::ArtifactReader`]: the store's read cache
+//! first ([`kiln_store::readcache`], bounded by `cache_max_mib`, least-recently-used), else
+//! the store (local or S3, with the store's bounded retries: `store_attempts`,
+//! `store_timeout_secs`), decompressed, its sha256 checked, kept in the read cache, and
+//! answered. Zero chunks (holes of the table) are answered without any fetch. A chunk that
+//! fails its digest, or a store that cannot be reached once the retries are spent, answers
+//! the read with `EIO`, never with wrong bytes; the first such error is written to
+//! `<dir>/failure` ([`FAILURE`]) so that the clone start that hit it names the chunk
+//! ([`crate::clone::CloneError::ChunkServer`]). Every chunk served is appended once to
+//! `<dir>/chunks.log` ([`CHUNK_LOG`], lines `memory|disk <index> <digest> <raw bytes>`).
+//!
+//! ## Where the server lives
+//! `kiln start` returns once its clones answer and leaves QEMU running on its own, so the
+//! server cannot be a thread of `kiln start`: it is a daemon per snapshot and host, spawned
+//! by the first start that needs it ([`ensure_server`]: the program of
+//! [`crate::clone::CloneOptions::lazy_server`], `kiln __lazy-serve`), and shared by every
+//! later clone of that snapshot. Its process is a *watcher* that forks the *server*
+//! ([`run_daemon`]). When the server dies (killed, crashed) the watcher detaches the mount
+//! (`umount2(MNT_DETACH)`), kills every QEMU whose command line names the mount (a clone
+//! whose memory is no longer served would fault forever or die of `SIGBUS`), writes the
+//! reason into each such clone's directory (`stopped`, [`STOPPED`]; `kiln ps` and
+//! `kiln exec` show it), and exits. A server that has had no clone for a few seconds
+//! ([`IDLE_CHECKS`] × [`IDLE_INTERVAL`]) unmounts and exits on its own. A start holds a
+//! shared `flock` on `<dir>/lazy.use` from before it looks for the server until its QEMU
+//! runs, and the server exits only while it holds that lock exclusively, so it never leaves
+//! under a start that is about to use it.
+
+use std::collections::HashSet;
+use std::ffi::{OsStr, OsString};
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner,
+    MountOption, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEntry,
+    ReplyOpen, Request,
+};
+use kiln_store::artifact::ArtifactReader;
+use kiln_store::owner::{ProcessId, start_ticks};
+use kiln_store::{ChunkTable, Manifest, ManifestDigest, Store};
+use serde::{Deserialize, Serialize};
+
+/// The mount point's name inside the snapshot's cache directory.
+pub const MOUNT_DIR: &str = "mnt";
+/// The memory file's name in the mount.
+pub const MEMORY_FILE: &str = "memory";
+/// The disk image's name in the mount.
+pub const DISK_FILE: &str = "disk.raw";
+/// The first read error of the server (text naming the chunk and the store).
+pub const FAILURE: &str = "failure";
+/// Every chunk served, once (`memory|disk <index> <digest> <raw bytes>` per line).
+pub const CHUNK_LOG: &str = "chunks.log";
+/// Why a clone was stopped by the watcher (in the clone's directory).
+pub const STOPPED: &str = "stopped";
+/// The server's and the watcher's process ids (JSON [`ServerRecord`]).
+pub const SERVER_RECORD: &str = "server.json";
+/// The server's standard error (appended).
+pub const SERVER_LOG: &str = "lazy.log";
+/// The lock starts hold shared while they use the server.
+const USE_LOCK: &str = "lazy.use";
+/// How often the server looks for clones using it.
+pub const IDLE_INTERVAL: Duration = Duration::from_secs(1);
+/// How many checks in a row without a clone make the server exit.
+pub const IDLE_CHECKS: u32 = 3;
+
+/// What [`SERVER_RECORD`] holds.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ServerRecord {
+    /// The serving process.
+    pub server: ProcessId,
+    /// The watcher that forked it.
+    pub watcher: ProcessId,
+}
+
+/// The paths a clone is started with, and the use lock that keeps the server from exiting
+/// while the start is under way (drop it once QEMU runs).
+#[derive(Debug)]
+pub struct Served {
+    /// `<mnt>/memory`.
+    pub memory: PathBuf,
+    /// `<mnt>/disk.raw`.
+    pub disk: PathBuf,
+    /// The snapshot's cache directory (holds [`FAILURE`]).
+    pub dir: PathBuf,
+    _use: std::fs::File,
+}
+
+/// Errors of the chunk server's start.
+#[derive(Debug, thiserror::Error)]
+pub enum LazyError {
+    /// A local file operation.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
+    /// The server did not say it was ready.
+    #[error("the chunk server for {dir} did not start: {reason}")]
+    Start {
+        /// The snapshot's cache directory.
+        dir: PathBuf,
+        /// Why (its log's last lines).
+        reason: String,
+    },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> LazyError + '_ {
+    move |source| LazyError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+// ---------------------------------------------------------------- the file system
+
+const ROOT: u64 = 1;
+const MEMORY_INO: u64 = 2;
+const DISK_INO: u64 = 3;
+/// Attributes never change (the artifacts are immutable): cache them a day.
+const TTL: Duration = Duration::from_secs(86_400);
+
+struct Served1 {
+    name: &'static str,
+    table: Arc<ChunkTable>,
+    reader: Arc<ArtifactReader>,
+}
+
+/// The FUSE file system of one snapshot: two read-only files.
+struct LazyFs {
+    files: [Served1; 2],
+    rt: tokio::runtime::Handle,
+    dir: PathBuf,
+    seen: Arc<Mutex<HashSet<(u64, usize)>>>,
+    log: Arc<Mutex<Option<std::fs::File>>>,
+}
+
+fn attr(ino: u64, size: u64) -> FileAttr {
+    let dir = ino == ROOT;
+    FileAttr {
+        ino: INodeNo(ino),
+        size,
+        blocks: size.div_ceil(512),
+        atime: SystemTime::UNIX_EPOCH,
+        mtime: SystemTime::UNIX_EPOCH,
+        ctime: SystemTime::UNIX_EPOCH,
+        crtime: SystemTime::UNIX_EPOCH,
+        kind: if dir {
+            FileType::Directory
+        } else {
+            FileType::RegularFile
+        },
+        perm: if dir { 0o555 } else { 0o444 },
+        nlink: if dir { 2 } else { 1 },
+        uid: 0,
+        gid: 0,
+        rdev: 0,
+        blksize: 4096,
+        flags: 0,
+    }
+}
+
+impl LazyFs {
+    fn file(&self, ino: u64) -> Option<&Served1> {
+        match ino {
+            MEMORY_INO => Some(&self.files[0]),
+            DISK_INO => Some(&self.files[1]),
+            _ => None,
+        }
+    }
+}
+
+impl Filesystem for LazyFs {
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let ino = match name.to_str() {
+            Some(MEMORY_FILE) if parent.0 == ROOT => MEMORY_INO,
+            Some(DISK_FILE) if parent.0 == ROOT => DISK_INO,
+            _ => return reply.error(Errno::ENOENT),
+        };
+        let size = self.file(ino).map_or(0, |f| f.table.size);
+        reply.entry(&TTL, &attr(ino, size), Generation(0));
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match (ino.0, self.file(ino.0)) {
+            (ROOT, _) => reply.attr(&TTL, &attr(ROOT, 0)),
+            (_, Some(f)) => reply.attr(&TTL, &attr(ino.0, f.table.size)),
+            _ => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        if self.file(ino.0).is_none() {
+            return reply.error(Errno::ENOENT);
+        }
+        if flags.acc_mode() != OpenAccMode::O_RDONLY {
+            return reply.error(Errno::EROFS);
+        }
+        // Keep the page cache across opens: every clone of the snapshot shares it.
+        reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE);
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        let Some(f) = self.file(ino.0) else {
+            return reply.error(Errno::ENOENT);
+        };
+        let (name, table, reader) = (f.name, f.table.clone(), f.reader.clone());
+        let (seen, log, dir) = (self.seen.clone(), self.log.clone(), self.dir.clone());
+        self.rt.spawn(async move {
+            let len = (size as u64).min(table.size.saturating_sub(offset)) as usize;
+            let mut buf = vec![0u8; len];
+            match reader.read_at(offset, &mut buf).await {
+                Ok(n) => {
+                    note_chunks(name, ino.0, &table, offset, n as u64, &seen, &log);
+                    reply.data(&buf[..n]);
+                }
+                Err(e) => {
+                    let msg = format!(
+                        "reading {name} bytes {offset}..{}: {e}",
+                        offset + len as u64
+                    );
+                    tracing::error!("{msg}");
+                    eprintln!("kiln chunk server: {msg}");
+                    record_failure(&dir, &msg);
+                    reply.error(Errno::EIO);
+                }
+            }
+        });
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        if ino.0 != ROOT {
+            return reply.error(Errno::ENOTDIR);
+        }
+        let entries = [
+            (ROOT, FileType::Directory, "."),
+            (ROOT, FileType::Directory, ".."),
+            (MEMORY_INO, FileType::RegularFile, MEMORY_FILE),
+            (DISK_INO, FileType::RegularFile, DISK_FILE),
+        ];
+        for (i, (ino, kind, name)) in entries.iter().enumerate().skip(offset as usize) {
+            if reply.add(INodeNo(*ino), (i + 1) as u64, *kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+}
+
+/// Appends the chunks of `offset..offset+len` not logged before to [`CHUNK_LOG`].
+fn note_chunks(
+    name: &str,
+    ino: u64,
+    table: &ChunkTable,
+    offset: u64,
+    len: u64,
+    seen: &Mutex<HashSet<(u64, usize)>>,
+    log: &Mutex<Option<std::fs::File>>,
+) {
+    let Some(mut i) = table.find(offset) else {
+        return;
+    };
+    let mut lines = String::new();
+    {
+        let mut seen = seen.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some(e) = table.entries.get(i) {
+            if e.offset >= offset + len {
+                break;
+            }
+            if let Some(d) = e.digest
+                && seen.insert((ino, i))
+            {
+                lines.push_str(&format!("{name} {i} {d} {}\n", e.raw_len));
+            }
+            i += 1;
+        }
+    }
+    if !lines.is_empty()
+        && let Some(f) = log.lock().unwrap_or_else(|p| p.into_inner()).as_mut()
+    {
+        let _ = f.write_all(lines.as_bytes());
+    }
+}
+
+/// Writes `msg` to `<dir>/failure` unless a failure is already recorded.
+fn record_failure(dir: &Path, msg: &str) {
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(dir.join(FAILURE))
+    {
+        let _ = f.write_all(msg.as_bytes());
+    }
+}
+
+/// The server's recorded read failure, if any (names the chunk and the store).
+pub fn failure(dir: &Path) -> Option<String> {
+    std::fs::read_to_string(dir.join(FAILURE)).ok()
+}
+
+// ---------------------------------------------------------------- the daemon
+
+/// The body of `kiln __lazy-serve DIGEST DIR`: serves the snapshot `snapshot` at
+/// `<dir>/mnt` (see the module doc). Must be called before any thread is started (it forks):
+/// the calling process becomes the watcher, its child the server. `open_store` opens the
+/// store in the server, on the runtime it is given. Returns the process's exit code: the
+/// watcher's is 0 when the server exited on its own (idle), 1 otherwise; "ready" is printed
+/// on stdout once the files are served, and nothing else.
+pub fn run_daemon<F>(snapshot: ManifestDigest, dir: PathBuf, open_store: F) -> i32
+where
+    F: FnOnce(&tokio::runtime::Runtime) -> Result<Store, String>,
+{
+    let _ = std::fs::remove_file(dir.join(FAILURE));
+    // SAFETY: fork(2) in a process that has started no thread yet (the caller's contract);
+    // the child goes on to run ordinary Rust code.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        eprintln!(
+            "kiln chunk server: fork: {}",
+            std::io::Error::last_os_error()
+        );
+        return 1;
+    }
+    if pid == 0 {
+        let code = match serve(&snapshot, &dir, open_store) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("kiln chunk server for {snapshot}: {e}");
+                1
+            }
+        };
+        std::process::exit(code);
+    }
+    watch(pid as u32, &snapshot, &dir)
+}
+
+/// Exit status text of a `waitpid` status.
+fn describe(status: i32) -> String {
+    if libc::WIFSIGNALED(status) {
+        format!("killed by signal {}", libc::WTERMSIG(status))
+    } else {
+        format!("exited with code {}", libc::WEXITSTATUS(status))
+    }
+}
+
+fn watch(child: u32, snapshot: &ManifestDigest, dir: &Path) -> i32 {
+    let rec = ServerRecord {
+        server: ProcessId {
+            pid: child,
+            start_ticks: start_ticks(child).unwrap_or(0),
+        },
+        watcher: ProcessId::current(),
+    };
+    let path = dir.join(SERVER_RECORD);
+    let tmp = dir.join(format!("{SERVER_RECORD}.tmp"));
+    if let Ok(bytes) = serde_json::to_vec(&rec) {
+        let _ = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &path));
+    }
+    let mut status = 0;
+    loop {
+        // SAFETY: waitpid(2) on our own child with a valid out pointer.
+        let r = unsafe { libc::waitpid(child as libc::pid_t, &mut status, 0) };
+        if r == child as libc::pid_t {
+            break;
+        }
+        if r < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            break;
+        }
+    }
+    let clean = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
+    if !clean {
+        let mnt = dir.join(MOUNT_DIR);
+        let reason = format!(
+            "the chunk server of snapshot {snapshot} (pid {child}) {}, so the clone's memory \
+             and disk could no longer be read",
+            describe(status)
+        );
+        eprintln!("kiln chunk server watcher: {reason}");
+        detach(&mnt);
+        for pid in crate::clone::qemus_in(&mnt) {
+            if let Some(cdir) = clone_dir_of(pid) {
+                let _ = std::fs::write(cdir.join(STOPPED), &reason);
+            }
+            // SAFETY: kill(2) of a QEMU whose command line names this server's mount.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGKILL);
+            }
+        }
+    }
+    // Only our own record: a new server may already have replaced it.
+    if let Ok(b) = std::fs::read(&path)
+        && let Ok(r) = serde_json::from_slice::<ServerRecord>(&b)
+        && r.server.pid == child
+    {
+        let _ = std::fs::remove_file(&path);
+    }
+    if clean { 0 } else { 1 }
+}
+
+/// A clone's directory from its QEMU's command line (`-qmp unix:<dir>/qmp.sock,...`).
+fn clone_dir_of(pid: u32) -> Option<PathBuf> {
+    let c = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    c.split(|b| *b == 0).find_map(|a| {
+        let s = std::str::from_utf8(a).ok()?;
+        let s = s.strip_prefix("unix:")?;
+        let end = s.find("/qmp.sock")?;
+        Some(PathBuf::from(&s[..end]))
+    })
+}
+
+/// `umount2(path, MNT_DETACH)`, errors ignored (not mounted).
+fn detach(path: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return;
+    };
+    // SAFETY: umount2(2) with a NUL-terminated path that lives across the call.
+    unsafe {
+        libc::umount2(c.as_ptr(), libc::MNT_DETACH);
+    }
+}
+
+/// Whether `path` is a mount point (listed in `/proc/self/mountinfo`, proc(5): field 5 is the
+/// mount point, with spaces and backslashes escaped as octal).
+pub fn is_mounted(path: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let want = path.display().to_string();
+    info.lines().any(|l| {
+        l.split(' ').nth(4).is_some_and(|m| {
+            m.replace("\\040", " ")
+                .replace("\\011", "\t")
+                .replace("\\134", "\\")
+                == want
+        })
+    })
+}
+
+fn serve<F>(snapshot: &ManifestDigest, dir: &Path, open_store: F) -> Result<(), String>
+where
+    F: FnOnce(&tokio::runtime::Runtime) -> Result<Store, String>,
+{
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))?;
+    let store = open_store(&rt)?;
+    let snap = match rt
+        .block_on(store.get_manifest(snapshot))
+        .map_err(|e| e.to_string())?
+    {
+        Manifest::Snapshot(s) => s,
+        Manifest::Image(_) => return Err(format!("{snapshot} is not a snapshot manifest")),
+    };
+    crate::clone::check_snapshot(&snap).map_err(|r| format!("snapshot {snapshot}: {r}"))?;
+    let file = |name: &'static str, t: &ChunkTable| -> Result<Served1, String> {
+        let table = Arc::new(t.clone());
+        let reader = ArtifactReader::new(store.clone(), table.clone())
+            .map_err(|e| format!("{name} of {snapshot}: {e}"))?;
+        Ok(Served1 {
+            name,
+            table,
+            reader: Arc::new(reader),
+        })
+    };
+    let log_path = dir.join(CHUNK_LOG);
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(|e| format!("{}: {e}", log_path.display()))?;
+    let fs = LazyFs {
+        files: [file(MEMORY_FILE, &snap.memory)?, file("disk", &snap.disk)?],
+        rt: rt.handle().clone(),
+        dir: dir.to_path_buf(),
+        seen: Arc::default(),
+        log: Arc::new(Mutex::new(Some(log))),
+    };
+    let mnt = dir.join(MOUNT_DIR);
+    std::fs::create_dir_all(&mnt).map_err(|e| format!("{}: {e}", mnt.display()))?;
+    let mut config = fuser::Config::default();
+    config.mount_options = vec![
+        MountOption::FSName(format!("kiln-{}", &snapshot.hex()[..12])),
+        MountOption::Subtype("kiln".into()),
+        MountOption::RO,
+        MountOption::NoDev,
+        MountOption::NoSuid,
+        MountOption::NoExec,
+    ];
+    let mut session = fuser::Session::new(fs, &mnt, &config)
+        .map_err(|e| format!("mount {}: {e}", mnt.display()))?;
+    let unmounter = session.unmount_callable();
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(b"ready\n");
+        let _ = out.flush();
+    }
+    // Nothing more goes to stdout: whoever read "ready" may be gone.
+    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+        // SAFETY: dup2(2) of two descriptors this process owns.
+        unsafe {
+            libc::dup2(null.as_raw_fd(), 1);
+        }
+    }
+    let use_lock = dir.join(USE_LOCK);
+    std::thread::spawn(move || idle_exit(&use_lock, &mnt, unmounter));
+    session
+        .run()
+        .map_err(|e| format!("serving {}: {e}", dir.display()))?;
+    // Keep the use lock (held by the idle thread) until the process exits.
+    std::process::exit(0);
+}
+
+/// Unmounts once no QEMU has named the mount for [`IDLE_CHECKS`] checks in a row and no
+/// start holds the use lock; keeps that lock (exclusive) until the process exits.
+fn idle_exit(use_lock: &Path, mnt: &Path, mut unmounter: fuser::SessionUnmounter) {
+    let mut idle = 0;
+    loop {
+        std::thread::sleep(IDLE_INTERVAL);
+        if !crate::clone::qemus_in(mnt).is_empty() {
+            idle = 0;
+            continue;
+        }
+        idle += 1;
+        if idle < IDLE_CHECKS {
+            continue;
+        }
+        let Ok(f) = open_lock(use_lock) else {
+            continue;
+        };
+        // SAFETY: flock(2) on a descriptor we own.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            continue;
+        }
+        if !crate::clone::qemus_in(mnt).is_empty() {
+            idle = 0;
+            continue;
+        }
+        let _ = unmounter.unmount();
+        // The lock goes with the process.
+        std::mem::forget(f);
+        return;
+    }
+}
+
+fn open_lock(path: &Path) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+}
+
+/// Takes `flock(op)` on `path` on a blocking thread; the lock lasts as long as the file.
+async fn flock(path: &Path, op: i32) -> Result<std::fs::File, LazyError> {
+    let p = path.to_path_buf();
+    let f = open_lock(&p).map_err(io_err(&p))?;
+    tokio::task::spawn_blocking(move || {
+        // SAFETY: flock(2) on a descriptor this function owns.
+        if unsafe { libc::flock(f.as_raw_fd(), op) } != 0 {
+            return Err(io_err(&p)(std::io::Error::last_os_error()));
+        }
+        Ok(f)
+    })
+    .await
+    .map_err(|e| LazyError::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e),
+    })?
+}
+
+/// The live server of `dir`, if any: its record names a running server and its mount is
+/// there.
+pub fn server_of(dir: &Path) -> Option<ServerRecord> {
+    let b = std::fs::read(dir.join(SERVER_RECORD)).ok()?;
+    let r: ServerRecord = serde_json::from_slice(&b).ok()?;
+    (r.server.is_alive() && is_mounted(&dir.join(MOUNT_DIR))).then_some(r)
+}
+
+/// Makes sure the chunk server of `snapshot` runs for `dir` (`<cache>/<snapshot hex>`),
+/// starting `program` (its arguments then `DIGEST DIR` appended) when none does, and waits
+/// up to `timeout` for it to say "ready". Returns the files to start clones from, holding
+/// the use lock (see the module doc).
+///
+/// Errors: [`LazyError::Start`] with the server's log when it exits or stays silent.
+pub async fn ensure_server(
+    program: &[OsString],
+    snapshot: &ManifestDigest,
+    dir: &Path,
+    timeout: Duration,
+) -> Result<Served, LazyError> {
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let use_lock = flock(&dir.join(USE_LOCK), libc::LOCK_SH).await?;
+    let _spawn = flock(&dir.join("lazy.lock"), libc::LOCK_EX).await?;
+    let mnt = dir.join(MOUNT_DIR);
+    let served = Served {
+        memory: mnt.join(MEMORY_FILE),
+        disk: mnt.join(DISK_FILE),
+        dir: dir.to_path_buf(),
+        _use: use_lock,
+    };
+    if server_of(dir).is_some() {
+        return Ok(served);
+    }
+    // A server that died: its watcher detaches the mount and removes the record; wait for
+    // it (bounded), then clear what may be left.
+    for _ in 0..200 {
+        match std::fs::read(dir.join(SERVER_RECORD))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<ServerRecord>(&b).ok())
+        {
+            Some(r) if r.watcher.is_alive() => tokio::time::sleep(Duration::from_millis(25)).await,
+            _ => break,
+        }
+    }
+    detach(&mnt);
+    let _ = std::fs::remove_file(dir.join(SERVER_RECORD));
+    std::fs::create_dir_all(&mnt).map_err(io_err(&mnt))?;
+    let (Some(prog), args) = (program.first(), program.get(1..).unwrap_or_default()) else {
+        return Err(LazyError::Start {
+            dir: dir.to_path_buf(),
+            reason: "no chunk server program given".into(),
+        });
+    };
+    let log_path = dir.join(SERVER_LOG);
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(io_err(&log_path))?;
+    let log_start = log.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut child = tokio::process::Command::new(prog)
+        .args(args)
+        .arg(snapshot.to_string())
+        .arg(dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(log)
+        // Its own process group: a Ctrl-C of the `kiln start` that spawned it does not
+        // reach the clones' server.
+        .process_group(0)
+        .kill_on_drop(false)
+        .spawn()
+        .map_err(io_err(Path::new(prog)))?;
+    let stdout = child.stdout.take();
+    let wait_ready = async {
+        use tokio::io::AsyncBufReadExt;
+        let Some(out) = stdout else {
+            return false;
+        };
+        let mut lines = tokio::io::BufReader::new(out).lines();
+        matches!(lines.next_line().await, Ok(Some(l)) if l == "ready")
+    };
+    let ready = tokio::time::timeout(timeout, wait_ready)
+        .await
+        .unwrap_or(false);
+    // Reaped in the background (the watcher runs on until its server ends).
+    tokio::spawn(async move {
+        let _ = child.wait().await;
+    });
+    if !ready {
+        let text = std::fs::read(&log_path).unwrap_or_default();
+        let tail = String::from_utf8_lossy(text.get(log_start as usize..).unwrap_or_default())
+            .trim()
+            .to_string();
+        return Err(LazyError::Start {
+            dir: dir.to_path_buf(),
+            reason: if tail.is_empty() {
+                format!("no \"ready\" within {timeout:?}")
+            } else {
+                tail
+            },
+        });
+    }
+    Ok(served)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_store::{ChunkDigest, ChunkEntry, Chunking};
+
+    /// The chunk log is what tells which chunks a clone needed: each chunk a read covers is
+    /// logged once, holes (zero chunks, never fetched) never.
+    #[test]
+    fn chunk_log_names_each_served_chunk_once_and_skips_holes() {
+        let d = ChunkDigest::of(b"a");
+        let e = |offset, digest| ChunkEntry {
+            offset,
+            raw_len: 100,
+            digest,
+            stored_len: 10,
+        };
+        let table = ChunkTable {
+            size: 300,
+            chunking: Chunking::MEMORY_DEFAULT,
+            entries: vec![e(0, Some(d)), e(100, None), e(200, Some(d))],
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join(CHUNK_LOG);
+        let log = Mutex::new(Some(std::fs::File::create(&path).unwrap()));
+        let seen = Mutex::default();
+        note_chunks("memory", MEMORY_INO, &table, 50, 200, &seen, &log);
+        note_chunks("memory", MEMORY_INO, &table, 0, 300, &seen, &log);
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text, format!("memory 0 {d} 100\nmemory 2 {d} 100\n"));
+    }
+
+    #[test]
+    fn only_mount_points_are_mounted() {
+        assert!(is_mounted(Path::new("/proc")));
+        let tmp = tempfile::tempdir().unwrap();
+        assert!(!is_mounted(tmp.path()));
+    }
+}
