@@ -30,6 +30,11 @@ use super::policy::{self, Verdict};
 pub const MAX_HEAD_BYTES: usize = 64 << 10;
 /// Most header fields in one request head.
 const MAX_HEADERS: usize = 128;
+/// Most client connections one step's proxy serves at once. Each one holds a descriptor of
+/// the kiln process (two while relaying), so a step that opens connections without end
+/// would otherwise exhaust the descriptors of every build the process runs; connections past
+/// the bound wait in the listen backlog until one closes.
+pub const MAX_CONNECTIONS: usize = 64;
 
 /// The proxy of one step: its rules, the address policy, and where refusals are logged.
 pub struct Proxy {
@@ -267,8 +272,8 @@ pub struct ProxyThread {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-/// Serves `listener` with `proxy` on a new thread. Errors: the listener cannot be made
-/// non-blocking, or the thread cannot start.
+/// Serves `listener` with `proxy` on a new thread, at most [`MAX_CONNECTIONS`] connections
+/// at once. Errors: the listener cannot be made non-blocking, or the thread cannot start.
 pub fn spawn(listener: std::net::TcpListener, proxy: Proxy) -> std::io::Result<ProxyThread> {
     listener.set_nonblocking(true)?;
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -283,13 +288,26 @@ pub fn spawn(listener: std::net::TcpListener, proxy: Proxy) -> std::io::Result<P
                 let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
                     return;
                 };
+                let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
                 loop {
+                    // A free slot first, then the next connection: past the bound, the
+                    // connection is not accepted (no descriptor) until one closes.
+                    let slot = tokio::select! {
+                        _ = &mut stopped => break,
+                        slot = Arc::clone(&slots).acquire_owned() => match slot {
+                            Ok(slot) => slot,
+                            Err(_) => break,
+                        },
+                    };
                     tokio::select! {
                         _ = &mut stopped => break,
                         r = listener.accept() => {
                             if let Ok((s, _)) = r {
                                 let p = Arc::clone(&proxy);
-                                tokio::spawn(async move { p.serve(s).await });
+                                tokio::spawn(async move {
+                                    p.serve(s).await;
+                                    drop(slot);
+                                });
                             }
                         }
                     }
@@ -404,5 +422,51 @@ mod tests {
             assert!(resp.starts_with("HTTP/1.1 400 "), "{resp}");
             assert!(logged.lock().unwrap().is_empty());
         });
+    }
+
+    /// A step that opens connections to its proxy and never sends a byte holds at most
+    /// [`MAX_CONNECTIONS`] of the kiln process's descriptors: the next connection is not
+    /// served until one of those closes, and then it is.
+    #[test]
+    fn a_step_cannot_hold_more_than_max_connections_of_its_proxy() {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let proxy = Proxy::new(
+            Egress {
+                allow: vec![],
+                deny: vec![],
+            },
+            AddressPolicy::default(),
+            |_| {},
+        );
+        let _serving = spawn(listener, proxy).unwrap();
+        let mut idle: Vec<std::net::TcpStream> = (0..MAX_CONNECTIONS)
+            .map(|_| std::net::TcpStream::connect(addr).unwrap())
+            .collect();
+        // One more, with a whole request: refused (403) once it is served.
+        let mut extra = std::net::TcpStream::connect(addr).unwrap();
+        extra
+            .write_all(b"CONNECT other.test:443 HTTP/1.1\r\nHost: other.test:443\r\n\r\n")
+            .unwrap();
+        extra
+            .set_read_timeout(Some(std::time::Duration::from_millis(500)))
+            .unwrap();
+        let mut b = [0u8; 1];
+        let early = extra.read(&mut b);
+        assert!(
+            matches!(&early, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
+            "connection {} was served while {MAX_CONNECTIONS} were open: {early:?}",
+            MAX_CONNECTIONS + 1
+        );
+        // One idle connection goes away: the waiting one is served.
+        drop(idle.pop());
+        extra
+            .set_read_timeout(Some(std::time::Duration::from_secs(60)))
+            .unwrap();
+        let mut resp = Vec::new();
+        extra.read_to_end(&mut resp).unwrap();
+        let resp = String::from_utf8_lossy(&resp);
+        assert!(resp.starts_with("HTTP/1.1 403 "), "{resp}");
     }
 }
