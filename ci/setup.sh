@@ -266,8 +266,13 @@ fi
 # initramfs with kiln-guest-init built static from this checkout. Appends KILN_TEST_KERNEL and
 # KILN_TEST_INITRAMFS to the env file.
 apt-cache show linux-image-cloud-amd64 >/dev/null 2>&1 || apt_update
-log "guest kernel and initramfs (cargo builds kiln-test-guest-assets and the static init)"
-guest_assets=$(cd "$ci_dir/.." && cargo run -q --locked -p kiln-tests --bin kiln-test-guest-assets)
+log "guest kernel and initramfs (cargo builds the workspace's tests, kiln-test-guest-assets among them, and the static init)"
+# kiln-test-guest-assets is built the way `cargo test --workspace` and `cargo nextest run
+# --workspace` build it, so that the test phases find the workspace built: `cargo run -p
+# kiln-tests` resolves the features of that one package, which differ from the workspace's,
+# and a cold run then compiled tokio, serde, ring... once here and again for the tests.
+(cd "$ci_dir/.." && cargo test -q --locked --workspace --no-run >&2)
+guest_assets=$(cd "$ci_dir/.." && "$CARGO_TARGET_DIR/debug/kiln-test-guest-assets")
 eval "$(printf '%s\n' "$guest_assets" | grep '^export ')"
 printf '%s\n' "$guest_assets" >>"$KILN_CI_CACHE/env"
 log "ready; environment in $KILN_CI_CACHE/env"
