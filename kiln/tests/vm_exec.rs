@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use kiln_store::{Manifest, SandboxSpec, StartSpec, Store, TagRef};
+use kiln_store::{Manifest, Store, TagRef};
 use kiln_tests::vm::{busybox_image, guest_assets, sh};
 use kiln_vmm::exec::{ExecEvent, ExecRequest, ExecSession, Stream};
 use serde_json::Value;
@@ -112,21 +112,7 @@ fn vm_exec_in_one_clone() {
             .await
             .expect("store");
         let tag: TagRef = "bb:latest".parse().expect("tag");
-        busybox_image(
-            &store,
-            d,
-            &tag,
-            SandboxSpec {
-                start: Some(StartSpec {
-                    argv: sh("exec sleep 1000000"),
-                    user: None,
-                    env: vec![],
-                    workdir: None,
-                }),
-                ready: None,
-            },
-        )
-        .await;
+        busybox_image(&store, d, &tag, kiln_tests::vm::sleeping_sandbox()).await;
         // An ssh-keygen (a stand-in that records the clone's machine-id in each key) and an
         // empty /etc/ssh, as in the sandbox images: a clone's first start makes the keys.
         let root = d.join("rootfs-kiln_test_busybox_oci");
@@ -142,21 +128,7 @@ fn vm_exec_in_one_clone() {
         .expect("write");
         std::fs::set_permissions(&keygen, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .expect("chmod");
-        busybox_image(
-            &store,
-            d,
-            &tag,
-            SandboxSpec {
-                start: Some(StartSpec {
-                    argv: sh("exec sleep 1000000"),
-                    user: None,
-                    env: vec![],
-                    workdir: None,
-                }),
-                ready: None,
-            },
-        )
-        .await;
+        busybox_image(&store, d, &tag, kiln_tests::vm::sleeping_sandbox()).await;
         // The image's OCI config names its user and environment, as a built image's does
         // (the start command itself runs as root).
         let config = d.join("config.json");

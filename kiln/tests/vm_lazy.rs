@@ -12,9 +12,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use kiln_store::{Manifest, SandboxSpec, StartSpec, Store, TagRef};
+use kiln_store::{Manifest, Store, TagRef};
 use kiln_tests::stores::{Kind, fresh_url};
-use kiln_tests::vm::{busybox_image, guest_assets, sh};
+use kiln_tests::vm::{busybox_image, guest_assets};
 use kiln_vmm::lazy;
 use serde_json::Value;
 
@@ -98,21 +98,7 @@ fn vm_lazy_start_from_s3() {
     rt.block_on(async {
         let store = Store::open(&local_url).await.expect("store");
         let tag: TagRef = "bb:latest".parse().expect("tag");
-        busybox_image(
-            &store,
-            d,
-            &tag,
-            SandboxSpec {
-                start: Some(StartSpec {
-                    argv: sh("exec sleep 1000000"),
-                    user: None,
-                    env: vec![],
-                    workdir: None,
-                }),
-                ready: None,
-            },
-        )
-        .await;
+        busybox_image(&store, d, &tag, kiln_tests::vm::sleeping_sandbox()).await;
     });
     let c0 = d.join("cache0");
     let o = kiln(

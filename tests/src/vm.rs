@@ -6,7 +6,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use kiln_store::artifact::PutArtifactOptions;
-use kiln_store::{ImageManifest, Manifest, SandboxSpec, Store, TagRef};
+use kiln_store::{ImageManifest, Manifest, SandboxSpec, StartSpec, Store, TagRef};
 use kiln_vmm::initramfs;
 use kiln_vmm::kernel::KernelRecipe;
 use kiln_vmm::snapshot::BootAssets;
@@ -63,6 +63,20 @@ fn run(cmd: &mut Command) {
 /// `["/bin/sh", "-c", script]`.
 pub fn sh(script: &str) -> Vec<String> {
     vec!["/bin/sh".into(), "-c".into(), script.into()]
+}
+
+/// A sandbox whose start command sleeps as root and that has no ready check: the image of
+/// tests that only need a running clone to exec in.
+pub fn sleeping_sandbox() -> SandboxSpec {
+    SandboxSpec {
+        start: Some(StartSpec {
+            argv: sh("exec sleep 1000000"),
+            user: None,
+            env: vec![],
+            workdir: None,
+        }),
+        ready: None,
+    }
 }
 
 /// The `KILN_TEST_BUSYBOX_OCI` fixture as a 64 MiB image; see [`oci_image`].
