@@ -640,7 +640,9 @@ async fn pin_tags(store: &Store, mut req: BuildRequest) -> Result<BuildRequest, 
 }
 
 /// Points every tag of `moves` at `new`. Every compare-and-swap expectation is checked
-/// first: when one does not hold, no tag moves. A tag already naming `new` is left alone.
+/// first: when one does not hold, no tag moves. A tag already naming `new` is left alone and
+/// holds whatever it was expected to hold: another build (another node, a rerun) that
+/// published the same image reached the same result, which is no lost race.
 async fn move_tags(
     store: &Store,
     moves: &[TagMove],
@@ -670,6 +672,7 @@ async fn move_tags(
             .map(|r| r.manifest);
         if let Some(want) = expected(m)
             && now != want
+            && now != Some(new)
         {
             return Err(tag_err(m)(StoreError::Tag(TagError::Stale {
                 tag: m.tag.clone(),
@@ -685,7 +688,13 @@ async fn move_tags(
         if now != Some(new) {
             match expected(m) {
                 None => store.force_tag(&m.tag, new).await.map(|_| ()),
-                Some(want) => store.set_tag(&m.tag, want, new).await,
+                Some(want) => match store.set_tag(&m.tag, want, new).await {
+                    // Moved to this very image by another writer since the check above.
+                    Err(StoreError::Tag(TagError::Stale { actual, .. })) if actual == Some(new) => {
+                        Ok(())
+                    }
+                    r => r,
+                },
             }
             .map_err(tag_err(m))?;
         }
@@ -701,6 +710,55 @@ async fn move_tags(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tag move expecting "absent" finds the tag already naming the build's image (another
+    /// node published the same digest first): the build's tags hold, no lost race.
+    #[tokio::test]
+    async fn a_tag_already_naming_the_new_image_is_no_lost_race() {
+        use kiln_store::artifact::PutArtifactOptions;
+        use kiln_store::{ImageManifest, Manifest, TagRef};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(dir.path().to_str().expect("utf-8"))
+            .await
+            .expect("open store");
+        let mut digests = Vec::new();
+        for byte in [1u8, 2] {
+            let (table, _) = store
+                .put_artifact_reader(
+                    std::io::Cursor::new(vec![byte; 5000]),
+                    &PutArtifactOptions::default(),
+                )
+                .await
+                .expect("artifact");
+            let raw = store
+                .put_manifest(&Manifest::Image(ImageManifest::new(table)))
+                .await
+                .expect("manifest");
+            digests.push(raw.digest);
+        }
+        let (same, other) = (digests[0], digests[1]);
+        let tag: TagRef = "race:same".parse().expect("tag");
+        store
+            .set_tag(&tag, None, same)
+            .await
+            .expect("the other node's publish");
+        let events: Arc<dyn EventSink> = Arc::new(|_: Event| {});
+        let absent = TagMove {
+            tag: tag.clone(),
+            expect: TagExpect::Absent,
+        };
+        let names = move_tags(&store, std::slice::from_ref(&absent), same, &events)
+            .await
+            .expect("the same image is no lost race");
+        assert_eq!(names, vec![tag.to_string()]);
+        assert_eq!(store.resolve_tag(&tag).await.expect("tag"), same);
+        // A different image under the same expectation still loses.
+        let e = move_tags(&store, &[absent], other, &events)
+            .await
+            .expect_err("a different image loses the race");
+        assert!(e.to_string().contains("race:same"), "{e}");
+        assert_eq!(store.resolve_tag(&tag).await.expect("tag"), same);
+    }
 
     #[test]
     fn recipe_errors_are_told_apart() {
