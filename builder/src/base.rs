@@ -42,9 +42,9 @@ pub enum BaseError {
     /// A cache problem.
     #[error(transparent)]
     Cache(#[from] crate::cache::CacheError),
-    /// `--offline` and the image is not (completely) in the local store.
+    /// `--offline` and the image is not (completely) in the store (local or S3).
     #[error(
-        "{spec} is not in the local store and --offline forbids asking a registry \
+        "{spec} is not in the store and --offline forbids asking a registry \
          (looked for {looked}; kiln pull or kiln import it, or build and tag it, first)"
     )]
     NotCached {

@@ -124,7 +124,7 @@ pub enum RegistryError {
     #[error(transparent)]
     Auth(#[from] auth::AuthError),
     /// Something needed is not cached and the operation is offline.
-    #[error("{0} is not in the local store and --offline forbids asking a registry")]
+    #[error("{0} is not in the store and --offline forbids asking a registry")]
     Offline(String),
     /// An index nests too deeply.
     #[error("{0}: indexes nested more than 4 levels")]
