@@ -530,3 +530,69 @@ fn a_16_gib_sparse_file_builds_into_a_small_layer_and_image() {
         "{chunks} bytes of chunks in the store"
     );
 }
+
+/// `--network` and `--network-allow` set every step's network over the recipe's: the step's
+/// log shows which interfaces it has and whether it got the egress proxy; contradicting
+/// flags and a bad entry are refused before anything runs.
+#[test]
+fn network_flags_set_every_steps_network() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (_t, ctx, store) = setup(&format!(
+        "FROM {bb}\nRUN x=nets; echo \"$x:$(ls /sys/class/net | tr '\\n' ,) proxy=${{HTTP_PROXY:-unset}}\"\n"
+    ));
+    let step_line = |flags: &[&str]| {
+        let out = kiln(&store)
+            .args(["build", "--oci-only", "--progress", "plain"])
+            .args(flags)
+            .arg(&ctx)
+            .output()
+            .expect("run kiln");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{flags:?}: {stderr}");
+        stderr
+            .lines()
+            .find_map(|l| l.find("nets:").map(|i| l[i..].to_string()))
+            .unwrap_or_else(|| panic!("{flags:?}: no step output in {stderr}"))
+    };
+    let default = step_line(&[]);
+    assert!(
+        default.contains("proxy=unset") && default.trim_start_matches("nets:").contains("tap0"),
+        "slirp4netns's tap0: {default}"
+    );
+    assert_eq!(step_line(&["--network", "none"]), "nets:lo, proxy=unset");
+    assert_eq!(
+        step_line(&[
+            "--network-allow",
+            "pypi.example",
+            "--network-deny",
+            "*.cdn.example"
+        ]),
+        "nets:lo, proxy=http://127.0.0.1:3128"
+    );
+    for (flags, want) in [
+        (
+            &["--network", "none", "--network-allow", "pypi.example"][..],
+            "--network none and --network-allow contradict each other",
+        ),
+        (
+            &["--network-allow", "10.0.0.1/99"][..],
+            "--network-allow entry",
+        ),
+        (
+            &["--network", "none", "--allow", "network.host"][..],
+            "--network none and --allow network.host contradict each other",
+        ),
+    ] {
+        let out = kiln(&store)
+            .args(["build", "--oci-only"])
+            .args(flags)
+            .arg(&ctx)
+            .output()
+            .expect("run kiln");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(want),
+            "{flags:?}: {stderr}"
+        );
+    }
+}

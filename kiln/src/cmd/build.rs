@@ -107,6 +107,22 @@ pub struct Args {
     /// Extra privileges: `network.host` allows `RUN --network=host`.
     #[arg(long = "allow")]
     pub allow: Vec<String>,
+    /// The network of every `RUN` step, over the recipe's (`docker build --network`):
+    /// `default` keeps what each step asks for, `none` gives no step any network.
+    #[arg(long, value_name = "MODE", value_parser = ["default", "none"])]
+    pub network: Option<String>,
+    /// An allow-list for every step with the default network (repeatable): a domain,
+    /// `*.domain`, an address or a CIDR range; the steps reach only these, through the
+    /// egress proxy (README, "Network of build steps").
+    #[arg(long = "network-allow", value_name = "ENTRY")]
+    pub network_allow: Vec<String>,
+    /// A deny entry of the allow-list (repeatable; wins over every allow entry).
+    #[arg(
+        long = "network-deny",
+        value_name = "ENTRY",
+        requires = "network_allow"
+    )]
+    pub network_deny: Vec<String>,
     /// A secret for `RUN --mount=type=secret`: `id=ID,src=PATH` or `id=ID,env=VAR`.
     #[arg(long)]
     pub secret: Vec<String>,
@@ -313,6 +329,33 @@ fn published_line(
     }
 }
 
+/// The build's [`NetworkPolicy`] from `--network`, `--network-allow`/`--network-deny` and
+/// `--allow network.host`. Errors: modes that contradict each other, a bad list entry.
+fn network_policy(a: &Args) -> anyhow::Result<NetworkPolicy> {
+    let host = a.allow.iter().any(|e| e == "network.host");
+    let listed = !a.network_allow.is_empty();
+    match a.network.as_deref() {
+        Some("none") if listed => bail!("--network none and --network-allow contradict each other"),
+        Some("none") if host => {
+            bail!("--network none and --allow network.host contradict each other")
+        }
+        Some("none") => return Ok(NetworkPolicy::None),
+        _ => {}
+    }
+    if listed {
+        if host {
+            bail!("--network-allow and --allow network.host contradict each other");
+        }
+        return NetworkPolicy::allow_list(&a.network_allow, &a.network_deny)
+            .map_err(|m| anyhow::anyhow!("--network-{m}"));
+    }
+    Ok(if host {
+        NetworkPolicy::AllowHost
+    } else {
+        NetworkPolicy::Sandboxed
+    })
+}
+
 /// Runs `kiln build`: flags → [`BuildRequest`] → [`kiln_pipeline::run`] → the digest on
 /// stdout (or the `built` event with `--json`), `--iidfile`, `--metadata-file` and a summary line on stderr.
 pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
@@ -395,9 +438,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
     req.no_cache = a.no_cache;
     req.no_cache_filter = a.no_cache_filter.clone();
     req.secrets = secrets;
-    if a.allow.iter().any(|e| e == "network.host") {
-        req.network = NetworkPolicy::AllowHost;
-    }
+    req.network = network_policy(&a)?;
     req.limits.vcpus = Some(a.vcpus);
     req.output = output;
     let cancel = req.cancel.clone();
