@@ -7,7 +7,8 @@
 //! byte for byte as missing ones (404); a recipe error is 400 with `kiln plan`'s text; an
 //! idempotent retry; logs resumed after a disconnect at a random line with no gap and no
 //! duplicate; cancel publishes nothing; over quota is 429; SIGTERM and kill -9 end every
-//! accepted build in a terminal state.
+//! accepted build in a terminal state; three nodes on one PostgreSQL database and one S3
+//! bucket run each build once, share the build cache and take over a killed node's build.
 
 use std::io::{BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
@@ -63,7 +64,24 @@ impl Server {
     }
 
     fn start_db(state: &Path, store: &Path, db: &[String], extra: &[&str]) -> Server {
-        let mut child = kiln()
+        Self::start_node(state, store, db, None, extra)
+    }
+
+    /// A server with its own host cache `cache` (`KILN_CACHE`) when given: a node that
+    /// shares only the store and the database with the others.
+    fn start_node(
+        state: &Path,
+        store: &Path,
+        db: &[String],
+        cache: Option<&Path>,
+        extra: &[&str],
+    ) -> Server {
+        let mut cmd = kiln();
+        if let Some(c) = cache {
+            cmd.env("KILN_CACHE", c)
+                .env("KILN_CONFIG", c.join("no-config.toml"));
+        }
+        let mut child = cmd
             .args([
                 "serve",
                 "--listen",
@@ -893,7 +911,10 @@ fn quotas_and_faults(db: &[String]) {
         &format!("FROM {bb}\nRUN echo start && sleep 120\n"),
     );
     let quick = context_dir(&t.path().join("q"), &format!("FROM {bb}\nRUN echo quick\n"));
-    let mut s = Server::start_db(&state, &store, db, &["--shutdown-grace", "1s"]);
+    // One attempt: the build a kill -9 interrupts ends failed at the restart (the takeover
+    // of a build on another node is `three_nodes_...`).
+    let args = ["--shutdown-grace", "1s", "--max-attempts", "1"];
+    let mut s = Server::start_db(&state, &store, db, &args);
     let key = s.key("acme", &["--max-concurrent", "1", "--max-queued", "2"]);
     let c = client();
     let (running, queued) = rt().block_on(async {
@@ -951,11 +972,21 @@ fn quotas_and_faults(db: &[String]) {
     s.signal(rustix::process::Signal::KILL);
     s.wait(Duration::from_secs(30));
     drop(s);
-    let mut s = Server::start_db(&state, &store, db, &["--shutdown-grace", "1s"]);
+    let mut s = Server::start_db(&state, &store, db, &args);
     rt().block_on(async {
         let v = json_of(get(&c, &s, &key, &format!("/v1/builds/{running}")).await).await;
         assert_eq!(v["state"], "failed", "{v:#}");
-        assert_eq!(v["failure"]["reason"], "server stopped during the build");
+        // The reason names the server's node (its previous process, stopped by the restart).
+        let reason = v["failure"]["reason"].as_str().expect("reason");
+        assert!(
+            reason.starts_with("server stopped during the build: node n")
+                && reason.contains(&format!(
+                    ":{}, listening on 127.0.0.1:",
+                    state.canonicalize().expect("state dir").display()
+                ))
+                && reason.ends_with(") stopped; attempt 1 of 1"),
+            "{reason}"
+        );
         let v = wait_for(&c, &s, &key, &queued, Duration::from_secs(300), terminal).await;
         assert_eq!(v["state"], "succeeded", "{v:#}");
         assert_eq!(
@@ -1231,4 +1262,334 @@ fn max_active(views: &[Value]) -> usize {
         most = most.max(now);
     }
     most as usize
+}
+
+/// Submits the recipe `recipe` (no context) with `spec`; the build id.
+async fn submit_recipe(
+    c: &reqwest::Client,
+    s: &Server,
+    key: &str,
+    spec: &Value,
+    recipe: &str,
+) -> String {
+    let r = submit(c, s, key, spec, None, Some(recipe.as_bytes()), None).await;
+    assert_eq!(r.status(), 202);
+    json_of(r).await["id"].as_str().expect("id").to_string()
+}
+
+/// `psql URL -qAtc SQL`: its output, trimmed.
+fn psql(url: &str, sql: &str) -> String {
+    let out = Command::new("psql")
+        .arg(url)
+        .args(["-qAtc", sql])
+        .output()
+        .expect("psql (postgresql-client) missing: run ci/setup.sh");
+    assert!(
+        out.status.success(),
+        "{sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// The index in `nodes` of the node whose claim build `id` runs under, and the attempt.
+fn claimer(url: &str, nodes: &[Server], id: &str) -> Option<(usize, i64)> {
+    let row = psql(
+        url,
+        &format!(
+            "SELECT n.listen, b.attempt FROM builds b JOIN nodes n ON n.id = b.claimed_by \
+             WHERE b.id = '{id}' AND b.state = 'running'"
+        ),
+    );
+    let (listen, attempt) = row.split_once('|')?;
+    let i = nodes
+        .iter()
+        .position(|s| s.base == format!("http://{listen}"))?;
+    Some((i, attempt.parse().expect("attempt")))
+}
+
+/// Waits until `cond` holds, polling every 100 ms; panics naming `what` after `limit`.
+fn until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Three `kiln serve` nodes, each with its own state directory and host cache, share one
+/// PostgreSQL database and one S3 store (issue 19). Each build's one `RUN` step fetches its
+/// own path from a local server, which counts the step's runs; `/hold/` paths are left
+/// unanswered, holding the build inside its step, so the kill -9 needs no timing.
+///
+/// - A build done by node 0 alone is a full cache hit on the others, with the same image.
+/// - 12 builds submitted round robin across the three: each succeeds and its step ran once,
+///   in attempt 1.
+/// - kill -9 of the node holding a build: after the takeover time (3 s here) another node
+///   runs it again, as attempt 2, and it succeeds and moves its tag.
+/// - A build whose two attempts (`--max-attempts 2`) are both killed ends failed, naming the
+///   node of the last one, and moves no tag.
+/// - `kiln store verify --deep` is clean afterwards.
+///
+/// Before nodes, heartbeats and takeover: a killed node's build stayed `running` until that
+/// node's host restarted, and a starting node failed every running build of its host, those
+/// of the other two nodes on this host too.
+#[test]
+fn three_nodes_share_one_queue_cache_and_store_and_take_over_a_killed_nodes_build() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, _, _) = env();
+    let db = postgres();
+    let url = db[1].clone();
+    let store = PathBuf::from(kiln_tests::stores::fresh_url(
+        kiln_tests::stores::Kind::S3,
+        t.path(),
+        "nodes",
+    ));
+    let web = kiln_tests::http::LocalServer::holding("/hold/", 1);
+    let args = [
+        "--workers",
+        "2",
+        "--heartbeat",
+        "1s",
+        "--takeover-after",
+        "3s",
+        "--max-attempts",
+        "2",
+        "--shutdown-grace",
+        "1s",
+    ];
+    let start = |i: usize| {
+        let dir = t.path().join(format!("node{i}"));
+        Server::start_node(
+            &dir.join("state"),
+            &store,
+            &db,
+            Some(&dir.join("cache")),
+            &args,
+        )
+    };
+    let recipe = |path: &str| {
+        format!(
+            "FROM {bb}\nRUN --network=host wget -q -O /fetched http://127.0.0.1:{}{path}\n",
+            web.port
+        )
+    };
+    let spec = |tag: &str| {
+        json!({"network": "host", "tags": [tag],
+               "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}})
+    };
+    let c = client();
+    let submit_to = |s: &Server, key: &str, tag: &str, path: &str| {
+        rt().block_on(submit_recipe(&c, s, key, &spec(tag), &recipe(path)))
+    };
+
+    // Node 0 alone builds `c`; then it stops and nodes 1 and 2 build `c` again from the
+    // shared cache.
+    let mut first = start(0);
+    let key = first.key("acme", &["--max-concurrent", "6", "--max-queued", "100"]);
+    let id = submit_to(&first, &key, "c:1", "/run/c");
+    let done = rt().block_on(wait_for(
+        &c,
+        &first,
+        &key,
+        &id,
+        Duration::from_secs(300),
+        terminal,
+    ));
+    assert_eq!(done["state"], "succeeded", "{done:#}");
+    first.signal(rustix::process::Signal::TERM);
+    assert!(first.wait(Duration::from_secs(60)).success());
+    drop(first);
+    let mut nodes = vec![start(1), start(2)];
+    let id = submit_to(&nodes[0], &key, "c:1", "/run/c");
+    let again = rt().block_on(wait_for(
+        &c,
+        &nodes[1],
+        &key,
+        &id,
+        Duration::from_secs(300),
+        terminal,
+    ));
+    assert_eq!(again["state"], "succeeded", "{again:#}");
+    assert_eq!(again["image"], done["image"], "same inputs, same image");
+    let steps = again["steps"].as_array().expect("steps");
+    assert!(
+        !steps.is_empty() && steps.iter().all(|s| s["cached"] == true),
+        "a full cache hit on another node: {again:#}"
+    );
+    assert_eq!(web.hits("/run/c"), 1, "the step ran once, on node 0");
+    nodes.insert(0, start(0));
+
+    // 12 builds across the three nodes: each ran its step once, in its first attempt.
+    let ids: Vec<String> = (0..12)
+        .map(|i| submit_to(&nodes[i % 3], &key, &format!("b:{i}"), &format!("/run/{i}")))
+        .collect();
+    rt().block_on(async {
+        for (i, id) in ids.iter().enumerate() {
+            let v = wait_for(
+                &c,
+                &nodes[i % 3],
+                &key,
+                id,
+                Duration::from_secs(300),
+                terminal,
+            )
+            .await;
+            assert_eq!(v["state"], "succeeded", "{v:#}");
+        }
+    });
+    for i in 0..12 {
+        assert_eq!(
+            web.hits(&format!("/run/{i}")),
+            1,
+            "build {i}'s step ran once"
+        );
+    }
+    let list = ids
+        .iter()
+        .map(|i| format!("'{i}'"))
+        .collect::<Vec<_>>()
+        .join(",");
+    assert_eq!(
+        psql(
+            &url,
+            &format!("SELECT COUNT(*) FROM builds WHERE id IN ({list}) AND attempt = 1")
+        ),
+        "12"
+    );
+    eprintln!(
+        "builds per node: {}",
+        psql(
+            &url,
+            &format!(
+                "SELECT string_agg(n || '=' || c, ' ') FROM (SELECT claimed_by AS n, COUNT(*) \
+                 AS c FROM builds WHERE id IN ({list}) GROUP BY claimed_by) x"
+            )
+        )
+    );
+
+    // kill -9 of the node holding `h`: another node takes it over and it succeeds.
+    let h = submit_to(&nodes[0], &key, "h:1", "/hold/h");
+    until(
+        "the first attempt reached its step",
+        Duration::from_secs(120),
+        || web.hits("/hold/h") == 1,
+    );
+    let (k, attempt) = claimer(&url, &nodes, &h).expect("h is claimed");
+    assert_eq!(attempt, 1);
+    let killed_id = psql(
+        &url,
+        &format!("SELECT claimed_by FROM builds WHERE id = '{h}'"),
+    );
+    nodes[k].signal(rustix::process::Signal::KILL);
+    nodes[k].wait(Duration::from_secs(30));
+    let t_kill = Instant::now();
+    let dead = nodes.remove(k);
+    until("attempt 2 claimed", Duration::from_secs(60), || {
+        claimer(&url, &nodes, &h).is_some_and(|(_, a)| a == 2)
+    });
+    eprintln!(
+        "takeover after kill -9: {:?} (takeover time 3 s, heartbeat 1 s)",
+        t_kill.elapsed()
+    );
+    let v = rt().block_on(wait_for(
+        &c,
+        &nodes[0],
+        &key,
+        &h,
+        Duration::from_secs(300),
+        terminal,
+    ));
+    assert_eq!(v["state"], "succeeded", "{v:#}");
+    assert_eq!(web.hits("/hold/h"), 2, "ran again after the takeover");
+    let logs = rt().block_on(async {
+        get(&c, &nodes[0], &key, &format!("/v1/builds/{h}/logs"))
+            .await
+            .text()
+            .await
+            .expect("logs")
+    });
+    assert!(
+        logs.contains(&format!("node {killed_id} ("))
+            && logs.contains("stopped heartbeating")
+            && logs.contains("attempt 1 of 2 lost, build queued again"),
+        "{logs}"
+    );
+    let tag = rt().block_on(get(&c, &nodes[0], &key, "/v1/images/h/tags/1"));
+    assert_eq!(
+        tag.headers()["etag"].to_str().expect("etag"),
+        format!("\"{}\"", v["image"].as_str().expect("image"))
+    );
+    drop(dead);
+
+    // Both attempts of `f` killed: it fails naming the node of the second.
+    web.hold_more("/hold/", 2);
+    let f = submit_to(&nodes[0], &key, "f:1", "/hold/f");
+    until(
+        "attempt 1 of f reached its step",
+        Duration::from_secs(120),
+        || web.hits("/hold/f") == 1,
+    );
+    let (k1, _) = claimer(&url, &nodes, &f).expect("f is claimed");
+    nodes[k1].signal(rustix::process::Signal::KILL);
+    nodes[k1].wait(Duration::from_secs(30));
+    drop(nodes.remove(k1));
+    until(
+        "attempt 2 of f reached its step",
+        Duration::from_secs(120),
+        || web.hits("/hold/f") == 2,
+    );
+    let (k2, attempt) = claimer(&url, &nodes, &f).expect("f is claimed again");
+    assert_eq!(attempt, 2);
+    let last_id = psql(
+        &url,
+        &format!("SELECT claimed_by FROM builds WHERE id = '{f}'"),
+    );
+    let last_state = nodes[k2].state.clone();
+    nodes[k2].signal(rustix::process::Signal::KILL);
+    nodes[k2].wait(Duration::from_secs(30));
+    drop(nodes.remove(k2));
+    // No node is left: the restart of the last one's state directory ends `f`.
+    let restarted = Server::start_node(
+        &last_state,
+        &store,
+        &db,
+        Some(&last_state.with_file_name("cache")),
+        &args,
+    );
+    let v = rt().block_on(wait_for(
+        &c,
+        &restarted,
+        &key,
+        &f,
+        Duration::from_secs(60),
+        terminal,
+    ));
+    assert_eq!(v["state"], "failed", "{v:#}");
+    let reason = v["failure"]["reason"].as_str().expect("reason");
+    assert!(
+        reason.starts_with(&format!(
+            "server stopped during the build: node {last_id} ("
+        )) && reason.ends_with("attempt 2 of 2"),
+        "{reason}"
+    );
+    assert_eq!(web.hits("/hold/f"), 2);
+    let tag = rt().block_on(get(&c, &restarted, &key, "/v1/images/f/tags/1"));
+    assert_eq!(tag.status(), 404, "no tag moved");
+    drop(restarted);
+
+    // Every tag names data the store holds.
+    let out = kiln()
+        .env("KILN_CACHE", t.path().join("verify-cache"))
+        .env("KILN_CONFIG", t.path().join("no-config.toml"))
+        .env("KILN_STORE", &store)
+        .args(["store", "verify", "--deep"])
+        .output()
+        .expect("kiln store verify");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

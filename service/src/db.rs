@@ -8,7 +8,8 @@
 //! | --- | --- |
 //! | `workspaces` | id, quota |
 //! | `api_keys` | key id, workspace, sha256 of the key (hex), created, revoked |
-//! | `builds` | the job queue: id, workspace, state, the submitted spec (JSON), recipe bytes, context digest, times, claim, results, failure |
+//! | `builds` | the job queue: id, workspace, state, the submitted spec (JSON), recipe bytes, context digest, times, claim (node id and attempt number), results, failure |
+//! | `nodes` | one row per `kiln serve` process: id, name (host and state directory), listen address, pid, start, last heartbeat, clean stop |
 //! | `build_steps` | per build and step number: location, instruction, cached, start/end, layer |
 //! | `build_logs` | per build: seq (1, 2, ...), time, step, text |
 //! | `idempotency` | workspace, key, sha256 of the request, build id, time |
@@ -17,6 +18,13 @@
 //! Times are Unix milliseconds (`BIGINT`). A build's state moves `queued → running → succeeded | failed
 //! | cancelled` or `queued → cancelled`, each move a conditional `UPDATE`, so one claim per
 //! build and one end per build.
+//!
+//! Liveness: each node writes its heartbeat with the database's clock (so the nodes' clocks
+//! need not agree), and every node sweeps ([`Db::take_over`]): a running build whose node's
+//! heartbeat is older than the takeover time, or whose node stopped, goes back to `queued`
+//! (attempt `n + 1` at its next claim), or ends failed naming that node once it has had its
+//! attempts. A claim is the pair (node id, attempt): the ends, log writes and cancel checks
+//! of a build are conditional on it, so a node whose claim was taken away changes nothing.
 
 use std::path::Path;
 
@@ -25,7 +33,8 @@ use sqlx::Row as _;
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Executor as _};
 
-/// The failure reason of a build that was running when its server stopped (kill -9, crash).
+/// The start of the failure reason of a build whose node stopped or stopped heartbeating
+/// (kill -9, crash, cut off) during its last attempt; the rest names the node.
 pub const SERVER_STOPPED: &str = "server stopped during the build";
 /// The failure reason of a build cancelled by a server shutdown after its grace period.
 pub const SERVER_SHUTDOWN: &str = "server shutdown";
@@ -36,6 +45,9 @@ pub enum DbError {
     /// SQLite failed.
     #[error("database: {0}")]
     Sql(#[from] sqlx::Error),
+    /// The system's random source failed (a node id).
+    #[error("random source: {0}")]
+    Random(String),
     /// A stored JSON column does not parse (a damaged database).
     #[error("database: corrupt {what}: {source}")]
     Corrupt {
@@ -72,6 +84,7 @@ const SCHEMA: &[&str] = &[
         started_ms BIGINT,
         finished_ms BIGINT,
         claimed_by TEXT,
+        attempt BIGINT NOT NULL DEFAULT 0,
         cancel_requested BIGINT NOT NULL DEFAULT 0,
         image TEXT,
         result TEXT,
@@ -109,6 +122,14 @@ const SCHEMA: &[&str] = &[
         size BIGINT NOT NULL,
         created_ms BIGINT NOT NULL,
         PRIMARY KEY (workspace, digest))",
+    "CREATE TABLE IF NOT EXISTS nodes (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL,
+        listen TEXT NOT NULL,
+        pid BIGINT NOT NULL,
+        started_ms BIGINT NOT NULL,
+        heartbeat_ms BIGINT NOT NULL,
+        stopped_ms BIGINT)",
 ];
 
 /// A workspace's limits.
@@ -156,7 +177,7 @@ pub struct BuildRow {
     pub context: Option<String>,
     /// Times, Unix ms.
     pub created_ms: i64,
-    /// Claimed by a worker.
+    /// Claimed (this attempt's start).
     pub started_ms: Option<i64>,
     /// Reached a terminal state.
     pub finished_ms: Option<i64>,
@@ -166,6 +187,67 @@ pub struct BuildRow {
     pub result: Option<String>,
     /// Failure (JSON, [`crate::worker::Failure`]).
     pub failure: Option<String>,
+    /// The node id of the last claim (none: never claimed, or re-queued).
+    pub claimed_by: Option<String>,
+    /// Claims so far: 0 while first queued, 1 in the first run, `n` in the `n`-th.
+    pub attempt: i64,
+}
+
+impl BuildRow {
+    /// The claim this row was read under, when it is claimed.
+    pub fn claim(&self) -> Option<Claim> {
+        self.claimed_by.as_ref().map(|node| Claim {
+            node: node.clone(),
+            attempt: self.attempt,
+        })
+    }
+}
+
+/// Who runs a build: the node that claimed it and which attempt this is. A build's writes
+/// are conditional on the claim it was started under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    /// The claiming node's id ([`NodeInfo::id`]).
+    pub node: String,
+    /// The attempt, 1 for the first run.
+    pub attempt: i64,
+}
+
+/// A `kiln serve` process as the `nodes` table knows it.
+#[derive(Debug, Clone)]
+pub struct NodeInfo {
+    /// Random per process: `n` and 16 hex digits.
+    pub id: String,
+    /// Stable across restarts: `<hostname>:<state directory>`. A node that starts stops
+    /// the rows of the same name (its previous processes: one server per state directory),
+    /// so their builds are taken over at once.
+    pub name: String,
+    /// The address its API listens on.
+    pub listen: String,
+    /// Its process id.
+    pub pid: u32,
+}
+
+impl NodeInfo {
+    /// A new node id: `n` and 16 random hex digits.
+    pub fn new_id() -> Result<String, DbError> {
+        let mut b = [0u8; 8];
+        getrandom::fill(&mut b).map_err(|e| DbError::Random(e.to_string()))?;
+        Ok(format!("n{}", hex::encode(b)))
+    }
+}
+
+/// What [`Db::take_over`] did to one build of a lost node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TakenOver {
+    /// The build.
+    pub build: String,
+    /// The lost node's id.
+    pub node: String,
+    /// The attempt that was lost.
+    pub attempt: i64,
+    /// Queued again (false: ended failed, its attempts used up).
+    pub requeued: bool,
 }
 
 /// A step row.
@@ -270,6 +352,8 @@ fn build_row(r: &AnyRow) -> Result<BuildRow, sqlx::Error> {
         image: r.try_get("image")?,
         result: r.try_get("result")?,
         failure: r.try_get("failure")?,
+        claimed_by: r.try_get("claimed_by")?,
+        attempt: r.try_get("attempt")?,
     })
 }
 
@@ -316,8 +400,194 @@ impl Db {
                 .execute(&mut *tx)
                 .await?;
         }
+        // Databases made before claims had attempts.
+        let add_attempt = match backend {
+            Backend::Postgres => {
+                "ALTER TABLE builds ADD COLUMN IF NOT EXISTS attempt BIGINT NOT NULL DEFAULT 0"
+            }
+            Backend::Sqlite => {
+                let n: i64 = sqlx::query(
+                    "SELECT COUNT(*) AS n FROM pragma_table_info('builds') WHERE name = 'attempt'",
+                )
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get("n")?;
+                if n == 1 {
+                    ""
+                } else {
+                    "ALTER TABLE builds ADD COLUMN attempt BIGINT NOT NULL DEFAULT 0"
+                }
+            }
+        };
+        if !add_attempt.is_empty() {
+            sqlx::query(add_attempt).execute(&mut *tx).await?;
+        }
         tx.commit().await?;
         Ok(db)
+    }
+
+    /// The database's clock as Unix milliseconds, in SQL: heartbeats and their ages are
+    /// read on one clock, whatever the nodes' clocks say.
+    fn now_sql(&self) -> &'static str {
+        match self.backend {
+            Backend::Sqlite => "CAST((julianday('now') - 2440587.5) * 86400000.0 AS BIGINT)",
+            Backend::Postgres => "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",
+        }
+    }
+
+    /// Registers node `n` with its first heartbeat, and stops the rows of its previous
+    /// processes (same [`NodeInfo::name`]: one server per state directory), so the next
+    /// [`Db::take_over`] re-queues what they ran at once, without waiting for the takeover
+    /// time.
+    pub async fn register_node(&self, n: &NodeInfo) -> Result<(), DbError> {
+        let now = self.now_sql();
+        let mut tx = self.write_tx().await?;
+        sqlx::query(&format!(
+            "UPDATE nodes SET stopped_ms = {now} WHERE id <> $1 AND name = $2
+             AND stopped_ms IS NULL"
+        ))
+        .bind(&n.id)
+        .bind(&n.name)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(&format!(
+            "INSERT INTO nodes (id, name, listen, pid, started_ms, heartbeat_ms)
+             VALUES ($1, $2, $3, $4, {now}, {now})"
+        ))
+        .bind(&n.id)
+        .bind(&n.name)
+        .bind(&n.listen)
+        .bind(i64::from(n.pid))
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Node `id`'s heartbeat, on the database's clock. False when its row is stopped (a
+    /// newer process of the same name took over) or gone.
+    pub async fn heartbeat(&self, id: &str) -> Result<bool, DbError> {
+        let r = sqlx::query(&format!(
+            "UPDATE nodes SET heartbeat_ms = {} WHERE id = $1 AND stopped_ms IS NULL",
+            self.now_sql()
+        ))
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    /// Marks node `id` stopped (a clean shutdown): what it still holds is taken over at the
+    /// next sweep rather than after the takeover time.
+    pub async fn stop_node(&self, id: &str) -> Result<(), DbError> {
+        sqlx::query(&format!(
+            "UPDATE nodes SET stopped_ms = {} WHERE id = $1 AND stopped_ms IS NULL",
+            self.now_sql()
+        ))
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The sweep every node runs on its heartbeat interval: each running build whose claim
+    /// names a node that stopped, that has no row (a server before nodes existed), or whose
+    /// last heartbeat is older than `takeover_ms` (database clock) is lost. A lost build
+    /// that has had fewer than `max_attempts` attempts goes back to the queue (its next claim
+    /// is attempt `n + 1`); one that has had them all ends failed with a reason that starts
+    /// with [`SERVER_STOPPED`] and names the node. Either way its log gets a line saying so.
+    /// Each move is conditional on the claim still being the lost one.
+    pub async fn take_over(
+        &self,
+        takeover_ms: i64,
+        max_attempts: u32,
+    ) -> Result<Vec<TakenOver>, DbError> {
+        let now = self.now_sql();
+        let mut tx = self.write_tx().await?;
+        let lost = sqlx::query(&format!(
+            "SELECT b.id, b.claimed_by, b.attempt, n.listen, n.name, n.heartbeat_ms,
+                    n.stopped_ms, {now} AS now_ms
+             FROM builds b LEFT JOIN nodes n ON n.id = b.claimed_by
+             WHERE b.state = 'running' AND (n.id IS NULL OR n.stopped_ms IS NOT NULL
+               OR n.heartbeat_ms < {now} - $1)
+             ORDER BY b.id"
+        ))
+        .bind(takeover_ms)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut out = Vec::new();
+        for r in &lost {
+            let id: String = r.try_get("id")?;
+            let node: Option<String> = r.try_get("claimed_by")?;
+            let node = node.unwrap_or_default();
+            let attempt: i64 = r.try_get("attempt")?;
+            let listen: Option<String> = r.try_get("listen")?;
+            let name: Option<String> = r.try_get("name")?;
+            let heartbeat: Option<i64> = r.try_get("heartbeat_ms")?;
+            let stopped: Option<i64> = r.try_get("stopped_ms")?;
+            let db_now: i64 = r.try_get("now_ms")?;
+            let why = match (listen, name, heartbeat, stopped) {
+                (Some(l), Some(n), Some(_), Some(_)) => {
+                    format!("node {node} ({n}, listening on {l}) stopped")
+                }
+                (Some(l), Some(n), Some(h), None) => format!(
+                    "node {node} ({n}, listening on {l}) stopped heartbeating: last heartbeat                      {:.1} s ago, takeover after {:.1} s",
+                    (db_now - h) as f64 / 1000.0,
+                    takeover_ms as f64 / 1000.0
+                ),
+                _ => format!("worker {node} is gone"),
+            };
+            let requeued = attempt < i64::from(max_attempts);
+            let text = if requeued {
+                format!("{why}; attempt {attempt} of {max_attempts} lost, build queued again")
+            } else {
+                format!("{SERVER_STOPPED}: {why}; attempt {attempt} of {max_attempts}")
+            };
+            let changed = if requeued {
+                sqlx::query(
+                    "UPDATE builds SET state = 'queued', started_ms = NULL, claimed_by = NULL
+                     WHERE id = $1 AND state = 'running' AND claimed_by = $2 AND attempt = $3",
+                )
+                .bind(&id)
+                .bind(&node)
+                .bind(attempt)
+                .execute(&mut *tx)
+                .await?
+            } else {
+                sqlx::query(
+                    "UPDATE builds SET state = 'failed', finished_ms = $1, failure = $2
+                     WHERE id = $3 AND state = 'running' AND claimed_by = $4 AND attempt = $5",
+                )
+                .bind(now_ms())
+                .bind(serde_json::json!({ "reason": text }).to_string())
+                .bind(&id)
+                .bind(&node)
+                .bind(attempt)
+                .execute(&mut *tx)
+                .await?
+            };
+            if changed.rows_affected() != 1 {
+                continue;
+            }
+            sqlx::query(
+                "INSERT INTO build_logs (build_id, seq, time_ms, step, text)
+                 SELECT $1, COALESCE(MAX(seq), 0) + 1, $2, NULL, $3 FROM build_logs
+                 WHERE build_id = $1",
+            )
+            .bind(&id)
+            .bind(now_ms())
+            .bind(&text)
+            .execute(&mut *tx)
+            .await?;
+            out.push(TakenOver {
+                build: id,
+                node,
+                attempt,
+                requeued,
+            });
+        }
+        tx.commit().await?;
+        Ok(out)
     }
 
     /// Which database this is.
@@ -521,16 +791,17 @@ impl Db {
     }
 
     /// Claims the oldest queued build whose workspace runs fewer than its `max_concurrent`
-    /// builds: `queued → running`, claimed by `worker`. The `state = 'queued'` condition
-    /// makes the claim happen once per build.
-    pub async fn claim(&self, worker: &str) -> Result<Option<BuildRow>, DbError> {
+    /// builds for node `node`: `queued → running`, the next attempt. The `state = 'queued'`
+    /// condition makes the claim happen once per build and attempt.
+    pub async fn claim(&self, node: &str) -> Result<Option<BuildRow>, DbError> {
         // PostgreSQL: rows another node's claim holds are skipped, not waited for.
         let lock = match self.backend {
             Backend::Sqlite => "",
             Backend::Postgres => "FOR UPDATE OF b SKIP LOCKED",
         };
         let sql = format!(
-            "UPDATE builds SET state = 'running', started_ms = $1, claimed_by = $2
+            "UPDATE builds SET state = 'running', started_ms = $1, claimed_by = $2,
+             attempt = attempt + 1
              WHERE state = 'queued' AND id = (
                SELECT b.id FROM builds b JOIN workspaces w ON w.id = b.workspace
                WHERE b.state = 'queued' AND (SELECT COUNT(*) FROM builds r
@@ -541,7 +812,7 @@ impl Db {
         let mut tx = self.write_tx().await?;
         let r = sqlx::query(&sql)
             .bind(now_ms())
-            .bind(worker)
+            .bind(node)
             .fetch_optional(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -549,10 +820,11 @@ impl Db {
     }
 
     /// Ends build `id` (`running` → `state`), with its result or failure JSON. False when it
-    /// was not running.
+    /// was not running under `claim` (taken over, or already ended).
     pub async fn finish(
         &self,
         id: &str,
+        claim: &Claim,
         state: &str,
         image: Option<&str>,
         result: Option<&str>,
@@ -560,7 +832,7 @@ impl Db {
     ) -> Result<bool, DbError> {
         let r = sqlx::query(
             "UPDATE builds SET state = $1, finished_ms = $2, image = $3, result = $4, failure = $5
-             WHERE id = $6 AND state = 'running'",
+             WHERE id = $6 AND state = 'running' AND claimed_by = $7 AND attempt = $8",
         )
         .bind(state)
         .bind(now_ms())
@@ -568,6 +840,8 @@ impl Db {
         .bind(result)
         .bind(failure)
         .bind(id)
+        .bind(&claim.node)
+        .bind(claim.attempt)
         .execute(&self.pool)
         .await?;
         Ok(r.rows_affected() == 1)
@@ -609,33 +883,41 @@ impl Db {
         Ok(Some(state))
     }
 
-    /// Whether build `id`'s cancellation was asked for.
-    pub async fn cancel_requested(&self, id: &str) -> Result<bool, DbError> {
-        let r = sqlx::query("SELECT cancel_requested FROM builds WHERE id = $1")
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?;
-        Ok(match r {
-            Some(r) => r.try_get::<i64, _>("cancel_requested")? != 0,
-            None => false,
+    /// What the watcher of a running build needs: whether its cancellation was asked for,
+    /// and whether it still runs under `claim` (false: taken over or ended).
+    pub async fn watch(&self, id: &str, claim: &Claim) -> Result<Watch, DbError> {
+        let r = sqlx::query(
+            "SELECT cancel_requested, state, claimed_by, attempt FROM builds WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(r) = r else {
+            return Ok(Watch {
+                cancel: false,
+                held: false,
+            });
+        };
+        let state: String = r.try_get("state")?;
+        let node: Option<String> = r.try_get("claimed_by")?;
+        let attempt: i64 = r.try_get("attempt")?;
+        Ok(Watch {
+            cancel: r.try_get::<i64, _>("cancel_requested")? != 0,
+            held: state == "running"
+                && node.as_deref() == Some(claim.node.as_str())
+                && attempt == claim.attempt,
         })
     }
 
-    /// Ends as failed with `reason` every running build claimed by a worker whose name starts
-    /// with `claimed_by` (at start-up: this host's previous server is gone; on SQLite, one
-    /// node, every running build).
-    pub async fn fail_running(&self, reason: &str, claimed_by: &str) -> Result<u64, DbError> {
-        let failure = serde_json::json!({ "reason": reason }).to_string();
-        let r = sqlx::query(
-            "UPDATE builds SET state = 'failed', finished_ms = $1, failure = $2
-             WHERE state = 'running' AND substr(claimed_by, 1, length($3)) = $3",
-        )
-        .bind(now_ms())
-        .bind(failure)
-        .bind(claimed_by)
-        .execute(&self.pool)
-        .await?;
-        Ok(r.rows_affected())
+    /// The last log sequence number of build `id` (0: none), where a new attempt's lines go
+    /// on.
+    pub async fn last_seq(&self, id: &str) -> Result<i64, DbError> {
+        let r =
+            sqlx::query("SELECT COALESCE(MAX(seq), 0) AS n FROM build_logs WHERE build_id = $1")
+                .bind(id)
+                .fetch_one(&self.pool)
+                .await?;
+        Ok(r.try_get("n")?)
     }
 
     /// Steps of build `id`, in step order.
@@ -703,9 +985,27 @@ impl Db {
         Ok(out)
     }
 
-    /// Writes one batch of a running build's records in one transaction.
-    pub async fn write_batch(&self, id: &str, batch: &[Record]) -> Result<(), DbError> {
+    /// Writes one batch of a running build's records in one transaction, if the build still
+    /// runs under `claim`; false (nothing written) when it was taken over or ended.
+    pub async fn write_batch(
+        &self,
+        id: &str,
+        claim: &Claim,
+        batch: &[Record],
+    ) -> Result<bool, DbError> {
         let mut tx = self.write_tx().await?;
+        let held = sqlx::query(
+            "SELECT 1 FROM builds WHERE id = $1 AND state = 'running' AND claimed_by = $2
+             AND attempt = $3",
+        )
+        .bind(id)
+        .bind(&claim.node)
+        .bind(claim.attempt)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if held.is_none() {
+            return Ok(false);
+        }
         for rec in batch {
             match rec {
                 Record::Log(l) => {
@@ -757,7 +1057,7 @@ impl Db {
             }
         }
         tx.commit().await?;
-        Ok(())
+        Ok(true)
     }
 
     /// Records that `ws` uploaded blob `digest` of `size` bytes.
@@ -816,6 +1116,15 @@ impl Db {
     pub async fn ping(&self) -> bool {
         sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
     }
+}
+
+/// What [`Db::watch`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Watch {
+    /// Cancellation was asked for.
+    pub cancel: bool,
+    /// The build still runs under the watcher's claim.
+    pub held: bool,
 }
 
 /// One thing a running build writes.
@@ -926,6 +1235,7 @@ mod tests {
                 tokio::spawn(async move {
                     let mut got = Vec::new();
                     while let Some(b) = db.claim(&format!("w{w}")).await.expect("claim") {
+                        assert_eq!(b.attempt, 1);
                         got.push(b.id);
                     }
                     got
@@ -944,13 +1254,19 @@ mod tests {
         assert_eq!(all.iter().filter(|i| i.starts_with('a')).count(), 60);
         assert_eq!(all.iter().filter(|i| i.starts_with('b')).count(), 1);
         let b = all.iter().find(|i| i.starts_with('b')).expect("b").clone();
+        let claim = db
+            .build("b", &b)
+            .await
+            .expect("row")
+            .and_then(|r| r.claim())
+            .expect("claimed");
         assert!(
-            db.finish(&b, "succeeded", None, None, None)
+            db.finish(&b, &claim, "succeeded", None, None, None)
                 .await
                 .expect("finish")
         );
         assert!(
-            !db.finish(&b, "failed", None, None, None)
+            !db.finish(&b, &claim, "failed", None, None, None)
                 .await
                 .expect("finish"),
             "ends once"
@@ -995,17 +1311,136 @@ mod tests {
                 .expect("ins"),
             Inserted::OverQuota
         );
-        // A restart fails what was running, and only that.
-        let claimed = db.claim("w").await.expect("claim").expect("one");
-        assert_eq!(db.fail_running(SERVER_STOPPED, "").await.expect("fail"), 1);
-        assert_eq!(
-            db.state(&claimed.id).await.expect("state").as_deref(),
-            Some("failed")
+        // A restart (a new process of the same node name, max 1 attempt) fails what was
+        // running, and only that.
+        register(&db, "n1", "host:/state").await;
+        let claimed = db.claim("n1").await.expect("claim").expect("one");
+        register(&db, "n2", "host:/state").await;
+        let taken = db.take_over(60_000, 1).await.expect("take over");
+        assert_eq!(taken.len(), 1, "{taken:?}");
+        assert!(!taken[0].requeued);
+        let row = db.build("a", &claimed.id).await.expect("row").expect("row");
+        assert_eq!(row.state, "failed");
+        let reason = row.failure.expect("failure");
+        assert!(
+            reason.contains(SERVER_STOPPED) && reason.contains("node n1 (host:/state"),
+            "{reason}"
         );
         let other = if claimed.id == "x1" { "x2" } else { "x1" };
         assert_eq!(
             db.state(other).await.expect("state").as_deref(),
             Some("queued")
         );
+    }
+
+    async fn register(db: &Db, id: &str, name: &str) {
+        db.register_node(&NodeInfo {
+            id: id.into(),
+            name: name.into(),
+            listen: "127.0.0.1:1".into(),
+            pid: 1,
+        })
+        .await
+        .expect("register");
+    }
+
+    #[tokio::test]
+    async fn lost_claims_are_requeued_then_failed_and_the_old_claim_writes_nothing() {
+        let t = tempfile::tempdir().expect("tmp");
+        takeover(sqlite(&t).await, Backend::Sqlite).await;
+        takeover(postgres().await, Backend::Postgres).await;
+    }
+
+    async fn takeover(db: Db, backend: Backend) {
+        db.upsert_workspace("a", &quota(5, 10), true)
+            .await
+            .expect("ws");
+        db.insert_build(&build("t1", "a"), 10, 1000)
+            .await
+            .expect("insert");
+        register(&db, "n1", "h:/one").await;
+        register(&db, "n2", "h:/two").await;
+        let first = db.claim("n1").await.expect("claim").expect("t1");
+        let old = first.claim().expect("claimed");
+        assert_eq!(
+            old,
+            Claim {
+                node: "n1".into(),
+                attempt: 1
+            }
+        );
+        let log = |seq| {
+            Record::Log(LogLine {
+                seq,
+                time_ms: 0,
+                step: None,
+                text: format!("line {seq}"),
+            })
+        };
+        assert!(db.write_batch("t1", &old, &[log(1)]).await.expect("write"));
+        // n1 heartbeats: nothing is lost.
+        assert!(db.heartbeat("n1").await.expect("heartbeat"));
+        assert_eq!(db.take_over(60_000, 2).await.expect("sweep"), vec![]);
+        // n1 falls silent (a takeover time of 0 ms: any heartbeat is too old); n2 stays.
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let taken = db.take_over(5, 2).await.expect("sweep");
+        assert_eq!(
+            taken,
+            vec![TakenOver {
+                build: "t1".into(),
+                node: "n1".into(),
+                attempt: 1,
+                requeued: true
+            }]
+        );
+        // The old claim can neither write nor end the build, nor does its watcher hold it.
+        assert!(!db.write_batch("t1", &old, &[log(2)]).await.expect("write"));
+        assert!(!db.watch("t1", &old).await.expect("watch").held);
+        let second = db.claim("n2").await.expect("claim").expect("t1 again");
+        let new = second.claim().expect("claimed");
+        assert_eq!(
+            new,
+            Claim {
+                node: "n2".into(),
+                attempt: 2
+            }
+        );
+        assert!(
+            !db.finish("t1", &old, "succeeded", None, None, None)
+                .await
+                .expect("finish"),
+            "the lost claim cannot end the build"
+        );
+        assert!(db.watch("t1", &new).await.expect("watch").held);
+        // Its log goes on after the takeover's line.
+        assert_eq!(db.last_seq("t1").await.expect("seq"), 2);
+        let lines = db.logs("t1", 0, 10).await.expect("logs");
+        assert!(lines[1].text.contains("node n1 (h:/one"), "{lines:?}");
+        assert!(lines[1].text.contains("queued again"), "{lines:?}");
+        // n2 is lost too, in the last attempt: failed, naming it.
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let taken = db.take_over(0, 2).await.expect("sweep");
+        assert_eq!(taken.len(), 1);
+        assert!(!taken[0].requeued);
+        let row = db.build("a", "t1").await.expect("row").expect("row");
+        assert_eq!(row.state, "failed");
+        let reason = row.failure.expect("failure");
+        assert!(
+            reason.contains(SERVER_STOPPED)
+                && reason.contains("node n2 (h:/two")
+                && reason.contains("attempt 2 of 2"),
+            "{reason}"
+        );
+        // A stopped node's builds go at once, whatever the takeover time.
+        db.insert_build(&build("t2", "a"), 10, 1000)
+            .await
+            .expect("insert");
+        register(&db, "n3", "h:/three").await;
+        db.claim("n3").await.expect("claim").expect("t2");
+        db.stop_node("n3").await.expect("stop");
+        assert!(!db.heartbeat("n3").await.expect("heartbeat"));
+        let taken = db.take_over(3_600_000, 2).await.expect("sweep");
+        assert_eq!(taken.len(), 1, "{taken:?} on {backend:?}");
+        assert!(taken[0].requeued);
     }
 }

@@ -8,6 +8,14 @@
 //! the database; a watcher also polls the flag (every 250 ms), so a cancel reaches the build
 //! whichever node took it. A cancelled build publishes nothing and moves no tag (the
 //! pipeline's guarantee).
+//!
+//! Liveness ([`liveness`]): the node heartbeats and sweeps for lost nodes' builds
+//! ([`Db::take_over`](crate::Db::take_over)) every [`crate::ServiceConfig::heartbeat`]. The
+//! same watcher cancels a build whose claim was taken away (its node was thought dead), and
+//! a node that could not heartbeat for the takeover time cancels all its builds and claims
+//! none until a heartbeat succeeds: their claims are being taken over. Such a build's end is
+//! not recorded; its log writes are refused (both conditional on the claim), and its tags,
+//! which move by compare-and-swap, are not moved over another attempt's.
 
 use std::error::Error as _;
 use std::sync::Arc;
@@ -24,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::AppState;
 use crate::api::StoredSpec;
-use crate::db::{self, BuildRow, LogLine, Record, StepRow, now_ms};
+use crate::db::{self, BuildRow, Claim, LogLine, Record, StepRow, now_ms};
 
 /// What a succeeded build stored (the `result` column).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -62,15 +70,69 @@ pub struct Failure {
 /// [`db::SERVER_SHUTDOWN`].
 static SHUTDOWN_CANCEL: AtomicBool = AtomicBool::new(false);
 
-/// Starts [`crate::ServiceConfig::workers`] workers.
+/// Starts [`crate::ServiceConfig::workers`] workers, which claim for this node.
 pub fn spawn_pool(state: AppState) -> Vec<JoinHandle<()>> {
     (0..state.config.workers.max(1))
-        .map(|i| {
+        .map(|_| {
             let state = state.clone();
-            let name = format!("{}-{}-{i}", hostname(), std::process::id());
-            tokio::spawn(async move { worker(state, name).await })
+            tokio::spawn(async move { worker(state).await })
         })
         .collect()
+}
+
+/// The node's heartbeat and sweep, every [`crate::ServiceConfig::heartbeat`] until `done`
+/// fires (after the last build of a shutdown ended): writes the heartbeat, re-queues or fails the builds of lost nodes, and
+/// fences this node (cancels its builds, stops claiming) while its last written heartbeat is
+/// older than the takeover time.
+pub async fn liveness(state: AppState, done: CancellationToken) {
+    let cfg = &state.config;
+    let takeover_ms = cfg.takeover.as_millis() as i64;
+    let mut last_ok = Instant::now();
+    loop {
+        match state.db.heartbeat(&state.node.id).await {
+            Ok(true) => {
+                last_ok = Instant::now();
+                if state.fenced.swap(false, Ordering::SeqCst) {
+                    tracing::warn!(node = %state.node.id, "heartbeat written again: claiming builds again");
+                }
+            }
+            Ok(false) => tracing::error!(
+                node = %state.node.id,
+                "this node's row is stopped: a newer server of the same state directory runs"
+            ),
+            Err(e) => tracing::error!(node = %state.node.id, error = %e, "writing the heartbeat"),
+        }
+        if last_ok.elapsed() >= cfg.takeover && !state.fenced.swap(true, Ordering::SeqCst) {
+            tracing::error!(
+                node = %state.node.id,
+                "no heartbeat written for the takeover time: other nodes take this node's \
+                 builds over, so they are cancelled here and no build is claimed"
+            );
+            let tokens: Vec<_> = lock(&state.running).values().cloned().collect();
+            for t in tokens {
+                t.cancel();
+            }
+        }
+        match state.db.take_over(takeover_ms, cfg.max_attempts).await {
+            Ok(taken) => {
+                for t in taken {
+                    tracing::warn!(
+                        build = %t.build,
+                        lost_node = %t.node,
+                        attempt = t.attempt,
+                        requeued = t.requeued,
+                        "took over a build of a lost node"
+                    );
+                }
+                state.queued.notify_waiters();
+            }
+            Err(e) => tracing::error!(error = %e, "sweeping for lost nodes' builds"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(cfg.heartbeat) => {}
+            _ = done.cancelled() => return,
+        }
+    }
 }
 
 /// After the server stopped accepting: waits up to the grace period for the workers to
@@ -96,24 +158,27 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// What the names of this host's workers start with: `<hostname>-`.
-pub fn host_prefix() -> String {
-    format!("{}-", hostname())
-}
-
-fn hostname() -> String {
+/// This host's name (`/proc/sys/kernel/hostname`), for [`crate::db::NodeInfo::name`].
+pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .unwrap_or_default()
         .trim()
         .to_string()
 }
 
-async fn worker(state: AppState, name: String) {
+async fn worker(state: AppState) {
     loop {
         if state.stopping.is_cancelled() {
             return;
         }
-        match state.db.claim(&name).await {
+        if state.fenced.load(Ordering::SeqCst) {
+            tokio::select! {
+                _ = tokio::time::sleep(state.config.heartbeat) => {}
+                _ = state.stopping.cancelled() => return,
+            }
+            continue;
+        }
+        match state.db.claim(&state.node.id).await {
             Ok(Some(row)) => {
                 run_one(&state, row).await;
                 // A slot of the workspace is free: another worker may claim now.
@@ -151,16 +216,31 @@ fn chain(e: &PipelineError) -> String {
 
 async fn run_one(state: &AppState, row: BuildRow) {
     let id = row.id.clone();
+    let Some(claim) = row.claim() else {
+        tracing::error!(build = %id, "claimed build without a claim");
+        return;
+    };
     let t0 = Instant::now();
     let token = CancellationToken::new();
     lock(&state.running).insert(id.clone(), token.clone());
+    let lost = Arc::new(AtomicBool::new(false));
     let watcher = {
         let (db, id, token) = (state.db.clone(), id.clone(), token.clone());
+        let (claim, lost) = (claim.clone(), lost.clone());
         tokio::spawn(async move {
             loop {
-                if db.cancel_requested(&id).await.unwrap_or(false) {
-                    token.cancel();
-                    return;
+                match db.watch(&id, &claim).await {
+                    Ok(w) if !w.held => {
+                        tracing::warn!(build = %id, attempt = claim.attempt, "claim taken away: cancelling this attempt");
+                        lost.store(true, Ordering::SeqCst);
+                        token.cancel();
+                        return;
+                    }
+                    Ok(w) if w.cancel => {
+                        token.cancel();
+                        return;
+                    }
+                    _ => {}
                 }
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
@@ -170,7 +250,7 @@ async fn run_one(state: &AppState, row: BuildRow) {
     let dir = std::fs::create_dir_all(&work)
         .and_then(|_| tempfile::Builder::new().prefix(&id).tempdir_in(&work));
     let outcome = match dir {
-        Ok(dir) => execute(state, &row, dir.path(), token).await,
+        Ok(dir) => execute(state, &row, &claim, dir.path(), token).await,
         Err(e) => Outcome::Failed(Failure {
             reason: format!(
                 "creating the build's directory under {}: {e}",
@@ -181,6 +261,10 @@ async fn run_one(state: &AppState, row: BuildRow) {
     };
     watcher.abort();
     lock(&state.running).remove(&id);
+    if lost.load(Ordering::SeqCst) || state.fenced.load(Ordering::SeqCst) {
+        tracing::warn!(build = %id, attempt = claim.attempt, "attempt ended without its claim: its end is not recorded");
+        return;
+    }
     let (st, image, result, failure) = match outcome {
         Outcome::Succeeded(r) => (
             "succeeded",
@@ -204,6 +288,7 @@ async fn run_one(state: &AppState, row: BuildRow) {
         .db
         .finish(
             &id,
+            &claim,
             st,
             image.as_deref(),
             result.as_deref(),
@@ -226,6 +311,7 @@ enum Outcome {
 async fn execute(
     state: &AppState,
     row: &BuildRow,
+    claim: &Claim,
     dir: &std::path::Path,
     token: CancellationToken,
 ) -> Outcome {
@@ -247,6 +333,14 @@ async fn execute(
                 Ok(p) => p,
                 Err(e) => return failed(e.to_string()),
             };
+            if !path.is_file() {
+                // Contexts stay on the node they were uploaded to (not shared yet).
+                return failed(format!(
+                    "context blob {d} is not on node {} ({}): it was uploaded to another node, \
+                     and build contexts are not shared between nodes",
+                    state.node.id, state.node.name
+                ));
+            }
             let (dest, limit) = (ctx_dir.clone(), state.config.max_unpacked_bytes);
             let r = tokio::task::spawn_blocking(move || {
                 std::fs::create_dir_all(&dest).map_err(|e| e.to_string())?;
@@ -308,7 +402,12 @@ async fn execute(
     req.cancel = token.clone();
 
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Event>();
-    let writer = tokio::spawn(write_events(state.db.clone(), row.id.clone(), rx));
+    let writer = tokio::spawn(write_events(
+        state.db.clone(),
+        row.id.clone(),
+        claim.clone(),
+        rx,
+    ));
     let r = kiln_pipeline::run(&state.setup, req, Arc::new(tx)).await;
     // Every event is stored before the build ends.
     let _ = writer.await;
@@ -349,14 +448,22 @@ async fn execute(
     }
 }
 
-/// Stores a build's events in order: log lines numbered 1, 2, ..., steps as they start and
-/// end; batched, one transaction per batch.
+/// Stores a build's events in order: log lines numbered on from the build's last line (1,
+/// 2, ... in a first attempt), steps as they start and end; batched, one transaction per
+/// batch, each written only while the build runs under `claim`.
 async fn write_events(
     db: crate::Db,
     id: String,
+    claim: Claim,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
 ) {
-    let mut seq = 0i64;
+    let mut seq = match db.last_seq(&id).await {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::error!(build = %id, error = %e, "reading the build's last log line");
+            0
+        }
+    };
     let mut batch = Vec::new();
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
@@ -435,8 +542,12 @@ async fn write_events(
             };
         }
         if !batch.is_empty() {
-            if let Err(e) = db.write_batch(&id, &batch).await {
-                tracing::error!(build = %id, error = %e, "storing build events");
+            match db.write_batch(&id, &claim, &batch).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::warn!(build = %id, attempt = claim.attempt, "claim taken away: events dropped")
+                }
+                Err(e) => tracing::error!(build = %id, error = %e, "storing build events"),
             }
             batch.clear();
         }

@@ -2,12 +2,17 @@
 
 /// An HTTP/1.1 server on 127.0.0.1 answering every request with `hello <path>`
 /// ([`LocalServer::start`]) or with the files of a directory ([`LocalServer::serve_dir`]),
-/// recording each request line and `Host` field it got.
+/// recording each request line and `Host` field it got. One made by
+/// [`LocalServer::holding`] leaves some requests unanswered, to hold a build step that makes
+/// them until the test is done with it.
 pub struct LocalServer {
     /// Its port on 127.0.0.1.
     pub port: u16,
     /// `<request line> host=<Host field>` of each request, in order.
     pub seen: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// The held requests' connections, open and unanswered.
+    pub held: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+    hold: std::sync::Arc<std::sync::Mutex<(String, usize)>>,
 }
 
 impl LocalServer {
@@ -22,12 +27,41 @@ impl LocalServer {
         Self::serve(Some(root.to_path_buf()))
     }
 
+    /// Starts one answering `hello <path>` except for requests whose path starts with
+    /// `prefix`: the first `n` of those stay unanswered (their connections kept in
+    /// [`LocalServer::held`]), the later ones are answered. [`LocalServer::hold_more`] holds
+    /// more.
+    pub fn holding(prefix: &str, n: usize) -> LocalServer {
+        let s = Self::serve(None);
+        *s.hold.lock().unwrap() = (prefix.to_string(), n);
+        s
+    }
+
+    /// Holds the next `n` requests under `prefix` too.
+    pub fn hold_more(&self, prefix: &str, n: usize) {
+        *self.hold.lock().unwrap() = (prefix.to_string(), n);
+    }
+
+    /// How many requests for exactly `path` came.
+    pub fn hits(&self, path: &str) -> usize {
+        let want = format!("GET {path} ");
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.starts_with(&want))
+            .count()
+    }
+
     fn serve(root: Option<std::path::PathBuf>) -> LocalServer {
         use std::io::{BufRead, BufReader, Write};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let record = seen.clone();
+        let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let hold = std::sync::Arc::new(std::sync::Mutex::new((String::new(), 0usize)));
+        let (keep, holding) = (held.clone(), hold.clone());
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(mut conn) = conn else { continue };
@@ -49,6 +83,14 @@ impl LocalServer {
                 let line = first.trim().to_string();
                 record.lock().unwrap().push(format!("{line} host={host}"));
                 let path = line.split(' ').nth(1).unwrap_or("").to_string();
+                {
+                    let mut h = holding.lock().unwrap();
+                    if h.1 > 0 && !h.0.is_empty() && path.starts_with(&h.0) {
+                        h.1 -= 1;
+                        keep.lock().unwrap().push(conn);
+                        continue;
+                    }
+                }
                 let (status, body) = match &root {
                     None => ("200 OK", format!("hello {path}\n").into_bytes()),
                     Some(dir) => {
@@ -70,6 +112,11 @@ impl LocalServer {
                 let _ = conn.write_all(&body);
             }
         });
-        LocalServer { port, seen }
+        LocalServer {
+            port,
+            seen,
+            held,
+            hold,
+        }
     }
 }

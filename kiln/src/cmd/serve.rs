@@ -45,6 +45,22 @@ pub struct Args {
     /// 5m, ...).
     #[arg(long = "shutdown-grace", default_value = "60s", value_parser = super::parse_duration)]
     pub shutdown_grace: std::time::Duration,
+    /// How often this node writes its heartbeat to the database and sweeps for the builds
+    /// of lost nodes (5s, 1m, ...).
+    #[arg(long, env = "KILN_SERVE_HEARTBEAT", default_value = "10s", value_parser = super::parse_duration)]
+    pub heartbeat: std::time::Duration,
+    /// A node whose last heartbeat is older than this is lost and its running builds are
+    /// taken over by the live nodes (at least twice --heartbeat).
+    #[arg(long = "takeover-after", env = "KILN_SERVE_TAKEOVER_AFTER", default_value = "60s", value_parser = super::parse_duration)]
+    pub takeover_after: std::time::Duration,
+    /// Runs a build gets when the nodes running it are lost, the first included; after the
+    /// last, it fails with a reason naming the lost node.
+    #[arg(
+        long = "max-attempts",
+        env = "KILN_SERVE_MAX_ATTEMPTS",
+        default_value_t = 3
+    )]
+    pub max_attempts: u32,
     /// How long an Idempotency-Key names its build.
     #[arg(long = "idempotency-window", default_value = "24h", value_parser = super::parse_duration)]
     pub idempotency_window: std::time::Duration,
@@ -236,6 +252,10 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     cfg.max_context_bytes = a.max_context_mib << 20;
     cfg.shutdown_grace = a.shutdown_grace;
     cfg.idempotency_window = a.idempotency_window;
+    cfg.heartbeat = a.heartbeat;
+    cfg.takeover = a.takeover_after;
+    cfg.max_attempts = a.max_attempts;
+    cfg.check()?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("listening on {listen}"))?;
