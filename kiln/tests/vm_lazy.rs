@@ -3,7 +3,9 @@
 //! local store and pushed to S3; `kiln start` from S3 answers and runs a command through
 //! its chunk server, having fetched a strict subset of the snapshot's chunks; killing the
 //! server stops its clone with the reason and leaves no mount; a chunk corrupted in S3 is
-//! refused at read and named by the failed start. One boot for all of it.
+//! refused at read and named by the failed start. The chunk server's lease keeps every
+//! object of the snapshot through `kiln store gc` while its clones run, even untagged, and
+//! once no server runs GC collects them. One boot for all of it.
 //! Needs what `ci/setup.sh` exports (`KILN_TEST_BUSYBOX_OCI`, the guest kernel, the S3
 //! server's `AWS_*` and `KILN_TEST_S3_*`).
 
@@ -12,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use kiln_store::{Manifest, Store, TagRef};
+use kiln_store::{Manifest, ObjectRef, Store, TagRef};
 use kiln_tests::stores::{Kind, fresh_url};
 use kiln_tests::vm::{busybox_image, guest_assets};
 use kiln_vmm::lazy;
@@ -215,6 +217,66 @@ fn vm_lazy_start_from_s3() {
     let warm_ms = started(&o)["start_ms"].as_u64().unwrap_or(0);
     let id2 = started_id(&o);
     eprintln!("QEMU start to answered: cold from S3 {cold_ms} ms, warm {warm_ms} ms");
+
+    // 2. GC while the clones run: with the snapshot's tag gone, `kiln store gc` with no grace
+    //    keeps every object a clone may still read (the chunk server's lease holds them), and
+    //    the clone still runs a command.
+    let objects = lazy::snapshot_objects(&snap_digest, &snap);
+    let keys: std::collections::BTreeSet<String> = objects.iter().map(|o| o.key()).collect();
+    let lazy_leases = || {
+        rt.block_on(async {
+            let s = Store::open(&s3).await.expect("s3 store");
+            s.list_leases()
+                .await
+                .expect("leases")
+                .into_iter()
+                .filter(|l| l.id.starts_with("lazy-"))
+                .collect::<Vec<_>>()
+        })
+    };
+    let present = || {
+        rt.block_on(async {
+            let s = Store::open(&s3).await.expect("s3 store");
+            s.exist(&objects).await.expect("exist")
+        })
+    };
+    let leases = lazy_leases();
+    assert_eq!(leases.len(), 1, "one server, one lease: {leases:?}");
+    assert!(
+        keys.is_subset(&leases[0].objects),
+        "the lease holds every object of the snapshot"
+    );
+    let o = kiln(d, &s3, &c1, &["untag", "bb:snap"]);
+    assert!(o.status.success(), "{}", show(&o));
+    let o = kiln(d, &s3, &c1, &["store", "gc", "--grace", "0s"]);
+    assert!(o.status.success(), "{}", show(&o));
+    let kept = present();
+    let lost: Vec<&ObjectRef> = objects
+        .iter()
+        .zip(&kept)
+        .filter(|(_, p)| !**p)
+        .map(|(o, _)| o)
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "GC deleted what a clone may read: {lost:?}"
+    );
+    let o = kiln(d, &s3, &c1, &["exec", &id, "--", "echo", "after-gc"]);
+    assert!(o.status.success(), "{}", show(&o));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "after-gc\n",
+        "{}",
+        show(&o)
+    );
+    // The tag back (GC took the untagged image manifest) for what follows.
+    let o = kiln(
+        d,
+        &local_url,
+        &c0,
+        &["store", "push", "bb:snap", "--to", &s3],
+    );
+    assert!(o.status.success(), "{}", show(&o));
     let memory_chunks: Vec<String> = served
         .iter()
         .filter(|(n, _, _)| n == "memory")
@@ -224,7 +286,7 @@ fn vm_lazy_start_from_s3() {
         .collect();
     assert!(!memory_chunks.is_empty(), "memory chunks were read");
 
-    // 2. Killing the chunk server stops its clone with the reason and leaves no mount.
+    // 3. Killing the chunk server stops its clone with the reason and leaves no mount.
     let rec: lazy::ServerRecord = serde_json::from_slice(
         &std::fs::read(snapdir1.join(lazy::SERVER_RECORD)).expect("server record"),
     )
@@ -264,7 +326,7 @@ fn vm_lazy_start_from_s3() {
         assert!(o.status.success(), "{}", show(&o));
     }
 
-    // 3. Chunks corrupted in the store (a valid zstd frame of other bytes under their
+    // 4. Chunks corrupted in the store (a valid zstd frame of other bytes under their
     //    names) are refused at read, and the failed start names one; no clone is left.
     rt.block_on(async {
         let s = Store::open(&s3).await.expect("s3 store");
@@ -298,4 +360,28 @@ fn vm_lazy_start_from_s3() {
     );
     // With no clone left, the server leaves on its own, and its mount with it.
     assert!(wait_unmounted(&snapdir2), "the idle server unmounted");
+
+    // 5. With no server left the leases end: the idle servers released theirs, the killed
+    //    one's owner is dead; untagged, the snapshot is then collected whole.
+    let leases = lazy_leases();
+    assert!(
+        leases.len() == 1
+            && leases[0]
+                .owner
+                .as_ref()
+                .is_some_and(|o| o.process.pid == rec.server.pid),
+        "only the killed server's lease is left: {leases:?}"
+    );
+    let o = kiln(d, &s3, &c1, &["untag", "bb:snap"]);
+    assert!(o.status.success(), "{}", show(&o));
+    let o = kiln(d, &s3, &c1, &["store", "gc", "--grace", "0s"]);
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(
+        lazy_leases().is_empty(),
+        "GC released the dead server's lease"
+    );
+    assert!(
+        present().iter().all(|p| !p),
+        "GC collected the snapshot once no lease held it"
+    );
 }

@@ -42,6 +42,16 @@
 //! shared `flock` on `<dir>/lazy.use` from before it looks for the server until its QEMU
 //! runs, and the server exits only while it holds that lock exclusively, so it never leaves
 //! under a start that is about to use it.
+//!
+//! ## The lease
+//! While it serves, the server holds a store lease ([`kiln_store::lease`], id
+//! `lazy-<16 hex of the snapshot>-<pid>-<ns>`) on the snapshot manifest and everything it
+//! names: every memory and disk chunk, the vmstate, kernel and initramfs blobs, and the image
+//! manifest. So `kiln store gc` keeps every chunk a clone may still read even after the
+//! snapshot's tag is gone. It is written before the first read is served, expires
+//! [`LEASE_TTL`] after its last renewal (every [`LEASE_RENEW`] while the server runs), and is
+//! released when the idle server leaves; a server that dies leaves a lease whose owner is
+//! dead, which GC on this host releases at once (and others at its expiry).
 
 use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
@@ -57,8 +67,10 @@ use fuser::{
     ReplyOpen, Request,
 };
 use kiln_store::artifact::ArtifactReader;
+use kiln_store::lease::Lease;
+use kiln_store::manifest::{ObjectRef, references};
 use kiln_store::owner::{ProcessId, start_ticks};
-use kiln_store::{ChunkTable, Manifest, ManifestDigest, Store};
+use kiln_store::{ChunkTable, Manifest, ManifestDigest, SnapshotManifest, Store};
 use serde::{Deserialize, Serialize};
 
 /// The mount point's name inside the snapshot's cache directory.
@@ -83,6 +95,13 @@ const USE_LOCK: &str = "lazy.use";
 pub const IDLE_INTERVAL: Duration = Duration::from_secs(1);
 /// How many checks in a row without a clone make the server exit.
 pub const IDLE_CHECKS: u32 = 3;
+
+/// How long the server's lease lasts after its last renewal (10 min: a server that hangs or
+/// whose host vanishes stops protecting the snapshot after that).
+pub const LEASE_TTL: Duration = Duration::from_secs(600);
+/// How often the server renews its lease (a tenth of [`LEASE_TTL`], so several renewals can
+/// fail before it lapses).
+pub const LEASE_RENEW: Duration = Duration::from_secs(60);
 
 /// What [`SERVER_RECORD`] holds.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -494,6 +513,22 @@ where
         Manifest::Image(_) => return Err(format!("{snapshot} is not a snapshot manifest")),
     };
     crate::clone::check_snapshot(&snap).map_err(|r| format!("snapshot {snapshot}: {r}"))?;
+    let lease = Arc::new(
+        rt.block_on(hold_snapshot(&store, snapshot, &snap))
+            .map_err(|e| format!("leasing snapshot {snapshot} in {}: {e}", store.url()))?,
+    );
+    {
+        let lease = lease.clone();
+        rt.spawn(async move {
+            loop {
+                tokio::time::sleep(LEASE_RENEW).await;
+                if let Err(e) = lease.renew(LEASE_TTL).await {
+                    tracing::warn!(error = %e, "renewing the chunk server's lease");
+                    eprintln!("kiln chunk server: renewing its lease: {e}");
+                }
+            }
+        });
+    }
     let file = |name: &'static str, t: &ChunkTable| -> Result<Served1, String> {
         let table = Arc::new(t.clone());
         let reader = ArtifactReader::new(store.clone(), table.clone())
@@ -545,11 +580,56 @@ where
     }
     let use_lock = dir.join(USE_LOCK);
     std::thread::spawn(move || idle_exit(&use_lock, &mnt, unmounter));
-    session
+    let served = session
         .run()
-        .map_err(|e| format!("serving {}: {e}", dir.display()))?;
+        .map_err(|e| format!("serving {}: {e}", dir.display()));
+    // No clone is left: the snapshot need not be kept any more.
+    if let Err(e) = rt.block_on(lease.release()) {
+        eprintln!("kiln chunk server: releasing its lease: {e}");
+    }
+    served?;
     // Keep the use lock (held by the idle thread) until the process exits.
     std::process::exit(0);
+}
+
+/// Everything a clone of `snap` may read from the store: the snapshot manifest and all it
+/// names ([`references`]: the image manifest, the vmstate, kernel and initramfs blobs, every
+/// memory and disk chunk).
+pub fn snapshot_objects(digest: &ManifestDigest, snap: &SnapshotManifest) -> Vec<ObjectRef> {
+    let mut objs = vec![ObjectRef::Manifest(*digest)];
+    objs.extend(references(&Manifest::Snapshot(snap.clone())));
+    objs
+}
+
+/// Leases [`snapshot_objects`] for this process ([`LEASE_TTL`]), then checks, under the
+/// store's sweep lock, that the snapshot manifest is still there (a GC between the manifest's
+/// read and the lease may have taken it; then the lease is released and this is an error).
+/// Errors are the store's, as text.
+async fn hold_snapshot(
+    store: &Store,
+    digest: &ManifestDigest,
+    snap: &SnapshotManifest,
+) -> Result<Lease, String> {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let id = format!(
+        "lazy-{}-{}-{nanos}",
+        &digest.hex()[..16],
+        std::process::id()
+    );
+    let lease = store
+        .create_lease(&id, LEASE_TTL, snapshot_objects(digest, snap))
+        .await
+        .map_err(|e| e.to_string())?;
+    let m = ObjectRef::Manifest(*digest);
+    let present = lease.find_present(&[m]).await.map_err(|e| e.to_string())?;
+    if present.contains(&m) {
+        return Ok(lease);
+    }
+    lease.release().await.map_err(|e| e.to_string())?;
+    Err(format!("snapshot {digest} was deleted from the store"))
 }
 
 /// Unmounts once no QEMU has named the mount for [`IDLE_CHECKS`] checks in a row and no
