@@ -5,7 +5,9 @@
 //! server stops its clone with the reason and leaves no mount; a chunk corrupted in S3 is
 //! refused at read and named by the failed start. The chunk server's lease keeps every
 //! object of the snapshot through `kiln store gc` while its clones run, even untagged, and
-//! once no server runs GC collects them. One boot for all of it.
+//! once no server runs GC collects them; a store that stops answering chunk reads (a fault
+//! injector in front of S3) fails the start within the lazy read bound, naming the chunk
+//! and the store. One boot for all of it.
 //! Needs what `ci/setup.sh` exports (`KILN_TEST_BUSYBOX_OCI`, the guest kernel, the S3
 //! server's `AWS_*` and `KILN_TEST_S3_*`).
 
@@ -15,6 +17,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use kiln_store::{Manifest, ObjectRef, Store, TagRef};
+use kiln_tests::fault_proxy::FaultProxy;
 use kiln_tests::stores::{Kind, fresh_url};
 use kiln_tests::vm::{busybox_image, guest_assets};
 use kiln_vmm::lazy;
@@ -23,9 +26,21 @@ use serde_json::Value;
 /// `kiln` with its state, snapshot cache and chunk cache in `dir`, the store `store`, and
 /// the snapshot cache `snapcache` (a fresh one has no file of the snapshot).
 fn kiln(dir: &Path, store: &str, snapcache: &Path, args: &[&str]) -> Output {
+    kiln_with(dir, store, snapcache, &[], args)
+}
+
+/// [`kiln`] with more environment variables.
+fn kiln_with(
+    dir: &Path,
+    store: &str,
+    snapcache: &Path,
+    envs: &[(&str, &str)],
+    args: &[&str],
+) -> Output {
     let a = guest_assets();
     Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(args)
+        .envs(envs.iter().copied())
         .env("KILN_STORE", store)
         .env("KILN_STATE_DIR", dir.join("state"))
         .env("KILN_SNAPSHOT_CACHE", snapcache)
@@ -326,7 +341,50 @@ fn vm_lazy_start_from_s3() {
         assert!(o.status.success(), "{}", show(&o));
     }
 
-    // 4. Chunks corrupted in the store (a valid zstd frame of other bytes under their
+    // 4. A store that stops answering chunk reads (a fault injector in front of S3 stalls
+    //    every chunk GET; manifests, blobs and leases pass): the start fails within the lazy
+    //    read bound (3 s here), naming a chunk and the store, not on the 60 s restore
+    //    timeout; the server then leaves.
+    let upstream = std::env::var("KILN_TEST_S3_ENDPOINT").expect("KILN_TEST_S3_ENDPOINT");
+    let proxy = rt
+        .block_on(FaultProxy::start(upstream.trim_start_matches("http://")))
+        .expect("fault proxy");
+    proxy.stall_requests_containing(b"/chunks/sha256/", Duration::from_secs(120));
+    let c3 = d.join("cache3");
+    let o = kiln_with(
+        d,
+        &s3,
+        &c3,
+        &[
+            ("KILN_S3_ENDPOINT", &proxy.url()),
+            ("KILN_LAZY_READ_TIMEOUT_SECS", "3"),
+        ],
+        &["start", "bb:snap"],
+    );
+    assert!(!o.status.success(), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let chunk_hexes: Vec<String> = objects
+        .iter()
+        .filter_map(|o| match o {
+            ObjectRef::Chunk(c) => Some(c.to_string().trim_start_matches("sha256:").to_string()),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        err.contains("chunk server")
+            && err.contains("gave up")
+            && err.contains(&s3)
+            && chunk_hexes.iter().any(|h| err.contains(h.as_str())),
+        "the unanswered chunk read is named with its store: {}",
+        show(&o)
+    );
+    assert!(proxy.fired() > 0, "chunk reads were stalled");
+    assert!(
+        wait_unmounted(&c3.join(snap_digest.hex())),
+        "the idle server unmounted"
+    );
+
+    // 5. Chunks corrupted in the store (a valid zstd frame of other bytes under their
     //    names) are refused at read, and the failed start names one; no clone is left.
     rt.block_on(async {
         let s = Store::open(&s3).await.expect("s3 store");
@@ -361,7 +419,7 @@ fn vm_lazy_start_from_s3() {
     // With no clone left, the server leaves on its own, and its mount with it.
     assert!(wait_unmounted(&snapdir2), "the idle server unmounted");
 
-    // 5. With no server left the leases end: the idle servers released theirs, the killed
+    // 6. With no server left the leases end: the idle servers released theirs, the killed
     //    one's owner is dead; untagged, the snapshot is then collected whole.
     let leases = lazy_leases();
     assert!(

@@ -157,6 +157,11 @@ impl From<QmpError> for CloneError {
     }
 }
 
+/// Default [`CloneOptions::restore_timeout`]: 60 s from QEMU's start to the guest's
+/// `restored`, which a lazily served clone's chunk reads must fail well within (see the
+/// chunk server's read bound, [`crate::lazy`]).
+pub const DEFAULT_RESTORE_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Options of [`start_clones`].
 #[derive(Debug, Clone)]
 pub struct CloneOptions {
@@ -168,7 +173,7 @@ pub struct CloneOptions {
     pub state_dir: PathBuf,
     /// Where materialized snapshots are cached ([`default_cache_dir`]).
     pub cache_dir: PathBuf,
-    /// QEMU start → `restored`, per clone (default 60 s).
+    /// QEMU start → `restored`, per clone ([`DEFAULT_RESTORE_TIMEOUT`]).
     pub restore_timeout: Duration,
     /// Accelerator; `None`: [`launch::probe_accel_cached`].
     pub accel: Option<Accel>,
@@ -190,7 +195,7 @@ impl CloneOptions {
             env: Vec::new(),
             state_dir,
             cache_dir,
-            restore_timeout: Duration::from_secs(60),
+            restore_timeout: DEFAULT_RESTORE_TIMEOUT,
             accel: None,
             disk_mib: None,
             lazy_server: None,

@@ -18,9 +18,9 @@
 //! 0444, read-only; their sizes are the chunk tables' sizes). A read of a range fetches every
 //! chunk it covers through [`kiln_store::artifact::ArtifactReader`]: the store's read cache
 //! first ([`kiln_store::readcache`], bounded by `cache_max_mib`, least-recently-used), else
-//! the store (local or S3, with the store's bounded retries: `store_attempts`,
-//! `store_timeout_secs`), decompressed, its sha256 checked, kept in the read cache, and
-//! answered. Zero chunks (holes of the table) are answered without any fetch. A chunk that
+//! the store (local or S3, with the store's bounded retries: `store_attempts`, and for
+//! `kiln __lazy-serve` the read bound `lazy_read_timeout_secs`), decompressed, its sha256
+//! checked, kept in the read cache, and answered. Zero chunks (holes of the table) are answered without any fetch. A chunk that
 //! fails its digest, or a store that cannot be reached once the retries are spent, answers
 //! the read with `EIO`, never with wrong bytes; the first such error is written to
 //! `<dir>/failure` ([`FAILURE`]) so that the clone start that hit it names the chunk
@@ -51,7 +51,10 @@
 //! snapshot's tag is gone. It is written before the first read is served, expires
 //! [`LEASE_TTL`] after its last renewal (every [`LEASE_RENEW`] while the server runs), and is
 //! released when the idle server leaves; a server that dies leaves a lease whose owner is
-//! dead, which GC on this host releases at once (and others at its expiry).
+//! dead, which GC on this host releases at once (and others at its expiry). The server's
+//! reads are bounded by the store options it is opened with (`kiln __lazy-serve` uses
+//! `lazy_read_timeout_secs`, below the clones' restore timeout), so a store that stops
+//! answering fails the read, naming the chunk and the store, before the start times out.
 
 use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
