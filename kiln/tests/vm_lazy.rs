@@ -167,6 +167,27 @@ fn vm_lazy_start_from_s3() {
         })
         .collect();
 
+    // 0. `kiln snapshot` recorded a prefetch list: non-empty, and only chunks of the
+    //    snapshot (a strict subset).
+    let list = snap
+        .prefetch
+        .clone()
+        .expect("the snapshot has a prefetch list");
+    let listed: HashSet<(String, usize)> = list
+        .memory
+        .iter()
+        .map(|i| ("memory".to_string(), *i as usize))
+        .chain(list.disk.iter().map(|i| ("disk".to_string(), *i as usize)))
+        .collect();
+    assert!(!listed.is_empty(), "a non-empty prefetch list");
+    assert!(
+        listed.is_subset(&all) && listed.len() < all.len(),
+        "the list names {} chunks, of the snapshot's {}",
+        listed.len(),
+        all.len()
+    );
+    let listed_chunks = list.chunks(&snap).expect("a valid list");
+
     // 1. Cold from S3: nothing of the snapshot is local, the clone answers and runs a
     //    command, and the chunks served are a strict subset of the snapshot's.
     let c1 = d.join("cache1");
@@ -174,6 +195,29 @@ fn vm_lazy_start_from_s3() {
     let o_cold = kiln(d, &s3, &c1, &["--json", "start", "bb:snap"]);
     assert!(o_cold.status.success(), "{}", show(&o_cold));
     let id = started_id(&o_cold);
+    // The listed chunks are fetched in the background from the start: once the server says
+    // its prefetch is done, every one of them is in the host's chunk cache.
+    let done = snapdir1.join(lazy::PREFETCH_DONE);
+    for _ in 0..1200 {
+        if done.exists() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let done = std::fs::read_to_string(&done).expect("the server finished its prefetch");
+    let missing: Vec<String> = listed_chunks
+        .iter()
+        .map(|(d, _)| d.hex())
+        .filter(|h| !c1.join("kcache/chunks").join(h).exists())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "prefetched chunks not in the cache ({done}): {missing:?}"
+    );
+    eprintln!(
+        "prefetch: {} chunks listed; fetched, failed, bytes, ms: {done}",
+        listed_chunks.len()
+    );
     assert!(
         !snapdir1.join("memory").exists() && !snapdir1.join("disk.raw").exists(),
         "nothing materialized"

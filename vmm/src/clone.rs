@@ -403,7 +403,7 @@ pub const MAX_VCPUS: u32 = 64;
 
 /// Refuses snapshot manifests kiln would not have written: memory size not a whole number of
 /// MiB, over [`MAX_MEMORY_BYTES`], or different from the memory table's size; vCPUs outside
-/// 1..=[`MAX_VCPUS`].
+/// 1..=[`MAX_VCPUS`]; a prefetch list naming a chunk out of its table or a hole.
 pub fn check_snapshot(s: &SnapshotManifest) -> Result<(), String> {
     if s.memory_bytes == 0 || !s.memory_bytes.is_multiple_of(1 << 20) {
         return Err(format!(
@@ -425,6 +425,9 @@ pub fn check_snapshot(s: &SnapshotManifest) -> Result<(), String> {
     }
     if !(1..=MAX_VCPUS).contains(&s.vcpus) {
         return Err(format!("{} vCPUs (1 to {MAX_VCPUS} accepted)", s.vcpus));
+    }
+    if let Some(p) = &s.prefetch {
+        p.chunks(s)?;
     }
     Ok(())
 }
@@ -1122,6 +1125,7 @@ mod tests {
             initramfs: blob,
             vcpus,
             memory_bytes,
+            prefetch: None,
         }
     }
 

@@ -43,6 +43,15 @@
 //! runs, and the server exits only while it holds that lock exclusively, so it never leaves
 //! under a start that is about to use it.
 //!
+//! ## The prefetch list
+//! A snapshot whose manifest carries a prefetch list ([`kiln_store::PrefetchList`], recorded
+//! by `kiln snapshot`: [`crate::snapshot`]) has those chunks fetched by the server as soon as
+//! it is mounted, [`PREFETCH_PARALLEL`] at a time, in the background while the clone starts:
+//! each through the store's read cache (verified, kept), so the clone's own reads of them
+//! hit the cache. Only for a store with a read cache (not a local directory, whose chunks are
+//! already on this host). When it is done the server writes [`PREFETCH_DONE`]. A chunk the
+//! clone reads before its prefetch has fetched it is fetched by both (the read does not wait).
+//!
 //! ## The lease
 //! While it serves, the server holds a store lease ([`kiln_store::lease`], id
 //! `lazy-<16 hex of the snapshot>-<pid>-<ns>`) on the snapshot manifest and everything it
@@ -92,6 +101,10 @@ pub const STOPPED: &str = "stopped";
 pub const SERVER_RECORD: &str = "server.json";
 /// The server's standard error (appended).
 pub const SERVER_LOG: &str = "lazy.log";
+/// Written by the server when its prefetch is done: `<fetched> <failed> <bytes> <ms>`.
+pub const PREFETCH_DONE: &str = "prefetch.done";
+/// How many prefetch fetches run at once.
+pub const PREFETCH_PARALLEL: usize = 8;
 /// The lock starts hold shared while they use the server.
 const USE_LOCK: &str = "lazy.use";
 /// How often the server looks for clones using it.
@@ -372,6 +385,7 @@ where
     F: FnOnce(&tokio::runtime::Runtime) -> Result<Store, String>,
 {
     let _ = std::fs::remove_file(dir.join(FAILURE));
+    let _ = std::fs::remove_file(dir.join(PREFETCH_DONE));
     // SAFETY: fork(2) in a process that has started no thread yet (the caller's contract);
     // the child goes on to run ordinary Rust code.
     let pid = unsafe { libc::fork() };
@@ -470,7 +484,7 @@ fn clone_dir_of(pid: u32) -> Option<PathBuf> {
 }
 
 /// `umount2(path, MNT_DETACH)`, errors ignored (not mounted).
-fn detach(path: &Path) {
+pub(crate) fn detach(path: &Path) {
     use std::os::unix::ffi::OsStrExt;
     let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
         return;
@@ -581,6 +595,13 @@ where
             libc::dup2(null.as_raw_fd(), 1);
         }
     }
+    if let Some(p) = &snap.prefetch
+        && store.local_root().is_none()
+    {
+        // Checked with the rest of the manifest (check_snapshot).
+        let chunks = p.chunks(&snap).unwrap_or_default();
+        rt.spawn(prefetch(store.clone(), chunks, dir.to_path_buf()));
+    }
     let use_lock = dir.join(USE_LOCK);
     std::thread::spawn(move || idle_exit(&use_lock, &mnt, unmounter));
     let served = session
@@ -593,6 +614,48 @@ where
     served?;
     // Keep the use lock (held by the idle thread) until the process exits.
     std::process::exit(0);
+}
+
+/// Fetches `chunks` (digest, raw length) into the store's read cache, [`PREFETCH_PARALLEL`] at
+/// a time, then writes [`PREFETCH_DONE`] in `dir`. A chunk that fails is skipped (its first
+/// error goes to the server's log): the clone's own read of it will fail and be named.
+async fn prefetch(store: Store, chunks: Vec<(kiln_store::ChunkDigest, u64)>, dir: PathBuf) {
+    let t0 = std::time::Instant::now();
+    let slots = Arc::new(tokio::sync::Semaphore::new(PREFETCH_PARALLEL));
+    let mut set = tokio::task::JoinSet::new();
+    for (d, len) in chunks {
+        let (store, slots) = (store.clone(), slots.clone());
+        set.spawn(async move {
+            let _slot = slots.acquire_owned().await;
+            store
+                .get_chunk(&d, len)
+                .await
+                .map(|b| b.len() as u64)
+                .map_err(|e| e.to_string())
+        });
+    }
+    let (mut fetched, mut failed, mut bytes) = (0u64, 0u64, 0u64);
+    while let Some(r) = set.join_next().await {
+        match r {
+            Ok(Ok(n)) => {
+                fetched += 1;
+                bytes += n;
+            }
+            Ok(Err(e)) => {
+                if failed == 0 {
+                    eprintln!("kiln chunk server: prefetch: {e}");
+                }
+                failed += 1;
+            }
+            Err(_) => failed += 1,
+        }
+    }
+    let ms = t0.elapsed().as_millis();
+    tracing::info!(fetched, failed, bytes, ms, "prefetch done");
+    let _ = std::fs::write(
+        dir.join(PREFETCH_DONE),
+        format!("{fetched} {failed} {bytes} {ms}\n"),
+    );
 }
 
 /// Everything a clone of `snap` may read from the store: the snapshot manifest and all it
