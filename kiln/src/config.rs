@@ -17,6 +17,7 @@
 //! | `log` | `KILN_LOG`, then `RUST_LOG` | `-v` (info), `-vv` (debug), `-vvv` (trace) | `warn` |
 //! | `store_attempts` | `KILN_STORE_ATTEMPTS` | | `6` |
 //! | `store_timeout_secs` | `KILN_STORE_TIMEOUT_SECS` | | `300` |
+//! | `lazy_read_timeout_secs` | `KILN_LAZY_READ_TIMEOUT_SECS` | | `20` |
 //! | `s3.endpoint` | `KILN_S3_ENDPOINT` | | unset: `AWS_ENDPOINT_URL` or the AWS default |
 //! | `s3.region` | `KILN_S3_REGION` | | unset: `AWS_REGION` or `us-east-1` |
 //! | `s3.allow_http` | `KILN_S3_ALLOW_HTTP` | | unset: `AWS_ALLOW_HTTP` or `false` |
@@ -44,6 +45,13 @@
 //! hung server costs with the other defaults), and [`DEFAULT_S3_REQUEST_TIMEOUT_SECS`]
 //! (object_store's default).
 //!
+//! The chunk server of lazily started clones (`kiln __lazy-serve`) bounds each chunk read
+//! tighter: `lazy_read_timeout_secs` for the whole read, every attempt included, and a third
+//! of it for one S3 request ([`Config::lazy_store_options`]), so a store that stops answering
+//! fails the clone's read with an error naming the chunk and the store well before the
+//! clones' restore timeout ([`kiln_vmm::clone::DEFAULT_RESTORE_TIMEOUT`], 60 s), which is
+//! why the setting must stay below it.
+//!
 //! The file is TOML with exactly these keys (unknown keys are an error, so a typo fails
 //! loudly); it is read with a size bound of [`MAX_CONFIG_BYTES`]. A local store or cache path
 //! in the file must be absolute or start with `~/`.
@@ -55,6 +63,7 @@
 //! log = "info"
 //! store_attempts = 6
 //! store_timeout_secs = 300
+//! lazy_read_timeout_secs = 20
 //!
 //! [s3]
 //! endpoint = "http://127.0.0.1:9000"
@@ -88,6 +97,10 @@ pub const MAX_STORE_ATTEMPTS: u64 = 100;
 
 /// Largest `store_timeout_secs` and `s3.request_timeout_secs` accepted: 7 days, in seconds.
 pub const MAX_TIMEOUT_SECS: u64 = 7 * 86400;
+
+/// Default `lazy_read_timeout_secs`: 20 s, a third of the clones' 60 s restore timeout, so a
+/// read that gives up still leaves the start time to report it.
+pub const DEFAULT_LAZY_READ_TIMEOUT_SECS: u64 = 20;
 
 /// Errors loading the configuration.
 #[derive(Debug, thiserror::Error)]
@@ -237,6 +250,7 @@ struct FileConfig {
     log: Option<String>,
     store_attempts: Option<u64>,
     store_timeout_secs: Option<u64>,
+    lazy_read_timeout_secs: Option<u64>,
     bootstrap_mirror: Option<String>,
     #[serde(default)]
     s3: FileS3,
@@ -263,6 +277,9 @@ pub struct Config {
     /// Bound on one store operation, every attempt and wait included, seconds (1 to
     /// [`MAX_TIMEOUT_SECS`]).
     pub store_timeout_secs: Setting<u64>,
+    /// Bound on one chunk read of the lazy chunk server, every attempt included, seconds (1
+    /// to one less than [`kiln_vmm::clone::DEFAULT_RESTORE_TIMEOUT`]).
+    pub lazy_read_timeout_secs: Setting<u64>,
     /// S3 endpoint override.
     pub s3_endpoint: Setting<Option<String>>,
     /// S3 region override.
@@ -501,6 +518,17 @@ impl Config {
             "seconds",
             retry::DEFAULT_OPERATION_TIMEOUT.as_secs(),
         )?;
+        let lazy_read_timeout_secs = whole(
+            pick(
+                None,
+                &["KILN_LAZY_READ_TIMEOUT_SECS"],
+                file.lazy_read_timeout_secs.map(|n| n.to_string()),
+            ),
+            "lazy_read_timeout_secs",
+            kiln_vmm::clone::DEFAULT_RESTORE_TIMEOUT.as_secs() - 1,
+            "seconds (below the clones' restore timeout)",
+            DEFAULT_LAZY_READ_TIMEOUT_SECS,
+        )?;
         let s3_request_timeout_secs = whole(
             pick(
                 None,
@@ -644,6 +672,7 @@ impl Config {
             log,
             store_attempts,
             store_timeout_secs,
+            lazy_read_timeout_secs,
             s3_endpoint,
             s3_region,
             s3_allow_http,
@@ -672,6 +701,22 @@ impl Config {
                 self.cache_max_mib.value.saturating_mul(1 << 20),
             ));
         }
+        o
+    }
+
+    /// [`Config::store_options`] for the lazy chunk server: one operation is bounded by
+    /// `lazy_read_timeout_secs` (or `store_timeout_secs` when that is shorter), and one S3
+    /// request by a third of that bound (or `s3.request_timeout_secs` when shorter, and at
+    /// least 100 ms), so a hung request is retried at least once before the read gives up.
+    pub fn lazy_store_options(&self) -> StoreOptions {
+        let mut o = self.store_options();
+        let bound = Duration::from_secs(self.lazy_read_timeout_secs.value);
+        o.retry.operation_timeout = o.retry.operation_timeout.min(bound);
+        let per_request = (o.retry.operation_timeout / 3).max(Duration::from_millis(100));
+        o.s3.request_timeout = Some(
+            o.s3.request_timeout
+                .map_or(per_request, |t| t.min(per_request)),
+        );
         o
     }
 
@@ -717,6 +762,11 @@ impl Config {
                 "store_timeout_secs",
                 Some(self.store_timeout_secs.value.to_string()),
                 &self.store_timeout_secs.origin,
+            ),
+            (
+                "lazy_read_timeout_secs",
+                Some(self.lazy_read_timeout_secs.value.to_string()),
+                &self.lazy_read_timeout_secs.origin,
             ),
             (
                 "s3.endpoint",
@@ -1168,6 +1218,49 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(e.contains(var) && e.contains("whole number"), "{e}");
+        }
+    }
+
+    /// Issue 18: the chunk server's reads are bounded below the clones' restore timeout
+    /// (`lazy_read_timeout_secs`), one S3 request by a third of that, and a bound at or above
+    /// the restore timeout is refused.
+    #[test]
+    fn lazy_read_timeout_bounds_the_chunk_servers_store_options() {
+        let c = resolve(&Flags::default(), &[("HOME", "/h")], None);
+        assert_eq!(
+            c.lazy_read_timeout_secs.value,
+            DEFAULT_LAZY_READ_TIMEOUT_SECS
+        );
+        let o = c.lazy_store_options();
+        assert_eq!(o.retry.operation_timeout, Duration::from_secs(20));
+        assert_eq!(o.s3.request_timeout, Some(Duration::from_secs(20) / 3));
+        assert_eq!(o.retry.max_attempts, retry::DEFAULT_MAX_ATTEMPTS);
+        // The ordinary commands keep theirs.
+        assert_eq!(
+            c.store_options().retry.operation_timeout,
+            retry::DEFAULT_OPERATION_TIMEOUT
+        );
+        let env = [("HOME", "/h"), ("KILN_LAZY_READ_TIMEOUT_SECS", "3")];
+        let c = resolve(&Flags::default(), &env, None);
+        let o = c.lazy_store_options();
+        assert_eq!(o.retry.operation_timeout, Duration::from_secs(3));
+        assert_eq!(o.s3.request_timeout, Some(Duration::from_secs(1)));
+        // A shorter store_timeout_secs and s3.request_timeout_secs still win.
+        let file = "store_timeout_secs = 2\n[s3]\nrequest_timeout_secs = 1\n";
+        let c = resolve(&Flags::default(), &[("HOME", "/h")], Some(file));
+        let o = c.lazy_store_options();
+        assert_eq!(o.retry.operation_timeout, Duration::from_secs(2));
+        assert_eq!(o.s3.request_timeout, Some(Duration::from_secs(2) / 3));
+        for bad in ["0", "60", "600"] {
+            let pairs = [("HOME", "/h"), ("KILN_LAZY_READ_TIMEOUT_SECS", bad)];
+            let env = env_of(&pairs);
+            let e = Config::resolve(&Flags::default(), &env, None, None, || None)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("lazy_read_timeout_secs") && e.contains("1 to 59"),
+                "{e}"
+            );
         }
     }
 

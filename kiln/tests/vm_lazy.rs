@@ -3,7 +3,11 @@
 //! local store and pushed to S3; `kiln start` from S3 answers and runs a command through
 //! its chunk server, having fetched a strict subset of the snapshot's chunks; killing the
 //! server stops its clone with the reason and leaves no mount; a chunk corrupted in S3 is
-//! refused at read and named by the failed start. One boot for all of it.
+//! refused at read and named by the failed start. The chunk server's lease keeps every
+//! object of the snapshot through `kiln store gc` while its clones run, even untagged, and
+//! once no server runs GC collects them; a store that stops answering chunk reads (a fault
+//! injector in front of S3) fails the start within the lazy read bound, naming the chunk
+//! and the store. One boot for all of it.
 //! Needs what `ci/setup.sh` exports (`KILN_TEST_BUSYBOX_OCI`, the guest kernel, the S3
 //! server's `AWS_*` and `KILN_TEST_S3_*`).
 
@@ -12,7 +16,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use kiln_store::{Manifest, Store, TagRef};
+use kiln_store::{Manifest, ObjectRef, Store, TagRef};
+use kiln_tests::fault_proxy::FaultProxy;
 use kiln_tests::stores::{Kind, fresh_url};
 use kiln_tests::vm::{busybox_image, guest_assets};
 use kiln_vmm::lazy;
@@ -21,9 +26,21 @@ use serde_json::Value;
 /// `kiln` with its state, snapshot cache and chunk cache in `dir`, the store `store`, and
 /// the snapshot cache `snapcache` (a fresh one has no file of the snapshot).
 fn kiln(dir: &Path, store: &str, snapcache: &Path, args: &[&str]) -> Output {
+    kiln_with(dir, store, snapcache, &[], args)
+}
+
+/// [`kiln`] with more environment variables.
+fn kiln_with(
+    dir: &Path,
+    store: &str,
+    snapcache: &Path,
+    envs: &[(&str, &str)],
+    args: &[&str],
+) -> Output {
     let a = guest_assets();
     Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(args)
+        .envs(envs.iter().copied())
         .env("KILN_STORE", store)
         .env("KILN_STATE_DIR", dir.join("state"))
         .env("KILN_SNAPSHOT_CACHE", snapcache)
@@ -150,6 +167,27 @@ fn vm_lazy_start_from_s3() {
         })
         .collect();
 
+    // 0. `kiln snapshot` recorded a prefetch list: non-empty, and only chunks of the
+    //    snapshot (a strict subset).
+    let list = snap
+        .prefetch
+        .clone()
+        .expect("the snapshot has a prefetch list");
+    let listed: HashSet<(String, usize)> = list
+        .memory
+        .iter()
+        .map(|i| ("memory".to_string(), *i as usize))
+        .chain(list.disk.iter().map(|i| ("disk".to_string(), *i as usize)))
+        .collect();
+    assert!(!listed.is_empty(), "a non-empty prefetch list");
+    assert!(
+        listed.is_subset(&all) && listed.len() < all.len(),
+        "the list names {} chunks, of the snapshot's {}",
+        listed.len(),
+        all.len()
+    );
+    let listed_chunks = list.chunks(&snap).expect("a valid list");
+
     // 1. Cold from S3: nothing of the snapshot is local, the clone answers and runs a
     //    command, and the chunks served are a strict subset of the snapshot's.
     let c1 = d.join("cache1");
@@ -157,6 +195,29 @@ fn vm_lazy_start_from_s3() {
     let o_cold = kiln(d, &s3, &c1, &["--json", "start", "bb:snap"]);
     assert!(o_cold.status.success(), "{}", show(&o_cold));
     let id = started_id(&o_cold);
+    // The listed chunks are fetched in the background from the start: once the server says
+    // its prefetch is done, every one of them is in the host's chunk cache.
+    let done = snapdir1.join(lazy::PREFETCH_DONE);
+    for _ in 0..1200 {
+        if done.exists() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let done = std::fs::read_to_string(&done).expect("the server finished its prefetch");
+    let missing: Vec<String> = listed_chunks
+        .iter()
+        .map(|(d, _)| d.hex())
+        .filter(|h| !c1.join("kcache/chunks").join(h).exists())
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "prefetched chunks not in the cache ({done}): {missing:?}"
+    );
+    eprintln!(
+        "prefetch: {} chunks listed; fetched, failed, bytes, ms: {done}",
+        listed_chunks.len()
+    );
     assert!(
         !snapdir1.join("memory").exists() && !snapdir1.join("disk.raw").exists(),
         "nothing materialized"
@@ -215,6 +276,66 @@ fn vm_lazy_start_from_s3() {
     let warm_ms = started(&o)["start_ms"].as_u64().unwrap_or(0);
     let id2 = started_id(&o);
     eprintln!("QEMU start to answered: cold from S3 {cold_ms} ms, warm {warm_ms} ms");
+
+    // 2. GC while the clones run: with the snapshot's tag gone, `kiln store gc` with no grace
+    //    keeps every object a clone may still read (the chunk server's lease holds them), and
+    //    the clone still runs a command.
+    let objects = lazy::snapshot_objects(&snap_digest, &snap);
+    let keys: std::collections::BTreeSet<String> = objects.iter().map(|o| o.key()).collect();
+    let lazy_leases = || {
+        rt.block_on(async {
+            let s = Store::open(&s3).await.expect("s3 store");
+            s.list_leases()
+                .await
+                .expect("leases")
+                .into_iter()
+                .filter(|l| l.id.starts_with("lazy-"))
+                .collect::<Vec<_>>()
+        })
+    };
+    let present = || {
+        rt.block_on(async {
+            let s = Store::open(&s3).await.expect("s3 store");
+            s.exist(&objects).await.expect("exist")
+        })
+    };
+    let leases = lazy_leases();
+    assert_eq!(leases.len(), 1, "one server, one lease: {leases:?}");
+    assert!(
+        keys.is_subset(&leases[0].objects),
+        "the lease holds every object of the snapshot"
+    );
+    let o = kiln(d, &s3, &c1, &["untag", "bb:snap"]);
+    assert!(o.status.success(), "{}", show(&o));
+    let o = kiln(d, &s3, &c1, &["store", "gc", "--grace", "0s"]);
+    assert!(o.status.success(), "{}", show(&o));
+    let kept = present();
+    let lost: Vec<&ObjectRef> = objects
+        .iter()
+        .zip(&kept)
+        .filter(|(_, p)| !**p)
+        .map(|(o, _)| o)
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "GC deleted what a clone may read: {lost:?}"
+    );
+    let o = kiln(d, &s3, &c1, &["exec", &id, "--", "echo", "after-gc"]);
+    assert!(o.status.success(), "{}", show(&o));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "after-gc\n",
+        "{}",
+        show(&o)
+    );
+    // The tag back (GC took the untagged image manifest) for what follows.
+    let o = kiln(
+        d,
+        &local_url,
+        &c0,
+        &["store", "push", "bb:snap", "--to", &s3],
+    );
+    assert!(o.status.success(), "{}", show(&o));
     let memory_chunks: Vec<String> = served
         .iter()
         .filter(|(n, _, _)| n == "memory")
@@ -224,7 +345,7 @@ fn vm_lazy_start_from_s3() {
         .collect();
     assert!(!memory_chunks.is_empty(), "memory chunks were read");
 
-    // 2. Killing the chunk server stops its clone with the reason and leaves no mount.
+    // 3. Killing the chunk server stops its clone with the reason and leaves no mount.
     let rec: lazy::ServerRecord = serde_json::from_slice(
         &std::fs::read(snapdir1.join(lazy::SERVER_RECORD)).expect("server record"),
     )
@@ -264,7 +385,50 @@ fn vm_lazy_start_from_s3() {
         assert!(o.status.success(), "{}", show(&o));
     }
 
-    // 3. Chunks corrupted in the store (a valid zstd frame of other bytes under their
+    // 4. A store that stops answering chunk reads (a fault injector in front of S3 stalls
+    //    every chunk GET; manifests, blobs and leases pass): the start fails within the lazy
+    //    read bound (3 s here), naming a chunk and the store, not on the 60 s restore
+    //    timeout; the server then leaves.
+    let upstream = std::env::var("KILN_TEST_S3_ENDPOINT").expect("KILN_TEST_S3_ENDPOINT");
+    let proxy = rt
+        .block_on(FaultProxy::start(upstream.trim_start_matches("http://")))
+        .expect("fault proxy");
+    proxy.stall_requests_containing(b"/chunks/sha256/", Duration::from_secs(120));
+    let c3 = d.join("cache3");
+    let o = kiln_with(
+        d,
+        &s3,
+        &c3,
+        &[
+            ("KILN_S3_ENDPOINT", &proxy.url()),
+            ("KILN_LAZY_READ_TIMEOUT_SECS", "3"),
+        ],
+        &["start", "bb:snap"],
+    );
+    assert!(!o.status.success(), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let chunk_hexes: Vec<String> = objects
+        .iter()
+        .filter_map(|o| match o {
+            ObjectRef::Chunk(c) => Some(c.to_string().trim_start_matches("sha256:").to_string()),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        err.contains("chunk server")
+            && err.contains("gave up")
+            && err.contains(&s3)
+            && chunk_hexes.iter().any(|h| err.contains(h.as_str())),
+        "the unanswered chunk read is named with its store: {}",
+        show(&o)
+    );
+    assert!(proxy.fired() > 0, "chunk reads were stalled");
+    assert!(
+        wait_unmounted(&c3.join(snap_digest.hex())),
+        "the idle server unmounted"
+    );
+
+    // 5. Chunks corrupted in the store (a valid zstd frame of other bytes under their
     //    names) are refused at read, and the failed start names one; no clone is left.
     rt.block_on(async {
         let s = Store::open(&s3).await.expect("s3 store");
@@ -298,4 +462,28 @@ fn vm_lazy_start_from_s3() {
     );
     // With no clone left, the server leaves on its own, and its mount with it.
     assert!(wait_unmounted(&snapdir2), "the idle server unmounted");
+
+    // 6. With no server left the leases end: the idle servers released theirs, the killed
+    //    one's owner is dead; untagged, the snapshot is then collected whole.
+    let leases = lazy_leases();
+    assert!(
+        leases.len() == 1
+            && leases[0]
+                .owner
+                .as_ref()
+                .is_some_and(|o| o.process.pid == rec.server.pid),
+        "only the killed server's lease is left: {leases:?}"
+    );
+    let o = kiln(d, &s3, &c1, &["untag", "bb:snap"]);
+    assert!(o.status.success(), "{}", show(&o));
+    let o = kiln(d, &s3, &c1, &["store", "gc", "--grace", "0s"]);
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(
+        lazy_leases().is_empty(),
+        "GC released the dead server's lease"
+    );
+    assert!(
+        present().iter().all(|p| !p),
+        "GC collected the snapshot once no lease held it"
+    );
 }

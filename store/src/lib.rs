@@ -94,8 +94,8 @@ pub use gc::GcError;
 pub use lease::LeaseError;
 pub use local_blobs::LocalBlobs;
 pub use manifest::{
-    BlobRef, Filesystem, ImageManifest, Manifest, ManifestError, ObjectRef, RawManifest, ReadySpec,
-    SandboxSpec, SnapshotManifest, StartSpec,
+    BlobRef, Filesystem, ImageManifest, Manifest, ManifestError, ObjectRef, PrefetchList,
+    RawManifest, ReadySpec, SandboxSpec, SnapshotManifest, StartSpec,
 };
 pub use ociref::{OciRef, OciRefError};
 pub use store::{Store, StoreOptions};

@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::chunk::{ChunkError, ChunkTable};
+use crate::chunk::{ChunkEntry, ChunkError, ChunkTable};
 use crate::digest::{BlobDigest, ChunkDigest, ManifestDigest};
 
 /// Media type of [`ImageManifest`].
@@ -250,6 +250,54 @@ pub struct SnapshotManifest {
     pub vcpus: u32,
     /// Guest RAM in bytes (the memory file's size).
     pub memory_bytes: u64,
+    /// The chunks a clone read from its restore to its first answer, recorded at snapshot
+    /// time by one lazily served restore (`kiln snapshot`), which a clone start fetches first
+    /// and in the background. Absent in snapshots made before it existed or without a
+    /// recording (then nothing is prefetched).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefetch: Option<PrefetchList>,
+}
+
+/// A snapshot's prefetch list ([`SnapshotManifest::prefetch`]): indices into its chunk
+/// tables (`memory.entries`, `disk.entries`), each naming a chunk that is not a hole, in the
+/// order the recording clone first read them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefetchList {
+    /// Indices into the memory table.
+    pub memory: Vec<u32>,
+    /// Indices into the disk table.
+    pub disk: Vec<u32>,
+}
+
+impl PrefetchList {
+    /// The listed chunks of `snap` as (digest, raw length), memory first. Errors name the
+    /// first index that is out of its table or a hole (a hostile manifest).
+    pub fn chunks(&self, snap: &SnapshotManifest) -> Result<Vec<(ChunkDigest, u64)>, String> {
+        let mut out = Vec::with_capacity(self.memory.len() + self.disk.len());
+        for (name, table, list) in [
+            ("memory", &snap.memory, &self.memory),
+            ("disk", &snap.disk, &self.disk),
+        ] {
+            for &i in list {
+                match table.entries.get(i as usize) {
+                    Some(ChunkEntry {
+                        digest: Some(d),
+                        raw_len,
+                        ..
+                    }) => out.push((*d, *raw_len)),
+                    Some(_) => return Err(format!("prefetch list: {name} chunk {i} is a hole")),
+                    None => {
+                        return Err(format!(
+                            "prefetch list: {name} chunk {i} is past the table's {} entries",
+                            table.entries.len()
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// A parsed manifest of any known type.
@@ -489,9 +537,41 @@ mod tests {
             initramfs: blob(b"initrd"),
             vcpus: 1,
             memory_bytes: 8,
+            prefetch: None,
         };
         let raw = RawManifest::encode(&Manifest::Snapshot(s.clone())).unwrap();
         assert_eq!(raw.parse().unwrap(), Manifest::Snapshot(s.clone()));
+        // No list, no field: a snapshot without one encodes as before the field existed.
+        assert!(!String::from_utf8_lossy(&raw.bytes).contains("prefetch"));
+        let listed = SnapshotManifest {
+            prefetch: Some(PrefetchList {
+                memory: vec![0],
+                disk: vec![0],
+            }),
+            ..s.clone()
+        };
+        let raw = RawManifest::encode(&Manifest::Snapshot(listed.clone())).unwrap();
+        assert_eq!(raw.parse().unwrap(), Manifest::Snapshot(listed.clone()));
+        let chunks = listed.prefetch.as_ref().unwrap().chunks(&listed).unwrap();
+        assert_eq!(
+            chunks,
+            vec![
+                (listed.memory.entries[0].digest.unwrap(), 4),
+                (listed.disk.entries[0].digest.unwrap(), 4)
+            ]
+        );
+        // A hostile list: an index past the table, or of a hole, is refused, named.
+        for (i, want) in [
+            (7, "memory chunk 7 is past"),
+            (1, "memory chunk 1 is a hole"),
+        ] {
+            let bad = PrefetchList {
+                memory: vec![i],
+                disk: vec![],
+            };
+            let e = bad.chunks(&listed).unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
         assert_eq!(
             references(&Manifest::Snapshot(s)),
             vec![

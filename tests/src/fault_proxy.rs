@@ -6,6 +6,11 @@
 //! Faults are placed by the cumulative count of client-to-server bytes across all connections
 //! (so "drop at 3 MiB" hits mid-upload whatever the request boundaries are): [`FaultProxy::arm`]
 //! takes the byte offsets and what to do there. Each offset fires once.
+//!
+//! It can also stall by what a request asks for ([`FaultProxy::stall_requests_containing`]):
+//! a connection whose client bytes contain a given text (such as `/chunks/sha256/`, in the
+//! request line of every chunk GET) forwards nothing more, standing in for a store that stops
+//! answering those reads while the rest of the protocol goes on.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -31,6 +36,8 @@ pub enum Fault {
 struct Plan {
     /// (cumulative upload offset in bytes, fault), ascending.
     pending: VecDeque<(u64, Fault)>,
+    /// Client bytes that make their connection stall (forward nothing more) for this long.
+    stall_matching: Option<(Vec<u8>, Duration)>,
 }
 
 /// A running proxy. Dropping it stops accepting (connections in flight finish on their own).
@@ -102,6 +109,13 @@ impl FaultProxy {
         lock(&self.plan).pending = v.into();
     }
 
+    /// From now on, a client read that contains `needle` is not forwarded, and its connection
+    /// forwards nothing more in either direction for `stall` (then closes); other
+    /// connections go on. Each such stall counts as a fault fired.
+    pub fn stall_requests_containing(&self, needle: &[u8], stall: Duration) {
+        lock(&self.plan).stall_matching = Some((needle.to_vec(), stall));
+    }
+
     /// Faults fired so far.
     pub fn fired(&self) -> u64 {
         self.fired.load(Ordering::SeqCst)
@@ -162,6 +176,19 @@ async fn relay(
             Ok(n) => n as u64,
         };
         // Claim this read's byte range [start, start + n) and see whether a fault falls in it.
+        let matched = {
+            let p = lock(&plan);
+            p.stall_matching.as_ref().and_then(|(needle, d)| {
+                buf[..n as usize]
+                    .windows(needle.len())
+                    .any(|w| w == needle.as_slice())
+                    .then_some(*d)
+            })
+        };
+        if let Some(d) = matched {
+            fired.fetch_add(1, Ordering::SeqCst);
+            break Some(Fault::Stall(d));
+        }
         let (start, hit) = {
             let mut p = lock(&plan);
             let start = uploaded.fetch_add(n, Ordering::SeqCst);

@@ -157,6 +157,11 @@ impl From<QmpError> for CloneError {
     }
 }
 
+/// Default [`CloneOptions::restore_timeout`]: 60 s from QEMU's start to the guest's
+/// `restored`, which a lazily served clone's chunk reads must fail well within (see the
+/// chunk server's read bound, [`crate::lazy`]).
+pub const DEFAULT_RESTORE_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Options of [`start_clones`].
 #[derive(Debug, Clone)]
 pub struct CloneOptions {
@@ -168,7 +173,7 @@ pub struct CloneOptions {
     pub state_dir: PathBuf,
     /// Where materialized snapshots are cached ([`default_cache_dir`]).
     pub cache_dir: PathBuf,
-    /// QEMU start → `restored`, per clone (default 60 s).
+    /// QEMU start → `restored`, per clone ([`DEFAULT_RESTORE_TIMEOUT`]).
     pub restore_timeout: Duration,
     /// Accelerator; `None`: [`launch::probe_accel_cached`].
     pub accel: Option<Accel>,
@@ -190,7 +195,7 @@ impl CloneOptions {
             env: Vec::new(),
             state_dir,
             cache_dir,
-            restore_timeout: Duration::from_secs(60),
+            restore_timeout: DEFAULT_RESTORE_TIMEOUT,
             accel: None,
             disk_mib: None,
             lazy_server: None,
@@ -398,7 +403,7 @@ pub const MAX_VCPUS: u32 = 64;
 
 /// Refuses snapshot manifests kiln would not have written: memory size not a whole number of
 /// MiB, over [`MAX_MEMORY_BYTES`], or different from the memory table's size; vCPUs outside
-/// 1..=[`MAX_VCPUS`].
+/// 1..=[`MAX_VCPUS`]; a prefetch list naming a chunk out of its table or a hole.
 pub fn check_snapshot(s: &SnapshotManifest) -> Result<(), String> {
     if s.memory_bytes == 0 || !s.memory_bytes.is_multiple_of(1 << 20) {
         return Err(format!(
@@ -420,6 +425,9 @@ pub fn check_snapshot(s: &SnapshotManifest) -> Result<(), String> {
     }
     if !(1..=MAX_VCPUS).contains(&s.vcpus) {
         return Err(format!("{} vCPUs (1 to {MAX_VCPUS} accepted)", s.vcpus));
+    }
+    if let Some(p) = &s.prefetch {
+        p.chunks(s)?;
     }
     Ok(())
 }
@@ -1117,6 +1125,7 @@ mod tests {
             initramfs: blob,
             vcpus,
             memory_bytes,
+            prefetch: None,
         }
     }
 

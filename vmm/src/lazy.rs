@@ -18,9 +18,9 @@
 //! 0444, read-only; their sizes are the chunk tables' sizes). A read of a range fetches every
 //! chunk it covers through [`kiln_store::artifact::ArtifactReader`]: the store's read cache
 //! first ([`kiln_store::readcache`], bounded by `cache_max_mib`, least-recently-used), else
-//! the store (local or S3, with the store's bounded retries: `store_attempts`,
-//! `store_timeout_secs`), decompressed, its sha256 checked, kept in the read cache, and
-//! answered. Zero chunks (holes of the table) are answered without any fetch. A chunk that
+//! the store (local or S3, with the store's bounded retries: `store_attempts`, and for
+//! `kiln __lazy-serve` the read bound `lazy_read_timeout_secs`), decompressed, its sha256
+//! checked, kept in the read cache, and answered. Zero chunks (holes of the table) are answered without any fetch. A chunk that
 //! fails its digest, or a store that cannot be reached once the retries are spent, answers
 //! the read with `EIO`, never with wrong bytes; the first such error is written to
 //! `<dir>/failure` ([`FAILURE`]) so that the clone start that hit it names the chunk
@@ -42,6 +42,28 @@
 //! shared `flock` on `<dir>/lazy.use` from before it looks for the server until its QEMU
 //! runs, and the server exits only while it holds that lock exclusively, so it never leaves
 //! under a start that is about to use it.
+//!
+//! ## The prefetch list
+//! A snapshot whose manifest carries a prefetch list ([`kiln_store::PrefetchList`], recorded
+//! by `kiln snapshot`: [`crate::snapshot`]) has those chunks fetched by the server as soon as
+//! it is mounted, [`PREFETCH_PARALLEL`] at a time, in the background while the clone starts:
+//! each through the store's read cache (verified, kept), so the clone's own reads of them
+//! hit the cache. Only for a store with a read cache (not a local directory, whose chunks are
+//! already on this host). When it is done the server writes [`PREFETCH_DONE`]. A chunk the
+//! clone reads before its prefetch has fetched it is fetched by both (the read does not wait).
+//!
+//! ## The lease
+//! While it serves, the server holds a store lease ([`kiln_store::lease`], id
+//! `lazy-<16 hex of the snapshot>-<pid>-<ns>`) on the snapshot manifest and everything it
+//! names: every memory and disk chunk, the vmstate, kernel and initramfs blobs, and the image
+//! manifest. So `kiln store gc` keeps every chunk a clone may still read even after the
+//! snapshot's tag is gone. It is written before the first read is served, expires
+//! [`LEASE_TTL`] after its last renewal (every [`LEASE_RENEW`] while the server runs), and is
+//! released when the idle server leaves; a server that dies leaves a lease whose owner is
+//! dead, which GC on this host releases at once (and others at its expiry). The server's
+//! reads are bounded by the store options it is opened with (`kiln __lazy-serve` uses
+//! `lazy_read_timeout_secs`, below the clones' restore timeout), so a store that stops
+//! answering fails the read, naming the chunk and the store, before the start times out.
 
 use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
@@ -57,8 +79,10 @@ use fuser::{
     ReplyOpen, Request,
 };
 use kiln_store::artifact::ArtifactReader;
+use kiln_store::lease::Lease;
+use kiln_store::manifest::{ObjectRef, references};
 use kiln_store::owner::{ProcessId, start_ticks};
-use kiln_store::{ChunkTable, Manifest, ManifestDigest, Store};
+use kiln_store::{ChunkTable, Manifest, ManifestDigest, SnapshotManifest, Store};
 use serde::{Deserialize, Serialize};
 
 /// The mount point's name inside the snapshot's cache directory.
@@ -77,12 +101,23 @@ pub const STOPPED: &str = "stopped";
 pub const SERVER_RECORD: &str = "server.json";
 /// The server's standard error (appended).
 pub const SERVER_LOG: &str = "lazy.log";
+/// Written by the server when its prefetch is done: `<fetched> <failed> <bytes> <ms>`.
+pub const PREFETCH_DONE: &str = "prefetch.done";
+/// How many prefetch fetches run at once.
+pub const PREFETCH_PARALLEL: usize = 8;
 /// The lock starts hold shared while they use the server.
 const USE_LOCK: &str = "lazy.use";
 /// How often the server looks for clones using it.
 pub const IDLE_INTERVAL: Duration = Duration::from_secs(1);
 /// How many checks in a row without a clone make the server exit.
 pub const IDLE_CHECKS: u32 = 3;
+
+/// How long the server's lease lasts after its last renewal (10 min: a server that hangs or
+/// whose host vanishes stops protecting the snapshot after that).
+pub const LEASE_TTL: Duration = Duration::from_secs(600);
+/// How often the server renews its lease (a tenth of [`LEASE_TTL`], so several renewals can
+/// fail before it lapses).
+pub const LEASE_RENEW: Duration = Duration::from_secs(60);
 
 /// What [`SERVER_RECORD`] holds.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -350,6 +385,7 @@ where
     F: FnOnce(&tokio::runtime::Runtime) -> Result<Store, String>,
 {
     let _ = std::fs::remove_file(dir.join(FAILURE));
+    let _ = std::fs::remove_file(dir.join(PREFETCH_DONE));
     // SAFETY: fork(2) in a process that has started no thread yet (the caller's contract);
     // the child goes on to run ordinary Rust code.
     let pid = unsafe { libc::fork() };
@@ -448,7 +484,7 @@ fn clone_dir_of(pid: u32) -> Option<PathBuf> {
 }
 
 /// `umount2(path, MNT_DETACH)`, errors ignored (not mounted).
-fn detach(path: &Path) {
+pub(crate) fn detach(path: &Path) {
     use std::os::unix::ffi::OsStrExt;
     let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
         return;
@@ -494,6 +530,22 @@ where
         Manifest::Image(_) => return Err(format!("{snapshot} is not a snapshot manifest")),
     };
     crate::clone::check_snapshot(&snap).map_err(|r| format!("snapshot {snapshot}: {r}"))?;
+    let lease = Arc::new(
+        rt.block_on(hold_snapshot(&store, snapshot, &snap))
+            .map_err(|e| format!("leasing snapshot {snapshot} in {}: {e}", store.url()))?,
+    );
+    {
+        let lease = lease.clone();
+        rt.spawn(async move {
+            loop {
+                tokio::time::sleep(LEASE_RENEW).await;
+                if let Err(e) = lease.renew(LEASE_TTL).await {
+                    tracing::warn!(error = %e, "renewing the chunk server's lease");
+                    eprintln!("kiln chunk server: renewing its lease: {e}");
+                }
+            }
+        });
+    }
     let file = |name: &'static str, t: &ChunkTable| -> Result<Served1, String> {
         let table = Arc::new(t.clone());
         let reader = ArtifactReader::new(store.clone(), table.clone())
@@ -543,13 +595,107 @@ where
             libc::dup2(null.as_raw_fd(), 1);
         }
     }
+    if let Some(p) = &snap.prefetch
+        && store.local_root().is_none()
+    {
+        // Checked with the rest of the manifest (check_snapshot).
+        let chunks = p.chunks(&snap).unwrap_or_default();
+        rt.spawn(prefetch(store.clone(), chunks, dir.to_path_buf()));
+    }
     let use_lock = dir.join(USE_LOCK);
     std::thread::spawn(move || idle_exit(&use_lock, &mnt, unmounter));
-    session
+    let served = session
         .run()
-        .map_err(|e| format!("serving {}: {e}", dir.display()))?;
+        .map_err(|e| format!("serving {}: {e}", dir.display()));
+    // No clone is left: the snapshot need not be kept any more.
+    if let Err(e) = rt.block_on(lease.release()) {
+        eprintln!("kiln chunk server: releasing its lease: {e}");
+    }
+    served?;
     // Keep the use lock (held by the idle thread) until the process exits.
     std::process::exit(0);
+}
+
+/// Fetches `chunks` (digest, raw length) into the store's read cache, [`PREFETCH_PARALLEL`] at
+/// a time, then writes [`PREFETCH_DONE`] in `dir`. A chunk that fails is skipped (its first
+/// error goes to the server's log): the clone's own read of it will fail and be named.
+async fn prefetch(store: Store, chunks: Vec<(kiln_store::ChunkDigest, u64)>, dir: PathBuf) {
+    let t0 = std::time::Instant::now();
+    let slots = Arc::new(tokio::sync::Semaphore::new(PREFETCH_PARALLEL));
+    let mut set = tokio::task::JoinSet::new();
+    for (d, len) in chunks {
+        let (store, slots) = (store.clone(), slots.clone());
+        set.spawn(async move {
+            let _slot = slots.acquire_owned().await;
+            store
+                .get_chunk(&d, len)
+                .await
+                .map(|b| b.len() as u64)
+                .map_err(|e| e.to_string())
+        });
+    }
+    let (mut fetched, mut failed, mut bytes) = (0u64, 0u64, 0u64);
+    while let Some(r) = set.join_next().await {
+        match r {
+            Ok(Ok(n)) => {
+                fetched += 1;
+                bytes += n;
+            }
+            Ok(Err(e)) => {
+                if failed == 0 {
+                    eprintln!("kiln chunk server: prefetch: {e}");
+                }
+                failed += 1;
+            }
+            Err(_) => failed += 1,
+        }
+    }
+    let ms = t0.elapsed().as_millis();
+    tracing::info!(fetched, failed, bytes, ms, "prefetch done");
+    let _ = std::fs::write(
+        dir.join(PREFETCH_DONE),
+        format!("{fetched} {failed} {bytes} {ms}\n"),
+    );
+}
+
+/// Everything a clone of `snap` may read from the store: the snapshot manifest and all it
+/// names ([`references`]: the image manifest, the vmstate, kernel and initramfs blobs, every
+/// memory and disk chunk).
+pub fn snapshot_objects(digest: &ManifestDigest, snap: &SnapshotManifest) -> Vec<ObjectRef> {
+    let mut objs = vec![ObjectRef::Manifest(*digest)];
+    objs.extend(references(&Manifest::Snapshot(snap.clone())));
+    objs
+}
+
+/// Leases [`snapshot_objects`] for this process ([`LEASE_TTL`]), then checks, under the
+/// store's sweep lock, that the snapshot manifest is still there (a GC between the manifest's
+/// read and the lease may have taken it; then the lease is released and this is an error).
+/// Errors are the store's, as text.
+async fn hold_snapshot(
+    store: &Store,
+    digest: &ManifestDigest,
+    snap: &SnapshotManifest,
+) -> Result<Lease, String> {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let id = format!(
+        "lazy-{}-{}-{nanos}",
+        &digest.hex()[..16],
+        std::process::id()
+    );
+    let lease = store
+        .create_lease(&id, LEASE_TTL, snapshot_objects(digest, snap))
+        .await
+        .map_err(|e| e.to_string())?;
+    let m = ObjectRef::Manifest(*digest);
+    let present = lease.find_present(&[m]).await.map_err(|e| e.to_string())?;
+    if present.contains(&m) {
+        return Ok(lease);
+    }
+    lease.release().await.map_err(|e| e.to_string())?;
+    Err(format!("snapshot {digest} was deleted from the store"))
 }
 
 /// Unmounts once no QEMU has named the mount for [`IDLE_CHECKS`] checks in a row and no

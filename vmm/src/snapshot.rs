@@ -14,6 +14,13 @@
 //!    images), then the [`SnapshotManifest`] with its [`CompatKey`], then a copy of the image
 //!    manifest whose `snapshot` names it ([`snapshot_manifest`]), then the new tag
 //!    ([`snapshot_image`]; chunks, manifest, tag order).
+//! 5. With [`SnapshotOptions::record_prefetch`] (what `kiln snapshot` does): restore the
+//!    stored snapshot once through the chunk server ([`crate::lazy`]), in a scratch cache of
+//!    its own, until the clone answers `restored`; the chunks the server served (its chunk
+//!    log, readahead included) become the snapshot's prefetch list
+//!    ([`kiln_store::PrefetchList`]), in the order first read, and the snapshot manifest and
+//!    the image manifest naming it are stored again with it (the first pair becomes garbage
+//!    for GC). A recording that fails is a warning: the snapshot stays without a list.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -108,6 +115,9 @@ pub struct SnapshotOptions {
     pub accel: Option<Accel>,
     /// Extra kernel command-line arguments ([`VmSpec::kernel_args`]); empty by default.
     pub kernel_args: Vec<String>,
+    /// The chunk server program to record the prefetch list with (step 5 of the module doc;
+    /// as [`crate::clone::CloneOptions::lazy_server`]); `None` (the default): no list.
+    pub record_prefetch: Option<Vec<std::ffi::OsString>>,
 }
 
 impl Default for SnapshotOptions {
@@ -120,6 +130,7 @@ impl Default for SnapshotOptions {
             work_dir: std::env::temp_dir(),
             accel: None,
             kernel_args: Vec::new(),
+            record_prefetch: None,
         }
     }
 }
@@ -147,6 +158,8 @@ pub struct SnapshotReport {
     pub vmstate_bytes: u64,
     /// The compatibility key recorded.
     pub key: CompatKey,
+    /// Chunks in the recorded prefetch list (0 when none was recorded).
+    pub prefetch_chunks: usize,
 }
 
 /// The host's compatibility key for booting `kernel`/`initramfs` with these settings.
@@ -355,7 +368,7 @@ pub async fn snapshot_manifest(
         .filter(|e| !e.is_hole())
         .map(|e| e.raw_len)
         .sum();
-    let snap = SnapshotManifest {
+    let mut snap = SnapshotManifest {
         schema_version: SCHEMA_VERSION,
         media_type: SNAPSHOT_MEDIA_TYPE.to_string(),
         memory: mem_table,
@@ -367,13 +380,43 @@ pub async fn snapshot_manifest(
         initramfs,
         vcpus: opts.vcpus,
         memory_bytes: opts.memory_bytes,
+        prefetch: None,
     };
-    let snap_raw = store.put_manifest(&Manifest::Snapshot(snap)).await?;
-    let with_snapshot = ImageManifest {
-        snapshot: Some(snap_raw.digest),
-        ..image
+    let with_snapshot = |d: ManifestDigest| ImageManifest {
+        snapshot: Some(d),
+        ..image.clone()
     };
-    let img_raw = store.put_manifest(&Manifest::Image(with_snapshot)).await?;
+    let mut snap_raw = store
+        .put_manifest(&Manifest::Snapshot(snap.clone()))
+        .await?;
+    let mut img_raw = store
+        .put_manifest(&Manifest::Image(with_snapshot(snap_raw.digest)))
+        .await?;
+    let mut prefetch_chunks = 0;
+    if let Some(program) = &opts.record_prefetch {
+        match record_prefetch(
+            store,
+            img_raw.digest,
+            &snap_raw.digest,
+            program,
+            accel,
+            opts,
+        )
+        .await
+        {
+            Ok(list) => {
+                prefetch_chunks = list.memory.len() + list.disk.len();
+                snap.prefetch = Some(list);
+                snap_raw = store.put_manifest(&Manifest::Snapshot(snap)).await?;
+                img_raw = store
+                    .put_manifest(&Manifest::Image(with_snapshot(snap_raw.digest)))
+                    .await?;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "recording the prefetch list failed; the snapshot has none");
+            }
+        }
+    }
     Ok(SnapshotReport {
         snapshot: snap_raw.digest,
         image: img_raw.digest,
@@ -385,7 +428,80 @@ pub async fn snapshot_manifest(
         memory_nonzero_bytes,
         vmstate_bytes: vmstate_ref.size,
         key,
+        prefetch_chunks,
     })
+}
+
+/// Step 5 of the module doc: one lazily served clone of the stored image manifest `image`
+/// (snapshot `snapshot`) in a scratch state and cache directory under
+/// [`SnapshotOptions::work_dir`]; returns the chunks its server served until the clone
+/// answered, in the order first read. The clone is stopped, and the scratch directory
+/// removed once the idle server has left its mount (bounded: 20 s, then detached).
+async fn record_prefetch(
+    store: &Store,
+    image: ManifestDigest,
+    snapshot: &ManifestDigest,
+    program: &[std::ffi::OsString],
+    accel: Accel,
+    opts: &SnapshotOptions,
+) -> Result<kiln_store::PrefetchList, String> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let work = opts
+        .work_dir
+        .join(format!("kiln-prefetch-{}-{nanos}", std::process::id()));
+    let mut c = crate::clone::CloneOptions::new(work.join("state"), work.join("cache"));
+    c.accel = Some(accel);
+    c.lazy_server = Some(program.to_vec());
+    let started = crate::clone::start_clones_of(store, image, "prefetch recording", &c).await;
+    let dir = c.cache_dir.join(snapshot.hex());
+    let log = std::fs::read_to_string(dir.join(crate::lazy::CHUNK_LOG)).unwrap_or_default();
+    if let Ok(clones) = &started {
+        for r in clones {
+            if let Err(e) = crate::clone::stop(&c.state_dir, &r.id).await {
+                tracing::warn!(id = %r.id, error = %e, "stopping the recording clone");
+            }
+        }
+    }
+    let mnt = dir.join(crate::lazy::MOUNT_DIR);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while crate::lazy::is_mounted(&mnt) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    crate::lazy::detach(&mnt);
+    if let Err(e) = std::fs::remove_dir_all(&work) {
+        tracing::warn!(dir = %work.display(), error = %e, "removing the recording's scratch directory");
+    }
+    started.map_err(|e| format!("restoring the snapshot once: {e}"))?;
+    let list = parse_chunk_log(&log);
+    if list.memory.is_empty() && list.disk.is_empty() {
+        return Err("the recording clone read no chunk".into());
+    }
+    Ok(list)
+}
+
+/// A chunk log ([`crate::lazy::CHUNK_LOG`]: `memory|disk <index> <digest> <bytes>` lines) as
+/// a prefetch list, in the order logged, each chunk once; lines that do not parse are skipped.
+fn parse_chunk_log(log: &str) -> kiln_store::PrefetchList {
+    let mut list = kiln_store::PrefetchList::default();
+    let mut seen = std::collections::HashSet::new();
+    for l in log.lines() {
+        let mut f = l.split(' ');
+        let (Some(name), Some(Ok(i))) = (f.next(), f.next().map(str::parse::<u32>)) else {
+            continue;
+        };
+        if !seen.insert((name.to_string(), i)) {
+            continue;
+        }
+        match name {
+            crate::lazy::MEMORY_FILE => list.memory.push(i),
+            "disk" => list.disk.push(i),
+            _ => {}
+        }
+    }
+    list
 }
 
 /// A guest-channel failure as a [`SnapshotError::Guest`]: whether QEMU has gone too (a closed
@@ -456,4 +572,18 @@ async fn run_to_ready(
             tracing::warn!(status = %s, log = %vm.log_tail(), "QEMU exited");
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chunk log becomes the prefetch list in the order first read, each chunk once.
+    #[test]
+    fn chunk_log_becomes_a_prefetch_list_in_first_read_order() {
+        let log = "memory 5 sha256:aa 262144\ndisk 2 sha256:bb 9\nmemory 1 sha256:cc 262144\n\
+                   memory 5 sha256:aa 262144\nbogus\ndisk x y z\n";
+        let l = parse_chunk_log(log);
+        assert_eq!((l.memory, l.disk), (vec![5, 1], vec![2]));
+    }
 }

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use kiln_store::ManifestDigest;
 
-use super::{Out, open_store};
+use super::{Out, open_with_options};
 
 /// Arguments of `kiln __lazy-serve`.
 #[derive(Debug, clap::Args)]
@@ -27,8 +27,12 @@ pub fn main(a: Args) -> ExitCode {
     let url = a.store.clone();
     let code = kiln_vmm::lazy::run_daemon(a.snapshot, a.dir, move |rt| {
         // Retries of the chunk reads are warnings on stderr, in the server's log.
+        // Each read is bounded by `lazy_read_timeout_secs`, below the clones' restore
+        // timeout, so a store that stops answering fails the read naming the chunk.
         let out = Out::new(false);
-        rt.block_on(open_store(&out, url.as_deref()))
+        let cfg = crate::config::Config::load(&crate::config::Flags::store(url.as_deref()))
+            .map_err(|e| e.to_string())?;
+        rt.block_on(open_with_options(&out, &cfg, cfg.lazy_store_options()))
             .map_err(|f| super::one_line(&f.error))
     });
     ExitCode::from(code.clamp(0, 255) as u8)

@@ -227,7 +227,17 @@ async fn open_configured(
     out: &Out,
     cfg: &crate::config::Config,
 ) -> Result<kiln_store::Store, Failure> {
-    let store = kiln_store::Store::open_with(&cfg.store.value, cfg.store_options()).await?;
+    open_with_options(out, cfg, cfg.store_options()).await
+}
+
+/// Opens the configured store with `options` (derived from the same configuration, such as
+/// [`crate::config::Config::lazy_store_options`]), its retries reported to `out`.
+pub async fn open_with_options(
+    out: &Out,
+    cfg: &crate::config::Config,
+    options: kiln_store::StoreOptions,
+) -> Result<kiln_store::Store, Failure> {
+    let store = kiln_store::Store::open_with(&cfg.store.value, options).await?;
     store
         .backend()
         .set_observer(progress::retry_observer(out, None));

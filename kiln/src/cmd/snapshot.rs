@@ -48,6 +48,8 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         vcpus: a.vcpus,
         memory_bytes: a.memory_mib << 20,
         ready_timeout: Duration::from_secs(a.ready_timeout),
+        // One lazily served restore records the chunks a clone reads first.
+        record_prefetch: Some(super::start::lazy_server(a.store.as_deref())?),
         ..Default::default()
     };
     let (kernel, initramfs) = (a.kernel, a.initramfs);
@@ -62,18 +64,19 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
             "accel": r.accel.name(), "boot_to_ready_ms": r.boot_to_ready.as_millis() as u64,
             "save_ms": r.save.as_millis() as u64, "memory_bytes": r.memory_bytes,
             "memory_stored_bytes": r.memory_stored_bytes, "vmstate_bytes": r.vmstate_bytes,
-            "compatibility_key": r.key.render(),
+            "compatibility_key": r.key.render(), "prefetch_chunks": r.prefetch_chunks,
         }),
         || {
             format!(
-                "{tag} -> {} (snapshot {}, {}: ready in {} ms, saved in {} ms; memory {} MiB stored as {} KiB)",
+                "{tag} -> {} (snapshot {}, {}: ready in {} ms, saved in {} ms; memory {} MiB stored as {} KiB; {} chunks to prefetch)",
                 r.image,
                 r.snapshot,
                 r.accel.name(),
                 r.boot_to_ready.as_millis(),
                 r.save.as_millis(),
                 r.memory_bytes >> 20,
-                r.memory_stored_bytes >> 10
+                r.memory_stored_bytes >> 10,
+                r.prefetch_chunks
             )
         },
     );

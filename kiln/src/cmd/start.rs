@@ -29,6 +29,18 @@ pub struct Args {
     store: Option<String>,
 }
 
+/// The chunk server's command line: this program, run as `kiln __lazy-serve` with the same
+/// store (`store`: the `--store` given, if any).
+pub fn lazy_server(store: Option<&str>) -> Result<Vec<std::ffi::OsString>, anyhow::Error> {
+    let exe = std::env::current_exe()
+        .map_err(|e| anyhow::anyhow!("cannot find this program to run its chunk server: {e}"))?;
+    let mut server = vec![exe.into_os_string(), "__lazy-serve".into()];
+    if let Some(url) = store {
+        server.extend(["--store".into(), url.into()]);
+    }
+    Ok(server)
+}
+
 /// Runs `kiln start`.
 pub async fn run(out: &Out, a: Args) -> CmdResult {
     if let Some(bad) = a
@@ -43,15 +55,8 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     opts.count = a.count;
     opts.env = a.env;
     opts.disk_mib = a.disk_mib;
-    // Memory and disk are served on demand by a chunk server: this program, run as
-    // `kiln __lazy-serve` with the same store.
-    let exe = std::env::current_exe()
-        .map_err(|e| anyhow::anyhow!("cannot find this program to run its chunk server: {e}"))?;
-    let mut server = vec![exe.into_os_string(), "__lazy-serve".into()];
-    if let Some(url) = &a.store {
-        server.extend(["--store".into(), url.into()]);
-    }
-    opts.lazy_server = Some(server);
+    // Memory and disk are served on demand by a chunk server.
+    opts.lazy_server = Some(lazy_server(a.store.as_deref())?);
     for c in start_clones(&store, &a.image, &opts).await? {
         out.event(
             "started",
