@@ -165,14 +165,16 @@ impl StepExecutor for VmExecutor {
     }
 }
 
-/// A step's scratch directory, removed when dropped.
+/// A step's scratch directory (its disk, sockets, console log and changes), removed when
+/// dropped. Named `step-<owner token>-vm<n>` like the namespace executor's, so that the next
+/// build removes what a killed build left ([`kiln_builder::workdir::remove_dead_entries`]).
 struct Scratch(PathBuf);
 
 impl Scratch {
     fn new(run_dir: &Path) -> Result<Self, ExecError> {
         let dir = run_dir.join(format!(
-            "vmstep-{}-{}",
-            std::process::id(),
+            "step-{}-vm{}",
+            kiln_builder::workdir::owner_token(),
             STEP_COUNTER.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).map_err(|source| ExecError::Io {
