@@ -25,7 +25,7 @@ else
   kiln=$CARGO_TARGET_DIR/debug/kiln
   # The guest init, static, beside kiln: where `kiln build --snapshot` and `kiln kernel` look.
   echo "main-job: building kiln-guest-init (static)" >&2
-  RUSTFLAGS='-C target-feature=+crt-static' cargo build --locked --release -p kiln-guest \
+  RUSTFLAGS='-C target-feature=+crt-static -C strip=symbols' cargo build --locked --release -p kiln-guest \
     --bin kiln-guest-init --target x86_64-unknown-linux-gnu >&2
   cp "$CARGO_TARGET_DIR/x86_64-unknown-linux-gnu/release/kiln-guest-init" "$(dirname "$kiln")/"
 fi

@@ -24,6 +24,7 @@ pub mod nightly;
 pub mod packages;
 pub mod report;
 pub mod request;
+pub mod vmexec;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -288,8 +289,10 @@ pub(crate) async fn run_leased(
             "a snapshot needs the guest kernel and initramfs (boot assets)".into(),
         ));
     }
-    match req.executor {
-        Executor::Namespace => {}
+    if req.executor == Executor::Vm && setup.boot.is_none() {
+        return Err(PipelineError::Request(
+            "--isolation vm needs the guest kernel and initramfs (boot assets)".into(),
+        ));
     }
     // What each `AtStart` tag names now: the build moves it only if it still does.
     let req = pin_tags(&setup.store, req).await?;
@@ -382,16 +385,44 @@ pub(crate) async fn run_leased(
         }))
     };
     let sink = events.clone();
-    let out = match kiln_builder::build::build(
-        &plan,
-        &bases,
-        setup.cache.clone(),
-        &setup.store,
-        &opts,
-        Arc::new(move |e| sink.event(event::from_build(e))),
-    )
-    .await
-    {
+    let sink: kiln_builder::build::EventSink = Arc::new(move |e| sink.event(event::from_build(e)));
+    let built = match (req.executor, &setup.boot) {
+        (Executor::Vm, Some(boot)) => {
+            let mut exec = opts.exec.clone();
+            exec.memory_bytes = exec.memory_bytes.min(plan.limits.memory_mib << 20);
+            let vcpus = req.limits.vcpus.unwrap_or(1);
+            match vmexec::VmExecutor::new(boot.clone(), exec, vcpus).await {
+                Ok(ex) => {
+                    kiln_builder::build::build_with(
+                        &plan,
+                        &bases,
+                        setup.cache.clone(),
+                        &setup.store,
+                        &opts,
+                        sink,
+                        Arc::new(ex),
+                    )
+                    .await
+                }
+                Err(e) => {
+                    let _ = lease.release().await;
+                    return Err(PipelineError::Request(e.to_string()));
+                }
+            }
+        }
+        _ => {
+            kiln_builder::build::build(
+                &plan,
+                &bases,
+                setup.cache.clone(),
+                &setup.store,
+                &opts,
+                sink,
+            )
+            .await
+        }
+    };
+    let out = match built {
         Ok(o) => o,
         Err(e) => {
             let _ = lease.release().await;

@@ -232,6 +232,9 @@ pub enum Executor {
     /// host, as root. For trusted recipes only: it is not a boundary against a hostile one.
     #[default]
     Namespace,
+    /// [`crate::vmexec::VmExecutor`]: each step in a microVM of its own (kiln's guest kernel
+    /// and init), booted from [`crate::Setup::boot`]; `kiln build --isolation vm`.
+    Vm,
 }
 
 /// Which `RUN --mount=type=cache` directories a build sees.

@@ -176,6 +176,8 @@ impl Vm {
             memory_file: memory,
             memory_mode: launch::MemoryMode::Shared,
             disk: overlay,
+            disk_format: launch::DiskFormat::Qcow2,
+            ro_disks: Vec::new(),
             qmp_socket: dir.path().join("qmp.sock"),
             guest_socket: dir.path().join("guest.sock"),
             serial_log: dir.path().join("console.log"),

@@ -679,6 +679,8 @@ async fn start_one(
         memory_file: cached.memory.clone(),
         memory_mode: MemoryMode::Private,
         disk: overlay,
+        disk_format: crate::launch::DiskFormat::Qcow2,
+        ro_disks: Vec::new(),
         qmp_socket: dir.join("qmp.sock"),
         guest_socket: dir.join("guest.sock"),
         serial_log: dir.join("console.log"),

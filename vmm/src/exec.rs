@@ -42,7 +42,7 @@ use kiln_guest::protocol::{
 use crate::channel::{ChannelError, GuestChannel};
 use crate::clone::{self, CloneError, CloneRecord};
 
-pub use kiln_guest::protocol::{MAX_STDIN_LEN, Stream};
+pub use kiln_guest::protocol::{DiffData, DiffEnd, MAX_CHUNK_LEN, MAX_STDIN_LEN, Stream};
 
 /// Most bytes discarded before the guest's `connected` answer: one partial frame of an older
 /// connection (at most [`proto::MAX_FRAME_LEN`] plus its header) and what QEMU had queued
@@ -120,6 +120,8 @@ pub struct ExecRequest {
     pub stdin: Vec<u8>,
     /// Keep running when the session ends.
     pub detach: bool,
+    /// Create the missing directories of `workdir`, owned by the user (build steps).
+    pub make_workdir: bool,
 }
 
 /// How an exec ended: the guest's `exit` frame.
@@ -291,6 +293,7 @@ impl ExecSession {
             workdir: req.workdir.clone(),
             stdin: req.stdin.clone(),
             detach: req.detach,
+            make_workdir: req.make_workdir,
         });
         // Checked here so a bad request is the caller's error, not a channel one.
         proto::encode(&msg).map_err(ExecError::Request)?;
@@ -378,6 +381,93 @@ impl ExecSession {
                     });
                 }
                 // Liveness, the hello after connected, and what an older connection left.
+                Ok(_) | Err(DecodeError::UnknownType(_)) => {}
+                Err(e) => return Err(protocol(e.to_string())),
+            }
+        }
+    }
+}
+
+impl ExecSession {
+    /// Asks a step VM (booted with `kiln.step=`) for its changes (`diff`) and writes the tar
+    /// stream it sends to `out`, at most `max_bytes` bytes. Returns the bytes written. The
+    /// guest's `diff_data` frames must come with `seq` 0, 1, 2, … and end with one
+    /// `diff_end` carrying the next number and the byte count, without an error.
+    ///
+    /// Errors: [`ExecError::Protocol`] for a frame out of sequence, a stream over
+    /// `max_bytes`, a count that does not match or an `error` the guest reports;
+    /// [`ExecError::Channel`] (timeouts included: `within` bounds each frame's wait);
+    /// [`ExecError::Refused`].
+    pub async fn diff(
+        &mut self,
+        out: &mut (dyn std::io::Write + Send),
+        max_bytes: u64,
+        within: Duration,
+    ) -> Result<u64, ExecError> {
+        let chan = |id: &str, source| ExecError::Channel {
+            id: id.to_string(),
+            source,
+        };
+        self.ch
+            .send(&Message::Diff(proto::DiffRequest {}))
+            .await
+            .map_err(|e| chan(&self.id, e))?;
+        let mut seq = 0u64;
+        let mut bytes = 0u64;
+        loop {
+            let m = self
+                .ch
+                .recv("the step's changes", within)
+                .await
+                .map_err(|e| chan(&self.id, e))?;
+            let protocol = |reason: String| ExecError::Protocol {
+                id: self.id.clone(),
+                reason,
+            };
+            match m {
+                Ok(Message::DiffData(d)) => {
+                    if d.seq != seq {
+                        return Err(protocol(format!(
+                            "diff frame {} where {seq} was due",
+                            d.seq
+                        )));
+                    }
+                    seq += 1;
+                    bytes += d.data.len() as u64;
+                    if bytes > max_bytes {
+                        return Err(protocol(format!(
+                            "the step's changes exceed {max_bytes} bytes"
+                        )));
+                    }
+                    out.write_all(&d.data)
+                        .map_err(|e| chan(&self.id, ChannelError::Io(e)))?;
+                }
+                Ok(Message::DiffEnd(end)) => {
+                    if let Some(e) = end.error {
+                        return Err(protocol(format!(
+                            "the guest could not send its changes: {e}"
+                        )));
+                    }
+                    if end.seq != seq || end.bytes != bytes {
+                        return Err(protocol(format!(
+                            "diff_end says {} frames and {} bytes, {seq} and {bytes} arrived",
+                            end.seq, end.bytes
+                        )));
+                    }
+                    return Ok(bytes);
+                }
+                Ok(Message::Ping(p)) => self
+                    .ch
+                    .send(&Message::Pong(p))
+                    .await
+                    .map_err(|e| chan(&self.id, e))?,
+                Ok(Message::Error(e)) => {
+                    return Err(ExecError::Refused {
+                        id: self.id.clone(),
+                        message: e.message,
+                    });
+                }
+                // Output and exits of earlier execs, liveness.
                 Ok(_) | Err(DecodeError::UnknownType(_)) => {}
                 Err(e) => return Err(protocol(e.to_string())),
             }
@@ -608,6 +698,84 @@ mod tests {
         assert!(matches!(r, Err(ExecError::Request(_))), "{r:?}");
         let r = s.start(&ExecRequest::default()).await;
         assert!(matches!(r, Err(ExecError::Request(_))), "{r:?}");
+    }
+
+    fn data(seq: u64, d: &[u8]) -> Message {
+        Message::DiffData(proto::DiffData {
+            seq,
+            data: d.to_vec(),
+        })
+    }
+
+    fn end(seq: u64, bytes: u64, error: Option<&str>) -> Message {
+        Message::DiffEnd(proto::DiffEnd {
+            seq,
+            bytes,
+            error: error.map(str::to_string),
+        })
+    }
+
+    /// A hostile step VM's `diff` answers, from a fault injector standing in for the guest.
+    #[tokio::test]
+    async fn diff_frames_out_of_sequence_over_the_bound_or_miscounted_are_refused() {
+        let ms = Duration::from_secs(5);
+        // In order: the bytes arrive, with frames of other execs ignored.
+        let (mut s, mut g, id) = session(b"").await;
+        g.send(&output(id ^ 1, 0, b"not ours")).await.unwrap();
+        g.send(&data(0, b"ab")).await.unwrap();
+        g.send(&data(1, b"c")).await.unwrap();
+        g.send(&end(2, 3, None)).await.unwrap();
+        let mut out = Vec::new();
+        assert_eq!(s.diff(&mut out, 3, ms).await.unwrap(), 3);
+        assert_eq!(out, b"abc");
+        let Ok(Message::Diff(_)) = g.recv("diff", ms).await.unwrap() else {
+            panic!("no diff request")
+        };
+
+        type Script = Vec<Message>;
+        let cases: Vec<(&str, Script, u64)> = vec![
+            ("skipped frame", vec![data(1, b"x")], 100),
+            ("over the bound", vec![data(0, b"xy"), data(1, b"z")], 2),
+            (
+                "miscounted frames",
+                vec![data(0, b"x"), end(2, 1, None)],
+                100,
+            ),
+            (
+                "miscounted bytes",
+                vec![data(0, b"x"), end(1, 5, None)],
+                100,
+            ),
+            ("guest error", vec![end(0, 0, Some("disk"))], 100),
+        ];
+        for (what, script, bound) in cases {
+            let (mut s, mut g, _) = session(b"").await;
+            for m in &script {
+                g.send(m).await.unwrap();
+            }
+            let mut out = Vec::new();
+            let r = s.diff(&mut out, bound, ms).await;
+            assert!(
+                matches!(r, Err(ExecError::Protocol { .. })),
+                "{what}: {r:?}"
+            );
+        }
+
+        // A chunk over MAX_CHUNK_LEN, written raw as a hostile guest would.
+        let (mut s, mut g, _) = session(b"").await;
+        use base64::Engine as _;
+        let body = serde_json::to_vec(&serde_json::json!({
+            "v": 1, "type": "diff_data", "seq": 0,
+            "data": base64::engine::general_purpose::STANDARD.encode(vec![0u8; proto::MAX_CHUNK_LEN + 1]),
+        }))
+        .unwrap();
+        let mut frame = (body.len() as u32).to_be_bytes().to_vec();
+        frame.extend(body);
+        g.write_raw(&frame).await.unwrap();
+        let mut out = Vec::new();
+        let r = s.diff(&mut out, u64::MAX, ms).await;
+        assert!(matches!(r, Err(ExecError::Protocol { .. })), "{r:?}");
+        assert!(out.is_empty());
     }
 
     #[test]

@@ -51,9 +51,9 @@ use sha2::{Digest, Sha256};
 /// The Debian metapackage kiln's guest kernel comes from.
 pub const DEFAULT_PACKAGE: &str = "linux-image-cloud-amd64";
 
-/// The modules the guest needs (virtio-mmio transport, the root disk, the host port); their
-/// dependencies are added by [`module_closure`].
-pub const GUEST_MODULES: [&str; 3] = ["virtio_mmio", "virtio_blk", "virtio_console"];
+/// The modules the guest needs (virtio-mmio transport, the root disk, the host port, and
+/// overlayfs for a build step's root); their dependencies are added by [`module_closure`].
+pub const GUEST_MODULES: [&str; 4] = ["virtio_mmio", "virtio_blk", "virtio_console", "overlay"];
 
 /// Largest decompressed kernel accepted, bytes (512 MiB).
 const MAX_VMLINUX: usize = 512 << 20;
@@ -107,7 +107,7 @@ impl KernelRecipe {
                 package: "kiln-guest".into(),
                 bin: "kiln-guest-init".into(),
                 target: "x86_64-unknown-linux-gnu".into(),
-                rustflags: "-C target-feature=+crt-static".into(),
+                rustflags: crate::initramfs::INIT_RUSTFLAGS.into(),
             },
         })
     }

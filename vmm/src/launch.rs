@@ -252,6 +252,18 @@ pub enum MemoryMode {
     Shared,
     /// `share=off,readonly=on,rom=off`: file opened read-only, mapped private (clones).
     Private,
+    /// `memory-backend-ram`: anonymous memory, no file (build steps' VMs, never
+    /// snapshotted); [`VmSpec::memory_file`] is unused.
+    Anonymous,
+}
+
+/// The root disk's image format, as QEMU's `-drive format=` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskFormat {
+    /// qcow2 (images, snapshots and clones: an overlay over the image).
+    Qcow2,
+    /// A raw file (a build step's upper disk, made with mke2fs).
+    Raw,
 }
 
 /// Everything one QEMU run needs.
@@ -271,8 +283,16 @@ pub struct VmSpec {
     pub memory_file: PathBuf,
     /// How it is mapped.
     pub memory_mode: MemoryMode,
-    /// The root disk (qcow2).
+    /// The root disk.
     pub disk: PathBuf,
+    /// Its format.
+    pub disk_format: DiskFormat,
+    /// Read-only raw disks after the guest channel, in order, as `virtio-blk-device`s with
+    /// the serial `lower<i>` (a build step's lower layers, each an ext4 image); the root
+    /// disk then gets the serial `upper`, so the guest finds each by serial
+    /// (`/sys/block/vd*/serial`), whatever names the kernel gives them. Empty for
+    /// sandboxes, whose device layout ([`DEVICE_LAYOUT`]) stays as it is.
+    pub ro_disks: Vec<PathBuf>,
     /// QMP socket (QEMU listens).
     pub qmp_socket: PathBuf,
     /// Guest channel socket (QEMU listens).
@@ -322,6 +342,11 @@ impl VmSpec {
                 "memory-backend-file,id=mem,size={mib}M,mem-path={},share=off,readonly=on,rom=off",
                 p(&self.memory_file)
             ),
+            MemoryMode::Anonymous => format!("memory-backend-ram,id=mem,size={mib}M"),
+        };
+        let format = match self.disk_format {
+            DiskFormat::Qcow2 => "qcow2",
+            DiskFormat::Raw => "raw",
         };
         let mut a: Vec<String> = vec![
             "-nodefaults".into(),
@@ -353,11 +378,15 @@ impl VmSpec {
             format!("file:{}", p(&self.serial_log)),
             "-drive".into(),
             format!(
-                "file={},format=qcow2,if=none,id={DRIVE_ID},readonly=off",
+                "file={},format={format},if=none,id={DRIVE_ID},readonly=off",
                 p(&self.disk)
             ),
             "-device".into(),
-            format!("virtio-blk-device,drive={DRIVE_ID}"),
+            if self.ro_disks.is_empty() {
+                format!("virtio-blk-device,drive={DRIVE_ID}")
+            } else {
+                format!("virtio-blk-device,drive={DRIVE_ID},serial=upper")
+            },
             "-device".into(),
             "virtio-serial-device".into(),
             "-chardev".into(),
@@ -373,6 +402,14 @@ impl VmSpec {
             "-qmp".into(),
             format!("unix:{},server=on,wait=off", p(&self.qmp_socket)),
         ];
+        for (i, d) in self.ro_disks.iter().enumerate() {
+            a.extend([
+                "-drive".into(),
+                format!("file={},format=raw,if=none,id=lower{i},readonly=on", p(d)),
+                "-device".into(),
+                format!("virtio-blk-device,drive=lower{i},serial=lower{i}"),
+            ]);
+        }
         if self.incoming {
             a.extend(["-S".into(), "-incoming".into(), "defer".into()]);
         }
@@ -842,6 +879,8 @@ async fn kvm_boots(host: &Host, kernel: &Path, initramfs: &Path, scratch: &Path)
         memory_file: memory,
         memory_mode: MemoryMode::Shared,
         disk,
+        disk_format: DiskFormat::Qcow2,
+        ro_disks: Vec::new(),
         qmp_socket: d.join("qmp.sock"),
         guest_socket: d.join("guest.sock"),
         serial_log: d.join("console.log"),
@@ -956,6 +995,8 @@ mod tests {
             memory_file: "/s/mem".into(),
             memory_mode: MemoryMode::Shared,
             disk: "/s/disk.qcow2".into(),
+            disk_format: DiskFormat::Qcow2,
+            ro_disks: Vec::new(),
             qmp_socket: "/s/qmp.sock".into(),
             guest_socket: "/s/guest.sock".into(),
             serial_log: "/s/console.log".into(),

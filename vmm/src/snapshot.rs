@@ -295,6 +295,8 @@ pub async fn snapshot_manifest(
         memory_file: memory.clone(),
         memory_mode: MemoryMode::Shared,
         disk: overlay.clone(),
+        disk_format: crate::launch::DiskFormat::Qcow2,
+        ro_disks: Vec::new(),
         qmp_socket: dir.join("qmp.sock"),
         guest_socket: dir.join("guest.sock"),
         serial_log: dir.join("console.log"),

@@ -134,18 +134,32 @@ impl LayerDirs {
             .ok_or_else(|| LowerError::Missing(digest.to_string()))?;
         let tmp = self.temp(sha256_hex(digest)?);
         fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
-        let r = (|| {
-            let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
-            apply_layer(&tmp, f, digest, limits)?;
-            let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
-            mark_whiteouts(&tmp, f).map_err(io_err("marking whiteouts in", &tmp))
-        })();
-        if let Err(e) = r {
+        if let Err(e) = unpack_overlay_form(&tmp, &blob, digest, limits) {
             let _ = fs::remove_dir_all(&tmp);
             return Err(e);
         }
         self.adopt(&tmp, digest)
     }
+}
+
+/// Unpacks the layer blob at `blob` (a tar stream, compressed or not) into the empty
+/// directory `dir` in overlayfs' form (the module doc): [`apply_layer`], with its bounds
+/// `limits` and its walk that stays inside `dir`, then the whiteouts turned into overlayfs
+/// markers. `digest` names the layer in errors. What a microVM step sends back (its upper
+/// directory as a tar stream) is unpacked this way into the step's upper directory.
+///
+/// Errors: [`LowerError::Layer`] (a bad or hostile stream, a bound), [`LowerError::Io`]; the
+/// directory may then hold part of the layer (never anything outside it).
+pub fn unpack_overlay_form(
+    dir: &Path,
+    blob: &Path,
+    digest: &str,
+    limits: &Limits,
+) -> Result<(), LowerError> {
+    let f = fs::File::open(blob).map_err(io_err("opening", blob))?;
+    apply_layer(dir, f, digest, limits)?;
+    let f = fs::File::open(blob).map_err(io_err("opening", blob))?;
+    mark_whiteouts(dir, f).map_err(io_err("marking whiteouts in", dir))
 }
 
 /// A decompressing reader for a layer blob (by magic bytes: [`crate::layer::Compression`]).

@@ -91,7 +91,7 @@ fn check_pipe_path(path: &str) -> Result<(), ExecError> {
 /// Bytes allocated to everything under `dir` (`st_blocks` × 512: what was really written,
 /// so a file's holes cost nothing: `truncate -s 16G` allocates no block), directories and
 /// symlinks counting their own blocks, not following symlinks.
-pub(crate) fn tree_size(dir: &Path) -> u64 {
+pub fn tree_size(dir: &Path) -> u64 {
     let mut total = 0;
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
@@ -633,7 +633,11 @@ pub(super) fn real_dirs_to(base: &Path, rel: &str) -> bool {
     true
 }
 
-fn cleanup_mount_points(spec: &StepSpec) {
+/// Removes from `spec`'s upper directory the mount points a step's root needs (`proc`,
+/// `sys`, `dev`, `etc/hosts`, `etc/resolv.conf`, and `etc` when only they made it) where no
+/// lower has them and the step left them empty: they are the executor's, not the step's. Both
+/// executors call it, so that a step gives the same layer under either.
+pub fn cleanup_mount_points(spec: &StepSpec) {
     for mp in MOUNT_POINTS.iter().rev() {
         if spec
             .lower_dirs

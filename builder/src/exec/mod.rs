@@ -36,8 +36,7 @@ use std::time::Duration;
 use kiln_recipes::plan::{Action, InlineFile, Network, Step};
 
 pub use cgroup::{CgroupError, CgroupLayout};
-pub use linux::LinuxExecutor;
-pub(crate) use linux::tree_size;
+pub use linux::{LinuxExecutor, cleanup_mount_points, tree_size};
 pub use logs::{LogLimits, LogLine};
 pub use mounts::{MountInputs, MountKind, MountsError, StepMount};
 pub use user::{ExecUser, UserError};
@@ -359,6 +358,11 @@ pub enum ExecError {
     /// The caller cancelled the step; it was killed.
     #[error("cancelled")]
     Cancelled,
+    /// A microVM step's guest sent something the host refuses: a frame out of sequence or
+    /// over its bounds, or changes that are not a layer the layer reader takes (an entry
+    /// climbing out of the root, a bad type, a bound).
+    #[error("the step's microVM sent something refused: {0}")]
+    Guest(String),
 }
 
 /// Something that runs one `RUN` step in isolation.

@@ -30,7 +30,7 @@ use kiln_builder::base::PullPolicy;
 use kiln_builder::registry::RegistryOptions;
 use kiln_builder::resolve::parse_build_context;
 use kiln_pipeline::{
-    BuildRequest, ContextSource, Event, EventSink, NetworkPolicy, Output, Recipe, Setup,
+    BuildRequest, ContextSource, Event, EventSink, Executor, NetworkPolicy, Output, Recipe, Setup,
     SnapshotRequest, TagMove,
 };
 use serde_json::json;
@@ -46,6 +46,15 @@ pub enum Progress {
     Plain,
     /// One JSON object per event and line.
     Rawjson,
+}
+
+/// `--isolation` values: what runs the `RUN` steps ([`Executor`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Isolation {
+    /// Host namespaces (the default; for trusted recipes).
+    Namespace,
+    /// A microVM per step.
+    Vm,
 }
 
 /// Arguments of `kiln build`.
@@ -146,10 +155,16 @@ pub struct Args {
     /// the snapshot; `-t` tags then name the image with its snapshot (for `kiln start`).
     #[arg(long, conflicts_with = "oci_only")]
     pub snapshot: bool,
-    /// With `--snapshot`: guest kernel (uncompressed vmlinux); default `kiln kernel`'s.
+    /// What runs the `RUN` steps: `namespace` (host namespaces, for trusted recipes) or
+    /// `vm` (each step in a microVM of its own, on the guest kernel and initramfs below).
+    #[arg(long, value_enum, default_value_t = Isolation::Namespace)]
+    pub isolation: Isolation,
+    /// With `--snapshot` or `--isolation vm`: guest kernel (uncompressed vmlinux); default
+    /// `kiln kernel`'s.
     #[arg(long, env = "KILN_KERNEL", value_name = "FILE")]
     pub kernel: Option<PathBuf>,
-    /// With `--snapshot`: guest initramfs with kiln-guest-init; default `kiln kernel`'s.
+    /// With `--snapshot` or `--isolation vm`: guest initramfs with kiln-guest-init; default
+    /// `kiln kernel`'s.
     #[arg(long, env = "KILN_INITRAMFS", value_name = "FILE")]
     pub initramfs: Option<PathBuf>,
     /// With `--snapshot`: guest RAM, MiB.
@@ -404,7 +419,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
     };
 
     // The guest kernel and initramfs first: a missing guest init fails before the build.
-    let boot = if a.snapshot {
+    let boot = if a.snapshot || a.isolation == Isolation::Vm {
         Some(super::kernel::boot_assets(
             a.kernel.clone(),
             a.initramfs.clone(),
@@ -440,6 +455,10 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
     req.secrets = secrets;
     req.network = network_policy(&a)?;
     req.limits.vcpus = Some(a.vcpus);
+    req.executor = match a.isolation {
+        Isolation::Namespace => Executor::Namespace,
+        Isolation::Vm => Executor::Vm,
+    };
     req.output = output;
     let cancel = req.cancel.clone();
     let events = printer(a.progress, cli.json);

@@ -37,6 +37,10 @@
 //! host → guest  exec     {id, argv, env, user, workdir, stdin, detach}
 //! guest → host  output   {id, seq, stream, data}             0 or more per exec
 //! guest → host  exit     {id, seq, code | signal, oom, failure}   exactly one per exec
+//!
+//! host → guest  diff     {}                                  step VMs: send the changes
+//! guest → host  diff_data {seq, data}                        0 or more: a tar stream
+//! guest → host  diff_end {seq, bytes, error}                 exactly one per diff
 //! ```
 //!
 //! ## Commands (`exec`)
@@ -117,6 +121,9 @@ pub const MAX_STDIN_LEN: usize = 512 << 10;
 /// Most bytes one [`Output`] chunk may carry (64 KiB, the size of a Linux pipe buffer).
 pub const MAX_CHUNK_LEN: usize = 64 << 10;
 
+/// Longest `diff_end` error text, bytes.
+pub const MAX_ERROR_LEN: usize = 4096;
+
 /// One protocol message. Serialised as a JSON object with `"v": 1` and `"type"` set to the
 /// variant's snake_case name; the variant's fields sit beside them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -152,6 +159,41 @@ pub enum Message {
     Output(Output),
     /// guest → host: an exec ended (or never started); its last frame.
     Exit(ExecExit),
+    /// host → guest (step VMs, booted with `kiln.step=`): end every process, then send the
+    /// step's upper directory as a tar stream.
+    Diff(DiffRequest),
+    /// guest → host: a chunk of that tar stream.
+    DiffData(DiffData),
+    /// guest → host: the tar stream is complete, or could not be made; its last frame.
+    DiffEnd(DiffEnd),
+}
+
+/// `diff`: asks a step VM for its changes. The guest kills every process but itself first,
+/// so nothing writes while it reads.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct DiffRequest {}
+
+/// `diff_data`: one chunk of the step's changes, an uncompressed tar stream in OCI layer
+/// form (image spec `layer.md`: `.wh.<name>` whiteouts, `.wh..wh..opq` opaque markers).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiffData {
+    /// This chunk's number, from 0.
+    pub seq: u64,
+    /// 1 to [`MAX_CHUNK_LEN`] bytes; standard base64 on the wire.
+    #[serde(with = "base64_bytes")]
+    pub data: Vec<u8>,
+}
+
+/// `diff_end`: the last frame of a diff.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct DiffEnd {
+    /// The number of `diff_data` frames sent before this one.
+    pub seq: u64,
+    /// Bytes of tar sent in all.
+    pub bytes: u64,
+    /// Why the stream is incomplete, when it is (then the host discards it).
+    #[serde(default)]
+    pub error: Option<String>,
 }
 
 /// `exec`: run one command in the guest.
@@ -182,6 +224,10 @@ pub struct Exec {
     /// Keep running when the host connection drops (output and exit are then dropped).
     #[serde(default)]
     pub detach: bool,
+    /// Create the missing directories of `workdir`, owned by the user, before the command
+    /// starts (a build step's `WORKDIR`, as the namespace executor does).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub make_workdir: bool,
 }
 
 /// Which output stream a chunk comes from.
@@ -455,6 +501,9 @@ impl Message {
             Message::Exec(_) => "exec",
             Message::Output(_) => "output",
             Message::Exit(_) => "exit",
+            Message::Diff(_) => "diff",
+            Message::DiffData(_) => "diff_data",
+            Message::DiffEnd(_) => "diff_end",
         }
     }
 
@@ -466,6 +515,14 @@ impl Message {
             Message::Exec(e) => e.check(),
             Message::Output(o) => o.check(),
             Message::Exit(x) => x.check(),
+            Message::DiffData(d) => check_chunk(&d.data),
+            Message::DiffEnd(d) => match &d.error {
+                Some(e) if e.len() > MAX_ERROR_LEN => Err(bad(
+                    "error",
+                    format!("{} bytes, at most {MAX_ERROR_LEN}", e.len()),
+                )),
+                _ => Ok(()),
+            },
             _ => Ok(()),
         }
     }
@@ -478,7 +535,7 @@ impl Message {
     }
 }
 
-const KNOWN_TYPES: [&str; 14] = [
+const KNOWN_TYPES: [&str; 17] = [
     "hello",
     "start",
     "ready",
@@ -493,6 +550,9 @@ const KNOWN_TYPES: [&str; 14] = [
     "exec",
     "output",
     "exit",
+    "diff",
+    "diff_data",
+    "diff_end",
 ];
 
 fn bad(field: &'static str, reason: String) -> DecodeError {
@@ -571,14 +631,19 @@ impl Output {
     ///
     /// Errors: [`DecodeError::BadField`].
     pub fn check(&self) -> Result<(), DecodeError> {
-        if self.data.is_empty() || self.data.len() > MAX_CHUNK_LEN {
-            return Err(bad(
-                "data",
-                format!("{} bytes, must be 1 to {MAX_CHUNK_LEN}", self.data.len()),
-            ));
-        }
-        Ok(())
+        check_chunk(&self.data)
     }
+}
+
+/// Check that a chunk holds 1 to [`MAX_CHUNK_LEN`] bytes.
+fn check_chunk(data: &[u8]) -> Result<(), DecodeError> {
+    if data.is_empty() || data.len() > MAX_CHUNK_LEN {
+        return Err(bad(
+            "data",
+            format!("{} bytes, must be 1 to {MAX_CHUNK_LEN}", data.len()),
+        ));
+    }
+    Ok(())
 }
 
 impl ExecExit {
@@ -1000,6 +1065,7 @@ mod tests {
                 workdir: Some("/tmp".into()),
                 stdin: b"in\0put".to_vec(),
                 detach: true,
+                make_workdir: true,
             }),
             Message::Exec(Exec {
                 id: 6,
@@ -1033,6 +1099,16 @@ mod tests {
                     message: "nope".into(),
                 }),
                 ..ExecExit::default()
+            }),
+            Message::Diff(DiffRequest {}),
+            Message::DiffData(DiffData {
+                seq: 0,
+                data: vec![1, 2, 3],
+            }),
+            Message::DiffEnd(DiffEnd {
+                seq: 1,
+                bytes: 3,
+                error: Some("disk".into()),
             }),
         ]
     }

@@ -21,13 +21,38 @@ const NEW_ROOT: &str = "/newroot";
 /// How long to wait for the root block device to appear after loading virtio_blk.
 const ROOT_WAIT: Duration = Duration::from_secs(10);
 
-/// Boot options from the kernel command line (`kiln.root=`, `kiln.rootfstype=`).
+/// Boot options from the kernel command line (`kiln.root=`, `kiln.rootfstype=`,
+/// `kiln.step=`).
 pub struct BootOptions {
     /// The root block device (default `/dev/vda`).
     pub root: String,
     /// Its file system type (default `ext4`).
     pub fstype: String,
+    /// `kiln.step=N`: a build step's VM. The root is an overlay of the read-only disks with
+    /// the serials `lower0` … `lower<N-1>` (topmost first; none: an empty lower) under an
+    /// upper directory on the disk with the serial `upper` ([`STEP_UPPER`]); see
+    /// [`switch_root`].
+    pub step_lowers: Option<usize>,
 }
+
+/// Most lower disks a step VM takes (`kiln.step=`): the microvm machine has 24 virtio-mmio
+/// transports, two of them for the upper disk and the host port.
+pub const MAX_STEP_LOWERS: usize = 22;
+
+/// Where a step VM's upper disk is mounted (in the initramfs, outside the step's root).
+const STEP_DISK: &str = "/kiln/upper-disk";
+/// The overlay's upper directory on that disk.
+pub const STEP_UPPER: &str = "/kiln/upper-disk/upper";
+/// The overlay's work directory on that disk.
+const STEP_WORK: &str = "/kiln/upper-disk/work";
+
+/// The step VM's upper directory, opened before the switch to the step's root (which hides
+/// it) and kept for `diff`; `None` outside step VMs.
+pub fn step_upper() -> Option<&'static fs::File> {
+    STEP_UPPER_DIR.get()
+}
+
+static STEP_UPPER_DIR: OnceLock<fs::File> = OnceLock::new();
 
 impl BootOptions {
     /// Parse `/proc/cmdline`'s words.
@@ -35,12 +60,15 @@ impl BootOptions {
         let mut opts = BootOptions {
             root: "/dev/vda".into(),
             fstype: "ext4".into(),
+            step_lowers: None,
         };
         for word in cmdline.split_ascii_whitespace() {
             if let Some(v) = word.strip_prefix("kiln.root=") {
                 opts.root = v.into();
             } else if let Some(v) = word.strip_prefix("kiln.rootfstype=") {
                 opts.fstype = v.into();
+            } else if let Some(v) = word.strip_prefix("kiln.step=") {
+                opts.step_lowers = v.parse::<usize>().ok().map(|n| n.min(MAX_STEP_LOWERS));
             }
         }
         opts
@@ -116,10 +144,13 @@ pub fn wait_for(path: &Path, limit: Duration) -> bool {
 /// Mount the image root read-write, move /proc, /sys and /dev into it, make it `/` (MS_MOVE
 /// and chroot: this process stays PID 1), then mount /dev/pts, /dev/shm, /run and /tmp.
 pub fn switch_root(opts: &BootOptions) -> Result<(), BootError> {
-    if !wait_for(Path::new(&opts.root), ROOT_WAIT) {
+    if opts.step_lowers.is_none() && !wait_for(Path::new(&opts.root), ROOT_WAIT) {
         return Err(BootError::NoRoot(opts.root.clone()));
     }
-    mount_at(&opts.root, NEW_ROOT, &opts.fstype, 0, "")?;
+    match opts.step_lowers {
+        None => mount_at(&opts.root, NEW_ROOT, &opts.fstype, 0, "")?,
+        Some(n) => mount_step_root(opts, n)?,
+    }
     let _ = ROOT_DEVICE.set(opts.root.clone());
     for dir in ["dev", "proc", "sys"] {
         let old = Path::new("/").join(dir);
@@ -160,6 +191,12 @@ pub fn switch_root(opts: &BootOptions) -> Result<(), BootError> {
         "mode=0620,ptmxmode=0666,gid=5",
     )?;
     mount_at("shm", "/dev/shm", "tmpfs", nosuid, "mode=1777")?;
+    if opts.step_lowers.is_some() {
+        // A build step writes /run and /tmp into its layer, as under the namespace
+        // executor, which mounts no tmpfs there either.
+        log!("step root (overlay) mounted as /");
+        return Ok(());
+    }
     mount_at("tmpfs", "/run", "tmpfs", nosuid, "mode=0755")?;
     mount_at("tmpfs", "/tmp", "tmpfs", nosuid, "mode=1777")?;
     // mkdir honours the umask; make sure the sticky bits are as asked.
@@ -168,6 +205,84 @@ pub fn switch_root(opts: &BootOptions) -> Result<(), BootError> {
     }
     log!("root {} ({}) mounted as /", opts.root, opts.fstype);
     Ok(())
+}
+
+/// A step VM's root on [`NEW_ROOT`]: the upper disk (the virtio disk with the serial
+/// `upper`) on [`STEP_DISK`] with `upper/` and `work/` on it, the `n` lower disks (serials
+/// `lower0` …, read-only ext4 images of the step's layers, topmost first) on
+/// `/kiln/lower/<i>`, and overlayfs over them (no lower: an empty directory of the
+/// initramfs). Disks are found by serial (`/sys/block/vd*/serial`), not by name, which
+/// depends on probe order. The upper directory is kept open for `diff` ([`step_upper`]).
+fn mount_step_root(opts: &BootOptions, n: usize) -> Result<(), BootError> {
+    let mut want: Vec<String> = (0..n).map(|i| format!("lower{i}")).collect();
+    want.push("upper".into());
+    let start = Instant::now();
+    let disks = loop {
+        let found = disks_by_serial();
+        if want.iter().all(|w| found.contains_key(w)) {
+            break found;
+        }
+        if start.elapsed() > ROOT_WAIT {
+            let missing: Vec<&String> = want.iter().filter(|w| !found.contains_key(*w)).collect();
+            return Err(BootError::NoRoot(format!("the step's disks {missing:?}")));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let dev = |serial: &str| disks.get(serial).cloned().unwrap_or_default();
+    mount_at(&dev("upper"), STEP_DISK, &opts.fstype, libc::MS_NOSUID, "")?;
+    for d in [STEP_UPPER, STEP_WORK] {
+        mkdir(Path::new(d), 0o755).map_err(|e| BootError::Mount(d.into(), e))?;
+    }
+    let mut lowers = Vec::new();
+    for i in 0..n {
+        let at = format!("/kiln/lower/{i}");
+        fs::create_dir_all(&at).map_err(|e| BootError::Mount(at.clone(), e))?;
+        mount_at(
+            &dev(&format!("lower{i}")),
+            &at,
+            "ext4",
+            libc::MS_RDONLY | libc::MS_NOSUID,
+            "",
+        )?;
+        lowers.push(at);
+    }
+    if lowers.is_empty() {
+        let empty = "/kiln/lower/empty";
+        fs::create_dir_all(empty).map_err(|e| BootError::Mount(empty.into(), e))?;
+        lowers.push(empty.into());
+    }
+    let data = format!(
+        "lowerdir={},upperdir={STEP_UPPER},workdir={STEP_WORK}",
+        lowers.join(":")
+    );
+    mount_at("overlay", NEW_ROOT, "overlay", 0, &data)?;
+    let upper = fs::File::open(STEP_UPPER).map_err(|e| BootError::Mount(STEP_UPPER.into(), e))?;
+    let _ = STEP_UPPER_DIR.set(upper);
+    Ok(())
+}
+
+/// Virtio block devices by serial: `serial` → `/dev/vdX` (made with mknod from its `dev`
+/// file when devtmpfs has not made it yet).
+fn disks_by_serial() -> std::collections::HashMap<String, String> {
+    let mut out = std::collections::HashMap::new();
+    let Ok(dir) = fs::read_dir("/sys/block") else {
+        return out;
+    };
+    for e in dir.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("vd") {
+            continue;
+        }
+        let Ok(serial) = fs::read_to_string(e.path().join("serial")) else {
+            continue;
+        };
+        let dev = format!("/dev/{name}");
+        if !Path::new(&dev).exists() {
+            continue;
+        }
+        out.insert(serial.trim().to_string(), dev);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -180,5 +295,14 @@ mod tests {
         assert_eq!((o.root.as_str(), o.fstype.as_str()), ("/dev/vda", "ext4"));
         let o = BootOptions::from_cmdline("kiln.root=/dev/vdb kiln.rootfstype=ext2 x");
         assert_eq!((o.root.as_str(), o.fstype.as_str()), ("/dev/vdb", "ext2"));
+        assert_eq!(o.step_lowers, None);
+        assert_eq!(
+            BootOptions::from_cmdline("kiln.step=3").step_lowers,
+            Some(3)
+        );
+        assert_eq!(
+            BootOptions::from_cmdline("kiln.step=99").step_lowers,
+            Some(MAX_STEP_LOWERS)
+        );
     }
 }

@@ -11,7 +11,8 @@
 //!    else the start command's `env`); the clone's (`kiln start --env`, from the last
 //!    `restore`); the exec's own `env`.
 //! 4. Working directory: the exec's, else the user's home directory from /etc/passwd (`/`
-//!    when that does not exist, as login(1) does).
+//!    when that does not exist, as login(1) does); with `make_workdir` its missing
+//!    directories are created first, owned by the user.
 //! 5. A cgroup v2 of its own, `/sys/fs/cgroup/kiln-exec-<id>` (cgroup2 is mounted there at
 //!    the first exec, the memory controller enabled for the root's children); the child
 //!    joins it before exec. After the exit its `memory.events` `oom_kill` counter says
@@ -255,6 +256,21 @@ fn spawn_failure(id: u64, e: &SpawnError) -> Message {
     failure(id, kind, e.to_string())
 }
 
+/// Creates the missing directories of `workdir` (absolute), each owned by `user` (mode 0755
+/// less the umask), as the namespace executor makes a build step's `WORKDIR`.
+fn make_workdir(workdir: &str, user: &proc::User) -> Result<(), String> {
+    let mut cur = PathBuf::from("/");
+    for comp in Path::new(workdir).components().skip(1) {
+        cur.push(comp);
+        if fs::metadata(&cur).is_err() {
+            fs::create_dir(&cur).map_err(|e| format!("creating WORKDIR {}: {e}", cur.display()))?;
+            std::os::unix::fs::chown(&cur, Some(user.uid), Some(user.gid))
+                .map_err(|e| format!("chown {}: {e}", cur.display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// Run one exec to its end; returns its `exit` frame.
 fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
     let defaults = image_defaults()
@@ -281,6 +297,11 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
             "/".into()
         }
     });
+    if e.make_workdir
+        && let Err(err) = make_workdir(&workdir, &user)
+    {
+        return failure(e.id, ExecFailureKind::CannotRun, err);
+    }
     let io = (|| {
         Ok::<_, io::Error>((
             pipe()?,

@@ -10,9 +10,15 @@
 //! [`kiln_guest::protocol`] with the host (`exec`: see [`exec`]; a `restore` asking for a
 //! larger disk grows the root file system online: see [`grow`]). Reaps every zombie. Logs to the console (ttyS0).
 //!
+//! A build step's VM (`kiln.step=N` on the kernel command line) boots on an overlay of
+//! read-only lower disks under an upper directory on its upper disk instead (see
+//! [`boot::switch_root`]), writes no machine ID, and answers `diff` with its upper directory
+//! as a tar stream ([`diff`]).
+//!
 //! PID 1 must never exit (the kernel panics): a fatal error is logged and the VM powered off.
 
 mod boot;
+mod diff;
 mod exec;
 mod grow;
 mod proc;
@@ -120,7 +126,8 @@ fn run() -> Result<(), BootError> {
         Ok(_) => true,
         Err(_) => true,
     };
-    if needs_id && Path::new("/etc").is_dir() {
+    // A build step's VM writes nothing of its own into the step's layer.
+    if needs_id && opts.step_lowers.is_none() && Path::new("/etc").is_dir() {
         match serve::new_machine_id().and_then(|id| serve::write_machine_id(&id)) {
             Ok(()) => {}
             Err(e) => log!("writing /etc/machine-id: {e}"),

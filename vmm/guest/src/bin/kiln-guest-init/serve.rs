@@ -87,7 +87,11 @@ impl Sender {
         let mut port = self.0.lock().unwrap_or_else(|p| p.into_inner());
         match protocol::write_message(&mut *port, msg) {
             // Liveness traffic and output chunks are not logged: there may be many.
-            Ok(()) if matches!(msg, Message::Pong(_) | Message::Output(_)) => {}
+            Ok(())
+                if matches!(
+                    msg,
+                    Message::Pong(_) | Message::Output(_) | Message::DiffData(_)
+                ) => {}
             Ok(()) => log!("sent {}", msg.type_name()),
             Err(e) => log!("sending {}: {e}", msg.type_name()),
         }
@@ -233,6 +237,7 @@ fn handle(msg: Message, tx: &Sender, started: &mut bool) {
             tx.send(&hello());
         }
         Message::Exec(e) => exec::start(e, tx.clone()),
+        Message::Diff(_) => crate::diff::start(tx.clone()),
         Message::Pong(_) | Message::Error(_) => {}
         other => tx.send(&Message::Error(ErrorMessage {
             message: format!("{} is not a host → guest message", other.type_name()),

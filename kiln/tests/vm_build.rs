@@ -1,0 +1,186 @@
+//! `kiln build --isolation vm` (issue 14 §1): the microVM step executor against the namespace
+//! executor, on the busybox fixture, TCG. A deterministic Dockerfile (a new file, a whiteout
+//! of a lower file, a new directory, an opaque directory over an earlier step's, a `USER`
+//! and a missing `WORKDIR`, `SOURCE_DATE_EPOCH`) gives the same OCI manifest, so the same
+//! layer digests, under both executors; the namespace build in the VM build's store runs no
+//! step (cache keys do not depend on the executor). A failing step reports its exit code and
+//! its log's tail; a step over the build's time limit is stopped by killing its VM, and no
+//! QEMU is left. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
+//! `KILN_TEST_INITRAMFS`).
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kiln_pipeline::{
+    BuildReport, BuildRequest, ContextSource, Executor, Output, PipelineError, Recipe, Setup,
+};
+use kiln_tests::require_env;
+use kiln_tests::vm::guest_assets;
+
+const EPOCH: &str = "1700000000";
+
+fn dockerfile(bb: &str) -> String {
+    format!(
+        "FROM {bb}\n\
+         RUN mkdir /o && echo 1 > /o/a && echo x > /f\n\
+         RUN rm /bin/vi && rm -r /o && mkdir /o && echo 2 > /o/b && mkdir -p /d/e \
+             && echo y > /d/e/g && ln /f /d/f2 && ln -s ../f /d/l && chmod 4755 /d/e/g\n\
+         USER nobody\n\
+         WORKDIR /w/x\n\
+         RUN echo z > /tmp/z && id -u > /tmp/uid\n"
+    )
+}
+
+fn request(ctx: &Path, executor: Executor) -> BuildRequest {
+    let file = ctx.join("Dockerfile");
+    let mut req = BuildRequest::new(
+        Recipe {
+            name: file.display().to_string(),
+            bytes: std::fs::read(&file).expect("read Dockerfile"),
+        },
+        ContextSource::dir(ctx, Some(&file)).expect("context"),
+    );
+    req.build_args
+        .insert("SOURCE_DATE_EPOCH".into(), EPOCH.into());
+    req.output = Output::Oci { refs: Vec::new() };
+    req.executor = executor;
+    req
+}
+
+async fn run(store: &Path, req: BuildRequest) -> Result<BuildReport, PipelineError> {
+    let mut setup = Setup::open_local(store).await.expect("setup");
+    setup.boot = Some(guest_assets());
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    kiln_pipeline::run(&setup, req, Arc::new(tx)).await
+}
+
+fn context(dir: &Path, text: &str) -> std::path::PathBuf {
+    let ctx = dir.join("ctx");
+    std::fs::create_dir_all(&ctx).expect("mkdir");
+    std::fs::write(ctx.join("Dockerfile"), text).expect("write");
+    ctx
+}
+
+/// QEMU processes whose command line mentions `dir`.
+fn qemus_under(dir: &Path) -> Vec<u32> {
+    let needle = dir.display().to_string();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd);
+        if cmd.contains("qemu-system") && cmd.contains(&needle) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+#[test]
+fn vm_and_namespace_executors_give_the_same_layers_and_share_the_cache() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let ctx = context(t.path(), &dockerfile(&bb));
+    let a = guest_assets();
+
+    // The microVM build, through the binary.
+    let vm_store = t.path().join("vm-store");
+    let iid = t.path().join("iid");
+    let t0 = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .env("KILN_STORE", &vm_store)
+        .env("KILN_KERNEL", &a.kernel)
+        .env("KILN_INITRAMFS", &a.initramfs)
+        .arg("build")
+        .arg(&ctx)
+        .args(["--isolation", "vm", "--oci-only", "--progress", "plain"])
+        .args(["--build-arg", &format!("SOURCE_DATE_EPOCH={EPOCH}")])
+        .arg("--iidfile")
+        .arg(&iid)
+        .output()
+        .expect("run kiln");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    eprintln!("vm build: {:?}", t0.elapsed());
+    let vm_oci = std::fs::read_to_string(&iid).expect("iid");
+
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    // The namespace executor in a fresh store: the same image.
+    let t1 = std::time::Instant::now();
+    let ns = rt
+        .block_on(run(
+            &t.path().join("ns-store"),
+            request(&ctx, Executor::Namespace),
+        ))
+        .expect("namespace build");
+    eprintln!("namespace build: {:?}", t1.elapsed());
+    assert_eq!(ns.steps_run, 4, "three RUN steps and a WORKDIR");
+    assert_eq!(
+        ns.oci_manifest.digest.to_string(),
+        vm_oci.trim(),
+        "the same OCI manifest under both executors"
+    );
+    // In the microVM build's store, the namespace build finds every step in the cache.
+    let again = rt
+        .block_on(run(&vm_store, request(&ctx, Executor::Namespace)))
+        .expect("namespace build in the vm build's store");
+    assert_eq!((again.steps_run, again.steps_cached), (0, 4));
+    assert_eq!(again.layers, ns.layers);
+}
+
+#[test]
+fn vm_steps_report_failures_and_time_limits_kill_the_vm() {
+    assert!(rustix::process::geteuid().is_root(), "needs root");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+
+    let ctx = context(
+        &t.path().join("fail"),
+        &format!("FROM {bb}\nRUN echo before; echo oops >&2; exit 7\n"),
+    );
+    let e = rt
+        .block_on(run(&t.path().join("s1"), request(&ctx, Executor::Vm)))
+        .expect_err("the step fails");
+    let shown = format!("{e:#}");
+    assert!(shown.contains("exited with code 7"), "{shown}");
+    let tail = match &e {
+        PipelineError::Build(b) => match &**b {
+            kiln_builder::build::BuildError::Step {
+                error: kiln_builder::exec::ExecError::Failed { tail, .. },
+                ..
+            } => tail.clone(),
+            other => panic!("not a failed step: {other:?}"),
+        },
+        other => panic!("not a step error: {other:?}"),
+    };
+    assert!(tail.iter().any(|l| l == "oops"), "{tail:?}");
+    assert!(tail.iter().any(|l| l == "before"), "{tail:?}");
+
+    let ctx = context(
+        &t.path().join("slow"),
+        &format!("FROM {bb}\nRUN echo started; sleep 600\n"),
+    );
+    let store = t.path().join("s2");
+    let mut req = request(&ctx, Executor::Vm);
+    req.limits.timeout = Some(Duration::from_secs(30));
+    let e = rt
+        .block_on(run(&store, req))
+        .expect_err("the step is stopped");
+    assert!(
+        matches!(&e, PipelineError::Build(b)
+            if matches!(**b, kiln_builder::build::BuildError::Timeout { .. })),
+        "{e:#}"
+    );
+    assert_eq!(qemus_under(&store), Vec::<u32>::new(), "no QEMU left");
+}

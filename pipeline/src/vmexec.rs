@@ -1,0 +1,682 @@
+//! The microVM step executor (issue 14 §1): each `RUN` step in a microVM of its own, on kiln's
+//! guest kernel and init, where [`kiln_builder::exec::LinuxExecutor`] uses host namespaces.
+//! It lives here because it needs both the builder's step interface and the VMM (the layout
+//! table of DESIGN.md: builder never imports vmm).
+//!
+//! Per step (a cold boot per step):
+//! 1. **Disks.** The upper disk is a sparse raw file of the step's write limit (`mke2fs -t
+//!    ext4`, no journal: the VM never outlives the step), so the guest can write no more
+//!    than that. Each lower directory becomes a read-only disk (serial `lower<i>`, topmost
+//!    first, [`kiln_vmm::launch::VmSpec::ro_disks`]): an ext4 image made once per layer
+//!    directory with `mke2fs -d` ([`lower_image`]), which copies overlayfs' whiteouts (0/0
+//!    character devices) and opaque xattrs as they are. The guest sees the step's layers and
+//!    nothing else of the host's file system. Why disks and not 9p: Debian's cloud kernel,
+//!    kiln's guest kernel, has no 9p (`modules.order` lists none), and virtio-fs needs
+//!    `virtiofsd`, which bookworm lacks. There is no network card.
+//! 2. **Boot.** The one QEMU command line ([`kiln_vmm::launch::VmSpec`]) with anonymous memory
+//!    of the step's memory limit (the VM's size is the limit), the step's vCPUs, and
+//!    `kiln.step=<lowers>`: the guest init mounts the overlay of the lower disks under an upper
+//!    directory on the disk and makes it `/`.
+//! 3. **Run.** One `exec` over the guest channel with the step's argv, environment, user and
+//!    working directory (created when missing, owned by the user); stdout and stderr go
+//!    through the builder's [`LogShaper`] (4 KiB lines, the build's 1 MiB log). The host
+//!    enforces the timeout and cancellation by killing QEMU.
+//! 4. **Changes.** After a zero exit, `diff`: the guest kills every process and streams its
+//!    upper directory as a tar in OCI layer form. The host writes at most
+//!    [`diff_bound`] bytes of it to a file beside the disk, then unpacks it into
+//!    [`StepSpec::upper_dir`] with [`kiln_builder::build::lower::unpack_overlay_form`], the
+//!    layer reader that stays inside its root, so the build's layer capture runs on it
+//!    unchanged. A hostile guest's frames (out of sequence, over the bound) and tar entries
+//!    (climbing out, bad types, over the layer bounds) are refused ([`ExecError::Guest`]).
+//!
+//! Not yet: `RUN --mount` (the context, caches, secrets, tmpfs), heredoc files and networks
+//! other than none (a step with the default network runs without one and says so in its
+//! log) are refused or reduced as [`VmExecutor::run`] says; a VM restored from a snapshot
+//! per step instead of a cold boot.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kiln_builder::exec::logs::LogShaper;
+use kiln_builder::exec::{
+    ExecConfig, ExecError, LogLine, StepExecutor, StepReport, StepSpec, cleanup_mount_points,
+    tree_size,
+};
+use kiln_recipes::plan::Network;
+use kiln_vmm::channel::GuestChannel;
+use kiln_vmm::exec::{ExecEvent, ExecRequest, ExecSession, ExecStatus};
+use kiln_vmm::launch::{self, Accel, DiskFormat, Host, MemoryMode, Vm, VmSpec};
+use kiln_vmm::snapshot::BootAssets;
+
+/// Most lower directories one step VM takes (the guest init's bound, `kiln.step=`; each is
+/// a virtio-mmio device of the microvm machine).
+pub const MAX_LOWERS: usize = 16;
+/// How long a step VM may take from QEMU's start to the guest's answer.
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long the host waits for each frame of the step's changes.
+pub const DIFF_FRAME_TIMEOUT: Duration = Duration::from_secs(60);
+
+static STEP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes of tar the host accepts for a step whose upper disk has `disk_bytes`: twice the
+/// disk (headers, long names and PAX records of many small files) plus 16 MiB.
+pub fn diff_bound(disk_bytes: u64) -> u64 {
+    disk_bytes.saturating_mul(2).saturating_add(16 << 20)
+}
+
+/// Runs each step in a microVM; see the module doc.
+#[derive(Debug, Clone)]
+pub struct VmExecutor {
+    host: Host,
+    boot: BootAssets,
+    accel: Accel,
+    vcpus: u32,
+    /// Memory (the VM's size), write limit (the upper disk's size), scratch and log limits.
+    pub config: ExecConfig,
+}
+
+impl VmExecutor {
+    /// An executor booting `boot`'s kernel and initramfs with `vcpus` vCPUs under `config`'s
+    /// limits; finds QEMU and picks the accelerator ([`launch::probe_accel`], `KILN_ACCEL`)
+    /// once, in `config.run_dir`.
+    ///
+    /// Errors: QEMU missing or unusable ([`ExecError::Setup`]).
+    pub async fn new(boot: BootAssets, config: ExecConfig, vcpus: u32) -> Result<Self, ExecError> {
+        let setup = |e: launch::LaunchError| ExecError::Setup(format!("microVM executor: {e}"));
+        let host = Host::detect().await.map_err(setup)?;
+        std::fs::create_dir_all(&config.run_dir).map_err(|source| ExecError::Io {
+            what: format!("creating {}", config.run_dir.display()),
+            source,
+        })?;
+        let probe = tempfile::Builder::new()
+            .prefix("vm-probe-")
+            .tempdir_in(&config.run_dir)
+            .map_err(|source| ExecError::Io {
+                what: "making the accelerator probe's directory".into(),
+                source,
+            })?;
+        let accel = launch::probe_accel(&host, &boot.kernel, &boot.initramfs, probe.path())
+            .await
+            .map_err(setup)?;
+        Ok(Self {
+            host,
+            boot,
+            accel,
+            vcpus: vcpus.max(1),
+            config,
+        })
+    }
+
+    /// The accelerator the step VMs use.
+    pub fn accel(&self) -> Accel {
+        self.accel
+    }
+}
+
+impl StepExecutor for VmExecutor {
+    /// Runs `spec` in a microVM (module doc). Refused with [`ExecError::Unsupported`]:
+    /// `RUN --mount`, heredoc files, the host network and allow-lists, more than
+    /// [`MAX_LOWERS`] lower directories. A step with the default network runs without one.
+    fn run(
+        &self,
+        spec: &StepSpec,
+        cancel: &AtomicBool,
+        sink: &mut (dyn FnMut(LogLine) + Send),
+    ) -> Result<StepReport, ExecError> {
+        if spec.argv.is_empty() {
+            return Err(ExecError::EmptyCommand);
+        }
+        let unsupported = |what: &str| {
+            Err(ExecError::Unsupported(format!(
+                "{what} in a microVM step (kiln build --isolation vm)"
+            )))
+        };
+        match spec.network {
+            Network::None | Network::Default => {}
+            Network::Host => return unsupported("RUN --network=host"),
+            Network::Allow(_) => return unsupported("an allow-list network"),
+        }
+        if !spec.mounts.is_empty() {
+            return unsupported("RUN --mount");
+        }
+        if !spec.files.is_empty() {
+            return unsupported("a heredoc");
+        }
+        if spec.lower_dirs.len() > MAX_LOWERS {
+            return unsupported(&format!(
+                "{} layers (at most {MAX_LOWERS})",
+                spec.lower_dirs.len()
+            ));
+        }
+        let scratch = Scratch::new(&self.config.run_dir)?;
+        let run = self.run_in(spec, cancel, sink, &scratch.0);
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => h.block_on(run),
+            Err(_) => tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|source| ExecError::Io {
+                    what: "starting a runtime".into(),
+                    source,
+                })?
+                .block_on(run),
+        }
+    }
+}
+
+/// A step's scratch directory (its disk, sockets, console log and changes), removed when
+/// dropped. Named `step-<owner token>-vm<n>` like the namespace executor's, so that the next
+/// build removes what a killed build left ([`kiln_builder::workdir::remove_dead_entries`]).
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(run_dir: &Path) -> Result<Self, ExecError> {
+        let dir = run_dir.join(format!(
+            "step-{}-vm{}",
+            kiln_builder::workdir::owner_token(),
+            STEP_COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).map_err(|source| ExecError::Io {
+            what: format!("creating {}", dir.display()),
+            source,
+        })?;
+        Ok(Self(dir))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The step's environment as the namespace executor gives it: `PATH` defaulted, then the
+/// spec's entries in order (later ones win in the guest's merge).
+fn step_env(spec: &StepSpec) -> Vec<String> {
+    let mut env = vec![format!("PATH={}", kiln_recipes::plan::DEFAULT_PATH)];
+    env.extend(spec.env.iter().filter(|e| e.contains('=')).cloned());
+    env
+}
+
+/// Makes the sparse raw disk `path` of `bytes` with an ext4 file system (no journal, 4 KiB
+/// blocks, no reserved blocks), with `extra` arguments for mke2fs.
+async fn mke2fs(path: &Path, bytes: u64, extra: &[String]) -> Result<(), ExecError> {
+    let f = std::fs::File::create(path).map_err(|source| ExecError::Io {
+        what: format!("creating {}", path.display()),
+        source,
+    })?;
+    f.set_len(bytes).map_err(|source| ExecError::Io {
+        what: format!("sizing {}", path.display()),
+        source,
+    })?;
+    drop(f);
+    let out = tokio::process::Command::new("mke2fs")
+        .args(["-q", "-F", "-t", "ext4", "-O", "^has_journal", "-b", "4096"])
+        .args(["-m", "0", "-E", "lazy_itable_init=1,nodiscard"])
+        .args(extra)
+        .arg(path)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|source| ExecError::Io {
+            what: "running mke2fs (e2fsprogs)".into(),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(ExecError::Setup(format!(
+            "mke2fs {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
+}
+
+/// The read-only ext4 image of the lower directory `lower` in `cache`, made when missing:
+/// `<cache>/<sha256 of the directory's path>.ext4`. A layer directory never changes once it
+/// has its name (`kiln_builder::build::lower`), so its image does not either. Made under a
+/// temporary name and renamed, so a crash leaves no half image under the final name. Size:
+/// the tree's allocated bytes × 1.5, plus 1 KiB per entry and 32 MiB, with one inode per
+/// entry and 256 spare (`mke2fs -N`); the file is sparse.
+///
+/// Errors: the walk or mke2fs failed ([`ExecError::Io`], [`ExecError::Setup`]).
+pub async fn lower_image(cache: &Path, lower: &Path) -> Result<PathBuf, ExecError> {
+    use std::os::unix::ffi::OsStrExt;
+    let digest = kiln_builder::cache::digest_of(lower.as_os_str().as_bytes());
+    let hex = digest.trim_start_matches("sha256:");
+    let img = cache.join(format!("{hex}.ext4"));
+    if img.is_file() {
+        return Ok(img);
+    }
+    std::fs::create_dir_all(cache).map_err(|source| ExecError::Io {
+        what: format!("creating {}", cache.display()),
+        source,
+    })?;
+    let dir = lower.to_path_buf();
+    let (bytes, entries) = tokio::task::spawn_blocking(move || tree_counts(&dir))
+        .await
+        .map_err(|e| ExecError::Setup(e.to_string()))?;
+    let size = bytes / 2 * 3 + entries * 1024 + (32 << 20);
+    let tmp = cache.join(format!(
+        "{hex}.tmp-{}-{}",
+        std::process::id(),
+        STEP_COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let r = mke2fs(
+        &tmp,
+        size,
+        &[
+            "-N".to_string(),
+            (entries + 256).to_string(),
+            "-d".to_string(),
+            lower.display().to_string(),
+        ],
+    )
+    .await
+    .and_then(|()| {
+        std::fs::rename(&tmp, &img).map_err(|source| ExecError::Io {
+            what: format!("renaming {}", tmp.display()),
+            source,
+        })
+    });
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r.map(|()| img)
+}
+
+/// Allocated bytes (`st_blocks` × 512) and entries under `dir`, not following symlinks.
+fn tree_counts(dir: &Path) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let (mut bytes, mut entries) = (0u64, 0u64);
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let Ok(md) = e.path().symlink_metadata() else {
+                continue;
+            };
+            entries += 1;
+            bytes += md.blocks() * 512;
+            if md.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    (bytes, entries)
+}
+
+/// Asks the step VM on `session` for its changes (`diff`), writes at most `bound` bytes of
+/// the tar stream to `dir/changes.tar`, and unpacks it into the empty `upper` with the
+/// builder's layer reader in overlayfs' form
+/// ([`kiln_builder::build::lower::unpack_overlay_form`]). Returns the tar's bytes.
+///
+/// Errors: [`ExecError::Guest`] for what a hostile guest can cause (a frame out of sequence
+/// or over the bound, a tar the layer reader refuses); [`ExecError::Setup`] for the channel;
+/// [`ExecError::Io`].
+pub async fn receive_changes(
+    session: &mut ExecSession,
+    dir: &Path,
+    upper: &Path,
+    bound: u64,
+    step: usize,
+) -> Result<u64, ExecError> {
+    let tar_path = dir.join("changes.tar");
+    let mut tar = std::fs::File::create(&tar_path).map_err(|source| ExecError::Io {
+        what: format!("creating {}", tar_path.display()),
+        source,
+    })?;
+    let bytes = match session.diff(&mut tar, bound, DIFF_FRAME_TIMEOUT).await {
+        Ok(b) => b,
+        Err(kiln_vmm::exec::ExecError::Protocol { reason, .. }) => {
+            return Err(ExecError::Guest(reason));
+        }
+        Err(e) => return Err(ExecError::Setup(e.to_string())),
+    };
+    drop(tar);
+    let upper = upper.to_path_buf();
+    let name = format!("step {step} changes");
+    tokio::task::spawn_blocking(move || {
+        kiln_builder::build::lower::unpack_overlay_form(
+            &upper,
+            &tar_path,
+            &name,
+            &kiln_builder::layer::Limits::default(),
+        )
+    })
+    .await
+    .map_err(|e| ExecError::Setup(e.to_string()))?
+    .map_err(|e| ExecError::Guest(e.to_string()))?;
+    Ok(bytes)
+}
+
+/// How the step's wait ended.
+enum Waited {
+    Exit(ExecStatus),
+    Stopped(ExecError),
+}
+
+impl VmExecutor {
+    async fn run_in(
+        &self,
+        spec: &StepSpec,
+        cancel: &AtomicBool,
+        sink: &mut (dyn FnMut(LogLine) + Send),
+        dir: &Path,
+    ) -> Result<StepReport, ExecError> {
+        let t0 = Instant::now();
+        let deadline = t0 + spec.timeout;
+        let disk = dir.join("upper.raw");
+        // At least 64 MiB, so that the file system itself fits.
+        let disk_bytes = self.config.write_limit_bytes.max(64 << 20);
+        mke2fs(&disk, disk_bytes, &[]).await?;
+        let mut lowers = Vec::with_capacity(spec.lower_dirs.len());
+        for l in &spec.lower_dirs {
+            lowers.push(lower_image(&self.config.run_dir.join("vm-lowers"), l).await?);
+        }
+        let vm_spec = VmSpec {
+            accel: self.accel,
+            vcpus: self.vcpus,
+            memory_bytes: (self.config.memory_bytes >> 20).max(128) << 20,
+            kernel: self.boot.kernel.clone(),
+            initramfs: self.boot.initramfs.clone(),
+            memory_file: dir.join("unused-memory"),
+            memory_mode: MemoryMode::Anonymous,
+            disk: disk.clone(),
+            disk_format: DiskFormat::Raw,
+            kernel_args: vec![format!("kiln.step={}", lowers.len())],
+            ro_disks: lowers,
+            qmp_socket: dir.join("qmp.sock"),
+            guest_socket: dir.join("guest.sock"),
+            serial_log: dir.join("console.log"),
+            incoming: false,
+            tsc_khz: self.host.tsc_khz,
+        };
+        let guest = |what: &str, e: &dyn std::fmt::Display| {
+            ExecError::Setup(format!(
+                "step VM: {what}: {e}\n{}",
+                launch::console_report(&vm_spec.serial_log)
+            ))
+        };
+        let vm = Vm::spawn(
+            &self.host,
+            &vm_spec,
+            &dir.join("qemu.log"),
+            BOOT_TIMEOUT,
+            true,
+        )
+        .await
+        .map_err(|e| guest("starting QEMU", &e))?;
+        let mut limits = self.config.log_limits;
+        if let Some(budget) = spec.log_budget {
+            limits.total_max = limits.total_max.min(budget);
+        }
+        let mut shaper = LogShaper::new(spec.index, limits, &spec.secrets);
+        if spec.network == Network::Default {
+            shaper.push(
+                b"[kiln] this step runs without a network: microVM steps have no network card yet\n",
+                sink,
+            );
+        }
+        let mut ch = GuestChannel::connect(&vm_spec.guest_socket, BOOT_TIMEOUT)
+            .await
+            .map_err(|e| guest("connecting to the guest channel", &e))?;
+        ch.recv_significant("the guest's hello", BOOT_TIMEOUT)
+            .await
+            .map_err(|e| guest("waiting for the guest's hello", &e))?;
+        let mut session = ExecSession::over(format!("step {}", spec.index), ch, BOOT_TIMEOUT)
+            .await
+            .map_err(|e| guest("connecting to the guest", &e))?;
+        let booted = t0.elapsed();
+        let req = ExecRequest {
+            argv: spec.argv.clone(),
+            env: step_env(spec),
+            user: spec.user.clone(),
+            workdir: Some(spec.workdir.clone()),
+            stdin: Vec::new(),
+            detach: false,
+            make_workdir: true,
+        };
+        let exec_id = session.start(&req).await.map_err(|e| match e {
+            kiln_vmm::exec::ExecError::Request(d) => ExecError::Setup(format!("the step: {d}")),
+            e => guest("starting the step", &e),
+        })?;
+        let waited = loop {
+            let ev = session.next_event();
+            tokio::pin!(ev);
+            let r = loop {
+                tokio::select! {
+                    r = &mut ev => break Some(r),
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {
+                        if cancel.load(Ordering::Relaxed) {
+                            break None;
+                        }
+                        if Instant::now() >= deadline {
+                            break None;
+                        }
+                    }
+                }
+            };
+            match r {
+                None if cancel.load(Ordering::Relaxed) => {
+                    break Waited::Stopped(ExecError::Cancelled);
+                }
+                None => {
+                    break Waited::Stopped(ExecError::Timeout {
+                        after: spec.timeout,
+                    });
+                }
+                Some(Ok(ExecEvent::Output { id, data, .. })) if id == exec_id => {
+                    shaper.push(&data, sink)
+                }
+                Some(Ok(ExecEvent::Exit { id, status })) if id == exec_id => {
+                    break Waited::Exit(status);
+                }
+                Some(Ok(_)) => {}
+                Some(Err(kiln_vmm::exec::ExecError::Protocol { reason, .. })) => {
+                    break Waited::Stopped(ExecError::Guest(reason));
+                }
+                Some(Err(e)) => break Waited::Stopped(guest("running the step", &e)),
+            }
+        };
+        shaper.finish(sink);
+        let tail = shaper.tail();
+        let status = match waited {
+            Waited::Stopped(e) => {
+                vm.kill().await;
+                return Err(e);
+            }
+            Waited::Exit(s) => s,
+        };
+        let ran = t0.elapsed() - booted;
+        if let Some(f) = &status.failure {
+            vm.kill().await;
+            return Err(ExecError::Setup(format!(
+                "the step did not start: {}",
+                f.message
+            )));
+        }
+        if status.oom {
+            vm.kill().await;
+            return Err(ExecError::MemoryLimit {
+                limit_bytes: vm_spec.memory_bytes,
+                tail,
+            });
+        }
+        if let Some(signal) = status.signal {
+            vm.kill().await;
+            return Err(ExecError::Signaled { signal, tail });
+        }
+        let exit_code = status.exit_code();
+        if exit_code != 0 {
+            vm.kill().await;
+            return Err(ExecError::Failed { exit_code, tail });
+        }
+
+        // The changes.
+        let got = tokio::select! {
+            r = receive_changes(&mut session, dir, &spec.upper_dir, diff_bound(disk_bytes), spec.index) => Some(r),
+            _ = async {
+                while !cancel.load(Ordering::Relaxed) && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            } => None,
+        };
+        drop(session);
+        vm.kill().await;
+        let bytes = match got {
+            None if cancel.load(Ordering::Relaxed) => return Err(ExecError::Cancelled),
+            None => {
+                return Err(ExecError::Timeout {
+                    after: spec.timeout,
+                });
+            }
+            Some(r) => r.map_err(|e| match e {
+                ExecError::Setup(m) => guest("receiving the step's changes", &m),
+                e => e,
+            })?,
+        };
+        cleanup_mount_points(spec);
+        let written = tree_size(&spec.upper_dir);
+        tracing::debug!(
+            step = spec.index,
+            ?booted,
+            ?ran,
+            diff_bytes = bytes,
+            total = ?t0.elapsed(),
+            "microVM step done"
+        );
+        if written > self.config.write_limit_bytes {
+            return Err(ExecError::WriteLimit {
+                limit_bytes: self.config.write_limit_bytes,
+                written_bytes: written,
+            });
+        }
+        Ok(StepReport {
+            written_bytes: written,
+            log_bytes: shaper.emitted_bytes(),
+            log_truncated: shaper.truncated(),
+            tail,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_vmm::channel::Message;
+    use kiln_vmm::exec::{DiffData, DiffEnd, MAX_CHUNK_LEN};
+
+    #[test]
+    fn diff_bound_covers_headers_and_saturates() {
+        assert_eq!(diff_bound(1 << 20), (2 << 20) + (16 << 20));
+        assert_eq!(diff_bound(u64::MAX), u64::MAX);
+    }
+
+    /// A session whose other end is a fault injector standing in for a step VM's guest: it
+    /// answers `connect`, then answers `diff` with `tar` in chunks.
+    async fn fake_guest(tar: Vec<u8>) -> ExecSession {
+        let (a, b) = tokio::net::UnixStream::pair().unwrap();
+        tokio::spawn(async move {
+            let mut g = GuestChannel::from_stream(b);
+            let t = Duration::from_secs(5);
+            let Ok(Message::Connect(p)) = g.recv("connect", t).await.unwrap() else {
+                panic!("no connect")
+            };
+            g.send(&Message::Connected(p)).await.unwrap();
+            let Ok(Message::Diff(_)) = g.recv("diff", t).await.unwrap() else {
+                panic!("no diff")
+            };
+            let mut seq = 0;
+            for c in tar.chunks(MAX_CHUNK_LEN) {
+                let data = c.to_vec();
+                g.send(&Message::DiffData(DiffData { seq, data }))
+                    .await
+                    .unwrap();
+                seq += 1;
+            }
+            let bytes = tar.len() as u64;
+            g.send(&Message::DiffEnd(DiffEnd {
+                seq,
+                bytes,
+                error: None,
+            }))
+            .await
+            .unwrap();
+        });
+        ExecSession::over("fake".into(), GuestChannel::from_stream(a), BOOT_TIMEOUT)
+            .await
+            .unwrap()
+    }
+
+    /// A tar entry named `name` as is (no checks: what a hostile guest writes).
+    fn raw_entry(b: &mut tar::Builder<Vec<u8>>, name: &[u8], kind: tar::EntryType, data: &[u8]) {
+        let mut h = tar::Header::new_old();
+        h.as_old_mut().name[..name.len()].copy_from_slice(name);
+        h.set_entry_type(kind);
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_size(data.len() as u64);
+        h.set_mtime(1_700_000_000);
+        h.set_cksum();
+        b.append(&h, data).unwrap();
+    }
+
+    fn tar_of(entries: &[(&[u8], tar::EntryType, &[u8])]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (n, k, d) in entries {
+            raw_entry(&mut b, n, *k, d);
+        }
+        b.into_inner().unwrap()
+    }
+
+    #[tokio::test]
+    async fn changes_unpack_in_overlay_form_and_hostile_ones_are_refused() {
+        assert!(rustix::process::geteuid().is_root(), "needs root (mknod)");
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let t = tempfile::tempdir().unwrap();
+        let upper = t.path().join("upper");
+        std::fs::create_dir(&upper).unwrap();
+        let reg = tar::EntryType::Regular;
+        let dir = tar::EntryType::Directory;
+        let good = tar_of(&[
+            (b"f", reg, b"x\n"),
+            (b".wh.gone", reg, b""),
+            (b"d/", dir, b""),
+            (b"d/.wh..wh..opq", reg, b""),
+            (b"d/n", reg, b"n"),
+        ]);
+        let mut s = fake_guest(good.clone()).await;
+        let n = receive_changes(&mut s, t.path(), &upper, 1 << 20, 1)
+            .await
+            .unwrap();
+        assert_eq!(n, good.len() as u64);
+        assert_eq!(std::fs::read(upper.join("f")).unwrap(), b"x\n");
+        let wh = std::fs::symlink_metadata(upper.join("gone")).unwrap();
+        assert!(wh.file_type().is_char_device() && wh.rdev() == 0, "{wh:?}");
+        let mut v = [0u8; 4];
+        let got = rustix::fs::lgetxattr(upper.join("d"), "trusted.overlay.opaque", &mut v[..]);
+        assert_eq!((got.ok(), v[0]), (Some(1), b'y'));
+        assert_eq!(std::fs::read(upper.join("d/n")).unwrap(), b"n");
+
+        // Climbing out of the upper directory.
+        let upper = t.path().join("upper2");
+        std::fs::create_dir(&upper).unwrap();
+        let mut s = fake_guest(tar_of(&[(b"../escape", reg, b"owned")])).await;
+        let r = receive_changes(&mut s, t.path(), &upper, 1 << 20, 2).await;
+        assert!(matches!(r, Err(ExecError::Guest(_))), "{r:?}");
+        assert!(!t.path().join("escape").exists());
+
+        // A stream over its bound.
+        let upper = t.path().join("upper3");
+        std::fs::create_dir(&upper).unwrap();
+        let big = tar_of(&[(b"big", reg, &vec![7u8; 200 << 10])]);
+        let mut s = fake_guest(big).await;
+        let r = receive_changes(&mut s, t.path(), &upper, 100 << 10, 3).await;
+        assert!(matches!(r, Err(ExecError::Guest(_))), "{r:?}");
+    }
+}
