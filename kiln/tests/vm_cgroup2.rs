@@ -1,0 +1,195 @@
+//! Build-step limits on a pure cgroup v2 host: the test hosts are hybrid (cgroup v1
+//! controllers), so the v2 side of `kiln_builder::exec::cgroup` runs here inside a guest
+//! (TCG), whose init mounts only cgroup2 at `/sys/fs/cgroup`. The guest image is the busybox
+//! fixture with this kiln binary, the C libraries it links and an inner build context; `kiln
+//! build` run in the clone must stop a step at its memory limit and name the limit (issue 14,
+//! "cgroup v2 limits have never run").
+//! Needs what `ci/setup.sh` exports (`KILN_TEST_BUSYBOX_OCI`, the guest kernel).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use kiln_store::{Store, TagRef};
+use kiln_tests::vm::{guest_assets, oci_image, sleeping_sandbox};
+use serde_json::Value;
+
+fn kiln(dir: &Path, args: &[&str]) -> Output {
+    let a = guest_assets();
+    Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(args)
+        .env("KILN_STORE", dir.join("store"))
+        .env("KILN_STATE_DIR", dir.join("state"))
+        .env("KILN_SNAPSHOT_CACHE", dir.join("cache"))
+        .env("KILN_KERNEL", &a.kernel)
+        .env("KILN_INITRAMFS", &a.initramfs)
+        .env("TMPDIR", dir)
+        .output()
+        .expect("run kiln")
+}
+
+fn show(o: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Stops every clone of the test's state directory when dropped, so that a failing assertion
+/// leaves no VM running.
+struct StopAll<'a>(&'a Path);
+
+impl Drop for StopAll<'_> {
+    fn drop(&mut self) {
+        let _ = kiln(self.0, &["stop", "--all"]);
+    }
+}
+
+/// Copies `from` to the same absolute path under `root`.
+fn copy_into(root: &Path, from: &Path) {
+    let to = root.join(from.strip_prefix("/").expect("absolute path"));
+    std::fs::create_dir_all(to.parent().expect("parent")).expect("mkdir");
+    std::fs::copy(from, &to).unwrap_or_else(|e| panic!("copy {}: {e}", from.display()));
+}
+
+/// The shared libraries `bin` loads (ldd(1)'s absolute paths), the dynamic loader among them.
+fn libraries(bin: &Path) -> Vec<PathBuf> {
+    let out = Command::new("ldd").arg(bin).output().expect("run ldd");
+    assert!(out.status.success(), "ldd {}", bin.display());
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .filter(|w| w.starts_with('/'))
+        .map(PathBuf::from)
+        .collect()
+}
+
+#[test]
+fn a_memory_limit_stops_a_step_on_a_pure_cgroup2_guest() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "VM tests need root (CI runs them as root)"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let kiln_bin = Path::new(env!("CARGO_BIN_EXE_kiln"));
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let store = Store::open(d.join("store").to_str().expect("utf-8"))
+            .await
+            .expect("store");
+        let tag: TagRef = "cg2:latest".parse().expect("tag");
+        let bb = "KILN_TEST_BUSYBOX_OCI";
+        // The first call unpacks the fixture's root under `d`; the second makes the image of
+        // that root with kiln and the inner context added.
+        oci_image(&store, d, bb, "latest", 64, &tag, sleeping_sandbox()).await;
+        let root = d.join("rootfs-kiln_test_busybox_oci");
+        let inside = root.join("usr/local/bin/kiln");
+        std::fs::create_dir_all(inside.parent().expect("parent")).expect("mkdir");
+        std::fs::copy(kiln_bin, &inside).expect("copy kiln");
+        for lib in libraries(kiln_bin) {
+            copy_into(&root, &lib);
+        }
+        let inner = root.join("inner");
+        std::fs::create_dir_all(&inner).expect("mkdir");
+        let status = Command::new("cp")
+            .arg("-a")
+            .arg(kiln_tests::require_env(bb))
+            .arg(inner.join("busybox-oci"))
+            .status()
+            .expect("cp");
+        assert!(status.success(), "copy the OCI layout");
+        // dd allocates its whole block at once and fills it: 256 MiB of anonymous memory
+        // passes the limit at once (a hog that grows slowly, like `tail` of /dev/zero, spent
+        // over 200 s under TCG in the kernel's reclaim before the OOM kill). The same step
+        // with an 8 MiB block fits.
+        for (name, block) in [("hog", "256M"), ("fits", "8M")] {
+            std::fs::write(
+                inner.join(format!("{name}.yaml")),
+                format!(
+                    "from: bb\nnetwork: none\nlimits: {{memory: 48MiB}}\ncommands:\n  \
+                     - echo step-started && dd if=/dev/zero of=/dev/null bs={block} count=1\n"
+                ),
+            )
+            .expect("recipe");
+        }
+        oci_image(&store, d, bb, "latest", 512, &tag, sleeping_sandbox()).await;
+    });
+    let o = kiln(
+        d,
+        &[
+            "snapshot",
+            "cg2:latest",
+            "-t",
+            "cg2:snap",
+            "--memory-mib",
+            "512",
+        ],
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    let _stop = StopAll(d);
+    let o = kiln(d, &["--json", "start", "cg2:snap"]);
+    assert!(o.status.success(), "{}", show(&o));
+    let id = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["event"] == "started")
+        .and_then(|v| v["id"].as_str().map(str::to_string))
+        .unwrap_or_else(|| panic!("no started event: {}", show(&o)));
+
+    // The guest's only cgroup hierarchy is cgroup2.
+    let o = kiln(
+        d,
+        &[
+            "exec",
+            "-u",
+            "root",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "grep cgroup /proc/mounts",
+        ],
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    let mounts = String::from_utf8_lossy(&o.stdout).into_owned();
+    let kinds: Vec<&str> = mounts
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2))
+        .collect();
+    assert_eq!(kinds, ["cgroup2"], "{mounts}");
+
+    let build = |recipe: &str| {
+        kiln(
+            d,
+            &[
+                "exec",
+                "-u",
+                "root",
+                &id,
+                "--",
+                "sh",
+                "-c",
+                &format!(
+                    "KILN_STORE=/tmp/store TMPDIR=/tmp kiln build -f /inner/{recipe}.yaml \
+                     --oci-only --progress plain \
+                     --build-context bb=oci-layout:///inner/busybox-oci:latest /inner"
+                ),
+            ],
+        )
+    };
+    let o = build("fits");
+    assert!(
+        o.status.success(),
+        "a step under the limit builds: {}",
+        show(&o)
+    );
+    let o = build("hog");
+    let text = show(&o);
+    assert_eq!(o.status.code(), Some(1), "{text}");
+    assert!(text.contains("step-started"), "the step ran: {text}");
+    assert!(
+        text.contains(&format!("memory limit of {} bytes exceeded", 48u64 << 20)),
+        "{text}"
+    );
+}
