@@ -649,7 +649,7 @@ async fn finish(
 }
 
 /// `req` with each [`TagExpect::AtStart`] of its tags replaced by what the tag names in
-/// `store` now ([`TagExpect::Digest`], or [`TagExpect::Absent`] for a tag that does not exist).
+/// `store` now ([`TagExpect::Pinned`]: its manifest, or `None` for a tag that does not exist).
 /// Errors: [`PipelineError::Tag`] when a tag cannot be read.
 async fn pin_tags(store: &Store, mut req: BuildRequest) -> Result<BuildRequest, PipelineError> {
     if let Output::Image { tags, .. } = &mut req.output {
@@ -661,19 +661,16 @@ async fn pin_tags(store: &Store, mut req: BuildRequest) -> Result<BuildRequest, 
                     tag: m.tag.to_string(),
                     source: Box::new(e),
                 })?;
-            m.expect = match now {
-                Some(r) => TagExpect::Digest(r.manifest),
-                None => TagExpect::Absent,
-            };
+            m.expect = TagExpect::Pinned(now.map(|r| r.manifest));
         }
     }
     Ok(req)
 }
 
 /// Points every tag of `moves` at `new`. Every compare-and-swap expectation is checked
-/// first: when one does not hold, no tag moves. A tag already naming `new` is left alone and
-/// holds whatever it was expected to hold: another build (another node, a rerun) that
-/// published the same image reached the same result, which is no lost race.
+/// first: when one does not hold, no tag moves. A tag already naming `new` is left alone; a
+/// [`TagExpect::Pinned`] one then holds whatever it was expected to hold (another run of the
+/// same build published the same image first), an expectation the caller wrote does not.
 async fn move_tags(
     store: &Store,
     moves: &[TagMove],
@@ -691,6 +688,7 @@ async fn move_tags(
         TagExpect::Any => None,
         TagExpect::Absent => Some(None),
         TagExpect::Digest(d) => Some(Some(d)),
+        TagExpect::Pinned(d) => Some(d),
         // `run` pinned these (pin_tags); one left unpinned must still be what it was.
         TagExpect::AtStart => Some(None),
     };
@@ -701,9 +699,10 @@ async fn move_tags(
             .await
             .map_err(tag_err(m))?
             .map(|r| r.manifest);
+        let pinned = matches!(m.expect, TagExpect::Pinned(_));
         if let Some(want) = expected(m)
             && now != want
-            && now != Some(new)
+            && !(pinned && now == Some(new))
         {
             return Err(tag_err(m)(StoreError::Tag(TagError::Stale {
                 tag: m.tag.clone(),
@@ -720,8 +719,10 @@ async fn move_tags(
             match expected(m) {
                 None => store.force_tag(&m.tag, new).await.map(|_| ()),
                 Some(want) => match store.set_tag(&m.tag, want, new).await {
-                    // Moved to this very image by another writer since the check above.
-                    Err(StoreError::Tag(TagError::Stale { actual, .. })) if actual == Some(new) => {
+                    // Moved to this very image by another run since the check above.
+                    Err(StoreError::Tag(TagError::Stale { actual, .. }))
+                        if matches!(m.expect, TagExpect::Pinned(_)) && actual == Some(new) =>
+                    {
                         Ok(())
                     }
                     r => r,
@@ -742,8 +743,9 @@ async fn move_tags(
 mod tests {
     use super::*;
 
-    /// A tag move expecting "absent" finds the tag already naming the build's image (another
-    /// node published the same digest first): the build's tags hold, no lost race.
+    /// A tag pinned absent at the start finds the tag already naming the build's image
+    /// (another node's run of the same build published first): the tag holds, no lost race.
+    /// An expectation the caller wrote (`Absent`) stays strict.
     #[tokio::test]
     async fn a_tag_already_naming_the_new_image_is_no_lost_race() {
         use kiln_store::artifact::PutArtifactOptions;
@@ -774,19 +776,28 @@ mod tests {
             .await
             .expect("the other node's publish");
         let events: Arc<dyn EventSink> = Arc::new(|_: Event| {});
-        let absent = TagMove {
+        let pinned = TagMove {
             tag: tag.clone(),
-            expect: TagExpect::Absent,
+            expect: TagExpect::Pinned(None),
         };
-        let names = move_tags(&store, std::slice::from_ref(&absent), same, &events)
+        let names = move_tags(&store, std::slice::from_ref(&pinned), same, &events)
             .await
             .expect("the same image is no lost race");
         assert_eq!(names, vec![tag.to_string()]);
         assert_eq!(store.resolve_tag(&tag).await.expect("tag"), same);
         // A different image under the same expectation still loses.
-        let e = move_tags(&store, &[absent], other, &events)
+        let e = move_tags(&store, &[pinned], other, &events)
             .await
             .expect_err("a different image loses the race");
+        assert!(e.to_string().contains("race:same"), "{e}");
+        // The caller's own "absent" is not met by a tag that exists, whatever it names.
+        let absent = TagMove {
+            tag: tag.clone(),
+            expect: TagExpect::Absent,
+        };
+        let e = move_tags(&store, &[absent], same, &events)
+            .await
+            .expect_err("an explicit absent is strict");
         assert!(e.to_string().contains("race:same"), "{e}");
         assert_eq!(store.resolve_tag(&tag).await.expect("tag"), same);
     }

@@ -345,11 +345,18 @@ pub enum TagExpect {
     Digest(ManifestDigest),
     /// The tag must still hold what it held when the build started (a manifest, or nothing):
     /// [`crate::run`] reads each such tag before it resolves anything and turns this into
-    /// [`TagExpect::Digest`] or [`TagExpect::Absent`], so a build that another writer
+    /// [`TagExpect::Pinned`], so a build that another writer
     /// overtook (another node's build of the same tag, a `kiln tag`) moves no tag and fails
     /// with [`kiln_store::TagError::Stale`] naming the tag, the digest it expected and the
     /// one it found.
     AtStart,
+    /// What [`TagExpect::AtStart`] became when [`crate::run`] read the tag: the manifest it
+    /// named, or `None` when it did not exist. Checked as [`TagExpect::Digest`] or
+    /// [`TagExpect::Absent`] are, except that a tag another writer has meanwhile moved to
+    /// this build's own image holds: the same inputs reached the same result (another node's
+    /// run of the same build, a takeover's second attempt), which is no lost race. An
+    /// expectation the caller wrote itself stays strict.
+    Pinned(Option<ManifestDigest>),
 }
 
 /// How the image is booted once and snapshotted.
