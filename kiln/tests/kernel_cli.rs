@@ -55,7 +55,8 @@ fn kernel_prints_the_vmlinux_and_initramfs_it_made() {
             "virtio",
             "virtio_mmio",
             "virtio_blk",
-            "virtio_console"
+            "virtio_console",
+            "overlay"
         ])
     );
     for key in ["vmlinux", "initramfs"] {
