@@ -386,42 +386,33 @@ pub(crate) async fn run_leased(
     };
     let sink = events.clone();
     let sink: kiln_builder::build::EventSink = Arc::new(move |e| sink.event(event::from_build(e)));
-    let built = match (req.executor, &setup.boot) {
+    // `run` refused a VM build without boot assets before anything was leased.
+    let executor: Arc<dyn kiln_builder::exec::StepExecutor> = match (req.executor, &setup.boot) {
         (Executor::Vm, Some(boot)) => {
-            let mut exec = opts.exec.clone();
-            exec.memory_bytes = exec.memory_bytes.min(plan.limits.memory_mib << 20);
+            let exec = kiln_builder::build::exec_config(&plan, &opts);
             let vcpus = req.limits.vcpus.unwrap_or(1);
             match vmexec::VmExecutor::new(boot.clone(), exec, vcpus).await {
-                Ok(ex) => {
-                    kiln_builder::build::build_with(
-                        &plan,
-                        &bases,
-                        setup.cache.clone(),
-                        &setup.store,
-                        &opts,
-                        sink,
-                        Arc::new(ex),
-                    )
-                    .await
-                }
+                Ok(ex) => Arc::new(ex),
                 Err(e) => {
                     let _ = lease.release().await;
                     return Err(PipelineError::Request(e.to_string()));
                 }
             }
         }
-        _ => {
-            kiln_builder::build::build(
-                &plan,
-                &bases,
-                setup.cache.clone(),
-                &setup.store,
-                &opts,
-                sink,
-            )
-            .await
-        }
+        _ => Arc::new(kiln_builder::exec::LinuxExecutor::new(
+            kiln_builder::build::exec_config(&plan, &opts),
+        )),
     };
+    let built = kiln_builder::build::build_with(
+        &plan,
+        &bases,
+        setup.cache.clone(),
+        &setup.store,
+        &opts,
+        sink,
+        executor,
+    )
+    .await;
     let out = match built {
         Ok(o) => o,
         Err(e) => {

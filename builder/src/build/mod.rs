@@ -257,10 +257,6 @@ pub async fn build(
     opts: &BuildOptions,
     events: EventSink,
 ) -> Result<BuildOutput, BuildError> {
-    let mut exec = opts.exec.clone();
-    exec.memory_bytes = exec.memory_bytes.min(plan.limits.memory_mib << 20);
-    // One address policy for everything the build reaches: ADD's fetch and the proxy.
-    exec.addresses = opts.fetch.addresses.clone();
     build_with(
         plan,
         bases,
@@ -268,9 +264,20 @@ pub async fn build(
         store,
         opts,
         events,
-        Arc::new(LinuxExecutor::new(exec)),
+        Arc::new(LinuxExecutor::new(exec_config(plan, opts))),
     )
     .await
+}
+
+/// The settings a step executor of `plan` gets: `opts.exec` with its memory limit lowered to
+/// the plan's (`limits.memory_mib`, MiB) and the address policy of `ADD`'s fetch, so that one
+/// policy covers everything the build reaches (ADD and the egress proxy). Every executor
+/// (namespace or microVM) is made from this.
+pub fn exec_config(plan: &BuildPlan, opts: &BuildOptions) -> ExecConfig {
+    let mut exec = opts.exec.clone();
+    exec.memory_bytes = exec.memory_bytes.min(plan.limits.memory_mib << 20);
+    exec.addresses = opts.fetch.addresses.clone();
+    exec
 }
 
 /// [`build`] with a given step executor.
