@@ -41,7 +41,6 @@ use std::time::{Duration, Instant};
 use kiln_builder::exec::logs::LogShaper;
 use kiln_builder::exec::{
     ExecConfig, ExecError, LogLine, StepExecutor, StepReport, StepSpec, cleanup_mount_points,
-    tree_size,
 };
 use kiln_recipes::plan::Network;
 use kiln_vmm::channel::GuestChannel;
@@ -540,7 +539,6 @@ impl VmExecutor {
             })?,
         };
         cleanup_mount_points(spec);
-        let written = tree_size(&spec.upper_dir);
         tracing::debug!(
             step = spec.index,
             ?booted,
@@ -549,18 +547,12 @@ impl VmExecutor {
             total = ?t0.elapsed(),
             "microVM step done"
         );
-        if written > self.config.write_limit_bytes {
-            return Err(ExecError::WriteLimit {
-                limit_bytes: self.config.write_limit_bytes,
-                written_bytes: written,
-            });
-        }
-        Ok(StepReport {
-            written_bytes: written,
-            log_bytes: shaper.emitted_bytes(),
-            log_truncated: shaper.truncated(),
+        StepReport::of_success(
+            &spec.upper_dir,
+            self.config.write_limit_bytes,
+            &shaper,
             tail,
-        })
+        )
     }
 }
 

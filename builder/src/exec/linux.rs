@@ -443,19 +443,7 @@ impl StepExecutor for LinuxExecutor {
             }
             return Err(ExecError::Failed { exit_code, tail });
         }
-        let written = tree_size(&spec.upper_dir);
-        if written > cfg.write_limit_bytes {
-            return Err(ExecError::WriteLimit {
-                limit_bytes: cfg.write_limit_bytes,
-                written_bytes: written,
-            });
-        }
-        Ok(StepReport {
-            written_bytes: written,
-            log_bytes: shaper.emitted_bytes(),
-            log_truncated: shaper.truncated(),
-            tail,
-        })
+        StepReport::of_success(&spec.upper_dir, cfg.write_limit_bytes, &shaper, tail)
     }
 }
 

@@ -268,6 +268,32 @@ pub struct StepReport {
     pub tail: Vec<String>,
 }
 
+impl StepReport {
+    /// The report of a step whose command exited 0, as every executor makes it: the bytes
+    /// allocated in `upper_dir` ([`tree_size`]) checked against `write_limit_bytes`
+    /// ([`ExecError::WriteLimit`] past it), and the log counts of `shaper` with its `tail`.
+    pub fn of_success(
+        upper_dir: &std::path::Path,
+        write_limit_bytes: u64,
+        shaper: &logs::LogShaper,
+        tail: Vec<String>,
+    ) -> Result<Self, ExecError> {
+        let written = tree_size(upper_dir);
+        if written > write_limit_bytes {
+            return Err(ExecError::WriteLimit {
+                limit_bytes: write_limit_bytes,
+                written_bytes: written,
+            });
+        }
+        Ok(StepReport {
+            written_bytes: written,
+            log_bytes: shaper.emitted_bytes(),
+            log_truncated: shaper.truncated(),
+            tail,
+        })
+    }
+}
+
 /// A step that did not succeed.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
