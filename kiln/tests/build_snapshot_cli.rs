@@ -7,23 +7,16 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use kiln_store::{Manifest, Store, TagRef};
 use kiln_tests::require_env;
-use kiln_tests::vm::guest_assets;
+use kiln_tests::vm::kiln_in;
 use serde_json::Value;
 
 fn kiln(dir: &Path, args: &[&str]) -> Output {
-    let a = guest_assets();
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
+    kiln_in(env!("CARGO_BIN_EXE_kiln"), dir)
         .args(args)
-        .env("KILN_STORE", dir.join("store"))
-        .env("KILN_STATE_DIR", dir.join("state"))
-        .env("KILN_SNAPSHOT_CACHE", dir.join("cache"))
-        .env("KILN_KERNEL", &a.kernel)
-        .env("KILN_INITRAMFS", &a.initramfs)
-        .env("TMPDIR", dir)
         .output()
         .expect("run kiln")
 }

@@ -10,30 +10,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use kiln_store::{Store, TagRef};
-use kiln_tests::vm::{guest_assets, oci_image, sleeping_sandbox};
+use kiln_tests::vm::{kiln_in, oci_image, show, sleeping_sandbox};
 use serde_json::Value;
 
 fn kiln(dir: &Path, args: &[&str]) -> Output {
-    let a = guest_assets();
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
+    kiln_in(env!("CARGO_BIN_EXE_kiln"), dir)
         .args(args)
-        .env("KILN_STORE", dir.join("store"))
-        .env("KILN_STATE_DIR", dir.join("state"))
-        .env("KILN_SNAPSHOT_CACHE", dir.join("cache"))
-        .env("KILN_KERNEL", &a.kernel)
-        .env("KILN_INITRAMFS", &a.initramfs)
-        .env("TMPDIR", dir)
         .output()
         .expect("run kiln")
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout: {}\nstderr: {}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// Stops every clone of the test's state directory when dropped, so that a failing assertion

@@ -14,20 +14,13 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use kiln_store::{Manifest, Store, TagRef};
-use kiln_tests::vm::{busybox_image, guest_assets, sh};
+use kiln_tests::vm::{busybox_image, kiln_in, sh, show};
 use kiln_vmm::exec::{ExecEvent, ExecRequest, ExecSession, Stream};
 use serde_json::Value;
 
 fn kiln_cmd(dir: &Path, args: &[&str]) -> Command {
-    let a = guest_assets();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.args(args)
-        .env("KILN_STORE", dir.join("store"))
-        .env("KILN_STATE_DIR", dir.join("state"))
-        .env("KILN_SNAPSHOT_CACHE", dir.join("cache"))
-        .env("KILN_KERNEL", &a.kernel)
-        .env("KILN_INITRAMFS", &a.initramfs)
-        .env("TMPDIR", dir);
+    let mut c = kiln_in(env!("CARGO_BIN_EXE_kiln"), dir);
+    c.args(args);
     c
 }
 
@@ -48,15 +41,6 @@ fn kiln_stdin(dir: &Path, args: &[&str], input: &[u8]) -> Output {
     let out = child.wait_with_output().expect("wait kiln");
     writer.join().expect("writer").expect("write stdin");
     out
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout: {}\nstderr: {}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// `kiln exec ID args...`: (exit code, stdout, stderr).

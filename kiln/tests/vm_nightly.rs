@@ -15,34 +15,18 @@
 //! `ci/setup.sh` exports (`KILN_TEST_BUSYBOX_REF`, the guest kernel and initramfs).
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use kiln_store::{Manifest, ManifestDigest, Store, TagRef};
 use kiln_tests::require_env;
-use kiln_tests::vm::guest_assets;
+use kiln_tests::vm::{kiln_in, show};
 use serde_json::Value;
 
 fn kiln(dir: &Path, args: &[&str]) -> Output {
-    let a = guest_assets();
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
+    kiln_in(env!("CARGO_BIN_EXE_kiln"), dir)
         .args(args)
-        .env("KILN_STORE", dir.join("store"))
-        .env("KILN_STATE_DIR", dir.join("state"))
-        .env("KILN_SNAPSHOT_CACHE", dir.join("cache"))
-        .env("KILN_KERNEL", &a.kernel)
-        .env("KILN_INITRAMFS", &a.initramfs)
-        .env("TMPDIR", dir)
         .output()
         .expect("run kiln")
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "exit {:?}\nstdout: {}\nstderr: {}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// A busybox recipe with a start command, a ready check and `smoke`.

@@ -2,7 +2,7 @@
 //! small busybox image in a store.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 use kiln_store::artifact::PutArtifactOptions;
@@ -58,6 +58,31 @@ fn run(cmd: &mut Command) {
         "{cmd:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The kiln binary `bin` (a test's `env!("CARGO_BIN_EXE_kiln")`) set up for one VM test: its
+/// store (`dir/store`), state dir (`dir/state`) and snapshot cache (`dir/cache`), the guest
+/// kernel and initramfs of [`guest_assets`], and `TMPDIR=dir`.
+pub fn kiln_in(bin: &str, dir: &Path) -> Command {
+    let a = guest_assets();
+    let mut c = Command::new(bin);
+    c.env("KILN_STORE", dir.join("store"))
+        .env("KILN_STATE_DIR", dir.join("state"))
+        .env("KILN_SNAPSHOT_CACHE", dir.join("cache"))
+        .env("KILN_KERNEL", &a.kernel)
+        .env("KILN_INITRAMFS", &a.initramfs)
+        .env("TMPDIR", dir);
+    c
+}
+
+/// A finished command's exit code, stdout and stderr, for assertion messages.
+pub fn show(o: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 /// `["/bin/sh", "-c", script]`.
