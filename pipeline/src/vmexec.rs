@@ -400,7 +400,7 @@ impl VmExecutor {
                 launch::console_report(&vm_spec.serial_log)
             ))
         };
-        let vm = Vm::spawn(
+        let mut vm = Vm::spawn(
             &self.host,
             &vm_spec,
             &dir.join("qemu.log"),
@@ -420,15 +420,26 @@ impl VmExecutor {
                 sink,
             );
         }
-        let mut ch = GuestChannel::connect(&vm_spec.guest_socket, BOOT_TIMEOUT)
-            .await
-            .map_err(|e| guest("connecting to the guest channel", &e))?;
-        ch.recv_significant("the guest's hello", BOOT_TIMEOUT)
-            .await
-            .map_err(|e| guest("waiting for the guest's hello", &e))?;
-        let mut session = ExecSession::over(format!("step {}", spec.index), ch, BOOT_TIMEOUT)
-            .await
-            .map_err(|e| guest("connecting to the guest", &e))?;
+        // A VM that dies while booting says why in QEMU's own log as much as on the console.
+        let mut booting = |what: &str, e: &dyn std::fmt::Display| {
+            let qemu = match vm.exited() {
+                Some(status) => format!("QEMU exited ({status}): {}", vm.log_tail()),
+                None => "QEMU still running".to_string(),
+            };
+            guest(what, &format!("{e}\n{qemu}"))
+        };
+        let mut ch = match GuestChannel::connect(&vm_spec.guest_socket, BOOT_TIMEOUT).await {
+            Ok(ch) => ch,
+            Err(e) => return Err(booting("connecting to the guest channel", &e)),
+        };
+        if let Err(e) = ch.recv_significant("the guest's hello", BOOT_TIMEOUT).await {
+            return Err(booting("waiting for the guest's hello", &e));
+        }
+        let mut session =
+            match ExecSession::over(format!("step {}", spec.index), ch, BOOT_TIMEOUT).await {
+                Ok(s) => s,
+                Err(e) => return Err(booting("connecting to the guest", &e)),
+            };
         let booted = t0.elapsed();
         let req = ExecRequest {
             argv: spec.argv.clone(),

@@ -185,10 +185,15 @@ impl Vm {
             tsc_khz: host.tsc_khz,
             kernel_args: vec![],
         };
+        Vm::spawn(spec, dir)
+    }
+
+    /// Start QEMU with `spec`, whose files are in `dir` (kept until the VM drops).
+    fn spawn(spec: launch::VmSpec, dir: tempfile::TempDir) -> Vm {
         let started = Instant::now();
         let vm = rt()
             .block_on(launch::Vm::spawn(
-                host,
+                &host().0,
                 &spec,
                 &dir.path().join("qemu.log"),
                 Duration::from_secs(30),
@@ -381,6 +386,94 @@ fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
     assert!(matches!(g.recv(&mut vm), Message::Error(_)));
     g.send(&Message::Ping(Ping { nonce: 7 }));
     assert_eq!(g.recv(&mut vm), Message::Pong(Ping { nonce: 7 }));
+}
+
+/// Where the entries of an archive written by [`initramfs::Cpio`] end, before the writer's
+/// padding: just past the trailer's name and its own 4-byte padding.
+fn entries_end(archive: &[u8]) -> usize {
+    let text = archive.iter().rposition(|&b| b != 0).expect("an archive") + 1;
+    assert!(archive[..text].ends_with(b"TRAILER!!!"));
+    (text + 1).next_multiple_of(4)
+}
+
+/// QEMU puts the initrd at the top of the microvm's RAM, where the firmware writes the ACPI
+/// tables ([`initramfs::ARCHIVE_ALIGN`] says how they collided). Four archives whose entries
+/// end at four different places in a page (a filler file of the right size added to the guest
+/// initramfs), each padded by the writer, boot a build step's VM with the most lower disks
+/// (the largest tables) to the guest's hello. Without the padding, the two that end past the
+/// middle of the page overwrite the tables and every boot hangs in ACPI setup.
+#[test]
+fn initramfs_ending_anywhere_in_a_page_boots_a_step_vm_with_every_disk() {
+    let a = artifacts();
+    let (host, accel) = host();
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target"))
+        .join("guest-init");
+    let init = initramfs::build_guest_init(&workspace(), &target).expect("build the init");
+    let init = std::fs::read(init).expect("read the init");
+    let modules: Vec<(String, Vec<u8>)> =
+        kernel::module_closure(&a.kernel.modules_dir(), &kernel::GUEST_MODULES)
+            .expect("modules")
+            .into_iter()
+            .map(|m| (m.name, kernel::module_bytes(&m.path).expect("module")))
+            .collect();
+    let archive = |filler: usize| {
+        let mut c = initramfs::guest_initramfs(init.clone(), modules.clone()).expect("archive");
+        c.file("filler", 0o644, vec![0x5a; filler]).expect("filler");
+        c.to_bytes()
+    };
+    let page = initramfs::ARCHIVE_ALIGN as usize;
+    let base = entries_end(&archive(0)) % page;
+    let lowers = 16;
+    for target_end in [500, 1500, 2500, 3500] {
+        let filler = (target_end + page - base) % page;
+        let bytes = archive(filler);
+        assert_eq!(
+            entries_end(&bytes) % page,
+            target_end,
+            "filler of {filler} bytes"
+        );
+        assert_eq!(bytes.len() % page, 0, "the writer pads to a page");
+        let dir = tempfile::tempdir().unwrap();
+        let ird = dir.path().join("initramfs.cpio");
+        std::fs::write(&ird, &bytes).unwrap();
+        let mut ro_disks = Vec::new();
+        for i in 0..lowers {
+            let d = dir.path().join(format!("lower{i}.ext4"));
+            run(Command::new("mke2fs")
+                .args(["-q", "-F", "-t", "ext4", "-b", "4096"])
+                .arg(&d)
+                .arg("4M"));
+            ro_disks.push(d);
+        }
+        let upper = dir.path().join("upper.ext4");
+        run(Command::new("mke2fs")
+            .args(["-q", "-F", "-t", "ext4", "-b", "4096", "-O", "^has_journal"])
+            .arg(&upper)
+            .arg("64M"));
+        let spec = launch::VmSpec {
+            accel: *accel,
+            vcpus: 1,
+            memory_bytes: 256 << 20,
+            kernel: a.kernel.vmlinux(),
+            initramfs: ird,
+            memory_file: dir.path().join("unused-memory"),
+            memory_mode: launch::MemoryMode::Anonymous,
+            disk: upper,
+            disk_format: launch::DiskFormat::Raw,
+            ro_disks,
+            qmp_socket: dir.path().join("qmp.sock"),
+            guest_socket: dir.path().join("guest.sock"),
+            serial_log: dir.path().join("console.log"),
+            incoming: false,
+            tsc_khz: host.tsc_khz,
+            kernel_args: vec![format!("kiln.step={lowers}")],
+        };
+        eprintln!("entries end {target_end} bytes into the last page");
+        let mut vm = Vm::spawn(spec, dir);
+        hello(&mut vm);
+    }
 }
 
 #[test]

@@ -62,6 +62,36 @@ enum Entry {
     CharDev { mode: u32, major: u32, minor: u32 },
 }
 
+/// The archive's length is a multiple of this many bytes (one 4 KiB page), padded with NULs
+/// after the trailer. Why: QEMU's x86 loader puts a PVH kernel's initrd at the top of the RAM
+/// below 4 GiB, starting on a page boundary, and on `-M microvm` keeps no room there for the
+/// ACPI tables, which the machine's firmware (SeaBIOS, with `acpi=on`) writes into the last
+/// page of that RAM. An initrd of `4096·q + r` bytes therefore ends `r` bytes into that page,
+/// and once `r` reaches the tables (about 2.5 KiB from the end with the disks a build step's
+/// VM has, less with fewer devices) it overwrites them: measured with QEMU 10.0 and Linux 6.1,
+/// the kernel read a garbage DSDT (`ACPI: 0000 0x000000000FFFFD00`) and hung at `ACPI: Core
+/// revision` on every boot with `r` = 4000, and booted every time with `r` = 0 or 100. With
+/// the archive page-aligned the initrd ends where that last page starts, whatever its size.
+pub const ARCHIVE_ALIGN: u64 = 4096;
+
+/// A writer that counts the bytes written through it.
+struct Counting<'a, W: Write> {
+    inner: &'a mut W,
+    bytes: u64,
+}
+
+impl<W: Write> Write for Counting<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 /// A cpio newc archive being assembled. Paths are relative (`init`, `dev/console`); missing
 /// parent directories are added (mode 0755).
 #[derive(Debug, Default, Clone)]
@@ -152,10 +182,14 @@ impl Cpio {
         Ok(())
     }
 
-    /// Write the archive (entries by the `cpio` crate's newc writer, then its trailer).
+    /// Write the archive (entries by the `cpio` crate's newc writer, then its trailer), then
+    /// NUL bytes up to a multiple of [`ARCHIVE_ALIGN`] bytes (the kernel's unpacker skips
+    /// NULs between and after archives: buffer-format.rst, "may be padded with NULs").
     ///
     /// Errors: I/O from `w`; a file over 4 GiB (the newc size field is 32 bits).
     pub fn write_to<W: Write>(&self, w: &mut W) -> io::Result<()> {
+        let mut w = Counting { inner: w, bytes: 0 };
+        let w = &mut w;
         for (ino, (path, entry)) in (1u32..).zip(&self.entries) {
             let (mode, nlink, data, rmaj, rmin): (u32, u32, &[u8], u32, u32) = match entry {
                 Entry::Dir { mode } => (0o040000 | mode, 2, &[], 0, 0),
@@ -175,7 +209,9 @@ impl Cpio {
             out.write_all(data)?;
             out.finish()?;
         }
-        cpio::newc::trailer(w)?;
+        cpio::newc::trailer(&mut *w)?;
+        let pad = (ARCHIVE_ALIGN - w.bytes % ARCHIVE_ALIGN) % ARCHIVE_ALIGN;
+        w.write_all(&vec![0; pad as usize])?;
         Ok(())
     }
 
@@ -361,13 +397,10 @@ pub fn is_static(elf: &[u8]) -> Result<bool, String> {
         .all(|ph| ph.p_type(endian) != object::elf::PT_INTERP))
 }
 
-/// RUSTFLAGS of the init's build: static (glibc's `+crt-static`), symbols stripped. Stripped
-/// because the initramfs' size matters: measured on this host (QEMU 10.0 `-M microvm`, TCG,
-/// Debian's 6.1 cloud kernel), an initramfs of 3.03 MB (the unstripped init, 2.4 MB, with
-/// six modules) made every boot of 5 hang in ACPI setup (the last console line
-/// `ACPI: Core revision`) at 1 GiB of RAM, or lose the init's console output and its power
-/// off at 256 MiB, while the same archive with the stripped init (2.0 MB; 2.63 MB in all)
-/// booted every time. Why the size matters is not known.
+/// RUSTFLAGS of the init's build: static (glibc's `+crt-static`), symbols stripped (the guest
+/// never reads them: the init is 2.4 MB unstripped, 2.0 MB stripped).
+/// The boots that an unstripped init's archive (3.03 MB) made hang were the initrd overlapping
+/// the ACPI tables, which [`ARCHIVE_ALIGN`] rules out for every size.
 pub const INIT_RUSTFLAGS: &str = "-C target-feature=+crt-static -C strip=symbols";
 
 /// Build `kiln-guest-init` static from the workspace at `workspace` into `target_dir`
@@ -450,7 +483,13 @@ mod tests {
             at += (4 - (total - b.len() + at) % 4) % 4;
             b = &b[at..];
             if name == "TRAILER!!!" {
-                assert!(b.is_empty());
+                assert!(b.iter().all(|&x| x == 0), "only NULs after the trailer");
+                assert!(
+                    b.len() < ARCHIVE_ALIGN as usize,
+                    "{} bytes of padding",
+                    b.len()
+                );
+                assert_eq!(total as u64 % ARCHIVE_ALIGN, 0, "{total} bytes");
                 return out;
             }
             out.push((name, mode, (rmaj, rmin), data));
@@ -472,11 +511,12 @@ mod tests {
         };
         let bytes = mk();
         assert_eq!(bytes, mk());
-        // The same bytes the hand-written newc writer made before the `cpio` crate wrote them
-        // (the snapshot compatibility key holds the initramfs digest).
+        // Pinned, because the snapshot compatibility key holds the initramfs digest: the
+        // `cpio` crate's entries are those of the hand-written writer before it, and the last
+        // change was the page padding after the trailer (ARCHIVE_ALIGN).
         assert_eq!(
             kernel::sha256_digest(&bytes),
-            "sha256:bd206b816daa8a5d91cf16a076a9d21f48c7d6160913631ced11d53208f3bbd7"
+            "sha256:e8151a4f332006b1b3cfeaa57b40fd2e81da844a54a9715078f3a97e3fb1aaf1"
         );
         let entries = parse(&bytes);
         let names: Vec<&str> = entries.iter().map(|e| e.0.as_str()).collect();
