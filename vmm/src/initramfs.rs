@@ -267,8 +267,8 @@ pub struct Initramfs {
     pub modules: Vec<String>,
 }
 
-/// Build the initramfs for `kernel` with the init at `init` into `out` (written through a
-/// temporary file and renamed): `modules` (e.g. [`kernel::GUEST_MODULES`]) and their
+/// Build the initramfs for `kernel` with the init at `init` into `out` (written to a temporary
+/// file of its own in `out`'s directory and renamed, so concurrent builds never tear it): `modules` (e.g. [`kernel::GUEST_MODULES`]) and their
 /// dependencies.
 ///
 /// Errors: [`InitramfsError`]: an init that is not static, a missing module, I/O.
@@ -287,15 +287,36 @@ pub fn build(
         loaded.push((m.name.clone(), kernel::module_bytes(&m.path)?));
     }
     let bytes = guest_initramfs(init_bytes, loaded)?.to_bytes();
-    let tmp = out.with_extension("tmp");
-    fs::write(&tmp, &bytes).map_err(|e| InitramfsError::Io(tmp.display().to_string(), e))?;
-    fs::rename(&tmp, out).map_err(|e| InitramfsError::Io(out.display().to_string(), e))?;
+    replace_file(out, &bytes).map_err(|e| InitramfsError::Io(out.display().to_string(), e))?;
     Ok(Initramfs {
         path: out.into(),
         sha256: kernel::sha256_digest(&bytes),
         size: bytes.len() as u64,
         modules: mods.into_iter().map(|m| m.name).collect(),
     })
+}
+
+/// Replace `out` with `bytes` (mode 0644): written to a temporary file of this call's own in
+/// `out`'s directory, then renamed over it. Builders running at once (two `kiln kernel`s on
+/// one cache, tests) each rename a whole file, and a QEMU opening `out` meanwhile reads one of
+/// them whole. (One fixed temporary name let a second builder truncate the file the first was
+/// about to rename, so a VM could boot a torn initramfs.)
+///
+/// Errors: I/O creating, writing or renaming the temporary file.
+fn replace_file(out: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = out
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".initramfs-")
+        .tempfile_in(dir)?;
+    tmp.write_all(bytes)?;
+    tmp.as_file()
+        .set_permissions(fs::Permissions::from_mode(0o644))?;
+    tmp.persist(out).map_err(|e| e.error)?;
+    Ok(())
 }
 
 /// The guest kernel and initramfs, ready for `-kernel` and `-initrd`.
@@ -533,6 +554,55 @@ mod tests {
         assert_eq!(
             std::str::from_utf8(&list.3).unwrap(),
             "/lib/modules/virtio.ko\n/lib/modules/virtio_blk.ko\n"
+        );
+    }
+
+    /// Writers replacing one file at once while a reader opens it: the reader only ever sees
+    /// one writer's whole content (the bug: a shared temporary name let a writer truncate
+    /// the file another then renamed into place).
+    #[test]
+    fn concurrent_replacements_never_show_a_torn_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("i.cpio");
+        let whole: Vec<Vec<u8>> = (0..4u8).map(|i| vec![i; 1 << 20]).collect();
+        replace_file(&out, &whole[0]).unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let mut seen = 0usize;
+        std::thread::scope(|s| {
+            let reader = s.spawn(|| {
+                let mut reads = 0usize;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let got = fs::read(&out).unwrap();
+                    assert!(whole.contains(&got), "a torn file of {} bytes", got.len());
+                    reads += 1;
+                }
+                reads
+            });
+            let writers: Vec<_> = whole
+                .iter()
+                .map(|w| {
+                    let out = &out;
+                    s.spawn(move || {
+                        for _ in 0..40 {
+                            replace_file(out, w).unwrap();
+                        }
+                    })
+                })
+                .collect();
+            for w in writers {
+                w.join().unwrap();
+            }
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            seen = reader.join().unwrap();
+        });
+        assert!(seen > 0);
+        let mode =
+            std::os::unix::fs::PermissionsExt::mode(&fs::metadata(&out).unwrap().permissions());
+        assert_eq!(mode & 0o777, 0o644);
+        assert_eq!(
+            fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "no temporary left"
         );
     }
 
