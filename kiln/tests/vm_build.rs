@@ -1,7 +1,7 @@
 //! `kiln build --isolation vm` (issue 14 §1): the microVM step executor against the namespace
 //! executor, on the busybox fixture, TCG. A deterministic Dockerfile (a new file, a whiteout
 //! of a lower file, a new directory, an opaque directory over an earlier step's, a `USER`
-//! and a missing `WORKDIR`, `SOURCE_DATE_EPOCH`) gives the same OCI manifest, so the same
+//! and a missing `WORKDIR`, a heredoc script run as that user, `SOURCE_DATE_EPOCH`) gives the same OCI manifest, so the same
 //! layer digests, under both executors; the namespace build in the VM build's store runs no
 //! step (cache keys do not depend on the executor). A failing step reports its exit code and
 //! its log's tail; a step over the build's time limit is stopped by killing its VM, and no
@@ -29,7 +29,7 @@ fn dockerfile(bb: &str) -> String {
              && echo y > /d/e/g && ln /f /d/f2 && ln -s ../f /d/l && chmod 4755 /d/e/g\n\
          USER nobody\n\
          WORKDIR /w/x\n\
-         RUN echo z > /tmp/z && id -u > /tmp/uid\n"
+         RUN <<EOF\n#!/bin/sh\necho z > /tmp/z && id -u > /tmp/uid\nEOF\n"
     )
 }
 

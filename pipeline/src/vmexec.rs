@@ -29,10 +29,13 @@
 //!    unchanged. A hostile guest's frames (out of sequence, over the bound) and tar entries
 //!    (climbing out, bad types, over the layer bounds) are refused ([`ExecError::Guest`]).
 //!
-//! Not yet: `RUN --mount` (the context, caches, secrets, tmpfs), heredoc files and networks
-//! other than none (a step with the default network runs without one and says so in its
-//! log) are refused or reduced as [`VmExecutor::run`] says; a VM restored from a snapshot
-//! per step instead of a cold boot.
+//! Heredoc files (`RUN <<EOF`) go in the exec request; the guest writes them under
+//! `/dev/pipes/` (its devtmpfs, outside the layer), where the namespace executor puts them.
+//!
+//! Not yet: `RUN --mount` (the context, caches, secrets, tmpfs) and networks other than none
+//! (a step with the default network runs without one and says so in its log) are refused or
+//! reduced as [`VmExecutor::run`] says; a VM restored from a snapshot per step instead of a
+//! cold boot.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -115,7 +118,7 @@ impl VmExecutor {
 
 impl StepExecutor for VmExecutor {
     /// Runs `spec` in a microVM (module doc). Refused with [`ExecError::Unsupported`]:
-    /// `RUN --mount`, heredoc files, the host network and allow-lists, more than
+    /// `RUN --mount`, the host network and allow-lists, more than
     /// [`MAX_LOWERS`] lower directories. A step with the default network runs without one.
     fn run(
         &self,
@@ -138,9 +141,6 @@ impl StepExecutor for VmExecutor {
         }
         if !spec.mounts.is_empty() {
             return unsupported("RUN --mount");
-        }
-        if !spec.files.is_empty() {
-            return unsupported("a heredoc");
         }
         if spec.lower_dirs.len() > MAX_LOWERS {
             return unsupported(&format!(
@@ -424,7 +424,7 @@ impl VmExecutor {
         let mut booting = |what: &str, e: &dyn std::fmt::Display| {
             let qemu = match vm.exited() {
                 Some(status) => format!("QEMU exited ({status}): {}", vm.log_tail()),
-                None => "QEMU still running".to_string(),
+                None => format!("QEMU still running: {}", vm.log_tail()),
             };
             guest(what, &format!("{e}\n{qemu}"))
         };
@@ -449,6 +449,17 @@ impl VmExecutor {
             stdin: Vec::new(),
             detach: false,
             make_workdir: true,
+            files: spec
+                .files
+                .iter()
+                .filter_map(|f| {
+                    Some(kiln_vmm::exec::ExecFile {
+                        path: f.path.clone()?,
+                        data: f.data.clone().into_bytes(),
+                        mode: f.mode,
+                    })
+                })
+                .collect(),
         };
         let exec_id = session.start(&req).await.map_err(|e| match e {
             kiln_vmm::exec::ExecError::Request(d) => ExecError::Setup(format!("the step: {d}")),

@@ -42,7 +42,10 @@ use kiln_guest::protocol::{
 use crate::channel::{ChannelError, GuestChannel};
 use crate::clone::{self, CloneError, CloneRecord};
 
-pub use kiln_guest::protocol::{DiffData, DiffEnd, MAX_CHUNK_LEN, MAX_STDIN_LEN, Stream};
+pub use kiln_guest::protocol::{
+    DiffData, DiffEnd, ExecFile, MAX_CHUNK_LEN, MAX_FILES, MAX_FILES_BYTES, MAX_STDIN_LEN,
+    PIPES_DIR, Stream,
+};
 
 /// Most bytes discarded before the guest's `connected` answer: one partial frame of an older
 /// connection (at most [`proto::MAX_FRAME_LEN`] plus its header) and what QEMU had queued
@@ -122,6 +125,9 @@ pub struct ExecRequest {
     pub detach: bool,
     /// Create the missing directories of `workdir`, owned by the user (build steps).
     pub make_workdir: bool,
+    /// Files the guest writes under [`proto::PIPES_DIR`] before the command starts (a build
+    /// step's heredocs); at most [`proto::MAX_FILES`], [`proto::MAX_FILES_BYTES`] in all.
+    pub files: Vec<proto::ExecFile>,
 }
 
 /// How an exec ended: the guest's `exit` frame.
@@ -294,6 +300,7 @@ impl ExecSession {
             stdin: req.stdin.clone(),
             detach: req.detach,
             make_workdir: req.make_workdir,
+            files: req.files.clone(),
         });
         // Checked here so a bad request is the caller's error, not a channel one.
         proto::encode(&msg).map_err(ExecError::Request)?;

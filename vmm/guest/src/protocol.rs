@@ -127,6 +127,14 @@ pub const MAX_CHUNK_LEN: usize = 64 << 10;
 
 /// Longest `diff_end` error text, bytes.
 pub const MAX_ERROR_LEN: usize = 4096;
+/// The directory of [`Exec::files`] (the namespace executor puts a step's heredocs there too:
+/// a tmpfs of the step's, never part of its layer).
+pub const PIPES_DIR: &str = "/dev/pipes/";
+/// Most [`Exec::files`] in one exec.
+pub const MAX_FILES: usize = 64;
+/// Most bytes of [`Exec::files`] data in one exec (base64 on the wire; the whole frame must
+/// still fit in [`MAX_FRAME_LEN`]).
+pub const MAX_FILES_BYTES: usize = 256 << 10;
 
 /// One protocol message. Serialised as a JSON object with `"v": 1` and `"type"` set to the
 /// variant's snake_case name; the variant's fields sit beside them.
@@ -232,6 +240,32 @@ pub struct Exec {
     /// starts (a build step's `WORKDIR`, as the namespace executor does).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub make_workdir: bool,
+    /// Files written before the command starts, owned by root (a build step's heredocs,
+    /// `RUN <<EOF`): each a plain name directly under [`PIPES_DIR`], which is not in a build
+    /// step's layer. At most [`MAX_FILES`] of them, [`MAX_FILES_BYTES`] of data in all.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<ExecFile>,
+}
+
+/// One file of [`Exec::files`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecFile {
+    /// `/dev/pipes/NAME`: NAME not empty, not `.` or `..`, without `/` or NUL.
+    pub path: String,
+    /// Content; standard base64 on the wire.
+    #[serde(default, with = "base64_bytes")]
+    pub data: Vec<u8>,
+    /// Permission bits (`& 0o7777`).
+    pub mode: u32,
+}
+
+impl ExecFile {
+    /// Whether `path` is a plain name directly under [`PIPES_DIR`].
+    pub fn path_ok(path: &str) -> bool {
+        path.strip_prefix(PIPES_DIR).is_some_and(|name| {
+            !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\0'])
+        })
+    }
 }
 
 /// Which output stream a chunk comes from.
@@ -626,6 +660,25 @@ impl Exec {
                 format!("{} bytes, at most {MAX_STDIN_LEN}", self.stdin.len()),
             ));
         }
+        let bytes: usize = self.files.iter().map(|f| f.data.len()).sum();
+        if self.files.len() > MAX_FILES || bytes > MAX_FILES_BYTES {
+            return Err(bad(
+                "files",
+                format!(
+                    "{} files of {bytes} bytes, at most {MAX_FILES} of {MAX_FILES_BYTES}",
+                    self.files.len()
+                ),
+            ));
+        }
+        if let Some(f) = self.files.iter().find(|f| !ExecFile::path_ok(&f.path)) {
+            return Err(bad(
+                "files",
+                format!(
+                    "{:?} is not a plain name under {PIPES_DIR}",
+                    truncate(&f.path, 64)
+                ),
+            ));
+        }
         Ok(())
     }
 }
@@ -872,6 +925,11 @@ mod tests {
                 stdin: b"in\0put".to_vec(),
                 detach: true,
                 make_workdir: true,
+                files: vec![ExecFile {
+                    path: "/dev/pipes/EOF".into(),
+                    data: b"echo hi\n".to_vec(),
+                    mode: 0o755,
+                }],
             }),
             Message::Exec(Exec {
                 id: 6,
@@ -951,7 +1009,7 @@ mod tests {
         let long = "a".repeat(MAX_ARGV_BYTES + 1);
         let big_env: Vec<String> = (0..MAX_ENV_VARS + 1).map(|i| format!("K{i}=v")).collect();
         let fat_env = vec![format!("K={}", "v".repeat(MAX_ENV_BYTES))];
-        let cases: Vec<(Exec, &str)> = vec![
+        let mut cases: Vec<(Exec, &str)> = vec![
             (exec(&[]), "argv"),
             (exec(&many), "argv"),
             (exec(&[&long]), "argv"),
@@ -1020,6 +1078,46 @@ mod tests {
                 "stdin",
             ),
         ];
+        let file = |path: &str, n: usize| ExecFile {
+            path: path.into(),
+            data: vec![b'x'; n],
+            mode: 0o644,
+        };
+        for path in [
+            "/dev/pipes/",
+            "/dev/pipes/..",
+            "/dev/pipes/a/b",
+            "/dev/pipes/../../etc/passwd",
+            "/etc/passwd",
+            "/dev/pipes/a\0b",
+        ] {
+            cases.push((
+                Exec {
+                    files: vec![file(path, 1)],
+                    ..exec(&["true"])
+                },
+                "files",
+            ));
+        }
+        cases.push((
+            Exec {
+                files: (0..=MAX_FILES)
+                    .map(|i| file(&format!("/dev/pipes/f{i}"), 1))
+                    .collect(),
+                ..exec(&["true"])
+            },
+            "files",
+        ));
+        cases.push((
+            Exec {
+                files: vec![
+                    file("/dev/pipes/a", MAX_FILES_BYTES / 2),
+                    file("/dev/pipes/b", MAX_FILES_BYTES / 2 + 1),
+                ],
+                ..exec(&["true"])
+            },
+            "files",
+        ));
         for (e, field) in cases {
             // The sending side refuses to encode it...
             assert!(
@@ -1036,6 +1134,14 @@ mod tests {
         let ok = Exec {
             stdin: vec![7; MAX_STDIN_LEN],
             env: vec!["K=v".into()],
+            ..exec(&["true"])
+        };
+        let frame = encode(&Message::Exec(ok.clone())).unwrap();
+        assert_eq!(decode_body(&frame[4..]).unwrap(), Message::Exec(ok));
+        let ok = Exec {
+            files: (0..MAX_FILES)
+                .map(|i| file(&format!("/dev/pipes/f{i}"), MAX_FILES_BYTES / MAX_FILES))
+                .collect(),
             ..exec(&["true"])
         };
         let frame = encode(&Message::Exec(ok.clone())).unwrap();

@@ -35,7 +35,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use kiln_guest::protocol::{
-    Exec, ExecExit, ExecFailure, ExecFailureKind, MAX_CHUNK_LEN, Message, Output, Stream,
+    Exec, ExecExit, ExecFailure, ExecFailureKind, ExecFile, MAX_CHUNK_LEN, Message, Output,
+    PIPES_DIR, Stream,
 };
 
 use crate::proc::{self, Command, SpawnError};
@@ -271,6 +272,47 @@ fn make_workdir(workdir: &str, user: &proc::User) -> Result<(), String> {
     Ok(())
 }
 
+/// Writes the exec's files (a build step's heredocs) under [`PIPES_DIR`], owned by root with
+/// their mode. The paths were checked when the frame was decoded ([`ExecFile::path_ok`]);
+/// the directory is made once, mode 0755, and a file is created anew (`O_EXCL` after
+/// removing what is there, `O_NOFOLLOW`), so nothing a command left there is written through.
+fn write_files(files: &[ExecFile]) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+    if files.is_empty() {
+        return Ok(());
+    }
+    let dir = Path::new(PIPES_DIR);
+    match fs::symlink_metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(format!("{PIPES_DIR} is not a directory")),
+        Err(_) => fs::DirBuilder::new()
+            .mode(0o755)
+            .create(dir)
+            .map_err(|e| format!("creating {PIPES_DIR}: {e}"))?,
+    }
+    for f in files {
+        if !ExecFile::path_ok(&f.path) {
+            return Err(format!(
+                "{:?} is not a plain name under {PIPES_DIR}",
+                f.path
+            ));
+        }
+        let _ = fs::remove_file(&f.path);
+        let mut out = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .mode(0o600)
+            .open(&f.path)
+            .map_err(|e| format!("writing {}: {e}", f.path))?;
+        out.write_all(&f.data)
+            .map_err(|e| format!("writing {}: {e}", f.path))?;
+        out.set_permissions(fs::Permissions::from_mode(f.mode & 0o7777))
+            .map_err(|e| format!("chmod {}: {e}", f.path))?;
+    }
+    Ok(())
+}
+
 /// Run one exec to its end; returns its `exit` frame.
 fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
     let defaults = image_defaults()
@@ -300,6 +342,9 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
     if e.make_workdir
         && let Err(err) = make_workdir(&workdir, &user)
     {
+        return failure(e.id, ExecFailureKind::CannotRun, err);
+    }
+    if let Err(err) = write_files(&e.files) {
         return failure(e.id, ExecFailureKind::CannotRun, err);
     }
     let io = (|| {
