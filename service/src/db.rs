@@ -25,6 +25,8 @@
 //! (attempt `n + 1` at its next claim), or ends failed naming that node once it has had its
 //! attempts. A claim is the pair (node id, attempt): the ends, log writes and cancel checks
 //! of a build are conditional on it, so a node whose claim was taken away changes nothing.
+//! The same sweep deletes the rows of nodes not heard of for the node retention that hold no
+//! claim ([`Db::prune_nodes`]).
 
 use std::path::Path;
 
@@ -588,6 +590,33 @@ impl Db {
         }
         tx.commit().await?;
         Ok(out)
+    }
+
+    /// Deletes the rows of nodes last heard of more than `retention_ms` ago (database clock:
+    /// a stopped node stopped heartbeating when it stopped) that no running build is claimed
+    /// by, so that the table does not grow by one row per server start. Run in every node's
+    /// sweep, after [`Db::take_over`] (which leaves a lost node's builds queued or ended, so
+    /// its row goes at the sweep after the retention). Ended builds keep the id of the node
+    /// that ran them. A node whose row is gone is treated as stopped: its heartbeat writes
+    /// nothing ([`Db::heartbeat`] is false), and a build still claimed by it would be taken
+    /// over. Returns the ids deleted.
+    pub async fn prune_nodes(&self, retention_ms: i64) -> Result<Vec<String>, DbError> {
+        let rows = sqlx::query(&format!(
+            "DELETE FROM nodes WHERE heartbeat_ms < {} - $1
+               AND NOT EXISTS (SELECT 1 FROM builds b
+                               WHERE b.claimed_by = nodes.id AND b.state = 'running')
+             RETURNING id",
+            self.now_sql()
+        ))
+        .bind(retention_ms)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut ids = rows
+            .iter()
+            .map(|r| r.try_get::<String, _>("id"))
+            .collect::<Result<Vec<_>, _>>()?;
+        ids.sort();
+        Ok(ids)
     }
 
     /// Which database this is.
@@ -1342,6 +1371,76 @@ mod tests {
         })
         .await
         .expect("register");
+    }
+
+    #[tokio::test]
+    async fn rows_of_long_gone_nodes_without_claims_are_pruned() {
+        let t = tempfile::tempdir().expect("tmp");
+        prune(sqlite(&t).await, Backend::Sqlite).await;
+        prune(postgres().await, Backend::Postgres).await;
+    }
+
+    async fn node_ids(db: &Db) -> Vec<String> {
+        sqlx::query("SELECT id FROM nodes ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .expect("nodes")
+            .iter()
+            .map(|r| r.try_get("id").expect("id"))
+            .collect()
+    }
+
+    async fn prune(db: Db, backend: Backend) {
+        db.upsert_workspace("a", &quota(5, 10), true)
+            .await
+            .expect("ws");
+        db.insert_build(&build("p1", "a"), 10, 1000)
+            .await
+            .expect("insert");
+        // n1 stopped, n2 runs a build, n3 is idle.
+        for (id, name) in [("n1", "h:/one"), ("n2", "h:/two"), ("n3", "h:/three")] {
+            register(&db, id, name).await;
+        }
+        db.stop_node("n1").await.expect("stop");
+        let claim = db
+            .claim("n2")
+            .await
+            .expect("claim")
+            .expect("p1")
+            .claim()
+            .expect("claimed");
+        // Within the retention every row stays, the stopped one too.
+        assert_eq!(
+            db.prune_nodes(3_600_000).await.expect("prune"),
+            Vec::<String>::new()
+        );
+        assert_eq!(node_ids(&db).await, ["n1", "n2", "n3"], "{backend:?}");
+        // Past it (5 ms), the rows without a running build go; n2 holds its claim.
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert_eq!(
+            db.prune_nodes(5).await.expect("prune"),
+            ["n1", "n3"],
+            "{backend:?}"
+        );
+        assert_eq!(node_ids(&db).await, ["n2"], "{backend:?}");
+        assert!(
+            !db.heartbeat("n3").await.expect("heartbeat"),
+            "a pruned row is gone"
+        );
+        // Once its build ended, n2's row goes too; the build keeps naming the node.
+        assert!(
+            db.finish("p1", &claim, "succeeded", None, None, None)
+                .await
+                .expect("finish")
+        );
+        assert_eq!(
+            db.prune_nodes(5).await.expect("prune"),
+            ["n2"],
+            "{backend:?}"
+        );
+        assert_eq!(node_ids(&db).await, Vec::<String>::new(), "{backend:?}");
+        let row = db.build("a", "p1").await.expect("row").expect("row");
+        assert_eq!(row.claimed_by.as_deref(), Some("n2"));
     }
 
     #[tokio::test]

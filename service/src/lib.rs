@@ -87,12 +87,16 @@ pub struct ServiceConfig {
     /// Attempts a build gets when its nodes are lost, the first run included (default 3);
     /// after the last one it fails with a reason naming the node.
     pub max_attempts: u32,
+    /// A node's row in the database is deleted once its last heartbeat is this old and no
+    /// running build is claimed by it (default 7 days; at least `takeover`): one row is
+    /// added per server start.
+    pub node_retention: Duration,
 }
 
 impl ServiceConfig {
     /// Defaults for the state directory `state_dir`: SQLite, 2 workers, 1 GiB contexts, 4 GiB
     /// unpacked, 24 h idempotency window, 60 s shutdown grace, 10 s heartbeat, 60 s takeover,
-    /// 3 attempts.
+    /// 3 attempts, 7 days node retention.
     pub fn new(state_dir: PathBuf) -> Self {
         ServiceConfig {
             state_dir,
@@ -105,12 +109,13 @@ impl ServiceConfig {
             heartbeat: Duration::from_secs(10),
             takeover: Duration::from_secs(60),
             max_attempts: 3,
+            node_retention: Duration::from_secs(7 * 24 * 3600),
         }
     }
 
     /// Checks the liveness settings: a heartbeat of at least 1 s, a takeover time of at
-    /// least two heartbeats (so one late heartbeat does not lose a live node), at least one
-    /// attempt.
+    /// least two heartbeats (so one late heartbeat does not lose a live node), a node
+    /// retention of at least the takeover time, at least one attempt.
     pub fn check(&self) -> Result<(), ServiceError> {
         let bad = |m: String| Err(ServiceError::Config(m));
         if self.heartbeat < Duration::from_secs(1) {
@@ -124,6 +129,12 @@ impl ServiceConfig {
                 "takeover time {:?}: expected at least two heartbeats ({:?})",
                 self.takeover,
                 2 * self.heartbeat
+            ));
+        }
+        if self.node_retention < self.takeover {
+            return bad(format!(
+                "node retention {:?}: expected at least the takeover time ({:?})",
+                self.node_retention, self.takeover
             ));
         }
         if self.max_attempts == 0 {

@@ -81,7 +81,8 @@ pub fn spawn_pool(state: AppState) -> Vec<JoinHandle<()>> {
 }
 
 /// The node's heartbeat and sweep, every [`crate::ServiceConfig::heartbeat`] until `done`
-/// fires (after the last build of a shutdown ended): writes the heartbeat, re-queues or fails the builds of lost nodes, and
+/// fires (after the last build of a shutdown ended): writes the heartbeat, re-queues or fails the builds of lost nodes, deletes the rows of long-gone nodes
+/// ([`crate::Db::prune_nodes`]), and
 /// fences this node (cancels its builds, stops claiming) while its last written heartbeat is
 /// older than the takeover time.
 pub async fn liveness(state: AppState, done: CancellationToken) {
@@ -98,7 +99,8 @@ pub async fn liveness(state: AppState, done: CancellationToken) {
             }
             Ok(false) => tracing::error!(
                 node = %state.node.id,
-                "this node's row is stopped: a newer server of the same state directory runs"
+                "this node's row is stopped or gone: a newer server of the same state \
+                 directory runs, or the row was pruned after the node retention"
             ),
             Err(e) => tracing::error!(node = %state.node.id, error = %e, "writing the heartbeat"),
         }
@@ -127,6 +129,17 @@ pub async fn liveness(state: AppState, done: CancellationToken) {
                 state.queued.notify_waiters();
             }
             Err(e) => tracing::error!(error = %e, "sweeping for lost nodes' builds"),
+        }
+        match state
+            .db
+            .prune_nodes(cfg.node_retention.as_millis() as i64)
+            .await
+        {
+            Ok(gone) if !gone.is_empty() => {
+                tracing::info!(nodes = ?gone, "removed the rows of long-gone nodes")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::error!(error = %e, "removing the rows of long-gone nodes"),
         }
         tokio::select! {
             _ = tokio::time::sleep(cfg.heartbeat) => {}
