@@ -377,37 +377,20 @@ async fn after_build(
     }
 
     // 3. Promote: claim the night, then move the tag.
-    if previous == Some(image) {
-        return promoted_by_another_run(store, &req.tag, report, Some(image), t0).await;
-    }
-    match store.set_tag(&nightly_tag, night_previous, image).await {
-        Ok(()) => {}
-        Err(StoreError::Tag(TagError::Stale { actual, .. })) => {
-            return promoted_by_another_run(store, &req.tag, report, actual, t0).await;
-        }
-        Err(e) => {
-            return fail(
-                t0,
-                report,
-                "promote",
-                error_chain(&tag_err(&nightly_tag)(e)),
-            );
-        }
-    }
-    match store.set_tag(&req.tag, previous, image).await {
-        Ok(()) => {}
-        // Another writer put this very image there meanwhile: it was not this night's move.
-        Err(StoreError::Tag(TagError::Stale { actual, .. })) if actual == Some(image) => {
-            return promoted_by_another_run(store, &req.tag, report, actual, t0).await;
-        }
-        Err(StoreError::Tag(TagError::Stale {
-            expected, actual, ..
-        })) => {
-            report.outcome = NightlyOutcome::LostRace { expected, actual };
+    let tags = Promotion {
+        tag: &req.tag,
+        previous,
+        night: &nightly_tag,
+        night_previous,
+    };
+    match promote(store, &tags, image).await {
+        Ok(NightlyOutcome::Promoted) => {}
+        Ok(lost) => {
+            report.outcome = lost;
             report.times_ms.total = ms(t0.elapsed());
             return Ok(report);
         }
-        Err(e) => return fail(t0, report, "promote", error_chain(&tag_err(&req.tag)(e))),
+        Err(e) => return fail(t0, report, "promote", error_chain(&e)),
     }
 
     // 4. Keep the newest N nights.
@@ -421,16 +404,59 @@ async fn after_build(
     Ok(report)
 }
 
-/// `r` ended by [`NightlyOutcome::PromotedByAnotherRun`], `night` being what the night's tag
-/// names now: reads which image that one booted and whether `tag` names it (a read that
-/// fails leaves the field unknown, with a warning: the outcome is decided already).
+/// The two tags a night moves and what each named when it started.
+struct Promotion<'a> {
+    /// The tag promoted.
+    tag: &'a TagRef,
+    /// What it named.
+    previous: Option<ManifestDigest>,
+    /// `NAME:nightly-YYYYMMDD`.
+    night: &'a TagRef,
+    /// What it named.
+    night_previous: Option<ManifestDigest>,
+}
+
+/// Step 3 of the module doc for `image`: [`NightlyOutcome::Promoted`] when both tags moved,
+/// [`NightlyOutcome::PromotedByAnotherRun`] when the tag named `image` already or the night's
+/// tag moved since the night started (neither moved), [`NightlyOutcome::LostRace`] when the
+/// tag moved since (the night's tag names `image`). Errors: a tag could not be read or moved
+/// ([`PipelineError::Tag`] naming it).
+async fn promote(
+    store: &Store,
+    p: &Promotion<'_>,
+    image: ManifestDigest,
+) -> Result<NightlyOutcome, PipelineError> {
+    if p.previous == Some(image) {
+        return Ok(promoted_by_another_run(store, p.tag, Some(image)).await);
+    }
+    match store.set_tag(p.night, p.night_previous, image).await {
+        Ok(()) => {}
+        Err(StoreError::Tag(TagError::Stale { actual, .. })) => {
+            return Ok(promoted_by_another_run(store, p.tag, actual).await);
+        }
+        Err(e) => return Err(tag_err(p.night)(e)),
+    }
+    match store.set_tag(p.tag, p.previous, image).await {
+        Ok(()) => Ok(NightlyOutcome::Promoted),
+        // Another writer put this very image there meanwhile: it was not this night's move.
+        Err(StoreError::Tag(TagError::Stale { actual, .. })) if actual == Some(image) => {
+            Ok(promoted_by_another_run(store, p.tag, actual).await)
+        }
+        Err(StoreError::Tag(TagError::Stale {
+            expected, actual, ..
+        })) => Ok(NightlyOutcome::LostRace { expected, actual }),
+        Err(e) => Err(tag_err(p.tag)(e)),
+    }
+}
+
+/// [`NightlyOutcome::PromotedByAnotherRun`], `night` being what the night's tag names now:
+/// reads which image that one booted and whether `tag` names it (a read that fails leaves
+/// the field unknown, with a warning: the outcome is decided already).
 async fn promoted_by_another_run(
     store: &Store,
     tag: &TagRef,
-    mut r: NightlyReport,
     night: Option<ManifestDigest>,
-    t0: Instant,
-) -> Result<NightlyReport, PipelineError> {
+) -> NightlyOutcome {
     let mut night_built = None;
     if let Some(d) = night {
         match store.get_manifest(&d).await {
@@ -454,13 +480,11 @@ async fn promoted_by_another_run(
             false
         }
     };
-    r.outcome = NightlyOutcome::PromotedByAnotherRun {
+    NightlyOutcome::PromotedByAnotherRun {
         night,
         night_built,
         tag_names_night,
-    };
-    r.times_ms.total = ms(t0.elapsed());
-    Ok(r)
+    }
 }
 
 /// The packages of `new` against `old`; `None` when either has no dpkg status.
@@ -743,6 +767,96 @@ pub async fn rollback(store: &Store, tag: &TagRef) -> Result<(TagRef, ManifestDi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An image manifest in `store` whose disk is `bytes` (each call's bytes differ: as each
+    /// run's snapshot does).
+    async fn image(store: &Store, dir: &Path, bytes: &[u8]) -> ManifestDigest {
+        let f = dir.join("disk");
+        std::fs::write(&f, bytes).unwrap();
+        let (table, _) = store
+            .put_artifact(&f, &kiln_store::artifact::PutArtifactOptions::default())
+            .await
+            .unwrap();
+        store
+            .put_manifest(&Manifest::Image(ImageManifest::new(table)))
+            .await
+            .unwrap()
+            .digest
+    }
+
+    /// The promotion's compare-and-swaps on a local store: of runs that read the tags at the
+    /// same start, the first promotes and the others move nothing; a later run promotes
+    /// again; a tag already naming the image is no promotion; a tag moved by someone else
+    /// is a lost race that keeps the night's tag.
+    #[tokio::test]
+    async fn one_run_of_a_night_promotes() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("s").to_str().unwrap())
+            .await
+            .unwrap();
+        let tag: TagRef = "bb:latest".parse().unwrap();
+        let night: TagRef = "bb:nightly-20261204".parse().unwrap();
+        let at = |t: &TagRef| {
+            let (s, t) = (store.clone(), t.clone());
+            async move { s.get_tag(&t).await.unwrap().map(|r| r.manifest) }
+        };
+        let [a, b, c] = [
+            image(&store, dir.path(), b"a").await,
+            image(&store, dir.path(), b"b").await,
+            image(&store, dir.path(), b"c").await,
+        ];
+        let start = Promotion {
+            tag: &tag,
+            previous: None,
+            night: &night,
+            night_previous: None,
+        };
+        assert_eq!(
+            promote(&store, &start, a).await.unwrap(),
+            NightlyOutcome::Promoted
+        );
+        // Another run that started with `a`'s: nothing moves, it names the winner.
+        assert_eq!(
+            promote(&store, &start, b).await.unwrap(),
+            NightlyOutcome::PromotedByAnotherRun {
+                night: Some(a),
+                night_built: None,
+                tag_names_night: true
+            }
+        );
+        assert_eq!((at(&tag).await, at(&night).await), (Some(a), Some(a)));
+        // A run that started after the promotion is a new promotion.
+        let after = Promotion {
+            previous: Some(a),
+            night_previous: Some(a),
+            ..start
+        };
+        assert_eq!(
+            promote(&store, &after, c).await.unwrap(),
+            NightlyOutcome::Promoted
+        );
+        assert_eq!((at(&tag).await, at(&night).await), (Some(c), Some(c)));
+        // The tag already names the night's image: not this night's promotion.
+        let again = Promotion {
+            previous: Some(c),
+            night_previous: Some(c),
+            ..start
+        };
+        assert!(matches!(
+            promote(&store, &again, c).await.unwrap(),
+            NightlyOutcome::PromotedByAnotherRun { night: Some(n), .. } if n == c
+        ));
+        // The tag moved by hand during the night: the night's tag still moves.
+        store.set_tag(&tag, Some(c), a).await.unwrap();
+        assert_eq!(
+            promote(&store, &again, b).await.unwrap(),
+            NightlyOutcome::LostRace {
+                expected: Some(c),
+                actual: Some(a)
+            }
+        );
+        assert_eq!((at(&tag).await, at(&night).await), (Some(a), Some(b)));
+    }
 
     #[test]
     fn utc_days() {
