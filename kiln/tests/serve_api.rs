@@ -1593,3 +1593,226 @@ fn three_nodes_share_one_queue_cache_and_store_and_take_over_a_killed_nodes_buil
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The store's lease ids and whether a dry-run GC with no grace period would collect `key`.
+fn leases_and_collectable(store: &Path, key: &str) -> (Vec<String>, bool) {
+    rt().block_on(async {
+        let s = kiln_store::Store::open(store.to_str().expect("utf-8"))
+            .await
+            .expect("open the store");
+        let leases = s
+            .list_leases()
+            .await
+            .expect("leases")
+            .into_iter()
+            .map(|l| l.id)
+            .collect();
+        let gc = kiln_store::gc::GcOptions {
+            grace: Duration::ZERO,
+            dry_run: true,
+            ..Default::default()
+        };
+        let r = s.gc(&gc).await.expect("gc --dry-run");
+        (leases, r.collected.iter().any(|c| c.key == key))
+    })
+}
+
+/// Issue 19: build contexts uploaded to one node are built by another, through the S3
+/// store the nodes share (`--workers 1` each; node 0's one worker is held by a build that
+/// never ends, so the others claim what node 0 receives).
+///
+/// - A context sent with a submission to node 0 is built by node 1; while its build runs
+///   (held in its `RUN`, after the `COPY` from the context), the store holds the context
+///   blob under the lease `context-<build id>`, and GC (dry run, no grace period) would
+///   not collect it.
+/// - kill -9 of node 1: node 2, which never saw the context, runs attempt 2 from the store's
+///   copy, and the build succeeds.
+/// - A context uploaded to node 0 (`PUT /v1/blobs/...`) is present for node 2 (`HEAD`),
+///   and a JSON submission to node 2 naming it builds.
+/// - Once the builds ended, the sweep deletes their leases: GC would collect the first
+///   context.
+///
+/// Before: node 1 failed the first build at once ("context blob ... is not on node ...").
+#[test]
+fn a_context_uploaded_to_one_node_is_built_by_another_through_the_store() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, _, _) = env();
+    let db = postgres();
+    let url = db[1].clone();
+    let store = PathBuf::from(kiln_tests::stores::fresh_url(
+        kiln_tests::stores::Kind::S3,
+        t.path(),
+        "contexts",
+    ));
+    // Held: node 0's build, and the context build's first attempt.
+    let web = kiln_tests::http::LocalServer::holding("/hold/", 2);
+    let args = [
+        "--workers",
+        "1",
+        "--heartbeat",
+        "1s",
+        "--takeover-after",
+        "3s",
+        "--max-attempts",
+        "2",
+        "--shutdown-grace",
+        "1s",
+    ];
+    let start = |i: usize| {
+        let dir = t.path().join(format!("node{i}"));
+        Server::start_node(
+            &dir.join("state"),
+            &store,
+            &db,
+            Some(&dir.join("cache")),
+            &args,
+        )
+    };
+    let c = client();
+    let spec = |tag: &str| {
+        json!({"network": "host", "tags": [tag],
+               "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}})
+    };
+    let node_of = |id: &str| {
+        psql(
+            &url,
+            &format!(
+                "SELECT n.listen || ' ' || b.attempt FROM builds b JOIN nodes n \
+                 ON n.id = b.claimed_by WHERE b.id = '{id}'"
+            ),
+        )
+    };
+
+    // Node 0's one worker is held.
+    let a = start(0);
+    let key = a.key("acme", &["--max-concurrent", "6", "--max-queued", "100"]);
+    let recipe = format!(
+        "FROM {bb}\nRUN --network=host wget -q -O /fetched http://127.0.0.1:{}/hold/a\n",
+        web.port
+    );
+    rt().block_on(submit_recipe(&c, &a, &key, &spec("a:1"), &recipe));
+    until(
+        "node 0's build reached its step",
+        Duration::from_secs(120),
+        || web.hits("/hold/a") == 1,
+    );
+
+    // A context sent to node 0, built by node 1.
+    let mut b = start(1);
+    let ctx = context_dir(
+        &t.path().join("one"),
+        &format!(
+            "FROM {bb}\nCOPY hello.txt /hello.txt\n\
+             RUN --network=host wget -q -O /fetched http://127.0.0.1:{}/hold/x\n",
+            web.port
+        ),
+    );
+    let tarball = tar_dir(&ctx);
+    let blob_key = format!("blobs/sha256/{}", hex_sha256(&tarball));
+    let x = rt().block_on(async {
+        let r = submit(&c, &a, &key, &spec("x:1"), Some(&tarball), None, None).await;
+        assert_eq!(r.status(), 202);
+        json_of(r).await["id"].as_str().expect("id").to_string()
+    });
+    until(
+        "the build reached its step or ended",
+        Duration::from_secs(120),
+        || {
+            web.hits("/hold/x") == 1
+                || terminal(&rt().block_on(async {
+                    json_of(get(&c, &a, &key, &format!("/v1/builds/{x}")).await).await
+                }))
+        },
+    );
+    let view =
+        rt().block_on(async { json_of(get(&c, &a, &key, &format!("/v1/builds/{x}")).await).await });
+    assert_eq!(web.hits("/hold/x"), 1, "node 1 ran the step: {view:#}");
+    assert_eq!(
+        node_of(&x),
+        format!("{} 1", b.base.trim_start_matches("http://"))
+    );
+    let (leases, collectable) = leases_and_collectable(&store, &blob_key);
+    assert!(leases.contains(&format!("context-{x}")), "{leases:?}");
+    assert!(!collectable, "the running build's context is leased");
+
+    // Node 1 is lost; node 2 runs attempt 2 from the store's copy.
+    b.signal(rustix::process::Signal::KILL);
+    b.wait(Duration::from_secs(30));
+    drop(b);
+    let n2 = start(2);
+    let v = rt().block_on(wait_for(
+        &c,
+        &n2,
+        &key,
+        &x,
+        Duration::from_secs(300),
+        terminal,
+    ));
+    assert_eq!(v["state"], "succeeded", "{v:#}");
+    assert_eq!(web.hits("/hold/x"), 2, "attempt 2 ran the step");
+    assert_eq!(
+        node_of(&x),
+        format!("{} 2", n2.base.trim_start_matches("http://"))
+    );
+
+    // Uploaded to node 0, submitted to and built by node 2.
+    let ctx = context_dir(
+        &t.path().join("two"),
+        &format!("FROM {bb}\nCOPY hello.txt /again.txt\n"),
+    );
+    let tarball = tar_dir(&ctx);
+    let digest = format!("sha256:{}", hex_sha256(&tarball));
+    let y = rt().block_on(async {
+        let r = c
+            .put(a.url(&format!("/v1/blobs/{digest}")))
+            .bearer_auth(&key)
+            .body(tarball.clone())
+            .send()
+            .await
+            .expect("PUT");
+        assert_eq!(r.status(), 201);
+        let r = c
+            .head(n2.url(&format!("/v1/blobs/{digest}")))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .expect("HEAD");
+        assert_eq!(r.status(), 200, "node 2 finds node 0's upload");
+        let mut s = spec("y:1");
+        s["context"] = json!(digest);
+        let r = c
+            .post(n2.url("/v1/builds"))
+            .bearer_auth(&key)
+            .header("content-type", "application/json")
+            .body(s.to_string())
+            .send()
+            .await
+            .expect("POST");
+        assert_eq!(r.status(), 202);
+        json_of(r).await["id"].as_str().expect("id").to_string()
+    });
+    let v = rt().block_on(wait_for(
+        &c,
+        &n2,
+        &key,
+        &y,
+        Duration::from_secs(300),
+        terminal,
+    ));
+    assert_eq!(v["state"], "succeeded", "{v:#}");
+
+    // The ended builds' leases go at the next sweeps.
+    until(
+        "the context leases are deleted",
+        Duration::from_secs(60),
+        || psql(&url, "SELECT COUNT(*) FROM context_leases") == "0",
+    );
+    let (leases, collectable) = leases_and_collectable(&store, &blob_key);
+    assert!(
+        !leases.iter().any(|l| l.starts_with("context-")),
+        "{leases:?}"
+    );
+    assert!(collectable, "no longer leased once its build ended");
+    drop(n2);
+    drop(a);
+}

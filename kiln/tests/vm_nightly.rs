@@ -11,8 +11,14 @@
 //! 4. a night whose one dpkg package moved to a new version: the report names it.
 //!
 //! Each night's report is kept in the store beside the tag's history. Then `kiln nightly
-//! --rollback` twice walks the tag back through the nights. Needs what
-//! `ci/setup.sh` exports (`KILN_TEST_BUSYBOX_REF`, the guest kernel and initramfs).
+//! --rollback` twice walks the tag back through the nights.
+//!
+//! And one night fired on several nodes at once against one `s3://` store (issue 19,
+//! "Nightly on many nodes"): exactly one run promotes, the others exit 4 saying another run
+//! promoted.
+//!
+//! Needs what `ci/setup.sh` exports (`KILN_TEST_BUSYBOX_REF`, the moto S3 server, the guest
+//! kernel and initramfs).
 
 use std::path::Path;
 use std::process::Output;
@@ -257,4 +263,129 @@ fn vm_nightly_promotes_only_on_success() {
         show(&o)
     );
     assert_eq!(rt.block_on(tag(&store, "bb:latest")), Some(first));
+}
+
+/// Nodes firing one night at once in [`one_night_on_several_nodes_promotes_once`]: three
+/// nights with their boots and two smoke clones each share the machine's two cores.
+const NODES: usize = 3;
+
+/// Issue 19, "Nightly on many nodes": `kiln nightly` fired on [`NODES`] nodes at once (one
+/// process each, with its own cache, state and snapshot directories) against one `s3://`
+/// store. Every run builds the same image manifest (the same inputs, `SOURCE_DATE_EPOCH`
+/// fixed) and boots its own snapshot; exactly one promotes (exit 0), and every other exits 4
+/// saying that another run of this night promoted first, naming the winner's image and that
+/// it is the same build. `bb:latest` and `bb:nightly-DAY` both name the winner's image, the
+/// store verifies clean (`--deep`), and the store keeps every run's report.
+///
+/// Before the night's tag moved by compare-and-swap, each run forced `bb:nightly-DAY` to its
+/// own image, so it ended naming the last run's image rather than the promoted one, and the
+/// losers reported `lost_race` ("moved during the night").
+#[test]
+fn one_night_on_several_nodes_promotes_once() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let url = kiln_tests::stores::fresh_url(kiln_tests::stores::Kind::S3, d, "nightly-nodes");
+    let recipe = recipe(d, &bb, "  - {command: cat /greeting, output: night}\n");
+    let node = |i: usize| {
+        let home = d.join(format!("node{i}"));
+        std::fs::create_dir_all(&home).expect("mkdir");
+        let mut c = kiln_in(env!("CARGO_BIN_EXE_kiln"), &home);
+        c.env("KILN_STORE", &url)
+            .env("KILN_CACHE", home.join("kiln-cache"))
+            .env("KILN_CONFIG", home.join("no-config.toml"));
+        c
+    };
+    // Started together: each reads both tags when its night starts, long before any night
+    // reaches its promotion (after a build, a boot and a smoke clone).
+    let runs: Vec<_> = (0..NODES)
+        .map(|i| {
+            node(i)
+                .args([
+                    "--json",
+                    "nightly",
+                    &recipe,
+                    "--tag",
+                    "bb:latest",
+                    "--day",
+                    "20261204",
+                    "--memory-mib",
+                    "256",
+                    "--build-arg",
+                    "SOURCE_DATE_EPOCH=1700000000",
+                ])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("start kiln nightly")
+        })
+        .collect();
+    let runs: Vec<(Output, Value)> = runs
+        .into_iter()
+        .map(|c| {
+            let o = c.wait_with_output().expect("kiln nightly");
+            let report = String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .find(|v| v["event"] == "nightly")
+                .unwrap_or_else(|| panic!("no nightly report: {}", show(&o)));
+            (o, report)
+        })
+        .collect();
+    let all = runs
+        .iter()
+        .map(|(o, _)| show(o))
+        .collect::<Vec<_>>()
+        .join("\n---\n");
+
+    let winners: Vec<&(Output, Value)> = runs.iter().filter(|(o, _)| o.status.success()).collect();
+    assert_eq!(winners.len(), 1, "exactly one run promotes:\n{all}");
+    let (_, w) = winners[0];
+    assert_eq!(w["outcome"], "promoted", "{w}");
+    let image = w["image"].as_str().expect("image").to_string();
+    let built = w["built"].as_str().expect("built image").to_string();
+    for (o, r) in &runs {
+        assert_eq!(
+            r["built"],
+            built.as_str(),
+            "the same build everywhere:\n{all}"
+        );
+        if o.status.success() {
+            continue;
+        }
+        assert_eq!(o.status.code(), Some(4), "{}", show(o));
+        assert_eq!(r["outcome"], "promoted_by_another_run", "{r}");
+        assert_eq!(r["night"], image.as_str(), "{r}");
+        assert_eq!(r["night_built"], built.as_str(), "{r}");
+        assert_eq!(r["tag_names_night"], true, "{r}");
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            stderr.contains("another run of this night promoted first")
+                && stderr.contains(&format!("the same build {built}"))
+                && stderr.contains("bb:latest names it")
+                && stderr.contains("this night moved no tag"),
+            "{}",
+            show(o)
+        );
+    }
+
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let store = rt.block_on(Store::open(&url)).expect("store");
+    let image: ManifestDigest = image.parse().expect("digest");
+    assert_eq!(rt.block_on(tag(&store, "bb:latest")), Some(image));
+    assert_eq!(rt.block_on(tag(&store, "bb:nightly-20261204")), Some(image));
+    let kept = rt
+        .block_on(store.tag_reports(&"bb:latest".parse().unwrap()))
+        .expect("reports");
+    let promoted = kept.iter().filter(|r| r["outcome"] == "promoted").count();
+    assert_eq!((kept.len(), promoted), (NODES, 1), "{kept:?}");
+    let o = node(0)
+        .args(["store", "verify", "--deep"])
+        .output()
+        .expect("kiln store verify");
+    assert!(o.status.success(), "verify --deep: {}", show(&o));
 }

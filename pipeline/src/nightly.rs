@@ -11,9 +11,14 @@
 //!    (each at most [`NightlyRequest::check_timeout`]); then the two clones' machine-ids
 //!    must differ ([`MACHINE_ID_CHECK`]); both clones are stopped afterwards whatever
 //!    happened (a check that failed, timed out, or the request's cancel token).
-//! 3. `promote`: `NAME:nightly-YYYYMMDD` (the UTC day) is forced to the new image, then the
-//!    tag moves by compare-and-swap from the digest read when the night started
-//!    ([`NightlyRequest::expect`]); a tag that moved in between is
+//! 3. `promote`, two compare-and-swaps, each from what its tag named when the night
+//!    started: first `NAME:nightly-YYYYMMDD` (the UTC day) claims the night for the new
+//!    image, then the tag moves ([`NightlyRequest::expect`]). A night tag that moved in
+//!    between (another run of the same night, e.g. `kiln nightly` fired on several nodes at
+//!    once, got there first), or a tag that already names the new image, is
+//!    [`NightlyOutcome::PromotedByAnotherRun`]: this night moves no tag. So of the runs of
+//!    one night that started together, exactly one promotes, and the night tag and the tag
+//!    name the same image. A tag that moved in between (another promotion, e.g. by hand) is
 //!    [`NightlyOutcome::LostRace`]: the nightly tag stays (the night's image is kept), the
 //!    tag does not move.
 //! 4. `keep`: with [`NightlyRequest::keep`], `nightly-*` tags beyond the newest N are
@@ -31,7 +36,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kiln_builder::base::PullPolicy;
 use kiln_recipes::yaml::SmokeCheck;
-use kiln_store::{ManifestDigest, Store, StoreError, TagError, TagRef};
+use kiln_store::{ImageManifest, Manifest, ManifestDigest, Store, StoreError, TagError, TagRef};
 use kiln_vmm::clone::CloneOptions;
 use kiln_vmm::exec::ExecRequest;
 use serde::Serialize;
@@ -95,6 +100,21 @@ pub enum NightlyOutcome {
         /// What the tag held.
         actual: Option<ManifestDigest>,
     },
+    /// Another run of this night promoted first: `NAME:nightly-YYYYMMDD` moved from what it
+    /// named when this night started (another node's `kiln nightly` of the same day), or
+    /// the tag already named this night's image. This night moved no tag; its image, named
+    /// by no tag, is left to GC.
+    PromotedByAnotherRun {
+        /// What `NAME:nightly-YYYYMMDD` names now: the other run's image (`None`: it was
+        /// removed in between).
+        night: Option<ManifestDigest>,
+        /// The image manifest the other run built and booted (its snapshot's image), when
+        /// its image has a snapshot; equal to [`NightlyReport::built`] when both runs built
+        /// the same inputs.
+        night_built: Option<ManifestDigest>,
+        /// Whether the tag names that image.
+        tag_names_night: bool,
+    },
 }
 
 /// One smoke check's result.
@@ -126,8 +146,12 @@ pub struct NightlyReport {
     pub nightly_tag: String,
     /// What the tag named when the night started (the digest the promotion expects).
     pub previous: Option<ManifestDigest>,
-    /// The new image manifest that names the snapshot (what the tags name).
+    /// The new image manifest that names the snapshot (what the tags name). Each boot makes
+    /// another snapshot, so each run of a night has its own.
     pub image: Option<ManifestDigest>,
+    /// The image manifest the build published, before the boot (the one the snapshot booted):
+    /// identical inputs give the identical digest on every node and every run.
+    pub built: Option<ManifestDigest>,
     /// The snapshot manifest.
     pub snapshot: Option<ManifestDigest>,
     /// The ext4 image's chunks: new to the store vs already there.
@@ -250,11 +274,18 @@ async fn night(
         .unwrap_or_else(|| utc_day(SystemTime::now()));
     let nightly_tag = TagRef::new(&req.tag.name, &format!("nightly-{day}"))
         .map_err(|e| PipelineError::Request(format!("day {day:?}: {e}")))?;
+    // What the promotion's first compare-and-swap expects of the night's tag.
+    let night_previous = store
+        .get_tag(&nightly_tag)
+        .await
+        .map_err(tag_err(&nightly_tag))?
+        .map(|r| r.manifest);
     let report = NightlyReport {
         tag: req.tag.to_string(),
         nightly_tag: nightly_tag.to_string(),
         previous,
         image: None,
+        built: None,
         snapshot: None,
         disk: None,
         packages: None,
@@ -287,7 +318,7 @@ async fn night(
         &req,
         &checks,
         built,
-        nightly_tag,
+        (nightly_tag, night_previous),
         report,
         t0,
     )
@@ -304,12 +335,13 @@ async fn after_build(
     req: &NightlyRequest,
     checks: &[SmokeCheck],
     built: BuildReport,
-    nightly_tag: TagRef,
+    (nightly_tag, night_previous): (TagRef, Option<ManifestDigest>),
     mut report: NightlyReport,
     t0: Instant,
 ) -> Result<NightlyReport, PipelineError> {
     let previous = report.previous;
     report.image = built.final_image();
+    report.built = built.image.as_ref().map(|i| i.manifest);
     report.snapshot = built.snapshot.as_ref().map(|s| s.snapshot);
     report.disk = built.image.as_ref().map(|i| i.disk);
     report.snapshot_memory = built.snapshot.as_ref().map(|s| SnapshotBytes {
@@ -344,27 +376,21 @@ async fn after_build(
         return fail(t0, report, "smoke", message);
     }
 
-    // 3. Promote.
-    if let Err(e) = store.force_tag(&nightly_tag, image).await {
-        return fail(
-            t0,
-            report,
-            "promote",
-            error_chain(&tag_err(&nightly_tag)(e)),
-        );
-    }
-    match store.set_tag(&req.tag, previous, image).await {
-        Ok(()) => {}
-        // Already promoted by this image (a night rerun with nothing changed).
-        Err(StoreError::Tag(TagError::Stale { actual, .. })) if actual == Some(image) => {}
-        Err(StoreError::Tag(TagError::Stale {
-            expected, actual, ..
-        })) => {
-            report.outcome = NightlyOutcome::LostRace { expected, actual };
+    // 3. Promote: claim the night, then move the tag.
+    let tags = Promotion {
+        tag: &req.tag,
+        previous,
+        night: &nightly_tag,
+        night_previous,
+    };
+    match promote(store, &tags, image).await {
+        Ok(NightlyOutcome::Promoted) => {}
+        Ok(lost) => {
+            report.outcome = lost;
             report.times_ms.total = ms(t0.elapsed());
             return Ok(report);
         }
-        Err(e) => return fail(t0, report, "promote", error_chain(&tag_err(&req.tag)(e))),
+        Err(e) => return fail(t0, report, "promote", error_chain(&e)),
     }
 
     // 4. Keep the newest N nights.
@@ -376,6 +402,89 @@ async fn after_build(
     }
     report.times_ms.total = ms(t0.elapsed());
     Ok(report)
+}
+
+/// The two tags a night moves and what each named when it started.
+struct Promotion<'a> {
+    /// The tag promoted.
+    tag: &'a TagRef,
+    /// What it named.
+    previous: Option<ManifestDigest>,
+    /// `NAME:nightly-YYYYMMDD`.
+    night: &'a TagRef,
+    /// What it named.
+    night_previous: Option<ManifestDigest>,
+}
+
+/// Step 3 of the module doc for `image`: [`NightlyOutcome::Promoted`] when both tags moved,
+/// [`NightlyOutcome::PromotedByAnotherRun`] when the tag named `image` already or the night's
+/// tag moved since the night started (neither moved), [`NightlyOutcome::LostRace`] when the
+/// tag moved since (the night's tag names `image`). Errors: a tag could not be read or moved
+/// ([`PipelineError::Tag`] naming it).
+async fn promote(
+    store: &Store,
+    p: &Promotion<'_>,
+    image: ManifestDigest,
+) -> Result<NightlyOutcome, PipelineError> {
+    if p.previous == Some(image) {
+        return Ok(promoted_by_another_run(store, p.tag, Some(image)).await);
+    }
+    match store.set_tag(p.night, p.night_previous, image).await {
+        Ok(()) => {}
+        Err(StoreError::Tag(TagError::Stale { actual, .. })) => {
+            return Ok(promoted_by_another_run(store, p.tag, actual).await);
+        }
+        Err(e) => return Err(tag_err(p.night)(e)),
+    }
+    match store.set_tag(p.tag, p.previous, image).await {
+        Ok(()) => Ok(NightlyOutcome::Promoted),
+        // Another writer put this very image there meanwhile: it was not this night's move.
+        Err(StoreError::Tag(TagError::Stale { actual, .. })) if actual == Some(image) => {
+            Ok(promoted_by_another_run(store, p.tag, actual).await)
+        }
+        Err(StoreError::Tag(TagError::Stale {
+            expected, actual, ..
+        })) => Ok(NightlyOutcome::LostRace { expected, actual }),
+        Err(e) => Err(tag_err(p.tag)(e)),
+    }
+}
+
+/// [`NightlyOutcome::PromotedByAnotherRun`], `night` being what the night's tag names now:
+/// reads which image that one booted and whether `tag` names it (a read that fails leaves
+/// the field unknown, with a warning: the outcome is decided already).
+async fn promoted_by_another_run(
+    store: &Store,
+    tag: &TagRef,
+    night: Option<ManifestDigest>,
+) -> NightlyOutcome {
+    let mut night_built = None;
+    if let Some(d) = night {
+        match store.get_manifest(&d).await {
+            Ok(Manifest::Image(ImageManifest {
+                snapshot: Some(s), ..
+            })) => match store.get_manifest(&s).await {
+                Ok(Manifest::Snapshot(m)) => night_built = Some(m.image),
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(manifest = %s, error = %e, "reading the other run's snapshot")
+                }
+            },
+            Ok(_) => {}
+            Err(e) => tracing::warn!(manifest = %d, error = %e, "reading the other run's image"),
+        }
+    }
+    let tag_names_night = match store.get_tag(tag).await {
+        Ok(rec) => night.is_some() && rec.map(|x| x.manifest) == night,
+        Err(e) => {
+            tracing::warn!(tag = %tag, error = %e, "reading the tag");
+            false
+        }
+    };
+    NightlyOutcome::PromotedByAnotherRun {
+        night,
+        night_built,
+        tag_names_night,
+    }
 }
 
 /// The packages of `new` against `old`; `None` when either has no dpkg status.
@@ -658,6 +767,96 @@ pub async fn rollback(store: &Store, tag: &TagRef) -> Result<(TagRef, ManifestDi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An image manifest in `store` whose disk is `bytes` (each call's bytes differ: as each
+    /// run's snapshot does).
+    async fn image(store: &Store, dir: &Path, bytes: &[u8]) -> ManifestDigest {
+        let f = dir.join("disk");
+        std::fs::write(&f, bytes).unwrap();
+        let (table, _) = store
+            .put_artifact(&f, &kiln_store::artifact::PutArtifactOptions::default())
+            .await
+            .unwrap();
+        store
+            .put_manifest(&Manifest::Image(ImageManifest::new(table)))
+            .await
+            .unwrap()
+            .digest
+    }
+
+    /// The promotion's compare-and-swaps on a local store: of runs that read the tags at the
+    /// same start, the first promotes and the others move nothing; a later run promotes
+    /// again; a tag already naming the image is no promotion; a tag moved by someone else
+    /// is a lost race that keeps the night's tag.
+    #[tokio::test]
+    async fn one_run_of_a_night_promotes() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("s").to_str().unwrap())
+            .await
+            .unwrap();
+        let tag: TagRef = "bb:latest".parse().unwrap();
+        let night: TagRef = "bb:nightly-20261204".parse().unwrap();
+        let at = |t: &TagRef| {
+            let (s, t) = (store.clone(), t.clone());
+            async move { s.get_tag(&t).await.unwrap().map(|r| r.manifest) }
+        };
+        let [a, b, c] = [
+            image(&store, dir.path(), b"a").await,
+            image(&store, dir.path(), b"b").await,
+            image(&store, dir.path(), b"c").await,
+        ];
+        let start = Promotion {
+            tag: &tag,
+            previous: None,
+            night: &night,
+            night_previous: None,
+        };
+        assert_eq!(
+            promote(&store, &start, a).await.unwrap(),
+            NightlyOutcome::Promoted
+        );
+        // Another run that started with `a`'s: nothing moves, it names the winner.
+        assert_eq!(
+            promote(&store, &start, b).await.unwrap(),
+            NightlyOutcome::PromotedByAnotherRun {
+                night: Some(a),
+                night_built: None,
+                tag_names_night: true
+            }
+        );
+        assert_eq!((at(&tag).await, at(&night).await), (Some(a), Some(a)));
+        // A run that started after the promotion is a new promotion.
+        let after = Promotion {
+            previous: Some(a),
+            night_previous: Some(a),
+            ..start
+        };
+        assert_eq!(
+            promote(&store, &after, c).await.unwrap(),
+            NightlyOutcome::Promoted
+        );
+        assert_eq!((at(&tag).await, at(&night).await), (Some(c), Some(c)));
+        // The tag already names the night's image: not this night's promotion.
+        let again = Promotion {
+            previous: Some(c),
+            night_previous: Some(c),
+            ..start
+        };
+        assert!(matches!(
+            promote(&store, &again, c).await.unwrap(),
+            NightlyOutcome::PromotedByAnotherRun { night: Some(n), .. } if n == c
+        ));
+        // The tag moved by hand during the night: the night's tag still moves.
+        store.set_tag(&tag, Some(c), a).await.unwrap();
+        assert_eq!(
+            promote(&store, &again, b).await.unwrap(),
+            NightlyOutcome::LostRace {
+                expected: Some(c),
+                actual: Some(a)
+            }
+        );
+        assert_eq!((at(&tag).await, at(&night).await), (Some(a), Some(b)));
+    }
 
     #[test]
     fn utc_days() {

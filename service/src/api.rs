@@ -86,7 +86,7 @@ impl From<kiln_store::StoreError> for ApiError {
 impl From<ContextError> for ApiError {
     fn from(e: ContextError) -> Self {
         match e {
-            ContextError::Io { .. } => {
+            ContextError::Io { .. } | ContextError::Store { .. } => {
                 tracing::error!(error = %e, "blob storage");
                 ApiError::Internal
             }
@@ -671,7 +671,11 @@ async fn submit(
         (Some(d), None) => Some(d),
         (None, Some(d)) => {
             context::parse_digest(d)?;
-            if s.db.blob(&ws, d).await?.is_none() || !s.blobs.exists(d) {
+            // Uploaded to this node, or (a remote store) to any node.
+            let here = s.db.blob(&ws, d).await?.is_some()
+                && (s.blobs.exists(d)
+                    || (s.contexts_in_store() && s.blobs.fetch(&s.setup.store, d).await?));
+            if !here {
                 return Err(ApiError::BadRequest(format!(
                     "context {d}: no such blob in this workspace (upload it with PUT /v1/blobs/{d})"
                 )));
@@ -783,6 +787,22 @@ async fn submit(
         context: stored.context.clone(),
         idempotency: idem.map(|k| (k, hash)),
     };
+    // A remote store: the context goes there under the build's lease, so that any node can
+    // run the build (see `context`). The lease's row first: whatever happens next, the sweep
+    // deletes the lease (at once once the build ended; one renewal interval later when it
+    // was never queued: over quota, a replay, a failure here).
+    if let (Some(d), true) = (&stored.context, s.contexts_in_store()) {
+        s.db.add_context_lease(&id, d).await?;
+        s.setup
+            .store
+            .put_shared_lease(
+                &context::lease_id(&id),
+                s.config.context_lease,
+                [context::store_object(d)?],
+            )
+            .await?;
+        s.blobs.upload(&s.setup.store, d).await?;
+    }
     let window = s.config.idempotency_window.as_millis() as i64;
     let (id, replayed) = match s.db.insert_build(&new, quota.max_queued, window).await? {
         Inserted::Queued => (id, false),
@@ -1042,11 +1062,17 @@ async fn put_blob(
         )
         .await?;
     s.db.add_blob(&ws, &d, n).await?;
+    // A remote store: there too, for a submission to another node (named by no build yet, it
+    // is kept by GC's grace period; a build that names it leases it).
+    if s.contexts_in_store() {
+        s.blobs.upload(&s.setup.store, &d).await?;
+    }
     s.metrics.uploaded(n);
     Ok((StatusCode::CREATED, Json(BlobView { digest: d, size: n })).into_response())
 }
 
-/// Whether this workspace has uploaded the blob (another workspace's blob: 404).
+/// Whether this workspace has uploaded the blob (another workspace's blob: 404), to this
+/// node or, with a remote store, to any node.
 #[utoipa::path(head, path = "/v1/blobs/{digest}", params(("digest" = String, Path)),
     responses((status = 200, description = "present"), (status = 404, description = "absent")),
     security(("bearer" = [])))]
@@ -1058,12 +1084,15 @@ async fn head_blob(
     if context::parse_digest(&digest).is_err() {
         return Err(ApiError::NotFound("blob"));
     }
-    match s.db.blob(&ws, &digest).await? {
-        Some(n) if s.blobs.exists(&digest) => {
-            Ok(([(header::CONTENT_LENGTH, n.to_string())], StatusCode::OK).into_response())
-        }
-        _ => Err(ApiError::NotFound("blob")),
+    let Some(n) = s.db.blob(&ws, &digest).await? else {
+        return Err(ApiError::NotFound("blob"));
+    };
+    let here = s.blobs.exists(&digest)
+        || (s.contexts_in_store() && s.setup.store.has(&context::store_object(&digest)?).await?);
+    if !here {
+        return Err(ApiError::NotFound("blob"));
     }
+    Ok(([(header::CONTENT_LENGTH, n.to_string())], StatusCode::OK).into_response())
 }
 
 /// An image name and its tags.

@@ -2,6 +2,13 @@
 //! directory, `blobs/sha256/<hex>`, written to `blobs/tmp/` while the digest is computed and
 //! renamed into place only once it matches (containerd's ingest-then-commit).
 //!
+//! When the server's store is remote (S3: several nodes share it), a context is also a blob
+//! of the store (`blobs/sha256/<hex>`, the same digest): an upload puts it there, and a
+//! build that has it holds it with a shared lease, [`lease_id`], from its submission to its
+//! end ([`crate::Db::add_context_lease`], renewed and deleted by every node's sweep), so
+//! that whichever node claims the build fetches it ([`BlobDir::fetch`]), and GC keeps it
+//! while the build is queued or running. The blob directory is then that node's cache.
+//!
 //! A context is hostile input. Unpacking ([`unpack`]) takes only regular files, directories,
 //! symbolic links and hard links, refuses paths that leave the directory (`..`, absolute
 //! paths, writes through a symlink: the `tar` crate's `unpack_in`), keeps modes and mtimes
@@ -38,6 +45,14 @@ pub enum ContextError {
     /// The request body could not be read.
     #[error("reading the body: {0}")]
     Body(String),
+    /// Reading or writing the blob in the store failed.
+    #[error("{what}: {source}")]
+    Store {
+        /// What.
+        what: String,
+        /// Why.
+        source: Box<kiln_store::StoreError>,
+    },
     /// A file operation on the state directory failed.
     #[error("{what}: {source}")]
     Io {
@@ -64,6 +79,27 @@ pub fn parse_digest(d: &str) -> Result<&str, ContextError> {
         })
         .ok_or_else(|| ContextError::InvalidDigest(d.to_string()))?;
     Ok(hex)
+}
+
+/// The id of the store lease that holds build `build`'s context: `context-<build id>`.
+pub fn lease_id(build: &str) -> String {
+    format!("context-{build}")
+}
+
+/// The store's object for context `digest` (`sha256:<hex>`, checked).
+pub fn store_object(digest: &str) -> Result<kiln_store::ObjectRef, ContextError> {
+    parse_digest(digest)?;
+    let d: kiln_store::BlobDigest = digest
+        .parse()
+        .map_err(|_| ContextError::InvalidDigest(digest.to_string()))?;
+    Ok(kiln_store::ObjectRef::Blob(d))
+}
+
+fn store_err(what: String) -> impl FnOnce(kiln_store::StoreError) -> ContextError {
+    move |e| ContextError::Store {
+        what,
+        source: Box::new(e),
+    }
 }
 
 /// The blob directory.
@@ -140,6 +176,53 @@ impl BlobDir {
             source: e.error,
         })?;
         Ok((digest, size))
+    }
+
+    /// Makes blob `digest` a file here: true when it already is, or once it was fetched
+    /// from `store` (verified against its digest, written to `tmp/` and renamed into place);
+    /// false when `store` does not hold it either.
+    pub async fn fetch(
+        &self,
+        store: &kiln_store::Store,
+        digest: &str,
+    ) -> Result<bool, ContextError> {
+        let dest = self.path(digest)?;
+        if dest.is_file() {
+            return Ok(true);
+        }
+        let obj = store_object(digest)?;
+        let kiln_store::ObjectRef::Blob(d) = obj else {
+            return Err(ContextError::InvalidDigest(digest.to_string()));
+        };
+        let what = format!("fetching context {digest} from {}", store.url());
+        if !store.has(&obj).await.map_err(store_err(what.clone()))? {
+            return Ok(false);
+        }
+        let tmp = tempfile::NamedTempFile::new_in(self.root.join("tmp"))
+            .map_err(io("creating a temporary blob"))?;
+        store
+            .get_blob_to_file(&d, tmp.path())
+            .await
+            .map_err(store_err(what))?;
+        tmp.persist(&dest).map_err(|e| ContextError::Io {
+            what: "storing a blob".into(),
+            source: e.error,
+        })?;
+        Ok(true)
+    }
+
+    /// Puts blob `digest` (a file here) into `store`, if it is not there already.
+    pub async fn upload(
+        &self,
+        store: &kiln_store::Store,
+        digest: &str,
+    ) -> Result<(), ContextError> {
+        let path = self.path(digest)?;
+        store.put_blob_file(&path).await.map_err(store_err(format!(
+            "storing context {digest} in {}",
+            store.url()
+        )))?;
+        Ok(())
     }
 
     /// Stores bytes already in memory.

@@ -14,6 +14,7 @@
 //! | `build_logs` | per build: seq (1, 2, ...), time, step, text |
 //! | `idempotency` | workspace, key, sha256 of the request, build id, time |
 //! | `blobs` | workspace, digest: which workspace uploaded which context |
+//! | `context_leases` | build id, context digest, last renewal: the store lease that holds a build's context in a remote store ([`crate::context::lease_id`]), while the build is queued or running |
 //!
 //! Times are Unix milliseconds (`BIGINT`). A build's state moves `queued → running → succeeded | failed
 //! | cancelled` or `queued → cancelled`, each move a conditional `UPDATE`, so one claim per
@@ -25,6 +26,8 @@
 //! (attempt `n + 1` at its next claim), or ends failed naming that node once it has had its
 //! attempts. A claim is the pair (node id, attempt): the ends, log writes and cancel checks
 //! of a build are conditional on it, so a node whose claim was taken away changes nothing.
+//! The same sweep deletes the rows of nodes not heard of for the node retention that hold no
+//! claim ([`Db::prune_nodes`]).
 
 use std::path::Path;
 
@@ -122,6 +125,10 @@ const SCHEMA: &[&str] = &[
         size BIGINT NOT NULL,
         created_ms BIGINT NOT NULL,
         PRIMARY KEY (workspace, digest))",
+    "CREATE TABLE IF NOT EXISTS context_leases (
+        build_id TEXT PRIMARY KEY,
+        digest TEXT NOT NULL,
+        renewed_ms BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS nodes (
         id TEXT PRIMARY KEY,
         name TEXT NOT NULL,
@@ -235,6 +242,21 @@ impl NodeInfo {
         getrandom::fill(&mut b).map_err(|e| DbError::Random(e.to_string()))?;
         Ok(format!("n{}", hex::encode(b)))
     }
+}
+
+/// A context lease the sweep acts on ([`Db::context_leases_due`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContextLease {
+    /// The build.
+    pub build: String,
+    /// Its context, `sha256:<hex>`.
+    pub digest: String,
+    /// When it was last renewed, Unix ms (database clock): the version a renewal or a drop
+    /// is conditional on.
+    pub renewed_ms: i64,
+    /// Whether the build is queued or running (renew), or not (ended, or never inserted:
+    /// delete).
+    pub live: bool,
 }
 
 /// What [`Db::take_over`] did to one build of a lost node.
@@ -588,6 +610,105 @@ impl Db {
         }
         tx.commit().await?;
         Ok(out)
+    }
+
+    /// Deletes the rows of nodes last heard of more than `retention_ms` ago (database clock:
+    /// a stopped node stopped heartbeating when it stopped) that no running build is claimed
+    /// by, so that the table does not grow by one row per server start. Run in every node's
+    /// sweep, after [`Db::take_over`] (which leaves a lost node's builds queued or ended, so
+    /// its row goes at the sweep after the retention). Ended builds keep the id of the node
+    /// that ran them. A node whose row is gone is treated as stopped: its heartbeat writes
+    /// nothing ([`Db::heartbeat`] is false), and a build still claimed by it would be taken
+    /// over. Returns the ids deleted.
+    pub async fn prune_nodes(&self, retention_ms: i64) -> Result<Vec<String>, DbError> {
+        let rows = sqlx::query(&format!(
+            "DELETE FROM nodes WHERE heartbeat_ms < {} - $1
+               AND NOT EXISTS (SELECT 1 FROM builds b
+                               WHERE b.claimed_by = nodes.id AND b.state = 'running')
+             RETURNING id",
+            self.now_sql()
+        ))
+        .bind(retention_ms)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut ids = rows
+            .iter()
+            .map(|r| r.try_get::<String, _>("id"))
+            .collect::<Result<Vec<_>, _>>()?;
+        ids.sort();
+        Ok(ids)
+    }
+
+    /// Records that the store holds build `build`'s context `digest` under a shared lease
+    /// renewed now. Written before the lease and before the build itself: a row whose build
+    /// does not exist is dropped only once it is due for renewal.
+    pub async fn add_context_lease(&self, build: &str, digest: &str) -> Result<(), DbError> {
+        sqlx::query(&format!(
+            "INSERT INTO context_leases (build_id, digest, renewed_ms) VALUES ($1, $2, {})",
+            self.now_sql()
+        ))
+        .bind(build)
+        .bind(digest)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The context leases to act on: those of builds that ended (to delete), and those
+    /// renewed more than `renew_after_ms` ago (database clock): renew them if the build is
+    /// queued or running, else delete them (a build that was never inserted).
+    pub async fn context_leases_due(
+        &self,
+        renew_after_ms: i64,
+    ) -> Result<Vec<ContextLease>, DbError> {
+        let rows = sqlx::query(&format!(
+            "SELECT l.build_id, l.digest, l.renewed_ms, b.state
+             FROM context_leases l LEFT JOIN builds b ON b.id = l.build_id
+             WHERE b.state IN ('succeeded', 'failed', 'cancelled')
+               OR l.renewed_ms < {} - $1
+             ORDER BY l.build_id",
+            self.now_sql()
+        ))
+        .bind(renew_after_ms)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                let state: Option<String> = r.try_get("state")?;
+                Ok(ContextLease {
+                    build: r.try_get("build_id")?,
+                    digest: r.try_get("digest")?,
+                    renewed_ms: r.try_get("renewed_ms")?,
+                    live: matches!(state.as_deref(), Some("queued" | "running")),
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(DbError::from)
+    }
+
+    /// Marks `l` renewed now, if no other node renewed or dropped it since it was read: true
+    /// when this node is to rewrite the store lease.
+    pub async fn renew_context_lease(&self, l: &ContextLease) -> Result<bool, DbError> {
+        let r = sqlx::query(&format!(
+            "UPDATE context_leases SET renewed_ms = {} WHERE build_id = $1 AND renewed_ms = $2",
+            self.now_sql()
+        ))
+        .bind(&l.build)
+        .bind(l.renewed_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected() == 1)
+    }
+
+    /// Deletes `l`'s row, if no other node renewed or dropped it since it was read: true
+    /// when this node is to delete the store lease.
+    pub async fn drop_context_lease(&self, l: &ContextLease) -> Result<bool, DbError> {
+        let r = sqlx::query("DELETE FROM context_leases WHERE build_id = $1 AND renewed_ms = $2")
+            .bind(&l.build)
+            .bind(l.renewed_ms)
+            .execute(&self.pool)
+            .await?;
+        Ok(r.rows_affected() == 1)
     }
 
     /// Which database this is.
@@ -1342,6 +1463,132 @@ mod tests {
         })
         .await
         .expect("register");
+    }
+
+    #[tokio::test]
+    async fn rows_of_long_gone_nodes_without_claims_are_pruned() {
+        let t = tempfile::tempdir().expect("tmp");
+        prune(sqlite(&t).await, Backend::Sqlite).await;
+        prune(postgres().await, Backend::Postgres).await;
+    }
+
+    async fn node_ids(db: &Db) -> Vec<String> {
+        sqlx::query("SELECT id FROM nodes ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .expect("nodes")
+            .iter()
+            .map(|r| r.try_get("id").expect("id"))
+            .collect()
+    }
+
+    async fn prune(db: Db, backend: Backend) {
+        db.upsert_workspace("a", &quota(5, 10), true)
+            .await
+            .expect("ws");
+        db.insert_build(&build("p1", "a"), 10, 1000)
+            .await
+            .expect("insert");
+        // n1 stopped, n2 runs a build, n3 is idle.
+        for (id, name) in [("n1", "h:/one"), ("n2", "h:/two"), ("n3", "h:/three")] {
+            register(&db, id, name).await;
+        }
+        db.stop_node("n1").await.expect("stop");
+        let claim = db
+            .claim("n2")
+            .await
+            .expect("claim")
+            .expect("p1")
+            .claim()
+            .expect("claimed");
+        // Within the retention every row stays, the stopped one too.
+        assert_eq!(
+            db.prune_nodes(3_600_000).await.expect("prune"),
+            Vec::<String>::new()
+        );
+        assert_eq!(node_ids(&db).await, ["n1", "n2", "n3"], "{backend:?}");
+        // Past it (5 ms), the rows without a running build go; n2 holds its claim.
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert_eq!(
+            db.prune_nodes(5).await.expect("prune"),
+            ["n1", "n3"],
+            "{backend:?}"
+        );
+        assert_eq!(node_ids(&db).await, ["n2"], "{backend:?}");
+        assert!(
+            !db.heartbeat("n3").await.expect("heartbeat"),
+            "a pruned row is gone"
+        );
+        // Once its build ended, n2's row goes too; the build keeps naming the node.
+        assert!(
+            db.finish("p1", &claim, "succeeded", None, None, None)
+                .await
+                .expect("finish")
+        );
+        assert_eq!(
+            db.prune_nodes(5).await.expect("prune"),
+            ["n2"],
+            "{backend:?}"
+        );
+        assert_eq!(node_ids(&db).await, Vec::<String>::new(), "{backend:?}");
+        let row = db.build("a", "p1").await.expect("row").expect("row");
+        assert_eq!(row.claimed_by.as_deref(), Some("n2"));
+    }
+
+    #[tokio::test]
+    async fn context_leases_are_renewed_while_the_build_lives_then_dropped_once() {
+        let t = tempfile::tempdir().expect("tmp");
+        context_leases(sqlite(&t).await, Backend::Sqlite).await;
+        context_leases(postgres().await, Backend::Postgres).await;
+    }
+
+    async fn context_leases(db: Db, backend: Backend) {
+        db.upsert_workspace("a", &quota(5, 10), true)
+            .await
+            .expect("ws");
+        let d = format!("sha256:{}", "ab".repeat(32));
+        // `c1` is queued; `c2` was never inserted (over quota, say).
+        db.add_context_lease("c1", &d).await.expect("lease");
+        db.add_context_lease("c2", &d).await.expect("lease");
+        db.insert_build(&build("c1", "a"), 10, 1000)
+            .await
+            .expect("insert");
+        // Renewed just now: nothing is due.
+        assert_eq!(db.context_leases_due(3_600_000).await.expect("due"), vec![]);
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let due = db.context_leases_due(5).await.expect("due");
+        assert_eq!(
+            due.iter()
+                .map(|l| (l.build.as_str(), l.live))
+                .collect::<Vec<_>>(),
+            [("c1", true), ("c2", false)],
+            "{backend:?}"
+        );
+        // One node wins each move; a second with the same reading changes nothing.
+        assert!(db.renew_context_lease(&due[0]).await.expect("renew"));
+        assert!(!db.renew_context_lease(&due[0]).await.expect("renew"));
+        assert!(db.drop_context_lease(&due[1]).await.expect("drop"));
+        assert!(!db.drop_context_lease(&due[1]).await.expect("drop"));
+        assert_eq!(db.context_leases_due(3_600_000).await.expect("due"), vec![]);
+        // Once the build ended, its lease is due at once, to drop.
+        let claim = db
+            .claim("n1")
+            .await
+            .expect("claim")
+            .expect("c1")
+            .claim()
+            .expect("claimed");
+        assert_eq!(db.context_leases_due(3_600_000).await.expect("due"), vec![]);
+        assert!(
+            db.finish("c1", &claim, "failed", None, None, None)
+                .await
+                .expect("finish")
+        );
+        let due = db.context_leases_due(3_600_000).await.expect("due");
+        assert_eq!(due.len(), 1, "{due:?}");
+        assert!(!due[0].live && due[0].digest == d, "{due:?}");
+        assert!(db.drop_context_lease(&due[0]).await.expect("drop"));
+        assert_eq!(db.context_leases_due(0).await.expect("due"), vec![]);
     }
 
     #[tokio::test]

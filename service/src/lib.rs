@@ -12,8 +12,9 @@
 //!   `/readyz`. Every object belongs to one workspace; another workspace's object gets the
 //!   same 404 as a missing one.
 //! - [`context`]: build contexts as content-addressed tarballs under the state directory
-//!   (`PUT /v1/blobs/sha256:<hex>`, or the `context` part of a submission), unpacked for a
-//!   build with hostile-input checks.
+//!   (`PUT /v1/blobs/sha256:<hex>`, or the `context` part of a submission), and, with a
+//!   remote store, blobs of the store leased for their builds' lives; unpacked for a build
+//!   with hostile-input checks.
 //! - [`worker`]: the pool that claims queued builds (one claim per build, per-workspace
 //!   concurrency caps), runs them, stores what they tell and ends each in a terminal state.
 //! - [`tags`]: a workspace's tags live in the store as `<workspace>.<name>:<tag>`; workspace
@@ -87,12 +88,21 @@ pub struct ServiceConfig {
     /// Attempts a build gets when its nodes are lost, the first run included (default 3);
     /// after the last one it fails with a reason naming the node.
     pub max_attempts: u32,
+    /// A node's row in the database is deleted once its last heartbeat is this old and no
+    /// running build is claimed by it (default 7 days; at least `takeover`): one row is
+    /// added per server start.
+    pub node_retention: Duration,
+    /// How long the store lease of a queued or running build's context lasts unrenewed
+    /// (default 1 h; at least three heartbeats): the sweep renews it after a third of it,
+    /// so one failed renewal still leaves time for the next. A remote store only (see
+    /// [`context`]).
+    pub context_lease: Duration,
 }
 
 impl ServiceConfig {
     /// Defaults for the state directory `state_dir`: SQLite, 2 workers, 1 GiB contexts, 4 GiB
     /// unpacked, 24 h idempotency window, 60 s shutdown grace, 10 s heartbeat, 60 s takeover,
-    /// 3 attempts.
+    /// 3 attempts, 7 days node retention, 1 h context leases.
     pub fn new(state_dir: PathBuf) -> Self {
         ServiceConfig {
             state_dir,
@@ -105,12 +115,15 @@ impl ServiceConfig {
             heartbeat: Duration::from_secs(10),
             takeover: Duration::from_secs(60),
             max_attempts: 3,
+            node_retention: Duration::from_secs(7 * 24 * 3600),
+            context_lease: Duration::from_secs(3600),
         }
     }
 
     /// Checks the liveness settings: a heartbeat of at least 1 s, a takeover time of at
-    /// least two heartbeats (so one late heartbeat does not lose a live node), at least one
-    /// attempt.
+    /// least two heartbeats (so one late heartbeat does not lose a live node), a node
+    /// retention of at least the takeover time, a context lease of at least three
+    /// heartbeats, at least one attempt.
     pub fn check(&self) -> Result<(), ServiceError> {
         let bad = |m: String| Err(ServiceError::Config(m));
         if self.heartbeat < Duration::from_secs(1) {
@@ -124,6 +137,19 @@ impl ServiceConfig {
                 "takeover time {:?}: expected at least two heartbeats ({:?})",
                 self.takeover,
                 2 * self.heartbeat
+            ));
+        }
+        if self.node_retention < self.takeover {
+            return bad(format!(
+                "node retention {:?}: expected at least the takeover time ({:?})",
+                self.node_retention, self.takeover
+            ));
+        }
+        if self.context_lease < 3 * self.heartbeat {
+            return bad(format!(
+                "context lease {:?}: expected at least three heartbeats ({:?})",
+                self.context_lease,
+                3 * self.heartbeat
             ));
         }
         if self.max_attempts == 0 {
@@ -163,6 +189,14 @@ pub struct AppState {
     /// Set while this node could not write a heartbeat for the takeover time: its builds are
     /// cancelled and it claims none ([`worker::liveness`]).
     pub fenced: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl AppState {
+    /// Whether contexts go through the store ([`context`]): it is not a local directory, so
+    /// other nodes may share it.
+    pub fn contexts_in_store(&self) -> bool {
+        self.setup.store.local_root().is_none()
+    }
 }
 
 /// Runs the server on `listener` until `shutdown` fires, then stops accepting, lets running

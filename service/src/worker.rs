@@ -1,5 +1,6 @@
 //! The worker pool: each worker claims the oldest queued build its workspace's concurrency
-//! cap allows ([`Db::claim`](crate::Db::claim): one claim per build), unpacks its context,
+//! cap allows ([`Db::claim`](crate::Db::claim): one claim per build), unpacks its context
+//! (fetched from a remote store when another node received it),
 //! runs it through [`kiln_pipeline::run`] with the namespace executor, writes its steps and
 //! log lines as they come, and ends it in a terminal state, after its last log line is
 //! stored (so a log stream that sees the end has every line).
@@ -81,7 +82,8 @@ pub fn spawn_pool(state: AppState) -> Vec<JoinHandle<()>> {
 }
 
 /// The node's heartbeat and sweep, every [`crate::ServiceConfig::heartbeat`] until `done`
-/// fires (after the last build of a shutdown ended): writes the heartbeat, re-queues or fails the builds of lost nodes, and
+/// fires (after the last build of a shutdown ended): writes the heartbeat, re-queues or fails the builds of lost nodes, deletes the rows of long-gone nodes
+/// ([`crate::Db::prune_nodes`]), and
 /// fences this node (cancels its builds, stops claiming) while its last written heartbeat is
 /// older than the takeover time.
 pub async fn liveness(state: AppState, done: CancellationToken) {
@@ -98,7 +100,8 @@ pub async fn liveness(state: AppState, done: CancellationToken) {
             }
             Ok(false) => tracing::error!(
                 node = %state.node.id,
-                "this node's row is stopped: a newer server of the same state directory runs"
+                "this node's row is stopped or gone: a newer server of the same state \
+                 directory runs, or the row was pruned after the node retention"
             ),
             Err(e) => tracing::error!(node = %state.node.id, error = %e, "writing the heartbeat"),
         }
@@ -128,9 +131,72 @@ pub async fn liveness(state: AppState, done: CancellationToken) {
             }
             Err(e) => tracing::error!(error = %e, "sweeping for lost nodes' builds"),
         }
+        if state.contexts_in_store() {
+            context_leases(&state).await;
+        }
+        match state
+            .db
+            .prune_nodes(cfg.node_retention.as_millis() as i64)
+            .await
+        {
+            Ok(gone) if !gone.is_empty() => {
+                tracing::info!(nodes = ?gone, "removed the rows of long-gone nodes")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::error!(error = %e, "removing the rows of long-gone nodes"),
+        }
         tokio::select! {
             _ = tokio::time::sleep(cfg.heartbeat) => {}
             _ = done.cancelled() => return,
+        }
+    }
+}
+
+/// The sweep's part for contexts in a remote store ([`crate::context`]): renews the shared
+/// leases of queued or running builds' contexts a third of [`crate::ServiceConfig::context_lease`]
+/// after their last renewal, and deletes those of builds that ended. Each row is acted on by
+/// the one node whose conditional update wins. A renewal that races with the build's end can
+/// write the lease again after another node deleted it: it then ends at its expiry.
+async fn context_leases(state: &AppState) {
+    let ttl = state.config.context_lease;
+    let store = &state.setup.store;
+    let due = match state
+        .db
+        .context_leases_due((ttl / 3).as_millis() as i64)
+        .await
+    {
+        Ok(d) => d,
+        Err(e) => {
+            tracing::error!(error = %e, "reading the context leases");
+            return;
+        }
+    };
+    for l in due {
+        let id = crate::context::lease_id(&l.build);
+        let r = if l.live {
+            match state.db.renew_context_lease(&l).await {
+                Ok(true) => match crate::context::store_object(&l.digest) {
+                    Ok(obj) => store
+                        .put_shared_lease(&id, ttl, [obj])
+                        .await
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                },
+                Ok(false) => Ok(()),
+                Err(e) => Err(e.to_string()),
+            }
+        } else {
+            match state.db.drop_context_lease(&l).await {
+                Ok(true) => store
+                    .delete_shared_lease(&id)
+                    .await
+                    .map_err(|e| e.to_string()),
+                Ok(false) => Ok(()),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        if let Err(e) = r {
+            tracing::warn!(build = %l.build, lease = %id, renew = l.live, error = %e, "context lease");
         }
     }
 }
@@ -333,13 +399,31 @@ async fn execute(
                 Ok(p) => p,
                 Err(e) => return failed(e.to_string()),
             };
-            if !path.is_file() {
-                // Contexts stay on the node they were uploaded to (not shared yet).
-                return failed(format!(
-                    "context blob {d} is not on node {} ({}): it was uploaded to another node, \
-                     and build contexts are not shared between nodes",
-                    state.node.id, state.node.name
-                ));
+            let here = if state.contexts_in_store() {
+                match state.blobs.fetch(&state.setup.store, d).await {
+                    Ok(h) => h,
+                    Err(e) => return failed(e.to_string()),
+                }
+            } else {
+                path.is_file()
+            };
+            if !here {
+                return failed(if state.contexts_in_store() {
+                    format!(
+                        "context blob {d} is neither on node {} ({}) nor in the store {}",
+                        state.node.id,
+                        state.node.name,
+                        state.setup.store.url()
+                    )
+                } else {
+                    // With a local store, contexts stay on the node they were uploaded to.
+                    format!(
+                        "context blob {d} is not on node {} ({}): it was uploaded to another \
+                         node, and with a local store build contexts are not shared between \
+                         nodes",
+                        state.node.id, state.node.name
+                    )
+                });
             }
             let (dest, limit) = (ctx_dir.clone(), state.config.max_unpacked_bytes);
             let r = tokio::task::spawn_blocking(move || {

@@ -415,6 +415,36 @@ impl Store {
         })
     }
 
+    /// Writes lease `id` held by no process ([`LeaseRecord::owner`] absent): `objs`,
+    /// expiring `ttl` from now, replacing what `leases/<id>` held. For what a queued job of a
+    /// cluster relies on (a build's uploaded context, which any node may run): whichever
+    /// process comes next renews it by writing it again, and deletes it
+    /// ([`Store::delete_shared_lease`]) when the job is over. GC cannot ask an owner whether
+    /// it still needs it, so only its expiry ends it. Such a lease has no parts.
+    pub async fn put_shared_lease(
+        &self,
+        id: &str,
+        ttl: Duration,
+        objs: impl IntoIterator<Item = ObjectRef>,
+    ) -> Result<(), StoreError> {
+        check_id(id)?;
+        self.write_lease(&LeaseRecord {
+            id: id.to_string(),
+            expires: unix_now() + ttl.as_secs(),
+            host: hostname(),
+            objects: objs.into_iter().map(|o| o.key()).collect(),
+            owner: None,
+        })
+        .await
+    }
+
+    /// Deletes lease `id` written by [`Store::put_shared_lease`] (nothing when absent).
+    pub async fn delete_shared_lease(&self, id: &str) -> Result<(), StoreError> {
+        check_id(id)?;
+        self.backend.delete(&format!("leases/{id}")).await?;
+        Ok(())
+    }
+
     /// Every lease (expired ones included), each record merged with its parts
     /// (`leases/<id>~<n>`, see [`Lease`]); parts whose record is gone (a released lease)
     /// are dropped. Corrupt lease objects are errors, since GC must not guess what they
@@ -660,6 +690,45 @@ mod tests {
         );
         assert_eq!(store.list_leases().await.unwrap().len(), 2);
         live.release().await.unwrap();
+    }
+
+    /// A shared lease keeps its objects through GC and `release_dead_leases` (no owner to
+    /// judge) until it is deleted; rewriting it renews it.
+    #[tokio::test]
+    async fn a_shared_lease_lives_until_deleted_or_expired() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let blob = store
+            .put_blob(Bytes::from_static(b"context"))
+            .await
+            .unwrap();
+        let obj = ObjectRef::Blob(blob.digest);
+        store
+            .put_shared_lease("ctx-b1", Duration::from_secs(3600), [obj])
+            .await
+            .unwrap();
+        store
+            .put_shared_lease("ctx-b1", Duration::from_secs(7200), [obj])
+            .await
+            .unwrap();
+        let leases = store.list_leases().await.unwrap();
+        assert_eq!(leases.len(), 1, "{leases:?}");
+        assert_eq!(leases[0].owner, None);
+        assert!(
+            leases[0].expires >= unix_now() + 7100,
+            "renewed: {leases:?}"
+        );
+        let gc = crate::gc::GcOptions {
+            grace: Duration::ZERO,
+            ..Default::default()
+        };
+        assert!(store.release_dead_leases().await.unwrap().is_empty());
+        store.gc(&gc).await.unwrap();
+        assert!(store.has(&obj).await.unwrap(), "kept by the shared lease");
+        store.delete_shared_lease("ctx-b1").await.unwrap();
+        store.delete_shared_lease("ctx-b1").await.unwrap();
+        store.gc(&gc).await.unwrap();
+        assert!(!store.has(&obj).await.unwrap(), "collected once deleted");
     }
 
     /// Huge planted lease or cache objects are named errors, never loaded whole; GC stops.

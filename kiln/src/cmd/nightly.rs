@@ -4,8 +4,10 @@
 //! a clone, then promote: `NAME:nightly-YYYYMMDD` (UTC) and the tag, moved by
 //! compare-and-swap from what it named when the night started. Prints the report (text, or
 //! one `nightly` JSON event with `--json`). Exit codes: 0 promoted; 1 a step or check failed
-//! (no tag moved); 4 the tag moved under the night (only the nightly tag was set). Ctrl-C
-//! and SIGTERM cancel the night (nothing promoted, the smoke clone stopped).
+//! (no tag moved); 4 a compare-and-swap lost: another run of the same night (another node's)
+//! promoted first, or the tag already named the night's image (no tag moved), or the tag
+//! moved under the night (only the nightly tag was set). Ctrl-C and SIGTERM cancel the
+//! night (nothing promoted, the smoke clone stopped).
 //!
 //! `kiln nightly --rollback --tag NAME:TAG` points the tag back at the previous night
 //! ([`kiln_pipeline::nightly::rollback`]).
@@ -52,7 +54,7 @@ pub struct Args {
     /// Also write the report (JSON) to this file.
     #[arg(long = "report-file", value_name = "FILE")]
     report_file: Option<PathBuf>,
-    /// The local store directory (as `kiln build --store`).
+    /// The store, a directory or `s3://BUCKET/PREFIX` (as `kiln build --store`).
     #[arg(long, value_name = "DIR")]
     store: Option<String>,
     /// A registry (host[:port]) allowed over plain HTTP; loopback registries always are.
@@ -188,7 +190,45 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
                 report.nightly_tag
             ),
         }),
+        NightlyOutcome::PromotedByAnotherRun { .. } => Err(Failure {
+            code: exit::STALE,
+            error: anyhow!("{}; this night moved no tag", another_run(&report)),
+        }),
     }
+}
+
+/// What a [`NightlyOutcome::PromotedByAnotherRun`] report says happened.
+fn another_run(r: &NightlyReport) -> String {
+    let NightlyOutcome::PromotedByAnotherRun {
+        night,
+        night_built,
+        tag_names_night,
+    } = &r.outcome
+    else {
+        return String::new();
+    };
+    if r.previous.is_some() && *night == r.previous && r.previous == r.image {
+        return format!(
+            "{} already names this night's image {}, promoted by another run",
+            r.tag,
+            show(night)
+        );
+    }
+    let build = match night_built {
+        Some(b) if *night_built == r.built => format!("the same build {b}"),
+        Some(b) => format!("another build {b}"),
+        None => "its build unknown".to_string(),
+    };
+    let tag = if *tag_names_night {
+        format!("{} names it", r.tag)
+    } else {
+        format!("{} does not name it", r.tag)
+    };
+    format!(
+        "another run of this night promoted first: {} names {} ({build}), {tag}",
+        r.nightly_tag,
+        show(night)
+    )
 }
 
 fn show(d: &Option<ManifestDigest>) -> String {
@@ -204,10 +244,14 @@ fn text(r: &NightlyReport) -> String {
         NightlyOutcome::LostRace { .. } => {
             format!("lost the race for {}; kept as {}", r.tag, r.nightly_tag)
         }
+        NightlyOutcome::PromotedByAnotherRun { .. } => {
+            format!("{}; no tag moved", another_run(r))
+        }
     };
     s.push_str(&format!("nightly {}: {outcome}\n", r.tag));
     s.push_str(&format!("  previous: {}\n", show(&r.previous)));
     s.push_str(&format!("  image:    {}\n", show(&r.image)));
+    s.push_str(&format!("  built:    {}\n", show(&r.built)));
     s.push_str(&format!("  snapshot: {}\n", show(&r.snapshot)));
     if let Some(d) = &r.disk {
         s.push_str(&format!(

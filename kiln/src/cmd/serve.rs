@@ -61,6 +61,10 @@ pub struct Args {
         default_value_t = 3
     )]
     pub max_attempts: u32,
+    /// A node's row in the database is deleted once its last heartbeat is this old and it
+    /// runs no build (at least --takeover-after).
+    #[arg(long = "node-retention", env = "KILN_SERVE_NODE_RETENTION", default_value = "7d", value_parser = super::parse_duration)]
+    pub node_retention: std::time::Duration,
     /// How long an Idempotency-Key names its build.
     #[arg(long = "idempotency-window", default_value = "24h", value_parser = super::parse_duration)]
     pub idempotency_window: std::time::Duration,
@@ -255,6 +259,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     cfg.heartbeat = a.heartbeat;
     cfg.takeover = a.takeover_after;
     cfg.max_attempts = a.max_attempts;
+    cfg.node_retention = a.node_retention;
     cfg.check()?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
