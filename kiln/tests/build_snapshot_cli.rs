@@ -11,7 +11,7 @@ use std::process::Output;
 
 use kiln_store::{Manifest, Store, TagRef};
 use kiln_tests::require_env;
-use kiln_tests::vm::kiln_in;
+use kiln_tests::vm::{StopClones, kiln_in};
 use serde_json::Value;
 
 fn kiln(dir: &Path, args: &[&str]) -> Output {
@@ -68,6 +68,7 @@ fn build_snapshot_then_start_three_clones() {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
+    let _stop = StopClones::new(env!("CARGO_BIN_EXE_kiln"), d);
     let rt = tokio::runtime::Runtime::new().expect("runtime");
 
     let o = build(

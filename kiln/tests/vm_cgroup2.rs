@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use kiln_store::{Store, TagRef};
-use kiln_tests::vm::{kiln_in, oci_image, show, sleeping_sandbox};
+use kiln_tests::vm::{StopClones, kiln_in, oci_image, show, sleeping_sandbox};
 use serde_json::Value;
 
 fn kiln(dir: &Path, args: &[&str]) -> Output {
@@ -18,16 +18,6 @@ fn kiln(dir: &Path, args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("run kiln")
-}
-
-/// Stops every clone of the test's state directory when dropped, so that a failing assertion
-/// leaves no VM running.
-struct StopAll<'a>(&'a Path);
-
-impl Drop for StopAll<'_> {
-    fn drop(&mut self) {
-        let _ = kiln(self.0, &["stop", "--all"]);
-    }
 }
 
 /// Copies `from` to the same absolute path under `root`.
@@ -111,7 +101,7 @@ fn a_memory_limit_stops_a_step_on_a_pure_cgroup2_guest() {
         ],
     );
     assert!(o.status.success(), "{}", show(&o));
-    let _stop = StopAll(d);
+    let _stop = StopClones::new(env!("CARGO_BIN_EXE_kiln"), d);
     let o = kiln(d, &["--json", "start", "cg2:snap"]);
     assert!(o.status.success(), "{}", show(&o));
     let id = String::from_utf8_lossy(&o.stdout)

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use kiln_store::{ReadySpec, SandboxSpec, StartSpec, Store, TagRef};
-use kiln_tests::vm::{busybox_image, guest_assets, sh};
+use kiln_tests::vm::{StopClones, busybox_image, kiln_in, sh};
 use serde_json::Value;
 
 fn kiln(dir: &Path, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
@@ -15,18 +15,8 @@ fn kiln(dir: &Path, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
 }
 
 fn kiln_cmd(dir: &Path, args: &[&str], extra_env: &[(&str, &str)]) -> Command {
-    let a = guest_assets();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
-    c.args(args)
-        .env("KILN_STORE", dir.join("store"))
-        .env("KILN_STATE_DIR", dir.join("state"))
-        .env("KILN_SNAPSHOT_CACHE", dir.join("cache"))
-        .env("KILN_KERNEL", &a.kernel)
-        .env("KILN_INITRAMFS", &a.initramfs)
-        .env("TMPDIR", dir);
-    for (k, v) in extra_env {
-        c.env(k, v);
-    }
+    let mut c = kiln_in(env!("CARGO_BIN_EXE_kiln"), dir);
+    c.args(args).envs(extra_env.iter().copied());
     c
 }
 
@@ -65,6 +55,7 @@ fn ok(o: &Output) {
 fn vm_cli_snapshot_start_ps_stop() {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
+    let _stop = StopClones::new(env!("CARGO_BIN_EXE_kiln"), d);
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(async {
         let store = Store::open(d.join("store").to_str().expect("utf-8"))

@@ -14,7 +14,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use kiln_store::{Manifest, Store, TagRef};
-use kiln_tests::vm::{busybox_image, kiln_in, sh, show};
+use kiln_tests::vm::{StopClones, busybox_image, kiln_in, sh, show};
 use kiln_vmm::exec::{ExecEvent, ExecRequest, ExecSession, Stream};
 use serde_json::Value;
 
@@ -90,6 +90,7 @@ async fn drain(s: &mut ExecSession) -> Vec<(u64, String, i32)> {
 fn vm_exec_in_one_clone() {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
+    let _stop = StopClones::new(env!("CARGO_BIN_EXE_kiln"), d);
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(async {
         let store = Store::open(d.join("store").to_str().expect("utf-8"))

@@ -19,7 +19,7 @@ use std::time::Duration;
 use kiln_store::{Manifest, ObjectRef, Store, TagRef};
 use kiln_tests::fault_proxy::FaultProxy;
 use kiln_tests::stores::{Kind, fresh_url};
-use kiln_tests::vm::{busybox_image, guest_assets};
+use kiln_tests::vm::{StopClones, busybox_image, guest_assets};
 use kiln_vmm::lazy;
 use serde_json::Value;
 
@@ -108,6 +108,7 @@ fn wait_unmounted(snapdir: &Path) -> bool {
 fn vm_lazy_start_from_s3() {
     let dir = tempfile::tempdir().expect("tempdir");
     let d = dir.path();
+    let _stop = StopClones::new(env!("CARGO_BIN_EXE_kiln"), d);
     let local = d.join("store");
     let local_url = local.to_str().expect("utf-8").to_string();
     let s3 = fresh_url(Kind::S3, d, "lazy");

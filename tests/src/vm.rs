@@ -75,6 +75,33 @@ pub fn kiln_in(bin: &str, dir: &Path) -> Command {
     c
 }
 
+/// Stops every clone of a VM test's state directory (`dir/state`, as [`kiln_in`] sets it)
+/// when dropped, with `kiln stop --all`, so that a test that fails or panics half-way leaves
+/// no QEMU or chunk server running. Declare it after the temporary directory it names, so it
+/// drops first.
+pub struct StopClones {
+    bin: String,
+    dir: PathBuf,
+}
+
+impl StopClones {
+    /// A guard for the clones [`kiln_in`]`(bin, dir)` starts.
+    pub fn new(bin: &str, dir: &Path) -> Self {
+        Self {
+            bin: bin.to_string(),
+            dir: dir.to_path_buf(),
+        }
+    }
+}
+
+impl Drop for StopClones {
+    fn drop(&mut self) {
+        let _ = kiln_in(&self.bin, &self.dir)
+            .args(["stop", "--all"])
+            .output();
+    }
+}
+
 /// A finished command's exit code, stdout and stderr, for assertion messages.
 pub fn show(o: &Output) -> String {
     format!(
