@@ -1,7 +1,8 @@
 //! `kiln build --isolation vm` (issue 14 §1): the microVM step executor against the namespace
 //! executor, on the busybox fixture, TCG. A deterministic Dockerfile (a new file, a whiteout
 //! of a lower file, a new directory, an opaque directory over an earlier step's, a `USER`
-//! and a missing `WORKDIR`, a heredoc script run as that user, `SOURCE_DATE_EPOCH`) gives the same OCI manifest, so the same
+//! and a missing `WORKDIR`, a heredoc script run as that user, a step with a tmpfs and a
+//! secret mounted, `SOURCE_DATE_EPOCH`) gives the same OCI manifest, so the same
 //! layer digests, under both executors; the namespace build in the VM build's store runs no
 //! step (cache keys do not depend on the executor). A failing step reports its exit code and
 //! its log's tail; a step over the build's time limit is stopped by killing its VM, and no
@@ -27,6 +28,8 @@ fn dockerfile(bb: &str) -> String {
          RUN mkdir /o && echo 1 > /o/a && echo x > /f\n\
          RUN rm /bin/vi && rm -r /o && mkdir /o && echo 2 > /o/b && mkdir -p /d/e \
              && echo y > /d/e/g && ln /f /d/f2 && ln -s ../f /d/l && chmod 4755 /d/e/g\n\
+         RUN --mount=type=tmpfs,target=/scratch --mount=type=secret,id=tok,target=/run/secrets/tok \
+             echo t > /scratch/a && test \"$(cat /run/secrets/tok)\" = hunter2 && echo ok > /m\n\
          USER nobody\n\
          WORKDIR /w/x\n\
          RUN <<EOF\n#!/bin/sh\necho z > /tmp/z && id -u > /tmp/uid\nEOF\n"
@@ -46,6 +49,11 @@ fn request(ctx: &Path, executor: Executor) -> BuildRequest {
         .insert("SOURCE_DATE_EPOCH".into(), EPOCH.into());
     req.output = Output::Oci { refs: Vec::new() };
     req.executor = executor;
+    let flag = format!("id=tok,src={}", ctx.join("tok.secret").display());
+    req.secrets = kiln_builder::secrets::Secrets::load(&[
+        kiln_builder::secrets::parse_secret_flag(&flag).expect("secret flag"),
+    ])
+    .expect("secret");
     req
 }
 
@@ -60,6 +68,8 @@ fn context(dir: &Path, text: &str) -> std::path::PathBuf {
     let ctx = dir.join("ctx");
     std::fs::create_dir_all(&ctx).expect("mkdir");
     std::fs::write(ctx.join("Dockerfile"), text).expect("write");
+    // The secret of the `RUN --mount=type=secret` step (never in a layer).
+    std::fs::write(ctx.join("tok.secret"), "hunter2").expect("write");
     ctx
 }
 
@@ -105,6 +115,8 @@ fn vm_and_namespace_executors_give_the_same_layers_and_share_the_cache() {
         .arg(&ctx)
         .args(["--isolation", "vm", "--oci-only", "--progress", "plain"])
         .args(["--build-arg", &format!("SOURCE_DATE_EPOCH={EPOCH}")])
+        .arg("--secret")
+        .arg(format!("id=tok,src={}", ctx.join("tok.secret").display()))
         .arg("--iidfile")
         .arg(&iid)
         .output()
@@ -124,7 +136,7 @@ fn vm_and_namespace_executors_give_the_same_layers_and_share_the_cache() {
         ))
         .expect("namespace build");
     eprintln!("namespace build: {:?}", t1.elapsed());
-    assert_eq!(ns.steps_run, 4, "three RUN steps and a WORKDIR");
+    assert_eq!(ns.steps_run, 5, "four RUN steps and a WORKDIR");
     assert_eq!(
         ns.oci_manifest.digest.to_string(),
         vm_oci.trim(),
@@ -134,7 +146,7 @@ fn vm_and_namespace_executors_give_the_same_layers_and_share_the_cache() {
     let again = rt
         .block_on(run(&vm_store, request(&ctx, Executor::Namespace)))
         .expect("namespace build in the vm build's store");
-    assert_eq!((again.steps_run, again.steps_cached), (0, 4));
+    assert_eq!((again.steps_run, again.steps_cached), (0, 5));
     assert_eq!(again.layers, ns.layers);
 }
 

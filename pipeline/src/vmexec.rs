@@ -32,10 +32,15 @@
 //! Heredoc files (`RUN <<EOF`) go in the exec request; the guest writes them under
 //! `/dev/pipes/` (its devtmpfs, outside the layer), where the namespace executor puts them.
 //!
-//! Not yet: `RUN --mount` (the context, caches, secrets, tmpfs) and networks other than none
-//! (a step with the default network runs without one and says so in its log) are refused or
-//! reduced as [`VmExecutor::run`] says; a VM restored from a snapshot per step instead of a
-//! cold boot.
+//! `RUN --mount=type=tmpfs` and `type=secret` are prepared on the host as for namespace steps
+//! ([`kiln_builder::exec::mounts::prepare`]: targets resolved through the lowers) and mounted
+//! by the guest around the command (a secret on a private tmpfs under `/dev`, bound read-only),
+//! then their mount points are removed from the layer with the same cleanup.
+//!
+//! Not yet: `RUN --mount` of host directories (the context, stages, caches: the guest cannot
+//! see them) and networks other than none (a step with the default network runs without one
+//! and says so in its log) are refused or reduced as [`VmExecutor::run`] says; a VM restored
+//! from a snapshot per step instead of a cold boot.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -43,11 +48,12 @@ use std::time::{Duration, Instant};
 
 use kiln_builder::exec::logs::LogShaper;
 use kiln_builder::exec::{
-    ExecConfig, ExecError, LogLine, StepExecutor, StepReport, StepSpec, cleanup_mount_points,
+    ExecConfig, ExecError, GuestMount, LogLine, PreparedMounts, StepExecutor, StepReport, StepSpec,
+    cleanup_mount_points,
 };
 use kiln_recipes::plan::Network;
 use kiln_vmm::channel::GuestChannel;
-use kiln_vmm::exec::{ExecEvent, ExecRequest, ExecSession, ExecStatus};
+use kiln_vmm::exec::{ExecEvent, ExecMount, ExecMountKind, ExecRequest, ExecSession, ExecStatus};
 use kiln_vmm::launch::{self, Accel, DiskFormat, Host, MemoryMode, Vm, VmSpec};
 use kiln_vmm::snapshot::BootAssets;
 
@@ -118,7 +124,7 @@ impl VmExecutor {
 
 impl StepExecutor for VmExecutor {
     /// Runs `spec` in a microVM (module doc). Refused with [`ExecError::Unsupported`]:
-    /// `RUN --mount`, the host network and allow-lists, more than
+    /// `RUN --mount` of a bind or cache, the host network and allow-lists, more than
     /// [`MAX_LOWERS`] lower directories. A step with the default network runs without one.
     fn run(
         &self,
@@ -139,8 +145,17 @@ impl StepExecutor for VmExecutor {
             Network::Host => return unsupported("RUN --network=host"),
             Network::Allow(_) => return unsupported("an allow-list network"),
         }
-        if !spec.mounts.is_empty() {
-            return unsupported("RUN --mount");
+        if let Some(m) = spec.mounts.iter().find(|m| {
+            matches!(
+                m.kind,
+                kiln_builder::exec::MountKind::Bind { .. }
+                    | kiln_builder::exec::MountKind::Cache { .. }
+            )
+        }) {
+            return unsupported(&format!(
+                "RUN --mount of a host directory (bind or cache, at {})",
+                m.target
+            ));
         }
         if spec.lower_dirs.len() > MAX_LOWERS {
             return unsupported(&format!(
@@ -149,7 +164,13 @@ impl StepExecutor for VmExecutor {
             ));
         }
         let scratch = Scratch::new(&self.config.run_dir)?;
-        let run = self.run_in(spec, cancel, sink, &scratch.0);
+        // Targets resolved through the lowers as the step sees them, as for namespace steps.
+        let mounts = kiln_builder::exec::mounts::prepare(
+            &spec.mounts,
+            &spec.lower_dirs,
+            &scratch.0.join("mounts"),
+        )?;
+        let run = self.run_in(spec, &mounts, cancel, sink, &scratch.0);
         match tokio::runtime::Handle::try_current() {
             Ok(h) => h.block_on(run),
             Err(_) => tokio::runtime::Builder::new_current_thread()
@@ -362,6 +383,7 @@ impl VmExecutor {
     async fn run_in(
         &self,
         spec: &StepSpec,
+        mounts: &PreparedMounts,
         cancel: &AtomicBool,
         sink: &mut (dyn FnMut(LogLine) + Send),
         dir: &Path,
@@ -458,6 +480,33 @@ impl VmExecutor {
                         data: f.data.clone().into_bytes(),
                         mode: f.mode,
                     })
+                })
+                .collect(),
+            mounts: mounts
+                .guest_view()
+                .into_iter()
+                .filter_map(|m| match m {
+                    GuestMount::Tmpfs { rel, size_bytes } => Some(ExecMount {
+                        rel: rel.to_string(),
+                        kind: ExecMountKind::Tmpfs { size_bytes },
+                    }),
+                    GuestMount::Secret {
+                        rel,
+                        value,
+                        mode,
+                        uid,
+                        gid,
+                    } => Some(ExecMount {
+                        rel: rel.to_string(),
+                        kind: ExecMountKind::Secret {
+                            data: value.to_vec(),
+                            mode,
+                            uid,
+                            gid,
+                        },
+                    }),
+                    // Refused in run().
+                    GuestMount::HostDir { .. } => None,
                 })
                 .collect(),
         };
@@ -560,6 +609,7 @@ impl VmExecutor {
                 e => e,
             })?,
         };
+        kiln_builder::exec::mounts::cleanup(mounts, &spec.upper_dir, &spec.lower_dirs);
         cleanup_mount_points(spec);
         tracing::debug!(
             step = spec.index,

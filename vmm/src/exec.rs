@@ -43,8 +43,8 @@ use crate::channel::{ChannelError, GuestChannel};
 use crate::clone::{self, CloneError, CloneRecord};
 
 pub use kiln_guest::protocol::{
-    DiffData, DiffEnd, ExecFile, MAX_CHUNK_LEN, MAX_FILES, MAX_FILES_BYTES, MAX_STDIN_LEN,
-    PIPES_DIR, Stream,
+    DiffData, DiffEnd, ExecFile, ExecMount, ExecMountKind, MAX_CHUNK_LEN, MAX_FILES,
+    MAX_FILES_BYTES, MAX_MOUNTS, MAX_STDIN_LEN, PIPES_DIR, Stream,
 };
 
 /// Most bytes discarded before the guest's `connected` answer: one partial frame of an older
@@ -128,6 +128,9 @@ pub struct ExecRequest {
     /// Files the guest writes under [`proto::PIPES_DIR`] before the command starts (a build
     /// step's heredocs); at most [`proto::MAX_FILES`], [`proto::MAX_FILES_BYTES`] in all.
     pub files: Vec<proto::ExecFile>,
+    /// File systems the guest mounts before the command and unmounts after it (a build
+    /// step's `RUN --mount=type=tmpfs|secret`); at most [`proto::MAX_MOUNTS`].
+    pub mounts: Vec<proto::ExecMount>,
 }
 
 /// How an exec ended: the guest's `exit` frame.
@@ -301,6 +304,7 @@ impl ExecSession {
             detach: req.detach,
             make_workdir: req.make_workdir,
             files: req.files.clone(),
+            mounts: req.mounts.clone(),
         });
         // Checked here so a bad request is the caller's error, not a channel one.
         proto::encode(&msg).map_err(ExecError::Request)?;

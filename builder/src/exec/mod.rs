@@ -38,7 +38,7 @@ use kiln_recipes::plan::{Action, InlineFile, Network, Step};
 pub use cgroup::{CgroupError, CgroupLayout};
 pub use linux::{LinuxExecutor, cleanup_mount_points, tree_size};
 pub use logs::{LogLimits, LogLine};
-pub use mounts::{MountInputs, MountKind, MountsError, StepMount};
+pub use mounts::{GuestMount, MountInputs, MountKind, MountsError, PreparedMounts, StepMount};
 pub use user::{ExecUser, UserError};
 
 /// Docker's default capability set (moby `oci/caps/defaults.go`): CHOWN, DAC_OVERRIDE,

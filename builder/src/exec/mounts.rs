@@ -403,6 +403,7 @@ enum PreparedKind {
     },
     Tmpfs {
         data: CString,
+        size_bytes: Option<u64>,
     },
     Secret {
         name: String,
@@ -413,15 +414,76 @@ enum PreparedKind {
     },
 }
 
+/// One prepared mount as another executor mounts it itself ([`PreparedMounts::guest_view`]).
+#[derive(Debug, Clone, Copy)]
+pub enum GuestMount<'a> {
+    /// A tmpfs at `rel` (relative to the root, resolved), with `mode=1777` and the size limit.
+    Tmpfs {
+        /// The mount point, relative to the root.
+        rel: &'a str,
+        /// Size limit, bytes (`None`: the kernel's default).
+        size_bytes: Option<u64>,
+    },
+    /// A secret file bound read-only at `rel` (a file mount point).
+    Secret {
+        /// The mount point, relative to the root.
+        rel: &'a str,
+        /// The secret's bytes.
+        value: &'a [u8],
+        /// File mode (permission bits).
+        mode: u32,
+        /// File owner.
+        uid: u32,
+        /// File group.
+        gid: u32,
+    },
+    /// A bind or cache mount: a host directory, which a guest cannot see.
+    HostDir {
+        /// The mount point, relative to the root.
+        rel: &'a str,
+    },
+}
+
 /// Mounts prepared for one step, with the cache locks held until it is dropped.
 #[derive(Debug, Default)]
-pub(crate) struct PreparedMounts {
+pub struct PreparedMounts {
     pub(crate) mounts: Vec<Prepared>,
     /// Where secret files live (a tmpfs in the step's mount namespace).
     secrets_dir: PathBuf,
     _locks: Vec<fs::File>,
     /// Temporary cache instances (`sharing=private` under contention), removed on drop.
     temp_dirs: Vec<PathBuf>,
+}
+
+impl PreparedMounts {
+    /// The mounts in order, as a guest mounts them.
+    pub fn guest_view(&self) -> Vec<GuestMount<'_>> {
+        self.mounts
+            .iter()
+            .map(|m| match &m.kind {
+                PreparedKind::Tmpfs { size_bytes, .. } => GuestMount::Tmpfs {
+                    rel: &m.rel,
+                    size_bytes: *size_bytes,
+                },
+                PreparedKind::Secret {
+                    value,
+                    mode,
+                    uid,
+                    gid,
+                    ..
+                } => GuestMount::Secret {
+                    rel: &m.rel,
+                    value: value.expose(),
+                    mode: *mode,
+                    uid: *uid,
+                    gid: *gid,
+                },
+                PreparedKind::Bind { .. } | PreparedKind::Dir { .. } => {
+                    GuestMount::HostDir { rel: &m.rel }
+                }
+            })
+            .collect()
+    }
 }
 
 impl Drop for PreparedMounts {
@@ -492,8 +554,13 @@ fn canonical(lowers: &[PathBuf], target: &str) -> Vec<String> {
 
 static PRIVATE: AtomicU64 = AtomicU64::new(0);
 
-/// Prepares `mounts` for a step over `lowers`, with scratch under `scratch`.
-pub(crate) fn prepare(
+/// Prepares `mounts` for a step over `lowers`, with scratch under `scratch`: each target
+/// resolved through the lowers' symlinks as the step will see it, cache directories made and
+/// locked (held until the result drops), read-write bind scratch made. The microVM executor
+/// uses it too, and hands the guest [`PreparedMounts::guest_view`].
+///
+/// Errors: a bad or `/` target, a bind source that cannot be opened, cache directory I/O.
+pub fn prepare(
     mounts: &[StepMount],
     lowers: &[PathBuf],
     scratch: &Path,
@@ -577,6 +644,7 @@ pub(crate) fn prepare(
                     false,
                     PreparedKind::Tmpfs {
                         data: CString::new(data).expect("no NUL in digits"),
+                        size_bytes: size_bytes.filter(|n| *n > 0),
                     },
                 )
             }
@@ -824,7 +892,7 @@ pub(crate) fn mount_all(root: &OwnedFd, p: &PreparedMounts) -> Result<(), String
                 drop(target);
                 remount(root, &m.rel, m.file, *readonly)?;
             }
-            PreparedKind::Tmpfs { data } => {
+            PreparedKind::Tmpfs { data, .. } => {
                 mount("tmpfs", t.as_str(), "tmpfs", nsd, Some(data.as_c_str()))
                     .map_err(|e| format!("mounting tmpfs /{}: {e}", m.rel))?;
             }
@@ -852,8 +920,9 @@ pub(crate) fn mount_all(root: &OwnedFd, p: &PreparedMounts) -> Result<(), String
 }
 
 /// After the step: removes from `upper` the mount points (and the parents made or copied
-/// up for them) that the step left empty and that no lower layer has as they are.
-pub(crate) fn cleanup(p: &PreparedMounts, upper: &Path, lowers: &[PathBuf]) {
+/// up for them) that the step left empty and that no lower layer has as they are. Both
+/// executors call it, so a step's layer is the same under either.
+pub fn cleanup(p: &PreparedMounts, upper: &Path, lowers: &[PathBuf]) {
     let mut paths: Vec<String> = Vec::new();
     for m in &p.mounts {
         let comps: Vec<&str> = m.rel.split('/').collect();
@@ -1094,7 +1163,7 @@ mod tests {
             .mounts
             .iter()
             .map(|m| match &m.kind {
-                PreparedKind::Tmpfs { data } => data.to_string_lossy().into_owned(),
+                PreparedKind::Tmpfs { data, .. } => data.to_string_lossy().into_owned(),
                 k => panic!("{k:?}"),
             })
             .collect();

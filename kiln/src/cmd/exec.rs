@@ -110,6 +110,7 @@ async fn run(out: &Out, a: Args) -> anyhow::Result<u8> {
         detach: a.detach,
         make_workdir: false,
         files: Vec::new(),
+        mounts: Vec::new(),
     };
     let mut s = ExecSession::open(&default_state_dir(), &a.id, DEFAULT_CONNECT_TIMEOUT).await?;
     let exec_id = s.start(&req).await?;

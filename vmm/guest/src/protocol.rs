@@ -132,6 +132,8 @@ pub const MAX_ERROR_LEN: usize = 4096;
 pub const PIPES_DIR: &str = "/dev/pipes/";
 /// Most [`Exec::files`] in one exec.
 pub const MAX_FILES: usize = 64;
+/// Most [`Exec::mounts`] in one exec.
+pub const MAX_MOUNTS: usize = 64;
 /// Most bytes of [`Exec::files`] data in one exec (base64 on the wire; the whole frame must
 /// still fit in [`MAX_FRAME_LEN`]).
 pub const MAX_FILES_BYTES: usize = 256 << 10;
@@ -245,6 +247,58 @@ pub struct Exec {
     /// step's layer. At most [`MAX_FILES`] of them, [`MAX_FILES_BYTES`] of data in all.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub files: Vec<ExecFile>,
+    /// File systems mounted before the command starts and unmounted when it has exited, in
+    /// order (a build step's `RUN --mount=type=tmpfs|secret`). At most [`MAX_MOUNTS`]; secret
+    /// bytes count against [`MAX_FILES_BYTES`] with the files.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<ExecMount>,
+}
+
+/// One mount of [`Exec::mounts`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecMount {
+    /// The mount point relative to `/`, already resolved (no `.`, `..` or empty component,
+    /// at most [`MAX_WORKDIR_LEN`] bytes, no NUL); missing directories are made, mode 0755.
+    pub rel: String,
+    /// What is mounted there.
+    #[serde(flatten)]
+    pub kind: ExecMountKind,
+}
+
+/// What an [`ExecMount`] mounts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ExecMountKind {
+    /// A tmpfs (`mode=1777`), `nosuid,nodev`.
+    Tmpfs {
+        /// Size limit, bytes (absent: the kernel's default, half of RAM).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        size_bytes: Option<u64>,
+    },
+    /// A file with these bytes, bound read-only onto a file mount point.
+    Secret {
+        /// Content; standard base64 on the wire.
+        #[serde(default, with = "base64_bytes")]
+        data: Vec<u8>,
+        /// Permission bits (`& 0o7777`).
+        mode: u32,
+        /// Owner.
+        uid: u32,
+        /// Group.
+        gid: u32,
+    },
+}
+
+impl ExecMount {
+    /// Whether `rel` is a relative path of normal components within the bounds.
+    pub fn rel_ok(rel: &str) -> bool {
+        !rel.is_empty()
+            && rel.len() <= MAX_WORKDIR_LEN
+            && !rel.contains('\0')
+            && rel
+                .split('/')
+                .all(|c| !c.is_empty() && c != "." && c != "..")
+    }
 }
 
 /// One file of [`Exec::files`].
@@ -660,12 +714,35 @@ impl Exec {
                 format!("{} bytes, at most {MAX_STDIN_LEN}", self.stdin.len()),
             ));
         }
-        let bytes: usize = self.files.iter().map(|f| f.data.len()).sum();
+        if self.mounts.len() > MAX_MOUNTS {
+            return Err(bad(
+                "mounts",
+                format!("{} mounts, at most {MAX_MOUNTS}", self.mounts.len()),
+            ));
+        }
+        if let Some(m) = self.mounts.iter().find(|m| !ExecMount::rel_ok(&m.rel)) {
+            return Err(bad(
+                "mounts",
+                format!(
+                    "{:?} is not a relative path of plain names",
+                    truncate(&m.rel, 64)
+                ),
+            ));
+        }
+        let secret_bytes: usize = self
+            .mounts
+            .iter()
+            .map(|m| match &m.kind {
+                ExecMountKind::Secret { data, .. } => data.len(),
+                ExecMountKind::Tmpfs { .. } => 0,
+            })
+            .sum();
+        let bytes: usize = self.files.iter().map(|f| f.data.len()).sum::<usize>() + secret_bytes;
         if self.files.len() > MAX_FILES || bytes > MAX_FILES_BYTES {
             return Err(bad(
                 "files",
                 format!(
-                    "{} files of {bytes} bytes, at most {MAX_FILES} of {MAX_FILES_BYTES}",
+                    "{} files and {bytes} bytes of files and secrets, at most {MAX_FILES} and {MAX_FILES_BYTES}",
                     self.files.len()
                 ),
             ));
@@ -930,6 +1007,23 @@ mod tests {
                     data: b"echo hi\n".to_vec(),
                     mode: 0o755,
                 }],
+                mounts: vec![
+                    ExecMount {
+                        rel: "scratch".into(),
+                        kind: ExecMountKind::Tmpfs {
+                            size_bytes: Some(1 << 20),
+                        },
+                    },
+                    ExecMount {
+                        rel: "run/secrets/tok".into(),
+                        kind: ExecMountKind::Secret {
+                            data: b"hunter2".to_vec(),
+                            mode: 0o400,
+                            uid: 0,
+                            gid: 0,
+                        },
+                    },
+                ],
             }),
             Message::Exec(Exec {
                 id: 6,
@@ -1099,6 +1193,46 @@ mod tests {
                 "files",
             ));
         }
+        for rel in ["", "/etc", "a/../b", "a//b", "./a", "a\0b"] {
+            cases.push((
+                Exec {
+                    mounts: vec![ExecMount {
+                        rel: rel.into(),
+                        kind: ExecMountKind::Tmpfs { size_bytes: None },
+                    }],
+                    ..exec(&["true"])
+                },
+                "mounts",
+            ));
+        }
+        cases.push((
+            Exec {
+                mounts: (0..=MAX_MOUNTS)
+                    .map(|i| ExecMount {
+                        rel: format!("m{i}"),
+                        kind: ExecMountKind::Tmpfs { size_bytes: None },
+                    })
+                    .collect(),
+                ..exec(&["true"])
+            },
+            "mounts",
+        ));
+        cases.push((
+            Exec {
+                files: vec![file("/dev/pipes/a", MAX_FILES_BYTES / 2)],
+                mounts: vec![ExecMount {
+                    rel: "run/secrets/s".into(),
+                    kind: ExecMountKind::Secret {
+                        data: vec![1; MAX_FILES_BYTES / 2 + 1],
+                        mode: 0o400,
+                        uid: 0,
+                        gid: 0,
+                    },
+                }],
+                ..exec(&["true"])
+            },
+            "files",
+        ));
         cases.push((
             Exec {
                 files: (0..=MAX_FILES)

@@ -35,8 +35,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use kiln_guest::protocol::{
-    Exec, ExecExit, ExecFailure, ExecFailureKind, ExecFile, MAX_CHUNK_LEN, Message, Output,
-    PIPES_DIR, Stream,
+    Exec, ExecExit, ExecFailure, ExecFailureKind, ExecFile, ExecMount, ExecMountKind,
+    MAX_CHUNK_LEN, Message, Output, PIPES_DIR, Stream,
 };
 
 use crate::proc::{self, Command, SpawnError};
@@ -313,6 +313,143 @@ fn write_files(files: &[ExecFile]) -> Result<(), String> {
     Ok(())
 }
 
+/// An exec's mounts, unmounted (lazily, newest first) when dropped, with its secrets' tmpfs.
+struct Mounted {
+    points: Vec<PathBuf>,
+    secrets: Option<PathBuf>,
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        for p in self.points.iter().rev().chain(self.secrets.iter()) {
+            if let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) {
+                // SAFETY: c is a NUL-terminated path that outlives the call.
+                unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+            }
+        }
+        if let Some(d) = &self.secrets {
+            let _ = fs::remove_dir(d);
+        }
+    }
+}
+
+/// Creates the mount point `/rel` (directories mode 0755 as needed, then a directory, or an
+/// empty file for `file`) without following a symlink anywhere on the way.
+fn mount_point(rel: &str, file: bool) -> Result<PathBuf, String> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let mut cur = PathBuf::from("/");
+    let comps: Vec<&str> = rel.split('/').collect();
+    for (i, c) in comps.iter().enumerate() {
+        cur.push(c);
+        let last = i + 1 == comps.len();
+        let want_file = last && file;
+        match fs::symlink_metadata(&cur) {
+            Ok(m) if m.file_type().is_symlink() => {
+                return Err(format!(
+                    "mount point {}: a symlink on the way",
+                    cur.display()
+                ));
+            }
+            Ok(m) if want_file && !m.is_file() => {
+                return Err(format!("mount point {} is not a file", cur.display()));
+            }
+            Ok(m) if !want_file && !m.is_dir() => {
+                return Err(format!("mount point {} is not a directory", cur.display()));
+            }
+            Ok(_) => {}
+            Err(_) if want_file => {
+                fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .mode(0o644)
+                    .open(&cur)
+                    .map_err(|e| format!("creating mount point {}: {e}", cur.display()))?;
+            }
+            Err(_) => fs::DirBuilder::new()
+                .mode(0o755)
+                .create(&cur)
+                .map_err(|e| format!("creating mount point {}: {e}", cur.display()))?,
+        }
+    }
+    Ok(cur)
+}
+
+/// Mounts an exec's [`ExecMount`]s in order: a tmpfs (`mode=1777`, its size, `nosuid,nodev`),
+/// or a secret: a file on a private tmpfs under `/dev` (outside a build step's layer), bound
+/// read-only onto its file mount point.
+fn mount_all(id: u64, mounts: &[ExecMount]) -> Result<Mounted, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut done = Mounted {
+        points: Vec::new(),
+        secrets: None,
+    };
+    let nsd = libc::MS_NOSUID | libc::MS_NODEV;
+    for (i, m) in mounts.iter().enumerate() {
+        if !ExecMount::rel_ok(&m.rel) {
+            return Err(format!(
+                "mount point {:?} is not a plain relative path",
+                m.rel
+            ));
+        }
+        match &m.kind {
+            ExecMountKind::Tmpfs { size_bytes } => {
+                let at = mount_point(&m.rel, false)?;
+                let data = match size_bytes {
+                    Some(n) => format!("mode=1777,size={n}"),
+                    None => "mode=1777".to_string(),
+                };
+                sys::mount("tmpfs", &at, "tmpfs", nsd, &data)
+                    .map_err(|e| format!("mounting a tmpfs on {}: {e}", at.display()))?;
+                done.points.push(at);
+            }
+            ExecMountKind::Secret {
+                data,
+                mode,
+                uid,
+                gid,
+            } => {
+                let dir = match &done.secrets {
+                    Some(d) => d.clone(),
+                    None => {
+                        let d = PathBuf::from(format!("/dev/kiln-secrets-{id:016x}"));
+                        fs::create_dir(&d).map_err(|e| format!("creating {}: {e}", d.display()))?;
+                        sys::mount(
+                            "tmpfs",
+                            &d,
+                            "tmpfs",
+                            nsd | libc::MS_NOEXEC,
+                            "mode=0711,size=4m",
+                        )
+                        .map_err(|e| format!("mounting the secrets tmpfs: {e}"))?;
+                        done.secrets = Some(d.clone());
+                        d
+                    }
+                };
+                let f = dir.join(format!("s{i}"));
+                fs::write(&f, data).map_err(|e| format!("writing a secret: {e}"))?;
+                std::os::unix::fs::chown(&f, Some(*uid), Some(*gid))
+                    .map_err(|e| format!("chown of a secret: {e}"))?;
+                fs::set_permissions(&f, fs::Permissions::from_mode(*mode & 0o7777))
+                    .map_err(|e| format!("chmod of a secret: {e}"))?;
+                let at = mount_point(&m.rel, true)?;
+                sys::mount(&f.display().to_string(), &at, "", libc::MS_BIND, "")
+                    .map_err(|e| format!("binding a secret on {}: {e}", at.display()))?;
+                done.points.push(at.clone());
+                sys::mount(
+                    "",
+                    &at,
+                    "",
+                    libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | nsd,
+                    "",
+                )
+                .map_err(|e| format!("making the secret on {} read-only: {e}", at.display()))?;
+            }
+        }
+    }
+    Ok(done)
+}
+
 /// Run one exec to its end; returns its `exit` frame.
 fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
     let defaults = image_defaults()
@@ -347,6 +484,11 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
     if let Err(err) = write_files(&e.files) {
         return failure(e.id, ExecFailureKind::CannotRun, err);
     }
+    // Unmounted when this function returns, whichever way: after the command has exited.
+    let _mounted = match mount_all(e.id, &e.mounts) {
+        Ok(m) => m,
+        Err(err) => return failure(e.id, ExecFailureKind::CannotRun, err),
+    };
     let io = (|| {
         Ok::<_, io::Error>((
             pipe()?,
