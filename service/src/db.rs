@@ -48,6 +48,16 @@ pub enum DbError {
     /// The system's random source failed (a node id).
     #[error("random source: {0}")]
     Random(String),
+    /// A bounded database call ([`Db::connect_bounded`]) did not end in its time: the
+    /// database is unreachable or stuck (a TCP connection to a lost peer hangs rather than
+    /// fails). Its connection is closed, not reused.
+    #[error("database: {what} took longer than {after:?}")]
+    Timeout {
+        /// The call.
+        what: &'static str,
+        /// Its bound.
+        after: std::time::Duration,
+    },
     /// A stored JSON column does not parse (a damaged database).
     #[error("database: corrupt {what}: {source}")]
     Corrupt {
@@ -336,7 +346,13 @@ pub enum Backend {
 pub struct Db {
     pool: AnyPool,
     backend: Backend,
+    timeout: std::time::Duration,
 }
+
+/// Default [`Db::connect_bounded`] time: 10 s, far above a healthy database's milliseconds
+/// and well below the default takeover time (60 s), so a node's liveness calls give up on an
+/// unreachable database several times before other nodes take its builds over.
+pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn build_row(r: &AnyRow) -> Result<BuildRow, sqlx::Error> {
     Ok(BuildRow {
@@ -364,23 +380,46 @@ impl Db {
         Self::connect(&url).await
     }
 
+    /// [`Db::connect_bounded`] with [`DEFAULT_TIMEOUT`].
+    pub async fn connect(url: &str) -> Result<Db, DbError> {
+        Self::connect_bounded(url, DEFAULT_TIMEOUT).await
+    }
+
     /// Connects to `url` (`sqlite://PATH?mode=rwc` or `postgres://...`) and makes the tables.
     /// SQLite runs in WAL mode with a 30 s busy timeout and foreign keys on.
-    pub async fn connect(url: &str) -> Result<Db, DbError> {
+    ///
+    /// `timeout` bounds getting a connection from the pool (opening one included), and each
+    /// of the node's liveness calls ([`Db::heartbeat`], [`Db::take_over`]); on PostgreSQL
+    /// it is also the session's `idle_in_transaction_session_timeout`: the server ends a
+    /// session that sits inside a transaction that long, as one whose node was cut off
+    /// mid-transaction does, so the advisory lock every claim, sweep and submission takes
+    /// ([`Db::write_tx`]) is not held past it.
+    pub async fn connect_bounded(url: &str, timeout: std::time::Duration) -> Result<Db, DbError> {
         sqlx::any::install_default_drivers();
         let backend = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             Backend::Postgres
         } else {
             Backend::Sqlite
         };
+        let idle_in_tx = format!(
+            "SET idle_in_transaction_session_timeout = {}",
+            timeout.as_millis().max(1)
+        );
         let pool = AnyPoolOptions::new()
             .max_connections(8)
+            .acquire_timeout(timeout)
             .after_connect(move |conn, _| {
+                let idle_in_tx = idle_in_tx.clone();
                 Box::pin(async move {
-                    if backend == Backend::Sqlite {
-                        conn.execute("PRAGMA journal_mode = WAL").await?;
-                        conn.execute("PRAGMA busy_timeout = 30000").await?;
-                        conn.execute("PRAGMA foreign_keys = ON").await?;
+                    match backend {
+                        Backend::Sqlite => {
+                            conn.execute("PRAGMA journal_mode = WAL").await?;
+                            conn.execute("PRAGMA busy_timeout = 30000").await?;
+                            conn.execute("PRAGMA foreign_keys = ON").await?;
+                        }
+                        Backend::Postgres => {
+                            conn.execute(idle_in_tx.as_str()).await?;
+                        }
                     }
                     Ok(())
                 })
@@ -391,7 +430,11 @@ impl Db {
             Backend::Sqlite => "BLOB",
             Backend::Postgres => "BYTEA",
         };
-        let db = Db { pool, backend };
+        let db = Db {
+            pool,
+            backend,
+            timeout,
+        };
         // One schema writer at a time: PostgreSQL's `CREATE TABLE IF NOT EXISTS` races with
         // itself across connections (a unique violation in pg_type).
         let mut tx = db.write_tx().await?;
@@ -466,15 +509,44 @@ impl Db {
 
     /// Node `id`'s heartbeat, on the database's clock. False when its row is stopped (a
     /// newer process of the same name took over) or gone.
+    /// Bounded ([`Db::bounded`]).
     pub async fn heartbeat(&self, id: &str) -> Result<bool, DbError> {
-        let r = sqlx::query(&format!(
+        let sql = format!(
             "UPDATE nodes SET heartbeat_ms = {} WHERE id = $1 AND stopped_ms IS NULL",
             self.now_sql()
-        ))
-        .bind(id)
-        .execute(&self.pool)
-        .await?;
-        Ok(r.rows_affected() == 1)
+        );
+        self.bounded("writing the heartbeat", async |conn| {
+            let r = sqlx::query(&sql).bind(id).execute(conn).await?;
+            Ok(r.rows_affected() == 1)
+        })
+        .await
+    }
+
+    /// Runs `f` on a connection of its own, getting it included, for at most the
+    /// [`Db::connect_bounded`] time; past it the call fails with [`DbError::Timeout`] and
+    /// the connection is closed rather than given back to the pool, whose check of a returned
+    /// connection would hang on a lost peer too.
+    async fn bounded<T>(
+        &self,
+        what: &'static str,
+        f: impl AsyncFnOnce(&mut sqlx::AnyConnection) -> Result<T, DbError>,
+    ) -> Result<T, DbError> {
+        let timeout = DbError::Timeout {
+            what,
+            after: self.timeout,
+        };
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let Ok(conn) = tokio::time::timeout_at(deadline, self.pool.acquire()).await else {
+            return Err(timeout);
+        };
+        let mut conn = conn?;
+        match tokio::time::timeout_at(deadline, f(&mut conn)).await {
+            Ok(r) => r,
+            Err(_) => {
+                conn.close_on_drop();
+                Err(timeout)
+            }
+        }
     }
 
     /// Marks node `id` stopped (a clean shutdown): what it still holds is taken over at the
@@ -497,13 +569,27 @@ impl Db {
     /// is attempt `n + 1`); one that has had them all ends failed with a reason that starts
     /// with [`SERVER_STOPPED`] and names the node. Either way its log gets a line saying so.
     /// Each move is conditional on the claim still being the lost one.
+    ///
+    /// Bounded ([`Db::bounded`]): a sweep that does not end in time commits nothing.
     pub async fn take_over(
         &self,
         takeover_ms: i64,
         max_attempts: u32,
     ) -> Result<Vec<TakenOver>, DbError> {
+        self.bounded("sweeping for lost nodes' builds", async |conn| {
+            self.take_over_on(conn, takeover_ms, max_attempts).await
+        })
+        .await
+    }
+
+    async fn take_over_on(
+        &self,
+        conn: &mut sqlx::AnyConnection,
+        takeover_ms: i64,
+        max_attempts: u32,
+    ) -> Result<Vec<TakenOver>, DbError> {
         let now = self.now_sql();
-        let mut tx = self.write_tx().await?;
+        let mut tx = self.write_tx_on(conn).await?;
         let lost = sqlx::query(&format!(
             "SELECT b.id, b.claimed_by, b.attempt, n.listen, n.name, n.heartbeat_ms,
                     n.stopped_ms, {now} AS now_ms
@@ -537,57 +623,98 @@ impl Db {
                 ),
                 _ => format!("worker {node} is gone"),
             };
-            let requeued = attempt < i64::from(max_attempts);
-            let text = if requeued {
-                format!("{why}; attempt {attempt} of {max_attempts} lost, build queued again")
-            } else {
-                format!("{SERVER_STOPPED}: {why}; attempt {attempt} of {max_attempts}")
-            };
-            let changed = if requeued {
-                sqlx::query(
-                    "UPDATE builds SET state = 'queued', started_ms = NULL, claimed_by = NULL
-                     WHERE id = $1 AND state = 'running' AND claimed_by = $2 AND attempt = $3",
-                )
-                .bind(&id)
-                .bind(&node)
-                .bind(attempt)
-                .execute(&mut *tx)
-                .await?
-            } else {
-                sqlx::query(
-                    "UPDATE builds SET state = 'failed', finished_ms = $1, failure = $2
-                     WHERE id = $3 AND state = 'running' AND claimed_by = $4 AND attempt = $5",
-                )
-                .bind(now_ms())
-                .bind(serde_json::json!({ "reason": text }).to_string())
-                .bind(&id)
-                .bind(&node)
-                .bind(attempt)
-                .execute(&mut *tx)
-                .await?
-            };
-            if changed.rows_affected() != 1 {
-                continue;
+            if let Some(t) =
+                Self::lose_attempt(&mut tx, &id, &node, attempt, max_attempts, &why).await?
+            {
+                out.push(t);
             }
-            sqlx::query(
-                "INSERT INTO build_logs (build_id, seq, time_ms, step, text)
-                 SELECT $1, COALESCE(MAX(seq), 0) + 1, $2, NULL, $3 FROM build_logs
-                 WHERE build_id = $1",
-            )
-            .bind(&id)
-            .bind(now_ms())
-            .bind(&text)
-            .execute(&mut *tx)
-            .await?;
-            out.push(TakenOver {
-                build: id,
-                node,
-                attempt,
-                requeued,
-            });
         }
         tx.commit().await?;
         Ok(out)
+    }
+
+    /// Ends attempt `attempt` of build `id`, claimed by `node` and lost for the reason `why`
+    /// (which names the node): queued again while it has had fewer than `max_attempts`,
+    /// otherwise failed ([`SERVER_STOPPED`]); a log line says which. Conditional on the claim
+    /// still being that one: `None` when it is not.
+    async fn lose_attempt(
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        id: &str,
+        node: &str,
+        attempt: i64,
+        max_attempts: u32,
+        why: &str,
+    ) -> Result<Option<TakenOver>, DbError> {
+        let requeued = attempt < i64::from(max_attempts);
+        let text = if requeued {
+            format!("{why}; attempt {attempt} of {max_attempts} lost, build queued again")
+        } else {
+            format!("{SERVER_STOPPED}: {why}; attempt {attempt} of {max_attempts}")
+        };
+        let changed = if requeued {
+            sqlx::query(
+                "UPDATE builds SET state = 'queued', started_ms = NULL, claimed_by = NULL
+                 WHERE id = $1 AND state = 'running' AND claimed_by = $2 AND attempt = $3",
+            )
+            .bind(id)
+            .bind(node)
+            .bind(attempt)
+            .execute(&mut **tx)
+            .await?
+        } else {
+            sqlx::query(
+                "UPDATE builds SET state = 'failed', finished_ms = $1, failure = $2
+                 WHERE id = $3 AND state = 'running' AND claimed_by = $4 AND attempt = $5",
+            )
+            .bind(now_ms())
+            .bind(serde_json::json!({ "reason": text }).to_string())
+            .bind(id)
+            .bind(node)
+            .bind(attempt)
+            .execute(&mut **tx)
+            .await?
+        };
+        if changed.rows_affected() != 1 {
+            return Ok(None);
+        }
+        sqlx::query(
+            "INSERT INTO build_logs (build_id, seq, time_ms, step, text)
+             SELECT $1, COALESCE(MAX(seq), 0) + 1, $2, NULL, $3 FROM build_logs
+             WHERE build_id = $1",
+        )
+        .bind(id)
+        .bind(now_ms())
+        .bind(&text)
+        .execute(&mut **tx)
+        .await?;
+        Ok(Some(TakenOver {
+            build: id.to_string(),
+            node: node.to_string(),
+            attempt,
+            requeued,
+        }))
+    }
+
+    /// Gives back the claim `claim` of build `id` when its node fenced itself (cancelled
+    /// the attempt because it could not heartbeat) but still holds it: as
+    /// [`Db::take_over`] does to a lost node's build, queued again or, past `max_attempts`,
+    /// failed, with `why` in its log. `None` when the claim was taken already. Bounded
+    /// ([`Db::bounded`]).
+    pub async fn give_back(
+        &self,
+        id: &str,
+        claim: &Claim,
+        max_attempts: u32,
+        why: &str,
+    ) -> Result<Option<TakenOver>, DbError> {
+        self.bounded("giving a claim back", async |conn| {
+            let mut tx = self.write_tx_on(conn).await?;
+            let t = Self::lose_attempt(&mut tx, id, &claim.node, claim.attempt, max_attempts, why)
+                .await?;
+            tx.commit().await?;
+            Ok(t)
+        })
+        .await
     }
 
     /// Which database this is.
@@ -606,12 +733,34 @@ impl Db {
             Backend::Sqlite => Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?),
             Backend::Postgres => {
                 let mut tx = self.pool.begin().await?;
-                sqlx::query("SELECT pg_advisory_xact_lock(7147041)")
-                    .execute(&mut *tx)
-                    .await?;
+                Self::advisory_lock(&mut tx).await?;
                 Ok(tx)
             }
         }
+    }
+
+    /// [`Db::write_tx`] on the connection `conn`.
+    async fn write_tx_on<'c>(
+        &self,
+        conn: &'c mut sqlx::AnyConnection,
+    ) -> Result<sqlx::Transaction<'c, sqlx::Any>, DbError> {
+        use sqlx::Connection as _;
+        match self.backend {
+            Backend::Sqlite => Ok(conn.begin_with("BEGIN IMMEDIATE").await?),
+            Backend::Postgres => {
+                let mut tx = conn.begin().await?;
+                Self::advisory_lock(&mut tx).await?;
+                Ok(tx)
+            }
+        }
+    }
+
+    /// The transaction-scoped advisory lock of [`Db::write_tx`].
+    async fn advisory_lock(tx: &mut sqlx::Transaction<'_, sqlx::Any>) -> Result<(), DbError> {
+        sqlx::query("SELECT pg_advisory_xact_lock(7147041)")
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
     }
 
     /// Creates workspace `ws` with `quota`, or sets the quota of an existing one when

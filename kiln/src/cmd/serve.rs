@@ -61,6 +61,11 @@ pub struct Args {
         default_value_t = 3
     )]
     pub max_attempts: u32,
+    /// The longest a liveness call to the database (heartbeat, takeover sweep) or getting a
+    /// database connection may take; on PostgreSQL also how long a session may sit inside a
+    /// transaction before the server ends it (a node cut off mid-transaction).
+    #[arg(long = "database-timeout", env = "KILN_SERVE_DATABASE_TIMEOUT", default_value = "10s", value_parser = super::parse_duration)]
+    pub database_timeout: std::time::Duration,
     /// How long an Idempotency-Key names its build.
     #[arg(long = "idempotency-window", default_value = "24h", value_parser = super::parse_duration)]
     pub idempotency_window: std::time::Duration,
@@ -255,6 +260,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     cfg.heartbeat = a.heartbeat;
     cfg.takeover = a.takeover_after;
     cfg.max_attempts = a.max_attempts;
+    cfg.database_timeout = a.database_timeout;
     cfg.check()?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
