@@ -1320,6 +1320,11 @@ mod tests {
     /// A new, empty PostgreSQL database on the test server (`KILN_TEST_POSTGRES_URL`, which
     /// `ci/setup.sh` starts).
     pub(crate) async fn postgres() -> Db {
+        Db::connect(&postgres_url().await).await.expect("open")
+    }
+
+    /// The URL of a new, empty PostgreSQL database on the test server.
+    async fn postgres_url() -> String {
         let url = std::env::var("KILN_TEST_POSTGRES_URL").unwrap_or_else(|_| {
             panic!(
                 "KILN_TEST_POSTGRES_URL is not set: run `. ci/setup.sh` (or source \
@@ -1338,7 +1343,7 @@ mod tests {
             .await
             .expect("create database");
         let base = url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b);
-        Db::connect(&format!("{base}/{name}")).await.expect("open")
+        format!("{base}/{name}")
     }
 
     async fn sqlite(t: &tempfile::TempDir) -> Db {
@@ -1591,5 +1596,103 @@ mod tests {
         let taken = db.take_over(3_600_000, 2).await.expect("sweep");
         assert_eq!(taken.len(), 1, "{taken:?} on {backend:?}");
         assert!(taken[0].requeued);
+    }
+
+    #[tokio::test]
+    async fn a_fenced_nodes_claim_goes_back_unless_another_node_took_it() {
+        let t = tempfile::tempdir().expect("tmp");
+        give_back(sqlite(&t).await).await;
+        give_back(postgres().await).await;
+    }
+
+    async fn give_back(db: Db) {
+        db.upsert_workspace("a", &quota(5, 10), true)
+            .await
+            .expect("ws");
+        db.insert_build(&build("g1", "a"), 10, 1000)
+            .await
+            .expect("insert");
+        register(&db, "n1", "h:/one").await;
+        let first = db.claim("n1").await.expect("claim").expect("g1");
+        let old = first.claim().expect("claimed");
+        let back = db
+            .give_back("g1", &old, 2, "node n1 fenced")
+            .await
+            .expect("give back")
+            .expect("held");
+        assert!(back.requeued);
+        assert_eq!(
+            db.state("g1").await.expect("state").as_deref(),
+            Some("queued")
+        );
+        // Given back once: the old claim gives nothing back again.
+        assert_eq!(
+            db.give_back("g1", &old, 2, "again")
+                .await
+                .expect("give back"),
+            None
+        );
+        let second = db.claim("n1").await.expect("claim").expect("g1 again");
+        let new = second.claim().expect("claimed");
+        assert_eq!(new.attempt, 2);
+        // The last attempt given back ends the build failed, with the reason.
+        let back = db
+            .give_back("g1", &new, 2, "node n1 fenced")
+            .await
+            .expect("give back")
+            .expect("held");
+        assert!(!back.requeued);
+        let row = db.build("a", "g1").await.expect("row").expect("row");
+        assert_eq!(row.state, "failed");
+        let reason = row.failure.expect("failure");
+        assert!(
+            reason.contains("node n1 fenced") && reason.contains("attempt 2 of 2"),
+            "{reason}"
+        );
+    }
+
+    /// A node cut off from PostgreSQL inside a transaction leaves its session idle in it,
+    /// holding the advisory lock every claim, sweep and submission takes. The server ends
+    /// that session after the database timeout, so another node's claim gets through; and a
+    /// heartbeat stuck behind a lock fails after the timeout instead of waiting, and the
+    /// next one, on a new connection, is written.
+    #[tokio::test]
+    async fn a_session_stuck_in_a_transaction_or_a_lock_blocks_no_node_past_the_timeout() {
+        let url = postgres_url().await;
+        let bound = std::time::Duration::from_millis(500);
+        let cut = Db::connect_bounded(&url, bound).await.expect("open");
+        let other = Db::connect_bounded(&url, bound).await.expect("open");
+        other
+            .upsert_workspace("a", &quota(5, 10), true)
+            .await
+            .expect("ws");
+        other
+            .insert_build(&build("s1", "a"), 10, 1000)
+            .await
+            .expect("insert");
+        register(&other, "n2", "h:/two").await;
+        let held = cut.write_tx().await.expect("lock");
+        let claimed = tokio::time::timeout(std::time::Duration::from_secs(60), other.claim("n2"))
+            .await
+            .expect("a claim waited on the cut-off node's transaction")
+            .expect("claim");
+        assert!(claimed.is_some());
+        drop(held);
+
+        // A row lock held by a session of an unbounded database handle (a long timeout).
+        let locker = Db::connect_bounded(&url, std::time::Duration::from_secs(3600))
+            .await
+            .expect("open");
+        let mut lock = locker.pool.begin().await.expect("begin");
+        sqlx::query("SELECT id FROM nodes WHERE id = 'n2' FOR UPDATE")
+            .execute(&mut *lock)
+            .await
+            .expect("lock the node row");
+        let beat = tokio::time::timeout(std::time::Duration::from_secs(60), other.heartbeat("n2"))
+            .await
+            .expect("the heartbeat waited on the lock");
+        assert!(matches!(beat, Err(DbError::Timeout { .. })), "{beat:?}");
+        lock.rollback().await.expect("unlock");
+        assert!(other.heartbeat("n2").await.expect("heartbeat"));
     }
 }
