@@ -48,6 +48,13 @@ const LATE_BODY: &str = "late answer to the cut-off attempt\n";
 /// - The build's end is the takeover's (succeeded, attempt 2, its image); its tag names that
 ///   image; its log has no line of attempt 1 after the takeover; `kiln store verify --deep`
 ///   is clean.
+///
+/// Before the fence had its own timer, the cut-off node never fenced: its heartbeat waited
+/// on a dead connection (the pool's 30 s, or TCP's retransmissions on one in use), its
+/// attempt ran beside the takeover, and this test failed waiting for the fence. With its
+/// attempt let go on (no cancel by the fence or the lost claim), the tag's compare-and-swap
+/// refuses that attempt's image and the claim its end; without the compare-and-swap the tag
+/// names that image, and without the claim check the build ends failed ("stale").
 #[test]
 fn a_cut_off_node_stops_claiming_its_build_is_taken_over_and_it_publishes_nothing_when_back() {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
