@@ -388,8 +388,10 @@ impl Db {
     /// Connects to `url` (`sqlite://PATH?mode=rwc` or `postgres://...`) and makes the tables.
     /// SQLite runs in WAL mode with a 30 s busy timeout and foreign keys on.
     ///
-    /// `timeout` bounds getting a connection from the pool (opening one included), and each
-    /// of the node's liveness calls ([`Db::heartbeat`], [`Db::take_over`]); on PostgreSQL
+    /// `timeout` bounds getting a connection from the pool (opening one included), each of
+    /// the node's liveness calls ([`Db::heartbeat`], [`Db::take_over`]), and a running
+    /// build's calls that can be given up safely ([`Db::watch`], [`Db::write_batch`],
+    /// [`Db::last_seq`], [`Db::give_back`]); on PostgreSQL
     /// it is also the session's `idle_in_transaction_session_timeout`: the server ends a
     /// session that sits inside a transaction that long, as one whose node was cut off
     /// mid-transaction does, so the advisory lock every claim, sweep and submission takes
@@ -942,6 +944,11 @@ impl Db {
     /// Claims the oldest queued build whose workspace runs fewer than its `max_concurrent`
     /// builds for node `node`: `queued → running`, the next attempt. The `state = 'queued'`
     /// condition makes the claim happen once per build and attempt.
+    ///
+    /// Not bounded by the database timeout, nor is [`Db::finish`]: given up after the
+    /// database ran the statement but before the answer came, either would leave a build
+    /// running under a live node's claim with no worker (a claim the node does not know it
+    /// holds, an end it did not record), which no sweep takes over.
     pub async fn claim(&self, node: &str) -> Result<Option<BuildRow>, DbError> {
         // PostgreSQL: rows another node's claim holds are skipped, not waited for.
         let lock = match self.backend {
@@ -1034,39 +1041,50 @@ impl Db {
 
     /// What the watcher of a running build needs: whether its cancellation was asked for,
     /// and whether it still runs under `claim` (false: taken over or ended).
+    ///
+    /// Bounded ([`Db::bounded`]).
     pub async fn watch(&self, id: &str, claim: &Claim) -> Result<Watch, DbError> {
-        let r = sqlx::query(
-            "SELECT cancel_requested, state, claimed_by, attempt FROM builds WHERE id = $1",
-        )
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await?;
-        let Some(r) = r else {
-            return Ok(Watch {
-                cancel: false,
-                held: false,
-            });
-        };
-        let state: String = r.try_get("state")?;
-        let node: Option<String> = r.try_get("claimed_by")?;
-        let attempt: i64 = r.try_get("attempt")?;
-        Ok(Watch {
-            cancel: r.try_get::<i64, _>("cancel_requested")? != 0,
-            held: state == "running"
-                && node.as_deref() == Some(claim.node.as_str())
-                && attempt == claim.attempt,
+        self.bounded("watching a build", async |conn| {
+            let r = sqlx::query(
+                "SELECT cancel_requested, state, claimed_by, attempt FROM builds WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await?;
+            let Some(r) = r else {
+                return Ok(Watch {
+                    cancel: false,
+                    held: false,
+                });
+            };
+            let state: String = r.try_get("state")?;
+            let node: Option<String> = r.try_get("claimed_by")?;
+            let attempt: i64 = r.try_get("attempt")?;
+            Ok(Watch {
+                cancel: r.try_get::<i64, _>("cancel_requested")? != 0,
+                held: state == "running"
+                    && node.as_deref() == Some(claim.node.as_str())
+                    && attempt == claim.attempt,
+            })
         })
+        .await
     }
 
     /// The last log sequence number of build `id` (0: none), where a new attempt's lines go
     /// on.
+    ///
+    /// Bounded ([`Db::bounded`]).
     pub async fn last_seq(&self, id: &str) -> Result<i64, DbError> {
-        let r =
-            sqlx::query("SELECT COALESCE(MAX(seq), 0) AS n FROM build_logs WHERE build_id = $1")
-                .bind(id)
-                .fetch_one(&self.pool)
-                .await?;
-        Ok(r.try_get("n")?)
+        self.bounded("reading a build's last log line", async |conn| {
+            let r = sqlx::query(
+                "SELECT COALESCE(MAX(seq), 0) AS n FROM build_logs WHERE build_id = $1",
+            )
+            .bind(id)
+            .fetch_one(&mut *conn)
+            .await?;
+            Ok(r.try_get("n")?)
+        })
+        .await
     }
 
     /// Steps of build `id`, in step order.
@@ -1136,77 +1154,82 @@ impl Db {
 
     /// Writes one batch of a running build's records in one transaction, if the build still
     /// runs under `claim`; false (nothing written) when it was taken over or ended.
+    ///
+    /// Bounded ([`Db::bounded`]).
     pub async fn write_batch(
         &self,
         id: &str,
         claim: &Claim,
         batch: &[Record],
     ) -> Result<bool, DbError> {
-        let mut tx = self.write_tx().await?;
-        let held = sqlx::query(
-            "SELECT 1 FROM builds WHERE id = $1 AND state = 'running' AND claimed_by = $2
-             AND attempt = $3",
-        )
-        .bind(id)
-        .bind(&claim.node)
-        .bind(claim.attempt)
-        .fetch_optional(&mut *tx)
-        .await?;
-        if held.is_none() {
-            return Ok(false);
-        }
-        for rec in batch {
-            match rec {
-                Record::Log(l) => {
-                    sqlx::query("INSERT INTO build_logs VALUES ($1, $2, $3, $4, $5)")
+        self.bounded("storing build events", async |conn| {
+            let mut tx = self.write_tx_on(conn).await?;
+            let held = sqlx::query(
+                "SELECT 1 FROM builds WHERE id = $1 AND state = 'running' AND claimed_by = $2
+                 AND attempt = $3",
+            )
+            .bind(id)
+            .bind(&claim.node)
+            .bind(claim.attempt)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if held.is_none() {
+                return Ok(false);
+            }
+            for rec in batch {
+                match rec {
+                    Record::Log(l) => {
+                        sqlx::query("INSERT INTO build_logs VALUES ($1, $2, $3, $4, $5)")
+                            .bind(id)
+                            .bind(l.seq)
+                            .bind(l.time_ms)
+                            .bind(l.step)
+                            .bind(&l.text)
+                            .execute(&mut *tx)
+                            .await?;
+                    }
+                    Record::Step(s) => {
+                        sqlx::query(
+                            "INSERT INTO build_steps VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                             ON CONFLICT (build_id, step) DO UPDATE SET stage = excluded.stage,
+                             location = excluded.location, instruction = excluded.instruction,
+                             cached = excluded.cached, started_ms = excluded.started_ms,
+                             finished_ms = excluded.finished_ms, layer = excluded.layer",
+                        )
                         .bind(id)
-                        .bind(l.seq)
-                        .bind(l.time_ms)
-                        .bind(l.step)
-                        .bind(&l.text)
+                        .bind(s.step)
+                        .bind(s.stage)
+                        .bind(&s.location)
+                        .bind(&s.instruction)
+                        .bind(i64::from(s.cached))
+                        .bind(s.started_ms)
+                        .bind(s.finished_ms)
+                        .bind(&s.layer)
                         .execute(&mut *tx)
                         .await?;
-                }
-                Record::Step(s) => {
-                    sqlx::query(
-                        "INSERT INTO build_steps VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-                         ON CONFLICT (build_id, step) DO UPDATE SET stage = excluded.stage,
-                         location = excluded.location, instruction = excluded.instruction,
-                         cached = excluded.cached, started_ms = excluded.started_ms,
-                         finished_ms = excluded.finished_ms, layer = excluded.layer",
-                    )
-                    .bind(id)
-                    .bind(s.step)
-                    .bind(s.stage)
-                    .bind(&s.location)
-                    .bind(&s.instruction)
-                    .bind(i64::from(s.cached))
-                    .bind(s.started_ms)
-                    .bind(s.finished_ms)
-                    .bind(&s.layer)
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                Record::StepDone {
-                    step,
-                    finished_ms,
-                    layer,
-                } => {
-                    sqlx::query(
-                        "UPDATE build_steps SET finished_ms = $1, layer = $2
-                         WHERE build_id = $3 AND step = $4",
-                    )
-                    .bind(finished_ms)
-                    .bind(layer)
-                    .bind(id)
-                    .bind(step)
-                    .execute(&mut *tx)
-                    .await?;
+                    }
+                    Record::StepDone {
+                        step,
+                        finished_ms,
+                        layer,
+                    } => {
+                        sqlx::query(
+                            "UPDATE build_steps SET finished_ms = $1, layer = $2
+                             WHERE build_id = $3 AND step = $4",
+                        )
+                        .bind(finished_ms)
+                        .bind(layer)
+                        .bind(id)
+                        .bind(step)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
                 }
             }
-        }
-        tx.commit().await?;
-        Ok(true)
+            tx.commit().await?;
+            Ok(true)
+        })
+        .await
     }
 
     /// Records that `ws` uploaded blob `digest` of `size` bytes.

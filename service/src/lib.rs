@@ -88,7 +88,8 @@ pub struct ServiceConfig {
     /// after the last one it fails with a reason naming the node.
     pub max_attempts: u32,
     /// The longest a database call of the node's liveness (its heartbeat, the sweep for
-    /// lost nodes' builds) or getting a database connection may take (default 10 s,
+    /// lost nodes' builds), a running build's watch and event writes, or getting a database
+    /// connection may take (default 10 s,
     /// [`db::DEFAULT_TIMEOUT`]); on PostgreSQL also how long a session may sit inside a
     /// transaction before the server ends it, releasing its locks ([`Db::connect_bounded`]).
     /// A node cut off from the database sees its calls hang, not fail: this bounds them.

@@ -61,8 +61,8 @@ pub struct Args {
         default_value_t = 3
     )]
     pub max_attempts: u32,
-    /// The longest a liveness call to the database (heartbeat, takeover sweep) or getting a
-    /// database connection may take; on PostgreSQL also how long a session may sit inside a
+    /// The longest a liveness call to the database (heartbeat, takeover sweep), a running
+    /// build's watch or log write, or getting a database connection may take; on PostgreSQL also how long a session may sit inside a
     /// transaction before the server ends it (a node cut off mid-transaction).
     #[arg(long = "database-timeout", env = "KILN_SERVE_DATABASE_TIMEOUT", default_value = "10s", value_parser = super::parse_duration)]
     pub database_timeout: std::time::Duration,
