@@ -10,313 +10,22 @@
 //! accepted build in a terminal state; three nodes on one PostgreSQL database and one S3
 //! bucket run each build once, share the build cache and take over a killed node's build.
 
-use std::io::{BufRead as _, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kiln_tests::require_env;
+use kiln_tests::serve::{
+    Server, claimer, client, context_dir, env, get, json_of, postgres, psql, rt, running_step,
+    submit, submit_recipe, tar_dir, terminal, until, wait_for,
+};
 use serde_json::{Value, json};
 
+/// The `kiln` binary under test.
+const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+
 fn kiln() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kiln"))
-}
-
-/// A running `kiln serve` and its directories.
-struct Server {
-    child: Child,
-    base: String,
-    state: PathBuf,
-    store: PathBuf,
-    /// `--database URL` when the server uses PostgreSQL.
-    db: Vec<String>,
-}
-
-/// A new, empty database on the PostgreSQL test server (`KILN_TEST_POSTGRES_URL`, started by
-/// `ci/setup.sh`), as `--database URL` arguments.
-fn postgres() -> Vec<String> {
-    let url = require_env("KILN_TEST_POSTGRES_URL");
-    let name = format!(
-        "kiln_serve_{}_{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .expect("time")
-            .as_nanos()
-    );
-    let out = Command::new("psql")
-        .arg(&url)
-        .args(["-qAtc", &format!("CREATE DATABASE {name}")])
-        .output()
-        .expect("psql (postgresql-client) missing: run ci/setup.sh");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let base = url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b);
-    vec!["--database".into(), format!("{base}/{name}")]
-}
-
-impl Server {
-    fn start(state: &Path, store: &Path, extra: &[&str]) -> Server {
-        Self::start_db(state, store, &[], extra)
-    }
-
-    fn start_db(state: &Path, store: &Path, db: &[String], extra: &[&str]) -> Server {
-        Self::start_node(state, store, db, None, extra)
-    }
-
-    /// A server with its own host cache `cache` (`KILN_CACHE`) when given: a node that
-    /// shares only the store and the database with the others.
-    fn start_node(
-        state: &Path,
-        store: &Path,
-        db: &[String],
-        cache: Option<&Path>,
-        extra: &[&str],
-    ) -> Server {
-        let mut cmd = kiln();
-        if let Some(c) = cache {
-            cmd.env("KILN_CACHE", c)
-                .env("KILN_CONFIG", c.join("no-config.toml"));
-        }
-        let mut child = cmd
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--trust-tenants",
-                "--state-dir",
-            ])
-            .arg(state)
-            .arg("--store")
-            .arg(store)
-            .args(db)
-            .args(extra)
-            .stderr(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start kiln serve");
-        let stderr = child.stderr.take().expect("stderr");
-        let mut lines = BufReader::new(stderr).lines();
-        let base = loop {
-            let l = lines
-                .next()
-                .expect("kiln serve ended before listening")
-                .expect("read stderr");
-            if let Some(rest) = l.strip_prefix("kiln serve: listening on ") {
-                break rest.split_whitespace().next().expect("address").to_string();
-            }
-        };
-        // Keep draining stderr so the server never blocks on it.
-        std::thread::spawn(move || {
-            for l in lines.map_while(Result::ok) {
-                eprintln!("[server] {l}");
-            }
-        });
-        Server {
-            child,
-            base,
-            state: state.to_path_buf(),
-            store: store.to_path_buf(),
-            db: db.to_vec(),
-        }
-    }
-
-    fn key(&self, ws: &str, extra: &[&str]) -> String {
-        let mut args: Vec<&str> = self.db.iter().map(String::as_str).collect();
-        args.extend_from_slice(extra);
-        create_key(&self.state, ws, &args)
-    }
-
-    fn url(&self, p: &str) -> String {
-        format!("{}{p}", self.base)
-    }
-
-    /// Sends `sig` to the server process.
-    fn signal(&self, sig: rustix::process::Signal) {
-        let pid = rustix::process::Pid::from_child(&self.child);
-        rustix::process::kill_process(pid, sig).expect("signal the server");
-    }
-
-    /// Waits for the server process to exit.
-    fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
-        let t0 = Instant::now();
-        loop {
-            if let Some(s) = self.child.try_wait().expect("wait") {
-                return s;
-            }
-            assert!(
-                t0.elapsed() < limit,
-                "kiln serve did not exit within {limit:?}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn create_key(state: &Path, ws: &str, extra: &[&str]) -> String {
-    let out = kiln()
-        .args(["serve", "keys", "create", "--workspace", ws, "--state-dir"])
-        .arg(state)
-        .args(extra)
-        .output()
-        .expect("kiln serve keys create");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let key = String::from_utf8(out.stdout)
-        .expect("utf-8")
-        .trim()
-        .to_string();
-    assert!(key.starts_with("kiln_"), "{key}");
-    key
-}
-
-fn env() -> (tempfile::TempDir, PathBuf, PathBuf) {
-    assert!(
-        rustix::process::geteuid().is_root(),
-        "kiln serve build tests need root (CI runs them as root)"
-    );
-    let t = tempfile::tempdir().expect("tempdir");
-    let state = t.path().join("state");
-    let store = t.path().join("store");
-    (t, state, store)
-}
-
-fn client() -> reqwest::Client {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(300))
-        .build()
-        .expect("client")
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-/// A tarball of the directory `dir` (what a tenant sends as its context).
-fn tar_dir(dir: &Path) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    b.follow_symlinks(false);
-    b.append_dir_all(".", dir).expect("tar");
-    b.into_inner().expect("tar")
-}
-
-/// A multipart body with a `build` JSON part and a `context` tarball part.
-fn multipart(spec: &Value, context: Option<&[u8]>, recipe: Option<&[u8]>) -> (String, Vec<u8>) {
-    let boundary = "kiln-test-boundary-7d1f0c";
-    let mut body = Vec::new();
-    let mut part = |name: &str, ct: &str, data: &[u8]| {
-        body.extend_from_slice(
-            format!(
-                "--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"{name}\"\r\nContent-Type: {ct}\r\n\r\n"
-            )
-            .as_bytes(),
-        );
-        body.extend_from_slice(data);
-        body.extend_from_slice(b"\r\n");
-    };
-    part("build", "application/json", spec.to_string().as_bytes());
-    if let Some(c) = context {
-        part("context", "application/x-tar", c);
-    }
-    if let Some(r) = recipe {
-        part("recipe", "text/plain", r);
-    }
-    body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
-    (format!("multipart/form-data; boundary={boundary}"), body)
-}
-
-async fn submit(
-    c: &reqwest::Client,
-    s: &Server,
-    key: &str,
-    spec: &Value,
-    context: Option<&[u8]>,
-    recipe: Option<&[u8]>,
-    idem: Option<&str>,
-) -> reqwest::Response {
-    let (ct, body) = multipart(spec, context, recipe);
-    let mut r = c
-        .post(s.url("/v1/builds"))
-        .bearer_auth(key)
-        .header("content-type", ct)
-        .body(body);
-    if let Some(k) = idem {
-        r = r.header("idempotency-key", k);
-    }
-    r.send().await.expect("POST /v1/builds")
-}
-
-async fn json_of(r: reqwest::Response) -> Value {
-    let status = r.status();
-    let t = r.text().await.expect("body");
-    serde_json::from_str(&t).unwrap_or_else(|e| panic!("{status}: {e}: {t}"))
-}
-
-async fn get(c: &reqwest::Client, s: &Server, key: &str, p: &str) -> reqwest::Response {
-    c.get(s.url(p)).bearer_auth(key).send().await.expect("GET")
-}
-
-/// Polls the build until `pred` holds for it; panics after `limit`.
-async fn wait_for(
-    c: &reqwest::Client,
-    s: &Server,
-    key: &str,
-    id: &str,
-    limit: Duration,
-    pred: impl Fn(&Value) -> bool,
-) -> Value {
-    let t0 = Instant::now();
-    loop {
-        let v = json_of(get(c, s, key, &format!("/v1/builds/{id}")).await).await;
-        if pred(&v) {
-            return v;
-        }
-        assert!(t0.elapsed() < limit, "build {id} never got there: {v:#}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-fn terminal(v: &Value) -> bool {
-    matches!(
-        v["state"].as_str(),
-        Some("succeeded" | "failed" | "cancelled")
-    )
-}
-
-fn running_step(v: &Value) -> bool {
-    v["state"] == "running"
-        && v["steps"].as_array().is_some_and(|s| {
-            s.iter().any(|s| {
-                s["instruction"]
-                    .as_str()
-                    .is_some_and(|i| i.contains("sleep"))
-            })
-        })
-}
-
-fn context_dir(t: &Path, dockerfile: &str) -> PathBuf {
-    let ctx = t.join("ctx");
-    std::fs::create_dir_all(&ctx).expect("mkdir");
-    std::fs::write(ctx.join("Dockerfile"), dockerfile).expect("write");
-    std::fs::write(ctx.join("hello.txt"), "hello from the context\n").expect("write");
-    ctx
+    Command::new(KILN)
 }
 
 #[test]
@@ -347,7 +56,7 @@ fn api_build_matches_kiln_build_and_moves_tags_by_cas() {
         .expect("digest")
         .to_string();
 
-    let s = Server::start(&state, &store, &[]);
+    let s = Server::start(KILN.as_ref(), &state, &store, &[]);
     let key = s.key("acme", &[]);
     let other = s.key("rival", &[]);
     let c = client();
@@ -541,7 +250,7 @@ fn keys_blobs_recipe_errors_and_idempotency() {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let (t, state, store) = env();
     let ctx = context_dir(t.path(), &format!("FROM {bb}\nRUN echo one\n"));
-    let s = Server::start(&state, &store, &[]);
+    let s = Server::start(KILN.as_ref(), &state, &store, &[]);
     let key = s.key("acme", &[]);
     let other = s.key("rival", &[]);
     let c = client();
@@ -778,7 +487,7 @@ fn logs_and_cancel(db: &[String]) {
         t.path(),
         &format!("FROM {bb}\nRUN for i in $(seq 1 300); do echo line $i; sleep 0.01; done\n"),
     );
-    let s = Server::start_db(&state, &store, db, &[]);
+    let s = Server::start_db(KILN.as_ref(), &state, &store, db, &[]);
     let key = s.key("acme", &[]);
     let c = client();
     rt().block_on(async {
@@ -914,7 +623,7 @@ fn quotas_and_faults(db: &[String]) {
     // One attempt: the build a kill -9 interrupts ends failed at the restart (the takeover
     // of a build on another node is `three_nodes_...`).
     let args = ["--shutdown-grace", "1s", "--max-attempts", "1"];
-    let mut s = Server::start_db(&state, &store, db, &args);
+    let mut s = Server::start_db(KILN.as_ref(), &state, &store, db, &args);
     let key = s.key("acme", &["--max-concurrent", "1", "--max-queued", "2"]);
     let c = client();
     let (running, queued) = rt().block_on(async {
@@ -972,7 +681,7 @@ fn quotas_and_faults(db: &[String]) {
     s.signal(rustix::process::Signal::KILL);
     s.wait(Duration::from_secs(30));
     drop(s);
-    let mut s = Server::start_db(&state, &store, db, &args);
+    let mut s = Server::start_db(KILN.as_ref(), &state, &store, db, &args);
     rt().block_on(async {
         let v = json_of(get(&c, &s, &key, &format!("/v1/builds/{running}")).await).await;
         assert_eq!(v["state"], "failed", "{v:#}");
@@ -1062,7 +771,7 @@ fn quotas_and_faults(db: &[String]) {
     let status = s.wait(Duration::from_secs(120));
     assert!(status.success(), "{status:?}");
     drop(s);
-    let s = Server::start_db(&state, &store, db, &[]);
+    let s = Server::start_db(KILN.as_ref(), &state, &store, db, &[]);
     rt().block_on(async {
         let v = json_of(get(&c, &s, &key, &format!("/v1/builds/{running}")).await).await;
         assert_eq!(v["state"], "failed", "{v:#}");
@@ -1086,7 +795,7 @@ fn logs_keep_the_message_and_build_limits_with_one_marker() {
              yes 0123456789012345678901234567890 | head -n 45000; echo after > /after\n"
         ),
     );
-    let s = Server::start(&state, &store, &[]);
+    let s = Server::start(KILN.as_ref(), &state, &store, &[]);
     let key = s.key("acme", &[]);
     let c = client();
     rt().block_on(async {
@@ -1147,7 +856,7 @@ fn identical_builds_at_once_all_succeed() {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let (t, state, store) = env();
     let ctx = context_dir(t.path(), &format!("FROM {bb}\nRUN echo same > /same\n"));
-    let s = Server::start(&state, &store, &["--workers", "4"]);
+    let s = Server::start(KILN.as_ref(), &state, &store, &["--workers", "4"]);
     let key = s.key("acme", &["--max-concurrent", "4", "--max-queued", "100"]);
     let c = client();
     rt().block_on(async {
@@ -1216,7 +925,7 @@ fn serve_refuses_to_start_without_trust_tenants() {
 fn schemathesis_finds_no_server_error_or_schema_violation() {
     let st = require_env("KILN_TEST_SCHEMATHESIS");
     let (t, state, store) = env();
-    let s = Server::start(&state, &store, &[]);
+    let s = Server::start(KILN.as_ref(), &state, &store, &[]);
     let key = s.key("acme", &[]);
     // Its cache (`.schemathesis/`) goes into the test's directory, not the checkout.
     let out = Command::new(&st)
@@ -1264,59 +973,6 @@ fn max_active(views: &[Value]) -> usize {
     most as usize
 }
 
-/// Submits the recipe `recipe` (no context) with `spec`; the build id.
-async fn submit_recipe(
-    c: &reqwest::Client,
-    s: &Server,
-    key: &str,
-    spec: &Value,
-    recipe: &str,
-) -> String {
-    let r = submit(c, s, key, spec, None, Some(recipe.as_bytes()), None).await;
-    assert_eq!(r.status(), 202);
-    json_of(r).await["id"].as_str().expect("id").to_string()
-}
-
-/// `psql URL -qAtc SQL`: its output, trimmed.
-fn psql(url: &str, sql: &str) -> String {
-    let out = Command::new("psql")
-        .arg(url)
-        .args(["-qAtc", sql])
-        .output()
-        .expect("psql (postgresql-client) missing: run ci/setup.sh");
-    assert!(
-        out.status.success(),
-        "{sql}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-/// The index in `nodes` of the node whose claim build `id` runs under, and the attempt.
-fn claimer(url: &str, nodes: &[Server], id: &str) -> Option<(usize, i64)> {
-    let row = psql(
-        url,
-        &format!(
-            "SELECT n.listen, b.attempt FROM builds b JOIN nodes n ON n.id = b.claimed_by \
-             WHERE b.id = '{id}' AND b.state = 'running'"
-        ),
-    );
-    let (listen, attempt) = row.split_once('|')?;
-    let i = nodes
-        .iter()
-        .position(|s| s.base == format!("http://{listen}"))?;
-    Some((i, attempt.parse().expect("attempt")))
-}
-
-/// Waits until `cond` holds, polling every 100 ms; panics naming `what` after `limit`.
-fn until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !cond() {
-        assert!(t0.elapsed() < limit, "{what}: not within {limit:?}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// Three `kiln serve` nodes, each with its own state directory and host cache, share one
 /// PostgreSQL database and one S3 store (issue 19). Each build's one `RUN` step fetches its
 /// own path from a local server, which counts the step's runs; `/hold/` paths are left
@@ -1361,6 +1017,7 @@ fn three_nodes_share_one_queue_cache_and_store_and_take_over_a_killed_nodes_buil
     let start = |i: usize| {
         let dir = t.path().join(format!("node{i}"));
         Server::start_node(
+            KILN.as_ref(),
             &dir.join("state"),
             &store,
             &db,
@@ -1551,6 +1208,7 @@ fn three_nodes_share_one_queue_cache_and_store_and_take_over_a_killed_nodes_buil
     drop(nodes.remove(k2));
     // No node is left: the restart of the last one's state directory ends `f`.
     let restarted = Server::start_node(
+        KILN.as_ref(),
         &last_state,
         &store,
         &db,
@@ -1661,6 +1319,7 @@ fn a_context_uploaded_to_one_node_is_built_by_another_through_the_store() {
     let start = |i: usize| {
         let dir = t.path().join(format!("node{i}"));
         Server::start_node(
+            KILN.as_ref(),
             &dir.join("state"),
             &store,
             &db,

@@ -51,6 +51,16 @@ pub enum DbError {
     /// The system's random source failed (a node id).
     #[error("random source: {0}")]
     Random(String),
+    /// A bounded database call ([`Db::connect_bounded`]) did not end in its time: the
+    /// database is unreachable or stuck (a TCP connection to a lost peer hangs rather than
+    /// fails). Its connection is closed, not reused.
+    #[error("database: {what} took longer than {after:?}")]
+    Timeout {
+        /// The call.
+        what: &'static str,
+        /// Its bound.
+        after: std::time::Duration,
+    },
     /// A stored JSON column does not parse (a damaged database).
     #[error("database: corrupt {what}: {source}")]
     Corrupt {
@@ -358,7 +368,13 @@ pub enum Backend {
 pub struct Db {
     pool: AnyPool,
     backend: Backend,
+    timeout: std::time::Duration,
 }
+
+/// Default [`Db::connect_bounded`] time: 10 s, far above a healthy database's milliseconds
+/// and well below the default takeover time (60 s), so a node's liveness calls give up on an
+/// unreachable database several times before other nodes take its builds over.
+pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn build_row(r: &AnyRow) -> Result<BuildRow, sqlx::Error> {
     Ok(BuildRow {
@@ -386,23 +402,48 @@ impl Db {
         Self::connect(&url).await
     }
 
+    /// [`Db::connect_bounded`] with [`DEFAULT_TIMEOUT`].
+    pub async fn connect(url: &str) -> Result<Db, DbError> {
+        Self::connect_bounded(url, DEFAULT_TIMEOUT).await
+    }
+
     /// Connects to `url` (`sqlite://PATH?mode=rwc` or `postgres://...`) and makes the tables.
     /// SQLite runs in WAL mode with a 30 s busy timeout and foreign keys on.
-    pub async fn connect(url: &str) -> Result<Db, DbError> {
+    ///
+    /// `timeout` bounds getting a connection from the pool (opening one included), each of
+    /// the node's liveness calls ([`Db::heartbeat`], [`Db::take_over`]), and a running
+    /// build's calls that can be given up safely ([`Db::watch`], [`Db::write_batch`],
+    /// [`Db::last_seq`], [`Db::give_back`]); on PostgreSQL
+    /// it is also the session's `idle_in_transaction_session_timeout`: the server ends a
+    /// session that sits inside a transaction that long, as one whose node was cut off
+    /// mid-transaction does, so the advisory lock every claim, sweep and submission takes
+    /// ([`Db::write_tx`]) is not held past it.
+    pub async fn connect_bounded(url: &str, timeout: std::time::Duration) -> Result<Db, DbError> {
         sqlx::any::install_default_drivers();
         let backend = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             Backend::Postgres
         } else {
             Backend::Sqlite
         };
+        let idle_in_tx = format!(
+            "SET idle_in_transaction_session_timeout = {}",
+            timeout.as_millis().max(1)
+        );
         let pool = AnyPoolOptions::new()
             .max_connections(8)
+            .acquire_timeout(timeout)
             .after_connect(move |conn, _| {
+                let idle_in_tx = idle_in_tx.clone();
                 Box::pin(async move {
-                    if backend == Backend::Sqlite {
-                        conn.execute("PRAGMA journal_mode = WAL").await?;
-                        conn.execute("PRAGMA busy_timeout = 30000").await?;
-                        conn.execute("PRAGMA foreign_keys = ON").await?;
+                    match backend {
+                        Backend::Sqlite => {
+                            conn.execute("PRAGMA journal_mode = WAL").await?;
+                            conn.execute("PRAGMA busy_timeout = 30000").await?;
+                            conn.execute("PRAGMA foreign_keys = ON").await?;
+                        }
+                        Backend::Postgres => {
+                            conn.execute(idle_in_tx.as_str()).await?;
+                        }
                     }
                     Ok(())
                 })
@@ -413,7 +454,11 @@ impl Db {
             Backend::Sqlite => "BLOB",
             Backend::Postgres => "BYTEA",
         };
-        let db = Db { pool, backend };
+        let db = Db {
+            pool,
+            backend,
+            timeout,
+        };
         // One schema writer at a time: PostgreSQL's `CREATE TABLE IF NOT EXISTS` races with
         // itself across connections (a unique violation in pg_type).
         let mut tx = db.write_tx().await?;
@@ -488,15 +533,44 @@ impl Db {
 
     /// Node `id`'s heartbeat, on the database's clock. False when its row is stopped (a
     /// newer process of the same name took over) or gone.
+    /// Bounded ([`Db::bounded`]).
     pub async fn heartbeat(&self, id: &str) -> Result<bool, DbError> {
-        let r = sqlx::query(&format!(
+        let sql = format!(
             "UPDATE nodes SET heartbeat_ms = {} WHERE id = $1 AND stopped_ms IS NULL",
             self.now_sql()
-        ))
-        .bind(id)
-        .execute(&self.pool)
-        .await?;
-        Ok(r.rows_affected() == 1)
+        );
+        self.bounded("writing the heartbeat", async |conn| {
+            let r = sqlx::query(&sql).bind(id).execute(conn).await?;
+            Ok(r.rows_affected() == 1)
+        })
+        .await
+    }
+
+    /// Runs `f` on a connection of its own, getting it included, for at most the
+    /// [`Db::connect_bounded`] time; past it the call fails with [`DbError::Timeout`] and
+    /// the connection is closed rather than given back to the pool, whose check of a returned
+    /// connection would hang on a lost peer too.
+    async fn bounded<T>(
+        &self,
+        what: &'static str,
+        f: impl AsyncFnOnce(&mut sqlx::AnyConnection) -> Result<T, DbError>,
+    ) -> Result<T, DbError> {
+        let timeout = DbError::Timeout {
+            what,
+            after: self.timeout,
+        };
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let Ok(conn) = tokio::time::timeout_at(deadline, self.pool.acquire()).await else {
+            return Err(timeout);
+        };
+        let mut conn = conn?;
+        match tokio::time::timeout_at(deadline, f(&mut conn)).await {
+            Ok(r) => r,
+            Err(_) => {
+                conn.close_on_drop();
+                Err(timeout)
+            }
+        }
     }
 
     /// Marks node `id` stopped (a clean shutdown): what it still holds is taken over at the
@@ -519,13 +593,27 @@ impl Db {
     /// is attempt `n + 1`); one that has had them all ends failed with a reason that starts
     /// with [`SERVER_STOPPED`] and names the node. Either way its log gets a line saying so.
     /// Each move is conditional on the claim still being the lost one.
+    ///
+    /// Bounded ([`Db::bounded`]): a sweep that does not end in time commits nothing.
     pub async fn take_over(
         &self,
         takeover_ms: i64,
         max_attempts: u32,
     ) -> Result<Vec<TakenOver>, DbError> {
+        self.bounded("sweeping for lost nodes' builds", async |conn| {
+            self.take_over_on(conn, takeover_ms, max_attempts).await
+        })
+        .await
+    }
+
+    async fn take_over_on(
+        &self,
+        conn: &mut sqlx::AnyConnection,
+        takeover_ms: i64,
+        max_attempts: u32,
+    ) -> Result<Vec<TakenOver>, DbError> {
         let now = self.now_sql();
-        let mut tx = self.write_tx().await?;
+        let mut tx = self.write_tx_on(conn).await?;
         let lost = sqlx::query(&format!(
             "SELECT b.id, b.claimed_by, b.attempt, n.listen, n.name, n.heartbeat_ms,
                     n.stopped_ms, {now} AS now_ms
@@ -559,54 +647,11 @@ impl Db {
                 ),
                 _ => format!("worker {node} is gone"),
             };
-            let requeued = attempt < i64::from(max_attempts);
-            let text = if requeued {
-                format!("{why}; attempt {attempt} of {max_attempts} lost, build queued again")
-            } else {
-                format!("{SERVER_STOPPED}: {why}; attempt {attempt} of {max_attempts}")
-            };
-            let changed = if requeued {
-                sqlx::query(
-                    "UPDATE builds SET state = 'queued', started_ms = NULL, claimed_by = NULL
-                     WHERE id = $1 AND state = 'running' AND claimed_by = $2 AND attempt = $3",
-                )
-                .bind(&id)
-                .bind(&node)
-                .bind(attempt)
-                .execute(&mut *tx)
-                .await?
-            } else {
-                sqlx::query(
-                    "UPDATE builds SET state = 'failed', finished_ms = $1, failure = $2
-                     WHERE id = $3 AND state = 'running' AND claimed_by = $4 AND attempt = $5",
-                )
-                .bind(now_ms())
-                .bind(serde_json::json!({ "reason": text }).to_string())
-                .bind(&id)
-                .bind(&node)
-                .bind(attempt)
-                .execute(&mut *tx)
-                .await?
-            };
-            if changed.rows_affected() != 1 {
-                continue;
+            if let Some(t) =
+                Self::lose_attempt(&mut tx, &id, &node, attempt, max_attempts, &why).await?
+            {
+                out.push(t);
             }
-            sqlx::query(
-                "INSERT INTO build_logs (build_id, seq, time_ms, step, text)
-                 SELECT $1, COALESCE(MAX(seq), 0) + 1, $2, NULL, $3 FROM build_logs
-                 WHERE build_id = $1",
-            )
-            .bind(&id)
-            .bind(now_ms())
-            .bind(&text)
-            .execute(&mut *tx)
-            .await?;
-            out.push(TakenOver {
-                build: id,
-                node,
-                attempt,
-                requeued,
-            });
         }
         tx.commit().await?;
         Ok(out)
@@ -619,18 +664,20 @@ impl Db {
     /// its row goes at the sweep after the retention). Ended builds keep the id of the node
     /// that ran them. A node whose row is gone is treated as stopped: its heartbeat writes
     /// nothing ([`Db::heartbeat`] is false), and a build still claimed by it would be taken
-    /// over. Returns the ids deleted.
+    /// over. Returns the ids deleted. Bounded ([`Db::bounded`]), as the rest of the sweep.
     pub async fn prune_nodes(&self, retention_ms: i64) -> Result<Vec<String>, DbError> {
-        let rows = sqlx::query(&format!(
+        let sql = format!(
             "DELETE FROM nodes WHERE heartbeat_ms < {} - $1
                AND NOT EXISTS (SELECT 1 FROM builds b
                                WHERE b.claimed_by = nodes.id AND b.state = 'running')
              RETURNING id",
             self.now_sql()
-        ))
-        .bind(retention_ms)
-        .fetch_all(&self.pool)
-        .await?;
+        );
+        let rows = self
+            .bounded("removing the rows of long-gone nodes", async |conn| {
+                Ok(sqlx::query(&sql).bind(retention_ms).fetch_all(conn).await?)
+            })
+            .await?;
         let mut ids = rows
             .iter()
             .map(|r| r.try_get::<String, _>("id"))
@@ -661,17 +708,19 @@ impl Db {
         &self,
         renew_after_ms: i64,
     ) -> Result<Vec<ContextLease>, DbError> {
-        let rows = sqlx::query(&format!(
+        let sql = format!(
             "SELECT l.build_id, l.digest, l.renewed_ms, b.state
              FROM context_leases l LEFT JOIN builds b ON b.id = l.build_id
              WHERE b.state IN ('succeeded', 'failed', 'cancelled')
                OR l.renewed_ms < {} - $1
              ORDER BY l.build_id",
             self.now_sql()
-        ))
-        .bind(renew_after_ms)
-        .fetch_all(&self.pool)
-        .await?;
+        );
+        let rows = self
+            .bounded("reading the context leases due", async |conn| {
+                Ok(sqlx::query(&sql).bind(renew_after_ms).fetch_all(conn).await?)
+            })
+            .await?;
         rows.iter()
             .map(|r| {
                 let state: Option<String> = r.try_get("state")?;
@@ -689,26 +738,118 @@ impl Db {
     /// Marks `l` renewed now, if no other node renewed or dropped it since it was read: true
     /// when this node is to rewrite the store lease.
     pub async fn renew_context_lease(&self, l: &ContextLease) -> Result<bool, DbError> {
-        let r = sqlx::query(&format!(
+        let sql = format!(
             "UPDATE context_leases SET renewed_ms = {} WHERE build_id = $1 AND renewed_ms = $2",
             self.now_sql()
-        ))
-        .bind(&l.build)
-        .bind(l.renewed_ms)
-        .execute(&self.pool)
-        .await?;
-        Ok(r.rows_affected() == 1)
+        );
+        self.bounded("renewing a context lease", async |conn| {
+            let r = sqlx::query(&sql)
+                .bind(&l.build)
+                .bind(l.renewed_ms)
+                .execute(conn)
+                .await?;
+            Ok(r.rows_affected() == 1)
+        })
+        .await
     }
 
     /// Deletes `l`'s row, if no other node renewed or dropped it since it was read: true
     /// when this node is to delete the store lease.
     pub async fn drop_context_lease(&self, l: &ContextLease) -> Result<bool, DbError> {
-        let r = sqlx::query("DELETE FROM context_leases WHERE build_id = $1 AND renewed_ms = $2")
-            .bind(&l.build)
-            .bind(l.renewed_ms)
-            .execute(&self.pool)
-            .await?;
-        Ok(r.rows_affected() == 1)
+        self.bounded("dropping a context lease", async |conn| {
+            let r =
+                sqlx::query("DELETE FROM context_leases WHERE build_id = $1 AND renewed_ms = $2")
+                    .bind(&l.build)
+                    .bind(l.renewed_ms)
+                    .execute(conn)
+                    .await?;
+            Ok(r.rows_affected() == 1)
+        })
+        .await
+    }
+
+    /// Ends attempt `attempt` of build `id`, claimed by `node` and lost for the reason `why`
+    /// (which names the node): queued again while it has had fewer than `max_attempts`,
+    /// otherwise failed ([`SERVER_STOPPED`]); a log line says which. Conditional on the claim
+    /// still being that one: `None` when it is not.
+    async fn lose_attempt(
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        id: &str,
+        node: &str,
+        attempt: i64,
+        max_attempts: u32,
+        why: &str,
+    ) -> Result<Option<TakenOver>, DbError> {
+        let requeued = attempt < i64::from(max_attempts);
+        let text = if requeued {
+            format!("{why}; attempt {attempt} of {max_attempts} lost, build queued again")
+        } else {
+            format!("{SERVER_STOPPED}: {why}; attempt {attempt} of {max_attempts}")
+        };
+        let changed = if requeued {
+            sqlx::query(
+                "UPDATE builds SET state = 'queued', started_ms = NULL, claimed_by = NULL
+                 WHERE id = $1 AND state = 'running' AND claimed_by = $2 AND attempt = $3",
+            )
+            .bind(id)
+            .bind(node)
+            .bind(attempt)
+            .execute(&mut **tx)
+            .await?
+        } else {
+            sqlx::query(
+                "UPDATE builds SET state = 'failed', finished_ms = $1, failure = $2
+                 WHERE id = $3 AND state = 'running' AND claimed_by = $4 AND attempt = $5",
+            )
+            .bind(now_ms())
+            .bind(serde_json::json!({ "reason": text }).to_string())
+            .bind(id)
+            .bind(node)
+            .bind(attempt)
+            .execute(&mut **tx)
+            .await?
+        };
+        if changed.rows_affected() != 1 {
+            return Ok(None);
+        }
+        sqlx::query(
+            "INSERT INTO build_logs (build_id, seq, time_ms, step, text)
+             SELECT $1, COALESCE(MAX(seq), 0) + 1, $2, NULL, $3 FROM build_logs
+             WHERE build_id = $1",
+        )
+        .bind(id)
+        .bind(now_ms())
+        .bind(&text)
+        .execute(&mut **tx)
+        .await?;
+        Ok(Some(TakenOver {
+            build: id.to_string(),
+            node: node.to_string(),
+            attempt,
+            requeued,
+        }))
+    }
+
+    /// Gives back the claim `claim` of build `id` when its node fenced itself (cancelled
+    /// the attempt because it could not heartbeat) but still holds it: as
+    /// [`Db::take_over`] does to a lost node's build, queued again or, past `max_attempts`,
+    /// failed, with `why` in its log. `None` when the claim was taken already. Bounded
+    /// ([`Db::bounded`]).
+    pub async fn give_back(
+        &self,
+        id: &str,
+        claim: &Claim,
+        max_attempts: u32,
+        why: &str,
+    ) -> Result<Option<TakenOver>, DbError> {
+        self.bounded("giving a claim back", async |conn| {
+            let mut tx = self.write_tx_on(conn).await?;
+            let t = Self::lose_attempt(&mut tx, id, &claim.node, claim.attempt, max_attempts, why)
+                .await?;
+            tx.commit().await?;
+            Ok(t)
+        })
+        .await
     }
 
     /// Which database this is.
@@ -727,12 +868,34 @@ impl Db {
             Backend::Sqlite => Ok(self.pool.begin_with("BEGIN IMMEDIATE").await?),
             Backend::Postgres => {
                 let mut tx = self.pool.begin().await?;
-                sqlx::query("SELECT pg_advisory_xact_lock(7147041)")
-                    .execute(&mut *tx)
-                    .await?;
+                Self::advisory_lock(&mut tx).await?;
                 Ok(tx)
             }
         }
+    }
+
+    /// [`Db::write_tx`] on the connection `conn`.
+    async fn write_tx_on<'c>(
+        &self,
+        conn: &'c mut sqlx::AnyConnection,
+    ) -> Result<sqlx::Transaction<'c, sqlx::Any>, DbError> {
+        use sqlx::Connection as _;
+        match self.backend {
+            Backend::Sqlite => Ok(conn.begin_with("BEGIN IMMEDIATE").await?),
+            Backend::Postgres => {
+                let mut tx = conn.begin().await?;
+                Self::advisory_lock(&mut tx).await?;
+                Ok(tx)
+            }
+        }
+    }
+
+    /// The transaction-scoped advisory lock of [`Db::write_tx`].
+    async fn advisory_lock(tx: &mut sqlx::Transaction<'_, sqlx::Any>) -> Result<(), DbError> {
+        sqlx::query("SELECT pg_advisory_xact_lock(7147041)")
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
     }
 
     /// Creates workspace `ws` with `quota`, or sets the quota of an existing one when
@@ -914,6 +1077,11 @@ impl Db {
     /// Claims the oldest queued build whose workspace runs fewer than its `max_concurrent`
     /// builds for node `node`: `queued → running`, the next attempt. The `state = 'queued'`
     /// condition makes the claim happen once per build and attempt.
+    ///
+    /// Not bounded by the database timeout, nor is [`Db::finish`]: given up after the
+    /// database ran the statement but before the answer came, either would leave a build
+    /// running under a live node's claim with no worker (a claim the node does not know it
+    /// holds, an end it did not record), which no sweep takes over.
     pub async fn claim(&self, node: &str) -> Result<Option<BuildRow>, DbError> {
         // PostgreSQL: rows another node's claim holds are skipped, not waited for.
         let lock = match self.backend {
@@ -1006,39 +1174,50 @@ impl Db {
 
     /// What the watcher of a running build needs: whether its cancellation was asked for,
     /// and whether it still runs under `claim` (false: taken over or ended).
+    ///
+    /// Bounded ([`Db::bounded`]).
     pub async fn watch(&self, id: &str, claim: &Claim) -> Result<Watch, DbError> {
-        let r = sqlx::query(
-            "SELECT cancel_requested, state, claimed_by, attempt FROM builds WHERE id = $1",
-        )
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await?;
-        let Some(r) = r else {
-            return Ok(Watch {
-                cancel: false,
-                held: false,
-            });
-        };
-        let state: String = r.try_get("state")?;
-        let node: Option<String> = r.try_get("claimed_by")?;
-        let attempt: i64 = r.try_get("attempt")?;
-        Ok(Watch {
-            cancel: r.try_get::<i64, _>("cancel_requested")? != 0,
-            held: state == "running"
-                && node.as_deref() == Some(claim.node.as_str())
-                && attempt == claim.attempt,
+        self.bounded("watching a build", async |conn| {
+            let r = sqlx::query(
+                "SELECT cancel_requested, state, claimed_by, attempt FROM builds WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await?;
+            let Some(r) = r else {
+                return Ok(Watch {
+                    cancel: false,
+                    held: false,
+                });
+            };
+            let state: String = r.try_get("state")?;
+            let node: Option<String> = r.try_get("claimed_by")?;
+            let attempt: i64 = r.try_get("attempt")?;
+            Ok(Watch {
+                cancel: r.try_get::<i64, _>("cancel_requested")? != 0,
+                held: state == "running"
+                    && node.as_deref() == Some(claim.node.as_str())
+                    && attempt == claim.attempt,
+            })
         })
+        .await
     }
 
     /// The last log sequence number of build `id` (0: none), where a new attempt's lines go
     /// on.
+    ///
+    /// Bounded ([`Db::bounded`]).
     pub async fn last_seq(&self, id: &str) -> Result<i64, DbError> {
-        let r =
-            sqlx::query("SELECT COALESCE(MAX(seq), 0) AS n FROM build_logs WHERE build_id = $1")
-                .bind(id)
-                .fetch_one(&self.pool)
-                .await?;
-        Ok(r.try_get("n")?)
+        self.bounded("reading a build's last log line", async |conn| {
+            let r = sqlx::query(
+                "SELECT COALESCE(MAX(seq), 0) AS n FROM build_logs WHERE build_id = $1",
+            )
+            .bind(id)
+            .fetch_one(&mut *conn)
+            .await?;
+            Ok(r.try_get("n")?)
+        })
+        .await
     }
 
     /// Steps of build `id`, in step order.
@@ -1108,77 +1287,82 @@ impl Db {
 
     /// Writes one batch of a running build's records in one transaction, if the build still
     /// runs under `claim`; false (nothing written) when it was taken over or ended.
+    ///
+    /// Bounded ([`Db::bounded`]).
     pub async fn write_batch(
         &self,
         id: &str,
         claim: &Claim,
         batch: &[Record],
     ) -> Result<bool, DbError> {
-        let mut tx = self.write_tx().await?;
-        let held = sqlx::query(
-            "SELECT 1 FROM builds WHERE id = $1 AND state = 'running' AND claimed_by = $2
-             AND attempt = $3",
-        )
-        .bind(id)
-        .bind(&claim.node)
-        .bind(claim.attempt)
-        .fetch_optional(&mut *tx)
-        .await?;
-        if held.is_none() {
-            return Ok(false);
-        }
-        for rec in batch {
-            match rec {
-                Record::Log(l) => {
-                    sqlx::query("INSERT INTO build_logs VALUES ($1, $2, $3, $4, $5)")
+        self.bounded("storing build events", async |conn| {
+            let mut tx = self.write_tx_on(conn).await?;
+            let held = sqlx::query(
+                "SELECT 1 FROM builds WHERE id = $1 AND state = 'running' AND claimed_by = $2
+                 AND attempt = $3",
+            )
+            .bind(id)
+            .bind(&claim.node)
+            .bind(claim.attempt)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if held.is_none() {
+                return Ok(false);
+            }
+            for rec in batch {
+                match rec {
+                    Record::Log(l) => {
+                        sqlx::query("INSERT INTO build_logs VALUES ($1, $2, $3, $4, $5)")
+                            .bind(id)
+                            .bind(l.seq)
+                            .bind(l.time_ms)
+                            .bind(l.step)
+                            .bind(&l.text)
+                            .execute(&mut *tx)
+                            .await?;
+                    }
+                    Record::Step(s) => {
+                        sqlx::query(
+                            "INSERT INTO build_steps VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                             ON CONFLICT (build_id, step) DO UPDATE SET stage = excluded.stage,
+                             location = excluded.location, instruction = excluded.instruction,
+                             cached = excluded.cached, started_ms = excluded.started_ms,
+                             finished_ms = excluded.finished_ms, layer = excluded.layer",
+                        )
                         .bind(id)
-                        .bind(l.seq)
-                        .bind(l.time_ms)
-                        .bind(l.step)
-                        .bind(&l.text)
+                        .bind(s.step)
+                        .bind(s.stage)
+                        .bind(&s.location)
+                        .bind(&s.instruction)
+                        .bind(i64::from(s.cached))
+                        .bind(s.started_ms)
+                        .bind(s.finished_ms)
+                        .bind(&s.layer)
                         .execute(&mut *tx)
                         .await?;
-                }
-                Record::Step(s) => {
-                    sqlx::query(
-                        "INSERT INTO build_steps VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-                         ON CONFLICT (build_id, step) DO UPDATE SET stage = excluded.stage,
-                         location = excluded.location, instruction = excluded.instruction,
-                         cached = excluded.cached, started_ms = excluded.started_ms,
-                         finished_ms = excluded.finished_ms, layer = excluded.layer",
-                    )
-                    .bind(id)
-                    .bind(s.step)
-                    .bind(s.stage)
-                    .bind(&s.location)
-                    .bind(&s.instruction)
-                    .bind(i64::from(s.cached))
-                    .bind(s.started_ms)
-                    .bind(s.finished_ms)
-                    .bind(&s.layer)
-                    .execute(&mut *tx)
-                    .await?;
-                }
-                Record::StepDone {
-                    step,
-                    finished_ms,
-                    layer,
-                } => {
-                    sqlx::query(
-                        "UPDATE build_steps SET finished_ms = $1, layer = $2
-                         WHERE build_id = $3 AND step = $4",
-                    )
-                    .bind(finished_ms)
-                    .bind(layer)
-                    .bind(id)
-                    .bind(step)
-                    .execute(&mut *tx)
-                    .await?;
+                    }
+                    Record::StepDone {
+                        step,
+                        finished_ms,
+                        layer,
+                    } => {
+                        sqlx::query(
+                            "UPDATE build_steps SET finished_ms = $1, layer = $2
+                             WHERE build_id = $3 AND step = $4",
+                        )
+                        .bind(finished_ms)
+                        .bind(layer)
+                        .bind(id)
+                        .bind(step)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
                 }
             }
-        }
-        tx.commit().await?;
-        Ok(true)
+            tx.commit().await?;
+            Ok(true)
+        })
+        .await
     }
 
     /// Records that `ws` uploaded blob `digest` of `size` bytes.
@@ -1292,6 +1476,11 @@ mod tests {
     /// A new, empty PostgreSQL database on the test server (`KILN_TEST_POSTGRES_URL`, which
     /// `ci/setup.sh` starts).
     pub(crate) async fn postgres() -> Db {
+        Db::connect(&postgres_url().await).await.expect("open")
+    }
+
+    /// The URL of a new, empty PostgreSQL database on the test server.
+    async fn postgres_url() -> String {
         let url = std::env::var("KILN_TEST_POSTGRES_URL").unwrap_or_else(|_| {
             panic!(
                 "KILN_TEST_POSTGRES_URL is not set: run `. ci/setup.sh` (or source \
@@ -1310,7 +1499,7 @@ mod tests {
             .await
             .expect("create database");
         let base = url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b);
-        Db::connect(&format!("{base}/{name}")).await.expect("open")
+        format!("{base}/{name}")
     }
 
     async fn sqlite(t: &tempfile::TempDir) -> Db {
@@ -1689,5 +1878,103 @@ mod tests {
         let taken = db.take_over(3_600_000, 2).await.expect("sweep");
         assert_eq!(taken.len(), 1, "{taken:?} on {backend:?}");
         assert!(taken[0].requeued);
+    }
+
+    #[tokio::test]
+    async fn a_fenced_nodes_claim_goes_back_unless_another_node_took_it() {
+        let t = tempfile::tempdir().expect("tmp");
+        give_back(sqlite(&t).await).await;
+        give_back(postgres().await).await;
+    }
+
+    async fn give_back(db: Db) {
+        db.upsert_workspace("a", &quota(5, 10), true)
+            .await
+            .expect("ws");
+        db.insert_build(&build("g1", "a"), 10, 1000)
+            .await
+            .expect("insert");
+        register(&db, "n1", "h:/one").await;
+        let first = db.claim("n1").await.expect("claim").expect("g1");
+        let old = first.claim().expect("claimed");
+        let back = db
+            .give_back("g1", &old, 2, "node n1 fenced")
+            .await
+            .expect("give back")
+            .expect("held");
+        assert!(back.requeued);
+        assert_eq!(
+            db.state("g1").await.expect("state").as_deref(),
+            Some("queued")
+        );
+        // Given back once: the old claim gives nothing back again.
+        assert_eq!(
+            db.give_back("g1", &old, 2, "again")
+                .await
+                .expect("give back"),
+            None
+        );
+        let second = db.claim("n1").await.expect("claim").expect("g1 again");
+        let new = second.claim().expect("claimed");
+        assert_eq!(new.attempt, 2);
+        // The last attempt given back ends the build failed, with the reason.
+        let back = db
+            .give_back("g1", &new, 2, "node n1 fenced")
+            .await
+            .expect("give back")
+            .expect("held");
+        assert!(!back.requeued);
+        let row = db.build("a", "g1").await.expect("row").expect("row");
+        assert_eq!(row.state, "failed");
+        let reason = row.failure.expect("failure");
+        assert!(
+            reason.contains("node n1 fenced") && reason.contains("attempt 2 of 2"),
+            "{reason}"
+        );
+    }
+
+    /// A node cut off from PostgreSQL inside a transaction leaves its session idle in it,
+    /// holding the advisory lock every claim, sweep and submission takes. The server ends
+    /// that session after the database timeout, so another node's claim gets through; and a
+    /// heartbeat stuck behind a lock fails after the timeout instead of waiting, and the
+    /// next one, on a new connection, is written.
+    #[tokio::test]
+    async fn a_session_stuck_in_a_transaction_or_a_lock_blocks_no_node_past_the_timeout() {
+        let url = postgres_url().await;
+        let bound = std::time::Duration::from_millis(500);
+        let cut = Db::connect_bounded(&url, bound).await.expect("open");
+        let other = Db::connect_bounded(&url, bound).await.expect("open");
+        other
+            .upsert_workspace("a", &quota(5, 10), true)
+            .await
+            .expect("ws");
+        other
+            .insert_build(&build("s1", "a"), 10, 1000)
+            .await
+            .expect("insert");
+        register(&other, "n2", "h:/two").await;
+        let held = cut.write_tx().await.expect("lock");
+        let claimed = tokio::time::timeout(std::time::Duration::from_secs(60), other.claim("n2"))
+            .await
+            .expect("a claim waited on the cut-off node's transaction")
+            .expect("claim");
+        assert!(claimed.is_some());
+        drop(held);
+
+        // A row lock held by a session of an unbounded database handle (a long timeout).
+        let locker = Db::connect_bounded(&url, std::time::Duration::from_secs(3600))
+            .await
+            .expect("open");
+        let mut lock = locker.pool.begin().await.expect("begin");
+        sqlx::query("SELECT id FROM nodes WHERE id = 'n2' FOR UPDATE")
+            .execute(&mut *lock)
+            .await
+            .expect("lock the node row");
+        let beat = tokio::time::timeout(std::time::Duration::from_secs(60), other.heartbeat("n2"))
+            .await
+            .expect("the heartbeat waited on the lock");
+        assert!(matches!(beat, Err(DbError::Timeout { .. })), "{beat:?}");
+        lock.rollback().await.expect("unlock");
+        assert!(other.heartbeat("n2").await.expect("heartbeat"));
     }
 }

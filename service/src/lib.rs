@@ -97,12 +97,19 @@ pub struct ServiceConfig {
     /// so one failed renewal still leaves time for the next. A remote store only (see
     /// [`context`]).
     pub context_lease: Duration,
+    /// The longest a database call of the node's liveness (its heartbeat, the sweep for
+    /// lost nodes' builds), a running build's watch and event writes, or getting a database
+    /// connection may take (default 10 s,
+    /// [`db::DEFAULT_TIMEOUT`]); on PostgreSQL also how long a session may sit inside a
+    /// transaction before the server ends it, releasing its locks ([`Db::connect_bounded`]).
+    /// A node cut off from the database sees its calls hang, not fail: this bounds them.
+    pub database_timeout: Duration,
 }
 
 impl ServiceConfig {
     /// Defaults for the state directory `state_dir`: SQLite, 2 workers, 1 GiB contexts, 4 GiB
     /// unpacked, 24 h idempotency window, 60 s shutdown grace, 10 s heartbeat, 60 s takeover,
-    /// 3 attempts, 7 days node retention, 1 h context leases.
+    /// 3 attempts, 7 days node retention, 1 h context leases, 10 s database timeout.
     pub fn new(state_dir: PathBuf) -> Self {
         ServiceConfig {
             state_dir,
@@ -117,13 +124,14 @@ impl ServiceConfig {
             max_attempts: 3,
             node_retention: Duration::from_secs(7 * 24 * 3600),
             context_lease: Duration::from_secs(3600),
+            database_timeout: db::DEFAULT_TIMEOUT,
         }
     }
 
     /// Checks the liveness settings: a heartbeat of at least 1 s, a takeover time of at
     /// least two heartbeats (so one late heartbeat does not lose a live node), a node
     /// retention of at least the takeover time, a context lease of at least three
-    /// heartbeats, at least one attempt.
+    /// heartbeats, at least one attempt, a database timeout of at least 100 ms.
     pub fn check(&self) -> Result<(), ServiceError> {
         let bad = |m: String| Err(ServiceError::Config(m));
         if self.heartbeat < Duration::from_secs(1) {
@@ -154,6 +162,12 @@ impl ServiceConfig {
         }
         if self.max_attempts == 0 {
             return bad("max attempts 0: expected at least 1".into());
+        }
+        if self.database_timeout < Duration::from_millis(100) {
+            return bad(format!(
+                "database timeout {:?}: expected at least 100 ms",
+                self.database_timeout
+            ));
         }
         Ok(())
     }
@@ -189,6 +203,9 @@ pub struct AppState {
     /// Set while this node could not write a heartbeat for the takeover time: its builds are
     /// cancelled and it claims none ([`worker::liveness`]).
     pub fenced: Arc<std::sync::atomic::AtomicBool>,
+    /// How many times this node fenced itself: an attempt that saw it change was cancelled
+    /// by a fence, and gives its claim back.
+    pub fences: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl AppState {
@@ -227,7 +244,7 @@ pub async fn serve(
         })?;
     }
     let db = match &config.database {
-        Some(url) => Db::connect(url).await?,
+        Some(url) => Db::connect_bounded(url, config.database_timeout).await?,
         None => Db::open(&config.db_path()).await?,
     };
     let node = db::NodeInfo {
@@ -245,6 +262,7 @@ pub async fn serve(
             .unwrap_or_default(),
         pid: std::process::id(),
     };
+    let registered = std::time::Instant::now();
     db.register_node(&node).await?;
     tracing::info!(node = %node.id, name = %node.name, "node registered");
     // What a previous process of this state directory left running is taken over before
@@ -275,10 +293,11 @@ pub async fn serve(
         stopping: CancellationToken::new(),
         node: Arc::new(node),
         fenced: Arc::default(),
+        fences: Arc::default(),
     };
     // It heartbeats until the last build has ended, through the shutdown grace.
     let live = CancellationToken::new();
-    let liveness = tokio::spawn(worker::liveness(state.clone(), live.clone()));
+    let liveness = tokio::spawn(worker::liveness(state.clone(), registered, live.clone()));
     let workers = worker::spawn_pool(state.clone());
     let app = api::router(state.clone());
     let stopping = state.stopping.clone();

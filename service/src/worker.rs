@@ -82,19 +82,34 @@ pub fn spawn_pool(state: AppState) -> Vec<JoinHandle<()>> {
 }
 
 /// The node's heartbeat and sweep, every [`crate::ServiceConfig::heartbeat`] until `done`
-/// fires (after the last build of a shutdown ended): writes the heartbeat, re-queues or fails the builds of lost nodes, deletes the rows of long-gone nodes
-/// ([`crate::Db::prune_nodes`]), and
-/// fences this node (cancels its builds, stops claiming) while its last written heartbeat is
-/// older than the takeover time.
-pub async fn liveness(state: AppState, done: CancellationToken) {
+/// fires (after the last build of a shutdown ended): writes the heartbeat, re-queues or
+/// fails the builds of lost nodes, deletes the rows of long-gone nodes
+/// ([`crate::Db::prune_nodes`]) and renews or drops context leases, each database call of the
+/// node's liveness bounded by [`crate::ServiceConfig::database_timeout`]. `registered` is
+/// when the registration (the first heartbeat) was sent.
+///
+/// A timer of its own ([`fence_when_lost`]) fences this node (cancels its builds, stops
+/// claiming) once the last heartbeat written was sent the takeover time ago, whatever the
+/// database calls do meanwhile: from a node cut off from the database they hang rather than
+/// fail. Other nodes take its builds over only once that heartbeat, stamped by the database
+/// after it was sent, is older than the takeover time, so this node stops first.
+pub async fn liveness(state: AppState, registered: Instant, done: CancellationToken) {
     let cfg = &state.config;
     let takeover_ms = cfg.takeover.as_millis() as i64;
-    let mut last_ok = Instant::now();
+    let last_ok = Arc::new(std::sync::Mutex::new(registered));
+    let fence = tokio::spawn(fence_when_lost(
+        state.clone(),
+        last_ok.clone(),
+        done.clone(),
+    ));
     loop {
+        let sent = Instant::now();
         match state.db.heartbeat(&state.node.id).await {
             Ok(true) => {
-                last_ok = Instant::now();
-                if state.fenced.swap(false, Ordering::SeqCst) {
+                *lock(&last_ok) = sent;
+                // A heartbeat that took the takeover time to be written lifts no fence: it
+                // may be stamped that late, and the next one comes within an interval.
+                if sent.elapsed() < cfg.takeover && state.fenced.swap(false, Ordering::SeqCst) {
                     tracing::warn!(node = %state.node.id, "heartbeat written again: claiming builds again");
                 }
             }
@@ -104,17 +119,6 @@ pub async fn liveness(state: AppState, done: CancellationToken) {
                  directory runs, or the row was pruned after the node retention"
             ),
             Err(e) => tracing::error!(node = %state.node.id, error = %e, "writing the heartbeat"),
-        }
-        if last_ok.elapsed() >= cfg.takeover && !state.fenced.swap(true, Ordering::SeqCst) {
-            tracing::error!(
-                node = %state.node.id,
-                "no heartbeat written for the takeover time: other nodes take this node's \
-                 builds over, so they are cancelled here and no build is claimed"
-            );
-            let tokens: Vec<_> = lock(&state.running).values().cloned().collect();
-            for t in tokens {
-                t.cancel();
-            }
         }
         match state.db.take_over(takeover_ms, cfg.max_attempts).await {
             Ok(taken) => {
@@ -147,6 +151,43 @@ pub async fn liveness(state: AppState, done: CancellationToken) {
         }
         tokio::select! {
             _ = tokio::time::sleep(cfg.heartbeat) => {}
+            _ = done.cancelled() => break,
+        }
+    }
+    let _ = fence.await;
+}
+
+/// Fences this node when `last_ok` (when the last heartbeat written was sent) is the
+/// takeover time ago, and again after every heartbeat interval the fence is lifted
+/// ([`liveness`] lifts it when a heartbeat is written); returns when `done` fires.
+async fn fence_when_lost(
+    state: AppState,
+    last_ok: Arc<std::sync::Mutex<Instant>>,
+    done: CancellationToken,
+) {
+    let cfg = &state.config;
+    loop {
+        let at = *lock(&last_ok) + cfg.takeover;
+        let now = Instant::now();
+        let wake = if now < at {
+            at
+        } else {
+            if !state.fenced.swap(true, Ordering::SeqCst) {
+                state.fences.fetch_add(1, Ordering::SeqCst);
+                tracing::error!(
+                    node = %state.node.id,
+                    "no heartbeat written for the takeover time: other nodes take this node's \
+                     builds over, so they are cancelled here and no build is claimed"
+                );
+                let tokens: Vec<_> = lock(&state.running).values().cloned().collect();
+                for t in tokens {
+                    t.cancel();
+                }
+            }
+            now + cfg.heartbeat
+        };
+        tokio::select! {
+            _ = tokio::time::sleep_until(wake.into()) => {}
             _ = done.cancelled() => return,
         }
     }
@@ -288,6 +329,7 @@ async fn run_one(state: &AppState, row: BuildRow) {
     };
     let t0 = Instant::now();
     let token = CancellationToken::new();
+    let fences = state.fences.load(Ordering::SeqCst);
     lock(&state.running).insert(id.clone(), token.clone());
     let lost = Arc::new(AtomicBool::new(false));
     let watcher = {
@@ -327,8 +369,35 @@ async fn run_one(state: &AppState, row: BuildRow) {
     };
     watcher.abort();
     lock(&state.running).remove(&id);
-    if lost.load(Ordering::SeqCst) || state.fenced.load(Ordering::SeqCst) {
+    if lost.load(Ordering::SeqCst) {
         tracing::warn!(build = %id, attempt = claim.attempt, "attempt ended without its claim: its end is not recorded");
+        return;
+    }
+    if state.fences.load(Ordering::SeqCst) != fences {
+        // Cancelled by the fence: the claim goes back unless another node took it already,
+        // so a node that could heartbeat again before the others swept leaves no build
+        // running without a worker.
+        let why = format!(
+            "node {} ({}, listening on {}) could not write its heartbeat for the takeover time \
+             and cancelled the attempt",
+            state.node.id, state.node.name, state.node.listen
+        );
+        match state
+            .db
+            .give_back(&id, &claim, state.config.max_attempts, &why)
+            .await
+        {
+            Ok(Some(_)) => {
+                tracing::warn!(build = %id, attempt = claim.attempt, "attempt cancelled by the fence: claim given back");
+                state.queued.notify_waiters();
+            }
+            Ok(None) => {
+                tracing::warn!(build = %id, attempt = claim.attempt, "attempt ended without its claim: its end is not recorded")
+            }
+            Err(e) => {
+                tracing::error!(build = %id, attempt = claim.attempt, error = %e, "giving back the claim of an attempt cancelled by the fence: other nodes take it over")
+            }
+        }
         return;
     }
     let (st, image, result, failure) = match outcome {

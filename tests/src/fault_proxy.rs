@@ -54,7 +54,15 @@ pub struct FaultProxy {
 impl FaultProxy {
     /// Starts a proxy on an ephemeral 127.0.0.1 port forwarding to `upstream` (`host:port`).
     pub async fn start(upstream: &str) -> std::io::Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        Self::start_on(std::net::Ipv4Addr::LOCALHOST.into(), upstream).await
+    }
+
+    /// Starts a proxy on an ephemeral port of the local address `on` forwarding to
+    /// `upstream` (`host:port`): with no fault armed, a plain forwarder, such as one that
+    /// makes a server on 127.0.0.1 reachable from a network namespace
+    /// ([`crate::netns::Netns::host_ip`]).
+    pub async fn start_on(on: std::net::IpAddr, upstream: &str) -> std::io::Result<Self> {
+        let listener = TcpListener::bind((on, 0)).await?;
         let addr = listener.local_addr()?;
         let plan = Arc::new(Mutex::new(Plan::default()));
         let uploaded = Arc::new(AtomicU64::new(0));
@@ -95,7 +103,12 @@ impl FaultProxy {
         })
     }
 
-    /// `http://127.0.0.1:PORT`, to use as the client's endpoint.
+    /// Its `ADDR:PORT`.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://ADDR:PORT`, to use as the client's endpoint.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }

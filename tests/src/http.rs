@@ -1,4 +1,4 @@
-//! A plain HTTP/1.1 server on 127.0.0.1 for tests of clients and proxies.
+//! A plain HTTP/1.1 server on 127.0.0.1 (or another local address) for tests of clients and proxies.
 
 /// An HTTP/1.1 server on 127.0.0.1 answering every request with `hello <path>`
 /// ([`LocalServer::start`]) or with the files of a directory ([`LocalServer::serve_dir`]),
@@ -18,13 +18,16 @@ pub struct LocalServer {
 impl LocalServer {
     /// Starts one answering `hello <path>`; it serves until the test process ends.
     pub fn start() -> LocalServer {
-        Self::serve(None)
+        Self::serve(None, std::net::Ipv4Addr::LOCALHOST.into())
     }
 
     /// Starts one serving the files under `root` (`GET /a/b` is `root/a/b`, the query
     /// ignored; anything else, `..` included, is 404).
     pub fn serve_dir(root: &std::path::Path) -> LocalServer {
-        Self::serve(Some(root.to_path_buf()))
+        Self::serve(
+            Some(root.to_path_buf()),
+            std::net::Ipv4Addr::LOCALHOST.into(),
+        )
     }
 
     /// Starts one answering `hello <path>` except for requests whose path starts with
@@ -32,7 +35,13 @@ impl LocalServer {
     /// [`LocalServer::held`]), the later ones are answered. [`LocalServer::hold_more`] holds
     /// more.
     pub fn holding(prefix: &str, n: usize) -> LocalServer {
-        let s = Self::serve(None);
+        Self::holding_on(std::net::Ipv4Addr::LOCALHOST.into(), prefix, n)
+    }
+
+    /// [`LocalServer::holding`] on a port of the local address `on` rather than 127.0.0.1
+    /// (such as [`crate::netns::Netns::host_ip`], reachable from a network namespace).
+    pub fn holding_on(on: std::net::IpAddr, prefix: &str, n: usize) -> LocalServer {
+        let s = Self::serve(None, on);
         *s.hold.lock().unwrap() = (prefix.to_string(), n);
         s
     }
@@ -53,9 +62,9 @@ impl LocalServer {
             .count()
     }
 
-    fn serve(root: Option<std::path::PathBuf>) -> LocalServer {
+    fn serve(root: Option<std::path::PathBuf>, on: std::net::IpAddr) -> LocalServer {
         use std::io::{BufRead, BufReader, Write};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let listener = std::net::TcpListener::bind((on, 0)).unwrap();
         let port = listener.local_addr().unwrap().port();
         let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let record = seen.clone();

@@ -5,6 +5,8 @@ pub mod crash;
 pub mod ext4;
 pub mod fault_proxy;
 pub mod http;
+pub mod netns;
+pub mod serve;
 pub mod stores;
 pub mod vm;
 

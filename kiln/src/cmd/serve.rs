@@ -65,6 +65,11 @@ pub struct Args {
     /// runs no build (at least --takeover-after).
     #[arg(long = "node-retention", env = "KILN_SERVE_NODE_RETENTION", default_value = "7d", value_parser = super::parse_duration)]
     pub node_retention: std::time::Duration,
+    /// The longest a liveness call to the database (heartbeat, takeover sweep), a running
+    /// build's watch or log write, or getting a database connection may take; on PostgreSQL also how long a session may sit inside a
+    /// transaction before the server ends it (a node cut off mid-transaction).
+    #[arg(long = "database-timeout", env = "KILN_SERVE_DATABASE_TIMEOUT", default_value = "10s", value_parser = super::parse_duration)]
+    pub database_timeout: std::time::Duration,
     /// How long an Idempotency-Key names its build.
     #[arg(long = "idempotency-window", default_value = "24h", value_parser = super::parse_duration)]
     pub idempotency_window: std::time::Duration,
@@ -260,6 +265,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     cfg.takeover = a.takeover_after;
     cfg.max_attempts = a.max_attempts;
     cfg.node_retention = a.node_retention;
+    cfg.database_timeout = a.database_timeout;
     cfg.check()?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
