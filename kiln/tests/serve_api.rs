@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 
 use kiln_tests::require_env;
 use kiln_tests::serve::{
-    Server, claimer, client, context_dir, env, get, json_of, postgres, psql, rt, running_step,
-    submit, submit_recipe, tar_dir, terminal, until, wait_for,
+    QUICK_LIVENESS, Server, claimer, client, context_dir, env, fetch_recipe, get, json_of,
+    postgres, psql, rt, running_step, submit, submit_recipe, tagged_spec, tar_dir, terminal, until,
+    wait_for,
 };
 use serde_json::{Value, json};
 
@@ -1002,18 +1003,7 @@ fn three_nodes_share_one_queue_cache_and_store_and_take_over_a_killed_nodes_buil
         "nodes",
     ));
     let web = kiln_tests::http::LocalServer::holding("/hold/", 1);
-    let args = [
-        "--workers",
-        "2",
-        "--heartbeat",
-        "1s",
-        "--takeover-after",
-        "3s",
-        "--max-attempts",
-        "2",
-        "--shutdown-grace",
-        "1s",
-    ];
+    let args = [&["--workers", "2"][..], &QUICK_LIVENESS].concat();
     let start = |i: usize| {
         let dir = t.path().join(format!("node{i}"));
         Server::start_node(
@@ -1025,16 +1015,8 @@ fn three_nodes_share_one_queue_cache_and_store_and_take_over_a_killed_nodes_buil
             &args,
         )
     };
-    let recipe = |path: &str| {
-        format!(
-            "FROM {bb}\nRUN --network=host wget -q -O /fetched http://127.0.0.1:{}{path}\n",
-            web.port
-        )
-    };
-    let spec = |tag: &str| {
-        json!({"network": "host", "tags": [tag],
-               "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}})
-    };
+    let recipe = |path: &str| fetch_recipe(&bb, "127.0.0.1", web.port, path);
+    let spec = tagged_spec;
     let c = client();
     let submit_to = |s: &Server, key: &str, tag: &str, path: &str| {
         rt().block_on(submit_recipe(&c, s, key, &spec(tag), &recipe(path)))
@@ -1304,18 +1286,7 @@ fn a_context_uploaded_to_one_node_is_built_by_another_through_the_store() {
     ));
     // Held: node 0's build, and the context build's first attempt.
     let web = kiln_tests::http::LocalServer::holding("/hold/", 2);
-    let args = [
-        "--workers",
-        "1",
-        "--heartbeat",
-        "1s",
-        "--takeover-after",
-        "3s",
-        "--max-attempts",
-        "2",
-        "--shutdown-grace",
-        "1s",
-    ];
+    let args = [&["--workers", "1"][..], &QUICK_LIVENESS].concat();
     let start = |i: usize| {
         let dir = t.path().join(format!("node{i}"));
         Server::start_node(
@@ -1328,10 +1299,7 @@ fn a_context_uploaded_to_one_node_is_built_by_another_through_the_store() {
         )
     };
     let c = client();
-    let spec = |tag: &str| {
-        json!({"network": "host", "tags": [tag],
-               "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}})
-    };
+    let spec = tagged_spec;
     let node_of = |id: &str| {
         psql(
             &url,

@@ -15,10 +15,9 @@ use kiln_tests::http::LocalServer;
 use kiln_tests::netns::Netns;
 use kiln_tests::require_env;
 use kiln_tests::serve::{
-    Launch, Server, claimer, client, env, get, postgres, psql, rt, submit_recipe, terminal, until,
-    wait_for,
+    Launch, QUICK_LIVENESS, Server, claimer, client, env, fetch_recipe, get, postgres, psql, rt,
+    submit_recipe, tagged_spec, terminal, until, wait_for,
 };
-use serde_json::json;
 
 /// The `kiln` binary under test.
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
@@ -105,19 +104,11 @@ fn a_cut_off_node_stops_claiming_its_build_is_taken_over_and_it_publishes_nothin
     let web = LocalServer::holding_on(host_ip, "/hold/", 1);
 
     let args = [
-        "--workers",
-        "1",
-        "--heartbeat",
-        "1s",
-        "--takeover-after",
-        "3s",
-        "--max-attempts",
-        "2",
-        "--shutdown-grace",
-        "1s",
-        "--insecure-registry",
-        &reg_addr,
-    ];
+        &["--workers", "1"][..],
+        &QUICK_LIVENESS,
+        &["--insecure-registry", &reg_addr],
+    ]
+    .concat();
     let dir = |n: &str| t.path().join(n);
     let (cut_state, cut_cache) = (dir("cut").join("state"), dir("cut").join("cache"));
     let listen = format!("{}:0", net.ns_ip);
@@ -133,16 +124,9 @@ fn a_cut_off_node_stops_claiming_its_build_is_taken_over_and_it_publishes_nothin
         env: &[("AWS_ENDPOINT_URL", &s3_url)],
         extra: &args,
     });
-    let recipe = |path: &str| {
-        format!(
-            "FROM {base}\nRUN --network=host wget -q -O /fetched http://{host_ip}:{}{path}\n",
-            web.port
-        )
-    };
-    let spec = |tag: &str| {
-        json!({"network": "host", "tags": [tag],
-               "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}})
-    };
+    let host = host_ip.to_string();
+    let recipe = |path: &str| fetch_recipe(&base, &host, web.port, path);
+    let spec = tagged_spec;
     let c = client();
     let key = cut.key("acme", &["--max-concurrent", "4", "--max-queued", "100"]);
     let submit_to = |s: &Server, tag: &str, path: &str| {

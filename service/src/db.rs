@@ -718,7 +718,10 @@ impl Db {
         );
         let rows = self
             .bounded("reading the context leases due", async |conn| {
-                Ok(sqlx::query(&sql).bind(renew_after_ms).fetch_all(conn).await?)
+                Ok(sqlx::query(&sql)
+                    .bind(renew_after_ms)
+                    .fetch_all(conn)
+                    .await?)
             })
             .await?;
         rows.iter()

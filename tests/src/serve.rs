@@ -448,3 +448,29 @@ pub fn until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// The liveness settings of tests with several nodes: a 1 s heartbeat, a 3 s takeover, two
+/// attempts and a 1 s shutdown grace (the flags of `kiln serve`).
+pub const QUICK_LIVENESS: [&str; 8] = [
+    "--heartbeat",
+    "1s",
+    "--takeover-after",
+    "3s",
+    "--max-attempts",
+    "2",
+    "--shutdown-grace",
+    "1s",
+];
+
+/// A build request's JSON for a build tagged `tag`: the host network (so a step can reach
+/// a test server) and `SOURCE_DATE_EPOCH` set.
+pub fn tagged_spec(tag: &str) -> Value {
+    serde_json::json!({"network": "host", "tags": [tag],
+                       "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}})
+}
+
+/// A Dockerfile `FROM base` whose one step fetches `http://host:port<path>` (a test server
+/// that can hold the request, so the step waits until the test lets it go).
+pub fn fetch_recipe(base: &str, host: &str, port: u16, path: &str) -> String {
+    format!("FROM {base}\nRUN --network=host wget -q -O /fetched http://{host}:{port}{path}\n")
+}
