@@ -1,8 +1,8 @@
 //! `kiln build --isolation vm` (issue 14 §1): the microVM step executor against the namespace
 //! executor, on the busybox fixture, TCG. A deterministic Dockerfile (a new file, a whiteout
 //! of a lower file, a new directory, an opaque directory over an earlier step's, a `USER`
-//! and a missing `WORKDIR`, a heredoc script run as that user, a step with a tmpfs and a
-//! secret mounted, `SOURCE_DATE_EPOCH`) gives the same OCI manifest, so the same
+//! and a missing `WORKDIR`, a heredoc script run as that user, a step with a tmpfs, a
+//! secret, and the context bound read-write and read-only, `SOURCE_DATE_EPOCH`) gives the same OCI manifest, so the same
 //! layer digests, under both executors; the namespace build in the VM build's store runs no
 //! step (cache keys do not depend on the executor). A failing step reports its exit code and
 //! its log's tail; a step over the build's time limit is stopped by killing its VM, and no
@@ -29,7 +29,10 @@ fn dockerfile(bb: &str) -> String {
          RUN rm /bin/vi && rm -r /o && mkdir /o && echo 2 > /o/b && mkdir -p /d/e \
              && echo y > /d/e/g && ln /f /d/f2 && ln -s ../f /d/l && chmod 4755 /d/e/g\n\
          RUN --mount=type=tmpfs,target=/scratch --mount=type=secret,id=tok,target=/run/secrets/tok \
-             echo t > /scratch/a && test \"$(cat /run/secrets/tok)\" = hunter2 && echo ok > /m\n\
+             --mount=type=bind,target=/ctx,rw --mount=type=bind,target=/ro \
+             echo t > /scratch/a && test \"$(cat /run/secrets/tok)\" = hunter2 \
+             && echo w > /ctx/new && cp /ctx/Dockerfile /df && ! touch /ro/x 2>/dev/null \
+             && test ! -e /ro/new && echo ok > /m\n\
          USER nobody\n\
          WORKDIR /w/x\n\
          RUN <<EOF\n#!/bin/sh\necho z > /tmp/z && id -u > /tmp/uid\nEOF\n"

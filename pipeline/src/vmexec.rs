@@ -32,13 +32,16 @@
 //! Heredoc files (`RUN <<EOF`) go in the exec request; the guest writes them under
 //! `/dev/pipes/` (its devtmpfs, outside the layer), where the namespace executor puts them.
 //!
-//! `RUN --mount=type=tmpfs` and `type=secret` are prepared on the host as for namespace steps
-//! ([`kiln_builder::exec::mounts::prepare`]: targets resolved through the lowers) and mounted
-//! by the guest around the command (a secret on a private tmpfs under `/dev`, bound read-only),
-//! then their mount points are removed from the layer with the same cleanup.
+//! `RUN --mount=type=tmpfs`, `type=secret` and `type=bind` are prepared on the host as for
+//! namespace steps ([`kiln_builder::exec::mounts::prepare`]: targets resolved through the
+//! lowers) and mounted by the guest around the command: a secret on a private tmpfs under
+//! `/dev`, bound read-only; a bind's tree (the context, a stage or an image, opened inside its
+//! root) as one more read-only ext4 disk made for the step, mounted read-only or, with `rw`,
+//! under an overlay whose tmpfs upper is discarded. Their mount points are removed from the
+//! layer with the same cleanup.
 //!
-//! Not yet: `RUN --mount` of host directories (the context, stages, caches: the guest cannot
-//! see them) and networks other than none (a step with the default network runs without one
+//! Not yet: `RUN --mount=type=cache` (a persistent host directory) and a bind of a single
+//! file; networks other than none (a step with the default network runs without one
 //! and says so in its log) are refused or reduced as [`VmExecutor::run`] says; a VM restored
 //! from a snapshot per step instead of a cold boot.
 
@@ -60,6 +63,9 @@ use kiln_vmm::snapshot::BootAssets;
 /// Most lower directories one step VM takes (the guest init's bound, `kiln.step=`; each is
 /// a virtio-mmio device of the microvm machine).
 pub const MAX_LOWERS: usize = 16;
+/// Most read-only disks of one step VM, lower layers and bind mounts together: the microvm
+/// machine's 24 virtio-mmio transports less the upper disk and the guest channel.
+pub const MAX_DISKS: usize = 22;
 /// How long a step VM may take from QEMU's start to the guest's answer.
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the host waits for each frame of the step's changes.
@@ -124,7 +130,7 @@ impl VmExecutor {
 
 impl StepExecutor for VmExecutor {
     /// Runs `spec` in a microVM (module doc). Refused with [`ExecError::Unsupported`]:
-    /// `RUN --mount` of a bind or cache, the host network and allow-lists, more than
+    /// `RUN --mount=type=cache`, a bind of a file, the host network and allow-lists, more than
     /// [`MAX_LOWERS`] lower directories. A step with the default network runs without one.
     fn run(
         &self,
@@ -145,21 +151,27 @@ impl StepExecutor for VmExecutor {
             Network::Host => return unsupported("RUN --network=host"),
             Network::Allow(_) => return unsupported("an allow-list network"),
         }
-        if let Some(m) = spec.mounts.iter().find(|m| {
-            matches!(
-                m.kind,
-                kiln_builder::exec::MountKind::Bind { .. }
-                    | kiln_builder::exec::MountKind::Cache { .. }
-            )
-        }) {
-            return unsupported(&format!(
-                "RUN --mount of a host directory (bind or cache, at {})",
-                m.target
-            ));
+        if let Some(m) = spec
+            .mounts
+            .iter()
+            .find(|m| matches!(m.kind, kiln_builder::exec::MountKind::Cache { .. }))
+        {
+            return unsupported(&format!("RUN --mount=type=cache (at {})", m.target));
         }
         if spec.lower_dirs.len() > MAX_LOWERS {
             return unsupported(&format!(
                 "{} layers (at most {MAX_LOWERS})",
+                spec.lower_dirs.len()
+            ));
+        }
+        let binds = spec
+            .mounts
+            .iter()
+            .filter(|m| matches!(m.kind, kiln_builder::exec::MountKind::Bind { .. }))
+            .count();
+        if spec.lower_dirs.len() + binds > MAX_DISKS {
+            return unsupported(&format!(
+                "{} layers and {binds} bind mounts (at most {MAX_DISKS} disks in all)",
                 spec.lower_dirs.len()
             ));
         }
@@ -273,28 +285,12 @@ pub async fn lower_image(cache: &Path, lower: &Path) -> Result<PathBuf, ExecErro
         what: format!("creating {}", cache.display()),
         source,
     })?;
-    let dir = lower.to_path_buf();
-    let (bytes, entries) = tokio::task::spawn_blocking(move || tree_counts(&dir))
-        .await
-        .map_err(|e| ExecError::Setup(e.to_string()))?;
-    let size = bytes / 2 * 3 + entries * 1024 + (32 << 20);
     let tmp = cache.join(format!(
         "{hex}.tmp-{}-{}",
         std::process::id(),
         STEP_COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
-    let r = mke2fs(
-        &tmp,
-        size,
-        &[
-            "-N".to_string(),
-            (entries + 256).to_string(),
-            "-d".to_string(),
-            lower.display().to_string(),
-        ],
-    )
-    .await
-    .and_then(|()| {
+    let r = tree_image(&tmp, lower).await.and_then(|()| {
         std::fs::rename(&tmp, &img).map_err(|source| ExecError::Io {
             what: format!("renaming {}", tmp.display()),
             source,
@@ -304,6 +300,28 @@ pub async fn lower_image(cache: &Path, lower: &Path) -> Result<PathBuf, ExecErro
         let _ = std::fs::remove_file(&tmp);
     }
     r.map(|()| img)
+}
+
+/// An ext4 image at `img` of the tree `dir` (`mke2fs -d`), sized as [`lower_image`] says.
+///
+/// Errors: the walk or mke2fs failed ([`ExecError::Io`], [`ExecError::Setup`]).
+async fn tree_image(img: &Path, dir: &Path) -> Result<(), ExecError> {
+    let walk = dir.to_path_buf();
+    let (bytes, entries) = tokio::task::spawn_blocking(move || tree_counts(&walk))
+        .await
+        .map_err(|e| ExecError::Setup(e.to_string()))?;
+    let size = bytes / 2 * 3 + entries * 1024 + (32 << 20);
+    mke2fs(
+        img,
+        size,
+        &[
+            "-N".to_string(),
+            (entries + 256).to_string(),
+            "-d".to_string(),
+            dir.display().to_string(),
+        ],
+    )
+    .await
 }
 
 /// Allocated bytes (`st_blocks` × 512) and entries under `dir`, not following symlinks.
@@ -398,6 +416,64 @@ impl VmExecutor {
         for l in &spec.lower_dirs {
             lowers.push(lower_image(&self.config.run_dir.join("vm-lowers"), l).await?);
         }
+        let step_lowers = lowers.len();
+        // Each bind mount's tree as one more read-only disk, made for this step only.
+        let mut guest_mounts = Vec::new();
+        for m in mounts.guest_view() {
+            let (rel, kind) = match m {
+                GuestMount::Tmpfs { rel, size_bytes } => (rel, ExecMountKind::Tmpfs { size_bytes }),
+                GuestMount::Secret {
+                    rel,
+                    value,
+                    mode,
+                    uid,
+                    gid,
+                } => (
+                    rel,
+                    ExecMountKind::Secret {
+                        data: value.to_vec(),
+                        mode,
+                        uid,
+                        gid,
+                    },
+                ),
+                GuestMount::Bind {
+                    rel,
+                    root,
+                    path,
+                    readwrite,
+                    file,
+                } => {
+                    if file {
+                        return Err(ExecError::Unsupported(format!(
+                            "RUN --mount=type=bind of a file (at /{rel}) in a microVM step"
+                        )));
+                    }
+                    let src = kiln_builder::exec::mounts::open_bind_source(root, path)
+                        .map_err(|e| ExecError::Setup(format!("--mount source {path:?}: {e}")))?;
+                    let tree = PathBuf::from(format!(
+                        "/proc/{}/fd/{}",
+                        std::process::id(),
+                        std::os::fd::AsRawFd::as_raw_fd(&src)
+                    ));
+                    let img = dir.join(format!("bind{}.ext4", lowers.len()));
+                    tree_image(&img, &tree).await?;
+                    drop(src);
+                    let serial = format!("lower{}", lowers.len());
+                    lowers.push(img);
+                    (rel, ExecMountKind::Disk { serial, readwrite })
+                }
+                GuestMount::Cache { rel } => {
+                    return Err(ExecError::Unsupported(format!(
+                        "RUN --mount=type=cache (at /{rel}) in a microVM step"
+                    )));
+                }
+            };
+            guest_mounts.push(ExecMount {
+                rel: rel.to_string(),
+                kind,
+            });
+        }
         let vm_spec = VmSpec {
             accel: self.accel,
             vcpus: self.vcpus,
@@ -408,7 +484,7 @@ impl VmExecutor {
             memory_mode: MemoryMode::Anonymous,
             disk: disk.clone(),
             disk_format: DiskFormat::Raw,
-            kernel_args: vec![format!("kiln.step={}", lowers.len())],
+            kernel_args: vec![format!("kiln.step={step_lowers}")],
             ro_disks: lowers,
             qmp_socket: dir.join("qmp.sock"),
             guest_socket: dir.join("guest.sock"),
@@ -482,33 +558,7 @@ impl VmExecutor {
                     })
                 })
                 .collect(),
-            mounts: mounts
-                .guest_view()
-                .into_iter()
-                .filter_map(|m| match m {
-                    GuestMount::Tmpfs { rel, size_bytes } => Some(ExecMount {
-                        rel: rel.to_string(),
-                        kind: ExecMountKind::Tmpfs { size_bytes },
-                    }),
-                    GuestMount::Secret {
-                        rel,
-                        value,
-                        mode,
-                        uid,
-                        gid,
-                    } => Some(ExecMount {
-                        rel: rel.to_string(),
-                        kind: ExecMountKind::Secret {
-                            data: value.to_vec(),
-                            mode,
-                            uid,
-                            gid,
-                        },
-                    }),
-                    // Refused in run().
-                    GuestMount::HostDir { .. } => None,
-                })
-                .collect(),
+            mounts: guest_mounts,
         };
         let exec_id = session.start(&req).await.map_err(|e| match e {
             kiln_vmm::exec::ExecError::Request(d) => ExecError::Setup(format!("the step: {d}")),

@@ -288,7 +288,8 @@ pub struct VmSpec {
     /// Its format.
     pub disk_format: DiskFormat,
     /// Read-only raw disks after the guest channel, in order, as `virtio-blk-device`s with
-    /// the serial `lower<i>` (a build step's lower layers, each an ext4 image); the root
+    /// the serial `lower<i>` (a build step's lower layers, then the trees of its bind
+    /// mounts, each an ext4 image); the root
     /// disk then gets the serial `upper`, so the guest finds each by serial
     /// (`/sys/block/vd*/serial`), whatever names the kernel gives them. Empty for
     /// sandboxes, whose device layout ([`DEVICE_LAYOUT`]) stays as it is.

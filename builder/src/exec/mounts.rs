@@ -437,11 +437,34 @@ pub enum GuestMount<'a> {
         /// File group.
         gid: u32,
     },
-    /// A bind or cache mount: a host directory, which a guest cannot see.
-    HostDir {
+    /// A bind of `path` inside the host tree `root` (the context, a stage's or an image's
+    /// root): a guest gets it as a disk made from the tree ([`open_bind_source`] opens it).
+    Bind {
+        /// The mount point, relative to the root.
+        rel: &'a str,
+        /// The tree.
+        root: &'a Path,
+        /// Path inside it (empty: its root).
+        path: &'a str,
+        /// Writes allowed, and discarded after the step.
+        readwrite: bool,
+        /// The source is a file (else a directory).
+        file: bool,
+    },
+    /// A cache mount: a persistent host directory.
+    Cache {
         /// The mount point, relative to the root.
         rel: &'a str,
     },
+}
+
+/// Opens `path` inside `root` as a bind mount's source, resolved as the namespace executor
+/// resolves it (`openat2` with `RESOLVE_IN_ROOT`: `..` and symlinks stay inside `root`), as an
+/// `O_PATH` descriptor; `/proc/<pid>/fd/<n>` of it names the tree to other processes.
+///
+/// Errors: the path cannot be opened (the message names the error).
+pub fn open_bind_source(root: &Path, path: &str) -> Result<OwnedFd, String> {
+    open_in(root, path)
 }
 
 /// Mounts prepared for one step, with the cache locks held until it is dropped.
@@ -478,9 +501,14 @@ impl PreparedMounts {
                     uid: *uid,
                     gid: *gid,
                 },
-                PreparedKind::Bind { .. } | PreparedKind::Dir { .. } => {
-                    GuestMount::HostDir { rel: &m.rel }
-                }
+                PreparedKind::Bind { root, path, rw } => GuestMount::Bind {
+                    rel: &m.rel,
+                    root,
+                    path,
+                    readwrite: rw.is_some(),
+                    file: m.file,
+                },
+                PreparedKind::Dir { .. } => GuestMount::Cache { rel: &m.rel },
             })
             .collect()
     }

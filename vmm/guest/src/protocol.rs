@@ -275,6 +275,16 @@ pub enum ExecMountKind {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         size_bytes: Option<u64>,
     },
+    /// The ext4 file system of the read-only disk with this serial (`lower<i>`, a bind
+    /// mount's tree): mounted read-only, or with `readwrite` under an overlay whose upper
+    /// directory is a tmpfs (the writes are discarded with the exec).
+    Disk {
+        /// The disk's serial (`/sys/block/vd*/serial`): `lower` and digits.
+        serial: String,
+        /// Writes allowed (and discarded).
+        #[serde(default)]
+        readwrite: bool,
+    },
     /// A file with these bytes, bound read-only onto a file mount point.
     Secret {
         /// Content; standard base64 on the wire.
@@ -720,6 +730,21 @@ impl Exec {
                 format!("{} mounts, at most {MAX_MOUNTS}", self.mounts.len()),
             ));
         }
+        if let Some(serial) = self.mounts.iter().find_map(|m| match &m.kind {
+            ExecMountKind::Disk { serial, .. }
+                if !serial.strip_prefix("lower").is_some_and(|n| {
+                    !n.is_empty() && n.len() <= 3 && n.bytes().all(|b| b.is_ascii_digit())
+                }) =>
+            {
+                Some(serial)
+            }
+            _ => None,
+        }) {
+            return Err(bad(
+                "mounts",
+                format!("disk serial {:?} is not lower<N>", truncate(serial, 64)),
+            ));
+        }
         if let Some(m) = self.mounts.iter().find(|m| !ExecMount::rel_ok(&m.rel)) {
             return Err(bad(
                 "mounts",
@@ -734,7 +759,7 @@ impl Exec {
             .iter()
             .map(|m| match &m.kind {
                 ExecMountKind::Secret { data, .. } => data.len(),
-                ExecMountKind::Tmpfs { .. } => 0,
+                ExecMountKind::Tmpfs { .. } | ExecMountKind::Disk { .. } => 0,
             })
             .sum();
         let bytes: usize = self.files.iter().map(|f| f.data.len()).sum::<usize>() + secret_bytes;
@@ -1015,6 +1040,13 @@ mod tests {
                         },
                     },
                     ExecMount {
+                        rel: "src".into(),
+                        kind: ExecMountKind::Disk {
+                            serial: "lower3".into(),
+                            readwrite: true,
+                        },
+                    },
+                    ExecMount {
                         rel: "run/secrets/tok".into(),
                         kind: ExecMountKind::Secret {
                             data: b"hunter2".to_vec(),
@@ -1199,6 +1231,21 @@ mod tests {
                     mounts: vec![ExecMount {
                         rel: rel.into(),
                         kind: ExecMountKind::Tmpfs { size_bytes: None },
+                    }],
+                    ..exec(&["true"])
+                },
+                "mounts",
+            ));
+        }
+        for serial in ["upper", "lower", "lowerx", "lower1234", "../lower1"] {
+            cases.push((
+                Exec {
+                    mounts: vec![ExecMount {
+                        rel: "src".into(),
+                        kind: ExecMountKind::Disk {
+                            serial: serial.into(),
+                            readwrite: false,
+                        },
                     }],
                     ..exec(&["true"])
                 },

@@ -263,7 +263,7 @@ fn mount_step_root(opts: &BootOptions, n: usize) -> Result<(), BootError> {
 
 /// Virtio block devices by serial: `serial` → `/dev/vdX` (made with mknod from its `dev`
 /// file when devtmpfs has not made it yet).
-fn disks_by_serial() -> std::collections::HashMap<String, String> {
+pub fn disks_by_serial() -> std::collections::HashMap<String, String> {
     let mut out = std::collections::HashMap::new();
     let Ok(dir) = fs::read_dir("/sys/block") else {
         return out;

@@ -316,18 +316,21 @@ fn write_files(files: &[ExecFile]) -> Result<(), String> {
 /// An exec's mounts, unmounted (lazily, newest first) when dropped, with its secrets' tmpfs.
 struct Mounted {
     points: Vec<PathBuf>,
+    /// Staging mounts under `/dev` (a read-write bind's tmpfs and read-only disk).
+    stages: Vec<PathBuf>,
     secrets: Option<PathBuf>,
 }
 
 impl Drop for Mounted {
     fn drop(&mut self) {
-        for p in self.points.iter().rev().chain(self.secrets.iter()) {
+        let staged = self.stages.iter().rev().chain(self.secrets.iter());
+        for p in self.points.iter().rev().chain(staged) {
             if let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) {
                 // SAFETY: c is a NUL-terminated path that outlives the call.
                 unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
             }
         }
-        if let Some(d) = &self.secrets {
+        for d in self.stages.iter().rev().chain(self.secrets.iter()) {
             let _ = fs::remove_dir(d);
         }
     }
@@ -375,13 +378,15 @@ fn mount_point(rel: &str, file: bool) -> Result<PathBuf, String> {
     Ok(cur)
 }
 
-/// Mounts an exec's [`ExecMount`]s in order: a tmpfs (`mode=1777`, its size, `nosuid,nodev`),
-/// or a secret: a file on a private tmpfs under `/dev` (outside a build step's layer), bound
+/// Mounts an exec's [`ExecMount`]s in order: a tmpfs (`mode=1777`, its size, `nosuid,nodev`);
+/// a disk's ext4 (a bind mount's tree) read-only, or under an overlay with a tmpfs upper; or
+/// a secret: a file on a private tmpfs under `/dev` (outside a build step's layer), bound
 /// read-only onto its file mount point.
 fn mount_all(id: u64, mounts: &[ExecMount]) -> Result<Mounted, String> {
     use std::os::unix::fs::PermissionsExt;
     let mut done = Mounted {
         points: Vec::new(),
+        stages: Vec::new(),
         secrets: None,
     };
     let nsd = libc::MS_NOSUID | libc::MS_NODEV;
@@ -401,6 +406,42 @@ fn mount_all(id: u64, mounts: &[ExecMount]) -> Result<Mounted, String> {
                 };
                 sys::mount("tmpfs", &at, "tmpfs", nsd, &data)
                     .map_err(|e| format!("mounting a tmpfs on {}: {e}", at.display()))?;
+                done.points.push(at);
+            }
+            ExecMountKind::Disk { serial, readwrite } => {
+                let dev = crate::boot::disks_by_serial()
+                    .remove(serial)
+                    .ok_or_else(|| format!("no disk with the serial {serial}"))?;
+                let at = mount_point(&m.rel, false)?;
+                if !readwrite {
+                    sys::mount(&dev, &at, "ext4", nsd | libc::MS_RDONLY, "")
+                        .map_err(|e| format!("mounting {dev} on {}: {e}", at.display()))?;
+                    done.points.push(at);
+                    continue;
+                }
+                // Read-write: the disk read-only under an overlay with a tmpfs upper, all
+                // staged under /dev (outside a build step's layer).
+                let stage = PathBuf::from(format!("/dev/kiln-bind-{id:016x}-{i}"));
+                fs::create_dir(&stage).map_err(|e| format!("creating {}: {e}", stage.display()))?;
+                sys::mount("tmpfs", &stage, "tmpfs", nsd, "mode=0700")
+                    .map_err(|e| format!("mounting a tmpfs on {}: {e}", stage.display()))?;
+                done.stages.push(stage.clone());
+                for d in ["lower", "upper", "work"] {
+                    fs::create_dir(stage.join(d))
+                        .map_err(|e| format!("creating {}: {e}", stage.join(d).display()))?;
+                }
+                let lower = stage.join("lower");
+                sys::mount(&dev, &lower, "ext4", nsd | libc::MS_RDONLY, "")
+                    .map_err(|e| format!("mounting {dev} on {}: {e}", lower.display()))?;
+                done.stages.push(lower.clone());
+                let data = format!(
+                    "lowerdir={},upperdir={},workdir={}",
+                    lower.display(),
+                    stage.join("upper").display(),
+                    stage.join("work").display()
+                );
+                sys::mount("overlay", &at, "overlay", nsd, &data)
+                    .map_err(|e| format!("mounting the rw bind on {}: {e}", at.display()))?;
                 done.points.push(at);
             }
             ExecMountKind::Secret {
