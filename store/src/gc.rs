@@ -354,12 +354,18 @@ impl Store {
     /// Marks from `roots` over the manifests in `refs`, loading (into `refs`) any reachable
     /// manifest not there yet: a root read after the listing may name a manifest written
     /// after it (a build that published meanwhile).
+    ///
+    /// A manifest named but absent (neither at its key nor its fossil key) refers to nothing
+    /// in this mark and is not remembered in `refs`: a lease names its manifest before the
+    /// manifest is written (after the objects it names, each leased already), so a later
+    /// mark loads it again.
     async fn mark_from(
         &self,
         roots: &[ObjectRef],
         refs: &mut RefsOf,
         strict: bool,
     ) -> Result<HashSet<ObjectRef>, StoreError> {
+        let mut absent: HashSet<ManifestDigest> = HashSet::new();
         loop {
             let mut unknown = Vec::new();
             let live = mark(roots.iter().copied(), |o| match o {
@@ -370,6 +376,7 @@ impl Store {
                         object: d.key(),
                         reason: reason.clone(),
                     }),
+                    None if absent.contains(d) => Ok(Vec::new()),
                     None => {
                         unknown.push(*d);
                         Ok(Vec::new())
@@ -381,13 +388,19 @@ impl Store {
                 return Ok(live);
             }
             for d in unknown {
-                let r = match self.manifest_refs(&d).await {
-                    // Named but absent (a fossil counts as there): nothing further to keep
-                    // (verify reports it).
-                    Err(_) if self.read_head(&d.key()).await?.is_none() => Ok(Vec::new()),
-                    r => r,
-                };
-                refs.insert(d, r);
+                match self.get_manifest(&d).await {
+                    Ok(m) => {
+                        refs.insert(d, Ok(references(&m)));
+                    }
+                    // Named but absent: nothing further to keep now (verify reports it if
+                    // it stays so).
+                    Err(StoreError::Backend(e)) if e.is_not_found() => {
+                        absent.insert(d);
+                    }
+                    Err(e) => {
+                        refs.insert(d, Err(e.to_string()));
+                    }
+                }
             }
         }
     }
@@ -1217,6 +1230,128 @@ mod tests {
         assert_eq!(r.resurrected, [x.key()], "{r:?}");
         assert!(found.contains(&x), "the sweep did not finish first: {r:?}");
         lease.release().await.unwrap();
+    }
+
+    /// One GC per store: a live holder's lock refuses a second GC (naming the holder), a
+    /// dead holder's (same host, process gone) or an expired one is taken over, and a run
+    /// removes its lock when done.
+    #[tokio::test]
+    async fn the_gc_lock_refuses_a_second_gc_and_is_taken_over_from_a_dead_one() {
+        use crate::owner::ProcessId;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let put_lock = |r: LeaseRecord| {
+            let store = store.clone();
+            async move {
+                store
+                    .backend
+                    .put(GC_LOCK_KEY, encode_lock(&r))
+                    .await
+                    .unwrap();
+            }
+        };
+        put_lock(lock_record()).await;
+        let err = store.gc(&GcOptions::default()).await.unwrap_err();
+        assert!(
+            matches!(&err, StoreError::Gc(GcError::Busy { pid, .. }) if *pid == std::process::id()),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("another GC is running"), "{err}");
+        // A dry run takes no lock.
+        store
+            .gc(&GcOptions {
+                dry_run: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let start_ticks = crate::owner::start_ticks(pid).unwrap_or(1);
+        child.wait().unwrap();
+        let mut dead = lock_record();
+        dead.owner = Some(LeaseOwner {
+            process: ProcessId { pid, start_ticks },
+            ..LeaseOwner::current()
+        });
+        put_lock(dead).await;
+        store.gc(&GcOptions::default()).await.unwrap();
+        assert!(store.backend.head(GC_LOCK_KEY).await.unwrap().is_none());
+
+        let mut expired = lock_record();
+        expired.host = "elsewhere".into();
+        expired.owner = None;
+        expired.expires = unix_now() - 1;
+        put_lock(expired).await;
+        store.gc(&GcOptions::default()).await.unwrap();
+        assert!(store.backend.head(GC_LOCK_KEY).await.unwrap().is_none());
+    }
+
+    /// A tagged image whose manifest and one chunk sit at their fossil keys (a GC stopped
+    /// between its phases, after a build relied on them): writers see them absent, readers
+    /// and verify find them, and the next GC puts them back.
+    #[tokio::test]
+    async fn fossils_are_read_through_and_the_next_gc_puts_back_what_is_marked() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::manifest::{ImageManifest, Manifest};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let bytes = data(11);
+        let (table, _) = store
+            .put_artifact_reader(
+                std::io::Cursor::new(bytes.clone()),
+                &PutArtifactOptions::default(),
+            )
+            .await
+            .unwrap();
+        let raw = store
+            .put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
+            .await
+            .unwrap();
+        let m = ObjectRef::Manifest(raw.digest);
+        let c = ObjectRef::Chunk(table.entries[0].digest.unwrap());
+        for o in [m, c] {
+            store
+                .backend
+                .rename(&o.key(), &fossil_key(&o.key()))
+                .await
+                .unwrap();
+        }
+        // A manifest that is a fossil can be tagged (a build's publish during a GC).
+        let t: crate::TagRef = "img:v1".parse().unwrap();
+        store.set_tag(&t, None, raw.digest).await.unwrap();
+        assert!(!store.has(&c).await.unwrap() && !store.has(&m).await.unwrap());
+        let found = store.exist(&[c, m]).await.unwrap();
+        assert_eq!(found, [false, false], "writers never see fossils");
+        let out = dir.path().join("out");
+        let Manifest::Image(im) = store.get_manifest(&raw.digest).await.unwrap() else {
+            panic!("not an image")
+        };
+        store.materialize(&im.disk, &out, None).await.unwrap();
+        assert!(std::fs::read(&out).unwrap() == bytes);
+        let v = store.verify(true, &GcOptions::default()).await.unwrap();
+        assert!(v.is_ok(), "{:?}", v.findings);
+        assert_eq!(v.fossils, 2);
+        assert!(v.orphans.is_empty(), "{:?}", v.orphans);
+
+        let r = store
+            .gc(&GcOptions {
+                grace: Duration::ZERO,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut back = r.resurrected.clone();
+        back.sort();
+        let mut want = vec![m.key(), c.key()];
+        want.sort();
+        assert_eq!(back, want, "{r:?}");
+        assert!(r.collected.is_empty(), "{r:?}");
+        assert!(store.has(&c).await.unwrap() && store.has(&m).await.unwrap());
+        assert!(store.backend.list(FOSSIL_PREFIX).await.unwrap().is_empty());
+        let v = store.verify(true, &GcOptions::default()).await.unwrap();
+        assert!(v.is_ok() && v.fossils == 0, "{v:?}");
     }
 
     fn walkdir(p: &std::path::Path) -> Vec<std::path::PathBuf> {
