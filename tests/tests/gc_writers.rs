@@ -237,7 +237,10 @@ async fn reuse_during_sweep(publish_before_gc_ends: bool) {
         StoreOptions::default(),
     );
     let report = gc_store.gc(&no_grace()).await.unwrap();
-    if let Some((lease, table)) = done_rx.await.unwrap() {
+    let held = done_rx
+        .await
+        .unwrap_or_else(|_| panic!("GC never swept X (so the race was not run): {report:?}"));
+    if let Some((lease, table)) = held {
         publish(&writer, lease, table, "img:v1").await;
     }
     let store = Store::open(&url).await.unwrap();
