@@ -298,112 +298,137 @@ fn run_gc(url: &str, crash: Option<u64>) -> std::process::Output {
 /// at its key and at its fossil key). After each kill verify --deep is clean; then a build
 /// may tag the untagged image (it relied on it before the kill: the race above); then a GC
 /// runs to the end: no fossil is left, the tagged images are whole, the rest is gone.
-async fn gc_killed_at_every_write(kind: Kind) {
-    let dir = tempfile::tempdir().unwrap();
-    // Writes of an uncrashed run on this store: found by the first run below.
-    let mut total = None;
-    let mut tagged_after_kill = 0;
-    let mut k = 1;
-    while total.is_none_or(|t| k <= t) {
-        let url = fresh_url(kind, dir.path(), &format!("crash{k}"));
-        let s = Store::open(&url).await.unwrap();
-        let chunking = kiln_store::Chunking::Fixed { size: 64 << 10 };
-        let put = |seed| {
-            let s = s.clone();
-            async move {
-                let (table, _) = s
-                    .put_artifact_reader(
-                        std::io::Cursor::new(test_bytes(seed, 192 << 10)),
-                        &PutArtifactOptions {
-                            chunking: Some(chunking),
-                            ..Default::default()
-                        },
-                    )
-                    .await
-                    .unwrap();
-                s.put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
-                    .await
-                    .unwrap()
-                    .digest
-            }
-        };
-        let kept = put(1).await;
-        s.force_tag(&"img:kept".parse().unwrap(), kept)
+/// The store every kill point starts from: a tagged image, an untagged one, and a fossil
+/// copy of one chunk of the tagged image (a move cut between its copy and its delete).
+/// Returns the store handle and the untagged image's manifest.
+async fn crash_fixture(url: &str) -> (Store, kiln_store::ManifestDigest) {
+    let s = Store::open(url).await.unwrap();
+    let chunking = kiln_store::Chunking::Fixed { size: 64 << 10 };
+    let put = |seed| {
+        let s = s.clone();
+        async move {
+            let (table, _) = s
+                .put_artifact_reader(
+                    std::io::Cursor::new(test_bytes(seed, 192 << 10)),
+                    &PutArtifactOptions {
+                        chunking: Some(chunking),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap();
+            s.put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
+                .await
+                .unwrap()
+                .digest
+        }
+    };
+    let kept = put(1).await;
+    s.force_tag(&"img:kept".parse().unwrap(), kept)
+        .await
+        .unwrap();
+    let untagged = put(2).await;
+    let Manifest::Image(km) = s.get_manifest(&kept).await.unwrap() else {
+        panic!("not an image")
+    };
+    let half = km.disk.chunk_digests()[0].key();
+    let b = s.backend();
+    b.put(
+        &kiln_store::gc::fossil_key(&half),
+        b.get(&half).await.unwrap(),
+    )
+    .await
+    .unwrap();
+    (s, untagged)
+}
+
+/// Kill point `k` on a fresh store at `url`: returns whether a build tagged the untagged
+/// image after the kill.
+async fn killed_at(url: String, k: u64) -> bool {
+    let (s, untagged) = crash_fixture(&url).await;
+    let u = url.clone();
+    let out = tokio::task::spawn_blocking(move || run_gc(&u, Some(k)))
+        .await
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "the GC was to die after write {k}: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let (findings, _) = deep_verify(&s).await;
+    assert!(
+        findings.is_empty(),
+        "after a kill at write {k}: {findings:?}"
+    );
+    // Every other time, while all of it is still there to read (before the GC's second
+    // phase deleted any of it: that phase never deletes what a build it saw relies on), a
+    // build that had found the untagged image present tags it.
+    let tag_it = k.is_multiple_of(2) && readable(&s, untagged).await;
+    if tag_it {
+        s.force_tag(&"img:late".parse().unwrap(), untagged)
             .await
             .unwrap();
-        let untagged = put(2).await;
-        let Manifest::Image(km) = s.get_manifest(&kept).await.unwrap() else {
-            panic!()
-        };
-        let half = km.disk.chunk_digests()[0].key();
-        let fossil = kiln_store::gc::fossil_key(&half);
-        let b = s.backend();
-        b.put(&fossil, b.get(&half).await.unwrap()).await.unwrap();
-
-        if total.is_none() {
-            let out = run_gc(&url, None);
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let text = String::from_utf8_lossy(&out.stdout).to_string();
-            let writes: u64 = text
-                .split_whitespace()
-                .find_map(|f| f.strip_prefix("writes="))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("unexpected gc output {text:?}"));
-            // lock + 4 moves (3 chunks, 1 manifest) + 1 fossil put back + 4 deletes + release.
-            assert!(writes >= 10, "{text}");
-            total = Some(writes);
-            continue;
-        }
-        let out = run_gc(&url, Some(k));
-        assert!(
-            !out.status.success(),
-            "the GC was to die after write {k}: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
         let (findings, _) = deep_verify(&s).await;
         assert!(
             findings.is_empty(),
-            "after a kill at write {k}: {findings:?}"
+            "kill at write {k}, then a tag: {findings:?}"
         );
-        // Every other time, while all of it is still there to read (before the GC's
-        // second phase deleted any of it: a build seen by that phase is never deleted
-        // from), a build that had found the untagged image present tags it.
-        let tag_it = k % 2 == 0 && readable(&s, untagged).await;
-        tagged_after_kill += u32::from(tag_it);
-        if tag_it {
-            s.force_tag(&"img:late".parse().unwrap(), untagged)
-                .await
-                .unwrap();
-            let (findings, _) = deep_verify(&s).await;
-            assert!(
-                findings.is_empty(),
-                "kill at write {k}, then a tag: {findings:?}"
-            );
-        }
-        let again = Store::open(&url).await.unwrap();
-        again
-            .gc(&no_grace())
-            .await
-            .unwrap_or_else(|e| panic!("the GC after a kill at write {k}: {e}"));
-        assert!(
-            b.list("fossil/").await.unwrap().is_empty(),
-            "kill at write {k}"
-        );
-        assert!(b.head(kiln_store::gc::GC_LOCK_KEY).await.unwrap().is_none());
-        let r = s.verify(true, &GcOptions::default()).await.unwrap();
-        assert!(r.is_ok(), "kill at write {k}: {:?}", r.findings);
-        assert_eq!(r.manifests, if tag_it { 2 } else { 1 }, "kill at write {k}");
-        assert_eq!(
-            s.has(&ObjectRef::Manifest(untagged)).await.unwrap(),
-            tag_it,
-            "kill at write {k}"
-        );
-        assert!(r.orphans.is_empty(), "kill at write {k}: {:?}", r.orphans);
-        k += 1;
+    }
+    let again = Store::open(&url).await.unwrap();
+    again
+        .gc(&no_grace())
+        .await
+        .unwrap_or_else(|e| panic!("the GC after a kill at write {k}: {e}"));
+    let b = s.backend();
+    assert!(
+        b.list("fossil/").await.unwrap().is_empty(),
+        "kill at write {k}"
+    );
+    assert!(b.head(kiln_store::gc::GC_LOCK_KEY).await.unwrap().is_none());
+    let r = s.verify(true, &GcOptions::default()).await.unwrap();
+    assert!(r.is_ok(), "kill at write {k}: {:?}", r.findings);
+    assert_eq!(r.manifests, if tag_it { 2 } else { 1 }, "kill at write {k}");
+    assert_eq!(
+        s.has(&ObjectRef::Manifest(untagged)).await.unwrap(),
+        tag_it,
+        "kill at write {k}"
+    );
+    assert!(r.orphans.is_empty(), "kill at write {k}: {:?}", r.orphans);
+    tag_it
+}
+
+async fn gc_killed_at_every_write(kind: Kind) {
+    let dir = tempfile::tempdir().unwrap();
+    // Writes of an uncrashed run on this store.
+    let url = fresh_url(kind, dir.path(), "crash-count");
+    crash_fixture(&url).await;
+    let out = tokio::task::spawn_blocking(move || run_gc(&url, None))
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let total: u64 = text
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("writes="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected gc output {text:?}"));
+    // lock + 4 moves (3 chunks, 1 manifest) + 1 fossil put back + 4 deletes + release.
+    assert!(total >= 11, "{text}");
+    // Each kill point on its own store, all at once.
+    let mut runs = tokio::task::JoinSet::new();
+    for k in 1..=total {
+        runs.spawn(killed_at(
+            fresh_url(kind, dir.path(), &format!("crash{k}")),
+            k,
+        ));
+    }
+    let mut tagged_after_kill = 0;
+    while let Some(r) = runs.join_next().await {
+        tagged_after_kill += u32::from(r.unwrap());
     }
     assert!(tagged_after_kill >= 2, "{tagged_after_kill}");
 }
