@@ -22,7 +22,7 @@ use kiln_store::gc::GcOptions;
 use kiln_store::manifest::{ImageManifest, Manifest, ObjectRef};
 use kiln_store::verify::Finding;
 use kiln_store::{ChunkTable, Store, StoreOptions, TagRef};
-use kiln_tests::stores::{Kind, fresh_url, test_bytes};
+use kiln_tests::stores::{Kind, fresh_bucket_url, fresh_url, test_bytes};
 
 mod futures_like {
     /// A boxed future (the tests crate does not depend on `futures`).
@@ -209,7 +209,7 @@ async fn deep_verify(store: &Store) -> (Vec<Finding>, usize) {
 /// a manifest naming X and moves its tag. Every chunk of the published image must be there.
 async fn reuse_during_sweep(publish_before_gc_ends: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let url = fresh_url(Kind::S3, dir.path(), "race");
+    let url = fresh_bucket_url("race");
     let node = Store::open(&url).await.unwrap();
     let data = test_bytes(19, 1 << 20);
     let old = orphan_chunks(&node, &data).await;
@@ -397,10 +397,23 @@ async fn killed_at(url: String, k: u64) -> bool {
     tag_it
 }
 
+/// A fresh store of `kind`; on S3 in a bucket of its own ([`fresh_bucket_url`]: these tests
+/// delete much).
+fn own_url(kind: Kind, dir: &std::path::Path, label: &str) -> String {
+    match kind {
+        Kind::Local => fresh_url(kind, dir, label),
+        Kind::S3 => fresh_bucket_url(label),
+    }
+}
+
+/// Kill points run at once (each on its own store): a few, since one S3 test server serves
+/// every test.
+const KILL_POINTS_AT_ONCE: usize = 4;
+
 async fn gc_killed_at_every_write(kind: Kind) {
     let dir = tempfile::tempdir().unwrap();
     // Writes of an uncrashed run on this store.
-    let url = fresh_url(kind, dir.path(), "crash-count");
+    let url = own_url(kind, dir.path(), "crash-count");
     crash_fixture(&url).await;
     let out = tokio::task::spawn_blocking(move || run_gc(&url, None))
         .await
@@ -418,15 +431,18 @@ async fn gc_killed_at_every_write(kind: Kind) {
         .unwrap_or_else(|| panic!("unexpected gc output {text:?}"));
     // lock + 4 moves (3 chunks, 1 manifest) + 1 fossil put back + 4 deletes + release.
     assert!(total >= 11, "{text}");
-    // Each kill point on its own store, all at once.
+    // Each kill point on its own store, [`KILL_POINTS_AT_ONCE`] at a time.
     let mut runs = tokio::task::JoinSet::new();
+    let mut tagged_after_kill = 0;
     for k in 1..=total {
+        if runs.len() >= KILL_POINTS_AT_ONCE {
+            tagged_after_kill += u32::from(runs.join_next().await.unwrap().unwrap());
+        }
         runs.spawn(killed_at(
-            fresh_url(kind, dir.path(), &format!("crash{k}")),
+            own_url(kind, dir.path(), &format!("crash{k}")),
             k,
         ));
     }
-    let mut tagged_after_kill = 0;
     while let Some(r) = runs.join_next().await {
         tagged_after_kill += u32::from(r.unwrap());
     }
@@ -480,7 +496,7 @@ fn image_bytes(node: u64, round: u32) -> Vec<u8> {
 /// end every tag's image is whole: verify --deep clean, 0 missing chunks.
 async fn concurrent_gc_and_pushes(kind: Kind) {
     let dir = tempfile::tempdir().unwrap();
-    let url = fresh_url(kind, dir.path(), "two-nodes");
+    let url = own_url(kind, dir.path(), "two-nodes");
     let seed = Store::open(&url).await.unwrap();
     for b in 0..BASES {
         orphan_chunks(&seed, &test_bytes(1000 + b, 512 << 10)).await;
