@@ -84,7 +84,7 @@ impl Store {
 
     /// A whole blob in memory, verified. For large blobs use [`Store::get_blob_to_file`].
     pub async fn get_blob(&self, digest: &BlobDigest) -> Result<Bytes, StoreError> {
-        let data = self.backend.get(&digest.key()).await?;
+        let data = self.read(&digest.key()).await?;
         let actual = BlobDigest::of(&data);
         if actual != *digest {
             return Err(BlobError::DigestMismatch {
@@ -106,7 +106,7 @@ impl Store {
         dest: &Path,
     ) -> Result<u64, StoreError> {
         let key = digest.key();
-        let size = match self.backend.head(&key).await? {
+        let size = match self.read_head(&key).await? {
             Some(i) => i.size,
             None => {
                 return Err(crate::BackendError::NotFound {
@@ -123,7 +123,7 @@ impl Store {
         let mut pos = 0u64;
         while pos < size {
             let end = (pos + BLOB_READ_RANGE).min(size);
-            let part = self.backend.get_range(&key, pos..end).await?;
+            let part = self.read_range(&key, pos..end).await?;
             if part.is_empty() {
                 break;
             }

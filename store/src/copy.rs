@@ -203,12 +203,7 @@ async fn copy_blob(
     let (size, transferred) = match found {
         Some(i) => (i.size, false),
         None => {
-            let size = src
-                .backend
-                .head(&b.key())
-                .await?
-                .map(|i| i.size)
-                .unwrap_or(0);
+            let size = src.read_head(&b.key()).await?.map(|i| i.size).unwrap_or(0);
             if size <= IN_MEMORY_BLOB_LIMIT {
                 let data = src.get_blob(&b).await?;
                 dst.put_blob(data).await?;

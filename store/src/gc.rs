@@ -1,51 +1,104 @@
-//! Garbage collection: a pure mark over references, and a separate sweep.
+//! Garbage collection: a pure mark over references, and a sweep in two phases (condemn, then
+//! delete), the same on every backend.
 //!
 //! [`mark`] takes roots and a "what does this refer to" function and returns the live set;
-//! it never touches storage (unit-tested on an in-memory graph). [`Store::gc`] lists every
-//! chunk, blob and manifest first; then takes the store's sweep lock (exclusive; see
-//! [`crate::lease::Lease`]) and, in this order, gathers the roots: every object of a live
-//! lease ([`crate::lease::LeaseRecord::is_live`]), every tag's manifest, the layer of every
+//! it never touches storage (unit-tested on an in-memory graph). [`Store::gc`] first takes
+//! the store's GC lock ([`GC_LOCK_KEY`], one GC at a time per store, taken and renewed by
+//! conditional writes; see [`GcError::Busy`]). It lists every chunk, blob and manifest; then
+//! takes the store's sweep lock (exclusive, on a local store only; see
+//! [`crate::lease::Lease`]) and, in this order, gathers the roots: every object of a live lease
+//! ([`crate::lease::LeaseRecord::is_live`]), every tag's manifest, the layer of every
 //! build-cache entry younger than [`GcOptions::cache_ttl`], every OCI image an OCI reference
 //! ([`crate::ociref`]) names (its manifest or index, config and layers). It loads every
-//! listed manifest (and any root names that the listing missed) to answer `refs_of`, marks,
-//! then sweeps: only listed, unmarked chunks, blobs and manifests last modified more than
-//! [`GcOptions::grace`] ago are deleted (manifests first, so no surviving manifest ever
-//! names a deleted chunk), and the lock is released after the last delete. A reachable
-//! manifest that cannot be read stops GC before any delete. Leases no longer live
-//! (expired, or their owner died) and expired cache entries are deleted too. `dry_run`
-//! deletes nothing and returns the same report.
+//! listed manifest (and any root names that the listing missed) to answer `refs_of`, and
+//! marks. A reachable manifest that cannot be read stops GC before anything moves. Then:
 //!
-//! Why an in-flight build or push loses nothing, whatever the grace period (even zero):
-//! - *An object it writes.* It leases the object before writing it ([`crate::lease::Lease`]).
-//!   GC deletes only objects it listed, so a deleted object was written, hence leased, before
-//!   the listing, hence before GC read the leases. If the lease was still there, GC saw the
-//!   object in it. If it was released, the holder had first moved its tag (publish order:
-//!   objects, manifest, tag, then release), and GC reads the tags after the leases, so it
-//!   marked the object from the tag. Either way it is live.
-//! - *An object it reuses because it exists* (a base layer, a cache hit, a chunk deduplicated
-//!   and so not written). The race is "GC lists X unreferenced; the build sees X and skips
-//!   writing it; GC deletes X; the build publishes a manifest naming X". The build leases X
-//!   first and then looks under the sweep lock (shared,
-//!   [`crate::lease::Lease::find_present`]); GC reads the leases and deletes while holding
-//!   that lock exclusively. So the look comes either wholly before GC's lease read (which
-//!   then sees X leased and spares it) or wholly after GC's last delete (and then finds X
-//!   gone, if GC took it, and writes it again).
-//! - The sweep lock is a `flock(2)` in a local store's directory. An S3 store has no lock
-//!   shared by every host, so there the second case is closed only by the grace period; the
-//!   first holds on any store.
+//! 1. *Condemn.* Every listed, unmarked chunk, blob and manifest last modified more than
+//!    [`GcOptions::grace`] ago is moved to its fossil key, `fossil/<key>` ([`fossil_key`];
+//!    [`Backend::rename`]: a rename locally, CopyObject and DeleteObject on S3), manifests
+//!    first. Nothing is deleted yet.
+//! 2. *Delete.* Once every move is done, the roots are gathered again (leases, then tags,
+//!    cache entries, OCI references) and marked again, loading any manifest published
+//!    meanwhile. Every fossil (this run's, and any a crashed run left) whose object is now
+//!    marked is put back under its own key (unless an object is there already) and every
+//!    other fossil is deleted, manifests first.
+//!
+//! Leases no longer live (expired, or their owner died) and expired cache entries are
+//! deleted last, and the locks released. `dry_run` moves and deletes nothing and reports
+//! what phase 1 would condemn.
+//!
+//! Why an in-flight build or push loses nothing, whatever the grace period (even zero), on
+//! S3 as on a local directory. It rests on S3's strong read-after-write consistency (a
+//! write, delete or copy that has returned is seen by every later read, head and listing,
+//! Amazon S3 User Guide, "Amazon S3 data consistency model"), the one thing assumed of a
+//! backend, and on the rule every writer follows ([`crate::lease::Lease`]): an object goes
+//! into the writer's lease before it is written, or, when it is to be reused because it
+//! exists, before it is looked up; the lease is released only after the writer's tag moved.
+//! GC never deletes anything under a key a writer writes or looks up (only fossils), and
+//! writers never look at fossils ([`Store::exist`]). Take an object X a build relies on and
+//! a GC run that moves X in phase 1:
+//! - If the build leased X before this run read the leases in phase 1, the run saw X leased
+//!   (or, the lease released, the build's tag, read after the leases), so X is marked and
+//!   never moved. So the build leased X after that read.
+//! - If the build wrote X or found it present *after* the move, X was absent under its key
+//!   then, so the build wrote it afresh (put-if-absent), and no GC phase deletes a real key.
+//! - If it did so *before* the move, its lease came earlier still, so before phase 2 read the
+//!   leases: phase 2 sees the lease, or, if it was released, the tag the build moved first
+//!   (read after the leases), marks X and puts it back. Until then a reader of the build's
+//!   manifest finds X at its fossil key ([`Store::read_range`] and the other read paths fall
+//!   back to it in one place), and [`Store::set_tag`] accepts a manifest that is a fossil.
+//! - The GC lock keeps a second GC from deleting a fossil this run has yet to judge. A run
+//!   that crashed leaves fossils and a lock whose owner is dead or whose expiry passes
+//!   ([`GC_LOCK_TTL`], renewed every [`GC_LOCK_RENEW`] while GC runs); the next run takes the
+//!   lock and judges those fossils in its phase 2, after its own lease read, so the argument
+//!   holds for them as for its own. Verify counts a fossil as presence of its object
+//!   ([`crate::verify`]), so a store is verify-clean at every point of a run.
+//!
+//! On a local store GC also holds the sweep lock (a `flock(2)` in the store directory)
+//! exclusively from its first lease read to its last delete, and look-ups for reuse take it
+//! shared ([`crate::lease::Lease::find_present`]), so there a look-up never falls between a
+//! lease read and a move at all; the fossil protocol does not need it.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, BackendError, Version};
 use crate::digest::ManifestDigest;
-use crate::lease::DEFAULT_CACHE_TTL;
+use crate::lease::{DEFAULT_CACHE_TTL, LeaseRecord};
 use crate::manifest::{ObjectRef, references};
-use crate::{Store, StoreError, unix_now};
+use crate::owner::LeaseOwner;
+use crate::{Store, StoreError, hostname, unix_now};
 
 pub use crate::ociref::MAX_OCI_MANIFEST_BYTES;
+
+/// The prefix of fossil keys: `fossil/<key>` holds an object GC moved out of `<key>` in its
+/// first phase and has not judged yet (see the module doc).
+pub const FOSSIL_PREFIX: &str = "fossil/";
+
+/// The fossil key of `key`: `fossil/<key>`.
+pub fn fossil_key(key: &str) -> String {
+    format!("{FOSSIL_PREFIX}{key}")
+}
+
+/// The key a fossil key was moved from (`None` for a key not under [`FOSSIL_PREFIX`]).
+pub fn unfossil(key: &str) -> Option<&str> {
+    key.strip_prefix(FOSSIL_PREFIX)
+}
+
+/// The GC lock: a JSON [`LeaseRecord`] (id `gc`, no objects) naming the GC that runs, its
+/// owner and expiry. Written with put-if-absent, taken over from a dead or expired holder by
+/// compare-and-swap on its version, renewed the same way.
+pub const GC_LOCK_KEY: &str = "gc/lock";
+
+/// How long the GC lock holds without renewal (10 minutes): how long a GC that died on
+/// another host blocks the next one (on its own host a dead owner is seen at once).
+pub const GC_LOCK_TTL: Duration = Duration::from_secs(600);
+
+/// How often a running GC renews its lock (every minute, well inside [`GC_LOCK_TTL`]).
+pub const GC_LOCK_RENEW: Duration = Duration::from_secs(60);
 
 /// Errors from garbage collection.
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +110,29 @@ pub enum GcError {
         object: String,
         /// Why.
         reason: String,
+    },
+    /// Another GC holds the store's GC lock ([`GC_LOCK_KEY`]) and is alive as far as this
+    /// host can tell (on another host, until its expiry).
+    #[error(
+        "{store}: another GC is running ({GC_LOCK_KEY} held by {host}, pid {pid}, until unix \
+         time {expires}); run GC again once it is done"
+    )]
+    Busy {
+        /// The store.
+        store: String,
+        /// The holder's host.
+        host: String,
+        /// The holder's pid (0 when it recorded none).
+        pid: u32,
+        /// The lock's expiry, unix seconds.
+        expires: u64,
+    },
+    /// This GC's lock was taken over (it could not renew it in time), so it stopped before
+    /// moving or deleting anything more; the fossils it left are judged by the next run.
+    #[error("{store}: this GC lost the GC lock ({GC_LOCK_KEY}) and stopped; run GC again")]
+    LockLost {
+        /// The store.
+        store: String,
     },
 }
 
@@ -93,7 +169,7 @@ pub struct GcOptions {
     pub grace: Duration,
     /// Build-cache entries younger than this are roots (default 14 days).
     pub cache_ttl: Duration,
-    /// Report only, delete nothing.
+    /// Report only, move and delete nothing.
     pub dry_run: bool,
 }
 
@@ -110,7 +186,7 @@ impl Default for GcOptions {
 /// One object GC deletes (or would).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Collected {
-    /// The key.
+    /// The key (the object's own, not its fossil key).
     pub key: String,
     /// Stored size in bytes.
     pub size: u64,
@@ -120,12 +196,18 @@ pub struct Collected {
 #[derive(Debug, Clone, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GcReport {
-    /// Live objects marked.
+    /// Live objects marked (first phase).
     pub marked: usize,
     /// Unmarked objects kept because younger than the grace period.
     pub young_kept: usize,
-    /// Unmarked objects older than the grace period: deleted, or listed in a dry run.
+    /// Objects deleted for good: fossils found unmarked in the second phase (this run's and
+    /// those an earlier run left). In a dry run: the objects the first phase would condemn.
     pub collected: Vec<Collected>,
+    /// Objects moved to their fossil keys in the first phase.
+    pub condemned: usize,
+    /// Keys of fossils found marked in the second phase and put back (a build relied on
+    /// them meanwhile, or an earlier run left them).
+    pub resurrected: Vec<String>,
     /// Leases no longer live (expired, or held by a dead process of this host), expired
     /// cache entries and the image cache entries (`images/<key>`) of swept manifests,
     /// removed (or that would be).
@@ -143,6 +225,9 @@ fn unreadable(object: &str, reason: impl ToString) -> StoreError {
     .into()
 }
 
+/// What each loaded manifest refers to, or why it could not be read.
+pub(crate) type RefsOf = HashMap<ManifestDigest, Result<Vec<ObjectRef>, String>>;
+
 /// The live set of a store and the content-addressed objects it holds.
 pub(crate) struct Marked {
     pub(crate) live: HashSet<ObjectRef>,
@@ -153,6 +238,15 @@ pub(crate) struct Marked {
     pub(crate) expired_parts: Vec<String>,
     /// The sweep lock, when asked for.
     pub(crate) lock: Option<crate::lease::SweepLock>,
+    /// The manifests loaded, for a second mark.
+    pub(crate) refs: RefsOf,
+}
+
+/// The roots of one mark, and what is no longer live.
+struct Roots {
+    roots: Vec<ObjectRef>,
+    expired: Vec<String>,
+    expired_parts: Vec<String>,
 }
 
 impl Store {
@@ -180,6 +274,32 @@ impl Store {
         } else {
             None
         };
+        let Roots {
+            roots,
+            expired,
+            expired_parts,
+        } = self.gather_roots(opts, strict).await?;
+        // Load every manifest listed; remember failures (they matter only if reachable).
+        let mut refs: RefsOf = HashMap::new();
+        for o in &objects {
+            if let Some(ObjectRef::Manifest(d)) = ObjectRef::from_key(&o.key) {
+                refs.insert(d, self.manifest_refs(&d).await);
+            }
+        }
+        let live = self.mark_from(&roots, &mut refs, strict).await?;
+        Ok(Marked {
+            live,
+            objects,
+            expired,
+            expired_parts,
+            lock,
+            refs,
+        })
+    }
+
+    /// The roots, in the order the module doc gives: live leases, then tags, cache entries
+    /// and OCI references.
+    async fn gather_roots(&self, opts: &GcOptions, strict: bool) -> Result<Roots, StoreError> {
         let now = unix_now();
         let mut roots = Vec::new();
         let mut expired = Vec::new();
@@ -224,16 +344,29 @@ impl Store {
             }
         }
         roots.extend(self.oci_ref_roots(strict).await?);
-        // Load every manifest listed; remember failures (they matter only if reachable).
-        let mut refs: HashMap<ManifestDigest, Result<Vec<ObjectRef>, String>> = HashMap::new();
-        for o in &objects {
-            if let Some(ObjectRef::Manifest(d)) = ObjectRef::from_key(&o.key) {
-                refs.insert(d, self.manifest_refs(&d).await);
-            }
-        }
-        // A root read after the listing may name a manifest written after it (a build that
-        // published meanwhile): load those too, until nothing reachable is unknown.
-        let live = loop {
+        Ok(Roots {
+            roots,
+            expired,
+            expired_parts,
+        })
+    }
+
+    /// Marks from `roots` over the manifests in `refs`, loading (into `refs`) any reachable
+    /// manifest not there yet: a root read after the listing may name a manifest written
+    /// after it (a build that published meanwhile).
+    ///
+    /// A manifest named but absent (neither at its key nor its fossil key) refers to nothing
+    /// in this mark and is not remembered in `refs`: a lease names its manifest before the
+    /// manifest is written (after the objects it names, each leased already), so a later
+    /// mark loads it again.
+    async fn mark_from(
+        &self,
+        roots: &[ObjectRef],
+        refs: &mut RefsOf,
+        strict: bool,
+    ) -> Result<HashSet<ObjectRef>, StoreError> {
+        let mut absent: HashSet<ManifestDigest> = HashSet::new();
+        loop {
             let mut unknown = Vec::new();
             let live = mark(roots.iter().copied(), |o| match o {
                 ObjectRef::Manifest(d) => match refs.get(d) {
@@ -243,6 +376,7 @@ impl Store {
                         object: d.key(),
                         reason: reason.clone(),
                     }),
+                    None if absent.contains(d) => Ok(Vec::new()),
                     None => {
                         unknown.push(*d);
                         Ok(Vec::new())
@@ -251,24 +385,24 @@ impl Store {
                 _ => Ok(Vec::new()),
             })?;
             if unknown.is_empty() {
-                break live;
+                return Ok(live);
             }
             for d in unknown {
-                let r = match self.manifest_refs(&d).await {
-                    // Named but absent: nothing further to keep (verify reports it).
-                    Err(_) if !self.has(&ObjectRef::Manifest(d)).await? => Ok(Vec::new()),
-                    r => r,
-                };
-                refs.insert(d, r);
+                match self.get_manifest(&d).await {
+                    Ok(m) => {
+                        refs.insert(d, Ok(references(&m)));
+                    }
+                    // Named but absent: nothing further to keep now (verify reports it if
+                    // it stays so).
+                    Err(StoreError::Backend(e)) if e.is_not_found() => {
+                        absent.insert(d);
+                    }
+                    Err(e) => {
+                        refs.insert(d, Err(e.to_string()));
+                    }
+                }
             }
-        };
-        Ok(Marked {
-            live,
-            objects,
-            expired,
-            expired_parts,
-            lock,
-        })
+        }
     }
 
     /// What manifest `d` refers to, or why it cannot be read.
@@ -299,14 +433,34 @@ impl Store {
         Ok(roots)
     }
 
-    /// Runs GC (see the module doc). Errors: [`GcError::Unreadable`] before any delete.
+    /// Runs GC (see the module doc). Errors: [`GcError::Busy`] when another GC runs,
+    /// [`GcError::Unreadable`] before anything moves, [`GcError::LockLost`], backend errors
+    /// (a run stopped by one leaves fossils that the next run judges).
     pub async fn gc(&self, opts: &GcOptions) -> Result<GcReport, StoreError> {
+        if opts.dry_run {
+            return self.gc_with(opts, None).await;
+        }
+        let lock = GcLock::take(self).await?;
+        let r = self.gc_with(opts, Some(&lock)).await;
+        let released = lock.release().await;
+        let report = r?;
+        released?;
+        Ok(report)
+    }
+
+    /// [`Store::gc`] under `lock` (`None`: a dry run).
+    async fn gc_with(
+        &self,
+        opts: &GcOptions,
+        lock: Option<&GcLock>,
+    ) -> Result<GcReport, StoreError> {
         let Marked {
             live,
             objects,
             expired,
             expired_parts,
-            lock,
+            lock: sweep,
+            mut refs,
         } = self.mark_live(opts, true, true).await?;
         let cutoff = SystemTime::now()
             .checked_sub(opts.grace)
@@ -331,31 +485,45 @@ impl Store {
                 doomed.push((r, o.size));
             }
         }
-        // Manifests first, then blobs, then chunks.
-        doomed.sort_by_key(|(r, _)| match r {
-            ObjectRef::Manifest(_) => 0,
-            ObjectRef::Blob(_) => 1,
-            ObjectRef::Chunk(_) => 2,
-        });
-        for (r, size) in doomed {
-            if !opts.dry_run {
-                self.backend.delete(&r.key()).await?;
-                if let ObjectRef::Chunk(d) = r {
-                    self.known.forget(&d);
-                }
+        // Manifests first, then blobs, then chunks: no manifest left under its key ever
+        // names a condemned object.
+        doomed.sort_by_key(|(r, _)| kind_order(r));
+        let swept: HashSet<ManifestDigest> = match lock {
+            None => {
+                report.collected = doomed
+                    .iter()
+                    .map(|(r, size)| Collected {
+                        key: r.key(),
+                        size: *size,
+                    })
+                    .collect();
+                manifests_of(&report.collected)
             }
-            report.collected.push(Collected { key: r.key(), size });
-        }
+            Some(lock) => {
+                // Phase 1: condemn.
+                for (r, _) in &doomed {
+                    lock.check()?;
+                    let key = r.key();
+                    match self.backend.rename(&key, &fossil_key(&key)).await {
+                        Ok(()) => report.condemned += 1,
+                        // Gone meanwhile (another store handle's delete of a stray object).
+                        Err(e) if e.is_not_found() => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                    if let ObjectRef::Chunk(d) = r {
+                        self.known.forget(d);
+                    }
+                }
+                // Phase 2: mark again, then judge every fossil.
+                lock.check()?;
+                let again = self.gather_roots(opts, true).await?;
+                let live = self.mark_from(&again.roots, &mut refs, true).await?;
+                self.judge_fossils(&live, lock, &mut report).await?;
+                manifests_of(&report.collected)
+            }
+        };
         // Image cache entries of the manifests swept now (listed after the sweep: an entry
         // written meanwhile names a manifest some lease or tag keeps, so not one of these).
-        let swept: HashSet<ManifestDigest> = report
-            .collected
-            .iter()
-            .filter_map(|c| match ObjectRef::from_key(&c.key) {
-                Some(ObjectRef::Manifest(d)) => Some(d),
-                _ => None,
-            })
-            .collect();
         if !swept.is_empty() {
             for o in self.backend.list("images/").await? {
                 let k = o.key.trim_start_matches("images/");
@@ -366,7 +534,8 @@ impl Store {
                 }
             }
         }
-        if !opts.dry_run {
+        if let Some(lock) = lock {
+            lock.check()?;
             for k in &report.expired {
                 self.backend.delete(k).await?;
             }
@@ -374,9 +543,262 @@ impl Store {
                 self.backend.delete(k).await?;
             }
         }
-        drop(lock);
+        drop(sweep);
         Ok(report)
     }
+
+    /// Phase 2's verdict on every fossil: put back those whose object is in `live` (chunks
+    /// first, then blobs, then manifests), delete the rest (manifests first).
+    async fn judge_fossils(
+        &self,
+        live: &HashSet<ObjectRef>,
+        lock: &GcLock,
+        report: &mut GcReport,
+    ) -> Result<(), StoreError> {
+        let mut keep = Vec::new();
+        let mut doomed = Vec::new();
+        for f in self.backend.list(FOSSIL_PREFIX).await? {
+            // Anything else under the prefix is no fossil of ours: left alone.
+            let Some(r) = unfossil(&f.key).and_then(ObjectRef::from_key) else {
+                continue;
+            };
+            if live.contains(&r) {
+                keep.push((r, f));
+            } else {
+                doomed.push((r, f));
+            }
+        }
+        keep.sort_by_key(|(r, _)| std::cmp::Reverse(kind_order(r)));
+        for (r, f) in keep {
+            lock.check()?;
+            let key = r.key();
+            if self.backend.head(&key).await?.is_none() {
+                self.backend.rename(&f.key, &key).await?;
+            } else {
+                self.backend.delete(&f.key).await?;
+            }
+            report.resurrected.push(key);
+        }
+        doomed.sort_by_key(|(r, _)| kind_order(r));
+        for (r, f) in doomed {
+            lock.check()?;
+            self.backend.delete(&f.key).await?;
+            if let ObjectRef::Chunk(d) = r {
+                self.known.forget(&d);
+            }
+            report.collected.push(Collected {
+                key: r.key(),
+                size: f.size,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Sweep order: manifests, blobs, chunks.
+fn kind_order(r: &ObjectRef) -> u8 {
+    match r {
+        ObjectRef::Manifest(_) => 0,
+        ObjectRef::Blob(_) => 1,
+        ObjectRef::Chunk(_) => 2,
+    }
+}
+
+/// The manifests among `collected`.
+fn manifests_of(collected: &[Collected]) -> HashSet<ManifestDigest> {
+    collected
+        .iter()
+        .filter_map(|c| match ObjectRef::from_key(&c.key) {
+            Some(ObjectRef::Manifest(d)) => Some(d),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The GC lock held by this run ([`GC_LOCK_KEY`]), renewed in the background every
+/// [`GC_LOCK_RENEW`]. A renewal that finds the lock taken over, or that has not succeeded
+/// by the lock's expiry, marks it lost: [`GcLock::check`] then fails before the next move or
+/// delete.
+struct GcLock {
+    store: Store,
+    state: Arc<Mutex<LockState>>,
+    stop: Arc<tokio::sync::Notify>,
+    /// `None` once released.
+    renewer: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for GcLock {
+    fn drop(&mut self) {
+        // A GC cancelled before `release` (its future dropped): stop renewing, so the lock
+        // expires.
+        if let Some(r) = self.renewer.take() {
+            r.abort();
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LockState {
+    version: Version,
+    expires: u64,
+    lost: bool,
+}
+
+/// A fresh lock record for this process, expiring [`GC_LOCK_TTL`] from now.
+fn lock_record() -> LeaseRecord {
+    LeaseRecord {
+        id: "gc".into(),
+        expires: unix_now() + GC_LOCK_TTL.as_secs(),
+        host: hostname(),
+        objects: Default::default(),
+        owner: Some(LeaseOwner::current()),
+    }
+}
+
+fn encode_lock(r: &LeaseRecord) -> bytes::Bytes {
+    // Serializing these plain types cannot fail.
+    bytes::Bytes::from(serde_json::to_vec(r).unwrap_or_default())
+}
+
+impl GcLock {
+    /// Takes the lock: creates it if absent; takes it over (compare-and-swap on the version
+    /// read) if its holder is not live ([`LeaseRecord::is_live`]) or it does not parse.
+    /// Errors: [`GcError::Busy`] when a live holder has it, backend errors.
+    async fn take(store: &Store) -> Result<GcLock, StoreError> {
+        let backend = &store.backend;
+        let mut attempts = 0;
+        let (version, expires) = loop {
+            attempts += 1;
+            let mine = lock_record();
+            match backend
+                .compare_and_swap(GC_LOCK_KEY, None, encode_lock(&mine))
+                .await
+            {
+                Ok(v) => break (v, mine.expires),
+                Err(BackendError::Conflict { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+            let (bytes, held) = match backend.get_versioned(GC_LOCK_KEY).await {
+                Ok(x) => x,
+                // Released between the two requests: try again.
+                Err(e) if e.is_not_found() && attempts < 3 => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let holder = serde_json::from_slice::<LeaseRecord>(&bytes).ok();
+            if let Some(h) = &holder
+                && h.is_live(unix_now())
+            {
+                return Err(busy(store, h));
+            }
+            match backend
+                .compare_and_swap(GC_LOCK_KEY, Some(&held), encode_lock(&mine))
+                .await
+            {
+                Ok(v) => break (v, mine.expires),
+                Err(BackendError::Conflict { .. }) if attempts < 3 => continue,
+                Err(BackendError::Conflict { .. }) => {
+                    return Err(match holder {
+                        Some(h) => busy(store, &h),
+                        None => GcError::Busy {
+                            store: store.url().to_string(),
+                            host: "unknown".into(),
+                            pid: 0,
+                            expires: 0,
+                        }
+                        .into(),
+                    });
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let state = Arc::new(Mutex::new(LockState {
+            version,
+            expires,
+            lost: false,
+        }));
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let renewer = tokio::spawn(renew(store.clone(), state.clone(), stop.clone()));
+        Ok(GcLock {
+            store: store.clone(),
+            state,
+            stop,
+            renewer: Some(renewer),
+        })
+    }
+
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, LockState> {
+        // Never held across a panic point; recover anyway.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Errors: [`GcError::LockLost`] once the lock is lost or past its expiry unrenewed.
+    fn check(&self) -> Result<(), StoreError> {
+        let s = self.lock_state();
+        if s.lost || s.expires <= unix_now() {
+            return Err(GcError::LockLost {
+                store: self.store.url().to_string(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Stops renewing and deletes the lock if it is still this run's.
+    async fn release(mut self) -> Result<(), StoreError> {
+        // Let a renewal in flight finish first, so none lands after the delete.
+        self.stop.notify_one();
+        if let Some(r) = self.renewer.take() {
+            let _ = r.await;
+        }
+        let lost = self.lock_state().lost;
+        if !lost {
+            self.store.backend.delete(GC_LOCK_KEY).await?;
+        }
+        Ok(())
+    }
+}
+
+/// [`GcLock`]'s renewal loop.
+async fn renew(store: Store, state: Arc<Mutex<LockState>>, stop: Arc<tokio::sync::Notify>) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(GC_LOCK_RENEW) => {}
+            _ = stop.notified() => return,
+        }
+        let version = state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .version
+            .clone();
+        let mine = lock_record();
+        let r = store
+            .backend
+            .compare_and_swap(GC_LOCK_KEY, Some(&version), encode_lock(&mine))
+            .await;
+        let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+        match r {
+            Ok(v) => {
+                s.version = v;
+                s.expires = mine.expires;
+            }
+            Err(BackendError::Conflict { .. }) => {
+                s.lost = true;
+                return;
+            }
+            // Tried again at the next tick; `check` fails once the expiry passes.
+            Err(e) => tracing::warn!(error = %e, "cannot renew the GC lock"),
+        }
+    }
+}
+
+fn busy(store: &Store, holder: &LeaseRecord) -> StoreError {
+    GcError::Busy {
+        store: store.url().to_string(),
+        host: holder.host.clone(),
+        pid: holder.owner.as_ref().map_or(0, |o| o.process.pid),
+        expires: holder.expires,
+    }
+    .into()
 }
 
 #[cfg(test)]
@@ -595,6 +1017,9 @@ mod tests {
         async fn delete(&self, key: &str) -> Result<(), crate::BackendError> {
             self.inner.delete(key).await
         }
+        async fn rename(&self, from: &str, to: &str) -> Result<(), crate::BackendError> {
+            self.inner.rename(from, to).await
+        }
     }
 
     async fn watched(dir: &std::path::Path) -> (std::sync::Arc<Watched>, Store) {
@@ -751,8 +1176,9 @@ mod tests {
 
     /// The race "GC lists unreferenced chunk X; a build sees X exists and skips writing it;
     /// GC deletes X": a build that leases X after GC read the leases looks for X under the
-    /// sweep lock, so it waits for the sweep and finds X gone (and writes it), never
-    /// present-then-deleted.
+    /// sweep lock, so it waits for the sweep, never finding X present-then-deleted. (Its
+    /// lease, written before GC's second phase read the leases, makes that phase put X
+    /// back, so the look-up then finds X.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_reuse_look_up_during_a_sweep_never_finds_what_the_sweep_deletes() {
         let dir = tempfile::tempdir().unwrap();
@@ -800,11 +1226,132 @@ mod tests {
             store.has(&x).await.unwrap(),
             "the look-up said {found:?}; GC: {r:?}"
         );
-        assert!(
-            !found.contains(&x),
-            "the sweep ran first and deleted X: {r:?}"
-        );
+        assert_eq!(r.condemned, 1, "{r:?}");
+        assert_eq!(r.resurrected, [x.key()], "{r:?}");
+        assert!(found.contains(&x), "the sweep did not finish first: {r:?}");
         lease.release().await.unwrap();
+    }
+
+    /// One GC per store: a live holder's lock refuses a second GC (naming the holder), a
+    /// dead holder's (same host, process gone) or an expired one is taken over, and a run
+    /// removes its lock when done.
+    #[tokio::test]
+    async fn the_gc_lock_refuses_a_second_gc_and_is_taken_over_from_a_dead_one() {
+        use crate::owner::ProcessId;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let put_lock = |r: LeaseRecord| {
+            let store = store.clone();
+            async move {
+                store
+                    .backend
+                    .put(GC_LOCK_KEY, encode_lock(&r))
+                    .await
+                    .unwrap();
+            }
+        };
+        put_lock(lock_record()).await;
+        let err = store.gc(&GcOptions::default()).await.unwrap_err();
+        assert!(
+            matches!(&err, StoreError::Gc(GcError::Busy { pid, .. }) if *pid == std::process::id()),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("another GC is running"), "{err}");
+        // A dry run takes no lock.
+        store
+            .gc(&GcOptions {
+                dry_run: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let start_ticks = crate::owner::start_ticks(pid).unwrap_or(1);
+        child.wait().unwrap();
+        let mut dead = lock_record();
+        dead.owner = Some(LeaseOwner {
+            process: ProcessId { pid, start_ticks },
+            ..LeaseOwner::current()
+        });
+        put_lock(dead).await;
+        store.gc(&GcOptions::default()).await.unwrap();
+        assert!(store.backend.head(GC_LOCK_KEY).await.unwrap().is_none());
+
+        let mut expired = lock_record();
+        expired.host = "elsewhere".into();
+        expired.owner = None;
+        expired.expires = unix_now() - 1;
+        put_lock(expired).await;
+        store.gc(&GcOptions::default()).await.unwrap();
+        assert!(store.backend.head(GC_LOCK_KEY).await.unwrap().is_none());
+    }
+
+    /// A tagged image whose manifest and one chunk sit at their fossil keys (a GC stopped
+    /// between its phases, after a build relied on them): writers see them absent, readers
+    /// and verify find them, and the next GC puts them back.
+    #[tokio::test]
+    async fn fossils_are_read_through_and_the_next_gc_puts_back_what_is_marked() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::manifest::{ImageManifest, Manifest};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let bytes = data(11);
+        let (table, _) = store
+            .put_artifact_reader(
+                std::io::Cursor::new(bytes.clone()),
+                &PutArtifactOptions::default(),
+            )
+            .await
+            .unwrap();
+        let raw = store
+            .put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
+            .await
+            .unwrap();
+        let m = ObjectRef::Manifest(raw.digest);
+        let c = ObjectRef::Chunk(table.entries[0].digest.unwrap());
+        for o in [m, c] {
+            store
+                .backend
+                .rename(&o.key(), &fossil_key(&o.key()))
+                .await
+                .unwrap();
+        }
+        // A manifest that is a fossil can be tagged (a build's publish during a GC).
+        let t: crate::TagRef = "img:v1".parse().unwrap();
+        store.set_tag(&t, None, raw.digest).await.unwrap();
+        assert!(!store.has(&c).await.unwrap() && !store.has(&m).await.unwrap());
+        let found = store.exist(&[c, m]).await.unwrap();
+        assert_eq!(found, [false, false], "writers never see fossils");
+        let out = dir.path().join("out");
+        let Manifest::Image(im) = store.get_manifest(&raw.digest).await.unwrap() else {
+            panic!("not an image")
+        };
+        store.materialize(&im.disk, &out, None).await.unwrap();
+        assert!(std::fs::read(&out).unwrap() == bytes);
+        let v = store.verify(true, &GcOptions::default()).await.unwrap();
+        assert!(v.is_ok(), "{:?}", v.findings);
+        assert_eq!(v.fossils, 2);
+        assert!(v.orphans.is_empty(), "{:?}", v.orphans);
+
+        let r = store
+            .gc(&GcOptions {
+                grace: Duration::ZERO,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut back = r.resurrected.clone();
+        back.sort();
+        let mut want = vec![m.key(), c.key()];
+        want.sort();
+        assert_eq!(back, want, "{r:?}");
+        assert!(r.collected.is_empty(), "{r:?}");
+        assert!(store.has(&c).await.unwrap() && store.has(&m).await.unwrap());
+        assert!(store.backend.list(FOSSIL_PREFIX).await.unwrap().is_empty());
+        let v = store.verify(true, &GcOptions::default()).await.unwrap();
+        assert!(v.is_ok() && v.fossils == 0, "{v:?}");
     }
 
     fn walkdir(p: &std::path::Path) -> Vec<std::path::PathBuf> {

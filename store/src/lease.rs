@@ -233,10 +233,12 @@ impl Lease {
 
     /// Leases `objs`, then, under the store's sweep lock (shared), tells which of them exist:
     /// those can be relied on without writing them (they stay until the lease is released).
-    /// Leasing first and looking under the lock closes the race "GC finds X unreferenced;
-    /// the caller sees X and skips writing it; GC deletes X": a sweep that began before the
-    /// lock was taken has finished (X is then absent, so the caller writes it), and one that
-    /// begins after reads the leases afterwards and sees X (see [`crate::gc`]).
+    /// Leasing first closes the race "GC finds X unreferenced; the caller sees X and skips
+    /// writing it; GC deletes X": GC only moves X to its fossil key before it reads the
+    /// leases again, so a look that found X had leased it in time for that second read, and
+    /// GC puts X back (see [`crate::gc`]). On a local store the lock closes it as well (a
+    /// sweep that began before the lock was taken has finished; one that begins after reads
+    /// the leases afterwards and sees X).
     pub async fn find_present(
         &self,
         objs: &[ObjectRef],
@@ -320,7 +322,8 @@ impl Lease {
 /// meets a compare-and-swap lock). [`Store::gc`] holds it exclusively from reading the leases
 /// to its last delete; [`Lease::find_present`] and [`Lease::hold_blocking`] hold it shared
 /// while they look. The OS drops it when the holder dies. A store that is not a local
-/// directory has none (see [`crate::gc`] for what that leaves).
+/// directory has none, and needs none: GC's fossil step closes the same race on every store
+/// (see [`crate::gc`]).
 #[derive(Debug)]
 pub(crate) struct SweepLock(#[allow(dead_code)] Option<std::fs::File>);
 

@@ -17,6 +17,9 @@
 //!   cache/<key>               JSON: build-cache entry → layer blob digest, with its time
 //!   images/<key>              JSON: image cache entry → image manifest digest, with its
 //!                             time ([`lease::ImageCacheEntry`]; not a GC root)
+//!   fossil/<key>              an object GC moved out of <key> and has not judged yet
+//!                             (readers fall back to it; [`gc`])
+//!   gc/lock                   JSON: the GC that runs (one per store), owner + expiry
 //!   (local only) .tmp/ .locks/  temp files before rename, flock files for tag CAS and the
 //!                             sweep lock `.locks/%sweep` ([`gc`])
 //! ```

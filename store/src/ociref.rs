@@ -262,7 +262,7 @@ impl Store {
             if !seen.insert(d) {
                 continue;
             }
-            let Some(info) = self.backend.head(&d.key()).await? else {
+            let Some(info) = self.read_head(&d.key()).await? else {
                 if is_top {
                     out.blobs.push(d);
                 }
@@ -294,7 +294,7 @@ impl Store {
                     && seen.insert(c)
                 {
                     out.blobs.push(c);
-                    if self.backend.head(&c.key()).await?.is_none() {
+                    if self.read_head(&c.key()).await?.is_none() {
                         out.missing.push((c, d));
                     }
                 }

@@ -189,7 +189,71 @@ impl Store {
         self.backend.metrics()
     }
 
-    /// Whether an object exists (one `head`).
+    /// `op` on `key`, and where that finds nothing, on its fossil ([`crate::gc::fossil_key`])
+    /// and then on `key` once more (GC may have put it back meanwhile). The one place
+    /// readers of content-addressed objects fall back to fossils: an object GC condemned can
+    /// still be named by a manifest published during that GC run, until its second phase puts
+    /// it back (see [`crate::gc`]). Writers never look at fossils ([`Store::exist`]).
+    async fn with_fossil<T, F, Fut>(&self, key: &str, op: F) -> Result<Option<T>, StoreError>
+    where
+        F: Fn(String) -> Fut,
+        Fut: std::future::Future<Output = Result<Option<T>, backend::BackendError>>,
+    {
+        if let Some(v) = op(key.to_string()).await? {
+            return Ok(Some(v));
+        }
+        if let Some(v) = op(crate::gc::fossil_key(key)).await? {
+            return Ok(Some(v));
+        }
+        Ok(op(key.to_string()).await?)
+    }
+
+    /// Bytes `range` of the object at `key` as a reader sees it (falling back to its fossil,
+    /// see [`Store::with_fossil`]). Errors: `NotFound` naming `key` when neither exists.
+    pub(crate) async fn read_range(
+        &self,
+        key: &str,
+        range: std::ops::Range<u64>,
+    ) -> Result<Bytes, StoreError> {
+        let found = self
+            .with_fossil(key, |k| {
+                let range = range.clone();
+                async move { absent_as_none(self.backend.get_range(&k, range).await) }
+            })
+            .await?;
+        found.ok_or_else(|| self.not_found(key))
+    }
+
+    /// The whole object at `key` as a reader sees it (see [`Store::read_range`]).
+    pub(crate) async fn read(&self, key: &str) -> Result<Bytes, StoreError> {
+        let found = self
+            .with_fossil(key, |k| async move {
+                absent_as_none(self.backend.get(&k).await)
+            })
+            .await?;
+        found.ok_or_else(|| self.not_found(key))
+    }
+
+    /// Metadata of the object at `key` as a reader sees it (its fossil's when only that
+    /// exists), `None` when neither exists.
+    pub(crate) async fn read_head(
+        &self,
+        key: &str,
+    ) -> Result<Option<backend::ObjectInfo>, StoreError> {
+        self.with_fossil(key, |k| async move { self.backend.head(&k).await })
+            .await
+    }
+
+    fn not_found(&self, key: &str) -> StoreError {
+        backend::BackendError::NotFound {
+            store: self.url().to_string(),
+            key: key.to_string(),
+        }
+        .into()
+    }
+
+    /// Whether an object exists under its own key (one `head`; a fossil does not count: this
+    /// is the writer's question).
     pub async fn has(&self, obj: &ObjectRef) -> Result<bool, StoreError> {
         Ok(self.backend.head(&obj.key()).await?.is_some())
     }
@@ -331,8 +395,7 @@ impl Store {
     pub async fn get_chunk_stored(&self, digest: &ChunkDigest) -> Result<Bytes, StoreError> {
         // Read at most one byte past the bound, so a planted huge object is never loaded.
         let stored = self
-            .backend
-            .get_range(&digest.key(), 0..chunk::MAX_STORED_CHUNK_LEN + 1)
+            .read_range(&digest.key(), 0..chunk::MAX_STORED_CHUNK_LEN + 1)
             .await?;
         if stored.len() as u64 > chunk::MAX_STORED_CHUNK_LEN {
             self.known.forget(digest);
@@ -407,7 +470,7 @@ impl Store {
         digest: &ManifestDigest,
     ) -> Result<RawManifest, StoreError> {
         let key = digest.key();
-        if let Some(info) = self.backend.head(&key).await?
+        if let Some(info) = self.read_head(&key).await?
             && info.size > MAX_MANIFEST_LEN as u64
         {
             return Err(ManifestError::TooLarge {
@@ -416,7 +479,7 @@ impl Store {
             }
             .into());
         }
-        let bytes = self.backend.get(&key).await?;
+        let bytes = self.read(&key).await?;
         let raw = RawManifest::new(bytes);
         if raw.digest != *digest {
             return Err(ManifestError::DigestMismatch {
@@ -432,6 +495,17 @@ impl Store {
     /// A manifest, checked and parsed.
     pub async fn get_manifest(&self, digest: &ManifestDigest) -> Result<Manifest, StoreError> {
         Ok(self.get_raw_manifest(digest).await?.parse()?)
+    }
+}
+
+/// `NotFound` as `None`.
+fn absent_as_none<T>(
+    r: Result<T, backend::BackendError>,
+) -> Result<Option<T>, backend::BackendError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.is_not_found() => Ok(None),
+        Err(e) => Err(e),
     }
 }
 

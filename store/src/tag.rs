@@ -306,7 +306,8 @@ impl Store {
         expected: Option<ManifestDigest>,
         new: ManifestDigest,
     ) -> Result<(), StoreError> {
-        if self.backend.head(&new.key()).await?.is_none() {
+        // As a reader sees it: a manifest GC condemned during this publish is still there.
+        if self.read_head(&new.key()).await?.is_none() {
             return Err(TagError::MissingManifest {
                 tag: t.clone(),
                 manifest: new,

@@ -135,6 +135,7 @@ conformance!(
     oci_refs_round_trip,
     import_table_is_pinned,
     push_of_present_image_checks_every_object,
+    rename_moves_and_replaces,
 );
 
 /// Deterministic pseudo-random bytes (xorshift), so failures reproduce.
@@ -1222,4 +1223,28 @@ async fn push_of_present_image_checks_every_object(f: Fixture) {
             .unwrap()
             .is_ok()
     );
+}
+
+/// `rename` moves an object (its bytes under the new key, none under the old), replaces an
+/// object at the destination, and says `NotFound` for an absent source.
+async fn rename_moves_and_replaces(f: Fixture) {
+    let b = f.store.backend();
+    b.put("chunks/sha256/aa", Bytes::from_static(b"one"))
+        .await
+        .unwrap();
+    b.rename("chunks/sha256/aa", "fossil/chunks/sha256/aa")
+        .await
+        .unwrap();
+    assert!(b.head("chunks/sha256/aa").await.unwrap().is_none());
+    assert_eq!(&b.get("fossil/chunks/sha256/aa").await.unwrap()[..], b"one");
+    b.put("chunks/sha256/aa", Bytes::from_static(b"two"))
+        .await
+        .unwrap();
+    b.rename("fossil/chunks/sha256/aa", "chunks/sha256/aa")
+        .await
+        .unwrap();
+    assert_eq!(&b.get("chunks/sha256/aa").await.unwrap()[..], b"one");
+    assert!(b.list("fossil/").await.unwrap().is_empty());
+    let err = b.rename("chunks/sha256/bb", "fossil/x").await.unwrap_err();
+    assert!(err.is_not_found(), "{err}");
 }

@@ -31,7 +31,7 @@ enum AtLimit {
 }
 
 /// A backend that aborts the process after `limit` writes (put, put-if-absent, compare-and-swap,
-/// delete), counted whether or not the write created anything; or, built with
+/// delete, rename), counted whether or not the write created anything; or, built with
 /// [`CrashAfterWrites::pause_after`], holds the writer there until the test lets it go.
 #[derive(Debug)]
 pub struct CrashAfterWrites {
@@ -172,6 +172,12 @@ impl Backend for CrashAfterWrites {
     async fn delete(&self, key: &str) -> Result<(), BackendError> {
         let r = self.inner.delete(key).await;
         self.wrote(key).await;
+        r
+    }
+
+    async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError> {
+        let r = self.inner.rename(from, to).await;
+        self.wrote(from).await;
         r
     }
 }

@@ -75,3 +75,36 @@ pub fn test_bytes(seed: u64, len: usize) -> Vec<u8> {
     out.truncate(len);
     out
 }
+
+/// A fresh store URL `s3://<bucket>/<label>` in a bucket of its own, created now on the test
+/// S3 server (a CreateBucket request, `PUT /<bucket>`; moto accepts it unsigned), for tests
+/// that delete much while listing: moto (5.1) lists by walking every key of a bucket, and a
+/// key another test deletes meanwhile makes that listing fail with a 500, so heavy deleters
+/// keep to their own bucket. Panics (naming the server) when the bucket cannot be made.
+pub fn fresh_bucket_url(label: &str) -> String {
+    use std::io::{Read, Write};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::SeqCst);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() % 1_000_000_000_000)
+        .unwrap_or(0);
+    // Bucket names: 3 to 63 lowercase letters, digits and hyphens (S3 bucket naming rules).
+    let bucket = format!("kiln-t-{}-{nanos}-{n}", std::process::id());
+    let host = s3_host_port();
+    let mut s = std::net::TcpStream::connect(&host)
+        .unwrap_or_else(|e| panic!("S3 test server {host}: {e}: run ci/setup.sh"));
+    write!(
+        s,
+        "PUT /{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    assert!(
+        reply.starts_with("HTTP/1.1 200"),
+        "creating bucket {bucket} on {host}: {}",
+        reply.lines().next().unwrap_or("")
+    );
+    format!("s3://{bucket}/{label}")
+}

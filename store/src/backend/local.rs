@@ -645,6 +645,29 @@ impl Backend for LocalBackend {
         })
         .await
     }
+
+    async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError> {
+        let src = self.path(from)?;
+        let dest = self.path(to)?;
+        let from = from.to_string();
+        self.blocking(move |c| {
+            if !no_symlink(&c.url, &from, &src)? {
+                return Err(BackendError::NotFound {
+                    store: c.url.clone(),
+                    key: from,
+                });
+            }
+            let parent = dest.parent().unwrap_or(&c.root).to_path_buf();
+            fs::create_dir_all(&parent).map_err(|e| other(&c.url, "rename", &from, e))?;
+            fs::rename(&src, &dest).map_err(|e| not_found_or(&c.url, "rename", &from, e))?;
+            fsync_dir(&parent).map_err(|e| other(&c.url, "rename", &from, e))?;
+            if let Some(p) = src.parent() {
+                fsync_dir(p).map_err(|e| other(&c.url, "rename", &from, e))?;
+            }
+            Ok(())
+        })
+        .await
+    }
 }
 
 #[cfg(test)]

@@ -260,6 +260,13 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
     /// Removes the object; absent is not an error.
     async fn delete(&self, key: &str) -> Result<(), BackendError>;
+
+    /// Moves the object at `from` to `to`, replacing any object there (GC's fossil step,
+    /// [`crate::gc`]). Locally one `rename(2)`, atomic. On S3 a CopyObject (server side, no
+    /// bytes through the client; objects up to 5 GiB, S3 API reference, CopyObject) then a
+    /// DeleteObject: an interruption between the two leaves both keys holding the object,
+    /// never neither. Errors: `NotFound` when `from` is absent.
+    async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError>;
 }
 
 /// Largest object [`Backend::get_versioned`] reads, bytes (64 MiB, the manifest limit): far

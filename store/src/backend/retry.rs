@@ -509,6 +509,20 @@ impl Backend for Retrying {
     async fn delete(&self, key: &str) -> Result<(), BackendError> {
         self.run("delete", key, || self.inner.delete(key)).await.0
     }
+
+    async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError> {
+        let (r, retried) = self
+            .run("rename", from, || self.inner.rename(from, to))
+            .await;
+        match r {
+            // An earlier attempt may have moved it with its reply lost.
+            Err(e @ BackendError::NotFound { .. }) if retried => match self.inner.head(to).await {
+                Ok(Some(_)) => Ok(()),
+                _ => Err(e),
+            },
+            r => r,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -604,6 +618,9 @@ mod tests {
         }
         async fn delete(&self, key: &str) -> Result<(), BackendError> {
             self.inner.delete(key).await
+        }
+        async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError> {
+            self.inner.rename(from, to).await
         }
     }
 

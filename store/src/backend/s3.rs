@@ -686,6 +686,17 @@ impl Backend for S3Backend {
             Err(e) => Err(self.err("delete", key, e)),
         }
     }
+
+    async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError> {
+        let (src, dest) = (self.path(from)?, self.path(to)?);
+        // CopyObject, then DeleteObject (object_store's `rename` would do the same, but this
+        // keeps each step's error naming its key).
+        self.store
+            .copy(&src, &dest)
+            .await
+            .map_err(|e| self.err("rename", from, e))?;
+        self.delete(from).await
+    }
 }
 
 async fn read_full(f: &mut tokio::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {

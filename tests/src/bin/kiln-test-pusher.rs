@@ -5,6 +5,8 @@
 //!
 //! Usage: `kiln-test-pusher import FILE NAME:TAG STORE_URL`
 //!        `kiln-test-pusher push NAME:TAG SRC_URL DST_URL`
+//!        `kiln-test-pusher gc STORE_URL` (GC with no grace period; prints the report's
+//!        counts: `condemned=N resurrected=N collected=N writes=N`)
 //! Exit: 0 done, 1 failed (message on stderr), 2 usage; killed by SIGABRT at the crash point.
 
 use std::sync::Arc;
@@ -77,6 +79,24 @@ async fn import(file: &str, tag: &str, url: &str, crash: Option<u64>) -> Result<
     Ok(())
 }
 
+async fn gc(url: &str, crash: Option<u64>) -> Result<(), StoreError> {
+    let (store, injector) = open(url, crash).await?;
+    let r = store
+        .gc(&kiln_store::gc::GcOptions {
+            grace: Duration::ZERO,
+            ..Default::default()
+        })
+        .await?;
+    println!(
+        "condemned={} resurrected={} collected={} writes={}",
+        r.condemned,
+        r.resurrected.len(),
+        r.collected.len(),
+        injector.map_or(0, |c| c.writes())
+    );
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -85,8 +105,9 @@ async fn main() -> std::process::ExitCode {
         .and_then(|v| v.parse::<u64>().ok());
     let r = match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
         ["import", file, tag, url] => import(file, tag, url, crash).await,
+        ["gc", url] => gc(url, crash).await,
         _ => {
-            eprintln!("usage: kiln-test-pusher import FILE NAME:TAG STORE_URL");
+            eprintln!("usage: kiln-test-pusher import FILE NAME:TAG STORE_URL | gc STORE_URL");
             return std::process::ExitCode::from(2);
         }
     };

@@ -57,6 +57,11 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
             || format!("{verb} {} ({} bytes)", c.key, c.size),
         );
     }
+    for k in &r.resurrected {
+        out.event("resurrected", json!({"key": k}), || {
+            format!("kept {k}: a build relied on it while GC ran")
+        });
+    }
     for k in &r.expired {
         out.event("expired", json!({"key": k, "dryRun": a.dry_run}), || {
             format!("{verb} expired {k}")
@@ -68,6 +73,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         json!({
             "store": store.url(), "dryRun": a.dry_run, "marked": r.marked,
             "youngKept": r.young_kept, "collected": r.collected.len(), "collectedBytes": bytes,
+            "condemned": r.condemned, "resurrected": r.resurrected.len(),
             "expired": r.expired.len(),
         }),
         || {
