@@ -980,8 +980,8 @@ fn max_active(views: &[Value]) -> usize {
 /// unanswered, holding the build inside its step, so the kill -9 needs no timing.
 ///
 /// - A build done by node 0 alone is a full cache hit on the others, with the same image.
-/// - 12 builds submitted round robin across the three: each succeeds and its step ran once,
-///   in attempt 1.
+/// - 30 builds (the count) submitted round robin across the three: each succeeds and
+///   its step ran once, in attempt 1.
 /// - kill -9 of the node holding a build: after the takeover time (3 s here) another node
 ///   runs it again, as attempt 2, and it succeeds and moves its tag.
 /// - A build whose two attempts (`--max-attempts 2`) are both killed ends failed, naming the
@@ -1059,8 +1059,9 @@ fn three_nodes_share_one_queue_cache_and_store_and_take_over_a_killed_nodes_buil
     assert_eq!(web.hits("/run/c"), 1, "the step ran once, on node 0");
     nodes.insert(0, start(0));
 
-    // 12 builds across the three nodes: each ran its step once, in its first attempt.
-    let ids: Vec<String> = (0..12)
+    // 30 builds across the three nodes: each ran its step once, in its first attempt.
+    const BUILDS: usize = 30;
+    let ids: Vec<String> = (0..BUILDS)
         .map(|i| submit_to(&nodes[i % 3], &key, &format!("b:{i}"), &format!("/run/{i}")))
         .collect();
     rt().block_on(async {
@@ -1077,7 +1078,7 @@ fn three_nodes_share_one_queue_cache_and_store_and_take_over_a_killed_nodes_buil
             assert_eq!(v["state"], "succeeded", "{v:#}");
         }
     });
-    for i in 0..12 {
+    for i in 0..BUILDS {
         assert_eq!(
             web.hits(&format!("/run/{i}")),
             1,
@@ -1094,7 +1095,7 @@ fn three_nodes_share_one_queue_cache_and_store_and_take_over_a_killed_nodes_buil
             &url,
             &format!("SELECT COUNT(*) FROM builds WHERE id IN ({list}) AND attempt = 1")
         ),
-        "12"
+        BUILDS.to_string()
     );
     eprintln!(
         "builds per node: {}",
