@@ -1004,17 +1004,7 @@ fn three_nodes_share_one_queue_cache_and_store_and_take_over_a_killed_nodes_buil
     ));
     let web = kiln_tests::http::LocalServer::holding("/hold/", 1);
     let args = [&["--workers", "2"][..], &QUICK_LIVENESS].concat();
-    let start = |i: usize| {
-        let dir = t.path().join(format!("node{i}"));
-        Server::start_node(
-            KILN.as_ref(),
-            &dir.join("state"),
-            &store,
-            &db,
-            Some(&dir.join("cache")),
-            &args,
-        )
-    };
+    let start = |i: usize| Server::start_numbered(KILN.as_ref(), t.path(), i, &store, &db, &args);
     let recipe = |path: &str| fetch_recipe(&bb, "127.0.0.1", web.port, path);
     let spec = tagged_spec;
     let c = client();
@@ -1288,17 +1278,7 @@ fn a_context_uploaded_to_one_node_is_built_by_another_through_the_store() {
     // Held: node 0's build, and the context build's first attempt.
     let web = kiln_tests::http::LocalServer::holding("/hold/", 2);
     let args = [&["--workers", "1"][..], &QUICK_LIVENESS].concat();
-    let start = |i: usize| {
-        let dir = t.path().join(format!("node{i}"));
-        Server::start_node(
-            KILN.as_ref(),
-            &dir.join("state"),
-            &store,
-            &db,
-            Some(&dir.join("cache")),
-            &args,
-        )
-    };
+    let start = |i: usize| Server::start_numbered(KILN.as_ref(), t.path(), i, &store, &db, &args);
     let c = client();
     let spec = tagged_spec;
     let node_of = |id: &str| {

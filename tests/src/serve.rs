@@ -92,6 +92,27 @@ impl Server {
         Self::start_node(bin, state, store, db, None, extra)
     }
 
+    /// Node `i` of a test with several nodes: [`Server::start_node`] with the state directory
+    /// `root/node<i>/state` and the host cache `root/node<i>/cache`.
+    pub fn start_numbered(
+        bin: &Path,
+        root: &Path,
+        i: usize,
+        store: &Path,
+        db: &[String],
+        extra: &[&str],
+    ) -> Server {
+        let dir = root.join(format!("node{i}"));
+        Self::start_node(
+            bin,
+            &dir.join("state"),
+            store,
+            db,
+            Some(&dir.join("cache")),
+            extra,
+        )
+    }
+
     /// A server on 127.0.0.1 with its own host cache `cache` when given
     /// ([`Launch::cache`]).
     pub fn start_node(
