@@ -11,10 +11,30 @@
 //! registry; [`PullPolicy::Never`] (`--offline`) never does and fails with
 //! [`BaseError::NotCached`], naming what was looked for. The digest, never the tag, is what
 //! callers should record.
+//!
+//! That is the [`Scope::Operator`] resolution, for the CLI and the nightly. A tenant build
+//! of `kiln serve` resolves under [`Scope::Tenant`], where a recipe names nothing outside its
+//! workspace ([`resolve_in`]):
+//! - a store tag `NAME[:TAG]` is the workspace's `<ws>.NAME[:TAG]`, or the global
+//!   `NAME[:TAG]` when the operator allows `NAME` ([`Tenant::global_bases`]); another
+//!   workspace's tag is looked for as the workspace's own, so it is "not found" exactly as a
+//!   tag nobody has;
+//! - a digest names a store image only with the tag it is under (`NAME:TAG@sha256:…`, or
+//!   `NAME@sha256:…` for `:latest`), checked against what that tag names; anything else
+//!   pinned by digest goes to its registry, which decides what the tenant may read. The
+//!   store's cached manifests and the pulled references other builds left are never
+//!   answered by digest or name alone;
+//! - registry names are always asked of the registry (as `--pull` does), anonymously (never
+//!   with the operator's credentials), and only at public addresses unless the operator
+//!   names the registry ([`Tenant::registries`]);
+//! - host paths (`oci:DIR`) are refused.
 
 use std::path::Path;
 
+use std::collections::BTreeSet;
+
 use crate::cache::BlobCache;
+use crate::egress::address::{AddressError, AddressPolicy};
 use crate::image::{AnyManifest, ImageError, Manifest};
 use crate::layer::{LayerError, LayerStats, Limits, apply_layer};
 use crate::layout::{self, LayoutError};
@@ -57,6 +77,23 @@ pub enum BaseError {
     /// A layer blob the manifest names is not cached.
     #[error("layer {0} is not in the local store (pull the image first)")]
     MissingBlob(String),
+    /// A tenant build named something tenants may not name (an OCI layout on the server, a
+    /// bootstrap base).
+    #[error("{spec}: {why}")]
+    Refused {
+        /// The reference as written.
+        spec: String,
+        /// Why, in the tenant's terms.
+        why: String,
+    },
+    /// A tenant build named a registry at an address tenants may not reach.
+    #[error("{registry}: registry refused for this build: {source}")]
+    RegistryAddress {
+        /// The registry (`host[:port]`).
+        registry: String,
+        /// The address check's answer.
+        source: AddressError,
+    },
     /// The unpack target could not be prepared or a blob not opened.
     #[error("{path}: {source}")]
     Io {
@@ -95,13 +132,104 @@ pub enum Source {
     },
 }
 
-/// Resolves `spec` (`oci:DIR[:TAG]` or an image reference) to a cached manifest digest.
+/// Whose build this is: what its recipe may name (module doc).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Scope {
+    /// The CLI and the nightly: every form, the store's tags and cached images, OCI
+    /// layouts on this host, the operator's registry credentials.
+    #[default]
+    Operator,
+    /// A tenant of `kiln serve`: only its workspace's images, the global bases the operator
+    /// allows, and registries.
+    Tenant(Tenant),
+}
+
+/// A tenant build's workspace and what the operator lets every tenant use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tenant {
+    /// The workspace id (`[a-z0-9]+([_-][a-z0-9]+)*`): its store tags are `<ws>.NAME:TAG`.
+    pub workspace: String,
+    /// Store tag names every tenant may name, with any tag (`kiln serve --base NAME`), e.g.
+    /// the image the nightly rebuilds. No workspace may create a tag of such a name.
+    pub global_bases: BTreeSet<String>,
+    /// Registries (`host[:port]`, as a reference writes them) tenants may pull from although
+    /// they are at a loopback, private or link-local address (`kiln serve
+    /// --allow-registry`).
+    pub registries: BTreeSet<String>,
+}
+
+impl Tenant {
+    /// The store tag `spec` names in this workspace when it is written as one (`NAME`,
+    /// `NAME:TAG`, either with `@sha256:…`): `NAME:TAG` itself for a global base, else
+    /// `<ws>.NAME:TAG`. `None` when `spec` is not in the store tag grammar (or is too long
+    /// once prefixed).
+    pub fn store_tag(&self, spec: &str) -> Option<kiln_store::TagRef> {
+        let name = spec.split_once('@').map_or(spec, |(n, _)| n);
+        let t = as_store_tag(name)?;
+        if self.global_bases.contains(&t.name) {
+            return Some(t);
+        }
+        kiln_store::TagRef::new(&format!("{}.{}", self.workspace, t.name), &t.tag).ok()
+    }
+
+    /// Whether a tenant build may pull from `r`'s registry: one the operator named, or a
+    /// name all of whose addresses are public ([`AddressPolicy`] with no exception; HTTPS,
+    /// port 443 unless the reference gives one). Errors: [`BaseError::RegistryAddress`].
+    ///
+    /// The check is made once, before the pull; the registry client resolves the name again
+    /// to connect, and follows the token realm and redirects the registry gives without a
+    /// check of its own (oci-client takes no resolver).
+    pub async fn check_registry(&self, r: &Reference) -> Result<(), BaseError> {
+        let registry = r.registry();
+        if self.registries.contains(registry) {
+            return Ok(());
+        }
+        // `host`, `host:port`, `[v6]` or `[v6]:port`.
+        let (host, port) = match registry.rsplit_once(':') {
+            Some((h, p)) if !p.ends_with(']') => (h, p.parse().unwrap_or(443)),
+            _ => (registry, 443),
+        };
+        let host = if host == crate::reference::DEFAULT_REGISTRY {
+            "registry-1.docker.io"
+        } else {
+            host
+        };
+        AddressPolicy::default()
+            .resolve(host, port)
+            .await
+            .map(|_| ())
+            .map_err(|source| BaseError::RegistryAddress {
+                registry: registry.to_string(),
+                source,
+            })
+    }
+}
+
+/// Resolves `spec` (`oci:DIR[:TAG]` or an image reference) to a cached manifest digest, as
+/// the operator's builds do ([`resolve_in`] under [`Scope::Operator`]).
 pub async fn resolve(
     spec: &str,
     policy: PullPolicy,
     registry: &Registry,
     cache: &dyn BlobCache,
 ) -> Result<(String, Source), BaseError> {
+    resolve_in(&Scope::Operator, spec, policy, registry, cache).await
+}
+
+/// Resolves `spec` to a cached manifest digest under `scope` (module doc). Under
+/// [`Scope::Tenant`], `registry` must carry no credentials of the operator's (the resolve
+/// phase gives it none). Errors: as [`resolve`], plus [`BaseError::Refused`] and
+/// [`BaseError::RegistryAddress`] for a tenant.
+pub async fn resolve_in(
+    scope: &Scope,
+    spec: &str,
+    policy: PullPolicy,
+    registry: &Registry,
+    cache: &dyn BlobCache,
+) -> Result<(String, Source), BaseError> {
+    if let Scope::Tenant(t) = scope {
+        return resolve_tenant(t, spec, policy, registry, cache).await;
+    }
     if let Some((dir, tag)) = layout::parse_spec(spec) {
         let d = layout::import(&dir, tag.as_deref(), &registry.options().platform, cache)?;
         return Ok((d, Source::Layout));
@@ -139,6 +267,62 @@ pub async fn resolve(
             bytes: p.fetched_bytes,
         },
     ))
+}
+
+async fn resolve_tenant(
+    t: &Tenant,
+    spec: &str,
+    policy: PullPolicy,
+    registry: &Registry,
+    cache: &dyn BlobCache,
+) -> Result<(String, Source), BaseError> {
+    if layout::parse_spec(spec).is_some() {
+        return Err(BaseError::Refused {
+            spec: spec.to_string(),
+            why: "an OCI layout on the server (oci:DIR) cannot be named by a tenant build; \
+                  name a registry image, an image of this workspace or a global base"
+                .into(),
+        });
+    }
+    let r: Reference = spec.parse()?;
+    if let Some(tag) = t.store_tag(spec)
+        && let Some(d) = cache.store_tag(&tag.to_string())?
+        && r.digest().is_none_or(|want| want == d)
+        && cache.blob_path(&d)?.is_some()
+        && first_missing(cache, &d)?.is_none()
+    {
+        return Ok((d, Source::Local));
+    }
+    if policy == PullPolicy::Never {
+        return Err(BaseError::NotCached {
+            spec: spec.to_string(),
+            looked: match t.store_tag(spec) {
+                Some(tag) => format!("store tag {}", tenant_name(t, &tag)),
+                None => "no store tag".into(),
+            },
+        });
+    }
+    t.check_registry(&r).await?;
+    let p = registry.pull(&r, cache).await?;
+    Ok((
+        p.digest,
+        Source::Registry {
+            fetched: p.fetched,
+            bytes: p.fetched_bytes,
+        },
+    ))
+}
+
+/// A tenant's store tag as the tenant writes it (`<ws>.` taken off).
+fn tenant_name(t: &Tenant, tag: &kiln_store::TagRef) -> String {
+    let s = tag.to_string();
+    match s
+        .strip_prefix(&t.workspace)
+        .and_then(|r| r.strip_prefix('.'))
+    {
+        Some(own) => own.to_string(),
+        None => s,
+    }
 }
 
 /// The store tag a spec as written names (`NAME:TAG`, or `NAME` for `NAME:latest`; `NAME` may

@@ -94,6 +94,10 @@ pub struct PublishOptions {
     /// before each is stored or looked up, so GC keeps them until a tag names them
     /// ([`kiln_store::gc`]).
     pub lease: Option<Arc<Lease>>,
+    /// A tenant build's workspace: its image cache entry (`images/<key>`) is the
+    /// workspace's own ([`crate::build::key::workspace_key`] over [`flatten_key`]), so a
+    /// publish reuses only what that workspace published. `None`: the operator's builds.
+    pub workspace: Option<String>,
 }
 
 /// Why publishing failed. Nothing is tagged when any step fails.
@@ -303,7 +307,10 @@ pub async fn publish(
         limits: opts.limits,
     };
     let chunking = opts.chunking.unwrap_or(Chunking::DISK_DEFAULT);
-    let key = flatten_key(image, &ext4_opts, chunking, &ext4::check_tools()?.version);
+    let mut key = flatten_key(image, &ext4_opts, chunking, &ext4::check_tools()?.version);
+    if let Some(ws) = &opts.workspace {
+        key = crate::build::key::workspace_key(ws, &key);
+    }
     if let Some(lease) = &opts.lease
         && let Some((d, m)) = reusable(store, lease, &key).await?
     {

@@ -23,7 +23,7 @@ use std::path::PathBuf;
 
 use kiln_recipes::plan::{Base, BuildPlan};
 
-use crate::base::{self, BaseError, PullPolicy};
+use crate::base::{self, BaseError, PullPolicy, Scope};
 use crate::bootstrap::{self, BootstrapError, BootstrapSpec};
 use crate::cache::BlobCache;
 use crate::image::Platform;
@@ -56,6 +56,12 @@ pub enum ResolveError {
         /// The platform as written.
         platform: String,
     },
+    /// A tenant build asked for a bootstrap base (it would run debootstrap on the server).
+    #[error(
+        "stage {0}: a bootstrap base cannot be built for a tenant; name an image of this \
+         workspace, a global base or a registry image"
+    )]
+    BootstrapRefused(usize),
     /// A bootstrap spec has no mirror and no default was given.
     #[error("stage {0}: bootstrap has no mirror and the builder has no default mirror")]
     NoMirror(usize),
@@ -99,6 +105,11 @@ pub struct ResolveOptions {
     /// image base is first fetched from it ([`crate::cache::Fronted::fetch`]), so a FROM
     /// finds the store's built images and pulled references whichever host made them.
     pub front: Option<crate::cache::Fronted>,
+    /// Whose build it is: under [`Scope::Tenant`] every image the recipe names goes through
+    /// the workspace's rules ([`crate::base`]), registries are asked without the operator's
+    /// credentials ([`RegistryOptions::docker_config`] and `credentials` are dropped), and
+    /// bootstrap bases are refused.
+    pub scope: Scope,
 }
 
 /// What a stage starts from, resolved.
@@ -259,6 +270,44 @@ pub async fn resolve_recipe(
     Ok((plan, resolved))
 }
 
+/// Resolves one image `reference` as a recipe writes it (a `FROM`, `COPY --from`, `RUN
+/// --mount=from=`) for `platform`: a named build context of that name first, then the
+/// remote store's copy of what it names ([`crate::cache::Fronted::fetch`]), then
+/// [`base::resolve_in`] under [`ResolveOptions::scope`] with the registry options of the
+/// build (for a tenant, without the operator's credentials). The platform manifest digest in
+/// `cache`. Errors: [`BaseError`] (a fetch from the remote store as
+/// [`BaseError::Cache`]).
+pub async fn resolve_reference(
+    opts: &ResolveOptions,
+    reference: &str,
+    platform: Platform,
+    cache: &dyn BlobCache,
+) -> Result<String, BaseError> {
+    let mut ropts = RegistryOptions {
+        platform,
+        ..opts.registry.clone()
+    };
+    if let Scope::Tenant(_) = &opts.scope {
+        ropts.docker_config = None;
+        ropts.credentials = None;
+    }
+    let registry = Registry::new(ropts);
+    let spec = opts
+        .build_contexts
+        .get(reference)
+        .map_or(reference, String::as_str);
+    // What the store may hold of it: under a tenant, only its own or a global base's tag.
+    let fetch = match &opts.scope {
+        Scope::Operator => Some(spec.to_string()),
+        Scope::Tenant(t) => t.store_tag(spec).map(|t| t.to_string()),
+    };
+    if let (Some(f), Some(fetch)) = (&opts.front, fetch) {
+        f.fetch(&fetch).await?;
+    }
+    let (d, _) = base::resolve_in(&opts.scope, spec, opts.policy, &registry, cache).await?;
+    Ok(d)
+}
+
 /// Resolves every stage base of `plan` (one entry per stage, in order).
 pub async fn resolve_plan(
     plan: &BuildPlan,
@@ -282,18 +331,7 @@ pub async fn resolve_plan(
                                 platform: stage.platform.clone(),
                             }
                         })?;
-                        let registry = Registry::new(RegistryOptions {
-                            platform,
-                            ..opts.registry.clone()
-                        });
-                        let spec = opts.build_contexts.get(reference).unwrap_or(reference);
-                        if let Some(f) = &opts.front {
-                            f.fetch(spec).await.map_err(|e| ResolveError::Base {
-                                stage: i,
-                                source: Box::new(e.into()),
-                            })?;
-                        }
-                        let (d, _) = base::resolve(spec, opts.policy, &registry, cache)
+                        let d = resolve_reference(opts, reference, platform, cache)
                             .await
                             .map_err(|e| ResolveError::Base {
                                 stage: i,
@@ -308,6 +346,9 @@ pub async fn resolve_plan(
                     onbuild: onbuild_of(cache, i, &digest)?,
                     digest,
                 }
+            }
+            Base::Bootstrap(_) if opts.scope != Scope::Operator => {
+                return Err(ResolveError::BootstrapRefused(i));
             }
             Base::Bootstrap(b) => {
                 let mirror = b

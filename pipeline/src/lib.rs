@@ -51,7 +51,7 @@ pub use nightly::{NightlyOutcome, NightlyReport, NightlyRequest, nightly};
 pub use report::{BuildReport, ChunkCounts, PublishedImage, SnapshotSummary, Times};
 pub use request::{
     BuildRequest, CacheMountScope, ContextSource, Executor, Limits, NetworkPolicy, Output, Recipe,
-    SnapshotRequest, TagExpect, TagMove, WorkspaceId,
+    Scope, SnapshotRequest, TagExpect, TagMove, Tenant, WorkspaceId,
 };
 pub use tokio_util::sync::CancellationToken;
 
@@ -312,6 +312,7 @@ pub(crate) async fn run_leased(
         work_dir: setup.work_dir.join("bootstrap"),
         registry: setup.registry.clone(),
         front: setup.front.clone(),
+        scope: req.scope.clone(),
     };
     // The build's lease, taken before anything is fetched or looked up: every blob the
     // resolution writes or finds, and then the build's layers, chunks and manifest, are put
@@ -561,6 +562,10 @@ async fn finish(
             disk_mib: req.disk_mib,
             progress: Some(progress),
             lease: Some(out.lease.clone()),
+            workspace: match &req.scope {
+                Scope::Operator => None,
+                Scope::Tenant(t) => Some(t.workspace.clone()),
+            },
             ..Default::default()
         },
     )

@@ -20,6 +20,7 @@ use kiln_store::{ManifestDigest, TagRef};
 use tokio_util::sync::CancellationToken;
 
 use crate::PipelineError;
+pub use kiln_builder::base::{Scope, Tenant};
 
 /// Everything one build needs to know, from the recipe to how its tags move.
 #[derive(Debug, Clone)]
@@ -56,6 +57,10 @@ pub struct BuildRequest {
     pub executor: Executor,
     /// Which `RUN --mount=type=cache` directories the build sees.
     pub cache_mounts: CacheMountScope,
+    /// Whose build it is: a tenant's ([`Scope::Tenant`]) names only its workspace's images,
+    /// the operator's global bases and registries, and its build-cache and image-cache
+    /// entries are its workspace's own ([`kiln_builder::base`]).
+    pub scope: Scope,
     /// What is made of the built OCI image: a published image (tags, snapshot) or only the
     /// OCI image.
     pub output: Output,
@@ -86,6 +91,7 @@ impl BuildRequest {
             limits: Limits::default(),
             executor: Executor::default(),
             cache_mounts: CacheMountScope::default(),
+            scope: Scope::Operator,
             output: Output::Image {
                 tags: Vec::new(),
                 snapshot: None,

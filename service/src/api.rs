@@ -716,6 +716,7 @@ async fn submit(
         let (n, tag) = t
             .split_once(':')
             .ok_or_else(|| ApiError::BadRequest(format!("tag {t:?}: expected name:tag")))?;
+        tags::check_not_global(n, &s.config.global_bases).map_err(ApiError::BadRequest)?;
         store_tags.push(
             tags::to_store(&ws, n, tag)
                 .map_err(ApiError::BadRequest)?
@@ -1258,6 +1259,7 @@ async fn put_tag(
 ) -> Result<Response, ApiError> {
     let b: TagBody = serde_json::from_slice(&body)
         .map_err(|e| ApiError::BadRequest(format!("tag body: {e}")))?;
+    tags::check_not_global(&name, &s.config.global_bases).map_err(ApiError::BadRequest)?;
     let t = tags::to_store(&ws, &name, &tag).map_err(ApiError::BadRequest)?;
     let expected = precondition(&headers)?.ok_or_else(|| {
         ApiError::PreconditionRequired(

@@ -104,6 +104,13 @@ pub struct ServiceConfig {
     /// transaction before the server ends it, releasing its locks ([`Db::connect_bounded`]).
     /// A node cut off from the database sees its calls hang, not fail: this bounds them.
     pub database_timeout: Duration,
+    /// Store tag names every tenant may build `FROM` (any tag of each; `kiln serve --base`).
+    /// No workspace may create a tag of such a name, so a name has one meaning.
+    pub global_bases: std::collections::BTreeSet<String>,
+    /// Registries (`host[:port]`) tenants may pull from at a loopback, private or
+    /// link-local address (`kiln serve --allow-registry`); every other registry must be at a
+    /// public address ([`kiln_pipeline::Tenant::registries`]).
+    pub allowed_registries: std::collections::BTreeSet<String>,
 }
 
 impl ServiceConfig {
@@ -125,6 +132,8 @@ impl ServiceConfig {
             node_retention: Duration::from_secs(7 * 24 * 3600),
             context_lease: Duration::from_secs(3600),
             database_timeout: db::DEFAULT_TIMEOUT,
+            global_bases: Default::default(),
+            allowed_registries: Default::default(),
         }
     }
 
@@ -162,6 +171,16 @@ impl ServiceConfig {
         }
         if self.max_attempts == 0 {
             return bad("max attempts 0: expected at least 1".into());
+        }
+        if let Some(b) = self
+            .global_bases
+            .iter()
+            .find(|b| b.contains('.') || b.parse::<kiln_store::TagRef>().is_err())
+        {
+            return bad(format!(
+                "global base {b:?}: expected a store tag name without '.' (names with a '.' \
+                 are workspaces' tags)"
+            ));
         }
         if self.database_timeout < Duration::from_millis(100) {
             return bad(format!(

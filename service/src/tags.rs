@@ -34,6 +34,20 @@ pub fn to_store(ws: &str, name: &str, tag: &str) -> Result<TagRef, String> {
     })
 }
 
+/// Refuses a tenant tag named like a global base (`global_bases`, [`crate::ServiceConfig`]):
+/// such a name means the operator's image in every tenant's `FROM`.
+pub fn check_not_global(
+    name: &str,
+    global_bases: &std::collections::BTreeSet<String>,
+) -> Result<(), String> {
+    if global_bases.contains(name) {
+        return Err(format!(
+            "tag name {name:?} is a global base of this server: choose another name"
+        ));
+    }
+    Ok(())
+}
+
 /// The tenant's name of a stored name, when it is in workspace `ws`.
 pub fn from_store<'a>(ws: &str, stored: &'a str) -> Option<&'a str> {
     stored.strip_prefix(ws)?.strip_prefix('.')

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use kiln_pipeline::{
     BuildRequest, CacheMountScope, ContextSource, Event, Limits, NetworkPolicy, Output,
-    PipelineError, Recipe, SnapshotRequest, TagMove,
+    PipelineError, Recipe, Scope, SnapshotRequest, TagMove, Tenant,
 };
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
@@ -541,6 +541,11 @@ async fn execute(
         Ok(w) => req.cache_mounts = CacheMountScope::Workspace(w),
         Err(e) => return failed(chain(&e)),
     }
+    req.scope = Scope::Tenant(Tenant {
+        workspace: row.workspace.clone(),
+        global_bases: state.config.global_bases.clone(),
+        registries: state.config.allowed_registries.clone(),
+    });
     let mut tags = Vec::new();
     for t in &spec.store_tags {
         match t.parse() {

@@ -25,7 +25,7 @@ fn store() -> (tempfile::TempDir, LocalCache) {
 fn registry(opts: RegistryOptions) -> Registry {
     Registry::new(RegistryOptions {
         // Never read the machine's own ~/.docker/config.json.
-        docker_config: "/nonexistent/kiln-test/config.json".into(),
+        docker_config: Some("/nonexistent/kiln-test/config.json".into()),
         ..opts
     })
 }
@@ -192,7 +192,7 @@ fn auth_accepted_and_refused() {
     let cfgdir = tempfile::tempdir().expect("tempdir");
     let cfg = cfgdir.path().join("config.json");
     let reg = Registry::new(RegistryOptions {
-        docker_config: cfg.clone(),
+        docker_config: Some(cfg.clone()),
         ..Default::default()
     });
     match rt.block_on(reg.check_login(&host, &bad)) {

@@ -96,7 +96,7 @@ impl Fx {
         };
         let resolve = ResolveOptions {
             registry: RegistryOptions {
-                docker_config: "/nonexistent/kiln-test/config.json".into(),
+                docker_config: Some("/nonexistent/kiln-test/config.json".into()),
                 ..Default::default()
             },
             work_dir: self.tmp.path().join("bootstrap"),

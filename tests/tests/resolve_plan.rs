@@ -21,7 +21,7 @@ fn plan(dockerfile: &str) -> kiln_recipes::BuildPlan {
 fn opts() -> ResolveOptions {
     ResolveOptions {
         registry: RegistryOptions {
-            docker_config: "/nonexistent/kiln-test/config.json".into(),
+            docker_config: Some("/nonexistent/kiln-test/config.json".into()),
             ..Default::default()
         },
         ..Default::default()

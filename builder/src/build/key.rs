@@ -72,6 +72,25 @@ impl StepKey<'_> {
     }
 }
 
+/// `key` (a stage's root key) made the workspace `workspace`'s own. A tenant build's stages
+/// start from such keys, so every key after them, and the `cache/<key>` entries they name,
+/// belong to that workspace alone: a tenant's step is a hit only on entries its own
+/// workspace made (as E2B scopes its template cache per team). Keys of the operator's
+/// builds (CLI, nightly) are not wrapped.
+pub fn workspace_key(workspace: &str, key: &str) -> String {
+    #[derive(Serialize)]
+    struct Scoped<'a> {
+        v: u32,
+        workspace: &'a str,
+        key: &'a str,
+    }
+    hash(&Scoped {
+        v: KEY_VERSION,
+        workspace,
+        key,
+    })
+}
+
 /// The key of a generated step (`what` names it, e.g. the sandbox preparation layer).
 pub fn generated_key(parent: &str, what: &str) -> String {
     #[derive(Serialize)]

@@ -615,6 +615,13 @@ fn stage_base(
 ) -> Result<StageOut, BuildError> {
     let stage = &ctx.plan.stages[i];
     let (os, architecture, variant) = platform_parts(&stage.platform);
+    let root = |kind: &str, value: &str| {
+        let k = key::root_key(kind, value, &stage.platform);
+        match &ctx.opts.resolve.scope {
+            crate::base::Scope::Operator => k,
+            crate::base::Scope::Tenant(t) => key::workspace_key(&t.workspace, &k),
+        }
+    };
     match &ctx.bases[i] {
         ResolvedBase::Scratch => Ok(StageOut {
             layers: Vec::new(),
@@ -624,7 +631,7 @@ fn stage_base(
                 variant,
                 ..OciConfig::default()
             },
-            key: key::root_key("scratch", "", &stage.platform),
+            key: root("scratch", ""),
         }),
         ResolvedBase::Stage(s) => inputs
             .get(s)
@@ -671,7 +678,7 @@ fn stage_base(
             Ok(StageOut {
                 layers,
                 config,
-                key: key::root_key("image", digest, &stage.platform),
+                key: root("image", digest),
             })
         }
     }
@@ -1345,21 +1352,14 @@ async fn image_tree(
     platform: &str,
     loc: &str,
 ) -> Result<PathBuf, BuildError> {
-    let r = &ctx.opts.resolve;
-    let mut reg = r.registry.clone();
-    reg.platform = crate::image::Platform::parse(platform).map_err(|e| BuildError::Copy {
+    let platform = crate::image::Platform::parse(platform).map_err(|e| BuildError::Copy {
         location: loc.to_string(),
         message: e.to_string(),
     })?;
-    let spec = r
-        .build_contexts
-        .get(reference)
-        .cloned()
-        .unwrap_or_else(|| reference.to_string());
-    let (digest, _) = crate::base::resolve(
-        &spec,
-        r.policy,
-        &crate::registry::Registry::new(reg),
+    let digest = crate::resolve::resolve_reference(
+        &ctx.opts.resolve,
+        reference,
+        platform,
         ctx.cache.as_ref(),
     )
     .await

@@ -142,8 +142,8 @@ pub struct RegistryOptions {
     pub max_parallel: usize,
     /// Attempts per blob (the first request plus resumes).
     pub max_attempts: u32,
-    /// Docker config to read credentials from.
-    pub docker_config: PathBuf,
+    /// Docker config to read credentials from (`None`: none, as for a tenant's build).
+    pub docker_config: Option<PathBuf>,
     /// Credentials that override the config file, for every registry.
     pub credentials: Option<Credentials>,
 }
@@ -155,7 +155,7 @@ impl Default for RegistryOptions {
             platform: Platform::linux_amd64(),
             max_parallel: 3,
             max_attempts: 6,
-            docker_config: auth::config_path(),
+            docker_config: Some(auth::config_path()),
             credentials: None,
         }
     }
@@ -285,7 +285,10 @@ impl Registry {
     fn auth_for(&self, r: &Reference) -> Result<RegistryAuth, RegistryError> {
         let creds = match &self.opts.credentials {
             Some(c) => Some(c.clone()),
-            None => auth::lookup(&self.opts.docker_config, r.registry())?,
+            None => match &self.opts.docker_config {
+                Some(p) => auth::lookup(p, r.registry())?,
+                None => None,
+            },
         };
         Ok(match creds {
             Some(c) => RegistryAuth::Basic(c.username, c.password),

@@ -76,6 +76,15 @@ pub struct Args {
     /// A registry (host[:port]) allowed over plain HTTP; loopback registries always are.
     #[arg(long = "insecure-registry")]
     pub insecure: Vec<String>,
+    /// A store tag name every tenant may build FROM, with any of its tags (e.g. the image
+    /// `kiln nightly` rebuilds); repeat for more. No tenant may create a tag of that name.
+    #[arg(long = "base", value_name = "NAME")]
+    pub bases: Vec<String>,
+    /// A registry (host[:port]) tenants may pull from although it is at a loopback, private
+    /// or link-local address; repeat for more. Other registries must be at public
+    /// addresses.
+    #[arg(long = "allow-registry", value_name = "HOST[:PORT]")]
+    pub allow_registries: Vec<String>,
     /// Guest kernel for builds that ask for a snapshot (with --initramfs); without both,
     /// snapshot builds are refused.
     #[arg(long, env = "KILN_KERNEL", value_name = "FILE")]
@@ -266,6 +275,8 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     cfg.max_attempts = a.max_attempts;
     cfg.node_retention = a.node_retention;
     cfg.database_timeout = a.database_timeout;
+    cfg.global_bases = a.bases.iter().cloned().collect();
+    cfg.allowed_registries = a.allow_registries.iter().cloned().collect();
     cfg.check()?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
