@@ -163,6 +163,7 @@ impl Server {
             .arg("--store")
             .arg(l.store)
             .args(l.db)
+            .args(test_registries())
             .args(l.extra)
             .stderr(Stdio::piped())
             .stdout(Stdio::null())
@@ -488,6 +489,17 @@ pub const QUICK_LIVENESS: [&str; 8] = [
 pub fn tagged_spec(tag: &str) -> Value {
     serde_json::json!({"network": "host", "tags": [tag],
                        "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}})
+}
+
+/// `--allow-registry` for the test registries on 127.0.0.1 (`KILN_TEST_REGISTRY`, and
+/// `KILN_TEST_REGISTRY_AUTH`, which wants credentials), which tenant builds may otherwise
+/// not reach (loopback): every server the tests start names them.
+pub fn test_registries() -> Vec<String> {
+    ["KILN_TEST_REGISTRY", "KILN_TEST_REGISTRY_AUTH"]
+        .iter()
+        .filter_map(|v| std::env::var(v).ok())
+        .flat_map(|r| ["--allow-registry".to_string(), r])
+        .collect()
 }
 
 /// A Dockerfile `FROM base` whose one step fetches `http://host:port<path>` (a test server

@@ -1,0 +1,315 @@
+//! A tenant's recipe reaches nothing outside its workspace (issue 42), through the HTTP
+//! API of a real `kiln serve` with two workspaces, `acme` and `evil`, a local store and
+//! SQLite, the test registries on 127.0.0.1 and the busybox fixture.
+//!
+//! - Every way a recipe names an image (`FROM`, `COPY --from`, `RUN --mount=from=`, by tag,
+//!   by `@sha256:` under any name) finds another workspace's image exactly as it finds a
+//!   missing one: the same failure reason, with the workspace's name swapped.
+//! - `oci:DIR` and bootstrap bases are refused; a registry at a loopback address the
+//!   operator did not name is refused; the operator's registry credentials are not used.
+//! - An allowed global base, the tenant's own tag (also pinned by digest) and a registry
+//!   image named again by digest build.
+//! - The build cache does not speak across workspaces.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use kiln_tests::require_env;
+use kiln_tests::serve::{
+    Launch, Server, client, env, get, json_of, rt, submit, submit_recipe, terminal, wait_for,
+};
+use serde_json::{Value, json};
+
+/// The `kiln` binary under test.
+const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+
+/// Submits `recipe` (a Dockerfile, or a YAML recipe when `name` ends in `.yaml`) for `key`
+/// and waits for its end; the build view.
+async fn build(
+    c: &reqwest::Client,
+    s: &Server,
+    key: &str,
+    name: &str,
+    recipe: &str,
+    tags: &[&str],
+) -> Value {
+    let id = submit_recipe(c, s, key, &json!({"recipe": name, "tags": tags}), recipe).await;
+    wait_for(c, s, key, &id, Duration::from_secs(300), terminal).await
+}
+
+fn reason(v: &Value) -> String {
+    assert_eq!(v["state"], "failed", "{v:#}");
+    v["failure"]["reason"].as_str().expect("reason").to_string()
+}
+
+fn succeeded(v: &Value) -> &Value {
+    assert_eq!(v["state"], "succeeded", "{v:#}");
+    v
+}
+
+/// `kiln build -t tag` of `dockerfile` into `store` (the operator's CLI).
+fn operator_build(dir: &Path, store: &Path, dockerfile: &str, tag: &str) {
+    std::fs::create_dir_all(dir).expect("mkdir");
+    std::fs::write(dir.join("Dockerfile"), dockerfile).expect("write");
+    let out = Command::new(KILN)
+        .current_dir(dir)
+        .env("KILN_STORE", store)
+        .env("KILN_CACHE", dir.join("cache"))
+        .args(["build", ".", "-t", tag, "--progress", "plain"])
+        .output()
+        .expect("kiln build");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_tenant_recipe_names_only_its_workspace_global_bases_and_registries() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let auth_registry = require_env("KILN_TEST_REGISTRY_AUTH");
+    let token_registry = require_env("KILN_TEST_REGISTRY_TOKEN");
+    let (t, state, store) = env();
+    // The operator's images: `gbase:1`, allowed to tenants, and `optag:1`, not allowed.
+    operator_build(
+        &t.path().join("g"),
+        &store,
+        &format!("FROM {bb}\nRUN echo global > /global\n"),
+        "gbase:1",
+    );
+    operator_build(
+        &t.path().join("o"),
+        &store,
+        &format!("FROM {bb}\nRUN echo operator > /operator\n"),
+        "optag:1",
+    );
+    // The operator's own credentials for the registry that wants them (`kiln login`): a
+    // tenant build must not use them.
+    let docker = t.path().join("docker");
+    let mut login = Command::new(KILN)
+        .env("DOCKER_CONFIG", &docker)
+        .args([
+            "login",
+            &auth_registry,
+            "-u",
+            &require_env("KILN_TEST_REGISTRY_USER"),
+        ])
+        .arg("--password-stdin")
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("kiln login");
+    {
+        use std::io::Write as _;
+        let mut stdin = login.stdin.take().expect("stdin");
+        writeln!(stdin, "{}", require_env("KILN_TEST_REGISTRY_PASSWORD")).expect("password");
+    }
+    assert!(login.wait().expect("kiln login").success());
+    let s = Server::launch(&Launch {
+        bin: KILN.as_ref(),
+        state: &state,
+        store: &store,
+        db: &[],
+        cache: None,
+        listen: "127.0.0.1:0",
+        netns: None,
+        env: &[("DOCKER_CONFIG", docker.to_str().expect("utf-8"))],
+        extra: &["--base", "gbase"],
+    });
+    let acme = s.key("acme", &[]);
+    let evil = s.key("evil", &[]);
+    let c = client();
+    rt().block_on(async {
+        // acme's image, with a file only acme wrote.
+        let a = build(
+            &c,
+            &s,
+            &acme,
+            "Dockerfile",
+            &format!("FROM {bb}\nRUN echo acme-secret > /secret\n"),
+            &["app:1"],
+        )
+        .await;
+        let oci = succeeded(&a)["oci_manifest"]
+            .as_str()
+            .expect("oci manifest")
+            .to_string();
+        let image = a["image"].as_str().expect("image").to_string();
+        let zeros = format!("sha256:{}", "0".repeat(64));
+
+        // Each form naming acme's image, from evil, fails exactly as the same form naming
+        // a workspace nobody has (`zzzz`, as long as `acme`), or a digest nobody has.
+        let forms = [
+            "FROM acme.app:1\n".to_string(),
+            "FROM acme.app\n".to_string(),
+            format!("FROM acme.app:1@{oci}\n"),
+            format!("FROM acme.app@{oci}\n"),
+            format!("FROM {bb}\nCOPY --from=acme.app:1 /secret /stolen\n"),
+            format!("FROM {bb}\nRUN --mount=type=bind,from=acme.app:1,target=/m cat /m/secret\n"),
+            "FROM optag:1\n".to_string(),
+        ];
+        for f in &forms {
+            let theirs = reason(&build(&c, &s, &evil, "Dockerfile", f, &[]).await);
+            let missing = f.replace("acme", "zzzz").replace("optag", "nopet");
+            let missing = reason(&build(&c, &s, &evil, "Dockerfile", &missing, &[]).await);
+            assert_eq!(
+                theirs.replace("acme", "zzzz").replace("optag", "nopet"),
+                missing,
+                "{f}"
+            );
+        }
+        // Digests under any name, also on a registry the server may reach: acme's OCI
+        // manifest and image manifest digests.
+        let registry = require_env("KILN_TEST_REGISTRY");
+        for name in ["anyname".to_string(), format!("{registry}/anyname")] {
+            for d in [&oci, &image] {
+                let f = |d: &str| format!("FROM {name}@{d}\n");
+                let theirs = reason(&build(&c, &s, &evil, "Dockerfile", &f(d), &[]).await);
+                let missing = reason(&build(&c, &s, &evil, "Dockerfile", &f(&zeros), &[]).await);
+                assert_eq!(theirs.replace(d.as_str(), &zeros), missing, "{name}@{d}");
+            }
+        }
+
+        // Refused: a host path, a bootstrap base, a loopback registry not allowed.
+        let r = reason(&build(&c, &s, &evil, "Dockerfile", "FROM oci:/etc:latest\n", &[]).await);
+        assert!(r.contains("OCI layout on the server"), "{r}");
+        assert!(!r.contains("/etc/"), "{r}");
+        let r = reason(
+            &build(
+                &c,
+                &s,
+                &evil,
+                "recipe.yaml",
+                "from:\n  bootstrap:\n    distro: debian\n    suite: bookworm\n    \
+                 mirror: http://127.0.0.1:1/debian\n",
+                &[],
+            )
+            .await,
+        );
+        assert!(
+            r.contains("bootstrap base cannot be built for a tenant"),
+            "{r}"
+        );
+        let r = reason(
+            &build(
+                &c,
+                &s,
+                &evil,
+                "Dockerfile",
+                &format!("FROM {token_registry}/busybox:latest\n"),
+                &[],
+            )
+            .await,
+        );
+        assert!(r.contains("not public"), "{r}");
+        // The operator's credentials are not used: the registry wants some.
+        let r = reason(
+            &build(
+                &c,
+                &s,
+                &evil,
+                "Dockerfile",
+                &format!("FROM {auth_registry}/busybox:latest\n"),
+                &[],
+            )
+            .await,
+        );
+        assert!(r.contains("authentication refused"), "{r}");
+        // A tenant cannot take a global base's name.
+        let r = submit(
+            &c,
+            &s,
+            &evil,
+            &json!({"tags": ["gbase:2"]}),
+            None,
+            Some(format!("FROM {bb}\n").as_bytes()),
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 400);
+        let body = json_of(r).await;
+        assert!(body.to_string().contains("global base"), "{body}");
+
+        // What works: the global base, the tenant's own tag (also by digest), and a
+        // registry image named again by digest.
+        succeeded(
+            &build(
+                &c,
+                &s,
+                &evil,
+                "Dockerfile",
+                "FROM gbase:1\nRUN test -f /global\n",
+                &[],
+            )
+            .await,
+        );
+        for own in ["app:1".to_string(), format!("app:1@{oci}")] {
+            succeeded(
+                &build(
+                    &c,
+                    &s,
+                    &acme,
+                    "Dockerfile",
+                    &format!("FROM {own}\nRUN grep -q acme-secret /secret\n"),
+                    &[],
+                )
+                .await,
+            );
+        }
+        succeeded(&build(&c, &s, &evil, "Dockerfile", &format!("FROM {bb}\n"), &[]).await);
+        let (repo, tag) = bb.rsplit_once(':').expect("tag");
+        let (host, path) = repo.split_once('/').expect("registry/repository");
+        let pulled = c
+            .head(format!("http://{host}/v2/{path}/manifests/{tag}"))
+            .header(
+                "accept",
+                "application/vnd.oci.image.manifest.v1+json, \
+                 application/vnd.docker.distribution.manifest.v2+json",
+            )
+            .send()
+            .await
+            .expect("HEAD manifest")
+            .headers()["docker-content-digest"]
+            .to_str()
+            .expect("digest")
+            .to_string();
+        succeeded(
+            &build(
+                &c,
+                &s,
+                &evil,
+                "Dockerfile",
+                &format!("FROM {repo}@{pulled}\nRUN true\n"),
+                &[],
+            )
+            .await,
+        );
+
+        // The build cache is the workspace's own: the same recipe runs its step in each
+        // workspace once, then is a hit in the same workspace.
+        let same = format!("FROM {bb}\nRUN echo same > /same\n");
+        for (key, cached) in [(&acme, false), (&evil, false), (&evil, true)] {
+            let v = build(&c, &s, key, "Dockerfile", &same, &[]).await;
+            let steps = succeeded(&v)["steps"].as_array().expect("steps").clone();
+            let run = steps
+                .iter()
+                .find(|s| {
+                    s["instruction"]
+                        .as_str()
+                        .is_some_and(|i| i.contains("echo same"))
+                })
+                .unwrap_or_else(|| panic!("the RUN step: {v:#}"));
+            assert_eq!(run["cached"], cached, "{v:#}");
+        }
+        // No tag of evil's moved, and acme's is where it was.
+        let r = get(&c, &s, &acme, "/v1/images/app/tags/1").await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            r.headers()["etag"].to_str().expect("etag"),
+            format!("\"{image}\"")
+        );
+        let evil_images = json_of(get(&c, &s, &evil, "/v1/images").await).await;
+        assert_eq!(evil_images, json!([]), "{evil_images:#}");
+    });
+}
