@@ -204,7 +204,9 @@ pub enum NetworkMode {
     #[default]
     #[serde(alias = "default")]
     Sandboxed,
-    /// `RUN --network=host` is allowed too.
+    /// `RUN --network=host` is allowed too. Only on a server whose steps run in the
+    /// namespace executor (`--trust-tenants`); under the microVM executor it is refused
+    /// (400).
     Host,
     /// No step has any network.
     None,
@@ -353,6 +355,11 @@ pub struct StepView {
     pub duration_ms: Option<i64>,
     /// Its layer digest.
     pub layer: Option<String>,
+    /// What ran its command: `vm` (a microVM of its own) or `namespace` (this host's
+    /// namespace executor, a server started with `--trust-tenants`). None for a step found
+    /// in the build cache and for one that runs no command (`COPY`, `ADD`, `WORKDIR`, the
+    /// generated sandbox layer: kiln applies them itself).
+    pub executor: Option<String>,
 }
 
 /// Why a build failed.
@@ -759,6 +766,15 @@ async fn submit(
     spec.network
         .policy()
         .map_err(|e| ApiError::BadRequest(format!("build spec: network: {e}")))?;
+    if spec.network == NetworkSpec::Mode(NetworkMode::Host)
+        && s.config.executor == kiln_pipeline::Executor::Vm
+    {
+        return Err(ApiError::BadRequest(
+            "build spec: network \"host\" is not available: build steps run in microVMs, \
+             which cannot reach the host's network (use \"sandboxed\" or \"none\")"
+                .into(),
+        ));
+    }
 
     let stored = StoredSpec {
         recipe: recipe_name,
@@ -861,6 +877,7 @@ async fn view(s: &AppState, ws: &str, id: &str) -> Result<BuildView, ApiError> {
                 instruction: st.instruction,
                 cached: st.cached,
                 layer: st.layer,
+                executor: st.executor,
             })
             .collect();
     Ok(BuildView {

@@ -35,7 +35,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kiln_pipeline::Setup;
+use kiln_pipeline::{Executor, Setup};
 use tokio_util::sync::CancellationToken;
 
 pub use db::{Db, DbError, Quota};
@@ -104,12 +104,18 @@ pub struct ServiceConfig {
     /// transaction before the server ends it, releasing its locks ([`Db::connect_bounded`]).
     /// A node cut off from the database sees its calls hang, not fail: this bounds them.
     pub database_timeout: Duration,
+    /// What runs tenants' `RUN` steps (default [`Executor::Vm`]: a microVM per step, which
+    /// needs [`Setup::boot`]). [`Executor::Namespace`] is this host's namespace executor,
+    /// not a boundary against a hostile recipe: `kiln serve --trust-tenants`, development
+    /// only. Under the VM executor a submission asking for the host network is refused.
+    pub executor: Executor,
 }
 
 impl ServiceConfig {
     /// Defaults for the state directory `state_dir`: SQLite, 2 workers, 1 GiB contexts, 4 GiB
     /// unpacked, 24 h idempotency window, 60 s shutdown grace, 10 s heartbeat, 60 s takeover,
-    /// 3 attempts, 7 days node retention, 1 h context leases, 10 s database timeout.
+    /// 3 attempts, 7 days node retention, 1 h context leases, 10 s database timeout, the
+    /// microVM executor.
     pub fn new(state_dir: PathBuf) -> Self {
         ServiceConfig {
             state_dir,
@@ -125,6 +131,7 @@ impl ServiceConfig {
             node_retention: Duration::from_secs(7 * 24 * 3600),
             context_lease: Duration::from_secs(3600),
             database_timeout: db::DEFAULT_TIMEOUT,
+            executor: Executor::Vm,
         }
     }
 
@@ -220,6 +227,10 @@ impl AppState {
 /// builds go on for [`ServiceConfig::shutdown_grace`] and cancels those still running
 /// (failed, "server shutdown"; no tag moved).
 ///
+/// Errors: [`ServiceError::Config`] for settings out of range, or the microVM executor
+/// ([`ServiceConfig::executor`]) without the guest kernel and initramfs ([`Setup::boot`]),
+/// checked before anything is created; then the state directory's and the database's.
+///
 /// The node registers in the database and heartbeats; builds of lost nodes, those a
 /// previous process of this state directory left running included, are re-queued or, after
 /// [`ServiceConfig::max_attempts`], end failed with a reason naming the node, so every
@@ -231,6 +242,22 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), ServiceError> {
     config.check()?;
+    if config.executor == Executor::Vm && setup.boot.is_none() {
+        return Err(ServiceError::Config(
+            "the microVM executor needs the guest kernel and initramfs (boot assets)".into(),
+        ));
+    }
+    match config.executor {
+        Executor::Vm => tracing::info!(
+            executor = %config.executor,
+            "tenants' RUN steps run in the microVM executor, a VM per step"
+        ),
+        _ => tracing::warn!(
+            executor = %config.executor,
+            "tenants' RUN steps run in this host's namespace executor, which is not a \
+             boundary against a hostile recipe (--trust-tenants: development only)"
+        ),
+    }
     std::fs::create_dir_all(&config.state_dir).map_err(|source| ServiceError::Io {
         what: format!("creating {}", config.state_dir.display()),
         source,

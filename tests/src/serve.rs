@@ -136,8 +136,42 @@ impl Server {
         })
     }
 
-    /// Starts a server as `l` says and waits for its listening line.
+    /// A server on 127.0.0.1 with SQLite whose tenants' steps run in microVMs: no
+    /// `--trust-tenants`, and the guest kernel and initramfs of [`crate::vm::guest_assets`]
+    /// as `--kernel` and `--initramfs`.
+    pub fn start_vm(bin: &Path, state: &Path, store: &Path, extra: &[&str]) -> Server {
+        let a = crate::vm::guest_assets();
+        let (k, i) = (
+            a.kernel.display().to_string(),
+            a.initramfs.display().to_string(),
+        );
+        let mut args = vec!["--kernel", k.as_str(), "--initramfs", i.as_str()];
+        args.extend_from_slice(extra);
+        Self::launch_as(
+            &Launch {
+                bin,
+                state,
+                store,
+                db: &[],
+                cache: None,
+                listen: "127.0.0.1:0",
+                netns: None,
+                env: &[],
+                extra: &args,
+            },
+            false,
+        )
+    }
+
+    /// Starts a server as `l` says, with `--trust-tenants` (its steps in the namespace
+    /// executor), and waits for its listening line.
     pub fn launch(l: &Launch<'_>) -> Server {
+        Self::launch_as(l, true)
+    }
+
+    /// Starts a server as `l` says, with `--trust-tenants` when `trust`, and waits for its
+    /// listening line.
+    pub fn launch_as(l: &Launch<'_>, trust: bool) -> Server {
         let mut cmd = match l.netns {
             Some(ns) => {
                 let mut c = Command::new("nsenter");
@@ -151,14 +185,12 @@ impl Server {
                 .env("KILN_CONFIG", c.join("no-config.toml"));
         }
         cmd.envs(l.env.iter().copied());
+        cmd.args(["serve", "--listen", l.listen]);
+        if trust {
+            cmd.arg("--trust-tenants");
+        }
         let mut child = cmd
-            .args([
-                "serve",
-                "--listen",
-                l.listen,
-                "--trust-tenants",
-                "--state-dir",
-            ])
+            .arg("--state-dir")
             .arg(l.state)
             .arg("--store")
             .arg(l.store)
