@@ -9,9 +9,9 @@
 //! duplicate; cancel publishes nothing; over quota is 429; SIGTERM and kill -9 end every
 //! accepted build in a terminal state; three nodes on one PostgreSQL database and one S3
 //! bucket run each build once, share the build cache and take over a killed node's build;
-//! without `--trust-tenants` the server needs the guest kernel and initramfs, and tenants'
-//! steps run in microVMs (TCG here: the guest kernel and initramfs of
-//! `KILN_TEST_KERNEL`/`KILN_TEST_INITRAMFS`).
+//! `/metrics` only on the operator's listener; without `--trust-tenants` the server needs
+//! the guest kernel and initramfs, and tenants' steps run in microVMs (TCG here: the guest
+//! kernel and initramfs of `KILN_TEST_KERNEL`/`KILN_TEST_INITRAMFS`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -60,7 +60,12 @@ fn api_build_matches_kiln_build_and_moves_tags_by_cas() {
         .expect("digest")
         .to_string();
 
-    let s = Server::start(KILN.as_ref(), &state, &store, &[]);
+    let s = Server::start(
+        KILN.as_ref(),
+        &state,
+        &store,
+        &["--metrics-listen", "127.0.0.1:0"],
+    );
     let key = s.key("acme", &[]);
     let other = s.key("rival", &[]);
     let c = client();
@@ -201,11 +206,11 @@ fn api_build_matches_kiln_build_and_moves_tags_by_cas() {
         let m = json_of(get(&c, &s, &key, &format!("/v1/manifests/{cli_digest}")).await).await;
         assert_eq!(m["kind"], "image", "{m:#}");
 
-        // The OpenAPI document and the metrics.
+        // The OpenAPI document and the metrics, on the operator's listener.
         let doc = json_of(c.get(s.url("/openapi.json")).send().await.expect("GET")).await;
         assert!(doc["paths"]["/v1/builds"]["post"].is_object(), "{doc:#}");
         let m = c
-            .get(s.url("/metrics"))
+            .get(s.metrics_url())
             .send()
             .await
             .expect("GET")
@@ -218,6 +223,21 @@ fn api_build_matches_kiln_build_and_moves_tags_by_cas() {
             "{m}"
         );
         assert!(m.contains("kiln_queue_depth 0"), "{m}");
+        // Not on the tenants' port, with a key or without; and the operator's listener
+        // serves nothing of the API.
+        assert_eq!(
+            c.get(s.url("/metrics")).send().await.expect("GET").status(),
+            404
+        );
+        assert_eq!(get(&c, &s, &key, "/metrics").await.status(), 404);
+        let operator = s.metrics_url().replace("/metrics", "");
+        let r = c
+            .get(format!("{operator}/v1/builds/{id}"))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .expect("GET");
+        assert_eq!(r.status(), 404);
     });
 }
 
@@ -254,7 +274,12 @@ fn keys_blobs_recipe_errors_and_idempotency() {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let (t, state, store) = env();
     let ctx = context_dir(t.path(), &format!("FROM {bb}\nRUN echo one\n"));
-    let s = Server::start(KILN.as_ref(), &state, &store, &[]);
+    let s = Server::start(
+        KILN.as_ref(),
+        &state,
+        &store,
+        &["--metrics-listen", "127.0.0.1:0"],
+    );
     let key = s.key("acme", &[]);
     let other = s.key("rival", &[]);
     let c = client();
@@ -435,7 +460,7 @@ fn keys_blobs_recipe_errors_and_idempotency() {
         let v = wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await;
         assert_eq!(v["state"], "succeeded", "{v:#}");
         let m = c
-            .get(s.url("/metrics"))
+            .get(s.metrics_url())
             .send()
             .await
             .expect("GET")
@@ -985,7 +1010,8 @@ fn step_of<'a>(v: &'a Value, location: &str) -> &'a Value {
 /// namespace executor. The server says so at startup; each RUN step's `executor` is `vm`
 /// (none for COPY and the generated sandbox layer). A step with the default network, or
 /// with the build's allow-list, runs without one and its first log line says so; a `none`
-/// step's does not. `network: "host"` is refused with 400.
+/// step's does not. `network: "host"` is refused with 400. The tenants' port has no
+/// `/metrics`, and without `--metrics-listen` there is no other.
 #[test]
 fn serve_runs_tenant_steps_in_microvms() {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
@@ -1020,6 +1046,7 @@ fn serve_runs_tenant_steps_in_microvms() {
     until("the executor's line", Duration::from_secs(10), || {
         s.logged("kiln serve: executor vm")
     });
+    assert!(s.metrics.is_none());
     let key = s.key("acme", &[]);
     let c = client();
     rt().block_on(async {
@@ -1109,6 +1136,13 @@ fn serve_runs_tenant_steps_in_microvms() {
                 .starts_with("[kiln] this step runs without a network, so its allow-list"),
             "{log}"
         );
+
+        // The operator's metrics are not on the tenants' port.
+        assert_eq!(
+            c.get(s.url("/metrics")).send().await.expect("GET").status(),
+            404
+        );
+        assert_eq!(get(&c, &s, &key, "/metrics").await.status(), 404);
     });
 }
 

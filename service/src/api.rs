@@ -412,14 +412,14 @@ pub fn rfc3339(ms: i64) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }
 
-/// The router.
+/// The tenants' router: `/v1`, `/openapi.json`, `/healthz`, `/readyz`. Anything else,
+/// `/metrics` included, is 404.
 pub fn router(state: AppState) -> axum::Router {
     let limit =
         state.config.max_context_bytes as usize + MAX_JSON_BYTES + MAX_RECIPE_BYTES as usize;
     axum::Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
         // Only a submission's multipart body is buffered past axum's 2 MB default (its
         // context part streams to disk; blob uploads stream without an extractor limit).
@@ -441,6 +441,16 @@ pub fn router(state: AppState) -> axum::Router {
         .with_state(state)
 }
 
+/// The operator's router (`kiln serve --metrics-listen`): `GET /metrics`, Prometheus text
+/// of every workspace's activity (builds by state, queue depth, build durations, bytes
+/// uploaded), and `/healthz`. No key: the listener is the operator's, not the tenants'.
+pub fn operator_router(state: AppState) -> axum::Router {
+    axum::Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .with_state(state)
+}
+
 /// The OpenAPI document.
 #[derive(OpenApi)]
 #[openapi(
@@ -459,8 +469,7 @@ pub fn router(state: AppState) -> axum::Router {
         delete_tag,
         get_manifest,
         healthz,
-        readyz,
-        metrics
+        readyz
     ),
     components(schemas(
         BuildSpec,
@@ -504,8 +513,7 @@ async fn readyz(State(s): State<AppState>) -> Response {
     }
 }
 
-/// Prometheus text metrics.
-#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text")))]
+/// Prometheus text metrics (the operator's listener only).
 async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
     let by_state = s.db.count_by_state().await?;
     Ok((

@@ -8,9 +8,10 @@
 //!   idempotency keys and uploaded blobs.
 //! - [`auth`]: API keys (`kiln_<64 hex>`) and the `Authorization: Bearer` extractor; a
 //!   missing or unknown key gets 401.
-//! - [`api`]: the axum router under `/v1`, `/openapi.json` (utoipa), `/metrics`, `/healthz`,
+//! - [`api`]: the tenants' axum router under `/v1`, `/openapi.json` (utoipa), `/healthz`,
 //!   `/readyz`. Every object belongs to one workspace; another workspace's object gets the
-//!   same 404 as a missing one.
+//!   same 404 as a missing one. The operator's `/metrics` (every workspace's activity) is a
+//!   router of its own, on a listener of its own ([`serve`]).
 //! - [`context`]: build contexts as content-addressed tarballs under the state directory
 //!   (`PUT /v1/blobs/sha256:<hex>`, or the `context` part of a submission), and, with a
 //!   remote store, blobs of the store leased for their builds' lives; unpacked for a build
@@ -223,9 +224,12 @@ impl AppState {
     }
 }
 
-/// Runs the server on `listener` until `shutdown` fires, then stops accepting, lets running
+/// Runs the server on `listener` (the tenants' API, [`api::router`]) and, when given, the
+/// operator's endpoints on `metrics` ([`api::operator_router`]: `/metrics`, which the
+/// tenants' port does not serve) until `shutdown` fires, then stops accepting, lets running
 /// builds go on for [`ServiceConfig::shutdown_grace`] and cancels those still running
-/// (failed, "server shutdown"; no tag moved).
+/// (failed, "server shutdown"; no tag moved). The operator listener answers until the last
+/// build ended.
 ///
 /// Errors: [`ServiceError::Config`] for settings out of range, or the microVM executor
 /// ([`ServiceConfig::executor`]) without the guest kernel and initramfs ([`Setup::boot`]),
@@ -239,6 +243,7 @@ pub async fn serve(
     config: ServiceConfig,
     setup: Setup,
     listener: tokio::net::TcpListener,
+    metrics: Option<tokio::net::TcpListener>,
     shutdown: CancellationToken,
 ) -> Result<(), ServiceError> {
     config.check()?;
@@ -333,6 +338,14 @@ pub async fn serve(
         axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await })
     };
     let http = tokio::spawn(async move { http.await });
+    let operator = metrics.map(|l| {
+        let (app, done) = (api::operator_router(state.clone()), live.clone());
+        tokio::spawn(async move {
+            axum::serve(l, app)
+                .with_graceful_shutdown(async move { done.cancelled().await })
+                .await
+        })
+    });
     shutdown.cancelled().await;
     tracing::info!("shutting down: no new builds accepted");
     stopping.cancel();
@@ -345,5 +358,8 @@ pub async fn serve(
     }
     // Open log streams end when their builds do; the listener closes after them.
     let _ = http.await;
+    if let Some(o) = operator {
+        let _ = o.await;
+    }
     Ok(())
 }

@@ -47,6 +47,9 @@ pub struct Server {
     bin: PathBuf,
     /// `http://ADDR:PORT`, as the server printed it.
     pub base: String,
+    /// `http://ADDR:PORT/metrics` of the operator's listener, as the server printed it
+    /// (started with `--metrics-listen`).
+    pub metrics: Option<String>,
     /// Its state directory.
     pub state: PathBuf,
     /// Its store.
@@ -170,7 +173,7 @@ impl Server {
     }
 
     /// Starts a server as `l` says, with `--trust-tenants` when `trust`, and waits for its
-    /// listening line.
+    /// listening line (reading the operator's listener's line before it).
     pub fn launch_as(l: &Launch<'_>, trust: bool) -> Server {
         let mut cmd = match l.netns {
             Some(ns) => {
@@ -202,11 +205,15 @@ impl Server {
             .expect("start kiln serve");
         let stderr = child.stderr.take().expect("stderr");
         let mut lines = BufReader::new(stderr).lines();
+        let mut metrics = None;
         let base = loop {
             let l = lines
                 .next()
                 .expect("kiln serve ended before listening")
                 .expect("read stderr");
+            if let Some(rest) = l.strip_prefix("kiln serve: metrics on ") {
+                metrics = rest.split_whitespace().next().map(str::to_string);
+            }
             if let Some(rest) = l.strip_prefix("kiln serve: listening on ") {
                 break rest.split_whitespace().next().expect("address").to_string();
             }
@@ -224,6 +231,7 @@ impl Server {
             child,
             bin: l.bin.to_path_buf(),
             base,
+            metrics,
             state: l.state.to_path_buf(),
             store: l.store.to_path_buf(),
             db: l.db.to_vec(),
@@ -242,6 +250,14 @@ impl Server {
     /// The URL of path `p` on this server.
     pub fn url(&self, p: &str) -> String {
         format!("{}{p}", self.base)
+    }
+
+    /// `http://ADDR:PORT/metrics` of the operator's listener; panics when the server was
+    /// started without `--metrics-listen`.
+    pub fn metrics_url(&self) -> &str {
+        self.metrics
+            .as_deref()
+            .expect("a server started with --metrics-listen")
     }
 
     /// Whether a stderr line containing `text` came.

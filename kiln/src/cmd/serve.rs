@@ -32,6 +32,15 @@ pub struct Args {
     /// its own (--kernel, --initramfs).
     #[arg(long = "trust-tenants")]
     pub trust_tenants: bool,
+    /// Address of the operator's listener, serving GET /metrics (every workspace's
+    /// activity; port 0: any free port, printed on stderr). None by default; the tenants'
+    /// port never serves /metrics.
+    #[arg(
+        long = "metrics-listen",
+        env = "KILN_SERVE_METRICS_LISTEN",
+        value_name = "ADDR"
+    )]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub common: Common,
     /// The local store directory (default: $KILN_STORE, else ~/.local/share/kiln/store).
@@ -308,6 +317,18 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     cfg.database_timeout = a.database_timeout;
     cfg.executor = executor;
     cfg.check()?;
+    // The operator's listener first: its line comes before the one that says the server is
+    // up.
+    let metrics = match &a.metrics_listen {
+        Some(m) => {
+            let l = tokio::net::TcpListener::bind(m)
+                .await
+                .with_context(|| format!("--metrics-listen {m}"))?;
+            eprintln!("kiln serve: metrics on http://{}/metrics", l.local_addr()?);
+            Some(l)
+        }
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("listening on {listen}"))?;
@@ -330,7 +351,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
             token.cancel();
         });
     }
-    kiln_service::serve(cfg, setup, listener, shutdown).await?;
+    kiln_service::serve(cfg, setup, listener, metrics, shutdown).await?;
     eprintln!("kiln serve: stopped");
     Ok(())
 }
