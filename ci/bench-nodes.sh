@@ -98,7 +98,9 @@ class Cluster:
         p = subprocess.Popen(
             [kiln, "serve", "--listen", "127.0.0.1:0", "--trust-tenants", "--state-dir",
              f"{d}/state", "--store", self.store, "--database", self.db, "--workers", workers,
-             "--heartbeat", hb, "--takeover-after", takeover],
+             "--heartbeat", hb, "--takeover-after", takeover,
+             # The fixture registry is on 127.0.0.1, which tenants may not reach otherwise.
+             "--allow-registry", bb.split("/", 1)[0]],
             stderr=log, stdout=subprocess.DEVNULL, env={**env, "KILN_CACHE": f"{d}/cache"})
         for _ in range(600):
             log.seek(0)

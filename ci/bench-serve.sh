@@ -99,13 +99,16 @@ if [ -n "$pg_url" ]; then
   db_args=(--database "${pg_url%/*}/$pg_db")
 fi
 
-# The server, on a free port (it prints the address it got).
-"$kiln" serve --listen 127.0.0.1:0 --trust-tenants --state-dir "$work/state" \
-  --store "$work/store" --workers "$workers" "${db_args[@]}" 2>"$work/serve.log" &
+# The server, on a free port, and its operator listener (/metrics) on another (it prints
+# the addresses it got).
+"$kiln" serve --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --trust-tenants \
+  --state-dir "$work/state" --store "$work/store" --workers "$workers" "${db_args[@]}" \
+  2>"$work/serve.log" &
 server_pid=$!
 base=
 for _ in $(seq 1 300); do
   base=$(sed -n 's/^kiln serve: listening on \(http[^ ]*\).*/\1/p' "$work/serve.log")
+  metrics_url=$(sed -n 's/^kiln serve: metrics on \(http[^ ]*\).*/\1/p' "$work/serve.log")
   [ -n "$base" ] && break
   kill -0 "$server_pid" 2>/dev/null || break
   sleep 0.1
@@ -246,7 +249,7 @@ load() {
     "$base$path" >"$work/out/$name.wrk"
 }
 metric() { # metric NAME: its value on /metrics
-  curl -fsS "$base/metrics" | awk -v m="$1" '$1 == m { print $2 }'
+  curl -fsS "$metrics_url" | awk -v m="$1" '$1 == m { print $2 }'
 }
 
 load healthz "" GET /healthz
@@ -272,7 +275,7 @@ while :; do
   fi
   sleep 0.2
 done
-curl -fsS "$base/metrics" >"$work/out/metrics.txt"
+curl -fsS "$metrics_url" >"$work/out/metrics.txt"
 cat "$work/out"/post.ids.* 2>/dev/null | sort -u >"$work/out/accepted.ids"
 
 BENCH_THREADS=$threads BENCH_CONNS=$conns BENCH_DURATION=$duration BENCH_WORKERS=$workers \

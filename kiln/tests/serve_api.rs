@@ -8,7 +8,10 @@
 //! idempotent retry; logs resumed after a disconnect at a random line with no gap and no
 //! duplicate; cancel publishes nothing; over quota is 429; SIGTERM and kill -9 end every
 //! accepted build in a terminal state; three nodes on one PostgreSQL database and one S3
-//! bucket run each build once, share the build cache and take over a killed node's build.
+//! bucket run each build once, share the build cache and take over a killed node's build;
+//! `/metrics` only on the operator's listener; without `--trust-tenants` the server needs
+//! the guest kernel and initramfs, and tenants' steps run in microVMs (TCG here: the guest
+//! kernel and initramfs of `KILN_TEST_KERNEL`/`KILN_TEST_INITRAMFS`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -57,7 +60,12 @@ fn api_build_matches_kiln_build_and_moves_tags_by_cas() {
         .expect("digest")
         .to_string();
 
-    let s = Server::start(KILN.as_ref(), &state, &store, &[]);
+    let s = Server::start(
+        KILN.as_ref(),
+        &state,
+        &store,
+        &["--metrics-listen", "127.0.0.1:0"],
+    );
     let key = s.key("acme", &[]);
     let other = s.key("rival", &[]);
     let c = client();
@@ -198,11 +206,11 @@ fn api_build_matches_kiln_build_and_moves_tags_by_cas() {
         let m = json_of(get(&c, &s, &key, &format!("/v1/manifests/{cli_digest}")).await).await;
         assert_eq!(m["kind"], "image", "{m:#}");
 
-        // The OpenAPI document and the metrics.
+        // The OpenAPI document and the metrics, on the operator's listener.
         let doc = json_of(c.get(s.url("/openapi.json")).send().await.expect("GET")).await;
         assert!(doc["paths"]["/v1/builds"]["post"].is_object(), "{doc:#}");
         let m = c
-            .get(s.url("/metrics"))
+            .get(s.metrics_url())
             .send()
             .await
             .expect("GET")
@@ -215,6 +223,21 @@ fn api_build_matches_kiln_build_and_moves_tags_by_cas() {
             "{m}"
         );
         assert!(m.contains("kiln_queue_depth 0"), "{m}");
+        // Not on the tenants' port, with a key or without; and the operator's listener
+        // serves nothing of the API.
+        assert_eq!(
+            c.get(s.url("/metrics")).send().await.expect("GET").status(),
+            404
+        );
+        assert_eq!(get(&c, &s, &key, "/metrics").await.status(), 404);
+        let operator = s.metrics_url().replace("/metrics", "");
+        let r = c
+            .get(format!("{operator}/v1/builds/{id}"))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .expect("GET");
+        assert_eq!(r.status(), 404);
     });
 }
 
@@ -251,7 +274,12 @@ fn keys_blobs_recipe_errors_and_idempotency() {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let (t, state, store) = env();
     let ctx = context_dir(t.path(), &format!("FROM {bb}\nRUN echo one\n"));
-    let s = Server::start(KILN.as_ref(), &state, &store, &[]);
+    let s = Server::start(
+        KILN.as_ref(),
+        &state,
+        &store,
+        &["--metrics-listen", "127.0.0.1:0"],
+    );
     let key = s.key("acme", &[]);
     let other = s.key("rival", &[]);
     let c = client();
@@ -432,7 +460,7 @@ fn keys_blobs_recipe_errors_and_idempotency() {
         let v = wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await;
         assert_eq!(v["state"], "succeeded", "{v:#}");
         let m = c
-            .get(s.url("/metrics"))
+            .get(s.metrics_url())
             .send()
             .await
             .expect("GET")
@@ -896,28 +924,226 @@ fn identical_builds_at_once_all_succeed() {
     });
 }
 
-/// Without an executor for untrusted steps, the server starts only when told that tenants
-/// are trusted, and its help says what that means.
+/// Without `--trust-tenants` tenants' steps run in microVMs, so the server starts only with
+/// the guest kernel and initramfs: without them (no flag, no variable, and no `kiln kernel`
+/// default: no guest init to build one with), with one of the two, or with files that do not
+/// exist, it refuses to start, sets nothing up, and its error names the flags, `kiln kernel`
+/// and `--trust-tenants`; its help says what `--trust-tenants` means.
 #[test]
-fn serve_refuses_to_start_without_trust_tenants() {
+fn serve_refuses_to_start_without_boot_assets() {
     let t = tempfile::tempdir().expect("tempdir");
-    let out = kiln()
-        .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
-        .arg(t.path().join("state"))
-        .arg("--store")
-        .arg(t.path().join("store"))
-        .output()
-        .expect("kiln serve");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--trust-tenants"), "{err}");
+    let state = t.path().join("state");
+    let missing = t.path().join("missing");
+    let serve = |args: &[&std::ffi::OsStr]| {
+        let out = kiln()
+            .env_remove("KILN_KERNEL")
+            .env_remove("KILN_INITRAMFS")
+            .env("KILN_GUEST_INIT", &missing)
+            .env("KILN_CACHE_DIR", t.path().join("cache"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--state-dir"])
+            .arg(&state)
+            .arg("--store")
+            .arg(t.path().join("store"))
+            .args(args)
+            .output()
+            .expect("kiln serve");
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        for flag in [
+            "--kernel",
+            "--initramfs",
+            "`kiln kernel`",
+            "--trust-tenants",
+        ] {
+            assert!(err.contains(flag), "{flag}: {err}");
+        }
+        assert!(!err.contains("listening on"), "{err}");
+        assert!(!state.join("kiln.db").exists(), "nothing set up: {err}");
+        err
+    };
+    // Nothing given: the `kiln kernel` default finds no guest init.
+    let err = serve(&[]);
+    assert!(err.contains(&missing.display().to_string()), "{err}");
+    // One of the two.
+    let err = serve(&["--kernel".as_ref(), missing.as_os_str()]);
+    assert!(err.contains("give both"), "{err}");
+    // Files that do not exist.
+    let err = serve(&[
+        "--kernel".as_ref(),
+        missing.join("vmlinux").as_os_str(),
+        "--initramfs".as_ref(),
+        missing.join("initramfs.cpio").as_os_str(),
+    ]);
     assert!(
-        !t.path().join("state").join("kiln.db").exists(),
-        "nothing set up"
+        err.contains(&format!(
+            "{}: not a file",
+            missing.join("vmlinux").display()
+        )),
+        "{err}"
     );
     let help = kiln().args(["serve", "--help"]).output().expect("help");
     let help = String::from_utf8_lossy(&help.stdout);
     assert!(help.contains("DEVELOPMENT ONLY"), "{help}");
+}
+
+/// The first log line of step `step` in the NDJSON log `log`.
+fn first_line(log: &str, step: &Value) -> String {
+    log.lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("log line"))
+        .find(|l| l["step"] == *step)
+        .and_then(|l| l["text"].as_str().map(str::to_string))
+        .unwrap_or_else(|| panic!("no line of step {step}: {log}"))
+}
+
+/// The step of build view `v` at `location` (`file:line`).
+fn step_of<'a>(v: &'a Value, location: &str) -> &'a Value {
+    v["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .find(|s| s["location"] == location)
+        .unwrap_or_else(|| panic!("no step at {location}: {v:#}"))
+}
+
+/// Without `--trust-tenants` (the default), a tenant's build through the API runs each RUN
+/// step in a microVM of its own (TCG here) and gives the image `kiln build` gives with the
+/// namespace executor. The server says so at startup; each RUN step's `executor` is `vm`
+/// (none for COPY and the generated sandbox layer). A step with the default network, or
+/// with the build's allow-list, runs without one and its first log line says so; a `none`
+/// step's does not. `network: "host"` is refused with 400. The tenants' port has no
+/// `/metrics`, and without `--metrics-listen` there is no other.
+#[test]
+fn serve_runs_tenant_steps_in_microvms() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, state, store) = env();
+    let ctx = context_dir(
+        t.path(),
+        &format!(
+            "FROM {bb}\nCOPY hello.txt /hello.txt\nRUN cat /hello.txt > /copy.txt\n\
+             RUN --network=none echo offline > /none.txt\n"
+        ),
+    );
+    let out = kiln()
+        .current_dir(&ctx)
+        .env("KILN_STORE", t.path().join("cli-store"))
+        .args(["build", ".", "-f", "Dockerfile", "--progress", "plain"])
+        .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000"])
+        .output()
+        .expect("kiln build");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cli_digest = String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .lines()
+        .last()
+        .expect("digest")
+        .to_string();
+
+    let s = Server::start_vm(KILN.as_ref(), &state, &store, &[]);
+    until("the executor's line", Duration::from_secs(10), || {
+        s.logged("kiln serve: executor vm")
+    });
+    assert!(s.metrics.is_none());
+    let key = s.key("acme", &[]);
+    let c = client();
+    rt().block_on(async {
+        let limits = json!({"memory_mib": 256, "timeout_secs": 300});
+        // The host network is not a tenant's.
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            &json!({"network": "host", "limits": limits}),
+            Some(&tar_dir(&ctx)),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 400);
+        let e = json_of(r).await;
+        assert!(
+            e["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("\"host\"")),
+            "{e:#}"
+        );
+
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            &json!({"tags": ["app:1"], "limits": limits,
+                    "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}}),
+            Some(&tar_dir(&ctx)),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 202);
+        let id = json_of(r).await["id"].as_str().expect("id").to_string();
+        let v = wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await;
+        assert_eq!(v["state"], "succeeded", "{v:#}");
+        assert_eq!(v["image"], cli_digest.as_str(), "{v:#}");
+        for st in v["steps"].as_array().expect("steps") {
+            let runs = st["instruction"]
+                .as_str()
+                .is_some_and(|i| i.starts_with("RUN"));
+            let want = if runs { json!("vm") } else { Value::Null };
+            assert_eq!(st["executor"], want, "{st:#}");
+        }
+        let log = get(&c, &s, &key, &format!("/v1/builds/{id}/logs"))
+            .await
+            .text()
+            .await
+            .expect("log");
+        let line = first_line(&log, &step_of(&v, "Dockerfile:3")["step"]);
+        assert_eq!(
+            line,
+            "[kiln] this step runs without a network: microVM steps have no network card yet"
+        );
+        let none = step_of(&v, "Dockerfile:4")["step"].clone();
+        assert!(
+            !log.lines().any(|l| {
+                let l: Value = serde_json::from_str(l).expect("log line");
+                l["step"] == none && l["text"].as_str().is_some_and(|t| t.contains("network"))
+            }),
+            "{log}"
+        );
+
+        // An allow-list reaches nothing from a microVM, and the step says so.
+        let id = submit_recipe(
+            &c,
+            &s,
+            &key,
+            &json!({"network": {"allow": ["example.com"]}, "limits": limits}),
+            &format!("FROM {bb}\nRUN echo allowed > /allowed.txt\n"),
+        )
+        .await;
+        let v = wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await;
+        assert_eq!(v["state"], "succeeded", "{v:#}");
+        let step = step_of(&v, "Dockerfile:2");
+        assert_eq!(step["executor"], "vm", "{v:#}");
+        let log = get(&c, &s, &key, &format!("/v1/builds/{id}/logs"))
+            .await
+            .text()
+            .await
+            .expect("log");
+        assert!(
+            first_line(&log, &step["step"])
+                .starts_with("[kiln] this step runs without a network, so its allow-list"),
+            "{log}"
+        );
+
+        // The operator's metrics are not on the tenants' port.
+        assert_eq!(
+            c.get(s.url("/metrics")).send().await.expect("GET").status(),
+            404
+        );
+        assert_eq!(get(&c, &s, &key, "/metrics").await.status(), 404);
+    });
 }
 
 /// schemathesis against `/openapi.json` with a valid key: no response is a server error, and

@@ -12,6 +12,7 @@ use kiln_store::progress::ProgressEvent;
 use serde::Serialize;
 
 use crate::report::ChunkCounts;
+use crate::request::Executor;
 
 /// One thing that happened. JSON shape: `{"event": "<snake_case variant>", ...fields}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -34,6 +35,12 @@ pub enum Event {
         location: String,
         /// The step, shortened to 120 characters.
         instruction: String,
+        /// What runs its command: the build's executor ([`crate::BuildRequest::executor`])
+        /// for a step that runs one (`RUN`, a recipe command); none for a step kiln applies
+        /// itself on the host (`COPY`, `ADD`, `WORKDIR`, the generated sandbox layer). JSON:
+        /// `"executor": "vm"` or `"namespace"`, left out when none.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        executor: Option<Executor>,
     },
     /// A step is found in the build cache: nothing runs; its layer is the cached one.
     CacheHit {
@@ -137,8 +144,8 @@ pub fn discard() -> Arc<dyn EventSink> {
     Arc::new(|_: Event| {})
 }
 
-/// The builder's events as pipeline events.
-pub(crate) fn from_build(e: kiln_builder::build::BuildEvent) -> Event {
+/// The builder's events as pipeline events, of a build whose steps run in `executor`.
+pub(crate) fn from_build(e: kiln_builder::build::BuildEvent, executor: Executor) -> Event {
     use kiln_builder::build::BuildEvent;
     match e {
         BuildEvent::Step {
@@ -147,11 +154,13 @@ pub(crate) fn from_build(e: kiln_builder::build::BuildEvent) -> Event {
             location,
             instruction,
             cached: false,
+            runs_command,
         } => Event::StepStarted {
             step: index,
             stage,
             location,
             instruction,
+            executor: runs_command.then_some(executor),
         },
         BuildEvent::Step {
             index,
@@ -159,6 +168,7 @@ pub(crate) fn from_build(e: kiln_builder::build::BuildEvent) -> Event {
             location,
             instruction,
             cached: true,
+            ..
         } => Event::CacheHit {
             step: index,
             stage,
@@ -196,6 +206,32 @@ mod tests {
         assert_eq!(
             serde_json::to_string(&e).expect("json"),
             r#"{"event":"cache_hit","step":3,"stage":0,"location":"Dockerfile:2","instruction":"RUN true"}"#
+        );
+    }
+
+    #[test]
+    fn a_started_step_names_the_executor_that_runs_its_command() {
+        use kiln_builder::build::BuildEvent;
+        let step = |runs_command| BuildEvent::Step {
+            index: 2,
+            stage: 0,
+            location: "Dockerfile:3".into(),
+            instruction: "RUN true".into(),
+            cached: false,
+            runs_command,
+        };
+        assert_eq!(
+            serde_json::to_string(&from_build(step(true), Executor::Vm)).expect("json"),
+            r#"{"event":"step_started","step":2,"stage":0,"location":"Dockerfile:3","instruction":"RUN true","executor":"vm"}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&from_build(step(true), Executor::Namespace)).expect("json"),
+            r#"{"event":"step_started","step":2,"stage":0,"location":"Dockerfile:3","instruction":"RUN true","executor":"namespace"}"#
+        );
+        // A step kiln applies itself (COPY): no executor ran it.
+        assert_eq!(
+            serde_json::to_string(&from_build(step(false), Executor::Vm)).expect("json"),
+            r#"{"event":"step_started","step":2,"stage":0,"location":"Dockerfile:3","instruction":"RUN true"}"#
         );
     }
 }

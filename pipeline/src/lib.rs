@@ -385,8 +385,9 @@ pub(crate) async fn run_leased(
             flag.store(true, Ordering::Relaxed);
         }))
     };
-    let sink = events.clone();
-    let sink: kiln_builder::build::EventSink = Arc::new(move |e| sink.event(event::from_build(e)));
+    let (sink, kind) = (events.clone(), req.executor);
+    let sink: kiln_builder::build::EventSink =
+        Arc::new(move |e| sink.event(event::from_build(e, kind)));
     // `run` refused a VM build without boot assets before anything was leased.
     let executor: Arc<dyn kiln_builder::exec::StepExecutor> = match (req.executor, &setup.boot) {
         (Executor::Vm, Some(boot)) => {

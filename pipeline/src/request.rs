@@ -230,8 +230,10 @@ pub struct Limits {
     pub vcpus: Option<u32>,
 }
 
-/// What runs the `RUN` steps.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What runs the `RUN` steps. JSON (in [`crate::Event::StepStarted`]): `"namespace"` or
+/// `"vm"`, as [`Executor::name`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum Executor {
     /// [`kiln_builder::exec::LinuxExecutor`]: the step's own namespaces and cgroup on this
@@ -241,6 +243,22 @@ pub enum Executor {
     /// [`crate::vmexec::VmExecutor`]: each step in a microVM of its own (kiln's guest kernel
     /// and init), booted from [`crate::Setup::boot`]; `kiln build --isolation vm`.
     Vm,
+}
+
+impl Executor {
+    /// Its name: `namespace` or `vm` (the JSON value, `kiln build --isolation`'s).
+    pub fn name(self) -> &'static str {
+        match self {
+            Executor::Namespace => "namespace",
+            Executor::Vm => "vm",
+        }
+    }
+}
+
+impl fmt::Display for Executor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// Which `RUN --mount=type=cache` directories a build sees.

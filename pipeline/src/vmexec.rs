@@ -41,8 +41,9 @@
 //! layer with the same cleanup.
 //!
 //! Not yet: `RUN --mount=type=cache` (a persistent host directory) and a bind of a single
-//! file; networks other than none (a step with the default network runs without one
-//! and says so in its log) are refused or reduced as [`VmExecutor::run`] says; a VM restored
+//! file; networks other than none (a step with the default network or an allow-list runs
+//! without one and says so in its first log line; the host network is refused, as
+//! [`VmExecutor::run`] says); a VM restored
 //! from a snapshot per step instead of a cold boot.
 
 use std::path::{Path, PathBuf};
@@ -70,6 +71,12 @@ pub const MAX_DISKS: usize = 22;
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the host waits for each frame of the step's changes.
 pub const DIFF_FRAME_TIMEOUT: Duration = Duration::from_secs(60);
+/// The first log line of a step with the default network, which runs without one.
+pub const NO_NETWORK_LINE: &str =
+    "[kiln] this step runs without a network: microVM steps have no network card yet\n";
+/// The first log line of a step with an allow-list network, which runs without one.
+pub const NO_NETWORK_ALLOW_LIST_LINE: &str = "[kiln] this step runs without a network, so its \
+     allow-list reaches nothing: microVM steps have no network card yet\n";
 
 static STEP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
@@ -130,8 +137,10 @@ impl VmExecutor {
 
 impl StepExecutor for VmExecutor {
     /// Runs `spec` in a microVM (module doc). Refused with [`ExecError::Unsupported`]:
-    /// `RUN --mount=type=cache`, a bind of a file, the host network and allow-lists, more than
-    /// [`MAX_LOWERS`] lower directories. A step with the default network runs without one.
+    /// `RUN --mount=type=cache`, a bind of a file, the host network, more than
+    /// [`MAX_LOWERS`] lower directories. A step with the default network or an allow-list
+    /// runs without one, and its first log line says so ([`NO_NETWORK_LINE`],
+    /// [`NO_NETWORK_ALLOW_LIST_LINE`]).
     fn run(
         &self,
         spec: &StepSpec,
@@ -146,10 +155,8 @@ impl StepExecutor for VmExecutor {
                 "{what} in a microVM step (kiln build --isolation vm)"
             )))
         };
-        match spec.network {
-            Network::None | Network::Default => {}
-            Network::Host => return unsupported("RUN --network=host"),
-            Network::Allow(_) => return unsupported("an allow-list network"),
+        if spec.network == Network::Host {
+            return unsupported("RUN --network=host");
         }
         if let Some(m) = spec
             .mounts
@@ -512,11 +519,11 @@ impl VmExecutor {
             limits.total_max = limits.total_max.min(budget);
         }
         let mut shaper = LogShaper::new(spec.index, limits, &spec.secrets);
-        if spec.network == Network::Default {
-            shaper.push(
-                b"[kiln] this step runs without a network: microVM steps have no network card yet\n",
-                sink,
-            );
+        // The step's first log line, before the guest says anything.
+        match spec.network {
+            Network::Default => shaper.push(NO_NETWORK_LINE.as_bytes(), sink),
+            Network::Allow(_) => shaper.push(NO_NETWORK_ALLOW_LIST_LINE.as_bytes(), sink),
+            Network::None | Network::Host => {}
         }
         // A VM that dies while booting says why in QEMU's own log as much as on the console.
         let mut booting = |what: &str, e: &dyn std::fmt::Display| {

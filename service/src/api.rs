@@ -204,7 +204,9 @@ pub enum NetworkMode {
     #[default]
     #[serde(alias = "default")]
     Sandboxed,
-    /// `RUN --network=host` is allowed too.
+    /// `RUN --network=host` is allowed too. Only on a server whose steps run in the
+    /// namespace executor (`--trust-tenants`); under the microVM executor it is refused
+    /// (400).
     Host,
     /// No step has any network.
     None,
@@ -353,6 +355,11 @@ pub struct StepView {
     pub duration_ms: Option<i64>,
     /// Its layer digest.
     pub layer: Option<String>,
+    /// What ran its command: `vm` (a microVM of its own) or `namespace` (this host's
+    /// namespace executor, a server started with `--trust-tenants`). None for a step found
+    /// in the build cache and for one that runs no command (`COPY`, `ADD`, `WORKDIR`, the
+    /// generated sandbox layer: kiln applies them itself).
+    pub executor: Option<String>,
 }
 
 /// Why a build failed.
@@ -405,14 +412,14 @@ pub fn rfc3339(ms: i64) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }
 
-/// The router.
+/// The tenants' router: `/v1`, `/openapi.json`, `/healthz`, `/readyz`. Anything else,
+/// `/metrics` included, is 404.
 pub fn router(state: AppState) -> axum::Router {
     let limit =
         state.config.max_context_bytes as usize + MAX_JSON_BYTES + MAX_RECIPE_BYTES as usize;
     axum::Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
         .route("/openapi.json", get(openapi))
         // Only a submission's multipart body is buffered past axum's 2 MB default (its
         // context part streams to disk; blob uploads stream without an extractor limit).
@@ -434,6 +441,16 @@ pub fn router(state: AppState) -> axum::Router {
         .with_state(state)
 }
 
+/// The operator's router (`kiln serve --metrics-listen`): `GET /metrics`, Prometheus text
+/// of every workspace's activity (builds by state, queue depth, build durations, bytes
+/// uploaded), and `/healthz`. No key: the listener is the operator's, not the tenants'.
+pub fn operator_router(state: AppState) -> axum::Router {
+    axum::Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .with_state(state)
+}
+
 /// The OpenAPI document.
 #[derive(OpenApi)]
 #[openapi(
@@ -452,8 +469,7 @@ pub fn router(state: AppState) -> axum::Router {
         delete_tag,
         get_manifest,
         healthz,
-        readyz,
-        metrics
+        readyz
     ),
     components(schemas(
         BuildSpec,
@@ -497,8 +513,7 @@ async fn readyz(State(s): State<AppState>) -> Response {
     }
 }
 
-/// Prometheus text metrics.
-#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text")))]
+/// Prometheus text metrics (the operator's listener only).
 async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
     let by_state = s.db.count_by_state().await?;
     Ok((
@@ -760,6 +775,15 @@ async fn submit(
     spec.network
         .policy()
         .map_err(|e| ApiError::BadRequest(format!("build spec: network: {e}")))?;
+    if spec.network == NetworkSpec::Mode(NetworkMode::Host)
+        && s.config.executor == kiln_pipeline::Executor::Vm
+    {
+        return Err(ApiError::BadRequest(
+            "build spec: network \"host\" is not available: build steps run in microVMs, \
+             which cannot reach the host's network (use \"sandboxed\" or \"none\")"
+                .into(),
+        ));
+    }
 
     let stored = StoredSpec {
         recipe: recipe_name,
@@ -862,6 +886,7 @@ async fn view(s: &AppState, ws: &str, id: &str) -> Result<BuildView, ApiError> {
                 instruction: st.instruction,
                 cached: st.cached,
                 layer: st.layer,
+                executor: st.executor,
             })
             .collect();
     Ok(BuildView {

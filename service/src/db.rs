@@ -10,7 +10,7 @@
 //! | `api_keys` | key id, workspace, sha256 of the key (hex), created, revoked |
 //! | `builds` | the job queue: id, workspace, state, the submitted spec (JSON), recipe bytes, context digest, times, claim (node id and attempt number), results, failure |
 //! | `nodes` | one row per `kiln serve` process: id, name (host and state directory), listen address, pid, start, last heartbeat, clean stop |
-//! | `build_steps` | per build and step number: location, instruction, cached, start/end, layer |
+//! | `build_steps` | per build and step number: location, instruction, cached, start/end, layer, executor (`vm`, `namespace`, or none) |
 //! | `build_logs` | per build: seq (1, 2, ...), time, step, text |
 //! | `idempotency` | workspace, key, sha256 of the request, build id, time |
 //! | `blobs` | workspace, digest: which workspace uploaded which context |
@@ -116,6 +116,7 @@ const SCHEMA: &[&str] = &[
         started_ms BIGINT NOT NULL,
         finished_ms BIGINT,
         layer TEXT,
+        executor TEXT,
         PRIMARY KEY (build_id, step))",
     "CREATE TABLE IF NOT EXISTS build_logs (
         build_id TEXT NOT NULL,
@@ -150,6 +151,44 @@ const SCHEMA: &[&str] = &[
         heartbeat_ms BIGINT NOT NULL,
         stopped_ms BIGINT)",
 ];
+
+/// Columns added after their table was first made, `(table, column, declaration)`: [`SCHEMA`]
+/// has them, and a database made before gets them when opened ([`add_column`]).
+const ADDED_COLUMNS: &[(&str, &str, &str)] = &[
+    ("builds", "attempt", "BIGINT NOT NULL DEFAULT 0"),
+    ("build_steps", "executor", "TEXT"),
+];
+
+/// Adds `column` (`decl`: its type and default) to `table` when a database made before the
+/// column lacks it, inside the schema's transaction `tx`. `table`, `column` and `decl` are
+/// kiln's constants ([`ADDED_COLUMNS`]), never input.
+async fn add_column(
+    tx: &mut sqlx::AnyConnection,
+    backend: Backend,
+    table: &str,
+    column: &str,
+    decl: &str,
+) -> Result<(), DbError> {
+    let sql = match backend {
+        Backend::Postgres => {
+            format!("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {decl}")
+        }
+        Backend::Sqlite => {
+            let n: i64 = sqlx::query(&format!(
+                "SELECT COUNT(*) AS n FROM pragma_table_info('{table}') WHERE name = '{column}'"
+            ))
+            .fetch_one(&mut *tx)
+            .await?
+            .try_get("n")?;
+            if n == 1 {
+                return Ok(());
+            }
+            format!("ALTER TABLE {table} ADD COLUMN {column} {decl}")
+        }
+    };
+    sqlx::query(&sql).execute(&mut *tx).await?;
+    Ok(())
+}
 
 /// A workspace's limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -303,6 +342,9 @@ pub struct StepRow {
     pub finished_ms: Option<i64>,
     /// Its layer.
     pub layer: Option<String>,
+    /// What ran its command ([`kiln_pipeline::Executor::name`]: `vm`, `namespace`); none
+    /// for a cache hit or a step that runs no command.
+    pub executor: Option<String>,
 }
 
 /// One log line.
@@ -469,27 +511,9 @@ impl Db {
                 .execute(&mut *tx)
                 .await?;
         }
-        // Databases made before claims had attempts.
-        let add_attempt = match backend {
-            Backend::Postgres => {
-                "ALTER TABLE builds ADD COLUMN IF NOT EXISTS attempt BIGINT NOT NULL DEFAULT 0"
-            }
-            Backend::Sqlite => {
-                let n: i64 = sqlx::query(
-                    "SELECT COUNT(*) AS n FROM pragma_table_info('builds') WHERE name = 'attempt'",
-                )
-                .fetch_one(&mut *tx)
-                .await?
-                .try_get("n")?;
-                if n == 1 {
-                    ""
-                } else {
-                    "ALTER TABLE builds ADD COLUMN attempt BIGINT NOT NULL DEFAULT 0"
-                }
-            }
-        };
-        if !add_attempt.is_empty() {
-            sqlx::query(add_attempt).execute(&mut *tx).await?;
+        // Databases made before claims had attempts, and before steps named their executor.
+        for (table, column, decl) in ADDED_COLUMNS {
+            add_column(&mut tx, backend, table, column, decl).await?;
         }
         tx.commit().await?;
         Ok(db)
@@ -911,6 +935,7 @@ impl Db {
                     started_ms: r.try_get("started_ms")?,
                     finished_ms: r.try_get("finished_ms")?,
                     layer: r.try_get("layer")?,
+                    executor: r.try_get("executor")?,
                 })
             })
             .collect::<Result<_, sqlx::Error>>()
@@ -997,11 +1022,14 @@ impl Db {
                     }
                     Record::Step(s) => {
                         sqlx::query(
-                            "INSERT INTO build_steps VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+                            "INSERT INTO build_steps (build_id, step, stage, location,
+                             instruction, cached, started_ms, finished_ms, layer, executor)
+                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
                              ON CONFLICT (build_id, step) DO UPDATE SET stage = excluded.stage,
                              location = excluded.location, instruction = excluded.instruction,
                              cached = excluded.cached, started_ms = excluded.started_ms,
-                             finished_ms = excluded.finished_ms, layer = excluded.layer",
+                             finished_ms = excluded.finished_ms, layer = excluded.layer,
+                             executor = excluded.executor",
                         )
                         .bind(id)
                         .bind(s.step)
@@ -1012,6 +1040,7 @@ impl Db {
                         .bind(s.started_ms)
                         .bind(s.finished_ms)
                         .bind(&s.layer)
+                        .bind(&s.executor)
                         .execute(&mut *tx)
                         .await?;
                     }
@@ -1192,6 +1221,95 @@ mod tests {
         let t = tempfile::tempdir().expect("tmp");
         queue(sqlite(&t).await).await;
         queue(postgres().await).await;
+    }
+
+    /// A database made before steps named their executor gets the column when opened (once:
+    /// a second open changes nothing), its old steps read as having none, and steps written
+    /// then read theirs back.
+    #[tokio::test]
+    async fn steps_name_their_executor_also_in_a_database_made_before() {
+        let t = tempfile::tempdir().expect("tmp");
+        let sqlite = format!("sqlite://{}?mode=rwc", t.path().join("kiln.db").display());
+        executor_column(&sqlite).await;
+        executor_column(&postgres_url().await).await;
+    }
+
+    async fn executor_column(url: &str) {
+        sqlx::any::install_default_drivers();
+        let old = sqlx::AnyPool::connect(url).await.expect("connect");
+        for sql in [
+            "CREATE TABLE build_steps (
+                build_id TEXT NOT NULL,
+                step BIGINT NOT NULL,
+                stage BIGINT NOT NULL,
+                location TEXT NOT NULL,
+                instruction TEXT NOT NULL,
+                cached BIGINT NOT NULL,
+                started_ms BIGINT NOT NULL,
+                finished_ms BIGINT,
+                layer TEXT,
+                PRIMARY KEY (build_id, step))",
+            "INSERT INTO build_steps VALUES ('old', 1, 0, 'Dockerfile:2', 'RUN true', 0, 1, 2, 'sha256:00')",
+        ] {
+            sqlx::query(sql).execute(&old).await.expect(sql);
+        }
+        old.close().await;
+        drop(Db::connect(url).await.expect("open the old database"));
+        let db = Db::connect(url).await.expect("open it again");
+        let old = db.steps("old").await.expect("steps");
+        assert_eq!(old.len(), 1);
+        assert_eq!(old[0].layer.as_deref(), Some("sha256:00"));
+        assert_eq!(old[0].executor, None);
+
+        db.upsert_workspace("a", &quota(1, 10), true)
+            .await
+            .expect("ws");
+        db.insert_build(&build("b1", "a"), 10, 1000)
+            .await
+            .expect("insert");
+        let claim = db
+            .claim("n1")
+            .await
+            .expect("claim")
+            .and_then(|r| r.claim())
+            .expect("claimed");
+        let step = |n: i64, executor: Option<&str>| {
+            Record::Step(StepRow {
+                step: n,
+                stage: 0,
+                location: format!("Dockerfile:{n}"),
+                instruction: "RUN true".into(),
+                cached: false,
+                started_ms: 1,
+                finished_ms: None,
+                layer: None,
+                executor: executor.map(str::to_string),
+            })
+        };
+        assert!(
+            db.write_batch(
+                "b1",
+                &claim,
+                &[
+                    step(1, Some("vm")),
+                    step(2, None),
+                    step(3, Some("namespace"))
+                ]
+            )
+            .await
+            .expect("write")
+        );
+        let got: Vec<_> = db
+            .steps("b1")
+            .await
+            .expect("steps")
+            .into_iter()
+            .map(|s| s.executor)
+            .collect();
+        assert_eq!(
+            got,
+            [Some("vm".to_string()), None, Some("namespace".to_string())]
+        );
     }
 
     async fn claims(db: Db) {

@@ -8,9 +8,10 @@
 //!   idempotency keys and uploaded blobs.
 //! - [`auth`]: API keys (`kiln_<64 hex>`) and the `Authorization: Bearer` extractor; a
 //!   missing or unknown key gets 401.
-//! - [`api`]: the axum router under `/v1`, `/openapi.json` (utoipa), `/metrics`, `/healthz`,
+//! - [`api`]: the tenants' axum router under `/v1`, `/openapi.json` (utoipa), `/healthz`,
 //!   `/readyz`. Every object belongs to one workspace; another workspace's object gets the
-//!   same 404 as a missing one.
+//!   same 404 as a missing one. The operator's `/metrics` (every workspace's activity) is a
+//!   router of its own, on a listener of its own ([`serve`]).
 //! - [`context`]: build contexts as content-addressed tarballs under the state directory
 //!   (`PUT /v1/blobs/sha256:<hex>`, or the `context` part of a submission), and, with a
 //!   remote store, blobs of the store leased for their builds' lives; unpacked for a build
@@ -35,7 +36,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kiln_pipeline::Setup;
+use kiln_pipeline::{Executor, Setup};
 use tokio_util::sync::CancellationToken;
 
 pub use db::{Db, DbError, Quota};
@@ -111,12 +112,18 @@ pub struct ServiceConfig {
     /// link-local address (`kiln serve --allow-registry`); every other registry must be at a
     /// public address ([`kiln_pipeline::Tenant::registries`]).
     pub allowed_registries: std::collections::BTreeSet<String>,
+    /// What runs tenants' `RUN` steps (default [`Executor::Vm`]: a microVM per step, which
+    /// needs [`Setup::boot`]). [`Executor::Namespace`] is this host's namespace executor,
+    /// not a boundary against a hostile recipe: `kiln serve --trust-tenants`, development
+    /// only. Under the VM executor a submission asking for the host network is refused.
+    pub executor: Executor,
 }
 
 impl ServiceConfig {
     /// Defaults for the state directory `state_dir`: SQLite, 2 workers, 1 GiB contexts, 4 GiB
     /// unpacked, 24 h idempotency window, 60 s shutdown grace, 10 s heartbeat, 60 s takeover,
-    /// 3 attempts, 7 days node retention, 1 h context leases, 10 s database timeout.
+    /// 3 attempts, 7 days node retention, 1 h context leases, 10 s database timeout, the
+    /// microVM executor.
     pub fn new(state_dir: PathBuf) -> Self {
         ServiceConfig {
             state_dir,
@@ -134,6 +141,7 @@ impl ServiceConfig {
             database_timeout: db::DEFAULT_TIMEOUT,
             global_bases: Default::default(),
             allowed_registries: Default::default(),
+            executor: Executor::Vm,
         }
     }
 
@@ -235,9 +243,16 @@ impl AppState {
     }
 }
 
-/// Runs the server on `listener` until `shutdown` fires, then stops accepting, lets running
+/// Runs the server on `listener` (the tenants' API, [`api::router`]) and, when given, the
+/// operator's endpoints on `metrics` ([`api::operator_router`]: `/metrics`, which the
+/// tenants' port does not serve) until `shutdown` fires, then stops accepting, lets running
 /// builds go on for [`ServiceConfig::shutdown_grace`] and cancels those still running
-/// (failed, "server shutdown"; no tag moved).
+/// (failed, "server shutdown"; no tag moved). The operator listener answers until the last
+/// build ended.
+///
+/// Errors: [`ServiceError::Config`] for settings out of range, or the microVM executor
+/// ([`ServiceConfig::executor`]) without the guest kernel and initramfs ([`Setup::boot`]),
+/// checked before anything is created; then the state directory's and the database's.
 ///
 /// The node registers in the database and heartbeats; builds of lost nodes, those a
 /// previous process of this state directory left running included, are re-queued or, after
@@ -247,9 +262,26 @@ pub async fn serve(
     config: ServiceConfig,
     setup: Setup,
     listener: tokio::net::TcpListener,
+    metrics: Option<tokio::net::TcpListener>,
     shutdown: CancellationToken,
 ) -> Result<(), ServiceError> {
     config.check()?;
+    if config.executor == Executor::Vm && setup.boot.is_none() {
+        return Err(ServiceError::Config(
+            "the microVM executor needs the guest kernel and initramfs (boot assets)".into(),
+        ));
+    }
+    match config.executor {
+        Executor::Vm => tracing::info!(
+            executor = %config.executor,
+            "tenants' RUN steps run in the microVM executor, a VM per step"
+        ),
+        _ => tracing::warn!(
+            executor = %config.executor,
+            "tenants' RUN steps run in this host's namespace executor, which is not a \
+             boundary against a hostile recipe (--trust-tenants: development only)"
+        ),
+    }
     std::fs::create_dir_all(&config.state_dir).map_err(|source| ServiceError::Io {
         what: format!("creating {}", config.state_dir.display()),
         source,
@@ -325,6 +357,14 @@ pub async fn serve(
         axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await })
     };
     let http = tokio::spawn(async move { http.await });
+    let operator = metrics.map(|l| {
+        let (app, done) = (api::operator_router(state.clone()), live.clone());
+        tokio::spawn(async move {
+            axum::serve(l, app)
+                .with_graceful_shutdown(async move { done.cancelled().await })
+                .await
+        })
+    });
     shutdown.cancelled().await;
     tracing::info!("shutting down: no new builds accepted");
     stopping.cancel();
@@ -337,5 +377,8 @@ pub async fn serve(
     }
     // Open log streams end when their builds do; the listener closes after them.
     let _ = http.await;
+    if let Some(o) = operator {
+        let _ = o.await;
+    }
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! The worker pool: each worker claims the oldest queued build its workspace's concurrency
 //! cap allows ([`Db::claim`](crate::Db::claim): one claim per build), unpacks its context
 //! (fetched from a remote store when another node received it),
-//! runs it through [`kiln_pipeline::run`] with the namespace executor, writes its steps and
+//! runs it through [`kiln_pipeline::run`] with the server's executor
+//! ([`crate::ServiceConfig::executor`]: a microVM per step unless `--trust-tenants`), writes its steps and
 //! log lines as they come, and ends it in a terminal state, after its last log line is
 //! stored (so a log stream that sees the end has every line).
 //!
@@ -557,6 +558,7 @@ async fn execute(
         tags,
         snapshot: spec.snapshot.then(SnapshotRequest::default),
     };
+    req.executor = state.config.executor;
     req.cancel = token.clone();
 
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Event>();
@@ -649,6 +651,7 @@ async fn write_events(
                     stage,
                     location,
                     instruction,
+                    executor,
                 } => batch.push(Record::Step(StepRow {
                     step: step as i64,
                     stage: stage as i64,
@@ -658,6 +661,7 @@ async fn write_events(
                     started_ms: now,
                     finished_ms: None,
                     layer: None,
+                    executor: executor.map(|e| e.name().to_string()),
                 })),
                 Event::CacheHit {
                     step,
@@ -673,6 +677,7 @@ async fn write_events(
                     started_ms: now,
                     finished_ms: Some(now),
                     layer: None,
+                    executor: None,
                 })),
                 Event::Log { step, text } => log(Some(step as i64), text, &mut batch),
                 Event::StepDone { step, layer, .. } => batch.push(Record::StepDone {

@@ -167,6 +167,10 @@ pub enum BuildEvent {
         instruction: String,
         /// Found in the cache: nothing runs.
         cached: bool,
+        /// The step runs a command in the build's [`StepExecutor`] (`RUN`, a recipe command);
+        /// `false`: kiln applies it itself, on the host (`COPY`, `ADD`, `WORKDIR`, the
+        /// generated sandbox layer).
+        runs_command: bool,
     },
     /// A log line of a running step.
     Log(LogLine),
@@ -921,6 +925,7 @@ async fn run_stage(
             location: loc.clone(),
             instruction: instruction.clone(),
             cached: hit.is_some(),
+            runs_command: matches!(step.action, Action::Run(_)),
         });
         let layer = match hit {
             Some(l) => {
@@ -1111,6 +1116,7 @@ async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<(), BuildEr
         location: "(generated)".into(),
         instruction: SANDBOX_LAYER_CREATED_BY.into(),
         cached: hit.is_some(),
+        runs_command: false,
     });
     let layer = match hit {
         Some(l) => l,

@@ -238,15 +238,18 @@ pub(crate) fn printer(progress: Progress, json: bool) -> Arc<dyn EventSink> {
                     stage,
                     location,
                     instruction,
-                }
-                | Event::CacheHit {
+                    executor,
+                } => json!({"event": "step", "step": step, "stage": stage,
+                    "location": location, "instruction": instruction,
+                    "cached": false, "executor": executor}),
+                Event::CacheHit {
                     step,
                     stage,
                     location,
                     instruction,
                 } => json!({"event": "step", "step": step, "stage": stage,
                     "location": location, "instruction": instruction,
-                    "cached": matches!(ev, Event::CacheHit { .. })}),
+                    "cached": true}),
                 Event::Log { step, text } => json!({"event": "log", "step": step, "text": text}),
                 Event::StepDone { step, layer, size } => {
                     json!({"event": "layer", "step": step, "digest": layer, "size": size})
@@ -266,6 +269,7 @@ pub(crate) fn printer(progress: Progress, json: bool) -> Arc<dyn EventSink> {
                 stage,
                 location,
                 instruction,
+                ..
             } => eprintln!("#{step} [stage {stage}] {location} {instruction}"),
             Event::CacheHit {
                 step,
@@ -593,6 +597,7 @@ fn tty_printer() -> Arc<dyn EventSink> {
                 stage,
                 location,
                 instruction,
+                ..
             } => {
                 let _ = multi.println(format!("#{step} [stage {stage}] {location} {instruction}"));
                 bars.steps.insert(step, spinner(&multi, format!("#{step}")));

@@ -2,16 +2,18 @@
 //! `kiln serve keys create|revoke` for its API keys. Thin: flags → [`ServiceConfig`] and a
 //! [`Setup`] → [`kiln_service::serve`] until SIGTERM or Ctrl-C.
 //!
-//! There is no executor for untrusted steps yet, so the server refuses to start unless
-//! `--trust-tenants` says that tenants' `RUN` steps may run in this host's namespace
-//! executor (for development only).
+//! Tenants' `RUN` steps run in the microVM executor ([`Executor::Vm`]), on the guest kernel
+//! and initramfs found as `kiln build --isolation vm` finds them
+//! ([`super::kernel::boot_assets`]); without them the server refuses to start.
+//! `--trust-tenants` runs them in this host's namespace executor instead (development only).
 
 use std::path::PathBuf;
 
 use anyhow::{Context as _, bail};
 use kiln_builder::registry::RegistryOptions;
-use kiln_pipeline::Setup;
+use kiln_pipeline::{Executor, Setup};
 use kiln_service::{Db, Quota, ServiceConfig};
+use kiln_vmm::snapshot::BootAssets;
 use tokio_util::sync::CancellationToken;
 
 /// Arguments of `kiln serve`.
@@ -26,10 +28,19 @@ pub struct Args {
     #[arg(long)]
     pub listen: Option<String>,
     /// DEVELOPMENT ONLY: run tenants' RUN steps in this host's namespace executor, which is
-    /// not a boundary against a hostile recipe. kiln has no microVM executor for untrusted
-    /// steps yet, so the server refuses to start without this flag.
+    /// not a boundary against a hostile recipe. Without it each RUN step runs in a microVM of
+    /// its own (--kernel, --initramfs).
     #[arg(long = "trust-tenants")]
     pub trust_tenants: bool,
+    /// Address of the operator's listener, serving GET /metrics (every workspace's
+    /// activity; port 0: any free port, printed on stderr). None by default; the tenants'
+    /// port never serves /metrics.
+    #[arg(
+        long = "metrics-listen",
+        env = "KILN_SERVE_METRICS_LISTEN",
+        value_name = "ADDR"
+    )]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub common: Common,
     /// The local store directory (default: $KILN_STORE, else ~/.local/share/kiln/store).
@@ -85,11 +96,12 @@ pub struct Args {
     /// addresses.
     #[arg(long = "allow-registry", value_name = "HOST[:PORT]")]
     pub allow_registries: Vec<String>,
-    /// Guest kernel for builds that ask for a snapshot (with --initramfs); without both,
+    /// Guest kernel (uncompressed vmlinux) of the step microVMs and of snapshot builds, with
+    /// --initramfs; default `kiln kernel`'s. With --trust-tenants and neither given,
     /// snapshot builds are refused.
     #[arg(long, env = "KILN_KERNEL", value_name = "FILE")]
     pub kernel: Option<PathBuf>,
-    /// Guest initramfs with kiln-guest-init, for snapshot builds.
+    /// Guest initramfs with kiln-guest-init, with --kernel; default `kiln kernel`'s.
     #[arg(long, env = "KILN_INITRAMFS", value_name = "FILE")]
     pub initramfs: Option<PathBuf>,
 }
@@ -229,14 +241,47 @@ async fn keys(c: &Common, k: Keys) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The guest kernel and initramfs of the microVM executor, found as `kiln build --isolation
+/// vm` finds them ([`super::kernel::boot_assets`]), both checked to be files. Errors name the
+/// flags, `kiln kernel` and `--trust-tenants`, then why.
+async fn vm_boot_assets(a: &Args) -> anyhow::Result<BootAssets> {
+    let (kernel, initramfs) = (a.kernel.clone(), a.initramfs.clone());
+    // Blocking: the default may fetch the kernel package and build the initramfs.
+    let found = tokio::task::spawn_blocking(move || {
+        let b = super::kernel::boot_assets(kernel, initramfs)?;
+        for (what, p) in [("guest kernel", &b.kernel), ("initramfs", &b.initramfs)] {
+            if !p.is_file() {
+                bail!("{what} {}: not a file", p.display());
+            }
+        }
+        Ok(b)
+    })
+    .await?;
+    found.context(
+        "kiln serve runs tenants' RUN steps in microVMs and needs the guest kernel and \
+         initramfs: give --kernel and --initramfs (or KILN_KERNEL and KILN_INITRAMFS), or run \
+         `kiln kernel` to fetch and build them; --trust-tenants runs the steps in this host's \
+         namespace executor instead (development only)",
+    )
+}
+
 async fn serve(a: Args) -> anyhow::Result<()> {
-    if !a.trust_tenants {
-        bail!(
-            "kiln has no executor for untrusted build steps yet: tenants' RUN steps would run \
-             in this host's namespace executor, which a hostile recipe can escape. Pass \
-             --trust-tenants to accept that (development only)"
-        );
-    }
+    // What runs tenants' steps, and its boot assets, before anything is set up.
+    let (executor, boot) = if a.trust_tenants {
+        let boot = match (&a.kernel, &a.initramfs) {
+            (Some(k), Some(i)) => Some(BootAssets {
+                kernel: k.clone(),
+                initramfs: i.clone(),
+            }),
+            (None, None) => None,
+            _ => {
+                bail!("give both --kernel and --initramfs (KILN_KERNEL/KILN_INITRAMFS), or neither")
+            }
+        };
+        (Executor::Namespace, boot)
+    } else {
+        (Executor::Vm, Some(vm_boot_assets(&a).await?))
+    };
     let store_flag = match &a.store {
         Some(p) => Some(
             p.to_str()
@@ -247,14 +292,6 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     let (store_cfg, root) = crate::config::store_and_local_dir(store_flag)?;
     let config = config(&a.common, a.listen.as_deref())?;
     let listen = config.serve_listen.value;
-    let boot = match (&a.kernel, &a.initramfs) {
-        (Some(k), Some(i)) => Some(kiln_vmm::snapshot::BootAssets {
-            kernel: k.clone(),
-            initramfs: i.clone(),
-        }),
-        (None, None) => None,
-        _ => bail!("give both --kernel and --initramfs (KILN_KERNEL/KILN_INITRAMFS), or neither"),
-    };
     let store =
         kiln_store::Store::open_with(&store_cfg.store.value, store_cfg.store_options()).await?;
     let mut setup = Setup::open(store, &root).await?;
@@ -263,6 +300,18 @@ async fn serve(a: Args) -> anyhow::Result<()> {
         ..RegistryOptions::default()
     };
     setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
+    let executor_line = match (&executor, &boot) {
+        (Executor::Vm, Some(b)) => format!(
+            "kiln serve: executor vm: each RUN step runs in a microVM of its own (kernel {}, \
+             initramfs {})",
+            b.kernel.display(),
+            b.initramfs.display()
+        ),
+        _ => "kiln serve: executor namespace: RUN steps run in this host's namespace executor, \
+              which is not a boundary against a hostile recipe (--trust-tenants: development \
+              only)"
+            .to_string(),
+    };
     setup.boot = boot;
     let mut cfg = ServiceConfig::new(config.serve_state_dir.value.clone());
     cfg.database = config.serve_database.value.clone();
@@ -277,7 +326,20 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     cfg.database_timeout = a.database_timeout;
     cfg.global_bases = a.bases.iter().cloned().collect();
     cfg.allowed_registries = a.allow_registries.iter().cloned().collect();
+    cfg.executor = executor;
     cfg.check()?;
+    // The operator's listener first: its line comes before the one that says the server is
+    // up.
+    let metrics = match &a.metrics_listen {
+        Some(m) => {
+            let l = tokio::net::TcpListener::bind(m)
+                .await
+                .with_context(|| format!("--metrics-listen {m}"))?;
+            eprintln!("kiln serve: metrics on http://{}/metrics", l.local_addr()?);
+            Some(l)
+        }
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("listening on {listen}"))?;
@@ -286,6 +348,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
         "kiln serve: listening on http://{addr} (store {})",
         store_cfg.store.value
     );
+    eprintln!("{executor_line}");
     let shutdown = CancellationToken::new();
     {
         let token = shutdown.clone();
@@ -299,7 +362,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
             token.cancel();
         });
     }
-    kiln_service::serve(cfg, setup, listener, shutdown).await?;
+    kiln_service::serve(cfg, setup, listener, metrics, shutdown).await?;
     eprintln!("kiln serve: stopped");
     Ok(())
 }
