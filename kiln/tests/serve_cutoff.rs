@@ -106,7 +106,13 @@ fn a_cut_off_node_stops_claiming_its_build_is_taken_over_and_it_publishes_nothin
     let args = [
         &["--workers", "1"][..],
         &QUICK_LIVENESS,
-        &["--insecure-registry", &reg_addr],
+        // The registry's forwarder is on the veth's private address.
+        &[
+            "--insecure-registry",
+            &reg_addr,
+            "--allow-registry",
+            &reg_addr,
+        ],
     ]
     .concat();
     let dir = |n: &str| t.path().join(n);
