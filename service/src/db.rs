@@ -772,9 +772,11 @@ impl Db {
         })
     }
 
-    /// Claims the oldest queued build whose workspace runs fewer than its `max_concurrent`
-    /// builds for node `node`: `queued → running`, the next attempt. The `state = 'queued'`
-    /// condition makes the claim happen once per build and attempt.
+    /// Claims a queued build for node `node`: `queued → running`, the next attempt. Of the
+    /// workspaces that run fewer than their `max_concurrent` builds, one that runs the
+    /// fewest goes first, so a workspace with running builds yields to one with none and a
+    /// burst from one workspace does not take every worker; within that, the oldest build.
+    /// The `state = 'queued'` condition makes the claim happen once per build and attempt.
     ///
     /// Not bounded by the database timeout, nor is [`Db::finish`]: given up after the
     /// database ran the statement but before the answer came, either would leave a build
@@ -793,7 +795,9 @@ impl Db {
                SELECT b.id FROM builds b JOIN workspaces w ON w.id = b.workspace
                WHERE b.state = 'queued' AND (SELECT COUNT(*) FROM builds r
                  WHERE r.workspace = b.workspace AND r.state = 'running') < w.max_concurrent
-               ORDER BY b.created_ms, b.id LIMIT 1 {lock})
+               ORDER BY (SELECT COUNT(*) FROM builds r
+                 WHERE r.workspace = b.workspace AND r.state = 'running'), b.created_ms, b.id
+               LIMIT 1 {lock})
              RETURNING *"
         );
         let mut tx = self.write_tx().await?;
@@ -1214,6 +1218,40 @@ mod tests {
         let t = tempfile::tempdir().expect("tmp");
         claims(sqlite(&t).await).await;
         claims(postgres().await).await;
+    }
+
+    /// Issue 43 §2: two workspaces submit a burst each, the first a little earlier; the
+    /// first two claims (two workers) take one build of each, and the next goes to the
+    /// oldest again once both run one.
+    #[tokio::test]
+    async fn claims_are_fair_between_workspaces() {
+        let t = tempfile::tempdir().expect("tmp");
+        fair(sqlite(&t).await).await;
+        fair(postgres().await).await;
+    }
+
+    async fn fair(db: Db) {
+        for ws in ["a", "b"] {
+            db.upsert_workspace(ws, &quota(2, 100), true)
+                .await
+                .expect("ws");
+        }
+        for ws in ["a", "b"] {
+            for i in 0..5 {
+                db.insert_build(&build(&format!("{ws}{i}"), ws), 100, 1000)
+                    .await
+                    .expect("insert");
+                // Distinct creation times: `a`'s burst is older than `b`'s.
+                tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            }
+        }
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            got.push(db.claim("w").await.expect("claim").expect("a build").id);
+        }
+        assert_eq!(got, ["a0", "b0", "a1", "b1"], "claims in order");
+        // Both at their cap of two: nothing more.
+        assert!(db.claim("w").await.expect("claim").is_none());
     }
 
     #[tokio::test]
