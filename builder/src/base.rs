@@ -259,7 +259,16 @@ pub async fn resolve_in(
             });
         }
     }
-    let p = registry.pull(&r, cache).await?;
+    pull(registry, &r, cache).await
+}
+
+/// Pulls `r` into `cache`: its digest, as [`Source::Registry`].
+async fn pull(
+    registry: &Registry,
+    r: &Reference,
+    cache: &dyn BlobCache,
+) -> Result<(String, Source), BaseError> {
+    let p = registry.pull(r, cache).await?;
     Ok((
         p.digest,
         Source::Registry {
@@ -303,14 +312,7 @@ async fn resolve_tenant(
         });
     }
     t.check_registry(&r).await?;
-    let p = registry.pull(&r, cache).await?;
-    Ok((
-        p.digest,
-        Source::Registry {
-            fetched: p.fetched,
-            bytes: p.fetched_bytes,
-        },
-    ))
+    pull(registry, &r, cache).await
 }
 
 /// A tenant's store tag as the tenant writes it (`<ws>.` taken off).
@@ -439,4 +441,68 @@ pub fn unpack(
         total.bytes += s.bytes;
     }
     Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn acme() -> Tenant {
+        Tenant {
+            workspace: "acme".into(),
+            global_bases: ["gbase".to_string()].into(),
+            registries: ["127.0.0.1:5000".to_string()].into(),
+        }
+    }
+
+    #[test]
+    fn a_tenant_store_tag_is_its_workspace_or_a_global_base() {
+        let t = acme();
+        let d = format!("sha256:{}", "a".repeat(64));
+        for (spec, want) in [
+            ("app:1".to_string(), Some("acme.app:1")),
+            ("app".to_string(), Some("acme.app:latest")),
+            (format!("app:1@{d}"), Some("acme.app:1")),
+            (format!("app@{d}"), Some("acme.app:latest")),
+            // Another workspace's name stays inside this one.
+            ("evil.app:1".to_string(), Some("acme.evil.app:1")),
+            ("gbase:7".to_string(), Some("gbase:7")),
+            ("myorg/app:2".to_string(), Some("acme.myorg/app:2")),
+            ("127.0.0.1:5000/x:y".to_string(), None),
+            ("oci:/srv/layout:1".to_string(), None),
+        ] {
+            assert_eq!(
+                t.store_tag(&spec).map(|t| t.to_string()).as_deref(),
+                want,
+                "{spec}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_tenant_reaches_only_public_registries_and_those_allowed() {
+        let t = acme();
+        let check = |s: &str| {
+            let r: Reference = s.parse().expect("reference");
+            let t = t.clone();
+            async move { t.check_registry(&r).await }
+        };
+        check("127.0.0.1:5000/x:1").await.expect("allowed by name");
+        for refused in [
+            "127.0.0.1:5002/x:1",
+            "localhost:5000/x:1",
+            "[::1]:5000/x:1",
+            "169.254.169.254/x:1",
+            "10.0.0.1:443/x:1",
+            "192.168.1.1/x:1",
+        ] {
+            match check(refused).await {
+                Err(BaseError::RegistryAddress {
+                    source: AddressError::NotPublic { .. },
+                    ..
+                }) => {}
+                other => panic!("{refused}: {other:?}"),
+            }
+        }
+    }
 }
