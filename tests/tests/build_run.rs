@@ -385,6 +385,34 @@ fn failing_run_reports_location_exit_code_and_tail() {
     f.assert_clean();
 }
 
+/// Issue 44 §1: a step starts with no signal ignored or blocked (kiln's runtime ignores
+/// SIGPIPE), so `yes | head` ends when `head` does instead of spinning until the timeout.
+#[test]
+fn steps_start_with_default_signals() {
+    let f = fx("signals");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (r, _) = f.build_with(
+        "Dockerfile",
+        &format!(
+            "FROM {bb}\nRUN grep -E '^Sig(Blk|Ign):' /proc/self/status > /signals && \
+             yes line | head -c 10000000 > /lines\n"
+        ),
+        &f.options(),
+        |p| p.limits.timeout_secs = 60,
+    );
+    let out = r.expect("builds within the timeout");
+    let dir = f.unpack(&out);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("signals")).expect("signals"),
+        "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n"
+    );
+    assert_eq!(
+        std::fs::metadata(dir.join("lines")).expect("lines").len(),
+        10_000_000
+    );
+    f.assert_clean();
+}
+
 /// The build timeout kills the step; the error names the limit.
 #[test]
 fn timeout_stops_the_build() {

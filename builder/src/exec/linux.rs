@@ -1177,6 +1177,7 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
     )
     .map_err(|e| format!("setuid {}: {e}", user.uid))?;
     rustix::thread::set_no_new_privs(true).map_err(|e| format!("no_new_privs: {e}"))?;
+    default_signals();
     // Docker's default seccomp profile, last: nothing after it but execve.
     super::seccomp::install(plan.seccomp)?;
 
@@ -1196,6 +1197,47 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
 
 /// Opens `rel` (a file, `O_PATH`) inside the root `root`, creating it empty (and `etc`)
 /// when missing; symlinks resolve inside `root`. `None`: `rel` is a dangling symlink.
+/// Every signal's disposition back to its default and an empty signal mask, as runc starts
+/// a container's process. An ignored signal stays ignored across `execve(2)` (signal(7),
+/// "Signal disposition"), and the Rust runtime ignores SIGPIPE, so without this a step's
+/// `yes | head` spins on EPIPE instead of dying with the pipe. The raw `rt_sigaction(2)`,
+/// because the C library's wrappers refuse the numbers it keeps for itself (glibc's 32 and
+/// 33), which a parent may still have left ignored; SIGKILL and SIGSTOP refuse a change,
+/// which is no harm.
+fn default_signals() {
+    /// The kernel's `struct sigaction` on x86_64 and aarch64 (`rt_sigaction(2)`, NOTES).
+    #[repr(C)]
+    struct KernelSigaction {
+        handler: libc::c_ulong,
+        flags: libc::c_ulong,
+        restorer: libc::c_ulong,
+        mask: u64,
+    }
+    let dfl = KernelSigaction {
+        handler: libc::SIG_DFL as libc::c_ulong,
+        flags: 0,
+        restorer: 0,
+        mask: 0,
+    };
+    // SAFETY: rt_sigaction(2) with a valid struct of the kernel's layout and size 8 (its
+    // sigset), and sigprocmask(2) with a set sigemptyset initialised: both change only this
+    // process's signal state and install no handler.
+    unsafe {
+        for sig in 1..=libc::SIGRTMAX() {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                sig,
+                &dfl as *const KernelSigaction,
+                std::ptr::null_mut::<KernelSigaction>(),
+                8usize,
+            );
+        }
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
+    }
+}
+
 fn open_in_root(root: &OwnedFd, rel: &str) -> Result<Option<OwnedFd>, String> {
     use rustix::fs::{Mode, OFlags, ResolveFlags, openat, openat2};
     let path_flags = OFlags::PATH | OFlags::CLOEXEC;
