@@ -6,7 +6,11 @@
 //! layer digests, under both executors; the namespace build in the VM build's store runs no
 //! step (cache keys do not depend on the executor). A failing step reports its exit code and
 //! its log's tail; a step over the build's time limit is stopped by killing its VM, and no
-//! QEMU is left. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
+//! QEMU is left. A 30-layer image (built with kiln, namespace executor) and 12 `RUN` steps on
+//! top of it give the same OCI manifest under both executors, though the VM takes at most 16
+//! lower disks: the lowest layers are squashed into one disk, a file deleted and a directory
+//! made opaque both inside the squashed layers and over them, and each squashed disk is made
+//! once per set of layers. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
 //! `KILN_TEST_INITRAMFS`).
 
 use std::path::Path;
@@ -198,4 +202,98 @@ fn vm_steps_report_failures_and_time_limits_kill_the_vm() {
         "{e:#}"
     );
     assert_eq!(qemus_under(&store), Vec::<u32>::new(), "no QEMU left");
+}
+
+/// The 28 steps over busybox's one layer of the 30-layer base (kiln adds the 30th, its
+/// sandbox preparation layer): files copied one per layer, two namespace `RUN` layers, the
+/// second deleting a file of the first (a whiteout) and replacing a directory of it (an
+/// opaque directory), all below the VM's disk count.
+fn base_dockerfile(bb: &str) -> String {
+    let mut d = format!("FROM {bb}\n");
+    d.push_str("RUN mkdir -p /o /g && echo 1 > /o/x && echo keep > /g/k && echo gone > /g/gone\n");
+    for i in 0..13 {
+        d.push_str(&format!("COPY f{i} /b/f{i}\n"));
+    }
+    d.push_str("RUN rm /g/gone && rm -r /o && mkdir /o && echo 2 > /o/y\n");
+    for i in 13..26 {
+        d.push_str(&format!("COPY f{i} /b/f{i}\n"));
+    }
+    d
+}
+
+/// Twelve cheap `RUN` steps over the base: each one reads the tree as the squash must show
+/// it, and writes something of its own (so no two layers are the same).
+fn top_dockerfile() -> String {
+    let mut d = String::from("FROM squash-base:1\n");
+    // The base's whiteout and opaque directory, as overlayfs shows them.
+    d.push_str(
+        "RUN test ! -e /g/gone && test ! -e /o/x && test \"$(cat /o/y)\" = 2 \
+         && test \"$(cat /g/k)\" = keep && ls /o /g /b > /seen\n",
+    );
+    // A whiteout and an opaque directory over squashed layers, a copy-up of a squashed file.
+    d.push_str("RUN rm /b/f3 && rm -r /g && mkdir /g && echo new > /g/n\n");
+    d.push_str("RUN echo more >> /b/f5 && cat /b/f0 /b/f25 > /cat\n");
+    for i in 3..12 {
+        d.push_str(&format!(
+            "RUN test ! -e /b/f3 && test ! -e /g/k && echo {i} > /t{i} && ls /b /g >> /t{i}\n"
+        ));
+    }
+    d
+}
+
+#[test]
+fn vm_steps_over_thirty_layers_squash_the_lowest_and_match_the_namespace_executor() {
+    assert!(rustix::process::geteuid().is_root(), "needs root");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let store = t.path().join("store");
+    let t0 = std::time::Instant::now();
+
+    // The 30-layer base, namespace executor, as a local OCI reference in the store.
+    let ctx = context(&t.path().join("base"), &base_dockerfile(&bb));
+    for i in 0..26 {
+        std::fs::write(ctx.join(format!("f{i}")), format!("file {i}\n")).expect("write");
+    }
+    let mut req = request(&ctx, Executor::Namespace);
+    req.output = Output::Oci {
+        refs: vec!["squash-base:1".parse().expect("reference")],
+    };
+    let base = rt.block_on(run(&store, req)).expect("base build");
+    assert_eq!(base.layers.len(), 30, "{:?}", base.layers);
+    eprintln!("30-layer base: {:?}", t0.elapsed());
+
+    // Twelve steps on top, in a microVM each.
+    let top = context(&t.path().join("top"), &top_dockerfile());
+    let t1 = std::time::Instant::now();
+    let vm = rt
+        .block_on(run(&store, request(&top, Executor::Vm)))
+        .expect("vm build over 30 layers");
+    eprintln!("12 vm steps: {:?}", t1.elapsed());
+    // The base's 30, the steps' 12 and this build's sandbox preparation layer.
+    assert_eq!((vm.steps_run, vm.layers.len()), (12, 43));
+    // Lowers 30..=41 on 16 disks: the lowest 16, then 24, then 32 squashed, each made once.
+    let squashed: Vec<_> = std::fs::read_dir(store.join(".build/run/vm-squashed"))
+        .expect("squashed disks")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(squashed.len(), 3, "{squashed:?}");
+    assert!(
+        squashed.iter().all(|n| n.ends_with(".ext4")),
+        "{squashed:?}"
+    );
+
+    // The same steps under the namespace executor, run again (not from the cache).
+    let mut req = request(&top, Executor::Namespace);
+    req.no_cache = true;
+    let ns = rt
+        .block_on(run(&store, req))
+        .expect("namespace build over 30 layers");
+    assert_eq!(ns.steps_run, 12);
+    assert_eq!(
+        vm.oci_manifest.digest, ns.oci_manifest.digest,
+        "the same OCI manifest under both executors"
+    );
+    assert_eq!(vm.layers, ns.layers);
+    eprintln!("whole test: {:?}", t0.elapsed());
 }

@@ -9,10 +9,12 @@
 //!    than that. Each lower directory becomes a read-only disk (serial `lower<i>`, topmost
 //!    first, [`kiln_vmm::launch::VmSpec::ro_disks`]): an ext4 image made once per layer
 //!    directory with `mke2fs -d` ([`lower_image`]), which copies overlayfs' whiteouts (0/0
-//!    character devices) and opaque xattrs as they are. The guest sees the step's layers and
-//!    nothing else of the host's file system. Why disks and not 9p: Debian's cloud kernel,
-//!    kiln's guest kernel, has no 9p (`modules.order` lists none), and virtio-fs needs
-//!    `virtiofsd`, which bookworm lacks. There is no network card.
+//!    character devices) and opaque xattrs as they are. A step with more lower layers than
+//!    the VM takes ([`MAX_LOWERS`], and [`MAX_DISKS`] with its bind mounts) has its lowest
+//!    ones squashed into one read-only disk ([`squash_plan`], [`squashed_image`]). The guest
+//!    sees the step's layers and nothing else of the host's file system. Why disks and not
+//!    9p: Debian's cloud kernel, kiln's guest kernel, has no 9p (`modules.order` lists none),
+//!    and virtio-fs needs `virtiofsd`, which bookworm lacks. There is no network card.
 //! 2. **Boot.** The one QEMU command line ([`kiln_vmm::launch::VmSpec`]) with anonymous memory
 //!    of the step's memory limit (the VM's size is the limit), the step's vCPUs, and
 //!    `kiln.step=<lowers>`: the guest init mounts the overlay of the lower disks under an upper
@@ -78,7 +80,37 @@ pub const NO_NETWORK_LINE: &str =
 pub const NO_NETWORK_ALLOW_LIST_LINE: &str = "[kiln] this step runs without a network, so its \
      allow-list reaches nothing: microVM steps have no network card yet\n";
 
+/// A squashed disk holds the lowest layers in multiples of this many, so that the next
+/// steps of a build (one more layer each) reuse it: a new one is made at most every
+/// `SQUASH_STEP` steps.
+pub const SQUASH_STEP: usize = MAX_LOWERS / 2;
+/// Largest squashed disk, MiB (64 GiB; [`kiln_builder::ext4::Ext4Options::max_mib`]).
+pub const SQUASH_MAX_MIB: u64 = 64 << 10;
+/// The first line of what names a squashed disk ([`squashed_image`]): a new version when
+/// the way it is made changes, so that no older image is reused.
+pub const SQUASH_KEY_VERSION: &str = "kiln squashed lowers v1\n";
+
 static STEP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// How many of a step's `lowers` lower layers (topmost first) go into the one squashed disk
+/// when at most `disks` disks are left for them: 0 when they all fit, else the lowest ones in
+/// a multiple of [`SQUASH_STEP`] (all of them when that is more), so that what is left plus
+/// the squashed disk fits. `None`: no squash fits (`disks` is 0).
+pub fn squash_plan(lowers: usize, disks: usize) -> Option<usize> {
+    if lowers <= disks {
+        return Some(0);
+    }
+    if disks == 0 {
+        return None;
+    }
+    // The top `disks - 1` stay; the rest, rounded up to a multiple of SQUASH_STEP, squash.
+    let need = lowers - (disks - 1);
+    Some(
+        need.div_ceil(SQUASH_STEP)
+            .saturating_mul(SQUASH_STEP)
+            .min(lowers),
+    )
+}
 
 /// Bytes of tar the host accepts for a step whose upper disk has `disk_bytes`: twice the
 /// disk (headers, long names and PAX records of many small files) plus 16 MiB.
@@ -136,9 +168,12 @@ impl VmExecutor {
 }
 
 impl StepExecutor for VmExecutor {
-    /// Runs `spec` in a microVM (module doc). Refused with [`ExecError::Unsupported`]:
-    /// `RUN --mount=type=cache`, a bind of a file, the host network, more than
-    /// [`MAX_LOWERS`] lower directories. A step with the default network or an allow-list
+    /// Runs `spec` in a microVM (module doc). Past [`MAX_LOWERS`] lower directories (or
+    /// [`MAX_DISKS`] disks with the bind mounts), the lowest are squashed into one disk
+    /// ([`squash_plan`], [`squashed_image`]) from [`StepSpec::lower_layers`]. Refused with
+    /// [`ExecError::Unsupported`]: `RUN --mount=type=cache`, a bind of a file, the host
+    /// network, too many lower directories whose blobs are not known, more than
+    /// [`MAX_DISKS`]` - 1` bind mounts. A step with the default network or an allow-list
     /// runs without one, and its first log line says so ([`NO_NETWORK_LINE`],
     /// [`NO_NETWORK_ALLOW_LIST_LINE`]).
     fn run(
@@ -165,23 +200,32 @@ impl StepExecutor for VmExecutor {
         {
             return unsupported(&format!("RUN --mount=type=cache (at {})", m.target));
         }
-        if spec.lower_dirs.len() > MAX_LOWERS {
-            return unsupported(&format!(
-                "{} layers (at most {MAX_LOWERS})",
-                spec.lower_dirs.len()
-            ));
-        }
         let binds = spec
             .mounts
             .iter()
             .filter(|m| matches!(m.kind, kiln_builder::exec::MountKind::Bind { .. }))
             .count();
-        if spec.lower_dirs.len() + binds > MAX_DISKS {
-            return unsupported(&format!(
-                "{} layers and {binds} bind mounts (at most {MAX_DISKS} disks in all)",
-                spec.lower_dirs.len()
-            ));
+        if binds > MAX_DISKS {
+            return unsupported(&format!("{binds} bind mounts (at most {MAX_DISKS})"));
         }
+        let disks = MAX_LOWERS.min(MAX_DISKS - binds);
+        let squash = match squash_plan(spec.lower_dirs.len(), disks) {
+            Some(0) => 0,
+            Some(n) if spec.lower_layers.len() == spec.lower_dirs.len() => n,
+            Some(_) => {
+                return unsupported(&format!(
+                    "{} layers whose blobs are not known, so they cannot be squashed \
+                     (at most {disks} disks)",
+                    spec.lower_dirs.len()
+                ));
+            }
+            None => {
+                return unsupported(&format!(
+                    "{binds} bind mounts (at most {} with any layers)",
+                    MAX_DISKS - 1
+                ));
+            }
+        };
         let scratch = Scratch::new(&self.config.run_dir)?;
         // Targets resolved through the lowers as the step sees them, as for namespace steps.
         let mounts = kiln_builder::exec::mounts::prepare(
@@ -189,7 +233,7 @@ impl StepExecutor for VmExecutor {
             &spec.lower_dirs,
             &scratch.0.join("mounts"),
         )?;
-        let run = self.run_in(spec, &mounts, cancel, sink, &scratch.0);
+        let run = self.run_in(spec, squash, &mounts, cancel, sink, &scratch.0);
         match tokio::runtime::Handle::try_current() {
             Ok(h) => h.block_on(run),
             Err(_) => tokio::runtime::Builder::new_current_thread()
@@ -309,6 +353,73 @@ pub async fn lower_image(cache: &Path, lower: &Path) -> Result<PathBuf, ExecErro
     r.map(|()| img)
 }
 
+/// The read-only ext4 image of the union of `layers` (topmost first, the lowest layers of a
+/// step) in `cache`, made when missing: `<cache>/<hex>.ext4`, where `<hex>` is the sha256 of
+/// [`SQUASH_KEY_VERSION`] and the layer digests bottom first, one per line. Made by the builder's flattening
+/// ([`kiln_builder::ext4::build`], the one that makes image root file systems): whiteouts and
+/// opaque directories applied as overlayfs applies them, so as the lowest lower it shows the
+/// tree the separate layer disks show. Read with `limits`; mtimes as in the layers; sized
+/// by the builder's estimate, at most [`SQUASH_MAX_MIB`]. A set of layers never changes, so
+/// neither does its image: made under a temporary name and renamed, and reused by later
+/// steps and builds.
+///
+/// Errors: a layer unreadable or over `limits`, e2fsprogs missing or failing, the image over
+/// [`SQUASH_MAX_MIB`] ([`ExecError::Setup`]); [`ExecError::Io`].
+pub async fn squashed_image(
+    cache: &Path,
+    layers: &[kiln_builder::ext4::LayerBlob],
+    limits: &kiln_builder::layer::Limits,
+) -> Result<PathBuf, ExecError> {
+    let mut bottom_first: Vec<kiln_builder::ext4::LayerBlob> = layers.to_vec();
+    bottom_first.reverse();
+    let mut names = String::from(SQUASH_KEY_VERSION);
+    for l in &bottom_first {
+        names.push_str(&l.digest);
+        names.push('\n');
+    }
+    let digest = kiln_builder::cache::digest_of(names.as_bytes());
+    let hex = digest.trim_start_matches("sha256:").to_string();
+    let img = cache.join(format!("{hex}.ext4"));
+    if img.is_file() {
+        return Ok(img);
+    }
+    std::fs::create_dir_all(cache).map_err(|source| ExecError::Io {
+        what: format!("creating {}", cache.display()),
+        source,
+    })?;
+    let tmp = cache.join(format!(
+        "{hex}.tmp-{}-{}",
+        std::process::id(),
+        STEP_COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let opts = kiln_builder::ext4::Ext4Options {
+        disk_mib: None,
+        max_mib: SQUASH_MAX_MIB,
+        source_date_epoch: None,
+        limits: *limits,
+    };
+    let (t, n) = (tmp.clone(), bottom_first.len());
+    let t0 = Instant::now();
+    let built =
+        tokio::task::spawn_blocking(move || kiln_builder::ext4::build(&bottom_first, &t, &opts))
+            .await
+            .map_err(|e| ExecError::Setup(e.to_string()))?;
+    let r = match built {
+        Ok(_) => std::fs::rename(&tmp, &img).map_err(|source| ExecError::Io {
+            what: format!("renaming {}", tmp.display()),
+            source,
+        }),
+        Err(e) => Err(ExecError::Setup(format!(
+            "squashing the lowest {n} layers into one disk: {e}"
+        ))),
+    };
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    tracing::debug!(layers = n, took = ?t0.elapsed(), image = %img.display(), "squashed lower layers");
+    r.map(|()| img)
+}
+
 /// An ext4 image at `img` of the tree `dir` (`mke2fs -d`), sized as [`lower_image`] says.
 ///
 /// Errors: the walk or mke2fs failed ([`ExecError::Io`], [`ExecError::Setup`]).
@@ -408,6 +519,7 @@ impl VmExecutor {
     async fn run_in(
         &self,
         spec: &StepSpec,
+        squash: usize,
         mounts: &PreparedMounts,
         cancel: &AtomicBool,
         sink: &mut (dyn FnMut(LogLine) + Send),
@@ -419,9 +531,16 @@ impl VmExecutor {
         // At least 64 MiB, so that the file system itself fits.
         let disk_bytes = self.config.write_limit_bytes.max(64 << 20);
         mke2fs(&disk, disk_bytes, &[]).await?;
-        let mut lowers = Vec::with_capacity(spec.lower_dirs.len());
-        for l in &spec.lower_dirs {
+        let keep = spec.lower_dirs.len() - squash;
+        let mut lowers = Vec::with_capacity(keep + 1);
+        for l in &spec.lower_dirs[..keep] {
             lowers.push(lower_image(&self.config.run_dir.join("vm-lowers"), l).await?);
+        }
+        if squash > 0 {
+            let cache = self.config.run_dir.join("vm-squashed");
+            lowers.push(
+                squashed_image(&cache, &spec.lower_layers[keep..], &spec.layer_limits).await?,
+            );
         }
         let step_lowers = lowers.len();
         // Each bind mount's tree as one more read-only disk, made for this step only.
@@ -690,6 +809,35 @@ mod tests {
     use super::*;
     use kiln_vmm::channel::Message;
     use kiln_vmm::exec::{DiffData, DiffEnd, MAX_CHUNK_LEN};
+
+    #[test]
+    fn squash_plans_fit_the_disks_and_grow_in_steps() {
+        assert_eq!(squash_plan(0, 0), Some(0));
+        assert_eq!(squash_plan(16, 16), Some(0));
+        assert_eq!(squash_plan(1, 0), None);
+        // 17 lowers on 16 disks: the lowest 8 squash, 9 + 1 disks.
+        assert_eq!(squash_plan(17, 16), Some(8));
+        // The same squash serves the next steps, until 15 + 1 disks are full.
+        for n in 17..=23 {
+            assert_eq!(squash_plan(n, 16), Some(8), "{n}");
+        }
+        assert_eq!(squash_plan(24, 16), Some(16));
+        assert_eq!(squash_plan(30, 16), Some(16));
+        assert_eq!(squash_plan(32, 16), Some(24));
+        // Bind mounts leave fewer disks; everything squashes when that is what fits.
+        assert_eq!(squash_plan(5, 1), Some(5));
+        assert_eq!(squash_plan(5, 2), Some(5));
+        // 18 must squash, 24 would be the next multiple: all 20.
+        assert_eq!(squash_plan(20, 3), Some(20));
+        for lowers in 0..80 {
+            for disks in 1..=MAX_LOWERS {
+                let s = squash_plan(lowers, disks).unwrap();
+                assert!(s <= lowers);
+                let used = lowers - s + usize::from(s > 0);
+                assert!(used <= disks, "{lowers} on {disks}: {s}");
+            }
+        }
+    }
 
     #[test]
     fn diff_bound_covers_headers_and_saturates() {

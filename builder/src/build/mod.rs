@@ -691,16 +691,31 @@ fn stage_base(
 /// Lower directories for `layers`, topmost first, unpacking what is missing. A layer digest
 /// that occurs more than once (`RUN true` twice, a `WORKDIR` that changes nothing) is one
 /// directory, which overlayfs refuses to take twice ("conflicting lowerdir path", ELOOP), so
-/// only its topmost occurrence is kept ([`topmost_unique`]).
-async fn lowers_for(ctx: &Arc<Ctx>, layers: &[LayerRef]) -> Result<Vec<PathBuf>, BuildError> {
+/// only its topmost occurrence is kept ([`topmost_unique`]). With the layer blobs of those
+/// directories in the same order ([`StepSpec::lower_layers`]), empty when one is not in the
+/// local cache.
+async fn lowers_with_blobs(
+    ctx: &Arc<Ctx>,
+    layers: &[LayerRef],
+) -> Result<(Vec<PathBuf>, Vec<crate::ext4::LayerBlob>), BuildError> {
     let c = ctx.clone();
     let digests: Vec<String> = layers.iter().map(|l| l.desc.digest.clone()).collect();
     tokio::task::spawn_blocking(move || {
-        let mut v = Vec::with_capacity(digests.len());
+        let mut dirs = Vec::with_capacity(digests.len());
+        let mut blobs = Vec::with_capacity(digests.len());
         for d in topmost_unique(&digests) {
-            v.push(c.dirs.ensure(c.cache.as_ref(), d, &c.opts.layer_limits)?);
+            dirs.push(c.dirs.ensure(c.cache.as_ref(), d, &c.opts.layer_limits)?);
+            if let Some(path) = c.cache.blob_path(d)? {
+                blobs.push(crate::ext4::LayerBlob {
+                    digest: d.clone(),
+                    path,
+                });
+            }
         }
-        Ok::<_, BuildError>(v)
+        if blobs.len() != dirs.len() {
+            blobs.clear();
+        }
+        Ok::<_, BuildError>((dirs, blobs))
     })
     .await
     .map_err(|e| BuildError::Task(e.to_string()))?
@@ -978,7 +993,7 @@ async fn run_step(
     loc: &str,
     prepared: Prepared,
 ) -> Result<LayerRef, BuildError> {
-    let lowers = lowers_for(ctx, &st.layers).await?;
+    let (lowers, lower_layers) = lowers_with_blobs(ctx, &st.layers).await?;
     let s = scratch(ctx)?;
     let upper = s.upper.clone().unwrap_or_default();
     match &step.action {
@@ -1006,6 +1021,8 @@ async fn run_step(
             spec.env = env.to_vec();
             spec.env.extend(added);
             spec.user = user;
+            spec.lower_layers = lower_layers;
+            spec.layer_limits = ctx.opts.layer_limits;
             let used = ctx.log_bytes.load(Ordering::Relaxed);
             spec.log_budget = Some(ctx.opts.exec.log_limits.total_max.saturating_sub(used));
             let c = ctx.clone();

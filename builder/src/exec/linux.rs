@@ -832,8 +832,12 @@ fn mnt(
 
 /// Mounts the step's overlay on `merged` (nodev: device nodes the step makes with
 /// CAP_MKNOD cannot be opened): with the new mount API and one `lowerdir+` per
-/// layer (Linux 6.8+, `Documentation/filesystems/overlayfs.rst`), which has no limit on the
-/// number of layers; else with mount(2) and one option string of at most a page.
+/// layer (Linux 6.8+, `Documentation/filesystems/overlayfs.rst`), which takes no option
+/// string but is still bounded by overlayfs' own limit on lower layers, `OVL_MAX_STACK`
+/// (500 in Linux 6.x, in `fs/overlayfs/`; more fail with EINVAL, "too many lower
+/// directories"); else with mount(2) and one option string of at most a page (4 KiB on
+/// x86-64, the limit of mount(2)'s data), which bounds the number of layers by the length of
+/// their paths first. A step over more layers than that fails to mount.
 fn mount_overlay(plan: &ChildPlan, merged: &str) -> Result<(), String> {
     use rustix::mount::{
         FsMountFlags, FsOpenFlags, MountAttrFlags, MoveMountFlags, fsconfig_create,

@@ -121,6 +121,14 @@ pub struct StepSpec {
     pub index: usize,
     /// Lower directories, topmost first (overlayfs `lowerdir` order); empty for `scratch`.
     pub lower_dirs: Vec<PathBuf>,
+    /// The layer blobs of [`StepSpec::lower_dirs`], in the same order (each directory is its
+    /// blob unpacked in overlayfs' form, [`crate::build::lower`]), or empty when they are not
+    /// known. An executor that cannot stack every lower directory (the microVM executor
+    /// attaches each as a disk) flattens the lowest ones from their blobs
+    /// ([`crate::ext4::build`]) into one.
+    pub lower_layers: Vec<crate::ext4::LayerBlob>,
+    /// The bounds [`StepSpec::lower_layers`] were read under (the build's layer limits).
+    pub layer_limits: crate::layer::Limits,
     /// Fresh, empty upper directory: receives what the step writes.
     pub upper_dir: PathBuf,
     /// Empty overlayfs work directory on the same filesystem as `upper_dir`.
@@ -170,6 +178,8 @@ impl std::fmt::Debug for StepSpec {
         f.debug_struct("StepSpec")
             .field("index", &self.index)
             .field("lower_dirs", &self.lower_dirs)
+            .field("lower_layers", &self.lower_layers)
+            .field("layer_limits", &self.layer_limits)
             .field("upper_dir", &self.upper_dir)
             .field("work_dir", &self.work_dir)
             .field("argv", &argv)
@@ -212,6 +222,8 @@ impl StepSpec {
         Ok(StepSpec {
             index,
             lower_dirs,
+            lower_layers: Vec::new(),
+            layer_limits: crate::layer::Limits::default(),
             upper_dir,
             work_dir,
             argv: run.argv.clone(),

@@ -174,7 +174,7 @@ pub const MKE2FS_CONF: &str = "[defaults]
 ";
 
 /// One layer blob: its digest (for errors) and where the verified file is.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayerBlob {
     /// `sha256:<hex>` of the blob.
     pub digest: String,

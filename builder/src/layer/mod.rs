@@ -64,7 +64,7 @@ const MAX_DEPTH: usize = 1024;
 pub const MAX_METADATA_BYTES: u64 = 1 << 20;
 
 /// Bounds on one layer. Every field is checked while reading; see [`LayerError::Limit`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     /// Total uncompressed bytes of the tar stream (headers included), bytes.
     pub max_total_bytes: u64,
