@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 
 use kiln_tests::require_env;
 use kiln_tests::serve::{
-    QUICK_LIVENESS, Server, claimer, client, context_dir, env, fetch_recipe, get, json_of,
-    postgres, psql, rt, running_step, submit, submit_recipe, tagged_spec, tar_dir, terminal, until,
-    wait_for,
+    QUICK_LIVENESS, Server, claimer, cli_build, client, context_dir, env, fetch_recipe, get,
+    json_of, postgres, psql, rt, running_step, submit, submit_recipe, tagged_spec, tar_dir,
+    terminal, until, wait_for,
 };
 use serde_json::{Value, json};
 
@@ -41,24 +41,18 @@ fn api_build_matches_kiln_build_and_moves_tags_by_cas() {
         &format!("FROM {bb}\nCOPY hello.txt /hello.txt\nRUN cat /hello.txt > /copy.txt\n"),
     );
     // `kiln build` into its own store.
-    let out = kiln()
-        .current_dir(&ctx)
-        .env("KILN_STORE", t.path().join("cli-store"))
-        .args(["build", ".", "-f", "Dockerfile", "--progress", "plain"])
-        .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000"])
-        .output()
-        .expect("kiln build");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let cli_digest = cli_build(
+        KILN.as_ref(),
+        &ctx,
+        &t.path().join("cli-store"),
+        &[],
+        &[
+            "-f",
+            "Dockerfile",
+            "--build-arg",
+            "SOURCE_DATE_EPOCH=1700000000",
+        ],
     );
-    let cli_digest = String::from_utf8(out.stdout)
-        .expect("utf-8")
-        .lines()
-        .last()
-        .expect("digest")
-        .to_string();
 
     let s = Server::start(
         KILN.as_ref(),
@@ -1023,24 +1017,18 @@ fn serve_runs_tenant_steps_in_microvms() {
              RUN --network=none echo offline > /none.txt\n"
         ),
     );
-    let out = kiln()
-        .current_dir(&ctx)
-        .env("KILN_STORE", t.path().join("cli-store"))
-        .args(["build", ".", "-f", "Dockerfile", "--progress", "plain"])
-        .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000"])
-        .output()
-        .expect("kiln build");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let cli_digest = cli_build(
+        KILN.as_ref(),
+        &ctx,
+        &t.path().join("cli-store"),
+        &[],
+        &[
+            "-f",
+            "Dockerfile",
+            "--build-arg",
+            "SOURCE_DATE_EPOCH=1700000000",
+        ],
     );
-    let cli_digest = String::from_utf8(out.stdout)
-        .expect("utf-8")
-        .lines()
-        .last()
-        .expect("digest")
-        .to_string();
 
     let s = Server::start_vm(KILN.as_ref(), &state, &store, &[]);
     until("the executor's line", Duration::from_secs(10), || {

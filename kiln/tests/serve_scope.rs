@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use kiln_tests::require_env;
 use kiln_tests::serve::{
-    Launch, Server, client, env, get, json_of, rt, submit, submit_recipe, terminal, wait_for,
+    Launch, Server, cli_build, client, env, get, json_of, rt, submit, submit_recipe, terminal,
+    wait_for,
 };
 use serde_json::{Value, json};
 
@@ -52,18 +53,18 @@ fn succeeded(v: &Value) -> &Value {
 fn operator_build(dir: &Path, store: &Path, dockerfile: &str, tag: &str) {
     std::fs::create_dir_all(dir).expect("mkdir");
     std::fs::write(dir.join("Dockerfile"), dockerfile).expect("write");
-    let out = Command::new(KILN)
-        .current_dir(dir)
-        .env("KILN_STORE", store)
-        .env("KILN_CACHE", dir.join("cache"))
-        .args(["build", ".", "-t", tag, "--progress", "plain"])
-        .output()
-        .expect("kiln build");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    cli_build(
+        KILN.as_ref(),
+        dir,
+        store,
+        &[("KILN_CACHE", &dir.join("cache"))],
+        &["-t", tag],
     );
+}
+
+/// The failure reason of `dockerfile` built for `key` (no tags).
+async fn fails(c: &reqwest::Client, s: &Server, key: &str, dockerfile: &str) -> String {
+    reason(&build(c, s, key, "Dockerfile", dockerfile, &[]).await)
 }
 
 #[test]
@@ -150,9 +151,9 @@ fn a_tenant_recipe_names_only_its_workspace_global_bases_and_registries() {
             "FROM optag:1\n".to_string(),
         ];
         for f in &forms {
-            let theirs = reason(&build(&c, &s, &evil, "Dockerfile", f, &[]).await);
+            let theirs = fails(&c, &s, &evil, f).await;
             let missing = f.replace("acme", "zzzz").replace("optag", "nopet");
-            let missing = reason(&build(&c, &s, &evil, "Dockerfile", &missing, &[]).await);
+            let missing = fails(&c, &s, &evil, &missing).await;
             assert_eq!(
                 theirs.replace("acme", "zzzz").replace("optag", "nopet"),
                 missing,
@@ -165,14 +166,14 @@ fn a_tenant_recipe_names_only_its_workspace_global_bases_and_registries() {
         for name in ["anyname".to_string(), format!("{registry}/anyname")] {
             for d in [&oci, &image] {
                 let f = |d: &str| format!("FROM {name}@{d}\n");
-                let theirs = reason(&build(&c, &s, &evil, "Dockerfile", &f(d), &[]).await);
-                let missing = reason(&build(&c, &s, &evil, "Dockerfile", &f(&zeros), &[]).await);
+                let theirs = fails(&c, &s, &evil, &f(d)).await;
+                let missing = fails(&c, &s, &evil, &f(&zeros)).await;
                 assert_eq!(theirs.replace(d.as_str(), &zeros), missing, "{name}@{d}");
             }
         }
 
         // Refused: a host path, a bootstrap base, a loopback registry not allowed.
-        let r = reason(&build(&c, &s, &evil, "Dockerfile", "FROM oci:/etc:latest\n", &[]).await);
+        let r = fails(&c, &s, &evil, "FROM oci:/etc:latest\n").await;
         assert!(r.contains("OCI layout on the server"), "{r}");
         assert!(!r.contains("/etc/"), "{r}");
         let r = reason(
@@ -191,30 +192,22 @@ fn a_tenant_recipe_names_only_its_workspace_global_bases_and_registries() {
             r.contains("bootstrap base cannot be built for a tenant"),
             "{r}"
         );
-        let r = reason(
-            &build(
-                &c,
-                &s,
-                &evil,
-                "Dockerfile",
-                &format!("FROM {token_registry}/busybox:latest\n"),
-                &[],
-            )
-            .await,
-        );
+        let r = fails(
+            &c,
+            &s,
+            &evil,
+            &format!("FROM {token_registry}/busybox:latest\n"),
+        )
+        .await;
         assert!(r.contains("not public"), "{r}");
         // The operator's credentials are not used: the registry wants some.
-        let r = reason(
-            &build(
-                &c,
-                &s,
-                &evil,
-                "Dockerfile",
-                &format!("FROM {auth_registry}/busybox:latest\n"),
-                &[],
-            )
-            .await,
-        );
+        let r = fails(
+            &c,
+            &s,
+            &evil,
+            &format!("FROM {auth_registry}/busybox:latest\n"),
+        )
+        .await;
         assert!(r.contains("authentication refused"), "{r}");
         // A tenant cannot take a global base's name.
         let r = submit(

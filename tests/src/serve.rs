@@ -539,6 +539,37 @@ pub fn tagged_spec(tag: &str) -> Value {
                        "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}})
 }
 
+/// `kiln build . --progress plain ARGS` run by `bin` in `dir` into the store `store`
+/// (`KILN_STORE`), with the variables `env` set; panics with its stderr when it fails. The
+/// image digest it printed last.
+pub fn cli_build(
+    bin: &Path,
+    dir: &Path,
+    store: &Path,
+    env: &[(&str, &Path)],
+    args: &[&str],
+) -> String {
+    let out = Command::new(bin)
+        .current_dir(dir)
+        .env("KILN_STORE", store)
+        .envs(env.iter().copied())
+        .args(["build", ".", "--progress", "plain"])
+        .args(args)
+        .output()
+        .expect("kiln build");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .lines()
+        .last()
+        .expect("digest")
+        .to_string()
+}
+
 /// `--allow-registry` for the test registries on 127.0.0.1 (`KILN_TEST_REGISTRY`, and
 /// `KILN_TEST_REGISTRY_AUTH`, which wants credentials), which tenant builds may otherwise
 /// not reach (loopback): every server the tests start names them.
