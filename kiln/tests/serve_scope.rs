@@ -306,3 +306,117 @@ fn a_tenant_recipe_names_only_its_workspace_global_bases_and_registries() {
         assert_eq!(evil_images, json!([]), "{evil_images:#}");
     });
 }
+
+/// A workspace's storage quota (`keys create --max-storage-gib`) counts the raw bytes of the
+/// distinct chunks its tags hold: a second image that shares the first's chunks fits where
+/// two copies would not, and a build past the quota fails with a reason naming it and moves
+/// no tag. Another workspace's images count nothing against it.
+#[test]
+fn a_build_past_the_workspace_storage_quota_tags_nothing() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (_t, state, store) = env();
+    let s = Server::launch(&Launch {
+        bin: KILN.as_ref(),
+        state: &state,
+        store: &store,
+        db: &[],
+        cache: None,
+        listen: "127.0.0.1:0",
+        netns: None,
+        env: &[],
+        extra: &[],
+    });
+    let ws = s.key("quota", &[]);
+    let other = s.key("other", &[]);
+    let c = client();
+    rt().block_on(async {
+        let image_of = |v: &Value| {
+            succeeded(v)["image"]
+                .as_str()
+                .expect("image")
+                .parse::<kiln_store::ManifestDigest>()
+                .expect("digest")
+        };
+        let a = build(
+            &c,
+            &s,
+            &ws,
+            "Dockerfile",
+            &format!("FROM {bb}\nRUN echo a > /a\n"),
+            &["a:1"],
+        )
+        .await;
+        let a = image_of(&a);
+        let st = kiln_store::Store::open(store.to_str().expect("utf-8"))
+            .await
+            .expect("open the store");
+        let one = st.chunk_bytes([a]).await.expect("usage");
+        assert!(
+            one > 2 << 20,
+            "a busybox image holds more than 2 MiB: {one}"
+        );
+        // Another workspace's big image does not count.
+        succeeded(
+            &build(
+                &c,
+                &s,
+                &other,
+                "Dockerfile",
+                &format!("FROM {bb}\nRUN head -c 8000000 /dev/urandom > /big\n"),
+                &["big:1"],
+            )
+            .await,
+        );
+        // The quota: the first image and 2 MiB more, in GiB.
+        let limit = one + (2 << 20);
+        s.key(
+            "quota",
+            &[
+                "--max-storage-gib",
+                &format!("{:.9}", limit as f64 / f64::from(1u32 << 30)),
+            ],
+        );
+        // A second image sharing the first's chunks fits: shared chunks count once.
+        let b = build(
+            &c,
+            &s,
+            &ws,
+            "Dockerfile",
+            &format!("FROM {bb}\nRUN echo b > /b\n"),
+            &["b:1"],
+        )
+        .await;
+        let b = image_of(&b);
+        let both = st.chunk_bytes([a, b]).await.expect("usage");
+        assert!(both <= limit && 2 * one > limit, "{one} {both} {limit}");
+        // 4 MB of new chunks do not: the build fails and its tag does not exist.
+        let big = build(
+            &c,
+            &s,
+            &ws,
+            "Dockerfile",
+            &format!("FROM {bb}\nRUN head -c 4000000 /dev/urandom > /big\n"),
+            &["big:1", "a:1"],
+        )
+        .await;
+        let r = reason(&big);
+        assert!(r.contains("storage quota exceeded"), "{r}");
+        assert!(r.contains("nothing was tagged"), "{r}");
+        assert!(
+            r.contains(&format!("{:.1} MiB", limit as f64 / f64::from(1u32 << 20))),
+            "the reason names the quota: {r}"
+        );
+        assert!(!r.contains(state.to_str().expect("utf-8")), "{r}");
+        let r = get(&c, &s, &ws, "/v1/images/big/tags/1").await;
+        assert_eq!(r.status(), 404);
+        for (tag, d) in [("a", a), ("b", b)] {
+            let r = get(&c, &s, &ws, &format!("/v1/images/{tag}/tags/1")).await;
+            assert_eq!(r.status(), 200);
+            assert_eq!(
+                r.headers()["etag"].to_str().expect("etag"),
+                format!("\"{d}\""),
+                "{tag}:1 did not move"
+            );
+        }
+    });
+}

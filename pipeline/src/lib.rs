@@ -51,7 +51,7 @@ pub use nightly::{NightlyOutcome, NightlyReport, NightlyRequest, nightly};
 pub use report::{BuildReport, ChunkCounts, PublishedImage, SnapshotSummary, Times};
 pub use request::{
     BuildRequest, CacheMountScope, ContextSource, Executor, Limits, NetworkPolicy, Output, Recipe,
-    Scope, SnapshotRequest, TagExpect, TagMove, Tenant, WorkspaceId,
+    Scope, SnapshotRequest, StorageQuota, TagExpect, TagMove, Tenant, WorkspaceId,
 };
 pub use tokio_util::sync::CancellationToken;
 
@@ -118,9 +118,28 @@ pub enum PipelineError {
         #[source]
         source: CacheError,
     },
+    /// The images of the workspace's tags, with this build's image, would hold more than its
+    /// storage quota ([`StorageQuota`]); no tag moved.
+    #[error(
+        "storage quota exceeded: with this image, the workspace's tagged images would hold \
+         {} of chunks, over its quota of {}; nothing was tagged (delete tags to make room)",
+        mib(*.used),
+        mib(*.limit)
+    )]
+    StorageQuota {
+        /// Raw chunk bytes the tags would hold, bytes.
+        used: u64,
+        /// The quota, bytes.
+        limit: u64,
+    },
     /// The request's cancellation token fired.
     #[error("build cancelled")]
     Cancelled,
+}
+
+/// `bytes` as MiB with one decimal (`5.2 MiB`), for messages.
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / f64::from(1u32 << 20))
 }
 
 impl PipelineError {
@@ -640,9 +659,44 @@ async fn finish(
         return Err(PipelineError::Cancelled);
     }
 
-    // 5. Tags.
+    // 5. Tags, within the storage quota.
+    if let Some(q) = &req.storage_quota {
+        check_quota(&setup.store, q, tags, target).await?;
+    }
     let names = move_tags(&setup.store, tags, target, events).await?;
     Ok((Some(published), summary, names))
+}
+
+/// Errors with [`PipelineError::StorageQuota`] when the tags under `q`'s prefix would hold
+/// more than its bytes once `moves` name `new`: the images of those tags that `moves` leave
+/// alone, and `new`. Errors: [`PipelineError::Store`] when a tag or manifest cannot be read.
+async fn check_quota(
+    store: &Store,
+    q: &StorageQuota,
+    moves: &[TagMove],
+    new: ManifestDigest,
+) -> Result<(), PipelineError> {
+    let store_err = |e: StoreError| PipelineError::Store(Box::new(e));
+    let held = store
+        .list_tags_named_from(&q.tag_prefix)
+        .await
+        .map_err(store_err)?;
+    let kept = held
+        .into_iter()
+        .filter(|(t, _)| !moves.iter().any(|m| &m.tag == t))
+        .map(|(_, d)| d);
+    let used = store
+        .chunk_bytes(kept.chain([new]))
+        .await
+        .map_err(store_err)?;
+    tracing::debug!(prefix = %q.tag_prefix, used, limit = q.max_bytes, "storage quota");
+    if used > q.max_bytes {
+        return Err(PipelineError::StorageQuota {
+            used,
+            limit: q.max_bytes,
+        });
+    }
+    Ok(())
 }
 
 /// `req` with each [`TagExpect::AtStart`] of its tags replaced by what the tag names in

@@ -64,6 +64,10 @@ pub struct BuildRequest {
     /// What is made of the built OCI image: a published image (tags, snapshot) or only the
     /// OCI image.
     pub output: Output,
+    /// A cap on what the tags of [`Output::Image`] may hold with this build's image:
+    /// checked just before the tags move; a build past it moves no tag
+    /// ([`PipelineError::StorageQuota`]). `None`: no cap.
+    pub storage_quota: Option<StorageQuota>,
     /// Cancels the build: a running step is killed, nothing more is published and no tag
     /// moves (see [`crate::run`] for when it takes effect).
     pub cancel: CancellationToken,
@@ -96,9 +100,27 @@ impl BuildRequest {
                 tags: Vec::new(),
                 snapshot: None,
             },
+            storage_quota: None,
             cancel: CancellationToken::new(),
         }
     }
+}
+
+/// A workspace's storage quota: the raw bytes of the distinct chunks that the images of a
+/// set of store tags hold together ([`kiln_store::Store::chunk_bytes`]: a chunk two of its
+/// images share counts once; blobs and holes count nothing).
+///
+/// Checked when a build's tags are about to move, over every tag whose name starts with
+/// [`StorageQuota::tag_prefix`], with the build's own tags naming the build's image. Builds
+/// of one workspace that end at the same moment are each checked without the other, so the
+/// cap can be passed by at most what they add together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageQuota {
+    /// The tags it counts: every store tag whose name starts with this (a workspace's
+    /// `<ws>.`).
+    pub tag_prefix: String,
+    /// Most raw chunk bytes those tags may hold, bytes.
+    pub max_bytes: u64,
 }
 
 /// A recipe: its bytes and the name its errors and step locations use (`file:line`).

@@ -1143,7 +1143,12 @@ pub struct TagView {
 
 async fn workspace_tags(s: &AppState, ws: &str) -> Result<Vec<TagView>, ApiError> {
     let mut out = Vec::new();
-    for (t, d) in s.setup.store.list_tags(None).await? {
+    for (t, d) in s
+        .setup
+        .store
+        .list_tags_named_from(&tags::store_prefix(ws))
+        .await?
+    {
         if let Some(n) = tags::from_store(ws, &t.name) {
             out.push(TagView {
                 name: n.to_string(),

@@ -81,7 +81,8 @@ const SCHEMA: &[&str] = &[
         max_queued BIGINT NOT NULL,
         max_timeout_secs BIGINT NOT NULL,
         max_memory_mib BIGINT NOT NULL,
-        max_vcpus BIGINT NOT NULL)",
+        max_vcpus BIGINT NOT NULL,
+        max_storage_bytes BIGINT)",
     "CREATE TABLE IF NOT EXISTS api_keys (
         id TEXT PRIMARY KEY,
         workspace TEXT NOT NULL REFERENCES workspaces(id),
@@ -157,6 +158,7 @@ const SCHEMA: &[&str] = &[
 const ADDED_COLUMNS: &[(&str, &str, &str)] = &[
     ("builds", "attempt", "BIGINT NOT NULL DEFAULT 0"),
     ("build_steps", "executor", "TEXT"),
+    ("workspaces", "max_storage_bytes", "BIGINT"),
 ];
 
 /// Adds `column` (`decl`: its type and default) to `table` when a database made before the
@@ -203,10 +205,15 @@ pub struct Quota {
     pub max_memory_mib: u64,
     /// Most vCPUs of a build's microVMs.
     pub max_vcpus: u32,
+    /// Most bytes the images of the workspace's tags may hold, counted as the raw bytes of
+    /// their distinct chunks ([`kiln_pipeline::StorageQuota`]); `None`: no cap. A build
+    /// past it fails and moves no tag.
+    #[serde(default)]
+    pub max_storage_bytes: Option<u64>,
 }
 
 impl Default for Quota {
-    /// 2 running, 20 queued or running, 15 min, 1 GiB, 2 vCPUs.
+    /// 2 running, 20 queued or running, 15 min, 1 GiB, 2 vCPUs, no storage cap.
     fn default() -> Self {
         Quota {
             max_concurrent: 2,
@@ -214,6 +221,7 @@ impl Default for Quota {
             max_timeout_secs: 900,
             max_memory_mib: 1024,
             max_vcpus: 2,
+            max_storage_bytes: None,
         }
     }
 }
@@ -604,13 +612,19 @@ impl Db {
         quota: &Quota,
         replace: bool,
     ) -> Result<(), DbError> {
+        // Columns named: a database made before `max_storage_bytes` has it last.
         let sql = if replace {
-            "INSERT INTO workspaces VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT(id) DO UPDATE SET
+            "INSERT INTO workspaces (id, created_ms, max_concurrent, max_queued, max_timeout_secs,
+             max_memory_mib, max_vcpus, max_storage_bytes) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+             ON CONFLICT(id) DO UPDATE SET
              max_concurrent = excluded.max_concurrent, max_queued = excluded.max_queued,
              max_timeout_secs = excluded.max_timeout_secs,
-             max_memory_mib = excluded.max_memory_mib, max_vcpus = excluded.max_vcpus"
+             max_memory_mib = excluded.max_memory_mib, max_vcpus = excluded.max_vcpus,
+             max_storage_bytes = excluded.max_storage_bytes"
         } else {
-            "INSERT INTO workspaces VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT(id) DO NOTHING"
+            "INSERT INTO workspaces (id, created_ms, max_concurrent, max_queued, max_timeout_secs,
+             max_memory_mib, max_vcpus, max_storage_bytes) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+             ON CONFLICT(id) DO NOTHING"
         };
         sqlx::query(sql)
             .bind(ws)
@@ -620,6 +634,11 @@ impl Db {
             .bind(quota.max_timeout_secs as i64)
             .bind(quota.max_memory_mib as i64)
             .bind(i64::from(quota.max_vcpus))
+            .bind(
+                quota
+                    .max_storage_bytes
+                    .map(|b| b.min(i64::MAX as u64) as i64),
+            )
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -639,6 +658,9 @@ impl Db {
                 max_timeout_secs: r.try_get::<i64, _>("max_timeout_secs")? as u64,
                 max_memory_mib: r.try_get::<i64, _>("max_memory_mib")? as u64,
                 max_vcpus: r.try_get::<i64, _>("max_vcpus")? as u32,
+                max_storage_bytes: r
+                    .try_get::<Option<i64>, _>("max_storage_bytes")?
+                    .map(|b| b.max(0) as u64),
             }),
         })
     }

@@ -26,7 +26,7 @@ pub fn workspace_id(s: &str) -> Result<WorkspaceId, String> {
 /// [`TagRef`], or a name too long once prefixed.
 pub fn to_store(ws: &str, name: &str, tag: &str) -> Result<TagRef, String> {
     TagRef::new(name, tag).map_err(|e| e.to_string())?;
-    TagRef::new(&format!("{ws}.{name}"), tag).map_err(|_| {
+    TagRef::new(&format!("{}{name}", store_prefix(ws)), tag).map_err(|_| {
         format!(
             "invalid tag reference {name}:{tag}: name too long (at most {} bytes here)",
             kiln_store::tag::MAX_NAME_LEN.saturating_sub(ws.len() + 1)
@@ -46,6 +46,11 @@ pub fn check_not_global(
         ));
     }
     Ok(())
+}
+
+/// `<ws>.`: the start of every stored name of workspace `ws`.
+pub fn store_prefix(ws: &str) -> String {
+    format!("{ws}.")
 }
 
 /// The tenant's name of a stored name, when it is in workspace `ws`.

@@ -547,6 +547,18 @@ async fn execute(
         global_bases: state.config.global_bases.clone(),
         registries: state.config.allowed_registries.clone(),
     });
+    // Read at the build's start: a quota changed while it runs applies to the next build.
+    match state.db.quota(&row.workspace).await {
+        Ok(q) => {
+            req.storage_quota =
+                q.and_then(|q| q.max_storage_bytes)
+                    .map(|max_bytes| kiln_pipeline::StorageQuota {
+                        tag_prefix: crate::tags::store_prefix(&row.workspace),
+                        max_bytes,
+                    })
+        }
+        Err(e) => return failed(format!("reading the workspace's quota: {e}")),
+    }
     let mut tags = Vec::new();
     for t in &spec.store_tags {
         match t.parse() {

@@ -44,6 +44,7 @@
 //!   the builder (download into the store, unpack from it).
 //! - [`gc`] (mark is pure; sweep separate), [`verify`], [`copy`] (push/pull between stores,
 //!   with [`progress`] events).
+//! - [`usage`]: the raw chunk bytes a set of images holds (a workspace's storage quota).
 //! - [`space`]: a full host file system (ENOSPC) reported with its path and free space.
 //!
 //! ## Example: publish an ext4 image and read it back
@@ -87,6 +88,7 @@ pub mod readcache;
 pub mod space;
 pub mod store;
 pub mod tag;
+pub mod usage;
 pub mod verify;
 
 pub use backend::{Backend, BackendError, StoreUrl};

@@ -399,9 +399,32 @@ impl Store {
             Some(n) => return Err(TagError::Invalid(n.to_string()).into()),
             None => "tags/".to_string(),
         };
+        self.tags_under(&prefix, "").await
+    }
+
+    /// Every tag whose name starts with `start` (a workspace's `<ws>.`), with the manifest it
+    /// names, sorted; one listing of the keys under `tags/<start, encoded>`. Unparseable tag
+    /// objects are skipped, as by [`Store::list_tags`].
+    pub async fn list_tags_named_from(
+        &self,
+        start: &str,
+    ) -> Result<Vec<(TagRef, ManifestDigest)>, StoreError> {
+        // The key alphabet encodes byte by byte, so the encoded start of a name is the start
+        // of its encoding.
+        let mut prefix = String::from("tags/");
+        crate::ociref::encode_segment(start, &mut prefix);
+        self.tags_under(&prefix, start).await
+    }
+
+    /// The tags whose keys start with `prefix` and names with `start`, with their manifests.
+    async fn tags_under(
+        &self,
+        prefix: &str,
+        start: &str,
+    ) -> Result<Vec<(TagRef, ManifestDigest)>, StoreError> {
         let mut out = Vec::new();
-        for o in self.backend.list(&prefix).await? {
-            let Some(t) = TagRef::from_key(&o.key) else {
+        for o in self.backend.list(prefix).await? {
+            let Some(t) = TagRef::from_key(&o.key).filter(|t| t.name.starts_with(start)) else {
                 continue;
             };
             if let Ok(Some(r)) = self.get_tag(&t).await {
@@ -705,6 +728,11 @@ mod tests {
         assert_eq!(store.list_tags(Some("a")).await.unwrap(), want[..1]);
         assert_eq!(store.list_tags(Some("a/b")).await.unwrap(), want[1..2]);
         assert!(store.list_tags(Some("a/")).await.is_err());
+        // By the start of the name: `a/` takes the names nested in `a`, not `a` itself nor
+        // `aaa…/b…`; a start nothing has lists nothing.
+        assert_eq!(store.list_tags_named_from("a/").await.unwrap(), want[1..3]);
+        assert_eq!(store.list_tags_named_from("a").await.unwrap(), sorted);
+        assert!(store.list_tags_named_from("b").await.unwrap().is_empty());
         let gc = crate::gc::GcOptions {
             grace: std::time::Duration::ZERO,
             ..Default::default()

@@ -153,12 +153,28 @@ pub enum Keys {
         /// Set the workspace's most vCPUs.
         #[arg(long = "max-vcpus")]
         max_vcpus: Option<u32>,
+        /// Set the workspace's storage quota, GiB (decimals allowed, e.g. 0.5): the images
+        /// its tags hold, as the raw bytes of their distinct chunks. A build past it fails
+        /// and moves no tag. 0 removes the cap; no cap by default.
+        #[arg(long = "max-storage-gib", value_parser = parse_gib)]
+        max_storage_gib: Option<u64>,
     },
     /// Revoke a key by its id (printed by `create`).
     Revoke {
         /// The key id.
         id: String,
     },
+}
+
+/// `--max-storage-gib`: a non-negative decimal number of GiB, as bytes (rounded down).
+fn parse_gib(s: &str) -> Result<u64, String> {
+    let gib: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a number of GiB, such as 10 or 0.5"))?;
+    if !gib.is_finite() || gib < 0.0 || gib > (1u64 << 33) as f64 {
+        return Err(format!("{s:?}: expected a number of GiB from 0 to 2^33"));
+    }
+    Ok((gib * f64::from(1u32 << 30)) as u64)
 }
 
 /// The configuration with `kiln serve`'s flags (see [`crate::config`]).
@@ -202,13 +218,15 @@ async fn keys(c: &Common, k: Keys) -> anyhow::Result<()> {
             max_timeout_secs,
             max_memory_mib,
             max_vcpus,
+            max_storage_gib,
         } => {
             kiln_service::tags::workspace_id(&workspace).map_err(anyhow::Error::msg)?;
             let given = max_concurrent.is_some()
                 || max_queued.is_some()
                 || max_timeout_secs.is_some()
                 || max_memory_mib.is_some()
-                || max_vcpus.is_some();
+                || max_vcpus.is_some()
+                || max_storage_gib.is_some();
             let base = db.quota(&workspace).await?.unwrap_or_default();
             let quota = Quota {
                 max_concurrent: max_concurrent.unwrap_or(base.max_concurrent),
@@ -216,6 +234,11 @@ async fn keys(c: &Common, k: Keys) -> anyhow::Result<()> {
                 max_timeout_secs: max_timeout_secs.unwrap_or(base.max_timeout_secs),
                 max_memory_mib: max_memory_mib.unwrap_or(base.max_memory_mib),
                 max_vcpus: max_vcpus.unwrap_or(base.max_vcpus),
+                max_storage_bytes: match max_storage_gib {
+                    None => base.max_storage_bytes,
+                    Some(0) => None,
+                    Some(b) => Some(b),
+                },
             };
             db.upsert_workspace(&workspace, &quota, given).await?;
             let key = kiln_service::auth::generate()?;

@@ -114,6 +114,60 @@ async fn steps_name_their_executor_also_in_a_database_made_before() {
     executor_column(&postgres_url().await).await;
 }
 
+/// A database made before workspaces had a storage quota gets the column when opened: its
+/// old workspaces have none, and a quota set then is read back (SQLite and PostgreSQL).
+#[tokio::test]
+async fn storage_quota_also_in_a_database_made_before() {
+    let t = tempfile::tempdir().expect("tmp");
+    let sqlite = format!("sqlite://{}?mode=rwc", t.path().join("kiln.db").display());
+    storage_column(&sqlite).await;
+    storage_column(&postgres_url().await).await;
+}
+
+async fn storage_column(url: &str) {
+    sqlx::any::install_default_drivers();
+    let old = sqlx::AnyPool::connect(url).await.expect("connect");
+    for sql in [
+        "CREATE TABLE workspaces (
+            id TEXT PRIMARY KEY,
+            created_ms BIGINT NOT NULL,
+            max_concurrent BIGINT NOT NULL,
+            max_queued BIGINT NOT NULL,
+            max_timeout_secs BIGINT NOT NULL,
+            max_memory_mib BIGINT NOT NULL,
+            max_vcpus BIGINT NOT NULL)",
+        "INSERT INTO workspaces VALUES ('old', 1, 3, 30, 600, 512, 1)",
+    ] {
+        sqlx::query(sql).execute(&old).await.expect(sql);
+    }
+    old.close().await;
+    let db = Db::connect(url).await.expect("open the old database");
+    let q = db
+        .quota("old")
+        .await
+        .expect("quota")
+        .expect("old workspace");
+    assert_eq!((q.max_concurrent, q.max_storage_bytes), (3, None));
+    let capped = Quota {
+        max_storage_bytes: Some(5 << 30),
+        ..q
+    };
+    db.upsert_workspace("old", &capped, true)
+        .await
+        .expect("set");
+    db.upsert_workspace("new", &capped, false)
+        .await
+        .expect("insert");
+    for ws in ["old", "new"] {
+        assert_eq!(db.quota(ws).await.expect("quota"), Some(capped), "{ws}");
+    }
+    // Without `replace`, an existing workspace keeps its quota.
+    db.upsert_workspace("old", &Quota::default(), false)
+        .await
+        .expect("keep");
+    assert_eq!(db.quota("old").await.expect("quota"), Some(capped));
+}
+
 async fn executor_column(url: &str) {
     sqlx::any::install_default_drivers();
     let old = sqlx::AnyPool::connect(url).await.expect("connect");
