@@ -19,11 +19,12 @@
 //!   `NAME[:TAG]` when the operator allows `NAME` ([`Tenant::global_bases`]); another
 //!   workspace's tag is looked for as the workspace's own, so it is "not found" exactly as a
 //!   tag nobody has;
-//! - a digest names a store image only with the tag it is under (`NAME:TAG@sha256:…`, or
-//!   `NAME@sha256:…` for `:latest`), checked against what that tag names; anything else
-//!   pinned by digest goes to its registry, which decides what the tenant may read. The
-//!   store's cached manifests and the pulled references other builds left are never
-//!   answered by digest or name alone;
+//! - a digest names a store image with the tag it is under (`NAME:TAG@sha256:…`, or
+//!   `NAME@sha256:…` for `:latest`), checked against what that tag names, or when the
+//!   workspace built that image ([`Tenant::own_images`]: under any name, or bare as
+//!   `sha256:…`); anything else pinned by digest goes to its registry, which decides what
+//!   the tenant may read. The store's cached manifests and the pulled references other
+//!   builds left are never answered by digest or name alone;
 //! - registry names are always asked of the registry (as `--pull` does), anonymously (never
 //!   with the operator's credentials), and only at public addresses unless the operator
 //!   names the registry ([`Tenant::registries`]);
@@ -31,7 +32,7 @@
 
 use std::path::Path;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::cache::BlobCache;
 use crate::egress::address::{AddressError, AddressPolicy};
@@ -156,6 +157,11 @@ pub struct Tenant {
     /// they are at a loopback, private or link-local address (`kiln serve
     /// --allow-registry`).
     pub registries: BTreeSet<String>,
+    /// The images this workspace built, by each of their digests (`sha256:…`: the kiln
+    /// image manifest, the one before its snapshot, the OCI manifest) → the OCI manifest
+    /// digest. The tenant names them by digest under any name (`NAME@sha256:…`) or bare
+    /// (`sha256:…`).
+    pub own_images: BTreeMap<String, String>,
 }
 
 impl Tenant {
@@ -292,6 +298,17 @@ async fn resolve_tenant(
                   name a registry image, an image of this workspace or a global base"
                 .into(),
         });
+    }
+    // An image this workspace built, named by one of its digests.
+    let pinned = match spec.rsplit_once('@') {
+        Some((_, d)) => d,
+        None => spec,
+    };
+    if let Some(d) = t.own_images.get(pinned)
+        && cache.blob_path(d)?.is_some()
+        && first_missing(cache, d)?.is_none()
+    {
+        return Ok((d.clone(), Source::Local));
     }
     let r: Reference = spec.parse()?;
     if let Some(tag) = t.store_tag(spec)
@@ -452,6 +469,7 @@ mod tests {
             workspace: "acme".into(),
             global_bases: ["gbase".to_string()].into(),
             registries: ["127.0.0.1:5000".to_string()].into(),
+            own_images: BTreeMap::new(),
         }
     }
 

@@ -3,13 +3,14 @@
 //! SQLite, the test registries on 127.0.0.1 and the busybox fixture.
 //!
 //! - Every way a recipe names an image (`FROM`, `COPY --from`, `RUN --mount=from=`, by tag,
-//!   by `@sha256:` under any name) finds another workspace's image exactly as it finds a
-//!   missing one: the same failure reason, with the workspace's name swapped.
+//!   by `@sha256:` under any name, by a bare digest) finds another workspace's image exactly
+//!   as it finds a missing one: the same failure reason, with the workspace's name swapped.
 //! - `oci:DIR` and bootstrap bases are refused; a registry at a loopback address the
 //!   operator did not name is refused; the operator's registry credentials are not used.
-//! - An allowed global base, the tenant's own tag (also pinned by digest) and a registry
-//!   image named again by digest build.
+//! - An allowed global base, the tenant's own tag (also pinned by digest), its own image by
+//!   digest under any name or bare, and a registry image named again by digest build.
 //! - The build cache does not speak across workspaces.
+//! - A workspace's storage quota: a build past it tags nothing.
 
 use std::path::Path;
 use std::process::Command;
@@ -163,9 +164,13 @@ fn a_tenant_recipe_names_only_its_workspace_global_bases_and_registries() {
         // Digests under any name, also on a registry the server may reach: acme's OCI
         // manifest and image manifest digests.
         let registry = require_env("KILN_TEST_REGISTRY");
-        for name in ["anyname".to_string(), format!("{registry}/anyname")] {
+        for name in [
+            "anyname@".to_string(),
+            format!("{registry}/anyname@"),
+            String::new(),
+        ] {
             for d in [&oci, &image] {
-                let f = |d: &str| format!("FROM {name}@{d}\n");
+                let f = |d: &str| format!("FROM {name}{d}\n");
                 let theirs = fails(&c, &s, &evil, &f(d)).await;
                 let missing = fails(&c, &s, &evil, &f(&zeros)).await;
                 assert_eq!(theirs.replace(d.as_str(), &zeros), missing, "{name}@{d}");
@@ -237,7 +242,16 @@ fn a_tenant_recipe_names_only_its_workspace_global_bases_and_registries() {
             )
             .await,
         );
-        for own in ["app:1".to_string(), format!("app:1@{oci}")] {
+        // The workspace's own image also by its digests, under any name or bare.
+        let own = [
+            "app:1".to_string(),
+            format!("app:1@{oci}"),
+            format!("anyname@{oci}"),
+            format!("{registry}/anyname@{image}"),
+            oci.clone(),
+            image.clone(),
+        ];
+        for own in own {
             succeeded(
                 &build(
                     &c,

@@ -1121,6 +1121,21 @@ impl Db {
         })
     }
 
+    /// The `result` column (JSON, [`crate::worker::BuildResult`]) of every build of workspace
+    /// `ws` that succeeded, oldest first.
+    pub async fn results(&self, ws: &str) -> Result<Vec<String>, DbError> {
+        let rows = sqlx::query(
+            "SELECT result FROM builds WHERE workspace = $1 AND state = 'succeeded'
+             AND result IS NOT NULL ORDER BY created_ms",
+        )
+        .bind(ws)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| Ok(r.try_get::<String, _>("result")?))
+            .collect()
+    }
+
     /// Whether a build of `ws` produced manifest `digest` (a tenant may point its tags only
     /// at its own images).
     pub async fn owns_manifest(&self, ws: &str, digest: &str) -> Result<bool, DbError> {

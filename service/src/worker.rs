@@ -542,10 +542,15 @@ async fn execute(
         Ok(w) => req.cache_mounts = CacheMountScope::Workspace(w),
         Err(e) => return failed(chain(&e)),
     }
+    let own_images = match own_images(state, &row.workspace).await {
+        Ok(m) => m,
+        Err(e) => return failed(format!("reading the workspace's images: {e}")),
+    };
     req.scope = Scope::Tenant(Tenant {
         workspace: row.workspace.clone(),
         global_bases: state.config.global_bases.clone(),
         registries: state.config.allowed_registries.clone(),
+        own_images,
     });
     // Read at the build's start: a quota changed while it runs applies to the next build.
     match state.db.quota(&row.workspace).await {
@@ -618,6 +623,27 @@ async fn execute(
             Outcome::Failed(f)
         }
     }
+}
+
+/// The images workspace `ws` built, for [`Tenant::own_images`]: each digest of a succeeded
+/// build's result (its image manifest, the one before its snapshot, its OCI manifest) → its
+/// OCI manifest digest.
+async fn own_images(
+    state: &AppState,
+    ws: &str,
+) -> Result<std::collections::BTreeMap<String, String>, db::DbError> {
+    let mut out = std::collections::BTreeMap::new();
+    for json in state.db.results(ws).await? {
+        // A result this version cannot read names no image of the tenant's.
+        let Ok(r) = serde_json::from_str::<BuildResult>(&json) else {
+            continue;
+        };
+        for d in [&r.image, &r.published].into_iter().flatten() {
+            out.insert(d.clone(), r.oci_manifest.clone());
+        }
+        out.insert(r.oci_manifest.clone(), r.oci_manifest.clone());
+    }
+    Ok(out)
 }
 
 /// Stores a build's events in order: log lines numbered on from the build's last line (1,
