@@ -45,6 +45,9 @@ use crate::registry::{Registry, RegistryError};
 /// Errors resolving or unpacking a base image.
 #[derive(Debug, thiserror::Error)]
 pub enum BaseError {
+    /// The egress proxy of a tenant's registry pulls could not start.
+    #[error("starting the registry pulls' egress proxy: {0}")]
+    Proxy(#[source] std::io::Error),
     /// The reference does not parse.
     #[error(transparent)]
     Reference(#[from] ReferenceError),
@@ -182,14 +185,12 @@ impl Tenant {
     /// name all of whose addresses are public ([`AddressPolicy`] with no exception; HTTPS,
     /// port 443 unless the reference gives one). Errors: [`BaseError::RegistryAddress`].
     ///
-    /// The check is made once, before the pull; the registry client resolves the name again
-    /// to connect, and follows the token realm and redirects the registry gives without a
-    /// check of its own (oci-client takes no resolver).
+    /// This check, before the pull, gives the clear error; the pull itself connects only
+    /// through the tenant's egress proxy ([`crate::resolve::resolve_reference`]), which
+    /// checks every connection the same way: the registry's, its token realm's and each
+    /// redirect's.
     pub async fn check_registry(&self, r: &Reference) -> Result<(), BaseError> {
         let registry = r.registry();
-        if self.registries.contains(registry) {
-            return Ok(());
-        }
         // `host`, `host:port`, `[v6]` or `[v6]:port`.
         let (host, port) = match registry.rsplit_once(':') {
             Some((h, p)) if !p.ends_with(']') => (h, p.parse().unwrap_or(443)),
@@ -200,14 +201,17 @@ impl Tenant {
         } else {
             host
         };
-        AddressPolicy::default()
-            .resolve(host, port)
-            .await
-            .map(|_| ())
-            .map_err(|source| BaseError::RegistryAddress {
-                registry: registry.to_string(),
-                source,
-            })
+        AddressPolicy {
+            exempt: self.registries.clone(),
+            ..Default::default()
+        }
+        .resolve(host, port)
+        .await
+        .map(|_| ())
+        .map_err(|source| BaseError::RegistryAddress {
+            registry: registry.to_string(),
+            source,
+        })
     }
 }
 

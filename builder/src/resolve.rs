@@ -270,6 +270,29 @@ pub async fn resolve_recipe(
     Ok((plan, resolved))
 }
 
+/// The egress proxy of a tenant's registry pulls, on a free port of 127.0.0.1: any name
+/// whose addresses are public, or one of the registries the operator allows
+/// ([`crate::base::Tenant::registries`]); each refusal is logged (`tracing`, warn). Its
+/// thread and its URL (`http://127.0.0.1:PORT`). Errors: [`BaseError::Proxy`].
+fn tenant_proxy(
+    t: &crate::base::Tenant,
+) -> Result<(crate::egress::proxy::ProxyThread, String), BaseError> {
+    use crate::egress::address::AddressPolicy;
+    use crate::egress::proxy::{Proxy, spawn};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(BaseError::Proxy)?;
+    let addr = listener.local_addr().map_err(BaseError::Proxy)?;
+    let policy = AddressPolicy {
+        exempt: t.registries.clone(),
+        ..Default::default()
+    };
+    let workspace = t.workspace.clone();
+    let proxy = Proxy::addresses_only(policy, move |line| {
+        tracing::warn!(workspace = %workspace, "registry pull: {line}");
+    });
+    let thread = spawn(listener, proxy).map_err(BaseError::Proxy)?;
+    Ok((thread, format!("http://{addr}")))
+}
+
 /// Resolves one image `reference` as a recipe writes it (a `FROM`, `COPY --from`, `RUN
 /// --mount=from=`) for `platform`: a named build context of that name first, then the
 /// remote store's copy of what it names ([`crate::cache::Fronted::fetch`]), then
@@ -287,9 +310,16 @@ pub async fn resolve_reference(
         platform,
         ..opts.registry.clone()
     };
-    if let Scope::Tenant(_) = &opts.scope {
+    // A tenant's pulls: anonymous, and every connection through an egress proxy that checks
+    // each address (the registry's, its token realm's, a redirect's) and resolves each name
+    // once. It stops when this resolution ends.
+    let mut _proxy = None;
+    if let Scope::Tenant(t) = &opts.scope {
         ropts.docker_config = None;
         ropts.credentials = None;
+        let (thread, url) = tenant_proxy(t)?;
+        _proxy = Some(thread);
+        ropts.proxy = Some(url);
     }
     let registry = Registry::new(ropts);
     let spec = opts

@@ -1008,6 +1008,7 @@ fn egress_allow_list_reaches_listed_names_only() {
     cfg.addresses = kiln_builder::egress::address::AddressPolicy {
         allow_private_addresses: true,
         hosts: loopback_hosts(&["pkg.test", "other.test", "a.cdn.test", "bad.cdn.test"]),
+        ..Default::default()
     };
     let mut spec = f.spec(&format!(
         "env | grep -i _proxy= | sort | tr '\\n' ' '; echo; wc -c < /etc/resolv.conf; \
@@ -1075,6 +1076,7 @@ fn egress_refuses_private_and_metadata_addresses_even_when_listed() {
     cfg.addresses = kiln_builder::egress::address::AddressPolicy {
         allow_private_addresses: false,
         hosts: loopback_hosts(&["pkg.test"]),
+        ..Default::default()
     };
     let mut spec = f.spec(&format!(
         "echo pkg $(curl -s -o /dev/null -w '%{{http_code}}' http://pkg.test:{port}/); \
@@ -1186,6 +1188,7 @@ fn egress_apt_installs_from_a_local_repository_through_the_proxy() {
     cfg.addresses = kiln_builder::egress::address::AddressPolicy {
         allow_private_addresses: true,
         hosts: loopback_hosts(&["apt.test"]),
+        ..Default::default()
     };
     let mut spec = f.spec(&format!(
         "set -e; rm -f /etc/apt/sources.list /etc/apt/sources.list.d/*; \
@@ -1263,6 +1266,7 @@ fn egress_git_clones_over_http_through_the_proxy() {
     cfg.addresses = kiln_builder::egress::address::AddressPolicy {
         allow_private_addresses: true,
         hosts: loopback_hosts(&["git.test"]),
+        ..Default::default()
     };
     let mut spec = f.spec(&format!(
         "{} clone -q http://git.test:{port}/repo.git /tmp/r && cat /tmp/r/README",

@@ -434,3 +434,53 @@ fn a_build_past_the_workspace_storage_quota_tags_nothing() {
         }
     });
 }
+
+/// A tenant's registry pull connects only through the egress proxy, which checks every
+/// connection: the token realm a registry names is refused when it is at an address the
+/// operator did not allow, although the registry itself is allowed (the token-auth test
+/// registry's realm is another port of 127.0.0.1). With the realm's address allowed too,
+/// the same pull builds.
+#[test]
+fn a_registry_token_realm_is_checked_as_the_registry_is() {
+    let token_registry = require_env("KILN_TEST_REGISTRY_TOKEN");
+    let realm = "127.0.0.1:5003";
+    let recipe = format!("FROM {token_registry}/busybox:latest\nRUN true\n");
+    for allow_realm in [false, true] {
+        let (_t, state, store) = env();
+        let mut extra = vec!["--allow-registry", token_registry.as_str()];
+        if allow_realm {
+            extra.extend(["--allow-registry", realm]);
+        }
+        let s = Server::launch(&Launch {
+            bin: KILN.as_ref(),
+            state: &state,
+            store: &store,
+            db: &[],
+            cache: None,
+            listen: "127.0.0.1:0",
+            netns: None,
+            env: &[],
+            extra: &extra,
+        });
+        let key = s.key("acme", &[]);
+        let c = client();
+        rt().block_on(async {
+            let v = build(&c, &s, &key, "Dockerfile", &recipe, &[]).await;
+            if allow_realm {
+                succeeded(&v);
+            } else {
+                let r = reason(&v);
+                assert!(
+                    r.contains(&format!("refused GET {realm}"))
+                        && r.contains("not a public address"),
+                    "{r}"
+                );
+                assert!(!r.contains(state.to_str().expect("utf-8")), "{r}");
+                assert!(
+                    s.logged(&format!("egress: refused GET {realm}")),
+                    "the proxy refused the realm: {r}"
+                );
+            }
+        });
+    }
+}

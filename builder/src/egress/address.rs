@@ -6,7 +6,7 @@
 //! to the addresses checked (no second lookup, so a name that changes its answer between the
 //! check and the connection, DNS rebinding, reaches nothing new).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 
 /// What a build may connect to from the host.
@@ -19,6 +19,10 @@ pub struct AddressPolicy {
     /// Names answered before the system resolver, as a hosts(5) file would (lowercase name
     /// → addresses). Tests point names at local servers with it; empty in production.
     pub hosts: BTreeMap<String, Vec<IpAddr>>,
+    /// Destinations that may be at any address, as written (`host` for every port, or
+    /// `host:port`; a name or IP literal, IPv6 in brackets): the registries the operator
+    /// names with `kiln serve --allow-registry`. Empty by default.
+    pub exempt: BTreeSet<String>,
 }
 
 /// Why a host gave no address a build may reach.
@@ -54,8 +58,23 @@ impl AddressPolicy {
         self.allow_private_addresses || is_public(ip)
     }
 
+    /// Whether `host` with `port` is one of [`AddressPolicy::exempt`].
+    pub fn is_exempt(&self, host: &str, port: u16) -> bool {
+        if self.exempt.is_empty() {
+            return false;
+        }
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let host = if bare.contains(':') {
+            format!("[{bare}]")
+        } else {
+            bare.to_ascii_lowercase()
+        };
+        self.exempt.contains(&host) || self.exempt.contains(&format!("{host}:{port}"))
+    }
+
     /// The addresses of `host` (a name, or an IP literal with or without brackets) with
-    /// `port`, every one checked with [`AddressPolicy::permits`]: connect only to these.
+    /// `port`, every one checked with [`AddressPolicy::permits`] unless the destination is
+    /// [`AddressPolicy::exempt`]: connect only to these.
     /// Errors: [`AddressError`]; one address that is not permitted refuses the whole name
     /// (a name with a private address among public ones is not trusted with any).
     pub async fn resolve(&self, host: &str, port: u16) -> Result<Vec<SocketAddr>, AddressError> {
@@ -77,6 +96,9 @@ impl AddressPolicy {
             return Err(AddressError::NoAddress {
                 host: host.to_string(),
             });
+        }
+        if self.is_exempt(host, port) {
+            return Ok(addrs);
         }
         if let Some(a) = addrs.iter().find(|a| !self.permits(a.ip())) {
             return Err(AddressError::NotPublic {
@@ -145,6 +167,38 @@ pub fn is_public(ip: IpAddr) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `host` exempts every port, `host:port` that port; IPv6 in brackets; names compare
+    /// case-insensitively; what is not exempt is still checked.
+    #[tokio::test]
+    async fn exempt_destinations() {
+        let p = AddressPolicy {
+            exempt: ["127.0.0.1:5000", "reg.internal", "[::1]:5001"]
+                .map(String::from)
+                .into(),
+            hosts: [(
+                "reg.internal".to_string(),
+                vec!["10.0.0.7".parse().unwrap()],
+            )]
+            .into(),
+            ..Default::default()
+        };
+        assert!(p.is_exempt("127.0.0.1", 5000));
+        assert!(!p.is_exempt("127.0.0.1", 5003));
+        assert!(p.is_exempt("REG.internal", 443) && p.is_exempt("reg.internal", 9999));
+        assert!(p.is_exempt("::1", 5001) && p.is_exempt("[::1]", 5001));
+        assert!(!p.is_exempt("[::1]", 5000));
+        assert!(p.resolve("127.0.0.1", 5000).await.is_ok());
+        assert!(p.resolve("reg.internal", 443).await.is_ok());
+        assert!(matches!(
+            p.resolve("127.0.0.1", 5003).await,
+            Err(AddressError::NotPublic { .. })
+        ));
+        assert!(matches!(
+            p.resolve("169.254.169.254", 80).await,
+            Err(AddressError::NotPublic { .. })
+        ));
+    }
 
     #[test]
     fn public_addresses() {

@@ -36,9 +36,12 @@ const MAX_HEADERS: usize = 128;
 /// the bound wait in the listen backlog until one closes.
 pub const MAX_CONNECTIONS: usize = 64;
 
-/// The proxy of one step: its rules, the address policy, and where refusals are logged.
+/// The proxy of one step (its rules, the address policy, and where refusals are logged),
+/// or of a tenant build's registry pulls (the address policy alone:
+/// [`Proxy::addresses_only`]).
 pub struct Proxy {
-    rules: Egress,
+    /// `None`: every name; the address policy alone decides.
+    rules: Option<Egress>,
     addresses: AddressPolicy,
     log: Box<dyn Fn(&str) + Send + Sync>,
 }
@@ -68,7 +71,22 @@ impl Proxy {
         log: impl Fn(&str) + Send + Sync + 'static,
     ) -> Self {
         Proxy {
-            rules,
+            rules: Some(rules),
+            addresses,
+            log: Box::new(log),
+        }
+    }
+
+    /// A proxy to any name whose addresses `addresses` permits: what a tenant build's
+    /// registry client connects through, so that the token realm and the redirects a
+    /// registry names are checked as its own address is, and each name is resolved once.
+    /// `log` as for [`Proxy::new`].
+    pub fn addresses_only(
+        addresses: AddressPolicy,
+        log: impl Fn(&str) + Send + Sync + 'static,
+    ) -> Self {
+        Proxy {
+            rules: None,
             addresses,
             log: Box::new(log),
         }
@@ -167,7 +185,9 @@ impl Proxy {
             status: "403 Forbidden",
             line: format!("egress: refused {what} {dest}: {reason}"),
         };
-        if let Verdict::Refused(reason) = policy::check(&self.rules, &host) {
+        if let Some(rules) = &self.rules
+            && let Verdict::Refused(reason) = policy::check(rules, &host)
+        {
             return Err(refuse(reason));
         }
         let addrs = match self.addresses.resolve(&host, port).await {
@@ -185,7 +205,9 @@ impl Proxy {
             }
         };
         let ips: Vec<IpAddr> = addrs.iter().map(SocketAddr::ip).collect();
-        if let Some(reason) = policy::refused_address(&self.rules, &ips) {
+        if let Some(rules) = &self.rules
+            && let Some(reason) = policy::refused_address(rules, &ips)
+        {
             return Err(refuse(reason));
         }
         let mut upstream = None;

@@ -146,6 +146,11 @@ pub struct RegistryOptions {
     pub docker_config: Option<PathBuf>,
     /// Credentials that override the config file, for every registry.
     pub credentials: Option<Credentials>,
+    /// An HTTP proxy (`http://HOST:PORT`) every connection of the client goes through:
+    /// the registry, its token realm and the redirects it names. A tenant build's pulls
+    /// use the egress proxy ([`crate::egress::proxy::Proxy::addresses_only`]). `None`:
+    /// direct connections.
+    pub proxy: Option<String>,
 }
 
 impl Default for RegistryOptions {
@@ -157,6 +162,7 @@ impl Default for RegistryOptions {
             max_attempts: 6,
             docker_config: Some(auth::config_path()),
             credentials: None,
+            proxy: None,
         }
     }
 }
@@ -278,6 +284,8 @@ impl Registry {
             platform_resolver: None,
             connect_timeout: Some(Duration::from_secs(30)),
             read_timeout: Some(Duration::from_secs(120)),
+            http_proxy: self.opts.proxy.clone(),
+            https_proxy: self.opts.proxy.clone(),
             ..ClientConfig::default()
         })
     }

@@ -92,8 +92,9 @@ pub struct Args {
     #[arg(long = "base", value_name = "NAME")]
     pub bases: Vec<String>,
     /// A registry (host[:port]) tenants may pull from although it is at a loopback, private
-    /// or link-local address; repeat for more. Other registries must be at public
-    /// addresses.
+    /// or link-local address; repeat for more (a token server or blob host it sends pulls
+    /// to is another destination to name). HOST alone allows every port. Other
+    /// destinations of a tenant's pull must be at public addresses.
     #[arg(long = "allow-registry", value_name = "HOST[:PORT]")]
     pub allow_registries: Vec<String>,
     /// Guest kernel (uncompressed vmlinux) of the step microVMs and of snapshot builds, with
