@@ -25,9 +25,10 @@
 //!   `sha256:…`); anything else pinned by digest goes to its registry, which decides what
 //!   the tenant may read. The store's cached manifests and the pulled references other
 //!   builds left are never answered by digest or name alone;
-//! - registry names are always asked of the registry (as `--pull` does), anonymously (never
-//!   with the operator's credentials), and only at public addresses unless the operator
-//!   names the registry ([`Tenant::registries`]);
+//! - registry names are always asked of the registry (as `--pull` does), never with the
+//!   operator's credentials (anonymously, or with those the tenant gave for that registry,
+//!   [`Tenant::registry_auth`]), and only at public addresses unless the operator names
+//!   the registry ([`Tenant::registries`]);
 //! - host paths (`oci:DIR`) are refused.
 
 use std::path::Path;
@@ -165,6 +166,10 @@ pub struct Tenant {
     /// digest. The tenant names them by digest under any name (`NAME@sha256:…`) or bare
     /// (`sha256:…`).
     pub own_images: BTreeMap<String, String>,
+    /// Credentials the tenant gave for this build, by registry (`host[:port]`, as its
+    /// references write it): a pull from that registry uses them, and no other. `Debug`
+    /// hides the passwords.
+    pub registry_auth: BTreeMap<String, crate::registry::Credentials>,
 }
 
 impl Tenant {
@@ -474,6 +479,7 @@ mod tests {
             global_bases: ["gbase".to_string()].into(),
             registries: ["127.0.0.1:5000".to_string()].into(),
             own_images: BTreeMap::new(),
+            registry_auth: BTreeMap::new(),
         }
     }
 

@@ -310,22 +310,26 @@ pub async fn resolve_reference(
         platform,
         ..opts.registry.clone()
     };
-    // A tenant's pulls: anonymous, and every connection through an egress proxy that checks
-    // each address (the registry's, its token realm's, a redirect's) and resolves each name
-    // once. It stops when this resolution ends.
+    let spec = opts
+        .build_contexts
+        .get(reference)
+        .map_or(reference, String::as_str);
+    // A tenant's pulls: never with the operator's credentials, and every connection through
+    // an egress proxy that checks each address (the registry's, its token realm's, a
+    // redirect's) and resolves each name once. It stops when this resolution ends.
     let mut _proxy = None;
     if let Scope::Tenant(t) = &opts.scope {
         ropts.docker_config = None;
-        ropts.credentials = None;
+        // The tenant's own credentials for this reference's registry, if it gave some.
+        ropts.credentials = spec
+            .parse::<crate::reference::Reference>()
+            .ok()
+            .and_then(|r| t.registry_auth.get(r.registry()).cloned());
         let (thread, url) = tenant_proxy(t)?;
         _proxy = Some(thread);
         ropts.proxy = Some(url);
     }
     let registry = Registry::new(ropts);
-    let spec = opts
-        .build_contexts
-        .get(reference)
-        .map_or(reference, String::as_str);
     // What the store may hold of it: under a tenant, only its own or a global base's tag.
     let fetch = match &opts.scope {
         Scope::Operator => Some(spec.to_string()),

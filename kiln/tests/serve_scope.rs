@@ -484,3 +484,103 @@ fn a_registry_token_realm_is_checked_as_the_registry_is() {
         });
     }
 }
+
+/// A tenant pulls from a registry that wants credentials with its own, given with the build
+/// (`registry_auth`): the build succeeds, the password is in no file of the server's state
+/// directory (the database holds it sealed, and only while the build runs) nor in its log,
+/// and the next build without credentials gets 401 again. A server without
+/// `--credentials-key-file` refuses such a submission.
+#[test]
+fn a_tenant_pulls_with_its_own_registry_credentials() {
+    let auth_registry = require_env("KILN_TEST_REGISTRY_AUTH");
+    let user = require_env("KILN_TEST_REGISTRY_USER");
+    let password = require_env("KILN_TEST_REGISTRY_PASSWORD");
+    let (t, state, store) = env();
+    let key_file = t.path().join("credentials.key");
+    std::fs::write(&key_file, format!("{}\n", "5a".repeat(32))).expect("key");
+    let recipe = format!("FROM {auth_registry}/busybox:latest\nRUN true\n");
+    let spec = json!({
+        "recipe": "Dockerfile",
+        "registry_auth": {auth_registry.clone(): {"username": user, "password": password}},
+    });
+    let s = Server::launch(&Launch {
+        bin: KILN.as_ref(),
+        state: &state,
+        store: &store,
+        db: &[],
+        cache: None,
+        listen: "127.0.0.1:0",
+        netns: None,
+        env: &[],
+        extra: &["--credentials-key-file", key_file.to_str().expect("utf-8")],
+    });
+    let key = s.key("acme", &[]);
+    let c = client();
+    rt().block_on(async {
+        let id = submit_recipe(&c, &s, &key, &spec, &recipe).await;
+        succeeded(&wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await);
+        let r = fails(&c, &s, &key, &recipe).await;
+        assert!(r.contains("authentication refused"), "{r}");
+        // A wrong password fails as the registry says, and is not echoed.
+        let mut wrong = spec.clone();
+        wrong["registry_auth"][&auth_registry]["password"] = json!("not-the-password-x9");
+        let id = submit_recipe(&c, &s, &key, &wrong, &recipe).await;
+        let r = reason(&wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await);
+        assert!(!r.contains("not-the-password-x9"), "{r}");
+        // Bad credentials specs are 400s naming what was expected.
+        let bad = json!({"recipe": "Dockerfile",
+            "registry_auth": {"https://x.example": {"username": "u", "password": "p"}}});
+        let r = submit(&c, &s, &key, &bad, None, Some(recipe.as_bytes()), None).await;
+        assert_eq!(r.status(), 400);
+        let body = json_of(r).await.to_string();
+        assert!(body.contains("expected a registry host[:port]"), "{body}");
+    });
+    assert!(!s.logged(&password), "the password is in the server's log");
+    assert!(!s.logged("not-the-password-x9"));
+    for f in walk(&state) {
+        let bytes = std::fs::read(&f).expect("read");
+        for p in [password.as_bytes(), b"not-the-password-x9"] {
+            assert!(
+                !bytes.windows(p.len()).any(|w| w == p),
+                "a password in {}",
+                f.display()
+            );
+        }
+    }
+    drop(s);
+
+    // Without a credentials key, the submission is refused.
+    let (_t2, state2, store2) = env();
+    let s = Server::launch(&Launch {
+        bin: KILN.as_ref(),
+        state: &state2,
+        store: &store2,
+        db: &[],
+        cache: None,
+        listen: "127.0.0.1:0",
+        netns: None,
+        env: &[],
+        extra: &[],
+    });
+    let key = s.key("acme", &[]);
+    rt().block_on(async {
+        let r = submit(&c, &s, &key, &spec, None, Some(recipe.as_bytes()), None).await;
+        assert_eq!(r.status(), 400);
+        let body = json_of(r).await.to_string();
+        assert!(body.contains("--credentials-key-file"), "{body}");
+    });
+}
+
+/// Every file under `dir`, recursively.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).expect("read_dir").flatten() {
+        let p = e.path();
+        match e.file_type() {
+            Ok(t) if t.is_dir() => out.extend(walk(&p)),
+            Ok(t) if t.is_file() => out.push(p),
+            _ => {}
+        }
+    }
+    out
+}

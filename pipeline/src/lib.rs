@@ -47,6 +47,8 @@ use kiln_vmm::SnapshotError;
 use kiln_vmm::snapshot::BootAssets;
 
 pub use event::{Event, EventSink};
+pub use kiln_builder::reference::Reference;
+pub use kiln_builder::registry::Credentials;
 pub use nightly::{NightlyOutcome, NightlyReport, NightlyRequest, nightly};
 pub use report::{BuildReport, ChunkCounts, PublishedImage, SnapshotSummary, Times};
 pub use request::{

@@ -259,6 +259,12 @@ pub struct BuildSpec {
     /// Look no step up in the build cache.
     #[serde(default)]
     pub no_cache: bool,
+    /// Credentials for private registries this build pulls from: registry (`host[:port]`)
+    /// → `{"username", "password"}`. Used for this build's pulls from that registry only,
+    /// never logged, and kept only sealed until the build ends (the server needs
+    /// `--credentials-key-file`; without it such a submission is refused).
+    #[serde(default)]
+    pub registry_auth: crate::sealed::RegistryAuth,
 }
 
 /// The limits a build runs with (after the quota).
@@ -305,6 +311,10 @@ pub struct StoredSpec {
     pub limits: EffectiveLimits,
     /// No cache lookups.
     pub no_cache: bool,
+    /// The registries the tenant gave credentials for (the credentials themselves are
+    /// sealed in `build_credentials`, never here).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub registry_auth: Vec<String>,
 }
 
 /// URLs of a build.
@@ -785,6 +795,19 @@ async fn submit(
         ));
     }
 
+    let registry_auth = if spec.registry_auth.is_empty() {
+        None
+    } else {
+        if s.config.credentials_key.is_none() {
+            return Err(ApiError::BadRequest(
+                "registry_auth: this server takes no registry credentials (its operator \
+                 starts it without --credentials-key-file)"
+                    .into(),
+            ));
+        }
+        Some(crate::sealed::check(&spec.registry_auth).map_err(ApiError::BadRequest)?)
+    };
+
     let stored = StoredSpec {
         recipe: recipe_name,
         recipe_in_context: in_context,
@@ -800,10 +823,21 @@ async fn submit(
         network: spec.network.clone(),
         limits,
         no_cache: spec.no_cache,
+        registry_auth: registry_auth
+            .as_ref()
+            .map(|a| a.keys().cloned().collect())
+            .unwrap_or_default(),
     };
     let spec_json = serde_json::to_string(&stored).map_err(|_| ApiError::Internal)?;
     let hash = hex::encode(Sha256::digest(spec_json.as_bytes()));
     let id = random_id()?;
+    let credentials = match (&registry_auth, &s.config.credentials_key) {
+        (Some(a), Some(key)) => Some(key.seal(&id, a).map_err(|e| {
+            tracing::error!(error = %e, "sealing registry credentials");
+            ApiError::Internal
+        })?),
+        _ => None,
+    };
     let new = NewBuild {
         id: id.clone(),
         workspace: ws.clone(),
@@ -811,6 +845,7 @@ async fn submit(
         recipe,
         context: stored.context.clone(),
         idempotency: idem.map(|k| (k, hash)),
+        credentials,
     };
     // A remote store: the context goes there under the build's lease, so that any node can
     // run the build (see `context`). The lease's row first: whatever happens next, the sweep
@@ -1444,9 +1479,12 @@ mod tests {
                 vcpus: 1,
             },
             no_cache: false,
+            registry_auth: vec![],
         };
         let plain = serde_json::to_string(&stored(NetworkSpec::default())).unwrap();
         assert!(!plain.contains("\"network\""), "{plain}");
+        // Specs stored before registry credentials existed hash as they did.
+        assert!(!plain.contains("registry_auth"), "{plain}");
         let listed = serde_json::to_string(&stored(s.network.clone())).unwrap();
         let back: StoredSpec = serde_json::from_str(&listed).unwrap();
         assert_eq!(back.network, s.network);

@@ -14,6 +14,7 @@
 //! | `build_logs` | per build: seq (1, 2, ...), time, step, text |
 //! | `idempotency` | workspace, key, sha256 of the request, build id, time |
 //! | `blobs` | workspace, digest: which workspace uploaded which context |
+//! | `build_credentials` | build id, the tenant's registry credentials sealed ([`crate::sealed`]), while the build is queued or running |
 //! | `context_leases` | build id, context digest, last renewal: the store lease that holds a build's context in a remote store ([`crate::context::lease_id`]), while the build is queued or running |
 //!
 //! Times are Unix milliseconds (`BIGINT`). A build's state moves `queued → running → succeeded | failed
@@ -139,6 +140,9 @@ const SCHEMA: &[&str] = &[
         size BIGINT NOT NULL,
         created_ms BIGINT NOT NULL,
         PRIMARY KEY (workspace, digest))",
+    "CREATE TABLE IF NOT EXISTS build_credentials (
+        build_id TEXT PRIMARY KEY,
+        sealed {blob} NOT NULL)",
     "CREATE TABLE IF NOT EXISTS context_leases (
         build_id TEXT PRIMARY KEY,
         digest TEXT NOT NULL,
@@ -383,6 +387,8 @@ pub struct NewBuild {
     pub context: Option<String>,
     /// `Idempotency-Key` and the request's hash.
     pub idempotency: Option<(String, String)>,
+    /// The tenant's registry credentials, sealed for this build ([`crate::sealed`]).
+    pub credentials: Option<Vec<u8>>,
 }
 
 /// What [`Db::insert_build`] did.
@@ -768,8 +774,41 @@ impl Db {
             .execute(&mut *tx)
             .await?;
         }
+        if let Some(sealed) = &b.credentials {
+            sqlx::query("INSERT INTO build_credentials VALUES ($1, $2)")
+                .bind(&b.id)
+                .bind(sealed)
+                .execute(&mut *tx)
+                .await?;
+        }
         tx.commit().await?;
         Ok(Inserted::Queued)
+    }
+
+    /// The sealed registry credentials of build `id`, while it has some.
+    pub async fn credentials(&self, id: &str) -> Result<Option<Vec<u8>>, DbError> {
+        let r = sqlx::query("SELECT sealed FROM build_credentials WHERE build_id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(match r {
+            Some(r) => Some(r.try_get("sealed")?),
+            None => None,
+        })
+    }
+
+    /// Deletes the sealed credentials of every build that ended (succeeded, failed or
+    /// cancelled, whichever way: its worker's end, a cancel while queued, a takeover that
+    /// gave up); the number deleted. [`Db::finish`] deletes a build's own at once; the
+    /// liveness sweep calls this for the rest.
+    pub async fn drop_ended_credentials(&self) -> Result<u64, DbError> {
+        let r = sqlx::query(
+            "DELETE FROM build_credentials WHERE build_id IN
+             (SELECT id FROM builds WHERE state IN ('succeeded', 'failed', 'cancelled'))",
+        )
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected())
     }
 
     /// Build `id` of workspace `ws`.
@@ -857,6 +896,12 @@ impl Db {
         .bind(claim.attempt)
         .execute(&self.pool)
         .await?;
+        if r.rows_affected() == 1 {
+            sqlx::query("DELETE FROM build_credentials WHERE build_id = $1")
+                .bind(id)
+                .execute(&self.pool)
+                .await?;
+        }
         Ok(r.rows_affected() == 1)
     }
 

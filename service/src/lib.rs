@@ -18,6 +18,8 @@
 //!   with hostile-input checks.
 //! - [`worker`]: the pool that claims queued builds (one claim per build, per-workspace
 //!   concurrency caps), runs them, stores what they tell and ends each in a terminal state.
+//! - [`sealed`]: a tenant's registry credentials for one build, sealed under the operator's
+//!   key while the build waits in the database.
 //! - [`tags`]: a workspace's tags live in the store as `<workspace>.<name>:<tag>`; workspace
 //!   ids hold no `.`, so no tag name reaches another workspace's names.
 //!
@@ -29,6 +31,7 @@ pub mod auth;
 pub mod context;
 pub mod db;
 pub mod metrics;
+pub mod sealed;
 pub mod tags;
 pub mod worker;
 
@@ -117,13 +120,17 @@ pub struct ServiceConfig {
     /// not a boundary against a hostile recipe: `kiln serve --trust-tenants`, development
     /// only. Under the VM executor a submission asking for the host network is refused.
     pub executor: Executor,
+    /// The key that seals tenants' registry credentials while their builds wait
+    /// (`--credentials-key-file`; [`sealed`]). `None`: a submission with credentials is
+    /// refused (400).
+    pub credentials_key: Option<Arc<sealed::CredentialsKey>>,
 }
 
 impl ServiceConfig {
     /// Defaults for the state directory `state_dir`: SQLite, 2 workers, 1 GiB contexts, 4 GiB
     /// unpacked, 24 h idempotency window, 60 s shutdown grace, 10 s heartbeat, 60 s takeover,
     /// 3 attempts, 7 days node retention, 1 h context leases, 10 s database timeout, the
-    /// microVM executor.
+    /// microVM executor, no credentials key.
     pub fn new(state_dir: PathBuf) -> Self {
         ServiceConfig {
             state_dir,
@@ -142,6 +149,7 @@ impl ServiceConfig {
             global_bases: Default::default(),
             allowed_registries: Default::default(),
             executor: Executor::Vm,
+            credentials_key: None,
         }
     }
 

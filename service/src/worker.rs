@@ -139,6 +139,9 @@ pub async fn liveness(state: AppState, registered: Instant, done: CancellationTo
         if state.contexts_in_store() {
             context_leases(&state).await;
         }
+        if let Err(e) = state.db.drop_ended_credentials().await {
+            tracing::error!(error = %e, "deleting the registry credentials of ended builds");
+        }
         match state
             .db
             .prune_nodes(cfg.node_retention.as_millis() as i64)
@@ -546,11 +549,16 @@ async fn execute(
         Ok(m) => m,
         Err(e) => return failed(format!("reading the workspace's images: {e}")),
     };
+    let registry_auth = match registry_auth(state, &row.id).await {
+        Ok(a) => a,
+        Err(e) => return failed(e),
+    };
     req.scope = Scope::Tenant(Tenant {
         workspace: row.workspace.clone(),
         global_bases: state.config.global_bases.clone(),
         registries: state.config.allowed_registries.clone(),
         own_images,
+        registry_auth,
     });
     // Read at the build's start: a quota changed while it runs applies to the next build.
     match state.db.quota(&row.workspace).await {
@@ -623,6 +631,38 @@ async fn execute(
             Outcome::Failed(f)
         }
     }
+}
+
+/// The registry credentials the tenant gave for build `id`, opened, for
+/// [`Tenant::registry_auth`]; none when it gave none. Errors (a tenant-readable reason): the
+/// build has credentials and this node has no key, or another key sealed them.
+async fn registry_auth(
+    state: &AppState,
+    id: &str,
+) -> Result<std::collections::BTreeMap<String, kiln_pipeline::Credentials>, String> {
+    let sealed = match state.db.credentials(id).await {
+        Ok(Some(s)) => s,
+        Ok(None) => return Ok(Default::default()),
+        Err(e) => return Err(format!("reading the build's registry credentials: {e}")),
+    };
+    let Some(key) = &state.config.credentials_key else {
+        tracing::error!(build = %id, "a build with registry credentials, and no --credentials-key-file on this node");
+        return Err("this server cannot open the build's registry credentials (its                     operator gave this node no credentials key)"
+            .into());
+    };
+    let auth = key.open(id, &sealed).map_err(|e| e.to_string())?;
+    Ok(auth
+        .into_iter()
+        .map(|(registry, l)| {
+            (
+                registry,
+                kiln_pipeline::Credentials {
+                    username: l.username,
+                    password: l.password,
+                },
+            )
+        })
+        .collect())
 }
 
 /// The images workspace `ws` built, for [`Tenant::own_images`]: each digest of a succeeded

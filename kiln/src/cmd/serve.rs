@@ -97,6 +97,16 @@ pub struct Args {
     /// destinations of a tenant's pull must be at public addresses.
     #[arg(long = "allow-registry", value_name = "HOST[:PORT]")]
     pub allow_registries: Vec<String>,
+    /// A file holding 64 hex digits (32 random bytes: `openssl rand -hex 32 > FILE`, mode
+    /// 0600): the key that seals the registry credentials a tenant gives with a build
+    /// (`registry_auth`) while the build waits. Every node of one database needs the same
+    /// key. Without it, submissions with credentials are refused.
+    #[arg(
+        long = "credentials-key-file",
+        env = "KILN_SERVE_CREDENTIALS_KEY_FILE",
+        value_name = "FILE"
+    )]
+    pub credentials_key_file: Option<PathBuf>,
     /// Guest kernel (uncompressed vmlinux) of the step microVMs and of snapshot builds, with
     /// --initramfs; default `kiln kernel`'s. With --trust-tenants and neither given,
     /// snapshot builds are refused.
@@ -351,6 +361,10 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     cfg.global_bases = a.bases.iter().cloned().collect();
     cfg.allowed_registries = a.allow_registries.iter().cloned().collect();
     cfg.executor = executor;
+    if let Some(f) = &a.credentials_key_file {
+        let key = kiln_service::sealed::CredentialsKey::load(f)?;
+        cfg.credentials_key = Some(std::sync::Arc::new(key));
+    }
     cfg.check()?;
     // The operator's listener first: its line comes before the one that says the server is
     // up.

@@ -19,6 +19,7 @@ fn build(id: &str, ws: &str) -> NewBuild {
         recipe: b"FROM scratch\n".to_vec(),
         context: None,
         idempotency: None,
+        credentials: None,
     }
 }
 
@@ -166,6 +167,56 @@ async fn storage_column(url: &str) {
         .await
         .expect("keep");
     assert_eq!(db.quota("old").await.expect("quota"), Some(capped));
+}
+
+/// Sealed credentials live exactly while their build is queued or running: stored with the
+/// build, gone when its worker ends it, and gone after the sweep when it ended otherwise (a
+/// cancel while queued).
+#[tokio::test]
+async fn credentials_live_while_their_build_does() {
+    let t = tempfile::tempdir().expect("tmp");
+    credentials(sqlite(&t).await).await;
+    credentials(postgres().await).await;
+}
+
+async fn credentials(db: Db) {
+    db.upsert_workspace("a", &quota(1, 10), true)
+        .await
+        .expect("ws");
+    for id in ["b1", "b2"] {
+        let b = NewBuild {
+            credentials: Some(format!("sealed-{id}").into_bytes()),
+            ..build(id, "a")
+        };
+        assert_eq!(
+            db.insert_build(&b, 10, 1000).await.expect("insert"),
+            Inserted::Queued
+        );
+    }
+    assert_eq!(
+        db.credentials("b1").await.expect("read"),
+        Some(b"sealed-b1".to_vec())
+    );
+    assert_eq!(db.credentials("none").await.expect("read"), None);
+    // One runs and ends; the other is cancelled while queued.
+    let row = db.claim("n1").await.expect("claim").expect("claimed");
+    let (run, queued) = if row.id == "b1" {
+        ("b1", "b2")
+    } else {
+        ("b2", "b1")
+    };
+    let claim = row.claim().expect("a claim");
+    assert_eq!(db.drop_ended_credentials().await.expect("sweep"), 0);
+    assert!(
+        db.finish(run, &claim, "succeeded", None, None, None)
+            .await
+            .expect("finish")
+    );
+    assert_eq!(db.credentials(run).await.expect("read"), None);
+    db.request_cancel("a", queued).await.expect("cancel");
+    assert!(db.credentials(queued).await.expect("read").is_some());
+    assert_eq!(db.drop_ended_credentials().await.expect("sweep"), 1);
+    assert_eq!(db.credentials(queued).await.expect("read"), None);
 }
 
 async fn executor_column(url: &str) {
