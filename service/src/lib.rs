@@ -12,6 +12,7 @@
 //!   `/readyz`. Every object belongs to one workspace; another workspace's object gets the
 //!   same 404 as a missing one. The operator's `/metrics` (every workspace's activity) is a
 //!   router of its own, on a listener of its own ([`serve`]).
+//! - [`listen`]: the tenants' listener, bounded against slow and many clients.
 //! - [`context`]: build contexts as content-addressed tarballs under the state directory
 //!   (`PUT /v1/blobs/sha256:<hex>`, or the `context` part of a submission), and, with a
 //!   remote store, blobs of the store leased for their builds' lives; unpacked for a build
@@ -30,6 +31,7 @@ pub mod api;
 pub mod auth;
 pub mod context;
 pub mod db;
+pub mod listen;
 pub mod metrics;
 pub mod sealed;
 pub mod tags;
@@ -124,13 +126,15 @@ pub struct ServiceConfig {
     /// (`--credentials-key-file`; [`sealed`]). `None`: a submission with credentials is
     /// refused (400).
     pub credentials_key: Option<Arc<sealed::CredentialsKey>>,
+    /// The bounds of the tenants' listener: header and body timeouts, most connections.
+    pub conn: listen::ConnLimits,
 }
 
 impl ServiceConfig {
     /// Defaults for the state directory `state_dir`: SQLite, 2 workers, 1 GiB contexts, 4 GiB
     /// unpacked, 24 h idempotency window, 60 s shutdown grace, 10 s heartbeat, 60 s takeover,
     /// 3 attempts, 7 days node retention, 1 h context leases, 10 s database timeout, the
-    /// microVM executor, no credentials key.
+    /// microVM executor, no credentials key, [`listen::ConnLimits::default`].
     pub fn new(state_dir: PathBuf) -> Self {
         ServiceConfig {
             state_dir,
@@ -150,6 +154,7 @@ impl ServiceConfig {
             allowed_registries: Default::default(),
             executor: Executor::Vm,
             credentials_key: None,
+            conn: listen::ConnLimits::default(),
         }
     }
 
@@ -360,11 +365,12 @@ pub async fn serve(
     let workers = worker::spawn_pool(state.clone());
     let app = api::router(state.clone());
     let stopping = state.stopping.clone();
-    let http = {
-        let stop = stopping.clone();
-        axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await })
-    };
-    let http = tokio::spawn(async move { http.await });
+    let http = tokio::spawn(listen::serve(
+        listener,
+        app,
+        state.config.conn,
+        stopping.clone(),
+    ));
     let operator = metrics.map(|l| {
         let (app, done) = (api::operator_router(state.clone()), live.clone());
         tokio::spawn(async move {

@@ -56,6 +56,22 @@ pub struct Args {
     /// 5m, ...).
     #[arg(long = "shutdown-grace", default_value = "60s", value_parser = super::parse_duration)]
     pub shutdown_grace: std::time::Duration,
+    /// A client connection whose request head (request line and headers) has not arrived
+    /// this long after the connection opened or its previous response is closed.
+    #[arg(long = "header-timeout", env = "KILN_SERVE_HEADER_TIMEOUT", default_value = "10s", value_parser = super::parse_duration)]
+    pub header_timeout: std::time::Duration,
+    /// A request whose body sends nothing for this long fails, and its connection is
+    /// closed.
+    #[arg(long = "body-idle-timeout", env = "KILN_SERVE_BODY_IDLE_TIMEOUT", default_value = "60s", value_parser = super::parse_duration)]
+    pub body_idle_timeout: std::time::Duration,
+    /// Most client connections open at once on the tenants' port; past it a new connection
+    /// is closed at once.
+    #[arg(
+        long = "max-connections",
+        env = "KILN_SERVE_MAX_CONNECTIONS",
+        default_value_t = 4096
+    )]
+    pub max_connections: usize,
     /// How often this node writes its heartbeat to the database and sweeps for the builds
     /// of lost nodes (5s, 1m, ...).
     #[arg(long, env = "KILN_SERVE_HEARTBEAT", default_value = "10s", value_parser = super::parse_duration)]
@@ -361,6 +377,11 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     cfg.global_bases = a.bases.iter().cloned().collect();
     cfg.allowed_registries = a.allow_registries.iter().cloned().collect();
     cfg.executor = executor;
+    cfg.conn = kiln_service::listen::ConnLimits {
+        header_timeout: a.header_timeout,
+        body_idle_timeout: a.body_idle_timeout,
+        max_connections: a.max_connections,
+    };
     if let Some(f) = &a.credentials_key_file {
         let key = kiln_service::sealed::CredentialsKey::load(f)?;
         cfg.credentials_key = Some(std::sync::Arc::new(key));
