@@ -708,15 +708,14 @@ fn quotas_and_faults(db: &[String]) {
     rt().block_on(async {
         let v = json_of(get(&c, &s, &key, &format!("/v1/builds/{running}")).await).await;
         assert_eq!(v["state"], "failed", "{v:#}");
-        // The reason names the server's node (its previous process, stopped by the restart).
+        // The reason names the server's node (its previous process, stopped by the restart)
+        // by its id, and nothing of where it ran.
         let reason = v["failure"]["reason"].as_str().expect("reason");
         assert!(
             reason.starts_with("server stopped during the build: node n")
-                && reason.contains(&format!(
-                    ":{}, listening on 127.0.0.1:",
-                    state.canonicalize().expect("state dir").display()
-                ))
-                && reason.ends_with(") stopped; attempt 1 of 1"),
+                && !reason.contains(state.to_str().expect("utf-8"))
+                && !reason.contains("listening on")
+                && reason.ends_with(" stopped; attempt 1 of 1"),
             "{reason}"
         );
         let v = wait_for(&c, &s, &key, &queued, Duration::from_secs(300), terminal).await;
@@ -1414,7 +1413,7 @@ fn three_nodes_share_one_queue_cache_and_store_and_take_over_a_killed_nodes_buil
     let reason = v["failure"]["reason"].as_str().expect("reason");
     assert!(
         reason.starts_with(&format!(
-            "server stopped during the build: node {last_id} ("
+            "server stopped during the build: node {last_id} stopped"
         )) && reason.ends_with("attempt 2 of 2"),
         "{reason}"
     );

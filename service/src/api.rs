@@ -715,9 +715,9 @@ async fn submit(
         (Some(r), _) => (r, false),
         (None, Some(d)) => {
             let path = s.blobs.path(d)?;
-            let m = member.clone();
+            let (m, max) = (member.clone(), s.config.max_unpacked_bytes);
             let r = tokio::task::spawn_blocking(move || {
-                context::read_member(&path, &m, MAX_RECIPE_BYTES)
+                context::read_member(&path, &m, MAX_RECIPE_BYTES, max)
             })
             .await
             .map_err(|_| ApiError::Internal)??;

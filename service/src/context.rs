@@ -237,16 +237,71 @@ impl BlobDir {
 }
 
 /// A reader of the tarball `path`, gunzipped when it starts with gzip's magic.
-fn open_tar(path: &Path) -> Result<Box<dyn Read>, ContextError> {
+/// The tarball `path` decompressed (gzip when it starts with gzip's magic bytes), reading
+/// at most `max` bytes of tar stream: past them it fails with [`ContextError::BadTar`]
+/// ("passes the context byte bound"), so that no caller decompresses more than the bound
+/// plus one buffer, whatever the archive holds. The counter tells how many were read.
+fn open_tar(path: &Path, max: u64) -> Result<(Bounded<Box<dyn Read>>, ReadCount), ContextError> {
     let mut f = std::fs::File::open(path).map_err(io(format!("opening {}", path.display())))?;
     let mut magic = [0u8; 2];
     let n = f.read(&mut magic).map_err(io("reading a context"))?;
     let f = std::fs::File::open(path).map_err(io(format!("opening {}", path.display())))?;
     let r = std::io::BufReader::new(f);
-    Ok(if n == 2 && magic == [0x1f, 0x8b] {
+    let inner: Box<dyn Read> = if n == 2 && magic == [0x1f, 0x8b] {
         Box::new(flate2::read::GzDecoder::new(r))
     } else {
         Box::new(r)
+    };
+    let read = std::rc::Rc::new(std::cell::Cell::new(0));
+    Ok((
+        Bounded {
+            inner,
+            max,
+            read: read.clone(),
+        },
+        read,
+    ))
+}
+
+/// How many bytes went through a [`Bounded`] reader, read while it is in use.
+type ReadCount = std::rc::Rc<std::cell::Cell<u64>>;
+
+/// A reader that fails once more than `max` bytes went through it.
+struct Bounded<R> {
+    inner: R,
+    max: u64,
+    read: ReadCount,
+}
+
+/// The message of [`Bounded`]'s error, recognised by [`tar_error`].
+const PAST_BOUND: &str = "kiln: past the context byte bound";
+
+impl<R: Read> Read for Bounded<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        let total = self.read.get() + n as u64;
+        self.read.set(total);
+        if total > self.max {
+            return Err(std::io::Error::other(PAST_BOUND));
+        }
+        Ok(n)
+    }
+}
+
+/// A tar error as a tenant may read it: the byte bound, "not a tar archive" at the first
+/// entry, else a malformed entry after `last` (the last good entry's name). Never the raw
+/// bytes of a header.
+fn tar_error(e: &std::io::Error, last: Option<&str>, max: u64) -> ContextError {
+    let past = e.to_string().contains(PAST_BOUND)
+        || e.get_ref()
+            .is_some_and(|i| i.to_string().contains(PAST_BOUND));
+    ContextError::BadTar(if past {
+        format!("the tar stream passes the context byte bound of {max} bytes")
+    } else {
+        match last {
+            None => "not a tar archive (or a gzip of one)".into(),
+            Some(name) => format!("a malformed tar entry after {name:?}"),
+        }
     })
 }
 
@@ -272,20 +327,36 @@ pub fn check_member_path(p: &str) -> Result<PathBuf, String> {
 }
 
 /// The bytes of the regular file `member` (a path checked by [`check_member_path`]) in the
-/// tarball `path`, at most `limit` bytes; `None` when the tarball has no such file.
+/// tarball `path`, at most `limit` bytes; `None` when the tarball has no such file. It stops
+/// at the first entry of that name (what is built is these bytes), and reads at most `max`
+/// bytes of tar stream (the context byte bound): a request path's work is bounded by them
+/// whatever the archive holds.
 pub fn read_member(
     path: &Path,
     member: &Path,
     limit: u64,
+    max: u64,
 ) -> Result<Option<Vec<u8>>, ContextError> {
-    let mut ar = tar::Archive::new(open_tar(path)?);
-    let entries = ar
-        .entries()
-        .map_err(|e| ContextError::BadTar(e.to_string()))?;
-    let mut found = None;
+    read_member_counted(path, member, limit, max).map(|(found, _)| found)
+}
+
+/// [`read_member`], and the bytes of tar stream it read (decompressed).
+fn read_member_counted(
+    path: &Path,
+    member: &Path,
+    limit: u64,
+    max: u64,
+) -> Result<(Option<Vec<u8>>, u64), ContextError> {
+    let (reader, read) = open_tar(path, max)?;
+    let mut ar = tar::Archive::new(reader);
+    let mut last: Option<String> = None;
+    let entries = ar.entries().map_err(|e| tar_error(&e, None, max))?;
     for e in entries {
-        let mut e = e.map_err(|e| ContextError::BadTar(e.to_string()))?;
-        let p = e.path().map_err(|e| ContextError::BadTar(e.to_string()))?;
+        let mut e = e.map_err(|e| tar_error(&e, last.as_deref(), max))?;
+        let p = e
+            .path()
+            .map_err(|e| tar_error(&e, last.as_deref(), max))?
+            .into_owned();
         let p: PathBuf = p
             .components()
             .filter(|c| matches!(c, Component::Normal(_)))
@@ -299,12 +370,12 @@ pub fn read_member(
             }
             let mut b = Vec::new();
             e.read_to_end(&mut b)
-                .map_err(|e| ContextError::BadTar(e.to_string()))?;
-            // The last entry of a name wins, as when the tarball is unpacked.
-            found = Some(b);
+                .map_err(|err| tar_error(&err, last.as_deref(), max))?;
+            return Ok((Some(b), read.get()));
         }
+        last = Some(p.display().to_string());
     }
-    Ok(found)
+    Ok((None, read.get()))
 }
 
 /// Most entries a context may hold (an inode bomb of empty files is refused past it).
@@ -313,18 +384,21 @@ pub const MAX_ENTRIES: u64 = 1_000_000;
 /// Unpacks the tarball `path` into the empty directory `dest` (see the module doc for what
 /// is refused). `limit`: most bytes of file data; at most [`MAX_ENTRIES`] entries.
 pub fn unpack(path: &Path, dest: &Path, limit: u64) -> Result<(), ContextError> {
-    let mut ar = tar::Archive::new(open_tar(path)?);
+    // The tar stream: the files' bytes, and headers and padding of at most 1,536 bytes per
+    // entry (a 512-byte header, a long-name header and its block, and the data's padding).
+    let max = limit.saturating_add(MAX_ENTRIES.saturating_mul(3 * 512));
+    let (reader, _) = open_tar(path, max)?;
+    let mut ar = tar::Archive::new(reader);
     ar.set_preserve_permissions(true);
     ar.set_preserve_mtime(true);
     ar.set_unpack_xattrs(false);
     ar.set_preserve_ownerships(false);
     ar.set_overwrite(true);
     let (mut total, mut count) = (0u64, 0u64);
-    let entries = ar
-        .entries()
-        .map_err(|e| ContextError::BadTar(e.to_string()))?;
+    let entries = ar.entries().map_err(|e| tar_error(&e, None, max))?;
+    let mut last: Option<String> = None;
     for e in entries {
-        let mut e = e.map_err(|e| ContextError::BadTar(e.to_string()))?;
+        let mut e = e.map_err(|e| tar_error(&e, last.as_deref(), max))?;
         let kind = e.header().entry_type();
         let name = e
             .path()
@@ -353,13 +427,79 @@ pub fn unpack(path: &Path, dest: &Path, limit: u64) -> Result<(), ContextError> 
                 "unpacks to more than {limit} bytes"
             )));
         }
-        let ok = e
-            .unpack_in(dest)
-            .map_err(|err| ContextError::BadTar(format!("{name}: {err}")))?;
+        check_entry(&e, &name, dest)?;
+        // The error names the entry and the kind of failure, never a path of the server.
+        let ok = e.unpack_in(dest).map_err(|err| {
+            ContextError::BadTar(format!("{name}: cannot unpack: {}", err.kind()))
+        })?;
         if !ok {
             return Err(ContextError::BadTar(format!(
                 "{name}: path leaves the context"
             )));
+        }
+        last = Some(name);
+    }
+    Ok(())
+}
+
+/// The rules an entry of a context breaks, named with the entry, before it is unpacked into
+/// `dest`: a path with `..` or a root; a path through a symbolic link an earlier entry made
+/// (it could lead out of the context); a hard link whose target is outside the context or
+/// reached through a symbolic link.
+fn check_entry<R: Read>(
+    e: &tar::Entry<'_, R>,
+    name: &str,
+    dest: &Path,
+) -> Result<(), ContextError> {
+    let bad = |rule: String| Err(ContextError::BadTar(format!("{name}: {rule}")));
+    let inside = |p: &Path| {
+        p.components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+    };
+    let path = e
+        .path()
+        .map_err(|_| ContextError::BadTar(format!("{name}: a path that is not UTF-8")))?;
+    if !inside(&path) {
+        return bad("the path leaves the context (`..` or an absolute path)".into());
+    }
+    let through_link = |p: &Path| -> Option<String> {
+        let mut cur = dest.to_path_buf();
+        let mut rel = PathBuf::new();
+        let parents: Vec<_> = p
+            .parent()
+            .map(|d| d.components().collect())
+            .unwrap_or_default();
+        for c in parents {
+            cur.push(c);
+            rel.push(c);
+            if std::fs::symlink_metadata(&cur).is_ok_and(|m| m.file_type().is_symlink()) {
+                return Some(rel.display().to_string());
+            }
+        }
+        None
+    };
+    if let Some(link) = through_link(&path) {
+        return bad(format!(
+            "the path goes through the symbolic link {link:?} of the context, which may lead \
+             outside it"
+        ));
+    }
+    if e.header().entry_type() == tar::EntryType::Link {
+        let target = match e.link_name() {
+            Ok(Some(t)) => t.into_owned(),
+            _ => return bad("a hard link without a target".into()),
+        };
+        if !inside(&target) {
+            return bad(format!(
+                "hard link to {:?}: the target is outside the context",
+                target.display().to_string()
+            ));
+        }
+        if let Some(link) = through_link(&target) {
+            return bad(format!(
+                "hard link to {:?}: the target goes through the symbolic link {link:?}",
+                target.display().to_string()
+            ));
         }
     }
     Ok(())
@@ -394,11 +534,11 @@ mod tests {
         });
         let member = check_member_path("./Dockerfile").expect("ok");
         assert_eq!(
-            read_member(&p, &member, 1 << 20).expect("read"),
+            read_member(&p, &member, 1 << 20, 1 << 30).expect("read"),
             Some(b"FROM scratch\n".to_vec())
         );
         assert_eq!(
-            read_member(&p, Path::new("nope"), 1 << 20).expect("read"),
+            read_member(&p, Path::new("nope"), 1 << 20, 1 << 30).expect("read"),
             None
         );
         let d = t.path().join("out");
@@ -457,5 +597,139 @@ mod tests {
         for bad in ["../x", "/etc/passwd", "", "."] {
             assert!(check_member_path(bad).is_err(), "{bad}");
         }
+    }
+
+    /// Each refusal names the entry and the rule it broke, and no path of the server
+    /// (issue 44 §6): a hard link out, a path through an outward symlink, a write through a
+    /// symlink to the host, and bytes that are not a tar.
+    #[test]
+    fn refusals_name_the_entry_and_the_rule() {
+        let t = tempfile::tempdir().expect("tmp");
+        fn link(b: &mut tar::Builder<std::fs::File>, kind: tar::EntryType, name: &str, to: &str) {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(kind);
+            h.set_size(0);
+            b.append_link(&mut h, name, to).expect("link");
+        }
+        type Make = Box<dyn Fn(&mut tar::Builder<std::fs::File>)>;
+        let cases: Vec<(Make, &str)> = vec![
+            (
+                Box::new(|b| link(b, tar::EntryType::Link, "pw", "/etc/passwd")),
+                "pw: hard link to \"/etc/passwd\": the target is outside the context",
+            ),
+            (
+                Box::new(|b| {
+                    link(b, tar::EntryType::Symlink, "up", "../../..");
+                    file(b, "up/X", b"x");
+                }),
+                "up/X: the path goes through the symbolic link \"up\"",
+            ),
+            (
+                Box::new(|b| {
+                    link(b, tar::EntryType::Symlink, "out", "/tmp");
+                    file(b, "out/kiln-escape-test", b"x");
+                }),
+                "out/kiln-escape-test: the path goes through the symbolic link \"out\"",
+            ),
+            (
+                Box::new(|b| {
+                    link(b, tar::EntryType::Symlink, "d", "/etc");
+                    link(b, tar::EntryType::Link, "h", "d/passwd");
+                }),
+                "h: hard link to \"d/passwd\": the target goes through the symbolic link \"d\"",
+            ),
+        ];
+        for (i, (make, want)) in cases.into_iter().enumerate() {
+            let p = tarball(t.path(), make);
+            let d = t.path().join(format!("case{i}"));
+            std::fs::create_dir(&d).expect("mkdir");
+            let e = unpack(&p, &d, 1 << 20).expect_err(want).to_string();
+            assert!(e.contains(want), "{e}");
+            assert!(!e.contains(t.path().to_str().expect("utf-8")), "{e}");
+        }
+        assert!(!Path::new("/tmp/kiln-escape-test").exists());
+        // Not a tar: said so, without the bytes.
+        let p = t.path().join("junk");
+        std::fs::write(
+            &p,
+            b"\x7fELF\x02\x01 not a tarball at all, just some bytes".repeat(40),
+        )
+        .expect("write");
+        let d = t.path().join("junk-out");
+        std::fs::create_dir(&d).expect("mkdir");
+        for e in [
+            unpack(&p, &d, 1 << 20).expect_err("junk"),
+            read_member(&p, Path::new("Dockerfile"), 1 << 20, 1 << 30).expect_err("junk"),
+        ] {
+            assert_eq!(
+                e.to_string(),
+                "context tarball: not a tar archive (or a gzip of one)"
+            );
+        }
+    }
+
+    /// The request path reads at most the byte bound of a compressed context, and stops at
+    /// the recipe (issue 44 §5): a gzip of a 64 MiB entry of zeros with the Dockerfile behind
+    /// it reads no more than the bound plus one buffer; with the Dockerfile first, it reads
+    /// only that far.
+    #[test]
+    fn the_request_path_reads_at_most_the_byte_bound() {
+        let t = tempfile::tempdir().expect("tmp");
+        let gz = |name: &str, first_recipe: bool| {
+            let p = t.path().join(name);
+            let enc = flate2::write::GzEncoder::new(
+                std::fs::File::create(&p).expect("create"),
+                flate2::Compression::fast(),
+            );
+            let mut b = tar::Builder::new(enc);
+            let mut big = tar::Header::new_gnu();
+            big.set_size(64 << 20);
+            big.set_mode(0o644);
+            big.set_entry_type(tar::EntryType::Regular);
+            let recipe = |b: &mut tar::Builder<_>| {
+                let mut h = tar::Header::new_gnu();
+                h.set_size(13);
+                h.set_mode(0o644);
+                h.set_entry_type(tar::EntryType::Regular);
+                b.append_data(&mut h, "Dockerfile", &b"FROM scratch\n"[..])
+                    .expect("append");
+            };
+            if first_recipe {
+                recipe(&mut b);
+            }
+            b.append_data(&mut big, "zeros", std::io::repeat(0).take(64 << 20))
+                .expect("append");
+            if !first_recipe {
+                recipe(&mut b);
+            }
+            b.into_inner().expect("tar").finish().expect("gzip");
+            p
+        };
+        let bound = 1u64 << 20;
+        let behind = gz("behind.tar.gz", false);
+        let e = read_member(&behind, Path::new("Dockerfile"), 1 << 20, bound)
+            .expect_err("past the bound");
+        assert!(
+            e.to_string().contains("passes the context byte bound"),
+            "{e}"
+        );
+        // Read through a counter: at most the bound and one buffer (64 KiB, with margin).
+        let counted = {
+            let (reader, read) = open_tar(&behind, bound).expect("open");
+            let mut ar = tar::Archive::new(reader);
+            let _ = ar.entries().map(|es| es.count());
+            read.get()
+        };
+        assert!(counted <= bound + (64 << 10), "{counted}");
+        let first = gz("first.tar.gz", true);
+        let (found, read) =
+            read_member_counted(&first, Path::new("Dockerfile"), 1 << 20, bound).expect("read");
+        assert_eq!(found.as_deref(), Some(&b"FROM scratch\n"[..]));
+        assert!(read < 64 << 10, "{read}");
+        // The worker's unpack bounds the same archive by its file bytes.
+        let d = t.path().join("out");
+        std::fs::create_dir(&d).expect("mkdir");
+        let e = unpack(&behind, &d, bound).expect_err("past the bound");
+        assert!(e.to_string().contains("unpacks to more than"), "{e}");
     }
 }

@@ -333,6 +333,9 @@ pub struct TakenOver {
     pub attempt: i64,
     /// Queued again (false: ended failed, its attempts used up).
     pub requeued: bool,
+    /// Where the node ran (`HOST:STATE_DIR, listening on ADDR`), for the server's log only:
+    /// the build's reason and log name the node by its id alone. Empty when unknown.
+    pub node_detail: String,
 }
 
 /// A step row.

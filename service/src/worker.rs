@@ -127,6 +127,7 @@ pub async fn liveness(state: AppState, registered: Instant, done: CancellationTo
                     tracing::warn!(
                         build = %t.build,
                         lost_node = %t.node,
+                        lost_node_ran = %t.node_detail,
                         attempt = t.attempt,
                         requeued = t.requeued,
                         "took over a build of a lost node"
@@ -421,7 +422,14 @@ async fn run_one(state: &AppState, row: BuildRow) {
             })
             .ok(),
         ),
-        Outcome::Failed(f) => ("failed", None, None, serde_json::to_string(&f).ok()),
+        Outcome::Failed(mut f) => {
+            let paths = server_paths(state);
+            f.reason = scrub(&f.reason, &paths);
+            for l in &mut f.last_lines {
+                *l = scrub(l, &paths);
+            }
+            ("failed", None, None, serde_json::to_string(&f).ok())
+        }
     };
     match state
         .db
@@ -481,20 +489,24 @@ async fn execute(
                 path.is_file()
             };
             if !here {
+                // The tenant reads the node's id; where it runs and the store go to the log.
+                tracing::error!(
+                    build = %row.id, context = %d, node = %state.node.id,
+                    node_name = %state.node.name, store = %state.setup.store.url(),
+                    "the build's context is not here"
+                );
                 return failed(if state.contexts_in_store() {
                     format!(
-                        "context blob {d} is neither on node {} ({}) nor in the store {}",
+                        "context blob {d} is neither on node {} nor in the store",
                         state.node.id,
-                        state.node.name,
-                        state.setup.store.url()
                     )
                 } else {
                     // With a local store, contexts stay on the node they were uploaded to.
                     format!(
-                        "context blob {d} is not on node {} ({}): it was uploaded to another \
+                        "context blob {d} is not on node {}: it was uploaded to another \
                          node, and with a local store build contexts are not shared between \
                          nodes",
-                        state.node.id, state.node.name
+                        state.node.id
                     )
                 });
             }
@@ -631,6 +643,45 @@ async fn execute(
             Outcome::Failed(f)
         }
     }
+}
+
+/// The server's own directories, each with the name a tenant reads in its place, longest
+/// first: the state directory (the build's work directory is under it), the local store or
+/// the host's cache of a remote one, and its scratch; each as configured and canonical.
+fn server_paths(state: &AppState) -> Vec<(String, &'static str)> {
+    let mut out = Vec::new();
+    let mut add = |p: &std::path::Path, name: &'static str| {
+        for p in [Some(p.to_path_buf()), std::fs::canonicalize(p).ok()]
+            .into_iter()
+            .flatten()
+        {
+            let s = p.display().to_string();
+            if s.len() > 1 {
+                out.push((s, name));
+            }
+        }
+    };
+    add(&state.config.state_dir, "<server state dir>");
+    add(&state.setup.work_dir, "<server work dir>");
+    add(state.setup.cache.root(), "<server store>");
+    if let Some(root) = state.setup.store.local_root() {
+        add(&root, "<server store>");
+    }
+    out.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
+    out.dedup();
+    out
+}
+
+/// `text` with every path of `paths` replaced by its name: what a tenant reads of an error
+/// that names a file of the server (a failure reason, a step's last lines).
+fn scrub(text: &str, paths: &[(String, &'static str)]) -> String {
+    let mut out = text.to_string();
+    for (p, name) in paths {
+        if out.contains(p.as_str()) {
+            out = out.replace(p.as_str(), name);
+        }
+    }
+    out
 }
 
 /// The registry credentials the tenant gave for build `id`, opened, for

@@ -442,6 +442,12 @@ pub async fn wait_for(
     let t0 = Instant::now();
     loop {
         let v = json_of(get(c, s, key, &format!("/v1/builds/{id}")).await).await;
+        // No failure a tenant reads names the server's own directories.
+        let failure = v["failure"].to_string();
+        for dir in [&s.state, &s.store] {
+            let d = dir.display().to_string();
+            assert!(!failure.contains(&d), "the failure names {d}: {v:#}");
+        }
         if pred(&v) {
             return v;
         }

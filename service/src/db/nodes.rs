@@ -115,20 +115,24 @@ impl Db {
             let heartbeat: Option<i64> = r.try_get("heartbeat_ms")?;
             let stopped: Option<i64> = r.try_get("stopped_ms")?;
             let db_now: i64 = r.try_get("now_ms")?;
-            let why = match (listen, name, heartbeat, stopped) {
-                (Some(l), Some(n), Some(_), Some(_)) => {
-                    format!("node {node} ({n}, listening on {l}) stopped")
-                }
-                (Some(l), Some(n), Some(h), None) => format!(
-                    "node {node} ({n}, listening on {l}) stopped heartbeating: last heartbeat                      {:.1} s ago, takeover after {:.1} s",
+            // The tenant reads `why` (its build's reason and log): the node by id only. Its
+            // host, state directory and address go to the server's log.
+            let why = match (heartbeat, stopped) {
+                (Some(_), Some(_)) => format!("node {node} stopped"),
+                (Some(h), None) => format!(
+                    "node {node} stopped heartbeating: last heartbeat {:.1} s ago, takeover \
+                     after {:.1} s",
                     (db_now - h) as f64 / 1000.0,
                     takeover_ms as f64 / 1000.0
                 ),
                 _ => format!("worker {node} is gone"),
             };
-            if let Some(t) =
+            if let Some(mut t) =
                 Self::lose_attempt(&mut tx, &id, &node, attempt, max_attempts, &why).await?
             {
+                if let (Some(n), Some(l)) = (name, listen) {
+                    t.node_detail = format!("{n}, listening on {l}");
+                }
                 out.push(t);
             }
         }
@@ -309,6 +313,7 @@ impl Db {
             node: node.to_string(),
             attempt,
             requeued,
+            node_detail: String::new(),
         }))
     }
 

@@ -409,10 +409,13 @@ async fn queue(db: Db) {
     let row = db.build("a", &claimed.id).await.expect("row").expect("row");
     assert_eq!(row.state, "failed");
     let reason = row.failure.expect("failure");
+    // The tenant's reason names the node by id; where it ran is for the server's log.
     assert!(
-        reason.contains(SERVER_STOPPED) && reason.contains("node n1 (host:/state"),
+        reason.contains(SERVER_STOPPED) && reason.contains("node n1 stopped"),
         "{reason}"
     );
+    assert!(!reason.contains("host:/state"), "{reason}");
+    assert!(taken[0].node_detail.starts_with("host:/state"), "{taken:?}");
     let other = if claimed.id == "x1" { "x2" } else { "x1" };
     assert_eq!(
         db.state(other).await.expect("state").as_deref(),
@@ -603,7 +606,8 @@ async fn takeover(db: Db, backend: Backend) {
             build: "t1".into(),
             node: "n1".into(),
             attempt: 1,
-            requeued: true
+            requeued: true,
+            node_detail: "h:/one, listening on 127.0.0.1:1".into(),
         }]
     );
     // The old claim can neither write nor end the build, nor does its watcher hold it.
@@ -628,7 +632,11 @@ async fn takeover(db: Db, backend: Backend) {
     // Its log goes on after the takeover's line.
     assert_eq!(db.last_seq("t1").await.expect("seq"), 2);
     let lines = db.logs("t1", 0, 10).await.expect("logs");
-    assert!(lines[1].text.contains("node n1 (h:/one"), "{lines:?}");
+    assert!(
+        lines[1].text.contains("node n1 stopped heartbeating"),
+        "{lines:?}"
+    );
+    assert!(!lines[1].text.contains("h:/one"), "{lines:?}");
     assert!(lines[1].text.contains("queued again"), "{lines:?}");
     // n2 is lost too, in the last attempt: failed, naming it.
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
@@ -640,10 +648,11 @@ async fn takeover(db: Db, backend: Backend) {
     let reason = row.failure.expect("failure");
     assert!(
         reason.contains(SERVER_STOPPED)
-            && reason.contains("node n2 (h:/two")
+            && reason.contains("node n2 stopped heartbeating")
             && reason.contains("attempt 2 of 2"),
         "{reason}"
     );
+    assert!(!reason.contains("h:/two"), "{reason}");
     // A stopped node's builds go at once, whatever the takeover time.
     db.insert_build(&build("t2", "a"), 10, 1000)
         .await
