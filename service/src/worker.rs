@@ -382,10 +382,15 @@ async fn run_one(state: &AppState, row: BuildRow) {
         // Cancelled by the fence: the claim goes back unless another node took it already,
         // so a node that could heartbeat again before the others swept leaves no build
         // running without a worker.
+        // The tenant reads the node's id; where it runs goes to the log below.
         let why = format!(
-            "node {} ({}, listening on {}) could not write its heartbeat for the takeover time \
-             and cancelled the attempt",
-            state.node.id, state.node.name, state.node.listen
+            "node {} could not write its heartbeat for the takeover time and cancelled the \
+             attempt",
+            state.node.id
+        );
+        tracing::warn!(
+            build = %id, node = %state.node.id, node_name = %state.node.name,
+            listen = %state.node.listen, "{why}"
         );
         match state
             .db
