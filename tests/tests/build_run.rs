@@ -413,6 +413,33 @@ fn steps_start_with_default_signals() {
     f.assert_clean();
 }
 
+/// Issue 44 §2: a step writing 256 MiB of zeros (real blocks, as `dd if=/dev/zero`
+/// writes them) builds. Its layer compresses past 1,000:1 and is read back three ways: as
+/// the lower of the next step, as a stage tree for `COPY --from`, and by unpacking the
+/// image; a ratio bound refused it from 64 MiB on.
+#[test]
+fn step_writing_256_mib_of_zeros_builds() {
+    let f = fx("zeros");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (r, _) = f.build_with(
+        "Dockerfile",
+        &format!(
+            "FROM {bb} AS z\nRUN dd if=/dev/zero of=/big bs=1M count=256\n\
+             RUN test \"$(wc -c < /big)\" -eq 268435456\n\
+             FROM {bb}\nCOPY --from=z /big /copied\n"
+        ),
+        &f.options(),
+        |p| p.limits.timeout_secs = 300,
+    );
+    let out = r.unwrap_or_else(|e| panic!("build: {e}"));
+    let dir = f.unpack(&out);
+    assert_eq!(
+        std::fs::metadata(dir.join("copied")).expect("copied").len(),
+        256 << 20
+    );
+    f.assert_clean();
+}
+
 /// The build timeout kills the step; the error names the limit.
 #[test]
 fn timeout_stops_the_build() {
