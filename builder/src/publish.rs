@@ -307,7 +307,7 @@ pub async fn publish(
         disk_mib: opts.disk_mib.or(image.sandbox.disk_mib),
         max_mib: opts.max_mib.unwrap_or(ext4::DEFAULT_MAX_MIB),
         source_date_epoch: image.source_date_epoch,
-        limits: opts.limits,
+        limits: opts.limits.clone(),
     };
     let chunking = opts.chunking.unwrap_or(Chunking::DISK_DEFAULT);
     let mut key = flatten_key(image, &ext4_opts, chunking, &ext4::check_tools()?.version);

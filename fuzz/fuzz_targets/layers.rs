@@ -35,5 +35,6 @@ pub fn limits() -> Limits {
         max_entries: 20_000,
         max_file_bytes: 16 << 20,
         deadline: None,
+        cancel: None,
     }
 }

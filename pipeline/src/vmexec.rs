@@ -396,7 +396,7 @@ pub async fn squashed_image(
         disk_mib: None,
         max_mib: SQUASH_MAX_MIB,
         source_date_epoch: None,
-        limits: *limits,
+        limits: limits.clone(),
     };
     let (t, n) = (tmp.clone(), bottom_first.len());
     let t0 = Instant::now();
@@ -498,7 +498,7 @@ pub async fn receive_changes(
     drop(tar);
     let upper = upper.to_path_buf();
     let name = format!("step {step} changes");
-    let limits = *limits;
+    let limits = limits.clone();
     tokio::task::spawn_blocking(move || {
         kiln_builder::build::lower::unpack_overlay_form(&upper, &tar_path, &name, &limits)
     })

@@ -254,11 +254,12 @@ impl Ctx {
     /// The bounds every layer this build reads is applied with: the caller's
     /// [`BuildOptions::layer_limits`] with the build's deadline, so that reading a layer
     /// (a base's, a cached step's, a `COPY --from` stage tree) stops at the build's time
-    /// limit like a step does.
+    /// limit and on its cancel like a step does.
     fn layer_limits(&self) -> Limits {
         Limits {
             deadline: Some(self.deadline),
-            ..self.opts.layer_limits
+            cancel: Some(self.cancel.clone()),
+            ..self.opts.layer_limits.clone()
         }
     }
 }

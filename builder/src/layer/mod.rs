@@ -20,8 +20,9 @@
 //! [`whiteout`].
 //!
 //! Bounds ([`Limits`]) on entry count, total uncompressed bytes and one file's size, and a
-//! deadline; exceeding a bound is a [`LayerError::Limit`], passing the deadline a
-//! [`LayerError::Deadline`], each naming the layer digest and the entry being read.
+//! deadline and a cancel flag; exceeding a bound is a [`LayerError::Limit`], passing the
+//! deadline a [`LayerError::Deadline`], a cancel a [`LayerError::Cancelled`], each naming
+//! the layer digest and the entry being read.
 //!
 //! There is no bound on the decompression ratio. A ratio does not tell a bomb from an
 //! ordinary file: 64 MiB of zeros (`dd if=/dev/zero`), a log or a sparse database compress
@@ -72,7 +73,7 @@ const MAX_DEPTH: usize = 1024;
 pub const MAX_METADATA_BYTES: u64 = 1 << 20;
 
 /// Bounds on one layer. Every field is checked while reading; see [`LayerError::Limit`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Limits {
     /// Total uncompressed bytes of the tar stream (headers included), bytes.
     pub max_total_bytes: u64,
@@ -92,7 +93,28 @@ pub struct Limits {
     /// reader's buffer) and one file-system operation.
     /// `None`: no time bound (tools and tests outside a build).
     pub deadline: Option<std::time::Instant>,
+    /// Set by the caller to stop reading ([`LayerError::Cancelled`]): a build passes its
+    /// cancel flag (Ctrl-C, SIGTERM, a failed stage), checked where the deadline is.
+    /// `None`: not cancellable.
+    pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
+
+impl PartialEq for Limits {
+    /// Equal bounds and deadline, and the same cancel flag (by identity).
+    fn eq(&self, other: &Self) -> bool {
+        self.max_total_bytes == other.max_total_bytes
+            && self.max_entries == other.max_entries
+            && self.max_file_bytes == other.max_file_bytes
+            && self.deadline == other.deadline
+            && match (&self.cancel, &other.cancel) {
+                (None, None) => true,
+                (Some(a), Some(b)) => std::sync::Arc::ptr_eq(a, b),
+                _ => false,
+            }
+    }
+}
+
+impl Eq for Limits {}
 
 impl Default for Limits {
     /// 32 GiB total, 4 Mi entries, 16 GiB per file, no deadline. A Debian or Ubuntu base
@@ -103,6 +125,7 @@ impl Default for Limits {
             max_entries: 4 << 20,
             max_file_bytes: 16 << 30,
             deadline: None,
+            cancel: None,
         }
     }
 }
@@ -112,6 +135,24 @@ impl Limits {
     pub fn expired(&self) -> bool {
         self.deadline
             .is_some_and(|d| std::time::Instant::now() >= d)
+    }
+
+    /// Whether [`Limits::cancel`] is set.
+    pub fn cancelled(&self) -> bool {
+        self.cancel
+            .as_ref()
+            .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Which of [`LimitKind::Deadline`] and [`LimitKind::Cancelled`] stops reading now.
+    fn stop(&self) -> Option<LimitKind> {
+        if self.cancelled() {
+            Some(LimitKind::Cancelled)
+        } else if self.expired() {
+            Some(LimitKind::Deadline)
+        } else {
+            None
+        }
     }
 }
 
@@ -126,6 +167,8 @@ pub enum LimitKind {
     FileBytes,
     /// [`Limits::deadline`] (reported as [`LayerError::Deadline`]).
     Deadline,
+    /// [`Limits::cancel`] (reported as [`LayerError::Cancelled`]).
+    Cancelled,
     /// [`MAX_METADATA_BYTES`]: one PAX or GNU long-name header's data (the tar reader keeps
     /// it in memory, so it is bounded before the reader sees it).
     MetadataBytes,
@@ -138,6 +181,7 @@ impl std::fmt::Display for LimitKind {
             LimitKind::Entries => "entry count",
             LimitKind::FileBytes => "file size",
             LimitKind::Deadline => "deadline",
+            LimitKind::Cancelled => "cancel",
             LimitKind::MetadataBytes => "extension header size",
         })
     }
@@ -261,6 +305,14 @@ pub enum LayerError {
     /// [`Limits::deadline`] passed while the layer was read (the build's time limit).
     #[error("layer {digest}: entry {entry}: stopped at the time limit")]
     Deadline {
+        /// Layer digest.
+        digest: String,
+        /// Entry being read.
+        entry: String,
+    },
+    /// [`Limits::cancel`] was set while the layer was read.
+    #[error("layer {digest}: entry {entry}: cancelled")]
+    Cancelled {
         /// Layer digest.
         digest: String,
         /// Entry being read.
@@ -584,10 +636,8 @@ impl<R: Read> Read for CountOut<R> {
         self.c.uncompressed.set(total);
         let kind = if total > self.limits.max_total_bytes {
             Some(LimitKind::TotalBytes)
-        } else if self.limits.expired() {
-            Some(LimitKind::Deadline)
         } else {
-            None
+            self.limits.stop()
         };
         if let Some(k) = kind {
             self.c.hit.set(Some(k));
@@ -626,7 +676,7 @@ pub fn apply_layer(
         entry: String::from("(start)"),
         created: Created::default(),
         dirs: Vec::new(),
-        limits: *limits,
+        limits: limits.clone(),
     };
     let mut archive = tar::Archive::new(stream);
     let mut entries_read = 0u64;
@@ -638,11 +688,20 @@ pub fn apply_layer(
         if entries_read > limits.max_entries {
             return Err(applier.limit(LimitKind::Entries, limits.max_entries));
         }
-        if limits.expired() {
-            return Err(LayerError::Deadline {
-                digest: digest.to_string(),
-                entry: applier.entry.clone(),
-            });
+        match limits.stop() {
+            Some(LimitKind::Cancelled) => {
+                return Err(LayerError::Cancelled {
+                    digest: digest.to_string(),
+                    entry: applier.entry.clone(),
+                });
+            }
+            Some(_) => {
+                return Err(LayerError::Deadline {
+                    digest: digest.to_string(),
+                    entry: applier.entry.clone(),
+                });
+            }
+            None => {}
         }
         match applier.apply_entry(&mut entry, &bounded) {
             Ok(()) => {}
@@ -1384,14 +1443,14 @@ pub(crate) fn bounded_stream<'a>(
     let counted = CountOut {
         inner: decoded,
         c: counters.clone(),
-        limits: *limits,
+        limits: limits.clone(),
         framer: Framer::default(),
     };
     Ok((
         Box::new(counted),
         BoundedStream {
             counters,
-            limits: *limits,
+            limits: limits.clone(),
             digest: digest.to_string(),
         },
     ))
@@ -1407,13 +1466,17 @@ impl BoundedStream {
                 digest,
                 entry: entry.to_string(),
             },
+            Some(LimitKind::Cancelled) => LayerError::Cancelled {
+                digest,
+                entry: entry.to_string(),
+            },
             Some(kind) => LayerError::Limit {
                 digest,
                 entry: entry.to_string(),
                 kind,
                 max: match kind {
                     LimitKind::TotalBytes => self.limits.max_total_bytes,
-                    LimitKind::Deadline => 0,
+                    LimitKind::Deadline | LimitKind::Cancelled => 0,
                     LimitKind::Entries => self.limits.max_entries,
                     LimitKind::FileBytes => self.limits.max_file_bytes,
                     LimitKind::MetadataBytes => MAX_METADATA_BYTES,

@@ -344,6 +344,7 @@ fn small_limits() -> Limits {
         max_entries: 10,
         max_file_bytes: 4000,
         deadline: None,
+        cancel: None,
     }
 }
 
@@ -663,7 +664,7 @@ fn hostile_corpus() {
         let limits = if i < n_small {
             small_limits()
         } else {
-            bomb_limits
+            bomb_limits.clone()
         };
         match sb.apply_with(&tar, &limits) {
             Ok(s) => panic!("{name}: accepted ({s:?})"),
@@ -794,6 +795,37 @@ fn deadline_stops_a_slow_layer() {
         Err(LayerError::Deadline { .. }) => {}
         other => panic!("expected the deadline, got {other:?}"),
     }
+}
+
+/// [`Limits::cancel`] stops a layer that is still being read when it is set (from another
+/// thread, 300 ms in, as a build's cancel is), naming the entry, well before the 16 s the
+/// layer would take.
+#[test]
+fn cancel_stops_a_slow_layer() {
+    let sb = Sandbox::new();
+    let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let limits = Limits {
+        cancel: Some(flag.clone()),
+        ..Limits::default()
+    };
+    let setter = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        flag.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let start = std::time::Instant::now();
+    let slow = SlowLayer::new(b"slow", 1 << 30, std::time::Duration::from_millis(1));
+    let r = apply_layer(&sb.root(), slow, DIGEST, &limits);
+    let took = start.elapsed();
+    setter.join().expect("setter");
+    match r {
+        Err(LayerError::Cancelled { entry, .. }) => assert_eq!(entry, "slow"),
+        other => panic!("expected the cancel, got {other:?}"),
+    }
+    assert!(
+        took < std::time::Duration::from_secs(5),
+        "stopped after {took:?}"
+    );
+    sb.assert_untouched("cancel");
 }
 
 #[test]
@@ -1032,6 +1064,7 @@ fn pax_size_disagreements_hide_nothing_from_the_bounds() {
         max_entries: 100,
         max_file_bytes: 64 << 20,
         deadline: None,
+        cancel: None,
     };
     // Each gives the entry after it no data for the reader and `hidden` bytes for a framer
     // that reads PAX records another way.
@@ -1078,7 +1111,7 @@ fn pax_size_disagreements_hide_nothing_from_the_bounds() {
             &tar,
             &Limits {
                 max_file_bytes: 4 << 20,
-                ..limits
+                ..limits.clone()
             },
         );
         assert!(
@@ -1116,7 +1149,7 @@ fn pax_size_disagreements_hide_nothing_from_the_bounds() {
         ]);
         let big = Limits {
             max_total_bytes: 64 << 20,
-            ..limits
+            ..limits.clone()
         };
         let s = Sandbox::new();
         let r = s.apply_with(&tar, &big);
