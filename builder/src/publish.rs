@@ -222,8 +222,11 @@ pub fn flatten_key(
         "diskMib": ext4_opts.disk_mib,
         "maxMib": ext4_opts.max_mib,
         "sourceDateEpoch": ext4_opts.source_date_epoch,
-        "limits": [l.max_total_bytes, l.max_entries, l.max_file_bytes, l.max_ratio,
-            l.ratio_floor_bytes],
+        // The last two were the ratio bound (100 past 64 MiB), dropped in issue 44: written
+        // as they were, so that keys of images made before stay the same (an image that
+        // flattened under that bound flattens to the same manifest without it). The
+        // deadline is no input of the manifest.
+        "limits": [l.max_total_bytes, l.max_entries, l.max_file_bytes, 100, 64u64 << 20],
         "features": ext4::FEATURES,
         "identity": ext4::ROOTFS_SEED,
         "mke2fsConf": ext4::MKE2FS_CONF,
@@ -304,7 +307,7 @@ pub async fn publish(
         disk_mib: opts.disk_mib.or(image.sandbox.disk_mib),
         max_mib: opts.max_mib.unwrap_or(ext4::DEFAULT_MAX_MIB),
         source_date_epoch: image.source_date_epoch,
-        limits: opts.limits,
+        limits: opts.limits.clone(),
     };
     let chunking = opts.chunking.unwrap_or(Chunking::DISK_DEFAULT);
     let mut key = flatten_key(image, &ext4_opts, chunking, &ext4::check_tools()?.version);

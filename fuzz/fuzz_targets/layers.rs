@@ -28,13 +28,13 @@ pub fn split(data: &[u8]) -> Vec<&[u8]> {
 }
 
 /// Bounds small enough that one input stays fast (a gzip or zstd stream can still expand
-/// a few KiB into many MiB), with the ratio checked from 1 MiB on.
+/// a few KiB into many MiB; there is no ratio bound, so the total is what stops it).
 pub fn limits() -> Limits {
     Limits {
-        max_total_bytes: 64 << 20,
+        max_total_bytes: 16 << 20,
         max_entries: 20_000,
         max_file_bytes: 16 << 20,
-        max_ratio: 100,
-        ratio_floor_bytes: 1 << 20,
+        deadline: None,
+        cancel: None,
     }
 }

@@ -396,7 +396,7 @@ pub async fn squashed_image(
         disk_mib: None,
         max_mib: SQUASH_MAX_MIB,
         source_date_epoch: None,
-        limits: *limits,
+        limits: limits.clone(),
     };
     let (t, n) = (tmp.clone(), bottom_first.len());
     let t0 = Instant::now();
@@ -468,7 +468,9 @@ fn tree_counts(dir: &Path) -> (u64, u64) {
 /// Asks the step VM on `session` for its changes (`diff`), writes at most `bound` bytes of
 /// the tar stream to `dir/changes.tar`, and unpacks it into the empty `upper` with the
 /// builder's layer reader in overlayfs' form
-/// ([`kiln_builder::build::lower::unpack_overlay_form`]). Returns the tar's bytes.
+/// ([`kiln_builder::build::lower::unpack_overlay_form`]) under `limits` (the step's
+/// [`kiln_builder::exec::StepSpec::layer_limits`], with the build's deadline). Returns the
+/// tar's bytes.
 ///
 /// Errors: [`ExecError::Guest`] for what a hostile guest can cause (a frame out of sequence
 /// or over the bound, a tar the layer reader refuses); [`ExecError::Setup`] for the channel;
@@ -479,6 +481,7 @@ pub async fn receive_changes(
     upper: &Path,
     bound: u64,
     step: usize,
+    limits: &kiln_builder::layer::Limits,
 ) -> Result<u64, ExecError> {
     let tar_path = dir.join("changes.tar");
     let mut tar = std::fs::File::create(&tar_path).map_err(|source| ExecError::Io {
@@ -495,13 +498,9 @@ pub async fn receive_changes(
     drop(tar);
     let upper = upper.to_path_buf();
     let name = format!("step {step} changes");
+    let limits = limits.clone();
     tokio::task::spawn_blocking(move || {
-        kiln_builder::build::lower::unpack_overlay_form(
-            &upper,
-            &tar_path,
-            &name,
-            &kiln_builder::layer::Limits::default(),
-        )
+        kiln_builder::build::lower::unpack_overlay_form(&upper, &tar_path, &name, &limits)
     })
     .await
     .map_err(|e| ExecError::Setup(e.to_string()))?
@@ -764,7 +763,7 @@ impl VmExecutor {
 
         // The changes.
         let got = tokio::select! {
-            r = receive_changes(&mut session, dir, &spec.upper_dir, diff_bound(disk_bytes), spec.index) => Some(r),
+            r = receive_changes(&mut session, dir, &spec.upper_dir, diff_bound(disk_bytes), spec.index, &spec.layer_limits) => Some(r),
             _ = async {
                 while !cancel.load(Ordering::Relaxed) && Instant::now() < deadline {
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -920,7 +919,7 @@ mod tests {
             (b"d/n", reg, b"n"),
         ]);
         let mut s = fake_guest(good.clone()).await;
-        let n = receive_changes(&mut s, t.path(), &upper, 1 << 20, 1)
+        let n = receive_changes(&mut s, t.path(), &upper, 1 << 20, 1, &Default::default())
             .await
             .unwrap();
         assert_eq!(n, good.len() as u64);
@@ -936,7 +935,7 @@ mod tests {
         let upper = t.path().join("upper2");
         std::fs::create_dir(&upper).unwrap();
         let mut s = fake_guest(tar_of(&[(b"../escape", reg, b"owned")])).await;
-        let r = receive_changes(&mut s, t.path(), &upper, 1 << 20, 2).await;
+        let r = receive_changes(&mut s, t.path(), &upper, 1 << 20, 2, &Default::default()).await;
         assert!(matches!(r, Err(ExecError::Guest(_))), "{r:?}");
         assert!(!t.path().join("escape").exists());
 
@@ -945,7 +944,7 @@ mod tests {
         std::fs::create_dir(&upper).unwrap();
         let big = tar_of(&[(b"big", reg, &vec![7u8; 200 << 10])]);
         let mut s = fake_guest(big).await;
-        let r = receive_changes(&mut s, t.path(), &upper, 100 << 10, 3).await;
+        let r = receive_changes(&mut s, t.path(), &upper, 100 << 10, 3, &Default::default()).await;
         assert!(matches!(r, Err(ExecError::Guest(_))), "{r:?}");
     }
 }

@@ -103,10 +103,14 @@ pub struct Stage {
     /// The ordered steps.
     pub steps: Vec<Step>,
     /// The image config the stage ends with. As in BuildKit, a stage starts from its base's
-    /// config: a stage base's whole config is included; of an image base, the parts the
-    /// caller gave in [`crate::Options::base_images`] (env, user, working directory) are
-    /// included, and the rest of its config (or all of it, for an image the caller did not
-    /// describe) is merged in by the builder under the fields set here.
+    /// config, which the builder merges in under the fields set here (fields set win;
+    /// `env` by key, labels, ports and volumes add up; ONBUILD is never inherited). Of an
+    /// image base, the parts the caller gave in [`crate::Options::base_images`] (env, user,
+    /// working directory) are included here. Of a stage base ([`Base::Stage`]), nothing is:
+    /// this config holds only what this stage set (its `env` lists the variables its own
+    /// `ENV`s set, in the order of their first setting, with their final values), so that
+    /// a chain of n stages is not n copies of a growing config (issue 44 §3). The target's
+    /// whole config is what [`BuildPlan::sandbox`] is made from.
     pub config: ImageConfig,
 }
 

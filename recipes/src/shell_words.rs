@@ -124,6 +124,8 @@ struct Scanner<'s, 'l> {
     raw: bool,
     /// Names referenced as `$NAME` or `${NAME}` that were unset.
     unset: Vec<String>,
+    /// The same names as a set (a word may reference thousands).
+    unset_seen: std::collections::HashSet<String>,
     /// Nesting of `${...}` words being processed.
     depth: usize,
     /// Glob steps left for pattern operators in this word ([`PATTERN_BUDGET`]).
@@ -372,7 +374,7 @@ impl Scanner<'_, '_> {
         match (self.lookup)(&name) {
             Some(v) => v,
             None => {
-                if !self.unset.contains(&name) {
+                if self.unset_seen.insert(name.clone()) {
                     self.unset.push(name);
                 }
                 String::new()
@@ -531,6 +533,7 @@ pub fn expand_word_tracking(
         lookup,
         raw: false,
         unset: Vec::new(),
+        unset_seen: Default::default(),
         depth: 0,
         budget: PATTERN_BUDGET,
     };
@@ -554,6 +557,7 @@ pub fn expand_heredoc(
         lookup,
         raw: true,
         unset: Vec::new(),
+        unset_seen: Default::default(),
         depth: 0,
         budget: PATTERN_BUDGET,
     };

@@ -77,6 +77,149 @@ fn long_chain_of_stages() {
     });
 }
 
+/// The chain of issue 44 §3 (`FROM s{i-1} AS s{i}` and `ENV X{i}={i}`) made up to
+/// `bytes` of Dockerfile.
+fn env_chain(bytes: usize) -> String {
+    let mut text = String::from("FROM busybox AS s0\n");
+    let mut i = 1;
+    loop {
+        let next = format!("FROM s{} AS s{i}\nENV X{i}={i}\n", i - 1);
+        if text.len() + next.len() > bytes {
+            return text;
+        }
+        text.push_str(&next);
+        i += 1;
+    }
+}
+
+/// Issue 44 §3: a 170 KB chain of 5,000 stages each setting one variable took 1.94 GB and
+/// was refused as a plan over 64 MiB, because every stage copied the env of the one below
+/// (n²/2 variables). It is a valid Dockerfile: it plans, and each stage's config carries
+/// only the variable it set.
+#[test]
+fn chain_of_stages_each_setting_env_plans() {
+    isolated("chain_of_stages_each_setting_env_plans", || {
+        let mut text = String::from("FROM busybox AS s0\n");
+        for i in 1..5000 {
+            text.push_str(&format!("FROM s{} AS s{i}\nENV X{i}={i}\n", i - 1));
+        }
+        text.push_str("CMD [\"/bin/sh\"]\n");
+        let plan = load("Dockerfile", text.as_bytes(), &Options::default()).expect("plans");
+        assert_eq!(plan.stages.len(), 5000);
+        let target = &plan.stages[plan.target];
+        assert_eq!(target.config.env, ["X4999=4999"]);
+        let start = plan.sandbox.start.expect("a start command");
+        assert_eq!(start.env.len(), 4999, "the start command has the whole env");
+        assert_eq!(start.env[0], "X1=1");
+    });
+}
+
+/// Peak RSS of the waited-for children of this process, bytes (`getrusage(2)`
+/// `RUSAGE_CHILDREN`; Linux gives `ru_maxrss` in KiB).
+fn children_max_rss() -> u64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one `rusage` through the pointer, which points to one.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr()) };
+    assert_eq!(rc, 0, "getrusage: {}", std::io::Error::last_os_error());
+    // SAFETY: getrusage succeeded, so it filled the struct (which was zeroed before).
+    let usage = unsafe { usage.assume_init() };
+    u64::try_from(usage.ru_maxrss).unwrap_or(0) * 1024
+}
+
+/// Runs `body` in a child process (this test binary again, filtered to `name`) and
+/// returns the child's peak RSS, bytes. In the child, runs `body` and returns 0.
+fn child_peak_rss(name: &str, body: impl FnOnce()) -> u64 {
+    if std::env::var(CHILD).is_ok_and(|n| n == name) {
+        body();
+        return 0;
+    }
+    isolated(name, || {});
+    let rss = children_max_rss();
+    assert!(rss > 0, "getrusage gave no peak RSS");
+    rss
+}
+
+/// The guard's bound on a child's peak RSS: 512 MiB, a wide margin over what the chains
+/// below take (debug build: 143 MiB and 219 MiB, `ci/bench-plan.sh`); before issue 44 §3
+/// they took 1.96 GB and 610 MB.
+const MAX_RSS: u64 = 512 << 20;
+
+/// Issue 44 §3, the guard against resource exhaustion: that chain at the API's size limit
+/// (`MAX_RECIPE_BYTES` of `kiln serve`, 1 MiB: about 28,000 stages) plans in a child
+/// process whose peak RSS stays under [`MAX_RSS`].
+#[test]
+fn chain_at_the_api_size_limit_plans_in_bounded_memory() {
+    let rss = child_peak_rss(
+        "chain_at_the_api_size_limit_plans_in_bounded_memory",
+        || {
+            let text = env_chain(1 << 20);
+            let plan = load("Dockerfile", text.as_bytes(), &Options::default()).expect("plans");
+            assert!(plan.stages.len() > 20_000, "{} stages", plan.stages.len());
+        },
+    );
+    assert!(
+        rss < MAX_RSS,
+        "planning a 1 MiB chain took a peak RSS of {} MiB",
+        rss >> 20
+    );
+}
+
+/// The same chain with a `RUN` in each stage: each step carries its whole env (it is
+/// part of the step's cache key), so the plan really is quadratic, and it is refused by
+/// [`kiln_recipes::dockerfile::lower::MAX_PLAN_BYTES`], counted as the plan grows, in a
+/// child whose peak RSS stays under [`MAX_RSS`].
+#[test]
+fn chain_with_steps_at_the_api_size_limit_is_refused_in_bounded_memory() {
+    let rss = child_peak_rss(
+        "chain_with_steps_at_the_api_size_limit_is_refused_in_bounded_memory",
+        || {
+            let mut text = String::from("FROM busybox AS s0\n");
+            for i in 1.. {
+                let next = format!("FROM s{} AS s{i}\nENV X{i}={i}\nRUN true\n", i - 1);
+                if text.len() + next.len() > 1 << 20 {
+                    break;
+                }
+                text.push_str(&next);
+            }
+            let e = load("Dockerfile", text.as_bytes(), &Options::default())
+                .expect_err("a plan over MAX_PLAN_BYTES");
+            assert!(e.to_string().contains("plan larger than"), "{e}");
+        },
+    );
+    assert!(
+        rss < MAX_RSS,
+        "refusing a 1 MiB chain with steps took a peak RSS of {} MiB",
+        rss >> 20
+    );
+}
+
+/// The same fault within one stage: state that grows with each instruction (volumes,
+/// ports, the unset variables one instruction references) was searched or sorted whole at
+/// every instruction, quadratic in the recipe. 30,000 `VOLUME`s, 30,000 `EXPOSE`s and an
+/// `ENV` referencing 30,000 unset variables plan in well under a minute (a debug build
+/// takes about a second).
+#[test]
+fn wide_stage_plans_in_linear_time() {
+    isolated("wide_stage_plans_in_linear_time", || {
+        let n = 30_000;
+        let mut text = String::from("FROM busybox\n");
+        for i in 0..n {
+            text.push_str(&format!("VOLUME /v/{i}\nEXPOSE {}/udp\n", 1024 + i));
+        }
+        text.push_str("ENV A=");
+        for i in 0..n {
+            text.push_str(&format!("$u{i}"));
+        }
+        text.push('\n');
+        let start = std::time::Instant::now();
+        let plan = load("Dockerfile", text.as_bytes(), &Options::default()).expect("plans");
+        let took = start.elapsed();
+        let config = &plan.stages[0].config;
+        assert_eq!((config.volumes.len(), config.exposed_ports.len()), (n, n));
+        assert!(took < std::time::Duration::from_secs(60), "took {took:?}");
+    });
+}
+
 #[test]
 fn long_chain_of_copy_from() {
     isolated("long_chain_of_copy_from", || {

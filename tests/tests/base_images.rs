@@ -698,3 +698,80 @@ fn from_looks_at_store_tags_then_pulled_images_then_the_registry() {
         .expect("re-pull");
     assert!(cache.blob_path(layer).expect("ok").is_some());
 }
+
+/// Issue 44 §2: a registry layer holding a file of 256 MiB of zeros (gzip makes it about
+/// 250 KiB, a ratio past 1,000) is pushed to the test registry, pulled into an empty store
+/// and applies under the default bounds: no ratio bound refuses it. The image is made with
+/// umoci (an empty image, then `umoci insert` of the file) and pushed by kiln.
+#[test]
+fn registry_layer_of_zeros_applies() {
+    let registry_host = require_env("KILN_TEST_REGISTRY");
+    let rt = rt();
+    let reg = registry(RegistryOptions::default());
+    let d = tempfile::tempdir().expect("tempdir");
+    let layout = d.path().join("layout");
+    let src = d.path().join("big");
+    {
+        // Real zeros, not a hole: what `dd if=/dev/zero` writes.
+        let mut f = std::fs::File::create(&src).expect("create");
+        let mib = vec![0u8; 1 << 20];
+        for _ in 0..256 {
+            f.write_all(&mib).expect("write");
+        }
+    }
+    let image = format!("{}:zeros", layout.display());
+    for args in [
+        vec!["init", "--layout", layout.to_str().expect("utf-8")],
+        vec!["new", "--image", &image],
+        vec![
+            "insert",
+            "--image",
+            &image,
+            src.to_str().expect("utf-8"),
+            "/big",
+        ],
+    ] {
+        let out = Command::new("umoci")
+            .args(&args)
+            .output()
+            .expect("umoci (installed by ci/setup.sh)");
+        assert!(
+            out.status.success(),
+            "umoci {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let (_d1, cache) = store();
+    let (digest, _) = rt
+        .block_on(base::resolve(
+            &format!("oci:{}:zeros", layout.display()),
+            PullPolicy::Never,
+            &reg,
+            &cache,
+        ))
+        .expect("import the layout");
+    let m = base::manifest(&cache, &digest).expect("manifest");
+    let compressed: u64 = m.layers.iter().map(|l| l.size).sum();
+    assert!(compressed < 8 << 20, "layers are {compressed} bytes");
+    let dst = format!("{registry_host}/kiln-test/zeros:256m");
+    rt.block_on(reg.push(&cache, &digest, &dst.parse().expect("ref")))
+        .expect("push");
+    let (_d2, fresh) = store();
+    let (pulled, src) = rt
+        .block_on(base::resolve(&dst, PullPolicy::Always, &reg, &fresh))
+        .expect("pull");
+    assert_eq!(pulled, digest);
+    assert!(matches!(src, Source::Registry { .. }), "{src:?}");
+    let root = tempfile::tempdir().expect("tempdir");
+    let stats =
+        base::unpack(&fresh, &pulled, root.path(), &Limits::default()).expect("apply the layer");
+    assert!(stats.bytes > 256 << 20, "{stats:?}");
+    let big = root.path().join("big");
+    assert_eq!(std::fs::metadata(&big).expect("big").len(), 256 << 20);
+    let mut data = Vec::new();
+    std::fs::File::open(&big)
+        .expect("open")
+        .read_to_end(&mut data)
+        .expect("read");
+    assert!(data.iter().all(|&b| b == 0), "the file holds zeros");
+}

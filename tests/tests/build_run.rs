@@ -413,6 +413,33 @@ fn steps_start_with_default_signals() {
     f.assert_clean();
 }
 
+/// Issue 44 §2: a step writing 256 MiB of zeros (real blocks, as `dd if=/dev/zero`
+/// writes them) builds. Its layer compresses past 1,000:1 and is read back three ways: as
+/// the lower of the next step, as a stage tree for `COPY --from`, and by unpacking the
+/// image; a ratio bound refused it from 64 MiB on.
+#[test]
+fn step_writing_256_mib_of_zeros_builds() {
+    let f = fx("zeros");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (r, _) = f.build_with(
+        "Dockerfile",
+        &format!(
+            "FROM {bb} AS z\nRUN dd if=/dev/zero of=/big bs=1M count=256\n\
+             RUN test \"$(wc -c < /big)\" -eq 268435456\n\
+             FROM {bb}\nCOPY --from=z /big /copied\n"
+        ),
+        &f.options(),
+        |p| p.limits.timeout_secs = 300,
+    );
+    let out = r.unwrap_or_else(|e| panic!("build: {e}"));
+    let dir = f.unpack(&out);
+    assert_eq!(
+        std::fs::metadata(dir.join("copied")).expect("copied").len(),
+        256 << 20
+    );
+    f.assert_clean();
+}
+
 /// The build timeout kills the step; the error names the limit.
 #[test]
 fn timeout_stops_the_build() {
@@ -620,6 +647,47 @@ fn multi_stage_copy_from() {
     );
     assert!(!root.join("bin/vi").exists(), "FROM a keeps a's whiteout");
     assert!(root.join("out/vi").exists(), "COPY --from=<image>");
+    f.assert_clean();
+}
+
+/// A stage on another stage: its plan config holds only what it sets (issue 44 §3), and
+/// the image config it builds is still its base stage's with its own settings over it:
+/// env by key (a variable set again keeps its place), user, working directory, CMD,
+/// labels and ports inherited; the start command has the whole config.
+#[test]
+fn stage_on_stage_builds_its_base_stages_config() {
+    let f = fx("stageconfig");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (r, _) = f.build(&format!(
+        "FROM {bb} AS base\nENV A=1 B=1\nUSER 1234\nWORKDIR /app\nCMD [\"run\"]\n\
+         LABEL l=base\nEXPOSE 80\nFROM base AS mid\nENV B=2 C=2\nLABEL m=mid\n\
+         FROM mid\nEXPOSE 81\nRUN echo \"$A$B$C\" > seen\n"
+    ));
+    let out = r.unwrap_or_else(|e| panic!("build: {e}"));
+    let c = &out.config.config;
+    let env = c.env.clone().unwrap_or_default();
+    let mine: Vec<&String> = env.iter().filter(|e| !e.starts_with("PATH=")).collect();
+    assert_eq!(mine, ["A=1", "B=2", "C=2"], "{env:?}");
+    assert_eq!(c.user.as_deref(), Some("1234"));
+    assert_eq!(c.working_dir.as_deref(), Some("/app"));
+    assert_eq!(c.cmd.as_deref(), Some(&["run".to_string()][..]));
+    let labels = c.labels.clone().unwrap_or_default();
+    assert_eq!(labels.get("l").map(String::as_str), Some("base"));
+    assert_eq!(labels.get("m").map(String::as_str), Some("mid"));
+    let ports = c.exposed_ports.clone().unwrap_or_default();
+    assert!(
+        ports.contains_key("80/tcp") && ports.contains_key("81/tcp"),
+        "{ports:?}"
+    );
+    let start = out.image.sandbox.start.clone().expect("a start command");
+    assert_eq!(start.argv, ["run"]);
+    assert!(start.env.contains(&"C=2".to_string()), "{:?}", start.env);
+    assert_eq!(start.workdir.as_deref(), Some("/app"));
+    let root = f.unpack(&out);
+    assert_eq!(
+        std::fs::read_to_string(root.join("app/seen")).expect("seen"),
+        "122\n"
+    );
     f.assert_clean();
 }
 

@@ -7,7 +7,7 @@
 //! same input gives the same bytes. No `created` time is written unless the build has a
 //! `SOURCE_DATE_EPOCH`: identical inputs give identical digests.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use kiln_recipes::plan::{Healthcheck, ImageConfig};
 use serde::{Deserialize, Serialize};
@@ -186,13 +186,23 @@ fn env_key(e: &str) -> &str {
     e.split_once('=').map_or(e, |(k, _)| k)
 }
 
-/// `over` put over `base` by key: base order kept, values replaced, new keys appended.
+/// `over` put over `base` by key: base order kept, values replaced (the first entry of a
+/// key, if `base` repeats one), new keys appended. Linear: one map lookup per entry (each
+/// step merges its env over its base's, and a wide env over a wide base must not cost
+/// their product).
 pub fn merge_env(base: &[String], over: &[String]) -> Vec<String> {
     let mut out: Vec<String> = base.to_vec();
+    let mut at: HashMap<String, usize> = HashMap::with_capacity(base.len() + over.len());
+    for (i, b) in base.iter().enumerate() {
+        at.entry(env_key(b).to_string()).or_insert(i);
+    }
     for e in over {
-        match out.iter_mut().find(|b| env_key(b) == env_key(e)) {
-            Some(slot) => *slot = e.clone(),
-            None => out.push(e.clone()),
+        match at.get(env_key(e)) {
+            Some(&i) => out[i] = e.clone(),
+            None => {
+                at.insert(env_key(e).to_string(), out.len());
+                out.push(e.clone());
+            }
         }
     }
     out
@@ -267,6 +277,15 @@ mod tests {
         // Idempotent when the plan already carries the base's env.
         let full = merge_env(&base, &over);
         assert_eq!(merge_env(&base, &full), full);
+        // A key the base repeats: the first is replaced; a key `over` repeats: the last wins.
+        let dup = vec!["A=1".to_string(), "A=x".to_string()];
+        let over = vec!["A=2".to_string(), "C=1".to_string(), "C=2".to_string()];
+        assert_eq!(merge_env(&dup, &over), ["A=2", "A=x", "C=2"]);
+        // A wide env over a wide base stays linear (50,000 × 50,000 comparisons before).
+        let wide: Vec<String> = (0..50_000).map(|i| format!("K{i}={i}")).collect();
+        let start = std::time::Instant::now();
+        assert_eq!(merge_env(&wide, &wide), wide);
+        assert!(start.elapsed() < std::time::Duration::from_secs(5));
     }
 
     #[test]

@@ -250,6 +250,20 @@ struct Ctx {
     cached: AtomicUsize,
 }
 
+impl Ctx {
+    /// The bounds every layer this build reads is applied with: the caller's
+    /// [`BuildOptions::layer_limits`] with the build's deadline, so that reading a layer
+    /// (a base's, a cached step's, a `COPY --from` stage tree) stops at the build's time
+    /// limit and on its cancel like a step does.
+    fn layer_limits(&self) -> Limits {
+        Limits {
+            deadline: Some(self.deadline),
+            cancel: Some(self.cancel.clone()),
+            ..self.opts.layer_limits.clone()
+        }
+    }
+}
+
 /// Builds `plan` whose bases `bases` were resolved by [`crate::resolve::resolve_plan`],
 /// with blobs in `cache` and cache entries in `store` (the same store). Events go to
 /// `events`. Returns the image; nothing is tagged.
@@ -704,7 +718,7 @@ async fn lowers_with_blobs(
         let mut dirs = Vec::with_capacity(digests.len());
         let mut blobs = Vec::with_capacity(digests.len());
         for d in topmost_unique(&digests) {
-            dirs.push(c.dirs.ensure(c.cache.as_ref(), d, &c.opts.layer_limits)?);
+            dirs.push(c.dirs.ensure(c.cache.as_ref(), d, &c.layer_limits())?);
             if let Some(path) = c.cache.blob_path(d)? {
                 blobs.push(crate::ext4::LayerBlob {
                     digest: d.clone(),
@@ -1022,7 +1036,7 @@ async fn run_step(
             spec.env.extend(added);
             spec.user = user;
             spec.lower_layers = lower_layers;
-            spec.layer_limits = ctx.opts.layer_limits;
+            spec.layer_limits = ctx.layer_limits();
             let used = ctx.log_bytes.load(Ordering::Relaxed);
             spec.log_budget = Some(ctx.opts.exec.log_limits.total_max.saturating_sub(used));
             let c = ctx.clone();
@@ -1091,7 +1105,7 @@ async fn run_step(
                 message: "sources were not prepared".into(),
             })?;
             let c = c.clone();
-            let limits = ctx.opts.layer_limits;
+            let limits = ctx.layer_limits();
             let r = tokio::task::spawn_blocking({
                 let (upper, work, mnt) = (upper.clone(), s.work.clone(), s.mnt.clone());
                 move || {
@@ -1315,8 +1329,7 @@ async fn stage_tree(ctx: &Arc<Ctx>, st: &StageOut) -> Result<PathBuf, BuildError
                 .blob_path(d)?
                 .ok_or_else(|| LowerError::Missing(d.clone()))?;
             let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
-            crate::layer::apply_layer(&tmp, f, d, &c.opts.layer_limits)
-                .map_err(LowerError::from)?;
+            crate::layer::apply_layer(&tmp, f, d, &c.layer_limits()).map_err(LowerError::from)?;
         }
         if let Err(e) = fs::rename(&tmp, &dir)
             && !dir.is_dir()
@@ -1405,12 +1418,12 @@ async fn image_tree(
         fs::create_dir_all(&parent).map_err(io_err("creating", &parent))?;
         let tmp = parent.join(c.dirs.temp("image").file_name().unwrap_or_default());
         let guard = TempDir(tmp.clone());
-        crate::base::unpack(c.cache.as_ref(), &digest, &tmp, &c.opts.layer_limits).map_err(
-            |e| BuildError::Copy {
+        crate::base::unpack(c.cache.as_ref(), &digest, &tmp, &c.layer_limits()).map_err(|e| {
+            BuildError::Copy {
                 location: loc.clone(),
                 message: e.to_string(),
-            },
-        )?;
+            }
+        })?;
         if let Err(e) = fs::rename(&tmp, &dir)
             && !dir.is_dir()
         {

@@ -911,7 +911,7 @@ fn copy_inner(
         },
         filter: &filter,
         limits: opts.limits,
-        tar_limits: opts.tar_limits,
+        tar_limits: opts.tar_limits.clone(),
         unpack: step.unpack,
         report: CopyReport::default(),
         shown: String::new(),

@@ -421,7 +421,7 @@ impl Flat {
     ) -> Result<Flat, Ext4Error> {
         let mut f = Flat {
             layers: layers.to_vec(),
-            limits: *limits,
+            limits: limits.clone(),
             clamp,
             default_mtime,
             paths: BTreeMap::new(),

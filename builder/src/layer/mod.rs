@@ -19,9 +19,18 @@
 //! the content; directories' at the end of the layer, deepest first). Whiteouts follow
 //! [`whiteout`].
 //!
-//! Bounds ([`Limits`]) on entry count, total uncompressed bytes, one file's size and the
-//! decompression ratio; exceeding one is a [`LayerError::Limit`] naming the layer digest and
-//! the entry being read.
+//! Bounds ([`Limits`]) on entry count, total uncompressed bytes and one file's size, and a
+//! deadline and a cancel flag; exceeding a bound is a [`LayerError::Limit`], passing the
+//! deadline a [`LayerError::Deadline`], a cancel a [`LayerError::Cancelled`], each naming
+//! the layer digest and the entry being read.
+//!
+//! There is no bound on the decompression ratio. A ratio does not tell a bomb from an
+//! ordinary file: 64 MiB of zeros (`dd if=/dev/zero`), a log or a sparse database compress
+//! far better than 100:1, and refusing them refused layers kiln's own steps had written
+//! (issue 44 §2). What a bomb costs is bytes written and time, and those are bounded
+//! directly: by [`Limits::max_total_bytes`], [`Limits::max_entries`] and
+//! [`Limits::max_file_bytes`] for the bytes, by [`Limits::deadline`] (the build's time limit)
+//! for the time.
 //!
 //! ## Sparse files
 //! GNU sparse entries (type `S`, the "old GNU" sparse format of the GNU tar manual, section
@@ -31,7 +40,7 @@
 //! its extension headers like other extension data), and [`BoundedStream::extents`] hands it
 //! to the entry's reader, so that apply and the ext4 flattener write the holes as holes
 //! (apply: data written at its offsets, the file's length set after; zero 4 KiB blocks of
-//! any file are not written either). Byte bounds: the total, ratio and extension-header
+//! any file are not written either). Byte bounds: the total and extension-header
 //! bounds count the stream's bytes, which for a sparse entry are its data and map only, so
 //! the decompression-bomb bound holds for data and costs nothing for holes; a file's
 //! apparent size (its real size) is bounded by [`Limits::max_file_bytes`], see there.
@@ -64,7 +73,7 @@ const MAX_DEPTH: usize = 1024;
 pub const MAX_METADATA_BYTES: u64 = 1 << 20;
 
 /// Bounds on one layer. Every field is checked while reading; see [`LayerError::Limit`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Limits {
     /// Total uncompressed bytes of the tar stream (headers included), bytes.
     pub max_total_bytes: u64,
@@ -77,23 +86,72 @@ pub struct Limits {
     /// 2 KiB layer can describe a file of 8 EiB) would make those reads endless. 16 GiB
     /// (the default) is what `truncate -s 16G` makes.
     pub max_file_bytes: u64,
-    /// Uncompressed / compressed bytes, checked once the uncompressed side passes
-    /// [`Limits::ratio_floor_bytes`].
-    pub max_ratio: u64,
-    /// Uncompressed bytes below which the ratio is not checked (small layers compress well).
-    pub ratio_floor_bytes: u64,
+    /// When reading the layer must stop ([`LayerError::Deadline`]): a build passes its own
+    /// time limit here, so a layer that takes longer than the build may (a slow decompressor,
+    /// a bomb just under the byte bounds) is stopped by it. Checked before each entry and on
+    /// each read of the decompressed stream, so it is overrun by at most one read (one
+    /// reader's buffer) and one file-system operation.
+    /// `None`: no time bound (tools and tests outside a build).
+    pub deadline: Option<std::time::Instant>,
+    /// Set by the caller to stop reading ([`LayerError::Cancelled`]): a build passes its
+    /// cancel flag (Ctrl-C, SIGTERM, a failed stage), checked where the deadline is.
+    /// `None`: not cancellable.
+    pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
+impl PartialEq for Limits {
+    /// Equal bounds and deadline, and the same cancel flag (by identity).
+    fn eq(&self, other: &Self) -> bool {
+        self.max_total_bytes == other.max_total_bytes
+            && self.max_entries == other.max_entries
+            && self.max_file_bytes == other.max_file_bytes
+            && self.deadline == other.deadline
+            && match (&self.cancel, &other.cancel) {
+                (None, None) => true,
+                (Some(a), Some(b)) => std::sync::Arc::ptr_eq(a, b),
+                _ => false,
+            }
+    }
+}
+
+impl Eq for Limits {}
+
 impl Default for Limits {
-    /// 32 GiB total, 4 Mi entries, 16 GiB per file, ratio 100 past 64 MiB. A Debian or Ubuntu
-    /// base layer is about 80-120 MiB at ratio 2.5-4 (measured on the test fixtures).
+    /// 32 GiB total, 4 Mi entries, 16 GiB per file, no deadline. A Debian or Ubuntu base
+    /// layer is about 80-120 MiB in a few thousand entries (measured on the test fixtures).
     fn default() -> Self {
         Limits {
             max_total_bytes: 32 << 30,
             max_entries: 4 << 20,
             max_file_bytes: 16 << 30,
-            max_ratio: 100,
-            ratio_floor_bytes: 64 << 20,
+            deadline: None,
+            cancel: None,
+        }
+    }
+}
+
+impl Limits {
+    /// Whether [`Limits::deadline`] has passed.
+    pub fn expired(&self) -> bool {
+        self.deadline
+            .is_some_and(|d| std::time::Instant::now() >= d)
+    }
+
+    /// Whether [`Limits::cancel`] is set.
+    pub fn cancelled(&self) -> bool {
+        self.cancel
+            .as_ref()
+            .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Which of [`LimitKind::Deadline`] and [`LimitKind::Cancelled`] stops reading now.
+    fn stop(&self) -> Option<LimitKind> {
+        if self.cancelled() {
+            Some(LimitKind::Cancelled)
+        } else if self.expired() {
+            Some(LimitKind::Deadline)
+        } else {
+            None
         }
     }
 }
@@ -107,8 +165,10 @@ pub enum LimitKind {
     Entries,
     /// [`Limits::max_file_bytes`].
     FileBytes,
-    /// [`Limits::max_ratio`].
-    Ratio,
+    /// [`Limits::deadline`] (reported as [`LayerError::Deadline`]).
+    Deadline,
+    /// [`Limits::cancel`] (reported as [`LayerError::Cancelled`]).
+    Cancelled,
     /// [`MAX_METADATA_BYTES`]: one PAX or GNU long-name header's data (the tar reader keeps
     /// it in memory, so it is bounded before the reader sees it).
     MetadataBytes,
@@ -120,7 +180,8 @@ impl std::fmt::Display for LimitKind {
             LimitKind::TotalBytes => "total uncompressed bytes",
             LimitKind::Entries => "entry count",
             LimitKind::FileBytes => "file size",
-            LimitKind::Ratio => "decompression ratio",
+            LimitKind::Deadline => "deadline",
+            LimitKind::Cancelled => "cancel",
             LimitKind::MetadataBytes => "extension header size",
         })
     }
@@ -241,6 +302,22 @@ pub enum LayerError {
         /// The bound's value.
         max: u64,
     },
+    /// [`Limits::deadline`] passed while the layer was read (the build's time limit).
+    #[error("layer {digest}: entry {entry}: stopped at the time limit")]
+    Deadline {
+        /// Layer digest.
+        digest: String,
+        /// Entry being read.
+        entry: String,
+    },
+    /// [`Limits::cancel`] was set while the layer was read.
+    #[error("layer {digest}: entry {entry}: cancelled")]
+    Cancelled {
+        /// Layer digest.
+        digest: String,
+        /// Entry being read.
+        entry: String,
+    },
     /// A file-system operation failed.
     #[error("layer {digest}: entry {entry}: {op}: {source}")]
     Io {
@@ -314,7 +391,6 @@ impl Compression {
 /// Counters shared between the reader stack and the apply loop.
 #[derive(Default)]
 struct Counters {
-    compressed: Cell<u64>,
     uncompressed: Cell<u64>,
     hit: Cell<Option<LimitKind>>,
     /// The map of the last GNU sparse entry the framer read whole, for
@@ -533,19 +609,6 @@ impl Framer {
     }
 }
 
-struct CountIn<R> {
-    inner: R,
-    c: Rc<Counters>,
-}
-
-impl<R: Read> Read for CountIn<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.c.compressed.set(self.c.compressed.get() + n as u64);
-        Ok(n)
-    }
-}
-
 struct CountOut<R> {
     inner: R,
     c: Rc<Counters>,
@@ -573,12 +636,8 @@ impl<R: Read> Read for CountOut<R> {
         self.c.uncompressed.set(total);
         let kind = if total > self.limits.max_total_bytes {
             Some(LimitKind::TotalBytes)
-        } else if total > self.limits.ratio_floor_bytes
-            && total / self.c.compressed.get().max(1) > self.limits.max_ratio
-        {
-            Some(LimitKind::Ratio)
         } else {
-            None
+            self.limits.stop()
         };
         if let Some(k) = kind {
             self.c.hit.set(Some(k));
@@ -617,7 +676,7 @@ pub fn apply_layer(
         entry: String::from("(start)"),
         created: Created::default(),
         dirs: Vec::new(),
-        limits: *limits,
+        limits: limits.clone(),
     };
     let mut archive = tar::Archive::new(stream);
     let mut entries_read = 0u64;
@@ -628,6 +687,21 @@ pub fn apply_layer(
         applier.entry = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
         if entries_read > limits.max_entries {
             return Err(applier.limit(LimitKind::Entries, limits.max_entries));
+        }
+        match limits.stop() {
+            Some(LimitKind::Cancelled) => {
+                return Err(LayerError::Cancelled {
+                    digest: digest.to_string(),
+                    entry: applier.entry.clone(),
+                });
+            }
+            Some(_) => {
+                return Err(LayerError::Deadline {
+                    digest: digest.to_string(),
+                    entry: applier.entry.clone(),
+                });
+            }
+            None => {}
         }
         match applier.apply_entry(&mut entry, &bounded) {
             Ok(()) => {}
@@ -1343,7 +1417,7 @@ impl Applier {
 
 /// A layer's decompressed tar stream with the bounds of [`Limits`] enforced, for readers of
 /// layers other than [`apply_layer`] (the ext4 flattener): the same compression sniffing,
-/// byte, ratio and extension-header bounds and GNU-sparse refusal.
+/// byte, extension-header and time bounds and GNU-sparse refusal.
 pub(crate) struct BoundedStream {
     counters: Rc<Counters>,
     limits: Limits,
@@ -1358,13 +1432,7 @@ pub(crate) fn bounded_stream<'a>(
     limits: &Limits,
 ) -> Result<(Box<dyn Read + 'a>, BoundedStream), LayerError> {
     let counters = Rc::new(Counters::default());
-    let mut raw = BufReader::with_capacity(
-        256 << 10,
-        CountIn {
-            inner: layer,
-            c: counters.clone(),
-        },
-    );
+    let mut raw = BufReader::with_capacity(256 << 10, layer);
     let tar_err = |e: io::Error| LayerError::Tar {
         digest: digest.to_string(),
         entry: "(start)".into(),
@@ -1375,14 +1443,14 @@ pub(crate) fn bounded_stream<'a>(
     let counted = CountOut {
         inner: decoded,
         c: counters.clone(),
-        limits: *limits,
+        limits: limits.clone(),
         framer: Framer::default(),
     };
     Ok((
         Box::new(counted),
         BoundedStream {
             counters,
-            limits: *limits,
+            limits: limits.clone(),
             digest: digest.to_string(),
         },
     ))
@@ -1394,13 +1462,21 @@ impl BoundedStream {
     pub(crate) fn error(&self, e: io::Error, entry: &str) -> LayerError {
         let digest = self.digest.clone();
         match self.counters.hit.get() {
+            Some(LimitKind::Deadline) => LayerError::Deadline {
+                digest,
+                entry: entry.to_string(),
+            },
+            Some(LimitKind::Cancelled) => LayerError::Cancelled {
+                digest,
+                entry: entry.to_string(),
+            },
             Some(kind) => LayerError::Limit {
                 digest,
                 entry: entry.to_string(),
                 kind,
                 max: match kind {
                     LimitKind::TotalBytes => self.limits.max_total_bytes,
-                    LimitKind::Ratio => self.limits.max_ratio,
+                    LimitKind::Deadline | LimitKind::Cancelled => 0,
                     LimitKind::Entries => self.limits.max_entries,
                     LimitKind::FileBytes => self.limits.max_file_bytes,
                     LimitKind::MetadataBytes => MAX_METADATA_BYTES,

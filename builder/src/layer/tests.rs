@@ -343,8 +343,8 @@ fn small_limits() -> Limits {
         max_total_bytes: 16 << 10,
         max_entries: 10,
         max_file_bytes: 4000,
-        max_ratio: 20,
-        ratio_floor_bytes: 64 << 10,
+        deadline: None,
+        cancel: None,
     }
 }
 
@@ -636,9 +636,11 @@ fn hostile_corpus() {
             )
         },
     ));
+    // A bomb is refused by the bound on unpacked bytes (there is no ratio bound): 4 MiB of
+    // zeros, a few KiB compressed, past a 1 MiB total, with the file bound out of the way.
     let bomb = tar_of(vec![E::File(b"zeros", &vec![0u8; 4 << 20])]);
     let bomb_limits = Limits {
-        max_total_bytes: 1 << 30,
+        max_total_bytes: 1 << 20,
         max_file_bytes: 1 << 30,
         ..small_limits()
     };
@@ -646,12 +648,12 @@ fn hostile_corpus() {
         (
             "gzip bomb",
             gzip(&bomb),
-            |e| matches!(e, L::Limit { kind: LimitKind::Ratio, entry, .. } if entry == "zeros"),
+            |e| matches!(e, L::Limit { kind: LimitKind::TotalBytes, entry, .. } if entry == "zeros"),
         ),
         (
             "zstd bomb",
             zstd::encode_all(&bomb[..], 3).expect("in-memory zstd"),
-            |e| matches!(e, L::Limit { kind: LimitKind::Ratio, entry, .. } if entry == "zeros"),
+            |e| matches!(e, L::Limit { kind: LimitKind::TotalBytes, entry, .. } if entry == "zeros"),
         ),
     ];
     let n_small = cases.len();
@@ -662,7 +664,7 @@ fn hostile_corpus() {
         let limits = if i < n_small {
             small_limits()
         } else {
-            bomb_limits
+            bomb_limits.clone()
         };
         match sb.apply_with(&tar, &limits) {
             Ok(s) => panic!("{name}: accepted ({s:?})"),
@@ -679,26 +681,151 @@ fn hostile_corpus() {
     }
 }
 
+/// Files that compress far better than 100:1 (zeros, as `dd if=/dev/zero` writes them)
+/// apply whatever their ratio, up to the byte bounds, and the bound on unpacked bytes
+/// names the entry that passed it (issue 44 §2: a 64 MiB file of zeros was refused by a
+/// ratio bound).
 #[test]
-fn ratio_limit_names_entry() {
-    let sb = Sandbox::new();
+fn well_compressed_files_apply_and_the_byte_bound_names_the_entry() {
+    let zeros = vec![0u8; 8 << 20];
     let t = gzip(&tar_of(vec![
         E::File(b"small", b"x"),
-        E::File(b"zeros", &vec![0u8; 900_000]),
+        E::File(b"zeros", &zeros),
     ]));
+    assert!(t.len() * 100 < zeros.len(), "gzip wrote {} bytes", t.len());
+    let sb = Sandbox::new();
     let limits = Limits {
-        max_file_bytes: 1 << 20,
-        max_total_bytes: 1 << 20,
+        max_file_bytes: 16 << 20,
+        max_total_bytes: 16 << 20,
+        ..small_limits()
+    };
+    sb.apply_with(&t, &limits)
+        .expect("8 MiB of zeros under a 16 MiB bound");
+    assert_eq!(
+        fs::metadata(sb.root().join("zeros")).expect("zeros").len(),
+        8 << 20
+    );
+    let sb = Sandbox::new();
+    let limits = Limits {
+        max_file_bytes: 16 << 20,
+        max_total_bytes: 4 << 20,
         ..small_limits()
     };
     match sb.apply_with(&t, &limits) {
         Err(LayerError::Limit {
-            kind: LimitKind::Ratio,
+            kind: LimitKind::TotalBytes,
             entry,
+            max,
             ..
-        }) => assert_eq!(entry, "zeros"),
-        other => panic!("expected a ratio error, got {other:?}"),
+        }) => assert_eq!((entry.as_str(), max), ("zeros", 4 << 20)),
+        other => panic!("expected the total-bytes bound, got {other:?}"),
     }
+    sb.assert_untouched("byte bound");
+}
+
+/// A layer stream that takes long to read: one entry of `size` zero bytes, each read of at
+/// most 64 KiB sleeping `pause` first (a slow decompressor or a bomb under the byte bounds).
+struct SlowLayer {
+    head: Vec<u8>,
+    at: usize,
+    left: u64,
+    pause: std::time::Duration,
+}
+
+impl SlowLayer {
+    fn new(name: &[u8], size: u64, pause: std::time::Duration) -> Self {
+        SlowLayer {
+            head: header(name, EntryType::Regular, size, b"", 0o644)
+                .as_bytes()
+                .to_vec(),
+            at: 0,
+            left: size,
+            pause,
+        }
+    }
+}
+
+impl Read for SlowLayer {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.at < self.head.len() {
+            let n = buf.len().min(self.head.len() - self.at);
+            buf[..n].copy_from_slice(&self.head[self.at..self.at + n]);
+            self.at += n;
+            return Ok(n);
+        }
+        std::thread::sleep(self.pause);
+        let n = buf.len().min(64 << 10).min(self.left as usize);
+        buf[..n].fill(0);
+        self.left -= n as u64;
+        Ok(n)
+    }
+}
+
+/// [`Limits::deadline`] stops a layer that is still being read when it passes, naming the
+/// entry: a 1 GiB entry read 64 KiB per millisecond would take over 16 s; a deadline 300 ms
+/// away ends it well within 5 s. A deadline already past refuses the layer at its first
+/// entry.
+#[test]
+fn deadline_stops_a_slow_layer() {
+    let sb = Sandbox::new();
+    let start = std::time::Instant::now();
+    let limits = Limits {
+        deadline: Some(start + std::time::Duration::from_millis(300)),
+        ..Limits::default()
+    };
+    let slow = SlowLayer::new(b"slow", 1 << 30, std::time::Duration::from_millis(1));
+    let r = apply_layer(&sb.root(), slow, DIGEST, &limits);
+    let took = start.elapsed();
+    match r {
+        Err(LayerError::Deadline { entry, .. }) => assert_eq!(entry, "slow"),
+        other => panic!("expected the deadline, got {other:?}"),
+    }
+    assert!(
+        took < std::time::Duration::from_secs(5),
+        "stopped after {took:?}"
+    );
+    sb.assert_untouched("deadline");
+
+    let past = Limits {
+        deadline: Some(std::time::Instant::now()),
+        ..Limits::default()
+    };
+    let t = tar_of(vec![E::File(b"a", b"x")]);
+    match Sandbox::new().apply_with(&t, &past) {
+        Err(LayerError::Deadline { .. }) => {}
+        other => panic!("expected the deadline, got {other:?}"),
+    }
+}
+
+/// [`Limits::cancel`] stops a layer that is still being read when it is set (from another
+/// thread, 300 ms in, as a build's cancel is), naming the entry, well before the 16 s the
+/// layer would take.
+#[test]
+fn cancel_stops_a_slow_layer() {
+    let sb = Sandbox::new();
+    let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let limits = Limits {
+        cancel: Some(flag.clone()),
+        ..Limits::default()
+    };
+    let setter = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        flag.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let start = std::time::Instant::now();
+    let slow = SlowLayer::new(b"slow", 1 << 30, std::time::Duration::from_millis(1));
+    let r = apply_layer(&sb.root(), slow, DIGEST, &limits);
+    let took = start.elapsed();
+    setter.join().expect("setter");
+    match r {
+        Err(LayerError::Cancelled { entry, .. }) => assert_eq!(entry, "slow"),
+        other => panic!("expected the cancel, got {other:?}"),
+    }
+    assert!(
+        took < std::time::Duration::from_secs(5),
+        "stopped after {took:?}"
+    );
+    sb.assert_untouched("cancel");
 }
 
 #[test]
@@ -936,8 +1063,8 @@ fn pax_size_disagreements_hide_nothing_from_the_bounds() {
         max_total_bytes: 1 << 20,
         max_entries: 100,
         max_file_bytes: 64 << 20,
-        max_ratio: 100,
-        ratio_floor_bytes: 1 << 20,
+        deadline: None,
+        cancel: None,
     };
     // Each gives the entry after it no data for the reader and `hidden` bytes for a framer
     // that reads PAX records another way.
@@ -984,7 +1111,7 @@ fn pax_size_disagreements_hide_nothing_from_the_bounds() {
             &tar,
             &Limits {
                 max_file_bytes: 4 << 20,
-                ..limits
+                ..limits.clone()
             },
         );
         assert!(
@@ -1022,7 +1149,7 @@ fn pax_size_disagreements_hide_nothing_from_the_bounds() {
         ]);
         let big = Limits {
             max_total_bytes: 64 << 20,
-            ..limits
+            ..limits.clone()
         };
         let s = Sandbox::new();
         let r = s.apply_with(&tar, &big);
@@ -1260,8 +1387,9 @@ fn sparse_files_keep_their_holes_through_write_and_apply() {
 
 /// A layer made by GNU tar (`--sparse`, old GNU format: type `S` entries) applies with its
 /// holes; a sparse entry whose apparent size passes [`Limits::max_file_bytes`] is refused
-/// although its data is small (the bound on apparent size), while the ratio bound still
-/// stops a layer of real zeros ([`ratio_limit_names_entry`]).
+/// although its data is small (the bound on apparent size), while the bound on unpacked
+/// bytes still stops a layer of real zeros
+/// ([`well_compressed_files_apply_and_the_byte_bound_names_the_entry`]).
 #[test]
 fn gnu_tar_sparse_entries_apply_with_holes_and_are_bounded_by_apparent_size() {
     let d = tempfile::tempdir().expect("tempdir");

@@ -16,9 +16,11 @@
 //!   cycle through `COPY --from` is an error.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ops::Range;
+use std::sync::Arc;
 
+use super::env_map::EnvMap;
 use super::instructions::{CommandLine, CopyArgs, HealthcheckArgs, Instr, InstrKind, SourceArg};
 use super::syntax::{self, RunHeredoc};
 use crate::Options;
@@ -152,68 +154,66 @@ impl Lines {
 }
 
 /// The variables in scope at an instruction. Lookups go through name indexes, so a
-/// hostile `ENV` with a hundred thousand pairs stays linear.
+/// hostile `ENV` with a hundred thousand pairs stays linear; a clone is a few reference
+/// counts (the env is persistent, the ARGs are copied on their first change), so a stage
+/// built on another one shares its parent's env rather than copying it (issue 44 §3).
 #[derive(Debug, Clone, Default)]
 struct Scope {
     /// `ENV`, in definition order.
-    env: Vec<(String, String)>,
-    /// Position of each name in `env`.
-    env_index: BTreeMap<String, usize>,
-    /// Declared ARGs in declaration order (`None`: declared without a value).
-    args: Vec<(String, Option<String>)>,
-    /// Position of each name in `args`.
-    args_index: BTreeMap<String, usize>,
+    env: EnvMap,
+    /// Declared ARGs.
+    args: Arc<Args>,
     /// The base's env is unknown: `$PATH` falls back to Docker's default PATH, which
     /// nearly every Linux base image sets (and BuildKit gives `RUN` when a base has none).
     default_path: bool,
 }
 
+/// Declared ARGs in declaration order (`None`: declared without a value), with an index.
+#[derive(Debug, Clone, Default)]
+struct Args {
+    list: Vec<(String, Option<String>)>,
+    /// Position of each name in `list`.
+    index: HashMap<String, usize>,
+}
+
 impl Scope {
     fn get(&self, name: &str) -> Option<String> {
-        if let Some(&i) = self.env_index.get(name) {
-            return Some(self.env[i].1.clone());
+        if let Some(v) = self.env.get(name) {
+            return Some(v.to_string());
         }
         let arg = self
-            .args_index
+            .args
+            .index
             .get(name)
-            .and_then(|&i| self.args[i].1.clone());
+            .and_then(|&i| self.args.list[i].1.clone());
         if arg.is_none() && self.default_path && name == "PATH" {
             return Some(DEFAULT_PATH.to_string());
         }
         arg
     }
 
-    fn set_env(&mut self, key: String, value: String) {
-        match self.env_index.get(&key) {
-            Some(&i) => self.env[i].1 = value,
-            None => {
-                self.env_index.insert(key.clone(), self.env.len());
-                self.env.push((key, value));
-            }
-        }
-    }
-
-    /// Replaces the whole env (a stage base's).
-    fn replace_env(&mut self, env: &[(String, String)]) {
-        self.env.clear();
-        self.env_index.clear();
-        for (k, v) in env {
-            self.set_env(k.clone(), v.clone());
-        }
+    fn set_env(&mut self, key: &str, value: &str) {
+        self.env.set(key, value);
     }
 
     fn set_arg(&mut self, key: String, value: Option<String>) {
-        match self.args_index.get(&key) {
-            Some(&i) => self.args[i].1 = value,
+        let args = Arc::make_mut(&mut self.args);
+        match args.index.get(&key) {
+            Some(&i) => args.list[i].1 = value,
             None => {
-                self.args_index.insert(key.clone(), self.args.len());
-                self.args.push((key, value));
+                args.index.insert(key.clone(), args.list.len());
+                args.list.push((key, value));
             }
         }
     }
 
+    /// The env as `KEY=value` strings, in definition order.
     fn env_strings(&self) -> Vec<String> {
-        self.env.iter().map(|(k, v)| format!("{k}={v}")).collect()
+        self.env
+            .entries()
+            .into_iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect()
     }
 }
 
@@ -228,8 +228,15 @@ struct Lowering<'o> {
     used: BTreeSet<String>,
     /// Unset variables referenced since the last instruction was finished.
     undefined: RefCell<Vec<String>>,
+    /// The same names as a set (an instruction may reference thousands).
+    undefined_set: RefCell<HashSet<String>>,
     /// Bytes of expanded strings so far (see [`MAX_PLAN_BYTES`]).
     plan_bytes: std::cell::Cell<usize>,
+    /// The env of each base image given in [`Options::base_images`], made once and shared
+    /// by every stage on that image.
+    base_envs: HashMap<String, EnvMap>,
+    /// Source index of each named stage (names are unique).
+    stage_index: HashMap<String, usize>,
 }
 
 /// Where a stage reference points before pruning.
@@ -252,7 +259,17 @@ struct Draft {
     deps: BTreeMap<usize, usize>,
     /// Offset of the FROM line.
     offset: usize,
+    /// The image config so far. For a stage on another stage, only what this stage sets
+    /// (see [`Stage::config`]); its `env`, `exposed_ports` and `volumes` are filled in by
+    /// [`Draft::finish_config`].
     config: ImageConfig,
+    /// Names this stage's own `ENV` set, in the order of their first setting here, and
+    /// the same as a set.
+    own_env: Vec<String>,
+    own_env_set: HashSet<String>,
+    /// `EXPOSE` and `VOLUME` of this stage (a stage image's own included), sorted.
+    ports: BTreeSet<String>,
+    volumes: BTreeSet<String>,
     scope: Scope,
     state: StageState,
     used_args: BTreeSet<String>,
@@ -263,11 +280,71 @@ struct Draft {
     base_env_known: bool,
 }
 
+/// User, working directory and shell at a point of a stage; each is shared, so a stage on
+/// another one takes its parent's without copying them.
 #[derive(Debug, Clone, Default)]
 struct StageState {
-    user: Option<String>,
-    workdir: String,
-    shell: Vec<String>,
+    user: Option<Arc<str>>,
+    workdir: Arc<str>,
+    shell: Arc<Vec<String>>,
+}
+
+impl Draft {
+    /// An empty draft, left in the list where a finished one was taken out.
+    fn placeholder() -> Draft {
+        Draft {
+            name: None,
+            base: Base::Scratch,
+            base_stage: None,
+            platform: String::new(),
+            location: SourceLocation {
+                file: String::new(),
+                start_line: 0,
+                end_line: 0,
+            },
+            steps: Vec::new(),
+            deps: BTreeMap::new(),
+            offset: 0,
+            config: ImageConfig::default(),
+            own_env: Vec::new(),
+            own_env_set: HashSet::new(),
+            ports: BTreeSet::new(),
+            volumes: BTreeSet::new(),
+            scope: Scope::default(),
+            state: StageState::default(),
+            used_args: BTreeSet::new(),
+            warnings: Vec::new(),
+            disk_mib: None,
+            cmd_set: false,
+            base_env_known: true,
+        }
+    }
+
+    /// Fills in the config's `env`, `exposed_ports` and `volumes`: for a stage on another
+    /// stage, the variables this stage set (with their final values) and its own ports
+    /// and volumes, which the builder puts over its base stage's config; else the whole
+    /// env. Returns the bytes added, for [`MAX_PLAN_BYTES`].
+    fn finish_config(&mut self) -> usize {
+        self.config.env = if self.base_stage.is_some() {
+            self.own_env
+                .iter()
+                .map(|k| format!("{k}={}", self.scope.env.get(k).unwrap_or_default()))
+                .collect()
+        } else {
+            self.scope.env_strings()
+        };
+        self.config.exposed_ports = std::mem::take(&mut self.ports).into_iter().collect();
+        self.config.volumes = std::mem::take(&mut self.volumes).into_iter().collect();
+        [
+            &self.config.env,
+            &self.config.exposed_ports,
+            &self.config.volumes,
+        ]
+        .iter()
+        .flat_map(|v| v.iter())
+        .map(|e| e.len() + 24)
+        .sum()
+    }
 }
 
 /// Lowers Dockerfile `text` named `file`.
@@ -343,7 +420,10 @@ pub(crate) fn lower_instrs(
         global,
         used: BTreeSet::new(),
         undefined: RefCell::new(Vec::new()),
+        undefined_set: RefCell::new(HashSet::new()),
         plan_bytes: std::cell::Cell::new(0),
+        base_envs: HashMap::new(),
+        stage_index: HashMap::new(),
     };
 
     // Global ARGs: everything before the first FROM.
@@ -389,12 +469,13 @@ pub(crate) fn lower_instrs(
                     LowerError::StageName(n.clone()),
                 ));
             }
-            if names.iter().flatten().any(|m| m == n) {
+            if lw.stage_index.contains_key(n) {
                 return Err(Fault::new(
                     from.span.start,
                     LowerError::DuplicateStage(n.clone()),
                 ));
             }
+            lw.stage_index.insert(n.clone(), names.len());
         }
         names.push(name);
     }
@@ -445,19 +526,30 @@ pub(crate) fn lower_instrs(
         .map(|(plan, &src)| (src, plan))
         .collect();
 
+    // The target's whole env, for its start command (its config may hold only what it set
+    // over a base stage).
+    let target_env = match drafts.get(target) {
+        Some(Ok(d)) => {
+            lw.charge(d.scope.env.len() * 24, 0)?;
+            d.scope.env_strings()
+        }
+        _ => Vec::new(),
+    };
     let mut stages = Vec::new();
     let mut warnings = Vec::new();
     let mut used = lw.used.clone();
     let mut disk_mib = None;
     for &src in &order {
-        // `visit` returned the first error among needed stages, so each is Ok here.
-        let Some(Ok(draft)) = drafts.get(src) else {
+        // `visit` returned the first error among needed stages, so each is Ok here; each
+        // is taken once (order lists a stage once).
+        let Some(Ok(draft)) = drafts.get_mut(src) else {
             continue;
         };
-        let mut draft = draft.clone();
+        let mut draft = std::mem::replace(draft, Draft::placeholder());
+        lw.charge(draft.finish_config(), draft.offset)?;
         remap_stage_refs(&mut draft, &renumber);
-        used.extend(draft.used_args.iter().cloned());
-        warnings.extend(draft.warnings.clone());
+        used.extend(std::mem::take(&mut draft.used_args));
+        warnings.append(&mut draft.warnings);
         if src == target {
             disk_mib = draft.disk_mib;
         }
@@ -494,10 +586,13 @@ pub(crate) fn lower_instrs(
     let used: Vec<String> = used.into_iter().filter(|n| given.contains_key(n)).collect();
 
     let plan_target = stages.len().saturating_sub(1);
-    let sandbox = stages
-        .last()
-        .map(|s| sandbox_of(&s.config, disk_mib, options))
-        .unwrap_or_default();
+    let sandbox = if stages.is_empty() {
+        Sandbox::default()
+    } else {
+        let mut config = effective_config(&stages, plan_target);
+        config.env = target_env;
+        sandbox_of(&config, disk_mib, options)
+    };
     Ok(BuildPlan {
         frontend: source.frontend,
         file: file.to_string(),
@@ -683,6 +778,50 @@ fn remap_stage_refs(draft: &mut Draft, renumber: &BTreeMap<usize, usize>) {
     }
 }
 
+/// The whole config of `stages[i]`: the configs down its chain of base stages, each put
+/// over the one below as the builder does (`merge_run_config`): fields set win, labels,
+/// ports and volumes add up, ONBUILD is the stage's own. The env is left as the stages
+/// give it (the caller has the whole env from the scope). Linear in the chain's configs.
+fn effective_config(stages: &[Stage], i: usize) -> ImageConfig {
+    fn or<T: Clone>(over: &Option<T>, base: &mut Option<T>) {
+        if over.is_some() {
+            base.clone_from(over);
+        }
+    }
+    // Stages are in dependency order, so a base stage comes before its child.
+    let mut chain = vec![i];
+    let mut at = i;
+    while let Some(Base::Stage { stage }) = stages.get(at).map(|s| &s.base) {
+        if *stage >= at {
+            break;
+        }
+        at = *stage;
+        chain.push(at);
+    }
+    let mut out = ImageConfig::default();
+    let mut ports = BTreeSet::new();
+    let mut volumes = BTreeSet::new();
+    for &j in chain.iter().rev() {
+        let c = &stages[j].config;
+        or(&c.entrypoint, &mut out.entrypoint);
+        or(&c.cmd, &mut out.cmd);
+        or(&c.user, &mut out.user);
+        or(&c.workdir, &mut out.workdir);
+        or(&c.stop_signal, &mut out.stop_signal);
+        or(&c.healthcheck, &mut out.healthcheck);
+        or(&c.shell, &mut out.shell);
+        out.labels
+            .extend(c.labels.iter().map(|(k, v)| (k.clone(), v.clone())));
+        ports.extend(c.exposed_ports.iter().cloned());
+        volumes.extend(c.volumes.iter().cloned());
+        out.env.clone_from(&c.env);
+        out.onbuild.clone_from(&c.onbuild);
+    }
+    out.exposed_ports = ports.into_iter().collect();
+    out.volumes = volumes.into_iter().collect();
+    out
+}
+
 fn sandbox_of(config: &ImageConfig, disk_mib: Option<u64>, options: &Options) -> Sandbox {
     let mut argv = Vec::new();
     argv.extend(config.entrypoint.clone().unwrap_or_default());
@@ -846,8 +985,9 @@ impl Lowering<'_> {
             .map_err(|e| words_fault(offset, e))?;
         self.charge(out.len(), offset)?;
         let mut undefined = self.undefined.borrow_mut();
+        let mut seen = self.undefined_set.borrow_mut();
         for name in unset {
-            if !undefined.contains(&name) {
+            if seen.insert(name.clone()) {
                 undefined.push(name);
             }
         }
@@ -867,6 +1007,7 @@ impl Lowering<'_> {
     /// Turns the unset variables referenced by the instruction just lowered into warnings.
     fn flush_undefined(&self, draft: &mut Draft, location: &SourceLocation) {
         let names = std::mem::take(&mut *self.undefined.borrow_mut());
+        self.undefined_set.borrow_mut().clear();
         for name in names {
             let note = if draft.base_env_known {
                 ""
@@ -912,18 +1053,9 @@ impl Lowering<'_> {
         Ok(used)
     }
 
-    fn resolve_ref(
-        &self,
-        word: &str,
-        names: &[Option<String>],
-        count: usize,
-        offset: usize,
-    ) -> Result<Ref, Fault> {
+    fn resolve_ref(&self, word: &str, count: usize, offset: usize) -> Result<Ref, Fault> {
         let lower = word.to_ascii_lowercase();
-        if let Some(i) = names
-            .iter()
-            .position(|n| n.as_deref() == Some(lower.as_str()))
-        {
+        if let Some(&i) = self.stage_index.get(&lower) {
             return Ok(Ref::Stage(i));
         }
         let digits = word.strip_prefix('-').unwrap_or(word);
@@ -986,9 +1118,11 @@ impl Lowering<'_> {
                 .unwrap_or_else(|| DEFAULT_PLATFORM.into()),
         };
         let lower_name = image_name.to_ascii_lowercase();
-        let earlier = names[..index]
-            .iter()
-            .position(|n| n.as_deref() == Some(lower_name.as_str()));
+        let earlier = self
+            .stage_index
+            .get(&lower_name)
+            .copied()
+            .filter(|&i| i < index);
         let mut draft = Draft {
             name: names.get(index).cloned().flatten(),
             base: Base::Scratch,
@@ -999,11 +1133,15 @@ impl Lowering<'_> {
             deps: BTreeMap::new(),
             offset,
             config: ImageConfig::default(),
+            own_env: Vec::new(),
+            own_env_set: HashSet::new(),
+            ports: BTreeSet::new(),
+            volumes: BTreeSet::new(),
             scope: Scope::default(),
             state: StageState {
                 user: None,
                 workdir: "/".into(),
-                shell: DEFAULT_SHELL.map(String::from).to_vec(),
+                shell: Arc::new(DEFAULT_SHELL.map(String::from).to_vec()),
             },
             used_args: BTreeSet::new(),
             warnings: Vec::new(),
@@ -1021,36 +1159,48 @@ impl Lowering<'_> {
                     // A stage built on another stage runs on that stage's platform.
                     draft.platform = p.platform.clone();
                 }
-                draft.config = p.config.clone();
-                draft.scope.replace_env(&p.scope.env);
+                // The config starts empty: what this stage sets goes over its base stage's
+                // config ([`Stage::config`]); env, user, working directory and shell are
+                // shared with the parent, not copied.
+                draft.scope.env = p.scope.env.clone();
                 draft.scope.default_path = p.scope.default_path;
                 draft.base_env_known = p.base_env_known;
                 draft.state = p.state.clone();
                 draft.disk_mib = p.disk_mib;
-                triggers = std::mem::take(&mut draft.config.onbuild);
                 // The parent's ONBUILD triggers run in this stage, as BuildKit does.
+                triggers = p.config.onbuild.clone();
             }
         } else if image_name == "scratch" {
             draft.base = Base::Scratch;
-            draft.config.env = vec![format!("PATH={DEFAULT_PATH}")];
-            draft.scope.set_env("PATH".into(), DEFAULT_PATH.into());
+            draft.scope.set_env("PATH", DEFAULT_PATH);
         } else {
             match self.options.base_images.get(&image_name) {
                 Some(base) => {
-                    for entry in &base.env {
-                        let (k, v) = entry.split_once('=').unwrap_or((entry.as_str(), ""));
-                        draft.scope.set_env(k.to_string(), v.to_string());
-                    }
+                    let env = self.base_envs.entry(image_name.clone()).or_insert_with(|| {
+                        let mut env = EnvMap::default();
+                        for entry in &base.env {
+                            let (k, v) = entry.split_once('=').unwrap_or((entry.as_str(), ""));
+                            env.set(k, v);
+                        }
+                        env
+                    });
+                    draft.scope.env = env.clone();
                     // BuildKit starts the stage's image config from the base's, so its
                     // known env, working directory and user stay in the config (and reach
                     // the start command) until the Dockerfile changes them.
-                    draft.config.env = draft.scope.env_strings();
                     if let Some(w) = base.workdir.as_deref().filter(|w| !w.is_empty()) {
-                        draft.state.workdir = resolve_path("/", w);
-                        draft.config.workdir = Some(draft.state.workdir.clone());
+                        let w = resolve_path("/", w);
+                        self.charge(w.len(), offset)?;
+                        draft.config.workdir = Some(w.clone());
+                        draft.state.workdir = w.into();
                     }
-                    draft.state.user = base.user.clone().filter(|u| !u.is_empty());
-                    draft.config.user = draft.state.user.clone();
+                    draft.state.user = base
+                        .user
+                        .as_deref()
+                        .filter(|u| !u.is_empty())
+                        .map(Arc::from);
+                    draft.config.user = draft.state.user.as_deref().map(String::from);
+                    self.charge(draft.config.user.as_ref().map_or(0, String::len), offset)?;
                     // The base image's ONBUILD triggers run first, as a stage base's do.
                     triggers = base.onbuild.clone();
                     trigger_source = "base image";
@@ -1067,6 +1217,9 @@ impl Lowering<'_> {
         let from_location = draft.location.clone();
         self.flush_undefined(&mut draft, &from_location);
         for trigger in &triggers {
+            // Each stage on the parent runs its triggers again: counted, so that many
+            // stages on one with many triggers cannot go quadratic unnoticed.
+            self.charge(trigger.len(), offset)?;
             let instr = parse_trigger(trigger, self.escape).map_err(|msg| {
                 invalid(
                     offset,
@@ -1077,10 +1230,10 @@ impl Lowering<'_> {
                 span: from.span.clone(),
                 kind: instr.kind,
             };
-            self.lower_instr(&mut draft, &located, names, names.len())?;
+            self.lower_instr(&mut draft, &located, names.len())?;
         }
         for instr in body {
-            self.lower_instr(&mut draft, instr, names, names.len())?;
+            self.lower_instr(&mut draft, instr, names.len())?;
         }
         Ok(draft)
     }
@@ -1088,53 +1241,65 @@ impl Lowering<'_> {
     /// The context of a step at this point of the stage; its bytes count against
     /// [`MAX_PLAN_BYTES`].
     fn context(&self, draft: &Draft, with_args: bool, offset: usize) -> Result<StepContext, Fault> {
+        // Counted before it is made: the env is the large part.
+        self.charge(draft.scope.env.len() * 24, offset)?;
         let mut env: Vec<String> = draft.scope.env_strings();
         if with_args {
-            for (k, v) in &draft.scope.args {
+            for (k, v) in &draft.scope.args.list {
                 if let Some(v) = v
-                    && !draft.scope.env_index.contains_key(k)
+                    && !draft.scope.env.contains(k)
                 {
                     env.push(format!("{k}={v}"));
                 }
             }
             for proxy in PROXY_ARGS {
                 if let Some(v) = self.options.build_args.get(proxy)
-                    && !draft.scope.env_index.contains_key(proxy)
-                    && !draft.scope.args_index.contains_key(proxy)
+                    && !draft.scope.env.contains(proxy)
+                    && !draft.scope.args.index.contains_key(proxy)
                 {
                     env.push(format!("{proxy}={v}"));
                 }
             }
         }
-        self.charge(env.iter().map(|e| e.len() + 24).sum(), offset)?;
+        let state = &draft.state;
+        let shell: usize = state.shell.iter().map(|w| w.len() + 24).sum();
+        let user = state.user.as_deref().map_or(0, str::len);
+        self.charge(
+            env.iter().map(|e| e.len()).sum::<usize>() + shell + user + state.workdir.len(),
+            offset,
+        )?;
         Ok(StepContext {
             env,
-            user: draft.state.user.clone(),
-            workdir: draft.state.workdir.clone(),
-            shell: draft.state.shell.clone(),
+            user: state.user.as_deref().map(String::from),
+            workdir: state.workdir.to_string(),
+            shell: state.shell.to_vec(),
         })
     }
 
-    fn command_argv(&self, draft: &Draft, cmd: &CommandLine) -> Vec<String> {
-        match cmd {
+    /// The argv of a `CMD` or `ENTRYPOINT`; its bytes count against [`MAX_PLAN_BYTES`] (a
+    /// shell form copies the stage's shell).
+    fn command_argv(
+        &self,
+        draft: &Draft,
+        cmd: &CommandLine,
+        offset: usize,
+    ) -> Result<Vec<String>, Fault> {
+        let argv = match cmd {
             CommandLine::Exec(v) => v.clone(),
             CommandLine::Shell(s) => {
-                let mut v = draft.state.shell.clone();
+                let mut v = draft.state.shell.to_vec();
                 v.push(s.clone());
                 v
             }
-        }
+        };
+        self.charge(argv.iter().map(|w| w.len() + 24).sum(), offset)?;
+        Ok(argv)
     }
 
-    fn lower_instr(
-        &mut self,
-        draft: &mut Draft,
-        instr: &Instr,
-        names: &[Option<String>],
-        count: usize,
-    ) -> Result<(), Fault> {
+    fn lower_instr(&mut self, draft: &mut Draft, instr: &Instr, count: usize) -> Result<(), Fault> {
         self.undefined.borrow_mut().clear();
-        self.lower_instr_inner(draft, instr, names, count)?;
+        self.undefined_set.borrow_mut().clear();
+        self.lower_instr_inner(draft, instr, count)?;
         let location = self.lines.location(&instr.span);
         self.flush_undefined(draft, &location);
         Ok(())
@@ -1144,7 +1309,6 @@ impl Lowering<'_> {
         &mut self,
         draft: &mut Draft,
         instr: &Instr,
-        names: &[Option<String>],
         count: usize,
     ) -> Result<(), Fault> {
         let offset = instr.span.start;
@@ -1168,12 +1332,13 @@ impl Lowering<'_> {
                     expanded.push((key, value));
                 }
                 for (key, value) in expanded {
-                    draft.scope.set_env(key, value);
+                    draft.scope.set_env(&key, &value);
+                    if draft.own_env_set.insert(key.clone()) {
+                        draft.own_env.push(key);
+                    }
                 }
-                draft.config.env = draft.scope.env_strings();
-                // The config env is rebuilt on each ENV: count it, so thousands of ENV
-                // lines over a wide env cannot go quadratic unnoticed.
-                self.charge(draft.config.env.iter().map(String::len).sum(), offset)?;
+                // The config's env is made once, when the stage is finished
+                // ([`Draft::finish_config`]), not on each ENV.
             }
             InstrKind::Label(pairs) => {
                 for (k, v) in pairs {
@@ -1212,7 +1377,7 @@ impl Lowering<'_> {
                 heredocs,
             } => {
                 let run = self.lower_run(
-                    draft, mounts, network, security, command, heredocs, names, count, offset,
+                    draft, mounts, network, security, command, heredocs, count, offset,
                 )?;
                 let context = self.context(draft, true, offset)?;
                 draft.steps.push(Step {
@@ -1222,11 +1387,11 @@ impl Lowering<'_> {
                 });
             }
             InstrKind::Cmd(c) => {
-                draft.config.cmd = Some(self.command_argv(draft, c));
+                draft.config.cmd = Some(self.command_argv(draft, c, offset)?);
                 draft.cmd_set = true;
             }
             InstrKind::Entrypoint(c) => {
-                draft.config.entrypoint = Some(self.command_argv(draft, c));
+                draft.config.entrypoint = Some(self.command_argv(draft, c, offset)?);
                 if !draft.cmd_set {
                     // BuildKit drops an inherited CMD when ENTRYPOINT is set; `Some([])`
                     // tells the builder not to take the base image's CMD either.
@@ -1235,7 +1400,7 @@ impl Lowering<'_> {
             }
             InstrKind::Copy(args) | InstrKind::Add(args) => {
                 let is_add = matches!(instr.kind, InstrKind::Add(_));
-                let step = self.lower_copy(draft, args, is_add, names, count, offset)?;
+                let step = self.lower_copy(draft, args, is_add, count, offset)?;
                 let context = self.context(draft, false, offset)?;
                 let action = if is_add {
                     Action::Add(step)
@@ -1254,13 +1419,10 @@ impl Lowering<'_> {
                     let expanded = self.expand(p, &draft.scope, offset)?;
                     for p in expanded.split_whitespace() {
                         for port in expand_ports(p).map_err(|m| invalid(offset, m))? {
-                            if !draft.config.exposed_ports.contains(&port) {
-                                draft.config.exposed_ports.push(port);
-                            }
+                            draft.ports.insert(port);
                         }
                     }
                 }
-                draft.config.exposed_ports.sort();
             }
             InstrKind::Volume(paths) => {
                 for p in paths {
@@ -1271,15 +1433,12 @@ impl Lowering<'_> {
                             "VOLUME specified can not be an empty string",
                         ));
                     }
-                    if !draft.config.volumes.contains(&p) {
-                        draft.config.volumes.push(p);
-                    }
+                    draft.volumes.insert(p);
                 }
-                draft.config.volumes.sort();
             }
             InstrKind::User(u) => {
                 let u = self.expand(u, &draft.scope, offset)?;
-                draft.state.user = Some(u.clone());
+                draft.state.user = Some(Arc::from(u.as_str()));
                 draft.config.user = Some(u);
             }
             InstrKind::Workdir(w) => {
@@ -1288,7 +1447,7 @@ impl Lowering<'_> {
                     return Err(invalid(offset, "WORKDIR path can not be empty"));
                 }
                 let path = resolve_path(&draft.state.workdir, &w);
-                draft.state.workdir = path.clone();
+                draft.state.workdir = Arc::from(path.as_str());
                 draft.config.workdir = Some(path.clone());
                 let context = self.context(draft, false, offset)?;
                 draft.steps.push(Step {
@@ -1312,7 +1471,7 @@ impl Lowering<'_> {
                 if v.is_empty() {
                     return Err(invalid(offset, "SHELL requires at least one argument"));
                 }
-                draft.state.shell = v.clone();
+                draft.state.shell = Arc::new(v.clone());
                 draft.config.shell = Some(v.clone());
             }
             InstrKind::Onbuild { trigger, .. } => {
@@ -1385,11 +1544,10 @@ impl Lowering<'_> {
         &self,
         draft: &mut Draft,
         word: &str,
-        names: &[Option<String>],
         count: usize,
         offset: usize,
     ) -> Result<MountFrom, Fault> {
-        Ok(match self.resolve_ref(word, names, count, offset)? {
+        Ok(match self.resolve_ref(word, count, offset)? {
             Ref::Stage(i) => {
                 draft.deps.entry(i).or_insert(offset);
                 MountFrom::Stage { stage: i }
@@ -1407,7 +1565,6 @@ impl Lowering<'_> {
         security: &Option<String>,
         command: &CommandLine,
         heredocs: &[RunHeredoc],
-        names: &[Option<String>],
         count: usize,
         offset: usize,
     ) -> Result<RunStep, Fault> {
@@ -1434,12 +1591,12 @@ impl Lowering<'_> {
         };
         let mut lowered = Vec::new();
         for (raw, at) in mounts {
-            lowered.push(self.lower_mount(draft, raw, *at, names, count)?);
+            lowered.push(self.lower_mount(draft, raw, *at, count)?);
         }
         let (form, argv, files) = match command {
             CommandLine::Exec(v) => (CommandForm::Exec, v.clone(), Vec::new()),
             CommandLine::Shell(cmd) if heredocs.is_empty() => {
-                let mut argv = draft.state.shell.clone();
+                let mut argv = draft.state.shell.to_vec();
                 argv.push(cmd.clone());
                 (CommandForm::Shell, argv, Vec::new())
             }
@@ -1458,11 +1615,11 @@ impl Lowering<'_> {
                             mode: 0o755,
                         };
                         // BuildKit prepends the shell to the script path too.
-                        let mut argv = draft.state.shell.clone();
+                        let mut argv = draft.state.shell.to_vec();
                         argv.push(path);
                         (CommandForm::Shell, argv, vec![file])
                     } else {
-                        let mut argv = draft.state.shell.clone();
+                        let mut argv = draft.state.shell.to_vec();
                         argv.push(data);
                         (CommandForm::Shell, argv, Vec::new())
                     }
@@ -1473,12 +1630,13 @@ impl Lowering<'_> {
                         full.push_str(&doc.raw);
                         full.push_str(&doc.name);
                     }
-                    let mut argv = draft.state.shell.clone();
+                    let mut argv = draft.state.shell.to_vec();
                     argv.push(full);
                     (CommandForm::Shell, argv, Vec::new())
                 }
             }
         };
+        self.charge(argv.iter().map(|w| w.len() + 24).sum(), offset)?;
         Ok(RunStep {
             form,
             argv,
@@ -1494,7 +1652,6 @@ impl Lowering<'_> {
         draft: &mut Draft,
         raw: &str,
         offset: usize,
-        names: &[Option<String>],
         count: usize,
     ) -> Result<Mount, Fault> {
         let mut fields: BTreeMap<String, Option<String>> = BTreeMap::new();
@@ -1569,7 +1726,7 @@ impl Lowering<'_> {
         };
         let target = get("target").map(|t| resolve_path(&draft.state.workdir, &t));
         let from = match get("from") {
-            Some(f) => Some(self.mount_from(draft, &f, names, count, offset)?),
+            Some(f) => Some(self.mount_from(draft, &f, count, offset)?),
             None => None,
         };
         let readonly = flag("readonly")?;
@@ -1650,7 +1807,6 @@ impl Lowering<'_> {
         draft: &mut Draft,
         args: &CopyArgs,
         is_add: bool,
-        names: &[Option<String>],
         count: usize,
         offset: usize,
     ) -> Result<CopyStep, Fault> {
@@ -1659,7 +1815,7 @@ impl Lowering<'_> {
         let from = match &args.from {
             Some(f) => {
                 let f = ex(f)?;
-                Some(self.mount_from(draft, &f, names, count, offset)?)
+                Some(self.mount_from(draft, &f, count, offset)?)
             }
             None => None,
         };
@@ -2353,8 +2509,12 @@ mod tests {
         );
         let s = &p.stages[1];
         assert!(s.config.onbuild.is_empty());
-        assert!(s.config.env.contains(&"A=1".to_string()));
-        assert_eq!(s.config.workdir.as_deref(), Some("/app"));
+        // Its config holds only what it sets (the builder puts it over the base stage's);
+        // its steps run in what it inherited.
+        assert!(s.config.env.is_empty(), "{:?}", s.config.env);
+        assert_eq!(s.config.workdir, None);
+        assert!(s.steps[1].context.env.contains(&"A=1".to_string()));
+        assert_eq!(s.steps[1].context.workdir, "/app");
         assert_eq!(copy(&s.steps[0]).dest, "/app/src");
         assert_eq!(run_argv(&s.steps[1]), ["/bin/sh", "-c", "make $A"]);
         assert_eq!(s.steps[1].context.user.as_deref(), Some("u"));

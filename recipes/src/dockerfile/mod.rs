@@ -3,6 +3,7 @@
 //! [`lower`] (ARG scoping, substitution, stage resolution and pruning, image config) into a
 //! [`crate::plan::BuildPlan`].
 
+mod env_map;
 pub mod instructions;
 pub mod lower;
 pub mod syntax;
