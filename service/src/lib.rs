@@ -117,13 +117,16 @@ pub struct ServiceConfig {
     /// not a boundary against a hostile recipe: `kiln serve --trust-tenants`, development
     /// only. Under the VM executor a submission asking for the host network is refused.
     pub executor: Executor,
+    /// Most tasks (processes and threads) in each tenant step (`kiln serve --step-pids-max`;
+    /// default [`kiln_pipeline::DEFAULT_PIDS_MAX`], 4096).
+    pub step_pids_max: u64,
 }
 
 impl ServiceConfig {
     /// Defaults for the state directory `state_dir`: SQLite, 2 workers, 1 GiB contexts, 4 GiB
     /// unpacked, 24 h idempotency window, 60 s shutdown grace, 10 s heartbeat, 60 s takeover,
     /// 3 attempts, 7 days node retention, 1 h context leases, 10 s database timeout, the
-    /// microVM executor.
+    /// microVM executor, 4096 tasks a step.
     pub fn new(state_dir: PathBuf) -> Self {
         ServiceConfig {
             state_dir,
@@ -142,6 +145,7 @@ impl ServiceConfig {
             global_bases: Default::default(),
             allowed_registries: Default::default(),
             executor: Executor::Vm,
+            step_pids_max: kiln_pipeline::DEFAULT_PIDS_MAX,
         }
     }
 

@@ -537,6 +537,8 @@ async fn execute(
         timeout: Some(Duration::from_secs(spec.limits.timeout_secs)),
         memory_bytes: Some(spec.limits.memory_mib << 20),
         vcpus: Some(spec.limits.vcpus),
+        write_bytes: spec.limits.disk_mib.map(|d| d << 20),
+        pids_max: Some(state.config.step_pids_max),
     };
     match row.workspace.parse() {
         Ok(w) => req.cache_mounts = CacheMountScope::Workspace(w),

@@ -104,6 +104,16 @@ pub struct Args {
     /// Guest initramfs with kiln-guest-init, with --kernel; default `kiln kernel`'s.
     #[arg(long, env = "KILN_INITRAMFS", value_name = "FILE")]
     pub initramfs: Option<PathBuf>,
+    /// Most tasks (processes and threads) each tenant RUN step may have at once: its pids
+    /// cgroup's limit (in the microVM, set by the guest init; a fork refused there stops the
+    /// step, "pids limit").
+    #[arg(
+        long = "step-pids-max",
+        env = "KILN_SERVE_STEP_PIDS_MAX",
+        default_value_t = kiln_builder::exec::DEFAULT_PIDS_MAX,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub step_pids_max: u64,
 }
 
 /// What `kiln serve` and its key commands share.
@@ -327,6 +337,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     cfg.global_bases = a.bases.iter().cloned().collect();
     cfg.allowed_registries = a.allow_registries.iter().cloned().collect();
     cfg.executor = executor;
+    cfg.step_pids_max = a.step_pids_max;
     cfg.check()?;
     // The operator's listener first: its line comes before the one that says the server is
     // up.

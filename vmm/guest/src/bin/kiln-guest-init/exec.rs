@@ -14,10 +14,18 @@
 //!    when that does not exist, as login(1) does); with `make_workdir` its missing
 //!    directories are created first, owned by the user.
 //! 5. A cgroup v2 of its own, `/sys/fs/cgroup/kiln-exec-<id>` (cgroup2 is mounted there at
-//!    the first exec, the memory controller enabled for the root's children); the child
-//!    joins it before exec. After the exit its `memory.events` `oom_kill` counter says
+//!    the first exec, the memory and pids controllers enabled for the root's children),
+//!    with the exec's `memory_max` as `memory.max` and its `pids_max` as `pids.max`; the
+//!    child joins it before exec. After the exit its `memory.events` `oom_kill` counter says
 //!    whether the kernel's OOM killer ended one of its processes: that is the `oom` flag.
-//!    Without cgroup2 (a kernel without it) the exec runs, and `oom` is always false.
+//!    While it runs, a `max` count in its `pids.events` (a fork refused at `pids.max`) kills
+//!    the cgroup and sets `pids_limit`. Why a cgroup and not `RLIMIT_NPROC`: that rlimit
+//!    counts a uid's processes in the whole guest and does not hold for root
+//!    (`CAP_SYS_RESOURCE`), which build steps usually run as; `pids.max` holds for everyone
+//!    in the cgroup, and `pids.events` says that it was hit. Without cgroup2 (a kernel
+//!    without it) the exec runs without limits, and `oom` and `pids_limit` are always false.
+//!    When it has ended, `disk_full` says whether `/` has less than
+//!    [`kiln_guest::protocol::DISK_FULL_BYTES`] free (`statvfs`).
 //! 6. stdout and stderr are two pipes read with poll(2) in one thread, so `seq` follows the
 //!    order the guest read them. Once the command's process has exited, what its pipes still
 //!    hold is sent and the exec ends, even if a background process keeps them open.
@@ -35,8 +43,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use kiln_guest::protocol::{
-    Exec, ExecExit, ExecFailure, ExecFailureKind, ExecFile, ExecMount, ExecMountKind,
-    MAX_CHUNK_LEN, Message, Output, PIPES_DIR, Stream,
+    DISK_FULL_BYTES, Exec, ExecExit, ExecFailure, ExecFailureKind, ExecFile, ExecMount,
+    ExecMountKind, MAX_CHUNK_LEN, Message, Output, PIPES_DIR, Stream,
 };
 
 use crate::proc::{self, Command, SpawnError};
@@ -186,8 +194,8 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// Mount cgroup2 at [`CGROUP_ROOT`] and enable the memory controller for its children, once;
-/// whether that worked.
+/// Mount cgroup2 at [`CGROUP_ROOT`] and enable the memory and pids controllers for its
+/// children, once; whether the memory controller (the first) is there.
 fn cgroups_ready() -> bool {
     static READY: OnceLock<bool> = OnceLock::new();
     *READY.get_or_init(|| {
@@ -208,12 +216,20 @@ fn cgroups_ready() -> bool {
             log!("enabling the memory controller: {e}; execs get no OOM flag");
             return false;
         }
+        if let Err(e) = fs::write(root.join("cgroup.subtree_control"), "+pids") {
+            log!("enabling the pids controller: {e}; execs get no pids limit");
+        }
         true
     })
 }
 
-/// The exec's cgroup directory and its `cgroup.procs` open for writing.
-fn make_cgroup(id: u64) -> Option<(PathBuf, fs::File)> {
+/// The exec's cgroup directory, with `memory_max` (bytes) as its `memory.max` and
+/// `pids_max` as its `pids.max` when given, and its `cgroup.procs` open for writing.
+fn make_cgroup(
+    id: u64,
+    memory_max: Option<u64>,
+    pids_max: Option<u64>,
+) -> Option<(PathBuf, fs::File)> {
     if !cgroups_ready() {
         return None;
     }
@@ -221,6 +237,12 @@ fn make_cgroup(id: u64) -> Option<(PathBuf, fs::File)> {
     // A leftover of an earlier exec with this id (its background processes ended since).
     let _ = fs::remove_dir(&dir);
     let made = fs::create_dir(&dir).and_then(|()| {
+        if let Some(m) = memory_max {
+            fs::write(dir.join("memory.max"), m.to_string())?;
+        }
+        if let Some(p) = pids_max {
+            fs::write(dir.join("pids.max"), p.to_string())?;
+        }
         fs::OpenOptions::new()
             .write(true)
             .open(dir.join("cgroup.procs"))
@@ -237,16 +259,35 @@ fn make_cgroup(id: u64) -> Option<(PathBuf, fs::File)> {
 /// The `oom_kill` counter of `cgroup`'s `memory.events` (0 when unreadable).
 fn oom_kills(cgroup: &Path) -> u64 {
     let events = fs::read_to_string(cgroup.join("memory.events")).unwrap_or_default();
-    parse_oom_kills(&events)
+    parse_event(&events, "oom_kill")
 }
 
-/// The `oom_kill` line of a cgroup v2 `memory.events` file (`key value` lines).
-fn parse_oom_kills(events: &str) -> u64 {
+/// The `max` counter of `cgroup`'s `pids.events`: forks refused at its `pids.max` (0 when
+/// unreadable).
+fn pids_hits(cgroup: &Path) -> u64 {
+    let events = fs::read_to_string(cgroup.join("pids.events")).unwrap_or_default();
+    parse_event(&events, "max")
+}
+
+/// The counter `key` of a cgroup v2 events file (`key value` lines; 0 when missing).
+fn parse_event(events: &str, key: &str) -> u64 {
     events
         .lines()
-        .find_map(|l| l.strip_prefix("oom_kill "))
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(' '))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// Whether the file system of `/` has less than [`DISK_FULL_BYTES`] free for unprivileged
+/// writers (`statvfs`'s `f_bavail` × `f_frsize`; false when it cannot be read).
+fn root_disk_full() -> bool {
+    // SAFETY: an all-zero statvfs is a valid out value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a valid out pointer.
+    if unsafe { libc::statvfs(c"/".as_ptr(), &mut st) } != 0 {
+        return false;
+    }
+    (st.f_bavail as u64).saturating_mul(st.f_frsize as u64) < DISK_FULL_BYTES
 }
 
 fn spawn_failure(id: u64, e: &SpawnError) -> Message {
@@ -541,7 +582,10 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
         Ok(p) => p,
         Err(err) => return failure(e.id, ExecFailureKind::CannotRun, format!("pipe: {err}")),
     };
-    let cgroup = make_cgroup(e.id);
+    let cgroup = make_cgroup(e.id, e.memory_max, e.pids_max);
+    if cgroup.is_none() && (e.memory_max.is_some() || e.pids_max.is_some()) {
+        log!("exec {:016x}: no cgroup, so no memory or pids limit", e.id);
+    }
     let cmd = Command {
         argv: &e.argv,
         env: &env,
@@ -594,7 +638,15 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
             let _ = f.write_all(&bytes);
         });
     }
-    let seq = pump(e.id, child.pid, out_r, err_r, tx, conn);
+    let watch = Watch {
+        pid: child.pid,
+        cgroup: cgroup.as_deref().filter(|_| e.pids_max.is_some()),
+        pids_hit: false,
+    };
+    let pids_cgroup = watch.cgroup;
+    let (seq, stopped) = pump(e.id, watch, out_r, err_r, tx, conn);
+    // Also a fork refused just before the command's process exited.
+    let pids_limit = stopped || pids_cgroup.is_some_and(|cg| pids_hits(cg) > 0);
     let status = proc::wait(child.pid, None).unwrap_or(0);
     // Reaped: its pid may be reused from now on, so a connection's end must not signal it.
     if let Some(slot) = running()
@@ -605,6 +657,13 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
         slot.pid = None;
     }
     let oom = cgroup.as_deref().is_some_and(|cg| oom_kills(cg) > 0);
+    let disk_full = root_disk_full();
+    if pids_limit || oom || disk_full {
+        log!(
+            "exec {:016x}: pids limit {pids_limit}, oom {oom}, disk full {disk_full}",
+            e.id
+        );
+    }
     let (code, signal) = if libc::WIFSIGNALED(status) {
         (None, Some(libc::WTERMSIG(status)))
     } else {
@@ -616,14 +675,53 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
         code,
         signal,
         oom,
+        pids_limit,
+        disk_full,
         failure: None,
     })
 }
 
+/// What [`pump`] watches besides the pipes: the command's process, and its cgroup's pids
+/// limit when it has one.
+struct Watch<'a> {
+    pid: libc::pid_t,
+    /// The cgroup whose `pids.events` is read about every 100 ms while the process runs.
+    cgroup: Option<&'a Path>,
+    /// Its pids limit refused a fork, and the cgroup was killed.
+    pids_hit: bool,
+}
+
+impl Watch<'_> {
+    /// Kills the exec's cgroup once its pids limit has refused a fork.
+    fn check_pids(&mut self) {
+        if let Some(cg) = self.cgroup
+            && !self.pids_hit
+            && pids_hits(cg) > 0
+        {
+            log!(
+                "pid {}: the pids limit refused a fork; stopping it",
+                self.pid
+            );
+            kill(self.pid, Some(cg));
+            self.pids_hit = true;
+        }
+    }
+}
+
 /// Read both pipes until both end, or until the command's process has exited and the pipes
-/// hold nothing more; send each read as an `output` chunk while the connection lasts.
-/// Returns the number of chunks sent.
-fn pump(id: u64, pid: libc::pid_t, out: OwnedFd, err: OwnedFd, tx: &Sender, conn: u64) -> u64 {
+/// hold nothing more; send each read as an `output` chunk while the connection lasts. Every
+/// 100 ms or so, `watch` checks the pids limit ([`Watch::check_pids`]). Returns the number
+/// of chunks sent, and whether the pids limit stopped the command.
+fn pump(
+    id: u64,
+    mut watch: Watch<'_>,
+    out: OwnedFd,
+    err: OwnedFd,
+    tx: &Sender,
+    conn: u64,
+) -> (u64, bool) {
+    let pid = watch.pid;
+    let mut next_check = std::time::Instant::now();
     let mut fds = [(Some(out), Stream::Stdout), (Some(err), Stream::Stderr)];
     let mut buf = vec![0u8; MAX_CHUNK_LEN];
     let mut seq = 0u64;
@@ -632,10 +730,14 @@ fn pump(id: u64, pid: libc::pid_t, out: OwnedFd, err: OwnedFd, tx: &Sender, conn
     let mut after_exit = 0;
     loop {
         let exited = proc::exited(pid).is_some();
+        if !exited && std::time::Instant::now() >= next_check {
+            watch.check_pids();
+            next_check = std::time::Instant::now() + std::time::Duration::from_millis(100);
+        }
         if exited {
             after_exit += 1;
             if after_exit > 64 {
-                return seq;
+                return (seq, watch.pids_hit);
             }
         }
         let mut polls: Vec<libc::pollfd> = fds
@@ -648,7 +750,7 @@ fn pump(id: u64, pid: libc::pid_t, out: OwnedFd, err: OwnedFd, tx: &Sender, conn
             })
             .collect();
         if polls.is_empty() {
-            return seq;
+            return (seq, watch.pids_hit);
         }
         // Wake every 100 ms to notice the process's exit (pipes a background process keeps
         // open never reach EOF); once it has exited, only take what is there now.
@@ -661,11 +763,11 @@ fn pump(id: u64, pid: libc::pid_t, out: OwnedFd, err: OwnedFd, tx: &Sender, conn
                 continue;
             }
             log!("exec {id:016x}: poll: {err}");
-            return seq;
+            return (seq, watch.pids_hit);
         }
         if n == 0 {
             if exited {
-                return seq;
+                return (seq, watch.pids_hit);
             }
             continue;
         }
@@ -707,10 +809,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn oom_kill_counter_is_read_from_memory_events() {
+    fn counters_are_read_from_events_files() {
         let events = "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\noom_group_kill 0\n";
-        assert_eq!(parse_oom_kills(events), 2);
-        assert_eq!(parse_oom_kills("oom 1\noom_group_kill 0\n"), 0);
-        assert_eq!(parse_oom_kills(""), 0);
+        assert_eq!(parse_event(events, "oom_kill"), 2);
+        assert_eq!(parse_event(events, "max"), 3);
+        assert_eq!(parse_event("oom 1\noom_group_kill 0\n", "oom_kill"), 0);
+        assert_eq!(parse_event("", "oom_kill"), 0);
+        // pids.events
+        assert_eq!(parse_event("max 7\n", "max"), 7);
     }
 }
