@@ -30,9 +30,12 @@
 //! - **guest channel**: a step writes bad frames (a length of 2³²−1) to every virtio-serial
 //!   port of its VM. The guest init holds the one port (`org.kiln.guest.0`) open, and the
 //!   kernel lets one process at a time open a port, so the step's open fails with EBUSY: the
-//!   test asserts that the port is there and that it was refused, then the step exits 3 and
-//!   the build fails with that exit code. (The host's side against a guest that does send
-//!   bad frames is the unit tests' of `kiln_vmm::exec` and `kiln_pipeline::vmexec`.)
+//!   test asserts that the port is there and that it was refused. The step then does the
+//!   worst it can to the channel from root in its VM: it crashes the guest kernel
+//!   (`echo c > /proc/sysrq-trigger`), so the channel closes mid-step; the build fails with
+//!   "the step's microVM stopped while the step ran: guest kernel: Kernel panic ...". (The
+//!   host's side against a guest that does send bad frames is the unit tests' of
+//!   `kiln_vmm::exec` and `kiln_pipeline::vmexec`.)
 
 use std::path::Path;
 use std::process::Command;
@@ -192,11 +195,12 @@ fn hostile_tenant_steps_fail_cleanly_in_microvms() {
             recipe: format!(
                 "FROM {bb}\nRUN ls /sys/class/virtio-ports/ && cat /sys/class/virtio-ports/*/name \
                  && for p in /dev/vport*; do \
-                 printf '\\377\\377\\377\\377garbage' > \"$p\" && echo \"wrote $p\"; done; exit 3\n"
+                 printf '\\377\\377\\377\\377garbage' > \"$p\" && echo \"wrote $p\"; done; \
+                 sleep 1; echo c > /proc/sysrq-trigger; sleep 30; exit 3\n"
             ),
             limits: small.clone(),
             reason_has: vec![
-                "command exited with code 3".into(),
+                "the step's microVM stopped while the step ran: guest kernel: Kernel panic".into(),
                 "ls /sys/class/virtio-ports".into(),
             ],
         },

@@ -589,6 +589,8 @@ pub fn step_vm_bytes(limit: u64) -> u64 {
 enum Waited {
     Exit(ExecStatus),
     Stopped(ExecError),
+    /// The guest channel failed (closed, or an I/O error): the VM most likely stopped.
+    Lost(String),
 }
 
 impl VmExecutor {
@@ -804,7 +806,7 @@ impl VmExecutor {
                 Some(Err(kiln_vmm::exec::ExecError::Protocol { reason, .. })) => {
                     break Waited::Stopped(ExecError::Guest(reason));
                 }
-                Some(Err(e)) => break Waited::Stopped(guest("running the step", &e)),
+                Some(Err(e)) => break Waited::Lost(e.to_string()),
             }
         };
         shaper.finish(sink);
@@ -813,6 +815,24 @@ impl VmExecutor {
             Waited::Stopped(e) => {
                 vm.kill().await;
                 return Err(e);
+            }
+            Waited::Lost(e) => {
+                // A closed channel: QEMU is on its way out (-no-reboot, panic=-1).
+                let exited = vm.wait_exited(Duration::from_secs(5)).await;
+                tracing::info!(
+                    step = spec.index,
+                    error = %e,
+                    ?exited,
+                    console = %launch::console_report(&vm_spec.serial_log),
+                    "step VM stopped while the step ran"
+                );
+                let detail = match (launch::guest_death(&vm_spec.serial_log), exited) {
+                    (Some(line), _) => format!("guest kernel: {line}"),
+                    (None, Some(_)) => "it powered off or rebooted".to_string(),
+                    (None, None) => format!("its guest channel failed ({e})"),
+                };
+                vm.kill().await;
+                return Err(ExecError::VmStopped { detail });
             }
             Waited::Exit(s) => s,
         };

@@ -413,6 +413,14 @@ pub enum ExecError {
         /// Last log lines.
         tail: Vec<String>,
     },
+    /// A microVM step's VM stopped while the step ran: the guest kernel panicked, or the
+    /// guest powered off or rebooted (what a step running as root in its VM can do), so the
+    /// guest channel closed. `detail` is the guest kernel's own line when it has one.
+    #[error("the step's microVM stopped while the step ran: {detail}")]
+    VmStopped {
+        /// How, in words, with no path of the host.
+        detail: String,
+    },
     /// The timeout passed; the step was killed.
     #[error("timeout of {}s exceeded; {stopped}", .after.as_secs())]
     Timeout {
