@@ -307,6 +307,44 @@ async fn worker(state: AppState) {
     }
 }
 
+/// The directories and files of this server that a failure's reason must not show a
+/// tenant, each with the name shown instead: the work directory, the local directory it is
+/// in (the local store, or the cache beside a remote one), the state directory, the guest
+/// kernel and initramfs.
+fn server_paths(state: &AppState) -> Vec<(std::path::PathBuf, &'static str)> {
+    let work = state.setup.work_dir.clone();
+    let mut v = vec![(work.clone(), "<work>")];
+    if let Some(local) = work.parent() {
+        v.push((local.to_path_buf(), "<local>"));
+    }
+    if let Some(root) = state.setup.store.local_root() {
+        v.push((root, "<store>"));
+    }
+    v.push((state.config.state_dir.clone(), "<state>"));
+    if let Some(b) = &state.setup.boot {
+        v.push((b.kernel.clone(), "<kernel>"));
+        v.push((b.initramfs.clone(), "<initramfs>"));
+    }
+    v
+}
+
+/// `reason` with each of `paths` (longest first, so a directory inside another is named
+/// as itself) replaced by its name: a build's failure reason is the tenant's to read, and an
+/// executor's or the host's error can name a file of the server.
+fn without_server_paths(reason: &str, paths: &[(std::path::PathBuf, &str)]) -> String {
+    let mut by_len: Vec<(String, &str)> = paths
+        .iter()
+        .map(|(p, n)| (p.display().to_string(), *n))
+        .filter(|(p, _)| p.len() > 1)
+        .collect();
+    by_len.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
+    let mut s = reason.to_string();
+    for (p, n) in by_len {
+        s = s.replace(&p, n);
+    }
+    s
+}
+
 /// The error and its causes, each once.
 fn chain(e: &PipelineError) -> String {
     let mut s = e.to_string();
@@ -418,7 +456,14 @@ async fn run_one(state: &AppState, row: BuildRow) {
             })
             .ok(),
         ),
-        Outcome::Failed(f) => ("failed", None, None, serde_json::to_string(&f).ok()),
+        Outcome::Failed(mut f) => {
+            let told = without_server_paths(&f.reason, &server_paths(state));
+            if told != f.reason {
+                tracing::info!(build = %id, reason = %f.reason, "failure reason, with the server's paths the tenant is not shown");
+                f.reason = told;
+            }
+            ("failed", None, None, serde_json::to_string(&f).ok())
+        }
     };
     match state
         .db
@@ -716,5 +761,29 @@ async fn write_events(
             }
             batch.clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_show_no_server_path() {
+        let paths = vec![
+            (std::path::PathBuf::from("/srv/kiln/store/.build"), "<work>"),
+            (std::path::PathBuf::from("/srv/kiln/store"), "<local>"),
+            (std::path::PathBuf::from("/srv/kiln/state"), "<state>"),
+            (std::path::PathBuf::from("/"), "<root>"),
+        ];
+        assert_eq!(
+            without_server_paths(
+                "mke2fs /srv/kiln/store/.build/run/step-1/upper.raw: no space; \
+                 /srv/kiln/state/kiln.db; /srv/kiln/store/blobs",
+                &paths
+            ),
+            "mke2fs <work>/run/step-1/upper.raw: no space; <state>/kiln.db; <local>/blobs"
+        );
+        assert_eq!(without_server_paths("exit 3", &paths), "exit 3");
     }
 }
