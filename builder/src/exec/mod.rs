@@ -368,7 +368,7 @@ pub enum ExecError {
     },
     /// The memory limit was hit and the kernel killed the step.
     #[error(
-        "out of memory: memory limit of {} MiB ({limit_bytes} bytes) exceeded (killed by the OOM killer)",
+        "out of memory: memory limit of {} MiB ({limit_bytes} bytes) exceeded; the step was killed",
         .limit_bytes >> 20
     )]
     MemoryLimit {

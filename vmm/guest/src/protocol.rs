@@ -410,7 +410,8 @@ pub struct ExecExit {
     pub signal: Option<i32>,
     /// The kernel's OOM killer ended it (or one of its processes): the `oom_kill` counter of
     /// the exec's own cgroup v2 `memory.events` went up. The guest kernel counts there for a
-    /// cgroup limit and for the whole VM running out of memory alike.
+    /// cgroup limit and for the whole VM running out of memory alike. Also set when the guest
+    /// stopped an exec that stalled at its [`Exec::memory_max`] (`signal` 9).
     #[serde(default)]
     pub oom: bool,
     /// The exec's pids limit ([`Exec::pids_max`]) refused a fork, and the guest stopped the

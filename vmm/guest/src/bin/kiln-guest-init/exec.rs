@@ -19,7 +19,12 @@
 //!    child joins it before exec. After the exit its `memory.events` `oom_kill` counter says
 //!    whether the kernel's OOM killer ended one of its processes: that is the `oom` flag.
 //!    While it runs, a `max` count in its `pids.events` (a fork refused at `pids.max`) kills
-//!    the cgroup and sets `pids_limit`. Why a cgroup and not `RLIMIT_NPROC`: that rlimit
+//!    the cgroup and sets `pids_limit`; and a cgroup that has reached its `memory.max` and
+//!    whose `memory.pressure` `full avg10` is at least [`STALL_PERCENT`] is killed and gets
+//!    the `oom` flag: a command at its limit whose own file pages (its program's text) the
+//!    kernel keeps evicting and rereading counts as progress, so the kernel's OOM killer may
+//!    not end it for minutes (measured under TCG: a 64 MiB `tail` hog ran into a 60 s
+//!    timeout). Why a cgroup and not `RLIMIT_NPROC`: that rlimit
 //!    counts a uid's processes in the whole guest and does not hold for root
 //!    (`CAP_SYS_RESOURCE`), which build steps usually run as; `pids.max` holds for everyone
 //!    in the cgroup, and `pids.events` says that it was hit. Without cgroup2 (a kernel
@@ -53,6 +58,12 @@ use crate::{log, sys};
 
 /// Most execs running at once; one more is refused.
 pub const MAX_RUNNING: usize = 64;
+
+/// The share of the last 10 s (`memory.pressure`'s `full avg10`, percent) during which every
+/// task of an exec at its `memory.max` stalled on memory, from which the guest stops it as
+/// out of memory (50 %: systemd-oomd's default limit is 60 % over 30 s; this is over 10 s,
+/// and only for a cgroup that has reached its limit).
+pub const STALL_PERCENT: f64 = 50.0;
 
 /// Where cgroup2 is mounted.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
@@ -267,6 +278,28 @@ fn oom_kills(cgroup: &Path) -> u64 {
 fn pids_hits(cgroup: &Path) -> u64 {
     let events = fs::read_to_string(cgroup.join("pids.events")).unwrap_or_default();
     parse_event(&events, "max")
+}
+
+/// Whether `cgroup` has reached its `memory.max` (`memory.events` `max`) and stalls on
+/// memory ([`STALL_PERCENT`] of `memory.pressure`'s `full avg10`).
+fn memory_stalled(cgroup: &Path) -> bool {
+    let events = fs::read_to_string(cgroup.join("memory.events")).unwrap_or_default();
+    if parse_event(&events, "max") == 0 {
+        return false;
+    }
+    let pressure = fs::read_to_string(cgroup.join("memory.pressure")).unwrap_or_default();
+    parse_full_avg10(&pressure).is_some_and(|p| p >= STALL_PERCENT)
+}
+
+/// The `avg10` of the `full` line of a PSI file (`full avg10=12.34 avg60=... total=...`).
+fn parse_full_avg10(pressure: &str) -> Option<f64> {
+    pressure
+        .lines()
+        .find_map(|l| l.strip_prefix("full "))?
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("avg10="))?
+        .parse()
+        .ok()
 }
 
 /// The counter `key` of a cgroup v2 events file (`key value` lines; 0 when missing).
@@ -640,11 +673,14 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
     }
     let watch = Watch {
         pid: child.pid,
-        cgroup: cgroup.as_deref().filter(|_| e.pids_max.is_some()),
+        cgroup: cgroup.as_deref(),
+        pids: e.pids_max.is_some(),
+        memory: e.memory_max.is_some(),
         pids_hit: false,
+        stalled: false,
     };
-    let pids_cgroup = watch.cgroup;
-    let (seq, stopped) = pump(e.id, watch, out_r, err_r, tx, conn);
+    let pids_cgroup = watch.cgroup.filter(|_| watch.pids);
+    let (seq, stopped, stalled) = pump(e.id, watch, out_r, err_r, tx, conn);
     // Also a fork refused just before the command's process exited.
     let pids_limit = stopped || pids_cgroup.is_some_and(|cg| pids_hits(cg) > 0);
     let status = proc::wait(child.pid, None).unwrap_or(0);
@@ -656,7 +692,7 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
     {
         slot.pid = None;
     }
-    let oom = cgroup.as_deref().is_some_and(|cg| oom_kills(cg) > 0);
+    let oom = stalled || cgroup.as_deref().is_some_and(|cg| oom_kills(cg) > 0);
     let disk_full = root_disk_full();
     if pids_limit || oom || disk_full {
         log!(
@@ -682,36 +718,52 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
 }
 
 /// What [`pump`] watches besides the pipes: the command's process, and its cgroup's pids
-/// limit when it has one.
+/// and memory limits when it has them.
 struct Watch<'a> {
     pid: libc::pid_t,
-    /// The cgroup whose `pids.events` is read about every 100 ms while the process runs.
+    /// The cgroup whose `pids.events`, `memory.events` and `memory.pressure` are read about
+    /// every 100 ms while the process runs.
     cgroup: Option<&'a Path>,
+    /// It has a pids limit.
+    pids: bool,
+    /// It has a memory limit.
+    memory: bool,
     /// Its pids limit refused a fork, and the cgroup was killed.
     pids_hit: bool,
+    /// It stalled at its memory limit ([`memory_stalled`]), and the cgroup was killed.
+    stalled: bool,
 }
 
 impl Watch<'_> {
-    /// Kills the exec's cgroup once its pids limit has refused a fork.
-    fn check_pids(&mut self) {
-        if let Some(cg) = self.cgroup
-            && !self.pids_hit
-            && pids_hits(cg) > 0
-        {
+    /// Kills the exec's cgroup once its pids limit has refused a fork, or once it stalls at
+    /// its memory limit.
+    fn check(&mut self) {
+        let Some(cg) = self.cgroup else {
+            return;
+        };
+        if self.pids_hit || self.stalled {
+            return;
+        }
+        if self.pids && pids_hits(cg) > 0 {
             log!(
                 "pid {}: the pids limit refused a fork; stopping it",
                 self.pid
             );
             kill(self.pid, Some(cg));
             self.pids_hit = true;
+        } else if self.memory && memory_stalled(cg) {
+            log!("pid {}: stalled at its memory limit; stopping it", self.pid);
+            kill(self.pid, Some(cg));
+            self.stalled = true;
         }
     }
 }
 
 /// Read both pipes until both end, or until the command's process has exited and the pipes
 /// hold nothing more; send each read as an `output` chunk while the connection lasts. Every
-/// 100 ms or so, `watch` checks the pids limit ([`Watch::check_pids`]). Returns the number
-/// of chunks sent, and whether the pids limit stopped the command.
+/// 100 ms or so, `watch` checks the limits ([`Watch::check`]). Returns the number of chunks
+/// sent, whether the pids limit stopped the command, and whether it was stopped stalled at its
+/// memory limit.
 fn pump(
     id: u64,
     mut watch: Watch<'_>,
@@ -719,7 +771,7 @@ fn pump(
     err: OwnedFd,
     tx: &Sender,
     conn: u64,
-) -> (u64, bool) {
+) -> (u64, bool, bool) {
     let pid = watch.pid;
     let mut next_check = std::time::Instant::now();
     let mut fds = [(Some(out), Stream::Stdout), (Some(err), Stream::Stderr)];
@@ -731,13 +783,13 @@ fn pump(
     loop {
         let exited = proc::exited(pid).is_some();
         if !exited && std::time::Instant::now() >= next_check {
-            watch.check_pids();
+            watch.check();
             next_check = std::time::Instant::now() + std::time::Duration::from_millis(100);
         }
         if exited {
             after_exit += 1;
             if after_exit > 64 {
-                return (seq, watch.pids_hit);
+                return (seq, watch.pids_hit, watch.stalled);
             }
         }
         let mut polls: Vec<libc::pollfd> = fds
@@ -750,7 +802,7 @@ fn pump(
             })
             .collect();
         if polls.is_empty() {
-            return (seq, watch.pids_hit);
+            return (seq, watch.pids_hit, watch.stalled);
         }
         // Wake every 100 ms to notice the process's exit (pipes a background process keeps
         // open never reach EOF); once it has exited, only take what is there now.
@@ -763,11 +815,11 @@ fn pump(
                 continue;
             }
             log!("exec {id:016x}: poll: {err}");
-            return (seq, watch.pids_hit);
+            return (seq, watch.pids_hit, watch.stalled);
         }
         if n == 0 {
             if exited {
-                return (seq, watch.pids_hit);
+                return (seq, watch.pids_hit, watch.stalled);
             }
             continue;
         }
@@ -817,5 +869,9 @@ mod tests {
         assert_eq!(parse_event("", "oom_kill"), 0);
         // pids.events
         assert_eq!(parse_event("max 7\n", "max"), 7);
+        let psi = "some avg10=91.50 avg60=20.00 avg300=4.00 total=123\n\
+                   full avg10=88.25 avg60=19.00 avg300=3.00 total=120\n";
+        assert_eq!(parse_full_avg10(psi), Some(88.25));
+        assert_eq!(parse_full_avg10("some avg10=1.00 total=1\n"), None);
     }
 }
