@@ -163,7 +163,10 @@ fn a_memory_limit_stops_a_step_on_a_pure_cgroup2_guest() {
     assert_eq!(o.status.code(), Some(1), "{text}");
     assert!(text.contains("step-started"), "the step ran: {text}");
     assert!(
-        text.contains(&format!("memory limit of {} bytes exceeded", 48u64 << 20)),
+        text.contains(&format!(
+            "memory limit of 48 MiB ({} bytes) exceeded",
+            48u64 << 20
+        )),
         "{text}"
     );
 }

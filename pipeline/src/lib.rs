@@ -47,6 +47,9 @@ use kiln_vmm::SnapshotError;
 use kiln_vmm::snapshot::BootAssets;
 
 pub use event::{Event, EventSink};
+/// The builder's per-step defaults that [`Limits::pids_max`] and [`Limits::write_bytes`]
+/// lower.
+pub use kiln_builder::exec::{DEFAULT_PIDS_MAX, DEFAULT_WRITE_LIMIT_BYTES};
 pub use kiln_builder::reference::Reference;
 pub use kiln_builder::registry::Credentials;
 pub use nightly::{NightlyOutcome, NightlyReport, NightlyRequest, nightly};
@@ -498,6 +501,12 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
     opts.exec.run_dir = work.join("run");
     if let Some(m) = req.limits.memory_bytes {
         opts.exec.memory_bytes = opts.exec.memory_bytes.min(m);
+    }
+    if let Some(w) = req.limits.write_bytes {
+        opts.exec.write_limit_bytes = opts.exec.write_limit_bytes.min(w);
+    }
+    if let Some(p) = req.limits.pids_max {
+        opts.exec.pids_max = opts.exec.pids_max.min(p.max(1));
     }
     opts.context = match &req.context {
         ContextSource::None => None,

@@ -250,6 +250,13 @@ pub struct Limits {
     /// vCPUs of the microVMs the build starts (the boot-once VM of the snapshot); `None`: 1.
     /// The namespace executor runs steps on the host's CPUs.
     pub vcpus: Option<u32>,
+    /// Bytes each step may write (the namespace executor's write limit; the size of a
+    /// microVM step's upper disk, at least 64 MiB); `None`:
+    /// [`kiln_builder::exec::DEFAULT_WRITE_LIMIT_BYTES`]. Only lowers that default.
+    pub write_bytes: Option<u64>,
+    /// Most tasks (processes and threads) in each step; `None`:
+    /// [`kiln_builder::exec::DEFAULT_PIDS_MAX`]. Only lowers that default.
+    pub pids_max: Option<u64>,
 }
 
 /// What runs the `RUN` steps. JSON (in [`crate::Event::StepStarted`]): `"namespace"` or

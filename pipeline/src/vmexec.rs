@@ -16,13 +16,17 @@
 //!    9p: Debian's cloud kernel, kiln's guest kernel, has no 9p (`modules.order` lists none),
 //!    and virtio-fs needs `virtiofsd`, which bookworm lacks. There is no network card.
 //! 2. **Boot.** The one QEMU command line ([`kiln_vmm::launch::VmSpec`]) with anonymous memory
-//!    of the step's memory limit (the VM's size is the limit), the step's vCPUs, and
+//!    of the step's memory limit plus [`STEP_VM_HEADROOM_BYTES`] for the guest's kernel and
+//!    init (at least [`STEP_VM_MIN_BYTES`]), the step's vCPUs, and
 //!    `kiln.step=<lowers>`: the guest init mounts the overlay of the lower disks under an upper
 //!    directory on the disk and makes it `/`.
 //! 3. **Run.** One `exec` over the guest channel with the step's argv, environment, user and
-//!    working directory (created when missing, owned by the user); stdout and stderr go
-//!    through the builder's [`LogShaper`] (4 KiB lines, the build's 1 MiB log). The host
-//!    enforces the timeout and cancellation by killing QEMU.
+//!    working directory (created when missing, owned by the user), and its memory and pids
+//!    limits, which the guest init puts on the command's cgroup (`memory.max`, `pids.max`);
+//!    stdout and stderr go through the builder's [`LogShaper`] (4 KiB lines, the build's
+//!    1 MiB log). The host enforces the timeout and cancellation by killing QEMU. How the
+//!    step failed is worded from the guest's `exit` ([`step_failure`]): out of memory, the
+//!    pids limit, a full disk, a signal, an exit code.
 //! 4. **Changes.** After a zero exit, `diff`: the guest kills every process and streams its
 //!    upper directory as a tar in OCI layer form. The host writes at most
 //!    [`diff_bound`] bytes of it to a file beside the disk, then unpacks it into
@@ -69,6 +73,17 @@ pub const MAX_LOWERS: usize = 16;
 /// Most read-only disks of one step VM, lower layers and bind mounts together: the microvm
 /// machine's 24 virtio-mmio transports less the upper disk and the guest channel.
 pub const MAX_DISKS: usize = 22;
+/// Memory a step VM has beyond the step's memory limit, bytes (128 MiB): the guest kernel,
+/// its init and the page cache of the lower disks' metadata, outside the command's cgroup,
+/// whose `memory.max` is the step's limit. A cgroup limit below what the guest has free
+/// makes the guest's OOM killer act at the limit: a step filling the whole VM instead
+/// livelocked under TCG (the kernel evicting and rereading the command's own pages,
+/// `kiln/tests/vm_exec.rs`). Measured (Debian's 6.1 cloud kernel, busybox step): a 192 MiB
+/// VM shows `MemTotal` 158,204 kB and `MemAvailable` 120,436 kB, so 64 MiB of headroom left
+/// a 64 MiB step less than its limit and its memory hog ran into the build's timeout.
+pub const STEP_VM_HEADROOM_BYTES: u64 = 128 << 20;
+/// The smallest step VM, bytes (128 MiB).
+pub const STEP_VM_MIN_BYTES: u64 = 128 << 20;
 /// How long a step VM may take from QEMU's start to the guest's answer.
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the host waits for each frame of the step's changes.
@@ -508,10 +523,73 @@ pub async fn receive_changes(
     Ok(bytes)
 }
 
+/// The limits a step VM ran under, for [`step_failure`]'s words.
+#[derive(Debug, Clone, Copy)]
+pub struct StepLimits {
+    /// The command's `memory.max`, bytes.
+    pub memory_bytes: u64,
+    /// The command's `pids.max`, tasks.
+    pub pids_max: u64,
+    /// The upper disk's size, bytes (the step's write limit, at least 64 MiB).
+    pub disk_bytes: u64,
+}
+
+/// Why a step whose guest sent `status` failed, in the builder's words ([`ExecError`], the
+/// one place that words a step's failure for every executor), or `None` when it exited 0.
+/// In order: it did not start; the OOM killer ended a process ([`ExecError::MemoryLimit`]);
+/// the pids limit stopped it ([`ExecError::PidsLimit`]); it failed with its disk full
+/// ([`ExecError::DiskFull`]); a signal; its exit code.
+pub fn step_failure(
+    status: &ExecStatus,
+    limits: &StepLimits,
+    tail: Vec<String>,
+) -> Option<ExecError> {
+    if let Some(f) = &status.failure {
+        return Some(ExecError::Setup(format!(
+            "the step did not start: {}",
+            f.message
+        )));
+    }
+    let exit_code = status.exit_code();
+    if exit_code == 0 {
+        return None;
+    }
+    Some(if status.oom {
+        ExecError::MemoryLimit {
+            limit_bytes: limits.memory_bytes,
+            tail,
+        }
+    } else if status.pids_limit {
+        ExecError::PidsLimit {
+            limit: limits.pids_max,
+            exit_code: status.code,
+            tail,
+        }
+    } else if status.disk_full {
+        ExecError::DiskFull {
+            limit_bytes: limits.disk_bytes,
+            exit_code,
+            tail,
+        }
+    } else if let Some(signal) = status.signal {
+        ExecError::Signaled { signal, tail }
+    } else {
+        ExecError::Failed { exit_code, tail }
+    })
+}
+
+/// A step VM's memory, bytes, for a step memory limit of `limit` bytes: the limit plus
+/// [`STEP_VM_HEADROOM_BYTES`], in whole MiB, at least [`STEP_VM_MIN_BYTES`].
+pub fn step_vm_bytes(limit: u64) -> u64 {
+    (limit.saturating_add(STEP_VM_HEADROOM_BYTES) >> 20).max(STEP_VM_MIN_BYTES >> 20) << 20
+}
+
 /// How the step's wait ended.
 enum Waited {
     Exit(ExecStatus),
     Stopped(ExecError),
+    /// The guest channel failed (closed, or an I/O error): the VM most likely stopped.
+    Lost(String),
 }
 
 impl VmExecutor {
@@ -602,7 +680,7 @@ impl VmExecutor {
         let vm_spec = VmSpec {
             accel: self.accel,
             vcpus: self.vcpus,
-            memory_bytes: (self.config.memory_bytes >> 20).max(128) << 20,
+            memory_bytes: step_vm_bytes(self.config.memory_bytes),
             kernel: self.boot.kernel.clone(),
             initramfs: self.boot.initramfs.clone(),
             memory_file: dir.join("unused-memory"),
@@ -684,6 +762,8 @@ impl VmExecutor {
                 })
                 .collect(),
             mounts: guest_mounts,
+            memory_max: Some(self.config.memory_bytes),
+            pids_max: Some(self.config.pids_max),
         };
         let exec_id = session.start(&req).await.map_err(|e| match e {
             kiln_vmm::exec::ExecError::Request(d) => ExecError::Setup(format!("the step: {d}")),
@@ -712,6 +792,7 @@ impl VmExecutor {
                 None => {
                     break Waited::Stopped(ExecError::Timeout {
                         after: spec.timeout,
+                        stopped: kiln_builder::exec::STOPPED_VM,
                     });
                 }
                 Some(Ok(ExecEvent::Output { id, data, .. })) if id == exec_id => {
@@ -724,7 +805,7 @@ impl VmExecutor {
                 Some(Err(kiln_vmm::exec::ExecError::Protocol { reason, .. })) => {
                     break Waited::Stopped(ExecError::Guest(reason));
                 }
-                Some(Err(e)) => break Waited::Stopped(guest("running the step", &e)),
+                Some(Err(e)) => break Waited::Lost(e.to_string()),
             }
         };
         shaper.finish(sink);
@@ -734,31 +815,35 @@ impl VmExecutor {
                 vm.kill().await;
                 return Err(e);
             }
+            Waited::Lost(e) => {
+                // A closed channel: QEMU is on its way out (-no-reboot, panic=-1).
+                let exited = vm.wait_exited(Duration::from_secs(5)).await;
+                tracing::info!(
+                    step = spec.index,
+                    error = %e,
+                    ?exited,
+                    console = %launch::console_report(&vm_spec.serial_log),
+                    "step VM stopped while the step ran"
+                );
+                let detail = match (launch::guest_death(&vm_spec.serial_log), exited) {
+                    (Some(line), _) => format!("guest kernel: {line}"),
+                    (None, Some(_)) => "it powered off or rebooted".to_string(),
+                    (None, None) => format!("its guest channel failed ({e})"),
+                };
+                vm.kill().await;
+                return Err(ExecError::VmStopped { detail });
+            }
             Waited::Exit(s) => s,
         };
         let ran = t0.elapsed() - booted;
-        if let Some(f) = &status.failure {
+        let limits = StepLimits {
+            memory_bytes: self.config.memory_bytes,
+            pids_max: self.config.pids_max,
+            disk_bytes,
+        };
+        if let Some(e) = step_failure(&status, &limits, tail.clone()) {
             vm.kill().await;
-            return Err(ExecError::Setup(format!(
-                "the step did not start: {}",
-                f.message
-            )));
-        }
-        if status.oom {
-            vm.kill().await;
-            return Err(ExecError::MemoryLimit {
-                limit_bytes: vm_spec.memory_bytes,
-                tail,
-            });
-        }
-        if let Some(signal) = status.signal {
-            vm.kill().await;
-            return Err(ExecError::Signaled { signal, tail });
-        }
-        let exit_code = status.exit_code();
-        if exit_code != 0 {
-            vm.kill().await;
-            return Err(ExecError::Failed { exit_code, tail });
+            return Err(e);
         }
 
         // The changes.
@@ -777,6 +862,7 @@ impl VmExecutor {
             None => {
                 return Err(ExecError::Timeout {
                     after: spec.timeout,
+                    stopped: kiln_builder::exec::STOPPED_VM,
                 });
             }
             Some(r) => r.map_err(|e| match e {
@@ -836,6 +922,46 @@ mod tests {
                 assert!(used <= disks, "{lowers} on {disks}: {s}");
             }
         }
+    }
+
+    #[test]
+    fn step_failures_are_worded_from_the_guest_exit() {
+        let limits = StepLimits {
+            memory_bytes: 64 << 20,
+            pids_max: 32,
+            disk_bytes: 64 << 20,
+        };
+        let st = |code, signal, oom, pids_limit, disk_full| ExecStatus {
+            code,
+            signal,
+            oom,
+            pids_limit,
+            disk_full,
+            failure: None,
+        };
+        let words = |s: ExecStatus| step_failure(&s, &limits, vec![]).map(|e| e.to_string());
+        assert_eq!(words(st(Some(0), None, true, true, true)), None);
+        let oom = words(st(Some(137), None, true, false, false)).unwrap();
+        assert!(
+            oom.starts_with("out of memory: memory limit of 64 MiB"),
+            "{oom}"
+        );
+        let pids = words(st(None, Some(9), false, true, false)).unwrap();
+        assert_eq!(
+            pids,
+            "pids limit of 32 tasks reached (the step was stopped)"
+        );
+        let disk = words(st(Some(1), None, false, false, true)).unwrap();
+        assert!(
+            disk.starts_with("disk full: the step's disk of 64 MiB"),
+            "{disk}"
+        );
+        let sig = words(st(None, Some(15), false, false, false)).unwrap();
+        assert_eq!(sig, "command killed by signal 15");
+        let code = words(st(Some(3), None, false, false, false)).unwrap();
+        assert_eq!(code, "command exited with code 3");
+        assert_eq!(step_vm_bytes(16 << 20), 144 << 20);
+        assert_eq!(step_vm_bytes(1 << 30), (1 << 30) + (128 << 20));
     }
 
     #[test]

@@ -30,6 +30,12 @@ pub const MAX_RECIPE_BYTES: u64 = 1 << 20;
 pub const MAX_JSON_BYTES: usize = 1 << 20;
 /// Seconds a 429 asks the client to wait (`Retry-After`).
 pub const RETRY_AFTER_SECS: u64 = 10;
+/// The smallest `limits.disk_mib`, MiB (a microVM step's upper disk is at least 64 MiB, so
+/// that its file system fits).
+pub const MIN_DISK_MIB: u64 = 64;
+/// The largest and default `limits.disk_mib`, MiB (the builder's
+/// [`kiln_pipeline::DEFAULT_WRITE_LIMIT_BYTES`], 10 GiB).
+pub const MAX_DISK_MIB: u64 = kiln_pipeline::DEFAULT_WRITE_LIMIT_BYTES >> 20;
 
 /// An error answer.
 #[derive(Debug, thiserror::Error)]
@@ -156,6 +162,9 @@ pub struct LimitsSpec {
     pub memory_mib: Option<u64>,
     /// vCPUs of the boot-once VM (default 1; cap: the quota's).
     pub vcpus: Option<u32>,
+    /// Bytes each step may write, MiB: a microVM step's disk, which fills at this size
+    /// ("disk full"); default and cap 10240 (the builder's 10 GiB write limit), at least 64.
+    pub disk_mib: Option<u64>,
 }
 
 /// What the steps' network may do: a mode (`"sandboxed"`, also spelled `"default"`;
@@ -276,6 +285,9 @@ pub struct EffectiveLimits {
     pub memory_mib: u64,
     /// vCPUs.
     pub vcpus: u32,
+    /// MiB each step may write, when the submission lowered it from the default (10240).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_mib: Option<u64>,
 }
 
 /// What is stored of an accepted submission (its hash decides idempotent retries).
@@ -769,6 +781,10 @@ async fn submit(
             .vcpus
             .unwrap_or(1)
             .clamp(1, quota.max_vcpus.max(1)),
+        disk_mib: spec
+            .limits
+            .disk_mib
+            .map(|d| d.clamp(MIN_DISK_MIB, MAX_DISK_MIB)),
     };
     // The recipe error `kiln plan` would print, before anything is queued.
     let mut check = kiln_pipeline::BuildRequest::new(
@@ -1477,6 +1493,7 @@ mod tests {
                 timeout_secs: 1,
                 memory_mib: 1,
                 vcpus: 1,
+                disk_mib: None,
             },
             no_cache: false,
             registry_auth: vec![],

@@ -128,13 +128,17 @@ pub struct ServiceConfig {
     pub credentials_key: Option<Arc<sealed::CredentialsKey>>,
     /// The bounds of the tenants' listener: header and body timeouts, most connections.
     pub conn: listen::ConnLimits,
+    /// Most tasks (processes and threads) in each tenant step (`kiln serve --step-pids-max`;
+    /// default [`kiln_pipeline::DEFAULT_PIDS_MAX`], 4096).
+    pub step_pids_max: u64,
 }
 
 impl ServiceConfig {
     /// Defaults for the state directory `state_dir`: SQLite, 2 workers, 1 GiB contexts, 4 GiB
     /// unpacked, 24 h idempotency window, 60 s shutdown grace, 10 s heartbeat, 60 s takeover,
     /// 3 attempts, 7 days node retention, 1 h context leases, 10 s database timeout, the
-    /// microVM executor, no credentials key, [`listen::ConnLimits::default`].
+    /// microVM executor, no credentials key, [`listen::ConnLimits::default`], 4096 tasks a
+    /// step.
     pub fn new(state_dir: PathBuf) -> Self {
         ServiceConfig {
             state_dir,
@@ -155,6 +159,7 @@ impl ServiceConfig {
             executor: Executor::Vm,
             credentials_key: None,
             conn: listen::ConnLimits::default(),
+            step_pids_max: kiln_pipeline::DEFAULT_PIDS_MAX,
         }
     }
 

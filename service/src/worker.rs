@@ -311,6 +311,51 @@ async fn worker(state: AppState) {
     }
 }
 
+/// The directories and files of this server that a failure's reason (or its last lines)
+/// must not show a tenant, each with the name shown instead: the work directory, the local
+/// directory it is in (the local store, or the cache beside a remote one), the state
+/// directory, the guest kernel and initramfs; each as configured and canonical.
+fn server_paths(state: &AppState) -> Vec<(std::path::PathBuf, &'static str)> {
+    let work = state.setup.work_dir.clone();
+    let mut v = vec![(work.clone(), "<work>")];
+    if let Some(local) = work.parent() {
+        v.push((local.to_path_buf(), "<local>"));
+    }
+    if let Some(root) = state.setup.store.local_root() {
+        v.push((root, "<store>"));
+    }
+    v.push((state.config.state_dir.clone(), "<state>"));
+    if let Some(b) = &state.setup.boot {
+        v.push((b.kernel.clone(), "<kernel>"));
+        v.push((b.initramfs.clone(), "<initramfs>"));
+    }
+    // Each also as the kernel names it (symbolic links resolved), as errors may.
+    let canonical: Vec<_> = v
+        .iter()
+        .filter_map(|(p, n)| std::fs::canonicalize(p).ok().map(|c| (c, *n)))
+        .filter(|(c, _)| !v.iter().any(|(p, _)| p == c))
+        .collect();
+    v.extend(canonical);
+    v
+}
+
+/// `reason` with each of `paths` (longest first, so a directory inside another is named
+/// as itself) replaced by its name: a build's failure reason is the tenant's to read, and an
+/// executor's or the host's error can name a file of the server.
+fn without_server_paths(reason: &str, paths: &[(std::path::PathBuf, &str)]) -> String {
+    let mut by_len: Vec<(String, &str)> = paths
+        .iter()
+        .map(|(p, n)| (p.display().to_string(), *n))
+        .filter(|(p, _)| p.len() > 1)
+        .collect();
+    by_len.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
+    let mut s = reason.to_string();
+    for (p, n) in by_len {
+        s = s.replace(&p, n);
+    }
+    s
+}
+
 /// The error and its causes, each once.
 fn chain(e: &PipelineError) -> String {
     let mut s = e.to_string();
@@ -429,9 +474,13 @@ async fn run_one(state: &AppState, row: BuildRow) {
         ),
         Outcome::Failed(mut f) => {
             let paths = server_paths(state);
-            f.reason = scrub(&f.reason, &paths);
+            let told = without_server_paths(&f.reason, &paths);
+            if told != f.reason {
+                tracing::info!(build = %id, reason = %f.reason, "failure reason, with the server's paths the tenant is not shown");
+                f.reason = told;
+            }
             for l in &mut f.last_lines {
-                *l = scrub(l, &paths);
+                *l = without_server_paths(l, &paths);
             }
             ("failed", None, None, serde_json::to_string(&f).ok())
         }
@@ -557,6 +606,8 @@ async fn execute(
         timeout: Some(Duration::from_secs(spec.limits.timeout_secs)),
         memory_bytes: Some(spec.limits.memory_mib << 20),
         vcpus: Some(spec.limits.vcpus),
+        write_bytes: spec.limits.disk_mib.map(|d| d << 20),
+        pids_max: Some(state.config.step_pids_max),
     };
     match row.workspace.parse() {
         Ok(w) => req.cache_mounts = CacheMountScope::Workspace(w),
@@ -648,45 +699,6 @@ async fn execute(
             Outcome::Failed(f)
         }
     }
-}
-
-/// The server's own directories, each with the name a tenant reads in its place, longest
-/// first: the state directory (the build's work directory is under it), the local store or
-/// the host's cache of a remote one, and its scratch; each as configured and canonical.
-fn server_paths(state: &AppState) -> Vec<(String, &'static str)> {
-    let mut out = Vec::new();
-    let mut add = |p: &std::path::Path, name: &'static str| {
-        for p in [Some(p.to_path_buf()), std::fs::canonicalize(p).ok()]
-            .into_iter()
-            .flatten()
-        {
-            let s = p.display().to_string();
-            if s.len() > 1 {
-                out.push((s, name));
-            }
-        }
-    };
-    add(&state.config.state_dir, "<server state dir>");
-    add(&state.setup.work_dir, "<server work dir>");
-    add(state.setup.cache.root(), "<server store>");
-    if let Some(root) = state.setup.store.local_root() {
-        add(&root, "<server store>");
-    }
-    out.sort_by_key(|(p, _)| std::cmp::Reverse(p.len()));
-    out.dedup();
-    out
-}
-
-/// `text` with every path of `paths` replaced by its name: what a tenant reads of an error
-/// that names a file of the server (a failure reason, a step's last lines).
-fn scrub(text: &str, paths: &[(String, &'static str)]) -> String {
-    let mut out = text.to_string();
-    for (p, name) in paths {
-        if out.contains(p.as_str()) {
-            out = out.replace(p.as_str(), name);
-        }
-    }
-    out
 }
 
 /// The registry credentials the tenant gave for build `id`, opened, for
@@ -848,5 +860,29 @@ async fn write_events(
             }
             batch.clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reasons_show_no_server_path() {
+        let paths = vec![
+            (std::path::PathBuf::from("/srv/kiln/store/.build"), "<work>"),
+            (std::path::PathBuf::from("/srv/kiln/store"), "<local>"),
+            (std::path::PathBuf::from("/srv/kiln/state"), "<state>"),
+            (std::path::PathBuf::from("/"), "<root>"),
+        ];
+        assert_eq!(
+            without_server_paths(
+                "mke2fs /srv/kiln/store/.build/run/step-1/upper.raw: no space; \
+                 /srv/kiln/state/kiln.db; /srv/kiln/store/blobs",
+                &paths
+            ),
+            "mke2fs <work>/run/step-1/upper.raw: no space; <state>/kiln.db; <local>/blobs"
+        );
+        assert_eq!(without_server_paths("exit 3", &paths), "exit 3");
     }
 }

@@ -14,26 +14,37 @@ use kiln_vmm::snapshot::BootAssets;
 use crate::require_env;
 
 /// The guest kernel (vmlinux) and initramfs: `KILN_TEST_KERNEL` and `KILN_TEST_INITRAMFS`
-/// when `ci/setup.sh` exported them, else built once per process like `ci/setup.sh` does (the
-/// kernel of `base-images/kernel.yaml` fetched into `KILN_TEST_CACHE`, kiln-guest-init built
-/// static from this checkout).
+/// when `ci/setup.sh` exported them and that initramfs's stamp ([`init_stamp`]) names this
+/// checkout's guest init sources ([`guest_init_sources_digest`]), else built once per process
+/// like `ci/setup.sh` does (the kernel of `base-images/kernel.yaml` fetched into
+/// `KILN_TEST_CACHE`, kiln-guest-init built static from this checkout), so that a test never
+/// boots an init older than the code it tests (a worktree whose env file names another
+/// checkout's initramfs).
 pub fn guest_assets() -> BootAssets {
     static A: OnceLock<BootAssets> = OnceLock::new();
     A.get_or_init(|| {
-        if let (Ok(k), Ok(i)) = (
-            std::env::var("KILN_TEST_KERNEL"),
-            std::env::var("KILN_TEST_INITRAMFS"),
-        ) {
-            return BootAssets {
-                kernel: k.into(),
-                initramfs: i.into(),
-            };
-        }
-        let cache = PathBuf::from(require_env("KILN_TEST_CACHE"));
         let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
             .parent()
             .expect("the workspace is the parent of tests/")
             .to_path_buf();
+        let sources = guest_init_sources_digest(&workspace);
+        if let (Ok(k), Ok(i)) = (
+            std::env::var("KILN_TEST_KERNEL"),
+            std::env::var("KILN_TEST_INITRAMFS"),
+        ) {
+            let stamp = std::fs::read_to_string(init_stamp(Path::new(&i))).unwrap_or_default();
+            if stamp.trim() == sources {
+                return BootAssets {
+                    kernel: k.into(),
+                    initramfs: i.into(),
+                };
+            }
+            eprintln!(
+                "KILN_TEST_INITRAMFS={i} was not built from this checkout's guest init \
+                 sources: building the init from this checkout"
+            );
+        }
+        let cache = PathBuf::from(require_env("KILN_TEST_CACHE"));
         let target = std::env::var_os("CARGO_TARGET_DIR")
             .map(PathBuf::from)
             .unwrap_or_else(|| workspace.join("target"))
@@ -41,12 +52,55 @@ pub fn guest_assets() -> BootAssets {
         let init = initramfs::build_guest_init(&workspace, &target).expect("build the init");
         let a = initramfs::guest_artifacts(&cache, &KernelRecipe::shipped(), &init)
             .expect("kernel and initramfs");
+        let _ = std::fs::write(init_stamp(&a.initramfs.path), &sources);
         BootAssets {
             kernel: a.kernel.vmlinux(),
             initramfs: a.initramfs.path,
         }
     })
     .clone()
+}
+
+/// The file beside an initramfs that holds the [`guest_init_sources_digest`] of the sources
+/// its init was built from: `<initramfs>.init-sources`.
+pub fn init_stamp(initramfs: &Path) -> PathBuf {
+    let mut s = initramfs.as_os_str().to_owned();
+    s.push(".init-sources");
+    PathBuf::from(s)
+}
+
+/// The sha256 (hex) of what kiln-guest-init is built from in the workspace `workspace`: every
+/// file under `vmm/guest/` (by relative path, sorted; `target` directories left out) and
+/// `Cargo.lock`, each as its path, a NUL, its length and its bytes.
+pub fn guest_init_sources_digest(workspace: &Path) -> String {
+    use sha2::{Digest, Sha256};
+    let root = workspace.join("vmm/guest");
+    let mut files = vec![workspace.join("Cargo.lock")];
+    let mut stack = vec![root];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            match e.file_type() {
+                Ok(t) if t.is_dir() && e.file_name() != "target" => stack.push(p),
+                Ok(t) if t.is_file() => files.push(p),
+                _ => {}
+            }
+        }
+    }
+    files.sort();
+    let mut h = Sha256::new();
+    for f in files {
+        let rel = f.strip_prefix(workspace).unwrap_or(&f);
+        let data = std::fs::read(&f).unwrap_or_default();
+        h.update(rel.as_os_str().as_encoded_bytes());
+        h.update([0]);
+        h.update((data.len() as u64).to_le_bytes());
+        h.update(&data);
+    }
+    format!("{:x}", h.finalize())
 }
 
 fn run(cmd: &mut Command) {

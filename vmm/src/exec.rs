@@ -131,6 +131,12 @@ pub struct ExecRequest {
     /// File systems the guest mounts before the command and unmounts after it (a build
     /// step's `RUN --mount=type=tmpfs|secret`); at most [`proto::MAX_MOUNTS`].
     pub mounts: Vec<proto::ExecMount>,
+    /// Memory limit of the command's cgroup in the guest, bytes ([`proto::Exec::memory_max`]);
+    /// `None`: the VM's memory only.
+    pub memory_max: Option<u64>,
+    /// Most tasks of the command's cgroup in the guest ([`proto::Exec::pids_max`]); `None`:
+    /// no limit.
+    pub pids_max: Option<u64>,
 }
 
 /// How an exec ended: the guest's `exit` frame.
@@ -142,6 +148,10 @@ pub struct ExecStatus {
     pub signal: Option<i32>,
     /// The kernel's OOM killer ended it (or one of its processes).
     pub oom: bool,
+    /// The guest stopped it when its pids limit refused a fork ([`ExecExit::pids_limit`]).
+    pub pids_limit: bool,
+    /// `/` in the guest was (almost) full when it ended ([`ExecExit::disk_full`]).
+    pub disk_full: bool,
     /// It did not start, and why.
     pub failure: Option<ExecFailure>,
 }
@@ -152,6 +162,8 @@ impl ExecStatus {
             code: x.code,
             signal: x.signal,
             oom: x.oom,
+            pids_limit: x.pids_limit,
+            disk_full: x.disk_full,
             failure: x.failure,
         }
     }
@@ -305,6 +317,8 @@ impl ExecSession {
             make_workdir: req.make_workdir,
             files: req.files.clone(),
             mounts: req.mounts.clone(),
+            memory_max: req.memory_max,
+            pids_max: req.pids_max,
         });
         // Checked here so a bad request is the caller's error, not a channel one.
         proto::encode(&msg).map_err(ExecError::Request)?;
@@ -795,6 +809,8 @@ mod tests {
             code,
             signal,
             oom: false,
+            pids_limit: false,
+            disk_full: false,
             failure: kind.map(|kind| ExecFailure {
                 kind,
                 message: String::new(),

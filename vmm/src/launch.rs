@@ -959,6 +959,26 @@ const DEATH_MARKERS: [&str; 5] = [
     "Oops: ",
 ];
 
+/// The first line of the console log at `path` where the guest kernel reports its death (a
+/// panic, an oops, a divide error), without the kernel's `[seconds]` stamp; `None` when there
+/// is none or no log.
+pub fn guest_death(path: &Path) -> Option<String> {
+    let b = std::fs::read(path).ok()?;
+    let text = String::from_utf8_lossy(&b);
+    let line = death_line(&text)?;
+    let bare = match line.strip_prefix('[').and_then(|r| r.split_once(']')) {
+        Some((_, rest)) => rest.trim(),
+        None => line,
+    };
+    Some(bare.to_string())
+}
+
+fn death_line(text: &str) -> Option<&str> {
+    text.lines()
+        .find(|l| DEATH_MARKERS.iter().any(|m| l.contains(m)))
+        .map(str::trim)
+}
+
 /// The console log at `path` summarised for an error message: the first line where the
 /// kernel reports its death (a panic, an oops, a divide error) when there is one, then the
 /// last 4 KiB of the log; `console: empty` when the guest wrote nothing at all (with
@@ -971,10 +991,8 @@ pub fn console_report(path: &Path) -> String {
     if text.trim().is_empty() {
         return format!("console: empty ({})", path.display());
     }
-    let death = text
-        .lines()
-        .find(|l| DEATH_MARKERS.iter().any(|m| l.contains(m)))
-        .map(|l| format!("guest kernel: {}\n", l.trim()))
+    let death = death_line(&text)
+        .map(|l| format!("guest kernel: {l}\n"))
         .unwrap_or_default();
     format!(
         "{death}console (tail):\n{}",

@@ -25,13 +25,18 @@ pub enum BuildError {
         /// What the executor said.
         error: ExecError,
     },
-    /// The build's timeout passed.
-    #[error("{location}: build timeout of {}s exceeded", .after.as_secs())]
+    /// The build's timeout passed. Display: `file:line: build timeout of Ns exceeded`, then,
+    /// when a step was running, `: <step>: <what was killed>`.
+    #[error("{location}: build timeout of {}s exceeded{}", .after.as_secs(),
+        .stopped.as_ref().map(|s| format!(": {s}")).unwrap_or_default())]
     Timeout {
         /// Where the build was.
         location: String,
         /// The build's timeout.
         after: Duration,
+        /// The step that was running and what was killed of it
+        /// ([`crate::exec::STOPPED_VM`]...), when a step was running.
+        stopped: Option<String>,
     },
     /// The build was cancelled (SIGINT, SIGTERM, or the caller's flag).
     #[error("build cancelled")]
@@ -129,7 +134,8 @@ fn tail_text(e: &ExecError) -> String {
         ExecError::Failed { tail, .. }
         | ExecError::Signaled { tail, .. }
         | ExecError::MemoryLimit { tail, .. }
-        | ExecError::PidsLimit { tail, .. } => tail,
+        | ExecError::PidsLimit { tail, .. }
+        | ExecError::DiskFull { tail, .. } => tail,
         _ => return String::new(),
     };
     if tail.is_empty() {

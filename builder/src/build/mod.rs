@@ -903,6 +903,7 @@ fn check_cancel(ctx: &Ctx, loc: &str) -> Result<(), BuildError> {
         return Err(BuildError::Timeout {
             location: loc.to_string(),
             after: ctx.timeout,
+            stopped: None,
         });
     }
     Ok(())
@@ -1052,10 +1053,11 @@ async fn run_step(
                     ctx.log_bytes.fetch_add(report.log_bytes, Ordering::Relaxed);
                 }
                 Err(ExecError::Cancelled) => return Err(BuildError::Cancelled),
-                Err(ExecError::Timeout { .. }) if Instant::now() >= ctx.deadline => {
+                Err(ExecError::Timeout { stopped, .. }) if Instant::now() >= ctx.deadline => {
                     return Err(BuildError::Timeout {
                         location: loc.to_string(),
                         after: ctx.timeout,
+                        stopped: Some(format!("{}: {stopped}", short(&describe(step)))),
                     });
                 }
                 Err(e) => {

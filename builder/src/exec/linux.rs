@@ -364,6 +364,7 @@ impl StepExecutor for LinuxExecutor {
                     } else if now >= deadline {
                         stop = Some(ExecError::Timeout {
                             after: spec.timeout,
+                            stopped: super::STOPPED_PROCESSES,
                         });
                     } else if now >= next_write_check {
                         next_write_check = now + WRITE_CHECK_EVERY;
@@ -437,7 +438,7 @@ impl StepExecutor for LinuxExecutor {
             if events.pids_hits > 0 {
                 return Err(ExecError::PidsLimit {
                     limit: cfg.pids_max,
-                    exit_code,
+                    exit_code: Some(exit_code),
                     tail,
                 });
             }

@@ -60,6 +60,11 @@ pub const DEFAULT_CAPABILITIES: u64 = (1 << 0)
     | (1 << 29)
     | (1 << 31);
 
+/// What [`ExecError::Timeout`] says was killed under the namespace executor.
+pub const STOPPED_PROCESSES: &str = "the step's processes were killed";
+/// What [`ExecError::Timeout`] says was killed under the microVM executor.
+pub const STOPPED_VM: &str = "the step's microVM was killed";
+
 /// Default per-step write limit, bytes (10 GiB): the blocks allocated in the upper directory.
 pub const DEFAULT_WRITE_LIMIT_BYTES: u64 = 10 << 30;
 /// Default per-step limit on tasks (processes and threads).
@@ -362,20 +367,27 @@ pub enum ExecError {
         tail: Vec<String>,
     },
     /// The memory limit was hit and the kernel killed the step.
-    #[error("memory limit of {limit_bytes} bytes exceeded (killed by the OOM killer)")]
+    #[error(
+        "out of memory: memory limit of {} MiB ({limit_bytes} bytes) exceeded; the step was killed",
+        .limit_bytes >> 20
+    )]
     MemoryLimit {
         /// The limit, bytes.
         limit_bytes: u64,
         /// Last log lines.
         tail: Vec<String>,
     },
-    /// The pids limit refused a fork and the command failed.
-    #[error("pids limit of {limit} tasks reached (command exited with code {exit_code})")]
+    /// The pids limit refused a fork: the command failed (the namespace executor), or the
+    /// step was stopped at once (the microVM executor's guest init, `exit_code` `None`).
+    #[error("pids limit of {limit} tasks reached ({})", match .exit_code {
+        Some(c) => format!("command exited with code {c}"),
+        None => "the step was stopped".to_string(),
+    })]
     PidsLimit {
         /// The limit, tasks.
         limit: u64,
-        /// Exit code.
-        exit_code: i32,
+        /// Exit code, when the command exited on its own.
+        exit_code: Option<i32>,
         /// Last log lines.
         tail: Vec<String>,
     },
@@ -387,11 +399,35 @@ pub enum ExecError {
         /// Bytes allocated in the upper directory when checked (`st_blocks` × 512).
         written_bytes: u64,
     },
+    /// A microVM step failed with its upper disk full: the disk is the step's write limit,
+    /// so the guest's writes ran out of space there (`ENOSPC`) rather than being stopped.
+    #[error(
+        "disk full: the step's disk of {} MiB ({limit_bytes} bytes, its write limit) is full (command exited with code {exit_code})",
+        .limit_bytes >> 20
+    )]
+    DiskFull {
+        /// The disk's size, bytes.
+        limit_bytes: u64,
+        /// Exit code.
+        exit_code: i32,
+        /// Last log lines.
+        tail: Vec<String>,
+    },
+    /// A microVM step's VM stopped while the step ran: the guest kernel panicked, or the
+    /// guest powered off or rebooted (what a step running as root in its VM can do), so the
+    /// guest channel closed. `detail` is the guest kernel's own line when it has one.
+    #[error("the step's microVM stopped while the step ran: {detail}")]
+    VmStopped {
+        /// How, in words, with no path of the host.
+        detail: String,
+    },
     /// The timeout passed; the step was killed.
-    #[error("timeout of {}s exceeded", .after.as_secs())]
+    #[error("timeout of {}s exceeded; {stopped}", .after.as_secs())]
     Timeout {
         /// The step's timeout.
         after: Duration,
+        /// What was killed, in words ([`STOPPED_PROCESSES`], [`STOPPED_VM`]).
+        stopped: &'static str,
     },
     /// The caller cancelled the step; it was killed.
     #[error("cancelled")]

@@ -111,6 +111,8 @@ async fn run(out: &Out, a: Args) -> anyhow::Result<u8> {
         make_workdir: false,
         files: Vec::new(),
         mounts: Vec::new(),
+        memory_max: None,
+        pids_max: None,
     };
     let mut s = ExecSession::open(&default_state_dir(), &a.id, DEFAULT_CONNECT_TIMEOUT).await?;
     let exec_id = s.start(&req).await?;

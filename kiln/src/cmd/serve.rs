@@ -131,6 +131,16 @@ pub struct Args {
     /// Guest initramfs with kiln-guest-init, with --kernel; default `kiln kernel`'s.
     #[arg(long, env = "KILN_INITRAMFS", value_name = "FILE")]
     pub initramfs: Option<PathBuf>,
+    /// Most tasks (processes and threads) each tenant RUN step may have at once: its pids
+    /// cgroup's limit (in the microVM, set by the guest init; a fork refused there stops the
+    /// step, "pids limit").
+    #[arg(
+        long = "step-pids-max",
+        env = "KILN_SERVE_STEP_PIDS_MAX",
+        default_value_t = kiln_builder::exec::DEFAULT_PIDS_MAX,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub step_pids_max: u64,
 }
 
 /// What `kiln serve` and its key commands share.
@@ -386,6 +396,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
         let key = kiln_service::sealed::CredentialsKey::load(f)?;
         cfg.credentials_key = Some(std::sync::Arc::new(key));
     }
+    cfg.step_pids_max = a.step_pids_max;
     cfg.check()?;
     // The operator's listener first: its line comes before the one that says the server is
     // up.

@@ -2,7 +2,8 @@
 //! kernel of `base-images/kernel.yaml` into `$KILN_TEST_CACHE` (by name; cached by resolved
 //! version), builds `kiln-guest-init` static from this checkout into
 //! `$CARGO_TARGET_DIR/guest-init` (or takes `KILN_GUEST_INIT`), and writes the initramfs into
-//! `$KILN_TEST_CACHE/initramfs/`.
+//! `$KILN_TEST_CACHE/initramfs/`, with the digest of the init's sources beside it
+//! (`kiln_tests::vm::init_stamp`), which the tests check before they boot it.
 //!
 //! Usage: `kiln-test-guest-assets` (no arguments). Prints shell lines for the env file:
 //! `export KILN_TEST_KERNEL=<vmlinux>` and `export KILN_TEST_INITRAMFS=<cpio>`, then a comment
@@ -29,6 +30,13 @@ fn main() {
             initramfs::build_guest_init(&workspace, &target).map_err(|e| Box::new(e.into()))?;
         let a = initramfs::guest_artifacts(&cache, &KernelRecipe::shipped(), &init)
             .map_err(|e| Box::new(e.into()))?;
+        // What the tests check before booting it (kiln_tests::vm::guest_assets).
+        let stamp = kiln_tests::vm::init_stamp(&a.initramfs.path);
+        let sources = kiln_tests::vm::guest_init_sources_digest(&workspace);
+        if let Err(e) = std::fs::write(&stamp, sources) {
+            eprintln!("kiln-test-guest-assets: writing {}: {e}", stamp.display());
+            std::process::exit(1);
+        }
         println!("export KILN_TEST_KERNEL={}", a.kernel.vmlinux().display());
         println!("export KILN_TEST_INITRAMFS={}", a.initramfs.path.display());
         println!(

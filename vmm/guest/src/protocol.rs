@@ -34,9 +34,11 @@
 //!
 //! host → guest  connect  {nonce}                             first frame of a new connection
 //! guest → host  connected {nonce}, then hello
-//! host → guest  exec     {id, argv, env, user, workdir, stdin, detach}
+//! host → guest  exec     {id, argv, env, user, workdir, stdin, detach,
+//!                         memory_max, pids_max}
 //! guest → host  output   {id, seq, stream, data}             0 or more per exec
-//! guest → host  exit     {id, seq, code | signal, oom, failure}   exactly one per exec
+//! guest → host  exit     {id, seq, code | signal, oom,       exactly one per exec
+//!                         pids_limit, disk_full, failure}
 //!
 //! host → guest  diff     {}                                  step VMs: send the changes
 //! guest → host  diff_data {seq, data}                        0 or more: a tar stream
@@ -252,6 +254,17 @@ pub struct Exec {
     /// bytes count against [`MAX_FILES_BYTES`] with the files.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mounts: Vec<ExecMount>,
+    /// The exec's memory limit, bytes: its cgroup v2 `memory.max` (a build step's memory
+    /// limit); past it the kernel's OOM killer ends a process of the exec and its `exit`
+    /// says `oom`. `None`: no limit but the VM's memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_max: Option<u64>,
+    /// The most tasks (processes and threads) the exec may have at once: its cgroup v2
+    /// `pids.max` (a build step's pids limit). A fork refused there stops the exec at once
+    /// (its cgroup is killed) and its `exit` says `pids_limit`: a fork bomb would otherwise
+    /// run on at the limit until the host's timeout. `None`: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids_max: Option<u64>,
 }
 
 /// One mount of [`Exec::mounts`].
@@ -397,13 +410,28 @@ pub struct ExecExit {
     pub signal: Option<i32>,
     /// The kernel's OOM killer ended it (or one of its processes): the `oom_kill` counter of
     /// the exec's own cgroup v2 `memory.events` went up. The guest kernel counts there for a
-    /// cgroup limit and for the whole VM running out of memory alike.
+    /// cgroup limit and for the whole VM running out of memory alike. Also set when the guest
+    /// stopped an exec that stalled at its [`Exec::memory_max`] (`signal` 9).
     #[serde(default)]
     pub oom: bool,
+    /// The exec's pids limit ([`Exec::pids_max`]) refused a fork, and the guest stopped the
+    /// exec (`signal` 9).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pids_limit: bool,
+    /// The file system of `/` had less than [`DISK_FULL_BYTES`] free when the command ended
+    /// (in a build step's VM, its upper disk, which is the step's write limit): a command
+    /// that failed then most likely failed for want of space (`ENOSPC`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub disk_full: bool,
     /// The command did not start.
     #[serde(default)]
     pub failure: Option<ExecFailure>,
 }
+
+/// Free bytes of `/` below which an ended exec is [`ExecExit::disk_full`] (1 MiB: ext4 stops
+/// a writer with `ENOSPC` when its free blocks, less those it keeps for delayed allocation,
+/// reach zero; a few blocks may stay free after the failed write).
+pub const DISK_FULL_BYTES: u64 = 1 << 20;
 
 /// `hello`: sent by the guest init once it runs and has opened the port.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -1056,6 +1084,8 @@ mod tests {
                         },
                     },
                 ],
+                memory_max: Some(64 << 20),
+                pids_max: Some(64),
             }),
             Message::Exec(Exec {
                 id: 6,
@@ -1079,6 +1109,8 @@ mod tests {
                 seq: 0,
                 signal: Some(9),
                 oom: true,
+                pids_limit: true,
+                disk_full: true,
                 ..ExecExit::default()
             }),
             Message::Exit(ExecExit {

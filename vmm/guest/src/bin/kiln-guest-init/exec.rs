@@ -14,10 +14,23 @@
 //!    when that does not exist, as login(1) does); with `make_workdir` its missing
 //!    directories are created first, owned by the user.
 //! 5. A cgroup v2 of its own, `/sys/fs/cgroup/kiln-exec-<id>` (cgroup2 is mounted there at
-//!    the first exec, the memory controller enabled for the root's children); the child
-//!    joins it before exec. After the exit its `memory.events` `oom_kill` counter says
+//!    the first exec, the memory and pids controllers enabled for the root's children),
+//!    with the exec's `memory_max` as `memory.max` and its `pids_max` as `pids.max`; the
+//!    child joins it before exec. After the exit its `memory.events` `oom_kill` counter says
 //!    whether the kernel's OOM killer ended one of its processes: that is the `oom` flag.
-//!    Without cgroup2 (a kernel without it) the exec runs, and `oom` is always false.
+//!    While it runs, a `max` count in its `pids.events` (a fork refused at `pids.max`) kills
+//!    the cgroup and sets `pids_limit`; and a cgroup that has reached its `memory.max` and
+//!    whose `memory.pressure` `full avg10` is at least [`STALL_PERCENT`] is killed and gets
+//!    the `oom` flag: a command at its limit whose own file pages (its program's text) the
+//!    kernel keeps evicting and rereading counts as progress, so the kernel's OOM killer may
+//!    not end it for minutes (measured under TCG: a 64 MiB `tail` hog ran into a 60 s
+//!    timeout). Why a cgroup and not `RLIMIT_NPROC`: that rlimit
+//!    counts a uid's processes in the whole guest and does not hold for root
+//!    (`CAP_SYS_RESOURCE`), which build steps usually run as; `pids.max` holds for everyone
+//!    in the cgroup, and `pids.events` says that it was hit. Without cgroup2 (a kernel
+//!    without it) the exec runs without limits, and `oom` and `pids_limit` are always false.
+//!    When it has ended, `disk_full` says whether `/` has less than
+//!    [`kiln_guest::protocol::DISK_FULL_BYTES`] free (`statvfs`).
 //! 6. stdout and stderr are two pipes read with poll(2) in one thread, so `seq` follows the
 //!    order the guest read them. Once the command's process has exited, what its pipes still
 //!    hold is sent and the exec ends, even if a background process keeps them open.
@@ -35,8 +48,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use kiln_guest::protocol::{
-    Exec, ExecExit, ExecFailure, ExecFailureKind, ExecFile, ExecMount, ExecMountKind,
-    MAX_CHUNK_LEN, Message, Output, PIPES_DIR, Stream,
+    DISK_FULL_BYTES, Exec, ExecExit, ExecFailure, ExecFailureKind, ExecFile, ExecMount,
+    ExecMountKind, MAX_CHUNK_LEN, Message, Output, PIPES_DIR, Stream,
 };
 
 use crate::proc::{self, Command, SpawnError};
@@ -45,6 +58,12 @@ use crate::{log, sys};
 
 /// Most execs running at once; one more is refused.
 pub const MAX_RUNNING: usize = 64;
+
+/// The share of the last 10 s (`memory.pressure`'s `full avg10`, percent) during which every
+/// task of an exec at its `memory.max` stalled on memory, from which the guest stops it as
+/// out of memory (50 %: systemd-oomd's default limit is 60 % over 30 s; this is over 10 s,
+/// and only for a cgroup that has reached its limit).
+pub const STALL_PERCENT: f64 = 50.0;
 
 /// Where cgroup2 is mounted.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
@@ -186,8 +205,8 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// Mount cgroup2 at [`CGROUP_ROOT`] and enable the memory controller for its children, once;
-/// whether that worked.
+/// Mount cgroup2 at [`CGROUP_ROOT`] and enable the memory and pids controllers for its
+/// children, once; whether the memory controller (the first) is there.
 fn cgroups_ready() -> bool {
     static READY: OnceLock<bool> = OnceLock::new();
     *READY.get_or_init(|| {
@@ -208,12 +227,20 @@ fn cgroups_ready() -> bool {
             log!("enabling the memory controller: {e}; execs get no OOM flag");
             return false;
         }
+        if let Err(e) = fs::write(root.join("cgroup.subtree_control"), "+pids") {
+            log!("enabling the pids controller: {e}; execs get no pids limit");
+        }
         true
     })
 }
 
-/// The exec's cgroup directory and its `cgroup.procs` open for writing.
-fn make_cgroup(id: u64) -> Option<(PathBuf, fs::File)> {
+/// The exec's cgroup directory, with `memory_max` (bytes) as its `memory.max` and
+/// `pids_max` as its `pids.max` when given, and its `cgroup.procs` open for writing.
+fn make_cgroup(
+    id: u64,
+    memory_max: Option<u64>,
+    pids_max: Option<u64>,
+) -> Option<(PathBuf, fs::File)> {
     if !cgroups_ready() {
         return None;
     }
@@ -221,6 +248,12 @@ fn make_cgroup(id: u64) -> Option<(PathBuf, fs::File)> {
     // A leftover of an earlier exec with this id (its background processes ended since).
     let _ = fs::remove_dir(&dir);
     let made = fs::create_dir(&dir).and_then(|()| {
+        if let Some(m) = memory_max {
+            fs::write(dir.join("memory.max"), m.to_string())?;
+        }
+        if let Some(p) = pids_max {
+            fs::write(dir.join("pids.max"), p.to_string())?;
+        }
         fs::OpenOptions::new()
             .write(true)
             .open(dir.join("cgroup.procs"))
@@ -237,16 +270,57 @@ fn make_cgroup(id: u64) -> Option<(PathBuf, fs::File)> {
 /// The `oom_kill` counter of `cgroup`'s `memory.events` (0 when unreadable).
 fn oom_kills(cgroup: &Path) -> u64 {
     let events = fs::read_to_string(cgroup.join("memory.events")).unwrap_or_default();
-    parse_oom_kills(&events)
+    parse_event(&events, "oom_kill")
 }
 
-/// The `oom_kill` line of a cgroup v2 `memory.events` file (`key value` lines).
-fn parse_oom_kills(events: &str) -> u64 {
+/// The `max` counter of `cgroup`'s `pids.events`: forks refused at its `pids.max` (0 when
+/// unreadable).
+fn pids_hits(cgroup: &Path) -> u64 {
+    let events = fs::read_to_string(cgroup.join("pids.events")).unwrap_or_default();
+    parse_event(&events, "max")
+}
+
+/// Whether `cgroup` has reached its `memory.max` (`memory.events` `max`) and stalls on
+/// memory ([`STALL_PERCENT`] of `memory.pressure`'s `full avg10`).
+fn memory_stalled(cgroup: &Path) -> bool {
+    let events = fs::read_to_string(cgroup.join("memory.events")).unwrap_or_default();
+    if parse_event(&events, "max") == 0 {
+        return false;
+    }
+    let pressure = fs::read_to_string(cgroup.join("memory.pressure")).unwrap_or_default();
+    parse_full_avg10(&pressure).is_some_and(|p| p >= STALL_PERCENT)
+}
+
+/// The `avg10` of the `full` line of a PSI file (`full avg10=12.34 avg60=... total=...`).
+fn parse_full_avg10(pressure: &str) -> Option<f64> {
+    pressure
+        .lines()
+        .find_map(|l| l.strip_prefix("full "))?
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("avg10="))?
+        .parse()
+        .ok()
+}
+
+/// The counter `key` of a cgroup v2 events file (`key value` lines; 0 when missing).
+fn parse_event(events: &str, key: &str) -> u64 {
     events
         .lines()
-        .find_map(|l| l.strip_prefix("oom_kill "))
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(' '))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// Whether the file system of `/` has less than [`DISK_FULL_BYTES`] free for unprivileged
+/// writers (`statvfs`'s `f_bavail` × `f_frsize`; false when it cannot be read).
+fn root_disk_full() -> bool {
+    // SAFETY: an all-zero statvfs is a valid out value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a valid out pointer.
+    if unsafe { libc::statvfs(c"/".as_ptr(), &mut st) } != 0 {
+        return false;
+    }
+    (st.f_bavail as u64).saturating_mul(st.f_frsize as u64) < DISK_FULL_BYTES
 }
 
 fn spawn_failure(id: u64, e: &SpawnError) -> Message {
@@ -541,7 +615,10 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
         Ok(p) => p,
         Err(err) => return failure(e.id, ExecFailureKind::CannotRun, format!("pipe: {err}")),
     };
-    let cgroup = make_cgroup(e.id);
+    let cgroup = make_cgroup(e.id, e.memory_max, e.pids_max);
+    if cgroup.is_none() && (e.memory_max.is_some() || e.pids_max.is_some()) {
+        log!("exec {:016x}: no cgroup, so no memory or pids limit", e.id);
+    }
     let cmd = Command {
         argv: &e.argv,
         env: &env,
@@ -594,7 +671,18 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
             let _ = f.write_all(&bytes);
         });
     }
-    let seq = pump(e.id, child.pid, out_r, err_r, tx, conn);
+    let watch = Watch {
+        pid: child.pid,
+        cgroup: cgroup.as_deref(),
+        pids: e.pids_max.is_some(),
+        memory: e.memory_max.is_some(),
+        pids_hit: false,
+        stalled: false,
+    };
+    let pids_cgroup = watch.cgroup.filter(|_| watch.pids);
+    let (seq, stopped, stalled) = pump(e.id, watch, out_r, err_r, tx, conn);
+    // Also a fork refused just before the command's process exited.
+    let pids_limit = stopped || pids_cgroup.is_some_and(|cg| pids_hits(cg) > 0);
     let status = proc::wait(child.pid, None).unwrap_or(0);
     // Reaped: its pid may be reused from now on, so a connection's end must not signal it.
     if let Some(slot) = running()
@@ -604,7 +692,14 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
     {
         slot.pid = None;
     }
-    let oom = cgroup.as_deref().is_some_and(|cg| oom_kills(cg) > 0);
+    let oom = stalled || cgroup.as_deref().is_some_and(|cg| oom_kills(cg) > 0);
+    let disk_full = root_disk_full();
+    if pids_limit || oom || disk_full {
+        log!(
+            "exec {:016x}: pids limit {pids_limit}, oom {oom}, disk full {disk_full}",
+            e.id
+        );
+    }
     let (code, signal) = if libc::WIFSIGNALED(status) {
         (None, Some(libc::WTERMSIG(status)))
     } else {
@@ -616,14 +711,69 @@ fn run(e: Exec, tx: &Sender, conn: u64) -> Message {
         code,
         signal,
         oom,
+        pids_limit,
+        disk_full,
         failure: None,
     })
 }
 
+/// What [`pump`] watches besides the pipes: the command's process, and its cgroup's pids
+/// and memory limits when it has them.
+struct Watch<'a> {
+    pid: libc::pid_t,
+    /// The cgroup whose `pids.events`, `memory.events` and `memory.pressure` are read about
+    /// every 100 ms while the process runs.
+    cgroup: Option<&'a Path>,
+    /// It has a pids limit.
+    pids: bool,
+    /// It has a memory limit.
+    memory: bool,
+    /// Its pids limit refused a fork, and the cgroup was killed.
+    pids_hit: bool,
+    /// It stalled at its memory limit ([`memory_stalled`]), and the cgroup was killed.
+    stalled: bool,
+}
+
+impl Watch<'_> {
+    /// Kills the exec's cgroup once its pids limit has refused a fork, or once it stalls at
+    /// its memory limit.
+    fn check(&mut self) {
+        let Some(cg) = self.cgroup else {
+            return;
+        };
+        if self.pids_hit || self.stalled {
+            return;
+        }
+        if self.pids && pids_hits(cg) > 0 {
+            log!(
+                "pid {}: the pids limit refused a fork; stopping it",
+                self.pid
+            );
+            kill(self.pid, Some(cg));
+            self.pids_hit = true;
+        } else if self.memory && memory_stalled(cg) {
+            log!("pid {}: stalled at its memory limit; stopping it", self.pid);
+            kill(self.pid, Some(cg));
+            self.stalled = true;
+        }
+    }
+}
+
 /// Read both pipes until both end, or until the command's process has exited and the pipes
-/// hold nothing more; send each read as an `output` chunk while the connection lasts.
-/// Returns the number of chunks sent.
-fn pump(id: u64, pid: libc::pid_t, out: OwnedFd, err: OwnedFd, tx: &Sender, conn: u64) -> u64 {
+/// hold nothing more; send each read as an `output` chunk while the connection lasts. Every
+/// 100 ms or so, `watch` checks the limits ([`Watch::check`]). Returns the number of chunks
+/// sent, whether the pids limit stopped the command, and whether it was stopped stalled at its
+/// memory limit.
+fn pump(
+    id: u64,
+    mut watch: Watch<'_>,
+    out: OwnedFd,
+    err: OwnedFd,
+    tx: &Sender,
+    conn: u64,
+) -> (u64, bool, bool) {
+    let pid = watch.pid;
+    let mut next_check = std::time::Instant::now();
     let mut fds = [(Some(out), Stream::Stdout), (Some(err), Stream::Stderr)];
     let mut buf = vec![0u8; MAX_CHUNK_LEN];
     let mut seq = 0u64;
@@ -632,10 +782,14 @@ fn pump(id: u64, pid: libc::pid_t, out: OwnedFd, err: OwnedFd, tx: &Sender, conn
     let mut after_exit = 0;
     loop {
         let exited = proc::exited(pid).is_some();
+        if !exited && std::time::Instant::now() >= next_check {
+            watch.check();
+            next_check = std::time::Instant::now() + std::time::Duration::from_millis(100);
+        }
         if exited {
             after_exit += 1;
             if after_exit > 64 {
-                return seq;
+                return (seq, watch.pids_hit, watch.stalled);
             }
         }
         let mut polls: Vec<libc::pollfd> = fds
@@ -648,7 +802,7 @@ fn pump(id: u64, pid: libc::pid_t, out: OwnedFd, err: OwnedFd, tx: &Sender, conn
             })
             .collect();
         if polls.is_empty() {
-            return seq;
+            return (seq, watch.pids_hit, watch.stalled);
         }
         // Wake every 100 ms to notice the process's exit (pipes a background process keeps
         // open never reach EOF); once it has exited, only take what is there now.
@@ -661,11 +815,11 @@ fn pump(id: u64, pid: libc::pid_t, out: OwnedFd, err: OwnedFd, tx: &Sender, conn
                 continue;
             }
             log!("exec {id:016x}: poll: {err}");
-            return seq;
+            return (seq, watch.pids_hit, watch.stalled);
         }
         if n == 0 {
             if exited {
-                return seq;
+                return (seq, watch.pids_hit, watch.stalled);
             }
             continue;
         }
@@ -707,10 +861,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn oom_kill_counter_is_read_from_memory_events() {
+    fn counters_are_read_from_events_files() {
         let events = "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\noom_group_kill 0\n";
-        assert_eq!(parse_oom_kills(events), 2);
-        assert_eq!(parse_oom_kills("oom 1\noom_group_kill 0\n"), 0);
-        assert_eq!(parse_oom_kills(""), 0);
+        assert_eq!(parse_event(events, "oom_kill"), 2);
+        assert_eq!(parse_event(events, "max"), 3);
+        assert_eq!(parse_event("oom 1\noom_group_kill 0\n", "oom_kill"), 0);
+        assert_eq!(parse_event("", "oom_kill"), 0);
+        // pids.events
+        assert_eq!(parse_event("max 7\n", "max"), 7);
+        let psi = "some avg10=91.50 avg60=20.00 avg300=4.00 total=123\n\
+                   full avg10=88.25 avg60=19.00 avg300=3.00 total=120\n";
+        assert_eq!(parse_full_avg10(psi), Some(88.25));
+        assert_eq!(parse_full_avg10("some avg10=1.00 total=1\n"), None);
     }
 }
