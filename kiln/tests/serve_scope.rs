@@ -423,6 +423,34 @@ fn a_build_past_the_workspace_storage_quota_tags_nothing() {
         assert!(!r.contains(state.to_str().expect("utf-8")), "{r}");
         let r = get(&c, &s, &ws, "/v1/images/big/tags/1").await;
         assert_eq!(r.status(), 404);
+        // An untagged build holds nothing of the quota and builds; pointing a tag at its
+        // image is checked as a build's tags are: refused, 409, no tag.
+        let untagged = build(
+            &c,
+            &s,
+            &ws,
+            "Dockerfile",
+            &format!("FROM {bb}\nRUN head -c 4000000 /dev/urandom > /big\n"),
+            &[],
+        )
+        .await;
+        let big_image = succeeded(&untagged)["image"]
+            .as_str()
+            .expect("image")
+            .to_string();
+        let r = c
+            .put(s.url("/v1/images/big/tags/2"))
+            .bearer_auth(&ws)
+            .header("if-none-match", "*")
+            .json(&json!({ "digest": big_image }))
+            .send()
+            .await
+            .expect("PUT tag");
+        assert_eq!(r.status(), 409);
+        let body = json_of(r).await.to_string();
+        assert!(body.contains("storage quota exceeded"), "{body}");
+        let r = get(&c, &s, &ws, "/v1/images/big/tags/2").await;
+        assert_eq!(r.status(), 404);
         for (tag, d) in [("a", a), ("b", b)] {
             let r = get(&c, &s, &ws, &format!("/v1/images/{tag}/tags/1")).await;
             assert_eq!(r.status(), 200);
@@ -583,4 +611,78 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
         }
     }
     out
+}
+
+/// A fault injector for a registry the operator allows that redirects its manifests to an
+/// address nobody allowed (the real registry cannot be made to): `GET /v2/` answers 200,
+/// every other request `307` to `target`. Its port.
+fn redirecting_registry(target: String) -> u16 {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut r = BufReader::new(conn.try_clone().expect("clone"));
+            let mut first = String::new();
+            if r.read_line(&mut first).is_err() {
+                continue;
+            }
+            loop {
+                let mut l = String::new();
+                if r.read_line(&mut l).unwrap_or(0) == 0 || l == "\r\n" {
+                    break;
+                }
+            }
+            let head = if first.split(' ').nth(1) == Some("/v2/") {
+                "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}".to_string()
+            } else {
+                format!(
+                    "HTTP/1.1 307 Temporary Redirect\r\nLocation: {target}\r\n\
+                     Content-Length: 0\r\nConnection: close\r\n\r\n"
+                )
+            };
+            let _ = conn.write_all(head.as_bytes());
+        }
+    });
+    port
+}
+
+/// Every request of a tenant's pull goes through the egress proxy, the manifest's too: an
+/// allowed registry that redirects its manifest to an address nobody allowed gets the build
+/// refused naming that address, and the address is never reached.
+#[test]
+fn a_registry_redirect_is_checked_as_the_registry_is() {
+    let internal = kiln_tests::http::LocalServer::start();
+    let registry =
+        redirecting_registry(format!("http://127.0.0.1:{}/internal/admin", internal.port));
+    let allowed = format!("127.0.0.1:{registry}");
+    let (_t, state, store) = env();
+    let s = Server::launch(&Launch {
+        bin: KILN.as_ref(),
+        state: &state,
+        store: &store,
+        db: &[],
+        cache: None,
+        listen: "127.0.0.1:0",
+        netns: None,
+        env: &[],
+        extra: &["--allow-registry", &allowed],
+    });
+    let key = s.key("acme", &[]);
+    let c = client();
+    rt().block_on(async {
+        let r = fails(&c, &s, &key, &format!("FROM {allowed}/app:latest\n")).await;
+        assert!(
+            r.contains(&format!("refused GET 127.0.0.1:{}", internal.port))
+                && r.contains("not a public address"),
+            "{r}"
+        );
+        assert!(!r.contains("hello"), "{r}");
+    });
+    assert_eq!(
+        internal.hits("/internal/admin"),
+        0,
+        "the internal address was reached"
+    );
 }

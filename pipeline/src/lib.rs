@@ -42,7 +42,7 @@ use kiln_builder::registry::RegistryOptions;
 use kiln_builder::resolve::{ResolveError, ResolveOptions};
 use kiln_store::manifest::ObjectRef;
 use kiln_store::progress::{ProgressEvent, TransferStats};
-use kiln_store::{ManifestDigest, Store, StoreError, TagError};
+use kiln_store::{ManifestDigest, Store, StoreError, TagError, TagRef};
 use kiln_vmm::SnapshotError;
 use kiln_vmm::snapshot::BootAssets;
 
@@ -671,20 +671,24 @@ async fn finish(
     }
 
     // 5. Tags, within the storage quota.
-    if let Some(q) = &req.storage_quota {
-        check_quota(&setup.store, q, tags, target).await?;
+    // An untagged image holds nothing of the quota; pointing a tag at it later is checked.
+    if let Some(q) = req.storage_quota.as_ref().filter(|_| !tags.is_empty()) {
+        let moving: Vec<TagRef> = tags.iter().map(|m| m.tag.clone()).collect();
+        check_storage_quota(&setup.store, q, &moving, target).await?;
     }
     let names = move_tags(&setup.store, tags, target, events).await?;
     Ok((Some(published), summary, names))
 }
 
 /// Errors with [`PipelineError::StorageQuota`] when the tags under `q`'s prefix would hold
-/// more than its bytes once `moves` name `new`: the images of those tags that `moves` leave
-/// alone, and `new`. Errors: [`PipelineError::Store`] when a tag or manifest cannot be read.
-async fn check_quota(
+/// more than its bytes once the tags `moving` name `new`: the images of those tags that
+/// `moving` leaves alone, and `new`. What a build checks before its tags move, and the
+/// service before a tenant points a tag at an image. Errors: [`PipelineError::Store`] when a
+/// tag or manifest cannot be read.
+pub async fn check_storage_quota(
     store: &Store,
     q: &StorageQuota,
-    moves: &[TagMove],
+    moving: &[TagRef],
     new: ManifestDigest,
 ) -> Result<(), PipelineError> {
     let store_err = |e: StoreError| PipelineError::Store(Box::new(e));
@@ -694,7 +698,7 @@ async fn check_quota(
         .map_err(store_err)?;
     let kept = held
         .into_iter()
-        .filter(|(t, _)| !moves.iter().any(|m| &m.tag == t))
+        .filter(|(t, _)| !moving.contains(t))
         .map(|(_, d)| d);
     let used = store
         .chunk_bytes(kept.chain([new]))
@@ -811,7 +815,7 @@ mod tests {
     #[tokio::test]
     async fn a_tag_already_naming_the_new_image_is_no_lost_race() {
         use kiln_store::artifact::PutArtifactOptions;
-        use kiln_store::{ImageManifest, Manifest, TagRef};
+        use kiln_store::{ImageManifest, Manifest};
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Store::open(dir.path().to_str().expect("utf-8"))
             .await

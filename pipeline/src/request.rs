@@ -65,7 +65,8 @@ pub struct BuildRequest {
     /// OCI image.
     pub output: Output,
     /// A cap on what the tags of [`Output::Image`] may hold with this build's image:
-    /// checked just before the tags move; a build past it moves no tag
+    /// checked just before the tags move (a build with no tags is not checked: its image
+    /// holds nothing of the quota until a tag names it); a build past it moves no tag
     /// ([`PipelineError::StorageQuota`]). `None`: no cap.
     pub storage_quota: Option<StorageQuota>,
     /// Cancels the build: a running step is killed, nothing more is published and no tag

@@ -1328,7 +1328,7 @@ fn precondition(h: &HeaderMap) -> Result<Option<Option<kiln_store::ManifestDiges
            ("If-None-Match" = Option<String>, Header, description = "* : the tag must not exist")),
     request_body = TagBody,
     responses((status = 200, body = TagView), (status = 400, body = ErrorBody),
-              (status = 404, body = ErrorBody),
+              (status = 404, body = ErrorBody), (status = 409, body = ErrorBody),
               (status = 412, body = ErrorBody), (status = 428, body = ErrorBody)),
     security(("bearer" = [])))]
 async fn put_tag(
@@ -1352,6 +1352,23 @@ async fn put_tag(
     })?;
     if !s.db.owns_manifest(&ws, &b.digest).await? {
         return Err(ApiError::NotFound("manifest"));
+    }
+    // The workspace's storage quota, as a build's tags are checked.
+    if let Some(max_bytes) = s.db.quota(&ws).await?.and_then(|q| q.max_storage_bytes) {
+        let q = kiln_pipeline::StorageQuota {
+            tag_prefix: tags::store_prefix(&ws),
+            max_bytes,
+        };
+        match kiln_pipeline::check_storage_quota(&s.setup.store, &q, &[t.clone()], new).await {
+            Ok(()) => {}
+            Err(e @ kiln_pipeline::PipelineError::StorageQuota { .. }) => {
+                return Err(ApiError::Conflict(e.to_string()));
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "checking a storage quota");
+                return Err(ApiError::Internal);
+            }
+        }
     }
     match s.setup.store.set_tag(&t, expected, new).await {
         Ok(()) => {}

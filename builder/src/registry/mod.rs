@@ -273,6 +273,20 @@ impl Registry {
         &self.opts
     }
 
+    /// The plain HTTP client of the requests kiln makes itself (the manifest GET), with the
+    /// registry client's timeouts and, as every request of a pull, through
+    /// [`RegistryOptions::proxy`] when there is one: the request and each redirect it
+    /// follows.
+    fn http_client(&self) -> Result<reqwest::Client, reqwest::Error> {
+        let mut b = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(30))
+            .read_timeout(Duration::from_secs(120));
+        if let Some(p) = &self.opts.proxy {
+            b = b.proxy(reqwest::Proxy::all(p)?);
+        }
+        b.build()
+    }
+
     fn client_for(&self, r: &Reference) -> Client {
         let plain = r.is_loopback() || self.opts.insecure.iter().any(|i| i == r.registry());
         Client::new(ClientConfig {
@@ -351,10 +365,8 @@ impl Registry {
             oref.repository(),
             oref.digest().or(oref.tag()).unwrap_or("latest"),
         );
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(30))
-            .read_timeout(Duration::from_secs(120))
-            .build()
+        let http = self
+            .http_client()
             .map_err(|e| map_err(r, O::RequestError(e)))?;
         let mut req = http
             .get(&url)
