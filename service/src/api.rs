@@ -1359,7 +1359,9 @@ async fn put_tag(
             tag_prefix: tags::store_prefix(&ws),
             max_bytes,
         };
-        match kiln_pipeline::check_storage_quota(&s.setup.store, &q, &[t.clone()], new).await {
+        match kiln_pipeline::check_storage_quota(&s.setup.store, &q, std::slice::from_ref(&t), new)
+            .await
+        {
             Ok(()) => {}
             Err(e @ kiln_pipeline::PipelineError::StorageQuota { .. }) => {
                 return Err(ApiError::Conflict(e.to_string()));
