@@ -383,7 +383,15 @@ pub const MAX_ENTRIES: u64 = 1_000_000;
 
 /// Unpacks the tarball `path` into the empty directory `dest` (see the module doc for what
 /// is refused). `limit`: most bytes of file data; at most [`MAX_ENTRIES`] entries.
-pub fn unpack(path: &Path, dest: &Path, limit: u64) -> Result<(), ContextError> {
+/// `recipe`: the recipe's path in the context (checked by [`check_member_path`]) when the
+/// build reads it from there: a second entry of that path is refused, since the request
+/// read the first ([`read_member`]) and unpacking would leave the last.
+pub fn unpack(
+    path: &Path,
+    dest: &Path,
+    limit: u64,
+    recipe: Option<&Path>,
+) -> Result<(), ContextError> {
     // The tar stream: the files' bytes, and headers and padding of at most 1,536 bytes per
     // entry (a 512-byte header, a long-name header and its block, and the data's padding).
     let max = limit.saturating_add(MAX_ENTRIES.saturating_mul(3 * 512));
@@ -394,7 +402,7 @@ pub fn unpack(path: &Path, dest: &Path, limit: u64) -> Result<(), ContextError> 
     ar.set_unpack_xattrs(false);
     ar.set_preserve_ownerships(false);
     ar.set_overwrite(true);
-    let (mut total, mut count) = (0u64, 0u64);
+    let (mut total, mut count, mut recipe_seen) = (0u64, 0u64, 0u32);
     let entries = ar.entries().map_err(|e| tar_error(&e, None, max))?;
     let mut last: Option<String> = None;
     for e in entries {
@@ -428,6 +436,26 @@ pub fn unpack(path: &Path, dest: &Path, limit: u64) -> Result<(), ContextError> 
             )));
         }
         check_entry(&e, &name, dest)?;
+        if let Some(r) = recipe {
+            let p: PathBuf = e
+                .path()
+                .map(|p| {
+                    p.components()
+                        .filter(|c| matches!(c, Component::Normal(_)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            if p == r {
+                recipe_seen += 1;
+                if recipe_seen > 1 {
+                    return Err(ContextError::BadTar(format!(
+                        "{name}: the recipe {} is in the context more than once; a context \
+                         holds it once",
+                        r.display()
+                    )));
+                }
+            }
+        }
         // The error names the entry and the kind of failure, never a path of the server.
         let ok = e.unpack_in(dest).map_err(|err| {
             ContextError::BadTar(format!("{name}: cannot unpack: {}", err.kind()))
@@ -543,7 +571,7 @@ mod tests {
         );
         let d = t.path().join("out");
         std::fs::create_dir(&d).expect("mkdir");
-        unpack(&p, &d, 1 << 20).expect("unpack");
+        unpack(&p, &d, 1 << 20, None).expect("unpack");
         assert_eq!(std::fs::read(d.join("sub/a.txt")).expect("a"), b"a");
     }
 
@@ -560,7 +588,7 @@ mod tests {
         });
         let d = t.path().join("d1");
         std::fs::create_dir(&d).expect("mkdir");
-        assert!(unpack(&p, &d, 1 << 20).is_err());
+        assert!(unpack(&p, &d, 1 << 20, None).is_err());
         assert!(!Path::new("/tmp/kiln-escape-test").exists());
 
         let p = tarball(t.path(), |b| {
@@ -573,7 +601,7 @@ mod tests {
         });
         let d = t.path().join("d2");
         std::fs::create_dir(&d).expect("mkdir");
-        let e = unpack(&p, &d, 1 << 20).expect_err("device refused");
+        let e = unpack(&p, &d, 1 << 20, None).expect_err("device refused");
         assert!(e.to_string().contains("not allowed"), "{e}");
 
         // A hard link to a host file.
@@ -586,13 +614,13 @@ mod tests {
         });
         let d = t.path().join("d4");
         std::fs::create_dir(&d).expect("mkdir");
-        assert!(unpack(&p, &d, 1 << 20).is_err());
+        assert!(unpack(&p, &d, 1 << 20, None).is_err());
         assert!(!d.join("passwd").exists());
 
         let p = tarball(t.path(), |b| file(b, "big", &[0u8; 4096]));
         let d = t.path().join("d3");
         std::fs::create_dir(&d).expect("mkdir");
-        assert!(unpack(&p, &d, 1000).is_err());
+        assert!(unpack(&p, &d, 1000, None).is_err());
 
         for bad in ["../x", "/etc/passwd", "", "."] {
             assert!(check_member_path(bad).is_err(), "{bad}");
@@ -643,11 +671,32 @@ mod tests {
             let p = tarball(t.path(), make);
             let d = t.path().join(format!("case{i}"));
             std::fs::create_dir(&d).expect("mkdir");
-            let e = unpack(&p, &d, 1 << 20).expect_err(want).to_string();
+            let e = unpack(&p, &d, 1 << 20, None).expect_err(want).to_string();
             assert!(e.contains(want), "{e}");
             assert!(!e.contains(t.path().to_str().expect("utf-8")), "{e}");
         }
         assert!(!Path::new("/tmp/kiln-escape-test").exists());
+        // The recipe twice (also as `./Dockerfile`): refused when the build reads it from the
+        // context; another file twice is not.
+        let p = tarball(t.path(), |b| {
+            file(b, "Dockerfile", b"FROM scratch\n");
+            file(b, "a", b"1");
+            file(b, "a", b"2");
+            file(b, "./Dockerfile", b"FROM busybox\n");
+        });
+        let d = t.path().join("dup");
+        std::fs::create_dir(&d).expect("mkdir");
+        let recipe = check_member_path("Dockerfile").expect("path");
+        let e = unpack(&p, &d, 1 << 20, Some(&recipe))
+            .expect_err("twice")
+            .to_string();
+        assert!(
+            e.contains("the recipe Dockerfile is in the context more than once"),
+            "{e}"
+        );
+        let d = t.path().join("dup-ok");
+        std::fs::create_dir(&d).expect("mkdir");
+        unpack(&p, &d, 1 << 20, None).expect("no recipe read from the context");
         // Not a tar: said so, without the bytes.
         let p = t.path().join("junk");
         std::fs::write(
@@ -658,7 +707,7 @@ mod tests {
         let d = t.path().join("junk-out");
         std::fs::create_dir(&d).expect("mkdir");
         for e in [
-            unpack(&p, &d, 1 << 20).expect_err("junk"),
+            unpack(&p, &d, 1 << 20, None).expect_err("junk"),
             read_member(&p, Path::new("Dockerfile"), 1 << 20, 1 << 30).expect_err("junk"),
         ] {
             assert_eq!(
@@ -729,7 +778,7 @@ mod tests {
         // The worker's unpack bounds the same archive by its file bytes.
         let d = t.path().join("out");
         std::fs::create_dir(&d).expect("mkdir");
-        let e = unpack(&behind, &d, bound).expect_err("past the bound");
+        let e = unpack(&behind, &d, bound, None).expect_err("past the bound");
         assert!(e.to_string().contains("unpacks to more than"), "{e}");
     }
 }

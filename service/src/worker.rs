@@ -565,9 +565,14 @@ async fn execute(
                 });
             }
             let (dest, limit) = (ctx_dir.clone(), state.config.max_unpacked_bytes);
+            let recipe = spec
+                .recipe_in_context
+                .then(|| crate::context::check_member_path(&spec.recipe).ok())
+                .flatten();
             let r = tokio::task::spawn_blocking(move || {
                 std::fs::create_dir_all(&dest).map_err(|e| e.to_string())?;
-                crate::context::unpack(&path, &dest, limit).map_err(|e| e.to_string())
+                crate::context::unpack(&path, &dest, limit, recipe.as_deref())
+                    .map_err(|e| e.to_string())
             })
             .await;
             match r {
