@@ -64,6 +64,14 @@ pub fn check(auth: &RegistryAuth) -> Result<RegistryAuth, String> {
         if r.registry() != registry && registry != "index.docker.io" {
             return Err(bad());
         }
+        // A `:` in the user name would make HTTP Basic's `user:password` ambiguous (RFC
+        // 7617 section 2).
+        if login.username.contains(':') {
+            return Err(format!(
+                "registry_auth: {registry}: the username may not hold ':' (HTTP Basic \
+                 authentication)"
+            ));
+        }
         if login.username.is_empty()
             || login.username.len() > MAX_FIELD_BYTES
             || login.password.is_empty()
@@ -228,6 +236,12 @@ mod tests {
         };
         let e = check(&[("ghcr.io".to_string(), empty)].into()).unwrap_err();
         assert!(e.contains("expected a username and a password"), "{e}");
+        let colon = Login {
+            username: "a:b".into(),
+            password: "p".into(),
+        };
+        let e = check(&[("ghcr.io".to_string(), colon)].into()).unwrap_err();
+        assert!(e.contains("may not hold ':'"), "{e}");
         assert!(format!("{:?}", auth()).contains("<redacted>"));
         assert!(!format!("{:?}", auth()).contains("hunter2"));
     }
