@@ -22,9 +22,12 @@
 //!   does (the VM has no network card).
 //! - **fork bomb**: `f(){ f | f; }; f`, stopped by the `pids.max` the guest init puts on the
 //!   step's cgroup: "pids limit of 64 tasks reached".
-//! - **memory hog**: `head -c 1G /dev/zero | tail` (busybox tail keeps a line without a
-//!   newline whole) under a 64 MiB limit: "out of memory", whether the guest kernel's OOM
-//!   killer ends it or the guest init stops it stalled at its limit (`memory.pressure`).
+//! - **memory hog**: `dd bs=100M` under a 64 MiB limit (in a VM of 192 MiB, so that the
+//!   allocation itself is granted): its one read fills a 100 MiB buffer inside the kernel, so at the limit nothing is left to reclaim that it needs, and the
+//!   guest kernel's OOM killer ends it: "out of memory". (A hog that needs its own program
+//!   pages as it grows, `head -c 1G /dev/zero | tail`, can thrash at its limit instead; the
+//!   guest init stops that one by `memory.pressure`, which a host too loaded to run the VM
+//!   understates, so under CI's load it ran into the time limit once.)
 //! - **disk**: `dd` until the 64 MiB upper disk is full: "disk full" with the disk's size.
 //! - **time limit**: `sleep 600` in a 20 s build: "build timeout of 20s exceeded", "the
 //!   step's microVM was killed".
@@ -172,13 +175,13 @@ fn hostile_tenant_steps_fail_cleanly_in_microvms() {
             name: "memory",
             recipe: format!(
                 "FROM {bb}\nRUN grep -E 'MemTotal|MemAvailable' /proc/meminfo \
-                 && head -c 1000000000 /dev/zero | tail\n"
+                 && dd if=/dev/zero of=/dev/null bs=100M count=1\n"
             ),
             limits: json!({"memory_mib": 64, "disk_mib": 64, "timeout_secs": 60}),
             reason_has: vec![
                 "out of memory".into(),
                 "memory limit of 64 MiB".into(),
-                "head -c 1000000000 /dev/zero".into(),
+                "dd if=/dev/zero of=/dev/null bs=100M".into(),
             ],
         },
         Case {

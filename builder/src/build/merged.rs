@@ -129,17 +129,28 @@ pub fn mkdir_in_root(
         .filter(|c| !c.is_empty() && *c != ".")
         .collect();
     let mut so_far = String::from(".");
-    let mut parent = rustix::fs::openat2(&rootfd, ".", flags, Mode::empty(), resolve)?;
+    let mut parent = crate::exec::openat2_in_root(&rootfd, ".", flags, Mode::empty(), resolve)?;
     for c in comps {
         if c == ".." {
             so_far.push_str("/..");
-            parent = rustix::fs::openat2(&rootfd, so_far.as_str(), flags, Mode::empty(), resolve)?;
+            parent = crate::exec::openat2_in_root(
+                &rootfd,
+                so_far.as_str(),
+                flags,
+                Mode::empty(),
+                resolve,
+            )?;
             continue;
         }
         so_far.push('/');
         so_far.push_str(c);
-        parent = match rustix::fs::openat2(&rootfd, so_far.as_str(), flags, Mode::empty(), resolve)
-        {
+        parent = match crate::exec::openat2_in_root(
+            &rootfd,
+            so_far.as_str(),
+            flags,
+            Mode::empty(),
+            resolve,
+        ) {
             Ok(fd) => fd,
             Err(Errno::NOENT) => {
                 let name = OsStr::from_bytes(c.as_bytes());
@@ -149,7 +160,7 @@ pub fn mkdir_in_root(
                 }
                 // A dangling symlink named `c` resolves to its target inside the root: open
                 // the final path again, through openat2.
-                let fd = match rustix::fs::openat2(
+                let fd = match crate::exec::openat2_in_root(
                     &rootfd,
                     so_far.as_str(),
                     flags,

@@ -1244,7 +1244,8 @@ fn default_signals() {
 }
 
 fn open_in_root(root: &OwnedFd, rel: &str) -> Result<Option<OwnedFd>, String> {
-    use rustix::fs::{Mode, OFlags, ResolveFlags, openat, openat2};
+    use super::openat2_in_root as openat2;
+    use rustix::fs::{Mode, OFlags, ResolveFlags, openat};
     let path_flags = OFlags::PATH | OFlags::CLOEXEC;
     match openat2(root, rel, path_flags, Mode::empty(), ResolveFlags::IN_ROOT) {
         Ok(fd) => return Ok(Some(fd)),

@@ -790,7 +790,7 @@ fn open_in(root: &Path, path: &str) -> Result<OwnedFd, String> {
     } else {
         path
     };
-    rustix::fs::openat2(
+    crate::exec::openat2_in_root(
         &root_fd,
         p,
         OFlags::PATH | OFlags::CLOEXEC,
