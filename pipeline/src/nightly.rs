@@ -112,7 +112,8 @@ pub enum NightlyOutcome {
         /// its image has a snapshot; equal to [`NightlyReport::built`] when both runs built
         /// the same inputs.
         night_built: Option<ManifestDigest>,
-        /// Whether the tag names that image.
+        /// Whether the tag names that image, read once the other run's second move (the
+        /// tag, after the night's tag) came, or after waiting for it for at most 10 s.
         tag_names_night: bool,
     },
 }
@@ -449,6 +450,10 @@ async fn promote(
     }
 }
 
+/// How long a run that another one beat waits for the winner's second move (the tag after
+/// the night's tag) before it reports whether the tag names the night's image.
+const TAG_SETTLE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// [`NightlyOutcome::PromotedByAnotherRun`], `night` being what the night's tag names now:
 /// reads which image that one booted and whether `tag` names it (a read that fails leaves
 /// the field unknown, with a warning: the outcome is decided already).
@@ -473,12 +478,22 @@ async fn promoted_by_another_run(
             Err(e) => tracing::warn!(manifest = %d, error = %e, "reading the other run's image"),
         }
     }
-    let tag_names_night = match store.get_tag(tag).await {
-        Ok(rec) => night.is_some() && rec.map(|x| x.manifest) == night,
-        Err(e) => {
-            tracing::warn!(tag = %tag, error = %e, "reading the tag");
-            false
+    // The other run moves the night's tag, then the tag: read as it settles, for at most
+    // TAG_SETTLE (a run that lost between the two moves would otherwise report a tag the
+    // winner is about to move).
+    let deadline = std::time::Instant::now() + TAG_SETTLE;
+    let tag_names_night = loop {
+        let names = match store.get_tag(tag).await {
+            Ok(rec) => night.is_some() && rec.map(|x| x.manifest) == night,
+            Err(e) => {
+                tracing::warn!(tag = %tag, error = %e, "reading the tag");
+                break false;
+            }
+        };
+        if names || night.is_none() || std::time::Instant::now() >= deadline {
+            break names;
         }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     };
     NightlyOutcome::PromotedByAnotherRun {
         night,
