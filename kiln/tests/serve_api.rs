@@ -1423,19 +1423,7 @@ fn three_nodes_share_one_queue_cache_and_store_and_take_over_a_killed_nodes_buil
     drop(restarted);
 
     // Every tag names data the store holds.
-    let out = kiln()
-        .env("KILN_CACHE", t.path().join("verify-cache"))
-        .env("KILN_CONFIG", t.path().join("no-config.toml"))
-        .env("KILN_STORE", &store)
-        .args(["store", "verify", "--deep"])
-        .output()
-        .expect("kiln store verify");
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kiln_tests::serve::verify_deep(KILN.as_ref(), t.path(), &store);
 }
 
 /// The store's lease ids and whether a dry-run GC with no grace period would collect `key`.

@@ -8,24 +8,10 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kiln_tests::serve::{Launch, Server, env};
+use kiln_tests::serve::{Server, env};
 
 /// The `kiln` binary under test.
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
-
-fn launch(state: &std::path::Path, store: &std::path::Path, extra: &[&str]) -> Server {
-    Server::launch(&Launch {
-        bin: KILN.as_ref(),
-        state,
-        store,
-        db: &[],
-        cache: None,
-        listen: "127.0.0.1:0",
-        netns: None,
-        env: &[],
-        extra,
-    })
-}
 
 /// A raw connection to the server.
 fn connect(s: &Server) -> TcpStream {
@@ -64,7 +50,8 @@ fn healthz(c: &mut TcpStream) -> bool {
 #[test]
 fn stalled_heads_and_bodies_are_closed_while_others_are_served() {
     let (_t, state, store) = env();
-    let s = launch(
+    let s = Server::start(
+        KILN.as_ref(),
         &state,
         &store,
         &["--header-timeout", "1s", "--body-idle-timeout", "1s"],
@@ -98,7 +85,7 @@ fn stalled_heads_and_bodies_are_closed_while_others_are_served() {
 #[test]
 fn past_the_connection_limit_a_new_connection_is_closed_at_once() {
     let (_t, state, store) = env();
-    let s = launch(&state, &store, &["--max-connections", "4"]);
+    let s = Server::start(KILN.as_ref(), &state, &store, &["--max-connections", "4"]);
     let mut open: Vec<TcpStream> = (0..4).map(|_| connect(&s)).collect();
     // Each is accepted and served before the next: the four hold their slots.
     for c in &mut open {

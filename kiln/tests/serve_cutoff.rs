@@ -7,7 +7,7 @@
 
 use std::io::Write as _;
 use std::net::IpAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use kiln_tests::fault_proxy::FaultProxy;
@@ -277,7 +277,7 @@ fn a_cut_off_node_stops_claiming_its_build_is_taken_over_and_it_publishes_nothin
             && lines_before.contains("attempt 1 of 2 lost, build queued again"),
         "{lines_before}"
     );
-    verify_deep(t.path(), &store);
+    kiln_tests::serve::verify_deep(KILN.as_ref(), t.path(), &store);
     drop(nodes);
     drop(net);
 }
@@ -291,23 +291,6 @@ fn log_of(c: &reqwest::Client, s: &Server, key: &str, id: &str) -> String {
             .await
             .expect("logs")
     })
-}
-
-/// `kiln store verify --deep` of `store` succeeds: every tag names data the store holds.
-fn verify_deep(t: &Path, store: &Path) {
-    let out = std::process::Command::new(KILN)
-        .env("KILN_CACHE", t.join("verify-cache"))
-        .env("KILN_CONFIG", t.join("no-config.toml"))
-        .env("KILN_STORE", store)
-        .args(["store", "verify", "--deep"])
-        .output()
-        .expect("kiln store verify");
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[test]

@@ -41,7 +41,6 @@
 //!   host's side against a guest that does send bad frames is the unit tests' of
 //!   `kiln_vmm::exec` and `kiln_pipeline::vmexec`.)
 
-use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -289,23 +288,6 @@ fn hostile_tenant_steps_fail_cleanly_in_microvms() {
     drop(s);
 
     // The store holds what its tags (none) and build caches name, whole.
-    verify(&store, t.path());
+    kiln_tests::serve::verify_deep(KILN.as_ref(), t.path(), &store);
     eprintln!("hostile cases took {:?}", t0.elapsed());
-}
-
-/// `kiln store verify --deep` of `store` succeeds.
-fn verify(store: &Path, dir: &Path) {
-    let out = Command::new(KILN)
-        .env("KILN_CACHE", dir.join("verify-cache"))
-        .env("KILN_CONFIG", dir.join("no-config.toml"))
-        .env("KILN_STORE", store)
-        .args(["store", "verify", "--deep"])
-        .output()
-        .expect("kiln store verify");
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
 }

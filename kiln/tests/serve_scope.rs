@@ -329,17 +329,7 @@ fn a_tenant_recipe_names_only_its_workspace_global_bases_and_registries() {
 fn a_build_past_the_workspace_storage_quota_tags_nothing() {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let (_t, state, store) = env();
-    let s = Server::launch(&Launch {
-        bin: KILN.as_ref(),
-        state: &state,
-        store: &store,
-        db: &[],
-        cache: None,
-        listen: "127.0.0.1:0",
-        netns: None,
-        env: &[],
-        extra: &[],
-    });
+    let s = Server::start(KILN.as_ref(), &state, &store, &[]);
     let ws = s.key("quota", &[]);
     let other = s.key("other", &[]);
     let c = client();
@@ -479,17 +469,7 @@ fn a_registry_token_realm_is_checked_as_the_registry_is() {
         if allow_realm {
             extra.extend(["--allow-registry", realm]);
         }
-        let s = Server::launch(&Launch {
-            bin: KILN.as_ref(),
-            state: &state,
-            store: &store,
-            db: &[],
-            cache: None,
-            listen: "127.0.0.1:0",
-            netns: None,
-            env: &[],
-            extra: &extra,
-        });
+        let s = Server::start(KILN.as_ref(), &state, &store, &extra);
         let key = s.key("acme", &[]);
         let c = client();
         rt().block_on(async {
@@ -531,17 +511,12 @@ fn a_tenant_pulls_with_its_own_registry_credentials() {
         "recipe": "Dockerfile",
         "registry_auth": {auth_registry.clone(): {"username": user, "password": password}},
     });
-    let s = Server::launch(&Launch {
-        bin: KILN.as_ref(),
-        state: &state,
-        store: &store,
-        db: &[],
-        cache: None,
-        listen: "127.0.0.1:0",
-        netns: None,
-        env: &[],
-        extra: &["--credentials-key-file", key_file.to_str().expect("utf-8")],
-    });
+    let s = Server::start(
+        KILN.as_ref(),
+        &state,
+        &store,
+        &["--credentials-key-file", key_file.to_str().expect("utf-8")],
+    );
     let key = s.key("acme", &[]);
     let c = client();
     rt().block_on(async {
@@ -579,17 +554,7 @@ fn a_tenant_pulls_with_its_own_registry_credentials() {
 
     // Without a credentials key, the submission is refused.
     let (_t2, state2, store2) = env();
-    let s = Server::launch(&Launch {
-        bin: KILN.as_ref(),
-        state: &state2,
-        store: &store2,
-        db: &[],
-        cache: None,
-        listen: "127.0.0.1:0",
-        netns: None,
-        env: &[],
-        extra: &[],
-    });
+    let s = Server::start(KILN.as_ref(), &state2, &store2, &[]);
     let key = s.key("acme", &[]);
     rt().block_on(async {
         let r = submit(&c, &s, &key, &spec, None, Some(recipe.as_bytes()), None).await;
@@ -658,17 +623,12 @@ fn a_registry_redirect_is_checked_as_the_registry_is() {
         redirecting_registry(format!("http://127.0.0.1:{}/internal/admin", internal.port));
     let allowed = format!("127.0.0.1:{registry}");
     let (_t, state, store) = env();
-    let s = Server::launch(&Launch {
-        bin: KILN.as_ref(),
-        state: &state,
-        store: &store,
-        db: &[],
-        cache: None,
-        listen: "127.0.0.1:0",
-        netns: None,
-        env: &[],
-        extra: &["--allow-registry", &allowed],
-    });
+    let s = Server::start(
+        KILN.as_ref(),
+        &state,
+        &store,
+        &["--allow-registry", &allowed],
+    );
     let key = s.key("acme", &[]);
     let c = client();
     rt().block_on(async {

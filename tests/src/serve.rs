@@ -592,3 +592,21 @@ pub fn test_registries() -> Vec<String> {
 pub fn fetch_recipe(base: &str, host: &str, port: u16, path: &str) -> String {
     format!("FROM {base}\nRUN --network=host wget -q -O /fetched http://{host}:{port}{path}\n")
 }
+
+/// `bin store verify --deep` of `store` succeeds (every tag names data the store holds), with
+/// its cache and an empty config under `dir`; panics with its output otherwise.
+pub fn verify_deep(bin: &Path, dir: &Path, store: &Path) {
+    let out = Command::new(bin)
+        .env("KILN_CACHE", dir.join("verify-cache"))
+        .env("KILN_CONFIG", dir.join("no-config.toml"))
+        .env("KILN_STORE", store)
+        .args(["store", "verify", "--deep"])
+        .output()
+        .expect("kiln store verify");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
