@@ -14,10 +14,13 @@
 //! Every build holds a shared lock on `layers/.lock` for its whole run; [`collect_layers`]
 //! takes it exclusively, without waiting, and only then removes the unpacked layers, so a
 //! build never loses a lower directory it mounted. A later build unpacks again what it needs.
+//! The microVM executor's disk images of those layers, under `run/` ([`VM_LOWER_IMAGES`],
+//! [`VM_SQUASHED_IMAGES`]), are a cache of the same kind and go with them.
 
 use std::fs;
 use std::io;
 use std::os::fd::OwnedFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -26,6 +29,13 @@ use rustix::fs::{FlockOperation, Mode, OFlags};
 
 /// The name of the lock file in `layers/` (see the module documentation).
 pub const LAYERS_LOCK: &str = ".lock";
+/// Where, under a build's `run/` directory, the microVM executor keeps one read-only ext4
+/// image per unpacked layer directory (`<hex>.ext4`, `kiln_pipeline::vmexec::lower_image`).
+pub const VM_LOWER_IMAGES: &str = "vm-lowers";
+/// Where, under a build's `run/` directory, the microVM executor keeps one read-only ext4
+/// image per ordered set of squashed lower layers (`<hex>.ext4`,
+/// `kiln_pipeline::vmexec::squashed_image`).
+pub const VM_SQUASHED_IMAGES: &str = "vm-squashed";
 
 /// This process's owner token (`p<pid>s<start>`, [`ProcessId::token`]), read once.
 pub fn owner_token() -> &'static str {
@@ -78,12 +88,17 @@ pub fn remove_dead_entries(dir: &Path, prefix: &str) -> Vec<PathBuf> {
 
 /// Removes what dead builds left in `work_dir` (the build's work directory, `.build` of a
 /// local store): `run/step-*` scratch, unfinished `layers/*.tmp-*` (step upper, work and
-/// unpack directories) and `trees/*.tmp-*`, of owners that no longer run. Returns the paths
-/// removed.
+/// unpack directories), `trees/*.tmp-*` and the microVM executor's unfinished disk images
+/// (`run/vm-lowers/*.tmp-*`, `run/vm-squashed/*.tmp-*`), of owners that no longer run.
+/// Returns the paths removed.
 pub fn reap_dead_builds(work_dir: &Path) -> Vec<PathBuf> {
-    let mut removed = remove_dead_entries(&work_dir.join("run"), "step-");
+    let run = work_dir.join("run");
+    let mut removed = remove_dead_entries(&run, "step-");
     removed.extend(remove_dead_entries(&work_dir.join("layers"), ".tmp-"));
     removed.extend(remove_dead_entries(&work_dir.join("trees"), ".tmp-"));
+    for images in [VM_LOWER_IMAGES, VM_SQUASHED_IMAGES] {
+        removed.extend(remove_dead_entries(&run.join(images), ".tmp-"));
+    }
     removed
 }
 
@@ -141,20 +156,25 @@ pub struct LayersCollected {
     pub busy: bool,
     /// Unpacked layer directories removed (or that would be, in a dry run).
     pub dirs: usize,
-    /// Their allocated size (`st_blocks` × 512: the disk space freed), bytes.
+    /// The microVM executor's disk images of layers removed (or that would be).
+    pub images: usize,
+    /// The allocated size of both (`st_blocks` × 512: the disk space freed), bytes.
     pub bytes: u64,
 }
 
-/// Removes every unpacked layer directory (`<64 hex>`) under `layers`, when no build holds
-/// it (the exclusive lock is taken without waiting; a busy directory is reported, not
+/// Removes every unpacked layer directory (`<64 hex>`) under `work_dir/layers`, and every
+/// disk image the microVM executor made of layers (`<64 hex>.ext4` under
+/// `work_dir/run/vm-lowers` and `work_dir/run/vm-squashed`), when no build holds
+/// `layers/` (the exclusive lock is taken without waiting; a busy directory is reported, not
 /// waited for). With `dry_run`, only counts. Errors: the lock file cannot be created, or a
-/// directory cannot be removed (named in the error).
-pub fn collect_layers(layers: &Path, dry_run: bool) -> io::Result<LayersCollected> {
+/// directory or image cannot be removed (named in the error).
+pub fn collect_layers(work_dir: &Path, dry_run: bool) -> io::Result<LayersCollected> {
     let mut out = LayersCollected::default();
+    let layers = work_dir.join("layers");
     if !layers.is_dir() {
         return Ok(out);
     }
-    let fd = open_lock(layers)?;
+    let fd = open_lock(&layers)?;
     match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => {}
         Err(rustix::io::Errno::WOULDBLOCK) => {
@@ -163,19 +183,41 @@ pub fn collect_layers(layers: &Path, dry_run: bool) -> io::Result<LayersCollecte
         }
         Err(e) => return Err(e.into()),
     }
-    for e in fs::read_dir(layers)?.flatten() {
+    let is_hex = |s: &str| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let named = |path: &Path| {
+        let shown = path.display().to_string();
+        move |err: io::Error| io::Error::new(err.kind(), format!("{shown}: {err}"))
+    };
+    for e in fs::read_dir(&layers)?.flatten() {
         let name = e.file_name();
-        let name = name.to_string_lossy();
-        let is_layer = name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit());
-        if !is_layer || !e.file_type().is_ok_and(|t| t.is_dir()) {
+        if !is_hex(&name.to_string_lossy()) || !e.file_type().is_ok_and(|t| t.is_dir()) {
             continue;
         }
         let path = e.path();
         out.bytes += crate::exec::tree_size(&path);
         out.dirs += 1;
         if !dry_run {
-            fs::remove_dir_all(&path)
-                .map_err(|err| io::Error::new(err.kind(), format!("{}: {err}", path.display())))?;
+            fs::remove_dir_all(&path).map_err(named(&path))?;
+        }
+    }
+    let run = work_dir.join("run");
+    for images in [VM_LOWER_IMAGES, VM_SQUASHED_IMAGES] {
+        let Ok(rd) = fs::read_dir(run.join(images)) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            let is_image = name.strip_suffix(".ext4").is_some_and(is_hex);
+            if !is_image || !e.file_type().is_ok_and(|t| t.is_file()) {
+                continue;
+            }
+            let path = e.path();
+            out.bytes += e.metadata().map_or(0, |m| m.blocks() * 512);
+            out.images += 1;
+            if !dry_run {
+                fs::remove_file(&path).map_err(named(&path))?;
+            }
         }
     }
     Ok(out)
@@ -217,6 +259,15 @@ mod tests {
         ] {
             fs::create_dir_all(w.join(&d).join("x")).unwrap();
         }
+        // The microVM executor's unfinished disk images are files.
+        for d in [
+            format!("run/{VM_LOWER_IMAGES}/aa.tmp-{}-6", dead.token()),
+            format!("run/{VM_SQUASHED_IMAGES}/bb.tmp-{}-7", dead.token()),
+            format!("run/{VM_SQUASHED_IMAGES}/cc.tmp-{}-8", me.token()),
+        ] {
+            fs::create_dir_all(w.join(&d).parent().unwrap()).unwrap();
+            fs::write(w.join(&d), b"half an image").unwrap();
+        }
         let mut removed: Vec<String> = reap_dead_builds(w)
             .iter()
             .map(|p| p.strip_prefix(w).unwrap().display().to_string())
@@ -227,6 +278,8 @@ mod tests {
             format!("run/step-{}-0", dead.token()),
             format!("run/step-{}-1", reused.token()),
             format!("trees/tree.tmp-{}-5", dead.token()),
+            format!("run/{VM_LOWER_IMAGES}/aa.tmp-{}-6", dead.token()),
+            format!("run/{VM_SQUASHED_IMAGES}/bb.tmp-{}-7", dead.token()),
         ];
         expected.sort();
         assert_eq!(removed, expected);
@@ -238,9 +291,14 @@ mod tests {
         ] {
             assert!(w.join(&kept).is_dir(), "{kept}");
         }
+        assert!(
+            w.join(format!("run/{VM_SQUASHED_IMAGES}/cc.tmp-{}-8", me.token()))
+                .is_file()
+        );
     }
 
-    /// Unpacked layers go only when no build holds the layers directory.
+    /// Unpacked layers and the microVM executor's images of them go only when no build
+    /// holds the layers directory; nothing else in those directories goes.
     #[test]
     fn layers_are_collected_only_when_no_build_holds_them() {
         let t = tempfile::tempdir().unwrap();
@@ -249,18 +307,31 @@ mod tests {
         fs::create_dir_all(layers.join(&hex).join("etc")).unwrap();
         fs::write(layers.join(&hex).join("etc/f"), vec![0u8; 1000]).unwrap();
         fs::create_dir_all(layers.join("not-a-layer")).unwrap();
+        let run = t.path().join("run");
+        let mut images = Vec::new();
+        for (dir, byte) in [(VM_LOWER_IMAGES, 1u8), (VM_SQUASHED_IMAGES, 2u8)] {
+            fs::create_dir_all(run.join(dir)).unwrap();
+            let img = run.join(dir).join(format!("{}.ext4", "cd".repeat(32)));
+            fs::write(&img, vec![byte; 8192]).unwrap();
+            fs::write(run.join(dir).join("notes.ext4"), b"x").unwrap();
+            images.push(img);
+        }
         let lock = LayersLock::shared(&layers).unwrap();
-        let busy = collect_layers(&layers, false).unwrap();
-        assert!(busy.busy && busy.dirs == 0, "{busy:?}");
-        assert!(layers.join(&hex).is_dir());
+        let busy = collect_layers(t.path(), false).unwrap();
+        assert!(busy.busy && busy.dirs == 0 && busy.images == 0, "{busy:?}");
+        assert!(layers.join(&hex).is_dir() && images.iter().all(|i| i.is_file()));
         drop(lock);
-        let dry = collect_layers(&layers, true).unwrap();
-        assert_eq!((dry.busy, dry.dirs), (false, 1));
-        assert!(dry.bytes >= 1000, "{dry:?}");
-        assert!(layers.join(&hex).is_dir());
-        let done = collect_layers(&layers, false).unwrap();
+        let dry = collect_layers(t.path(), true).unwrap();
+        assert_eq!((dry.busy, dry.dirs, dry.images), (false, 1, 2));
+        assert!(dry.bytes >= 1000 + 2 * 8192, "{dry:?}");
+        assert!(layers.join(&hex).is_dir() && images.iter().all(|i| i.is_file()));
+        let done = collect_layers(t.path(), false).unwrap();
         assert_eq!(done, dry);
         assert!(!layers.join(&hex).exists());
+        assert!(images.iter().all(|i| !i.exists()), "{images:?}");
         assert!(layers.join("not-a-layer").is_dir());
+        for dir in [VM_LOWER_IMAGES, VM_SQUASHED_IMAGES] {
+            assert!(run.join(dir).join("notes.ext4").is_file());
+        }
     }
 }

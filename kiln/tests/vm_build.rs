@@ -6,11 +6,12 @@
 //! layer digests, under both executors; the namespace build in the VM build's store runs no
 //! step (cache keys do not depend on the executor). A failing step reports its exit code and
 //! its log's tail; a step over the build's time limit is stopped by killing its VM, and no
-//! QEMU is left. A 30-layer image (built with kiln, namespace executor) and 12 `RUN` steps on
-//! top of it give the same OCI manifest under both executors, though the VM takes at most 16
-//! lower disks: the lowest layers are squashed into one disk, a file deleted and a directory
-//! made opaque both inside the squashed layers and over them, and each squashed disk is made
-//! once per set of layers. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
+//! QEMU is left. A 30-layer image (built with kiln, namespace executor) and 12 steps on top of
+//! it (five `RUN` steps in VMs, seven `COPY` steps) give the same OCI manifest under both
+//! executors, though the VM takes at most 16 lower disks: the lowest layers are squashed into
+//! one disk, a file deleted and a directory made opaque both inside the squashed layers and
+//! over them, each squashed disk is made once per set of layers, and `kiln store gc`'s
+//! collection removes the VM's disk images with the unpacked layers. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
 //! `KILN_TEST_INITRAMFS`).
 
 use std::path::Path;
@@ -221,8 +222,11 @@ fn base_dockerfile(bb: &str) -> String {
     d
 }
 
-/// Twelve cheap `RUN` steps over the base: each one reads the tree as the squash must show
-/// it, and writes something of its own (so no two layers are the same).
+/// Twelve steps over the base, five of them `RUN` steps at the points where the squash
+/// changes: over 30 and 31 lowers (the lowest 16 squashed, the second step reusing the
+/// disk), 32 (24 squashed), then seven `COPY` steps (no VM), then 40 and 41 (32 squashed,
+/// the second reusing it). Each `RUN` step reads the tree as the squash must show it and
+/// writes something of its own (so no two layers are the same).
 fn top_dockerfile() -> String {
     let mut d = String::from("FROM squash-base:1\n");
     // The base's whiteout and opaque directory, as overlayfs shows them.
@@ -233,9 +237,15 @@ fn top_dockerfile() -> String {
     // A whiteout and an opaque directory over squashed layers, a copy-up of a squashed file.
     d.push_str("RUN rm /b/f3 && rm -r /g && mkdir /g && echo new > /g/n\n");
     d.push_str("RUN echo more >> /b/f5 && cat /b/f0 /b/f25 > /cat\n");
-    for i in 3..12 {
+    for i in 3..10 {
+        d.push_str(&format!("COPY c{i} /c/c{i}\n"));
+    }
+    // The second step's whiteout and opaque directory, now inside the squashed disk.
+    for i in 10..12 {
         d.push_str(&format!(
-            "RUN test ! -e /b/f3 && test ! -e /g/k && echo {i} > /t{i} && ls /b /g >> /t{i}\n"
+            "RUN test ! -e /b/f3 && test ! -e /g/k && test \"$(cat /g/n)\" = new \
+             && test \"$(cat /b/f5)\" = \"$(printf 'file 5\\nmore')\" \
+             && echo {i} > /t{i} && ls /b /g /c >> /t{i}\n"
         ));
     }
     d
@@ -265,14 +275,18 @@ fn vm_steps_over_thirty_layers_squash_the_lowest_and_match_the_namespace_executo
 
     // Twelve steps on top, in a microVM each.
     let top = context(&t.path().join("top"), &top_dockerfile());
+    for i in 3..10 {
+        std::fs::write(top.join(format!("c{i}")), format!("copied {i}\n")).expect("write");
+    }
     let t1 = std::time::Instant::now();
     let vm = rt
         .block_on(run(&store, request(&top, Executor::Vm)))
         .expect("vm build over 30 layers");
-    eprintln!("12 vm steps: {:?}", t1.elapsed());
+    eprintln!("12 steps, 5 in a vm: {:?}", t1.elapsed());
     // The base's 30, the steps' 12 and this build's sandbox preparation layer.
     assert_eq!((vm.steps_run, vm.layers.len()), (12, 43));
-    // Lowers 30..=41 on 16 disks: the lowest 16, then 24, then 32 squashed, each made once.
+    // `RUN` steps over 30, 31, 32, 40 and 41 lowers on 16 disks: the lowest 16, then 24,
+    // then 32 squashed, each made once.
     let squashed: Vec<_> = std::fs::read_dir(store.join(".build/run/vm-squashed"))
         .expect("squashed disks")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
@@ -295,5 +309,20 @@ fn vm_steps_over_thirty_layers_squash_the_lowest_and_match_the_namespace_executo
         "the same OCI manifest under both executors"
     );
     assert_eq!(vm.layers, ns.layers);
+
+    // `kiln store gc`'s collection takes the VM's disk images of layers with the unpacked
+    // layers, now that no build runs.
+    let work = store.join(".build");
+    let c = kiln_builder::workdir::collect_layers(&work, false).expect("collect layers");
+    assert!(!c.busy && c.dirs >= 30 && c.images >= 3 + 14, "{c:?}");
+    for dir in [
+        kiln_builder::workdir::VM_LOWER_IMAGES,
+        kiln_builder::workdir::VM_SQUASHED_IMAGES,
+    ] {
+        let left: Vec<_> = std::fs::read_dir(work.join("run").join(dir))
+            .expect("image dir")
+            .collect();
+        assert!(left.is_empty(), "{dir}: {left:?}");
+    }
     eprintln!("whole test: {:?}", t0.elapsed());
 }

@@ -334,7 +334,10 @@ async fn mke2fs(path: &Path, bytes: u64, extra: &[String]) -> Result<(), ExecErr
 /// The read-only ext4 image of the lower directory `lower` in `cache`, made when missing:
 /// `<cache>/<sha256 of the directory's path>.ext4`. A layer directory never changes once it
 /// has its name (`kiln_builder::build::lower`), so its image does not either. Made under a
-/// temporary name and renamed, so a crash leaves no half image under the final name. Size:
+/// temporary name and renamed, so a crash leaves no half image under the final name (the
+/// temporary one, named after its owner, goes once that owner is dead:
+/// [`kiln_builder::workdir::reap_dead_builds`]); `kiln store gc` removes the images with
+/// the unpacked layers when no build runs ([`kiln_builder::workdir::collect_layers`]). Size:
 /// the tree's allocated bytes × 1.5, plus 1 KiB per entry and 32 MiB, with one inode per
 /// entry and 256 spare (`mke2fs -N`); the file is sparse.
 ///
@@ -353,7 +356,7 @@ pub async fn lower_image(cache: &Path, lower: &Path) -> Result<PathBuf, ExecErro
     })?;
     let tmp = cache.join(format!(
         "{hex}.tmp-{}-{}",
-        std::process::id(),
+        kiln_builder::workdir::owner_token(),
         STEP_COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
     let r = tree_image(&tmp, lower).await.and_then(|()| {
@@ -376,7 +379,8 @@ pub async fn lower_image(cache: &Path, lower: &Path) -> Result<PathBuf, ExecErro
 /// tree the separate layer disks show. Read with `limits`; mtimes as in the layers; sized
 /// by the builder's estimate, at most [`SQUASH_MAX_MIB`]. A set of layers never changes, so
 /// neither does its image: made under a temporary name and renamed, and reused by later
-/// steps and builds.
+/// steps and builds until `kiln store gc` removes it with the unpacked layers (as
+/// [`lower_image`] says).
 ///
 /// Errors: a layer unreadable or over `limits`, e2fsprogs missing or failing, the image over
 /// [`SQUASH_MAX_MIB`] ([`ExecError::Setup`]); [`ExecError::Io`].
@@ -404,7 +408,7 @@ pub async fn squashed_image(
     })?;
     let tmp = cache.join(format!(
         "{hex}.tmp-{}-{}",
-        std::process::id(),
+        kiln_builder::workdir::owner_token(),
         STEP_COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
     let opts = kiln_builder::ext4::Ext4Options {
@@ -611,10 +615,17 @@ impl VmExecutor {
         let keep = spec.lower_dirs.len() - squash;
         let mut lowers = Vec::with_capacity(keep + 1);
         for l in &spec.lower_dirs[..keep] {
-            lowers.push(lower_image(&self.config.run_dir.join("vm-lowers"), l).await?);
+            let cache = self
+                .config
+                .run_dir
+                .join(kiln_builder::workdir::VM_LOWER_IMAGES);
+            lowers.push(lower_image(&cache, l).await?);
         }
         if squash > 0 {
-            let cache = self.config.run_dir.join("vm-squashed");
+            let cache = self
+                .config
+                .run_dir
+                .join(kiln_builder::workdir::VM_SQUASHED_IMAGES);
             lowers.push(
                 squashed_image(&cache, &spec.lower_layers[keep..], &spec.layer_limits).await?,
             );

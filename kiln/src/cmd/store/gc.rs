@@ -6,8 +6,9 @@
 //! For a local store it also cleans its build work directory (`<store>/.build`, the default
 //! of `kiln build`): what dead builds left (step processes still in their cgroups, scratch
 //! and unfinished directories, [`kiln_builder::workdir::clean_up_dead_builds`]), and, when no
-//! build is running there, the unpacked layers of `layers/`, a cache re-made from the store's
-//! blobs on use ([`kiln_builder::workdir::collect_layers`]). A dry run removes none of it and
+//! build is running there, the unpacked layers of `layers/` and the microVM executor's disk
+//! images of them under `run/`, a cache re-made from the store's blobs on use
+//! ([`kiln_builder::workdir::collect_layers`]). A dry run removes none of it and
 //! reports the layers it would.
 
 use std::path::Path;
@@ -102,16 +103,23 @@ fn clean_work_dir(out: &Out, work: &Path, dry_run: bool, verb: &str) -> CmdResul
         }
     }
     let layers = work.join("layers");
-    let c = kiln_builder::workdir::collect_layers(&layers, dry_run)
+    let c = kiln_builder::workdir::collect_layers(work, dry_run)
         .map_err(|e| anyhow::anyhow!("collecting unpacked layers in {}: {e}", layers.display()))?;
     out.event(
         "layers",
-        json!({"path": layers, "busy": c.busy, "dirs": c.dirs, "bytes": c.bytes, "dryRun": dry_run}),
+        json!({"path": layers, "busy": c.busy, "dirs": c.dirs, "images": c.images,
+               "bytes": c.bytes, "dryRun": dry_run}),
         || {
             if c.busy {
                 format!("{}: kept, a build is using it", layers.display())
             } else {
-                format!("{}: {verb} {} unpacked layers ({} bytes)", layers.display(), c.dirs, c.bytes)
+                format!(
+                    "{}: {verb} {} unpacked layers and {} microVM disk images of layers ({} bytes)",
+                    layers.display(),
+                    c.dirs,
+                    c.images,
+                    c.bytes
+                )
             }
         },
     );
