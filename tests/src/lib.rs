@@ -76,7 +76,15 @@ pub fn assert_same_bytes(a: &Path, b: &Path) {
         let n = (la - at).min(ba.len() as u64) as usize;
         fa.read_exact(&mut ba[..n]).expect("read");
         fb.read_exact(&mut bb[..n]).expect("read");
-        if let Some(i) = ba[..n].iter().zip(&bb[..n]).position(|(x, y)| x != y) {
+        // Slice equality is one memcmp; the byte-by-byte search runs only on a difference
+        // (the iterator version took about 90 s of CPU in CI's unoptimised test build for
+        // the main job's two 3 GiB images).
+        if ba[..n] != bb[..n] {
+            let i = ba[..n]
+                .iter()
+                .zip(&bb[..n])
+                .position(|(x, y)| x != y)
+                .unwrap_or(0);
             panic!(
                 "{} and {} differ at byte {}",
                 a.display(),
