@@ -1200,8 +1200,6 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
     ))
 }
 
-/// Opens `rel` (a file, `O_PATH`) inside the root `root`, creating it empty (and `etc`)
-/// when missing; symlinks resolve inside `root`. `None`: `rel` is a dangling symlink.
 /// Every signal's disposition back to its default and an empty signal mask, as runc starts
 /// a container's process. An ignored signal stays ignored across `execve(2)` (signal(7),
 /// "Signal disposition"), and the Rust runtime ignores SIGPIPE, so without this a step's
@@ -1243,6 +1241,8 @@ fn default_signals() {
     }
 }
 
+/// Opens `rel` (a file, `O_PATH`) inside the root `root`, creating it empty (and `etc`)
+/// when missing; symlinks resolve inside `root`. `None`: `rel` is a dangling symlink.
 fn open_in_root(root: &OwnedFd, rel: &str) -> Result<Option<OwnedFd>, String> {
     use super::openat2_in_root as openat2;
     use rustix::fs::{Mode, OFlags, ResolveFlags, openat};
