@@ -84,6 +84,8 @@ fn stalled_heads_and_bodies_are_closed_while_others_are_served() {
     let (sent, after) = until_closed(&mut body);
     assert!(after < Duration::from_secs(10), "body held for {after:?}");
     assert!(!sent.starts_with("HTTP/1.1 2"), "{sent}");
+    assert!(sent.starts_with("HTTP/1.1 408"), "{sent}");
+    assert!(sent.contains("sent nothing for 1 s"), "{sent}");
     let mut other = connect(&s);
     assert!(healthz(&mut other), "the server still serves");
 }

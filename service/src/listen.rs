@@ -259,3 +259,44 @@ impl HttpBody for BoundedBody {
         self.inner.size_hint()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bounds as `mod_reqtimeout` counts them: the grace plus one second per
+    /// `min_body_rate` bytes, unless the idle timeout comes first.
+    #[test]
+    fn a_body_must_end_the_grace_plus_a_second_per_rate_bytes() {
+        let limits = ConnLimits {
+            body_idle_timeout: Duration::from_secs(60),
+            min_body_rate: 1000,
+            body_rate_grace: Duration::from_secs(10),
+            ..ConnLimits::default()
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        let _g = rt.enter();
+        let mut b = BoundedBody::new(Body::empty(), limits, Arc::default());
+        let t0 = b.last;
+        let (at, why) = b.deadline(t0);
+        assert_eq!(at, t0 + Duration::from_secs(10));
+        assert!(
+            why.contains("slower than 1000 bytes/s (after the first 10 s)"),
+            "{why}"
+        );
+        b.bytes = 5000;
+        assert_eq!(b.deadline(t0).0, t0 + Duration::from_secs(15));
+        // Past the idle timeout's moment, that one decides.
+        b.bytes = 100_000;
+        let (at, why) = b.deadline(t0);
+        assert_eq!(at, t0 + Duration::from_secs(60));
+        assert!(why.contains("sent nothing for 60 s"), "{why}");
+        // No rate bound: the idle timeout alone.
+        b.limits.min_body_rate = 0;
+        b.bytes = 0;
+        assert_eq!(b.deadline(t0).0, t0 + Duration::from_secs(60));
+    }
+}
