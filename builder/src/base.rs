@@ -55,6 +55,16 @@ pub enum BaseError {
     /// A registry problem (including `--offline` misses).
     #[error(transparent)]
     Registry(#[from] RegistryError),
+    /// A tenant's pull failed because its egress proxy refused a connection of it (the
+    /// registry's, its token realm's, a redirect's) or could not make one: what the proxy
+    /// said, not what the registry client made of its answer.
+    #[error("{registry}: {source}")]
+    Egress {
+        /// The registry (`host[:port]`).
+        registry: String,
+        /// The proxy's refusal or failure.
+        source: crate::egress::proxy::EgressError,
+    },
     /// An OCI layout problem.
     #[error(transparent)]
     Layout(#[from] LayoutError),
@@ -91,8 +101,9 @@ pub enum BaseError {
         /// Why, in the tenant's terms.
         why: String,
     },
-    /// A tenant build named a registry at an address tenants may not reach.
-    #[error("{registry}: registry refused for this build: {source}")]
+    /// A tenant build named a registry at an address tenants may not reach, or whose name
+    /// does not resolve (then the text says so, not that it was refused).
+    #[error("{registry}: {}", registry_address_text(source))]
     RegistryAddress {
         /// The registry (`host[:port]`).
         registry: String,
@@ -107,6 +118,15 @@ pub enum BaseError {
         /// Underlying error.
         source: std::io::Error,
     },
+}
+
+/// What [`BaseError::RegistryAddress`] says: a refusal for an address tenants may not
+/// reach, the resolver's failure as it is.
+fn registry_address_text(e: &AddressError) -> String {
+    match e {
+        AddressError::NotPublic { .. } => format!("registry refused for this build: {e}"),
+        _ => e.to_string(),
+    }
 }
 
 /// When to ask the registry.

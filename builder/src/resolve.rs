@@ -273,10 +273,9 @@ pub async fn resolve_recipe(
 /// The egress proxy of a tenant's registry pulls, on a free port of 127.0.0.1: any name
 /// whose addresses are public, or one of the registries the operator allows
 /// ([`crate::base::Tenant::registries`]); each refusal is logged (`tracing`, warn). Its
-/// thread and its URL (`http://127.0.0.1:PORT`). Errors: [`BaseError::Proxy`].
-fn tenant_proxy(
-    t: &crate::base::Tenant,
-) -> Result<(crate::egress::proxy::ProxyThread, String), BaseError> {
+/// thread, its URL (`http://127.0.0.1:PORT`) and what it refused or could not reach, in
+/// order. Errors: [`BaseError::Proxy`].
+fn tenant_proxy(t: &crate::base::Tenant) -> Result<TenantProxy, BaseError> {
     use crate::egress::address::AddressPolicy;
     use crate::egress::proxy::{Proxy, spawn};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(BaseError::Proxy)?;
@@ -286,11 +285,57 @@ fn tenant_proxy(
         ..Default::default()
     };
     let workspace = t.workspace.clone();
+    let refused = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = std::sync::Arc::clone(&refused);
     let proxy = Proxy::addresses_only(policy, move |line| {
         tracing::warn!(workspace = %workspace, "registry pull: {line}");
+    })
+    .recording(move |e| {
+        record
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(e.clone());
     });
     let thread = spawn(listener, proxy).map_err(BaseError::Proxy)?;
-    Ok((thread, format!("http://{addr}")))
+    Ok(TenantProxy {
+        _thread: thread,
+        url: format!("http://{addr}"),
+        refused,
+    })
+}
+
+/// A tenant's pull proxy ([`tenant_proxy`]); it stops when dropped.
+struct TenantProxy {
+    _thread: crate::egress::proxy::ProxyThread,
+    url: String,
+    refused: std::sync::Arc<std::sync::Mutex<Vec<crate::egress::proxy::EgressError>>>,
+}
+
+impl TenantProxy {
+    /// `e`, a failed pull of `spec`, as the tenant should read it: when the proxy refused or
+    /// could not make a connection of the pull, what it said ([`BaseError::Egress`]), rather
+    /// than what the registry client made of the proxy's answer (such as "authentication
+    /// refused" for its 403).
+    fn explain(&self, spec: &str, e: BaseError) -> BaseError {
+        if !matches!(e, BaseError::Registry(_)) {
+            return e;
+        }
+        let first = self
+            .refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .first()
+            .cloned();
+        match first {
+            Some(source) => BaseError::Egress {
+                registry: spec
+                    .parse::<crate::reference::Reference>()
+                    .map_or_else(|_| spec.to_string(), |r| r.registry().to_string()),
+                source,
+            },
+            None => e,
+        }
+    }
 }
 
 /// Resolves one image `reference` as a recipe writes it (a `FROM`, `COPY --from`, `RUN
@@ -317,7 +362,7 @@ pub async fn resolve_reference(
     // A tenant's pulls: never with the operator's credentials, and every connection through
     // an egress proxy that checks each address (the registry's, its token realm's, a
     // redirect's) and resolves each name once. It stops when this resolution ends.
-    let mut _proxy = None;
+    let mut proxy = None;
     if let Scope::Tenant(t) = &opts.scope {
         ropts.docker_config = None;
         // The tenant's own credentials for this reference's registry, if it gave some.
@@ -325,9 +370,9 @@ pub async fn resolve_reference(
             .parse::<crate::reference::Reference>()
             .ok()
             .and_then(|r| t.registry_auth.get(r.registry()).cloned());
-        let (thread, url) = tenant_proxy(t)?;
-        _proxy = Some(thread);
-        ropts.proxy = Some(url);
+        let p = tenant_proxy(t)?;
+        ropts.proxy = Some(p.url.clone());
+        proxy = Some(p);
     }
     let registry = Registry::new(ropts);
     // What the store may hold of it: under a tenant, only its own or a global base's tag.
@@ -338,8 +383,13 @@ pub async fn resolve_reference(
     if let (Some(f), Some(fetch)) = (&opts.front, fetch) {
         f.fetch(&fetch).await?;
     }
-    let (d, _) = base::resolve_in(&opts.scope, spec, opts.policy, &registry, cache).await?;
-    Ok(d)
+    match base::resolve_in(&opts.scope, spec, opts.policy, &registry, cache).await {
+        Ok((d, _)) => Ok(d),
+        Err(e) => Err(match &proxy {
+            Some(p) => p.explain(spec, e),
+            None => e,
+        }),
+    }
 }
 
 /// Resolves every stage base of `plan` (one entry per stage, in order).
@@ -418,6 +468,102 @@ pub async fn resolve_plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A registry (on 127.0.0.1, allowed by its port) whose token realm is at a port the
+    /// tenant may not reach: the pull fails saying that the egress proxy refused the realm
+    /// and why, not "authentication refused" (what the registry client makes of the
+    /// proxy's 403).
+    #[test]
+    fn a_pull_the_egress_proxy_refuses_names_the_proxy_and_its_rule() {
+        use std::io::{BufRead, BufReader, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        std::thread::spawn(move || {
+            for conn in l.incoming() {
+                let Ok(mut c) = conn else { return };
+                let mut r = BufReader::new(c.try_clone().expect("clone"));
+                loop {
+                    let mut h = String::new();
+                    if r.read_line(&mut h).unwrap_or(0) == 0 || h == "\r\n" {
+                        break;
+                    }
+                }
+                let _ = c.write_all(
+                    b"HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer \
+                      realm=\"http://127.0.0.1:1/token\",service=\"x\"\r\n\
+                      Content-Length: 0\r\nConnection: close\r\n\r\n",
+                );
+            }
+        });
+        let t = crate::base::Tenant {
+            workspace: "acme".into(),
+            global_bases: Default::default(),
+            registries: [format!("127.0.0.1:{port}")].into(),
+            own_images: Default::default(),
+            registry_auth: Default::default(),
+        };
+        let p = tenant_proxy(&t).expect("proxy");
+        let reg = Registry::new(RegistryOptions {
+            proxy: Some(p.url.clone()),
+            ..Default::default()
+        });
+        let spec = format!("127.0.0.1:{port}/x:t");
+        let r: crate::reference::Reference = spec.parse().expect("reference");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let e = rt.block_on(reg.resolve(&r)).expect_err("refused");
+        let text = p.explain(&spec, BaseError::Registry(e)).to_string();
+        assert!(
+            text.starts_with(&format!(
+                "127.0.0.1:{port}: the egress proxy refused GET 127.0.0.1:1: "
+            )),
+            "{text}"
+        );
+        assert!(text.contains("is not a public address"), "{text}");
+        assert!(!text.contains("authentication"), "{text}");
+    }
+
+    /// A registry name that does not resolve is said so, not "refused".
+    #[test]
+    fn a_name_that_does_not_resolve_is_not_called_refused() {
+        use crate::egress::address::AddressError;
+        use crate::egress::proxy::EgressError;
+        let e = BaseError::RegistryAddress {
+            registry: "reg.example".into(),
+            source: AddressError::Resolve {
+                host: "reg.example".into(),
+                detail: "failed to lookup address information".into(),
+            },
+        };
+        assert_eq!(
+            e.to_string(),
+            "reg.example: could not resolve reg.example: failed to lookup address information"
+        );
+        let e = BaseError::Egress {
+            registry: "reg.example".into(),
+            source: EgressError::Unresolved {
+                host: "auth.reg.example".into(),
+                detail: "no answer".into(),
+            },
+        };
+        assert_eq!(
+            e.to_string(),
+            "reg.example: could not resolve auth.reg.example: no answer"
+        );
+        let e = BaseError::RegistryAddress {
+            registry: "10.0.0.1".into(),
+            source: AddressError::NotPublic {
+                host: "10.0.0.1".into(),
+                addr: "10.0.0.1".parse().expect("ip"),
+            },
+        };
+        assert!(
+            e.to_string().contains("registry refused for this build"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn build_contexts() {

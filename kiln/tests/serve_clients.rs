@@ -2,13 +2,19 @@
 //! `kiln serve` and raw TCP sockets: a client that stalls in its request head, and one that
 //! stalls in its body, are both closed by the server within its timeouts while other
 //! requests are served; past `--max-connections`, a new connection is closed at once and the
-//! open ones still work.
+//! open ones still work. A body trickled slower than `--min-body-rate` is answered 408 and
+//! closed; a workspace past `--max-requests-per-workspace` (its log streams counted) gets
+//! 429 while another workspace is served.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use kiln_tests::serve::{Server, env};
+use kiln_tests::http::LocalServer;
+use kiln_tests::require_env;
+use kiln_tests::serve::{
+    Server, client, env, fetch_recipe, get, json_of, rt, submit_recipe, tagged_spec, until,
+};
 
 /// The `kiln` binary under test.
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
@@ -78,6 +84,8 @@ fn stalled_heads_and_bodies_are_closed_while_others_are_served() {
     let (sent, after) = until_closed(&mut body);
     assert!(after < Duration::from_secs(10), "body held for {after:?}");
     assert!(!sent.starts_with("HTTP/1.1 2"), "{sent}");
+    assert!(sent.starts_with("HTTP/1.1 408"), "{sent}");
+    assert!(sent.contains("sent nothing for 1 s"), "{sent}");
     let mut other = connect(&s);
     assert!(healthz(&mut other), "the server still serves");
 }
@@ -109,4 +117,132 @@ fn past_the_connection_limit_a_new_connection_is_closed_at_once() {
         assert!(t0.elapsed() < Duration::from_secs(10), "no slot came free");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// `GET p` on `c` (kept alive) with the key `key`: the status line and the rest.
+fn get_raw(c: &mut TcpStream, p: &str, key: &str) -> String {
+    write!(
+        c,
+        "GET {p} HTTP/1.1\r\nHost: kiln\r\nAuthorization: Bearer {key}\r\n\r\n"
+    )
+    .expect("write");
+    let mut buf = [0u8; 4096];
+    let n = c.read(&mut buf).unwrap_or(0);
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[test]
+fn a_body_slower_than_the_minimum_rate_is_answered_408_and_closed() {
+    let (_t, state, store) = env();
+    let s = Server::start(
+        KILN.as_ref(),
+        &state,
+        &store,
+        &["--min-body-rate", "1000000", "--body-rate-grace", "1s"],
+    );
+    let key = s.key("acme", &[]);
+    let other = s.key("other", &[]);
+    // An upload of 100,000 bytes, one byte each 100 ms: 10 bytes/s, never idle for long.
+    let mut slow = connect(&s);
+    write!(
+        slow,
+        "PUT /v1/blobs/sha256:{} HTTP/1.1\r\nHost: kiln\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/octet-stream\r\nContent-Length: 100000\r\n\r\n",
+        "0".repeat(64)
+    )
+    .expect("write");
+    let mut w = slow.try_clone().expect("clone");
+    let trickle = std::thread::spawn(move || {
+        for _ in 0..600 {
+            if w.write_all(b"x").is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    // Meanwhile the server answers others, of this workspace and another.
+    let mut c = connect(&s);
+    assert!(get_raw(&mut c, "/v1/images", &other).starts_with("HTTP/1.1 200"));
+    assert!(get_raw(&mut c, "/v1/images", &key).starts_with("HTTP/1.1 200"));
+    let (sent, _) = until_closed(&mut slow);
+    assert!(sent.starts_with("HTTP/1.1 408"), "{sent}");
+    assert!(sent.contains("\"error\":\"request_timeout\""), "{sent}");
+    assert!(sent.contains("slower than 1000000 bytes/s"), "{sent}");
+    assert!(
+        sent.to_ascii_lowercase().contains("connection: close"),
+        "{sent}"
+    );
+    trickle.join().expect("trickle");
+    let mut c = connect(&s);
+    assert!(healthz(&mut c), "the server still serves");
+    assert!(get_raw(&mut c, "/v1/images", &key).starts_with("HTTP/1.1 200"));
+}
+
+#[test]
+fn a_workspace_past_its_share_of_requests_gets_429_and_others_are_served() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (_t, state, store) = env();
+    // Each build's one step waits on this server until the test lets it go.
+    let web = LocalServer::holding("/hold/", 2);
+    let s = Server::start(
+        KILN.as_ref(),
+        &state,
+        &store,
+        &["--max-requests-per-workspace", "2", "--workers", "2"],
+    );
+    let acme = s.key("acme", &[]);
+    let other = s.key("other", &[]);
+    let c = client();
+    let rt = rt();
+    let recipe = |p: &str| fetch_recipe(&bb, "127.0.0.1", web.port, p);
+    let a = rt.block_on(submit_recipe(
+        &c,
+        &s,
+        &acme,
+        &tagged_spec("a:1"),
+        &recipe("/hold/a"),
+    ));
+    until("build a reached its step", Duration::from_secs(120), || {
+        web.hits("/hold/a") == 1
+    });
+    let b = rt.block_on(submit_recipe(
+        &c,
+        &s,
+        &acme,
+        &tagged_spec("b:1"),
+        &recipe("/hold/b"),
+    ));
+    rt.block_on(async {
+        // Two log streams: acme's whole share.
+        let follow = |id: &str| format!("/v1/builds/{id}/logs?follow=true");
+        let sa = get(&c, &s, &acme, &follow(&a)).await;
+        assert_eq!(sa.status(), 200);
+        let sb = get(&c, &s, &acme, &follow(&b)).await;
+        assert_eq!(sb.status(), 200);
+        let r = get(&c, &s, &acme, &format!("/v1/builds/{a}")).await;
+        assert_eq!(r.status(), 429);
+        assert!(r.headers().contains_key("retry-after"), "{:?}", r.headers());
+        let v = json_of(r).await;
+        assert_eq!(v["error"], "too_many_requests", "{v}");
+        assert!(
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("2 requests in flight")),
+            "{v}"
+        );
+        // Another workspace is served.
+        let r = get(&c, &s, &other, "/v1/images").await;
+        assert_eq!(r.status(), 200);
+        // Build a's step is let go (its fetch fails): its stream ends, and acme is served.
+        drop(web.held.lock().expect("held").remove(0));
+        let text = sa.text().await.expect("stream");
+        let end: serde_json::Value =
+            serde_json::from_str(text.lines().last().expect("a frame")).expect("json");
+        assert_eq!(end["end"], true, "{text}");
+        let r = get(&c, &s, &acme, &format!("/v1/builds/{a}")).await;
+        assert_eq!(r.status(), 200);
+        let v = json_of(r).await;
+        assert_eq!(v["state"], "failed", "{v}");
+        drop(sb);
+    });
 }

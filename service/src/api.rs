@@ -61,9 +61,14 @@ pub enum ApiError {
     /// `PUT` of a tag without `If-Match` or `If-None-Match`.
     #[error("{0}")]
     PreconditionRequired(String),
-    /// The workspace's queue is full.
-    #[error("the workspace has too many queued builds; retry later")]
-    TooManyRequests,
+    /// The workspace's queue is full, or its share of requests in flight is in use; the text
+    /// says which.
+    #[error("{0}")]
+    TooManyRequests(String),
+    /// The request body arrived too slowly ([`crate::listen::bound_bodies`]); the text names
+    /// the bound.
+    #[error("{0}")]
+    RequestTimeout(String),
     /// A body past its limit.
     #[error("{0}")]
     TooLarge(String),
@@ -106,8 +111,8 @@ impl From<ContextError> for ApiError {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorBody {
     /// `unauthorized`, `not_found`, `bad_request`, `unprocessable`, `conflict`,
-    /// `precondition_failed`, `precondition_required`, `too_many_requests`, `too_large`,
-    /// `unavailable`, `internal`.
+    /// `precondition_failed`, `precondition_required`, `request_timeout`,
+    /// `too_many_requests`, `too_large`, `unavailable`, `internal`.
     pub error: String,
     /// What went wrong.
     pub message: String,
@@ -127,7 +132,8 @@ impl IntoResponse for ApiError {
             ApiError::PreconditionRequired(_) => {
                 (StatusCode::PRECONDITION_REQUIRED, "precondition_required")
             }
-            ApiError::TooManyRequests => (StatusCode::TOO_MANY_REQUESTS, "too_many_requests"),
+            ApiError::TooManyRequests(_) => (StatusCode::TOO_MANY_REQUESTS, "too_many_requests"),
+            ApiError::RequestTimeout(_) => (StatusCode::REQUEST_TIMEOUT, "request_timeout"),
             ApiError::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "too_large"),
             ApiError::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
@@ -142,7 +148,7 @@ impl IntoResponse for ApiError {
                 r.headers_mut()
                     .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             }
-            ApiError::TooManyRequests => {
+            ApiError::TooManyRequests(_) => {
                 r.headers_mut()
                     .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
             }
@@ -439,10 +445,8 @@ pub fn rfc3339(ms: i64) -> String {
 pub fn router(state: AppState) -> axum::Router {
     let limit =
         state.config.max_context_bytes as usize + MAX_JSON_BYTES + MAX_RECIPE_BYTES as usize;
-    axum::Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/openapi.json", get(openapi))
+    // Every `/v1` route: the key's check and the workspace's share of requests in flight.
+    let v1 = axum::Router::new()
         // Only a submission's multipart body is buffered past axum's 2 MB default (its
         // context part streams to disk; blob uploads stream without an extractor limit).
         .route(
@@ -460,6 +464,15 @@ pub fn router(state: AppState) -> axum::Router {
             get(get_tag).put(put_tag).delete(delete_tag),
         )
         .route("/v1/manifests/{digest}", get(get_manifest))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            crate::share::per_workspace,
+        ));
+    axum::Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/openapi.json", get(openapi))
+        .merge(v1)
         .with_state(state)
 }
 
@@ -892,7 +905,9 @@ async fn submit(
             s.metrics
                 .throttled
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return Err(ApiError::TooManyRequests);
+            return Err(ApiError::TooManyRequests(
+                "the workspace has too many queued builds; retry later".into(),
+            ));
         }
     };
     if !replayed {

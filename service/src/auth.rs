@@ -36,7 +36,9 @@ pub fn generate() -> Result<NewKey, getrandom::Error> {
     Ok(NewKey { id, secret })
 }
 
-/// The workspace a request acts for, from its bearer key.
+/// The workspace a request acts for, from its bearer key. On `/v1` routes the key was
+/// checked by [`crate::share::per_workspace`], which leaves the workspace in the request's
+/// extensions; it is looked up only where it is not there.
 #[derive(Debug, Clone)]
 pub struct Workspace(pub String);
 
@@ -44,6 +46,9 @@ impl FromRequestParts<AppState> for Workspace {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        if let Some(ws) = parts.extensions.get::<Workspace>() {
+            return Ok(ws.clone());
+        }
         let key = parts
             .headers
             .get(axum::http::header::AUTHORIZATION)

@@ -19,6 +19,7 @@
 //!   with hostile-input checks.
 //! - [`worker`]: the pool that claims queued builds (one claim per build, per-workspace
 //!   concurrency caps), runs them, stores what they tell and ends each in a terminal state.
+//! - [`share`]: each workspace's share of the tenants' listener (requests in flight).
 //! - [`sealed`]: a tenant's registry credentials for one build, sealed under the operator's
 //!   key while the build waits in the database.
 //! - [`tags`]: a workspace's tags live in the store as `<workspace>.<name>:<tag>`; workspace
@@ -34,6 +35,7 @@ pub mod db;
 pub mod listen;
 pub mod metrics;
 pub mod sealed;
+pub mod share;
 pub mod tags;
 pub mod worker;
 
@@ -128,6 +130,12 @@ pub struct ServiceConfig {
     pub credentials_key: Option<Arc<sealed::CredentialsKey>>,
     /// The bounds of the tenants' listener: header and body timeouts, most connections.
     pub conn: listen::ConnLimits,
+    /// Most requests of one workspace in flight at once, log streams counted for their
+    /// whole life (`kiln serve --max-requests-per-workspace`; default 64; [`share`]). 64 is
+    /// well above what one tenant's normal use holds (a follow stream for each of its 20
+    /// queued and 2 running builds, plus uploads and polls) and a sixty-fourth of the
+    /// default `--max-connections`.
+    pub max_requests_per_workspace: usize,
     /// Most tasks (processes and threads) in each tenant step (`kiln serve --step-pids-max`;
     /// default [`kiln_pipeline::DEFAULT_PIDS_MAX`], 4096).
     pub step_pids_max: u64,
@@ -137,8 +145,8 @@ impl ServiceConfig {
     /// Defaults for the state directory `state_dir`: SQLite, 2 workers, 1 GiB contexts, 4 GiB
     /// unpacked, 24 h idempotency window, 60 s shutdown grace, 10 s heartbeat, 60 s takeover,
     /// 3 attempts, 7 days node retention, 1 h context leases, 10 s database timeout, the
-    /// microVM executor, no credentials key, [`listen::ConnLimits::default`], 4096 tasks a
-    /// step.
+    /// microVM executor, no credentials key, [`listen::ConnLimits::default`], 64 requests in
+    /// flight per workspace, 4096 tasks a step.
     pub fn new(state_dir: PathBuf) -> Self {
         ServiceConfig {
             state_dir,
@@ -159,6 +167,7 @@ impl ServiceConfig {
             executor: Executor::Vm,
             credentials_key: None,
             conn: listen::ConnLimits::default(),
+            max_requests_per_workspace: 64,
             step_pids_max: kiln_pipeline::DEFAULT_PIDS_MAX,
         }
     }
@@ -194,6 +203,9 @@ impl ServiceConfig {
                 self.context_lease,
                 3 * self.heartbeat
             ));
+        }
+        if self.max_requests_per_workspace == 0 {
+            return bad("max requests per workspace 0: expected at least 1".into());
         }
         if self.max_attempts == 0 {
             return bad("max attempts 0: expected at least 1".into());
@@ -251,6 +263,8 @@ pub struct AppState {
     /// How many times this node fenced itself: an attempt that saw it change was cancelled
     /// by a fence, and gives its claim back.
     pub fences: Arc<std::sync::atomic::AtomicU64>,
+    /// Each workspace's requests in flight ([`share`]).
+    pub shares: Arc<share::Shares>,
 }
 
 impl AppState {
@@ -351,6 +365,7 @@ pub async fn serve(
             source,
         }
     })?;
+    let shares = Arc::new(share::Shares::new(config.max_requests_per_workspace));
     let state = AppState {
         config: Arc::new(config),
         db,
@@ -363,6 +378,7 @@ pub async fn serve(
         node: Arc::new(node),
         fenced: Arc::default(),
         fences: Arc::default(),
+        shares,
     };
     // It heartbeats until the last build has ended, through the shutdown grace.
     let live = CancellationToken::new();

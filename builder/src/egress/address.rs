@@ -29,7 +29,7 @@ pub struct AddressPolicy {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AddressError {
     /// The resolver failed.
-    #[error("resolving {host}: {detail}")]
+    #[error("could not resolve {host}: {detail}")]
     Resolve {
         /// The name.
         host: String,
@@ -37,7 +37,7 @@ pub enum AddressError {
         detail: String,
     },
     /// The resolver answered with no address.
-    #[error("{host} has no address")]
+    #[error("could not resolve {host}: the name has no address")]
     NoAddress {
         /// The name.
         host: String,

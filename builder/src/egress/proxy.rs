@@ -44,6 +44,43 @@ pub struct Proxy {
     rules: Option<Egress>,
     addresses: AddressPolicy,
     log: Box<dyn Fn(&str) + Send + Sync>,
+    /// Told each refused or failed connection, as its client should read it.
+    record: Option<Record>,
+}
+
+/// Where [`Proxy::recording`] tells refusals.
+type Record = Box<dyn Fn(&EgressError) + Send + Sync>;
+
+/// Why the proxy answered a connection itself instead of relaying it, in the words its
+/// client's user should read (a tenant's pull error names it: [`Proxy::recording`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EgressError {
+    /// A rule refused the destination.
+    #[error("the egress proxy refused {request} {dest}: {rule}")]
+    Refused {
+        /// The request's method (`CONNECT` for a tunnel).
+        request: String,
+        /// `host:port`.
+        dest: String,
+        /// The rule it broke.
+        rule: String,
+    },
+    /// The name did not resolve.
+    #[error("could not resolve {host}: {detail}")]
+    Unresolved {
+        /// The name.
+        host: String,
+        /// The resolver's answer.
+        detail: String,
+    },
+    /// No address of the destination accepted a connection.
+    #[error("could not connect to {dest}: {detail}")]
+    Unreachable {
+        /// `host:port`.
+        dest: String,
+        /// The last connection's error.
+        detail: String,
+    },
 }
 
 impl std::fmt::Debug for Proxy {
@@ -59,6 +96,7 @@ impl std::fmt::Debug for Proxy {
 struct Refusal {
     status: &'static str,
     line: String,
+    error: EgressError,
 }
 
 impl Proxy {
@@ -74,6 +112,7 @@ impl Proxy {
             rules: Some(rules),
             addresses,
             log: Box::new(log),
+            record: None,
         }
     }
 
@@ -89,7 +128,15 @@ impl Proxy {
             rules: None,
             addresses,
             log: Box::new(log),
+            record: None,
         }
+    }
+
+    /// This proxy, telling `record` each connection it refused or could not make, as
+    /// [`EgressError`], besides logging it.
+    pub fn recording(mut self, record: impl Fn(&EgressError) + Send + Sync + 'static) -> Self {
+        self.record = Some(Box::new(record));
+        self
     }
 
     /// Serves one client connection to its end. Never fails: what goes wrong is answered
@@ -104,6 +151,9 @@ impl Proxy {
             Ok(None) => {}
             Err(r) => {
                 (self.log)(&r.line);
+                if let Some(record) = &self.record {
+                    record(&r.error);
+                }
                 let body = format!("kiln {}\n", r.line);
                 let resp = format!(
                     "HTTP/1.1 {}\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
@@ -184,6 +234,11 @@ impl Proxy {
         let refuse = |reason: String| Refusal {
             status: "403 Forbidden",
             line: format!("egress: refused {what} {dest}: {reason}"),
+            error: EgressError::Refused {
+                request: what.to_string(),
+                dest: dest.clone(),
+                rule: reason,
+            },
         };
         if let Some(rules) = &self.rules
             && let Verdict::Refused(reason) = policy::check(rules, &host)
@@ -198,9 +253,17 @@ impl Proxy {
                 )));
             }
             Err(e) => {
+                let detail = match &e {
+                    AddressError::Resolve { detail, .. } => detail.clone(),
+                    _ => "the name has no address".to_string(),
+                };
                 return Err(Refusal {
                     status: "502 Bad Gateway",
                     line: format!("egress: failed {what} {dest}: {e}"),
+                    error: EgressError::Unresolved {
+                        host: host.clone(),
+                        detail,
+                    },
                 });
             }
         };
@@ -225,6 +288,10 @@ impl Proxy {
             return Err(Refusal {
                 status: "502 Bad Gateway",
                 line: format!("egress: failed {what} {dest}: {last_err}"),
+                error: EgressError::Unreachable {
+                    dest: dest.clone(),
+                    detail: last_err,
+                },
             });
         };
         let rest = &buf[head_len..];

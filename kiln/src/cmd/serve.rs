@@ -64,6 +64,27 @@ pub struct Args {
     /// closed.
     #[arg(long = "body-idle-timeout", env = "KILN_SERVE_BODY_IDLE_TIMEOUT", default_value = "60s", value_parser = super::parse_duration)]
     pub body_idle_timeout: std::time::Duration,
+    /// Slowest average, bytes/s, a request body may arrive at once --body-rate-grace has
+    /// passed: a body must have ended the grace plus one second per this many bytes received
+    /// (0: no such bound); past it the request is answered 408 and its connection closed.
+    #[arg(
+        long = "min-body-rate",
+        env = "KILN_SERVE_MIN_BODY_RATE",
+        default_value_t = 64 << 10,
+        value_name = "BYTES_PER_SEC"
+    )]
+    pub min_body_rate: u64,
+    /// Time a request body has before --min-body-rate counts (5s, 1m, ...).
+    #[arg(long = "body-rate-grace", env = "KILN_SERVE_BODY_RATE_GRACE", default_value = "10s", value_parser = super::parse_duration)]
+    pub body_rate_grace: std::time::Duration,
+    /// Most requests of one workspace in flight at once on the tenants' port, a log stream
+    /// counted until it ends; past it a request is answered 429 with Retry-After.
+    #[arg(
+        long = "max-requests-per-workspace",
+        env = "KILN_SERVE_MAX_REQUESTS_PER_WORKSPACE",
+        default_value_t = 64
+    )]
+    pub max_requests_per_workspace: usize,
     /// Most client connections open at once on the tenants' port; past it a new connection
     /// is closed at once.
     #[arg(
@@ -390,8 +411,11 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     cfg.conn = kiln_service::listen::ConnLimits {
         header_timeout: a.header_timeout,
         body_idle_timeout: a.body_idle_timeout,
+        min_body_rate: a.min_body_rate,
+        body_rate_grace: a.body_rate_grace,
         max_connections: a.max_connections,
     };
+    cfg.max_requests_per_workspace = a.max_requests_per_workspace;
     if let Some(f) = &a.credentials_key_file {
         let key = kiln_service::sealed::CredentialsKey::load(f)?;
         cfg.credentials_key = Some(std::sync::Arc::new(key));
