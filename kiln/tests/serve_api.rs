@@ -644,8 +644,16 @@ fn quotas_and_faults(db: &[String]) {
     );
     let quick = context_dir(&t.path().join("q"), &format!("FROM {bb}\nRUN echo quick\n"));
     // One attempt: the build a kill -9 interrupts ends failed at the restart (the takeover
-    // of a build on another node is `three_nodes_...`).
-    let args = ["--shutdown-grace", "1s", "--max-attempts", "1"];
+    // of a build on another node is `three_nodes_...`). The workspace's share of requests in
+    // flight is above the burst below, so that what refuses its submissions is the queue cap.
+    let args = [
+        "--shutdown-grace",
+        "1s",
+        "--max-attempts",
+        "1",
+        "--max-requests-per-workspace",
+        "1000",
+    ];
     let mut s = Server::start_db(KILN.as_ref(), &state, &store, db, &args);
     let key = s.key("acme", &["--max-concurrent", "1", "--max-queued", "2"]);
     let c = client();
