@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use crate::report::ChunkCounts;
 use crate::request::Executor;
+pub use kiln_builder::build::why::MissReason;
 
 /// One thing that happened. JSON shape: `{"event": "<snake_case variant>", ...fields}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -41,6 +42,12 @@ pub enum Event {
         /// `"executor": "vm"` or `"namespace"`, left out when none.
         #[serde(skip_serializing_if = "Option::is_none")]
         executor: Option<Executor>,
+        /// Why it was not found in the build cache, against the nearest earlier build of the
+        /// step ([`kiln_builder::build::why`]): JSON `"why": [{"reason": "context_files",
+        /// "files": ["src/app.py"], "more": 0}, ...]`, left out when empty (no cache lookup
+        /// was made, as for a build that failed before it).
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        why: Vec<MissReason>,
     },
     /// A step is found in the build cache: nothing runs; its layer is the cached one.
     CacheHit {
@@ -154,6 +161,7 @@ pub(crate) fn from_build(e: kiln_builder::build::BuildEvent, executor: Executor)
             location,
             instruction,
             cached: false,
+            why,
             runs_command,
         } => Event::StepStarted {
             step: index,
@@ -161,6 +169,7 @@ pub(crate) fn from_build(e: kiln_builder::build::BuildEvent, executor: Executor)
             location,
             instruction,
             executor: runs_command.then_some(executor),
+            why,
         },
         BuildEvent::Step {
             index,
@@ -218,6 +227,7 @@ mod tests {
             location: "Dockerfile:3".into(),
             instruction: "RUN true".into(),
             cached: false,
+            why: Vec::new(),
             runs_command,
         };
         assert_eq!(

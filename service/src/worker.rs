@@ -803,6 +803,7 @@ async fn write_events(
                     location,
                     instruction,
                     executor,
+                    ..
                 } => batch.push(Record::Step(StepRow {
                     step: step as i64,
                     stage: stage as i64,

@@ -569,8 +569,9 @@ impl Store {
         &self,
         key: &str,
         index: Option<&str>,
-        record: Bytes,
+        record: impl Into<Bytes>,
     ) -> Result<(), StoreError> {
+        let record: Bytes = record.into();
         check_id(key)?;
         if let Some(i) = index {
             check_id(i)?;

@@ -239,9 +239,11 @@ pub(crate) fn printer(progress: Progress, json: bool) -> Arc<dyn EventSink> {
                     location,
                     instruction,
                     executor,
+                    why,
                 } => json!({"event": "step", "step": step, "stage": stage,
                     "location": location, "instruction": instruction,
-                    "cached": false, "executor": executor}),
+                    "cached": false, "executor": executor, "why": why,
+                    "whyText": why_text(why)}),
                 Event::CacheHit {
                     step,
                     stage,
@@ -269,8 +271,14 @@ pub(crate) fn printer(progress: Progress, json: bool) -> Arc<dyn EventSink> {
                 stage,
                 location,
                 instruction,
+                why,
                 ..
-            } => eprintln!("#{step} [stage {stage}] {location} {instruction}"),
+            } => {
+                eprintln!("#{step} [stage {stage}] {location} {instruction}");
+                if let Some(w) = why_text(&why) {
+                    eprintln!("step {step} ran: {w}");
+                }
+            }
             Event::CacheHit {
                 step,
                 stage,
@@ -284,6 +292,12 @@ pub(crate) fn printer(progress: Progress, json: bool) -> Arc<dyn EventSink> {
             _ => {}
         }
     })
+}
+
+/// Why a step ran, as one short phrase (`context file src/app.py changed (and 2 more)`);
+/// `None` when the build said nothing.
+fn why_text(why: &[kiln_pipeline::event::MissReason]) -> Option<String> {
+    (!why.is_empty()).then(|| kiln_builder::build::why::summary(why))
 }
 
 /// The line printed, in every progress mode, for an event that is not about one step:
@@ -597,9 +611,13 @@ fn tty_printer() -> Arc<dyn EventSink> {
                 stage,
                 location,
                 instruction,
+                why,
                 ..
             } => {
                 let _ = multi.println(format!("#{step} [stage {stage}] {location} {instruction}"));
+                if let Some(w) = why_text(&why) {
+                    let _ = multi.println(format!("step {step} ran: {w}"));
+                }
                 bars.steps.insert(step, spinner(&multi, format!("#{step}")));
             }
             Event::CacheHit {
