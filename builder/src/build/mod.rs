@@ -14,7 +14,9 @@
 //!    private mount namespace), the upper directory becomes one deterministic gzip layer
 //!    ([`crate::layer::write::write_upper_layer`], overlay whiteouts turned into OCI ones),
 //!    the layer goes into the store, the upper directory becomes that layer's lower
-//!    directory, and the entry `cache/<key>` is written;
+//!    directory, and the entry `cache/<key>` is written, with what its key was made from
+//!    beside it ([`why`]: on a miss, the step's event says why, against the nearest earlier
+//!    build of the step, in one read);
 //! 3. the stage's image config is the plan's over the base's ([`config`]).
 //!
 //! After the target stage, a generated "sandbox preparation" layer (an empty
