@@ -146,6 +146,12 @@ impl EventSink for tokio::sync::mpsc::UnboundedSender<Event> {
     }
 }
 
+/// Why a step ran, as one short phrase (`context file src/app.py changed (and 2 more)`,
+/// reasons joined by `; `); `None` when there is no reason (a hit).
+pub fn why_text(why: &[MissReason]) -> Option<String> {
+    (!why.is_empty()).then(|| kiln_builder::build::why::summary(why))
+}
+
 /// A sink that drops everything.
 pub fn discard() -> Arc<dyn EventSink> {
     Arc::new(|_: Event| {})

@@ -803,7 +803,7 @@ async fn write_events(
                     location,
                     instruction,
                     executor,
-                    ..
+                    why,
                 } => batch.push(Record::Step(StepRow {
                     step: step as i64,
                     stage: stage as i64,
@@ -814,6 +814,7 @@ async fn write_events(
                     finished_ms: None,
                     layer: None,
                     executor: executor.map(|e| e.name().to_string()),
+                    why,
                 })),
                 Event::CacheHit {
                     step,
@@ -830,6 +831,7 @@ async fn write_events(
                     finished_ms: Some(now),
                     layer: None,
                     executor: None,
+                    why: Vec::new(),
                 })),
                 Event::Log { step, text } => log(Some(step as i64), text, &mut batch),
                 Event::StepDone { step, layer, .. } => batch.push(Record::StepDone {

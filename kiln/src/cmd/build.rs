@@ -29,6 +29,7 @@ use anyhow::{Context as _, bail};
 use kiln_builder::base::PullPolicy;
 use kiln_builder::registry::RegistryOptions;
 use kiln_builder::resolve::parse_build_context;
+use kiln_pipeline::event::why_text;
 use kiln_pipeline::{
     BuildRequest, ContextSource, Event, EventSink, Executor, NetworkPolicy, Output, Recipe, Setup,
     SnapshotRequest, TagMove,
@@ -292,12 +293,6 @@ pub(crate) fn printer(progress: Progress, json: bool) -> Arc<dyn EventSink> {
             _ => {}
         }
     })
-}
-
-/// Why a step ran, as one short phrase (`context file src/app.py changed (and 2 more)`);
-/// `None` when the build said nothing.
-fn why_text(why: &[kiln_pipeline::event::MissReason]) -> Option<String> {
-    (!why.is_empty()).then(|| kiln_builder::build::why::summary(why))
 }
 
 /// The line printed, in every progress mode, for an event that is not about one step:
