@@ -146,7 +146,11 @@ impl fmt::Display for MissReason {
                         write!(f, "context file {first} changed (and {extra} more)")
                     }
                     Some(first) => write!(f, "context file {first} changed"),
-                    None => write!(f, "{more} context files changed"),
+                    None => write!(
+                        f,
+                        "context files beyond the first {} changed ({more} there)",
+                        crate::copy::MAX_CONTEXT_FILES
+                    ),
                 }
             }
             MissReason::Sources => f.write_str("files from another stage, image or URL changed"),
@@ -320,13 +324,14 @@ mod tests {
             env,
             workdir: "/".into(),
             network: "\"default\"".into(),
-            files: ContextFiles {
-                files: [
+            files: {
+                let mut c = ContextFiles::default();
+                c.files = [
                     ("a".to_string(), "sha256:1".to_string()),
                     ("b".to_string(), "sha256:2".to_string()),
                 ]
-                .into(),
-                rest: None,
+                .into();
+                c
             },
             ..StepInputs::default()
         }
@@ -365,6 +370,35 @@ mod tests {
             &reasons(Some(&b), &n)[..],
             [MissReason::Base { .. }]
         ));
+        // Past the bound: counted and digested together, never listed.
+        let many = |changed: &str| {
+            let (mut c, mut all) = (ContextFiles::default(), ContextFiles::default());
+            all.files = (0..crate::copy::MAX_CONTEXT_FILES + 5)
+                .map(|i| (format!("f{i:05}"), "sha256:1".to_string()))
+                .chain([("f99999".to_string(), changed.to_string())])
+                .collect();
+            c.merge(all);
+            StepInputs {
+                files: c,
+                ..inputs()
+            }
+        };
+        let (b2, n2) = (many("sha256:1"), many("sha256:2"));
+        assert_eq!(b2.files.files.len(), crate::copy::MAX_CONTEXT_FILES);
+        assert_eq!(b2.files.rest.as_ref().map(|r| r.count), Some(6));
+        let r = reasons(Some(&b2), &n2);
+        assert_eq!(
+            r,
+            [MissReason::ContextFiles {
+                files: vec![],
+                more: 6
+            }]
+        );
+        assert_eq!(
+            summary(&r),
+            "context files beyond the first 10000 changed (6 there)"
+        );
+        assert!(serde_json::to_vec(&n2).unwrap().len() < 1 << 20);
         assert_ne!(
             index_id(Some("w1"), None, 0, 0, "RUN x"),
             index_id(Some("w2"), None, 0, 0, "RUN x")

@@ -31,9 +31,14 @@ pub fn sources_digest(step: &CopyStep, src: &Sources) -> Result<String, CopyErro
 /// How many build-context entries [`ContextFiles`] names one by one.
 pub const MAX_CONTEXT_FILES: usize = 10_000;
 
+/// How many bytes of paths [`ContextFiles`] names at most (2 MiB: so that a record stays
+/// under the store's bound whatever the paths' lengths).
+pub const MAX_CONTEXT_PATH_BYTES: usize = 2 << 20;
+
 /// The build-context entries a copy (or bind mount) selected, each by its path relative to
 /// the context and the digest of what the cache key took of it (type, permission bits,
-/// content, link target), at most [`MAX_CONTEXT_FILES`] of them in walk order; the rest
+/// content, link target), at most [`MAX_CONTEXT_FILES`] of them (and
+/// [`MAX_CONTEXT_PATH_BYTES`] of paths) in walk order; the rest
 /// counted and digested together. JSON: `{"files": {"src/app.py": "sha256:…"}, "rest":
 /// null | {"count": N, "digest": "sha256:…"}}`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -42,6 +47,9 @@ pub struct ContextFiles {
     pub files: std::collections::BTreeMap<String, String>,
     /// The entries beyond the bound.
     pub rest: Option<RestFiles>,
+    /// Bytes of the paths in `files`.
+    #[serde(skip)]
+    path_bytes: usize,
 }
 
 /// The entries of a [`ContextFiles`] beyond its bound.
@@ -55,7 +63,11 @@ pub struct RestFiles {
 
 impl ContextFiles {
     fn add(&mut self, path: String, digest: String, rest: &mut Sha256) {
-        if self.files.len() < MAX_CONTEXT_FILES || self.files.contains_key(&path) {
+        if self.files.contains_key(&path)
+            || (self.files.len() < MAX_CONTEXT_FILES
+                && self.path_bytes + path.len() <= MAX_CONTEXT_PATH_BYTES)
+        {
+            self.path_bytes += path.len();
             self.files.insert(path, digest);
             return;
         }

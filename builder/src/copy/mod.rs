@@ -59,7 +59,8 @@ use rustix::io::Errno;
 use rustix::process::{Gid, Uid};
 
 pub use self::digest::{
-    ContextFiles, MAX_CONTEXT_FILES, RestFiles, sources_digest, sources_digest_with_files,
+    ContextFiles, MAX_CONTEXT_FILES, MAX_CONTEXT_PATH_BYTES, RestFiles, sources_digest,
+    sources_digest_with_files,
 };
 use self::fetch::Downloads;
 use self::mode::{Chmod, glob_match, has_glob};
