@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kiln_tests::require_env;
 use kiln_tests::serve::{
-    Server, client, context_dir, env, json_of, rt, submit, tar_dir, terminal, wait_for,
+    Server, client, context_dir, env, get, json_of, rt, submit, tar_dir, terminal, wait_for,
 };
 use serde_json::{Value, json};
 
@@ -43,7 +43,12 @@ fn the_build_record_says_why_each_step_ran_within_its_workspace() {
                 let id = json_of(r).await["id"].as_str().expect("id").to_string();
                 let v = wait_for(c, s, &key, &id, Duration::from_secs(300), terminal).await;
                 assert_eq!(v["state"], "succeeded", "{v:#}");
-                v["steps"].as_array().expect("steps").clone()
+                let log = get(c, s, &key, &format!("/v1/builds/{id}/logs"))
+                    .await
+                    .text()
+                    .await
+                    .expect("log");
+                (v["steps"].as_array().expect("steps").clone(), log)
             }
         };
         let step = |steps: &[Value], location: &str| {
@@ -53,7 +58,7 @@ fn the_build_record_says_why_each_step_ran_within_its_workspace() {
                 .unwrap_or_else(|| panic!("no step at {location}: {steps:?}"))
                 .clone()
         };
-        let first = build(acme.clone()).await;
+        let (first, _) = build(acme.clone()).await;
         let copy = step(&first, "Dockerfile:2");
         assert_eq!(
             copy["why"],
@@ -63,7 +68,7 @@ fn the_build_record_says_why_each_step_ran_within_its_workspace() {
         assert_eq!(copy["why_text"], "no earlier build", "{copy}");
 
         std::fs::write(ctx.join("hello.txt"), "changed\n").expect("write");
-        let second = build(acme.clone()).await;
+        let (second, log) = build(acme.clone()).await;
         let copy = step(&second, "Dockerfile:2");
         assert_eq!(
             copy["why"],
@@ -71,6 +76,15 @@ fn the_build_record_says_why_each_step_ran_within_its_workspace() {
             "{copy}"
         );
         assert_eq!(copy["why_text"], "context file hello.txt changed", "{copy}");
+        // The log says it too, as a line of the build (not of the step's output).
+        let line = format!("step {} ran: context file hello.txt changed", copy["step"]);
+        assert!(
+            log.lines().any(|l| {
+                let v: Value = serde_json::from_str(l).expect("log line");
+                v["text"] == line.as_str() && v["step"].is_null()
+            }),
+            "{log}"
+        );
         assert_eq!(
             step(&second, "Dockerfile:3")["why"],
             json!([{"reason": "earlier_step"}])
@@ -78,7 +92,7 @@ fn the_build_record_says_why_each_step_ran_within_its_workspace() {
 
         // Another workspace, the first context: acme's builds are not its earlier builds.
         std::fs::write(ctx.join("hello.txt"), "hello from the context\n").expect("write");
-        let theirs = build(rival.clone()).await;
+        let (theirs, _) = build(rival.clone()).await;
         for l in ["Dockerfile:2", "Dockerfile:3"] {
             let st = step(&theirs, l);
             assert_eq!(st["why"], json!([{"reason": "no_earlier_build"}]), "{st}");
