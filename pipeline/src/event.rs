@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use crate::report::ChunkCounts;
 use crate::request::Executor;
+pub use kiln_builder::build::why::MissReason;
 
 /// One thing that happened. JSON shape: `{"event": "<snake_case variant>", ...fields}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -41,6 +42,12 @@ pub enum Event {
         /// `"executor": "vm"` or `"namespace"`, left out when none.
         #[serde(skip_serializing_if = "Option::is_none")]
         executor: Option<Executor>,
+        /// Why it was not found in the build cache, against the nearest earlier build of the
+        /// step ([`kiln_builder::build::why`]): JSON `"why": [{"reason": "context_files",
+        /// "files": ["src/app.py"], "more": 0}, ...]`, left out when empty (no cache lookup
+        /// was made, as for a build that failed before it).
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        why: Vec<MissReason>,
     },
     /// A step is found in the build cache: nothing runs; its layer is the cached one.
     CacheHit {
@@ -139,6 +146,12 @@ impl EventSink for tokio::sync::mpsc::UnboundedSender<Event> {
     }
 }
 
+/// Why a step ran, as one short phrase (`context file src/app.py changed (and 2 more)`,
+/// reasons joined by `; `); `None` when there is no reason (a hit).
+pub fn why_text(why: &[MissReason]) -> Option<String> {
+    (!why.is_empty()).then(|| kiln_builder::build::why::summary(why))
+}
+
 /// A sink that drops everything.
 pub fn discard() -> Arc<dyn EventSink> {
     Arc::new(|_: Event| {})
@@ -154,6 +167,7 @@ pub(crate) fn from_build(e: kiln_builder::build::BuildEvent, executor: Executor)
             location,
             instruction,
             cached: false,
+            why,
             runs_command,
         } => Event::StepStarted {
             step: index,
@@ -161,6 +175,7 @@ pub(crate) fn from_build(e: kiln_builder::build::BuildEvent, executor: Executor)
             location,
             instruction,
             executor: runs_command.then_some(executor),
+            why,
         },
         BuildEvent::Step {
             index,
@@ -218,6 +233,7 @@ mod tests {
             location: "Dockerfile:3".into(),
             instruction: "RUN true".into(),
             cached: false,
+            why: Vec::new(),
             runs_command,
         };
         assert_eq!(

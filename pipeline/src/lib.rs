@@ -514,6 +514,10 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
     };
     opts.secrets = req.secrets.clone();
     opts.recipe_digest = Some(kiln_builder::cache::digest_of(&req.recipe.bytes));
+    opts.history = match &req.output {
+        Output::Image { tags, .. } => tags.first().map(|t| t.tag.to_string()),
+        Output::Oci { refs } => refs.first().map(|r| r.to_string()),
+    };
     opts.resolve = resolve;
     opts.cache_mount_dir = match &req.cache_mounts {
         CacheMountScope::Shared => None,

@@ -388,6 +388,16 @@ pub struct StepView {
     /// in the build cache and for one that runs no command (`COPY`, `ADD`, `WORKDIR`, the
     /// generated sandbox layer: kiln applies them itself).
     pub executor: Option<String>,
+    /// Why it missed the build cache, against the nearest earlier build of the step in this
+    /// workspace: one object per reason, `{"reason": "context_files", "files":
+    /// ["src/app.py"], "more": 0}` (reasons: `no_earlier_build`, `no_cache`,
+    /// `no_cache_filter`, `base`, `earlier_step`, `instruction`, `build_args`, `env`,
+    /// `context_files`, `sources`, `mounts`, `network`, `user`, `workdir`, `entry_gone`).
+    /// Empty for a hit.
+    #[schema(value_type = Vec<Object>)]
+    pub why: Vec<kiln_pipeline::event::MissReason>,
+    /// The same as one short phrase (`context file src/app.py changed`); none for a hit.
+    pub why_text: Option<String>,
 }
 
 /// Why a build failed.
@@ -953,6 +963,8 @@ async fn view(s: &AppState, ws: &str, id: &str) -> Result<BuildView, ApiError> {
                 cached: st.cached,
                 layer: st.layer,
                 executor: st.executor,
+                why_text: kiln_pipeline::event::why_text(&st.why),
+                why: st.why,
             })
             .collect();
     Ok(BuildView {

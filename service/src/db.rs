@@ -10,7 +10,7 @@
 //! | `api_keys` | key id, workspace, sha256 of the key (hex), created, revoked |
 //! | `builds` | the job queue: id, workspace, state, the submitted spec (JSON), recipe bytes, context digest, times, claim (node id and attempt number), results, failure |
 //! | `nodes` | one row per `kiln serve` process: id, name (host and state directory), listen address, pid, start, last heartbeat, clean stop |
-//! | `build_steps` | per build and step number: location, instruction, cached, start/end, layer, executor (`vm`, `namespace`, or none) |
+//! | `build_steps` | per build and step number: location, instruction, cached, start/end, layer, executor (`vm`, `namespace`, or none), why it missed the cache (JSON) |
 //! | `build_logs` | per build: seq (1, 2, ...), time, step, text |
 //! | `idempotency` | workspace, key, sha256 of the request, build id, time |
 //! | `blobs` | workspace, digest: which workspace uploaded which context |
@@ -119,6 +119,7 @@ const SCHEMA: &[&str] = &[
         finished_ms BIGINT,
         layer TEXT,
         executor TEXT,
+        why TEXT,
         PRIMARY KEY (build_id, step))",
     "CREATE TABLE IF NOT EXISTS build_logs (
         build_id TEXT NOT NULL,
@@ -162,6 +163,7 @@ const SCHEMA: &[&str] = &[
 const ADDED_COLUMNS: &[(&str, &str, &str)] = &[
     ("builds", "attempt", "BIGINT NOT NULL DEFAULT 0"),
     ("build_steps", "executor", "TEXT"),
+    ("build_steps", "why", "TEXT"),
     ("workspaces", "max_storage_bytes", "BIGINT"),
 ];
 
@@ -360,6 +362,9 @@ pub struct StepRow {
     /// What ran its command ([`kiln_pipeline::Executor::name`]: `vm`, `namespace`); none
     /// for a cache hit or a step that runs no command.
     pub executor: Option<String>,
+    /// Why it missed the build cache ([`kiln_pipeline::event::MissReason`]); empty for a
+    /// hit. Stored as JSON, NULL when empty.
+    pub why: Vec<kiln_pipeline::event::MissReason>,
 }
 
 /// One log line.
@@ -1010,6 +1015,10 @@ impl Db {
                     finished_ms: r.try_get("finished_ms")?,
                     layer: r.try_get("layer")?,
                     executor: r.try_get("executor")?,
+                    why: r
+                        .try_get::<Option<String>, _>("why")?
+                        .and_then(|w| serde_json::from_str(&w).ok())
+                        .unwrap_or_default(),
                 })
             })
             .collect::<Result<_, sqlx::Error>>()
@@ -1097,13 +1106,13 @@ impl Db {
                     Record::Step(s) => {
                         sqlx::query(
                             "INSERT INTO build_steps (build_id, step, stage, location,
-                             instruction, cached, started_ms, finished_ms, layer, executor)
-                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+                             instruction, cached, started_ms, finished_ms, layer, executor, why)
+                             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
                              ON CONFLICT (build_id, step) DO UPDATE SET stage = excluded.stage,
                              location = excluded.location, instruction = excluded.instruction,
                              cached = excluded.cached, started_ms = excluded.started_ms,
                              finished_ms = excluded.finished_ms, layer = excluded.layer,
-                             executor = excluded.executor",
+                             executor = excluded.executor, why = excluded.why",
                         )
                         .bind(id)
                         .bind(s.step)
@@ -1115,6 +1124,10 @@ impl Db {
                         .bind(s.finished_ms)
                         .bind(&s.layer)
                         .bind(&s.executor)
+                        .bind(
+                            (!s.why.is_empty())
+                                .then(|| serde_json::to_string(&s.why).unwrap_or_default()),
+                        )
                         .execute(&mut *tx)
                         .await?;
                     }

@@ -803,17 +803,25 @@ async fn write_events(
                     location,
                     instruction,
                     executor,
-                } => batch.push(Record::Step(StepRow {
-                    step: step as i64,
-                    stage: stage as i64,
-                    location,
-                    instruction,
-                    cached: false,
-                    started_ms: now,
-                    finished_ms: None,
-                    layer: None,
-                    executor: executor.map(|e| e.name().to_string()),
-                })),
+                    why,
+                } => {
+                    // Why it ran, one build-level line (the step's own lines are its output).
+                    if let Some(w) = kiln_pipeline::event::why_text(&why) {
+                        log(None, format!("step {step} ran: {w}"), &mut batch);
+                    }
+                    batch.push(Record::Step(StepRow {
+                        step: step as i64,
+                        stage: stage as i64,
+                        location,
+                        instruction,
+                        cached: false,
+                        started_ms: now,
+                        finished_ms: None,
+                        layer: None,
+                        executor: executor.map(|e| e.name().to_string()),
+                        why,
+                    }));
+                }
                 Event::CacheHit {
                     step,
                     stage,
@@ -829,6 +837,7 @@ async fn write_events(
                     finished_ms: Some(now),
                     layer: None,
                     executor: None,
+                    why: Vec::new(),
                 })),
                 Event::Log { step, text } => log(Some(step as i64), text, &mut batch),
                 Event::StepDone { step, layer, .. } => batch.push(Record::StepDone {

@@ -23,8 +23,8 @@
 //!    marked is put back under its own key (unless an object is there already) and every
 //!    other fossil is deleted, manifests first.
 //!
-//! Leases no longer live (expired, or their owner died) and expired cache entries are
-//! deleted last, and the locks released. `dry_run` moves and deletes nothing and reports
+//! Leases no longer live (expired, or their owner died) and expired cache entries (with their
+//! inputs records and index copies, [`crate::lease`]) are deleted last, and the locks released. `dry_run` moves and deletes nothing and reports
 //! what phase 1 would condemn.
 //!
 //! Why an in-flight build or push loses nothing, whatever the grace period (even zero), on
@@ -329,8 +329,14 @@ impl Store {
                 Err(_) => {}
             }
         }
+        // Inputs records and index copies are listed before the entries: a record is written
+        // after its entry, so one listed here whose entry is not listed below has none.
+        let inputs = self.backend.list(crate::lease::CACHE_INPUTS_PREFIX).await?;
+        let index = self.backend.list(crate::lease::CACHE_INDEX_PREFIX).await?;
+        let mut entries = HashSet::new();
         for o in self.backend.list("cache/").await? {
             let k = o.key.trim_start_matches("cache/").to_string();
+            entries.insert(k.clone());
             let e = match self.get_cache_entry(&k).await {
                 Ok(Some(e)) => e,
                 Ok(None) => continue,
@@ -341,6 +347,23 @@ impl Store {
                 roots.push(ObjectRef::Blob(e.layer));
             } else {
                 expired.push(format!("cache/{k}"));
+                entries.remove(&k);
+            }
+        }
+        // An entry's inputs record goes with it (or when it has none), an index copy once it
+        // is as old as an expired entry.
+        for o in inputs {
+            let k = &o.key[crate::lease::CACHE_INPUTS_PREFIX.len()..];
+            if !entries.contains(k) {
+                expired.push(o.key);
+            }
+        }
+        let ttl_ago = SystemTime::now()
+            .checked_sub(opts.cache_ttl)
+            .unwrap_or(SystemTime::UNIX_EPOCH);
+        for o in index {
+            if o.modified <= ttl_ago {
+                expired.push(o.key);
             }
         }
         roots.extend(self.oci_ref_roots(strict).await?);
@@ -1100,6 +1123,60 @@ mod tests {
                 assert!(store.has(&ObjectRef::Chunk(d)).await.unwrap());
             }
         }
+    }
+
+    /// Issue 39: a build-cache entry's inputs record (`cache-inputs/<key>`) and its index
+    /// copy (`cache-index/<id>`) are collected by GC when the entry is; a record whose entry
+    /// is gone is collected too; while the entry lives, both stay.
+    #[tokio::test]
+    async fn a_cache_entrys_inputs_record_goes_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let layer = store
+            .put_blob(bytes::Bytes::from_static(b"layer"))
+            .await
+            .unwrap();
+        store.put_cache_entry("step1", layer.digest).await.unwrap();
+        let record = bytes::Bytes::from_static(b"{\"inputs\":1}");
+        store
+            .put_cache_inputs("step1", Some("pos1"), record.clone())
+            .await
+            .unwrap();
+        store
+            .put_cache_inputs("orphan", None, record.clone())
+            .await
+            .unwrap();
+        let kept = store
+            .gc(&GcOptions {
+                grace: Duration::ZERO,
+                ..GcOptions::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(kept.expired, ["cache-inputs/orphan"]);
+        assert_eq!(
+            store.get_cache_inputs("step1").await.unwrap(),
+            Some(record.clone())
+        );
+        assert_eq!(store.get_cache_index("pos1").await.unwrap(), Some(record));
+        assert_eq!(store.get_cache_inputs("orphan").await.unwrap(), None);
+        let gone = store
+            .gc(&GcOptions {
+                grace: Duration::ZERO,
+                cache_ttl: Duration::ZERO,
+                dry_run: false,
+            })
+            .await
+            .unwrap();
+        let mut expired = gone.expired.clone();
+        expired.sort();
+        assert_eq!(
+            expired,
+            ["cache-index/pos1", "cache-inputs/step1", "cache/step1"]
+        );
+        assert!(store.get_cache_entry("step1").await.unwrap().is_none());
+        assert_eq!(store.get_cache_inputs("step1").await.unwrap(), None);
+        assert_eq!(store.get_cache_index("pos1").await.unwrap(), None);
     }
 
     /// Issue 16: an image cache entry (`images/<key>`) is not a GC root: the image it names

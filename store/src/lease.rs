@@ -10,6 +10,16 @@
 //! the layer blob it produced, with its creation time; it is a GC root for
 //! [`DEFAULT_CACHE_TTL`] (configurable in [`crate::gc::GcOptions`]).
 //!
+//! Beside each build-cache entry, the builder may write what its key was made from:
+//! `cache-inputs/<key>` (opaque JSON to the store, the builder's `StepInputs`, at most
+//! [`MAX_CACHE_INPUTS_LEN`] bytes), and a copy of it under `cache-index/<id>`, where `<id>`
+//! names an earlier build's step (the builder's digest of a recipe position or of the
+//! instruction text, scoped like the key), so that a step that misses the cache finds what
+//! its nearest earlier build used in one read. Neither is a GC root: GC deletes a
+//! `cache-inputs/<key>` when it deletes `cache/<key>` (or finds no such entry), and a
+//! `cache-index/<id>` written longer ago than the cache entries' time to live, as its entry
+//! then is.
+//!
 //! An image cache entry (`images/<key>`, JSON [`ImageCacheEntry`]) maps what an ext4 image
 //! is made from (the builder's flatten key: layers, file-system options, flattener version)
 //! to the image manifest published for it, so a rebuild with the same key reuses that
@@ -59,6 +69,16 @@ pub const MAX_LEASE_LEN: u64 = 256 << 20;
 /// Largest build-cache or image cache entry read, bytes (an entry is a digest and a time,
 /// under 200 bytes).
 pub const MAX_CACHE_ENTRY_LEN: u64 = 4096;
+
+/// Largest `cache-inputs/<key>` or `cache-index/<id>` object written or read, bytes (4 MiB:
+/// the builder bounds its file list at 10,000 names).
+pub const MAX_CACHE_INPUTS_LEN: u64 = 4 << 20;
+
+/// The prefix of the inputs records of build-cache entries (see the module doc).
+pub const CACHE_INPUTS_PREFIX: &str = "cache-inputs/";
+
+/// The prefix of the index of inputs records by earlier step (see the module doc).
+pub const CACHE_INDEX_PREFIX: &str = "cache-index/";
 
 impl Store {
     /// Reads `key` whole if it is at most `max` bytes (never loading more than `max + 1`);
@@ -538,6 +558,57 @@ impl Store {
     /// Reads build-cache entry `key`, `None` when absent.
     pub async fn get_cache_entry(&self, key: &str) -> Result<Option<CacheEntry>, StoreError> {
         self.get_entry("cache", key).await
+    }
+
+    /// Writes the inputs record of build-cache entry `key` (`cache-inputs/<key>`) and, when
+    /// `index` is given, the same bytes as `cache-index/<index>`; call it after
+    /// [`Store::put_cache_entry`], so a record never outlives its entry by more than one GC.
+    /// Errors: [`LeaseError::InvalidId`] for a key or index that is not one key segment,
+    /// [`LeaseError::Corrupt`] for a record over [`MAX_CACHE_INPUTS_LEN`], backend errors.
+    pub async fn put_cache_inputs(
+        &self,
+        key: &str,
+        index: Option<&str>,
+        record: impl Into<Bytes>,
+    ) -> Result<(), StoreError> {
+        let record: Bytes = record.into();
+        check_id(key)?;
+        if let Some(i) = index {
+            check_id(i)?;
+        }
+        let k = format!("{CACHE_INPUTS_PREFIX}{key}");
+        if record.len() as u64 > MAX_CACHE_INPUTS_LEN {
+            return Err(LeaseError::Corrupt {
+                key: k,
+                store: self.url().to_string(),
+                reason: format!("{} bytes, over {MAX_CACHE_INPUTS_LEN}", record.len()),
+            }
+            .into());
+        }
+        self.backend.put(&k, record.clone()).await?;
+        if let Some(i) = index {
+            self.backend
+                .put(&format!("{CACHE_INDEX_PREFIX}{i}"), record)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Reads the inputs record of build-cache entry `key`, `None` when absent.
+    pub async fn get_cache_inputs(&self, key: &str) -> Result<Option<Bytes>, StoreError> {
+        check_id(key)?;
+        self.get_small(&format!("{CACHE_INPUTS_PREFIX}{key}"), MAX_CACHE_INPUTS_LEN)
+            .await
+    }
+
+    /// Reads `cache-index/<index>` (a copy of an inputs record), `None` when absent.
+    pub async fn get_cache_index(&self, index: &str) -> Result<Option<Bytes>, StoreError> {
+        check_id(index)?;
+        self.get_small(
+            &format!("{CACHE_INDEX_PREFIX}{index}"),
+            MAX_CACHE_INPUTS_LEN,
+        )
+        .await
     }
 
     /// Writes `<prefix>/<key>` as the JSON of `e` (an unconditional put). Errors:

@@ -15,6 +15,10 @@
 //!   leases/<id>               JSON: expiry, owner + keys an in-flight build/push relies on
 //!   leases/<id>~<n>           JSON: the same lease, keys added later ([`lease::Lease`])
 //!   cache/<key>               JSON: build-cache entry → layer blob digest, with its time
+//!   cache-inputs/<key>        JSON, at most 4 MiB: what that entry's key was made from (the
+//!                             builder's record; not a GC root, goes with its entry)
+//!   cache-index/<id>          the same record by the step it was made for (a recipe position
+//!                             or instruction, per workspace); goes after the entries' TTL
 //!   images/<key>              JSON: image cache entry → image manifest digest, with its
 //!                             time ([`lease::ImageCacheEntry`]; not a GC root)
 //!   fossil/<key>              an object GC moved out of <key> and has not judged yet
@@ -24,7 +28,7 @@
 //!                             sweep lock `.locks/%sweep` ([`gc`])
 //! ```
 //! Everything but tags, histories, OCI references, leases, cache and image cache entries
-//! is immutable and written with put-if-absent. Publish order is chunks, then manifest,
+//! (and the records beside cache entries) is immutable and written with put-if-absent. Publish order is chunks, then manifest,
 //! then tag, so no tag ever names missing data.
 //!
 //! ## Layers (bottom up)

@@ -14,7 +14,9 @@
 //!    private mount namespace), the upper directory becomes one deterministic gzip layer
 //!    ([`crate::layer::write::write_upper_layer`], overlay whiteouts turned into OCI ones),
 //!    the layer goes into the store, the upper directory becomes that layer's lower
-//!    directory, and the entry `cache/<key>` is written;
+//!    directory, and the entry `cache/<key>` is written, with what its key was made from
+//!    beside it ([`why`]: on a miss, the step's event says why, against the nearest earlier
+//!    build of the step, in one read);
 //! 3. the stage's image config is the plan's over the base's ([`config`]).
 //!
 //! After the target stage, a generated "sandbox preparation" layer (an empty
@@ -29,6 +31,7 @@ mod error;
 pub mod key;
 pub mod lower;
 pub mod merged;
+pub mod why;
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs;
@@ -126,6 +129,10 @@ pub struct BuildOptions {
     /// The store lease the build records what it relies on in (the caller's, taken before
     /// it resolved the bases); `None`: the build takes its own.
     pub lease: Option<Arc<kiln_store::lease::Lease>>,
+    /// The name of the build's history (its first tag): a step that misses the cache is
+    /// compared with the same recipe position in the last build of this name
+    /// ([`why::index_id`]); `None`: with the last run of the same instruction text.
+    pub history: Option<String>,
 }
 
 impl BuildOptions {
@@ -148,6 +155,7 @@ impl BuildOptions {
             resolve: Default::default(),
             cache_mount_dir: None,
             lease: None,
+            history: None,
         }
     }
 }
@@ -167,6 +175,9 @@ pub enum BuildEvent {
         instruction: String,
         /// Found in the cache: nothing runs.
         cached: bool,
+        /// Not found: why, against the nearest earlier build of the step ([`why`]); empty
+        /// when found.
+        why: Vec<why::MissReason>,
         /// The step runs a command in the build's [`StepExecutor`] (`RUN`, a recipe command);
         /// `false`: kiln applies it itself, on the host (`COPY`, `ADD`, `WORKDIR`, the
         /// generated sandbox layer).
@@ -753,6 +764,105 @@ async fn share_entry(ctx: &Ctx, key: &str, layer: &str) -> Result<(), BuildError
     Ok(())
 }
 
+/// What step `step` of stage `stage` (key `key`, parent `parent`) was made from.
+#[allow(clippy::too_many_arguments)]
+fn step_inputs(
+    ctx: &Ctx,
+    stage: usize,
+    parent: &str,
+    key: &str,
+    step: &Step,
+    env: &[String],
+    user: Option<&str>,
+    prepared: &Prepared,
+) -> why::StepInputs {
+    let base = match &ctx.bases[stage] {
+        ResolvedBase::Scratch => "scratch".to_string(),
+        ResolvedBase::Stage(s) => format!("stage {s}"),
+        ResolvedBase::Image { digest, .. } => digest.clone(),
+    };
+    let (args, env) = why::split_env(env, &ctx.plan.build_args.given);
+    let mut action = step.action.clone();
+    let (mut mounts, mut network) = (Vec::new(), String::new());
+    if let Action::Run(r) = &mut action {
+        // Plan types always serialize.
+        mounts = r
+            .mounts
+            .drain(..)
+            .map(|m| serde_json::to_string(&m).unwrap_or_default())
+            .collect();
+        network = serde_json::to_string(&r.network).unwrap_or_default();
+        r.network = Default::default();
+    }
+    let action = serde_json::to_string(&(&action, &step.context.shell)).unwrap_or_default();
+    why::StepInputs {
+        v: why::INPUTS_VERSION,
+        key: key.to_string(),
+        base,
+        parent: parent.to_string(),
+        instruction: why::bounded_instruction(&describe(step)),
+        action: crate::cache::digest_of(action.as_bytes()),
+        args,
+        env,
+        user: user.map(str::to_string),
+        workdir: step.context.workdir.clone(),
+        network,
+        mounts,
+        sources: prepared.digest.clone(),
+        files: prepared.files.clone(),
+    }
+}
+
+/// The `cache-index/<id>` of a step, within the build's scope ([`why::index_id`]).
+fn index_of(ctx: &Ctx, stage: usize, position: usize, instruction: &str) -> String {
+    let workspace = match &ctx.opts.resolve.scope {
+        crate::base::Scope::Operator => None,
+        crate::base::Scope::Tenant(t) => Some(t.workspace.as_str()),
+    };
+    why::index_id(
+        workspace,
+        ctx.opts.history.as_deref(),
+        stage,
+        position,
+        instruction,
+    )
+}
+
+/// Why a step missed: `--no-cache` or its filter (`use_cache` false), else against the
+/// record at `cache-index/<id>` (one read). A record that cannot be read counts as none.
+async fn why_missed(
+    ctx: &Ctx,
+    use_cache: bool,
+    id: &str,
+    now: &why::StepInputs,
+) -> Vec<why::MissReason> {
+    if ctx.opts.no_cache {
+        return vec![why::MissReason::NoCache];
+    }
+    if !use_cache {
+        return vec![why::MissReason::NoCacheFilter];
+    }
+    let before = match ctx.store.get_cache_index(id).await {
+        Ok(b) => b.and_then(|b| serde_json::from_slice::<why::StepInputs>(&b).ok()),
+        Err(e) => {
+            tracing::warn!(error = %e, "not reading the earlier build's step inputs");
+            None
+        }
+    };
+    let before = before.filter(|b| b.v == why::INPUTS_VERSION);
+    why::reasons(before.as_ref(), now)
+}
+
+/// Writes the inputs record of entry `key` and its index copy `id`. A failure is logged:
+/// the record only explains, the build does not depend on it.
+async fn record_inputs(ctx: &Ctx, key: &str, id: &str, inputs: &why::StepInputs) {
+    // Plain structs of strings and maps always serialize.
+    let bytes = serde_json::to_vec(inputs).unwrap_or_default();
+    if let Err(e) = ctx.store.put_cache_inputs(key, Some(id), bytes).await {
+        tracing::warn!(key, error = %e, "not recording the step's cache inputs");
+    }
+}
+
 /// Looks `key` up; a hit whose layer blob is present gives the layer.
 async fn lookup(ctx: &Ctx, key: &str) -> Result<Option<LayerRef>, BuildError> {
     let Some(entry) = ctx.store.get_cache_entry(key).await? else {
@@ -925,7 +1035,7 @@ async fn run_stage(
     let base_run = st.config.config.clone();
     let use_cache = stage_uses_cache(&ctx, i);
     let stage = ctx.plan.stages[i].clone();
-    for step in &stage.steps {
+    for (position, step) in stage.steps.iter().enumerate() {
         let loc = location(step);
         check_cancel(&ctx, &loc)?;
         let index = ctx.step_counter.fetch_add(1, Ordering::Relaxed);
@@ -949,12 +1059,33 @@ async fn run_stage(
         } else {
             None
         };
+        // A miss only: what the key was made from, and why the nearest earlier build's
+        // entry is not this one (one read).
+        let missed = match hit {
+            Some(_) => None,
+            None => {
+                let inputs = step_inputs(
+                    &ctx,
+                    i,
+                    &st.key,
+                    &key,
+                    step,
+                    &env,
+                    user.as_deref(),
+                    &prepared,
+                );
+                let id = index_of(&ctx, i, position, &inputs.instruction);
+                let why = why_missed(&ctx, use_cache, &id, &inputs).await;
+                Some((inputs, id, why))
+            }
+        };
         (ctx.events)(BuildEvent::Step {
             index,
             stage: i,
             location: loc.clone(),
             instruction: instruction.clone(),
             cached: hit.is_some(),
+            why: missed.as_ref().map(|m| m.2.clone()).unwrap_or_default(),
             runs_command: matches!(step.action, Action::Run(_)),
         });
         let layer = match hit {
@@ -967,6 +1098,9 @@ async fn run_stage(
                     run_step(&ctx, step, index, &st, &env, user.clone(), &loc, prepared).await?;
                 ctx.run.fetch_add(1, Ordering::Relaxed);
                 share_entry(&ctx, &key, &l.desc.digest).await?;
+                if let Some((inputs, id, _)) = &missed {
+                    record_inputs(&ctx, &key, id, inputs).await;
+                }
                 (ctx.events)(BuildEvent::Layer {
                     index,
                     digest: l.desc.digest.clone(),
@@ -1143,12 +1277,29 @@ async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<(), BuildEr
     } else {
         lookup(ctx, &key).await?
     };
+    let missed = match hit {
+        Some(_) => None,
+        None => {
+            let inputs = why::StepInputs {
+                v: why::INPUTS_VERSION,
+                key: key.clone(),
+                base: "sandbox".into(),
+                parent: out.key.clone(),
+                instruction: SANDBOX_LAYER_CREATED_BY.into(),
+                ..why::StepInputs::default()
+            };
+            let id = index_of(ctx, usize::MAX, 0, SANDBOX_LAYER_CREATED_BY);
+            let why = why_missed(ctx, true, &id, &inputs).await;
+            Some((inputs, id, why))
+        }
+    };
     (ctx.events)(BuildEvent::Step {
         index,
         stage: ctx.plan.target,
         location: "(generated)".into(),
         instruction: SANDBOX_LAYER_CREATED_BY.into(),
         cached: hit.is_some(),
+        why: missed.as_ref().map(|m| m.2.clone()).unwrap_or_default(),
         runs_command: false,
     });
     let layer = match hit {
@@ -1160,6 +1311,9 @@ async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<(), BuildEr
             make_sandbox_tree(&upper, t).map_err(io_err("writing", &upper))?;
             let l = commit_upper(ctx, s).await?;
             share_entry(ctx, &key, &l.desc.digest).await?;
+            if let Some((inputs, id, _)) = &missed {
+                record_inputs(ctx, &key, id, inputs).await;
+            }
             (ctx.events)(BuildEvent::Layer {
                 index,
                 digest: l.desc.digest.clone(),
@@ -1305,6 +1459,8 @@ struct Prepared {
     mounts: Option<MountInputs>,
     /// Digest of the sources or bound inputs, for the cache key.
     digest: Option<String>,
+    /// The build-context entries read (for [`why::StepInputs::files`]).
+    files: crate::copy::ContextFiles,
     /// Scratch removed after the step.
     _temps: Vec<TempDir>,
 }
@@ -1438,10 +1594,15 @@ async fn image_tree(
     .map_err(|e| BuildError::Task(e.to_string()))?
 }
 
-/// Digest of the sources of `c` in `src` (blocking work on a worker thread).
-async fn digest_sources(c: &CopyStep, src: &Sources, loc: &str) -> Result<String, BuildError> {
+/// Digest of the sources of `c` in `src`, with the context entries read (blocking work on
+/// a worker thread).
+async fn digest_sources(
+    c: &CopyStep,
+    src: &Sources,
+    loc: &str,
+) -> Result<(String, crate::copy::ContextFiles), BuildError> {
     let (c2, s2) = (c.clone(), src.clone());
-    tokio::task::spawn_blocking(move || crate::copy::sources_digest(&c2, &s2))
+    tokio::task::spawn_blocking(move || crate::copy::sources_digest_with_files(&c2, &s2))
         .await
         .map_err(|e| BuildError::Task(e.to_string()))?
         .map_err(copy_err(loc))
@@ -1473,7 +1634,9 @@ async fn prepare_inputs(
                     })?;
                 src = src.with_downloads(d);
             }
-            p.digest = Some(digest_sources(c, &src, loc).await?);
+            let (digest, files) = digest_sources(c, &src, loc).await?;
+            p.digest = Some(digest);
+            p.files = files;
             p.sources = Some(src);
         }
         Action::Run(r) if !r.mounts.is_empty() => {
@@ -1535,10 +1698,9 @@ async fn prepare_inputs(
                             unpack: false,
                             keep_git_dir: false,
                         };
-                        parts.push(format!(
-                            "context:{}",
-                            digest_sources(&sel, &src, loc).await?
-                        ));
+                        let (digest, files) = digest_sources(&sel, &src, loc).await?;
+                        parts.push(format!("context:{digest}"));
+                        p.files.merge(files);
                     }
                     None => {}
                 }

@@ -25,10 +25,87 @@ use super::{
 /// Errors: as [`super::copy_into`] for selection (missing source, escape, bounds of
 /// [`CopyLimits::default`]); place them with [`CopyError::at`].
 pub fn sources_digest(step: &CopyStep, src: &Sources) -> Result<String, CopyError> {
+    Ok(sources_digest_with_files(step, src)?.0)
+}
+
+/// How many build-context entries [`ContextFiles`] names one by one.
+pub const MAX_CONTEXT_FILES: usize = 10_000;
+
+/// How many bytes of paths [`ContextFiles`] names at most (2 MiB: so that a record stays
+/// under the store's bound whatever the paths' lengths).
+pub const MAX_CONTEXT_PATH_BYTES: usize = 2 << 20;
+
+/// The build-context entries a copy (or bind mount) selected, each by its path relative to
+/// the context and the digest of what the cache key took of it (type, permission bits,
+/// content, link target), at most [`MAX_CONTEXT_FILES`] of them (and
+/// [`MAX_CONTEXT_PATH_BYTES`] of paths) in walk order; the rest
+/// counted and digested together. JSON: `{"files": {"src/app.py": "sha256:…"}, "rest":
+/// null | {"count": N, "digest": "sha256:…"}}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ContextFiles {
+    /// Path → digest.
+    pub files: std::collections::BTreeMap<String, String>,
+    /// The entries beyond the bound.
+    pub rest: Option<RestFiles>,
+    /// Bytes of the paths in `files`.
+    #[serde(skip)]
+    path_bytes: usize,
+}
+
+/// The entries of a [`ContextFiles`] beyond its bound.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RestFiles {
+    /// How many.
+    pub count: u64,
+    /// `sha256:<hex>` over their paths and digests, in walk order.
+    pub digest: String,
+}
+
+impl ContextFiles {
+    fn add(&mut self, path: String, digest: String, rest: &mut Sha256) {
+        if self.files.contains_key(&path)
+            || (self.files.len() < MAX_CONTEXT_FILES
+                && self.path_bytes + path.len() <= MAX_CONTEXT_PATH_BYTES)
+        {
+            self.path_bytes += path.len();
+            self.files.insert(path, digest);
+            return;
+        }
+        rest.update((path.len() as u64).to_be_bytes());
+        rest.update(path.as_bytes());
+        rest.update(digest.as_bytes());
+        self.rest.get_or_insert_with(RestFiles::default).count += 1;
+    }
+
+    /// Adds `other`'s entries (a step that reads the context more than once).
+    pub fn merge(&mut self, other: ContextFiles) {
+        let mut rest = Sha256::new();
+        if let Some(r) = &self.rest {
+            rest.update(r.digest.as_bytes());
+        }
+        for (p, d) in other.files {
+            self.add(p, d, &mut rest);
+        }
+        if let Some(o) = other.rest {
+            rest.update(o.digest.as_bytes());
+            self.rest.get_or_insert_with(RestFiles::default).count += o.count;
+        }
+        if let Some(r) = &mut self.rest {
+            r.digest = format!("sha256:{}", hex::encode(rest.finalize()));
+        }
+    }
+}
+
+/// [`sources_digest`] and, for a source in the build context, the entries it selected
+/// ([`ContextFiles`]; empty for other sources). One walk.
+pub fn sources_digest_with_files(
+    step: &CopyStep,
+    src: &Sources,
+) -> Result<(String, ContextFiles), CopyError> {
     super::on_walk_stack(|| digest_inner(step, src))
 }
 
-fn digest_inner(step: &CopyStep, src: &Sources) -> Result<String, CopyError> {
+fn digest_inner(step: &CopyStep, src: &Sources) -> Result<(String, ContextFiles), CopyError> {
     let root = Root::open(src.dir()).map_err(|e| CopyError::Io {
         path: src.dir().display().to_string(),
         op: "open source root",
@@ -44,6 +121,8 @@ fn digest_inner(step: &CopyStep, src: &Sources) -> Result<String, CopyError> {
         context: src.is_context(),
         filter: &filter,
         shown: String::new(),
+        files: ContextFiles::default(),
+        rest: Sha256::new(),
     };
     h.field(b"kiln copy sources v1");
     for item in &items {
@@ -95,7 +174,10 @@ fn digest_inner(step: &CopyStep, src: &Sources) -> Result<String, CopyError> {
             }
         }
     }
-    Ok(format!("sha256:{}", hex::encode(h.sha.finalize())))
+    if let Some(r) = &mut h.files.rest {
+        r.digest = format!("sha256:{}", hex::encode(h.rest.finalize()));
+    }
+    Ok((format!("sha256:{}", hex::encode(h.sha.finalize())), h.files))
 }
 
 struct Hasher<'a> {
@@ -106,6 +188,10 @@ struct Hasher<'a> {
     context: bool,
     filter: &'a Filter<'a>,
     shown: String,
+    /// The context entries hashed (only when `context`).
+    files: ContextFiles,
+    /// Digest of those beyond the bound.
+    rest: Sha256,
 }
 
 impl Hasher<'_> {
@@ -155,6 +241,10 @@ impl Hasher<'_> {
         self.field(&(st.st_mode & 0o7777).to_be_bytes());
         self.field(&uid.to_be_bytes());
         self.field(&gid.to_be_bytes());
+        // The entry's own digest, for ContextFiles: type, bits and what follows for it.
+        let mut own = Sha256::new();
+        own.update([type_byte(ft)]);
+        own.update((st.st_mode & 0o7777).to_be_bytes());
         match ft {
             FileType::Directory => {
                 let fd = match name {
@@ -222,18 +312,26 @@ impl Hasher<'_> {
                     }
                     sha.update(&buf[..k]);
                 }
-                self.field(&sha.finalize());
+                let content = sha.finalize();
+                own.update(content);
+                self.field(&content);
             }
             FileType::Symlink => {
                 let n = name.unwrap_or_default();
                 let t = rustix::fs::readlinkat(dir, os(n), Vec::new())
                     .map_err(ioe(&shown, "readlink"))?;
+                own.update(t.as_bytes());
                 self.field(t.as_bytes());
             }
             FileType::CharacterDevice | FileType::BlockDevice => {
                 self.field(&st.st_rdev.to_be_bytes());
             }
             _ => {}
+        }
+        if self.context {
+            let path = if ctx_rel.is_empty() { "." } else { ctx_rel };
+            let d = format!("sha256:{}", hex::encode(own.finalize()));
+            self.files.add(path.to_string(), d, &mut self.rest);
         }
         Ok(())
     }

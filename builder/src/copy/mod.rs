@@ -58,7 +58,10 @@ use rustix::fs::{AtFlags, FileType, Mode, OFlags, Stat, Timespec, Timestamps, Xa
 use rustix::io::Errno;
 use rustix::process::{Gid, Uid};
 
-pub use self::digest::sources_digest;
+pub use self::digest::{
+    ContextFiles, MAX_CONTEXT_FILES, MAX_CONTEXT_PATH_BYTES, RestFiles, sources_digest,
+    sources_digest_with_files,
+};
 use self::fetch::Downloads;
 use self::mode::{Chmod, glob_match, has_glob};
 use self::root::{Create, Resolved, Root, RootError, components, os};

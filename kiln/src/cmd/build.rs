@@ -29,6 +29,7 @@ use anyhow::{Context as _, bail};
 use kiln_builder::base::PullPolicy;
 use kiln_builder::registry::RegistryOptions;
 use kiln_builder::resolve::parse_build_context;
+use kiln_pipeline::event::why_text;
 use kiln_pipeline::{
     BuildRequest, ContextSource, Event, EventSink, Executor, NetworkPolicy, Output, Recipe, Setup,
     SnapshotRequest, TagMove,
@@ -239,9 +240,11 @@ pub(crate) fn printer(progress: Progress, json: bool) -> Arc<dyn EventSink> {
                     location,
                     instruction,
                     executor,
+                    why,
                 } => json!({"event": "step", "step": step, "stage": stage,
                     "location": location, "instruction": instruction,
-                    "cached": false, "executor": executor}),
+                    "cached": false, "executor": executor, "why": why,
+                    "whyText": why_text(why)}),
                 Event::CacheHit {
                     step,
                     stage,
@@ -269,8 +272,14 @@ pub(crate) fn printer(progress: Progress, json: bool) -> Arc<dyn EventSink> {
                 stage,
                 location,
                 instruction,
+                why,
                 ..
-            } => eprintln!("#{step} [stage {stage}] {location} {instruction}"),
+            } => {
+                eprintln!("#{step} [stage {stage}] {location} {instruction}");
+                if let Some(w) = why_text(&why) {
+                    eprintln!("step {step} ran: {w}");
+                }
+            }
             Event::CacheHit {
                 step,
                 stage,
@@ -597,9 +606,13 @@ fn tty_printer() -> Arc<dyn EventSink> {
                 stage,
                 location,
                 instruction,
+                why,
                 ..
             } => {
                 let _ = multi.println(format!("#{step} [stage {stage}] {location} {instruction}"));
+                if let Some(w) = why_text(&why) {
+                    let _ = multi.println(format!("step {step} ran: {w}"));
+                }
                 bars.steps.insert(step, spinner(&multi, format!("#{step}")));
             }
             Event::CacheHit {

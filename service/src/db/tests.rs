@@ -269,6 +269,11 @@ async fn executor_column(url: &str) {
             finished_ms: None,
             layer: None,
             executor: executor.map(str::to_string),
+            why: if n == 1 {
+                vec![kiln_pipeline::event::MissReason::NoEarlierBuild]
+            } else {
+                Vec::new()
+            },
         })
     };
     assert!(
@@ -289,11 +294,15 @@ async fn executor_column(url: &str) {
         .await
         .expect("steps")
         .into_iter()
-        .map(|s| s.executor)
+        .map(|s| (s.executor, s.why.len()))
         .collect();
     assert_eq!(
         got,
-        [Some("vm".to_string()), None, Some("namespace".to_string())]
+        [
+            (Some("vm".to_string()), 1),
+            (None, 0),
+            (Some("namespace".to_string()), 0)
+        ]
     );
 }
 
