@@ -596,3 +596,49 @@ fn network_flags_set_every_steps_network() {
         );
     }
 }
+
+/// Issue 34, reproducible: the same recipe with a `RUN` step, built twice with
+/// `SOURCE_DATE_EPOCH` into fresh stores (a second apart, so every file the step writes
+/// gets another mtime), gives the same image manifest digest, the same OCI manifest and the
+/// same ext4 bytes.
+#[test]
+fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, ctx, _) = setup(&format!(
+        "FROM {bb}\n\
+         RUN mkdir -p /d/e && echo hi > /d/f && ln -s f /d/l && touch /d/e/t \
+         && rm /bin/vi && echo 'u:x:4242:4242::/d:/bin/sh' >> /etc/passwd \
+         && chown u:4242 /d/f\n\
+         COPY Dockerfile /copied\n"
+    ));
+    let mut built = Vec::new();
+    for n in 0..2 {
+        if n > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(1100));
+        }
+        let store = t.path().join(format!("store{n}"));
+        let iid = t.path().join(format!("iid{n}"));
+        let out = kiln(&store)
+            .arg("build")
+            .arg(&ctx)
+            .args(["-t", "repro:1", "--progress", "plain"])
+            .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000", "--iidfile"])
+            .arg(&iid)
+            .output()
+            .expect("run kiln");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).expect("utf-8");
+        let digest = stdout.lines().last().expect("a line").to_string();
+        let oci = std::fs::read_to_string(&iid).expect("iid");
+        let ext4 = t.path().join(format!("repro{n}.ext4"));
+        kiln_tests::run_ok(kiln(&store).args(["store", "export", "repro:1"]).arg(&ext4));
+        built.push((digest, oci, ext4));
+    }
+    assert_eq!(built[0].0, built[1].0, "image manifest digest");
+    assert_eq!(built[0].1, built[1].1, "OCI manifest digest");
+    kiln_tests::assert_same_bytes(&built[0].2, &built[1].2);
+}
