@@ -1,7 +1,7 @@
 //! Issue 39: `kiln build` says, for each step that missed the build cache, why, against the
 //! nearest earlier build of the step: the first build has none; a changed context file is
-//! named alone; a changed build arg by name; a changed base; `--no-cache`. Real builds on the
-//! busybox fixture, namespace executor, one store. Needs root (build).
+//! named alone; a changed build arg by name; a changed base; `--no-cache` and
+//! `--no-cache-filter`. Real builds on the busybox fixture, namespace executor, one store. Needs root (build).
 
 use std::path::Path;
 use std::process::Command;
@@ -122,6 +122,29 @@ fn a_missed_step_says_why() {
     let (ev, _) = build(&store, &app, "why-app:1", &["--no-cache"], true);
     for s in ["COPY", "RUN"] {
         assert_eq!(why(&ev, s), json!([{"reason": "no_cache"}]), "{ev:?}");
+    }
+
+    // --no-cache-filter naming the stage (by index) says so, for each of its steps.
+    let (ev, _) = build(
+        &store,
+        &app,
+        "why-app:1",
+        &[
+            "--no-cache-filter",
+            "0",
+            "--build-arg",
+            "V=2",
+            "--build-arg",
+            "W=1",
+        ],
+        true,
+    );
+    for s in ["COPY", "RUN"] {
+        assert_eq!(
+            why(&ev, s),
+            json!([{"reason": "no_cache_filter"}]),
+            "{ev:?}"
+        );
     }
 
     // The base changed: the first step names the base alone.
