@@ -1,7 +1,8 @@
 //! Issue 39: `kiln build` says, for each step that missed the build cache, why, against the
 //! nearest earlier build of the step: the first build has none; a changed context file is
 //! named alone; a changed build arg by name; a changed base; `--no-cache` and
-//! `--no-cache-filter`. Real builds on the busybox fixture, namespace executor, one store. Needs root (build).
+//! `--no-cache-filter`. Real builds on the busybox fixture, namespace executor, one store.
+//! Needs root (build).
 
 use std::path::Path;
 use std::process::Command;
