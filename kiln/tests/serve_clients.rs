@@ -188,7 +188,14 @@ fn a_workspace_past_its_share_of_requests_gets_429_and_others_are_served() {
         KILN.as_ref(),
         &state,
         &store,
-        &["--max-requests-per-workspace", "2", "--workers", "2"],
+        &[
+            "--max-requests-per-workspace",
+            "2",
+            "--workers",
+            "2",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ],
     );
     let acme = s.key("acme", &[]);
     let other = s.key("other", &[]);
@@ -230,6 +237,16 @@ fn a_workspace_past_its_share_of_requests_gets_429_and_others_are_served() {
                 .is_some_and(|m| m.contains("2 requests in flight")),
             "{v}"
         );
+        // The operator sees the refusal.
+        let m = c
+            .get(s.metrics_url())
+            .send()
+            .await
+            .expect("GET /metrics")
+            .text()
+            .await
+            .expect("metrics");
+        assert!(m.contains("\nkiln_requests_over_share_total 1\n"), "{m}");
         // Another workspace is served.
         let r = get(&c, &s, &other, "/v1/images").await;
         assert_eq!(r.status(), 200);

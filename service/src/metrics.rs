@@ -1,6 +1,6 @@
 //! `/metrics` in the Prometheus text exposition format (version 0.0.4): builds by state
-//! (from the database), queue depth, a build-duration histogram and bytes uploaded (this
-//! process's counts since it started).
+//! (from the database), queue depth, a build-duration histogram, bytes uploaded and requests
+//! refused with 429 (this process's counts since it started).
 
 use std::fmt::Write as _;
 use std::sync::Mutex;
@@ -19,6 +19,9 @@ pub struct Metrics {
     pub uploaded_bytes: AtomicU64,
     /// Submissions refused with 429.
     pub throttled: AtomicU64,
+    /// Requests refused with 429 because their workspace had its share of requests in
+    /// flight (`--max-requests-per-workspace`, [`crate::share`]).
+    pub over_share: AtomicU64,
     hist: Mutex<Histogram>,
 }
 
@@ -110,6 +113,17 @@ impl Metrics {
             o,
             "kiln_submissions_throttled_total {}",
             self.throttled.load(Ordering::Relaxed)
+        );
+        let _ = writeln!(
+            o,
+            "# HELP kiln_requests_over_share_total Requests refused with 429: their workspace \
+             had its share of requests in flight."
+        );
+        let _ = writeln!(o, "# TYPE kiln_requests_over_share_total counter");
+        let _ = writeln!(
+            o,
+            "kiln_requests_over_share_total {}",
+            self.over_share.load(Ordering::Relaxed)
         );
         o
     }

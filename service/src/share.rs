@@ -92,6 +92,9 @@ pub async fn per_workspace(State(s): State<AppState>, req: Request, next: Next) 
         Err(e) => return e.into_response(),
     };
     let Some(guard) = s.shares.take(&ws.0) else {
+        s.metrics
+            .over_share
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tracing::info!(
             workspace = %ws.0,
             max = s.config.max_requests_per_workspace,
