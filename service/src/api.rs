@@ -533,9 +533,61 @@ pub fn operator_router(state: AppState) -> axum::Router {
         TagBody,
         ImageView,
         BlobView
-    ))
+    )),
+    modifiers(&ListenerBounds)
 )]
 pub struct ApiDoc;
+
+/// Adds to every `/v1` operation the answers of the tenants' listener's bounds
+/// ([`crate::listen`], [`crate::share`]), which come before any handler: 429 past the
+/// workspace's share of requests in flight (with `Retry-After`), and, for the operations
+/// with a request body (`POST`, `PUT`), 408 for a body slower than the minimum rate or idle
+/// past its timeout. Both carry an [`ErrorBody`].
+struct ListenerBounds;
+
+impl utoipa::Modify for ListenerBounds {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
+        let answer = |description: &str| {
+            RefOr::T(
+                ResponseBuilder::new()
+                    .description(description)
+                    .content(
+                        "application/json",
+                        ContentBuilder::new()
+                            .schema(Some(Ref::from_schema_name("ErrorBody")))
+                            .build(),
+                    )
+                    .build(),
+            )
+        };
+        for (path, item) in doc.paths.paths.iter_mut() {
+            if !path.starts_with("/v1/") {
+                continue;
+            }
+            let with_body = [&mut item.post, &mut item.put];
+            for op in with_body.into_iter().flatten() {
+                op.responses.responses.insert(
+                    "408".into(),
+                    answer("the request body was slower than the minimum rate, or idle too long"),
+                );
+            }
+            let all = [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+                &mut item.head,
+            ];
+            for op in all.into_iter().flatten() {
+                op.responses.responses.insert(
+                    "429".into(),
+                    answer("the workspace has its share of requests in flight (see Retry-After)"),
+                );
+            }
+        }
+    }
+}
 
 async fn openapi() -> impl IntoResponse {
     Json(ApiDoc::openapi())
@@ -1553,5 +1605,34 @@ mod tests {
         assert_eq!(back.network, s.network);
         let old: StoredSpec = serde_json::from_str(&plain).unwrap();
         assert!(old.network.is_sandboxed());
+    }
+
+    /// The OpenAPI document lists the listener's 429 on every `/v1` operation and its 408 on
+    /// those with a body, and neither on the probes.
+    #[test]
+    fn the_document_lists_the_listeners_answers() {
+        let doc = serde_json::to_value(ApiDoc::openapi()).unwrap();
+        let codes = |path: &str, method: &str| -> Vec<String> {
+            doc["paths"][path][method]["responses"]
+                .as_object()
+                .unwrap_or_else(|| panic!("{method} {path}"))
+                .keys()
+                .cloned()
+                .collect()
+        };
+        for (path, method) in [("/v1/builds", "post"), ("/v1/blobs/{digest}", "put")] {
+            let c = codes(path, method);
+            assert!(
+                c.contains(&"408".into()) && c.contains(&"429".into()),
+                "{c:?}"
+            );
+        }
+        let c = codes("/v1/builds/{id}", "get");
+        assert!(
+            c.contains(&"429".into()) && !c.contains(&"408".into()),
+            "{c:?}"
+        );
+        let c = codes("/healthz", "get");
+        assert!(!c.contains(&"429".into()), "{c:?}");
     }
 }
