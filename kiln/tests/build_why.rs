@@ -170,4 +170,42 @@ fn a_missed_step_says_why() {
     let w = why(&ev, "COPY");
     assert_eq!(w[0]["reason"], "base", "{ev:?}");
     assert_eq!(w.as_array().map(Vec::len), Some(1), "{ev:?}");
+
+    // No build-arg value is stored in the records, also where it reaches the instruction,
+    // the working directory and a mount; a file name's control characters are
+    // escaped in the reason.
+    let canary = dir.path().join("canary");
+    std::fs::create_dir(&canary).unwrap();
+    std::fs::write(
+        canary.join("Dockerfile"),
+        format!(
+            "FROM {bb}\nARG S\nWORKDIR /w/$S\n\
+             RUN --mount=type=tmpfs,target=/t/$S echo $S > /s\nCOPY . /c\n"
+        ),
+    )
+    .unwrap();
+    let evil = "evil\nstep 9 ran: forged\u{1b}[31m";
+    std::fs::write(canary.join(evil), "1\n").unwrap();
+    let value = ["--build-arg", "S=kiln-canary-value-7431"];
+    build(&store, &canary, "why-canary:1", &value, true);
+    std::fs::write(canary.join(evil), "2\n").unwrap();
+    let (_, plain) = build(&store, &canary, "why-canary:1", &value, false);
+    assert!(
+        plain.contains("context file evil\\u{a}step 9 ran: forged\\u{1b}[31m changed"),
+        "{plain}"
+    );
+    assert!(!plain.contains("step 9 ran: forged\u{1b}"), "{plain}");
+    for sub in ["cache-inputs", "cache-index"] {
+        let d = store.join(sub);
+        let entries: Vec<_> = std::fs::read_dir(&d).expect("records").flatten().collect();
+        assert!(!entries.is_empty(), "{}", d.display());
+        for e in entries {
+            let text = std::fs::read(e.path()).unwrap();
+            assert!(
+                !String::from_utf8_lossy(&text).contains("kiln-canary-value-7431"),
+                "{}",
+                e.path().display()
+            );
+        }
+    }
 }

@@ -789,9 +789,9 @@ fn step_inputs(
         mounts = r
             .mounts
             .drain(..)
-            .map(|m| serde_json::to_string(&m).unwrap_or_default())
+            .map(|m| why::text_digest(&serde_json::to_string(&m).unwrap_or_default()))
             .collect();
-        network = serde_json::to_string(&r.network).unwrap_or_default();
+        network = why::text_digest(&serde_json::to_string(&r.network).unwrap_or_default());
         r.network = Default::default();
     }
     let action = serde_json::to_string(&(&action, &step.context.shell)).unwrap_or_default();
@@ -800,12 +800,12 @@ fn step_inputs(
         key: key.to_string(),
         base,
         parent: parent.to_string(),
-        instruction: why::bounded_instruction(&describe(step)),
+        instruction: why::text_digest(&describe(step)),
         action: crate::cache::digest_of(action.as_bytes()),
         args,
         env,
-        user: user.map(str::to_string),
-        workdir: step.context.workdir.clone(),
+        user: user.map(why::text_digest),
+        workdir: why::text_digest(&step.context.workdir),
         network,
         mounts,
         sources: prepared.digest.clone(),
@@ -1285,7 +1285,7 @@ async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<(), BuildEr
                 key: key.clone(),
                 base: "sandbox".into(),
                 parent: out.key.clone(),
-                instruction: SANDBOX_LAYER_CREATED_BY.into(),
+                instruction: why::text_digest(SANDBOX_LAYER_CREATED_BY),
                 ..why::StepInputs::default()
             };
             let id = index_of(ctx, usize::MAX, 0, SANDBOX_LAYER_CREATED_BY);

@@ -13,9 +13,13 @@
 //! own inputs ([`reasons`]), giving [`MissReason`]s. The index is written only by steps
 //! that run, so "the nearest earlier build" is the last one in which the step ran.
 //!
-//! Build-arg and environment values are never recorded, only a digest of each; context
-//! files are named with the digest of what the key took of them, at most
-//! [`crate::copy::MAX_CONTEXT_FILES`] of them, the rest counted and digested together.
+//! No text that a build arg can reach is recorded, only a digest of it: build-arg and
+//! environment values, the instruction after expansion, the user, the working directory,
+//! the mounts and the network (a value written into any of them would otherwise be stored
+//! in plain text). Context files are named, with the digest of what the key took of them,
+//! at most [`crate::copy::MAX_CONTEXT_FILES`] of them, the rest counted and digested
+//! together; a file's name is printed with its control characters escaped
+//! ([`MissReason`]'s `Display`), so that a name cannot forge a log line.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -24,20 +28,18 @@ use serde::{Deserialize, Serialize};
 
 use crate::copy::ContextFiles;
 
-/// Version of the [`StepInputs`] format.
-pub const INPUTS_VERSION: u32 = 1;
+/// Version of the [`StepInputs`] format (2: text fields as digests). A record of another
+/// version is not compared with: the step says "no earlier build".
+pub const INPUTS_VERSION: u32 = 2;
 
 /// Most file names one [`MissReason::ContextFiles`] carries (the rest are counted).
 pub const MAX_NAMED_FILES: usize = 10;
 
-/// Longest instruction text kept in a record, characters (longer ones are cut, and their
-/// change still shows through [`StepInputs::action`]).
-pub const MAX_INSTRUCTION_CHARS: usize = 4096;
-
 /// What a step's cache key was made from (`cache-inputs/<key>`), JSON:
 /// `{"v": 1, "key": hex, "base": "sha256:…" | "scratch" | "stage N", "parent": hex,
-/// "instruction": text, "action": "sha256:…", "args": {name: "sha256:…"}, "env": {name:
-/// "sha256:…"}, "user": null | text, "workdir": text, "network": json, "mounts": [json],
+/// "instruction": "sha256:…", "action": "sha256:…", "args": {name: "sha256:…"}, "env": {name:
+/// "sha256:…"}, "user": null | "sha256:…", "workdir": "sha256:…", "network": "sha256:…",
+/// "mounts": ["sha256:…"],
 /// "sources": null | "sha256:…", "files": {"files": {path: "sha256:…"}, "rest": …}}`. At
 /// most [`kiln_store::lease::MAX_CACHE_INPUTS_LEN`] bytes (about 1 MiB with 10,000 files).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,7 +52,7 @@ pub struct StepInputs {
     pub base: String,
     /// The parent key (the step before, or the stage's root).
     pub parent: String,
-    /// The instruction as written in the image history, after expansion (bounded).
+    /// `sha256:` of the instruction as written in the image history, after expansion.
     pub instruction: String,
     /// `sha256:` of the step's action (mounts and network aside) and shell.
     pub action: String,
@@ -58,13 +60,13 @@ pub struct StepInputs {
     pub args: BTreeMap<String, String>,
     /// The rest of its environment, name → `sha256:` of the value.
     pub env: BTreeMap<String, String>,
-    /// The user it runs as.
+    /// `sha256:` of the user it runs as.
     pub user: Option<String>,
-    /// Its working directory.
+    /// `sha256:` of its working directory.
     pub workdir: String,
-    /// `RUN`: its network, as JSON.
+    /// `RUN`: `sha256:` of its network, as JSON.
     pub network: String,
-    /// `RUN --mount`: each mount, as JSON (secret mounts by id only).
+    /// `RUN --mount`: `sha256:` of each mount, as JSON (secret mounts by id only).
     pub mounts: Vec<String>,
     /// `COPY`/`ADD`/bind mounts: the digest of everything read (any source).
     pub sources: Option<String>,
@@ -143,9 +145,10 @@ impl fmt::Display for MissReason {
                 let extra = (files.len() as u64).saturating_sub(1) + more;
                 match files.first() {
                     Some(first) if extra > 0 => {
+                        let first = printable(first);
                         write!(f, "context file {first} changed (and {extra} more)")
                     }
-                    Some(first) => write!(f, "context file {first} changed"),
+                    Some(first) => write!(f, "context file {} changed", printable(first)),
                     None => write!(
                         f,
                         "context files beyond the first {} changed ({more} there)",
@@ -195,9 +198,23 @@ pub fn split_env(
     (args, rest)
 }
 
-/// The instruction text as recorded: at most [`MAX_INSTRUCTION_CHARS`] characters.
-pub fn bounded_instruction(text: &str) -> String {
-    text.chars().take(MAX_INSTRUCTION_CHARS).collect()
+/// How a text input is recorded: its `sha256:` digest, never the text.
+pub fn text_digest(text: &str) -> String {
+    digest(text)
+}
+
+/// `name` with every control character escaped as `\u{..}` (newlines, ESC...), as a
+/// context file's name is printed in a reason.
+pub fn printable(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars() {
+        if c.is_control() {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// The `cache-index/<id>` of a step (64 hex digits): by `history` (the build's name, its
