@@ -4,7 +4,9 @@
 //! requests are served; past `--max-connections`, a new connection is closed at once and the
 //! open ones still work. A body trickled slower than `--min-body-rate` is answered 408 and
 //! closed; a workspace past `--max-requests-per-workspace` (its log streams counted) gets
-//! 429 while another workspace is served.
+//! 429 while another workspace is served. Past `--max-connections-per-ip`, a new connection
+//! from that address is closed at once while another address is served; a client that
+//! stops reading its responses is closed after `--send-timeout`.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -117,6 +119,94 @@ fn past_the_connection_limit_a_new_connection_is_closed_at_once() {
         assert!(t0.elapsed() < Duration::from_secs(10), "no slot came free");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A raw connection to the server from the local address `from` (any of 127.0.0.0/8).
+fn connect_from(s: &Server, from: [u8; 4]) -> TcpStream {
+    let addr: std::net::SocketAddr = s
+        .url("")
+        .trim_start_matches("http://")
+        .parse()
+        .expect("address");
+    let sock =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    sock.bind(&std::net::SocketAddr::from((from, 0)).into())
+        .expect("bind");
+    sock.connect(&addr.into()).expect("connect");
+    let c: TcpStream = sock.into();
+    c.set_read_timeout(Some(Duration::from_secs(20)))
+        .expect("timeout");
+    c
+}
+
+/// Clients without a key cannot take every connection with kept-alive requests: one
+/// address gets `--max-connections-per-ip`, and another is still served.
+#[test]
+fn past_the_limit_of_an_address_a_new_connection_from_it_is_closed_at_once() {
+    let (_t, state, store) = env();
+    let s = Server::start(
+        KILN.as_ref(),
+        &state,
+        &store,
+        &["--max-connections-per-ip", "2"],
+    );
+    let mut open: Vec<TcpStream> = (0..2).map(|_| connect_from(&s, [127, 0, 0, 2])).collect();
+    for c in &mut open {
+        assert!(healthz(c));
+    }
+    let mut third = connect_from(&s, [127, 0, 0, 2]);
+    let (sent, after) = until_closed(&mut third);
+    assert!(sent.is_empty(), "{sent}");
+    assert!(after < Duration::from_secs(5), "{after:?}");
+    let mut other = connect_from(&s, [127, 0, 0, 3]);
+    assert!(healthz(&mut other), "another address is served");
+    for c in &mut open {
+        assert!(healthz(c), "an open connection still works");
+    }
+}
+
+/// A client that sends requests and never reads the answers holds its connection only
+/// until a write has waited `--send-timeout`: the one connection its address may have
+/// (`--max-connections-per-ip 1`) comes free.
+#[test]
+fn a_client_that_stops_reading_is_closed_after_the_send_timeout() {
+    let (_t, state, store) = env();
+    let s = Server::start(
+        KILN.as_ref(),
+        &state,
+        &store,
+        &["--max-connections-per-ip", "1", "--send-timeout", "1s"],
+    );
+    let sock =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    sock.set_recv_buffer_size(4096)
+        .expect("small receive buffer");
+    let addr: std::net::SocketAddr = s
+        .url("")
+        .trim_start_matches("http://")
+        .parse()
+        .expect("address");
+    sock.connect(&addr.into()).expect("connect");
+    let mut stalled: TcpStream = sock.into();
+    // Far more answer bytes than the two socket buffers hold (the document is tens of KB).
+    let req = b"GET /openapi.json HTTP/1.1\r\nHost: kiln\r\n\r\n".repeat(300);
+    stalled
+        .set_write_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let _ = stalled.write_all(&req);
+    let t0 = Instant::now();
+    loop {
+        let mut c = connect(&s);
+        if healthz(&mut c) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the stalled connection still holds the address's one place"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(stalled);
 }
 
 /// `GET p` on `c` (kept alive) with the key `key`: the status line and the rest.

@@ -8,8 +8,13 @@
 //!   nothing for [`ConnLimits::body_idle_timeout`] (the wait between two body frames), or
 //!   that falls behind [`ConnLimits::min_body_rate`] once [`ConnLimits::body_rate_grace`]
 //!   has passed, fails its request, which is answered 408 and its connection closed;
-//! - at most [`ConnLimits::max_connections`] connections are open at once; one more is
-//!   closed as soon as it is accepted, without a byte read.
+//! - a response whose writes make no progress for [`ConnLimits::send_timeout`] (a client
+//!   that stopped reading) closes its connection (`tokio-io-timeout`'s write timeout);
+//! - at most [`ConnLimits::max_connections`] connections are open at once, and at most
+//!   [`ConnLimits::max_connections_per_ip`] from one client address; one more is closed as
+//!   soon as it is accepted, without a byte read. The per-address bound is what keeps
+//!   clients without a key (which no workspace's share counts) from taking every
+//!   connection with kept-alive requests.
 //!
 //! The operator's listener (`--metrics-listen`) is not open to tenants and is served
 //! without these bounds.
@@ -56,6 +61,11 @@ pub struct ConnLimits {
     /// Most connections open at once (default 4,096; the process's file limit must leave
     /// room for builds).
     pub max_connections: usize,
+    /// Most connections open at once from one client IP address (default 256: clients
+    /// behind one NAT share it).
+    pub max_connections_per_ip: usize,
+    /// Longest a response write may wait for the client to read (default 60 s).
+    pub send_timeout: Duration,
 }
 
 impl Default for ConnLimits {
@@ -66,6 +76,8 @@ impl Default for ConnLimits {
             min_body_rate: 64 << 10,
             body_rate_grace: Duration::from_secs(10),
             max_connections: 4096,
+            max_connections_per_ip: 256,
+            send_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -86,6 +98,7 @@ pub async fn serve(
         .max_connections
         .clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
     let slots = Arc::new(tokio::sync::Semaphore::new(max));
+    let per_ip = PerIp::default();
     loop {
         let (stream, peer) = tokio::select! {
             _ = stop.cancelled() => break,
@@ -105,6 +118,14 @@ pub async fn serve(
             drop(stream);
             continue;
         };
+        let Some(ip_slot) = per_ip.take(peer.ip(), limits.max_connections_per_ip) else {
+            tracing::debug!(%peer, max = limits.max_connections_per_ip, "connection refused: at the limit of its address");
+            drop(stream);
+            continue;
+        };
+        let mut stream = tokio_io_timeout::TimeoutStream::new(stream);
+        stream.set_write_timeout(Some(limits.send_timeout));
+        let stream = Box::pin(stream);
         let service = TowerToHyperService::new(app.clone());
         let stop = stop.clone();
         tokio::spawn(async move {
@@ -124,11 +145,50 @@ pub async fn serve(
             if let Err(e) = r {
                 tracing::debug!(%peer, error = %e, "connection ended");
             }
+            drop(ip_slot);
             drop(slot);
         });
     }
     // Every connection holds a slot until it closes.
     let _ = slots.acquire_many(max as u32).await;
+}
+
+/// Open connections per client address.
+#[derive(Debug, Clone, Default)]
+struct PerIp(Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>);
+
+/// One connection's place in [`PerIp`], given back when dropped.
+struct IpSlot {
+    map: PerIp,
+    ip: std::net::IpAddr,
+}
+
+impl PerIp {
+    /// A place for one more connection from `ip`, unless it has `max` open.
+    fn take(&self, ip: std::net::IpAddr, max: usize) -> Option<IpSlot> {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if *n >= max.max(1) {
+            return None;
+        }
+        *n += 1;
+        Some(IpSlot {
+            map: self.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for IpSlot {
+    fn drop(&mut self) {
+        let mut m = self.map.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
+        }
+    }
 }
 
 /// The time bounds of a request body, on every route of the tenants' listener: the body

@@ -2,8 +2,8 @@
 //! [`crate::ServiceConfig::max_requests_per_workspace`] requests of one workspace in flight
 //! at once, counted from the key's check until the response's body has been sent (a
 //! `?follow=true` log stream counts for its whole life). One more gets 429 with
-//! `Retry-After`; other workspaces' requests are not affected. With
-//! `--max-connections`, this keeps one workspace from taking every connection.
+//! `Retry-After`; other workspaces' requests are not affected. Connections themselves,
+//! with or without a key, are bounded per client address ([`crate::listen`]).
 
 use std::collections::HashMap;
 use std::pin::Pin;

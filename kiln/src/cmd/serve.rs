@@ -93,6 +93,18 @@ pub struct Args {
         default_value_t = 4096
     )]
     pub max_connections: usize,
+    /// Most client connections open at once from one IP address on the tenants' port; past
+    /// it a new connection from that address is closed at once.
+    #[arg(
+        long = "max-connections-per-ip",
+        env = "KILN_SERVE_MAX_CONNECTIONS_PER_IP",
+        default_value_t = 256
+    )]
+    pub max_connections_per_ip: usize,
+    /// A response write that waits this long for the client to read closes the connection
+    /// (5s, 1m, ...).
+    #[arg(long = "send-timeout", env = "KILN_SERVE_SEND_TIMEOUT", default_value = "60s", value_parser = super::parse_duration)]
+    pub send_timeout: std::time::Duration,
     /// How often this node writes its heartbeat to the database and sweeps for the builds
     /// of lost nodes (5s, 1m, ...).
     #[arg(long, env = "KILN_SERVE_HEARTBEAT", default_value = "10s", value_parser = super::parse_duration)]
@@ -414,6 +426,8 @@ async fn serve(a: Args) -> anyhow::Result<()> {
         min_body_rate: a.min_body_rate,
         body_rate_grace: a.body_rate_grace,
         max_connections: a.max_connections,
+        max_connections_per_ip: a.max_connections_per_ip,
+        send_timeout: a.send_timeout,
     };
     cfg.max_requests_per_workspace = a.max_requests_per_workspace;
     if let Some(f) = &a.credentials_key_file {
