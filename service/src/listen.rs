@@ -98,7 +98,9 @@ pub async fn serve(
         .max_connections
         .clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
     let slots = Arc::new(tokio::sync::Semaphore::new(max));
-    let per_ip = PerIp::default();
+    let per_ip = Arc::new(crate::share::Shares::new(
+        limits.max_connections_per_ip.max(1),
+    ));
     loop {
         let (stream, peer) = tokio::select! {
             _ = stop.cancelled() => break,
@@ -118,7 +120,7 @@ pub async fn serve(
             drop(stream);
             continue;
         };
-        let Some(ip_slot) = per_ip.take(peer.ip(), limits.max_connections_per_ip) else {
+        let Some(ip_slot) = per_ip.take(&peer.ip()) else {
             tracing::debug!(%peer, max = limits.max_connections_per_ip, "connection refused: at the limit of its address");
             drop(stream);
             continue;
@@ -151,44 +153,6 @@ pub async fn serve(
     }
     // Every connection holds a slot until it closes.
     let _ = slots.acquire_many(max as u32).await;
-}
-
-/// Open connections per client address.
-#[derive(Debug, Clone, Default)]
-struct PerIp(Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>);
-
-/// One connection's place in [`PerIp`], given back when dropped.
-struct IpSlot {
-    map: PerIp,
-    ip: std::net::IpAddr,
-}
-
-impl PerIp {
-    /// A place for one more connection from `ip`, unless it has `max` open.
-    fn take(&self, ip: std::net::IpAddr, max: usize) -> Option<IpSlot> {
-        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let n = m.entry(ip).or_insert(0);
-        if *n >= max.max(1) {
-            return None;
-        }
-        *n += 1;
-        Some(IpSlot {
-            map: self.clone(),
-            ip,
-        })
-    }
-}
-
-impl Drop for IpSlot {
-    fn drop(&mut self) {
-        let mut m = self.map.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = m.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.ip);
-            }
-        }
-    }
 }
 
 /// The time bounds of a request body, on every route of the tenants' listener: the body

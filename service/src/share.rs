@@ -6,6 +6,7 @@
 //! with or without a key, are bounded per client address ([`crate::listen`]).
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -20,15 +21,16 @@ use crate::AppState;
 use crate::api::ApiError;
 use crate::auth::Workspace;
 
-/// The requests in flight of each workspace (only those with one or more).
+/// Places in flight per key (a workspace's requests here, a client address's connections
+/// in [`crate::listen`]); only keys with one or more are kept.
 #[derive(Debug)]
-pub struct Shares {
+pub struct Shares<K = String> {
     max: usize,
-    in_flight: Mutex<HashMap<String, usize>>,
+    in_flight: Mutex<HashMap<K, usize>>,
 }
 
-impl Shares {
-    /// At most `max` requests in flight per workspace.
+impl<K: Hash + Eq + Clone> Shares<K> {
+    /// At most `max` places per key.
     pub fn new(max: usize) -> Self {
         Shares {
             max,
@@ -36,46 +38,46 @@ impl Shares {
         }
     }
 
-    /// A place for one more request of `ws`, held until the guard drops; `None` when the
-    /// workspace's share is in use.
-    pub fn take(self: &Arc<Self>, ws: &str) -> Option<ShareGuard> {
+    /// A place for one more under `key`, held until the guard drops; `None` when the key's
+    /// share is in use.
+    pub fn take(self: &Arc<Self>, key: &K) -> Option<ShareGuard<K>> {
         let mut m = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-        let n = m.entry(ws.to_string()).or_insert(0);
+        let n = m.entry(key.clone()).or_insert(0);
         if *n >= self.max {
             return None;
         }
         *n += 1;
         Some(ShareGuard {
             shares: Arc::clone(self),
-            ws: ws.to_string(),
+            key: key.clone(),
         })
     }
 
-    /// Requests of `ws` in flight.
-    pub fn in_flight(&self, ws: &str) -> usize {
+    /// Places of `key` in use.
+    pub fn in_flight(&self, key: &K) -> usize {
         let m = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-        m.get(ws).copied().unwrap_or(0)
+        m.get(key).copied().unwrap_or(0)
     }
 }
 
-/// One request's place in its workspace's share.
+/// One place in its key's share, given back when dropped.
 #[derive(Debug)]
-pub struct ShareGuard {
-    shares: Arc<Shares>,
-    ws: String,
+pub struct ShareGuard<K: Hash + Eq = String> {
+    shares: Arc<Shares<K>>,
+    key: K,
 }
 
-impl Drop for ShareGuard {
+impl<K: Hash + Eq> Drop for ShareGuard<K> {
     fn drop(&mut self) {
         let mut m = self
             .shares
             .in_flight
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = m.get_mut(&self.ws) {
+        if let Some(n) = m.get_mut(&self.key) {
             *n -= 1;
             if *n == 0 {
-                m.remove(&self.ws);
+                m.remove(&self.key);
             }
         }
     }
@@ -159,14 +161,19 @@ mod tests {
     #[test]
     fn a_workspace_gets_its_share_and_no_more() {
         let s = Arc::new(Shares::new(2));
-        let a1 = s.take("a").expect("first");
-        let a2 = s.take("a").expect("second");
-        assert!(s.take("a").is_none(), "a third of a is refused");
-        let b = s.take("b").expect("another workspace is not affected");
+        let a1 = s.take(&"a".to_string()).expect("first");
+        let a2 = s.take(&"a".to_string()).expect("second");
+        assert!(
+            s.take(&"a".to_string()).is_none(),
+            "a third of a is refused"
+        );
+        let b = s
+            .take(&"b".to_string())
+            .expect("another workspace is not affected");
         drop(a1);
-        let a3 = s.take("a").expect("a place came free");
+        let a3 = s.take(&"a".to_string()).expect("a place came free");
         drop((a2, a3, b));
-        assert_eq!(s.in_flight("a"), 0);
+        assert_eq!(s.in_flight(&"a".to_string()), 0);
         assert!(
             s.in_flight.lock().unwrap().is_empty(),
             "no entry left behind"
