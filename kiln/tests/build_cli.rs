@@ -618,18 +618,13 @@ fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
         }
         let store = t.path().join(format!("store{n}"));
         let iid = t.path().join(format!("iid{n}"));
-        let out = kiln(&store)
-            .arg("build")
-            .arg(&ctx)
-            .args(["-t", "repro:1", "--progress", "plain"])
-            .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000", "--iidfile"])
-            .arg(&iid)
-            .output()
-            .expect("run kiln");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let out = kiln_tests::run_ok(
+            kiln(&store)
+                .arg("build")
+                .arg(&ctx)
+                .args(["-t", "repro:1", "--progress", "plain"])
+                .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000", "--iidfile"])
+                .arg(&iid),
         );
         let stdout = String::from_utf8(out.stdout).expect("utf-8");
         let digest = stdout.lines().last().expect("a line").to_string();
