@@ -1288,7 +1288,7 @@ async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<(), BuildEr
                 instruction: why::text_digest(SANDBOX_LAYER_CREATED_BY),
                 ..why::StepInputs::default()
             };
-            let id = index_of(ctx, usize::MAX, 0, SANDBOX_LAYER_CREATED_BY);
+            let id = index_of(ctx, usize::MAX, 0, &inputs.instruction);
             let why = why_missed(ctx, true, &id, &inputs).await;
             Some((inputs, id, why))
         }

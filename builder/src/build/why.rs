@@ -5,7 +5,7 @@
 //! `cache-index/<id>` ([`index_id`]): `<id>` names the step's place, so that the next build
 //! of the same step finds the record in one read. The place is the recipe position (stage
 //! and step index) in the build's history name ([`super::BuildOptions::history`], the first
-//! tag) when there is one, else the instruction text; either is scoped like the cache keys
+//! tag) when there is one, else the instruction (by its digest); either is scoped like the cache keys
 //! (per workspace for a tenant), so a reason never names another workspace's inputs. Both
 //! objects are collected by GC with the entries ([`kiln_store::lease`]).
 //!
@@ -219,7 +219,8 @@ pub fn printable(name: &str) -> String {
 
 /// The `cache-index/<id>` of a step (64 hex digits): by `history` (the build's name, its
 /// first tag), stage index and step index within the stage when there is a name, else by
-/// the instruction text; within `workspace` (a tenant's; `None`: the operator's).
+/// `instruction` (the record's [`StepInputs::instruction`]: the digest of the text); within
+/// `workspace` (a tenant's; `None`: the operator's).
 pub fn index_id(
     workspace: Option<&str>,
     history: Option<&str>,
