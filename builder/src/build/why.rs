@@ -5,7 +5,8 @@
 //! `cache-index/<id>` ([`index_id`]): `<id>` names the step's place, so that the next build
 //! of the same step finds the record in one read. The place is the recipe position (stage
 //! and step index) in the build's history name ([`super::BuildOptions::history`], the first
-//! tag) when there is one, else the instruction (by its digest); either is scoped like the cache keys
+//! tag) when there is one, else the instruction (by its digest); either is scoped like the
+//! cache keys
 //! (per workspace for a tenant), so a reason never names another workspace's inputs. Both
 //! objects are collected by GC with the entries ([`kiln_store::lease`]).
 //!
