@@ -6,9 +6,8 @@
 //! of the same step finds the record in one read. The place is the recipe position (stage
 //! and step index) in the build's history name ([`super::BuildOptions::history`], the first
 //! tag) when there is one, else the instruction (by its digest); either is scoped like the
-//! cache keys
-//! (per workspace for a tenant), so a reason never names another workspace's inputs. Both
-//! objects are collected by GC with the entries ([`kiln_store::lease`]).
+//! cache keys (per workspace for a tenant), so a reason never names another workspace's
+//! inputs. Both objects are collected by GC with the entries ([`kiln_store::lease`]).
 //!
 //! A hit costs nothing more. A miss reads that one index object and compares it with its
 //! own inputs ([`reasons`]), giving [`MissReason`]s. The index is written only by steps
