@@ -349,6 +349,13 @@ pub fn rt() -> tokio::runtime::Runtime {
         .expect("runtime")
 }
 
+/// The sha256 of `b` as 64 hex digits (a blob's key in the store and the API's digests,
+/// without `sha256:`).
+pub fn hex_sha256(b: &[u8]) -> String {
+    use sha2::Digest as _;
+    hex::encode(sha2::Sha256::digest(b))
+}
+
 /// A tarball of the directory `dir` (what a tenant sends as its context).
 pub fn tar_dir(dir: &Path) -> Vec<u8> {
     let mut b = tar::Builder::new(Vec::new());
