@@ -24,7 +24,7 @@ log() { printf 'setup: [%ss] %s\n' "$SECONDS" "$*" >&2; }
 # --- Debian packages ---------------------------------------------------------------------
 # Packages from bookworm itself.
 apt_main=(docker-registry slirp4netns skopeo umoci busybox-static debootstrap zstd
-  python3-venv apache2-utils curl ca-certificates pkg-config
+  python3-venv apache2-utils curl ca-certificates openssl pkg-config
   uidmap iproute2 netcat-openbsd xz-utils postgresql
   git # git: builder's exec test of git over HTTP through the egress proxy
   g++) # g++: libfuzzer-sys builds libFuzzer's C++ sources (ci/fuzz.sh)

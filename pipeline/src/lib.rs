@@ -37,6 +37,7 @@ const RESOLVE_LEASE_TTL: Duration = Duration::from_secs(3600);
 
 use kiln_builder::build::{BuildError, BuildOptions, BuildOutput};
 use kiln_builder::cache::{BlobCache as _, CacheError, Fronted, LocalCache};
+use kiln_builder::egress::address::AddressPolicy;
 use kiln_builder::publish::{PublishError, PublishOptions};
 use kiln_builder::registry::RegistryOptions;
 use kiln_builder::resolve::{ResolveError, ResolveOptions};
@@ -49,6 +50,7 @@ use kiln_vmm::snapshot::BootAssets;
 pub use event::{Event, EventSink};
 /// The builder's per-step defaults that [`Limits::pids_max`] and [`Limits::write_bytes`]
 /// lower.
+pub use kiln_builder::egress::ca::CaCerts;
 pub use kiln_builder::exec::{DEFAULT_PIDS_MAX, DEFAULT_WRITE_LIMIT_BYTES};
 pub use kiln_builder::reference::Reference;
 pub use kiln_builder::registry::Credentials;
@@ -216,6 +218,15 @@ pub struct Setup {
     pub boot: Option<BootAssets>,
     /// Stages built at once, at least 1.
     pub jobs: usize,
+    /// What `RUN` steps (through the egress proxy) and `ADD <url>` may reach: public
+    /// addresses only, unless a test turns on
+    /// [`AddressPolicy::allow_private_addresses`] or names hosts in
+    /// [`AddressPolicy::hosts`] (`--egress-allow-private-for-tests`,
+    /// `--egress-host-for-tests`).
+    pub addresses: AddressPolicy,
+    /// Extra CA certificates every build of this host trusts (`--ca-cert`), before a
+    /// request's own ([`BuildRequest::ca_certs`]); see [`kiln_builder::egress::ca`].
+    pub ca_certs: Option<CaCerts>,
 }
 
 impl Setup {
@@ -258,6 +269,8 @@ impl Setup {
             bootstrap_mirror: None,
             boot: None,
             jobs: 2,
+            addresses: AddressPolicy::default(),
+            ca_certs: None,
         })
     }
 }
@@ -318,6 +331,13 @@ pub(crate) async fn run_leased(
             "--isolation vm needs the guest kernel and initramfs (boot assets)".into(),
         ));
     }
+    let ca_certs = match (&setup.ca_certs, &req.ca_certs) {
+        (Some(a), Some(b)) => Some(
+            a.join(b)
+                .map_err(|e| PipelineError::Request(e.to_string()))?,
+        ),
+        (a, b) => a.clone().or_else(|| b.clone()),
+    };
     // What each `AtStart` tag names now: the build moves it only if it still does.
     let req = pin_tags(&setup.store, req).await?;
 
@@ -401,6 +421,7 @@ pub(crate) async fn run_leased(
     // 2. Steps.
     let t = Instant::now();
     let mut opts = build_options(setup, &req, resolve);
+    opts.fetch.ca_certs = ca_certs;
     opts.lease = Some(lease.clone());
     let _bridge = {
         let (token, flag) = (cancel.clone(), opts.cancel.clone());
@@ -499,6 +520,7 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
     opts.exec.allow_network_host = req.network == NetworkPolicy::AllowHost;
     opts.network = req.network.step_network();
     opts.exec.run_dir = work.join("run");
+    opts.fetch.addresses = setup.addresses.clone();
     if let Some(m) = req.limits.memory_bytes {
         opts.exec.memory_bytes = opts.exec.memory_bytes.min(m);
     }

@@ -72,6 +72,10 @@ pub struct BuildRequest {
     /// Cancels the build: a running step is killed, nothing more is published and no tag
     /// moves (see [`crate::run`] for when it takes effect).
     pub cancel: CancellationToken,
+    /// Extra CA certificates this build trusts (`kiln build --ca-cert`, the API's
+    /// `ca_certs`), after the host's ([`crate::Setup::ca_certs`]); they change no layer and
+    /// no cache key ([`kiln_builder::egress::ca`]).
+    pub ca_certs: Option<kiln_builder::egress::ca::CaCerts>,
 }
 
 impl BuildRequest {
@@ -103,6 +107,7 @@ impl BuildRequest {
             },
             storage_quota: None,
             cancel: CancellationToken::new(),
+            ca_certs: None,
         }
     }
 }

@@ -280,6 +280,11 @@ pub struct BuildSpec {
     /// `--credentials-key-file`; without it such a submission is refused).
     #[serde(default)]
     pub registry_auth: crate::sealed::RegistryAuth,
+    /// Extra CA certificates (PEM text, one or more `CERTIFICATE` sections, at most 64 KiB
+    /// and 32 certificates with the server's own `--ca-cert`): every `RUN` step sees them in
+    /// its CA bundle and `ADD <url>` trusts them, for this build only; they change no layer
+    /// and no cache key. Anything but certificates is a 400.
+    pub ca_certs: Option<String>,
 }
 
 /// The limits a build runs with (after the quota).
@@ -333,6 +338,9 @@ pub struct StoredSpec {
     /// sealed in `build_credentials`, never here).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub registry_auth: Vec<String>,
+    /// The extra CA certificates, normalised ([`kiln_pipeline::CaCerts::pem`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_certs: Option<String>,
 }
 
 /// URLs of a build.
@@ -876,6 +884,13 @@ async fn submit(
     spec.network
         .policy()
         .map_err(|e| ApiError::BadRequest(format!("build spec: network: {e}")))?;
+    let ca_certs = match &spec.ca_certs {
+        None => None,
+        Some(text) => Some(
+            kiln_pipeline::CaCerts::parse("build spec: ca_certs", text.as_bytes())
+                .map_err(|e| ApiError::BadRequest(e.to_string()))?,
+        ),
+    };
     if spec.network == NetworkSpec::Mode(NetworkMode::Host)
         && s.config.executor == kiln_pipeline::Executor::Vm
     {
@@ -918,6 +933,7 @@ async fn submit(
             .as_ref()
             .map(|a| a.keys().cloned().collect())
             .unwrap_or_default(),
+        ca_certs: ca_certs.map(|c| c.pem().to_string()),
     };
     let spec_json = serde_json::to_string(&stored).map_err(|_| ApiError::Internal)?;
     let hash = hex::encode(Sha256::digest(spec_json.as_bytes()));
@@ -1595,11 +1611,14 @@ mod tests {
             },
             no_cache: false,
             registry_auth: vec![],
+            ca_certs: None,
         };
         let plain = serde_json::to_string(&stored(NetworkSpec::default())).unwrap();
         assert!(!plain.contains("\"network\""), "{plain}");
-        // Specs stored before registry credentials existed hash as they did.
+        // Specs stored before registry credentials and CA certificates existed hash as
+        // they did.
         assert!(!plain.contains("registry_auth"), "{plain}");
+        assert!(!plain.contains("ca_certs"), "{plain}");
         let listed = serde_json::to_string(&stored(s.network.clone())).unwrap();
         let back: StoredSpec = serde_json::from_str(&listed).unwrap();
         assert_eq!(back.network, s.network);

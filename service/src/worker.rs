@@ -598,6 +598,13 @@ async fn execute(
     req.target = spec.target.clone();
     req.platform = spec.platform.clone();
     req.no_cache = spec.no_cache;
+    // Checked when the build was accepted.
+    if let Some(text) = &spec.ca_certs {
+        match kiln_pipeline::CaCerts::parse("ca_certs", text.as_bytes()) {
+            Ok(c) => req.ca_certs = Some(c),
+            Err(e) => return failed(e.to_string()),
+        }
+    }
     req.network = if spec.network_host {
         NetworkPolicy::AllowHost
     } else {

@@ -51,6 +51,7 @@ use self::lower::{LayerDirs, LowerError};
 use crate::cache::BlobCache;
 use crate::copy::fetch::FetchOptions;
 use crate::copy::{CopyOptions, Sources};
+use crate::egress::ca;
 use crate::exec::mounts::MountInputs;
 use crate::exec::{ExecConfig, ExecError, LinuxExecutor, LogLine, StepExecutor, StepSpec};
 use crate::image::{Descriptor, OCI_MANIFEST};
@@ -1125,6 +1126,47 @@ async fn run_stage(
     Ok(st)
 }
 
+/// The image's own CA bundle as a step over `lowers` (topmost first) sees it: the first of
+/// [`ca::SYSTEM_BUNDLES`] that is a regular file in the merged view, read inside it
+/// (symlinks resolved within the root), or `None` when there is none or it is larger than
+/// [`ca::MAX_SYSTEM_BUNDLE_BYTES`] (the step's bundle then holds the extra certificates
+/// alone, and says nothing more: the step fails its TLS checks as the image alone would).
+async fn image_ca_bundle(
+    ctx: &Arc<Ctx>,
+    lowers: Vec<PathBuf>,
+) -> Result<Option<Vec<u8>>, ExecError> {
+    if lowers.is_empty() {
+        return Ok(None);
+    }
+    let s = scratch(ctx).map_err(|e| ExecError::Setup(e.to_string()))?;
+    let (upper, work, mnt) = (
+        s.upper.clone().unwrap_or_default(),
+        s.work.clone(),
+        s.mnt.clone(),
+    );
+    let r = tokio::task::spawn_blocking(move || {
+        merged::with_merged(lowers, upper, work, mnt, |root| {
+            use crate::copy::root::{Root, read_bounded};
+            let root = Root::open(root).map_err(|e| e.to_string())?;
+            for p in ca::SYSTEM_BUNDLES {
+                match read_bounded(&root, p, ca::MAX_SYSTEM_BUNDLE_BYTES + 1) {
+                    Ok(None) => continue,
+                    Ok(Some(b)) if b.len() as u64 > ca::MAX_SYSTEM_BUNDLE_BYTES => {
+                        return Ok(None);
+                    }
+                    Ok(Some(b)) => return Ok(Some(b)),
+                    Err(e) => return Err(format!("{p}: {e}")),
+                }
+            }
+            Ok(None)
+        })
+    })
+    .await
+    .map_err(|e| ExecError::Setup(format!("reading the image's CA bundle: {e}")))?;
+    drop(s);
+    r.map_err(|e| ExecError::Setup(format!("reading the image's CA bundle: {e}")))
+}
+
 fn blob_digest(d: &str) -> Result<BlobDigest, BuildError> {
     let hex = crate::cache::sha256_hex(d)?;
     BlobDigest::from_key(&format!("blobs/sha256/{hex}"))
@@ -1170,6 +1212,28 @@ async fn run_step(
             spec.env = env.to_vec();
             spec.env.extend(added);
             spec.user = user;
+            if let Some(ca) = &ctx.opts.fetch.ca_certs {
+                let step_err = |error| BuildError::Step {
+                    location: loc.to_string(),
+                    instruction: short(&describe(step)),
+                    error,
+                };
+                if spec
+                    .files
+                    .iter()
+                    .any(|f| f.path.as_deref() == Some(ca::BUNDLE_PATH))
+                {
+                    return Err(step_err(ExecError::Setup(format!(
+                        "a heredoc named {} would replace the extra CA certificates' bundle",
+                        ca::BUNDLE_PATH
+                    ))));
+                }
+                let system = image_ca_bundle(ctx, spec.lower_dirs.clone())
+                    .await
+                    .map_err(step_err)?;
+                spec.files.push(ca.bundle_file(system.as_deref()));
+                spec.env.extend(ca::bundle_env());
+            }
             spec.lower_layers = lower_layers;
             spec.layer_limits = ctx.layer_limits();
             let used = ctx.log_bytes.load(Ordering::Relaxed);

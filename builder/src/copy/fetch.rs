@@ -74,6 +74,9 @@ pub struct FetchOptions {
     /// Which addresses may be fetched from ([`AddressPolicy::allow_private_addresses`]:
     /// tests and trusted builds only), shared with the egress proxy.
     pub addresses: AddressPolicy,
+    /// Extra CA certificates: `ADD <url>` trusts them besides its built-in roots, and every
+    /// `RUN` step sees them in its CA bundle ([`crate::egress::ca`]). `None`: none.
+    pub ca_certs: Option<crate::egress::ca::CaCerts>,
 }
 
 impl Default for FetchOptions {
@@ -82,6 +85,7 @@ impl Default for FetchOptions {
             max_bytes: 4 << 30,
             timeout: Duration::from_secs(600),
             addresses: AddressPolicy::default(),
+            ca_certs: None,
         }
     }
 }
@@ -242,14 +246,18 @@ async fn fetch_one(
         let addr = addrs[0];
         // No proxy from the environment: it would resolve the name itself, past the check
         // and the pinning.
-        let client = reqwest::Client::builder()
+        let mut client = reqwest::Client::builder()
             .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(30))
             .timeout(opts.timeout)
-            .resolve(bare, addr)
-            .build()
-            .map_err(|e| http_err(e.to_string()))?;
+            .resolve(bare, addr);
+        if let Some(ca) = &opts.ca_certs {
+            let certs = reqwest::Certificate::from_pem_bundle(ca.pem().as_bytes())
+                .map_err(|e| http_err(format!("the extra CA certificates: {e}")))?;
+            client = client.tls_certs_merge(certs);
+        }
+        let client = client.build().map_err(|e| http_err(e.to_string()))?;
         let resp = client
             .get(url.clone())
             .send()

@@ -29,10 +29,14 @@
 //! proxy variables reaches nothing. Its `/etc/resolv.conf` is empty: names are resolved by
 //! the proxy, on the host.
 //!
+//! - [`ca`]: extra CA certificates a build trusts (a TLS-inspecting proxy's), and the bundle
+//!   a step sees them in.
+//!
 //! A microVM executor reaches the same [`proxy::Proxy`] by handing [`proxy::Proxy::serve`]
 //! a stream from the guest channel instead of an accepted TCP connection.
 
 pub mod address;
+pub mod ca;
 pub mod policy;
 pub mod proxy;
 

@@ -145,6 +145,8 @@ pub struct Args {
     /// A registry (host[:port]) allowed over plain HTTP; loopback registries always are.
     #[arg(long = "insecure-registry")]
     pub insecure: Vec<String>,
+    #[command(flatten)]
+    pub egress: super::common::EgressArgs,
     /// Stop at the OCI image: no ext4 image, no kiln image manifest; `-t` names become
     /// local OCI references (what `kiln pull` makes) instead of store tags.
     #[arg(long = "oci-only")]
@@ -473,6 +475,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
         Isolation::Vm => Executor::Vm,
     };
     req.output = output;
+    req.ca_certs = a.egress.ca_certs()?;
     let cancel = req.cancel.clone();
     let events = printer(a.progress, cli.json);
 
@@ -509,6 +512,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
         setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
         setup.boot = boot;
         setup.jobs = a.jobs.max(1);
+        setup.addresses = a.egress.addresses()?;
         anyhow::Ok(kiln_pipeline::run(&setup, req, events).await?)
     })?;
     let digest = &report.oci_manifest.digest;

@@ -103,3 +103,71 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()?)
 }
+
+/// What build steps trust and reach: extra CA certificates, and the address policy's two
+/// settings for tests (`kiln build`, `kiln serve`).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct EgressArgs {
+    /// A PEM file of CA certificates (a TLS-inspecting proxy's) that every `RUN` step sees in
+    /// its CA bundle and `ADD <url>` trusts; repeatable. They change no layer and no cache
+    /// key (README, "Network of build steps").
+    #[arg(long = "ca-cert", value_name = "FILE")]
+    pub ca_cert: Vec<std::path::PathBuf>,
+    /// For tests only: let steps' egress proxy and `ADD <url>` reach loopback, private,
+    /// link-local and metadata addresses. Never on a host that builds untrusted recipes.
+    #[arg(long = "egress-allow-private-for-tests")]
+    pub allow_private: bool,
+    /// For tests only: answer NAME with ADDR (an IPv4 or IPv6 address) for steps' egress
+    /// proxy and `ADD <url>`, before DNS; repeatable. The address is still checked (see
+    /// --egress-allow-private-for-tests).
+    #[arg(long = "egress-host-for-tests", value_name = "NAME=ADDR")]
+    pub hosts: Vec<String>,
+}
+
+impl EgressArgs {
+    /// The address policy these settings give (public addresses only by default).
+    pub fn addresses(&self) -> anyhow::Result<kiln_builder::egress::address::AddressPolicy> {
+        let mut p = kiln_builder::egress::address::AddressPolicy {
+            allow_private_addresses: self.allow_private,
+            ..Default::default()
+        };
+        for h in &self.hosts {
+            let (name, addr) = h
+                .split_once('=')
+                .with_context(|| format!("--egress-host-for-tests {h:?}: expected NAME=ADDR"))?;
+            let name = name.trim().trim_end_matches('.').to_ascii_lowercase();
+            if name.is_empty() || name.parse::<std::net::IpAddr>().is_ok() {
+                anyhow::bail!("--egress-host-for-tests {h:?}: NAME must be a host name");
+            }
+            let addr: std::net::IpAddr = addr
+                .trim()
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .parse()
+                .with_context(|| {
+                    format!("--egress-host-for-tests {h:?}: ADDR must be an IP address")
+                })?;
+            p.hosts.entry(name).or_default().push(addr);
+        }
+        Ok(p)
+    }
+
+    /// The certificates of every --ca-cert file, in order; `None` without any.
+    pub fn ca_certs(&self) -> anyhow::Result<Option<kiln_builder::egress::ca::CaCerts>> {
+        use kiln_builder::egress::ca::{CaCerts, MAX_PEM_BYTES};
+        use std::io::Read as _;
+        let mut all: Option<CaCerts> = None;
+        for f in &self.ca_cert {
+            let mut text = Vec::new();
+            std::fs::File::open(f)
+                .and_then(|h| h.take(MAX_PEM_BYTES as u64 + 1).read_to_end(&mut text))
+                .with_context(|| format!("--ca-cert {}", f.display()))?;
+            let c = CaCerts::parse(&format!("--ca-cert {}", f.display()), &text)?;
+            all = Some(match all {
+                None => c,
+                Some(a) => a.join(&c)?,
+            });
+        }
+        Ok(all)
+    }
+}

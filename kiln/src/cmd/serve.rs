@@ -136,6 +136,8 @@ pub struct Args {
     /// A registry (host[:port]) allowed over plain HTTP; loopback registries always are.
     #[arg(long = "insecure-registry")]
     pub insecure: Vec<String>,
+    #[command(flatten)]
+    pub egress: super::common::EgressArgs,
     /// A store tag name every tenant may build FROM, with any of its tags (e.g. the image
     /// `kiln nightly` rebuilds); repeat for more. No tenant may create a tag of that name.
     #[arg(long = "base", value_name = "NAME")]
@@ -393,6 +395,8 @@ async fn serve(a: Args) -> anyhow::Result<()> {
         ..RegistryOptions::default()
     };
     setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
+    setup.addresses = a.egress.addresses()?;
+    setup.ca_certs = a.egress.ca_certs()?;
     let executor_line = match (&executor, &boot) {
         (Executor::Vm, Some(b)) => format!(
             "kiln serve: executor vm: each RUN step runs in a microVM of its own (kernel {}, \

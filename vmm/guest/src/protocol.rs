@@ -136,9 +136,10 @@ pub const PIPES_DIR: &str = "/dev/pipes/";
 pub const MAX_FILES: usize = 64;
 /// Most [`Exec::mounts`] in one exec.
 pub const MAX_MOUNTS: usize = 64;
-/// Most bytes of [`Exec::files`] data in one exec (base64 on the wire; the whole frame must
-/// still fit in [`MAX_FRAME_LEN`]).
-pub const MAX_FILES_BYTES: usize = 256 << 10;
+/// Most bytes of [`Exec::files`] data in one exec (512 KiB: heredocs and a step's CA bundle,
+/// an image's own of about 220 KB with the build's extra certificates; base64 on the wire,
+/// and the whole frame must still fit in [`MAX_FRAME_LEN`]).
+pub const MAX_FILES_BYTES: usize = 512 << 10;
 
 /// One protocol message. Serialised as a JSON object with `"v": 1` and `"type"` set to the
 /// variant's snake_case name; the variant's fields sit beside them.

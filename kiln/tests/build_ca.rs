@@ -1,0 +1,321 @@
+//! Extra CA certificates (`kiln build --ca-cert`, README "Network of build steps"), with the
+//! address policy's settings for tests (`--egress-allow-private-for-tests`,
+//! `--egress-host-for-tests`), on the busybox fixture, as root:
+//! - `ADD https://…` trusts a test CA only when it is given, from a real TLS server
+//!   (`openssl s_server`, on 127.0.0.1 under a name the hosts setting maps);
+//! - a `RUN` step sees the image's own bundle followed by the extra certificate in the file
+//!   its `SSL_CERT_FILE`… variables name, under the namespace executor and in a microVM, and
+//!   neither the file nor the variables reach the image;
+//! - the certificates change no digest: the same recipe built with and without them gives
+//!   the same image.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use kiln_tests::require_env;
+use kiln_tests::vm::kiln_in;
+
+/// A test CA and a server certificate for `files.test` signed by it, made with openssl(1)
+/// (installed by `ci/setup.sh`): `ca.pem`, `srv.pem`, `srv.key` in `dir`.
+fn make_certs(dir: &Path) {
+    let run = |args: &[&str]| {
+        let o = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl missing: run ci/setup.sh");
+        assert!(
+            o.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
+    let mut ca = vec!["req", "-x509", "-nodes", "-days", "2"];
+    ca.extend(ec);
+    ca.extend([
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-subj",
+        "/CN=kiln test CA",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    ]);
+    run(&ca);
+    let mut csr = vec!["req", "-nodes"];
+    csr.extend(ec);
+    csr.extend([
+        "-keyout",
+        "srv.key",
+        "-out",
+        "srv.csr",
+        "-subj",
+        "/CN=files.test",
+    ]);
+    run(&csr);
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=DNS:files.test\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+    )
+    .expect("write ext.cnf");
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "srv.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+        "-out",
+        "srv.pem",
+    ]);
+}
+
+/// `openssl s_server -WWW` serving `dir`'s files over TLS on 127.0.0.1; killed on drop.
+struct TlsServer {
+    child: Child,
+    port: u16,
+}
+
+impl TlsServer {
+    fn start(dir: &Path) -> TlsServer {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let child = Command::new("openssl")
+            .args([
+                "s_server", "-quiet", "-WWW", "-cert", "srv.pem", "-key", "srv.key",
+            ])
+            .arg("-accept")
+            .arg(format!("127.0.0.1:{port}"))
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("openssl s_server");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "openssl s_server did not listen");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        TlsServer { child, port }
+    }
+}
+
+impl Drop for TlsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn build(dir: &Path, ctx: &Path, extra: &[&str]) -> Output {
+    kiln_in(env!("CARGO_BIN_EXE_kiln"), dir)
+        .arg("build")
+        .arg(ctx)
+        .args(["--progress", "plain"])
+        .args(extra)
+        .output()
+        .expect("run kiln")
+}
+
+fn ok(o: &Output) -> String {
+    kiln_tests::assert_success(o, "kiln build");
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .last()
+        .expect("the digest line")
+        .to_string()
+}
+
+/// The root file system and the OCI config of store tag `tag` of `dir`'s store (through
+/// `kiln export --format oci` and `kiln unpack oci:…`).
+fn unpack(dir: &Path, tag: &str) -> (PathBuf, serde_json::Value) {
+    let name = tag.replace(':', "-");
+    let layout = dir.join(format!("layout-{name}"));
+    kiln_tests::run_ok(
+        kiln_in(env!("CARGO_BIN_EXE_kiln"), dir)
+            .args(["export", tag, "--format", "oci", "-o"])
+            .arg(&layout),
+    );
+    let out = dir.join(format!("rootfs-{name}"));
+    kiln_tests::run_ok(
+        kiln_in(env!("CARGO_BIN_EXE_kiln"), dir)
+            .arg("unpack")
+            .arg(format!(
+                "oci:{}:{}",
+                layout.display(),
+                tag.rsplit(':').next().expect("a tag")
+            ))
+            .arg(&out)
+            .arg("--offline"),
+    );
+    let blob = |digest: &str| -> serde_json::Value {
+        let hex = digest.strip_prefix("sha256:").expect("a sha256 digest");
+        serde_json::from_slice(&std::fs::read(layout.join("blobs/sha256").join(hex)).expect("blob"))
+            .expect("json")
+    };
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(layout.join("index.json")).expect("index"))
+            .expect("json");
+    let manifest = blob(index["manifests"][0]["digest"].as_str().expect("digest"));
+    let config = blob(manifest["config"]["digest"].as_str().expect("digest"));
+    (out, config)
+}
+
+fn context(dir: &Path, dockerfile: &str) -> PathBuf {
+    let ctx = dir.join("ctx");
+    std::fs::create_dir_all(&ctx).expect("mkdir ctx");
+    std::fs::write(ctx.join("Dockerfile"), dockerfile).expect("write Dockerfile");
+    ctx
+}
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// What a step saw of its bundle, written into the image by the recipe below.
+const SEE_BUNDLE: &str = "RUN grep -c 'BEGIN CERTIFICATE' \"$SSL_CERT_FILE\" > /count \
+     && head -n 1 \"$SSL_CERT_FILE\" > /first \
+     && echo \"$SSL_CERT_FILE $CURL_CA_BUNDLE $GIT_SSL_CAINFO $REQUESTS_CA_BUNDLE $PIP_CERT $NODE_EXTRA_CA_CERTS\" > /vars\n";
+
+#[test]
+fn add_trusts_a_given_ca_and_steps_see_it_beside_the_image_bundle_without_keeping_it() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let certs = t.path().join("certs");
+    std::fs::create_dir(&certs).expect("mkdir");
+    make_certs(&certs);
+    std::fs::write(certs.join("hello.txt"), "hello over tls\n").expect("write");
+    let server = TlsServer::start(&certs);
+    let ca = certs.join("ca.pem");
+    let ca = ca.to_str().expect("utf-8");
+    let reach = [
+        "--egress-allow-private-for-tests",
+        "--egress-host-for-tests",
+        "files.test=127.0.0.1",
+    ];
+    let dockerfile = format!(
+        "FROM {bb}\n\
+         RUN mkdir -p /etc/ssl/certs && echo '# the image bundle' > /etc/ssl/certs/ca-certificates.crt\n\
+         ADD https://files.test:{}/hello.txt /hello.txt\n\
+         {SEE_BUNDLE}",
+        server.port
+    );
+
+    // Without the CA, the server's certificate is not trusted.
+    let a = t.path().join("without");
+    let ctx = context(&a, &dockerfile);
+    let o = build(&a, &ctx, &reach);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "built without the CA: {stderr}");
+    assert!(
+        stderr.contains(&format!("ADD https://files.test:{}/hello.txt", server.port)),
+        "{stderr}"
+    );
+    assert!(stderr.to_lowercase().contains("certificate"), "{stderr}");
+
+    // With it, namespace executor.
+    let b = t.path().join("with");
+    let ctx = context(&b, &dockerfile);
+    let mut args = reach.to_vec();
+    args.extend(["--ca-cert", ca, "-t", "ca:1"]);
+    ok(&build(&b, &ctx, &args));
+    let (root, config) = unpack(&b, "ca:1");
+    assert_eq!(read(&root.join("hello.txt")), "hello over tls\n");
+    // The image's bundle, then the one extra certificate.
+    assert_eq!(read(&root.join("count")).trim(), "1");
+    assert_eq!(read(&root.join("first")).trim(), "# the image bundle");
+    let bundle = "/dev/pipes/kiln-ca-certificates.crt";
+    assert_eq!(read(&root.join("vars")).trim(), [bundle; 6].join(" "));
+    // The image's own bundle is untouched, and the step's bundle is not in the image.
+    assert_eq!(
+        read(&root.join("etc/ssl/certs/ca-certificates.crt")),
+        "# the image bundle\n"
+    );
+    assert!(
+        !root.join("dev/pipes").exists(),
+        "the bundle reached the layer"
+    );
+    let env = config["config"]["Env"].to_string();
+    assert!(
+        env.contains("PATH=") && !env.contains("SSL_CERT_FILE"),
+        "the variables reached the image config: {env}"
+    );
+
+    // In a microVM: the same bundle and variables.
+    let vm_file = format!(
+        "FROM {bb}\nRUN mkdir -p /etc/ssl/certs && echo '# vm bundle' > /etc/ssl/certs/ca-certificates.crt\n{SEE_BUNDLE}"
+    );
+    let c = t.path().join("vm");
+    let ctx = context(&c, &vm_file);
+    ok(&build(
+        &c,
+        &ctx,
+        &["--isolation", "vm", "--ca-cert", ca, "-t", "vm:1"],
+    ));
+    let (root, _) = unpack(&c, "vm:1");
+    assert_eq!(read(&root.join("count")).trim(), "1");
+    assert_eq!(read(&root.join("first")).trim(), "# vm bundle");
+    assert_eq!(read(&root.join("vars")).trim(), [bundle; 6].join(" "));
+    assert!(!root.join("dev/pipes").exists());
+}
+
+#[test]
+fn extra_certificates_change_no_digest_and_bad_ones_are_refused_naming_the_file() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let certs = t.path().join("certs");
+    std::fs::create_dir(&certs).expect("mkdir");
+    make_certs(&certs);
+    let ca = certs.join("ca.pem");
+    let dockerfile = format!("FROM {bb}\nRUN echo made > /made\n");
+    let plain = t.path().join("plain");
+    let ctx = context(&plain, &dockerfile);
+    let epoch = ["--build-arg", "SOURCE_DATE_EPOCH=1700000000"];
+    let d1 = ok(&build(&plain, &ctx, &epoch));
+    let with = t.path().join("with");
+    let ctx = context(&with, &dockerfile);
+    let mut args = epoch.to_vec();
+    args.extend(["--ca-cert", ca.to_str().expect("utf-8")]);
+    let d2 = ok(&build(&with, &ctx, &args));
+    assert_eq!(d1, d2, "the CA changed the image");
+
+    // A private key where certificates belong is refused, naming the file.
+    let key = certs.join("srv.key");
+    let o = build(&plain, &ctx, &["--ca-cert", key.to_str().expect("utf-8")]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("--ca-cert {}", key.display()))
+            && stderr.contains("only CERTIFICATE sections"),
+        "{stderr}"
+    );
+    // So is a file with no certificate.
+    let empty = certs.join("ext.cnf");
+    let o = build(&plain, &ctx, &["--ca-cert", empty.to_str().expect("utf-8")]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{stderr}");
+    assert!(stderr.contains("no PEM certificate found"), "{stderr}");
+}
