@@ -10,117 +10,11 @@
 //!   the same image.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Output;
 
 use kiln_tests::require_env;
+use kiln_tests::tls::{TlsServer, make_certs};
 use kiln_tests::vm::kiln_in;
-
-/// A test CA and a server certificate for `files.test` signed by it, made with openssl(1)
-/// (installed by `ci/setup.sh`): `ca.pem`, `srv.pem`, `srv.key` in `dir`.
-fn make_certs(dir: &Path) {
-    let run = |args: &[&str]| {
-        let o = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("openssl missing: run ci/setup.sh");
-        assert!(
-            o.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    };
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
-    let mut ca = vec!["req", "-x509", "-nodes", "-days", "2"];
-    ca.extend(ec);
-    ca.extend([
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-subj",
-        "/CN=kiln test CA",
-        "-addext",
-        "basicConstraints=critical,CA:TRUE",
-        "-addext",
-        "keyUsage=critical,keyCertSign,cRLSign",
-    ]);
-    run(&ca);
-    let mut csr = vec!["req", "-nodes"];
-    csr.extend(ec);
-    csr.extend([
-        "-keyout",
-        "srv.key",
-        "-out",
-        "srv.csr",
-        "-subj",
-        "/CN=files.test",
-    ]);
-    run(&csr);
-    std::fs::write(
-        dir.join("ext.cnf"),
-        "subjectAltName=DNS:files.test\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
-    )
-    .expect("write ext.cnf");
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "srv.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        "ext.cnf",
-        "-out",
-        "srv.pem",
-    ]);
-}
-
-/// `openssl s_server -WWW` serving `dir`'s files over TLS on 127.0.0.1; killed on drop.
-struct TlsServer {
-    child: Child,
-    port: u16,
-}
-
-impl TlsServer {
-    fn start(dir: &Path) -> TlsServer {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let child = Command::new("openssl")
-            .args([
-                "s_server", "-quiet", "-WWW", "-cert", "srv.pem", "-key", "srv.key",
-            ])
-            .arg("-accept")
-            .arg(format!("127.0.0.1:{port}"))
-            .current_dir(dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("openssl s_server");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "openssl s_server did not listen");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        TlsServer { child, port }
-    }
-}
-
-impl Drop for TlsServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn build(dir: &Path, ctx: &Path, extra: &[&str]) -> Output {
     kiln_in(env!("CARGO_BIN_EXE_kiln"), dir)
@@ -202,7 +96,7 @@ fn add_trusts_a_given_ca_and_steps_see_it_beside_the_image_bundle_without_keepin
     let t = tempfile::tempdir().expect("tempdir");
     let certs = t.path().join("certs");
     std::fs::create_dir(&certs).expect("mkdir");
-    make_certs(&certs);
+    make_certs(&certs, "files.test");
     std::fs::write(certs.join("hello.txt"), "hello over tls\n").expect("write");
     let server = TlsServer::start(&certs);
     let ca = certs.join("ca.pem");
@@ -288,7 +182,7 @@ fn extra_certificates_change_no_digest_and_bad_ones_are_refused_naming_the_file(
     let t = tempfile::tempdir().expect("tempdir");
     let certs = t.path().join("certs");
     std::fs::create_dir(&certs).expect("mkdir");
-    make_certs(&certs);
+    make_certs(&certs, "files.test");
     let ca = certs.join("ca.pem");
     let dockerfile = format!("FROM {bb}\nRUN echo made > /made\n");
     let plain = t.path().join("plain");

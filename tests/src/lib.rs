@@ -8,6 +8,7 @@ pub mod http;
 pub mod netns;
 pub mod serve;
 pub mod stores;
+pub mod tls;
 pub mod vm;
 
 use std::os::unix::fs::MetadataExt;
