@@ -1144,44 +1144,10 @@ fn egress_none_reaches_nothing_even_through_the_proxy_address() {
 /// `http_proxy` from the environment.
 #[test]
 fn egress_apt_installs_from_a_local_repository_through_the_proxy() {
-    use sha2::{Digest as _, Sha256};
     let f = fixture("egress-apt");
     let base = debian_root(&f);
     let repo = f._tmp.path().join("repo");
-    let pkg = f._tmp.path().join("pkg");
-    fs::create_dir_all(pkg.join("DEBIAN")).unwrap();
-    fs::create_dir_all(pkg.join("usr/share/kiln-hello")).unwrap();
-    let control = "Package: kiln-hello\nVersion: 1.0\nArchitecture: all\n\
-                   Maintainer: kiln tests <tests@kiln.invalid>\nDescription: egress test package\n";
-    fs::write(pkg.join("DEBIAN/control"), control).unwrap();
-    fs::write(
-        pkg.join("usr/share/kiln-hello/hello.txt"),
-        "installed through the proxy\n",
-    )
-    .unwrap();
-    fs::create_dir_all(repo.join("pool")).unwrap();
-    let deb = repo.join("pool/kiln-hello_1.0_all.deb");
-    kiln_tests::run_ok(
-        std::process::Command::new("dpkg-deb")
-            .args(["--build", "--root-owner-group"])
-            .arg(&pkg)
-            .arg(&deb),
-    );
-    let deb_bytes = fs::read(&deb).unwrap();
-    let packages = format!(
-        "{control}Filename: pool/kiln-hello_1.0_all.deb\nSize: {}\nSHA256: {}\n",
-        deb_bytes.len(),
-        hex::encode(Sha256::digest(&deb_bytes))
-    );
-    let bin = repo.join("dists/test/main/binary-amd64");
-    fs::create_dir_all(&bin).unwrap();
-    fs::write(bin.join("Packages"), &packages).unwrap();
-    let release = format!(
-        "Suite: test\nCodename: test\nComponents: main\nArchitectures: amd64 all\nSHA256:\n {} {} main/binary-amd64/Packages\n",
-        hex::encode(Sha256::digest(packages.as_bytes())),
-        packages.len()
-    );
-    fs::write(repo.join("dists/test/Release"), release).unwrap();
+    kiln_tests::pkgs::apt_repo(&repo);
     let server = kiln_tests::http::LocalServer::serve_dir(&repo);
     let port = server.port;
     let mut cfg = f.config();
@@ -1203,7 +1169,7 @@ fn egress_apt_installs_from_a_local_repository_through_the_proxy() {
     r.unwrap_or_else(|e| panic!("{e}: {lines:#?}"));
     assert_eq!(
         lines.last().map(String::as_str),
-        Some("installed through the proxy"),
+        Some(kiln_tests::pkgs::HELLO),
         "{lines:#?}"
     );
     let seen = server.seen.lock().unwrap().clone();
@@ -1220,32 +1186,8 @@ fn egress_apt_installs_from_a_local_repository_through_the_proxy() {
 #[test]
 fn egress_git_clones_over_http_through_the_proxy() {
     let f = fixture("egress-git");
-    let git_cmd = |args: &[&str], dir: &Path| {
-        kiln_tests::run_ok(
-            std::process::Command::new("git")
-                .args([
-                    "-c",
-                    "user.name=kiln",
-                    "-c",
-                    "user.email=tests@kiln.invalid",
-                ])
-                .args(args)
-                .current_dir(dir),
-        )
-    };
-    let work = f._tmp.path().join("src");
-    fs::create_dir_all(&work).unwrap();
-    git_cmd(&["init", "-q", "-b", "main"], &work);
-    fs::write(work.join("README"), "cloned through the proxy\n").unwrap();
-    git_cmd(&["add", "README"], &work);
-    git_cmd(&["commit", "-q", "-m", "one"], &work);
     let served = f._tmp.path().join("served");
-    fs::create_dir_all(&served).unwrap();
-    git_cmd(
-        &["clone", "-q", "--bare", work.to_str().unwrap(), "repo.git"],
-        &served,
-    );
-    git_cmd(&["update-server-info"], &served.join("repo.git"));
+    kiln_tests::pkgs::git_repo(&served);
     let server = kiln_tests::http::LocalServer::serve_dir(&served);
     let port = server.port;
     let which = |prog: &str| {
@@ -1279,7 +1221,7 @@ fn egress_git_clones_over_http_through_the_proxy() {
     r.unwrap_or_else(|e| panic!("{e}: {lines:#?}"));
     assert_eq!(
         lines.last().map(String::as_str),
-        Some("cloned through the proxy"),
+        Some(kiln_tests::pkgs::HELLO),
         "{lines:#?}"
     );
     let seen = server.seen.lock().unwrap().clone();

@@ -22,7 +22,8 @@ impl LocalServer {
     }
 
     /// Starts one serving the files under `root` (`GET /a/b` is `root/a/b`, the query
-    /// ignored; anything else, `..` included, is 404).
+    /// ignored, a path ending in `/` is its `index.html`, sent as `text/html`; anything
+    /// else, `..` included, is 404).
     pub fn serve_dir(root: &std::path::Path) -> LocalServer {
         Self::serve(
             Some(root.to_path_buf()),
@@ -100,22 +101,35 @@ impl LocalServer {
                         continue;
                     }
                 }
-                let (status, body) = match &root {
-                    None => ("200 OK", format!("hello {path}\n").into_bytes()),
+                let (status, body, kind) = match &root {
+                    None => ("200 OK", format!("hello {path}\n").into_bytes(), ""),
                     Some(dir) => {
-                        let rel = path.split('?').next().unwrap_or("").trim_start_matches('/');
+                        let mut rel = path
+                            .split('?')
+                            .next()
+                            .unwrap_or("")
+                            .trim_start_matches('/')
+                            .to_string();
+                        if rel.is_empty() || rel.ends_with('/') {
+                            rel.push_str("index.html");
+                        }
+                        let kind = if rel.ends_with(".html") {
+                            "Content-Type: text/html\r\n"
+                        } else {
+                            ""
+                        };
                         match (
                             rel.split('/').any(|c| c == ".."),
-                            std::fs::read(dir.join(rel)),
+                            std::fs::read(dir.join(&rel)),
                         ) {
-                            (false, Ok(b)) => ("200 OK", b),
-                            _ => ("404 Not Found", Vec::new()),
+                            (false, Ok(b)) => ("200 OK", b, kind),
+                            _ => ("404 Not Found", Vec::new(), ""),
                         }
                     }
                 };
                 let _ = write!(
                     conn,
-                    "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    "HTTP/1.1 {status}\r\n{kind}Content-Length: {}\r\nConnection: close\r\n\r\n",
                     body.len()
                 );
                 let _ = conn.write_all(&body);
