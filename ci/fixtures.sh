@@ -6,12 +6,14 @@
 # Images (OCI image layouts, gzip layers, packed with umoci):
 #   busybox  Debian's busybox-static: /bin/busybox, applet symlinks, /etc/passwd, /etc/group
 #   debian   a Debian bookworm minbase made with debootstrap from the mirror apt already uses
+#   tools    the debian image plus one layer: curl, git, python3-pip and npm (tag `tools`)
 #   multi    an OCI image index over busybox for linux/amd64 and a linux/arm64 variant
-# Pushed to 127.0.0.1:5000 (busybox:latest, debian:bookworm, multi:latest) and to the basic
-# auth registry :5001 (busybox:latest, debian:bookworm).
+# Pushed to 127.0.0.1:5000 (busybox:latest, debian:bookworm, debian:tools, multi:latest) and to
+# the basic auth registry :5001 (busybox:latest, debian:bookworm).
 # Exports (and appends to $KILN_CI_CACHE/env): KILN_TEST_BUSYBOX_OCI, KILN_TEST_DEBIAN_OCI
 # (layout dirs; tags `latest` and `bookworm`), KILN_TEST_BUSYBOX_REF, KILN_TEST_DEBIAN_REF,
-# KILN_TEST_MULTI_REF, KILN_TEST_MULTI_AMD64_DIGEST, KILN_TEST_MULTI_ARM64_DIGEST.
+# KILN_TEST_MULTI_REF, KILN_TEST_MULTI_AMD64_DIGEST, KILN_TEST_MULTI_ARM64_DIGEST,
+# KILN_TEST_TOOLS_REF.
 
 fixtures_main() {
   local script_hash fx
@@ -92,9 +94,41 @@ fixtures_main() {
     touch "$db_dir/done"
   fi
 
+  # --- debian tools: the Debian fixture plus curl, git, python3-pip and npm ---------------------
+  # One layer over the Debian fixture's (shared in the registry), for the egress tests that
+  # install from local apt, PyPI and npm servers and clone over HTTP in microVM steps.
+  local tl_pkgs="curl git python3-pip npm" tl_key tl_dir
+  tl_key=$(printf '%s\n' "$db_key" "$tl_pkgs" | sha256sum | cut -c1-16)
+  tl_dir=$fx/debian-tools-$tl_key
+  if [ ! -f "$tl_dir/done" ]; then
+    log "fixtures: building debian tools ($tl_pkgs) over the Debian fixture ($tl_dir)"
+    rm -rf "$tl_dir"
+    mkdir -p "$tl_dir"
+    cp -a "$db_dir/oci" "$tl_dir/oci"
+    umoci unpack --image "$tl_dir/oci:bookworm" "$tl_dir/bundle" >/dev/null
+    local r=$tl_dir/bundle/rootfs
+    if ! (
+      mount --bind /dev "$r/dev" && trap 'umount "$r/dev"' EXIT &&
+        mount -t proc proc "$r/proc" && trap 'umount "$r/proc"; umount "$r/dev"' EXIT &&
+        chroot "$r" /bin/sh -c "apt-get -qq update && DEBIAN_FRONTEND=noninteractive \
+          apt-get -qq install -y --no-install-recommends $tl_pkgs && apt-get clean"
+    ) >"$tl_dir/apt.log" 2>&1; then
+      log "fixtures: installing $tl_pkgs failed; its log:"
+      tail -30 "$tl_dir/apt.log" >&2
+      return 1
+    fi
+    rm -rf "$r/var/lib/apt/lists/"* "$r/usr/share/doc" "$r/usr/share/man"
+    umoci repack --image "$tl_dir/oci:tools" "$tl_dir/bundle" >/dev/null
+    umoci config --image "$tl_dir/oci:tools" --config.cmd /bin/bash >/dev/null
+    rm -rf "$tl_dir/bundle"
+    umoci gc --layout "$tl_dir/oci"
+    touch "$tl_dir/done"
+  fi
+
   # --- pushes -----------------------------------------------------------------------------------
   fixture_push "$bb_dir/oci:latest" "$KILN_TEST_REGISTRY/busybox:latest"
   fixture_push "$db_dir/oci:bookworm" "$KILN_TEST_REGISTRY/debian:bookworm"
+  fixture_push "$tl_dir/oci:tools" "$KILN_TEST_REGISTRY/debian:tools"
   fixture_push "$bb_dir/oci:latest" "$KILN_TEST_REGISTRY_AUTH/busybox:latest" auth
   fixture_push "$db_dir/oci:bookworm" "$KILN_TEST_REGISTRY_AUTH/debian:bookworm" auth
   fixture_push "$bb_dir/oci:latest" "$KILN_TEST_REGISTRY/multi:amd64"
@@ -107,10 +141,12 @@ fixtures_main() {
   export KILN_TEST_BUSYBOX_OCI=$bb_dir/oci KILN_TEST_DEBIAN_OCI=$db_dir/oci
   export KILN_TEST_BUSYBOX_REF=$KILN_TEST_REGISTRY/busybox:latest
   export KILN_TEST_DEBIAN_REF=$KILN_TEST_REGISTRY/debian:bookworm
+  export KILN_TEST_TOOLS_REF=$KILN_TEST_REGISTRY/debian:tools
   export KILN_TEST_MULTI_REF=$KILN_TEST_REGISTRY/multi:latest
   export KILN_TEST_MULTI_AMD64_DIGEST=$amd KILN_TEST_MULTI_ARM64_DIGEST=$arm
   local v
   for v in KILN_TEST_BUSYBOX_OCI KILN_TEST_DEBIAN_OCI KILN_TEST_BUSYBOX_REF KILN_TEST_DEBIAN_REF \
+    KILN_TEST_TOOLS_REF \
     KILN_TEST_MULTI_REF KILN_TEST_MULTI_AMD64_DIGEST KILN_TEST_MULTI_ARM64_DIGEST; do
     printf 'export %s=%q\n' "$v" "${!v}"
   done >>"$KILN_CI_CACHE/env"
