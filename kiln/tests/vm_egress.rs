@@ -246,6 +246,7 @@ fn vm_steps_fetch_through_the_egress_proxy_concurrently_and_by_their_rules() {
     // `default`: any name whose addresses the policy permits.
     let mut script = format!(
         "env | grep -i _proxy= | sort | tr '\\n' ' '; echo; \
+         echo resolv $(wc -c < /etc/resolv.conf); \
          wget -q -O /got-default http://pkg.test:{port}/small && echo small-ok; \
          wget -q -O /dev/null http://pkg.test:{port}/held & held=$!; \
          mkdir /dl; pids=; "
@@ -268,7 +269,12 @@ fn vm_steps_fetch_through_the_egress_proxy_concurrently_and_by_their_rules() {
          https_proxy=http://127.0.0.1:3128 no_proxy=localhost,127.0.0.1,::1 ",
         "{lines:#?}"
     );
-    for l in ["small-ok", &format!("parallel-ok {PARALLEL}"), "done"] {
+    for l in [
+        "resolv 0",
+        "small-ok",
+        &format!("parallel-ok {PARALLEL}"),
+        "done",
+    ] {
         assert!(has(&lines, l), "{l:?} missing: {lines:#?}");
     }
     assert_eq!(
@@ -280,6 +286,8 @@ fn vm_steps_fetch_through_the_egress_proxy_concurrently_and_by_their_rules() {
         assert!(got == big_body(n), "download {n}: {} bytes", got.len());
     }
     assert_eq!(server.hits("/held"), 1);
+    // The empty resolv.conf was the step's view only: the image had none, the layer has none.
+    assert!(!upper.join("etc").exists(), "{lines:#?}");
     assert!(
         !lines.iter().any(|l| l.starts_with("egress: ")),
         "{lines:#?}"

@@ -47,7 +47,8 @@
 //!    [`kiln_builder::egress::proxy::Proxy::addresses_only`], any name whose addresses the
 //!    address policy permits (public ones). Names are resolved on the host, after the rule
 //!    check. The step gets [`kiln_builder::egress::proxy_env`] at exec time (not in its cache
-//!    key) and its first log line says what it can reach ([`PROXY_ONLY_LINE`]): HTTP, and
+//!    key), an empty `/etc/resolv.conf` bound over its image's for the command only (as a
+//!    namespace allow-list step; not in its layer), and its first log line says what it can reach ([`PROXY_ONLY_LINE`]): HTTP, and
 //!    HTTPS by `CONNECT`; `git://`, ssh and UDP do not work, unlike a namespace step with the
 //!    default network (slirp4netns). Each refusal is one `egress: refused …` line of the
 //!    step's log, through the same [`LogShaper`]. A `none` step's VM has no egress port and
@@ -70,9 +71,9 @@
 //! layer with the same cleanup.
 //!
 //! Not yet: `RUN --mount=type=cache` (a persistent host directory) and a bind of a single
-//! file; the host network (refused, as [`VmExecutor::run`] says); an empty
-//! `/etc/resolv.conf` view for steps with the proxy, as a namespace allow-list step has (a
-//! VM step sees its image's, which names no reachable server: there is no network card);
+//! file; the host network (refused, as [`VmExecutor::run`] says); the empty
+//! `/etc/resolv.conf` of a step with the proxy when its image's `/etc/resolv.conf` (or
+//! `/etc`) is a symlink (it then sees its image's file, which names no server it can reach);
 //! extra CA certificates for a step (issue 30); a VM restored from a snapshot per step
 //! instead of a cold boot.
 
@@ -343,6 +344,23 @@ fn step_env(spec: &StepSpec) -> Vec<String> {
     }
     env.extend(spec.env.iter().filter(|e| e.contains('=')).cloned());
     env
+}
+
+/// Whether the empty `/etc/resolv.conf` of a step with the proxy can be bound in: neither
+/// `/etc` nor `/etc/resolv.conf`, as the topmost of the `lowers` that has each shows it, is
+/// a symlink (the guest refuses a mount point behind one; such a step keeps its image's
+/// file, which names no server it can reach: there is no network card).
+fn resolv_conf_mountable(lowers: &[PathBuf]) -> bool {
+    for rel in ["etc", "etc/resolv.conf"] {
+        if let Some(md) = lowers
+            .iter()
+            .find_map(|l| l.join(rel).symlink_metadata().ok())
+            && md.file_type().is_symlink()
+        {
+            return false;
+        }
+    }
+    true
 }
 
 /// Whether a step with `network` gets the egress port and the proxy (`default` and an
@@ -747,6 +765,24 @@ impl VmExecutor {
                 rel: rel.to_string(),
                 kind,
             });
+        }
+        // A step with the proxy sees an empty /etc/resolv.conf (names are resolved on the
+        // host), as a namespace allow-list step does: an empty file bound over it for the
+        // command only, first, so that the step's own mounts go over it. Its mount point,
+        // when the image has none, is removed from the layer by `cleanup_mount_points` below.
+        if egress && resolv_conf_mountable(&spec.lower_dirs) {
+            guest_mounts.insert(
+                0,
+                ExecMount {
+                    rel: "etc/resolv.conf".into(),
+                    kind: ExecMountKind::Secret {
+                        data: Vec::new(),
+                        mode: 0o644,
+                        uid: 0,
+                        gid: 0,
+                    },
+                },
+            );
         }
         let vm_spec = VmSpec {
             accel: self.accel,
