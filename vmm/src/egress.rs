@@ -27,7 +27,7 @@ use kiln_guest::egress::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream, ReadHalf, WriteHalf};
 use tokio::net::UnixStream;
 use tokio::sync::{Notify, mpsc};
-use tokio::task::JoinHandle;
+use tokio::task::{AbortHandle, JoinHandle, JoinSet};
 
 pub use kiln_guest::egress::PROXY_PORT;
 
@@ -158,7 +158,7 @@ impl Credit {
 struct Stream {
     down: mpsc::UnboundedSender<Down>,
     credit: Arc<Credit>,
-    tasks: [JoinHandle<()>; 2],
+    tasks: [AbortHandle; 2],
 }
 
 impl Stream {
@@ -177,7 +177,11 @@ where
     let (mut rd, mut wr) = port.into_split();
     let (out_tx, mut out_rx) = mpsc::channel::<Frame>(WRITE_QUEUE);
     let (ctl_tx, mut ctl_rx) = mpsc::channel::<Frame>(CONTROL_QUEUE);
-    let writer = tokio::spawn(async move {
+    // Every task of the channel (writer, streams, handlers) lives in this set, so that when
+    // this task ends, or is aborted by dropping [`EgressChannel`], they all end with it: a
+    // proxy relaying to a server that never closes must not outlive the VM.
+    let mut tasks = JoinSet::new();
+    tasks.spawn(async move {
         loop {
             let f = tokio::select! {
                 biased;
@@ -195,7 +199,6 @@ where
     let mut streams: HashMap<u32, Stream> = HashMap::new();
     let mut decoder = FrameDecoder::new();
     let mut buf = vec![0u8; MAX_PAYLOAD + kiln_guest::egress::HEADER_LEN];
-    let mut handlers = Vec::new();
     'outer: loop {
         tokio::select! {
             r = rd.read(&mut buf) => {
@@ -217,10 +220,11 @@ where
                     match table.incoming(f) {
                         Verdict::Open => {
                             let (near, far) = tokio::io::duplex(MAX_PAYLOAD);
-                            let s = open_stream(id, near, &out_tx, &ev_tx);
+                            // Reap what has finished, so the set holds live tasks only.
+                            while tasks.try_join_next().is_some() {}
+                            let s = open_stream(id, near, &out_tx, &ev_tx, &mut tasks);
                             streams.insert(id, s);
-                            handlers.retain(|h: &JoinHandle<()>| !h.is_finished());
-                            handlers.push(tokio::spawn(handler(far)));
+                            tasks.spawn(handler(far));
                         }
                         Verdict::Data(bytes) => {
                             if let Some(s) = streams.get(&id) {
@@ -277,13 +281,7 @@ where
             },
         }
     }
-    for (_, s) in streams.drain() {
-        s.abort();
-    }
-    for h in handlers {
-        h.abort();
-    }
-    writer.abort();
+    tasks.shutdown().await;
 }
 
 /// Queues a control frame; false when the queue is full (the guest is not reading its
@@ -320,6 +318,7 @@ fn open_stream(
     near: DuplexStream,
     out: &mpsc::Sender<Frame>,
     ev: &mpsc::UnboundedSender<Event>,
+    tasks: &mut JoinSet<()>,
 ) -> Stream {
     let (r, w) = tokio::io::split(near);
     let credit = Arc::new(Credit {
@@ -327,8 +326,8 @@ fn open_stream(
         notify: Notify::new(),
     });
     let (down_tx, down_rx) = mpsc::unbounded_channel();
-    let up = tokio::spawn(send_up(id, r, credit.clone(), out.clone(), ev.clone()));
-    let down = tokio::spawn(write_down(id, w, down_rx, out.clone(), ev.clone()));
+    let up = tasks.spawn(send_up(id, r, credit.clone(), out.clone(), ev.clone()));
+    let down = tasks.spawn(write_down(id, w, down_rx, out.clone(), ev.clone()));
     Stream {
         down: down_tx,
         credit,
@@ -409,6 +408,7 @@ mod tests {
             &path,
             Duration::from_secs(5),
             |mut s: DuplexStream| async move {
+                let _live = Live::new();
                 let mut first = [0u8; 4];
                 if s.read_exact(&mut first).await.is_err() {
                     return;
@@ -439,6 +439,24 @@ mod tests {
         (g, ch)
     }
 
+    /// Handlers running (each holds one).
+    static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+    struct Live;
+
+    impl Live {
+        fn new() -> Live {
+            LIVE.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Live
+        }
+    }
+
+    impl Drop for Live {
+        fn drop(&mut self) {
+            LIVE.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
     async fn send(g: &mut UnixStream, f: Frame) {
         g.write_all(&f.encode()).await.unwrap();
     }
@@ -460,6 +478,8 @@ mod tests {
 
     #[tokio::test]
     async fn streams_echo_a_stalled_one_blocks_no_other_and_breaches_close() {
+        // No handler yet (this is the one test counting them).
+        assert_eq!(LIVE.load(std::sync::atomic::Ordering::SeqCst), 0);
         let (mut g, _ch) = echo_host().await;
         let mut d = FrameDecoder::new();
         // Stream 1: its handler stops reading after 4 bytes; the guest sends a whole window.
@@ -519,5 +539,57 @@ mod tests {
             .await
             .expect("closed in time")
             .unwrap();
+        // Every handler ended with the channel, the stalled one and the 64 waiting for
+        // their first bytes too.
+        let t0 = std::time::Instant::now();
+        while LIVE.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "handlers outlived the channel"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn dropping_the_channel_ends_every_handler() {
+        static ENDED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        struct Flag;
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                ENDED.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let t = tempfile::tempdir().unwrap();
+        let path = t.path().join("egress.sock");
+        let l = tokio::net::UnixListener::bind(&path).unwrap();
+        let (started_tx, mut started) = mpsc::unbounded_channel::<()>();
+        let ch = serve(&path, Duration::from_secs(5), move |s: DuplexStream| {
+            let started_tx = started_tx.clone();
+            async move {
+                let _flag = Flag;
+                let _s = s;
+                let _ = started_tx.send(());
+                // A relay to a server that never closes.
+                std::future::pending::<()>().await;
+            }
+        })
+        .await
+        .unwrap();
+        let (mut g, _) = l.accept().await.unwrap();
+        send(&mut g, Frame::bare(0, Kind::Open)).await;
+        tokio::time::timeout(Duration::from_secs(5), started.recv())
+            .await
+            .expect("the handler started");
+        assert!(!ENDED.load(std::sync::atomic::Ordering::SeqCst));
+        drop(ch);
+        let t0 = std::time::Instant::now();
+        while !ENDED.load(std::sync::atomic::Ordering::SeqCst) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the handler outlived the channel"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 }
