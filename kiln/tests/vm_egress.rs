@@ -8,7 +8,7 @@
 //!   127.0.0.1, private switch on) into their layers; the `default` step also runs five
 //!   downloads of 1 MiB at once beside a connection the server never answers, and all five
 //!   arrive whole (per-stream flow control: a stalled stream blocks no other); the
-//!   allow-list's deny entry wins over its `*.test`, and a name off the list is refused,
+//!   allow-list step also fetches through a `CONNECT` tunnel (busybox `nc`); its deny entry wins over its `*.test`, and a name off the list is refused,
 //!   each with its log line;
 //! - with the private switch off, a name mapped to 127.0.0.1, the metadata address and the
 //!   host's loopback port are refused, each leaving its `egress: refused …` line;
@@ -302,7 +302,10 @@ fn vm_steps_fetch_through_the_egress_proxy_concurrently_and_by_their_rules() {
         &format!(
             "wget -q -O /got-allow http://pkg.test:{port}/small && echo allow-ok; \
              wget -q -O - http://bad.test:{port}/small || echo bad-refused; \
-             wget -q -O - http://other.example:{port}/small || echo other-refused"
+             wget -q -O - http://other.example:{port}/small || echo other-refused; \
+             (printf 'CONNECT pkg.test:{port} HTTP/1.1\\r\\nHost: pkg.test:{port}\\r\\n\\r\\n\
+             GET /small HTTP/1.0\\r\\nHost: pkg.test\\r\\n\\r\\n'; sleep 3) \
+             | nc 127.0.0.1 3128 | grep -q '^hello small' && echo connect-ok"
         ),
     );
     assert_eq!(format!("{}\n", lines[0]), PROXY_ONLY_LINE, "{lines:#?}");
@@ -310,6 +313,7 @@ fn vm_steps_fetch_through_the_egress_proxy_concurrently_and_by_their_rules() {
         "allow-ok",
         "bad-refused",
         "other-refused",
+        "connect-ok",
         &format!("egress: refused GET bad.test:{port}: deny bad.test"),
         &format!("egress: refused GET other.example:{port}: not on the allow list"),
     ] {
@@ -324,9 +328,9 @@ fn vm_steps_fetch_through_the_egress_proxy_concurrently_and_by_their_rules() {
         std::fs::read(upper.join("got-allow")).unwrap(),
         b"hello small\n"
     );
-    // The server saw the allowed requests only.
-    assert_eq!(server.hits("/small"), 2);
-    assert_eq!(server.seen.lock().unwrap().len(), 2 + 1 + PARALLEL);
+    // The server saw the allowed requests only (the tunnelled one too).
+    assert_eq!(server.hits("/small"), 3);
+    assert_eq!(server.seen.lock().unwrap().len(), 3 + 1 + PARALLEL);
 }
 
 /// With the private switch off, a name mapped to 127.0.0.1, the metadata address and the
