@@ -37,11 +37,14 @@
 //!
 //! Either end may be hostile (the guest runs a tenant's code). [`FrameDecoder`] refuses an
 //! unknown kind or a length out of bounds for its kind: nothing after a bad header can be
-//! trusted, so the whole channel is dropped. [`Table`] keeps the per-stream rules, and a
-//! breach closes the offending stream only: `data` past the window or after the sender's
-//! `eof`, a `window` that overflows, an `open` by the host, of an id not above every earlier
-//! one, or past [`MAX_STREAMS`]. Frames of ids that are not open are ignored (they may be the
-//! tail of a stream this end has just closed).
+//! trusted, so the whole channel is dropped (the host closes its socket; the guest, which
+//! cannot close a port, ends every stream and starts decoding afresh). [`Table`] keeps the
+//! per-stream rules, and a breach closes the offending stream only: `data` past the window
+//! or after the sender's `eof`, a second `eof`, an `open` by the host, of an id not above
+//! every earlier one, or past [`MAX_STREAMS`]; and, checked by each end's sending credit, a
+//! `window` that gives back more than was sent (credit past [`MAX_CREDIT`]). Frames of ids
+//! that are not open are ignored (they may be the tail of a stream this end has just
+//! closed).
 
 use std::collections::HashMap;
 
