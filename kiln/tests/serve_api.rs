@@ -1003,8 +1003,8 @@ fn step_of<'a>(v: &'a Value, location: &str) -> &'a Value {
 /// step in a microVM of its own (TCG here) and gives the image `kiln build` gives with the
 /// namespace executor. The server says so at startup; each RUN step's `executor` is `vm`
 /// (none for COPY and the generated sandbox layer). A step with the default network, or
-/// with the build's allow-list, runs without one and its first log line says so; a `none`
-/// step's does not. `network: "host"` is refused with 400. The tenants' port has no
+/// with the build's allow-list, reaches the network through kiln's egress proxy only and its
+/// first log line says so; a `none` step's does not. `network: "host"` is refused with 400. The tenants' port has no
 /// `/metrics`, and without `--metrics-listen` there is no other.
 #[test]
 fn serve_runs_tenant_steps_in_microvms() {
@@ -1088,10 +1088,8 @@ fn serve_runs_tenant_steps_in_microvms() {
             .await
             .expect("log");
         let line = first_line(&log, &step_of(&v, "Dockerfile:3")["step"]);
-        assert_eq!(
-            line,
-            "[kiln] this step runs without a network: microVM steps have no network card yet"
-        );
+        // The default network of a microVM step is the egress proxy, and the step says so.
+        assert_eq!(line, kiln_pipeline::vmexec::PROXY_ONLY_LINE.trim_end());
         let none = step_of(&v, "Dockerfile:4")["step"].clone();
         assert!(
             !log.lines().any(|l| {
@@ -1101,7 +1099,7 @@ fn serve_runs_tenant_steps_in_microvms() {
             "{log}"
         );
 
-        // An allow-list reaches nothing from a microVM, and the step says so.
+        // An allow-list step in a microVM goes through the same proxy, and says so.
         let id = submit_recipe(
             &c,
             &s,
@@ -1119,9 +1117,9 @@ fn serve_runs_tenant_steps_in_microvms() {
             .text()
             .await
             .expect("log");
-        assert!(
-            first_line(&log, &step["step"])
-                .starts_with("[kiln] this step runs without a network, so its allow-list"),
+        assert_eq!(
+            first_line(&log, &step["step"]),
+            kiln_pipeline::vmexec::PROXY_ONLY_LINE.trim_end(),
             "{log}"
         );
 

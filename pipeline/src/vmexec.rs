@@ -14,7 +14,8 @@
 //!    ones squashed into one read-only disk ([`squash_plan`], [`squashed_image`]). The guest
 //!    sees the step's layers and nothing else of the host's file system. Why disks and not
 //!    9p: Debian's cloud kernel, kiln's guest kernel, has no 9p (`modules.order` lists none),
-//!    and virtio-fs needs `virtiofsd`, which bookworm lacks. There is no network card.
+//!    and virtio-fs needs `virtiofsd`, which bookworm lacks. There is no network card
+//!    (item 5).
 //! 2. **Boot.** The one QEMU command line ([`kiln_vmm::launch::VmSpec`]) with anonymous memory
 //!    of the step's memory limit plus [`STEP_VM_HEADROOM_BYTES`] for the guest's kernel and
 //!    init (at least [`STEP_VM_MIN_BYTES`]), the step's vCPUs, and
@@ -35,6 +36,29 @@
 //!    unchanged. A hostile guest's frames (out of sequence, over the bound) and tar entries
 //!    (climbing out, bad types, over the layer bounds) are refused ([`ExecError::Guest`]).
 //!
+//! 5. **Network.** A step VM has no network card. A step whose network is `default` or an
+//!    allow-list reaches the host's egress proxy ([`kiln_builder::egress`]) through a second
+//!    virtio-serial port ([`kiln_vmm::launch::VmSpec::egress_socket`], `kiln.egress` on the
+//!    kernel command line): the guest init listens on `127.0.0.1:3128` and carries each
+//!    connection as one stream of [`kiln_vmm::egress`]'s multiplexed, flow-controlled
+//!    protocol (`kiln_guest::egress`) to a proxy made for the step, as the namespace
+//!    executor's: an allow-list is [`kiln_builder::egress::proxy::Proxy::new`] with the
+//!    step's rules (deny wins), `default` is
+//!    [`kiln_builder::egress::proxy::Proxy::addresses_only`], any name whose addresses the
+//!    address policy permits (public ones). Names are resolved on the host, after the rule
+//!    check. The step gets [`kiln_builder::egress::proxy_env`] at exec time (not in its cache
+//!    key), an empty `/etc/resolv.conf` bound over its image's for the command only (as a
+//!    namespace allow-list step; not in its layer), and its first log line says what it can reach ([`PROXY_ONLY_LINE`]): HTTP, and
+//!    HTTPS by `CONNECT`; `git://`, ssh and UDP do not work, unlike a namespace step with the
+//!    default network (slirp4netns). Each refusal is one `egress: refused …` line of the
+//!    step's log, through the same [`LogShaper`]. A `none` step's VM has no egress port and
+//!    nothing listens on the proxy port; `host` is refused. Why a serial port and not a
+//!    network card: no packet of the step reaches the host's network stack, only the byte
+//!    streams the proxy checks, exactly as in a namespace step's allow-list; and the port is
+//!    part of the VM from its start (the microvm machine has no hotplug), only in step VMs,
+//!    never in a snapshot VM, whose device layout (the snapshot compatibility key) is
+//!    unchanged.
+//!
 //! Heredoc files (`RUN <<EOF`) go in the exec request; the guest writes them under
 //! `/dev/pipes/` (its devtmpfs, outside the layer), where the namespace executor puts them.
 //!
@@ -47,10 +71,11 @@
 //! layer with the same cleanup.
 //!
 //! Not yet: `RUN --mount=type=cache` (a persistent host directory) and a bind of a single
-//! file; networks other than none (a step with the default network or an allow-list runs
-//! without one and says so in its first log line; the host network is refused, as
-//! [`VmExecutor::run`] says); a VM restored
-//! from a snapshot per step instead of a cold boot.
+//! file; the host network (refused, as [`VmExecutor::run`] says); the empty
+//! `/etc/resolv.conf` of a step with the proxy when its image's `/etc/resolv.conf` (or
+//! `/etc`) is a symlink (it then sees its image's file, which names no server it can reach);
+//! extra CA certificates for a step (issue 30); a VM restored from a snapshot per step
+//! instead of a cold boot.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -88,12 +113,11 @@ pub const STEP_VM_MIN_BYTES: u64 = 128 << 20;
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the host waits for each frame of the step's changes.
 pub const DIFF_FRAME_TIMEOUT: Duration = Duration::from_secs(60);
-/// The first log line of a step with the default network, which runs without one.
-pub const NO_NETWORK_LINE: &str =
-    "[kiln] this step runs without a network: microVM steps have no network card yet\n";
-/// The first log line of a step with an allow-list network, which runs without one.
-pub const NO_NETWORK_ALLOW_LIST_LINE: &str = "[kiln] this step runs without a network, so its \
-     allow-list reaches nothing: microVM steps have no network card yet\n";
+/// The first log line of a step with the default network or an allow-list: what it can
+/// reach, which is less than a namespace step with the default network (slirp4netns).
+pub const PROXY_ONLY_LINE: &str = "[kiln] this microVM step reaches the network only through \
+     kiln's egress proxy (HTTP_PROXY, HTTPS_PROXY): HTTP, and HTTPS by CONNECT; git://, ssh \
+     and UDP do not work\n";
 
 /// A squashed disk holds the lowest layers in multiples of this many, so that the next
 /// steps of a build (one more layer each) reuse it: a new one is made at most every
@@ -180,6 +204,26 @@ impl VmExecutor {
     pub fn accel(&self) -> Accel {
         self.accel
     }
+
+    /// The egress proxy of one step with `network` (`default`: any name whose addresses
+    /// the address policy permits, public ones only unless the test switch is on; an
+    /// allow-list: its rules, deny winning, and the address policy), each refusal line sent
+    /// to `log` (with its newline).
+    fn step_proxy(
+        &self,
+        network: &Network,
+        log: tokio::sync::mpsc::UnboundedSender<String>,
+    ) -> std::sync::Arc<kiln_builder::egress::proxy::Proxy> {
+        use kiln_builder::egress::proxy::Proxy;
+        let log = move |line: &str| {
+            let _ = log.send(format!("{line}\n"));
+        };
+        let addresses = self.config.addresses.clone();
+        std::sync::Arc::new(match network {
+            Network::Allow(rules) => Proxy::new(rules.clone(), addresses, log),
+            _ => Proxy::addresses_only(addresses, log),
+        })
+    }
 }
 
 impl StepExecutor for VmExecutor {
@@ -189,8 +233,8 @@ impl StepExecutor for VmExecutor {
     /// [`ExecError::Unsupported`]: `RUN --mount=type=cache`, a bind of a file, the host
     /// network, too many lower directories whose blobs are not known, more than
     /// [`MAX_DISKS`]` - 1` bind mounts. A step with the default network or an allow-list
-    /// runs without one, and its first log line says so ([`NO_NETWORK_LINE`],
-    /// [`NO_NETWORK_ALLOW_LIST_LINE`]).
+    /// reaches the network through the egress proxy only (module doc), and its first log
+    /// line says so ([`PROXY_ONLY_LINE`]).
     fn run(
         &self,
         spec: &StepSpec,
@@ -289,12 +333,40 @@ impl Drop for Scratch {
     }
 }
 
-/// The step's environment as the namespace executor gives it: `PATH` defaulted, then the
-/// spec's entries in order (later ones win in the guest's merge).
+/// The step's environment as the namespace executor gives it: `PATH` defaulted, the proxy
+/// variables ([`kiln_builder::egress::proxy_env`]) for a step with the egress proxy, then
+/// the spec's entries in order (later ones win in the guest's merge, so a recipe's own `ENV`
+/// still wins). Added at exec time: not part of the step's cache key.
 fn step_env(spec: &StepSpec) -> Vec<String> {
     let mut env = vec![format!("PATH={}", kiln_recipes::plan::DEFAULT_PATH)];
+    if has_egress(&spec.network) {
+        env.extend(kiln_builder::egress::proxy_env());
+    }
     env.extend(spec.env.iter().filter(|e| e.contains('=')).cloned());
     env
+}
+
+/// Whether the empty `/etc/resolv.conf` of a step with the proxy can be bound in: neither
+/// `/etc` nor `/etc/resolv.conf`, as the topmost of the `lowers` that has each shows it, is
+/// a symlink (the guest refuses a mount point behind one; such a step keeps its image's
+/// file, which names no server it can reach: there is no network card).
+fn resolv_conf_mountable(lowers: &[PathBuf]) -> bool {
+    for rel in ["etc", "etc/resolv.conf"] {
+        if let Some(md) = lowers
+            .iter()
+            .find_map(|l| l.join(rel).symlink_metadata().ok())
+            && md.file_type().is_symlink()
+        {
+            return false;
+        }
+    }
+    true
+}
+
+/// Whether a step with `network` gets the egress port and the proxy (`default` and an
+/// allow-list).
+fn has_egress(network: &Network) -> bool {
+    matches!(network, Network::Default | Network::Allow(_))
 }
 
 /// Makes the sparse raw disk `path` of `bytes` with an ext4 file system (no journal, 4 KiB
@@ -631,6 +703,12 @@ impl VmExecutor {
             );
         }
         let step_lowers = lowers.len();
+        let egress = has_egress(&spec.network);
+        let mut kernel_args = vec![format!("kiln.step={step_lowers}")];
+        if egress {
+            // The guest init waits for the egress port before it answers (kiln-guest-init).
+            kernel_args.push("kiln.egress".into());
+        }
         // Each bind mount's tree as one more read-only disk, made for this step only.
         let mut guest_mounts = Vec::new();
         for m in mounts.guest_view() {
@@ -688,6 +766,24 @@ impl VmExecutor {
                 kind,
             });
         }
+        // A step with the proxy sees an empty /etc/resolv.conf (names are resolved on the
+        // host), as a namespace allow-list step does: an empty file bound over it for the
+        // command only, first, so that the step's own mounts go over it. Its mount point,
+        // when the image has none, is removed from the layer by `cleanup_mount_points` below.
+        if egress && resolv_conf_mountable(&spec.lower_dirs) {
+            guest_mounts.insert(
+                0,
+                ExecMount {
+                    rel: "etc/resolv.conf".into(),
+                    kind: ExecMountKind::Secret {
+                        data: Vec::new(),
+                        mode: 0o644,
+                        uid: 0,
+                        gid: 0,
+                    },
+                },
+            );
+        }
         let vm_spec = VmSpec {
             accel: self.accel,
             vcpus: self.vcpus,
@@ -698,13 +794,14 @@ impl VmExecutor {
             memory_mode: MemoryMode::Anonymous,
             disk: disk.clone(),
             disk_format: DiskFormat::Raw,
-            kernel_args: vec![format!("kiln.step={step_lowers}")],
+            kernel_args,
             ro_disks: lowers,
             qmp_socket: dir.join("qmp.sock"),
             guest_socket: dir.join("guest.sock"),
             serial_log: dir.join("console.log"),
             incoming: false,
             tsc_khz: self.host.tsc_khz,
+            egress_socket: egress.then(|| dir.join("egress.sock")),
         };
         let guest = |what: &str, e: &dyn std::fmt::Display| {
             ExecError::Setup(format!(
@@ -727,11 +824,28 @@ impl VmExecutor {
         }
         let mut shaper = LogShaper::new(spec.index, limits, &spec.secrets);
         // The step's first log line, before the guest says anything.
-        match spec.network {
-            Network::Default => shaper.push(NO_NETWORK_LINE.as_bytes(), sink),
-            Network::Allow(_) => shaper.push(NO_NETWORK_ALLOW_LIST_LINE.as_bytes(), sink),
-            Network::None | Network::Host => {}
+        if egress {
+            shaper.push(PROXY_ONLY_LINE.as_bytes(), sink);
         }
+        // The egress port, served by a proxy of the step's own; its refusal lines come to
+        // the loop below, which puts them in the step's log as the step's output goes.
+        let (proxy_log, mut refusals) = tokio::sync::mpsc::unbounded_channel::<String>();
+        let _egress = match vm_spec.egress_socket.as_deref().map(|sock| {
+            let proxy = self.step_proxy(&spec.network, proxy_log);
+            kiln_vmm::egress::serve(sock, BOOT_TIMEOUT, move |stream| {
+                let proxy = proxy.clone();
+                async move { proxy.serve(stream).await }
+            })
+        }) {
+            None => None,
+            Some(f) => match f.await {
+                Ok(ch) => Some(ch),
+                Err(e) => {
+                    vm.kill().await;
+                    return Err(guest("connecting to the egress port", &e));
+                }
+            },
+        };
         // A VM that dies while booting says why in QEMU's own log as much as on the console.
         let mut booting = |what: &str, e: &dyn std::fmt::Display| {
             let qemu = match vm.exited() {
@@ -786,6 +900,7 @@ impl VmExecutor {
             let r = loop {
                 tokio::select! {
                     r = &mut ev => break Some(r),
+                    Some(line) = refusals.recv() => shaper.push(line.as_bytes(), sink),
                     _ = tokio::time::sleep(Duration::from_millis(50)) => {
                         if cancel.load(Ordering::Relaxed) {
                             break None;
@@ -819,6 +934,9 @@ impl VmExecutor {
                 Some(Err(e)) => break Waited::Lost(e.to_string()),
             }
         };
+        while let Ok(line) = refusals.try_recv() {
+            shaper.push(line.as_bytes(), sink);
+        }
         shaper.finish(sink);
         let tail = shaper.tail();
         let status = match waited {
@@ -973,6 +1091,22 @@ mod tests {
         assert_eq!(code, "command exited with code 3");
         assert_eq!(step_vm_bytes(16 << 20), 144 << 20);
         assert_eq!(step_vm_bytes(1 << 30), (1 << 30) + (128 << 20));
+    }
+
+    #[test]
+    fn the_guest_listens_where_the_proxy_variables_point() {
+        assert_eq!(
+            kiln_vmm::egress::PROXY_PORT,
+            kiln_builder::egress::PROXY_PORT
+        );
+        let url = format!(
+            "http_proxy=http://127.0.0.1:{}",
+            kiln_vmm::egress::PROXY_PORT
+        );
+        assert!(kiln_builder::egress::proxy_env().contains(&url));
+        assert!(has_egress(&Network::Default));
+        assert!(!has_egress(&Network::None));
+        assert!(!has_egress(&Network::Host));
     }
 
     #[test]

@@ -183,6 +183,7 @@ impl Vm {
             serial_log: dir.path().join("console.log"),
             incoming: false,
             tsc_khz: host.tsc_khz,
+            egress_socket: None,
             kernel_args: vec![],
         };
         Vm::spawn(spec, dir)
@@ -468,6 +469,7 @@ fn initramfs_ending_anywhere_in_a_page_boots_a_step_vm_with_every_disk() {
             serial_log: dir.path().join("console.log"),
             incoming: false,
             tsc_khz: host.tsc_khz,
+            egress_socket: None,
             kernel_args: vec![format!("kiln.step={lowers}")],
         };
         eprintln!("entries end {target_end} bytes into the last page");

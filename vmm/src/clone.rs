@@ -686,6 +686,7 @@ async fn start_one(
         serial_log: dir.join("console.log"),
         incoming: true,
         tsc_khz: host.tsc_khz,
+        egress_socket: None,
         kernel_args: vec![],
     };
     let t0 = Instant::now();

@@ -8,6 +8,11 @@
 //! 2. `virtio-serial-device` with one `virtserialport` named [`crate::channel::PORT_NAME`],
 //!    whose chardev is a unix socket QEMU listens on.
 //!
+//! A build step's VM with a network (`default` or an allow-list) has a second
+//! `virtserialport` on the same `virtio-serial-device`, [`kiln_guest::egress::PORT_NAME`]
+//! ([`VmSpec::egress_socket`], [`crate::egress`]); it is never snapshotted, and snapshot
+//! VMs never have that port, so [`DEVICE_LAYOUT`] describes every VM a snapshot is taken of.
+//!
 //! Guest RAM is a `memory-backend-file`: `share=on` on a fresh file during the boot-once run
 //! (so the file IS the guest memory at snapshot time and `x-ignore-shared` skips it in the
 //! migration stream), and for clones `share=off,readonly=on,rom=off` (QEMU ≥ 8.2,
@@ -298,6 +303,13 @@ pub struct VmSpec {
     pub qmp_socket: PathBuf,
     /// Guest channel socket (QEMU listens).
     pub guest_socket: PathBuf,
+    /// The egress port's chardev socket (QEMU listens): a second `virtserialport` named
+    /// [`kiln_guest::egress::PORT_NAME`] on the same `virtio-serial-device`, after the
+    /// guest channel's, carrying a build step's proxy connections ([`crate::egress`]).
+    /// `Some` only for the VM of a step whose network is `default` or an allow-list;
+    /// snapshot VMs (boot-once, clones) never have it, so their device layout
+    /// ([`DEVICE_LAYOUT`], the compatibility key) stays as it is.
+    pub egress_socket: Option<PathBuf>,
     /// Serial console log.
     pub serial_log: PathBuf,
     /// Start paused waiting for `migrate-incoming` (`-incoming defer`).
@@ -403,6 +415,17 @@ impl VmSpec {
             "-qmp".into(),
             format!("unix:{},server=on,wait=off", p(&self.qmp_socket)),
         ];
+        if let Some(egress) = &self.egress_socket {
+            a.extend([
+                "-chardev".into(),
+                format!("socket,id=egress,path={},server=on,wait=off", p(egress)),
+                "-device".into(),
+                format!(
+                    "virtserialport,chardev=egress,name={}",
+                    kiln_guest::egress::PORT_NAME
+                ),
+            ]);
+        }
         for (i, d) in self.ro_disks.iter().enumerate() {
             a.extend([
                 "-drive".into(),
@@ -887,6 +910,7 @@ async fn kvm_boots(host: &Host, kernel: &Path, initramfs: &Path, scratch: &Path)
         serial_log: d.join("console.log"),
         incoming: false,
         tsc_khz: None,
+        egress_socket: None,
         kernel_args: vec![
             "rdinit=/nonexistent-kiln-probe".into(),
             "init=/nonexistent-kiln-probe".into(),
@@ -1021,6 +1045,7 @@ mod tests {
             serial_log: "/s/console.log".into(),
             incoming: false,
             tsc_khz: Some(2_596_140),
+            egress_socket: None,
             kernel_args: vec![],
         }
     }
@@ -1087,6 +1112,27 @@ mod tests {
             "{}",
             debug.cmdline()
         );
+    }
+
+    #[test]
+    fn only_a_step_with_a_network_gets_the_egress_port() {
+        let a = spec().args().join(" ");
+        assert!(!a.contains("egress"), "{a}");
+        assert_eq!(a.matches("virtserialport").count(), 1, "{a}");
+        let s = VmSpec {
+            egress_socket: Some("/s/egress.sock".into()),
+            ..spec()
+        };
+        let a = s.args().join(" ");
+        assert!(
+            a.contains(
+                "-chardev socket,id=egress,path=/s/egress.sock,server=on,wait=off \
+                 -device virtserialport,chardev=egress,name=org.kiln.egress.0"
+            ),
+            "{a}"
+        );
+        // On the one virtio-serial-device: no new virtio-mmio transport.
+        assert_eq!(a.matches("virtio-serial-device").count(), 1, "{a}");
     }
 
     #[test]

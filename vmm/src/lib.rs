@@ -5,6 +5,7 @@
 //! - [`channel`]: the host end of the guest protocol (framed JSON over virtio-serial).
 //! - [`launch`]: host facts, the accelerator probe, QEMU's command line, the process.
 //! - [`compat`]: compatibility keys.
+//! - [`egress`]: the host end of a build step VM's egress port (its proxy connections).
 //! - [`kernel`]: the guest kernel (Debian's cloud kernel, fetched by name, uncompressed vmlinux).
 //! - [`initramfs`]: the guest initramfs (the static kiln-guest-init and the virtio modules).
 //! - [`snapshot`]: boot once → snapshot into the store.
@@ -17,6 +18,7 @@
 pub mod channel;
 pub mod clone;
 pub mod compat;
+pub mod egress;
 pub mod exec;
 pub mod initramfs;
 pub mod kernel;

@@ -302,6 +302,7 @@ pub async fn snapshot_manifest(
         serial_log: dir.join("console.log"),
         incoming: false,
         tsc_khz: host.tsc_khz,
+        egress_socket: None,
         kernel_args: opts.kernel_args.clone(),
     };
     let t0 = Instant::now();

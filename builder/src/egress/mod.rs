@@ -13,6 +13,8 @@
 //!   every resolved address against the address policy and connects to one of those
 //!   addresses (pinned: nothing is looked up twice). Every refused or failed connection is
 //!   one line in the step's log: destination and rule.
+//! - [`ca`]: extra CA certificates a build trusts (a TLS-inspecting proxy's), and the bundle
+//!   a step sees them in.
 //!
 //! How an allow-list step reaches the proxy (namespace executor, `exec::LinuxExecutor`).
 //! The step gets its own network namespace with nothing but `lo`: no slirp4netns, no route
@@ -29,11 +31,14 @@
 //! proxy variables reaches nothing. Its `/etc/resolv.conf` is empty: names are resolved by
 //! the proxy, on the host.
 //!
-//! - [`ca`]: extra CA certificates a build trusts (a TLS-inspecting proxy's), and the bundle
-//!   a step sees them in.
-//!
-//! A microVM executor reaches the same [`proxy::Proxy`] by handing [`proxy::Proxy::serve`]
-//! a stream from the guest channel instead of an accepted TCP connection.
+//! The microVM executor (`kiln_pipeline::vmexec`) reaches the same [`proxy::Proxy`] by
+//! handing [`proxy::Proxy::serve`] a stream from the VM's egress port instead of an
+//! accepted TCP connection: the guest init listens on `127.0.0.1:`[`PROXY_PORT`] and carries
+//! each connection over a virtio-serial port, multiplexed with per-stream flow control
+//! (`kiln_guest::egress`, `kiln_vmm::egress`). A VM step has no network card, so there a
+//! `default` step also goes through a proxy ([`proxy::Proxy::addresses_only`]: any name,
+//! public addresses only) and reaches HTTP and HTTPS by `CONNECT` only, where a namespace
+//! step's `default` is slirp4netns and carries any protocol. Both get [`proxy_env`].
 
 pub mod address;
 pub mod ca;

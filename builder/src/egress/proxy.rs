@@ -13,8 +13,8 @@
 //! does not resolve or answer gets `502` and a line too.
 //!
 //! [`Proxy::serve`] takes any byte stream, so the same proxy serves a step's loopback
-//! listener ([`spawn`], the namespace executor) or, later, a stream from a microVM's guest
-//! channel.
+//! listener ([`spawn`], the namespace executor) or a stream from a microVM's egress port
+//! (`kiln_pipeline::vmexec`).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;

@@ -33,6 +33,9 @@ pub struct BootOptions {
     /// upper directory on the disk with the serial `upper` ([`STEP_UPPER`]); see
     /// [`switch_root`].
     pub step_lowers: Option<usize>,
+    /// `kiln.egress`: the VM has the egress port ([`kiln_guest::egress::PORT_NAME`]); the
+    /// init waits for it to appear before it answers the host ([`crate::egress`]).
+    pub egress: bool,
 }
 
 /// Most lower disks a step VM takes (`kiln.step=`): the microvm machine has 24 virtio-mmio
@@ -61,6 +64,7 @@ impl BootOptions {
             root: "/dev/vda".into(),
             fstype: "ext4".into(),
             step_lowers: None,
+            egress: false,
         };
         for word in cmdline.split_ascii_whitespace() {
             if let Some(v) = word.strip_prefix("kiln.root=") {
@@ -69,6 +73,8 @@ impl BootOptions {
                 opts.fstype = v.into();
             } else if let Some(v) = word.strip_prefix("kiln.step=") {
                 opts.step_lowers = v.parse::<usize>().ok().map(|n| n.min(MAX_STEP_LOWERS));
+            } else if word == "kiln.egress" {
+                opts.egress = true;
             }
         }
         opts

@@ -13,12 +13,15 @@
 //! A build step's VM (`kiln.step=N` on the kernel command line) boots on an overlay of
 //! read-only lower disks under an upper directory on its upper disk instead (see
 //! [`boot::switch_root`]), writes no machine ID, and answers `diff` with its upper directory
-//! as a tar stream ([`diff`]).
+//! as a tar stream ([`diff`]). A step VM with a network (`default` or an allow-list) also
+//! has the egress port and `kiln.egress` on its command line: the init listens on
+//! `127.0.0.1:3128` and carries each connection to the host's egress proxy ([`egress`]).
 //!
 //! PID 1 must never exit (the kernel panics): a fatal error is logged and the VM powered off.
 
 mod boot;
 mod diff;
+mod egress;
 mod exec;
 mod grow;
 mod proc;
@@ -135,6 +138,8 @@ fn run() -> Result<(), BootError> {
     }
     proc::start_reaper();
     let port = serve::open_port()?;
+    // Before the host hears from us, so that a step never starts before its proxy port.
+    egress::start(opts.egress);
     log!("host port {} open", kiln_guest::protocol::PORT_NAME);
     serve::serve(port)
 }

@@ -18,7 +18,7 @@ use crate::proc::{self, Command, User};
 use crate::{BootError, exec, log, sys};
 
 /// How long to wait for the port's device to appear after loading virtio_console.
-const PORT_WAIT: Duration = Duration::from_secs(10);
+pub const PORT_WAIT: Duration = Duration::from_secs(10);
 
 /// The environment every command starts with, before the image's and the host's.
 const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -51,12 +51,18 @@ pub fn open_port() -> Result<fs::File, BootError> {
 }
 
 fn find_port() -> Result<Option<PathBuf>, BootError> {
+    find_port_named(protocol::PORT_NAME)
+}
+
+/// The character device of the virtio-serial port named `port_name` (made with mknod from
+/// its `dev` file when /dev lacks it), `None` when there is no such port (yet).
+pub fn find_port_named(port_name: &str) -> Result<Option<PathBuf>, BootError> {
     let Ok(dir) = fs::read_dir("/sys/class/virtio-ports") else {
         return Ok(None);
     };
     for entry in dir.flatten() {
         let name = fs::read_to_string(entry.path().join("name")).unwrap_or_default();
-        if name.trim() != protocol::PORT_NAME {
+        if name.trim() != port_name {
             continue;
         }
         let dev_name = entry.file_name();
