@@ -74,8 +74,9 @@
 //! file; the host network (refused, as [`VmExecutor::run`] says); the empty
 //! `/etc/resolv.conf` of a step with the proxy when its image's `/etc/resolv.conf` (or
 //! `/etc`) is a symlink (it then sees its image's file, which names no server it can reach);
-//! extra CA certificates for a step (issue 30); a VM restored from a snapshot per step
-//! instead of a cold boot.
+//! a VM restored from a snapshot per step instead of a cold boot. A build's extra CA
+//! certificates need nothing here: the builder adds their bundle to the step's heredoc files
+//! and its variables to its environment ([`kiln_builder::egress::ca`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
