@@ -60,6 +60,8 @@ pub struct Args {
     /// A registry (host[:port]) allowed over plain HTTP; loopback registries always are.
     #[arg(long = "insecure-registry")]
     insecure: Vec<String>,
+    #[command(flatten)]
+    egress: super::common::EgressArgs,
     /// Guest kernel (uncompressed vmlinux); default `kiln kernel`'s.
     #[arg(long, env = "KILN_KERNEL", value_name = "FILE")]
     kernel: Option<PathBuf>,
@@ -133,6 +135,8 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     };
     setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
     setup.boot = Some(boot);
+    setup.addresses = a.egress.addresses()?;
+    setup.ca_certs = a.egress.ca_certs()?;
     let req = NightlyRequest {
         build,
         tag: a.tag.clone(),
