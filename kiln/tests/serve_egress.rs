@@ -23,6 +23,9 @@ use serde_json::{Value, json};
 /// The `kiln` binary under test.
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
+/// Most extra CA certificates a build trusts, the server's with its own (README).
+const MAX_CERTS: usize = 32;
+
 /// The text lines of build `id`'s log.
 async fn log_lines(c: &reqwest::Client, s: &Server, key: &str, id: &str) -> Vec<String> {
     let text = get(c, s, key, &format!("/v1/builds/{id}/logs"))
@@ -95,6 +98,27 @@ fn server_and_build_ca_certificates_reach_steps_and_keys_are_refused() {
             );
             assert!(!m.contains("PRIVATE"), "the refusal echoes the key: {e:#}");
         }
+
+        // 32 certificates at most, the server's one with the build's.
+        let many = build_pem.repeat(MAX_CERTS);
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            &json!({"ca_certs": many}),
+            Some(&tar_dir(&ctx)),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 400);
+        let e = json_of(r).await;
+        assert!(
+            e["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("32 certificates with this server's 1")),
+            "{e:#}"
+        );
 
         // The server's certificate, then the build's, after the image's own bundle.
         let r = submit(

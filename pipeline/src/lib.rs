@@ -50,7 +50,7 @@ use kiln_vmm::snapshot::BootAssets;
 pub use event::{Event, EventSink};
 /// The builder's per-step defaults that [`Limits::pids_max`] and [`Limits::write_bytes`]
 /// lower.
-pub use kiln_builder::egress::ca::CaCerts;
+pub use kiln_builder::egress::ca::{CaCerts, MAX_CERTS as MAX_CA_CERTS};
 pub use kiln_builder::exec::{DEFAULT_PIDS_MAX, DEFAULT_WRITE_LIMIT_BYTES};
 pub use kiln_builder::reference::Reference;
 pub use kiln_builder::registry::Credentials;

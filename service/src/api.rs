@@ -886,10 +886,23 @@ async fn submit(
         .map_err(|e| ApiError::BadRequest(format!("build spec: network: {e}")))?;
     let ca_certs = match &spec.ca_certs {
         None => None,
-        Some(text) => Some(
-            kiln_pipeline::CaCerts::parse("build spec: ca_certs", text.as_bytes())
-                .map_err(|e| ApiError::BadRequest(e.to_string()))?,
-        ),
+        Some(text) => {
+            let c = kiln_pipeline::CaCerts::parse("build spec: ca_certs", text.as_bytes())
+                .map_err(|e| ApiError::BadRequest(e.to_string()))?;
+            // With the server's own, as the build will join them.
+            if let Some(own) = &s.setup.ca_certs {
+                own.join(&c).map_err(|_| {
+                    ApiError::BadRequest(format!(
+                        "build spec: ca_certs: {} certificates with this server's {} are more \
+                         than {}",
+                        c.len(),
+                        own.len(),
+                        kiln_pipeline::MAX_CA_CERTS
+                    ))
+                })?;
+            }
+            Some(c)
+        }
     };
     if spec.network == NetworkSpec::Mode(NetworkMode::Host)
         && s.config.executor == kiln_pipeline::Executor::Vm
