@@ -213,3 +213,50 @@ fn extra_certificates_change_no_digest_and_bad_ones_are_refused_naming_the_file(
     assert!(!o.status.success(), "{stderr}");
     assert!(stderr.contains("no PEM certificate found"), "{stderr}");
 }
+
+#[test]
+fn a_hostile_image_bundle_is_read_inside_the_image_or_left_out() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let certs = t.path().join("certs");
+    std::fs::create_dir(&certs).expect("mkdir");
+    make_certs(&certs, "files.test");
+    let ca = certs.join("ca.pem");
+    // Each bundle in turn: a symlink loop, a FIFO (never opened, so nothing blocks), a
+    // symlink to /dev/zero, and a relative symlink climbing past the root, which resolves to
+    // the image's own /etc/passwd (busybox's root line ends in /bin/sh; a host's would be
+    // read only if the walk left the root).
+    let count = "grep -c 'BEGIN CERTIFICATE' \"$SSL_CERT_FILE\"";
+    let dockerfile = format!(
+        "FROM {bb}\n\
+         RUN mkdir -p /etc/ssl/certs && ln -s loop /etc/ssl/certs/ca-certificates.crt \
+         && ln -s ca-certificates.crt /etc/ssl/certs/loop\n\
+         RUN {count} > /loop\n\
+         RUN rm /etc/ssl/certs/* && mkfifo /etc/ssl/certs/ca-certificates.crt\n\
+         RUN {count} > /fifo\n\
+         RUN rm /etc/ssl/certs/* && ln -s /dev/zero /etc/ssl/certs/ca-certificates.crt\n\
+         RUN {count} > /zero\n\
+         RUN rm /etc/ssl/certs/* \
+         && ln -s ../../../../../../../../etc/passwd /etc/ssl/certs/ca-certificates.crt\n\
+         RUN head -n 1 \"$SSL_CERT_FILE\" > /escape\n"
+    );
+    let d = t.path().join("hostile");
+    let ctx = context(&d, &dockerfile);
+    ok(&build(
+        &d,
+        &ctx,
+        &["--ca-cert", ca.to_str().expect("utf-8"), "-t", "hostile:1"],
+    ));
+    let (root, _) = unpack(&d, "hostile:1");
+    for f in ["loop", "fifo", "zero"] {
+        assert_eq!(read(&root.join(f)).trim(), "1", "{f}");
+    }
+    assert_eq!(
+        read(&root.join("escape")).trim(),
+        "root:x:0:0:root:/root:/bin/sh"
+    );
+}

@@ -1128,9 +1128,10 @@ async fn run_stage(
 
 /// The image's own CA bundle as a step over `lowers` (topmost first) sees it: the first of
 /// [`ca::SYSTEM_BUNDLES`] that is a regular file in the merged view, read inside it
-/// (symlinks resolved within the root), or `None` when there is none or it is larger than
-/// [`ca::MAX_SYSTEM_BUNDLE_BYTES`] (the step's bundle then holds the extra certificates
-/// alone, and says nothing more: the step fails its TLS checks as the image alone would).
+/// (symlinks resolved within the root), or `None` when there is none, none that resolves (a
+/// symlink loop), or it is larger than [`ca::MAX_SYSTEM_BUNDLE_BYTES`] (the step's bundle then
+/// holds the extra certificates alone, and says nothing more: the step fails its TLS checks
+/// as the image alone would).
 async fn image_ca_bundle(
     ctx: &Arc<Ctx>,
     lowers: Vec<PathBuf>,
@@ -1155,7 +1156,9 @@ async fn image_ca_bundle(
                         return Ok(None);
                     }
                     Ok(Some(b)) => return Ok(Some(b)),
-                    Err(e) => return Err(format!("{p}: {e}")),
+                    // A symlink loop, a path through a file: the image has no usable bundle
+                    // there, and its own tools fail on it as they would without kiln.
+                    Err(_) => continue,
                 }
             }
             Ok(None)
