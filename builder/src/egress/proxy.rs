@@ -200,31 +200,30 @@ impl Proxy {
             return Ok(None);
         };
         let connect = method.eq_ignore_ascii_case("CONNECT");
-        let (host, port, origin_form) = if connect {
-            match target.parse::<http::uri::Authority>() {
-                Ok(a) if a.port_u16().is_some() => (a.host().to_string(), a.port_u16(), None),
-                _ => {
-                    bad_request(client).await;
-                    return Ok(None);
-                }
-            }
+        let parsed = if connect {
+            target
+                .parse::<http::uri::Authority>()
+                .ok()
+                .and_then(|a| host_port(&a, None))
+                .map(|(h, p)| (h, p, None))
         } else {
             match target.parse::<http::Uri>() {
-                Ok(u) if u.scheme_str() == Some("http") && u.host().is_some() => (
-                    u.host().unwrap_or_default().to_string(),
-                    Some(u.port_u16().unwrap_or(80)),
-                    Some(
-                        u.path_and_query()
-                            .map_or("/".to_string(), |p| p.as_str().to_string()),
-                    ),
-                ),
-                _ => {
-                    bad_request(client).await;
-                    return Ok(None);
-                }
+                Ok(u) if u.scheme_str() == Some("http") => u
+                    .authority()
+                    .and_then(|a| host_port(a, Some(80)))
+                    .map(|(h, p)| {
+                        let path = u
+                            .path_and_query()
+                            .map_or("/".to_string(), |p| p.as_str().to_string());
+                        (h, p, Some(path))
+                    }),
+                _ => None,
             }
         };
-        let port = port.unwrap_or(443);
+        let Some((host, port, origin_form)) = parsed else {
+            bad_request(client).await;
+            return Ok(None);
+        };
         let what = if connect { "CONNECT" } else { method };
         let dest = if host.contains(':') && !host.starts_with('[') {
             format!("[{host}]:{port}")
@@ -345,6 +344,33 @@ impl Proxy {
     }
 }
 
+/// The host and port of a request's authority, strictly as RFC 9112 section 3.2.3 writes
+/// an authority-form target and RFC 9110 section 4.2.1 an `http` URI's: `host[:port]` with no
+/// userinfo and a port of 1 to 5 decimal digits that fits in 16 bits (`default` when there
+/// is none; `None` as default: a port is required, as `CONNECT` needs). `None`: anything
+/// else, answered 400, so that the destination checked, logged and connected to is exactly
+/// the one written.
+fn host_port(a: &http::uri::Authority, default: Option<u16>) -> Option<(String, u16)> {
+    let (all, host) = (a.as_str(), a.host());
+    // `http` reads a port that does not fit in 16 bits as no port at all: look at the text
+    // after the host (the whole authority starts with it once userinfo is refused).
+    if all.contains('@') || host.is_empty() || !all.starts_with(host) {
+        return None;
+    }
+    let port = match &all[host.len()..] {
+        "" => default?,
+        rest => {
+            let digits = rest.strip_prefix(':')?;
+            if digits.is_empty() || digits.len() > 5 || !digits.bytes().all(|b| b.is_ascii_digit())
+            {
+                return None;
+            }
+            digits.parse::<u16>().ok().filter(|&n| n != 0)?
+        }
+    };
+    Some((host.to_string(), port))
+}
+
 async fn bad_request<S: AsyncWrite + Unpin>(client: &mut S) {
     let _ = client
         .write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
@@ -429,6 +455,68 @@ mod tests {
     use super::*;
     use kiln_recipes::plan::EgressRule;
     use std::sync::Mutex;
+
+    /// Targets whose port or authority is not exactly `host:port` are 400, never a
+    /// destination of their own (found by attacking the microVM egress, issue 30): a port
+    /// past 16 bits was taken as no port (80), a signed port as its number, and userinfo in
+    /// a `CONNECT` target as the host after it. None of them is logged or connected to.
+    #[test]
+    fn targets_with_odd_ports_or_userinfo_are_bad_requests() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let logged = std::sync::Arc::new(Mutex::new(Vec::<String>::new()));
+        let sink = logged.clone();
+        let proxy = Proxy::addresses_only(
+            AddressPolicy {
+                allow_private_addresses: true,
+                ..Default::default()
+            },
+            move |l| sink.lock().unwrap().push(l.to_string()),
+        );
+        for line in [
+            "GET http://127.0.0.1:70000/a HTTP/1.1",
+            "GET http://127.0.0.1:65536/a HTTP/1.1",
+            "GET http://127.0.0.1:+5000/a HTTP/1.1",
+            "GET http://127.0.0.1:0/a HTTP/1.1",
+            "GET http://127.0.0.1:000080/a HTTP/1.1",
+            "GET http://evil@127.0.0.1/a HTTP/1.1",
+            "CONNECT example.invalid:443@127.0.0.1:5000 HTTP/1.1",
+            "CONNECT 127.0.0.1:+5000 HTTP/1.1",
+            "CONNECT 127.0.0.1:70000 HTTP/1.1",
+            "CONNECT 127.0.0.1 HTTP/1.1",
+        ] {
+            let resp = rt.block_on(async {
+                let (mut client, server) = tokio::io::duplex(4096);
+                let talk = async move {
+                    client
+                        .write_all(format!("{line}\r\nHost: x\r\n\r\n").as_bytes())
+                        .await
+                        .unwrap();
+                    let mut resp = Vec::new();
+                    client.read_to_end(&mut resp).await.unwrap();
+                    String::from_utf8(resp).unwrap()
+                };
+                let ((), resp) = tokio::join!(proxy.serve(server), talk);
+                resp
+            });
+            assert!(resp.starts_with("HTTP/1.1 400 "), "{line}: {resp}");
+        }
+        assert!(
+            logged.lock().unwrap().is_empty(),
+            "{:?}",
+            logged.lock().unwrap()
+        );
+        // Well-formed ports still parse.
+        for (t, want) in [("a.test:1", 1), ("a.test:65535", 65535), ("[::1]:443", 443)] {
+            let a = t.parse::<http::uri::Authority>().unwrap();
+            assert_eq!(host_port(&a, None).map(|(_, p)| p), Some(want), "{t}");
+        }
+        let a = "a.test".parse::<http::uri::Authority>().unwrap();
+        assert_eq!(host_port(&a, Some(80)), Some(("a.test".into(), 80)));
+        assert_eq!(host_port(&a, None), None);
+    }
 
     /// [`Proxy::serve`] over an in-memory stream (as a guest channel would hand it one): a
     /// plain request is forwarded in origin form with the hop-by-hop fields (the fixed ones
