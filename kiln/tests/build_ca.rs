@@ -16,6 +16,13 @@ use kiln_tests::require_env;
 use kiln_tests::tls::{TlsServer, make_certs};
 use kiln_tests::vm::kiln_in;
 
+fn need_root() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+}
+
 fn build(dir: &Path, ctx: &Path, extra: &[&str]) -> Output {
     kiln_in(env!("CARGO_BIN_EXE_kiln"), dir)
         .arg("build")
@@ -88,10 +95,7 @@ const SEE_BUNDLE: &str = "RUN grep -c 'BEGIN CERTIFICATE' \"$SSL_CERT_FILE\" > /
 
 #[test]
 fn add_trusts_a_given_ca_and_steps_see_it_beside_the_image_bundle_without_keeping_it() {
-    assert!(
-        rustix::process::geteuid().is_root(),
-        "kiln build tests need root (CI runs them as root)"
-    );
+    need_root();
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let t = tempfile::tempdir().expect("tempdir");
     let certs = t.path().join("certs");
@@ -174,10 +178,7 @@ fn add_trusts_a_given_ca_and_steps_see_it_beside_the_image_bundle_without_keepin
 
 #[test]
 fn extra_certificates_change_no_digest_and_bad_ones_are_refused_naming_the_file() {
-    assert!(
-        rustix::process::geteuid().is_root(),
-        "kiln build tests need root (CI runs them as root)"
-    );
+    need_root();
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let t = tempfile::tempdir().expect("tempdir");
     let certs = t.path().join("certs");
@@ -216,10 +217,7 @@ fn extra_certificates_change_no_digest_and_bad_ones_are_refused_naming_the_file(
 
 #[test]
 fn a_hostile_image_bundle_is_read_inside_the_image_or_left_out() {
-    assert!(
-        rustix::process::geteuid().is_root(),
-        "kiln build tests need root (CI runs them as root)"
-    );
+    need_root();
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
     let t = tempfile::tempdir().expect("tempdir");
     let certs = t.path().join("certs");

@@ -49,15 +49,13 @@ fn server_and_build_ca_certificates_reach_steps_and_keys_are_refused() {
         std::fs::create_dir(d).expect("mkdir");
         make_certs(d, "pkg.test");
     }
-    let ctx = context_dir(
-        t.path(),
-        &format!(
-            "FROM {bb}\n\
-             RUN mkdir -p /etc/ssl/certs && echo '# image bundle' > /etc/ssl/certs/ca-certificates.crt\n\
-             RUN echo \"certs=$(grep -c 'BEGIN CERTIFICATE' \"$PIP_CERT\")\" \
-             && echo \"first=$(head -n 1 \"$SSL_CERT_FILE\")\"\n"
-        ),
+    let dockerfile = format!(
+        "FROM {bb}\n\
+         RUN mkdir -p /etc/ssl/certs && echo '# image bundle' > /etc/ssl/certs/ca-certificates.crt\n\
+         RUN echo \"certs=$(grep -c 'BEGIN CERTIFICATE' \"$PIP_CERT\")\" \
+         && echo \"first=$(head -n 1 \"$SSL_CERT_FILE\")\"\n"
     );
+    let ctx = context_dir(t.path(), &dockerfile);
     let server_pem = server_ca.join("ca.pem");
     let s = Server::start(
         KILN.as_ref(),
@@ -70,6 +68,17 @@ fn server_and_build_ca_certificates_reach_steps_and_keys_are_refused() {
     let build_pem = std::fs::read_to_string(build_ca.join("ca.pem")).expect("read");
     let private_key = std::fs::read_to_string(build_ca.join("srv.key")).expect("read");
     rt().block_on(async {
+        // The message of a submission with `ca_certs` that must be a 400.
+        let refused = |bad: String| {
+            let (c, s, key, ctx) = (&c, &s, &key, &ctx);
+            async move {
+                let spec = json!({"ca_certs": bad});
+                let r = submit(c, s, key, &spec, Some(&tar_dir(ctx)), None, None).await;
+                assert_eq!(r.status(), 400);
+                let e = json_of(r).await;
+                e["message"].as_str().unwrap_or_default().to_string()
+            }
+        };
         // A key where certificates belong, and text with no certificate: 400, naming the
         // field, and nothing is queued.
         for (bad, says) in [
@@ -79,63 +88,22 @@ fn server_and_build_ca_certificates_reach_steps_and_keys_are_refused() {
             ),
             ("hello".to_string(), "no PEM certificate found"),
         ] {
-            let r = submit(
-                &c,
-                &s,
-                &key,
-                &json!({"ca_certs": bad}),
-                Some(&tar_dir(&ctx)),
-                None,
-                None,
-            )
-            .await;
-            assert_eq!(r.status(), 400);
-            let e = json_of(r).await;
-            let m = e["message"].as_str().unwrap_or_default();
+            let m = refused(bad).await;
             assert!(
                 m.starts_with("build spec: ca_certs: ") && m.contains(says),
-                "{e:#}"
+                "{m}"
             );
-            assert!(!m.contains("PRIVATE"), "the refusal echoes the key: {e:#}");
+            assert!(!m.contains("PRIVATE"), "the refusal echoes the key: {m}");
         }
 
         // 32 certificates at most, the server's one with the build's.
-        let many = build_pem.repeat(MAX_CERTS);
-        let r = submit(
-            &c,
-            &s,
-            &key,
-            &json!({"ca_certs": many}),
-            Some(&tar_dir(&ctx)),
-            None,
-            None,
-        )
-        .await;
-        assert_eq!(r.status(), 400);
-        let e = json_of(r).await;
-        assert!(
-            e["message"]
-                .as_str()
-                .is_some_and(|m| m.contains("32 certificates with this server's 1")),
-            "{e:#}"
-        );
+        let m = refused(build_pem.repeat(MAX_CERTS)).await;
+        assert!(m.contains("32 certificates with this server's 1"), "{m}");
 
         // The server's certificate, then the build's, after the image's own bundle.
-        let r = submit(
-            &c,
-            &s,
-            &key,
-            &json!({"ca_certs": build_pem}),
-            Some(&tar_dir(&ctx)),
-            None,
-            None,
-        )
-        .await;
-        assert_eq!(r.status(), 202);
-        let id = json_of(r).await["id"].as_str().expect("id").to_string();
-        let v = wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await;
+        let spec = json!({"ca_certs": build_pem});
+        let (v, lines) = build_to_end(&c, &s, &key, t.path(), &dockerfile, &spec).await;
         assert_eq!(v["state"], "succeeded", "{v:#}");
-        let lines = log_lines(&c, &s, &key, &id).await;
         assert!(lines.iter().any(|l| l == "certs=2"), "{lines:#?}");
         assert!(
             lines.iter().any(|l| l == "first=# image bundle"),
@@ -144,21 +112,9 @@ fn server_and_build_ca_certificates_reach_steps_and_keys_are_refused() {
 
         // Without the build's own: the server's alone (the certificates are in no cache
         // key, so the steps would be cached without `no_cache`).
-        let r = submit(
-            &c,
-            &s,
-            &key,
-            &json!({"no_cache": true}),
-            Some(&tar_dir(&ctx)),
-            None,
-            None,
-        )
-        .await;
-        assert_eq!(r.status(), 202);
-        let id = json_of(r).await["id"].as_str().expect("id").to_string();
-        let v = wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await;
+        let spec = json!({"no_cache": true});
+        let (v, lines) = build_to_end(&c, &s, &key, t.path(), &dockerfile, &spec).await;
         assert_eq!(v["state"], "succeeded", "{v:#}");
-        let lines = log_lines(&c, &s, &key, &id).await;
         assert!(lines.iter().any(|l| l == "certs=1"), "{lines:#?}");
     });
 }
