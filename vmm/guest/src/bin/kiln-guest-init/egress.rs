@@ -17,10 +17,9 @@ use std::collections::HashMap;
 use std::fs;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, Shutdown, TcpListener, TcpStream};
-use std::os::unix::fs::OpenOptionsExt;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kiln_guest::egress::{
     Frame, FrameDecoder, HEADER_LEN, Kind, MAX_CREDIT, MAX_PAYLOAD, MAX_STREAMS, PORT_NAME,
@@ -33,34 +32,21 @@ use crate::{log, serve};
 /// it is there, `kiln.egress`) and, when there is one, starts listening and serving it.
 /// Failures are logged: the step then reaches no proxy, as without the port.
 pub fn start(wait: bool) {
-    let t0 = Instant::now();
-    let path = loop {
-        match serve::find_port_named(PORT_NAME) {
-            Ok(Some(p)) => break p,
-            Ok(None) if wait && t0.elapsed() < serve::PORT_WAIT => {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Ok(None) => {
-                if wait {
-                    log!("no egress port {PORT_NAME}: the step reaches no proxy");
-                }
-                return;
-            }
-            Err(e) => {
-                log!("the egress port: {e}");
-                return;
-            }
-        }
+    let wait = if wait {
+        serve::PORT_WAIT
+    } else {
+        Duration::ZERO
     };
-    let port = match fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_CLOEXEC | libc::O_NOCTTY)
-        .open(&path)
-    {
-        Ok(p) => p,
+    let port = match serve::open_port_named(PORT_NAME, wait) {
+        Ok(Some(p)) => p,
+        Ok(None) => {
+            if !wait.is_zero() {
+                log!("no egress port {PORT_NAME}: the step reaches no proxy");
+            }
+            return;
+        }
         Err(e) => {
-            log!("opening the egress port {}: {e}", path.display());
+            log!("the egress port: {e}");
             return;
         }
     };

@@ -30,33 +30,38 @@ const RESTORE_ENV_FILE: &str = "/run/kiln/env";
 /// Find the virtio-serial port named [`protocol::PORT_NAME`] under `/sys/class/virtio-ports`
 /// and open its character device (made with mknod from its `dev` file when /dev lacks it).
 pub fn open_port() -> Result<fs::File, BootError> {
+    open_port_named(protocol::PORT_NAME, PORT_WAIT)?.ok_or_else(|| {
+        BootError::Port(format!(
+            "no virtio-serial port named {} in /sys/class/virtio-ports",
+            protocol::PORT_NAME
+        ))
+    })
+}
+
+/// Opens the character device of the virtio-serial port named `port_name`, waiting up to
+/// `wait` for it to appear; `None` when it did not.
+pub fn open_port_named(port_name: &str, wait: Duration) -> Result<Option<fs::File>, BootError> {
     let start = Instant::now();
     loop {
-        if let Some(path) = find_port()? {
+        if let Some(path) = find_port_named(port_name)? {
             return fs::OpenOptions::new()
                 .read(true)
                 .write(true)
                 .custom_flags(libc::O_CLOEXEC | libc::O_NOCTTY)
                 .open(&path)
+                .map(Some)
                 .map_err(|e| BootError::Port(format!("opening {}: {e}", path.display())));
         }
-        if start.elapsed() > PORT_WAIT {
-            return Err(BootError::Port(format!(
-                "no virtio-serial port named {} in /sys/class/virtio-ports",
-                protocol::PORT_NAME
-            )));
+        if start.elapsed() > wait {
+            return Ok(None);
         }
         std::thread::sleep(Duration::from_millis(10));
     }
 }
 
-fn find_port() -> Result<Option<PathBuf>, BootError> {
-    find_port_named(protocol::PORT_NAME)
-}
-
 /// The character device of the virtio-serial port named `port_name` (made with mknod from
 /// its `dev` file when /dev lacks it), `None` when there is no such port (yet).
-pub fn find_port_named(port_name: &str) -> Result<Option<PathBuf>, BootError> {
+fn find_port_named(port_name: &str) -> Result<Option<PathBuf>, BootError> {
     let Ok(dir) = fs::read_dir("/sys/class/virtio-ports") else {
         return Ok(None);
     };
