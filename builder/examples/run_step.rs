@@ -55,7 +55,6 @@ fn main() {
         let spec = StepSpec {
             index: 0,
             lower_dirs: vec![rootfs.clone()],
-            lower_layers: Vec::new(),
             layer_limits: Default::default(),
             upper_dir: upper,
             work_dir: work,

@@ -9,8 +9,9 @@
 //! and by `kiln store gc`) removes the ones whose owner no longer runs and never touches a
 //! live build's.
 //!
-//! `layers/<hex>` (one unpacked layer per digest, [`crate::build::lower::LayerDirs`]) is a
-//! cache of what the blob cache holds, read as overlay lower directories by running steps.
+//! `layers/<hex>` (one unpacked layer per digest, and one squashed tree per list of layers
+//! for steps past the lowers a mount takes and for stages copied from,
+//! [`crate::build::lower::LayerDirs`]) is a cache of what the blob cache holds, read as overlay lower directories by running steps.
 //! Every build holds a shared lock on `layers/.lock` for its whole run; [`collect_layers`]
 //! takes it exclusively, without waiting, and only then removes the unpacked layers, so a
 //! build never loses a lower directory it mounted. A later build unpacks again what it needs.
@@ -32,9 +33,10 @@ pub const LAYERS_LOCK: &str = ".lock";
 /// Where, under a build's `run/` directory, the microVM executor keeps one read-only ext4
 /// image per unpacked layer directory (`<hex>.ext4`, `kiln_pipeline::vmexec::lower_image`).
 pub const VM_LOWER_IMAGES: &str = "vm-lowers";
-/// Where, under a build's `run/` directory, the microVM executor keeps one read-only ext4
-/// image per ordered set of squashed lower layers (`<hex>.ext4`,
-/// `kiln_pipeline::vmexec::squashed_image`).
+/// Where, under a build's `run/` directory, kiln before squashed layer directories
+/// ([`crate::build::lower::LayerDirs::squashed`]) kept the microVM executor's squashed disk
+/// images (`<hex>.ext4`); [`collect_layers`] still removes them. A squashed directory's
+/// image is now one of [`VM_LOWER_IMAGES`].
 pub const VM_SQUASHED_IMAGES: &str = "vm-squashed";
 
 /// This process's owner token (`p<pid>s<start>`, [`ProcessId::token`]), read once.

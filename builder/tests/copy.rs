@@ -188,7 +188,6 @@ fn copy_layers_then_run_on_busybox() {
     let spec = StepSpec {
         index: 0,
         lower_dirs: vec![upper2.clone(), upper1.clone(), base.clone()],
-        lower_layers: Vec::new(),
         layer_limits: Default::default(),
         upper_dir: upper3,
         work_dir: work3,

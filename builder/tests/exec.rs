@@ -94,7 +94,6 @@ impl Fixture {
         StepSpec {
             index: 7,
             lower_dirs: vec![self.root.clone()],
-            lower_layers: Vec::new(),
             layer_limits: Default::default(),
             upper_dir: self.upper.clone(),
             work_dir: self.work.clone(),

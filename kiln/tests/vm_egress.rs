@@ -185,7 +185,6 @@ impl Fixture {
         let spec = StepSpec {
             index: 3,
             lower_dirs: vec![self.root.clone()],
-            lower_layers: Vec::new(),
             layer_limits: Default::default(),
             upper_dir: upper.clone(),
             work_dir: work,

@@ -228,6 +228,26 @@ fn vm_exec_in_one_clone() {
     );
     assert_eq!((code, out.as_str()), (0, "img s cmd 1\n"));
 
+    // A command starts with no signal blocked or ignored (issue 44 §1), so `yes | head`
+    // ends when head does.
+    let (code, out, _) = exec(
+        d,
+        id,
+        &[
+            "--",
+            "sh",
+            "-c",
+            "grep -E '^Sig(Blk|Ign):' /proc/self/status; yes | head -c 1000000 | wc -c",
+        ],
+    );
+    assert_eq!(
+        (code, out.as_str()),
+        (
+            0,
+            "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n1000000\n"
+        )
+    );
+
     // stdin with -i, and without it /dev/null.
     let o = kiln_stdin(d, &["exec", "-i", id, "--", "cat"], b"hello\x00 there");
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));

@@ -9,9 +9,11 @@
 //!    than that. Each lower directory becomes a read-only disk (serial `lower<i>`, topmost
 //!    first, [`kiln_vmm::launch::VmSpec::ro_disks`]): an ext4 image made once per layer
 //!    directory with `mke2fs -d` ([`lower_image`]), which copies overlayfs' whiteouts (0/0
-//!    character devices) and opaque xattrs as they are. A step with more lower layers than
-//!    the VM takes ([`MAX_LOWERS`], and [`MAX_DISKS`] with its bind mounts) has its lowest
-//!    ones squashed into one read-only disk ([`squash_plan`], [`squashed_image`]). The guest
+//!    character devices) and opaque xattrs as they are. The VM takes at most [`MAX_LOWERS`]
+//!    lower disks ([`MAX_DISKS`] with its bind mounts, [`VmExecutor::max_lowers`]); past
+//!    that the builder gives the step its lowest layers squashed into one directory
+//!    ([`kiln_builder::build::lower::squash_plan`]), the mechanism that keeps the namespace
+//!    executor under overlayfs' 500 lowers, and that directory is one more disk. The guest
 //!    sees the step's layers and nothing else of the host's file system. Why disks and not
 //!    9p: Debian's cloud kernel, kiln's guest kernel, has no 9p (`modules.order` lists none),
 //!    and virtio-fs needs `virtiofsd`, which bookworm lacks. There is no network card
@@ -120,37 +122,7 @@ pub const PROXY_ONLY_LINE: &str = "[kiln] this microVM step reaches the network 
      kiln's egress proxy (HTTP_PROXY, HTTPS_PROXY): HTTP, and HTTPS by CONNECT; git://, ssh \
      and UDP do not work\n";
 
-/// A squashed disk holds the lowest layers in multiples of this many, so that the next
-/// steps of a build (one more layer each) reuse it: a new one is made at most every
-/// `SQUASH_STEP` steps.
-pub const SQUASH_STEP: usize = MAX_LOWERS / 2;
-/// Largest squashed disk, MiB (64 GiB; [`kiln_builder::ext4::Ext4Options::max_mib`]).
-pub const SQUASH_MAX_MIB: u64 = 64 << 10;
-/// The first line of what names a squashed disk ([`squashed_image`]): a new version when
-/// the way it is made changes, so that no older image is reused.
-pub const SQUASH_KEY_VERSION: &str = "kiln squashed lowers v1\n";
-
 static STEP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
-/// How many of a step's `lowers` lower layers (topmost first) go into the one squashed disk
-/// when at most `disks` disks are left for them: 0 when they all fit, else the lowest ones in
-/// a multiple of [`SQUASH_STEP`] (all of them when that is more), so that what is left plus
-/// the squashed disk fits. `None`: no squash fits (`disks` is 0).
-pub fn squash_plan(lowers: usize, disks: usize) -> Option<usize> {
-    if lowers <= disks {
-        return Some(0);
-    }
-    if disks == 0 {
-        return None;
-    }
-    // The top `disks - 1` stay; the rest, rounded up to a multiple of SQUASH_STEP, squash.
-    let need = lowers - (disks - 1);
-    Some(
-        need.div_ceil(SQUASH_STEP)
-            .saturating_mul(SQUASH_STEP)
-            .min(lowers),
-    )
-}
 
 /// Bytes of tar the host accepts for a step whose upper disk has `disk_bytes`: twice the
 /// disk (headers, long names and PAX records of many small files) plus 16 MiB.
@@ -228,11 +200,9 @@ impl VmExecutor {
 }
 
 impl StepExecutor for VmExecutor {
-    /// Runs `spec` in a microVM (module doc). Past [`MAX_LOWERS`] lower directories (or
-    /// [`MAX_DISKS`] disks with the bind mounts), the lowest are squashed into one disk
-    /// ([`squash_plan`], [`squashed_image`]) from [`StepSpec::lower_layers`]. Refused with
-    /// [`ExecError::Unsupported`]: `RUN --mount=type=cache`, a bind of a file, the host
-    /// network, too many lower directories whose blobs are not known, more than
+    /// Runs `spec` in a microVM (module doc). Refused with [`ExecError::Unsupported`]:
+    /// `RUN --mount=type=cache`, a bind of a file, the host network, more lower directories
+    /// than [`VmExecutor::max_lowers`] (the builder squashes them to fit), more than
     /// [`MAX_DISKS`]` - 1` bind mounts. A step with the default network or an allow-list
     /// reaches the network through the egress proxy only (module doc), and its first log
     /// line says so ([`PROXY_ONLY_LINE`]).
@@ -268,24 +238,20 @@ impl StepExecutor for VmExecutor {
         if binds > MAX_DISKS {
             return unsupported(&format!("{binds} bind mounts (at most {MAX_DISKS})"));
         }
-        let disks = MAX_LOWERS.min(MAX_DISKS - binds);
-        let squash = match squash_plan(spec.lower_dirs.len(), disks) {
-            Some(0) => 0,
-            Some(n) if spec.lower_layers.len() == spec.lower_dirs.len() => n,
-            Some(_) => {
-                return unsupported(&format!(
-                    "{} layers whose blobs are not known, so they cannot be squashed \
-                     (at most {disks} disks)",
-                    spec.lower_dirs.len()
-                ));
-            }
-            None => {
-                return unsupported(&format!(
+        let disks = self.max_lowers(spec);
+        if spec.lower_dirs.len() > disks {
+            return unsupported(&if disks == 0 {
+                format!(
                     "{binds} bind mounts (at most {} with any layers)",
                     MAX_DISKS - 1
-                ));
-            }
-        };
+                )
+            } else {
+                format!(
+                    "{} lower layers (at most {disks} disks)",
+                    spec.lower_dirs.len()
+                )
+            });
+        }
         let scratch = Scratch::new(&self.config.run_dir)?;
         // Targets resolved through the lowers as the step sees them, as for namespace steps.
         let mounts = kiln_builder::exec::mounts::prepare(
@@ -293,7 +259,7 @@ impl StepExecutor for VmExecutor {
             &spec.lower_dirs,
             &scratch.0.join("mounts"),
         )?;
-        let run = self.run_in(spec, squash, &mounts, cancel, sink, &scratch.0);
+        let run = self.run_in(spec, &mounts, cancel, sink, &scratch.0);
         match tokio::runtime::Handle::try_current() {
             Ok(h) => h.block_on(run),
             Err(_) => tokio::runtime::Builder::new_current_thread()
@@ -305,6 +271,17 @@ impl StepExecutor for VmExecutor {
                 })?
                 .block_on(run),
         }
+    }
+
+    /// The disks a step VM has for lower directories: [`MAX_LOWERS`], fewer when its bind
+    /// mounts take the rest of [`MAX_DISKS`] (0 when they take all of them).
+    fn max_lowers(&self, spec: &StepSpec) -> usize {
+        let binds = spec
+            .mounts
+            .iter()
+            .filter(|m| matches!(m.kind, kiln_builder::exec::MountKind::Bind { .. }))
+            .count();
+        MAX_LOWERS.min(MAX_DISKS.saturating_sub(binds))
     }
 }
 
@@ -441,74 +418,6 @@ pub async fn lower_image(cache: &Path, lower: &Path) -> Result<PathBuf, ExecErro
     if r.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
-    r.map(|()| img)
-}
-
-/// The read-only ext4 image of the union of `layers` (topmost first, the lowest layers of a
-/// step) in `cache`, made when missing: `<cache>/<hex>.ext4`, where `<hex>` is the sha256 of
-/// [`SQUASH_KEY_VERSION`] and the layer digests bottom first, one per line. Made by the builder's flattening
-/// ([`kiln_builder::ext4::build`], the one that makes image root file systems): whiteouts and
-/// opaque directories applied as overlayfs applies them, so as the lowest lower it shows the
-/// tree the separate layer disks show. Read with `limits`; mtimes as in the layers; sized
-/// by the builder's estimate, at most [`SQUASH_MAX_MIB`]. A set of layers never changes, so
-/// neither does its image: made under a temporary name and renamed, and reused by later
-/// steps and builds until `kiln store gc` removes it with the unpacked layers (as
-/// [`lower_image`] says).
-///
-/// Errors: a layer unreadable or over `limits`, e2fsprogs missing or failing, the image over
-/// [`SQUASH_MAX_MIB`] ([`ExecError::Setup`]); [`ExecError::Io`].
-pub async fn squashed_image(
-    cache: &Path,
-    layers: &[kiln_builder::ext4::LayerBlob],
-    limits: &kiln_builder::layer::Limits,
-) -> Result<PathBuf, ExecError> {
-    let mut bottom_first: Vec<kiln_builder::ext4::LayerBlob> = layers.to_vec();
-    bottom_first.reverse();
-    let mut names = String::from(SQUASH_KEY_VERSION);
-    for l in &bottom_first {
-        names.push_str(&l.digest);
-        names.push('\n');
-    }
-    let digest = kiln_builder::cache::digest_of(names.as_bytes());
-    let hex = digest.trim_start_matches("sha256:").to_string();
-    let img = cache.join(format!("{hex}.ext4"));
-    if img.is_file() {
-        return Ok(img);
-    }
-    std::fs::create_dir_all(cache).map_err(|source| ExecError::Io {
-        what: format!("creating {}", cache.display()),
-        source,
-    })?;
-    let tmp = cache.join(format!(
-        "{hex}.tmp-{}-{}",
-        kiln_builder::workdir::owner_token(),
-        STEP_COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let opts = kiln_builder::ext4::Ext4Options {
-        disk_mib: None,
-        max_mib: SQUASH_MAX_MIB,
-        source_date_epoch: None,
-        limits: limits.clone(),
-    };
-    let (t, n) = (tmp.clone(), bottom_first.len());
-    let t0 = Instant::now();
-    let built =
-        tokio::task::spawn_blocking(move || kiln_builder::ext4::build(&bottom_first, &t, &opts))
-            .await
-            .map_err(|e| ExecError::Setup(e.to_string()))?;
-    let r = match built {
-        Ok(_) => std::fs::rename(&tmp, &img).map_err(|source| ExecError::Io {
-            what: format!("renaming {}", tmp.display()),
-            source,
-        }),
-        Err(e) => Err(ExecError::Setup(format!(
-            "squashing the lowest {n} layers into one disk: {e}"
-        ))),
-    };
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    tracing::debug!(layers = n, took = ?t0.elapsed(), image = %img.display(), "squashed lower layers");
     r.map(|()| img)
 }
 
@@ -673,7 +582,6 @@ impl VmExecutor {
     async fn run_in(
         &self,
         spec: &StepSpec,
-        squash: usize,
         mounts: &PreparedMounts,
         cancel: &AtomicBool,
         sink: &mut (dyn FnMut(LogLine) + Send),
@@ -685,23 +593,13 @@ impl VmExecutor {
         // At least 64 MiB, so that the file system itself fits.
         let disk_bytes = self.config.write_limit_bytes.max(64 << 20);
         mke2fs(&disk, disk_bytes, &[]).await?;
-        let keep = spec.lower_dirs.len() - squash;
-        let mut lowers = Vec::with_capacity(keep + 1);
-        for l in &spec.lower_dirs[..keep] {
-            let cache = self
-                .config
-                .run_dir
-                .join(kiln_builder::workdir::VM_LOWER_IMAGES);
+        let cache = self
+            .config
+            .run_dir
+            .join(kiln_builder::workdir::VM_LOWER_IMAGES);
+        let mut lowers = Vec::with_capacity(spec.lower_dirs.len());
+        for l in &spec.lower_dirs {
             lowers.push(lower_image(&cache, l).await?);
-        }
-        if squash > 0 {
-            let cache = self
-                .config
-                .run_dir
-                .join(kiln_builder::workdir::VM_SQUASHED_IMAGES);
-            lowers.push(
-                squashed_image(&cache, &spec.lower_layers[keep..], &spec.layer_limits).await?,
-            );
         }
         let step_lowers = lowers.len();
         let egress = has_egress(&spec.network);
@@ -1024,35 +922,6 @@ mod tests {
     use super::*;
     use kiln_vmm::channel::Message;
     use kiln_vmm::exec::{DiffData, DiffEnd, MAX_CHUNK_LEN};
-
-    #[test]
-    fn squash_plans_fit_the_disks_and_grow_in_steps() {
-        assert_eq!(squash_plan(0, 0), Some(0));
-        assert_eq!(squash_plan(16, 16), Some(0));
-        assert_eq!(squash_plan(1, 0), None);
-        // 17 lowers on 16 disks: the lowest 8 squash, 9 + 1 disks.
-        assert_eq!(squash_plan(17, 16), Some(8));
-        // The same squash serves the next steps, until 15 + 1 disks are full.
-        for n in 17..=23 {
-            assert_eq!(squash_plan(n, 16), Some(8), "{n}");
-        }
-        assert_eq!(squash_plan(24, 16), Some(16));
-        assert_eq!(squash_plan(30, 16), Some(16));
-        assert_eq!(squash_plan(32, 16), Some(24));
-        // Bind mounts leave fewer disks; everything squashes when that is what fits.
-        assert_eq!(squash_plan(5, 1), Some(5));
-        assert_eq!(squash_plan(5, 2), Some(5));
-        // 18 must squash, 24 would be the next multiple: all 20.
-        assert_eq!(squash_plan(20, 3), Some(20));
-        for lowers in 0..80 {
-            for disks in 1..=MAX_LOWERS {
-                let s = squash_plan(lowers, disks).unwrap();
-                assert!(s <= lowers);
-                let used = lowers - s + usize::from(s > 0);
-                assert!(used <= disks, "{lowers} on {disks}: {s}");
-            }
-        }
-    }
 
     #[test]
     fn step_failures_are_worded_from_the_guest_exit() {

@@ -103,7 +103,10 @@ impl LayerDirs {
     /// Moves a finished directory in as layer `digest` (an upper directory whose layer was
     /// just written). When the layer is already there, `dir` is removed instead.
     pub fn adopt(&self, dir: &Path, digest: &str) -> Result<PathBuf, LowerError> {
-        let dst = self.path(digest)?;
+        self.adopt_as(dir, self.path(digest)?)
+    }
+
+    fn adopt_as(&self, dir: &Path, dst: PathBuf) -> Result<PathBuf, LowerError> {
         if dst.is_dir() {
             let _ = fs::remove_dir_all(dir);
             return Ok(dst);
@@ -140,6 +143,75 @@ impl LayerDirs {
         }
         self.adopt(&tmp, digest)
     }
+
+    /// The tree of layers `digests` (bottom first) as one plain directory, made when missing:
+    /// each blob from `cache` applied in order by [`apply_layer`] (its walk that stays inside
+    /// the directory, `limits` per layer), so whiteouts and opaque directories are applied and
+    /// none is left as a marker. As the lowest lower of a mount it shows what those layers
+    /// stacked as lowers show ([`squash_plan`]); on its own it is their merged root file
+    /// system (a stage's tree for `COPY --from`).
+    ///
+    /// Named `<hex>`, the sha256 of [`SQUASH_KEY_VERSION`] and the digests one per line, beside
+    /// the layer directories (a name no layer digest gives): made once per list of layers,
+    /// under a temporary name and renamed, and collected with the layers by `kiln store gc`.
+    ///
+    /// Errors: a blob not in `cache` ([`LowerError::Missing`]), a layer refused or over
+    /// `limits` ([`LowerError::Layer`]), [`LowerError::Io`]; nothing is left behind.
+    pub fn squashed(
+        &self,
+        cache: &dyn BlobCache,
+        digests: &[String],
+        limits: &Limits,
+    ) -> Result<PathBuf, LowerError> {
+        let mut names = String::from(SQUASH_KEY_VERSION);
+        for d in digests {
+            names.push_str(d);
+            names.push('\n');
+        }
+        let hex = hex::encode(Sha256::digest(names.as_bytes()));
+        let dst = self.root.join(&hex);
+        if dst.is_dir() {
+            return Ok(dst);
+        }
+        let tmp = self.temp(&hex);
+        fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
+        let applied = digests.iter().try_for_each(|d| {
+            let blob = cache
+                .blob_path(d)?
+                .ok_or_else(|| LowerError::Missing(d.clone()))?;
+            let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
+            apply_layer(&tmp, f, d, limits)?;
+            Ok::<_, LowerError>(())
+        });
+        if let Err(e) = applied {
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        self.adopt_as(&tmp, dst)
+    }
+}
+
+/// The first line of what names a squashed tree ([`LayerDirs::squashed`]): a new version
+/// when the way one is made changes, so that no older tree is reused.
+pub const SQUASH_KEY_VERSION: &str = "kiln squashed layers v1\n";
+
+/// How many of a step's `lowers` lower directories (topmost first) go into one squashed tree
+/// ([`LayerDirs::squashed`]) when the mount takes at most `fit` lowers: 0 when all fit; else
+/// the lowest ones, in a multiple of `fit / 2` (all of them when that is more), so that the
+/// rest plus the squashed tree fit, and the next steps of a build (one more layer each)
+/// reuse the same tree for up to `fit / 2` steps before a larger one is made. `None`: `fit`
+/// is 0, so no squash fits.
+pub fn squash_plan(lowers: usize, fit: usize) -> Option<usize> {
+    if lowers <= fit {
+        return Some(0);
+    }
+    if fit == 0 {
+        return None;
+    }
+    // The top `fit - 1` stay; the rest, rounded up to a multiple of the step, squash.
+    let step = (fit / 2).max(1);
+    let need = lowers - (fit - 1);
+    Some(need.div_ceil(step).saturating_mul(step).min(lowers))
 }
 
 /// Unpacks the layer blob at `blob` (a tar stream, compressed or not) into the empty
@@ -390,6 +462,87 @@ mod tests {
             ..me
         };
         assert!(stale_temp(&format!("upper.tmp-{}-3", reused.token())));
+    }
+
+    #[test]
+    fn squash_plans_fit_the_mount_and_grow_in_steps() {
+        assert_eq!(squash_plan(0, 0), Some(0));
+        assert_eq!(squash_plan(16, 16), Some(0));
+        assert_eq!(squash_plan(1, 0), None);
+        // 17 lowers where 16 fit: the lowest 8 squash, 9 + 1 lowers.
+        assert_eq!(squash_plan(17, 16), Some(8));
+        // The same squash serves the next steps, until 15 + 1 are mounted.
+        for n in 17..=23 {
+            assert_eq!(squash_plan(n, 16), Some(8), "{n}");
+        }
+        assert_eq!(squash_plan(24, 16), Some(16));
+        assert_eq!(squash_plan(30, 16), Some(16));
+        assert_eq!(squash_plan(32, 16), Some(24));
+        // overlayfs' 500: the lowest 250 squash at 501, 500 at 750.
+        assert_eq!(squash_plan(501, 500), Some(250));
+        assert_eq!(squash_plan(749, 500), Some(250));
+        assert_eq!(squash_plan(750, 500), Some(500));
+        // A mount of one lower takes the whole squash.
+        assert_eq!(squash_plan(5, 1), Some(5));
+        for lowers in 0..=1200 {
+            for fit in [1, 2, 3, 7, 16, 22, 500] {
+                let s = squash_plan(lowers, fit).unwrap();
+                let mounted = lowers - s + usize::from(s > 0);
+                assert!(s <= lowers && mounted <= fit, "{lowers} on {fit}: {s}");
+            }
+        }
+    }
+
+    /// A squashed tree is the layers applied in order: a whiteout and an opaque directory
+    /// of a later layer remove what earlier ones made and leave no marker; it is made once
+    /// per list of digests, and another order is another tree.
+    #[test]
+    fn squashed_tree_applies_the_layers_in_order_once() {
+        if !rustix::process::geteuid().is_root() {
+            panic!("needs root (owners); CI runs as root");
+        }
+        let t = tempfile::tempdir().unwrap();
+        let cache = crate::cache::LocalCache::open(&t.path().join("store")).unwrap();
+        let put = |entries: &[(&str, Option<&[u8]>)]| {
+            let blob = tar_gz(entries);
+            let digest = crate::cache::digest_of(&blob);
+            cache.put_bytes(&digest, &blob).unwrap();
+            digest
+        };
+        let l1 = put(&[
+            ("a", Some(b"a1")),
+            ("gone", Some(b"x")),
+            ("o/", None),
+            ("o/x", Some(b"x")),
+        ]);
+        let l2 = put(&[
+            (".wh.gone", Some(b"")),
+            ("o/", None),
+            ("o/.wh..wh..opq", Some(b"")),
+            ("o/y", Some(b"y")),
+            ("a", Some(b"a2")),
+        ]);
+        let dirs = LayerDirs::open(&t.path().join("layers")).unwrap();
+        let both = [l1.clone(), l2.clone()];
+        let d = dirs.squashed(&cache, &both, &Limits::default()).unwrap();
+        assert_eq!(fs::read(d.join("a")).unwrap(), b"a2");
+        assert!(fs::symlink_metadata(d.join("gone")).is_err());
+        assert!(fs::symlink_metadata(d.join("o/x")).is_err());
+        assert_eq!(fs::read(d.join("o/y")).unwrap(), b"y");
+        assert!(!crate::layer::write::is_opaque(&d.join("o")).unwrap());
+        assert_eq!(dirs.squashed(&cache, &both, &Limits::default()).unwrap(), d);
+        let other = dirs
+            .squashed(&cache, &[l2.clone(), l1.clone()], &Limits::default())
+            .unwrap();
+        assert_ne!(other, d);
+        assert_eq!(fs::read(other.join("a")).unwrap(), b"a1");
+        // A missing blob is named, and leaves nothing behind.
+        let missing = format!("sha256:{}", "0".repeat(64));
+        let e = dirs
+            .squashed(&cache, &[l1, missing.clone()], &Limits::default())
+            .unwrap_err();
+        assert!(e.to_string().contains(&missing), "{e}");
+        assert_eq!(fs::read_dir(t.path().join("layers")).unwrap().count(), 3);
     }
 
     /// A whiteout below a symlink the layer planted is dropped, never followed.

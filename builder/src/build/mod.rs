@@ -47,13 +47,15 @@ use kiln_store::{BlobDigest, Store};
 use self::config::{History, OciConfig};
 pub use self::error::BuildError;
 use self::error::io_err;
-use self::lower::{LayerDirs, LowerError};
+use self::lower::LayerDirs;
 use crate::cache::BlobCache;
 use crate::copy::fetch::FetchOptions;
 use crate::copy::{CopyOptions, Sources};
 use crate::egress::ca;
 use crate::exec::mounts::MountInputs;
-use crate::exec::{ExecConfig, ExecError, LinuxExecutor, LogLine, StepExecutor, StepSpec};
+use crate::exec::{
+    ExecConfig, ExecError, LinuxExecutor, LogLine, OVERLAY_MAX_LOWERS, StepExecutor, StepSpec,
+};
 use crate::image::{Descriptor, OCI_MANIFEST};
 use crate::layer::Limits;
 use crate::publish::BuiltImage;
@@ -714,34 +716,40 @@ fn stage_base(
     }
 }
 
-/// Lower directories for `layers`, topmost first, unpacking what is missing. A layer digest
-/// that occurs more than once (`RUN true` twice, a `WORKDIR` that changes nothing) is one
-/// directory, which overlayfs refuses to take twice ("conflicting lowerdir path", ELOOP), so
-/// only its topmost occurrence is kept ([`topmost_unique`]). With the layer blobs of those
-/// directories in the same order ([`StepSpec::lower_layers`]), empty when one is not in the
-/// local cache.
-async fn lowers_with_blobs(
+/// Lower directories for `layers` (bottom first) when a mount takes at most `fit` of them:
+/// topmost first, unpacking what is missing. A layer digest that occurs more than once
+/// (`RUN true` twice, a `WORKDIR` that changes nothing) is one directory, which overlayfs
+/// refuses to take twice ("conflicting lowerdir path", ELOOP), so only its topmost
+/// occurrence is kept ([`topmost_unique`]). Past `fit`, the lowest ones are one squashed
+/// tree made from their blobs instead ([`lower::squash_plan`], [`LayerDirs::squashed`]):
+/// overlayfs' 500 lowers on the host, the microVM's disks
+/// ([`crate::exec::StepExecutor::max_lowers`]). With `fit` 0 every layer is given as it
+/// is, for the executor to refuse.
+async fn step_lowers(
     ctx: &Arc<Ctx>,
     layers: &[LayerRef],
-) -> Result<(Vec<PathBuf>, Vec<crate::ext4::LayerBlob>), BuildError> {
+    fit: usize,
+) -> Result<Vec<PathBuf>, BuildError> {
     let c = ctx.clone();
     let digests: Vec<String> = layers.iter().map(|l| l.desc.digest.clone()).collect();
     tokio::task::spawn_blocking(move || {
-        let mut dirs = Vec::with_capacity(digests.len());
-        let mut blobs = Vec::with_capacity(digests.len());
-        for d in topmost_unique(&digests) {
+        let unique = topmost_unique(&digests);
+        let squash = lower::squash_plan(unique.len(), fit).unwrap_or(0);
+        let keep = unique.len() - squash;
+        let mut dirs = Vec::with_capacity(keep + 1);
+        for d in &unique[..keep] {
             dirs.push(c.dirs.ensure(c.cache.as_ref(), d, &c.layer_limits())?);
-            if let Some(path) = c.cache.blob_path(d)? {
-                blobs.push(crate::ext4::LayerBlob {
-                    digest: d.clone(),
-                    path,
-                });
-            }
         }
-        if blobs.len() != dirs.len() {
-            blobs.clear();
+        if squash > 0 {
+            let t0 = Instant::now();
+            let bottom_first: Vec<String> = unique[keep..].iter().rev().map(|d| (*d).clone()).collect();
+            dirs.push(
+                c.dirs
+                    .squashed(c.cache.as_ref(), &bottom_first, &c.layer_limits())?,
+            );
+            tracing::debug!(layers = squash, fit, took = ?t0.elapsed(), "squashed the lowest layers");
         }
-        Ok::<_, BuildError>((dirs, blobs))
+        Ok::<_, BuildError>(dirs)
     })
     .await
     .map_err(|e| BuildError::Task(e.to_string()))?
@@ -1187,7 +1195,6 @@ async fn run_step(
     loc: &str,
     prepared: Prepared,
 ) -> Result<LayerRef, BuildError> {
-    let (lowers, lower_layers) = lowers_with_blobs(ctx, &st.layers).await?;
     let s = scratch(ctx)?;
     let upper = s.upper.clone().unwrap_or_default();
     match &step.action {
@@ -1197,7 +1204,7 @@ async fn run_step(
             let mut spec = StepSpec::from_plan_with_mounts(
                 index,
                 step,
-                lowers,
+                Vec::new(),
                 upper,
                 s.work.clone(),
                 remaining,
@@ -1208,6 +1215,7 @@ async fn run_step(
                 instruction: short(&describe(step)),
                 error: e,
             })?;
+            spec.lower_dirs = step_lowers(ctx, &st.layers, ctx.executor.max_lowers(&spec)).await?;
             // The plan's env merged over the base's, then what the mounts add (secret env).
             let added: Vec<String> = spec
                 .env
@@ -1237,7 +1245,6 @@ async fn run_step(
                 spec.files.push(ca.bundle_file(system.as_deref()));
                 spec.env.extend(ca::bundle_env());
             }
-            spec.lower_layers = lower_layers;
             spec.layer_limits = ctx.layer_limits();
             let used = ctx.log_bytes.load(Ordering::Relaxed);
             spec.log_budget = Some(ctx.opts.exec.log_limits.total_max.saturating_sub(used));
@@ -1271,6 +1278,7 @@ async fn run_step(
             }
         }
         Action::Mkdir(m) => {
+            let lowers = step_lowers(ctx, &st.layers, OVERLAY_MAX_LOWERS).await?;
             let (path, mode) = (m.path.clone(), m.mode);
             let user = user.clone();
             let r = tokio::task::spawn_blocking({
@@ -1303,6 +1311,7 @@ async fn run_step(
             })?;
         }
         Action::Copy(c) | Action::Add(c) => {
+            let lowers = step_lowers(ctx, &st.layers, OVERLAY_MAX_LOWERS).await?;
             let sources = prepared.sources.clone().ok_or_else(|| BuildError::Copy {
                 location: loc.to_string(),
                 message: "sources were not prepared".into(),
@@ -1532,37 +1541,20 @@ struct Prepared {
     _temps: Vec<TempDir>,
 }
 
-/// The merged tree of a finished stage as a plain directory (`work/trees/<key>`), made once
-/// per stage key by applying its layers in order (whiteouts applied).
+/// The merged tree of a finished stage as a plain directory: its layers squashed into one
+/// ([`LayerDirs::squashed`], each layer once at its topmost place as for lowers), made once
+/// per list of layers and collected with the layer directories.
 async fn stage_tree(ctx: &Arc<Ctx>, st: &StageOut) -> Result<PathBuf, BuildError> {
-    let dir = ctx.opts.work_dir.join("trees").join(&st.key);
-    if dir.is_dir() {
-        return Ok(dir);
-    }
     let c = ctx.clone();
     let digests: Vec<String> = st.layers.iter().map(|l| l.desc.digest.clone()).collect();
     tokio::task::spawn_blocking(move || {
-        let parent = dir.parent().map(Path::to_path_buf).unwrap_or_default();
-        fs::create_dir_all(&parent).map_err(io_err("creating", &parent))?;
-        // Named as the layer directory's temporaries, after this process (crate::workdir).
-        let tmp = parent.join(c.dirs.temp("tree").file_name().unwrap_or_default());
-        fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
-        let guard = TempDir(tmp.clone());
-        for d in &digests {
-            let blob = c
-                .cache
-                .blob_path(d)?
-                .ok_or_else(|| LowerError::Missing(d.clone()))?;
-            let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
-            crate::layer::apply_layer(&tmp, f, d, &c.layer_limits()).map_err(LowerError::from)?;
-        }
-        if let Err(e) = fs::rename(&tmp, &dir)
-            && !dir.is_dir()
-        {
-            return Err(io_err("moving a stage tree to", &dir)(e));
-        }
-        drop(guard);
-        Ok(dir)
+        let bottom_first: Vec<String> = topmost_unique(&digests)
+            .into_iter()
+            .rev()
+            .cloned()
+            .collect();
+        Ok(c.dirs
+            .squashed(c.cache.as_ref(), &bottom_first, &c.layer_limits())?)
     })
     .await
     .map_err(|e| BuildError::Task(e.to_string()))?

@@ -838,7 +838,8 @@ fn mnt(
 /// (500 in Linux 6.x, in `fs/overlayfs/`; more fail with EINVAL, "too many lower
 /// directories"); else with mount(2) and one option string of at most a page (4 KiB on
 /// x86-64, the limit of mount(2)'s data), which bounds the number of layers by the length of
-/// their paths first. A step over more layers than that fails to mount.
+/// their paths first. The builder gives a step at most [`super::OVERLAY_MAX_LOWERS`] lower
+/// directories, squashing the lowest past that ([`crate::build::lower::squash_plan`]).
 fn mount_overlay(plan: &ChildPlan, merged: &str) -> Result<(), String> {
     use rustix::mount::{
         FsMountFlags, FsOpenFlags, MountAttrFlags, MoveMountFlags, fsconfig_create,

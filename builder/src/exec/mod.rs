@@ -125,14 +125,11 @@ pub struct StepSpec {
     /// The step's index, carried by every [`LogLine`].
     pub index: usize,
     /// Lower directories, topmost first (overlayfs `lowerdir` order); empty for `scratch`.
+    /// At most [`StepExecutor::max_lowers`] of them: the builder squashes the lowest of a
+    /// step's layers into one directory past that ([`crate::build::lower::squash_plan`]).
     pub lower_dirs: Vec<PathBuf>,
-    /// The layer blobs of [`StepSpec::lower_dirs`], in the same order (each directory is its
-    /// blob unpacked in overlayfs' form, [`crate::build::lower`]), or empty when they are not
-    /// known. An executor that cannot stack every lower directory (the microVM executor
-    /// attaches each as a disk) flattens the lowest ones from their blobs
-    /// ([`crate::ext4::build`]) into one.
-    pub lower_layers: Vec<crate::ext4::LayerBlob>,
-    /// The bounds [`StepSpec::lower_layers`] were read under (the build's layer limits).
+    /// The build's layer limits, for what the executor reads back as layers (a microVM
+    /// step's changes).
     pub layer_limits: crate::layer::Limits,
     /// Fresh, empty upper directory: receives what the step writes.
     pub upper_dir: PathBuf,
@@ -183,7 +180,6 @@ impl std::fmt::Debug for StepSpec {
         f.debug_struct("StepSpec")
             .field("index", &self.index)
             .field("lower_dirs", &self.lower_dirs)
-            .field("lower_layers", &self.lower_layers)
             .field("layer_limits", &self.layer_limits)
             .field("upper_dir", &self.upper_dir)
             .field("work_dir", &self.work_dir)
@@ -227,7 +223,6 @@ impl StepSpec {
         Ok(StepSpec {
             index,
             lower_dirs,
-            lower_layers: Vec::new(),
             layer_limits: crate::layer::Limits::default(),
             upper_dir,
             work_dir,
@@ -450,7 +445,23 @@ pub trait StepExecutor: Send + Sync {
         cancel: &AtomicBool,
         sink: &mut (dyn FnMut(LogLine) + Send),
     ) -> Result<StepReport, ExecError>;
+
+    /// Most lower directories this executor can give `spec` (whose other fields, its mounts
+    /// among them, are final): the builder squashes the lowest of a step's layers into one
+    /// directory past that ([`crate::build::lower::squash_plan`]). 0: none at all, so a step
+    /// with layers is refused by [`StepExecutor::run`]. Default: what one overlay mount on
+    /// the host takes, [`OVERLAY_MAX_LOWERS`].
+    fn max_lowers(&self, spec: &StepSpec) -> usize {
+        let _ = spec;
+        OVERLAY_MAX_LOWERS
+    }
 }
+
+/// Most lower directories of one overlay mount: overlayfs' `OVL_MAX_STACK` (500 in Linux
+/// 6.x, in `fs/overlayfs/`; one more is EINVAL, "too many lower directories"). kiln
+/// mounts its overlays with the new mount API, one `lowerdir+` per directory (Linux 6.8+),
+/// so no option string bounds them first.
+pub const OVERLAY_MAX_LOWERS: usize = 500;
 
 /// A scripted result for [`RecordingExecutor`].
 pub type Scripted = Box<dyn Fn(&StepSpec) -> Result<StepReport, ExecError> + Send + Sync>;
