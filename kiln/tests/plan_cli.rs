@@ -119,8 +119,9 @@ fn bad_input_is_located_and_fails() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Issue 17, item 7: what lowers but kiln cannot build (`COPY --link`, `ADD` of a git
-/// repository) is refused by `kiln plan` with its file and line, as the build would refuse it.
+/// Issue 17, item 7: what lowers but kiln cannot build (`--link` with `--chown` by name,
+/// which BuildKit refuses too; `ADD` of a git repository) is refused by `kiln plan` with its
+/// file and line, as the build would refuse it.
 #[test]
 fn plan_refuses_what_kiln_cannot_build() {
     let dir = scratch("unsupported");
@@ -128,12 +129,12 @@ fn plan_refuses_what_kiln_cannot_build() {
     let f = file.to_str().unwrap();
     for (text, want) in [
         (
-            "FROM scratch\nCOPY a /a\nCOPY --link b /b\n",
-            format!("{f}:3: unsupported: COPY --link"),
+            "FROM scratch\nCOPY --link a /a\nCOPY --link --chown=app b /b\n",
+            format!("{f}:3: unsupported: COPY --link --chown=app: "),
         ),
         (
-            "FROM scratch\nADD --link b /b\n",
-            format!("{f}:2: unsupported: ADD --link"),
+            "FROM scratch\nADD --link --chown=1:staff b /b\n",
+            format!("{f}:2: unsupported: ADD --link --chown=1:staff: "),
         ),
         (
             "FROM scratch\nWORKDIR /src\nADD https://example.com/x/y.git /src\n",

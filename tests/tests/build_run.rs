@@ -623,6 +623,67 @@ fn context_copy_and_invalidation() {
     f.assert_clean();
 }
 
+/// `COPY --link` (issue 41): the layer holds the copied files and their parent directories
+/// only, copied onto an empty root (a symlink of the image at the destination is not
+/// followed, as BuildKit documents), and its cache key has no parent: a new base below it
+/// keeps the same layer as a cache hit, while the steps after it run again. `--chown` with
+/// a name is refused, as BuildKit refuses it.
+#[test]
+fn copy_link_layer_is_independent_of_the_layers_below() {
+    use std::os::unix::fs::MetadataExt;
+    let f = fx("link");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    f.write_ctx(&[("f.txt", "linked\n"), ("dir/a", "A\n")]);
+    let text = |base: &str| {
+        format!(
+            "FROM {bb}\nRUN echo {base} > /base && ln -s /tmp /dest\n\
+             COPY --link --chown=1234:root --chmod=0640 f.txt /dest/f.txt\n\
+             COPY --link dir /opt/app/\n\
+             RUN cat /opt/app/a /dest/f.txt /base > /seen\n"
+        )
+    };
+    let (r, ev) = f.build(&text("one"));
+    let one = r.unwrap_or_else(|e| panic!("build: {e}"));
+    assert!(steps(&ev).iter().all(|(_, c)| !c), "{ev:?}");
+    let root = f.unpack(&one);
+    assert_eq!(
+        std::fs::read_to_string(root.join("seen")).expect("seen"),
+        "A\nlinked\none\n"
+    );
+    // The image's symlink at the destination was replaced, not followed.
+    assert!(root.join("dest").symlink_metadata().expect("dest").is_dir());
+    assert!(!root.join("tmp/f.txt").exists());
+    let md = std::fs::metadata(root.join("dest/f.txt")).expect("f.txt");
+    assert_eq!((md.mode() & 0o7777, md.uid(), md.gid()), (0o640, 1234, 0));
+    let md = std::fs::metadata(root.join("opt")).expect("opt");
+    assert_eq!((md.mode() & 0o7777, md.uid()), (0o755, 0));
+
+    // A new layer below: the linked layers are hits with the same digests, the rest runs.
+    let (r, ev) = f.build(&text("two"));
+    let two = r.unwrap_or_else(|e| panic!("rebuild: {e}"));
+    let cached: Vec<bool> = steps(&ev).iter().map(|(_, c)| *c).collect();
+    // RUN, COPY --link, COPY --link, RUN cat, sandbox layer.
+    assert_eq!(cached, [false, true, true, false, false], "{ev:?}");
+    let (l1, l2) = (&one.image.layers, &two.image.layers);
+    let n = l1.len();
+    assert_eq!(l2.len(), n);
+    assert_eq!(l1[n - 4..n - 2], l2[n - 4..n - 2], "the linked layers");
+    assert_ne!(l1[n - 5], l2[n - 5]);
+    assert_ne!(l1[n - 2], l2[n - 2], "the step after them ran again");
+    assert_eq!(
+        std::fs::read_to_string(f.unpack(&two).join("seen")).expect("seen"),
+        "A\nlinked\ntwo\n"
+    );
+
+    let (r, _) = f.build(&format!("FROM {bb}\nCOPY --link --chown=nobody f.txt /f\n"));
+    let e = r.expect_err("a name with --link").to_string();
+    assert!(
+        e.contains("Dockerfile:2") && e.contains("--chown=nobody"),
+        "{e}"
+    );
+    f.assert_clean();
+}
+
 /// Independent stages build at once (--jobs 2); COPY --from takes each one's tree.
 #[test]
 fn multi_stage_copy_from() {

@@ -91,6 +91,23 @@ pub fn workspace_key(workspace: &str, key: &str) -> String {
     })
 }
 
+/// The stage's key after a step whose layer key `layer` has no parent (`COPY --link`): the
+/// stage's key before it, `parent`, chained with it, so that the steps after it still
+/// depend on everything below.
+pub fn chained(parent: &str, layer: &str) -> String {
+    #[derive(Serialize)]
+    struct Chain<'a> {
+        v: u32,
+        parent: &'a str,
+        linked: &'a str,
+    }
+    hash(&Chain {
+        v: KEY_VERSION,
+        parent,
+        linked: layer,
+    })
+}
+
 /// The key of a generated step (`what` names it, e.g. the sandbox preparation layer).
 pub fn generated_key(parent: &str, what: &str) -> String {
     #[derive(Serialize)]

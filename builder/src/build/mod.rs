@@ -276,6 +276,15 @@ impl Ctx {
             ..self.opts.layer_limits.clone()
         }
     }
+
+    /// Root key `k` as this build's scope has it: the operator's as it is, a tenant's made
+    /// its workspace's own ([`key::workspace_key`]).
+    fn scoped_key(&self, k: String) -> String {
+        match &self.opts.resolve.scope {
+            crate::base::Scope::Operator => k,
+            crate::base::Scope::Tenant(t) => key::workspace_key(&t.workspace, &k),
+        }
+    }
 }
 
 /// Builds `plan` whose bases `bases` were resolved by [`crate::resolve::resolve_plan`],
@@ -546,8 +555,8 @@ fn location(step: &Step) -> String {
 }
 
 /// Refuses, with the step's `file:line`, what a plan may say but this builder does not do:
-/// `COPY --link`/`ADD --link` (BuildKit's independent layer, rebased without the layers
-/// below) and `ADD` of a git repository. [`build_with`] calls it first; `kiln plan` calls it
+/// `COPY --link`/`ADD --link` with `--chown` by name (BuildKit refuses it too: a linked layer
+/// is made without the layers that hold the user database) and `ADD` of a git repository. [`build_with`] calls it first; `kiln plan` calls it
 /// too, so the plan it prints is one that builds. Errors: [`BuildError::Unsupported`].
 pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
     for step in plan.stages.iter().flat_map(|s| &s.steps) {
@@ -560,10 +569,15 @@ pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
             location: location(step),
             what,
         };
-        if c.link {
+        if let Some(chown) = c
+            .chown
+            .as_deref()
+            .filter(|o| c.link && !is_numeric_chown(o))
+        {
             return Err(unsupported(format!(
-                "{verb} --link (kiln makes every {verb} an ordinary layer over the ones below \
-                 it, not an independent one; drop --link for the same files)"
+                "{verb} --link --chown={chown}: a linked layer is made without the layers \
+                 below it, so it has no /etc/passwd or /etc/group to look names up in; give \
+                 numeric ids (--chown=UID[:GID]) or drop --link (as BuildKit)"
             )));
         }
         if let Some(url) = c.sources.iter().find_map(|s| match s {
@@ -577,6 +591,21 @@ pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
         }
     }
     Ok(())
+}
+
+/// Whether `--chown` value `o` (`user[:group]`) names ids without a user database: numbers
+/// or `root` (0), as BuildKit takes them with `--link`.
+fn is_numeric_chown(o: &str) -> bool {
+    o.split(':')
+        .all(|p| p == "root" || (!p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())))
+}
+
+/// `o` ([`is_numeric_chown`]) with `root` written as 0.
+fn numeric_chown(o: &str) -> String {
+    o.split(':')
+        .map(|p| if p == "root" { "0" } else { p })
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 /// The history `created_by` of a step, Docker-like.
@@ -647,13 +676,8 @@ fn stage_base(
 ) -> Result<StageOut, BuildError> {
     let stage = &ctx.plan.stages[i];
     let (os, architecture, variant) = platform_parts(&stage.platform);
-    let root = |kind: &str, value: &str| {
-        let k = key::root_key(kind, value, &stage.platform);
-        match &ctx.opts.resolve.scope {
-            crate::base::Scope::Operator => k,
-            crate::base::Scope::Tenant(t) => key::workspace_key(&t.workspace, &k),
-        }
-    };
+    let root =
+        |kind: &str, value: &str| ctx.scoped_key(key::root_key(kind, value, &stage.platform));
     match &ctx.bases[i] {
         ResolvedBase::Scratch => Ok(StageOut {
             layers: Vec::new(),
@@ -1053,11 +1077,20 @@ async fn run_stage(
         let canonical = step.canonical_json();
         let prepared = prepare_inputs(&ctx, step, &inputs, &stage.platform, &loc).await?;
         let sources = prepared.digest.clone();
+        // `COPY --link`: the layer's key has no parent, and no environment or user (a copy
+        // reads neither), so a change below it leaves it a hit; the stage's key still
+        // chains through it (below).
+        let link = matches!(&step.action, Action::Copy(c) | Action::Add(c) if c.link);
+        let parent = if link {
+            ctx.scoped_key(key::root_key("link", "", &stage.platform))
+        } else {
+            st.key.clone()
+        };
         let key = key::StepKey {
-            parent: &st.key,
+            parent: &parent,
             step: &canonical,
-            env: &env,
-            user: user.as_deref(),
+            env: if link { &[] } else { &env },
+            user: if link { None } else { user.as_deref() },
             workdir: &step.context.workdir,
             sources: sources.as_deref(),
         }
@@ -1076,7 +1109,7 @@ async fn run_stage(
                 let inputs = step_inputs(
                     &ctx,
                     i,
-                    &st.key,
+                    &parent,
                     &key,
                     step,
                     &env,
@@ -1127,7 +1160,11 @@ async fn run_stage(
             empty_layer: false,
         });
         st.layers.push(layer);
-        st.key = key;
+        st.key = if link {
+            key::chained(&st.key, &key)
+        } else {
+            key
+        };
     }
     st.config.config = config::merge_run_config(&base_run, &stage.config);
     st.config.created = ctx.epoch.map(config::rfc3339);
@@ -1309,6 +1346,27 @@ async fn run_step(
                 location: loc.to_string(),
                 source,
             })?;
+        }
+        Action::Copy(c) | Action::Add(c) if c.link => {
+            // `--link`: onto an empty root, the step's upper directory itself, so the layer
+            // holds the copied files and their parent directories and nothing of the layers
+            // below (BuildKit's independent layer). `--chown` is numeric or root
+            // ([`check_supported`]), so no user database is read.
+            let sources = prepared.sources.clone().ok_or_else(|| BuildError::Copy {
+                location: loc.to_string(),
+                message: "sources were not prepared".into(),
+            })?;
+            let mut c = c.clone();
+            c.chown = c.chown.as_deref().map(numeric_chown);
+            let opts = CopyOptions {
+                tar_limits: ctx.layer_limits(),
+                ..CopyOptions::default()
+            };
+            let root = upper.clone();
+            tokio::task::spawn_blocking(move || crate::copy::copy_into(&c, &sources, &root, &opts))
+                .await
+                .map_err(|e| BuildError::Task(e.to_string()))?
+                .map_err(copy_err(loc))?;
         }
         Action::Copy(c) | Action::Add(c) => {
             let lowers = step_lowers(ctx, &st.layers, OVERLAY_MAX_LOWERS).await?;
@@ -1799,7 +1857,29 @@ fn plan_json_without_paths(plan: &BuildPlan) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::topmost_unique;
+    use super::{is_numeric_chown, numeric_chown, topmost_unique};
+
+    #[test]
+    fn linked_chown_takes_numbers_and_root_only() {
+        for ok in ["0", "1234", "1234:0", "root", "root:root", "1000:root"] {
+            assert!(is_numeric_chown(ok), "{ok}");
+        }
+        for name in [
+            "nobody",
+            "1000:staff",
+            "",
+            ":",
+            "1000:",
+            "-1",
+            "1e3",
+            "root:x",
+        ] {
+            assert!(!is_numeric_chown(name), "{name}");
+        }
+        assert_eq!(numeric_chown("root:root"), "0:0");
+        assert_eq!(numeric_chown("1234:root"), "1234:0");
+        assert_eq!(numeric_chown("7"), "7");
+    }
 
     #[test]
     fn lowers_keep_each_layer_once_at_its_topmost_place() {
