@@ -297,6 +297,22 @@ fn qemu_runs_under_its_seccomp_sandbox_and_cannot_fork() {
         "QEMU (pid {}) has no seccomp filter: {seccomp:?}",
         vm.vm.pid
     );
+    // Issue 37: kiln (root here) started it as a user of its own, with no groups.
+    let user = vm.vm.user.expect("root starts QEMU as a user of its own");
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let (uid, gid) = (user.uid.to_string(), user.gid.to_string());
+    assert_ne!(user.uid, 0);
+    assert_eq!(field("Uid:"), [uid.as_str(); 4].join(" "), "{status}");
+    assert_eq!(field("Gid:"), [gid.as_str(); 4].join(" "), "{status}");
+    assert_eq!(field("Groups:"), "", "{status}");
     let r = rt().block_on(vm.vm.qmp.execute(
         "migrate",
         Some(serde_json::json!({"uri": "exec:cat > /dev/null"})),
