@@ -47,6 +47,10 @@
 //! and migration threads are threads, which the filter allows. `exec:` migration would
 //! need a fork, and fails (`Failed to fork (Operation not permitted)`); kiln uses none.
 //!
+//! User: when kiln runs as root, QEMU runs as a uid and gid of its own and opens only the
+//! descriptors the launcher hands it ([`crate::jail`]); the filter stays as it is (QEMU's
+//! own `-run-with user=` would need the `setuid` that `elevateprivileges=deny` refuses).
+//!
 //! CPU: [`CPU_MODEL`], a named model with AVX, AVX2 and FMA and no AVX-512, minus the four
 //! features QEMU's TCG does not implement, passed with `enforce` so that QEMU refuses to
 //! start instead of silently dropping a feature: the guest sees the same CPUID under TCG and
@@ -1389,6 +1393,124 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["accel.json"]);
+    }
+
+    #[test]
+    fn a_jailed_qemu_is_named_its_descriptors_and_keeps_its_sandbox() {
+        use std::os::fd::AsRawFd;
+        let null = || -> std::os::fd::OwnedFd { std::fs::File::open("/dev/null").unwrap().into() };
+        let s = VmSpec {
+            accel: Accel::Kvm,
+            disk: "/s,x/disk.qcow2".into(),
+            egress_socket: Some("/s/egress.sock".into()),
+            ro_disks: vec!["/c/lower.ext4".into()],
+            ..spec()
+        };
+        let mut h = crate::jail::Handed::default();
+        for p in [
+            &s.kernel,
+            &s.initramfs,
+            &s.memory_file,
+            &s.disk,
+            &s.serial_log,
+            &s.ro_disks[0],
+        ] {
+            h.files.insert(p.clone(), null());
+        }
+        h.files.insert("/b/base.raw".into(), null());
+        h.backing = Some("/b/base.raw".into());
+        for p in [&s.qmp_socket, &s.guest_socket] {
+            h.sockets.insert(p.clone(), null());
+        }
+        h.sockets.insert("/s/egress.sock".into(), null());
+        h.kvm = Some(null());
+        let fd = |p: &str| h.files[Path::new(p)].as_raw_fd();
+        let sock = |p: &str| h.sockets[Path::new(p)].as_raw_fd();
+        let a = s.args_named(Some(&h));
+        let name = a
+            .windows(2)
+            .find(|w| w[0] == "-name")
+            .map(|w| w[1].clone())
+            .expect("-name");
+        // No argument but -name's names a host path: QEMU opens only what it was handed.
+        for arg in a.iter().filter(|x| **x != name) {
+            for p in ["/s/", "/s,x/", "/k/", "/c/", "/b/"] {
+                assert!(!arg.contains(p), "{arg} names {p}");
+            }
+        }
+        let j = a.join(" ");
+        assert!(
+            j.contains(&format!("-kernel /proc/self/fd/{}", fd("/k/vmlinux"))),
+            "{j}"
+        );
+        assert!(
+            j.contains(&format!("mem-path=/proc/self/fd/{},share=on", fd("/s/mem"))),
+            "{j}"
+        );
+        assert!(
+            j.contains(&format!(
+                "file=/proc/self/fd/{},format=qcow2,if=none,id=disk0,readonly=off,\
+                 backing.file.filename=/proc/self/fd/{}",
+                fd("/s,x/disk.qcow2"),
+                fd("/b/base.raw")
+            )),
+            "{j}"
+        );
+        assert!(
+            j.contains(&format!(
+                "-serial file:/proc/self/fd/{}",
+                fd("/s/console.log")
+            )),
+            "{j}"
+        );
+        assert!(
+            j.contains(&format!(
+                "-chardev socket,id=qmp,fd={},server=on,wait=off -mon chardev=qmp,mode=control",
+                sock("/s/qmp.sock")
+            )),
+            "{j}"
+        );
+        assert!(
+            j.contains(&format!(
+                "-chardev socket,id=egress,fd={},server=on,wait=off",
+                sock("/s/egress.sock")
+            )),
+            "{j}"
+        );
+        assert!(
+            j.contains("-accel kvm,device=/dev/fdset/1 -M microvm")
+                && j.contains(&format!(
+                    "-add-fd fd={},set=1",
+                    h.kvm.as_ref().unwrap().as_raw_fd()
+                )),
+            "{j}"
+        );
+        assert!(!j.contains("-qmp"), "{j}");
+        // The sandbox is the same.
+        assert!(j.contains(&format!("-sandbox {SANDBOX}")), "{j}");
+        // -name lists every path (commas doubled), so kiln still finds the QEMU by them.
+        assert!(
+            name.starts_with("guest=kiln qmp=/s/qmp.sock channel=/s/guest.sock"),
+            "{name}"
+        );
+        for p in [
+            " disk=/s,,x/disk.qcow2",
+            " memory=/s/mem",
+            " backing=/b/base.raw",
+            " lower0=/c/lower.ext4",
+            " egress=/s/egress.sock",
+            " serial=/s/console.log",
+        ] {
+            assert!(name.contains(p), "{p} in {name}");
+        }
+        // The same devices in the same order as with paths.
+        let devices = |a: &[String]| -> Vec<String> {
+            a.windows(2)
+                .filter(|w| w[0] == "-device")
+                .map(|w| w[1].clone())
+                .collect()
+        };
+        assert_eq!(devices(&a), devices(&s.args()));
     }
 
     #[test]
