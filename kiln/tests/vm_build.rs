@@ -115,6 +115,8 @@ fn vm_and_namespace_executors_give_the_same_layers_and_share_the_cache() {
     let vm_store = t.path().join("vm-store");
     let iid = t.path().join("iid");
     let t0 = std::time::Instant::now();
+    // Issue 37: no step VM's QEMU runs as root.
+    let uids = kiln_tests::vm::QemuUids::watch(t.path());
     let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .env("KILN_STORE", &vm_store)
         .env("KILN_KERNEL", &a.kernel)
@@ -132,6 +134,8 @@ fn vm_and_namespace_executors_give_the_same_layers_and_share_the_cache() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     eprintln!("vm build: {:?}", t0.elapsed());
+    let steps = uids.assert_none_root("the vm build's steps");
+    assert!(steps.len() >= 4, "a QEMU per RUN step: {steps:?}");
     let vm_oci = std::fs::read_to_string(&iid).expect("iid");
 
     let rt = tokio::runtime::Runtime::new().expect("runtime");

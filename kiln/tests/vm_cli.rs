@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use kiln_store::{ReadySpec, SandboxSpec, StartSpec, Store, TagRef};
-use kiln_tests::vm::{StopClones, busybox_image, kiln_in, sh};
+use kiln_tests::vm::{QemuUids, StopClones, busybox_image, kiln_in, sh};
 use serde_json::Value;
 
 fn kiln(dir: &Path, args: &[&str], extra_env: &[(&str, &str)]) -> Output {
@@ -84,6 +84,9 @@ fn vm_cli_snapshot_start_ps_stop() {
         .await;
     });
 
+    // Issue 37: neither the boot-once VM nor the lazy clone that records the prefetch list
+    // runs as root.
+    let uids = QemuUids::watch(d);
     let o = kiln(
         d,
         &[
@@ -98,6 +101,7 @@ fn vm_cli_snapshot_start_ps_stop() {
         &[],
     );
     ok(&o);
+    uids.assert_none_root("kiln snapshot");
     let snap = &events(&o, "snapshot")[0];
     assert_eq!(snap["tag"], "bb:snap");
     assert!(snap["memory_stored_bytes"].as_u64().expect("stored") < 256 << 20);
@@ -110,6 +114,17 @@ fn vm_cli_snapshot_start_ps_stop() {
     ok(&o);
     let started = events(&o, "started");
     assert_eq!(started.len(), 2, "{started:?}");
+    // Issue 37: the clones' QEMUs run unprivileged, each as a uid of its own.
+    let running = kiln_tests::vm::qemu_uids(&d.display().to_string());
+    assert_eq!(running.len(), 2, "{running:?}");
+    assert!(
+        running.iter().all(|(_, r, e)| *r != 0 && *e != 0),
+        "clones as root (pid, ruid, euid): {running:?}"
+    );
+    assert_ne!(
+        running[0].1, running[1].1,
+        "two clones, one uid: {running:?}"
+    );
     assert_ne!(started[0]["machine_id"], started[1]["machine_id"]);
     assert_eq!(started[0]["snapshot"], snap["snapshot"]);
 

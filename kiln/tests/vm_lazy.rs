@@ -19,7 +19,7 @@ use std::time::Duration;
 use kiln_store::{Manifest, ObjectRef, Store, TagRef};
 use kiln_tests::fault_proxy::FaultProxy;
 use kiln_tests::stores::{Kind, fresh_url};
-use kiln_tests::vm::{StopClones, busybox_image, guest_assets};
+use kiln_tests::vm::{QemuUids, StopClones, busybox_image, guest_assets};
 use kiln_vmm::lazy;
 use serde_json::Value;
 
@@ -193,9 +193,12 @@ fn vm_lazy_start_from_s3() {
     //    command, and the chunks served are a strict subset of the snapshot's.
     let c1 = d.join("cache1");
     let snapdir1 = c1.join(snap_digest.hex());
+    // Issue 37: the lazy clone's QEMU runs as a user of its own, never root.
+    let uids = QemuUids::watch(d);
     let o_cold = kiln(d, &s3, &c1, &["--json", "start", "bb:snap"]);
     assert!(o_cold.status.success(), "{}", show(&o_cold));
     let id = started_id(&o_cold);
+    uids.assert_none_root("a lazy clone's start");
     // The listed chunks are fetched in the background from the start: once the server says
     // its prefetch is done, every one of them is in the host's chunk cache.
     let done = snapdir1.join(lazy::PREFETCH_DONE);

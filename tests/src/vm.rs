@@ -244,3 +244,86 @@ pub async fn oci_image(
         .expect("manifest");
     store.force_tag(tag, raw.digest).await.expect("tag");
 }
+
+/// Watches, from a thread, for the QEMU processes (program `qemu-system-*`) whose command
+/// line names `needle` (a test's directory), polling `/proc` every 10 ms, and records each
+/// one's real and effective uid (the first two fields of its `/proc/<pid>/status` `Uid:`
+/// line, proc(5)) as soon as it is seen: issue 37 wants no QEMU kiln starts to run as uid 0.
+pub struct QemuUids {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Vec<(u32, u32, u32)>>>,
+}
+
+impl QemuUids {
+    /// Starts watching for QEMUs that name `needle`.
+    pub fn watch(needle: &Path) -> Self {
+        let needle = needle.display().to_string();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut seen: Vec<(u32, u32, u32)> = Vec::new();
+            while !s.load(std::sync::atomic::Ordering::Relaxed) {
+                for (pid, ruid, euid) in qemu_uids(&needle) {
+                    if !seen.iter().any(|(p, _, _)| *p == pid) {
+                        seen.push((pid, ruid, euid));
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            seen
+        });
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops watching; every QEMU seen, as (pid, real uid, effective uid).
+    pub fn seen(mut self) -> Vec<(u32, u32, u32)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread
+            .take()
+            .map(|t| t.join().expect("QEMU watcher"))
+            .unwrap_or_default()
+    }
+
+    /// Stops watching and asserts that at least one QEMU was seen and none ran as uid 0
+    /// (real or effective); `what` names the phase in the message.
+    pub fn assert_none_root(self, what: &str) -> Vec<(u32, u32, u32)> {
+        let seen = self.seen();
+        assert!(!seen.is_empty(), "{what}: no QEMU was seen");
+        assert!(
+            seen.iter().all(|(_, r, e)| *r != 0 && *e != 0),
+            "{what}: a QEMU ran as root (pid, ruid, euid): {seen:?}"
+        );
+        seen
+    }
+}
+
+impl Drop for QemuUids {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The QEMU processes naming `needle` now, as (pid, real uid, effective uid).
+pub fn qemu_uids(needle: &str) -> Vec<(u32, u32, u32)> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let c = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let argv0 = c.split(|b| *b == 0).next()?;
+            let name = argv0.rsplit(|b| *b == b'/').next()?;
+            if !name.starts_with(b"qemu-system") || !String::from_utf8_lossy(&c).contains(needle) {
+                return None;
+            }
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+            let uid = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+            let mut f = uid.split_whitespace().filter_map(|t| t.parse::<u32>().ok());
+            Some((pid, f.next()?, f.next()?))
+        })
+        .collect()
+}

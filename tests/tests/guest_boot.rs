@@ -297,6 +297,22 @@ fn qemu_runs_under_its_seccomp_sandbox_and_cannot_fork() {
         "QEMU (pid {}) has no seccomp filter: {seccomp:?}",
         vm.vm.pid
     );
+    // Issue 37: kiln (root here) started it as a user of its own, with no groups.
+    let user = vm.vm.user.expect("root starts QEMU as a user of its own");
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let (uid, gid) = (user.uid.to_string(), user.gid.to_string());
+    assert_ne!(user.uid, 0);
+    assert_eq!(field("Uid:"), [uid.as_str(); 4].join(" "), "{status}");
+    assert_eq!(field("Gid:"), [gid.as_str(); 4].join(" "), "{status}");
+    assert_eq!(field("Groups:"), "", "{status}");
     let r = rt().block_on(vm.vm.qmp.execute(
         "migrate",
         Some(serde_json::json!({"uri": "exec:cat > /dev/null"})),
@@ -307,7 +323,110 @@ fn qemu_runs_under_its_seccomp_sandbox_and_cannot_fork() {
         }
         other => panic!("QEMU was let fork for an exec: migration: {other:?}"),
     }
+    // Issue 37: as its own user QEMU opens no host path it was not handed: not a secret of
+    // the host, not a new file beside its own (its directory is root's).
+    let r = rt().block_on(vm.vm.qmp.execute(
+        "blockdev-add",
+        Some(serde_json::json!({
+            "driver": "file", "node-name": "secret", "filename": "/etc/shadow", "read-only": true
+        })),
+    ));
+    match r {
+        Err(kiln_vmm::qmp::QmpError::Command { desc, .. }) => {
+            assert!(desc.contains("Permission denied"), "{desc}")
+        }
+        other => panic!("QEMU opened /etc/shadow: {other:?}"),
+    }
+    let beside = vm.console.with_file_name("written-by-qemu");
+    let r = rt().block_on(vm.vm.qmp.execute(
+        "migrate",
+        Some(serde_json::json!({"uri": format!("file:{}", beside.display())})),
+    ));
+    if r.is_ok() {
+        // An error may also come as the migration's own state.
+        let _ = rt().block_on(vm.vm.qmp.wait_migration(Duration::from_secs(10)));
+    }
+    assert!(!beside.exists(), "QEMU wrote {}: {r:?}", beside.display());
     assert_eq!(vm.vm.exited(), None, "QEMU died: {}", vm.vm.log_tail());
+}
+
+/// Issue 37: QEMU drops root between fork and exec, and a change of uid clears the
+/// parent-death signal (prctl(2)); the launcher sets it after the drop, so a tied QEMU (a
+/// build step's, a boot-once run's) still dies with the thread that started it. No guest
+/// boot: QEMU waits paused for a migration, and is left to itself once QMP answers.
+#[test]
+fn a_tied_qemu_that_dropped_root_dies_with_the_thread_that_started_it() {
+    let a = artifacts();
+    let (host, accel) = host();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let memory_bytes = 256 << 20;
+    std::fs::File::create(d.join("memory"))
+        .and_then(|f| f.set_len(memory_bytes))
+        .expect("memory file");
+    run(Command::new(&host.qemu_img)
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(d.join("disk.qcow2"))
+        .arg("1M"));
+    let spec = launch::VmSpec {
+        accel: *accel,
+        vcpus: 1,
+        memory_bytes,
+        kernel: a.kernel.vmlinux(),
+        initramfs: a.initramfs.path.clone(),
+        memory_file: d.join("memory"),
+        memory_mode: launch::MemoryMode::Shared,
+        disk: d.join("disk.qcow2"),
+        disk_format: launch::DiskFormat::Qcow2,
+        ro_disks: Vec::new(),
+        qmp_socket: d.join("qmp.sock"),
+        guest_socket: d.join("guest.sock"),
+        serial_log: d.join("console.log"),
+        // Paused for an incoming migration that never comes: the guest never runs, so
+        // nothing but the signal ends this QEMU.
+        incoming: true,
+        tsc_khz: host.tsc_khz,
+        egress_socket: None,
+        kernel_args: vec![],
+    };
+    let log = d.join("qemu.log");
+    let (pid, user) = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let vm = rt
+            .block_on(launch::Vm::spawn(
+                host,
+                &spec,
+                &log,
+                Duration::from_secs(30),
+                true,
+            ))
+            .unwrap_or_else(|e| panic!("start QEMU: {e}"));
+        let r = (vm.pid, vm.user);
+        // Not killed by the handle's Drop: only the parent-death signal may end it.
+        std::mem::forget(vm);
+        r
+    })
+    .join()
+    .expect("the starting thread");
+    assert!(user.is_some_and(|u| u.uid != 0), "{user:?}");
+    // Dead: gone, or a zombie this process never reaps (the handle was forgotten).
+    let dead = || {
+        std::fs::read_to_string(format!("/proc/{pid}/status")).map_or(true, |s| {
+            s.lines()
+                .any(|l| l.starts_with("State:") && l.contains("Z (zombie)"))
+        })
+    };
+    let t0 = Instant::now();
+    while !dead() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        dead(),
+        "QEMU (pid {pid}) outlived the thread that started it by 10 s"
+    );
 }
 
 #[test]

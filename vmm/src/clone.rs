@@ -695,12 +695,15 @@ async fn start_one(
         .map(|d| d.as_secs())
         .unwrap_or(0);
     let res = async {
-        let mut vm = Vm::spawn(
+        // The vmstate is read through QMP `migrate-incoming` after QEMU's start: handed to
+        // it now (crate::jail).
+        let mut vm = Vm::spawn_with(
             host,
             &spec,
             &dir.join("qemu.log"),
             opts.restore_timeout,
             false,
+            &[(cached.vmstate.as_path(), crate::jail::Access::Read)],
         )
         .await?;
         // QEMU outlives this process from here on; a reaper finds it by its command line even
@@ -712,7 +715,7 @@ async fn start_one(
         vm.qmp
             .execute(
                 "migrate-incoming",
-                Some(serde_json::json!({"uri": format!("file:{}", cached.vmstate.display())})),
+                Some(serde_json::json!({"uri": format!("file:{}", vm.qemu_path(&cached.vmstate))})),
             )
             .await?;
         vm.qmp.wait_migration(opts.restore_timeout).await?;

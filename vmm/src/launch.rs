@@ -47,6 +47,10 @@
 //! and migration threads are threads, which the filter allows. `exec:` migration would
 //! need a fork, and fails (`Failed to fork (Operation not permitted)`); kiln uses none.
 //!
+//! User: when kiln runs as root, QEMU runs as a uid and gid of its own and opens only the
+//! descriptors the launcher hands it ([`crate::jail`]); the filter stays as it is (QEMU's
+//! own `-run-with user=` would need the `setuid` that `elevateprivileges=deny` refuses).
+//!
 //! CPU: [`CPU_MODEL`], a named model with AVX, AVX2 and FMA and no AVX-512, minus the four
 //! features QEMU's TCG does not implement, passed with `enforce` so that QEMU refuses to
 //! start instead of silently dropping a feature: the guest sees the same CPUID under TCG and
@@ -342,9 +346,28 @@ impl VmSpec {
         c
     }
 
-    /// QEMU's arguments (without the program).
+    /// QEMU's arguments (without the program), naming every file and socket by its path.
     pub fn args(&self) -> Vec<String> {
-        let p = |p: &Path| p.display().to_string();
+        self.args_named(None)
+    }
+
+    /// QEMU's arguments (without the program). With `handed` (a QEMU that runs as a user of
+    /// its own, [`crate::jail`]), each file and socket is named by the descriptor handed to
+    /// it instead of its path: files `/proc/self/fd/<n>`, sockets `fd=<n>` (QMP then is a
+    /// `-chardev` with `-mon mode=control`), `/dev/kvm` through fd set 1, the qcow2 backing
+    /// file overridden; and `-name` lists every path so named (`guest=kiln <what>=<path> ...`,
+    /// commas doubled as QEMU's option syntax wants), so that kiln still finds its QEMUs by
+    /// the paths their command lines name.
+    pub(crate) fn args_named(&self, handed: Option<&crate::jail::Handed>) -> Vec<String> {
+        let p = |path: &Path| {
+            handed
+                .and_then(|h| h.file_name(path))
+                .unwrap_or_else(|| path.display().to_string())
+        };
+        let chardev = |id: &str, path: &Path| match handed.and_then(|h| h.socket_fd(path)) {
+            Some(fd) => format!("socket,id={id},fd={fd},server=on,wait=off"),
+            None => format!("socket,id={id},path={},server=on,wait=off", path.display()),
+        };
         let mib = self.memory_bytes >> 20;
         let mem = match self.memory_mode {
             MemoryMode::Shared => format!(
@@ -370,7 +393,10 @@ impl VmSpec {
             "none".into(),
             "-no-reboot".into(),
             "-accel".into(),
-            self.accel.name().into(),
+            match handed.and_then(|h| h.kvm.as_ref()) {
+                Some(_) => format!("{},device=/dev/fdset/1", self.accel.name()),
+                None => self.accel.name().into(),
+            },
             "-M".into(),
             format!("{MACHINE},memory-backend=mem"),
             "-cpu".into(),
@@ -391,8 +417,12 @@ impl VmSpec {
             format!("file:{}", p(&self.serial_log)),
             "-drive".into(),
             format!(
-                "file={},format={format},if=none,id={DRIVE_ID},readonly=off",
-                p(&self.disk)
+                "file={},format={format},if=none,id={DRIVE_ID},readonly=off{}",
+                p(&self.disk),
+                match handed.and_then(|h| h.backing.as_deref()) {
+                    Some(b) => format!(",backing.file.filename={}", p(b)),
+                    None => String::new(),
+                }
             ),
             "-device".into(),
             if self.ro_disks.is_empty() {
@@ -403,22 +433,29 @@ impl VmSpec {
             "-device".into(),
             "virtio-serial-device".into(),
             "-chardev".into(),
-            format!(
-                "socket,id=guest,path={},server=on,wait=off",
-                p(&self.guest_socket)
-            ),
+            chardev("guest", &self.guest_socket),
             "-device".into(),
             format!(
                 "virtserialport,chardev=guest,name={}",
                 crate::channel::PORT_NAME
             ),
-            "-qmp".into(),
-            format!("unix:{},server=on,wait=off", p(&self.qmp_socket)),
         ];
+        match handed.and_then(|h| h.socket_fd(&self.qmp_socket)) {
+            Some(fd) => a.extend([
+                "-chardev".into(),
+                format!("socket,id=qmp,fd={fd},server=on,wait=off"),
+                "-mon".into(),
+                "chardev=qmp,mode=control".into(),
+            ]),
+            None => a.extend([
+                "-qmp".into(),
+                format!("unix:{},server=on,wait=off", self.qmp_socket.display()),
+            ]),
+        }
         if let Some(egress) = &self.egress_socket {
             a.extend([
                 "-chardev".into(),
-                format!("socket,id=egress,path={},server=on,wait=off", p(egress)),
+                chardev("egress", egress),
                 "-device".into(),
                 format!(
                     "virtserialport,chardev=egress,name={}",
@@ -434,10 +471,61 @@ impl VmSpec {
                 format!("virtio-blk-device,drive=lower{i},serial=lower{i}"),
             ]);
         }
+        if let Some(h) = handed {
+            if let Some(kvm) = &h.kvm {
+                a.extend([
+                    "-add-fd".into(),
+                    format!("fd={},set=1", std::os::fd::AsRawFd::as_raw_fd(kvm)),
+                ]);
+            }
+            a.extend(["-name".into(), self.name_paths(h)]);
+        }
         if self.incoming {
             a.extend(["-S".into(), "-incoming".into(), "defer".into()]);
         }
         a
+    }
+
+    /// `guest=kiln <what>=<path> ...` for `-name`: every path handed to a jailed QEMU, in a
+    /// fixed order, commas doubled (QEMU's option syntax).
+    fn name_paths(&self, h: &crate::jail::Handed) -> String {
+        let mut named: Vec<(String, &Path)> = vec![
+            ("qmp".into(), &self.qmp_socket),
+            ("channel".into(), &self.guest_socket),
+        ];
+        named.extend(
+            self.egress_socket
+                .iter()
+                .map(|e| ("egress".into(), e.as_path())),
+        );
+        named.extend([
+            ("kernel".into(), self.kernel.as_path()),
+            ("initrd".into(), self.initramfs.as_path()),
+            ("disk".into(), self.disk.as_path()),
+            ("serial".into(), self.serial_log.as_path()),
+        ]);
+        if self.memory_mode != MemoryMode::Anonymous {
+            named.push(("memory".into(), &self.memory_file));
+        }
+        named.extend(h.backing.iter().map(|b| ("backing".into(), b.as_path())));
+        named.extend(
+            self.ro_disks
+                .iter()
+                .enumerate()
+                .map(|(i, d)| (format!("lower{i}"), d.as_path())),
+        );
+        let mut extra: Vec<&PathBuf> = h
+            .files
+            .keys()
+            .filter(|k| !named.iter().any(|(_, p)| p == k))
+            .collect();
+        extra.sort();
+        named.extend(extra.into_iter().map(|e| ("file".into(), e.as_path())));
+        let mut s = String::from("guest=kiln");
+        for (what, path) in named {
+            s.push_str(&format!(" {what}={}", path.display()).replace(',', ",,"));
+        }
+        s
     }
 }
 
@@ -446,11 +534,16 @@ impl VmSpec {
 pub struct Vm {
     /// QEMU's pid.
     pub pid: u32,
+    /// The user QEMU runs as ([`crate::jail`]); `None` when kiln is not root and QEMU runs
+    /// as kiln's own user.
+    pub user: Option<crate::jail::QemuUser>,
     child: Option<std::process::Child>,
     /// QMP, in command mode.
     pub qmp: Qmp,
     /// QEMU's stderr log.
     pub stderr_log: PathBuf,
+    /// What QEMU calls the files handed to it (`/proc/self/fd/<n>`), by path.
+    names: std::collections::HashMap<PathBuf, String>,
 }
 
 impl Vm {
@@ -459,6 +552,9 @@ impl Vm {
     /// (`PR_SET_PDEATHSIG`) when the thread that started it exits, so a killed boot-once run
     /// leaves no QEMU behind; without it, QEMU keeps running if this process exits (clones
     /// outlive `kiln start`). [`Vm::kill`] and dropping the handle end it.
+    ///
+    /// When kiln runs as root, QEMU runs as a user of its own ([`crate::jail`]): the files of
+    /// `spec` are handed to it as descriptors, its own writable ones chowned to that user.
     pub async fn spawn(
         host: &Host,
         spec: &VmSpec,
@@ -466,24 +562,71 @@ impl Vm {
         timeout: Duration,
         tied: bool,
     ) -> Result<Self, LaunchError> {
+        Self::spawn_with(host, spec, stderr_log, timeout, tied, &[]).await
+    }
+
+    /// [`Vm::spawn`], also handing QEMU the files of `extra`, which it opens later through
+    /// QMP (a vmstate to migrate to or from): name them to QEMU with [`Vm::qemu_path`].
+    pub async fn spawn_with(
+        host: &Host,
+        spec: &VmSpec,
+        stderr_log: &Path,
+        timeout: Duration,
+        tied: bool,
+        extra: &[(&Path, crate::jail::Access)],
+    ) -> Result<Self, LaunchError> {
         let log = std::fs::File::create(stderr_log).map_err(io_err(stderr_log))?;
         let log2 = log.try_clone().map_err(io_err(stderr_log))?;
+        let chosen = if crate::jail::can_drop() {
+            Some(crate::jail::choose(crate::jail::QemuUsers::from_env()?)?)
+        } else {
+            None
+        };
+        let user = chosen.as_ref().map(|c| c.user);
+        let handed = match user {
+            Some(u) => Some(crate::jail::hand_over(spec, extra, u)?),
+            None => None,
+        };
+        let names: std::collections::HashMap<PathBuf, String> = match &handed {
+            Some(h) => h
+                .files
+                .keys()
+                .filter_map(|k| Some((k.clone(), h.file_name(k)?)))
+                .collect(),
+            None => Default::default(),
+        };
+        let fds = handed.as_ref().map(|h| h.raw_fds()).unwrap_or_default();
         let mut cmd = std::process::Command::new(&host.qemu);
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        if tied {
-            // SAFETY: the closure runs in the child between fork and exec and only calls
-            // prctl(2), which is async-signal-safe; it touches no memory of the parent.
-            unsafe {
-                std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
-                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+        // SAFETY: the closure runs in the child between fork and exec and only makes system
+        // calls (fcntl(2), setgroups(2), setgid(2), setuid(2), prctl(2)), which are
+        // async-signal-safe; it reads only the vector moved into it and allocates nothing.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                for &fd in &fds {
+                    // Only the child's copy loses close-on-exec: no other child inherits it.
+                    if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
-                    Ok(())
-                });
-            }
+                }
+                if let Some(u) = user {
+                    // Groups first (that needs root), then gid, then uid.
+                    if libc::setgroups(0, std::ptr::null()) != 0
+                        || libc::setgid(u.gid) != 0
+                        || libc::setuid(u.uid) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                // After the uid change, which clears the parent-death signal (prctl(2)).
+                if tied && libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
         }
         let mut child = cmd
-            .args(spec.args())
+            .args(spec.args_named(handed.as_ref()))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2)
@@ -492,6 +635,11 @@ impl Vm {
                 program: host.qemu.display().to_string(),
                 source,
             })?;
+        // QEMU runs as its user now (spawn returns once exec succeeded): the uid lock can go,
+        // and so can this process's copies of the descriptors (so that a QEMU that dies
+        // closes its sockets).
+        drop(chosen);
+        drop(handed);
         let pid = child.id();
         let deadline = tokio::time::Instant::now() + timeout;
         let qmp = loop {
@@ -529,10 +677,21 @@ impl Vm {
         };
         Ok(Self {
             pid,
+            user,
             child: Some(child),
             qmp,
             stderr_log: stderr_log.to_path_buf(),
+            names,
         })
+    }
+
+    /// How QEMU names `path`, a file handed to it at start ([`Vm::spawn_with`]):
+    /// `/proc/self/fd/<n>` for a QEMU that runs as its own user, else the path itself.
+    pub fn qemu_path(&self, path: &Path) -> String {
+        self.names
+            .get(path)
+            .cloned()
+            .unwrap_or_else(|| path.display().to_string())
     }
 
     /// Whether QEMU has exited (reaping it), with its status.
@@ -1234,6 +1393,124 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["accel.json"]);
+    }
+
+    #[test]
+    fn a_jailed_qemu_is_named_its_descriptors_and_keeps_its_sandbox() {
+        use std::os::fd::AsRawFd;
+        let null = || -> std::os::fd::OwnedFd { std::fs::File::open("/dev/null").unwrap().into() };
+        let s = VmSpec {
+            accel: Accel::Kvm,
+            disk: "/s,x/disk.qcow2".into(),
+            egress_socket: Some("/s/egress.sock".into()),
+            ro_disks: vec!["/c/lower.ext4".into()],
+            ..spec()
+        };
+        let mut h = crate::jail::Handed::default();
+        for p in [
+            &s.kernel,
+            &s.initramfs,
+            &s.memory_file,
+            &s.disk,
+            &s.serial_log,
+            &s.ro_disks[0],
+        ] {
+            h.files.insert(p.clone(), null());
+        }
+        h.files.insert("/b/base.raw".into(), null());
+        h.backing = Some("/b/base.raw".into());
+        for p in [&s.qmp_socket, &s.guest_socket] {
+            h.sockets.insert(p.clone(), null());
+        }
+        h.sockets.insert("/s/egress.sock".into(), null());
+        h.kvm = Some(null());
+        let fd = |p: &str| h.files[Path::new(p)].as_raw_fd();
+        let sock = |p: &str| h.sockets[Path::new(p)].as_raw_fd();
+        let a = s.args_named(Some(&h));
+        let name = a
+            .windows(2)
+            .find(|w| w[0] == "-name")
+            .map(|w| w[1].clone())
+            .expect("-name");
+        // No argument but -name's names a host path: QEMU opens only what it was handed.
+        for arg in a.iter().filter(|x| **x != name) {
+            for p in ["/s/", "/s,x/", "/k/", "/c/", "/b/"] {
+                assert!(!arg.contains(p), "{arg} names {p}");
+            }
+        }
+        let j = a.join(" ");
+        assert!(
+            j.contains(&format!("-kernel /proc/self/fd/{}", fd("/k/vmlinux"))),
+            "{j}"
+        );
+        assert!(
+            j.contains(&format!("mem-path=/proc/self/fd/{},share=on", fd("/s/mem"))),
+            "{j}"
+        );
+        assert!(
+            j.contains(&format!(
+                "file=/proc/self/fd/{},format=qcow2,if=none,id=disk0,readonly=off,\
+                 backing.file.filename=/proc/self/fd/{}",
+                fd("/s,x/disk.qcow2"),
+                fd("/b/base.raw")
+            )),
+            "{j}"
+        );
+        assert!(
+            j.contains(&format!(
+                "-serial file:/proc/self/fd/{}",
+                fd("/s/console.log")
+            )),
+            "{j}"
+        );
+        assert!(
+            j.contains(&format!(
+                "-chardev socket,id=qmp,fd={},server=on,wait=off -mon chardev=qmp,mode=control",
+                sock("/s/qmp.sock")
+            )),
+            "{j}"
+        );
+        assert!(
+            j.contains(&format!(
+                "-chardev socket,id=egress,fd={},server=on,wait=off",
+                sock("/s/egress.sock")
+            )),
+            "{j}"
+        );
+        assert!(
+            j.contains("-accel kvm,device=/dev/fdset/1 -M microvm")
+                && j.contains(&format!(
+                    "-add-fd fd={},set=1",
+                    h.kvm.as_ref().unwrap().as_raw_fd()
+                )),
+            "{j}"
+        );
+        assert!(!j.contains("-qmp"), "{j}");
+        // The sandbox is the same.
+        assert!(j.contains(&format!("-sandbox {SANDBOX}")), "{j}");
+        // -name lists every path (commas doubled), so kiln still finds the QEMU by them.
+        assert!(
+            name.starts_with("guest=kiln qmp=/s/qmp.sock channel=/s/guest.sock"),
+            "{name}"
+        );
+        for p in [
+            " disk=/s,,x/disk.qcow2",
+            " memory=/s/mem",
+            " backing=/b/base.raw",
+            " lower0=/c/lower.ext4",
+            " egress=/s/egress.sock",
+            " serial=/s/console.log",
+        ] {
+            assert!(name.contains(p), "{p} in {name}");
+        }
+        // The same devices in the same order as with paths.
+        let devices = |a: &[String]| -> Vec<String> {
+            a.windows(2)
+                .filter(|w| w[0] == "-device")
+                .map(|w| w[1].clone())
+                .collect()
+        };
+        assert_eq!(devices(&a), devices(&s.args()));
     }
 
     #[test]

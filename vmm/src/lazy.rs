@@ -472,15 +472,24 @@ fn watch(child: u32, snapshot: &ManifestDigest, dir: &Path) -> i32 {
     if clean { 0 } else { 1 }
 }
 
-/// A clone's directory from its QEMU's command line (`-qmp unix:<dir>/qmp.sock,...`).
+/// A clone's directory from its QEMU's command line: `-qmp unix:<dir>/qmp.sock,...`, or for
+/// a QEMU that runs as its own user the ` qmp=<dir>/qmp.sock` of its `-name`
+/// ([`crate::jail`]).
 fn clone_dir_of(pid: u32) -> Option<PathBuf> {
     let c = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    c.split(|b| *b == 0).find_map(|a| {
-        let s = std::str::from_utf8(a).ok()?;
-        let s = s.strip_prefix("unix:")?;
-        let end = s.find("/qmp.sock")?;
-        Some(PathBuf::from(&s[..end]))
-    })
+    c.split(|b| *b == 0)
+        .find_map(|a| qmp_dir_in(std::str::from_utf8(a).ok()?))
+}
+
+/// The directory of the QMP socket one QEMU argument names (see [`clone_dir_of`]).
+fn qmp_dir_in(arg: &str) -> Option<PathBuf> {
+    let s = match arg.strip_prefix("unix:") {
+        Some(s) => s,
+        None => &arg[arg.find(" qmp=")? + " qmp=".len()..],
+    };
+    let end = s.find("/qmp.sock")?;
+    // `-name` doubles commas (QEMU's option syntax).
+    Some(PathBuf::from(s[..end].replace(",,", ",")))
 }
 
 /// `umount2(path, MNT_DETACH)`, errors ignored (not mounted).
@@ -572,6 +581,13 @@ where
     let mnt = dir.join(MOUNT_DIR);
     std::fs::create_dir_all(&mnt).map_err(|e| format!("{}: {e}", mnt.display()))?;
     let mut config = fuser::Config::default();
+    // QEMU runs as a user of its own (crate::jail), not as the mounter: `allow_other` lets
+    // other users in, and `default_permissions` has the kernel check the files' modes
+    // (0444: read only, for everyone who is handed them). The mounter is root, so no
+    // `user_allow_other` in /etc/fuse.conf is needed (fuse(8)). Nobody reaches the files by
+    // path but root: the snapshot's cache directory is 0700 (ensure_server); QEMU gets them
+    // as descriptors.
+    config.acl = fuser::SessionACL::All;
     config.mount_options = vec![
         MountOption::FSName(format!("kiln-{}", &snapshot.hex()[..12])),
         MountOption::Subtype("kiln".into()),
@@ -579,6 +595,7 @@ where
         MountOption::NoDev,
         MountOption::NoSuid,
         MountOption::NoExec,
+        MountOption::DefaultPermissions,
     ];
     let mut session = fuser::Session::new(fs, &mnt, &config)
         .map_err(|e| format!("mount {}: {e}", mnt.display()))?;
@@ -777,6 +794,12 @@ pub async fn ensure_server(
     timeout: Duration,
 ) -> Result<Served, LazyError> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    {
+        // Its mount is open to other users (allow_other): only root walks to it.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(io_err(dir))?;
+    }
     let use_lock = flock(&dir.join(USE_LOCK), libc::LOCK_SH).await?;
     let _spawn = flock(&dir.join("lazy.lock"), libc::LOCK_EX).await?;
     let mnt = dir.join(MOUNT_DIR);
@@ -891,6 +914,20 @@ mod tests {
         note_chunks("memory", MEMORY_INO, &table, 0, 300, &seen, &log);
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text, format!("memory 0 {d} 100\nmemory 2 {d} 100\n"));
+    }
+
+    #[test]
+    fn clone_dir_from_either_form_of_the_qmp_argument() {
+        assert_eq!(
+            qmp_dir_in("unix:/s/clones/ab/qmp.sock,server=on,wait=off"),
+            Some("/s/clones/ab".into())
+        );
+        assert_eq!(
+            qmp_dir_in("guest=kiln qmp=/s/c,,d/ab/qmp.sock channel=/s/c,,d/ab/guest.sock"),
+            Some("/s/c,d/ab".into())
+        );
+        assert_eq!(qmp_dir_in("guest=kiln disk=/s/disk.qcow2"), None);
+        assert_eq!(qmp_dir_in("-nodefaults"), None);
     }
 
     #[test]

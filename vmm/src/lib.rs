@@ -4,6 +4,7 @@
 //! - [`qmp`]: a QMP client (JSON lines over a unix socket, typed errors, bounded waits).
 //! - [`channel`]: the host end of the guest protocol (framed JSON over virtio-serial).
 //! - [`launch`]: host facts, the accelerator probe, QEMU's command line, the process.
+//! - [`jail`]: the unprivileged user every QEMU runs as, and the files handed to it.
 //! - [`compat`]: compatibility keys.
 //! - [`egress`]: the host end of a build step VM's egress port (its proxy connections).
 //! - [`kernel`]: the guest kernel (Debian's cloud kernel, fetched by name, uncompressed vmlinux).
@@ -21,6 +22,7 @@ pub mod compat;
 pub mod egress;
 pub mod exec;
 pub mod initramfs;
+pub mod jail;
 pub mod kernel;
 pub mod launch;
 pub mod lazy;

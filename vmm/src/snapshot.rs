@@ -306,14 +306,24 @@ pub async fn snapshot_manifest(
         kernel_args: opts.kernel_args.clone(),
     };
     let t0 = Instant::now();
-    let mut vm = Vm::spawn(&host, &spec, &dir.join("qemu.log"), opts.boot_timeout, true).await?;
+    let vmstate = dir.join("vmstate");
+    // QEMU writes the vmstate through QMP `migrate` long after its start: handed to it now
+    // (it cannot open a path in this directory as its own user, crate::jail).
+    let mut vm = Vm::spawn_with(
+        &host,
+        &spec,
+        &dir.join("qemu.log"),
+        opts.boot_timeout,
+        true,
+        &[(vmstate.as_path(), crate::jail::Access::Create)],
+    )
+    .await?;
     run_to_ready(&mut vm, &spec, image.sandbox.as_ref(), opts).await?;
     let boot_to_ready = t0.elapsed();
     tracing::info!(?boot_to_ready, "guest ready");
 
     // 3. Pause and save the device state.
     let t1 = Instant::now();
-    let vmstate = dir.join("vmstate");
     vm.qmp.execute("stop", None).await?;
     vm.qmp
         .set_capabilities(&[("x-ignore-shared", true)])
@@ -321,7 +331,7 @@ pub async fn snapshot_manifest(
     vm.qmp
         .execute(
             "migrate",
-            Some(serde_json::json!({"uri": format!("file:{}", vmstate.display())})),
+            Some(serde_json::json!({"uri": format!("file:{}", vm.qemu_path(&vmstate))})),
         )
         .await?;
     vm.qmp.wait_migration(Duration::from_secs(120)).await?;
