@@ -429,6 +429,65 @@ fn a_tied_qemu_that_dropped_root_dies_with_the_thread_that_started_it() {
     );
 }
 
+/// Issue 37: the files a VM's QEMU owns while it runs (its disk, memory file, console log)
+/// are root's again once the handle has reaped it, so a later VM given the same uid owns
+/// nothing of this one's. No guest boot: QEMU waits paused for a migration.
+#[test]
+fn a_reaped_qemu_gives_its_files_back_to_root() {
+    use std::os::unix::fs::MetadataExt;
+    let a = artifacts();
+    let (host, accel) = host();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let memory_bytes = 64 << 20;
+    std::fs::File::create(d.join("memory"))
+        .and_then(|f| f.set_len(memory_bytes))
+        .expect("memory file");
+    run(Command::new(&host.qemu_img)
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(d.join("disk.qcow2"))
+        .arg("1M"));
+    let spec = launch::VmSpec {
+        accel: *accel,
+        vcpus: 1,
+        memory_bytes,
+        kernel: a.kernel.vmlinux(),
+        initramfs: a.initramfs.path.clone(),
+        memory_file: d.join("memory"),
+        memory_mode: launch::MemoryMode::Shared,
+        disk: d.join("disk.qcow2"),
+        disk_format: launch::DiskFormat::Qcow2,
+        ro_disks: Vec::new(),
+        qmp_socket: d.join("qmp.sock"),
+        guest_socket: d.join("guest.sock"),
+        serial_log: d.join("console.log"),
+        incoming: true,
+        tsc_khz: host.tsc_khz,
+        egress_socket: None,
+        kernel_args: vec![],
+    };
+    let owners = || {
+        ["disk.qcow2", "memory", "console.log"].map(|f| {
+            let m = std::fs::metadata(d.join(f)).expect(f);
+            (m.uid(), m.gid())
+        })
+    };
+    let rt = rt();
+    let vm = rt
+        .block_on(launch::Vm::spawn(
+            host,
+            &spec,
+            &d.join("qemu.log"),
+            Duration::from_secs(30),
+            false,
+        ))
+        .unwrap_or_else(|e| panic!("start QEMU: {e}"));
+    let user = vm.user.expect("root starts QEMU as a user of its own");
+    assert_eq!(owners(), [(user.uid, user.gid); 3], "owned while it runs");
+    rt.block_on(vm.kill());
+    assert_eq!(owners(), [(0, 0); 3], "given back once reaped");
+}
+
 #[test]
 fn guest_boots_starts_as_its_user_and_becomes_ready_then_restores() {
     let mut vm = Vm::boot();

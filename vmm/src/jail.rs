@@ -161,6 +161,39 @@ pub(crate) struct Handed {
     pub kvm: Option<OwnedFd>,
     /// The disk's qcow2 backing file (a key of `files`).
     pub backing: Option<PathBuf>,
+    /// The files chowned to the VM's user, given back to root when dropped.
+    pub owned: Owned,
+}
+
+/// Files chowned to a VM's user ([`Access::Own`], [`Access::Create`]). Dropping it gives them
+/// back to root (`lchown` 0:0, mode kept; a file gone is skipped): once that VM's QEMU is
+/// gone, a later VM that is given the same uid (uids are reused once no process runs as them)
+/// owns nothing of this one's, its disk, memory file, console log or vmstate. A VM handle
+/// ([`crate::launch::Vm`]) holds it until QEMU is reaped, and hands it over untouched to a
+/// QEMU that outlives the handle (a clone, [`Owned::keep`]), whose directory `kiln stop`
+/// removes.
+#[derive(Debug, Default)]
+pub struct Owned(Vec<PathBuf>);
+
+impl Owned {
+    /// Leaves the files to the VM's user: its QEMU keeps running without this handle.
+    pub fn keep(&mut self) {
+        self.0.clear();
+    }
+}
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        for p in self.0.drain(..) {
+            match std::os::unix::fs::lchown(&p, Some(0), Some(0)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(path = %p.display(), error = %e, "giving a VM's file back to root")
+                }
+            }
+        }
+    }
 }
 
 impl Handed {
@@ -218,6 +251,10 @@ pub(crate) fn hand_over(
     for (path, access) in files {
         if h.files.contains_key(path) {
             continue;
+        }
+        if access != Access::Read {
+            // Before the chown, so that a failure further on gives it back too.
+            h.owned.0.push(path.to_path_buf());
         }
         h.files
             .insert(path.to_path_buf(), hand_file(path, access, user)?);

@@ -544,6 +544,9 @@ pub struct Vm {
     pub stderr_log: PathBuf,
     /// What QEMU calls the files handed to it (`/proc/self/fd/<n>`), by path.
     names: std::collections::HashMap<PathBuf, String>,
+    /// The files chowned to [`Vm::user`], given back to root when this handle is dropped,
+    /// after QEMU is reaped (fields drop after [`Drop::drop`]).
+    owned: crate::jail::Owned,
 }
 
 impl Vm {
@@ -639,7 +642,10 @@ impl Vm {
         // and so can this process's copies of the descriptors (so that a QEMU that dies
         // closes its sockets).
         drop(chosen);
-        drop(handed);
+        let mut owned = crate::jail::Owned::default();
+        if let Some(mut h) = handed {
+            owned = std::mem::take(&mut h.owned);
+        }
         let pid = child.id();
         let deadline = tokio::time::Instant::now() + timeout;
         let qmp = loop {
@@ -682,6 +688,7 @@ impl Vm {
             qmp,
             stderr_log: stderr_log.to_path_buf(),
             names,
+            owned,
         })
     }
 
@@ -748,6 +755,7 @@ impl Vm {
     /// Leaves QEMU running on its own (clones): the handle no longer owns the process.
     pub fn detach(mut self) -> u32 {
         self.child = None;
+        self.owned.keep();
         self.pid
     }
 
