@@ -149,7 +149,14 @@ impl LayerDirs {
     /// the directory, `limits` per layer), so whiteouts and opaque directories are applied and
     /// none is left as a marker. As the lowest lower of a mount it shows what those layers
     /// stacked as lowers show ([`squash_plan`]); on its own it is their merged root file
-    /// system (a stage's tree for `COPY --from`).
+    /// system (a stage's tree for `COPY --from`), as the steps over them saw it.
+    ///
+    /// To show what overlayfs shows, a layer's parent directories are its own: before a layer
+    /// is applied, every parent of its entries that is not a directory in the tree so far (a
+    /// symlink or a file of a lower layer) becomes an empty directory ([`own_parents`]).
+    /// Stacked as lowers, that layer's directory there hides the lower non-directory; applied
+    /// through it, a symlink of a lower layer would lead the entry (or a whiteout) elsewhere
+    /// in the tree, or be refused when it leads outside.
     ///
     /// Named `<hex>`, the sha256 of [`SQUASH_KEY_VERSION`] and the digests one per line, beside
     /// the layer directories (a name no layer digest gives): made once per list of layers,
@@ -179,6 +186,8 @@ impl LayerDirs {
             let blob = cache
                 .blob_path(d)?
                 .ok_or_else(|| LowerError::Missing(d.clone()))?;
+            let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
+            own_parents(&tmp, f).map_err(io_err("making the parents of a layer in", &tmp))?;
             let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
             apply_layer(&tmp, f, d, limits)?;
             Ok::<_, LowerError>(())
@@ -308,6 +317,53 @@ fn mark_whiteouts(root: &Path, blob: impl Read + 'static) -> io::Result<()> {
                 rustix::fs::fsetxattr(&dir, OVERLAY_OPAQUE_XATTR, b"y", XattrFlags::empty())?
             }
             WhiteoutKind::None | WhiteoutKind::Meta => {}
+        }
+    }
+    Ok(())
+}
+
+/// Before layer `blob` is applied to the tree `root` (the layers below it, applied): every
+/// parent path of its entries whose component is not a directory in the tree (a symlink, a
+/// file) is replaced by an empty directory (0755, root), as overlayfs shows this layer's
+/// directory over a lower non-directory. Nothing is followed: each component is opened with
+/// `O_NOFOLLOW | O_DIRECTORY` from the one before ([`walk_create`]'s walk). Entries are read
+/// as [`mark_whiteouts`] reads them (the layer was bounded when unpacked or checked by
+/// [`apply_layer`] right after; names with `..` are left to it to refuse).
+fn own_parents(root: &Path, blob: impl Read + 'static) -> io::Result<()> {
+    let root_fd = rustix::fs::open(
+        root,
+        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let flags = OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC;
+    let mut archive = tar::Archive::new(decompressed(blob)?);
+    for entry in archive.entries()? {
+        let entry = entry?;
+        let name = entry.path_bytes().into_owned();
+        let comps: Vec<&[u8]> = name
+            .split(|c| *c == b'/')
+            .filter(|c| !c.is_empty() && *c != b".")
+            .collect();
+        if comps.contains(&&b".."[..]) {
+            continue;
+        }
+        let Some((_, parents)) = comps.split_last() else {
+            continue;
+        };
+        let mut cur = rustix::fs::openat(root_fd.as_fd(), ".", flags, Mode::empty())?;
+        for c in parents {
+            let c = std::ffi::OsStr::from_bytes(c);
+            cur = match rustix::fs::openat(&cur, c, flags, Mode::empty()) {
+                Ok(fd) => fd,
+                // Missing: the layer's apply makes it (and what is under it).
+                Err(Errno::NOENT) => break,
+                Err(Errno::NOTDIR) | Err(Errno::LOOP) => {
+                    rustix::fs::unlinkat(&cur, c, AtFlags::empty())?;
+                    rustix::fs::mkdirat(&cur, c, Mode::from_raw_mode(0o755))?;
+                    rustix::fs::openat(&cur, c, flags, Mode::empty())?
+                }
+                Err(e) => return Err(e.into()),
+            };
         }
     }
     Ok(())
@@ -543,6 +599,60 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains(&missing), "{e}");
         assert_eq!(fs::read_dir(t.path().join("layers")).unwrap().count(), 3);
+    }
+
+    /// A lower layer's symlink (or file) where a later layer has a directory is replaced by
+    /// that directory in the squashed tree, as overlayfs stacks them: the later layer's
+    /// entries and whiteouts below it are never applied through the symlink (found by the
+    /// attack pass: `/tmp/attack/repro_squash_symlink.sh`, `repro_stage_tree.sh`).
+    #[test]
+    fn squashed_tree_never_writes_through_a_lower_symlink() {
+        if !rustix::process::geteuid().is_root() {
+            panic!("needs root (owners); CI runs as root");
+        }
+        let t = tempfile::tempdir().unwrap();
+        let cache = crate::cache::LocalCache::open(&t.path().join("store")).unwrap();
+        let put = |blob: Vec<u8>| {
+            let digest = crate::cache::digest_of(&blob);
+            cache.put_bytes(&digest, &blob).unwrap();
+            digest
+        };
+        let mut b = tar::Builder::new(Vec::new());
+        for (name, target) in [("t/in", "/etc"), ("t/out", "../../../x")] {
+            let mut h = hdr();
+            h.set_entry_type(tar::EntryType::Symlink);
+            h.set_size(0);
+            h.set_mode(0o777);
+            b.append_link(&mut h, name, target).unwrap();
+        }
+        let lower = put(tar_gz(&[
+            ("etc/", None),
+            ("etc/passwd", Some(b"root")),
+            ("t/", None),
+            ("t/file", Some(b"f")),
+        ]));
+        let links = put(b.into_inner().unwrap());
+        let upper = put(tar_gz(&[
+            ("t/in/.wh.passwd", Some(b"")),
+            ("t/in/new", Some(b"n")),
+            ("t/out/f", Some(b"o")),
+            ("t/file/under", Some(b"u")),
+        ]));
+        let dirs = LayerDirs::open(&t.path().join("layers")).unwrap();
+        let d = dirs
+            .squashed(&cache, &[lower, links, upper], &Limits::default())
+            .unwrap();
+        assert_eq!(fs::read(d.join("etc/passwd")).unwrap(), b"root");
+        assert!(!d.join("etc/new").exists());
+        for (dir, file, data) in [
+            ("t/in", "new", "n"),
+            ("t/out", "f", "o"),
+            ("t/file", "under", "u"),
+        ] {
+            assert!(fs::symlink_metadata(d.join(dir)).unwrap().is_dir(), "{dir}");
+            assert_eq!(fs::read_to_string(d.join(dir).join(file)).unwrap(), data);
+        }
+        assert!(!t.path().join("x").exists());
     }
 
     /// A whiteout below a symlink the layer planted is dropped, never followed.
