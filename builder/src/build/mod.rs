@@ -593,11 +593,16 @@ pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
     Ok(())
 }
 
-/// Whether `--chown` value `o` (`user[:group]`) names ids without a user database: numbers
-/// or `root` (0), as BuildKit takes them with `--link`.
+/// Whether `--chown` value `o` (`user[:group]`) names ids without a user database: one or
+/// two parts, each `root` (0) or an id as the step's user resolution reads it
+/// ([`crate::exec::user::parse_id`]: decimal, never 4294967295), as BuildKit takes them with
+/// `--link`.
 fn is_numeric_chown(o: &str) -> bool {
-    o.split(':')
-        .all(|p| p == "root" || (!p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())))
+    let parts: Vec<&str> = o.split(':').collect();
+    parts.len() <= 2
+        && parts
+            .iter()
+            .all(|p| *p == "root" || crate::exec::user::parse_id(p).is_some())
 }
 
 /// `o` ([`is_numeric_chown`]) with `root` written as 0.
@@ -1865,6 +1870,10 @@ mod tests {
             assert!(is_numeric_chown(ok), "{ok}");
         }
         for name in [
+            "1:2:3",
+            "4294967295",
+            "4294967296",
+            "0:4294967295",
             "nobody",
             "1000:staff",
             "",

@@ -71,7 +71,7 @@ fn bounded(db: &str) -> &str {
 /// A uid or gid as written: decimal, and never 4294967295, which is `(uid_t)-1`: chown(2)
 /// and setresuid(2) read it as "leave unchanged", so a file or step given it would stay
 /// root's.
-fn parse_id(s: &str) -> Option<u32> {
+pub(crate) fn parse_id(s: &str) -> Option<u32> {
     s.parse::<u32>().ok().filter(|id| *id != u32::MAX)
 }
 
