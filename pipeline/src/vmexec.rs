@@ -297,10 +297,16 @@ impl Scratch {
             kiln_builder::workdir::owner_token(),
             STEP_COUNTER.fetch_add(1, Ordering::Relaxed)
         ));
-        std::fs::create_dir_all(&dir).map_err(|source| ExecError::Io {
-            what: format!("creating {}", dir.display()),
-            source,
-        })?;
+        // 0700: the step's QEMU runs as a uid of its own and owns its disk and console log
+        // here (kiln_vmm::jail); no other uid reaches them by path, a later holder of that
+        // uid included (a kill -9 of kiln leaves them until the next build reaps the
+        // directory).
+        std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+            .create(&dir)
+            .map_err(|source| ExecError::Io {
+                what: format!("creating {}", dir.display()),
+                source,
+            })?;
         Ok(Self(dir))
     }
 }

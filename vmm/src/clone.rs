@@ -664,7 +664,12 @@ async fn start_one(
 ) -> Result<CloneRecord, CloneError> {
     let id = hex::encode(random_bytes(8)?);
     let dir = clones_dir.join(&id);
-    std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+    // 0700: the clone's QEMU runs as a uid of its own and owns its overlay and console log
+    // here (crate::jail); no other uid reaches them by path, a later holder of that uid
+    // included.
+    std::os::unix::fs::DirBuilderExt::mode(std::fs::DirBuilder::new().recursive(true), 0o700)
+        .create(&dir)
+        .map_err(io_err(&dir))?;
     // Say whose directory this is before any process is started in it: a start killed from
     // here on leaves a record that [`list`] reaps.
     write_starting(&dir, None)?;
