@@ -12,9 +12,11 @@
 //! drops only at the end of QEMU's start.
 //!
 //! ## What the unprivileged QEMU can open
-//! Nothing by path but what the launcher hands it. kiln's directories stay root's (mode as
-//! they are, often 0700 temporary directories), and no directory is made searchable for the
-//! VM's user. Instead the launcher opens each file QEMU needs and passes the descriptor
+//! Nothing by path but what the launcher hands it. kiln's directories stay root's, and no
+//! directory is made searchable for the VM's user: the directories that hold a VM's own files
+//! are 0700 (a step VM's scratch directory, a clone's directory, the boot-once run's
+//! temporary directory), so not even its own uid reaches them by path, nor a later VM given
+//! the same uid; the files go back to root when the VM's handle reaps it ([`Owned`]). Instead the launcher opens each file QEMU needs and passes the descriptor
 //! (`O_PATH`, close-on-exec cleared in the child only), and QEMU's command line names it
 //! `/proc/self/fd/<n>`: opening that magic link reopens the very file without walking its
 //! directories, and still checks the file's own mode against QEMU's uid (proc(5),
