@@ -681,6 +681,16 @@ fn copy_link_layer_is_independent_of_the_layers_below() {
         e.contains("Dockerfile:2") && e.contains("--chown=nobody"),
         "{e}"
     );
+    // A copied file named as a whiteout would delete /bin from the image (found by the
+    // attack pass): the layer writer refuses it, with or without --link.
+    for link in ["", "--link "] {
+        let (r, _) = f.build(&format!("FROM {bb}\nCOPY {link}f.txt /.wh.bin\n"));
+        let e = r.expect_err("a whiteout name").to_string();
+        assert!(
+            e.contains("/.wh.bin") && e.contains("marks a deletion"),
+            "{e}"
+        );
+    }
     f.assert_clean();
 }
 

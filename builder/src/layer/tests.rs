@@ -1496,3 +1496,30 @@ fn pax_sparse_files_are_refused_not_misread() {
         "nothing landed"
     );
 }
+
+/// A file named `.wh.*` is refused by the layer writer, upper or plain tree, wherever it is:
+/// stored as it is, the name would delete what it names from the image (a `COPY f /.wh.bin`
+/// removed `/bin` from the published image while the build's steps still saw it; found by
+/// the attack pass).
+#[test]
+fn whiteout_named_files_are_refused_by_the_layer_writer() {
+    for name in [".wh.bin", "etc/.wh..wh..opq", "a/b/.wh.x"] {
+        let t = tempfile::tempdir().expect("tempdir");
+        let path = t.path().join(name);
+        std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+        std::fs::write(&path, b"x").expect("write");
+        for upper in [false, true] {
+            let mut out = Vec::new();
+            let r = if upper {
+                write::write_upper_layer(t.path(), &mut out, None)
+            } else {
+                write::write_layer(t.path(), &mut out, None)
+            };
+            let e = r.expect_err(name).to_string();
+            assert!(
+                e.contains(&format!("/{name}")) && e.contains("marks a deletion"),
+                "{e}"
+            );
+        }
+    }
+}

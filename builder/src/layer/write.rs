@@ -142,6 +142,24 @@ fn walk<W: Write>(
     for e in std::fs::read_dir(dir)? {
         let e = e?;
         let name = e.file_name();
+        if name
+            .as_bytes()
+            .starts_with(super::whiteout::PREFIX.as_bytes())
+        {
+            // In a layer the name is a whiteout (or an opaque marker): stored as it is, the
+            // file would delete what it names from the image, which the build never showed.
+            let mut shown = prefix.clone();
+            shown.extend_from_slice(name.as_bytes());
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "/{}: a file whose name starts with {} cannot be stored in an OCI layer, \
+                     where that name marks a deletion (OCI image spec, layer.md, \"Whiteouts\")",
+                    String::from_utf8_lossy(&shown),
+                    super::whiteout::PREFIX
+                ),
+            ));
+        }
         let mut out_name = name.as_bytes().to_vec();
         if overlay {
             let md = std::fs::symlink_metadata(e.path())?;
