@@ -74,9 +74,15 @@ fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> L
 
 impl LayerDirs {
     /// Opens (creating) `root` and takes its shared lock (waiting while `kiln store gc`
-    /// collects layers), then removes unfinished directories of builds that died.
+    /// collects layers), then removes unfinished directories of builds that died. `root` is
+    /// made 0700: layers hold what their images hold, device nodes at any mode included
+    /// (a registry layer's `b 254:0` made `brw-rw-rw-`; found by the attack pass), which no
+    /// other user may reach by path.
     pub fn open(root: &Path) -> Result<LayerDirs, LowerError> {
+        use std::os::unix::fs::PermissionsExt;
         fs::create_dir_all(root).map_err(io_err("creating", root))?;
+        fs::set_permissions(root, fs::Permissions::from_mode(0o700))
+            .map_err(io_err("making private", root))?;
         let lock = crate::workdir::LayersLock::shared(root)
             .map_err(io_err("locking", &root.join(crate::workdir::LAYERS_LOCK)))?;
         crate::workdir::remove_dead_entries(root, ".tmp-");
@@ -579,6 +585,14 @@ mod tests {
             ("a", Some(b"a2")),
         ]);
         let dirs = LayerDirs::open(&t.path().join("layers")).unwrap();
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = fs::metadata(t.path().join("layers"))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o700, "layers/ is private");
+        }
         let both = [l1.clone(), l2.clone()];
         let d = dirs.squashed(&cache, &both, &Limits::default()).unwrap();
         assert_eq!(fs::read(d.join("a")).unwrap(), b"a2");

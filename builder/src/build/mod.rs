@@ -1696,6 +1696,12 @@ async fn image_tree(
     tokio::task::spawn_blocking(move || {
         let parent = dir.parent().map(Path::to_path_buf).unwrap_or_default();
         fs::create_dir_all(&parent).map_err(io_err("creating", &parent))?;
+        // Private, as layers/ is (LayerDirs::open): an image's device nodes are in its tree.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(&parent, fs::Permissions::from_mode(0o700))
+                .map_err(io_err("making private", &parent))?;
+        }
         let tmp = parent.join(c.dirs.temp("image").file_name().unwrap_or_default());
         let guard = TempDir(tmp.clone());
         crate::base::unpack(c.cache.as_ref(), &digest, &tmp, &c.layer_limits()).map_err(|e| {
