@@ -275,32 +275,20 @@ pub fn diff_id_of(blob: &Path) -> io::Result<String> {
 /// become overlayfs markers. A whiteout under a path this layer made a symlink (or any
 /// non-directory) is dropped: overlayfs could not honour it either.
 fn mark_whiteouts(root: &Path, blob: impl Read + 'static) -> io::Result<()> {
-    let root_fd = rustix::fs::open(
-        root,
-        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
-    let mut archive = tar::Archive::new(decompressed(blob)?);
-    for entry in archive.entries()? {
-        let entry = entry?;
-        let name = entry.path_bytes().into_owned();
-        let comps: Vec<&[u8]> = name
-            .split(|c| *c == b'/')
-            .filter(|c| !c.is_empty() && *c != b".")
-            .collect();
+    for_each_entry_path(root, blob, |root_fd, comps| {
         let Some((base, parent)) = comps.split_last() else {
-            continue;
+            return Ok(());
         };
         // apply_layer already refused `..` and malformed whiteouts.
         let kind = match WhiteoutKind::parse(base) {
             Ok(k) => k,
-            Err(_) => continue,
+            Err(_) => return Ok(()),
         };
         if matches!(kind, WhiteoutKind::None | WhiteoutKind::Meta) {
-            continue;
+            return Ok(());
         }
-        let Some(dir) = walk_create(&root_fd, parent)? else {
-            continue;
+        let Some(dir) = walk_create(root_fd, parent)? else {
+            return Ok(());
         };
         match kind {
             WhiteoutKind::Remove(target) => {
@@ -324,6 +312,32 @@ fn mark_whiteouts(root: &Path, blob: impl Read + 'static) -> io::Result<()> {
             }
             WhiteoutKind::None | WhiteoutKind::Meta => {}
         }
+        Ok(())
+    })
+}
+
+/// Calls `f` with a directory descriptor of `root` and the path components of each entry
+/// of the layer `blob` (empty and `.` components dropped), in stream order: the one read of
+/// entry names that [`mark_whiteouts`] and [`own_parents`] share, beside [`apply_layer`]'s.
+fn for_each_entry_path(
+    root: &Path,
+    blob: impl Read + 'static,
+    mut f: impl FnMut(&OwnedFd, &[&[u8]]) -> io::Result<()>,
+) -> io::Result<()> {
+    let root_fd = rustix::fs::open(
+        root,
+        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let mut archive = tar::Archive::new(decompressed(blob)?);
+    for entry in archive.entries()? {
+        let entry = entry?;
+        let name = entry.path_bytes().into_owned();
+        let comps: Vec<&[u8]> = name
+            .split(|c| *c == b'/')
+            .filter(|c| !c.is_empty() && *c != b".")
+            .collect();
+        f(&root_fd, &comps)?;
     }
     Ok(())
 }
@@ -333,28 +347,16 @@ fn mark_whiteouts(root: &Path, blob: impl Read + 'static) -> io::Result<()> {
 /// file) is replaced by an empty directory (0755, root), as overlayfs shows this layer's
 /// directory over a lower non-directory. Nothing is followed: each component is opened with
 /// `O_NOFOLLOW | O_DIRECTORY` from the one before ([`walk_create`]'s walk). Entries are read
-/// as [`mark_whiteouts`] reads them (the layer was bounded when unpacked or checked by
+/// as [`mark_whiteouts`] reads them ([`for_each_entry_path`]; the layer was bounded when unpacked or checked by
 /// [`apply_layer`] right after; names with `..` are left to it to refuse).
 fn own_parents(root: &Path, blob: impl Read + 'static) -> io::Result<()> {
-    let root_fd = rustix::fs::open(
-        root,
-        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
     let flags = OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC;
-    let mut archive = tar::Archive::new(decompressed(blob)?);
-    for entry in archive.entries()? {
-        let entry = entry?;
-        let name = entry.path_bytes().into_owned();
-        let comps: Vec<&[u8]> = name
-            .split(|c| *c == b'/')
-            .filter(|c| !c.is_empty() && *c != b".")
-            .collect();
+    for_each_entry_path(root, blob, |root_fd, comps| {
         if comps.contains(&&b".."[..]) {
-            continue;
+            return Ok(());
         }
         let Some((_, parents)) = comps.split_last() else {
-            continue;
+            return Ok(());
         };
         let mut cur = rustix::fs::openat(root_fd.as_fd(), ".", flags, Mode::empty())?;
         for c in parents {
@@ -371,8 +373,8 @@ fn own_parents(root: &Path, blob: impl Read + 'static) -> io::Result<()> {
                 Err(e) => return Err(e.into()),
             };
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Opens `comps` under `root` one component at a time without following symlinks, creating
