@@ -350,17 +350,12 @@ fn qemu_runs_under_its_seccomp_sandbox_and_cannot_fork() {
     assert_eq!(vm.vm.exited(), None, "QEMU died: {}", vm.vm.log_tail());
 }
 
-/// Issue 37: QEMU drops root between fork and exec, and a change of uid clears the
-/// parent-death signal (prctl(2)); the launcher sets it after the drop, so a tied QEMU (a
-/// build step's, a boot-once run's) still dies with the thread that started it. No guest
-/// boot: QEMU waits paused for a migration, and is left to itself once QMP answers.
-#[test]
-fn a_tied_qemu_that_dropped_root_dies_with_the_thread_that_started_it() {
+/// A VM in `d` that QEMU starts paused, waiting for an incoming migration that never comes
+/// (no guest boot): a `memory_bytes` shared memory file, an empty 1 MiB qcow2 disk, its
+/// sockets and console log.
+fn paused_spec(d: &Path, memory_bytes: u64) -> launch::VmSpec {
     let a = artifacts();
     let (host, accel) = host();
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let memory_bytes = 256 << 20;
     std::fs::File::create(d.join("memory"))
         .and_then(|f| f.set_len(memory_bytes))
         .expect("memory file");
@@ -368,7 +363,7 @@ fn a_tied_qemu_that_dropped_root_dies_with_the_thread_that_started_it() {
         .args(["create", "-q", "-f", "qcow2"])
         .arg(d.join("disk.qcow2"))
         .arg("1M"));
-    let spec = launch::VmSpec {
+    launch::VmSpec {
         accel: *accel,
         vcpus: 1,
         memory_bytes,
@@ -382,13 +377,24 @@ fn a_tied_qemu_that_dropped_root_dies_with_the_thread_that_started_it() {
         qmp_socket: d.join("qmp.sock"),
         guest_socket: d.join("guest.sock"),
         serial_log: d.join("console.log"),
-        // Paused for an incoming migration that never comes: the guest never runs, so
-        // nothing but the signal ends this QEMU.
         incoming: true,
         tsc_khz: host.tsc_khz,
         egress_socket: None,
         kernel_args: vec![],
-    };
+    }
+}
+
+/// Issue 37: QEMU drops root between fork and exec, and a change of uid clears the
+/// parent-death signal (prctl(2)); the launcher sets it after the drop, so a tied QEMU (a
+/// build step's, a boot-once run's) still dies with the thread that started it. No guest
+/// boot: QEMU waits paused for a migration, and is left to itself once QMP answers.
+#[test]
+fn a_tied_qemu_that_dropped_root_dies_with_the_thread_that_started_it() {
+    let (host, _) = host();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // The guest never runs, so nothing but the signal ends this QEMU.
+    let spec = paused_spec(d, 256 << 20);
     let log = d.join("qemu.log");
     let (pid, user) = std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -435,37 +441,10 @@ fn a_tied_qemu_that_dropped_root_dies_with_the_thread_that_started_it() {
 #[test]
 fn a_reaped_qemu_gives_its_files_back_to_root() {
     use std::os::unix::fs::MetadataExt;
-    let a = artifacts();
-    let (host, accel) = host();
+    let (host, _) = host();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let memory_bytes = 64 << 20;
-    std::fs::File::create(d.join("memory"))
-        .and_then(|f| f.set_len(memory_bytes))
-        .expect("memory file");
-    run(Command::new(&host.qemu_img)
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(d.join("disk.qcow2"))
-        .arg("1M"));
-    let spec = launch::VmSpec {
-        accel: *accel,
-        vcpus: 1,
-        memory_bytes,
-        kernel: a.kernel.vmlinux(),
-        initramfs: a.initramfs.path.clone(),
-        memory_file: d.join("memory"),
-        memory_mode: launch::MemoryMode::Shared,
-        disk: d.join("disk.qcow2"),
-        disk_format: launch::DiskFormat::Qcow2,
-        ro_disks: Vec::new(),
-        qmp_socket: d.join("qmp.sock"),
-        guest_socket: d.join("guest.sock"),
-        serial_log: d.join("console.log"),
-        incoming: true,
-        tsc_khz: host.tsc_khz,
-        egress_socket: None,
-        kernel_args: vec![],
-    };
+    let spec = paused_spec(d, 64 << 20);
     let owners = || {
         ["disk.qcow2", "memory", "console.log"].map(|f| {
             let m = std::fs::metadata(d.join(f)).expect(f);
