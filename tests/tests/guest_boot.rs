@@ -323,8 +323,9 @@ fn qemu_runs_under_its_seccomp_sandbox_and_cannot_fork() {
         }
         other => panic!("QEMU was let fork for an exec: migration: {other:?}"),
     }
-    // Issue 37: as its own user QEMU opens no host path it was not handed: not a secret of
-    // the host, not a new file beside its own (its directory is root's).
+    // Issue 37: QEMU opens no host path it was not handed: not a secret of the host (not in
+    // its private root at all), not a new file beside its own (its root is read-only, and the
+    // VM's directory is not in it).
     let r = rt().block_on(vm.vm.qmp.execute(
         "blockdev-add",
         Some(serde_json::json!({
@@ -333,7 +334,7 @@ fn qemu_runs_under_its_seccomp_sandbox_and_cannot_fork() {
     ));
     match r {
         Err(kiln_vmm::qmp::QmpError::Command { desc, .. }) => {
-            assert!(desc.contains("Permission denied"), "{desc}")
+            assert!(desc.contains("No such file or directory"), "{desc}")
         }
         other => panic!("QEMU opened /etc/shadow: {other:?}"),
     }
@@ -433,6 +434,133 @@ fn a_tied_qemu_that_dropped_root_dies_with_the_thread_that_started_it() {
         dead(),
         "QEMU (pid {pid}) outlived the thread that started it by 10 s"
     );
+}
+
+/// Every file under `dir` (not following symlinks, not entering `skip`), by its path
+/// relative to `dir` made absolute (`/usr/bin/qemu-system-x86_64`); directories are listed
+/// too, with a trailing `/`.
+fn tree(dir: &Path, skip: &Path) -> Vec<String> {
+    fn walk(root: &Path, d: &Path, skip: &Path, out: &mut Vec<String>) {
+        for e in std::fs::read_dir(d).unwrap_or_else(|e| panic!("{}: {e}", d.display())) {
+            let e = e.unwrap();
+            let p = e.path();
+            let rel = format!("/{}", p.strip_prefix(root).unwrap().display());
+            if e.file_type().unwrap().is_dir() {
+                out.push(format!("{rel}/"));
+                if p != skip {
+                    walk(root, &p, skip, out);
+                }
+            } else {
+                out.push(rel);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, skip, &mut out);
+    out.sort();
+    out
+}
+
+/// Issue 37: QEMU runs as Firecracker's jailer runs it, in a mount and a pid namespace of
+/// its own. Its root (`/proc/<pid>/root`) holds only QEMU's binary, the shared libraries it
+/// loads with the loader's cache, its firmware directories (as `qemu -L help` lists them),
+/// and a `/proc` that shows QEMU alone, as pid 1; nothing of the host besides (no `/etc`
+/// files, `/dev`, `/sys`, `/tmp`, kiln's directories, the VM's own directory), and nothing
+/// in it can be written, not even by root. No guest boot: QEMU waits paused for a migration.
+#[test]
+fn qemu_runs_in_a_private_read_only_root_and_pid_namespace_of_its_own() {
+    let (host, _) = host();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let spec = paused_spec(d, 64 << 20);
+    let rt = rt();
+    let vm = rt
+        .block_on(launch::Vm::spawn(
+            host,
+            &spec,
+            &d.join("qemu.log"),
+            Duration::from_secs(30),
+            false,
+        ))
+        .unwrap_or_else(|e| panic!("start QEMU: {e}"));
+    let pid = vm.pid;
+    for ns in ["mnt", "pid"] {
+        let ours = std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
+        let its = std::fs::read_link(format!("/proc/{pid}/ns/{ns}")).unwrap();
+        assert_ne!(ours, its, "QEMU shares this process's {ns} namespace");
+    }
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let nspid = status.lines().find_map(|l| l.strip_prefix("NSpid:"));
+    assert_eq!(
+        nspid.map(|l| l.split_whitespace().collect::<Vec<_>>()),
+        Some(vec![pid.to_string().as_str(), "1"]),
+        "QEMU is pid 1 of a pid namespace of its own: {status}"
+    );
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let exe = if host.qemu.components().count() > 1 {
+        host.qemu.clone()
+    } else {
+        std::env::split_paths(&std::env::var_os("PATH").unwrap())
+            .map(|p| p.join(&host.qemu))
+            .find(|p| p.is_file())
+            .expect("QEMU on PATH")
+    };
+    let out = Command::new(&exe).args(["-L", "help"]).output().unwrap();
+    let firmware: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| format!("{}/", l.trim()))
+        .collect();
+    let files = tree(&root, &root.join("proc"));
+    let stray: Vec<&String> = files
+        .iter()
+        .filter(|f| {
+            !(f.ends_with('/')
+                || **f == exe.display().to_string()
+                || **f == "/etc/ld.so.cache"
+                || f.rsplit('/').next().is_some_and(|n| n.contains(".so"))
+                || firmware.iter().any(|w| f.starts_with(w.as_str())))
+        })
+        .collect();
+    assert!(
+        stray.is_empty(),
+        "more than QEMU needs in its root: {stray:?}"
+    );
+    for absent in [
+        "/etc/passwd",
+        "/etc/shadow",
+        "/dev",
+        "/sys",
+        "/tmp",
+        "/root",
+        "/home",
+        "/var",
+        "/run",
+    ] {
+        assert!(
+            !files.iter().any(|f| f.trim_end_matches('/') == absent),
+            "{absent} is in QEMU's root: {files:?}"
+        );
+    }
+    assert!(
+        !files.iter().any(|f| f.contains(&*d.display().to_string())),
+        "the VM's directory is in QEMU's root: {files:?}"
+    );
+    assert!(files.contains(&exe.display().to_string()), "{files:?}");
+    let procs: Vec<String> = std::fs::read_dir(root.join("proc"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        .collect();
+    assert_eq!(procs, ["1"], "QEMU's /proc shows more than QEMU");
+    for target in [root.join("written"), root.join("usr/written")] {
+        let r = std::fs::File::create(&target);
+        assert!(r.is_err(), "{} was written", target.display());
+    }
+    let r = std::fs::OpenOptions::new()
+        .append(true)
+        .open(root.join(exe.strip_prefix("/").unwrap()));
+    assert!(r.is_err(), "QEMU's binary in its root opens for writing");
+    rt.block_on(vm.kill());
 }
 
 /// Issue 37: the files a VM's QEMU owns while it runs (its disk, memory file, console log)

@@ -117,6 +117,16 @@ pub enum LaunchError {
         /// The guest's console ([`console_report`]): a guest that died at once says why.
         console: String,
     },
+    /// Setting up QEMU's jail failed in the child before the exec ([`crate::jail::spawn`]).
+    #[error("{what}{}{path}: {source}", if path.is_empty() { "" } else { " " })]
+    Jail {
+        /// The step (`binding a file into QEMU's root`).
+        what: &'static str,
+        /// The host path the step was about; empty when none.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
     /// A host fact could not be read.
     #[error("host: {0}")]
     Host(String),
@@ -537,7 +547,7 @@ pub struct Vm {
     /// The user QEMU runs as ([`crate::jail`]); `None` when kiln is not root and QEMU runs
     /// as kiln's own user.
     pub user: Option<crate::jail::QemuUser>,
-    child: Option<std::process::Child>,
+    child: Option<crate::jail::spawn::Process>,
     /// QMP, in command mode.
     pub qmp: Qmp,
     /// QEMU's stderr log.
@@ -579,7 +589,6 @@ impl Vm {
         extra: &[(&Path, crate::jail::Access)],
     ) -> Result<Self, LaunchError> {
         let log = std::fs::File::create(stderr_log).map_err(io_err(stderr_log))?;
-        let log2 = log.try_clone().map_err(io_err(stderr_log))?;
         let chosen = if crate::jail::can_drop() {
             Some(crate::jail::choose(crate::jail::QemuUsers::from_env()?)?)
         } else {
@@ -599,45 +608,16 @@ impl Vm {
             None => Default::default(),
         };
         let fds = handed.as_ref().map(|h| h.raw_fds()).unwrap_or_default();
-        let mut cmd = std::process::Command::new(&host.qemu);
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        // SAFETY: the closure runs in the child between fork and exec and only makes system
-        // calls (fcntl(2), setgroups(2), setgid(2), setuid(2), prctl(2)), which are
-        // async-signal-safe; it reads only the vector moved into it and allocates nothing.
-        unsafe {
-            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
-                for &fd in &fds {
-                    // Only the child's copy loses close-on-exec: no other child inherits it.
-                    if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                if let Some(u) = user {
-                    // Groups first (that needs root), then gid, then uid.
-                    if libc::setgroups(0, std::ptr::null()) != 0
-                        || libc::setgid(u.gid) != 0
-                        || libc::setuid(u.uid) != 0
-                    {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                // After the uid change, which clears the parent-death signal (prctl(2)).
-                if tied && libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd
-            .args(spec.args_named(handed.as_ref()))
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2)
-            .spawn()
-            .map_err(|source| LaunchError::Exec {
-                program: host.qemu.display().to_string(),
-                source,
-            })?;
+        let args = spec.args_named(handed.as_ref());
+        let mut child = crate::jail::spawn::spawn(&crate::jail::spawn::Launch {
+            program: &host.qemu,
+            args: &args,
+            log: &log,
+            keep: &fds,
+            user,
+            tied,
+        })?;
+        drop(log);
         // QEMU runs as its user now (spawn returns once exec succeeded): the uid lock can go,
         // and so can this process's copies of the descriptors (so that a QEMU that dies
         // closes its sockets).

@@ -54,6 +54,9 @@
 //! (for hosts that must name it in their own policies), with the weaker isolation above.
 //! When kiln does not run as root, QEMU runs as kiln's own user, as before.
 
+pub mod root;
+pub mod spawn;
+
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
