@@ -1,10 +1,11 @@
-//! QEMU's own user (issue 37, first part of "QEMU jailed as Firecracker's jailer does it").
+//! QEMU jailed as Firecracker's jailer does it (issue 37): a user of its own, a mount and a pid
+//! namespace of its own with a private read-only root ([`spawn`], [`root`]), `-sandbox on`.
 //!
 //! When kiln runs as root, every QEMU it starts ([`crate::launch::Vm::spawn`]: build steps'
 //! VMs, the boot-once snapshot VM, clones, lazy clones, the accelerator probe) runs as an
 //! unprivileged uid and gid, chosen per VM ([`QemuUsers`]). The child drops to it between
-//! fork and exec: `setgroups(0)`, `setgid`, `setuid` (then `PR_SET_PDEATHSIG`, which a change
-//! of uid clears, prctl(2)). Measured against the alternative, QEMU 10.0's own
+//! clone and exec ([`spawn`]: `setgroups(0)`, `setresgid`, `setresuid`, then
+//! `PR_SET_PDEATHSIG`, which a change of uid clears, prctl(2)). Measured against the alternative, QEMU 10.0's own
 //! `-run-with user=`: QEMU installs its `-sandbox` seccomp filter before it drops, and
 //! `elevateprivileges=deny` (kept, [`crate::launch::SANDBOX`]) forbids `setuid`, so that
 //! QEMU dies of `SIGSYS` ("Bad system call"; so does `elevateprivileges=children`). Dropping
