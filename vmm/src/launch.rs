@@ -252,6 +252,39 @@ pub(crate) async fn run_img(host: &Host, args: &[&str]) -> Result<String, Launch
     run(&host.qemu_img, args).await
 }
 
+/// The last 4 KiB of QEMU's stderr log at `log`, each file QEMU was handed as
+/// `/proc/self/fd/<n>` ([`crate::jail`]) named by its host path again, so that a message such
+/// as "Could not open '/proc/self/fd/12': Permission denied" says which file.
+fn log_tail(log: &Path, names: &std::collections::HashMap<PathBuf, String>) -> String {
+    tail(
+        &with_paths(&std::fs::read_to_string(log).unwrap_or_default(), names),
+        4096,
+    )
+}
+
+/// `text` with each name of `names` (path → `/proc/self/fd/<n>`) replaced by its path; a
+/// name followed by a digit is another descriptor's and is left alone.
+pub(crate) fn with_paths(text: &str, names: &std::collections::HashMap<PathBuf, String>) -> String {
+    let mut out = text.to_string();
+    for (path, name) in names {
+        let mut done = String::with_capacity(out.len());
+        let mut rest = out.as_str();
+        while let Some(i) = rest.find(name.as_str()) {
+            let after = &rest[i + name.len()..];
+            done.push_str(&rest[..i]);
+            if after.starts_with(|c: char| c.is_ascii_digit()) {
+                done.push_str(name);
+            } else {
+                done.push_str(&path.display().to_string());
+            }
+            rest = after;
+        }
+        done.push_str(rest);
+        out = done;
+    }
+    out
+}
+
 fn tail(s: &str, n: usize) -> String {
     let s = s.trim();
     if s.len() <= n {
@@ -632,10 +665,7 @@ impl Vm {
             if let Some(status) = child.try_wait().map_err(io_err(&host.qemu))? {
                 return Err(LaunchError::Exited {
                     status: status.to_string(),
-                    log: tail(
-                        &std::fs::read_to_string(stderr_log).unwrap_or_default(),
-                        4096,
-                    ),
+                    log: log_tail(stderr_log, &names),
                     console: console_report(&spec.serial_log),
                 });
             }
@@ -709,10 +739,7 @@ impl Vm {
 
     /// The tail of QEMU's stderr log (for error messages).
     pub fn log_tail(&self) -> String {
-        tail(
-            &std::fs::read_to_string(&self.stderr_log).unwrap_or_default(),
-            4096,
-        )
+        log_tail(&self.stderr_log, &self.names)
     }
 
     /// `quit` over QMP, then waits up to 5 s for the process; kills it if still there.
@@ -1174,6 +1201,21 @@ pub fn console_report(path: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn qemu_messages_name_handed_files_by_their_paths() {
+        let names = std::collections::HashMap::from([
+            (PathBuf::from("/s/disk.qcow2"), "/proc/self/fd/1".to_string()),
+            (PathBuf::from("/s/mem"), "/proc/self/fd/12".to_string()),
+        ]);
+        assert_eq!(
+            with_paths(
+                "Could not open '/proc/self/fd/12': Permission denied; /proc/self/fd/1: bad",
+                &names
+            ),
+            "Could not open '/s/mem': Permission denied; /s/disk.qcow2: bad"
+        );
+    }
 
     fn spec() -> VmSpec {
         VmSpec {
