@@ -196,7 +196,8 @@ impl Step {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct StepContext {
     /// Environment as `KEY=value`, in definition order: image `ENV`, then build args in
-    /// scope (for `RUN`; `ENV` wins over an `ARG` of the same name). For an image base whose
+    /// scope, then proxy build args (for `RUN`; of an `ENV` and an `ARG` of one name, the
+    /// later in the stage wins, as in BuildKit). For an image base whose
     /// env was not given in [`crate::Options::base_images`], only what the recipe set: the
     /// builder puts it over the base image's env, by key.
     pub env: Vec<String>,
