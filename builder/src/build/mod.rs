@@ -1064,12 +1064,7 @@ async fn run_stage(
 ) -> Result<StageOut, BuildError> {
     let mut st = stage_base(&ctx, i, &inputs)?;
     hold(&ctx, st.layers.iter().map(|l| l.desc.digest.as_str())).await?;
-    // As BuildKit: a stage whose base has no PATH gets the default one, in its steps and
-    // in its image config.
-    let env = st.config.config.env.get_or_insert_with(Vec::new);
-    if !env.iter().any(|e| e.starts_with("PATH=")) {
-        env.insert(0, format!("PATH={}", kiln_recipes::plan::DEFAULT_PATH));
-    }
+    config::default_path(st.config.config.env.get_or_insert_with(Vec::new));
     let base_run = st.config.config.clone();
     let use_cache = stage_uses_cache(&ctx, i);
     let stage = ctx.plan.stages[i].clone();
