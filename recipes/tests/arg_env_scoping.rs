@@ -26,9 +26,10 @@
 //!   convert.go:1323; `resolveStages`, convert.go:557-579), and are not passed on
 //!   (convert.go:1219).
 //!
-//! The builder puts a step's env over its base's config env by key, and a stage's config
-//! over its base's (`kiln_builder::build::config::merge_env`, `merge_run_config`); [`seen`]
-//! and [`config_env`] do the same here, so the rows check what the build gives.
+//! The builder puts a step's env over its base's config env by key, then the proxy build
+//! args after it, and a stage's config over its base's (`kiln_builder::build::config::
+//! merge_env`, `merge_run_config`, `StepSpec::from_plan`); [`seen`] and [`config_env`] do
+//! the same here, so the rows check what the build gives.
 
 use std::collections::BTreeMap;
 
@@ -497,7 +498,11 @@ fn seen(plan: &BuildPlan, options: &Options, i: usize) -> Vec<String> {
         .rev()
         .find(|s| matches!(s.action, Action::Run(_)))
         .expect("the stage has a RUN");
-    merge(&base_env(plan, options, i), &step.context.env)
+    let Action::Run(run) = &step.action else {
+        unreachable!()
+    };
+    let env = merge(&base_env(plan, options, i), &step.context.env);
+    merge(&env, &run.proxy_env)
 }
 
 fn value<'a>(env: &'a [String], name: &str) -> Option<&'a str> {

@@ -1253,7 +1253,8 @@ async fn run_step(
                 error: e,
             })?;
             spec.lower_dirs = step_lowers(ctx, &st.layers, ctx.executor.max_lowers(&spec)).await?;
-            // The plan's env merged over the base's, then what the mounts add (secret env).
+            // The plan's env merged over the base's, then what the spec adds after it (the
+            // proxy build args, secret env).
             let added: Vec<String> = spec
                 .env
                 .split_off(step.context.env.len().min(spec.env.len()));

@@ -92,7 +92,7 @@ fn proxy_arg(name: &str) -> Option<&'static str> {
 
 /// The proxy build args given, one value per variable: of several spellings of one, the
 /// last in byte order wins, as BuildKit's `proxyEnvFromBuildArgs` visits them sorted.
-fn proxy_env(build_args: &BTreeMap<String, String>) -> Vec<(&'static str, &str)> {
+fn proxy_env_of(build_args: &BTreeMap<String, String>) -> Vec<(&'static str, &str)> {
     let mut out: Vec<(&'static str, &str)> = Vec::new();
     for (name, value) in build_args {
         if let Some(upper) = proxy_arg(name) {
@@ -1293,7 +1293,7 @@ impl Lowering<'_> {
         // Counted before it is made: the env is the large part.
         self.charge(draft.scope.env.len() * 24, offset)?;
         let scope = &draft.scope;
-        let mut env: Vec<String> = if with_args {
+        let env: Vec<String> = if with_args {
             // The env, but where an ARG is the later write, then the ARGs.
             let env = scope.env.entries().into_iter();
             env.filter(|(k, _)| !scope.args.contains(k))
@@ -1303,18 +1303,6 @@ impl Lowering<'_> {
         } else {
             scope.env_strings()
         };
-        if with_args {
-            // The proxy build args reach `RUN` without an ARG, in both spellings, after the
-            // stage's env (BuildKit: `proxyEnvFromBuildArgs`, the exec op's `proxyEnvList`);
-            // a name the stage's env has keeps its value there.
-            for (upper, value) in proxy_env(&self.options.build_args) {
-                for name in [upper.to_string(), upper.to_ascii_lowercase()] {
-                    if scope.get(&name).is_none() {
-                        env.push(format!("{name}={value}"));
-                    }
-                }
-            }
-        }
         let state = &draft.state;
         let shell: usize = state.shell.iter().map(|w| w.len() + 24).sum();
         let user = state.user.as_deref().map_or(0, str::len);
@@ -1691,6 +1679,17 @@ impl Lowering<'_> {
             }
         };
         self.charge(argv.iter().map(|w| w.len() + 24).sum(), offset)?;
+        // The proxy build args reach `RUN` without an ARG, in both spellings, after the
+        // stage's env (BuildKit: `proxyEnvFromBuildArgs`, the exec op's `proxyEnvList`); a
+        // name the stage's env has keeps its value there.
+        let mut proxy_env = Vec::new();
+        for (upper, value) in proxy_env_of(&self.options.build_args) {
+            for name in [upper.to_string(), upper.to_ascii_lowercase()] {
+                if draft.scope.get(&name).is_none() {
+                    proxy_env.push(format!("{name}={value}"));
+                }
+            }
+        }
         Ok(RunStep {
             form,
             argv,
@@ -1698,6 +1697,7 @@ impl Lowering<'_> {
             mounts: lowered,
             network,
             security,
+            proxy_env,
         })
     }
 
@@ -2240,10 +2240,56 @@ mod tests {
         assert!(env.contains(&"A=1".to_string()));
         assert!(env.contains(&"B=bee".to_string()));
         assert!(env.contains(&"C=10".to_string()));
-        assert!(env.contains(&"http_proxy=http://p:3128".to_string()));
+        // The proxy build arg reaches RUN beside the step's env, not in it, so that it stays
+        // out of the cache key as in BuildKit (solver/llbsolver/ops/exec.go 73ed6825, line
+        // 132: the exec op's ProxyEnv is cleared before its cache key is made). This test
+        // looked for it in `context.env` before.
+        let Action::Run(run) = &p.stages[0].steps[0].action else {
+            panic!("a RUN step")
+        };
+        assert!(
+            run.proxy_env
+                .contains(&"http_proxy=http://p:3128".to_string())
+        );
+        assert!(
+            !env.iter()
+                .any(|e| e.to_ascii_lowercase().starts_with("http_proxy="))
+        );
         assert_eq!(p.build_args.unused, ["ZZ"]);
         assert!(p.warnings.iter().any(|w| w.message.contains("ZZ")));
         assert!(!p.stages[0].config.env.iter().any(|e| e.starts_with("A=")));
+    }
+
+    #[test]
+    fn proxy_build_args_stay_out_of_the_canonical_step() {
+        let text = "FROM scratch\nARG NO_PROXY\nRUN env\n";
+        let a = plan_with(
+            text,
+            &args(&[("HTTPS_PROXY", "http://a:1"), ("NO_PROXY", "x")]),
+        );
+        let b = plan_with(
+            text,
+            &args(&[("https_proxy", "http://b:2"), ("NO_PROXY", "x")]),
+        );
+        let (a, b) = (&a.stages[0].steps[0], &b.stages[0].steps[0]);
+        let Action::Run(run) = &a.action else {
+            panic!("a RUN step")
+        };
+        // NO_PROXY is a declared ARG: in the step's env (and key); no_proxy and HTTPS_PROXY
+        // are not.
+        assert!(a.context.env.contains(&"NO_PROXY=x".to_string()));
+        assert_eq!(
+            run.proxy_env,
+            [
+                "HTTPS_PROXY=http://a:1",
+                "https_proxy=http://a:1",
+                "no_proxy=x"
+            ]
+        );
+        assert_eq!(a.canonical_json(), b.canonical_json());
+        assert!(!a.canonical_json().contains("http://a:1"));
+        let c = plan_with(text, &args(&[("NO_PROXY", "y")]));
+        assert_ne!(a.canonical_json(), c.stages[0].steps[0].canonical_json());
     }
 
     #[test]
