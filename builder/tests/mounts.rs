@@ -93,6 +93,7 @@ fn run_step(script: &str, mounts: Vec<Mount>) -> Step {
             mounts,
             network: Network::None,
             security: Security::Sandbox,
+            proxy_env: vec![],
         }),
         context: StepContext {
             env: vec![],

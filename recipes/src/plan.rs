@@ -183,8 +183,20 @@ impl Step {
     /// sorted). Two steps that do the same thing in the same context give the same bytes
     /// wherever they were written; this feeds build cache keys.
     pub fn canonical_json(&self) -> String {
+        // Without the proxy env (see [`RunStep::proxy_env`]).
+        let without_proxies;
+        let action = match &self.action {
+            Action::Run(r) if !r.proxy_env.is_empty() => {
+                without_proxies = Action::Run(RunStep {
+                    proxy_env: Vec::new(),
+                    ..r.clone()
+                });
+                &without_proxies
+            }
+            a => a,
+        };
         let canonical = CanonicalStep {
-            action: &self.action,
+            action,
             context: &self.context,
         };
         // Serializing plain structs of strings, integers and ordered maps cannot fail.
@@ -196,7 +208,9 @@ impl Step {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct StepContext {
     /// Environment as `KEY=value`, in definition order: image `ENV`, then build args in
-    /// scope (for `RUN`; `ENV` wins over an `ARG` of the same name). For an image base whose
+    /// scope (for `RUN`; of an `ENV` and an `ARG` of one name, the later in the stage
+    /// wins, as in BuildKit; proxy build args are in [`RunStep::proxy_env`]). For an image
+    /// base whose
     /// env was not given in [`crate::Options::base_images`], only what the recipe set: the
     /// builder puts it over the base image's env, by key.
     pub env: Vec<String>,
@@ -240,6 +254,13 @@ pub struct RunStep {
     pub network: Network,
     /// `RUN --security` (only `sandbox` is supported).
     pub security: Security,
+    /// The proxy build args (`HTTP_PROXY`... given with `--build-arg`, no `ARG` needed), in
+    /// both spellings, `KEY=value`, each a name `context.env` does not have. The command
+    /// gets them after `context.env`; like BuildKit (its exec op clears `ProxyEnv` before
+    /// making the cache key), they are not part of [`Step::canonical_json`] nor of the
+    /// build cache key, so a build behind another proxy reuses the cache.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub proxy_env: Vec<String>,
 }
 
 /// How a command was written.

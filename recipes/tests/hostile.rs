@@ -164,6 +164,48 @@ fn chain_at_the_api_size_limit_plans_in_bounded_memory() {
     );
 }
 
+/// The chain with ARGs: a stage on another one starts with its base's ARGs too (as in
+/// BuildKit), which must be shared, not copied into every stage. Each stage sets an ENV,
+/// writes an ARG over it (which the next stage drops again) and declares a new ARG; at the
+/// API's size limit this plans in a child whose peak RSS stays under [`MAX_RSS`].
+#[test]
+fn chain_of_stages_with_args_plans_in_bounded_memory() {
+    let rss = child_peak_rss("chain_of_stages_with_args_plans_in_bounded_memory", || {
+        let mut text = String::from("FROM busybox AS s0\n");
+        let mut stages = 1;
+        for i in 1.. {
+            let next = format!(
+                "FROM s{} AS s{i}\nENV X{i}={i}\nARG X{i}=a\nARG A{i}={i}\n",
+                i - 1
+            );
+            if text.len() + next.len() > 1 << 20 {
+                break;
+            }
+            text.push_str(&next);
+            stages += 1;
+        }
+        text.push_str("RUN true\n");
+        let plan = load("Dockerfile", text.as_bytes(), &Options::default()).expect("plans");
+        assert_eq!(plan.stages.len(), stages);
+        let run = &plan.stages[plan.target].steps[0].context.env;
+        let last = stages - 1;
+        assert!(
+            run.contains(&format!("X{last}=a")),
+            "its own ARG over its ENV"
+        );
+        assert!(
+            run.contains(&"X1=1".to_string()),
+            "a base stage's ENV over its ARG"
+        );
+        assert!(run.contains(&"A1=1".to_string()), "a base stage's ARG");
+    });
+    assert!(
+        rss < MAX_RSS,
+        "planning a 1 MiB chain with ARGs took a peak RSS of {} MiB",
+        rss >> 20
+    );
+}
+
 /// The same chain with a `RUN` in each stage: each step carries its whole env (it is
 /// part of the step's cache key), so the plan really is quadratic, and it is refused by
 /// [`kiln_recipes::dockerfile::lower::MAX_PLAN_BYTES`], counted as the plan grows, in a

@@ -208,6 +208,16 @@ pub fn merge_env(base: &[String], over: &[String]) -> Vec<String> {
     out
 }
 
+/// As BuildKit (`dispatchStages` in frontend/dockerfile/dockerfile2llb/convert.go, 73ed6825
+/// lines 792-801): a stage whose base config has no PATH gets Docker's default one,
+/// appended to its config env, so to its steps' env too. The plan's env already has it
+/// where the base's env was known when lowering, at the same place.
+pub fn default_path(env: &mut Vec<String>) {
+    if !env.iter().any(|e| env_key(e) == "PATH") {
+        env.push(format!("PATH={}", kiln_recipes::plan::DEFAULT_PATH));
+    }
+}
+
 /// The stage's run config: the plan's `ImageConfig` over the base's (as
 /// [`kiln_recipes::plan::Stage::config`] describes). `OnBuild` is never inherited (Docker
 /// runs a base's triggers in the child and does not pass them on).
@@ -286,6 +296,21 @@ mod tests {
         let start = std::time::Instant::now();
         assert_eq!(merge_env(&wide, &wide), wide);
         assert!(start.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    #[test]
+    fn default_path_is_appended_when_the_base_has_none() {
+        let default = format!("PATH={}", kiln_recipes::plan::DEFAULT_PATH);
+        let mut env = vec!["V=base".to_string()];
+        default_path(&mut env);
+        // BuildKit appends it (convert.go 73ed6825, `dispatchStages`, line 800).
+        assert_eq!(env, ["V=base".to_string(), default.clone()]);
+        let mut empty = Vec::new();
+        default_path(&mut empty);
+        assert_eq!(empty, [default]);
+        let mut set = vec!["PATH=/bin".to_string(), "V=1".to_string()];
+        default_path(&mut set);
+        assert_eq!(set, ["PATH=/bin", "V=1"]);
     }
 
     #[test]

@@ -1064,12 +1064,7 @@ async fn run_stage(
 ) -> Result<StageOut, BuildError> {
     let mut st = stage_base(&ctx, i, &inputs)?;
     hold(&ctx, st.layers.iter().map(|l| l.desc.digest.as_str())).await?;
-    // As BuildKit: a stage whose base has no PATH gets the default one, in its steps and
-    // in its image config.
-    let env = st.config.config.env.get_or_insert_with(Vec::new);
-    if !env.iter().any(|e| e.starts_with("PATH=")) {
-        env.insert(0, format!("PATH={}", kiln_recipes::plan::DEFAULT_PATH));
-    }
+    config::default_path(st.config.config.env.get_or_insert_with(Vec::new));
     let base_run = st.config.config.clone();
     let use_cache = stage_uses_cache(&ctx, i);
     let stage = ctx.plan.stages[i].clone();
@@ -1258,7 +1253,8 @@ async fn run_step(
                 error: e,
             })?;
             spec.lower_dirs = step_lowers(ctx, &st.layers, ctx.executor.max_lowers(&spec)).await?;
-            // The plan's env merged over the base's, then what the mounts add (secret env).
+            // The plan's env merged over the base's, then what the spec adds after it (the
+            // proxy build args, secret env).
             let added: Vec<String> = spec
                 .env
                 .split_off(step.context.env.len().min(spec.env.len()));

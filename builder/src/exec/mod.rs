@@ -227,7 +227,8 @@ impl StepSpec {
             upper_dir,
             work_dir,
             argv: run.argv.clone(),
-            env: step.context.env.clone(),
+            // The proxy build args after the step's env ([`RunStep::proxy_env`]).
+            env: [&step.context.env[..], &run.proxy_env[..]].concat(),
             user: step.context.user.clone(),
             workdir: step.context.workdir.clone(),
             files: run.files.clone(),
@@ -567,6 +568,7 @@ mod tests {
                 },
                 network: Network::None,
                 security: Security::Sandbox,
+                proxy_env: vec![],
             }),
             context: StepContext {
                 env: vec!["A=1".into()],
@@ -575,6 +577,23 @@ mod tests {
                 shell: vec!["/bin/sh".into(), "-c".into()],
             },
         }
+    }
+
+    #[test]
+    fn proxy_build_args_come_after_the_step_env() {
+        let mut step = run_step(false);
+        if let Action::Run(r) = &mut step.action {
+            r.proxy_env = vec![
+                "HTTP_PROXY=http://p:1".into(),
+                "http_proxy=http://p:1".into(),
+            ];
+        }
+        let s = StepSpec::from_plan(2, &step, vec![], "/u".into(), "/w".into(), Duration::ZERO)
+            .unwrap();
+        assert_eq!(
+            s.env,
+            ["A=1", "HTTP_PROXY=http://p:1", "http_proxy=http://p:1"]
+        );
     }
 
     #[test]

@@ -101,6 +101,17 @@ impl EnvMap {
         }
     }
 
+    /// Removes `name`, copying the nodes on its path only. A name set again after goes
+    /// last in definition order.
+    pub(crate) fn remove(&mut self, name: &str) {
+        if !self.contains(name) {
+            return;
+        }
+        let hash = self.hash(name);
+        self.root = self.root.as_ref().and_then(|r| remove(r, hash, 0, name));
+        self.len -= 1;
+    }
+
     /// Every variable as (name, value), in definition order. O(n log n).
     pub(crate) fn entries(&self) -> Vec<(&str, &str)> {
         let mut all: Vec<&Var> = Vec::with_capacity(self.len);
@@ -162,6 +173,24 @@ fn insert(node: Option<&Arc<Node>>, hash: u64, level: u32, mut var: Var) -> (Arc
     }
 }
 
+/// `node` without `name` (which it holds), `None` when nothing is left under it.
+fn remove(node: &Arc<Node>, hash: u64, level: u32, name: &str) -> Option<Arc<Node>> {
+    match &**node {
+        Node::Leaf { hash: h, vars } => {
+            let vars: Vec<Arc<Var>> = vars.iter().filter(|v| &*v.name != name).cloned().collect();
+            (!vars.is_empty()).then(|| Arc::new(Node::Leaf { hash: *h, vars }))
+        }
+        Node::Branch(children) => {
+            let mut children = children.clone();
+            let i = slot(hash, level);
+            children[i] = children[i]
+                .as_ref()
+                .and_then(|c| remove(c, hash, level + 1, name));
+            (!children.iter().all(Option::is_none)).then(|| Arc::new(Node::Branch(children)))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::EnvMap;
@@ -194,5 +223,38 @@ mod tests {
                 .enumerate()
                 .all(|(i, (k, _))| *k == format!("K{i}"))
         );
+    }
+
+    #[test]
+    fn remove_keeps_the_rest_and_the_clone() {
+        let mut a = EnvMap::default();
+        for i in 0..500 {
+            a.set(&format!("K{i}"), &i.to_string());
+        }
+        let mut b = a.clone();
+        for i in (0..500).step_by(2) {
+            b.remove(&format!("K{i}"));
+        }
+        b.remove("absent");
+        assert_eq!(a.len(), 500);
+        assert_eq!(b.len(), 250);
+        assert_eq!(a.get("K4"), Some("4"));
+        assert_eq!(b.get("K4"), None);
+        assert_eq!(b.get("K5"), Some("5"));
+        let e = b.entries();
+        assert_eq!(e.len(), 250);
+        assert!(
+            e.iter()
+                .enumerate()
+                .all(|(j, (k, _))| *k == format!("K{}", 2 * j + 1))
+        );
+        // Set again: last in definition order.
+        b.set("K4", "four");
+        assert_eq!(b.entries().last(), Some(&("K4", "four")));
+        for i in 0..500 {
+            b.remove(&format!("K{i}"));
+        }
+        assert_eq!(b.len(), 0);
+        assert!(b.entries().is_empty());
     }
 }

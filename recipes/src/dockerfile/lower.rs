@@ -73,18 +73,38 @@ pub enum LowerError {
     Platform(String),
 }
 
-const PROXY_ARGS: [&str; 10] = [
+/// The predefined proxy build args, by the upper-case spelling; a build arg is one of them
+/// whatever its case (BuildKit's `proxyEnvFromBuildArgs` matches with `strings.EqualFold`).
+const PROXY_ARGS: [&str; 5] = [
     "HTTP_PROXY",
-    "http_proxy",
     "HTTPS_PROXY",
-    "https_proxy",
     "FTP_PROXY",
-    "ftp_proxy",
     "NO_PROXY",
-    "no_proxy",
     "ALL_PROXY",
-    "all_proxy",
 ];
+
+/// The proxy variable `name` sets, in upper case, if it is one.
+fn proxy_arg(name: &str) -> Option<&'static str> {
+    PROXY_ARGS
+        .into_iter()
+        .find(|p| p.eq_ignore_ascii_case(name))
+}
+
+/// The proxy build args given, one value per variable: of several spellings of one, the
+/// last in byte order wins, as BuildKit's `proxyEnvFromBuildArgs` visits them sorted.
+fn proxy_env_of(build_args: &BTreeMap<String, String>) -> Vec<(&'static str, &str)> {
+    let mut out: Vec<(&'static str, &str)> = Vec::new();
+    for (name, value) in build_args {
+        if let Some(upper) = proxy_arg(name) {
+            match out.iter_mut().find(|(u, _)| *u == upper) {
+                Some(slot) => slot.1 = value,
+                None => out.push((upper, value)),
+            }
+        }
+    }
+    out.sort_by_key(|(u, _)| PROXY_ARGS.iter().position(|p| p == u));
+    out
+}
 
 const SOURCE_DATE_EPOCH: &str = "SOURCE_DATE_EPOCH";
 
@@ -154,57 +174,80 @@ impl Lines {
 }
 
 /// The variables in scope at an instruction. Lookups go through name indexes, so a
-/// hostile `ENV` with a hundred thousand pairs stays linear; a clone is a few reference
-/// counts (the env is persistent, the ARGs are copied on their first change), so a stage
-/// built on another one shares its parent's env rather than copying it (issue 44 §3).
+/// hostile `ENV` with a hundred thousand pairs stays linear; env and ARGs are persistent
+/// maps, so a stage built on another one shares its parent's rather than copying them
+/// (issue 44 §3).
+///
+/// As in BuildKit, `ENV` and an `ARG` with a value write one environment, the one `$VAR`
+/// expands from and `RUN` gets, and the later write of a name wins (`dispatchEnv` and
+/// `dispatchArg` both add to the stage's state env); only `ENV` reaches the image config.
+/// Here `env` is what `ENV` set (the config's env) and `args` the ARGs whose value is the
+/// later write: [`Scope::set_env`] removes an ARG of its name.
 #[derive(Debug, Clone, Default)]
 struct Scope {
     /// `ENV`, in definition order.
     env: EnvMap,
-    /// Declared ARGs.
-    args: Arc<Args>,
+    /// ARGs with a value no later `ENV` of their name replaced, in declaration order (an
+    /// ARG without a value writes nothing).
+    args: EnvMap,
+    /// ARGs of this stage written over a name of the config's env, which a stage built on
+    /// this one gets back from the config ([`Scope::for_child_stage`]).
+    over_config: Vec<String>,
     /// The base's env is unknown: `$PATH` falls back to Docker's default PATH, which
     /// nearly every Linux base image sets (and BuildKit gives `RUN` when a base has none).
     default_path: bool,
 }
 
-/// Declared ARGs in declaration order (`None`: declared without a value), with an index.
-#[derive(Debug, Clone, Default)]
-struct Args {
-    list: Vec<(String, Option<String>)>,
-    /// Position of each name in `list`.
-    index: HashMap<String, usize>,
-}
-
 impl Scope {
+    /// Whether the image config's env has `name` (a base whose env is unknown has `PATH`).
+    fn config_has(&self, name: &str) -> bool {
+        self.env.contains(name) || (self.default_path && name == "PATH")
+    }
+
     fn get(&self, name: &str) -> Option<String> {
+        if let Some(v) = self.args.get(name) {
+            return Some(v.to_string());
+        }
         if let Some(v) = self.env.get(name) {
             return Some(v.to_string());
         }
-        let arg = self
-            .args
-            .index
-            .get(name)
-            .and_then(|&i| self.args.list[i].1.clone());
-        if arg.is_none() && self.default_path && name == "PATH" {
-            return Some(DEFAULT_PATH.to_string());
-        }
-        arg
+        (self.default_path && name == "PATH").then(|| DEFAULT_PATH.to_string())
     }
 
+    /// `ENV key=value`: it replaces the value of an ARG of that name.
     fn set_env(&mut self, key: &str, value: &str) {
         self.env.set(key, value);
+        self.args.remove(key);
     }
 
-    fn set_arg(&mut self, key: String, value: Option<String>) {
-        let args = Arc::make_mut(&mut self.args);
-        match args.index.get(&key) {
-            Some(&i) => args.list[i].1 = value,
-            None => {
-                args.index.insert(key.clone(), args.list.len());
-                args.list.push((key, value));
+    /// `ARG key[=value]`. Without a value it writes nothing, so a value the name had stays
+    /// (BuildKit's `dispatchArg` and `buildMetaArgs` add nothing for an ARG without one).
+    fn set_arg(&mut self, key: &str, value: Option<&str>) {
+        if let Some(v) = value {
+            if self.config_has(key) {
+                self.over_config.push(key.to_string());
+            }
+            self.args.set(key, v);
+        }
+    }
+
+    /// The scope a stage built on this one starts with: the same env and ARGs, with the
+    /// config's env put over them again, so an ARG written over a name of the config's env
+    /// loses there (BuildKit's `dispatchState.init` takes the base's state and build args,
+    /// then `dispatchStages` adds each config `Env` entry to the state again).
+    fn for_child_stage(&self) -> Scope {
+        let mut child = Scope {
+            env: self.env.clone(),
+            args: self.args.clone(),
+            over_config: Vec::new(),
+            default_path: self.default_path,
+        };
+        for k in &self.over_config {
+            if child.config_has(k) {
+                child.args.remove(k);
             }
         }
+        child
     }
 
     /// The env as `KEY=value` strings, in definition order.
@@ -411,7 +454,7 @@ pub(crate) fn lower_instrs(
         ("BUILDARCH", barch),
         ("BUILDVARIANT", bvariant),
     ] {
-        global.set_arg(k.into(), Some(v));
+        global.set_arg(k, Some(&v));
     }
     let mut lw = Lowering {
         options,
@@ -567,7 +610,7 @@ pub(crate) fn lower_instrs(
     let given = options.build_args.clone();
     let mut unused = Vec::new();
     for name in given.keys() {
-        let special = PROXY_ARGS.contains(&name.as_str()) || name == SOURCE_DATE_EPOCH;
+        let special = proxy_arg(name).is_some() || name == SOURCE_DATE_EPOCH;
         if !used.contains(name) && !special {
             unused.push(name.clone());
             warnings.push(Warning {
@@ -1035,16 +1078,18 @@ impl Lowering<'_> {
             if name.is_empty() {
                 return Err(invalid(offset, "ARG names can not be blank"));
             }
-            let mut value = match raw_default {
-                Some(d) => Some(self.expand(d, scope, offset)?),
-                None if !is_global => self.global.get(&name),
-                None => None,
+            // A build arg replaces the default unexpanded, so a default such as
+            // `${X:?missing}` is not evaluated (BuildKit's `dispatchArg`, `buildMetaArgs`).
+            let value = match (self.options.build_args.get(&name), raw_default) {
+                (Some(v), _) => {
+                    used.insert(name.clone());
+                    Some(v.clone())
+                }
+                (None, Some(d)) => Some(self.expand(d, scope, offset)?),
+                (None, None) if !is_global => self.global.get(&name),
+                (None, None) => None,
             };
-            if let Some(v) = self.options.build_args.get(&name) {
-                value = Some(v.clone());
-                used.insert(name.clone());
-            }
-            scope.set_arg(name, value);
+            scope.set_arg(&name, value.as_deref());
         }
         if is_global {
             // Stage ARGs count only if their stage is built (`Draft::used_args`).
@@ -1162,8 +1207,7 @@ impl Lowering<'_> {
                 // The config starts empty: what this stage sets goes over its base stage's
                 // config ([`Stage::config`]); env, user, working directory and shell are
                 // shared with the parent, not copied.
-                draft.scope.env = p.scope.env.clone();
-                draft.scope.default_path = p.scope.default_path;
+                draft.scope = p.scope.for_child_stage();
                 draft.base_env_known = p.base_env_known;
                 draft.state = p.state.clone();
                 draft.disk_mib = p.disk_mib;
@@ -1181,6 +1225,11 @@ impl Lowering<'_> {
                         for entry in &base.env {
                             let (k, v) = entry.split_once('=').unwrap_or((entry.as_str(), ""));
                             env.set(k, v);
+                        }
+                        // BuildKit's `dispatchStages` adds Docker's default PATH to a
+                        // stage's config env when its base has none.
+                        if !env.contains("PATH") {
+                            env.set("PATH", DEFAULT_PATH);
                         }
                         env
                     });
@@ -1243,24 +1292,17 @@ impl Lowering<'_> {
     fn context(&self, draft: &Draft, with_args: bool, offset: usize) -> Result<StepContext, Fault> {
         // Counted before it is made: the env is the large part.
         self.charge(draft.scope.env.len() * 24, offset)?;
-        let mut env: Vec<String> = draft.scope.env_strings();
-        if with_args {
-            for (k, v) in &draft.scope.args.list {
-                if let Some(v) = v
-                    && !draft.scope.env.contains(k)
-                {
-                    env.push(format!("{k}={v}"));
-                }
-            }
-            for proxy in PROXY_ARGS {
-                if let Some(v) = self.options.build_args.get(proxy)
-                    && !draft.scope.env.contains(proxy)
-                    && !draft.scope.args.index.contains_key(proxy)
-                {
-                    env.push(format!("{proxy}={v}"));
-                }
-            }
-        }
+        let scope = &draft.scope;
+        let env: Vec<String> = if with_args {
+            // The env, but where an ARG is the later write, then the ARGs.
+            let env = scope.env.entries().into_iter();
+            env.filter(|(k, _)| !scope.args.contains(k))
+                .chain(scope.args.entries())
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect()
+        } else {
+            scope.env_strings()
+        };
         let state = &draft.state;
         let shell: usize = state.shell.iter().map(|w| w.len() + 24).sum();
         let user = state.user.as_deref().map_or(0, str::len);
@@ -1637,6 +1679,17 @@ impl Lowering<'_> {
             }
         };
         self.charge(argv.iter().map(|w| w.len() + 24).sum(), offset)?;
+        // The proxy build args reach `RUN` without an ARG, in both spellings, after the
+        // stage's env (BuildKit: `proxyEnvFromBuildArgs`, the exec op's `proxyEnvList`); a
+        // name the stage's env has keeps its value there.
+        let mut proxy_env = Vec::new();
+        for (upper, value) in proxy_env_of(&self.options.build_args) {
+            for name in [upper.to_string(), upper.to_ascii_lowercase()] {
+                if draft.scope.get(&name).is_none() {
+                    proxy_env.push(format!("{name}={value}"));
+                }
+            }
+        }
         Ok(RunStep {
             form,
             argv,
@@ -1644,6 +1697,7 @@ impl Lowering<'_> {
             mounts: lowered,
             network,
             security,
+            proxy_env,
         })
     }
 
@@ -2153,17 +2207,23 @@ mod tests {
     }
 
     #[test]
-    fn arg_visible_from_declaration_and_env_wins() {
+    fn arg_visible_from_declaration_and_the_later_write_wins() {
         let p = plan(
             "FROM scratch\nENV E=$V\nARG V=1\nENV F=$V\nENV V=env\nARG V=2\nENV G=$V\nRUN true\n",
         );
         let env = &p.stages[0].config.env;
         assert!(env.contains(&"E=".to_string()));
         assert!(env.contains(&"F=1".to_string()));
-        assert!(env.contains(&"G=env".to_string()));
+        // `ARG V=2` after `ENV V=env` is the later write of the stage's env, which `$V` and
+        // RUN see; the config keeps the ENV. BuildKit 73ed6825, convert.go: `dispatchArg`
+        // adds the ARG's value to the stage's state env (line 1708) as `dispatchEnv` adds
+        // the ENV's (1338), so the later one replaces the other; only `dispatchEnv` writes
+        // the image config's Env (1339). (This test asserted G=env and RUN V=env before.)
+        assert!(env.contains(&"G=2".to_string()));
+        assert!(env.contains(&"V=env".to_string()));
         let run_env = &p.stages[0].steps[0].context.env;
-        assert!(run_env.contains(&"V=env".to_string()));
-        assert!(!run_env.contains(&"V=2".to_string()));
+        assert!(run_env.contains(&"V=2".to_string()));
+        assert!(!run_env.contains(&"V=env".to_string()));
     }
 
     #[test]
@@ -2180,10 +2240,56 @@ mod tests {
         assert!(env.contains(&"A=1".to_string()));
         assert!(env.contains(&"B=bee".to_string()));
         assert!(env.contains(&"C=10".to_string()));
-        assert!(env.contains(&"http_proxy=http://p:3128".to_string()));
+        // The proxy build arg reaches RUN beside the step's env, not in it, so that it stays
+        // out of the cache key as in BuildKit (solver/llbsolver/ops/exec.go 73ed6825, line
+        // 132: the exec op's ProxyEnv is cleared before its cache key is made). This test
+        // looked for it in `context.env` before.
+        let Action::Run(run) = &p.stages[0].steps[0].action else {
+            panic!("a RUN step")
+        };
+        assert!(
+            run.proxy_env
+                .contains(&"http_proxy=http://p:3128".to_string())
+        );
+        assert!(
+            !env.iter()
+                .any(|e| e.to_ascii_lowercase().starts_with("http_proxy="))
+        );
         assert_eq!(p.build_args.unused, ["ZZ"]);
         assert!(p.warnings.iter().any(|w| w.message.contains("ZZ")));
         assert!(!p.stages[0].config.env.iter().any(|e| e.starts_with("A=")));
+    }
+
+    #[test]
+    fn proxy_build_args_stay_out_of_the_canonical_step() {
+        let text = "FROM scratch\nARG NO_PROXY\nRUN env\n";
+        let a = plan_with(
+            text,
+            &args(&[("HTTPS_PROXY", "http://a:1"), ("NO_PROXY", "x")]),
+        );
+        let b = plan_with(
+            text,
+            &args(&[("https_proxy", "http://b:2"), ("NO_PROXY", "x")]),
+        );
+        let (a, b) = (&a.stages[0].steps[0], &b.stages[0].steps[0]);
+        let Action::Run(run) = &a.action else {
+            panic!("a RUN step")
+        };
+        // NO_PROXY is a declared ARG: in the step's env (and key); no_proxy and HTTPS_PROXY
+        // are not.
+        assert!(a.context.env.contains(&"NO_PROXY=x".to_string()));
+        assert_eq!(
+            run.proxy_env,
+            [
+                "HTTPS_PROXY=http://a:1",
+                "https_proxy=http://a:1",
+                "no_proxy=x"
+            ]
+        );
+        assert_eq!(a.canonical_json(), b.canonical_json());
+        assert!(!a.canonical_json().contains("http://a:1"));
+        let c = plan_with(text, &args(&[("NO_PROXY", "y")]));
+        assert_ne!(a.canonical_json(), c.stages[0].steps[0].canonical_json());
     }
 
     #[test]
