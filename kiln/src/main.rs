@@ -108,6 +108,8 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(cmd::progress::LogWriter)
         .try_init();
+    // Every QEMU started as root runs in a cgroup of its own (issue 37).
+    kiln_pipeline::qemu_cgroups::install();
     let out = cmd::Out::new(cli.json);
     match cli.command {
         Command::Build(a) => cmd::report(&out, cmd::build::run(*a, &out)),

@@ -22,6 +22,7 @@
 pub mod event;
 pub mod nightly;
 pub mod packages;
+pub mod qemu_cgroups;
 pub mod report;
 pub mod request;
 pub mod vmexec;

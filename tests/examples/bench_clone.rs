@@ -31,6 +31,7 @@ fn stats(mut v: Vec<Duration>) -> String {
 
 #[tokio::main]
 async fn main() {
+    kiln_pipeline::qemu_cgroups::install();
     let runs: usize = std::env::var("KILN_BENCH_RUNS")
         .ok()
         .and_then(|s| s.parse().ok())

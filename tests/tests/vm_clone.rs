@@ -44,6 +44,7 @@ struct Env {
 }
 
 async fn env() -> Env {
+    kiln_pipeline::qemu_cgroups::install();
     let dir = tempfile::tempdir().expect("tempdir");
     let work = dir.path().join("work");
     let store_dir = dir.path().join("store");

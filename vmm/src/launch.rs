@@ -56,6 +56,7 @@
 //! start instead of silently dropping a feature: the guest sees the same CPUID under TCG and
 //! KVM, or does not start.
 
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -250,6 +251,22 @@ async fn run(program: &Path, args: &[&str]) -> Result<String, LaunchError> {
 /// Runs `qemu-img` with `args`; its stdout.
 pub(crate) async fn run_img(host: &Host, args: &[&str]) -> Result<String, LaunchError> {
     run(&host.qemu_img, args).await
+}
+
+/// QEMU's exit status in words, saying when the OOM killer ended it at its cgroup's memory
+/// limit.
+fn status_text(
+    status: std::process::ExitStatus,
+    cgroup: Option<&dyn crate::jail::cgroup::QemuCgroup>,
+) -> String {
+    match cgroup.filter(|c| c.oom_killed()) {
+        Some(c) => format!(
+            "{status}: killed by the kernel at its cgroup's memory limit of {} MiB \
+             (guest RAM plus KILN_QEMU_HEADROOM_MIB)",
+            c.limits().memory_bytes >> 20
+        ),
+        None => status.to_string(),
+    }
 }
 
 /// The last 4 KiB of QEMU's stderr log at `log`, each file QEMU was handed as
@@ -590,6 +607,9 @@ pub struct Vm {
     /// The files chowned to [`Vm::user`], given back to root when this handle is dropped,
     /// after QEMU is reaped (fields drop after [`Drop::drop`]).
     owned: crate::jail::Owned,
+    /// QEMU's cgroup ([`crate::jail::cgroup`]) when it is jailed; removed when this handle
+    /// is dropped, after QEMU is reaped.
+    cgroup: Option<Box<dyn crate::jail::cgroup::QemuCgroup>>,
 }
 
 impl Vm {
@@ -642,6 +662,23 @@ impl Vm {
         };
         let fds = handed.as_ref().map(|h| h.raw_fds()).unwrap_or_default();
         let args = spec.args_named(handed.as_ref());
+        // A jailed QEMU runs in a cgroup of its own, joined before its exec.
+        let cgroup = match user {
+            Some(_) => Some(crate::jail::cgroup::create(spec)?),
+            None => None,
+        };
+        let join: Vec<OwnedFd> = cgroup
+            .iter()
+            .flat_map(|c| c.procs_files())
+            .map(|p| {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&p)
+                    .map(OwnedFd::from)
+                    .map_err(io_err(&p))
+            })
+            .collect::<Result<_, _>>()?;
+        let join_fds: Vec<std::os::fd::RawFd> = join.iter().map(|f| f.as_raw_fd()).collect();
         let mut child = crate::jail::spawn::spawn(&crate::jail::spawn::Launch {
             program: &host.qemu,
             args: &args,
@@ -649,7 +686,9 @@ impl Vm {
             keep: &fds,
             user,
             tied,
+            join: &join_fds,
         })?;
+        drop(join);
         drop(log);
         // QEMU runs as its user now (spawn returns once exec succeeded): the uid lock can go,
         // and so can this process's copies of the descriptors (so that a QEMU that dies
@@ -664,7 +703,7 @@ impl Vm {
         let qmp = loop {
             if let Some(status) = child.try_wait().map_err(io_err(&host.qemu))? {
                 return Err(LaunchError::Exited {
-                    status: status.to_string(),
+                    status: status_text(status, cgroup.as_deref()),
                     log: log_tail(stderr_log, &names),
                     console: console_report(&spec.serial_log),
                 });
@@ -699,6 +738,7 @@ impl Vm {
             stderr_log: stderr_log.to_path_buf(),
             names,
             owned,
+            cgroup,
         })
     }
 
@@ -713,7 +753,13 @@ impl Vm {
 
     /// Whether QEMU has exited (reaping it), with its status.
     pub fn exited(&mut self) -> Option<String> {
-        self.exit_status().map(|s| s.to_string())
+        let s = self.exit_status()?;
+        Some(status_text(s, self.cgroup.as_deref()))
+    }
+
+    /// The limits of QEMU's cgroup, when it has one (a jailed QEMU).
+    pub fn cgroup_limits(&self) -> Option<crate::jail::cgroup::QemuLimits> {
+        self.cgroup.as_ref().map(|c| c.limits())
     }
 
     /// [`Vm::exited`], waiting up to `within` for QEMU to go (a guest channel that closed
@@ -763,6 +809,9 @@ impl Vm {
     pub fn detach(mut self) -> u32 {
         self.child = None;
         self.owned.keep();
+        if let Some(c) = self.cgroup.take() {
+            c.keep();
+        }
         self.pid
     }
 
@@ -1205,7 +1254,10 @@ mod tests {
     #[test]
     fn qemu_messages_name_handed_files_by_their_paths() {
         let names = std::collections::HashMap::from([
-            (PathBuf::from("/s/disk.qcow2"), "/proc/self/fd/1".to_string()),
+            (
+                PathBuf::from("/s/disk.qcow2"),
+                "/proc/self/fd/1".to_string(),
+            ),
             (PathBuf::from("/s/mem"), "/proc/self/fd/12".to_string()),
         ]);
         assert_eq!(

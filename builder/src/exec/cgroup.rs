@@ -10,8 +10,14 @@
 //!   `memory.memsw.limit_in_bytes` when swap accounting is on), `pids.max`; a memory kill shows
 //!   as `oom_kill` in `memory.oom_control` (Linux 4.13+), `memory.failcnt` otherwise.
 //!
+//! - a CPU limit, when asked for ([`CgroupLimits::cpu_millis`], QEMU's groups): v2
+//!   `cpu.max` (`<quota> <period>`, `cpu` enabled in the ancestors), v1 `cpu.cfs_quota_us`
+//!   over `cpu.cfs_period_us` in a group of the `cpu` controller ([`CPU_PERIOD_US`]).
+//!
 //! [`StepCgroup::kill_all`] kills every process of the group until it is empty;
-//! dropping a [`StepCgroup`] kills what is left and removes the directories.
+//! dropping a [`StepCgroup`] kills what is left and removes the directories, unless it was
+//! [`StepCgroup::keep`]t for a process that outlives its maker (a clone's QEMU); such groups
+//! are removed once empty and their maker gone ([`remove_empty_dead`]).
 
 use std::fs;
 use std::io;
@@ -58,6 +64,9 @@ pub fn detect() -> Result<CgroupLayout, CgroupError> {
     }
 }
 
+/// The CFS period of a CPU limit, µs (the kernel's default, `cpu.cfs_period_us`).
+pub const CPU_PERIOD_US: u64 = 100_000;
+
 /// Limits applied to one step's cgroup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CgroupLimits {
@@ -65,6 +74,9 @@ pub struct CgroupLimits {
     pub memory_bytes: u64,
     /// Maximum number of tasks (processes and threads).
     pub pids_max: u64,
+    /// CPU time, in thousandths of one CPU (2000: two CPUs' worth per period); `None`: no
+    /// CPU limit (namespace steps).
+    pub cpu_millis: Option<u64>,
 }
 
 /// What a step's cgroup saw.
@@ -127,15 +139,20 @@ impl StepCgroup {
         };
         match layout {
             CgroupLayout::Unified => {
+                let enable = if limits.cpu_millis.is_some() {
+                    "+memory +pids +cpu"
+                } else {
+                    "+memory +pids"
+                };
                 let mut dir = root.to_path_buf();
                 for part in Path::new(parent).components() {
-                    let _ = fs::write(dir.join("cgroup.subtree_control"), "+memory +pids");
+                    let _ = fs::write(dir.join("cgroup.subtree_control"), enable);
                     dir.push(part);
                     if !dir.is_dir() {
                         fs::create_dir(&dir).map_err(io_err(&dir))?;
                     }
                 }
-                write(&dir.join("cgroup.subtree_control"), "+memory +pids")?;
+                write(&dir.join("cgroup.subtree_control"), enable)?;
                 dir.push(&name);
                 fs::create_dir(&dir).map_err(io_err(&dir))?;
                 cg.dirs.push(dir.clone());
@@ -145,9 +162,20 @@ impl StepCgroup {
                     write(&swap, "0")?;
                 }
                 write(&dir.join("pids.max"), &limits.pids_max.to_string())?;
+                if let Some(m) = limits.cpu_millis {
+                    write(
+                        &dir.join("cpu.max"),
+                        &format!("{} {CPU_PERIOD_US}", cpu_quota_us(m)),
+                    )?;
+                }
             }
             CgroupLayout::Legacy => {
-                for ctrl in ["memory", "pids"] {
+                let controllers: &[&str] = if limits.cpu_millis.is_some() {
+                    &["memory", "pids", "cpu"]
+                } else {
+                    &["memory", "pids"]
+                };
+                for ctrl in controllers {
                     let dir = root.join(ctrl).join(parent).join(&name);
                     fs::create_dir_all(&dir).map_err(io_err(&dir))?;
                     cg.dirs.push(dir);
@@ -163,9 +191,25 @@ impl StepCgroup {
                 }
                 write(&mem.join("memory.swappiness"), "0").ok();
                 write(&cg.dirs[1].join("pids.max"), &limits.pids_max.to_string())?;
+                if let Some(m) = limits.cpu_millis {
+                    write(
+                        &cg.dirs[2].join("cpu.cfs_period_us"),
+                        &CPU_PERIOD_US.to_string(),
+                    )?;
+                    write(
+                        &cg.dirs[2].join("cpu.cfs_quota_us"),
+                        &cpu_quota_us(m).to_string(),
+                    )?;
+                }
             }
         }
         Ok(cg)
+    }
+
+    /// Leaves the group in place when this handle goes: for a process that outlives its
+    /// maker (a clone's QEMU). [`remove_empty_dead`] removes it once it is empty.
+    pub fn keep(mut self) {
+        self.dirs.clear();
     }
 
     /// The layout in use.
@@ -194,8 +238,10 @@ impl StepCgroup {
     /// Kills every process in the group (SIGKILL; `cgroup.kill` on v2 when present) and
     /// waits, bounded, until the group is empty. Returns whether it is empty.
     pub fn kill_all(&self) -> bool {
-        if self.layout == CgroupLayout::Unified {
-            let _ = fs::write(self.dirs[0].join("cgroup.kill"), "1");
+        if self.layout == CgroupLayout::Unified
+            && let Some(d) = self.dirs.first()
+        {
+            let _ = fs::write(d.join("cgroup.kill"), "1");
         }
         for _ in 0..2000 {
             let pids = self.pids();
@@ -237,6 +283,51 @@ impl StepCgroup {
     }
 }
 
+/// The CFS quota of `millis` thousandths of a CPU over [`CPU_PERIOD_US`], µs (at least the
+/// kernel's minimum of 1000 µs).
+fn cpu_quota_us(millis: u64) -> u64 {
+    (millis.saturating_mul(CPU_PERIOD_US) / 1000).max(1000)
+}
+
+/// The directories under which groups of `parent` live: the v2 parent, or one per v1
+/// controller kiln uses.
+fn parent_dirs(layout: CgroupLayout, parent: &str) -> Vec<PathBuf> {
+    let root = Path::new(CGROUP_ROOT);
+    match layout {
+        CgroupLayout::Unified => vec![root.join(parent)],
+        CgroupLayout::Legacy => ["memory", "pids", "cpu"]
+            .iter()
+            .map(|c| root.join(c).join(parent))
+            .collect(),
+    }
+}
+
+/// Removes every group under `parent` (named `step-<owner>-<n>`) that is empty and whose
+/// maker no longer runs ([`crate::workdir::owned_by_dead_process`]), killing nothing: the
+/// groups [`StepCgroup::keep`] left for processes that outlived their maker, once those are
+/// gone. `rmdir(2)` of a cgroup that still has a process fails (`EBUSY`), and is skipped.
+/// Returns the directories removed.
+pub fn remove_empty_dead(parent: &str) -> Vec<PathBuf> {
+    let Ok(layout) = detect() else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for p in parent_dirs(layout, parent) {
+        let Ok(rd) = fs::read_dir(&p) else { continue };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if e.file_type().is_ok_and(|t| t.is_dir())
+                && name.starts_with("step-")
+                && crate::workdir::owned_by_dead_process(&name, "step-")
+                && fs::remove_dir(e.path()).is_ok()
+            {
+                removed.push(e.path());
+            }
+        }
+    }
+    removed
+}
+
 /// Kills the processes of, and removes, every step cgroup under `parent` (as
 /// [`StepCgroup::create`] names them, `step-<owner>-<n>`) whose owning build no longer runs
 /// ([`crate::workdir::owned_by_dead_process`]); a live build's are not touched. Returns the
@@ -245,16 +336,8 @@ pub fn reap_dead(parent: &str) -> Vec<PathBuf> {
     let Ok(layout) = detect() else {
         return Vec::new();
     };
-    let root = Path::new(CGROUP_ROOT);
-    let parents: Vec<PathBuf> = match layout {
-        CgroupLayout::Unified => vec![root.join(parent)],
-        CgroupLayout::Legacy => vec![
-            root.join("memory").join(parent),
-            root.join("pids").join(parent),
-        ],
-    };
     let mut removed = Vec::new();
-    for p in parents {
+    for p in parent_dirs(layout, parent) {
         let Ok(rd) = fs::read_dir(&p) else { continue };
         for e in rd.flatten() {
             let name = e.file_name();

@@ -55,6 +55,7 @@
 //! (for hosts that must name it in their own policies), with the weaker isolation above.
 //! When kiln does not run as root, QEMU runs as kiln's own user, as before.
 
+pub mod cgroup;
 pub mod root;
 pub mod spawn;
 

@@ -6,6 +6,7 @@
 //! [`RootPlan`] lists, bound read-only, and a `/proc` of that pid namespace mounted
 //! `subset=pid` (no `/proc/sys`, `/proc/kcore` or other host-wide files). The steps, all in
 //! the child before the exec:
+//! 0. its cgroup joined ([`super::cgroup`]), before anything else;
 //! 1. every mount made private (`MS_REC | MS_PRIVATE`): nothing propagates back to the host;
 //! 2. a tmpfs mounted on [`ROOT_MOUNT_POINT`] (seen only in this namespace), its mount points
 //!    made, each file and directory of the plan bound and remounted read-only, `nosuid`,
@@ -59,6 +60,9 @@ pub(crate) struct Launch<'a> {
     pub user: Option<QemuUser>,
     /// Killed (`SIGKILL`) when the starting thread exits.
     pub tied: bool,
+    /// `cgroup.procs` files, opened for writing, that the child joins first
+    /// ([`super::cgroup`]).
+    pub join: &'a [RawFd],
 }
 
 /// A started QEMU: a child of this process, waited for by pid (as `std::process::Child`
@@ -129,7 +133,8 @@ impl Process {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
 enum Step {
-    Private = 1,
+    Cgroup = 1,
+    Private,
     Tmpfs,
     Mkdir,
     BindFile,
@@ -147,7 +152,8 @@ enum Step {
 }
 
 impl Step {
-    const ALL: [Step; 15] = [
+    const ALL: [Step; 16] = [
+        Step::Cgroup,
         Step::Private,
         Step::Tmpfs,
         Step::Mkdir,
@@ -167,6 +173,7 @@ impl Step {
 
     fn what(self) -> &'static str {
         match self {
+            Step::Cgroup => "joining QEMU's cgroup",
             Step::Private => "making the mounts of QEMU's namespace private",
             Step::Tmpfs => "mounting the tmpfs of QEMU's root",
             Step::Mkdir => "making a mount point in QEMU's root",
@@ -195,6 +202,7 @@ struct Prepared {
     stdin: OwnedFd,
     log: RawFd,
     keep: Vec<RawFd>,
+    join: Vec<RawFd>,
     user: Option<QemuUser>,
     tied: bool,
     jail: Option<Jail>,
@@ -291,6 +299,7 @@ pub(crate) fn spawn(l: &Launch<'_>) -> Result<Process, LaunchError> {
         stdin,
         log: l.log.as_raw_fd(),
         keep: l.keep.to_vec(),
+        join: l.join.to_vec(),
         user: l.user,
         tied: l.tied,
         jail,
@@ -414,6 +423,12 @@ unsafe fn child(p: &Prepared, err_w: RawFd) -> ! {
         libc::sigemptyset(&mut set);
         libc::pthread_sigmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        for (i, &fd) in p.join.iter().enumerate() {
+            // `0`: the writing process itself (cgroups(7)).
+            if libc::write(fd, c"0".as_ptr().cast(), 1) != 1 {
+                fail(Step::Cgroup, i);
+            }
+        }
         if let Some(j) = &p.jail {
             let none = std::ptr::null::<libc::c_char>();
             let ms = |src: *const libc::c_char,
