@@ -660,6 +660,7 @@ async fn finish(
                 ready_timeout: s.ready_timeout,
                 ..Default::default()
             };
+            qemu_cgroups::install();
             // Dropping the boot kills the VMM and removes its scratch directory.
             let r = tokio::select! {
                 r = kiln_vmm::snapshot::snapshot_manifest(&setup.store, manifest, assets, &opts) => r,

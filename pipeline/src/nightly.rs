@@ -577,6 +577,7 @@ async fn smoke(
 ) -> Result<(), String> {
     let mut opts = CloneOptions::new(req.clone_state_dir.clone(), req.clone_cache_dir.clone());
     opts.count = 2;
+    crate::qemu_cgroups::install();
     let clones = kiln_vmm::clone::start_clones_of(store, image, &req.tag.to_string(), &opts)
         .await
         .map_err(|e| format!("starting two clones: {}", error_chain(&e)))?;

@@ -1,8 +1,11 @@
 //! The maker of QEMUs' cgroups (issue 37), where the builder's cgroups and the VMM meet: each
 //! QEMU kiln starts as root gets a group of the builder's kind
 //! ([`kiln_builder::exec::cgroup::StepCgroup`]) under [`QEMU_CGROUP_PARENT`], with the memory,
-//! pids and CPU limits [`kiln_vmm::jail::cgroup::QemuLimits`] gives it. The `kiln` binary
-//! installs it at start ([`install`]); so must any other program that starts VMs as root.
+//! pids and CPU limits [`kiln_vmm::jail::cgroup::QemuLimits`] gives it. The pipeline's own
+//! paths that start VMs (the microVM executor, the boot-once snapshot, the nightly's smoke
+//! clones) install it ([`install`], once per process), and so does the `kiln` binary at start
+//! (for `kiln start`, `kiln exec` and the rest that call the VMM directly); any other program
+//! that starts VMs as root through the VMM alone must too.
 
 use std::sync::Arc;
 

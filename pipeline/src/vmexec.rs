@@ -149,6 +149,7 @@ impl VmExecutor {
     /// Errors: QEMU missing or unusable ([`ExecError::Setup`]).
     pub async fn new(boot: BootAssets, config: ExecConfig, vcpus: u32) -> Result<Self, ExecError> {
         let setup = |e: launch::LaunchError| ExecError::Setup(format!("microVM executor: {e}"));
+        crate::qemu_cgroups::install();
         let host = Host::detect().await.map_err(setup)?;
         std::fs::create_dir_all(&config.run_dir).map_err(|source| ExecError::Io {
             what: format!("creating {}", config.run_dir.display()),
