@@ -556,7 +556,8 @@ fn location(step: &Step) -> String {
 
 /// Refuses, with the step's `file:line`, what a plan may say but this builder does not do:
 /// `COPY --link`/`ADD --link` with `--chown` by name (BuildKit refuses it too: a linked layer
-/// is made without the layers that hold the user database) and `ADD` of a git repository. [`build_with`] calls it first; `kiln plan` calls it
+/// is made without the layers that hold the user database) and `ADD` of a git repository
+/// over ssh (`git@host:path`, `ssh://`: no agent is forwarded). [`build_with`] calls it first; `kiln plan` calls it
 /// too, so the plan it prints is one that builds. Errors: [`BuildError::Unsupported`].
 pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
     for step in plan.stages.iter().flat_map(|s| &s.steps) {
@@ -583,10 +584,12 @@ pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
         if let Some(url) = c.sources.iter().find_map(|s| match s {
             kiln_recipes::plan::CopySource::Git { url } => Some(url),
             _ => None,
-        }) {
+        }) && let Ok(Some(g)) = kiln_recipes::git::GitRef::parse(url)
+            && g.scheme == kiln_recipes::git::GitScheme::Ssh
+        {
             return Err(unsupported(format!(
-                "ADD of a git repository ({url}): kiln does not fetch git sources yet; clone \
-                 it into the build context and COPY it"
+                "ADD {url}: {}",
+                crate::copy::git::ssh_refusal()
             )));
         }
     }
@@ -1749,7 +1752,7 @@ async fn prepare_inputs(
             let mut src = source_root(ctx, c.from.as_ref(), inputs, platform, loc).await?;
             if c.sources
                 .iter()
-                .any(|s| matches!(s, CopySource::Url { .. }))
+                .any(|s| matches!(s, CopySource::Url { .. } | CopySource::Git { .. }))
             {
                 let dir = ctx.dirs.temp("download");
                 fs::create_dir(&dir).map_err(io_err("creating", &dir))?;

@@ -13,6 +13,9 @@
 //! the address checked (no DNS rebinding), and every redirect is checked the same way, at
 //! most [`MAX_REDIRECTS`] of them. Only `http` and `https` are fetched, never through a proxy
 //! named by the environment (`HTTP_PROXY`...), which would resolve names itself.
+//!
+//! Git sources (`ADD https://host/x.git#ref:subdir`) are fetched here too, by
+//! [`super::git::fetch_git`], under the same address rules and size bound.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -23,6 +26,7 @@ use std::time::Duration;
 use kiln_recipes::plan::{CopySource, CopyStep};
 use sha2::{Digest, Sha256};
 
+use super::git::GitCheckout;
 use crate::egress::address::{AddressError, AddressPolicy};
 
 /// Most redirects followed for one URL (as curl's and Go's default of 10).
@@ -41,10 +45,11 @@ pub struct Download {
     pub size: u64,
 }
 
-/// URL → download, for one step.
+/// URL → download (and git source → checkout), for one step.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Downloads {
     map: BTreeMap<String, Download>,
+    git: BTreeMap<String, GitCheckout>,
 }
 
 impl Downloads {
@@ -58,9 +63,19 @@ impl Downloads {
         self.map.insert(url, d);
     }
 
+    /// The checkout of git source `url` (as written).
+    pub fn git(&self, url: &str) -> Option<&GitCheckout> {
+        self.git.get(url)
+    }
+
+    /// Records a git checkout.
+    pub fn insert_git(&mut self, url: String, c: GitCheckout) {
+        self.git.insert(url, c);
+    }
+
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.map.is_empty() && self.git.is_empty()
     }
 }
 
@@ -117,8 +132,16 @@ pub enum FetchError {
         /// What happened.
         detail: String,
     },
-    /// The body is larger than [`FetchOptions::max_bytes`].
-    #[error("ADD {url}: body larger than {max} bytes")]
+    /// Fetching a git source failed (git's message, or a ref that is not there).
+    #[error("ADD {url}: {detail}")]
+    Git {
+        /// The source as written.
+        url: String,
+        /// What happened.
+        detail: String,
+    },
+    /// The body (or a git repository) is larger than [`FetchOptions::max_bytes`].
+    #[error("ADD {url}: larger than {max} bytes")]
     TooLarge {
         /// The URL.
         url: String,
@@ -159,7 +182,8 @@ pub fn url_file_name(url: &reqwest::Url) -> Option<String> {
 }
 
 /// Downloads every URL source of `step` into `dir` (which must exist; the caller removes
-/// it), verifying `--checksum` when given. Errors: [`FetchError`].
+/// it), verifying `--checksum` when given, and fetches every git source
+/// ([`super::git::fetch_git`]). Errors: [`FetchError`].
 pub async fn fetch_urls(
     step: &CopyStep,
     dir: &Path,
@@ -173,7 +197,23 @@ pub async fn fetch_urls(
             _ => None,
         })
         .collect();
+    let gits: Vec<&String> = step
+        .sources
+        .iter()
+        .filter_map(|s| match s {
+            CopySource::Git { url } => Some(url),
+            _ => None,
+        })
+        .collect();
     let mut out = Downloads::default();
+    if let (Some(_), Some(g)) = (&step.checksum, gits.first()) {
+        return Err(FetchError::BadUrl {
+            url: g.to_string(),
+            reason: "--checksum with a git source is not supported: pin the commit in the \
+                     URL (#<full commit id>)"
+                .into(),
+        });
+    }
     if let Some(sum) = &step.checksum
         && urls.len() != 1
     {
@@ -186,6 +226,16 @@ pub async fn fetch_urls(
         let file = dir.join(format!("download-{i}"));
         let d = fetch_one(url, &file, step.checksum.as_deref(), opts).await?;
         out.insert(url.clone(), d);
+    }
+    for (i, url) in gits.into_iter().enumerate() {
+        let sub = dir.join(format!("git-{i}"));
+        std::fs::create_dir(&sub).map_err(|source| FetchError::Io {
+            url: url.clone(),
+            path: sub.clone(),
+            source,
+        })?;
+        let c = super::git::fetch_git(url, step.keep_git_dir, &sub, opts).await?;
+        out.insert_git(url.clone(), c);
     }
     Ok(out)
 }

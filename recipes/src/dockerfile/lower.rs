@@ -1826,10 +1826,13 @@ impl Lowering<'_> {
                 SourceArg::Path(p) => {
                     let p = ex(p)?;
                     let lower = p.to_ascii_lowercase();
-                    let is_url = lower.starts_with("http://") || lower.starts_with("https://");
-                    let is_git = lower.starts_with("git@")
-                        || lower.starts_with("git://")
-                        || (is_url && (lower.ends_with(".git") || lower.contains(".git#")));
+                    // Git sources as BuildKit tells them; transports and schemes ADD never
+                    // fetches from are refused here (crate::git).
+                    let is_git = crate::git::GitRef::parse(&p)
+                        .map_err(|e| invalid(offset, e.to_string()))?
+                        .is_some();
+                    let is_url = !is_git
+                        && (lower.starts_with("http://") || lower.starts_with("https://"));
                     if is_url && !url_has_host(&p) {
                         return Err(invalid(offset, format!("URL '{p}' has no host")));
                     }

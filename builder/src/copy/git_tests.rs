@@ -1,0 +1,377 @@
+//! `ADD <git url>` against a real git repository served over HTTP on 127.0.0.1 (git's
+//! "dumb" HTTP from a static file server, after `git update-server-info`), fetched with the
+//! host's `git` and copied by [`copy_into`]. Root needed for owners, as CI runs the suite.
+
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt, symlink};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kiln_recipes::dockerignore::Dockerignore;
+use kiln_recipes::plan::{CopySource, CopyStep};
+
+use super::fetch::{FetchError, FetchOptions, fetch_urls};
+use super::*;
+
+/// Commit times of the fixture's commits (fixed, so the mtimes are known).
+const T1: i64 = 1_700_000_000;
+const T2: i64 = 1_700_086_400;
+
+fn git(dir: &Path, args: &[&str], time: i64) -> String {
+    let out = Command::new("git")
+        .args(["-c", "user.name=t", "-c", "user.email=t@e.test"])
+        .args(["-c", "init.defaultBranch=main", "-c", "core.hooksPath=/dev/null"])
+        .args(args)
+        .current_dir(dir)
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("GIT_AUTHOR_DATE", format!("@{time} +0000"))
+        .env("GIT_COMMITTER_DATE", format!("@{time} +0000"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// A repository served over HTTP: commit 1 (tagged `v1`, annotated) has `a.txt` = "one",
+/// `bin/run.sh` (executable), `sub/inner/x.txt`, a symlink `link -> a.txt`, `.gitmodules`
+/// naming a submodule at a local path; commit 2 (`main`) changes `a.txt` to "two"; branch
+/// `old` stays at commit 1.
+struct Served {
+    _t: tempfile::TempDir,
+    base: String,
+    work: PathBuf,
+    bare: PathBuf,
+    c1: String,
+    c2: String,
+    ctx: PathBuf,
+    dest: PathBuf,
+    dl: PathBuf,
+    _server: kiln_tests::http::LocalServer,
+}
+
+fn served() -> Served {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "the copy tests need root (owners); CI runs them as root"
+    );
+    let t = tempfile::tempdir().unwrap();
+    let work = t.path().join("work");
+    fs::create_dir_all(work.join("bin")).unwrap();
+    fs::create_dir_all(work.join("sub/inner")).unwrap();
+    git(&work, &["init", "-q"], T1);
+    fs::write(work.join("a.txt"), "one").unwrap();
+    fs::write(work.join("bin/run.sh"), "#!/bin/sh\n").unwrap();
+    fs::set_permissions(work.join("bin/run.sh"), fs::Permissions::from_mode(0o775)).unwrap();
+    fs::write(work.join("sub/inner/x.txt"), "x").unwrap();
+    // 64 KiB that do not compress: past the size bound of the bounded test.
+    let big: Vec<u8> = (0..65536u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    fs::write(work.join("big.bin"), big).unwrap();
+    symlink("a.txt", work.join("link")).unwrap();
+    fs::write(
+        work.join(".gitmodules"),
+        "[submodule \"evil\"]\n\tpath = evil\n\turl = /etc\n",
+    )
+    .unwrap();
+    git(&work, &["add", "-A"], T1);
+    git(&work, &["commit", "-q", "-m", "one"], T1);
+    let c1 = git(&work, &["rev-parse", "HEAD"], T1);
+    git(&work, &["tag", "-a", "-m", "v1", "v1"], T1);
+    git(&work, &["branch", "old"], T1);
+    fs::write(work.join("a.txt"), "two").unwrap();
+    git(&work, &["commit", "-q", "-am", "two"], T2);
+    let c2 = git(&work, &["rev-parse", "HEAD"], T2);
+    let srv = t.path().join("srv");
+    fs::create_dir(&srv).unwrap();
+    let bare = srv.join("r.git");
+    git(
+        t.path(),
+        &["clone", "-q", "--bare", work.to_str().unwrap(), bare.to_str().unwrap()],
+        T2,
+    );
+    git(&bare, &["update-server-info"], T2);
+    let server = kiln_tests::http::LocalServer::serve_dir(&srv);
+    let [ctx, dest, dl] = ["ctx", "dest", "dl"].map(|n| {
+        let p = t.path().join(n);
+        fs::create_dir(&p).unwrap();
+        p
+    });
+    Served {
+        base: format!("http://127.0.0.1:{}/r.git", server.port),
+        _t: t,
+        work,
+        bare,
+        c1,
+        c2,
+        ctx,
+        dest,
+        dl,
+        _server: server,
+    }
+}
+
+impl Served {
+    /// A fresh download directory.
+    fn dl(&self) -> PathBuf {
+        let d = self.dl.join(format!("{}", fs::read_dir(&self.dl).unwrap().count()));
+        fs::create_dir(&d).unwrap();
+        d
+    }
+
+    /// Pushes `main` one commit on (a moved branch).
+    fn move_main(&self) -> String {
+        fs::write(self.work.join("a.txt"), "three").unwrap();
+        git(&self.work, &["commit", "-q", "-am", "three"], T2 + 1);
+        let b = self.bare.to_str().unwrap();
+        git(&self.work, &["push", "-q", b, "main"], T2 + 1);
+        git(&self.bare, &["update-server-info"], T2 + 1);
+        git(&self.work, &["rev-parse", "HEAD"], T2)
+    }
+}
+
+fn allow() -> FetchOptions {
+    FetchOptions {
+        addresses: crate::egress::address::AddressPolicy {
+            allow_private_addresses: true,
+            ..Default::default()
+        },
+        timeout: std::time::Duration::from_secs(60),
+        ..FetchOptions::default()
+    }
+}
+
+fn git_step(url: &str, dest: &str) -> CopyStep {
+    CopyStep {
+        sources: vec![CopySource::Git { url: url.into() }],
+        dest: dest.into(),
+        from: None,
+        chown: None,
+        chmod: None,
+        link: false,
+        parents: false,
+        exclude: vec![],
+        checksum: None,
+        unpack: false,
+        keep_git_dir: false,
+    }
+}
+
+/// Fetches and copies `s`; the sources (for digests) and the copy's result.
+async fn add(sv: &Served, s: &CopyStep, opts: &FetchOptions) -> Result<Sources, FetchError> {
+    let downloads = fetch_urls(s, &sv.dl(), opts).await?;
+    // A .dockerignore of the context does not apply to the checkout.
+    let ig = Dockerignore::parse(".dockerignore", b"*.txt\n").unwrap();
+    let src = Sources::context(&sv.ctx, ig).with_downloads(downloads);
+    copy_into(s, &src, &sv.dest, &CopyOptions::default()).unwrap();
+    Ok(src)
+}
+
+fn read(sv: &Served, p: &str) -> String {
+    fs::read_to_string(sv.dest.join(p)).unwrap()
+}
+
+#[tokio::test]
+async fn add_git_branch_with_metadata_and_cache_key() {
+    let sv = served();
+    let s = git_step(&format!("{}#main", sv.base), "/src");
+    let src = add(&sv, &s, &allow()).await.unwrap();
+    assert_eq!(src.downloads.git(&format!("{}#main", sv.base)).unwrap().commit, sv.c2);
+    assert_eq!(read(&sv, "src/a.txt"), "two");
+    assert_eq!(read(&sv, "src/sub/inner/x.txt"), "x");
+    assert!(!sv.dest.join("src/.git").exists(), ".git is dropped");
+    // Submodules are never fetched (the gitlink-free .gitmodules is plain content).
+    assert!(!sv.dest.join("src/evil").exists());
+    let m = |p: &str| fs::symlink_metadata(sv.dest.join(p)).unwrap();
+    assert_eq!(fs::read_link(sv.dest.join("src/link")).unwrap(), Path::new("a.txt"));
+    assert_eq!(m("src/a.txt").mode() & 0o7777, 0o644);
+    assert_eq!(m("src/bin/run.sh").mode() & 0o7777, 0o755);
+    assert_eq!(m("src/bin").mode() & 0o7777, 0o755);
+    for p in ["src/a.txt", "src/bin", "src/link", "src/sub/inner/x.txt"] {
+        assert_eq!((m(p).uid(), m(p).gid()), (0, 0), "{p}");
+        assert_eq!(m(p).mtime(), T2, "{p}: the commit's time");
+    }
+    // No ref: the remote's HEAD, the same commit and key.
+    let head = git_step(&sv.base, "/head/");
+    let hsrc = add(&sv, &head, &allow()).await.unwrap();
+    assert_eq!(read(&sv, "head/a.txt"), "two");
+    // The cache key holds the commit: the branch moved is a new key.
+    let k1 = sources_digest(&s, &src).unwrap();
+    assert_eq!(sources_digest(&s, &src).unwrap(), k1);
+    assert_ne!(sources_digest(&head, &hsrc).unwrap(), k1, "the URL is part of it");
+    let c3 = sv.move_main();
+    let src3 = add(&sv, &s, &allow()).await.unwrap();
+    assert_eq!(src3.downloads.git(&format!("{}#main", sv.base)).unwrap().commit, c3);
+    assert_ne!(sources_digest(&s, &src3).unwrap(), k1, "a moved branch is a miss");
+    assert_eq!(read(&sv, "src/a.txt"), "three");
+    // --chown and --chmod apply as to a copied directory.
+    let mut owned = git_step(&format!("{}#main", sv.base), "/owned");
+    owned.chown = Some("1000:50".into());
+    owned.chmod = Some("0640".into());
+    add(&sv, &owned, &allow()).await.unwrap();
+    let f = m("owned/a.txt");
+    assert_eq!((f.uid(), f.gid(), f.mode() & 0o7777), (1000, 50, 0o640));
+}
+
+#[tokio::test]
+async fn add_git_tag_commit_and_pinned_key() {
+    let sv = served();
+    // An annotated tag resolves to its commit.
+    let tag = git_step(&format!("{}#v1", sv.base), "/tag");
+    let src = add(&sv, &tag, &allow()).await.unwrap();
+    assert_eq!(read(&sv, "tag/a.txt"), "one");
+    assert_eq!(src.downloads.git(&format!("{}#v1", sv.base)).unwrap().commit, sv.c1);
+    assert_eq!(fs::metadata(sv.dest.join("tag/a.txt")).unwrap().mtime(), T1);
+    // A full commit id (a dumb HTTP server cannot serve one alone: fetched whole).
+    let url = format!("{}#{}", sv.base, sv.c1);
+    let pin = git_step(&url, "/pin");
+    let psrc = add(&sv, &pin, &allow()).await.unwrap();
+    assert_eq!(read(&sv, "pin/a.txt"), "one");
+    let k = sources_digest(&pin, &psrc).unwrap();
+    // The branch moves; the pinned commit keeps its key.
+    sv.move_main();
+    let again = add(&sv, &pin, &allow()).await.unwrap();
+    assert_eq!(sources_digest(&pin, &again).unwrap(), k, "a pinned commit is a hit");
+    // A branch by name, not the default one.
+    add(&sv, &git_step(&format!("{}#old", sv.base), "/old"), &allow())
+        .await
+        .unwrap();
+    assert_eq!(read(&sv, "old/a.txt"), "one");
+}
+
+#[tokio::test]
+async fn add_git_subdir_and_keep_git_dir() {
+    let sv = served();
+    add(&sv, &git_step(&format!("{}#main:sub", sv.base), "/s"), &allow())
+        .await
+        .unwrap();
+    assert_eq!(read(&sv, "s/inner/x.txt"), "x");
+    assert!(!sv.dest.join("s/a.txt").exists());
+    // A subdirectory that is not there.
+    let e = fetch_urls(&git_step(&format!("{}#main:nope", sv.base), "/n"), &sv.dl(), &allow())
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("subdirectory 'nope'"), "{e}");
+    // --keep-git-dir: a repository at the commit, on its branch.
+    let mut keep = git_step(&format!("{}#main", sv.base), "/k");
+    keep.keep_git_dir = true;
+    add(&sv, &keep, &allow()).await.unwrap();
+    let k = sv.dest.join("k");
+    assert!(k.join(".git/HEAD").is_file());
+    let head = Command::new("git")
+        .args(["-c", "safe.directory=*", "rev-parse", "HEAD", "--abbrev-ref", "HEAD"])
+        .current_dir(&k)
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&head.stdout);
+    assert_eq!(out.lines().collect::<Vec<_>>(), [sv.c2.as_str(), "main"], "{out}");
+}
+
+#[tokio::test]
+async fn add_git_missing_ref_is_named() {
+    let sv = served();
+    let e = fetch_urls(&git_step(&format!("{}#nope", sv.base), "/x"), &sv.dl(), &allow())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FetchError::Git { .. }), "{e}");
+    assert!(e.to_string().contains("ref 'nope' not found"), "{e}");
+    let missing = "0123456789abcdef0123456789abcdef01234567";
+    let e = fetch_urls(
+        &git_step(&format!("{}#{missing}", sv.base), "/x"),
+        &sv.dl(),
+        &allow(),
+    )
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains(&format!("commit {missing} not found")), "{e}");
+    // A repository that is not there.
+    let gone = sv.base.replace("r.git", "gone.git");
+    let e = fetch_urls(&git_step(&gone, "/x"), &sv.dl(), &allow())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FetchError::Git { .. }), "{e}");
+}
+
+#[tokio::test]
+async fn add_git_hostile_sources_are_refused() {
+    let sv = served();
+    let port = sv.base.split(':').nth(2).unwrap().split('/').next().unwrap().to_string();
+    let marker = sv.dl.join("pwned");
+    let m = marker.display();
+    for (url, needle) in [
+        (format!("ext::sh -c touch% {m}"), "transport 'ext::'"),
+        (format!("file://{}", sv.bare.display()), "file://"),
+        (format!("{}#--upload-pack=touch {m}", sv.base), "starts with '-'"),
+        (format!("{}#main:-x", sv.base), "starts with '-'"),
+        (format!("{}#main:../..", sv.base), "'..'"),
+        ("git@127.0.0.1:r.git".to_string(), "--ssh"),
+        (format!("ssh://127.0.0.1:{port}/r.git"), "--ssh"),
+    ] {
+        let e = fetch_urls(&git_step(&url, "/x"), &sv.dl(), &allow())
+            .await
+            .unwrap_err();
+        assert!(matches!(e, FetchError::BadUrl { .. }), "{url}: {e}");
+        assert!(e.to_string().contains(needle), "{url}: {e}");
+    }
+    assert!(!marker.exists(), "nothing ran");
+    // The build's address rules: the host's loopback is refused before git connects.
+    let before = sv._server.seen.lock().unwrap().len();
+    let e = fetch_urls(&git_step(&sv.base, "/x"), &sv.dl(), &FetchOptions::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FetchError::Forbidden { .. }), "{e}");
+    assert_eq!(sv._server.seen.lock().unwrap().len(), before, "no request was made");
+    // A redirect is not followed (it would lead past the address check).
+    let hop = redirecting(&sv.base);
+    let e = fetch_urls(
+        &git_step(&format!("http://127.0.0.1:{hop}/r.git"), "/x"),
+        &sv.dl(),
+        &allow(),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(e, FetchError::Git { .. }), "{e}");
+    // The fetched size is bounded.
+    let small = FetchOptions {
+        max_bytes: 4096,
+        ..allow()
+    };
+    let e = fetch_urls(&git_step(&sv.base, "/x"), &sv.dl(), &small)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FetchError::TooLarge { .. }), "{e}");
+    // --checksum is for URLs.
+    let mut sum = git_step(&sv.base, "/x");
+    sum.checksum = Some(format!("sha256:{}", "0".repeat(64)));
+    let e = fetch_urls(&sum, &sv.dl(), &allow()).await.unwrap_err();
+    assert!(e.to_string().contains("--checksum with a git source"), "{e}");
+}
+
+/// A server on 127.0.0.1 answering every request with a redirect to `to` + its path; its
+/// port.
+fn redirecting(to: &str) -> u16 {
+    use std::io::{BufRead, BufReader, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let to = to.trim_end_matches("/r.git").to_string();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { continue };
+            let mut r = BufReader::new(c.try_clone().unwrap());
+            let mut first = String::new();
+            let _ = r.read_line(&mut first);
+            let path = first.split(' ').nth(1).unwrap_or("/").to_string();
+            let _ = write!(
+                c,
+                "HTTP/1.1 301 Moved\r\nLocation: {to}{path}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+        }
+    });
+    port
+}
