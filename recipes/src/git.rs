@@ -146,7 +146,11 @@ impl GitRef {
             (host.to_string(), 22)
         } else {
             let rest = rest.split('#').next().unwrap_or_default();
-            let authority = rest.split('/').next().unwrap_or_default();
+            let mut authority = rest.split('/').next().unwrap_or_default();
+            if scheme == GitScheme::Ssh {
+                // `ssh://git@host/...`: a user name, the ssh way.
+                authority = authority.rsplit('@').next().unwrap_or_default();
+            }
             if authority.contains('@') {
                 return Err(err(
                     "user information in a git URL is not supported: it would be kept in \

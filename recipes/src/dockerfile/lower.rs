@@ -2337,6 +2337,11 @@ mod tests {
     fn copy_errors() {
         let o = Options::default();
         for (text, needle) in [
+            ("FROM x\nADD ext::sh%20-c%20id /\n", "transport 'ext::'"),
+            ("FROM x\nADD file:///srv/r.git /\n", "file://"),
+            ("FROM x\nADD https://e.test/r.git#-b /\n", "starts with '-'"),
+            ("FROM x\nADD https://e.test/r.git#main:../.. /\n", "'..'"),
+            ("FROM x\nCOPY https://e.test/r.git /\n", "use ADD"),
             ("FROM x\nCOPY https://e.test/a /\n", "use ADD"),
             ("FROM x\nCOPY --chmod=9z9 a /\n", "--chmod"),
             (
