@@ -1757,7 +1757,12 @@ async fn prepare_inputs(
                 let dir = ctx.dirs.temp("download");
                 fs::create_dir(&dir).map_err(io_err("creating", &dir))?;
                 p._temps.push(TempDir(dir.clone()));
-                let d = crate::copy::fetch::fetch_urls(c, &dir, &ctx.opts.fetch)
+                // A build-wide allow-list holds for ADD's downloads too.
+                let mut fetch = ctx.opts.fetch.clone();
+                if let Some(kiln_recipes::plan::Network::Allow(rules)) = &ctx.opts.network {
+                    fetch.rules = Some(rules.clone());
+                }
+                let d = crate::copy::fetch::fetch_urls(c, &dir, &fetch)
                     .await
                     .map_err(|e| BuildError::Copy {
                         location: loc.to_string(),

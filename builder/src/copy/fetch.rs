@@ -89,6 +89,11 @@ pub struct FetchOptions {
     /// Which addresses may be fetched from ([`AddressPolicy::allow_private_addresses`]:
     /// tests and trusted builds only), shared with the egress proxy.
     pub addresses: AddressPolicy,
+    /// The build's allow and deny lists (a build-wide allow-list network: `kiln build
+    /// --network-allow`, the API's `{"allow": [...]}`), checked on the host asked for and
+    /// its resolved addresses as the egress proxy checks them ([`crate::egress::policy`]);
+    /// `None`: no lists, the address rules only.
+    pub rules: Option<kiln_recipes::plan::Egress>,
     /// Extra CA certificates: `ADD <url>` trusts them besides its built-in roots, and every
     /// `RUN` step sees them in its CA bundle ([`crate::egress::ca`]). `None`: none.
     pub ca_certs: Option<crate::egress::ca::CaCerts>,
@@ -100,8 +105,50 @@ impl Default for FetchOptions {
             max_bytes: 4 << 30,
             timeout: Duration::from_secs(600),
             addresses: AddressPolicy::default(),
+            rules: None,
             ca_certs: None,
         }
+    }
+}
+
+impl FetchOptions {
+    /// The addresses `host` with `port` may be reached at for `url`: the allow and deny
+    /// lists ([`FetchOptions::rules`]) on the name asked for, then the address rules on
+    /// what it resolves to, then the lists' deny addresses on those. Connect only to these.
+    pub async fn resolve(
+        &self,
+        url: &str,
+        host: &str,
+        port: u16,
+    ) -> Result<Vec<std::net::SocketAddr>, FetchError> {
+        let refused = |rule: String| FetchError::NotAllowed {
+            url: url.to_string(),
+            host: host.to_string(),
+            rule,
+        };
+        if let Some(rules) = &self.rules
+            && let crate::egress::policy::Verdict::Refused(why) =
+                crate::egress::policy::check(rules, host)
+        {
+            return Err(refused(why));
+        }
+        let addrs = self.addresses.resolve(host, port).await.map_err(|e| match e {
+            AddressError::NotPublic { addr, .. } => FetchError::Forbidden {
+                url: url.to_string(),
+                addr,
+            },
+            other => FetchError::Http {
+                url: url.to_string(),
+                detail: other.to_string(),
+            },
+        })?;
+        if let Some(rules) = &self.rules {
+            let ips: Vec<IpAddr> = addrs.iter().map(|a| a.ip()).collect();
+            if let Some(why) = crate::egress::policy::refused_address(rules, &ips) {
+                return Err(refused(why));
+            }
+        }
+        Ok(addrs)
     }
 }
 
@@ -123,6 +170,16 @@ pub enum FetchError {
         url: String,
         /// The address refused.
         addr: IpAddr,
+    },
+    /// The host is not allowed by the build's allow and deny lists.
+    #[error("ADD {url}: {host} is refused by the build's network rules: {rule}")]
+    NotAllowed {
+        /// The URL (or the redirect target).
+        url: String,
+        /// The host asked for.
+        host: String,
+        /// The rule (`deny x`, `not on the allow list`).
+        rule: String,
     },
     /// The request failed, or the server answered with an error.
     #[error("ADD {url}: {detail}")]
@@ -282,17 +339,10 @@ async fn fetch_one(
             detail,
         };
         let bare = host.trim_start_matches('[').trim_end_matches(']');
-        let addrs = opts
-            .addresses
-            .resolve(&host, port)
-            .await
-            .map_err(|e| match e {
-                AddressError::NotPublic { addr, .. } => FetchError::Forbidden {
-                    url: url.to_string(),
-                    addr,
-                },
-                other => http_err(other.to_string()),
-            })?;
+        let addrs = opts.resolve(url.as_str(), &host, port).await.map_err(|e| match e {
+            FetchError::Http { detail, .. } => http_err(detail),
+            e => e,
+        })?;
         let addr = addrs[0];
         // No proxy from the environment: it would resolve the name itself, past the check
         // and the pinning.

@@ -3,8 +3,9 @@
 //! The source is parsed by [`kiln_recipes::git::GitRef`] (BuildKit's rules; hostile forms
 //! refused there). [`fetch_git`] runs the host's `git` (a tool, as BuildKit does) into a
 //! directory the caller owns:
-//! 1. the remote's host is resolved and checked by the build's [`AddressPolicy`], as
-//!    `ADD <url>` is ([`super::fetch`]), and git is pinned to the address checked
+//! 1. the remote's host is checked by the build's allow and deny lists and resolved and
+//!    checked by its address rules, as `ADD <url>` is ([`FetchOptions::resolve`]), and git
+//!    is pinned to the address checked
 //!    (`http.curloptResolve` for http(s); for `git://` the URL names the address), with
 //!    redirects off, so no second lookup reaches anything else;
 //! 2. `git ls-remote` names the ref: a ref as written, `refs/<ref>`, `refs/tags/<ref>`, then
@@ -43,7 +44,6 @@ use std::time::{Duration, Instant};
 use kiln_recipes::git::{GitRef, GitScheme, is_commit_id};
 
 use super::fetch::{FetchError, FetchOptions};
-use crate::egress::address::AddressError;
 
 /// A fetched git source.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,18 +76,11 @@ pub async fn fetch_git(
         return Err(bad(ssh_refusal()));
     }
     let addrs = opts
-        .addresses
-        .resolve(&git_ref.host, git_ref.port)
+        .resolve(url, &git_ref.host, git_ref.port)
         .await
         .map_err(|e| match e {
-            AddressError::NotPublic { addr, .. } => FetchError::Forbidden {
-                url: url.to_string(),
-                addr,
-            },
-            other => FetchError::Git {
-                url: url.to_string(),
-                detail: other.to_string(),
-            },
+            FetchError::Http { url, detail } => FetchError::Git { url, detail },
+            e => e,
         })?;
     let addr = addrs[0];
     let (url2, dir2, opts2) = (url.to_string(), dir.to_path_buf(), opts.clone());

@@ -375,3 +375,47 @@ fn redirecting(to: &str) -> u16 {
     });
     port
 }
+
+/// A build-wide allow-list holds for `ADD <git url>` and `ADD <url>` alike: the name asked
+/// for against the lists, then the address it resolved to against the deny ranges.
+#[tokio::test]
+async fn add_git_and_url_follow_the_allow_and_deny_lists() {
+    let sv = served();
+    let port = sv._server.port;
+    let mut opts = allow();
+    opts.addresses
+        .hosts
+        .insert("git.test".into(), vec![std::net::Ipv4Addr::LOCALHOST.into()]);
+    let git_url = format!("http://git.test:{port}/r.git#main");
+    let mut file = git_step("", "/f");
+    file.sources = vec![CopySource::Url {
+        url: format!("http://git.test:{port}/r.git/HEAD"),
+    }];
+    let parse = |v: &[&str]| {
+        v.iter()
+            .map(|r| kiln_recipes::plan::EgressRule::parse(r).unwrap())
+            .collect()
+    };
+    for (allow, deny, ok) in [
+        (&["git.test"][..], &[][..], true),
+        (&["*.test"], &[], true),
+        (&["other.test"], &[], false),
+        (&["git.test"], &["127.0.0.0/8"], false),
+        (&["*.test"], &["git.test"], false),
+    ] {
+        opts.rules = Some(kiln_recipes::plan::Egress {
+            allow: parse(allow),
+            deny: parse(deny),
+        });
+        for s in [git_step(&git_url, "/x"), file.clone()] {
+            let r = fetch_urls(&s, &sv.dl(), &opts).await;
+            match (ok, r) {
+                (true, Ok(_)) => {}
+                (false, Err(e @ FetchError::NotAllowed { .. })) => {
+                    assert!(e.to_string().contains("git.test is refused"), "{e}")
+                }
+                (_, r) => panic!("{allow:?} {deny:?} {:?}: {r:?}", s.sources),
+            }
+        }
+    }
+}
