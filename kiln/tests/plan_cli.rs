@@ -163,14 +163,28 @@ fn plan_refuses_what_kiln_cannot_build() {
     }
     // Issue 41: ADD of a git repository over https plans (the fetch is the build's); a
     // hostile one is a recipe error at its line.
-    std::fs::write(&file, "FROM scratch\nADD https://example.com/x/y.git#v1:sub /src\n").unwrap();
+    std::fs::write(
+        &file,
+        "FROM scratch\nADD https://example.com/x/y.git#v1:sub /src\n",
+    )
+    .unwrap();
     let out = kiln(&["plan", f, "--json"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains(r#""kind": "git""#) || stdout.contains(r#""kind":"git""#), "{stdout}");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(r#""kind": "git""#) || stdout.contains(r#""kind":"git""#),
+        "{stdout}"
+    );
     std::fs::write(&file, "FROM scratch\nADD ext::sh%20-c%20id /src\n").unwrap();
     let out = kiln(&["plan", f]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains(&format!("{f}:2")) && stderr.contains("transport 'ext::'"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("{f}:2")) && stderr.contains("transport 'ext::'"),
+        "{stderr}"
+    );
 }

@@ -93,9 +93,10 @@ impl GitRef {
                  https, http and git:// only"
             )));
         }
-        let proto = src.split_once("://").map(|(s, _)| s).filter(|s| {
-            !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric())
-        });
+        let proto = src
+            .split_once("://")
+            .map(|(s, _)| s)
+            .filter(|s| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric()));
         let (scheme, rest) = match proto {
             Some(p) => {
                 let rest = &src[p.len() + 3..];
@@ -270,7 +271,9 @@ fn check_ref(r: &str) -> Result<(), String> {
         return bad("is not a valid git ref ('..', '@{', '//' or '@')");
     }
     if r.ends_with('/') || r.ends_with('.') || r.ends_with(".lock") || r.starts_with('/') {
-        return bad("is not a valid git ref (it starts or ends with '/', or ends with '.' or '.lock')");
+        return bad(
+            "is not a valid git ref (it starts or ends with '/', or ends with '.' or '.lock')",
+        );
     }
     if r.split('/').any(|c| c.starts_with('.')) {
         return bad("is not a valid git ref (a component starts with '.')");
@@ -286,7 +289,10 @@ fn check_subdir(s: &str) -> Result<Option<String>, String> {
     if s.contains('\0') {
         return Err("the subdirectory has a NUL byte".into());
     }
-    let comps: Vec<&str> = s.split('/').filter(|c| !c.is_empty() && *c != ".").collect();
+    let comps: Vec<&str> = s
+        .split('/')
+        .filter(|c| !c.is_empty() && *c != ".")
+        .collect();
     if comps.contains(&"..") {
         return Err(format!(
             "subdirectory '{s}' has a '..' component: it must stay inside the repository"
@@ -300,7 +306,9 @@ mod tests {
     use super::*;
 
     fn ok(s: &str) -> GitRef {
-        GitRef::parse(s).unwrap().unwrap_or_else(|| panic!("{s}: not git"))
+        GitRef::parse(s)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{s}: not git"))
     }
 
     #[test]
@@ -324,10 +332,16 @@ mod tests {
         assert_eq!(g.reference.as_deref(), Some("v1.2"));
         assert_eq!(g.subdir.as_deref(), Some("sub/dir"));
         let g = ok("HTTP://[::1]/r.git#:only/sub");
-        assert_eq!((g.scheme, g.host.as_str(), g.port), (GitScheme::Http, "::1", 80));
+        assert_eq!(
+            (g.scheme, g.host.as_str(), g.port),
+            (GitScheme::Http, "::1", 80)
+        );
         assert_eq!((g.reference, g.subdir.as_deref()), (None, Some("only/sub")));
         let g = ok("git://e.test/r");
-        assert_eq!((g.scheme, g.port, g.reference), (GitScheme::Git, 9418, None));
+        assert_eq!(
+            (g.scheme, g.port, g.reference),
+            (GitScheme::Git, 9418, None)
+        );
         let g = ok("git@github.com:moby/buildkit.git#main");
         assert_eq!((g.scheme, g.host.as_str()), (GitScheme::Ssh, "github.com"));
         assert_eq!(ok("ssh://git@e.test/x.git").scheme, GitScheme::Ssh);
@@ -343,7 +357,10 @@ mod tests {
             ("file:///srv/repo.git#main", "file://"),
             ("FILE://x/y.git", "file://"),
             ("ftp://e.test/r.git", "scheme 'ftp'"),
-            ("https://e.test/r.git#--upload-pack=touch /tmp/x", "starts with '-'"),
+            (
+                "https://e.test/r.git#--upload-pack=touch /tmp/x",
+                "starts with '-'",
+            ),
             ("https://e.test/r.git#-b", "starts with '-'"),
             ("https://e.test/r.git#main:-x", "starts with '-'"),
             ("https://e.test/r.git#main:../../etc", "'..'"),

@@ -132,16 +132,20 @@ impl FetchOptions {
         {
             return Err(refused(why));
         }
-        let addrs = self.addresses.resolve(host, port).await.map_err(|e| match e {
-            AddressError::NotPublic { addr, .. } => FetchError::Forbidden {
-                url: url.to_string(),
-                addr,
-            },
-            other => FetchError::Http {
-                url: url.to_string(),
-                detail: other.to_string(),
-            },
-        })?;
+        let addrs = self
+            .addresses
+            .resolve(host, port)
+            .await
+            .map_err(|e| match e {
+                AddressError::NotPublic { addr, .. } => FetchError::Forbidden {
+                    url: url.to_string(),
+                    addr,
+                },
+                other => FetchError::Http {
+                    url: url.to_string(),
+                    detail: other.to_string(),
+                },
+            })?;
         if let Some(rules) = &self.rules {
             let ips: Vec<IpAddr> = addrs.iter().map(|a| a.ip()).collect();
             if let Some(why) = crate::egress::policy::refused_address(rules, &ips) {
@@ -339,10 +343,13 @@ async fn fetch_one(
             detail,
         };
         let bare = host.trim_start_matches('[').trim_end_matches(']');
-        let addrs = opts.resolve(url.as_str(), &host, port).await.map_err(|e| match e {
-            FetchError::Http { detail, .. } => http_err(detail),
-            e => e,
-        })?;
+        let addrs = opts
+            .resolve(url.as_str(), &host, port)
+            .await
+            .map_err(|e| match e {
+                FetchError::Http { detail, .. } => http_err(detail),
+                e => e,
+            })?;
         let addr = addrs[0];
         // No proxy from the environment: it would resolve the name itself, past the check
         // and the pinning.

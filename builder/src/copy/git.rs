@@ -211,8 +211,8 @@ impl Git<'_> {
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(200));
         };
-        // The helpers git started (git-remote-http, index-pack) end with it.
-        kill();
+        // git waits for the helpers it started (git-remote-http, index-pack); the group is
+        // not signalled once its leader is reaped (its id may be another's by then).
         let read = |p: &Path| {
             let mut s = String::new();
             if let Ok(f) = fs::File::open(p) {
@@ -312,10 +312,12 @@ fn fetch_blocking(
         GitScheme::Http => "http",
         GitScheme::Https => "https",
         GitScheme::Git => "git",
-        GitScheme::Ssh => return Err(FetchError::BadUrl {
-            url: url.to_string(),
-            reason: ssh_refusal(),
-        }),
+        GitScheme::Ssh => {
+            return Err(FetchError::BadUrl {
+                url: url.to_string(),
+                reason: ssh_refusal(),
+            });
+        }
     };
     // The address checked, and nothing else: curl is told the name's address; the git
     // daemon protocol is given the address itself.
@@ -352,16 +354,14 @@ fn fetch_blocking(
     .map(|s| s.to_string())
     .collect();
     config.push(format!("protocol.{protocol}.allow=always"));
-    if matches!(r.scheme, GitScheme::Http | GitScheme::Https) {
-        let host = if r.host.contains(':') {
-            format!("[{}]", r.host)
-        } else {
-            r.host.clone()
-        };
+    // An IP literal is not looked up; a name is answered with the address checked (curl's
+    // CURLOPT_RESOLVE, `HOST:PORT:ADDRESS`, IPv6 addresses in brackets).
+    if matches!(r.scheme, GitScheme::Http | GitScheme::Https)
+        && r.host.parse::<std::net::IpAddr>().is_err()
+    {
         config.push(format!(
-            "http.curloptResolve={host}:{}:{}",
-            r.port,
-            ip_text.trim_start_matches('[').trim_end_matches(']')
+            "http.curloptResolve={}:{}:{ip_text}",
+            r.host, r.port
         ));
     }
     let git = Git {
@@ -392,10 +392,7 @@ fn fetch_blocking(
                 format!("refs/tags/{want}"),
                 format!("refs/heads/{want}"),
             ];
-            let Some(name) = candidates
-                .iter()
-                .find(|c| refs.iter().any(|(n, _)| n == c))
-            else {
+            let Some(name) = candidates.iter().find(|c| refs.iter().any(|(n, _)| n == c)) else {
                 return Err(git.err(match &r.reference {
                     Some(x) => format!(
                         "ref '{x}' not found in {}: no branch, tag or ref of that name",
@@ -408,10 +405,24 @@ fn fetch_blocking(
         }
     };
     // Shallow first; git's dumb HTTP cannot, and some servers do not serve a commit by id.
-    let shallow = git.run(&repo, &["fetch", "-q", "--depth=1", "--no-tags", "--", &remote, &fetch_ref])?;
+    let shallow = git.run(
+        &repo,
+        &[
+            "fetch",
+            "-q",
+            "--depth=1",
+            "--no-tags",
+            "--",
+            &remote,
+            &fetch_ref,
+        ],
+    )?;
     if !shallow.ok {
         let full = if named.is_some() {
-            git.run(&repo, &["fetch", "-q", "--no-tags", "--", &remote, &fetch_ref])?
+            git.run(
+                &repo,
+                &["fetch", "-q", "--no-tags", "--", &remote, &fetch_ref],
+            )?
         } else {
             // A commit by id: everything the remote has, then the commit among it.
             git.run(
@@ -436,13 +447,15 @@ fn fetch_blocking(
     } else {
         format!("{fetch_ref}^{{commit}}")
     };
-    let commit = match git.run(&repo, &["rev-parse", "-q", "--verify", "--end-of-options", &rev])? {
-        Ran { ok: true, stdout, .. } => stdout.trim().to_string(),
+    let commit = match git.run(
+        &repo,
+        &["rev-parse", "-q", "--verify", "--end-of-options", &rev],
+    )? {
+        Ran {
+            ok: true, stdout, ..
+        } => stdout.trim().to_string(),
         _ => {
-            return Err(git.err(format!(
-                "commit {fetch_ref} not found in {}",
-                r.remote
-            )));
+            return Err(git.err(format!("commit {fetch_ref} not found in {}", r.remote)));
         }
     };
     if !is_commit_id(&commit) {
@@ -462,7 +475,11 @@ fn fetch_blocking(
         )?,
     };
     let time = git
-        .must(&repo, &["log", "-1", "--format=%ct", &commit, "--"], "git log")?
+        .must(
+            &repo,
+            &["log", "-1", "--format=%ct", &commit, "--"],
+            "git log",
+        )?
         .trim()
         .parse::<i64>()
         .map_err(|e| git.err(format!("the commit time: {e}")))?;
@@ -479,7 +496,8 @@ fn fetch_blocking(
             let comps = super::root::components(sub);
             let node = root.resolve(&comps, true, None).ok().filter(|n| {
                 n.stat.is_some_and(|s| {
-                    rustix::fs::FileType::from_raw_mode(s.st_mode) == rustix::fs::FileType::Directory
+                    rustix::fs::FileType::from_raw_mode(s.st_mode)
+                        == rustix::fs::FileType::Directory
                 })
             });
             let Some(node) = node else {

@@ -20,7 +20,12 @@ const T2: i64 = 1_700_086_400;
 fn git(dir: &Path, args: &[&str], time: i64) -> String {
     let out = Command::new("git")
         .args(["-c", "user.name=t", "-c", "user.email=t@e.test"])
-        .args(["-c", "init.defaultBranch=main", "-c", "core.hooksPath=/dev/null"])
+        .args([
+            "-c",
+            "init.defaultBranch=main",
+            "-c",
+            "core.hooksPath=/dev/null",
+        ])
         .args(args)
         .current_dir(dir)
         .env("GIT_CONFIG_NOSYSTEM", "1")
@@ -92,7 +97,13 @@ fn served() -> Served {
     let bare = srv.join("r.git");
     git(
         t.path(),
-        &["clone", "-q", "--bare", work.to_str().unwrap(), bare.to_str().unwrap()],
+        &[
+            "clone",
+            "-q",
+            "--bare",
+            work.to_str().unwrap(),
+            bare.to_str().unwrap(),
+        ],
         T2,
     );
     git(&bare, &["update-server-info"], T2);
@@ -119,7 +130,9 @@ fn served() -> Served {
 impl Served {
     /// A fresh download directory.
     fn dl(&self) -> PathBuf {
-        let d = self.dl.join(format!("{}", fs::read_dir(&self.dl).unwrap().count()));
+        let d = self
+            .dl
+            .join(format!("{}", fs::read_dir(&self.dl).unwrap().count()));
         fs::create_dir(&d).unwrap();
         d
     }
@@ -181,14 +194,23 @@ async fn add_git_branch_with_metadata_and_cache_key() {
     let sv = served();
     let s = git_step(&format!("{}#main", sv.base), "/src");
     let src = add(&sv, &s, &allow()).await.unwrap();
-    assert_eq!(src.downloads.git(&format!("{}#main", sv.base)).unwrap().commit, sv.c2);
+    assert_eq!(
+        src.downloads
+            .git(&format!("{}#main", sv.base))
+            .unwrap()
+            .commit,
+        sv.c2
+    );
     assert_eq!(read(&sv, "src/a.txt"), "two");
     assert_eq!(read(&sv, "src/sub/inner/x.txt"), "x");
     assert!(!sv.dest.join("src/.git").exists(), ".git is dropped");
     // Submodules are never fetched (the gitlink-free .gitmodules is plain content).
     assert!(!sv.dest.join("src/evil").exists());
     let m = |p: &str| fs::symlink_metadata(sv.dest.join(p)).unwrap();
-    assert_eq!(fs::read_link(sv.dest.join("src/link")).unwrap(), Path::new("a.txt"));
+    assert_eq!(
+        fs::read_link(sv.dest.join("src/link")).unwrap(),
+        Path::new("a.txt")
+    );
     assert_eq!(m("src/a.txt").mode() & 0o7777, 0o644);
     assert_eq!(m("src/bin/run.sh").mode() & 0o7777, 0o755);
     assert_eq!(m("src/bin").mode() & 0o7777, 0o755);
@@ -203,11 +225,25 @@ async fn add_git_branch_with_metadata_and_cache_key() {
     // The cache key holds the commit: the branch moved is a new key.
     let k1 = sources_digest(&s, &src).unwrap();
     assert_eq!(sources_digest(&s, &src).unwrap(), k1);
-    assert_ne!(sources_digest(&head, &hsrc).unwrap(), k1, "the URL is part of it");
+    assert_ne!(
+        sources_digest(&head, &hsrc).unwrap(),
+        k1,
+        "the URL is part of it"
+    );
     let c3 = sv.move_main();
     let src3 = add(&sv, &s, &allow()).await.unwrap();
-    assert_eq!(src3.downloads.git(&format!("{}#main", sv.base)).unwrap().commit, c3);
-    assert_ne!(sources_digest(&s, &src3).unwrap(), k1, "a moved branch is a miss");
+    assert_eq!(
+        src3.downloads
+            .git(&format!("{}#main", sv.base))
+            .unwrap()
+            .commit,
+        c3
+    );
+    assert_ne!(
+        sources_digest(&s, &src3).unwrap(),
+        k1,
+        "a moved branch is a miss"
+    );
     assert_eq!(read(&sv, "src/a.txt"), "three");
     // --chown and --chmod apply as to a copied directory.
     let mut owned = git_step(&format!("{}#main", sv.base), "/owned");
@@ -225,7 +261,13 @@ async fn add_git_tag_commit_and_pinned_key() {
     let tag = git_step(&format!("{}#v1", sv.base), "/tag");
     let src = add(&sv, &tag, &allow()).await.unwrap();
     assert_eq!(read(&sv, "tag/a.txt"), "one");
-    assert_eq!(src.downloads.git(&format!("{}#v1", sv.base)).unwrap().commit, sv.c1);
+    assert_eq!(
+        src.downloads
+            .git(&format!("{}#v1", sv.base))
+            .unwrap()
+            .commit,
+        sv.c1
+    );
     assert_eq!(fs::metadata(sv.dest.join("tag/a.txt")).unwrap().mtime(), T1);
     // A full commit id (a dumb HTTP server cannot serve one alone: fetched whole).
     let url = format!("{}#{}", sv.base, sv.c1);
@@ -236,26 +278,42 @@ async fn add_git_tag_commit_and_pinned_key() {
     // The branch moves; the pinned commit keeps its key.
     sv.move_main();
     let again = add(&sv, &pin, &allow()).await.unwrap();
-    assert_eq!(sources_digest(&pin, &again).unwrap(), k, "a pinned commit is a hit");
+    assert_eq!(
+        sources_digest(&pin, &again).unwrap(),
+        k,
+        "a pinned commit is a hit"
+    );
     // A branch by name, not the default one.
-    add(&sv, &git_step(&format!("{}#old", sv.base), "/old"), &allow())
-        .await
-        .unwrap();
+    add(
+        &sv,
+        &git_step(&format!("{}#old", sv.base), "/old"),
+        &allow(),
+    )
+    .await
+    .unwrap();
     assert_eq!(read(&sv, "old/a.txt"), "one");
 }
 
 #[tokio::test]
 async fn add_git_subdir_and_keep_git_dir() {
     let sv = served();
-    add(&sv, &git_step(&format!("{}#main:sub", sv.base), "/s"), &allow())
-        .await
-        .unwrap();
+    add(
+        &sv,
+        &git_step(&format!("{}#main:sub", sv.base), "/s"),
+        &allow(),
+    )
+    .await
+    .unwrap();
     assert_eq!(read(&sv, "s/inner/x.txt"), "x");
     assert!(!sv.dest.join("s/a.txt").exists());
     // A subdirectory that is not there.
-    let e = fetch_urls(&git_step(&format!("{}#main:nope", sv.base), "/n"), &sv.dl(), &allow())
-        .await
-        .unwrap_err();
+    let e = fetch_urls(
+        &git_step(&format!("{}#main:nope", sv.base), "/n"),
+        &sv.dl(),
+        &allow(),
+    )
+    .await
+    .unwrap_err();
     assert!(e.to_string().contains("subdirectory 'nope'"), "{e}");
     // --keep-git-dir: a repository at the commit, on its branch.
     let mut keep = git_step(&format!("{}#main", sv.base), "/k");
@@ -264,21 +322,36 @@ async fn add_git_subdir_and_keep_git_dir() {
     let k = sv.dest.join("k");
     assert!(k.join(".git/HEAD").is_file());
     let head = Command::new("git")
-        .args(["-c", "safe.directory=*", "rev-parse", "HEAD", "--abbrev-ref", "HEAD"])
+        .args([
+            "-c",
+            "safe.directory=*",
+            "rev-parse",
+            "HEAD",
+            "--abbrev-ref",
+            "HEAD",
+        ])
         .current_dir(&k)
         .env("GIT_CONFIG_NOSYSTEM", "1")
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&head.stdout);
-    assert_eq!(out.lines().collect::<Vec<_>>(), [sv.c2.as_str(), "main"], "{out}");
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        [sv.c2.as_str(), "main"],
+        "{out}"
+    );
 }
 
 #[tokio::test]
 async fn add_git_missing_ref_is_named() {
     let sv = served();
-    let e = fetch_urls(&git_step(&format!("{}#nope", sv.base), "/x"), &sv.dl(), &allow())
-        .await
-        .unwrap_err();
+    let e = fetch_urls(
+        &git_step(&format!("{}#nope", sv.base), "/x"),
+        &sv.dl(),
+        &allow(),
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(e, FetchError::Git { .. }), "{e}");
     assert!(e.to_string().contains("ref 'nope' not found"), "{e}");
     let missing = "0123456789abcdef0123456789abcdef01234567";
@@ -289,7 +362,11 @@ async fn add_git_missing_ref_is_named() {
     )
     .await
     .unwrap_err();
-    assert!(e.to_string().contains(&format!("commit {missing} not found")), "{e}");
+    assert!(
+        e.to_string()
+            .contains(&format!("commit {missing} not found")),
+        "{e}"
+    );
     // A repository that is not there.
     let gone = sv.base.replace("r.git", "gone.git");
     let e = fetch_urls(&git_step(&gone, "/x"), &sv.dl(), &allow())
@@ -301,13 +378,24 @@ async fn add_git_missing_ref_is_named() {
 #[tokio::test]
 async fn add_git_hostile_sources_are_refused() {
     let sv = served();
-    let port = sv.base.split(':').nth(2).unwrap().split('/').next().unwrap().to_string();
+    let port = sv
+        .base
+        .split(':')
+        .nth(2)
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
     let marker = sv.dl.join("pwned");
     let m = marker.display();
     for (url, needle) in [
         (format!("ext::sh -c touch% {m}"), "transport 'ext::'"),
         (format!("file://{}", sv.bare.display()), "file://"),
-        (format!("{}#--upload-pack=touch {m}", sv.base), "starts with '-'"),
+        (
+            format!("{}#--upload-pack=touch {m}", sv.base),
+            "starts with '-'",
+        ),
         (format!("{}#main:-x", sv.base), "starts with '-'"),
         (format!("{}#main:../..", sv.base), "'..'"),
         ("git@127.0.0.1:r.git".to_string(), "--ssh"),
@@ -322,11 +410,19 @@ async fn add_git_hostile_sources_are_refused() {
     assert!(!marker.exists(), "nothing ran");
     // The build's address rules: the host's loopback is refused before git connects.
     let before = sv._server.seen.lock().unwrap().len();
-    let e = fetch_urls(&git_step(&sv.base, "/x"), &sv.dl(), &FetchOptions::default())
-        .await
-        .unwrap_err();
+    let e = fetch_urls(
+        &git_step(&sv.base, "/x"),
+        &sv.dl(),
+        &FetchOptions::default(),
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(e, FetchError::Forbidden { .. }), "{e}");
-    assert_eq!(sv._server.seen.lock().unwrap().len(), before, "no request was made");
+    assert_eq!(
+        sv._server.seen.lock().unwrap().len(),
+        before,
+        "no request was made"
+    );
     // A redirect is not followed (it would lead past the address check).
     let hop = redirecting(&sv.base);
     let e = fetch_urls(
@@ -350,7 +446,10 @@ async fn add_git_hostile_sources_are_refused() {
     let mut sum = git_step(&sv.base, "/x");
     sum.checksum = Some(format!("sha256:{}", "0".repeat(64)));
     let e = fetch_urls(&sum, &sv.dl(), &allow()).await.unwrap_err();
-    assert!(e.to_string().contains("--checksum with a git source"), "{e}");
+    assert!(
+        e.to_string().contains("--checksum with a git source"),
+        "{e}"
+    );
 }
 
 /// A server on 127.0.0.1 answering every request with a redirect to `to` + its path; its
@@ -383,9 +482,10 @@ async fn add_git_and_url_follow_the_allow_and_deny_lists() {
     let sv = served();
     let port = sv._server.port;
     let mut opts = allow();
-    opts.addresses
-        .hosts
-        .insert("git.test".into(), vec![std::net::Ipv4Addr::LOCALHOST.into()]);
+    opts.addresses.hosts.insert(
+        "git.test".into(),
+        vec![std::net::Ipv4Addr::LOCALHOST.into()],
+    );
     let git_url = format!("http://git.test:{port}/r.git#main");
     let mut file = git_step("", "/f");
     file.sources = vec![CopySource::Url {

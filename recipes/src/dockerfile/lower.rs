@@ -1831,8 +1831,8 @@ impl Lowering<'_> {
                     let is_git = crate::git::GitRef::parse(&p)
                         .map_err(|e| invalid(offset, e.to_string()))?
                         .is_some();
-                    let is_url = !is_git
-                        && (lower.starts_with("http://") || lower.starts_with("https://"));
+                    let is_url =
+                        !is_git && (lower.starts_with("http://") || lower.starts_with("https://"));
                     if is_url && !url_has_host(&p) {
                         return Err(invalid(offset, format!("URL '{p}' has no host")));
                     }
