@@ -27,7 +27,9 @@
 //! `GIT_PROTOCOL_FROM_USER=0`: no host or user configuration, credential helper or prompt
 //! applies. Its command line sets `protocol.allow=never` with only the source's own protocol
 //! allowed, hooks off (`core.hooksPath=/dev/null`), no submodule recursion, no redirects,
-//! and `transfer.fsckObjects` (malformed objects are refused). What it writes is bounded by
+//! and `transfer.fsckObjects` (malformed objects are refused). The build's extra CA
+//! certificates ([`FetchOptions::ca_certs`]) are trusted after the host's bundle, as
+//! `ADD <url>` trusts them. What it writes is bounded by
 //! [`FetchOptions::max_bytes`] (the repository directory is measured while git runs, and
 //! each file is bounded by `RLIMIT_FSIZE`), and the whole fetch by
 //! [`FetchOptions::timeout`]; git and its helpers run in their own process group, killed
@@ -44,6 +46,14 @@ use std::time::{Duration, Instant};
 use kiln_recipes::git::{GitRef, GitScheme, is_commit_id};
 
 use super::fetch::{FetchError, FetchOptions};
+
+/// Where the host's CA bundle may be (Debian's first), read when a build gives extra CA
+/// certificates: git is then given both.
+const HOST_BUNDLES: [&str; 3] = [
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+];
 
 /// A fetched git source.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -363,6 +373,20 @@ fn fetch_blocking(
             "http.curloptResolve={}:{}:{ip_text}",
             r.host, r.port
         ));
+    }
+    // The build's extra CA certificates, as `ADD <url>` trusts them: after the host's bundle.
+    if let (Some(ca), GitScheme::Https) = (&opts.ca_certs, r.scheme) {
+        let mut bundle = HOST_BUNDLES
+            .iter()
+            .find_map(|p| fs::read_to_string(p).ok())
+            .unwrap_or_default();
+        if !bundle.is_empty() && !bundle.ends_with('\n') {
+            bundle.push('\n');
+        }
+        bundle.push_str(ca.pem());
+        let path = dir.join("ca-certificates.crt");
+        fs::write(&path, bundle).map_err(|e| io("writing", &path, e))?;
+        config.push(format!("http.sslCAInfo={}", path.display()));
     }
     let git = Git {
         url,

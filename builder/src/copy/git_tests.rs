@@ -519,3 +519,45 @@ async fn add_git_and_url_follow_the_allow_and_deny_lists() {
         }
     }
 }
+
+/// Over https, git trusts the build's extra CA certificates as `ADD <url>` does, and only
+/// with them (`openssl s_server -WWW` serving the repository, under a name the hosts
+/// setting maps to 127.0.0.1).
+#[tokio::test]
+async fn add_git_over_https_trusts_the_builds_ca_certificates() {
+    let sv = served();
+    let certs = sv.dl.join("certs");
+    fs::create_dir(&certs).unwrap();
+    kiln_tests::tls::make_certs(&certs, "git.test");
+    let repo = certs.join("r.git");
+    let out = Command::new("cp")
+        .arg("-a")
+        .arg(&sv.bare)
+        .arg(&repo)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    // A static server that keeps the query in the file name: git's first request.
+    fs::copy(
+        repo.join("info/refs"),
+        repo.join("info/refs?service=git-upload-pack"),
+    )
+    .unwrap();
+    let server = kiln_tests::tls::TlsServer::start(&certs);
+    let mut opts = allow();
+    opts.addresses.hosts.insert(
+        "git.test".into(),
+        vec![std::net::Ipv4Addr::LOCALHOST.into()],
+    );
+    let url = format!("https://git.test:{}/r.git#main", server.port);
+    let e = fetch_urls(&git_step(&url, "/x"), &sv.dl(), &opts)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().to_lowercase().contains("certificate"), "{e}");
+    let pem = fs::read(certs.join("ca.pem")).unwrap();
+    opts.ca_certs = Some(crate::egress::ca::CaCerts::parse("ca.pem", &pem).unwrap());
+    let d = fetch_urls(&git_step(&url, "/x"), &sv.dl(), &opts)
+        .await
+        .unwrap();
+    assert_eq!(d.git(&url).unwrap().commit, sv.c2);
+}
