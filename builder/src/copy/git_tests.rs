@@ -561,3 +561,123 @@ async fn add_git_over_https_trusts_the_builds_ca_certificates() {
         .unwrap();
     assert_eq!(d.git(&url).unwrap().commit, sv.c2);
 }
+
+/// git's smart HTTP: `git http-backend` (CGI) behind a small HTTP/1.1 server on 127.0.0.1,
+/// one request per connection, serving the repositories under `root`; its port.
+fn smart_server(root: &Path) -> u16 {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let root = root.to_path_buf();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { continue };
+            let root = root.clone();
+            std::thread::spawn(move || {
+                let mut r = BufReader::new(c.try_clone().unwrap());
+                let mut first = String::new();
+                let _ = r.read_line(&mut first);
+                let mut parts = first.split(' ');
+                let method = parts.next().unwrap_or("GET").to_string();
+                let target = parts.next().unwrap_or("/").to_string();
+                let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+                let mut headers = std::collections::BTreeMap::new();
+                loop {
+                    let mut l = String::new();
+                    if r.read_line(&mut l).unwrap_or(0) == 0 || l == "\r\n" {
+                        break;
+                    }
+                    if let Some((k, v)) = l.split_once(':') {
+                        headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
+                    }
+                }
+                let len: usize = headers
+                    .get("content-length")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0);
+                let mut body = vec![0u8; len];
+                let _ = r.read_exact(&mut body);
+                let h = |k: &str| headers.get(k).cloned().unwrap_or_default();
+                let mut child = Command::new("git")
+                    .arg("http-backend")
+                    .env_clear()
+                    .env("PATH", "/usr/bin:/bin")
+                    .env("GIT_CONFIG_NOSYSTEM", "1")
+                    .env("GIT_PROJECT_ROOT", &root)
+                    .env("GIT_HTTP_EXPORT_ALL", "1")
+                    .env("REQUEST_METHOD", &method)
+                    .env("PATH_INFO", path)
+                    .env("QUERY_STRING", query)
+                    .env("CONTENT_TYPE", h("content-type"))
+                    .env("CONTENT_LENGTH", len.to_string())
+                    .env("HTTP_CONTENT_ENCODING", h("content-encoding"))
+                    .env("GIT_PROTOCOL", h("git-protocol"))
+                    .env("REMOTE_ADDR", "127.0.0.1")
+                    .stdin(std::process::Stdio::piped())
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                child.stdin.take().unwrap().write_all(&body).unwrap();
+                let out = child.wait_with_output().unwrap();
+                let split = out
+                    .stdout
+                    .windows(4)
+                    .position(|w| w == b"\r\n\r\n")
+                    .unwrap_or(0);
+                let head = String::from_utf8_lossy(&out.stdout[..split]).into_owned();
+                let rest = &out.stdout[(split + 4).min(out.stdout.len())..];
+                let mut status = "200 OK".to_string();
+                let mut reply = String::new();
+                for l in head.lines() {
+                    match l.split_once(':') {
+                        Some((k, v)) if k.eq_ignore_ascii_case("status") => {
+                            status = v.trim().to_string()
+                        }
+                        Some(_) => reply.push_str(&format!("{l}\r\n")),
+                        None => {}
+                    }
+                }
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 {status}\r\n{reply}Content-Length: {}\r\nConnection: close\r\n\r\n",
+                    rest.len()
+                );
+                let _ = c.write_all(rest);
+            });
+        }
+    });
+    port
+}
+
+/// A server that can (smart HTTP): the ref and a commit by id are fetched shallow.
+#[tokio::test]
+async fn add_git_is_shallow_where_the_server_can() {
+    let sv = served();
+    let port = smart_server(sv.bare.parent().unwrap());
+    let base = format!("http://127.0.0.1:{port}/r.git");
+    let mut keep = git_step(&format!("{base}#main"), "/k");
+    keep.keep_git_dir = true;
+    add(&sv, &keep, &allow()).await.unwrap();
+    assert_eq!(read(&sv, "k/a.txt"), "two");
+    assert_eq!(
+        fs::read_to_string(sv.dest.join("k/.git/shallow"))
+            .unwrap()
+            .trim(),
+        sv.c2,
+        "one commit fetched"
+    );
+    let mut pin = git_step(&format!("{base}#{}", sv.c1), "/p");
+    pin.keep_git_dir = true;
+    add(&sv, &pin, &allow()).await.unwrap();
+    assert_eq!(read(&sv, "p/a.txt"), "one");
+    assert_eq!(
+        fs::read_to_string(sv.dest.join("p/.git/shallow"))
+            .unwrap()
+            .trim(),
+        sv.c1
+    );
+    let e = fetch_urls(&git_step(&format!("{base}#nope"), "/x"), &sv.dl(), &allow())
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("ref 'nope' not found"), "{e}");
+}
