@@ -918,6 +918,15 @@ mod tests {
             ),
             "{e}"
         );
+        let e = check_recipe(&req(
+            "FROM scratch\nADD https://git.test/a.git ssh://git.test/b.git /src/\n",
+        ))
+        .expect_err("ssh as a later source too");
+        assert!(
+            e.to_string()
+                .contains("ADD ssh://git.test/b.git: git over ssh"),
+            "{e}"
+        );
         check_recipe(&req("FROM scratch\nADD https://git.test/x/y.git#v1 /src\n"))
             .expect("https is fetched");
     }

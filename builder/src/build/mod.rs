@@ -557,8 +557,9 @@ fn location(step: &Step) -> String {
 /// Refuses, with the step's `file:line`, what a plan may say but this builder does not do:
 /// `COPY --link`/`ADD --link` with `--chown` by name (BuildKit refuses it too: a linked layer
 /// is made without the layers that hold the user database) and `ADD` of a git repository
-/// over ssh (`git@host:path`, `ssh://`: no agent is forwarded). [`build_with`] calls it first; `kiln plan` calls it
-/// too, so the plan it prints is one that builds. Errors: [`BuildError::Unsupported`].
+/// over ssh (`git@host:path`, `ssh://`: no agent is forwarded). [`build_with`] calls it
+/// first; `kiln plan` and the API's submission check call it too, so the plan printed or
+/// accepted is one that builds. Errors: [`BuildError::Unsupported`].
 pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
     for step in plan.stages.iter().flat_map(|s| &s.steps) {
         let (verb, c) = match &step.action {
@@ -581,11 +582,20 @@ pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
                  numeric ids (--chown=UID[:GID]) or drop --link (as BuildKit)"
             )));
         }
-        if let Some(url) = c.sources.iter().find_map(|s| match s {
-            kiln_recipes::plan::CopySource::Git { url } => Some(url),
-            _ => None,
-        }) && let Ok(Some(g)) = kiln_recipes::git::GitRef::parse(url)
-            && g.scheme == kiln_recipes::git::GitScheme::Ssh
+        let ssh = |url: &str| {
+            kiln_recipes::git::GitRef::parse(url)
+                .ok()
+                .flatten()
+                .is_some_and(|g| g.scheme == kiln_recipes::git::GitScheme::Ssh)
+        };
+        if let Some(url) = c
+            .sources
+            .iter()
+            .filter_map(|s| match s {
+                kiln_recipes::plan::CopySource::Git { url } => Some(url),
+                _ => None,
+            })
+            .find(|url| ssh(url))
         {
             return Err(unsupported(format!(
                 "ADD {url}: {}",
