@@ -43,8 +43,8 @@ fn git(dir: &Path, args: &[&str], time: i64) -> String {
 }
 
 /// A repository served over HTTP: commit 1 (tagged `v1`, annotated) has `a.txt` = "one",
-/// `bin/run.sh` (executable), `sub/inner/x.txt`, a symlink `link -> a.txt`, `.gitmodules`
-/// naming a submodule at a local path; commit 2 (`main`) changes `a.txt` to "two"; branch
+/// `bin/run.sh` (executable), `sub/inner/x.txt`, a symlink `link -> a.txt`, a submodule
+/// `evil` whose `.gitmodules` URL is a local path (`/etc`); commit 2 (`main`) changes `a.txt` to "two"; branch
 /// `old` stays at commit 1.
 struct Served {
     _t: tempfile::TempDir,
@@ -85,6 +85,19 @@ fn served() -> Served {
     )
     .unwrap();
     git(&work, &["add", "-A"], T1);
+    // A submodule (a gitlink at `evil`) whose URL is a local path.
+    git(
+        &work,
+        &[
+            "update-index",
+            "--add",
+            "--cacheinfo",
+            "160000,0123456789abcdef0123456789abcdef01234567,evil",
+        ],
+        T1,
+    );
+    // An unpopulated submodule's empty directory (else `commit -a` would drop the gitlink).
+    fs::create_dir(work.join("evil")).unwrap();
     git(&work, &["commit", "-q", "-m", "one"], T1);
     let c1 = git(&work, &["rev-parse", "HEAD"], T1);
     git(&work, &["tag", "-a", "-m", "v1", "v1"], T1);
@@ -204,8 +217,9 @@ async fn add_git_branch_with_metadata_and_cache_key() {
     assert_eq!(read(&sv, "src/a.txt"), "two");
     assert_eq!(read(&sv, "src/sub/inner/x.txt"), "x");
     assert!(!sv.dest.join("src/.git").exists(), ".git is dropped");
-    // Submodules are never fetched (the gitlink-free .gitmodules is plain content).
-    assert!(!sv.dest.join("src/evil").exists());
+    // Submodules are never fetched: the gitlink is the empty directory git checks out.
+    assert_eq!(fs::read_dir(sv.dest.join("src/evil")).unwrap().count(), 0);
+    assert!(sv.dest.join("src/.gitmodules").is_file());
     let m = |p: &str| fs::symlink_metadata(sv.dest.join(p)).unwrap();
     assert_eq!(
         fs::read_link(sv.dest.join("src/link")).unwrap(),
