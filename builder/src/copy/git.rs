@@ -403,13 +403,14 @@ fn fetch_blocking(
     let (fetch_ref, named) = match &r.reference {
         Some(c) if is_commit_id(c) => (c.to_ascii_lowercase(), None),
         _ => {
-            let listed = git.must(&repo, &["ls-remote", "--", &remote], "git ls-remote")?;
+            let want = r.reference.as_deref().unwrap_or("HEAD");
+            // Only the refs whose name ends in the one asked for (a remote may have many).
+            let listed = git.must(&repo, &["ls-remote", "--", &remote, want], "git ls-remote")?;
             let refs: Vec<(&str, &str)> = listed
                 .lines()
                 .filter_map(|l| l.split_once('\t'))
                 .map(|(sha, name)| (name, sha))
                 .collect();
-            let want = r.reference.as_deref().unwrap_or("HEAD");
             let candidates = [
                 want.to_string(),
                 format!("refs/{want}"),
