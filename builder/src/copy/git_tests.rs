@@ -695,3 +695,64 @@ async fn add_git_is_shallow_where_the_server_can() {
         .unwrap_err();
     assert!(e.to_string().contains("ref 'nope' not found"), "{e}");
 }
+
+/// `git://`: the name is resolved and checked, and git is given the address checked (the
+/// git daemon protocol has no way to pin a name); refused under the default address rules.
+#[tokio::test]
+async fn add_git_over_the_git_protocol_is_pinned_and_checked() {
+    let sv = served();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let srv = sv.bare.parent().unwrap();
+    struct Daemon(std::process::Child);
+    impl Drop for Daemon {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    // git-daemon itself, not the `git daemon` wrapper (whose child would outlive a kill).
+    let exec_path = git(srv, &["--exec-path"], T1);
+    let _daemon = Daemon(
+        Command::new(Path::new(&exec_path).join("git-daemon"))
+            .arg("--export-all")
+            .arg("--listen=127.0.0.1")
+            .arg(format!("--port={port}"))
+            .arg(format!("--base-path={}", srv.display()))
+            .arg(srv)
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "git daemon did not listen"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let mut opts = allow();
+    opts.addresses.hosts.insert(
+        "git.test".into(),
+        vec![std::net::Ipv4Addr::LOCALHOST.into()],
+    );
+    // The name is not in DNS: only the address the policy gave reaches the daemon.
+    let url = format!("git://git.test:{port}/r.git#v1");
+    let d = fetch_urls(&git_step(&url, "/x"), &sv.dl(), &opts)
+        .await
+        .unwrap();
+    assert_eq!(d.git(&url).unwrap().commit, sv.c1);
+    let e = fetch_urls(
+        &git_step(&format!("git://127.0.0.1:{port}/r.git"), "/x"),
+        &sv.dl(),
+        &FetchOptions::default(),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(e, FetchError::Forbidden { .. }), "{e}");
+}
