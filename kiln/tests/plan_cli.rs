@@ -120,7 +120,7 @@ fn bad_input_is_located_and_fails() {
 }
 
 /// Issue 17, item 7: what lowers but kiln cannot build (`--link` with `--chown` by name,
-/// which BuildKit refuses too; `ADD` of a git repository) is refused by `kiln plan` with its
+/// which BuildKit refuses too; `ADD` of a git repository over ssh) is refused by `kiln plan` with its
 /// file and line, as the build would refuse it.
 #[test]
 fn plan_refuses_what_kiln_cannot_build() {
@@ -137,12 +137,15 @@ fn plan_refuses_what_kiln_cannot_build() {
             format!("{f}:2: unsupported: ADD --link --chown=1:staff: "),
         ),
         (
-            "FROM scratch\nWORKDIR /src\nADD https://example.com/x/y.git /src\n",
-            format!("{f}:3: unsupported: ADD of a git repository (https://example.com/x/y.git)"),
+            "FROM scratch\nADD --keep-git-dir git@example.com:x/y.git /src\n",
+            format!(
+                "{f}:2: unsupported: ADD git@example.com:x/y.git: git over ssh needs the \
+                 build's ssh agent (--ssh)"
+            ),
         ),
         (
-            "FROM scratch\nADD --keep-git-dir git@example.com:x/y.git /src\n",
-            format!("{f}:2: unsupported: ADD of a git repository (git@example.com:x/y.git)"),
+            "FROM scratch\nWORKDIR /src\nADD ssh://example.com/x/y.git /src\n",
+            format!("{f}:3: unsupported: ADD ssh://example.com/x/y.git: git over ssh needs"),
         ),
     ] {
         std::fs::write(&file, text).unwrap();
@@ -158,4 +161,30 @@ fn plan_refuses_what_kiln_cannot_build() {
             assert!(out.stdout.is_empty(), "{text}: no plan is printed");
         }
     }
+    // Issue 41: ADD of a git repository over https plans (the fetch is the build's); a
+    // hostile one is a recipe error at its line.
+    std::fs::write(
+        &file,
+        "FROM scratch\nADD https://example.com/x/y.git#v1:sub /src\n",
+    )
+    .unwrap();
+    let out = kiln(&["plan", f, "--json"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(r#""kind": "git""#) || stdout.contains(r#""kind":"git""#),
+        "{stdout}"
+    );
+    std::fs::write(&file, "FROM scratch\nADD ext::sh%20-c%20id /src\n").unwrap();
+    let out = kiln(&["plan", f]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(&format!("{f}:2")) && stderr.contains("transport 'ext::'"),
+        "{stderr}"
+    );
 }

@@ -498,6 +498,9 @@ pub(crate) async fn run_leased(
 /// refuse a recipe error at submission. The error's text is `kiln plan`'s
 /// (`file:line:column: message` and a snippet). [`run`] lowers again, with the bases'
 /// configs, so a recipe that passes here can still fail there (e.g. a refused `ONBUILD`).
+/// What lowers but kiln does not build ([`kiln_builder::build::check_supported`]: `ADD` of
+/// a git repository over ssh, `--link --chown` by name) is refused here too, as `kiln plan`
+/// refuses it.
 pub fn check_recipe(req: &BuildRequest) -> Result<(), PipelineError> {
     let options = kiln_recipes::Options {
         target: req.target.clone(),
@@ -506,9 +509,9 @@ pub fn check_recipe(req: &BuildRequest) -> Result<(), PipelineError> {
         disk_mib: req.disk_mib,
         ..Default::default()
     };
-    kiln_recipes::load(&req.recipe.name, &req.recipe.bytes, &options)
-        .map(|_| ())
-        .map_err(|e| PipelineError::Resolve(Box::new(ResolveError::Recipe(Box::new(e)))))
+    let plan = kiln_recipes::load(&req.recipe.name, &req.recipe.bytes, &options)
+        .map_err(|e| PipelineError::Resolve(Box::new(ResolveError::Recipe(Box::new(e)))))?;
+    kiln_builder::build::check_supported(&plan).map_err(|e| PipelineError::Build(Box::new(e)))
 }
 
 /// The builder's options for `req`.
@@ -894,6 +897,40 @@ mod tests {
             .expect_err("an explicit absent is strict");
         assert!(e.to_string().contains("race:same"), "{e}");
         assert_eq!(store.resolve_tag(&tag).await.expect("tag"), same);
+    }
+
+    /// Issue 41: through the API (which checks a recipe at submission), `ADD` of a git
+    /// repository over ssh is refused with the reason; over https it passes.
+    #[test]
+    fn check_recipe_refuses_git_over_ssh() {
+        let req = |text: &str| {
+            BuildRequest::new(
+                crate::request::Recipe {
+                    name: "Dockerfile".into(),
+                    bytes: text.as_bytes().to_vec(),
+                },
+                ContextSource::None,
+            )
+        };
+        let e = check_recipe(&req("FROM scratch\nADD git@git.test:x/y.git /src\n"))
+            .expect_err("ssh is refused");
+        assert!(
+            e.to_string().contains(
+                "Dockerfile:2: unsupported: ADD git@git.test:x/y.git: git over ssh needs"
+            ),
+            "{e}"
+        );
+        let e = check_recipe(&req(
+            "FROM scratch\nADD https://git.test/a.git ssh://git.test/b.git /src/\n",
+        ))
+        .expect_err("ssh as a later source too");
+        assert!(
+            e.to_string()
+                .contains("ADD ssh://git.test/b.git: git over ssh"),
+            "{e}"
+        );
+        check_recipe(&req("FROM scratch\nADD https://git.test/x/y.git#v1 /src\n"))
+            .expect("https is fetched");
     }
 
     #[test]

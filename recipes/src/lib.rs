@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 pub mod dockerfile;
 pub mod dockerignore;
 pub mod error;
+pub mod git;
 pub mod plan;
 pub mod shell_words;
 pub mod yaml;

@@ -556,8 +556,10 @@ fn location(step: &Step) -> String {
 
 /// Refuses, with the step's `file:line`, what a plan may say but this builder does not do:
 /// `COPY --link`/`ADD --link` with `--chown` by name (BuildKit refuses it too: a linked layer
-/// is made without the layers that hold the user database) and `ADD` of a git repository. [`build_with`] calls it first; `kiln plan` calls it
-/// too, so the plan it prints is one that builds. Errors: [`BuildError::Unsupported`].
+/// is made without the layers that hold the user database) and `ADD` of a git repository
+/// over ssh (`git@host:path`, `ssh://`: no agent is forwarded). [`build_with`] calls it
+/// first; `kiln plan` and the API's submission check call it too, so the plan printed or
+/// accepted is one that builds. Errors: [`BuildError::Unsupported`].
 pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
     for step in plan.stages.iter().flat_map(|s| &s.steps) {
         let (verb, c) = match &step.action {
@@ -580,13 +582,24 @@ pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
                  numeric ids (--chown=UID[:GID]) or drop --link (as BuildKit)"
             )));
         }
-        if let Some(url) = c.sources.iter().find_map(|s| match s {
-            kiln_recipes::plan::CopySource::Git { url } => Some(url),
-            _ => None,
-        }) {
+        let ssh = |url: &str| {
+            kiln_recipes::git::GitRef::parse(url)
+                .ok()
+                .flatten()
+                .is_some_and(|g| g.scheme == kiln_recipes::git::GitScheme::Ssh)
+        };
+        if let Some(url) = c
+            .sources
+            .iter()
+            .filter_map(|s| match s {
+                kiln_recipes::plan::CopySource::Git { url } => Some(url),
+                _ => None,
+            })
+            .find(|url| ssh(url))
+        {
             return Err(unsupported(format!(
-                "ADD of a git repository ({url}): kiln does not fetch git sources yet; clone \
-                 it into the build context and COPY it"
+                "ADD {url}: {}",
+                crate::copy::git::ssh_refusal()
             )));
         }
     }
@@ -1745,12 +1758,17 @@ async fn prepare_inputs(
             let mut src = source_root(ctx, c.from.as_ref(), inputs, platform, loc).await?;
             if c.sources
                 .iter()
-                .any(|s| matches!(s, CopySource::Url { .. }))
+                .any(|s| matches!(s, CopySource::Url { .. } | CopySource::Git { .. }))
             {
                 let dir = ctx.dirs.temp("download");
                 fs::create_dir(&dir).map_err(io_err("creating", &dir))?;
                 p._temps.push(TempDir(dir.clone()));
-                let d = crate::copy::fetch::fetch_urls(c, &dir, &ctx.opts.fetch)
+                // A build-wide allow-list holds for ADD's downloads too.
+                let mut fetch = ctx.opts.fetch.clone();
+                if let Some(kiln_recipes::plan::Network::Allow(rules)) = &ctx.opts.network {
+                    fetch.rules = Some(rules.clone());
+                }
+                let d = crate::copy::fetch::fetch_urls(c, &dir, &fetch)
                     .await
                     .map_err(|e| BuildError::Copy {
                         location: loc.to_string(),

@@ -157,6 +157,14 @@ fn digest_inner(step: &CopyStep, src: &Sources) -> Result<(String, ContextFiles)
                     )?,
                 }
             }
+            Item::Git { url, commit, .. } => {
+                // The commit stands for the tree: a moved branch is a new key, a pinned
+                // commit the same one.
+                h.field(b"git");
+                h.field(url.as_bytes());
+                h.field(commit.as_bytes());
+                h.field(&[u8::from(step.keep_git_dir)]);
+            }
             Item::Download { url, file, .. } => {
                 h.field(b"url");
                 h.field(url.as_bytes());

@@ -13,6 +13,9 @@
 //! the address checked (no DNS rebinding), and every redirect is checked the same way, at
 //! most [`MAX_REDIRECTS`] of them. Only `http` and `https` are fetched, never through a proxy
 //! named by the environment (`HTTP_PROXY`...), which would resolve names itself.
+//!
+//! Git sources (`ADD https://host/x.git#ref:subdir`) are fetched here too, by
+//! [`super::git::fetch_git`], under the same address rules and size bound.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -23,6 +26,7 @@ use std::time::Duration;
 use kiln_recipes::plan::{CopySource, CopyStep};
 use sha2::{Digest, Sha256};
 
+use super::git::GitCheckout;
 use crate::egress::address::{AddressError, AddressPolicy};
 
 /// Most redirects followed for one URL (as curl's and Go's default of 10).
@@ -41,10 +45,11 @@ pub struct Download {
     pub size: u64,
 }
 
-/// URL → download, for one step.
+/// URL → download (and git source → checkout), for one step.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Downloads {
     map: BTreeMap<String, Download>,
+    git: BTreeMap<String, GitCheckout>,
 }
 
 impl Downloads {
@@ -58,9 +63,19 @@ impl Downloads {
         self.map.insert(url, d);
     }
 
+    /// The checkout of git source `url` (as written).
+    pub fn git(&self, url: &str) -> Option<&GitCheckout> {
+        self.git.get(url)
+    }
+
+    /// Records a git checkout.
+    pub fn insert_git(&mut self, url: String, c: GitCheckout) {
+        self.git.insert(url, c);
+    }
+
     /// Whether there are none.
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.map.is_empty() && self.git.is_empty()
     }
 }
 
@@ -74,6 +89,11 @@ pub struct FetchOptions {
     /// Which addresses may be fetched from ([`AddressPolicy::allow_private_addresses`]:
     /// tests and trusted builds only), shared with the egress proxy.
     pub addresses: AddressPolicy,
+    /// The build's allow and deny lists (a build-wide allow-list network: `kiln build
+    /// --network-allow`, the API's `{"allow": [...]}`), checked on the host asked for and
+    /// its resolved addresses as the egress proxy checks them ([`crate::egress::policy`]);
+    /// `None`: no lists, the address rules only.
+    pub rules: Option<kiln_recipes::plan::Egress>,
     /// Extra CA certificates: `ADD <url>` trusts them besides its built-in roots, and every
     /// `RUN` step sees them in its CA bundle ([`crate::egress::ca`]). `None`: none.
     pub ca_certs: Option<crate::egress::ca::CaCerts>,
@@ -85,8 +105,54 @@ impl Default for FetchOptions {
             max_bytes: 4 << 30,
             timeout: Duration::from_secs(600),
             addresses: AddressPolicy::default(),
+            rules: None,
             ca_certs: None,
         }
+    }
+}
+
+impl FetchOptions {
+    /// The addresses `host` with `port` may be reached at for `url`: the allow and deny
+    /// lists ([`FetchOptions::rules`]) on the name asked for, then the address rules on
+    /// what it resolves to, then the lists' deny addresses on those. Connect only to these.
+    pub async fn resolve(
+        &self,
+        url: &str,
+        host: &str,
+        port: u16,
+    ) -> Result<Vec<std::net::SocketAddr>, FetchError> {
+        let refused = |rule: String| FetchError::NotAllowed {
+            url: url.to_string(),
+            host: host.to_string(),
+            rule,
+        };
+        if let Some(rules) = &self.rules
+            && let crate::egress::policy::Verdict::Refused(why) =
+                crate::egress::policy::check(rules, host)
+        {
+            return Err(refused(why));
+        }
+        let addrs = self
+            .addresses
+            .resolve(host, port)
+            .await
+            .map_err(|e| match e {
+                AddressError::NotPublic { addr, .. } => FetchError::Forbidden {
+                    url: url.to_string(),
+                    addr,
+                },
+                other => FetchError::Http {
+                    url: url.to_string(),
+                    detail: other.to_string(),
+                },
+            })?;
+        if let Some(rules) = &self.rules {
+            let ips: Vec<IpAddr> = addrs.iter().map(|a| a.ip()).collect();
+            if let Some(why) = crate::egress::policy::refused_address(rules, &ips) {
+                return Err(refused(why));
+            }
+        }
+        Ok(addrs)
     }
 }
 
@@ -109,6 +175,16 @@ pub enum FetchError {
         /// The address refused.
         addr: IpAddr,
     },
+    /// The host is not allowed by the build's allow and deny lists.
+    #[error("ADD {url}: {host} is refused by the build's network rules: {rule}")]
+    NotAllowed {
+        /// The URL (or the redirect target).
+        url: String,
+        /// The host asked for.
+        host: String,
+        /// The rule (`deny x`, `not on the allow list`).
+        rule: String,
+    },
     /// The request failed, or the server answered with an error.
     #[error("ADD {url}: {detail}")]
     Http {
@@ -117,8 +193,16 @@ pub enum FetchError {
         /// What happened.
         detail: String,
     },
-    /// The body is larger than [`FetchOptions::max_bytes`].
-    #[error("ADD {url}: body larger than {max} bytes")]
+    /// Fetching a git source failed (git's message, or a ref that is not there).
+    #[error("ADD {url}: {detail}")]
+    Git {
+        /// The source as written.
+        url: String,
+        /// What happened.
+        detail: String,
+    },
+    /// The body (or a git repository) is larger than [`FetchOptions::max_bytes`].
+    #[error("ADD {url}: larger than {max} bytes")]
     TooLarge {
         /// The URL.
         url: String,
@@ -159,7 +243,8 @@ pub fn url_file_name(url: &reqwest::Url) -> Option<String> {
 }
 
 /// Downloads every URL source of `step` into `dir` (which must exist; the caller removes
-/// it), verifying `--checksum` when given. Errors: [`FetchError`].
+/// it), verifying `--checksum` when given, and fetches every git source
+/// ([`super::git::fetch_git`]). Errors: [`FetchError`].
 pub async fn fetch_urls(
     step: &CopyStep,
     dir: &Path,
@@ -173,7 +258,23 @@ pub async fn fetch_urls(
             _ => None,
         })
         .collect();
+    let gits: Vec<&String> = step
+        .sources
+        .iter()
+        .filter_map(|s| match s {
+            CopySource::Git { url } => Some(url),
+            _ => None,
+        })
+        .collect();
     let mut out = Downloads::default();
+    if let (Some(_), Some(g)) = (&step.checksum, gits.first()) {
+        return Err(FetchError::BadUrl {
+            url: g.to_string(),
+            reason: "--checksum with a git source is not supported: pin the commit in the \
+                     URL (#<full commit id>)"
+                .into(),
+        });
+    }
     if let Some(sum) = &step.checksum
         && urls.len() != 1
     {
@@ -186,6 +287,16 @@ pub async fn fetch_urls(
         let file = dir.join(format!("download-{i}"));
         let d = fetch_one(url, &file, step.checksum.as_deref(), opts).await?;
         out.insert(url.clone(), d);
+    }
+    for (i, url) in gits.into_iter().enumerate() {
+        let sub = dir.join(format!("git-{i}"));
+        std::fs::create_dir(&sub).map_err(|source| FetchError::Io {
+            url: url.clone(),
+            path: sub.clone(),
+            source,
+        })?;
+        let c = super::git::fetch_git(url, step.keep_git_dir, &sub, opts).await?;
+        out.insert_git(url.clone(), c);
     }
     Ok(out)
 }
@@ -233,15 +344,11 @@ async fn fetch_one(
         };
         let bare = host.trim_start_matches('[').trim_end_matches(']');
         let addrs = opts
-            .addresses
-            .resolve(&host, port)
+            .resolve(url.as_str(), &host, port)
             .await
             .map_err(|e| match e {
-                AddressError::NotPublic { addr, .. } => FetchError::Forbidden {
-                    url: url.to_string(),
-                    addr,
-                },
-                other => http_err(other.to_string()),
+                FetchError::Http { detail, .. } => http_err(detail),
+                e => e,
             })?;
         let addr = addrs[0];
         // No proxy from the environment: it would resolve the name itself, past the check

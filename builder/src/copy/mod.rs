@@ -26,7 +26,10 @@
 //!   not name) extracts it into the destination directory with [`crate::layer::apply_layer`]
 //!   and its bounds;
 //!   `ADD` of a URL copies the file [`fetch::fetch_urls`] downloaded beforehand (mode 0600),
-//!   never unpacked; `ADD` of a git repository is refused ([`CopyError::Unsupported`]);
+//!   never unpacked; `ADD` of a git repository copies the contents of the checkout
+//!   [`git::fetch_git`] made beforehand into the destination directory (as BuildKit copies
+//!   `/` of its git source), root-owned unless `--chown`, `.dockerignore` not applied
+//!   (it is not the context), `--exclude` and `--chmod` applied;
 //! - `--link` changes how the driver stacks the result (on an empty root, as its own layer);
 //!   here it only means names for `--chown` are looked up in [`CopyOptions::user_db_root`].
 //!
@@ -45,6 +48,7 @@
 
 mod digest;
 pub mod fetch;
+pub mod git;
 pub mod mode;
 pub mod root;
 
@@ -424,6 +428,15 @@ pub(crate) enum Item {
         /// The name it is copied under (the last component of the match, as written).
         name: Vec<u8>,
     },
+    /// A fetched git source: the contents of its tree.
+    Git {
+        /// The source as written.
+        url: String,
+        /// The checkout (or its subdirectory).
+        tree: PathBuf,
+        /// The commit.
+        commit: String,
+    },
     /// A downloaded URL.
     Download {
         /// The URL.
@@ -472,6 +485,14 @@ impl<'a> Filter<'a> {
             ignore: src.ignore(),
             exclude,
         })
+    }
+
+    /// The same `--exclude`, without `.dockerignore`.
+    pub(crate) fn without_ignore(&self) -> Filter<'a> {
+        Filter {
+            ignore: None,
+            exclude: self.exclude.clone(),
+        }
     }
 
     pub(crate) fn verdict(&self, ctx_rel: &str, src_rel: &str, is_dir: bool) -> Verdict {
@@ -544,9 +565,15 @@ pub(crate) fn select(
                 });
             }
             CopySource::Git { url } => {
-                return Err(CopyError::Unsupported(format!(
-                    "ADD of a git repository ({url})"
-                )));
+                let c = src
+                    .downloads
+                    .git(url)
+                    .ok_or_else(|| CopyError::NotDownloaded { url: url.clone() })?;
+                items.push(Item::Git {
+                    url: url.clone(),
+                    tree: c.tree.clone(),
+                    commit: c.commit.clone(),
+                });
             }
             CopySource::Inline(f) => items.push(Item::Inline {
                 name: f.name.clone(),
@@ -728,11 +755,13 @@ struct Meta {
     chown: Option<(u32, u32)>,
     chmod: Option<Chmod>,
     context: bool,
+    /// Copying a git checkout: root-owned, as the context.
+    git: bool,
 }
 
 impl Meta {
     fn owner(&self, st: &Stat) -> (u32, u32) {
-        match (self.chown, self.context) {
+        match (self.chown, self.context || self.git) {
             (Some(o), _) => o,
             (None, true) => (0, 0),
             (None, false) => (st.st_uid, st.st_gid),
@@ -855,6 +884,10 @@ struct Copier<'a> {
     dest: Root,
     meta: Meta,
     filter: &'a Filter<'a>,
+    /// `filter` without `.dockerignore`, for a git checkout (not the context).
+    plain_filter: Filter<'a>,
+    /// Copying a git checkout: `plain_filter`, and root as the owner unless `--chown`.
+    in_git: bool,
     limits: CopyLimits,
     tar_limits: TarLimits,
     unpack: bool,
@@ -911,8 +944,11 @@ fn copy_inner(
             chown,
             chmod,
             context: src.is_context(),
+            git: false,
         },
         filter: &filter,
+        plain_filter: filter.without_ignore(),
+        in_git: false,
         limits: opts.limits,
         tar_limits: opts.tar_limits.clone(),
         unpack: step.unpack,
@@ -1069,6 +1105,28 @@ impl Copier<'_> {
                     0,
                 )
             }
+            Item::Git { url, tree, .. } => {
+                self.shown = url.clone();
+                let sfd = rustix::fs::open(
+                    tree,
+                    OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+                .map_err(ioe(url, "open the checkout"))?;
+                let st = rustix::fs::fstat(&sfd).map_err(ioe(url, "stat"))?;
+                // The checkout's root is copied by content into the destination directory.
+                self.meta.git = true;
+                self.in_git = true;
+                let r = (|| {
+                    let (uid, gid) = self.meta.owner(&st);
+                    let mode = self.meta.mode(st.st_mode, true);
+                    let (dfd, dcomps) = self.dest_dir(dest, Some((uid, gid, mode)))?;
+                    self.copy_dir(sfd.as_fd(), "", "", dfd.as_fd(), &dcomps, 0)
+                })();
+                self.meta.git = false;
+                self.in_git = false;
+                r
+            }
             Item::Download { url, file, name } => {
                 self.shown = url.clone();
                 let mut target = dest.to_vec();
@@ -1159,7 +1217,12 @@ impl Copier<'_> {
             let crel = join(ctx_rel, &name);
             let srel = join(src_rel, &name);
             let is_dir = FileType::from_raw_mode(st.st_mode) == FileType::Directory;
-            match self.filter.verdict(&crel, &srel, is_dir) {
+            let filter = if self.in_git {
+                &self.plain_filter
+            } else {
+                self.filter
+            };
+            match filter.verdict(&crel, &srel, is_dir) {
                 Verdict::Skip => continue,
                 Verdict::Keep => {
                     self.copy_entry(sdir, &name, &st, ddir, dcomps, &name, &crel, &srel, depth)?
@@ -1537,5 +1600,7 @@ fn tar_checksum_ok(block: &[u8; 512]) -> bool {
     computed.cksum().is_ok_and(|sum| sum == want) && block.iter().any(|b| *b != 0)
 }
 
+#[cfg(test)]
+mod git_tests;
 #[cfg(test)]
 mod tests;

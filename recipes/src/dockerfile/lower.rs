@@ -1880,10 +1880,13 @@ impl Lowering<'_> {
                 SourceArg::Path(p) => {
                     let p = ex(p)?;
                     let lower = p.to_ascii_lowercase();
-                    let is_url = lower.starts_with("http://") || lower.starts_with("https://");
-                    let is_git = lower.starts_with("git@")
-                        || lower.starts_with("git://")
-                        || (is_url && (lower.ends_with(".git") || lower.contains(".git#")));
+                    // Git sources as BuildKit tells them; transports and schemes ADD never
+                    // fetches from are refused here (crate::git).
+                    let is_git = crate::git::GitRef::parse(&p)
+                        .map_err(|e| invalid(offset, e.to_string()))?
+                        .is_some();
+                    let is_url =
+                        !is_git && (lower.starts_with("http://") || lower.starts_with("https://"));
                     if is_url && !url_has_host(&p) {
                         return Err(invalid(offset, format!("URL '{p}' has no host")));
                     }
@@ -2440,6 +2443,11 @@ mod tests {
     fn copy_errors() {
         let o = Options::default();
         for (text, needle) in [
+            ("FROM x\nADD ext::sh%20-c%20id /\n", "transport 'ext::'"),
+            ("FROM x\nADD file:///srv/r.git /\n", "file://"),
+            ("FROM x\nADD https://e.test/r.git#-b /\n", "starts with '-'"),
+            ("FROM x\nADD https://e.test/r.git#main:../.. /\n", "'..'"),
+            ("FROM x\nCOPY https://e.test/r.git /\n", "use ADD"),
             ("FROM x\nCOPY https://e.test/a /\n", "use ADD"),
             ("FROM x\nCOPY --chmod=9z9 a /\n", "--chmod"),
             (
