@@ -679,6 +679,7 @@ impl Vm {
             })
             .collect::<Result<_, _>>()?;
         let join_fds: Vec<std::os::fd::RawFd> = join.iter().map(|f| f.as_raw_fd()).collect();
+        let t0 = std::time::Instant::now();
         let mut child = crate::jail::spawn::spawn(&crate::jail::spawn::Launch {
             program: &host.qemu,
             args: &args,
@@ -690,6 +691,12 @@ impl Vm {
         })?;
         drop(join);
         drop(log);
+        tracing::debug!(
+            pid = child.id(),
+            jailed = user.is_some(),
+            micros = t0.elapsed().as_micros() as u64,
+            "QEMU executed (clone, jail, exec)"
+        );
         // QEMU runs as its user now (spawn returns once exec succeeded): the uid lock can go,
         // and so can this process's copies of the descriptors (so that a QEMU that dies
         // closes its sockets).
