@@ -103,6 +103,7 @@ impl Fixture {
             workdir: "/".into(),
             files: vec![],
             network: Network::None,
+            security: kiln_recipes::plan::Security::Sandbox,
             mounts: vec![],
             secrets: vec![],
             timeout: Duration::from_secs(120),
@@ -428,6 +429,67 @@ fn capabilities_no_new_privs_and_read_only_kernel_interfaces() {
         lines,
         vec!["CapEff: 0000000000000000", "CapBnd: 00000000a80425fb"]
     );
+}
+
+/// Issue 41: `RUN --security=insecure` (BuildKit's `security.insecure` entitlement) is
+/// refused unless the executor allows it; allowed, the step has every capability the kernel
+/// has (ambient too, so also as another user), no seccomp filter, no no_new_privs, writable
+/// /proc/sys and /sys, and can mount, which the default set cannot.
+#[test]
+fn security_insecure_needs_the_entitlement_and_gives_every_capability() {
+    use kiln_recipes::plan::Security;
+    // Every capability this (root) process has: all the kernel knows where nothing
+    // narrowed the bounding set.
+    let status = fs::read_to_string("/proc/self/status").unwrap();
+    let all = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapPrm:"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let f = fixture("insecure");
+    let mut spec = f.spec(
+        "grep -E '^(CapEff|CapBnd|CapAmb|NoNewPrivs|Seccomp):' /proc/self/status | tr -s '\\t ' ' '; \
+         grep -q ' /proc/sys ' /proc/self/mountinfo && echo procsys-ro || echo procsys-writable; \
+         awk '$5 == \"/sys\" { print \"sys\", substr($6, 1, 2) }' /proc/self/mountinfo; \
+         mount -t tmpfs none /tmp && echo MOUNTED || echo no-mount; \
+         test -c /dev/fuse && echo fuse-node",
+    );
+    spec.security = Security::Insecure;
+    let (r, lines) = f.run(&spec);
+    assert!(matches!(r, Err(ExecError::InsecureRefused)), "{r:?}");
+    assert!(lines.is_empty());
+    assert!(
+        ExecError::InsecureRefused
+            .to_string()
+            .contains("--allow security.insecure")
+    );
+    let mut cfg = f.config();
+    cfg.allow_insecure = true;
+    let (r, lines) = f.run_with(cfg.clone(), &spec, &AtomicBool::new(false));
+    r.unwrap();
+    assert_eq!(
+        lines,
+        vec![
+            format!("CapEff: {all}"),
+            format!("CapBnd: {all}"),
+            format!("CapAmb: {all}"),
+            "NoNewPrivs: 0".into(),
+            "Seccomp: 0".into(),
+            "procsys-writable".into(),
+            "sys rw".into(),
+            "MOUNTED".into(),
+            "fuse-node".into(),
+        ]
+    );
+    // Another user keeps them (ambient), as under runc.
+    let f = fixture("insecure2");
+    let mut spec = f.spec("grep -E '^CapEff:' /proc/self/status | tr -s '\\t ' ' '; id -u");
+    spec.security = Security::Insecure;
+    spec.user = Some("alice".into());
+    let (r, lines) = f.run_with(cfg, &spec, &AtomicBool::new(false));
+    r.unwrap();
+    assert_eq!(lines, vec![format!("CapEff: {all}"), "1000".into()]);
 }
 
 /// Issue 14, part 3: every step runs under Docker's default seccomp profile

@@ -252,7 +252,8 @@ pub struct RunStep {
     pub mounts: Vec<Mount>,
     /// Network during the command.
     pub network: Network,
-    /// `RUN --security` (only `sandbox` is supported).
+    /// `RUN --security`: `insecure` needs the `security.insecure` entitlement
+    /// (`kiln build --allow security.insecure`), refused otherwise by the builder.
     pub security: Security,
     /// The proxy build args (`HTTP_PROXY`... given with `--build-arg`, no `ARG` needed), in
     /// both spellings, `KEY=value`, each a name `context.env` does not have. The command
@@ -510,9 +511,12 @@ impl Serialize for EgressRule {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Security {
-    /// The default sandbox.
+    /// The default sandbox: Docker's default capabilities and seccomp profile.
     #[default]
     Sandbox,
+    /// BuildKit's `security.insecure`: every capability, no seccomp filter, no masked or
+    /// read-only kernel paths. Part of the step's canonical form, so of its cache key.
+    Insecure,
 }
 
 /// A `COPY` or `ADD`.

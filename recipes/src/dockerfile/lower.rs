@@ -48,9 +48,6 @@ pub enum LowerError {
     /// `RUN --mount=type=ssh`: not supported yet.
     #[error("RUN --mount=type=ssh is not supported yet")]
     SshMount,
-    /// `RUN --security=insecure`: not supported yet.
-    #[error("RUN --security=insecure is not supported yet")]
-    InsecureSecurity,
     /// A `--mount`, `--network`, `--security`, `--chmod`, ... value kiln cannot use.
     #[error("{0}")]
     Invalid(String),
@@ -1623,7 +1620,8 @@ impl Lowering<'_> {
         };
         let security = match security.as_deref() {
             None | Some("sandbox") => Security::Sandbox,
-            Some("insecure") => return Err(Fault::new(offset, LowerError::InsecureSecurity)),
+            // In the plan; the builder runs it only with the security.insecure entitlement.
+            Some("insecure") => Security::Insecure,
             Some(other) => {
                 return Err(invalid(
                     offset,
@@ -2516,6 +2514,26 @@ mod tests {
             panic!()
         };
         assert_eq!(r.network, Network::Host);
+        assert_eq!(r.security, Security::Sandbox);
+    }
+
+    /// `--security=insecure` is in the plan (the builder asks for the entitlement), and the
+    /// step's canonical form, so its cache key, differs from the same step without it;
+    /// `--security=sandbox` is the default, the same step as none.
+    #[test]
+    fn run_security_insecure_is_planned_and_keyed() {
+        let p = plan(
+            "FROM scratch\nRUN --security=insecure true\nRUN true\nRUN --security=sandbox true\n",
+        );
+        let steps = &p.stages[0].steps;
+        let Action::Run(r) = &steps[0].action else {
+            panic!()
+        };
+        assert_eq!(r.security, Security::Insecure);
+        assert_ne!(steps[0].canonical_json(), steps[1].canonical_json());
+        assert_eq!(steps[1].canonical_json(), steps[2].canonical_json());
+        let e = error("FROM x\nRUN --security=bogus true\n", &Options::default());
+        assert!(e.to_string().contains("expected sandbox or insecure"), "{e}");
     }
 
     #[test]
@@ -2527,11 +2545,6 @@ mod tests {
             RecipeErrorKind::Lower(LowerError::SshMount)
         ));
         assert_eq!((e.line, e.column), (2, 5));
-        let e = error("FROM x\nRUN --security=insecure true\n", &o);
-        assert!(matches!(
-            e.kind,
-            RecipeErrorKind::Lower(LowerError::InsecureSecurity)
-        ));
         for (text, needle) in [
             ("FROM x\nRUN --network=bridge true\n", "--network"),
             (
