@@ -637,3 +637,41 @@ fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
     assert_eq!(built[0].1, built[1].1, "OCI manifest digest");
     kiln_tests::assert_same_bytes(&built[0].2, &built[1].2);
 }
+
+/// Issue 41: `RUN --security=insecure` fails the build before any step runs, naming the
+/// file, line and flag, unless `--allow security.insecure` is given; with it, the step can
+/// mount (a capability Docker's default set lacks) and has every capability.
+#[test]
+fn security_insecure_needs_allow_security_insecure() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (_t, ctx, store) = setup(&format!(
+        "FROM {bb}\nRUN echo ran-$((40+2))\n\
+         RUN --security=insecure mkdir -p /mnt && mount -t tmpfs none /mnt && grep CapEff /proc/self/status \
+         && echo insecure-$((40+2))\n"
+    ));
+    let build = |flags: &[&str]| {
+        let out = kiln(&store)
+            .args(["build", "--oci-only", "--progress", "plain"])
+            .args(flags)
+            .arg(&ctx)
+            .output()
+            .expect("run kiln");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, stderr) = build(&[]);
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains("Dockerfile:3: RUN --security=insecure needs the security.insecure entitlement")
+            && stderr.contains("--allow security.insecure"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("ran-42"), "a step ran: {stderr}");
+    let (ok, stderr) = build(&["--allow", "bogus"]);
+    assert!(!ok && stderr.contains("network.host and security.insecure"), "{stderr}");
+    let (ok, stderr) = build(&["--allow", "security.insecure"]);
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("insecure-42"), "{stderr}");
+}

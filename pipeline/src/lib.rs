@@ -139,6 +139,11 @@ pub enum PipelineError {
         /// The quota, bytes.
         limit: u64,
     },
+    /// The recipe asks for something the build is not entitled to (`RUN
+    /// --security=insecure` without `security.insecure`); the message names the file and
+    /// line.
+    #[error("{0}")]
+    Entitlement(String),
     /// The request's cancellation token fired.
     #[error("build cancelled")]
     Cancelled,
@@ -391,6 +396,10 @@ pub(crate) async fn run_leased(
             return Err(e.into());
         }
     };
+    if let Err(e) = check_entitlements(&plan, &req) {
+        let _ = lease.release().await;
+        return Err(e);
+    }
     for w in &plan.warnings {
         events.event(Event::Warning {
             location: w
@@ -505,9 +514,34 @@ pub fn check_recipe(req: &BuildRequest) -> Result<(), PipelineError> {
         disk_mib: req.disk_mib,
         ..Default::default()
     };
-    kiln_recipes::load(&req.recipe.name, &req.recipe.bytes, &options)
-        .map(|_| ())
-        .map_err(|e| PipelineError::Resolve(Box::new(ResolveError::Recipe(Box::new(e)))))
+    let plan = kiln_recipes::load(&req.recipe.name, &req.recipe.bytes, &options)
+        .map_err(|e| PipelineError::Resolve(Box::new(ResolveError::Recipe(Box::new(e)))))?;
+    check_entitlements(&plan, req)
+}
+
+/// Refuses a step of `plan` that needs an entitlement `req` does not have: `RUN
+/// --security=insecure` without [`BuildRequest::allow_insecure`]. The message names the
+/// step's file and line and the flag that allows it. Checked before anything runs (the
+/// executors check again).
+pub fn check_entitlements(
+    plan: &kiln_recipes::plan::BuildPlan,
+    req: &BuildRequest,
+) -> Result<(), PipelineError> {
+    use kiln_recipes::plan::{Action, Security};
+    for step in plan.stages.iter().flat_map(|s| &s.steps) {
+        let Action::Run(run) = &step.action else {
+            continue;
+        };
+        let at = format!("{}:{}", step.location.file, step.location.start_line);
+        if run.security == Security::Insecure && !req.allow_insecure {
+            return Err(PipelineError::Entitlement(format!(
+                "{at}: RUN --security=insecure needs the security.insecure entitlement: \
+                 `kiln build --allow security.insecure` (it runs the step with every \
+                 capability and no seccomp filter; never allowed for builds through the API)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The builder's options for `req`.
@@ -518,6 +552,7 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
     opts.no_cache_filter = req.no_cache_filter.clone();
     opts.jobs = setup.jobs.max(1);
     opts.exec.allow_network_host = req.network == NetworkPolicy::AllowHost;
+    opts.exec.allow_insecure = req.allow_insecure;
     opts.network = req.network.step_network();
     opts.exec.run_dir = work.join("run");
     opts.fetch.addresses = setup.addresses.clone();

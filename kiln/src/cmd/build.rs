@@ -114,8 +114,10 @@ pub struct Args {
     /// Write build metadata (JSON, buildx's keys) to this file.
     #[arg(long = "metadata-file")]
     pub metadata_file: Option<PathBuf>,
-    /// Extra privileges: `network.host` allows `RUN --network=host`.
-    #[arg(long = "allow")]
+    /// Extra privileges (repeatable): `network.host` allows `RUN --network=host`,
+    /// `security.insecure` allows `RUN --security=insecure` (every capability, no seccomp
+    /// filter).
+    #[arg(long = "allow", value_name = "ENTITLEMENT")]
     pub allow: Vec<String>,
     /// The network of every `RUN` step, over the recipe's (`docker build --network`):
     /// `default` keeps what each step asks for, `none` gives no step any network.
@@ -399,8 +401,8 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
         .collect::<Result<Vec<_>, _>>()?;
     let secrets = kiln_builder::secrets::Secrets::load(&specs)?;
     for e in &a.allow {
-        if e != "network.host" {
-            bail!("--allow {e:?}: the only entitlement is network.host");
+        if e != "network.host" && e != "security.insecure" {
+            bail!("--allow {e:?}: the entitlements are network.host and security.insecure");
         }
     }
     let (context, file) = locate(&a);
@@ -476,6 +478,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
     };
     req.output = output;
     req.ca_certs = a.egress.ca_certs()?;
+    req.allow_insecure = a.allow.iter().any(|e| e == "security.insecure");
     let cancel = req.cancel.clone();
     let events = printer(a.progress, cli.json);
 
