@@ -348,6 +348,23 @@ pub enum Mount {
         /// Owner gid.
         gid: u32,
     },
+    /// An SSH agent of the build (`kiln build --ssh`) as a socket (BuildKit's ssh mount).
+    /// The socket's host path is no part of the plan nor of the cache key; the id is.
+    Ssh {
+        /// The agent's id (`--ssh ID=...`), default `default`.
+        id: String,
+        /// The socket's path in the step; default `/run/buildkit/ssh_agent.<n>`, `n`
+        /// counting the step's ssh mounts from 0.
+        target: String,
+        /// Fail when the build has no such agent (default false: the mount is left out).
+        required: bool,
+        /// Socket mode (octal value), default 0o600.
+        mode: u32,
+        /// Owner uid.
+        uid: u32,
+        /// Owner gid.
+        gid: u32,
+    },
 }
 
 /// Where a mount or copy reads from, besides the build context.

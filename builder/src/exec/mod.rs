@@ -25,6 +25,7 @@ mod linux;
 pub mod logs;
 pub mod mounts;
 mod seccomp;
+pub mod ssh;
 pub mod user;
 
 use std::path::PathBuf;
@@ -273,6 +274,17 @@ impl StepSpec {
         let mut spec = StepSpec::from_plan(index, &bare, lower_dirs, upper_dir, work_dir, timeout)?;
         spec.mounts = resolved.mounts;
         spec.env.extend(resolved.env);
+        // BuildKit's exec op: `SSH_AUTH_SOCK` names the step's first ssh mount (given or
+        // not) unless the step's env sets it.
+        let first_ssh = run.mounts.iter().find_map(|m| match m {
+            kiln_recipes::plan::Mount::Ssh { target, .. } => Some(target),
+            _ => None,
+        });
+        if let Some(target) = first_ssh
+            && !spec.env.iter().any(|e| e.starts_with("SSH_AUTH_SOCK="))
+        {
+            spec.env.push(format!("SSH_AUTH_SOCK={target}"));
+        }
         spec.secrets.extend(resolved.redact);
         Ok(spec)
     }
