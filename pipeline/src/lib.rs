@@ -520,14 +520,16 @@ pub fn check_recipe(req: &BuildRequest) -> Result<(), PipelineError> {
 }
 
 /// Refuses a step of `plan` that needs an entitlement `req` does not have: `RUN
-/// --security=insecure` without [`BuildRequest::allow_insecure`]. The message names the
-/// step's file and line and the flag that allows it. Checked before anything runs (the
-/// executors check again).
+/// --security=insecure` without [`BuildRequest::allow_insecure`]; `RUN --mount=type=ssh`
+/// in a build without agents ([`BuildRequest::ssh`] `None`: the API, the nightly), under
+/// the microVM executor, or `required` with its id not given. The message names the step's
+/// file and line and what would allow it. Checked before anything runs (the executors
+/// check again).
 pub fn check_entitlements(
     plan: &kiln_recipes::plan::BuildPlan,
     req: &BuildRequest,
 ) -> Result<(), PipelineError> {
-    use kiln_recipes::plan::{Action, Security};
+    use kiln_recipes::plan::{Action, Mount, Security};
     for step in plan.stages.iter().flat_map(|s| &s.steps) {
         let Action::Run(run) = &step.action else {
             continue;
@@ -539,6 +541,33 @@ pub fn check_entitlements(
                  `kiln build --allow security.insecure` (it runs the step with every \
                  capability and no seccomp filter; never allowed for builds through the API)"
             )));
+        }
+        for m in &run.mounts {
+            let Mount::Ssh { id, required, .. } = m else {
+                continue;
+            };
+            let agents = match &req.ssh {
+                None => {
+                    return Err(PipelineError::Entitlement(format!(
+                        "{at}: RUN --mount=type=ssh is not available here: the build host has \
+                         no SSH agent of yours (pass keys and tokens as build secrets, RUN \
+                         --mount=type=secret, instead); only kiln build --ssh forwards one"
+                    )));
+                }
+                Some(a) => a,
+            };
+            if req.executor == Executor::Vm {
+                return Err(PipelineError::Entitlement(format!(
+                    "{at}: RUN --mount=type=ssh is not supported under --isolation vm: the SSH \
+                     agent is not forwarded over the guest channel"
+                )));
+            }
+            if *required && !agents.contains_key(id) {
+                return Err(PipelineError::Entitlement(format!(
+                    "{at}: RUN --mount=type=ssh: SSH agent {id:?} is required but was not \
+                     given (kiln build --ssh {id}[=SOCKET])"
+                )));
+            }
         }
     }
     Ok(())
@@ -570,6 +599,7 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
         ContextSource::Dir { path, dockerignore } => Some((path.clone(), dockerignore.clone())),
     };
     opts.secrets = req.secrets.clone();
+    opts.ssh = req.ssh.clone().unwrap_or_default();
     opts.recipe_digest = Some(kiln_builder::cache::digest_of(&req.recipe.bytes));
     opts.history = match &req.output {
         Output::Image { tags, .. } => tags.first().map(|t| t.tag.to_string()),

@@ -81,6 +81,11 @@ pub struct BuildRequest {
     /// it such a step fails the build before anything runs, naming its file and line; the
     /// API and the nightly never set it.
     pub allow_insecure: bool,
+    /// The SSH agents `RUN --mount=type=ssh` may reach (`kiln build --ssh`), id → the
+    /// agent's socket on this host. `None`: this kind of build has no agent at all (the
+    /// API, the nightly), and any ssh mount fails it before anything runs; `Some`: a mount
+    /// of an id not given is left out, or fails the build when `required`.
+    pub ssh: Option<BTreeMap<String, std::path::PathBuf>>,
 }
 
 impl BuildRequest {
@@ -114,6 +119,7 @@ impl BuildRequest {
             cancel: CancellationToken::new(),
             ca_certs: None,
             allow_insecure: false,
+            ssh: None,
         }
     }
 }

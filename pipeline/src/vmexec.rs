@@ -237,6 +237,16 @@ impl StepExecutor for VmExecutor {
         {
             return unsupported(&format!("RUN --mount=type=cache (at {})", m.target));
         }
+        if let Some(m) = spec
+            .mounts
+            .iter()
+            .find(|m| matches!(m.kind, kiln_builder::exec::MountKind::Ssh { .. }))
+        {
+            return unsupported(&format!(
+                "RUN --mount=type=ssh (at {}: the SSH agent is not forwarded over the guest channel)",
+                m.target
+            ));
+        }
         let binds = spec
             .mounts
             .iter()

@@ -138,8 +138,9 @@ pub struct Args {
     /// A secret for `RUN --mount=type=secret`: `id=ID,src=PATH` or `id=ID,env=VAR`.
     #[arg(long)]
     pub secret: Vec<String>,
-    /// SSH agent forwarding: refused (not supported).
-    #[arg(long)]
+    /// An SSH agent for `RUN --mount=type=ssh` (repeatable, buildx's spelling): `default`
+    /// ($SSH_AUTH_SOCK), `ID` ($SSH_AUTH_SOCK as ID) or `ID=SOCKET`.
+    #[arg(long, value_name = "default|ID[=SOCKET]")]
     pub ssh: Vec<String>,
     /// A named context: `NAME=oci-layout://DIR[:TAG]` (a FROM of NAME uses it).
     #[arg(long = "build-context")]
@@ -391,9 +392,10 @@ fn network_policy(a: &Args) -> anyhow::Result<NetworkPolicy> {
 /// Runs `kiln build`: flags → [`BuildRequest`] → [`kiln_pipeline::run`] → the digest on
 /// stdout (or the `built` event with `--json`), `--iidfile`, `--metadata-file` and a summary line on stderr.
 pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
-    for f in &a.ssh {
-        kiln_builder::secrets::refuse_ssh(f)?;
-    }
+    let ssh = kiln_builder::secrets::parse_ssh_flags(
+        &a.ssh,
+        std::env::var_os("SSH_AUTH_SOCK").as_deref(),
+    )?;
     let specs = a
         .secret
         .iter()
@@ -479,6 +481,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
     req.output = output;
     req.ca_certs = a.egress.ca_certs()?;
     req.allow_insecure = a.allow.iter().any(|e| e == "security.insecure");
+    req.ssh = Some(ssh);
     let cancel = req.cancel.clone();
     let events = printer(a.progress, cli.json);
 
