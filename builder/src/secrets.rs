@@ -234,8 +234,7 @@ pub fn parse_ssh_flags(
             }
             Some(p) => PathBuf::from(p),
         };
-        let md = std::fs::metadata(&path)
-            .map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        let md = std::fs::metadata(&path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
         if !md.file_type().is_socket() {
             return Err(bad(format!(
                 "{} is not a socket (key files are not supported: add the key to an ssh-agent \
@@ -298,11 +297,8 @@ mod tests {
         std::fs::write(&file, "key").unwrap();
         let env = Some(sock.as_os_str());
         let flags = |f: &[&str]| f.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let m = parse_ssh_flags(
-            &flags(&["default", &format!("gh={}", sock.display())]),
-            env,
-        )
-        .unwrap();
+        let m =
+            parse_ssh_flags(&flags(&["default", &format!("gh={}", sock.display())]), env).unwrap();
         assert_eq!(m["default"], sock);
         assert_eq!(m["gh"], sock);
         assert_eq!(parse_ssh_flags(&flags(&["x"]), env).unwrap()["x"], sock);

@@ -1301,7 +1301,11 @@ fn egress_git_clones_over_http_through_the_proxy() {
 fn ssh_mount_reaches_the_agent_read_only() {
     use kiln_builder::exec::{MountKind, StepMount};
     use std::process::{Command, Stdio};
-    for tool in ["/usr/bin/ssh-agent", "/usr/bin/ssh-add", "/usr/bin/ssh-keygen"] {
+    for tool in [
+        "/usr/bin/ssh-agent",
+        "/usr/bin/ssh-add",
+        "/usr/bin/ssh-keygen",
+    ] {
         assert!(
             Path::new(tool).exists(),
             "{tool} missing: install openssh-client"

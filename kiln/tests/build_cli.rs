@@ -664,13 +664,17 @@ fn security_insecure_needs_allow_security_insecure() {
     let (ok, stderr) = build(&[]);
     assert!(!ok, "{stderr}");
     assert!(
-        stderr.contains("Dockerfile:3: RUN --security=insecure needs the security.insecure entitlement")
-            && stderr.contains("--allow security.insecure"),
+        stderr.contains(
+            "Dockerfile:3: RUN --security=insecure needs the security.insecure entitlement"
+        ) && stderr.contains("--allow security.insecure"),
         "{stderr}"
     );
     assert!(!stderr.contains("ran-42"), "a step ran: {stderr}");
     let (ok, stderr) = build(&["--allow", "bogus"]);
-    assert!(!ok && stderr.contains("network.host and security.insecure"), "{stderr}");
+    assert!(
+        !ok && stderr.contains("network.host and security.insecure"),
+        "{stderr}"
+    );
     let (ok, stderr) = build(&["--allow", "security.insecure"]);
     assert!(ok, "{stderr}");
     assert!(stderr.contains("insecure-42"), "{stderr}");
@@ -720,7 +724,10 @@ fn ssh_mount_gets_the_agent_of_dash_dash_ssh() {
     assert!(!stderr.contains("ssh-42"), "the step ran again: {stderr}");
     // `--ssh default` without SSH_AUTH_SOCK is a usage error.
     let (ok, stderr) = build(&ctx, &["--ssh", "default"], None);
-    assert!(!ok && stderr.contains("SSH_AUTH_SOCK is not set"), "{stderr}");
+    assert!(
+        !ok && stderr.contains("SSH_AUTH_SOCK is not set"),
+        "{stderr}"
+    );
 
     let req = t.path().join("req");
     std::fs::create_dir(&req).expect("mkdir");

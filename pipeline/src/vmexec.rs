@@ -226,8 +226,7 @@ impl StepExecutor for VmExecutor {
         // The step's own VM is its sandbox: a root step there already has every
         // capability and no seccomp filter, so `--security=insecure` changes nothing in
         // the guest; it still needs the entitlement.
-        if spec.security == kiln_recipes::plan::Security::Insecure && !self.config.allow_insecure
-        {
+        if spec.security == kiln_recipes::plan::Security::Insecure && !self.config.allow_insecure {
             return Err(ExecError::InsecureRefused);
         }
         if let Some(m) = spec

@@ -2548,7 +2548,10 @@ mod tests {
         assert_ne!(steps[0].canonical_json(), steps[1].canonical_json());
         assert_eq!(steps[1].canonical_json(), steps[2].canonical_json());
         let e = error("FROM x\nRUN --security=bogus true\n", &Options::default());
-        assert!(e.to_string().contains("expected sandbox or insecure"), "{e}");
+        assert!(
+            e.to_string().contains("expected sandbox or insecure"),
+            "{e}"
+        );
     }
 
     /// `RUN --mount=type=ssh` with BuildKit's defaults (`dispatchSSH`, `AddSSHSocket`): id
