@@ -1205,7 +1205,10 @@ mod tests {
     #[test]
     fn qemu_messages_name_handed_files_by_their_paths() {
         let names = std::collections::HashMap::from([
-            (PathBuf::from("/s/disk.qcow2"), "/proc/self/fd/1".to_string()),
+            (
+                PathBuf::from("/s/disk.qcow2"),
+                "/proc/self/fd/1".to_string(),
+            ),
             (PathBuf::from("/s/mem"), "/proc/self/fd/12".to_string()),
         ]);
         assert_eq!(
