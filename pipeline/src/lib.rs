@@ -900,6 +900,45 @@ async fn move_tags(
 mod tests {
     use super::*;
 
+    /// Issue 41: what each kind of build may run. `check_recipe` (the API's check at
+    /// submission) refuses both; `kiln build` takes insecure with the flag, under either
+    /// executor, and ssh mounts only under the namespace executor, a required one only when
+    /// its agent was given.
+    #[test]
+    fn entitlements_by_kind_of_build() {
+        let req = |text: &str| {
+            BuildRequest::new(
+                Recipe {
+                    name: "Dockerfile".into(),
+                    bytes: text.as_bytes().to_vec(),
+                },
+                ContextSource::None,
+            )
+        };
+        let insecure = "FROM scratch\nRUN --security=insecure true\n";
+        let ssh = "FROM scratch\nRUN true\nRUN --mount=type=ssh,required=true true\n";
+        let err = |r: &BuildRequest| check_recipe(r).unwrap_err().to_string();
+        assert!(err(&req(insecure)).starts_with("Dockerfile:2: RUN --security=insecure needs"));
+        assert!(
+            err(&req(ssh)).starts_with("Dockerfile:3: RUN --mount=type=ssh is not available here")
+        );
+        let mut cli = req(insecure);
+        cli.allow_insecure = true;
+        check_recipe(&cli).unwrap();
+        cli.executor = Executor::Vm;
+        check_recipe(&cli).unwrap();
+        let mut cli = req(ssh);
+        cli.ssh = Some(std::collections::BTreeMap::new());
+        assert!(err(&cli).contains("SSH agent \"default\" is required but was not given"));
+        cli.ssh = Some(std::collections::BTreeMap::from([(
+            "default".into(),
+            PathBuf::from("/a.sock"),
+        )]));
+        check_recipe(&cli).unwrap();
+        cli.executor = Executor::Vm;
+        assert!(err(&cli).contains("not supported under --isolation vm"));
+    }
+
     /// A tag pinned absent at the start finds the tag already naming the build's image
     /// (another node's run of the same build published first): the tag holds, no lost race.
     /// An expectation the caller wrote (`Absent`) stays strict.
