@@ -64,6 +64,7 @@ fn main() {
             workdir: "/".into(),
             files: vec![],
             network: network.clone(),
+            security: kiln_recipes::plan::Security::Sandbox,
             mounts: vec![],
             secrets: vec![],
             timeout: Duration::from_secs(900),

@@ -9,8 +9,8 @@
 //!
 //! [`SecretValue`] never prints its bytes (`Debug` shows the length), and the executor adds
 //! every secret value a step can see to the values its logs redact
-//! ([`crate::exec::logs::REDACTED`]). SSH agent forwarding (`--ssh`, `RUN --mount=type=ssh`)
-//! is not supported: [`refuse_ssh`].
+//! ([`crate::exec::logs::REDACTED`]). SSH agents (`--ssh`, for `RUN --mount=type=ssh`):
+//! [`parse_ssh_flags`].
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -57,9 +57,14 @@ pub enum SecretsError {
         /// Secret id.
         id: String,
     },
-    /// `--ssh` or an ssh mount.
-    #[error("SSH agent forwarding (--ssh, RUN --mount=type=ssh) is not supported")]
-    SshUnsupported,
+    /// A bad `--ssh` value.
+    #[error("--ssh {flag:?}: {reason}")]
+    BadSsh {
+        /// The flag's value.
+        flag: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// Where a secret's value comes from.
@@ -195,9 +200,53 @@ pub fn parse_secret_flag(flag: &str) -> Result<SecretSpec, SecretsError> {
     Ok(SecretSpec { id, source })
 }
 
-/// `--ssh` is refused, whatever its value.
-pub fn refuse_ssh(_flag: &str) -> Result<(), SecretsError> {
-    Err(SecretsError::SshUnsupported)
+/// The SSH agents of `--ssh` flags (buildx's spelling, `docker buildx build --ssh`), id →
+/// the agent's socket: `default` or `ID` alone take `ssh_auth_sock` (the caller's
+/// `$SSH_AUTH_SOCK`), `ID=SOCKET` that socket. Each id once; a path must be a socket
+/// (buildx also takes private key files and loads them into an agent of its own: kiln does
+/// not, load the key with `ssh-add` into an agent and give its socket), one per id.
+pub fn parse_ssh_flags(
+    flags: &[String],
+    ssh_auth_sock: Option<&std::ffi::OsStr>,
+) -> Result<BTreeMap<String, PathBuf>, SecretsError> {
+    use std::os::unix::fs::FileTypeExt;
+    let mut out = BTreeMap::new();
+    for flag in flags {
+        let bad = |reason: String| SecretsError::BadSsh {
+            flag: flag.clone(),
+            reason,
+        };
+        let (id, paths) = match flag.split_once('=') {
+            Some((id, p)) => (id, Some(p)),
+            None => (flag.as_str(), None),
+        };
+        if id.is_empty() {
+            return Err(bad("expected default, ID or ID=SOCKET".into()));
+        }
+        let path = match paths {
+            None | Some("") => PathBuf::from(
+                ssh_auth_sock
+                    .filter(|s| !s.is_empty())
+                    .ok_or_else(|| bad("SSH_AUTH_SOCK is not set (no agent to forward)".into()))?,
+            ),
+            Some(p) if p.contains(',') => {
+                return Err(bad("one agent socket per id".into()));
+            }
+            Some(p) => PathBuf::from(p),
+        };
+        let md = std::fs::metadata(&path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        if !md.file_type().is_socket() {
+            return Err(bad(format!(
+                "{} is not a socket (key files are not supported: add the key to an ssh-agent \
+                 with ssh-add and give the agent's socket)",
+                path.display()
+            )));
+        }
+        if out.insert(id.to_string(), path).is_some() {
+            return Err(bad(format!("agent id {id:?} given twice")));
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -237,10 +286,36 @@ mod tests {
         ] {
             assert!(parse_secret_flag(bad).is_err(), "{bad}");
         }
-        assert!(matches!(
-            refuse_ssh("default"),
-            Err(SecretsError::SshUnsupported)
-        ));
+    }
+
+    #[test]
+    fn ssh_flags() {
+        let d = tempfile::tempdir().unwrap();
+        let sock = d.path().join("agent.sock");
+        let _l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let file = d.path().join("id_ed25519");
+        std::fs::write(&file, "key").unwrap();
+        let env = Some(sock.as_os_str());
+        let flags = |f: &[&str]| f.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let m =
+            parse_ssh_flags(&flags(&["default", &format!("gh={}", sock.display())]), env).unwrap();
+        assert_eq!(m["default"], sock);
+        assert_eq!(m["gh"], sock);
+        assert_eq!(parse_ssh_flags(&flags(&["x"]), env).unwrap()["x"], sock);
+        for (bad, why) in [
+            (vec!["default".to_string()], "SSH_AUTH_SOCK is not set"),
+            (vec![format!("a={}", file.display())], "is not a socket"),
+            (
+                vec![format!("a={},{}", sock.display(), sock.display())],
+                "one agent socket per id",
+            ),
+            (vec!["=x".to_string()], "expected default"),
+        ] {
+            let e = parse_ssh_flags(&bad, None).unwrap_err().to_string();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
+        let e = parse_ssh_flags(&flags(&["a", "a"]), env).unwrap_err();
+        assert!(e.to_string().contains("given twice"), "{e}");
     }
 
     #[test]

@@ -201,6 +201,7 @@ fn copy_layers_then_run_on_busybox() {
         workdir: "/".into(),
         files: vec![],
         network: Network::None,
+        security: kiln_recipes::plan::Security::Sandbox,
         mounts: vec![],
         secrets: vec![],
         timeout: Duration::from_secs(120),

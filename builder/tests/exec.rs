@@ -103,6 +103,7 @@ impl Fixture {
             workdir: "/".into(),
             files: vec![],
             network: Network::None,
+            security: kiln_recipes::plan::Security::Sandbox,
             mounts: vec![],
             secrets: vec![],
             timeout: Duration::from_secs(120),
@@ -428,6 +429,67 @@ fn capabilities_no_new_privs_and_read_only_kernel_interfaces() {
         lines,
         vec!["CapEff: 0000000000000000", "CapBnd: 00000000a80425fb"]
     );
+}
+
+/// Issue 41: `RUN --security=insecure` (BuildKit's `security.insecure` entitlement) is
+/// refused unless the executor allows it; allowed, the step has every capability the kernel
+/// has (ambient too, so also as another user), no seccomp filter, no no_new_privs, writable
+/// /proc/sys and /sys, and can mount, which the default set cannot.
+#[test]
+fn security_insecure_needs_the_entitlement_and_gives_every_capability() {
+    use kiln_recipes::plan::Security;
+    // Every capability this (root) process has: all the kernel knows where nothing
+    // narrowed the bounding set.
+    let status = fs::read_to_string("/proc/self/status").unwrap();
+    let all = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapPrm:"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let f = fixture("insecure");
+    let mut spec = f.spec(
+        "grep -E '^(CapEff|CapBnd|CapAmb|NoNewPrivs|Seccomp):' /proc/self/status | tr -s '\\t ' ' '; \
+         grep -q ' /proc/sys ' /proc/self/mountinfo && echo procsys-ro || echo procsys-writable; \
+         awk '$5 == \"/sys\" { print \"sys\", substr($6, 1, 2) }' /proc/self/mountinfo; \
+         mount -t tmpfs none /tmp && echo MOUNTED || echo no-mount; \
+         test -c /dev/fuse && echo fuse-node",
+    );
+    spec.security = Security::Insecure;
+    let (r, lines) = f.run(&spec);
+    assert!(matches!(r, Err(ExecError::InsecureRefused)), "{r:?}");
+    assert!(lines.is_empty());
+    assert!(
+        ExecError::InsecureRefused
+            .to_string()
+            .contains("--allow security.insecure")
+    );
+    let mut cfg = f.config();
+    cfg.allow_insecure = true;
+    let (r, lines) = f.run_with(cfg.clone(), &spec, &AtomicBool::new(false));
+    r.unwrap();
+    assert_eq!(
+        lines,
+        vec![
+            format!("CapEff: {all}"),
+            format!("CapBnd: {all}"),
+            format!("CapAmb: {all}"),
+            "NoNewPrivs: 0".into(),
+            "Seccomp: 0".into(),
+            "procsys-writable".into(),
+            "sys rw".into(),
+            "MOUNTED".into(),
+            "fuse-node".into(),
+        ]
+    );
+    // Another user keeps them (ambient), as under runc.
+    let f = fixture("insecure2");
+    let mut spec = f.spec("grep -E '^CapEff:' /proc/self/status | tr -s '\\t ' ' '; id -u");
+    spec.security = Security::Insecure;
+    spec.user = Some("alice".into());
+    let (r, lines) = f.run_with(cfg, &spec, &AtomicBool::new(false));
+    r.unwrap();
+    assert_eq!(lines, vec![format!("CapEff: {all}"), "1000".into()]);
 }
 
 /// Issue 14, part 3: every step runs under Docker's default seccomp profile
@@ -1229,4 +1291,101 @@ fn egress_git_clones_over_http_through_the_proxy() {
             .any(|l| l.starts_with("GET /repo.git/info/refs")),
         "{seen:#?}"
     );
+}
+
+/// Issue 41: a `RUN --mount=type=ssh` step reaches a real `ssh-agent` of the host through
+/// the socket at its target (owned and moded as the mount says), lists its key, and cannot
+/// remove it (the read-only agent BuildKit forwards). The step runs the host's `ssh-add`
+/// (its `/usr` bound in read-only).
+#[test]
+fn ssh_mount_reaches_the_agent_read_only() {
+    use kiln_builder::exec::{MountKind, StepMount};
+    use std::process::{Command, Stdio};
+    for tool in [
+        "/usr/bin/ssh-agent",
+        "/usr/bin/ssh-add",
+        "/usr/bin/ssh-keygen",
+    ] {
+        assert!(
+            Path::new(tool).exists(),
+            "{tool} missing: install openssh-client"
+        );
+    }
+    let f = fixture("ssh");
+    std::os::unix::fs::symlink("usr/lib", f.root.join("lib")).unwrap();
+    std::os::unix::fs::symlink("usr/lib64", f.root.join("lib64")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("agent.sock");
+    let mut agent = Command::new("/usr/bin/ssh-agent")
+        .arg("-D")
+        .arg("-a")
+        .arg(&sock)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    for _ in 0..250 {
+        if sock.exists() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let key = dir.path().join("key");
+    let ok = |c: &mut Command| {
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{c:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    ok(Command::new("/usr/bin/ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-C", "kiln-test-key", "-f"])
+        .arg(&key));
+    ok(Command::new("/usr/bin/ssh-add")
+        .env("SSH_AUTH_SOCK", &sock)
+        .arg(&key));
+    let target = "/run/buildkit/ssh_agent.0";
+    let mut spec = f.spec(
+        "echo sock=$SSH_AUTH_SOCK; ls -ln $SSH_AUTH_SOCK | awk '{print $1, $3, $4}'; \
+         /usr/bin/ssh-add -l | awk '{print $3}'; \
+         /usr/bin/ssh-add -D >/dev/null 2>&1 && echo removed || echo refused",
+    );
+    spec.env = vec![format!("SSH_AUTH_SOCK={target}")];
+    spec.mounts = vec![
+        StepMount {
+            target: "/usr".into(),
+            kind: MountKind::Bind {
+                root: "/".into(),
+                path: "usr".into(),
+                readwrite: false,
+            },
+        },
+        StepMount {
+            target: target.into(),
+            kind: MountKind::Ssh {
+                id: "default".into(),
+                agent: sock.clone(),
+                mode: 0o660,
+                uid: 1000,
+                gid: 1000,
+            },
+        },
+    ];
+    let (r, lines) = f.run(&spec);
+    let listed = ok(Command::new("/usr/bin/ssh-add")
+        .env("SSH_AUTH_SOCK", &sock)
+        .arg("-l"));
+    let _ = agent.kill();
+    let _ = agent.wait();
+    r.unwrap();
+    assert_eq!(
+        lines,
+        vec![
+            format!("sock={target}"),
+            "srw-rw---- 1000 1000".into(),
+            "kiln-test-key".into(),
+            "refused".into(),
+        ]
+    );
+    assert!(listed.contains("kiln-test-key"), "{listed}");
+    // Nothing of the mount is in the layer.
+    assert!(!f.upper.join("run").exists());
 }

@@ -637,3 +637,120 @@ fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
     assert_eq!(built[0].1, built[1].1, "OCI manifest digest");
     kiln_tests::assert_same_bytes(&built[0].2, &built[1].2);
 }
+
+/// Issue 41: `RUN --security=insecure` fails the build before any step runs, naming the
+/// file, line and flag, unless `--allow security.insecure` is given; with it, the step can
+/// mount (a capability Docker's default set lacks) and has every capability.
+#[test]
+fn security_insecure_needs_allow_security_insecure() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (_t, ctx, store) = setup(&format!(
+        "FROM {bb}\nRUN echo ran-$((40+2))\n\
+         RUN --security=insecure mkdir -p /mnt && mount -t tmpfs none /mnt && grep CapEff /proc/self/status \
+         && echo insecure-$((40+2))\n"
+    ));
+    let build = |flags: &[&str]| {
+        let out = kiln(&store)
+            .args(["build", "--oci-only", "--progress", "plain"])
+            .args(flags)
+            .arg(&ctx)
+            .output()
+            .expect("run kiln");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, stderr) = build(&[]);
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains(
+            "Dockerfile:3: RUN --security=insecure needs the security.insecure entitlement"
+        ) && stderr.contains("--allow security.insecure"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("ran-42"), "a step ran: {stderr}");
+    let (ok, stderr) = build(&["--allow", "bogus"]);
+    assert!(
+        !ok && stderr.contains("network.host and security.insecure"),
+        "{stderr}"
+    );
+    let (ok, stderr) = build(&["--allow", "security.insecure"]);
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("insecure-42"), "{stderr}");
+}
+
+/// Issue 41: `kiln build --ssh default` gives a `RUN --mount=type=ssh` step the socket of
+/// `$SSH_AUTH_SOCK` at `/run/buildkit/ssh_agent.0`, named by `SSH_AUTH_SOCK`; the agent's
+/// path is not in the cache key (another socket: a cache hit); without `--ssh` an optional
+/// mount is left out and a `required` one fails the build naming the line and the flag.
+#[test]
+fn ssh_mount_gets_the_agent_of_dash_dash_ssh() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, ctx, store) = setup(&format!(
+        "FROM {bb}\n\
+         RUN --mount=type=ssh test -S \"$SSH_AUTH_SOCK\" && echo \"ssh-$((40+2)) $SSH_AUTH_SOCK\"\n"
+    ));
+    // A listening socket stands in for the agent (the step only checks it is there).
+    let sock = |n: u32| {
+        let p = t.path().join(format!("agent{n}.sock"));
+        (std::os::unix::net::UnixListener::bind(&p).expect("bind"), p)
+    };
+    let build = |ctx: &Path, flags: &[&str], agent: Option<&Path>| {
+        let mut c = kiln(&store);
+        c.args(["build", "--oci-only", "--progress", "plain"])
+            .args(flags)
+            .arg(ctx);
+        match agent {
+            Some(a) => c.env("SSH_AUTH_SOCK", a),
+            None => c.env_remove("SSH_AUTH_SOCK"),
+        };
+        let out = c.output().expect("run kiln");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (_l1, a1) = sock(1);
+    let (ok, stderr) = build(&ctx, &["--ssh", "default"], Some(&a1));
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("ssh-42 /run/buildkit/ssh_agent.0"),
+        "{stderr}"
+    );
+    let (_l2, a2) = sock(2);
+    let (ok, stderr) = build(&ctx, &["--ssh", &format!("default={}", a2.display())], None);
+    assert!(ok, "{stderr}");
+    assert!(!stderr.contains("ssh-42"), "the step ran again: {stderr}");
+    // `--ssh default` without SSH_AUTH_SOCK is a usage error.
+    let (ok, stderr) = build(&ctx, &["--ssh", "default"], None);
+    assert!(
+        !ok && stderr.contains("SSH_AUTH_SOCK is not set"),
+        "{stderr}"
+    );
+
+    let req = t.path().join("req");
+    std::fs::create_dir(&req).expect("mkdir");
+    std::fs::write(
+        req.join("Dockerfile"),
+        format!(
+            "FROM {bb}\nRUN --mount=type=ssh echo optional-${{SSH_AUTH_SOCK}}-$(test -S /run/buildkit/ssh_agent.0 && echo there || echo absent)\n\
+             RUN --mount=type=ssh,id=gh,required=true true\n"
+        ),
+    )
+    .expect("write");
+    let (ok, stderr) = build(&req, &[], None);
+    assert!(!ok, "{stderr}");
+    assert!(
+        stderr.contains(
+            "Dockerfile:3: RUN --mount=type=ssh: SSH agent \"gh\" is required but was not given (kiln build --ssh gh[=SOCKET])"
+        ),
+        "{stderr}"
+    );
+    let (ok, stderr) = build(&req, &["--ssh", &format!("gh={}", a1.display())], None);
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("optional-/run/buildkit/ssh_agent.0-absent"),
+        "{stderr}"
+    );
+}

@@ -99,17 +99,17 @@ fn recipe_plan_as_json() {
 fn bad_input_is_located_and_fails() {
     let dir = scratch("bad");
     let file = dir.join("Dockerfile");
-    std::fs::write(&file, "FROM alpine\nRUN --mount=type=ssh true\n").unwrap();
+    std::fs::write(&file, "FROM alpine\nRUN --mount=type=ssh,source=/a true\n").unwrap();
     let out = kiln(&["plan", file.to_str().unwrap(), "--json"]);
     assert!(!out.status.success());
     assert!(out.stdout.is_empty());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("Dockerfile:2:5: RUN --mount=type=ssh is not supported yet"),
+        err.contains("Dockerfile:2:5: unexpected key 'source' in --mount type=ssh"),
         "{err}"
     );
     assert!(
-        err.contains(" 2 | RUN --mount=type=ssh true\n   |     ^"),
+        err.contains(" 2 | RUN --mount=type=ssh,source=/a true\n   |     ^"),
         "{err}"
     );
     let out = kiln(&["plan", dir.join("missing").to_str().unwrap()]);

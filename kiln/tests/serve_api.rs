@@ -398,6 +398,26 @@ fn keys_blobs_recipe_errors_and_idempotency() {
         )
         .await;
         assert_eq!(r.status(), 400);
+        // Issue 41: what only `kiln build` may be entitled to is a 400 naming the
+        // instruction, file and line.
+        for (recipe, want) in [
+            (
+                format!("FROM {bb}\nRUN true\nRUN --security=insecure true\n"),
+                "Dockerfile:3: RUN --security=insecure needs the security.insecure entitlement",
+            ),
+            (
+                format!("FROM {bb}\nRUN true\nRUN --mount=type=ssh true\n"),
+                "Dockerfile:3: RUN --mount=type=ssh is not available here: the build host has no SSH agent of yours",
+            ),
+        ] {
+            let r = submit(&c, &s, &key, &json!({}), None, Some(recipe.as_bytes()), None).await;
+            assert_eq!(r.status(), 400, "{recipe}");
+            let msg = json_of(r).await["message"]
+                .as_str()
+                .expect("msg")
+                .to_string();
+            assert!(msg.contains(want), "{msg}");
+        }
         // A bad tag name cannot reach another namespace.
         // (`rival/app:1` is a valid Docker name, stored as `<own workspace>.rival/app`: the
         // tags unit tests check it stays in the workspace.)

@@ -194,6 +194,7 @@ impl Fixture {
             workdir: "/".into(),
             files: vec![],
             network,
+            security: kiln_recipes::plan::Security::Sandbox,
             mounts: vec![],
             secrets: vec![],
             timeout: Duration::from_secs(600),

@@ -140,6 +140,11 @@ pub enum PipelineError {
         /// The quota, bytes.
         limit: u64,
     },
+    /// The recipe asks for something the build is not entitled to (`RUN
+    /// --security=insecure` without `security.insecure`); the message names the file and
+    /// line.
+    #[error("{0}")]
+    Entitlement(String),
     /// The request's cancellation token fired.
     #[error("build cancelled")]
     Cancelled,
@@ -392,6 +397,10 @@ pub(crate) async fn run_leased(
             return Err(e.into());
         }
     };
+    if let Err(e) = check_entitlements(&plan, &req) {
+        let _ = lease.release().await;
+        return Err(e);
+    }
     for w in &plan.warnings {
         events.event(Event::Warning {
             location: w
@@ -511,7 +520,62 @@ pub fn check_recipe(req: &BuildRequest) -> Result<(), PipelineError> {
     };
     let plan = kiln_recipes::load(&req.recipe.name, &req.recipe.bytes, &options)
         .map_err(|e| PipelineError::Resolve(Box::new(ResolveError::Recipe(Box::new(e)))))?;
-    kiln_builder::build::check_supported(&plan).map_err(|e| PipelineError::Build(Box::new(e)))
+    kiln_builder::build::check_supported(&plan).map_err(|e| PipelineError::Build(Box::new(e)))?;
+    check_entitlements(&plan, req)
+}
+
+/// Refuses a step of `plan` that needs an entitlement `req` does not have: `RUN
+/// --security=insecure` without [`BuildRequest::allow_insecure`]; `RUN --mount=type=ssh`
+/// in a build without agents ([`BuildRequest::ssh`] `None`: the API, the nightly), under
+/// the microVM executor, or `required` with its id not given. The message names the step's
+/// file and line and what would allow it. Checked before anything runs (the executors
+/// check again).
+pub fn check_entitlements(
+    plan: &kiln_recipes::plan::BuildPlan,
+    req: &BuildRequest,
+) -> Result<(), PipelineError> {
+    use kiln_recipes::plan::{Action, Mount, Security};
+    for step in plan.stages.iter().flat_map(|s| &s.steps) {
+        let Action::Run(run) = &step.action else {
+            continue;
+        };
+        let at = format!("{}:{}", step.location.file, step.location.start_line);
+        if run.security == Security::Insecure && !req.allow_insecure {
+            return Err(PipelineError::Entitlement(format!(
+                "{at}: RUN --security=insecure needs the security.insecure entitlement: \
+                 `kiln build --allow security.insecure` (it runs the step with every \
+                 capability and no seccomp filter; never allowed for builds through the API)"
+            )));
+        }
+        for m in &run.mounts {
+            let Mount::Ssh { id, required, .. } = m else {
+                continue;
+            };
+            let agents = match &req.ssh {
+                None => {
+                    return Err(PipelineError::Entitlement(format!(
+                        "{at}: RUN --mount=type=ssh is not available here: the build host has \
+                         no SSH agent of yours (pass keys and tokens as build secrets, RUN \
+                         --mount=type=secret, instead); only kiln build --ssh forwards one"
+                    )));
+                }
+                Some(a) => a,
+            };
+            if req.executor == Executor::Vm {
+                return Err(PipelineError::Entitlement(format!(
+                    "{at}: RUN --mount=type=ssh is not supported under --isolation vm: the SSH \
+                     agent is not forwarded over the guest channel"
+                )));
+            }
+            if *required && !agents.contains_key(id) {
+                return Err(PipelineError::Entitlement(format!(
+                    "{at}: RUN --mount=type=ssh: SSH agent {id:?} is required but was not \
+                     given (kiln build --ssh {id}[=SOCKET])"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The builder's options for `req`.
@@ -522,6 +586,7 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
     opts.no_cache_filter = req.no_cache_filter.clone();
     opts.jobs = setup.jobs.max(1);
     opts.exec.allow_network_host = req.network == NetworkPolicy::AllowHost;
+    opts.exec.allow_insecure = req.allow_insecure;
     opts.network = req.network.step_network();
     opts.exec.run_dir = work.join("run");
     opts.fetch.addresses = setup.addresses.clone();
@@ -539,6 +604,7 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
         ContextSource::Dir { path, dockerignore } => Some((path.clone(), dockerignore.clone())),
     };
     opts.secrets = req.secrets.clone();
+    opts.ssh = req.ssh.clone().unwrap_or_default();
     opts.recipe_digest = Some(kiln_builder::cache::digest_of(&req.recipe.bytes));
     opts.history = match &req.output {
         Output::Image { tags, .. } => tags.first().map(|t| t.tag.to_string()),
@@ -839,6 +905,45 @@ async fn move_tags(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 41: what each kind of build may run. `check_recipe` (the API's check at
+    /// submission) refuses both; `kiln build` takes insecure with the flag, under either
+    /// executor, and ssh mounts only under the namespace executor, a required one only when
+    /// its agent was given.
+    #[test]
+    fn entitlements_by_kind_of_build() {
+        let req = |text: &str| {
+            BuildRequest::new(
+                Recipe {
+                    name: "Dockerfile".into(),
+                    bytes: text.as_bytes().to_vec(),
+                },
+                ContextSource::None,
+            )
+        };
+        let insecure = "FROM scratch\nRUN --security=insecure true\n";
+        let ssh = "FROM scratch\nRUN true\nRUN --mount=type=ssh,required=true true\n";
+        let err = |r: &BuildRequest| check_recipe(r).unwrap_err().to_string();
+        assert!(err(&req(insecure)).starts_with("Dockerfile:2: RUN --security=insecure needs"));
+        assert!(
+            err(&req(ssh)).starts_with("Dockerfile:3: RUN --mount=type=ssh is not available here")
+        );
+        let mut cli = req(insecure);
+        cli.allow_insecure = true;
+        check_recipe(&cli).unwrap();
+        cli.executor = Executor::Vm;
+        check_recipe(&cli).unwrap();
+        let mut cli = req(ssh);
+        cli.ssh = Some(std::collections::BTreeMap::new());
+        assert!(err(&cli).contains("SSH agent \"default\" is required but was not given"));
+        cli.ssh = Some(std::collections::BTreeMap::from([(
+            "default".into(),
+            PathBuf::from("/a.sock"),
+        )]));
+        check_recipe(&cli).unwrap();
+        cli.executor = Executor::Vm;
+        assert!(err(&cli).contains("not supported under --isolation vm"));
+    }
 
     /// A tag pinned absent at the start finds the tag already naming the build's image
     /// (another node's run of the same build published first): the tag holds, no lost race.

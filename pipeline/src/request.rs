@@ -76,6 +76,16 @@ pub struct BuildRequest {
     /// `ca_certs`), after the host's ([`crate::Setup::ca_certs`]); they change no layer and
     /// no cache key ([`kiln_builder::egress::ca`]).
     pub ca_certs: Option<kiln_builder::egress::ca::CaCerts>,
+    /// The `security.insecure` entitlement (`kiln build --allow security.insecure`): `RUN
+    /// --security=insecure` steps run with every capability and no seccomp filter. Without
+    /// it such a step fails the build before anything runs, naming its file and line; the
+    /// API and the nightly never set it.
+    pub allow_insecure: bool,
+    /// The SSH agents `RUN --mount=type=ssh` may reach (`kiln build --ssh`), id → the
+    /// agent's socket on this host. `None`: this kind of build has no agent at all (the
+    /// API, the nightly), and any ssh mount fails it before anything runs; `Some`: a mount
+    /// of an id not given is left out, or fails the build when `required`.
+    pub ssh: Option<BTreeMap<String, std::path::PathBuf>>,
 }
 
 impl BuildRequest {
@@ -108,6 +118,8 @@ impl BuildRequest {
             storage_quota: None,
             cancel: CancellationToken::new(),
             ca_certs: None,
+            allow_insecure: false,
+            ssh: None,
         }
     }
 }

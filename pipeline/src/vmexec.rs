@@ -224,12 +224,28 @@ impl StepExecutor for VmExecutor {
         if spec.network == Network::Host {
             return unsupported("RUN --network=host");
         }
+        // The step's own VM is its sandbox: a root step there already has every
+        // capability and no seccomp filter, so `--security=insecure` changes nothing in
+        // the guest; it still needs the entitlement.
+        if spec.security == kiln_recipes::plan::Security::Insecure && !self.config.allow_insecure {
+            return Err(ExecError::InsecureRefused);
+        }
         if let Some(m) = spec
             .mounts
             .iter()
             .find(|m| matches!(m.kind, kiln_builder::exec::MountKind::Cache { .. }))
         {
             return unsupported(&format!("RUN --mount=type=cache (at {})", m.target));
+        }
+        if let Some(m) = spec
+            .mounts
+            .iter()
+            .find(|m| matches!(m.kind, kiln_builder::exec::MountKind::Ssh { .. }))
+        {
+            return unsupported(&format!(
+                "RUN --mount=type=ssh (at {}: the SSH agent is not forwarded over the guest channel)",
+                m.target
+            ));
         }
         let binds = spec
             .mounts

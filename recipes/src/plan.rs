@@ -252,7 +252,8 @@ pub struct RunStep {
     pub mounts: Vec<Mount>,
     /// Network during the command.
     pub network: Network,
-    /// `RUN --security` (only `sandbox` is supported).
+    /// `RUN --security`: `insecure` needs the `security.insecure` entitlement
+    /// (`kiln build --allow security.insecure`), refused otherwise by the builder.
     pub security: Security,
     /// The proxy build args (`HTTP_PROXY`... given with `--build-arg`, no `ARG` needed), in
     /// both spellings, `KEY=value`, each a name `context.env` does not have. The command
@@ -341,6 +342,23 @@ pub enum Mount {
         /// Fail when the secret is missing.
         required: bool,
         /// File mode (octal value), default 0o400.
+        mode: u32,
+        /// Owner uid.
+        uid: u32,
+        /// Owner gid.
+        gid: u32,
+    },
+    /// An SSH agent of the build (`kiln build --ssh`) as a socket (BuildKit's ssh mount).
+    /// The socket's host path is no part of the plan nor of the cache key; the id is.
+    Ssh {
+        /// The agent's id (`--ssh ID=...`), default `default`.
+        id: String,
+        /// The socket's path in the step; default `/run/buildkit/ssh_agent.<n>`, `n`
+        /// counting the step's ssh mounts from 0.
+        target: String,
+        /// Fail when the build has no such agent (default false: the mount is left out).
+        required: bool,
+        /// Socket mode (octal value), default 0o600.
         mode: u32,
         /// Owner uid.
         uid: u32,
@@ -510,9 +528,12 @@ impl Serialize for EgressRule {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Security {
-    /// The default sandbox.
+    /// The default sandbox: Docker's default capabilities and seccomp profile.
     #[default]
     Sandbox,
+    /// BuildKit's `security.insecure`: every capability, no seccomp filter, no masked or
+    /// read-only kernel paths. Part of the step's canonical form, so of its cache key.
+    Insecure,
 }
 
 /// A `COPY` or `ADD`.

@@ -112,6 +112,9 @@ pub struct BuildOptions {
     pub context: Option<(PathBuf, Dockerignore)>,
     /// The build's secrets (`--secret`), for `RUN --mount=type=secret`.
     pub secrets: Secrets,
+    /// The build's SSH agents (`--ssh`), id → the agent's socket on the host, for `RUN
+    /// --mount=type=ssh`. Not part of any cache key (the mount's id is, in the plan).
+    pub ssh: std::collections::BTreeMap<String, PathBuf>,
     /// How `ADD` fetches URLs; its address policy is the egress proxy's too.
     pub fetch: FetchOptions,
     /// The network of every step, over the recipe's
@@ -152,6 +155,7 @@ impl BuildOptions {
             sandbox_layer: true,
             context: None,
             secrets: Secrets::default(),
+            ssh: Default::default(),
             fetch: FetchOptions::default(),
             network: None,
             recipe_digest: None,
@@ -1791,6 +1795,7 @@ async fn prepare_inputs(
                         .unwrap_or_else(|| ctx.opts.work_dir.join("cache-mounts")),
                 ),
                 secrets: ctx.opts.secrets.clone(),
+                ssh: ctx.opts.ssh.clone(),
                 ..MountInputs::default()
             };
             let scratch = ctx.dirs.temp("mount-scratch");

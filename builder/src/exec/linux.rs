@@ -22,7 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kiln_recipes::plan::{DEFAULT_PATH, Network};
+use kiln_recipes::plan::{DEFAULT_PATH, Network, Security};
 use rustix::mount::{MountFlags, MountPropagationFlags, UnmountFlags};
 
 use super::cgroup::{CgroupLimits, StepCgroup};
@@ -180,6 +180,9 @@ impl StepExecutor for LinuxExecutor {
         }
         if spec.network == Network::Host && !cfg.allow_network_host {
             return Err(ExecError::NetworkHostRefused);
+        }
+        if spec.security == Security::Insecure && !cfg.allow_insecure {
+            return Err(ExecError::InsecureRefused);
         }
         for f in &spec.files {
             if let Some(path) = &f.path {
@@ -936,6 +939,10 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
     rustix::process::chdir("/").map_err(|e| format!("chdir /: {e}"))?;
 
     // From here on every path resolves inside the step's root, symlinks included.
+    // `--security=insecure` (BuildKit's `WithInsecureSpec`, `WithWriteableSysfs`): no
+    // read-only or masked kernel paths, a writable /sys, the host's usual devices, every
+    // capability, no seccomp filter.
+    let insecure = spec.security == Security::Insecure;
     mkdir_p("/proc")?;
     mnt("proc", "/proc", "proc", nsd, None)?;
     for p in [
@@ -945,7 +952,7 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         "/proc/bus",
         "/proc/fs",
     ] {
-        if Path::new(p).exists() {
+        if !insecure && Path::new(p).exists() {
             mount_bind(p, p).map_err(|e| format!("binding {p}: {e}"))?;
             mount_remount(p, MountFlags::BIND | MountFlags::RDONLY | nsd, "")
                 .map_err(|e| format!("making {p} read-only: {e}"))?;
@@ -960,7 +967,12 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         .map_err(|e| format!("making {target} read-only: {e}"))?;
     }
     mkdir_p("/sys")?;
-    mnt("sysfs", "/sys", "sysfs", nsd | MountFlags::RDONLY, None)?;
+    let sys_flags = if insecure {
+        nsd
+    } else {
+        nsd | MountFlags::RDONLY
+    };
+    mnt("sysfs", "/sys", "sysfs", sys_flags, None)?;
 
     mkdir_p("/dev")?;
     mnt(
@@ -990,6 +1002,36 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         // mknod is subject to the umask.
         fs::set_permissions(&path, fs::Permissions::from_mode(0o666))
             .map_err(|e| format!("chmod {path}: {e}"))?;
+    }
+    if insecure {
+        // BuildKit's insecure devices (`security_linux.go`): nodes only; a driver the host
+        // lacks answers ENODEV when opened.
+        mkdir_p("/dev/net")?;
+        let mut nodes: Vec<(String, rustix::fs::FileType, u32, u32)> = [
+            ("kmsg", 1, 11),
+            ("cuse", 10, 203),
+            ("fuse", 10, 229),
+            ("kvm", 10, 232),
+            ("net/tun", 10, 200),
+            ("loop-control", 10, 237),
+        ]
+        .into_iter()
+        .map(|(n, ma, mi)| (n.to_string(), rustix::fs::FileType::CharacterDevice, ma, mi))
+        .collect();
+        for i in 0..8 {
+            nodes.push((format!("loop{i}"), rustix::fs::FileType::BlockDevice, 7, i));
+        }
+        for (name, kind, major, minor) in nodes {
+            let path = format!("/dev/{name}");
+            rustix::fs::mknodat(
+                rustix::fs::CWD,
+                path.as_str(),
+                kind,
+                rustix::fs::Mode::from_raw_mode(0o660),
+                rustix::fs::makedev(major, minor),
+            )
+            .map_err(|e| format!("mknod {path}: {e}"))?;
+        }
     }
     mkdir_p("/dev/pts")?;
     mnt(
@@ -1025,12 +1067,12 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         "/proc/timer_stats",
         "/proc/sched_debug",
     ] {
-        if Path::new(p).exists() {
+        if !insecure && Path::new(p).exists() {
             mount_bind("/dev/null", p).map_err(|e| format!("masking {p}: {e}"))?;
         }
     }
     for p in ["/proc/acpi", "/proc/scsi", "/sys/firmware"] {
-        if Path::new(p).is_dir() {
+        if !insecure && Path::new(p).is_dir() {
             mnt(
                 "tmpfs",
                 p,
@@ -1137,14 +1179,24 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
     close_other_fds(&[0, 1, 2, fds.err_w])?;
 
     // Capabilities: Docker's default set in the bounding, permitted, effective and
-    // inheritable sets, no ambient ones.
+    // inheritable sets, no ambient ones; `--security=insecure`: every capability kiln has
+    // (BuildKit's `getAllCaps`: the current process's), in every set, ambient too (kept
+    // across the change of user, as runc keeps them).
     use rustix::thread::{CapabilitySet, CapabilitySets};
     let last_cap: u32 = fs::read_to_string("/proc/sys/kernel/cap_last_cap")
         .ok()
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(40);
+    let caps = if insecure {
+        rustix::thread::capabilities(None)
+            .map_err(|e| format!("capget: {e}"))?
+            .permitted
+            .bits()
+    } else {
+        DEFAULT_CAPABILITIES
+    };
     for cap in 0..=last_cap.min(63) {
-        if DEFAULT_CAPABILITIES & (1u64 << cap) == 0 {
+        if caps & (1u64 << cap) == 0 {
             match rustix::thread::remove_capability_from_bounding_set(
                 CapabilitySet::from_bits_retain(1u64 << cap),
             ) {
@@ -1154,7 +1206,7 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         }
     }
     let _ = rustix::thread::clear_ambient_capability_set();
-    let set = CapabilitySet::from_bits_retain(DEFAULT_CAPABILITIES);
+    let set = CapabilitySet::from_bits_retain(caps);
     rustix::thread::set_capabilities(
         None,
         CapabilitySets {
@@ -1165,6 +1217,9 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
     )
     .map_err(|e| format!("capset: {e}"))?;
 
+    if insecure {
+        rustix::thread::set_keep_capabilities(true).map_err(|e| format!("keepcaps: {e}"))?;
+    }
     let groups: Vec<rustix::fs::Gid> = user
         .groups
         .iter()
@@ -1183,10 +1238,32 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         rustix::fs::Uid::from_raw(user.uid),
     )
     .map_err(|e| format!("setuid {}: {e}", user.uid))?;
-    rustix::thread::set_no_new_privs(true).map_err(|e| format!("no_new_privs: {e}"))?;
-    default_signals();
-    // Docker's default seccomp profile, last: nothing after it but execve.
-    super::seccomp::install(plan.seccomp)?;
+    if insecure {
+        // The change of user cleared the effective set; the ambient set carries them all
+        // across execve for any user. No no_new_privs, no seccomp filter.
+        rustix::thread::set_capabilities(
+            None,
+            CapabilitySets {
+                effective: set,
+                permitted: set,
+                inheritable: set,
+            },
+        )
+        .map_err(|e| format!("capset: {e}"))?;
+        for cap in (0..=last_cap.min(63)).filter(|c| caps & (1u64 << c) != 0) {
+            rustix::thread::configure_capability_in_ambient_set(
+                CapabilitySet::from_bits_retain(1u64 << cap),
+                true,
+            )
+            .map_err(|e| format!("raising ambient capability {cap}: {e}"))?;
+        }
+        default_signals();
+    } else {
+        rustix::thread::set_no_new_privs(true).map_err(|e| format!("no_new_privs: {e}"))?;
+        default_signals();
+        // Docker's default seccomp profile, last: nothing after it but execve.
+        super::seccomp::install(plan.seccomp)?;
+    }
 
     let mut argv_p: Vec<*const libc::c_char> = c_argv.iter().map(|c| c.as_ptr()).collect();
     argv_p.push(std::ptr::null());

@@ -25,6 +25,7 @@ mod linux;
 pub mod logs;
 pub mod mounts;
 mod seccomp;
+pub mod ssh;
 pub mod user;
 
 use std::path::PathBuf;
@@ -33,7 +34,7 @@ use std::sync::Mutex;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
-use kiln_recipes::plan::{Action, InlineFile, Network, Step};
+use kiln_recipes::plan::{Action, InlineFile, Network, Security, Step};
 
 pub use cgroup::{CgroupError, CgroupLayout};
 pub use linux::{LinuxExecutor, cleanup_mount_points, tree_size};
@@ -85,6 +86,8 @@ pub struct ExecConfig {
     pub write_limit_bytes: u64,
     /// Whether `RUN --network=host` is allowed (`--allow network.host`).
     pub allow_network_host: bool,
+    /// Whether `RUN --security=insecure` is allowed (`--allow security.insecure`).
+    pub allow_insecure: bool,
     /// Hostname inside steps.
     pub hostname: String,
     /// Parent of the per-step cgroups, relative to each hierarchy (default `kiln`).
@@ -108,6 +111,7 @@ impl Default for ExecConfig {
             pids_max: DEFAULT_PIDS_MAX,
             write_limit_bytes: DEFAULT_WRITE_LIMIT_BYTES,
             allow_network_host: false,
+            allow_insecure: false,
             hostname: DEFAULT_HOSTNAME.to_string(),
             cgroup_parent: "kiln".to_string(),
             run_dir: std::env::temp_dir().join("kiln-exec"),
@@ -149,6 +153,11 @@ pub struct StepSpec {
     pub files: Vec<InlineFile>,
     /// Network mode.
     pub network: Network,
+    /// `RUN --security`: [`Security::Insecure`] runs the command with every capability,
+    /// without the seccomp filter and without masked or read-only kernel paths (BuildKit's
+    /// `security.insecure`); the executor refuses it unless
+    /// [`ExecConfig::allow_insecure`].
+    pub security: Security,
     /// `RUN --mount`s, resolved ([`mounts::resolve`]); mounted after the overlay, never part
     /// of the upper directory.
     pub mounts: Vec<StepMount>,
@@ -189,6 +198,7 @@ impl std::fmt::Debug for StepSpec {
             .field("workdir", &self.workdir)
             .field("files", &files)
             .field("network", &self.network)
+            .field("security", &self.security)
             .field("mounts", &self.mounts)
             .field(
                 "secrets",
@@ -233,6 +243,7 @@ impl StepSpec {
             workdir: step.context.workdir.clone(),
             files: run.files.clone(),
             network: run.network.clone(),
+            security: run.security,
             mounts: Vec::new(),
             secrets: Vec::new(),
             timeout,
@@ -263,6 +274,17 @@ impl StepSpec {
         let mut spec = StepSpec::from_plan(index, &bare, lower_dirs, upper_dir, work_dir, timeout)?;
         spec.mounts = resolved.mounts;
         spec.env.extend(resolved.env);
+        // BuildKit's exec op: `SSH_AUTH_SOCK` names the step's first ssh mount (given or
+        // not) unless the step's env sets it.
+        let first_ssh = run.mounts.iter().find_map(|m| match m {
+            kiln_recipes::plan::Mount::Ssh { target, .. } => Some(target),
+            _ => None,
+        });
+        if let Some(target) = first_ssh
+            && !spec.env.iter().any(|e| e.starts_with("SSH_AUTH_SOCK="))
+        {
+            spec.env.push(format!("SSH_AUTH_SOCK={target}"));
+        }
         spec.secrets.extend(resolved.redact);
         Ok(spec)
     }
@@ -316,6 +338,11 @@ pub enum ExecError {
     /// `--network=host` without the entitlement.
     #[error("RUN --network=host needs the network.host entitlement (--allow network.host)")]
     NetworkHostRefused,
+    /// `--security=insecure` without the entitlement.
+    #[error(
+        "RUN --security=insecure needs the security.insecure entitlement (--allow security.insecure)"
+    )]
+    InsecureRefused,
     /// The step's argv is empty.
     #[error("step has an empty command")]
     EmptyCommand,

@@ -14,7 +14,9 @@
 //!    out of it) and mounts: `bind` read-only (`nosuid,nodev`), or read-write as an overlay
 //!    whose upper directory is scratch (writes never reach the context or stage); `cache` a
 //!    bind of its persistent directory; `tmpfs` with its size; `secret` a file on a private
-//!    tmpfs (mode default 0400) bound onto its target (default `/run/secrets/<id>`).
+//!    tmpfs (mode default 0400) bound onto its target (default `/run/secrets/<id>`); `ssh`
+//!    the socket of an [`super::ssh::AgentProxy`] (started by `prepare`, stopped when the
+//!    prepared mounts drop) bound onto its target.
 //! 4. After the step, `cleanup` removes from the upper directory the mount points the step
 //!    left empty (and parents made or copied up only for them), so no mount shows in the
 //!    layer. What a mount held never touches the upper directory: it lives in the mounted
@@ -94,6 +96,19 @@ pub enum MountKind {
         /// File group.
         gid: u32,
     },
+    /// An SSH agent of the build, as a socket.
+    Ssh {
+        /// The agent's id (for messages).
+        id: String,
+        /// The agent's socket on the host (never seen by the step, nor in any key).
+        agent: PathBuf,
+        /// Socket mode (permission bits).
+        mode: u32,
+        /// Socket owner.
+        uid: u32,
+        /// Socket group.
+        gid: u32,
+    },
 }
 
 /// `sharing=` of a cache mount.
@@ -123,6 +138,8 @@ pub struct MountInputs {
     pub scratch_dir: Option<PathBuf>,
     /// The build's secrets.
     pub secrets: Secrets,
+    /// The build's SSH agents, id → the agent's socket on the host (`kiln build --ssh`).
+    pub ssh: BTreeMap<String, PathBuf>,
 }
 
 /// Mounts resolved for one step.
@@ -148,6 +165,11 @@ pub enum MountsError {
     /// A required secret the build was not given.
     #[error("secret {0:?} is required but was not given (--secret id={0},src=...)")]
     MissingSecret(String),
+    /// A required SSH agent the build was not given.
+    #[error(
+        "RUN --mount=type=ssh: SSH agent {0:?} is required but was not given (kiln build --ssh {0}[=SOCKET])"
+    )]
+    MissingSsh(String),
     /// A cache mount without a cache directory.
     #[error("cache mounts need a cache directory")]
     NoCacheDir,
@@ -313,6 +335,33 @@ pub fn resolve(mounts: &[Mount], inputs: &MountInputs) -> Result<ResolvedMounts,
                     });
                 }
             }
+            Mount::Ssh {
+                id,
+                target,
+                required,
+                mode,
+                uid,
+                gid,
+            } => {
+                check_target(target)?;
+                // BuildKit leaves an optional mount out when the client has no such agent.
+                let Some(agent) = inputs.ssh.get(id) else {
+                    if *required {
+                        return Err(MountsError::MissingSsh(id.clone()));
+                    }
+                    continue;
+                };
+                out.mounts.push(StepMount {
+                    target: target.clone(),
+                    kind: MountKind::Ssh {
+                        id: id.clone(),
+                        agent: agent.clone(),
+                        mode: *mode & 0o777,
+                        uid: *uid,
+                        gid: *gid,
+                    },
+                });
+            }
         }
     }
     Ok(out)
@@ -412,6 +461,9 @@ enum PreparedKind {
         uid: u32,
         gid: u32,
     },
+    Ssh {
+        proxy: super::ssh::AgentProxy,
+    },
 }
 
 /// One prepared mount as another executor mounts it itself ([`PreparedMounts::guest_view`]).
@@ -479,11 +531,14 @@ pub struct PreparedMounts {
 }
 
 impl PreparedMounts {
-    /// The mounts in order, as a guest mounts them.
+    /// The mounts in order, as a guest mounts them. An ssh mount has no guest form (the
+    /// microVM executor refuses it before preparing) and is left out.
     pub fn guest_view(&self) -> Vec<GuestMount<'_>> {
         self.mounts
             .iter()
+            .filter(|m| !matches!(m.kind, PreparedKind::Ssh { .. }))
             .map(|m| match &m.kind {
+                PreparedKind::Ssh { .. } => unreachable!("filtered out above"),
                 PreparedKind::Tmpfs { size_bytes, .. } => GuestMount::Tmpfs {
                     rel: &m.rel,
                     size_bytes: *size_bytes,
@@ -692,6 +747,17 @@ pub fn prepare(
                     gid: *gid,
                 },
             ),
+            MountKind::Ssh {
+                id,
+                agent,
+                mode,
+                uid,
+                gid,
+            } => {
+                let proxy = super::ssh::AgentProxy::start(agent, *uid, *gid, *mode)
+                    .map_err(io_err(format!("the socket of SSH agent {id:?}")))?;
+                (true, PreparedKind::Ssh { proxy })
+            }
         };
         p.mounts.push(Prepared { rel, file, kind });
     }
@@ -941,6 +1007,12 @@ pub(crate) fn mount_all(root: &OwnedFd, p: &PreparedMounts) -> Result<(), String
                     .map_err(|e| format!("binding secret /{}: {e}", m.rel))?;
                 drop(target);
                 remount(root, &m.rel, m.file, true)?;
+            }
+            PreparedKind::Ssh { proxy } => {
+                mount_bind(proxy.socket(), t.as_str())
+                    .map_err(|e| format!("binding the SSH agent socket /{}: {e}", m.rel))?;
+                drop(target);
+                remount(root, &m.rel, m.file, false)?;
             }
         }
     }

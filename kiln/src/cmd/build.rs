@@ -114,8 +114,10 @@ pub struct Args {
     /// Write build metadata (JSON, buildx's keys) to this file.
     #[arg(long = "metadata-file")]
     pub metadata_file: Option<PathBuf>,
-    /// Extra privileges: `network.host` allows `RUN --network=host`.
-    #[arg(long = "allow")]
+    /// Extra privileges (repeatable): `network.host` allows `RUN --network=host`,
+    /// `security.insecure` allows `RUN --security=insecure` (every capability, no seccomp
+    /// filter).
+    #[arg(long = "allow", value_name = "ENTITLEMENT")]
     pub allow: Vec<String>,
     /// The network of every `RUN` step, over the recipe's (`docker build --network`):
     /// `default` keeps what each step asks for, `none` gives no step any network.
@@ -136,8 +138,9 @@ pub struct Args {
     /// A secret for `RUN --mount=type=secret`: `id=ID,src=PATH` or `id=ID,env=VAR`.
     #[arg(long)]
     pub secret: Vec<String>,
-    /// SSH agent forwarding: refused (not supported).
-    #[arg(long)]
+    /// An SSH agent for `RUN --mount=type=ssh` (repeatable, buildx's spelling): `default`
+    /// ($SSH_AUTH_SOCK), `ID` ($SSH_AUTH_SOCK as ID) or `ID=SOCKET`.
+    #[arg(long, value_name = "default|ID[=SOCKET]")]
     pub ssh: Vec<String>,
     /// A named context: `NAME=oci-layout://DIR[:TAG]` (a FROM of NAME uses it).
     #[arg(long = "build-context")]
@@ -389,9 +392,10 @@ fn network_policy(a: &Args) -> anyhow::Result<NetworkPolicy> {
 /// Runs `kiln build`: flags → [`BuildRequest`] → [`kiln_pipeline::run`] → the digest on
 /// stdout (or the `built` event with `--json`), `--iidfile`, `--metadata-file` and a summary line on stderr.
 pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
-    for f in &a.ssh {
-        kiln_builder::secrets::refuse_ssh(f)?;
-    }
+    let ssh = kiln_builder::secrets::parse_ssh_flags(
+        &a.ssh,
+        std::env::var_os("SSH_AUTH_SOCK").as_deref(),
+    )?;
     let specs = a
         .secret
         .iter()
@@ -399,8 +403,8 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
         .collect::<Result<Vec<_>, _>>()?;
     let secrets = kiln_builder::secrets::Secrets::load(&specs)?;
     for e in &a.allow {
-        if e != "network.host" {
-            bail!("--allow {e:?}: the only entitlement is network.host");
+        if e != "network.host" && e != "security.insecure" {
+            bail!("--allow {e:?}: the entitlements are network.host and security.insecure");
         }
     }
     let (context, file) = locate(&a);
@@ -476,6 +480,8 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
     };
     req.output = output;
     req.ca_certs = a.egress.ca_certs()?;
+    req.allow_insecure = a.allow.iter().any(|e| e == "security.insecure");
+    req.ssh = Some(ssh);
     let cancel = req.cancel.clone();
     let events = printer(a.progress, cli.json);
 

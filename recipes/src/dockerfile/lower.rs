@@ -45,12 +45,6 @@ pub enum LowerError {
     /// `COPY --from=N` / `from=N` with N past the last stage.
     #[error("stage index {0} is out of range")]
     StageIndex(i64),
-    /// `RUN --mount=type=ssh`: not supported yet.
-    #[error("RUN --mount=type=ssh is not supported yet")]
-    SshMount,
-    /// `RUN --security=insecure`: not supported yet.
-    #[error("RUN --security=insecure is not supported yet")]
-    InsecureSecurity,
     /// A `--mount`, `--network`, `--security`, `--chmod`, ... value kiln cannot use.
     #[error("{0}")]
     Invalid(String),
@@ -1623,7 +1617,8 @@ impl Lowering<'_> {
         };
         let security = match security.as_deref() {
             None | Some("sandbox") => Security::Sandbox,
-            Some("insecure") => return Err(Fault::new(offset, LowerError::InsecureSecurity)),
+            // In the plan; the builder runs it only with the security.insecure entitlement.
+            Some("insecure") => Security::Insecure,
             Some(other) => {
                 return Err(invalid(
                     offset,
@@ -1632,8 +1627,16 @@ impl Lowering<'_> {
             }
         };
         let mut lowered = Vec::new();
+        let mut ssh_mounts = 0;
         for (raw, at) in mounts {
-            lowered.push(self.lower_mount(draft, raw, *at, count)?);
+            let mut m = self.lower_mount(draft, raw, *at, count)?;
+            if let Mount::Ssh { target, .. } = &mut m {
+                if target.is_empty() {
+                    *target = format!("/run/buildkit/ssh_agent.{ssh_mounts}");
+                }
+                ssh_mounts += 1;
+            }
+            lowered.push(m);
         }
         let (form, argv, files) = match command {
             CommandLine::Exec(v) => (CommandForm::Exec, v.clone(), Vec::new()),
@@ -1745,7 +1748,7 @@ impl Lowering<'_> {
                 ],
                 "tmpfs" => &["target", "size"],
                 "secret" => &["target", "id", "required", "mode", "uid", "gid", "env"],
-                "ssh" => return Err(Fault::new(offset, LowerError::SshMount)),
+                "ssh" => &["target", "id", "required", "mode", "uid", "gid"],
                 other => return Err(invalid(offset, format!("unsupported mount type '{other}'"))),
             };
             if !allowed.contains(&key.as_str()) {
@@ -1755,9 +1758,6 @@ impl Lowering<'_> {
                 ));
             }
             fields.insert(key, v);
-        }
-        if kind == "ssh" {
-            return Err(Fault::new(offset, LowerError::SshMount));
         }
         let get = |k: &str| fields.get(k).cloned().flatten();
         let flag = |k: &str| -> Result<bool, Fault> {
@@ -1815,6 +1815,19 @@ impl Lowering<'_> {
                     readonly,
                 }
             }
+            // BuildKit's `dispatchSSH` and `AddSSHSocket`: id `default`, mode 0600, owner
+            // 0:0, optional unless `required`; an empty target is given its default by
+            // `lower_run`, which knows the mount's place among the step's ssh mounts.
+            "ssh" => Mount::Ssh {
+                id: get("id")
+                    .filter(|i| !i.is_empty())
+                    .unwrap_or_else(|| "default".into()),
+                target: target.unwrap_or_default(),
+                required: flag("required")?,
+                mode: number("mode", 8, 0o600)?,
+                uid: number("uid", 10, 0)?,
+                gid: number("gid", 10, 0)?,
+            },
             "tmpfs" => Mount::Tmpfs {
                 target: target
                     .ok_or_else(|| invalid(offset, "--mount type=tmpfs needs a target"))?,
@@ -2524,23 +2537,81 @@ mod tests {
             panic!()
         };
         assert_eq!(r.network, Network::Host);
+        assert_eq!(r.security, Security::Sandbox);
+    }
+
+    /// `--security=insecure` is in the plan (the builder asks for the entitlement), and the
+    /// step's canonical form, so its cache key, differs from the same step without it;
+    /// `--security=sandbox` is the default, the same step as none.
+    #[test]
+    fn run_security_insecure_is_planned_and_keyed() {
+        let p = plan(
+            "FROM scratch\nRUN --security=insecure true\nRUN true\nRUN --security=sandbox true\n",
+        );
+        let steps = &p.stages[0].steps;
+        let Action::Run(r) = &steps[0].action else {
+            panic!()
+        };
+        assert_eq!(r.security, Security::Insecure);
+        assert_ne!(steps[0].canonical_json(), steps[1].canonical_json());
+        assert_eq!(steps[1].canonical_json(), steps[2].canonical_json());
+        let e = error("FROM x\nRUN --security=bogus true\n", &Options::default());
+        assert!(
+            e.to_string().contains("expected sandbox or insecure"),
+            "{e}"
+        );
+    }
+
+    /// `RUN --mount=type=ssh` with BuildKit's defaults (`dispatchSSH`, `AddSSHSocket`): id
+    /// `default`, target `/run/buildkit/ssh_agent.<n>` by the mount's place among the step's
+    /// ssh mounts, mode 0600, owner 0:0, optional. Its options are in the cache key.
+    #[test]
+    fn run_mount_ssh_defaults_and_options() {
+        let p = plan(
+            "FROM scratch\nWORKDIR /w\n\
+             RUN --mount=type=ssh --mount=type=tmpfs,target=/t \
+             --mount=type=ssh,id=gh,target=s,required=true,mode=0660,uid=1000,gid=100 \
+             --mount=type=ssh,id=other true\n\
+             RUN --mount=type=ssh,id=gh true\n",
+        );
+        let steps = &p.stages[0].steps;
+        let Action::Run(r) = &steps[1].action else {
+            panic!()
+        };
+        let ssh = |id: &str, target: &str, required, mode, uid, gid| Mount::Ssh {
+            id: id.into(),
+            target: target.into(),
+            required,
+            mode,
+            uid,
+            gid,
+        };
+        assert_eq!(
+            r.mounts,
+            vec![
+                ssh("default", "/run/buildkit/ssh_agent.0", false, 0o600, 0, 0),
+                Mount::Tmpfs {
+                    target: "/t".into(),
+                    size: None
+                },
+                ssh("gh", "/w/s", true, 0o660, 1000, 100),
+                ssh("other", "/run/buildkit/ssh_agent.2", false, 0o600, 0, 0),
+            ]
+        );
+        assert_ne!(steps[1].canonical_json(), steps[2].canonical_json());
     }
 
     #[test]
     fn unsupported_run_features_are_plan_errors() {
         let o = Options::default();
-        let e = error("FROM x\nRUN --mount=type=ssh true\n", &o);
-        assert!(matches!(
-            e.kind,
-            RecipeErrorKind::Lower(LowerError::SshMount)
-        ));
+        let e = error("FROM x\nRUN --mount=type=bogus true\n", &o);
         assert_eq!((e.line, e.column), (2, 5));
-        let e = error("FROM x\nRUN --security=insecure true\n", &o);
-        assert!(matches!(
-            e.kind,
-            RecipeErrorKind::Lower(LowerError::InsecureSecurity)
-        ));
         for (text, needle) in [
+            (
+                "FROM x\nRUN --mount=type=ssh,source=/a true\n",
+                "unexpected key 'source'",
+            ),
+            ("FROM x\nRUN --mount=type=ssh,mode=9 true\n", "invalid mode"),
             ("FROM x\nRUN --network=bridge true\n", "--network"),
             (
                 "FROM x\nRUN --mount=type=weird,target=/x true\n",
@@ -2565,7 +2636,7 @@ mod tests {
     #[test]
     fn multi_stage_refs_pruning_and_target() {
         let text = "FROM golang AS build\nRUN go build\n\
-                    FROM scratch AS unused\nRUN --mount=type=ssh true\n\
+                    FROM scratch AS unused\nRUN --security=bogus true\n\
                     FROM build AS test\nRUN go test\n\
                     FROM alpine\nCOPY --from=build /app /app\nCOPY --from=0 /b /b\nCOPY --from=nginx:1 /etc/nginx /n\n";
         let p = plan(text);
@@ -2597,7 +2668,7 @@ mod tests {
                 ..Options::default()
             },
         );
-        assert!(e.to_string().contains("ssh"));
+        assert!(e.to_string().contains("--security"));
         let e = error(
             text,
             &Options {
