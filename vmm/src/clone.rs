@@ -83,6 +83,18 @@ pub enum CloneError {
         /// Serial console tail.
         console: String,
     },
+    /// QEMU died while the clone started, which is why the step named by `source` failed.
+    #[error("clone {id}: QEMU exited ({status}): {source}\n{log}")]
+    QemuExited {
+        /// The clone.
+        id: String,
+        /// QEMU's exit ([`Vm::exited`]: says when it was killed at its memory limit).
+        status: String,
+        /// The tail of QEMU's stderr log.
+        log: String,
+        /// What failed because of it.
+        source: Box<CloneError>,
+    },
     /// The guest answered something other than `restored` (an `error` with its message).
     #[error("clone {id}: the guest sent {got} instead of restored")]
     Unexpected {
@@ -699,18 +711,26 @@ async fn start_one(
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
+    // The vmstate is read through QMP `migrate-incoming` after QEMU's start: handed to it
+    // now (crate::jail).
+    let vm = Vm::spawn_with(
+        host,
+        &spec,
+        &dir.join("qemu.log"),
+        opts.restore_timeout,
+        false,
+        &[(cached.vmstate.as_path(), crate::jail::Access::Read)],
+    )
+    .await;
+    let mut vm = match vm {
+        Ok(vm) => vm,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e.into());
+        }
+    };
     let res = async {
-        // The vmstate is read through QMP `migrate-incoming` after QEMU's start: handed to
-        // it now (crate::jail).
-        let mut vm = Vm::spawn_with(
-            host,
-            &spec,
-            &dir.join("qemu.log"),
-            opts.restore_timeout,
-            false,
-            &[(cached.vmstate.as_path(), crate::jail::Access::Read)],
-        )
-        .await?;
+        let vm = &mut vm;
         // QEMU outlives this process from here on; a reaper finds it by its command line even
         // if this process dies before this line.
         write_starting(&dir, Some(vm.pid))?;
@@ -782,13 +802,24 @@ async fn start_one(
                 });
             }
         };
-        Ok::<_, CloneError>((vm, r))
+        Ok::<_, CloneError>(r)
     }
     .await;
-    let (vm, r) = match res {
+    let r = match res {
         Ok(x) => x,
         Err(e) => {
-            // Vm's Drop killed QEMU if it was started; leave no directory behind.
+            // A QEMU that died (killed at its cgroup's memory limit, say) is why: say so.
+            let e = match vm.wait_exited(Duration::from_millis(200)).await {
+                Some(status) => CloneError::QemuExited {
+                    id: id.clone(),
+                    status,
+                    log: vm.log_tail(),
+                    source: Box::new(e),
+                },
+                None => e,
+            };
+            // Dropping the handle kills QEMU; leave no directory behind.
+            drop(vm);
             let _ = std::fs::remove_dir_all(&dir);
             return Err(e);
         }
