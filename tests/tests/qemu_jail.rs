@@ -478,6 +478,52 @@ fn a_jailed_qemu_reaches_no_host_network_or_abstract_socket() {
     a.assert_all_blocked();
 }
 
+/// Issue 37: a QEMU taken over by its guest cannot fill the host's disk through the files it
+/// was handed to write. Its console log is one (created empty, owned by its user); QMP's
+/// `pmemsave` writes any length of "physical memory" (unbacked addresses read as filler) to
+/// a file QEMU opens, here `/proc/self/fd/<console log>`: 96 MiB, 1.5 times the guest's RAM.
+/// The log must stay within a bound (here the guest's RAM: a console log has no business
+/// being bigger); `RLIMIT_FSIZE` (Firecracker's jailer: `--resource-limit fsize=`) or a
+/// console read through a pipe with a cap would keep it there.
+#[test]
+fn a_jailed_qemu_cannot_grow_its_console_log_past_a_bound() {
+    let mut j = Jailed::start();
+    let console = j.handed(&j.spec.serial_log.clone());
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", j.vm.pid)).unwrap();
+    let fsize = limits
+        .lines()
+        .find(|l| l.starts_with("Max file size"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    eprintln!("{fsize}");
+    let size: u64 = 96 << 20;
+    let t0 = Instant::now();
+    let r = rt().block_on(j.vm.qmp.execute_within(
+        "pmemsave",
+        Some(json!({"val": 0, "size": size, "filename": console})),
+        Duration::from_secs(120),
+    ));
+    let written = std::fs::metadata(&j.spec.serial_log).unwrap().len();
+    eprintln!(
+        "pmemsave {size} bytes to the console log: {r:?} in {:?}; the log has {written} bytes",
+        t0.elapsed()
+    );
+    // The bytes are the host's disk's: give them back now.
+    let _ = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&j.spec.serial_log)
+        .and_then(|f| f.set_len(0));
+    j.assert_alive();
+    assert!(
+        written <= j.spec.memory_bytes,
+        "QEMU wrote {written} bytes into its console log on the host's disk (bound: the \
+         guest's {} bytes of RAM; QEMU's {fsize:?})",
+        j.spec.memory_bytes
+    );
+}
+
 /// The number of threads of `pid` (`Threads:` of /proc/<pid>/status); `None` once gone.
 fn threads(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
