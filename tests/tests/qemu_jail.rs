@@ -419,6 +419,14 @@ fn a_jailed_qemu_inherits_no_descriptor_it_was_not_handed() {
 fn a_jailed_qemu_reaches_no_host_network_or_abstract_socket() {
     let mut j = Jailed::start();
     let mut a = Attacks::default();
+    let shared: Vec<&str> = ["net", "ipc", "uts", "cgroup", "user"]
+        .into_iter()
+        .filter(|ns| {
+            let ours = std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
+            ours == std::fs::read_link(format!("/proc/{}/ns/{ns}", j.vm.pid)).unwrap()
+        })
+        .collect();
+    eprintln!("namespaces QEMU shares with the host: {shared:?}");
     // TCP to a host service on loopback.
     let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     tcp.set_nonblocking(true).unwrap();
