@@ -707,6 +707,7 @@ impl VmExecutor {
             );
         }
         let vm_spec = VmSpec {
+            max_disk_bytes: None,
             accel: self.accel,
             vcpus: self.vcpus,
             memory_bytes: step_vm_bytes(self.config.memory_bytes),

@@ -169,6 +169,7 @@ impl Vm {
             .and_then(|f| f.set_len(memory_bytes))
             .expect("memory file");
         let spec = launch::VmSpec {
+            max_disk_bytes: None,
             accel: *accel,
             vcpus: 1,
             memory_bytes,
@@ -366,6 +367,7 @@ fn paused_spec(d: &Path, memory_bytes: u64) -> launch::VmSpec {
         .arg(d.join("disk.qcow2"))
         .arg("1M"));
     launch::VmSpec {
+        max_disk_bytes: None,
         accel: *accel,
         vcpus: 1,
         memory_bytes,
@@ -843,6 +845,7 @@ fn initramfs_ending_anywhere_in_a_page_boots_a_step_vm_with_every_disk() {
             .arg(&upper)
             .arg("64M"));
         let spec = launch::VmSpec {
+            max_disk_bytes: None,
             accel: *accel,
             vcpus: 1,
             memory_bytes: 256 << 20,

@@ -688,6 +688,7 @@ async fn start_one(
     let overlay = dir.join("disk.qcow2");
     launch::qcow2_overlay(host, &cached.disk, &overlay).await?;
     let spec = VmSpec {
+        max_disk_bytes: grow,
         accel,
         vcpus: snap.vcpus,
         memory_bytes: snap.memory_bytes,

@@ -384,6 +384,10 @@ pub struct VmSpec {
     /// Linux's parser): for debugging (`loglevel=8`) and for tests that make a guest fail
     /// on purpose (`init=/nonexistent`). Empty for every normal run.
     pub kernel_args: Vec<String>,
+    /// The size the disk may grow to while QEMU runs (a clone's `block_resize`), bytes;
+    /// `None`: its size at start. Part of the bound on what a jailed QEMU may write
+    /// ([`crate::jail::file_size_limit`]).
+    pub max_disk_bytes: Option<u64>,
 }
 
 impl VmSpec {
@@ -688,6 +692,10 @@ impl Vm {
             user,
             tied,
             join: &join_fds,
+            file_size_limit: match user {
+                Some(_) => Some(crate::jail::file_size_limit(spec)?),
+                None => None,
+            },
         })?;
         drop(join);
         drop(log);
@@ -1125,6 +1133,7 @@ async fn kvm_boots(host: &Host, kernel: &Path, initramfs: &Path, scratch: &Path)
         return false;
     }
     let spec = VmSpec {
+        max_disk_bytes: None,
         accel: Accel::Kvm,
         vcpus: 1,
         memory_bytes,
@@ -1278,6 +1287,7 @@ mod tests {
 
     fn spec() -> VmSpec {
         VmSpec {
+            max_disk_bytes: None,
             accel: Accel::Tcg,
             vcpus: 1,
             memory_bytes: 256 << 20,
@@ -1347,11 +1357,13 @@ mod tests {
             s.cmdline()
         );
         let kvm = VmSpec {
+            max_disk_bytes: None,
             accel: Accel::Kvm,
             ..spec()
         };
         assert!(!kvm.cmdline().contains("tsc_early_khz"));
         let debug = VmSpec {
+            max_disk_bytes: None,
             kernel_args: vec!["loglevel=8".into(), "init=/x".into()],
             ..spec()
         };
@@ -1368,6 +1380,7 @@ mod tests {
         assert!(!a.contains("egress"), "{a}");
         assert_eq!(a.matches("virtserialport").count(), 1, "{a}");
         let s = VmSpec {
+            max_disk_bytes: None,
             egress_socket: Some("/s/egress.sock".into()),
             ..spec()
         };
@@ -1489,6 +1502,7 @@ mod tests {
         use std::os::fd::AsRawFd;
         let null = || -> std::os::fd::OwnedFd { std::fs::File::open("/dev/null").unwrap().into() };
         let s = VmSpec {
+            max_disk_bytes: None,
             accel: Accel::Kvm,
             disk: "/s,x/disk.qcow2".into(),
             egress_socket: Some("/s/egress.sock".into()),
@@ -1605,6 +1619,7 @@ mod tests {
     #[test]
     fn clone_args_map_the_file_private_and_wait_for_incoming() {
         let s = VmSpec {
+            max_disk_bytes: None,
             memory_mode: MemoryMode::Private,
             incoming: true,
             ..spec()

@@ -287,6 +287,7 @@ pub async fn snapshot_manifest(
 
     // 2. Boot, start, ready.
     let spec = VmSpec {
+        max_disk_bytes: None,
         accel,
         vcpus: opts.vcpus,
         memory_bytes: opts.memory_bytes,

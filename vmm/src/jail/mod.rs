@@ -316,6 +316,49 @@ fn listen(path: &Path) -> Result<OwnedFd, LaunchError> {
     Ok(l.into())
 }
 
+/// `RLIMIT_FSIZE` of the jailed QEMU that runs `spec`, bytes: the largest file it may
+/// legitimately write (its disk at its largest: a raw disk's length, a qcow2 image's virtual
+/// size or [`VmSpec::max_disk_bytes`]; its memory file when shared, which a vmstate with the
+/// guest's RAM in it does not exceed), plus 1/64 of that (qcow2 metadata) and 16 MiB (device
+/// state). A QEMU taken over by its guest can then not fill the host's disk through the files
+/// it was handed (its console and stderr logs among them; QMP's `pmemsave` writes any length),
+/// as Firecracker's jailer bounds it with `--resource-limit fsize=`.
+///
+/// Errors: the disk unreadable.
+pub fn file_size_limit(spec: &VmSpec) -> Result<u64, LaunchError> {
+    let disk = match spec.disk_format {
+        crate::launch::DiskFormat::Qcow2 => qcow2_virtual_size(&spec.disk)?,
+        crate::launch::DiskFormat::Raw => std::fs::metadata(&spec.disk)
+            .map_err(io_err(&spec.disk))?
+            .len(),
+    };
+    let disk = disk.max(spec.max_disk_bytes.unwrap_or(0));
+    let memory = match spec.memory_mode {
+        MemoryMode::Shared => spec.memory_bytes,
+        MemoryMode::Private | MemoryMode::Anonymous => 0,
+    };
+    let big = disk.max(memory);
+    Ok(big.saturating_add(big / 64).saturating_add(16 << 20))
+}
+
+/// The virtual size of the qcow2 image at `path`, bytes: `size` (u64, big-endian) at offset
+/// 24 of the header (QEMU's `docs/interop/qcow2.txt`).
+pub fn qcow2_virtual_size(path: &Path) -> Result<u64, LaunchError> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(path).map_err(io_err(path))?;
+    let mut head = [0u8; 32];
+    f.read_exact_at(&mut head, 0).map_err(io_err(path))?;
+    if head[..4] != *b"QFI\xfb" {
+        return Err(LaunchError::Host(format!(
+            "{}: not a qcow2 image (no QFI\\xfb magic)",
+            path.display()
+        )));
+    }
+    Ok(u64::from_be_bytes(
+        head[24..32].try_into().unwrap_or_default(),
+    ))
+}
+
 /// The backing file named in the header of the qcow2 image at `path`, absolute (a relative
 /// name is relative to the image's directory, as QEMU resolves it); `None` when it has none.
 /// Header layout from QEMU's `docs/interop/qcow2.txt`: magic `QFI\xfb` at 0,

@@ -1,12 +1,13 @@
 //! Starting QEMU: one fork-like `clone(2)`, the jail set up in the child, then `execve(2)`.
 //!
-//! When kiln runs as root, the child is made with `CLONE_NEWNS | CLONE_NEWPID`: QEMU is pid 1
-//! of a pid namespace of its own (it sees no other process; a QEMU cannot fork anyway under
-//! `-sandbox`) in a mount namespace of its own, whose root is a fresh tmpfs holding only what
+//! When kiln runs as root, the child is made in namespaces of its own ([`JAIL_NAMESPACES`]):
+//! QEMU is pid 1 of a pid namespace of its own (it sees no other process; a QEMU cannot fork
+//! anyway under `-sandbox`), with no network, in a mount namespace of its own, whose root is a fresh tmpfs holding only what
 //! [`RootPlan`] lists, bound read-only, and a `/proc` of that pid namespace mounted
 //! `subset=pid` (no `/proc/sys`, `/proc/kcore` or other host-wide files). The steps, all in
 //! the child before the exec:
-//! 0. its cgroup joined ([`super::cgroup`]), before anything else;
+//! 0. its cgroup joined ([`super::cgroup`]), before anything else, and its file size limit
+//!    set ([`super::file_size_limit`]);
 //! 1. every mount made private (`MS_REC | MS_PRIVATE`): nothing propagates back to the host;
 //! 2. a tmpfs mounted on [`ROOT_MOUNT_POINT`] (seen only in this namespace), its mount points
 //!    made, each file and directory of the plan bound and remounted read-only, `nosuid`,
@@ -14,7 +15,8 @@
 //! 3. `pivot_root(".", ".")` into it and the old root detached (`umount2(MNT_DETACH)`): the
 //!    host's mounts are gone from the namespace, not just hidden; the tmpfs remounted
 //!    read-only, `noexec`;
-//! 4. stdio, the handed descriptors (close-on-exec cleared in the child only), the process
+//! 4. stdio, every other descriptor marked close-on-exec, the handed descriptors
+//!    (close-on-exec cleared in the child only), the process
 //!    group, then groups, gid and uid dropped (raw `setgroups`, `setresgid`, `setresuid`
 //!    system calls: glibc's wrappers would signal the threads of the parent that the child
 //!    does not have), the parent-death signal (after the drop, which clears it), and
@@ -43,6 +45,16 @@ use crate::launch::LaunchError;
 /// Where a jailed QEMU's root tmpfs is mounted inside its own mount namespace before it
 /// pivots into it (the host sees an empty directory).
 pub const ROOT_MOUNT_POINT: &str = "/run/kiln/qemu-root";
+/// The namespaces a jailed QEMU gets of its own: mount and pid (its root, its process view);
+/// network (no interface but a down loopback: QEMU needs no network, its sockets come as
+/// descriptors, and this also gives it its own abstract unix socket namespace, so it reaches
+/// no host TCP/UDP port and no host daemon's abstract socket); IPC (no host SysV shared
+/// memory or message queue); UTS.
+const JAIL_NAMESPACES: libc::c_int = libc::CLONE_NEWNS
+    | libc::CLONE_NEWPID
+    | libc::CLONE_NEWNET
+    | libc::CLONE_NEWIPC
+    | libc::CLONE_NEWUTS;
 /// Size bound of the root tmpfs: it holds only empty mount points.
 const ROOT_TMPFS: &std::ffi::CStr = c"mode=0755,size=64k,nr_inodes=1024";
 
@@ -63,6 +75,9 @@ pub(crate) struct Launch<'a> {
     /// `cgroup.procs` files, opened for writing, that the child joins first
     /// ([`super::cgroup`]).
     pub join: &'a [RawFd],
+    /// `RLIMIT_FSIZE`, bytes ([`super::file_size_limit`]); with it `SIGXFSZ` is ignored, so a
+    /// write past it fails (`EFBIG`) instead of killing QEMU.
+    pub file_size_limit: Option<u64>,
 }
 
 /// A started QEMU: a child of this process, waited for by pid (as `std::process::Child`
@@ -134,6 +149,7 @@ impl Process {
 #[repr(u32)]
 enum Step {
     Cgroup = 1,
+    FileSize,
     Private,
     Tmpfs,
     Mkdir,
@@ -152,8 +168,9 @@ enum Step {
 }
 
 impl Step {
-    const ALL: [Step; 16] = [
+    const ALL: [Step; 17] = [
         Step::Cgroup,
+        Step::FileSize,
         Step::Private,
         Step::Tmpfs,
         Step::Mkdir,
@@ -174,6 +191,7 @@ impl Step {
     fn what(self) -> &'static str {
         match self {
             Step::Cgroup => "joining QEMU's cgroup",
+            Step::FileSize => "setting QEMU's file size limit",
             Step::Private => "making the mounts of QEMU's namespace private",
             Step::Tmpfs => "mounting the tmpfs of QEMU's root",
             Step::Mkdir => "making a mount point in QEMU's root",
@@ -202,7 +220,10 @@ struct Prepared {
     stdin: OwnedFd,
     log: RawFd,
     keep: Vec<RawFd>,
+    /// One past the highest descriptor this process may have (`RLIMIT_NOFILE`, capped).
+    max_fd: RawFd,
     join: Vec<RawFd>,
+    fsize: Option<libc::rlimit>,
     user: Option<QemuUser>,
     tied: bool,
     jail: Option<Jail>,
@@ -299,7 +320,12 @@ pub(crate) fn spawn(l: &Launch<'_>) -> Result<Process, LaunchError> {
         stdin,
         log: l.log.as_raw_fd(),
         keep: l.keep.to_vec(),
+        max_fd: max_fd(),
         join: l.join.to_vec(),
+        fsize: l.file_size_limit.map(|b| libc::rlimit {
+            rlim_cur: b,
+            rlim_max: b,
+        }),
         user: l.user,
         tied: l.tied,
         jail,
@@ -307,7 +333,7 @@ pub(crate) fn spawn(l: &Launch<'_>) -> Result<Process, LaunchError> {
     let (err_r, err_w) = pipe()?;
     let flags = libc::SIGCHLD as libc::c_ulong
         | if prepared.jail.is_some() {
-            (libc::CLONE_NEWNS | libc::CLONE_NEWPID) as libc::c_ulong
+            JAIL_NAMESPACES as libc::c_ulong
         } else {
             0
         };
@@ -364,6 +390,20 @@ pub(crate) fn spawn(l: &Launch<'_>) -> Result<Process, LaunchError> {
             }
         }
     })
+}
+
+/// One past the highest descriptor number this process may have (its `RLIMIT_NOFILE` soft
+/// limit, at most 1 Mi).
+fn max_fd() -> RawFd {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit(2) into a valid struct.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        return 1 << 16;
+    }
+    r.rlim_cur.min(1 << 20) as RawFd
 }
 
 fn pipe() -> Result<(OwnedFd, OwnedFd), LaunchError> {
@@ -428,6 +468,12 @@ unsafe fn child(p: &Prepared, err_w: RawFd) -> ! {
             if libc::write(fd, c"0".as_ptr().cast(), 1) != 1 {
                 fail(Step::Cgroup, i);
             }
+        }
+        if let Some(l) = &p.fsize {
+            if libc::setrlimit(libc::RLIMIT_FSIZE, l) != 0 {
+                fail(Step::FileSize, 0);
+            }
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
         }
         if let Some(j) = &p.jail {
             let none = std::ptr::null::<libc::c_char>();
@@ -524,6 +570,20 @@ unsafe fn child(p: &Prepared, err_w: RawFd) -> ! {
         let stdin = p.stdin.as_raw_fd();
         if libc::dup2(stdin, 0) < 0 || libc::dup2(p.log, 1) < 0 || libc::dup2(p.log, 2) < 0 {
             fail(Step::Stdio, 0);
+        }
+        // Every other descriptor closes at the exec, whoever opened it without close-on-exec
+        // (kiln's own parent, a library): close_range(2)'s CLOSE_RANGE_CLOEXEC (Linux 5.11),
+        // else each one up to the descriptor limit read before the clone.
+        if libc::syscall(
+            libc::SYS_close_range,
+            3u32,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        ) != 0
+        {
+            for fd in 3..p.max_fd {
+                libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+            }
         }
         for (i, &fd) in p.keep.iter().enumerate() {
             // Only the child's copy loses close-on-exec: no other child inherits it.
