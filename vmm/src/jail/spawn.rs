@@ -463,6 +463,23 @@ unsafe fn child(p: &Prepared, err_w: RawFd) -> ! {
         libc::sigemptyset(&mut set);
         libc::pthread_sigmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        // Until the exec, this child dies with the thread that started it, tied or not: a
+        // `kiln start` killed while its clone's jail is being set up (a few ms of mounts
+        // during which this process still shows kiln's command line, so no reaper can find
+        // it by QEMU's) must not leave a QEMU to start later, unseen. A starter already gone
+        // before the prctl took effect has closed the error pipe's read end: its write end
+        // then polls as an error (pipe(7)).
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+            fail(Step::DeathSignal, 0);
+        }
+        let mut pfd = libc::pollfd {
+            fd: err_w,
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        if libc::poll(&mut pfd, 1, 0) == 1 && pfd.revents & libc::POLLERR != 0 {
+            libc::_exit(127);
+        }
         for (i, &fd) in p.join.iter().enumerate() {
             // `0`: the writing process itself (cgroups(7)).
             if libc::write(fd, c"0".as_ptr().cast(), 1) != 1 {
@@ -604,8 +621,11 @@ unsafe fn child(p: &Prepared, err_w: RawFd) -> ! {
                 fail(Step::Drop, 0);
             }
         }
-        // After the uid change, which clears the parent-death signal (prctl(2)).
-        if p.tied && libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+        // After the uid change, which clears the parent-death signal (prctl(2)): set again
+        // for a tied QEMU, cleared for one that outlives its starter (a clone; without a
+        // change of uid nothing cleared it).
+        let death = if p.tied { libc::SIGKILL } else { 0 };
+        if libc::prctl(libc::PR_SET_PDEATHSIG, death) != 0 {
             fail(Step::DeathSignal, 0);
         }
         libc::execve(p.exe.as_ptr(), p.argv.as_ptr(), p.envp.as_ptr());
