@@ -1,7 +1,7 @@
 //! The maker of QEMUs' cgroups (issue 37), where the builder's cgroups and the VMM meet: each
 //! QEMU kiln starts as root gets a group of the builder's kind
-//! ([`kiln_builder::exec::cgroup::StepCgroup`]) under [`QEMU_CGROUP_PARENT`], with the memory,
-//! pids and CPU limits [`kiln_vmm::jail::cgroup::QemuLimits`] gives it. The pipeline's own
+//! ([`kiln_builder::exec::cgroup::StepCgroup`]) under [`QEMU_CGROUP_PARENT`], with the memory
+//! and pids limits [`kiln_vmm::jail::cgroup::QemuLimits`] gives it. The pipeline's own
 //! paths that start VMs (the microVM executor, the boot-once snapshot, the nightly's smoke
 //! clones) install it ([`install`], once per process), and so does the `kiln` binary at start
 //! (for `kiln start`, `kiln exec` and the rest that call the VMM directly); any other program
@@ -34,7 +34,8 @@ impl QemuCgroups for Maker {
             CgroupLimits {
                 memory_bytes: limits.memory_bytes,
                 pids_max: limits.pids_max,
-                cpu_millis: Some(limits.cpu_millis),
+                // No CPU limit: see kiln_vmm::jail::cgroup's module doc.
+                cpu_millis: None,
             },
         )
         .map_err(|e| e.to_string())?;
