@@ -34,8 +34,6 @@ impl QemuCgroups for Maker {
             CgroupLimits {
                 memory_bytes: limits.memory_bytes,
                 pids_max: limits.pids_max,
-                // No CPU limit: see kiln_vmm::jail::cgroup's module doc.
-                cpu_millis: None,
             },
         )
         .map_err(|e| e.to_string())?;

@@ -10,10 +10,6 @@
 //!   `memory.memsw.limit_in_bytes` when swap accounting is on), `pids.max`; a memory kill shows
 //!   as `oom_kill` in `memory.oom_control` (Linux 4.13+), `memory.failcnt` otherwise.
 //!
-//! - a CPU limit, when asked for ([`CgroupLimits::cpu_millis`], QEMU's groups): v2
-//!   `cpu.max` (`<quota> <period>`, `cpu` enabled in the ancestors), v1 `cpu.cfs_quota_us`
-//!   over `cpu.cfs_period_us` in a group of the `cpu` controller ([`CPU_PERIOD_US`]).
-//!
 //! [`StepCgroup::kill_all`] kills every process of the group until it is empty;
 //! dropping a [`StepCgroup`] kills what is left and removes the directories, unless it was
 //! [`StepCgroup::keep`]t for a process that outlives its maker (a clone's QEMU); such groups
@@ -64,9 +60,6 @@ pub fn detect() -> Result<CgroupLayout, CgroupError> {
     }
 }
 
-/// The CFS period of a CPU limit, µs (the kernel's default, `cpu.cfs_period_us`).
-pub const CPU_PERIOD_US: u64 = 100_000;
-
 /// Limits applied to one step's cgroup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CgroupLimits {
@@ -74,9 +67,6 @@ pub struct CgroupLimits {
     pub memory_bytes: u64,
     /// Maximum number of tasks (processes and threads).
     pub pids_max: u64,
-    /// CPU time, in thousandths of one CPU (2000: two CPUs' worth per period); `None`: no
-    /// CPU limit (namespace steps).
-    pub cpu_millis: Option<u64>,
 }
 
 /// What a step's cgroup saw.
@@ -139,11 +129,7 @@ impl StepCgroup {
         };
         match layout {
             CgroupLayout::Unified => {
-                let enable = if limits.cpu_millis.is_some() {
-                    "+memory +pids +cpu"
-                } else {
-                    "+memory +pids"
-                };
+                let enable = "+memory +pids";
                 let mut dir = root.to_path_buf();
                 for part in Path::new(parent).components() {
                     let _ = fs::write(dir.join("cgroup.subtree_control"), enable);
@@ -162,20 +148,9 @@ impl StepCgroup {
                     write(&swap, "0")?;
                 }
                 write(&dir.join("pids.max"), &limits.pids_max.to_string())?;
-                if let Some(m) = limits.cpu_millis {
-                    write(
-                        &dir.join("cpu.max"),
-                        &format!("{} {CPU_PERIOD_US}", cpu_quota_us(m)),
-                    )?;
-                }
             }
             CgroupLayout::Legacy => {
-                let controllers: &[&str] = if limits.cpu_millis.is_some() {
-                    &["memory", "pids", "cpu"]
-                } else {
-                    &["memory", "pids"]
-                };
-                for ctrl in controllers {
+                for ctrl in ["memory", "pids"] {
                     let dir = root.join(ctrl).join(parent).join(&name);
                     fs::create_dir_all(&dir).map_err(io_err(&dir))?;
                     cg.dirs.push(dir);
@@ -191,16 +166,6 @@ impl StepCgroup {
                 }
                 write(&mem.join("memory.swappiness"), "0").ok();
                 write(&cg.dirs[1].join("pids.max"), &limits.pids_max.to_string())?;
-                if let Some(m) = limits.cpu_millis {
-                    write(
-                        &cg.dirs[2].join("cpu.cfs_period_us"),
-                        &CPU_PERIOD_US.to_string(),
-                    )?;
-                    write(
-                        &cg.dirs[2].join("cpu.cfs_quota_us"),
-                        &cpu_quota_us(m).to_string(),
-                    )?;
-                }
             }
         }
         Ok(cg)
@@ -283,19 +248,13 @@ impl StepCgroup {
     }
 }
 
-/// The CFS quota of `millis` thousandths of a CPU over [`CPU_PERIOD_US`], µs (at least the
-/// kernel's minimum of 1000 µs).
-fn cpu_quota_us(millis: u64) -> u64 {
-    (millis.saturating_mul(CPU_PERIOD_US) / 1000).max(1000)
-}
-
 /// The directories under which groups of `parent` live: the v2 parent, or one per v1
-/// controller kiln uses.
+/// controller kiln uses (`memory`, `pids`).
 fn parent_dirs(layout: CgroupLayout, parent: &str) -> Vec<PathBuf> {
     let root = Path::new(CGROUP_ROOT);
     match layout {
         CgroupLayout::Unified => vec![root.join(parent)],
-        CgroupLayout::Legacy => ["memory", "pids", "cpu"]
+        CgroupLayout::Legacy => ["memory", "pids"]
             .iter()
             .map(|c| root.join(c).join(parent))
             .collect(),

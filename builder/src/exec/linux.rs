@@ -248,7 +248,6 @@ impl StepExecutor for LinuxExecutor {
             CgroupLimits {
                 memory_bytes: cfg.memory_bytes,
                 pids_max: cfg.pids_max,
-                cpu_millis: None,
             },
         )?;
 
