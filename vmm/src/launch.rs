@@ -229,7 +229,7 @@ pub fn parse_tsc_khz(cpuinfo: &str) -> Option<u64> {
     (mhz > 0.0).then(|| (mhz * 1000.0).round() as u64)
 }
 
-async fn run(program: &Path, args: &[&str]) -> Result<String, LaunchError> {
+pub(crate) async fn run(program: &Path, args: &[&str]) -> Result<String, LaunchError> {
     let out = tokio::process::Command::new(program)
         .args(args)
         .stdin(Stdio::null())
@@ -683,9 +683,14 @@ impl Vm {
             })
             .collect::<Result<_, _>>()?;
         let join_fds: Vec<std::os::fd::RawFd> = join.iter().map(|f| f.as_raw_fd()).collect();
+        let root = match user {
+            Some(_) => Some(crate::jail::root::plan_for(&host.qemu).await?),
+            None => None,
+        };
         let t0 = std::time::Instant::now();
         let mut child = crate::jail::spawn::spawn(&crate::jail::spawn::Launch {
             program: &host.qemu,
+            root: root.as_deref(),
             args: &args,
             log: &log,
             keep: &fds,

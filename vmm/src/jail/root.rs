@@ -58,21 +58,31 @@ static PLANS: Mutex<Option<HashMap<PathBuf, Arc<RootPlan>>>> = Mutex::new(None);
 ///
 /// Errors: `qemu` not found on `PATH`, `ldd` or `qemu -L help` failing, a library `ldd`
 /// could not find, or a path that is not absolute and plain ([`LaunchError::Host`]).
-pub fn plan_for(qemu: &Path) -> Result<Arc<RootPlan>, LaunchError> {
-    let mut plans = PLANS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(p) = plans.as_ref().and_then(|m| m.get(qemu)) {
-        return Ok(p.clone());
+pub async fn plan_for(qemu: &Path) -> Result<Arc<RootPlan>, LaunchError> {
+    let known = |plans: &Option<HashMap<PathBuf, Arc<RootPlan>>>| {
+        plans.as_ref().and_then(|m| m.get(qemu)).cloned()
+    };
+    if let Some(p) = known(&PLANS.lock().unwrap_or_else(|e| e.into_inner())) {
+        return Ok(p);
     }
-    let plan = Arc::new(read_plan(qemu)?);
+    // Read without the lock held (two first starts at once both read; one plan stays).
+    let plan = Arc::new(read_plan(qemu).await?);
+    let mut plans = PLANS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = known(&plans) {
+        return Ok(p);
+    }
     plans
         .get_or_insert_with(HashMap::new)
         .insert(qemu.to_path_buf(), plan.clone());
     Ok(plan)
 }
 
-fn read_plan(qemu: &Path) -> Result<RootPlan, LaunchError> {
+async fn read_plan(qemu: &Path) -> Result<RootPlan, LaunchError> {
     let exe = find_exe(qemu)?;
-    let out = output(Path::new("ldd"), &[exe.as_os_str()])?;
+    let exe_arg = exe
+        .to_str()
+        .ok_or_else(|| LaunchError::Host(format!("{}: QEMU's path is not UTF-8", exe.display())))?;
+    let out = crate::launch::run(Path::new("ldd"), &[exe_arg]).await?;
     let mut files = vec![exe.clone()];
     files.extend(
         parse_ldd(&out).map_err(|e| LaunchError::Host(format!("ldd {}: {e}", exe.display())))?,
@@ -81,7 +91,7 @@ fn read_plan(qemu: &Path) -> Result<RootPlan, LaunchError> {
     if cache.is_file() {
         files.push(cache);
     }
-    let help = output(&exe, &["-L".as_ref(), "help".as_ref()])?;
+    let help = crate::launch::run(&exe, &["-L", "help"]).await?;
     let dirs: Vec<PathBuf> = help
         .lines()
         .map(|l| PathBuf::from(l.trim()))
@@ -119,24 +129,6 @@ pub(crate) fn find_exe(qemu: &Path) -> Result<PathBuf, LaunchError> {
         ))
     })?;
     std::path::absolute(&p).map_err(crate::launch::io_err(&p))
-}
-
-fn output(program: &Path, args: &[&std::ffi::OsStr]) -> Result<String, LaunchError> {
-    let out = std::process::Command::new(program)
-        .args(args)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .map_err(|source| LaunchError::Exec {
-            program: program.display().to_string(),
-            source,
-        })?;
-    if !out.status.success() {
-        return Err(LaunchError::Failed {
-            program: program.display().to_string(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// The files of `ldd`'s output: `name => /path (0x…)` and `/path (0x…)` lines give a path;

@@ -70,6 +70,8 @@ pub(crate) struct Launch<'a> {
     pub keep: &'a [RawFd],
     /// Its user; `Some` also means the jail: namespaces and private root.
     pub user: Option<QemuUser>,
+    /// What its private root holds ([`super::root::plan_for`]); `Some` with `user`.
+    pub root: Option<&'a RootPlan>,
     /// Killed (`SIGKILL`) when the starting thread exits.
     pub tied: bool,
     /// `cgroup.procs` files, opened for writing, that the child joins first
@@ -283,15 +285,11 @@ impl Jail {
 
 /// Starts QEMU as `l` says ([`Launch`]); returns once `execve` succeeded.
 ///
-/// Errors: a step of the child failing ([`LaunchError::Exec`] naming the step and the path;
-/// an exec that fails says the program), or the root plan not being readable
-/// ([`super::root::plan_for`]).
+/// Errors: a step of the child failing ([`LaunchError::Jail`] naming the step and the path;
+/// an exec that fails says the program, [`LaunchError::Exec`]).
 pub(crate) fn spawn(l: &Launch<'_>) -> Result<Process, LaunchError> {
-    let plan = match l.user {
-        Some(_) => Some(super::root::plan_for(l.program)?),
-        None => None,
-    };
-    let exe = match &plan {
+    let plan = l.root;
+    let exe = match plan {
         Some(p) => p.exe.clone(),
         None => super::root::find_exe(l.program)?,
     };
@@ -301,7 +299,7 @@ pub(crate) fn spawn(l: &Launch<'_>) -> Result<Process, LaunchError> {
     }
     let mut argv: Vec<*const libc::c_char> = argv_c.iter().map(|c| c.as_ptr()).collect();
     argv.push(std::ptr::null());
-    let jail = match &plan {
+    let jail = match plan {
         Some(p) => {
             std::fs::create_dir_all(ROOT_MOUNT_POINT)
                 .map_err(crate::launch::io_err(Path::new(ROOT_MOUNT_POINT)))?;
