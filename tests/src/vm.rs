@@ -327,3 +327,54 @@ pub fn qemu_uids(needle: &str) -> Vec<(u32, u32, u32)> {
         })
         .collect()
 }
+
+/// The spec of a VM in `d` that QEMU starts paused, waiting for an incoming migration that
+/// never comes (no guest boot), booting `boot` under `accel` on `host`: a `memory_bytes`
+/// shared memory file, an empty 1 MiB qcow2 disk (with `backing`, over a 1 MiB raw backing
+/// file `base.raw`), its sockets and console log.
+pub fn paused_spec(
+    host: &kiln_vmm::launch::Host,
+    accel: kiln_vmm::launch::Accel,
+    boot: &BootAssets,
+    d: &Path,
+    memory_bytes: u64,
+    backing: bool,
+) -> kiln_vmm::launch::VmSpec {
+    use kiln_vmm::launch;
+    std::fs::File::create(d.join("memory"))
+        .and_then(|f| f.set_len(memory_bytes))
+        .expect("memory file");
+    let mut img = Command::new(&host.qemu_img);
+    img.args(["create", "-q", "-f", "qcow2"]);
+    if backing {
+        std::fs::File::create(d.join("base.raw"))
+            .and_then(|f| f.set_len(1 << 20))
+            .expect("backing file");
+        img.args(["-F", "raw", "-b"]).arg(d.join("base.raw"));
+    }
+    img.arg(d.join("disk.qcow2"));
+    if !backing {
+        img.arg("1M");
+    }
+    run(&mut img);
+    launch::VmSpec {
+        max_disk_bytes: None,
+        accel,
+        vcpus: 1,
+        memory_bytes,
+        kernel: boot.kernel.clone(),
+        initramfs: boot.initramfs.clone(),
+        memory_file: d.join("memory"),
+        memory_mode: launch::MemoryMode::Shared,
+        disk: d.join("disk.qcow2"),
+        disk_format: launch::DiskFormat::Qcow2,
+        ro_disks: Vec::new(),
+        qmp_socket: d.join("qmp.sock"),
+        guest_socket: d.join("guest.sock"),
+        serial_log: d.join("console.log"),
+        incoming: true,
+        tsc_khz: host.tsc_khz,
+        egress_socket: None,
+        kernel_args: vec![],
+    }
+}

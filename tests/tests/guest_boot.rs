@@ -353,39 +353,28 @@ fn qemu_runs_under_its_seccomp_sandbox_and_cannot_fork() {
     assert_eq!(vm.vm.exited(), None, "QEMU died: {}", vm.vm.log_tail());
 }
 
-/// A VM in `d` that QEMU starts paused, waiting for an incoming migration that never comes
-/// (no guest boot): a `memory_bytes` shared memory file, an empty 1 MiB qcow2 disk, its
-/// sockets and console log.
+/// [`kiln_tests::vm::paused_spec`] with this file's kernel and initramfs: a VM in `d` that
+/// QEMU starts paused (no guest boot), its disk an empty 1 MiB qcow2.
 fn paused_spec(d: &Path, memory_bytes: u64) -> launch::VmSpec {
     let a = artifacts();
     let (host, accel) = host();
-    std::fs::File::create(d.join("memory"))
-        .and_then(|f| f.set_len(memory_bytes))
-        .expect("memory file");
-    run(Command::new(&host.qemu_img)
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(d.join("disk.qcow2"))
-        .arg("1M"));
-    launch::VmSpec {
-        max_disk_bytes: None,
-        accel: *accel,
-        vcpus: 1,
-        memory_bytes,
+    let boot = kiln_vmm::snapshot::BootAssets {
         kernel: a.kernel.vmlinux(),
         initramfs: a.initramfs.path.clone(),
-        memory_file: d.join("memory"),
-        memory_mode: launch::MemoryMode::Shared,
-        disk: d.join("disk.qcow2"),
-        disk_format: launch::DiskFormat::Qcow2,
-        ro_disks: Vec::new(),
-        qmp_socket: d.join("qmp.sock"),
-        guest_socket: d.join("guest.sock"),
-        serial_log: d.join("console.log"),
-        incoming: true,
-        tsc_khz: host.tsc_khz,
-        egress_socket: None,
-        kernel_args: vec![],
-    }
+    };
+    kiln_tests::vm::paused_spec(host, *accel, &boot, d, memory_bytes, false)
+}
+
+/// Starts `spec` (from [`paused_spec`] in `d`), not tied to this thread.
+fn start_paused(spec: &launch::VmSpec, d: &Path) -> launch::Vm {
+    rt().block_on(launch::Vm::spawn(
+        &host().0,
+        spec,
+        &d.join("qemu.log"),
+        Duration::from_secs(30),
+        false,
+    ))
+    .unwrap_or_else(|e| panic!("start QEMU: {e}"))
 }
 
 /// Issue 37: QEMU drops root between fork and exec, and a change of uid clears the
@@ -477,15 +466,7 @@ fn qemu_runs_in_a_private_read_only_root_and_pid_namespace_of_its_own() {
     let d = dir.path();
     let spec = paused_spec(d, 64 << 20);
     let rt = rt();
-    let vm = rt
-        .block_on(launch::Vm::spawn(
-            host,
-            &spec,
-            &d.join("qemu.log"),
-            Duration::from_secs(30),
-            false,
-        ))
-        .unwrap_or_else(|e| panic!("start QEMU: {e}"));
+    let vm = start_paused(&spec, d);
     let pid = vm.pid;
     for ns in ["mnt", "pid"] {
         let ours = std::fs::read_link(format!("/proc/self/ns/{ns}")).unwrap();
@@ -597,20 +578,11 @@ fn cgroup_dirs(pid: u32, controllers: &[&str]) -> Vec<PathBuf> {
 /// says why. The group is gone once the handle has reaped QEMU. No guest boot.
 #[test]
 fn a_qemu_over_its_cgroups_memory_limit_is_killed_and_says_so() {
-    let (host, _) = host();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let spec = paused_spec(d, 64 << 20);
     let rt = rt();
-    let mut vm = rt
-        .block_on(launch::Vm::spawn(
-            host,
-            &spec,
-            &d.join("qemu.log"),
-            Duration::from_secs(30),
-            false,
-        ))
-        .unwrap_or_else(|e| panic!("start QEMU: {e}"));
+    let mut vm = start_paused(&spec, d);
     let limits = vm.cgroup_limits().expect("a jailed QEMU has a cgroup");
     assert!(
         limits.memory_bytes > 64 << 20 && limits.memory_bytes < 1 << 30,
@@ -668,7 +640,6 @@ fn a_qemu_over_its_cgroups_memory_limit_is_killed_and_says_so() {
 #[test]
 fn a_reaped_qemu_gives_its_files_back_to_root() {
     use std::os::unix::fs::MetadataExt;
-    let (host, _) = host();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let spec = paused_spec(d, 64 << 20);
@@ -679,15 +650,7 @@ fn a_reaped_qemu_gives_its_files_back_to_root() {
         })
     };
     let rt = rt();
-    let vm = rt
-        .block_on(launch::Vm::spawn(
-            host,
-            &spec,
-            &d.join("qemu.log"),
-            Duration::from_secs(30),
-            false,
-        ))
-        .unwrap_or_else(|e| panic!("start QEMU: {e}"));
+    let vm = start_paused(&spec, d);
     let user = vm.user.expect("root starts QEMU as a user of its own");
     assert_eq!(owners(), [(user.uid, user.gid); 3], "owned while it runs");
     rt.block_on(vm.kill());

@@ -9,7 +9,6 @@
 //! Needs: ci/setup.sh (qemu-system-x86 10, the guest kernel and initramfs), root.
 
 use std::path::Path;
-use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -63,40 +62,7 @@ impl Jailed {
         let a = kiln_tests::vm::guest_assets();
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
-        let memory_bytes: u64 = 64 << 20;
-        std::fs::File::create(d.join("memory"))
-            .and_then(|f| f.set_len(memory_bytes))
-            .expect("memory file");
-        std::fs::File::create(d.join("base.raw"))
-            .and_then(|f| f.set_len(1 << 20))
-            .expect("backing file");
-        let out = Command::new(&host.qemu_img)
-            .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
-            .arg(d.join("base.raw"))
-            .arg(d.join("disk.qcow2"))
-            .output()
-            .expect("qemu-img");
-        assert!(out.status.success(), "{out:?}");
-        let spec = launch::VmSpec {
-            max_disk_bytes: None,
-            accel: *accel,
-            vcpus: 1,
-            memory_bytes,
-            kernel: a.kernel.clone(),
-            initramfs: a.initramfs.clone(),
-            memory_file: d.join("memory"),
-            memory_mode: launch::MemoryMode::Shared,
-            disk: d.join("disk.qcow2"),
-            disk_format: launch::DiskFormat::Qcow2,
-            ro_disks: Vec::new(),
-            qmp_socket: d.join("qmp.sock"),
-            guest_socket: d.join("guest.sock"),
-            serial_log: d.join("console.log"),
-            incoming: true,
-            tsc_khz: host.tsc_khz,
-            egress_socket: None,
-            kernel_args: vec![],
-        };
+        let spec = kiln_tests::vm::paused_spec(host, *accel, &a, d, 64 << 20, true);
         let vm = rt()
             .block_on(launch::Vm::spawn(
                 host,
