@@ -344,6 +344,15 @@ pub fn file_size_limit(spec: &VmSpec) -> Result<u64, LaunchError> {
 /// The virtual size of the qcow2 image at `path`, bytes: `size` (u64, big-endian) at offset
 /// 24 of the header (QEMU's `docs/interop/qcow2.txt`).
 pub fn qcow2_virtual_size(path: &Path) -> Result<u64, LaunchError> {
+    let (_, head) = qcow2_header(path)?;
+    Ok(u64::from_be_bytes(
+        head[24..32].try_into().unwrap_or_default(),
+    ))
+}
+
+/// The qcow2 image at `path`, open, and the first 32 bytes of its header, its magic checked
+/// (`QFI\xfb` at 0, QEMU's `docs/interop/qcow2.txt`).
+fn qcow2_header(path: &Path) -> Result<(std::fs::File, [u8; 32]), LaunchError> {
     use std::os::unix::fs::FileExt;
     let f = std::fs::File::open(path).map_err(io_err(path))?;
     let mut head = [0u8; 32];
@@ -354,9 +363,7 @@ pub fn qcow2_virtual_size(path: &Path) -> Result<u64, LaunchError> {
             path.display()
         )));
     }
-    Ok(u64::from_be_bytes(
-        head[24..32].try_into().unwrap_or_default(),
-    ))
+    Ok((f, head))
 }
 
 /// The backing file named in the header of the qcow2 image at `path`, absolute (a relative
@@ -367,15 +374,7 @@ pub fn qcow2_virtual_size(path: &Path) -> Result<u64, LaunchError> {
 pub fn qcow2_backing(path: &Path) -> Result<Option<PathBuf>, LaunchError> {
     use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::FileExt;
-    let f = std::fs::File::open(path).map_err(io_err(path))?;
-    let mut head = [0u8; 20];
-    f.read_exact_at(&mut head, 0).map_err(io_err(path))?;
-    if head[..4] != *b"QFI\xfb" {
-        return Err(LaunchError::Host(format!(
-            "{}: not a qcow2 image (no QFI\\xfb magic)",
-            path.display()
-        )));
-    }
+    let (f, head) = qcow2_header(path)?;
     let off = u64::from_be_bytes(head[8..16].try_into().unwrap_or_default());
     let len = u32::from_be_bytes(head[16..20].try_into().unwrap_or_default());
     if off == 0 || len == 0 {
