@@ -646,6 +646,14 @@ impl Vm {
         extra: &[(&Path, crate::jail::Access)],
     ) -> Result<Self, LaunchError> {
         let log = std::fs::File::create(stderr_log).map_err(io_err(stderr_log))?;
+        // Before the uid lock: nothing may await while it is held (`choose` takes it with a
+        // blocking flock, so a task awaiting under it can starve the thread another start
+        // blocks on it).
+        let root = if crate::jail::can_drop() {
+            Some(crate::jail::root::plan_for(&host.qemu).await?)
+        } else {
+            None
+        };
         let chosen = if crate::jail::can_drop() {
             Some(crate::jail::choose(crate::jail::QemuUsers::from_env()?)?)
         } else {
@@ -683,10 +691,6 @@ impl Vm {
             })
             .collect::<Result<_, _>>()?;
         let join_fds: Vec<std::os::fd::RawFd> = join.iter().map(|f| f.as_raw_fd()).collect();
-        let root = match user {
-            Some(_) => Some(crate::jail::root::plan_for(&host.qemu).await?),
-            None => None,
-        };
         let t0 = std::time::Instant::now();
         let mut child = crate::jail::spawn::spawn(&crate::jail::spawn::Launch {
             program: &host.qemu,
