@@ -28,6 +28,7 @@ apt_main=(docker-registry slirp4netns skopeo umoci busybox-static debootstrap zs
   uidmap iproute2 netcat-openbsd xz-utils postgresql
   git # git: ADD <git url> (run on the host), and the tests of it and of git through the egress proxy
   openssh-client # ssh-agent, ssh-add, ssh-keygen: builder's exec test of RUN --mount=type=ssh
+  openssh-server # sshd, started by the test itself on 127.0.0.1 (never the system service): ADD git over ssh
   g++) # g++: libfuzzer-sys builds libFuzzer's C++ sources (ci/fuzz.sh)
 # Packages that must come from bookworm-backports: e2fsprogs >= 1.47.1 reads a tarball with
 # `mke2fs -d`, and only when libarchive13 is installed. QEMU too: this kind of machine ships

@@ -7,6 +7,7 @@
 //!   and `#`) ends in `.git`; otherwise it is a plain URL. `git://…` and `ssh://…` are
 //!   always git sources.
 //! - `user@host:path` (scp-like, `[A-Za-z0-9-_]+@[A-Za-z0-9-.]+:`) is a git source over ssh.
+//!   It has no port: ssh's 22.
 //! - The fragment is `ref[:subdir]`: the ref is a branch, tag or commit; the subdirectory
 //!   is taken from the checkout.
 //!
@@ -16,7 +17,10 @@
 //! starting with `-` (read as an option), a ref git would not accept as a name, a `..`
 //! component in the subdirectory (BuildKit cleans it away silently), user information in
 //! the URL, and BuildKit's `?ref=…` query options (not supported yet; the fragment form
-//! says the same).
+//! says the same). Over ssh, where git hands `[user@]host` and the path to `ssh` and the
+//! remote shell, a user name or host starting with `-` (read by `ssh` as an option, e.g.
+//! `-oProxyCommand=…`), a user name of other characters than `[A-Za-z0-9._-]`, a password
+//! (`ssh://user:pass@…`) and a scp-like path starting with `-` are refused too.
 
 /// How a git source is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +58,9 @@ pub struct GitRef {
     pub host: String,
     /// The port, as written or the scheme's default.
     pub port: u16,
+    /// The ssh user name (`git` of `git@host:path`, `ssh://git@host/…`); `None` for the
+    /// other schemes and for `ssh://host/…` (ssh's default, the local user's name).
+    pub user: Option<String>,
     /// The ref (`#ref`): branch, tag or commit; `None`: the remote's `HEAD`.
     pub reference: Option<String>,
     /// The subdirectory (`#ref:subdir`), `/`-separated, without `.` or empty components;
@@ -90,7 +97,7 @@ impl GitRef {
         {
             return Err(err(format!(
                 "git transport '{t}::' is not supported: ADD fetches git repositories over \
-                 https, http and git:// only"
+                 https, http, git:// and ssh only"
             )));
         }
         let proto = src
@@ -113,7 +120,7 @@ impl GitRef {
                     other => {
                         return Err(err(format!(
                             "URL scheme '{other}' is not supported: ADD fetches http and https \
-                             URLs, and git repositories over https, http and git://"
+                             URLs, and git repositories over https, http, git:// and ssh"
                         )));
                     }
                 };
@@ -142,15 +149,40 @@ impl GitRef {
                     .into(),
             ));
         }
-        let (host, port) = if scheme == GitScheme::Ssh && proto.is_none() {
-            let (_, host) = scp_like(src).unwrap_or_default();
-            (host.to_string(), 22)
+        let (host, port, user) = if scheme == GitScheme::Ssh && proto.is_none() {
+            let (user, host) = scp_like(src).unwrap_or_default();
+            check_ssh_user(user).map_err(err)?;
+            let path = before.split_once(':').map_or("", |(_, p)| p);
+            if path.starts_with('-') {
+                return Err(err(format!(
+                    "path '{path}' starts with '-' (git would hand it to the remote as an option)"
+                )));
+            }
+            if path.is_empty() {
+                return Err(err("the ssh source has no repository path".into()));
+            }
+            if host.starts_with('-') {
+                return Err(err(format!("bad host '{host}'")));
+            }
+            (host.to_string(), 22, Some(user.to_string()))
         } else {
             let rest = rest.split('#').next().unwrap_or_default();
             let mut authority = rest.split('/').next().unwrap_or_default();
-            if scheme == GitScheme::Ssh {
-                // `ssh://git@host/...`: a user name, the ssh way.
-                authority = authority.rsplit('@').next().unwrap_or_default();
+            let mut user = None;
+            if scheme == GitScheme::Ssh
+                && let Some((u, host)) = authority.rsplit_once('@')
+            {
+                // `ssh://git@host/...`: a user name, the ssh way (no password).
+                if u.contains(':') {
+                    return Err(err(
+                        "a password in a git URL is not supported: ssh authenticates with \
+                         the agent of --ssh"
+                            .into(),
+                    ));
+                }
+                check_ssh_user(u).map_err(err)?;
+                user = Some(u.to_string());
+                authority = host;
             }
             if authority.contains('@') {
                 return Err(err(
@@ -159,7 +191,8 @@ impl GitRef {
                         .into(),
                 ));
             }
-            host_port(authority, scheme.default_port()).map_err(err)?
+            let (host, port) = host_port(authority, scheme.default_port()).map_err(err)?;
+            (host, port, user)
         };
         let (reference, subdir) = match fragment {
             None => (None, None),
@@ -186,6 +219,7 @@ impl GitRef {
             remote: before.to_string(),
             host,
             port,
+            user,
             reference,
             subdir,
         }))
@@ -216,6 +250,22 @@ fn scp_like(s: &str) -> Option<(&str, &str)> {
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
     (user_ok && host_ok).then_some((user, host))
+}
+
+/// A user name ssh is given as `user@host`: not empty, `[A-Za-z0-9._-]` only, not starting
+/// with `-` (which `ssh` would read as an option).
+fn check_ssh_user(u: &str) -> Result<(), String> {
+    if u.is_empty()
+        || u.starts_with('-')
+        || !u
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+    {
+        return Err(format!(
+            "bad ssh user name '{u}' (letters, digits, '.', '_' and '-', not first)"
+        ));
+    }
+    Ok(())
 }
 
 /// Host and port of `authority` (`host`, `host:port`, `[v6]`, `[v6]:port`).
@@ -342,9 +392,25 @@ mod tests {
             (g.scheme, g.port, g.reference),
             (GitScheme::Git, 9418, None)
         );
-        let g = ok("git@github.com:moby/buildkit.git#main");
+        let g = ok("git@github.com:moby/buildkit.git#main:docs");
         assert_eq!((g.scheme, g.host.as_str()), (GitScheme::Ssh, "github.com"));
-        assert_eq!(ok("ssh://git@e.test/x.git").scheme, GitScheme::Ssh);
+        assert_eq!((g.port, g.user.as_deref()), (22, Some("git")));
+        assert_eq!(g.remote, "git@github.com:moby/buildkit.git");
+        assert_eq!(
+            (g.reference.as_deref(), g.subdir.as_deref()),
+            (Some("main"), Some("docs"))
+        );
+        let g = ok("ssh://git@e.test/x.git");
+        assert_eq!(
+            (g.scheme, g.port, g.user.as_deref()),
+            (GitScheme::Ssh, 22, Some("git"))
+        );
+        let g = ok("ssh://root@127.0.0.1:2222/srv/r.git#v1");
+        assert_eq!((g.host.as_str(), g.port), ("127.0.0.1", 2222));
+        assert_eq!(g.remote, "ssh://root@127.0.0.1:2222/srv/r.git");
+        let g = ok("ssh://[::1]:22/r.git");
+        assert_eq!((g.host.as_str(), g.user), ("::1", None));
+        assert_eq!(ok("https://e.test/r.git").user, None);
         assert!(ok(&format!("https://e.test/r.git#{}", "a".repeat(40))).is_commit());
         assert!(!ok("https://e.test/r.git#main").is_commit());
     }
@@ -372,6 +438,19 @@ mod tests {
             ("https://e.test/r.git?ref=main", "query options"),
             ("https://-oProxyCommand=x/r.git", "bad host"),
             ("https:///r.git", "no host"),
+            ("ssh://-oProxyCommand=touch%20x/r.git", "bad host"),
+            ("ssh://git@-oProxyCommand=x/r.git", "bad host"),
+            ("ssh://-oProxyCommand=x@e.test/r.git", "bad ssh user name"),
+            ("ssh://a@b@e.test/r.git", "bad ssh user name"),
+            ("ssh://u:secret@e.test/r.git", "a password"),
+            ("ssh://@e.test/r.git", "bad ssh user name"),
+            ("ssh://e.test:0/r.git", "bad port"),
+            ("-oProxyCommand@e.test:r.git", "bad ssh user name"),
+            ("git@e.test:-r.git", "starts with '-'"),
+            ("git@e.test:--upload-pack=touch x", "starts with '-'"),
+            ("git@e.test:", "no repository path"),
+            ("git@e.test:r.git#-b", "starts with '-'"),
+            ("ext::ssh -oProxyCommand=x e.test", "transport 'ext::'"),
             ("https://e.test:0/r.git", "bad port"),
         ] {
             let e = GitRef::parse(src).unwrap_err();
