@@ -507,9 +507,10 @@ pub(crate) async fn run_leased(
 /// refuse a recipe error at submission. The error's text is `kiln plan`'s
 /// (`file:line:column: message` and a snippet). [`run`] lowers again, with the bases'
 /// configs, so a recipe that passes here can still fail there (e.g. a refused `ONBUILD`).
-/// What lowers but kiln does not build ([`kiln_builder::build::check_supported`]: `ADD` of
-/// a git repository over ssh, `--link --chown` by name) is refused here too, as `kiln plan`
-/// refuses it.
+/// What lowers but kiln does not build ([`kiln_builder::build::check_supported`]: `--link
+/// --chown` by name) is refused here too, as `kiln plan` refuses it, and what needs an
+/// entitlement the request does not have ([`check_entitlements`]: through the API, `ADD` of
+/// a git repository over ssh among others).
 pub fn check_recipe(req: &BuildRequest) -> Result<(), PipelineError> {
     let options = kiln_recipes::Options {
         target: req.target.clone(),
@@ -527,8 +528,9 @@ pub fn check_recipe(req: &BuildRequest) -> Result<(), PipelineError> {
 /// Refuses a step of `plan` that needs an entitlement `req` does not have: `RUN
 /// --security=insecure` without [`BuildRequest::allow_insecure`]; `RUN --mount=type=ssh`
 /// in a build without agents ([`BuildRequest::ssh`] `None`: the API, the nightly), under
-/// the microVM executor, or `required` with its id not given. The message names the step's
-/// file and line and what would allow it. Checked before anything runs (the executors
+/// the microVM executor, or `required` with its id not given; `ADD` of a git repository
+/// over ssh without the `default` agent ([`check_git_over_ssh`]). The message names the
+/// step's file and line and what would allow it. Checked before anything runs (the executors
 /// check again).
 pub fn check_entitlements(
     plan: &kiln_recipes::plan::BuildPlan,
@@ -536,10 +538,13 @@ pub fn check_entitlements(
 ) -> Result<(), PipelineError> {
     use kiln_recipes::plan::{Action, Mount, Security};
     for step in plan.stages.iter().flat_map(|s| &s.steps) {
+        let at = format!("{}:{}", step.location.file, step.location.start_line);
+        if let Action::Add(c) | Action::Copy(c) = &step.action {
+            check_git_over_ssh(&at, c, req)?;
+        }
         let Action::Run(run) = &step.action else {
             continue;
         };
-        let at = format!("{}:{}", step.location.file, step.location.start_line);
         if run.security == Security::Insecure && !req.allow_insecure {
             return Err(PipelineError::Entitlement(format!(
                 "{at}: RUN --security=insecure needs the security.insecure entitlement: \
@@ -576,6 +581,47 @@ pub fn check_entitlements(
         }
     }
     Ok(())
+}
+
+/// `ADD` of a git repository over ssh (`git@host:path`, `ssh://…`) needs the `default` SSH
+/// agent, as BuildKit's git source mounts it (`client/llb/source.go`): refused with the
+/// step's `file:line` in a build without agents ([`BuildRequest::ssh`] `None`: the API, the
+/// nightly) and in a CLI build without `--ssh default`. The fetch runs on the host under
+/// either executor, so `--isolation vm` does not matter here.
+fn check_git_over_ssh(
+    at: &str,
+    c: &kiln_recipes::plan::CopyStep,
+    req: &BuildRequest,
+) -> Result<(), PipelineError> {
+    let ssh_url = c.sources.iter().find_map(|s| match s {
+        kiln_recipes::plan::CopySource::Git { url }
+            if kiln_recipes::git::GitRef::parse(url)
+                .ok()
+                .flatten()
+                .is_some_and(|g| g.scheme == kiln_recipes::git::GitScheme::Ssh) =>
+        {
+            Some(url)
+        }
+        _ => None,
+    });
+    let Some(url) = ssh_url else {
+        return Ok(());
+    };
+    match &req.ssh {
+        None => Err(PipelineError::Entitlement(format!(
+            "{at}: ADD {url}: git over ssh is not available here: the build host has no SSH \
+             agent of yours; use an https:// URL of the repository (only kiln build --ssh \
+             default forwards an agent)"
+        ))),
+        Some(agents) if !agents.contains_key("default") => {
+            Err(PipelineError::Entitlement(format!(
+                "{at}: ADD {url}: git over ssh needs an SSH agent: pass `kiln build --ssh \
+                 default` (the agent of $SSH_AUTH_SOCK, or --ssh default=SOCKET), as with \
+                 docker buildx build"
+            )))
+        }
+        Some(_) => Ok(()),
+    }
 }
 
 /// The builder's options for `req`.
@@ -1004,10 +1050,12 @@ mod tests {
         assert_eq!(store.resolve_tag(&tag).await.expect("tag"), same);
     }
 
-    /// Issue 41: through the API (which checks a recipe at submission), `ADD` of a git
-    /// repository over ssh is refused with the reason; over https it passes.
+    /// Issue 41: through the API (which checks a recipe at submission; no agents), `ADD` of
+    /// a git repository over ssh is refused with the reason; over https it passes. A CLI
+    /// build needs `--ssh default` for it (another agent id is not enough), under either
+    /// executor.
     #[test]
-    fn check_recipe_refuses_git_over_ssh() {
+    fn check_recipe_refuses_git_over_ssh_without_the_default_agent() {
         let req = |text: &str| {
             BuildRequest::new(
                 crate::request::Recipe {
@@ -1017,11 +1065,11 @@ mod tests {
                 ContextSource::None,
             )
         };
-        let e = check_recipe(&req("FROM scratch\nADD git@git.test:x/y.git /src\n"))
-            .expect_err("ssh is refused");
+        let scp = "FROM scratch\nADD git@git.test:x/y.git /src\n";
+        let e = check_recipe(&req(scp)).expect_err("ssh is refused");
         assert!(
             e.to_string().contains(
-                "Dockerfile:2: unsupported: ADD git@git.test:x/y.git: git over ssh needs"
+                "Dockerfile:2: ADD git@git.test:x/y.git: git over ssh is not available here"
             ),
             "{e}"
         );
@@ -1031,11 +1079,31 @@ mod tests {
         .expect_err("ssh as a later source too");
         assert!(
             e.to_string()
-                .contains("ADD ssh://git.test/b.git: git over ssh"),
+                .contains("ADD ssh://git.test/b.git: git over ssh is not available"),
             "{e}"
         );
         check_recipe(&req("FROM scratch\nADD https://git.test/x/y.git#v1 /src\n"))
             .expect("https is fetched");
+        let mut cli = req(scp);
+        cli.ssh = Some(std::collections::BTreeMap::from([(
+            "gh".to_string(),
+            std::path::PathBuf::from("/run/agent.sock"),
+        )]));
+        let e = check_recipe(&cli).expect_err("not the default agent");
+        assert!(
+            e.to_string().contains(
+                "Dockerfile:2: ADD git@git.test:x/y.git: git over ssh needs an SSH agent: \
+                 pass `kiln build --ssh default`"
+            ),
+            "{e}"
+        );
+        cli.ssh
+            .as_mut()
+            .unwrap()
+            .insert("default".into(), "/run/agent.sock".into());
+        check_recipe(&cli).expect("with --ssh default");
+        cli.executor = Executor::Vm;
+        check_recipe(&cli).expect("fetched on the host under the microVM executor too");
     }
 
     #[test]

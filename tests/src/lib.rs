@@ -8,6 +8,7 @@ pub mod http;
 pub mod netns;
 pub mod pkgs;
 pub mod serve;
+pub mod ssh;
 pub mod stores;
 pub mod tls;
 pub mod vm;

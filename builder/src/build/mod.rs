@@ -113,7 +113,9 @@ pub struct BuildOptions {
     /// The build's secrets (`--secret`), for `RUN --mount=type=secret`.
     pub secrets: Secrets,
     /// The build's SSH agents (`--ssh`), id → the agent's socket on the host, for `RUN
-    /// --mount=type=ssh`. Not part of any cache key (the mount's id is, in the plan).
+    /// --mount=type=ssh`, and `default` for `ADD` of a git repository over ssh
+    /// ([`FetchOptions::ssh_agent`]). Not part of any cache key (the mount's id is, in the
+    /// plan; a git source's commit is).
     pub ssh: std::collections::BTreeMap<String, PathBuf>,
     /// How `ADD` fetches URLs; its address policy is the egress proxy's too.
     pub fetch: FetchOptions,
@@ -560,8 +562,9 @@ fn location(step: &Step) -> String {
 
 /// Refuses, with the step's `file:line`, what a plan may say but this builder does not do:
 /// `COPY --link`/`ADD --link` with `--chown` by name (BuildKit refuses it too: a linked layer
-/// is made without the layers that hold the user database) and `ADD` of a git repository
-/// over ssh (`git@host:path`, `ssh://`: no agent is forwarded). [`build_with`] calls it
+/// is made without the layers that hold the user database). `ADD` of a git repository over
+/// ssh depends on the build's agent ([`BuildOptions::ssh`]), so it is checked where that is
+/// known: the pipeline's entitlement check, and the fetch itself. [`build_with`] calls it
 /// first; `kiln plan` and the API's submission check call it too, so the plan printed or
 /// accepted is one that builds. Errors: [`BuildError::Unsupported`].
 pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
@@ -584,26 +587,6 @@ pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
                 "{verb} --link --chown={chown}: a linked layer is made without the layers \
                  below it, so it has no /etc/passwd or /etc/group to look names up in; give \
                  numeric ids (--chown=UID[:GID]) or drop --link (as BuildKit)"
-            )));
-        }
-        let ssh = |url: &str| {
-            kiln_recipes::git::GitRef::parse(url)
-                .ok()
-                .flatten()
-                .is_some_and(|g| g.scheme == kiln_recipes::git::GitScheme::Ssh)
-        };
-        if let Some(url) = c
-            .sources
-            .iter()
-            .filter_map(|s| match s {
-                kiln_recipes::plan::CopySource::Git { url } => Some(url),
-                _ => None,
-            })
-            .find(|url| ssh(url))
-        {
-            return Err(unsupported(format!(
-                "ADD {url}: {}",
-                crate::copy::git::ssh_refusal()
             )));
         }
     }
@@ -1772,6 +1755,8 @@ async fn prepare_inputs(
                 if let Some(kiln_recipes::plan::Network::Allow(rules)) = &ctx.opts.network {
                     fetch.rules = Some(rules.clone());
                 }
+                // A git source over ssh authenticates with the `default` agent (BuildKit's).
+                fetch.ssh_agent = ctx.opts.ssh.get("default").cloned();
                 let d = crate::copy::fetch::fetch_urls(c, &dir, &fetch)
                     .await
                     .map_err(|e| BuildError::Copy {

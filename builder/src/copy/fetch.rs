@@ -97,6 +97,11 @@ pub struct FetchOptions {
     /// Extra CA certificates: `ADD <url>` trusts them besides its built-in roots, and every
     /// `RUN` step sees them in its CA bundle ([`crate::egress::ca`]). `None`: none.
     pub ca_certs: Option<crate::egress::ca::CaCerts>,
+    /// The SSH agent a git source over ssh (`git@host:path`, `ssh://…`) authenticates with:
+    /// the socket of `kiln build --ssh default` (BuildKit's git source mounts its `default`
+    /// agent too, `client/llb/source.go`), reached read-only ([`super::git`]). `None`: such a
+    /// source is refused, naming `--ssh default` (always so through the API).
+    pub ssh_agent: Option<PathBuf>,
 }
 
 impl Default for FetchOptions {
@@ -107,6 +112,7 @@ impl Default for FetchOptions {
             addresses: AddressPolicy::default(),
             rules: None,
             ca_certs: None,
+            ssh_agent: None,
         }
     }
 }

@@ -6,7 +6,8 @@
 //! 1. the remote's host is checked by the build's allow and deny lists and resolved and
 //!    checked by its address rules, as `ADD <url>` is ([`FetchOptions::resolve`]), and git
 //!    is pinned to the address checked
-//!    (`http.curloptResolve` for http(s); for `git://` the URL names the address), with
+//!    (`http.curloptResolve` for http(s); for `git://` the URL names the address; for ssh
+//!    `-o HostName=<address> -o Port=<port>`), with
 //!    redirects off, so no second lookup reaches anything else;
 //! 2. `git ls-remote` names the ref: a ref as written, `refs/<ref>`, `refs/tags/<ref>`, then
 //!    `refs/heads/<ref>` (git's own order); no ref is the remote's `HEAD`. A ref that names
@@ -25,7 +26,7 @@
 //! git runs with an empty environment but for `PATH`, `HOME` (an empty directory), `LC_ALL`,
 //! `GIT_CONFIG_NOSYSTEM=1`, `GIT_CONFIG_GLOBAL=/dev/null`, `GIT_TERMINAL_PROMPT=0` and
 //! `GIT_PROTOCOL_FROM_USER=0`: no host or user configuration, credential helper or prompt
-//! applies. Its command line sets `protocol.allow=never` with only the source's own protocol
+//! applies (`GIT_SSH_COMMAND=/bin/false` but over ssh). Its command line sets `protocol.allow=never` with only the source's own protocol
 //! allowed, hooks off (`core.hooksPath=/dev/null`), no submodule recursion, no redirects,
 //! and `transfer.fsckObjects` (malformed objects are refused). The build's extra CA
 //! certificates ([`FetchOptions::ca_certs`]) are trusted after the host's bundle, as
@@ -34,6 +35,34 @@
 //! each file is bounded by `RLIMIT_FSIZE`), and the whole fetch by
 //! [`FetchOptions::timeout`]; git and its helpers run in their own process group, killed
 //! together.
+//!
+//! ## Over ssh (`git@host:path`, `ssh://[user@]host[:port]/path`)
+//!
+//! Only with an agent ([`FetchOptions::ssh_agent`]: `kiln build --ssh default`); without
+//! one the source is refused before anything connects ([`ssh_refusal`]), and the API never
+//! gives one. As BuildKit (`source/git/source.go`, `client/llb/source.go`), git runs the
+//! host's `ssh` with the agent's socket as `SSH_AUTH_SOCK`, set for git and its `ssh` child
+//! only. kiln puts a read-only proxy of the agent in front of it
+//! ([`crate::exec::ssh::AgentProxy`], as for `RUN --mount=type=ssh`): `ssh` may list the
+//! keys and sign, not add, remove or lock. `GIT_SSH_COMMAND` is `ssh -F /dev/null` (no
+//! `ssh_config` of the host or of root) with, as `-o` options:
+//! - `BatchMode=yes`, publickey authentication only: no password or passphrase prompt;
+//! - `IdentityFile=none`: only the agent's keys, never root's `~/.ssh/id_*` (ssh finds `~`
+//!   in the password database, not in `HOME`);
+//! - host keys: `StrictHostKeyChecking=no`, `UserKnownHostsFile=/dev/null`,
+//!   `GlobalKnownHostsFile=/dev/null`: the key the server shows is accepted and nothing is
+//!   read from or written to root's `known_hosts`. This is what a Docker user gets from
+//!   BuildKit for a Dockerfile's `ADD git@…`: its client scans the host's key at the start
+//!   of the build (`ssh-keyscan`, best effort, no check against any known hosts) and
+//!   BuildKit trusts what it got, or disables the check when the scan failed. The agent's
+//!   signatures are bound to the ssh session, so a host that is not the real one can serve
+//!   other files but cannot use them elsewhere; pin a commit (`#<full commit id>`) where
+//!   that matters;
+//! - `HostName` and `Port`: the address checked above, not a second lookup;
+//! - no proxy, jump host, connection sharing, forwarding or local command.
+//!
+//! Under `--isolation vm` nothing differs: the fetch runs on the host before the step, as
+//! for http(s).
 
 use std::fs;
 use std::io::Read;
@@ -82,7 +111,7 @@ pub async fn fetch_git(
     let git_ref = GitRef::parse(url)
         .map_err(|e| bad(e.reason))?
         .ok_or_else(|| bad("not a git repository URL".into()))?;
-    if git_ref.scheme == GitScheme::Ssh {
+    if git_ref.scheme == GitScheme::Ssh && opts.ssh_agent.is_none() {
         return Err(bad(ssh_refusal()));
     }
     let addrs = opts
@@ -104,11 +133,52 @@ pub async fn fetch_git(
     })?
 }
 
-/// Why `git@host:path` and `ssh://` sources are refused.
+/// Why `git@host:path` and `ssh://` sources are refused in a build without an SSH agent.
 pub fn ssh_refusal() -> String {
-    "git over ssh needs the build's ssh agent (--ssh), which kiln does not forward: use an \
-     https:// URL of the repository"
+    "git over ssh needs an SSH agent: pass `kiln build --ssh default` (the agent of \
+     $SSH_AUTH_SOCK, as `docker buildx build --ssh default`); builds through the API have \
+     none: use an https:// URL of the repository"
         .into()
+}
+
+/// `GIT_SSH_COMMAND` for a fetch from `addr` (see the module's documentation): a shell
+/// command line (git runs it with `sh -c`), every word of it free of shell syntax (an IP
+/// literal and numbers are the only variable parts).
+fn ssh_command(addr: std::net::SocketAddr) -> String {
+    let mut c = String::from("ssh -F /dev/null");
+    for o in [
+        "BatchMode=yes",
+        "PreferredAuthentications=publickey",
+        "PasswordAuthentication=no",
+        "KbdInteractiveAuthentication=no",
+        "IdentityFile=none",
+        "IdentitiesOnly=no",
+        "AddKeysToAgent=no",
+        "StrictHostKeyChecking=no",
+        "UserKnownHostsFile=/dev/null",
+        "GlobalKnownHostsFile=/dev/null",
+        "UpdateHostKeys=no",
+        "CheckHostIP=no",
+        "ProxyCommand=none",
+        "ProxyJump=none",
+        "ControlMaster=no",
+        "ControlPath=none",
+        "ForwardAgent=no",
+        "ForwardX11=no",
+        "ClearAllForwardings=yes",
+        "PermitLocalCommand=no",
+        "ConnectTimeout=30",
+        "LogLevel=ERROR",
+    ] {
+        c.push_str(" -o ");
+        c.push_str(o);
+    }
+    c.push_str(&format!(
+        " -o HostName={} -o Port={}",
+        addr.ip(),
+        addr.port()
+    ));
+    c
 }
 
 /// The `git` command of one fetch.
@@ -119,6 +189,8 @@ struct Git<'a> {
     watched: PathBuf,
     logs: PathBuf,
     config: Vec<String>,
+    /// Over ssh: `GIT_SSH_COMMAND` and `SSH_AUTH_SOCK` (the agent's read-only proxy).
+    ssh: Option<(String, PathBuf)>,
     max_bytes: u64,
     deadline: Instant,
 }
@@ -156,12 +228,18 @@ impl Git<'_> {
             .env("GIT_TERMINAL_PROMPT", "0")
             .env("GIT_PROTOCOL_FROM_USER", "0")
             .env("GIT_ASKPASS", "/bin/false")
-            .env("GIT_SSH_COMMAND", "/bin/false")
             .current_dir(cwd)
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(errf)
             .process_group(0);
+        match &self.ssh {
+            Some((command, agent)) => cmd
+                .env("GIT_SSH_COMMAND", command)
+                .env("GIT_SSH_VARIANT", "ssh")
+                .env("SSH_AUTH_SOCK", agent),
+            None => cmd.env("GIT_SSH_COMMAND", "/bin/false"),
+        };
         for c in &self.config {
             cmd.arg("-c").arg(c);
         }
@@ -260,12 +338,19 @@ impl Git<'_> {
     }
 }
 
-/// The end of git's message, at most 1 KiB, on one line.
+/// The end of git's message, at most 1 KiB, on one line. git's advice after a failed
+/// connection ("Please make sure you have the correct access rights" / "and the repository
+/// exists.") is left out, so that the reason before it (ssh's "Permission denied
+/// (publickey)", a refused connection) is kept.
 fn last_words(stderr: &str) -> String {
     let lines: Vec<&str> = stderr
         .lines()
         .map(str::trim)
-        .filter(|l| !l.is_empty())
+        .filter(|l| {
+            !l.is_empty()
+                && !l.starts_with("Please make sure you have the correct access rights")
+                && *l != "and the repository exists."
+        })
         .collect();
     let s = lines[lines.len().saturating_sub(3)..].join("; ");
     if s.len() > 1024 {
@@ -322,12 +407,29 @@ fn fetch_blocking(
         GitScheme::Http => "http",
         GitScheme::Https => "https",
         GitScheme::Git => "git",
-        GitScheme::Ssh => {
+        GitScheme::Ssh => "ssh",
+    };
+    // Over ssh, the agent through a read-only proxy of ours, alive until git is done.
+    let proxy = match (r.scheme, &opts.ssh_agent) {
+        (GitScheme::Ssh, Some(agent)) => Some(
+            crate::exec::ssh::AgentProxy::start(
+                agent,
+                rustix::process::geteuid().as_raw(),
+                rustix::process::getegid().as_raw(),
+                0o600,
+            )
+            .map_err(|e| FetchError::Git {
+                url: url.to_string(),
+                detail: format!("the SSH agent of --ssh ({}): {e}", agent.display()),
+            })?,
+        ),
+        (GitScheme::Ssh, None) => {
             return Err(FetchError::BadUrl {
                 url: url.to_string(),
                 reason: ssh_refusal(),
             });
         }
+        _ => None,
     };
     // The address checked, and nothing else: curl is told the name's address; the git
     // daemon protocol is given the address itself.
@@ -394,6 +496,9 @@ fn fetch_blocking(
         watched: repo.clone(),
         logs,
         config,
+        ssh: proxy
+            .as_ref()
+            .map(|p| (ssh_command(addr), p.socket().to_path_buf())),
         max_bytes: opts.max_bytes,
         deadline: Instant::now() + opts.timeout,
     };

@@ -756,3 +756,180 @@ async fn add_git_over_the_git_protocol_is_pinned_and_checked() {
     .unwrap_err();
     assert!(matches!(e, FetchError::Forbidden { .. }), "{e}");
 }
+
+/// Issue 41: `ADD ssh://…` and `ADD user@host:path` with the build's agent (`kiln build
+/// --ssh default`), against a real `sshd` on 127.0.0.1 started by the test, which serves
+/// the fixture's repository through `git-upload-pack` and lets in only the agent's key.
+/// The ref resolves as over http (branch, tag, commit; the commit in the cache key); a
+/// build without the agent, the address rules, the allow and deny lists and hostile forms
+/// are refused before anything connects.
+#[tokio::test]
+async fn add_git_over_ssh_with_the_builds_agent() {
+    let sv = served();
+    let keys = sv.dl.join("ssh");
+    fs::create_dir(&keys).unwrap();
+    let agent = kiln_tests::ssh::Agent::start(&keys);
+    let sshd = kiln_tests::ssh::Sshd::start(&keys, &[&agent.public_key]);
+    let connections = || sshd.logged().matches("Connection from").count();
+    let base = format!("ssh://root@127.0.0.1:{}{}", sshd.port, sv.bare.display());
+    let opts = FetchOptions {
+        ssh_agent: Some(agent.socket.clone()),
+        ..allow()
+    };
+    // A branch: the files, the commit, through the agent's key.
+    let branch = format!("{base}#main");
+    let s = git_step(&branch, "/src");
+    let src = add(&sv, &s, &opts)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\nsshd: {}", sshd.logged()));
+    assert_eq!(src.downloads.git(&branch).unwrap().commit, sv.c2);
+    assert_eq!(read(&sv, "src/a.txt"), "two");
+    assert!(!sv.dest.join("src/.git").exists(), ".git is dropped");
+    assert!(
+        sshd.logged().contains("Accepted publickey for root"),
+        "{}",
+        sshd.logged()
+    );
+    // A tag, and a commit by id whose key stays when the branch moves.
+    let tag = format!("{base}#v1:sub");
+    let t = add(&sv, &git_step(&tag, "/tag"), &opts).await.unwrap();
+    assert_eq!(t.downloads.git(&tag).unwrap().commit, sv.c1);
+    assert_eq!(read(&sv, "tag/inner/x.txt"), "x");
+    let pin = git_step(&format!("{base}#{}", sv.c1), "/pin");
+    let p = add(&sv, &pin, &opts).await.unwrap();
+    assert_eq!(read(&sv, "pin/a.txt"), "one");
+    let k = sources_digest(&s, &src).unwrap();
+    let kp = sources_digest(&pin, &p).unwrap();
+    sv.move_main();
+    let moved = add(&sv, &s, &opts).await.unwrap();
+    assert_ne!(
+        sources_digest(&s, &moved).unwrap(),
+        k,
+        "a moved branch is a miss"
+    );
+    let again = add(&sv, &pin, &opts).await.unwrap();
+    assert_eq!(
+        sources_digest(&pin, &again).unwrap(),
+        kp,
+        "a pinned commit is a hit"
+    );
+    // --keep-git-dir keeps the remote as written.
+    let mut keep = git_step(&branch, "/keep");
+    keep.keep_git_dir = true;
+    add(&sv, &keep, &opts).await.unwrap();
+    assert!(
+        fs::read_to_string(sv.dest.join("keep/.git/config"))
+            .unwrap()
+            .contains(&base),
+        "the remote of the kept .git"
+    );
+
+    // Refused before anything connects: no agent, the address rules, the lists.
+    let before = connections();
+    let e = fetch_urls(&git_step(&branch, "/x"), &sv.dl(), &allow())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FetchError::BadUrl { .. }), "{e}");
+    assert!(e.to_string().contains("kiln build --ssh default"), "{e}");
+    let public_only = FetchOptions {
+        ssh_agent: Some(agent.socket.clone()),
+        ..FetchOptions::default()
+    };
+    let e = fetch_urls(&git_step(&branch, "/x"), &sv.dl(), &public_only)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FetchError::Forbidden { .. }), "{e}");
+    let mut listed = opts.clone();
+    listed.addresses.hosts.insert(
+        "ssh.test".into(),
+        vec![std::net::Ipv4Addr::LOCALHOST.into()],
+    );
+    let named = format!(
+        "ssh://root@ssh.test:{}{}#main",
+        sshd.port,
+        sv.bare.display()
+    );
+    let rule = |r: &str| kiln_recipes::plan::EgressRule::parse(r).unwrap();
+    listed.rules = Some(kiln_recipes::plan::Egress {
+        allow: vec![rule("other.test")],
+        deny: vec![],
+    });
+    let e = fetch_urls(&git_step(&named, "/x"), &sv.dl(), &listed)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FetchError::NotAllowed { .. }), "{e}");
+    listed.rules = Some(kiln_recipes::plan::Egress {
+        allow: vec![rule("ssh.test")],
+        deny: vec![rule("127.0.0.0/8")],
+    });
+    let e = fetch_urls(&git_step(&named, "/x"), &sv.dl(), &listed)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FetchError::NotAllowed { .. }), "{e}");
+    let marker = sv.dl.join("pwned");
+    let m = marker.display();
+    let p = sshd.port;
+    for (url, needle) in [
+        (
+            format!("ssh://-oProxyCommand=touch%20{m}/r.git"),
+            "bad host",
+        ),
+        (
+            format!("ssh://-oProxyCommand=touch%20pwned@127.0.0.1:{p}/r.git"),
+            "bad ssh user name",
+        ),
+        (
+            format!("-oProxyCommand@127.0.0.1:{}", sv.bare.display()),
+            "bad ssh user name",
+        ),
+        (
+            format!("root@-oProxyCommand:{}", sv.bare.display()),
+            "bad host",
+        ),
+        (
+            "root@127.0.0.1:--upload-pack=touch x".to_string(),
+            "starts with '-'",
+        ),
+        (format!("{base}#--upload-pack=touch {m}"), "starts with '-'"),
+        (
+            format!("ext::ssh -oProxyCommand=touch%20{m} x"),
+            "transport 'ext::'",
+        ),
+        (format!("ssh://u:pw@127.0.0.1:{p}/r.git"), "a password"),
+    ] {
+        let e = fetch_urls(&git_step(&url, "/x"), &sv.dl(), &opts)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, FetchError::BadUrl { .. }), "{url}: {e}");
+        assert!(e.to_string().contains(needle), "{url}: {e}");
+    }
+    assert!(!marker.exists(), "nothing ran");
+    assert_eq!(connections(), before, "sshd saw no connection");
+
+    // A key the server does not know: git's error, no prompt.
+    let other_dir = keys.join("other");
+    fs::create_dir(&other_dir).unwrap();
+    let other = kiln_tests::ssh::Agent::start(&other_dir);
+    let stranger = FetchOptions {
+        ssh_agent: Some(other.socket.clone()),
+        ..allow()
+    };
+    let e = fetch_urls(&git_step(&branch, "/x"), &sv.dl(), &stranger)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FetchError::Git { .. }), "{e}");
+    assert!(
+        e.to_string().contains("Permission denied (publickey)"),
+        "{e}"
+    );
+    // The scp-like form has no port: ssh's 22 on the address checked (no sshd of ours).
+    let scp = format!("root@127.0.0.1:{}#main", sv.bare.display());
+    let e = fetch_urls(&git_step(&scp, "/x"), &sv.dl(), &opts)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FetchError::Git { .. }), "{e}");
+    assert!(
+        e.to_string().contains("127.0.0.1 port 22") || e.to_string().contains("Permission denied"),
+        "{e}"
+    );
+}
