@@ -409,6 +409,14 @@ fn keys_blobs_recipe_errors_and_idempotency() {
                 format!("FROM {bb}\nRUN true\nRUN --mount=type=ssh true\n"),
                 "Dockerfile:3: RUN --mount=type=ssh is not available here: the build host has no SSH agent of yours",
             ),
+            (
+                format!("FROM {bb}\nRUN true\nADD git@git.test:org/repo.git#main /src\n"),
+                "Dockerfile:3: ADD git@git.test:org/repo.git#main: git over ssh is not available here",
+            ),
+            (
+                format!("FROM {bb}\nADD ssh://git@git.test:2222/org/repo.git /src\n"),
+                "Dockerfile:2: ADD ssh://git@git.test:2222/org/repo.git: git over ssh is not available here",
+            ),
         ] {
             let r = submit(&c, &s, &key, &json!({}), None, Some(recipe.as_bytes()), None).await;
             assert_eq!(r.status(), 400, "{recipe}");
