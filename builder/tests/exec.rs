@@ -1300,48 +1300,18 @@ fn egress_git_clones_over_http_through_the_proxy() {
 #[test]
 fn ssh_mount_reaches_the_agent_read_only() {
     use kiln_builder::exec::{MountKind, StepMount};
-    use std::process::{Command, Stdio};
-    for tool in [
-        "/usr/bin/ssh-agent",
-        "/usr/bin/ssh-add",
-        "/usr/bin/ssh-keygen",
-    ] {
-        assert!(
-            Path::new(tool).exists(),
-            "{tool} missing: install openssh-client"
-        );
-    }
+    use std::process::Command;
     let f = fixture("ssh");
     std::os::unix::fs::symlink("usr/lib", f.root.join("lib")).unwrap();
     std::os::unix::fs::symlink("usr/lib64", f.root.join("lib64")).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("agent.sock");
-    let mut agent = Command::new("/usr/bin/ssh-agent")
-        .arg("-D")
-        .arg("-a")
-        .arg(&sock)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    for _ in 0..250 {
-        if sock.exists() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let key = dir.path().join("key");
+    let agent = kiln_tests::ssh::Agent::start(dir.path());
+    let sock = agent.socket.clone();
     let ok = |c: &mut Command| {
         let out = c.output().unwrap();
         assert!(out.status.success(), "{c:?}: {out:?}");
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    ok(Command::new("/usr/bin/ssh-keygen")
-        .args(["-q", "-t", "ed25519", "-N", "", "-C", "kiln-test-key", "-f"])
-        .arg(&key));
-    ok(Command::new("/usr/bin/ssh-add")
-        .env("SSH_AUTH_SOCK", &sock)
-        .arg(&key));
     let target = "/run/buildkit/ssh_agent.0";
     let mut spec = f.spec(
         "echo sock=$SSH_AUTH_SOCK; ls -ln $SSH_AUTH_SOCK | awk '{print $1, $3, $4}'; \
@@ -1373,19 +1343,18 @@ fn ssh_mount_reaches_the_agent_read_only() {
     let listed = ok(Command::new("/usr/bin/ssh-add")
         .env("SSH_AUTH_SOCK", &sock)
         .arg("-l"));
-    let _ = agent.kill();
-    let _ = agent.wait();
+    drop(agent);
     r.unwrap();
     assert_eq!(
         lines,
         vec![
             format!("sock={target}"),
             "srw-rw---- 1000 1000".into(),
-            "kiln-test-key".into(),
+            kiln_tests::ssh::KEY_COMMENT.into(),
             "refused".into(),
         ]
     );
-    assert!(listed.contains("kiln-test-key"), "{listed}");
+    assert!(listed.contains(kiln_tests::ssh::KEY_COMMENT), "{listed}");
     // Nothing of the mount is in the layer.
     assert!(!f.upper.join("run").exists());
 }
