@@ -529,7 +529,7 @@ pub fn check_recipe(req: &BuildRequest) -> Result<(), PipelineError> {
 /// --security=insecure` without [`BuildRequest::allow_insecure`]; `RUN --mount=type=ssh`
 /// in a build without agents ([`BuildRequest::ssh`] `None`: the API, the nightly), under
 /// the microVM executor, or `required` with its id not given; `ADD` of a git repository
-/// over ssh without the `default` agent ([`check_git_over_ssh`]). The message names the
+/// over ssh without the `default` agent (`check_git_over_ssh`). The message names the
 /// step's file and line and what would allow it. Checked before anything runs (the executors
 /// check again).
 pub fn check_entitlements(

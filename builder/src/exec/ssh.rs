@@ -8,7 +8,8 @@
 //! `readOnlyAgent` lets through reaches it: listing identities and signing. Adding,
 //! removing, locking and extensions are answered `SSH_AGENT_FAILURE` without reaching the
 //! agent (draft-miller-ssh-agent, section 3). The proxy stops when it is dropped, after
-//! the step.
+//! the step. `ADD` of a git repository over ssh reaches the agent through one too, for the
+//! host's `ssh` that git runs ([`crate::copy::git`]).
 
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
