@@ -173,6 +173,11 @@ fn add_git_over_ssh_needs_dash_dash_ssh_default() {
     assert_ne!(d3, d1);
 
     let connections = sshd.logged().matches("Connection from").count();
+    assert!(
+        connections > 0,
+        "sshd logs its connections: {}",
+        sshd.logged()
+    );
     let other = format!("other={}", agent.socket.display());
     for flags in [&[][..], &["--ssh", other.as_str()][..]] {
         for source in [src.clone(), format!("root@127.0.0.1:{}", bare.display())] {

@@ -790,6 +790,13 @@ async fn add_git_over_ssh_with_the_builds_agent() {
         "{}",
         sshd.logged()
     );
+    // The host key was accepted without being recorded in root's known_hosts (ssh finds
+    // `~` in the password database: root's is /root, as the suite runs).
+    let known = fs::read_to_string("/root/.ssh/known_hosts").unwrap_or_default();
+    assert!(
+        !known.contains(&format!("[127.0.0.1]:{}", sshd.port)),
+        "nothing written to root's known_hosts"
+    );
     // A tag, and a commit by id whose key stays when the branch moves.
     let tag = format!("{base}#v1:sub");
     let t = add(&sv, &git_step(&tag, "/tag"), &opts).await.unwrap();
@@ -826,6 +833,7 @@ async fn add_git_over_ssh_with_the_builds_agent() {
 
     // Refused before anything connects: no agent, the address rules, the lists.
     let before = connections();
+    assert!(before > 0, "sshd logs its connections: {}", sshd.logged());
     let e = fetch_urls(&git_step(&branch, "/x"), &sv.dl(), &allow())
         .await
         .unwrap_err();
