@@ -22,6 +22,7 @@ use crate::AppState;
 use crate::auth::Workspace;
 use crate::context::{self, ContextError};
 use crate::db::{DbError, Inserted, NewBuild};
+use crate::spec::{AllowListSpec, EffectiveLimits, NetworkMode, NetworkSpec, StoredSpec};
 use crate::tags;
 
 /// Largest recipe, bytes (1 MiB).
@@ -173,75 +174,6 @@ pub struct LimitsSpec {
     pub disk_mib: Option<u64>,
 }
 
-/// What the steps' network may do: a mode (`"sandboxed"`, also spelled `"default"`;
-/// `"host"`; `"none"`) or an allow-list `{"allow": [...], "deny": [...]}`.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
-#[serde(untagged)]
-pub enum NetworkSpec {
-    /// A network mode.
-    Mode(NetworkMode),
-    /// Every step that would have the default network reaches only what the list allows,
-    /// through the builder's egress proxy.
-    AllowList(AllowListSpec),
-}
-
-impl Default for NetworkSpec {
-    fn default() -> Self {
-        NetworkSpec::Mode(NetworkMode::Sandboxed)
-    }
-}
-
-impl NetworkSpec {
-    /// Whether this is the default mode (left out of stored specs, so that their hashes
-    /// stay what they were before the allow-list existed).
-    pub fn is_sandboxed(&self) -> bool {
-        *self == NetworkSpec::Mode(NetworkMode::Sandboxed)
-    }
-
-    /// The pipeline's policy. Errors: an allow-list entry that does not parse.
-    pub fn policy(&self) -> Result<kiln_pipeline::NetworkPolicy, String> {
-        use kiln_pipeline::NetworkPolicy as P;
-        match self {
-            NetworkSpec::Mode(NetworkMode::Sandboxed) => Ok(P::Sandboxed),
-            NetworkSpec::Mode(NetworkMode::Host) => Ok(P::AllowHost),
-            NetworkSpec::Mode(NetworkMode::None) => Ok(P::None),
-            NetworkSpec::AllowList(a) => P::allow_list(&a.allow, &a.deny),
-        }
-    }
-}
-
-/// A network mode of the API.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum NetworkMode {
-    /// Each `RUN` has its own network namespace with what its recipe asks for (user-mode
-    /// networking by default).
-    #[default]
-    #[serde(alias = "default")]
-    Sandboxed,
-    /// `RUN --network=host` is allowed too. Only on a server whose steps run in the
-    /// namespace executor (`--trust-tenants`); under the microVM executor it is refused
-    /// (400).
-    Host,
-    /// No step has any network.
-    None,
-}
-
-/// `{"allow": [...], "deny": [...]}`: entries are domains (`pkg.example`), `*.domain`
-/// (every name under it), IP addresses and CIDR ranges (`192.0.2.0/24`); a deny entry always
-/// wins, and addresses that are not public (loopback, private, link-local, metadata,
-/// NAT64...) are refused whatever the lists say. A program that ignores the proxy
-/// variables (`HTTP_PROXY`, `HTTPS_PROXY`) gets no network.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct AllowListSpec {
-    /// Destinations allowed.
-    pub allow: Vec<String>,
-    /// Destinations refused even when allowed.
-    #[serde(default)]
-    pub deny: Vec<String>,
-}
-
 /// A build submission: the `build` part of a multipart body, the JSON body, or the
 /// `Kiln-Build` header of a tar body.
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
@@ -284,62 +216,6 @@ pub struct BuildSpec {
     /// and 32 certificates with the server's own `--ca-cert`): every `RUN` step sees them in
     /// its CA bundle and `ADD <url>` trusts them, for this build only; they change no layer
     /// and no cache key. Anything but certificates is a 400.
-    pub ca_certs: Option<String>,
-}
-
-/// The limits a build runs with (after the quota).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-pub struct EffectiveLimits {
-    /// Seconds.
-    pub timeout_secs: u64,
-    /// MiB.
-    pub memory_mib: u64,
-    /// vCPUs.
-    pub vcpus: u32,
-    /// MiB each step may write, when the submission lowered it from the default (10240).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub disk_mib: Option<u64>,
-}
-
-/// What is stored of an accepted submission (its hash decides idempotent retries).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StoredSpec {
-    /// The recipe's name.
-    pub recipe: String,
-    /// Whether the recipe came from the context (its `.dockerignore` sibling applies).
-    pub recipe_in_context: bool,
-    /// sha256 of the recipe bytes.
-    pub recipe_digest: String,
-    /// The context blob.
-    pub context: Option<String>,
-    /// Tags as the tenant wrote them.
-    pub tags: Vec<String>,
-    /// The store tags (`<workspace>.<name>:<tag>`).
-    pub store_tags: Vec<String>,
-    /// Build arguments.
-    pub build_args: BTreeMap<String, String>,
-    /// Stage.
-    pub target: Option<String>,
-    /// Platform.
-    pub platform: Option<String>,
-    /// Boot once.
-    pub snapshot: bool,
-    /// `RUN --network=host` allowed (`network: "host"`; kept as its own field, as rows
-    /// stored before [`StoredSpec::network`] have it).
-    pub network_host: bool,
-    /// The network asked for, when not the default.
-    #[serde(default, skip_serializing_if = "NetworkSpec::is_sandboxed")]
-    pub network: NetworkSpec,
-    /// Limits.
-    pub limits: EffectiveLimits,
-    /// No cache lookups.
-    pub no_cache: bool,
-    /// The registries the tenant gave credentials for (the credentials themselves are
-    /// sealed in `build_credentials`, never here).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub registry_auth: Vec<String>,
-    /// The extra CA certificates, normalised ([`kiln_pipeline::CaCerts::pem`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_certs: Option<String>,
 }
 
@@ -869,21 +745,6 @@ async fn submit(
             .disk_mib
             .map(|d| d.clamp(MIN_DISK_MIB, MAX_DISK_MIB)),
     };
-    // The recipe error `kiln plan` would print, before anything is queued.
-    let mut check = kiln_pipeline::BuildRequest::new(
-        kiln_pipeline::Recipe {
-            name: recipe_name.clone(),
-            bytes: recipe.clone(),
-        },
-        kiln_pipeline::ContextSource::None,
-    );
-    check.target = spec.target.clone();
-    check.build_args = spec.build_args.clone();
-    check.platform = spec.platform.clone();
-    kiln_pipeline::check_recipe(&check).map_err(|e| ApiError::BadRequest(e.to_string()))?;
-    spec.network
-        .policy()
-        .map_err(|e| ApiError::BadRequest(format!("build spec: network: {e}")))?;
     let ca_certs = match &spec.ca_certs {
         None => None,
         Some(text) => {
@@ -938,7 +799,6 @@ async fn submit(
         target: spec.target.clone(),
         platform: spec.platform.clone(),
         snapshot: spec.snapshot,
-        network_host: spec.network == NetworkSpec::Mode(NetworkMode::Host),
         network: spec.network.clone(),
         limits,
         no_cache: spec.no_cache,
@@ -948,6 +808,17 @@ async fn submit(
             .unwrap_or_default(),
         ca_certs: ca_certs.map(|c| c.pem().to_string()),
     };
+    // The recipe error `kiln plan` would print, before anything is queued, checked on the
+    // request the worker will run (the same mapping, without the context).
+    let check = stored
+        .request(
+            recipe.clone(),
+            kiln_pipeline::ContextSource::None,
+            &ws,
+            s.config.step_pids_max,
+        )
+        .map_err(ApiError::BadRequest)?;
+    kiln_pipeline::check_recipe(&check).map_err(|e| ApiError::BadRequest(e.to_string()))?;
     let spec_json = serde_json::to_string(&stored).map_err(|_| ApiError::Internal)?;
     let hash = hex::encode(Sha256::digest(spec_json.as_bytes()));
     let id = random_id()?;
@@ -1023,11 +894,11 @@ async fn view(s: &AppState, ws: &str, id: &str) -> Result<BuildView, ApiError> {
             .await?
             .ok_or(ApiError::NotFound("build"))?;
     let spec: StoredSpec = serde_json::from_str(&row.spec).map_err(|_| ApiError::Internal)?;
-    let result: Option<crate::worker::BuildResult> = row
+    let result: Option<crate::spec::BuildResult> = row
         .result
         .as_deref()
         .and_then(|r| serde_json::from_str(r).ok());
-    let failure: Option<crate::worker::Failure> = row
+    let failure: Option<crate::spec::Failure> = row
         .failure
         .as_deref()
         .and_then(|r| serde_json::from_str(r).ok());
@@ -1614,7 +1485,6 @@ mod tests {
             target: None,
             platform: None,
             snapshot: false,
-            network_host: false,
             network,
             limits: EffectiveLimits {
                 timeout_secs: 1,
@@ -1637,6 +1507,18 @@ mod tests {
         assert_eq!(back.network, s.network);
         let old: StoredSpec = serde_json::from_str(&plain).unwrap();
         assert!(old.network.is_sandboxed());
+        // The row keeps the form it had: `network_host` always, `network` when not the
+        // default; a row from before `network` with `network_host: true` is `host`.
+        assert!(plain.contains("\"network_host\":false"), "{plain}");
+        let host = serde_json::to_string(&stored(NetworkSpec::Mode(NetworkMode::Host))).unwrap();
+        assert!(
+            host.contains("\"network_host\":true,\"network\":\"host\""),
+            "{host}"
+        );
+        let legacy = plain.replace("\"network_host\":false", "\"network_host\":true");
+        let legacy: StoredSpec = serde_json::from_str(&legacy).unwrap();
+        assert_eq!(legacy.network, NetworkSpec::Mode(NetworkMode::Host));
+        assert_eq!(serde_json::to_string(&legacy).unwrap(), host);
     }
 
     /// The OpenAPI document lists the listener's 429 on every `/v1` operation and its 408 on

@@ -241,7 +241,7 @@ pub struct BuildRow {
     pub workspace: String,
     /// `queued`, `running`, `succeeded`, `failed`, `cancelled`.
     pub state: String,
-    /// The accepted spec, JSON ([`crate::api::StoredSpec`]).
+    /// The accepted spec, JSON ([`crate::spec::StoredSpec`]).
     pub spec: String,
     /// The recipe's bytes.
     pub recipe: Vec<u8>,
@@ -255,9 +255,9 @@ pub struct BuildRow {
     pub finished_ms: Option<i64>,
     /// The image manifest the tags name (succeeded builds).
     pub image: Option<String>,
-    /// Results (JSON, [`crate::worker::BuildResult`]).
+    /// Results (JSON, [`crate::spec::BuildResult`]).
     pub result: Option<String>,
-    /// Failure (JSON, [`crate::worker::Failure`]).
+    /// Failure (JSON, [`crate::spec::Failure`]).
     pub failure: Option<String>,
     /// The node id of the last claim (none: never claimed, or re-queued).
     pub claimed_by: Option<String>,
@@ -1182,7 +1182,7 @@ impl Db {
         })
     }
 
-    /// The `result` column (JSON, [`crate::worker::BuildResult`]) of every build of workspace
+    /// The `result` column (JSON, [`crate::spec::BuildResult`]) of every build of workspace
     /// `ws` that succeeded, oldest first.
     pub async fn results(&self, ws: &str) -> Result<Vec<String>, DbError> {
         let rows = sqlx::query(

@@ -36,6 +36,7 @@ pub mod listen;
 pub mod metrics;
 pub mod sealed;
 pub mod share;
+pub mod spec;
 pub mod tags;
 pub mod worker;
 

@@ -24,49 +24,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kiln_pipeline::{
-    BuildRequest, CacheMountScope, ContextSource, Event, Limits, NetworkPolicy, Output,
-    PipelineError, Recipe, Scope, SnapshotRequest, TagMove, Tenant,
-};
-use serde::{Deserialize, Serialize};
+use kiln_pipeline::{ContextSource, Event, PipelineError, Scope, Tenant};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::AppState;
-use crate::api::StoredSpec;
 use crate::db::{self, BuildRow, Claim, LogLine, Record, StepRow, now_ms};
-
-/// What a succeeded build stored (the `result` column).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct BuildResult {
-    /// The image manifest the tags name (with a snapshot: the one naming it).
-    pub image: Option<String>,
-    /// The image manifest before any snapshot.
-    pub published: Option<String>,
-    /// The snapshot manifest.
-    pub snapshot: Option<String>,
-    /// The OCI image manifest digest.
-    pub oci_manifest: String,
-    /// The ext4 image size, bytes.
-    pub disk_bytes: Option<u64>,
-    /// Steps that ran.
-    pub steps_run: usize,
-    /// Steps found in the build cache.
-    pub steps_cached: usize,
-}
-
-/// Why a build did not succeed (the `failure` column).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct Failure {
-    /// The error, with its causes.
-    pub reason: String,
-    /// The failing step's `file:line`, when a step failed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub location: Option<String>,
-    /// Its last log lines (at most 20).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub last_lines: Vec<String>,
-}
+use crate::spec::{BuildResult, Failure, StoredSpec};
 
 /// Set when the shutdown grace period is over: builds cancelled then end failed with
 /// [`db::SERVER_SHUTDOWN`].
@@ -587,44 +551,16 @@ async fn execute(
             }
         }
     };
-    let mut req = BuildRequest::new(
-        Recipe {
-            name: spec.recipe.clone(),
-            bytes: row.recipe.clone(),
-        },
+    // Checked when the build was accepted (the same mapping).
+    let mut req = match spec.request(
+        row.recipe.clone(),
         context,
-    );
-    req.build_args = spec.build_args.clone();
-    req.target = spec.target.clone();
-    req.platform = spec.platform.clone();
-    req.no_cache = spec.no_cache;
-    // Checked when the build was accepted.
-    if let Some(text) = &spec.ca_certs {
-        match kiln_pipeline::CaCerts::parse("ca_certs", text.as_bytes()) {
-            Ok(c) => req.ca_certs = Some(c),
-            Err(e) => return failed(e.to_string()),
-        }
-    }
-    req.network = if spec.network_host {
-        NetworkPolicy::AllowHost
-    } else {
-        // Checked when the build was accepted.
-        match spec.network.policy() {
-            Ok(p) => p,
-            Err(e) => return failed(format!("network: {e}")),
-        }
+        &row.workspace,
+        state.config.step_pids_max,
+    ) {
+        Ok(r) => r,
+        Err(e) => return failed(e),
     };
-    req.limits = Limits {
-        timeout: Some(Duration::from_secs(spec.limits.timeout_secs)),
-        memory_bytes: Some(spec.limits.memory_mib << 20),
-        vcpus: Some(spec.limits.vcpus),
-        write_bytes: spec.limits.disk_mib.map(|d| d << 20),
-        pids_max: Some(state.config.step_pids_max),
-    };
-    match row.workspace.parse() {
-        Ok(w) => req.cache_mounts = CacheMountScope::Workspace(w),
-        Err(e) => return failed(chain(&e)),
-    }
     let own_images = match own_images(state, &row.workspace).await {
         Ok(m) => m,
         Err(e) => return failed(format!("reading the workspace's images: {e}")),
@@ -652,17 +588,6 @@ async fn execute(
         }
         Err(e) => return failed(format!("reading the workspace's quota: {e}")),
     }
-    let mut tags = Vec::new();
-    for t in &spec.store_tags {
-        match t.parse() {
-            Ok(t) => tags.push(TagMove::at_start(t)),
-            Err(e) => return failed(format!("tag {t}: {e}")),
-        }
-    }
-    req.output = Output::Image {
-        tags,
-        snapshot: spec.snapshot.then(SnapshotRequest::default),
-    };
     req.executor = state.config.executor;
     req.cancel = token.clone();
 
