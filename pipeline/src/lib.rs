@@ -240,7 +240,7 @@ impl Setup {
     /// under `root/.build`, default registry access, no bootstrap mirror, no boot assets and
     /// 2 stages at once.
     pub async fn open_local(root: &Path) -> Result<Setup, PipelineError> {
-        let store = Store::open(&root.to_string_lossy()).await?;
+        let store = Store::open_dir(root).await?;
         Setup::open(store, root).await
     }
 
@@ -254,18 +254,11 @@ impl Setup {
     /// everything and `local` only saves downloads; a FROM is fetched from the store first
     /// ([`Setup::front`]). Errors: [`PipelineError::OpenCache`].
     pub async fn open(store: Store, local: &Path) -> Result<Setup, PipelineError> {
-        let cache = LocalCache::open(local).map_err(|source| PipelineError::OpenCache {
-            path: local.to_path_buf(),
-            source,
-        })?;
-        let front = if store.local_root().as_deref() == Some(local) {
-            None
-        } else {
-            Some(Fronted {
-                remote: store.clone(),
-                local: Store::open(&local.to_string_lossy()).await?,
-            })
-        };
+        let CachedStore {
+            store,
+            cache,
+            front,
+        } = CachedStore::open(store, local).await?;
         Ok(Setup {
             front,
             store,
@@ -277,6 +270,46 @@ impl Setup {
             jobs: 2,
             addresses: AddressPolicy::default(),
             ca_certs: None,
+        })
+    }
+}
+
+/// A store with this host's blob files in front of it, as builds and the image commands
+/// (`kiln pull`, `export`, `unpack`...) use it: the one way to open a store with its local
+/// blob cache.
+pub struct CachedStore {
+    /// The store.
+    pub store: Store,
+    /// The blob files (laid out as a local store directory): the store's own directory, or
+    /// a cache of a remote store's blobs on this host.
+    pub cache: LocalCache,
+    /// The store and the cache's directory as a store, when they differ (an S3 store):
+    /// images are fetched from the store into the cache by name and written through to it.
+    pub front: Option<Fronted>,
+}
+
+impl CachedStore {
+    /// `store` with its blob cache at `local`: the store's own directory for a local store,
+    /// else a directory of this host's cache (created when missing).
+    ///
+    /// Errors: [`PipelineError::OpenCache`]; the store errors of opening `local` as a store.
+    pub async fn open(store: Store, local: &Path) -> Result<CachedStore, PipelineError> {
+        let cache = LocalCache::open(local).map_err(|source| PipelineError::OpenCache {
+            path: local.to_path_buf(),
+            source,
+        })?;
+        let front = if store.local_root().as_deref() == Some(local) {
+            None
+        } else {
+            Some(Fronted {
+                remote: store.clone(),
+                local: Store::open_dir(local).await?,
+            })
+        };
+        Ok(CachedStore {
+            store,
+            cache,
+            front,
         })
     }
 }

@@ -150,7 +150,22 @@ impl Store {
 
     /// Opens with explicit options.
     pub async fn open_with(url: &str, opts: StoreOptions) -> Result<Self, StoreError> {
-        let backend = backend::open_with(url, &opts.s3, opts.retry).await?;
+        Self::open_url(&backend::StoreUrl::parse(url)?, opts).await
+    }
+
+    /// Opens the local store directory `dir` (created if missing) with default options; the
+    /// path is used as it is (not as a URL string, so any path works).
+    pub async fn open_dir(dir: &std::path::Path) -> Result<Self, StoreError> {
+        Self::open_url(
+            &backend::StoreUrl::Local(dir.to_path_buf()),
+            StoreOptions::default(),
+        )
+        .await
+    }
+
+    /// Opens the parsed store URL `url` with explicit options.
+    pub async fn open_url(url: &backend::StoreUrl, opts: StoreOptions) -> Result<Self, StoreError> {
+        let backend = backend::open_url(url, &opts.s3, opts.retry).await?;
         let cache = match &opts.read_cache {
             Some((dir, max)) => Some(Arc::new(ReadCache::open(dir, *max).await?)),
             None => None,

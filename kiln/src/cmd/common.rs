@@ -30,17 +30,14 @@ impl ImageOpts {
     /// Opens the configured store with its local blob directory.
     pub async fn open(&self) -> anyhow::Result<ImageStore> {
         let (cfg, dir) = crate::config::store_and_local_dir(self.store.as_deref())?;
-        let cache = LocalCache::open(&dir)
-            .with_context(|| format!("opening the store at {}", dir.display()))?;
         let store = Store::open_with(&cfg.store.value, cfg.store_options()).await?;
-        let front = if store.local_root().is_some() {
-            None
-        } else {
-            Some(Fronted {
-                remote: store.clone(),
-                local: Store::open(&dir.to_string_lossy()).await?,
-            })
-        };
+        let kiln_pipeline::CachedStore {
+            store,
+            cache,
+            front,
+        } = kiln_pipeline::CachedStore::open(store, &dir)
+            .await
+            .with_context(|| format!("opening the store at {}", dir.display()))?;
         Ok(ImageStore {
             cache,
             store,

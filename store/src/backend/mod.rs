@@ -393,8 +393,16 @@ pub async fn open_with(
     s3_options: &s3::S3Options,
     policy: retry::RetryPolicy,
 ) -> Result<Arc<retry::Retrying>, BackendError> {
-    let parsed = StoreUrl::parse(url)?;
-    let inner: Arc<dyn Backend> = match &parsed {
+    open_url(&StoreUrl::parse(url)?, s3_options, policy).await
+}
+
+/// [`open_with`] for a parsed URL (a local directory as a path, never through a string).
+pub async fn open_url(
+    parsed: &StoreUrl,
+    s3_options: &s3::S3Options,
+    policy: retry::RetryPolicy,
+) -> Result<Arc<retry::Retrying>, BackendError> {
+    let inner: Arc<dyn Backend> = match parsed {
         StoreUrl::Local(path) => Arc::new(local::LocalBackend::open(path).await?),
         StoreUrl::S3 { bucket, prefix } => {
             Arc::new(s3::S3Backend::open(bucket, prefix, s3_options)?)
