@@ -1,0 +1,672 @@
+//! Applying a layer's entries onto a root directory (see the module doc of `layer`).
+
+use super::*;
+
+/// Applies one layer stream to `root`. `digest` is used in errors only (the caller verifies
+/// content). `root` must be a directory; the caller should run as root for devices and owners.
+///
+/// Errors: see [`LayerError`]; on error the tree may hold part of the layer (never anything
+/// outside `root`).
+pub fn apply_layer(
+    root: &Path,
+    layer: impl Read,
+    digest: &str,
+    limits: &Limits,
+) -> Result<LayerStats, LayerError> {
+    let root_fd = rustix::fs::open(
+        root,
+        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| LayerError::Io {
+        digest: digest.to_string(),
+        entry: "/".into(),
+        op: "open root",
+        source: e.into(),
+    })?;
+    let (stream, bounded) = bounded_stream(layer, digest, limits)?;
+    let mut applier = Applier {
+        root: root_fd,
+        digest: digest.to_string(),
+        entry: String::from("(start)"),
+        created: Created::default(),
+        dirs: Vec::new(),
+        limits: limits.clone(),
+    };
+    let mut archive = tar::Archive::new(stream);
+    let mut entries_read = 0u64;
+    let entries = archive.entries().map_err(|e| bounded.error(e, "(start)"))?;
+    for entry in entries {
+        let mut entry = entry.map_err(|e| bounded.error(e, &applier.entry))?;
+        entries_read += 1;
+        applier.entry = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+        if entries_read > limits.max_entries {
+            return Err(applier.limit(LimitKind::Entries, limits.max_entries));
+        }
+        match limits.stop() {
+            Some(LimitKind::Cancelled) => {
+                return Err(LayerError::Cancelled {
+                    digest: digest.to_string(),
+                    entry: applier.entry.clone(),
+                });
+            }
+            Some(_) => {
+                return Err(LayerError::Deadline {
+                    digest: digest.to_string(),
+                    entry: applier.entry.clone(),
+                });
+            }
+            None => {}
+        }
+        match applier.apply_entry(&mut entry, &bounded) {
+            Ok(()) => {}
+            Err(ApplyFail::Layer(e)) => return Err(e),
+            Err(ApplyFail::Read(e)) => return Err(bounded.error(e, &applier.entry)),
+        }
+    }
+    applier.finish_dirs()?;
+    Ok(LayerStats {
+        entries: entries_read,
+        bytes: bounded.bytes(),
+    })
+}
+
+/// An entry failed either on our side or while reading its data from the stream.
+pub(super) enum ApplyFail {
+    Layer(LayerError),
+    Read(io::Error),
+}
+
+impl From<LayerError> for ApplyFail {
+    fn from(e: LayerError) -> Self {
+        ApplyFail::Layer(e)
+    }
+}
+
+pub(super) struct Applier {
+    root: OwnedFd,
+    digest: String,
+    entry: String,
+    /// Paths this layer created, with their ancestors.
+    created: Created,
+    /// Directories whose mtime is set at the end: (components, mtime seconds).
+    dirs: Vec<(Vec<Vec<u8>>, u64)>,
+    limits: Limits,
+}
+
+/// The paths a layer created, with their ancestors, as a tree of components: recording or
+/// looking up a path costs one map operation per component. (A set of joined prefixes costs
+/// depth² × name length per entry: one entry 1024 components deep with 255-byte names is
+/// 134 MB of copying and hashing, and a small layer can hold thousands of them.)
+#[derive(Default)]
+pub(super) struct Created {
+    /// (parent node, name) → node; node 0 is the root.
+    nodes: HashMap<(usize, Vec<u8>), usize>,
+}
+
+impl Created {
+    pub(super) fn insert(&mut self, comps: &[Vec<u8>]) {
+        let mut cur = 0;
+        for c in comps {
+            let next = self.nodes.len() + 1;
+            cur = *self.nodes.entry((cur, c.clone())).or_insert(next);
+        }
+    }
+
+    pub(super) fn contains(&self, comps: &[Vec<u8>]) -> bool {
+        let mut cur = 0;
+        for c in comps {
+            match self.nodes.get(&(cur, c.clone())) {
+                Some(n) => cur = *n,
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Bytes of names held (for the bound's test).
+    #[cfg(test)]
+    pub(super) fn name_bytes(&self) -> usize {
+        self.nodes.keys().map(|(_, n)| n.len()).sum()
+    }
+}
+
+/// An entry name split into its components by [`split_name`] (also used by the ext4
+/// flattener, which must place entries exactly as [`apply_layer`] does).
+pub(crate) enum Split {
+    Ok(Vec<Vec<u8>>),
+    DotDot,
+}
+
+impl Applier {
+    fn limit(&self, kind: LimitKind, max: u64) -> LayerError {
+        LayerError::Limit {
+            digest: self.digest.clone(),
+            entry: self.entry.clone(),
+            kind,
+            max,
+        }
+    }
+
+    fn io(&self, op: &'static str, e: impl Into<io::Error>) -> LayerError {
+        LayerError::Io {
+            digest: self.digest.clone(),
+            entry: self.entry.clone(),
+            op,
+            source: e.into(),
+        }
+    }
+
+    fn err_entry(&self) -> (String, String) {
+        (self.digest.clone(), self.entry.clone())
+    }
+
+    /// Walks `comps` from the root, following symlinks inside the root, and returns the fd
+    /// of the directory reached. Missing directories are created (0755, root) when `create`;
+    /// otherwise `Ok(None)` is returned for a missing component.
+    fn walk(&self, comps: &[Vec<u8>], create: bool) -> Result<Option<OwnedFd>, LayerError> {
+        let mut stack: Vec<OwnedFd> =
+            vec![self.root.try_clone().map_err(|e| self.io("dup root", e))?];
+        let mut queue: std::collections::VecDeque<Vec<u8>> = comps.iter().cloned().collect();
+        let mut hops = 0;
+        while let Some(c) = queue.pop_front() {
+            if c.is_empty() || c == b"." {
+                continue;
+            }
+            if c == b".." {
+                if stack.len() == 1 {
+                    let (digest, entry) = self.err_entry();
+                    return Err(LayerError::SymlinkEscape { digest, entry });
+                }
+                stack.pop();
+                continue;
+            }
+            if stack.len() > MAX_DEPTH {
+                let (digest, entry) = self.err_entry();
+                return Err(LayerError::TooDeep { digest, entry });
+            }
+            // The last element always exists: the root is never popped (checked above).
+            let cur = stack
+                .last()
+                .map(|f| f.as_fd())
+                .expect("stack holds the root");
+            let st = match rustix::fs::statat(cur, os(&c), AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) => Some(st),
+                Err(Errno::NOENT) => None,
+                Err(e) => return Err(self.io("stat parent", e)),
+            };
+            let st = match st {
+                Some(st) => st,
+                None if create => {
+                    rustix::fs::mkdirat(cur, os(&c), Mode::from_raw_mode(0o755))
+                        .map_err(|e| self.io("mkdirat parent", e))?;
+                    rustix::fs::statat(cur, os(&c), AtFlags::SYMLINK_NOFOLLOW)
+                        .map_err(|e| self.io("stat parent", e))?
+                }
+                None => return Ok(None),
+            };
+            match FileType::from_raw_mode(st.st_mode) {
+                FileType::Directory => {
+                    let fd = rustix::fs::openat(
+                        cur,
+                        os(&c),
+                        OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+                        Mode::empty(),
+                    )
+                    .map_err(|e| self.io("open parent", e))?;
+                    stack.push(fd);
+                }
+                FileType::Symlink => {
+                    hops += 1;
+                    if hops > MAX_SYMLINK_HOPS {
+                        let (digest, entry) = self.err_entry();
+                        return Err(LayerError::SymlinkLoop { digest, entry });
+                    }
+                    let target = rustix::fs::readlinkat(cur, os(&c), Vec::new())
+                        .map_err(|e| self.io("readlinkat", e))?;
+                    let target = target.as_bytes();
+                    if target.first() == Some(&b'/') {
+                        stack.truncate(1);
+                    }
+                    for t in target.split(|b| *b == b'/').rev() {
+                        if !t.is_empty() {
+                            queue.push_front(t.to_vec());
+                        }
+                    }
+                }
+                _ => {
+                    let (digest, entry) = self.err_entry();
+                    return Err(LayerError::NotADirectory { digest, entry });
+                }
+            }
+        }
+        Ok(stack.pop())
+    }
+
+    fn mark_created(&mut self, comps: &[Vec<u8>]) {
+        self.created.insert(comps);
+    }
+
+    fn meta(&self, entry: &mut tar::Entry<'_, impl Read>) -> Result<Meta, ApplyFail> {
+        read_meta(entry).map_err(ApplyFail::Read)
+    }
+
+    /// Removes `name` in `dir`, recursively for directories, never following symlinks.
+    fn remove_all(&self, dir: BorrowedFd<'_>, name: &[u8], depth: usize) -> Result<(), LayerError> {
+        let st = match rustix::fs::statat(dir, os(name), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::NOENT) => return Ok(()),
+            Err(e) => return Err(self.io("stat for removal", e)),
+        };
+        if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+            if depth > MAX_DEPTH {
+                let (digest, entry) = self.err_entry();
+                return Err(LayerError::TooDeep { digest, entry });
+            }
+            let fd = rustix::fs::openat(
+                dir,
+                os(name),
+                OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|e| self.io("open for removal", e))?;
+            for child in self.list(fd.as_fd())? {
+                self.remove_all(fd.as_fd(), &child, depth + 1)?;
+            }
+            rustix::fs::unlinkat(dir, os(name), AtFlags::REMOVEDIR)
+                .map_err(|e| self.io("rmdir", e))?;
+        } else {
+            rustix::fs::unlinkat(dir, os(name), AtFlags::empty())
+                .map_err(|e| self.io("unlink", e))?;
+        }
+        Ok(())
+    }
+
+    fn list(&self, dir: BorrowedFd<'_>) -> Result<Vec<Vec<u8>>, LayerError> {
+        let mut out = Vec::new();
+        let d = rustix::fs::Dir::read_from(dir).map_err(|e| self.io("readdir", e))?;
+        for ent in d {
+            let ent = ent.map_err(|e| self.io("readdir", e))?;
+            let n = ent.file_name().to_bytes();
+            if n != b"." && n != b".." {
+                out.push(n.to_vec());
+            }
+        }
+        Ok(out)
+    }
+
+    fn apply_entry(
+        &mut self,
+        entry: &mut tar::Entry<'_, impl Read>,
+        bounded: &BoundedStream,
+    ) -> Result<(), ApplyFail> {
+        let raw = entry.path_bytes().into_owned();
+        let comps = match split_name(&raw) {
+            Split::Ok(c) => c,
+            Split::DotDot => {
+                let (digest, entry) = self.err_entry();
+                return Err(LayerError::DotDot { digest, entry }.into());
+            }
+        };
+        let kind = entry.header().entry_type();
+        if kind.is_pax_global_extensions() {
+            return Ok(());
+        }
+        let Some((base, parent)) = comps.split_last() else {
+            // The root itself ("./"): its metadata is the caller's.
+            return Ok(());
+        };
+        let wh = WhiteoutKind::parse(base).map_err(|source| {
+            let (digest, entry) = self.err_entry();
+            LayerError::Whiteout {
+                digest,
+                entry,
+                source,
+            }
+        })?;
+        match wh {
+            WhiteoutKind::None => {}
+            WhiteoutKind::Meta => return Ok(()),
+            WhiteoutKind::Remove(name) => {
+                let Some(dir) = self.walk(parent, false)? else {
+                    return Ok(());
+                };
+                let mut full = parent.to_vec();
+                full.push(name.to_vec());
+                if !self.created.contains(&full) {
+                    self.remove_all(dir.as_fd(), name, 0)?;
+                }
+                return Ok(());
+            }
+            WhiteoutKind::Opaque => {
+                let Some(dir) = self.walk(parent, true)? else {
+                    return Ok(());
+                };
+                for child in self.list(dir.as_fd())? {
+                    let mut full = parent.to_vec();
+                    full.push(child.clone());
+                    if !self.created.contains(&full) {
+                        self.remove_all(dir.as_fd(), &child, 0)?;
+                    }
+                }
+                self.mark_created(parent);
+                return Ok(());
+            }
+        }
+        let meta = self.meta(entry)?;
+        let dir = self
+            .walk(parent, true)?
+            .ok_or_else(|| self.io("walk", io::Error::from(io::ErrorKind::NotFound)))?;
+        let dir = dir.as_fd();
+        let existing = match rustix::fs::statat(dir, os(base), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => Some(FileType::from_raw_mode(st.st_mode)),
+            Err(Errno::NOENT) => None,
+            Err(e) => return Err(self.io("stat", e).into()),
+        };
+        use tar::EntryType as T;
+        match kind {
+            T::Directory => {
+                if existing.is_some_and(|t| t != FileType::Directory) {
+                    self.remove_all(dir, base, 0)?;
+                }
+                if existing != Some(FileType::Directory) {
+                    rustix::fs::mkdirat(dir, os(base), Mode::from_raw_mode(0o700))
+                        .map_err(|e| self.io("mkdirat", e))?;
+                }
+                let fd = rustix::fs::openat(
+                    dir,
+                    os(base),
+                    OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+                .map_err(|e| self.io("open dir", e))?;
+                self.set_fd_meta(fd.as_fd(), &meta)?;
+                self.dirs.push((comps.clone(), meta.mtime));
+            }
+            T::Regular | T::Continuous | T::GNUSparse => {
+                let extents = bounded.extents(entry).map_err(ApplyFail::Read)?;
+                if extents.size > self.limits.max_file_bytes {
+                    return Err(self
+                        .limit(LimitKind::FileBytes, self.limits.max_file_bytes)
+                        .into());
+                }
+                if existing.is_some() {
+                    self.remove_all(dir, base, 0)?;
+                }
+                let fd = rustix::fs::openat(
+                    dir,
+                    os(base),
+                    OFlags::CREATE
+                        | OFlags::EXCL
+                        | OFlags::WRONLY
+                        | OFlags::NOFOLLOW
+                        | OFlags::CLOEXEC,
+                    Mode::from_raw_mode(0o600),
+                )
+                .map_err(|e| self.io("create file", e))?;
+                let file = std::fs::File::from(fd);
+                let mut data = DataReader::new(entry, &extents);
+                let mut buf = vec![0u8; 128 << 10];
+                while let Some((off, n)) = data.next_piece(&mut buf).map_err(ApplyFail::Read)? {
+                    write_skipping_zero_blocks(&file, off, &buf[..n])
+                        .map_err(|e| self.io("write", e))?;
+                }
+                file.set_len(extents.size)
+                    .map_err(|e| self.io("set length", e))?;
+                self.set_fd_meta(file.as_fd(), &meta)?;
+                self.set_mtime(dir, base, meta.mtime)?;
+            }
+            T::Symlink => {
+                let target = entry
+                    .link_name_bytes()
+                    .ok_or_else(|| self.io("symlink", io::Error::other("no link target")))?
+                    .into_owned();
+                if existing.is_some() {
+                    self.remove_all(dir, base, 0)?;
+                }
+                rustix::fs::symlinkat(os(&target), dir, os(base))
+                    .map_err(|e| self.io("symlinkat", e))?;
+                self.chown_at(dir, base, &meta)?;
+                self.set_path_xattrs(dir, base, &meta)?;
+                self.set_mtime(dir, base, meta.mtime)?;
+            }
+            T::Link => {
+                let target = entry
+                    .link_name_bytes()
+                    .ok_or_else(|| self.io("link", io::Error::other("no link target")))?
+                    .into_owned();
+                self.hard_link(dir, base, &target, existing.is_some())?;
+            }
+            T::Char | T::Block | T::Fifo => {
+                let h = entry.header();
+                let major = h.device_major().ok().flatten().unwrap_or(0);
+                let minor = h.device_minor().ok().flatten().unwrap_or(0);
+                let ft = match kind {
+                    T::Char => FileType::CharacterDevice,
+                    T::Block => FileType::BlockDevice,
+                    _ => FileType::Fifo,
+                };
+                if existing.is_some() {
+                    self.remove_all(dir, base, 0)?;
+                }
+                rustix::fs::mknodat(
+                    dir,
+                    os(base),
+                    ft,
+                    Mode::from_raw_mode(0o600),
+                    rustix::fs::makedev(major, minor),
+                )
+                .map_err(|e| self.io("mknodat", e))?;
+                self.chown_at(dir, base, &meta)?;
+                rustix::fs::chmodat(
+                    dir,
+                    os(base),
+                    Mode::from_raw_mode(meta.mode),
+                    AtFlags::empty(),
+                )
+                .map_err(|e| self.io("chmodat", e))?;
+                self.set_path_xattrs(dir, base, &meta)?;
+                self.set_mtime(dir, base, meta.mtime)?;
+            }
+            other => {
+                let (digest, entry) = self.err_entry();
+                return Err(LayerError::UnsupportedType {
+                    digest,
+                    entry,
+                    kind: other.as_byte() as char,
+                }
+                .into());
+            }
+        }
+        self.mark_created(&comps);
+        Ok(())
+    }
+
+    fn hard_link(
+        &self,
+        dir: BorrowedFd<'_>,
+        base: &[u8],
+        target: &[u8],
+        existing: bool,
+    ) -> Result<(), LayerError> {
+        let tname = String::from_utf8_lossy(target).into_owned();
+        let escape = || LayerError::HardLinkEscape {
+            digest: self.digest.clone(),
+            entry: self.entry.clone(),
+            target: tname.clone(),
+        };
+        let tcomps = match split_name(target) {
+            Split::Ok(c) => c,
+            _ => return Err(escape()),
+        };
+        let Some((tbase, tparent)) = tcomps.split_last() else {
+            return Err(LayerError::HardLinkToDirectory {
+                digest: self.digest.clone(),
+                entry: self.entry.clone(),
+                target: tname,
+            });
+        };
+        let tdir = match self.walk(tparent, false) {
+            Ok(Some(d)) => d,
+            Ok(None) => {
+                return Err(LayerError::HardLinkMissing {
+                    digest: self.digest.clone(),
+                    entry: self.entry.clone(),
+                    target: tname,
+                });
+            }
+            Err(LayerError::SymlinkEscape { .. }) => return Err(escape()),
+            Err(e) => return Err(e),
+        };
+        let st = match rustix::fs::statat(&tdir, os(tbase), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::NOENT) => {
+                return Err(LayerError::HardLinkMissing {
+                    digest: self.digest.clone(),
+                    entry: self.entry.clone(),
+                    target: tname,
+                });
+            }
+            Err(e) => return Err(self.io("stat link target", e)),
+        };
+        if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+            return Err(LayerError::HardLinkToDirectory {
+                digest: self.digest.clone(),
+                entry: self.entry.clone(),
+                target: tname,
+            });
+        }
+        if existing {
+            if let Ok(cur) = rustix::fs::statat(dir, os(base), AtFlags::SYMLINK_NOFOLLOW)
+                && cur.st_ino == st.st_ino
+                && cur.st_dev == st.st_dev
+            {
+                return Ok(());
+            }
+            self.remove_all(dir, base, 0)?;
+        }
+        rustix::fs::linkat(&tdir, os(tbase), dir, os(base), AtFlags::empty())
+            .map_err(|e| self.io("linkat", e))
+    }
+
+    fn chown_at(&self, dir: BorrowedFd<'_>, base: &[u8], m: &Meta) -> Result<(), LayerError> {
+        rustix::fs::chownat(
+            dir,
+            os(base),
+            Some(Uid::from_raw(m.uid)),
+            Some(Gid::from_raw(m.gid)),
+            AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .map_err(|e| self.io("chown", e))
+    }
+
+    /// Owner, then mode (chown clears setuid/setgid), then xattrs, on an open file or dir.
+    fn set_fd_meta(&self, fd: BorrowedFd<'_>, m: &Meta) -> Result<(), LayerError> {
+        rustix::fs::fchown(fd, Some(Uid::from_raw(m.uid)), Some(Gid::from_raw(m.gid)))
+            .map_err(|e| self.io("fchown", e))?;
+        rustix::fs::fchmod(fd, Mode::from_raw_mode(m.mode)).map_err(|e| self.io("fchmod", e))?;
+        for (k, v) in &m.xattrs {
+            rustix::fs::fsetxattr(fd, os(k), v, XattrFlags::empty())
+                .map_err(|e| self.io("fsetxattr", e))?;
+        }
+        Ok(())
+    }
+
+    /// Xattrs on a symlink or device, through `/proc/self/fd/<dir>/<name>` with `lsetxattr`
+    /// (there is no `setxattrat` before Linux 6.13).
+    fn set_path_xattrs(
+        &self,
+        dir: BorrowedFd<'_>,
+        base: &[u8],
+        m: &Meta,
+    ) -> Result<(), LayerError> {
+        if m.xattrs.is_empty() {
+            return Ok(());
+        }
+        use std::os::fd::AsRawFd;
+        let mut p = format!("/proc/self/fd/{}/", dir.as_raw_fd()).into_bytes();
+        p.extend_from_slice(base);
+        for (k, v) in &m.xattrs {
+            rustix::fs::lsetxattr(os(&p), os(k), v, XattrFlags::empty())
+                .map_err(|e| self.io("lsetxattr", e))?;
+        }
+        Ok(())
+    }
+
+    fn set_mtime(&self, dir: BorrowedFd<'_>, base: &[u8], mtime: u64) -> Result<(), LayerError> {
+        let t = Timespec {
+            tv_sec: mtime.min(i64::MAX as u64) as i64,
+            tv_nsec: 0,
+        };
+        rustix::fs::utimensat(
+            dir,
+            os(base),
+            &Timestamps {
+                last_access: t,
+                last_modification: t,
+            },
+            AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .map_err(|e| self.io("utimensat", e))
+    }
+
+    /// Sets the directories' mtimes, deepest first, once all their content is in place.
+    fn finish_dirs(&mut self) -> Result<(), LayerError> {
+        let mut dirs = std::mem::take(&mut self.dirs);
+        dirs.sort_by_key(|(c, _)| std::cmp::Reverse(c.len()));
+        for (comps, mtime) in dirs {
+            self.entry = String::from_utf8_lossy(&comps.join(&b'/')).into_owned();
+            let Some((base, parent)) = comps.split_last() else {
+                continue;
+            };
+            // A directory removed by a later whiteout of the same layer is simply skipped.
+            let Ok(Some(dir)) = self.walk(parent, false) else {
+                continue;
+            };
+            match rustix::fs::statat(&dir, os(base), AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) if FileType::from_raw_mode(st.st_mode) == FileType::Directory => {
+                    self.set_mtime(dir.as_fd(), base, mtime)?
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Block size of the zero test in [`write_skipping_zero_blocks`], bytes (ext4's, and the
+/// page size).
+pub(super) const ZERO_BLOCK: u64 = 4096;
+
+/// Writes `data` at `off` into a new file, leaving out every 4 KiB block (aligned to the
+/// file's start) that is all zero: the file is new, so those read back as zeros, and they
+/// stay holes (a layer written without sparse entries, or a sparse file's data with zero
+/// runs, costs no blocks for them).
+pub(super) fn write_skipping_zero_blocks(
+    file: &std::fs::File,
+    off: u64,
+    data: &[u8],
+) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    // Runs of blocks that are not all zero are written with one call each.
+    let mut run: Option<usize> = None;
+    let mut pos = 0usize;
+    while pos < data.len() {
+        let at = off + pos as u64;
+        let n = ((ZERO_BLOCK - at % ZERO_BLOCK) as usize).min(data.len() - pos);
+        let zero = kiln_store::chunk::is_all_zero(&data[pos..pos + n]);
+        match (zero, run) {
+            (false, None) => run = Some(pos),
+            (true, Some(start)) => {
+                file.write_all_at(&data[start..pos], off + start as u64)?;
+                run = None;
+            }
+            _ => {}
+        }
+        pos += n;
+    }
+    if let Some(start) = run {
+        file.write_all_at(&data[start..], off + start as u64)?;
+    }
+    Ok(())
+}
