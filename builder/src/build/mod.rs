@@ -27,6 +27,8 @@
 //! process: each step's mounts live in namespaces that die with it.
 
 pub mod config;
+#[cfg(test)]
+mod driver_tests;
 mod error;
 mod inputs;
 pub mod key;
