@@ -34,6 +34,7 @@ pub mod copy;
 pub mod egress;
 pub mod exec;
 pub mod ext4;
+pub mod front;
 pub mod image;
 pub mod layer;
 pub mod layout;

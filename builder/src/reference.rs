@@ -336,6 +336,17 @@ impl fmt::Display for Reference {
     }
 }
 
+/// The OCI reference (`registry/repo:tag`) that a pull of `r` sets, `None` for a
+/// digest-pinned reference (a pull of one sets none).
+pub fn oci_ref_of(r: &Reference) -> Option<kiln_store::OciRef> {
+    if r.digest().is_some() {
+        return None;
+    }
+    format!("{}:{}", r.name(), r.tag().unwrap_or(DEFAULT_TAG))
+        .parse()
+        .ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

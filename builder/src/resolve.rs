@@ -102,9 +102,9 @@ pub struct ResolveOptions {
     /// Registry access (its platform is replaced by each stage's).
     pub registry: RegistryOptions,
     /// The remote store the cache fronts, when it is not the cache's own directory: each
-    /// image base is first fetched from it ([`crate::cache::Fronted::fetch`]), so a FROM
+    /// image base is first fetched from it ([`crate::front::Fronted::fetch`]), so a FROM
     /// finds the store's built images and pulled references whichever host made them.
-    pub front: Option<crate::cache::Fronted>,
+    pub front: Option<crate::front::Fronted>,
     /// Whose build it is: under [`Scope::Tenant`] every image the recipe names goes through
     /// the workspace's rules ([`crate::base`]), registries are asked without the operator's
     /// credentials ([`RegistryOptions::docker_config`] and `credentials` are dropped), and
@@ -340,7 +340,7 @@ impl TenantProxy {
 
 /// Resolves one image `reference` as a recipe writes it (a `FROM`, `COPY --from`, `RUN
 /// --mount=from=`) for `platform`: a named build context of that name first, then the
-/// remote store's copy of what it names ([`crate::cache::Fronted::fetch`]), then
+/// remote store's copy of what it names ([`crate::front::Fronted::fetch`]), then
 /// [`base::resolve_in`] under [`ResolveOptions::scope`] with the registry options of the
 /// build (for a tenant, without the operator's credentials). The platform manifest digest in
 /// `cache`. Errors: [`BaseError`] (a fetch from the remote store as

@@ -37,8 +37,9 @@ use std::time::{Duration, Instant};
 const RESOLVE_LEASE_TTL: Duration = Duration::from_secs(3600);
 
 use kiln_builder::build::{BuildError, BuildOptions, BuildOutput};
-use kiln_builder::cache::{BlobCache as _, CacheError, Fronted, LocalCache};
+use kiln_builder::cache::{BlobCache as _, CacheError, LocalCache};
 use kiln_builder::egress::address::AddressPolicy;
+use kiln_builder::front::Fronted;
 use kiln_builder::publish::{PublishError, PublishOptions};
 use kiln_builder::registry::RegistryOptions;
 use kiln_builder::resolve::{ResolveError, ResolveOptions};

@@ -2,7 +2,8 @@
 //! [`ImageStore`] they work on.
 
 use anyhow::Context as _;
-use kiln_builder::cache::{Fronted, LocalCache};
+use kiln_builder::cache::LocalCache;
+use kiln_builder::front::Fronted;
 use kiln_builder::image::Platform;
 use kiln_builder::registry::{Registry, RegistryOptions};
 use kiln_store::Store;

@@ -41,5 +41,5 @@ pub fn written_ref(spec: &str) -> Option<String> {
         return None;
     }
     let r = spec.parse().ok()?;
-    kiln_builder::cache::oci_ref_of(&r).map(|o| o.to_string())
+    kiln_builder::reference::oci_ref_of(&r).map(|o| o.to_string())
 }
