@@ -422,3 +422,88 @@ fn hostile_sources_and_targets_stay_inside_their_roots() {
     assert_eq!(fs::read_dir(&host).unwrap().count(), 1);
     assert_eq!(fs::metadata(host.join("secret")).unwrap().uid(), 0);
 }
+
+#[test]
+fn single_file_binds_are_read_only_or_a_discarded_copy_and_leave_no_trace() {
+    let f = fixture("filebind");
+    fs::write(f.root.join("etc/existing"), "image's\n").unwrap();
+    let r = f.run(
+        "ro",
+        "cat /etc/app.conf; (echo x > /etc/app.conf) 2>/dev/null && echo WROTE; cat /new/deep/f; \
+         echo done",
+        vec![
+            bind("/etc/app.conf", "src/hello.txt", false),
+            bind("/new/deep/f", "src/hello.txt", false),
+        ],
+    );
+    r.result.unwrap();
+    assert_eq!(
+        r.lines,
+        vec!["hello from context", "hello from context", "done"]
+    );
+    assert_eq!(
+        tree(&r.upper),
+        Vec::<String>::new(),
+        "mount points in the layer"
+    );
+
+    // rw: the step writes to a copy, over a file of the image and on a new mount point.
+    let r = f.run(
+        "rw",
+        "echo changed >> /etc/existing && cat /etc/existing && echo new > /n/rw && cat /n/rw",
+        vec![
+            bind("/etc/existing", "src/hello.txt", true),
+            bind("/n/rw", "src/hello.txt", true),
+        ],
+    );
+    r.result.unwrap();
+    assert_eq!(r.lines, vec!["hello from context", "changed", "new"]);
+    assert_eq!(
+        fs::read_to_string(f.ctx.join("src/hello.txt")).unwrap(),
+        "hello from context\n",
+        "a rw bind wrote through to the context"
+    );
+    assert_eq!(
+        fs::read_to_string(f.root.join("etc/existing")).unwrap(),
+        "image's\n"
+    );
+    assert_eq!(tree(&r.upper), Vec::<String>::new());
+}
+
+#[test]
+fn hostile_single_file_sources_and_targets_stay_inside_their_roots() {
+    let f = fixture("filehostile");
+    let host = f.tmp.path().join("host-only");
+    fs::create_dir_all(&host).unwrap();
+    fs::write(host.join("secret"), "HOST\n").unwrap();
+    // An absolute symlink to a host file and one to a file of the context, both resolved
+    // inside the context; an image symlink that would lead a mount point out of the root.
+    std::os::unix::fs::symlink(host.join("secret"), f.ctx.join("evil")).unwrap();
+    std::os::unix::fs::symlink("/src/hello.txt", f.ctx.join("good")).unwrap();
+    std::os::unix::fs::symlink(&host, f.root.join("out")).unwrap();
+    let mut inputs = f.inputs();
+    inputs.context = Some((f.ctx.clone(), Dockerignore::default()));
+    for rw in [false, true] {
+        let r = f.run_with(
+            &format!("evil-{rw}"),
+            "cat /m; echo ok",
+            vec![bind("/m", "evil", rw)],
+            &inputs,
+        );
+        match r.result {
+            Err(ExecError::Setup(msg)) => assert!(msg.contains("evil"), "{msg}"),
+            other => panic!("expected a setup error, got {other:?} {:?}", r.lines),
+        }
+        let r = f.run_with(
+            &format!("good-{rw}"),
+            "cat /out/f; echo ok",
+            vec![bind("/out/f", "good", rw)],
+            &inputs,
+        );
+        r.result.unwrap();
+        assert_eq!(r.lines, vec!["hello from context", "ok"]);
+        assert_eq!(tree(&r.upper), Vec::<String>::new());
+    }
+    // The mount point went inside the root, never into the host directory.
+    assert_eq!(fs::read_dir(&host).unwrap().count(), 1);
+}

@@ -2,7 +2,10 @@
 //! executor, on the busybox fixture, TCG. A deterministic Dockerfile (a new file, a whiteout
 //! of a lower file, a new directory, an opaque directory over an earlier step's, a `USER`
 //! and a missing `WORKDIR`, a heredoc script run as that user, a step with a tmpfs, a
-//! secret, and the context bound read-write and read-only, `SOURCE_DATE_EPOCH`) gives the same OCI manifest, so the same
+//! secret, the context bound read-write and read-only, and one file of it bound read-only on
+//! a new mount point and read-write over a file of the image and on a new mount point in new
+//! directories, the step checking what it reads and that its writes stay in its copy,
+//! `SOURCE_DATE_EPOCH`) gives the same OCI manifest, so the same
 //! layer digests, under both executors; the namespace build in the VM build's store runs no
 //! step (cache keys do not depend on the executor). A failing step reports its exit code and
 //! its log's tail; a step over the build's time limit is stopped by killing its VM, and no
@@ -35,9 +38,15 @@ fn dockerfile(bb: &str) -> String {
              && echo y > /d/e/g && ln /f /d/f2 && ln -s ../f /d/l && chmod 4755 /d/e/g\n\
          RUN --mount=type=tmpfs,target=/scratch --mount=type=secret,id=tok,target=/run/secrets/tok \
              --mount=type=bind,target=/ctx,rw --mount=type=bind,target=/ro \
+             --mount=type=bind,source=conf.txt,target=/etc/app.conf \
+             --mount=type=bind,source=conf.txt,target=/f,rw \
+             --mount=type=bind,source=conf.txt,target=/n/e/rw,rw \
              echo t > /scratch/a && test \"$(cat /run/secrets/tok)\" = hunter2 \
              && echo w > /ctx/new && cp /ctx/Dockerfile /df && ! touch /ro/x 2>/dev/null \
-             && test ! -e /ro/new && echo ok > /m\n\
+             && test ! -e /ro/new && test \"$(cat /etc/app.conf)\" = conf-1 \
+             && ! (echo x > /etc/app.conf) 2>/dev/null && test \"$(cat /f)\" = conf-1 \
+             && echo w >> /f && test \"$(tail -n 1 /f)\" = w && echo v > /n/e/rw \
+             && test \"$(cat /n/e/rw)\" = v && echo ok > /m\n\
          USER nobody\n\
          WORKDIR /w/x\n\
          RUN <<EOF\n#!/bin/sh\necho z > /tmp/z && id -u > /tmp/uid\nEOF\n"
@@ -78,6 +87,8 @@ fn context(dir: &Path, text: &str) -> std::path::PathBuf {
     std::fs::write(ctx.join("Dockerfile"), text).expect("write");
     // The secret of the `RUN --mount=type=secret` step (never in a layer).
     std::fs::write(ctx.join("tok.secret"), "hunter2").expect("write");
+    // The file of the single-file binds.
+    std::fs::write(ctx.join("conf.txt"), "conf-1\n").expect("write");
     ctx
 }
 

@@ -69,16 +69,22 @@
 //! lowers) and mounted by the guest around the command: a secret on a private tmpfs under
 //! `/dev`, bound read-only; a bind's tree (the context, a stage or an image, opened inside its
 //! root) as one more read-only ext4 disk made for the step, mounted read-only or, with `rw`,
-//! under an overlay whose tmpfs upper is discarded. Their mount points are removed from the
-//! layer with the same cleanup.
+//! under an overlay whose tmpfs upper is discarded. A bind of one (regular) file is the same
+//! disk made from a tree of that file alone (a copy,
+//! [`kiln_builder::exec::mounts::copy_bind_file`], named [`kiln_vmm::exec::DISK_FILE_NAME`]):
+//! the guest mounts it, read-only or under the discarded overlay, on a private directory
+//! under `/dev` and binds the file onto a file mount point, as the namespace executor binds
+//! the file (or, with `rw`, a discarded copy of it). Its disk is sized as a tree's
+//! ([`lower_image`]): no bound but the file's own size. Their mount points are removed from
+//! the layer with the same cleanup.
 //!
-//! Not yet: `RUN --mount=type=cache` (a persistent host directory) and a bind of a single
-//! file; the host network (refused, as [`VmExecutor::run`] says); the empty
-//! `/etc/resolv.conf` of a step with the proxy when its image's `/etc/resolv.conf` (or
-//! `/etc`) is a symlink (it then sees its image's file, which names no server it can reach);
-//! a VM restored from a snapshot per step instead of a cold boot. A build's extra CA
-//! certificates need nothing here: the builder adds their bundle to the step's heredoc files
-//! and its variables to its environment ([`kiln_builder::egress::ca`]).
+//! Not yet: `RUN --mount=type=cache` (a persistent host directory); the host network
+//! (refused, as [`VmExecutor::run`] says); the empty `/etc/resolv.conf` of a step with the
+//! proxy when its image's `/etc/resolv.conf` (or `/etc`) is a symlink (it then sees its
+//! image's file, which names no server it can reach); a VM restored from a snapshot per step
+//! instead of a cold boot. A build's extra CA certificates need nothing here: the builder
+//! adds their bundle to the step's heredoc files and its variables to its environment
+//! ([`kiln_builder::egress::ca`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -202,8 +208,8 @@ impl VmExecutor {
 
 impl StepExecutor for VmExecutor {
     /// Runs `spec` in a microVM (module doc). Refused with [`ExecError::Unsupported`]:
-    /// `RUN --mount=type=cache`, a bind of a file, the host network, more lower directories
-    /// than [`VmExecutor::max_lowers`] (the builder squashes them to fit), more than
+    /// `RUN --mount=type=cache`, the host network, more lower directories than
+    /// [`VmExecutor::max_lowers`] (the builder squashes them to fit), more than
     /// [`MAX_DISKS`]` - 1` bind mounts. A step with the default network or an allow-list
     /// reaches the network through the egress proxy only (module doc), and its first log
     /// line says so ([`PROXY_ONLY_LINE`]).
@@ -658,24 +664,43 @@ impl VmExecutor {
                     readwrite,
                     file,
                 } => {
-                    if file {
-                        return Err(ExecError::Unsupported(format!(
-                            "RUN --mount=type=bind of a file (at /{rel}) in a microVM step"
-                        )));
-                    }
                     let src = kiln_builder::exec::mounts::open_bind_source(root, path)
                         .map_err(|e| ExecError::Setup(format!("--mount source {path:?}: {e}")))?;
-                    let tree = PathBuf::from(format!(
-                        "/proc/{}/fd/{}",
-                        std::process::id(),
-                        std::os::fd::AsRawFd::as_raw_fd(&src)
-                    ));
                     let img = dir.join(format!("bind{}.ext4", lowers.len()));
-                    tree_image(&img, &tree).await?;
-                    drop(src);
+                    if file {
+                        // One file: a tree of it alone, as the guest's DISK_FILE_NAME.
+                        let tree = dir.join(format!("bind{}.d", lowers.len()));
+                        std::fs::create_dir(&tree).map_err(|source| ExecError::Io {
+                            what: format!("creating {}", tree.display()),
+                            source,
+                        })?;
+                        kiln_builder::exec::mounts::copy_bind_file(
+                            &src,
+                            &tree.join(kiln_vmm::exec::DISK_FILE_NAME),
+                        )
+                        .map_err(|e| ExecError::Setup(format!("--mount source {path:?}: {e}")))?;
+                        drop(src);
+                        tree_image(&img, &tree).await?;
+                        let _ = std::fs::remove_dir_all(&tree);
+                    } else {
+                        let tree = PathBuf::from(format!(
+                            "/proc/{}/fd/{}",
+                            std::process::id(),
+                            std::os::fd::AsRawFd::as_raw_fd(&src)
+                        ));
+                        tree_image(&img, &tree).await?;
+                        drop(src);
+                    }
                     let serial = format!("lower{}", lowers.len());
                     lowers.push(img);
-                    (rel, ExecMountKind::Disk { serial, readwrite })
+                    (
+                        rel,
+                        ExecMountKind::Disk {
+                            serial,
+                            readwrite,
+                            file,
+                        },
+                    )
                 }
                 GuestMount::Cache { rel } => {
                     return Err(ExecError::Unsupported(format!(

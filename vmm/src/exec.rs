@@ -43,8 +43,8 @@ use crate::channel::{ChannelError, GuestChannel};
 use crate::clone::{self, CloneError, CloneRecord};
 
 pub use kiln_guest::protocol::{
-    DiffData, DiffEnd, ExecFile, ExecMount, ExecMountKind, MAX_CHUNK_LEN, MAX_FILES,
-    MAX_FILES_BYTES, MAX_MOUNTS, MAX_STDIN_LEN, PIPES_DIR, Stream,
+    DISK_FILE_NAME, DiffData, DiffEnd, ExecFile, ExecMount, ExecMountKind, MAX_CHUNK_LEN,
+    MAX_FILES, MAX_FILES_BYTES, MAX_MOUNTS, MAX_STDIN_LEN, PIPES_DIR, Stream,
 };
 
 /// Most bytes discarded before the guest's `connected` answer: one partial frame of an older

@@ -12,7 +12,8 @@
 //! 3. In the step's pid 1, after the overlay is mounted and before `pivot_root`,
 //!    `mount_all` creates each mount point inside the new root (never following a symlink
 //!    out of it) and mounts: `bind` read-only (`nosuid,nodev`), or read-write as an overlay
-//!    whose upper directory is scratch (writes never reach the context or stage); `cache` a
+//!    whose upper directory is scratch, or for one file a copy of it in scratch (writes
+//!    never reach the context or stage, [`copy_bind_file`]); `cache` a
 //!    bind of its persistent directory; `tmpfs` with its size; `secret` a file on a private
 //!    tmpfs (mode default 0400) bound onto its target (default `/run/secrets/<id>`); `ssh`
 //!    the socket of an [`super::ssh::AgentProxy`] (started by `prepare`, stopped when the
@@ -519,6 +520,57 @@ pub fn open_bind_source(root: &Path, path: &str) -> Result<OwnedFd, String> {
     open_in(root, path)
 }
 
+/// Copies the bind source `src` (an `O_PATH` descriptor from [`open_bind_source`]), which
+/// must be a regular file, to the new file `dest` with its permission bits (setuid and
+/// setgid included; every bind is mounted `nosuid`), owner, group and access and
+/// modification times: the writable copy of a `rw` bind of one file under the namespace
+/// executor, and the one file of a single-file bind's disk under the microVM executor. The
+/// copy takes as many bytes as the file (no bound but the source's own size, as a bind of a
+/// tree, whose disk is sized by its tree).
+///
+/// Errors: the source is not a regular file (a directory, device, FIFO or socket); reading
+/// it; `dest` exists or cannot be written (each message names the error).
+pub fn copy_bind_file(src: &OwnedFd, dest: &Path) -> Result<(), String> {
+    let st = rustix::fs::fstat(src).map_err(|e| format!("stat: {e}"))?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+        return Err("not a regular file or directory".into());
+    }
+    let from = rustix::fs::open(
+        fd_path(src).as_str(),
+        OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| format!("opening for reading: {e}"))?;
+    let to = rustix::fs::open(
+        dest,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )
+    .map_err(|e| format!("creating {}: {e}", dest.display()))?;
+    let (mut from, mut to) = (fs::File::from(from), fs::File::from(to));
+    std::io::copy(&mut from, &mut to).map_err(|e| format!("copying to {}: {e}", dest.display()))?;
+    rustix::fs::fchown(
+        &to,
+        Some(rustix::fs::Uid::from_raw(st.st_uid)),
+        Some(rustix::fs::Gid::from_raw(st.st_gid)),
+    )
+    .map_err(|e| format!("chown of {}: {e}", dest.display()))?;
+    rustix::fs::fchmod(&to, Mode::from_raw_mode(st.st_mode & 0o7777))
+        .map_err(|e| format!("chmod of {}: {e}", dest.display()))?;
+    let time = |sec: i64, nsec: u64| rustix::fs::Timespec {
+        tv_sec: sec,
+        tv_nsec: nsec as _,
+    };
+    rustix::fs::futimens(
+        &to,
+        &rustix::fs::Timestamps {
+            last_access: time(st.st_atime as i64, st.st_atime_nsec as u64),
+            last_modification: time(st.st_mtime as i64, st.st_mtime_nsec as u64),
+        },
+    )
+    .map_err(|e| format!("setting the times of {}: {e}", dest.display()))
+}
+
 /// Mounts prepared for one step, with the cache locks held until it is dropped.
 #[derive(Debug, Default)]
 pub struct PreparedMounts {
@@ -678,9 +730,13 @@ pub fn prepare(
                 let is_dir = rustix::fs::FileType::from_raw_mode(st.st_mode)
                     == rustix::fs::FileType::Directory;
                 let rw = if *readwrite {
-                    if !is_dir {
+                    // A file's writable copy goes in the upper directory (`mount_all`).
+                    if !is_dir
+                        && rustix::fs::FileType::from_raw_mode(st.st_mode)
+                            != rustix::fs::FileType::RegularFile
+                    {
                         return Err(ExecError::Unsupported(format!(
-                            "--mount type=bind,rw of a file ({path})"
+                            "--mount type=bind,rw of {path}, neither a regular file nor a directory"
                         )));
                     }
                     let upper = scratch.join(format!("rw-{i}/upper"));
@@ -763,6 +819,9 @@ pub fn prepare(
     }
     Ok(p)
 }
+
+/// Name of the writable copy of a `rw` bind of one file, in its scratch upper directory.
+const RW_FILE_COPY: &str = "file";
 
 /// Name of the directory mounted, inside each cache instance's guard directory.
 const CACHE_DATA: &str = "data";
@@ -966,6 +1025,16 @@ pub(crate) fn mount_all(root: &OwnedFd, p: &PreparedMounts) -> Result<(), String
                             .map_err(|e| format!("binding /{}: {e}", m.rel))?;
                         drop(target);
                         remount(root, &m.rel, m.file, true)?;
+                    }
+                    Some((upper, _)) if m.file => {
+                        // A writable copy of the file, discarded with the scratch directory.
+                        let copy = upper.join(RW_FILE_COPY);
+                        copy_bind_file(&src, &copy)
+                            .map_err(|e| format!("--mount source {path:?}: {e}"))?;
+                        mount_bind(copy.as_path(), t.as_str())
+                            .map_err(|e| format!("binding /{}: {e}", m.rel))?;
+                        drop(target);
+                        remount(root, &m.rel, m.file, false)?;
                     }
                     Some((upper, work)) => {
                         let data = format!(

@@ -279,6 +279,10 @@ pub struct ExecMount {
     pub kind: ExecMountKind,
 }
 
+/// The name of the one file on the disk of a single-file bind ([`ExecMountKind::Disk`] with
+/// `file`), at the root of its ext4 file system.
+pub const DISK_FILE_NAME: &str = "file";
+
 /// What an [`ExecMount`] mounts.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -291,13 +295,20 @@ pub enum ExecMountKind {
     },
     /// The ext4 file system of the read-only disk with this serial (`lower<i>`, a bind
     /// mount's tree): mounted read-only, or with `readwrite` under an overlay whose upper
-    /// directory is a tmpfs (the writes are discarded with the exec).
+    /// directory is a tmpfs (the writes are discarded with the exec). With `file`, the bind
+    /// is of one file: the disk's root holds it as [`DISK_FILE_NAME`], the file system is
+    /// mounted (as above) on a private directory under `/dev`, and that file is bound onto a
+    /// file mount point.
     Disk {
         /// The disk's serial (`/sys/block/vd*/serial`): `lower` and digits.
         serial: String,
         /// Writes allowed (and discarded).
         #[serde(default)]
         readwrite: bool,
+        /// The bind is of the one file [`DISK_FILE_NAME`] at the disk's root (else of the
+        /// disk's whole tree).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        file: bool,
     },
     /// A file with these bytes, bound read-only onto a file mount point.
     Secret {
@@ -1073,6 +1084,15 @@ mod tests {
                         kind: ExecMountKind::Disk {
                             serial: "lower3".into(),
                             readwrite: true,
+                            file: false,
+                        },
+                    },
+                    ExecMount {
+                        rel: "etc/app.conf".into(),
+                        kind: ExecMountKind::Disk {
+                            serial: "lower4".into(),
+                            readwrite: false,
+                            file: true,
                         },
                     },
                     ExecMount {
@@ -1278,6 +1298,7 @@ mod tests {
                         kind: ExecMountKind::Disk {
                             serial: serial.into(),
                             readwrite: false,
+                            file: false,
                         },
                     }],
                     ..exec(&["true"])

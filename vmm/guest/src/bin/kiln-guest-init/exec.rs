@@ -48,8 +48,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use kiln_guest::protocol::{
-    DISK_FULL_BYTES, Exec, ExecExit, ExecFailure, ExecFailureKind, ExecFile, ExecMount,
-    ExecMountKind, MAX_CHUNK_LEN, Message, Output, PIPES_DIR, Stream,
+    DISK_FILE_NAME, DISK_FULL_BYTES, Exec, ExecExit, ExecFailure, ExecFailureKind, ExecFile,
+    ExecMount, ExecMountKind, MAX_CHUNK_LEN, Message, Output, PIPES_DIR, Stream,
 };
 
 use crate::proc::{self, Command, SpawnError};
@@ -390,7 +390,8 @@ fn write_files(files: &[ExecFile]) -> Result<(), String> {
 /// An exec's mounts, unmounted (lazily, newest first) when dropped, with its secrets' tmpfs.
 struct Mounted {
     points: Vec<PathBuf>,
-    /// Staging mounts under `/dev` (a read-write bind's tmpfs and read-only disk).
+    /// Staging mounts under `/dev` (a read-write or single-file bind's tmpfs, read-only disk
+    /// and a file's overlay).
     stages: Vec<PathBuf>,
     secrets: Option<PathBuf>,
 }
@@ -453,7 +454,8 @@ fn mount_point(rel: &str, file: bool) -> Result<PathBuf, String> {
 }
 
 /// Mounts an exec's [`ExecMount`]s in order: a tmpfs (`mode=1777`, its size, `nosuid,nodev`);
-/// a disk's ext4 (a bind mount's tree) read-only, or under an overlay with a tmpfs upper; or
+/// a disk's ext4 (a bind mount's tree) read-only, or under an overlay with a tmpfs upper, or
+/// for a bind of one file, that file of it bound onto a file mount point; or
 /// a secret: a file on a private tmpfs under `/dev` (outside a build step's layer), bound
 /// read-only onto its file mount point.
 fn mount_all(id: u64, mounts: &[ExecMount]) -> Result<Mounted, String> {
@@ -482,25 +484,29 @@ fn mount_all(id: u64, mounts: &[ExecMount]) -> Result<Mounted, String> {
                     .map_err(|e| format!("mounting a tmpfs on {}: {e}", at.display()))?;
                 done.points.push(at);
             }
-            ExecMountKind::Disk { serial, readwrite } => {
+            ExecMountKind::Disk {
+                serial,
+                readwrite,
+                file,
+            } => {
                 let dev = crate::boot::disks_by_serial()
                     .remove(serial)
                     .ok_or_else(|| format!("no disk with the serial {serial}"))?;
-                let at = mount_point(&m.rel, false)?;
-                if !readwrite {
+                let at = mount_point(&m.rel, *file)?;
+                if !readwrite && !file {
                     sys::mount(&dev, &at, "ext4", nsd | libc::MS_RDONLY, "")
                         .map_err(|e| format!("mounting {dev} on {}: {e}", at.display()))?;
                     done.points.push(at);
                     continue;
                 }
-                // Read-write: the disk read-only under an overlay with a tmpfs upper, all
-                // staged under /dev (outside a build step's layer).
+                // Staged under /dev (outside a build step's layer): the disk read-only, and
+                // for `readwrite` an overlay of it with a tmpfs upper (writes discarded).
                 let stage = PathBuf::from(format!("/dev/kiln-bind-{id:016x}-{i}"));
                 fs::create_dir(&stage).map_err(|e| format!("creating {}: {e}", stage.display()))?;
                 sys::mount("tmpfs", &stage, "tmpfs", nsd, "mode=0700")
                     .map_err(|e| format!("mounting a tmpfs on {}: {e}", stage.display()))?;
                 done.stages.push(stage.clone());
-                for d in ["lower", "upper", "work"] {
+                for d in ["lower", "upper", "work", "merged"] {
                     fs::create_dir(stage.join(d))
                         .map_err(|e| format!("creating {}: {e}", stage.join(d).display()))?;
                 }
@@ -508,15 +514,44 @@ fn mount_all(id: u64, mounts: &[ExecMount]) -> Result<Mounted, String> {
                 sys::mount(&dev, &lower, "ext4", nsd | libc::MS_RDONLY, "")
                     .map_err(|e| format!("mounting {dev} on {}: {e}", lower.display()))?;
                 done.stages.push(lower.clone());
-                let data = format!(
-                    "lowerdir={},upperdir={},workdir={}",
-                    lower.display(),
-                    stage.join("upper").display(),
-                    stage.join("work").display()
-                );
-                sys::mount("overlay", &at, "overlay", nsd, &data)
-                    .map_err(|e| format!("mounting the rw bind on {}: {e}", at.display()))?;
-                done.points.push(at);
+                // The tree the bind shows: the disk, or the overlay over it.
+                let tree = if *readwrite {
+                    let data = format!(
+                        "lowerdir={},upperdir={},workdir={}",
+                        lower.display(),
+                        stage.join("upper").display(),
+                        stage.join("work").display()
+                    );
+                    // A tree's overlay goes on the mount point itself; a file's on the stage.
+                    let on = if *file {
+                        stage.join("merged")
+                    } else {
+                        at.clone()
+                    };
+                    sys::mount("overlay", &on, "overlay", nsd, &data)
+                        .map_err(|e| format!("mounting the rw bind on {}: {e}", on.display()))?;
+                    if !file {
+                        done.points.push(at);
+                        continue;
+                    }
+                    done.stages.push(on.clone());
+                    on
+                } else {
+                    lower
+                };
+                // One file: bound from the tree onto the file mount point, nosuid and
+                // nodev, read-only unless `readwrite`.
+                let src = tree.join(DISK_FILE_NAME);
+                match fs::symlink_metadata(&src) {
+                    Ok(md) if md.is_file() => {}
+                    _ => return Err(format!("disk {serial} holds no file {DISK_FILE_NAME}")),
+                }
+                sys::mount(&src.display().to_string(), &at, "", libc::MS_BIND, "")
+                    .map_err(|e| format!("binding {} on {}: {e}", src.display(), at.display()))?;
+                done.points.push(at.clone());
+                let ro = if *readwrite { 0 } else { libc::MS_RDONLY };
+                sys::mount("", &at, "", libc::MS_REMOUNT | libc::MS_BIND | ro | nsd, "")
+                    .map_err(|e| format!("remounting the bind on {}: {e}", at.display()))?;
             }
             ExecMountKind::Secret {
                 data,
