@@ -265,9 +265,8 @@ pub async fn resolve_in(
     if let Scope::Tenant(t) = scope {
         return resolve_tenant(t, spec, policy, registry, cache).await;
     }
-    if let Some((dir, tag)) = layout::parse_spec(spec) {
-        let d = layout::import(&dir, tag.as_deref(), &registry.options().platform, cache)?;
-        return Ok((d, Source::Layout));
+    if let Some(l) = layout::LayoutRef::parse(spec) {
+        return resolve_layout(&l, registry, cache);
     }
     let r: Reference = spec.parse()?;
     if policy != PullPolicy::Always {
@@ -297,6 +296,19 @@ pub async fn resolve_in(
     pull(registry, &r, cache).await
 }
 
+/// The image of the OCI layout `l` (an operator's `FROM oci:DIR[:TAG]` or named build
+/// context), imported into `cache` for `registry`'s platform, as [`Source::Layout`].
+pub fn resolve_layout(
+    l: &layout::LayoutRef,
+    registry: &Registry,
+    cache: &dyn BlobCache,
+) -> Result<(String, Source), BaseError> {
+    Ok((
+        l.import(&registry.options().platform, cache)?,
+        Source::Layout,
+    ))
+}
+
 /// Pulls `r` into `cache`: its digest, as [`Source::Registry`].
 async fn pull(
     registry: &Registry,
@@ -320,7 +332,7 @@ async fn resolve_tenant(
     registry: &Registry,
     cache: &dyn BlobCache,
 ) -> Result<(String, Source), BaseError> {
-    if layout::parse_spec(spec).is_some() {
+    if layout::LayoutRef::parse(spec).is_some() {
         return Err(BaseError::Refused {
             spec: spec.to_string(),
             why: "an OCI layout on the server (oci:DIR) cannot be named by a tenant build; \

@@ -34,7 +34,7 @@ impl Fronted {
         use kiln_store::copy::{CopyOptions, copy_oci_manifest, copy_oci_ref};
         let (remote, local) = (&self.remote, &self.local);
         let opts = CopyOptions::default();
-        if crate::layout::parse_spec(spec).is_some() {
+        if crate::layout::LayoutRef::parse(spec).is_some() {
             return Ok(());
         }
         let by_digest = |d: &str| {

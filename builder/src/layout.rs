@@ -73,17 +73,55 @@ pub enum LayoutError {
     Cache(#[from] CacheError),
 }
 
-/// Splits `oci:DIR[:TAG]` into the directory and tag. `None` if `s` does not start `oci:`.
-pub fn parse_spec(s: &str) -> Option<(PathBuf, Option<String>)> {
-    let rest = s.strip_prefix("oci:")?;
-    // A tag never contains '/', so a ':' after the last '/' separates it.
-    let slash = rest.rfind('/').map_or(0, |i| i + 1);
-    match rest[slash..].rfind(':') {
-        Some(i) => Some((
-            PathBuf::from(&rest[..slash + i]),
-            Some(rest[slash + i + 1..].to_string()),
-        )),
-        None => Some((PathBuf::from(rest), None)),
+/// An image in an OCI layout directory, as skopeo and umoci name it: `oci:DIR[:TAG]`
+/// (`kiln import`, a `FROM` of an operator's build) or a named build context
+/// `NAME=oci-layout://DIR[:TAG]` (`kiln build --build-context`, as buildx takes it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayoutRef {
+    /// The layout directory.
+    pub dir: PathBuf,
+    /// The tag (`org.opencontainers.image.ref.name`), if one is named.
+    pub tag: Option<String>,
+}
+
+impl LayoutRef {
+    /// Reads `oci:DIR[:TAG]`. `None` if `s` does not start `oci:`.
+    pub fn parse(s: &str) -> Option<LayoutRef> {
+        Self::from_dir_and_tag(s.strip_prefix("oci:")?)
+    }
+
+    /// Reads `DIR[:TAG]`: a tag never contains `/`, so a `:` after the last `/` separates
+    /// it. `None` for an empty directory.
+    pub fn from_dir_and_tag(rest: &str) -> Option<LayoutRef> {
+        let slash = rest.rfind('/').map_or(0, |i| i + 1);
+        let (dir, tag) = match rest[slash..].rfind(':') {
+            Some(i) => (&rest[..slash + i], Some(rest[slash + i + 1..].to_string())),
+            None => (rest, None),
+        };
+        (!dir.is_empty()).then(|| LayoutRef {
+            dir: PathBuf::from(dir),
+            tag,
+        })
+    }
+
+    /// The image: imports it into `cache` ([`import`]) and gives its manifest digest.
+    pub fn import(
+        &self,
+        platform: &Platform,
+        cache: &dyn BlobCache,
+    ) -> Result<String, LayoutError> {
+        import(&self.dir, self.tag.as_deref(), platform, cache)
+    }
+}
+
+/// `oci:DIR[:TAG]`.
+impl std::fmt::Display for LayoutRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "oci:{}", self.dir.display())?;
+        match &self.tag {
+            Some(t) => write!(f, ":{t}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -386,16 +424,21 @@ mod tests {
 
     #[test]
     fn specs() {
+        let r = |d: &str, t: Option<&str>| {
+            Some(LayoutRef {
+                dir: PathBuf::from(d),
+                tag: t.map(str::to_string),
+            })
+        };
+        assert_eq!(LayoutRef::parse("oci:/a/b:t"), r("/a/b", Some("t")));
+        assert_eq!(LayoutRef::parse("oci:/a/b"), r("/a/b", None));
+        assert_eq!(LayoutRef::parse("oci:rel:x"), r("rel", Some("x")));
+        assert_eq!(LayoutRef::parse("docker://x"), None);
+        assert_eq!(LayoutRef::parse("oci:"), None);
         assert_eq!(
-            parse_spec("oci:/a/b:t"),
-            Some((PathBuf::from("/a/b"), Some("t".into())))
+            LayoutRef::parse("oci:/a/b:t").map(|l| l.to_string()),
+            Some("oci:/a/b:t".into())
         );
-        assert_eq!(parse_spec("oci:/a/b"), Some((PathBuf::from("/a/b"), None)));
-        assert_eq!(
-            parse_spec("oci:rel:x"),
-            Some((PathBuf::from("rel"), Some("x".into())))
-        );
-        assert_eq!(parse_spec("docker://x"), None);
     }
 
     /// A one-layer layout in `dir`; returns (manifest digest, layer digest).

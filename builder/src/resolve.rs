@@ -65,9 +65,6 @@ pub enum ResolveError {
     /// A bootstrap spec has no mirror and no default was given.
     #[error("stage {0}: bootstrap has no mirror and the builder has no default mirror")]
     NoMirror(usize),
-    /// A `--build-context` value is not `NAME=oci-layout://DIR[:TAG]`.
-    #[error("invalid --build-context {0:?}: expected NAME=oci-layout://DIR[:TAG]")]
-    BuildContext(String),
     /// The recipe did not lower (first pass, or the second with the bases' configs, e.g. a
     /// refused ONBUILD trigger).
     #[error(transparent)]
@@ -93,8 +90,9 @@ pub enum ResolveError {
 pub struct ResolveOptions {
     /// `--pull` / `--offline` / neither.
     pub policy: PullPolicy,
-    /// Named build contexts: NAME → `oci:DIR[:TAG]`.
-    pub build_contexts: BTreeMap<String, String>,
+    /// Named build contexts (`--build-context NAME=oci-layout://DIR[:TAG]`): a `FROM NAME`
+    /// is that layout's image. An operator's builds only: a tenant's is refused.
+    pub build_contexts: BTreeMap<String, crate::layout::LayoutRef>,
     /// Mirror for bootstrap specs that name none.
     pub default_mirror: Option<String>,
     /// Scratch directory for bootstrap trees.
@@ -128,17 +126,6 @@ pub enum ResolvedBase {
         /// The config's `OnBuild` triggers, as written.
         onbuild: Vec<String>,
     },
-}
-
-/// Parses `NAME=oci-layout://DIR[:TAG]` into (NAME, `oci:DIR[:TAG]`).
-pub fn parse_build_context(s: &str) -> Result<(String, String), ResolveError> {
-    let bad = || ResolveError::BuildContext(s.to_string());
-    let (name, value) = s.split_once('=').ok_or_else(bad)?;
-    let dir = value.strip_prefix("oci-layout://").ok_or_else(bad)?;
-    if name.is_empty() || dir.is_empty() || dir.contains('@') {
-        return Err(bad());
-    }
-    Ok((name.to_string(), format!("oci:{dir}")))
 }
 
 /// The parts of image `digest`'s config that lowering needs (OCI image spec, config.md:
@@ -355,10 +342,19 @@ pub async fn resolve_reference(
         platform,
         ..opts.registry.clone()
     };
-    let spec = opts
-        .build_contexts
-        .get(reference)
-        .map_or(reference, String::as_str);
+    if let Some(l) = opts.build_contexts.get(reference) {
+        if let Scope::Tenant(_) = &opts.scope {
+            return Err(BaseError::Refused {
+                spec: reference.to_string(),
+                why: format!(
+                    "the build context {reference} is an OCI layout on the server ({l}), which \
+                     a tenant build cannot name"
+                ),
+            });
+        }
+        return Ok(l.import(&ropts.platform, cache)?);
+    }
+    let spec = reference;
     // A tenant's pulls: never with the operator's credentials, and every connection through
     // an egress proxy that checks each address (the registry's, its token realm's, a
     // redirect's) and resolves each name once. It stops when this resolution ends.
@@ -563,17 +559,6 @@ mod tests {
             e.to_string().contains("registry refused for this build"),
             "{e}"
         );
-    }
-
-    #[test]
-    fn build_contexts() {
-        assert_eq!(
-            parse_build_context("base=oci-layout:///srv/l:bookworm").expect("ok"),
-            ("base".to_string(), "oci:/srv/l:bookworm".to_string())
-        );
-        assert!(parse_build_context("base=docker-image://x").is_err());
-        assert!(parse_build_context("=oci-layout:///x").is_err());
-        assert!(parse_build_context("b=oci-layout:///x@sha256:00").is_err());
     }
 
     #[test]

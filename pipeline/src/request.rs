@@ -40,9 +40,9 @@ pub struct BuildRequest {
     pub disk_mib: Option<u64>,
     /// When base images are fetched from their registry.
     pub pull: PullPolicy,
-    /// Named build contexts, NAME → `oci:DIR[:TAG]` (what `--build-context
+    /// Named build contexts, NAME → an OCI layout (what `--build-context
     /// NAME=oci-layout://DIR[:TAG]` gives): a `FROM NAME` uses the image there.
-    pub build_contexts: BTreeMap<String, String>,
+    pub build_contexts: BTreeMap<String, kiln_builder::layout::LayoutRef>,
     /// `--no-cache`: no step is looked up in the build cache (entries are still written).
     pub no_cache: bool,
     /// `--no-cache-filter`: stages (name or index) whose steps are not looked up.

@@ -5,7 +5,7 @@ use kiln_builder::base::PullPolicy;
 use kiln_builder::cache::{BlobCache, LocalCache, digest_of};
 use kiln_builder::registry::{Registry, RegistryOptions};
 use kiln_builder::resolve::{
-    ResolveError, ResolveOptions, ResolvedBase, parse_build_context, resolve_plan, resolve_recipe,
+    ResolveError, ResolveOptions, ResolvedBase, resolve_plan, resolve_recipe,
 };
 use kiln_tests::require_env;
 
@@ -73,9 +73,13 @@ fn every_base_becomes_a_digest() {
         "FROM {busybox} AS a\nFROM layoutbase AS b\nCOPY --from=a /bin/busybox /bb\nFROM localhost/onbuild-base:1\nCOPY --from=b /bb /bb\n"
     ));
     let mut o = opts();
-    let (name, spec) =
-        parse_build_context(&format!("layoutbase=oci-layout://{layout}:latest")).expect("context");
-    o.build_contexts.insert(name, spec);
+    o.build_contexts.insert(
+        "layoutbase".into(),
+        kiln_builder::layout::LayoutRef {
+            dir: layout.into(),
+            tag: Some("latest".into()),
+        },
+    );
     let r = rt.block_on(resolve_plan(&p, &o, &cache)).expect("resolve");
     assert_eq!(r.len(), 3, "{r:?}");
     match &r[0] {

@@ -27,8 +27,8 @@ use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use kiln_builder::base::PullPolicy;
+use kiln_builder::layout::LayoutRef;
 use kiln_builder::registry::RegistryOptions;
-use kiln_builder::resolve::parse_build_context;
 use kiln_pipeline::event::why_text;
 use kiln_pipeline::{
     BuildRequest, ContextSource, Event, EventSink, Executor, NetworkPolicy, Output, Recipe, Setup,
@@ -673,4 +673,43 @@ fn tty_printer() -> Arc<dyn EventSink> {
             _ => {}
         }
     })
+}
+
+/// Reads `--build-context NAME=oci-layout://DIR[:TAG]`, buildx's form, of which kiln takes
+/// OCI layouts only (a digest-pinned `DIR@sha256:…` too is refused).
+///
+/// Errors: a value of another form, naming it and the form expected.
+fn parse_build_context(s: &str) -> anyhow::Result<(String, LayoutRef)> {
+    let bad =
+        || anyhow::anyhow!("invalid --build-context {s:?}: expected NAME=oci-layout://DIR[:TAG]");
+    let (name, value) = s.split_once('=').ok_or_else(bad)?;
+    let rest = value.strip_prefix("oci-layout://").ok_or_else(bad)?;
+    if name.is_empty() || rest.contains('@') {
+        return Err(bad());
+    }
+    let layout = LayoutRef::from_dir_and_tag(rest).ok_or_else(bad)?;
+    Ok((name.to_string(), layout))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn build_contexts() {
+        let (name, l) = parse_build_context("base=oci-layout:///srv/l:bookworm").expect("ok");
+        assert_eq!(name, "base");
+        assert_eq!(l.dir, std::path::Path::new("/srv/l"));
+        assert_eq!(l.tag.as_deref(), Some("bookworm"));
+        for bad in [
+            "base=docker-image://x",
+            "=oci-layout:///x",
+            "b=oci-layout:///x@sha256:00",
+            "b=oci-layout://",
+            "b",
+        ] {
+            let e = parse_build_context(bad).expect_err(bad).to_string();
+            assert!(e.contains("expected NAME=oci-layout://DIR[:TAG]"), "{e}");
+        }
+    }
 }

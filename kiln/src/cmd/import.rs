@@ -22,11 +22,11 @@ pub struct Args {
 
 /// Runs `kiln import`; prints the manifest digest.
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let (dir, tag) = layout::parse_spec(&a.spec).context("expected oci:DIR[:TAG]")?;
+    let layout = layout::LayoutRef::parse(&a.spec).context("expected oci:DIR[:TAG]")?;
     let platform = Platform::parse(&a.opts.platform)?;
     let digest = super::common::runtime()?.block_on(async {
         let s = a.opts.open().await?;
-        let digest = layout::import(&dir, tag.as_deref(), &platform, &s.cache)?;
+        let digest = layout.import(&platform, &s.cache)?;
         let mut name = None;
         if let Some(t) = &a.tag {
             let r: Reference = t.parse()?;

@@ -37,7 +37,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 /// The OCI reference a resolve of `spec` set in the blob cache (`registry/repo:tag`), `None`
 /// for an OCI layout (`oci:DIR`) or a digest-pinned reference.
 pub fn written_ref(spec: &str) -> Option<String> {
-    if kiln_builder::layout::parse_spec(spec).is_some() {
+    if kiln_builder::layout::LayoutRef::parse(spec).is_some() {
         return None;
     }
     let r = spec.parse().ok()?;
