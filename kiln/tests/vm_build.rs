@@ -66,10 +66,10 @@ fn request(ctx: &Path, executor: Executor) -> BuildRequest {
         .insert("SOURCE_DATE_EPOCH".into(), EPOCH.into());
     req.output = Output::Oci { refs: Vec::new() };
     req.executor = executor;
-    let flag = format!("id=tok,src={}", ctx.join("tok.secret").display());
-    req.secrets = kiln_builder::secrets::Secrets::load(&[
-        kiln_builder::secrets::parse_secret_flag(&flag).expect("secret flag"),
-    ])
+    req.secrets = kiln_builder::secrets::Secrets::load(&[kiln_builder::secrets::SecretSpec {
+        id: "tok".into(),
+        source: kiln_builder::secrets::SecretSource::File(ctx.join("tok.secret")),
+    }])
     .expect("secret");
     req
 }

@@ -27,7 +27,6 @@ use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use kiln_builder::base::PullPolicy;
-use kiln_builder::layout::LayoutRef;
 use kiln_builder::registry::RegistryOptions;
 use kiln_pipeline::event::why_text;
 use kiln_pipeline::{
@@ -392,14 +391,11 @@ fn network_policy(a: &Args) -> anyhow::Result<NetworkPolicy> {
 /// Runs `kiln build`: flags → [`BuildRequest`] → [`kiln_pipeline::run`] → the digest on
 /// stdout (or the `built` event with `--json`), `--iidfile`, `--metadata-file` and a summary line on stderr.
 pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
-    let ssh = kiln_builder::secrets::parse_ssh_flags(
-        &a.ssh,
-        std::env::var_os("SSH_AUTH_SOCK").as_deref(),
-    )?;
+    let ssh = super::flags::parse_ssh_flags(&a.ssh, std::env::var_os("SSH_AUTH_SOCK").as_deref())?;
     let specs = a
         .secret
         .iter()
-        .map(|f| kiln_builder::secrets::parse_secret_flag(f))
+        .map(|f| super::flags::parse_secret_flag(f))
         .collect::<Result<Vec<_>, _>>()?;
     let secrets = kiln_builder::secrets::Secrets::load(&specs)?;
     for e in &a.allow {
@@ -466,7 +462,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
         PullPolicy::Missing
     };
     for bc in &a.build_context {
-        let (n, v) = parse_build_context(bc)?;
+        let (n, v) = super::flags::parse_build_context(bc)?;
         req.build_contexts.insert(n, v);
     }
     req.no_cache = a.no_cache;
@@ -673,43 +669,4 @@ fn tty_printer() -> Arc<dyn EventSink> {
             _ => {}
         }
     })
-}
-
-/// Reads `--build-context NAME=oci-layout://DIR[:TAG]`, buildx's form, of which kiln takes
-/// OCI layouts only (a digest-pinned `DIR@sha256:…` too is refused).
-///
-/// Errors: a value of another form, naming it and the form expected.
-fn parse_build_context(s: &str) -> anyhow::Result<(String, LayoutRef)> {
-    let bad =
-        || anyhow::anyhow!("invalid --build-context {s:?}: expected NAME=oci-layout://DIR[:TAG]");
-    let (name, value) = s.split_once('=').ok_or_else(bad)?;
-    let rest = value.strip_prefix("oci-layout://").ok_or_else(bad)?;
-    if name.is_empty() || rest.contains('@') {
-        return Err(bad());
-    }
-    let layout = LayoutRef::from_dir_and_tag(rest).ok_or_else(bad)?;
-    Ok((name.to_string(), layout))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn build_contexts() {
-        let (name, l) = parse_build_context("base=oci-layout:///srv/l:bookworm").expect("ok");
-        assert_eq!(name, "base");
-        assert_eq!(l.dir, std::path::Path::new("/srv/l"));
-        assert_eq!(l.tag.as_deref(), Some("bookworm"));
-        for bad in [
-            "base=docker-image://x",
-            "=oci-layout:///x",
-            "b=oci-layout:///x@sha256:00",
-            "b=oci-layout://",
-            "b",
-        ] {
-            let e = parse_build_context(bad).expect_err(bad).to_string();
-            assert!(e.contains("expected NAME=oci-layout://DIR[:TAG]"), "{e}");
-        }
-    }
 }

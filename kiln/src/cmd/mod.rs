@@ -6,6 +6,7 @@ pub mod common;
 pub mod config;
 pub mod exec;
 pub mod export;
+pub mod flags;
 pub mod images;
 pub mod import;
 pub mod inspect;
