@@ -44,4 +44,5 @@ pub mod registry;
 pub mod remote;
 pub mod resolve;
 pub mod secrets;
+pub mod user;
 pub mod workdir;

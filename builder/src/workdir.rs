@@ -4,7 +4,8 @@
 //! process's [`ProcessId`] token (pid and start time, so a later process that reuses the pid
 //! is not taken for the owner), as `<label>.tmp-p<pid>s<start>-<n>` under `layers/` and
 //! `trees/`, `run/step-p<pid>s<start>-<n>` for a step's scratch, and the step cgroups
-//! `step-p<pid>s<start>-<n>` ([`crate::exec::cgroup::reap_dead`]). A build killed with
+//! `step-p<pid>s<start>-<n>` (reaped with the directories by the build driver,
+//! [`crate::build::clean_up_dead_builds`]). A build killed with
 //! SIGKILL cannot remove them; [`reap_dead_builds`] (called by every build before it starts,
 //! and by `kiln store gc`) removes the ones whose owner no longer runs and never touches a
 //! live build's.
@@ -102,27 +103,6 @@ pub fn reap_dead_builds(work_dir: &Path) -> Vec<PathBuf> {
         removed.extend(remove_dead_entries(&run.join(images), ".tmp-"));
     }
     removed
-}
-
-/// What [`clean_up_dead_builds`] removed.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DeadBuilds {
-    /// Step cgroups of dead builds, their processes killed ([`crate::exec::cgroup::reap_dead`]).
-    pub cgroups: Vec<PathBuf>,
-    /// Their directories in the work directory ([`reap_dead_builds`]).
-    pub dirs: Vec<PathBuf>,
-}
-
-/// Cleans up after builds that died in `work_dir` whose step cgroups are under
-/// `cgroup_parent` ([`crate::exec::ExecConfig::cgroup_parent`]): kills what is left in
-/// their cgroups and removes those, then their directories. Their leases are the store's
-/// ([`kiln_store::Store::release_dead_leases`], and GC). Run by every build before it
-/// starts, and by `kiln store gc`.
-pub fn clean_up_dead_builds(work_dir: &Path, cgroup_parent: &str) -> DeadBuilds {
-    DeadBuilds {
-        cgroups: crate::exec::cgroup::reap_dead(cgroup_parent),
-        dirs: reap_dead_builds(work_dir),
-    }
 }
 
 /// A lock on `layers/.lock`: shared while a build uses `layers/`, exclusive while

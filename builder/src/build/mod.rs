@@ -75,6 +75,27 @@ use crate::secrets::Secrets;
 use kiln_recipes::dockerignore::Dockerignore;
 use kiln_recipes::plan::{CopySource, CopyStep, Mount};
 
+/// What [`clean_up_dead_builds`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeadBuilds {
+    /// Step cgroups of dead builds, their processes killed ([`crate::exec::cgroup::reap_dead`]).
+    pub cgroups: Vec<PathBuf>,
+    /// Their directories in the work directory ([`crate::workdir::reap_dead_builds`]).
+    pub dirs: Vec<PathBuf>,
+}
+
+/// Cleans up after builds that died in `work_dir` whose step cgroups are under
+/// `cgroup_parent` ([`crate::exec::ExecConfig::cgroup_parent`]): kills what is left in
+/// their cgroups and removes those, then their directories. Their leases are the store's
+/// ([`kiln_store::Store::release_dead_leases`], and GC). Run by every build before it
+/// starts, and by `kiln store gc`.
+pub fn clean_up_dead_builds(work_dir: &Path, cgroup_parent: &str) -> DeadBuilds {
+    DeadBuilds {
+        cgroups: crate::exec::cgroup::reap_dead(cgroup_parent),
+        dirs: crate::workdir::reap_dead_builds(work_dir),
+    }
+}
+
 /// OCI image config media type (`media-types.md`).
 pub const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
 /// OCI gzip layer media type (`media-types.md`).
@@ -375,17 +396,16 @@ pub async fn build_with(
     // What builds killed before they could clean up left: their step processes (any still
     // in a step cgroup), their scratch directories and their leases (crate::workdir).
     let (work, cgroups) = (opts.work_dir.clone(), opts.exec.cgroup_parent.clone());
-    let dead =
-        tokio::task::spawn_blocking(move || crate::workdir::clean_up_dead_builds(&work, &cgroups))
-            .await
-            .map_err(|e| BuildError::Task(e.to_string()))?;
+    let dead = tokio::task::spawn_blocking(move || clean_up_dead_builds(&work, &cgroups))
+        .await
+        .map_err(|e| BuildError::Task(e.to_string()))?;
     // A store whose leases cannot be read fails GC, which names the object; the build
     // itself does not depend on them.
     let released = store.release_dead_leases().await.unwrap_or_else(|e| {
         tracing::warn!(error = %e, "not releasing dead builds' leases");
         Vec::new()
     });
-    if dead != crate::workdir::DeadBuilds::default() || !released.is_empty() {
+    if dead != DeadBuilds::default() || !released.is_empty() {
         tracing::info!(
             cgroups = dead.cgroups.len(),
             dirs = dead.dirs.len(),
@@ -606,14 +626,14 @@ pub fn check_supported(plan: &BuildPlan) -> Result<(), BuildError> {
 
 /// Whether `--chown` value `o` (`user[:group]`) names ids without a user database: one or
 /// two parts, each `root` (0) or an id as the step's user resolution reads it
-/// ([`crate::exec::user::parse_id`]: decimal, never 4294967295), as BuildKit takes them with
+/// ([`crate::user::parse_id`]: decimal, never 4294967295), as BuildKit takes them with
 /// `--link`.
 fn is_numeric_chown(o: &str) -> bool {
     let parts: Vec<&str> = o.split(':').collect();
     parts.len() <= 2
         && parts
             .iter()
-            .all(|p| *p == "root" || crate::exec::user::parse_id(p).is_some())
+            .all(|p| *p == "root" || crate::user::parse_id(p).is_some())
 }
 
 /// `o` ([`is_numeric_chown`]) with `root` written as 0.

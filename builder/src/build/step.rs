@@ -383,7 +383,7 @@ pub(super) async fn run_step(
                                     fs::read_to_string(root.join("etc/passwd")).unwrap_or_default();
                                 let group =
                                     fs::read_to_string(root.join("etc/group")).unwrap_or_default();
-                                let eu = crate::exec::user::resolve_user(Some(u), &passwd, &group)
+                                let eu = crate::user::resolve_user(Some(u), &passwd, &group)
                                     .map_err(|e| e.to_string())?;
                                 (eu.uid, eu.gid)
                             }

@@ -1154,7 +1154,7 @@ fn chown_databases_that_hold() {
     assert!(matches!(e, CopyError::Chown { .. }), "{e}");
     // A passwd far over the bound, its one user past it: not found, read in bounded time.
     fs::remove_file(d.dest.join("etc/passwd")).unwrap();
-    let mut big = "#".repeat(crate::exec::user::MAX_DB_BYTES + 10);
+    let mut big = "#".repeat(crate::user::MAX_DB_BYTES + 10);
     big.push_str("\nlate:x:7:7::/:/bin/sh\n");
     fs::write(d.dest.join("etc/passwd"), big).unwrap();
     s.chown = Some("late".into());

@@ -27,10 +27,10 @@ use rustix::mount::{MountFlags, MountPropagationFlags, UnmountFlags};
 
 use super::cgroup::{CgroupLimits, StepCgroup};
 use super::logs::LogShaper;
-use super::user::resolve_user;
 use super::{
     DEFAULT_CAPABILITIES, ExecConfig, ExecError, LogLine, StepExecutor, StepReport, StepSpec,
 };
+use crate::user::resolve_user;
 
 /// Overlay mount options must fit one page (Linux `mount(2)` copies at most 4096 bytes).
 const MAX_MOUNT_DATA: usize = 4000;
@@ -1379,7 +1379,7 @@ fn open_in_root(root: &OwnedFd, rel: &str) -> Result<Option<OwnedFd>, String> {
         .map_err(|e| format!("opening /{rel}: {e}"))
 }
 
-/// At most [`super::user::MAX_DB_BYTES`] of a file of the step's root, lossily decoded;
+/// At most [`crate::user::MAX_DB_BYTES`] of a file of the step's root, lossily decoded;
 /// empty when it cannot be read. Only regular files are read (a FIFO or device would block
 /// or never end).
 fn read_bounded(path: &str) -> String {
@@ -1391,7 +1391,7 @@ fn read_bounded(path: &str) -> String {
     }
     let mut buf = Vec::new();
     let _ = f
-        .take(super::user::MAX_DB_BYTES as u64)
+        .take(crate::user::MAX_DB_BYTES as u64)
         .read_to_end(&mut buf);
     String::from_utf8_lossy(&buf).into_owned()
 }

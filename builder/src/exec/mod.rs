@@ -26,7 +26,6 @@ pub mod logs;
 pub mod mounts;
 mod seccomp;
 pub mod ssh;
-pub mod user;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -36,11 +35,11 @@ use std::time::Duration;
 
 use kiln_recipes::plan::{Action, InlineFile, Network, Security, Step};
 
+pub use crate::user::{ExecUser, UserError};
 pub use cgroup::{CgroupError, CgroupLayout};
 pub use linux::{LinuxExecutor, cleanup_mount_points, tree_size};
 pub use logs::{LogLimits, LogLine};
 pub use mounts::{GuestMount, MountInputs, MountKind, MountsError, PreparedMounts, StepMount};
-pub use user::{ExecUser, UserError};
 
 /// Docker's default capability set (moby `oci/caps/defaults.go`): CHOWN, DAC_OVERRIDE,
 /// FOWNER, FSETID, KILL, SETGID, SETUID, SETPCAP, NET_BIND_SERVICE, NET_RAW, SYS_CHROOT,

@@ -5,7 +5,7 @@
 //!
 //! For a local store it also cleans its build work directory (`<store>/.build`, the default
 //! of `kiln build`): what dead builds left (step processes still in their cgroups, scratch
-//! and unfinished directories, [`kiln_builder::workdir::clean_up_dead_builds`]), and, when no
+//! and unfinished directories, [`kiln_builder::build::clean_up_dead_builds`]), and, when no
 //! build is running there, the unpacked layers of `layers/` and the microVM executor's disk
 //! images of them under `run/`, a cache re-made from the store's blobs on use
 //! ([`kiln_builder::workdir::collect_layers`]). A dry run removes none of it and
@@ -95,7 +95,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
 fn clean_work_dir(out: &Out, work: &Path, dry_run: bool, verb: &str) -> CmdResult {
     if !dry_run {
         let cgroup_parent = kiln_builder::exec::ExecConfig::default().cgroup_parent;
-        let dead = kiln_builder::workdir::clean_up_dead_builds(work, &cgroup_parent);
+        let dead = kiln_builder::build::clean_up_dead_builds(work, &cgroup_parent);
         for p in dead.cgroups.iter().chain(&dead.dirs) {
             out.event("deadBuild", json!({"path": p}), || {
                 format!("removed {} of a dead build", p.display())
