@@ -440,7 +440,7 @@ impl Store {
             }
         };
         if let Some(c) = &self.cache {
-            c.put(digest, &raw).await;
+            c.put(digest, raw.clone()).await;
         }
         Ok(raw)
     }
