@@ -8,7 +8,8 @@
 //!   sha256 is the name, so that a lazy reader serves a page fault with one `pread`. Its
 //!   modification time is its last use (recency), shared by all processes.
 //! - `<dir>/.index` ([`INDEX`]): 8 bytes, the sum of the entries' sizes in bytes (u64, little
-//!   endian). The `flock` on this file is *the cache lock*.
+//!   endian). The `flock` on this file is *the cache lock*. The bound covers the entries and
+//!   these 8 bytes.
 //! - `<dir>/.tmp-<hex>-<pid>-<n>`: an entry being written, `flock`ed by its writer while it
 //!   is open.
 //!
@@ -33,7 +34,8 @@
 //! The locked sections are short, synchronous and run on a blocking thread
 //! (`spawn_blocking`), never across an `.await`. An in-process mutex orders the threads of
 //! one process (`flock` does not, on one open file). A listing costs a `stat` per entry
-//! (40 960 entries for 10 GiB of 256 KiB memory chunks).
+//! (40 960 entries for 10 GiB of 256 KiB memory chunks: about 0.25 s in a
+//! debug build here; a hit of a 4 KiB entry about 85 µs).
 //!
 //! Temp files are outside the bound: at most one chunk (≤ 16 MiB) per admission in flight.
 //!
@@ -64,6 +66,8 @@ use crate::digest::{ChunkDigest, Sha256Hash};
 
 /// Name of the index file inside the cache directory; its `flock` is the cache lock.
 pub const INDEX: &str = ".index";
+/// Size of the index file, bytes; counted in the bound.
+const INDEX_LEN: u64 = 8;
 /// Prefix of the temp files entries are written to before their rename.
 const TEMP_PREFIX: &str = ".tmp-";
 /// A hit sets the entry's modification time to now when it is older than this.
@@ -80,7 +84,7 @@ pub struct ReadCache {
 #[derive(Debug)]
 struct Inner {
     dir: PathBuf,
-    /// Bound on the sum of the entries' sizes, bytes.
+    /// Bound on the sum of the entries' sizes, bytes: the cache's bound less the index.
     max_bytes: u64,
     /// The index file, open. The mutex orders this process's threads; `flock` on the file
     /// orders processes.
@@ -130,14 +134,16 @@ fn lock<'a>(dir: &Path, index: &'a Mutex<File>) -> io::Result<Locked<'a>> {
     let mut file = index.lock().unwrap_or_else(|p| p.into_inner());
     loop {
         flock(&*file, FlockOperation::LockExclusive)?;
-        let held = file.metadata()?;
-        match std::fs::metadata(dir.join(INDEX)) {
-            Ok(m) if m.ino() == held.ino() && m.dev() == held.dev() => {
-                return Ok(Locked { file });
-            }
-            // Removed or replaced: lock the one at the path (closing the old one unlocks it).
-            _ => *file = open_index(dir)?,
+        let same = match (file.metadata(), std::fs::metadata(dir.join(INDEX))) {
+            (Ok(held), Ok(m)) => m.ino() == held.ino() && m.dev() == held.dev(),
+            _ => false,
+        };
+        if same {
+            return Ok(Locked { file });
         }
+        // Removed or replaced: lock the one at the path.
+        let _ = flock(&*file, FlockOperation::Unlock);
+        *file = open_index(dir)?;
     }
 }
 
@@ -295,7 +301,8 @@ impl Inner {
 }
 
 impl ReadCache {
-    /// Opens (creating) the cache directory; `max_bytes` bounds the sum of entry sizes.
+    /// Opens (creating) the cache directory; `max_bytes` bounds the sum of the sizes of the
+    /// entries and the index (8 bytes).
     /// Under the cache lock, rewrites the index from the directory, removes temp files of
     /// writers that are gone, and evicts down to `max_bytes`. Errors: the directory or index
     /// cannot be created, listed or locked ([`StoreError::Io`] naming the directory).
@@ -307,12 +314,12 @@ impl ReadCache {
             let inner = Inner {
                 index: Mutex::new(open_index(&d)?),
                 dir: d,
-                max_bytes,
+                max_bytes: max_bytes.saturating_sub(INDEX_LEN),
                 seq: AtomicU64::new(0),
             };
             {
                 let l = inner.lock()?;
-                inner.evict(&l, 0, max_bytes)?;
+                inner.evict(&l, 0, inner.max_bytes)?;
             }
             Ok(inner)
         })
