@@ -3,6 +3,13 @@
 //! across every process that uses the directory at once (two `kiln start`s, each with its
 //! chunk server, filling one `<cache>/chunks`).
 //!
+//! ## Why this shape
+//! Recency must be seen by every process, and a hit must stay cheap: an index of entries and
+//! their last use kept in a file would need the lock on every hit, so recency is the entry's
+//! own modification time instead, and the only shared state is the total. An admission that
+//! fits is then a lock, an 8-byte read and write of the index and a rename; the directory is
+//! listed only when the cache is full (and once at open).
+//!
 //! ## Files
 //! - `<dir>/<64 hex>`: an entry: the raw (decompressed, verified) bytes of the chunk whose
 //!   sha256 is the name, so that a lazy reader serves a page fault with one `pread`. Its
@@ -15,7 +22,8 @@
 //!
 //! ## What is locked when
 //! - **A hit takes no lock**: open, `fstat`, one `pread` of the whole entry, sha256 check, and
-//!   at most once per [`TOUCH_AFTER`] per entry a `futimens` setting its time to now. An entry
+//!   at most once per [`TOUCH_AFTER`] per entry a `futimens` setting its time to now (so
+//!   entries last used within that second of each other may go in either order). An entry
 //!   that another process evicts while it is read stays whole: the unlink drops the name, the
 //!   open file keeps the inode.
 //! - **An admission** writes the bytes to a temp file outside the lock, then, under the cache
