@@ -455,7 +455,7 @@ impl Store {
             }
         };
         if let Some(c) = &self.cache {
-            c.put(digest, &raw).await;
+            c.put(digest, raw.clone()).await;
         }
         Ok(raw)
     }
