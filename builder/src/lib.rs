@@ -44,5 +44,6 @@ pub mod registry;
 pub mod remote;
 pub mod resolve;
 pub mod secrets;
+pub mod ssh_agent;
 pub mod user;
 pub mod workdir;

@@ -176,7 +176,7 @@ pub fn collect_layers(work_dir: &Path, dry_run: bool) -> io::Result<LayersCollec
             continue;
         }
         let path = e.path();
-        out.bytes += crate::exec::tree_size(&path);
+        out.bytes += tree_size(&path);
         out.dirs += 1;
         if !dry_run {
             fs::remove_dir_all(&path).map_err(named(&path))?;
@@ -205,9 +205,37 @@ pub fn collect_layers(work_dir: &Path, dry_run: bool) -> io::Result<LayersCollec
     Ok(out)
 }
 
+/// Bytes allocated to everything under `dir` (`st_blocks` × 512: what was really written,
+/// so a file's holes cost nothing: `truncate -s 16G` allocates no block), directories and
+/// symlinks counting their own blocks, not following symlinks.
+pub fn tree_size(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            if let Ok(md) = e.metadata() {
+                total += md.blocks() * 512;
+                if md.is_dir() {
+                    stack.push(e.path());
+                }
+            }
+        }
+    }
+    total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tree_size_counts_files() {
+        let d = tempfile::tempdir().unwrap();
+        fs::create_dir(d.path().join("a")).unwrap();
+        fs::write(d.path().join("a/f"), vec![0u8; 1000]).unwrap();
+        assert!(tree_size(d.path()) >= 1000);
+    }
 
     fn dead_pid() -> ProcessId {
         let mut child = std::process::Command::new("true").spawn().unwrap();

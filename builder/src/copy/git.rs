@@ -43,7 +43,7 @@
 //! gives one. As BuildKit (`source/git/source.go`, `client/llb/source.go`), git runs the
 //! host's `ssh` with the agent's socket as `SSH_AUTH_SOCK`, set for git and its `ssh` child
 //! only. kiln puts a read-only proxy of the agent in front of it
-//! ([`crate::exec::ssh::AgentProxy`], as for `RUN --mount=type=ssh`): `ssh` may list the
+//! ([`crate::ssh_agent::AgentProxy`], as for `RUN --mount=type=ssh`): `ssh` may list the
 //! keys and sign, not add, remove or lock. `GIT_SSH_COMMAND` is `ssh -F /dev/null` (no
 //! `ssh_config` of the host or of root) with, as `-o` options:
 //! - `BatchMode=yes`, publickey authentication only: no password or passphrase prompt;
@@ -412,7 +412,7 @@ fn fetch_blocking(
     // Over ssh, the agent through a read-only proxy of ours, alive until git is done.
     let proxy = match (r.scheme, &opts.ssh_agent) {
         (GitScheme::Ssh, Some(agent)) => Some(
-            crate::exec::ssh::AgentProxy::start(
+            crate::ssh_agent::AgentProxy::start(
                 agent,
                 rustix::process::geteuid().as_raw(),
                 rustix::process::getegid().as_raw(),

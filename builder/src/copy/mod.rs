@@ -304,7 +304,7 @@ pub enum CopyError {
         /// The `--chown` value.
         spec: String,
         /// The cause.
-        source: crate::exec::UserError,
+        source: crate::user::UserError,
     },
     /// A malformed `--chmod`.
     #[error("--chmod={spec}: {reason}")]

@@ -12,6 +12,7 @@
 //! the kernel kills the rest of its pid namespace; the mount namespace, and with it every
 //! mount, goes with its last process.
 
+use crate::workdir::tree_size;
 use std::ffi::{CStr, CString};
 use std::fs;
 use std::io::{Read, Write};
@@ -86,26 +87,6 @@ fn check_pipe_path(path: &str) -> Result<(), ExecError> {
             "heredoc file {path:?} is not a plain name under /dev/pipes/"
         )))
     }
-}
-
-/// Bytes allocated to everything under `dir` (`st_blocks` × 512: what was really written,
-/// so a file's holes cost nothing: `truncate -s 16G` allocates no block), directories and
-/// symlinks counting their own blocks, not following symlinks.
-pub fn tree_size(dir: &Path) -> u64 {
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(rd) = fs::read_dir(&d) else { continue };
-        for e in rd.flatten() {
-            if let Ok(md) = e.metadata() {
-                total += md.blocks() * 512;
-                if md.is_dir() {
-                    stack.push(e.path());
-                }
-            }
-        }
-    }
-    total
 }
 
 /// Host-side scratch of one step: mount point and the hosts / resolv.conf sources.
@@ -609,22 +590,6 @@ fn start_proxy(
     crate::egress::proxy::spawn(listener, proxy).map_err(io("starting the egress proxy"))
 }
 
-/// Removes mount points the executor had to create, when the step left them empty and
-/// no lower layer has them (so they do not end up in the layer).
-/// Whether every parent of `rel` under `base` is a real directory (no symlink).
-pub(super) fn real_dirs_to(base: &Path, rel: &str) -> bool {
-    let mut cur = base.to_path_buf();
-    let parents: Vec<&str> = rel.split('/').collect();
-    for part in &parents[..parents.len() - 1] {
-        cur.push(part);
-        match cur.symlink_metadata() {
-            Ok(md) if md.is_dir() => {}
-            _ => return false,
-        }
-    }
-    true
-}
-
 /// Removes from `spec`'s upper directory the mount points a step's root needs (`proc`,
 /// `sys`, `dev`, `etc/hosts`, `etc/resolv.conf`, and `etc` when only they made it) where no
 /// lower has them and the step left them empty: they are the executor's, not the step's. Both
@@ -640,7 +605,7 @@ pub fn cleanup_mount_points(spec: &StepSpec) {
         }
         // The step may have renamed a parent away and put a symlink in its place (a
         // directory holding a mount point can be renamed): never follow one on the host.
-        if !real_dirs_to(&spec.upper_dir, mp) {
+        if !super::mounts::real_dirs_to(&spec.upper_dir, mp) {
             continue;
         }
         let p = spec.upper_dir.join(mp);
@@ -1478,13 +1443,5 @@ mod tests {
         assert_eq!(find_program("/bin/x", "").unwrap(), "/bin/x");
         assert!(find_program("definitely-not-here", "/nonexistent").is_err());
         assert_eq!(find_program("sh", "/nonexistent:/bin").unwrap(), "/bin/sh");
-    }
-
-    #[test]
-    fn tree_size_counts_files() {
-        let d = tempfile::tempdir().unwrap();
-        fs::create_dir(d.path().join("a")).unwrap();
-        fs::write(d.path().join("a/f"), vec![0u8; 1000]).unwrap();
-        assert!(tree_size(d.path()) >= 1000);
     }
 }

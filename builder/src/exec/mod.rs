@@ -25,7 +25,6 @@ mod linux;
 pub mod logs;
 pub mod mounts;
 mod seccomp;
-pub mod ssh;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -36,8 +35,9 @@ use std::time::Duration;
 use kiln_recipes::plan::{Action, InlineFile, Network, Security, Step};
 
 pub use crate::user::{ExecUser, UserError};
+use crate::workdir::tree_size;
 pub use cgroup::{CgroupError, CgroupLayout};
-pub use linux::{LinuxExecutor, cleanup_mount_points, tree_size};
+pub use linux::{LinuxExecutor, cleanup_mount_points};
 pub use logs::{LogLimits, LogLine};
 pub use mounts::{GuestMount, MountInputs, MountKind, MountsError, PreparedMounts, StepMount};
 

@@ -16,7 +16,7 @@
 //!    never reach the context or stage, [`copy_bind_file`]); `cache` a
 //!    bind of its persistent directory; `tmpfs` with its size; `secret` a file on a private
 //!    tmpfs (mode default 0400) bound onto its target (default `/run/secrets/<id>`); `ssh`
-//!    the socket of an [`super::ssh::AgentProxy`] (started by `prepare`, stopped when the
+//!    the socket of an [`crate::ssh_agent::AgentProxy`] (started by `prepare`, stopped when the
 //!    prepared mounts drop) bound onto its target.
 //! 4. After the step, `cleanup` removes from the upper directory the mount points the step
 //!    left empty (and parents made or copied up only for them), so no mount shows in the
@@ -463,7 +463,7 @@ enum PreparedKind {
         gid: u32,
     },
     Ssh {
-        proxy: super::ssh::AgentProxy,
+        proxy: crate::ssh_agent::AgentProxy,
     },
 }
 
@@ -654,7 +654,7 @@ fn canonical(lowers: &[PathBuf], target: &str) -> Vec<String> {
         let rel = cand.join("/");
         let mut link = None;
         for l in lowers {
-            if !super::linux::real_dirs_to(l, &rel) {
+            if !real_dirs_to(l, &rel) {
                 continue;
             }
             let Ok(md) = l.join(&rel).symlink_metadata() else {
@@ -810,7 +810,7 @@ pub fn prepare(
                 uid,
                 gid,
             } => {
-                let proxy = super::ssh::AgentProxy::start(agent, *uid, *gid, *mode)
+                let proxy = crate::ssh_agent::AgentProxy::start(agent, *uid, *gid, *mode)
                     .map_err(io_err(format!("the socket of SSH agent {id:?}")))?;
                 (true, PreparedKind::Ssh { proxy })
             }
@@ -1105,7 +1105,7 @@ pub fn cleanup(p: &PreparedMounts, upper: &Path, lowers: &[PathBuf]) {
     // Deepest first.
     paths.sort_by_key(|r| std::cmp::Reverse(r.matches('/').count()));
     for rel in paths {
-        if !super::linux::real_dirs_to(upper, &rel) {
+        if !real_dirs_to(upper, &rel) {
             continue;
         }
         let path = upper.join(&rel);
@@ -1114,7 +1114,7 @@ pub fn cleanup(p: &PreparedMounts, upper: &Path, lowers: &[PathBuf]) {
         };
         let lower = lowers
             .iter()
-            .filter(|l| super::linux::real_dirs_to(l, &rel))
+            .filter(|l| real_dirs_to(l, &rel))
             .find_map(|l| l.join(&rel).symlink_metadata().ok());
         let mut opaque = [0u8; 8];
         if rustix::fs::lgetxattr(&path, "trusted.overlay.opaque", &mut opaque).is_ok() {
@@ -1140,6 +1140,20 @@ pub fn cleanup(p: &PreparedMounts, upper: &Path, lowers: &[PathBuf]) {
             let _ = fs::remove_file(&path);
         }
     }
+}
+
+/// Whether every parent of `rel` under `base` is a real directory (no symlink).
+pub(super) fn real_dirs_to(base: &Path, rel: &str) -> bool {
+    let mut cur = base.to_path_buf();
+    let parents: Vec<&str> = rel.split('/').collect();
+    for part in &parents[..parents.len() - 1] {
+        cur.push(part);
+        match cur.symlink_metadata() {
+            Ok(md) if md.is_dir() => {}
+            _ => return false,
+        }
+    }
+    true
 }
 
 #[cfg(test)]
