@@ -744,6 +744,7 @@ impl VmExecutor {
             disk_format: DiskFormat::Raw,
             kernel_args,
             ro_disks: lowers,
+            rw_disks: Vec::new(),
             qmp_socket: dir.join("qmp.sock"),
             guest_socket: dir.join("guest.sock"),
             serial_log: dir.join("console.log"),
