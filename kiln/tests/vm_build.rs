@@ -14,7 +14,9 @@
 //! executors, though the VM takes at most 16 lower disks: the lowest layers are squashed into
 //! one directory and so one disk, a file deleted and a directory made opaque both inside the
 //! squashed layers and over them, each squashed directory is made once per set of layers, and `kiln store gc`'s
-//! collection removes the VM's disk images with the unpacked layers. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
+//! collection removes the VM's disk images with the unpacked layers. A cache mount filled
+//! by one VM build of a workspace is seen by the next build of that workspace and is empty
+//! for another. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
 //! `KILN_TEST_INITRAMFS`).
 
 use std::path::Path;
@@ -218,6 +220,60 @@ fn vm_steps_report_failures_and_time_limits_kill_the_vm() {
         "{e:#}"
     );
     assert_eq!(qemus_under(&store), Vec::<u32>::new(), "no QEMU left");
+}
+
+/// `RUN --mount=type=cache` in microVM steps, workspace-scoped as for `kiln serve`: a
+/// cache disk filled by one build (a new cache's root directory with the mount's `uid`,
+/// `gid` and `mode`) is seen by the next build of the same workspace, whose step copies what
+/// it reads into its layer and fails if it is missing, and is empty for another workspace;
+/// each is one disk under the workspace's cache base, with no dirty marker left after clean
+/// VM exits and no namespace cache directory made.
+#[test]
+fn vm_cache_mounts_persist_per_workspace() {
+    assert!(rustix::process::geteuid().is_root(), "needs root");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let store = t.path().join("store");
+    let build = |name: &str, ws: &str, step: &str| {
+        let ctx = context(&t.path().join(name), &format!("FROM {bb}\n{step}\n"));
+        let mut req = request(&ctx, Executor::Vm);
+        req.cache_mounts = kiln_pipeline::CacheMountScope::Workspace(ws.parse().expect("id"));
+        let t0 = std::time::Instant::now();
+        let r = rt.block_on(run(&store, req));
+        eprintln!("{name}: {:?}", t0.elapsed());
+        r
+    };
+    let fill = "RUN --mount=type=cache,target=/root/.cache/x,uid=1,gid=2,mode=0750 \
+                ls -nd /root/.cache/x | grep -Eq '^drwxr-x--- +[0-9]+ +1 +2 ' \
+                && echo filled > /root/.cache/x/f";
+    build("fill", "alpha", fill).expect("the first build fills the cache");
+    let read = "RUN --mount=type=cache,target=/root/.cache/x \
+                cat /root/.cache/x/f > /seen && test \"$(cat /seen)\" = filled";
+    let seen = build("read", "alpha", read).expect("the same workspace's cache has the file");
+    assert_eq!(seen.steps_run, 1);
+    let other = "RUN --mount=type=cache,target=/root/.cache/x \
+                 test ! -e /root/.cache/x/f && ls -a /root/.cache/x > /listed";
+    build("other", "beta", other).expect("another workspace's cache is empty");
+
+    let base = store.join(".build/cache-mounts-by-workspace");
+    for ws in ["alpha", "beta"] {
+        let names: Vec<String> = std::fs::read_dir(base.join(ws).join("vm"))
+            .expect("the workspace's cache disks")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            names.iter().filter(|n| n.ends_with(".ext4")).count(),
+            1,
+            "{names:?}"
+        );
+        assert!(!names.iter().any(|n| n.ends_with(".dirty")), "{names:?}");
+        let dirs: Vec<_> = std::fs::read_dir(base.join(ws))
+            .expect("cache base")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(dirs, ["vm"], "no namespace cache directory");
+    }
 }
 
 /// The 28 steps over busybox's one layer of the 30-layer base (kiln adds the 30th, its

@@ -68,6 +68,8 @@ pub const STOPPED_VM: &str = "the step's microVM was killed";
 
 /// Default per-step write limit, bytes (10 GiB): the blocks allocated in the upper directory.
 pub const DEFAULT_WRITE_LIMIT_BYTES: u64 = 10 << 30;
+/// Default size of one `RUN --mount=type=cache` disk of the microVM executor, bytes (2 GiB).
+pub const DEFAULT_CACHE_DISK_BYTES: u64 = 2 << 30;
 /// Default per-step limit on tasks (processes and threads).
 pub const DEFAULT_PIDS_MAX: u64 = 4096;
 /// The hostname every step sees (DESIGN.md: sandboxes are `runtime-guest`).
@@ -84,6 +86,11 @@ pub struct ExecConfig {
     /// × 512, so holes of sparse files do not count; checked about
     /// every second while it runs and once after; default [`DEFAULT_WRITE_LIMIT_BYTES`]).
     pub write_limit_bytes: u64,
+    /// Size of each `RUN --mount=type=cache` disk of the microVM executor, bytes (its ext4
+    /// file system's size, so the most a cache holds; the image file is sparse): used when a
+    /// cache disk is made, an existing one keeps its size. Default
+    /// [`DEFAULT_CACHE_DISK_BYTES`]. The namespace executor's cache directories are unbounded.
+    pub cache_disk_bytes: u64,
     /// Whether `RUN --network=host` is allowed (`--allow network.host`).
     pub allow_network_host: bool,
     /// Whether `RUN --security=insecure` is allowed (`--allow security.insecure`).
@@ -110,6 +117,7 @@ impl Default for ExecConfig {
             memory_bytes: kiln_recipes::plan::DEFAULT_MEMORY_MIB << 20,
             pids_max: DEFAULT_PIDS_MAX,
             write_limit_bytes: DEFAULT_WRITE_LIMIT_BYTES,
+            cache_disk_bytes: DEFAULT_CACHE_DISK_BYTES,
             allow_network_host: false,
             allow_insecure: false,
             hostname: DEFAULT_HOSTNAME.to_string(),

@@ -1,0 +1,374 @@
+//! `RUN --mount=type=cache` in microVM steps ([`crate::vmexec`]): a cache is an ext4 disk
+//! image on this host, attached read-write to one step VM at a time (serial `cache<i>`,
+//! [`kiln_vmm::launch::VmSpec::rw_disks`]) and mounted by the guest on the target, never on
+//! the host.
+//!
+//! **Where.** For the cache the namespace executor keeps in the directory `<base>/<hash>`
+//! (`<base>`: the build's cache-mount directory, one per workspace for tenant builds
+//! ([`crate::CacheMountScope::Workspace`]), `<hash>`: the first 16 bytes of the sha256 of
+//! the cache id, in hex; [`kiln_builder::exec::mounts::resolve`]), the disk is
+//! `<base>/vm/<hash>.ext4`, its lock `<hash>.lock` and its dirty marker `<hash>.dirty` beside
+//! it; `<base>/vm` is root's, mode 0700. So a workspace's caches are its own, as its cache
+//! directories are, and the two executors keep theirs apart. Caches are per host: nodes of a
+//! scaled-out deployment do not share them (a build on another node starts with an empty
+//! cache).
+//!
+//! **Made.** A missing disk is made sparse, of [`kiln_builder::exec::ExecConfig::cache_disk_bytes`]
+//! (its most), with the tool and options of the step's other disks (`mke2fs -t ext4`, no
+//! journal), its root directory given the mount's `uid`, `gid` and `mode` (`debugfs`), as
+//! the namespace executor makes a new cache directory; under a temporary name, renamed once
+//! made. An existing disk keeps its size.
+//!
+//! **Sharing.** `locked` takes an exclusive `flock(2)` on the lock file and holds it for the
+//! step VM's whole life, so a second step waits (on a blocking-pool thread, never on an async
+//! runtime's); `shared` is treated as `locked` (one VM at a time can have an ext4 file system
+//! mounted read-write); `private` tries the lock without waiting and, when another step holds
+//! it, gets a fresh disk in the step's scratch directory, discarded with the step.
+//!
+//! **Crash safety.** The dirty marker is written before the VM starts and removed after a
+//! clean end ([`CacheDisk::clean`]: the guest reported the command's exit, after it flushed
+//! and unmounted the cache). A VM killed (the build's timeout, cancel, QEMU dying) leaves the
+//! marker; the next step that takes the cache runs `e2fsck -p` on it first, and when that
+//! cannot repair it (exit code 4 or more) the disk is thrown away and a fresh, empty one made:
+//! a cache is only ever a cache, so a step never fails on a corrupt cache disk. A process the
+//! step leaves running that writes to the cache after the command's exit is not covered.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use kiln_builder::exec::ExecError;
+use kiln_builder::exec::mounts::{CacheSharing, lock_cache};
+
+/// The directory under a cache base that holds the microVM executor's cache disks.
+pub const VM_CACHE_DIR: &str = "vm";
+
+/// What a cache disk is made with: the mount's options and the disk's size.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheRoot {
+    /// Permission bits of the root directory of a new disk.
+    pub mode: u32,
+    /// Owner of the root directory of a new disk.
+    pub uid: u32,
+    /// Group of the root directory of a new disk.
+    pub gid: u32,
+    /// Size of a new disk, bytes.
+    pub bytes: u64,
+}
+
+/// One cache disk taken for one step VM: its image, and the lock held until it is dropped.
+#[derive(Debug)]
+pub struct CacheDisk {
+    /// The image to attach read-write.
+    pub image: PathBuf,
+    /// The dirty marker (`None`: a temporary disk, discarded with the step's scratch).
+    dirty: Option<PathBuf>,
+    _lock: Option<File>,
+}
+
+/// The paths of the cache whose namespace directory is `dir`: image, lock, dirty marker.
+fn paths(dir: &Path) -> Result<(PathBuf, PathBuf, PathBuf), ExecError> {
+    let (Some(base), Some(name)) = (dir.parent(), dir.file_name()) else {
+        return Err(ExecError::Setup(format!(
+            "cache directory {} has no parent",
+            dir.display()
+        )));
+    };
+    let vm = base.join(VM_CACHE_DIR);
+    let name = name.to_string_lossy();
+    Ok((
+        vm.join(format!("{name}.ext4")),
+        vm.join(format!("{name}.lock")),
+        vm.join(format!("{name}.dirty")),
+    ))
+}
+
+impl CacheDisk {
+    /// Takes the cache whose namespace directory is `dir` (module doc) with `sharing`:
+    /// waits for it (`locked`, `shared`) or, for `private` when it is held, makes a fresh
+    /// disk `<scratch>/<name>` instead. A disk left dirty is checked (and thrown away when it
+    /// cannot be repaired); a missing one is made with `root`.
+    ///
+    /// Errors: I/O on the cache's files, the lock, mke2fs or debugfs failing
+    /// ([`ExecError::Io`], [`ExecError::Setup`]).
+    pub async fn take(
+        dir: &Path,
+        sharing: CacheSharing,
+        root: CacheRoot,
+        scratch: &Path,
+        name: &str,
+    ) -> Result<CacheDisk, ExecError> {
+        let (image, lock_path, dirty) = paths(dir)?;
+        let vm = image.parent().unwrap_or(Path::new("/"));
+        make_guard(vm)?;
+        let wait = match sharing {
+            CacheSharing::Private => CacheSharing::Private,
+            CacheSharing::Shared | CacheSharing::Locked => CacheSharing::Locked,
+        };
+        let lock = tokio::task::spawn_blocking(move || lock_cache(&lock_path, wait))
+            .await
+            .map_err(|e| ExecError::Setup(format!("waiting for a cache lock: {e}")))??;
+        let Some(lock) = lock else {
+            // `private`, held by another step: a fresh disk of this step's own.
+            let tmp = scratch.join(name);
+            make_disk(&tmp, root).await?;
+            return Ok(CacheDisk {
+                image: tmp,
+                dirty: None,
+                _lock: None,
+            });
+        };
+        if dirty.exists() && image.exists() && !repair(&image).await? {
+            tracing::warn!(
+                image = %image.display(),
+                "a cache disk left dirty could not be repaired (e2fsck -p): thrown away"
+            );
+            std::fs::remove_file(&image).map_err(|source| ExecError::Io {
+                what: format!("removing {}", image.display()),
+                source,
+            })?;
+        }
+        if !image.exists() {
+            let tmp = image.with_extension(format!(
+                "tmp-{}-{}",
+                kiln_builder::workdir::owner_token(),
+                std::process::id()
+            ));
+            let made = make_disk(&tmp, root).await.and_then(|()| {
+                std::fs::rename(&tmp, &image).map_err(|source| ExecError::Io {
+                    what: format!("renaming {}", tmp.display()),
+                    source,
+                })
+            });
+            if made.is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+            made?;
+        }
+        Ok(CacheDisk {
+            image,
+            dirty: Some(dirty),
+            _lock: Some(lock),
+        })
+    }
+
+    /// Writes the dirty marker (before the VM starts).
+    ///
+    /// Errors: writing it ([`ExecError::Io`]).
+    pub fn mark_dirty(&self) -> Result<(), ExecError> {
+        if let Some(d) = &self.dirty {
+            let f = File::create(d).map_err(|source| ExecError::Io {
+                what: format!("writing {}", d.display()),
+                source,
+            })?;
+            f.sync_all().map_err(|source| ExecError::Io {
+                what: format!("syncing {}", d.display()),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Removes the dirty marker: the VM ended cleanly (the guest flushed and unmounted the
+    /// cache before it reported the command's exit).
+    pub fn clean(&self) {
+        if let Some(d) = &self.dirty
+            && let Err(e) = std::fs::remove_file(d)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(path = %d.display(), error = %e, "removing a cache's dirty marker");
+        }
+    }
+}
+
+/// `<base>/vm`: made when missing, root's and 0700 (checked on every use, never a symlink).
+fn make_guard(vm: &Path) -> Result<(), ExecError> {
+    use std::os::unix::fs::PermissionsExt;
+    let io = |what: &str| {
+        let what = format!("{what} {}", vm.display());
+        move |source| ExecError::Io { what, source }
+    };
+    std::fs::create_dir_all(vm).map_err(io("creating"))?;
+    if !vm.symlink_metadata().map_err(io("reading"))?.is_dir() {
+        return Err(ExecError::Setup(format!(
+            "{} is not a directory",
+            vm.display()
+        )));
+    }
+    std::os::unix::fs::lchown(vm, Some(0), Some(0)).map_err(io("chown of"))?;
+    std::fs::set_permissions(vm, std::fs::Permissions::from_mode(0o700)).map_err(io("chmod of"))
+}
+
+/// Makes the sparse cache disk `path` of `root.bytes` (at least 64 MiB) with an empty ext4
+/// whose root directory has `root`'s mode, owner and group.
+async fn make_disk(path: &Path, root: CacheRoot) -> Result<(), ExecError> {
+    crate::vmexec::mke2fs(path, root.bytes.max(64 << 20), &[]).await?;
+    let script = format!(
+        "set_inode_field / mode 0{:o}\nset_inode_field / uid {}\nset_inode_field / gid {}\n",
+        0o040000 | (root.mode & 0o7777),
+        root.uid,
+        root.gid
+    );
+    let mut child = tokio::process::Command::new("debugfs")
+        .args(["-w", "-f", "-"])
+        .arg(path)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|source| ExecError::Io {
+            what: "running debugfs (e2fsprogs)".into(),
+            source,
+        })?;
+    if let Some(mut stdin) = child.stdin.take() {
+        use tokio::io::AsyncWriteExt;
+        stdin
+            .write_all(script.as_bytes())
+            .await
+            .map_err(|source| ExecError::Io {
+                what: "writing to debugfs".into(),
+                source,
+            })?;
+    }
+    let out = child
+        .wait_with_output()
+        .await
+        .map_err(|source| ExecError::Io {
+            what: "running debugfs (e2fsprogs)".into(),
+            source,
+        })?;
+    // debugfs exits 0 even when a command fails; its errors are the lines after its banner.
+    let err = String::from_utf8_lossy(&out.stderr);
+    let errors: Vec<&str> = err
+        .lines()
+        .filter(|l| !l.starts_with("debugfs ") && !l.trim().is_empty())
+        .collect();
+    if !out.status.success() || !errors.is_empty() {
+        return Err(ExecError::Setup(format!(
+            "debugfs {} (the cache's root directory): {}",
+            path.display(),
+            errors.join("; ")
+        )));
+    }
+    Ok(())
+}
+
+/// Runs `e2fsck -p` on the cache disk `image`: `true` when its file system is usable (exit
+/// code below 4: clean, or repaired), `false` when e2fsck could not repair it.
+///
+/// Errors: e2fsck could not be run ([`ExecError::Io`]).
+pub async fn repair(image: &Path) -> Result<bool, ExecError> {
+    let out = tokio::process::Command::new("e2fsck")
+        .arg("-p")
+        .arg(image)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .map_err(|source| ExecError::Io {
+            what: "running e2fsck (e2fsprogs)".into(),
+            source,
+        })?;
+    let code = out.status.code().unwrap_or(8);
+    tracing::info!(
+        image = %image.display(),
+        code,
+        output = %String::from_utf8_lossy(&out.stdout).trim(),
+        "e2fsck -p of a cache disk left dirty"
+    );
+    Ok(code < 4)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `debugfs -R <request>` on `image`: its standard output.
+    fn debugfs(image: &Path, request: &str) -> String {
+        let out = std::process::Command::new("debugfs")
+            .args(["-w", "-R", request])
+            .arg(image)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Whether `e2fsck -fn` finds the file system of `image` clean.
+    fn fsck_clean(image: &Path) -> bool {
+        std::process::Command::new("e2fsck")
+            .arg("-fn")
+            .arg(image)
+            .output()
+            .unwrap()
+            .status
+            .success()
+    }
+
+    #[tokio::test]
+    async fn dirty_disks_are_checked_and_thrown_away_when_beyond_repair() {
+        assert!(rustix::process::geteuid().is_root(), "needs root (chown)");
+        let t = tempfile::tempdir().unwrap();
+        let dir = t.path().join("base").join("0123abcd");
+        let scratch = t.path().join("scratch");
+        std::fs::create_dir(&scratch).unwrap();
+        // 64 MiB, 4 KiB blocks: one block group, so no backup superblock.
+        let root = CacheRoot {
+            mode: 0o750,
+            uid: 1,
+            gid: 2,
+            bytes: 64 << 20,
+        };
+        let take = |sharing| CacheDisk::take(&dir, sharing, root, &scratch, "cache0.ext4");
+
+        // A new disk: sparse, its root directory with the mount's mode and owner.
+        let c = take(CacheSharing::Locked).await.unwrap();
+        let image = t.path().join("base/vm/0123abcd.ext4");
+        assert_eq!(c.image, image);
+        assert!(fsck_clean(&image));
+        let stat = debugfs(&image, "stat /");
+        assert!(stat.contains("Mode:  0750") && stat.contains("User:     1   Group:     2"));
+        use std::os::unix::fs::MetadataExt;
+        let md = std::fs::metadata(&image).unwrap();
+        assert_eq!(md.len(), 64 << 20);
+        assert!(
+            md.blocks() * 512 < 16 << 20,
+            "sparse: {} blocks",
+            md.blocks()
+        );
+        // `private` while it is held: a disk of the step's own, in its scratch.
+        let p = take(CacheSharing::Private).await.unwrap();
+        assert_eq!(p.image, scratch.join("cache0.ext4"));
+        assert!(p.dirty.is_none() && fsck_clean(&p.image));
+        drop(p);
+
+        // A VM that ended cleanly: no marker left.
+        debugfs(&image, "mkdir kept");
+        c.mark_dirty().unwrap();
+        let dirty = t.path().join("base/vm/0123abcd.dirty");
+        assert!(dirty.exists());
+        c.clean();
+        assert!(!dirty.exists());
+        // A VM killed: the marker stays; the next take checks the disk, which is fine, and
+        // keeps it.
+        c.mark_dirty().unwrap();
+        drop(c);
+        let c = take(CacheSharing::Shared).await.unwrap();
+        assert!(debugfs(&image, "ls /").contains("kept"));
+        // Killed again, and the disk's superblock lost: beyond repair, so a fresh disk.
+        c.mark_dirty().unwrap();
+        drop(c);
+        {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&image)
+                .unwrap();
+            f.write_all_at(&[0u8; 1024], 1024).unwrap();
+        }
+        assert!(!fsck_clean(&image));
+        assert!(!repair(&image).await.unwrap());
+        let c = take(CacheSharing::Locked).await.unwrap();
+        assert!(fsck_clean(&image));
+        assert!(!debugfs(&image, "ls /").contains("kept"));
+        c.clean();
+        assert!(!dirty.exists());
+    }
+}
