@@ -21,7 +21,7 @@
 //!
 //! **Sharing.** `locked` takes an exclusive `flock(2)` on the lock file and holds it for the
 //! step VM's whole life, so a second step waits (on a blocking-pool thread, never on an async
-//! runtime's); `shared` is treated as `locked` (one VM at a time can have an ext4 file system
+//! runtime's; a step cancelled or out of time while it waits stops waiting); `shared` is treated as `locked` (one VM at a time can have an ext4 file system
 //! mounted read-write); `private` tries the lock without waiting and, when another step holds
 //! it, gets a fresh disk in the step's scratch directory, discarded with the step.
 //!
@@ -41,6 +41,10 @@ use kiln_builder::exec::mounts::{CacheSharing, lock_cache};
 
 /// The directory under a cache base that holds the microVM executor's cache disks.
 pub const VM_CACHE_DIR: &str = "vm";
+
+/// What [`ExecError::Timeout`] says of a step whose time ran out while it waited for a cache
+/// (no VM started yet).
+pub const STOPPED_WAITING: &str = "the step was still waiting for a cache another step holds";
 
 /// What a cache disk is made with: the mount's options and the disk's size.
 #[derive(Debug, Clone, Copy)]
@@ -86,9 +90,11 @@ impl CacheDisk {
     /// Takes the cache whose namespace directory is `dir` (module doc) with `sharing`:
     /// waits for it (`locked`, `shared`) or, for `private` when it is held, makes a fresh
     /// disk `<scratch>/<name>` instead. A disk left dirty is checked (and thrown away when it
-    /// cannot be repaired); a missing one is made with `root`.
+    /// cannot be repaired); a missing one is made with `root`. `stop` is asked about every
+    /// 50 ms while the lock is waited for: `Some(error)` (the step cancelled or out of time)
+    /// ends the wait with that error (the waiting thread drops the lock once it gets it).
     ///
-    /// Errors: I/O on the cache's files, the lock, mke2fs or debugfs failing
+    /// Errors: `stop`'s; I/O on the cache's files, the lock, mke2fs or debugfs failing
     /// ([`ExecError::Io`], [`ExecError::Setup`]).
     pub async fn take(
         dir: &Path,
@@ -96,6 +102,7 @@ impl CacheDisk {
         root: CacheRoot,
         scratch: &Path,
         name: &str,
+        stop: &(dyn Fn() -> Option<ExecError> + Sync),
     ) -> Result<CacheDisk, ExecError> {
         let (image, lock_path, dirty) = paths(dir)?;
         let vm = image.parent().unwrap_or(Path::new("/"));
@@ -104,9 +111,19 @@ impl CacheDisk {
             CacheSharing::Private => CacheSharing::Private,
             CacheSharing::Shared | CacheSharing::Locked => CacheSharing::Locked,
         };
-        let lock = tokio::task::spawn_blocking(move || lock_cache(&lock_path, wait))
-            .await
-            .map_err(|e| ExecError::Setup(format!("waiting for a cache lock: {e}")))??;
+        let mut waiting = tokio::task::spawn_blocking(move || lock_cache(&lock_path, wait));
+        let lock = loop {
+            tokio::select! {
+                r = &mut waiting => break r.map_err(|e| {
+                    ExecError::Setup(format!("waiting for a cache lock: {e}"))
+                })??,
+                _ = tokio::time::sleep(std::time::Duration::from_millis(50)) => {
+                    if let Some(e) = stop() {
+                        return Err(e);
+                    }
+                }
+            }
+        };
         let Some(lock) = lock else {
             // `private`, held by another step: a fresh disk of this step's own.
             let tmp = scratch.join(name);
@@ -316,7 +333,8 @@ mod tests {
             gid: 2,
             bytes: 64 << 20,
         };
-        let take = |sharing| CacheDisk::take(&dir, sharing, root, &scratch, "cache0.ext4");
+        let take =
+            |sharing| CacheDisk::take(&dir, sharing, root, &scratch, "cache0.ext4", &|| None);
 
         // A new disk: sparse, its root directory with the mount's mode and owner.
         let c = take(CacheSharing::Locked).await.unwrap();
@@ -338,6 +356,14 @@ mod tests {
         assert_eq!(p.image, scratch.join("cache0.ext4"));
         assert!(p.dirty.is_none() && fsck_clean(&p.image));
         drop(p);
+        // `locked` while it is held: waits, until the step is stopped.
+        let t0 = std::time::Instant::now();
+        let stop = || {
+            (t0.elapsed() > std::time::Duration::from_millis(300)).then_some(ExecError::Cancelled)
+        };
+        let waited = CacheDisk::take(&dir, CacheSharing::Locked, root, &scratch, "c", &stop).await;
+        assert!(matches!(waited, Err(ExecError::Cancelled)), "{waited:?}");
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(300));
 
         // A VM that ended cleanly: no marker left.
         debugfs(&image, "mkdir kept");

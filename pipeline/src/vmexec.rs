@@ -654,6 +654,19 @@ impl VmExecutor {
         // cache mount's disk, taken (locked) until the VM is gone (dropped after `vm`).
         let mut guest_mounts = Vec::new();
         let mut caches: Vec<crate::vm_cache::CacheDisk> = Vec::new();
+        // Why a wait for a cache ends early: the build cancelled or out of time.
+        let stopped = || {
+            if cancel.load(Ordering::Relaxed) {
+                Some(ExecError::Cancelled)
+            } else if Instant::now() >= deadline {
+                Some(ExecError::Timeout {
+                    after: spec.timeout,
+                    stopped: crate::vm_cache::STOPPED_WAITING,
+                })
+            } else {
+                None
+            }
+        };
         for m in mounts.guest_view() {
             let (rel, kind) = match m {
                 GuestMount::Tmpfs { rel, size_bytes } => (rel, ExecMountKind::Tmpfs { size_bytes }),
@@ -735,8 +748,10 @@ impl VmExecutor {
                     };
                     let name = format!("{serial}.ext4");
                     caches.push(
-                        crate::vm_cache::CacheDisk::take(cache_dir, sharing, root, dir, &name)
-                            .await?,
+                        crate::vm_cache::CacheDisk::take(
+                            cache_dir, sharing, root, dir, &name, &stopped,
+                        )
+                        .await?,
                     );
                     (rel, ExecMountKind::Cache { serial, readonly })
                 }
