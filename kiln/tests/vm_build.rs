@@ -15,8 +15,8 @@
 //! one directory and so one disk, a file deleted and a directory made opaque both inside the
 //! squashed layers and over them, each squashed directory is made once per set of layers, and `kiln store gc`'s
 //! collection removes the VM's disk images with the unpacked layers. A cache mount filled
-//! by one VM build of a workspace is seen by the next build of that workspace and is empty
-//! for another. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
+//! by one VM build of a workspace is seen by the next builds of that workspace, two of which
+//! at once take its `locked` disk one after the other, and is empty for another. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
 //! `KILN_TEST_INITRAMFS`).
 
 use std::path::Path;
@@ -224,10 +224,12 @@ fn vm_steps_report_failures_and_time_limits_kill_the_vm() {
 
 /// `RUN --mount=type=cache` in microVM steps, workspace-scoped as for `kiln serve`: a
 /// cache disk filled by one build (a new cache's root directory with the mount's `uid`,
-/// `gid` and `mode`) is seen by the next build of the same workspace, whose step copies what
-/// it reads into its layer and fails if it is missing, and is empty for another workspace;
-/// each is one disk under the workspace's cache base, with no dirty marker left after clean
-/// VM exits and no namespace cache directory made.
+/// `gid` and `mode`) is seen by the next builds of the same workspace, whose steps copy what
+/// they read into their layers and fail if it is missing; two of them at once, each bumping a
+/// counter in the `locked` cache over a second, take it one after the other (the counter
+/// reaches 2: two VMs with the disk at once would both have read 0); the cache is empty for
+/// another workspace. Each workspace has one disk under its cache base, with no dirty marker
+/// left after clean VM exits and no namespace cache directory made.
 #[test]
 fn vm_cache_mounts_persist_per_workspace() {
     assert!(rustix::process::geteuid().is_root(), "needs root");
@@ -235,26 +237,42 @@ fn vm_cache_mounts_persist_per_workspace() {
     let t = tempfile::tempdir().expect("tempdir");
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let store = t.path().join("store");
-    let build = |name: &str, ws: &str, step: &str| {
+    let req = |name: &str, ws: &str, step: &str| {
         let ctx = context(&t.path().join(name), &format!("FROM {bb}\n{step}\n"));
         let mut req = request(&ctx, Executor::Vm);
         req.cache_mounts = kiln_pipeline::CacheMountScope::Workspace(ws.parse().expect("id"));
-        let t0 = std::time::Instant::now();
-        let r = rt.block_on(run(&store, req));
-        eprintln!("{name}: {:?}", t0.elapsed());
-        r
+        req
     };
+    let t0 = std::time::Instant::now();
     let fill = "RUN --mount=type=cache,target=/root/.cache/x,uid=1,gid=2,mode=0750 \
                 ls -nd /root/.cache/x | grep -Eq '^drwxr-x--- +[0-9]+ +1 +2 ' \
                 && echo filled > /root/.cache/x/f";
-    build("fill", "alpha", fill).expect("the first build fills the cache");
-    let read = "RUN --mount=type=cache,target=/root/.cache/x \
-                cat /root/.cache/x/f > /seen && test \"$(cat /seen)\" = filled";
-    let seen = build("read", "alpha", read).expect("the same workspace's cache has the file");
-    assert_eq!(seen.steps_run, 1);
+    rt.block_on(run(&store, req("fill", "alpha", fill)))
+        .expect("the first build fills the cache");
+    eprintln!("fill: {:?}", t0.elapsed());
+    let read = |i: u32| {
+        format!(
+            "RUN --mount=type=cache,target=/root/.cache/x,sharing=locked \
+             n=$(cat /root/.cache/x/count 2>/dev/null || echo 0) && sleep 1 \
+             && echo $((n + 1)) > /root/.cache/x/count \
+             && cat /root/.cache/x/f > /seen && test \"$(cat /seen)\" = filled && echo {i} > /who"
+        )
+    };
+    let (a, b) = (
+        req("read1", "alpha", &read(1)),
+        req("read2", "alpha", &read(2)),
+    );
+    let t1 = std::time::Instant::now();
+    let (a, b) = rt.block_on(async { tokio::join!(run(&store, a), run(&store, b)) });
+    eprintln!("two reads at once: {:?}", t1.elapsed());
+    for r in [a, b] {
+        let r = r.expect("the same workspace's cache has the file");
+        assert_eq!(r.steps_run, 1);
+    }
     let other = "RUN --mount=type=cache,target=/root/.cache/x \
                  test ! -e /root/.cache/x/f && ls -a /root/.cache/x > /listed";
-    build("other", "beta", other).expect("another workspace's cache is empty");
+    rt.block_on(run(&store, req("other", "beta", other)))
+        .expect("another workspace's cache is empty");
 
     let base = store.join(".build/cache-mounts-by-workspace");
     for ws in ["alpha", "beta"] {
@@ -262,18 +280,30 @@ fn vm_cache_mounts_persist_per_workspace() {
             .expect("the workspace's cache disks")
             .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
             .collect();
-        assert_eq!(
-            names.iter().filter(|n| n.ends_with(".ext4")).count(),
-            1,
-            "{names:?}"
-        );
+        let disks: Vec<&String> = names.iter().filter(|n| n.ends_with(".ext4")).collect();
+        assert_eq!(disks.len(), 1, "{names:?}");
         assert!(!names.iter().any(|n| n.ends_with(".dirty")), "{names:?}");
         let dirs: Vec<_> = std::fs::read_dir(base.join(ws))
             .expect("cache base")
             .map(|e| e.expect("entry").file_name())
             .collect();
         assert_eq!(dirs, ["vm"], "no namespace cache directory");
+        if ws == "alpha" {
+            // The disk as the two reads left it, read on the host (debugfs, not mounted).
+            let out = Command::new("debugfs")
+                .args(["-R", "cat /count"])
+                .arg(base.join(ws).join("vm").join(disks[0]))
+                .output()
+                .expect("run debugfs");
+            let count = String::from_utf8_lossy(&out.stdout);
+            assert_eq!(
+                count.trim(),
+                "2",
+                "one step at a time with the locked cache"
+            );
+        }
     }
+    eprintln!("whole test: {:?}", t0.elapsed());
 }
 
 /// The 28 steps over busybox's one layer of the 30-layer base (kiln adds the 30th, its
