@@ -16,7 +16,8 @@
 //! squashed layers and over them, each squashed directory is made once per set of layers, and `kiln store gc`'s
 //! collection removes the VM's disk images with the unpacked layers. A cache mount filled
 //! by one VM build of a workspace is seen by the next builds of that workspace, two of which
-//! at once take its `locked` disk one after the other, and is empty for another. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
+//! at once take its `locked` disk one after the other, survives a guest crashing while it
+//! writes, and is empty for another. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
 //! `KILN_TEST_INITRAMFS`).
 
 use std::path::Path;
@@ -227,9 +228,11 @@ fn vm_steps_report_failures_and_time_limits_kill_the_vm() {
 /// `gid` and `mode`) is seen by the next builds of the same workspace, whose steps copy what
 /// they read into their layers and fail if it is missing; two of them at once, each bumping a
 /// counter in the `locked` cache over a second, take it one after the other (the counter
-/// reaches 2: two VMs with the disk at once would both have read 0); the cache is empty for
-/// another workspace. Each workspace has one disk under its cache base, with no dirty marker
-/// left after clean VM exits and no namespace cache directory made.
+/// reaches 2: two VMs with the disk at once would both have read 0); a VM whose guest
+/// crashes while its step writes to the cache leaves the dirty marker, and the next build
+/// runs on the checked disk; the cache is empty for another workspace. Each workspace has one
+/// disk under its cache base, sound (`e2fsck -fn`), with no dirty marker left after clean VM
+/// exits and no namespace cache directory made.
 #[test]
 fn vm_cache_mounts_persist_per_workspace() {
     assert!(rustix::process::geteuid().is_root(), "needs root");
@@ -269,12 +272,50 @@ fn vm_cache_mounts_persist_per_workspace() {
         let r = r.expect("the same workspace's cache has the file");
         assert_eq!(r.steps_run, 1);
     }
+    let base = store.join(".build/cache-mounts-by-workspace");
+    let alpha = base.join("alpha").join("vm");
+    let disk_of = |dir: &Path, ext: &str| {
+        std::fs::read_dir(dir)
+            .expect("the workspace's cache disks")
+            .map(|e| e.expect("entry").path())
+            .find(|p| p.extension().is_some_and(|e| e == ext))
+    };
+    let image = disk_of(&alpha, "ext4").expect("alpha's cache disk");
+    // The disk as the two reads left it, read on the host (debugfs, not mounted).
+    let out = Command::new("debugfs")
+        .args(["-R", "cat /count"])
+        .arg(&image)
+        .output()
+        .expect("run debugfs");
+    let count = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        count.trim(),
+        "2",
+        "one step at a time with the locked cache"
+    );
+
+    // A VM that dies while its step writes to the cache (the guest kernel crashed on
+    // purpose) leaves it dirty; the next build checks it (e2fsck -p, or a fresh disk) and
+    // runs on it.
+    let crash = "RUN --mount=type=cache,target=/root/.cache/x \
+                 for i in 1 2 3 4 5 6 7 8; do \
+                 dd if=/dev/zero of=/root/.cache/x/big$i bs=1M count=4 2>/dev/null; done; \
+                 echo c > /proc/sysrq-trigger; sleep 60";
+    let e = rt
+        .block_on(run(&store, req("crash", "alpha", crash)))
+        .expect_err("the step's VM dies");
+    eprintln!("crashed: {e:#}");
+    assert!(disk_of(&alpha, "dirty").is_some(), "the dirty marker stays");
+    let after = "RUN --mount=type=cache,target=/root/.cache/x \
+                 touch /root/.cache/x/after && ls /root/.cache/x > /after";
+    rt.block_on(run(&store, req("after", "alpha", after)))
+        .expect("the build after the crash runs on the checked cache");
+
     let other = "RUN --mount=type=cache,target=/root/.cache/x \
                  test ! -e /root/.cache/x/f && ls -a /root/.cache/x > /listed";
     rt.block_on(run(&store, req("other", "beta", other)))
         .expect("another workspace's cache is empty");
 
-    let base = store.join(".build/cache-mounts-by-workspace");
     for ws in ["alpha", "beta"] {
         let names: Vec<String> = std::fs::read_dir(base.join(ws).join("vm"))
             .expect("the workspace's cache disks")
@@ -288,20 +329,12 @@ fn vm_cache_mounts_persist_per_workspace() {
             .map(|e| e.expect("entry").file_name())
             .collect();
         assert_eq!(dirs, ["vm"], "no namespace cache directory");
-        if ws == "alpha" {
-            // The disk as the two reads left it, read on the host (debugfs, not mounted).
-            let out = Command::new("debugfs")
-                .args(["-R", "cat /count"])
-                .arg(base.join(ws).join("vm").join(disks[0]))
-                .output()
-                .expect("run debugfs");
-            let count = String::from_utf8_lossy(&out.stdout);
-            assert_eq!(
-                count.trim(),
-                "2",
-                "one step at a time with the locked cache"
-            );
-        }
+        let fsck = Command::new("e2fsck")
+            .arg("-fn")
+            .arg(base.join(ws).join("vm").join(disks[0]))
+            .output()
+            .expect("run e2fsck");
+        assert!(fsck.status.success(), "{ws}'s disk is sound: {fsck:?}");
     }
     eprintln!("whole test: {:?}", t0.elapsed());
 }
