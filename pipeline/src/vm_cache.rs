@@ -17,7 +17,10 @@
 //! (its most), with the tool and options of the step's other disks (`mke2fs -t ext4`, no
 //! journal), its root directory given the mount's `uid`, `gid` and `mode` (`debugfs`), as
 //! the namespace executor makes a new cache directory; under a temporary name, renamed once
-//! made. An existing disk keeps its size.
+//! made. An existing disk keeps its size. The disks of one cache base are bounded together
+//! ([`kiln_builder::exec::ExecConfig::cache_disks_total_bytes`], allocated bytes): when a step
+//! takes a cache, the least recently taken others that no step holds are removed until the
+//! rest fit ([`evict`]).
 //!
 //! **Sharing.** `locked` takes an exclusive `flock(2)` on the lock file and holds it for the
 //! step VM's whole life, so a second step waits (on a blocking-pool thread, never on an async
@@ -57,6 +60,9 @@ pub struct CacheRoot {
     pub gid: u32,
     /// Size of a new disk, bytes.
     pub bytes: u64,
+    /// Most bytes the disks of this cache base take together (allocated blocks), bytes:
+    /// past it, others are evicted ([`evict`]).
+    pub total_bytes: u64,
 }
 
 /// One cache disk taken for one step VM: its image, and the lock held until it is dropped.
@@ -161,6 +167,14 @@ impl CacheDisk {
             }
             made?;
         }
+        // Its last use, for the eviction order of the others.
+        if let Err(e) = lock.set_modified(std::time::SystemTime::now()) {
+            tracing::warn!(error = %e, "marking a cache's use");
+        }
+        let (vm, keep, total) = (vm.to_path_buf(), image.clone(), root.total_bytes);
+        tokio::task::spawn_blocking(move || evict(&vm, &keep, total))
+            .await
+            .map_err(|e| ExecError::Setup(format!("evicting caches: {e}")))??;
         Ok(CacheDisk {
             image,
             dirty: Some(dirty),
@@ -195,6 +209,51 @@ impl CacheDisk {
             tracing::warn!(path = %d.display(), error = %e, "removing a cache's dirty marker");
         }
     }
+}
+
+/// Removes the least recently taken cache disks of the directory `vm` (by their lock file's
+/// modification time, set when a step takes the cache) other than `keep`, each only when its
+/// lock can be taken without waiting (no step holds it), with its dirty marker, until the
+/// disks there take at most `total` bytes (allocated blocks, `st_blocks` × 512). Lock files
+/// stay: a step waiting on one must find the same file. Returns how many were removed.
+///
+/// Errors: reading the directory, removing a disk ([`ExecError::Io`]).
+pub fn evict(vm: &Path, keep: &Path, total: u64) -> Result<usize, ExecError> {
+    use std::os::unix::fs::MetadataExt;
+    let io = |what: String| move |source| ExecError::Io { what, source };
+    let mut disks = Vec::new();
+    let mut used = 0u64;
+    for e in std::fs::read_dir(vm).map_err(io(format!("reading {}", vm.display())))? {
+        let path = e.map_err(io(format!("reading {}", vm.display())))?.path();
+        if path.extension().is_none_or(|x| x != "ext4") {
+            continue;
+        }
+        let Ok(md) = path.symlink_metadata() else {
+            continue;
+        };
+        used += md.blocks() * 512;
+        if path != keep {
+            let lock = path.with_extension("lock");
+            let taken = lock.metadata().and_then(|m| m.modified()).ok();
+            disks.push((taken, md.blocks() * 512, path, lock));
+        }
+    }
+    disks.sort();
+    let mut removed = 0;
+    for (_, bytes, image, lock) in disks {
+        if used <= total {
+            break;
+        }
+        let Some(_held) = lock_cache(&lock, CacheSharing::Private)? else {
+            continue;
+        };
+        std::fs::remove_file(&image).map_err(io(format!("removing {}", image.display())))?;
+        let _ = std::fs::remove_file(image.with_extension("dirty"));
+        used = used.saturating_sub(bytes);
+        removed += 1;
+        tracing::info!(image = %image.display(), bytes, "cache disk evicted (least recently used)");
+    }
+    Ok(removed)
 }
 
 /// `<base>/vm`: made when missing, root's and 0700 (checked on every use, never a symlink).
@@ -332,6 +391,7 @@ mod tests {
             uid: 1,
             gid: 2,
             bytes: 64 << 20,
+            total_bytes: 1 << 40,
         };
         let take =
             |sharing| CacheDisk::take(&dir, sharing, root, &scratch, "cache0.ext4", &|| None);
@@ -396,5 +456,55 @@ mod tests {
         assert!(!debugfs(&image, "ls /").contains("kept"));
         c.clean();
         assert!(!dirty.exists());
+    }
+    #[tokio::test]
+    async fn least_recently_taken_free_disks_are_evicted_past_the_bound() {
+        assert!(rustix::process::geteuid().is_root(), "needs root (chown)");
+        let t = tempfile::tempdir().unwrap();
+        let base = t.path().join("base");
+        let root = |total_bytes| CacheRoot {
+            mode: 0o755,
+            uid: 0,
+            gid: 0,
+            bytes: 64 << 20,
+            total_bytes,
+        };
+        let take = |id: &str, total| {
+            let dir = base.join(id);
+            let scratch = t.path().to_path_buf();
+            async move {
+                CacheDisk::take(
+                    &dir,
+                    CacheSharing::Locked,
+                    root(total),
+                    &scratch,
+                    "x",
+                    &|| None,
+                )
+                .await
+                .unwrap()
+            }
+        };
+        let vm = base.join(VM_CACHE_DIR);
+        let a = take("a", 1 << 40).await;
+        drop(a);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let b = take("b", 1 << 40).await;
+        drop(b);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let c = take("c", 1 << 40).await;
+        let exists = |id: &str| vm.join(format!("{id}.ext4")).exists();
+        assert!(exists("a") && exists("b") && exists("c"));
+        use std::os::unix::fs::MetadataExt;
+        let one = std::fs::metadata(vm.join("a.ext4")).unwrap().blocks() * 512;
+        // Room for three and a half: the least recently taken free one (a) goes, only.
+        let _d = take("d", 3 * one + one / 2).await;
+        assert!(!exists("a") && exists("b") && exists("c") && exists("d"));
+        // Room for one: b goes; c is held by a step, d is the one being taken.
+        assert_eq!(evict(&vm, &vm.join("d.ext4"), one).unwrap(), 1);
+        assert!(!exists("b") && exists("c") && exists("d"));
+        drop(c);
+        // Lock files stay.
+        assert!(vm.join("a.lock").exists() && vm.join("b.lock").exists());
     }
 }

@@ -77,7 +77,8 @@
 //! the file (or, with `rw`, a discarded copy of it). Its disk is sized as a tree's
 //! ([`lower_image`]): no bound but the file's own size. `RUN --mount=type=cache` is a
 //! read-write ext4 disk per cache (and workspace) on this host, kept between steps and builds
-//! and never mounted on the host ([`crate::vm_cache`]: where it lives, its size, `sharing=`,
+//! and never mounted on the host ([`crate::vm_cache`]: where it lives, its size, the bound
+//! on a workspace's disks together and their eviction, `sharing=`,
 //! and the `e2fsck -p` of a disk whose VM was killed, or its replacement by an empty one when
 //! that fails): attached with the serial `cache<i>`
 //! ([`kiln_vmm::launch::VmSpec::rw_disks`]) and mounted by the guest directly on the target,
@@ -745,6 +746,7 @@ impl VmExecutor {
                         uid,
                         gid,
                         bytes: self.config.cache_disk_bytes,
+                        total_bytes: self.config.cache_disks_total_bytes,
                     };
                     let name = format!("{serial}.ext4");
                     caches.push(
