@@ -24,17 +24,19 @@
 //!
 //! **Sharing.** `locked` takes an exclusive `flock(2)` on the lock file and holds it for the
 //! step VM's whole life, so a second step waits (on a blocking-pool thread, never on an async
-//! runtime's; a step cancelled or out of time while it waits stops waiting); `shared` is treated as `locked` (one VM at a time can have an ext4 file system
-//! mounted read-write); `private` tries the lock without waiting and, when another step holds
-//! it, gets a fresh disk in the step's scratch directory, discarded with the step.
+//! runtime's; a step cancelled or out of time while it waits stops waiting); `shared` is
+//! treated as `locked` (one VM at a time can have an ext4 file system mounted read-write);
+//! `private` tries the lock without waiting and, when another step holds it, gets a fresh
+//! disk in the step's scratch directory, discarded with the step.
 //!
 //! **Crash safety.** The dirty marker is written before the VM starts and removed after a
 //! clean end ([`CacheDisk::clean`]: the guest reported the command's exit, after it flushed
 //! and unmounted the cache). A VM killed (the build's timeout, cancel, QEMU dying) leaves the
 //! marker; the next step that takes the cache runs `e2fsck -p` on it first, and when that
 //! cannot repair it (exit code 4 or more) the disk is thrown away and a fresh, empty one made:
-//! a cache is only ever a cache, so a step never fails on a corrupt cache disk. A process the
-//! step leaves running that writes to the cache after the command's exit is not covered.
+//! a cache is only ever a cache, so no step runs on a disk e2fsck could not repair. Not
+//! covered: a process the step leaves running that writes to the cache after the command's
+//! exit (the guest has flushed and detached the mount by then).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
