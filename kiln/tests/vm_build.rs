@@ -14,7 +14,10 @@
 //! executors, though the VM takes at most 16 lower disks: the lowest layers are squashed into
 //! one directory and so one disk, a file deleted and a directory made opaque both inside the
 //! squashed layers and over them, each squashed directory is made once per set of layers, and `kiln store gc`'s
-//! collection removes the VM's disk images with the unpacked layers. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
+//! collection removes the VM's disk images with the unpacked layers. A cache mount filled
+//! by one VM build of a workspace is seen by the next builds of that workspace, two of which
+//! at once take its `locked` disk one after the other, survives a guest crashing while it
+//! writes, and is empty for another. As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`,
 //! `KILN_TEST_INITRAMFS`).
 
 use std::path::Path;
@@ -218,6 +221,122 @@ fn vm_steps_report_failures_and_time_limits_kill_the_vm() {
         "{e:#}"
     );
     assert_eq!(qemus_under(&store), Vec::<u32>::new(), "no QEMU left");
+}
+
+/// `RUN --mount=type=cache` in microVM steps, workspace-scoped as for `kiln serve`: a
+/// cache disk filled by one build (a new cache's root directory with the mount's `uid`,
+/// `gid` and `mode`) is seen by the next builds of the same workspace, whose steps copy what
+/// they read into their layers and fail if it is missing; two of them at once, each bumping a
+/// counter in the `locked` cache over a second, take it one after the other (the counter
+/// reaches 2: two VMs with the disk at once would both have read 0); a VM whose guest
+/// crashes while its step writes to the cache leaves the dirty marker, and the next build
+/// runs on the checked disk; the cache is empty for another workspace. Each workspace has one
+/// disk under its cache base, sound (`e2fsck -fn`), with no dirty marker left after clean VM
+/// exits and no namespace cache directory made.
+#[test]
+fn vm_cache_mounts_persist_per_workspace() {
+    assert!(rustix::process::geteuid().is_root(), "needs root");
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let store = t.path().join("store");
+    let req = |name: &str, ws: &str, step: &str| {
+        let ctx = context(&t.path().join(name), &format!("FROM {bb}\n{step}\n"));
+        let mut req = request(&ctx, Executor::Vm);
+        req.cache_mounts = kiln_pipeline::CacheMountScope::Workspace(ws.parse().expect("id"));
+        req
+    };
+    let t0 = std::time::Instant::now();
+    let fill = "RUN --mount=type=cache,target=/root/.cache/x,uid=1,gid=2,mode=0750 \
+                ls -nd /root/.cache/x | grep -Eq '^drwxr-x--- +[0-9]+ +1 +2 ' \
+                && echo filled > /root/.cache/x/f";
+    rt.block_on(run(&store, req("fill", "alpha", fill)))
+        .expect("the first build fills the cache");
+    eprintln!("fill: {:?}", t0.elapsed());
+    let read = |i: u32| {
+        format!(
+            "RUN --mount=type=cache,target=/root/.cache/x,sharing=locked \
+             n=$(cat /root/.cache/x/count 2>/dev/null || echo 0) && sleep 1 \
+             && echo $((n + 1)) > /root/.cache/x/count \
+             && cat /root/.cache/x/f > /seen && test \"$(cat /seen)\" = filled && echo {i} > /who"
+        )
+    };
+    let (a, b) = (
+        req("read1", "alpha", &read(1)),
+        req("read2", "alpha", &read(2)),
+    );
+    let t1 = std::time::Instant::now();
+    let (a, b) = rt.block_on(async { tokio::join!(run(&store, a), run(&store, b)) });
+    eprintln!("two reads at once: {:?}", t1.elapsed());
+    for r in [a, b] {
+        let r = r.expect("the same workspace's cache has the file");
+        assert_eq!(r.steps_run, 1);
+    }
+    let base = store.join(".build/cache-mounts-by-workspace");
+    let alpha = base.join("alpha").join("vm");
+    let disk_of = |dir: &Path, ext: &str| {
+        std::fs::read_dir(dir)
+            .expect("the workspace's cache disks")
+            .map(|e| e.expect("entry").path())
+            .find(|p| p.extension().is_some_and(|e| e == ext))
+    };
+    let image = disk_of(&alpha, "ext4").expect("alpha's cache disk");
+    // The disk as the two reads left it, read on the host (debugfs, not mounted).
+    let out = Command::new("debugfs")
+        .args(["-R", "cat /count"])
+        .arg(&image)
+        .output()
+        .expect("run debugfs");
+    let count = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        count.trim(),
+        "2",
+        "one step at a time with the locked cache"
+    );
+
+    // A VM that dies while its step writes to the cache (the guest kernel crashed on
+    // purpose) leaves it dirty; the next build checks it (e2fsck -p, or a fresh disk) and
+    // runs on it.
+    let crash = "RUN --mount=type=cache,target=/root/.cache/x \
+                 for i in 1 2 3 4 5 6 7 8; do \
+                 dd if=/dev/zero of=/root/.cache/x/big$i bs=1M count=4 2>/dev/null; done; \
+                 echo c > /proc/sysrq-trigger; sleep 60";
+    let e = rt
+        .block_on(run(&store, req("crash", "alpha", crash)))
+        .expect_err("the step's VM dies");
+    eprintln!("crashed: {e:#}");
+    assert!(disk_of(&alpha, "dirty").is_some(), "the dirty marker stays");
+    let after = "RUN --mount=type=cache,target=/root/.cache/x \
+                 touch /root/.cache/x/after && ls /root/.cache/x > /after";
+    rt.block_on(run(&store, req("after", "alpha", after)))
+        .expect("the build after the crash runs on the checked cache");
+
+    let other = "RUN --mount=type=cache,target=/root/.cache/x \
+                 test ! -e /root/.cache/x/f && ls -a /root/.cache/x > /listed";
+    rt.block_on(run(&store, req("other", "beta", other)))
+        .expect("another workspace's cache is empty");
+
+    for ws in ["alpha", "beta"] {
+        let names: Vec<String> = std::fs::read_dir(base.join(ws).join("vm"))
+            .expect("the workspace's cache disks")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        let disks: Vec<&String> = names.iter().filter(|n| n.ends_with(".ext4")).collect();
+        assert_eq!(disks.len(), 1, "{names:?}");
+        assert!(!names.iter().any(|n| n.ends_with(".dirty")), "{names:?}");
+        let dirs: Vec<_> = std::fs::read_dir(base.join(ws))
+            .expect("cache base")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(dirs, ["vm"], "no namespace cache directory");
+        let fsck = Command::new("e2fsck")
+            .arg("-fn")
+            .arg(base.join(ws).join("vm").join(disks[0]))
+            .output()
+            .expect("run e2fsck");
+        assert!(fsck.status.success(), "{ws}'s disk is sound: {fsck:?}");
+    }
+    eprintln!("whole test: {:?}", t0.elapsed());
 }
 
 /// The 28 steps over busybox's one layer of the 30-layer base (kiln adds the 30th, its

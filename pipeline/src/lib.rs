@@ -25,6 +25,7 @@ pub mod packages;
 pub mod qemu_cgroups;
 pub mod report;
 pub mod request;
+pub mod vm_cache;
 pub mod vmexec;
 
 use std::path::{Path, PathBuf};

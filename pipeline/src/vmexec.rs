@@ -75,10 +75,18 @@
 //! the guest mounts it, read-only or under the discarded overlay, on a private directory
 //! under `/dev` and binds the file onto a file mount point, as the namespace executor binds
 //! the file (or, with `rw`, a discarded copy of it). Its disk is sized as a tree's
-//! ([`lower_image`]): no bound but the file's own size. Their mount points are removed from
-//! the layer with the same cleanup.
+//! ([`lower_image`]): no bound but the file's own size. `RUN --mount=type=cache` is a
+//! read-write ext4 disk per cache (and workspace) on this host, kept between steps and builds
+//! and never mounted on the host ([`crate::vm_cache`]: where it lives, its size, the bound
+//! on a workspace's disks together and their eviction, `sharing=`,
+//! and the `e2fsck -p` of a disk whose VM was killed, or its replacement by an empty one when
+//! that fails): attached with the serial `cache<i>`
+//! ([`kiln_vmm::launch::VmSpec::rw_disks`]) and mounted by the guest directly on the target,
+//! `nosuid,nodev`, flushed and unmounted before the guest reports the command's exit. Caches
+//! are per host, not shared across nodes. Their mount points are removed from the layer with
+//! the same cleanup.
 //!
-//! Not yet: `RUN --mount=type=cache` (a persistent host directory); the host network
+//! Not yet: the host network
 //! (refused, as [`VmExecutor::run`] says); the empty `/etc/resolv.conf` of a step with the
 //! proxy when its image's `/etc/resolv.conf` (or `/etc`) is a symlink (it then sees its
 //! image's file, which names no server it can reach); a VM restored from a snapshot per step
@@ -104,8 +112,8 @@ use kiln_vmm::snapshot::BootAssets;
 /// Most lower directories one step VM takes (the guest init's bound, `kiln.step=`; each is
 /// a virtio-mmio device of the microvm machine).
 pub const MAX_LOWERS: usize = 16;
-/// Most read-only disks of one step VM, lower layers and bind mounts together: the microvm
-/// machine's 24 virtio-mmio transports less the upper disk and the guest channel.
+/// Most extra disks of one step VM, lower layers, bind mounts and cache mounts together: the
+/// microvm machine's 24 virtio-mmio transports less the upper disk and the guest channel.
 pub const MAX_DISKS: usize = 22;
 /// Memory a step VM has beyond the step's memory limit, bytes (128 MiB): the guest kernel,
 /// its init and the page cache of the lower disks' metadata, outside the command's cgroup,
@@ -207,10 +215,10 @@ impl VmExecutor {
 }
 
 impl StepExecutor for VmExecutor {
-    /// Runs `spec` in a microVM (module doc). Refused with [`ExecError::Unsupported`]:
-    /// `RUN --mount=type=cache`, the host network, more lower directories than
-    /// [`VmExecutor::max_lowers`] (the builder squashes them to fit), more than
-    /// [`MAX_DISKS`]` - 1` bind mounts. A step with the default network or an allow-list
+    /// Runs `spec` in a microVM (module doc). Refused with [`ExecError::Unsupported`]: the
+    /// host network, more lower directories than [`VmExecutor::max_lowers`] (the builder
+    /// squashes them to fit), more than [`MAX_DISKS`]` - 1` bind and cache mounts, one cache
+    /// mounted twice in a step. A step with the default network or an allow-list
     /// reaches the network through the egress proxy only (module doc), and its first log
     /// line says so ([`PROXY_ONLY_LINE`]).
     fn run(
@@ -236,12 +244,16 @@ impl StepExecutor for VmExecutor {
         if spec.security == kiln_recipes::plan::Security::Insecure && !self.config.allow_insecure {
             return Err(ExecError::InsecureRefused);
         }
-        if let Some(m) = spec
-            .mounts
-            .iter()
-            .find(|m| matches!(m.kind, kiln_builder::exec::MountKind::Cache { .. }))
-        {
-            return unsupported(&format!("RUN --mount=type=cache (at {})", m.target));
+        let mut cache_dirs = std::collections::HashSet::new();
+        for m in &spec.mounts {
+            if let kiln_builder::exec::MountKind::Cache { dir, .. } = &m.kind
+                && !cache_dirs.insert(dir)
+            {
+                return unsupported(&format!(
+                    "one cache mounted twice in one step (at {})",
+                    m.target
+                ));
+            }
         }
         if let Some(m) = spec
             .mounts
@@ -253,19 +265,17 @@ impl StepExecutor for VmExecutor {
                 m.target
             ));
         }
-        let binds = spec
-            .mounts
-            .iter()
-            .filter(|m| matches!(m.kind, kiln_builder::exec::MountKind::Bind { .. }))
-            .count();
+        let binds = mount_disks(spec);
         if binds > MAX_DISKS {
-            return unsupported(&format!("{binds} bind mounts (at most {MAX_DISKS})"));
+            return unsupported(&format!(
+                "{binds} bind and cache mounts (at most {MAX_DISKS})"
+            ));
         }
         let disks = self.max_lowers(spec);
         if spec.lower_dirs.len() > disks {
             return unsupported(&if disks == 0 {
                 format!(
-                    "{binds} bind mounts (at most {} with any layers)",
+                    "{binds} bind and cache mounts (at most {} with any layers)",
                     MAX_DISKS - 1
                 )
             } else {
@@ -277,7 +287,7 @@ impl StepExecutor for VmExecutor {
         }
         let scratch = Scratch::new(&self.config.run_dir)?;
         // Targets resolved through the lowers as the step sees them, as for namespace steps.
-        let mounts = kiln_builder::exec::mounts::prepare(
+        let mounts = kiln_builder::exec::mounts::prepare_for_guest(
             &spec.mounts,
             &spec.lower_dirs,
             &scratch.0.join("mounts"),
@@ -297,15 +307,19 @@ impl StepExecutor for VmExecutor {
     }
 
     /// The disks a step VM has for lower directories: [`MAX_LOWERS`], fewer when its bind
-    /// mounts take the rest of [`MAX_DISKS`] (0 when they take all of them).
+    /// and cache mounts take the rest of [`MAX_DISKS`] (0 when they take all of them).
     fn max_lowers(&self, spec: &StepSpec) -> usize {
-        let binds = spec
-            .mounts
-            .iter()
-            .filter(|m| matches!(m.kind, kiln_builder::exec::MountKind::Bind { .. }))
-            .count();
-        MAX_LOWERS.min(MAX_DISKS.saturating_sub(binds))
+        MAX_LOWERS.min(MAX_DISKS.saturating_sub(mount_disks(spec)))
     }
+}
+
+/// How many disks `spec`'s mounts take: one per bind mount and one per cache mount.
+fn mount_disks(spec: &StepSpec) -> usize {
+    use kiln_builder::exec::MountKind;
+    spec.mounts
+        .iter()
+        .filter(|m| matches!(m.kind, MountKind::Bind { .. } | MountKind::Cache { .. }))
+        .count()
 }
 
 /// A step's scratch directory (its disk, sockets, console log and changes), removed when
@@ -378,7 +392,7 @@ fn has_egress(network: &Network) -> bool {
 
 /// Makes the sparse raw disk `path` of `bytes` with an ext4 file system (no journal, 4 KiB
 /// blocks, no reserved blocks), with `extra` arguments for mke2fs.
-async fn mke2fs(path: &Path, bytes: u64, extra: &[String]) -> Result<(), ExecError> {
+pub(crate) async fn mke2fs(path: &Path, bytes: u64, extra: &[String]) -> Result<(), ExecError> {
     let f = std::fs::File::create(path).map_err(|source| ExecError::Io {
         what: format!("creating {}", path.display()),
         source,
@@ -637,8 +651,23 @@ impl VmExecutor {
             // The guest init waits for the egress port before it answers (kiln-guest-init).
             kernel_args.push("kiln.egress".into());
         }
-        // Each bind mount's tree as one more read-only disk, made for this step only.
+        // Each bind mount's tree as one more read-only disk, made for this step only; each
+        // cache mount's disk, taken (locked) until the VM is gone (dropped after `vm`).
         let mut guest_mounts = Vec::new();
+        let mut caches: Vec<crate::vm_cache::CacheDisk> = Vec::new();
+        // Why a wait for a cache ends early: the build cancelled or out of time.
+        let stopped = || {
+            if cancel.load(Ordering::Relaxed) {
+                Some(ExecError::Cancelled)
+            } else if Instant::now() >= deadline {
+                Some(ExecError::Timeout {
+                    after: spec.timeout,
+                    stopped: crate::vm_cache::STOPPED_WAITING,
+                })
+            } else {
+                None
+            }
+        };
         for m in mounts.guest_view() {
             let (rel, kind) = match m {
                 GuestMount::Tmpfs { rel, size_bytes } => (rel, ExecMountKind::Tmpfs { size_bytes }),
@@ -702,10 +731,31 @@ impl VmExecutor {
                         },
                     )
                 }
-                GuestMount::Cache { rel } => {
-                    return Err(ExecError::Unsupported(format!(
-                        "RUN --mount=type=cache (at /{rel}) in a microVM step"
-                    )));
+                GuestMount::Cache {
+                    rel,
+                    dir: cache_dir,
+                    sharing,
+                    readonly,
+                    mode,
+                    uid,
+                    gid,
+                } => {
+                    let serial = format!("cache{}", caches.len());
+                    let root = crate::vm_cache::CacheRoot {
+                        mode,
+                        uid,
+                        gid,
+                        bytes: self.config.cache_disk_bytes,
+                        total_bytes: self.config.cache_disks_total_bytes,
+                    };
+                    let name = format!("{serial}.ext4");
+                    caches.push(
+                        crate::vm_cache::CacheDisk::take(
+                            cache_dir, sharing, root, dir, &name, &stopped,
+                        )
+                        .await?,
+                    );
+                    (rel, ExecMountKind::Cache { serial, readonly })
                 }
             };
             guest_mounts.push(ExecMount {
@@ -744,6 +794,7 @@ impl VmExecutor {
             disk_format: DiskFormat::Raw,
             kernel_args,
             ro_disks: lowers,
+            rw_disks: caches.iter().map(|c| c.image.clone()).collect(),
             qmp_socket: dir.join("qmp.sock"),
             guest_socket: dir.join("guest.sock"),
             serial_log: dir.join("console.log"),
@@ -757,6 +808,9 @@ impl VmExecutor {
                 launch::console_report(&vm_spec.serial_log)
             ))
         };
+        for c in &caches {
+            c.mark_dirty()?;
+        }
         let mut vm = Vm::spawn(
             &self.host,
             &vm_spec,
@@ -910,7 +964,11 @@ impl VmExecutor {
                 vm.kill().await;
                 return Err(ExecError::VmStopped { detail });
             }
-            Waited::Exit(s) => s,
+            // The guest flushed and unmounted the caches before it sent the exit.
+            Waited::Exit(s) => {
+                caches.iter().for_each(crate::vm_cache::CacheDisk::clean);
+                s
+            }
         };
         let ran = t0.elapsed() - booted;
         let limits = StepLimits {

@@ -369,6 +369,7 @@ pub fn paused_spec(
         disk: d.join("disk.qcow2"),
         disk_format: launch::DiskFormat::Qcow2,
         ro_disks: Vec::new(),
+        rw_disks: Vec::new(),
         qmp_socket: d.join("qmp.sock"),
         guest_socket: d.join("guest.sock"),
         serial_log: d.join("console.log"),

@@ -699,6 +699,7 @@ async fn start_one(
         disk: overlay,
         disk_format: crate::launch::DiskFormat::Qcow2,
         ro_disks: Vec::new(),
+        rw_disks: Vec::new(),
         qmp_socket: dir.join("qmp.sock"),
         guest_socket: dir.join("guest.sock"),
         serial_log: dir.join("console.log"),

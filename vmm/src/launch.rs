@@ -363,6 +363,12 @@ pub struct VmSpec {
     /// (`/sys/block/vd*/serial`), whatever names the kernel gives them. Empty for
     /// sandboxes, whose device layout ([`DEVICE_LAYOUT`]) stays as it is.
     pub ro_disks: Vec<PathBuf>,
+    /// Read-write raw disks after the read-only ones, in order, as `virtio-blk-device`s with
+    /// the serial `cache<i>` (a build step's `RUN --mount=type=cache` disks, each an ext4
+    /// image the host keeps between steps); with any, the root disk gets the serial `upper`
+    /// too. A jailed QEMU gets each as one of its own files ([`crate::jail::Access::Own`]),
+    /// given back to root when it is reaped. Empty for sandboxes.
+    pub rw_disks: Vec<PathBuf>,
     /// QMP socket (QEMU listens).
     pub qmp_socket: PathBuf,
     /// Guest channel socket (QEMU listens).
@@ -489,7 +495,7 @@ impl VmSpec {
                 }
             ),
             "-device".into(),
-            if self.ro_disks.is_empty() {
+            if self.ro_disks.is_empty() && self.rw_disks.is_empty() {
                 format!("virtio-blk-device,drive={DRIVE_ID}")
             } else {
                 format!("virtio-blk-device,drive={DRIVE_ID},serial=upper")
@@ -535,6 +541,14 @@ impl VmSpec {
                 format!("virtio-blk-device,drive=lower{i},serial=lower{i}"),
             ]);
         }
+        for (i, d) in self.rw_disks.iter().enumerate() {
+            a.extend([
+                "-drive".into(),
+                format!("file={},format=raw,if=none,id=cache{i},readonly=off", p(d)),
+                "-device".into(),
+                format!("virtio-blk-device,drive=cache{i},serial=cache{i}"),
+            ]);
+        }
         if let Some(h) = handed {
             if let Some(kvm) = &h.kvm {
                 a.extend([
@@ -577,6 +591,12 @@ impl VmSpec {
                 .iter()
                 .enumerate()
                 .map(|(i, d)| (format!("lower{i}"), d.as_path())),
+        );
+        named.extend(
+            self.rw_disks
+                .iter()
+                .enumerate()
+                .map(|(i, d)| (format!("cache{i}"), d.as_path())),
         );
         let mut extra: Vec<&PathBuf> = h
             .files
@@ -1153,6 +1173,7 @@ async fn kvm_boots(host: &Host, kernel: &Path, initramfs: &Path, scratch: &Path)
         disk,
         disk_format: DiskFormat::Qcow2,
         ro_disks: Vec::new(),
+        rw_disks: Vec::new(),
         qmp_socket: d.join("qmp.sock"),
         guest_socket: d.join("guest.sock"),
         serial_log: d.join("console.log"),
@@ -1307,6 +1328,7 @@ mod tests {
             disk: "/s/disk.qcow2".into(),
             disk_format: DiskFormat::Qcow2,
             ro_disks: Vec::new(),
+            rw_disks: Vec::new(),
             qmp_socket: "/s/qmp.sock".into(),
             guest_socket: "/s/guest.sock".into(),
             serial_log: "/s/console.log".into(),
@@ -1516,6 +1538,7 @@ mod tests {
             disk: "/s,x/disk.qcow2".into(),
             egress_socket: Some("/s/egress.sock".into()),
             ro_disks: vec!["/c/lower.ext4".into()],
+            rw_disks: vec!["/c/cache.ext4".into()],
             ..spec()
         };
         let mut h = crate::jail::Handed::default();
@@ -1526,6 +1549,7 @@ mod tests {
             &s.disk,
             &s.serial_log,
             &s.ro_disks[0],
+            &s.rw_disks[0],
         ] {
             h.files.insert(p.clone(), null());
         }
@@ -1598,6 +1622,17 @@ mod tests {
             "{j}"
         );
         assert!(!j.contains("-qmp"), "{j}");
+        // The cache disk: read-write, after the read-only one, with its serial; the root
+        // disk named `upper`.
+        assert!(
+            j.contains(&format!(
+                "id=lower0,readonly=on -device virtio-blk-device,drive=lower0,serial=lower0 \
+                 -drive file=/proc/self/fd/{},format=raw,if=none,id=cache0,readonly=off \
+                 -device virtio-blk-device,drive=cache0,serial=cache0",
+                fd("/c/cache.ext4")
+            )) && j.contains("drive=disk0,serial=upper"),
+            "{j}"
+        );
         // The sandbox is the same.
         assert!(j.contains(&format!("-sandbox {SANDBOX}")), "{j}");
         // -name lists every path (commas doubled), so kiln still finds the QEMU by them.
@@ -1610,6 +1645,7 @@ mod tests {
             " memory=/s/mem",
             " backing=/b/base.raw",
             " lower0=/c/lower.ext4",
+            " cache0=/c/cache.ext4",
             " egress=/s/egress.sock",
             " serial=/s/console.log",
         ] {

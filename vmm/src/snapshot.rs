@@ -298,6 +298,7 @@ pub async fn snapshot_manifest(
         disk: overlay.clone(),
         disk_format: crate::launch::DiskFormat::Qcow2,
         ro_disks: Vec::new(),
+        rw_disks: Vec::new(),
         qmp_socket: dir.join("qmp.sock"),
         guest_socket: dir.join("guest.sock"),
         serial_log: dir.join("console.log"),

@@ -67,6 +67,11 @@ pub const STOPPED_VM: &str = "the step's microVM was killed";
 
 /// Default per-step write limit, bytes (10 GiB): the blocks allocated in the upper directory.
 pub const DEFAULT_WRITE_LIMIT_BYTES: u64 = 10 << 30;
+/// Default size of one `RUN --mount=type=cache` disk of the microVM executor, bytes (2 GiB).
+pub const DEFAULT_CACHE_DISK_BYTES: u64 = 2 << 30;
+/// Default bound on the microVM executor's cache disks of one cache base together, bytes
+/// (8 GiB).
+pub const DEFAULT_CACHE_DISKS_TOTAL_BYTES: u64 = 8 << 30;
 /// Default per-step limit on tasks (processes and threads).
 pub const DEFAULT_PIDS_MAX: u64 = 4096;
 /// The hostname every step sees (DESIGN.md: sandboxes are `runtime-guest`).
@@ -83,6 +88,17 @@ pub struct ExecConfig {
     /// × 512, so holes of sparse files do not count; checked about
     /// every second while it runs and once after; default [`DEFAULT_WRITE_LIMIT_BYTES`]).
     pub write_limit_bytes: u64,
+    /// Size of each `RUN --mount=type=cache` disk of the microVM executor, bytes (its ext4
+    /// file system's size, so the most a cache holds; the image file is sparse): used when a
+    /// cache disk is made, an existing one keeps its size. Default
+    /// [`DEFAULT_CACHE_DISK_BYTES`]. The namespace executor's cache directories are unbounded.
+    pub cache_disk_bytes: u64,
+    /// Most bytes the microVM executor's cache disks of one cache base (one workspace's, for
+    /// `kiln serve`'s builds; else the host's) take together on the host: their allocated
+    /// blocks (`st_blocks` × 512; the images are sparse). Past it, when a step takes a cache,
+    /// the least recently taken other disks that no step holds are removed until the rest
+    /// fit. Default [`DEFAULT_CACHE_DISKS_TOTAL_BYTES`].
+    pub cache_disks_total_bytes: u64,
     /// Whether `RUN --network=host` is allowed (`--allow network.host`).
     pub allow_network_host: bool,
     /// Whether `RUN --security=insecure` is allowed (`--allow security.insecure`).
@@ -109,6 +125,8 @@ impl Default for ExecConfig {
             memory_bytes: kiln_recipes::plan::DEFAULT_MEMORY_MIB << 20,
             pids_max: DEFAULT_PIDS_MAX,
             write_limit_bytes: DEFAULT_WRITE_LIMIT_BYTES,
+            cache_disk_bytes: DEFAULT_CACHE_DISK_BYTES,
+            cache_disks_total_bytes: DEFAULT_CACHE_DISKS_TOTAL_BYTES,
             allow_network_host: false,
             allow_insecure: false,
             hostname: DEFAULT_HOSTNAME.to_string(),

@@ -8,7 +8,9 @@
 //! 2. [`LinuxExecutor`](super::LinuxExecutor) calls `prepare` before it forks: the target
 //!    is resolved through the lower layers' symlinks (as the step will see it), cache
 //!    directories are made and locked by their sharing mode, and scratch directories for
-//!    read-write binds are made under the step's scratch directory.
+//!    read-write binds are made under the step's scratch directory. An executor that mounts
+//!    in a guest of its own calls [`prepare_for_guest`] instead, which leaves cache mounts
+//!    to it (the microVM executor keeps each cache as a disk, locked with [`lock_cache`]).
 //! 3. In the step's pid 1, after the overlay is mounted and before `pivot_root`,
 //!    `mount_all` creates each mount point inside the new root (never following a symlink
 //!    out of it) and mounts: `bind` read-only (`nosuid,nodev`), or read-write as an overlay
@@ -451,6 +453,15 @@ enum PreparedKind {
         dir: PathBuf,
         readonly: bool,
     },
+    /// A cache mount left to a guest ([`prepare_for_guest`]): nothing made or locked.
+    GuestCache {
+        dir: PathBuf,
+        sharing: CacheSharing,
+        readonly: bool,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+    },
     Tmpfs {
         data: CString,
         size_bytes: Option<u64>,
@@ -504,10 +515,26 @@ pub enum GuestMount<'a> {
         /// The source is a file (else a directory).
         file: bool,
     },
-    /// A cache mount: a persistent host directory.
+    /// A cache mount, nothing of it made or locked on the host yet ([`prepare_for_guest`]):
+    /// the guest's executor keeps it as it can mount it (the microVM executor: a disk image
+    /// per `dir`), made with `mode`, `uid` and `gid`, and locks it per `sharing` itself
+    /// ([`lock_cache`]).
     Cache {
         /// The mount point, relative to the root.
         rel: &'a str,
+        /// The cache's host path as [`resolve`] names it (`<cache base>/<hash of the id>`,
+        /// the namespace executor's directory), which the executor derives its own from.
+        dir: &'a Path,
+        /// Sharing between concurrent steps.
+        sharing: CacheSharing,
+        /// Mounted read-only.
+        readonly: bool,
+        /// Mode of a new cache's root directory (permission bits).
+        mode: u32,
+        /// Owner of a new cache's root directory.
+        uid: u32,
+        /// Group of a new cache's root directory.
+        gid: u32,
     },
 }
 
@@ -583,8 +610,10 @@ pub struct PreparedMounts {
 }
 
 impl PreparedMounts {
-    /// The mounts in order, as a guest mounts them. An ssh mount has no guest form (the
-    /// microVM executor refuses it before preparing) and is left out.
+    /// The mounts in order, as a guest mounts them, of mounts from [`prepare_for_guest`] (a
+    /// cache directory made by [`prepare`] has no guest form: a bug of the caller, which
+    /// panics). An ssh mount has no guest form (the microVM executor refuses it before
+    /// preparing) and is left out.
     pub fn guest_view(&self) -> Vec<GuestMount<'_>> {
         self.mounts
             .iter()
@@ -615,7 +644,23 @@ impl PreparedMounts {
                     readwrite: rw.is_some(),
                     file: m.file,
                 },
-                PreparedKind::Dir { .. } => GuestMount::Cache { rel: &m.rel },
+                PreparedKind::Dir { .. } => unreachable!("a guest's caches are GuestCache"),
+                PreparedKind::GuestCache {
+                    dir,
+                    sharing,
+                    readonly,
+                    mode,
+                    uid,
+                    gid,
+                } => GuestMount::Cache {
+                    rel: &m.rel,
+                    dir,
+                    sharing: *sharing,
+                    readonly: *readonly,
+                    mode: *mode,
+                    uid: *uid,
+                    gid: *gid,
+                },
             })
             .collect()
     }
@@ -700,6 +745,28 @@ pub fn prepare(
     lowers: &[PathBuf],
     scratch: &Path,
 ) -> Result<PreparedMounts, super::ExecError> {
+    prepare_with(mounts, lowers, scratch, false)
+}
+
+/// [`prepare`] for an executor that mounts in a guest of its own ([`PreparedMounts::guest_view`]):
+/// the same, except that a cache mount gets no host directory and no lock
+/// ([`GuestMount::Cache`]: the executor makes and locks its own form of the cache).
+///
+/// Errors: as [`prepare`].
+pub fn prepare_for_guest(
+    mounts: &[StepMount],
+    lowers: &[PathBuf],
+    scratch: &Path,
+) -> Result<PreparedMounts, super::ExecError> {
+    prepare_with(mounts, lowers, scratch, true)
+}
+
+fn prepare_with(
+    mounts: &[StepMount],
+    lowers: &[PathBuf],
+    scratch: &Path,
+    guest: bool,
+) -> Result<PreparedMounts, super::ExecError> {
     use super::ExecError;
     let mut p = PreparedMounts::default();
     p.secrets_dir = scratch.join("secrets");
@@ -756,6 +823,24 @@ pub fn prepare(
                     },
                 )
             }
+            MountKind::Cache {
+                dir,
+                sharing,
+                readonly,
+                mode,
+                uid,
+                gid,
+            } if guest => (
+                false,
+                PreparedKind::GuestCache {
+                    dir: dir.clone(),
+                    sharing: *sharing,
+                    readonly: *readonly,
+                    mode: *mode,
+                    uid: *uid,
+                    gid: *gid,
+                },
+            ),
             MountKind::Cache {
                 dir,
                 sharing,
@@ -870,36 +955,48 @@ fn cache_dir(
         }
     };
     make(dir)?;
-    let lock_path = dir.with_extension("lock");
+    let Some(lock) = lock_cache(&dir.with_extension("lock"), sharing)? else {
+        let tmp = dir.with_extension(format!(
+            "private-{}-{}",
+            std::process::id(),
+            PRIVATE.fetch_add(1, Ordering::Relaxed)
+        ));
+        make(&tmp)?;
+        p.temp_dirs.push(tmp.clone());
+        return Ok(tmp.join(CACHE_DATA));
+    };
+    p._locks.push(lock);
+    Ok(dir.join(CACHE_DATA))
+}
+
+/// Takes the `flock(2)` of a cache on the file `lock_path` (made when missing) as `sharing`
+/// asks, held until the returned file is dropped: [`CacheSharing::Shared`] a shared lock and
+/// [`CacheSharing::Locked`] an exclusive one, both waiting for it (so call them off any async
+/// runtime's threads); [`CacheSharing::Private`] an exclusive one without waiting, `None`
+/// when another step holds the cache (the caller then uses a fresh, temporary cache).
+///
+/// Errors: opening or locking the file ([`super::ExecError::Io`]).
+pub fn lock_cache(
+    lock_path: &Path,
+    sharing: CacheSharing,
+) -> Result<Option<fs::File>, super::ExecError> {
     let lock = fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
-        .open(&lock_path)
+        .open(lock_path)
         .map_err(io_err("opening a cache lock"))?;
     use rustix::fs::{FlockOperation as F, flock};
-    match sharing {
-        CacheSharing::Shared => {
-            flock(&lock, F::LockShared).map_err(|e| io_err("locking a cache")(e.into()))?
-        }
-        CacheSharing::Locked => {
-            flock(&lock, F::LockExclusive).map_err(|e| io_err("locking a cache")(e.into()))?
-        }
-        CacheSharing::Private => {
-            if flock(&lock, F::NonBlockingLockExclusive).is_err() {
-                let tmp = dir.with_extension(format!(
-                    "private-{}-{}",
-                    std::process::id(),
-                    PRIVATE.fetch_add(1, Ordering::Relaxed)
-                ));
-                make(&tmp)?;
-                p.temp_dirs.push(tmp.clone());
-                return Ok(tmp.join(CACHE_DATA));
-            }
-        }
+    let op = match sharing {
+        CacheSharing::Shared => F::LockShared,
+        CacheSharing::Locked => F::LockExclusive,
+        CacheSharing::Private => F::NonBlockingLockExclusive,
+    };
+    match flock(&lock, op) {
+        Ok(()) => Ok(Some(lock)),
+        Err(rustix::io::Errno::WOULDBLOCK) if sharing == CacheSharing::Private => Ok(None),
+        Err(e) => Err(io_err("locking a cache")(e.into())),
     }
-    p._locks.push(lock);
-    Ok(dir.join(CACHE_DATA))
 }
 
 /// Opens `path` inside `root` (`O_PATH`, `RESOLVE_IN_ROOT`: symlinks stay in `root`).
@@ -1054,6 +1151,12 @@ pub(crate) fn mount_all(root: &OwnedFd, p: &PreparedMounts) -> Result<(), String
                     .map_err(|e| format!("binding cache /{}: {e}", m.rel))?;
                 drop(target);
                 remount(root, &m.rel, m.file, *readonly)?;
+            }
+            PreparedKind::GuestCache { .. } => {
+                return Err(format!(
+                    "cache /{}: prepared for a guest (prepare_for_guest), not for this step",
+                    m.rel
+                ));
             }
             PreparedKind::Tmpfs { data, .. } => {
                 mount("tmpfs", t.as_str(), "tmpfs", nsd, Some(data.as_c_str()))

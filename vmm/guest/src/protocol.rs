@@ -310,6 +310,18 @@ pub enum ExecMountKind {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         file: bool,
     },
+    /// The ext4 file system of the read-write disk with this serial (`cache<i>`, a
+    /// `RUN --mount=type=cache` disk kept by the host between steps), mounted directly on the
+    /// mount point (no overlay: the writes stay on the disk), `nosuid,nodev`, read-only with
+    /// `readonly`. The guest flushes it (`syncfs`) and unmounts it when the exec ends, before
+    /// its `exit`.
+    Cache {
+        /// The disk's serial (`/sys/block/vd*/serial`): `cache` and digits.
+        serial: String,
+        /// Mounted read-only.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        readonly: bool,
+    },
     /// A file with these bytes, bound read-only onto a file mount point.
     Secret {
         /// Content; standard base64 on the wire.
@@ -770,19 +782,24 @@ impl Exec {
                 format!("{} mounts, at most {MAX_MOUNTS}", self.mounts.len()),
             ));
         }
-        if let Some(serial) = self.mounts.iter().find_map(|m| match &m.kind {
-            ExecMountKind::Disk { serial, .. }
-                if !serial.strip_prefix("lower").is_some_and(|n| {
-                    !n.is_empty() && n.len() <= 3 && n.bytes().all(|b| b.is_ascii_digit())
-                }) =>
-            {
-                Some(serial)
+        // A read-only disk's serial is lower<N>, a cache disk's cache<N> (N: 1 to 3 digits).
+        let numbered = |serial: &str, prefix: &str| {
+            serial.strip_prefix(prefix).is_some_and(|n| {
+                !n.is_empty() && n.len() <= 3 && n.bytes().all(|b| b.is_ascii_digit())
+            })
+        };
+        if let Some((serial, want)) = self.mounts.iter().find_map(|m| match &m.kind {
+            ExecMountKind::Disk { serial, .. } if !numbered(serial, "lower") => {
+                Some((serial, "lower<N>"))
+            }
+            ExecMountKind::Cache { serial, .. } if !numbered(serial, "cache") => {
+                Some((serial, "cache<N>"))
             }
             _ => None,
         }) {
             return Err(bad(
                 "mounts",
-                format!("disk serial {:?} is not lower<N>", truncate(serial, 64)),
+                format!("disk serial {:?} is not {want}", truncate(serial, 64)),
             ));
         }
         if let Some(m) = self.mounts.iter().find(|m| !ExecMount::rel_ok(&m.rel)) {
@@ -799,7 +816,9 @@ impl Exec {
             .iter()
             .map(|m| match &m.kind {
                 ExecMountKind::Secret { data, .. } => data.len(),
-                ExecMountKind::Tmpfs { .. } | ExecMountKind::Disk { .. } => 0,
+                ExecMountKind::Tmpfs { .. }
+                | ExecMountKind::Disk { .. }
+                | ExecMountKind::Cache { .. } => 0,
             })
             .sum();
         let bytes: usize = self.files.iter().map(|f| f.data.len()).sum::<usize>() + secret_bytes;
@@ -1096,6 +1115,20 @@ mod tests {
                         },
                     },
                     ExecMount {
+                        rel: "root/.cache/pip".into(),
+                        kind: ExecMountKind::Cache {
+                            serial: "cache0".into(),
+                            readonly: false,
+                        },
+                    },
+                    ExecMount {
+                        rel: "var/cache/apt".into(),
+                        kind: ExecMountKind::Cache {
+                            serial: "cache12".into(),
+                            readonly: true,
+                        },
+                    },
+                    ExecMount {
                         rel: "run/secrets/tok".into(),
                         kind: ExecMountKind::Secret {
                             data: b"hunter2".to_vec(),
@@ -1290,7 +1323,14 @@ mod tests {
                 "mounts",
             ));
         }
-        for serial in ["upper", "lower", "lowerx", "lower1234", "../lower1"] {
+        for serial in [
+            "upper",
+            "lower",
+            "lowerx",
+            "lower1234",
+            "../lower1",
+            "cache0",
+        ] {
             cases.push((
                 Exec {
                     mounts: vec![ExecMount {
@@ -1299,6 +1339,21 @@ mod tests {
                             serial: serial.into(),
                             readwrite: false,
                             file: false,
+                        },
+                    }],
+                    ..exec(&["true"])
+                },
+                "mounts",
+            ));
+        }
+        for serial in ["lower0", "cache", "cachex", "cache1234", "upper"] {
+            cases.push((
+                Exec {
+                    mounts: vec![ExecMount {
+                        rel: "c".into(),
+                        kind: ExecMountKind::Cache {
+                            serial: serial.into(),
+                            readonly: false,
                         },
                     }],
                     ..exec(&["true"])

@@ -25,8 +25,8 @@
 //! - read-only inputs (kernel, initramfs, a clone's memory file and vmstate, the disk an
 //!   overlay is backed by, a step's lower disks) must be readable by others, as kiln
 //!   writes them (0644; the lazy chunk server's files are 0444 with `allow_other`);
-//! - the VM's own writable files (its disk or overlay, a boot-once memory file, the console
-//!   log, a vmstate to write) are chowned to the VM's uid and gid, mode 0600;
+//! - the VM's own writable files (its disk or overlay, a step's cache disks, a boot-once
+//!   memory file, the console log, a vmstate to write) are chowned to the VM's uid and gid, mode 0600;
 //! - sockets (QMP, the guest channel, the egress port) are bound and listened on by the
 //!   launcher, as root, at the same paths, and passed as listening descriptors
 //!   (`-chardev socket,fd=<n>,server=on`);
@@ -247,6 +247,7 @@ pub(crate) fn hand_over(
         MemoryMode::Anonymous => {}
     }
     files.extend(spec.ro_disks.iter().map(|d| (d.as_path(), Access::Read)));
+    files.extend(spec.rw_disks.iter().map(|d| (d.as_path(), Access::Own)));
     let backing = match spec.disk_format {
         crate::launch::DiskFormat::Qcow2 => qcow2_backing(&spec.disk)?,
         crate::launch::DiskFormat::Raw => None,
@@ -318,7 +319,7 @@ fn listen(path: &Path) -> Result<OwnedFd, LaunchError> {
 
 /// `RLIMIT_FSIZE` of the jailed QEMU that runs `spec`, bytes: the largest file it may
 /// legitimately write (its disk at its largest: a raw disk's length, a qcow2 image's virtual
-/// size or [`VmSpec::max_disk_bytes`]; its memory file when shared, which a vmstate with the
+/// size or [`VmSpec::max_disk_bytes`], or a read-write disk's length ([`VmSpec::rw_disks`]); its memory file when shared, which a vmstate with the
 /// guest's RAM in it does not exceed), plus 1/64 of that (qcow2 metadata) and 16 MiB (device
 /// state). A QEMU taken over by its guest can then not fill the host's disk through the files
 /// it was handed (its console and stderr logs among them; QMP's `pmemsave` writes any length),
@@ -332,7 +333,10 @@ pub fn file_size_limit(spec: &VmSpec) -> Result<u64, LaunchError> {
             .map_err(io_err(&spec.disk))?
             .len(),
     };
-    let disk = disk.max(spec.max_disk_bytes.unwrap_or(0));
+    let mut disk = disk.max(spec.max_disk_bytes.unwrap_or(0));
+    for d in &spec.rw_disks {
+        disk = disk.max(std::fs::metadata(d).map_err(io_err(d))?.len());
+    }
     let memory = match spec.memory_mode {
         MemoryMode::Shared => spec.memory_bytes,
         MemoryMode::Private | MemoryMode::Anonymous => 0,

@@ -394,10 +394,25 @@ struct Mounted {
     /// and a file's overlay).
     stages: Vec<PathBuf>,
     secrets: Option<PathBuf>,
+    /// Cache disks' mount points (also in `points`): flushed (`syncfs`) first, so that what
+    /// the exec wrote is on the disk before its `exit` is sent and the host stops the VM.
+    caches: Vec<PathBuf>,
 }
 
 impl Drop for Mounted {
     fn drop(&mut self) {
+        for c in &self.caches {
+            if let Ok(d) = fs::File::open(c) {
+                // SAFETY: d is an open descriptor for the duration of the call.
+                if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
+                    log!(
+                        "syncfs of the cache on {}: {}",
+                        c.display(),
+                        io::Error::last_os_error()
+                    );
+                }
+            }
+        }
         let staged = self.stages.iter().rev().chain(self.secrets.iter());
         for p in self.points.iter().rev().chain(staged) {
             if let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) {
@@ -456,6 +471,7 @@ fn mount_point(rel: &str, file: bool) -> Result<PathBuf, String> {
 /// Mounts an exec's [`ExecMount`]s in order: a tmpfs (`mode=1777`, its size, `nosuid,nodev`);
 /// a disk's ext4 (a bind mount's tree) read-only, or under an overlay with a tmpfs upper, or
 /// for a bind of one file, that file of it bound onto a file mount point; or
+/// a cache disk's ext4 read-write (or read-only) on its mount point; or
 /// a secret: a file on a private tmpfs under `/dev` (outside a build step's layer), bound
 /// read-only onto its file mount point.
 fn mount_all(id: u64, mounts: &[ExecMount]) -> Result<Mounted, String> {
@@ -464,6 +480,7 @@ fn mount_all(id: u64, mounts: &[ExecMount]) -> Result<Mounted, String> {
         points: Vec::new(),
         stages: Vec::new(),
         secrets: None,
+        caches: Vec::new(),
     };
     let nsd = libc::MS_NOSUID | libc::MS_NODEV;
     for (i, m) in mounts.iter().enumerate() {
@@ -552,6 +569,17 @@ fn mount_all(id: u64, mounts: &[ExecMount]) -> Result<Mounted, String> {
                 let ro = if *readwrite { 0 } else { libc::MS_RDONLY };
                 sys::mount("", &at, "", libc::MS_REMOUNT | libc::MS_BIND | ro | nsd, "")
                     .map_err(|e| format!("remounting the bind on {}: {e}", at.display()))?;
+            }
+            ExecMountKind::Cache { serial, readonly } => {
+                let dev = crate::boot::disks_by_serial()
+                    .remove(serial)
+                    .ok_or_else(|| format!("no disk with the serial {serial}"))?;
+                let at = mount_point(&m.rel, false)?;
+                let ro = if *readonly { libc::MS_RDONLY } else { 0 };
+                sys::mount(&dev, &at, "ext4", nsd | ro, "")
+                    .map_err(|e| format!("mounting the cache {dev} on {}: {e}", at.display()))?;
+                done.points.push(at.clone());
+                done.caches.push(at);
             }
             ExecMountKind::Secret {
                 data,
