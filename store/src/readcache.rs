@@ -461,6 +461,88 @@ mod tests {
         assert_eq!(c.get(&d).await.unwrap(), raw);
     }
 
+    fn mkfifo(p: &Path) {
+        let st = std::process::Command::new("mkfifo")
+            .arg(p)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+
+    /// Opens the write side of the FIFO at `p` without blocking (releasing a reader stuck in
+    /// its open), when there is a reader.
+    fn release_fifo(p: &Path) {
+        use std::os::unix::fs::OpenOptionsExt;
+        let _ = OpenOptions::new()
+            .write(true)
+            .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+            .open(p);
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_fifo_named_like_an_entry_or_a_temp_file_blocks_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = ReadCache::open(dir.path(), 1000).await.unwrap();
+        let raw = Bytes::from(vec![3u8; 100]);
+        let d = ChunkDigest::of(&raw);
+        let fifo = dir.path().join(d.hex());
+        mkfifo(&fifo);
+        let got = tokio::time::timeout(Duration::from_secs(5), c.get(&d)).await;
+        if got.is_err() {
+            release_fifo(&fifo);
+            panic!("get of a FIFO named like an entry hung");
+        }
+        assert!(got.unwrap().is_none());
+        // The stray is gone, and the real entry can be admitted and served.
+        c.put(&d, raw.clone()).await;
+        assert_eq!(c.get(&d).await.unwrap(), raw);
+        drop(c);
+
+        let tmp = dir.path().join(format!("{TEMP_PREFIX}planted"));
+        mkfifo(&tmp);
+        let opened =
+            tokio::time::timeout(Duration::from_secs(5), ReadCache::open(dir.path(), 1000)).await;
+        if opened.is_err() {
+            release_fifo(&tmp);
+            panic!("open hung on a FIFO named like a temp file");
+        }
+        opened.unwrap().unwrap();
+        assert!(!tmp.exists());
+    }
+
+    #[tokio::test]
+    async fn an_index_that_is_not_a_regular_file_is_refused_and_not_written_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"do not overwrite me").unwrap();
+        let cache = dir.path().join("cache");
+        std::fs::create_dir(&cache).unwrap();
+        std::os::unix::fs::symlink(&victim, cache.join(INDEX)).unwrap();
+        let e = ReadCache::open(&cache, 1000).await.unwrap_err().to_string();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"do not overwrite me");
+        assert!(e.contains(INDEX) && e.contains("not a regular file"), "{e}");
+
+        std::fs::remove_file(cache.join(INDEX)).unwrap();
+        mkfifo(&cache.join(INDEX));
+        let e = ReadCache::open(&cache, 1000).await.unwrap_err().to_string();
+        assert!(e.contains(INDEX) && e.contains("not a regular file"), "{e}");
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_lock_held_forever_fails_open_in_bounded_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = File::create(dir.path().join(INDEX)).unwrap();
+        flock(&held, FlockOperation::LockExclusive).unwrap();
+        let opened =
+            tokio::time::timeout(Duration::from_secs(30), ReadCache::open(dir.path(), 1000)).await;
+        drop(held);
+        let e = opened
+            .expect("open waited over 30 s for a lock another process never releases")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(INDEX) && e.contains("locked"), "{e}");
+    }
+
     #[tokio::test]
     async fn a_removed_index_is_recreated_and_locked() {
         let dir = tempfile::tempdir().unwrap();
