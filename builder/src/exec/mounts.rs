@@ -1338,4 +1338,39 @@ mod tests {
             .collect();
         assert_eq!(data, ["mode=1777", "mode=1777,size=4096", "mode=1777"]);
     }
+
+    /// A bind source of 1 GiB apparent size with 4 KiB of data (what `truncate -s` and one
+    /// write make, in a context or an earlier step, taking 4 KiB of its write limit): its
+    /// copy takes the blocks the source takes, not its apparent size, so a tenant's sparse
+    /// file cannot make the host write (or size a microVM disk for) what it never stored.
+    #[test]
+    fn a_sparse_bind_source_is_copied_sparse() {
+        use std::io::Write;
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        const APPARENT: u64 = 1 << 30;
+        let d = tempfile::tempdir().unwrap();
+        let mut f = fs::File::create(d.path().join("sparse")).unwrap();
+        f.write_all(b"head").unwrap();
+        f.write_all_at(&[7u8; 4096], 512 << 20).unwrap();
+        f.set_len(APPARENT).unwrap();
+        drop(f);
+        let src = open_bind_source(d.path(), "sparse").unwrap();
+        let dest = d.path().join("copy");
+        copy_bind_file(&src, &dest).unwrap();
+        let md = fs::metadata(&dest).unwrap();
+        assert_eq!(md.len(), APPARENT);
+        assert!(
+            md.blocks() * 512 <= 64 << 10,
+            "the copy of a file of 8 KiB of data took {} bytes of the host's disk",
+            md.blocks() * 512
+        );
+        let c = fs::File::open(&dest).unwrap();
+        let mut b = [0u8; 4096];
+        c.read_exact_at(&mut b[..4], 0).unwrap();
+        assert_eq!(&b[..4], b"head");
+        c.read_exact_at(&mut b, 512 << 20).unwrap();
+        assert_eq!(b, [7u8; 4096]);
+        c.read_exact_at(&mut b, (512 << 20) - 4096).unwrap();
+        assert_eq!(b, [0u8; 4096]);
+    }
 }
