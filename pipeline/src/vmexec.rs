@@ -75,7 +75,8 @@
 //! the guest mounts it, read-only or under the discarded overlay, on a private directory
 //! under `/dev` and binds the file onto a file mount point, as the namespace executor binds
 //! the file (or, with `rw`, a discarded copy of it). Its disk is sized as a tree's
-//! ([`lower_image`]): no bound but the file's own size. Their mount points are removed from
+//! ([`lower_image`]), from the blocks the file takes: the copy keeps its holes, so a sparse
+//! file's apparent size is never written on the host. Their mount points are removed from
 //! the layer with the same cleanup.
 //!
 //! Not yet: `RUN --mount=type=cache` (a persistent host directory); the host network

@@ -525,8 +525,9 @@ pub fn open_bind_source(root: &Path, path: &str) -> Result<OwnedFd, String> {
 /// setgid included; every bind is mounted `nosuid`), owner, group and access and
 /// modification times: the writable copy of a `rw` bind of one file under the namespace
 /// executor, and the one file of a single-file bind's disk under the microVM executor. The
-/// copy takes as many bytes as the file (no bound but the source's own size, as a bind of a
-/// tree, whose disk is sized by its tree).
+/// copy keeps the source's holes ([`copy_data`]): it takes about the blocks the source
+/// takes on disk (already bounded by the write limit or context that made it), not its
+/// apparent size, so the microVM disk sized from it is too.
 ///
 /// Errors: the source is not a regular file (a directory, device, FIFO or socket); reading
 /// it; `dest` exists or cannot be written (each message names the error).
@@ -547,8 +548,8 @@ pub fn copy_bind_file(src: &OwnedFd, dest: &Path) -> Result<(), String> {
         Mode::from_raw_mode(0o600),
     )
     .map_err(|e| format!("creating {}: {e}", dest.display()))?;
-    let (mut from, mut to) = (fs::File::from(from), fs::File::from(to));
-    std::io::copy(&mut from, &mut to).map_err(|e| format!("copying to {}: {e}", dest.display()))?;
+    let (from, to) = (fs::File::from(from), fs::File::from(to));
+    copy_data(&from, &to).map_err(|e| format!("copying to {}: {e}", dest.display()))?;
     rustix::fs::fchown(
         &to,
         Some(rustix::fs::Uid::from_raw(st.st_uid)),
@@ -569,6 +570,33 @@ pub fn copy_bind_file(src: &OwnedFd, dest: &Path) -> Result<(), String> {
         },
     )
     .map_err(|e| format!("setting the times of {}: {e}", dest.display()))
+}
+
+/// Copies the regular file `from` into the empty `to`, keeping its holes: only its pieces of
+/// data ([`crate::layer::write::data_segments`], the mechanism layers use for sparse files)
+/// are read and written, and `to` is then given `from`'s size. So the copy takes about the
+/// blocks `from` takes, never its apparent size in zeros. Errors: reading, writing or
+/// `lseek(SEEK_DATA)`.
+fn copy_data(from: &fs::File, to: &fs::File) -> std::io::Result<()> {
+    let md = from.metadata()?;
+    let Some(segments) = crate::layer::write::data_segments(from, &md)? else {
+        // No holes: every byte is stored, and copied.
+        let (mut r, mut w) = (from, to);
+        std::io::copy(&mut r, &mut w)?;
+        return Ok(());
+    };
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; 1 << 20];
+    for (off, len) in segments {
+        let mut done = 0u64;
+        while done < len {
+            let n = (len - done).min(buf.len() as u64) as usize;
+            from.read_exact_at(&mut buf[..n], off + done)?;
+            to.write_all_at(&buf[..n], off + done)?;
+            done += n as u64;
+        }
+    }
+    to.set_len(md.len())
 }
 
 /// Mounts prepared for one step, with the cache locks held until it is dropped.
