@@ -620,6 +620,13 @@ mod tests {
         mkfifo(&cache.join(INDEX));
         let e = ReadCache::open(&cache, 1000).await.unwrap_err().to_string();
         assert!(e.contains(INDEX) && e.contains("not a regular file"), "{e}");
+
+        // A hard link to another file is a regular file, but not the cache's own.
+        std::fs::remove_file(cache.join(INDEX)).unwrap();
+        std::fs::hard_link(&victim, cache.join(INDEX)).unwrap();
+        let e = ReadCache::open(&cache, 1000).await.unwrap_err().to_string();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"do not overwrite me");
+        assert!(e.contains(INDEX) && e.contains("hard link"), "{e}");
     }
 
     #[tokio::test(flavor = "multi_thread")]
