@@ -63,7 +63,8 @@
 //! opened without following a symlink and without waiting on a FIFO, and must be a regular
 //! file ([`open_regular`]): a planted entry or temp name that is not is never read, counted
 //! or written through, and goes at the next listing (a directory stays, uncounted); a
-//! `.index` that is not fails the open with an error naming it. The lock is waited for at
+//! `.index` that is not, or that has another hard link, fails the open with an error naming
+//! it. The lock is waited for at
 //! most [`LOCK_WAIT`]: a process holding it longer fails `open` (naming `.index`) and makes
 //! admissions skip, rather than hanging `kiln start` or the chunk server.
 
@@ -144,9 +145,10 @@ impl Drop for Locked<'_> {
 /// Opens the file named `path` inside the cache directory, the one way every file of the
 /// cache is opened: `create` makes it when missing (never through a symlink); a symlink is
 /// not followed and a FIFO's open does not wait for a peer (`O_NOFOLLOW | O_NONBLOCK`), and
-/// anything but a regular file (symlink, FIFO, socket, device, directory) is refused.
-/// Errors: the open's own (`NotFound` when missing), or `InvalidData` "`<path>` is not a
-/// regular file ...".
+/// anything but a regular file (symlink, FIFO, socket, device, directory) is refused; opened
+/// for writing (`write`), a file with another hard link (whose other name kiln does not own)
+/// is refused too. Errors: the open's own (`NotFound` when missing), or `InvalidData`
+/// "`<path>` is not a regular file ..." / "`<path>` has N hard links ...".
 fn open_regular(path: &Path, write: bool, create: bool) -> io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
     let flags = rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK;
@@ -181,8 +183,19 @@ fn open_regular(path: &Path, write: bool, create: bool) -> io::Result<File> {
         }
         Err(e) => return Err(e),
     };
-    if !f.metadata()?.is_file() {
+    let md = f.metadata()?;
+    if !md.is_file() {
         return Err(not_regular());
+    }
+    if write && md.nlink() > 1 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "{} has {} hard links: the read cache writes only a file of its own; remove it",
+                path.display(),
+                md.nlink()
+            ),
+        ));
     }
     Ok(f)
 }
