@@ -75,7 +75,8 @@
 //! the guest mounts it, read-only or under the discarded overlay, on a private directory
 //! under `/dev` and binds the file onto a file mount point, as the namespace executor binds
 //! the file (or, with `rw`, a discarded copy of it). Its disk is sized as a tree's
-//! ([`lower_image`]): no bound but the file's own size. `RUN --mount=type=cache` is a
+//! ([`lower_image`]), from the blocks the file takes: the copy keeps its holes, so a sparse
+//! file's apparent size is never written on the host. `RUN --mount=type=cache` is a
 //! read-write ext4 disk per cache (and workspace) on this host, kept between steps and builds
 //! and never mounted on the host ([`crate::vm_cache`]: where it lives, its size, the bound
 //! on a workspace's disks together and their eviction, `sharing=`,

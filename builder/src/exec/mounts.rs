@@ -552,8 +552,9 @@ pub fn open_bind_source(root: &Path, path: &str) -> Result<OwnedFd, String> {
 /// setgid included; every bind is mounted `nosuid`), owner, group and access and
 /// modification times: the writable copy of a `rw` bind of one file under the namespace
 /// executor, and the one file of a single-file bind's disk under the microVM executor. The
-/// copy takes as many bytes as the file (no bound but the source's own size, as a bind of a
-/// tree, whose disk is sized by its tree).
+/// copy keeps the source's holes ([`copy_data`]): it takes about the blocks the source
+/// takes on disk (already bounded by the write limit or context that made it), not its
+/// apparent size, so the microVM disk sized from it is too.
 ///
 /// Errors: the source is not a regular file (a directory, device, FIFO or socket); reading
 /// it; `dest` exists or cannot be written (each message names the error).
@@ -574,8 +575,8 @@ pub fn copy_bind_file(src: &OwnedFd, dest: &Path) -> Result<(), String> {
         Mode::from_raw_mode(0o600),
     )
     .map_err(|e| format!("creating {}: {e}", dest.display()))?;
-    let (mut from, mut to) = (fs::File::from(from), fs::File::from(to));
-    std::io::copy(&mut from, &mut to).map_err(|e| format!("copying to {}: {e}", dest.display()))?;
+    let (from, to) = (fs::File::from(from), fs::File::from(to));
+    copy_data(&from, &to).map_err(|e| format!("copying to {}: {e}", dest.display()))?;
     rustix::fs::fchown(
         &to,
         Some(rustix::fs::Uid::from_raw(st.st_uid)),
@@ -596,6 +597,33 @@ pub fn copy_bind_file(src: &OwnedFd, dest: &Path) -> Result<(), String> {
         },
     )
     .map_err(|e| format!("setting the times of {}: {e}", dest.display()))
+}
+
+/// Copies the regular file `from` into the empty `to`, keeping its holes: only its pieces of
+/// data ([`crate::layer::write::data_segments`], the mechanism layers use for sparse files)
+/// are read and written, and `to` is then given `from`'s size. So the copy takes about the
+/// blocks `from` takes, never its apparent size in zeros. Errors: reading, writing or
+/// `lseek(SEEK_DATA)`.
+fn copy_data(from: &fs::File, to: &fs::File) -> std::io::Result<()> {
+    let md = from.metadata()?;
+    let Some(segments) = crate::layer::write::data_segments(from, &md)? else {
+        // No holes: every byte is stored, and copied.
+        let (mut r, mut w) = (from, to);
+        std::io::copy(&mut r, &mut w)?;
+        return Ok(());
+    };
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; 1 << 20];
+    for (off, len) in segments {
+        let mut done = 0u64;
+        while done < len {
+            let n = (len - done).min(buf.len() as u64) as usize;
+            from.read_exact_at(&mut buf[..n], off + done)?;
+            to.write_all_at(&buf[..n], off + done)?;
+            done += n as u64;
+        }
+    }
+    to.set_len(md.len())
 }
 
 /// Mounts prepared for one step, with the cache locks held until it is dropped.
@@ -1454,5 +1482,40 @@ mod tests {
             })
             .collect();
         assert_eq!(data, ["mode=1777", "mode=1777,size=4096", "mode=1777"]);
+    }
+
+    /// A bind source of 1 GiB apparent size with 4 KiB of data (what `truncate -s` and one
+    /// write make, in a context or an earlier step, taking 4 KiB of its write limit): its
+    /// copy takes the blocks the source takes, not its apparent size, so a tenant's sparse
+    /// file cannot make the host write (or size a microVM disk for) what it never stored.
+    #[test]
+    fn a_sparse_bind_source_is_copied_sparse() {
+        use std::io::Write;
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        const APPARENT: u64 = 1 << 30;
+        let d = tempfile::tempdir().unwrap();
+        let mut f = fs::File::create(d.path().join("sparse")).unwrap();
+        f.write_all(b"head").unwrap();
+        f.write_all_at(&[7u8; 4096], 512 << 20).unwrap();
+        f.set_len(APPARENT).unwrap();
+        drop(f);
+        let src = open_bind_source(d.path(), "sparse").unwrap();
+        let dest = d.path().join("copy");
+        copy_bind_file(&src, &dest).unwrap();
+        let md = fs::metadata(&dest).unwrap();
+        assert_eq!(md.len(), APPARENT);
+        assert!(
+            md.blocks() * 512 <= 64 << 10,
+            "the copy of a file of 8 KiB of data took {} bytes of the host's disk",
+            md.blocks() * 512
+        );
+        let c = fs::File::open(&dest).unwrap();
+        let mut b = [0u8; 4096];
+        c.read_exact_at(&mut b[..4], 0).unwrap();
+        assert_eq!(&b[..4], b"head");
+        c.read_exact_at(&mut b, 512 << 20).unwrap();
+        assert_eq!(b, [7u8; 4096]);
+        c.read_exact_at(&mut b, (512 << 20) - 4096).unwrap();
+        assert_eq!(b, [0u8; 4096]);
     }
 }

@@ -326,7 +326,10 @@ const SPARSE_BLOCK: u64 = 4096;
 /// file without holes (or on a file system without `SEEK_DATA`). The last piece ends at the
 /// file's size: a zero-length one at the end is added when the file ends in a hole (the
 /// GNU sparse map says the file's end that way; the `tar` crate's reader needs it).
-fn data_segments(f: &std::fs::File, md: &std::fs::Metadata) -> io::Result<Option<Vec<(u64, u64)>>> {
+pub(crate) fn data_segments(
+    f: &std::fs::File,
+    md: &std::fs::Metadata,
+) -> io::Result<Option<Vec<(u64, u64)>>> {
     use rustix::fs::SeekFrom;
     use rustix::io::Errno;
     let size = md.len();
