@@ -171,3 +171,14 @@ fn quiet_broken_pipe() {
         default(info);
     }));
 }
+
+#[cfg(test)]
+mod tests {
+    /// clap's own checks of the whole command tree (unique argument names across flattened
+    /// groups, valid defaults, ...), which otherwise run only when a subcommand is parsed.
+    #[test]
+    fn the_command_line_is_consistent() {
+        use clap::CommandFactory as _;
+        super::Cli::command().debug_assert();
+    }
+}

@@ -235,6 +235,12 @@ pub struct Setup {
     /// Extra CA certificates every build of this host trusts (`--ca-cert`), before a
     /// request's own ([`BuildRequest::ca_certs`]); see [`kiln_builder::egress::ca`].
     pub ca_certs: Option<CaCerts>,
+    /// Size of each microVM cache disk made on this host, bytes
+    /// ([`kiln_builder::exec::ExecConfig::cache_disk_bytes`]; `--cache-disk-mib`).
+    pub cache_disk_bytes: u64,
+    /// Bound on one cache base's microVM cache disks together, bytes
+    /// ([`kiln_builder::exec::ExecConfig::cache_disks_total_bytes`]; `--cache-disks-total-mib`).
+    pub cache_disks_total_bytes: u64,
 }
 
 impl Setup {
@@ -272,6 +278,8 @@ impl Setup {
             jobs: 2,
             addresses: AddressPolicy::default(),
             ca_certs: None,
+            cache_disk_bytes: kiln_builder::exec::DEFAULT_CACHE_DISK_BYTES,
+            cache_disks_total_bytes: kiln_builder::exec::DEFAULT_CACHE_DISKS_TOTAL_BYTES,
         })
     }
 }
@@ -670,6 +678,8 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
     opts.exec.allow_insecure = req.allow_insecure;
     opts.network = req.network.step_network();
     opts.exec.run_dir = work.join("run");
+    opts.exec.cache_disk_bytes = setup.cache_disk_bytes;
+    opts.exec.cache_disks_total_bytes = setup.cache_disks_total_bytes;
     opts.fetch.addresses = setup.addresses.clone();
     if let Some(m) = req.limits.memory_bytes {
         opts.exec.memory_bytes = opts.exec.memory_bytes.min(m);
@@ -1024,6 +1034,36 @@ mod tests {
         check_recipe(&cli).unwrap();
         cli.executor = Executor::Vm;
         assert!(err(&cli).contains("not supported under --isolation vm"));
+    }
+
+    /// The host's cache disk sizes (`--cache-disk-mib`, `--cache-disks-total-mib`) reach
+    /// the executor of every build of the setup; unset, the executor's defaults.
+    #[tokio::test]
+    async fn the_hosts_cache_disk_sizes_reach_the_executor() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut setup = Setup::open_local(dir.path()).await.expect("setup");
+        let req = BuildRequest::new(
+            crate::request::Recipe {
+                name: "Dockerfile".into(),
+                bytes: b"FROM scratch\n".to_vec(),
+            },
+            ContextSource::None,
+        );
+        let o = build_options(&setup, &req, ResolveOptions::default());
+        assert_eq!(
+            (o.exec.cache_disk_bytes, o.exec.cache_disks_total_bytes),
+            (
+                kiln_builder::exec::DEFAULT_CACHE_DISK_BYTES,
+                kiln_builder::exec::DEFAULT_CACHE_DISKS_TOTAL_BYTES
+            )
+        );
+        setup.cache_disk_bytes = 64 << 20;
+        setup.cache_disks_total_bytes = 256 << 20;
+        let o = build_options(&setup, &req, ResolveOptions::default());
+        assert_eq!(
+            (o.exec.cache_disk_bytes, o.exec.cache_disks_total_bytes),
+            (64 << 20, 256 << 20)
+        );
     }
 
     /// A tag pinned absent at the start finds the tag already naming the build's image

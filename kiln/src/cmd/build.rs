@@ -149,6 +149,8 @@ pub struct Args {
     pub insecure: Vec<String>,
     #[command(flatten)]
     pub egress: super::common::EgressArgs,
+    #[command(flatten)]
+    pub cache_disks: super::common::CacheDiskArgs,
     /// Stop at the OCI image: no ext4 image, no kiln image manifest; `-t` names become
     /// local OCI references (what `kiln pull` makes) instead of store tags.
     #[arg(long = "oci-only")]
@@ -515,6 +517,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
         setup.boot = boot;
         setup.jobs = a.jobs.max(1);
         setup.addresses = a.egress.addresses()?;
+        a.cache_disks.apply(&mut setup);
         anyhow::Ok(kiln_pipeline::run(&setup, req, events).await?)
     })?;
     let digest = &report.oci_manifest.digest;

@@ -102,6 +102,38 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
+/// The sizes of the microVM executor's `RUN --mount=type=cache` disks on this host (`kiln
+/// build --isolation vm`, `kiln serve`): README, "Cache mounts in microVM steps".
+#[derive(Debug, Clone, clap::Args)]
+pub struct CacheDiskArgs {
+    /// Size of each cache disk, MiB: the most one cache holds (its file is sparse). A disk
+    /// keeps the size it was made with.
+    #[arg(
+        long = "cache-disk-mib",
+        value_name = "MIB",
+        default_value_t = kiln_builder::exec::DEFAULT_CACHE_DISK_BYTES >> 20,
+        value_parser = clap::value_parser!(u64).range(16..=1 << 30)
+    )]
+    pub cache_disk_mib: u64,
+    /// Most MiB the cache disks of one workspace (of this host, for `kiln build`) take on
+    /// the host together; past it the least recently used free ones are removed.
+    #[arg(
+        long = "cache-disks-total-mib",
+        value_name = "MIB",
+        default_value_t = kiln_builder::exec::DEFAULT_CACHE_DISKS_TOTAL_BYTES >> 20,
+        value_parser = clap::value_parser!(u64).range(16..=1 << 40)
+    )]
+    pub cache_disks_total_mib: u64,
+}
+
+impl CacheDiskArgs {
+    /// Puts these sizes on `setup`.
+    pub fn apply(&self, setup: &mut kiln_pipeline::Setup) {
+        setup.cache_disk_bytes = self.cache_disk_mib << 20;
+        setup.cache_disks_total_bytes = self.cache_disks_total_mib << 20;
+    }
+}
+
 /// What build steps trust and reach: extra CA certificates, and the address policy's two
 /// settings for tests (`kiln build`, `kiln serve`).
 #[derive(Debug, Clone, Default, clap::Args)]

@@ -138,6 +138,8 @@ pub struct Args {
     pub insecure: Vec<String>,
     #[command(flatten)]
     pub egress: super::common::EgressArgs,
+    #[command(flatten)]
+    pub cache_disks: super::common::CacheDiskArgs,
     /// A store tag name every tenant may build FROM, with any of its tags (e.g. the image
     /// `kiln nightly` rebuilds); repeat for more. No tenant may create a tag of that name.
     #[arg(long = "base", value_name = "NAME")]
@@ -396,6 +398,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     };
     setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
     setup.addresses = a.egress.addresses()?;
+    a.cache_disks.apply(&mut setup);
     setup.ca_certs = a.egress.ca_certs()?;
     let executor_line = match (&executor, &boot) {
         (Executor::Vm, Some(b)) => format!(
