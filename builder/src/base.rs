@@ -266,7 +266,10 @@ pub async fn resolve_in(
         return resolve_tenant(t, spec, policy, registry, cache).await;
     }
     if let Some(l) = layout::LayoutRef::parse(spec) {
-        return resolve_layout(&l, registry, cache);
+        return Ok((
+            l.import(&registry.options().platform, cache)?,
+            Source::Layout,
+        ));
     }
     let r: Reference = spec.parse()?;
     if policy != PullPolicy::Always {
@@ -294,19 +297,6 @@ pub async fn resolve_in(
         }
     }
     pull(registry, &r, cache).await
-}
-
-/// The image of the OCI layout `l` (an operator's `FROM oci:DIR[:TAG]` or named build
-/// context), imported into `cache` for `registry`'s platform, as [`Source::Layout`].
-pub fn resolve_layout(
-    l: &layout::LayoutRef,
-    registry: &Registry,
-    cache: &dyn BlobCache,
-) -> Result<(String, Source), BaseError> {
-    Ok((
-        l.import(&registry.options().platform, cache)?,
-        Source::Layout,
-    ))
 }
 
 /// Pulls `r` into `cache`: its digest, as [`Source::Registry`].

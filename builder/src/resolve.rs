@@ -338,10 +338,6 @@ pub async fn resolve_reference(
     platform: Platform,
     cache: &dyn BlobCache,
 ) -> Result<String, BaseError> {
-    let mut ropts = RegistryOptions {
-        platform,
-        ..opts.registry.clone()
-    };
     if let Some(l) = opts.build_contexts.get(reference) {
         if let Scope::Tenant(_) = &opts.scope {
             return Err(BaseError::Refused {
@@ -352,9 +348,12 @@ pub async fn resolve_reference(
                 ),
             });
         }
-        return Ok(l.import(&ropts.platform, cache)?);
+        return Ok(l.import(&platform, cache)?);
     }
-    let spec = reference;
+    let mut ropts = RegistryOptions {
+        platform,
+        ..opts.registry.clone()
+    };
     // A tenant's pulls: never with the operator's credentials, and every connection through
     // an egress proxy that checks each address (the registry's, its token realm's, a
     // redirect's) and resolves each name once. It stops when this resolution ends.
@@ -362,7 +361,7 @@ pub async fn resolve_reference(
     if let Scope::Tenant(t) = &opts.scope {
         ropts.docker_config = None;
         // The tenant's own credentials for this reference's registry, if it gave some.
-        ropts.credentials = spec
+        ropts.credentials = reference
             .parse::<crate::reference::Reference>()
             .ok()
             .and_then(|r| t.registry_auth.get(r.registry()).cloned());
@@ -373,16 +372,16 @@ pub async fn resolve_reference(
     let registry = Registry::new(ropts);
     // What the store may hold of it: under a tenant, only its own or a global base's tag.
     let fetch = match &opts.scope {
-        Scope::Operator => Some(spec.to_string()),
-        Scope::Tenant(t) => t.store_tag(spec).map(|t| t.to_string()),
+        Scope::Operator => Some(reference.to_string()),
+        Scope::Tenant(t) => t.store_tag(reference).map(|t| t.to_string()),
     };
     if let (Some(f), Some(fetch)) = (&opts.front, fetch) {
         f.fetch(&fetch).await?;
     }
-    match base::resolve_in(&opts.scope, spec, opts.policy, &registry, cache).await {
+    match base::resolve_in(&opts.scope, reference, opts.policy, &registry, cache).await {
         Ok((d, _)) => Ok(d),
         Err(e) => Err(match &proxy {
-            Some(p) => p.explain(spec, e),
+            Some(p) => p.explain(reference, e),
             None => e,
         }),
     }

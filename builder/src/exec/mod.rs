@@ -34,7 +34,6 @@ use std::time::Duration;
 
 use kiln_recipes::plan::{Action, InlineFile, Network, Security, Step};
 
-pub use crate::user::{ExecUser, UserError};
 use crate::workdir::tree_size;
 pub use cgroup::{CgroupError, CgroupLayout};
 pub use linux::{LinuxExecutor, cleanup_mount_points};
