@@ -158,16 +158,7 @@ impl CacheDisk {
                 kiln_builder::workdir::owner_token(),
                 std::process::id()
             ));
-            let made = make_disk(&tmp, root).await.and_then(|()| {
-                std::fs::rename(&tmp, &image).map_err(|source| ExecError::Io {
-                    what: format!("renaming {}", tmp.display()),
-                    source,
-                })
-            });
-            if made.is_err() {
-                let _ = std::fs::remove_file(&tmp);
-            }
-            made?;
+            crate::vmexec::rename_into_place(make_disk(&tmp, root).await, &tmp, &image)?;
         }
         // Its last use, for the eviction order of the others.
         if let Err(e) = lock.set_modified(std::time::SystemTime::now()) {

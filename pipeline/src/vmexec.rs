@@ -453,16 +453,29 @@ pub async fn lower_image(cache: &Path, lower: &Path) -> Result<PathBuf, ExecErro
         kiln_builder::workdir::owner_token(),
         STEP_COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
-    let r = tree_image(&tmp, lower).await.and_then(|()| {
-        std::fs::rename(&tmp, &img).map_err(|source| ExecError::Io {
+    rename_into_place(tree_image(&tmp, lower).await, &tmp, &img)?;
+    Ok(img)
+}
+
+/// Renames `tmp`, a disk image `made` just wrote, over `dest`, so that a reader of `dest`
+/// sees a whole image or none; removes `tmp` when making or renaming it failed.
+///
+/// Errors: `made`'s, or the rename's ([`ExecError::Io`]).
+pub(crate) fn rename_into_place(
+    made: Result<(), ExecError>,
+    tmp: &Path,
+    dest: &Path,
+) -> Result<(), ExecError> {
+    let r = made.and_then(|()| {
+        std::fs::rename(tmp, dest).map_err(|source| ExecError::Io {
             what: format!("renaming {}", tmp.display()),
             source,
         })
     });
     if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+        let _ = std::fs::remove_file(tmp);
     }
-    r.map(|()| img)
+    r
 }
 
 /// An ext4 image at `img` of the tree `dir` (`mke2fs -d`), sized as [`lower_image`] says.
