@@ -328,6 +328,38 @@ pub fn qemu_uids(needle: &str) -> Vec<(u32, u32, u32)> {
         .collect()
 }
 
+/// The runtime the launcher's async API runs on in the synchronous VM tests: one worker,
+/// made once per process.
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static R: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    R.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    })
+}
+
+/// This host's QEMU and the accelerator kiln picks for it with `kernel` and `initramfs`,
+/// probed on [`runtime`]. Panics naming `ci/setup.sh` when QEMU is missing.
+pub fn probe_host(
+    kernel: &Path,
+    initramfs: &Path,
+) -> (kiln_vmm::launch::Host, kiln_vmm::launch::Accel) {
+    use kiln_vmm::launch;
+    runtime().block_on(async {
+        let host = launch::Host::detect()
+            .await
+            .expect("QEMU (run ci/setup.sh)");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let accel = launch::probe_accel(&host, kernel, initramfs, dir.path())
+            .await
+            .expect("accelerator");
+        (host, accel)
+    })
+}
+
 /// The spec of a VM in `d` that QEMU starts paused, waiting for an incoming migration that
 /// never comes (no guest boot), booting `boot` under `accel` on `host`: a `memory_bytes`
 /// shared memory file, an empty 1 MiB qcow2 disk (with `backing`, over a 1 MiB raw backing

@@ -107,14 +107,7 @@ fn debian_rootfs() -> &'static Path {
 
 /// The runtime the launcher's async API runs on (the tests themselves are synchronous).
 fn rt() -> &'static tokio::runtime::Runtime {
-    static R: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    R.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .expect("runtime")
-    })
+    kiln_tests::vm::runtime()
 }
 
 /// This host's QEMU and the accelerator kiln picks for it, probed once.
@@ -122,17 +115,8 @@ fn host() -> &'static (launch::Host, launch::Accel) {
     static H: OnceLock<(launch::Host, launch::Accel)> = OnceLock::new();
     H.get_or_init(|| {
         kiln_pipeline::qemu_cgroups::install();
-        rt().block_on(async {
-            let host = launch::Host::detect()
-                .await
-                .expect("QEMU (run ci/setup.sh)");
-            let a = artifacts();
-            let accel =
-                launch::probe_accel(&host, &a.kernel.vmlinux(), &a.initramfs.path, a.dir.path())
-                    .await
-                    .expect("accelerator");
-            (host, accel)
-        })
+        let a = artifacts();
+        kiln_tests::vm::probe_host(&a.kernel.vmlinux(), &a.initramfs.path)
     })
 }
 

@@ -17,14 +17,7 @@ use serde_json::{Value, json};
 
 /// The runtime the launcher's async API runs on (the tests themselves are synchronous).
 fn rt() -> &'static tokio::runtime::Runtime {
-    static R: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    R.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .expect("runtime")
-    })
+    kiln_tests::vm::runtime()
 }
 
 /// This host's QEMU and the accelerator kiln picks for it, probed once; QEMUs' cgroup maker
@@ -33,17 +26,8 @@ fn host() -> &'static (launch::Host, launch::Accel) {
     static H: OnceLock<(launch::Host, launch::Accel)> = OnceLock::new();
     H.get_or_init(|| {
         kiln_pipeline::qemu_cgroups::install();
-        rt().block_on(async {
-            let host = launch::Host::detect()
-                .await
-                .expect("QEMU (run ci/setup.sh)");
-            let a = kiln_tests::vm::guest_assets();
-            let dir = tempfile::tempdir().unwrap();
-            let accel = launch::probe_accel(&host, &a.kernel, &a.initramfs, dir.path())
-                .await
-                .expect("accelerator");
-            (host, accel)
-        })
+        let a = kiln_tests::vm::guest_assets();
+        kiln_tests::vm::probe_host(&a.kernel, &a.initramfs)
     })
 }
 
