@@ -247,8 +247,8 @@ impl StepExecutor for VmExecutor {
         }
         let mut cache_dirs = std::collections::HashSet::new();
         for m in &spec.mounts {
-            if let kiln_builder::exec::MountKind::Cache { dir, .. } = &m.kind
-                && !cache_dirs.insert(dir)
+            if let kiln_builder::exec::MountKind::Cache(c) = &m.kind
+                && !cache_dirs.insert(&c.dir)
             {
                 return unsupported(&format!(
                     "one cache mounted twice in one step (at {})",
@@ -319,7 +319,7 @@ fn mount_disks(spec: &StepSpec) -> usize {
     use kiln_builder::exec::MountKind;
     spec.mounts
         .iter()
-        .filter(|m| matches!(m.kind, MountKind::Bind { .. } | MountKind::Cache { .. }))
+        .filter(|m| matches!(m.kind, MountKind::Bind { .. } | MountKind::Cache(_)))
         .count()
 }
 
@@ -745,31 +745,34 @@ impl VmExecutor {
                         },
                     )
                 }
-                GuestMount::Cache {
-                    rel,
-                    dir: cache_dir,
-                    sharing,
-                    readonly,
-                    mode,
-                    uid,
-                    gid,
-                } => {
+                GuestMount::Cache { rel, cache } => {
                     let serial = format!("cache{}", caches.len());
                     let root = crate::vm_cache::CacheRoot {
-                        mode,
-                        uid,
-                        gid,
+                        mode: cache.mode,
+                        uid: cache.uid,
+                        gid: cache.gid,
                         bytes: self.config.cache_disk_bytes,
                         total_bytes: self.config.cache_disks_total_bytes,
                     };
                     let name = format!("{serial}.ext4");
                     caches.push(
                         crate::vm_cache::CacheDisk::take(
-                            cache_dir, sharing, root, dir, &name, &stopped,
+                            &cache.dir,
+                            cache.sharing,
+                            root,
+                            dir,
+                            &name,
+                            &stopped,
                         )
                         .await?,
                     );
-                    (rel, ExecMountKind::Cache { serial, readonly })
+                    (
+                        rel,
+                        ExecMountKind::Cache {
+                            serial,
+                            readonly: cache.readonly,
+                        },
+                    )
                 }
             };
             guest_mounts.push(ExecMount {

@@ -38,7 +38,9 @@ use crate::workdir::tree_size;
 pub use cgroup::{CgroupError, CgroupLayout};
 pub use linux::{LinuxExecutor, cleanup_mount_points};
 pub use logs::{LogLimits, LogLine};
-pub use mounts::{GuestMount, MountInputs, MountKind, MountsError, PreparedMounts, StepMount};
+pub use mounts::{
+    CacheMount, GuestMount, MountInputs, MountKind, MountsError, PreparedMounts, StepMount,
+};
 
 /// Docker's default capability set (moby `oci/caps/defaults.go`): CHOWN, DAC_OVERRIDE,
 /// FOWNER, FSETID, KILL, SETGID, SETUID, SETPCAP, NET_BIND_SERVICE, NET_RAW, SYS_CHROOT,

@@ -53,6 +53,26 @@ pub struct StepMount {
     pub kind: MountKind,
 }
 
+/// A `RUN --mount=type=cache`, resolved: which cache, how it is shared, and how a new one is
+/// made. The namespace executor mounts `dir` itself; the microVM executor keeps a disk image
+/// per `dir` ([`GuestMount::Cache`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheMount {
+    /// Host directory, `<cache base>/<hash of the id>` (made by `prepare` with `mode`, `uid`,
+    /// `gid` when missing).
+    pub dir: PathBuf,
+    /// Sharing between concurrent steps.
+    pub sharing: CacheSharing,
+    /// Mounted read-only.
+    pub readonly: bool,
+    /// Mode of a new cache's root directory (permission bits).
+    pub mode: u32,
+    /// Owner of a new cache's root directory.
+    pub uid: u32,
+    /// Group of a new cache's root directory.
+    pub gid: u32,
+}
+
 /// What a [`StepMount`] mounts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MountKind {
@@ -65,21 +85,8 @@ pub enum MountKind {
         /// Writable; writes go to a scratch upper directory discarded after the step.
         readwrite: bool,
     },
-    /// A persistent cache directory.
-    Cache {
-        /// Host directory (made by `prepare` with `mode`, `uid`, `gid` when missing).
-        dir: PathBuf,
-        /// Sharing between concurrent steps.
-        sharing: CacheSharing,
-        /// Mounted read-only.
-        readonly: bool,
-        /// Mode of a new cache directory (permission bits).
-        mode: u32,
-        /// Owner of a new cache directory.
-        uid: u32,
-        /// Group of a new cache directory.
-        gid: u32,
-    },
+    /// A persistent cache.
+    Cache(CacheMount),
     /// A tmpfs.
     Tmpfs {
         /// Size limit, bytes (`None`: the kernel's default, half of RAM; pages are charged
@@ -280,14 +287,14 @@ pub fn resolve(mounts: &[Mount], inputs: &MountInputs) -> Result<ResolvedMounts,
                 let name = hex::encode(&Sha256::digest(id.as_bytes())[..16]);
                 out.mounts.push(StepMount {
                     target: target.clone(),
-                    kind: MountKind::Cache {
+                    kind: MountKind::Cache(CacheMount {
                         dir: base.join(name),
                         sharing,
                         readonly: *readonly,
                         mode: *mode & 0o7777,
                         uid: *uid,
                         gid: *gid,
-                    },
+                    }),
                 });
             }
             Mount::Tmpfs { target, size } => {
@@ -454,14 +461,7 @@ enum PreparedKind {
         readonly: bool,
     },
     /// A cache mount left to a guest ([`prepare_for_guest`]): nothing made or locked.
-    GuestCache {
-        dir: PathBuf,
-        sharing: CacheSharing,
-        readonly: bool,
-        mode: u32,
-        uid: u32,
-        gid: u32,
-    },
+    GuestCache(CacheMount),
     Tmpfs {
         data: CString,
         size_bytes: Option<u64>,
@@ -517,24 +517,14 @@ pub enum GuestMount<'a> {
     },
     /// A cache mount, nothing of it made or locked on the host yet ([`prepare_for_guest`]):
     /// the guest's executor keeps it as it can mount it (the microVM executor: a disk image
-    /// per `dir`), made with `mode`, `uid` and `gid`, and locks it per `sharing` itself
+    /// per [`CacheMount::dir`], the namespace executor's directory, which it derives its own
+    /// from), made with its `mode`, `uid` and `gid`, and locks it per its `sharing` itself
     /// ([`lock_cache`]).
     Cache {
         /// The mount point, relative to the root.
         rel: &'a str,
-        /// The cache's host path as [`resolve`] names it (`<cache base>/<hash of the id>`,
-        /// the namespace executor's directory), which the executor derives its own from.
-        dir: &'a Path,
-        /// Sharing between concurrent steps.
-        sharing: CacheSharing,
-        /// Mounted read-only.
-        readonly: bool,
-        /// Mode of a new cache's root directory (permission bits).
-        mode: u32,
-        /// Owner of a new cache's root directory.
-        uid: u32,
-        /// Group of a new cache's root directory.
-        gid: u32,
+        /// The cache.
+        cache: &'a CacheMount,
     },
 }
 
@@ -673,22 +663,7 @@ impl PreparedMounts {
                     file: m.file,
                 },
                 PreparedKind::Dir { .. } => unreachable!("a guest's caches are GuestCache"),
-                PreparedKind::GuestCache {
-                    dir,
-                    sharing,
-                    readonly,
-                    mode,
-                    uid,
-                    gid,
-                } => GuestMount::Cache {
-                    rel: &m.rel,
-                    dir,
-                    sharing: *sharing,
-                    readonly: *readonly,
-                    mode: *mode,
-                    uid: *uid,
-                    gid: *gid,
-                },
+                PreparedKind::GuestCache(cache) => GuestMount::Cache { rel: &m.rel, cache },
             })
             .collect()
     }
@@ -851,38 +826,14 @@ fn prepare_with(
                     },
                 )
             }
-            MountKind::Cache {
-                dir,
-                sharing,
-                readonly,
-                mode,
-                uid,
-                gid,
-            } if guest => (
-                false,
-                PreparedKind::GuestCache {
-                    dir: dir.clone(),
-                    sharing: *sharing,
-                    readonly: *readonly,
-                    mode: *mode,
-                    uid: *uid,
-                    gid: *gid,
-                },
-            ),
-            MountKind::Cache {
-                dir,
-                sharing,
-                readonly,
-                mode,
-                uid,
-                gid,
-            } => {
-                let dir = cache_dir(dir, *sharing, *mode, *uid, *gid, &mut p)?;
+            MountKind::Cache(c) if guest => (false, PreparedKind::GuestCache(c.clone())),
+            MountKind::Cache(c) => {
+                let dir = cache_dir(&c.dir, c.sharing, c.mode, c.uid, c.gid, &mut p)?;
                 (
                     false,
                     PreparedKind::Dir {
                         dir,
-                        readonly: *readonly,
+                        readonly: c.readonly,
                     },
                 )
             }
@@ -1180,7 +1131,7 @@ pub(crate) fn mount_all(root: &OwnedFd, p: &PreparedMounts) -> Result<(), String
                 drop(target);
                 remount(root, &m.rel, m.file, *readonly)?;
             }
-            PreparedKind::GuestCache { .. } => {
+            PreparedKind::GuestCache(_) => {
                 return Err(format!(
                     "cache /{}: prepared for a guest (prepare_for_guest), not for this step",
                     m.rel
@@ -1357,9 +1308,9 @@ mod tests {
         assert_eq!(r.mounts[0].target, "/run/secrets/tok");
         assert!(!format!("{:?}", r.mounts).contains("s3cr3t"));
         match &r.mounts[2].kind {
-            MountKind::Cache { dir, .. } => {
-                assert_eq!(dir.parent().unwrap(), Path::new("/cache"));
-                assert!(!dir.to_string_lossy().contains(".."));
+            MountKind::Cache(c) => {
+                assert_eq!(c.dir.parent().unwrap(), Path::new("/cache"));
+                assert!(!c.dir.to_string_lossy().contains(".."));
             }
             k => panic!("{k:?}"),
         }
