@@ -101,6 +101,13 @@ for name, data in {
     "zstd": subprocess.run(["zstd", "-q", "-c"], input=upper, capture_output=True, check=True).stdout,
     "hostile": hostile,
     "big-uid": tar([{"name": "f", "data": b"x", "pax": {"uid": "4294967296"}}]),
+    # Names and link targets past 100 bytes with a newline and a byte that is not UTF-8, in
+    # GNU long-name records; and one with a NUL byte (the layer_flatten crash of 2026-12-04:
+    # written back as a PAX path, which the reader split at the newline).
+    "odd-names": tar([{"name": "n" * 100 + "\nline\udcff", "data": b"odd"},
+                      {"name": "s\n", "type": tarfile.SYMTYPE, "link": "t\n" * 60 + "\udcfe"}],
+                     fmt=tarfile.GNU_FORMAT),
+    "nul-name": tar([{"name": "x" * 100 + "\0y", "data": b"x"}], fmt=tarfile.GNU_FORMAT),
     "replace-dir": tar([{"name": "d/", "type": D}, {"name": "d/f", "data": b"1"}]) + SEP +
                    tar([{"name": "d", "data": b"file now"}, {"name": "d2", "type": tarfile.LNKTYPE, "link": "d"}]),
 }.items():

@@ -13,7 +13,8 @@
 //!    with everything below it). Each surviving object is given the stream position (layer,
 //!    entry index) it is written at.
 //! 2. [`Flat::write`] reads the layers again and writes one tar (GNU headers, for their
-//!    atime and ctime fields, plus PAX records for long names and xattrs): every
+//!    atime and ctime fields, GNU long-name records for long names, PAX records for
+//!    xattrs): every
 //!    surviving entry at its own position, so files stay in layer order (the order that gave
 //!    98-99% chunk reuse between builds, see `kiln_store::chunk`). Directories are written at
 //!    the first entry of their current incarnation with their last metadata; a directory
@@ -36,7 +37,8 @@
 //! Output entries carry mode (permission bits incl. setuid/setgid/sticky), uid/gid, mtime
 //! (clamped to `SOURCE_DATE_EPOCH` when one is set; atime and ctime equal to it), size, link target, device numbers and
 //! the xattrs `apply_layer` keeps (`SCHILY.xattr.*`); names and link targets over 100 bytes
-//! go into PAX `path`/`linkpath` records. A sparse file of a layer (a GNU sparse entry, read
+//! go into GNU long-name records (`L`, `K`; a PAX record cannot hold a newline for the
+//! `tar` crate). A sparse file of a layer (a GNU sparse entry, read
 //! by the entry reader's [`crate::layer::Extents`]) is written as one again, its map and
 //! then only its data, so its holes never pass through the pipe (mke2fs, through libarchive,
 //! makes them holes in the image); its blocks in the size estimate are those of its data. Hard links repeat the inode's metadata. Nothing
@@ -61,7 +63,7 @@ const MAX_SYMLINK_HOPS: usize = 40;
 const MAX_DEPTH: usize = 1024;
 /// Names, link targets and xattrs the scan keeps in memory over all layers, bytes (1 GiB;
 /// the Debian base needs about 1 MiB). A hostile image could otherwise fill memory with
-/// long PAX names or xattrs within the per-layer [`Limits`].
+/// long names or xattrs within the per-layer [`Limits`].
 pub const MAX_SCAN_BYTES: u64 = 1 << 30;
 
 /// A stream position: (layer index, entry index in that layer's tar stream).
@@ -320,6 +322,13 @@ fn scan_layer(
             Split::Ok(c) => c,
             Split::DotDot => {
                 return Err(LayerError::DotDot {
+                    digest: l.digest.clone(),
+                    entry: last,
+                }
+                .into());
+            }
+            Split::Nul => {
+                return Err(LayerError::NulInName {
                     digest: l.digest.clone(),
                     entry: last,
                 }
@@ -1142,8 +1151,24 @@ impl<W: Write> Writer<'_, W> {
         }
     }
 
-    /// Writes one entry: a PAX header when needed (long name or link, xattrs), then the
-    /// ustar header and `size` bytes of `data`.
+    /// Writes a GNU long-name record of `kind` (`L` for the next entry's name, `K` for its
+    /// link target): a header named `././@LongLink` whose data is `value` and a NUL, as GNU
+    /// tar writes it (GNU tar manual, "GNU tar format").
+    fn long_name(&mut self, kind: tar::EntryType, value: &[u8]) -> io::Result<()> {
+        let mut h = tar::Header::new_gnu();
+        h.as_gnu_mut()
+            .ok_or_else(|| io::Error::other("gnu header"))?
+            .name[..13]
+            .copy_from_slice(b"././@LongLink");
+        h.set_entry_type(kind);
+        h.set_mode(0o644);
+        h.set_size(value.len() as u64 + 1);
+        h.set_cksum();
+        self.b.append(&h, io::Cursor::new(value).chain(&[0u8][..]))
+    }
+
+    /// Writes one entry: GNU long-name records when needed (long name or link), a PAX
+    /// header for xattrs, then the GNU header and `size` bytes of `data`.
     #[allow(clippy::too_many_arguments)]
     fn header(
         &mut self,
@@ -1159,13 +1184,19 @@ impl<W: Write> Writer<'_, W> {
         let out = |e: io::Error| WriteFail::Out(Ext4Error::output(e));
         let mut pax: Vec<(String, Vec<u8>)> = Vec::new();
         let mut h = tar::Header::new_gnu();
-        if name.len() > 100 || name.contains(&0) {
-            pax.push(("path".into(), name.to_vec()));
+        // A name or link target over the header's 100 bytes goes in a GNU long-name record
+        // (`L`, `K`), which holds any bytes: a PAX `path` record cannot hold a newline for
+        // the `tar` crate, which splits records on newlines. Neither holds a NUL
+        // (`split_name`, `read_meta`).
+        if name.len() > 100 {
+            self.long_name(tar::EntryType::GNULongName, name)
+                .map_err(out)?;
         }
         if let Some(l) = link
-            && (l.len() > 100 || l.contains(&0))
+            && l.len() > 100
         {
-            pax.push(("linkpath".into(), l.to_vec()));
+            self.long_name(tar::EntryType::GNULongLink, l)
+                .map_err(out)?;
         }
         for (k, v) in &meta.xattrs {
             let k = String::from_utf8(k.clone()).map_err(|_| {

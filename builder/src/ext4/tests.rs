@@ -591,6 +591,133 @@ fn owner_ids_past_32_bits_are_refused_not_wrapped() {
     }
 }
 
+/// A GNU long-name record (`L` name, `K` link target) holding `value` as given, then NUL.
+fn gnu_long(kind: tar::EntryType, value: &[u8]) -> Vec<u8> {
+    let mut h = tar::Header::new_gnu();
+    h.as_gnu_mut().unwrap().name[..13].copy_from_slice(b"././@LongLink");
+    h.set_entry_type(kind);
+    h.set_mode(0o644);
+    h.set_size(value.len() as u64 + 1);
+    h.set_cksum();
+    let mut out = h.as_bytes().to_vec();
+    out.extend_from_slice(value);
+    out.push(0);
+    out.resize(out.len().next_multiple_of(512), 0);
+    out
+}
+
+/// A raw GNU header named `name` (cut to 100 bytes) of `kind` with `data`.
+fn gnu_entry(name: &[u8], kind: tar::EntryType, data: &[u8]) -> Vec<u8> {
+    let mut h = tar::Header::new_gnu();
+    let n = name.len().min(100);
+    h.as_gnu_mut().unwrap().name[..n].copy_from_slice(&name[..n]);
+    h.set_entry_type(kind);
+    h.set_mode(0o644);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(1_600_000_000);
+    h.set_size(data.len() as u64);
+    h.set_cksum();
+    let mut out = h.as_bytes().to_vec();
+    out.extend_from_slice(data);
+    out.resize(out.len().next_multiple_of(512), 0);
+    out
+}
+
+/// The `layer_flatten` fuzz crash of 2026-12-04: a long name holding a newline (and bytes
+/// that are not UTF-8) was written back as a PAX `path` record, which the `tar` crate
+/// splits at newlines, so `apply_layer` refused the flattened stream. Long names and link
+/// targets now go into GNU long-name records, and reach the image byte for byte.
+#[test]
+fn long_names_with_a_newline_and_no_utf8_pass_through_to_the_image() {
+    use std::os::unix::ffi::OsStrExt;
+    use tar::EntryType as T;
+    let d = tempfile::tempdir().unwrap();
+    let mut name = b"d/".to_vec();
+    name.extend_from_slice(&[b'n'; 100]);
+    name.extend_from_slice(b"\nline\xff");
+    let mut target = b"t\n".repeat(60);
+    target.push(0xfe);
+    let mut raw = gnu_entry(b"d/", T::Directory, b"");
+    raw.extend(gnu_long(T::GNULongName, &name));
+    raw.extend(gnu_entry(&name, T::Regular, b"odd"));
+    raw.extend(gnu_long(T::GNULongLink, &target));
+    raw.extend(gnu_entry(b"d/s\n", T::Symlink, b""));
+    raw.extend([0u8; 1024]);
+    let path = d.path().join("odd");
+    std::fs::write(&path, &raw).unwrap();
+    let layers = [LayerBlob {
+        digest: digest_of(&raw),
+        path,
+    }];
+    let mut out = Vec::new();
+    flatten(&layers, &mut out, &Limits::default(), None).unwrap();
+    let root = d.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    crate::layer::apply_layer(&root, &out[..], "sha256:flattened", &Limits::default())
+        .expect("the flattened stream is a layer");
+    let file = root.join(std::ffi::OsStr::from_bytes(&name));
+    assert_eq!(std::fs::read(&file).unwrap(), b"odd");
+    let link = std::fs::read_link(root.join("d/s\n")).unwrap();
+    assert_eq!(link.as_os_str().as_bytes(), &target[..]);
+
+    let img = d.path().join("odd.ext4");
+    build(&layers, &img, &opts()).expect("e2fsck-clean image");
+    let listing = std::process::Command::new("debugfs")
+        .args(["-R", "ls -p /d"])
+        .arg(&img)
+        .output()
+        .unwrap()
+        .stdout;
+    let base = &name[2..];
+    assert!(
+        listing.windows(base.len()).any(|w| w == base),
+        "{}",
+        String::from_utf8_lossy(&listing)
+    );
+}
+
+/// A NUL byte in a name or a link target (possible only in a GNU long-name record) is
+/// refused by the entry reader, for layer apply and the flattener alike: a C reader of the
+/// flattened stream (libarchive under `mke2fs -d`) would cut the name there.
+#[test]
+fn a_nul_in_a_name_or_link_target_is_refused() {
+    use tar::EntryType as T;
+    let d = tempfile::tempdir().unwrap();
+    let mut nul_name = vec![b'x'; 100];
+    nul_name.extend_from_slice(b"\0y");
+    let mut in_name = gnu_long(T::GNULongName, &nul_name);
+    in_name.extend(gnu_entry(&nul_name, T::Regular, b"x"));
+    let mut in_link = gnu_long(T::GNULongLink, b"tar\0get");
+    in_link.extend(gnu_entry(b"s", T::Symlink, b""));
+    for (what, mut raw, want) in [
+        ("name", in_name, "the name holds a NUL byte"),
+        ("link", in_link, "link target holds a NUL byte"),
+    ] {
+        raw.extend([0u8; 1024]);
+        let path = d.path().join(what);
+        std::fs::write(&path, &raw).unwrap();
+        let layer = LayerBlob {
+            digest: digest_of(&raw),
+            path,
+        };
+        let err = flatten(
+            std::slice::from_ref(&layer),
+            std::io::sink(),
+            &Limits::default(),
+            None,
+        )
+        .expect_err("the flattener refuses it");
+        assert!(err.to_string().contains(want), "{what}: {err}");
+        let root = d.path().join(format!("root-{what}"));
+        std::fs::create_dir(&root).unwrap();
+        let err = crate::layer::apply_layer(&root, &raw[..], &layer.digest, &Limits::default())
+            .expect_err("the applier refuses it too");
+        assert!(err.to_string().contains(want), "{what}: {err}");
+        assert_eq!(std::fs::read_dir(&root).unwrap().count(), 0, "{what}");
+    }
+}
+
 #[test]
 fn read_file_reads_back_a_file_says_none_for_a_missing_one_and_refuses_unquotable_paths() {
     let d = tempfile::tempdir().unwrap();

@@ -136,6 +136,7 @@ impl Created {
 pub(crate) enum Split {
     Ok(Vec<Vec<u8>>),
     DotDot,
+    Nul,
 }
 
 impl Applier {
@@ -306,6 +307,10 @@ impl Applier {
             Split::DotDot => {
                 let (digest, entry) = self.err_entry();
                 return Err(LayerError::DotDot { digest, entry }.into());
+            }
+            Split::Nul => {
+                let (digest, entry) = self.err_entry();
+                return Err(LayerError::NulInName { digest, entry }.into());
             }
         };
         let kind = entry.header().entry_type();

@@ -5,8 +5,13 @@ use super::*;
 
 /// Splits an entry name (or a hard link's target) into its components, relative to the
 /// root: empty and `.` components, leading `/`s included, are dropped, so `/`, `./` and `//`
-/// name the root and `/etc/x` is `etc/x`; a `..` component is refused.
+/// name the root and `/etc/x` is `etc/x`; a `..` component is refused, and so is a NUL
+/// byte (no Linux file name holds one; a C reader of the same stream, such as libarchive
+/// under `mke2fs -d`, would cut the name there and see another file).
 pub(crate) fn split_name(name: &[u8]) -> Split {
+    if name.contains(&0) {
+        return Split::Nul;
+    }
     let mut out = Vec::new();
     for c in name.split(|b| *b == b'/') {
         match c {
@@ -45,9 +50,15 @@ pub struct Meta {
 /// format; the xattr key form is GNU tar's and star's).
 ///
 /// Errors (`InvalidData`): an owner id that is not a Linux id ([`owner_id`]), a PAX
-/// `uid`/`gid` that is not a number, a PAX sparse file (`GNU.sparse.*` records); the
-/// header's own read errors.
+/// `uid`/`gid` that is not a number, a PAX sparse file (`GNU.sparse.*` records), a link
+/// target holding a NUL byte (as a name, [`split_name`]); the header's own read errors.
 pub(crate) fn read_meta(entry: &mut tar::Entry<'_, impl Read>) -> io::Result<Meta> {
+    if entry.link_name_bytes().is_some_and(|l| l.contains(&0)) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "link target holds a NUL byte",
+        ));
+    }
     let h = entry.header();
     let mut m = Meta {
         mode: h.mode()? & 0o7777,

@@ -215,6 +215,14 @@ pub enum LayerError {
         /// Entry name.
         entry: String,
     },
+    /// An entry name holds a NUL byte ([`split_name`]).
+    #[error("layer {digest}: entry {entry:?}: the name holds a NUL byte")]
+    NulInName {
+        /// Layer digest.
+        digest: String,
+        /// Entry name (lossy UTF-8).
+        entry: String,
+    },
     /// A symlink on the entry's path leads above the root.
     #[error("layer {digest}: entry {entry}: a symlink on its path leads outside the root")]
     SymlinkEscape {
