@@ -43,6 +43,7 @@ pub mod reference;
 pub mod registry;
 pub mod remote;
 pub mod resolve;
+pub mod rootfs;
 pub mod secrets;
 pub mod ssh_agent;
 pub mod user;

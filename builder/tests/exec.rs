@@ -241,6 +241,25 @@ fn user_workdir_env() {
     r.unwrap();
     assert_eq!(lines, vec!["4242", "4242"]);
 
+    // A FIFO as /etc/passwd (a hostile base) is no user database: never opened for
+    // reading, which would block until the step's time limit.
+    let f = fixture("user-fifo");
+    fs::remove_file(f.root.join("etc/passwd")).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        f.root.join("etc/passwd"),
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o644),
+        0,
+    )
+    .unwrap();
+    let mut spec = f.spec("cat /proc/self/status | grep ^Uid: | cut -f2");
+    spec.user = Some("4343".into());
+    spec.timeout = std::time::Duration::from_secs(20);
+    let (r, lines) = f.run(&spec);
+    r.unwrap();
+    assert_eq!(lines, vec!["4343"]);
+
     // An unknown name is a setup error naming it.
     let f = fixture("user3");
     let mut spec = f.spec("true");

@@ -13,7 +13,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use rustix::fs::{Mode, OFlags, ResolveFlags};
+use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
 use rustix::mount::{
     FsMountFlags, FsOpenFlags, MountAttrFlags, MountPropagationFlags, MoveMountFlags, UnmountFlags,
@@ -108,7 +108,7 @@ fn mount_overlay(
 }
 
 /// Opens `path` (absolute, inside the root `root`) as a directory, resolving every symlink
-/// inside the root (`openat2` `RESOLVE_IN_ROOT`), creating missing directories with `mode`
+/// inside the root ([`crate::rootfs::open_in_root`]), creating missing directories with `mode`
 /// owned by `uid:gid`. Returns the directory.
 pub fn mkdir_in_root(
     root: &Path,
@@ -123,34 +123,21 @@ pub fn mkdir_in_root(
         Mode::empty(),
     )?;
     let flags = OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC;
-    let resolve = ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS;
     let comps: Vec<&str> = path
         .split('/')
         .filter(|c| !c.is_empty() && *c != ".")
         .collect();
     let mut so_far = String::from(".");
-    let mut parent = crate::exec::openat2_in_root(&rootfd, ".", flags, Mode::empty(), resolve)?;
+    let mut parent = crate::rootfs::open_in_root(&rootfd, ".", flags)?;
     for c in comps {
         if c == ".." {
             so_far.push_str("/..");
-            parent = crate::exec::openat2_in_root(
-                &rootfd,
-                so_far.as_str(),
-                flags,
-                Mode::empty(),
-                resolve,
-            )?;
+            parent = crate::rootfs::open_in_root(&rootfd, so_far.as_str(), flags)?;
             continue;
         }
         so_far.push('/');
         so_far.push_str(c);
-        parent = match crate::exec::openat2_in_root(
-            &rootfd,
-            so_far.as_str(),
-            flags,
-            Mode::empty(),
-            resolve,
-        ) {
+        parent = match crate::rootfs::open_in_root(&rootfd, so_far.as_str(), flags) {
             Ok(fd) => fd,
             Err(Errno::NOENT) => {
                 let name = OsStr::from_bytes(c.as_bytes());
@@ -159,14 +146,8 @@ pub fn mkdir_in_root(
                     Err(e) => return Err(e.into()),
                 }
                 // A dangling symlink named `c` resolves to its target inside the root: open
-                // the final path again, through openat2.
-                let fd = match crate::exec::openat2_in_root(
-                    &rootfd,
-                    so_far.as_str(),
-                    flags,
-                    Mode::empty(),
-                    resolve,
-                ) {
+                // the final path again, inside the root.
+                let fd = match crate::rootfs::open_in_root(&rootfd, so_far.as_str(), flags) {
                     Ok(fd) => fd,
                     Err(Errno::NOENT) => {
                         return Err(io::Error::other(format!(

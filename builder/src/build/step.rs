@@ -245,7 +245,7 @@ pub(super) async fn image_ca_bundle(
     );
     let r = tokio::task::spawn_blocking(move || {
         merged::with_merged(lowers, upper, work, mnt, |root| {
-            use crate::copy::root::{Root, read_bounded};
+            use crate::rootfs::{Root, read_bounded};
             let root = Root::open(root).map_err(|e| e.to_string())?;
             for p in ca::SYSTEM_BUNDLES {
                 match read_bounded(&root, p, ca::MAX_SYSTEM_BUNDLE_BYTES + 1) {

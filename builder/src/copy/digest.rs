@@ -8,11 +8,12 @@ use rustix::fs::{AtFlags, FileType, Mode, OFlags, Stat};
 use rustix::io::Errno;
 use sha2::{Digest, Sha256};
 
-use super::root::{Root, os};
 use super::{
     CopyError, CopyLimits, Filter, Item, Sources, Verdict, ioe, join, list, open_regular, select,
     xattrs,
 };
+use crate::rootfs::Root;
+use crate::rootfs::root::os;
 
 /// `sha256:<hex>` over the sources `step` selects from `src`, after `.dockerignore` and
 /// `--exclude`: for each source in order, its text as written, then every selected entry

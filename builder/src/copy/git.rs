@@ -622,8 +622,8 @@ fn fetch_blocking(
     let tree = match &r.subdir {
         None => repo.clone(),
         Some(sub) => {
-            let root = super::root::Root::open(&repo).map_err(|e| io("opening", &repo, e))?;
-            let comps = super::root::components(sub);
+            let root = crate::rootfs::Root::open(&repo).map_err(|e| io("opening", &repo, e))?;
+            let comps = crate::rootfs::components(sub);
             let node = root.resolve(&comps, true, None).ok().filter(|n| {
                 n.stat.is_some_and(|s| {
                     rustix::fs::FileType::from_raw_mode(s.st_mode)
@@ -637,7 +637,7 @@ fn fetch_blocking(
             };
             let mut p = repo.clone();
             for c in &node.comps {
-                p.push(super::root::os(c));
+                p.push(crate::rootfs::root::os(c));
             }
             p
         }

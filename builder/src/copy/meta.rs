@@ -41,13 +41,12 @@ pub(super) fn resolve_chown(spec: &str, db_root: &Path) -> Result<(u32, u32), Co
         source: e,
     })?;
     let read = |p: &str| -> Result<String, CopyError> {
-        let b =
-            root::read_bounded(&root, p, crate::user::MAX_DB_BYTES as u64).map_err(|source| {
-                CopyError::Resolve {
-                    path: p.into(),
-                    source,
-                }
-            })?;
+        let b = crate::rootfs::read_bounded(&root, p, crate::user::MAX_DB_BYTES as u64).map_err(
+            |source| CopyError::Resolve {
+                path: p.into(),
+                source,
+            },
+        )?;
         Ok(String::from_utf8_lossy(&b.unwrap_or_default()).into_owned())
     };
     let passwd = read("/etc/passwd")?;

@@ -39,7 +39,7 @@
 //! no threads: it may run in a forked child that holds the overlay mount).
 //!
 //! Hostile input: a source path that climbs above its root (`../x`) is refused; every path, on
-//! both sides, is resolved inside its root by [`root::Root`] (symlinks, absolute or relative,
+//! both sides, is resolved inside its root by [`crate::rootfs::Root`] (symlinks, absolute or relative,
 //! cannot lead out; a symlink in `dest_root` pointing at `/etc` means the root's `/etc`);
 //! `.dockerignore` applies to what a symlink resolves to as well as to its own name; sizes and
 //! counts are bounded by [`CopyLimits`]; FIFOs and devices are never opened; device nodes
@@ -52,7 +52,6 @@ pub mod fetch;
 pub mod git;
 mod meta;
 pub mod mode;
-pub mod root;
 mod select;
 
 pub(crate) use copier::*;
@@ -75,8 +74,9 @@ pub use self::digest::{
 };
 use self::fetch::Downloads;
 use self::mode::{Chmod, glob_match, has_glob};
-use self::root::{Create, Resolved, Root, RootError, components, os};
 use crate::layer::{LayerError, Limits as TarLimits};
+use crate::rootfs::root::os;
+use crate::rootfs::{Create, Resolved, Root, RootError, components};
 
 /// How deep a copied (or hashed) directory tree may go below its source, in directories.
 pub const MAX_TREE_DEPTH: usize = 1024;

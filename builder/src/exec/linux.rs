@@ -1287,44 +1287,30 @@ fn default_signals() {
 /// Opens `rel` (a file, `O_PATH`) inside the root `root`, creating it empty (and `etc`)
 /// when missing; symlinks resolve inside `root`. `None`: `rel` is a dangling symlink.
 fn open_in_root(root: &OwnedFd, rel: &str) -> Result<Option<OwnedFd>, String> {
-    use super::openat2_in_root as openat2;
-    use rustix::fs::{Mode, OFlags, ResolveFlags, openat};
+    use crate::rootfs::open_in_root as open;
+    use rustix::fs::{Mode, OFlags, openat};
     let path_flags = OFlags::PATH | OFlags::CLOEXEC;
-    match openat2(root, rel, path_flags, Mode::empty(), ResolveFlags::IN_ROOT) {
+    match open(root, rel, path_flags) {
         Ok(fd) => return Ok(Some(fd)),
         Err(rustix::io::Errno::NOENT) => {}
         Err(e) => return Err(format!("opening /{rel}: {e}")),
     }
     let (dir, name) = rel.rsplit_once('/').unwrap_or((".", rel));
-    let dir_fd = match openat2(
-        root,
-        dir,
-        path_flags | OFlags::DIRECTORY,
-        Mode::empty(),
-        ResolveFlags::IN_ROOT,
-    ) {
+    let dir_fd = match open(root, dir, path_flags | OFlags::DIRECTORY) {
         Ok(fd) => fd,
         Err(rustix::io::Errno::NOENT) => {
             rustix::fs::mkdirat(root, dir, Mode::from_raw_mode(0o755))
                 .map_err(|e| format!("creating /{dir}: {e}"))?;
-            openat2(
-                root,
-                dir,
-                path_flags | OFlags::DIRECTORY,
-                Mode::empty(),
-                ResolveFlags::IN_ROOT,
-            )
-            .map_err(|e| format!("opening /{dir}: {e}"))?
+            open(root, dir, path_flags | OFlags::DIRECTORY)
+                .map_err(|e| format!("opening /{dir}: {e}"))?
         }
         Err(e) => return Err(format!("opening /{dir}: {e}")),
     };
     // A dangling symlink is not followed: O_EXCL | O_NOFOLLOW refuse it.
-    let dir_rw = openat2(
+    let dir_rw = open(
         root,
         dir,
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-        ResolveFlags::IN_ROOT,
     )
     .map_err(|e| format!("opening /{dir}: {e}"))?;
     drop(dir_fd);
@@ -1339,7 +1325,7 @@ fn open_in_root(root: &OwnedFd, rel: &str) -> Result<Option<OwnedFd>, String> {
         Err(rustix::io::Errno::EXIST) => return Ok(None),
         Err(e) => return Err(format!("creating /{rel}: {e}")),
     }
-    openat2(root, rel, path_flags, Mode::empty(), ResolveFlags::IN_ROOT)
+    open(root, rel, path_flags)
         .map(Some)
         .map_err(|e| format!("opening /{rel}: {e}"))
 }
@@ -1348,17 +1334,13 @@ fn open_in_root(root: &OwnedFd, rel: &str) -> Result<Option<OwnedFd>, String> {
 /// empty when it cannot be read. Only regular files are read (a FIFO or device would block
 /// or never end).
 fn read_bounded(path: &str) -> String {
-    let Ok(f) = fs::File::open(path) else {
+    let Ok(root) = crate::rootfs::Root::open(Path::new("/")) else {
         return String::new();
     };
-    if !f.metadata().map(|m| m.is_file()).unwrap_or(false) {
-        return String::new();
+    match crate::rootfs::read_bounded(&root, path, crate::user::MAX_DB_BYTES as u64) {
+        Ok(Some(buf)) => String::from_utf8_lossy(&buf).into_owned(),
+        Ok(None) | Err(_) => String::new(),
     }
-    let mut buf = Vec::new();
-    let _ = f
-        .take(crate::user::MAX_DB_BYTES as u64)
-        .read_to_end(&mut buf);
-    String::from_utf8_lossy(&buf).into_owned()
 }
 
 /// `argv[0]` as execvp(3) would find it in `path`.

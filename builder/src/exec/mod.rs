@@ -563,30 +563,6 @@ impl StepExecutor for RecordingExecutor {
     }
 }
 
-/// Most times [`openat2_in_root`] asks again after `EAGAIN`.
-const OPENAT2_ATTEMPTS: usize = 64;
-
-/// `openat2(2)` (rustix's), asked again on `EAGAIN`, at most [`OPENAT2_ATTEMPTS`] times:
-/// with `RESOLVE_IN_ROOT` or `RESOLVE_BENEATH`, the kernel answers `EAGAIN` when a rename or
-/// a mount anywhere on the host raced the lookup of a `..` component, and openat2(2) says
-/// the caller may retry. Busy hosts (a CI run, a server's other builds) hit it. Every
-/// root-confined open of the builder goes through here.
-pub(crate) fn openat2_in_root<Fd: rustix::fd::AsFd, P: rustix::path::Arg + Copy>(
-    dirfd: Fd,
-    path: P,
-    oflags: rustix::fs::OFlags,
-    mode: rustix::fs::Mode,
-    resolve: rustix::fs::ResolveFlags,
-) -> rustix::io::Result<rustix::fd::OwnedFd> {
-    let mut tries = 0;
-    loop {
-        match rustix::fs::openat2(dirfd.as_fd(), path, oflags, mode, resolve) {
-            Err(rustix::io::Errno::AGAIN) if tries + 1 < OPENAT2_ATTEMPTS => tries += 1,
-            r => return r,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use kiln_recipes::dockerignore::Dockerignore;
 use kiln_recipes::plan::{CopySource, CopyStep, Mount, MountFrom};
-use rustix::fs::{Mode, OFlags, ResolveFlags};
+use rustix::fs::{Mode, OFlags};
 use rustix::mount::MountFlags;
 use sha2::{Digest, Sha256};
 
@@ -529,7 +529,7 @@ pub enum GuestMount<'a> {
 }
 
 /// Opens `path` inside `root` as a bind mount's source, resolved as the namespace executor
-/// resolves it (`openat2` with `RESOLVE_IN_ROOT`: `..` and symlinks stay inside `root`), as an
+/// resolves it ([`crate::rootfs::open_in_root`]: `..` and symlinks stay inside `root`), as an
 /// `O_PATH` descriptor; `/proc/<pid>/fd/<n>` of it names the tree to other processes.
 ///
 /// Errors: the path cannot be opened (the message names the error).
@@ -986,19 +986,8 @@ fn open_in(root: &Path, path: &str) -> Result<OwnedFd, String> {
         Mode::empty(),
     )
     .map_err(|e| format!("opening {}: {e}", root.display()))?;
-    let p = if path.trim_matches('/').is_empty() {
-        "."
-    } else {
-        path
-    };
-    crate::exec::openat2_in_root(
-        &root_fd,
-        p,
-        OFlags::PATH | OFlags::CLOEXEC,
-        Mode::empty(),
-        ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
-    )
-    .map_err(|e| format!("{e}"))
+    crate::rootfs::open_in_root(&root_fd, path, OFlags::PATH | OFlags::CLOEXEC)
+        .map_err(|e| format!("{e}"))
 }
 
 fn fd_path(fd: &OwnedFd) -> String {

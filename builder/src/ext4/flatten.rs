@@ -45,7 +45,7 @@
 //! else from the input headers (user names, atime, ctime) passes through. The root directory is not written (mke2fs makes it: 0755,
 //! 0:0).
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::io::{self, Read, Write};
 
@@ -56,11 +56,8 @@ use crate::layer::{
 };
 
 use super::{Ext4Error, LayerBlob};
+use crate::rootfs::walk::{AboveRoot, Lookup, Tree, Walk, WalkError, walk};
 
-/// How many symlinks one parent walk may follow (Linux's `MAXSYMLINKS`).
-const MAX_SYMLINK_HOPS: usize = 40;
-/// How deep a resolved path may go, in components.
-const MAX_DEPTH: usize = 1024;
 /// Names, link targets and xattrs the scan keeps in memory over all layers, bytes (1 GiB;
 /// the Debian base needs about 1 MiB). A hostile image could otherwise fill memory with
 /// long names or xattrs within the per-layer [`Limits`].
@@ -402,6 +399,52 @@ fn scan_layer(
     Ok((out, bounded.bytes()))
 }
 
+/// The flattened tree in memory as a [`Tree`] for the walk: a directory is its path (`""`
+/// for the root), a symlink's leaf its target (other leaves empty).
+struct Model<'a>(&'a mut Flat);
+
+impl Tree for Model<'_> {
+    type Dir = Vec<u8>;
+    type Leaf = Vec<u8>;
+    type Error = std::convert::Infallible;
+
+    fn lookup(&mut self, dir: &Vec<u8>, name: &[u8]) -> Result<Lookup<Vec<u8>>, Self::Error> {
+        Ok(match self.0.paths.get(&child(dir, name)) {
+            None => Lookup::Missing,
+            Some(Node::Dir { .. }) => Lookup::Dir(Vec::new()),
+            Some(Node::Leaf { ino, .. }) => match &self.0.inodes[*ino].kind {
+                Kind::Symlink(target) => Lookup::Symlink(target.clone()),
+                _ => Lookup::Other(Vec::new()),
+            },
+        })
+    }
+
+    fn read_link(
+        &mut self,
+        _: &Vec<u8>,
+        _: &[u8],
+        target: &Vec<u8>,
+    ) -> Result<Vec<u8>, Self::Error> {
+        Ok(target.clone())
+    }
+
+    fn enter(&mut self, dir: &Vec<u8>, name: &[u8], _: Vec<u8>) -> Result<Vec<u8>, Self::Error> {
+        Ok(child(dir, name))
+    }
+
+    fn make_dir(&mut self, dir: &Vec<u8>, name: &[u8]) -> Result<Vec<u8>, Self::Error> {
+        let path = child(dir, name);
+        self.0.paths.insert(
+            path.clone(),
+            Node::Dir {
+                meta: None,
+                first: None,
+            },
+        );
+        Ok(path)
+    }
+}
+
 impl Flat {
     /// Pass 1: reads the headers of every layer (bottom first) and computes the final tree.
     /// `clamp`: `SOURCE_DATE_EPOCH`, mtimes above it are lowered to it; `default_mtime`: the
@@ -496,71 +539,39 @@ impl Flat {
         Ok(f)
     }
 
-    /// Resolves `comps` (a directory path) inside the tree, following symlinks; creates
-    /// missing directories when `create`, else returns `None` for a missing one.
+    /// Resolves `comps` (a directory path) inside the tree, with the walk `apply_layer`
+    /// uses ([`crate::rootfs`]: symlinks followed inside the root, a `..` above it
+    /// refused); creates missing directories when `create`, else returns `None` for a
+    /// missing one.
     fn resolve(
         &mut self,
         comps: &[Vec<u8>],
         create: bool,
         cx: &Cx<'_>,
     ) -> Result<Option<Vec<u8>>, Ext4Error> {
-        let mut stack: Vec<Vec<u8>> = Vec::new();
-        let mut queue: VecDeque<Vec<u8>> = comps.iter().cloned().collect();
-        let mut hops = 0;
-        while let Some(c) = queue.pop_front() {
-            if c.is_empty() || c == b"." {
-                continue;
+        let how = Walk {
+            dirs_only: true,
+            follow_last: true,
+            create,
+            above_root: AboveRoot::Refuse,
+        };
+        match walk(&mut Model(self), Vec::new(), comps, &how) {
+            Ok(mut reached) => Ok(reached.dirs.pop().map(|(path, _)| path)),
+            Err(WalkError::Missing) => Ok(None),
+            Err(WalkError::Tree(never)) => match never {},
+            Err(WalkError::Escape) => {
+                Err(cx.err(|digest, entry| LayerError::SymlinkEscape { digest, entry }))
             }
-            if c == b".." {
-                if stack.pop().is_none() {
-                    return Err(cx.err(|digest, entry| LayerError::SymlinkEscape { digest, entry }));
-                }
-                continue;
+            Err(WalkError::Loop) => {
+                Err(cx.err(|digest, entry| LayerError::SymlinkLoop { digest, entry }))
             }
-            if stack.len() >= MAX_DEPTH {
-                return Err(cx.err(|digest, entry| LayerError::TooDeep { digest, entry }));
+            Err(WalkError::TooDeep) => {
+                Err(cx.err(|digest, entry| LayerError::TooDeep { digest, entry }))
             }
-            stack.push(c);
-            let p = join(&stack);
-            match self.paths.get(&p) {
-                Some(Node::Dir { .. }) => {}
-                Some(Node::Leaf { ino, .. }) => match &self.inodes[*ino].kind {
-                    Kind::Symlink(target) => {
-                        hops += 1;
-                        if hops > MAX_SYMLINK_HOPS {
-                            return Err(
-                                cx.err(|digest, entry| LayerError::SymlinkLoop { digest, entry })
-                            );
-                        }
-                        stack.pop();
-                        if target.first() == Some(&b'/') {
-                            stack.clear();
-                        }
-                        for t in target.split(|b| *b == b'/').rev() {
-                            if !t.is_empty() {
-                                queue.push_front(t.to_vec());
-                            }
-                        }
-                    }
-                    _ => {
-                        return Err(
-                            cx.err(|digest, entry| LayerError::NotADirectory { digest, entry })
-                        );
-                    }
-                },
-                None if create => {
-                    self.paths.insert(
-                        p,
-                        Node::Dir {
-                            meta: None,
-                            first: None,
-                        },
-                    );
-                }
-                None => return Ok(None),
+            Err(WalkError::NotADirectory) => {
+                Err(cx.err(|digest, entry| LayerError::NotADirectory { digest, entry }))
             }
         }
-        Ok(Some(join(&stack)))
     }
 
     /// Removes `path` and, for a directory, everything below it.

@@ -162,86 +162,27 @@ impl Applier {
         (self.digest.clone(), self.entry.clone())
     }
 
-    /// Walks `comps` from the root, following symlinks inside the root, and returns the fd
-    /// of the directory reached. Missing directories are created (0755, root) when `create`;
-    /// otherwise `Ok(None)` is returned for a missing component.
+    /// Walks the directory path `comps` from the root ([`crate::rootfs`]'s walk: symlinks
+    /// followed inside the root, a `..` above it refused) and returns the fd of the
+    /// directory reached. Missing directories are made (0755, root) when `create`; otherwise
+    /// `Ok(None)` is returned for a missing component.
     fn walk(&self, comps: &[Vec<u8>], create: bool) -> Result<Option<OwnedFd>, LayerError> {
-        let mut stack: Vec<OwnedFd> =
-            vec![self.root.try_clone().map_err(|e| self.io("dup root", e))?];
-        let mut queue: std::collections::VecDeque<Vec<u8>> = comps.iter().cloned().collect();
-        let mut hops = 0;
-        while let Some(c) = queue.pop_front() {
-            if c.is_empty() || c == b"." {
-                continue;
-            }
-            if c == b".." {
-                if stack.len() == 1 {
-                    let (digest, entry) = self.err_entry();
-                    return Err(LayerError::SymlinkEscape { digest, entry });
-                }
-                stack.pop();
-                continue;
-            }
-            if stack.len() > MAX_DEPTH {
-                let (digest, entry) = self.err_entry();
-                return Err(LayerError::TooDeep { digest, entry });
-            }
-            // The last element always exists: the root is never popped (checked above).
-            let cur = stack
-                .last()
-                .map(|f| f.as_fd())
-                .expect("stack holds the root");
-            let st = match rustix::fs::statat(cur, os(&c), AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(st) => Some(st),
-                Err(Errno::NOENT) => None,
-                Err(e) => return Err(self.io("stat parent", e)),
-            };
-            let st = match st {
-                Some(st) => st,
-                None if create => {
-                    rustix::fs::mkdirat(cur, os(&c), Mode::from_raw_mode(0o755))
-                        .map_err(|e| self.io("mkdirat parent", e))?;
-                    rustix::fs::statat(cur, os(&c), AtFlags::SYMLINK_NOFOLLOW)
-                        .map_err(|e| self.io("stat parent", e))?
-                }
-                None => return Ok(None),
-            };
-            match FileType::from_raw_mode(st.st_mode) {
-                FileType::Directory => {
-                    let fd = rustix::fs::openat(
-                        cur,
-                        os(&c),
-                        OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
-                        Mode::empty(),
-                    )
-                    .map_err(|e| self.io("open parent", e))?;
-                    stack.push(fd);
-                }
-                FileType::Symlink => {
-                    hops += 1;
-                    if hops > MAX_SYMLINK_HOPS {
-                        let (digest, entry) = self.err_entry();
-                        return Err(LayerError::SymlinkLoop { digest, entry });
-                    }
-                    let target = rustix::fs::readlinkat(cur, os(&c), Vec::new())
-                        .map_err(|e| self.io("readlinkat", e))?;
-                    let target = target.as_bytes();
-                    if target.first() == Some(&b'/') {
-                        stack.truncate(1);
-                    }
-                    for t in target.split(|b| *b == b'/').rev() {
-                        if !t.is_empty() {
-                            queue.push_front(t.to_vec());
-                        }
-                    }
-                }
-                _ => {
-                    let (digest, entry) = self.err_entry();
-                    return Err(LayerError::NotADirectory { digest, entry });
-                }
-            }
+        let how = Walk {
+            dirs_only: true,
+            follow_last: true,
+            create,
+            above_root: AboveRoot::Refuse,
+        };
+        let (digest, entry) = self.err_entry();
+        match walk_fd(self.root.as_fd(), comps, &how, None) {
+            Ok(mut reached) => Ok(reached.dirs.pop().map(|(fd, _)| fd)),
+            Err(WalkError::Missing) => Ok(None),
+            Err(WalkError::Tree(e)) => Err(self.io(e.op, e.errno)),
+            Err(WalkError::Escape) => Err(LayerError::SymlinkEscape { digest, entry }),
+            Err(WalkError::Loop) => Err(LayerError::SymlinkLoop { digest, entry }),
+            Err(WalkError::TooDeep) => Err(LayerError::TooDeep { digest, entry }),
+            Err(WalkError::NotADirectory) => Err(LayerError::NotADirectory { digest, entry }),
         }
-        Ok(stack.pop())
     }
 
     fn mark_created(&mut self, comps: &[Vec<u8>]) {

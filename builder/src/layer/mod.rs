@@ -72,10 +72,10 @@ use rustix::process::{Gid, Uid};
 
 use self::whiteout::WhiteoutKind;
 
-/// How many symlinks one path walk may follow (Linux's own limit, `MAXSYMLINKS`, is 40).
-const MAX_SYMLINK_HOPS: usize = 40;
-/// How deep a resolved path may go, in components.
-const MAX_DEPTH: usize = 1024;
+use crate::rootfs::root::walk_fd;
+use crate::rootfs::walk::{AboveRoot, Walk, WalkError};
+use crate::rootfs::{MAX_DEPTH, MAX_SYMLINK_HOPS};
+
 /// Largest PAX (`x`, `g`) or GNU long name/link (`L`, `K`) header data, bytes.
 pub const MAX_METADATA_BYTES: u64 = 1 << 20;
 
