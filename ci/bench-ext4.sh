@@ -59,7 +59,7 @@ bench() { # name layers...
     args=$(sed -n 's/.* args=\(.*\)$/\1/p' <<<"$out")
     # The same tree on disk: the flattened tar unpacked as root.
     rm -rf "$tree" && mkdir -p "$tree"
-    FLATTEN_ONLY=1 "$BIN" "$WORK/$name.flat.tar" "$@"
+    FLATTEN_ONLY=1 "$BIN" "$WORK/$name.flat.tar" "$@" >/dev/null
     sync
     local unpack
     unpack=$(timed /dev/null tar --numeric-owner --xattrs --xattrs-include='*' -xpf "$WORK/$name.flat.tar" -C "$tree")

@@ -3,6 +3,8 @@
 //!
 //! Usage: `ext4_build OUT.ext4 LAYER...` (each layer a plain, gzip or zstd tar, bottom first).
 //! With `FLATTEN_ONLY=1`, writes the flattened tar to OUT instead (to unpack the same tree).
+//! With `APPLY_ONLY=1`, applies the layers in order into the new directory OUT with
+//! `kiln_builder::layer::apply_layer` instead. Both print `seconds=` only.
 //! `DISK_MIB` fixes the image size.
 //! Prints one line of `key=value`: `seconds`, `mib` (image size), `data_bytes` (file data in
 //! the tree), `files`, `dirs`, `inodes` and `args` (the mke2fs options, to repeat them).
@@ -35,7 +37,28 @@ fn main() {
         source_date_epoch: None,
         limits: Limits::default(),
     };
+    if std::env::var_os("APPLY_ONLY").is_some() {
+        let t = Instant::now();
+        let root = std::path::Path::new(&out);
+        std::fs::create_dir(root).unwrap_or_else(|e| {
+            eprintln!("{}: {e}", root.display());
+            std::process::exit(1)
+        });
+        for l in &layers {
+            let f = std::fs::File::open(&l.path).unwrap_or_else(|e| {
+                eprintln!("{}: {e}", l.path.display());
+                std::process::exit(1)
+            });
+            if let Err(e) = kiln_builder::layer::apply_layer(root, f, &l.digest, &opts.limits) {
+                eprintln!("ext4_build: {e}");
+                std::process::exit(1);
+            }
+        }
+        println!("seconds={:.3}", t.elapsed().as_secs_f64());
+        return;
+    }
     if std::env::var_os("FLATTEN_ONLY").is_some() {
+        let t = Instant::now();
         let f = std::fs::File::create(&out).unwrap_or_else(|e| {
             eprintln!("{}: {e}", out.to_string_lossy());
             std::process::exit(1)
@@ -44,6 +67,7 @@ fn main() {
             eprintln!("ext4_build: {e}");
             std::process::exit(1);
         }
+        println!("seconds={:.3}", t.elapsed().as_secs_f64());
         return;
     }
     let t = Instant::now();
