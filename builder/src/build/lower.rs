@@ -28,7 +28,9 @@ use sha2::{Digest as _, Sha256};
 use crate::cache::{BlobCache, sha256_hex};
 use crate::layer::whiteout::WhiteoutKind;
 use crate::layer::write::OVERLAY_OPAQUE_XATTR;
-use crate::layer::{Limits, apply_layer};
+use crate::layer::{LayerError, LimitKind, Limits, Split, apply_layer, bounded_stream, split_name};
+use crate::rootfs::root::{FsError, walk_fd};
+use crate::rootfs::walk::{AboveRoot, Walk, WalkError};
 
 /// Errors preparing lower directories.
 #[derive(Debug, thiserror::Error)]
@@ -193,7 +195,7 @@ impl LayerDirs {
                 .blob_path(d)?
                 .ok_or_else(|| LowerError::Missing(d.clone()))?;
             let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
-            own_parents(&tmp, f).map_err(io_err("making the parents of a layer in", &tmp))?;
+            own_parents(&tmp, f, d, limits)?;
             let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
             apply_layer(&tmp, f, d, limits)?;
             Ok::<_, LowerError>(())
@@ -246,7 +248,7 @@ pub fn unpack_overlay_form(
     let f = fs::File::open(blob).map_err(io_err("opening", blob))?;
     apply_layer(dir, f, digest, limits)?;
     let f = fs::File::open(blob).map_err(io_err("opening", blob))?;
-    mark_whiteouts(dir, f).map_err(io_err("marking whiteouts in", dir))
+    mark_whiteouts(dir, f, digest, limits)
 }
 
 /// A decompressing reader for a layer blob (by magic bytes: [`crate::layer::Compression`]).
@@ -273,71 +275,119 @@ pub fn diff_id_of(blob: &Path) -> io::Result<String> {
 
 /// Second pass over a layer already applied to the empty directory `root`: its whiteouts
 /// become overlayfs markers. A whiteout under a path this layer made a symlink (or any
-/// non-directory) is dropped: overlayfs could not honour it either.
-fn mark_whiteouts(root: &Path, blob: impl Read + 'static) -> io::Result<()> {
-    for_each_entry_path(root, blob, |root_fd, comps| {
-        let Some((base, parent)) = comps.split_last() else {
-            return Ok(());
-        };
-        // apply_layer already refused `..` and malformed whiteouts.
-        let kind = match WhiteoutKind::parse(base) {
-            Ok(k) => k,
-            Err(_) => return Ok(()),
-        };
-        if matches!(kind, WhiteoutKind::None | WhiteoutKind::Meta) {
-            return Ok(());
-        }
-        let Some(dir) = walk_create(root_fd, parent)? else {
-            return Ok(());
-        };
-        match kind {
-            WhiteoutKind::Remove(target) => {
-                let target = std::ffi::OsStr::from_bytes(target);
-                match rustix::fs::statat(&dir, target, AtFlags::SYMLINK_NOFOLLOW) {
-                    // Made by this same layer: the whiteout hides only lower layers' entry,
-                    // and this one shadows it already.
-                    Ok(_) => {}
-                    Err(Errno::NOENT) => rustix::fs::mknodat(
-                        &dir,
-                        target,
-                        FileType::CharacterDevice,
-                        Mode::empty(),
-                        rustix::fs::makedev(0, 0),
-                    )?,
-                    Err(e) => return Err(e.into()),
+/// non-directory) is dropped: overlayfs could not honour it either. Parents are walked with
+/// [`crate::rootfs`]'s walk, following no symlink.
+fn mark_whiteouts(
+    root: &Path,
+    blob: impl Read,
+    digest: &str,
+    limits: &Limits,
+) -> Result<(), LowerError> {
+    let how = Walk {
+        dirs_only: true,
+        follow: false,
+        follow_last: false,
+        create: true,
+        replace: false,
+        above_root: AboveRoot::Refuse,
+    };
+    for_each_entry_path(
+        root,
+        blob,
+        digest,
+        limits,
+        "marking whiteouts in",
+        |root_fd, comps| {
+            let Some((base, parent)) = comps.split_last() else {
+                return Ok(());
+            };
+            // apply_layer already refused malformed whiteouts.
+            let kind = match WhiteoutKind::parse(base) {
+                Ok(k) => k,
+                Err(_) => return Ok(()),
+            };
+            if matches!(kind, WhiteoutKind::None | WhiteoutKind::Meta) {
+                return Ok(());
+            }
+            let dir = match walk_fd(root_fd.as_fd(), parent, &how, None) {
+                Ok(mut reached) => reached.dirs.pop().expect("the root stays").0,
+                Err(WalkError::NotADirectory) => return Ok(()),
+                Err(e) => return Err(walk_io(e)),
+            };
+            match kind {
+                WhiteoutKind::Remove(target) => {
+                    let target = std::ffi::OsStr::from_bytes(target);
+                    match rustix::fs::statat(&dir, target, AtFlags::SYMLINK_NOFOLLOW) {
+                        // Made by this same layer: the whiteout hides only lower layers' entry,
+                        // and this one shadows it already.
+                        Ok(_) => {}
+                        Err(Errno::NOENT) => rustix::fs::mknodat(
+                            &dir,
+                            target,
+                            FileType::CharacterDevice,
+                            Mode::empty(),
+                            rustix::fs::makedev(0, 0),
+                        )?,
+                        Err(e) => return Err(e.into()),
+                    }
                 }
+                WhiteoutKind::Opaque => {
+                    rustix::fs::fsetxattr(&dir, OVERLAY_OPAQUE_XATTR, b"y", XattrFlags::empty())?
+                }
+                WhiteoutKind::None | WhiteoutKind::Meta => {}
             }
-            WhiteoutKind::Opaque => {
-                rustix::fs::fsetxattr(&dir, OVERLAY_OPAQUE_XATTR, b"y", XattrFlags::empty())?
-            }
-            WhiteoutKind::None | WhiteoutKind::Meta => {}
-        }
-        Ok(())
-    })
+            Ok(())
+        },
+    )
+}
+
+/// A walk's failure as an I/O error of the pass that walked.
+fn walk_io(e: WalkError<FsError>) -> io::Error {
+    match e {
+        WalkError::Tree(e) => io::Error::other(format!("{}: {}", e.op, io::Error::from(e.errno))),
+        e => io::Error::other(format!("walking a layer's parents: {e:?}")),
+    }
 }
 
 /// Calls `f` with a directory descriptor of `root` and the path components of each entry
-/// of the layer `blob` (empty and `.` components dropped), in stream order: the one read of
-/// entry names that [`mark_whiteouts`] and [`own_parents`] share, beside [`apply_layer`]'s.
+/// of the layer `blob` ([`crate::layer::split_name`]'s; entries it refuses are skipped, as
+/// [`apply_layer`] refuses them), in stream order: the one read of entry names that
+/// [`mark_whiteouts`] and [`own_parents`] share, beside [`apply_layer`]'s, through the same
+/// bounded reader under `limits` (bytes, time, entries). `what` names the pass in errors.
 fn for_each_entry_path(
     root: &Path,
-    blob: impl Read + 'static,
-    mut f: impl FnMut(&OwnedFd, &[&[u8]]) -> io::Result<()>,
-) -> io::Result<()> {
+    blob: impl Read,
+    digest: &str,
+    limits: &Limits,
+    what: &'static str,
+    mut f: impl FnMut(&OwnedFd, &[Vec<u8>]) -> io::Result<()>,
+) -> Result<(), LowerError> {
     let root_fd = rustix::fs::open(
         root,
         OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
         Mode::empty(),
-    )?;
-    let mut archive = tar::Archive::new(decompressed(blob)?);
-    for entry in archive.entries()? {
-        let entry = entry?;
+    )
+    .map_err(|e| io_err("opening", root)(e.into()))?;
+    let (stream, bounded) = bounded_stream(blob, digest, limits)?;
+    let mut archive = tar::Archive::new(stream);
+    let mut last = String::from("(start)");
+    let entries = archive.entries().map_err(|e| bounded.error(e, &last))?;
+    for (n, entry) in entries.enumerate() {
+        let entry = entry.map_err(|e| bounded.error(e, &last))?;
         let name = entry.path_bytes().into_owned();
-        let comps: Vec<&[u8]> = name
-            .split(|c| *c == b'/')
-            .filter(|c| !c.is_empty() && *c != b".")
-            .collect();
-        f(&root_fd, &comps)?;
+        last = String::from_utf8_lossy(&name).into_owned();
+        if n as u64 >= limits.max_entries {
+            return Err(LayerError::Limit {
+                digest: digest.to_string(),
+                entry: last,
+                kind: LimitKind::Entries,
+                max: limits.max_entries,
+            }
+            .into());
+        }
+        if let Split::Ok(comps) = split_name(&name) {
+            f(&root_fd, &comps).map_err(io_err(what, root))?;
+        }
     }
     Ok(())
 }
@@ -345,57 +395,39 @@ fn for_each_entry_path(
 /// Before layer `blob` is applied to the tree `root` (the layers below it, applied): every
 /// parent path of its entries whose component is not a directory in the tree (a symlink, a
 /// file) is replaced by an empty directory (0755, root), as overlayfs shows this layer's
-/// directory over a lower non-directory. Nothing is followed: each component is opened with
-/// `O_NOFOLLOW | O_DIRECTORY` from the one before ([`walk_create`]'s walk). Entries are read
-/// as [`mark_whiteouts`] reads them ([`for_each_entry_path`]; the layer was bounded when unpacked or checked by
-/// [`apply_layer`] right after; names with `..` are left to it to refuse).
-fn own_parents(root: &Path, blob: impl Read + 'static) -> io::Result<()> {
-    let flags = OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC;
-    for_each_entry_path(root, blob, |root_fd, comps| {
-        if comps.contains(&&b".."[..]) {
-            return Ok(());
-        }
-        let Some((_, parents)) = comps.split_last() else {
-            return Ok(());
-        };
-        let mut cur = rustix::fs::openat(root_fd.as_fd(), ".", flags, Mode::empty())?;
-        for c in parents {
-            let c = std::ffi::OsStr::from_bytes(c);
-            cur = match rustix::fs::openat(&cur, c, flags, Mode::empty()) {
-                Ok(fd) => fd,
-                // Missing: the layer's apply makes it (and what is under it).
-                Err(Errno::NOENT) => break,
-                Err(Errno::NOTDIR) | Err(Errno::LOOP) => {
-                    rustix::fs::unlinkat(&cur, c, AtFlags::empty())?;
-                    rustix::fs::mkdirat(&cur, c, Mode::from_raw_mode(0o755))?;
-                    rustix::fs::openat(&cur, c, flags, Mode::empty())?
-                }
-                Err(e) => return Err(e.into()),
+/// directory over a lower non-directory. Nothing is followed ([`crate::rootfs`]'s walk with
+/// [`Walk::replace`]); a missing parent is left for the layer's apply to make. Entries are
+/// read as [`mark_whiteouts`] reads them ([`for_each_entry_path`]).
+fn own_parents(
+    root: &Path,
+    blob: impl Read,
+    digest: &str,
+    limits: &Limits,
+) -> Result<(), LowerError> {
+    let how = Walk {
+        dirs_only: true,
+        follow: false,
+        follow_last: false,
+        create: false,
+        replace: true,
+        above_root: AboveRoot::Refuse,
+    };
+    for_each_entry_path(
+        root,
+        blob,
+        digest,
+        limits,
+        "making the parents of a layer in",
+        |root_fd, comps| {
+            let Some((_, parents)) = comps.split_last() else {
+                return Ok(());
             };
-        }
-        Ok(())
-    })
-}
-
-/// Opens `comps` under `root` one component at a time without following symlinks, creating
-/// missing directories (0755, root). `None` when a component is not a directory.
-fn walk_create(root: &OwnedFd, comps: &[&[u8]]) -> io::Result<Option<OwnedFd>> {
-    let flags = OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC;
-    let mut cur = rustix::fs::openat(root.as_fd(), ".", flags, Mode::empty())?;
-    for c in comps {
-        let c = std::ffi::OsStr::from_bytes(c);
-        let next = match rustix::fs::openat(&cur, c, flags, Mode::empty()) {
-            Ok(fd) => fd,
-            Err(Errno::NOENT) => {
-                rustix::fs::mkdirat(&cur, c, Mode::from_raw_mode(0o755))?;
-                rustix::fs::openat(&cur, c, flags, Mode::empty())?
+            match walk_fd(root_fd.as_fd(), parents, &how, None) {
+                Ok(_) | Err(WalkError::Missing) => Ok(()),
+                Err(e) => Err(walk_io(e)),
             }
-            Err(Errno::NOTDIR) | Err(Errno::LOOP) => return Ok(None),
-            Err(e) => return Err(e.into()),
-        };
-        cur = next;
-    }
-    Ok(Some(cur))
+        },
+    )
 }
 
 #[cfg(test)]
@@ -669,6 +701,40 @@ mod tests {
             assert_eq!(fs::read_to_string(d.join(dir).join(file)).unwrap(), data);
         }
         assert!(!t.path().join("x").exists());
+    }
+
+    /// The passes of their own over a layer (parents before a squash, whiteouts after an
+    /// unpack) read it through the bounded entry reader: a layer past the entry bound is
+    /// refused by the pass itself, before anything is applied, naming the bound.
+    #[test]
+    fn own_passes_over_a_layer_are_bounded() {
+        let t = tempfile::tempdir().unwrap();
+        let blob = tar_gz(&[
+            ("a/", None),
+            ("a/x", Some(b"x")),
+            ("a/y", Some(b"y")),
+            ("a/.wh.z", Some(b"")),
+        ]);
+        let limits = Limits {
+            max_entries: 2,
+            ..Limits::default()
+        };
+        let root = t.path().join("root");
+        fs::create_dir(&root).unwrap();
+        let err = own_parents(&root, &blob[..], "sha256:many", &limits).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                LowerError::Layer(LayerError::Limit {
+                    kind: LimitKind::Entries,
+                    ..
+                })
+            ),
+            "{err}"
+        );
+        assert_eq!(fs::read_dir(&root).unwrap().count(), 0);
+        let err = mark_whiteouts(&root, &blob[..], "sha256:many", &limits).unwrap_err();
+        assert!(err.to_string().contains("entry count exceeds"), "{err}");
     }
 
     /// A whiteout below a symlink the layer planted is dropped, never followed.

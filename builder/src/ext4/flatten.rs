@@ -443,6 +443,11 @@ impl Tree for Model<'_> {
         );
         Ok(path)
     }
+
+    fn replace_with_dir(&mut self, dir: &Vec<u8>, name: &[u8]) -> Result<Vec<u8>, Self::Error> {
+        self.0.paths.remove(&child(dir, name));
+        self.make_dir(dir, name)
+    }
 }
 
 impl Flat {
@@ -551,7 +556,9 @@ impl Flat {
     ) -> Result<Option<Vec<u8>>, Ext4Error> {
         let how = Walk {
             dirs_only: true,
+            follow: true,
             follow_last: true,
+            replace: false,
             create,
             above_root: AboveRoot::Refuse,
         };

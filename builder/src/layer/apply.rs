@@ -169,7 +169,9 @@ impl Applier {
     fn walk(&self, comps: &[Vec<u8>], create: bool) -> Result<Option<OwnedFd>, LayerError> {
         let how = Walk {
             dirs_only: true,
+            follow: true,
             follow_last: true,
+            replace: false,
             create,
             above_root: AboveRoot::Refuse,
         };

@@ -3,7 +3,8 @@
 //! - [`walk`](walk::walk) is the one walk of a path inside a root, over any [`walk::Tree`]:
 //!   the host directories `COPY` reads and writes and layers are applied to ([`root`],
 //!   through descriptors, never a path), and the ext4 flattener's model of the image
-//!   (`crate::ext4`), which must place entries exactly as the applier does.
+//!   (`crate::ext4`), which must place entries exactly as the applier does; and, following
+//!   no symlink, the passes that put a layer in overlayfs' form (`crate::build::lower`).
 //! - [`open_in_root`] opens one path inside a root: `openat2(2)` with `RESOLVE_IN_ROOT`
 //!   where the kernel has it (Linux 5.6 and later), the walk where not. Every `openat2`
 //!   call of the builder is here.

@@ -72,7 +72,9 @@ pub(crate) fn walk_in_root(
 ) -> rustix::io::Result<OwnedFd> {
     let how = Walk {
         dirs_only: false,
+        follow: true,
         follow_last: !oflags.contains(OFlags::NOFOLLOW),
+        replace: false,
         create: false,
         above_root: AboveRoot::Stay,
     };

@@ -138,7 +138,9 @@ impl Root {
         };
         let how = Walk {
             dirs_only: false,
+            follow: true,
             follow_last,
+            replace: false,
             create: create.is_some(),
             above_root: AboveRoot::Stay,
         };
@@ -290,6 +292,11 @@ impl Tree for Fs {
         // mkdir is subject to the umask.
         rustix::fs::fchmod(&fd, Mode::from_raw_mode(cr.mode)).map_err(fs_err("chmod"))?;
         Ok(fd)
+    }
+
+    fn replace_with_dir(&mut self, dir: &OwnedFd, name: &[u8]) -> Result<OwnedFd, FsError> {
+        rustix::fs::unlinkat(dir, os(name), AtFlags::empty()).map_err(fs_err("unlink"))?;
+        self.make_dir(dir, name)
     }
 }
 

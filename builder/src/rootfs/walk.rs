@@ -55,6 +55,9 @@ pub(crate) trait Tree {
     /// Makes the missing directory `name` in `dir` and enters it (only when
     /// [`Walk::create`]).
     fn make_dir(&mut self, dir: &Self::Dir, name: &[u8]) -> Result<Self::Dir, Self::Error>;
+    /// Removes the non-directory `name` of `dir` (a symlink is removed, not followed), makes
+    /// a directory there and enters it (only when [`Walk::replace`]).
+    fn replace_with_dir(&mut self, dir: &Self::Dir, name: &[u8]) -> Result<Self::Dir, Self::Error>;
 }
 
 /// What a `..` at the root does.
@@ -72,9 +75,16 @@ pub(crate) struct Walk {
     /// Every component names a directory (a parent path): the walk ends inside the last
     /// one. Otherwise the last component may be anything, and may be missing.
     pub dirs_only: bool,
-    /// A symlink as the last component is followed (only without `dirs_only`, under which
-    /// every symlink is).
+    /// Symlinks on the way are followed (inside the root). When not, a symlink on the way
+    /// is [`WalkError::NotADirectory`] (or replaced, [`Walk::replace`]).
+    pub follow: bool,
+    /// A symlink as the last component is followed too (only with `follow` and without
+    /// `dirs_only`, under which every symlink on the way is).
     pub follow_last: bool,
+    /// A non-directory on the way (not followed) is replaced by an empty directory
+    /// ([`Tree::replace_with_dir`]): a layer's parent directories hiding what a lower layer
+    /// had there, as overlayfs shows them.
+    pub replace: bool,
     /// A missing directory on the way is made ([`Tree::make_dir`]); otherwise it is
     /// [`WalkError::Missing`].
     pub create: bool,
@@ -162,7 +172,7 @@ pub(crate) fn walk<T: Tree>(
                 dirs.push((d, c));
             }
             Lookup::Missing => return Err(WalkError::Missing),
-            Lookup::Symlink(leaf) if !last || how.follow_last => {
+            Lookup::Symlink(leaf) if how.follow && (!last || how.follow_last) => {
                 hops += 1;
                 if hops > MAX_SYMLINK_HOPS {
                     return Err(WalkError::Loop);
@@ -185,6 +195,10 @@ pub(crate) fn walk<T: Tree>(
             }
             Lookup::Dir(leaf) => {
                 let d = tree.enter(cur, &c, leaf)?;
+                dirs.push((d, c));
+            }
+            Lookup::Symlink(_) | Lookup::Other(_) if how.replace => {
+                let d = tree.replace_with_dir(cur, &c)?;
                 dirs.push((d, c));
             }
             Lookup::Symlink(_) | Lookup::Other(_) => return Err(WalkError::NotADirectory),
