@@ -30,7 +30,7 @@ use crate::layer::whiteout::WhiteoutKind;
 use crate::layer::write::OVERLAY_OPAQUE_XATTR;
 use crate::layer::{LayerError, LimitKind, Limits, Split, apply_layer, bounded_stream, split_name};
 use crate::rootfs::root::{FsError, walk_fd};
-use crate::rootfs::walk::{AboveRoot, Walk, WalkError};
+use crate::rootfs::walk::{Walk, WalkError};
 
 /// Errors preparing lower directories.
 #[derive(Debug, thiserror::Error)]
@@ -283,14 +283,7 @@ fn mark_whiteouts(
     digest: &str,
     limits: &Limits,
 ) -> Result<(), LowerError> {
-    let how = Walk {
-        dirs_only: true,
-        follow: false,
-        follow_last: false,
-        create: true,
-        replace: false,
-        above_root: AboveRoot::Refuse,
-    };
+    let how = Walk::own_dirs(true, false);
     for_each_entry_path(
         root,
         blob,
@@ -404,14 +397,7 @@ fn own_parents(
     digest: &str,
     limits: &Limits,
 ) -> Result<(), LowerError> {
-    let how = Walk {
-        dirs_only: true,
-        follow: false,
-        follow_last: false,
-        create: false,
-        replace: true,
-        above_root: AboveRoot::Refuse,
-    };
+    let how = Walk::own_dirs(false, true);
     for_each_entry_path(
         root,
         blob,

@@ -56,7 +56,7 @@ use crate::layer::{
 };
 
 use super::{Ext4Error, LayerBlob};
-use crate::rootfs::walk::{AboveRoot, Lookup, Tree, Walk, WalkError, walk};
+use crate::rootfs::walk::{Lookup, Tree, Walk, WalkError, walk};
 
 /// Names, link targets and xattrs the scan keeps in memory over all layers, bytes (1 GiB;
 /// the Debian base needs about 1 MiB). A hostile image could otherwise fill memory with
@@ -554,14 +554,7 @@ impl Flat {
         create: bool,
         cx: &Cx<'_>,
     ) -> Result<Option<Vec<u8>>, Ext4Error> {
-        let how = Walk {
-            dirs_only: true,
-            follow: true,
-            follow_last: true,
-            replace: false,
-            create,
-            above_root: AboveRoot::Refuse,
-        };
+        let how = Walk::layer_parents(create);
         match walk(&mut Model(self), Vec::new(), comps, &how) {
             Ok(mut reached) => Ok(reached.dirs.pop().map(|(path, _)| path)),
             Err(WalkError::Missing) => Ok(None),

@@ -167,14 +167,7 @@ impl Applier {
     /// directory reached. Missing directories are made (0755, root) when `create`; otherwise
     /// `Ok(None)` is returned for a missing component.
     fn walk(&self, comps: &[Vec<u8>], create: bool) -> Result<Option<OwnedFd>, LayerError> {
-        let how = Walk {
-            dirs_only: true,
-            follow: true,
-            follow_last: true,
-            replace: false,
-            create,
-            above_root: AboveRoot::Refuse,
-        };
+        let how = Walk::layer_parents(create);
         let (digest, entry) = self.err_entry();
         match walk_fd(self.root.as_fd(), comps, &how, None) {
             Ok(mut reached) => Ok(reached.dirs.pop().map(|(fd, _)| fd)),

@@ -73,7 +73,7 @@ use rustix::process::{Gid, Uid};
 use self::whiteout::WhiteoutKind;
 
 use crate::rootfs::root::walk_fd;
-use crate::rootfs::walk::{AboveRoot, Walk, WalkError};
+use crate::rootfs::walk::{Walk, WalkError};
 use crate::rootfs::{MAX_DEPTH, MAX_SYMLINK_HOPS};
 
 /// Largest PAX (`x`, `g`) or GNU long name/link (`L`, `K`) header data, bytes.

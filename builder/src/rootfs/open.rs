@@ -6,7 +6,7 @@ use rustix::fs::{Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
 
 use super::root::{components, os, walk_fd};
-use super::walk::{AboveRoot, Walk, WalkError};
+use super::walk::{Walk, WalkError};
 
 /// Most times [`openat2_in_root`] asks again after `EAGAIN`.
 const OPENAT2_ATTEMPTS: usize = 64;
@@ -70,14 +70,7 @@ pub(crate) fn walk_in_root(
     path: &str,
     oflags: OFlags,
 ) -> rustix::io::Result<OwnedFd> {
-    let how = Walk {
-        dirs_only: false,
-        follow: true,
-        follow_last: !oflags.contains(OFlags::NOFOLLOW),
-        replace: false,
-        create: false,
-        above_root: AboveRoot::Stay,
-    };
+    let how = Walk::in_root(!oflags.contains(OFlags::NOFOLLOW), false);
     let reached = walk_fd(root.as_fd(), &components(path), &how, None).map_err(|e| match e {
         WalkError::Tree(e) => e.errno,
         WalkError::Missing | WalkError::Escape => Errno::NOENT,

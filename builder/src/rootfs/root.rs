@@ -15,7 +15,7 @@ use std::path::Path;
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, Stat};
 use rustix::io::Errno;
 
-use super::walk::{AboveRoot, Lookup, Reached, Tree, Walk, WalkError, walk};
+use super::walk::{Lookup, Reached, Tree, Walk, WalkError, walk};
 use super::{MAX_DEPTH, MAX_SYMLINK_HOPS};
 
 /// Why a path could not be resolved inside its root.
@@ -136,14 +136,7 @@ impl Root {
             );
             s
         };
-        let how = Walk {
-            dirs_only: false,
-            follow: true,
-            follow_last,
-            replace: false,
-            create: create.is_some(),
-            above_root: AboveRoot::Stay,
-        };
+        let how = Walk::in_root(follow_last, create.is_some());
         let reached = self.walk(comps, &how, create).map_err(|e| match e {
             WalkError::Tree(FsError { op, errno }) => RootError::Io {
                 path: shown(),

@@ -92,6 +92,49 @@ pub(crate) struct Walk {
     pub above_root: AboveRoot,
 }
 
+impl Walk {
+    /// A path inside the root, as `openat2`'s `RESOLVE_IN_ROOT` resolves it (a `..` at the
+    /// root stays there): symlinks on the way followed, the last one when `follow_last`;
+    /// the last component may be anything, or missing.
+    pub(crate) fn in_root(follow_last: bool, create: bool) -> Walk {
+        Walk {
+            dirs_only: false,
+            follow: true,
+            follow_last,
+            create,
+            replace: false,
+            above_root: AboveRoot::Stay,
+        }
+    }
+
+    /// A layer entry's parent directories, as layer apply and the ext4 flattener resolve
+    /// them: symlinks followed inside the root, a `..` above it refused; missing
+    /// directories made when `create`.
+    pub(crate) fn layer_parents(create: bool) -> Walk {
+        Walk {
+            dirs_only: true,
+            follow: true,
+            follow_last: true,
+            create,
+            replace: false,
+            above_root: AboveRoot::Refuse,
+        }
+    }
+
+    /// A layer's own directories in overlayfs' form: no symlink followed; missing
+    /// directories made when `create`, non-directories replaced when `replace`.
+    pub(crate) fn own_dirs(create: bool, replace: bool) -> Walk {
+        Walk {
+            dirs_only: true,
+            follow: false,
+            follow_last: false,
+            create,
+            replace,
+            above_root: AboveRoot::Refuse,
+        }
+    }
+}
+
 /// Why a walk stopped.
 #[derive(Debug)]
 pub(crate) enum WalkError<E> {
