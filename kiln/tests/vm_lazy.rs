@@ -272,6 +272,43 @@ fn vm_lazy_start_from_s3() {
         snap.memory.size + snap.disk.size,
         100.0 * served_bytes as f64 / (snap.memory.size + snap.disk.size) as f64
     );
+    // The same split by file, as the issue's goals are put: memory as a share of guest RAM,
+    // disk as a share of the disk's size and of its non-zero (stored) bytes; "fetched" adds
+    // the prefetch list's chunks (fetched from the start whether the clone reads them or not).
+    let raw = |t: &kiln_store::ChunkTable, i: usize| t.entries[i].raw_len;
+    for (name, table, list) in [
+        ("memory", &snap.memory, &list.memory),
+        ("disk", &snap.disk, &list.disk),
+    ] {
+        let nonzero: u64 = table
+            .entries
+            .iter()
+            .filter(|e| e.digest.is_some())
+            .map(|e| e.raw_len)
+            .sum();
+        let served: HashSet<usize> = served_set
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, i)| *i)
+            .collect();
+        let fetched: HashSet<usize> = served
+            .iter()
+            .copied()
+            .chain(list.iter().map(|i| *i as usize))
+            .collect();
+        let bytes = |set: &HashSet<usize>| set.iter().map(|i| raw(table, *i)).sum::<u64>();
+        let pct = |b: u64, of: u64| 100.0 * b as f64 / of.max(1) as f64;
+        let (s, f) = (bytes(&served), bytes(&fetched));
+        eprintln!(
+            "lazy start from S3, {name}: served {s} bytes ({:.2}% of its {} bytes, {:.2}% of \
+             its {nonzero} non-zero bytes); served or prefetched {f} bytes ({:.2}%, {:.2}%)",
+            pct(s, table.size),
+            table.size,
+            pct(s, nonzero),
+            pct(f, table.size),
+            pct(f, nonzero),
+        );
+    }
     // A second clone of the same snapshot on this host: warm (the server's page cache and
     // the chunk cache hold what the first one read). Both start times printed.
     let cold_ms = started(&o_cold)["start_ms"].as_u64().unwrap_or(0);

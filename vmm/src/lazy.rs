@@ -272,6 +272,9 @@ impl Filesystem for LazyFs {
             return reply.error(Errno::ENOENT);
         };
         let (name, table, reader) = (f.name, f.table.clone(), f.reader.clone());
+        // One line per FUSE read request: its size says what the kernel asked for around a
+        // fault (a page, its readahead window, or a huge page's worth).
+        tracing::debug!(file = name, offset, size, "read");
         let (seen, log, dir) = (self.seen.clone(), self.log.clone(), self.dir.clone());
         self.rt.spawn(async move {
             let len = (size as u64).min(table.size.saturating_sub(offset)) as usize;
