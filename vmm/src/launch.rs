@@ -725,6 +725,9 @@ impl Vm {
                 Some(_) => Some(crate::jail::file_size_limit(spec)?),
                 None => None,
             },
+            // A clone's RAM is a file read on fault (a snapshot's memory file, or the lazy
+            // chunk server's): page-sized faults, not 2 MiB ones (crate::lazy).
+            no_huge_pages: spec.memory_mode == MemoryMode::Private,
         })?;
         drop(join);
         drop(log);
