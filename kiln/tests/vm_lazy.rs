@@ -272,6 +272,43 @@ fn vm_lazy_start_from_s3() {
         snap.memory.size + snap.disk.size,
         100.0 * served_bytes as f64 / (snap.memory.size + snap.disk.size) as f64
     );
+    // The same split by file, as the issue's goals are put: memory as a share of guest RAM,
+    // disk as a share of the disk's size and of its non-zero (stored) bytes; "fetched" adds
+    // the prefetch list's chunks (fetched from the start whether the clone reads them or not).
+    let raw = |t: &kiln_store::ChunkTable, i: usize| t.entries[i].raw_len;
+    for (name, table, list) in [
+        ("memory", &snap.memory, &list.memory),
+        ("disk", &snap.disk, &list.disk),
+    ] {
+        let nonzero: u64 = table
+            .entries
+            .iter()
+            .filter(|e| e.digest.is_some())
+            .map(|e| e.raw_len)
+            .sum();
+        let served: HashSet<usize> = served_set
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, i)| *i)
+            .collect();
+        let fetched: HashSet<usize> = served
+            .iter()
+            .copied()
+            .chain(list.iter().map(|i| *i as usize))
+            .collect();
+        let bytes = |set: &HashSet<usize>| set.iter().map(|i| raw(table, *i)).sum::<u64>();
+        let pct = |b: u64, of: u64| 100.0 * b as f64 / of.max(1) as f64;
+        let (s, f) = (bytes(&served), bytes(&fetched));
+        eprintln!(
+            "lazy start from S3, {name}: served {s} bytes ({:.2}% of its {} bytes, {:.2}% of \
+             its {nonzero} non-zero bytes); served or prefetched {f} bytes ({:.2}%, {:.2}%)",
+            pct(s, table.size),
+            table.size,
+            pct(s, nonzero),
+            pct(f, table.size),
+            pct(f, nonzero),
+        );
+    }
     // A second clone of the same snapshot on this host: warm (the server's page cache and
     // the chunk cache hold what the first one read). Both start times printed.
     let cold_ms = started(&o_cold)["start_ms"].as_u64().unwrap_or(0);
@@ -280,6 +317,35 @@ fn vm_lazy_start_from_s3() {
     let warm_ms = started(&o)["start_ms"].as_u64().unwrap_or(0);
     let id2 = started_id(&o);
     eprintln!("QEMU start to answered: cold from S3 {cold_ms} ms, warm {warm_ms} ms");
+    // A third clone: how much guest RAM three lazy clones at once share (the issue's figure:
+    // summed Pss against summed Rss of their QEMUs, /proc/<pid>/smaps_rollup, 2 s after the
+    // third answered, as ci/bench-clone.sh measures materialized clones; printed, not
+    // asserted).
+    let o3 = kiln(d, &s3, &c1, &["--json", "start", "bb:snap"]);
+    assert!(o3.status.success(), "{}", show(&o3));
+    let id3 = started_id(&o3);
+    std::thread::sleep(Duration::from_secs(2));
+    let rollup = |pid: u64, field: &str| -> u64 {
+        std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with(field))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            .unwrap_or(0)
+    };
+    let pids: Vec<u64> = [&o_cold, &o, &o3]
+        .iter()
+        .filter_map(|o| started(o)["pid"].as_u64())
+        .collect();
+    let (rss, pss): (u64, u64) = pids.iter().fold((0, 0), |(r, p), pid| {
+        (r + rollup(*pid, "Rss:"), p + rollup(*pid, "Pss:"))
+    });
+    eprintln!(
+        "{} lazy clones at once: summed Pss {} MiB, summed Rss {} MiB",
+        pids.len(),
+        pss >> 10,
+        rss >> 10
+    );
 
     // 2. GC while the clones run: with the snapshot's tag gone, `kiln store gc` with no grace
     //    keeps every object a clone may still read (the chunk server's lease holds them), and
@@ -384,7 +450,7 @@ fn vm_lazy_start_from_s3() {
         "kiln exec says why: {}",
         show(&o)
     );
-    for i in [&id, &id2] {
+    for i in [&id, &id2, &id3] {
         let o = kiln(d, &s3, &c1, &["stop", i]);
         assert!(o.status.success(), "{}", show(&o));
     }

@@ -17,7 +17,11 @@
 //! (so the file IS the guest memory at snapshot time and `x-ignore-shared` skips it in the
 //! migration stream), and for clones `share=off,readonly=on,rom=off` (QEMU ≥ 8.2,
 //! `backends/hostmem-file.c`): the saved file is opened read-only and mapped private and
-//! writable, so clones share its page cache copy-on-write and can never write it.
+//! writable, so clones share its page cache copy-on-write and can never write it. A clone's
+//! QEMU has its `madvise(MADV_HUGEPAGE)` refused (a seccomp filter set before the exec,
+//! [`crate::jail::spawn`]): with that advice the kernel reads 4 MiB of the file around each
+//! fault, which for the lazy chunk server's memory file means 4 MiB fetched per fault
+//! ([`crate::lazy`]).
 //!
 //! Machine: [`MACHINE`], `microvm` with its i8254 PIT turned off (`pit=off`). With the PIT
 //! on, Debian's 6.1 cloud kernel under QEMU 10.0 TCG dies in most boots about 0.15 s in with
@@ -725,6 +729,9 @@ impl Vm {
                 Some(_) => Some(crate::jail::file_size_limit(spec)?),
                 None => None,
             },
+            // A clone's RAM is a file read on fault (a snapshot's memory file, or the lazy
+            // chunk server's): page-sized faults, not 2 MiB ones (crate::lazy).
+            no_huge_pages: spec.memory_mode == MemoryMode::Private,
         })?;
         drop(join);
         drop(log);

@@ -80,6 +80,10 @@ pub(crate) struct Launch<'a> {
     /// `RLIMIT_FSIZE`, bytes ([`super::file_size_limit`]); with it `SIGXFSZ` is ignored, so a
     /// write past it fails (`EFBIG`) instead of killing QEMU.
     pub file_size_limit: Option<u64>,
+    /// QEMU's `madvise(MADV_HUGEPAGE)` refused ([`NO_HUGE_PAGES`]), so that a fault on a
+    /// file-backed guest RAM reads the pages around it, not 4 MiB
+    /// ([`crate::launch::MemoryMode::Private`]).
+    pub no_huge_pages: bool,
 }
 
 /// A started QEMU: a child of this process, waited for by pid (as `std::process::Child`
@@ -146,6 +150,77 @@ impl Process {
     }
 }
 
+/// `AUDIT_ARCH_*` of the architecture kiln is built for (`linux/audit.h`): the seccomp filter
+/// below matches system call numbers of this architecture only.
+#[cfg(target_arch = "x86_64")]
+const AUDIT_ARCH: u32 = 0xC000_003E;
+#[cfg(target_arch = "aarch64")]
+const AUDIT_ARCH: u32 = 0xC000_00B7;
+
+const fn bpf(code: u32, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
+    libc::sock_filter {
+        code: code as u16,
+        jt,
+        jf,
+        k,
+    }
+}
+
+/// A seccomp filter (classic BPF over `struct seccomp_data`: `nr` at byte 0, `arch` at 4,
+/// `args[i]` at 16 + 8i, little-endian) that answers `madvise(_, _, MADV_HUGEPAGE)` with
+/// `EINVAL`, what a kernel without transparent huge pages answers, and allows everything
+/// else. QEMU advises all guest RAM `MADV_HUGEPAGE` (`ram_block_add`) and ignores the
+/// answer. On a file mapping that advice makes the kernel read 4 MiB around each fault
+/// (`do_sync_mmap_readahead`: two PMD-sized folios, whatever the file's readahead size), so
+/// a lazy clone's fault on the chunk server's memory file fetched 4 MiB. `PR_SET_THP_DISABLE`
+/// does not stop that: measured on this host's kernel (6.18, THP `madvise`) with a private
+/// mapping of a file on a 128 KiB-readahead device, one touched page left 4096 KiB in the
+/// page cache with `MADV_HUGEPAGE`, with or without the prctl, and 128 KiB without the advice.
+static NO_HUGE_PAGES: [libc::sock_filter; 10] = {
+    use libc::{BPF_ABS, BPF_JEQ, BPF_JMP, BPF_K, BPF_LD, BPF_RET, BPF_W};
+    let (ld, jeq, ret) = (
+        BPF_LD | BPF_W | BPF_ABS,
+        BPF_JMP | BPF_JEQ | BPF_K,
+        BPF_RET | BPF_K,
+    );
+    // Each `jeq` goes on to the next instruction on a match, else to the last (allow).
+    [
+        bpf(ld, 0, 0, 4),
+        bpf(jeq, 0, 7, AUDIT_ARCH),
+        bpf(ld, 0, 0, 0),
+        bpf(jeq, 0, 5, libc::SYS_madvise as u32),
+        // args[2] (the advice), low half then high half.
+        bpf(ld, 0, 0, 32),
+        bpf(jeq, 0, 3, libc::MADV_HUGEPAGE as u32),
+        bpf(ld, 0, 0, 36),
+        bpf(jeq, 0, 1, 0),
+        bpf(ret, 0, 0, libc::SECCOMP_RET_ERRNO | libc::EINVAL as u32),
+        bpf(ret, 0, 0, libc::SECCOMP_RET_ALLOW),
+    ]
+};
+
+/// Installs [`NO_HUGE_PAGES`] on this thread (and what it execs or starts later), with
+/// `no_new_privs`; false when either call fails (errno says why). Allocates nothing.
+///
+/// # Safety
+/// Only in a process that is meant to keep the filter for good (a filter cannot be removed):
+/// the child of [`spawn`], or a test's forked child.
+unsafe fn refuse_huge_pages() -> bool {
+    let prog = libc::sock_fprog {
+        len: NO_HUGE_PAGES.len() as libc::c_ushort,
+        filter: NO_HUGE_PAGES.as_ptr().cast_mut(),
+    };
+    // SAFETY: prctl(2) with a filter program that outlives the call (the kernel copies it).
+    unsafe {
+        libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1 as libc::c_ulong, 0, 0, 0) == 0
+            && libc::prctl(
+                libc::PR_SET_SECCOMP,
+                libc::SECCOMP_MODE_FILTER as libc::c_ulong,
+                &prog as *const libc::sock_fprog,
+            ) == 0
+    }
+}
+
 /// The steps of the child, as its error report names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
@@ -166,11 +241,12 @@ enum Step {
     Group,
     Drop,
     DeathSignal,
+    HugePages,
     Exec,
 }
 
 impl Step {
-    const ALL: [Step; 17] = [
+    const ALL: [Step; 18] = [
         Step::Cgroup,
         Step::FileSize,
         Step::Private,
@@ -187,6 +263,7 @@ impl Step {
         Step::Group,
         Step::Drop,
         Step::DeathSignal,
+        Step::HugePages,
         Step::Exec,
     ];
 
@@ -208,6 +285,7 @@ impl Step {
             Step::Group => "starting QEMU's process group",
             Step::Drop => "dropping to QEMU's user",
             Step::DeathSignal => "setting QEMU's parent-death signal",
+            Step::HugePages => "installing QEMU's filter of MADV_HUGEPAGE",
             Step::Exec => "executing QEMU",
         }
     }
@@ -228,6 +306,7 @@ struct Prepared {
     fsize: Option<libc::rlimit>,
     user: Option<QemuUser>,
     tied: bool,
+    no_huge_pages: bool,
     jail: Option<Jail>,
 }
 
@@ -326,6 +405,7 @@ pub(crate) fn spawn(l: &Launch<'_>) -> Result<Process, LaunchError> {
         }),
         user: l.user,
         tied: l.tied,
+        no_huge_pages: l.no_huge_pages,
         jail,
     };
     let (err_r, err_w) = pipe()?;
@@ -626,7 +706,80 @@ unsafe fn child(p: &Prepared, err_w: RawFd) -> ! {
         if libc::prctl(libc::PR_SET_PDEATHSIG, death) != 0 {
             fail(Step::DeathSignal, 0);
         }
+        // Kept across the exec and by QEMU's threads, and under QEMU's own `-sandbox` filter
+        // (seccomp(2): the stricter answer wins). `no_new_privs` is what an unprivileged
+        // filter needs; QEMU's `-sandbox` sets it too.
+        if p.no_huge_pages && !refuse_huge_pages() {
+            fail(Step::HugePages, 0);
+        }
         libc::execve(p.exe.as_ptr(), p.argv.as_ptr(), p.envp.as_ptr());
         fail(Step::Exec, 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// [`NO_HUGE_PAGES`] refuses `madvise(MADV_HUGEPAGE)` alone: in a forked child (a filter
+    /// cannot be removed), that advice fails with `EINVAL` and other advice on the same
+    /// mapping still succeeds. The child's exit code names the check that failed.
+    #[test]
+    fn the_filter_refuses_madv_hugepage_and_nothing_else() {
+        // SAFETY: fork(2) in a test; the child makes system calls only, then `_exit`s.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            // SAFETY: in the forked child: system calls on a mapping it makes itself.
+            unsafe {
+                if !refuse_huge_pages() {
+                    libc::_exit(10);
+                }
+                let len = 4 << 20;
+                let p = libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                );
+                if p == libc::MAP_FAILED {
+                    libc::_exit(11);
+                }
+                if libc::madvise(p, len, libc::MADV_HUGEPAGE) != -1
+                    || *libc::__errno_location() != libc::EINVAL
+                {
+                    libc::_exit(12);
+                }
+                for advice in [
+                    libc::MADV_NOHUGEPAGE,
+                    libc::MADV_DONTNEED,
+                    libc::MADV_NORMAL,
+                ] {
+                    if libc::madvise(p, len, advice) != 0 {
+                        libc::_exit(13);
+                    }
+                }
+                libc::_exit(0);
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waitpid(2) on our own child with a valid out pointer.
+        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert_eq!(r, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child failed: {}",
+            describe(status)
+        );
+    }
+
+    fn describe(status: i32) -> String {
+        if libc::WIFSIGNALED(status) {
+            format!("killed by signal {}", libc::WTERMSIG(status))
+        } else {
+            format!("exit code {}", libc::WEXITSTATUS(status))
+        }
     }
 }
