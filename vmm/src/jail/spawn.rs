@@ -80,7 +80,7 @@ pub(crate) struct Launch<'a> {
     /// `RLIMIT_FSIZE`, bytes ([`super::file_size_limit`]); with it `SIGXFSZ` is ignored, so a
     /// write past it fails (`EFBIG`) instead of killing QEMU.
     pub file_size_limit: Option<u64>,
-    /// QEMU's `madvise(MADV_HUGEPAGE)` refused ([`NO_HUGE_PAGES`]), so that a fault on a
+    /// QEMU's `madvise(MADV_HUGEPAGE)` refused ([`no_huge_pages_filter`]), so that a fault on a
     /// file-backed guest RAM reads the pages around it, not 4 MiB
     /// ([`crate::launch::MemoryMode::Private`]).
     pub no_huge_pages: bool,
@@ -150,75 +150,49 @@ impl Process {
     }
 }
 
-/// `AUDIT_ARCH_*` of the architecture kiln is built for (`linux/audit.h`): the seccomp filter
-/// below matches system call numbers of this architecture only.
-#[cfg(target_arch = "x86_64")]
-const AUDIT_ARCH: u32 = 0xC000_003E;
-#[cfg(target_arch = "aarch64")]
-const AUDIT_ARCH: u32 = 0xC000_00B7;
-
-const fn bpf(code: u32, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
-    libc::sock_filter {
-        code: code as u16,
-        jt,
-        jf,
-        k,
-    }
-}
-
-/// A seccomp filter (classic BPF over `struct seccomp_data`: `nr` at byte 0, `arch` at 4,
-/// `args[i]` at 16 + 8i, little-endian) that answers `madvise(_, _, MADV_HUGEPAGE)` with
-/// `EINVAL`, what a kernel without transparent huge pages answers, and allows everything
-/// else. QEMU advises all guest RAM `MADV_HUGEPAGE` (`ram_block_add`) and ignores the
-/// answer. On a file mapping that advice makes the kernel read 4 MiB around each fault
-/// (`do_sync_mmap_readahead`: two PMD-sized folios, whatever the file's readahead size), so
-/// a lazy clone's fault on the chunk server's memory file fetched 4 MiB. `PR_SET_THP_DISABLE`
-/// does not stop that: measured on this host's kernel (6.18, THP `madvise`) with a private
-/// mapping of a file on a 128 KiB-readahead device, one touched page left 4096 KiB in the
-/// page cache with `MADV_HUGEPAGE`, with or without the prctl, and 128 KiB without the advice.
-static NO_HUGE_PAGES: [libc::sock_filter; 10] = {
-    use libc::{BPF_ABS, BPF_JEQ, BPF_JMP, BPF_K, BPF_LD, BPF_RET, BPF_W};
-    let (ld, jeq, ret) = (
-        BPF_LD | BPF_W | BPF_ABS,
-        BPF_JMP | BPF_JEQ | BPF_K,
-        BPF_RET | BPF_K,
-    );
-    // Each `jeq` goes on to the next instruction on a match, else to the last (allow).
-    [
-        bpf(ld, 0, 0, 4),
-        bpf(jeq, 0, 7, AUDIT_ARCH),
-        bpf(ld, 0, 0, 0),
-        bpf(jeq, 0, 5, libc::SYS_madvise as u32),
-        // args[2] (the advice), low half then high half.
-        bpf(ld, 0, 0, 32),
-        bpf(jeq, 0, 3, libc::MADV_HUGEPAGE as u32),
-        bpf(ld, 0, 0, 36),
-        bpf(jeq, 0, 1, 0),
-        bpf(ret, 0, 0, libc::SECCOMP_RET_ERRNO | libc::EINVAL as u32),
-        bpf(ret, 0, 0, libc::SECCOMP_RET_ALLOW),
-    ]
-};
-
-/// Installs [`NO_HUGE_PAGES`] on this thread (and what it execs or starts later), with
-/// `no_new_privs`; false when either call fails (errno says why). Allocates nothing.
+/// The seccomp filter that answers `madvise(_, _, MADV_HUGEPAGE)` with `EINVAL`, what a
+/// kernel without transparent huge pages answers, and allows everything else (compiled by
+/// seccompiler, as the builder's step filter is). QEMU advises all guest RAM
+/// `MADV_HUGEPAGE` (`ram_block_add`) and ignores the answer. On a file mapping that advice
+/// makes the kernel read 4 MiB around each fault (`do_sync_mmap_readahead`: two PMD-sized
+/// folios, whatever the file's readahead size), so a lazy clone's fault on the chunk
+/// server's memory file fetched 4 MiB. `PR_SET_THP_DISABLE` does not stop that: measured on
+/// this host's kernel (6.18, THP `madvise`) with a private mapping of a file on a
+/// 128 KiB-readahead device, one touched page left 4096 KiB in the page cache with
+/// `MADV_HUGEPAGE`, with or without the prctl, and 128 KiB without the advice.
 ///
-/// # Safety
-/// Only in a process that is meant to keep the filter for good (a filter cannot be removed):
-/// the child of [`spawn`], or a test's forked child.
-unsafe fn refuse_huge_pages() -> bool {
-    let prog = libc::sock_fprog {
-        len: NO_HUGE_PAGES.len() as libc::c_ushort,
-        filter: NO_HUGE_PAGES.as_ptr().cast_mut(),
+/// Compiled once per process, in the parent (compiling allocates; the child only installs
+/// it). Errors: a filter seccompiler refuses, as text (a bug here, never input-dependent).
+fn no_huge_pages_filter() -> Result<&'static seccompiler::BpfProgram, String> {
+    use seccompiler::{
+        SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+        SeccompRule, TargetArch,
     };
-    // SAFETY: prctl(2) with a filter program that outlives the call (the kernel copies it).
-    unsafe {
-        libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1 as libc::c_ulong, 0, 0, 0) == 0
-            && libc::prctl(
-                libc::PR_SET_SECCOMP,
-                libc::SECCOMP_MODE_FILTER as libc::c_ulong,
-                &prog as *const libc::sock_fprog,
-            ) == 0
-    }
+    static FILTER: std::sync::OnceLock<Result<seccompiler::BpfProgram, String>> =
+        std::sync::OnceLock::new();
+    FILTER
+        .get_or_init(|| {
+            let advice = SeccompCondition::new(
+                2,
+                SeccompCmpArgLen::Qword,
+                SeccompCmpOp::Eq,
+                libc::MADV_HUGEPAGE as u64,
+            )
+            .and_then(|c| SeccompRule::new(vec![c]))
+            .map_err(|e| format!("the MADV_HUGEPAGE rule: {e}"))?;
+            let arch = TargetArch::try_from(std::env::consts::ARCH)
+                .map_err(|e| format!("the MADV_HUGEPAGE filter: {e}"))?;
+            SeccompFilter::new(
+                std::collections::BTreeMap::from([(libc::SYS_madvise, vec![advice])]),
+                SeccompAction::Allow,
+                SeccompAction::Errno(libc::EINVAL as u32),
+                arch,
+            )
+            .and_then(|f| f.try_into())
+            .map_err(|e| format!("the MADV_HUGEPAGE filter: {e}"))
+        })
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 /// The steps of the child, as its error report names them.
@@ -306,7 +280,8 @@ struct Prepared {
     fsize: Option<libc::rlimit>,
     user: Option<QemuUser>,
     tied: bool,
-    no_huge_pages: bool,
+    /// [`no_huge_pages_filter`], when asked for.
+    no_huge_pages: Option<&'static seccompiler::BpfProgram>,
     jail: Option<Jail>,
 }
 
@@ -405,7 +380,10 @@ pub(crate) fn spawn(l: &Launch<'_>) -> Result<Process, LaunchError> {
         }),
         user: l.user,
         tied: l.tied,
-        no_huge_pages: l.no_huge_pages,
+        no_huge_pages: match l.no_huge_pages {
+            true => Some(no_huge_pages_filter().map_err(LaunchError::Host)?),
+            false => None,
+        },
         jail,
     };
     let (err_r, err_w) = pipe()?;
@@ -709,7 +687,10 @@ unsafe fn child(p: &Prepared, err_w: RawFd) -> ! {
         // Kept across the exec and by QEMU's threads, and under QEMU's own `-sandbox` filter
         // (seccomp(2): the stricter answer wins). `no_new_privs` is what an unprivileged
         // filter needs; QEMU's `-sandbox` sets it too.
-        if p.no_huge_pages && !refuse_huge_pages() {
+        // seccompiler's install allocates nothing (prctl(2) and seccomp(2)).
+        if let Some(filter) = p.no_huge_pages
+            && seccompiler::apply_filter(filter).is_err()
+        {
             fail(Step::HugePages, 0);
         }
         libc::execve(p.exe.as_ptr(), p.argv.as_ptr(), p.envp.as_ptr());
@@ -721,18 +702,19 @@ unsafe fn child(p: &Prepared, err_w: RawFd) -> ! {
 mod tests {
     use super::*;
 
-    /// [`NO_HUGE_PAGES`] refuses `madvise(MADV_HUGEPAGE)` alone: in a forked child (a filter
+    /// [`no_huge_pages_filter`] refuses `madvise(MADV_HUGEPAGE)` alone: in a forked child (a filter
     /// cannot be removed), that advice fails with `EINVAL` and other advice on the same
     /// mapping still succeeds. The child's exit code names the check that failed.
     #[test]
     fn the_filter_refuses_madv_hugepage_and_nothing_else() {
+        let filter = no_huge_pages_filter().unwrap();
         // SAFETY: fork(2) in a test; the child makes system calls only, then `_exit`s.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
         if pid == 0 {
             // SAFETY: in the forked child: system calls on a mapping it makes itself.
             unsafe {
-                if !refuse_huge_pages() {
+                if seccompiler::apply_filter(filter).is_err() {
                     libc::_exit(10);
                 }
                 let len = 4 << 20;
