@@ -859,6 +859,57 @@ mod tests {
         assert_eq!(fs::read_dir(dir.path().join(".tmp")).unwrap().count(), 1);
     }
 
+    /// A staged object is invisible (no key, not listed) until its commit; the commit makes
+    /// it an object, lets an object already at the key win, and leaves no temp file; a
+    /// discarded batch leaves nothing at all.
+    #[tokio::test]
+    async fn staged_objects_appear_only_at_their_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let tmp_files = || fs::read_dir(dir.path().join(TMP_DIR)).unwrap().count();
+        let stage = |key: &'static str, data: &'static [u8]| {
+            let b = &b;
+            async move {
+                match b
+                    .stage_if_absent(key, Bytes::from_static(data))
+                    .await
+                    .unwrap()
+                {
+                    Staged::Pending(p) => p,
+                    Staged::Done(o) => panic!("{key}: not staged: {o:?}"),
+                }
+            }
+        };
+        let a = stage("chunks/sha256/aa", b"a").await;
+        let c = stage("chunks/sha256/cc", b"c").await;
+        assert!(b.head("chunks/sha256/aa").await.unwrap().is_none());
+        assert!(b.list("chunks/").await.unwrap().is_empty());
+        assert_eq!(tmp_files(), 2);
+        // Another writer publishes `cc` meanwhile (durably, the ordinary way).
+        b.put_if_absent("chunks/sha256/cc", Bytes::from_static(b"other"), None)
+            .await
+            .unwrap();
+        let out = b.commit_staged(vec![a, c]).await.unwrap();
+        assert_eq!(out, [PutOutcome::Created, PutOutcome::AlreadyExists]);
+        assert_eq!(&b.get("chunks/sha256/aa").await.unwrap()[..], b"a");
+        assert_eq!(&b.get("chunks/sha256/cc").await.unwrap()[..], b"other");
+        assert_eq!(tmp_files(), 0);
+        // An object already there is found at staging time.
+        assert!(matches!(
+            b.stage_if_absent("chunks/sha256/aa", Bytes::from_static(b"a"))
+                .await
+                .unwrap(),
+            Staged::Done(PutOutcome::AlreadyExists)
+        ));
+        // Discarded: nothing stays.
+        let d = stage("chunks/sha256/dd", b"d").await;
+        b.discard_staged(vec![d]).await;
+        assert_eq!(tmp_files(), 0);
+        assert!(b.head("chunks/sha256/dd").await.unwrap().is_none());
+        // An empty commit (the sync of what was found present) is fine.
+        assert!(b.commit_staged(Vec::new()).await.unwrap().is_empty());
+    }
+
     #[tokio::test]
     async fn symlinked_and_directory_keys_are_not_followed_as_objects() {
         let dir = tempfile::tempdir().unwrap();
