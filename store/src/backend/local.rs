@@ -15,10 +15,11 @@
 //! name; one fsync of each directory that got a new name (one for all chunks:
 //! `chunks/sha256/`). Only after that does `put_artifact` return its table, and only then does
 //! its caller write the manifest (fsynced, then linked, then its directory fsynced), and only
-//! after that the tag (compare-and-swap: fsynced, renamed, directory fsynced). For a 512 MiB
-//! import (5,957 chunks) this is 1 `syncfs` and a handful of fsyncs in place of the 12,122
-//! fsyncs of one per chunk file and one per link (`strace -f -c` of `kiln store import`,
-//! 2026-12-05, issue 33).
+//! after that the tag (compare-and-swap: fsynced, renamed, directory fsynced). For one
+//! `kiln store import` of a 512 MiB tarball of `/usr` (5,957 chunks; `strace -f -c -e
+//! trace=fsync,fdatasync,syncfs,openat`, 2026-12-05, issue 33) this is 1 `syncfs` and 207
+//! fsyncs (nearly all of the lease's record, rewritten once per 64 chunks) in place of 12,122
+//! fsyncs (one per chunk file and one per chunk link), and 6,543 `openat` in place of 12,251.
 //!
 //! The promise:
 //! - **after a `kill -9` at any point**, `kiln store verify` is clean and no tag names missing
