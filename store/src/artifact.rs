@@ -8,9 +8,13 @@
 //!   chunks in the known-chunk index are skipped. With a lease, each group of
 //!   [`LEASE_BATCH`] chunks is added to the lease and only then looked up, under the store's
 //!   sweep lock ([`Lease::find_present`]); those found are relied on, the rest written, so
-//!   GC with any grace period keeps every chunk of the table (see [`crate::gc`]). The table is returned in input order; publish a manifest naming it
-//!   only after this returns (chunks, then manifest, then tag). Rerunning after a crash
-//!   uploads only what is missing.
+//!   GC with any grace period keeps every chunk of the table (see [`crate::gc`]). Chunks are
+//!   written with [`Backend::stage_if_absent`] and committed once at the end
+//!   ([`Backend::commit_staged`]): on S3 each is durable when written; locally each is a temp
+//!   file made durable and visible by one `syncfs` for the whole artifact (the promise and its
+//!   argument: [`crate::backend::local`]). The table is returned in input order; publish a
+//!   manifest naming it only after this returns (chunks, then manifest, then tag). Rerunning
+//!   after a crash uploads only what is missing (locally: what was committed is kept).
 //! - Random reads ([`ArtifactReader::read_at`]): offset → chunk by binary search, chunk
 //!   fetched, decompressed and verified (through the read cache when configured).
 //! - [`Store::materialize`]: writes the artifact to a sparse file (holes for zero entries) with
@@ -25,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 
+use crate::backend::{Backend, PutOutcome, Staged, StagedPut};
 use crate::chunk::{self, ChunkEntry, ChunkError, ChunkTable, Chunking};
 use crate::lease::Lease;
 use crate::manifest::ObjectRef;
@@ -46,6 +51,20 @@ pub struct PutArtifactOptions {
     pub lease: Option<Arc<Lease>>,
     /// Progress callback.
     pub progress: Option<ProgressFn>,
+}
+
+/// An upload's chunks between their writes and the commit ([`Store::commit_chunks`]).
+/// Memory: one digest per chunk, plus a key and temp path (about 200 bytes) per staged one.
+#[derive(Default)]
+struct Staging {
+    /// Staged (digest, raw length in bytes, the backend's handle), in no particular order.
+    pending: Vec<(crate::ChunkDigest, u64, StagedPut)>,
+    /// Found present by writing them (not written again; indexed after the commit).
+    found: Vec<crate::ChunkDigest>,
+    /// How many the lease found present (not written; not indexed, as before staging).
+    leased: usize,
+    /// Written for good at once (a backend that stages nothing).
+    written: Vec<crate::ChunkDigest>,
 }
 
 enum Piece {
@@ -111,6 +130,9 @@ impl Store {
             .buffered(self.parallelism);
         // `found`: `None` without a lease (the known-chunk index may skip the write);
         // `Some(p)` with one: whether the chunk was found under it (then it is not written).
+        // Chunks written but not yet durable nor visible (the local backend's), committed
+        // with one sync at the end (see `Store::commit_chunks`).
+        let staging = &Mutex::new(Staging::default());
         let store_one = |offset: u64, e: Result<chunk::EncodedChunk, u64>, found: Option<bool>| {
             let reporter = reporter.clone();
             async move {
@@ -126,9 +148,12 @@ impl Store {
                     }
                     Ok(enc) => {
                         let uploaded = match found {
-                            None => self.put_encoded_chunk(&enc).await?,
-                            Some(true) => false,
-                            Some(false) => self.put_encoded_chunk_unindexed(&enc).await?,
+                            None if self.known.contains(&enc.digest) => false,
+                            Some(true) => {
+                                staging.lock().unwrap_or_else(|p| p.into_inner()).leased += 1;
+                                false
+                            }
+                            None | Some(false) => self.stage_chunk(&enc, staging).await?,
                         };
                         let stored_len = enc.stored.len() as u64;
                         reporter.emit(ProgressEvent::Chunk {
@@ -156,61 +181,151 @@ impl Store {
             table.size = e.end();
             table.push(e);
         };
-        if let Some(lease) = &opts.lease {
-            // Stage 2 with a lease: per group, lease the chunks and then look them up under
-            // the sweep lock (Lease::find_present), then write the missing ones in parallel.
-            // The known-chunk index is not trusted here: GC may have deleted a chunk since.
-            // GROUPS_IN_FLIGHT groups at once, in order: while one is looked up and written,
-            // the next one's chunks are hashed and compressed (before, encoding stopped for
-            // every group's look-up and writes).
-            let store_one = &store_one;
-            let mut groups = std::pin::pin!(
-                encoded
-                    .chunks(LEASE_BATCH)
-                    .map(|group| async move {
-                        let group: Vec<_> = group.into_iter().collect::<Result<_, _>>()?;
-                        let objs: Vec<ObjectRef> = group
-                            .iter()
-                            .filter_map(|(_, e)| match e {
-                                Ok(enc) => Some(ObjectRef::Chunk(enc.digest)),
-                                Err(_) => None,
-                            })
-                            .collect();
-                        let present = lease.find_present(&objs).await?;
-                        futures::stream::iter(group)
-                            .map(|(offset, e)| {
-                                let found = match &e {
-                                    Ok(enc) => present.contains(&ObjectRef::Chunk(enc.digest)),
-                                    Err(_) => false,
-                                };
-                                store_one(offset, e, Some(found))
-                            })
-                            .buffered(self.parallelism)
-                            .try_collect::<Vec<ChunkEntry>>()
-                            .await
-                    })
-                    .buffered(GROUPS_IN_FLIGHT)
-            );
-            while let Some(entries) = groups.try_next().await? {
-                entries.into_iter().for_each(&mut push);
+        let stored = async {
+            if let Some(lease) = &opts.lease {
+                // Stage 2 with a lease: per group, lease the chunks and then look them up under
+                // the sweep lock (Lease::find_present), then write the missing ones in parallel.
+                // The known-chunk index is not trusted here: GC may have deleted a chunk since.
+                // GROUPS_IN_FLIGHT groups at once, in order: while one is looked up and written,
+                // the next one's chunks are hashed and compressed (before, encoding stopped for
+                // every group's look-up and writes).
+                let store_one = &store_one;
+                let mut groups = std::pin::pin!(
+                    encoded
+                        .chunks(LEASE_BATCH)
+                        .map(|group| async move {
+                            let group: Vec<_> = group.into_iter().collect::<Result<_, _>>()?;
+                            let objs: Vec<ObjectRef> = group
+                                .iter()
+                                .filter_map(|(_, e)| match e {
+                                    Ok(enc) => Some(ObjectRef::Chunk(enc.digest)),
+                                    Err(_) => None,
+                                })
+                                .collect();
+                            let present = lease.find_present(&objs).await?;
+                            futures::stream::iter(group)
+                                .map(|(offset, e)| {
+                                    let found = match &e {
+                                        Ok(enc) => present.contains(&ObjectRef::Chunk(enc.digest)),
+                                        Err(_) => false,
+                                    };
+                                    store_one(offset, e, Some(found))
+                                })
+                                .buffered(self.parallelism)
+                                .try_collect::<Vec<ChunkEntry>>()
+                                .await
+                        })
+                        .buffered(GROUPS_IN_FLIGHT)
+                );
+                while let Some(entries) = groups.try_next().await? {
+                    entries.into_iter().for_each(&mut push);
+                }
+            } else {
+                // Stage 2 without a lease: store as encoded chunks arrive (fully pipelined).
+                let mut stored = std::pin::pin!(
+                    encoded
+                        .map(|r| async move {
+                            let (offset, e) = r?;
+                            store_one(offset, e, None).await
+                        })
+                        .buffered(self.parallelism)
+                );
+                while let Some(e) = stored.try_next().await? {
+                    push(e);
+                }
             }
-        } else {
-            // Stage 2 without a lease: store as encoded chunks arrive (fully pipelined).
-            let mut stored = std::pin::pin!(
-                encoded
-                    .map(|r| async move {
-                        let (offset, e) = r?;
-                        store_one(offset, e, None).await
-                    })
-                    .buffered(self.parallelism)
-            );
-            while let Some(e) = stored.try_next().await? {
-                push(e);
-            }
+            Ok::<_, StoreError>(())
         }
-        producer.await?;
+        .await;
+        let stored = match stored {
+            Ok(()) => producer.await.map_err(StoreError::from),
+            Err(e) => Err(e),
+        };
+        let staging = std::mem::take(&mut *staging.lock().unwrap_or_else(|p| p.into_inner()));
+        if let Err(e) = stored {
+            self.backend
+                .discard_staged(staging.pending.into_iter().map(|(.., p)| p).collect())
+                .await;
+            return Err(e);
+        }
+        self.commit_chunks(staging, &reporter).await?;
         table.validate()?;
         Ok((table, reporter.totals()))
+    }
+
+    /// Writes one encoded chunk with [`Backend::stage_if_absent`]: a staged one is queued in
+    /// `staging` for [`Store::commit_chunks`], one found present is noted there. Returns
+    /// whether this call wrote the chunk's bytes.
+    async fn stage_chunk(
+        &self,
+        enc: &chunk::EncodedChunk,
+        staging: &Mutex<Staging>,
+    ) -> Result<bool, StoreError> {
+        let r = self
+            .backend
+            .stage_if_absent(&enc.digest.key(), enc.stored.clone())
+            .await?;
+        let mut s = staging.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(match r {
+            Staged::Done(PutOutcome::Created) => {
+                s.written.push(enc.digest);
+                true
+            }
+            Staged::Done(PutOutcome::AlreadyExists) => {
+                s.found.push(enc.digest);
+                false
+            }
+            Staged::Pending(p) => {
+                s.pending.push((enc.digest, enc.raw_len, p));
+                true
+            }
+        })
+    }
+
+    /// Commits what an upload staged ([`Backend::commit_staged`]; locally the one `syncfs(2)`,
+    /// which also makes durable the chunks found present in the store). Skipped only when
+    /// nothing was staged and nothing was found by asking the store (every chunk came from the
+    /// known-chunk index, whose entries are durable). Then every chunk of the batch enters the
+    /// known-chunk index (only now: the index must never name a chunk a power cut could still
+    /// take away), and a staged chunk another writer published first is taken out of the
+    /// totals (its progress event, sent when it was written, said `transferred`).
+    async fn commit_chunks(&self, staging: Staging, reporter: &Reporter) -> Result<(), StoreError> {
+        let Staging {
+            pending,
+            found,
+            leased,
+            written,
+        } = staging;
+        if pending.is_empty() && found.is_empty() && leased == 0 {
+            for d in written {
+                self.known.insert(d);
+            }
+            return Ok(());
+        }
+        let (meta, staged): (Vec<_>, Vec<_>) = pending
+            .into_iter()
+            .map(|(d, raw_len, p)| ((d, raw_len, p.len), p))
+            .unzip();
+        let outcomes = self.backend.commit_staged(staged).await?;
+        let mut raced = 0u64;
+        for ((d, raw_len, stored_len), o) in meta.iter().zip(&outcomes) {
+            if *o == PutOutcome::AlreadyExists {
+                raced += 1;
+                reporter.uncount_transfer(*raw_len, *stored_len);
+            }
+            self.known.insert(*d);
+        }
+        if raced > 0 {
+            tracing::debug!(
+                store = %self.url(),
+                chunks = raced,
+                "staged chunks another writer had published meanwhile (its copy kept)"
+            );
+        }
+        for d in found.into_iter().chain(written) {
+            self.known.insert(d);
+        }
+        Ok(())
     }
 
     /// Writes the artifact `table` describes to `dest` as a sparse file: the file is sized

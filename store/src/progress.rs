@@ -161,6 +161,15 @@ impl Reporter {
         }
     }
 
+    /// Takes one chunk back out of the transferred totals (a staged write another writer
+    /// published first; see [`crate::artifact`]). Sends no event.
+    pub(crate) fn uncount_transfer(&self, raw_len: u64, stored_len: u64) {
+        let mut s = self.stats.lock().unwrap_or_else(|p| p.into_inner());
+        s.chunks_transferred = s.chunks_transferred.saturating_sub(1);
+        s.raw_bytes_transferred = s.raw_bytes_transferred.saturating_sub(raw_len);
+        s.stored_bytes_transferred = s.stored_bytes_transferred.saturating_sub(stored_len);
+    }
+
     pub(crate) fn totals(&self) -> TransferStats {
         *self.stats.lock().unwrap_or_else(|p| p.into_inner())
     }

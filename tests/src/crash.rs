@@ -1,6 +1,9 @@
 //! A crash injector for store backends: [`CrashAfterWrites`] wraps a real backend and kills
-//! the whole process (`abort`, no destructors, no flushing: as abrupt as a power cut for the
-//! store's purposes) right after its N-th write completes. Reads pass through untouched.
+//! the whole process (`abort`, no destructors, no flushing: as abrupt as a `kill -9`) right
+//! after its N-th write completes. Reads pass through untouched. What the process wrote stays
+//! in the page cache, so this is not a power cut: a write never synced survives it (the
+//! local backend's staged chunks, [`kiln_store::backend::Backend::stage_if_absent`], are
+//! synced only at their commit, and a power cut before that is not simulated here).
 //!
 //! Used by the `kiln-test-pusher` binary, whose crash point comes from
 //! `KILN_TEST_CRASH_AFTER_WRITES`, so a test can stop a push at every write in turn. It stands
@@ -12,7 +15,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use kiln_store::backend::{Backend, BackendError, ObjectInfo, PutOutcome, Version};
+use kiln_store::backend::{
+    Backend, BackendError, ObjectInfo, PutOutcome, Staged, StagedPut, Version,
+};
 use kiln_store::digest::Sha256Hash;
 
 /// The environment variable naming the write after which the process dies (1-based).
@@ -30,8 +35,8 @@ enum AtLimit {
     },
 }
 
-/// A backend that aborts the process after `limit` writes (put, put-if-absent, compare-and-swap,
-/// delete, rename), counted whether or not the write created anything; or, built with
+/// A backend that aborts the process after `limit` writes (put, put-if-absent, a staged write,
+/// the commit of staged writes, compare-and-swap, delete, rename), counted whether or not the write created anything; or, built with
 /// [`CrashAfterWrites::pause_after`], holds the writer there until the test lets it go.
 #[derive(Debug)]
 pub struct CrashAfterWrites {
@@ -146,6 +151,22 @@ impl Backend for CrashAfterWrites {
             .await;
         self.wrote(key).await;
         r
+    }
+
+    async fn stage_if_absent(&self, key: &str, data: Bytes) -> Result<Staged, BackendError> {
+        let r = self.inner.stage_if_absent(key, data).await;
+        self.wrote(key).await;
+        r
+    }
+
+    async fn commit_staged(&self, staged: Vec<StagedPut>) -> Result<Vec<PutOutcome>, BackendError> {
+        let r = self.inner.commit_staged(staged).await;
+        self.wrote("(commit of staged objects)").await;
+        r
+    }
+
+    async fn discard_staged(&self, staged: Vec<StagedPut>) {
+        self.inner.discard_staged(staged).await
     }
 
     async fn put(&self, key: &str, data: Bytes) -> Result<Version, BackendError> {

@@ -174,6 +174,28 @@ pub enum PutOutcome {
     AlreadyExists,
 }
 
+/// What [`Backend::stage_if_absent`] did with one object.
+#[derive(Debug)]
+pub enum Staged {
+    /// Written (or found) for good, as [`Backend::put_if_absent`] would have: durable now.
+    Done(PutOutcome),
+    /// Written under a private name, not yet visible or durable: it becomes the object (unless
+    /// one exists by then) when [`Backend::commit_staged`] is given it.
+    Pending(StagedPut),
+}
+
+/// An object written by [`Backend::stage_if_absent`] and not yet committed. Only the backend
+/// that made it can commit or discard it.
+#[derive(Debug)]
+pub struct StagedPut {
+    /// The object's key.
+    pub key: String,
+    /// Bytes written (the object's size).
+    pub len: u64,
+    /// Where the bytes wait (the local backend's temp file).
+    pub(crate) tmp: PathBuf,
+}
+
 /// The primitives every backend provides. All are async and cancel-safe in the sense that an
 /// interrupted write leaves either no object or the whole object (never a partial one).
 #[async_trait::async_trait]
@@ -256,6 +278,37 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
             key: prefix.to_string(),
             message: "this backend has no ordered listing".into(),
         })
+    }
+
+    /// Put-if-absent of an immutable object whose durability may wait: a backend that can
+    /// make many writes durable at once (the local one: one `syncfs(2)` for all) writes the
+    /// bytes under a private name and returns [`Staged::Pending`]; the object exists only once
+    /// [`Backend::commit_staged`] returns. Others write it for good at once (the default:
+    /// [`Backend::put_if_absent`], no digest check).
+    async fn stage_if_absent(&self, key: &str, data: Bytes) -> Result<Staged, BackendError> {
+        Ok(Staged::Done(self.put_if_absent(key, data, None).await?))
+    }
+
+    /// Makes `staged` (from this backend's [`Backend::stage_if_absent`]) durable and visible,
+    /// each as a put-if-absent (outcomes in the order given), and makes durable every object
+    /// this process saw in the store before the call. Called once per batch, even an empty
+    /// one, before anything that names the objects is written. Default: nothing to do
+    /// (every write was already durable); a staged object it does not know is an error.
+    async fn commit_staged(&self, staged: Vec<StagedPut>) -> Result<Vec<PutOutcome>, BackendError> {
+        match staged.first() {
+            None => Ok(Vec::new()),
+            Some(s) => Err(BackendError::Other {
+                store: self.url().to_string(),
+                op: "commit_staged",
+                key: s.key.clone(),
+                message: "this backend stages nothing".into(),
+            }),
+        }
+    }
+
+    /// Forgets `staged` (removes what it wrote) after a failed batch. Default: nothing.
+    async fn discard_staged(&self, staged: Vec<StagedPut>) {
+        let _ = staged;
     }
 
     /// Removes the object; absent is not an error.

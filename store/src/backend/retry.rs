@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde::Serialize;
 
-use super::{Backend, BackendError, ListPage, ObjectInfo, PutOutcome, Version};
+use super::{Backend, BackendError, ListPage, ObjectInfo, PutOutcome, Staged, StagedPut, Version};
 use crate::digest::Sha256Hash;
 
 /// Default [`RetryPolicy::max_attempts`]: 6.
@@ -443,6 +443,38 @@ impl Backend for Retrying {
             self.wrote(m.len());
         }
         r
+    }
+
+    async fn stage_if_absent(&self, key: &str, data: Bytes) -> Result<Staged, BackendError> {
+        let n = data.len() as u64;
+        let r = self
+            .run("stage_if_absent", key, || {
+                self.inner.stage_if_absent(key, data.clone())
+            })
+            .await
+            .0;
+        if matches!(
+            r,
+            Ok(Staged::Pending(_) | Staged::Done(PutOutcome::Created))
+        ) {
+            self.wrote(n);
+        }
+        r
+    }
+
+    /// Not retried: it consumes the batch, and only the local backend stages (its failures
+    /// are never transient).
+    async fn commit_staged(&self, staged: Vec<StagedPut>) -> Result<Vec<PutOutcome>, BackendError> {
+        self.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        let r = self.inner.commit_staged(staged).await;
+        if r.is_err() {
+            self.metrics.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    async fn discard_staged(&self, staged: Vec<StagedPut>) {
+        self.inner.discard_staged(staged).await
     }
 
     async fn put(&self, key: &str, data: Bytes) -> Result<Version, BackendError> {
