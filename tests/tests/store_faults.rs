@@ -528,7 +528,30 @@ async fn gc_during_push_keeps_leased_objects_s3() {
     gc_during_push(Kind::S3).await;
 }
 
-/// The same during an import (chunking a file straight into the store under a lease).
+/// The writes an import of `file` under a lease makes to a fresh store of `kind` until
+/// `put_artifact` returns (its chunks visible: on the local backend they are staged, then
+/// committed by its last write).
+async fn writes_of_an_import(kind: Kind, file: &std::path::Path, scratch: &std::path::Path) -> u64 {
+    let url = fresh_url(kind, scratch, "count");
+    let (store, gate) = paused_store(&url, u64::MAX).await;
+    let lease = std::sync::Arc::new(
+        store
+            .create_lease("count", std::time::Duration::from_secs(600), [])
+            .await
+            .unwrap(),
+    );
+    let opts = kiln_store::artifact::PutArtifactOptions {
+        lease: Some(lease),
+        ..Default::default()
+    };
+    store.put_artifact(file, &opts).await.unwrap();
+    gate.writes()
+}
+
+/// The same during an import (chunking a file straight into the store under a lease). The
+/// import is held mid-way through its chunks on S3 (each written visible), and right after
+/// its chunks became visible on the local backend (staged, then one commit): before then
+/// nothing of it is there for GC to find.
 async fn gc_during_import(kind: Kind) {
     use kiln_store::gc::GcOptions;
     let dir = tempfile::tempdir().unwrap();
@@ -536,7 +559,11 @@ async fn gc_during_import(kind: Kind) {
     let bytes = write_artifact(&file, 41);
     let url = fresh_url(kind, dir.path(), "imp");
     let direct = Store::open(&url).await.unwrap();
-    let (store, gate) = paused_store(&url, 10).await;
+    let pause_at = match kind {
+        Kind::S3 => 10,
+        Kind::Local => writes_of_an_import(kind, &file, dir.path()).await,
+    };
+    let (store, gate) = paused_store(&url, pause_at).await;
     let f2 = file.clone();
     let import = tokio::spawn(async move {
         let lease = std::sync::Arc::new(
@@ -572,6 +599,14 @@ async fn gc_during_import(kind: Kind) {
         "GC deleted what the import relies on: {:?}",
         report.collected
     );
+    if kind == Kind::Local {
+        // Held after the commit: the chunks are there, and were kept.
+        let local = kiln_store::backend::local::LocalBackend::open(std::path::Path::new(&url))
+            .await
+            .unwrap();
+        let chunks = local.list("chunks/").await.unwrap().len();
+        assert!(chunks > 10, "{chunks} chunks visible at the pause");
+    }
     gate.resume();
     import.await.unwrap().unwrap();
     let r = direct.verify(true, &GcOptions::default()).await.unwrap();
