@@ -187,6 +187,15 @@ async fn killed_at_many_points(kind: Kind) {
             String::from_utf8_lossy(&out.stderr)
         );
         let store = Store::open(&url).await.unwrap();
+        if kind == Kind::Local {
+            // The open took back the killed pusher's temp files (its staged chunks).
+            let tmp = std::path::Path::new(&url).join(".tmp");
+            let left: Vec<_> = std::fs::read_dir(&tmp)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            assert!(left.is_empty(), "crash at {n}: temp files left: {left:?}");
+        }
         let tagged = assert_no_dangling_tag(&store).await;
         let present = chunk_count(&store).await;
 

@@ -29,7 +29,8 @@
 //!   chunk it names is linked, and the tag only after the manifest, so any tag names a
 //!   manifest and chunks that exist. What a kill leaves is temp files in `.tmp` (at most the
 //!   staged chunks of the imports in flight, bytes: their stored size), which no listing,
-//!   verify or GC ever counts as objects.
+//!   verify or GC ever counts as objects; each names its writer (pid, start time, pid
+//!   namespace), and the next open of the store removes those of writers that are gone.
 //! - **after a power loss**, a tag never names a manifest whose chunks were not synced, and
 //!   no chunk key names bytes that were not synced. The data of a staged file is on stable
 //!   storage when `syncfs` returns (Linux 5.8 and later also report a failed writeback
@@ -87,6 +88,59 @@ pub struct LocalBackend {
 
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
+/// The writer part of a temp file's name: `<ProcessId token>n<pid namespace inode>` (e.g.
+/// `p4242s98765n4026531836`), so that [`reap_dead_writers`] can tell a dead writer's file
+/// from a live one's, pid reuse and other pid namespaces included ([`crate::owner`]).
+fn tmp_owner() -> &'static str {
+    static OWNER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    OWNER.get_or_init(|| {
+        format!(
+            "{}n{}",
+            crate::owner::ProcessId::current().token(),
+            pid_namespace().unwrap_or(0)
+        )
+    })
+}
+
+/// The inode of this process's pid namespace (`/proc/self/ns/pid`, namespaces(7)).
+fn pid_namespace() -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata("/proc/self/ns/pid").ok().map(|m| m.ino())
+}
+
+/// Removes the temp files in `tmp` (the store's `.tmp`) of writers that are gone: named by
+/// [`tmp_owner`] for a process of this pid namespace (not 0: unknown) that no longer runs.
+/// A killed import leaves its staged chunks there (up to their stored size); this is what
+/// takes them back, at the next open of the store. Files of live writers, of other pid
+/// namespaces, and names of another form are left alone. Returns the files removed.
+fn reap_dead_writers(tmp: &Path) -> usize {
+    let Some(ns) = pid_namespace() else {
+        return 0;
+    };
+    let Ok(entries) = fs::read_dir(tmp) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some((owner, rest)) = name.to_str().and_then(crate::owner::ProcessId::parse_token)
+        else {
+            continue;
+        };
+        let Some(writer_ns) = rest
+            .strip_prefix('n')
+            .and_then(|r| r.split('-').next())
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        if writer_ns == ns && !owner.is_alive() && fs::remove_file(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
 fn version_of(meta: &fs::Metadata) -> Version {
     Version(format!(
         "{}-{}.{}-{}",
@@ -116,6 +170,14 @@ impl LocalBackend {
         tokio::task::spawn_blocking(move || {
             for d in [TMP_DIR, LOCK_DIR] {
                 fs::create_dir_all(r.join(d)).map_err(|e| other(&u, "open", "", e))?;
+            }
+            // A symlinked `.tmp` is refused at the first write; never reaped through.
+            let reaped = match no_symlink(&u, "", &r.join(TMP_DIR)) {
+                Ok(_) => reap_dead_writers(&r.join(TMP_DIR)),
+                Err(_) => 0,
+            };
+            if reaped > 0 {
+                tracing::info!(store = %u, files = reaped, "removed temp files of writers that are gone");
             }
             Ok::<_, BackendError>(())
         })
@@ -157,7 +219,7 @@ impl LocalBackend {
             .unwrap_or(0);
         self.root
             .join(TMP_DIR)
-            .join(format!("{}-{}-{}", std::process::id(), n, nanos))
+            .join(format!("{}-{}-{}", tmp_owner(), n, nanos))
     }
 
     fn ctx(&self) -> Ctx {
@@ -858,6 +920,46 @@ mod tests {
         );
         assert!(b.head("blobs/sha256/bb").await.unwrap().is_none());
         assert_eq!(fs::read_dir(dir.path().join(".tmp")).unwrap().count(), 1);
+    }
+
+    /// The next open of a store removes the temp files of writers that are gone (a killed
+    /// import's staged chunks), and keeps those of a live writer, of another pid namespace,
+    /// and of another name form.
+    #[tokio::test]
+    async fn an_open_removes_the_temp_files_of_dead_writers_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let tmp = dir.path().join(".tmp");
+        // A real writer that has exited: a child process, reaped.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let ticks = crate::owner::start_ticks(pid).unwrap_or(1);
+        child.wait().unwrap();
+        let ns = pid_namespace().unwrap();
+        let dead = format!("p{pid}s{ticks}n{ns}-0-1");
+        let other_ns = format!("p{pid}s{ticks}n{}-0-1", ns + 1);
+        let live = b.tmp_path().file_name().unwrap().to_owned();
+        for name in [
+            std::ffi::OsStr::new(&dead),
+            std::ffi::OsStr::new(&other_ns),
+            &live,
+            std::ffi::OsStr::new("123-0-0"),
+        ] {
+            fs::write(tmp.join(name), b"staged").unwrap();
+        }
+        LocalBackend::open(dir.path()).await.unwrap();
+        let mut left: Vec<String> = fs::read_dir(&tmp)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        let mut want = vec![
+            other_ns,
+            live.to_string_lossy().into_owned(),
+            "123-0-0".into(),
+        ];
+        want.sort();
+        assert_eq!(left, want);
     }
 
     /// A staged object is invisible (no key, not listed) until its commit; the commit makes
