@@ -598,4 +598,81 @@ mod tests {
             r.findings
         );
     }
+
+    /// A reader that gives `data`, then blocks until `wait`'s sender is dropped, then ends.
+    struct Stalling {
+        data: std::io::Cursor<Vec<u8>>,
+        wait: std::sync::mpsc::Receiver<()>,
+    }
+
+    impl std::io::Read for Stalling {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.data.read(buf)?;
+            if n == 0 {
+                let _ = self.wait.recv();
+            }
+            Ok(n)
+        }
+    }
+
+    /// Incompressible bytes, no two 64 KiB windows alike.
+    fn noise(len: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect()
+    }
+
+    /// The files (not directories) in the local store's `.tmp`.
+    fn temp_files(root: &std::path::Path) -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(root.join(".tmp"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.is_file())
+            .collect()
+    }
+
+    /// An upload dropped before its commit (a build cancelled while its image or memory
+    /// file is stored: the pipeline drops the snapshot future on cancel) leaves no staged
+    /// chunk behind in `.tmp`: nothing (GC, verify, a later import) ever removes one, and
+    /// a memory file's are gigabytes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_put_artifact_leaves_no_staged_chunks_in_tmp() {
+        use crate::artifact::PutArtifactOptions;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let (hold, wait) = std::sync::mpsc::channel::<()>();
+        let reader = Stalling {
+            data: std::io::Cursor::new(noise(4 << 20, 7)),
+            wait,
+        };
+        let opts = PutArtifactOptions::default();
+        let root = dir.path().to_path_buf();
+        let staged = async {
+            while temp_files(&root).len() < 16 {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            // Let everything before the stall be staged.
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        };
+        tokio::select! {
+            r = store.put_artifact_reader(reader, &opts) => panic!("the upload ended: {:?}", r.map(|_| ())),
+            _ = staged => {}
+        }
+        // The upload is dropped; its reader may end now.
+        drop(hold);
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let left = temp_files(dir.path());
+        assert!(
+            left.is_empty(),
+            "{} staged temp files left in .tmp: {:?}",
+            left.len(),
+            &left[..left.len().min(3)]
+        );
+    }
 }
