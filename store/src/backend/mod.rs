@@ -196,6 +196,18 @@ pub struct StagedPut {
     pub(crate) tmp: PathBuf,
 }
 
+/// A staged object dropped without a commit or a discard (its upload's future dropped, say a
+/// cancelled build, or a stage finishing on the blocking pool after its caller gave up) takes
+/// its temp file with it: nothing else ever removes one. After a commit or a discard the
+/// name is gone already and this does nothing.
+impl Drop for StagedPut {
+    fn drop(&mut self) {
+        if !self.tmp.as_os_str().is_empty() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
 /// The primitives every backend provides. All are async and cancel-safe in the sense that an
 /// interrupted write leaves either no object or the whole object (never a partial one).
 #[async_trait::async_trait]
