@@ -131,3 +131,50 @@ fn the_walk_answers_as_resolve_in_root_does() {
         }
     }
 }
+
+/// A trailing `/` (or `/.`) asks for a directory: the kernel refuses a non-directory there
+/// (`ENOTDIR`) and follows a symlink there even under `O_NOFOLLOW` (it is not the last
+/// component). The walk drops empty and `.` components, so it must answer the same.
+#[test]
+fn the_walk_answers_trailing_slashes_as_resolve_in_root_does() {
+    let (_d, root) = hostile_root();
+    symlink("etc/passwd/", root.join("pw-slash")).unwrap();
+    let root_fd =
+        rustix::fs::open(&root, OFlags::DIRECTORY | OFlags::RDONLY, Mode::empty()).unwrap();
+    let mut wrong = Vec::new();
+    for path in [
+        "etc/passwd/",
+        "etc/passwd/.",
+        "/etc/passwd//",
+        "a/pw/",
+        "a/abs/",
+        "a/abs/.",
+        "a/up/",
+        "a/twisty/",
+        "pw-slash",
+        "dangling/",
+        "missing/",
+    ] {
+        for flags in [
+            OFlags::RDONLY,
+            OFlags::RDONLY | OFlags::NOFOLLOW,
+            OFlags::PATH,
+            OFlags::PATH | OFlags::NOFOLLOW,
+        ] {
+            let kernel = reached(rustix::fs::openat2(
+                root_fd.as_fd(),
+                path,
+                flags | OFlags::CLOEXEC,
+                Mode::empty(),
+                ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+            ));
+            let ours = reached(walk_in_root(&root_fd, path, flags));
+            if ours != kernel {
+                wrong.push(format!(
+                    "{path:?} {flags:?}: kernel {kernel:?}, walk {ours:?}"
+                ));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
