@@ -71,7 +71,12 @@ pub(crate) fn walk_in_root(
     oflags: OFlags,
 ) -> rustix::io::Result<OwnedFd> {
     let how = Walk::in_root(!oflags.contains(OFlags::NOFOLLOW), false);
-    let reached = walk_fd(root.as_fd(), &components(path), &how, None).map_err(|e| match e {
+    let mut comps = components(path);
+    // A trailing `/` or `/.` asks for a directory: kept as a `.` the walk sees.
+    if path.ends_with('/') || path.ends_with("/.") {
+        comps.push(b".".to_vec());
+    }
+    let reached = walk_fd(root.as_fd(), &comps, &how, None).map_err(|e| match e {
         WalkError::Tree(e) => e.errno,
         WalkError::Missing | WalkError::Escape => Errno::NOENT,
         WalkError::NotADirectory => Errno::NOTDIR,

@@ -175,7 +175,8 @@ pub(crate) struct Reached<D, L> {
 pub(crate) type WalkResult<T> =
     Result<Reached<<T as Tree>::Dir, <T as Tree>::Leaf>, WalkError<<T as Tree>::Error>>;
 
-/// Walks `comps` (components; empty and `.` ones skipped, `..` kept) from `root` in `tree`.
+/// Walks `comps` (components; empty and `.` ones skipped, `..` kept; a component followed only
+/// by `.` or empty ones must be a directory, as before a trailing `/`) from `root` in `tree`.
 pub(crate) fn walk<T: Tree>(
     tree: &mut T,
     root: T::Dir,
@@ -200,7 +201,9 @@ pub(crate) fn walk<T: Tree>(
         if dirs.len() > MAX_DEPTH {
             return Err(WalkError::TooDeep);
         }
-        let last = !how.dirs_only && queue.iter().all(|q| q.is_empty() || q == b".");
+        // A component followed only by `.` or empty ones (a trailing `/`) is not the last:
+        // it must be a directory, and a symlink there is followed, as the kernel does.
+        let last = !how.dirs_only && queue.is_empty();
         // The root is never popped: `dirs` is never empty.
         let cur = &dirs[dirs.len() - 1].0;
         match tree.lookup(cur, &c)? {
@@ -223,6 +226,10 @@ pub(crate) fn walk<T: Tree>(
                 let target = tree.read_link(cur, &c, &leaf)?;
                 if target.first() == Some(&b'/') {
                     dirs.truncate(1);
+                }
+                // A target ending in `/` names a directory (`ENOTDIR` otherwise).
+                if target.len() > 1 && target.last() == Some(&b'/') {
+                    queue.push_front(b".".to_vec());
                 }
                 for t in target.split(|b| *b == b'/').rev() {
                     if !t.is_empty() {
