@@ -1194,11 +1194,11 @@ fn flattened_vs_applied(dir: &Path, name: &str, layers: &[Vec<E<'_>>]) -> Vec<St
 }
 
 /// The invariant of [`flattened_tree_equals_the_applied_tree_for_every_corpus`], for layers
-/// whose whiteouts name a directory through a symlink: one the layer itself makes, or one
-/// below which the layer wrote before (through another path). The flattener takes a layer's
-/// whiteouts first, resolved in the lower layers, and keeps all of the layer's own entries;
-/// the applier takes them in order, resolves them with what the layer made so far, and
-/// spares only what the layer made under the very path the whiteout names.
+/// whose opaque whiteout names a directory the layer wrote into through another path (a
+/// symlink, or the real one when the whiteout goes through the symlink). The flattener
+/// takes a layer's whiteouts first and keeps all of the layer's own entries; the applier
+/// took them in order and spared only what the layer made under the very path (symlinks not
+/// resolved) the whiteout names.
 #[test]
 fn flattened_tree_equals_the_applied_tree_with_whiteouts_through_symlinks() {
     let d = tempfile::tempdir().unwrap();
@@ -1235,6 +1235,25 @@ fn flattened_tree_equals_the_applied_tree_with_whiteouts_through_symlinks() {
             ],
         ],
     ));
+    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+}
+
+/// The same invariant for a whiteout whose parent is a symlink the same layer makes (`x ->
+/// usr/lib`, then `x/.wh.old`): the flattener resolves a layer's whiteouts first, in the
+/// lower layers, where `x` is missing, so it removes nothing; the applier resolves it in
+/// order, through the new symlink, and removes the lower layer's `usr/lib/old`.
+#[test]
+fn flattened_tree_equals_the_applied_tree_with_a_whiteout_through_a_symlink_the_layer_makes() {
+    let d = tempfile::tempdir().unwrap();
+    let base = || {
+        vec![
+            E::Dir("usr/", 0o755),
+            E::Dir("usr/lib/", 0o755),
+            E::File("usr/lib/old", b"old"),
+            E::Sym("lib", "usr/lib"),
+        ]
+    };
+    let mut diffs = Vec::new();
     // A whiteout through a symlink the same layer makes.
     diffs.extend(flattened_vs_applied(
         d.path(),
