@@ -167,10 +167,24 @@ impl Applier {
     /// directory reached. Missing directories are made (0755, root) when `create`; otherwise
     /// `Ok(None)` is returned for a missing component.
     fn walk(&self, comps: &[Vec<u8>], create: bool) -> Result<Option<OwnedFd>, LayerError> {
+        Ok(self.walk_resolved(comps, create)?.map(|(fd, _)| fd))
+    }
+
+    /// [`Applier::walk`], with the path of the directory reached, symlinks resolved (what
+    /// [`Applier::created`] is keyed by: the flattener sees one node under every path that
+    /// leads to it).
+    fn walk_resolved(
+        &self,
+        comps: &[Vec<u8>],
+        create: bool,
+    ) -> Result<Option<(OwnedFd, Vec<Vec<u8>>)>, LayerError> {
         let how = Walk::layer_parents(create);
         let (digest, entry) = self.err_entry();
         match walk_fd(self.root.as_fd(), comps, &how, None) {
-            Ok(mut reached) => Ok(reached.dirs.pop().map(|(fd, _)| fd)),
+            Ok(mut reached) => {
+                let path: Vec<Vec<u8>> = reached.dirs[1..].iter().map(|(_, n)| n.clone()).collect();
+                Ok(reached.dirs.pop().map(|(fd, _)| (fd, path)))
+            }
             Err(WalkError::Missing) => Ok(None),
             Err(WalkError::Tree(e)) => Err(self.io(e.op, e.errno)),
             Err(WalkError::Escape) => Err(LayerError::SymlinkEscape { digest, entry }),
@@ -269,10 +283,10 @@ impl Applier {
             WhiteoutKind::None => {}
             WhiteoutKind::Meta => return Ok(()),
             WhiteoutKind::Remove(name) => {
-                let Some(dir) = self.walk(parent, false)? else {
+                let Some((dir, resolved)) = self.walk_resolved(parent, false)? else {
                     return Ok(());
                 };
-                let mut full = parent.to_vec();
+                let mut full = resolved;
                 full.push(name.to_vec());
                 if !self.created.contains(&full) {
                     self.remove_all(dir.as_fd(), name, 0)?;
@@ -280,24 +294,25 @@ impl Applier {
                 return Ok(());
             }
             WhiteoutKind::Opaque => {
-                let Some(dir) = self.walk(parent, true)? else {
+                let Some((dir, resolved)) = self.walk_resolved(parent, true)? else {
                     return Ok(());
                 };
                 for child in self.list(dir.as_fd())? {
-                    let mut full = parent.to_vec();
+                    let mut full = resolved.clone();
                     full.push(child.clone());
                     if !self.created.contains(&full) {
                         self.remove_all(dir.as_fd(), &child, 0)?;
                     }
                 }
-                self.mark_created(parent);
+                self.mark_created(&resolved);
                 return Ok(());
             }
         }
         let meta = self.meta(entry)?;
-        let dir = self
-            .walk(parent, true)?
+        let (dir, mut resolved) = self
+            .walk_resolved(parent, true)?
             .ok_or_else(|| self.io("walk", io::Error::from(io::ErrorKind::NotFound)))?;
+        resolved.push(base.clone());
         let dir = dir.as_fd();
         let existing = match rustix::fs::statat(dir, os(base), AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => Some(FileType::from_raw_mode(st.st_mode)),
@@ -419,7 +434,7 @@ impl Applier {
                 .into());
             }
         }
-        self.mark_created(&comps);
+        self.mark_created(&resolved);
         Ok(())
     }
 
