@@ -1265,3 +1265,21 @@ fn flattened_tree_equals_the_applied_tree_with_a_whiteout_through_a_symlink_the_
     ));
     assert!(diffs.is_empty(), "{}", diffs.join("\n"));
 }
+
+/// The same invariant for a layer that hard-links a lower layer's file and then whites the
+/// file out (`c` linked to `a`, then `.wh.a`): the applier links first and keeps `c`; the
+/// flattener takes the layer's whiteouts first, so `a` is gone when it meets the link, and
+/// it refuses the layer (`HardLinkMissing`) that `apply_layer` applied.
+#[test]
+fn flattened_tree_equals_the_applied_tree_with_a_link_to_a_file_the_layer_whites_out() {
+    let d = tempfile::tempdir().unwrap();
+    let diffs = flattened_vs_applied(
+        d.path(),
+        "link-then-whiteout-target",
+        &[
+            vec![E::File("a", b"A")],
+            vec![E::Hard("c", "a"), E::File(".wh.a", b"")],
+        ],
+    );
+    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+}
