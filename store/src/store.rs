@@ -675,4 +675,65 @@ mod tests {
             &left[..left.len().min(3)]
         );
     }
+
+    /// Two handles on one local store (two processes' imports) put overlapping files at once,
+    /// one of them holding one block three times: each import's table reads back, `verify
+    /// --deep` finds nothing, nothing is left in `.tmp`, and every distinct chunk is counted
+    /// as transferred once per import that wrote it (never twice for a chunk a file repeats).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_overlapping_imports_verify_clean_and_count_each_chunk_once() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::manifest::ImageManifest;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().to_str().unwrap();
+        let (s1, s2) = (Store::open(p).await.unwrap(), Store::open(p).await.unwrap());
+        let (x, y) = (noise(2 << 20, 1), noise(2 << 20, 2));
+        let a = [x.clone(), y.clone()].concat();
+        let b = [y.clone(), x.clone(), y.clone()].concat();
+        let opts = PutArtifactOptions::default();
+        let (ra, rb) = tokio::join!(
+            s1.put_artifact_reader(std::io::Cursor::new(a.clone()), &opts),
+            s2.put_artifact_reader(std::io::Cursor::new(b.clone()), &opts),
+        );
+        let ((ta, sa), (tb, sb)) = (ra.unwrap(), rb.unwrap());
+        for (store, table, data, stats, tag) in
+            [(&s1, &ta, &a, &sa, "a:v1"), (&s2, &tb, &b, &sb, "b:v1")]
+        {
+            let distinct: std::collections::BTreeSet<_> =
+                table.entries.iter().filter_map(|e| e.digest).collect();
+            assert!(
+                stats.chunks_transferred <= distinct.len() as u64,
+                "{tag}: {} chunks counted as transferred, {} distinct",
+                stats.chunks_transferred,
+                distinct.len()
+            );
+            let out = dir.path().join(format!("{tag}.out"));
+            store.materialize(table, &out, None).await.unwrap();
+            assert!(std::fs::read(&out).unwrap() == *data, "{tag}: reads back");
+            std::fs::remove_file(&out).unwrap();
+            let raw = store
+                .put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
+                .await
+                .unwrap();
+            store
+                .set_tag(&tag.parse().unwrap(), None, raw.digest)
+                .await
+                .unwrap();
+        }
+        let on_disk = std::fs::read_dir(dir.path().join("chunks/sha256"))
+            .unwrap()
+            .count() as u64;
+        assert!(
+            sa.chunks_transferred + sb.chunks_transferred >= on_disk,
+            "{on_disk} chunk files, {} + {} counted as written",
+            sa.chunks_transferred,
+            sb.chunks_transferred
+        );
+        let r = s1
+            .verify(true, &crate::gc::GcOptions::default())
+            .await
+            .unwrap();
+        assert!(r.findings.is_empty(), "{:?}", r.findings);
+        assert!(temp_files(dir.path()).is_empty());
+    }
 }
