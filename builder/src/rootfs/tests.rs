@@ -178,3 +178,56 @@ fn the_walk_answers_trailing_slashes_as_resolve_in_root_does() {
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
+
+/// Symlink chains about the 40-hop limit, as the last component and on the way, with and
+/// without `O_NOFOLLOW`: the walk gives up (or not) exactly where the kernel does.
+#[test]
+fn the_walk_counts_symlink_hops_as_resolve_in_root_does() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path().join("root");
+    std::fs::create_dir_all(root.join("dir")).unwrap();
+    std::fs::write(root.join("dir/f"), b"f").unwrap();
+    // c<n>_<i> -> c<n>_<i+1> -> ... -> c<n>_<n> -> dir: n links to reach `dir`.
+    for n in [38usize, 39, 40, 41, 42] {
+        for i in 1..=n {
+            let target = if i == n {
+                "dir".to_string()
+            } else {
+                format!("c{n}_{}", i + 1)
+            };
+            symlink(&target, root.join(format!("c{n}_{i}"))).unwrap();
+        }
+    }
+    let root_fd =
+        rustix::fs::open(&root, OFlags::DIRECTORY | OFlags::RDONLY, Mode::empty()).unwrap();
+    let mut wrong = Vec::new();
+    for n in [38usize, 39, 40, 41, 42] {
+        for path in [
+            format!("c{n}_1"),
+            format!("c{n}_1/"),
+            format!("c{n}_1/f"),
+            format!("/c{n}_1/../c{n}_1/f"),
+        ] {
+            for flags in [
+                OFlags::RDONLY,
+                OFlags::RDONLY | OFlags::NOFOLLOW,
+                OFlags::PATH,
+            ] {
+                let kernel = reached(rustix::fs::openat2(
+                    root_fd.as_fd(),
+                    path.as_str(),
+                    flags | OFlags::CLOEXEC,
+                    Mode::empty(),
+                    ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+                ));
+                let ours = reached(walk_in_root(&root_fd, &path, flags));
+                if ours != kernel {
+                    wrong.push(format!(
+                        "{path:?} {flags:?}: kernel {kernel:?}, walk {ours:?}"
+                    ));
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
