@@ -736,4 +736,47 @@ mod tests {
         assert!(r.findings.is_empty(), "{:?}", r.findings);
         assert!(temp_files(dir.path()).is_empty());
     }
+
+    /// A reader that gives `data`, then fails.
+    struct Failing(std::io::Cursor<Vec<u8>>);
+
+    impl std::io::Read for Failing {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            match self.0.read(buf)? {
+                0 => Err(std::io::Error::other("the source broke")),
+                n => Ok(n),
+            }
+        }
+    }
+
+    /// An import whose input fails half-way returns the error and leaves nothing: no staged
+    /// chunk in `.tmp`, no chunk under its key, and a verify and a GC that find nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_import_leaves_no_garbage() {
+        use crate::artifact::PutArtifactOptions;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let r = store
+            .put_artifact_reader(
+                Failing(std::io::Cursor::new(noise(3 << 20, 9))),
+                &PutArtifactOptions::default(),
+            )
+            .await;
+        assert!(r.is_err());
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        assert!(
+            temp_files(dir.path()).is_empty(),
+            "{:?}",
+            temp_files(dir.path())
+        );
+        let chunks = std::fs::read_dir(dir.path().join("chunks/sha256"))
+            .map(|d| d.count())
+            .unwrap_or(0);
+        assert_eq!(chunks, 0, "chunks of a failed import were published");
+        let v = store
+            .verify(true, &crate::gc::GcOptions::default())
+            .await
+            .unwrap();
+        assert!(v.findings.is_empty(), "{:?}", v.findings);
+    }
 }
