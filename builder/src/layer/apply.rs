@@ -131,6 +131,9 @@ impl Created {
     }
 }
 
+/// A directory a walk reached, with its path from the root (symlinks resolved).
+type ResolvedDir = (OwnedFd, Vec<Vec<u8>>);
+
 /// An entry name split into its components by [`split_name`] (also used by the ext4
 /// flattener, which must place entries exactly as [`apply_layer`] does).
 pub(crate) enum Split {
@@ -177,7 +180,7 @@ impl Applier {
         &self,
         comps: &[Vec<u8>],
         create: bool,
-    ) -> Result<Option<(OwnedFd, Vec<Vec<u8>>)>, LayerError> {
+    ) -> Result<Option<ResolvedDir>, LayerError> {
         let how = Walk::layer_parents(create);
         let (digest, entry) = self.err_entry();
         match walk_fd(self.root.as_fd(), comps, &how, None) {
