@@ -1448,33 +1448,46 @@ mod tests {
 
     /// What a killed import leaves in a local store's `.tmp` (its staged chunks: up to the
     /// whole artifact's stored size, e.g. 133 MB of 1,663 files for a 200 MB image killed
-    /// 1.5 s in) is reclaimed by GC once older than the grace period, like any unreachable
-    /// object; a young one (an import in flight) is kept. Nothing else ever removes them:
-    /// verify does not count them, and a later import writes its own.
+    /// 1.5 s in) is reclaimed when the store is next opened, as `kiln store gc` opens it:
+    /// the files of a writer that is gone go, those of a live writer (an import in flight)
+    /// stay, whatever their age.
     #[tokio::test]
     async fn gc_reclaims_staged_files_a_killed_import_left_in_tmp() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let url = dir.path().to_str().unwrap().to_string();
+        Store::open(&url).await.unwrap();
         let tmp = dir.path().join(".tmp");
-        let old = tmp.join("4242-0-1796434403609641437");
-        let young = tmp.join("4242-1-1796434403609641438");
-        for p in [&old, &young] {
+        // A writer that is gone: a child process, reaped; named as the backend names its
+        // temp files (pid, start time, pid namespace).
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let ticks = crate::owner::start_ticks(pid).unwrap_or(1);
+        child.wait().unwrap();
+        let ns = {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata("/proc/self/ns/pid").unwrap().ino()
+        };
+        let dead = tmp.join(format!("p{pid}s{ticks}n{ns}-0-1796434403609641437"));
+        let me = crate::owner::ProcessId::current().token();
+        let live = tmp.join(format!("{me}n{ns}-1-1796434403609641438"));
+        for p in [&dead, &live] {
             std::fs::write(p, vec![7u8; 64 << 10]).unwrap();
+            std::fs::File::options()
+                .write(true)
+                .open(p)
+                .unwrap()
+                .set_modified(std::time::SystemTime::now() - Duration::from_secs(7200))
+                .unwrap();
         }
-        std::fs::File::options()
-            .write(true)
-            .open(&old)
-            .unwrap()
-            .set_modified(std::time::SystemTime::now() - Duration::from_secs(7200))
-            .unwrap();
+        let store = Store::open(&url).await.unwrap();
         store.gc(&GcOptions::default()).await.unwrap();
         assert!(
-            young.exists(),
-            "a young temp file (an import in flight) is kept"
+            live.exists(),
+            "a live writer's temp file (an import in flight) is kept"
         );
         assert!(
-            !old.exists(),
-            "a temp file older than the grace period (a killed import's) is left for good"
+            !dead.exists(),
+            "a killed import's temp file is left for good"
         );
     }
 }
