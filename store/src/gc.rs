@@ -1463,10 +1463,7 @@ mod tests {
         let pid = child.id();
         let ticks = crate::owner::start_ticks(pid).unwrap_or(1);
         child.wait().unwrap();
-        let ns = {
-            use std::os::unix::fs::MetadataExt;
-            std::fs::metadata("/proc/self/ns/pid").unwrap().ino()
-        };
+        let ns = crate::owner::pid_namespace().unwrap();
         let dead = tmp.join(format!("p{pid}s{ticks}n{ns}-0-1796434403609641437"));
         let me = crate::owner::ProcessId::current().token();
         let live = tmp.join(format!("{me}n{ns}-1-1796434403609641438"));

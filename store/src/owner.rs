@@ -111,6 +111,16 @@ fn pid_ns() -> String {
         .unwrap_or_default()
 }
 
+/// The inode number of this process's pid namespace: the `N` of [`LeaseOwner::pid_ns`]'s
+/// `pid:[N]` (namespaces(7)). `None` when `/proc` does not say.
+pub fn pid_namespace() -> Option<u64> {
+    pid_ns()
+        .strip_prefix("pid:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
+
 impl LeaseOwner {
     /// This process on this host.
     pub fn current() -> LeaseOwner {

@@ -97,15 +97,9 @@ fn tmp_owner() -> &'static str {
         format!(
             "{}n{}",
             crate::owner::ProcessId::current().token(),
-            pid_namespace().unwrap_or(0)
+            crate::owner::pid_namespace().unwrap_or(0)
         )
     })
-}
-
-/// The inode of this process's pid namespace (`/proc/self/ns/pid`, namespaces(7)).
-fn pid_namespace() -> Option<u64> {
-    use std::os::unix::fs::MetadataExt;
-    fs::metadata("/proc/self/ns/pid").ok().map(|m| m.ino())
 }
 
 /// Removes the temp files in `tmp` (the store's `.tmp`) of writers that are gone: named by
@@ -114,7 +108,7 @@ fn pid_namespace() -> Option<u64> {
 /// takes them back, at the next open of the store. Files of live writers, of other pid
 /// namespaces, and names of another form are left alone. Returns the files removed.
 fn reap_dead_writers(tmp: &Path) -> usize {
-    let Some(ns) = pid_namespace() else {
+    let Some(ns) = crate::owner::pid_namespace() else {
         return 0;
     };
     let Ok(entries) = fs::read_dir(tmp) else {
@@ -500,23 +494,16 @@ impl Ctx {
         staged: Vec<StagedPut>,
         dests: Vec<PathBuf>,
     ) -> Result<Vec<PutOutcome>, BackendError> {
-        let remove_all = |staged: &[StagedPut]| {
-            for s in staged {
-                let _ = fs::remove_file(&s.tmp);
-            }
-        };
+        // Each temp name goes when its StagedPut drops, on every path out of here.
         let synced = File::open(&self.root)
             .and_then(|root| rustix::fs::syncfs(&root).map_err(std::io::Error::from));
         if let Err(e) = synced {
-            remove_all(&staged);
             return Err(other(&self.url, "syncfs", "", e));
         }
         let mut outcomes = Vec::with_capacity(staged.len());
         let mut dirs = std::collections::BTreeSet::new();
-        for (i, (s, dest)) in staged.iter().zip(&dests).enumerate() {
-            let res = fs::hard_link(&s.tmp, dest);
-            let _ = fs::remove_file(&s.tmp);
-            match res {
+        for (s, dest) in staged.iter().zip(&dests) {
+            match fs::hard_link(&s.tmp, dest) {
                 Ok(()) => {
                     dirs.insert(dest.parent().unwrap_or(&self.root));
                     outcomes.push(PutOutcome::Created);
@@ -524,10 +511,7 @@ impl Ctx {
                 Err(e) if e.kind() == ErrorKind::AlreadyExists => {
                     outcomes.push(PutOutcome::AlreadyExists)
                 }
-                Err(e) => {
-                    remove_all(&staged[i + 1..]);
-                    return Err(other(&self.url, "put", &s.key, e));
-                }
+                Err(e) => return Err(other(&self.url, "put", &s.key, e)),
             }
         }
         for d in dirs {
@@ -776,9 +760,8 @@ impl Backend for LocalBackend {
         }
         let _ = self
             .blocking(move |_| {
-                for s in staged {
-                    let _ = fs::remove_file(&s.tmp);
-                }
+                // Each StagedPut removes its temp file as it drops.
+                drop(staged);
                 Ok(())
             })
             .await;
@@ -935,7 +918,7 @@ mod tests {
         let pid = child.id();
         let ticks = crate::owner::start_ticks(pid).unwrap_or(1);
         child.wait().unwrap();
-        let ns = pid_namespace().unwrap();
+        let ns = crate::owner::pid_namespace().unwrap();
         let dead = format!("p{pid}s{ticks}n{ns}-0-1");
         let other_ns = format!("p{pid}s{ticks}n{}-0-1", ns + 1);
         let live = b.tmp_path().file_name().unwrap().to_owned();

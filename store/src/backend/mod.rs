@@ -196,10 +196,10 @@ pub struct StagedPut {
     pub(crate) tmp: PathBuf,
 }
 
-/// A staged object dropped without a commit or a discard (its upload's future dropped, say a
-/// cancelled build, or a stage finishing on the blocking pool after its caller gave up) takes
-/// its temp file with it: nothing else ever removes one. After a commit or a discard the
-/// name is gone already and this does nothing.
+/// A staged object takes its temp file with it when it drops: the one removal of a temp
+/// name, whether it was committed (linked to its key first), discarded, or dropped unused
+/// (its upload's future dropped, say a cancelled build, or a stage finishing on the blocking
+/// pool after its caller gave up).
 impl Drop for StagedPut {
     fn drop(&mut self) {
         if !self.tmp.as_os_str().is_empty() {
