@@ -325,14 +325,7 @@ fn vm_lazy_start_from_s3() {
     assert!(o3.status.success(), "{}", show(&o3));
     let id3 = started_id(&o3);
     std::thread::sleep(Duration::from_secs(2));
-    let rollup = |pid: u64, field: &str| -> u64 {
-        std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
-            .unwrap_or_default()
-            .lines()
-            .find(|l| l.starts_with(field))
-            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-            .unwrap_or(0)
-    };
+    let rollup = kiln_tests::vm::smaps_rollup_kb;
     let pids: Vec<u64> = [&o_cold, &o, &o3]
         .iter()
         .filter_map(|o| started(o)["pid"].as_u64())

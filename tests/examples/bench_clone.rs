@@ -129,14 +129,7 @@ async fn main() {
         .await
         .expect("3 clones");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let rollup = |pid: u32, field: &str| -> u64 {
-        std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
-            .unwrap_or_default()
-            .lines()
-            .find(|l| l.starts_with(field))
-            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-            .unwrap_or(0)
-    };
+    let rollup = |pid: u32, field: &str| kiln_tests::vm::smaps_rollup_kb(pid.into(), field);
     let (rss, pss): (Vec<u64>, Vec<u64>) = three
         .iter()
         .map(|c| (rollup(c.pid, "Rss:"), rollup(c.pid, "Pss:")))

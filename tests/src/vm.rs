@@ -411,3 +411,15 @@ pub fn paused_spec(
         kernel_args: vec![],
     }
 }
+
+/// One field of `/proc/<pid>/smaps_rollup` (proc(5)), kB: `field` with its colon (`"Rss:"`,
+/// `"Pss:"`); 0 when the process or the field is gone. What a QEMU shares with others of
+/// the same snapshot shows as Pss below Rss.
+pub fn smaps_rollup_kb(pid: u64, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
+}
