@@ -4,9 +4,9 @@
 //!
 //! 1. [`Flat::scan`] reads every layer's entry headers (no file data is kept) into a model of
 //!    the final tree: path → directory or inode, inodes shared by hard links. Per layer, its
-//!    whiteouts are applied first (they hide only what lower layers hold,
-//!    [`crate::layer::whiteout`]), then
-//!    its entries in stream order. Entry parents are resolved inside the tree the way
+//!    entries are taken in stream order, whiteouts too, sparing what the layer made before
+//!    them ([`crate::layer::whiteout`]), as [`crate::layer::apply_layer`] takes them.
+//!    Entry parents are resolved inside the tree the way
 //!    [`crate::layer::apply_layer`] resolves them (symlinks followed inside the root, `..`
 //!    never above it, missing parents created), so the flattened tree is the tree
 //!    `apply_layer` would unpack. An entry replacing something removes it first (a directory
@@ -49,7 +49,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::io::{self, Read, Write};
 
-use crate::layer::whiteout::WhiteoutKind;
+use crate::layer::whiteout::{Created, WhiteoutKind};
 use crate::layer::write::set_sparse;
 use crate::layer::{
     DataReader, LayerError, LimitKind, Limits, Split, bounded_stream, read_meta, split_name,
@@ -267,6 +267,15 @@ fn child(parent: &[u8], base: &[u8]) -> Vec<u8> {
         p.extend_from_slice(base);
         p
     }
+}
+
+/// The components of a tree path (`a/b/c`; none for the root, `""`), as [`Created`] keys
+/// them.
+fn comps_of(path: &[u8]) -> Vec<Vec<u8>> {
+    if path.is_empty() {
+        return Vec::new();
+    }
+    path.split(|b| *b == b'/').map(<[u8]>::to_vec).collect()
 }
 
 /// The key range of everything below `dir` (keys `dir/...`): `dir/` up to `dir0`.
@@ -514,30 +523,12 @@ impl Flat {
                 digest: &l.digest,
                 entry: String::new(),
             };
-            // Whiteouts first: they hide only what the lower layers hold.
-            for e in &entries {
-                let Some((base, parent)) = e.comps.split_last() else {
-                    continue;
-                };
-                cx.entry.clone_from(&e.name);
-                match cx.whiteout(base)? {
-                    WhiteoutKind::Remove(name) => {
-                        if let Some(dir) = f.resolve(parent, false, &cx)? {
-                            f.remove(&child(&dir, name));
-                        }
-                    }
-                    WhiteoutKind::Opaque => {
-                        if let Some(dir) = f.resolve(parent, true, &cx)? {
-                            f.remove_below(&dir);
-                        }
-                    }
-                    WhiteoutKind::None | WhiteoutKind::Meta => {}
-                }
-            }
+            // In stream order, whiteouts too, as the applier goes ([`crate::layer::whiteout`]).
+            let mut made = Created::default();
             for (ei, e) in entries.into_iter().enumerate() {
                 let pos = (li as u32, ei as u32);
                 cx.entry.clone_from(&e.name);
-                f.add(e, pos, &cx)?;
+                f.add(e, pos, &cx, &mut made)?;
             }
         }
         f.plan();
@@ -583,14 +574,37 @@ impl Flat {
 
     /// Removes everything below `dir` (all of the tree for the root, `""`).
     fn remove_below(&mut self, dir: &[u8]) {
+        self.remove_below_unless(dir, |_| false);
+    }
+
+    /// Removes everything below `dir` (all of the tree for the root, `""`) but the paths
+    /// `keep` spares. `keep` must spare a path's ancestors with it ([`Created`] does), so
+    /// that nothing is kept below a removed directory.
+    fn remove_below_unless(&mut self, dir: &[u8], keep: impl Fn(&[u8]) -> bool) {
         if dir.is_empty() {
-            self.paths.clear();
+            self.paths.retain(|k, _| keep(k));
             return;
         }
         let (lo, hi) = below(dir);
-        let keys: Vec<Vec<u8>> = self.paths.range(lo..hi).map(|(k, _)| k.clone()).collect();
-        for k in keys {
+        let gone: Vec<Vec<u8>> = self
+            .paths
+            .range(lo..hi)
+            .filter(|(k, _)| !keep(k))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in gone {
             self.paths.remove(&k);
+        }
+    }
+
+    /// What a whiteout does to `path`: removes it and everything below it that this layer
+    /// has not made (`made`), and keeps what it made, at any depth, as the applier does
+    /// ([`crate::layer::whiteout`]).
+    fn remove_lower(&mut self, path: &[u8], made: &Created) {
+        if made.contains(&comps_of(path)) {
+            self.remove_below_unless(path, |k| made.contains(&comps_of(k)));
+        } else {
+            self.remove(path);
         }
     }
 
@@ -613,7 +627,15 @@ impl Flat {
         self.inodes.len() - 1
     }
 
-    fn add(&mut self, e: Scanned, pos: Pos, cx: &Cx<'_>) -> Result<(), Ext4Error> {
+    /// Takes one entry of a layer into the tree, in stream order. `made`: the paths the
+    /// layer has made before it, which its whiteouts spare; the entry's path is added.
+    fn add(
+        &mut self,
+        e: Scanned,
+        pos: Pos,
+        cx: &Cx<'_>,
+        made: &mut Created,
+    ) -> Result<(), Ext4Error> {
         use tar::EntryType as T;
         if e.kind.is_pax_global_extensions() {
             return Ok(());
@@ -621,13 +643,28 @@ impl Flat {
         let Some((base, parent)) = e.comps.split_last() else {
             return Ok(()); // the root itself
         };
-        if !matches!(cx.whiteout(base)?, WhiteoutKind::None) {
-            return Ok(());
+        match cx.whiteout(base)? {
+            WhiteoutKind::None => {}
+            WhiteoutKind::Meta => return Ok(()),
+            WhiteoutKind::Remove(name) => {
+                if let Some(dir) = self.resolve(parent, false, cx)? {
+                    self.remove_lower(&child(&dir, name), made);
+                }
+                return Ok(());
+            }
+            WhiteoutKind::Opaque => {
+                if let Some(dir) = self.resolve(parent, true, cx)? {
+                    self.remove_below_unless(&dir, |k| made.contains(&comps_of(k)));
+                    made.insert(&comps_of(&dir));
+                }
+                return Ok(());
+            }
         }
         let Some(dir) = self.resolve(parent, true, cx)? else {
             return Ok(()); // unreachable: create is true
         };
         let full = child(&dir, base);
+        made.insert(&comps_of(&full));
         let kind = match e.kind {
             T::Directory => {
                 let meta = self.clamp_meta(e.meta);

@@ -1237,3 +1237,83 @@ fn flattened_tree_equals_the_applied_tree_with_whiteouts_through_symlinks() {
     ));
     assert!(diffs.is_empty(), "{}", diffs.join("\n"));
 }
+
+/// The same invariant for a whiteout whose parent is a symlink the same layer makes (`x ->
+/// usr/lib`, then `x/.wh.old`). Both take a layer's entries in stream order, so the
+/// whiteout goes through the new symlink and removes the lower layer's `usr/lib/old`, as
+/// containerd's in-order apply does. (The flattener used to take a layer's whiteouts first,
+/// where `x` was missing, and kept it.)
+#[test]
+fn flattened_tree_equals_the_applied_tree_with_a_whiteout_through_a_symlink_the_layer_makes() {
+    let d = tempfile::tempdir().unwrap();
+    let diffs = flattened_vs_applied(
+        d.path(),
+        "whiteout-through-new-symlink",
+        &[
+            vec![
+                E::Dir("usr/", 0o755),
+                E::Dir("usr/lib/", 0o755),
+                E::File("usr/lib/old", b"old"),
+                E::Sym("lib", "usr/lib"),
+            ],
+            vec![E::Sym("x", "usr/lib"), E::File("x/.wh.old", b"")],
+        ],
+    );
+    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+}
+
+/// The same invariant for a layer that hard-links a lower layer's file and then whites the
+/// file out (`c` linked to `a`, then `.wh.a`): `c` is linked while `a` exists, and keeps
+/// its data once `a` is gone. (The flattener used to take the whiteout first and refuse
+/// the link, `HardLinkMissing`, in a layer `apply_layer` applied.)
+#[test]
+fn flattened_tree_equals_the_applied_tree_with_a_link_to_a_file_the_layer_whites_out() {
+    let d = tempfile::tempdir().unwrap();
+    let diffs = flattened_vs_applied(
+        d.path(),
+        "link-then-whiteout-target",
+        &[
+            vec![E::File("a", b"A")],
+            vec![E::Hard("c", "a"), E::File(".wh.a", b"")],
+        ],
+    );
+    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+}
+
+/// A whiteout that comes after the layer's own entries below the path it names hides every
+/// lower entry there, at any depth, and keeps what the layer made (OCI `layer.md`: an
+/// opaque whiteout hides "all siblings" from lower layers, and whiteouts never hide the
+/// same layer's entries, whatever their order). Lower `d/sub/old` under a layer of
+/// `d/sub/new` then `d/.wh..wh..opq` (or `d/.wh.sub`) leaves `d/sub` holding `new` alone, in
+/// the applied tree and the image alike.
+#[test]
+fn a_whiteout_after_the_layers_own_entries_hides_the_lower_ones_below_them() {
+    let d = tempfile::tempdir().unwrap();
+    let lower = || {
+        vec![
+            E::Dir("d/", 0o755),
+            E::Dir("d/sub/", 0o755),
+            E::File("d/sub/old", b"old"),
+            E::File("d/gone", b"gone"),
+        ]
+    };
+    for (name, wh) in [
+        ("opaque-after", "d/.wh..wh..opq"),
+        ("remove-after", "d/.wh.sub"),
+    ] {
+        let layers = [
+            lower(),
+            vec![E::File("d/sub/new", b"new"), E::File(wh, b"")],
+        ];
+        let diffs = flattened_vs_applied(d.path(), name, &layers);
+        assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+        let root = d.path().join(format!("applied-{name}"));
+        assert!(root.join("d/sub/new").exists(), "{name}");
+        assert!(
+            !root.join("d/sub/old").exists(),
+            "{name}: lower d/sub/old kept"
+        );
+        let gone_kept = root.join("d/gone").exists();
+        assert_eq!(gone_kept, name == "remove-after", "{name}: d/gone");
+    }
+}

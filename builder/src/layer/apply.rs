@@ -94,43 +94,6 @@ pub(super) struct Applier {
     limits: Limits,
 }
 
-/// The paths a layer created, with their ancestors, as a tree of components: recording or
-/// looking up a path costs one map operation per component. (A set of joined prefixes costs
-/// depth² × name length per entry: one entry 1024 components deep with 255-byte names is
-/// 134 MB of copying and hashing, and a small layer can hold thousands of them.)
-#[derive(Default)]
-pub(super) struct Created {
-    /// (parent node, name) → node; node 0 is the root.
-    nodes: HashMap<(usize, Vec<u8>), usize>,
-}
-
-impl Created {
-    pub(super) fn insert(&mut self, comps: &[Vec<u8>]) {
-        let mut cur = 0;
-        for c in comps {
-            let next = self.nodes.len() + 1;
-            cur = *self.nodes.entry((cur, c.clone())).or_insert(next);
-        }
-    }
-
-    pub(super) fn contains(&self, comps: &[Vec<u8>]) -> bool {
-        let mut cur = 0;
-        for c in comps {
-            match self.nodes.get(&(cur, c.clone())) {
-                Some(n) => cur = *n,
-                None => return false,
-            }
-        }
-        true
-    }
-
-    /// Bytes of names held (for the bound's test).
-    #[cfg(test)]
-    pub(super) fn name_bytes(&self) -> usize {
-        self.nodes.keys().map(|(_, n)| n.len()).sum()
-    }
-}
-
 /// A directory a walk reached, with its path from the root (symlinks resolved).
 type ResolvedDir = (OwnedFd, Vec<Vec<u8>>);
 
@@ -203,6 +166,59 @@ impl Applier {
 
     fn meta(&self, entry: &mut tar::Entry<'_, impl Read>) -> Result<Meta, ApplyFail> {
         read_meta(entry).map_err(ApplyFail::Read)
+    }
+
+    /// What a whiteout does to `name` in `dir` (whose path, symlinks resolved, is `path`):
+    /// removes it and everything below it that this layer has not made
+    /// ([`Applier::created`]), and keeps what it made, at any depth: a whiteout hides only
+    /// lower layers' entries, whatever its place in the stream ([`whiteout`]). `path` is
+    /// returned as it was given.
+    fn remove_lower(
+        &self,
+        dir: BorrowedFd<'_>,
+        path: &mut Vec<Vec<u8>>,
+        name: &[u8],
+        depth: usize,
+    ) -> Result<(), LayerError> {
+        path.push(name.to_vec());
+        let r = self.remove_lower_at(dir, path, name, depth);
+        path.pop();
+        r
+    }
+
+    fn remove_lower_at(
+        &self,
+        dir: BorrowedFd<'_>,
+        path: &mut Vec<Vec<u8>>,
+        name: &[u8],
+        depth: usize,
+    ) -> Result<(), LayerError> {
+        if !self.created.contains(path) {
+            return self.remove_all(dir, name, depth);
+        }
+        let st = match rustix::fs::statat(dir, os(name), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::NOENT) => return Ok(()),
+            Err(e) => return Err(self.io("stat for removal", e)),
+        };
+        if FileType::from_raw_mode(st.st_mode) != FileType::Directory {
+            return Ok(());
+        }
+        if depth > MAX_DEPTH {
+            let (digest, entry) = self.err_entry();
+            return Err(LayerError::TooDeep { digest, entry });
+        }
+        let fd = rustix::fs::openat(
+            dir,
+            os(name),
+            OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| self.io("open for removal", e))?;
+        for child in self.list(fd.as_fd())? {
+            self.remove_lower(fd.as_fd(), path, &child, depth + 1)?;
+        }
+        Ok(())
     }
 
     /// Removes `name` in `dir`, recursively for directories, never following symlinks.
@@ -289,23 +305,16 @@ impl Applier {
                 let Some((dir, resolved)) = self.walk_resolved(parent, false)? else {
                     return Ok(());
                 };
-                let mut full = resolved;
-                full.push(name.to_vec());
-                if !self.created.contains(&full) {
-                    self.remove_all(dir.as_fd(), name, 0)?;
-                }
+                let mut path = resolved;
+                self.remove_lower(dir.as_fd(), &mut path, name, 0)?;
                 return Ok(());
             }
             WhiteoutKind::Opaque => {
-                let Some((dir, resolved)) = self.walk_resolved(parent, true)? else {
+                let Some((dir, mut resolved)) = self.walk_resolved(parent, true)? else {
                     return Ok(());
                 };
                 for child in self.list(dir.as_fd())? {
-                    let mut full = resolved.clone();
-                    full.push(child.clone());
-                    if !self.created.contains(&full) {
-                        self.remove_all(dir.as_fd(), &child, 0)?;
-                    }
+                    self.remove_lower(dir.as_fd(), &mut resolved, &child, 0)?;
                 }
                 self.mark_created(&resolved);
                 return Ok(());

@@ -58,7 +58,6 @@ pub(crate) use framer::*;
 pub use meta::*;
 
 use std::cell::Cell;
-use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::io::{self, BufRead, BufReader, Read};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -70,7 +69,7 @@ use rustix::fs::{AtFlags, FileType, Mode, OFlags, Timespec, Timestamps, XattrFla
 use rustix::io::Errno;
 use rustix::process::{Gid, Uid};
 
-use self::whiteout::WhiteoutKind;
+use self::whiteout::{Created, WhiteoutKind};
 
 use crate::rootfs::root::walk_fd;
 use crate::rootfs::walk::{Walk, WalkError};

@@ -10,14 +10,22 @@
 //!   layer gives it), and entries this layer adds to `<dir>` stay.
 //! - Whiteouts apply only to lower layers: an entry that the same layer adds is never hidden by
 //!   a whiteout in that layer, whatever the order of the two in the tar stream (the spec lets
-//!   them appear in any order). kiln tracks the paths a layer has created (and their ancestors)
-//!   to honour this.
+//!   them appear in any order). kiln takes a layer's entries in stream order (as containerd
+//!   does), tracks the paths the layer has made so far, with their ancestors ([`Created`]),
+//!   and a whiteout removes what it names and everything below it except those paths: a
+//!   directory the layer wrote into stays, with what the layer wrote, and loses the lower
+//!   layers' entries. A whiteout's parent is resolved in the tree as it stands at that point
+//!   of the stream (through a symlink the layer made before it, too). The applier
+//!   ([`crate::layer::apply_layer`]) and the ext4 flattener (`crate::ext4::flatten`) both
+//!   work this way, so that an image holds the tree the applier unpacks.
 //! - Other names with the `.wh..wh.` prefix are AUFS bookkeeping (e.g. `.wh..wh.plnk`); they
 //!   are skipped, as containerd and umoci do.
 //! - A whiteout whose name is empty, `.` or `..` is malformed and refused
 //!   ([`WhiteoutKind::parse`] returns an error), since honouring it would delete the directory
 //!   that holds it or its parent.
 //! - A whiteout for a name that does not exist is not an error.
+
+use std::collections::HashMap;
 
 /// The whiteout prefix (`layer.md`).
 pub const PREFIX: &str = ".wh.";
@@ -62,6 +70,45 @@ impl<'a> WhiteoutKind<'a> {
             }
             Some(name) => Ok(WhiteoutKind::Remove(name)),
         }
+    }
+}
+
+/// The paths a layer made so far, with their ancestors, as a tree of components (the paths
+/// symlinks resolved, so that the applier and the flattener, which name a node by the path
+/// that leads to it, agree): what a whiteout of the same layer spares. Recording or
+/// looking up a path costs one map operation per component. (A set of joined prefixes costs
+/// depth² × name length per entry: one entry 1024 components deep with 255-byte names is
+/// 134 MB of copying and hashing, and a small layer can hold thousands of them.)
+#[derive(Default)]
+pub(crate) struct Created {
+    /// (parent node, name) → node; node 0 is the root.
+    nodes: HashMap<(usize, Vec<u8>), usize>,
+}
+
+impl Created {
+    pub(crate) fn insert(&mut self, comps: &[Vec<u8>]) {
+        let mut cur = 0;
+        for c in comps {
+            let next = self.nodes.len() + 1;
+            cur = *self.nodes.entry((cur, c.clone())).or_insert(next);
+        }
+    }
+
+    pub(crate) fn contains(&self, comps: &[Vec<u8>]) -> bool {
+        let mut cur = 0;
+        for c in comps {
+            match self.nodes.get(&(cur, c.clone())) {
+                Some(n) => cur = *n,
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Bytes of names held (for the bound's test).
+    #[cfg(test)]
+    pub(crate) fn name_bytes(&self) -> usize {
+        self.nodes.keys().map(|(_, n)| n.len()).sum()
     }
 }
 
