@@ -11,7 +11,8 @@
 //! 4. a night whose one dpkg package moved to a new version: the report names it.
 //!
 //! Each night's report is kept in the store beside the tag's history. Then `kiln nightly
-//! --rollback` twice walks the tag back through the nights.
+//! --rollback` twice walks the tag back through the nights. Every night's smoke clones were
+//! served lazily by a chunk server, as `kiln start`'s are (issue 35 §3).
 //!
 //! And one night fired on several nodes at once against one `s3://` store (issue 19,
 //! "Nightly on many nodes"): exactly one run promotes, the others exit 4 saying another run
@@ -26,6 +27,7 @@ use std::process::Output;
 use kiln_store::{Manifest, ManifestDigest, Store, TagRef};
 use kiln_tests::require_env;
 use kiln_tests::vm::{kiln_in, show};
+use kiln_vmm::lazy;
 use serde_json::Value;
 
 fn kiln(dir: &Path, args: &[&str]) -> Output {
@@ -33,6 +35,40 @@ fn kiln(dir: &Path, args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("run kiln")
+}
+
+/// How many snapshots of the snapshot cache `cache` a chunk server served (a non-empty
+/// chunks log), after checking that none was downloaded whole (no `complete` marker): the
+/// nightly's smoke clones start lazily, through the path `kiln start` takes (issue 35 §3).
+/// Waits (at most 60 s) for the idle servers to leave their mounts, so that the test's
+/// temporary directory goes whole.
+fn served_lazily(cache: &Path) -> usize {
+    let mut served = 0;
+    for e in std::fs::read_dir(cache).expect("snapshot cache") {
+        let snap = e.expect("entry").path();
+        if !snap.is_dir() {
+            continue;
+        }
+        assert!(
+            !snap.join("complete").exists(),
+            "{}: downloaded whole",
+            snap.display()
+        );
+        let log = std::fs::read_to_string(snap.join(lazy::CHUNK_LOG)).unwrap_or_default();
+        served += usize::from(!log.trim().is_empty());
+        let mnt = snap.join(lazy::MOUNT_DIR);
+        let mut waited = 0;
+        while lazy::is_mounted(&mnt) && waited < 600 {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            waited += 1;
+        }
+        assert!(
+            !lazy::is_mounted(&mnt),
+            "{}: the idle chunk server left",
+            mnt.display()
+        );
+    }
+    served
 }
 
 /// A busybox recipe with a start command, a ready check and `smoke`.
@@ -263,6 +299,11 @@ fn vm_nightly_promotes_only_on_success() {
         show(&o)
     );
     assert_eq!(rt.block_on(tag(&store, "bb:latest")), Some(first));
+    // Four nights, each with a snapshot of its own (night 3's may repeat night 2's).
+    assert!(
+        served_lazily(&d.join("cache")) >= 3,
+        "smoke clones served lazily"
+    );
 }
 
 /// Nodes firing one night at once in [`one_night_on_several_nodes_promotes_once`]: three
@@ -388,4 +429,11 @@ fn one_night_on_several_nodes_promotes_once() {
         .output()
         .expect("kiln store verify");
     assert!(o.status.success(), "verify --deep: {}", show(&o));
+    for i in 0..NODES {
+        assert_eq!(
+            served_lazily(&d.join(format!("node{i}/cache"))),
+            1,
+            "node {i}: its smoke clones served lazily from S3"
+        );
+    }
 }

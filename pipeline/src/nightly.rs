@@ -6,7 +6,8 @@
 //! 1. `build`: [`crate::run`] with [`PullPolicy::Always`] (the base is resolved again: a new
 //!    digest when upstream moved) and `no_cache` (no step is served from an earlier night's
 //!    build cache; the entries are still written). The snapshot is asked for; no tag moves.
-//! 2. `smoke`: two clones of the new snapshot ([`kiln_vmm::clone::start_clones_of`]); each
+//! 2. `smoke`: two clones of the new snapshot ([`kiln_vmm::clone::start_clones_of`]), started
+//!    as `kiln start` starts them ([`NightlyRequest::clone_serving`]: lazily); each
 //!    check runs in the first, in order, with [`kiln_vmm::exec::exec`] as the image's user
 //!    (each at most [`NightlyRequest::check_timeout`]); then the two clones' machine-ids
 //!    must differ ([`MACHINE_ID_CHECK`]); both clones are stopped afterwards whatever
@@ -37,7 +38,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use kiln_builder::base::PullPolicy;
 use kiln_recipes::yaml::SmokeCheck;
 use kiln_store::{ImageManifest, Manifest, ManifestDigest, Store, StoreError, TagError, TagRef};
-use kiln_vmm::clone::CloneOptions;
+use kiln_vmm::clone::{CloneOptions, Serving};
 use kiln_vmm::exec::ExecRequest;
 use serde::Serialize;
 
@@ -73,8 +74,12 @@ pub struct NightlyRequest {
     pub snapshot: SnapshotRequest,
     /// Where the smoke clone is recorded and its snapshot cached.
     pub clone_state_dir: PathBuf,
-    /// Where materialized snapshots are cached.
+    /// Where the smoke clones' snapshot is cached (its chunk server's mount and chunks).
     pub clone_cache_dir: PathBuf,
+    /// Where the smoke clones' memory and disk come from: the chunk server that `kiln start`
+    /// uses ([`Serving::Lazy`], what `kiln nightly` passes), so that the night checks the
+    /// path sandboxes start through.
+    pub clone_serving: Serving,
     /// Time one smoke check may take; a check still running then fails the night.
     pub check_timeout: Duration,
 }
@@ -575,7 +580,11 @@ async fn smoke(
     checks: &[SmokeCheck],
     out: &mut Vec<CheckResult>,
 ) -> Result<(), String> {
-    let mut opts = CloneOptions::new(req.clone_state_dir.clone(), req.clone_cache_dir.clone());
+    let mut opts = CloneOptions::new(
+        req.clone_state_dir.clone(),
+        req.clone_cache_dir.clone(),
+        req.clone_serving.clone(),
+    );
     opts.count = 2;
     crate::qemu_cgroups::install();
     let clones = kiln_vmm::clone::start_clones_of(store, image, &req.tag.to_string(), &opts)

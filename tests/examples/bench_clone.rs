@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use kiln_store::{ReadySpec, SandboxSpec, StartSpec, Store, TagRef};
 use kiln_tests::vm::{busybox_image, guest_assets, sh};
-use kiln_vmm::clone::{self, CloneOptions};
+use kiln_vmm::clone::{self, CloneOptions, Serving};
 use kiln_vmm::snapshot::{SnapshotOptions, snapshot_image};
 
 fn stats(mut v: Vec<Duration>) -> String {
@@ -93,7 +93,11 @@ async fn main() {
     }
     let r = last.expect("at least one run");
 
-    let mut copts = CloneOptions::new(work.join("state"), work.join("cache"));
+    let mut copts = CloneOptions::new(
+        work.join("state"),
+        work.join("cache"),
+        Serving::Materialized,
+    );
     copts.count = 1;
     let mut starts = Vec::new();
     let mut walls = Vec::new();

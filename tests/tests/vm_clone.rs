@@ -15,7 +15,7 @@ use kiln_store::{
     Manifest, ObjectRef, ReadySpec, SandboxSpec, StartSpec, Store, StoreError, TagRef,
 };
 use kiln_tests::vm::{busybox_image, guest_assets, oci_image, sh};
-use kiln_vmm::clone::{self, CloneError, CloneOptions};
+use kiln_vmm::clone::{self, CloneError, CloneOptions, Serving};
 use kiln_vmm::launch::Accel;
 use kiln_vmm::snapshot::{SnapshotError, SnapshotOptions, snapshot_image};
 
@@ -130,7 +130,7 @@ fn vm_boot_once_snapshot_and_three_clones() {
         // Three clones: each answers restore with its own machine id and random bytes.
         let state = e.work.join("state");
         let cache = e.work.join("cache");
-        let mut opts = CloneOptions::new(state.clone(), cache.clone());
+        let mut opts = CloneOptions::new(state.clone(), cache.clone(), Serving::Materialized);
         opts.count = 3;
         opts.env = vec!["CLONE_ENV=yes".into()];
         opts.restore_timeout = Duration::from_secs(120);
@@ -177,7 +177,11 @@ fn vm_boot_once_snapshot_and_three_clones() {
 
         // A host whose key differs (here: KVM asked for a TCG snapshot) is refused before
         // anything starts, and the snapshot stays in the store.
-        let mut other = CloneOptions::new(state.clone(), e.work.join("cache-kvm"));
+        let mut other = CloneOptions::new(
+            state.clone(),
+            e.work.join("cache-kvm"),
+            Serving::Materialized,
+        );
         other.accel = Some(match r.accel {
             Accel::Tcg => Accel::Kvm,
             Accel::Kvm => Accel::Tcg,
@@ -202,7 +206,11 @@ fn vm_boot_once_snapshot_and_three_clones() {
         let mid = bytes.len() / 2;
         bytes[mid] ^= 0xff;
         std::fs::write(&victim, bytes).expect("corrupt");
-        let fresh = CloneOptions::new(state.clone(), e.work.join("cache-fresh"));
+        let fresh = CloneOptions::new(
+            state.clone(),
+            e.work.join("cache-fresh"),
+            Serving::Materialized,
+        );
         match clone::start_clones(&e.store, &snap_tag, &fresh).await {
             Err(CloneError::Store(StoreError::Blob(b))) => {
                 assert!(b.to_string().contains(&s.vmstate.digest.hex()), "{b}")
@@ -330,7 +338,7 @@ fn vm_debian_image_boots_to_ready_and_clones() {
             .await
             .expect("Debian boots once to READY");
         let state = e.work.join("state");
-        let opts = CloneOptions::new(state.clone(), e.work.join("cache"));
+        let opts = CloneOptions::new(state.clone(), e.work.join("cache"), Serving::Materialized);
         let clones = clone::start_clones(&e.store, &snap, &opts)
             .await
             .expect("a Debian clone");

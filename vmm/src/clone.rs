@@ -7,18 +7,18 @@
 //!    `<cache>/accel.json`: [`launch::probe_accel_cached`]), and compare this host's
 //!    [`CompatKey`](crate::compat::CompatKey) with the stored one: a mismatch is refused ([`CloneError::Compat`]) and
 //!    nothing is removed from the store.
-//! 3. Fetch the vmstate (digest-checked). With a chunk server
-//!    ([`CloneOptions::lazy_server`], what `kiln start` uses): make sure the snapshot's
-//!    server runs ([`crate::lazy::ensure_server`]) and start the clones from its files
+//! 3. Fetch the vmstate (digest-checked). Lazily ([`Serving::Lazy`], what `kiln start` and
+//!    the nightly's smoke clones use): make sure the snapshot's chunk server runs
+//!    ([`crate::lazy::ensure_server`]) and start the clones from its files
 //!    `<cache>/<hex>/mnt/{memory,disk.raw}`, which fetch, verify and cache each chunk when a
 //!    clone first reads it: nothing of memory or disk is fetched before QEMU starts. A
 //!    chunk the server refuses (digest mismatch, store unreachable after its retries) makes
-//!    the read fail and the start fail with [`CloneError::ChunkServer`] naming it. Without a
-//!    server (library callers that have no program to run as one: the pipeline's nightly
-//!    smoke test, `tests/tests/vm_clone.rs`), materialize the memory file and the disk
-//!    (every chunk verified) before QEMU starts, unless a previous start already completed
-//!    them (marker `complete`, written only after a verified materialize); the memory file
-//!    is made read-only (0444).
+//!    the read fail and the start fail with [`CloneError::ChunkServer`] naming it. Only when
+//!    asked ([`Serving::Materialized`]: `kiln start --materialize`, the tests of this path
+//!    in `tests/tests/vm_clone.rs`), materialize the memory file and the disk (every chunk
+//!    verified) before QEMU starts, unless a previous start already completed them (marker
+//!    `complete`, written only after a verified materialize); the memory file is made
+//!    read-only (0444).
 //! 4. Per clone: a directory `<state>/<id>/`, a qcow2 overlay over the cached disk, QEMU with
 //!    the memory file mapped `share=off,readonly=on,rom=off` (never shared again), `-S
 //!    -incoming defer`; `x-ignore-shared`; `migrate-incoming file:vmstate`; `cont`; send
@@ -192,16 +192,31 @@ pub struct CloneOptions {
     /// The clones' disk size, MiB (`kiln start --disk-mib`); `None`: the image's. Smaller
     /// than the image's is refused ([`CloneError::DiskTooSmall`]).
     pub disk_mib: Option<u64>,
-    /// How to run the chunk server that serves memory and disk lazily ([`crate::lazy`]): a
+    /// Where memory and disk come from (step 3 of the module doc).
+    pub serving: Serving,
+}
+
+/// Where a clone's memory file and disk come from (issue 35 §3): every caller chooses, and
+/// every caller that starts clones to use them (`kiln start`, the nightly's smoke clones)
+/// chooses [`Serving::Lazy`], the one lazy path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Serving {
+    /// Served on demand by the snapshot's chunk server ([`crate::lazy`]): nothing of memory
+    /// or disk is fetched before QEMU starts, only what the clone reads. `server`: the
     /// program and its first arguments, to which the snapshot digest and its cache
-    /// directory are appended (`kiln` passes itself and `__lazy-serve`). `None`: memory and
-    /// disk are materialized into the cache before QEMU starts (step 3 of the module doc).
-    pub lazy_server: Option<Vec<std::ffi::OsString>>,
+    /// directory are appended (`kiln` passes itself and `__lazy-serve`).
+    Lazy {
+        /// The chunk server's command line.
+        server: Vec<std::ffi::OsString>,
+    },
+    /// Downloaded whole into the cache (every chunk verified) before QEMU starts, once per
+    /// snapshot and cache: `kiln start --materialize`, and tests of the materialized path.
+    Materialized,
 }
 
 impl CloneOptions {
-    /// Defaults with the given directories.
-    pub fn new(state_dir: PathBuf, cache_dir: PathBuf) -> Self {
+    /// Defaults with the given directories and serving.
+    pub fn new(state_dir: PathBuf, cache_dir: PathBuf, serving: Serving) -> Self {
         Self {
             count: 1,
             env: Vec::new(),
@@ -210,7 +225,7 @@ impl CloneOptions {
             restore_timeout: DEFAULT_RESTORE_TIMEOUT,
             accel: None,
             disk_mib: None,
-            lazy_server: None,
+            serving,
         }
     }
 }
@@ -590,8 +605,8 @@ pub async fn start_clones_of(
         })?;
     // With a chunk server, nothing of memory or disk is fetched before QEMU runs: the
     // server fetches what the clones read (module doc, step 3).
-    let (cached, served) = match &opts.lazy_server {
-        Some(program) => {
+    let (cached, served) = match &opts.serving {
+        Serving::Lazy { server: program } => {
             let mut c = materialize(store, &digest, &snap, &opts.cache_dir, Fetch::VmState).await?;
             let served = lazy::ensure_server(program, &digest, &c.dir, opts.restore_timeout)
                 .await
@@ -600,7 +615,7 @@ pub async fn start_clones_of(
             c.disk = served.disk.clone();
             (c, Some(served))
         }
-        None => (
+        Serving::Materialized => (
             materialize(store, &digest, &snap, &opts.cache_dir, Fetch::All).await?,
             None,
         ),

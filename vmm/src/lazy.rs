@@ -31,7 +31,7 @@
 //! `kiln start` returns once its clones answer and leaves QEMU running on its own, so the
 //! server cannot be a thread of `kiln start`: it is a daemon per snapshot and host, spawned
 //! by the first start that needs it ([`ensure_server`]: the program of
-//! [`crate::clone::CloneOptions::lazy_server`], `kiln __lazy-serve`), and shared by every
+//! [`crate::clone::Serving::Lazy`], `kiln __lazy-serve`), and shared by every
 //! later clone of that snapshot. Its process is a *watcher* that forks the *server*
 //! ([`run_daemon`]). When the server dies (killed, crashed) the watcher detaches the mount
 //! (`umount2(MNT_DETACH)`), kills every QEMU whose command line names the mount (a clone

@@ -116,7 +116,7 @@ pub struct SnapshotOptions {
     /// Extra kernel command-line arguments ([`VmSpec::kernel_args`]); empty by default.
     pub kernel_args: Vec<String>,
     /// The chunk server program to record the prefetch list with (step 5 of the module doc;
-    /// as [`crate::clone::CloneOptions::lazy_server`]); `None` (the default): no list.
+    /// as [`crate::clone::Serving::Lazy`]); `None` (the default): no list.
     pub record_prefetch: Option<Vec<std::ffi::OsString>>,
 }
 
@@ -467,9 +467,14 @@ async fn record_prefetch(
     let work = opts
         .work_dir
         .join(format!("kiln-prefetch-{}-{nanos}", std::process::id()));
-    let mut c = crate::clone::CloneOptions::new(work.join("state"), work.join("cache"));
+    let mut c = crate::clone::CloneOptions::new(
+        work.join("state"),
+        work.join("cache"),
+        crate::clone::Serving::Lazy {
+            server: program.to_vec(),
+        },
+    );
     c.accel = Some(accel);
-    c.lazy_server = Some(program.to_vec());
     let started = crate::clone::start_clones_of(store, image, "prefetch recording", &c).await;
     let dir = c.cache_dir.join(snapshot.hex());
     let log = std::fs::read_to_string(dir.join(crate::lazy::CHUNK_LOG)).unwrap_or_default();

@@ -19,7 +19,7 @@ use kiln_builder::registry::RegistryOptions;
 use kiln_pipeline::nightly::{NightlyOutcome, NightlyReport};
 use kiln_pipeline::{BuildRequest, ContextSource, NightlyRequest, Recipe, Setup, SnapshotRequest};
 use kiln_store::{ManifestDigest, TagRef};
-use kiln_vmm::clone::{default_cache_dir, default_state_dir};
+use kiln_vmm::clone::{Serving, default_cache_dir, default_state_dir};
 use serde_json::json;
 
 use super::build::Progress;
@@ -149,6 +149,9 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         },
         clone_state_dir: default_state_dir(),
         clone_cache_dir: default_cache_dir(),
+        clone_serving: Serving::Lazy {
+            server: super::start::lazy_server(a.store.as_deref())?,
+        },
         check_timeout: std::time::Duration::from_secs(a.check_timeout),
     };
     // Ctrl-C and SIGTERM cancel the night: the build or the checks stop, the smoke clone is

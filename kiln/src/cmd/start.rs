@@ -1,9 +1,11 @@
-//! `kiln start NAME:TAG [--count N] [--env K=V]... [--disk-mib N]`: start clones of an
-//! image's snapshot on this host (refused when this host's compatibility key differs from the
-//! snapshot's, or when `--disk-mib` is below the image's disk size).
+//! `kiln start NAME:TAG [--count N] [--env K=V]... [--disk-mib N] [--materialize]`: start
+//! clones of an image's snapshot on this host (refused when this host's compatibility key
+//! differs from the snapshot's, or when `--disk-mib` is below the image's disk size). Memory
+//! and disk are served on demand by the snapshot's chunk server, or, with `--materialize`,
+//! downloaded whole first.
 
 use kiln_store::TagRef;
-use kiln_vmm::clone::{CloneOptions, default_cache_dir, default_state_dir, start_clones};
+use kiln_vmm::clone::{CloneOptions, Serving, default_cache_dir, default_state_dir, start_clones};
 use serde_json::json;
 
 use super::{CmdResult, Out, open_store};
@@ -23,6 +25,11 @@ pub struct Args {
     /// grows its root file system online before the clone is reported started.
     #[arg(long, value_name = "MIB")]
     disk_mib: Option<u64>,
+    /// Download the whole snapshot (memory and disk, every chunk verified) into the snapshot
+    /// cache before the clones start, instead of serving them on demand through a chunk
+    /// server, which fetches only what the clones read.
+    #[arg(long)]
+    materialize: bool,
     /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`, else
     /// `~/.local/share/kiln/store`.
     #[arg(long, value_name = "URL")]
@@ -51,12 +58,17 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         return Err(anyhow::anyhow!("--env {bad:?}: expected KEY=value").into());
     }
     let store = open_store(out, a.store.as_deref()).await?;
-    let mut opts = CloneOptions::new(default_state_dir(), default_cache_dir());
+    let serving = if a.materialize {
+        Serving::Materialized
+    } else {
+        Serving::Lazy {
+            server: lazy_server(a.store.as_deref())?,
+        }
+    };
+    let mut opts = CloneOptions::new(default_state_dir(), default_cache_dir(), serving);
     opts.count = a.count;
     opts.env = a.env;
     opts.disk_mib = a.disk_mib;
-    // Memory and disk are served on demand by a chunk server.
-    opts.lazy_server = Some(lazy_server(a.store.as_deref())?);
     for c in start_clones(&store, &a.image, &opts).await? {
         out.event(
             "started",
