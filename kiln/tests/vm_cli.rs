@@ -105,6 +105,15 @@ fn vm_cli_snapshot_start_ps_stop() {
     let snap = &events(&o, "snapshot")[0];
     assert_eq!(snap["tag"], "bb:snap");
     assert!(snap["memory_stored_bytes"].as_u64().expect("stored") < 256 << 20);
+    // Issue 35 §2: the restore that records the prefetch list runs the image's ready check
+    // once after the clone answered.
+    assert!(snap["prefetch_chunks"].as_u64() > Some(0), "{snap}");
+    assert_eq!(
+        snap["prefetch_checks_passed"],
+        1,
+        "{snap}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 
     let o = kiln(
         d,

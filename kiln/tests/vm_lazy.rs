@@ -527,14 +527,26 @@ fn vm_lazy_start_from_s3() {
     assert!(wait_unmounted(&snapdir2), "the idle server unmounted");
 
     // 6. With no server left the leases end: the idle servers released theirs, the killed
-    //    one's owner is dead; untagged, the snapshot is then collected whole.
-    let leases = lazy_leases();
-    assert!(
+    //    one's owner is dead; untagged, the snapshot is then collected whole. An idle server
+    //    releases its lease after it has unmounted (its session ends first), so the test
+    //    waits for the release (at most 30 s), not only for the mount.
+    let only_the_killed = |leases: &[kiln_store::lease::LeaseRecord]| {
         leases.len() == 1
             && leases[0]
                 .owner
                 .as_ref()
-                .is_some_and(|o| o.process.pid == rec.server.pid),
+                .is_some_and(|o| o.process.pid == rec.server.pid)
+    };
+    let mut leases = lazy_leases();
+    for _ in 0..300 {
+        if only_the_killed(&leases) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        leases = lazy_leases();
+    }
+    assert!(
+        only_the_killed(&leases),
         "only the killed server's lease is left: {leases:?}"
     );
     let o = kiln(d, &s3, &c1, &["untag", "bb:snap"]);

@@ -34,6 +34,11 @@ pub struct Args {
     /// Seconds to wait for the start command's ready check (after the guest's hello).
     #[arg(long, default_value_t = 600)]
     ready_timeout: u64,
+    /// Restores that record the prefetch list: it holds the chunks all of them read until
+    /// the clone answered and its ready check ran once.
+    #[arg(long, default_value_t = kiln_vmm::snapshot::PREFETCH_RESTORES,
+          value_parser = clap::value_parser!(u32).range(1..=8))]
+    prefetch_restores: u32,
     /// The store (path, `file://PATH` or `s3://bucket/prefix`); default `$KILN_STORE`, else
     /// `~/.local/share/kiln/store`.
     #[arg(long, value_name = "URL")]
@@ -48,8 +53,9 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         vcpus: a.vcpus,
         memory_bytes: a.memory_mib << 20,
         ready_timeout: Duration::from_secs(a.ready_timeout),
-        // One lazily served restore records the chunks a clone reads first.
+        // Lazily served restores record the chunks a clone reads first.
         record_prefetch: Some(super::start::lazy_server(a.store.as_deref())?),
+        prefetch_restores: a.prefetch_restores,
         ..Default::default()
     };
     let (kernel, initramfs) = (a.kernel, a.initramfs);
@@ -65,6 +71,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
             "save_ms": r.save.as_millis() as u64, "memory_bytes": r.memory_bytes,
             "memory_stored_bytes": r.memory_stored_bytes, "vmstate_bytes": r.vmstate_bytes,
             "compatibility_key": r.key.render(), "prefetch_chunks": r.prefetch_chunks,
+            "prefetch_checks_passed": r.prefetch_checks_passed,
         }),
         || {
             format!(
