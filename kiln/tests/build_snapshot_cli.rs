@@ -1,6 +1,7 @@
 //! `kiln build --snapshot` end to end (as root, real TCG boots): a busybox Dockerfile whose
 //! `CMD` is the start command and whose `HEALTHCHECK` is the ready check is built, booted
-//! once and snapshotted; `kiln start x:y --count 3` right after starts three clones that
+//! once and snapshotted, with a prefetch list; `kiln start x:y --count 3` right after starts
+//! three clones that
 //! answer with distinct machine-ids; `kiln stop --all` stops them. A build whose ready check
 //! never passes fails and leaves the tag where it was. Needs what `ci/setup.sh` exports
 //! (`KILN_TEST_BUSYBOX_REF`, `KILN_TEST_KERNEL`/`KILN_TEST_INITRAMFS` or `KILN_TEST_CACHE`).
@@ -90,10 +91,23 @@ fn build_snapshot_then_start_three_clones() {
         let store = Store::open(d.join("store").to_str().expect("utf-8"))
             .await
             .expect("store");
-        match store.get_manifest(&at_tag).await.expect("manifest") {
+        let snapshot = match store.get_manifest(&at_tag).await.expect("manifest") {
             Manifest::Image(m) => m.snapshot.expect("the image names its snapshot"),
             m => panic!("not an image: {m:?}"),
+        };
+        // As `kiln snapshot`, the build recorded the chunks a restore reads (issue 35 §2).
+        match store
+            .get_manifest(&snapshot)
+            .await
+            .expect("snapshot manifest")
+        {
+            Manifest::Snapshot(s) => {
+                let list = s.prefetch.expect("the snapshot has a prefetch list");
+                assert!(!list.memory.is_empty(), "{list:?}");
+            }
+            m => panic!("not a snapshot: {m:?}"),
         }
+        snapshot
     });
 
     let o = kiln(d, &["--json", "start", "x:y", "--count", "3"]);

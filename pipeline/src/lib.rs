@@ -224,6 +224,11 @@ pub struct Setup {
     pub bootstrap_mirror: Option<String>,
     /// Guest kernel and initramfs, needed by [`Output::Image`] with a snapshot.
     pub boot: Option<BootAssets>,
+    /// The chunk server that records a new snapshot's prefetch list by restoring it once
+    /// ([`kiln_vmm::snapshot::SnapshotOptions::record_prefetch`]; `kiln` passes itself as
+    /// `kiln __lazy-serve` with this store), as `kiln snapshot` does; `None`: snapshots get no
+    /// list, and their clones fetch every chunk on demand.
+    pub chunk_server: Option<Vec<std::ffi::OsString>>,
     /// Stages built at once, at least 1.
     pub jobs: usize,
     /// What `RUN` steps (through the egress proxy) and `ADD <url>` may reach: public
@@ -275,6 +280,7 @@ impl Setup {
             registry: RegistryOptions::default(),
             bootstrap_mirror: None,
             boot: None,
+            chunk_server: None,
             jobs: 2,
             addresses: AddressPolicy::default(),
             ca_certs: None,
@@ -818,6 +824,7 @@ async fn finish(
                 vcpus: req.limits.vcpus.unwrap_or(1),
                 memory_bytes: s.memory_bytes,
                 ready_timeout: s.ready_timeout,
+                record_prefetch: setup.chunk_server.clone(),
                 ..Default::default()
             };
             qemu_cgroups::install();

@@ -515,6 +515,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
         // archive (see `kiln config show`).
         setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
         setup.boot = boot;
+        setup.chunk_server = Some(super::start::lazy_server(a.store.as_deref())?);
         setup.jobs = a.jobs.max(1);
         setup.addresses = a.egress.addresses()?;
         a.cache_disks.apply(&mut setup);

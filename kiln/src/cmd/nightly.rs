@@ -135,6 +135,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     };
     setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
     setup.boot = Some(boot);
+    setup.chunk_server = Some(super::start::lazy_server(a.store.as_deref())?);
     setup.addresses = a.egress.addresses()?;
     setup.ca_certs = a.egress.ca_certs()?;
     let req = NightlyRequest {

@@ -413,6 +413,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
             .to_string(),
     };
     setup.boot = boot;
+    setup.chunk_server = Some(super::start::lazy_server(Some(&store_cfg.store.value))?);
     let mut cfg = ServiceConfig::new(config.serve_state_dir.value.clone());
     cfg.database = config.serve_database.value.clone();
     cfg.workers = a.workers.max(1);
