@@ -14,6 +14,7 @@
 
 use std::path::{Path, PathBuf};
 
+use kiln_store::BlobDigest;
 use serde_json::json;
 
 use crate::cache::{BlobCache, CacheError, digest_of};
@@ -83,7 +84,7 @@ pub struct BootstrapSpec {
 #[derive(Debug, Clone)]
 pub struct Bootstrapped {
     /// Manifest digest in the cache.
-    pub digest: String,
+    pub digest: BlobDigest,
     /// The cache key (hex).
     pub key: String,
     /// Whether it came from the cache (no debootstrap run).
@@ -310,24 +311,24 @@ pub async fn bootstrap(
     });
     // JSON values always serialize.
     let config_bytes = serde_json::to_vec(&config).expect("JSON values serialize");
-    let config_digest = digest_of(&config_bytes);
+    let config_digest = BlobDigest::of(&config_bytes);
     cache.put_bytes(&config_digest, &config_bytes)?;
     let manifest = json!({
         "schemaVersion": 2,
         "mediaType": crate::image::OCI_MANIFEST,
         "config": {
             "mediaType": "application/vnd.oci.image.config.v1+json",
-            "digest": config_digest,
+            "digest": config_digest.to_string(),
             "size": config_bytes.len(),
         },
         "layers": [{
             "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
-            "digest": written.digest,
+            "digest": written.digest.to_string(),
             "size": written.size,
         }],
     });
     let manifest_bytes = serde_json::to_vec(&manifest).expect("JSON values serialize");
-    let digest = digest_of(&manifest_bytes);
+    let digest = BlobDigest::of(&manifest_bytes);
     cache.put_bytes(&digest, &manifest_bytes)?;
     cache.set_ref(&refname, &digest)?;
     Ok(Bootstrapped {

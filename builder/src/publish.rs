@@ -114,12 +114,12 @@ pub enum PublishError {
     Store(Box<StoreError>),
     /// A blob the image names is not in the blob cache.
     #[error("blob {0} of the built image is not in the blob cache")]
-    MissingBlob(String),
-    /// A descriptor's digest is not a sha256 digest, or the store hashed a blob differently.
+    MissingBlob(BlobDigest),
+    /// The store hashed a blob differently from its descriptor.
     #[error("blob {digest}: {reason}")]
     BadBlob {
         /// The digest named.
-        digest: String,
+        digest: BlobDigest,
         /// What is wrong.
         reason: String,
     },
@@ -167,17 +167,14 @@ async fn put_blob(
     cache: &dyn BlobCache,
     d: &image::Descriptor,
 ) -> Result<BlobRef, PublishError> {
-    let want: BlobDigest = d.digest.parse().map_err(|_| PublishError::BadBlob {
-        digest: d.digest.clone(),
-        reason: "not a sha256 digest".into(),
-    })?;
+    let want = d.digest;
     let path = cache
         .blob_path(&d.digest)?
-        .ok_or_else(|| PublishError::MissingBlob(d.digest.clone()))?;
+        .ok_or(PublishError::MissingBlob(d.digest))?;
     let (mut r, _) = store.put_blob_file(&path).await?;
     if r.digest != want || r.size != d.size {
         return Err(PublishError::BadBlob {
-            digest: d.digest.clone(),
+            digest: d.digest,
             reason: format!(
                 "the cached file hashes to {} ({} bytes), the descriptor says {} bytes",
                 r.digest, r.size, d.size
@@ -297,9 +294,9 @@ pub async fn publish(
     for l in &image.layers {
         let path = cache
             .blob_path(&l.digest)?
-            .ok_or_else(|| PublishError::MissingBlob(l.digest.clone()))?;
+            .ok_or(PublishError::MissingBlob(l.digest))?;
         layers.push(LayerBlob {
-            digest: l.digest.clone(),
+            digest: l.digest.to_string(),
             path,
         });
     }
@@ -341,12 +338,9 @@ pub async fn publish(
         Some(d) => d.join(format!(
             "kiln-ext4-{}-{}",
             std::process::id(),
-            crate::cache::sha256_hex(&image.oci_manifest.digest)?
+            image.oci_manifest.digest.hex()
         )),
-        None => cache.scratch_path(&format!(
-            "ext4-{}",
-            crate::cache::sha256_hex(&image.oci_manifest.digest)?
-        )),
+        None => cache.scratch_path(&format!("ext4-{}", image.oci_manifest.digest.hex())),
     };
     if let Some(dir) = scratch.parent() {
         std::fs::create_dir_all(dir).map_err(|source| PublishError::Io {
@@ -416,12 +410,7 @@ async fn publish_with(
             .into_iter()
             .chain(&image.layers)
         {
-            objs.push(kiln_store::ObjectRef::Blob(d.digest.parse().map_err(
-                |_| PublishError::BadBlob {
-                    digest: d.digest.clone(),
-                    reason: "not a sha256 digest".into(),
-                },
-            )?));
+            objs.push(kiln_store::ObjectRef::Blob(d.digest));
         }
         lease.add(objs).await?;
     }

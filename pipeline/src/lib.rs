@@ -749,7 +749,7 @@ async fn finish(
                 }
                 events.event(Event::Tagged {
                     tag: full.clone(),
-                    manifest: digest.clone(),
+                    manifest: digest.to_string(),
                 });
                 names.push(full);
             }
@@ -799,7 +799,7 @@ async fn finish(
     };
     events.event(Event::Published {
         image: manifest,
-        oci_manifest: out.image.oci_manifest.digest.clone(),
+        oci_manifest: out.image.oci_manifest.digest.to_string(),
         disk: published.disk,
         reused: publication.reused,
     });

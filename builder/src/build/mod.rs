@@ -231,7 +231,7 @@ pub enum BuildEvent {
         /// Build-wide step number.
         index: usize,
         /// Layer digest.
-        digest: String,
+        digest: BlobDigest,
         /// Compressed size, bytes.
         size: u64,
     },
@@ -487,11 +487,11 @@ pub async fn build_with(
 }
 
 /// Adds `digests` (blobs) to the build's lease.
-async fn hold(ctx: &Ctx, digests: impl IntoIterator<Item = &str>) -> Result<(), BuildError> {
-    let mut objs = Vec::new();
-    for d in digests {
-        objs.push(kiln_store::ObjectRef::Blob(blob_digest(d)?));
-    }
+async fn hold(ctx: &Ctx, digests: impl IntoIterator<Item = BlobDigest>) -> Result<(), BuildError> {
+    let objs: Vec<_> = digests
+        .into_iter()
+        .map(kiln_store::ObjectRef::Blob)
+        .collect();
     ctx.lease.add(objs).await?;
     Ok(())
 }
@@ -732,7 +732,7 @@ fn stage_base(
         ResolvedBase::Image { digest, .. } => {
             let bad = |reason: String| BuildError::Base {
                 stage: i,
-                digest: digest.clone(),
+                digest: *digest,
                 reason,
             };
             let m = crate::base::manifest(ctx.cache.as_ref(), digest)
@@ -759,7 +759,7 @@ fn stage_base(
                 .map(|(d, diff)| LayerRef {
                     desc: Descriptor {
                         media_type: config::oci_layer_media_type(&d.media_type),
-                        digest: d.digest.clone(),
+                        digest: d.digest,
                         size: d.size,
                         platform: None,
                         annotations: None,
@@ -770,7 +770,7 @@ fn stage_base(
             Ok(StageOut {
                 layers,
                 config,
-                key: root("image", digest),
+                key: root("image", &digest.to_string()),
             })
         }
     }
@@ -815,6 +815,6 @@ mod tests {
             ["a", "empty", "b", "base"]
         );
         assert_eq!(topmost_unique(&d(&["x", "x", "x"])), ["x"]);
-        assert!(topmost_unique(&[]).is_empty());
+        assert!(topmost_unique::<String>(&[]).is_empty());
     }
 }

@@ -936,7 +936,7 @@ fn sparse_files_stay_sparse_in_the_image() {
     let path = d.path().join("layer");
     std::fs::write(&path, &bytes).unwrap();
     let layers = vec![LayerBlob {
-        digest: w.digest.clone(),
+        digest: w.digest.to_string(),
         path,
     }];
     let img = d.path().join("img.ext4");

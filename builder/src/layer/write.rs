@@ -32,8 +32,8 @@ pub const GZIP_LEVEL: u32 = 6;
 /// What [`write_layer`] produced.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Written {
-    /// `sha256:` of the compressed bytes (the layer's descriptor digest).
-    pub digest: String,
+    /// `sha256:` of the compressed bytes (the layer's descriptor digest, its blob's name).
+    pub digest: kiln_store::BlobDigest,
     /// `sha256:` of the uncompressed tar (the config's `rootfs.diff_ids` entry).
     pub diff_id: String,
     /// Compressed size, bytes.
@@ -123,7 +123,9 @@ fn write_tree(
     let mut outer = inner.inner.finish()?;
     outer.flush()?;
     Ok(Written {
-        digest: format!("sha256:{}", hex::encode(outer.hash.finalize())),
+        digest: kiln_store::BlobDigest(kiln_store::digest::Sha256Hash(
+            outer.hash.finalize().into(),
+        )),
         diff_id,
         size: outer.len,
     })
