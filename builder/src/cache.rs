@@ -18,9 +18,9 @@ use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use kiln_store::digest::{Hasher, Sha256Hash};
 use kiln_store::lease::Lease;
 use kiln_store::{BlobDigest, LocalBlobs, Manifest, ObjectRef, OciRef, Store, TagRef};
-use sha2::{Digest as _, Sha256};
 
 /// Errors of the blob cache.
 #[derive(Debug, thiserror::Error)]
@@ -70,15 +70,18 @@ impl From<kiln_store::StoreError> for CacheError {
     }
 }
 
-/// `sha256:<hex>` of some bytes.
-pub fn digest_of(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+/// The sha256 of some bytes (`sha256:<hex>` printed), for a digest that names no store
+/// object: a recipe's, a text input's of a step, a path's. A blob's is
+/// [`BlobDigest::of`], which says which bytes it measures.
+pub fn digest_of(bytes: &[u8]) -> Sha256Hash {
+    Sha256Hash::of(bytes)
 }
 
-/// `sha256:<hex>` of a file's content, read in 1 MiB pieces.
-pub fn digest_of_file(path: &Path) -> io::Result<String> {
+/// The sha256 of a file's content, read in 1 MiB pieces (a file that is a blob:
+/// `BlobDigest(digest_of_file(p)?)`).
+pub fn digest_of_file(path: &Path) -> io::Result<Sha256Hash> {
     let mut f = fs::File::open(path)?;
-    let mut h = Sha256::new();
+    let mut h = Hasher::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
         let n = f.read(&mut buf)?;
@@ -87,7 +90,7 @@ pub fn digest_of_file(path: &Path) -> io::Result<String> {
         }
         h.update(&buf[..n]);
     }
-    Ok(format!("sha256:{}", hex::encode(h.finalize())))
+    Ok(h.finish())
 }
 
 /// What the base-image code needs from a store. Blocking calls; small and local.

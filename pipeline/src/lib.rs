@@ -696,7 +696,7 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
     };
     opts.secrets = req.secrets.clone();
     opts.ssh = req.ssh.clone().unwrap_or_default();
-    opts.recipe_digest = Some(kiln_builder::cache::digest_of(&req.recipe.bytes));
+    opts.recipe_digest = Some(kiln_builder::cache::digest_of(&req.recipe.bytes).to_string());
     opts.history = match &req.output {
         Output::Image { tags, .. } => tags.first().map(|t| t.tag.to_string()),
         Output::Oci { refs } => refs.first().map(|r| r.to_string()),

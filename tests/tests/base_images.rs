@@ -355,8 +355,8 @@ fn resume_after_dropped_connection() {
             .expect("ok")
             .expect("layer cached");
         assert_eq!(
-            kiln_builder::cache::digest_of_file(&path).expect("hash"),
-            l.digest.to_string()
+            kiln_store::BlobDigest(kiln_builder::cache::digest_of_file(&path).expect("hash")),
+            l.digest
         );
     }
 }

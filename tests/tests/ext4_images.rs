@@ -51,7 +51,7 @@ fn built(cache: &LocalCache, digest: &BlobDigest) -> BuiltImage {
         config: m.config.clone(),
         layers: m.layers.clone(),
         sandbox: kiln_recipes::plan::Sandbox::default(),
-        recipe_digest: kiln_builder::cache::digest_of(b"FROM fixture\n"),
+        recipe_digest: kiln_builder::cache::digest_of(b"FROM fixture\n").to_string(),
         provenance,
         source_date_epoch: None,
     }
@@ -184,7 +184,7 @@ fn publish_fresh(kind: Kind, env: &str, tag: &str, work: &Path, label: &str) -> 
             .expect("e2fsck");
         assert!(check.status.success(), "e2fsck -fn on the stored image");
         let sha = kiln_builder::cache::digest_of_file(&out).expect("hash");
-        (m.to_string(), sha)
+        (m.to_string(), sha.to_string())
     })
 }
 

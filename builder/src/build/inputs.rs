@@ -266,7 +266,7 @@ pub(super) async fn prepare_inputs(
                 }
             }
             if !parts.is_empty() {
-                p.digest = Some(crate::cache::digest_of(parts.join("\n").as_bytes()));
+                p.digest = Some(crate::cache::digest_of(parts.join("\n").as_bytes()).to_string());
             }
             p.mounts = Some(mi);
         }

@@ -23,9 +23,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, XattrFlags};
 use rustix::io::Errno;
-use sha2::{Digest as _, Sha256};
 
 use kiln_store::BlobDigest;
+use kiln_store::digest::{Hasher, Sha256Hash};
 
 use crate::cache::BlobCache;
 use crate::layer::whiteout::WhiteoutKind;
@@ -185,7 +185,7 @@ impl LayerDirs {
             names.push_str(&d.to_string());
             names.push('\n');
         }
-        let hex = hex::encode(Sha256::digest(names.as_bytes()));
+        let hex = Sha256Hash::of(names.as_bytes()).hex();
         let dst = self.root.join(&hex);
         if dst.is_dir() {
             return Ok(dst);
@@ -260,9 +260,9 @@ pub fn decompressed(blob: impl Read + 'static) -> io::Result<Box<dyn Read>> {
 }
 
 /// `sha256:` of a layer blob's uncompressed tar (its `diff_id`, OCI image spec `config.md`).
-pub fn diff_id_of(blob: &Path) -> io::Result<String> {
+pub fn diff_id_of(blob: &Path) -> io::Result<Sha256Hash> {
     let mut r = decompressed(fs::File::open(blob)?)?;
-    let mut h = Sha256::new();
+    let mut h = Hasher::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
         let n = r.read(&mut buf)?;
@@ -271,7 +271,7 @@ pub fn diff_id_of(blob: &Path) -> io::Result<String> {
         }
         h.update(&buf[..n]);
     }
-    Ok(format!("sha256:{}", hex::encode(h.finalize())))
+    Ok(h.finish())
 }
 
 /// Second pass over a layer already applied to the empty directory `root`: its whiteouts

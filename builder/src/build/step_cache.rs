@@ -101,7 +101,7 @@ pub(super) fn step_inputs(
         base,
         parent: parent.to_string(),
         instruction: why::text_digest(&describe(step)),
-        action: crate::cache::digest_of(action.as_bytes()),
+        action: crate::cache::digest_of(action.as_bytes()).to_string(),
         args,
         env,
         user: user.map(why::text_digest),
@@ -183,7 +183,8 @@ pub(super) async fn lookup(ctx: &Ctx, key: &str) -> Result<Option<LayerRef>, Bui
             let d = tokio::task::spawn_blocking(move || lower::diff_id_of(&p))
                 .await
                 .map_err(|e| BuildError::Task(e.to_string()))?
-                .map_err(io_err("reading", &path))?;
+                .map_err(io_err("reading", &path))?
+                .to_string();
             remember_diff_id(&ctx.opts.work_dir, &digest, &d);
             d
         }
