@@ -300,7 +300,7 @@ pub async fn bootstrap(
                 "org.kiln.bootstrap.release": release_digest.to_string(),
             },
         },
-        "rootfs": { "type": "layers", "diff_ids": [written.diff_id] },
+        "rootfs": { "type": "layers", "diff_ids": [written.diff_id.to_string()] },
         "history": [{
             "created_by": format!(
                 "kiln bootstrap {} {} {}{}",

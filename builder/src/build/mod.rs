@@ -53,6 +53,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use kiln_recipes::plan::{Action, BuildPlan, MountFrom, Stage, Step};
+use kiln_store::digest::Sha256Hash;
 use kiln_store::{BlobDigest, Store};
 
 use self::config::{History, OciConfig};
@@ -269,7 +270,9 @@ pub struct BuildOutput {
 #[derive(Debug, Clone)]
 struct LayerRef {
     desc: Descriptor,
-    diff_id: String,
+    /// The sha256 of the layer's uncompressed tar (OCI `rootfs.diff_ids`): no store object
+    /// (the blob is the compressed bytes), so a plain hash, not a [`BlobDigest`].
+    diff_id: Sha256Hash,
 }
 
 /// A finished stage.
@@ -752,21 +755,30 @@ fn stage_base(
             }
             config.created = None;
             config.config.on_build = None;
+            // The config's diff_ids enter here: each is parsed once, naming the config.
             let layers = m
                 .layers
                 .iter()
                 .zip(&config.rootfs.diff_ids)
-                .map(|(d, diff)| LayerRef {
-                    desc: Descriptor {
-                        media_type: config::oci_layer_media_type(&d.media_type),
-                        digest: d.digest,
-                        size: d.size,
-                        platform: None,
-                        annotations: None,
-                    },
-                    diff_id: diff.clone(),
+                .map(|(d, diff)| {
+                    let diff_id = Sha256Hash::parse_prefixed(diff).map_err(|_| {
+                        bad(format!(
+                            "config {}: diff_id {diff:?} is not sha256:<64 hex>",
+                            m.config.digest
+                        ))
+                    })?;
+                    Ok(LayerRef {
+                        desc: Descriptor {
+                            media_type: config::oci_layer_media_type(&d.media_type),
+                            digest: d.digest,
+                            size: d.size,
+                            platform: None,
+                            annotations: None,
+                        },
+                        diff_id,
+                    })
                 })
-                .collect();
+                .collect::<Result<_, BuildError>>()?;
             Ok(StageOut {
                 layers,
                 config,

@@ -57,7 +57,7 @@ pub(super) async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<
         }
     };
     hold(ctx, [layer.desc.digest]).await?;
-    out.config.rootfs.diff_ids.push(layer.diff_id.clone());
+    out.config.rootfs.diff_ids.push(layer.diff_id.to_string());
     out.config.history.push(History {
         created: ctx.epoch.map(config::rfc3339),
         created_by: Some(SANDBOX_LAYER_CREATED_BY.into()),

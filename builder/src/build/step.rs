@@ -205,7 +205,7 @@ pub(super) async fn run_stage(
             }
         };
         hold(&ctx, [layer.desc.digest]).await?;
-        st.config.rootfs.diff_ids.push(layer.diff_id.clone());
+        st.config.rootfs.diff_ids.push(layer.diff_id.to_string());
         st.config.history.push(History {
             created: ctx.epoch.map(config::rfc3339),
             created_by: Some(describe(step)),

@@ -176,15 +176,18 @@ pub(super) async fn lookup(ctx: &Ctx, key: &str) -> Result<Option<LayerRef>, Bui
     };
     let size = fs::metadata(&path).map_err(io_err("reading", &path))?.len();
     let diff_path = ctx.opts.work_dir.join("diffids").join(entry.layer.hex());
-    let diff_id = match fs::read_to_string(&diff_path) {
-        Ok(s) if s.trim().parse::<BlobDigest>().is_ok() => s.trim().to_string(),
-        _ => {
+    // A record that does not read as a digest is made again from the blob.
+    let recorded = fs::read_to_string(&diff_path)
+        .ok()
+        .and_then(|s| Sha256Hash::parse_prefixed(s.trim()).ok());
+    let diff_id = match recorded {
+        Some(d) => d,
+        None => {
             let p = path.clone();
             let d = tokio::task::spawn_blocking(move || lower::diff_id_of(&p))
                 .await
                 .map_err(|e| BuildError::Task(e.to_string()))?
-                .map_err(io_err("reading", &path))?
-                .to_string();
+                .map_err(io_err("reading", &path))?;
             remember_diff_id(&ctx.opts.work_dir, &digest, &d);
             d
         }
@@ -201,12 +204,12 @@ pub(super) async fn lookup(ctx: &Ctx, key: &str) -> Result<Option<LayerRef>, Bui
     }))
 }
 
-pub(super) fn remember_diff_id(work: &Path, digest: &BlobDigest, diff_id: &str) {
+pub(super) fn remember_diff_id(work: &Path, digest: &BlobDigest, diff_id: &Sha256Hash) {
     let hex = digest.hex();
     let dir = work.join("diffids");
     let _ = fs::create_dir_all(&dir);
     let tmp = dir.join(format!(".{hex}.{}", std::process::id()));
-    if fs::write(&tmp, diff_id).is_ok() {
+    if fs::write(&tmp, diff_id.to_string()).is_ok() {
         let _ = fs::rename(&tmp, dir.join(hex));
     }
 }
