@@ -62,7 +62,7 @@ pub struct BuiltImage {
     /// How the image runs as a sandbox: start command, ready check, disk size.
     pub sandbox: kiln_recipes::plan::Sandbox,
     /// Digest (`sha256:<hex>`) of the recipe the image was built from.
-    pub recipe_digest: String,
+    pub recipe_digest: kiln_store::digest::Sha256Hash,
     /// Base image digests, kiln version and the like. No times (they would make the manifest
     /// digest depend on when it was built).
     pub provenance: BTreeMap<String, String>,
@@ -213,7 +213,7 @@ pub fn flatten_key(
         "ociManifest": image.oci_manifest.digest,
         "config": image.config.digest,
         "layers": image.layers.iter().map(|d| &d.digest).collect::<Vec<_>>(),
-        "recipeDigest": image.recipe_digest,
+        "recipeDigest": image.recipe_digest.to_string(),
         "provenance": image.provenance,
         "sandbox": sandbox_spec(&image.sandbox),
         "diskMib": ext4_opts.disk_mib,
@@ -425,7 +425,7 @@ async fn publish_with(
     m.oci_manifest = Some(oci_manifest);
     m.oci_config = Some(oci_config);
     m.blobs = blobs;
-    m.recipe_digest = Some(image.recipe_digest.clone());
+    m.recipe_digest = Some(image.recipe_digest.to_string());
     m.provenance = image.provenance.clone();
     m.filesystem = Some(built.filesystem);
     m.sandbox = sandbox_spec(&image.sandbox);

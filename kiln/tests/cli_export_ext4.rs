@@ -36,7 +36,7 @@ fn publish_busybox(store: &Path) -> (String, u64) {
             disk_mib: Some(40),
             ..Default::default()
         },
-        recipe_digest: kiln_builder::cache::digest_of(b"FROM busybox\n").to_string(),
+        recipe_digest: kiln_builder::cache::digest_of(b"FROM busybox\n"),
         provenance: Default::default(),
         source_date_epoch: Some(1_700_000_000),
     };

@@ -534,7 +534,7 @@ pub(crate) async fn run_leased(
         oci_manifest: out.image.oci_manifest.clone(),
         config: out.image.config.clone(),
         layers: out.image.layers.clone(),
-        recipe_digest: out.image.recipe_digest.clone(),
+        recipe_digest: out.image.recipe_digest.to_string(),
         steps_run: out.stats.steps_run,
         steps_cached: out.stats.steps_cached,
         image,
@@ -696,7 +696,7 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
     };
     opts.secrets = req.secrets.clone();
     opts.ssh = req.ssh.clone().unwrap_or_default();
-    opts.recipe_digest = Some(kiln_builder::cache::digest_of(&req.recipe.bytes).to_string());
+    opts.recipe_digest = Some(kiln_builder::cache::digest_of(&req.recipe.bytes));
     opts.history = match &req.output {
         Output::Image { tags, .. } => tags.first().map(|t| t.tag.to_string()),
         Output::Oci { refs } => refs.first().map(|r| r.to_string()),

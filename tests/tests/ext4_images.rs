@@ -51,7 +51,7 @@ fn built(cache: &LocalCache, digest: &BlobDigest) -> BuiltImage {
         config: m.config.clone(),
         layers: m.layers.clone(),
         sandbox: kiln_recipes::plan::Sandbox::default(),
-        recipe_digest: kiln_builder::cache::digest_of(b"FROM fixture\n").to_string(),
+        recipe_digest: kiln_builder::cache::digest_of(b"FROM fixture\n"),
         provenance,
         source_date_epoch: None,
     }

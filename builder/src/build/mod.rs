@@ -159,7 +159,7 @@ pub struct BuildOptions {
     /// [`BuiltImage::recipe_digest`]: the caller's digest of the recipe bytes; `None`: the
     /// digest of the plan's JSON with every file name reduced to its last component (so the
     /// directory a recipe sits in changes nothing).
-    pub recipe_digest: Option<String>,
+    pub recipe_digest: Option<Sha256Hash>,
     /// How images named by `COPY --from=<image>` and `RUN --mount=from=<image>` are found
     /// (pull policy, build contexts, registry access; the stage's platform is used).
     pub resolve: crate::resolve::ResolveOptions,

@@ -150,8 +150,8 @@ pub(super) async fn finish(
     }
     provenance.insert("target".into(), target.to_string());
     let recipe_digest = match &ctx.opts.recipe_digest {
-        Some(d) => d.clone(),
-        None => crate::cache::digest_of(plan_json_without_paths(&ctx.plan).as_bytes()).to_string(),
+        Some(d) => *d,
+        None => crate::cache::digest_of(plan_json_without_paths(&ctx.plan).as_bytes()),
     };
     Ok(BuildOutput {
         image: BuiltImage {
