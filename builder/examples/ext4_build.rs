@@ -24,10 +24,12 @@ fn main() {
     let layers: Vec<LayerBlob> = layers
         .into_iter()
         .map(|p| LayerBlob {
-            digest: kiln_builder::cache::digest_of_file(&p).unwrap_or_else(|e| {
-                eprintln!("{}: {e}", p.display());
-                std::process::exit(1)
-            }),
+            digest: kiln_builder::cache::digest_of_file(&p)
+                .unwrap_or_else(|e| {
+                    eprintln!("{}: {e}", p.display());
+                    std::process::exit(1)
+                })
+                .to_string(),
             path: p,
         })
         .collect();

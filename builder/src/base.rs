@@ -35,7 +35,9 @@ use std::path::Path;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::cache::BlobCache;
+use kiln_store::BlobDigest;
+
+use crate::cache::{BlobCache, parse_digest};
 use crate::egress::address::{AddressError, AddressPolicy};
 use crate::image::{AnyManifest, ImageError, Manifest};
 use crate::layer::{LayerError, LayerStats, Limits, apply_layer};
@@ -185,7 +187,7 @@ pub struct Tenant {
     /// image manifest, the one before its snapshot, the OCI manifest) → the OCI manifest
     /// digest. The tenant names them by digest under any name (`NAME@sha256:…`) or bare
     /// (`sha256:…`).
-    pub own_images: BTreeMap<String, String>,
+    pub own_images: BTreeMap<String, BlobDigest>,
     /// Credentials the tenant gave for this build, by registry (`host[:port]`, as its
     /// references write it): a pull from that registry uses them, and no other. `Debug`
     /// hides the passwords.
@@ -247,7 +249,7 @@ pub async fn resolve(
     policy: PullPolicy,
     registry: &Registry,
     cache: &dyn BlobCache,
-) -> Result<(String, Source), BaseError> {
+) -> Result<(BlobDigest, Source), BaseError> {
     resolve_in(&Scope::Operator, spec, policy, registry, cache).await
 }
 
@@ -261,7 +263,7 @@ pub async fn resolve_in(
     policy: PullPolicy,
     registry: &Registry,
     cache: &dyn BlobCache,
-) -> Result<(String, Source), BaseError> {
+) -> Result<(BlobDigest, Source), BaseError> {
     if let Scope::Tenant(t) = scope {
         return resolve_tenant(t, spec, policy, registry, cache).await;
     }
@@ -279,7 +281,7 @@ pub async fn resolve_in(
         };
         if let Some(d) = &found {
             match first_missing(cache, d)? {
-                None => return Ok((d.clone(), Source::Local)),
+                None => return Ok((*d, Source::Local)),
                 Some(missing) if policy == PullPolicy::Never => {
                     return Err(BaseError::NotCached {
                         spec: spec.to_string(),
@@ -304,7 +306,7 @@ async fn pull(
     registry: &Registry,
     r: &Reference,
     cache: &dyn BlobCache,
-) -> Result<(String, Source), BaseError> {
+) -> Result<(BlobDigest, Source), BaseError> {
     let p = registry.pull(r, cache).await?;
     Ok((
         p.digest,
@@ -321,7 +323,7 @@ async fn resolve_tenant(
     policy: PullPolicy,
     registry: &Registry,
     cache: &dyn BlobCache,
-) -> Result<(String, Source), BaseError> {
+) -> Result<(BlobDigest, Source), BaseError> {
     if layout::LayoutRef::parse(spec).is_some() {
         return Err(BaseError::Refused {
             spec: spec.to_string(),
@@ -339,12 +341,12 @@ async fn resolve_tenant(
         && cache.blob_path(d)?.is_some()
         && first_missing(cache, d)?.is_none()
     {
-        return Ok((d.clone(), Source::Local));
+        return Ok((*d, Source::Local));
     }
     let r: Reference = spec.parse()?;
     if let Some(tag) = t.store_tag(spec)
         && let Some(d) = cache.store_tag(&tag.to_string())?
-        && r.digest().is_none_or(|want| want == d)
+        && r.digest().is_none_or(|want| want == d.to_string())
         && cache.blob_path(&d)?.is_some()
         && first_missing(cache, &d)?.is_none()
     {
@@ -386,7 +388,7 @@ pub fn as_store_tag(spec: &str) -> Option<kiln_store::TagRef> {
 
 /// The OCI manifest digest of the kiln image the store tag `spec` names, when it is a store
 /// tag, exists, and its image has an OCI manifest in the store.
-pub fn store_tag(spec: &str, cache: &dyn BlobCache) -> Result<Option<String>, BaseError> {
+pub fn store_tag(spec: &str, cache: &dyn BlobCache) -> Result<Option<BlobDigest>, BaseError> {
     let Some(t) = as_store_tag(spec) else {
         return Ok(None);
     };
@@ -413,11 +415,14 @@ fn looked_for(spec: &str, r: &Reference) -> String {
 
 /// The first blob (config, then layers) of image manifest `digest` that the cache lacks;
 /// `None` when the image is complete.
-fn first_missing(cache: &dyn BlobCache, digest: &str) -> Result<Option<String>, BaseError> {
+fn first_missing(
+    cache: &dyn BlobCache,
+    digest: &BlobDigest,
+) -> Result<Option<BlobDigest>, BaseError> {
     let m = manifest(cache, digest)?;
     for d in std::iter::once(&m.config).chain(&m.layers) {
         if cache.blob_path(&d.digest)?.is_none() {
-            return Ok(Some(d.digest.clone()));
+            return Ok(Some(d.digest));
         }
     }
     Ok(None)
@@ -425,12 +430,13 @@ fn first_missing(cache: &dyn BlobCache, digest: &str) -> Result<Option<String>, 
 
 /// The cached platform manifest for a reference, if any: by its digest, or by its name.
 /// A digest that names a cached index is not followed here (pull resolves platforms).
-pub fn local(r: &Reference, cache: &dyn BlobCache) -> Result<Option<String>, BaseError> {
+pub fn local(r: &Reference, cache: &dyn BlobCache) -> Result<Option<BlobDigest>, BaseError> {
     if let Some(d) = r.digest() {
-        if let Some(b) = cache.read_blob(d)?
-            && matches!(AnyManifest::parse(&b, d)?, AnyManifest::Image(_))
+        let d = parse_digest(d, &format!("reference {r}"))?;
+        if let Some(b) = cache.read_blob(&d)?
+            && matches!(AnyManifest::parse(&b, &d)?, AnyManifest::Image(_))
         {
-            return Ok(Some(d.to_string()));
+            return Ok(Some(d));
         }
         return Ok(None);
     }
@@ -443,10 +449,10 @@ pub fn local(r: &Reference, cache: &dyn BlobCache) -> Result<Option<String>, Bas
 
 /// Finds an image in the cache by `sha256:<hex>`, store tag, or reference (pulled or
 /// imported).
-pub fn lookup(spec: &str, cache: &dyn BlobCache) -> Result<Option<String>, BaseError> {
+pub fn lookup(spec: &str, cache: &dyn BlobCache) -> Result<Option<BlobDigest>, BaseError> {
     if spec.starts_with("sha256:") {
-        crate::cache::sha256_hex(spec)?;
-        return Ok(cache.blob_path(spec)?.map(|_| spec.to_string()));
+        let d = parse_digest(spec, "the image name")?;
+        return Ok(cache.blob_path(&d)?.map(|_| d));
     }
     if let Some(d) = store_tag(spec, cache)? {
         return Ok(Some(d));
@@ -455,7 +461,7 @@ pub fn lookup(spec: &str, cache: &dyn BlobCache) -> Result<Option<String>, BaseE
 }
 
 /// The parsed manifest `digest` from the cache.
-pub fn manifest(cache: &dyn BlobCache, digest: &str) -> Result<Manifest, BaseError> {
+pub fn manifest(cache: &dyn BlobCache, digest: &BlobDigest) -> Result<Manifest, BaseError> {
     let b = cache
         .read_blob(digest)?
         .ok_or_else(|| BaseError::MissingBlob(digest.to_string()))?;
@@ -469,7 +475,7 @@ pub fn manifest(cache: &dyn BlobCache, digest: &str) -> Result<Manifest, BaseErr
 /// summed [`LayerStats`].
 pub fn unpack(
     cache: &dyn BlobCache,
-    digest: &str,
+    digest: &BlobDigest,
     dir: &Path,
     limits: &Limits,
 ) -> Result<LayerStats, BaseError> {
@@ -482,9 +488,9 @@ pub fn unpack(
     for l in &m.layers {
         let p = cache
             .blob_path(&l.digest)?
-            .ok_or_else(|| BaseError::MissingBlob(l.digest.clone()))?;
+            .ok_or_else(|| BaseError::MissingBlob(l.digest.to_string()))?;
         let f = std::fs::File::open(&p).map_err(|source| BaseError::Io { path: p, source })?;
-        let s = apply_layer(dir, f, &l.digest, limits)?;
+        let s = apply_layer(dir, f, &l.digest.to_string(), limits)?;
         total.entries += s.entries;
         total.bytes += s.bytes;
     }

@@ -14,6 +14,8 @@
 
 use std::path::{Path, PathBuf};
 
+use kiln_store::BlobDigest;
+use kiln_store::digest::Sha256Hash;
 use serde_json::json;
 
 use crate::cache::{BlobCache, CacheError, digest_of};
@@ -83,7 +85,7 @@ pub struct BootstrapSpec {
 #[derive(Debug, Clone)]
 pub struct Bootstrapped {
     /// Manifest digest in the cache.
-    pub digest: String,
+    pub digest: BlobDigest,
     /// The cache key (hex).
     pub key: String,
     /// Whether it came from the cache (no debootstrap run).
@@ -144,7 +146,7 @@ impl BootstrapSpec {
     }
 
     /// The cache key (hex sha256) for this spec and a Release file digest.
-    pub fn key(&self, release_digest: &str) -> String {
+    pub fn key(&self, release_digest: &Sha256Hash) -> String {
         let mut pkgs = self.include.clone();
         pkgs.sort();
         pkgs.dedup();
@@ -154,10 +156,11 @@ impl BootstrapSpec {
             "mirror": self.mirror.trim_end_matches('/'),
             "variant": self.variant,
             "include": pkgs,
-            "release": release_digest,
+            "release": release_digest.to_string(),
             "format": 1,
         });
         digest_of(canon.to_string().as_bytes())
+            .to_string()
             .trim_start_matches("sha256:")
             .to_string()
     }
@@ -294,10 +297,10 @@ pub async fn bootstrap(
             "Labels": {
                 "org.kiln.bootstrap.distro": spec.distro,
                 "org.kiln.bootstrap.suite": spec.suite,
-                "org.kiln.bootstrap.release": release_digest,
+                "org.kiln.bootstrap.release": release_digest.to_string(),
             },
         },
-        "rootfs": { "type": "layers", "diff_ids": [written.diff_id] },
+        "rootfs": { "type": "layers", "diff_ids": [written.diff_id.to_string()] },
         "history": [{
             "created_by": format!(
                 "kiln bootstrap {} {} {}{}",
@@ -310,24 +313,24 @@ pub async fn bootstrap(
     });
     // JSON values always serialize.
     let config_bytes = serde_json::to_vec(&config).expect("JSON values serialize");
-    let config_digest = digest_of(&config_bytes);
+    let config_digest = BlobDigest::of(&config_bytes);
     cache.put_bytes(&config_digest, &config_bytes)?;
     let manifest = json!({
         "schemaVersion": 2,
         "mediaType": crate::image::OCI_MANIFEST,
         "config": {
             "mediaType": "application/vnd.oci.image.config.v1+json",
-            "digest": config_digest,
+            "digest": config_digest.to_string(),
             "size": config_bytes.len(),
         },
         "layers": [{
             "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
-            "digest": written.digest,
+            "digest": written.digest.to_string(),
             "size": written.size,
         }],
     });
     let manifest_bytes = serde_json::to_vec(&manifest).expect("JSON values serialize");
-    let digest = digest_of(&manifest_bytes);
+    let digest = BlobDigest::of(&manifest_bytes);
     cache.put_bytes(&digest, &manifest_bytes)?;
     cache.set_ref(&refname, &digest)?;
     Ok(Bootstrapped {
@@ -376,23 +379,20 @@ mod tests {
 
     #[test]
     fn key_covers_inputs() {
-        let base = spec().key("sha256:a");
-        assert_ne!(base, spec().key("sha256:b"), "Release digest");
+        let (a, b) = (digest_of(b"Release a"), digest_of(b"Release b"));
+        let base = spec().key(&a);
+        assert_ne!(base, spec().key(&b), "Release digest");
         let mut s = spec();
         s.include.reverse();
-        assert_eq!(base, s.key("sha256:a"), "package order does not matter");
+        assert_eq!(base, s.key(&a), "package order does not matter");
         s.include.push("git".into());
-        assert_ne!(base, s.key("sha256:a"));
+        assert_ne!(base, s.key(&a));
         let mut s = spec();
         s.variant = None;
-        assert_ne!(base, s.key("sha256:a"));
+        assert_ne!(base, s.key(&a));
         let mut s = spec();
         s.mirror.push('/');
-        assert_eq!(
-            base,
-            s.key("sha256:a"),
-            "a trailing slash is the same mirror"
-        );
+        assert_eq!(base, s.key(&a), "a trailing slash is the same mirror");
     }
 
     #[test]

@@ -18,16 +18,22 @@ use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use kiln_store::digest::{Hasher, Sha256Hash};
 use kiln_store::lease::Lease;
 use kiln_store::{BlobDigest, LocalBlobs, Manifest, ObjectRef, OciRef, Store, TagRef};
-use sha2::{Digest as _, Sha256};
 
 /// Errors of the blob cache.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
-    /// A digest is not `sha256:<64 lower-case hex>`.
-    #[error("invalid digest {0:?} (expected sha256:<64 hex digits>)")]
-    BadDigest(String),
+    /// A digest where it entered the builder (a manifest, a reference, a cache record, user
+    /// input) is not `sha256:<64 lower-case hex>`; refused there, once ([`parse_digest`]).
+    #[error("invalid digest {digest:?} in {source_of} (expected sha256:<64 hex digits>)")]
+    BadDigest {
+        /// The digest as found.
+        digest: String,
+        /// Where it was found, e.g. `reference registry/repo@sha256:…`.
+        source_of: String,
+    },
     /// Content does not hash to the digest it was put under.
     #[error("digest mismatch: expected {expected}, got {actual}")]
     Mismatch {
@@ -64,29 +70,18 @@ impl From<kiln_store::StoreError> for CacheError {
     }
 }
 
-/// The hex part of a `sha256:<hex>` digest, validated.
-pub fn sha256_hex(digest: &str) -> Result<&str, CacheError> {
-    match digest.strip_prefix("sha256:") {
-        Some(h)
-            if h.len() == 64
-                && h.bytes()
-                    .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)) =>
-        {
-            Ok(h)
-        }
-        _ => Err(CacheError::BadDigest(digest.to_string())),
-    }
+/// The sha256 of some bytes (`sha256:<hex>` printed), for a digest that names no store
+/// object: a recipe's, a text input's of a step, a path's. A blob's is
+/// [`BlobDigest::of`], which says which bytes it measures.
+pub fn digest_of(bytes: &[u8]) -> Sha256Hash {
+    Sha256Hash::of(bytes)
 }
 
-/// `sha256:<hex>` of some bytes.
-pub fn digest_of(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
-}
-
-/// `sha256:<hex>` of a file's content, read in 1 MiB pieces.
-pub fn digest_of_file(path: &Path) -> io::Result<String> {
+/// The sha256 of a file's content, read in 1 MiB pieces (a file that is a blob:
+/// `BlobDigest(digest_of_file(p)?)`).
+pub fn digest_of_file(path: &Path) -> io::Result<Sha256Hash> {
     let mut f = fs::File::open(path)?;
-    let mut h = Sha256::new();
+    let mut h = Hasher::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
         let n = f.read(&mut buf)?;
@@ -95,37 +90,37 @@ pub fn digest_of_file(path: &Path) -> io::Result<String> {
         }
         h.update(&buf[..n]);
     }
-    Ok(format!("sha256:{}", hex::encode(h.finalize())))
+    Ok(h.finish())
 }
 
 /// What the base-image code needs from a store. Blocking calls; small and local.
 pub trait BlobCache: Send + Sync {
     /// The path of a verified blob, or `None` when it is not cached.
-    fn blob_path(&self, digest: &str) -> Result<Option<PathBuf>, CacheError>;
+    fn blob_path(&self, digest: &BlobDigest) -> Result<Option<PathBuf>, CacheError>;
     /// Where a partial download of `digest` is kept (same file system as the blobs).
-    fn ingest_path(&self, digest: &str) -> Result<PathBuf, CacheError>;
+    fn ingest_path(&self, digest: &BlobDigest) -> Result<PathBuf, CacheError>;
     /// A scratch file path on the cache's file system (for blobs whose digest is known only
     /// once written); a new path at every call, whatever `label` (which names what it holds).
     fn scratch_path(&self, label: &str) -> PathBuf;
     /// Hashes the file at `staged` and, when it matches `digest`, moves it in.
-    fn commit(&self, staged: &Path, digest: &str) -> Result<PathBuf, CacheError>;
+    fn commit(&self, staged: &Path, digest: &BlobDigest) -> Result<PathBuf, CacheError>;
     /// Puts a small blob (a manifest, a config) after checking its digest.
-    fn put_bytes(&self, digest: &str, bytes: &[u8]) -> Result<(), CacheError>;
+    fn put_bytes(&self, digest: &BlobDigest, bytes: &[u8]) -> Result<(), CacheError>;
     /// The manifest digest a reference name points at (`registry/repo:tag`).
-    fn get_ref(&self, name: &str) -> Result<Option<String>, CacheError>;
+    fn get_ref(&self, name: &str) -> Result<Option<BlobDigest>, CacheError>;
     /// Points a reference name at a manifest digest.
-    fn set_ref(&self, name: &str, digest: &str) -> Result<(), CacheError>;
+    fn set_ref(&self, name: &str, digest: &BlobDigest) -> Result<(), CacheError>;
 
     /// The OCI manifest digest of the kiln image a store tag (`name:tag`, kiln's grammar)
     /// names: the tag's image manifest's `oci_manifest`. `None` when there is no such tag,
     /// the tag names no image or one without an OCI manifest, or this cache has no tags.
-    fn store_tag(&self, tag: &str) -> Result<Option<String>, CacheError> {
+    fn store_tag(&self, tag: &str) -> Result<Option<BlobDigest>, CacheError> {
         let _ = tag;
         Ok(None)
     }
 
     /// Reads a whole blob (for manifests and configs), `None` when absent.
-    fn read_blob(&self, digest: &str) -> Result<Option<Vec<u8>>, CacheError> {
+    fn read_blob(&self, digest: &BlobDigest) -> Result<Option<Vec<u8>>, CacheError> {
         match self.blob_path(digest)? {
             None => Ok(None),
             Some(p) => fs::read(&p)
@@ -141,11 +136,14 @@ pub struct LocalCache {
     blobs: LocalBlobs,
 }
 
-pub(crate) fn blob_digest(digest: &str) -> Result<BlobDigest, CacheError> {
-    sha256_hex(digest)?;
-    digest
-        .parse()
-        .map_err(|_| CacheError::BadDigest(digest.to_string()))
+/// Parses a digest where it enters the builder: `source_of` names where it was found (a
+/// manifest, a reference, a cache record, user input), for the error. The one place a
+/// digest string becomes a [`BlobDigest`]; everything past it takes the typed value.
+pub fn parse_digest(digest: &str, source_of: &str) -> Result<BlobDigest, CacheError> {
+    digest.parse().map_err(|_| CacheError::BadDigest {
+        digest: digest.to_string(),
+        source_of: source_of.to_string(),
+    })
 }
 
 pub(crate) fn oci_ref(name: &str) -> Result<OciRef, CacheError> {
@@ -183,41 +181,36 @@ impl LocalCache {
 }
 
 impl BlobCache for LocalCache {
-    fn blob_path(&self, digest: &str) -> Result<Option<PathBuf>, CacheError> {
-        Ok(self.blobs.blob_path(&blob_digest(digest)?)?)
+    fn blob_path(&self, digest: &BlobDigest) -> Result<Option<PathBuf>, CacheError> {
+        Ok(self.blobs.blob_path(digest)?)
     }
 
-    fn ingest_path(&self, digest: &str) -> Result<PathBuf, CacheError> {
-        Ok(self.blobs.ingest_path(&blob_digest(digest)?))
+    fn ingest_path(&self, digest: &BlobDigest) -> Result<PathBuf, CacheError> {
+        Ok(self.blobs.ingest_path(digest))
     }
 
     fn scratch_path(&self, label: &str) -> PathBuf {
         self.blobs.scratch_path(label)
     }
 
-    fn commit(&self, staged: &Path, digest: &str) -> Result<PathBuf, CacheError> {
-        Ok(self.blobs.commit(staged, &blob_digest(digest)?)?)
+    fn commit(&self, staged: &Path, digest: &BlobDigest) -> Result<PathBuf, CacheError> {
+        Ok(self.blobs.commit(staged, digest)?)
     }
 
-    fn put_bytes(&self, digest: &str, bytes: &[u8]) -> Result<(), CacheError> {
-        self.blobs.put_bytes(&blob_digest(digest)?, bytes)?;
+    fn put_bytes(&self, digest: &BlobDigest, bytes: &[u8]) -> Result<(), CacheError> {
+        self.blobs.put_bytes(digest, bytes)?;
         Ok(())
     }
 
-    fn get_ref(&self, name: &str) -> Result<Option<String>, CacheError> {
-        Ok(self
-            .blobs
-            .get_oci_ref(&oci_ref(name)?)?
-            .map(|d| d.to_string()))
+    fn get_ref(&self, name: &str) -> Result<Option<BlobDigest>, CacheError> {
+        Ok(self.blobs.get_oci_ref(&oci_ref(name)?)?)
     }
 
-    fn set_ref(&self, name: &str, digest: &str) -> Result<(), CacheError> {
-        Ok(self
-            .blobs
-            .set_oci_ref(&oci_ref(name)?, &blob_digest(digest)?)?)
+    fn set_ref(&self, name: &str, digest: &BlobDigest) -> Result<(), CacheError> {
+        Ok(self.blobs.set_oci_ref(&oci_ref(name)?, digest)?)
     }
 
-    fn store_tag(&self, tag: &str) -> Result<Option<String>, CacheError> {
+    fn store_tag(&self, tag: &str) -> Result<Option<BlobDigest>, CacheError> {
         let Ok(t) = tag.parse::<TagRef>() else {
             return Ok(None);
         };
@@ -225,7 +218,7 @@ impl BlobCache for LocalCache {
             return Ok(None);
         };
         match self.blobs.get_manifest(&m)? {
-            Manifest::Image(i) => Ok(i.oci_manifest.map(|b| b.digest.to_string())),
+            Manifest::Image(i) => Ok(i.oci_manifest.map(|b| b.digest)),
             Manifest::Snapshot(_) => Ok(None),
         }
     }
@@ -240,12 +233,12 @@ impl BlobCache for LocalCache {
 pub async fn fetch_blob(
     cache: &dyn BlobCache,
     store: &Store,
-    digest: &str,
+    digest: &BlobDigest,
 ) -> Result<Option<PathBuf>, CacheError> {
     if let Some(p) = cache.blob_path(digest)? {
         return Ok(Some(p));
     }
-    let d = blob_digest(digest)?;
+    let d = *digest;
     if !store.has(&ObjectRef::Blob(d)).await? {
         return Ok(None);
     }
@@ -272,10 +265,10 @@ pub async fn fetch_blob(
 pub async fn share_blob(
     cache: &dyn BlobCache,
     store: &Store,
-    digest: &str,
+    digest: &BlobDigest,
     lease: Option<&Lease>,
 ) -> Result<(), CacheError> {
-    let d = blob_digest(digest)?;
+    let d = *digest;
     let obj = ObjectRef::Blob(d);
     if let Some(l) = lease {
         l.add([obj]).await?;
@@ -315,28 +308,28 @@ impl LeasedCache {
         LeasedCache { inner, lease }
     }
 
-    fn obj(digest: &str) -> Result<kiln_store::ObjectRef, CacheError> {
-        Ok(kiln_store::ObjectRef::Blob(blob_digest(digest)?))
+    fn obj(digest: &BlobDigest) -> kiln_store::ObjectRef {
+        kiln_store::ObjectRef::Blob(*digest)
     }
 
     /// Leases `digest` before it is written. A lease on a store that is not a local
     /// directory protects nothing here (that store's GC never touches this cache's files).
-    fn before_write(&self, digest: &str) -> Result<(), CacheError> {
+    fn before_write(&self, digest: &BlobDigest) -> Result<(), CacheError> {
         if self.lease.is_local() {
-            self.lease.add_blocking([Self::obj(digest)?])?;
+            self.lease.add_blocking([Self::obj(digest)])?;
         }
         Ok(())
     }
 }
 
 impl BlobCache for LeasedCache {
-    fn blob_path(&self, digest: &str) -> Result<Option<PathBuf>, CacheError> {
-        let obj = Self::obj(digest)?;
+    fn blob_path(&self, digest: &BlobDigest) -> Result<Option<PathBuf>, CacheError> {
+        let obj = Self::obj(digest);
         self.lease
             .hold_blocking([obj], || self.inner.blob_path(digest))?
     }
 
-    fn ingest_path(&self, digest: &str) -> Result<PathBuf, CacheError> {
+    fn ingest_path(&self, digest: &BlobDigest) -> Result<PathBuf, CacheError> {
         self.inner.ingest_path(digest)
     }
 
@@ -344,25 +337,25 @@ impl BlobCache for LeasedCache {
         self.inner.scratch_path(label)
     }
 
-    fn commit(&self, staged: &Path, digest: &str) -> Result<PathBuf, CacheError> {
+    fn commit(&self, staged: &Path, digest: &BlobDigest) -> Result<PathBuf, CacheError> {
         self.before_write(digest)?;
         self.inner.commit(staged, digest)
     }
 
-    fn put_bytes(&self, digest: &str, bytes: &[u8]) -> Result<(), CacheError> {
+    fn put_bytes(&self, digest: &BlobDigest, bytes: &[u8]) -> Result<(), CacheError> {
         self.before_write(digest)?;
         self.inner.put_bytes(digest, bytes)
     }
 
-    fn get_ref(&self, name: &str) -> Result<Option<String>, CacheError> {
+    fn get_ref(&self, name: &str) -> Result<Option<BlobDigest>, CacheError> {
         self.inner.get_ref(name)
     }
 
-    fn set_ref(&self, name: &str, digest: &str) -> Result<(), CacheError> {
+    fn set_ref(&self, name: &str, digest: &BlobDigest) -> Result<(), CacheError> {
         self.inner.set_ref(name, digest)
     }
 
-    fn store_tag(&self, tag: &str) -> Result<Option<String>, CacheError> {
+    fn store_tag(&self, tag: &str) -> Result<Option<BlobDigest>, CacheError> {
         self.inner.store_tag(tag)
     }
 }
@@ -375,7 +368,7 @@ mod tests {
     fn put_commit_refs() {
         let d = tempfile::tempdir().expect("tempdir");
         let c = LocalCache::open(d.path()).expect("open");
-        let dg = digest_of(b"hello");
+        let dg = BlobDigest::of(b"hello");
         assert!(c.blob_path(&dg).expect("ok").is_none());
         c.put_bytes(&dg, b"hello").expect("put");
         assert_eq!(
@@ -386,7 +379,7 @@ mod tests {
             c.put_bytes(&dg, b"other"),
             Err(CacheError::Mismatch { .. })
         ));
-        let dg2 = digest_of(b"world");
+        let dg2 = BlobDigest::of(b"world");
         let staged = c.ingest_path(&dg2).expect("path");
         fs::write(&staged, b"worlx").expect("write");
         assert!(matches!(
@@ -400,18 +393,16 @@ mod tests {
         fs::write(&staged, b"world").expect("write");
         c.commit(&staged, &dg2).expect("commit");
         c.set_ref("127.0.0.1:5000/x/y:t", &dg).expect("set");
-        assert_eq!(
-            c.get_ref("127.0.0.1:5000/x/y:t").expect("get"),
-            Some(dg.clone())
-        );
+        assert_eq!(c.get_ref("127.0.0.1:5000/x/y:t").expect("get"), Some(dg));
         assert_eq!(c.get_ref("127.0.0.1:5000/x/y:u").expect("get"), None);
         assert!(matches!(
             c.set_ref("a/../../b:t", &dg),
             Err(CacheError::BadName(_))
         ));
-        assert!(matches!(
-            c.blob_path("sha256:../../etc"),
-            Err(CacheError::BadDigest(_))
-        ));
+        // A malformed digest never reaches the cache: it is refused where it is parsed,
+        // naming where it came from.
+        let e = parse_digest("sha256:../../etc", "the test's input").unwrap_err();
+        assert!(matches!(e, CacheError::BadDigest { .. }), "{e:?}");
+        assert!(e.to_string().contains("the test's input"), "{e}");
     }
 }

@@ -5,7 +5,7 @@
 
 use kiln_store::{BlobDigest, Manifest, ObjectRef, Store};
 
-use crate::cache::{CacheError, blob_digest, oci_ref};
+use crate::cache::{CacheError, oci_ref, parse_digest};
 use crate::reference::oci_ref_of;
 
 /// A remote (S3) store and the directory of this host's cache that fronts it, opened as a
@@ -37,12 +37,8 @@ impl Fronted {
         if crate::layout::LayoutRef::parse(spec).is_some() {
             return Ok(());
         }
-        let by_digest = |d: &str| {
-            d.parse::<BlobDigest>()
-                .map_err(|_| CacheError::BadDigest(d.to_string()))
-        };
         if spec.starts_with("sha256:") {
-            let d = by_digest(spec)?;
+            let d = parse_digest(spec, "the image name")?;
             if remote.has(&ObjectRef::Blob(d)).await? {
                 copy_oci_manifest(remote, local, d, &opts).await?;
             }
@@ -65,7 +61,7 @@ impl Fronted {
             return Ok(());
         };
         if let Some(d) = r.digest() {
-            let d = by_digest(d)?;
+            let d = parse_digest(d, &format!("reference {spec}"))?;
             if remote.has(&ObjectRef::Blob(d)).await? {
                 copy_oci_manifest(remote, local, d, &opts).await?;
             }
@@ -81,7 +77,11 @@ impl Fronted {
     /// import, a `--oci-only` build), through to the remote one: every blob it reaches, then
     /// the OCI reference `reference` (`registry/repo:tag`, as set locally) when given.
     /// Errors: the store's, [`CacheError::BadName`] for a reference that is not one.
-    pub async fn publish(&self, digest: &str, reference: Option<&str>) -> Result<(), CacheError> {
+    pub async fn publish(
+        &self,
+        digest: &BlobDigest,
+        reference: Option<&str>,
+    ) -> Result<(), CacheError> {
         use kiln_store::copy::{CopyOptions, copy_oci_manifest, copy_oci_ref};
         let opts = CopyOptions::default();
         match reference {
@@ -89,7 +89,7 @@ impl Fronted {
                 copy_oci_ref(&self.local, &self.remote, &oci_ref(name)?, &opts).await?;
             }
             None => {
-                copy_oci_manifest(&self.local, &self.remote, blob_digest(digest)?, &opts).await?;
+                copy_oci_manifest(&self.local, &self.remote, *digest, &opts).await?;
             }
         }
         Ok(())

@@ -5,6 +5,7 @@
 //! other media types and are accepted too. Digests are always of the raw bytes as stored:
 //! nothing here re-serializes a manifest.
 
+use kiln_store::BlobDigest;
 use serde::{Deserialize, Serialize};
 
 /// OCI image manifest media type.
@@ -74,8 +75,9 @@ pub enum ImageError {
 pub struct Descriptor {
     /// Media type of the referenced content.
     pub media_type: String,
-    /// `sha256:<hex>` of the referenced bytes.
-    pub digest: String,
+    /// `sha256:<hex>` of the referenced bytes (a manifest, config or layer: a blob of the
+    /// store). Serialized as that string; refused at parse when malformed.
+    pub digest: BlobDigest,
     /// Size of the referenced bytes, bytes.
     pub size: u64,
     /// Platform (index entries only).
@@ -121,7 +123,7 @@ pub enum AnyManifest {
 
 impl AnyManifest {
     /// Parses raw manifest bytes. `digest` is used in errors.
-    pub fn parse(bytes: &[u8], digest: &str) -> Result<AnyManifest, ImageError> {
+    pub fn parse(bytes: &[u8], digest: &BlobDigest) -> Result<AnyManifest, ImageError> {
         #[derive(Deserialize)]
         #[serde(rename_all = "camelCase")]
         struct Probe {
@@ -140,23 +142,42 @@ impl AnyManifest {
             Some(_) => false,
             None => probe.manifests.is_some(),
         };
+        // Every descriptor digest is checked here, where it enters, and named in the error;
+        // the typed parse below then cannot fail on one.
+        #[derive(Deserialize)]
+        struct RawDescriptor {
+            digest: String,
+        }
+        #[derive(Deserialize)]
+        struct RawIndex {
+            manifests: Vec<RawDescriptor>,
+        }
+        #[derive(Deserialize)]
+        struct RawImage {
+            config: RawDescriptor,
+            layers: Vec<RawDescriptor>,
+        }
+        let listed = if is_index {
+            serde_json::from_slice::<RawIndex>(bytes)
+                .map_err(perr)?
+                .manifests
+        } else {
+            let raw: RawImage = serde_json::from_slice(bytes).map_err(perr)?;
+            std::iter::once(raw.config).chain(raw.layers).collect()
+        };
+        for d in listed {
+            if d.digest.parse::<BlobDigest>().is_err() {
+                return Err(ImageError::BadDescriptor {
+                    digest: digest.to_string(),
+                    bad: d.digest,
+                });
+            }
+        }
         let m = if is_index {
             AnyManifest::Index(serde_json::from_slice(bytes).map_err(perr)?)
         } else {
             AnyManifest::Image(serde_json::from_slice(bytes).map_err(perr)?)
         };
-        let descs: Vec<&Descriptor> = match &m {
-            AnyManifest::Index(i) => i.manifests.iter().collect(),
-            AnyManifest::Image(im) => std::iter::once(&im.config).chain(&im.layers).collect(),
-        };
-        for d in descs {
-            if crate::cache::sha256_hex(&d.digest).is_err() {
-                return Err(ImageError::BadDescriptor {
-                    digest: digest.to_string(),
-                    bad: d.digest.clone(),
-                });
-            }
-        }
         if let AnyManifest::Image(im) = &m
             && im.config.size > MAX_CONFIG_BYTES
         {
@@ -232,7 +253,11 @@ impl std::fmt::Display for Platform {
 
 impl Index {
     /// The first manifest for `platform`.
-    pub fn select(&self, platform: &Platform, digest: &str) -> Result<&Descriptor, ImageError> {
+    pub fn select(
+        &self,
+        platform: &Platform,
+        digest: &BlobDigest,
+    ) -> Result<&Descriptor, ImageError> {
         self.manifests
             .iter()
             .find(|d| d.platform.as_ref().is_some_and(|p| platform.matches(p)))
@@ -263,29 +288,43 @@ mod tests {
               {{"mediaType":"{OCI_MANIFEST}","digest":"{D1}","size":1,"platform":{{"os":"linux","architecture":"arm64","variant":"v8"}}}},
               {{"mediaType":"{OCI_MANIFEST}","digest":"{D2}","size":2,"platform":{{"os":"linux","architecture":"amd64"}}}}]}}"#
         );
-        let AnyManifest::Index(i) = AnyManifest::parse(idx.as_bytes(), "x").expect("parse") else {
+        let AnyManifest::Index(i) =
+            AnyManifest::parse(idx.as_bytes(), &BlobDigest::of(b"x")).expect("parse")
+        else {
             panic!("not an index")
         };
         assert_eq!(
-            i.select(&Platform::linux_amd64(), "x")
+            i.select(&Platform::linux_amd64(), &BlobDigest::of(b"x"))
                 .expect("amd64")
-                .digest,
+                .digest
+                .to_string(),
             D2
         );
         assert_eq!(
-            i.select(&Platform::parse("linux/arm64").expect("p"), "x")
-                .expect("arm")
-                .digest,
+            i.select(
+                &Platform::parse("linux/arm64").expect("p"),
+                &BlobDigest::of(b"x")
+            )
+            .expect("arm")
+            .digest
+            .to_string(),
             D1
         );
         assert_eq!(
-            i.select(&Platform::parse("linux/arm64/v8").expect("p"), "x")
-                .expect("arm")
-                .digest,
+            i.select(
+                &Platform::parse("linux/arm64/v8").expect("p"),
+                &BlobDigest::of(b"x")
+            )
+            .expect("arm")
+            .digest
+            .to_string(),
             D1
         );
         let e = i
-            .select(&Platform::parse("linux/s390x").expect("p"), "x")
+            .select(
+                &Platform::parse("linux/s390x").expect("p"),
+                &BlobDigest::of(b"x"),
+            )
             .unwrap_err();
         assert!(e.to_string().contains("linux/arm64/v8, linux/amd64"), "{e}");
         assert!(Platform::parse("linux").is_err());
@@ -294,12 +333,12 @@ mod tests {
             r#"{{"schemaVersion":2,"mediaType":"{DOCKER_MANIFEST}","config":{{"mediaType":"c","digest":"{D1}","size":3}},"layers":[{{"mediaType":"l","digest":"{D2}","size":4}}]}}"#
         );
         assert!(matches!(
-            AnyManifest::parse(m.as_bytes(), "y"),
+            AnyManifest::parse(m.as_bytes(), &BlobDigest::of(b"y")),
             Ok(AnyManifest::Image(_))
         ));
         let bad = m.replace(D2, "sha256:../../x");
         assert!(matches!(
-            AnyManifest::parse(bad.as_bytes(), "y"),
+            AnyManifest::parse(bad.as_bytes(), &BlobDigest::of(b"y")),
             Err(ImageError::BadDescriptor { .. })
         ));
     }

@@ -20,7 +20,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
-use crate::cache::{BlobCache, CacheError, digest_of, sha256_hex};
+use kiln_store::BlobDigest;
+
+use crate::cache::{BlobCache, CacheError};
 use crate::image::{AnyManifest, Descriptor, ImageError, OCI_MANIFEST, Platform};
 
 /// The annotation that names a tag in `index.json`.
@@ -63,7 +65,7 @@ pub enum LayoutError {
         /// The layout directory.
         dir: PathBuf,
         /// The blob digest.
-        digest: String,
+        digest: BlobDigest,
     },
     /// A manifest problem.
     #[error(transparent)]
@@ -109,7 +111,7 @@ impl LayoutRef {
         &self,
         platform: &Platform,
         cache: &dyn BlobCache,
-    ) -> Result<String, LayoutError> {
+    ) -> Result<BlobDigest, LayoutError> {
         import(&self.dir, self.tag.as_deref(), platform, cache)
     }
 }
@@ -125,8 +127,8 @@ impl std::fmt::Display for LayoutRef {
     }
 }
 
-fn blob_path(dir: &Path, digest: &str) -> Result<PathBuf, LayoutError> {
-    Ok(dir.join("blobs/sha256").join(sha256_hex(digest)?))
+fn blob_path(dir: &Path, digest: &BlobDigest) -> PathBuf {
+    dir.join("blobs/sha256").join(digest.hex())
 }
 
 /// Opens `p` for reading if it is a regular file, never following a symlink at its name and
@@ -223,7 +225,7 @@ pub fn import(
     tag: Option<&str>,
     platform: &Platform,
     cache: &dyn BlobCache,
-) -> Result<String, LayoutError> {
+) -> Result<BlobDigest, LayoutError> {
     if !dir.join("oci-layout").is_file() {
         return Err(LayoutError::Format {
             dir: dir.to_path_buf(),
@@ -263,13 +265,13 @@ pub fn import(
             },
         });
     };
-    let mut digest = desc.digest.clone();
+    let mut digest = desc.digest;
     for _ in 0..4 {
         let bytes = read_blob_verified(dir, &digest)?;
         match AnyManifest::parse(&bytes, &digest)? {
             AnyManifest::Index(i) => {
                 cache.put_bytes(&digest, &bytes)?;
-                digest = i.select(platform, &digest)?.digest.clone();
+                digest = i.select(platform, &digest)?.digest;
             }
             AnyManifest::Image(m) => {
                 for d in std::iter::once(&m.config).chain(&m.layers) {
@@ -286,13 +288,13 @@ pub fn import(
     })
 }
 
-fn read_blob_verified(dir: &Path, digest: &str) -> Result<Vec<u8>, LayoutError> {
-    let p = blob_path(dir, digest)?;
+fn read_blob_verified(dir: &Path, digest: &BlobDigest) -> Result<Vec<u8>, LayoutError> {
+    let p = blob_path(dir, digest);
     let b = read_small(dir, &p)?;
-    if digest_of(&b) != digest {
+    if BlobDigest::of(&b) != *digest {
         return Err(LayoutError::Corrupt {
             dir: dir.to_path_buf(),
-            digest: digest.to_string(),
+            digest: *digest,
         });
     }
     Ok(b)
@@ -301,11 +303,11 @@ fn read_blob_verified(dir: &Path, digest: &str) -> Result<Vec<u8>, LayoutError> 
 /// Copies the blob `d` names into the cache. Its file must be exactly `d.size` bytes (the
 /// size bounds what is copied; the digest is checked by the cache).
 fn copy_in(dir: &Path, d: &Descriptor, cache: &dyn BlobCache) -> Result<(), LayoutError> {
-    let digest = d.digest.as_str();
+    let digest = &d.digest;
     if cache.blob_path(digest)?.is_some() {
         return Ok(());
     }
-    let src = blob_path(dir, digest)?;
+    let src = blob_path(dir, digest);
     let mut input = open_regular(dir, &src)?;
     let len = input
         .metadata()
@@ -331,7 +333,7 @@ fn copy_in(dir: &Path, d: &Descriptor, cache: &dyn BlobCache) -> Result<(), Layo
         Ok(_) => Ok(()),
         Err(CacheError::Mismatch { .. }) => Err(LayoutError::Corrupt {
             dir: dir.to_path_buf(),
-            digest: digest.to_string(),
+            digest: *digest,
         }),
         Err(e) => Err(e.into()),
     }
@@ -341,7 +343,7 @@ fn copy_in(dir: &Path, d: &Descriptor, cache: &dyn BlobCache) -> Result<(), Layo
 /// needed) under `tag`.
 pub fn export(
     cache: &dyn BlobCache,
-    digest: &str,
+    digest: &BlobDigest,
     dir: &Path,
     tag: &str,
 ) -> Result<(), LayoutError> {
@@ -375,7 +377,7 @@ pub fn export(
         });
     };
     for d in std::iter::once(&m.config).chain(&m.layers) {
-        let dst = blob_path(dir, &d.digest)?;
+        let dst = blob_path(dir, &d.digest);
         if fs::symlink_metadata(&dst).is_ok_and(|m| m.is_file()) {
             continue;
         }
@@ -388,7 +390,7 @@ pub fn export(
         let mut input = fs::File::open(&src).map_err(io(&src))?;
         write_replacing(&dst, |out| std::io::copy(&mut input, out).map(|_| ()))?;
     }
-    write_replacing(&blob_path(dir, digest)?, |f| f.write_all(&bytes))?;
+    write_replacing(&blob_path(dir, digest), |f| f.write_all(&bytes))?;
     let mut entries: Vec<Value> = if dir.join("index.json").is_file() {
         read_index(dir)?
             .into_iter()
@@ -406,7 +408,7 @@ pub fn export(
     };
     entries.push(json!({
         "mediaType": m.media_type.as_deref().unwrap_or(OCI_MANIFEST),
-        "digest": digest,
+        "digest": digest.to_string(),
         "size": bytes.len(),
         "annotations": { REF_NAME: tag },
     }));
@@ -442,15 +444,15 @@ mod tests {
     }
 
     /// A one-layer layout in `dir`; returns (manifest digest, layer digest).
-    fn layout(dir: &Path) -> (String, String) {
+    fn layout(dir: &Path) -> (BlobDigest, BlobDigest) {
         layout_with(dir, |_| {})
     }
 
-    fn layout_with(dir: &Path, tweak: impl FnOnce(&mut Value)) -> (String, String) {
+    fn layout_with(dir: &Path, tweak: impl FnOnce(&mut Value)) -> (BlobDigest, BlobDigest) {
         let put = |b: &[u8]| {
-            let d = digest_of(b);
+            let d = BlobDigest::of(b);
             fs::create_dir_all(dir.join("blobs/sha256")).unwrap();
-            fs::write(blob_path(dir, &d).unwrap(), b).unwrap();
+            fs::write(blob_path(dir, &d), b).unwrap();
             d
         };
         let config =
@@ -460,15 +462,15 @@ mod tests {
         let mut m = json!({
             "schemaVersion": 2,
             "mediaType": OCI_MANIFEST,
-            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": config.len()},
-            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": ld, "size": 11}],
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd.to_string(), "size": config.len()},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": ld.to_string(), "size": 11}],
         });
         tweak(&mut m);
         let mb = serde_json::to_vec(&m).unwrap();
         let md = put(&mb);
         fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
         let index = json!({"schemaVersion": 2, "manifests": [
-            {"mediaType": OCI_MANIFEST, "digest": md, "size": mb.len(), "annotations": {REF_NAME: "t"}}
+            {"mediaType": OCI_MANIFEST, "digest": md.to_string(), "size": mb.len(), "annotations": {REF_NAME: "t"}}
         ]});
         fs::write(dir.join("index.json"), serde_json::to_vec(&index).unwrap()).unwrap();
         (md, ld)
@@ -485,7 +487,7 @@ mod tests {
         .unwrap();
     }
 
-    fn import_t(dir: &Path, cache: &LocalCache) -> Result<String, LayoutError> {
+    fn import_t(dir: &Path, cache: &LocalCache) -> Result<BlobDigest, LayoutError> {
         import(dir, Some("t"), &Platform::linux_amd64(), cache)
     }
 
@@ -499,7 +501,7 @@ mod tests {
         assert_eq!(import_t(&dir, &cache).unwrap(), md);
         let cache = LocalCache::open(&tmp.path().join("cache2")).unwrap();
         // A layer blob that is a symlink to /dev/zero (fs::copy would fill the disk).
-        let lp = blob_path(&dir, &ld).unwrap();
+        let lp = blob_path(&dir, &ld);
         fs::remove_file(&lp).unwrap();
         std::os::unix::fs::symlink("/dev/zero", &lp).unwrap();
         assert!(import_t(&dir, &cache).is_err());
@@ -511,7 +513,7 @@ mod tests {
             Err(LayoutError::Format { .. })
         ));
         // The manifest blob a FIFO, and index.json a symlink to /dev/zero.
-        let mp = blob_path(&dir, &md).unwrap();
+        let mp = blob_path(&dir, &md);
         fs::remove_file(&mp).unwrap();
         fifo(&mp);
         assert!(matches!(
@@ -549,9 +551,9 @@ mod tests {
         let out = tmp.path().join("out");
         fs::create_dir_all(out.join("blobs/sha256")).unwrap();
         for p in [
-            blob_path(&out, &md).unwrap(),
-            blob_path(&out, &ld).unwrap(),
-            blob_path(&out, &ld).unwrap().with_extension("tmp"),
+            blob_path(&out, &md),
+            blob_path(&out, &ld),
+            blob_path(&out, &ld).with_extension("tmp"),
             out.join("index.json.tmp"),
             out.join("oci-layout"),
         ] {
@@ -569,6 +571,34 @@ mod tests {
         std::os::unix::fs::symlink(&elsewhere, out2.join("blobs")).unwrap();
         assert!(export(&cache, &md, &out2, "t").is_err());
         assert_eq!(fs::read_dir(elsewhere.join("sha256")).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_malformed_digest_is_refused_where_it_enters_naming_its_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = LocalCache::open(&tmp.path().join("cache")).unwrap();
+        // In index.json: refused reading the index, which the error names.
+        let dir = tmp.path().join("bad-index");
+        let (md, _) = layout(&dir);
+        let index = fs::read_to_string(dir.join("index.json")).unwrap();
+        let bad = "sha256:../../../../etc/passwd";
+        fs::write(dir.join("index.json"), index.replace(&md.to_string(), bad)).unwrap();
+        let err = import_t(&dir, &cache).unwrap_err();
+        assert!(matches!(err, LayoutError::Format { .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(text.contains("index.json") && text.contains(bad), "{text}");
+        // In a manifest: refused parsing it, naming the manifest and the bad digest.
+        let dir = tmp.path().join("bad-layer");
+        layout_with(&dir, |m| m["layers"][0]["digest"] = json!("sha256:ABC"));
+        let err = import_t(&dir, &cache).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                LayoutError::Image(ImageError::BadDescriptor { bad, .. }) if bad == "sha256:ABC"
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().starts_with("manifest sha256:"), "{err}");
     }
 
     #[test]

@@ -62,7 +62,7 @@ pub struct BuiltImage {
     /// How the image runs as a sandbox: start command, ready check, disk size.
     pub sandbox: kiln_recipes::plan::Sandbox,
     /// Digest (`sha256:<hex>`) of the recipe the image was built from.
-    pub recipe_digest: String,
+    pub recipe_digest: kiln_store::digest::Sha256Hash,
     /// Base image digests, kiln version and the like. No times (they would make the manifest
     /// digest depend on when it was built).
     pub provenance: BTreeMap<String, String>,
@@ -114,12 +114,12 @@ pub enum PublishError {
     Store(Box<StoreError>),
     /// A blob the image names is not in the blob cache.
     #[error("blob {0} of the built image is not in the blob cache")]
-    MissingBlob(String),
-    /// A descriptor's digest is not a sha256 digest, or the store hashed a blob differently.
+    MissingBlob(BlobDigest),
+    /// The store hashed a blob differently from its descriptor.
     #[error("blob {digest}: {reason}")]
     BadBlob {
         /// The digest named.
-        digest: String,
+        digest: BlobDigest,
         /// What is wrong.
         reason: String,
     },
@@ -167,17 +167,14 @@ async fn put_blob(
     cache: &dyn BlobCache,
     d: &image::Descriptor,
 ) -> Result<BlobRef, PublishError> {
-    let want: BlobDigest = d.digest.parse().map_err(|_| PublishError::BadBlob {
-        digest: d.digest.clone(),
-        reason: "not a sha256 digest".into(),
-    })?;
+    let want = d.digest;
     let path = cache
         .blob_path(&d.digest)?
-        .ok_or_else(|| PublishError::MissingBlob(d.digest.clone()))?;
+        .ok_or(PublishError::MissingBlob(d.digest))?;
     let (mut r, _) = store.put_blob_file(&path).await?;
     if r.digest != want || r.size != d.size {
         return Err(PublishError::BadBlob {
-            digest: d.digest.clone(),
+            digest: d.digest,
             reason: format!(
                 "the cached file hashes to {} ({} bytes), the descriptor says {} bytes",
                 r.digest, r.size, d.size
@@ -216,7 +213,7 @@ pub fn flatten_key(
         "ociManifest": image.oci_manifest.digest,
         "config": image.config.digest,
         "layers": image.layers.iter().map(|d| &d.digest).collect::<Vec<_>>(),
-        "recipeDigest": image.recipe_digest,
+        "recipeDigest": image.recipe_digest.to_string(),
         "provenance": image.provenance,
         "sandbox": sandbox_spec(&image.sandbox),
         "diskMib": ext4_opts.disk_mib,
@@ -297,9 +294,9 @@ pub async fn publish(
     for l in &image.layers {
         let path = cache
             .blob_path(&l.digest)?
-            .ok_or_else(|| PublishError::MissingBlob(l.digest.clone()))?;
+            .ok_or(PublishError::MissingBlob(l.digest))?;
         layers.push(LayerBlob {
-            digest: l.digest.clone(),
+            digest: l.digest.to_string(),
             path,
         });
     }
@@ -341,12 +338,9 @@ pub async fn publish(
         Some(d) => d.join(format!(
             "kiln-ext4-{}-{}",
             std::process::id(),
-            crate::cache::sha256_hex(&image.oci_manifest.digest)?
+            image.oci_manifest.digest.hex()
         )),
-        None => cache.scratch_path(&format!(
-            "ext4-{}",
-            crate::cache::sha256_hex(&image.oci_manifest.digest)?
-        )),
+        None => cache.scratch_path(&format!("ext4-{}", image.oci_manifest.digest.hex())),
     };
     if let Some(dir) = scratch.parent() {
         std::fs::create_dir_all(dir).map_err(|source| PublishError::Io {
@@ -416,12 +410,7 @@ async fn publish_with(
             .into_iter()
             .chain(&image.layers)
         {
-            objs.push(kiln_store::ObjectRef::Blob(d.digest.parse().map_err(
-                |_| PublishError::BadBlob {
-                    digest: d.digest.clone(),
-                    reason: "not a sha256 digest".into(),
-                },
-            )?));
+            objs.push(kiln_store::ObjectRef::Blob(d.digest));
         }
         lease.add(objs).await?;
     }
@@ -436,7 +425,7 @@ async fn publish_with(
     m.oci_manifest = Some(oci_manifest);
     m.oci_config = Some(oci_config);
     m.blobs = blobs;
-    m.recipe_digest = Some(image.recipe_digest.clone());
+    m.recipe_digest = Some(image.recipe_digest.to_string());
     m.provenance = image.provenance.clone();
     m.filesystem = Some(built.filesystem);
     m.sandbox = sandbox_spec(&image.sandbox);

@@ -98,7 +98,7 @@ impl Reference {
         format!("{}/{}", self.registry, self.repository)
     }
     /// The same name pinned to `digest` (the tag is kept for display).
-    pub fn with_digest(&self, digest: &str) -> Reference {
+    pub fn with_digest(&self, digest: &kiln_store::BlobDigest) -> Reference {
         Reference {
             digest: Some(digest.to_string()),
             ..self.clone()

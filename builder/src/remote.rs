@@ -26,7 +26,7 @@ pub enum RemoteError {
     /// The image is not in the local cache.
     #[error("{0} is not in the local cache")]
     Missing(String),
-    /// A digest that is not a sha256 blob digest.
+    /// The store filed a blob under another digest than the one it was uploaded as.
     #[error("invalid digest {0:?}")]
     Digest(String),
 }
@@ -37,16 +37,11 @@ impl From<StoreError> for RemoteError {
     }
 }
 
-fn blob_digest(d: &str) -> Result<BlobDigest, RemoteError> {
-    d.parse::<BlobDigest>()
-        .map_err(|_| RemoteError::Digest(d.to_string()))
-}
-
-fn image_blobs(manifest: &[u8], digest: &str) -> Result<Vec<String>, RemoteError> {
+fn image_blobs(manifest: &[u8], digest: &BlobDigest) -> Result<Vec<BlobDigest>, RemoteError> {
     match AnyManifest::parse(manifest, digest)? {
         AnyManifest::Image(m) => Ok(std::iter::once(&m.config)
             .chain(&m.layers)
-            .map(|d| d.digest.clone())
+            .map(|d| d.digest)
             .collect()),
         AnyManifest::Index(_) => Err(RemoteError::Missing(format!("{digest} (an index)"))),
     }
@@ -56,7 +51,7 @@ fn image_blobs(manifest: &[u8], digest: &str) -> Result<Vec<String>, RemoteError
 /// many blobs the store did not have.
 pub async fn publish(
     cache: &dyn BlobCache,
-    digest: &str,
+    digest: &BlobDigest,
     store: &Store,
 ) -> Result<usize, RemoteError> {
     let manifest = cache
@@ -66,14 +61,14 @@ pub async fn publish(
     // Blobs before the manifest that names them, as the store publishes.
     for d in image_blobs(&manifest, digest)?
         .iter()
-        .chain(std::iter::once(&digest.to_string()))
+        .chain(std::iter::once(digest))
     {
         let path = cache
             .blob_path(d)?
-            .ok_or_else(|| RemoteError::Missing(d.clone()))?;
+            .ok_or_else(|| RemoteError::Missing(d.to_string()))?;
         let (r, created) = store.put_blob_file(&path).await?;
-        if r.digest != blob_digest(d)? {
-            return Err(RemoteError::Digest(d.clone()));
+        if r.digest != *d {
+            return Err(RemoteError::Digest(d.to_string()));
         }
         uploaded += usize::from(created);
     }
@@ -85,12 +80,12 @@ pub async fn publish(
 /// blobs were fetched.
 pub async fn materialize(
     store: &Store,
-    digest: &str,
+    digest: &BlobDigest,
     cache: &dyn BlobCache,
 ) -> Result<usize, RemoteError> {
     let manifest = match cache.read_blob(digest)? {
         Some(b) => b,
-        None => store.get_blob(&blob_digest(digest)?).await?.to_vec(),
+        None => store.get_blob(digest).await?.to_vec(),
     };
     let mut fetched = 0;
     for d in image_blobs(&manifest, digest)? {
@@ -98,7 +93,7 @@ pub async fn materialize(
             continue;
         }
         let staged = cache.ingest_path(&d)?;
-        store.get_blob_to_file(&blob_digest(&d)?, &staged).await?;
+        store.get_blob_to_file(&d, &staged).await?;
         cache.commit(&staged, &d)?;
         fetched += 1;
     }

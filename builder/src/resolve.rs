@@ -22,6 +22,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use kiln_recipes::plan::{Base, BuildPlan};
+use kiln_store::BlobDigest;
 
 use crate::base::{self, BaseError, PullPolicy, Scope};
 use crate::bootstrap::{self, BootstrapError, BootstrapSpec};
@@ -79,7 +80,7 @@ pub enum ResolveError {
         /// Stage index.
         stage: usize,
         /// Config digest.
-        digest: String,
+        digest: BlobDigest,
         /// What is wrong.
         reason: String,
     },
@@ -122,7 +123,7 @@ pub enum ResolvedBase {
         /// The reference as written in the recipe (for messages).
         reference: String,
         /// The platform manifest digest.
-        digest: String,
+        digest: BlobDigest,
         /// The config's `OnBuild` triggers, as written.
         onbuild: Vec<String>,
     },
@@ -133,7 +134,7 @@ pub enum ResolvedBase {
 pub fn base_image_of(
     cache: &dyn BlobCache,
     stage: usize,
-    digest: &str,
+    digest: &BlobDigest,
 ) -> Result<kiln_recipes::BaseImage, ResolveError> {
     let m = base::manifest(cache, digest).map_err(|e| ResolveError::Base {
         stage,
@@ -141,7 +142,7 @@ pub fn base_image_of(
     })?;
     let cfg_err = |reason: String| ResolveError::Config {
         stage,
-        digest: m.config.digest.clone(),
+        digest: m.config.digest,
         reason,
     };
     let bytes = cache
@@ -160,12 +161,12 @@ pub fn base_image_of(
 /// JSON, a field of another type).
 pub fn base_image_of_config(
     stage: usize,
-    config_digest: &str,
+    config_digest: &BlobDigest,
     bytes: &[u8],
 ) -> Result<kiln_recipes::BaseImage, ResolveError> {
     let cfg_err = |reason: String| ResolveError::Config {
         stage,
-        digest: config_digest.to_string(),
+        digest: *config_digest,
         reason,
     };
     let v: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| cfg_err(e.to_string()))?;
@@ -203,7 +204,7 @@ pub fn base_image_of_config(
 fn onbuild_of(
     cache: &dyn BlobCache,
     stage: usize,
-    digest: &str,
+    digest: &BlobDigest,
 ) -> Result<Vec<String>, ResolveError> {
     Ok(base_image_of(cache, stage, digest)?.onbuild)
 }
@@ -337,7 +338,7 @@ pub async fn resolve_reference(
     reference: &str,
     platform: Platform,
     cache: &dyn BlobCache,
-) -> Result<String, BaseError> {
+) -> Result<BlobDigest, BaseError> {
     if let Some(l) = opts.build_contexts.get(reference) {
         if let Scope::Tenant(_) = &opts.scope {
             return Err(BaseError::Refused {
@@ -393,7 +394,7 @@ pub async fn resolve_plan(
     opts: &ResolveOptions,
     cache: &dyn BlobCache,
 ) -> Result<Vec<ResolvedBase>, ResolveError> {
-    let mut done: HashMap<(String, String), String> = HashMap::new();
+    let mut done: HashMap<(String, String), BlobDigest> = HashMap::new();
     let mut out = Vec::with_capacity(plan.stages.len());
     for (i, stage) in plan.stages.iter().enumerate() {
         let resolved = match &stage.base {
@@ -402,7 +403,7 @@ pub async fn resolve_plan(
             Base::Image { reference } => {
                 let key = (reference.clone(), stage.platform.clone());
                 let digest = match done.get(&key) {
-                    Some(d) => d.clone(),
+                    Some(d) => *d,
                     None => {
                         let platform = Platform::parse(&stage.platform).map_err(|_| {
                             ResolveError::Platform {
@@ -416,7 +417,7 @@ pub async fn resolve_plan(
                                 stage: i,
                                 source: Box::new(e),
                             })?;
-                        done.insert(key, d.clone());
+                        done.insert(key, d);
                         d
                     }
                 };
@@ -564,21 +565,22 @@ mod tests {
     fn base_image_of_config_reads_env_user_workdir_onbuild_and_names_bad_fields() {
         let cfg = br#"{"architecture":"amd64","os":"linux","config":{"Env":["A=1"],
             "User":"1000","WorkingDir":"","OnBuild":["RUN make"]}}"#;
-        let b = base_image_of_config(2, "sha256:cfg", cfg).expect("reads");
+        let cfg_digest = BlobDigest::of(cfg);
+        let b = base_image_of_config(2, &cfg_digest, cfg).expect("reads");
         assert_eq!(b.env, ["A=1"]);
         assert_eq!(b.user.as_deref(), Some("1000"));
         assert_eq!(b.workdir, None, "an empty WorkingDir is unset");
         assert_eq!(b.onbuild, ["RUN make"]);
-        let b = base_image_of_config(0, "sha256:cfg", br#"{"config":null}"#).expect("reads");
+        let b = base_image_of_config(0, &cfg_digest, br#"{"config":null}"#).expect("reads");
         assert!(b.env.is_empty() && b.user.is_none() && b.onbuild.is_empty());
         for bad in [
             &br#"{"config":{"Env":"A=1"}}"#[..],
             br#"{"config":{"User":7}}"#,
             b"{",
         ] {
-            let e = base_image_of_config(3, "sha256:cfg", bad).expect_err("refused");
+            let e = base_image_of_config(3, &cfg_digest, bad).expect_err("refused");
             assert!(
-                matches!(&e, ResolveError::Config { stage: 3, digest, .. } if digest == "sha256:cfg"),
+                matches!(&e, ResolveError::Config { stage: 3, digest, .. } if *digest == cfg_digest),
                 "{e}"
             );
         }

@@ -731,7 +731,7 @@ impl Config {
             Ok(StoreUrl::Local(p)) => p,
             _ => {
                 let d = kiln_builder::cache::digest_of(self.store.value.as_bytes());
-                let hex = d.trim_start_matches("sha256:");
+                let hex = d.hex();
                 self.cache.value.join("stores").join(&hex[..16])
             }
         }

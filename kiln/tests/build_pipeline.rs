@@ -118,7 +118,7 @@ fn cli_and_library_build_the_same_image() {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let (r, events) = rt.block_on(run(&lib_store, request(&ctx, TagMove::force(tag.clone()))));
     let report = r.expect("pipeline build");
-    assert_eq!(report.oci_manifest.digest, cli_oci);
+    assert_eq!(report.oci_manifest.digest.to_string(), cli_oci);
     let image = report.final_image().expect("an image manifest");
     assert_eq!(image.to_string(), cli_image);
     assert_eq!(report.tags, vec!["same:1".to_string()]);

@@ -25,7 +25,7 @@ fn publish_busybox(store: &Path) -> (String, u64) {
     let image = BuiltImage {
         oci_manifest: Descriptor {
             media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-            digest: digest.clone(),
+            digest,
             size,
             platform: None,
             annotations: None,

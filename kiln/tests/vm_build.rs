@@ -425,11 +425,8 @@ fn vm_steps_over_thirty_layers_squash_the_lowest_and_match_the_namespace_executo
     // `RUN` steps over 30, 31, 32, 40 and 41 lowers on 16 disks: the lowest 16, then 24,
     // then 32 squashed, each made once: three squashed directories beside the unpacked
     // layers (named after no layer), each made a disk image once.
-    let known: std::collections::HashSet<String> = vm
-        .layers
-        .iter()
-        .map(|l| l.digest.trim_start_matches("sha256:").to_string())
-        .collect();
+    let known: std::collections::HashSet<String> =
+        vm.layers.iter().map(|l| l.digest.hex()).collect();
     let squashed: Vec<_> = std::fs::read_dir(store.join(".build/layers"))
         .expect("layer directories")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())

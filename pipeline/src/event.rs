@@ -200,7 +200,7 @@ pub(crate) fn from_build(e: kiln_builder::build::BuildEvent, executor: Executor)
             size,
         } => Event::StepDone {
             step: index,
-            layer: digest,
+            layer: digest.to_string(),
             size,
         },
     }

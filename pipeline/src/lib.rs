@@ -540,7 +540,7 @@ pub(crate) async fn run_leased(
         oci_manifest: out.image.oci_manifest.clone(),
         config: out.image.config.clone(),
         layers: out.image.layers.clone(),
-        recipe_digest: out.image.recipe_digest.clone(),
+        recipe_digest: out.image.recipe_digest.to_string(),
         steps_run: out.stats.steps_run,
         steps_cached: out.stats.steps_cached,
         image,
@@ -755,7 +755,7 @@ async fn finish(
                 }
                 events.event(Event::Tagged {
                     tag: full.clone(),
-                    manifest: digest.clone(),
+                    manifest: digest.to_string(),
                 });
                 names.push(full);
             }
@@ -805,7 +805,7 @@ async fn finish(
     };
     events.event(Event::Published {
         image: manifest,
-        oci_manifest: out.image.oci_manifest.digest.clone(),
+        oci_manifest: out.image.oci_manifest.digest.to_string(),
         disk: published.disk,
         reused: publication.reused,
     });

@@ -439,7 +439,7 @@ pub(crate) async fn mke2fs(path: &Path, bytes: u64, extra: &[String]) -> Result<
 pub async fn lower_image(cache: &Path, lower: &Path) -> Result<PathBuf, ExecError> {
     use std::os::unix::ffi::OsStrExt;
     let digest = kiln_builder::cache::digest_of(lower.as_os_str().as_bytes());
-    let hex = digest.trim_start_matches("sha256:");
+    let hex = digest.hex();
     let img = cache.join(format!("{hex}.ext4"));
     if img.is_file() {
         return Ok(img);

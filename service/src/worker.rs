@@ -606,7 +606,7 @@ async fn execute(
             image: report.final_image().map(|d| d.to_string()),
             published: report.image.as_ref().map(|i| i.manifest.to_string()),
             snapshot: report.snapshot.as_ref().map(|s| s.snapshot.to_string()),
-            oci_manifest: report.oci_manifest.digest.clone(),
+            oci_manifest: report.oci_manifest.digest.to_string(),
             disk_bytes: report.image.as_ref().map(|i| i.disk_bytes),
             steps_run: report.steps_run,
             steps_cached: report.steps_cached,
@@ -676,17 +676,21 @@ async fn registry_auth(
 async fn own_images(
     state: &AppState,
     ws: &str,
-) -> Result<std::collections::BTreeMap<String, String>, db::DbError> {
+) -> Result<std::collections::BTreeMap<String, kiln_store::BlobDigest>, db::DbError> {
     let mut out = std::collections::BTreeMap::new();
     for json in state.db.results(ws).await? {
-        // A result this version cannot read names no image of the tenant's.
+        // A result this version cannot read (or whose OCI manifest digest is malformed) names
+        // no image of the tenant's.
         let Ok(r) = serde_json::from_str::<BuildResult>(&json) else {
             continue;
         };
+        let Ok(oci) = r.oci_manifest.parse::<kiln_store::BlobDigest>() else {
+            continue;
+        };
         for d in [&r.image, &r.published].into_iter().flatten() {
-            out.insert(d.clone(), r.oci_manifest.clone());
+            out.insert(d.clone(), oci);
         }
-        out.insert(r.oci_manifest.clone(), r.oci_manifest.clone());
+        out.insert(r.oci_manifest.clone(), oci);
     }
     Ok(out)
 }

@@ -81,9 +81,9 @@ fn debian_pull_unpack_matches_umoci() {
         .block_on(base::resolve(&reference, PullPolicy::Always, &reg, &cache))
         .expect("pull again");
     assert_eq!(
-        (d2.as_str(), src2),
+        (d2, src2),
         (
-            digest.as_str(),
+            digest,
             Source::Registry {
                 fetched: 0,
                 bytes: 0
@@ -93,7 +93,7 @@ fn debian_pull_unpack_matches_umoci() {
     let (d3, src3) = rt
         .block_on(base::resolve(&reference, PullPolicy::Missing, &reg, &cache))
         .expect("resolve");
-    assert_eq!((d3.as_str(), src3), (digest.as_str(), Source::Local));
+    assert_eq!((d3, src3), (digest, Source::Local));
 
     let work = tempfile::tempdir().expect("tempdir");
     let ours = work.path().join("kiln");
@@ -221,10 +221,13 @@ fn platform_selection_from_index() {
         rt.block_on(reg.resolve(&reference.parse().expect("ref")))
     };
     let r = pick("linux/amd64").expect("amd64");
-    assert_eq!(r.digest, amd);
+    assert_eq!(r.digest.to_string(), amd);
     assert!(r.index.is_some());
-    assert_eq!(pick("linux/arm64").expect("arm64").digest, arm);
-    assert_eq!(pick("linux/arm64/v8").expect("arm64/v8").digest, arm);
+    assert_eq!(pick("linux/arm64").expect("arm64").digest.to_string(), arm);
+    assert_eq!(
+        pick("linux/arm64/v8").expect("arm64/v8").digest.to_string(),
+        arm
+    );
     match pick("linux/s390x") {
         Err(RegistryError::Image(ImageError::NoPlatform { .. })) => {}
         other => panic!("expected NoPlatform, got {other:?}"),
@@ -352,7 +355,7 @@ fn resume_after_dropped_connection() {
             .expect("ok")
             .expect("layer cached");
         assert_eq!(
-            kiln_builder::cache::digest_of_file(&path).expect("hash"),
+            kiln_store::BlobDigest(kiln_builder::cache::digest_of_file(&path).expect("hash")),
             l.digest
         );
     }
@@ -449,7 +452,7 @@ fn store_as_shared_blob_cache() {
         .block_on(kiln_store::Store::open(dir.path().to_str().expect("utf8")))
         .expect("open the same directory as a kiln store");
     for d in [&p.digest, &m.config.digest, &m.layers[0].digest] {
-        let bd: kiln_store::BlobDigest = d.parse().expect("digest");
+        let bd: kiln_store::BlobDigest = *d;
         rt.block_on(local.get_blob(&bd))
             .expect("the store reads the pulled blob, verified");
     }
@@ -488,7 +491,7 @@ fn store_as_shared_blob_cache() {
             &empty,
         ))
         .expect("offline resolve by digest after materialize");
-    assert_eq!((d.as_str(), src), (p.digest.as_str(), Source::Local));
+    assert_eq!((d, src), (p.digest, Source::Local));
     let root = tempfile::tempdir().expect("tempdir");
     base::unpack(&empty, &d, root.path(), &Limits::default()).expect("unpack");
     assert!(root.path().join("bin/busybox").is_file());
@@ -609,7 +612,7 @@ fn from_looks_at_store_tags_then_pulled_images_then_the_registry() {
             .expect("artifact");
         let mut m = kiln_store::ImageManifest::new(table);
         m.oci_manifest = Some(kiln_store::BlobRef {
-            digest: busybox.parse().expect("digest"),
+            digest: busybox,
             size,
             media_type: Some("application/vnd.oci.image.manifest.v1+json".into()),
         });
@@ -632,15 +635,11 @@ fn from_looks_at_store_tags_then_pulled_images_then_the_registry() {
         let (d, src) = rt
             .block_on(base::resolve(spec, policy, &reg, &cache))
             .unwrap_or_else(|e| panic!("{spec} {policy:?}: {e}"));
-        assert_eq!(
-            (d.as_str(), src),
-            (busybox.as_str(), Source::Local),
-            "{spec}"
-        );
+        assert_eq!((d, src), (busybox, Source::Local), "{spec}");
     }
     assert_eq!(
         base::lookup("mybase:v1", &cache).expect("lookup"),
-        Some(busybox.clone())
+        Some(busybox)
     );
     let err = rt
         .block_on(base::resolve("mybase:v2", PullPolicy::Never, &reg, &cache))
@@ -678,13 +677,13 @@ fn from_looks_at_store_tags_then_pulled_images_then_the_registry() {
     let (d, src) = rt
         .block_on(base::resolve(&reference, PullPolicy::Missing, &reg, &cache))
         .expect("local");
-    assert_eq!((d.as_str(), src), (other.as_str(), Source::Local));
+    assert_eq!((d, src), (other, Source::Local));
     let (d, src) = rt
         .block_on(base::resolve(&reference, PullPolicy::Always, &reg, &cache))
         .expect("--pull");
     assert!(matches!(src, Source::Registry { .. }), "{src:?}");
     assert_eq!(d, busybox, "the registry's busybox is the fixture's");
-    assert_eq!(cache.get_ref(&name).expect("ref"), Some(busybox.clone()));
+    assert_eq!(cache.get_ref(&name).expect("ref"), Some(busybox));
     // A locally found image with a missing layer: --offline names the blob; without it the
     // registry fills the gap.
     let m = base::manifest(&cache, &busybox).expect("manifest");
@@ -693,7 +692,7 @@ fn from_looks_at_store_tags_then_pulled_images_then_the_registry() {
     let err = rt
         .block_on(base::resolve(&reference, PullPolicy::Never, &reg, &cache))
         .expect_err("incomplete");
-    assert!(err.to_string().contains(layer.as_str()), "{err}");
+    assert!(err.to_string().contains(&layer.to_string()), "{err}");
     rt.block_on(base::resolve(&reference, PullPolicy::Missing, &reg, &cache))
         .expect("re-pull");
     assert!(cache.blob_path(layer).expect("ok").is_some());

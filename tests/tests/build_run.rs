@@ -126,7 +126,7 @@ impl Fx {
     fn unpack(&self, out: &BuildOutput) -> PathBuf {
         let dir = self.tmp.path().join(format!(
             "unpacked-{}",
-            &out.image.oci_manifest.digest[7..19]
+            &out.image.oci_manifest.digest.hex()[..12]
         ));
         kiln_builder::base::unpack(
             self.cache.as_ref(),
@@ -344,7 +344,10 @@ fn busybox_steps_cache_and_export() {
         .expect("skopeo missing: run ci/setup.sh");
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let inspected: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
-    assert_eq!(inspected["Digest"], out.image.oci_manifest.digest.as_str());
+    assert_eq!(
+        inspected["Digest"],
+        out.image.oci_manifest.digest.to_string()
+    );
     let bundle = f.tmp.path().join("bundle");
     let o = std::process::Command::new("umoci")
         .args(["unpack", "--image"])
@@ -527,7 +530,7 @@ fn yaml_recipe_matches_dockerfile() {
     // Each build holds a lease on what it made until the caller releases it.
     let leases = f.rt.block_on(f.store.list_leases()).expect("leases");
     assert_eq!(leases.len(), 3, "{leases:?}");
-    let hex = &d3.image.oci_manifest.digest[7..];
+    let hex = &d3.image.oci_manifest.digest.hex();
     assert!(
         leases
             .iter()

@@ -11,12 +11,12 @@ use kiln_builder::image::{Descriptor, Platform};
 use kiln_builder::layer::Limits;
 use kiln_builder::publish::{self, BuiltImage, PublishOptions};
 use kiln_builder::{base, layout};
-use kiln_store::{Manifest, Store, TagRef};
+use kiln_store::{BlobDigest, Manifest, Store, TagRef};
 use kiln_tests::require_env;
 use kiln_tests::stores::{Kind, fresh_url};
 
 /// Imports a fixture layout into a fresh blob cache; returns the image's manifest digest.
-fn import(env: &str, tag: &str, root: &Path) -> (LocalCache, String) {
+fn import(env: &str, tag: &str, root: &Path) -> (LocalCache, BlobDigest) {
     let dir = require_env(env);
     let cache = LocalCache::open(root).expect("open cache");
     let digest = layout::import(Path::new(&dir), Some(tag), &Platform::linux_amd64(), &cache)
@@ -24,18 +24,18 @@ fn import(env: &str, tag: &str, root: &Path) -> (LocalCache, String) {
     (cache, digest)
 }
 
-fn layers(cache: &LocalCache, digest: &str) -> Vec<LayerBlob> {
+fn layers(cache: &LocalCache, digest: &BlobDigest) -> Vec<LayerBlob> {
     let m = base::manifest(cache, digest).expect("manifest");
     m.layers
         .iter()
         .map(|l| LayerBlob {
-            digest: l.digest.clone(),
+            digest: l.digest.to_string(),
             path: cache.blob_path(&l.digest).expect("ok").expect("cached"),
         })
         .collect()
 }
 
-fn built(cache: &LocalCache, digest: &str) -> BuiltImage {
+fn built(cache: &LocalCache, digest: &BlobDigest) -> BuiltImage {
     let m = base::manifest(cache, digest).expect("manifest");
     let bytes = cache.read_blob(digest).expect("ok").expect("manifest blob");
     let mut provenance = BTreeMap::new();
@@ -43,7 +43,7 @@ fn built(cache: &LocalCache, digest: &str) -> BuiltImage {
     BuiltImage {
         oci_manifest: Descriptor {
             media_type: "application/vnd.oci.image.manifest.v1+json".into(),
-            digest: digest.to_string(),
+            digest: *digest,
             size: bytes.len() as u64,
             platform: None,
             annotations: None,
@@ -184,7 +184,7 @@ fn publish_fresh(kind: Kind, env: &str, tag: &str, work: &Path, label: &str) -> 
             .expect("e2fsck");
         assert!(check.status.success(), "e2fsck -fn on the stored image");
         let sha = kiln_builder::cache::digest_of_file(&out).expect("hash");
-        (m.to_string(), sha)
+        (m.to_string(), sha.to_string())
     })
 }
 

@@ -2,11 +2,12 @@
 //! and fixtures of `ci/setup.sh`.
 
 use kiln_builder::base::PullPolicy;
-use kiln_builder::cache::{BlobCache, LocalCache, digest_of};
+use kiln_builder::cache::{BlobCache, LocalCache};
 use kiln_builder::registry::{Registry, RegistryOptions};
 use kiln_builder::resolve::{
     ResolveError, ResolveOptions, ResolvedBase, resolve_plan, resolve_recipe,
 };
+use kiln_store::BlobDigest;
 use kiln_tests::require_env;
 
 fn plan(dockerfile: &str) -> kiln_recipes::BuildPlan {
@@ -54,7 +55,7 @@ fn every_base_becomes_a_digest() {
         "rootfs": base_cfg["rootfs"],
     });
     let cfg_bytes = serde_json::to_vec(&cfg).expect("json");
-    let cfg_digest = digest_of(&cfg_bytes);
+    let cfg_digest = BlobDigest::of(&cfg_bytes);
     cache
         .put_bytes(&cfg_digest, &cfg_bytes)
         .expect("put config");
@@ -65,7 +66,7 @@ fn every_base_becomes_a_digest() {
         "layers": [ { "mediaType": m.layers[0].media_type, "digest": m.layers[0].digest, "size": m.layers[0].size } ],
     });
     let mb = serde_json::to_vec(&manifest).expect("json");
-    let md = digest_of(&mb);
+    let md = BlobDigest::of(&mb);
     cache.put_bytes(&md, &mb).expect("put manifest");
     cache.set_ref("localhost/onbuild-base:1", &md).expect("tag");
 
@@ -148,13 +149,13 @@ fn every_base_becomes_a_digest() {
         "rootfs": base_cfg["rootfs"],
     });
     let hb = serde_json::to_vec(&hostile).expect("json");
-    let hd = digest_of(&hb);
+    let hd = BlobDigest::of(&hb);
     cache.put_bytes(&hd, &hb).expect("put config");
     let mut hm = manifest.clone();
-    hm["config"]["digest"] = hd.clone().into();
+    hm["config"]["digest"] = hd.to_string().into();
     hm["config"]["size"] = hb.len().into();
     let hmb = serde_json::to_vec(&hm).expect("json");
-    let hmd = digest_of(&hmb);
+    let hmd = BlobDigest::of(&hmb);
     cache.put_bytes(&hmd, &hmb).expect("put manifest");
     cache
         .set_ref("localhost/hostile-base:1", &hmd)

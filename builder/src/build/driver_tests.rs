@@ -282,3 +282,59 @@ fn a_failed_step_leaves_no_scratch_and_no_cache_entry_and_runs_again() {
         "{events:?}"
     );
 }
+
+/// A base image's config whose `rootfs.diff_ids` holds a malformed digest is refused where
+/// the build reads it, naming the image and its config, before any step runs.
+#[test]
+fn a_malformed_diff_id_in_a_base_config_is_refused_naming_the_config() {
+    let f = fx();
+    let layer = BlobDigest::of(b"not read: the config is refused first");
+    let config = br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":["sha256:../../x"]}}"#;
+    let config_digest = BlobDigest::of(config);
+    f.cache.put_bytes(&config_digest, config).expect("config");
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": config_digest.to_string(), "size": config.len()},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar",
+                    "digest": layer.to_string(), "size": 1}],
+    });
+    let manifest = serde_json::to_vec(&manifest).expect("json");
+    let image = BlobDigest::of(&manifest);
+    f.cache.put_bytes(&image, &manifest).expect("manifest");
+    let plan = kiln_recipes::load_dockerfile(
+        "Dockerfile",
+        b"FROM base\nRUN echo never\n",
+        &kiln_recipes::Options::default(),
+    )
+    .expect("the recipe lowers");
+    let bases = vec![ResolvedBase::Image {
+        reference: "base".into(),
+        digest: image,
+        onbuild: Vec::new(),
+    }];
+    let fake = writing_fake();
+    let r = f.rt.block_on(build_with(
+        &plan,
+        &bases,
+        f.cache.clone(),
+        &f.store,
+        &f.options(),
+        Arc::new(|_| {}),
+        fake.clone(),
+    ));
+    match r {
+        Err(e @ BuildError::Base { .. }) => {
+            let text = e.to_string();
+            assert!(
+                text.contains(&image.to_string())
+                    && text.contains(&config_digest.to_string())
+                    && text.contains("sha256:../../x"),
+                "{text}"
+            );
+        }
+        other => panic!("expected BuildError::Base, got {other:?}"),
+    }
+    assert!(ran(&fake).is_empty());
+}

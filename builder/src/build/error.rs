@@ -58,7 +58,7 @@ pub enum BuildError {
         /// Stage index.
         stage: usize,
         /// Manifest digest.
-        digest: String,
+        digest: kiln_store::BlobDigest,
         /// What is wrong.
         reason: String,
     },

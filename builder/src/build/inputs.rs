@@ -33,9 +33,9 @@ pub(super) struct Prepared {
 /// per list of layers and collected with the layer directories.
 pub(super) async fn stage_tree(ctx: &Arc<Ctx>, st: &StageOut) -> Result<PathBuf, BuildError> {
     let c = ctx.clone();
-    let digests: Vec<String> = st.layers.iter().map(|l| l.desc.digest.clone()).collect();
+    let digests: Vec<BlobDigest> = st.layers.iter().map(|l| l.desc.digest).collect();
     tokio::task::spawn_blocking(move || {
-        let bottom_first: Vec<String> = topmost_unique(&digests)
+        let bottom_first: Vec<BlobDigest> = topmost_unique(&digests)
             .into_iter()
             .rev()
             .cloned()
@@ -111,7 +111,7 @@ pub(super) async fn image_tree(
         .opts
         .work_dir
         .join("trees")
-        .join(format!("image-{}", crate::cache::sha256_hex(&digest)?));
+        .join(format!("image-{}", digest.hex()));
     if dir.is_dir() {
         return Ok(dir);
     }
@@ -266,7 +266,7 @@ pub(super) async fn prepare_inputs(
                 }
             }
             if !parts.is_empty() {
-                p.digest = Some(crate::cache::digest_of(parts.join("\n").as_bytes()));
+                p.digest = Some(crate::cache::digest_of(parts.join("\n").as_bytes()).to_string());
             }
             p.mounts = Some(mi);
         }

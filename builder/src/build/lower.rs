@@ -23,9 +23,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, XattrFlags};
 use rustix::io::Errno;
-use sha2::{Digest as _, Sha256};
 
-use crate::cache::{BlobCache, sha256_hex};
+use kiln_store::BlobDigest;
+use kiln_store::digest::{Hasher, Sha256Hash};
+
+use crate::cache::BlobCache;
 use crate::layer::whiteout::WhiteoutKind;
 use crate::layer::write::OVERLAY_OPAQUE_XATTR;
 use crate::layer::{LayerError, LimitKind, Limits, Split, apply_layer, bounded_stream, split_name};
@@ -37,7 +39,7 @@ use crate::rootfs::walk::{Walk, WalkError};
 pub enum LowerError {
     /// The layer blob is not in the store.
     #[error("layer {0} is not in the local store")]
-    Missing(String),
+    Missing(BlobDigest),
     /// A digest is malformed.
     #[error(transparent)]
     Cache(#[from] crate::cache::CacheError),
@@ -95,8 +97,8 @@ impl LayerDirs {
     }
 
     /// The directory of layer `digest` (whether or not it exists yet).
-    pub fn path(&self, digest: &str) -> Result<PathBuf, LowerError> {
-        Ok(self.root.join(sha256_hex(digest)?))
+    pub fn path(&self, digest: &BlobDigest) -> PathBuf {
+        self.root.join(digest.hex())
     }
 
     /// A fresh temporary directory name under the root (same file system).
@@ -110,8 +112,8 @@ impl LayerDirs {
 
     /// Moves a finished directory in as layer `digest` (an upper directory whose layer was
     /// just written). When the layer is already there, `dir` is removed instead.
-    pub fn adopt(&self, dir: &Path, digest: &str) -> Result<PathBuf, LowerError> {
-        self.adopt_as(dir, self.path(digest)?)
+    pub fn adopt(&self, dir: &Path, digest: &BlobDigest) -> Result<PathBuf, LowerError> {
+        self.adopt_as(dir, self.path(digest))
     }
 
     fn adopt_as(&self, dir: &Path, dst: PathBuf) -> Result<PathBuf, LowerError> {
@@ -133,19 +135,19 @@ impl LayerDirs {
     pub fn ensure(
         &self,
         cache: &dyn BlobCache,
-        digest: &str,
+        digest: &BlobDigest,
         limits: &Limits,
     ) -> Result<PathBuf, LowerError> {
-        let dst = self.path(digest)?;
+        let dst = self.path(digest);
         if dst.is_dir() {
             return Ok(dst);
         }
         let blob = cache
             .blob_path(digest)?
-            .ok_or_else(|| LowerError::Missing(digest.to_string()))?;
-        let tmp = self.temp(sha256_hex(digest)?);
+            .ok_or(LowerError::Missing(*digest))?;
+        let tmp = self.temp(&digest.hex());
         fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
-        if let Err(e) = unpack_overlay_form(&tmp, &blob, digest, limits) {
+        if let Err(e) = unpack_overlay_form(&tmp, &blob, &digest.to_string(), limits) {
             let _ = fs::remove_dir_all(&tmp);
             return Err(e);
         }
@@ -175,15 +177,15 @@ impl LayerDirs {
     pub fn squashed(
         &self,
         cache: &dyn BlobCache,
-        digests: &[String],
+        digests: &[BlobDigest],
         limits: &Limits,
     ) -> Result<PathBuf, LowerError> {
         let mut names = String::from(SQUASH_KEY_VERSION);
         for d in digests {
-            names.push_str(d);
+            names.push_str(&d.to_string());
             names.push('\n');
         }
-        let hex = hex::encode(Sha256::digest(names.as_bytes()));
+        let hex = Sha256Hash::of(names.as_bytes()).hex();
         let dst = self.root.join(&hex);
         if dst.is_dir() {
             return Ok(dst);
@@ -191,13 +193,12 @@ impl LayerDirs {
         let tmp = self.temp(&hex);
         fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
         let applied = digests.iter().try_for_each(|d| {
-            let blob = cache
-                .blob_path(d)?
-                .ok_or_else(|| LowerError::Missing(d.clone()))?;
+            let blob = cache.blob_path(d)?.ok_or(LowerError::Missing(*d))?;
+            let label = d.to_string();
             let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
-            own_parents(&tmp, f, d, limits)?;
+            own_parents(&tmp, f, &label, limits)?;
             let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
-            apply_layer(&tmp, f, d, limits)?;
+            apply_layer(&tmp, f, &label, limits)?;
             Ok::<_, LowerError>(())
         });
         if let Err(e) = applied {
@@ -259,9 +260,9 @@ pub fn decompressed(blob: impl Read + 'static) -> io::Result<Box<dyn Read>> {
 }
 
 /// `sha256:` of a layer blob's uncompressed tar (its `diff_id`, OCI image spec `config.md`).
-pub fn diff_id_of(blob: &Path) -> io::Result<String> {
+pub fn diff_id_of(blob: &Path) -> io::Result<Sha256Hash> {
     let mut r = decompressed(fs::File::open(blob)?)?;
-    let mut h = Sha256::new();
+    let mut h = Hasher::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
         let n = r.read(&mut buf)?;
@@ -270,7 +271,7 @@ pub fn diff_id_of(blob: &Path) -> io::Result<String> {
         }
         h.update(&buf[..n]);
     }
-    Ok(format!("sha256:{}", hex::encode(h.finalize())))
+    Ok(h.finish())
 }
 
 /// Second pass over a layer already applied to the empty directory `root`: its whiteouts
@@ -471,7 +472,7 @@ mod tests {
             (".wh.top", Some(b"")),
             ("f", Some(b"data")),
         ]);
-        let digest = crate::cache::digest_of(&blob);
+        let digest = BlobDigest::of(&blob);
         cache.put_bytes(&digest, &blob).unwrap();
         let dirs = LayerDirs::open(&t.path().join("layers")).unwrap();
         let d = dirs.ensure(&cache, &digest, &Limits::default()).unwrap();
@@ -587,7 +588,7 @@ mod tests {
         let cache = crate::cache::LocalCache::open(&t.path().join("store")).unwrap();
         let put = |entries: &[(&str, Option<&[u8]>)]| {
             let blob = tar_gz(entries);
-            let digest = crate::cache::digest_of(&blob);
+            let digest = BlobDigest::of(&blob);
             cache.put_bytes(&digest, &blob).unwrap();
             digest
         };
@@ -613,7 +614,7 @@ mod tests {
                 .mode();
             assert_eq!(mode & 0o777, 0o700, "layers/ is private");
         }
-        let both = [l1.clone(), l2.clone()];
+        let both = [l1, l2];
         let d = dirs.squashed(&cache, &both, &Limits::default()).unwrap();
         assert_eq!(fs::read(d.join("a")).unwrap(), b"a2");
         assert!(fs::symlink_metadata(d.join("gone")).is_err());
@@ -622,14 +623,14 @@ mod tests {
         assert!(!crate::layer::write::is_opaque(&d.join("o")).unwrap());
         assert_eq!(dirs.squashed(&cache, &both, &Limits::default()).unwrap(), d);
         let other = dirs
-            .squashed(&cache, &[l2.clone(), l1.clone()], &Limits::default())
+            .squashed(&cache, &[l2, l1], &Limits::default())
             .unwrap();
         assert_ne!(other, d);
         assert_eq!(fs::read(other.join("a")).unwrap(), b"a1");
         // A missing blob is named, and leaves nothing behind.
         let missing = format!("sha256:{}", "0".repeat(64));
         let e = dirs
-            .squashed(&cache, &[l1, missing.clone()], &Limits::default())
+            .squashed(&cache, &[l1, missing.parse().unwrap()], &Limits::default())
             .unwrap_err();
         assert!(e.to_string().contains(&missing), "{e}");
         assert_eq!(fs::read_dir(t.path().join("layers")).unwrap().count(), 3);
@@ -647,7 +648,7 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         let cache = crate::cache::LocalCache::open(&t.path().join("store")).unwrap();
         let put = |blob: Vec<u8>| {
-            let digest = crate::cache::digest_of(&blob);
+            let digest = BlobDigest::of(&blob);
             cache.put_bytes(&digest, &blob).unwrap();
             digest
         };
@@ -746,7 +747,7 @@ mod tests {
         b.append_data(&mut h, "s/.wh.x", io::empty()).unwrap();
         let blob = b.into_inner().unwrap().finish().unwrap();
         let cache = crate::cache::LocalCache::open(&t.path().join("store")).unwrap();
-        let digest = crate::cache::digest_of(&blob);
+        let digest = BlobDigest::of(&blob);
         cache.put_bytes(&digest, &blob).unwrap();
         let dirs = LayerDirs::open(&t.path().join("layers")).unwrap();
         dirs.ensure(&cache, &digest, &Limits::default()).unwrap();

@@ -53,6 +53,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use kiln_recipes::plan::{Action, BuildPlan, MountFrom, Stage, Step};
+use kiln_store::digest::Sha256Hash;
 use kiln_store::{BlobDigest, Store};
 
 use self::config::{History, OciConfig};
@@ -158,7 +159,7 @@ pub struct BuildOptions {
     /// [`BuiltImage::recipe_digest`]: the caller's digest of the recipe bytes; `None`: the
     /// digest of the plan's JSON with every file name reduced to its last component (so the
     /// directory a recipe sits in changes nothing).
-    pub recipe_digest: Option<String>,
+    pub recipe_digest: Option<Sha256Hash>,
     /// How images named by `COPY --from=<image>` and `RUN --mount=from=<image>` are found
     /// (pull policy, build contexts, registry access; the stage's platform is used).
     pub resolve: crate::resolve::ResolveOptions,
@@ -231,7 +232,7 @@ pub enum BuildEvent {
         /// Build-wide step number.
         index: usize,
         /// Layer digest.
-        digest: String,
+        digest: BlobDigest,
         /// Compressed size, bytes.
         size: u64,
     },
@@ -269,7 +270,9 @@ pub struct BuildOutput {
 #[derive(Debug, Clone)]
 struct LayerRef {
     desc: Descriptor,
-    diff_id: String,
+    /// The sha256 of the layer's uncompressed tar (OCI `rootfs.diff_ids`): no store object
+    /// (the blob is the compressed bytes), so a plain hash, not a [`BlobDigest`].
+    diff_id: Sha256Hash,
 }
 
 /// A finished stage.
@@ -487,11 +490,11 @@ pub async fn build_with(
 }
 
 /// Adds `digests` (blobs) to the build's lease.
-async fn hold(ctx: &Ctx, digests: impl IntoIterator<Item = &str>) -> Result<(), BuildError> {
-    let mut objs = Vec::new();
-    for d in digests {
-        objs.push(kiln_store::ObjectRef::Blob(blob_digest(d)?));
-    }
+async fn hold(ctx: &Ctx, digests: impl IntoIterator<Item = BlobDigest>) -> Result<(), BuildError> {
+    let objs: Vec<_> = digests
+        .into_iter()
+        .map(kiln_store::ObjectRef::Blob)
+        .collect();
     ctx.lease.add(objs).await?;
     Ok(())
 }
@@ -732,7 +735,7 @@ fn stage_base(
         ResolvedBase::Image { digest, .. } => {
             let bad = |reason: String| BuildError::Base {
                 stage: i,
-                digest: digest.clone(),
+                digest: *digest,
                 reason,
             };
             let m = crate::base::manifest(ctx.cache.as_ref(), digest)
@@ -752,25 +755,34 @@ fn stage_base(
             }
             config.created = None;
             config.config.on_build = None;
+            // The config's diff_ids enter here: each is parsed once, naming the config.
             let layers = m
                 .layers
                 .iter()
                 .zip(&config.rootfs.diff_ids)
-                .map(|(d, diff)| LayerRef {
-                    desc: Descriptor {
-                        media_type: config::oci_layer_media_type(&d.media_type),
-                        digest: d.digest.clone(),
-                        size: d.size,
-                        platform: None,
-                        annotations: None,
-                    },
-                    diff_id: diff.clone(),
+                .map(|(d, diff)| {
+                    let diff_id = Sha256Hash::parse_prefixed(diff).map_err(|_| {
+                        bad(format!(
+                            "config {}: diff_id {diff:?} is not sha256:<64 hex>",
+                            m.config.digest
+                        ))
+                    })?;
+                    Ok(LayerRef {
+                        desc: Descriptor {
+                            media_type: config::oci_layer_media_type(&d.media_type),
+                            digest: d.digest,
+                            size: d.size,
+                            platform: None,
+                            annotations: None,
+                        },
+                        diff_id,
+                    })
                 })
-                .collect();
+                .collect::<Result<_, BuildError>>()?;
             Ok(StageOut {
                 layers,
                 config,
-                key: root("image", digest),
+                key: root("image", &digest.to_string()),
             })
         }
     }
@@ -815,6 +827,6 @@ mod tests {
             ["a", "empty", "b", "base"]
         );
         assert_eq!(topmost_unique(&d(&["x", "x", "x"])), ["x"]);
-        assert!(topmost_unique(&[]).is_empty());
+        assert!(topmost_unique::<String>(&[]).is_empty());
     }
 }

@@ -50,14 +50,14 @@ pub(super) async fn sandbox_layer(ctx: &Arc<Ctx>, out: &mut StageOut) -> Result<
             }
             (ctx.events)(BuildEvent::Layer {
                 index,
-                digest: l.desc.digest.clone(),
+                digest: l.desc.digest,
                 size: l.desc.size,
             });
             l
         }
     };
-    hold(ctx, [layer.desc.digest.as_str()]).await?;
-    out.config.rootfs.diff_ids.push(layer.diff_id.clone());
+    hold(ctx, [layer.desc.digest]).await?;
+    out.config.rootfs.diff_ids.push(layer.diff_id.to_string());
     out.config.history.push(History {
         created: ctx.epoch.map(config::rfc3339),
         created_by: Some(SANDBOX_LAYER_CREATED_BY.into()),
@@ -113,7 +113,7 @@ pub(super) async fn finish(
     target: usize,
 ) -> Result<BuildOutput, BuildError> {
     let config_bytes = out.config.to_bytes();
-    let config_digest = crate::cache::digest_of(&config_bytes);
+    let config_digest = BlobDigest::of(&config_bytes);
     ctx.cache.put_bytes(&config_digest, &config_bytes)?;
     let config_desc = Descriptor {
         media_type: OCI_CONFIG.into(),
@@ -131,8 +131,8 @@ pub(super) async fn finish(
     });
     // A JSON value always serializes.
     let manifest_bytes = serde_json::to_vec(&manifest).expect("JSON values serialize");
-    let manifest_digest = crate::cache::digest_of(&manifest_bytes);
-    hold(ctx, [config_desc.digest.as_str(), manifest_digest.as_str()]).await?;
+    let manifest_digest = BlobDigest::of(&manifest_bytes);
+    hold(ctx, [config_desc.digest, manifest_digest]).await?;
     ctx.cache.put_bytes(&manifest_digest, &manifest_bytes)?;
     let mut provenance = BTreeMap::new();
     provenance.insert(
@@ -145,12 +145,12 @@ pub(super) async fn finish(
         } = b
         {
             provenance.insert(format!("base.{i}.reference"), reference.clone());
-            provenance.insert(format!("base.{i}.digest"), digest.clone());
+            provenance.insert(format!("base.{i}.digest"), digest.to_string());
         }
     }
     provenance.insert("target".into(), target.to_string());
     let recipe_digest = match &ctx.opts.recipe_digest {
-        Some(d) => d.clone(),
+        Some(d) => *d,
         None => crate::cache::digest_of(plan_json_without_paths(&ctx.plan).as_bytes()),
     };
     Ok(BuildOutput {

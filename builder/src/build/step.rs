@@ -116,7 +116,7 @@ pub(super) async fn run_stage(
     inputs: BTreeMap<usize, StageOut>,
 ) -> Result<StageOut, BuildError> {
     let mut st = stage_base(&ctx, i, &inputs)?;
-    hold(&ctx, st.layers.iter().map(|l| l.desc.digest.as_str())).await?;
+    hold(&ctx, st.layers.iter().map(|l| l.desc.digest)).await?;
     config::default_path(st.config.config.env.get_or_insert_with(Vec::new));
     let base_run = st.config.config.clone();
     let use_cache = stage_uses_cache(&ctx, i);
@@ -198,14 +198,14 @@ pub(super) async fn run_stage(
                 }
                 (ctx.events)(BuildEvent::Layer {
                     index,
-                    digest: l.desc.digest.clone(),
+                    digest: l.desc.digest,
                     size: l.desc.size,
                 });
                 l
             }
         };
-        hold(&ctx, [layer.desc.digest.as_str()]).await?;
-        st.config.rootfs.diff_ids.push(layer.diff_id.clone());
+        hold(&ctx, [layer.desc.digest]).await?;
+        st.config.rootfs.diff_ids.push(layer.diff_id.to_string());
         st.config.history.push(History {
             created: ctx.epoch.map(config::rfc3339),
             created_by: Some(describe(step)),
@@ -266,12 +266,6 @@ pub(super) async fn image_ca_bundle(
     .map_err(|e| ExecError::Setup(format!("reading the image's CA bundle: {e}")))?;
     drop(s);
     r.map_err(|e| ExecError::Setup(format!("reading the image's CA bundle: {e}")))
-}
-
-pub(super) fn blob_digest(d: &str) -> Result<BlobDigest, BuildError> {
-    let hex = crate::cache::sha256_hex(d)?;
-    BlobDigest::from_key(&format!("blobs/sha256/{hex}"))
-        .ok_or_else(|| BuildError::Task(format!("digest {d} does not convert")))
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -18,7 +18,7 @@ pub(super) async fn step_lowers(
     fit: usize,
 ) -> Result<Vec<PathBuf>, BuildError> {
     let c = ctx.clone();
-    let digests: Vec<String> = layers.iter().map(|l| l.desc.digest.clone()).collect();
+    let digests: Vec<BlobDigest> = layers.iter().map(|l| l.desc.digest).collect();
     tokio::task::spawn_blocking(move || {
         let unique = topmost_unique(&digests);
         let squash = lower::squash_plan(unique.len(), fit).unwrap_or(0);
@@ -29,7 +29,7 @@ pub(super) async fn step_lowers(
         }
         if squash > 0 {
             let t0 = Instant::now();
-            let bottom_first: Vec<String> = unique[keep..].iter().rev().map(|d| (*d).clone()).collect();
+            let bottom_first: Vec<BlobDigest> = unique[keep..].iter().rev().map(|d| **d).collect();
             dirs.push(
                 c.dirs
                     .squashed(c.cache.as_ref(), &bottom_first, &c.layer_limits())?,
@@ -46,7 +46,7 @@ pub(super) async fn step_lowers(
 /// topmost position. Dropping the lower copies changes nothing: the upper copy holds the
 /// same entries, so it already shadows every path the lower copy has, and its whiteouts and
 /// opaque directories hide everything below it, the lower copy's range included.
-pub(super) fn topmost_unique(digests: &[String]) -> Vec<&String> {
+pub(super) fn topmost_unique<D: Eq + std::hash::Hash>(digests: &[D]) -> Vec<&D> {
     let mut seen = std::collections::HashSet::new();
     digests.iter().rev().filter(|d| seen.insert(*d)).collect()
 }
@@ -54,9 +54,13 @@ pub(super) fn topmost_unique(digests: &[String]) -> Vec<&String> {
 /// Writes build-cache entry `key` → `layer` in the store, after the layer blob itself
 /// ([`crate::cache::share_blob`]): an entry never names a blob the store lacks, so any host
 /// sharing the store gets the hit.
-pub(super) async fn share_entry(ctx: &Ctx, key: &str, layer: &str) -> Result<(), BuildError> {
+pub(super) async fn share_entry(
+    ctx: &Ctx,
+    key: &str,
+    layer: &BlobDigest,
+) -> Result<(), BuildError> {
     crate::cache::share_blob(ctx.cache.as_ref(), &ctx.store, layer, Some(&ctx.lease)).await?;
-    ctx.store.put_cache_entry(key, blob_digest(layer)?).await?;
+    ctx.store.put_cache_entry(key, *layer).await?;
     Ok(())
 }
 
@@ -75,7 +79,7 @@ pub(super) fn step_inputs(
     let base = match &ctx.bases[stage] {
         ResolvedBase::Scratch => "scratch".to_string(),
         ResolvedBase::Stage(s) => format!("stage {s}"),
-        ResolvedBase::Image { digest, .. } => digest.clone(),
+        ResolvedBase::Image { digest, .. } => digest.to_string(),
     };
     let (args, env) = why::split_env(env, &ctx.plan.build_args.given);
     let mut action = step.action.clone();
@@ -97,7 +101,7 @@ pub(super) fn step_inputs(
         base,
         parent: parent.to_string(),
         instruction: why::text_digest(&describe(step)),
-        action: crate::cache::digest_of(action.as_bytes()),
+        action: crate::cache::digest_of(action.as_bytes()).to_string(),
         args,
         env,
         user: user.map(why::text_digest),
@@ -164,7 +168,7 @@ pub(super) async fn lookup(ctx: &Ctx, key: &str) -> Result<Option<LayerRef>, Bui
     let Some(entry) = ctx.store.get_cache_entry(key).await? else {
         return Ok(None);
     };
-    let digest = format!("sha256:{}", entry.layer.hex());
+    let digest = entry.layer;
     // An entry another host wrote names a layer only the store has (an S3 store).
     let Some(path) = crate::cache::fetch_blob(ctx.cache.as_ref(), &ctx.store, &digest).await?
     else {
@@ -172,9 +176,13 @@ pub(super) async fn lookup(ctx: &Ctx, key: &str) -> Result<Option<LayerRef>, Bui
     };
     let size = fs::metadata(&path).map_err(io_err("reading", &path))?.len();
     let diff_path = ctx.opts.work_dir.join("diffids").join(entry.layer.hex());
-    let diff_id = match fs::read_to_string(&diff_path) {
-        Ok(s) if crate::cache::sha256_hex(s.trim()).is_ok() => s.trim().to_string(),
-        _ => {
+    // A record that does not read as a digest is made again from the blob.
+    let recorded = fs::read_to_string(&diff_path)
+        .ok()
+        .and_then(|s| Sha256Hash::parse_prefixed(s.trim()).ok());
+    let diff_id = match recorded {
+        Some(d) => d,
+        None => {
             let p = path.clone();
             let d = tokio::task::spawn_blocking(move || lower::diff_id_of(&p))
                 .await
@@ -196,14 +204,12 @@ pub(super) async fn lookup(ctx: &Ctx, key: &str) -> Result<Option<LayerRef>, Bui
     }))
 }
 
-pub(super) fn remember_diff_id(work: &Path, digest: &str, diff_id: &str) {
-    let Ok(hex) = crate::cache::sha256_hex(digest) else {
-        return;
-    };
+pub(super) fn remember_diff_id(work: &Path, digest: &BlobDigest, diff_id: &Sha256Hash) {
+    let hex = digest.hex();
     let dir = work.join("diffids");
     let _ = fs::create_dir_all(&dir);
     let tmp = dir.join(format!(".{hex}.{}", std::process::id()));
-    if fs::write(&tmp, diff_id).is_ok() {
+    if fs::write(&tmp, diff_id.to_string()).is_ok() {
         let _ = fs::rename(&tmp, dir.join(hex));
     }
 }

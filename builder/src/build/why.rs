@@ -176,7 +176,7 @@ pub fn summary(reasons: &[MissReason]) -> String {
 }
 
 fn digest(s: &str) -> String {
-    crate::cache::digest_of(s.as_bytes())
+    crate::cache::digest_of(s.as_bytes()).to_string()
 }
 
 /// Splits `env` (`KEY=value`) into build args (names in `build_args`) and the rest, each

@@ -169,7 +169,7 @@ fn digest_inner(step: &CopyStep, src: &Sources) -> Result<(String, ContextFiles)
             Item::Download { url, file, .. } => {
                 h.field(b"url");
                 h.field(url.as_bytes());
-                let d = src.downloads.get(url).map(|d| d.digest.clone());
+                let d = src.downloads.get(url).map(|d| d.digest.to_string());
                 match d {
                     Some(d) => h.field(d.as_bytes()),
                     None => h.field(file.display().to_string().as_bytes()),

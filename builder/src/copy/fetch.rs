@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use kiln_recipes::plan::{CopySource, CopyStep};
+use kiln_store::digest::Sha256Hash;
 use sha2::{Digest, Sha256};
 
 use super::git::GitCheckout;
@@ -39,8 +40,8 @@ pub struct Download {
     pub file: PathBuf,
     /// The name the file is copied under: the last segment of the URL's path.
     pub name: String,
-    /// `sha256:<hex>` of the body.
-    pub digest: String,
+    /// `sha256:<hex>` of the body (no store object: a plain hash).
+    pub digest: Sha256Hash,
     /// Body size, bytes.
     pub size: u64,
 }
@@ -322,11 +323,14 @@ async fn fetch_one(
     let expected = match checksum {
         None => None,
         Some(c) => {
+            // Parsed once, here; upper-case hex is taken as Docker takes it.
             let hex = c
                 .strip_prefix("sha256:")
-                .filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
                 .ok_or_else(|| bad("--checksum must be sha256:<64 hex digits>"))?;
-            Some(format!("sha256:{}", hex.to_ascii_lowercase()))
+            Some(
+                Sha256Hash::from_hex(&hex.to_ascii_lowercase())
+                    .map_err(|_| bad("--checksum must be sha256:<64 hex digits>"))?,
+            )
         }
     };
     crate::registry::crypto_provider();
@@ -432,7 +436,7 @@ async fn fetch_one(
         out.write_all(&chunk).map_err(io_err)?;
     }
     out.flush().map_err(io_err)?;
-    let digest = format!("sha256:{}", hex::encode(hasher.finalize()));
+    let digest = Sha256Hash(hasher.finalize().into());
     if let Some(expected) = expected
         && expected != digest
     {
@@ -440,8 +444,8 @@ async fn fetch_one(
         let _ = std::fs::remove_file(file);
         return Err(FetchError::Checksum {
             url: url_text.to_string(),
-            expected,
-            actual: digest,
+            expected: expected.to_string(),
+            actual: digest.to_string(),
         });
     }
     Ok(Download {

@@ -715,6 +715,20 @@ async fn add_url_with_checksum_and_address_policy() {
     s.checksum = Some(format!("sha256:{}", "0".repeat(64)));
     let e = fetch_urls(&s, &dl, &allow).await.unwrap_err();
     assert!(matches!(e, FetchError::Checksum { .. }), "{e}");
+    // A malformed one is refused before anything is fetched; upper-case hex is accepted.
+    for bad in ["sha256:xyz", "SHA256:00", "md5:00"] {
+        s.checksum = Some(bad.to_string());
+        let e = fetch_urls(&s, &dl, &allow).await.unwrap_err();
+        assert!(
+            matches!(&e, FetchError::BadUrl { reason, .. } if reason.contains("--checksum")),
+            "{bad}: {e}"
+        );
+    }
+    s.checksum = Some(format!(
+        "sha256:{}",
+        hex::encode_upper(<sha2::Sha256 as sha2::Digest>::digest(b"payload"))
+    ));
+    fetch_urls(&s, &dl, &allow).await.expect("upper-case hex");
     // The default policy refuses the host's loopback, also behind a redirect.
     s.checksum = None;
     let e = fetch_urls(&s, &dl, &FetchOptions::default())

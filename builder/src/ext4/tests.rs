@@ -100,7 +100,7 @@ fn blob(dir: &Path, entries: &[E<'_>], z: Z) -> LayerBlob {
         }
         Z::Zstd => zstd::encode_all(&raw[..], 3).unwrap(),
     };
-    let digest = digest_of(&bytes);
+    let digest = digest_of(&bytes).to_string();
     let path = dir.join(&digest[7..]);
     std::fs::write(&path, &bytes).unwrap();
     LayerBlob { digest, path }
@@ -426,7 +426,7 @@ fn hostile_layers_are_refused() {
     h.set_cksum();
     raw.extend_from_slice(h.as_bytes());
     raw.extend_from_slice(&[0u8; 1024]);
-    let digest = digest_of(&raw);
+    let digest = digest_of(&raw).to_string();
     let path = d.path().join("raw");
     std::fs::write(&path, &raw).unwrap();
     let err = flatten(
@@ -522,7 +522,7 @@ fn absolute_names_and_a_root_named_slash_flatten_inside_the_root() {
     let path = d.path().join("abs");
     std::fs::write(&path, &raw).unwrap();
     let layers = [LayerBlob {
-        digest: digest_of(&raw),
+        digest: digest_of(&raw).to_string(),
         path,
     }];
     let mut out = Vec::new();
@@ -559,7 +559,7 @@ fn owner_ids_past_32_bits_are_refused_not_wrapped() {
         let path = d.path().join(format!("{key}-{value}"));
         std::fs::write(&path, &raw).unwrap();
         let layer = LayerBlob {
-            digest: digest_of(&raw),
+            digest: digest_of(&raw).to_string(),
             path: path.clone(),
         };
         let err = flatten(
@@ -647,7 +647,7 @@ fn long_names_with_a_newline_and_no_utf8_pass_through_to_the_image() {
     let path = d.path().join("odd");
     std::fs::write(&path, &raw).unwrap();
     let layers = [LayerBlob {
-        digest: digest_of(&raw),
+        digest: digest_of(&raw).to_string(),
         path,
     }];
     let mut out = Vec::new();
@@ -698,7 +698,7 @@ fn a_nul_in_a_name_or_link_target_is_refused() {
         let path = d.path().join(what);
         std::fs::write(&path, &raw).unwrap();
         let layer = LayerBlob {
-            digest: digest_of(&raw),
+            digest: digest_of(&raw).to_string(),
             path,
         };
         let err = flatten(
@@ -769,7 +769,7 @@ fn names_blob(dir: &Path, names: impl Iterator<Item = String>) -> LayerBlob {
         b.append_data(&mut h, &n, std::io::empty()).unwrap();
     }
     let bytes = b.into_inner().unwrap();
-    let digest = digest_of(&bytes);
+    let digest = digest_of(&bytes).to_string();
     let path = dir.join(&digest[7..]);
     std::fs::write(&path, &bytes).unwrap();
     LayerBlob { digest, path }
@@ -936,7 +936,7 @@ fn sparse_files_stay_sparse_in_the_image() {
     let path = d.path().join("layer");
     std::fs::write(&path, &bytes).unwrap();
     let layers = vec![LayerBlob {
-        digest: w.digest.clone(),
+        digest: w.digest.to_string(),
         path,
     }];
     let img = d.path().join("img.ext4");
@@ -996,7 +996,7 @@ fn flattened_tree_equals_the_applied_tree_for_every_corpus() {
     corpora.push((
         "absolute names",
         vec![LayerBlob {
-            digest: digest_of(&raw),
+            digest: digest_of(&raw).to_string(),
             path: abs,
         }],
     ));
@@ -1014,7 +1014,7 @@ fn flattened_tree_equals_the_applied_tree_for_every_corpus() {
     corpora.push((
         "sparse file",
         vec![LayerBlob {
-            digest: digest_of(&sparse),
+            digest: digest_of(&sparse).to_string(),
             path: sp,
         }],
     ));

@@ -875,10 +875,15 @@ fn write_then_apply_round_trip() {
     assert_eq!(w1, w2, "deterministic");
     assert_eq!(first, second);
     assert_eq!(w1.size, first.len() as u64);
-    assert_eq!(crate::cache::digest_of(&first), w1.digest);
+    assert_eq!(kiln_store::BlobDigest::of(&first), w1.digest);
     let copy = Sandbox::new();
-    apply_layer(&copy.root(), &first[..], &w1.digest, &Limits::default())
-        .expect("apply written layer");
+    apply_layer(
+        &copy.root(),
+        &first[..],
+        &w1.digest.to_string(),
+        &Limits::default(),
+    )
+    .expect("apply written layer");
     assert_eq!(
         kiln_tests::tree_listing(&sb.root()),
         kiln_tests::tree_listing(&copy.root())
@@ -1361,8 +1366,13 @@ fn sparse_files_keep_their_holes_through_write_and_apply() {
 
     // kiln's own reader.
     let dst = Sandbox::new();
-    let stats = apply_layer(&dst.root(), &blob[..], &w.digest, &Limits::default())
-        .expect("apply the sparse layer");
+    let stats = apply_layer(
+        &dst.root(),
+        &blob[..],
+        &w.digest.to_string(),
+        &Limits::default(),
+    )
+    .expect("apply the sparse layer");
     assert!(
         stats.bytes < 1 << 20,
         "uncompressed bytes read: {}",

@@ -32,10 +32,12 @@ pub const GZIP_LEVEL: u32 = 6;
 /// What [`write_layer`] produced.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Written {
-    /// `sha256:` of the compressed bytes (the layer's descriptor digest).
-    pub digest: String,
-    /// `sha256:` of the uncompressed tar (the config's `rootfs.diff_ids` entry).
-    pub diff_id: String,
+    /// `sha256:` of the compressed bytes (the layer's descriptor digest, its blob's name).
+    pub digest: kiln_store::BlobDigest,
+    /// `sha256:` of the uncompressed tar (the config's `rootfs.diff_ids` entry). Not a
+    /// [`kiln_store::BlobDigest`]: the store holds the compressed bytes, so this digest names
+    /// no store object.
+    pub diff_id: kiln_store::digest::Sha256Hash,
     /// Compressed size, bytes.
     pub size: u64,
 }
@@ -119,11 +121,13 @@ fn write_tree(
         overlay,
     )?;
     let inner = b.into_inner()?;
-    let diff_id = format!("sha256:{}", hex::encode(inner.hash.finalize()));
+    let diff_id = kiln_store::digest::Sha256Hash(inner.hash.finalize().into());
     let mut outer = inner.inner.finish()?;
     outer.flush()?;
     Ok(Written {
-        digest: format!("sha256:{}", hex::encode(outer.hash.finalize())),
+        digest: kiln_store::BlobDigest(kiln_store::digest::Sha256Hash(
+            outer.hash.finalize().into(),
+        )),
         diff_id,
         size: outer.len,
     })

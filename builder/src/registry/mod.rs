@@ -25,7 +25,9 @@ use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, RegistryOperation};
 use tokio::io::AsyncWriteExt;
 
-use crate::cache::{BlobCache, CacheError, digest_of};
+use kiln_store::BlobDigest;
+
+use crate::cache::{BlobCache, CacheError};
 use crate::image::{AnyManifest, ImageError, MANIFEST_TYPES, Manifest, Platform};
 use crate::reference::Reference;
 
@@ -79,7 +81,7 @@ pub enum RegistryError {
         /// The reference involved.
         reference: String,
         /// Blob digest.
-        digest: String,
+        digest: BlobDigest,
         /// Attempts made.
         attempts: u32,
         /// The last failure.
@@ -91,7 +93,7 @@ pub enum RegistryError {
         /// The reference involved.
         reference: String,
         /// Blob digest.
-        digest: String,
+        digest: BlobDigest,
         /// Descriptor size, bytes.
         size: u64,
     },
@@ -171,20 +173,20 @@ impl Default for RegistryOptions {
 #[derive(Debug, Clone)]
 pub struct Resolved {
     /// The digest of the platform manifest.
-    pub digest: String,
+    pub digest: BlobDigest,
     /// Its raw bytes.
     pub bytes: Vec<u8>,
     /// Parsed.
     pub manifest: Manifest,
     /// The index it was selected from: (digest, raw bytes).
-    pub index: Option<(String, Vec<u8>)>,
+    pub index: Option<(BlobDigest, Vec<u8>)>,
 }
 
 /// What a pull did.
 #[derive(Debug, Clone)]
 pub struct Pulled {
     /// The platform manifest digest now in the cache.
-    pub digest: String,
+    pub digest: BlobDigest,
     /// Blobs downloaded (the others were cached already).
     pub fetched: usize,
     /// Bytes downloaded.
@@ -348,7 +350,7 @@ impl Registry {
         client: &Client,
         r: &Reference,
         auth: &RegistryAuth,
-    ) -> Result<(String, Vec<u8>), RegistryError> {
+    ) -> Result<(BlobDigest, Vec<u8>), RegistryError> {
         // Not `pull_manifest_raw`: it buffers the whole body, however long. We take the
         // token from the client and read the body ourselves, bounded.
         use oci_client::errors::OciDistributionError as O;
@@ -406,14 +408,14 @@ impl Registry {
                 },
             ));
         }
-        let digest = digest_of(&bytes);
+        let digest = BlobDigest::of(&bytes);
         if let Some(want) = r.digest()
-            && want != digest
+            && want != digest.to_string()
         {
             return Err(RegistryError::ManifestDigest {
                 reference: r.to_string(),
                 expected: want.to_string(),
-                actual: digest,
+                actual: digest.to_string(),
             });
         }
         Ok((digest, bytes))
@@ -445,7 +447,7 @@ impl Registry {
                     });
                 }
                 AnyManifest::Index(i) => {
-                    let d = i.select(&self.opts.platform, &digest)?.digest.clone();
+                    let d = i.select(&self.opts.platform, &digest)?.digest;
                     let pinned = r.with_digest(&d);
                     let (got, b) = self.fetch_manifest(client, &pinned, auth).await?;
                     if index.is_none() {
@@ -504,7 +506,7 @@ impl Registry {
         client: &Client,
         r: &Reference,
         oref: &oci_client::Reference,
-        digest: &str,
+        digest: &BlobDigest,
         size: u64,
         cache: &dyn BlobCache,
     ) -> Result<u64, RegistryError> {
@@ -562,7 +564,7 @@ impl Registry {
             if attempts >= self.opts.max_attempts {
                 return Err(RegistryError::BlobFetch {
                     reference: r.to_string(),
-                    digest: digest.to_string(),
+                    digest: *digest,
                     attempts,
                     last,
                 });
@@ -575,14 +577,15 @@ impl Registry {
                 Ok(m) => m.len(),
                 Err(_) => 0,
             };
+            let digest_str = digest.to_string();
             let resp = if have == 0 {
                 client
-                    .pull_blob_stream(oref, digest)
+                    .pull_blob_stream(oref, digest_str.as_str())
                     .await
                     .map(BlobResponse::Full)
             } else {
                 client
-                    .pull_blob_stream_partial(oref, digest, have, None)
+                    .pull_blob_stream_partial(oref, digest_str.as_str(), have, None)
                     .await
             };
             let (stream, append) = match resp {
@@ -618,7 +621,7 @@ impl Registry {
                             let _ = tokio::fs::remove_file(&part).await;
                             return Err(RegistryError::BlobTooLarge {
                                 reference: r.to_string(),
-                                digest: digest.to_string(),
+                                digest: *digest,
                                 size,
                             });
                         }
@@ -651,9 +654,9 @@ impl Registry {
     pub async fn push(
         &self,
         cache: &dyn BlobCache,
-        digest: &str,
+        digest: &BlobDigest,
         dst: &Reference,
-    ) -> Result<String, RegistryError> {
+    ) -> Result<BlobDigest, RegistryError> {
         let client = self.client_for(dst);
         let auth = self.auth_for(dst)?;
         let oref = dst.to_oci();
@@ -677,8 +680,9 @@ impl Registry {
             .clone()
             .unwrap_or_else(|| crate::image::OCI_MANIFEST.to_string());
         for d in std::iter::once(&m.config).chain(&m.layers) {
+            let digest_str = d.digest.to_string();
             if client
-                .blob_exists(&oref, &d.digest)
+                .blob_exists(&oref, &digest_str)
                 .await
                 .map_err(|e| map_err(dst, e))?
             {
@@ -686,9 +690,9 @@ impl Registry {
             }
             let data = cache
                 .read_blob(&d.digest)?
-                .ok_or_else(|| RegistryError::Offline(d.digest.clone()))?;
+                .ok_or_else(|| RegistryError::Offline(digest_str.clone()))?;
             client
-                .push_blob(&oref, data, &d.digest)
+                .push_blob(&oref, data, &digest_str)
                 .await
                 .map_err(|e| map_err(dst, e))?;
         }
@@ -697,7 +701,7 @@ impl Registry {
             .push_manifest_raw(&oref, bytes, ct)
             .await
             .map_err(|e| map_err(dst, e))?;
-        Ok(digest.to_string())
+        Ok(*digest)
     }
 }
 

@@ -521,7 +521,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
         a.cache_disks.apply(&mut setup);
         anyhow::Ok(kiln_pipeline::run(&setup, req, events).await?)
     })?;
-    let digest = &report.oci_manifest.digest;
+    let digest = &report.oci_manifest.digest.to_string();
     let published = report.image.as_ref().map(|i| i.manifest);
     let last = report
         .final_image()

@@ -86,7 +86,11 @@ impl ImageStore {
     /// After a command put the OCI image `digest` into the cache, writes it and the OCI
     /// reference `reference` through to a remote store ([`Fronted::publish`]). Nothing for
     /// a local store.
-    pub async fn publish(&self, digest: &str, reference: Option<&str>) -> anyhow::Result<()> {
+    pub async fn publish(
+        &self,
+        digest: &kiln_store::BlobDigest,
+        reference: Option<&str>,
+    ) -> anyhow::Result<()> {
         if let Some(f) = &self.front {
             f.publish(digest, reference).await?;
         }
