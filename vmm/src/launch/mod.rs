@@ -162,6 +162,28 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> LaunchError 
     }
 }
 
+/// Takes an exclusive `flock` on `path` (created if missing) on a blocking thread; the lock
+/// lasts as long as the returned file.
+pub(crate) async fn lock_file(path: &Path) -> Result<std::fs::File, LaunchError> {
+    let p = path.to_path_buf();
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p)
+        .map_err(io_err(&p))?;
+    tokio::task::spawn_blocking(move || {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a file descriptor this function owns; no memory is shared.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(io_err(&p)(std::io::Error::last_os_error()));
+        }
+        Ok(f)
+    })
+    .await
+    .map_err(|e| LaunchError::Host(e.to_string()))?
+}
+
 /// The accelerator (`tcg` or `kvm` in JSON).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
