@@ -54,7 +54,8 @@
 //!    namespace allow-list step; not in its layer), and its first log line says what it can reach ([`PROXY_ONLY_LINE`]): HTTP, and
 //!    HTTPS by `CONNECT`; `git://`, ssh and UDP do not work, unlike a namespace step with the
 //!    default network (slirp4netns). Each refusal is one `egress: refused …` line of the
-//!    step's log, through the same [`LogShaper`]. A `none` step's VM has no egress port and
+//!    step's log, through the same [`LogShaper`]. A `none` step's VM has no egress port (a
+//!    restored one has it, as every builder VM does, but the host never serves it) and
 //!    nothing listens on the proxy port; `host` is refused. Why a serial port and not a
 //!    network card: no packet of the step reaches the host's network stack, only the byte
 //!    streams the proxy checks, exactly as in a namespace step's allow-list; and the port is
@@ -97,7 +98,7 @@
 //! clone's does, then mounts the step's root as at a cold boot). The step's memory limit is
 //! still the command's `memory.max` in the guest. A step that does not fit (a larger memory
 //! limit, more disks, other vCPUs), or any step when the snapshot cannot be made or
-//! `KILN_VM_STEP_SNAPSHOT=0`, boots cold, and says why in the log (`tracing`, info);
+//! restored or `KILN_VM_STEP_SNAPSHOT=0`, boots cold, and says why in the log (`tracing`, info);
 //! [`VmExecutor::step_counts`] counts both. Each step's phases (disks, restore or boot, exec,
 //! diff) are logged at info as `microVM step done` (what `ci/bench-vmexec.sh` reports).
 //!
@@ -937,8 +938,8 @@ impl VmExecutor {
         for c in &caches {
             c.mark_dirty()?;
         }
-        let (mut vm, vm_spec) = match builder {
-            Some(b) => kiln_vmm::builder::restore(
+        let restored = match builder {
+            Some(b) => match kiln_vmm::builder::restore(
                 &self.host,
                 b,
                 dir,
@@ -947,7 +948,18 @@ impl VmExecutor {
                 BOOT_TIMEOUT,
             )
             .await
-            .map_err(|e| guest("restoring the builder snapshot", &e))?,
+            {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    tracing::warn!(step = spec.index, error = %e, "restoring the builder snapshot failed: this microVM step boots cold");
+                    None
+                }
+            },
+            None => None,
+        };
+        let builder = builder.filter(|_| restored.is_some());
+        let (mut vm, vm_spec) = match restored {
+            Some(r) => r,
             None => (
                 Vm::spawn(
                     &self.host,

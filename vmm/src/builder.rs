@@ -18,7 +18,8 @@
 //! accelerator, the host's TSC kHz (on the command line under TCG) and the shape. Made under
 //! an exclusive lock (`<cache>/builder.lock`), so two builds never race; a directory whose
 //! `snapshot.json` is missing, unreadable, of another key, or disagrees with its files
-//! (the vmstate's digest, the memory file's size) is removed and made again, never used.
+//! (the vmstate's digest, the memory file's size) is removed and made again, never used;
+//! those of an earlier boot of the host, which can never match again, are removed.
 //!
 //! **A step** ([`restore`], then [`start_step`]). QEMU starts with the same command line
 //! ([`builder_spec`]: one function for the snapshot's boot and every restore) and `-incoming
@@ -302,6 +303,7 @@ pub async fn ensure(
         memory: dir.join("memory"),
         vmstate: dir.join("vmstate"),
     };
+    remove_other_boots(cache, &name, &key.probe.boot_id);
     if valid(&dir, &key) {
         return Ok(Some(snap));
     }
@@ -340,6 +342,31 @@ pub async fn ensure(
     }
     tracing::info!(took = ?t0.elapsed(), dir = %dir.display(), "builder snapshot made");
     Ok(Some(snap))
+}
+
+/// Removes the builder snapshots in `cache` other than `keep` that were made in another
+/// boot of this host than `boot_id` (their key can never match again), or are unreadable,
+/// and the temporary directories of makes that died. Called under the lock. Snapshots of
+/// this boot with another key stay: another shape (vCPUs), or another kiln on this host.
+fn remove_other_boots(cache: &Path, keep: &str, boot_id: &str) {
+    let Ok(rd) = std::fs::read_dir(cache) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("builder-") || name == keep || !e.path().is_dir() {
+            continue;
+        }
+        let stale = name.ends_with(".tmp")
+            || std::fs::read(e.path().join("snapshot.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Record>(&b).ok())
+                .is_none_or(|r| r.key.probe.boot_id != boot_id);
+        if stale {
+            tracing::info!(dir = %e.path().display(), "removing a stale builder snapshot");
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Whether `dir` holds a whole builder snapshot of `key` (module doc).
@@ -414,12 +441,17 @@ async fn make(
     }
     crate::snapshot::save_vmstate(&mut vm, &vmstate).await?;
     vm.quit().await;
+    // Only the memory file and the vmstate are kept.
+    let sockets = [&spec.qmp_socket, &spec.guest_socket, &spec.serial_log];
     for d in std::iter::once(&spec.disk)
         .chain(&spec.ro_disks)
         .chain(&spec.rw_disks)
+        .chain(sockets)
+        .chain(spec.egress_socket.as_ref())
     {
         let _ = std::fs::remove_file(d);
     }
+    let _ = std::fs::remove_file(dir.join("qemu.log"));
     Ok(())
 }
 

@@ -406,9 +406,10 @@ pub struct VmSpec {
     /// The egress port's chardev socket (QEMU listens): a second `virtserialport` named
     /// [`kiln_guest::egress::PORT_NAME`] on the same `virtio-serial-device`, after the
     /// guest channel's, carrying a build step's proxy connections ([`crate::egress`]).
-    /// `Some` only for the VM of a step whose network is `default` or an allow-list;
-    /// snapshot VMs (boot-once, clones) never have it, so their device layout
-    /// ([`DEVICE_LAYOUT`], the compatibility key) stays as it is.
+    /// `Some` only for the VM of a step whose network is `default` or an allow-list, and for
+    /// every builder VM ([`crate::builder`]: the device set is fixed, the guest listens only
+    /// when its step has a network); image snapshot VMs (boot-once, clones) never have it,
+    /// so their device layout ([`DEVICE_LAYOUT`], the compatibility key) stays as it is.
     pub egress_socket: Option<PathBuf>,
     /// Serial console log.
     pub serial_log: PathBuf,
