@@ -19,7 +19,8 @@
 //! an exclusive lock (`<cache>/builder.lock`), so two builds never race; a directory whose
 //! `snapshot.json` is missing, unreadable, of another key, or disagrees with its files
 //! (the vmstate's digest, the memory file's size) is removed and made again, never used;
-//! those of an earlier boot of the host, which can never match again, are removed.
+//! those of an earlier boot of the host, which can never match again, are removed. A
+//! failure to make one is remembered for [`FAILED_RETRY`] (`builder-<key hash>.failed`).
 //!
 //! **A step** ([`restore`], then [`start_step`]). QEMU starts with the same command line
 //! ([`builder_spec`]: one function for the snapshot's boot and every restore) and `-incoming
@@ -56,6 +57,12 @@ use crate::snapshot::BootAssets;
 /// The size of every disk slot's placeholder in the builder snapshot, bytes (1 TiB, sparse):
 /// the capacity the guest keeps for each slot, so the largest step file a slot takes.
 pub const PLACEHOLDER_BYTES: u64 = 1 << 40;
+
+/// How long a failure to make the builder snapshot of a key is remembered (10 min): until
+/// then [`ensure`] answers that failure at once (steps boot cold) instead of booting again.
+/// An initramfs whose init predates `kiln.step=wait` powers the builder VM off at boot,
+/// which every build would otherwise pay for (about 5 s under TCG here).
+pub const FAILED_RETRY: Duration = Duration::from_secs(600);
 
 /// The size of an unused slot's placeholder at a step's restore, bytes (1 MiB, sparse).
 const UNUSED_SLOT_BYTES: u64 = 1 << 20;
@@ -307,6 +314,22 @@ pub async fn ensure(
     if valid(&dir, &key) {
         return Ok(Some(snap));
     }
+    let failed = cache.join(format!("{name}.failed"));
+    if let Ok(md) = std::fs::metadata(&failed)
+        && md
+            .modified()
+            .ok()
+            .and_then(|m| m.elapsed().ok())
+            .is_some_and(|a| a < FAILED_RETRY)
+    {
+        let reason = std::fs::read_to_string(&failed).unwrap_or_default();
+        return Err(LaunchError::Host(format!(
+            "making the builder snapshot failed less than {} s ago ({}): {reason}",
+            FAILED_RETRY.as_secs(),
+            failed.display()
+        ))
+        .into());
+    }
     if dir.exists() {
         tracing::info!(dir = %dir.display(), "builder snapshot stale or inconsistent: making it again");
         std::fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
@@ -338,8 +361,10 @@ pub async fn ensure(
     });
     if let Err(e) = record {
         let _ = std::fs::remove_dir_all(&tmp);
+        let _ = std::fs::write(&failed, e.to_string());
         return Err(e.into());
     }
+    let _ = std::fs::remove_file(&failed);
     tracing::info!(took = ?t0.elapsed(), dir = %dir.display(), "builder snapshot made");
     Ok(Some(snap))
 }
@@ -354,7 +379,12 @@ fn remove_other_boots(cache: &Path, keep: &str, boot_id: &str) {
     };
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if !name.starts_with("builder-") || name == keep || !e.path().is_dir() {
+        if !name.starts_with("builder-") || name == keep || name == format!("{keep}.failed") {
+            continue;
+        }
+        if !e.path().is_dir() {
+            // Another key's failure marker: that key may be tried again.
+            let _ = std::fs::remove_file(e.path());
             continue;
         }
         let stale = name.ends_with(".tmp")
