@@ -591,6 +591,68 @@ pub async fn start_step(
 mod tests {
     use super::*;
 
+    /// A record of `boot_id` in `cache/name`.
+    fn record(cache: &Path, name: &str, boot_id: &str) {
+        let dir = cache.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let rec = Record {
+            key: BuilderKey {
+                probe: launch::ProbeKey {
+                    boot_id: boot_id.into(),
+                    qemu_path: "/usr/bin/qemu-system-x86_64".into(),
+                    qemu_size: 1,
+                    qemu_mtime: (0, 0),
+                    qemu_version: "10.0.2".into(),
+                    kvm: None,
+                    guest: "kernel=k initramfs=i".into(),
+                },
+                accel: Accel::Tcg,
+                tsc_khz: None,
+                shape: BuilderShape {
+                    vcpus: 1,
+                    memory_bytes: 128 << 20,
+                    ro_disks: 1,
+                    rw_disks: 0,
+                },
+                placeholder_bytes: PLACEHOLDER_BYTES,
+            },
+            vmstate_sha256: String::new(),
+            memory_bytes: 0,
+        };
+        std::fs::write(dir.join("snapshot.json"), serde_json::to_vec(&rec).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn snapshots_of_other_boots_and_dead_makes_are_removed_others_stay() {
+        let t = tempfile::tempdir().unwrap();
+        let c = t.path();
+        record(c, "builder-keep", "now");
+        record(c, "builder-othershape", "now");
+        record(c, "builder-oldboot", "before");
+        std::fs::create_dir_all(c.join("builder-broken")).unwrap();
+        std::fs::create_dir_all(c.join("builder-x.tmp")).unwrap();
+        std::fs::write(c.join("builder-keep.failed"), "mine").unwrap();
+        std::fs::write(c.join("builder-other.failed"), "theirs").unwrap();
+        std::fs::write(c.join("builder.lock"), "").unwrap();
+        std::fs::create_dir_all(c.join("0123abcd")).unwrap();
+        remove_other_boots(c, "builder-keep", "now");
+        let mut left: Vec<String> = std::fs::read_dir(c)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                "0123abcd",
+                "builder-keep",
+                "builder-keep.failed",
+                "builder-othershape",
+                "builder.lock"
+            ]
+        );
+    }
+
     #[test]
     fn a_step_fits_the_shape_or_says_why_not() {
         let t = tempfile::tempdir().unwrap();
