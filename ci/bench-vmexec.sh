@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Per-step cost of the microVM step executor against the namespace executor (issue 14 §1).
-# Not a test: never run by `cargo test` or ci/test.sh.
+# Per-step cost of the microVM step executor against the namespace executor (issues 14 §1
+# and 32). Not a test: never run by `cargo test` or ci/test.sh.
 #
 # One Dockerfile of KILN_BENCH_STEPS (3) `RUN echo N > /N` steps over the busybox fixture,
-# built with --no-cache --oci-only under `--isolation namespace` and `--isolation vm`,
-# KILN_BENCH_RUNS (3) times each, alternating; prints each wall time, then the median per
-# executor and (vm − namespace) / steps, the fixed cost a step pays for its VM. With
-# RUST_LOG=kiln_pipeline=debug each VM step also logs booted= (QEMU start → the guest
-# answered), ran= and total=.
+# built with --no-cache --oci-only under `--isolation namespace`, `--isolation vm` (steps
+# restored from the per-host builder snapshot) and, unless KILN_BENCH_COLD=0, `--isolation
+# vm` with KILN_VM_STEP_SNAPSHOT=0 (`vm-cold`: a cold boot per step), KILN_BENCH_RUNS (3)
+# times each, alternating. Prints each wall time; then per executor the median and the
+# spread (min–max) of the runs, and (vm − namespace) / steps, the fixed cost a step pays
+# for its VM, as the median of the runs' own figures with their spread (each run's vm
+# build against the same run's namespace build); then, from each VM step's
+# `microVM step done` log line (kiln_pipeline at info), the median and spread in ms of
+# its phases: disks (upper disk, lower images, mount disks), start (restore or boot:
+# QEMU's start to the guest's answer), exec (the command), diff (the changes to the
+# host), and how many steps were restored or booted.
 #
 #   KILN                 the kiln binary; default $CARGO_TARGET_DIR/debug/kiln
 #   KILN_KERNEL, KILN_INITRAMFS   the guest kernel and initramfs (as ci/setup.sh exports
@@ -27,21 +33,44 @@ mkdir "$work/ctx"
   for i in $(seq 1 "$steps"); do echo "RUN echo $i > /$i"; done
 } >"$work/ctx/Dockerfile"
 export KILN_STORE=$work/store
-# One build first, so that the base image and the lower disk images exist for both.
+# One build first, so that the base image, the lower disk images and the builder snapshot
+# exist for all.
 "$kiln" build "$work/ctx" --isolation vm --oci-only --progress plain >/dev/null 2>&1
-declare -A times
+executors="namespace vm"
+[ "${KILN_BENCH_COLD:-1}" = 0 ] || executors="$executors vm-cold"
+declare -A times fixed
+: >"$work/phases"
 for r in $(seq 1 "$runs"); do
-  for iso in namespace vm; do
+  for ex in $executors; do
+    iso=${ex%-cold}
+    snap=1
+    [ "$ex" = vm-cold ] && snap=0
     t0=$(date +%s.%N)
-    "$kiln" build "$work/ctx" --isolation "$iso" --no-cache --oci-only --progress plain \
+    KILN_VM_STEP_SNAPSHOT=$snap KILN_LOG=warn,kiln_pipeline::vmexec=info \
+      "$kiln" build "$work/ctx" --isolation "$iso" --no-cache --oci-only --progress plain \
       >/dev/null 2>"$work/err" || { cat "$work/err" >&2; exit 1; }
     t=$(echo "$(date +%s.%N) - $t0" | bc)
-    echo "run $r $iso: ${t} s"
-    times[$iso]="${times[$iso]:-} $t"
+    echo "run $r $ex: ${t} s"
+    times[$ex]="${times[$ex]:-} $t"
+    [ "$ex" = namespace ] && ns_t=$t
+    if [ "$ex" != namespace ]; then
+      fixed[$ex]="${fixed[$ex]:-} $(echo "scale=3; ($t - $ns_t) / $steps" | bc)"
+      grep -a 'microVM step done' "$work/err" | sed 's/\x1b\[[0-9;]*m//g' |
+        sed "s/^/$ex /" >>"$work/phases" || true
+    fi
   done
 done
 median() { tr ' ' '\n' | grep . | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
-ns=$(echo "${times[namespace]}" | median)
-vm=$(echo "${times[vm]}" | median)
-echo "median: namespace ${ns} s, vm ${vm} s, $steps steps"
-echo "fixed cost per step above the namespace executor: $(echo "scale=2; ($vm - $ns) / $steps" | bc) s"
+spread() { tr ' ' '\n' | grep . | sort -n | awk 'NR==1{lo=$1} {hi=$1} END {print lo "–" hi}'; }
+for ex in $executors; do
+  echo "$ex: median $(echo "${times[$ex]}" | median) s (runs $(echo "${times[$ex]}" | spread) s), $steps steps"
+done
+for ex in $executors; do
+  [ "$ex" = namespace ] && continue
+  echo "$ex: fixed cost per step above the namespace executor: median $(echo "${fixed[$ex]}" | median) s (runs $(echo "${fixed[$ex]}" | spread) s)"
+  for phase in disks start exec diff total; do
+    v=$(grep -a "^$ex " "$work/phases" | grep -o "${phase}_ms=[0-9]*" | cut -d= -f2 | tr '\n' ' ')
+    [ -n "$v" ] && echo "  $phase: median $(echo "$v" | median) ms ($(echo "$v" | spread) ms)"
+  done
+  echo "  steps: $(grep -a "^$ex " "$work/phases" | grep -c 'start="\?restored') restored, $(grep -a "^$ex " "$work/phases" | grep -c 'start="\?booted') booted"
+done

@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, Ipv4Addr, TcpListener};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -32,7 +32,6 @@ use kiln_pipeline::vmexec::{PROXY_ONLY_LINE, VmExecutor};
 use kiln_recipes::plan::{Egress, EgressRule, Network};
 use kiln_tests::vm::guest_assets;
 
-const BUSYBOX: &str = "/usr/bin/busybox";
 /// Size of each concurrent download.
 const BIG: usize = 1 << 20;
 /// Concurrent downloads in the `default` step.
@@ -126,31 +125,8 @@ struct Fixture {
 }
 
 fn fixture() -> Fixture {
-    assert!(
-        rustix::process::geteuid().is_root(),
-        "VM step tests need root (CI runs them as root)"
-    );
-    assert!(
-        Path::new(BUSYBOX).exists(),
-        "{BUSYBOX} missing: run ci/setup.sh (installs busybox-static)"
-    );
     let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().join("rootfs");
-    for d in ["bin", "etc", "tmp"] {
-        std::fs::create_dir_all(root.join(d)).unwrap();
-    }
-    std::fs::copy(BUSYBOX, root.join("bin/busybox")).unwrap();
-    let list = std::process::Command::new(BUSYBOX)
-        .arg("--list")
-        .output()
-        .unwrap();
-    for applet in String::from_utf8(list.stdout).unwrap().lines() {
-        if applet != "busybox" {
-            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
-        }
-    }
-    std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
-    std::fs::write(root.join("etc/group"), "root:x:0:\n").unwrap();
+    let root = kiln_tests::vm::busybox_root(&tmp.path().join("rootfs"));
     Fixture { tmp, root }
 }
 

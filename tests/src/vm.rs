@@ -13,6 +13,39 @@ use kiln_vmm::snapshot::BootAssets;
 
 use crate::require_env;
 
+/// The host's static busybox (Debian's `busybox-static`, installed by `ci/setup.sh`).
+pub const BUSYBOX: &str = "/usr/bin/busybox";
+
+/// A busybox root at `root` for VM steps: the static busybox and its applets in `/bin`,
+/// root in `/etc/passwd` and `/etc/group`, an empty `/tmp`. Returns `root`. Asserts that
+/// this process is root (VM steps need it) and that [`BUSYBOX`] exists.
+pub fn busybox_root(root: &Path) -> PathBuf {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "VM step tests need root (CI runs them as root)"
+    );
+    assert!(
+        Path::new(BUSYBOX).exists(),
+        "{BUSYBOX} missing: run ci/setup.sh (installs busybox-static)"
+    );
+    for d in ["bin", "etc", "tmp"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    std::fs::copy(BUSYBOX, root.join("bin/busybox")).unwrap();
+    let list = std::process::Command::new(BUSYBOX)
+        .arg("--list")
+        .output()
+        .unwrap();
+    for applet in String::from_utf8(list.stdout).unwrap().lines() {
+        if applet != "busybox" {
+            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+        }
+    }
+    std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+    std::fs::write(root.join("etc/group"), "root:x:0:\n").unwrap();
+    root.to_path_buf()
+}
+
 /// The guest kernel (vmlinux) and initramfs: `KILN_TEST_KERNEL` and `KILN_TEST_INITRAMFS`
 /// when `ci/setup.sh` exported them and that initramfs's stamp ([`init_stamp`]) names this
 /// checkout's guest init sources ([`guest_init_sources_digest`]), else built once per process

@@ -509,7 +509,7 @@ async fn materialize(
         return Ok(c);
     }
     // One materializer at a time per snapshot (flock on `<dir>/lock`, released on drop).
-    let _lock = lock(&c.dir.join("lock")).await?;
+    let _lock = launch::lock_file(&c.dir.join("lock")).await?;
     let marker = c.dir.join("complete");
     if !marker.exists() {
         let _ = std::fs::remove_file(&c.memory);
@@ -521,28 +521,6 @@ async fn materialize(
         std::fs::write(&marker, digest.to_string()).map_err(io_err(&marker))?;
     }
     Ok(c)
-}
-
-/// Takes an exclusive `flock` on `path` (created if missing) on a blocking thread; the lock
-/// lasts as long as the returned file.
-async fn lock(path: &Path) -> Result<std::fs::File, CloneError> {
-    let p = path.to_path_buf();
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&p)
-        .map_err(io_err(&p))?;
-    tokio::task::spawn_blocking(move || {
-        use std::os::fd::AsRawFd;
-        // SAFETY: flock on a file descriptor this function owns; no memory is shared.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(io_err(&p)(std::io::Error::last_os_error()).into());
-        }
-        Ok(f)
-    })
-    .await
-    .map_err(|e| CloneError::from(LaunchError::Host(e.to_string())))?
 }
 
 /// The accelerator probe's answer on this host, remembered beside the cached snapshots
@@ -666,6 +644,44 @@ pub async fn start_clones_of(
     Ok(out)
 }
 
+/// Resumes a QEMU started with `-incoming defer` ([`VmSpec::incoming`]) from the device
+/// state in `vmstate` (handed to a jailed QEMU at its start), its RAM being the memory file
+/// it maps: `x-ignore-shared`, `migrate-incoming file:<vmstate>`, the migration's end within
+/// `timeout`, `cont`. Clones and builder VMs ([`crate::builder`]) alike.
+///
+/// Errors: QMP's ([`QmpError`]), a failed or late migration among them.
+pub(crate) async fn resume_incoming(
+    vm: &mut Vm,
+    vmstate: &Path,
+    timeout: Duration,
+) -> Result<(), QmpError> {
+    vm.qmp
+        .set_capabilities(&[("x-ignore-shared", true)])
+        .await?;
+    vm.qmp
+        .execute(
+            "migrate-incoming",
+            Some(serde_json::json!({"uri": format!("file:{}", vm.qemu_path(vmstate))})),
+        )
+        .await?;
+    vm.qmp.wait_migration(timeout).await?;
+    vm.qmp.execute("cont", None).await?;
+    Ok(())
+}
+
+/// The `restore` a copy of a snapshot gets first: 32 fresh bytes of `/dev/urandom` for the
+/// guest's reseed, the host's wall clock, `env`; no image defaults, no disk growth. Clones
+/// and builder VMs ([`crate::builder`]) alike.
+///
+/// Errors: `/dev/urandom` unreadable ([`LaunchError::Io`]).
+pub(crate) fn fresh_restore(env: Vec<String>) -> Result<Restore, LaunchError> {
+    let now_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    Ok(Restore::new(&random_bytes(32)?, now_ns, env))
+}
+
 fn random_bytes(n: usize) -> Result<Vec<u8>, LaunchError> {
     use std::io::Read;
     let mut b = vec![0u8; n];
@@ -751,17 +767,7 @@ async fn start_one(
         // QEMU outlives this process from here on; a reaper finds it by its command line even
         // if this process dies before this line.
         write_starting(&dir, Some(vm.pid))?;
-        vm.qmp
-            .set_capabilities(&[("x-ignore-shared", true)])
-            .await?;
-        vm.qmp
-            .execute(
-                "migrate-incoming",
-                Some(serde_json::json!({"uri": format!("file:{}", vm.qemu_path(&cached.vmstate))})),
-            )
-            .await?;
-        vm.qmp.wait_migration(opts.restore_timeout).await?;
-        vm.qmp.execute("cont", None).await?;
+        resume_incoming(vm, &cached.vmstate, opts.restore_timeout).await?;
         if let Some(size) = grow {
             // Grows the overlay and tells the guest (see the module doc).
             vm.qmp
@@ -780,15 +786,11 @@ async fn start_one(
         let mut ch = GuestChannel::connect(&spec.guest_socket, opts.restore_timeout)
             .await
             .map_err(|e| guest_err("connecting to the guest channel", e))?;
-        let now_ns = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
         ch.send(&Message::Restore(Restore {
             image_user: defaults.map(|d| d.user.clone()),
             image_env: defaults.map(|d| d.env.clone()),
             disk_bytes: grow,
-            ..Restore::new(&random_bytes(32)?, now_ns, opts.env.clone())
+            ..fresh_restore(opts.env.clone())?
         }))
         .await
         .map_err(|e| guest_err("sending restore", e))?;

@@ -11,11 +11,13 @@
 //! - [`initramfs`]: the guest initramfs (the static kiln-guest-init and the virtio modules).
 //! - [`snapshot`]: boot once → snapshot into the store.
 //! - [`clone`]: clone start from a stored snapshot; clones running on this host.
+//! - [`builder`]: the per-host builder snapshot a build step's VM is restored from.
 //! - [`exec`]: commands in a running clone (the guest protocol's `exec`), from any process.
 
 // Errors carry paths and QEMU's messages; large, but only on the error path.
 #![allow(clippy::result_large_err)]
 
+pub mod builder;
 pub mod channel;
 pub mod clone;
 pub mod compat;

@@ -344,17 +344,7 @@ pub async fn snapshot_manifest(
 
     // 3. Pause and save the device state.
     let t1 = Instant::now();
-    vm.qmp.execute("stop", None).await?;
-    vm.qmp
-        .set_capabilities(&[("x-ignore-shared", true)])
-        .await?;
-    vm.qmp
-        .execute(
-            "migrate",
-            Some(serde_json::json!({"uri": format!("file:{}", vm.qemu_path(&vmstate))})),
-        )
-        .await?;
-    vm.qmp.wait_migration(Duration::from_secs(120)).await?;
+    save_vmstate(&mut vm, &vmstate).await?;
     let save = t1.elapsed();
     vm.quit().await;
 
@@ -619,6 +609,26 @@ fn parse_chunk_log(log: &str) -> kiln_store::PrefetchList {
         }
     }
     list
+}
+
+/// Pauses `vm` and saves its device state to `vmstate` (handed to a jailed QEMU at its start
+/// with [`crate::jail::Access::Create`]), its RAM staying in the shared memory file
+/// (`x-ignore-shared`): `stop`, `migrate file:<vmstate>`, its end within 120 s. Image
+/// snapshots and the builder snapshot ([`crate::builder`]) alike.
+///
+/// Errors: QMP's ([`QmpError`]), a failed or late migration among them.
+pub(crate) async fn save_vmstate(vm: &mut Vm, vmstate: &std::path::Path) -> Result<(), QmpError> {
+    vm.qmp.execute("stop", None).await?;
+    vm.qmp
+        .set_capabilities(&[("x-ignore-shared", true)])
+        .await?;
+    vm.qmp
+        .execute(
+            "migrate",
+            Some(serde_json::json!({"uri": format!("file:{}", vm.qemu_path(vmstate))})),
+        )
+        .await?;
+    vm.qmp.wait_migration(Duration::from_secs(120)).await
 }
 
 /// A guest-channel failure as a [`SnapshotError::Guest`]: whether QEMU has gone too (a closed

@@ -43,6 +43,10 @@
 //! host → guest  diff     {}                                  step VMs: send the changes
 //! guest → host  diff_data {seq, data}                        0 or more: a tar stream
 //! guest → host  diff_end {seq, bytes, error}                 exactly one per diff
+//!
+//! host → guest  mount_step {lowers, egress}                  builder VMs (`kiln.step=wait`),
+//!                                                            after `restore`: mount the step
+//! guest → host  step_mounted {}                              its root is `/`; or `error`
 //! ```
 //!
 //! ## Commands (`exec`)
@@ -138,6 +142,9 @@ pub const PIPES_DIR: &str = "/dev/pipes/";
 pub const MAX_FILES: usize = 64;
 /// Most [`Exec::mounts`] in one exec.
 pub const MAX_MOUNTS: usize = 64;
+/// Most lower disks of a step VM ([`MountStep::lowers`], `kiln.step=N`): the microvm
+/// machine's 24 virtio-mmio transports less the upper disk and the host port.
+pub const MAX_STEP_LOWERS: usize = 22;
 /// Most bytes of [`Exec::files`] data in one exec (512 KiB: heredocs and a step's CA bundle,
 /// an image's own of about 220 KB with the build's extra certificates; base64 on the wire,
 /// and the whole frame must still fit in [`MAX_FRAME_LEN`]).
@@ -185,7 +192,29 @@ pub enum Message {
     DiffData(DiffData),
     /// guest → host: the tar stream is complete, or could not be made; its last frame.
     DiffEnd(DiffEnd),
+    /// host → guest (builder VMs, booted with `kiln.step=wait` and restored from the
+    /// per-host builder snapshot): the step's disks are bound now; drop what the block
+    /// layer cached of them, mount the step's root and make it `/`.
+    MountStep(MountStep),
+    /// guest → host: the step's root is mounted ([`Message::MountStep`]); an
+    /// [`Message::Error`] says why not.
+    StepMounted(StepMounted),
 }
+
+/// `mount_step`: what a builder VM mounts as the step's root (the disks are found by
+/// serial, as at a cold step boot: `upper`, `lower0` … `lower<lowers-1>`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountStep {
+    /// The step's lower disks, topmost first; at most [`MAX_STEP_LOWERS`].
+    pub lowers: u32,
+    /// Start the egress listener (`127.0.0.1:3128`, as `kiln.egress` does at a cold boot).
+    #[serde(default)]
+    pub egress: bool,
+}
+
+/// `step_mounted`: the answer to [`MountStep`].
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct StepMounted {}
 
 /// `hello`: sent by the guest init once it runs and has opened the port.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -388,6 +417,8 @@ impl Message {
             Message::Diff(_) => "diff",
             Message::DiffData(_) => "diff_data",
             Message::DiffEnd(_) => "diff_end",
+            Message::MountStep(_) => "mount_step",
+            Message::StepMounted(_) => "step_mounted",
         }
     }
 
@@ -407,6 +438,10 @@ impl Message {
                 )),
                 _ => Ok(()),
             },
+            Message::MountStep(m) if m.lowers as usize > MAX_STEP_LOWERS => Err(bad(
+                "lowers",
+                format!("{} disks, at most {MAX_STEP_LOWERS}", m.lowers),
+            )),
             _ => Ok(()),
         }
     }
@@ -419,7 +454,7 @@ impl Message {
     }
 }
 
-const KNOWN_TYPES: [&str; 17] = [
+const KNOWN_TYPES: [&str; 19] = [
     "hello",
     "start",
     "ready",
@@ -437,6 +472,8 @@ const KNOWN_TYPES: [&str; 17] = [
     "diff",
     "diff_data",
     "diff_end",
+    "mount_step",
+    "step_mounted",
 ];
 
 fn bad(field: &'static str, reason: String) -> DecodeError {
@@ -641,6 +678,11 @@ mod tests {
             }),
             Message::Ping(Ping { nonce: 9 }),
             Message::Pong(Ping { nonce: 9 }),
+            Message::MountStep(MountStep {
+                lowers: MAX_STEP_LOWERS as u32,
+                egress: true,
+            }),
+            Message::StepMounted(StepMounted {}),
             Message::Error(ErrorMessage {
                 message: "no".into(),
             }),
@@ -1191,6 +1233,46 @@ mod tests {
             br#"{"v":1,"type":"ready","elapsed_ms":-1}"#,
             br#"{"v":1,"type":"restore","entropy":"AA==","time_unix_ns":"now"}"#,
             br#"{"v":1,"type":"start","ready":{"argv":[],"interval_ms":1}}"#,
+        ] {
+            assert!(
+                matches!(decode_body(body), Err(DecodeError::BadMessage { .. })),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+
+    #[test]
+    fn mount_step_lowers_are_bounded_both_ways() {
+        let over = Message::MountStep(MountStep {
+            lowers: MAX_STEP_LOWERS as u32 + 1,
+            egress: false,
+        });
+        assert_eq!(
+            refused_field(&raw(serde_json::json!({
+                "v": 1, "type": "mount_step", "lowers": MAX_STEP_LOWERS + 1
+            }))),
+            "lowers"
+        );
+        assert!(matches!(
+            encode_body(&over),
+            Err(DecodeError::BadField {
+                field: "lowers",
+                ..
+            })
+        ));
+        let body = br#"{"v":1,"type":"mount_step","lowers":2}"#;
+        assert_eq!(
+            decode_body(body).unwrap(),
+            Message::MountStep(MountStep {
+                lowers: 2,
+                egress: false
+            })
+        );
+        for body in [
+            &br#"{"v":1,"type":"mount_step"}"#[..],
+            br#"{"v":1,"type":"mount_step","lowers":-1}"#,
+            br#"{"v":1,"type":"mount_step","lowers":4294967296}"#,
         ] {
             assert!(
                 matches!(decode_body(body), Err(DecodeError::BadMessage { .. })),

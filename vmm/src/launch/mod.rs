@@ -162,6 +162,28 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> LaunchError 
     }
 }
 
+/// Takes an exclusive `flock` on `path` (created if missing) on a blocking thread; the lock
+/// lasts as long as the returned file.
+pub(crate) async fn lock_file(path: &Path) -> Result<std::fs::File, LaunchError> {
+    let p = path.to_path_buf();
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p)
+        .map_err(io_err(&p))?;
+    tokio::task::spawn_blocking(move || {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a file descriptor this function owns; no memory is shared.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(io_err(&p)(std::io::Error::last_os_error()));
+        }
+        Ok(f)
+    })
+    .await
+    .map_err(|e| LaunchError::Host(e.to_string()))?
+}
+
 /// The accelerator (`tcg` or `kvm` in JSON).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -384,9 +406,10 @@ pub struct VmSpec {
     /// The egress port's chardev socket (QEMU listens): a second `virtserialport` named
     /// [`kiln_guest::egress::PORT_NAME`] on the same `virtio-serial-device`, after the
     /// guest channel's, carrying a build step's proxy connections ([`crate::egress`]).
-    /// `Some` only for the VM of a step whose network is `default` or an allow-list;
-    /// snapshot VMs (boot-once, clones) never have it, so their device layout
-    /// ([`DEVICE_LAYOUT`], the compatibility key) stays as it is.
+    /// `Some` only for the VM of a step whose network is `default` or an allow-list, and for
+    /// every builder VM ([`crate::builder`]: the device set is fixed, the guest listens only
+    /// when its step has a network); image snapshot VMs (boot-once, clones) never have it,
+    /// so their device layout ([`DEVICE_LAYOUT`], the compatibility key) stays as it is.
     pub egress_socket: Option<PathBuf>,
     /// Serial console log.
     pub serial_log: PathBuf,

@@ -33,14 +33,18 @@ pub struct BootOptions {
     /// upper directory on the disk with the serial `upper` ([`STEP_UPPER`]); see
     /// [`switch_root`].
     pub step_lowers: Option<usize>,
+    /// `kiln.step=wait`: a builder VM (the per-host builder snapshot, kiln-vmm's
+    /// `builder` module): the init boots with every step disk slot present but touches
+    /// none of them (only the kernel's probe read them), answers the host, and mounts the
+    /// step's root when a `mount_step` comes after a restore ([`mount_waiting_step`]).
+    pub step_wait: bool,
     /// `kiln.egress`: the VM has the egress port ([`kiln_guest::egress::PORT_NAME`]); the
     /// init waits for it to appear before it answers the host ([`crate::egress`]).
     pub egress: bool,
 }
 
-/// Most lower disks a step VM takes (`kiln.step=`): the microvm machine has 24 virtio-mmio
-/// transports, two of them for the upper disk and the host port.
-pub const MAX_STEP_LOWERS: usize = 22;
+/// Most lower disks a step VM takes (`kiln.step=`, `mount_step`).
+pub use kiln_guest::protocol::MAX_STEP_LOWERS;
 
 /// Where a step VM's upper disk is mounted (in the initramfs, outside the step's root).
 const STEP_DISK: &str = "/kiln/upper-disk";
@@ -64,6 +68,7 @@ impl BootOptions {
             root: "/dev/vda".into(),
             fstype: "ext4".into(),
             step_lowers: None,
+            step_wait: false,
             egress: false,
         };
         for word in cmdline.split_ascii_whitespace() {
@@ -71,6 +76,8 @@ impl BootOptions {
                 opts.root = v.into();
             } else if let Some(v) = word.strip_prefix("kiln.rootfstype=") {
                 opts.fstype = v.into();
+            } else if word == "kiln.step=wait" {
+                opts.step_wait = true;
             } else if let Some(v) = word.strip_prefix("kiln.step=") {
                 opts.step_lowers = v.parse::<usize>().ok().map(|n| n.min(MAX_STEP_LOWERS));
             } else if word == "kiln.egress" {
@@ -267,6 +274,66 @@ fn mount_step_root(opts: &BootOptions, n: usize) -> Result<(), BootError> {
     Ok(())
 }
 
+/// Whether this is a builder VM still waiting for its step (`kiln.step=wait` and no
+/// [`mount_waiting_step`] yet).
+pub fn waiting_for_step() -> bool {
+    WAITING.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+static WAITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Marks this VM a builder VM waiting for its step (`kiln.step=wait`).
+pub fn wait_for_step() {
+    WAITING.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// `_IO(0x12, 97)`: drop a block device's cached buffers (linux/fs.h).
+const BLKFLSBUF: libc::c_ulong = 0x1261;
+
+/// A builder VM's step, once the host has bound the step's files to the disk slots and
+/// restored the VM: every virtio disk's cached blocks are dropped (`BLKFLSBUF`; the
+/// kernel's probe at the snapshot's boot read the placeholders' first blocks, and a mount
+/// must read the step's files), then the root is mounted as at a cold step boot
+/// ([`switch_root`] with `lowers`). The capacity the guest holds for each disk is the
+/// placeholder's, which the host makes larger than any step file it binds (QEMU refuses
+/// `block_resize` on a read-only drive, measured under QEMU 10.0): a file system is never
+/// larger than its file, and QEMU refuses I/O past the file's end.
+///
+/// Errors: not waiting (no `kiln.step=wait`, or mounted already), a flush or a mount.
+pub fn mount_waiting_step(lowers: usize, fstype: &str) -> Result<(), BootError> {
+    if WAITING
+        .compare_exchange(
+            true,
+            false,
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+        )
+        .is_err()
+    {
+        return Err(BootError::Mount(
+            "the step root".into(),
+            io::Error::other("not a builder VM waiting for its step"),
+        ));
+    }
+    for dev in disks_by_serial().into_values() {
+        let f = fs::File::open(&dev).map_err(|e| BootError::Mount(dev.clone(), e))?;
+        // SAFETY: an argument-less ioctl on a descriptor this function owns.
+        if unsafe { libc::ioctl(f.as_raw_fd(), BLKFLSBUF as _) } != 0 {
+            return Err(BootError::Mount(
+                format!("{dev} (BLKFLSBUF)"),
+                io::Error::last_os_error(),
+            ));
+        }
+    }
+    switch_root(&BootOptions {
+        root: "/dev/vda".into(),
+        fstype: fstype.into(),
+        step_lowers: Some(lowers.min(MAX_STEP_LOWERS)),
+        step_wait: false,
+        egress: false,
+    })
+}
+
 /// Virtio block devices by serial: `serial` → `/dev/vdX` (made with mknod from its `dev`
 /// file when devtmpfs has not made it yet).
 pub fn disks_by_serial() -> std::collections::HashMap<String, String> {
@@ -310,5 +377,7 @@ mod tests {
             BootOptions::from_cmdline("kiln.step=99").step_lowers,
             Some(MAX_STEP_LOWERS)
         );
+        let w = BootOptions::from_cmdline("kiln.step=wait kiln.egress");
+        assert_eq!((w.step_lowers, w.step_wait, w.egress), (None, true, true));
     }
 }

@@ -16,6 +16,10 @@
 //! as a tar stream ([`diff`]). A step VM with a network (`default` or an allow-list) also
 //! has the egress port and `kiln.egress` on its command line: the init listens on
 //! `127.0.0.1:3128` and carries each connection to the host's egress proxy ([`egress`]).
+//! A builder VM (`kiln.step=wait`, snapshotted once per host by kiln-vmm) mounts nothing
+//! at boot: after the host restores it and sends `restore`, a `mount_step` mounts the
+//! step's root as above ([`boot::mount_waiting_step`]) and starts the egress listener if
+//! asked.
 //!
 //! PID 1 must never exit (the kernel panics): a fatal error is logged and the VM powered off.
 
@@ -115,7 +119,13 @@ fn run() -> Result<(), BootError> {
     let opts = boot::BootOptions::from_cmdline(&cmdline);
     let n = boot::load_modules()?;
     log!("loaded {n} modules");
-    boot::switch_root(&opts)?;
+    if opts.step_wait {
+        // A builder VM: the step's root is mounted on `mount_step` (serve.rs).
+        boot::wait_for_step();
+        log!("builder VM: waiting for a step");
+    } else {
+        boot::switch_root(&opts)?;
+    }
     if let Err(e) = sys::sethostname("runtime-guest") {
         log!("sethostname: {e}");
     }
@@ -130,7 +140,7 @@ fn run() -> Result<(), BootError> {
         Err(_) => true,
     };
     // A build step's VM writes nothing of its own into the step's layer.
-    if needs_id && opts.step_lowers.is_none() && Path::new("/etc").is_dir() {
+    if needs_id && opts.step_lowers.is_none() && !opts.step_wait && Path::new("/etc").is_dir() {
         match serve::new_machine_id().and_then(|id| serve::write_machine_id(&id)) {
             Ok(()) => {}
             Err(e) => log!("writing /etc/machine-id: {e}"),
@@ -139,7 +149,8 @@ fn run() -> Result<(), BootError> {
     proc::start_reaper();
     let port = serve::open_port()?;
     // Before the host hears from us, so that a step never starts before its proxy port.
-    egress::start(opts.egress);
+    // A builder VM's egress listener starts with its step (`mount_step`).
+    egress::start(opts.egress && !opts.step_wait);
     log!("host port {} open", kiln_guest::protocol::PORT_NAME);
     serve::serve(port)
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kiln_guest::protocol::{
     self, DecodeError, ErrorMessage, Failed, FailureKind, FrameBuffer, Hello, Message, Ready,
-    ReadyCheck, Restore, Restored, Start,
+    ReadyCheck, Restore, Restored, Start, StepMounted,
 };
 
 use crate::proc::{self, Command, User};
@@ -238,6 +238,18 @@ fn handle(msg: Message, tx: &Sender, started: &mut bool) {
                 log!("restore failed: {e}");
                 tx.send(&Message::Error(ErrorMessage {
                     message: format!("restore failed: {e}"),
+                }))
+            }
+        },
+        Message::MountStep(m) => match crate::boot::mount_waiting_step(m.lowers as usize, "ext4") {
+            Ok(()) => {
+                crate::egress::start(m.egress);
+                tx.send(&Message::StepMounted(StepMounted {}))
+            }
+            Err(e) => {
+                log!("mount_step failed: {e}");
+                tx.send(&Message::Error(ErrorMessage {
+                    message: format!("mount_step failed: {e}"),
                 }))
             }
         },
@@ -564,8 +576,13 @@ fn restore(r: &Restore) -> Result<Restored, RestoreError> {
         exec::update_image_defaults(r.image_user.clone(), r.image_env.clone());
     }
     let machine_id = new_machine_id().map_err(|e| RestoreError::Step("getrandom", e))?;
-    write_machine_id(&machine_id).map_err(|e| RestoreError::Step("writing /etc/machine-id", e))?;
-    start_ssh_host_keys();
+    // A builder VM waiting for its step is still in the initramfs; its step, like a cold
+    // step VM, writes nothing of its own into the step's layer.
+    if !crate::boot::waiting_for_step() {
+        write_machine_id(&machine_id)
+            .map_err(|e| RestoreError::Step("writing /etc/machine-id", e))?;
+        start_ssh_host_keys();
+    }
     let fs_bytes = match r.disk_bytes {
         Some(want) => Some(crate::grow::grow_root(crate::boot::root_device(), want)?),
         None => None,
