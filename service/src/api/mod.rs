@@ -15,7 +15,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use futures_util::StreamExt as _;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest as _, Sha256};
 use utoipa::{OpenApi, ToSchema};
 
 use crate::AppState;
@@ -587,7 +586,7 @@ async fn submit(
     let stored = StoredSpec {
         recipe: recipe_name,
         recipe_in_context: in_context,
-        recipe_digest: format!("sha256:{}", hex::encode(Sha256::digest(&recipe))),
+        recipe_digest: kiln_store::digest::Sha256Hash::of(&recipe).to_string(),
         context,
         tags: spec.tags.clone(),
         store_tags,
@@ -616,7 +615,7 @@ async fn submit(
         .map_err(ApiError::BadRequest)?;
     kiln_pipeline::check_recipe(&check).map_err(|e| ApiError::BadRequest(e.to_string()))?;
     let spec_json = serde_json::to_string(&stored).map_err(|_| ApiError::Internal)?;
-    let hash = hex::encode(Sha256::digest(spec_json.as_bytes()));
+    let hash = kiln_store::digest::Sha256Hash::of(spec_json.as_bytes()).hex();
     let id = random_id()?;
     let credentials = match (&registry_auth, &s.config.credentials_key) {
         (Some(a), Some(key)) => Some(key.seal(&id, a).map_err(|e| {
