@@ -931,6 +931,9 @@ pub(crate) fn qemus_in(dir: &Path) -> Vec<u32> {
         .collect()
 }
 
+/// How long [`reap_abandoned`] waits for the QEMUs it killed to exit.
+const REAP_WAIT: Duration = Duration::from_secs(10);
+
 /// Stops and removes the clone in `dir` if it is a start whose starter died (see
 /// [`STARTING`]): SIGKILL of every QEMU whose command line names the directory. Returns
 /// whether it was removed.
@@ -950,6 +953,16 @@ fn reap_abandoned(dir: &Path) -> bool {
         unsafe {
             libc::kill(pid as libc::pid_t, libc::SIGKILL);
         }
+    }
+    // SIGKILL is delivered at once but a QEMU takes a while to exit (it unmaps its guest
+    // RAM first): wait until none is left, so that a listing that returns has left no QEMU
+    // it does not list (at most REAP_WAIT; one still there is only logged).
+    let deadline = Instant::now() + REAP_WAIT;
+    while !qemus_in(dir).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if let Some(pid) = qemus_in(dir).first() {
+        tracing::warn!(pid, dir = %dir.display(), "a killed QEMU has not exited yet");
     }
     tracing::warn!(dir = %dir.display(), "removing a clone whose kiln start died while starting it");
     std::fs::remove_dir_all(dir).is_ok()
