@@ -31,7 +31,8 @@
 # and that against the namespace build (a ratio: the steps' own work in the VM against the
 # same work in namespaces; under TCG the guest's work is emulated, so this part is slower:
 # it is reported, not a goal). Last, per RUN step of the VM builds, the phases the VM
-# executor logs (`microVM step done`: disks, start, exec, diff, total; ms).
+# executor logs (`microVM step done`: disks, start, exec, diff, total; ms), each RUN step
+# named by kiln's step index (ARG and ENV make no step) and its Dockerfile line.
 #
 #   KILN                 the kiln binary; default: built by bench_kiln (release, under nice)
 #                        unless KILN_BENCH_KILN names one
@@ -42,6 +43,7 @@
 #                        VM executor boot every step cold: its log says so)
 #   KILN_TEST_TOOLS_REF, KILN_TEST_BUSYBOX_REF   the base images (ci/setup.sh)
 set -euo pipefail
+export LC_ALL=C
 
 ci_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(dirname "$ci_dir")
@@ -107,7 +109,7 @@ for r in $(seq 1 "$runs"); do
   for ex in namespace vm; do
     t0=$(bench_now)
     build "$ex" "$work/out"
-    t=$(echo "scale=3; ($(bench_now) - $t0) / 1" | bc)
+    t=$(printf '%.3f' "$(echo "$(bench_now) - $t0" | bc)")
     checked "$work/out" "run $r $ex"
     echo "run $r $ex: ${t} s"
     times[$ex]="${times[$ex]:-} $t"
@@ -117,8 +119,9 @@ for r in $(seq 1 "$runs"); do
   KILN_BENCH_RUNS=1 KILN_BENCH_COLD=0 KILN_BENCH_STEPS=$steps "$ci_dir/bench-vmexec.sh" >"$work/trivial"
   f=$(sed -n 's/^vm: fixed cost per step above the namespace executor: median \([-0-9.]*\) s.*/\1/p' "$work/trivial")
   [ -n "$f" ] || { echo "bench-tenant: no fixed cost in ci/bench-vmexec.sh's output:" >&2; cat "$work/trivial" >&2; exit 1; }
-  l=$(echo "scale=3; $vm_t - $steps * $f" | bc)
-  fixed="$fixed $f" less="$less $l" ratio="$ratio $(echo "scale=2; $l / $ns_t" | bc)"
+  f=$(printf '%.3f' "$f")
+  l=$(printf '%.3f' "$(echo "$vm_t - $steps * $f" | bc)")
+  fixed="$fixed $f" less="$less $l" ratio="$ratio $(printf '%.2f' "$(echo "scale=4; $l / $ns_t" | bc)")"
   echo "run $r fixed cost per step (ci/bench-vmexec.sh, $steps RUN echo steps): $f s; vm − $steps × fixed: $l s"
 done
 
@@ -129,6 +132,8 @@ echo "fixed cost per step above the namespace executor: median $(echo "$fixed" |
 echo "vm − $steps × fixed cost: median $(echo "$less" | bench_median) s (runs $(echo "$less" | bench_spread) s)"
 echo "(vm − $steps × fixed cost) / namespace: median $(echo "$ratio" | bench_median) (runs $(echo "$ratio" | bench_spread)): the steps' own work in the VM (under TCG, emulated) against namespaces"
 for i in $(grep -o 'step=[0-9]*' "$work/phases" | sort -t= -k2 -n -u | cut -d= -f2); do
-  echo "vm step $i:"
+  # The step's recipe line and instruction, from the build's progress heading (`#i [stage …]`).
+  what=$(sed -n "s/^#$i \[stage [0-9]*\] [^ ]*:\([0-9]*\) \(.*\)/line \1: \2/p" "$work/warm" | awk 'NR == 1' | cut -c1-72)
+  echo "vm step $i ($what):"
   grep "step=$i " "$work/phases" | bench_vm_phases
 done
