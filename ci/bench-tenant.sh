@@ -133,7 +133,8 @@ echo "vm − $steps × fixed cost: median $(echo "$less" | bench_median) s (runs
 echo "(vm − $steps × fixed cost) / namespace: median $(echo "$ratio" | bench_median) (runs $(echo "$ratio" | bench_spread)): the steps' own work in the VM (under TCG, emulated) against namespaces"
 for i in $(grep -o 'step=[0-9]*' "$work/phases" | sort -t= -k2 -n -u | cut -d= -f2); do
   # The step's recipe line and instruction, from the build's progress heading (`#i [stage …]`).
-  what=$(sed -n "s/^#$i \[stage [0-9]*\] [^ ]*:\([0-9]*\) \(.*\)/line \1: \2/p" "$work/warm" | awk 'NR == 1' | cut -c1-72)
+  what=$(sed -n "s/^#$i \[stage [0-9]*\] [^ ]*:\([0-9]*\) \(.*\)/line \1: \2/p" "$work/warm" | awk 'NR == 1' |
+    sed 's|^\(line [0-9]*: RUN\) /bin/sh -c |\1 |' | cut -c1-72)
   echo "vm step $i ($what):"
   grep "step=$i " "$work/phases" | bench_vm_phases
 done
