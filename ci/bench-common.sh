@@ -8,6 +8,13 @@
 #                         nice and sets $kiln to its path; with KILN_BENCH_KILN set, uses
 #                         that binary instead (e.g. an older build, for before/after figures)
 #   bench_now             wall-clock seconds, fractional
+#   bench_median, bench_spread   the median, and `min–max`, of the numbers on stdin
+#                         (separated by spaces or newlines)
+#   bench_vm_steps FILE   the `microVM step done` lines (colours stripped) of a kiln run's
+#                         stderr in FILE, logged with KILN_LOG=...,kiln_pipeline::vmexec=info
+#   bench_vm_phases       from such lines on stdin: per phase (disks, start, exec, diff,
+#                         total) `  PHASE: median N ms (LO–HI ms)`, then how many steps were
+#                         restored and how many booted
 # shellcheck shell=bash
 
 bench_ci_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -45,3 +52,18 @@ bench_kiln() {
 }
 
 bench_now() { date +%s.%N; }
+
+bench_median() { tr ' ' '\n' | grep . | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+bench_spread() { tr ' ' '\n' | grep . | sort -n | awk 'NR==1{lo=$1} {hi=$1} END {print lo "–" hi}'; }
+
+bench_vm_steps() { grep -a 'microVM step done' "$1" | sed 's/\x1b\[[0-9;]*m//g' || true; }
+
+bench_vm_phases() {
+  local lines phase v
+  lines=$(cat)
+  for phase in disks start exec diff total; do
+    v=$(printf '%s\n' "$lines" | grep -o "${phase}_ms=[0-9]*" | cut -d= -f2 | tr '\n' ' ' || true)
+    [ -n "${v// /}" ] && echo "  $phase: median $(echo "$v" | bench_median) ms ($(echo "$v" | bench_spread) ms)"
+  done
+  echo "  steps: $(printf '%s\n' "$lines" | grep -c 'start="\?restored') restored, $(printf '%s\n' "$lines" | grep -c 'start="\?booted') booted"
+}

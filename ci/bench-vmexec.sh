@@ -20,6 +20,8 @@
 #                        them in KILN_TEST_KERNEL, KILN_TEST_INITRAMFS)
 #   KILN_TEST_BUSYBOX_REF the base image (ci/setup.sh)
 set -euo pipefail
+# shellcheck source=ci/bench-common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/bench-common.sh"
 steps=${KILN_BENCH_STEPS:-3}
 runs=${KILN_BENCH_RUNS:-3}
 kiln=${KILN:-${CARGO_TARGET_DIR:-target}/debug/kiln}
@@ -55,22 +57,15 @@ for r in $(seq 1 "$runs"); do
     [ "$ex" = namespace ] && ns_t=$t
     if [ "$ex" != namespace ]; then
       fixed[$ex]="${fixed[$ex]:-} $(echo "scale=3; ($t - $ns_t) / $steps" | bc)"
-      grep -a 'microVM step done' "$work/err" | sed 's/\x1b\[[0-9;]*m//g' |
-        sed "s/^/$ex /" >>"$work/phases" || true
+      bench_vm_steps "$work/err" | sed "s/^/$ex /" >>"$work/phases"
     fi
   done
 done
-median() { tr ' ' '\n' | grep . | sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
-spread() { tr ' ' '\n' | grep . | sort -n | awk 'NR==1{lo=$1} {hi=$1} END {print lo "–" hi}'; }
 for ex in $executors; do
-  echo "$ex: median $(echo "${times[$ex]}" | median) s (runs $(echo "${times[$ex]}" | spread) s), $steps steps"
+  echo "$ex: median $(echo "${times[$ex]}" | bench_median) s (runs $(echo "${times[$ex]}" | bench_spread) s), $steps steps"
 done
 for ex in $executors; do
   [ "$ex" = namespace ] && continue
-  echo "$ex: fixed cost per step above the namespace executor: median $(echo "${fixed[$ex]}" | median) s (runs $(echo "${fixed[$ex]}" | spread) s)"
-  for phase in disks start exec diff total; do
-    v=$(grep -a "^$ex " "$work/phases" | grep -o "${phase}_ms=[0-9]*" | cut -d= -f2 | tr '\n' ' ')
-    [ -n "$v" ] && echo "  $phase: median $(echo "$v" | median) ms ($(echo "$v" | spread) ms)"
-  done
-  echo "  steps: $(grep -a "^$ex " "$work/phases" | grep -c 'start="\?restored') restored, $(grep -a "^$ex " "$work/phases" | grep -c 'start="\?booted') booted"
+  echo "$ex: fixed cost per step above the namespace executor: median $(echo "${fixed[$ex]}" | bench_median) s (runs $(echo "${fixed[$ex]}" | bench_spread) s)"
+  { grep -a "^$ex " "$work/phases" || true; } | bench_vm_phases
 done

@@ -13,6 +13,7 @@
 use std::time::Duration;
 
 use kiln_tests::http::LocalServer;
+use kiln_tests::pkgs::PackageServers;
 use kiln_tests::require_env;
 use kiln_tests::serve::{
     Server, client, context_dir, env, get, json_of, rt, submit, tar_dir, terminal, wait_for,
@@ -147,15 +148,7 @@ fn microvm_steps_install_with_apt_pip_npm_git_and_curl_through_the_proxy() {
         std::fs::create_dir_all(&d).expect("mkdir");
         d
     };
-    let apt = root("apt");
-    kiln_tests::pkgs::apt_repo(&apt);
-    let apt = LocalServer::serve_dir(&apt);
-    let pypi = root("pypi");
-    kiln_tests::pkgs::pypi_index(&pypi);
-    let pypi = LocalServer::serve_dir(&pypi);
-    let npm_dir = root("npm");
-    let npm = LocalServer::serve_dir(&npm_dir);
-    kiln_tests::pkgs::npm_registry(&npm_dir, &format!("http://npm.test:{}", npm.port));
+    let PackageServers { apt, pypi, npm } = PackageServers::start(t.path());
     let git = root("git");
     kiln_tests::pkgs::git_repo(&git);
     let git = LocalServer::serve_dir(&git);
@@ -166,13 +159,10 @@ fn microvm_steps_install_with_apt_pip_npm_git_and_curl_through_the_proxy() {
     let ca = std::fs::read_to_string(certs.join("ca.pem")).expect("read");
 
     let mut extra = vec!["--egress-allow-private-for-tests".to_string()];
-    for name in [
-        "apt.test",
-        "pypi.test",
-        "npm.test",
-        "git.test",
-        "files.test",
-    ] {
+    for name in PackageServers::HOSTS
+        .into_iter()
+        .chain(["git.test", "files.test"])
+    {
         extra.extend([
             "--egress-host-for-tests".into(),
             format!("{name}=127.0.0.1"),

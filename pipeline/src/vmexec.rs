@@ -106,6 +106,13 @@
 //! 0.78 s per step above the namespace executor (runs 0.76–0.94 s; phases, medians: disks
 //! 15 ms, restore 435 ms, exec 268 ms, diff 117 ms), against 3.39 s (3.34–3.97 s; boot
 //! 3,316 ms) with a cold boot per step.
+//! A realistic tenant recipe (`ci/tenant-recipe/`: apt install of three packages, pip, npm,
+//! a `COPY`; eight steps, four `RUN`) from local servers, `KILN=target/release/kiln
+//! KILN_BENCH_RUNS=3 ci/bench-tenant.sh`, 2026-12-05 on a busier host (load average 11):
+//! 63.9 s in microVMs (57.3–68.0 s) against 4.4 s (4.2–6.7 s) in namespaces; the fixed cost
+//! measured beside it, 1.52 s per step (1.18–1.60 s), is 6.1 s of that, and the rest, 57.5 s
+//! (51.3–63.3 s), is the steps' own work emulated by TCG (restore about 0.7 s, exec 10.6 s
+//! apt, 13.0 s pip, 26.9 s npm, 7.7 s the app's check, medians).
 //!
 //! Not yet: the host network
 //! (refused, as [`VmExecutor::run`] says); the empty `/etc/resolv.conf` of a step with the

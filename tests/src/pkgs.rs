@@ -1,7 +1,9 @@
 //! Package sources for egress tests, as static files a [`crate::http::LocalServer::serve_dir`]
 //! serves: an apt repository, a PEP 503 simple index, an npm registry and a git repository
-//! for git's "dumb" HTTP protocol. Each holds one package named `kiln-hello` whose content
-//! carries [`HELLO`], so a test can tell that a step installed it.
+//! for git's "dumb" HTTP protocol. Each holds a package named `kiln-hello` (the apt
+//! repository two more, [`APT_PACKAGES`]) whose content carries [`HELLO`], so a test can
+//! tell that a step installed it. [`PackageServers`] serves the apt, pip and npm sources
+//! under the names [`PackageServers::HOSTS`] (the egress tests' and `ci/bench-tenant.sh`'s).
 //!
 //! Made with the host's tools, which `ci/setup.sh` installs: `dpkg-deb`, `python3`
 //! (`zipfile` for the wheel), `tar` with gzip, `git`.
@@ -12,6 +14,8 @@ use std::process::Command;
 
 use sha2::{Digest as _, Sha256, Sha512};
 
+use crate::http::LocalServer;
+
 /// The text every `kiln-hello` package carries.
 pub const HELLO: &str = "installed through the proxy";
 
@@ -19,35 +23,46 @@ fn run(cmd: &mut Command) {
     crate::run_ok(cmd);
 }
 
-/// An apt repository under `root` (suite `test`, component `main`): `pool/kiln-hello_1.0_all.deb`
-/// (made with `dpkg-deb`) installing `/usr/share/kiln-hello/hello.txt`, its `Packages` and a
-/// `Release` with the SHA256 of `Packages`. Unsigned: a source line needs `[trusted=yes]`:
+/// The packages of [`apt_repo`], each a `.deb` installing `/usr/share/<name>/hello.txt`
+/// holding [`HELLO`]: `kiln-hello` and two more, for a recipe that installs three.
+pub const APT_PACKAGES: [&str; 3] = ["kiln-hello", "kiln-hello-data", "kiln-hello-doc"];
+
+/// An apt repository under `root` (suite `test`, component `main`): for each of
+/// [`APT_PACKAGES`], `pool/<name>_1.0_all.deb` (made with `dpkg-deb`) installing
+/// `/usr/share/<name>/hello.txt`; their `Packages` and a `Release` with the SHA256 of
+/// `Packages`. Unsigned: a source line needs `[trusted=yes]`:
 /// `deb [trusted=yes] http://HOST:PORT/ test main`.
 pub fn apt_repo(root: &Path) {
-    let pkg = root.join("build/kiln-hello");
-    fs::create_dir_all(pkg.join("DEBIAN")).expect("mkdir");
-    fs::create_dir_all(pkg.join("usr/share/kiln-hello")).expect("mkdir");
-    let control = "Package: kiln-hello\nVersion: 1.0\nArchitecture: all\n\
-                   Maintainer: kiln tests <tests@kiln.invalid>\nDescription: egress test package\n";
-    fs::write(pkg.join("DEBIAN/control"), control).expect("write");
-    fs::write(
-        pkg.join("usr/share/kiln-hello/hello.txt"),
-        format!("{HELLO}\n"),
-    )
-    .expect("write");
     fs::create_dir_all(root.join("pool")).expect("mkdir");
-    let deb = root.join("pool/kiln-hello_1.0_all.deb");
-    run(Command::new("dpkg-deb")
-        .args(["--build", "--root-owner-group"])
-        .arg(&pkg)
-        .arg(&deb));
+    let mut packages = String::new();
+    for name in APT_PACKAGES {
+        let pkg = root.join("build").join(name);
+        fs::create_dir_all(pkg.join("DEBIAN")).expect("mkdir");
+        let share = pkg.join("usr/share").join(name);
+        fs::create_dir_all(&share).expect("mkdir");
+        let control = format!(
+            "Package: {name}\nVersion: 1.0\nArchitecture: all\n\
+             Maintainer: kiln tests <tests@kiln.invalid>\nDescription: egress test package\n"
+        );
+        fs::write(pkg.join("DEBIAN/control"), &control).expect("write");
+        fs::write(share.join("hello.txt"), format!("{HELLO}\n")).expect("write");
+        let file = format!("pool/{name}_1.0_all.deb");
+        let deb = root.join(&file);
+        run(Command::new("dpkg-deb")
+            .args(["--build", "--root-owner-group"])
+            .arg(&pkg)
+            .arg(&deb));
+        let deb_bytes = fs::read(&deb).expect("read");
+        if !packages.is_empty() {
+            packages.push('\n');
+        }
+        packages.push_str(&format!(
+            "{control}Filename: {file}\nSize: {}\nSHA256: {}\n",
+            deb_bytes.len(),
+            hex::encode(Sha256::digest(&deb_bytes))
+        ));
+    }
     fs::remove_dir_all(root.join("build")).expect("rm");
-    let deb_bytes = fs::read(&deb).expect("read");
-    let packages = format!(
-        "{control}Filename: pool/kiln-hello_1.0_all.deb\nSize: {}\nSHA256: {}\n",
-        deb_bytes.len(),
-        hex::encode(Sha256::digest(&deb_bytes))
-    );
     let bin = root.join("dists/test/main/binary-amd64");
     fs::create_dir_all(&bin).expect("mkdir");
     fs::write(bin.join("Packages"), &packages).expect("write");
@@ -176,4 +191,45 @@ pub fn git_repo(root: &Path) {
     );
     git(&["update-server-info"], &root.join("repo.git"));
     fs::remove_dir_all(root.join("build")).expect("rm");
+}
+
+/// The apt repository, PEP 503 index and npm registry above, each built under a directory of
+/// `root` and served by a [`LocalServer`] of its own on 127.0.0.1, reached by a step under
+/// the name of [`PackageServers::HOSTS`] (mapped to 127.0.0.1 by the egress proxy's hosts
+/// setting, `--egress-host-for-tests NAME=127.0.0.1`, with private addresses allowed).
+pub struct PackageServers {
+    /// [`apt_repo`], as `apt.test`: `deb [trusted=yes] http://apt.test:PORT/ test main`.
+    pub apt: LocalServer,
+    /// [`pypi_index`], as `pypi.test`: `--index-url http://pypi.test:PORT/simple`.
+    pub pypi: LocalServer,
+    /// [`npm_registry`], as `npm.test`: `--registry http://npm.test:PORT/`.
+    pub npm: LocalServer,
+}
+
+impl PackageServers {
+    /// The names steps reach the apt, pip and npm servers by, in that order.
+    pub const HOSTS: [&str; 3] = ["apt.test", "pypi.test", "npm.test"];
+
+    /// Builds the three sources under `root/apt`, `root/pypi` and `root/npm` and serves
+    /// them; they serve until the process ends.
+    pub fn start(root: &Path) -> PackageServers {
+        let dir = |n: &str| {
+            let d = root.join(n);
+            fs::create_dir_all(&d).expect("mkdir");
+            d
+        };
+        let apt = dir("apt");
+        apt_repo(&apt);
+        let pypi = dir("pypi");
+        pypi_index(&pypi);
+        // The packument names the tarball's URL: the server's port first.
+        let npm_dir = dir("npm");
+        let npm = LocalServer::serve_dir(&npm_dir);
+        npm_registry(&npm_dir, &format!("http://{}:{}", Self::HOSTS[2], npm.port));
+        PackageServers {
+            apt: LocalServer::serve_dir(&apt),
+            pypi: LocalServer::serve_dir(&pypi),
+            npm,
+        }
+    }
 }
