@@ -1148,7 +1148,8 @@ fn a_new_uuid_rewrites_the_superblock_only() {
 
 /// Flattens and applies `layers` (from `dir`), and returns what differs between the two
 /// trees (directory mtimes left out, as in
-/// [`flattened_tree_equals_the_applied_tree_for_every_corpus`]), or why one refused.
+/// [`flattened_tree_equals_the_applied_tree_for_every_corpus`]) and their hard-link groups
+/// (which names share an inode), or why one refused.
 fn flattened_vs_applied(dir: &Path, name: &str, layers: &[Vec<E<'_>>]) -> Vec<String> {
     let blobs: Vec<LayerBlob> = layers.iter().map(|l| blob(dir, l, Z::Plain)).collect();
     let mut out = Vec::new();
@@ -1189,6 +1190,15 @@ fn flattened_vs_applied(dir: &Path, name: &str, layers: &[Vec<E<'_>>]) -> Vec<St
         .collect();
     for p in applied.keys().filter(|p| !flat.contains_key(*p)) {
         diffs.push(format!("{name}: only applied: {p}"));
+    }
+    let (fl, al) = (
+        kiln_tests::ext4::tar_link_groups(&out),
+        kiln_tests::ext4::dir_link_groups(&root),
+    );
+    if fl != al {
+        diffs.push(format!(
+            "{name}: hard-link groups: flattened {fl:?}, applied {al:?}"
+        ));
     }
     diffs
 }
