@@ -688,11 +688,20 @@ impl Flat {
             }
             T::Link => {
                 let target = e.link.unwrap_or_default();
-                let ino = self.link_target(&target, cx)?;
+                let (ino, tpath) = self.link_target(&target, cx)?;
                 if matches!(self.paths.get(&full), Some(Node::Leaf { ino: i, .. }) if *i == ino) {
                     return Ok(());
                 }
+                // What the link replaces goes first, as the applier removes it before
+                // linking: a target below it (`d` linked to `d/f`) is gone with it.
                 self.remove(&full);
+                if !self.paths.contains_key(&tpath) {
+                    return Err(cx.err(|digest, entry| LayerError::HardLinkMissing {
+                        digest,
+                        entry,
+                        target: String::from_utf8_lossy(&target).into_owned(),
+                    }));
+                }
                 self.paths.insert(full, Node::Leaf { ino, pos });
                 return Ok(());
             }
@@ -727,8 +736,9 @@ impl Flat {
         Ok(())
     }
 
-    /// The inode a hard link's target names (resolved like the layer applier does).
-    fn link_target(&mut self, target: &[u8], cx: &Cx<'_>) -> Result<usize, Ext4Error> {
+    /// The inode a hard link's target names and the target's path, symlinks resolved
+    /// (resolved like the layer applier does).
+    fn link_target(&mut self, target: &[u8], cx: &Cx<'_>) -> Result<(usize, Vec<u8>), Ext4Error> {
         let tname = String::from_utf8_lossy(target).into_owned();
         let escape = |cx: &Cx<'_>| {
             cx.err(|digest, entry| LayerError::HardLinkEscape {
@@ -764,10 +774,11 @@ impl Flat {
             Err(Ext4Error::Layer(LayerError::SymlinkEscape { .. })) => return Err(escape(cx)),
             Err(e) => return Err(e),
         };
-        match self.paths.get(&child(&dir, tbase)) {
+        let path = child(&dir, tbase);
+        match self.paths.get(&path) {
             None => Err(missing(cx)),
             Some(Node::Dir { .. }) => Err(to_dir(cx)),
-            Some(Node::Leaf { ino, .. }) => Ok(*ino),
+            Some(Node::Leaf { ino, .. }) => Ok((*ino, path)),
         }
     }
 

@@ -1327,3 +1327,39 @@ fn a_whiteout_after_the_layers_own_entries_hides_the_lower_ones_below_them() {
         assert_eq!(gone_kept, name == "remove-after", "{name}: d/gone");
     }
 }
+
+/// A hard link that replaces the directory holding its own target (`d/f`, then `d` linked
+/// to `d/f`): replacing `d` removes `d/f` first, so there is nothing left to link, as in
+/// containerd's in-order apply (remove the old path, then link). Both refuse
+/// (`HardLinkMissing`). The applier refused (`linkat`: no such file) while the flattener
+/// took the target's inode before removing `d` and made `d` a file holding `f`'s data.
+#[test]
+fn a_hard_link_over_the_directory_holding_its_target_is_refused_by_both() {
+    let d = tempfile::tempdir().unwrap();
+    for (name, layers) in [
+        (
+            "link-over-own-dir-same-layer",
+            vec![vec![
+                E::Dir("d/", 0o755),
+                E::File("d/f", b"f"),
+                E::Hard("d", "d/f"),
+            ]],
+        ),
+        (
+            "link-over-own-dir-lower",
+            vec![
+                vec![E::Dir("d/", 0o755), E::File("d/f", b"f")],
+                vec![E::Hard("d", "d/f")],
+            ],
+        ),
+    ] {
+        let diffs = flattened_vs_applied(d.path(), name, &layers);
+        assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+        let blobs: Vec<LayerBlob> = layers.iter().map(|l| blob(d.path(), l, Z::Plain)).collect();
+        let r = flatten(&blobs, &mut Vec::new(), &Limits::default(), None);
+        assert!(
+            matches!(r, Err(Ext4Error::Layer(LayerError::HardLinkMissing { .. }))),
+            "{name}: {r:?}"
+        );
+    }
+}
