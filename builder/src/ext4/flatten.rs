@@ -34,7 +34,8 @@
 //!    layer is written, data and all, at its original position under the first surviving
 //!    name; its other names follow as hard links. Directories no entry ever named come last.
 //!
-//! Output entries carry mode (permission bits incl. setuid/setgid/sticky), uid/gid, mtime
+//! Output entries carry mode (permission bits incl. setuid/setgid/sticky; 0777 for a symlink,
+//! the only mode one has on Linux), uid/gid, mtime
 //! (clamped to `SOURCE_DATE_EPOCH` when one is set; atime and ctime equal to it), size, link target, device numbers and
 //! the xattrs `apply_layer` keeps (`SCHILY.xattr.*`); names and link targets over 100 bytes
 //! go into GNU long-name records (`L`, `K`; a PAX record cannot hold a newline for the
@@ -722,7 +723,13 @@ impl Flat {
             }
         };
         let is_file = matches!(kind, Kind::File { .. });
-        let ino = self.new_inode(kind, e.meta, pos);
+        let mut meta = e.meta;
+        if matches!(kind, Kind::Symlink(_)) {
+            // A symlink on Linux has the mode 0777 whatever the header says: the applier's
+            // `symlinkat` gives it that and nothing can change it (no `lchmod`).
+            meta.mode = SYMLINK_MODE;
+        }
+        let ino = self.new_inode(kind, meta, pos);
         if is_file
             && let Some(Node::Leaf { ino: old, .. }) = self.paths.get(&full)
             && let Kind::File { .. } = self.inodes[*old].kind
@@ -1083,6 +1090,8 @@ struct Writer<'a, W: Write> {
 }
 
 const ROOT_DIR_MODE: u32 = 0o755;
+/// The mode of every symlink ([`Flat::add`]).
+const SYMLINK_MODE: u32 = 0o777;
 
 impl<W: Write> Writer<'_, W> {
     /// Writes the directories above `path` that are not written yet.

@@ -12,6 +12,8 @@ enum E<'a> {
     FileMeta(&'a str, &'a [u8], u32, u32, u32, u64),
     FileX(&'a str, &'a [u8], &'a [(&'a str, &'a [u8])]),
     Sym(&'a str, &'a str),
+    /// A symlink whose header gives a mode other than 0777.
+    SymMode(&'a str, &'a str, u32),
     Hard(&'a str, &'a str),
     Char(&'a str, u32, u32),
     Fifo(&'a str),
@@ -57,6 +59,12 @@ fn tar_of(entries: &[E<'_>]) -> Vec<u8> {
             E::Sym(p, t) => {
                 h.set_entry_type(tar::EntryType::Symlink);
                 h.set_mode(0o777);
+                h.set_size(0);
+                b.append_link(&mut h, p, t).unwrap();
+            }
+            E::SymMode(p, t, mode) => {
+                h.set_entry_type(tar::EntryType::Symlink);
+                h.set_mode(*mode);
                 h.set_size(0);
                 b.append_link(&mut h, p, t).unwrap();
             }
@@ -1362,4 +1370,20 @@ fn a_hard_link_over_the_directory_holding_its_target_is_refused_by_both() {
             "{name}: {r:?}"
         );
     }
+}
+
+/// A symlink whose header gives a mode other than 0777 (`a -> c` with 0755, and a hard
+/// link to it). A Linux symlink is always 0777: the applier's `symlinkat` makes it so and
+/// nothing changes it. The flattener wrote the header's mode, which mke2fs puts in the
+/// image's inode, so the image's symlink was `lrwxr-xr-x` where the applied one is
+/// `lrwxrwxrwx`.
+#[test]
+fn a_symlinks_mode_is_0777_whatever_its_header_says() {
+    let d = tempfile::tempdir().unwrap();
+    let layers = [
+        vec![E::SymMode("a", "c", 0o755), E::SymMode("b", "a", 0o600)],
+        vec![E::Hard("h", "a")],
+    ];
+    let diffs = flattened_vs_applied(d.path(), "symlink-mode", &layers);
+    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
 }
