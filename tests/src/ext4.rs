@@ -198,7 +198,9 @@ pub fn tar_link_groups(tar_bytes: &[u8]) -> BTreeSet<BTreeSet<String>> {
         }
         let g = if e.header().entry_type() == tar::EntryType::Link {
             let target = name(&e.link_name_bytes().expect("link target"));
-            *group_of.get(&target).expect("hard link target earlier in the tar")
+            *group_of
+                .get(&target)
+                .expect("hard link target earlier in the tar")
         } else {
             groups.push(BTreeSet::new());
             groups.len() - 1
