@@ -87,6 +87,7 @@ struct Ent {
     kind: tar::EntryType,
     mode: u32,
     uid: u64,
+    mtime: u64,
     data: Vec<u8>,
     link: Vec<u8>,
 }
@@ -94,8 +95,10 @@ struct Ent {
 /// The layers an input describes, bottom first. The first byte is the layer count (1 to
 /// [`MAX_LAYERS`]); then ops of two bytes, the op byte and an operand byte. The op's low 3
 /// bits are its kind: 0 directory, 1 file, 2 symlink, 3 hard link, 4 whiteout, 5 opaque
-/// whiteout, 6 FIFO, 7 next layer. Bits 3-4 pick a mode, bit 5 the owner (0 or 1000), bits
-/// 6-7 the file content (or the link's or symlink's target with the next byte).
+/// whiteout, 6 FIFO (a character device 1:3 with bit 6), 7 next layer. Bits 3-4 pick a
+/// mode, bit 5 the owner (0 or 1000), bits 6-7 the file content (a link's or symlink's
+/// target is the next byte). Every entry has its own mtime (its layer and index), so that
+/// metadata taken from the wrong entry shows.
 fn decode(data: &[u8]) -> Vec<Vec<Ent>> {
     let Some((&first, mut rest)) = data.split_first() else {
         return vec![Vec::new()];
@@ -112,6 +115,9 @@ fn decode(data: &[u8]) -> Vec<Vec<Ent>> {
             kind: tar::EntryType::Regular,
             mode,
             uid,
+            mtime: 1_600_000_000
+                + 100 * layers.len() as u64
+                + layers.last().map_or(0, Vec::len) as u64,
             data: Vec::new(),
             link: Vec::new(),
         };
@@ -149,6 +155,7 @@ fn decode(data: &[u8]) -> Vec<Vec<Ent>> {
                 e.name = n;
                 e.mode = 0o644;
             }
+            6 if op & 0x40 != 0 => e.kind = tar::EntryType::Char,
             6 => e.kind = tar::EntryType::Fifo,
             _ => {
                 if layers.len() < nlayers {
@@ -177,7 +184,11 @@ fn tar_of(entries: &[Ent]) -> Vec<u8> {
         h.set_mode(e.mode);
         h.set_uid(e.uid);
         h.set_gid(e.uid);
-        h.set_mtime(1_600_000_000);
+        h.set_mtime(e.mtime);
+        if e.kind == tar::EntryType::Char {
+            h.set_device_major(1).expect("gnu header");
+            h.set_device_minor(3).expect("gnu header");
+        }
         h.set_size(e.data.len() as u64);
         h.set_cksum();
         b.append(&h, &e.data[..]).expect("tar in memory");
