@@ -23,7 +23,7 @@ fuzz_target!(|data: &[u8]| {
             let _ = e.to_string();
         }
     }
-    match base_image_of_config(0, "sha256:fuzz-config", data) {
+    match base_image_of_config(0, &kiln_store::digest::BlobDigest::of(data), data) {
         Ok(base) => {
             let _ = base.env.len() + base.onbuild.len();
         }
