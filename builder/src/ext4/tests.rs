@@ -14,6 +14,8 @@ enum E<'a> {
     Sym(&'a str, &'a str),
     /// A symlink whose header gives a mode other than 0777.
     SymMode(&'a str, &'a str, u32),
+    /// A symlink with xattrs.
+    SymX(&'a str, &'a str, &'a [(&'a str, &'a [u8])]),
     Hard(&'a str, &'a str),
     Char(&'a str, u32, u32),
     Fifo(&'a str),
@@ -65,6 +67,18 @@ fn tar_of(entries: &[E<'_>]) -> Vec<u8> {
             E::SymMode(p, t, mode) => {
                 h.set_entry_type(tar::EntryType::Symlink);
                 h.set_mode(*mode);
+                h.set_size(0);
+                b.append_link(&mut h, p, t).unwrap();
+            }
+            E::SymX(p, t, xs) => {
+                let recs: Vec<(String, &[u8])> = xs
+                    .iter()
+                    .map(|(k, v)| (format!("SCHILY.xattr.{k}"), *v))
+                    .collect();
+                b.append_pax_extensions(recs.iter().map(|(k, v)| (k.as_str(), *v)))
+                    .unwrap();
+                h.set_entry_type(tar::EntryType::Symlink);
+                h.set_mode(0o777);
                 h.set_size(0);
                 b.append_link(&mut h, p, t).unwrap();
             }
@@ -1386,4 +1400,27 @@ fn a_symlinks_mode_is_0777_whatever_its_header_says() {
     ];
     let diffs = flattened_vs_applied(d.path(), "symlink-mode", &layers);
     assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+}
+
+/// A `user.*` xattr on a symlink (`s -> t` with `user.note`). Linux keeps `user.*` xattrs on
+/// regular files and directories only (xattr(7)) and refuses them elsewhere (`EPERM`), so
+/// the applier refused the layer (`lsetxattr`), while the flattener wrote the xattr into
+/// the image; containerd applies such a layer and drops the xattr. The one metadata reader
+/// now drops `user.*` xattrs of symlinks, devices and FIFOs, for both; others stay.
+#[test]
+fn a_user_xattr_on_a_symlink_is_dropped_by_both() {
+    let d = tempfile::tempdir().unwrap();
+    let layers = [vec![
+        E::SymX("s", "t", &[("user.note", b"v")]),
+        E::FileX("f", b"f", &[("user.note", b"v")]),
+    ]];
+    let diffs = flattened_vs_applied(d.path(), "symlink-user-xattr", &layers);
+    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+    let root = d.path().join("applied-symlink-user-xattr");
+    let tree = kiln_tests::ext4::dir_tree(&root);
+    assert!(tree["s"].xattrs.is_empty(), "{:?}", tree["s"]);
+    assert_eq!(
+        tree["f"].xattrs.get("user.note").map(Vec::as_slice),
+        Some(&b"v"[..])
+    );
 }
