@@ -115,6 +115,32 @@ for name, data in {
     put("layer_flatten", name, data)
 
 
+# --- layer_tree_equivalence: op lists (fuzz_targets/layer_tree_equivalence.rs, decode) -------
+def P(path):
+    """A path byte: up to three components of a, b, c (2 bits each)."""
+    b = 0
+    for i, c in enumerate(path.split("/") if path else []):
+        b |= ("abc".index(c) + 1) << (2 * i)
+    return b
+
+
+DIR, FILE, SYM, HARD, WH, OPQ, FIFO, NEXT = range(8)
+for name, (layers, ops) in {
+    # Links, a symlinked parent, whiteouts and an opaque directory over two layers.
+    "mixed": (2, [(DIR, "a"), (FILE | 0x40, "a/b"), (SYM, "c", "a"), (HARD, "b", "a/b"), (NEXT, ""),
+                  (WH, "a/b"), (OPQ, "a"), (FILE | 0x80, "c/c"), (FIFO | 0x28, "b/c")]),
+    # Replacements: file over directory, directory over file, symlink over both.
+    "replace": (3, [(DIR, "a"), (FILE, "a/b"), (FILE | 0x40, "b"), (NEXT, ""), (FILE | 0x80, "a"),
+                    (DIR | 0x08, "b"), (NEXT, ""), (SYM, "a", "c"), (SYM, "b", "a"), (FILE, "c/c")]),
+    # A hard link over the directory holding its target (refused by both, 2026-12-05).
+    "link-over-own-dir": (1, [(DIR, "a"), (FILE, "a/a"), (HARD, "a", "a/a")]),
+}.items():
+    out = bytes([layers - 1])
+    for op in ops:
+        out += bytes([op[0], P(op[1])]) + (bytes([P(op[2])]) if len(op) > 2 else b"")
+    put("layer_tree_equivalence", name, out)
+
+
 # --- OCI manifests and configs ---------------------------------------------------------
 def h(c):
     return "sha256:" + c * 64

@@ -4,7 +4,7 @@
 //! `ext4-view` crate; xattrs with `debugfs` (`ea_list`, `ea_get -f`), since ext4-view does
 //! not expose them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
 use std::path::Path;
 use std::process::Command;
@@ -179,6 +179,61 @@ pub fn dir_tree(root: &Path) -> BTreeMap<String, Obj> {
         }
     }
     out
+}
+
+/// The hard-link groups of a (flattened) tar: every set of two or more paths that name one
+/// inode (a link entry joins its target's group). [`tar_tree`] gives a link its target's
+/// object, so a tree compare alone cannot tell two linked names from two equal files.
+pub fn tar_link_groups(tar_bytes: &[u8]) -> BTreeSet<BTreeSet<String>> {
+    let mut group_of: BTreeMap<String, usize> = BTreeMap::new();
+    let mut groups: Vec<BTreeSet<String>> = Vec::new();
+    let mut ar = tar::Archive::new(tar_bytes);
+    for e in ar.entries().expect("tar entries") {
+        let e = e.expect("tar entry");
+        let name = |b: &[u8]| String::from_utf8_lossy(b).trim_end_matches('/').to_string();
+        let path = name(&e.path_bytes());
+        // A later entry under the same name starts a new inode (tar_tree refuses that).
+        if let Some(g) = group_of.remove(&path) {
+            groups[g].remove(&path);
+        }
+        let g = if e.header().entry_type() == tar::EntryType::Link {
+            let target = name(&e.link_name_bytes().expect("link target"));
+            *group_of
+                .get(&target)
+                .expect("hard link target earlier in the tar")
+        } else {
+            groups.push(BTreeSet::new());
+            groups.len() - 1
+        };
+        groups[g].insert(path.clone());
+        group_of.insert(path, g);
+    }
+    groups.into_iter().filter(|g| g.len() > 1).collect()
+}
+
+/// The hard-link groups of the tree under `root`, as [`tar_link_groups`] gives them for a
+/// tar: the non-directories sharing an inode, by path relative to `root`.
+pub fn dir_link_groups(root: &Path) -> BTreeSet<BTreeSet<String>> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::MetadataExt;
+    let mut by_ino: BTreeMap<(u64, u64), BTreeSet<String>> = BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for ent in std::fs::read_dir(&dir).expect("read_dir") {
+            let p = ent.expect("dir entry").path();
+            let md = std::fs::symlink_metadata(&p).expect("lstat");
+            if md.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let rel = p.strip_prefix(root).expect("under the root");
+            by_ino
+                .entry((md.dev(), md.ino()))
+                .or_default()
+                .insert(String::from_utf8_lossy(rel.as_os_str().as_bytes()).into_owned());
+        }
+    }
+    by_ino.into_values().filter(|g| g.len() > 1).collect()
 }
 
 /// Reads every path of the image (but `lost+found`) with ext4-view and debugfs.

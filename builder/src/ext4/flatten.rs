@@ -34,7 +34,8 @@
 //!    layer is written, data and all, at its original position under the first surviving
 //!    name; its other names follow as hard links. Directories no entry ever named come last.
 //!
-//! Output entries carry mode (permission bits incl. setuid/setgid/sticky), uid/gid, mtime
+//! Output entries carry mode (permission bits incl. setuid/setgid/sticky; 0777 for a symlink,
+//! the only mode one has on Linux), uid/gid, mtime
 //! (clamped to `SOURCE_DATE_EPOCH` when one is set; atime and ctime equal to it), size, link target, device numbers and
 //! the xattrs `apply_layer` keeps (`SCHILY.xattr.*`); names and link targets over 100 bytes
 //! go into GNU long-name records (`L`, `K`; a PAX record cannot hold a newline for the
@@ -688,11 +689,20 @@ impl Flat {
             }
             T::Link => {
                 let target = e.link.unwrap_or_default();
-                let ino = self.link_target(&target, cx)?;
+                let (ino, tpath) = self.link_target(&target, cx)?;
                 if matches!(self.paths.get(&full), Some(Node::Leaf { ino: i, .. }) if *i == ino) {
                     return Ok(());
                 }
+                // What the link replaces goes first, as the applier removes it before
+                // linking: a target below it (`d` linked to `d/f`) is gone with it.
                 self.remove(&full);
+                if !self.paths.contains_key(&tpath) {
+                    return Err(cx.err(|digest, entry| LayerError::HardLinkMissing {
+                        digest,
+                        entry,
+                        target: String::from_utf8_lossy(&target).into_owned(),
+                    }));
+                }
                 self.paths.insert(full, Node::Leaf { ino, pos });
                 return Ok(());
             }
@@ -713,7 +723,13 @@ impl Flat {
             }
         };
         let is_file = matches!(kind, Kind::File { .. });
-        let ino = self.new_inode(kind, e.meta, pos);
+        let mut meta = e.meta;
+        if matches!(kind, Kind::Symlink(_)) {
+            // A symlink on Linux has the mode 0777 whatever the header says: the applier's
+            // `symlinkat` gives it that and nothing can change it (no `lchmod`).
+            meta.mode = SYMLINK_MODE;
+        }
+        let ino = self.new_inode(kind, meta, pos);
         if is_file
             && let Some(Node::Leaf { ino: old, .. }) = self.paths.get(&full)
             && let Kind::File { .. } = self.inodes[*old].kind
@@ -727,8 +743,9 @@ impl Flat {
         Ok(())
     }
 
-    /// The inode a hard link's target names (resolved like the layer applier does).
-    fn link_target(&mut self, target: &[u8], cx: &Cx<'_>) -> Result<usize, Ext4Error> {
+    /// The inode a hard link's target names and the target's path, symlinks resolved
+    /// (resolved like the layer applier does).
+    fn link_target(&mut self, target: &[u8], cx: &Cx<'_>) -> Result<(usize, Vec<u8>), Ext4Error> {
         let tname = String::from_utf8_lossy(target).into_owned();
         let escape = |cx: &Cx<'_>| {
             cx.err(|digest, entry| LayerError::HardLinkEscape {
@@ -764,10 +781,11 @@ impl Flat {
             Err(Ext4Error::Layer(LayerError::SymlinkEscape { .. })) => return Err(escape(cx)),
             Err(e) => return Err(e),
         };
-        match self.paths.get(&child(&dir, tbase)) {
+        let path = child(&dir, tbase);
+        match self.paths.get(&path) {
             None => Err(missing(cx)),
             Some(Node::Dir { .. }) => Err(to_dir(cx)),
-            Some(Node::Leaf { ino, .. }) => Ok(*ino),
+            Some(Node::Leaf { ino, .. }) => Ok((*ino, path)),
         }
     }
 
@@ -1072,6 +1090,8 @@ struct Writer<'a, W: Write> {
 }
 
 const ROOT_DIR_MODE: u32 = 0o755;
+/// The mode of every symlink ([`Flat::add`]).
+const SYMLINK_MODE: u32 = 0o777;
 
 impl<W: Write> Writer<'_, W> {
     /// Writes the directories above `path` that are not written yet.

@@ -12,6 +12,10 @@ enum E<'a> {
     FileMeta(&'a str, &'a [u8], u32, u32, u32, u64),
     FileX(&'a str, &'a [u8], &'a [(&'a str, &'a [u8])]),
     Sym(&'a str, &'a str),
+    /// A symlink whose header gives a mode other than 0777.
+    SymMode(&'a str, &'a str, u32),
+    /// A symlink with xattrs.
+    SymX(&'a str, &'a str, &'a [(&'a str, &'a [u8])]),
     Hard(&'a str, &'a str),
     Char(&'a str, u32, u32),
     Fifo(&'a str),
@@ -55,6 +59,24 @@ fn tar_of(entries: &[E<'_>]) -> Vec<u8> {
                 b.append_data(&mut h, p, *d).unwrap();
             }
             E::Sym(p, t) => {
+                h.set_entry_type(tar::EntryType::Symlink);
+                h.set_mode(0o777);
+                h.set_size(0);
+                b.append_link(&mut h, p, t).unwrap();
+            }
+            E::SymMode(p, t, mode) => {
+                h.set_entry_type(tar::EntryType::Symlink);
+                h.set_mode(*mode);
+                h.set_size(0);
+                b.append_link(&mut h, p, t).unwrap();
+            }
+            E::SymX(p, t, xs) => {
+                let recs: Vec<(String, &[u8])> = xs
+                    .iter()
+                    .map(|(k, v)| (format!("SCHILY.xattr.{k}"), *v))
+                    .collect();
+                b.append_pax_extensions(recs.iter().map(|(k, v)| (k.as_str(), *v)))
+                    .unwrap();
                 h.set_entry_type(tar::EntryType::Symlink);
                 h.set_mode(0o777);
                 h.set_size(0);
@@ -1148,7 +1170,8 @@ fn a_new_uuid_rewrites_the_superblock_only() {
 
 /// Flattens and applies `layers` (from `dir`), and returns what differs between the two
 /// trees (directory mtimes left out, as in
-/// [`flattened_tree_equals_the_applied_tree_for_every_corpus`]), or why one refused.
+/// [`flattened_tree_equals_the_applied_tree_for_every_corpus`]) and their hard-link groups
+/// (which names share an inode), or why one refused.
 fn flattened_vs_applied(dir: &Path, name: &str, layers: &[Vec<E<'_>>]) -> Vec<String> {
     let blobs: Vec<LayerBlob> = layers.iter().map(|l| blob(dir, l, Z::Plain)).collect();
     let mut out = Vec::new();
@@ -1189,6 +1212,15 @@ fn flattened_vs_applied(dir: &Path, name: &str, layers: &[Vec<E<'_>>]) -> Vec<St
         .collect();
     for p in applied.keys().filter(|p| !flat.contains_key(*p)) {
         diffs.push(format!("{name}: only applied: {p}"));
+    }
+    let (fl, al) = (
+        kiln_tests::ext4::tar_link_groups(&out),
+        kiln_tests::ext4::dir_link_groups(&root),
+    );
+    if fl != al {
+        diffs.push(format!(
+            "{name}: hard-link groups: flattened {fl:?}, applied {al:?}"
+        ));
     }
     diffs
 }
@@ -1316,4 +1348,79 @@ fn a_whiteout_after_the_layers_own_entries_hides_the_lower_ones_below_them() {
         let gone_kept = root.join("d/gone").exists();
         assert_eq!(gone_kept, name == "remove-after", "{name}: d/gone");
     }
+}
+
+/// A hard link that replaces the directory holding its own target (`d/f`, then `d` linked
+/// to `d/f`): replacing `d` removes `d/f` first, so there is nothing left to link, as in
+/// containerd's in-order apply (remove the old path, then link). Both refuse
+/// (`HardLinkMissing`). The applier refused (`linkat`: no such file) while the flattener
+/// took the target's inode before removing `d` and made `d` a file holding `f`'s data.
+#[test]
+fn a_hard_link_over_the_directory_holding_its_target_is_refused_by_both() {
+    let d = tempfile::tempdir().unwrap();
+    for (name, layers) in [
+        (
+            "link-over-own-dir-same-layer",
+            vec![vec![
+                E::Dir("d/", 0o755),
+                E::File("d/f", b"f"),
+                E::Hard("d", "d/f"),
+            ]],
+        ),
+        (
+            "link-over-own-dir-lower",
+            vec![
+                vec![E::Dir("d/", 0o755), E::File("d/f", b"f")],
+                vec![E::Hard("d", "d/f")],
+            ],
+        ),
+    ] {
+        let diffs = flattened_vs_applied(d.path(), name, &layers);
+        assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+        let blobs: Vec<LayerBlob> = layers.iter().map(|l| blob(d.path(), l, Z::Plain)).collect();
+        let r = flatten(&blobs, &mut Vec::new(), &Limits::default(), None);
+        assert!(
+            matches!(r, Err(Ext4Error::Layer(LayerError::HardLinkMissing { .. }))),
+            "{name}: {r:?}"
+        );
+    }
+}
+
+/// A symlink whose header gives a mode other than 0777 (`a -> c` with 0755, and a hard
+/// link to it). A Linux symlink is always 0777: the applier's `symlinkat` makes it so and
+/// nothing changes it. The flattener wrote the header's mode, which mke2fs puts in the
+/// image's inode, so the image's symlink was `lrwxr-xr-x` where the applied one is
+/// `lrwxrwxrwx`.
+#[test]
+fn a_symlinks_mode_is_0777_whatever_its_header_says() {
+    let d = tempfile::tempdir().unwrap();
+    let layers = [
+        vec![E::SymMode("a", "c", 0o755), E::SymMode("b", "a", 0o600)],
+        vec![E::Hard("h", "a")],
+    ];
+    let diffs = flattened_vs_applied(d.path(), "symlink-mode", &layers);
+    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+}
+
+/// A `user.*` xattr on a symlink (`s -> t` with `user.note`). Linux keeps `user.*` xattrs on
+/// regular files and directories only (xattr(7)) and refuses them elsewhere (`EPERM`), so
+/// the applier refused the layer (`lsetxattr`), while the flattener wrote the xattr into
+/// the image; containerd applies such a layer and drops the xattr. The one metadata reader
+/// now drops `user.*` xattrs of symlinks, devices and FIFOs, for both; others stay.
+#[test]
+fn a_user_xattr_on_a_symlink_is_dropped_by_both() {
+    let d = tempfile::tempdir().unwrap();
+    let layers = [vec![
+        E::SymX("s", "t", &[("user.note", b"v")]),
+        E::FileX("f", b"f", &[("user.note", b"v")]),
+    ]];
+    let diffs = flattened_vs_applied(d.path(), "symlink-user-xattr", &layers);
+    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
+    let root = d.path().join("applied-symlink-user-xattr");
+    let tree = kiln_tests::ext4::dir_tree(&root);
+    assert!(tree["s"].xattrs.is_empty(), "{:?}", tree["s"]);
+    assert_eq!(
+        tree["f"].xattrs.get("user.note").map(Vec::as_slice),
+        Some(&b"v"[..])
+    );
 }

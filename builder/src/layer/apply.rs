@@ -513,8 +513,18 @@ impl Applier {
             }
             self.remove_all(dir, base, 0)?;
         }
-        rustix::fs::linkat(&tdir, os(tbase), dir, os(base), AtFlags::empty())
-            .map_err(|e| self.io("linkat", e))
+        // The target gone now was below what the link replaced (`d` linked to `d/f`).
+        rustix::fs::linkat(&tdir, os(tbase), dir, os(base), AtFlags::empty()).map_err(|e| {
+            if e == Errno::NOENT {
+                LayerError::HardLinkMissing {
+                    digest: self.digest.clone(),
+                    entry: self.entry.clone(),
+                    target: tname.clone(),
+                }
+            } else {
+                self.io("linkat", e)
+            }
+        })
     }
 
     fn chown_at(&self, dir: BorrowedFd<'_>, base: &[u8], m: &Meta) -> Result<(), LayerError> {

@@ -119,6 +119,17 @@ pub(crate) fn read_meta(entry: &mut tar::Entry<'_, impl Read>) -> io::Result<Met
             }
         }
     }
+    // `user.*` xattrs exist on regular files and directories only (xattr(7)): the kernel
+    // refuses them on a symlink, device or FIFO (`EPERM`), and containerd drops them there.
+    // Dropped here, in the one reader, so that the applier does not refuse a layer whose
+    // xattr the flattener would write into the image.
+    use tar::EntryType as T;
+    if !matches!(
+        entry.header().entry_type(),
+        T::Regular | T::Continuous | T::GNUSparse | T::Directory
+    ) {
+        m.xattrs.retain(|(n, _)| !n.starts_with(b"user."));
+    }
     Ok(m)
 }
 
