@@ -180,29 +180,66 @@ impl Applier {
         name: &[u8],
         depth: usize,
     ) -> Result<(), LayerError> {
-        path.push(name.to_vec());
-        let r = self.remove_lower_at(dir, path, name, depth);
-        path.pop();
-        r
+        self.remove_tree(dir, name, depth, Some(path))
     }
 
-    fn remove_lower_at(
+    /// Removes `name` in `dir`, recursively for directories, never following symlinks.
+    fn remove_all(&self, dir: BorrowedFd<'_>, name: &[u8], depth: usize) -> Result<(), LayerError> {
+        self.remove_tree(dir, name, depth, None)
+    }
+
+    /// The one removal walk: `name` in `dir` and everything below it, never following
+    /// symlinks, at most [`MAX_DEPTH`] deep. With `spare` (the path of `dir`, symlinks
+    /// resolved), what this layer made ([`Applier::created`]) stays, its lower entries
+    /// going; below a path it did not make it made nothing (the record holds every made
+    /// path's ancestors), so nothing is spared there. `spare` is returned as it was given.
+    fn remove_tree(
         &self,
         dir: BorrowedFd<'_>,
-        path: &mut Vec<Vec<u8>>,
         name: &[u8],
         depth: usize,
+        mut spare: Option<&mut Vec<Vec<u8>>>,
     ) -> Result<(), LayerError> {
-        if !self.created.contains(path) {
-            return self.remove_all(dir, name, depth);
-        }
         let st = match rustix::fs::statat(dir, os(name), AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) => st,
             Err(Errno::NOENT) => return Ok(()),
             Err(e) => return Err(self.io("stat for removal", e)),
         };
+        if let Some(path) = spare.as_deref_mut() {
+            path.push(name.to_vec());
+        }
+        let keep = spare.as_deref().is_some_and(|p| self.created.contains(p));
+        let r = self.remove_node(
+            dir,
+            name,
+            depth,
+            &st,
+            keep,
+            spare.as_deref_mut().filter(|_| keep),
+        );
+        if let Some(path) = spare {
+            path.pop();
+        }
+        r
+    }
+
+    /// [`Applier::remove_tree`] once `name` is stat'ed (`st`): its children, then `name`
+    /// itself unless `keep`.
+    fn remove_node(
+        &self,
+        dir: BorrowedFd<'_>,
+        name: &[u8],
+        depth: usize,
+        st: &rustix::fs::Stat,
+        keep: bool,
+        mut spare: Option<&mut Vec<Vec<u8>>>,
+    ) -> Result<(), LayerError> {
         if FileType::from_raw_mode(st.st_mode) != FileType::Directory {
-            return Ok(());
+            if keep {
+                return Ok(());
+            }
+            return rustix::fs::unlinkat(dir, os(name), AtFlags::empty())
+                .map_err(|e| self.io("unlink", e));
         }
         if depth > MAX_DEPTH {
             let (digest, entry) = self.err_entry();
@@ -216,40 +253,12 @@ impl Applier {
         )
         .map_err(|e| self.io("open for removal", e))?;
         for child in self.list(fd.as_fd())? {
-            self.remove_lower(fd.as_fd(), path, &child, depth + 1)?;
+            self.remove_tree(fd.as_fd(), &child, depth + 1, spare.as_deref_mut())?;
         }
-        Ok(())
-    }
-
-    /// Removes `name` in `dir`, recursively for directories, never following symlinks.
-    fn remove_all(&self, dir: BorrowedFd<'_>, name: &[u8], depth: usize) -> Result<(), LayerError> {
-        let st = match rustix::fs::statat(dir, os(name), AtFlags::SYMLINK_NOFOLLOW) {
-            Ok(st) => st,
-            Err(Errno::NOENT) => return Ok(()),
-            Err(e) => return Err(self.io("stat for removal", e)),
-        };
-        if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
-            if depth > MAX_DEPTH {
-                let (digest, entry) = self.err_entry();
-                return Err(LayerError::TooDeep { digest, entry });
-            }
-            let fd = rustix::fs::openat(
-                dir,
-                os(name),
-                OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
-                Mode::empty(),
-            )
-            .map_err(|e| self.io("open for removal", e))?;
-            for child in self.list(fd.as_fd())? {
-                self.remove_all(fd.as_fd(), &child, depth + 1)?;
-            }
-            rustix::fs::unlinkat(dir, os(name), AtFlags::REMOVEDIR)
-                .map_err(|e| self.io("rmdir", e))?;
-        } else {
-            rustix::fs::unlinkat(dir, os(name), AtFlags::empty())
-                .map_err(|e| self.io("unlink", e))?;
+        if keep {
+            return Ok(());
         }
-        Ok(())
+        rustix::fs::unlinkat(dir, os(name), AtFlags::REMOVEDIR).map_err(|e| self.io("rmdir", e))
     }
 
     fn list(&self, dir: BorrowedFd<'_>) -> Result<Vec<Vec<u8>>, LayerError> {
