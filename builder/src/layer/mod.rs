@@ -403,4 +403,6 @@ impl Compression {
 }
 
 #[cfg(test)]
+mod sparse_tests;
+#[cfg(test)]
 mod tests;
