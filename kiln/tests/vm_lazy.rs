@@ -19,7 +19,7 @@ use std::time::Duration;
 use kiln_store::{Manifest, ObjectRef, Store, TagRef};
 use kiln_tests::fault_proxy::FaultProxy;
 use kiln_tests::stores::{Kind, fresh_url};
-use kiln_tests::vm::{QemuUids, StopClones, busybox_image, guest_assets};
+use kiln_tests::vm::{QemuUids, StopClones, busybox_image, guest_assets, wait_unmounted};
 use kiln_vmm::lazy;
 use serde_json::Value;
 
@@ -90,18 +90,6 @@ fn served_chunks(snapdir: &Path) -> Vec<(String, usize, String)> {
             )
         })
         .collect()
-}
-
-/// Waits (bounded) for a chunk server to leave `snapdir`'s mount; true when it did.
-fn wait_unmounted(snapdir: &Path) -> bool {
-    let mnt = snapdir.join(lazy::MOUNT_DIR);
-    for _ in 0..600 {
-        if !lazy::is_mounted(&mnt) {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    false
 }
 
 #[test]

@@ -56,16 +56,10 @@ fn served_lazily(cache: &Path) -> usize {
         );
         let log = std::fs::read_to_string(snap.join(lazy::CHUNK_LOG)).unwrap_or_default();
         served += usize::from(!log.trim().is_empty());
-        let mnt = snap.join(lazy::MOUNT_DIR);
-        let mut waited = 0;
-        while lazy::is_mounted(&mnt) && waited < 600 {
-            std::thread::sleep(std::time::Duration::from_millis(100));
-            waited += 1;
-        }
         assert!(
-            !lazy::is_mounted(&mnt),
+            kiln_tests::vm::wait_unmounted(&snap),
             "{}: the idle chunk server left",
-            mnt.display()
+            snap.display()
         );
     }
     served

@@ -456,3 +456,16 @@ pub fn smaps_rollup_kb(pid: u64, field: &str) -> u64 {
         .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         .unwrap_or(0)
 }
+
+/// Waits (at most 30 s) for the chunk server of the snapshot directory `snapdir` to leave its
+/// mount ([`kiln_vmm::lazy::MOUNT_DIR`]); true when it did.
+pub fn wait_unmounted(snapdir: &Path) -> bool {
+    let mnt = snapdir.join(kiln_vmm::lazy::MOUNT_DIR);
+    for _ in 0..600 {
+        if !kiln_vmm::lazy::is_mounted(&mnt) {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    false
+}
