@@ -763,6 +763,24 @@ impl BuildPlan {
     pub fn target_stage(&self) -> Option<&Stage> {
         self.stages.get(self.target)
     }
+
+    /// The image reference (as written, after substitution) at the root of the target
+    /// stage's chain of `FROM`s: the image the built image inherits its config from. A stage
+    /// `FROM` an earlier stage is followed to that stage's base. `None` when the chain ends
+    /// at `scratch` or a bootstrap base, or the plan has no stages.
+    pub fn image_base(&self) -> Option<&str> {
+        let mut stage = self.target_stage()?;
+        // Each step goes to an earlier stage (`Base::Stage` indexes one before it), so the
+        // walk ends; the bound only guards a hand-made plan.
+        for _ in 0..=self.stages.len() {
+            match &stage.base {
+                Base::Image { reference } => return Some(reference),
+                Base::Stage { stage: i } => stage = self.stages.get(*i)?,
+                Base::Scratch | Base::Bootstrap(_) => return None,
+            }
+        }
+        None
+    }
 }
 
 #[cfg(test)]
@@ -803,6 +821,24 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn image_base_follows_the_target_stages_chain_of_froms() {
+        let plan = |text: &str| {
+            crate::load("Dockerfile", text.as_bytes(), &Default::default()).expect("lowers")
+        };
+        assert_eq!(plan("FROM gbase\nRUN true\n").image_base(), Some("gbase"));
+        let p = plan(
+            "FROM other:1 AS tools\nRUN true\nFROM gbase:2 AS app\nRUN true\n\
+             FROM app\nCOPY --from=tools /x /x\n",
+        );
+        assert_eq!(p.image_base(), Some("gbase:2"));
+        assert_eq!(plan("FROM scratch\nCOPY a /a\n").image_base(), None);
+        assert_eq!(
+            plan("FROM gbase AS a\nFROM scratch AS b\nFROM b\n").image_base(),
+            None
+        );
+    }
 
     #[test]
     fn source_date_epoch_past_year_9999_is_refused() {
