@@ -177,6 +177,26 @@ pub struct RebuildCheck {
     pub old_base: ConfigSummary,
 }
 
+impl RebuildCheck {
+    /// What to keep when the image of `report` starts following its base (and, after a
+    /// rebuild that passed, to keep for the next one): its own config summary
+    /// ([`crate::BuildReport::oci_manifest`]) and that of its image base
+    /// ([`crate::BuildReport::image_base`]; none, `FROM scratch`: nothing set), read from
+    /// `cache` ([`crate::Setup::cache`] of the host that ran the build) by
+    /// [`oci_config_summary`]. Errors: [`PipelineError::ImageConfig`].
+    pub async fn of_build(
+        cache: &dyn BlobCache,
+        report: &crate::BuildReport,
+    ) -> Result<RebuildCheck, PipelineError> {
+        let original = oci_config_summary(cache, &report.oci_manifest.digest).await?;
+        let old_base = match report.image_base() {
+            Some(b) => oci_config_summary(cache, &b.digest).await?,
+            None => ConfigSummary::default(),
+        };
+        Ok(RebuildCheck { original, old_base })
+    }
+}
+
 /// The rebuild rule: for each field (`user`; `env KEY` for every key present in any of the
 /// four summaries; `workdir`; `entrypoint`; `cmd`), where the base's field did not change
 /// (`old_base` and `new_base` agree) the rebuilt image's must equal the original's; where

@@ -101,6 +101,12 @@ fn a_rebuild_moves_its_tag_only_where_its_config_follows_the_base() {
         assert_eq!(old_base.env.get("APP"), None);
         let app_image = app.final_image().expect("published");
         let check = RebuildCheck { original, old_base };
+        assert_eq!(
+            RebuildCheck::of_build(cache, &app)
+                .await
+                .expect("of the build"),
+            check
+        );
 
         // The base moves: BASE and the working directory change, KEEP does not.
         let base_v2 = build(
@@ -161,6 +167,10 @@ fn a_rebuild_moves_its_tag_only_where_its_config_follows_the_base() {
             .expect("the rebuild's summary");
         assert_eq!(summary.env.get("BASE").map(String::as_str), Some("2"));
         assert_eq!(summary.workdir.as_deref(), Some("/srv2"));
+        // What the next rebuild is checked against: the rebuilt image on the new base.
+        let next = RebuildCheck::of_build(cache, &rebuilt).await.expect("next");
+        assert_eq!(next.original, summary);
+        assert_eq!(next.old_base.env.get("BASE").map(String::as_str), Some("2"));
     });
 }
 
