@@ -16,13 +16,18 @@
 //! - An [`EventSink`] receives each [`Event`]: step started, cache hit, log line, step done,
 //!   publish progress, published, snapshot stored, tagged. A closure or a channel will do.
 //! - A [`BuildReport`] gives the digests, sizes, phase times and the new and reused chunk
-//!   counts ([`ChunkCounts`]); a [`PipelineError`] says which phase failed, and on any error
-//!   no tag has moved.
+//!   counts ([`ChunkCounts`]), and the image bases it used ([`BaseUse`],
+//!   [`BuildReport::image_base`]); a [`PipelineError`] says which phase failed, and on any
+//!   error no tag has moved.
+//! - A rebuild of an image that follows its base sets [`BuildRequest::rebuild_check`]
+//!   ([`rebuild`]): its config must keep the original's wherever the base's did not change,
+//!   checked before any tag moves.
 
 pub mod event;
 pub mod nightly;
 pub mod packages;
 pub mod qemu_cgroups;
+pub mod rebuild;
 pub mod report;
 pub mod request;
 pub mod vm_cache;
@@ -46,7 +51,7 @@ use kiln_builder::registry::RegistryOptions;
 use kiln_builder::resolve::{ResolveError, ResolveOptions};
 use kiln_store::manifest::ObjectRef;
 use kiln_store::progress::{ProgressEvent, TransferStats};
-use kiln_store::{ManifestDigest, Store, StoreError, TagError, TagRef};
+use kiln_store::{BlobDigest, ManifestDigest, Store, StoreError, TagError, TagRef};
 use kiln_vmm::SnapshotError;
 use kiln_vmm::snapshot::BootAssets;
 
@@ -58,7 +63,10 @@ pub use kiln_builder::exec::{DEFAULT_PIDS_MAX, DEFAULT_WRITE_LIMIT_BYTES};
 pub use kiln_builder::reference::Reference;
 pub use kiln_builder::registry::Credentials;
 pub use nightly::{NightlyOutcome, NightlyReport, NightlyRequest, nightly};
-pub use report::{BuildReport, ChunkCounts, PublishedImage, SnapshotSummary, Times};
+pub use rebuild::{ConfigSummary, RebuildCheck, check_rebuild, oci_config_summary};
+pub use report::{
+    BaseUse, BuildReport, ChunkCounts, PublishedImage, SnapshotSummary, StageFrom, Times,
+};
 pub use request::{
     BuildRequest, CacheMountScope, ContextSource, Executor, Limits, NetworkPolicy, Output, Recipe,
     Scope, SnapshotRequest, StorageQuota, TagExpect, TagMove, Tenant, WorkspaceId,
@@ -150,6 +158,29 @@ pub enum PipelineError {
     /// The request's cancellation token fired.
     #[error("build cancelled")]
     Cancelled,
+    /// An image's OCI manifest or config could not be read from the local blob cache
+    /// ([`oci_config_summary`]): missing, not a platform manifest, or not an image config.
+    #[error("reading the image config of OCI manifest {manifest}: {reason}")]
+    ImageConfig {
+        /// The OCI image manifest.
+        manifest: kiln_store::BlobDigest,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A rebuild's config differs from the original image's in a field its base did not
+    /// change ([`BuildRequest::rebuild_check`], [`check_rebuild`]); no tag moved.
+    #[error(
+        "rebuilt image's config differs from the original's where its base did not change: \
+         {field}: expected {expected}, found {found}"
+    )]
+    RebuildCheck {
+        /// `user`, `env KEY`, `workdir`, `entrypoint` or `cmd`.
+        field: String,
+        /// The original image's value: JSON (`"/bin"`, `["sh"]`) or `unset`.
+        expected: String,
+        /// The rebuilt image's value, rendered the same way.
+        found: String,
+    },
 }
 
 /// `bytes` as MiB with one decimal (`5.2 MiB`), for messages.
@@ -527,7 +558,10 @@ pub(crate) async fn run_leased(
         }
     };
     times.build = t.elapsed();
-    let r = finish(setup, &req, &out, &events, &mut times).await;
+    let froms: Vec<StageFrom> = bases.iter().map(StageFrom::of).collect();
+    let base_uses = report::base_uses(&bases);
+    let image_base = report::image_base(&froms, &base_uses, plan.target).map(|b| b.digest);
+    let r = finish(setup, &req, &out, image_base, &events, &mut times).await;
     let (image, snapshot, tags) = match r {
         Ok(r) => r,
         Err(e) => {
@@ -547,6 +581,9 @@ pub(crate) async fn run_leased(
         snapshot,
         tags,
         times,
+        bases: base_uses,
+        froms,
+        target_stage: plan.target,
     };
     Ok((report, out.lease.clone()))
 }
@@ -719,11 +756,14 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
 
 type Finished = (Option<PublishedImage>, Option<SnapshotSummary>, Vec<String>);
 
-/// Everything after the steps: publish, snapshot, tags (or the local OCI references).
+/// Everything after the steps: publish, snapshot, the rebuild check, tags (or the rebuild
+/// check and the local OCI references). `image_base`: the OCI manifest of the image at the
+/// root of the target stage's `FROM` chain, if any.
 async fn finish(
     setup: &Setup,
     req: &BuildRequest,
     out: &BuildOutput,
+    image_base: Option<BlobDigest>,
     events: &Arc<dyn EventSink>,
     times: &mut Times,
 ) -> Result<Finished, PipelineError> {
@@ -733,6 +773,7 @@ async fn finish(
     }
     let (tags, snapshot) = match &req.output {
         Output::Oci { refs } => {
+            rebuild_check(setup, req, out, image_base).await?;
             let digest = &out.image.oci_manifest.digest;
             let mut names = Vec::new();
             for r in refs {
@@ -865,6 +906,9 @@ async fn finish(
         return Err(PipelineError::Cancelled);
     }
 
+    // The rebuild check (issue 40), on the published (and booted) image, before any tag.
+    rebuild_check(setup, req, out, image_base).await?;
+
     // 5. Tags, within the storage quota.
     // An untagged image holds nothing of the quota; pointing a tag at it later is checked.
     if let Some(q) = req.storage_quota.as_ref().filter(|_| !tags.is_empty()) {
@@ -873,6 +917,28 @@ async fn finish(
     }
     let names = move_tags(&setup.store, tags, target, events).await?;
     Ok((Some(published), summary, names))
+}
+
+/// [`BuildRequest::rebuild_check`], when set: the built image's config against the check,
+/// with `image_base`'s config as the new base, both read from the cache (where the build
+/// wrote or leased them) by [`oci_config_summary`], as a caller reads the original's.
+/// Errors: [`PipelineError::RebuildCheck`], [`PipelineError::ImageConfig`].
+async fn rebuild_check(
+    setup: &Setup,
+    req: &BuildRequest,
+    out: &BuildOutput,
+    image_base: Option<BlobDigest>,
+) -> Result<(), PipelineError> {
+    let Some(check) = &req.rebuild_check else {
+        return Ok(());
+    };
+    let new_image =
+        oci_config_summary(setup.cache.as_ref(), &out.image.oci_manifest.digest).await?;
+    let new_base = match image_base {
+        Some(d) => Some(oci_config_summary(setup.cache.as_ref(), &d).await?),
+        None => None,
+    };
+    check_rebuild(check, new_base.as_ref(), &new_image)
 }
 
 /// Errors with [`PipelineError::StorageQuota`] when the tags under `q`'s prefix would hold

@@ -3,8 +3,9 @@
 use std::time::Duration;
 
 use kiln_builder::image::Descriptor;
-use kiln_store::ManifestDigest;
+use kiln_builder::resolve::ResolvedBase;
 use kiln_store::progress::TransferStats;
+use kiln_store::{BlobDigest, ManifestDigest};
 use serde::Serialize;
 
 /// A successful build: digests, sizes, times and the chunks it stored.
@@ -31,6 +32,67 @@ pub struct BuildReport {
     pub tags: Vec<String>,
     /// Where the time went.
     pub times: Times,
+    /// The image bases of the build: one per stage whose `FROM` is an image (not `scratch`,
+    /// not an earlier stage), in stage order.
+    pub bases: Vec<BaseUse>,
+    /// What each stage of the plan starts from, by stage index (the plan's stages, in
+    /// dependency order): what [`BuildReport::image_base`] follows.
+    pub froms: Vec<StageFrom>,
+    /// The index of the stage built (the plan's target, the image provenance's `target`).
+    pub target_stage: usize,
+}
+
+/// A stage's image base as resolved for this build.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BaseUse {
+    /// The stage's index in the plan.
+    pub stage: usize,
+    /// The `FROM` as written in the recipe (`default:latest`, `busybox@sha256:…`).
+    pub reference: String,
+    /// The platform OCI image manifest it resolved to (in the local blob cache, leased by
+    /// the build): what [`crate::oci_config_summary`] reads.
+    pub digest: BlobDigest,
+}
+
+/// What a stage starts from ([`kiln_builder::resolve::ResolvedBase`] without the details).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StageFrom {
+    /// `FROM scratch`: an empty root.
+    Scratch,
+    /// An earlier stage, by index.
+    Stage(usize),
+    /// An image: the stage's entry of [`BuildReport::bases`].
+    Image,
+}
+
+impl StageFrom {
+    /// What `b` starts from.
+    pub fn of(b: &ResolvedBase) -> StageFrom {
+        match b {
+            ResolvedBase::Scratch => StageFrom::Scratch,
+            ResolvedBase::Stage(i) => StageFrom::Stage(*i),
+            ResolvedBase::Image { .. } => StageFrom::Image,
+        }
+    }
+}
+
+/// The [`BaseUse`]s of a build's resolved bases (one per stage, by index).
+pub(crate) fn base_uses(bases: &[ResolvedBase]) -> Vec<BaseUse> {
+    bases
+        .iter()
+        .enumerate()
+        .filter_map(|(stage, b)| match b {
+            ResolvedBase::Image {
+                reference, digest, ..
+            } => Some(BaseUse {
+                stage,
+                reference: reference.clone(),
+                digest: *digest,
+            }),
+            _ => None,
+        })
+        .collect()
 }
 
 impl BuildReport {
@@ -43,6 +105,33 @@ impl BuildReport {
             (None, None) => None,
         }
     }
+
+    /// The image the built image inherits its config from: the image base at the root of
+    /// the target stage's `FROM` chain (a stage `FROM` an earlier stage inherits that
+    /// stage's base); `None` when the chain ends in `scratch`.
+    pub fn image_base(&self) -> Option<&BaseUse> {
+        image_base(&self.froms, &self.bases, self.target_stage)
+    }
+}
+
+/// [`BuildReport::image_base`] of these parts: follows `froms` from `target` through
+/// [`StageFrom::Stage`] links to the stage whose base is an image, and returns its entry of
+/// `bases`.
+pub(crate) fn image_base<'a>(
+    froms: &[StageFrom],
+    bases: &'a [BaseUse],
+    target: usize,
+) -> Option<&'a BaseUse> {
+    let mut stage = target;
+    // Stages only name earlier ones; the bound stops a malformed report's loop.
+    for _ in 0..=froms.len() {
+        match froms.get(stage)? {
+            StageFrom::Scratch => return None,
+            StageFrom::Stage(i) => stage = *i,
+            StageFrom::Image => return bases.iter().find(|b| b.stage == stage),
+        }
+    }
+    None
 }
 
 /// The kiln image manifest and its ext4 image.
@@ -127,4 +216,48 @@ pub struct Times {
     pub snapshot: Duration,
     /// The whole run.
     pub total: Duration,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The image base is the root of the target stage's `FROM` chain: followed through
+    /// earlier stages, not the last image base of the build; `scratch` at the root is none.
+    #[test]
+    fn the_image_base_is_the_root_of_the_targets_chain() {
+        let digest = |b: &[u8]| BlobDigest::of(b);
+        let resolved = [
+            ResolvedBase::Image {
+                reference: "default:latest".into(),
+                digest: digest(b"a"),
+                onbuild: Vec::new(),
+            },
+            ResolvedBase::Image {
+                reference: "busybox".into(),
+                digest: digest(b"b"),
+                onbuild: Vec::new(),
+            },
+            ResolvedBase::Stage(0),
+            ResolvedBase::Stage(2),
+            ResolvedBase::Scratch,
+            ResolvedBase::Stage(4),
+        ];
+        let froms: Vec<StageFrom> = resolved.iter().map(StageFrom::of).collect();
+        let bases = base_uses(&resolved);
+        assert_eq!(
+            bases.iter().map(|b| b.stage).collect::<Vec<_>>(),
+            [0, 1],
+            "one per image base"
+        );
+        let root = |t| image_base(&froms, &bases, t).map(|b| b.reference.as_str());
+        assert_eq!(root(3), Some("default:latest"));
+        assert_eq!(root(2), Some("default:latest"));
+        assert_eq!(root(1), Some("busybox"));
+        assert_eq!(root(5), None);
+        assert_eq!(root(9), None, "no such stage");
+        // A malformed loop ends.
+        let looped = [StageFrom::Stage(1), StageFrom::Stage(0)];
+        assert_eq!(image_base(&looped, &bases, 0), None);
+    }
 }

@@ -86,13 +86,22 @@ pub struct BuildRequest {
     /// API, the nightly), and any ssh mount fails it before anything runs; `Some`: a mount
     /// of an id not given is left out, or fails the build when `required`.
     pub ssh: Option<BTreeMap<String, std::path::PathBuf>>,
+    /// A rebuild of an image that follows its base (issue 40): when set, once the image is
+    /// published (and snapshotted, when asked) and before any tag moves, its config must
+    /// equal [`crate::RebuildCheck::original`] wherever the config of its image base (the
+    /// root of the target stage's `FROM` chain, [`crate::BuildReport::image_base`]) equals
+    /// [`crate::RebuildCheck::old_base`]; a build on no image base (`FROM scratch`) must
+    /// equal it everywhere ([`crate::check_rebuild`]). Otherwise the build fails with
+    /// [`PipelineError::RebuildCheck`] and no tag moves. `None` (the default): no check.
+    pub rebuild_check: Option<crate::RebuildCheck>,
 }
 
 impl BuildRequest {
     /// A request for `recipe` over `context` with every other field at its default: no
     /// build args, last stage, `linux/amd64`, pull when missing, cache on, no secrets,
     /// sandboxed network, default limits, the namespace executor, shared cache mounts, a
-    /// published image with no tags and no snapshot, a fresh cancellation token.
+    /// published image with no tags and no snapshot, a fresh cancellation token, no rebuild
+    /// check.
     pub fn new(recipe: Recipe, context: ContextSource) -> Self {
         BuildRequest {
             recipe,
@@ -120,6 +129,7 @@ impl BuildRequest {
             ca_certs: None,
             allow_insecure: false,
             ssh: None,
+            rebuild_check: None,
         }
     }
 }
