@@ -597,7 +597,10 @@ pub(crate) async fn run_leased(
 /// --chown` by name) is refused here too, as `kiln plan` refuses it, and what needs an
 /// entitlement the request does not have ([`check_entitlements`]: through the API, `ADD` of
 /// a git repository over ssh among others).
-pub fn check_recipe(req: &BuildRequest) -> Result<(), PipelineError> {
+///
+/// Returns the lowered plan (its bases unresolved), e.g. for
+/// [`kiln_recipes::plan::BuildPlan::image_base`].
+pub fn check_recipe(req: &BuildRequest) -> Result<kiln_recipes::plan::BuildPlan, PipelineError> {
     let options = kiln_recipes::Options {
         target: req.target.clone(),
         build_args: req.build_args.clone(),
@@ -608,7 +611,8 @@ pub fn check_recipe(req: &BuildRequest) -> Result<(), PipelineError> {
     let plan = kiln_recipes::load(&req.recipe.name, &req.recipe.bytes, &options)
         .map_err(|e| PipelineError::Resolve(Box::new(ResolveError::Recipe(Box::new(e)))))?;
     kiln_builder::build::check_supported(&plan).map_err(|e| PipelineError::Build(Box::new(e)))?;
-    check_entitlements(&plan, req)
+    check_entitlements(&plan, req)?;
+    Ok(plan)
 }
 
 /// Refuses a step of `plan` that needs an entitlement `req` does not have: `RUN

@@ -15,7 +15,8 @@
 //! | `idempotency` | workspace, key, sha256 of the request, build id, time |
 //! | `blobs` | workspace, digest: which workspace uploaded which context |
 //! | `build_credentials` | build id, the tenant's registry credentials sealed ([`crate::sealed`]), while the build is queued or running |
-//! | `context_leases` | build id, context digest, last renewal: the store lease that holds a build's context in a remote store ([`crate::context::lease_id`]), while the build is queued or running |
+//! | `context_leases` | build id, context digest, last renewal: the store lease that holds a build's context in a remote store ([`crate::context::lease_id`]), while the build is queued or running, or a follow reruns it |
+//! | `follows` | per workspace and store tag that follows a global base ([`crate::follow`]): the build it reruns, the image the tag named after it, the base tag and the OCI manifest it was built from, the config summaries a rebuild is checked against, the last head a rebuild was queued for and that rebuild, its report (JSON) |
 //!
 //! Times are Unix milliseconds (`BIGINT`). A build's state moves `queued → running → succeeded | failed
 //! | cancelled` or `queued → cancelled`, each move a conditional `UPDATE`, so one claim per
@@ -37,7 +38,10 @@ use sqlx::Row as _;
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Executor as _};
 
+mod follows;
 mod nodes;
+
+pub use follows::{BaseMove, DueGroup, FollowRow, Planned};
 
 /// The start of the failure reason of a build whose node stopped or stopped heartbeating
 /// (kill -9, crash, cut off) during its last attempt; the rest names the node.
@@ -148,6 +152,20 @@ const SCHEMA: &[&str] = &[
         build_id TEXT PRIMARY KEY,
         digest TEXT NOT NULL,
         renewed_ms BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS follows (
+        workspace TEXT NOT NULL REFERENCES workspaces(id),
+        tag TEXT NOT NULL,
+        build_id TEXT NOT NULL,
+        image TEXT NOT NULL,
+        base_tag TEXT NOT NULL,
+        base_oci TEXT NOT NULL,
+        configs TEXT,
+        created_ms BIGINT NOT NULL,
+        tried_head TEXT,
+        rebuild_build TEXT,
+        last TEXT,
+        PRIMARY KEY (workspace, tag))",
+    "CREATE INDEX IF NOT EXISTS follows_base ON follows (base_tag)",
     "CREATE TABLE IF NOT EXISTS nodes (
         id TEXT PRIMARY KEY,
         name TEXT NOT NULL,
@@ -319,8 +337,8 @@ pub struct ContextLease {
     /// When it was last renewed, Unix ms (database clock): the version a renewal or a drop
     /// is conditional on.
     pub renewed_ms: i64,
-    /// Whether the build is queued or running (renew), or not (ended, or never inserted:
-    /// delete).
+    /// Whether the build is queued or running or a follow reruns it (renew), or not (ended,
+    /// or never inserted: delete).
     pub live: bool,
 }
 
@@ -412,6 +430,13 @@ pub enum Inserted {
     OverQuota,
 }
 
+/// A new build id: `b` and 32 random hex digits.
+pub fn new_build_id() -> Result<String, DbError> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).map_err(|e| DbError::Random(e.to_string()))?;
+    Ok(format!("b{}", hex::encode(b)))
+}
+
 /// Unix time, milliseconds.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
@@ -459,6 +484,35 @@ fn build_row(r: &AnyRow) -> Result<BuildRow, sqlx::Error> {
         claimed_by: r.try_get("claimed_by")?,
         attempt: r.try_get("attempt")?,
     })
+}
+
+/// Inserts `b` queued at `now` (Unix ms) in `tx`: its row and, when it has them, its sealed
+/// credentials. The caller checks the queue's bounds.
+async fn insert_build_row(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    b: &NewBuild,
+    now: i64,
+) -> Result<(), DbError> {
+    sqlx::query(
+        "INSERT INTO builds (id, workspace, state, spec, recipe, context, created_ms)
+         VALUES ($1, $2, 'queued', $3, $4, $5, $6)",
+    )
+    .bind(&b.id)
+    .bind(&b.workspace)
+    .bind(&b.spec)
+    .bind(&b.recipe)
+    .bind(&b.context)
+    .bind(now)
+    .execute(&mut **tx)
+    .await?;
+    if let Some(sealed) = &b.credentials {
+        sqlx::query("INSERT INTO build_credentials VALUES ($1, $2)")
+            .bind(&b.id)
+            .bind(sealed)
+            .execute(&mut **tx)
+            .await?;
+    }
+    Ok(())
 }
 
 impl Db {
@@ -756,18 +810,7 @@ impl Db {
         if active >= i64::from(max_queued) {
             return Ok(Inserted::OverQuota);
         }
-        sqlx::query(
-            "INSERT INTO builds (id, workspace, state, spec, recipe, context, created_ms)
-             VALUES ($1, $2, 'queued', $3, $4, $5, $6)",
-        )
-        .bind(&b.id)
-        .bind(&b.workspace)
-        .bind(&b.spec)
-        .bind(&b.recipe)
-        .bind(&b.context)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?;
+        insert_build_row(&mut tx, b, now).await?;
         if let Some((key, hash)) = &b.idempotency {
             sqlx::query(
                 "INSERT INTO idempotency VALUES ($1, $2, $3, $4, $5) ON CONFLICT(workspace, key)
@@ -781,13 +824,6 @@ impl Db {
             .bind(now)
             .execute(&mut *tx)
             .await?;
-        }
-        if let Some(sealed) = &b.credentials {
-            sqlx::query("INSERT INTO build_credentials VALUES ($1, $2)")
-                .bind(&b.id)
-                .bind(sealed)
-                .execute(&mut *tx)
-                .await?;
         }
         tx.commit().await?;
         Ok(Inserted::Queued)

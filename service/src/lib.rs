@@ -22,6 +22,8 @@
 //! - [`share`]: each workspace's share of the tenants' listener (requests in flight).
 //! - [`sealed`]: a tenant's registry credentials for one build, sealed under the operator's
 //!   key while the build waits in the database.
+//! - [`follow`]: images that follow a global base (`follow_base`): rebuilt, checked and
+//!   their tags moved by compare-and-swap when the base moves.
 //! - [`tags`]: a workspace's tags live in the store as `<workspace>.<name>:<tag>`; workspace
 //!   ids hold no `.`, so no tag name reaches another workspace's names.
 //!
@@ -32,6 +34,7 @@ pub mod api;
 pub mod auth;
 pub mod context;
 pub mod db;
+pub mod follow;
 pub mod listen;
 pub mod metrics;
 pub mod sealed;
@@ -67,6 +70,10 @@ pub enum ServiceError {
         source: std::io::Error,
     },
 }
+
+/// Most rebuilds one move of a global base queues by default ([`ServiceConfig::follow_budget`]):
+/// with the default two workers and 15-minute builds, about 12 hours of rebuilds at worst.
+pub const DEFAULT_FOLLOW_BUDGET: u32 = 100;
 
 /// The server's settings (the `kiln serve` flags).
 #[derive(Debug, Clone)]
@@ -116,6 +123,9 @@ pub struct ServiceConfig {
     /// Store tag names every tenant may build `FROM` (any tag of each; `kiln serve --base`).
     /// No workspace may create a tag of such a name, so a name has one meaning.
     pub global_bases: std::collections::BTreeSet<String>,
+    /// Most rebuilds one move of a global base queues for the images that follow it
+    /// (`kiln serve --follow-budget`; default [`DEFAULT_FOLLOW_BUDGET`]; [`follow`]).
+    pub follow_budget: u32,
     /// Registries (`host[:port]`) tenants may pull from at a loopback, private or
     /// link-local address (`kiln serve --allow-registry`); every other registry must be at a
     /// public address ([`kiln_pipeline::Tenant::registries`]).
@@ -164,6 +174,7 @@ impl ServiceConfig {
             context_lease: Duration::from_secs(3600),
             database_timeout: db::DEFAULT_TIMEOUT,
             global_bases: Default::default(),
+            follow_budget: DEFAULT_FOLLOW_BUDGET,
             allowed_registries: Default::default(),
             executor: Executor::Vm,
             credentials_key: None,
@@ -384,6 +395,7 @@ pub async fn serve(
     // It heartbeats until the last build has ended, through the shutdown grace.
     let live = CancellationToken::new();
     let liveness = tokio::spawn(worker::liveness(state.clone(), registered, live.clone()));
+    let follows = tokio::spawn(follow::watch_bases(state.clone(), live.clone()));
     let workers = worker::spawn_pool(state.clone());
     let app = api::router(state.clone());
     let stopping = state.stopping.clone();
@@ -408,6 +420,7 @@ pub async fn serve(
     worker::shutdown(&state, workers).await;
     live.cancel();
     let _ = liveness.await;
+    let _ = follows.await;
     if let Err(e) = state.db.stop_node(&state.node.id).await {
         tracing::error!(error = %e, "marking this node stopped");
     }

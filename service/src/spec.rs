@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use kiln_pipeline::{
     BuildRequest, CaCerts, CacheMountScope, ContextSource, Limits, NetworkPolicy, Output, Recipe,
-    SnapshotRequest, TagMove,
+    SnapshotRequest, TagExpect, TagMove,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -135,6 +135,31 @@ pub struct StoredSpec {
     /// The extra CA certificates, normalised ([`kiln_pipeline::CaCerts::pem`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_certs: Option<String>,
+    /// The global base tag (`NAME:TAG`) the image follows (the submission's `follow_base`,
+    /// [`crate::follow`]): when it moves, the server builds this spec again and moves the
+    /// tags. `None`: the image follows nothing (left out of the JSON, so that the hash of
+    /// an idempotent retry is what it was before follows).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub follow: Option<String>,
+    /// Set on a rebuild the server queued because the followed base moved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebuild: Option<Rebuild>,
+}
+
+/// What a rebuild of a following image ([`crate::follow`]) carries beyond its original's
+/// spec.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rebuild {
+    /// Each store tag it moves → the image manifest the tag must still name for it to move
+    /// (compare-and-swap from the image the rebuild started from: a tenant who built or
+    /// moved the tag meanwhile keeps their image).
+    pub expect: BTreeMap<String, String>,
+    /// The base tag's head (its image manifest) that queued the rebuild.
+    pub base_head: String,
+    /// The config summaries the rebuilt image is checked against before its tags move
+    /// (JSON of [`crate::follow::Configs`]); `None`: none were recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub configs: Option<String>,
 }
 
 impl StoredSpec {
@@ -188,9 +213,19 @@ impl StoredSpec {
         );
         let mut tags = Vec::new();
         for t in &self.store_tags {
-            tags.push(TagMove::at_start(
-                t.parse().map_err(|e| format!("tag {t}: {e}"))?,
-            ));
+            let tag = t.parse().map_err(|e| format!("tag {t}: {e}"))?;
+            let expect = self.rebuild.as_ref().and_then(|r| r.expect.get(t));
+            tags.push(match expect {
+                // A rebuild moves a tag only from the image it started from.
+                Some(d) => TagMove {
+                    tag,
+                    expect: TagExpect::Digest(
+                        d.parse()
+                            .map_err(|e| format!("tag {t}: expected image {d}: {e}"))?,
+                    ),
+                },
+                None => TagMove::at_start(tag),
+            });
         }
         req.output = Output::Image {
             tags,
@@ -253,6 +288,14 @@ pub struct BuildResult {
     pub steps_run: usize,
     /// Steps found in the build cache.
     pub steps_cached: usize,
+    /// The OCI manifest digest of the image base at the root of the target stage's `FROM`s
+    /// (the image whose config the built one inherits); `None`: `scratch`, or a result
+    /// stored before follows.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
+    /// Stored (compressed) bytes of the disk chunks this build added to the store.
+    #[serde(default)]
+    pub new_stored_bytes: u64,
 }
 
 /// Why a build did not succeed (the `failure` column).
@@ -266,4 +309,8 @@ pub struct Failure {
     /// Its last log lines (at most 20).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub last_lines: Vec<String>,
+    /// A tag had moved since the build started (or, for a rebuild, from the image it
+    /// started from), so no tag moved ([`kiln_store::TagError::Stale`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stale_tag: bool,
 }

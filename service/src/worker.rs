@@ -320,6 +320,13 @@ fn without_server_paths(reason: &str, paths: &[(std::path::PathBuf, &str)]) -> S
     s
 }
 
+/// Whether `e` is a tag that held something else than the build expected
+/// ([`kiln_store::TagError::Stale`]): no tag moved.
+fn is_stale_tag(e: &PipelineError) -> bool {
+    matches!(e, PipelineError::Tag { source, .. }
+        if matches!(**source, kiln_store::StoreError::Tag(kiln_store::TagError::Stale { .. })))
+}
+
 /// The error and its causes, each once.
 fn chain(e: &PipelineError) -> String {
     let mut s = e.to_string();
@@ -419,24 +426,15 @@ async fn run_one(state: &AppState, row: BuildRow) {
         }
         return;
     }
-    let (st, image, result, failure) = match outcome {
-        Outcome::Succeeded(r) => (
-            "succeeded",
-            r.image.clone(),
-            serde_json::to_string(&r).ok(),
-            None,
-        ),
-        Outcome::Cancelled => (
-            "cancelled",
-            None,
-            None,
-            serde_json::to_string(&Failure {
-                reason: "cancelled".into(),
-                ..Default::default()
-            })
-            .ok(),
-        ),
-        Outcome::Failed(mut f) => {
+    // The failure as the tenant reads it: without the server's paths.
+    let told = match &outcome {
+        Outcome::Succeeded(..) => None,
+        Outcome::Cancelled => Some(Failure {
+            reason: "cancelled".into(),
+            ..Default::default()
+        }),
+        Outcome::Failed(f) => {
+            let mut f = f.clone();
             let paths = server_paths(state);
             let told = without_server_paths(&f.reason, &paths);
             if told != f.reason {
@@ -446,9 +444,15 @@ async fn run_one(state: &AppState, row: BuildRow) {
             for l in &mut f.last_lines {
                 *l = without_server_paths(l, &paths);
             }
-            ("failed", None, None, serde_json::to_string(&f).ok())
+            Some(f)
         }
     };
+    let (st, image, result) = match &outcome {
+        Outcome::Succeeded(r, _) => ("succeeded", r.image.clone(), serde_json::to_string(r).ok()),
+        Outcome::Cancelled => ("cancelled", None, None),
+        Outcome::Failed(_) => ("failed", None, None),
+    };
+    let failure = told.as_ref().and_then(|f| serde_json::to_string(f).ok());
     match state
         .db
         .finish(
@@ -461,14 +465,36 @@ async fn run_one(state: &AppState, row: BuildRow) {
         )
         .await
     {
-        Ok(true) => state.metrics.finished(st, t0.elapsed()),
+        Ok(true) => {
+            state.metrics.finished(st, t0.elapsed());
+            // What the end means for the tags that follow a base (its rows are written
+            // only by the attempt whose end was recorded).
+            if let Ok(spec) = serde_json::from_str::<StoredSpec>(&row.spec) {
+                let end = match (&outcome, &told) {
+                    (Outcome::Succeeded(r, check), _) => Some(crate::follow::End::Succeeded {
+                        result: r,
+                        check: check.as_deref(),
+                    }),
+                    (o, Some(f)) => Some(crate::follow::End::Failed {
+                        failure: f,
+                        cancelled: matches!(o, Outcome::Cancelled),
+                    }),
+                    _ => None,
+                };
+                if let Some(end) = end {
+                    crate::follow::after_build(state, &row, &spec, end).await;
+                }
+            }
+        }
         Ok(false) => tracing::warn!(build = %id, "build was no longer running when it ended"),
         Err(e) => tracing::error!(build = %id, error = %e, "recording the end of a build"),
     }
 }
 
 enum Outcome {
-    Succeeded(BuildResult),
+    /// With, for a build that follows its base, what a rebuild of it is checked against
+    /// (read from this node's cache, where the build left the configs).
+    Succeeded(BuildResult, Option<Box<kiln_pipeline::RebuildCheck>>),
     Cancelled,
     Failed(Failure),
 }
@@ -561,6 +587,10 @@ async fn execute(
         Ok(r) => r,
         Err(e) => return failed(e),
     };
+    req.rebuild_check = match crate::follow::rebuild_check(&spec) {
+        Ok(c) => c,
+        Err(e) => return failed(e),
+    };
     let own_images = match own_images(state, &row.workspace).await {
         Ok(m) => m,
         Err(e) => return failed(format!("reading the workspace's images: {e}")),
@@ -602,15 +632,37 @@ async fn execute(
     // Every event is stored before the build ends.
     let _ = writer.await;
     match r {
-        Ok(report) => Outcome::Succeeded(BuildResult {
-            image: report.final_image().map(|d| d.to_string()),
-            published: report.image.as_ref().map(|i| i.manifest.to_string()),
-            snapshot: report.snapshot.as_ref().map(|s| s.snapshot.to_string()),
-            oci_manifest: report.oci_manifest.digest.to_string(),
-            disk_bytes: report.image.as_ref().map(|i| i.disk_bytes),
-            steps_run: report.steps_run,
-            steps_cached: report.steps_cached,
-        }),
+        Ok(report) => {
+            let check = match &spec.follow {
+                Some(_) => {
+                    match kiln_pipeline::RebuildCheck::of_build(state.setup.cache.as_ref(), &report)
+                        .await
+                    {
+                        Ok(c) => Some(Box::new(c)),
+                        Err(e) => {
+                            // Followed without the config check rather than not at all.
+                            tracing::warn!(build = %row.id, error = %e, "reading the configs a rebuild is checked against");
+                            None
+                        }
+                    }
+                }
+                None => None,
+            };
+            Outcome::Succeeded(
+                BuildResult {
+                    image: report.final_image().map(|d| d.to_string()),
+                    published: report.image.as_ref().map(|i| i.manifest.to_string()),
+                    snapshot: report.snapshot.as_ref().map(|s| s.snapshot.to_string()),
+                    oci_manifest: report.oci_manifest.digest.to_string(),
+                    disk_bytes: report.image.as_ref().map(|i| i.disk_bytes),
+                    steps_run: report.steps_run,
+                    steps_cached: report.steps_cached,
+                    base: report.image_base().map(|b| b.digest.to_string()),
+                    new_stored_bytes: report.image.as_ref().map_or(0, |i| i.disk.new_stored_bytes),
+                },
+                check,
+            )
+        }
         Err(PipelineError::Cancelled) if SHUTDOWN_CANCEL.load(Ordering::SeqCst) => {
             failed(db::SERVER_SHUTDOWN.to_string())
         }
@@ -618,6 +670,7 @@ async fn execute(
         Err(e) => {
             let mut f = Failure {
                 reason: chain(&e),
+                stale_tag: is_stale_tag(&e),
                 ..Default::default()
             };
             if let Ok(steps) = state.db.steps(&row.id).await

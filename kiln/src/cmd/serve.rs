@@ -144,6 +144,15 @@ pub struct Args {
     /// `kiln nightly` rebuilds); repeat for more. No tenant may create a tag of that name.
     #[arg(long = "base", value_name = "NAME")]
     pub bases: Vec<String>,
+    /// Most rebuilds one move of a global base queues for the images that follow it
+    /// (`follow_base`), all workspaces together; past it the rest wait for the base's next
+    /// move, oldest follow first.
+    #[arg(
+        long = "follow-budget",
+        env = "KILN_SERVE_FOLLOW_BUDGET",
+        default_value_t = kiln_service::DEFAULT_FOLLOW_BUDGET
+    )]
+    pub follow_budget: u32,
     /// A registry (host[:port]) tenants may pull from although it is at a loopback, private
     /// or link-local address; repeat for more (a token server or blob host it sends pulls
     /// to is another destination to name). HOST alone allows every port. Other
@@ -426,6 +435,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
     cfg.node_retention = a.node_retention;
     cfg.database_timeout = a.database_timeout;
     cfg.global_bases = a.bases.iter().cloned().collect();
+    cfg.follow_budget = a.follow_budget;
     cfg.allowed_registries = a.allow_registries.iter().cloned().collect();
     cfg.executor = executor;
     cfg.conn = kiln_service::listen::ConnLimits {

@@ -20,6 +20,7 @@ use super::*;
         put_tag,
         delete_tag,
         get_manifest,
+        list_follows,
         healthz,
         readyz
     ),
@@ -39,7 +40,9 @@ use super::*;
         TagView,
         TagBody,
         ImageView,
-        BlobView
+        BlobView,
+        crate::follow::FollowView,
+        crate::follow::Last
     )),
     modifiers(&ListenerBounds)
 )]

@@ -104,6 +104,14 @@ pub struct BuildSpec {
     /// its CA bundle and `ADD <url>` trusts them, for this build only; they change no layer
     /// and no cache key. Anything but certificates is a 400.
     pub ca_certs: Option<String>,
+    /// Follow the base: when the global base the image is built `FROM` (by tag; `kiln serve
+    /// --base`) moves, the server builds this submission again (same recipe, context and
+    /// options; the context is kept while the image follows), checks the new image as
+    /// described under `GET /v1/follows`, and moves the tags to it only from the image this
+    /// build made. The build needs tags, and its target stage's `FROM`s must lead to a
+    /// global base named by tag; anything else is a 400.
+    #[serde(default)]
+    pub follow_base: bool,
 }
 
 /// URLs of a build.
@@ -250,6 +258,7 @@ pub fn router(state: AppState) -> axum::Router {
                 .delete(store::delete_tag),
         )
         .route("/v1/manifests/{digest}", get(store::get_manifest))
+        .route("/v1/follows", get(list_follows))
         .route_layer(axum::middleware::from_fn_with_state(
             state.clone(),
             crate::share::per_workspace,
@@ -297,15 +306,6 @@ async fn metrics(State(s): State<AppState>) -> Result<Response, ApiError> {
         s.metrics.render(&by_state),
     )
         .into_response())
-}
-
-fn random_id() -> Result<String, ApiError> {
-    let mut b = [0u8; 16];
-    getrandom::fill(&mut b).map_err(|e| {
-        tracing::error!(error = %e, "random source");
-        ApiError::Internal
-    })?;
-    Ok(format!("b{}", hex::encode(b)))
 }
 
 fn parse_spec(bytes: &[u8]) -> Result<BuildSpec, ApiError> {
@@ -602,6 +602,8 @@ async fn submit(
             .map(|a| a.keys().cloned().collect())
             .unwrap_or_default(),
         ca_certs: ca_certs.map(|c| c.pem().to_string()),
+        follow: None,
+        rebuild: None,
     };
     // The recipe error `kiln plan` would print, before anything is queued, checked on the
     // request the worker will run (the same mapping, without the context).
@@ -613,10 +615,27 @@ async fn submit(
             s.config.step_pids_max,
         )
         .map_err(ApiError::BadRequest)?;
-    kiln_pipeline::check_recipe(&check).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let plan =
+        kiln_pipeline::check_recipe(&check).map_err(|e| ApiError::BadRequest(e.to_string()))?;
+    let mut stored = stored;
+    if spec.follow_base {
+        if stored.store_tags.is_empty() {
+            return Err(ApiError::BadRequest(
+                "follow_base: the build has no tags, so a rebuild would have nothing to move"
+                    .into(),
+            ));
+        }
+        stored.follow = Some(
+            crate::follow::followed_base(&ws, plan.image_base(), &s.config.global_bases)
+                .map_err(ApiError::BadRequest)?,
+        );
+    }
     let spec_json = serde_json::to_string(&stored).map_err(|_| ApiError::Internal)?;
     let hash = kiln_store::digest::Sha256Hash::of(spec_json.as_bytes()).hex();
-    let id = random_id()?;
+    let id = crate::db::new_build_id().map_err(|e| {
+        tracing::error!(error = %e, "random source");
+        ApiError::Internal
+    })?;
     let credentials = match (&registry_auth, &s.config.credentials_key) {
         (Some(a), Some(key)) => Some(key.seal(&id, a).map_err(|e| {
             tracing::error!(error = %e, "sealing registry credentials");
@@ -746,6 +765,24 @@ async fn get_build(
     Path(id): Path<String>,
 ) -> Result<Json<BuildView>, ApiError> {
     Ok(Json(view(&s, &ws, &id).await?))
+}
+
+/// The workspace's tags that follow a global base (`follow_base`), by tag, each with its
+/// last rebuild. When the base's tag moves, each following image is built again (at most
+/// the server's budget of rebuilds per move, oldest first; the rest are `skipped` until the
+/// next move). A rebuilt image must boot and pass its ready check again when the original
+/// took a snapshot, pass `e2fsck`, and keep the original's config (user, env, working
+/// directory, entrypoint, command) except where the base's own config changed; only then
+/// does the tag move, and only from the image the rebuild started from.
+#[utoipa::path(get, path = "/v1/follows",
+    responses((status = 200, body = Vec<crate::follow::FollowView>)),
+    security(("bearer" = [])))]
+async fn list_follows(
+    State(s): State<AppState>,
+    Workspace(ws): Workspace,
+) -> Result<Json<Vec<crate::follow::FollowView>>, ApiError> {
+    let rows = s.db.follows(&ws).await?;
+    Ok(Json(rows.iter().map(crate::follow::view).collect()))
 }
 
 /// Query of `GET /v1/builds/{id}/logs`.
@@ -940,9 +977,16 @@ mod tests {
             no_cache: false,
             registry_auth: vec![],
             ca_certs: None,
+            follow: None,
+            rebuild: None,
         };
         let plain = serde_json::to_string(&stored(NetworkSpec::default())).unwrap();
         assert!(!plain.contains("\"network\""), "{plain}");
+        // Nor do specs stored before follows.
+        assert!(
+            !plain.contains("follow") && !plain.contains("rebuild"),
+            "{plain}"
+        );
         // Specs stored before registry credentials and CA certificates existed hash as
         // they did.
         assert!(!plain.contains("registry_auth"), "{plain}");

@@ -267,7 +267,10 @@ pub(super) async fn put_tag(
         }
     }
     match s.setup.store.set_tag(&t, expected, new).await {
-        Ok(()) => {}
+        // The tenant chose the tag's image: it follows no base any more.
+        Ok(()) => {
+            s.db.delete_follows(&ws, &[t.to_string()]).await?;
+        }
         Err(kiln_store::StoreError::Tag(e @ kiln_store::TagError::Stale { .. })) => {
             return Err(ApiError::PreconditionFailed(
                 e.to_string().replace(&format!("{ws}."), ""),
@@ -305,7 +308,12 @@ pub(super) async fn delete_tag(
         None => None,
     };
     match s.setup.store.untag(&t, expected).await {
-        Ok(_) => Ok(StatusCode::NO_CONTENT.into_response()),
+        Ok(_) => {
+            // Its follow ends with it (and with the last follow of its build, the lease of
+            // the build's context).
+            s.db.delete_follows(&ws, &[t.to_string()]).await?;
+            Ok(StatusCode::NO_CONTENT.into_response())
+        }
         Err(kiln_store::StoreError::Tag(kiln_store::TagError::NotFound { .. })) => {
             Err(ApiError::NotFound("tag"))
         }

@@ -184,17 +184,20 @@ impl Db {
         Ok(())
     }
 
-    /// The context leases to act on: those of builds that ended (to delete), and those
-    /// renewed more than `renew_after_ms` ago (database clock): renew them if the build is
-    /// queued or running, else delete them (a build that was never inserted).
+    /// The context leases to act on: those of builds that ended and that no follow reruns
+    /// (to delete), and those renewed more than `renew_after_ms` ago (database clock): renew
+    /// them if the build is queued or running or a follow reruns it ([`crate::follow`]: its
+    /// context must outlive it), else delete them (a build that was never inserted).
     pub async fn context_leases_due(
         &self,
         renew_after_ms: i64,
     ) -> Result<Vec<ContextLease>, DbError> {
         let sql = format!(
-            "SELECT l.build_id, l.digest, l.renewed_ms, b.state
+            "SELECT l.build_id, l.digest, l.renewed_ms, b.state,
+               (SELECT COUNT(*) FROM follows f WHERE f.build_id = l.build_id) AS follows
              FROM context_leases l LEFT JOIN builds b ON b.id = l.build_id
-             WHERE b.state IN ('succeeded', 'failed', 'cancelled')
+             WHERE (b.state IN ('succeeded', 'failed', 'cancelled')
+                    AND NOT EXISTS (SELECT 1 FROM follows f WHERE f.build_id = l.build_id))
                OR l.renewed_ms < {} - $1
              ORDER BY l.build_id",
             self.now_sql()
@@ -210,11 +213,12 @@ impl Db {
         rows.iter()
             .map(|r| {
                 let state: Option<String> = r.try_get("state")?;
+                let follows: i64 = r.try_get("follows")?;
                 Ok(ContextLease {
                     build: r.try_get("build_id")?,
                     digest: r.try_get("digest")?,
                     renewed_ms: r.try_get("renewed_ms")?,
-                    live: matches!(state.as_deref(), Some("queued" | "running")),
+                    live: matches!(state.as_deref(), Some("queued" | "running")) || follows > 0,
                 })
             })
             .collect::<Result<_, sqlx::Error>>()

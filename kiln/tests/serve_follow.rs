@@ -1,0 +1,327 @@
+//! Tenant images that follow their base (issue 40), through the HTTP API of a real `kiln
+//! serve` (SQLite, or two nodes on PostgreSQL; a local store, the namespace executor, a 1 s
+//! heartbeat) with two
+//! workspaces and the busybox fixture. The operator's global base `gbase:latest` moves as
+//! `kiln nightly` moves it, by a tag move in the store (`kiln build -t`).
+//!
+//! - `follow_base` is refused without tags, for a base that is not a global base, and for a
+//!   base pinned by digest.
+//! - A move rebuilds the following images of both workspaces and moves their tags; an image
+//!   built without `follow_base` is left alone.
+//! - A tag moved meanwhile (outside the follow) is not touched: the rebuild is `skipped`.
+//! - Past the move's budget, the newest follow is `skipped` and waits for the next move.
+//! - A rebuild that fails on the new base moves nothing and records why.
+//! - `GET /v1/follows` reports each, scoped to its workspace.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use kiln_tests::require_env;
+use kiln_tests::serve::{
+    Server, cli_build, client, env, get, json_of, postgres, psql, rt, submit, terminal, wait_for,
+};
+use serde_json::{Value, json};
+
+/// The `kiln` binary under test.
+const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+
+/// `kiln build -t tag` of `dockerfile` into `store` (the operator's CLI); the image digest.
+fn operator_build(dir: &Path, store: &Path, dockerfile: &str, tag: &str) -> String {
+    std::fs::create_dir_all(dir).expect("mkdir");
+    std::fs::write(dir.join("Dockerfile"), dockerfile).expect("write");
+    cli_build(
+        KILN.as_ref(),
+        dir,
+        store,
+        &[("KILN_CACHE", &dir.join("cache"))],
+        &["-t", tag],
+    )
+}
+
+/// Submits `dockerfile` for `key` with `spec`; the response status and body.
+async fn submit_df(
+    c: &reqwest::Client,
+    s: &Server,
+    key: &str,
+    spec: &Value,
+    dockerfile: &str,
+) -> (u16, Value) {
+    let r = submit(c, s, key, spec, None, Some(dockerfile.as_bytes()), None).await;
+    let status = r.status().as_u16();
+    (status, json_of(r).await)
+}
+
+/// Builds `dockerfile` tagged `tag` for `key` (following the base when `follow`) and waits
+/// for its success; the image digest.
+async fn build(
+    c: &reqwest::Client,
+    s: &Server,
+    key: &str,
+    dockerfile: &str,
+    tag: &str,
+    follow: bool,
+) -> String {
+    let (status, v) = submit_df(
+        c,
+        s,
+        key,
+        &json!({"tags": [tag], "follow_base": follow}),
+        dockerfile,
+    )
+    .await;
+    assert_eq!(status, 202, "{v:#}");
+    let id = v["id"].as_str().expect("id");
+    let v = wait_for(c, s, key, id, Duration::from_secs(300), terminal).await;
+    assert_eq!(v["state"], "succeeded", "{v:#}");
+    v["image"].as_str().expect("image").to_string()
+}
+
+/// What `key`'s tag `name:tag` names.
+async fn tag_digest(c: &reqwest::Client, s: &Server, key: &str, name: &str, tag: &str) -> String {
+    let v = json_of(get(c, s, key, &format!("/v1/images/{name}/tags/{tag}")).await).await;
+    v["digest"].as_str().expect("digest").to_string()
+}
+
+/// `GET /v1/follows` of `key`, by tag.
+async fn follows(c: &reqwest::Client, s: &Server, key: &str) -> Vec<Value> {
+    let r = get(c, s, key, "/v1/follows").await;
+    assert_eq!(r.status(), 200);
+    json_of(r).await.as_array().expect("a list").clone()
+}
+
+fn follow_of<'a>(list: &'a [Value], tag: &str) -> &'a Value {
+    list.iter()
+        .find(|f| f["tag"] == tag)
+        .unwrap_or_else(|| panic!("no follow of {tag}: {list:#?}"))
+}
+
+/// Waits until every tag of `tags` in `key`'s follows has a last rebuild for the base head
+/// `head` that is not `queued`; the follows then.
+async fn settled(
+    c: &reqwest::Client,
+    s: &Server,
+    key: &str,
+    tags: &[&str],
+    head: &str,
+) -> Vec<Value> {
+    let t0 = Instant::now();
+    loop {
+        let list = follows(c, s, key).await;
+        let done = tags.iter().all(|t| {
+            let l = &follow_of(&list, t)["last"];
+            l["base_head"] == head && l["state"] != "queued"
+        });
+        if done {
+            return list;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "the rebuilds for {head} never ended: {list:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+#[test]
+fn images_that_follow_a_global_base_are_rebuilt_checked_and_moved_when_it_moves() {
+    follow_scenario(&[], 1);
+}
+
+/// The same with two nodes sharing a PostgreSQL database and the store: both sweep, and
+/// each rebuild is queued once.
+#[test]
+fn postgres_two_nodes_queue_each_rebuild_once() {
+    let db = postgres();
+    follow_scenario(&db, 2);
+    let url = &db[1];
+    // app:1 (v2, v3), svc:latest (v2, v3), moved:1 (v2, v3): six rebuilds, each once.
+    let n = psql(
+        url,
+        "SELECT COUNT(*) FROM builds WHERE spec LIKE '%\"rebuild\"%'",
+    );
+    assert_eq!(n, "6");
+}
+
+/// The scenario of the module doc, on `nodes` servers with the database `db` (empty:
+/// SQLite, one node); the API calls go to the first.
+fn follow_scenario(db: &[String], nodes: usize) {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, _state, store) = env();
+    let base = |v: &str| format!("FROM {bb}\nRUN echo {v} > /base-version\n");
+    let head1 = operator_build(&t.path().join("g1"), &store, &base("v1"), "gbase:latest");
+    let extra = [
+        "--base",
+        "gbase",
+        "--heartbeat",
+        "1s",
+        "--takeover-after",
+        "3s",
+        "--follow-budget",
+        "3",
+    ];
+    let servers: Vec<Server> = (0..nodes)
+        .map(|i| Server::start_numbered(KILN.as_ref(), t.path(), i, &store, db, &extra))
+        .collect();
+    let s = &servers[0];
+    let acme = s.key("acme", &[]);
+    let beta = s.key("beta", &[]);
+    let c = client();
+    rt().block_on(async {
+        // Refused: no tags, a base that is not global, a base pinned by digest.
+        let follow = |tags: Vec<&str>| json!({"tags": tags, "follow_base": true});
+        let app = "FROM gbase\nRUN cat /base-version > /seen\n";
+        for (spec, df, want) in [
+            (follow(vec![]), app.to_string(), "has no tags"),
+            (
+                follow(vec!["x:1"]),
+                format!("FROM {bb}\nRUN true\n"),
+                "not a global base",
+            ),
+            (
+                follow(vec!["x:1"]),
+                format!("FROM gbase@{head1}\nRUN true\n"),
+                "pinned by digest",
+            ),
+            (
+                follow(vec!["x:1"]),
+                "FROM scratch\nCOPY --from=gbase /base-version /\n".to_string(),
+                "not built FROM an image",
+            ),
+        ] {
+            let (status, v) = submit_df(&c, s, &acme, &spec, &df).await;
+            assert_eq!(status, 400, "{df}: {v:#}");
+            let m = v["message"].as_str().expect("message");
+            assert!(m.contains(want), "{df}: {m}");
+        }
+
+        // Follows, in this order: acme app:1, beta svc:latest, acme moved:1, acme late:1.
+        // `app:1` fails on v3 of the base.
+        let app = "FROM gbase\nRUN cat /base-version > /seen && ! grep -q v3 /seen\n";
+        let app1 = build(&c, s, &acme, app, "app:1", true).await;
+        let svc1 = build(&c, s, &beta, app, "svc:latest", true).await;
+        let moved1 = build(
+            &c,
+            s,
+            &acme,
+            "FROM gbase:latest\nRUN echo m > /m\n",
+            "moved:1",
+            true,
+        )
+        .await;
+        let late1 = build(
+            &c,
+            s,
+            &acme,
+            "FROM gbase\nRUN echo l > /l\n",
+            "late:1",
+            true,
+        )
+        .await;
+        // Not following.
+        let still = build(
+            &c,
+            s,
+            &acme,
+            "FROM gbase\nRUN echo s > /s\n",
+            "static:1",
+            false,
+        )
+        .await;
+        let list = follows(&c, s, &acme).await;
+        let tags: Vec<&str> = list.iter().map(|f| f["tag"].as_str().unwrap()).collect();
+        assert_eq!(tags, ["app:1", "late:1", "moved:1"], "{list:#?}");
+        assert_eq!(follow_of(&list, "app:1")["image"], app1.as_str());
+        assert_eq!(follow_of(&list, "app:1")["base"], "gbase:latest");
+        assert!(follow_of(&list, "app:1")["last"].is_null());
+        // Each workspace sees its own follows only.
+        let list = follows(&c, s, &beta).await;
+        assert_eq!(list.len(), 1, "{list:#?}");
+        assert_eq!(list[0]["tag"], "svc:latest");
+        assert_eq!(list[0]["image"], svc1.as_str());
+
+        // `moved:1` moves outside its follow (the operator's CLI, as another writer would).
+        let other = build(
+            &c,
+            s,
+            &acme,
+            "FROM gbase\nRUN echo o > /o\n",
+            "other:1",
+            false,
+        )
+        .await;
+        let out = Command::new(KILN)
+            .env("KILN_STORE", &store)
+            .args(["tag", &other, "acme.moved:1"])
+            .output()
+            .expect("kiln tag");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+
+        // The base moves.
+        let head2 = operator_build(&t.path().join("g2"), &store, &base("v2"), "gbase:latest");
+        let list = settled(&c, s, &acme, &["app:1", "moved:1", "late:1"], &head2).await;
+        let app = &follow_of(&list, "app:1")["last"];
+        assert_eq!(app["state"], "rebuilt", "{list:#?}");
+        let app2 = app["image"].as_str().expect("image").to_string();
+        assert_ne!(app2, app1);
+        assert_eq!(tag_digest(&c, s, &acme, "app", "1").await, app2);
+        assert_eq!(follow_of(&list, "app:1")["image"], app2.as_str());
+        assert!(app["new_stored_bytes"].as_u64().is_some(), "{app:#}");
+        // The rebuild is a build of the workspace, with its steps and tags.
+        let id = app["build"].as_str().expect("build");
+        let v = json_of(get(&c, s, &acme, &format!("/v1/builds/{id}")).await).await;
+        assert_eq!(v["state"], "succeeded", "{v:#}");
+        assert_eq!(v["tags"], json!(["app:1"]));
+        // Another writer's tag stays where it was put.
+        let moved = &follow_of(&list, "moved:1")["last"];
+        assert_eq!(moved["state"], "skipped", "{list:#?}");
+        assert!(
+            moved["reason"]
+                .as_str()
+                .unwrap()
+                .contains("moved meanwhile"),
+            "{moved:#}"
+        );
+        assert_eq!(tag_digest(&c, s, &acme, "moved", "1").await, other);
+        assert_ne!(other, moved1);
+        // Past the budget of 3 rebuilds (app, svc, moved), the newest follow waits.
+        let late = &follow_of(&list, "late:1")["last"];
+        assert_eq!(late["state"], "skipped", "{list:#?}");
+        assert!(
+            late["reason"].as_str().unwrap().contains("budget"),
+            "{late:#}"
+        );
+        assert!(late["build"].is_null());
+        assert_eq!(tag_digest(&c, s, &acme, "late", "1").await, late1);
+        // The other workspace's follow was rebuilt too; the image that does not follow
+        // was not.
+        let list = settled(&c, s, &beta, &["svc:latest"], &head2).await;
+        assert_eq!(list[0]["last"]["state"], "rebuilt", "{list:#?}");
+        assert_ne!(tag_digest(&c, s, &beta, "svc", "latest").await, svc1);
+        assert_eq!(tag_digest(&c, s, &acme, "static", "1").await, still);
+
+        // The base moves again: `app:1` fails on it and keeps its image.
+        let head3 = operator_build(&t.path().join("g3"), &store, &base("v3"), "gbase:latest");
+        let list = settled(&c, s, &acme, &["app:1"], &head3).await;
+        let app = &follow_of(&list, "app:1")["last"];
+        assert_eq!(app["state"], "failed", "{list:#?}");
+        assert!(app["reason"].as_str().unwrap().contains("exit"), "{app:#}");
+        assert_eq!(tag_digest(&c, s, &acme, "app", "1").await, app2);
+        assert_eq!(follow_of(&list, "app:1")["image"], app2.as_str());
+
+        // Deleting a tag ends its follow.
+        let r = c
+            .delete(s.url("/v1/images/app/tags/1"))
+            .bearer_auth(&acme)
+            .send()
+            .await
+            .expect("DELETE");
+        assert_eq!(r.status(), 204);
+        let list = follows(&c, s, &acme).await;
+        assert!(list.iter().all(|f| f["tag"] != "app:1"), "{list:#?}");
+    });
+}

@@ -1,0 +1,279 @@
+//! The follows' side of the database ([`crate::follow`]): which workspace tags follow which
+//! global base, and the rebuilds a base's move queues. Methods of [`Db`], in a file of their
+//! own; the schema is in [`super`].
+
+use sqlx::Row as _;
+
+use super::*;
+
+/// One workspace tag that follows a global base (a row of `follows`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FollowRow {
+    /// The workspace.
+    pub workspace: String,
+    /// The store tag, `<ws>.NAME:TAG`.
+    pub tag: String,
+    /// The build whose recipe, context and spec a rebuild runs again: the last one that
+    /// moved the tag (the tenant's, or a rebuild).
+    pub build_id: String,
+    /// The image manifest the tag named after that build: a rebuild moves the tag only from
+    /// it.
+    pub image: String,
+    /// The global base tag followed, `NAME:TAG`.
+    pub base_tag: String,
+    /// The OCI manifest digest of the base that build resolved.
+    pub base_oci: String,
+    /// The config summaries a rebuild is checked against (JSON of
+    /// [`crate::follow::Configs`]).
+    pub configs: Option<String>,
+    /// When the tag began to follow, Unix ms: rebuilds past a move's budget go oldest first.
+    pub created_ms: i64,
+    /// The base head (image manifest) a rebuild was last queued (or skipped) for.
+    pub tried_head: Option<String>,
+    /// The rebuild queued for [`FollowRow::tried_head`] (none: skipped, past the budget).
+    pub rebuild_build: Option<String>,
+    /// The last rebuild's report (JSON of [`crate::follow::Last`]).
+    pub last: Option<String>,
+}
+
+fn follow_row(r: &AnyRow) -> Result<FollowRow, sqlx::Error> {
+    Ok(FollowRow {
+        workspace: r.try_get("workspace")?,
+        tag: r.try_get("tag")?,
+        build_id: r.try_get("build_id")?,
+        image: r.try_get("image")?,
+        base_tag: r.try_get("base_tag")?,
+        base_oci: r.try_get("base_oci")?,
+        configs: r.try_get("configs")?,
+        created_ms: r.try_get("created_ms")?,
+        tried_head: r.try_get("tried_head")?,
+        rebuild_build: r.try_get("rebuild_build")?,
+        last: r.try_get("last")?,
+    })
+}
+
+/// A base's move as [`Db::queue_rebuilds`] sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BaseMove<'a> {
+    /// The global base tag, `NAME:TAG`.
+    pub tag: &'a str,
+    /// The image manifest it names now.
+    pub head: &'a str,
+    /// That image's OCI manifest digest (what a build `FROM` the tag resolves).
+    pub oci: &'a str,
+    /// Most rebuilds queued for this head, all workspaces together.
+    pub budget: u32,
+}
+
+/// The follows of one build that a move makes due, rebuilt together.
+#[derive(Debug, Clone)]
+pub struct DueGroup {
+    /// The build they rerun (its row, for its spec, recipe and context).
+    pub build: BuildRow,
+    /// Its follows that are due (same workspace and build), oldest first.
+    pub follows: Vec<FollowRow>,
+}
+
+/// What [`Db::queue_rebuilds`] did with one [`DueGroup`].
+#[derive(Debug, Clone)]
+pub enum Planned {
+    /// Queue this build (a rebuild), and record `last` (JSON) on the group's follows.
+    Queue(NewBuild, String),
+    /// Queue nothing; record `last` (JSON) on the group's follows (skipped, past the
+    /// budget, or a spec that cannot be rebuilt).
+    Skip(String),
+}
+
+impl Db {
+    /// Records that the store tags `tags` of `row.workspace` follow `row.base_tag` from the
+    /// build `row.build_id` (each tag as `row.tag`; the others fields as given): a new row, or
+    /// the tag's row replaced except for when it began to follow and the last head a
+    /// rebuild was queued for.
+    pub async fn upsert_follows(&self, row: &FollowRow, tags: &[String]) -> Result<(), DbError> {
+        let mut tx = self.write_tx().await?;
+        for t in tags {
+            sqlx::query(
+                "INSERT INTO follows (workspace, tag, build_id, image, base_tag, base_oci,
+                 configs, created_ms, tried_head, rebuild_build, last)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+                 ON CONFLICT(workspace, tag) DO UPDATE SET build_id = excluded.build_id,
+                 image = excluded.image, base_tag = excluded.base_tag,
+                 base_oci = excluded.base_oci, configs = excluded.configs,
+                 last = COALESCE(excluded.last, follows.last)",
+            )
+            .bind(&row.workspace)
+            .bind(t)
+            .bind(&row.build_id)
+            .bind(&row.image)
+            .bind(&row.base_tag)
+            .bind(&row.base_oci)
+            .bind(&row.configs)
+            .bind(row.created_ms)
+            .bind(&row.tried_head)
+            .bind(&row.rebuild_build)
+            .bind(&row.last)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Ends the follows of the store tags `tags` of workspace `ws` (a build that does not
+    /// follow moved them, or the tenant moved or deleted them); the number ended.
+    pub async fn delete_follows(&self, ws: &str, tags: &[String]) -> Result<u64, DbError> {
+        let mut n = 0;
+        for t in tags {
+            n += sqlx::query("DELETE FROM follows WHERE workspace = $1 AND tag = $2")
+                .bind(ws)
+                .bind(t)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+        }
+        Ok(n)
+    }
+
+    /// The follows of workspace `ws`, by tag.
+    pub async fn follows(&self, ws: &str) -> Result<Vec<FollowRow>, DbError> {
+        let rows = sqlx::query("SELECT * FROM follows WHERE workspace = $1 ORDER BY tag")
+            .bind(ws)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(follow_row).collect::<Result<_, _>>()?)
+    }
+
+    /// The global base tags some tag follows.
+    /// Bounded ([`Db::bounded`]): the liveness sweep calls it.
+    pub async fn followed_bases(&self) -> Result<Vec<String>, DbError> {
+        self.bounded("reading the followed bases", async |conn| {
+            let rows = sqlx::query("SELECT DISTINCT base_tag FROM follows ORDER BY base_tag")
+                .fetch_all(conn)
+                .await?;
+            Ok(rows
+                .iter()
+                .map(|r| r.try_get("base_tag"))
+                .collect::<Result<_, _>>()?)
+        })
+        .await
+    }
+
+    /// Records `last` (JSON) on the follows whose last rebuild is `build` (it ended without
+    /// moving their tags).
+    pub async fn end_rebuild(&self, build: &str, last: &str) -> Result<u64, DbError> {
+        Ok(
+            sqlx::query("UPDATE follows SET last = $1 WHERE rebuild_build = $2")
+                .bind(last)
+                .bind(build)
+                .execute(&self.pool)
+                .await?
+                .rows_affected(),
+        )
+    }
+
+    /// Queues the rebuilds a base's move `m` makes due, in one transaction (so that of the
+    /// nodes that see the move, one queues each rebuild). Due: a follow of `m.tag` built
+    /// from another base than `m.oci`, not yet tried for `m.head`, and with no rebuild
+    /// queued or running. Its follows are grouped by the build they rerun (one rebuild moves
+    /// all the group's tags), oldest follow first; `plan` says what to do with each group,
+    /// given whether the move's budget has room (rebuilds already queued for `m.head`
+    /// count). Each group's follows are then marked tried for `m.head`. Returns the builds
+    /// queued, with their contexts.
+    pub async fn queue_rebuilds(
+        &self,
+        m: &BaseMove<'_>,
+        mut plan: impl FnMut(&DueGroup, bool) -> Planned,
+    ) -> Result<Vec<(String, Option<String>)>, DbError> {
+        let mut tx = self.write_tx().await?;
+        let due = sqlx::query(
+            "SELECT f.* FROM follows f WHERE f.base_tag = $1 AND f.base_oci <> $2
+             AND (f.tried_head IS NULL OR f.tried_head <> $3)
+             AND NOT EXISTS (SELECT 1 FROM builds b WHERE b.id = f.rebuild_build
+                             AND b.state IN ('queued', 'running'))
+             ORDER BY f.created_ms, f.workspace, f.tag",
+        )
+        .bind(m.tag)
+        .bind(m.oci)
+        .bind(m.head)
+        .fetch_all(&mut *tx)
+        .await?
+        .iter()
+        .map(follow_row)
+        .collect::<Result<Vec<_>, _>>()?;
+        if due.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut used: i64 = sqlx::query(
+            "SELECT COUNT(DISTINCT rebuild_build) AS n FROM follows
+             WHERE base_tag = $1 AND tried_head = $2 AND rebuild_build IS NOT NULL",
+        )
+        .bind(m.tag)
+        .bind(m.head)
+        .fetch_one(&mut *tx)
+        .await?
+        .try_get("n")?;
+        let mut groups: Vec<Vec<FollowRow>> = Vec::new();
+        for f in due {
+            match groups
+                .iter_mut()
+                .find(|g| g[0].workspace == f.workspace && g[0].build_id == f.build_id)
+            {
+                Some(g) => g.push(f),
+                None => groups.push(vec![f]),
+            }
+        }
+        let mut queued = Vec::new();
+        let now = now_ms();
+        for follows in groups {
+            let r = sqlx::query("SELECT * FROM builds WHERE id = $1")
+                .bind(&follows[0].build_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+            let Some(r) = r else {
+                // The build it reruns is gone (a damaged database): nothing to rerun.
+                tracing::error!(build = %follows[0].build_id, "a followed build's row is missing");
+                continue;
+            };
+            let group = DueGroup {
+                build: build_row(&r)?,
+                follows,
+            };
+            let room = used < i64::from(m.budget);
+            let (rebuild, last) = match plan(&group, room) {
+                Planned::Queue(b, last) => (Some(b), last),
+                Planned::Skip(last) => (None, last),
+            };
+            if let Some(b) = &rebuild {
+                insert_build_row(&mut tx, b, now).await?;
+                if let Some(d) = &b.context {
+                    sqlx::query(&format!(
+                        "INSERT INTO context_leases (build_id, digest, renewed_ms)
+                         VALUES ($1, $2, {})",
+                        self.now_sql()
+                    ))
+                    .bind(&b.id)
+                    .bind(d)
+                    .execute(&mut *tx)
+                    .await?;
+                }
+                used += 1;
+                queued.push((b.id.clone(), b.context.clone()));
+            }
+            for f in &group.follows {
+                sqlx::query(
+                    "UPDATE follows SET tried_head = $1, rebuild_build = $2, last = $3
+                     WHERE workspace = $4 AND tag = $5",
+                )
+                .bind(m.head)
+                .bind(rebuild.as_ref().map(|b| &b.id))
+                .bind(&last)
+                .bind(&f.workspace)
+                .bind(&f.tag)
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(queued)
+    }
+}
