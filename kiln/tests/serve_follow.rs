@@ -325,3 +325,100 @@ fn follow_scenario(db: &[String], nodes: usize) {
         assert!(list.iter().all(|f| f["tag"] != "app:1"), "{list:#?}");
     });
 }
+
+/// The contexts kept for images that follow their base count against the workspace's
+/// storage quota, and deleting the following tag gives their room back.
+#[test]
+fn kept_contexts_count_against_the_storage_quota() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, _state, store) = env();
+    operator_build(
+        &t.path().join("g1"),
+        &store,
+        &format!("FROM {bb}\nRUN echo v1 > /base-version\n"),
+        "gbase:latest",
+    );
+    let s = Server::start_numbered(
+        KILN.as_ref(),
+        t.path(),
+        0,
+        &store,
+        &[],
+        &["--base", "gbase"],
+    );
+    let ws = s.key("q", &[]);
+    let c = client();
+    rt().block_on(async {
+        let st = kiln_store::Store::open(store.to_str().expect("utf-8"))
+            .await
+            .expect("open the store");
+        let a = build(&c, &s, &ws, "FROM gbase\nRUN echo a > /a\n", "a:1", false).await;
+        let one = st
+            .chunk_bytes([a.parse().expect("digest")])
+            .await
+            .expect("usage");
+        // The quota: that image and 2 MiB more, in GiB.
+        let limit = one + (2 << 20);
+        s.key(
+            "q",
+            &[
+                "--max-storage-gib",
+                &format!("{:.9}", limit as f64 / f64::from(1u32 << 30)),
+            ],
+        );
+        // A following image whose context holds 3 MB the image does not copy.
+        let ctx = t.path().join("ctx");
+        std::fs::create_dir_all(&ctx).expect("mkdir");
+        std::fs::write(
+            ctx.join("Dockerfile"),
+            "FROM gbase\nCOPY small.txt /small\n",
+        )
+        .expect("write");
+        std::fs::write(ctx.join("small.txt"), "small\n").expect("write");
+        // The context counts at its uploaded size (a plain tarball here), whatever it holds.
+        std::fs::write(ctx.join("big.bin"), vec![7u8; 3_000_000]).expect("write");
+        let tarball = kiln_tests::serve::tar_dir(&ctx);
+        let r = submit(
+            &c,
+            &s,
+            &ws,
+            &json!({"tags": ["f:1"], "follow_base": true}),
+            Some(&tarball),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 202);
+        let id = json_of(r).await["id"].as_str().expect("id").to_string();
+        let v = wait_for(&c, &s, &ws, &id, Duration::from_secs(300), terminal).await;
+        assert_eq!(v["state"], "succeeded", "{v:#}");
+        // Now its kept context counts: a small new image does not fit.
+        let small = "FROM gbase\nRUN echo c > /c\n";
+        let spec = json!({"tags": ["c:1"]});
+        let (status, v) = submit_df(&c, &s, &ws, &spec, small).await;
+        assert_eq!(status, 202, "{v:#}");
+        let v = wait_for(
+            &c,
+            &s,
+            &ws,
+            v["id"].as_str().unwrap(),
+            Duration::from_secs(300),
+            terminal,
+        )
+        .await;
+        assert_eq!(v["state"], "failed", "{v:#}");
+        let reason = v["failure"]["reason"].as_str().expect("reason");
+        assert!(reason.contains("storage quota exceeded"), "{reason}");
+        assert!(reason.contains("build contexts kept"), "{reason}");
+        // Deleting the following tag ends its follow and releases its context's room.
+        let r = c
+            .delete(s.url("/v1/images/f/tags/1"))
+            .bearer_auth(&ws)
+            .send()
+            .await
+            .expect("DELETE");
+        assert_eq!(r.status(), 204);
+        assert!(follows(&c, &s, &ws).await.is_empty());
+        build(&c, &s, &ws, small, "c:1", false).await;
+    });
+}

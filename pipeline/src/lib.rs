@@ -139,13 +139,14 @@ pub enum PipelineError {
     /// The images of the workspace's tags, with this build's image, would hold more than its
     /// storage quota ([`StorageQuota`]); no tag moved.
     #[error(
-        "storage quota exceeded: with this image, the workspace's tagged images would hold \
-         {} of chunks, over its quota of {}; nothing was tagged (delete tags to make room)",
+        "storage quota exceeded: with this image, the workspace's tagged images (and the \
+         build contexts kept for images that follow their base) would hold {}, over its \
+         quota of {}; nothing was tagged (delete tags to make room)",
         mib(*.used),
         mib(*.limit)
     )]
     StorageQuota {
-        /// Raw chunk bytes the tags would hold, bytes.
+        /// Raw chunk bytes the tags would hold, with the kept bytes, bytes.
         used: u64,
         /// The quota, bytes.
         limit: u64,
@@ -947,7 +948,7 @@ async fn rebuild_check(
 
 /// Errors with [`PipelineError::StorageQuota`] when the tags under `q`'s prefix would hold
 /// more than its bytes once the tags `moving` name `new`: the images of those tags that
-/// `moving` leaves alone, and `new`. What a build checks before its tags move, and the
+/// `moving` leaves alone, and `new`, plus [`StorageQuota::kept_bytes`]. What a build checks before its tags move, and the
 /// service before a tenant points a tag at an image. Errors: [`PipelineError::Store`] when a
 /// tag or manifest cannot be read.
 pub async fn check_storage_quota(
@@ -968,7 +969,8 @@ pub async fn check_storage_quota(
     let used = store
         .chunk_bytes(kept.chain([new]))
         .await
-        .map_err(store_err)?;
+        .map_err(store_err)?
+        .saturating_add(q.kept_bytes);
     tracing::debug!(prefix = %q.tag_prefix, used, limit = q.max_bytes, "storage quota");
     if used > q.max_bytes {
         return Err(PipelineError::StorageQuota {

@@ -147,8 +147,12 @@ pub struct StorageQuota {
     /// The tags it counts: every store tag whose name starts with this (a workspace's
     /// `<ws>.`).
     pub tag_prefix: String,
-    /// Most raw chunk bytes those tags may hold, bytes.
+    /// Most raw chunk bytes those tags may hold, bytes, with [`StorageQuota::kept_bytes`].
     pub max_bytes: u64,
+    /// Bytes the workspace holds outside its tags that count against the same cap: the
+    /// build contexts the service keeps so that images following their base can be built
+    /// again (`kiln_service::follow`). 0: none.
+    pub kept_bytes: u64,
 }
 
 /// A recipe: its bytes and the name its errors and step locations use (`file:line`).

@@ -607,15 +607,8 @@ async fn execute(
         registry_auth,
     });
     // Read at the build's start: a quota changed while it runs applies to the next build.
-    match state.db.quota(&row.workspace).await {
-        Ok(q) => {
-            req.storage_quota =
-                q.and_then(|q| q.max_storage_bytes)
-                    .map(|max_bytes| kiln_pipeline::StorageQuota {
-                        tag_prefix: crate::tags::store_prefix(&row.workspace),
-                        max_bytes,
-                    })
-        }
+    match state.db.storage_quota(&row.workspace).await {
+        Ok(q) => req.storage_quota = q,
         Err(e) => return failed(format!("reading the workspace's quota: {e}")),
     }
     req.executor = state.config.executor;

@@ -248,11 +248,7 @@ pub(super) async fn put_tag(
         return Err(ApiError::NotFound("manifest"));
     }
     // The workspace's storage quota, as a build's tags are checked.
-    if let Some(max_bytes) = s.db.quota(&ws).await?.and_then(|q| q.max_storage_bytes) {
-        let q = kiln_pipeline::StorageQuota {
-            tag_prefix: tags::store_prefix(&ws),
-            max_bytes,
-        };
+    if let Some(q) = s.db.storage_quota(&ws).await? {
         match kiln_pipeline::check_storage_quota(&s.setup.store, &q, std::slice::from_ref(&t), new)
             .await
         {

@@ -158,6 +158,38 @@ impl Db {
         .await
     }
 
+    /// The bytes of the build contexts workspace `ws` keeps for its follows (each distinct
+    /// context blob once, at its uploaded size): they count against its storage quota.
+    pub async fn kept_context_bytes(&self, ws: &str) -> Result<u64, DbError> {
+        let n: Option<i64> = sqlx::query(
+            "SELECT SUM(size) AS n FROM blobs WHERE workspace = $1 AND digest IN
+             (SELECT b.context FROM follows f JOIN builds b ON b.id = f.build_id
+              WHERE f.workspace = $1 AND b.context IS NOT NULL)",
+        )
+        .bind(ws)
+        .fetch_one(&self.pool)
+        .await?
+        .try_get("n")?;
+        Ok(n.unwrap_or(0).max(0) as u64)
+    }
+
+    /// The storage quota of workspace `ws` as a build's tags (or a tenant's tag move) are
+    /// checked against it: its tags' prefix, its cap, and the contexts it keeps for its
+    /// follows. `None`: no cap (or no such workspace).
+    pub async fn storage_quota(
+        &self,
+        ws: &str,
+    ) -> Result<Option<kiln_pipeline::StorageQuota>, DbError> {
+        let Some(max_bytes) = self.quota(ws).await?.and_then(|q| q.max_storage_bytes) else {
+            return Ok(None);
+        };
+        Ok(Some(kiln_pipeline::StorageQuota {
+            tag_prefix: crate::tags::store_prefix(ws),
+            max_bytes,
+            kept_bytes: self.kept_context_bytes(ws).await?,
+        }))
+    }
+
     /// Records `last` (JSON) on the follows whose last rebuild is `build` (it ended without
     /// moving their tags).
     pub async fn end_rebuild(&self, build: &str, last: &str) -> Result<u64, DbError> {
