@@ -332,11 +332,14 @@ pub fn env() -> (tempfile::TempDir, PathBuf, PathBuf) {
     (t, state, store)
 }
 
-/// An HTTP client with a 300 s timeout per request.
+/// An HTTP client with a 300 s timeout per request. It keeps an idle connection for 5 s
+/// only: the server closes one after its `--header-timeout` (10 s), and a request sent on a
+/// connection the server is closing fails (`IncompleteMessage`) instead of being retried.
 pub fn client() -> reqwest::Client {
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::builder()
         .timeout(Duration::from_secs(300))
+        .pool_idle_timeout(Duration::from_secs(5))
         .build()
         .expect("client")
 }
