@@ -422,3 +422,67 @@ fn kept_contexts_count_against_the_storage_quota() {
         build(&c, &s, &ws, small, "c:1", false).await;
     });
 }
+
+/// A rebuild survives a kill -9 of its server: the restarted server takes it over like any
+/// build, and it ends rebuilt.
+#[test]
+fn a_rebuild_is_taken_over_after_a_kill_9() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, state, store) = env();
+    let base = |v: &str| format!("FROM {bb}\nRUN echo {v} > /base-version\n");
+    operator_build(&t.path().join("g1"), &store, &base("v1"), "gbase:latest");
+    let args = [
+        "--base",
+        "gbase",
+        "--heartbeat",
+        "1s",
+        "--takeover-after",
+        "3s",
+        "--max-attempts",
+        "2",
+    ];
+    let s = Server::start(KILN.as_ref(), &state, &store, &args);
+    let key = s.key("acme", &[]);
+    let c = client();
+    // Long enough a step to be caught running.
+    let app = "FROM gbase\nRUN sleep 4 && cat /base-version > /seen\n";
+    let rebuild = rt().block_on(async {
+        build(&c, &s, &key, app, "app:1", true).await;
+        let head2 = operator_build(&t.path().join("g2"), &store, &base("v2"), "gbase:latest");
+        // Wait for the rebuild to run.
+        let t0 = Instant::now();
+        loop {
+            let list = follows(&c, &s, &key).await;
+            let last = &follow_of(&list, "app:1")["last"];
+            if last["base_head"] == head2.as_str()
+                && let Some(id) = last["build"].as_str()
+            {
+                let v = json_of(get(&c, &s, &key, &format!("/v1/builds/{id}")).await).await;
+                if v["state"] == "running" {
+                    break (id.to_string(), head2);
+                }
+            }
+            assert!(t0.elapsed() < Duration::from_secs(120), "{list:#?}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    let (id, head2) = rebuild;
+    s.signal(rustix::process::Signal::KILL);
+    let mut s = s;
+    s.wait(Duration::from_secs(30));
+    drop(s);
+    let s = Server::start(KILN.as_ref(), &state, &store, &args);
+    rt().block_on(async {
+        let list = settled(&c, &s, &key, &["app:1"], &head2).await;
+        let last = &follow_of(&list, "app:1")["last"];
+        assert_eq!(last["state"], "rebuilt", "{list:#?}");
+        assert_eq!(last["build"], id.as_str(), "the same build, taken over");
+        let logs = get(&c, &s, &key, &format!("/v1/builds/{id}/logs")).await;
+        let text = logs.text().await.expect("logs");
+        assert!(text.contains("queued again"), "{text}");
+        assert_eq!(
+            tag_digest(&c, &s, &key, "app", "1").await,
+            last["image"].as_str().expect("image")
+        );
+    });
+}
