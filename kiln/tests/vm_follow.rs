@@ -1,7 +1,8 @@
 //! Issue 40 with real boots (as root, TCG): a tenant image that follows the default image and
 //! took a snapshot is rebuilt when `kiln nightly` promotes a new default image, boots once and
-//! passes its ready check again before its tag moves; when the next base makes its ready
-//! check fail, the rebuild moves nothing and `GET /v1/follows` says why.
+//! passes its ready check again before its tag moves, as another workspace's following image
+//! is rebuilt too, and an image that does not follow stays; when the next base makes the
+//! ready check fail, the rebuild moves nothing and `GET /v1/follows` says why.
 //!
 //! The base `bb:latest` is a busybox YAML recipe whose dpkg status names the version of one
 //! package (a build arg): 1.0 (`kiln build -t`), then 1.1 (`kiln nightly`, which promotes
@@ -120,6 +121,7 @@ fn a_nightly_promotion_rebuilds_a_following_snapshot_image_which_must_pass_its_r
         ],
     );
     let key = s.key("acme", &[]);
+    let beta = s.key("beta", &[]);
     let c = client();
     let tenant = "from: bb\n\
                   commands:\n  - echo app > /app\n\
@@ -145,6 +147,27 @@ fn a_nightly_promotion_rebuilds_a_following_snapshot_image_which_must_pass_its_r
         assert_eq!(v["state"], "succeeded", "{v:#}");
         let first = v["image"].as_str().expect("image").to_string();
         assert!(v["snapshot"].is_string(), "{v:#}");
+        // Another workspace's following image (no snapshot), and one of acme's that does
+        // not follow.
+        let plain = "FROM bb\nRUN cat /var/lib/dpkg/status > /seen\n";
+        let mut images = Vec::new();
+        for (k, tag, follow) in [(&beta, "svc:1", true), (&key, "still:1", false)] {
+            let r = submit(
+                &c,
+                &s,
+                k,
+                &json!({"tags": [tag], "follow_base": follow}),
+                None,
+                Some(plain.as_bytes()),
+                None,
+            )
+            .await;
+            let v = json_of(r).await;
+            let id = v["id"].as_str().unwrap_or_else(|| panic!("{v:#}"));
+            let v = wait_for(&c, &s, k, id, Duration::from_secs(300), terminal).await;
+            assert_eq!(v["state"], "succeeded", "{v:#}");
+            images.push(v["image"].as_str().expect("image").to_string());
+        }
 
         // The nightly promotes 1.1: the image is rebuilt, booted, ready, and its tag moves.
         let o = kiln(
@@ -182,6 +205,15 @@ fn a_nightly_promotion_rebuilds_a_following_snapshot_image_which_must_pass_its_r
         assert!(v["snapshot"].is_string(), "the rebuild booted once: {v:#}");
         let t = json_of(get(&c, &s, &key, "/v1/images/app/tags/1").await).await;
         assert_eq!(t["digest"], second.as_str());
+        let f = rebuilt_for(&c, &s, &beta, "svc:1", &head2).await;
+        assert_eq!(f["last"]["state"], "rebuilt", "{f:#}");
+        assert_ne!(f["image"], images[0].as_str());
+        let t = json_of(get(&c, &s, &key, "/v1/images/still/tags/1").await).await;
+        assert_eq!(
+            t["digest"],
+            images[1].as_str(),
+            "an image that does not follow"
+        );
 
         // 2.0 fails the tenant's ready check: the rebuild fails and the tag stays.
         let head3 = base_build(d, recipe, "2.0");
