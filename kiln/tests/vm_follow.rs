@@ -105,7 +105,8 @@ fn a_nightly_promotion_rebuilds_a_following_snapshot_image_which_must_pass_its_r
     );
     let s = Server::start(
         KILN.as_ref(),
-        &d.join("serve-state"),
+        // Where `kiln nightly` finds the server's database (`$KILN_STATE_DIR/serve`).
+        &d.join("state/serve"),
         &d.join("store"),
         &[
             "--base",
@@ -193,6 +194,12 @@ fn a_nightly_promotion_rebuilds_a_following_snapshot_image_which_must_pass_its_r
             .find(|v| v["event"] == "nightly")
             .unwrap_or_else(|| panic!("no nightly report: {}", show(&o)));
         assert_eq!(night["outcome"], "promoted", "{night:#}");
+        // Its summary of the move: two images in two workspaces follow the tag.
+        assert_eq!(
+            night["follows"],
+            json!({"images": 2, "workspaces": 2}),
+            "{night:#}"
+        );
         let head2 = night["image"].as_str().expect("image").to_string();
         let f = rebuilt_for(&c, &s, &key, "app:1", &head2).await;
         // The report of this move, as the closing note shows it.

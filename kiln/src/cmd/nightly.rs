@@ -175,12 +175,33 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     let report = kiln_pipeline::nightly(&setup, req, events)
         .await
         .map_err(anyhow::Error::from)?;
-    let value = serde_json::to_value(&report).map_err(anyhow::Error::from)?;
+    let mut value = serde_json::to_value(&report).map_err(anyhow::Error::from)?;
+    // A move: what follows the tag on this host's `kiln serve`, which rebuilds it.
+    let follows = match report.outcome {
+        NightlyOutcome::Promoted => followers(&a.tag).await,
+        _ => None,
+    };
+    if let (Some((images, workspaces)), Some(o)) = (follows, value.as_object_mut()) {
+        o.insert(
+            "follows".into(),
+            json!({"images": images, "workspaces": workspaces}),
+        );
+    }
     if let Some(p) = &a.report_file {
         let text = serde_json::to_string_pretty(&value).map_err(anyhow::Error::from)?;
         std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?;
     }
-    out.event("nightly", value, || text(&report));
+    out.event("nightly", value, || {
+        let mut t = text(&report);
+        if let Some((images, workspaces)) = follows {
+            t.push_str(&format!(
+                "  follows: {images} images in {workspaces} workspaces follow {}; kiln serve \
+                 rebuilds them (GET /v1/follows)\n",
+                a.tag
+            ));
+        }
+        t
+    });
     match &report.outcome {
         NightlyOutcome::Promoted => Ok(()),
         NightlyOutcome::Failed { step, message } => Err(Failure {
@@ -203,6 +224,32 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
             error: anyhow!("{}; this night moved no tag", another_run(&report)),
         }),
     }
+}
+
+/// How many images (and in how many workspaces) follow `tag` in this host's `kiln serve`
+/// database (issue 40: they are rebuilt when it moves): its `--database`, or the SQLite file
+/// of its state directory when one exists (the configuration `kiln serve` reads). `None`:
+/// no server database here, or it could not be read (logged).
+async fn followers(tag: &TagRef) -> Option<(u64, u64)> {
+    let cfg = crate::config::Config::load(&Default::default()).ok()?;
+    let db = match &cfg.serve_database.value {
+        Some(url) => kiln_service::Db::connect(url).await,
+        None => {
+            let file = cfg.serve_state_dir.value.join("kiln.db");
+            if !file.is_file() {
+                return None;
+            }
+            kiln_service::Db::open(&file).await
+        }
+    };
+    let r = match db {
+        Ok(db) => db.follow_counts(&tag.to_string()).await,
+        Err(e) => Err(e),
+    };
+    r.inspect_err(
+        |e| tracing::warn!(error = %e, "reading what follows the tag in kiln serve's database"),
+    )
+    .ok()
 }
 
 /// What a [`NightlyOutcome::PromotedByAnotherRun`] report says happened.

@@ -158,6 +158,19 @@ impl Db {
         .await
     }
 
+    /// How many tags follow the global base tag `base_tag`, and in how many workspaces.
+    pub async fn follow_counts(&self, base_tag: &str) -> Result<(u64, u64), DbError> {
+        let r = sqlx::query(
+            "SELECT COUNT(*) AS n, COUNT(DISTINCT workspace) AS w FROM follows
+             WHERE base_tag = $1",
+        )
+        .bind(base_tag)
+        .fetch_one(&self.pool)
+        .await?;
+        let (n, w): (i64, i64) = (r.try_get("n")?, r.try_get("w")?);
+        Ok((n.max(0) as u64, w.max(0) as u64))
+    }
+
     /// The bytes of the build contexts workspace `ws` keeps for its follows (each distinct
     /// context blob once, at its uploaded size): they count against its storage quota.
     pub async fn kept_context_bytes(&self, ws: &str) -> Result<u64, DbError> {
