@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use kiln_tests::require_env;
 use kiln_tests::serve::{
-    Server, cli_build, client, env, get, json_of, postgres, psql, rt, submit, terminal, wait_for,
+    QUICK_LIVENESS, Server, client, env, get, json_of, postgres, psql, rt, submit, terminal,
+    wait_for,
 };
 use serde_json::{Value, json};
 
@@ -28,15 +29,18 @@ const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
 /// `kiln build -t tag` of `dockerfile` into `store` (the operator's CLI); the image digest.
 fn operator_build(dir: &Path, store: &Path, dockerfile: &str, tag: &str) -> String {
-    std::fs::create_dir_all(dir).expect("mkdir");
-    std::fs::write(dir.join("Dockerfile"), dockerfile).expect("write");
-    cli_build(
-        KILN.as_ref(),
-        dir,
-        store,
-        &[("KILN_CACHE", &dir.join("cache"))],
-        &["-t", tag],
-    )
+    kiln_tests::serve::operator_build(KILN.as_ref(), dir, store, dockerfile, tag)
+}
+
+/// `DELETE` of `key`'s tag `name:tag`, which ends its follow.
+async fn delete_tag(c: &reqwest::Client, s: &Server, key: &str, name: &str, tag: &str) {
+    let r = c
+        .delete(s.url(&format!("/v1/images/{name}/tags/{tag}")))
+        .bearer_auth(key)
+        .send()
+        .await
+        .expect("DELETE");
+    assert_eq!(r.status(), 204);
 }
 
 /// Submits `dockerfile` for `key` with `spec`; the response status and body.
@@ -314,13 +318,7 @@ fn follow_scenario(db: &[String], nodes: usize) {
         assert_eq!(follow_of(&list, "app:1")["image"], app2.as_str());
 
         // Deleting a tag ends its follow.
-        let r = c
-            .delete(s.url("/v1/images/app/tags/1"))
-            .bearer_auth(&acme)
-            .send()
-            .await
-            .expect("DELETE");
-        assert_eq!(r.status(), 204);
+        delete_tag(&c, s, &acme, "app", "1").await;
         let list = follows(&c, s, &acme).await;
         assert!(list.iter().all(|f| f["tag"] != "app:1"), "{list:#?}");
     });
@@ -411,13 +409,7 @@ fn kept_contexts_count_against_the_storage_quota() {
         assert!(reason.contains("storage quota exceeded"), "{reason}");
         assert!(reason.contains("build contexts kept"), "{reason}");
         // Deleting the following tag ends its follow and releases its context's room.
-        let r = c
-            .delete(s.url("/v1/images/f/tags/1"))
-            .bearer_auth(&ws)
-            .send()
-            .await
-            .expect("DELETE");
-        assert_eq!(r.status(), 204);
+        delete_tag(&c, &s, &ws, "f", "1").await;
         assert!(follows(&c, &s, &ws).await.is_empty());
         build(&c, &s, &ws, small, "c:1", false).await;
     });
@@ -431,16 +423,8 @@ fn a_rebuild_is_taken_over_after_a_kill_9() {
     let (t, state, store) = env();
     let base = |v: &str| format!("FROM {bb}\nRUN echo {v} > /base-version\n");
     operator_build(&t.path().join("g1"), &store, &base("v1"), "gbase:latest");
-    let args = [
-        "--base",
-        "gbase",
-        "--heartbeat",
-        "1s",
-        "--takeover-after",
-        "3s",
-        "--max-attempts",
-        "2",
-    ];
+    let mut args = vec!["--base", "gbase"];
+    args.extend(QUICK_LIVENESS);
     let s = Server::start(KILN.as_ref(), &state, &store, &args);
     let key = s.key("acme", &[]);
     let c = client();

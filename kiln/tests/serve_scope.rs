@@ -18,8 +18,7 @@ use std::time::Duration;
 
 use kiln_tests::require_env;
 use kiln_tests::serve::{
-    Launch, Server, cli_build, client, env, get, json_of, rt, submit, submit_recipe, terminal,
-    wait_for,
+    Launch, Server, client, env, get, json_of, rt, submit, submit_recipe, terminal, wait_for,
 };
 use serde_json::{Value, json};
 
@@ -52,15 +51,7 @@ fn succeeded(v: &Value) -> &Value {
 
 /// `kiln build -t tag` of `dockerfile` into `store` (the operator's CLI).
 fn operator_build(dir: &Path, store: &Path, dockerfile: &str, tag: &str) {
-    std::fs::create_dir_all(dir).expect("mkdir");
-    std::fs::write(dir.join("Dockerfile"), dockerfile).expect("write");
-    cli_build(
-        KILN.as_ref(),
-        dir,
-        store,
-        &[("KILN_CACHE", &dir.join("cache"))],
-        &["-t", tag],
-    );
+    kiln_tests::serve::operator_build(KILN.as_ref(), dir, store, dockerfile, tag);
 }
 
 /// The failure reason of `dockerfile` built for `key` (no tags).

@@ -586,6 +586,21 @@ pub fn cli_build(
         .to_string()
 }
 
+/// `kiln build -t tag` of `dockerfile` (written to `dir/Dockerfile`) by `bin` into the store
+/// `store`, with its own cache under `dir`: the operator's CLI building an image a server's
+/// tenants may use (a global base). The image digest.
+pub fn operator_build(bin: &Path, dir: &Path, store: &Path, dockerfile: &str, tag: &str) -> String {
+    std::fs::create_dir_all(dir).expect("mkdir");
+    std::fs::write(dir.join("Dockerfile"), dockerfile).expect("write");
+    cli_build(
+        bin,
+        dir,
+        store,
+        &[("KILN_CACHE", &dir.join("cache"))],
+        &["-t", tag],
+    )
+}
+
 /// `--allow-registry` for the test registries on 127.0.0.1 (`KILN_TEST_REGISTRY`, and
 /// `KILN_TEST_REGISTRY_AUTH`, which wants credentials), which tenant builds may otherwise
 /// not reach (loopback): every server the tests start names them.
