@@ -470,3 +470,45 @@ fn a_rebuild_is_taken_over_after_a_kill_9() {
         );
     });
 }
+
+/// A base the operator stops allowing (`--base` dropped) queues no rebuild when it moves: no
+/// tenant build may name it. Allowed again, its follows are rebuilt.
+#[test]
+fn a_base_no_longer_allowed_queues_no_rebuild_until_it_is_again() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, state, store) = env();
+    let base = |v: &str| format!("FROM {bb}\nRUN echo {v} > /base-version\n");
+    operator_build(&t.path().join("g1"), &store, &base("v1"), "gbase:latest");
+    let mut allowed = vec!["--base", "gbase"];
+    allowed.extend(QUICK_LIVENESS);
+    let s = Server::start(KILN.as_ref(), &state, &store, &allowed);
+    let key = s.key("acme", &[]);
+    let c = client();
+    rt().block_on(build(
+        &c,
+        &s,
+        &key,
+        "FROM gbase\nRUN cat /base-version > /seen\n",
+        "app:1",
+        true,
+    ));
+    drop(s);
+    let s = Server::start(KILN.as_ref(), &state, &store, &QUICK_LIVENESS);
+    let head2 = operator_build(&t.path().join("g2"), &store, &base("v2"), "gbase:latest");
+    rt().block_on(async {
+        // Several sweeps (1 s apart) go by.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let list = follows(&c, &s, &key).await;
+        assert!(follow_of(&list, "app:1")["last"].is_null(), "{list:#?}");
+    });
+    drop(s);
+    let s = Server::start(KILN.as_ref(), &state, &store, &allowed);
+    rt().block_on(async {
+        let list = settled(&c, &s, &key, &["app:1"], &head2).await;
+        assert_eq!(
+            follow_of(&list, "app:1")["last"]["state"],
+            "rebuilt",
+            "{list:#?}"
+        );
+    });
+}

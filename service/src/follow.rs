@@ -220,6 +220,12 @@ pub async fn sweep(state: &AppState) {
         }
     };
     for base in bases {
+        // A base the operator no longer allows: no tenant build may name it, so a rebuild
+        // could only fail. Its follows wait until it is allowed again.
+        let name = base.split_once(':').map_or(base.as_str(), |(n, _)| n);
+        if !state.config.global_bases.contains(name) {
+            continue;
+        }
         if let Err(e) = sweep_base(state, &base).await {
             tracing::warn!(base = %base, error = %e, "queueing the rebuilds of a base's move");
         }
