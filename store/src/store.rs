@@ -676,6 +676,52 @@ mod tests {
         );
     }
 
+    /// A block an artifact holds three times is written once: no chunk is reported
+    /// transferred twice, and each repeat says it was not transferred. Before, every repeat
+    /// was staged again and its link failed at the commit (its count was then taken back).
+    #[tokio::test]
+    async fn a_chunk_repeated_in_one_artifact_is_written_once() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::progress::ProgressEvent;
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let x = noise(2 << 20, 3);
+        let a = [x.clone(), x.clone(), x].concat();
+        let seen: Arc<Mutex<Vec<(crate::ChunkDigest, bool)>>> = Arc::default();
+        let keep = seen.clone();
+        let opts = PutArtifactOptions {
+            progress: Some(Arc::new(move |e: &ProgressEvent| {
+                if let ProgressEvent::Chunk {
+                    digest,
+                    transferred,
+                    ..
+                } = e
+                {
+                    keep.lock().unwrap().push((*digest, *transferred));
+                }
+            })),
+            ..Default::default()
+        };
+        let (table, stats) = s
+            .put_artifact_reader(std::io::Cursor::new(a), &opts)
+            .await
+            .unwrap();
+        let seen = seen.lock().unwrap();
+        let mut written = std::collections::BTreeMap::<_, u32>::new();
+        for (d, t) in seen.iter() {
+            *written.entry(*d).or_default() += u32::from(*t);
+        }
+        assert!(written.values().all(|n| *n == 1), "{written:?}");
+        let repeats = seen.len() - written.len();
+        assert!(
+            repeats > 0,
+            "the block's chunks repeat: {} chunks",
+            seen.len()
+        );
+        assert_eq!(stats.chunks_transferred, written.len() as u64);
+        assert_eq!(table.entries.len(), seen.len());
+    }
+
     /// Two handles on one local store (two processes' imports) put overlapping files at once,
     /// one of them holding one block three times: each import's table reads back, `verify
     /// --deep` finds nothing, nothing is left in `.tmp`, and every distinct chunk is counted
