@@ -72,6 +72,21 @@ pub struct DueGroup {
     pub build: BuildRow,
     /// Its follows that are due (same workspace and build), oldest first.
     pub follows: Vec<FollowRow>,
+    /// The workspace's quota now (a rebuild runs within it, not within the one its
+    /// original was submitted under).
+    pub quota: Quota,
+}
+
+/// Whether a move may queue a [`DueGroup`]'s rebuild now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Room {
+    /// Yes.
+    Yes,
+    /// No: the move's budget is spent (the group waits for the base's next move).
+    PastBudget,
+    /// No: the workspace's queue is full ([`Quota::max_queued`], as for its own
+    /// submissions); the group stays due, and a later sweep queues it once there is room.
+    QueueFull,
 }
 
 /// What [`Db::queue_rebuilds`] did with one [`DueGroup`].
@@ -82,6 +97,9 @@ pub enum Planned {
     /// Queue nothing; record `last` (JSON) on the group's follows (skipped, past the
     /// budget, or a spec that cannot be rebuilt).
     Skip(String),
+    /// Queue nothing yet; record `last` (JSON) on the group's follows, which stay due for
+    /// this move ([`Room::QueueFull`]).
+    Wait(String),
 }
 
 impl Db {
@@ -120,18 +138,80 @@ impl Db {
     }
 
     /// Ends the follows of the store tags `tags` of workspace `ws` (a build that does not
-    /// follow moved them, or the tenant moved or deleted them); the number ended.
+    /// follow moved them, or the tenant moved or deleted them); the number ended. A rebuild
+    /// queued or running for an ended follow is stopped (cancelled, or asked to stop): it
+    /// would move a tag that follows nothing any more whenever the tag still names the
+    /// image the rebuild started from. The other tags of its group are due again, for a
+    /// rebuild of their own.
     pub async fn delete_follows(&self, ws: &str, tags: &[String]) -> Result<u64, DbError> {
+        let mut tx = self.write_tx().await?;
         let mut n = 0;
         for t in tags {
-            n += sqlx::query("DELETE FROM follows WHERE workspace = $1 AND tag = $2")
-                .bind(ws)
-                .bind(t)
-                .execute(&self.pool)
+            let r = sqlx::query(
+                "DELETE FROM follows WHERE workspace = $1 AND tag = $2 RETURNING rebuild_build",
+            )
+            .bind(ws)
+            .bind(t)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(r) = r else { continue };
+            n += 1;
+            let Some(rebuild) = r.try_get::<Option<String>, _>("rebuild_build")? else {
+                continue;
+            };
+            let stopped = sqlx::query(
+                "UPDATE builds SET state = 'cancelled', finished_ms = $1, cancel_requested = 1,
+                 failure = $2 WHERE id = $3 AND state = 'queued'",
+            )
+            .bind(now_ms())
+            .bind(r#"{"reason":"cancelled before it started: a tag it was to move follows its base no more"}"#)
+            .bind(&rebuild)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected()
+                + sqlx::query(
+                    "UPDATE builds SET cancel_requested = 1 WHERE id = $1 AND state = 'running'",
+                )
+                .bind(&rebuild)
+                .execute(&mut *tx)
                 .await?
                 .rows_affected();
+            if stopped > 0 {
+                sqlx::query("UPDATE follows SET tried_head = NULL WHERE rebuild_build = $1")
+                    .bind(&rebuild)
+                    .execute(&mut *tx)
+                    .await?;
+            }
         }
+        tx.commit().await?;
         Ok(n)
+    }
+
+    /// Records that rebuild `row.build_id` moved the store tags `tags` (each as `row.tag`;
+    /// the other fields as given, but for when it began to follow and the last head tried):
+    /// only the follows that still wait for this rebuild, so that a follow ended meanwhile
+    /// does not begin again.
+    pub async fn rebuilt_follows(&self, row: &FollowRow, tags: &[String]) -> Result<(), DbError> {
+        let mut tx = self.write_tx().await?;
+        for t in tags {
+            sqlx::query(
+                "UPDATE follows SET build_id = $1, image = $2, base_tag = $3, base_oci = $4,
+                 configs = $5, last = COALESCE($6, last)
+                 WHERE workspace = $7 AND tag = $8 AND rebuild_build = $1",
+            )
+            .bind(&row.build_id)
+            .bind(&row.image)
+            .bind(&row.base_tag)
+            .bind(&row.base_oci)
+            .bind(&row.configs)
+            .bind(&row.last)
+            .bind(&row.workspace)
+            .bind(t)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
     }
 
     /// The follows of workspace `ws`, by tag.
@@ -221,13 +301,14 @@ impl Db {
     /// from another base than `m.oci`, not yet tried for `m.head`, and with no rebuild
     /// queued or running. Its follows are grouped by the build they rerun (one rebuild moves
     /// all the group's tags), oldest follow first; `plan` says what to do with each group,
-    /// given whether the move's budget has room (rebuilds already queued for `m.head`
-    /// count). Each group's follows are then marked tried for `m.head`. Returns the builds
-    /// queued, with their contexts.
+    /// given whether there is [`Room`]: in the move's budget (rebuilds already queued for
+    /// `m.head` count), and in the workspace's queue (its `max_queued`, as a submission).
+    /// Each group's follows are then marked tried for `m.head`, but for
+    /// [`Planned::Wait`]'s, which stay due. Returns the builds queued, with their contexts.
     pub async fn queue_rebuilds(
         &self,
         m: &BaseMove<'_>,
-        mut plan: impl FnMut(&DueGroup, bool) -> Planned,
+        mut plan: impl FnMut(&DueGroup, Room) -> Planned,
     ) -> Result<Vec<(String, Option<String>)>, DbError> {
         let mut tx = self.write_tx().await?;
         let due = sqlx::query(
@@ -279,14 +360,52 @@ impl Db {
                 tracing::error!(build = %follows[0].build_id, "a followed build's row is missing");
                 continue;
             };
-            let group = DueGroup {
-                build: build_row(&r)?,
-                follows,
+            let build = build_row(&r)?;
+            let quota = sqlx::query("SELECT * FROM workspaces WHERE id = $1")
+                .bind(&build.workspace)
+                .fetch_optional(&mut *tx)
+                .await?;
+            let Some(quota) = quota.as_ref().map(quota_row).transpose()? else {
+                tracing::error!(workspace = %build.workspace, "a following workspace's row is missing");
+                continue;
             };
-            let room = used < i64::from(m.budget);
+            // Its queued and running builds, the rebuilds queued above included.
+            let active: i64 = sqlx::query(
+                "SELECT COUNT(*) AS n FROM builds
+                 WHERE workspace = $1 AND state IN ('queued', 'running')",
+            )
+            .bind(&build.workspace)
+            .fetch_one(&mut *tx)
+            .await?
+            .try_get("n")?;
+            let room = if used >= i64::from(m.budget) {
+                Room::PastBudget
+            } else if active >= i64::from(quota.max_queued) {
+                Room::QueueFull
+            } else {
+                Room::Yes
+            };
+            let group = DueGroup {
+                build,
+                follows,
+                quota,
+            };
             let (rebuild, last) = match plan(&group, room) {
                 Planned::Queue(b, last) => (Some(b), last),
                 Planned::Skip(last) => (None, last),
+                Planned::Wait(last) => {
+                    for f in &group.follows {
+                        sqlx::query(
+                            "UPDATE follows SET last = $1 WHERE workspace = $2 AND tag = $3",
+                        )
+                        .bind(&last)
+                        .bind(&f.workspace)
+                        .bind(&f.tag)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
+                    continue;
+                }
             };
             if let Some(b) = &rebuild {
                 insert_build_row(&mut tx, b, now).await?;
@@ -322,3 +441,7 @@ impl Db {
         Ok(queued)
     }
 }
+
+#[cfg(test)]
+#[path = "follows_tests.rs"]
+mod tests;
