@@ -13,7 +13,8 @@
 //!   ([`Configs`]). A build that moves the tag without `follow_base`, or the tenant moving or
 //!   deleting the tag, ends its follow, and stops the rebuild queued or running for it
 //!   ([`crate::db::Db::delete_follows`]); a rebuild that ends after its follow did makes no
-//!   follow again.
+//!   follow again. The tenant's own builds of a following tag go first
+//!   ([`crate::db::Room::TagBusy`], [`crate::db::Db::preempt_rebuilds`]).
 //! - **A move queues rebuilds.** Every node sweeps once per heartbeat interval
 //!   ([`watch_bases`], [`sweep`]): it reads the head of
 //!   each followed base tag; a follow built from another base and not yet tried for that
@@ -336,6 +337,15 @@ fn plan(g: &DueGroup, m: &BaseMove<'_>, room: Room, server: &Server) -> Planned 
                  has room",
                 g.quota.max_queued
             ));
+            return Planned::Wait(l.json());
+        }
+        Room::TagBusy => {
+            let mut l = Last::new("skipped", m.head);
+            l.reason = Some(
+                "a build of the workspace that moves the tag is queued or running: it goes \
+                 first (queued once it ended, if the tag still follows)"
+                    .into(),
+            );
             return Planned::Wait(l.json());
         }
     }

@@ -687,6 +687,13 @@ async fn submit(
         }
     };
     if !replayed {
+        // The tenant's build of a following tag goes first: a rebuild queued or running for
+        // it gives way ([`crate::db::Room::TagBusy`]).
+        if !stored.store_tags.is_empty()
+            && let Err(e) = s.db.preempt_rebuilds(&ws, &stored.store_tags).await
+        {
+            tracing::warn!(build = %id, error = %e, "stopping the rebuilds of the build's tags");
+        }
         s.queued.notify_one();
     }
     let urls = BuildUrls::new(&id);

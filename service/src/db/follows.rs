@@ -87,6 +87,52 @@ pub enum Room {
     /// No: the workspace's queue is full ([`Quota::max_queued`], as for its own
     /// submissions); the group stays due, and a later sweep queues it once there is room.
     QueueFull,
+    /// No: a build of the workspace (not a rebuild) that moves one of the group's tags is
+    /// queued or running. It goes first (a rebuild moving the tag before it ends would fail
+    /// it: its tags move only from what they named when it started); the group stays due.
+    TagBusy,
+}
+
+/// What [`Db::queue_rebuilds`] reads of a queued or running build's spec: the store tags it
+/// moves, and whether it is a rebuild.
+#[derive(serde::Deserialize)]
+struct Moves {
+    #[serde(default)]
+    store_tags: Vec<String>,
+    #[serde(default)]
+    rebuild: Option<serde::de::IgnoredAny>,
+}
+
+/// Stops rebuild `id` when it is queued (cancelled) or running (asked to stop), and makes
+/// the follows it was for due again; whether it was stopped.
+async fn stop_rebuild(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    id: &str,
+    why: &str,
+) -> Result<bool, DbError> {
+    let failure = serde_json::json!({ "reason": format!("cancelled before it started: {why}") });
+    let stopped = sqlx::query(
+        "UPDATE builds SET state = 'cancelled', finished_ms = $1, cancel_requested = 1,
+         failure = $2 WHERE id = $3 AND state = 'queued'",
+    )
+    .bind(now_ms())
+    .bind(failure.to_string())
+    .bind(id)
+    .execute(&mut **tx)
+    .await?
+    .rows_affected()
+        + sqlx::query("UPDATE builds SET cancel_requested = 1 WHERE id = $1 AND state = 'running'")
+            .bind(id)
+            .execute(&mut **tx)
+            .await?
+            .rows_affected();
+    if stopped > 0 {
+        sqlx::query("UPDATE follows SET tried_head = NULL WHERE rebuild_build = $1")
+            .bind(id)
+            .execute(&mut **tx)
+            .await?;
+    }
+    Ok(stopped > 0)
 }
 
 /// What [`Db::queue_rebuilds`] did with one [`DueGroup`].
@@ -159,28 +205,42 @@ impl Db {
             let Some(rebuild) = r.try_get::<Option<String>, _>("rebuild_build")? else {
                 continue;
             };
-            let stopped = sqlx::query(
-                "UPDATE builds SET state = 'cancelled', finished_ms = $1, cancel_requested = 1,
-                 failure = $2 WHERE id = $3 AND state = 'queued'",
+            stop_rebuild(
+                &mut tx,
+                &rebuild,
+                "a tag it was to move follows its base no more",
             )
-            .bind(now_ms())
-            .bind(r#"{"reason":"cancelled before it started: a tag it was to move follows its base no more"}"#)
-            .bind(&rebuild)
-            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(n)
+    }
+
+    /// Stops the rebuilds queued or running for the follows of the store tags `tags` of
+    /// workspace `ws`, for the tenant's own build of one of them, just queued, which goes
+    /// first ([`Room::TagBusy`]); the number stopped. Their follows are due again.
+    pub async fn preempt_rebuilds(&self, ws: &str, tags: &[String]) -> Result<u64, DbError> {
+        let mut tx = self.write_tx().await?;
+        let mut n = 0;
+        for t in tags {
+            let r = sqlx::query(
+                "SELECT rebuild_build FROM follows WHERE workspace = $1 AND tag = $2
+                 AND rebuild_build IS NOT NULL",
+            )
+            .bind(ws)
+            .bind(t)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(r) = r else { continue };
+            let id: String = r.try_get("rebuild_build")?;
+            if stop_rebuild(
+                &mut tx,
+                &id,
+                "the tenant submitted a build of a tag it was to move",
+            )
             .await?
-            .rows_affected()
-                + sqlx::query(
-                    "UPDATE builds SET cancel_requested = 1 WHERE id = $1 AND state = 'running'",
-                )
-                .bind(&rebuild)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            if stopped > 0 {
-                sqlx::query("UPDATE follows SET tried_head = NULL WHERE rebuild_build = $1")
-                    .bind(&rebuild)
-                    .execute(&mut *tx)
-                    .await?;
+            {
+                n += 1;
             }
         }
         tx.commit().await?;
@@ -370,15 +430,28 @@ impl Db {
                 continue;
             };
             // Its queued and running builds, the rebuilds queued above included.
-            let active: i64 = sqlx::query(
-                "SELECT COUNT(*) AS n FROM builds
-                 WHERE workspace = $1 AND state IN ('queued', 'running')",
+            let active = sqlx::query(
+                "SELECT spec FROM builds WHERE workspace = $1 AND state IN ('queued', 'running')",
             )
             .bind(&build.workspace)
-            .fetch_one(&mut *tx)
-            .await?
-            .try_get("n")?;
-            let room = if used >= i64::from(m.budget) {
+            .fetch_all(&mut *tx)
+            .await?;
+            let mut busy = false;
+            for r in &active {
+                let spec: String = r.try_get("spec")?;
+                if let Ok(b) = serde_json::from_str::<Moves>(&spec)
+                    && b.rebuild.is_none()
+                    && b.store_tags
+                        .iter()
+                        .any(|t| follows.iter().any(|f| &f.tag == t))
+                {
+                    busy = true;
+                }
+            }
+            let active = active.len() as i64;
+            let room = if busy {
+                Room::TagBusy
+            } else if used >= i64::from(m.budget) {
                 Room::PastBudget
             } else if active >= i64::from(quota.max_queued) {
                 Room::QueueFull

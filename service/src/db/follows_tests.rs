@@ -85,7 +85,7 @@ fn queue_all(n: &std::cell::Cell<u32>) -> impl FnMut(&DueGroup, Room) -> Planned
             )
         }
         Room::PastBudget => Planned::Skip("{\"state\":\"skipped\"}".into()),
-        Room::QueueFull => Planned::Wait("{\"state\":\"waiting\"}".into()),
+        Room::QueueFull | Room::TagBusy => Planned::Wait("{\"state\":\"waiting\"}".into()),
     }
 }
 
@@ -220,4 +220,74 @@ async fn ending_a_follow(db: Db) {
         .await
         .expect("rebuilt");
     assert_eq!(db.follows("a").await.expect("follows"), vec![]);
+}
+
+fn tenant_build(id: &str, ws: &str, tags: &[&str]) -> NewBuild {
+    let tags: Vec<String> = tags.iter().map(|t| format!("{ws}.{t}")).collect();
+    NewBuild {
+        spec: serde_json::json!({ "store_tags": tags }).to_string(),
+        ..new_build(id, ws)
+    }
+}
+
+/// A tenant who builds a following tag anew keeps their image: a rebuild, which would move
+/// the tag first and so fail the tenant's build (its tags move only from what they named
+/// when it started), waits while a build of the workspace that moves one of its tags is
+/// queued or running, and a rebuild already queued or running when the tenant submits one
+/// gives way (it is stopped, and due again).
+#[tokio::test]
+async fn a_tenants_own_build_of_the_tag_goes_first() {
+    let t = tempfile::tempdir().expect("tmp");
+    tenant_first(Db::open(&t.path().join("kiln.db")).await.expect("open")).await;
+    tenant_first(postgres().await).await;
+}
+
+async fn tenant_first(db: Db) {
+    following(&db, "a", 20, "b1", &["app:1"]).await;
+    following(&db, "a", 20, "b2", &["other:1"]).await;
+    // The tenant's build of app:1 is queued when the base moves: only other:1 is rebuilt.
+    db.insert_build(&tenant_build("t1", "a", &["app:1"]), 20, 1000)
+        .await
+        .expect("insert");
+    let n = std::cell::Cell::new(0);
+    let queued = db
+        .queue_rebuilds(&the_move(10), queue_all(&n))
+        .await
+        .expect("queue");
+    assert_eq!(queued.len(), 1, "{queued:?}");
+    let rows = db.follows("a").await.expect("follows");
+    let app = rows.iter().find(|f| f.tag == "a.app:1").expect("app:1");
+    assert_eq!(app.rebuild_build, None, "{rows:?}");
+    assert_eq!(app.tried_head, None, "{rows:?}");
+    // Once it ended (failed, say: the follow stays), app:1 is rebuilt.
+    db.request_cancel("a", "t1").await.expect("cancel");
+    let queued = db
+        .queue_rebuilds(&the_move(10), queue_all(&n))
+        .await
+        .expect("queue");
+    assert_eq!(queued.len(), 1, "{queued:?}");
+    let r = queued[0].0.clone();
+    // The tenant submits a build of app:1 while that rebuild waits: the rebuild gives way.
+    db.insert_build(&tenant_build("t2", "a", &["app:1"]), 20, 1000)
+        .await
+        .expect("insert");
+    assert_eq!(
+        db.preempt_rebuilds("a", &["a.app:1".into()])
+            .await
+            .expect("preempt"),
+        1
+    );
+    assert_eq!(state(&db, &r).await.as_deref(), Some("cancelled"));
+    let queued = db
+        .queue_rebuilds(&the_move(10), queue_all(&n))
+        .await
+        .expect("queue");
+    assert_eq!(queued, vec![]);
+    // A build of other tags preempts nothing.
+    assert_eq!(
+        db.preempt_rebuilds("a", &["a.third:1".into()])
+            .await
+            .expect("preempt"),
+        0
+    );
 }
