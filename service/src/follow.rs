@@ -25,7 +25,7 @@
 //!   of the day, it waits while the workspace's queue is full (`max_queued`), and options
 //!   the server refuses now skip it. At most
 //!   [`crate::ServiceConfig::follow_budget`] rebuilds per head, oldest follow first; the
-//!   rest are recorded `skipped` and wait for the next move.
+//!   rest are recorded `skipped` and wait for the next move, where they go first.
 //! - **Before a tag moves.** The rebuild runs the original spec: a snapshot build boots the
 //!   image once and passes its ready check again; every published ext4 image passes `e2fsck
 //!   -fn` ([`kiln_pipeline`]'s publish); the rebuilt image's config must equal the original's

@@ -360,7 +360,8 @@ impl Db {
     /// nodes that see the move, one queues each rebuild). Due: a follow of `m.tag` built
     /// from another base than `m.oci`, not yet tried for `m.head`, and with no rebuild
     /// queued or running. Its follows are grouped by the build they rerun (one rebuild moves
-    /// all the group's tags), oldest follow first; `plan` says what to do with each group,
+    /// all the group's tags), those skipped at an earlier move (past its budget) first, then
+    /// the oldest follow first; `plan` says what to do with each group,
     /// given whether there is [`Room`]: in the move's budget (rebuilds already queued for
     /// `m.head` count), and in the workspace's queue (its `max_queued`, as a submission).
     /// Each group's follows are then marked tried for `m.head`, but for
@@ -376,7 +377,9 @@ impl Db {
              AND (f.tried_head IS NULL OR f.tried_head <> $3)
              AND NOT EXISTS (SELECT 1 FROM builds b WHERE b.id = f.rebuild_build
                              AND b.state IN ('queued', 'running'))
-             ORDER BY f.created_ms, f.workspace, f.tag",
+             ORDER BY CASE WHEN f.tried_head IS NOT NULL AND f.rebuild_build IS NULL
+                           THEN 0 ELSE 1 END,
+                      f.created_ms, f.workspace, f.tag",
         )
         .bind(m.tag)
         .bind(m.oci)

@@ -291,3 +291,42 @@ async fn tenant_first(db: Db) {
         0
     );
 }
+
+/// Past a move's budget the rest wait for the next move: there, they go first. Ordered by
+/// when each began to follow only, the oldest follows took the budget at every move, and
+/// those past it were never rebuilt.
+#[tokio::test]
+async fn those_past_the_budget_go_first_at_the_next_move() {
+    let t = tempfile::tempdir().expect("tmp");
+    past_the_budget(Db::open(&t.path().join("kiln.db")).await.expect("open")).await;
+    past_the_budget(postgres().await).await;
+}
+
+async fn past_the_budget(db: Db) {
+    following(&db, "old", 20, "b1", &["app:1"]).await;
+    following(&db, "new", 20, "b2", &["app:1"]).await;
+    let n = std::cell::Cell::new(0);
+    let queued = db
+        .queue_rebuilds(&the_move(1), queue_all(&n))
+        .await
+        .expect("queue");
+    assert_eq!(queued.len(), 1);
+    let b = db.build("old", &queued[0].0).await.expect("build");
+    assert!(b.is_some(), "the oldest follow goes first: {queued:?}");
+    // The rebuild of `old` ends (failed, say); the base moves again.
+    db.request_cancel("old", &queued[0].0)
+        .await
+        .expect("cancel");
+    let head2 = "sha256:5555555555555555555555555555555555555555555555555555555555555555";
+    let m = BaseMove {
+        head: head2,
+        ..the_move(1)
+    };
+    let queued = db.queue_rebuilds(&m, queue_all(&n)).await.expect("queue");
+    assert_eq!(queued.len(), 1);
+    let b = db.build("new", &queued[0].0).await.expect("build");
+    assert!(
+        b.is_some(),
+        "the follow past the last budget goes first: {queued:?}"
+    );
+}
