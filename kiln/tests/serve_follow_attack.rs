@@ -17,24 +17,14 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kiln_tests::require_env;
-use kiln_tests::serve::{
-    Server, cli_build, client, env, get, json_of, rt, submit, terminal, wait_for,
-};
+use kiln_tests::serve::{Server, client, env, get, json_of, rt, submit, terminal, wait_for};
 use serde_json::{Value, json};
 
 /// The `kiln` binary under test.
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
 fn operator_build(dir: &Path, store: &Path, dockerfile: &str, tag: &str) -> String {
-    std::fs::create_dir_all(dir).expect("mkdir");
-    std::fs::write(dir.join("Dockerfile"), dockerfile).expect("write");
-    cli_build(
-        KILN.as_ref(),
-        dir,
-        store,
-        &[("KILN_CACHE", &dir.join("cache"))],
-        &["-t", tag],
-    )
+    kiln_tests::serve::operator_build(KILN.as_ref(), dir, store, dockerfile, tag)
 }
 
 /// Submits `dockerfile` tagged `tag` for `key` (following the base when `follow`); its id.
@@ -194,5 +184,65 @@ fn a_move_leaves_the_tenants_own_choices_alone() {
         assert_eq!(tags, ["lim:1"], "{list:#?}");
         assert_eq!(tag_digest(&c, &s, &acme, "app", "1").await, mine_image);
         assert_eq!(tag_digest(&c, &s, &acme, "res", "1").await, res1);
+    });
+}
+
+/// `follow_base` names a global base by a tag the store lacks (`kiln serve --base NAME`
+/// allows every tag of NAME): the build would pull an image of that name from a registry
+/// (Docker Hub for `ubuntu:anything`), and registry bases cannot be followed, so it is
+/// refused (it was accepted, and its tags followed a base tag no move of the operator's
+/// would ever touch).
+#[test]
+fn following_a_global_base_tag_the_store_lacks_is_refused() {
+    let (t, _state, store) = env();
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    operator_build(
+        &t.path().join("g1"),
+        &store,
+        &format!("FROM {bb}\nRUN true\n"),
+        "gbase:latest",
+    );
+    let s = Server::start(
+        KILN.as_ref(),
+        &t.path().join("state"),
+        &store,
+        &["--base", "gbase"],
+    );
+    let acme = s.key("acme", &[]);
+    let c = client();
+    rt().block_on(async {
+        let spec = json!({"tags": ["x:1"], "follow_base": true});
+        let r = submit(
+            &c,
+            &s,
+            &acme,
+            &spec,
+            None,
+            Some(b"FROM gbase:nosuch\nRUN true\n"),
+            None,
+        )
+        .await;
+        let status = r.status().as_u16();
+        let v = json_of(r).await;
+        assert_eq!(status, 400, "{v:#}");
+        assert!(
+            v["message"]
+                .as_str()
+                .unwrap()
+                .contains("no tag of this server"),
+            "{v:#}"
+        );
+        // The tag the store has is followed.
+        let r = submit(
+            &c,
+            &s,
+            &acme,
+            &spec,
+            None,
+            Some(b"FROM gbase:latest\nRUN true\n"),
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 202);
     });
 }

@@ -489,6 +489,25 @@ async fn record(
             .map_err(|e| e.to_string())?;
         return Ok(());
     };
+    // The base tag must be the operator's still: had the store lacked it, the build pulled
+    // an image of its name from a registry, and registry bases cannot be followed.
+    let in_store = match base_tag.parse::<kiln_store::TagRef>() {
+        Ok(t) => state
+            .setup
+            .store
+            .get_tag(&t)
+            .await
+            .map_err(|e| e.to_string())?
+            .is_some(),
+        Err(_) => false,
+    };
+    if !in_store {
+        tracing::warn!(build = %row.id, base = %base_tag, "a follow_base build's base is no tag of the store: its tags follow nothing");
+        db.delete_follows(&row.workspace, &spec.store_tags)
+            .await
+            .map_err(|e| e.to_string())?;
+        return Ok(());
+    }
     let configs = match check {
         Some(c) => Some(
             serde_json::to_string(&Configs {

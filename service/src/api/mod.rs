@@ -625,10 +625,19 @@ async fn submit(
                     .into(),
             ));
         }
-        stored.follow = Some(
-            crate::follow::followed_base(&ws, plan.image_base(), &s.config.global_bases)
-                .map_err(ApiError::BadRequest)?,
-        );
+        let base = crate::follow::followed_base(&ws, plan.image_base(), &s.config.global_bases)
+            .map_err(ApiError::BadRequest)?;
+        // A tag of the global base's name that the store lacks is no base of the
+        // operator's: the build would pull it from a registry, whose bases cannot be
+        // followed.
+        let tag: kiln_store::TagRef = base.parse().map_err(|_| ApiError::Internal)?;
+        if s.setup.store.get_tag(&tag).await?.is_none() {
+            return Err(ApiError::BadRequest(format!(
+                "follow_base: the global base {base} is no tag of this server (a build FROM it \
+                 would pull it from a registry, and registry bases cannot be followed)"
+            )));
+        }
+        stored.follow = Some(base);
     }
     let spec_json = serde_json::to_string(&stored).map_err(|_| ApiError::Internal)?;
     let hash = kiln_store::digest::Sha256Hash::of(spec_json.as_bytes()).hex();
