@@ -220,22 +220,32 @@ impl Db {
     /// workspace `ws`, for the tenant's own build of one of them, just queued, which goes
     /// first ([`Room::TagBusy`]); the number stopped. Their follows are due again.
     pub async fn preempt_rebuilds(&self, ws: &str, tags: &[String]) -> Result<u64, DbError> {
+        // Read first, once (a submission may have many tags): most find no rebuild queued or
+        // running for their tags, and take no write lock.
+        let rows = sqlx::query(
+            "SELECT f.tag, f.rebuild_build FROM follows f JOIN builds b ON b.id = f.rebuild_build
+             WHERE f.workspace = $1 AND b.state IN ('queued', 'running')",
+        )
+        .bind(ws)
+        .fetch_all(&self.pool)
+        .await?;
+        let tags: std::collections::BTreeSet<&str> = tags.iter().map(String::as_str).collect();
+        let mut ids = std::collections::BTreeSet::new();
+        for r in &rows {
+            let tag: String = r.try_get("tag")?;
+            if tags.contains(tag.as_str()) {
+                ids.insert(r.try_get::<String, _>("rebuild_build")?);
+            }
+        }
+        if ids.is_empty() {
+            return Ok(0);
+        }
         let mut tx = self.write_tx().await?;
         let mut n = 0;
-        for t in tags {
-            let r = sqlx::query(
-                "SELECT rebuild_build FROM follows WHERE workspace = $1 AND tag = $2
-                 AND rebuild_build IS NOT NULL",
-            )
-            .bind(ws)
-            .bind(t)
-            .fetch_optional(&mut *tx)
-            .await?;
-            let Some(r) = r else { continue };
-            let id: String = r.try_get("rebuild_build")?;
+        for id in &ids {
             if stop_rebuild(
                 &mut tx,
-                &id,
+                id,
                 "the tenant submitted a build of a tag it was to move",
             )
             .await?
