@@ -411,14 +411,17 @@ impl Db {
         .fetch_one(&mut *tx)
         .await?
         .try_get("n")?;
+        // In the order of their first follow; found by (workspace, build) in a map, not by a
+        // scan of the groups so far (a workspace may follow from many builds).
         let mut groups: Vec<Vec<FollowRow>> = Vec::new();
+        let mut index: std::collections::HashMap<(String, String), usize> = Default::default();
         for f in due {
-            match groups
-                .iter_mut()
-                .find(|g| g[0].workspace == f.workspace && g[0].build_id == f.build_id)
-            {
-                Some(g) => g.push(f),
-                None => groups.push(vec![f]),
+            match index.entry((f.workspace.clone(), f.build_id.clone())) {
+                std::collections::hash_map::Entry::Occupied(e) => groups[*e.get()].push(f),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(groups.len());
+                    groups.push(vec![f]);
+                }
             }
         }
         let mut queued = Vec::new();
@@ -449,16 +452,17 @@ impl Db {
             .bind(&build.workspace)
             .fetch_all(&mut *tx)
             .await?;
+            let group_tags: std::collections::HashSet<&str> =
+                follows.iter().map(|f| f.tag.as_str()).collect();
             let mut busy = false;
             for r in &active {
                 let spec: String = r.try_get("spec")?;
                 if let Ok(b) = serde_json::from_str::<Moves>(&spec)
                     && b.rebuild.is_none()
-                    && b.store_tags
-                        .iter()
-                        .any(|t| follows.iter().any(|f| &f.tag == t))
+                    && b.store_tags.iter().any(|t| group_tags.contains(t.as_str()))
                 {
                     busy = true;
+                    break;
                 }
             }
             let active = active.len() as i64;
