@@ -41,7 +41,7 @@ use sqlx::{AnyPool, Executor as _};
 mod follows;
 mod nodes;
 
-pub use follows::{BaseMove, DueGroup, FollowRow, Planned};
+pub use follows::{BaseMove, DueGroup, FollowRow, Planned, Room};
 
 /// The start of the failure reason of a build whose node stopped or stopped heartbeating
 /// (kill -9, crash, cut off) during its last attempt; the rest names the node.
@@ -488,6 +488,20 @@ fn build_row(r: &AnyRow) -> Result<BuildRow, sqlx::Error> {
 
 /// Inserts `b` queued at `now` (Unix ms) in `tx`: its row and, when it has them, its sealed
 /// credentials. The caller checks the queue's bounds.
+/// The quota of a row of `workspaces`.
+fn quota_row(r: &AnyRow) -> Result<Quota, sqlx::Error> {
+    Ok(Quota {
+        max_concurrent: r.try_get::<i64, _>("max_concurrent")? as u32,
+        max_queued: r.try_get::<i64, _>("max_queued")? as u32,
+        max_timeout_secs: r.try_get::<i64, _>("max_timeout_secs")? as u64,
+        max_memory_mib: r.try_get::<i64, _>("max_memory_mib")? as u64,
+        max_vcpus: r.try_get::<i64, _>("max_vcpus")? as u32,
+        max_storage_bytes: r
+            .try_get::<Option<i64>, _>("max_storage_bytes")?
+            .map(|b| b.max(0) as u64),
+    })
+}
+
 async fn insert_build_row(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     b: &NewBuild,
@@ -718,19 +732,7 @@ impl Db {
             .bind(ws)
             .fetch_optional(&self.pool)
             .await?;
-        Ok(match r {
-            None => None,
-            Some(r) => Some(Quota {
-                max_concurrent: r.try_get::<i64, _>("max_concurrent")? as u32,
-                max_queued: r.try_get::<i64, _>("max_queued")? as u32,
-                max_timeout_secs: r.try_get::<i64, _>("max_timeout_secs")? as u64,
-                max_memory_mib: r.try_get::<i64, _>("max_memory_mib")? as u64,
-                max_vcpus: r.try_get::<i64, _>("max_vcpus")? as u32,
-                max_storage_bytes: r
-                    .try_get::<Option<i64>, _>("max_storage_bytes")?
-                    .map(|b| b.max(0) as u64),
-            }),
-        })
+        Ok(r.as_ref().map(quota_row).transpose()?)
     }
 
     /// Stores a key's hash for workspace `ws` under the key id `id`.

@@ -11,15 +11,21 @@
 //!   stays leased while a follow reruns it), the image the tag named, the base's OCI
 //!   manifest it was built from, and the config summaries a rebuild is checked against
 //!   ([`Configs`]). A build that moves the tag without `follow_base`, or the tenant moving or
-//!   deleting the tag, ends its follow.
+//!   deleting the tag, ends its follow, and stops the rebuild queued or running for it
+//!   ([`crate::db::Db::delete_follows`]); a rebuild that ends after its follow did makes no
+//!   follow again. The tenant's own builds of a following tag go first
+//!   ([`crate::db::Room::TagBusy`], [`crate::db::Db::preempt_rebuilds`]).
 //! - **A move queues rebuilds.** Every node sweeps once per heartbeat interval
 //!   ([`watch_bases`], [`sweep`]): it reads the head of
 //!   each followed base tag; a follow built from another base and not yet tried for that
 //!   head is due. The due follows of one build are rebuilt together by one build of the
 //!   workspace (queued like any build: the workspace's executor, quota and scope, taken over
-//!   when its node is lost), in one database transaction, so one node queues each. At most
+//!   when its node is lost), in one database transaction, so one node queues each. A
+//!   rebuild is a submission of the workspace's today: its limits are lowered to the quota
+//!   of the day, it waits while the workspace's queue is full (`max_queued`), and options
+//!   the server refuses now skip it. At most
 //!   [`crate::ServiceConfig::follow_budget`] rebuilds per head, oldest follow first; the
-//!   rest are recorded `skipped` and wait for the next move.
+//!   rest are recorded `skipped` and wait for the next move, where they go first.
 //! - **Before a tag moves.** The rebuild runs the original spec: a snapshot build boots the
 //!   image once and passes its ready check again; every published ext4 image passes `e2fsck
 //!   -fn` ([`kiln_pipeline`]'s publish); the rebuilt image's config must equal the original's
@@ -38,7 +44,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::AppState;
-use crate::db::{BaseMove, BuildRow, DueGroup, FollowRow, NewBuild, Planned};
+use crate::db::{BaseMove, BuildRow, DueGroup, FollowRow, NewBuild, Planned, Room};
 use crate::spec::{BuildResult, Failure, Rebuild, StoredSpec};
 
 /// The config summaries a rebuild is checked against ([`kiln_pipeline::RebuildCheck`]): the
@@ -251,6 +257,10 @@ async fn sweep_base(state: &AppState, base: &str) -> Result<(), String> {
         ));
     };
     let (head_s, oci_s) = (head.to_string(), oci.to_string());
+    let server = Server {
+        executor: state.config.executor,
+        boot: state.setup.boot.is_some(),
+    };
     let m = BaseMove {
         tag: base,
         head: &head_s,
@@ -259,7 +269,7 @@ async fn sweep_base(state: &AppState, base: &str) -> Result<(), String> {
     };
     let queued = state
         .db
-        .queue_rebuilds(&m, |g, room| plan(g, &m, room))
+        .queue_rebuilds(&m, |g, room| plan(g, &m, room, &server))
         .await
         .map_err(|e| e.to_string())?;
     if queued.is_empty() {
@@ -291,24 +301,75 @@ async fn sweep_base(state: &AppState, base: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// What a submission to this server may ask for, beyond the workspace's quota: what a
+/// rebuild is checked against when it is queued, as its original was when submitted.
+#[derive(Debug, Clone, Copy)]
+struct Server {
+    executor: kiln_pipeline::Executor,
+    /// Whether it has a guest kernel and initramfs (snapshots).
+    boot: bool,
+}
+
 /// What to do with a due group of follows: a rebuild of its build, with its tags and their
-/// compare-and-swap expectations, when the move's budget has `room`; else skipped.
-fn plan(g: &DueGroup, m: &BaseMove<'_>, room: bool) -> Planned {
+/// compare-and-swap expectations, when there is `room`; else skipped (past the move's
+/// budget), or left waiting (the workspace's queue is full). The rebuild is a submission
+/// of the workspace today: its limits are the original's within the workspace's quota now,
+/// and what this server would refuse now (the host network under microVMs, a snapshot
+/// without a guest kernel) is skipped.
+fn plan(g: &DueGroup, m: &BaseMove<'_>, room: Room, server: &Server) -> Planned {
     let skip = |reason: String| {
         let mut l = Last::new("skipped", m.head);
         l.reason = Some(reason);
         Planned::Skip(l.json())
     };
-    if !room {
-        return skip(format!(
-            "past this move's rebuild budget ({} rebuilds): waits for the base's next move",
-            m.budget
-        ));
+    match room {
+        Room::Yes => {}
+        Room::PastBudget => {
+            return skip(format!(
+                "past this move's rebuild budget ({} rebuilds): waits for the base's next move",
+                m.budget
+            ));
+        }
+        Room::QueueFull => {
+            let mut l = Last::new("skipped", m.head);
+            l.reason = Some(format!(
+                "the workspace's queue is full ({} builds queued or running): queued once it \
+                 has room",
+                g.quota.max_queued
+            ));
+            return Planned::Wait(l.json());
+        }
+        Room::TagBusy => {
+            let mut l = Last::new("skipped", m.head);
+            l.reason = Some(
+                "a build of the workspace that moves the tag is queued or running: it goes \
+                 first (queued once it ended, if the tag still follows)"
+                    .into(),
+            );
+            return Planned::Wait(l.json());
+        }
     }
     let mut spec: StoredSpec = match serde_json::from_str(&g.build.spec) {
         Ok(s) => s,
         Err(e) => return skip(format!("the followed build's spec does not read: {e}")),
     };
+    spec.limits = spec.limits.within(&g.quota);
+    if spec.network == crate::spec::NetworkSpec::Mode(crate::spec::NetworkMode::Host)
+        && server.executor == kiln_pipeline::Executor::Vm
+    {
+        return skip(
+            "the build asked for the host network, which this server no longer gives: its \
+             build steps run in microVMs"
+                .into(),
+        );
+    }
+    if spec.snapshot && !server.boot {
+        return skip(
+            "the build took a snapshot, and this server has no guest kernel and initramfs \
+             any more"
+                .into(),
+        );
+    }
     let ws = &g.build.workspace;
     spec.store_tags = g.follows.iter().map(|f| f.tag.clone()).collect();
     spec.tags = g
@@ -428,6 +489,25 @@ async fn record(
             .map_err(|e| e.to_string())?;
         return Ok(());
     };
+    // The base tag must be the operator's still: had the store lacked it, the build pulled
+    // an image of its name from a registry, and registry bases cannot be followed.
+    let in_store = match base_tag.parse::<kiln_store::TagRef>() {
+        Ok(t) => state
+            .setup
+            .store
+            .get_tag(&t)
+            .await
+            .map_err(|e| e.to_string())?
+            .is_some(),
+        Err(_) => false,
+    };
+    if !in_store {
+        tracing::warn!(build = %row.id, base = %base_tag, "a follow_base build's base is no tag of the store: its tags follow nothing");
+        db.delete_follows(&row.workspace, &spec.store_tags)
+            .await
+            .map_err(|e| e.to_string())?;
+        return Ok(());
+    }
     let configs = match check {
         Some(c) => Some(
             serde_json::to_string(&Configs {
@@ -462,9 +542,13 @@ async fn record(
         rebuild_build: None,
         last,
     };
-    db.upsert_follows(&follow, &spec.store_tags)
-        .await
-        .map_err(|e| e.to_string())
+    if spec.rebuild.is_some() {
+        // Only the follows still waiting for it: one ended meanwhile stays ended.
+        db.rebuilt_follows(&follow, &spec.store_tags).await
+    } else {
+        db.upsert_follows(&follow, &spec.store_tags).await
+    }
+    .map_err(|e| e.to_string())
 }
 
 /// The rebuild check a rebuild's spec carries, when its follow recorded config summaries.
@@ -475,4 +559,189 @@ pub fn rebuild_check(spec: &StoredSpec) -> Result<Option<kiln_pipeline::RebuildC
     let c: Configs =
         serde_json::from_str(json).map_err(|e| format!("the follow's config summaries: {e}"))?;
     Ok(Some(c.check()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{EffectiveLimits, NetworkMode, NetworkSpec};
+
+    fn spec(network: NetworkSpec, snapshot: bool) -> StoredSpec {
+        StoredSpec {
+            recipe: "Dockerfile".into(),
+            recipe_in_context: false,
+            recipe_digest: "sha256:00".into(),
+            context: None,
+            tags: vec!["app:1".into()],
+            store_tags: vec!["a.app:1".into()],
+            build_args: Default::default(),
+            target: None,
+            platform: None,
+            snapshot,
+            network,
+            limits: EffectiveLimits {
+                timeout_secs: 3600,
+                memory_mib: 8192,
+                vcpus: 8,
+                disk_mib: None,
+            },
+            no_cache: false,
+            registry_auth: vec![],
+            ca_certs: None,
+            follow: Some("kiln-default:latest".into()),
+            rebuild: None,
+        }
+    }
+
+    fn group(spec: &StoredSpec, quota: crate::Quota) -> DueGroup {
+        DueGroup {
+            build: BuildRow {
+                id: "b1".into(),
+                workspace: "a".into(),
+                state: "succeeded".into(),
+                spec: serde_json::to_string(spec).expect("json"),
+                recipe: b"FROM kiln-default\n".to_vec(),
+                context: None,
+                created_ms: 0,
+                started_ms: None,
+                finished_ms: None,
+                image: None,
+                result: None,
+                failure: None,
+                claimed_by: None,
+                attempt: 1,
+            },
+            follows: vec![FollowRow {
+                workspace: "a".into(),
+                tag: "a.app:1".into(),
+                build_id: "b1".into(),
+                image: "sha256:11".into(),
+                base_tag: "kiln-default:latest".into(),
+                base_oci: "sha256:22".into(),
+                configs: None,
+                created_ms: 0,
+                tried_head: None,
+                rebuild_build: None,
+                last: None,
+            }],
+            quota,
+        }
+    }
+
+    const MOVE: BaseMove<'static> = BaseMove {
+        tag: "kiln-default:latest",
+        head: "sha256:33",
+        oci: "sha256:44",
+        budget: 10,
+    };
+    const NS: Server = Server {
+        executor: kiln_pipeline::Executor::Namespace,
+        boot: true,
+    };
+
+    fn queued(p: Planned) -> StoredSpec {
+        match p {
+            Planned::Queue(b, _) => serde_json::from_str(&b.spec).expect("spec"),
+            other => panic!("not queued: {other:?}"),
+        }
+    }
+
+    fn skipped(p: Planned) -> Last {
+        match p {
+            Planned::Skip(l) => serde_json::from_str(&l).expect("last"),
+            other => panic!("not skipped: {other:?}"),
+        }
+    }
+
+    /// A rebuild is a submission of the workspace today: the original's limits, taken
+    /// under the quota of its day, are lowered to the workspace's quota now.
+    #[test]
+    fn a_rebuild_runs_within_the_quota_of_its_day() {
+        let s = spec(NetworkSpec::default(), false);
+        let now = crate::Quota {
+            max_timeout_secs: 600,
+            max_memory_mib: 512,
+            max_vcpus: 1,
+            ..Default::default()
+        };
+        let r = queued(plan(&group(&s, now), &MOVE, Room::Yes, &NS));
+        assert_eq!(
+            r.limits,
+            EffectiveLimits {
+                timeout_secs: 600,
+                memory_mib: 512,
+                vcpus: 1,
+                disk_mib: None,
+            }
+        );
+        // Limits within the quota stay as they were.
+        let r = queued(plan(
+            &group(
+                &s,
+                crate::Quota {
+                    max_timeout_secs: 7200,
+                    max_memory_mib: 16384,
+                    max_vcpus: 16,
+                    ..Default::default()
+                },
+            ),
+            &MOVE,
+            Room::Yes,
+            &NS,
+        ));
+        assert_eq!(r.limits, s.limits);
+        assert!(r.rebuild.is_some());
+    }
+
+    /// Nor does a rebuild ask for what this server refuses today to a submission: the host
+    /// network once steps run in microVMs, a snapshot without a guest kernel.
+    #[test]
+    fn a_rebuild_asks_for_nothing_the_server_refuses_now() {
+        let vm = Server {
+            executor: kiln_pipeline::Executor::Vm,
+            boot: true,
+        };
+        let host = spec(NetworkSpec::Mode(NetworkMode::Host), false);
+        let l = skipped(plan(
+            &group(&host, Default::default()),
+            &MOVE,
+            Room::Yes,
+            &vm,
+        ));
+        assert_eq!(l.state, "skipped");
+        assert!(l.reason.expect("reason").contains("host network"));
+        // Under the namespace executor it is still given.
+        queued(plan(
+            &group(&host, Default::default()),
+            &MOVE,
+            Room::Yes,
+            &NS,
+        ));
+        let snap = spec(NetworkSpec::default(), true);
+        let no_boot = Server {
+            executor: kiln_pipeline::Executor::Vm,
+            boot: false,
+        };
+        let l = skipped(plan(
+            &group(&snap, Default::default()),
+            &MOVE,
+            Room::Yes,
+            &no_boot,
+        ));
+        assert!(l.reason.expect("reason").contains("snapshot"));
+        queued(plan(
+            &group(&snap, Default::default()),
+            &MOVE,
+            Room::Yes,
+            &vm,
+        ));
+        // A full queue leaves the group waiting (due still), not skipped.
+        let full = plan(
+            &group(&snap, Default::default()),
+            &MOVE,
+            Room::QueueFull,
+            &vm,
+        );
+        assert!(matches!(full, Planned::Wait(_)), "{full:?}");
+    }
 }

@@ -97,6 +97,19 @@ pub struct EffectiveLimits {
     pub disk_mib: Option<u64>,
 }
 
+impl EffectiveLimits {
+    /// These limits within `quota`: each lowered to the quota's when above it (a rebuild,
+    /// [`crate::follow`], runs within the workspace's quota of the day it is queued).
+    pub fn within(&self, quota: &crate::db::Quota) -> EffectiveLimits {
+        EffectiveLimits {
+            timeout_secs: self.timeout_secs.min(quota.max_timeout_secs).max(1),
+            memory_mib: self.memory_mib.min(quota.max_memory_mib.max(16)),
+            vcpus: self.vcpus.min(quota.max_vcpus.max(1)),
+            disk_mib: self.disk_mib,
+        }
+    }
+}
+
 /// What is stored of an accepted submission (its hash decides idempotent retries).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoredSpec {

@@ -625,10 +625,19 @@ async fn submit(
                     .into(),
             ));
         }
-        stored.follow = Some(
-            crate::follow::followed_base(&ws, plan.image_base(), &s.config.global_bases)
-                .map_err(ApiError::BadRequest)?,
-        );
+        let base = crate::follow::followed_base(&ws, plan.image_base(), &s.config.global_bases)
+            .map_err(ApiError::BadRequest)?;
+        // A tag of the global base's name that the store lacks is no base of the
+        // operator's: the build would pull it from a registry, whose bases cannot be
+        // followed.
+        let tag: kiln_store::TagRef = base.parse().map_err(|_| ApiError::Internal)?;
+        if s.setup.store.get_tag(&tag).await?.is_none() {
+            return Err(ApiError::BadRequest(format!(
+                "follow_base: the global base {base} is no tag of this server (a build FROM it \
+                 would pull it from a registry, and registry bases cannot be followed)"
+            )));
+        }
+        stored.follow = Some(base);
     }
     let spec_json = serde_json::to_string(&stored).map_err(|_| ApiError::Internal)?;
     let hash = kiln_store::digest::Sha256Hash::of(spec_json.as_bytes()).hex();
@@ -687,6 +696,13 @@ async fn submit(
         }
     };
     if !replayed {
+        // The tenant's build of a following tag goes first: a rebuild queued or running for
+        // it gives way ([`crate::db::Room::TagBusy`]).
+        if !stored.store_tags.is_empty()
+            && let Err(e) = s.db.preempt_rebuilds(&ws, &stored.store_tags).await
+        {
+            tracing::warn!(build = %id, error = %e, "stopping the rebuilds of the build's tags");
+        }
         s.queued.notify_one();
     }
     let urls = BuildUrls::new(&id);

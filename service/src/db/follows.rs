@@ -72,6 +72,67 @@ pub struct DueGroup {
     pub build: BuildRow,
     /// Its follows that are due (same workspace and build), oldest first.
     pub follows: Vec<FollowRow>,
+    /// The workspace's quota now (a rebuild runs within it, not within the one its
+    /// original was submitted under).
+    pub quota: Quota,
+}
+
+/// Whether a move may queue a [`DueGroup`]'s rebuild now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Room {
+    /// Yes.
+    Yes,
+    /// No: the move's budget is spent (the group waits for the base's next move).
+    PastBudget,
+    /// No: the workspace's queue is full ([`Quota::max_queued`], as for its own
+    /// submissions); the group stays due, and a later sweep queues it once there is room.
+    QueueFull,
+    /// No: a build of the workspace (not a rebuild) that moves one of the group's tags is
+    /// queued or running. It goes first (a rebuild moving the tag before it ends would fail
+    /// it: its tags move only from what they named when it started); the group stays due.
+    TagBusy,
+}
+
+/// What [`Db::queue_rebuilds`] reads of a queued or running build's spec: the store tags it
+/// moves, and whether it is a rebuild.
+#[derive(serde::Deserialize)]
+struct Moves {
+    #[serde(default)]
+    store_tags: Vec<String>,
+    #[serde(default)]
+    rebuild: Option<serde::de::IgnoredAny>,
+}
+
+/// Stops rebuild `id` when it is queued (cancelled) or running (asked to stop), and makes
+/// the follows it was for due again; whether it was stopped.
+async fn stop_rebuild(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    id: &str,
+    why: &str,
+) -> Result<bool, DbError> {
+    let failure = serde_json::json!({ "reason": format!("cancelled before it started: {why}") });
+    let stopped = sqlx::query(
+        "UPDATE builds SET state = 'cancelled', finished_ms = $1, cancel_requested = 1,
+         failure = $2 WHERE id = $3 AND state = 'queued'",
+    )
+    .bind(now_ms())
+    .bind(failure.to_string())
+    .bind(id)
+    .execute(&mut **tx)
+    .await?
+    .rows_affected()
+        + sqlx::query("UPDATE builds SET cancel_requested = 1 WHERE id = $1 AND state = 'running'")
+            .bind(id)
+            .execute(&mut **tx)
+            .await?
+            .rows_affected();
+    if stopped > 0 {
+        sqlx::query("UPDATE follows SET tried_head = NULL WHERE rebuild_build = $1")
+            .bind(id)
+            .execute(&mut **tx)
+            .await?;
+    }
+    Ok(stopped > 0)
 }
 
 /// What [`Db::queue_rebuilds`] did with one [`DueGroup`].
@@ -82,6 +143,9 @@ pub enum Planned {
     /// Queue nothing; record `last` (JSON) on the group's follows (skipped, past the
     /// budget, or a spec that cannot be rebuilt).
     Skip(String),
+    /// Queue nothing yet; record `last` (JSON) on the group's follows, which stay due for
+    /// this move ([`Room::QueueFull`]).
+    Wait(String),
 }
 
 impl Db {
@@ -120,18 +184,104 @@ impl Db {
     }
 
     /// Ends the follows of the store tags `tags` of workspace `ws` (a build that does not
-    /// follow moved them, or the tenant moved or deleted them); the number ended.
+    /// follow moved them, or the tenant moved or deleted them); the number ended. A rebuild
+    /// queued or running for an ended follow is stopped (cancelled, or asked to stop): it
+    /// would move a tag that follows nothing any more whenever the tag still names the
+    /// image the rebuild started from. The other tags of its group are due again, for a
+    /// rebuild of their own.
     pub async fn delete_follows(&self, ws: &str, tags: &[String]) -> Result<u64, DbError> {
+        let mut tx = self.write_tx().await?;
         let mut n = 0;
         for t in tags {
-            n += sqlx::query("DELETE FROM follows WHERE workspace = $1 AND tag = $2")
-                .bind(ws)
-                .bind(t)
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
+            let r = sqlx::query(
+                "DELETE FROM follows WHERE workspace = $1 AND tag = $2 RETURNING rebuild_build",
+            )
+            .bind(ws)
+            .bind(t)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let Some(r) = r else { continue };
+            n += 1;
+            let Some(rebuild) = r.try_get::<Option<String>, _>("rebuild_build")? else {
+                continue;
+            };
+            stop_rebuild(
+                &mut tx,
+                &rebuild,
+                "a tag it was to move follows its base no more",
+            )
+            .await?;
         }
+        tx.commit().await?;
         Ok(n)
+    }
+
+    /// Stops the rebuilds queued or running for the follows of the store tags `tags` of
+    /// workspace `ws`, for the tenant's own build of one of them, just queued, which goes
+    /// first ([`Room::TagBusy`]); the number stopped. Their follows are due again.
+    pub async fn preempt_rebuilds(&self, ws: &str, tags: &[String]) -> Result<u64, DbError> {
+        // Read first, once (a submission may have many tags): most find no rebuild queued or
+        // running for their tags, and take no write lock.
+        let rows = sqlx::query(
+            "SELECT f.tag, f.rebuild_build FROM follows f JOIN builds b ON b.id = f.rebuild_build
+             WHERE f.workspace = $1 AND b.state IN ('queued', 'running')",
+        )
+        .bind(ws)
+        .fetch_all(&self.pool)
+        .await?;
+        let tags: std::collections::BTreeSet<&str> = tags.iter().map(String::as_str).collect();
+        let mut ids = std::collections::BTreeSet::new();
+        for r in &rows {
+            let tag: String = r.try_get("tag")?;
+            if tags.contains(tag.as_str()) {
+                ids.insert(r.try_get::<String, _>("rebuild_build")?);
+            }
+        }
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let mut tx = self.write_tx().await?;
+        let mut n = 0;
+        for id in &ids {
+            if stop_rebuild(
+                &mut tx,
+                id,
+                "the tenant submitted a build of a tag it was to move",
+            )
+            .await?
+            {
+                n += 1;
+            }
+        }
+        tx.commit().await?;
+        Ok(n)
+    }
+
+    /// Records that rebuild `row.build_id` moved the store tags `tags` (each as `row.tag`;
+    /// the other fields as given, but for when it began to follow and the last head tried):
+    /// only the follows that still wait for this rebuild, so that a follow ended meanwhile
+    /// does not begin again.
+    pub async fn rebuilt_follows(&self, row: &FollowRow, tags: &[String]) -> Result<(), DbError> {
+        let mut tx = self.write_tx().await?;
+        for t in tags {
+            sqlx::query(
+                "UPDATE follows SET build_id = $1, image = $2, base_tag = $3, base_oci = $4,
+                 configs = $5, last = COALESCE($6, last)
+                 WHERE workspace = $7 AND tag = $8 AND rebuild_build = $1",
+            )
+            .bind(&row.build_id)
+            .bind(&row.image)
+            .bind(&row.base_tag)
+            .bind(&row.base_oci)
+            .bind(&row.configs)
+            .bind(&row.last)
+            .bind(&row.workspace)
+            .bind(t)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
     }
 
     /// The follows of workspace `ws`, by tag.
@@ -220,14 +370,16 @@ impl Db {
     /// nodes that see the move, one queues each rebuild). Due: a follow of `m.tag` built
     /// from another base than `m.oci`, not yet tried for `m.head`, and with no rebuild
     /// queued or running. Its follows are grouped by the build they rerun (one rebuild moves
-    /// all the group's tags), oldest follow first; `plan` says what to do with each group,
-    /// given whether the move's budget has room (rebuilds already queued for `m.head`
-    /// count). Each group's follows are then marked tried for `m.head`. Returns the builds
-    /// queued, with their contexts.
+    /// all the group's tags), those skipped at an earlier move (past its budget) first, then
+    /// the oldest follow first; `plan` says what to do with each group,
+    /// given whether there is [`Room`]: in the move's budget (rebuilds already queued for
+    /// `m.head` count), and in the workspace's queue (its `max_queued`, as a submission).
+    /// Each group's follows are then marked tried for `m.head`, but for
+    /// [`Planned::Wait`]'s, which stay due. Returns the builds queued, with their contexts.
     pub async fn queue_rebuilds(
         &self,
         m: &BaseMove<'_>,
-        mut plan: impl FnMut(&DueGroup, bool) -> Planned,
+        mut plan: impl FnMut(&DueGroup, Room) -> Planned,
     ) -> Result<Vec<(String, Option<String>)>, DbError> {
         let mut tx = self.write_tx().await?;
         let due = sqlx::query(
@@ -235,7 +387,9 @@ impl Db {
              AND (f.tried_head IS NULL OR f.tried_head <> $3)
              AND NOT EXISTS (SELECT 1 FROM builds b WHERE b.id = f.rebuild_build
                              AND b.state IN ('queued', 'running'))
-             ORDER BY f.created_ms, f.workspace, f.tag",
+             ORDER BY CASE WHEN f.tried_head IS NOT NULL AND f.rebuild_build IS NULL
+                           THEN 0 ELSE 1 END,
+                      f.created_ms, f.workspace, f.tag",
         )
         .bind(m.tag)
         .bind(m.oci)
@@ -257,14 +411,17 @@ impl Db {
         .fetch_one(&mut *tx)
         .await?
         .try_get("n")?;
+        // In the order of their first follow; found by (workspace, build) in a map, not by a
+        // scan of the groups so far (a workspace may follow from many builds).
         let mut groups: Vec<Vec<FollowRow>> = Vec::new();
+        let mut index: std::collections::HashMap<(String, String), usize> = Default::default();
         for f in due {
-            match groups
-                .iter_mut()
-                .find(|g| g[0].workspace == f.workspace && g[0].build_id == f.build_id)
-            {
-                Some(g) => g.push(f),
-                None => groups.push(vec![f]),
+            match index.entry((f.workspace.clone(), f.build_id.clone())) {
+                std::collections::hash_map::Entry::Occupied(e) => groups[*e.get()].push(f),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(groups.len());
+                    groups.push(vec![f]);
+                }
             }
         }
         let mut queued = Vec::new();
@@ -279,14 +436,66 @@ impl Db {
                 tracing::error!(build = %follows[0].build_id, "a followed build's row is missing");
                 continue;
             };
-            let group = DueGroup {
-                build: build_row(&r)?,
-                follows,
+            let build = build_row(&r)?;
+            let quota = sqlx::query("SELECT * FROM workspaces WHERE id = $1")
+                .bind(&build.workspace)
+                .fetch_optional(&mut *tx)
+                .await?;
+            let Some(quota) = quota.as_ref().map(quota_row).transpose()? else {
+                tracing::error!(workspace = %build.workspace, "a following workspace's row is missing");
+                continue;
             };
-            let room = used < i64::from(m.budget);
+            // Its queued and running builds, the rebuilds queued above included.
+            let active = sqlx::query(
+                "SELECT spec FROM builds WHERE workspace = $1 AND state IN ('queued', 'running')",
+            )
+            .bind(&build.workspace)
+            .fetch_all(&mut *tx)
+            .await?;
+            let group_tags: std::collections::HashSet<&str> =
+                follows.iter().map(|f| f.tag.as_str()).collect();
+            let mut busy = false;
+            for r in &active {
+                let spec: String = r.try_get("spec")?;
+                if let Ok(b) = serde_json::from_str::<Moves>(&spec)
+                    && b.rebuild.is_none()
+                    && b.store_tags.iter().any(|t| group_tags.contains(t.as_str()))
+                {
+                    busy = true;
+                    break;
+                }
+            }
+            let active = active.len() as i64;
+            let room = if busy {
+                Room::TagBusy
+            } else if used >= i64::from(m.budget) {
+                Room::PastBudget
+            } else if active >= i64::from(quota.max_queued) {
+                Room::QueueFull
+            } else {
+                Room::Yes
+            };
+            let group = DueGroup {
+                build,
+                follows,
+                quota,
+            };
             let (rebuild, last) = match plan(&group, room) {
                 Planned::Queue(b, last) => (Some(b), last),
                 Planned::Skip(last) => (None, last),
+                Planned::Wait(last) => {
+                    for f in &group.follows {
+                        sqlx::query(
+                            "UPDATE follows SET last = $1 WHERE workspace = $2 AND tag = $3",
+                        )
+                        .bind(&last)
+                        .bind(&f.workspace)
+                        .bind(&f.tag)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
+                    continue;
+                }
             };
             if let Some(b) = &rebuild {
                 insert_build_row(&mut tx, b, now).await?;
@@ -322,3 +531,7 @@ impl Db {
         Ok(queued)
     }
 }
+
+#[cfg(test)]
+#[path = "follows_tests.rs"]
+mod tests;
