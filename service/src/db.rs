@@ -486,8 +486,6 @@ fn build_row(r: &AnyRow) -> Result<BuildRow, sqlx::Error> {
     })
 }
 
-/// Inserts `b` queued at `now` (Unix ms) in `tx`: its row and, when it has them, its sealed
-/// credentials. The caller checks the queue's bounds.
 /// The quota of a row of `workspaces`.
 fn quota_row(r: &AnyRow) -> Result<Quota, sqlx::Error> {
     Ok(Quota {
@@ -502,6 +500,8 @@ fn quota_row(r: &AnyRow) -> Result<Quota, sqlx::Error> {
     })
 }
 
+/// Inserts `b` queued at `now` (Unix ms) in `tx`: its row and, when it has them, its sealed
+/// credentials. The caller checks the queue's bounds.
 async fn insert_build_row(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     b: &NewBuild,
