@@ -21,10 +21,12 @@
 #     speed as a ratio to boto3's (median and spread of the per-run ratios). Goal (issue
 #     33): push and pull >= 0.8x boto3. boto3's times are taken inside Python around the
 #     transfer call alone (no interpreter start or import), kiln's around the whole process.
-#     Caveat, moto 5.1: a ranged GET reads the whole object under its lock and slices it
-#     (moto/s3/models.py FakeKey.value), so boto3's ranged download of one large object costs
-#     moto O(size^2) and is capped by it; a one-GET download (no ranges) of the same object is
-#     printed beside it for that reason.
+#     Caveat, moto 5.1: every GET, ranged or not, copies the whole object out of its buffer
+#     under the object's lock before slicing it (moto/s3/models.py FakeKey.value), so boto3's
+#     download of one large object is bounded by moto, not by the transfer: measured here,
+#     ranged 122 MB/s and one GET 181 MB/s at 32 MiB, but about 20 MB/s for both at 512 MiB
+#     (load 8 on 2 cores). A one-GET download (no ranges) is printed beside the ranged one;
+#     the pull baseline says more about moto than about kiln until a real S3 is used.
 # MB = 10^6 bytes, always of the raw artifact (kiln moves zstd chunks, boto3 the raw file).
 # Needs the servers of ci/setup.sh (sources $KILN_CI_CACHE/env). S3 work goes to a bucket of
 # its own on that server (kiln-bench-PID), emptied and removed at exit, as are the local
