@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use kiln_tests::require_env;
 use kiln_tests::serve::{
-    QUICK_LIVENESS, Server, client, env, get, json_of, postgres, psql, rt, submit, terminal,
-    wait_for,
+    QUICK_LIVENESS, Server, client, env, follows, get, json_of, postgres, psql, rt, submit,
+    tag_digest, terminal, wait_for,
 };
 use serde_json::{Value, json};
 
@@ -79,19 +79,6 @@ async fn build(
     let v = wait_for(c, s, key, id, Duration::from_secs(300), terminal).await;
     assert_eq!(v["state"], "succeeded", "{v:#}");
     v["image"].as_str().expect("image").to_string()
-}
-
-/// What `key`'s tag `name:tag` names.
-async fn tag_digest(c: &reqwest::Client, s: &Server, key: &str, name: &str, tag: &str) -> String {
-    let v = json_of(get(c, s, key, &format!("/v1/images/{name}/tags/{tag}")).await).await;
-    v["digest"].as_str().expect("digest").to_string()
-}
-
-/// `GET /v1/follows` of `key`, by tag.
-async fn follows(c: &reqwest::Client, s: &Server, key: &str) -> Vec<Value> {
-    let r = get(c, s, key, "/v1/follows").await;
-    assert_eq!(r.status(), 200);
-    json_of(r).await.as_array().expect("a list").clone()
 }
 
 fn follow_of<'a>(list: &'a [Value], tag: &str) -> &'a Value {

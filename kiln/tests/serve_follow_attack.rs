@@ -17,8 +17,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kiln_tests::require_env;
-use kiln_tests::serve::{Server, client, env, get, json_of, rt, submit, terminal, wait_for};
-use serde_json::{Value, json};
+use kiln_tests::serve::{
+    Server, client, env, follows, get, json_of, rt, submit, tag_digest, terminal, wait_for,
+};
+use serde_json::json;
 
 /// The `kiln` binary under test.
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
@@ -46,17 +48,6 @@ async fn succeeded(c: &reqwest::Client, s: &Server, key: &str, id: &str) -> Stri
     let v = wait_for(c, s, key, id, Duration::from_secs(300), terminal).await;
     assert_eq!(v["state"], "succeeded", "{v:#}");
     v["image"].as_str().expect("image").to_string()
-}
-
-async fn tag_digest(c: &reqwest::Client, s: &Server, key: &str, name: &str, tag: &str) -> String {
-    let v = json_of(get(c, s, key, &format!("/v1/images/{name}/tags/{tag}")).await).await;
-    v["digest"].as_str().expect("digest").to_string()
-}
-
-async fn follows(c: &reqwest::Client, s: &Server, key: &str) -> Vec<Value> {
-    let r = get(c, s, key, "/v1/follows").await;
-    assert_eq!(r.status(), 200);
-    json_of(r).await.as_array().expect("a list").clone()
 }
 
 /// Waits until `tag` of `key` has a rebuild for `head` queued; its build id.

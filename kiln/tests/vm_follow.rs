@@ -13,7 +13,9 @@ use std::process::Output;
 use std::time::{Duration, Instant};
 
 use kiln_tests::require_env;
-use kiln_tests::serve::{Server, client, get, json_of, rt, submit, terminal, wait_for};
+use kiln_tests::serve::{
+    Server, client, follows, get, json_of, rt, submit, tag_digest, terminal, wait_for,
+};
 use kiln_tests::vm::{StopClones, kiln_in, show};
 use serde_json::{Value, json};
 
@@ -52,12 +54,12 @@ fn base_build(dir: &Path, recipe: &str, version: &str) -> String {
 async fn rebuilt_for(c: &reqwest::Client, s: &Server, key: &str, tag: &str, head: &str) -> Value {
     let t0 = Instant::now();
     loop {
-        let v = json_of(get(c, s, key, "/v1/follows").await).await;
-        let f = v
-            .as_array()
-            .and_then(|l| l.iter().find(|f| f["tag"] == tag))
+        let list = follows(c, s, key).await;
+        let f = list
+            .iter()
+            .find(|f| f["tag"] == tag)
             .cloned()
-            .unwrap_or_else(|| panic!("no follow of {tag}: {v:#}"));
+            .unwrap_or_else(|| panic!("no follow of {tag}: {list:#?}"));
         if f["last"]["base_head"] == head && f["last"]["state"] != "queued" {
             return f;
         }
@@ -210,8 +212,8 @@ fn a_nightly_promotion_rebuilds_a_following_snapshot_image_which_must_pass_its_r
         let rb = f["last"]["build"].as_str().expect("build");
         let v = json_of(get(&c, &s, &key, &format!("/v1/builds/{rb}")).await).await;
         assert!(v["snapshot"].is_string(), "the rebuild booted once: {v:#}");
-        let t = json_of(get(&c, &s, &key, "/v1/images/app/tags/1").await).await;
-        assert_eq!(t["digest"], second.as_str());
+        let t = tag_digest(&c, &s, &key, "app", "1").await;
+        assert_eq!(t, second.as_str());
         let f = rebuilt_for(&c, &s, &beta, "svc:1", &head2).await;
         assert_eq!(f["last"]["state"], "rebuilt", "{f:#}");
         assert_ne!(f["image"], images[0].as_str());
@@ -228,8 +230,8 @@ fn a_nightly_promotion_rebuilds_a_following_snapshot_image_which_must_pass_its_r
         assert_eq!(f["last"]["state"], "failed", "{f:#}");
         let reason = f["last"]["reason"].as_str().expect("reason");
         assert!(reason.contains("ready"), "{reason}");
-        let t = json_of(get(&c, &s, &key, "/v1/images/app/tags/1").await).await;
-        assert_eq!(t["digest"], second.as_str());
+        let t = tag_digest(&c, &s, &key, "app", "1").await;
+        assert_eq!(t, second.as_str());
         assert_eq!(f["image"], second.as_str());
     });
 }

@@ -440,6 +440,25 @@ pub async fn get(c: &reqwest::Client, s: &Server, key: &str, p: &str) -> reqwest
     c.get(s.url(p)).bearer_auth(key).send().await.expect("GET")
 }
 
+/// The digest `key`'s tag `name:tag` names (`GET /v1/images/{name}/tags/{tag}`).
+pub async fn tag_digest(
+    c: &reqwest::Client,
+    s: &Server,
+    key: &str,
+    name: &str,
+    tag: &str,
+) -> String {
+    let v = json_of(get(c, s, key, &format!("/v1/images/{name}/tags/{tag}")).await).await;
+    v["digest"].as_str().expect("digest").to_string()
+}
+
+/// `GET /v1/follows` of `key`: the workspace's following tags, by tag.
+pub async fn follows(c: &reqwest::Client, s: &Server, key: &str) -> Vec<Value> {
+    let r = get(c, s, key, "/v1/follows").await;
+    assert_eq!(r.status(), 200);
+    json_of(r).await.as_array().expect("a list").clone()
+}
+
 /// Polls the build until `pred` holds for it; panics after `limit`.
 pub async fn wait_for(
     c: &reqwest::Client,
