@@ -948,9 +948,9 @@ async fn rebuild_check(
 
 /// Errors with [`PipelineError::StorageQuota`] when the tags under `q`'s prefix would hold
 /// more than its bytes once the tags `moving` name `new`: the images of those tags that
-/// `moving` leaves alone, and `new`, plus [`StorageQuota::kept_bytes`]. What a build checks before its tags move, and the
-/// service before a tenant points a tag at an image. Errors: [`PipelineError::Store`] when a
-/// tag or manifest cannot be read.
+/// `moving` leaves alone, and `new`, plus [`StorageQuota::kept_bytes`]. What a build checks
+/// before its tags move, and the service before a tenant points a tag at an image. Errors:
+/// [`PipelineError::Store`] when a tag or manifest cannot be read.
 pub async fn check_storage_quota(
     store: &Store,
     q: &StorageQuota,

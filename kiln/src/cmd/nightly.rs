@@ -232,24 +232,19 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
 /// no server database here, or it could not be read (logged).
 async fn followers(tag: &TagRef) -> Option<(u64, u64)> {
     let cfg = crate::config::Config::load(&Default::default()).ok()?;
-    let db = match &cfg.serve_database.value {
-        Some(url) => kiln_service::Db::connect(url).await,
-        None => {
-            let file = cfg.serve_state_dir.value.join("kiln.db");
-            if !file.is_file() {
-                return None;
-            }
-            kiln_service::Db::open(&file).await
+    let counts = async {
+        match super::serve::open_serve_db(&cfg, false).await? {
+            Some(db) => Ok(Some(db.follow_counts(&tag.to_string()).await?)),
+            None => Ok(None),
         }
     };
-    let r = match db {
-        Ok(db) => db.follow_counts(&tag.to_string()).await,
-        Err(e) => Err(e),
-    };
-    r.inspect_err(
-        |e| tracing::warn!(error = %e, "reading what follows the tag in kiln serve's database"),
-    )
-    .ok()
+    counts
+        .await
+        .inspect_err(|e: &anyhow::Error| {
+            tracing::warn!(error = %e, "reading what follows the tag in kiln serve's database")
+        })
+        .ok()
+        .flatten()
 }
 
 /// What a [`NightlyOutcome::PromotedByAnotherRun`] report says happened.

@@ -271,13 +271,28 @@ fn config(c: &Common, listen: Option<&str>) -> anyhow::Result<crate::config::Con
 }
 
 async fn open_db(c: &Common) -> anyhow::Result<Db> {
-    let cfg = config(c, None)?;
+    open_serve_db(&config(c, None)?, true)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("kiln serve's database: none"))
+}
+
+/// `kiln serve`'s database as `cfg` names it: its `serve.database` (PostgreSQL), or
+/// `kiln.db` in its state directory, made with the directory when `create`. `None`: no
+/// such SQLite file and not `create` (no server keeps its state here).
+pub(super) async fn open_serve_db(
+    cfg: &crate::config::Config,
+    create: bool,
+) -> anyhow::Result<Option<Db>> {
     if let Some(url) = &cfg.serve_database.value {
-        return Ok(Db::connect(url).await?);
+        return Ok(Some(Db::connect(url).await?));
     }
-    let dir = cfg.serve_state_dir.value;
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    Ok(Db::open(&dir.join("kiln.db")).await?)
+    let dir = &cfg.serve_state_dir.value;
+    let file = dir.join("kiln.db");
+    if !create && !file.is_file() {
+        return Ok(None);
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(Some(Db::open(&file).await?))
 }
 
 /// Runs `kiln serve` or one of its key commands.
