@@ -11,7 +11,7 @@
 //!
 //! | key (file) | environment | flag | default |
 //! | --- | --- | --- | --- |
-//! | `store` | `KILN_STORE` | `--store` | `~/.local/share/kiln/store` |
+//! | `store` | `KILN_STORE` | `--store` | `$XDG_DATA_HOME/kiln/store`, else `~/.local/share/kiln/store` |
 //! | `cache` | `KILN_CACHE` | | `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln` |
 //! | `cache_max_mib` | `KILN_CACHE_MAX_MIB` | | `10240` |
 //! | `log` | `KILN_LOG`, then `RUST_LOG` | `-v` (info), `-vv` (debug), `-vvv` (trace) | `warn` |
@@ -417,9 +417,15 @@ impl Config {
                 Setting { value, ..s }
             }
             None => Setting {
-                value: default_under(home.as_deref(), ".local/share/kiln/store", "store")?
-                    .to_string_lossy()
-                    .into_owned(),
+                value: xdg_default(
+                    env("XDG_DATA_HOME"),
+                    "kiln/store",
+                    home.as_deref(),
+                    ".local/share/kiln/store",
+                    "store",
+                )?
+                .to_string_lossy()
+                .into_owned(),
                 origin: Origin::Default,
             },
         };
@@ -429,15 +435,15 @@ impl Config {
                 value: check_dir("cache", &s.value, &s.origin, home.as_deref())?,
                 origin: s.origin,
             },
-            None => match env("XDG_CACHE_HOME").filter(|x| Path::new(x).is_absolute()) {
-                Some(x) => Setting {
-                    value: Path::new(&x).join("kiln"),
-                    origin: Origin::Default,
-                },
-                None => Setting {
-                    value: default_under(home.as_deref(), ".cache/kiln", "cache")?,
-                    origin: Origin::Default,
-                },
+            None => Setting {
+                value: xdg_default(
+                    env("XDG_CACHE_HOME"),
+                    "kiln",
+                    home.as_deref(),
+                    ".cache/kiln",
+                    "cache",
+                )?,
+                origin: Origin::Default,
             },
         };
 
@@ -632,13 +638,11 @@ impl Config {
             },
             // Never $XDG_RUNTIME_DIR: the database must outlive a reboot.
             None => Setting {
-                value: match (
-                    env("KILN_STATE_DIR"),
-                    env("XDG_STATE_HOME").filter(|x| Path::new(x).is_absolute()),
-                ) {
-                    (Some(d), _) => Path::new(&d).join("serve"),
-                    (None, Some(x)) => Path::new(&x).join("kiln/serve"),
-                    (None, None) => default_under(
+                value: match env("KILN_STATE_DIR") {
+                    Some(d) => Path::new(&d).join("serve"),
+                    None => xdg_default(
+                        env("XDG_STATE_HOME"),
+                        "kiln/serve",
                         home.as_deref(),
                         ".local/state/kiln/serve",
                         "serve.state_dir",
@@ -875,6 +879,22 @@ pub fn store_and_local_dir(flag: Option<&str>) -> Result<(Config, PathBuf), Conf
     let cfg = Config::load(&Flags::store(flag))?;
     let dir = cfg.local_dir();
     Ok((cfg, dir))
+}
+
+/// The default directory of `key`: `$XDG_…_HOME/<sub>` when that variable (`xdg`) is an
+/// absolute path (XDG Base Directory Specification 0.8: a relative one is ignored), else
+/// `$HOME/<home_rel>`. Errors: neither is set ([`ConfigError::NoHome`]).
+fn xdg_default(
+    xdg: Option<String>,
+    sub: &str,
+    home: Option<&str>,
+    home_rel: &str,
+    key: &'static str,
+) -> Result<PathBuf, ConfigError> {
+    match xdg.filter(|x| Path::new(x).is_absolute()) {
+        Some(x) => Ok(Path::new(&x).join(sub)),
+        None => default_under(home, home_rel, key),
+    }
 }
 
 fn default_under(home: Option<&str>, rel: &str, key: &'static str) -> Result<PathBuf, ConfigError> {
@@ -1132,6 +1152,33 @@ mod tests {
             None,
         );
         assert_eq!(c.cache.value, Path::new("/xc/kiln"));
+        // The store follows XDG_DATA_HOME (issue 36: a rootless user's store), the serve
+        // state XDG_STATE_HOME; relative values are ignored.
+        let c = resolve(
+            &Flags::default(),
+            &[
+                ("HOME", "/h"),
+                ("XDG_DATA_HOME", "/xd"),
+                ("XDG_STATE_HOME", "/xs"),
+            ],
+            None,
+        );
+        assert_eq!(c.store.value, "/xd/kiln/store");
+        assert_eq!(c.serve_state_dir.value, Path::new("/xs/kiln/serve"));
+        let c = resolve(
+            &Flags::default(),
+            &[
+                ("HOME", "/h"),
+                ("XDG_DATA_HOME", "xd"),
+                ("XDG_STATE_HOME", "xs"),
+            ],
+            None,
+        );
+        assert_eq!(c.store.value, "/h/.local/share/kiln/store");
+        assert_eq!(
+            c.serve_state_dir.value,
+            Path::new("/h/.local/state/kiln/serve")
+        );
     }
 
     #[test]
