@@ -7,7 +7,8 @@
 //! - **namespace executor**: the step shares the host's kernel, so the kernel's own checks
 //!   are the wall: Docker's capability set, its seccomp profile, read-only `/proc` files,
 //!   a pid namespace and (issue 36) a user namespace whose map holds 65,536 ids. Every case
-//!   is refused.
+//!   is refused (on a host kernel without `/proc/sysrq-trigger`, as this CI host's, the
+//!   sysrq case says `absent` there and proves nothing; see [`Case::host_needs`]).
 //! - **microVM executor**: the step is root in a guest of its own, on the guest's kernel,
 //!   and the VM is the wall. Mounting, loading a module (the guest kernel is asked) and
 //!   writing `/proc/sysrq-trigger` (the guest's; the case writes `h`, which only prints the
@@ -18,9 +19,9 @@
 //!
 //! Every case also has the outcome it gives with nothing in the way: [`run_unconfined`]
 //! runs the same script on the host as root (in a private mount namespace, so that its
-//! mount goes away with it), and the tests check that it gives exactly those outcomes: a
-//! case that cannot print its unconfined outcome proves nothing when it prints the
-//! contained one.
+//! mount goes away with it), and the namespace executor's test checks that it gives exactly
+//! those outcomes before it runs the step: a case that cannot print its unconfined outcome
+//! proves nothing when it prints the contained one.
 //!
 //! The host's side of the cases is a [`Target`]: a host process (the one to ptrace, and
 //! whose `/proc/<pid>/root` leads to the host's root) and a host file holding a random
