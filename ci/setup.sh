@@ -97,6 +97,18 @@ if ! e2fs_ok || need_install "${apt_bpo[@]}"; then
 fi
 e2fs_ok || { log "e2fsprogs >= 1.47.1 with libarchive13 is required"; exit 1; }
 
+# --- subordinate ids for build steps (issue 36) ---------------------------------------------
+# Namespace-executor steps run in a user namespace mapped to the subordinate ids of `kiln`
+# (builder/src/exec/userns.rs; README "Build steps run in a user namespace"), as Docker's
+# userns-remap uses dockremap's. 65,536 ids from 100000, where useradd(8) starts
+# (SUB_UID_MIN in /etc/login.defs), unless the machine already has a range for kiln.
+for f in /etc/subuid /etc/subgid; do
+  if ! grep -qs '^kiln:' "$f"; then
+    log "adding kiln:100000:65536 to $f"
+    echo 'kiln:100000:65536' >>"$f"
+  fi
+done
+
 # --- Rust components -------------------------------------------------------------------------
 if command -v rustup >/dev/null; then
   rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy

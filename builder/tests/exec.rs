@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use kiln_builder::exec::userns::StepUserns;
 use kiln_builder::exec::{
     ExecConfig, ExecError, LinuxExecutor, LogLine, StepExecutor, StepReport, StepSpec,
 };
@@ -203,6 +204,83 @@ fn write_lands_in_upper_and_mount_points_do_not() {
     assert!(report.written_bytes >= 6);
     // The lower layer is untouched.
     assert!(!f.root.join("out.txt").exists());
+}
+
+/// Issue 36: by default a step runs in a user namespace mapped to the subordinate ids of
+/// `kiln` (`ci/setup.sh` writes `kiln:100000:65536`), not as host root, and what it writes
+/// keeps the image's owners on disk: root's files are uid 0 in the upper directory, alice's
+/// 1000, a copied-up base file its base owner. With `KILN_STEP_USERNS=host` the map is the
+/// host's own.
+#[test]
+fn steps_run_in_a_user_namespace_and_keep_the_image_owners() {
+    let f = fixture("userns");
+    let mut spec = f.spec(
+        "cat /proc/self/uid_map /proc/self/gid_map; id -u; \
+         echo r > /by-root; echo a > /by-alice; chown alice:wheel /by-alice; \
+         echo more >> /home/alice/.profile; stat -c '%u %g' /home/alice",
+    );
+    fs::write(f.root.join("home/alice/.profile"), "x\n").unwrap();
+    std::os::unix::fs::chown(f.root.join("home/alice/.profile"), Some(1000), Some(1000)).unwrap();
+    let (r, lines) = f.run(&spec);
+    r.unwrap();
+    let squash = |l: &str| l.split_whitespace().collect::<Vec<_>>().join(" ");
+    let lines: Vec<String> = lines.iter().map(|l| squash(l)).collect();
+    assert_eq!(
+        lines,
+        vec!["0 100000 65536", "0 100000 65536", "0", "1000 1000"],
+        "the step's map (ci/setup.sh's kiln:100000:65536)"
+    );
+    let owner = |p: &str| {
+        let md = fs::symlink_metadata(f.upper.join(p)).unwrap();
+        (md.uid(), md.gid())
+    };
+    assert_eq!(owner("by-root"), (0, 0));
+    assert_eq!(owner("by-alice"), (1000, 10));
+    assert_eq!(owner("home/alice/.profile"), (1000, 1000));
+    assert_eq!(owner("home/alice"), (1000, 1000));
+
+    fs::remove_dir_all(&f.upper).unwrap();
+    fs::create_dir(&f.upper).unwrap();
+    spec.argv[2] = "cat /proc/self/uid_map; echo r > /by-root".into();
+    let mut host = f.config();
+    host.userns = StepUserns::Host;
+    let (r, lines) = f.run_with(host, &spec, &AtomicBool::new(false));
+    r.unwrap();
+    assert_eq!(
+        lines.iter().map(|l| squash(l)).collect::<Vec<_>>(),
+        vec!["0 0 4294967295"]
+    );
+    assert_eq!(owner("by-root"), (0, 0));
+}
+
+/// Issue 36: no subordinate range for the configured name fails before the step runs, with
+/// an error naming the file, the name and how to add a range; a `USER` outside the map
+/// fails naming the id.
+#[test]
+fn a_missing_subordinate_range_or_a_user_outside_the_map_is_a_clear_error() {
+    let f = fixture("userns-missing");
+    let mut cfg = f.config();
+    cfg.userns = StepUserns::Subids("kiln-no-such-user".into());
+    let (r, lines) = f.run_with(cfg, &f.spec("echo RAN"), &AtomicBool::new(false));
+    let e = r.unwrap_err().to_string();
+    assert!(lines.is_empty(), "{lines:?}");
+    for part in [
+        "/etc/subuid",
+        "no range for \"kiln-no-such-user\"",
+        "usermod --add-subuids",
+        "KILN_STEP_USERNS=host",
+    ] {
+        assert!(e.contains(part), "{part:?} not in: {e}");
+    }
+    let mut spec = f.spec("echo RAN");
+    spec.user = Some("70000".into());
+    let (r, lines) = f.run(&spec);
+    let e = r.unwrap_err().to_string();
+    assert!(lines.is_empty(), "{lines:?}");
+    assert!(
+        e.contains("id 70000 is outside the step's user namespace, which maps ids 0-65535"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -991,9 +1069,11 @@ fn many_layers() {
     assert_eq!(lines, vec!["121", "119"]);
 }
 
-/// CAP_MKNOD is in Docker's set: a step may make a node for a host device (here the
-/// host's first loop device, which root on this host can open), but never open it (nodev
-/// overlay, read-only /dev, nodev /dev/shm).
+/// CAP_MKNOD is in Docker's set: with `KILN_STEP_USERNS=host` a step may make a node for a
+/// host device (here the host's first loop device, which root on this host can open), but
+/// never open it (nodev overlay, read-only /dev, nodev /dev/shm). In the steps' user
+/// namespace (the default) the kernel refuses the node itself: CAP_MKNOD counts only in the
+/// initial user namespace (mknod(2)).
 #[test]
 fn device_nodes_made_by_a_step_cannot_be_opened() {
     let f = fixture("mknod");
@@ -1002,15 +1082,23 @@ fn device_nodes_made_by_a_step_cannot_be_opened() {
     let (major, minor) = dev.trim().split_once(':').unwrap();
     // The host can open it: so only the step's isolation can make the opens below fail.
     fs::File::open("/dev/loop0").expect("the host cannot open /dev/loop0");
-    let (r, lines) = f.run(&f.spec(&format!(
-        "mknod /disk b {major} {minor} && echo made; \
-         ( : </disk ) 2>/dev/null && echo OPENED || echo denied; \
-         mknod /dev/shm/disk b {major} {minor} && {{ ( : </dev/shm/disk ) 2>/dev/null && echo OPENED || echo denied; }}; \
+    let spec = f.spec(&format!(
+        "mknod /disk b {major} {minor} 2>/dev/null && echo made || echo no-mknod; \
+         [ -e /disk ] && {{ ( : </disk ) 2>/dev/null && echo OPENED || echo denied; }}; \
+         mknod /dev/shm/disk b {major} {minor} 2>/dev/null && {{ ( : </dev/shm/disk ) 2>/dev/null && echo OPENED || echo denied; }} || echo no-mknod-shm; \
          mknod /dev/disk b {major} {minor} 2>/dev/null && echo MADE-IN-DEV || echo dev-ro; \
          echo x > /dev/null && head -c 1 /dev/zero | wc -c"
-    )));
+    ));
+    let mut host = f.config();
+    host.userns = StepUserns::Host;
+    let (r, lines) = f.run_with(host, &spec, &AtomicBool::new(false));
     r.unwrap();
     assert_eq!(lines, vec!["made", "denied", "denied", "dev-ro", "1"]);
+    fs::remove_dir_all(&f.upper).unwrap();
+    fs::create_dir(&f.upper).unwrap();
+    let (r, lines) = f.run(&spec);
+    r.unwrap();
+    assert_eq!(lines, vec!["no-mknod", "no-mknod-shm", "dev-ro", "1"]);
 }
 
 /// A step renames /etc away (allowed: it only holds mount points) and puts a symlink to a

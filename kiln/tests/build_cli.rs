@@ -658,6 +658,49 @@ fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
     assert!(!tree.contains_key("bin/vi"), "the removed base file");
 }
 
+/// Issue 36: a build whose steps run in the user namespace (the default: the subordinate
+/// ids of `kiln`, `ci/setup.sh`) gives the same image manifest digest, so the same layers and
+/// cache keys, as the same build with `KILN_STEP_USERNS=host` (steps as host root). The
+/// steps write files of several owners (root, 1000, 4242, 65534, set as the step's `USER`
+/// and by chown), setuid and sticky bits, a hard link, a FIFO, a symlink, a whiteout (a
+/// removed base file), an opaque directory (a base directory removed and made again), a
+/// changed base file and a cache mount's contents.
+#[test]
+fn steps_in_the_user_namespace_give_the_layers_of_host_root_steps() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, ctx, _) = setup(&format!(
+        "FROM {bb}\n\
+         RUN echo 'u:x:4242:4242::/home/u:/bin/sh' >> /etc/passwd \
+         && echo 'u:x:4242:' >> /etc/group && mkdir -p /home/u /d/e && chown 4242:4242 /home/u \
+         && echo hi > /d/f && ln /d/f /d/hard && ln -s f /d/l && mkfifo /d/fifo \
+         && chown 1000:1000 /d/f && chown 65534:65534 /d/e && chmod 4755 /d/f \
+         && chmod 1777 /d/e && rm /bin/vi && rm -rf /etc/network && mkdir /etc/network \
+         && chmod 0775 /bin/busybox\n\
+         RUN --mount=type=cache,target=/cache,uid=4242 echo cached > /cache/c \
+         && cp -a /cache/c /d/from-cache && stat -c '%u:%g %a %n' /cache /cache/c > /d/cache-owners\n\
+         USER u\n\
+         RUN echo mine > /home/u/mine && id > /home/u/id\n"
+    ));
+    let mut built = Vec::new();
+    for userns in ["", "host"] {
+        let store = t.path().join(format!("store-{userns}"));
+        let out = kiln_tests::run_ok(
+            kiln(&store)
+                .env("KILN_STEP_USERNS", userns)
+                .arg("build")
+                .arg(&ctx)
+                .args(["-t", "userns:1", "--progress", "plain"])
+                .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000"]),
+        );
+        let stdout = String::from_utf8(out.stdout).expect("utf-8");
+        built.push(stdout.lines().last().expect("a line").to_string());
+    }
+    assert_eq!(
+        built[0], built[1],
+        "image manifest digest in the user namespace and as host root"
+    );
+}
+
 /// Issue 41: `RUN --security=insecure` fails the build before any step runs, naming the
 /// file, line and flag, unless `--allow security.insecure` is given; with it, the step can
 /// mount (a capability Docker's default set lacks) and has every capability.

@@ -5,9 +5,11 @@
 //! no other lock: no stdio, no environment, no logging). That child, "the keeper", joins
 //! the step's cgroup, unshares mount, pid, uts, ipc and (unless host) network namespaces,
 //! waits for slirp4netns when the network is `default`, and forks the step's pid 1. Pid 1
-//! makes the mounts in its private mount namespace, pivots into the overlay, drops
-//! privileges, installs Docker's default seccomp profile (`seccomp.rs`) and execs the
-//! command. The keeper reports pid 1's wait status through a pipe
+//! makes the mounts in its private mount namespace (the step's trees through idmapped mounts
+//! of the steps' user namespace, `userns.rs`), pivots into the overlay, enters that user
+//! namespace as its root (the mount, pid, uts, ipc and network namespaces stay the host
+//! root's, so the step can change none of them), drops privileges, installs Docker's
+//! default seccomp profile (`seccomp.rs`) and execs the command. The keeper reports pid 1's wait status through a pipe
 //! and exits. Setup errors travel as text through a close-on-exec pipe. When pid 1 exits,
 //! the kernel kills the rest of its pid namespace; the mount namespace, and with it every
 //! mount, goes with its last process.
@@ -28,6 +30,7 @@ use rustix::mount::{MountFlags, MountPropagationFlags, UnmountFlags};
 
 use super::cgroup::{CgroupLimits, StepCgroup};
 use super::logs::LogShaper;
+use super::userns::{IdMap, child as ns};
 use super::{
     DEFAULT_CAPABILITIES, ExecConfig, ExecError, LogLine, StepExecutor, StepReport, StepSpec,
 };
@@ -120,6 +123,15 @@ struct ChildPlan {
     mounts: super::mounts::PreparedMounts,
     /// The seccomp filter pid 1 installs right before `execve` (compiled before the fork).
     seccomp: &'static super::seccomp::StepFilter,
+    /// The user namespace the step runs in ([`super::userns`]): its map and a descriptor of
+    /// it (held open by [`LinuxExecutor::run`] until the step is done); `None`: host root.
+    userns: Option<(IdMap, RawFd)>,
+    /// What pid 1 shows through the user namespace's idmapped mounts: the step's scratch,
+    /// the parent of its upper and work directories, its lower directories.
+    idmapped: Vec<PathBuf>,
+    /// The step's network namespace, made owned by its user namespace
+    /// ([`super::userns::net_namespace`]), which the keeper joins instead of unsharing one.
+    net_ns: Option<OwnedFd>,
 }
 
 struct Fds {
@@ -224,6 +236,31 @@ impl StepExecutor for LinuxExecutor {
 
         let mounts = super::mounts::prepare(&spec.mounts, &spec.lower_dirs, &scratch.dir)?;
 
+        // The user namespace: none for `--security=insecure` (the host's capabilities are
+        // its point; Docker's `--privileged` needs `--userns=host` likewise).
+        let map = if spec.security == Security::Insecure {
+            None
+        } else {
+            cfg.userns.map()?
+        };
+        let ns_fd = map.map(super::userns::namespace).transpose()?;
+        let mut idmapped = Vec::new();
+        if map.is_some() {
+            // overlayfs wants upper and work directories on one mount: their parent.
+            let parent = spec.upper_dir.parent();
+            if parent.is_none() || parent != spec.work_dir.parent() {
+                return Err(ExecError::Userns(format!(
+                    "the upper directory {} and the work directory {} must share a parent \
+                     (one idmapped mount shows both)",
+                    spec.upper_dir.display(),
+                    spec.work_dir.display()
+                )));
+            }
+            idmapped.push(scratch.dir.clone());
+            idmapped.extend(parent.map(Path::to_path_buf));
+            idmapped.extend(spec.lower_dirs.iter().cloned());
+        }
+
         let cgroup = StepCgroup::create(
             &cfg.cgroup_parent,
             CgroupLimits {
@@ -247,6 +284,14 @@ impl StepExecutor for LinuxExecutor {
             bring_lo_up: spec.network != Network::Host,
             mounts,
             seccomp: super::seccomp::step_filter().map_err(ExecError::Seccomp)?,
+            userns: map.zip(ns_fd.as_ref().map(|fd| fd.as_raw_fd())),
+            idmapped,
+            net_ns: match &ns_fd {
+                Some(userns) if spec.network != Network::Host => {
+                    Some(super::userns::net_namespace(userns)?)
+                }
+                _ => None,
+            },
         };
         let pipe = || {
             rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
@@ -688,7 +733,7 @@ fn keeper_main(plan: &ChildPlan, fds: &Fds) -> ! {
     // Die with the caller: a keeper whose executor is gone kills its step (pid 1 below dies
     // with the keeper, and the kernel then kills the rest of its pid namespace).
     tie_to_parent(plan.parent);
-    if let Err(msg) = close_other_fds(&[
+    let mut keep = vec![
         0,
         1,
         2,
@@ -697,7 +742,10 @@ fn keeper_main(plan: &ChildPlan, fds: &Fds) -> ! {
         fds.status_w,
         fds.sync_w,
         fds.go_r,
-    ]) {
+    ];
+    keep.extend(plan.userns.map(|(_, fd)| fd));
+    keep.extend(plan.net_ns.as_ref().map(|fd| fd.as_raw_fd()));
+    if let Err(msg) = close_other_fds(&keep) {
         fail(fds, &msg);
     }
     for f in &plan.procs_files {
@@ -707,7 +755,13 @@ fn keeper_main(plan: &ChildPlan, fds: &Fds) -> ! {
     }
     use rustix::thread::UnshareFlags as U;
     let mut flags = U::NEWNS | U::NEWPID | U::NEWUTS | U::NEWIPC;
-    if plan.unshare_net {
+    if let Some(net) = &plan.net_ns {
+        // SAFETY: setns(2) on a descriptor we own, in this single-threaded keeper.
+        if unsafe { libc::setns(net.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            let e = std::io::Error::last_os_error();
+            fail(fds, &format!("joining the step's network namespace: {e}"));
+        }
+    } else if plan.unshare_net {
         flags |= U::NEWNET;
     }
     // SAFETY: the keeper is single-threaded (a fresh fork) and holds no file-table or
@@ -738,25 +792,10 @@ fn keeper_main(plan: &ChildPlan, fds: &Fds) -> ! {
         fail(fds, &format!("fork: {}", std::io::Error::last_os_error()));
     }
     if pid1 == 0 {
-        let _ =
-            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
-        // A keeper that died before the prctl took effect sends no signal: with its write
-        // end closed, the pipe reads as hung up.
-        let mut pfd = libc::pollfd {
-            fd: alive[0],
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: closing our copy of the write end; polling one valid pollfd, no wait.
-        let hung_up = unsafe {
-            libc::close(alive[1]);
-            libc::poll(&mut pfd, 1, 0) != 0 && pfd.revents & libc::POLLHUP != 0
-        };
-        if hung_up {
-            // SAFETY: exiting a forked child.
-            unsafe { libc::_exit(SETUP_FAILED) }
-        }
-        if let Err(msg) = pid1_main(plan, fds) {
+        // SAFETY: closing our copy of the write end.
+        unsafe { libc::close(alive[1]) };
+        die_with_keeper(alive[0]);
+        if let Err(msg) = pid1_main(plan, fds, alive[0]) {
             fail(fds, &msg);
         }
         // pid1_main only returns on error; exec replaced us otherwise.
@@ -860,7 +899,27 @@ fn mkdir_p(path: &str) -> Result<(), String> {
     fs::create_dir_all(path).map_err(|e| format!("creating {path}: {e}"))
 }
 
-fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
+/// Makes pid 1 die (SIGKILL) with the keeper (`PR_SET_PDEATHSIG`), and exits at once if the
+/// keeper died before that took effect: with the keeper's write end of `keeper_alive`
+/// closed, the pipe reads as hung up. Called again after each change of pid 1's
+/// credentials, which clears the setting (prctl(2): a change of effective or file-system
+/// uid or gid).
+fn die_with_keeper(keeper_alive: RawFd) {
+    let _ = rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL));
+    let mut pfd = libc::pollfd {
+        fd: keeper_alive,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: polling one valid pollfd, no wait.
+    let hung_up = unsafe { libc::poll(&mut pfd, 1, 0) != 0 && pfd.revents & libc::POLLHUP != 0 };
+    if hung_up {
+        // SAFETY: exiting a forked child.
+        unsafe { libc::_exit(SETUP_FAILED) }
+    }
+}
+
+fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), String> {
     let spec = &plan.spec;
     use rustix::mount::{mount_bind, mount_change, mount_remount, unmount};
     mount_change(
@@ -869,6 +928,25 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
     )
     .map_err(|e| format!("making / private: {e}"))?;
     let merged = plan.merged.to_str().ok_or("mount point is not UTF-8")?;
+    // In a user namespace: the trees on disk keep the image's owners and the step sees them
+    // through idmapped mounts; from here on, pid 1 makes files as the step's root (fsuid
+    // `first`), so what it creates (mount points, /dev) is root's inside the step and, through
+    // an idmapped mount, on disk. The overlay records these credentials as its mounter's and
+    // copies up and makes whiteouts with them.
+    let idmap = match plan.userns {
+        Some((map, fd)) => {
+            let dirs: Vec<&Path> = plan.idmapped.iter().map(PathBuf::as_path).collect();
+            let covered = ns::idmap_dirs(&dirs, fd)?;
+            ns::set_fs_ids(map.uid_first, map.gid_first)?;
+            die_with_keeper(keeper_alive);
+            Some(super::mounts::Idmap {
+                ns: fd,
+                covered,
+                map,
+            })
+        }
+        None => None,
+    };
     mount_overlay(plan, merged)?;
     // /etc/hosts and /etc/resolv.conf, bound in before the host's root goes away; the
     // targets are resolved inside the new root (RESOLVE_IN_ROOT), so a symlink in the image
@@ -894,7 +972,7 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
             .map_err(|e| format!("binding /{target}: {e}"))?;
     }
     // RUN --mount, while host paths (binds, caches) can still be reached.
-    super::mounts::mount_all(&root_fd, &plan.mounts)?;
+    super::mounts::mount_all(&root_fd, &plan.mounts, idmap.as_ref())?;
     drop(root_fd);
 
     rustix::process::chdir(merged).map_err(|e| format!("chdir: {e}"))?;
@@ -998,12 +1076,17 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         }
     }
     mkdir_p("/dev/pts")?;
+    // gid 5 (`tty`) of the step: read in the mounter's (host) user namespace.
+    let tty_gid = plan.userns.map_or(5, |(m, _)| m.gid_first + 5);
+    let pts = cstr(&format!(
+        "newinstance,ptmxmode=0666,mode=0620,gid={tty_gid}"
+    ))?;
     mnt(
         "devpts",
         "/dev/pts",
         "devpts",
         MountFlags::NOSUID | MountFlags::NOEXEC,
-        Some(c"newinstance,ptmxmode=0666,mode=0620,gid=5"),
+        Some(pts.as_c_str()),
     )?;
     mkdir_p("/dev/shm")?;
     mnt(
@@ -1077,10 +1160,30 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         loopback_up()?;
     }
 
+    // Every mount is made: into the user namespace, as its root (the mount namespace stays
+    // the host's root's, so nothing can be mounted or unmounted in it from now on).
+    if let Some((_, fd)) = plan.userns {
+        ns::enter(fd)?;
+        die_with_keeper(keeper_alive);
+    }
+
     // USER, resolved in the step's own root.
     let passwd = read_bounded("/etc/passwd");
     let group = read_bounded("/etc/group");
     let user = resolve_user(spec.user.as_deref(), &passwd, &group).map_err(|e| e.to_string())?;
+    if let Some((map, _)) = plan.userns {
+        let outside = std::iter::once(user.uid)
+            .chain(std::iter::once(user.gid))
+            .chain(user.groups.iter().copied())
+            .find(|&id| id >= map.count);
+        if let Some(id) = outside {
+            return Err(format!(
+                "USER {}: id {id} is outside the step's user namespace, which maps ids 0-{}",
+                spec.user.as_deref().unwrap_or("root"),
+                map.count - 1
+            ));
+        }
+    }
 
     // WORKDIR: missing directories are created owned by the user.
     if !spec.workdir.starts_with('/') {
@@ -1140,7 +1243,8 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         }
     }
     drop(devnull);
-    close_other_fds(&[0, 1, 2, fds.err_w])?;
+    // `keeper_alive` is close-on-exec: it goes with the exec.
+    close_other_fds(&[0, 1, 2, fds.err_w, keeper_alive])?;
 
     // Capabilities: Docker's default set in the bounding, permitted, effective and
     // inheritable sets, no ambient ones; `--security=insecure`: every capability kiln has
@@ -1202,6 +1306,9 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds) -> Result<(), String> {
         rustix::fs::Uid::from_raw(user.uid),
     )
     .map_err(|e| format!("setuid {}: {e}", user.uid))?;
+    // The change of user cleared the parent-death signal (a non-root `USER`, or any step
+    // in the user namespace).
+    die_with_keeper(keeper_alive);
     if insecure {
         // The change of user cleared the effective set; the ambient set carries them all
         // across execve for any user. No no_new_privs, no seccomp filter.

@@ -12,7 +12,8 @@
 //!   the egress proxy, [`crate::egress`]), `USER`
 //!   ([`user`]), `WORKDIR`, `ENV`, Docker's default capabilities, `no_new_privs`, a cgroup
 //!   ([`cgroup`]) for the memory and pids limits, a timeout, a write limit, and logs shaped by
-//!   [`logs`]. Needs root.
+//!   [`logs`], all in a user namespace whose root is an unprivileged host uid ([`userns`]).
+//!   Needs root.
 //! - [`RecordingExecutor`]: a recording fake that runs nothing and returns scripted results,
 //!   for fast unit tests of whatever drives the executor.
 //!
@@ -25,6 +26,7 @@ mod linux;
 pub mod logs;
 pub mod mounts;
 mod seccomp;
+pub mod userns;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -118,6 +120,9 @@ pub struct ExecConfig {
     /// What the egress proxy of [`Network::Allow`] steps may connect to
     /// ([`crate::egress`]); the build sets it to its `ADD` fetch's policy.
     pub addresses: crate::egress::address::AddressPolicy,
+    /// The user namespace steps of the namespace executor run in ([`userns`]; default from
+    /// `KILN_STEP_USERNS`: the subordinate ids of `kiln`).
+    pub userns: userns::StepUserns,
 }
 
 impl Default for ExecConfig {
@@ -136,6 +141,7 @@ impl Default for ExecConfig {
             log_limits: LogLimits::default(),
             slirp4netns: PathBuf::from("slirp4netns"),
             addresses: Default::default(),
+            userns: userns::StepUserns::default(),
         }
     }
 }
@@ -374,6 +380,9 @@ pub enum ExecError {
     /// compiled.
     #[error("{0}")]
     Seccomp(String),
+    /// The steps' user namespace could not be set up ([`userns`]).
+    #[error("user namespace for build steps: {0}")]
+    Userns(String),
     /// A host-side operation failed.
     #[error("{what}: {source}")]
     Io {

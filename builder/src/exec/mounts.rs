@@ -1055,9 +1055,65 @@ fn remount(root: &OwnedFd, rel: &str, file: bool, readonly: bool) -> Result<(), 
         .map_err(|e| format!("remounting /{rel}: {e}"))
 }
 
-/// In the step's pid 1, before `pivot_root`: mounts everything onto the new root `root`.
-pub(crate) fn mount_all(root: &OwnedFd, p: &PreparedMounts) -> Result<(), String> {
-    use rustix::mount::{mount, mount_bind};
+/// The step's user namespace, as pid 1 mounts with it ([`super::userns`]).
+pub(crate) struct Idmap {
+    /// The namespace's descriptor (`MOUNT_ATTR_IDMAP`).
+    pub ns: std::os::fd::RawFd,
+    /// Directories already shown through it in pid 1's mount namespace: what lies below them
+    /// is seen through the namespace already (and cannot be idmapped twice).
+    pub covered: Vec<PathBuf>,
+    /// Its map.
+    pub map: super::userns::IdMap,
+}
+
+impl Idmap {
+    /// `(uid, gid)` of the step as host ids, for files kiln makes on a file system no
+    /// idmapped mount shows (the secrets tmpfs). Errors: an id outside the map.
+    fn host_ids(&self, uid: u32, gid: u32) -> Result<(u32, u32), String> {
+        if uid >= self.map.count || gid >= self.map.count {
+            return Err(format!(
+                "owner {uid}:{gid} is outside the step's user namespace (ids 0-{})",
+                self.map.count - 1
+            ));
+        }
+        Ok((self.map.uid_first + uid, self.map.gid_first + gid))
+    }
+}
+
+/// A private copy of the tree at `src` (a descriptor, or a path: `under` is the directory it
+/// lies in) to mount: shown through the step's user namespace when there is one and `under`
+/// is not already (`open_tree(2)` and, if so, `MOUNT_ATTR_IDMAP`).
+fn source_tree(src: &str, under: &Path, idmap: Option<&Idmap>) -> Result<OwnedFd, String> {
+    match idmap {
+        Some(m) if !m.covered.iter().any(|c| under.starts_with(c)) => {
+            super::userns::child::idmapped_clone(Path::new(src), m.ns)
+        }
+        _ => rustix::mount::open_tree(
+            rustix::fs::CWD,
+            src,
+            rustix::mount::OpenTreeFlags::OPEN_TREE_CLONE
+                | rustix::mount::OpenTreeFlags::OPEN_TREE_CLOEXEC
+                | rustix::mount::OpenTreeFlags::AT_RECURSIVE,
+        )
+        .map_err(|e| format!("open_tree: {e}")),
+    }
+}
+
+/// Binds the tree at `src` (in `under`, [`source_tree`]) onto the mount point `target`.
+fn bind(src: &str, under: &Path, target: &OwnedFd, idmap: Option<&Idmap>) -> Result<(), String> {
+    let tree = source_tree(src, under, idmap)?;
+    super::userns::child::attach_to(&tree, target)
+}
+
+/// In the step's pid 1, before `pivot_root`: mounts everything onto the new root `root`,
+/// through the step's user namespace `idmap` when it has one (bind and cache sources are
+/// shown through it; secret files are owned by the mapped ids).
+pub(crate) fn mount_all(
+    root: &OwnedFd,
+    p: &PreparedMounts,
+    idmap: Option<&Idmap>,
+) -> Result<(), String> {
+    use rustix::mount::mount;
     let nsd = MountFlags::NOSUID | MountFlags::NODEV;
     if p.mounts
         .iter()
@@ -1084,9 +1140,12 @@ pub(crate) fn mount_all(root: &OwnedFd, p: &PreparedMounts) -> Result<(), String
             } => {
                 let src =
                     open_in(src_root, path).map_err(|e| format!("--mount source {path:?}: {e}"))?;
+                // The source as the step sees it (its owners through the user namespace).
+                let src = source_tree(&fd_path(&src), src_root, idmap)
+                    .map_err(|e| format!("--mount source {path:?}: {e}"))?;
                 match rw {
                     None => {
-                        mount_bind(fd_path(&src).as_str(), t.as_str())
+                        super::userns::child::attach_to(&src, &target)
                             .map_err(|e| format!("binding /{}: {e}", m.rel))?;
                         drop(target);
                         remount(root, &m.rel, m.file, true)?;
@@ -1096,26 +1155,38 @@ pub(crate) fn mount_all(root: &OwnedFd, p: &PreparedMounts) -> Result<(), String
                         let copy = upper.join(RW_FILE_COPY);
                         copy_bind_file(&src, &copy)
                             .map_err(|e| format!("--mount source {path:?}: {e}"))?;
-                        mount_bind(copy.as_path(), t.as_str())
+                        bind(&copy.to_string_lossy(), upper, &target, idmap)
                             .map_err(|e| format!("binding /{}: {e}", m.rel))?;
                         drop(target);
                         remount(root, &m.rel, m.file, false)?;
                     }
                     Some((upper, work)) => {
+                        // The source attached first, so that overlayfs takes it as a mount
+                        // of this namespace; the overlay then goes on top of it.
+                        super::userns::child::attach_to(&src, &target)
+                            .map_err(|e| format!("binding /{}: {e}", m.rel))?;
+                        drop(target);
+                        let lower = mount_point(root, &m.rel, false)?;
+                        let lower = fd_path(&lower);
                         let data = format!(
-                            "lowerdir={},upperdir={},workdir={}",
-                            fd_path(&src),
+                            "lowerdir={lower},upperdir={},workdir={}",
                             upper.display(),
                             work.display()
                         );
                         let data = CString::new(data).map_err(|_| "NUL in a path".to_string())?;
-                        mount("overlay", t.as_str(), "overlay", nsd, Some(data.as_c_str()))
-                            .map_err(|e| format!("mounting rw bind /{}: {e}", m.rel))?;
+                        mount(
+                            "overlay",
+                            lower.as_str(),
+                            "overlay",
+                            nsd,
+                            Some(data.as_c_str()),
+                        )
+                        .map_err(|e| format!("mounting rw bind /{}: {e}", m.rel))?;
                     }
                 }
             }
             PreparedKind::Dir { dir, readonly } => {
-                mount_bind(dir.as_path(), t.as_str())
+                bind(&dir.to_string_lossy(), dir, &target, idmap)
                     .map_err(|e| format!("binding cache /{}: {e}", m.rel))?;
                 drop(target);
                 remount(root, &m.rel, m.file, *readonly)?;
@@ -1138,19 +1209,32 @@ pub(crate) fn mount_all(root: &OwnedFd, p: &PreparedMounts) -> Result<(), String
                 gid,
             } => {
                 let f = p.secrets_dir.join(name);
+                let (uid, gid) = match idmap {
+                    Some(im) => im
+                        .host_ids(*uid, *gid)
+                        .map_err(|e| format!("secret /{}: {e}", m.rel))?,
+                    None => (*uid, *gid),
+                };
                 fs::write(&f, value.expose()).map_err(|e| format!("writing a secret: {e}"))?;
-                std::os::unix::fs::chown(&f, Some(*uid), Some(*gid))
+                std::os::unix::fs::chown(&f, Some(uid), Some(gid))
                     .map_err(|e| format!("chown of a secret: {e}"))?;
                 fs::set_permissions(&f, fs::Permissions::from_mode(*mode))
                     .map_err(|e| format!("chmod of a secret: {e}"))?;
-                mount_bind(f.as_path(), t.as_str())
+                // The secrets tmpfs is no idmapped mount: its files carry host ids already.
+                rustix::mount::mount_bind(f.as_path(), t.as_str())
                     .map_err(|e| format!("binding secret /{}: {e}", m.rel))?;
                 drop(target);
                 remount(root, &m.rel, m.file, true)?;
             }
             PreparedKind::Ssh { proxy } => {
-                mount_bind(proxy.socket(), t.as_str())
-                    .map_err(|e| format!("binding the SSH agent socket /{}: {e}", m.rel))?;
+                let socket = proxy.socket();
+                bind(
+                    &socket.to_string_lossy(),
+                    socket.parent().unwrap_or(socket),
+                    &target,
+                    idmap,
+                )
+                .map_err(|e| format!("binding the SSH agent socket /{}: {e}", m.rel))?;
                 drop(target);
                 remount(root, &m.rel, m.file, false)?;
             }
