@@ -661,6 +661,23 @@ fn hostile_steps_cannot_load_modules_reboot_or_reach_host_processes() {
     );
 }
 
+/// Issue 36: the hostile-step list (`kiln_tests::hostile`, shared with the microVM
+/// executor's test) in one namespace step: mount, load a module, ptrace a host process,
+/// write `/proc/sysrq-trigger`, read a host file through `/proc/<host pid>/root`, chown to
+/// a uid outside the user namespace's map. First the same script on the host as root, which
+/// must print each case's unconfined outcome (so each case can fail), then the step, which
+/// must print each contained one and never the host file's token.
+#[test]
+fn hostile_step_list_is_contained() {
+    use kiln_tests::hostile::{Executor, STEP_DIR, Target, run_unconfined};
+    let target = Target::start();
+    target.assert_lines(Executor::Unconfined, &run_unconfined(&target));
+    let f = fixture("hostile36");
+    let (r, lines) = f.run(&f.spec(&target.script(STEP_DIR)));
+    r.unwrap();
+    target.assert_lines(Executor::Namespace, &lines);
+}
+
 #[test]
 fn timeout_kills_everything() {
     let f = fixture("timeout");

@@ -597,10 +597,12 @@ fn network_flags_set_every_steps_network() {
     }
 }
 
-/// Issue 34, reproducible: the same recipe with a `RUN` step, built twice with
-/// `SOURCE_DATE_EPOCH` into fresh stores (a second apart, so every file the step writes
-/// gets another mtime), gives the same image manifest digest, the same OCI manifest and the
-/// same ext4 bytes.
+/// Issue 34, reproducible: the same recipe with a `RUN` step (files of several owners, a
+/// symlink with an owner of its own, a hard link, a directory, a removed base file), built
+/// twice with `SOURCE_DATE_EPOCH` into fresh stores with fresh work, cache and state
+/// directories (a second apart, so every file the step writes gets another mtime), gives the
+/// same image manifest digest, the same OCI manifest and the same ext4 bytes. (Here and not
+/// in `tests/tests/ext4_images.rs`: only this package's tests have the `kiln` binary.)
 #[test]
 fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
@@ -608,7 +610,8 @@ fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
         "FROM {bb}\n\
          RUN mkdir -p /d/e && echo hi > /d/f && ln -s f /d/l && touch /d/e/t \
          && rm /bin/vi && echo 'u:x:4242:4242::/d:/bin/sh' >> /etc/passwd \
-         && chown u:4242 /d/f\n\
+         && chown u:4242 /d/f && echo two > /d/g && chown 1000:100 /d/g \
+         && chown -h 4243:4244 /d/l && chown 65534:65534 /d/e && ln /d/f /d/hard\n\
          COPY Dockerfile /copied\n"
     ));
     let mut built = Vec::new();
@@ -620,6 +623,9 @@ fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
         let iid = t.path().join(format!("iid{n}"));
         let out = kiln_tests::run_ok(
             kiln(&store)
+                .env("KILN_BUILD_DIR", t.path().join(format!("work{n}")))
+                .env("KILN_CACHE", t.path().join(format!("cache{n}")))
+                .env("KILN_STATE_DIR", t.path().join(format!("state{n}")))
                 .arg("build")
                 .arg(&ctx)
                 .args(["-t", "repro:1", "--progress", "plain"])
@@ -636,6 +642,20 @@ fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
     assert_eq!(built[0].0, built[1].0, "image manifest digest");
     assert_eq!(built[0].1, built[1].1, "OCI manifest digest");
     kiln_tests::assert_same_bytes(&built[0].2, &built[1].2);
+    // What the step wrote is in the image as written, mtimes clamped to the epoch.
+    let tree = kiln_tests::ext4::image_tree(&built[0].2);
+    let at = |p: &str| {
+        let o = tree
+            .get(p)
+            .unwrap_or_else(|| panic!("{p} not in the image"));
+        (o.kind, o.uid, o.gid, o.mtime)
+    };
+    assert_eq!(at("d/f"), ('f', 4242, 4242, 1_700_000_000));
+    assert_eq!(at("d/hard"), ('f', 4242, 4242, 1_700_000_000));
+    assert_eq!(at("d/g"), ('f', 1000, 100, 1_700_000_000));
+    assert_eq!(at("d/l"), ('l', 4243, 4244, 1_700_000_000));
+    assert_eq!(at("d/e"), ('d', 65534, 65534, 1_700_000_000));
+    assert!(!tree.contains_key("bin/vi"), "the removed base file");
 }
 
 /// Issue 36: a build whose steps run in the user namespace (the default: the subordinate

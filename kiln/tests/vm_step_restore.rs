@@ -9,7 +9,8 @@
 //! - a step whose memory limit is above the snapshot's ([`BUILDER_STEP_MEMORY_BYTES`]) boots
 //!   cold, and one with restores off does too; each still gives its layer;
 //! - the builder snapshot is made once and found again (a second `ensure` with the same key
-//!   answers from the cache), and one whose vmstate was damaged is made again, not used.
+//!   answers from the cache), and one whose vmstate was damaged is made again, not used;
+//! - issue 36's hostile-step list (`kiln_tests::hostile`), all of it in one restored step.
 //!
 //! As root, with the guest kernel and initramfs (`KILN_TEST_KERNEL`, `KILN_TEST_INITRAMFS`;
 //! the init is rebuilt from this checkout when those were not).
@@ -102,6 +103,22 @@ fn restored_steps_keep_nothing_of_an_earlier_build_and_reseed() {
     let (r1, r2) = (read(&up1.join("random")), read(&up2.join("random")));
     assert!(r1.trim().len() >= 32, "{r1:?}");
     assert_ne!(r1, r2, "two restored step VMs read the same random bytes");
+}
+
+/// Issue 36: the hostile-step list (`kiln_tests::hostile`, shared with the namespace
+/// executor's test) in one step VM: the guest kernel is the wall, so mounting, loading a
+/// module and writing `/proc/sysrq-trigger` touch only the guest, a chown to uid 70000 stays
+/// in the step's layer (owned by 70000 there), and no host process or host file is in reach.
+#[test]
+fn hostile_step_list_stays_in_the_guest() {
+    use kiln_tests::hostile::{Executor, STEP_DIR, Target, chowned_owner};
+    let t = tempfile::tempdir().unwrap();
+    let root = busybox_root(&t.path().join("rootfs"));
+    let target = Target::start();
+    let exec = executor(&t.path().join("h"), 256 << 20);
+    let (lines, upper) = step(&exec, &t.path().join("h"), &root, &target.script(STEP_DIR));
+    target.assert_lines(Executor::MicroVm, &lines);
+    assert_eq!(chowned_owner(&upper), (70000, 70000));
 }
 
 #[test]

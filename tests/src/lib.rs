@@ -4,6 +4,7 @@
 pub mod crash;
 pub mod ext4;
 pub mod fault_proxy;
+pub mod hostile;
 pub mod http;
 pub mod netns;
 pub mod pkgs;
