@@ -64,6 +64,11 @@ fn a_memory_limit_stops_a_step_on_a_pure_cgroup2_guest() {
         for lib in libraries(kiln_bin) {
             copy_into(&root, &lib);
         }
+        // A host that runs kiln's steps in a user namespace has subordinate ids for it
+        // (issue 36; ci/setup.sh writes the same lines on the test host).
+        for f in ["etc/subuid", "etc/subgid"] {
+            std::fs::write(root.join(f), "kiln:100000:65536\n").expect("subordinate ids");
+        }
         let inner = root.join("inner");
         std::fs::create_dir_all(&inner).expect("mkdir");
         let status = Command::new("cp")
@@ -144,8 +149,12 @@ fn a_memory_limit_stops_a_step_on_a_pure_cgroup2_guest() {
                 "--",
                 "sh",
                 "-c",
+                // The store and scratch on the guest's ext4 disk, not its /tmp: the guest
+                // kernel (6.1) cannot show a tmpfs through an idmapped mount (Linux 6.3+),
+                // which the steps' user namespace needs.
                 &format!(
-                    "KILN_STORE=/tmp/store TMPDIR=/tmp kiln build -f /inner/{recipe}.yaml \
+                    "mkdir -p /var/kiln/tmp && KILN_STORE=/var/kiln/store TMPDIR=/var/kiln/tmp \
+                     kiln build -f /inner/{recipe}.yaml \
                      --oci-only --progress plain \
                      --build-context bb=oci-layout:///inner/busybox-oci:latest /inner"
                 ),
