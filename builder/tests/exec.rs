@@ -283,6 +283,41 @@ fn a_missing_subordinate_range_or_a_user_outside_the_map_is_a_clear_error() {
     );
 }
 
+/// Issue 36: a cache or SSH mount owned by an id past the user namespace's map fails before
+/// the step runs, as a secret's does, instead of giving the step a cache it cannot write
+/// (shown as 65534) or a socket it cannot open; with `KILN_STEP_USERNS=host` the same cache
+/// is made with its owner.
+#[test]
+fn a_cache_mount_owned_outside_the_map_is_a_clear_error() {
+    use kiln_builder::exec::mounts::{CacheMount, CacheSharing, MountKind, StepMount};
+    let f = fixture("userns-cache-owner");
+    let cache = f._tmp.path().join("cache");
+    let mut spec = f.spec("touch /c/x && echo WROTE");
+    spec.mounts = vec![StepMount {
+        target: "/c".into(),
+        kind: MountKind::Cache(CacheMount {
+            dir: cache.clone(),
+            sharing: CacheSharing::Shared,
+            readonly: false,
+            mode: 0o700,
+            uid: 70000,
+            gid: 70001,
+        }),
+    }];
+    let (r, lines) = f.run(&spec);
+    let e = r.unwrap_err().to_string();
+    assert!(lines.is_empty(), "{lines:?}");
+    assert!(
+        e.contains("/c: owner 70000:70001 is outside the step's user namespace (ids 0-65535)"),
+        "{e}"
+    );
+    let mut host = f.config();
+    host.userns = StepUserns::Host;
+    let (r, lines) = f.run_with(host, &spec, &AtomicBool::new(false));
+    r.unwrap();
+    assert_eq!(lines, ["WROTE"]);
+}
+
 #[test]
 fn user_workdir_env() {
     let f = fixture("user");

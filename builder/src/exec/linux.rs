@@ -234,8 +234,6 @@ impl StepExecutor for LinuxExecutor {
         fs::write(&hosts, hosts_text).map_err(io("writing hosts"))?;
         fs::write(&resolv, resolv_text).map_err(io("writing resolv.conf"))?;
 
-        let mounts = super::mounts::prepare(&spec.mounts, &spec.lower_dirs, &scratch.dir)?;
-
         // The user namespace: none for `--security=insecure` (the host's capabilities are
         // its point; Docker's `--privileged` needs `--userns=host` likewise).
         let map = if spec.security == Security::Insecure {
@@ -243,6 +241,11 @@ impl StepExecutor for LinuxExecutor {
         } else {
             cfg.userns.map()?
         };
+        if let Some(map) = map {
+            super::mounts::check_owners(&spec.mounts, &map)?;
+        }
+        let mounts = super::mounts::prepare(&spec.mounts, &spec.lower_dirs, &scratch.dir)?;
+
         let ns_fd = map.map(super::userns::namespace).transpose()?;
         let mut idmapped = Vec::new();
         if map.is_some() {

@@ -1055,6 +1055,34 @@ fn remount(root: &OwnedFd, rel: &str, file: bool, readonly: bool) -> Result<(), 
         .map_err(|e| format!("remounting /{rel}: {e}"))
 }
 
+/// Checks that the owners `mounts` give the files they make (a new cache's root, a secret,
+/// an SSH socket) are ids of the step's user namespace `map`: an id past it would show as
+/// 65534 in the step, which could not use the mount (as a `USER` past it cannot run).
+///
+/// Errors: the first mount whose owner is outside the map, naming its target and owner.
+pub(crate) fn check_owners(
+    mounts: &[StepMount],
+    map: &super::userns::IdMap,
+) -> Result<(), super::ExecError> {
+    for m in mounts {
+        let (kind, uid, gid) = match &m.kind {
+            MountKind::Cache(c) => ("cache", c.uid, c.gid),
+            MountKind::Secret { uid, gid, .. } => ("secret", *uid, *gid),
+            MountKind::Ssh { uid, gid, .. } => ("ssh", *uid, *gid),
+            MountKind::Bind { .. } | MountKind::Tmpfs { .. } => continue,
+        };
+        if uid >= map.count || gid >= map.count {
+            return Err(super::ExecError::Setup(format!(
+                "--mount type={kind},target={}: owner {uid}:{gid} is outside the step's user \
+                 namespace (ids 0-{})",
+                m.target,
+                map.count - 1
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The step's user namespace, as pid 1 mounts with it ([`super::userns`]).
 pub(crate) struct Idmap {
     /// The namespace's descriptor (`MOUNT_ATTR_IDMAP`).
