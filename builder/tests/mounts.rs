@@ -137,7 +137,7 @@ impl Fixture {
         let work = self.tmp.path().join(format!("work-{n}"));
         fs::create_dir_all(&upper).unwrap();
         fs::create_dir_all(&work).unwrap();
-        let spec = StepSpec::from_plan_with_mounts(
+        let spec = match StepSpec::from_plan_with_mounts(
             7,
             &run_step(script, mounts),
             vec![self.root.clone()],
@@ -145,8 +145,17 @@ impl Fixture {
             work,
             Duration::from_secs(120),
             inputs,
-        )
-        .unwrap();
+        ) {
+            Ok(spec) => spec,
+            // Refused while the mounts were resolved: nothing ran.
+            Err(e) => {
+                return Ran {
+                    upper,
+                    result: Err(e),
+                    lines: vec![],
+                };
+            }
+        };
         let exec = LinuxExecutor::new(ExecConfig {
             run_dir: self.run_dir.clone(),
             cgroup_parent: self.cgroup.clone(),
@@ -381,7 +390,7 @@ fn hostile_sources_and_targets_stay_inside_their_roots() {
     std::os::unix::fs::symlink(&host, f.ctx.join("evil")).unwrap();
     std::os::unix::fs::symlink(&host, f.root.join("out")).unwrap();
     let mut inputs = f.inputs();
-    // Without .dockerignore patterns the context is bound as it is (no filtered copy).
+    // Without .dockerignore patterns: the context is copied all the same (owned 0:0).
     inputs.context = Some((f.ctx.clone(), Dockerignore::default()));
     let r = f.run_with(
         "h",
@@ -396,10 +405,11 @@ fn hostile_sources_and_targets_stay_inside_their_roots() {
         ],
         &inputs,
     );
-    // The symlinked source resolves inside the context, where it names nothing.
+    // The symlinked source resolves inside the context, where it names nothing: refused
+    // when the context's part is copied, before anything runs.
     match r.result {
-        Err(ExecError::Setup(msg)) => assert!(msg.contains("evil"), "{msg}"),
-        other => panic!("expected a setup error, got {other:?} {:?}", r.lines),
+        Err(e @ ExecError::Mounts(_)) => assert!(e.to_string().contains("evil"), "{e}"),
+        other => panic!("expected a mount error, got {other:?} {:?}", r.lines),
     }
     let r = f.run_with(
         "h2",
@@ -490,9 +500,10 @@ fn hostile_single_file_sources_and_targets_stay_inside_their_roots() {
             vec![bind("/m", "evil", rw)],
             &inputs,
         );
+        // Refused when the context's part is copied, before anything runs.
         match r.result {
-            Err(ExecError::Setup(msg)) => assert!(msg.contains("evil"), "{msg}"),
-            other => panic!("expected a setup error, got {other:?} {:?}", r.lines),
+            Err(e @ ExecError::Mounts(_)) => assert!(e.to_string().contains("evil"), "{e}"),
+            other => panic!("expected a mount error, got {other:?} {:?}", r.lines),
         }
         let r = f.run_with(
             &format!("good-{rw}"),

@@ -701,6 +701,48 @@ fn steps_in_the_user_namespace_give_the_layers_of_host_root_steps() {
     );
 }
 
+/// Issue 36, found by the attack pass: a bind mount of the context shows its files owned by
+/// 0:0 (as BuildKit resets the context's owners), whatever their owners on the host and with
+/// or without `.dockerignore`: a 0600 file and a 0700 directory of host uid 1234567 (past
+/// the steps' user namespace) are readable by the step and copied as root's, and the image
+/// digest is the same with and without the user namespace.
+#[test]
+fn a_context_bind_shows_root_owned_files_whatever_the_host_owners() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, ctx, _) = setup(&format!(
+        "FROM {bb}\n\
+         RUN --mount=type=bind,target=/ctx cp -a /ctx/pub /pub-copy \
+         && cat /ctx/priv/f > /priv-copy && stat -c '%u:%g %a %n' /ctx/pub /ctx/priv > /owners\n"
+    ));
+    std::fs::write(ctx.join("pub"), "pub\n").expect("write");
+    std::fs::create_dir(ctx.join("priv")).expect("mkdir");
+    std::fs::write(ctx.join("priv/f"), "priv\n").expect("write");
+    use std::os::unix::fs::PermissionsExt;
+    for (p, mode) in [("pub", 0o600), ("priv/f", 0o600), ("priv", 0o700)] {
+        let p = ctx.join(p);
+        std::os::unix::fs::chown(&p, Some(1_234_567), Some(1_234_567)).expect("chown");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    }
+    let mut built = Vec::new();
+    for userns in ["", "host"] {
+        let store = t.path().join(format!("store-{userns}"));
+        let out = kiln_tests::run_ok(
+            kiln(&store)
+                .env("KILN_STEP_USERNS", userns)
+                .arg("build")
+                .arg(&ctx)
+                .args(["-t", "ctxbind:1", "--progress", "plain"])
+                .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000"]),
+        );
+        let stdout = String::from_utf8(out.stdout).expect("utf-8");
+        built.push(stdout.lines().last().expect("a line").to_string());
+    }
+    assert_eq!(
+        built[0], built[1],
+        "image digest with and without the user namespace"
+    );
+}
+
 /// Issue 41: `RUN --security=insecure` fails the build before any step runs, naming the
 /// file, line and flag, unless `--allow security.insecure` is given; with it, the step can
 /// mount (a capability Docker's default set lacks) and has every capability.

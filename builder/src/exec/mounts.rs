@@ -241,11 +241,7 @@ pub fn resolve(mounts: &[Mount], inputs: &MountInputs) -> Result<ResolvedMounts,
                                 .context
                                 .as_ref()
                                 .ok_or_else(|| MountsError::MissingSource("the context".into()))?;
-                            if ignore.patterns().is_empty() {
-                                (dir.clone(), source.clone())
-                            } else {
-                                filtered_context(dir, ignore, source, inputs)?
-                            }
+                            filtered_context(dir, ignore, source, inputs)?
                         }
                     };
                 out.mounts.push(StepMount {
@@ -377,7 +373,12 @@ pub fn resolve(mounts: &[Mount], inputs: &MountInputs) -> Result<ResolvedMounts,
     Ok(out)
 }
 
-/// The part of the context `.dockerignore` keeps, copied under the scratch directory.
+/// The part of the context `.dockerignore` keeps, copied under the scratch directory, owned
+/// by 0:0 as `COPY` makes it (BuildKit resets the context's owners to 0:0 when it takes it).
+/// Always a copy, `.dockerignore` or not: the context's own host owners would reach the step
+/// otherwise, and a step in the user namespace sees an owner past 65535 as 65534 (and cannot
+/// read its 0600 files), so the layer would depend on the host's ids and on the executor's
+/// namespace (issue 36, found by the attack pass).
 fn filtered_context(
     dir: &Path,
     ignore: &Dockerignore,
@@ -385,7 +386,9 @@ fn filtered_context(
     inputs: &MountInputs,
 ) -> Result<(PathBuf, String), MountsError> {
     let scratch = inputs.scratch_dir.as_ref().ok_or_else(|| {
-        MountsError::Context("a context with .dockerignore patterns needs a scratch dir".into())
+        MountsError::Context(
+            "a bind mount of the context needs a scratch dir (its part is copied there)".into(),
+        )
     })?;
     let dest = scratch.join(format!(
         "bind-{}-{}",
@@ -397,6 +400,20 @@ fn filtered_context(
         source,
     })?;
     let src = crate::copy::Sources::context(dir, ignore.clone());
+    // A mount's source is taken inside the context as BuildKit takes it (the path cleaned
+    // from `/`: `..` stops at the root), where `COPY` would refuse a path that climbs.
+    let mut parts: Vec<&str> = Vec::new();
+    for c in source.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            c => parts.push(c),
+        }
+    }
+    let source = parts.join("/");
+    let source = source.as_str();
     let step = CopyStep {
         sources: vec![CopySource::Path {
             path: if source.is_empty() {
@@ -1347,9 +1364,14 @@ mod tests {
     fn resolve_mounts() {
         let mut secrets = Secrets::default();
         secrets.insert("tok", SecretValue::new(b"s3cr3t".to_vec()));
+        // The context's bound part is copied under the scratch directory.
+        let t = tempfile::tempdir().unwrap();
+        fs::create_dir_all(t.path().join("ctx/sub")).unwrap();
+        fs::create_dir(t.path().join("scratch")).unwrap();
         let inputs = MountInputs {
-            context: Some(("/ctx".into(), Dockerignore::default())),
+            context: Some((t.path().join("ctx"), Dockerignore::default())),
             cache_dir: Some("/cache".into()),
+            scratch_dir: Some(t.path().join("scratch")),
             secrets,
             ..MountInputs::default()
         };
