@@ -681,24 +681,31 @@ fn steps_in_the_user_namespace_give_the_layers_of_host_root_steps() {
          USER u\n\
          RUN echo mine > /home/u/mine && id > /home/u/id\n"
     ));
-    let mut built = Vec::new();
-    for userns in ["", "host"] {
-        let store = t.path().join(format!("store-{userns}"));
+    let (userns, host) = digests_with_and_without_userns(t.path(), &ctx);
+    assert_eq!(
+        userns, host,
+        "image manifest digest in the user namespace and as host root"
+    );
+}
+
+/// The image manifest digests of `ctx` built into two fresh stores under `dir`, with
+/// `SOURCE_DATE_EPOCH` set: with the steps' user namespace (the default), then with
+/// `KILN_STEP_USERNS=host`.
+fn digests_with_and_without_userns(dir: &Path, ctx: &Path) -> (String, String) {
+    let build = |userns: &str| {
+        let store = dir.join(format!("store-userns-{userns}"));
         let out = kiln_tests::run_ok(
             kiln(&store)
                 .env("KILN_STEP_USERNS", userns)
                 .arg("build")
-                .arg(&ctx)
+                .arg(ctx)
                 .args(["-t", "userns:1", "--progress", "plain"])
                 .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000"]),
         );
         let stdout = String::from_utf8(out.stdout).expect("utf-8");
-        built.push(stdout.lines().last().expect("a line").to_string());
-    }
-    assert_eq!(
-        built[0], built[1],
-        "image manifest digest in the user namespace and as host root"
-    );
+        stdout.lines().last().expect("a line").to_string()
+    };
+    (build(""), build("host"))
 }
 
 /// Issue 36, found by the attack pass: a bind mount of the context shows its files owned by
@@ -723,22 +730,9 @@ fn a_context_bind_shows_root_owned_files_whatever_the_host_owners() {
         std::os::unix::fs::chown(&p, Some(1_234_567), Some(1_234_567)).expect("chown");
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
     }
-    let mut built = Vec::new();
-    for userns in ["", "host"] {
-        let store = t.path().join(format!("store-{userns}"));
-        let out = kiln_tests::run_ok(
-            kiln(&store)
-                .env("KILN_STEP_USERNS", userns)
-                .arg("build")
-                .arg(&ctx)
-                .args(["-t", "ctxbind:1", "--progress", "plain"])
-                .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000"]),
-        );
-        let stdout = String::from_utf8(out.stdout).expect("utf-8");
-        built.push(stdout.lines().last().expect("a line").to_string());
-    }
+    let (userns, host) = digests_with_and_without_userns(t.path(), &ctx);
     assert_eq!(
-        built[0], built[1],
+        userns, host,
         "image digest with and without the user namespace"
     );
 }
