@@ -402,18 +402,8 @@ fn filtered_context(
     let src = crate::copy::Sources::context(dir, ignore.clone());
     // A mount's source is taken inside the context as BuildKit takes it (the path cleaned
     // from `/`: `..` stops at the root), where `COPY` would refuse a path that climbs.
-    let mut parts: Vec<&str> = Vec::new();
-    for c in source.split('/') {
-        match c {
-            "" | "." => {}
-            ".." => {
-                parts.pop();
-            }
-            c => parts.push(c),
-        }
-    }
-    let source = parts.join("/");
-    let source = source.as_str();
+    let source = kiln_recipes::dockerignore::clean(&format!("/{source}"));
+    let source = source.trim_start_matches('/');
     let step = CopyStep {
         sources: vec![CopySource::Path {
             path: if source.is_empty() {
