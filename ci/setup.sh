@@ -109,6 +109,26 @@ for f in /etc/subuid /etc/subgid; do
   fi
 done
 
+# --- an unprivileged user for the builds without root (issue 36 §2) -------------------------
+# kiln/tests/build_rootless.rs runs `kiln build` as this user, which needs subordinate ids of
+# its own (apart from kiln's above) and, for a step's default network (slirp4netns), a
+# /dev/net/tun that every user may open: crw-rw-rw-, as Debian's udev rules make it
+# (50-udev-default.rules); a machine without udev may have it 0600.
+if ! id kiln-rootless >/dev/null 2>&1; then
+  log "adding the user kiln-rootless"
+  useradd --create-home --shell /usr/sbin/nologin kiln-rootless
+fi
+for f in /etc/subuid /etc/subgid; do
+  if ! grep -qs '^kiln-rootless:' "$f"; then
+    log "adding kiln-rootless:300000:65536 to $f"
+    echo 'kiln-rootless:300000:65536' >>"$f"
+  fi
+done
+if [ -c /dev/net/tun ] && [ "$(stat -c %a /dev/net/tun)" != 666 ]; then
+  log "making /dev/net/tun usable by every user (mode 0666, as udev does)"
+  chmod 0666 /dev/net/tun
+fi
+
 # --- Rust components -------------------------------------------------------------------------
 if command -v rustup >/dev/null; then
   rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy

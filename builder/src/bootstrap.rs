@@ -53,6 +53,12 @@ pub enum BootstrapError {
         /// Tail of its output.
         log: String,
     },
+    /// Not host root (a build without root, [`crate::exec::rootless`]).
+    #[error(
+        "bootstrap: debootstrap needs host root (it makes device nodes, which need CAP_MKNOD \
+         in the host's user namespace): run this build as root, or start FROM an image"
+    )]
+    NeedsRoot,
     /// A local file operation failed.
     #[error("bootstrap: {path}: {source}")]
     Io {
@@ -217,13 +223,18 @@ async fn fetch_release(spec: &BootstrapSpec) -> Result<Vec<u8>, BootstrapError> 
 }
 
 /// Builds (or finds in the cache) the base image for `spec`. `work` is a scratch directory
-/// for the root tree (removed afterwards). Needs root and `debootstrap`.
+/// for the root tree (removed afterwards). Needs host root ([`BootstrapError::NeedsRoot`]) and
+/// `debootstrap`.
 pub async fn bootstrap(
     spec: &BootstrapSpec,
     cache: &dyn BlobCache,
     work: &Path,
 ) -> Result<Bootstrapped, BootstrapError> {
     spec.validate()?;
+    // Its cache fills only by bootstrapping, which a user namespace cannot do.
+    if crate::exec::rootless::in_user_namespace() {
+        return Err(BootstrapError::NeedsRoot);
+    }
     let release = fetch_release(spec).await?;
     let release_digest = digest_of(&release);
     let key = spec.key(&release_digest);

@@ -112,6 +112,13 @@ fn main() -> ExitCode {
     kiln_pipeline::qemu_cgroups::install();
     let out = cmd::Out::new(cli.json);
     match cli.command {
+        // Without root: the same command again, as root of a user namespace.
+        Command::Build(a) if !kiln_builder::exec::rootless::is_root() => {
+            match cmd::build::run_without_root(&a) {
+                Ok(code) => ExitCode::from(code),
+                Err(e) => cmd::report(&out, Err(e)),
+            }
+        }
         Command::Build(a) => cmd::report(&out, cmd::build::run(*a, &out)),
         Command::Plan(a) => cmd::plan::run(&a, out.json),
         // These run their own runtime.

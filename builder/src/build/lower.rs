@@ -28,8 +28,8 @@ use kiln_store::BlobDigest;
 use kiln_store::digest::{Hasher, Sha256Hash};
 
 use crate::cache::BlobCache;
+use crate::exec::rootless::overlay_opaque_xattr;
 use crate::layer::whiteout::WhiteoutKind;
-use crate::layer::write::OVERLAY_OPAQUE_XATTR;
 use crate::layer::{LayerError, LimitKind, Limits, Split, apply_layer, bounded_stream, split_name};
 use crate::rootfs::root::{FsError, walk_fd};
 use crate::rootfs::walk::{Walk, WalkError};
@@ -326,7 +326,7 @@ fn mark_whiteouts(
                     }
                 }
                 WhiteoutKind::Opaque => {
-                    rustix::fs::fsetxattr(&dir, OVERLAY_OPAQUE_XATTR, b"y", XattrFlags::empty())?
+                    rustix::fs::fsetxattr(&dir, overlay_opaque_xattr(), b"y", XattrFlags::empty())?
                 }
                 WhiteoutKind::None | WhiteoutKind::Meta => {}
             }

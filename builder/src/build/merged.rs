@@ -17,7 +17,8 @@ use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
 use rustix::mount::{
     FsMountFlags, FsOpenFlags, MountAttrFlags, MountPropagationFlags, MoveMountFlags, UnmountFlags,
-    fsconfig_create, fsconfig_set_string, fsmount, fsopen, mount_change, move_mount, unmount,
+    fsconfig_create, fsconfig_set_flag, fsconfig_set_string, fsmount, fsopen, mount_change,
+    move_mount, unmount,
 };
 
 /// Errors of merged-view work.
@@ -90,6 +91,9 @@ fn mount_overlay(
     }
     fsconfig_set_string(&fs, "upperdir", upper).map_err(|e| format!("overlay upperdir: {e}"))?;
     fsconfig_set_string(&fs, "workdir", work).map_err(|e| format!("overlay workdir: {e}"))?;
+    if crate::exec::rootless::in_user_namespace() {
+        fsconfig_set_flag(&fs, "userxattr").map_err(|e| format!("overlay userxattr: {e}"))?;
+    }
     fsconfig_create(&fs).map_err(|e| format!("creating the overlay: {e}"))?;
     let mnt = fsmount(
         &fs,

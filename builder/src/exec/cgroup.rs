@@ -115,7 +115,45 @@ static COUNTER: AtomicU64 = AtomicU64::new(0);
 
 impl StepCgroup {
     /// Creates a fresh group under `parent` (a relative path such as `kiln`) with `limits`.
+    ///
+    /// In a user namespace (a rootless kiln, [`super::rootless`]), a parent this process may
+    /// not write (the host's cgroups belong to host root unless a parent is delegated to the
+    /// user: README, "Builds without root") gives a group that enforces nothing
+    /// ([`StepCgroup::enforced`] is false), with one warning per process naming the
+    /// directory, as rootless Podman runs without limits on cgroup v1.
     pub fn create(parent: &str, limits: CgroupLimits) -> Result<StepCgroup, CgroupError> {
+        match Self::make(parent, limits) {
+            Err(CgroupError::Io { path, source })
+                if super::rootless::in_user_namespace()
+                    && matches!(
+                        source.raw_os_error(),
+                        Some(libc::EACCES | libc::EPERM | libc::EROFS)
+                    ) =>
+            {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        "steps run without their memory and pids limits: cgroup {}: {source} \
+                         (a build without root needs a cgroup parent delegated to its user: \
+                         README, \"Builds without root\")",
+                        path.display()
+                    )
+                });
+                Ok(StepCgroup {
+                    layout: detect().unwrap_or(CgroupLayout::Legacy),
+                    dirs: Vec::new(),
+                })
+            }
+            r => r,
+        }
+    }
+
+    /// Whether the group exists and enforces its limits (see [`StepCgroup::create`]).
+    pub fn enforced(&self) -> bool {
+        !self.dirs.is_empty()
+    }
+
+    fn make(parent: &str, limits: CgroupLimits) -> Result<StepCgroup, CgroupError> {
         let layout = detect()?;
         let name = format!(
             "step-{}-{}",
@@ -229,7 +267,9 @@ impl StepCgroup {
 
     /// Limit events so far.
     pub fn events(&self) -> CgroupEvents {
-        let d = &self.dirs[0];
+        let Some(d) = self.dirs.first() else {
+            return CgroupEvents::default();
+        };
         match self.layout {
             CgroupLayout::Unified => CgroupEvents {
                 oom_kills: keyed(&d.join("memory.events"), "oom_kill"),

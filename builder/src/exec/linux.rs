@@ -206,10 +206,11 @@ impl StepExecutor for LinuxExecutor {
             lowers.push(overlay_path(&empty_lower)?);
         }
         let data = format!(
-            "lowerdir={},upperdir={},workdir={}",
+            "lowerdir={},upperdir={},workdir={}{}",
             lowers.join(":"),
             overlay_path(&spec.upper_dir)?,
-            overlay_path(&spec.work_dir)?
+            overlay_path(&spec.work_dir)?,
+            super::rootless::overlay_option()
         );
         // Too long for mount(2): only the new mount API (below, in pid 1) can mount it.
         let overlay_data = if data.len() > MAX_MOUNT_DATA {
@@ -410,6 +411,9 @@ impl StepExecutor for LinuxExecutor {
                     }
                     if stop.is_some() {
                         cgroup.kill_all();
+                        // Without a group (a rootless kiln's, StepCgroup::create), the
+                        // keeper's death takes pid 1, and with it the pid namespace.
+                        guard.reap();
                     }
                 }
                 std::thread::sleep(Duration::from_millis(20));
@@ -679,7 +683,7 @@ pub fn cleanup_mount_points(spec: &StepSpec) {
         return;
     }
     let mut buf = [0u8; 8];
-    if rustix::fs::lgetxattr(&etc, "trusted.overlay.opaque", &mut buf).is_ok() {
+    if rustix::fs::lgetxattr(&etc, super::rootless::overlay_opaque_xattr(), &mut buf).is_ok() {
         return;
     }
     let lower = spec
@@ -853,7 +857,7 @@ fn mnt(
 fn mount_overlay(plan: &ChildPlan, merged: &str) -> Result<(), String> {
     use rustix::mount::{
         FsMountFlags, FsOpenFlags, MountAttrFlags, MoveMountFlags, fsconfig_create,
-        fsconfig_set_string, fsmount, fsopen, move_mount,
+        fsconfig_set_flag, fsconfig_set_string, fsmount, fsopen, move_mount,
     };
     let upper = plan
         .spec
@@ -871,6 +875,9 @@ fn mount_overlay(plan: &ChildPlan, merged: &str) -> Result<(), String> {
         fsconfig_set_string(&fs, "upperdir", upper)
             .map_err(|e| format!("overlay upperdir: {e}"))?;
         fsconfig_set_string(&fs, "workdir", work).map_err(|e| format!("overlay workdir: {e}"))?;
+        if super::rootless::in_user_namespace() {
+            fsconfig_set_flag(&fs, "userxattr").map_err(|e| format!("overlay userxattr: {e}"))?;
+        }
         fsconfig_create(&fs).map_err(|e| format!("creating the overlay: {e}"))?;
         let mnt = fsmount(
             &fs,
@@ -921,6 +928,17 @@ fn die_with_keeper(keeper_alive: RawFd) {
         unsafe { libc::_exit(SETUP_FAILED) }
     }
 }
+
+/// The device nodes every step's `/dev` has: name, major, minor (devices.txt of Linux's
+/// `Documentation/admin-guide/devices.txt`), as Docker's default set.
+const STEP_DEVICES: [(&str, u32, u32); 6] = [
+    ("null", 1, 3),
+    ("zero", 1, 5),
+    ("full", 1, 7),
+    ("random", 1, 8),
+    ("urandom", 1, 9),
+    ("tty", 5, 0),
+];
 
 fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), String> {
     let spec = &plan.spec;
@@ -976,7 +994,49 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), Str
     }
     // RUN --mount, while host paths (binds, caches) can still be reached.
     super::mounts::mount_all(&root_fd, &plan.mounts, idmap.as_ref())?;
+    // /proc (of the step's pid namespace) and /sys, while the host's are still in this
+    // mount namespace: in a user namespace (a rootless kiln) the kernel mounts either only
+    // where one is fully visible already (`mount_too_revealing`, fs/namespace.c).
+    // `--security=insecure` (BuildKit's `WithInsecureSpec`, `WithWriteableSysfs`): no
+    // read-only or masked kernel paths, a writable /sys, the host's usual devices, every
+    // capability, no seccomp filter.
+    let insecure = spec.security == Security::Insecure;
+    let sys_flags = if insecure {
+        nsd
+    } else {
+        nsd | MountFlags::RDONLY
+    };
+    for (dir, fstype, flags) in [("proc", "proc", nsd), ("sys", "sysfs", sys_flags)] {
+        let at = super::mounts::mount_point(&root_fd, dir, false)?;
+        mnt(
+            fstype,
+            &format!("/proc/self/fd/{}", at.as_raw_fd()),
+            fstype,
+            flags,
+            None,
+        )?;
+    }
     drop(root_fd);
+    // In a user namespace (a rootless kiln) no device node can be made: the step's /dev
+    // nodes are copies of the host's own mounts of them, taken while the host's root is
+    // still here (as rootless runc binds them).
+    let host_devices = if super::rootless::in_user_namespace() {
+        let mut fds = Vec::new();
+        for (name, _, _) in STEP_DEVICES {
+            let path = format!("/dev/{name}");
+            let fd = rustix::mount::open_tree(
+                rustix::fs::CWD,
+                path.as_str(),
+                rustix::mount::OpenTreeFlags::OPEN_TREE_CLONE
+                    | rustix::mount::OpenTreeFlags::OPEN_TREE_CLOEXEC,
+            )
+            .map_err(|e| format!("taking the host's {path}: {e}"))?;
+            fds.push(fd);
+        }
+        Some(fds)
+    } else {
+        None
+    };
 
     rustix::process::chdir(merged).map_err(|e| format!("chdir: {e}"))?;
     rustix::process::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
@@ -984,12 +1044,6 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), Str
     rustix::process::chdir("/").map_err(|e| format!("chdir /: {e}"))?;
 
     // From here on every path resolves inside the step's root, symlinks included.
-    // `--security=insecure` (BuildKit's `WithInsecureSpec`, `WithWriteableSysfs`): no
-    // read-only or masked kernel paths, a writable /sys, the host's usual devices, every
-    // capability, no seccomp filter.
-    let insecure = spec.security == Security::Insecure;
-    mkdir_p("/proc")?;
-    mnt("proc", "/proc", "proc", nsd, None)?;
     for p in [
         "/proc/sys",
         "/proc/sysrq-trigger",
@@ -1011,13 +1065,6 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), Str
         )
         .map_err(|e| format!("making {target} read-only: {e}"))?;
     }
-    mkdir_p("/sys")?;
-    let sys_flags = if insecure {
-        nsd
-    } else {
-        nsd | MountFlags::RDONLY
-    };
-    mnt("sysfs", "/sys", "sysfs", sys_flags, None)?;
 
     mkdir_p("/dev")?;
     mnt(
@@ -1027,15 +1074,13 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), Str
         MountFlags::NOSUID,
         Some(c"mode=755,size=65536k"),
     )?;
-    for (name, major, minor) in [
-        ("null", 1, 3),
-        ("zero", 1, 5),
-        ("full", 1, 7),
-        ("random", 1, 8),
-        ("urandom", 1, 9),
-        ("tty", 5, 0),
-    ] {
+    for (i, (name, major, minor)) in STEP_DEVICES.into_iter().enumerate() {
         let path = format!("/dev/{name}");
+        if let Some(devs) = &host_devices {
+            fs::File::create(&path).map_err(|e| format!("creating {path}: {e}"))?;
+            ns::attach(&devs[i], Path::new(&path))?;
+            continue;
+        }
         rustix::fs::mknodat(
             rustix::fs::CWD,
             path.as_str(),

@@ -25,6 +25,7 @@ pub mod cgroup;
 mod linux;
 pub mod logs;
 pub mod mounts;
+pub mod rootless;
 mod seccomp;
 pub mod userns;
 
@@ -108,7 +109,8 @@ pub struct ExecConfig {
     pub allow_insecure: bool,
     /// Hostname inside steps.
     pub hostname: String,
-    /// Parent of the per-step cgroups, relative to each hierarchy (default `kiln`).
+    /// Parent of the per-step cgroups, relative to each hierarchy (default `kiln`; in a
+    /// user namespace `kiln-<host uid>`, [`rootless::cgroup_parent`]).
     pub cgroup_parent: String,
     /// Directory for per-step scratch (mount point, hosts files); default
     /// `$TMPDIR/kiln-exec`. Must not contain `:` or `,` (overlayfs option syntax).
@@ -136,7 +138,7 @@ impl Default for ExecConfig {
             allow_network_host: false,
             allow_insecure: false,
             hostname: DEFAULT_HOSTNAME.to_string(),
-            cgroup_parent: "kiln".to_string(),
+            cgroup_parent: rootless::cgroup_parent(),
             run_dir: std::env::temp_dir().join("kiln-exec"),
             log_limits: LogLimits::default(),
             slirp4netns: PathBuf::from("slirp4netns"),

@@ -1003,7 +1003,7 @@ fn fd_path(fd: &OwnedFd) -> String {
 
 /// Creates the mount point `rel` under the root `root` (never following a symlink: the path
 /// was resolved by [`canonical`]; a symlink met now is refused) and opens it `O_PATH`.
-fn mount_point(root: &OwnedFd, rel: &str, file: bool) -> Result<OwnedFd, String> {
+pub(super) fn mount_point(root: &OwnedFd, rel: &str, file: bool) -> Result<OwnedFd, String> {
     let comps: Vec<&str> = rel.split('/').filter(|c| !c.is_empty()).collect();
     let Some((last, parents)) = comps.split_last() else {
         return Err("mount target is the root".into());
@@ -1204,9 +1204,10 @@ pub(crate) fn mount_all(
                         let lower = mount_point(root, &m.rel, false)?;
                         let lower = fd_path(&lower);
                         let data = format!(
-                            "lowerdir={lower},upperdir={},workdir={}",
+                            "lowerdir={lower},upperdir={},workdir={}{}",
                             upper.display(),
-                            work.display()
+                            work.display(),
+                            super::rootless::overlay_option()
                         );
                         let data = CString::new(data).map_err(|_| "NUL in a path".to_string())?;
                         mount(
@@ -1307,7 +1308,9 @@ pub fn cleanup(p: &PreparedMounts, upper: &Path, lowers: &[PathBuf]) {
             .filter(|l| real_dirs_to(l, &rel))
             .find_map(|l| l.join(&rel).symlink_metadata().ok());
         let mut opaque = [0u8; 8];
-        if rustix::fs::lgetxattr(&path, "trusted.overlay.opaque", &mut opaque).is_ok() {
+        if rustix::fs::lgetxattr(&path, super::rootless::overlay_opaque_xattr(), &mut opaque)
+            .is_ok()
+        {
             continue;
         }
         if md.is_dir() {

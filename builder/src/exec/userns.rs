@@ -53,9 +53,14 @@ pub enum StepUserns {
 
 impl Default for StepUserns {
     /// From `KILN_STEP_USERNS` ([`StepUserns::parse`]; unset: the subordinate ids of
-    /// [`DEFAULT_SUBID_NAME`]).
+    /// [`DEFAULT_SUBID_NAME`], or [`StepUserns::Host`] in a process that already runs in a
+    /// user namespace, a rootless kiln's: its steps stay in it, [`super::rootless`]).
     fn default() -> Self {
-        Self::parse(&std::env::var("KILN_STEP_USERNS").unwrap_or_default())
+        match std::env::var("KILN_STEP_USERNS") {
+            Ok(v) if !v.trim().is_empty() => Self::parse(&v),
+            _ if super::rootless::in_user_namespace() => StepUserns::Host,
+            _ => Self::parse(""),
+        }
     }
 }
 
@@ -78,6 +83,13 @@ impl StepUserns {
         match self {
             StepUserns::Host => Ok(None),
             StepUserns::Map(m) => Ok(Some(*m)),
+            StepUserns::Subids(name) if super::rootless::in_user_namespace() => {
+                Err(ExecError::Userns(format!(
+                    "KILN_STEP_USERNS={name}: this kiln already runs in a user namespace \
+                     (rootless, or root of a container's), where steps stay: unset \
+                     KILN_STEP_USERNS, or run kiln as host root"
+                )))
+            }
             StepUserns::Subids(name) => {
                 let read = |path: &str| {
                     std::fs::read_to_string(path).or_else(|e| {
@@ -361,7 +373,7 @@ pub(crate) mod child {
             target,
             MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
         )
-        .map_err(|e| format!("attaching the idmapped {}: {e}", target.display()))
+        .map_err(|e| format!("attaching a mount on {}: {e}", target.display()))
     }
 
     /// Attaches `tree` on the mount point `target` (an open descriptor, `O_PATH` will do).

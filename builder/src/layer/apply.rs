@@ -414,6 +414,18 @@ impl Applier {
                     .into_owned();
                 self.hard_link(dir, base, &target, existing.is_some())?;
             }
+            T::Char | T::Block if crate::exec::rootless::in_user_namespace() => {
+                // No device node can be made in a user namespace (mknod(2) needs CAP_MKNOD
+                // in the host's): left out of the tree, as Moby's and containers/storage's
+                // appliers do there. The layer, and the image made from the layers, keep it.
+                if existing.is_some() {
+                    self.remove_all(dir, base, 0)?;
+                }
+                tracing::debug!(
+                    "device node {} left out: a user namespace cannot make it",
+                    String::from_utf8_lossy(&entry.path_bytes())
+                );
+            }
             T::Char | T::Block | T::Fifo => {
                 let h = entry.header();
                 let major = h.device_major().ok().flatten().unwrap_or(0);

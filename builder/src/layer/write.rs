@@ -24,6 +24,8 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
+use crate::exec::rootless::{overlay_opaque_xattr, overlay_xattr_prefix};
+
 use sha2::{Digest as _, Sha256};
 
 /// The gzip level layers are written with (flate2's default, 6).
@@ -74,8 +76,9 @@ pub fn write_layer(
 /// with overlayfs' change markers turned into the OCI image spec's (`layer.md`,
 /// "Whiteouts"; Linux `Documentation/filesystems/overlayfs.rst`, "whiteouts and opaque
 /// directories"): a character device 0/0 named `x` becomes an empty regular file `.wh.x`,
-/// a directory with the xattr `trusted.overlay.opaque=y` gets a `.wh..wh..opq` entry first
-/// inside it, and no `trusted.overlay.*` xattr reaches the layer.
+/// a directory with the xattr `trusted.overlay.opaque=y` (`user.overlay.opaque` in a user
+/// namespace: [`overlay_opaque_xattr`]) gets a `.wh..wh..opq` entry first inside it, and no
+/// overlayfs xattr reaches the layer.
 pub fn write_upper_layer(
     root: &Path,
     out: impl Write,
@@ -83,11 +86,6 @@ pub fn write_upper_layer(
 ) -> io::Result<Written> {
     write_tree(root, out, source_date_epoch, true)
 }
-
-/// The overlayfs xattr namespace (`trusted.overlay.`), never written into a layer.
-const OVERLAY_XATTR_PREFIX: &str = "trusted.overlay.";
-/// The overlayfs opaque directory marker.
-pub const OVERLAY_OPAQUE_XATTR: &str = "trusted.overlay.opaque";
 
 fn write_tree(
     root: &Path,
@@ -221,7 +219,7 @@ fn walk<W: Write>(
         let n = rustix::fs::llistxattr(&path, &mut buf[..]).map_err(io::Error::from)?;
         for k in buf[..n].split(|c| *c == 0).filter(|s| !s.is_empty()) {
             let k = String::from_utf8_lossy(k).into_owned();
-            if k == "security.selinux" || (overlay && k.starts_with(OVERLAY_XATTR_PREFIX)) {
+            if k == "security.selinux" || (overlay && k.starts_with(overlay_xattr_prefix())) {
                 continue;
             }
             let mut v = vec![0u8; 64 << 10];
@@ -310,10 +308,10 @@ fn walk<W: Write>(
     Ok(())
 }
 
-/// Whether `dir` carries overlayfs' opaque marker (`trusted.overlay.opaque` = `y`).
+/// Whether `dir` carries overlayfs' opaque marker ([`overlay_opaque_xattr`] = `y`).
 pub fn is_opaque(dir: &Path) -> io::Result<bool> {
     let mut v = [0u8; 8];
-    match rustix::fs::lgetxattr(dir, OVERLAY_OPAQUE_XATTR, &mut v[..]) {
+    match rustix::fs::lgetxattr(dir, overlay_opaque_xattr(), &mut v[..]) {
         Ok(n) => Ok(&v[..n] == b"y"),
         Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(false),
         Err(e) => Err(e.into()),

@@ -390,6 +390,53 @@ fn network_policy(a: &Args) -> anyhow::Result<NetworkPolicy> {
     })
 }
 
+/// `kiln build` as a user other than root: refuses what needs host root, with the
+/// capability it needs, then runs the build again as root of a user namespace mapped to
+/// the user's subordinate ids ([`kiln_builder::exec::rootless`]) and returns its exit code.
+pub fn run_without_root(a: &Args) -> anyhow::Result<u8> {
+    let needs = |what: &str, why: &str| {
+        anyhow::anyhow!(
+            "{what} needs host root ({why}); a build without root runs in a user namespace. \
+             Run it as root, or leave {what} out"
+        )
+    };
+    if a.isolation == Isolation::Vm {
+        return Err(needs(
+            "--isolation vm",
+            "each QEMU runs jailed with a uid and a cgroup of its own: CAP_SETUID and \
+             CAP_SYS_ADMIN on the host",
+        ));
+    }
+    if a.snapshot {
+        return Err(needs(
+            "--snapshot",
+            "the boot-once QEMU runs jailed with a uid and a cgroup of its own: CAP_SETUID \
+             and CAP_SYS_ADMIN on the host",
+        ));
+    }
+    for e in &a.allow {
+        match e.as_str() {
+            "network.host" => {
+                return Err(needs(
+                    "--allow network.host",
+                    "a step in the host's network namespace has no CAP_NET_ADMIN or \
+                     CAP_NET_RAW there",
+                ));
+            }
+            "security.insecure" => {
+                return Err(needs(
+                    "--allow security.insecure",
+                    "the host's devices and every capability on the host",
+                ));
+            }
+            _ => {}
+        }
+    }
+    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    let code = kiln_builder::exec::rootless::reexec(args)?;
+    Ok(u8::try_from(code).unwrap_or(u8::MAX))
+}
+
 /// Runs `kiln build`: flags → [`BuildRequest`] → [`kiln_pipeline::run`] → the digest on
 /// stdout (or the `built` event with `--json`), `--iidfile`, `--metadata-file` and a summary line on stderr.
 pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {

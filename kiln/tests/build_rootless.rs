@@ -1,0 +1,309 @@
+//! `kiln build` without root (issue 36 §2): run by an unprivileged user with subordinate ids
+//! (`kiln-rootless`, made by `ci/setup.sh`), into the store under its `$HOME`'s XDG data
+//! directory. The builds give the digests the same builds give as root, the store holds
+//! nothing of host root's, `kiln inspect --fsck` passes as the user, and what needs host root
+//! is refused naming it.
+
+use std::os::unix::fs::MetadataExt as _;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use kiln_tests::require_env;
+
+/// The unprivileged user `ci/setup.sh` makes, with subordinate ids.
+const USER: &str = "kiln-rootless";
+
+/// uid and gid of `name` in /etc/passwd.
+fn ids_of(name: &str) -> Option<(u32, u32)> {
+    let passwd = std::fs::read_to_string("/etc/passwd").expect("/etc/passwd");
+    passwd.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.first() == Some(&name))
+            .then(|| Some((f.get(2)?.parse().ok()?, f.get(3)?.parse().ok()?)))?
+    })
+}
+
+/// A scratch directory owned by `uid:gid`, with a context holding `dockerfile` and a home.
+struct Scratch {
+    _t: tempfile::TempDir,
+    dir: PathBuf,
+    uid: u32,
+    gid: u32,
+}
+
+impl Scratch {
+    fn new(uid: u32, gid: u32, dockerfile: &str) -> Scratch {
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "these tests start kiln as another user: they need root (CI runs them as root)"
+        );
+        let t = tempfile::tempdir().expect("tempdir");
+        let dir = t.path().to_path_buf();
+        std::fs::create_dir_all(dir.join("ctx")).expect("mkdir");
+        std::fs::create_dir_all(dir.join("home")).expect("mkdir");
+        std::fs::write(dir.join("ctx/Dockerfile"), dockerfile).expect("write");
+        for p in [
+            &dir,
+            &dir.join("ctx"),
+            &dir.join("ctx/Dockerfile"),
+            &dir.join("home"),
+        ] {
+            std::os::unix::fs::chown(p, Some(uid), Some(gid)).expect("chown");
+        }
+        Scratch {
+            _t: t,
+            dir,
+            uid,
+            gid,
+        }
+    }
+
+    /// `kiln ARGS` as the user, in a clean environment but for the test servers' variables.
+    fn kiln_as_user(&self, args: &[&str]) -> Output {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+        c.env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", self.dir.join("home"))
+            .current_dir(&self.dir)
+            .args(args)
+            .uid(self.uid)
+            .gid(self.gid);
+        c.output().expect("run kiln")
+    }
+
+    /// The user's store: the XDG default under its home.
+    fn store(&self) -> PathBuf {
+        self.dir.join("home/.local/share/kiln/store")
+    }
+}
+
+fn ok(o: &Output, what: &str) -> String {
+    assert!(
+        o.status.success(),
+        "{what}: {}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).trim().to_string()
+}
+
+fn last_line(s: &str) -> String {
+    s.lines().last().expect("a line").to_string()
+}
+
+/// The build every test makes, of `ctx`, deterministic (`SOURCE_DATE_EPOCH`).
+const BUILD: &[&str] = &[
+    "build",
+    "ctx",
+    "-t",
+    "rootless:1",
+    "--progress",
+    "plain",
+    "--build-arg",
+    "SOURCE_DATE_EPOCH=1700000000",
+];
+
+/// The same build as root, into a store of its own: the image digest.
+fn as_root(s: &Scratch) -> String {
+    let store = s.dir.join("root-store");
+    let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .env("KILN_STORE", &store)
+        .current_dir(&s.dir)
+        .args(BUILD)
+        .output()
+        .expect("run kiln");
+    last_line(&ok(&o, "the build as root"))
+}
+
+/// Every file under `dir` belongs to `uid` or, for the trees of unpacked layers, to one of
+/// its subordinate ids (`name`'s range in /etc/subuid): none to host root.
+fn assert_all_owned_by(dir: &Path, name: &str, uid: u32) {
+    let subuid = std::fs::read_to_string("/etc/subuid").expect("/etc/subuid");
+    let (first, count) = subuid
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split(':').collect();
+            (f.first() == Some(&name)).then(|| {
+                Some((
+                    f.get(1)?.parse::<u32>().ok()?,
+                    f.get(2)?.parse::<u32>().ok()?,
+                ))
+            })?
+        })
+        .expect("a subordinate range");
+    let mut stack = vec![dir.to_path_buf()];
+    let mut n = 0;
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).expect("read_dir") {
+            let e = e.expect("entry");
+            let md = e.path().symlink_metadata().expect("stat");
+            let owner = md.uid();
+            assert!(
+                owner == uid || (first..first + count).contains(&owner),
+                "{} belongs to uid {owner}, not the user's {uid} or its subordinate ids",
+                e.path().display()
+            );
+            n += 1;
+            if md.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    assert!(n > 10, "the store has {n} files");
+}
+
+fn user() -> (u32, u32) {
+    ids_of(USER).unwrap_or_else(|| {
+        panic!("no user {USER}: ci/setup.sh makes it, with subordinate ids (run it first)")
+    })
+}
+
+/// A user without root builds FROM a registry image with `RUN` steps and a cache mount
+/// shared by two steps: the digest is the one root's build gives, the store holds only the
+/// user's files, and `kiln inspect --fsck` passes as the user.
+#[test]
+fn a_user_without_root_builds_with_run_steps_and_a_cache_mount() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (uid, gid) = user();
+    let s = Scratch::new(
+        uid,
+        gid,
+        &format!(
+            "FROM {bb}\n\
+             RUN echo hi > /hello && mkdir -p /home/u && chown 1000:1000 /home/u \
+             && touch /nobody && chown 65534:65534 /nobody\n\
+             RUN --mount=type=cache,target=/cache echo one > /cache/f\n\
+             RUN --mount=type=cache,target=/cache cp /cache/f /from-cache \
+             && test -c /dev/null && echo x > /dev/null && echo char > /devnull\n"
+        ),
+    );
+    let out = ok(&s.kiln_as_user(BUILD), "the build without root");
+    let digest = last_line(&out);
+    assert!(digest.starts_with("sha256:"), "{out}");
+    assert_eq!(digest, as_root(&s), "the digest of the same build as root");
+    assert_all_owned_by(&s.store(), USER, uid);
+    ok(
+        &s.kiln_as_user(&["inspect", "--fsck", "rootless:1"]),
+        "kiln inspect --fsck as the user",
+    );
+
+    // What the steps saw: their ids were the user namespace's (root is the user; 1 and up
+    // the subordinate ids), the cache mount carried the first step's file to the second,
+    // and /dev/null was a character device. (The map is the host's business: a step more,
+    // after the digest's comparison.)
+    let dockerfile = s.dir.join("ctx/Dockerfile");
+    let mut text = std::fs::read_to_string(&dockerfile).expect("read");
+    text.push_str("RUN cat /proc/self/uid_map > /map\n");
+    std::fs::write(&dockerfile, text).expect("write");
+    ok(&s.kiln_as_user(BUILD), "the second build without root");
+    let root = s.dir.join("unpacked");
+    ok(
+        &Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .env("KILN_STORE", s.store())
+            .args(["unpack", "rootless:1"])
+            .arg(&root)
+            .output()
+            .expect("run kiln unpack"),
+        "kiln unpack as root",
+    );
+    let map = std::fs::read_to_string(root.join("map")).expect("map");
+    let first: Vec<&str> = map
+        .lines()
+        .next()
+        .expect("a line")
+        .split_whitespace()
+        .collect();
+    assert_eq!(first, ["0", &uid.to_string(), "1"], "{map}");
+    assert_eq!(
+        std::fs::read_to_string(root.join("from-cache")).expect("from-cache"),
+        "one\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(root.join("devnull")).expect("devnull"),
+        "char\n"
+    );
+    for (p, owner) in [("home/u", 1000), ("nobody", 65534), ("hello", 0)] {
+        let md = root.join(p).symlink_metadata().expect("stat");
+        assert_eq!((md.uid(), md.gid()), (owner, owner), "/{p}");
+    }
+}
+
+/// A user without root builds FROM the Debian fixture, whose `RUN` makes users and files
+/// owned by several of them: the digest is root's, and fsck passes.
+#[test]
+fn a_user_without_root_builds_from_debian_with_files_of_several_users() {
+    let debian = require_env("KILN_TEST_DEBIAN_REF");
+    let (uid, gid) = user();
+    let s = Scratch::new(
+        uid,
+        gid,
+        &format!(
+            "FROM {debian}\n\
+             RUN useradd -u 1000 -m alice && useradd -u 4242 -m bob \
+             && install -d -o alice -g alice /srv/a && install -o bob -g bob /dev/null /srv/b \
+             && install -d -o 65534 -g 65534 /srv/nobody && rm -rf /var/log/*\n\
+             USER alice\n\
+             RUN echo mine > /srv/a/mine && id -u > /srv/a/id\n"
+        ),
+    );
+    let out = ok(&s.kiln_as_user(BUILD), "the build without root");
+    let digest = last_line(&out);
+    assert_eq!(digest, as_root(&s), "the digest of the same build as root");
+    ok(
+        &s.kiln_as_user(&["inspect", "--fsck", "rootless:1"]),
+        "kiln inspect --fsck as the user",
+    );
+}
+
+/// What needs host root is refused before anything runs, naming what it needs; a user
+/// without subordinate ids is told how to get them; a debootstrap base is refused.
+#[test]
+fn what_needs_host_root_is_refused_naming_it() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (uid, gid) = user();
+    let s = Scratch::new(uid, gid, &format!("FROM {bb}\nRUN true\n"));
+    for (args, needle) in [
+        (&["--isolation", "vm"][..], "--isolation vm needs host root"),
+        (&["--snapshot"][..], "--snapshot needs host root"),
+        (&["--allow", "network.host"][..], "CAP_NET_ADMIN"),
+        (
+            &["--allow", "security.insecure"][..],
+            "--allow security.insecure needs host root",
+        ),
+    ] {
+        let mut a = vec!["build", "ctx"];
+        a.extend_from_slice(args);
+        let o = s.kiln_as_user(&a);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && err.contains(needle),
+            "{args:?}: {err}"
+        );
+    }
+
+    std::fs::write(
+        s.dir.join("ctx/recipe.yaml"),
+        "from:\n  bootstrap:\n    distro: debian\n    suite: bookworm\n    mirror: http://127.0.0.1:1/debian\n",
+    )
+    .expect("write");
+    let o = s.kiln_as_user(&["build", "-f", "ctx/recipe.yaml", "ctx"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && err.contains("debootstrap needs host root")
+            && err.contains("CAP_MKNOD"),
+        "{err}"
+    );
+
+    // nobody has no subordinate ids.
+    let (nuid, ngid) = ids_of("nobody").expect("nobody");
+    let n = Scratch::new(nuid, ngid, &format!("FROM {bb}\nRUN true\n"));
+    let o = n.kiln_as_user(&["build", "ctx"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("/etc/subuid") && err.contains("usermod --add-subuids"),
+        "{err}"
+    );
+}
