@@ -120,6 +120,18 @@ fn main() -> ExitCode {
             }
         }
         Command::Build(a) => cmd::report(&out, cmd::build::run(*a, &out)),
+        // A user with subordinate ids may have built without root: the unpacked layers of
+        // its store belong to those ids too, and only the namespace may remove them.
+        Command::Store(cmd::store::Command::Gc(_))
+            if !kiln_builder::exec::rootless::is_root()
+                && kiln_builder::exec::rootless::subordinate_ids().is_ok() =>
+        {
+            let args = std::env::args_os().skip(1).collect();
+            match kiln_builder::exec::rootless::reexec(args) {
+                Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(u8::MAX)),
+                Err(e) => cmd::report(&out, Err(e.into())),
+            }
+        }
         Command::Plan(a) => cmd::plan::run(&a, out.json),
         // These run their own runtime.
         Command::Pull(a) => cmd::report(&out, cmd::pull::run(a)),

@@ -245,7 +245,7 @@ fn a_user_without_root_builds_from_debian_with_files_of_several_users() {
              && install -d -o alice -g alice /srv/a && install -o bob -g bob /dev/null /srv/b \
              && install -d -o 65534 -g 65534 /srv/nobody && rm -rf /var/log/*\n\
              USER alice\n\
-             RUN echo mine > /srv/a/mine && id -u > /srv/a/id\n"
+             RUN echo mine > /srv/a/mine && id -u > /srv/a/id && echo x > /home/alice/f\n"
         ),
     );
     let out = ok(&s.kiln_as_user(BUILD), "the build without root");
@@ -254,6 +254,26 @@ fn a_user_without_root_builds_from_debian_with_files_of_several_users() {
     ok(
         &s.kiln_as_user(&["inspect", "--fsck", "rootless:1"]),
         "kiln inspect --fsck as the user",
+    );
+    // The unpacked layers hold files of alice's and bob's subordinate ids, in their
+    // directories: `kiln store gc` as the user removes them all the same.
+    let layers = s.store().join(".build/layers");
+    let unpacked = || {
+        std::fs::read_dir(&layers)
+            .expect("layers")
+            .filter(|e| e.as_ref().is_ok_and(|e| e.file_name().len() == 64))
+            .count()
+    };
+    assert!(unpacked() > 0);
+    ok(
+        &s.kiln_as_user(&["store", "gc"]),
+        "kiln store gc as the user",
+    );
+    assert_eq!(
+        unpacked(),
+        0,
+        "unpacked layers left in {}",
+        layers.display()
     );
 }
 
@@ -306,4 +326,97 @@ fn what_needs_host_root_is_refused_naming_it() {
         !o.status.success() && err.contains("/etc/subuid") && err.contains("usermod --add-subuids"),
         "{err}"
     );
+}
+
+/// A context directory the user cannot read (host root's, mode 0700) is never opened when
+/// `.dockerignore` excludes it, so the build passes; without the exclusion, the error names
+/// it.
+#[test]
+fn an_unreadable_directory_the_dockerignore_excludes_is_never_opened() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (uid, gid) = user();
+    let s = Scratch::new(
+        uid,
+        gid,
+        &format!("FROM {bb}\nCOPY . /app\nRUN ls /app > /listed\n"),
+    );
+    let ctx = s.dir.join("ctx");
+    std::fs::create_dir(ctx.join("secret")).expect("mkdir");
+    std::fs::write(ctx.join("secret/key"), "key\n").expect("write");
+    std::fs::set_permissions(
+        ctx.join("secret"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .expect("chmod");
+    let ignore = ctx.join(".dockerignore");
+    std::fs::write(&ignore, "secret\n").expect("write");
+    std::os::unix::fs::chown(&ignore, Some(uid), Some(gid)).expect("chown");
+    let build = ["build", "ctx", "--network", "none", "--progress", "plain"];
+    ok(&s.kiln_as_user(&build), "the build that excludes secret/");
+
+    std::fs::write(&ignore, "").expect("write");
+    let o = s.kiln_as_user(&build);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("\"./secret\": open: Permission denied"),
+        "{err}"
+    );
+}
+
+/// The README's delegation step for cgroup v1 (`kiln-UID` under the memory and pids
+/// hierarchies, owned by the user) gives a user's steps their groups, and limits; without
+/// it, the build warns once and its steps run without. (On a pure cgroup v2 host there is no
+/// v1 step to take: only the warning is checked.)
+#[test]
+fn a_delegated_cgroup_parent_gives_the_steps_of_a_user_their_limits() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (uid, gid) = user();
+    let s = Scratch::new(
+        uid,
+        gid,
+        &format!("FROM {bb}\nRUN cat /proc/self/cgroup > /cgroup\n"),
+    );
+    let warning = "steps run without their memory and pids limits";
+    let v1 = Path::new("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists();
+    let parents: Vec<PathBuf> = ["memory", "pids"]
+        .iter()
+        .map(|c| PathBuf::from(format!("/sys/fs/cgroup/{c}/kiln-{uid}")))
+        .collect();
+    if v1 {
+        for p in &parents {
+            let _ = std::fs::create_dir(p);
+            std::os::unix::fs::chown(p, Some(uid), Some(gid)).expect("chown");
+        }
+    }
+    let o = s.kiln_as_user(&["build", "ctx", "-t", "cg:1", "--network", "none"]);
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    if v1 {
+        for p in &parents {
+            std::fs::remove_dir(p).expect("the delegated parent is left empty");
+        }
+    }
+    ok(&o, "the build without root");
+    if !v1 {
+        assert!(err.contains(warning), "{err}");
+        return;
+    }
+    assert!(!err.contains(warning), "{err}");
+    let root = s.dir.join("unpacked");
+    ok(
+        &Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .env("KILN_STORE", s.store())
+            .args(["unpack", "cg:1"])
+            .arg(&root)
+            .output()
+            .expect("run kiln unpack"),
+        "kiln unpack as root",
+    );
+    let cg = std::fs::read_to_string(root.join("cgroup")).expect("cgroup");
+    for c in ["memory", "pids"] {
+        assert!(
+            cg.lines()
+                .any(|l| l.contains(&format!(":{c}:/kiln-{uid}/step-"))),
+            "{c}: {cg}"
+        );
+    }
 }

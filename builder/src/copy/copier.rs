@@ -403,7 +403,7 @@ impl Copier<'_> {
     ) -> Result<(), CopyError> {
         check_name(dname, &self.shown)?;
         self.count_entry()?;
-        let shown = self.shown.clone();
+        let shown = super::select::entry_shown(&self.shown, src_rel);
         let (uid, gid) = self.meta.owner(st);
         let mtime = ts(st.st_mtime, st.st_mtime_nsec as i64);
         match FileType::from_raw_mode(st.st_mode) {
@@ -495,7 +495,7 @@ impl Copier<'_> {
                 )
                 .map_err(|e| match e {
                     CopyError::Io { op, source, .. } => CopyError::Io {
-                        path: format!("{shown} ({ctx_rel})"),
+                        path: shown.clone(),
                         op,
                         source,
                     },

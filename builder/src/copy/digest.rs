@@ -236,7 +236,7 @@ impl Hasher<'_> {
                 max: super::MAX_TREE_DEPTH as u64,
             });
         }
-        let shown = self.shown.clone();
+        let shown = super::select::entry_shown(&self.shown, src_rel);
         let ft = FileType::from_raw_mode(st.st_mode);
         let (uid, gid) = if self.context {
             (0, 0)

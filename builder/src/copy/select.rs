@@ -108,6 +108,17 @@ pub(super) fn lossy(c: &[Vec<u8>]) -> String {
         .join("/")
 }
 
+/// How errors name an entry of a copy source: the source as the recipe wrote it, then the
+/// entry's path below it (`./secret/key` for `COPY . /app`), or the source alone for its
+/// own top.
+pub(super) fn entry_shown(source: &str, src_rel: &str) -> String {
+    if src_rel.is_empty() {
+        source.to_string()
+    } else {
+        format!("{}/{src_rel}", source.trim_end_matches('/'))
+    }
+}
+
 pub(super) fn join(a: &str, b: &[u8]) -> String {
     let b = String::from_utf8_lossy(b);
     if a.is_empty() {

@@ -10,7 +10,7 @@
 //! ([`super::userns::StepUserns`] is `Host` here: a nested map would need idmapped mounts of
 //! the host's file systems, which only host root may make). On the host, the files kiln
 //! makes belong to the user, and those of other in-image owners to the user's subordinate
-//! ids.
+//! ids; `kiln store gc` by such a user runs in the same namespace, to remove them.
 //!
 //! What a user namespace cannot do, and what kiln does instead:
 //! - **Device nodes** cannot be made (`mknod` needs `CAP_MKNOD` in the host's namespace): a
@@ -148,25 +148,11 @@ extern "C" fn forward(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc
 /// `/etc/subgid` (the message gives the `usermod` line), `newuidmap` or `newgidmap` missing
 /// or refusing the map, or the child failing to start.
 pub fn reexec(args: Vec<OsString>) -> Result<i32, RootlessError> {
-    let uid = rustix::process::getuid().as_raw();
-    let gid = rustix::process::getgid().as_raw();
-    let name = user_name(uid).unwrap_or_else(|| uid.to_string());
-    let range = |file: &str| -> Result<u32, RootlessError> {
-        let text = match std::fs::read_to_string(file) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(e) => return Err(RootlessError(format!("reading {file}: {e}"))),
-        };
-        subid_range(&text, &name, Some(uid)).map_err(|why| {
-            RootlessError(format!(
-                "{file}: {why}. A build without root runs as root of a user namespace \
-                 mapped to your subordinate ids (at least {SUBORDINATE_IDS}); ask an \
-                 administrator to add them, e.g. `usermod --add-subuids 200000-265535 \
-                 --add-subgids 200000-265535 {name}`, or run kiln as root"
-            ))
-        })
-    };
-    let (subuid, subgid) = (range(SUBUID_FILE)?, range(SUBGID_FILE)?);
+    let (uid, gid) = (
+        rustix::process::getuid().as_raw(),
+        rustix::process::getgid().as_raw(),
+    );
+    let (subuid, subgid) = subordinate_ids()?;
 
     let pipe = || {
         rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
@@ -258,6 +244,31 @@ pub fn reexec(args: Vec<OsString>) -> Result<i32, RootlessError> {
     Ok(status
         .code()
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+}
+
+/// The first of this process's user's subordinate uids and gids (at least
+/// [`SUBORDINATE_IDS`] of each, `/etc/subuid` and `/etc/subgid`, by name or uid).
+///
+/// Errors: a file that cannot be read, or no such range (the message says how to add one).
+pub fn subordinate_ids() -> Result<(u32, u32), RootlessError> {
+    let uid = rustix::process::getuid().as_raw();
+    let name = user_name(uid).unwrap_or_else(|| uid.to_string());
+    let range = |file: &str| -> Result<u32, RootlessError> {
+        let text = match std::fs::read_to_string(file) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(RootlessError(format!("reading {file}: {e}"))),
+        };
+        subid_range(&text, &name, Some(uid)).map_err(|why| {
+            RootlessError(format!(
+                "{file}: {why}. A build without root runs as root of a user namespace \
+                 mapped to your subordinate ids (at least {SUBORDINATE_IDS}); ask an \
+                 administrator to add them, e.g. `usermod --add-subuids 200000-265535 \
+                 --add-subgids 200000-265535 {name}`, or run kiln as root"
+            ))
+        })
+    };
+    Ok((range(SUBUID_FILE)?, range(SUBGID_FILE)?))
 }
 
 /// Runs `newuidmap`/`newgidmap` for `pid`: 0 → `own`, `1..=SUBORDINATE_IDS` → `first..`.
