@@ -420,3 +420,52 @@ fn a_delegated_cgroup_parent_gives_the_steps_of_a_user_their_limits() {
         );
     }
 }
+
+/// A base whose files belong to ids past 65536 (made as root with steps as host root, and
+/// exported as an OCI layout) cannot be unpacked in a user's namespace: the error names the
+/// layer entry and its owner.
+#[test]
+fn a_base_owned_past_the_map_is_a_clear_error() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (uid, gid) = user();
+    let s = Scratch::new(uid, gid, "FROM big:1\nRUN true\n");
+    let base = s.dir.join("base");
+    std::fs::create_dir(&base).expect("mkdir");
+    std::fs::write(
+        base.join("Dockerfile"),
+        format!("FROM {bb}\nRUN touch /big && chown 100000:100001 /big\n"),
+    )
+    .expect("write");
+    let store = s.dir.join("root-store");
+    let root_kiln = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .env("KILN_STORE", &store)
+            .env("KILN_STEP_USERNS", "host")
+            .current_dir(&s.dir)
+            .args(args)
+            .output()
+            .expect("run kiln");
+        ok(&o, &format!("kiln {args:?} as root"));
+    };
+    root_kiln(&["build", "base", "-t", "big:1", "--network", "none"]);
+    root_kiln(&["export", "big:1", "--format", "oci", "-o", "oci"]);
+    let chown = Command::new("chown")
+        .args(["-R", &format!("{uid}:{gid}")])
+        .arg(s.dir.join("oci"))
+        .status()
+        .expect("chown");
+    assert!(chown.success());
+    std::fs::write(
+        s.dir.join("ctx/Dockerfile"),
+        format!("FROM oci:{}\nRUN true\n", s.dir.join("oci").display()),
+    )
+    .expect("write");
+    let o = s.kiln_as_user(&["build", "ctx", "--network", "none"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && err
+                .contains("entry big: owner 100000:100001 is outside this build's user namespace"),
+        "{err}"
+    );
+}

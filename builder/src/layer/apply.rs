@@ -556,13 +556,27 @@ impl Applier {
             Some(Gid::from_raw(m.gid)),
             AtFlags::SYMLINK_NOFOLLOW,
         )
-        .map_err(|e| self.io("chown", e))
+        .map_err(|e| self.owner_err("chown", e, m))
+    }
+
+    /// The error of chown(2) of an entry to `m`'s owner: [`LayerError::UnmappedOwner`] for
+    /// `EINVAL` in a user namespace, else [`LayerError::Io`].
+    fn owner_err(&self, op: &'static str, e: rustix::io::Errno, m: &Meta) -> LayerError {
+        if e == rustix::io::Errno::INVAL && crate::exec::rootless::in_user_namespace() {
+            return LayerError::UnmappedOwner {
+                digest: self.digest.clone(),
+                entry: self.entry.clone(),
+                uid: m.uid,
+                gid: m.gid,
+            };
+        }
+        self.io(op, e)
     }
 
     /// Owner, then mode (chown clears setuid/setgid), then xattrs, on an open file or dir.
     fn set_fd_meta(&self, fd: BorrowedFd<'_>, m: &Meta) -> Result<(), LayerError> {
         rustix::fs::fchown(fd, Some(Uid::from_raw(m.uid)), Some(Gid::from_raw(m.gid)))
-            .map_err(|e| self.io("fchown", e))?;
+            .map_err(|e| self.owner_err("fchown", e, m))?;
         rustix::fs::fchmod(fd, Mode::from_raw_mode(m.mode)).map_err(|e| self.io("fchmod", e))?;
         for (k, v) in &m.xattrs {
             rustix::fs::fsetxattr(fd, os(k), v, XattrFlags::empty())

@@ -332,6 +332,23 @@ pub enum LayerError {
         /// Entry being read.
         entry: String,
     },
+    /// An owner the process's user namespace does not map (a build without root maps ids
+    /// 0–65536: [`crate::exec::rootless`]); chown(2) answers `EINVAL`.
+    #[error(
+        "layer {digest}: entry {entry}: owner {uid}:{gid} is outside this build's user \
+         namespace (a build without root maps ids 0-65536: the user and 65,536 subordinate \
+         ids); build this image as root"
+    )]
+    UnmappedOwner {
+        /// Layer digest.
+        digest: String,
+        /// Entry name.
+        entry: String,
+        /// The entry's uid.
+        uid: u32,
+        /// The entry's gid.
+        gid: u32,
+    },
     /// A file-system operation failed.
     #[error("layer {digest}: entry {entry}: {op}: {source}")]
     Io {
