@@ -15,11 +15,7 @@ use std::path::{Path, PathBuf};
 
 use rustix::fs::{Mode, OFlags};
 use rustix::io::Errno;
-use rustix::mount::{
-    FsMountFlags, FsOpenFlags, MountAttrFlags, MountPropagationFlags, MoveMountFlags, UnmountFlags,
-    fsconfig_create, fsconfig_set_flag, fsconfig_set_string, fsmount, fsopen, mount_change,
-    move_mount, unmount,
-};
+use rustix::mount::{MountAttrFlags, MountPropagationFlags, UnmountFlags, mount_change, unmount};
 
 /// Errors of merged-view work.
 #[derive(Debug, thiserror::Error)]
@@ -84,31 +80,13 @@ fn mount_overlay(
     } else {
         lowers.iter().map(PathBuf::as_path).collect()
     };
-    let fs = fsopen("overlay", FsOpenFlags::FSOPEN_CLOEXEC).map_err(|e| format!("fsopen: {e}"))?;
-    for l in &lowers {
-        fsconfig_set_string(&fs, "lowerdir+", *l)
-            .map_err(|e| format!("overlay lowerdir+ {}: {e}", l.display()))?;
-    }
-    fsconfig_set_string(&fs, "upperdir", upper).map_err(|e| format!("overlay upperdir: {e}"))?;
-    fsconfig_set_string(&fs, "workdir", work).map_err(|e| format!("overlay workdir: {e}"))?;
-    if crate::exec::rootless::in_user_namespace() {
-        fsconfig_set_flag(&fs, "userxattr").map_err(|e| format!("overlay userxattr: {e}"))?;
-    }
-    fsconfig_create(&fs).map_err(|e| format!("creating the overlay: {e}"))?;
-    let mnt = fsmount(
-        &fs,
-        FsMountFlags::FSMOUNT_CLOEXEC,
+    crate::exec::overlay::mount(
+        &lowers,
+        upper,
+        work,
+        target,
         MountAttrFlags::MOUNT_ATTR_NODEV | MountAttrFlags::MOUNT_ATTR_NOSUID,
     )
-    .map_err(|e| format!("fsmount: {e}"))?;
-    move_mount(
-        &mnt,
-        "",
-        rustix::fs::CWD,
-        target,
-        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
-    )
-    .map_err(|e| format!("move_mount: {e}"))
 }
 
 /// Opens `path` (absolute, inside the root `root`) as a directory, resolving every symlink

@@ -36,8 +36,6 @@ use super::{
 };
 use crate::user::resolve_user;
 
-/// Overlay mount options must fit one page (Linux `mount(2)` copies at most 4096 bytes).
-const MAX_MOUNT_DATA: usize = 4000;
 /// Paths created as mount points, removed from the upper directory afterwards when the
 /// step did not put anything there.
 const MOUNT_POINTS: [&str; 5] = ["proc", "sys", "dev", "etc/hosts", "etc/resolv.conf"];
@@ -111,8 +109,6 @@ struct ChildPlan {
     wait_for_net: bool,
     /// Lower directories, topmost first.
     lowers: Vec<String>,
-    /// The whole option string for mount(2), when it fits a page.
-    overlay_data: Option<CString>,
     merged: PathBuf,
     hosts: PathBuf,
     resolv: PathBuf,
@@ -205,19 +201,10 @@ impl StepExecutor for LinuxExecutor {
         if lowers.is_empty() {
             lowers.push(overlay_path(&empty_lower)?);
         }
-        let data = format!(
-            "lowerdir={},upperdir={},workdir={}{}",
-            lowers.join(":"),
-            overlay_path(&spec.upper_dir)?,
-            overlay_path(&spec.work_dir)?,
-            super::rootless::overlay_option()
-        );
-        // Too long for mount(2): only the new mount API (below, in pid 1) can mount it.
-        let overlay_data = if data.len() > MAX_MOUNT_DATA {
-            None
-        } else {
-            Some(CString::new(data).map_err(|_| ExecError::BadPath(spec.upper_dir.clone()))?)
-        };
+        // The upper and work directories too are named in mount(2)'s option syntax when the
+        // new mount API is missing (super::overlay).
+        overlay_path(&spec.upper_dir)?;
+        overlay_path(&spec.work_dir)?;
 
         // /etc/hosts and /etc/resolv.conf.
         let hosts = scratch.dir.join("hosts");
@@ -278,7 +265,6 @@ impl StepExecutor for LinuxExecutor {
             procs_files: cgroup.procs_files(),
             unshare_net: spec.network != Network::Host,
             wait_for_net: matches!(spec.network, Network::Default | Network::Allow(_)),
-            overlay_data,
             lowers,
             merged: merged.clone(),
             hosts,
@@ -845,63 +831,19 @@ fn mnt(
         .map_err(|e| format!("mounting {fstype} on {target}: {e}"))
 }
 
-/// Mounts the step's overlay on `merged` (nodev: device nodes the step makes with
-/// CAP_MKNOD cannot be opened): with the new mount API and one `lowerdir+` per
-/// layer (Linux 6.8+, `Documentation/filesystems/overlayfs.rst`), which takes no option
-/// string but is still bounded by overlayfs' own limit on lower layers, `OVL_MAX_STACK`
-/// (500 in Linux 6.x, in `fs/overlayfs/`; more fail with EINVAL, "too many lower
-/// directories"); else with mount(2) and one option string of at most a page (4 KiB on
-/// x86-64, the limit of mount(2)'s data), which bounds the number of layers by the length of
-/// their paths first. The builder gives a step at most [`super::OVERLAY_MAX_LOWERS`] lower
-/// directories, squashing the lowest past that ([`crate::build::lower::squash_plan`]).
+/// Mounts the step's overlay on `merged` ([`super::overlay::mount`]; nodev: device nodes the
+/// step makes with CAP_MKNOD cannot be opened). The builder gives a step at most
+/// [`super::OVERLAY_MAX_LOWERS`] lower directories, squashing the lowest past that
+/// ([`crate::build::lower::squash_plan`]), under overlayfs' own limit.
 fn mount_overlay(plan: &ChildPlan, merged: &str) -> Result<(), String> {
-    use rustix::mount::{
-        FsMountFlags, FsOpenFlags, MountAttrFlags, MoveMountFlags, fsconfig_create,
-        fsconfig_set_flag, fsconfig_set_string, fsmount, fsopen, move_mount,
-    };
-    let upper = plan
-        .spec
-        .upper_dir
-        .to_str()
-        .ok_or("upper dir is not UTF-8")?;
-    let work = plan.spec.work_dir.to_str().ok_or("work dir is not UTF-8")?;
-    let new_api = || -> Result<(), String> {
-        let fs =
-            fsopen("overlay", FsOpenFlags::FSOPEN_CLOEXEC).map_err(|e| format!("fsopen: {e}"))?;
-        for l in &plan.lowers {
-            fsconfig_set_string(&fs, "lowerdir+", l.as_str())
-                .map_err(|e| format!("overlay lowerdir+ {l}: {e}"))?;
-        }
-        fsconfig_set_string(&fs, "upperdir", upper)
-            .map_err(|e| format!("overlay upperdir: {e}"))?;
-        fsconfig_set_string(&fs, "workdir", work).map_err(|e| format!("overlay workdir: {e}"))?;
-        if super::rootless::in_user_namespace() {
-            fsconfig_set_flag(&fs, "userxattr").map_err(|e| format!("overlay userxattr: {e}"))?;
-        }
-        fsconfig_create(&fs).map_err(|e| format!("creating the overlay: {e}"))?;
-        let mnt = fsmount(
-            &fs,
-            FsMountFlags::FSMOUNT_CLOEXEC,
-            MountAttrFlags::MOUNT_ATTR_NODEV,
-        )
-        .map_err(|e| format!("fsmount: {e}"))?;
-        move_mount(
-            &mnt,
-            "",
-            rustix::fs::CWD,
-            merged,
-            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
-        )
-        .map_err(|e| format!("move_mount: {e}"))
-    };
-    match (new_api(), &plan.overlay_data) {
-        (Ok(()), _) => Ok(()),
-        (Err(_), Some(data)) => mnt("overlay", merged, "overlay", MountFlags::NODEV, Some(data)),
-        (Err(e), None) => Err(format!(
-            "{} layers need the new mount API's lowerdir+ (Linux 6.8+): {e}",
-            plan.lowers.len()
-        )),
-    }
+    let lowers: Vec<&Path> = plan.lowers.iter().map(Path::new).collect();
+    super::overlay::mount(
+        &lowers,
+        &plan.spec.upper_dir,
+        &plan.spec.work_dir,
+        Path::new(merged),
+        rustix::mount::MountAttrFlags::MOUNT_ATTR_NODEV,
+    )
 }
 
 /// Creates `path` (a directory) and its missing parents inside the new root.

@@ -25,6 +25,7 @@ pub mod cgroup;
 mod linux;
 pub mod logs;
 pub mod mounts;
+pub mod overlay;
 pub mod rootless;
 mod seccomp;
 pub mod userns;

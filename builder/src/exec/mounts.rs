@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kiln_recipes::dockerignore::Dockerignore;
 use kiln_recipes::plan::{CopySource, CopyStep, Mount, MountFrom};
 use rustix::fs::{Mode, OFlags};
-use rustix::mount::MountFlags;
+use rustix::mount::{MountAttrFlags, MountFlags};
 use sha2::{Digest, Sha256};
 
 use crate::secrets::{SecretValue, Secrets};
@@ -1203,19 +1203,12 @@ pub(crate) fn mount_all(
                         drop(target);
                         let lower = mount_point(root, &m.rel, false)?;
                         let lower = fd_path(&lower);
-                        let data = format!(
-                            "lowerdir={lower},upperdir={},workdir={}{}",
-                            upper.display(),
-                            work.display(),
-                            super::rootless::overlay_option()
-                        );
-                        let data = CString::new(data).map_err(|_| "NUL in a path".to_string())?;
-                        mount(
-                            "overlay",
-                            lower.as_str(),
-                            "overlay",
-                            nsd,
-                            Some(data.as_c_str()),
+                        super::overlay::mount(
+                            &[Path::new(&lower)],
+                            upper,
+                            work,
+                            Path::new(&lower),
+                            MountAttrFlags::MOUNT_ATTR_NOSUID | MountAttrFlags::MOUNT_ATTR_NODEV,
                         )
                         .map_err(|e| format!("mounting rw bind /{}: {e}", m.rel))?;
                     }

@@ -110,17 +110,6 @@ pub fn overlay_opaque_xattr() -> &'static str {
     }
 }
 
-/// The overlayfs mount option this process adds to its option strings: `,userxattr` in a
-/// user namespace ([`overlay_xattr_prefix`]), else nothing. (The new mount API's callers
-/// set the flag `userxattr` under the same condition, [`in_user_namespace`].)
-pub fn overlay_option() -> &'static str {
-    if in_user_namespace() {
-        ",userxattr"
-    } else {
-        ""
-    }
-}
-
 /// The child a signal sent to the rootless parent goes on to (0: none yet).
 static CHILD: AtomicI32 = AtomicI32::new(0);
 

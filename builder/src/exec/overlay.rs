@@ -1,0 +1,129 @@
+//! The one way kiln mounts overlayfs: a namespace step's root, a step's read-write bind
+//! mounts, and a build's merged view of layers ([`crate::build::merged`]).
+//!
+//! With the new mount API and one `lowerdir+` per layer (Linux 6.8+,
+//! `Documentation/filesystems/overlayfs.rst`), which takes no option string but is still
+//! bounded by overlayfs' own limit on lower layers, `OVL_MAX_STACK` (500 in Linux 6.x, in
+//! `fs/overlayfs/`; more fail with EINVAL, "too many lower directories"); else with
+//! mount(2) and one option string of at most [`MAX_MOUNT_DATA`] bytes, which bounds the
+//! number of layers by the length of their paths first, and cannot name a path holding
+//! `:`, `,` or a newline (overlayfs' option syntax). In a user namespace (a rootless kiln)
+//! both add `userxattr`: overlayfs then keeps its markers in `user.overlay.*`
+//! ([`super::rootless::overlay_xattr_prefix`]).
+
+use std::ffi::CString;
+use std::path::Path;
+
+use rustix::mount::{
+    FsMountFlags, FsOpenFlags, MountAttrFlags, MountFlags, MoveMountFlags, fsconfig_create,
+    fsconfig_set_flag, fsconfig_set_string, fsmount, fsopen, move_mount,
+};
+
+use super::rootless::in_user_namespace;
+
+/// The most bytes of options mount(2) takes: it copies at most a page (4096 bytes on
+/// x86-64); kept a little under it.
+pub const MAX_MOUNT_DATA: usize = 4000;
+
+/// Mounts an overlay of `lowers` (topmost first; at least one), `upper` and `work` on
+/// `target`, with the mount attributes `attrs` (`MOUNT_ATTR_NODEV`, `_NOSUID`, `_NOEXEC`).
+///
+/// Errors: what failed, as text (the new API's error when mount(2) cannot take the
+/// options either, with the number of layers).
+pub fn mount(
+    lowers: &[&Path],
+    upper: &Path,
+    work: &Path,
+    target: &Path,
+    attrs: MountAttrFlags,
+) -> Result<(), String> {
+    let new_api = || -> Result<(), String> {
+        let fs =
+            fsopen("overlay", FsOpenFlags::FSOPEN_CLOEXEC).map_err(|e| format!("fsopen: {e}"))?;
+        for l in lowers {
+            fsconfig_set_string(&fs, "lowerdir+", *l)
+                .map_err(|e| format!("overlay lowerdir+ {}: {e}", l.display()))?;
+        }
+        fsconfig_set_string(&fs, "upperdir", upper)
+            .map_err(|e| format!("overlay upperdir: {e}"))?;
+        fsconfig_set_string(&fs, "workdir", work).map_err(|e| format!("overlay workdir: {e}"))?;
+        if in_user_namespace() {
+            fsconfig_set_flag(&fs, "userxattr").map_err(|e| format!("overlay userxattr: {e}"))?;
+        }
+        fsconfig_create(&fs).map_err(|e| format!("creating the overlay: {e}"))?;
+        let mnt = fsmount(&fs, FsMountFlags::FSMOUNT_CLOEXEC, attrs)
+            .map_err(|e| format!("fsmount: {e}"))?;
+        move_mount(
+            &mnt,
+            "",
+            rustix::fs::CWD,
+            target,
+            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+        )
+        .map_err(|e| format!("move_mount: {e}"))
+    };
+    let Err(e) = new_api() else {
+        return Ok(());
+    };
+    let Some(data) = options(lowers, upper, work) else {
+        return Err(format!(
+            "{} layers need the new mount API's lowerdir+ (Linux 6.8+): {e}",
+            lowers.len()
+        ));
+    };
+    let mut flags = MountFlags::empty();
+    for (attr, flag) in [
+        (MountAttrFlags::MOUNT_ATTR_NODEV, MountFlags::NODEV),
+        (MountAttrFlags::MOUNT_ATTR_NOSUID, MountFlags::NOSUID),
+        (MountAttrFlags::MOUNT_ATTR_NOEXEC, MountFlags::NOEXEC),
+    ] {
+        if attrs.contains(attr) {
+            flags |= flag;
+        }
+    }
+    rustix::mount::mount("overlay", target, "overlay", flags, Some(data.as_c_str()))
+        .map_err(|e| format!("mounting overlay on {}: {e}", target.display()))
+}
+
+/// The option string of mount(2) for these directories, if it can say them: no path holds
+/// `:`, `,`, a newline or NUL, and the whole fits [`MAX_MOUNT_DATA`].
+fn options(lowers: &[&Path], upper: &Path, work: &Path) -> Option<CString> {
+    let text = |p: &Path| {
+        p.to_str()
+            .filter(|s| !s.contains([':', ',', '\n', '\0']))
+            .map(str::to_string)
+    };
+    let lowers: Vec<String> = lowers.iter().map(|l| text(l)).collect::<Option<_>>()?;
+    let data = format!(
+        "lowerdir={},upperdir={},workdir={}{}",
+        lowers.join(":"),
+        text(upper)?,
+        text(work)?,
+        if in_user_namespace() {
+            ",userxattr"
+        } else {
+            ""
+        }
+    );
+    (data.len() <= MAX_MOUNT_DATA).then(|| CString::new(data).ok())?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_say_only_what_mount2_can() {
+        let p = Path::new;
+        let o = options(&[p("/l/a"), p("/l/b")], p("/u"), p("/w")).expect("fits");
+        let o = o.to_str().expect("utf-8");
+        assert!(
+            o.starts_with("lowerdir=/l/a:/l/b,upperdir=/u,workdir=/w"),
+            "{o}"
+        );
+        assert!(options(&[p("/a:b")], p("/u"), p("/w")).is_none());
+        assert!(options(&[p("/a")], p("/u,lowerdir=/x"), p("/w")).is_none());
+        let long = "/x".repeat(1100);
+        assert!(options(&[p(&long), p(&long)], p("/u"), p("/w")).is_none());
+    }
+}
