@@ -89,6 +89,29 @@ fn ok(o: &Output, what: &str) -> String {
     String::from_utf8_lossy(&o.stdout).trim().to_string()
 }
 
+/// Asserts that a command failed with every one of `needles` in its stderr.
+fn fails_with(o: &Output, what: &str, needles: &[&str]) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && needles.iter().all(|n| err.contains(n)),
+        "{what}: {}\nwanted {needles:?} in:\n{err}",
+        o.status
+    );
+}
+
+/// Unpacks tag `tag` of `store` into `dir` (as root: its owners are the image's).
+fn unpack_as_root(store: &Path, tag: &str, dir: &Path) {
+    ok(
+        &Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .env("KILN_STORE", store)
+            .args(["unpack", tag])
+            .arg(dir)
+            .output()
+            .expect("run kiln unpack"),
+        "kiln unpack as root",
+    );
+}
+
 fn last_line(s: &str) -> String {
     s.lines().last().expect("a line").to_string()
 }
@@ -199,15 +222,7 @@ fn a_user_without_root_builds_with_run_steps_and_a_cache_mount() {
     std::fs::write(&dockerfile, text).expect("write");
     ok(&s.kiln_as_user(BUILD), "the second build without root");
     let root = s.dir.join("unpacked");
-    ok(
-        &Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .env("KILN_STORE", s.store())
-            .args(["unpack", "rootless:1"])
-            .arg(&root)
-            .output()
-            .expect("run kiln unpack"),
-        "kiln unpack as root",
-    );
+    unpack_as_root(&s.store(), "rootless:1", &root);
     let map = std::fs::read_to_string(root.join("map")).expect("map");
     let first: Vec<&str> = map
         .lines()
@@ -295,12 +310,7 @@ fn what_needs_host_root_is_refused_naming_it() {
     ] {
         let mut a = vec!["build", "ctx"];
         a.extend_from_slice(args);
-        let o = s.kiln_as_user(&a);
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(
-            !o.status.success() && err.contains(needle),
-            "{args:?}: {err}"
-        );
+        fails_with(&s.kiln_as_user(&a), &format!("{args:?}"), &[needle]);
     }
 
     std::fs::write(
@@ -308,23 +318,19 @@ fn what_needs_host_root_is_refused_naming_it() {
         "from:\n  bootstrap:\n    distro: debian\n    suite: bookworm\n    mirror: http://127.0.0.1:1/debian\n",
     )
     .expect("write");
-    let o = s.kiln_as_user(&["build", "-f", "ctx/recipe.yaml", "ctx"]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success()
-            && err.contains("debootstrap needs host root")
-            && err.contains("CAP_MKNOD"),
-        "{err}"
+    fails_with(
+        &s.kiln_as_user(&["build", "-f", "ctx/recipe.yaml", "ctx"]),
+        "a debootstrap base",
+        &["debootstrap needs host root", "CAP_MKNOD"],
     );
 
     // nobody has no subordinate ids.
     let (nuid, ngid) = ids_of("nobody").expect("nobody");
     let n = Scratch::new(nuid, ngid, &format!("FROM {bb}\nRUN true\n"));
-    let o = n.kiln_as_user(&["build", "ctx"]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success() && err.contains("/etc/subuid") && err.contains("usermod --add-subuids"),
-        "{err}"
+    fails_with(
+        &n.kiln_as_user(&["build", "ctx"]),
+        "a user without subordinate ids",
+        &["/etc/subuid", "usermod --add-subuids"],
     );
 }
 
@@ -355,11 +361,10 @@ fn an_unreadable_directory_the_dockerignore_excludes_is_never_opened() {
     ok(&s.kiln_as_user(&build), "the build that excludes secret/");
 
     std::fs::write(&ignore, "").expect("write");
-    let o = s.kiln_as_user(&build);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success() && err.contains("\"./secret\": open: Permission denied"),
-        "{err}"
+    fails_with(
+        &s.kiln_as_user(&build),
+        "the build that copies secret/",
+        &["\"./secret\": open: Permission denied"],
     );
 }
 
@@ -402,15 +407,7 @@ fn a_delegated_cgroup_parent_gives_the_steps_of_a_user_their_limits() {
     }
     assert!(!err.contains(warning), "{err}");
     let root = s.dir.join("unpacked");
-    ok(
-        &Command::new(env!("CARGO_BIN_EXE_kiln"))
-            .env("KILN_STORE", s.store())
-            .args(["unpack", "cg:1"])
-            .arg(&root)
-            .output()
-            .expect("run kiln unpack"),
-        "kiln unpack as root",
-    );
+    unpack_as_root(&s.store(), "cg:1", &root);
     let cg = std::fs::read_to_string(root.join("cgroup")).expect("cgroup");
     for c in ["memory", "pids"] {
         assert!(
@@ -460,12 +457,9 @@ fn a_base_owned_past_the_map_is_a_clear_error() {
         format!("FROM oci:{}\nRUN true\n", s.dir.join("oci").display()),
     )
     .expect("write");
-    let o = s.kiln_as_user(&["build", "ctx", "--network", "none"]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(
-        !o.status.success()
-            && err
-                .contains("entry big: owner 100000:100001 is outside this build's user namespace"),
-        "{err}"
+    fails_with(
+        &s.kiln_as_user(&["build", "ctx", "--network", "none"]),
+        "a build from a base owned past the map",
+        &["entry big: owner 100000:100001 is outside this build's user namespace"],
     );
 }
