@@ -463,3 +463,38 @@ fn a_base_owned_past_the_map_is_a_clear_error() {
         &["entry big: owner 100000:100001 is outside this build's user namespace"],
     );
 }
+
+/// Issue 36's hostile-step list (`kiln_tests::hostile`, which the namespace and microVM
+/// executors' tests run too) in one `RUN` of a build without root: every case is refused
+/// as in a root build's namespace step (mount, module, ptrace and `/proc/<pid>/root` of a
+/// host process, `/proc/sysrq-trigger`, chown past the map), and no step prints the host
+/// file's token.
+#[test]
+fn the_hostile_step_list_is_contained_without_root() {
+    use kiln_tests::hostile::{Executor, STEP_DIR, Target, run_unconfined};
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (uid, gid) = user();
+    let target = Target::start();
+    target.assert_lines(Executor::Unconfined, &run_unconfined(&target));
+    let script = target.script(STEP_DIR);
+    let s = Scratch::new(uid, gid, &format!("FROM {bb}\nRUN <<EOF\n{script}EOF\n"));
+    let o = s.kiln_as_user(&["build", "ctx", "--network", "none", "--progress", "plain"]);
+    ok(&o, "the hostile build without root");
+    // The step's output lines, `#0 <line>` in plain progress.
+    let err = String::from_utf8_lossy(&o.stderr);
+    let names: Vec<String> = kiln_tests::hostile::CASES
+        .iter()
+        .map(|c| format!("{}: ", c.name))
+        .collect();
+    let lines: Vec<String> = err
+        .lines()
+        .filter_map(|l| l.strip_prefix("#0 "))
+        .filter(|l| names.iter().any(|n| l.starts_with(n.as_str())))
+        .map(str::to_string)
+        .collect();
+    target.assert_lines(Executor::Namespace, &lines);
+    assert!(
+        !err.contains(target.token()),
+        "the token reached the build's output"
+    );
+}
