@@ -1,6 +1,7 @@
 //! The hostile-step cases (issue 36): one list that the namespace executor's tests
-//! (`builder/tests/exec.rs`) and the microVM executor's (`kiln/tests/vm_step_restore.rs`)
-//! both run, each as one busybox `sh` step that runs every case.
+//! (`builder/tests/exec.rs`, and as a build without root `kiln/tests/build_rootless.rs`,
+//! with the same outcomes) and the microVM executor's (`kiln/tests/vm_step_restore.rs`)
+//! all run, each as one busybox `sh` step that runs every case.
 //!
 //! Each case is a snippet that prints one line, `<name>: <outcome>`, and the outcome
 //! expected of each executor. Where they differ it is because the wall differs:
