@@ -498,3 +498,240 @@ fn the_hostile_step_list_is_contained_without_root() {
         "the token reached the build's output"
     );
 }
+
+/// `dockerfile` built as host root (`KILN_STEP_USERNS=host`, so its steps may `mknod`) into
+/// a store of its own, exported as the OCI layout `<scratch>/oci`, owned by the user.
+fn base_as_root(s: &Scratch, dockerfile: &str) -> PathBuf {
+    let base = s.dir.join("base");
+    std::fs::create_dir_all(&base).expect("mkdir");
+    std::fs::write(base.join("Dockerfile"), dockerfile).expect("write");
+    let store = s.dir.join("root-base-store");
+    let root_kiln = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .env("KILN_STORE", &store)
+            .env("KILN_STEP_USERNS", "host")
+            .current_dir(&s.dir)
+            .args(args)
+            .output()
+            .expect("run kiln");
+        ok(&o, &format!("kiln {args:?} as root"));
+    };
+    root_kiln(&["build", "base", "-t", "base:1", "--network", "none"]);
+    root_kiln(&["export", "base:1", "--format", "oci", "-o", "oci"]);
+    chown_to_user(s, &s.dir.join("oci"));
+    s.dir.join("oci")
+}
+
+fn chown_to_user(s: &Scratch, p: &Path) {
+    let chown = Command::new("chown")
+        .args(["-R", &format!("{}:{}", s.uid, s.gid)])
+        .arg(p)
+        .status()
+        .expect("chown");
+    assert!(chown.success());
+}
+
+/// Adds the uncompressed tar `layer` on top of the single image of the OCI layout `oci`.
+fn append_layer(oci: &Path, layer: &[u8]) {
+    use sha2::Digest as _;
+    let blob = |data: &[u8]| -> (String, usize) {
+        let d = hex::encode(sha2::Sha256::digest(data));
+        std::fs::write(oci.join("blobs/sha256").join(&d), data).expect("write blob");
+        (format!("sha256:{d}"), data.len())
+    };
+    let read = |digest: &str| -> serde_json::Value {
+        let p = oci
+            .join("blobs/sha256")
+            .join(digest.trim_start_matches("sha256:"));
+        serde_json::from_slice(&std::fs::read(p).expect("read blob")).expect("json")
+    };
+    let mut index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(oci.join("index.json")).expect("index"))
+            .expect("json");
+    let mut manifest = read(index["manifests"][0]["digest"].as_str().expect("digest"));
+    let mut config = read(manifest["config"]["digest"].as_str().expect("digest"));
+    let (ld, ls) = blob(layer);
+    manifest["layers"]
+        .as_array_mut()
+        .expect("layers")
+        .push(serde_json::json!({
+            "mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": ld, "size": ls
+        }));
+    config["rootfs"]["diff_ids"]
+        .as_array_mut()
+        .expect("diff_ids")
+        .push(ld.clone().into());
+    if let Some(h) = config["history"].as_array_mut() {
+        h.push(serde_json::json!({"created_by": "a layer made by the test"}));
+    }
+    let (cd, cs) = blob(&serde_json::to_vec(&config).expect("json"));
+    manifest["config"]["digest"] = cd.into();
+    manifest["config"]["size"] = cs.into();
+    let (md, ms) = blob(&serde_json::to_vec(&manifest).expect("json"));
+    index["manifests"][0]["digest"] = md.into();
+    index["manifests"][0]["size"] = ms.into();
+    std::fs::write(
+        oci.join("index.json"),
+        serde_json::to_vec(&index).expect("json"),
+    )
+    .expect("write index");
+}
+
+/// A base layer's device node that replaces a regular file of a lower layer: a user
+/// namespace cannot make the node, but the lower file must not come back in its place
+/// (root's step sees the device; the image has the device, not the file).
+#[test]
+fn a_device_node_that_replaces_a_lower_file_does_not_bring_the_file_back() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (uid, gid) = user();
+    let s = Scratch::new(uid, gid, "");
+    let oci = base_as_root(
+        &s,
+        &format!(
+            "FROM {bb}\nRUN mkdir /devs && echo lowerfile > /devs/replaced && mkdir /devs/dir \
+             && echo inner > /devs/dir/inner\n\
+             RUN rm -r /devs/replaced /devs/dir && mknod /devs/replaced c 1 7 \
+             && mknod /devs/dir c 1 8\n"
+        ),
+    );
+    std::fs::write(
+        s.dir.join("ctx/Dockerfile"),
+        format!(
+            "FROM oci:{}\nRUN if grep -q lowerfile /devs/replaced 2>/dev/null \
+             || test -e /devs/dir/inner; then ls -la /devs; echo RESURFACED; exit 1; fi\n",
+            oci.display()
+        ),
+    )
+    .expect("write");
+    let o = s.kiln_as_user(&["build", "ctx", "--network", "none", "--progress", "plain"]);
+    ok(
+        &o,
+        "a build without root whose base replaces a file by a device node",
+    );
+}
+
+/// A base layer with a hard link to a device node (as other builders write them): without
+/// root the node is left out, and so must its link be, not "target does not exist".
+#[test]
+fn a_hard_link_to_a_device_node_of_a_base_builds_without_root() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (uid, gid) = user();
+    let s = Scratch::new(uid, gid, "");
+    let oci = base_as_root(&s, &format!("FROM {bb}\nRUN true\n"));
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_ustar();
+    h.set_entry_type(tar::EntryType::Directory);
+    h.set_path("devs/").expect("path");
+    h.set_mode(0o755);
+    h.set_size(0);
+    h.set_mtime(1_700_000_000);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_cksum();
+    b.append(&h, std::io::empty()).expect("append");
+    let mut h = tar::Header::new_ustar();
+    h.set_entry_type(tar::EntryType::Char);
+    h.set_path("devs/null2").expect("path");
+    h.set_mode(0o666);
+    h.set_device_major(1).expect("major");
+    h.set_device_minor(3).expect("minor");
+    h.set_size(0);
+    h.set_mtime(1_700_000_000);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_cksum();
+    b.append(&h, std::io::empty()).expect("append");
+    let mut h = tar::Header::new_ustar();
+    h.set_entry_type(tar::EntryType::Link);
+    h.set_path("devs/hl").expect("path");
+    h.set_link_name("devs/null2").expect("link");
+    h.set_mode(0o666);
+    h.set_size(0);
+    h.set_mtime(1_700_000_000);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_cksum();
+    b.append(&h, std::io::empty()).expect("append");
+    append_layer(&oci, &b.into_inner().expect("tar"));
+    chown_to_user(&s, &oci);
+    std::fs::write(
+        s.dir.join("ctx/Dockerfile"),
+        format!("FROM oci:{}\nRUN ls -la /devs\n", oci.display()),
+    )
+    .expect("write");
+    let o = s.kiln_as_user(&["build", "ctx", "--network", "none", "--progress", "plain"]);
+    ok(
+        &o,
+        "a build without root whose base hard-links a device node",
+    );
+}
+
+/// `user.overlay.*` xattrs a step sets on its files (on Linux 6.7+ overlayfs keeps them in
+/// a userxattr upper escaped as `user.overlay.overlay.*`): the image is the one root's
+/// build gives, where they are ordinary user xattrs.
+#[test]
+fn overlay_named_xattrs_a_step_sets_give_the_digest_of_roots_build() {
+    let debian = require_env("KILN_TEST_DEBIAN_REF");
+    let (uid, gid) = user();
+    let s = Scratch::new(
+        uid,
+        gid,
+        &format!(
+            "FROM {debian}\nRUN mkdir /d && touch /d/f && perl -e 'for ([\"/d\",\"user.overlay.opaque\",\"y\"],\
+             [\"/d/f\",\"user.overlay.redirect\",\"/etc\"],[\"/d/f\",\"user.kiln\",\"v\"]) \
+             {{ syscall(188, $$_[0], $$_[1], $$_[2], length($$_[2]), 0) == 0 or die \"$$_[1]: $!\" }}'\n"
+        ),
+    );
+    let user = last_line(&ok(&s.kiln_as_user(BUILD), "the build without root"));
+    assert_eq!(
+        user,
+        as_root(&s),
+        "the digests without and with root differ"
+    );
+}
+
+/// A step run by a kiln whose session has a controlling terminal (a user typing
+/// `kiln build` in a shell) must not reach that terminal: through the step's /dev/tty,
+/// TIOCSTI types commands into the user's shell, which runs them after kiln exits, on the
+/// host (as the user without root, as host root with root). Run under script(1), which gives
+/// kiln a terminal.
+#[test]
+fn a_step_does_not_get_the_terminal_of_kiln_with_or_without_root() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (uid, gid) = user();
+    let s = Scratch::new(
+        uid,
+        gid,
+        &format!(
+            "FROM {bb}\nRUN if (exec 3<>/dev/tty) 2>/dev/null; then echo STEP_HAS_A\"\"_TTY; exit 1; fi\n"
+        ),
+    );
+    let kiln = env!("CARGO_BIN_EXE_kiln");
+    let line = format!("{kiln} build ctx --network none --no-cache --progress plain");
+    let under_script = |as_user: bool| {
+        let mut c = Command::new("script");
+        c.args(["-qec", &line, "/dev/null"])
+            .current_dir(&s.dir)
+            .stdin(std::process::Stdio::null());
+        if as_user {
+            c.env_clear()
+                .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+                .env("HOME", s.dir.join("home"))
+                .uid(s.uid)
+                .gid(s.gid);
+        } else {
+            c.env("KILN_STORE", s.dir.join("root-store"));
+        }
+        c.output().expect("run script(1)")
+    };
+    for as_user in [true, false] {
+        let o = under_script(as_user);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success() && !out.contains("STEP_HAS_A_TTY"),
+            "as {}: {}\n{out}",
+            if as_user { USER } else { "root" },
+            o.status
+        );
+    }
+}
