@@ -1221,6 +1221,10 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), Str
         .map(|(k, v)| cstr(&format!("{k}={v}")))
         .collect::<Result<_, _>>()?;
 
+    // A session of its own, without a controlling terminal: kiln's terminal (the user's
+    // shell's) must not be the step's /dev/tty, where TIOCSTI would type into that shell
+    // (runc's init calls setsid too).
+    rustix::process::setsid().map_err(|e| format!("setsid: {e}"))?;
     // stdio: stdin from /dev/null, stdout and stderr into the log pipe.
     let devnull = fs::File::open("/dev/null").map_err(|e| format!("/dev/null: {e}"))?;
     // SAFETY: dup2 onto the standard descriptors of this single-threaded process.
