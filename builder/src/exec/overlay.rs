@@ -85,6 +85,22 @@ pub fn mount(
         .map_err(|e| format!("mounting overlay on {}: {e}", target.display()))
 }
 
+/// The name an xattr of an overlay's upper directory has for the file it is on, or `None`
+/// for overlayfs' own markers (`<prefix>opaque`, `redirect`, `origin`, ...; the prefix is
+/// [`super::rootless::overlay_xattr_prefix`]). An xattr of that namespace a process set
+/// through the overlay is stored escaped, as `<prefix>overlay.X` (Linux 6.7+,
+/// `Documentation/filesystems/overlayfs.rst`, "Nesting overlayfs mounts"), and is `<prefix>X`
+/// again; any other xattr is its own name.
+pub fn upper_xattr_name(name: &str) -> Option<String> {
+    let prefix = super::rootless::overlay_xattr_prefix();
+    match name.strip_prefix(prefix) {
+        None => Some(name.to_string()),
+        Some(rest) => rest
+            .strip_prefix("overlay.")
+            .map(|x| format!("{prefix}{x}")),
+    }
+}
+
 /// The option string of mount(2) for these directories, if it can say them: no path holds
 /// `:`, `,`, a newline or NUL, and the whole fits [`MAX_MOUNT_DATA`].
 fn options(lowers: &[&Path], upper: &Path, work: &Path) -> Option<CString> {
@@ -111,6 +127,22 @@ fn options(lowers: &[&Path], upper: &Path, work: &Path) -> Option<CString> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn escaped_xattrs_of_an_upper_get_their_names_back_and_markers_go() {
+        let p = super::super::rootless::overlay_xattr_prefix();
+        assert_eq!(upper_xattr_name("user.kiln").as_deref(), Some("user.kiln"));
+        assert_eq!(upper_xattr_name(&format!("{p}opaque")), None);
+        assert_eq!(upper_xattr_name(&format!("{p}origin")), None);
+        assert_eq!(
+            upper_xattr_name(&format!("{p}overlay.opaque")),
+            Some(format!("{p}opaque"))
+        );
+        assert_eq!(
+            upper_xattr_name(&format!("{p}overlay.overlay.x")),
+            Some(format!("{p}overlay.x"))
+        );
+    }
 
     #[test]
     fn options_say_only_what_mount2_can() {

@@ -1,7 +1,7 @@
 //! `kiln build` without root (issue 36 §2), as rootless BuildKit and Podman do it.
 //!
 //! A non-root `kiln build` re-executes itself ([`reexec`]) in a new user namespace and a new
-//! mount namespace owned by it, whose map sends id 0 to the user and ids `1..=65536` to the
+//! mount namespace owned by it, whose map sends id 0 to the user and ids `1..=65535` to the
 //! user's subordinate ids (subuid(5), subgid(5)), written by the setuid `newuidmap` and
 //! `newgidmap` (shadow's `uidmap` package), which check the ranges against `/etc/subuid` and
 //! `/etc/subgid`. The build then runs as root of that namespace: it unpacks layers with their
@@ -15,8 +15,8 @@
 //! What a user namespace cannot do, and what kiln does instead:
 //! - **Device nodes** cannot be made (`mknod` needs `CAP_MKNOD` in the host's namespace): a
 //!   step's `/dev/null`, `/dev/zero`, ... are bind mounts of the host's, as in rootless
-//!   runc; device nodes in base layers are left out of the tree steps see (as Moby's and
-//!   containers/storage's layer appliers do in a user namespace) and stay in the image.
+//!   runc; device nodes in base layers are empty regular files in the tree steps see
+//!   ([`crate::layer`]'s applier) and stay in the image.
 //! - **cgroups** of the host's v1 hierarchies (and v2's, outside a delegated subtree) belong
 //!   to host root: without a delegated parent, steps run without their memory and pids
 //!   limits, with a warning naming the controller ([`super::cgroup`]).
@@ -35,9 +35,12 @@ use std::sync::atomic::{AtomicI32, Ordering};
 
 use super::userns::{MIN_IDS, SUBGID_FILE, SUBUID_FILE, subid_range};
 
-/// The ids a rootless kiln maps beyond its user's own: [`MIN_IDS`] subordinate ids, so
-/// that ids `0..=65536` exist in the namespace (every 16-bit id an image may use).
-pub const SUBORDINATE_IDS: u32 = MIN_IDS;
+/// The ids a rootless kiln maps beyond its user's own: 65,535 subordinate ids, so that the
+/// namespace has ids `0..=65535`, exactly those a root build's steps have
+/// ([`super::userns::MIN_IDS`] from id 0): every 16-bit id an image may use, and a step
+/// that chowns to 65536 fails either way, so both give one digest. (The user's range in
+/// `/etc/subuid` must still hold [`MIN_IDS`] ids, as for any user namespace tool.)
+pub const SUBORDINATE_IDS: u32 = MIN_IDS - 1;
 
 /// Why a rootless re-execution could not start.
 #[derive(Debug, thiserror::Error)]

@@ -32,6 +32,7 @@ pub fn apply_layer(
         created: Created::default(),
         dirs: Vec::new(),
         limits: limits.clone(),
+        left_out: 0,
     };
     let mut archive = tar::Archive::new(stream);
     let mut entries_read = 0u64;
@@ -65,6 +66,14 @@ pub fn apply_layer(
         }
     }
     applier.finish_dirs()?;
+    if applier.left_out > 0 {
+        tracing::warn!(
+            "layer {digest}: {} device nodes are empty files in the tree steps see: a build \
+             without root cannot make them (the image keeps them; COPY --from a stage copies \
+             the empty files)",
+            applier.left_out
+        );
+    }
     Ok(LayerStats {
         entries: entries_read,
         bytes: bounded.bytes(),
@@ -92,6 +101,8 @@ pub(super) struct Applier {
     /// Directories whose mtime is set at the end: (components, mtime seconds).
     dirs: Vec<(Vec<Vec<u8>>, u64)>,
     limits: Limits,
+    /// Device nodes made empty files, in a user namespace.
+    left_out: u64,
 }
 
 /// A directory a walk reached, with its path from the root (symlinks resolved).
@@ -416,15 +427,31 @@ impl Applier {
             }
             T::Char | T::Block if crate::exec::rootless::in_user_namespace() => {
                 // No device node can be made in a user namespace (mknod(2) needs CAP_MKNOD
-                // in the host's): left out of the tree, as Moby's and containers/storage's
-                // appliers do there. The layer, and the image made from the layers, keep it.
+                // in the host's). The layer, and the image made from the layers, keep it;
+                // the tree steps see has an empty regular file in its place, with its owner
+                // and mode, so that an entry of a lower layer it replaced does not show
+                // through and a hard link to it is one too. (A whiteout would hide a lower
+                // entry too, but in a directory no lower layer has, overlayfs lists it and
+                // stat answers ENOENT.) Moby's, containerd's and containers/storage's
+                // appliers leave the node out there.
                 if existing.is_some() {
                     self.remove_all(dir, base, 0)?;
                 }
-                tracing::debug!(
-                    "device node {} left out: a user namespace cannot make it",
-                    String::from_utf8_lossy(&entry.path_bytes())
-                );
+                let fd = rustix::fs::openat(
+                    dir,
+                    os(base),
+                    OFlags::WRONLY
+                        | OFlags::CREATE
+                        | OFlags::EXCL
+                        | OFlags::NOFOLLOW
+                        | OFlags::CLOEXEC,
+                    Mode::from_raw_mode(0o600),
+                )
+                .map_err(|e| self.io("openat (in place of a device node)", e))?;
+                self.set_fd_meta(fd.as_fd(), &meta)?;
+                drop(fd);
+                self.set_mtime(dir, base, meta.mtime)?;
+                self.left_out += 1;
             }
             T::Char | T::Block | T::Fifo => {
                 let h = entry.header();

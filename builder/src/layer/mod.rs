@@ -333,11 +333,11 @@ pub enum LayerError {
         entry: String,
     },
     /// An owner the process's user namespace does not map (a build without root maps ids
-    /// 0–65536: [`crate::exec::rootless`]); chown(2) answers `EINVAL`.
+    /// 0–65535: [`crate::exec::rootless`]); chown(2) answers `EINVAL`.
     #[error(
         "layer {digest}: entry {entry}: owner {uid}:{gid} is outside this build's user \
-         namespace (a build without root maps ids 0-65536: the user and 65,536 subordinate \
-         ids); build this image as root"
+         namespace (a build without root maps ids 0-65535: the user and 65,535 subordinate \
+         ids, as a root build's steps have 0-65535); build this image as root"
     )]
     UnmappedOwner {
         /// Layer digest.

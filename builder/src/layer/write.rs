@@ -24,7 +24,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
-use crate::exec::rootless::{overlay_opaque_xattr, overlay_xattr_prefix};
+use crate::exec::rootless::overlay_opaque_xattr;
 
 use sha2::{Digest as _, Sha256};
 
@@ -78,7 +78,8 @@ pub fn write_layer(
 /// directories"): a character device 0/0 named `x` becomes an empty regular file `.wh.x`,
 /// a directory with the xattr `trusted.overlay.opaque=y` (`user.overlay.opaque` in a user
 /// namespace: [`overlay_opaque_xattr`]) gets a `.wh..wh..opq` entry first inside it, and no
-/// overlayfs xattr reaches the layer.
+/// overlayfs marker reaches the layer, while an xattr of overlayfs' namespace that the step
+/// set itself does, under its own name ([`crate::exec::overlay::upper_xattr_name`]).
 pub fn write_upper_layer(
     root: &Path,
     out: impl Write,
@@ -219,14 +220,21 @@ fn walk<W: Write>(
         let n = rustix::fs::llistxattr(&path, &mut buf[..]).map_err(io::Error::from)?;
         for k in buf[..n].split(|c| *c == 0).filter(|s| !s.is_empty()) {
             let k = String::from_utf8_lossy(k).into_owned();
-            if k == "security.selinux" || (overlay && k.starts_with(overlay_xattr_prefix())) {
+            let name = match overlay {
+                true => match crate::exec::overlay::upper_xattr_name(&k) {
+                    Some(n) => n,
+                    None => continue,
+                },
+                false => k.clone(),
+            };
+            if name == "security.selinux" {
                 continue;
             }
             let mut v = vec![0u8; 64 << 10];
             let m =
                 rustix::fs::lgetxattr(&path, k.as_str(), &mut v[..]).map_err(io::Error::from)?;
             v.truncate(m);
-            xattrs.push((format!("SCHILY.xattr.{k}"), v));
+            xattrs.push((format!("SCHILY.xattr.{name}"), v));
         }
         xattrs.sort();
         if !xattrs.is_empty() {
