@@ -557,7 +557,8 @@ fn cgroup_dirs(pid: u32, controllers: &[&str]) -> Vec<PathBuf> {
 }
 
 /// Issue 37: each QEMU runs in a cgroup of its own, with a memory limit of its guest's RAM
-/// plus a headroom and a pids limit; a QEMU that
+/// plus a headroom, a pids limit, and a CPU limit of one CPU per vCPU plus one (a CFS quota
+/// over a 100 ms period) with a weight of one default group per vCPU; a QEMU that
 /// takes more memory than that (here, asked over QMP to preallocate 1 GiB for a 64 MiB
 /// guest, as a QEMU taken over by its guest could) is killed by the kernel, and its handle
 /// says why. The group is gone once the handle has reaped QEMU. No guest boot.
@@ -573,7 +574,12 @@ fn a_qemu_over_its_cgroups_memory_limit_is_killed_and_says_so() {
         limits.memory_bytes > 64 << 20 && limits.memory_bytes < 1 << 30,
         "{limits:?}"
     );
-    let dirs = cgroup_dirs(vm.pid, &["memory", "pids"]);
+    assert_eq!(
+        (limits.cpu_quota_us, limits.cpu_period_us, limits.cpu_weight),
+        (200_000, 100_000, 100),
+        "one vCPU: two CPUs' worth (the vCPU, QEMU's own threads), a default weight"
+    );
+    let dirs = cgroup_dirs(vm.pid, &["memory", "pids", "cpu"]);
     assert!(!dirs.is_empty());
     for d in &dirs {
         assert!(
@@ -592,12 +598,17 @@ fn a_qemu_over_its_cgroups_memory_limit_is_killed_and_says_so() {
     if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
         assert_eq!(read("memory.max"), limits.memory_bytes.to_string());
         assert_eq!(read("pids.max"), limits.pids_max.to_string());
+        assert_eq!(read("cpu.max"), "200000 100000");
+        assert_eq!(read("cpu.weight"), "100");
     } else {
         assert_eq!(
             read("memory.limit_in_bytes"),
             limits.memory_bytes.to_string()
         );
         assert_eq!(read("pids.max"), limits.pids_max.to_string());
+        assert_eq!(read("cpu.cfs_quota_us"), "200000");
+        assert_eq!(read("cpu.cfs_period_us"), "100000");
+        assert_eq!(read("cpu.shares"), "1024");
     }
     let r = rt.block_on(vm.qmp.execute_within(
         "object-add",
