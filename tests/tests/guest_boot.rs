@@ -557,7 +557,8 @@ fn cgroup_dirs(pid: u32, controllers: &[&str]) -> Vec<PathBuf> {
 }
 
 /// Issue 37: each QEMU runs in a cgroup of its own, with a memory limit of its guest's RAM
-/// plus a headroom and a pids limit; a QEMU that
+/// plus a headroom, a pids limit, and a CPU limit of one CPU per vCPU plus one (a CFS quota
+/// over a 100 ms period) with a weight of one default group per vCPU; a QEMU that
 /// takes more memory than that (here, asked over QMP to preallocate 1 GiB for a 64 MiB
 /// guest, as a QEMU taken over by its guest could) is killed by the kernel, and its handle
 /// says why. The group is gone once the handle has reaped QEMU. No guest boot.
@@ -573,7 +574,12 @@ fn a_qemu_over_its_cgroups_memory_limit_is_killed_and_says_so() {
         limits.memory_bytes > 64 << 20 && limits.memory_bytes < 1 << 30,
         "{limits:?}"
     );
-    let dirs = cgroup_dirs(vm.pid, &["memory", "pids"]);
+    assert_eq!(
+        (limits.cpu_quota_us, limits.cpu_period_us, limits.cpu_weight),
+        (200_000, 100_000, 100),
+        "one vCPU: two CPUs' worth (the vCPU, QEMU's own threads), a default weight"
+    );
+    let dirs = cgroup_dirs(vm.pid, &["memory", "pids", "cpu"]);
     assert!(!dirs.is_empty());
     for d in &dirs {
         assert!(
@@ -592,12 +598,17 @@ fn a_qemu_over_its_cgroups_memory_limit_is_killed_and_says_so() {
     if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
         assert_eq!(read("memory.max"), limits.memory_bytes.to_string());
         assert_eq!(read("pids.max"), limits.pids_max.to_string());
+        assert_eq!(read("cpu.max"), "200000 100000");
+        assert_eq!(read("cpu.weight"), "100");
     } else {
         assert_eq!(
             read("memory.limit_in_bytes"),
             limits.memory_bytes.to_string()
         );
         assert_eq!(read("pids.max"), limits.pids_max.to_string());
+        assert_eq!(read("cpu.cfs_quota_us"), "200000");
+        assert_eq!(read("cpu.cfs_period_us"), "100000");
+        assert_eq!(read("cpu.shares"), "1024");
     }
     let r = rt.block_on(vm.qmp.execute_within(
         "object-add",
@@ -729,12 +740,13 @@ fn entries_end(archive: &[u8]) -> usize {
     (text + 1).next_multiple_of(4)
 }
 
-/// QEMU puts the initrd at the top of the microvm's RAM, where the firmware writes the ACPI
-/// tables ([`initramfs::ARCHIVE_ALIGN`] says how they collided). Four archives whose entries
-/// end at four different places in a page (a filler file of the right size added to the guest
-/// initramfs), each padded by the writer, boot a build step's VM with the most lower disks
-/// (the largest tables) to the guest's hello. Without the padding, the two that end past the
-/// middle of the page overwrite the tables and every boot hangs in ACPI setup.
+/// QEMU puts the initrd at the top of the microvm's RAM, where SeaBIOS, the firmware kiln
+/// booted then, wrote the ACPI tables ([`initramfs::ARCHIVE_ALIGN`] says how they collided).
+/// Four archives whose entries end at four different places in a page (a filler file of the
+/// right size added to the guest initramfs), each padded by the writer, boot a build step's VM
+/// with the most lower disks (the largest tables) to the guest's hello. Under SeaBIOS and
+/// without the padding, the two that end past the middle of the page overwrote the tables and
+/// every boot hung in ACPI setup; qboot keeps its tables in low memory.
 #[test]
 fn initramfs_ending_anywhere_in_a_page_boots_a_step_vm_with_every_disk() {
     let a = artifacts();
@@ -809,6 +821,89 @@ fn initramfs_ending_anywhere_in_a_page_boots_a_step_vm_with_every_disk() {
         eprintln!("entries end {target_end} bytes into the last page");
         let mut vm = Vm::spawn(spec, dir);
         hello(&mut vm);
+    }
+}
+
+/// The firmware hands every virtio device to the kernel in reset (launch's module doc,
+/// "Firmware"). SeaBIOS, the microvm's default, left each virtio-blk device `DRIVER_OK` with
+/// its vring in the RAM where the initrd is then copied; QEMU's main loop kicks such a queue
+/// once, and on a busy host did so after the copy, clearing bits inside the initramfs's last
+/// module (`virtio_ring.ko: Key was rejected by service`). A build step's VM with lower and
+/// cache disks whose kernel loads no virtio driver (`rdinit=` a missing file: it panics
+/// mounting its root, `panic=0` keeps it there) shows over QMP, once it has panicked, no
+/// status bit on any virtio device: nothing but the guest's own drivers ever set one up.
+/// Under SeaBIOS every virtio-blk device shows `DRIVER_OK` here, on every boot.
+#[test]
+fn the_firmware_hands_every_virtio_device_to_the_kernel_in_reset() {
+    let a = artifacts();
+    let (host, accel) = host();
+    let dir = tempfile::tempdir().unwrap();
+    let disk = |name: &str| {
+        let p = dir.path().join(name);
+        std::fs::File::create(&p)
+            .and_then(|f| f.set_len(4 << 20))
+            .expect("disk");
+        p
+    };
+    let (lowers, caches) = (4, 2);
+    let spec = launch::VmSpec {
+        max_disk_bytes: None,
+        accel: *accel,
+        vcpus: 1,
+        memory_bytes: 256 << 20,
+        kernel: a.kernel.vmlinux(),
+        initramfs: a.initramfs.path.clone(),
+        memory_file: dir.path().join("unused-memory"),
+        memory_mode: launch::MemoryMode::Anonymous,
+        disk: disk("upper.img"),
+        disk_format: launch::DiskFormat::Raw,
+        ro_disks: (0..lowers)
+            .map(|i| disk(&format!("lower{i}.img")))
+            .collect(),
+        rw_disks: (0..caches)
+            .map(|i| disk(&format!("cache{i}.img")))
+            .collect(),
+        qmp_socket: dir.path().join("qmp.sock"),
+        guest_socket: dir.path().join("guest.sock"),
+        serial_log: dir.path().join("console.log"),
+        incoming: false,
+        tsc_khz: host.tsc_khz,
+        egress_socket: None,
+        kernel_args: vec!["rdinit=/nonexistent".into(), "panic=0".into()],
+    };
+    let mut vm = Vm::spawn(spec, dir);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !vm.console().contains("Kernel panic") {
+        if let Some(status) = vm.vm.exited() {
+            panic!(
+                "QEMU exited ({status}): {}\n{}",
+                vm.vm.log_tail(),
+                vm.report()
+            );
+        }
+        assert!(Instant::now() < deadline, "no panic: {}", vm.report());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let rt = rt();
+    let devices = rt
+        .block_on(vm.vm.qmp.execute("x-query-virtio", None))
+        .expect("x-query-virtio");
+    let devices = devices.as_array().expect("a list of devices");
+    let blk = devices.iter().filter(|d| d["name"] == "virtio-blk").count();
+    assert_eq!(blk, 1 + lowers + caches, "{devices:?}");
+    for d in devices {
+        let status = rt
+            .block_on(vm.vm.qmp.execute(
+                "x-query-virtio-status",
+                Some(serde_json::json!({"path": d["path"]})),
+            ))
+            .expect("x-query-virtio-status");
+        assert_eq!(
+            status["status"]["statuses"],
+            serde_json::json!([]),
+            "{} was set up before the kernel's drivers: {status}",
+            d["name"]
+        );
     }
 }
 

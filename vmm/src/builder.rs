@@ -15,7 +15,8 @@
 //! `snapshot.json` (the [`BuilderKey`], the vmstate's sha256 and the memory file's size),
 //! written last. The key is the accelerator probe's ([`crate::launch::ProbeKey`]: the host's
 //! boot, the QEMU binary, `/dev/kvm`) with the kernel's and the initramfs' sha256, the
-//! accelerator, the host's TSC kHz (on the command line under TCG) and the shape. Made under
+//! accelerator, the host's TSC kHz (on the command line under TCG), the shape and the machine
+//! with its firmware ([`crate::launch::MACHINE`]). Made under
 //! an exclusive lock (`<cache>/builder.lock`), so two builds never race; a directory whose
 //! `snapshot.json` is missing, unreadable, of another key, or disagrees with its files
 //! (the vmstate's digest, the memory file's size) is removed and made again, never used;
@@ -178,6 +179,10 @@ pub struct BuilderKey {
     pub shape: BuilderShape,
     /// [`PLACEHOLDER_BYTES`].
     pub placeholder_bytes: u64,
+    /// The machine and its firmware ([`launch::MACHINE`]): a snapshot made under another
+    /// firmware does not restore (its ROM is in the migration stream), so a kiln that
+    /// changed them makes the snapshot again instead of booting every step cold.
+    pub machine: String,
 }
 
 /// What `snapshot.json` holds.
@@ -296,6 +301,7 @@ pub async fn ensure(
         tsc_khz: host.tsc_khz,
         shape,
         placeholder_bytes: PLACEHOLDER_BYTES,
+        machine: launch::MACHINE.into(),
     };
     // Serializing strings and integers cannot fail.
     let key_json = serde_json::to_vec(&key).unwrap_or_default();
@@ -615,6 +621,7 @@ mod tests {
                     rw_disks: 0,
                 },
                 placeholder_bytes: PLACEHOLDER_BYTES,
+                machine: launch::MACHINE.into(),
             },
             vmstate_sha256: String::new(),
             memory_bytes: 0,

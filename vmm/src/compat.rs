@@ -54,7 +54,7 @@ pub struct CompatKey {
     /// Guest RAM, bytes.
     pub memory_bytes: u64,
     /// Machine type with the options that change what the guest sees, as passed to `-M`
-    /// (`microvm,pit=off`: [`crate::launch::MACHINE`]).
+    /// (`microvm,pit=off,firmware=qboot.rom`: [`crate::launch::MACHINE`]).
     pub machine: String,
     /// Device layout (see [`crate::launch::DEVICE_LAYOUT`]).
     pub devices: String,
@@ -162,7 +162,7 @@ mod tests {
             initramfs: "sha256:bb".into(),
             vcpus: 1,
             memory_bytes: 512 << 20,
-            machine: "microvm,pit=off".into(),
+            machine: "microvm,pit=off,firmware=qboot.rom".into(),
             devices: "virtio-blk-device,virtio-serial-device".into(),
         }
     }
@@ -170,15 +170,20 @@ mod tests {
     #[test]
     fn snapshot_taken_with_other_machine_options_is_refused_by_name() {
         // A snapshot of a kiln whose microvm still had its PIT (the machine string had no
-        // options then) must not wake on a host that boots with `pit=off`.
+        // options then), or still booted SeaBIOS (no `firmware=`: its ROM is in the
+        // migration stream), must not wake on a host that boots otherwise.
         let host = key();
-        let mut snap = key();
-        snap.machine = "microvm".into();
-        let msg = host.check(&snap.render()).unwrap_err().to_string();
-        assert!(
-            msg.contains(r#"machine (snapshot "microvm", host "microvm,pit=off")"#),
-            "{msg}"
-        );
+        for old in ["microvm", "microvm,pit=off"] {
+            let mut snap = key();
+            snap.machine = old.into();
+            let msg = host.check(&snap.render()).unwrap_err().to_string();
+            assert!(
+                msg.contains(&format!(
+                    r#"machine (snapshot "{old}", host "microvm,pit=off,firmware=qboot.rom")"#
+                )),
+                "{msg}"
+            );
+        }
         assert_eq!(
             CompatKey::parse(&host.render()).unwrap().machine,
             crate::launch::MACHINE
@@ -191,7 +196,8 @@ mod tests {
         assert_eq!(
             k.render(),
             "accel=tcg;cpu=Haswell-v4,-pcid;devices=virtio-blk-device,virtio-serial-device;\
-             initramfs=sha256:bb;kernel=sha256:aa;machine=microvm,pit=off;memory=536870912;vcpus=1;\
+             initramfs=sha256:bb;kernel=sha256:aa;machine=microvm,pit=off,firmware=qboot.rom;\
+             memory=536870912;vcpus=1;\
              vmm=qemu;vmm_version=10.0.2"
         );
         assert_eq!(CompatKey::parse(&k.render()).unwrap(), k);

@@ -72,6 +72,9 @@ enum Entry {
 /// the kernel read a garbage DSDT (`ACPI: 0000 0x000000000FFFFD00`) and hung at `ACPI: Core
 /// revision` on every boot with `r` = 4000, and booted every time with `r` = 0 or 100. With
 /// the archive page-aligned the initrd ends where that last page starts, whatever its size.
+/// Since kiln boots qboot instead ([`crate::launch::MACHINE`]), whose ACPI tables are in low
+/// memory, nothing is written there; the alignment stays, costing at most a page, so that the
+/// archive never depends on the firmware's layout again.
 pub const ARCHIVE_ALIGN: u64 = 4096;
 
 /// A writer that counts the bytes written through it.

@@ -1,5 +1,5 @@
-//! Per-step cgroups for the memory and pids limits, on cgroup v1 or v2, detected at run
-//! time (kernel `Documentation/admin-guide/cgroup-v1/memory.rst`, `cgroup-v2.rst`).
+//! Per-step cgroups for the memory and pids limits (and a CPU limit for QEMU's groups), on
+//! cgroup v1 or v2, detected at run time (kernel `Documentation/admin-guide/cgroup-v1/memory.rst`, `cgroup-v2.rst`).
 //!
 //! - v2 (`/sys/fs/cgroup/cgroup.controllers` exists): one group
 //!   `/sys/fs/cgroup/<parent>/<name>` with `memory.max`, `memory.swap.max = 0`, `pids.max`;
@@ -9,6 +9,12 @@
 //!   `/sys/fs/cgroup/<controller>`): one group per controller, `memory.limit_in_bytes` (and
 //!   `memory.memsw.limit_in_bytes` when swap accounting is on), `pids.max`; a memory kill shows
 //!   as `oom_kill` in `memory.oom_control` (Linux 4.13+), `memory.failcnt` otherwise.
+//!
+//! - a CPU limit, for the groups made with one ([`StepCgroup::create_with_cpu`]: QEMU's;
+//!   build steps' groups have none): v2 `cpu.max` (`<quota> <period>`) and `cpu.weight`,
+//!   `cpu` enabled in the ancestors; v1 `cpu.cfs_period_us`, `cpu.cfs_quota_us` and
+//!   `cpu.shares` in a group of the `cpu` controller (kernel
+//!   `Documentation/scheduler/sched-bwc.rst`).
 //!
 //! [`StepCgroup::kill_all`] kills every process of the group until it is empty;
 //! dropping a [`StepCgroup`] kills what is left and removes the directories, unless it was
@@ -69,6 +75,22 @@ pub struct CgroupLimits {
     pub pids_max: u64,
 }
 
+/// A group's CPU limit ([`StepCgroup::create_with_cpu`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuLimit {
+    /// CPU time the group's tasks may use together in each period, µs (v1
+    /// `cpu.cfs_quota_us`, the first field of v2 `cpu.max`); twice the period is two CPUs'
+    /// worth. At least 1000 (the kernel's minimum).
+    pub quota_us: u64,
+    /// The CFS bandwidth period, µs (v1 `cpu.cfs_period_us`, the second field of v2
+    /// `cpu.max`; 1000 to 1 000 000).
+    pub period_us: u64,
+    /// The group's weight against its siblings when the CPUs are contended, in v2
+    /// `cpu.weight` units (1 to 10000; a group's default is 100); v1 `cpu.shares` is
+    /// `weight · 1024 / 100` (its default is 1024).
+    pub weight: u64,
+}
+
 /// What a step's cgroup saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CgroupEvents {
@@ -107,7 +129,8 @@ fn keyed(path: &Path, key: &str) -> u64 {
 #[derive(Debug)]
 pub struct StepCgroup {
     layout: CgroupLayout,
-    /// `memory` then `pids` directories (v1), or the one v2 directory.
+    /// `memory`, `pids` and, with a CPU limit, `cpu` directories (v1), or the one v2
+    /// directory.
     dirs: Vec<PathBuf>,
 }
 
@@ -122,7 +145,7 @@ impl StepCgroup {
     /// ([`StepCgroup::enforced`] is false), with one warning per process naming the
     /// directory, as rootless Podman runs without limits on cgroup v1.
     pub fn create(parent: &str, limits: CgroupLimits) -> Result<StepCgroup, CgroupError> {
-        match Self::make(parent, limits) {
+        match Self::make(parent, limits, None) {
             Err(CgroupError::Io { path, source })
                 if super::rootless::in_user_namespace()
                     && matches!(
@@ -153,7 +176,22 @@ impl StepCgroup {
         !self.dirs.is_empty()
     }
 
-    fn make(parent: &str, limits: CgroupLimits) -> Result<StepCgroup, CgroupError> {
+    /// [`StepCgroup::create`] with a CPU limit as well (QEMU's groups, made by root only).
+    /// Fails if the host has no `cpu` controller to give it (v1 `/sys/fs/cgroup/cpu`, or
+    /// `cpu` in v2 `cgroup.controllers`).
+    pub fn create_with_cpu(
+        parent: &str,
+        limits: CgroupLimits,
+        cpu: CpuLimit,
+    ) -> Result<StepCgroup, CgroupError> {
+        Self::make(parent, limits, Some(cpu))
+    }
+
+    fn make(
+        parent: &str,
+        limits: CgroupLimits,
+        cpu: Option<CpuLimit>,
+    ) -> Result<StepCgroup, CgroupError> {
         let layout = detect()?;
         let name = format!(
             "step-{}-{}",
@@ -167,16 +205,26 @@ impl StepCgroup {
         };
         match layout {
             CgroupLayout::Unified => {
-                let enable = "+memory +pids";
+                // `cpu` apart: a write naming a controller that cannot be enabled changes
+                // nothing, and groups without a CPU limit need only the other two.
+                let enable: &[&str] = if cpu.is_some() {
+                    &["+memory +pids", "+cpu"]
+                } else {
+                    &["+memory +pids"]
+                };
                 let mut dir = root.to_path_buf();
                 for part in Path::new(parent).components() {
-                    let _ = fs::write(dir.join("cgroup.subtree_control"), enable);
+                    for e in enable {
+                        let _ = fs::write(dir.join("cgroup.subtree_control"), e);
+                    }
                     dir.push(part);
                     if !dir.is_dir() {
                         fs::create_dir(&dir).map_err(io_err(&dir))?;
                     }
                 }
-                write(&dir.join("cgroup.subtree_control"), enable)?;
+                for e in enable {
+                    write(&dir.join("cgroup.subtree_control"), e)?;
+                }
                 dir.push(&name);
                 fs::create_dir(&dir).map_err(io_err(&dir))?;
                 cg.dirs.push(dir.clone());
@@ -186,9 +234,24 @@ impl StepCgroup {
                     write(&swap, "0")?;
                 }
                 write(&dir.join("pids.max"), &limits.pids_max.to_string())?;
+                if let Some(c) = cpu {
+                    write(
+                        &dir.join("cpu.max"),
+                        &format!("{} {}", c.quota_us.max(1000), c.period_us),
+                    )?;
+                    write(
+                        &dir.join("cpu.weight"),
+                        &c.weight.clamp(1, 10_000).to_string(),
+                    )?;
+                }
             }
             CgroupLayout::Legacy => {
-                for ctrl in ["memory", "pids"] {
+                let controllers: &[&str] = if cpu.is_some() {
+                    &["memory", "pids", "cpu"]
+                } else {
+                    &["memory", "pids"]
+                };
+                for ctrl in controllers {
                     let dir = root.join(ctrl).join(parent).join(&name);
                     fs::create_dir_all(&dir).map_err(io_err(&dir))?;
                     cg.dirs.push(dir);
@@ -204,6 +267,16 @@ impl StepCgroup {
                 }
                 write(&mem.join("memory.swappiness"), "0").ok();
                 write(&cg.dirs[1].join("pids.max"), &limits.pids_max.to_string())?;
+                if let Some(c) = cpu {
+                    let d = &cg.dirs[2];
+                    // The period first: the quota is checked against it.
+                    write(&d.join("cpu.cfs_period_us"), &c.period_us.to_string())?;
+                    write(
+                        &d.join("cpu.cfs_quota_us"),
+                        &c.quota_us.max(1000).to_string(),
+                    )?;
+                    write(&d.join("cpu.shares"), &v1_shares(c.weight).to_string())?;
+                }
             }
         }
         Ok(cg)
@@ -288,13 +361,19 @@ impl StepCgroup {
     }
 }
 
+/// v1 `cpu.shares` for a v2 `cpu.weight` of `weight`: the default weight, 100, is the
+/// default share, 1024; at least 2, the kernel's minimum.
+fn v1_shares(weight: u64) -> u64 {
+    (weight.saturating_mul(1024) / 100).max(2)
+}
+
 /// The directories under which groups of `parent` live: the v2 parent, or one per v1
-/// controller kiln uses (`memory`, `pids`).
+/// controller kiln uses (`memory`, `pids`, and `cpu` for the groups with a CPU limit).
 fn parent_dirs(layout: CgroupLayout, parent: &str) -> Vec<PathBuf> {
     let root = Path::new(CGROUP_ROOT);
     match layout {
         CgroupLayout::Unified => vec![root.join(parent)],
-        CgroupLayout::Legacy => ["memory", "pids"]
+        CgroupLayout::Legacy => ["memory", "pids", "cpu"]
             .iter()
             .map(|c| root.join(c).join(parent))
             .collect(),
@@ -388,5 +467,13 @@ mod tests {
         assert_eq!(keyed(&p, "max"), 12);
         assert_eq!(keyed(&p, "absent"), 0);
         assert_eq!(keyed(&dir.path().join("missing"), "max"), 0);
+    }
+
+    #[test]
+    fn v1_shares_follow_v2_weights() {
+        assert_eq!(v1_shares(100), 1024, "the defaults match");
+        assert_eq!(v1_shares(200), 2048);
+        assert_eq!(v1_shares(1), 10);
+        assert_eq!(v1_shares(0), 2, "the kernel's minimum");
     }
 }

@@ -1,12 +1,15 @@
-//! Each QEMU's cgroup (issue 37): memory and pids limits, on cgroup v1 or v2.
+//! Each QEMU's cgroup (issue 37): memory, pids and CPU limits, on cgroup v1 or v2.
 //!
-//! No CPU limit: with a CFS quota of one CPU per vCPU plus one (v1 `cpu.cfs_quota_us`), two of
-//! three CI runs on the 2-core test host had `kiln serve` step VMs whose guest rejected the
-//! signature of the first module it loaded (its bytes not what was signed), while they
-//! competed with the suite's largest test; before the quota (and the rest of the jail) CI had
-//! never shown it. The cause was not found (CFS bandwidth control throttles a group on one CPU while quota is left on
-//! another, pausing the vCPU thread; a TCG fault under such pauses is the suspicion). A CPU
-//! limit needs that understood first.
+//! The CPU limit ([`QemuLimits::cpu_quota_us`] over [`QemuLimits::cpu_period_us`], and a
+//! weight, [`QemuLimits::cpu_weight`]): v1 `cpu.cfs_quota_us`, `cpu.cfs_period_us` and
+//! `cpu.shares`, v2 `cpu.max` and `cpu.weight`. It was first added without the weight and
+//! taken out again, because two of three CI runs then had `kiln serve` step VMs whose guest
+//! rejected the signature of its first module (`virtio_ring.ko: Key was rejected by
+//! service`). The quota was not the cause, only a way of making QEMU's main loop late: the
+//! firmware of then (SeaBIOS) left virtio-blk rings where the initrd is copied, and a late
+//! main loop cleared bits of the initrd there; kiln boots qboot since, and no firmware sets a
+//! device up (`crate::launch`'s module doc, "Firmware"; test
+//! `guest_boot::the_firmware_hands_every_virtio_device_to_the_kernel_in_reset`).
 //!
 //! The cgroup code is the builder's (its step cgroups, `kiln_builder::exec::cgroup`), and this
 //! crate may not import the builder (DESIGN.md's layout: builder and vmm meet only in the
@@ -33,6 +36,14 @@ pub const DEFAULT_HEADROOM_MIB: u64 = 512;
 /// Tasks a QEMU may have beyond one per vCPU: its main loop, RCU, I/O and the block layer's
 /// worker pool (QEMU's `thread-pool` has at most 64 workers by default).
 pub const PIDS_BEYOND_VCPUS: u64 = 128;
+/// The CFS bandwidth period of a QEMU's CPU limit, µs: the kernel's default (100 ms). The
+/// quota is a ceiling, not a share, so a finer period would only throttle in finer slices
+/// at more accounting cost; a longer one would let a group run at the whole host for longer
+/// before it is held back.
+pub const CPU_PERIOD_US: u64 = 100_000;
+/// A QEMU group's CPU weight per vCPU, in cgroup v2 `cpu.weight` units: 100, a group's
+/// default (v1 `cpu.shares` 1024).
+pub const CPU_WEIGHT_PER_VCPU: u64 = 100;
 
 /// The limits of one QEMU's group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,14 +52,34 @@ pub struct QemuLimits {
     pub memory_bytes: u64,
     /// Tasks (threads; QEMU cannot fork under `-sandbox`).
     pub pids_max: u64,
+    /// CPU time QEMU's threads may use together in each [`QemuLimits::cpu_period_us`], µs:
+    /// one CPU per vCPU and one more, `(vcpus + 1) · period`. Under TCG each vCPU is a
+    /// thread that runs flat out while its guest is busy, and QEMU's main loop (device
+    /// emulation: the disks, the guest channel) and its I/O workers need a CPU beside them;
+    /// so a guest keeps all it was given, and a QEMU its guest took over cannot spread over
+    /// more of the host with threads of its own. On the 2-core test host a 1-vCPU VM's quota
+    /// is the whole host: the limit matters on larger hosts, where many VMs run.
+    pub cpu_quota_us: u64,
+    /// The CFS bandwidth period, µs ([`CPU_PERIOD_US`]).
+    pub cpu_period_us: u64,
+    /// The group's weight when the CPUs are contended, in v2 `cpu.weight` units (v1
+    /// `cpu.shares` is `weight · 1024 / 100`): [`CPU_WEIGHT_PER_VCPU`] per vCPU, at most
+    /// 10000 (v2's maximum). The kernel shares contended CPUs between sibling groups (here,
+    /// the QEMUs under one parent) in proportion to their weights, so VMs get CPU time in
+    /// proportion to their vCPUs rather than one group's default each.
+    pub cpu_weight: u64,
 }
 
 impl QemuLimits {
     /// The limits of the QEMU that runs `spec`, with `headroom_mib` of memory beyond its RAM.
     pub fn for_spec(spec: &VmSpec, headroom_mib: u64) -> Self {
+        let vcpus = u64::from(spec.vcpus);
         QemuLimits {
             memory_bytes: spec.memory_bytes + (headroom_mib << 20),
-            pids_max: u64::from(spec.vcpus) + PIDS_BEYOND_VCPUS,
+            pids_max: vcpus + PIDS_BEYOND_VCPUS,
+            cpu_quota_us: (vcpus + 1) * CPU_PERIOD_US,
+            cpu_period_us: CPU_PERIOD_US,
+            cpu_weight: (vcpus * CPU_WEIGHT_PER_VCPU).clamp(1, 10_000),
         }
     }
 

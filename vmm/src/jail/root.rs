@@ -12,7 +12,9 @@
 //! built into the binary, and measured under Debian's QEMU 10.0 with `strace -e trace=%file`,
 //! a kiln VM opens no module. Which firmware: the data directories QEMU itself lists with
 //! `-L help` (Debian: `/usr/share/qemu`, `/usr/share/seabios`, `/usr/lib/ipxe/qemu`), those
-//! that exist; `-M microvm` loads `bios-microvm.bin` (qboot) from one of them.
+//! that exist; kiln's `-M microvm,...,firmware=qboot.rom` loads `qboot.rom` from one of them
+//! (`/usr/share/qemu`; the machine's default, SeaBIOS's `bios-microvm.bin`, is not used:
+//! [`crate::launch`]'s module doc says why).
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Component, Path, PathBuf};

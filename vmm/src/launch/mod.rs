@@ -35,6 +35,27 @@
 //! part of the compatibility key, so a snapshot taken with other machine options is refused
 //! by name.
 //!
+//! Firmware: qboot (`firmware=qboot.rom`, QEMU's own minimal firmware), not the microvm
+//! default, SeaBIOS's `bios-microvm.bin`. SeaBIOS drives every virtio-blk device at POST:
+//! it puts each one's vring in the top pages of the RAM below 4 GiB (reserved in its e820
+//! map, three pages a disk) and sets the device `DRIVER_OK`, which starts QEMU's ioeventfd
+//! for it, and QEMU then kicks each queue once ("to begin processing requests already in
+//! vring"); QEMU's main loop runs that kick, not the vCPU thread. QEMU's PVH loader puts the
+//! initrd at the top of that same RAM, so its option ROM copies the initrd over those vrings
+//! before the kernel starts (the kernel then moves the initrd out of the reserved range).
+//! When the main loop runs the kicks only after that copy (a busy host, or a CPU quota that
+//! throttles QEMU), QEMU takes the initrd's bytes for the rings: it logs `Guest says index
+//! N is available` for each garbage head, and sets then clears `VRING_USED_F_NO_NOTIFY`
+//! (bit 0) in each used ring's flags, i.e. clears bit 0 of the first byte of each ring's
+//! used page, inside the initrd. That is the tail of the archive, where its last module
+//! lies, and the guest fails with `virtio_ring.ko: Key was rejected by service`. Measured
+//! with QEMU 10.0 TCG, seven disks, QEMU's main-loop thread at nice 19 beside two busy
+//! loops: SeaBIOS, 5 of 12 boots failed so; qboot, 0 of 12; a dump of the guest's RAM after
+//! such a boot differed from the archive in exactly four bytes, `0x83` → `0x82`, `0x05` →
+//! `0x04`, `0x71` → `0x70`, `0x5f` → `0x5e`, at four used rings' first bytes, all in
+//! `virtio_ring.ko`. qboot drives no virtio device, reserves no RAM at the top, and puts the
+//! ACPI tables in low memory; the guest has no SMBIOS (DMI) tables.
+//!
 //! Kernel console: `earlyprintk=ttyS0` as well as `console=ttyS0`, so that a kernel dying
 //! before its serial console driver registers still leaves its last words in the console log;
 //! [`console_report`] puts the panic or oops line first in every error that carries the log.
@@ -74,7 +95,10 @@ pub use self::probe::{KvmNode, ProbeKey, probe_accel, probe_accel_cached};
 /// Machine type and its options, as passed to `-M` (before `memory-backend=`); recorded in
 /// the compatibility key. `pit=off`: see the module doc (QEMU `docs/system/i386/microvm.rst`
 /// lists `pit`, `pic`, `rtc` and `isa-serial` as optional devices of this machine).
-pub const MACHINE: &str = "microvm,pit=off";
+/// `firmware=qboot.rom` (what `-bios` sets, found in QEMU's data directories): see the
+/// module doc; a snapshot's firmware ROM is part of its migration stream, so a snapshot
+/// taken under another firmware could not be restored, and the key refuses it by name.
+pub const MACHINE: &str = "microvm,pit=off,firmware=qboot.rom";
 /// The `-cpu` model: Haswell (no TSX, IBRS: `Haswell-v4`) has AVX, AVX2, FMA, no AVX-512;
 /// `pcid`, `tsc-deadline`, `invpcid` and `spec-ctrl` are removed because QEMU 10.0's TCG
 /// refuses them under `enforce` (measured on this host, see the module doc).
@@ -1064,7 +1088,11 @@ mod tests {
         let a = s.args().join(" ");
         assert!(a.contains("-accel tcg"), "{a}");
         // No PIT: its IRQ 0 reached early kernels as a "divide error" (module doc).
-        assert!(a.contains("-M microvm,pit=off,memory-backend=mem"), "{a}");
+        // No SeaBIOS: it left virtio-blk rings where the initrd goes (module doc).
+        assert!(
+            a.contains("-M microvm,pit=off,firmware=qboot.rom,memory-backend=mem"),
+            "{a}"
+        );
         // Early kernel output reaches the console log too.
         assert!(
             s.cmdline().starts_with("earlyprintk=ttyS0 console=ttyS0 "),
