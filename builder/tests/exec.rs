@@ -1531,3 +1531,25 @@ fn ssh_mount_reaches_the_agent_read_only() {
     // Nothing of the mount is in the layer.
     assert!(!f.upper.join("run").exists());
 }
+
+/// An image whose `/proc` (or `/sys`) is a symlink: the step's proc and sysfs are mounted
+/// on the root's own directories (made, never followed: `mount_point`), so a symlink there
+/// is refused naming it, as runc refuses a symlinked `/proc` and the microVM executor
+/// refuses one (`guest_boot::image_with_a_symlinked_proc_is_refused_and_the_vm_powers_off`);
+/// the symlink's target stays as it was.
+#[test]
+fn a_symlinked_proc_or_sys_in_the_image_is_refused() {
+    for dir in ["proc", "sys"] {
+        let f = fixture(&format!("symlinked-{dir}"));
+        let _ = fs::remove_dir(f.root.join(dir));
+        fs::create_dir_all(f.root.join("tmp/elsewhere")).unwrap();
+        std::os::unix::fs::symlink("tmp/elsewhere", f.root.join(dir)).unwrap();
+        let (r, _) = f.run(&f.spec("echo ran"));
+        let e = r.expect_err("a symlinked mount point").to_string();
+        assert!(e.contains(&format!("/{dir}")), "{dir}: {e}");
+        assert_eq!(
+            fs::read_dir(f.root.join("tmp/elsewhere")).unwrap().count(),
+            0
+        );
+    }
+}
