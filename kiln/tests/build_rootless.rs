@@ -59,11 +59,12 @@ impl Scratch {
         }
     }
 
-    /// `kiln ARGS` as the user, in a clean environment but for the test servers' variables.
+    /// `kiln ARGS` as the user, in a clean environment with a user's `PATH` (Debian's for
+    /// users: no `/sbin`).
     fn kiln_as_user(&self, args: &[&str]) -> Output {
         let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
         c.env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
             .env("HOME", self.dir.join("home"))
             .current_dir(&self.dir)
             .args(args)
@@ -318,6 +319,22 @@ fn what_needs_host_root_is_refused_naming_it() {
         a.extend_from_slice(args);
         fails_with(&s.kiln_as_user(&a), &format!("{args:?}"), &[needle]);
     }
+
+    // A step asking for the host's network, entitled or not, is told it needs host root
+    // (not to add the entitlement, which is refused without root too).
+    std::fs::write(
+        s.dir.join("ctx/Dockerfile"),
+        format!("FROM {bb}\nRUN --network=host true\n"),
+    )
+    .expect("write");
+    fails_with(
+        &s.kiln_as_user(&["build", "ctx"]),
+        "RUN --network=host",
+        &[
+            "RUN --network=host: the host's network namespace",
+            "needs host root",
+        ],
+    );
 
     std::fs::write(
         s.dir.join("ctx/recipe.yaml"),
@@ -699,7 +716,7 @@ fn a_step_does_not_get_the_terminal_of_kiln_with_or_without_root() {
             .stdin(std::process::Stdio::null());
         if as_user {
             c.env_clear()
-                .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+                .env("PATH", "/usr/local/bin:/usr/bin:/bin")
                 .env("HOME", s.dir.join("home"))
                 .uid(s.uid)
                 .gid(s.gid);
@@ -716,6 +733,49 @@ fn a_step_does_not_get_the_terminal_of_kiln_with_or_without_root() {
             "as {}: {}\n{out}",
             if as_user { USER } else { "root" },
             o.status
+        );
+    }
+}
+
+/// Ids past the namespace's 0-65535 in a build without root are the same clear errors as in
+/// a root build's steps: a `USER` (it crashed the step's setup: a descriptor closed twice),
+/// and the owner of a cache or a secret mount (a bare "Invalid argument" of chown).
+#[test]
+fn ids_past_the_namespace_are_clear_errors_without_root() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (uid, gid) = user();
+    let s = Scratch::new(uid, gid, "");
+    let secret = s.dir.join("secret");
+    std::fs::write(&secret, "s\n").expect("write");
+    std::os::unix::fs::chown(&secret, Some(uid), Some(gid)).expect("chown");
+    for (step, needle) in [
+        (
+            "USER 70000\nRUN id",
+            "USER 70000: id 70000 is outside the step's user namespace, which maps ids 0-65535",
+        ),
+        (
+            "RUN --mount=type=cache,target=/c,uid=70000 true",
+            "--mount type=cache,target=/c: owner 70000:0 is outside the step's user namespace (ids 0-65535)",
+        ),
+        (
+            "RUN --mount=type=secret,id=s,uid=70000 true",
+            "--mount type=secret,target=/run/secrets/s: owner 70000:0 is outside the step's user namespace (ids 0-65535)",
+        ),
+    ] {
+        std::fs::write(s.dir.join("ctx/Dockerfile"), format!("FROM {bb}\n{step}\n"))
+            .expect("write");
+        let secret_flag = format!("id=s,src={}", secret.display());
+        fails_with(
+            &s.kiln_as_user(&[
+                "build",
+                "ctx",
+                "--network",
+                "none",
+                "--secret",
+                &secret_flag,
+            ]),
+            step,
+            &[needle],
         );
     }
 }

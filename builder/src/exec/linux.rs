@@ -122,6 +122,10 @@ struct ChildPlan {
     /// The user namespace the step runs in ([`super::userns`]): its map and a descriptor of
     /// it (held open by [`LinuxExecutor::run`] until the step is done); `None`: host root.
     userns: Option<(IdMap, RawFd)>,
+    /// How many ids (from 0) the step's user namespace has: [`IdMap::count`] of `userns`, or
+    /// in a rootless kiln's own namespace [`super::rootless::namespace_ids`]; `None`: host
+    /// root's, every id. A `USER` past them fails naming the range.
+    step_ids: Option<u32>,
     /// What pid 1 shows through the user namespace's idmapped mounts: the step's scratch,
     /// the parent of its upper and work directories, its lower directories.
     idmapped: Vec<PathBuf>,
@@ -167,11 +171,23 @@ impl StepExecutor for LinuxExecutor {
         if spec.argv.is_empty() {
             return Err(ExecError::EmptyCommand);
         }
-        if spec.network == Network::Host && !cfg.allow_network_host {
-            return Err(ExecError::NetworkHostRefused);
+        // In a user namespace (a build without root) neither can be had, entitled or not.
+        let rootless = super::rootless::in_user_namespace();
+        if spec.network == Network::Host && (rootless || !cfg.allow_network_host) {
+            return Err(match rootless {
+                true => ExecError::NeedsHostRoot(
+                    "RUN --network=host: the host's network namespace, where a user namespace has no CAP_NET_ADMIN",
+                ),
+                false => ExecError::NetworkHostRefused,
+            });
         }
-        if spec.security == Security::Insecure && !cfg.allow_insecure {
-            return Err(ExecError::InsecureRefused);
+        if spec.security == Security::Insecure && (rootless || !cfg.allow_insecure) {
+            return Err(match rootless {
+                true => ExecError::NeedsHostRoot(
+                    "RUN --security=insecure: the host's devices and every capability on the host",
+                ),
+                false => ExecError::InsecureRefused,
+            });
         }
         for f in &spec.files {
             if let Some(path) = &f.path {
@@ -229,8 +245,10 @@ impl StepExecutor for LinuxExecutor {
         } else {
             cfg.userns.map()?
         };
-        if let Some(map) = map {
-            super::mounts::check_owners(&spec.mounts, &map)?;
+        // The ids of the step's user namespace: its map's, or a rootless kiln's own.
+        let step_ids = map.map(|m| m.count).or_else(super::rootless::namespace_ids);
+        if let Some(count) = step_ids {
+            super::mounts::check_owners(&spec.mounts, count)?;
         }
         let mounts = super::mounts::prepare(&spec.mounts, &spec.lower_dirs, &scratch.dir)?;
 
@@ -275,6 +293,7 @@ impl StepExecutor for LinuxExecutor {
             mounts,
             seccomp: super::seccomp::step_filter().map_err(ExecError::Seccomp)?,
             userns: map.zip(ns_fd.as_ref().map(|fd| fd.as_raw_fd())),
+            step_ids,
             idmapped,
             net_ns: match &ns_fd {
                 Some(userns) if spec.network != Network::Host => {
@@ -1016,11 +1035,14 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), Str
         MountFlags::NOSUID,
         Some(c"mode=755,size=65536k"),
     )?;
-    for (i, (name, major, minor)) in STEP_DEVICES.into_iter().enumerate() {
+    let mut host_devices = host_devices.map(Vec::into_iter);
+    for (name, major, minor) in STEP_DEVICES {
         let path = format!("/dev/{name}");
-        if let Some(devs) = &host_devices {
+        // Each taken node is attached, then its descriptor closed here: pid 1 closes every
+        // descriptor it does not hand on before exec, behind any owner's back.
+        if let Some(dev) = host_devices.as_mut().and_then(Iterator::next) {
             fs::File::create(&path).map_err(|e| format!("creating {path}: {e}"))?;
-            ns::attach(&devs[i], Path::new(&path))?;
+            ns::attach(&dev, Path::new(&path))?;
             continue;
         }
         rustix::fs::mknodat(
@@ -1161,16 +1183,16 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), Str
     let passwd = read_bounded("/etc/passwd");
     let group = read_bounded("/etc/group");
     let user = resolve_user(spec.user.as_deref(), &passwd, &group).map_err(|e| e.to_string())?;
-    if let Some((map, _)) = plan.userns {
+    if let Some(count) = plan.step_ids {
         let outside = std::iter::once(user.uid)
             .chain(std::iter::once(user.gid))
             .chain(user.groups.iter().copied())
-            .find(|&id| id >= map.count);
+            .find(|&id| id >= count);
         if let Some(id) = outside {
             return Err(format!(
                 "USER {}: id {id} is outside the step's user namespace, which maps ids 0-{}",
                 spec.user.as_deref().unwrap_or("root"),
-                map.count - 1
+                count - 1
             ));
         }
     }

@@ -365,6 +365,9 @@ pub enum ExecError {
     /// `--network=host` without the entitlement.
     #[error("RUN --network=host needs the network.host entitlement (--allow network.host)")]
     NetworkHostRefused,
+    /// What a build without root cannot have ([`rootless`]): what, and what it needs.
+    #[error("{0}: needs host root; a build without root runs in a user namespace. Run it as root")]
+    NeedsHostRoot(&'static str),
     /// `--security=insecure` without the entitlement.
     #[error(
         "RUN --security=insecure needs the security.insecure entitlement (--allow security.insecure)"

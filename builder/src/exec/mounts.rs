@@ -1063,14 +1063,12 @@ fn remount(root: &OwnedFd, rel: &str, file: bool, readonly: bool) -> Result<(), 
 }
 
 /// Checks that the owners `mounts` give the files they make (a new cache's root, a secret,
-/// an SSH socket) are ids of the step's user namespace `map`: an id past it would show as
-/// 65534 in the step, which could not use the mount (as a `USER` past it cannot run).
+/// an SSH socket) are among the `count` ids (from 0) of the step's user namespace: an id
+/// past them would show as 65534 in the step, which could not use the mount (as a `USER`
+/// past them cannot run), and a rootless kiln could not even chown to it.
 ///
 /// Errors: the first mount whose owner is outside the map, naming its target and owner.
-pub(crate) fn check_owners(
-    mounts: &[StepMount],
-    map: &super::userns::IdMap,
-) -> Result<(), super::ExecError> {
+pub(crate) fn check_owners(mounts: &[StepMount], count: u32) -> Result<(), super::ExecError> {
     for m in mounts {
         let (kind, uid, gid) = match &m.kind {
             MountKind::Cache(c) => ("cache", c.uid, c.gid),
@@ -1078,12 +1076,12 @@ pub(crate) fn check_owners(
             MountKind::Ssh { uid, gid, .. } => ("ssh", *uid, *gid),
             MountKind::Bind { .. } | MountKind::Tmpfs { .. } => continue,
         };
-        if uid >= map.count || gid >= map.count {
+        if uid >= count || gid >= count {
             return Err(super::ExecError::Setup(format!(
                 "--mount type={kind},target={}: owner {uid}:{gid} is outside the step's user \
                  namespace (ids 0-{})",
                 m.target,
-                map.count - 1
+                count - 1
             )));
         }
     }

@@ -78,6 +78,42 @@ pub fn cgroup_parent() -> String {
     }
 }
 
+/// How many ids, from 0 and without a gap, this process's user namespace maps in both its
+/// `uid_map` and its `gid_map` (a rootless kiln's: 65,536), or `None` in the host's.
+pub fn namespace_ids() -> Option<u32> {
+    if !in_user_namespace() {
+        return None;
+    }
+    let count = |file: &str| {
+        std::fs::read_to_string(file)
+            .map(|m| ids_from_zero(&m))
+            .unwrap_or(0)
+    };
+    Some(count("/proc/self/uid_map").min(count("/proc/self/gid_map")))
+}
+
+/// The ids from 0 up that a `uid_map`/`gid_map` text maps without a gap.
+fn ids_from_zero(map: &str) -> u32 {
+    let mut ranges: Vec<(u64, u64)> = map
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<u64> = l
+                .split_whitespace()
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            (f.len() == 3).then(|| (f[0], f[2]))
+        })
+        .collect();
+    ranges.sort_unstable();
+    let mut next = 0u64;
+    for (first, count) in ranges {
+        if first == next {
+            next += count;
+        }
+    }
+    u32::try_from(next).unwrap_or(u32::MAX)
+}
+
 /// The host id a `uid_map`'s text sends id 0 to.
 fn root_maps_to(map: &str) -> Option<u32> {
     map.lines().find_map(|l| {
@@ -254,9 +290,10 @@ pub fn subordinate_ids() -> Result<(u32, u32), RootlessError> {
         subid_range(&text, &name, Some(uid)).map_err(|why| {
             RootlessError(format!(
                 "{file}: {why}. A build without root runs as root of a user namespace \
-                 mapped to your subordinate ids (at least {SUBORDINATE_IDS}); ask an \
-                 administrator to add them, e.g. `usermod --add-subuids 200000-265535 \
-                 --add-subgids 200000-265535 {name}`, or run kiln as root"
+                 mapped to your subordinate ids (a range of at least {MIN_IDS}); ask an \
+                 administrator to add a range no other user has (see /etc/subuid), e.g. \
+                 `usermod --add-subuids 200000-265535 --add-subgids 200000-265535 {name}`, \
+                 or run kiln as root"
             ))
         })
     };
@@ -318,6 +355,14 @@ mod tests {
         ));
         assert!(!is_host_map("0 100000 65536\n"));
         assert!(!is_host_map(""));
+    }
+
+    #[test]
+    fn the_ids_from_zero_are_counted_up_to_the_first_gap() {
+        let m = "         0       1001          1\n         1     165536      65535\n";
+        assert_eq!(ids_from_zero(m), 65536);
+        assert_eq!(ids_from_zero("0 100000 10\n20 200000 10\n"), 10);
+        assert_eq!(ids_from_zero("1 100000 10\n"), 0);
     }
 
     #[test]

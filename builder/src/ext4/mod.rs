@@ -335,16 +335,17 @@ fn parse_version(s: &str) -> Option<(u32, u32, u32)> {
     Some((it.next()??, it.next()??, it.next().flatten().unwrap_or(0)))
 }
 
+/// The `PATH` e2fsprogs are run with: Debian installs them in `/sbin`, which a non-root
+/// user's `PATH` lacks.
+pub const TOOL_PATH: &str = "/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin";
+
 /// A clean environment for e2fsprogs: `E2FSPROGS_FAKE_TIME` = `epoch` (mke2fs's own times),
 /// `E2FSCK_TIME` = `epoch` (the superblock times a repairing e2fsck writes),
 /// `SOURCE_DATE_EPOCH` only when the build sets one (mke2fs 1.47.2 then also clamps file
 /// times to it, which [`Flat`] has already done), the pinned configuration when given.
 fn tool_env(cmd: &mut Command, epoch: u64, sde: Option<u64>, conf: Option<&Path>) {
     cmd.env_clear()
-        .env(
-            "PATH",
-            "/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr/bin:/bin",
-        )
+        .env("PATH", TOOL_PATH)
         .env("LC_ALL", "C")
         .env("E2FSPROGS_FAKE_TIME", epoch.to_string())
         .env("E2FSCK_TIME", epoch.to_string());

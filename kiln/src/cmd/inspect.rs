@@ -174,6 +174,7 @@ async fn fsck(store: &Store, m: &ImageManifest) -> Result<(bool, String), Failur
     let file = dir.path().join("image.ext4");
     store.materialize(&m.disk, &file, None).await?;
     let o = tokio::process::Command::new("e2fsck")
+        .env("PATH", kiln_builder::ext4::TOOL_PATH)
         .arg("-fn")
         .arg(&file)
         .output()
