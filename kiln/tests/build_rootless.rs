@@ -9,7 +9,7 @@ use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use kiln_tests::require_env;
+use kiln_tests::{assert_success as ok, require_env};
 
 /// The unprivileged user `ci/setup.sh` makes, with subordinate ids.
 const USER: &str = "kiln-rootless";
@@ -77,17 +77,6 @@ impl Scratch {
     fn store(&self) -> PathBuf {
         self.dir.join("home/.local/share/kiln/store")
     }
-}
-
-fn ok(o: &Output, what: &str) -> String {
-    assert!(
-        o.status.success(),
-        "{what}: {}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).trim().to_string()
 }
 
 /// Asserts that a command failed with every one of `needles` in its stderr.

@@ -340,6 +340,41 @@ fn qemu_runs_under_its_seccomp_sandbox_and_cannot_fork() {
 
 /// [`kiln_tests::vm::paused_spec`] with this file's kernel and initramfs: a VM in `d` that
 /// QEMU starts paused (no guest boot), its disk an empty 1 MiB qcow2.
+/// A build step's VM (1 vCPU, 256 MiB of anonymous memory, raw disks) with its files in
+/// `d`: the initramfs, the upper disk, lower (read-only) and cache (read-write) disks, and
+/// the kernel's extra arguments.
+fn step_spec(
+    d: &Path,
+    initramfs: PathBuf,
+    disk: PathBuf,
+    ro_disks: Vec<PathBuf>,
+    rw_disks: Vec<PathBuf>,
+    kernel_args: Vec<String>,
+) -> launch::VmSpec {
+    let (host, accel) = host();
+    launch::VmSpec {
+        max_disk_bytes: None,
+        accel: *accel,
+        vcpus: 1,
+        memory_bytes: 256 << 20,
+        kernel: artifacts().kernel.vmlinux(),
+        initramfs,
+        memory_file: d.join("unused-memory"),
+        memory_mode: launch::MemoryMode::Anonymous,
+        disk,
+        disk_format: launch::DiskFormat::Raw,
+        ro_disks,
+        rw_disks,
+        qmp_socket: d.join("qmp.sock"),
+        guest_socket: d.join("guest.sock"),
+        serial_log: d.join("console.log"),
+        incoming: false,
+        tsc_khz: host.tsc_khz,
+        egress_socket: None,
+        kernel_args,
+    }
+}
+
 fn paused_spec(d: &Path, memory_bytes: u64) -> launch::VmSpec {
     let a = artifacts();
     let (host, accel) = host();
@@ -750,7 +785,6 @@ fn entries_end(archive: &[u8]) -> usize {
 #[test]
 fn initramfs_ending_anywhere_in_a_page_boots_a_step_vm_with_every_disk() {
     let a = artifacts();
-    let (host, accel) = host();
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace().join("target"))
@@ -797,27 +831,14 @@ fn initramfs_ending_anywhere_in_a_page_boots_a_step_vm_with_every_disk() {
             .args(["-q", "-F", "-t", "ext4", "-b", "4096", "-O", "^has_journal"])
             .arg(&upper)
             .arg("64M"));
-        let spec = launch::VmSpec {
-            max_disk_bytes: None,
-            accel: *accel,
-            vcpus: 1,
-            memory_bytes: 256 << 20,
-            kernel: a.kernel.vmlinux(),
-            initramfs: ird,
-            memory_file: dir.path().join("unused-memory"),
-            memory_mode: launch::MemoryMode::Anonymous,
-            disk: upper,
-            disk_format: launch::DiskFormat::Raw,
+        let spec = step_spec(
+            dir.path(),
+            ird,
+            upper,
             ro_disks,
-            rw_disks: Vec::new(),
-            qmp_socket: dir.path().join("qmp.sock"),
-            guest_socket: dir.path().join("guest.sock"),
-            serial_log: dir.path().join("console.log"),
-            incoming: false,
-            tsc_khz: host.tsc_khz,
-            egress_socket: None,
-            kernel_args: vec![format!("kiln.step={lowers}")],
-        };
+            Vec::new(),
+            vec![format!("kiln.step={lowers}")],
+        );
         eprintln!("entries end {target_end} bytes into the last page");
         let mut vm = Vm::spawn(spec, dir);
         hello(&mut vm);
@@ -836,7 +857,6 @@ fn initramfs_ending_anywhere_in_a_page_boots_a_step_vm_with_every_disk() {
 #[test]
 fn the_firmware_hands_every_virtio_device_to_the_kernel_in_reset() {
     let a = artifacts();
-    let (host, accel) = host();
     let dir = tempfile::tempdir().unwrap();
     let disk = |name: &str| {
         let p = dir.path().join(name);
@@ -846,31 +866,18 @@ fn the_firmware_hands_every_virtio_device_to_the_kernel_in_reset() {
         p
     };
     let (lowers, caches) = (4, 2);
-    let spec = launch::VmSpec {
-        max_disk_bytes: None,
-        accel: *accel,
-        vcpus: 1,
-        memory_bytes: 256 << 20,
-        kernel: a.kernel.vmlinux(),
-        initramfs: a.initramfs.path.clone(),
-        memory_file: dir.path().join("unused-memory"),
-        memory_mode: launch::MemoryMode::Anonymous,
-        disk: disk("upper.img"),
-        disk_format: launch::DiskFormat::Raw,
-        ro_disks: (0..lowers)
+    let spec = step_spec(
+        dir.path(),
+        a.initramfs.path.clone(),
+        disk("upper.img"),
+        (0..lowers)
             .map(|i| disk(&format!("lower{i}.img")))
             .collect(),
-        rw_disks: (0..caches)
+        (0..caches)
             .map(|i| disk(&format!("cache{i}.img")))
             .collect(),
-        qmp_socket: dir.path().join("qmp.sock"),
-        guest_socket: dir.path().join("guest.sock"),
-        serial_log: dir.path().join("console.log"),
-        incoming: false,
-        tsc_khz: host.tsc_khz,
-        egress_socket: None,
-        kernel_args: vec!["rdinit=/nonexistent".into(), "panic=0".into()],
-    };
+        vec!["rdinit=/nonexistent".into(), "panic=0".into()],
+    );
     let mut vm = Vm::spawn(spec, dir);
     let deadline = Instant::now() + Duration::from_secs(120);
     while !vm.console().contains("Kernel panic") {
