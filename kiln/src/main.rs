@@ -126,9 +126,8 @@ fn main() -> ExitCode {
             if !kiln_builder::exec::rootless::is_root()
                 && kiln_builder::exec::rootless::subordinate_ids().is_ok() =>
         {
-            let args = std::env::args_os().skip(1).collect();
-            match kiln_builder::exec::rootless::reexec(args) {
-                Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(u8::MAX)),
+            match kiln_builder::exec::rootless::reexec() {
+                Ok(code) => ExitCode::from(code),
                 Err(e) => cmd::report(&out, Err(e.into())),
             }
         }

@@ -26,14 +26,13 @@
 //!   QEMU a uid and a cgroup of its own, which needs `CAP_SETUID` and `CAP_SYS_ADMIN` on the
 //!   host).
 
-use std::ffi::OsString;
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt as _;
 use std::process::Command;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicI32, Ordering};
 
-use super::userns::{MIN_IDS, SUBGID_FILE, SUBUID_FILE, subid_range};
+use super::userns::{MIN_IDS, SUBGID_FILE, SUBUID_FILE, read_subid_file, subid_range};
 
 /// The ids a rootless kiln maps beyond its user's own: 65,535 subordinate ids, so that the
 /// namespace has ids `0..=65535`, exactly those a root build's steps have
@@ -53,15 +52,19 @@ pub fn is_root() -> bool {
     rustix::process::geteuid().is_root()
 }
 
-/// Whether this process runs in a user namespace that is not the host's (read once from
-/// `/proc/self/uid_map`; the host's map is `0 0 4294967295`). True in a rootless kiln
-/// ([`reexec`]), and for a kiln that is root of some other user namespace (a container's):
-/// both lack the host-root powers the module doc lists.
+/// This process's `/proc/self/uid_map`, read once (a process's map never changes after it
+/// is written; empty if it cannot be read).
+fn own_uid_map() -> &'static str {
+    static MAP: OnceLock<String> = OnceLock::new();
+    MAP.get_or_init(|| std::fs::read_to_string("/proc/self/uid_map").unwrap_or_default())
+}
+
+/// Whether this process runs in a user namespace that is not the host's (its `uid_map` is
+/// not the host's `0 0 4294967295`). True in a rootless kiln ([`reexec`]), and for a kiln
+/// that is root of some other user namespace (a container's): both lack the host-root
+/// powers the module doc lists.
 pub fn in_user_namespace() -> bool {
-    static IN: OnceLock<bool> = OnceLock::new();
-    *IN.get_or_init(|| {
-        std::fs::read_to_string("/proc/self/uid_map").is_ok_and(|m| !is_host_map(&m))
-    })
+    !own_uid_map().is_empty() && !is_host_map(own_uid_map())
 }
 
 /// The cgroup parent of this process's step groups, relative to each hierarchy: `kiln`, or
@@ -69,27 +72,26 @@ pub fn in_user_namespace() -> bool {
 /// user who ran a rootless kiln): the parent an administrator delegates to that user
 /// (README, "Builds without root").
 pub fn cgroup_parent() -> String {
-    match std::fs::read_to_string("/proc/self/uid_map") {
-        Ok(m) if !is_host_map(&m) => match root_maps_to(&m) {
-            Some(uid) => format!("kiln-{uid}"),
-            None => "kiln-userns".into(),
-        },
-        _ => "kiln".into(),
+    if !in_user_namespace() {
+        return "kiln".into();
+    }
+    match root_maps_to(own_uid_map()) {
+        Some(uid) => format!("kiln-{uid}"),
+        None => "kiln-userns".into(),
     }
 }
 
 /// How many ids, from 0 and without a gap, this process's user namespace maps in both its
-/// `uid_map` and its `gid_map` (a rootless kiln's: 65,536), or `None` in the host's.
+/// `uid_map` and its `gid_map` (a rootless kiln's: 65,536), or `None` in the host's. Read
+/// once per process.
 pub fn namespace_ids() -> Option<u32> {
-    if !in_user_namespace() {
-        return None;
-    }
-    let count = |file: &str| {
-        std::fs::read_to_string(file)
-            .map(|m| ids_from_zero(&m))
-            .unwrap_or(0)
-    };
-    Some(count("/proc/self/uid_map").min(count("/proc/self/gid_map")))
+    static IDS: OnceLock<Option<u32>> = OnceLock::new();
+    *IDS.get_or_init(|| {
+        in_user_namespace().then(|| {
+            let gid_map = std::fs::read_to_string("/proc/self/gid_map").unwrap_or_default();
+            ids_from_zero(own_uid_map()).min(ids_from_zero(&gid_map))
+        })
+    })
 }
 
 /// The ids from 0 up that a `uid_map`/`gid_map` text maps without a gap.
@@ -166,8 +168,7 @@ extern "C" fn forward(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc
     }
 }
 
-/// Runs this program again (`/proc/self/exe` with `args`, the arguments after the
-/// program's name) as root of a new user namespace mapped to the calling user and their
+/// Runs this program again (`/proc/self/exe` with this process's arguments) as root of a new user namespace mapped to the calling user and their
 /// subordinate ids, and a new mount namespace; waits for it and returns its exit code
 /// (128 + the signal's number if a signal ended it). SIGINT, SIGTERM, SIGHUP and SIGQUIT
 /// sent to this process go on to the child, and the child gets SIGTERM if this process dies.
@@ -175,7 +176,7 @@ extern "C" fn forward(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc
 /// Errors: no range of at least [`SUBORDINATE_IDS`] ids for the user in `/etc/subuid` or
 /// `/etc/subgid` (the message gives the `usermod` line), `newuidmap` or `newgidmap` missing
 /// or refusing the map, or the child failing to start.
-pub fn reexec(args: Vec<OsString>) -> Result<i32, RootlessError> {
+pub fn reexec() -> Result<u8, RootlessError> {
     let (uid, gid) = (
         rustix::process::getuid().as_raw(),
         rustix::process::getgid().as_raw(),
@@ -190,10 +191,11 @@ pub fn reexec(args: Vec<OsString>) -> Result<i32, RootlessError> {
     let (go_r, go_w) = pipe()?;
     let (ready_w_fd, go_r_fd) = (ready_w.as_raw_fd(), go_r.as_raw_fd());
     let mut cmd = Command::new("/proc/self/exe");
-    cmd.args(args);
-    if let Some(arg0) = std::env::args_os().next() {
+    let mut args = std::env::args_os();
+    if let Some(arg0) = args.next() {
         cmd.arg0(arg0);
     }
+    cmd.args(args);
     // SAFETY: runs in the forked child before exec: only async-signal-safe calls (prctl,
     // unshare, write, read, mount, _exit) on data made before the fork.
     unsafe {
@@ -269,9 +271,10 @@ pub fn reexec(args: Vec<OsString>) -> Result<i32, RootlessError> {
         .wait()
         .map_err(|e| RootlessError(format!("waiting for the child: {e}")))?;
     use std::os::unix::process::ExitStatusExt as _;
-    Ok(status
+    let code = status
         .code()
-        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+    Ok(u8::try_from(code).unwrap_or(u8::MAX))
 }
 
 /// The first of this process's user's subordinate uids and gids (at least
@@ -282,11 +285,8 @@ pub fn subordinate_ids() -> Result<(u32, u32), RootlessError> {
     let uid = rustix::process::getuid().as_raw();
     let name = user_name(uid).unwrap_or_else(|| uid.to_string());
     let range = |file: &str| -> Result<u32, RootlessError> {
-        let text = match std::fs::read_to_string(file) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(e) => return Err(RootlessError(format!("reading {file}: {e}"))),
-        };
+        let text =
+            read_subid_file(file).map_err(|e| RootlessError(format!("reading {file}: {e}")))?;
         subid_range(&text, &name, Some(uid)).map_err(|why| {
             RootlessError(format!(
                 "{file}: {why}. A build without root runs as root of a user namespace \

@@ -92,13 +92,8 @@ impl StepUserns {
             }
             StepUserns::Subids(name) => {
                 let read = |path: &str| {
-                    std::fs::read_to_string(path).or_else(|e| {
-                        if e.kind() == std::io::ErrorKind::NotFound {
-                            Ok(String::new())
-                        } else {
-                            Err(ExecError::Userns(format!("reading {path}: {e}")))
-                        }
-                    })
+                    read_subid_file(path)
+                        .map_err(|e| ExecError::Userns(format!("reading {path}: {e}")))
                 };
                 let uid_of_name = uid_of(name);
                 let uid = subid_range(&read(SUBUID_FILE)?, name, uid_of_name)
@@ -124,6 +119,14 @@ fn missing(file: &str, name: &str, why: &str) -> String {
          KILN_STEP_USERNS=NAME, or run steps as host root with KILN_STEP_USERNS=host \
          (trusted builds only)"
     )
+}
+
+/// The text of a subuid(5) or subgid(5) file; a missing file has no ranges (empty).
+pub(crate) fn read_subid_file(path: &str) -> std::io::Result<String> {
+    match std::fs::read_to_string(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
+        r => r,
+    }
 }
 
 /// The uid of user `name` in `/etc/passwd`, for entries written by uid (subuid(5)).

@@ -432,9 +432,7 @@ pub fn run_without_root(a: &Args) -> anyhow::Result<u8> {
             _ => {}
         }
     }
-    let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
-    let code = kiln_builder::exec::rootless::reexec(args)?;
-    Ok(u8::try_from(code).unwrap_or(u8::MAX))
+    Ok(kiln_builder::exec::rootless::reexec()?)
 }
 
 /// Runs `kiln build`: flags → [`BuildRequest`] → [`kiln_pipeline::run`] → the digest on
