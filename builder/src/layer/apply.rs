@@ -378,21 +378,7 @@ impl Applier {
                         .limit(LimitKind::FileBytes, self.limits.max_file_bytes)
                         .into());
                 }
-                if existing.is_some() {
-                    self.remove_all(dir, base, 0)?;
-                }
-                let fd = rustix::fs::openat(
-                    dir,
-                    os(base),
-                    OFlags::CREATE
-                        | OFlags::EXCL
-                        | OFlags::WRONLY
-                        | OFlags::NOFOLLOW
-                        | OFlags::CLOEXEC,
-                    Mode::from_raw_mode(0o600),
-                )
-                .map_err(|e| self.io("create file", e))?;
-                let file = std::fs::File::from(fd);
+                let file = std::fs::File::from(self.create_file(dir, base, existing.is_some())?);
                 let mut data = DataReader::new(entry, &extents);
                 let mut buf = vec![0u8; 128 << 10];
                 while let Some((off, n)) = data.next_piece(&mut buf).map_err(ApplyFail::Read)? {
@@ -434,20 +420,7 @@ impl Applier {
                 // entry too, but in a directory no lower layer has, overlayfs lists it and
                 // stat answers ENOENT.) Moby's, containerd's and containers/storage's
                 // appliers leave the node out there.
-                if existing.is_some() {
-                    self.remove_all(dir, base, 0)?;
-                }
-                let fd = rustix::fs::openat(
-                    dir,
-                    os(base),
-                    OFlags::WRONLY
-                        | OFlags::CREATE
-                        | OFlags::EXCL
-                        | OFlags::NOFOLLOW
-                        | OFlags::CLOEXEC,
-                    Mode::from_raw_mode(0o600),
-                )
-                .map_err(|e| self.io("openat (in place of a device node)", e))?;
+                let fd = self.create_file(dir, base, existing.is_some())?;
                 self.set_fd_meta(fd.as_fd(), &meta)?;
                 drop(fd);
                 self.set_mtime(dir, base, meta.mtime)?;
@@ -573,6 +546,26 @@ impl Applier {
                 self.io("linkat", e)
             }
         })
+    }
+
+    /// Creates the regular file `base` in `dir` (mode 0600 until its metadata is set),
+    /// removing what is there first if `existing`.
+    fn create_file(
+        &self,
+        dir: BorrowedFd<'_>,
+        base: &[u8],
+        existing: bool,
+    ) -> Result<OwnedFd, LayerError> {
+        if existing {
+            self.remove_all(dir, base, 0)?;
+        }
+        rustix::fs::openat(
+            dir,
+            os(base),
+            OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| self.io("create file", e))
     }
 
     fn chown_at(&self, dir: BorrowedFd<'_>, base: &[u8], m: &Meta) -> Result<(), LayerError> {
