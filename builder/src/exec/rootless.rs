@@ -168,8 +168,9 @@ extern "C" fn forward(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc
     }
 }
 
-/// Runs this program again (`/proc/self/exe` with this process's arguments) as root of a new user namespace mapped to the calling user and their
-/// subordinate ids, and a new mount namespace; waits for it and returns its exit code
+/// Runs this program again (`/proc/self/exe` with this process's arguments) as root of a
+/// new user namespace mapped to the calling user and their subordinate ids, and a new mount
+/// namespace; waits for it and returns its exit code
 /// (128 + the signal's number if a signal ended it). SIGINT, SIGTERM, SIGHUP and SIGQUIT
 /// sent to this process go on to the child, and the child gets SIGTERM if this process dies.
 ///

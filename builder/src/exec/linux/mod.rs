@@ -178,19 +178,22 @@ impl StepExecutor for LinuxExecutor {
         // In a user namespace (a build without root) neither can be had, entitled or not.
         let rootless = super::rootless::in_user_namespace();
         if spec.network == Network::Host && (rootless || !cfg.allow_network_host) {
-            return Err(match rootless {
-                true => ExecError::NeedsHostRoot(
-                    "RUN --network=host: the host's network namespace, where a user namespace has no CAP_NET_ADMIN",
-                ),
-                false => ExecError::NetworkHostRefused,
+            return Err(if rootless {
+                ExecError::NeedsHostRoot(
+                    "RUN --network=host: the host's network namespace, where a user namespace \
+                     has no CAP_NET_ADMIN",
+                )
+            } else {
+                ExecError::NetworkHostRefused
             });
         }
         if spec.security == Security::Insecure && (rootless || !cfg.allow_insecure) {
-            return Err(match rootless {
-                true => ExecError::NeedsHostRoot(
+            return Err(if rootless {
+                ExecError::NeedsHostRoot(
                     "RUN --security=insecure: the host's devices and every capability on the host",
-                ),
-                false => ExecError::InsecureRefused,
+                )
+            } else {
+                ExecError::InsecureRefused
             });
         }
         for f in &spec.files {
