@@ -29,6 +29,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Where cgroups are mounted.
 pub const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
+/// The child group that the processes of a delegated v2 cgroup move into
+/// ([`delegated_v2_parent`]), so that the cgroup itself holds none and may enable
+/// controllers for its children (cgroup-v2.rst, "No Internal Process Constraint"). The name
+/// rootlesskit's `--evacuate-cgroup2` and Docker's rootless entrypoint use.
+pub const DELEGATED_LEAF: &str = "init";
+
+/// The group under a delegated v2 cgroup that holds a rootless kiln's step groups, beside
+/// [`DELEGATED_LEAF`].
+pub const DELEGATED_STEPS: &str = "kiln";
+
 /// A cgroup failure.
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
@@ -64,6 +74,125 @@ pub fn detect() -> Result<CgroupLayout, CgroupError> {
     } else {
         Err(CgroupError::NoHierarchy)
     }
+}
+
+/// The v2 cgroup (relative to [`CGROUP_ROOT`], no leading `/`) that a `/proc/<pid>/cgroup`
+/// text names in its `0::` line, or `None` for the root (or no v2 line). A name ending in
+/// [`DELEGATED_LEAF`] names its parent: the cgroup an earlier kiln moved this one's
+/// processes out of.
+fn own_v2_cgroup(proc_cgroup: &str) -> Option<String> {
+    let path = proc_cgroup.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let mut parts: Vec<&str> = path.trim().split('/').filter(|p| !p.is_empty()).collect();
+    if parts.last() == Some(&DELEGATED_LEAF) {
+        parts.pop();
+    }
+    (!parts.is_empty()).then(|| parts.join("/"))
+}
+
+/// Whether this process may write `path` (access(2), as the real ids of its user namespace:
+/// the owner of a delegated cgroup is its user, and root of a user namespace may not write
+/// the host root's cgroup files).
+fn writable(path: &Path) -> bool {
+    rustix::fs::access(path, rustix::fs::Access::WRITE_OK).is_ok()
+}
+
+/// On a pure v2 host, the parent for this process's step groups inside the cgroup it runs
+/// in, when that cgroup is delegated to it (its directory, `cgroup.procs` and
+/// `cgroup.subtree_control` are writable: what systemd's `Delegate=yes` gives, e.g.
+/// `systemd-run --user --scope -p Delegate=yes kiln build ...`, or what root gives with
+/// `chown`). Returns `Ok(None)` off v2.
+///
+/// With a delegated cgroup `D` it moves every process of `D` (this kiln, its rootless parent,
+/// a shell) into `D/`[`DELEGATED_LEAF`], enables `memory` and `pids` in
+/// `D/cgroup.subtree_control`, and returns `D/`[`DELEGATED_STEPS`]. Step groups made there
+/// are siblings of the leaf, so a step's keeper may move itself into one: v2 lets a process
+/// move between two groups only where it may write their common ancestor's `cgroup.procs`
+/// (cgroup-v2.rst, "Delegation Containment"), which a parent at the hierarchy's root, as v1
+/// delegation uses, is not. Concurrent kilns in one `D` do the same steps and agree.
+///
+/// Errors (text for a warning): this process in the root cgroup, or in one not delegated to
+/// it; `D` delegated but without the `memory` or `pids` controller in its
+/// `cgroup.controllers` (its parent does not give them; named); the move or the enable
+/// failing.
+pub fn delegated_v2_parent() -> Result<Option<String>, String> {
+    if detect().ok() != Some(CgroupLayout::Unified) {
+        return Ok(None);
+    }
+    let text = fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let Some(own) = own_v2_cgroup(&text) else {
+        return Err(format!(
+            "kiln runs in the root cgroup {CGROUP_ROOT}, which is host root's"
+        ));
+    };
+    let dir = Path::new(CGROUP_ROOT).join(&own);
+    let control = dir.join("cgroup.subtree_control");
+    let procs = dir.join("cgroup.procs");
+    if !(writable(&dir) && writable(&procs) && writable(&control)) {
+        return Err(format!(
+            "kiln's cgroup {} is not delegated to this user (it may not write its \
+             cgroup.procs and cgroup.subtree_control; e.g. run kiln under systemd-run --user \
+             --scope -p Delegate=yes)",
+            dir.display()
+        ));
+    }
+    let available = fs::read_to_string(dir.join("cgroup.controllers")).unwrap_or_default();
+    let missing: Vec<&str> = ["memory", "pids"]
+        .into_iter()
+        .filter(|c| !available.split_whitespace().any(|a| a == *c))
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "cgroup {} is delegated to this user without the {} controller{} (its \
+             cgroup.controllers: {:?}; the parent must enable {} in its cgroup.subtree_control, \
+             e.g. systemd's Delegate=memory pids)",
+            dir.display(),
+            missing.join(" and "),
+            if missing.len() > 1 { "s" } else { "" },
+            available.trim(),
+            missing.join(" and "),
+        ));
+    }
+    let leaf = dir.join(DELEGATED_LEAF);
+    match fs::create_dir(&leaf) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
+            return Err(format!("cgroup {}: {e}", leaf.display()));
+        }
+        _ => {}
+    }
+    // A process forked between the move and the enable lands in `dir` again, and the enable
+    // fails with EBUSY: move again.
+    let mut last = String::new();
+    for _ in 0..20 {
+        for pid in fs::read_to_string(&procs).unwrap_or_default().lines() {
+            match fs::write(leaf.join("cgroup.procs"), pid.trim()) {
+                Err(e) if e.raw_os_error() != Some(libc::ESRCH) => {
+                    return Err(format!(
+                        "moving process {} into cgroup {}: {e}",
+                        pid.trim(),
+                        leaf.display()
+                    ));
+                }
+                _ => {}
+            }
+        }
+        match fs::write(&control, "+memory +pids") {
+            Ok(()) => return Ok(Some(format!("{own}/{DELEGATED_STEPS}"))),
+            Err(e) => last = format!("cgroup {}: {e}", control.display()),
+        }
+    }
+    Err(last)
+}
+
+/// Warns, once per process, that steps run without their memory and pids limits, and
+/// `why`.
+pub(crate) fn warn_unlimited(why: &dyn std::fmt::Display) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            "steps run without their memory and pids limits: {why} (a build without root \
+             needs a cgroup delegated to its user: README, \"Builds without root\")"
+        )
+    });
 }
 
 /// Limits applied to one step's cgroup.
@@ -141,9 +270,9 @@ impl StepCgroup {
     ///
     /// In a user namespace (a rootless kiln, [`super::rootless`]), a parent this process may
     /// not write (the host's cgroups belong to host root unless a parent is delegated to the
-    /// user: README, "Builds without root") gives a group that enforces nothing
-    /// ([`StepCgroup::enforced`] is false), with one warning per process naming the
-    /// directory, as rootless Podman runs without limits on cgroup v1.
+    /// user: README, "Builds without root"; on v2 [`delegated_v2_parent`]) gives a group
+    /// that enforces nothing ([`StepCgroup::enforced`] is false), with one warning per
+    /// process naming the directory, as rootless Podman runs without limits on cgroup v1.
     pub fn create(parent: &str, limits: CgroupLimits) -> Result<StepCgroup, CgroupError> {
         match Self::make(parent, limits, None) {
             Err(CgroupError::Io { path, source })
@@ -153,15 +282,7 @@ impl StepCgroup {
                         Some(libc::EACCES | libc::EPERM | libc::EROFS)
                     ) =>
             {
-                static WARNED: std::sync::Once = std::sync::Once::new();
-                WARNED.call_once(|| {
-                    tracing::warn!(
-                        "steps run without their memory and pids limits: cgroup {}: {source} \
-                         (a build without root needs a cgroup parent delegated to its user: \
-                         README, \"Builds without root\")",
-                        path.display()
-                    )
-                });
+                warn_unlimited(&format_args!("cgroup {}: {source}", path.display()));
                 Ok(StepCgroup {
                     layout: detect().unwrap_or(CgroupLayout::Legacy),
                     dirs: Vec::new(),
@@ -467,6 +588,25 @@ mod tests {
         assert_eq!(keyed(&p, "max"), 12);
         assert_eq!(keyed(&p, "absent"), 0);
         assert_eq!(keyed(&dir.path().join("missing"), "max"), 0);
+    }
+
+    #[test]
+    fn the_own_v2_cgroup_is_read_from_the_unified_line() {
+        let scope = "user.slice/user-1000.slice/user@1000.service/app.slice/run-r1.scope";
+        // A hybrid host lists v1 hierarchies first; only `0::` is the v2 one.
+        let hybrid = format!("12:pids:/user.slice\n4:memory:/user.slice\n0::/{scope}\n");
+        assert_eq!(own_v2_cgroup(&hybrid).as_deref(), Some(scope));
+        // Moved into the leaf by an earlier kiln: the delegated cgroup is its parent.
+        let moved = format!("0::/{scope}/{DELEGATED_LEAF}\n");
+        assert_eq!(own_v2_cgroup(&moved).as_deref(), Some(scope));
+        assert_eq!(own_v2_cgroup("0::/\n"), None, "the root is host root's");
+        assert_eq!(
+            own_v2_cgroup("0::/init\n"),
+            None,
+            "a leaf of the root names the root"
+        );
+        assert_eq!(own_v2_cgroup("4:memory:/a\n"), None, "no v2 line");
+        assert_eq!(own_v2_cgroup(""), None);
     }
 
     #[test]

@@ -18,8 +18,9 @@
 //!   runc; device nodes in base layers are empty regular files in the tree steps see
 //!   ([`crate::layer`]'s applier) and stay in the image.
 //! - **cgroups** of the host's v1 hierarchies (and v2's, outside a delegated subtree) belong
-//!   to host root: without a delegated parent, steps run without their memory and pids
-//!   limits, with a warning naming the controller ([`super::cgroup`]).
+//!   to host root: without a delegated parent (v1: `kiln-<uid>` per controller; v2: the
+//!   cgroup kiln runs in, [`super::cgroup::delegated_v2_parent`]), steps run without their
+//!   memory and pids limits, with a warning naming the directory or the missing controller.
 //! - **Refused with an error naming what is missing:** `debootstrap` bases (device nodes and
 //!   chroot setup), `RUN --network=host` (the host's network namespace belongs to host root:
 //!   no `CAP_NET_ADMIN` there), `--isolation vm` and `--snapshot` (QEMU's jail gives each
@@ -67,18 +68,32 @@ pub fn in_user_namespace() -> bool {
     !own_uid_map().is_empty() && !is_host_map(own_uid_map())
 }
 
-/// The cgroup parent of this process's step groups, relative to each hierarchy: `kiln`, or
-/// `kiln-<uid>` in a user namespace, where `<uid>` is the host uid its root maps to (the
-/// user who ran a rootless kiln): the parent an administrator delegates to that user
-/// (README, "Builds without root").
+/// The cgroup parent of this process's step groups, relative to each hierarchy, decided
+/// once per process: `kiln` for host root. In a user namespace (a rootless kiln), on a pure
+/// v2 host whose cgroup of this process is delegated to its user, `<that cgroup>/kiln`
+/// ([`super::cgroup::delegated_v2_parent`], which moves the cgroup's processes into a leaf
+/// beside it); otherwise `kiln-<uid>`, where `<uid>` is the host uid its root maps to (the
+/// user who ran a rootless kiln): the parent an administrator delegates to that user on
+/// cgroup v1 (README, "Builds without root"). A delegated v2 cgroup that cannot give the
+/// limits (a missing controller) gets a warning naming why, and `kiln-<uid>`.
 pub fn cgroup_parent() -> String {
     if !in_user_namespace() {
         return "kiln".into();
     }
-    match root_maps_to(own_uid_map()) {
-        Some(uid) => format!("kiln-{uid}"),
-        None => "kiln-userns".into(),
-    }
+    static PARENT: OnceLock<String> = OnceLock::new();
+    PARENT
+        .get_or_init(|| {
+            match super::cgroup::delegated_v2_parent() {
+                Ok(Some(parent)) => return parent,
+                Ok(None) => {}
+                Err(why) => super::cgroup::warn_unlimited(&why),
+            }
+            match root_maps_to(own_uid_map()) {
+                Some(uid) => format!("kiln-{uid}"),
+                None => "kiln-userns".into(),
+            }
+        })
+        .clone()
 }
 
 /// How many ids, from 0 and without a gap, this process's user namespace maps in both its
