@@ -662,34 +662,67 @@ fn build_fresh(dir: &Path, ctx: &Path, label: &str, flags: &[&str], epoch: Optio
     }
 }
 
-/// A recipe `FROM bb` (the busybox fixture, [`busybox_layout`]) whose `RUN` step writes
-/// files (their mtimes the time it runs: files of several owners, a symlink with an owner of
-/// its own, a hard link, a directory, an empty file made by `touch`, a removed base file) and
-/// that copies a context file (its mtime the context's).
+/// A recipe `FROM bb` (the busybox fixture, [`busybox_layout`]) whose steps write files with
+/// the times they run as mtimes: a `RUN` step writes files of several owners, a symlink with
+/// an owner of its own, a hard link, a directory, an empty file made by `touch`, and removes
+/// a base file; `WORKDIR` makes two directories; `COPY` copies the context (a file, a
+/// directory tree, the Dockerfile) and `ADD` unpacks a local archive ([`write_context`]).
+/// Another stage's step writes files with mtimes past and before the epoch, which `COPY
+/// --from` copies.
 fn repro_recipe() -> (tempfile::TempDir, PathBuf) {
     let (t, ctx, _) = setup(
-        "FROM bb\n\
+        "FROM bb AS one\n\
+         RUN mkdir -p /built && echo x > /built/x \
+         && touch -d '2100-01-01 00:00:00' /built/future \
+         && touch -d '2000-01-01 00:00:00' /built/past\n\
+         FROM bb\n\
          RUN mkdir -p /d/e && echo hi > /d/f && ln -s f /d/l && touch /d/e/t \
          && rm /bin/vi && echo 'u:x:4242:4242::/d:/bin/sh' >> /etc/passwd \
          && chown u:4242 /d/f && echo two > /d/g && chown 1000:100 /d/g \
          && chown -h 4243:4244 /d/l && chown 65534:65534 /d/e && ln /d/f /d/hard\n\
-         COPY Dockerfile /copied\n",
+         WORKDIR /w/inner\n\
+         COPY Dockerfile /copied\n\
+         COPY sub /ctx/sub\n\
+         ADD local.tar /unpacked/\n\
+         COPY --from=one /built /from-one\n",
     );
+    write_context(&ctx);
     (t, ctx)
 }
 
-/// Writes `ctx`'s Dockerfile again, the same bytes: a new mtime, as a fresh checkout gives.
-fn touch_context(ctx: &Path) {
+/// Writes `ctx`'s files (again), as a fresh checkout does: the same bytes, with the current
+/// time as their mtimes. The Dockerfile, `sub/deeper/c.txt`, and `local.tar`, an archive of
+/// `tarme/t.txt` whose entry has the current time as its mtime (whole seconds, as tar keeps
+/// them).
+fn write_context(ctx: &Path) {
     let p = ctx.join("Dockerfile");
     let bytes = std::fs::read(&p).expect("read");
     std::fs::write(&p, bytes).expect("write");
+    std::fs::create_dir_all(ctx.join("sub/deeper")).expect("mkdir");
+    std::fs::write(ctx.join("sub/deeper/c.txt"), "c\n").expect("write");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_secs();
+    let mut archive = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_ustar();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o644);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_size(2);
+    h.set_mtime(now);
+    archive
+        .append_data(&mut h, "tarme/t.txt", &b"t\n"[..])
+        .expect("tar");
+    std::fs::write(ctx.join("local.tar"), archive.into_inner().expect("tar")).expect("write");
 }
 
 /// Issue 34, reproducible: [`repro_recipe`] built twice with `SOURCE_DATE_EPOCH` into fresh
 /// stores with fresh work, cache and state directories, a second apart and with the context
-/// written again in between (so every file the step writes and the copied file get another
+/// written again in between (so every file the steps write, copy and unpack gets another
 /// mtime), gives the same image manifest digest, the same OCI manifest and the same ext4
-/// bytes. (Here and not in `tests/tests/ext4_images.rs`: only this package's tests have the
+/// bytes, with those mtimes clamped to the epoch. (Here and not in `tests/tests/ext4_images.rs`: only this package's tests have the
 /// `kiln` binary.) [`without_source_date_epoch_builds_a_second_apart_differ`] shows the same
 /// builds differ without it.
 #[test]
@@ -698,7 +731,7 @@ fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
     let epoch = ["--build-arg", "SOURCE_DATE_EPOCH=1700000000"];
     let a = build_fresh(t.path(), &ctx, "a", &epoch, None);
     std::thread::sleep(std::time::Duration::from_millis(1100));
-    touch_context(&ctx);
+    write_context(&ctx);
     let b = build_fresh(t.path(), &ctx, "b", &epoch, None);
     assert_eq!(a.manifest, b.manifest, "image manifest digest");
     assert_eq!(a.oci, b.oci, "OCI manifest digest");
@@ -717,7 +750,14 @@ fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
     assert_eq!(at("d/l"), ('l', 4243, 4244, 1_700_000_000));
     assert_eq!(at("d/e"), ('d', 65534, 65534, 1_700_000_000));
     assert_eq!(at("d/e/t"), ('f', 0, 0, 1_700_000_000));
+    assert_eq!(at("w/inner"), ('d', 0, 0, 1_700_000_000));
     assert_eq!(at("copied"), ('f', 0, 0, 1_700_000_000));
+    assert_eq!(at("ctx/sub/deeper"), ('d', 0, 0, 1_700_000_000));
+    assert_eq!(at("ctx/sub/deeper/c.txt"), ('f', 0, 0, 1_700_000_000));
+    assert_eq!(at("unpacked/tarme/t.txt"), ('f', 0, 0, 1_700_000_000));
+    assert_eq!(at("from-one/future"), ('f', 0, 0, 1_700_000_000));
+    // An mtime before the epoch is kept (clamped, not set).
+    assert_eq!(at("from-one/past"), ('f', 0, 0, 946_684_800));
     assert!(!tree.contains_key("bin/vi"), "the removed base file");
 }
 
@@ -733,7 +773,7 @@ fn without_source_date_epoch_builds_a_second_apart_differ() {
     let (t, ctx) = repro_recipe();
     let a = build_fresh(t.path(), &ctx, "a", &[], None);
     std::thread::sleep(std::time::Duration::from_millis(1100));
-    touch_context(&ctx);
+    write_context(&ctx);
     let b = build_fresh(t.path(), &ctx, "b", &[], None);
     assert_ne!(a.manifest, b.manifest, "image manifest digest");
     assert_ne!(a.oci, b.oci, "OCI manifest digest");
@@ -765,14 +805,14 @@ fn source_date_epoch_in_the_environment_is_the_build_arg() {
         None,
     );
     std::thread::sleep(std::time::Duration::from_millis(1100));
-    touch_context(&ctx);
+    write_context(&ctx);
     let env = build_fresh(t.path(), &ctx, "env", &[], Some("1700000000"));
     assert_eq!(
         env.manifest, arg.manifest,
         "the environment's SOURCE_DATE_EPOCH gives the build arg's image"
     );
     std::thread::sleep(std::time::Duration::from_millis(1100));
-    touch_context(&ctx);
+    write_context(&ctx);
     let both = build_fresh(
         t.path(),
         &ctx,
