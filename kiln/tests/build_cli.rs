@@ -665,8 +665,8 @@ fn build_fresh(dir: &Path, ctx: &Path, label: &str, flags: &[&str], epoch: Optio
 /// A recipe `FROM bb` (the busybox fixture, [`busybox_layout`]) whose steps write files with
 /// the times they run as mtimes: a `RUN` step writes files of several owners, a symlink with
 /// an owner of its own, a hard link, a directory, an empty file made by `touch`, and removes
-/// a base file; `WORKDIR` makes two directories; `COPY` copies the context (a file, a
-/// directory tree, the Dockerfile) and `ADD` unpacks a local archive ([`write_context`]).
+/// a base file; `WORKDIR` makes two directories; `COPY` copies context files (the
+/// Dockerfile, a directory tree) and `ADD` unpacks a local archive ([`write_context`]).
 /// Another stage's step writes files with mtimes past and before the epoch, which `COPY
 /// --from` copies.
 fn repro_recipe() -> (tempfile::TempDir, PathBuf) {
