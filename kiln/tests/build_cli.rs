@@ -4,7 +4,7 @@
 //! process and no mount.
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use kiln_tests::require_env;
@@ -12,6 +12,9 @@ use kiln_tests::require_env;
 fn kiln(store: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
     c.env("KILN_STORE", store);
+    // `kiln build` takes the caller's SOURCE_DATE_EPOCH as a build arg: a test that wants
+    // one sets it.
+    c.env_remove("SOURCE_DATE_EPOCH");
     c
 }
 
@@ -597,53 +600,144 @@ fn network_flags_set_every_steps_network() {
     }
 }
 
-/// Issue 34, reproducible: the same recipe with a `RUN` step (files of several owners, a
-/// symlink with an owner of its own, a hard link, a directory, a removed base file), built
-/// twice with `SOURCE_DATE_EPOCH` into fresh stores with fresh work, cache and state
-/// directories (a second apart, so every file the step writes gets another mtime), gives the
-/// same image manifest digest, the same OCI manifest and the same ext4 bytes. (Here and not
-/// in `tests/tests/ext4_images.rs`: only this package's tests have the `kiln` binary.)
-#[test]
-fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
-    let bb = require_env("KILN_TEST_BUSYBOX_REF");
-    let (t, ctx, _) = setup(&format!(
-        "FROM {bb}\n\
+/// `kiln` with a store, work, cache and state directories of its own under `dir` (named
+/// by `label`, all fresh), and `SOURCE_DATE_EPOCH` in its environment set to `epoch` (`None`:
+/// not set).
+fn fresh_kiln(dir: &Path, label: &str, epoch: Option<&str>) -> Command {
+    let mut c = kiln(&dir.join(format!("store-{label}")));
+    c.env("KILN_BUILD_DIR", dir.join(format!("work-{label}")))
+        .env("KILN_CACHE", dir.join(format!("cache-{label}")))
+        .env("KILN_STATE_DIR", dir.join(format!("state-{label}")));
+    if let Some(e) = epoch {
+        c.env("SOURCE_DATE_EPOCH", e);
+    }
+    c
+}
+
+/// What one [`build_fresh`] gave.
+struct Fresh {
+    /// The image manifest digest (the last stdout line).
+    manifest: String,
+    /// The OCI manifest digest (`--iidfile`).
+    oci: String,
+    /// The ext4 image, exported from the build's store.
+    ext4: PathBuf,
+}
+
+/// `--build-context` for a `FROM bb` of the busybox fixture's OCI layout (no registry).
+fn busybox_layout() -> String {
+    format!(
+        "bb=oci-layout://{}:latest",
+        require_env("KILN_TEST_BUSYBOX_OCI")
+    )
+}
+
+/// `kiln build CTX -t repro:1 --build-context` [`busybox_layout`] `FLAGS` by
+/// [`fresh_kiln`]`(dir, label, epoch)`; fails the test if the build fails.
+fn build_fresh(dir: &Path, ctx: &Path, label: &str, flags: &[&str], epoch: Option<&str>) -> Fresh {
+    let iid = dir.join(format!("iid-{label}"));
+    let out = kiln_tests::run_ok(
+        fresh_kiln(dir, label, epoch)
+            .arg("build")
+            .arg(ctx)
+            .args(["-t", "repro:1", "--progress", "plain"])
+            .args(["--build-context", &busybox_layout()])
+            .args(flags)
+            .arg("--iidfile")
+            .arg(&iid),
+    );
+    let stdout = String::from_utf8(out.stdout).expect("utf-8");
+    let manifest = stdout.lines().last().expect("a line").to_string();
+    let oci = std::fs::read_to_string(&iid).expect("iid");
+    let ext4 = dir.join(format!("{label}.ext4"));
+    kiln_tests::run_ok(
+        fresh_kiln(dir, label, None)
+            .args(["store", "export", "repro:1"])
+            .arg(&ext4),
+    );
+    Fresh {
+        manifest,
+        oci,
+        ext4,
+    }
+}
+
+/// A recipe `FROM bb` (the busybox fixture, [`busybox_layout`]) whose steps write files with
+/// the times they run as mtimes: a `RUN` step writes files of several owners, a symlink with
+/// an owner of its own, a hard link, a directory, an empty file made by `touch`, and removes
+/// a base file; `WORKDIR` makes two directories; `COPY` copies context files (the
+/// Dockerfile, a directory tree) and `ADD` unpacks a local archive ([`write_context`]).
+/// Another stage's step writes files with mtimes past and before the epoch, which `COPY
+/// --from` copies.
+fn repro_recipe() -> (tempfile::TempDir, PathBuf) {
+    let (t, ctx, _) = setup(
+        "FROM bb AS one\n\
+         RUN mkdir -p /built && echo x > /built/x \
+         && touch -d '2100-01-01 00:00:00' /built/future \
+         && touch -d '2000-01-01 00:00:00' /built/past\n\
+         FROM bb\n\
          RUN mkdir -p /d/e && echo hi > /d/f && ln -s f /d/l && touch /d/e/t \
          && rm /bin/vi && echo 'u:x:4242:4242::/d:/bin/sh' >> /etc/passwd \
          && chown u:4242 /d/f && echo two > /d/g && chown 1000:100 /d/g \
          && chown -h 4243:4244 /d/l && chown 65534:65534 /d/e && ln /d/f /d/hard\n\
-         COPY Dockerfile /copied\n"
-    ));
-    let mut built = Vec::new();
-    for n in 0..2 {
-        if n > 0 {
-            std::thread::sleep(std::time::Duration::from_millis(1100));
-        }
-        let store = t.path().join(format!("store{n}"));
-        let iid = t.path().join(format!("iid{n}"));
-        let out = kiln_tests::run_ok(
-            kiln(&store)
-                .env("KILN_BUILD_DIR", t.path().join(format!("work{n}")))
-                .env("KILN_CACHE", t.path().join(format!("cache{n}")))
-                .env("KILN_STATE_DIR", t.path().join(format!("state{n}")))
-                .arg("build")
-                .arg(&ctx)
-                .args(["-t", "repro:1", "--progress", "plain"])
-                .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000", "--iidfile"])
-                .arg(&iid),
-        );
-        let stdout = String::from_utf8(out.stdout).expect("utf-8");
-        let digest = stdout.lines().last().expect("a line").to_string();
-        let oci = std::fs::read_to_string(&iid).expect("iid");
-        let ext4 = t.path().join(format!("repro{n}.ext4"));
-        kiln_tests::run_ok(kiln(&store).args(["store", "export", "repro:1"]).arg(&ext4));
-        built.push((digest, oci, ext4));
-    }
-    assert_eq!(built[0].0, built[1].0, "image manifest digest");
-    assert_eq!(built[0].1, built[1].1, "OCI manifest digest");
-    kiln_tests::assert_same_bytes(&built[0].2, &built[1].2);
+         WORKDIR /w/inner\n\
+         COPY Dockerfile /copied\n\
+         COPY sub /ctx/sub\n\
+         ADD local.tar /unpacked/\n\
+         COPY --from=one /built /from-one\n",
+    );
+    write_context(&ctx);
+    (t, ctx)
+}
+
+/// Writes `ctx`'s files (again), as a fresh checkout does: the same bytes, with the current
+/// time as their mtimes. The Dockerfile, `sub/deeper/c.txt`, and `local.tar`, an archive of
+/// `tarme/t.txt` whose entry has the current time as its mtime (whole seconds, as tar keeps
+/// them).
+fn write_context(ctx: &Path) {
+    let p = ctx.join("Dockerfile");
+    let bytes = std::fs::read(&p).expect("read");
+    std::fs::write(&p, bytes).expect("write");
+    std::fs::create_dir_all(ctx.join("sub/deeper")).expect("mkdir");
+    std::fs::write(ctx.join("sub/deeper/c.txt"), "c\n").expect("write");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_secs();
+    let mut archive = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_ustar();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o644);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_size(2);
+    h.set_mtime(now);
+    archive
+        .append_data(&mut h, "tarme/t.txt", &b"t\n"[..])
+        .expect("tar");
+    std::fs::write(ctx.join("local.tar"), archive.into_inner().expect("tar")).expect("write");
+}
+
+/// Issue 34, reproducible: [`repro_recipe`] built twice with `SOURCE_DATE_EPOCH` into fresh
+/// stores with fresh work, cache and state directories, a second apart and with the context
+/// written again in between (so every file the steps write, copy and unpack gets another
+/// mtime), gives the same image manifest digest, the same OCI manifest and the same ext4
+/// bytes, with those mtimes clamped to the epoch. (Here and not in `tests/tests/ext4_images.rs`: only this package's tests have the
+/// `kiln` binary.) [`without_source_date_epoch_builds_a_second_apart_differ`] shows the same
+/// builds differ without it.
+#[test]
+fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
+    let (t, ctx) = repro_recipe();
+    let epoch = ["--build-arg", "SOURCE_DATE_EPOCH=1700000000"];
+    let a = build_fresh(t.path(), &ctx, "a", &epoch, None);
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    write_context(&ctx);
+    let b = build_fresh(t.path(), &ctx, "b", &epoch, None);
+    assert_eq!(a.manifest, b.manifest, "image manifest digest");
+    assert_eq!(a.oci, b.oci, "OCI manifest digest");
+    kiln_tests::assert_same_bytes(&a.ext4, &b.ext4);
     // What the step wrote is in the image as written, mtimes clamped to the epoch.
-    let tree = kiln_tests::ext4::image_tree(&built[0].2);
+    let tree = kiln_tests::ext4::image_tree(&a.ext4);
     let at = |p: &str| {
         let o = tree
             .get(p)
@@ -655,7 +749,123 @@ fn a_build_with_a_run_step_is_reproducible_into_fresh_stores() {
     assert_eq!(at("d/g"), ('f', 1000, 100, 1_700_000_000));
     assert_eq!(at("d/l"), ('l', 4243, 4244, 1_700_000_000));
     assert_eq!(at("d/e"), ('d', 65534, 65534, 1_700_000_000));
+    assert_eq!(at("d/e/t"), ('f', 0, 0, 1_700_000_000));
+    assert_eq!(at("w/inner"), ('d', 0, 0, 1_700_000_000));
+    assert_eq!(at("copied"), ('f', 0, 0, 1_700_000_000));
+    assert_eq!(at("ctx/sub/deeper"), ('d', 0, 0, 1_700_000_000));
+    assert_eq!(at("ctx/sub/deeper/c.txt"), ('f', 0, 0, 1_700_000_000));
+    assert_eq!(at("unpacked/tarme/t.txt"), ('f', 0, 0, 1_700_000_000));
+    assert_eq!(at("from-one/future"), ('f', 0, 0, 1_700_000_000));
+    // An mtime before the epoch is kept (clamped, not set).
+    assert_eq!(at("from-one/past"), ('f', 0, 0, 946_684_800));
     assert!(!tree.contains_key("bin/vi"), "the removed base file");
+}
+
+/// The control of [`a_build_with_a_run_step_is_reproducible_into_fresh_stores`]: the same
+/// two builds without `SOURCE_DATE_EPOCH` (neither the build arg nor the environment) give
+/// two image manifests and two OCI manifests. Guaranteed, not by chance: without it the
+/// layer keeps each file's mtime (whole seconds, `kiln_builder::layer::write`), the step
+/// writes `/d/f` when it runs, and the second build runs more than a second after the first
+/// (the wall clock would have to step back for them to meet). So the first test's equality
+/// is the epoch's work, and it would fail if the clamp did not happen.
+#[test]
+fn without_source_date_epoch_builds_a_second_apart_differ() {
+    let (t, ctx) = repro_recipe();
+    let a = build_fresh(t.path(), &ctx, "a", &[], None);
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    write_context(&ctx);
+    let b = build_fresh(t.path(), &ctx, "b", &[], None);
+    assert_ne!(a.manifest, b.manifest, "image manifest digest");
+    assert_ne!(a.oci, b.oci, "OCI manifest digest");
+    let (ta, tb) = (
+        kiln_tests::ext4::image_tree(&a.ext4),
+        kiln_tests::ext4::image_tree(&b.ext4),
+    );
+    let (ma, mb) = (ta["d/f"].mtime, tb["d/f"].mtime);
+    assert!(
+        ma > 1_700_000_000 && mb > ma,
+        "/d/f written at {ma}, then at {mb}: the times the step ran"
+    );
+}
+
+/// As `docker buildx build` does, `kiln build` takes a `SOURCE_DATE_EPOCH` in its
+/// environment as `--build-arg SOURCE_DATE_EPOCH`: [`repro_recipe`] built with the variable
+/// alone gives the image manifest of the build with the build arg alone (fresh stores, a
+/// second apart, the context written again); an explicit `--build-arg` wins over the
+/// variable (the variable set to another epoch, the build arg to the same one: the same
+/// image manifest again).
+#[test]
+fn source_date_epoch_in_the_environment_is_the_build_arg() {
+    let (t, ctx) = repro_recipe();
+    let arg = build_fresh(
+        t.path(),
+        &ctx,
+        "arg",
+        &["--build-arg", "SOURCE_DATE_EPOCH=1700000000"],
+        None,
+    );
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    write_context(&ctx);
+    let env = build_fresh(t.path(), &ctx, "env", &[], Some("1700000000"));
+    assert_eq!(
+        env.manifest, arg.manifest,
+        "the environment's SOURCE_DATE_EPOCH gives the build arg's image"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    write_context(&ctx);
+    let both = build_fresh(
+        t.path(),
+        &ctx,
+        "both",
+        &["--build-arg", "SOURCE_DATE_EPOCH=1700000000"],
+        Some("1600000000"),
+    );
+    assert_eq!(
+        both.manifest, arg.manifest,
+        "an explicit --build-arg SOURCE_DATE_EPOCH wins over the environment"
+    );
+}
+
+/// A `SOURCE_DATE_EPOCH` in `kiln build`'s (and `kiln plan`'s) environment that is not Unix
+/// seconds fails as the same `--build-arg` does: the same exit code and the same stderr (the
+/// error naming the value and what was expected, at the recipe's first line), before any
+/// step runs.
+#[test]
+fn an_invalid_source_date_epoch_in_the_environment_fails_as_the_build_arg_does() {
+    let (t, ctx) = repro_recipe();
+    for (value, want) in [
+        ("yesterday", "expected a decimal number of seconds"),
+        ("253402300800", "expected Unix seconds up to 253402300799"),
+    ] {
+        let flag = format!("SOURCE_DATE_EPOCH={value}");
+        let run = |cmd: &mut Command| {
+            let out = cmd.output().expect("run kiln");
+            let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+            assert!(!out.status.success(), "{value}: {stderr}");
+            assert!(stderr.contains(want), "{value}: {stderr}");
+            assert!(!stderr.contains("RUN mkdir"), "no step ran: {stderr}");
+            (out.status.code(), stderr)
+        };
+        let by_arg = run(fresh_kiln(t.path(), "arg", None)
+            .arg("build")
+            .arg(&ctx)
+            .args(["--progress", "plain", "--build-context", &busybox_layout()])
+            .args(["--build-arg", &flag]));
+        let by_env = run(fresh_kiln(t.path(), "env", Some(value))
+            .arg("build")
+            .arg(&ctx)
+            .args(["--progress", "plain", "--build-context", &busybox_layout()]));
+        assert_eq!(by_env, by_arg, "kiln build, SOURCE_DATE_EPOCH={value}");
+        let dockerfile = ctx.join("Dockerfile");
+        let by_arg = run(fresh_kiln(t.path(), "arg", None)
+            .arg("plan")
+            .arg(&dockerfile)
+            .args(["--build-arg", &flag]));
+        let by_env = run(fresh_kiln(t.path(), "env", Some(value))
+            .arg("plan")
+            .arg(&dockerfile));
+        assert_eq!(by_env, by_arg, "kiln plan, SOURCE_DATE_EPOCH={value}");
+    }
 }
 
 /// Issue 36: a build whose steps run in the user namespace (the default: the subordinate

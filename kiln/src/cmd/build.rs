@@ -20,7 +20,6 @@
 //! Ctrl-C and SIGTERM cancel the build: the running step is killed, nothing is tagged, no
 //! mount or process is left.
 
-use std::collections::BTreeMap;
 use std::io::IsTerminal as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -72,6 +71,9 @@ pub struct Args {
     #[arg(short = 't', long = "tag")]
     pub tags: Vec<String>,
     /// Build argument `NAME=value`; `NAME` alone takes the value from the environment.
+    /// `SOURCE_DATE_EPOCH` (Unix seconds) sets the build's timestamps; as with `docker buildx
+    /// build`, a `SOURCE_DATE_EPOCH` set (not empty) in the environment is taken as
+    /// `--build-arg SOURCE_DATE_EPOCH` unless this flag gives one.
     #[arg(long = "build-arg", value_name = "NAME=VALUE")]
     pub build_args: Vec<String>,
     /// Stage to build (name or index); default the last.
@@ -183,24 +185,6 @@ pub struct Args {
     /// With `--snapshot`: seconds to wait for the ready check (after the guest's hello).
     #[arg(long = "ready-timeout", default_value_t = 600)]
     pub ready_timeout: u64,
-}
-
-/// Parses `--build-arg` values as `docker build` does.
-fn build_args(args: &[String]) -> BTreeMap<String, String> {
-    let mut out = BTreeMap::new();
-    for a in args {
-        match a.split_once('=') {
-            Some((k, v)) => {
-                out.insert(k.to_string(), v.to_string());
-            }
-            None => {
-                if let Ok(v) = std::env::var(a) {
-                    out.insert(a.clone(), v);
-                }
-            }
-        }
-    }
-    out
 }
 
 /// Context directory and recipe file from the arguments.
@@ -497,7 +481,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
         },
         context,
     );
-    req.build_args = build_args(&a.build_args);
+    req.build_args = super::flags::parse_build_args(&a.build_args, |n| std::env::var(n).ok());
     req.target = a.target.clone();
     req.platform = a.platform.clone();
     req.disk_mib = a.disk_mib;

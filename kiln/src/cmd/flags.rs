@@ -1,12 +1,54 @@
 //! The grammar of `kiln build`'s flags that name things outside the build, in buildx's
-//! spellings (`docker buildx build --secret`, `--ssh`, `--build-context`): the CLI reads them
-//! here and gives the builder typed values ([`SecretSpec`], agent sockets, [`LayoutRef`]).
+//! spellings (`docker buildx build --build-arg`, `--secret`, `--ssh`, `--build-context`): the
+//! CLI reads them here and gives the builder typed values (build args, [`SecretSpec`], agent
+//! sockets, [`LayoutRef`]).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use kiln_builder::layout::LayoutRef;
 use kiln_builder::secrets::{SecretSource, SecretSpec};
+
+/// The build argument that sets the build's timestamps (reproducible-builds.org's
+/// `SOURCE_DATE_EPOCH`, decimal Unix seconds).
+pub const SOURCE_DATE_EPOCH: &str = "SOURCE_DATE_EPOCH";
+
+/// The build args of `--build-arg` values (`kiln build`, `kiln plan`), NAME → value, as
+/// `docker buildx build` makes them: `NAME=VALUE` sets NAME (a later one of the same name
+/// wins), `NAME` alone takes the value of the caller's environment variable NAME and is left
+/// out when it is not set. Then, as buildx does (`toControllerOptions` in its
+/// `commands/build.go`), a `SOURCE_DATE_EPOCH` set and not empty in the environment is taken
+/// as `--build-arg SOURCE_DATE_EPOCH` when no `--build-arg` gave that name: an explicit one
+/// wins. `env` reads the caller's environment (a variable that is not set, or not UTF-8:
+/// `None`).
+///
+/// The value is not checked here: the recipe's lowering refuses one that is not Unix
+/// seconds, with the same error whichever way it came
+/// ([`kiln_recipes::plan::parse_source_date_epoch`]).
+pub fn parse_build_args(
+    flags: &[String],
+    env: impl Fn(&str) -> Option<String>,
+) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for a in flags {
+        match a.split_once('=') {
+            Some((k, v)) => {
+                out.insert(k.to_string(), v.to_string());
+            }
+            None => {
+                if let Some(v) = env(a) {
+                    out.insert(a.clone(), v);
+                }
+            }
+        }
+    }
+    if !out.contains_key(SOURCE_DATE_EPOCH)
+        && let Some(v) = env(SOURCE_DATE_EPOCH).filter(|v| !v.is_empty())
+    {
+        out.insert(SOURCE_DATE_EPOCH.to_string(), v);
+    }
+    out
+}
 
 /// Reads one `--secret` value (buildx's spelling, `docker buildx build --secret`):
 /// comma-separated `key=value` pairs, `id=ID` (required), then either `src=PATH` (also
@@ -116,6 +158,56 @@ pub fn parse_build_context(s: &str) -> anyhow::Result<(String, LayoutRef)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn build_args_take_source_date_epoch_from_the_environment_unless_given() {
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |n: &str| {
+                vars.iter()
+                    .find(|(k, _)| *k == n)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let args = |f: &[&str]| {
+            let flags: Vec<String> = f.iter().map(|s| s.to_string()).collect();
+            move |vars| parse_build_args(&flags, env(vars))
+        };
+        let map = |kv: &[(&str, &str)]| -> BTreeMap<String, String> {
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        // docker's grammar: NAME=VALUE, a later one wins, NAME alone from the environment.
+        assert_eq!(
+            args(&["A=1", "B=x=y", "A=2", "HOME", "UNSET"])(&[("HOME", "/root")]),
+            map(&[("A", "2"), ("B", "x=y"), ("HOME", "/root")])
+        );
+        // The environment's SOURCE_DATE_EPOCH, as buildx takes it.
+        assert_eq!(
+            args(&["A=1"])(&[("SOURCE_DATE_EPOCH", "1700000000")]),
+            map(&[("A", "1"), ("SOURCE_DATE_EPOCH", "1700000000")])
+        );
+        // An explicit --build-arg wins, whatever its value (checked later, by the lowering).
+        for (given, want) in [
+            ("SOURCE_DATE_EPOCH=1600000000", "1600000000"),
+            ("SOURCE_DATE_EPOCH=", ""),
+            ("SOURCE_DATE_EPOCH", "1700000000"),
+        ] {
+            assert_eq!(
+                args(&[given])(&[("SOURCE_DATE_EPOCH", "1700000000")]),
+                map(&[("SOURCE_DATE_EPOCH", want)]),
+                "{given}"
+            );
+        }
+        // Not set, or set empty (buildx ignores an empty one): no SOURCE_DATE_EPOCH.
+        assert_eq!(args(&[])(&[]), map(&[]));
+        assert_eq!(args(&[])(&[("SOURCE_DATE_EPOCH", "")]), map(&[]));
+        // An invalid value is passed on as it is, for the lowering to refuse.
+        assert_eq!(
+            args(&[])(&[("SOURCE_DATE_EPOCH", "yesterday")]),
+            map(&[("SOURCE_DATE_EPOCH", "yesterday")])
+        );
+    }
 
     #[test]
     fn flags() {

@@ -4,7 +4,6 @@
 //! their config and ONBUILD triggers, as built.
 //! Errors print `file:line:column: message` with a caret snippet and exit with status 1.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -19,7 +18,9 @@ pub struct PlanArgs {
     /// Stage to build (name or index); default: the last stage.
     #[arg(long)]
     pub target: Option<String>,
-    /// Build argument `NAME=value`; `NAME` alone takes the value from the environment.
+    /// Build argument `NAME=value`; `NAME` alone takes the value from the environment. A
+    /// `SOURCE_DATE_EPOCH` set (not empty) in the environment is taken as `--build-arg
+    /// SOURCE_DATE_EPOCH` unless this flag gives one, as `kiln build` takes it.
     #[arg(long = "build-arg", value_name = "NAME=VALUE")]
     pub build_args: Vec<String>,
     /// Target platform, `os/arch[/variant]` (default linux/amd64).
@@ -88,21 +89,8 @@ pub fn run(args: &PlanArgs, json: bool) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let mut build_args = BTreeMap::new();
-    for arg in &args.build_args {
-        match arg.split_once('=') {
-            Some((k, v)) => {
-                build_args.insert(k.to_string(), v.to_string());
-            }
-            None => {
-                // As `docker build --build-arg NAME`: the value comes from the environment,
-                // and an unset variable is ignored.
-                if let Ok(v) = std::env::var(arg) {
-                    build_args.insert(arg.clone(), v);
-                }
-            }
-        }
-    }
+    // As `kiln build` takes them, the environment's SOURCE_DATE_EPOCH too.
+    let build_args = super::flags::parse_build_args(&args.build_args, |n| std::env::var(n).ok());
     let options = Options {
         target: args.target.clone(),
         build_args,
