@@ -50,6 +50,7 @@
 mod apply;
 mod framer;
 mod meta;
+pub mod pgzip;
 pub mod whiteout;
 pub mod write;
 

@@ -6,8 +6,8 @@
 //! walk order carries the data, later ones are `Link` entries) and xattrs (PAX
 //! `SCHILY.xattr.*`, except `security.selinux`) are kept; user and group names are left empty;
 //! mtimes are clamped to `SOURCE_DATE_EPOCH` when given. Sockets are skipped (tar cannot hold
-//! them). gzip uses a pinned level with a zero header mtime and no file name, so the same tree
-//! gives the same bytes.
+//! them). gzip uses a pinned level and block size with a zero header mtime and no file name,
+//! compressed on every core ([`super::pgzip`]), so the same tree gives the same bytes.
 //!
 //! A regular file with holes (fewer allocated blocks than its size, and `SEEK_DATA` /
 //! `SEEK_HOLE` find a hole: `truncate -s 16G`, `useradd`'s `/var/log/lastlog`) is written as
@@ -99,9 +99,7 @@ fn write_tree(
         hash: Sha256::new(),
         len: 0,
     };
-    let gz = flate2::GzBuilder::new()
-        .mtime(0)
-        .write(outer, flate2::Compression::new(GZIP_LEVEL));
+    let gz = super::pgzip::ParGzWriter::new(outer, flate2::Compression::new(GZIP_LEVEL))?;
     let inner = HashWriter {
         inner: gz,
         hash: Sha256::new(),
