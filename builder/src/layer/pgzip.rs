@@ -174,7 +174,7 @@ impl<W: Write> ParGzWriter<W> {
         let Some(pool) = &self.pool else {
             return Ok(());
         };
-        let mut take = |r: Done, ready: &mut BTreeMap<u64, Vec<u8>>| -> io::Result<()> {
+        let take = |r: Done, ready: &mut BTreeMap<u64, Vec<u8>>| -> io::Result<()> {
             ready.insert(r.0, r.1?);
             Ok(())
         };
