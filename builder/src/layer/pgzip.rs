@@ -275,7 +275,7 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            if x % 5 == 0 {
+            if x.is_multiple_of(5) {
                 v.push((x >> 24) as u8);
             } else {
                 v.extend_from_slice(words[(x >> 8) as usize % words.len()]);
