@@ -235,7 +235,7 @@ pub fn squash_plan(lowers: usize, fit: usize) -> Option<usize> {
 /// Unpacks the layer blob at `blob` (a tar stream, compressed or not) into the empty
 /// directory `dir` in overlayfs' form (the module doc): [`apply_layer`], with its bounds
 /// `limits` and its walk that stays inside `dir`, then the whiteouts turned into overlayfs
-/// markers. `digest` names the layer in errors. What a microVM step sends back (its upper
+/// markers (a second read of the blob, only when [`apply_layer`] counted whiteouts). `digest` names the layer in errors. What a microVM step sends back (its upper
 /// directory as a tar stream) is unpacked this way into the step's upper directory.
 ///
 /// Errors: [`LowerError::Layer`] (a bad or hostile stream, a bound), [`LowerError::Io`]; the
@@ -247,7 +247,12 @@ pub fn unpack_overlay_form(
     limits: &Limits,
 ) -> Result<(), LowerError> {
     let f = fs::File::open(blob).map_err(io_err("opening", blob))?;
-    apply_layer(dir, f, digest, limits)?;
+    let stats = apply_layer(dir, f, digest, limits)?;
+    // Most layers (a base's, a step's that removed nothing) have no whiteout: then the
+    // marker pass would read the whole blob again for nothing.
+    if stats.whiteouts == 0 {
+        return Ok(());
+    }
     let f = fs::File::open(blob).map_err(io_err("opening", blob))?;
     mark_whiteouts(dir, f, digest, limits)
 }

@@ -33,6 +33,7 @@ pub fn apply_layer(
         dirs: Vec::new(),
         limits: limits.clone(),
         left_out: 0,
+        whiteouts: 0,
     };
     let mut archive = tar::Archive::new(stream);
     let mut entries_read = 0u64;
@@ -77,6 +78,7 @@ pub fn apply_layer(
     Ok(LayerStats {
         entries: entries_read,
         bytes: bounded.bytes(),
+        whiteouts: applier.whiteouts,
     })
 }
 
@@ -103,6 +105,8 @@ pub(super) struct Applier {
     limits: Limits,
     /// Device nodes made empty files, in a user namespace.
     left_out: u64,
+    /// Whiteout entries read ([`LayerStats::whiteouts`]).
+    whiteouts: u64,
 }
 
 /// A directory a walk reached, with its path from the root (symlinks resolved).
@@ -322,6 +326,7 @@ impl Applier {
             WhiteoutKind::None => {}
             WhiteoutKind::Meta => return Ok(()),
             WhiteoutKind::Remove(name) => {
+                self.whiteouts += 1;
                 let Some((dir, resolved)) = self.walk_resolved(parent, false)? else {
                     return Ok(());
                 };
@@ -330,6 +335,7 @@ impl Applier {
                 return Ok(());
             }
             WhiteoutKind::Opaque => {
+                self.whiteouts += 1;
                 let Some((dir, mut resolved)) = self.walk_resolved(parent, true)? else {
                     return Ok(());
                 };

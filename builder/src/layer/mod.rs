@@ -371,6 +371,10 @@ pub struct LayerStats {
     pub entries: u64,
     /// Uncompressed bytes read.
     pub bytes: u64,
+    /// Whiteout entries (`.wh.<name>` and `.wh..wh..opq`; not the `.wh..wh.` metadata ones)
+    /// among them. With none, the layer's overlay form needs no marker pass
+    /// (`build::lower::unpack_overlay_form`).
+    pub whiteouts: u64,
 }
 
 /// The compression of a layer stream (or of an archive `ADD` unpacks), told by its first

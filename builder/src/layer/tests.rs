@@ -238,7 +238,8 @@ fn whiteouts_across_layers() {
         E::File(b"d/in", b"in"),
         E::Sym(b"e", b"a"),
     ]);
-    sb.apply(&l1).expect("layer 1");
+    let s1 = sb.apply(&l1).expect("layer 1");
+    assert_eq!(s1.whiteouts, 0, "layer 1 has none");
     let l2 = tar_of(vec![
         E::File(b"a/.wh.x", b""),
         E::File(b".wh.c", b""),
@@ -254,7 +255,10 @@ fn whiteouts_across_layers() {
         E::File(b".wh.f", b""),
         E::File(b".wh..wh.plnk", b""),
     ]);
-    sb.apply(&l2).expect("layer 2");
+    let s2 = sb.apply(&l2).expect("layer 2");
+    // Seven: six `.wh.<name>` and one opaque marker count; the `.wh..wh.plnk` metadata
+    // entry does not.
+    assert_eq!(s2.whiteouts, 7, "whiteout entries counted");
     let r = sb.root();
     assert!(!r.join("a/x").exists());
     assert_eq!(fs::read(r.join("a/y")).expect("a/y"), b"y");
