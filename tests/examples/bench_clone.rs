@@ -1,162 +1,422 @@
-//! Clone benchmark (issue 8), run by `ci/bench-clone.sh`; not a test.
+//! Clone benchmark (issues 8 and 35), run by `ci/bench-clone.sh`; not a test. Every VM is
+//! started by the `kiln` binary `KILN_BENCH_KILN` (the script builds it, release by default),
+//! so the times are those of the real commands; this program only drives them and counts.
 //!
-//! Same image, same run: the busybox fixture with the guest init (start command + ready
-//! check), booted cold to READY `KILN_BENCH_RUNS` times (each a full boot-once snapshot into a
-//! local store), and started from its snapshot `KILN_BENCH_RUNS` times (one clone at a time,
-//! stopped before the next: QEMU spawned → the guest answered `restore`). Prints the median,
-//! min and max of both, and the snapshot's stored memory bytes against guest RAM.
+//! Same image, same run:
+//! 1. the image (`busybox`: the busybox fixture, 64 MiB; `debian`: the Debian fixture,
+//!    512 MiB; each with a start command and a ready check) is put into a local build store
+//!    and booted cold to READY `KILN_BENCH_RUNS` times by `kiln snapshot` (each a full
+//!    boot-once snapshot; QEMU spawned → ready check passed);
+//! 2. the last snapshot is pushed to the store `KILN_BENCH_STORE` (a local directory by
+//!    default, `s3://…` for the local S3 server);
+//! 3. cold lazy starts: `KILN_BENCH_RUNS` times `kiln start` from that store with an empty
+//!    snapshot cache and chunk cache (a chunk server of its own each time), and what the
+//!    chunk server had fetched when `kiln start` returned (the clone answered) and after one
+//!    `kiln exec` in it, counted by [`kiln_tests::lazy::fetched`] as `kiln/tests/vm_lazy.rs`
+//!    counts it;
+//! 4. warm lazy starts: `KILN_BENCH_RUNS` times `kiln start` on the last cold start's cache
+//!    and running chunk server (its clone kept running meanwhile, so the server stays),
+//!    then two more clones beside it: three at once, summed Pss against summed Rss of
+//!    their QEMUs;
+//! 5. `kiln start --materialize`: `KILN_BENCH_MATERIALIZE_RUNS` cold (empty cache, the
+//!    whole snapshot downloaded first) and `KILN_BENCH_RUNS` warm (cache filled).
 //!
-//! Env: `KILN_TEST_CACHE`, `KILN_TEST_BUSYBOX_OCI` (from ci/setup.sh), `KILN_BENCH_RUNS`
-//! (default 10), `KILN_BENCH_MEMORY_MIB` (default 256), `KILN_BENCH_DIR` (work directory).
+//! Every start has the accelerator the snapshot was made with in `KILN_ACCEL` (a host that
+//! has probed before; the probe is not part of a start's time). Times: "answered" is the
+//! start's `start_ms` (QEMU spawned → the guest answered `restore`), "whole" the wall time
+//! of the `kiln start` process. Prints a table on stdout, progress on stderr.
+//!
+//! Env: `KILN_BENCH_KILN` (required), `KILN_BENCH_IMAGE` (`busybox`|`debian`, default
+//! busybox), `KILN_BENCH_STORE` (default: the build store), `KILN_BENCH_MEMORY_MIB`
+//! (default 256), `KILN_BENCH_RUNS` (default 10), `KILN_BENCH_MATERIALIZE_RUNS` (default 3),
+//! `KILN_BENCH_DIR` (work directory, emptied first); `KILN_TEST_BUSYBOX_OCI` or
+//! `KILN_TEST_DEBIAN_OCI`, the guest kernel and, for S3, the `AWS_*` variables (from
+//! ci/setup.sh's env file).
 
-use std::path::PathBuf;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
 
 use kiln_store::{ReadySpec, SandboxSpec, StartSpec, Store, TagRef};
-use kiln_tests::vm::{busybox_image, guest_assets, sh};
-use kiln_vmm::clone::{self, CloneOptions, Serving};
-use kiln_vmm::snapshot::{SnapshotOptions, snapshot_image};
+use kiln_tests::lazy::{Fetched, fetched, snapshot_of};
+use kiln_tests::vm::{StopClones, busybox_image, guest_assets, oci_image, sh, smaps_rollup_kb};
+use serde_json::Value;
 
-fn stats(mut v: Vec<Duration>) -> String {
-    v.sort();
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Median, min and max of `v` (milliseconds), as text.
+fn stats(v: &[f64]) -> String {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return "-".into();
+    }
     format!(
-        "median {:8.1} ms   min {:8.1}   max {:8.1}   (n={})",
-        ms(v[v.len() / 2]),
-        ms(v[0]),
-        ms(v[v.len() - 1]),
+        "{:8.0} ms ({:.0}–{:.0}, n={})",
+        v[v.len() / 2],
+        v[0],
+        v[v.len() - 1],
         v.len()
     )
 }
 
-#[tokio::main]
-async fn main() {
-    kiln_pipeline::qemu_cgroups::install();
-    let runs: usize = std::env::var("KILN_BENCH_RUNS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(10);
-    let mem_mib: u64 = std::env::var("KILN_BENCH_MEMORY_MIB")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(256);
-    let work = PathBuf::from(
-        std::env::var("KILN_BENCH_DIR").unwrap_or_else(|_| "/tmp/kiln-bench-clone".into()),
-    );
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// `kiln` with its store, state dir, snapshot cache and chunk cache, the guest kernel and
+/// initramfs, and the accelerator.
+struct Kiln {
+    bin: PathBuf,
+    work: PathBuf,
+    accel: Option<String>,
+}
+
+impl Kiln {
+    fn run(&self, store: &str, cache: &Path, args: &[&str]) -> (Output, Duration) {
+        let a = guest_assets();
+        let mut c = Command::new(&self.bin);
+        c.args(args)
+            .env("KILN_STORE", store)
+            .env("KILN_STATE_DIR", self.work.join("state"))
+            .env("KILN_SNAPSHOT_CACHE", cache)
+            .env("KILN_CACHE", cache.join("kcache"))
+            .env("KILN_KERNEL", &a.kernel)
+            .env("KILN_INITRAMFS", &a.initramfs)
+            .env("TMPDIR", &self.work);
+        if let Some(accel) = &self.accel {
+            c.env("KILN_ACCEL", accel);
+        }
+        let t = Instant::now();
+        let o = c.output().expect("run kiln");
+        let wall = t.elapsed();
+        assert!(
+            o.status.success(),
+            "kiln {args:?}: exit {:?}\nstdout: {}\nstderr: {}",
+            o.status.code(),
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        (o, wall)
+    }
+
+    /// `kiln --json start ARGS…`: the `started` events and the wall time, ms.
+    fn start(&self, store: &str, cache: &Path, args: &[&str]) -> (Vec<Value>, f64) {
+        let mut a = vec!["--json", "start", "bench:snap"];
+        a.extend_from_slice(args);
+        let (o, wall) = self.run(store, cache, &a);
+        (events(&o, "started"), wall.as_secs_f64() * 1000.0)
+    }
+
+    fn stop(&self, store: &str, cache: &Path, id: &str) {
+        self.run(store, cache, &["stop", id]);
+    }
+}
+
+fn events(o: &Output, name: &str) -> Vec<Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["event"] == name)
+        .collect()
+}
+
+fn ms_of(v: &Value, field: &str) -> f64 {
+    v[field].as_u64().unwrap_or(0) as f64
+}
+
+fn main() {
+    let bin = PathBuf::from(std::env::var("KILN_BENCH_KILN").expect("KILN_BENCH_KILN"));
+    let image: String = env_or("KILN_BENCH_IMAGE", "busybox".to_string());
+    let runs: usize = env_or("KILN_BENCH_RUNS", 10).max(1);
+    let mat_runs: usize = env_or("KILN_BENCH_MATERIALIZE_RUNS", 3).max(1);
+    let mem_mib: u64 = env_or("KILN_BENCH_MEMORY_MIB", 256);
+    let work = PathBuf::from(env_or(
+        "KILN_BENCH_DIR",
+        "/tmp/kiln-bench-clone".to_string(),
+    ));
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work).expect("work dir");
-
-    let assets = guest_assets();
-    let store = Store::open(work.join("store").to_str().expect("utf-8"))
-        .await
-        .expect("store");
-    let tag: TagRef = "bench:latest".parse().expect("tag");
-    let snap: TagRef = "bench:snap".parse().expect("tag");
-    busybox_image(
-        &store,
-        &work,
-        &tag,
-        SandboxSpec {
-            start: Some(StartSpec {
-                argv: sh("echo up > /tmp/started; exec sleep 1000000"),
-                user: None,
-                env: vec![],
-                workdir: None,
-            }),
-            ready: Some(ReadySpec {
-                argv: sh("test -f /tmp/started"),
-                interval_ms: 50,
-                timeout_ms: 2000,
-                retries: 200,
-            }),
-        },
-    )
-    .await;
-
-    let opts = SnapshotOptions {
-        memory_bytes: mem_mib << 20,
-        work_dir: work.clone(),
-        ..Default::default()
+    let build = work
+        .join("build-store")
+        .to_str()
+        .expect("utf-8")
+        .to_string();
+    let store_url: String = env_or("KILN_BENCH_STORE", build.clone());
+    let _stop = StopClones::new(bin.to_str().expect("utf-8"), &work);
+    let mut k = Kiln {
+        bin,
+        work: work.clone(),
+        accel: None,
     };
-    let mut boots = Vec::new();
-    let mut last = None;
-    for i in 0..runs {
-        let r = snapshot_image(&store, &tag, &snap, &assets, &opts)
-            .await
-            .expect("boot once");
-        eprintln!(
-            "cold boot {i}: ready in {:?} (save {:?})",
-            r.boot_to_ready, r.save
-        );
-        boots.push(r.boot_to_ready);
-        last = Some(r);
-    }
-    let r = last.expect("at least one run");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
 
-    let mut copts = CloneOptions::new(
-        work.join("state"),
-        work.join("cache"),
-        Serving::Materialized,
-    );
-    copts.count = 1;
-    let mut starts = Vec::new();
-    let mut walls = Vec::new();
-    for i in 0..=runs {
-        let t = std::time::Instant::now();
-        let c = clone::start_clones(&store, &snap, &copts)
-            .await
-            .expect("clone");
-        let wall = t.elapsed();
-        let c = &c[0];
-        if i == 0 {
-            // The first start also materializes the snapshot into the cache: reported apart.
-            eprintln!(
-                "first clone start (materializes memory and disk): {wall:?}, QEMU → answered {} ms",
-                c.start_ms
-            );
-        } else {
-            eprintln!(
-                "clone start {}: answered in {} ms (whole call {wall:?})",
-                i - 1,
-                c.start_ms
-            );
-            starts.push(Duration::from_millis(c.start_ms));
-            walls.push(wall);
+    // 1. The image, and cold boots to READY.
+    let sandbox = SandboxSpec {
+        start: Some(StartSpec {
+            argv: sh("echo up > /tmp/started; exec sleep 1000000"),
+            user: None,
+            env: vec![],
+            workdir: None,
+        }),
+        ready: Some(ReadySpec {
+            argv: sh("test -f /tmp/started"),
+            interval_ms: 50,
+            timeout_ms: 2000,
+            retries: 200,
+        }),
+    };
+    rt.block_on(async {
+        let store = Store::open(&build).await.expect("build store");
+        let tag: TagRef = "bench:img".parse().expect("tag");
+        match image.as_str() {
+            "busybox" => busybox_image(&store, &work, &tag, sandbox).await,
+            "debian" => {
+                oci_image(
+                    &store,
+                    &work,
+                    "KILN_TEST_DEBIAN_OCI",
+                    "bookworm",
+                    512,
+                    &tag,
+                    sandbox,
+                )
+                .await
+            }
+            other => panic!("KILN_BENCH_IMAGE={other}: busybox or debian"),
         }
-        clone::stop(&copts.state_dir, &c.id).await.expect("stop");
+    });
+    let build_cache = work.join("cache-build");
+    let mem = mem_mib.to_string();
+    let (mut boots, mut snap_walls) = (Vec::new(), Vec::new());
+    let mut last = Value::Null;
+    for i in 0..runs {
+        let (o, wall) = k.run(
+            &build,
+            &build_cache,
+            &[
+                "--json",
+                "snapshot",
+                "bench:img",
+                "-t",
+                "bench:snap",
+                "--memory-mib",
+                &mem,
+            ],
+        );
+        let e = events(&o, "snapshot").pop().expect("a snapshot event");
+        eprintln!(
+            "cold boot {i}: ready in {} ms, saved in {} ms, kiln snapshot {:?}",
+            e["boot_to_ready_ms"], e["save_ms"], wall
+        );
+        boots.push(ms_of(&e, "boot_to_ready_ms"));
+        snap_walls.push(wall.as_secs_f64() * 1000.0);
+        last = e;
+    }
+    k.accel = last["accel"].as_str().map(str::to_string);
+
+    // 2. Into the store measured.
+    if store_url != build {
+        k.run(
+            &build,
+            &build_cache,
+            &["store", "push", "bench:snap", "--to", &store_url],
+        );
+    }
+    let (digest, snap) = rt.block_on(async {
+        let s = Store::open(&store_url).await.expect("store");
+        snapshot_of(&s, &"bench:snap".parse().expect("tag")).await
+    });
+
+    // 3. Cold lazy starts.
+    let (mut cold_ans, mut cold_whole) = (Vec::new(), Vec::new());
+    let (mut at_answer, mut after_exec): (Vec<[Fetched; 2]>, Vec<[Fetched; 2]>) =
+        (Vec::new(), Vec::new());
+    let mut anchor = None;
+    for i in 0..runs {
+        let cache = work.join(format!("cache-cold-{i}"));
+        let (started, whole) = k.start(&store_url, &cache, &[]);
+        let c = &started[0];
+        let snapdir = cache.join(digest.hex());
+        let f = fetched(&snapdir, &snap);
+        let id = c["id"].as_str().expect("id").to_string();
+        k.run(&store_url, &cache, &["exec", &id, "--", "true"]);
+        let g = fetched(&snapdir, &snap);
+        eprintln!(
+            "cold lazy start {i}: answered in {} ms, whole {whole:.0} ms; memory served {:.2}% \
+             of RAM, disk served {:.2}% of non-zero",
+            c["start_ms"],
+            Fetched::pct(f[0].served, f[0].size),
+            Fetched::pct(f[1].served, f[1].nonzero)
+        );
+        cold_ans.push(ms_of(c, "start_ms"));
+        cold_whole.push(whole);
+        at_answer.push(f);
+        after_exec.push(g);
+        if i + 1 == runs {
+            anchor = Some((cache, id));
+        } else {
+            k.stop(&store_url, &cache, &id);
+        }
+    }
+    let (warm_cache, anchor_id) = anchor.expect("a cold start");
+
+    // 4. Warm lazy starts beside the last cold clone, then three at once.
+    let (mut warm_ans, mut warm_whole) = (Vec::new(), Vec::new());
+    for i in 0..runs {
+        let (started, whole) = k.start(&store_url, &warm_cache, &[]);
+        let c = &started[0];
+        eprintln!(
+            "warm lazy start {i}: answered in {} ms, whole {whole:.0} ms",
+            c["start_ms"]
+        );
+        warm_ans.push(ms_of(c, "start_ms"));
+        warm_whole.push(whole);
+        k.stop(&store_url, &warm_cache, c["id"].as_str().expect("id"));
+    }
+    let (two, _) = k.start(&store_url, &warm_cache, &["--count", "2"]);
+    std::thread::sleep(Duration::from_secs(2));
+    let mut pids: Vec<u64> = two.iter().filter_map(|c| c["pid"].as_u64()).collect();
+    let anchor_rec: Value = serde_json::from_slice(
+        &std::fs::read(
+            work.join("state/clones")
+                .join(&anchor_id)
+                .join("clone.json"),
+        )
+        .expect("the cold clone's record"),
+    )
+    .expect("clone.json");
+    pids.extend(anchor_rec["pid"].as_u64());
+    let (rss, pss) = pids.iter().fold((0, 0), |(r, p), pid| {
+        (
+            r + smaps_rollup_kb(*pid, "Rss:"),
+            p + smaps_rollup_kb(*pid, "Pss:"),
+        )
+    });
+    for c in &two {
+        k.stop(&store_url, &warm_cache, c["id"].as_str().expect("id"));
+    }
+    k.stop(&store_url, &warm_cache, &anchor_id);
+
+    // 5. Materialized starts.
+    let (mut mat_cold_ans, mut mat_cold_whole) = (Vec::new(), Vec::new());
+    let mut mat_cache = work.clone();
+    for i in 0..mat_runs {
+        mat_cache = work.join(format!("cache-mat-{i}"));
+        let (started, whole) = k.start(&store_url, &mat_cache, &["--materialize"]);
+        let c = &started[0];
+        eprintln!(
+            "cold materialized start {i}: answered in {} ms, whole {whole:.0} ms",
+            c["start_ms"]
+        );
+        mat_cold_ans.push(ms_of(c, "start_ms"));
+        mat_cold_whole.push(whole);
+        k.stop(&store_url, &mat_cache, c["id"].as_str().expect("id"));
+    }
+    let (mut mat_ans, mut mat_whole) = (Vec::new(), Vec::new());
+    for i in 0..runs {
+        let (started, whole) = k.start(&store_url, &mat_cache, &["--materialize"]);
+        let c = &started[0];
+        eprintln!(
+            "warm materialized start {i}: answered in {} ms, whole {whole:.0} ms",
+            c["start_ms"]
+        );
+        mat_ans.push(ms_of(c, "start_ms"));
+        mat_whole.push(whole);
+        k.stop(&store_url, &mat_cache, c["id"].as_str().expect("id"));
     }
 
-    // Three clones at once: how much guest RAM they share (Rss vs Pss of each QEMU, from
-    // /proc/<pid>/smaps_rollup, kB).
-    copts.count = 3;
-    let three = clone::start_clones(&store, &snap, &copts)
-        .await
-        .expect("3 clones");
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let rollup = |pid: u32, field: &str| kiln_tests::vm::smaps_rollup_kb(pid.into(), field);
-    let (rss, pss): (Vec<u64>, Vec<u64>) = three
-        .iter()
-        .map(|c| (rollup(c.pid, "Rss:"), rollup(c.pid, "Pss:")))
-        .unzip();
-    for c in &three {
-        clone::stop(&copts.state_dir, &c.id).await.expect("stop");
-    }
-
-    println!("accelerator           {}", r.accel.name());
-    println!("cold boot to READY    {}", stats(boots));
-    println!("clone start→answered  {}", stats(starts));
-    println!("start_clones (cached) {}", stats(walls));
+    // The table.
+    let pcts = |v: &[[Fetched; 2]], file: usize, of_nonzero: bool, prefetched: bool| {
+        let xs: Vec<f64> = v
+            .iter()
+            .map(|f| {
+                let f = &f[file];
+                let part = if prefetched { f.fetched } else { f.served };
+                Fetched::pct(part, if of_nonzero { f.nonzero } else { f.size })
+            })
+            .collect();
+        let (mut lo, mut hi) = (f64::MAX, f64::MIN);
+        for x in &xs {
+            lo = lo.min(*x);
+            hi = hi.max(*x);
+        }
+        format!("{:6.2}% ({lo:.2}–{hi:.2})", median(&xs))
+    };
+    let m = &at_answer[0][0];
+    let d = &at_answer[0][1];
     println!(
-        "guest RAM {} MiB; memory file non-zero {:.1} MiB; stored (zstd chunks) {:.1} MiB = {:.1}% of RAM; vmstate {} KiB",
-        r.memory_bytes >> 20,
-        r.memory_nonzero_bytes as f64 / 1048576.0,
-        r.memory_stored_bytes as f64 / 1048576.0,
-        100.0 * r.memory_stored_bytes as f64 / r.memory_bytes as f64,
-        r.vmstate_bytes >> 10
+        "image {image}; guest RAM {mem_mib} MiB; store {store_url}; accelerator {}; runs {runs}",
+        k.accel.as_deref().unwrap_or("?")
     );
     println!(
-        "3 clones at once: QEMU Rss {:?} MiB, Pss {:?} MiB (Pss < Rss: pages shared)",
-        rss.iter().map(|k| k >> 10).collect::<Vec<_>>(),
-        pss.iter().map(|k| k >> 10).collect::<Vec<_>>()
+        "snapshot: memory {} MiB, {:.1} MiB non-zero in {} chunks of {} KiB; disk {} MiB, \
+         {:.1} MiB non-zero; prefetch list {} memory + {} disk chunks",
+        m.size >> 20,
+        m.nonzero as f64 / 1048576.0,
+        snap.memory
+            .entries
+            .iter()
+            .filter(|e| e.digest.is_some())
+            .count(),
+        snap.memory.entries.first().map_or(0, |e| e.raw_len >> 10),
+        d.size >> 20,
+        d.nonzero as f64 / 1048576.0,
+        snap.prefetch.as_ref().map_or(0, |l| l.memory.len()),
+        snap.prefetch.as_ref().map_or(0, |l| l.disk.len()),
+    );
+    println!("cold boot to READY (kiln snapshot) {}", stats(&boots));
+    println!("  whole kiln snapshot              {}", stats(&snap_walls));
+    println!("lazy cold, answered                {}", stats(&cold_ans));
+    println!("lazy cold, whole kiln start        {}", stats(&cold_whole));
+    println!("lazy warm, answered                {}", stats(&warm_ans));
+    println!("lazy warm, whole kiln start        {}", stats(&warm_whole));
+    println!(
+        "materialize cold, answered         {}",
+        stats(&mat_cold_ans)
+    );
+    println!(
+        "materialize cold, whole kiln start {}",
+        stats(&mat_cold_whole)
+    );
+    println!("materialize warm, answered         {}", stats(&mat_ans));
+    println!("materialize warm, whole kiln start {}", stats(&mat_whole));
+    println!(
+        "fetched (median, range of {runs} cold lazy starts)   served only      served or prefetched"
+    );
+    for (label, v) in [("at answer", &at_answer), ("after exec", &after_exec)] {
+        println!(
+            "  memory, of guest RAM, {label:10}    {}   {}",
+            pcts(v, 0, false, false),
+            pcts(v, 0, false, true)
+        );
+        println!(
+            "  disk, of non-zero,    {label:10}    {}   {}",
+            pcts(v, 1, true, false),
+            pcts(v, 1, true, true)
+        );
+    }
+    let ratio = |a: &[f64], b: &[f64]| median(a) / median(b);
+    println!(
+        "cold/warm lazy: answered {:.2}x, whole {:.2}x (goal <= 2x)",
+        ratio(&cold_ans, &warm_ans),
+        ratio(&cold_whole, &warm_whole)
+    );
+    println!(
+        "cold boot / warm lazy: answered {:.1}x (goal >= 20x), whole kiln start {:.1}x (goal >= 10x)",
+        ratio(&boots, &warm_ans),
+        ratio(&boots, &warm_whole)
+    );
+    println!(
+        "3 lazy clones at once: summed Pss {} MiB, summed Rss {} MiB",
+        pss >> 10,
+        rss >> 10
     );
 }

@@ -6,6 +6,7 @@ pub mod ext4;
 pub mod fault_proxy;
 pub mod hostile;
 pub mod http;
+pub mod lazy;
 pub mod netns;
 pub mod pkgs;
 pub mod serve;
