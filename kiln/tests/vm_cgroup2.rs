@@ -10,8 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use kiln_store::{Store, TagRef};
-use kiln_tests::vm::{StopClones, kiln_in, oci_image, show, sleeping_sandbox};
-use serde_json::Value;
+use kiln_tests::vm::{StopClones, kiln_in, oci_image, show, sleeping_sandbox, started_id};
 
 fn kiln(dir: &Path, args: &[&str]) -> Output {
     kiln_in(env!("CARGO_BIN_EXE_kiln"), dir)
@@ -153,12 +152,7 @@ fn a_memory_limit_stops_a_step_on_a_pure_cgroup2_guest() {
     let _stop = StopClones::new(env!("CARGO_BIN_EXE_kiln"), d);
     let o = kiln(d, &["--json", "start", "cg2:snap"]);
     assert!(o.status.success(), "{}", show(&o));
-    let id = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|v| v["event"] == "started")
-        .and_then(|v| v["id"].as_str().map(str::to_string))
-        .unwrap_or_else(|| panic!("no started event: {}", show(&o)));
+    let id = started_id(&o);
 
     // The guest's only cgroup hierarchy is cgroup2.
     let o = kiln(

@@ -19,9 +19,10 @@ use std::time::Duration;
 use kiln_store::{ObjectRef, Store, TagRef};
 use kiln_tests::fault_proxy::FaultProxy;
 use kiln_tests::stores::{Kind, fresh_url};
-use kiln_tests::vm::{QemuUids, StopClones, busybox_image, guest_assets, wait_unmounted};
+use kiln_tests::vm::{
+    QemuUids, StopClones, busybox_image, guest_assets, started, started_id, wait_unmounted,
+};
 use kiln_vmm::lazy;
-use serde_json::Value;
 
 /// `kiln` with its state, snapshot cache and chunk cache in `dir`, the store `store`, and
 /// the snapshot cache `snapcache` (a fresh one has no file of the snapshot).
@@ -59,21 +60,6 @@ fn show(o: &Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
-}
-
-fn started(o: &Output) -> Value {
-    String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|v| v["event"] == "started")
-        .unwrap_or_else(|| panic!("no started event: {}", show(o)))
-}
-
-fn started_id(o: &Output) -> String {
-    started(o)["id"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no id: {}", show(o)))
-        .to_string()
 }
 
 #[test]

@@ -14,8 +14,7 @@ use std::process::Output;
 
 use kiln_store::{Store, TagRef};
 use kiln_tests::stores::{Kind, fresh_url};
-use kiln_tests::vm::{StopClones, kiln_in, oci_image, show, sleeping_sandbox};
-use serde_json::Value;
+use kiln_tests::vm::{StopClones, kiln_in, oci_image, show, sleeping_sandbox, started_id};
 
 /// `kiln` of this test's directory `d` ([`kiln_in`]) on `store`, with its snapshot and
 /// chunk caches under `cache` (a fresh one holds nothing of any snapshot).
@@ -86,12 +85,7 @@ fn a_debian_image_starts_lazily_from_s3_and_runs_a_command() {
     let c1 = d.join("cache1");
     let o = kiln(d, &s3, &c1, &["--json", "start", "deb:snap"]);
     assert!(o.status.success(), "{}", show(&o));
-    let id = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|v| v["event"] == "started")
-        .and_then(|v| v["id"].as_str().map(str::to_string))
-        .unwrap_or_else(|| panic!("no started event: {}", show(&o)));
+    let id = started_id(&o);
     let o = kiln(
         d,
         &s3,

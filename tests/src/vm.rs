@@ -199,6 +199,24 @@ pub fn show(o: &Output) -> String {
     )
 }
 
+/// The `started` event of a `kiln --json start`'s output (its stdout, one JSON object a
+/// line). Panics, showing the output, without one.
+pub fn started(o: &Output) -> serde_json::Value {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["event"] == "started")
+        .unwrap_or_else(|| panic!("no started event: {}", show(o)))
+}
+
+/// The clone id of a `kiln --json start`'s [`started`] event.
+pub fn started_id(o: &Output) -> String {
+    started(o)["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no id: {}", show(o)))
+        .to_string()
+}
+
 /// `["/bin/sh", "-c", script]`.
 pub fn sh(script: &str) -> Vec<String> {
     vec!["/bin/sh".into(), "-c".into(), script.into()]
