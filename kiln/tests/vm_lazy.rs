@@ -241,18 +241,45 @@ fn vm_lazy_start_from_s3() {
     }
     // A second clone of the same snapshot on this host: warm (the server's page cache and
     // the chunk cache hold what the first one read). Both start times printed.
+    // The kernel and initramfs the first start fetched are kept (hashed again, not fetched
+    // again: a file fetched anew is a new inode, renamed over the old one). A copy that no
+    // longer holds its blob is fetched again before the third start below.
+    use std::os::unix::fs::MetadataExt as _;
+    let inode = |f: &str| {
+        std::fs::metadata(snapdir1.join(f))
+            .unwrap_or_else(|e| panic!("{f}: {e}"))
+            .ino()
+    };
+    let boot_files = (inode("vmlinux"), inode("initramfs"));
     let cold_ms = started(&o_cold)["start_ms"].as_u64().unwrap_or(0);
     let o = kiln(d, &s3, &c1, &["--json", "start", "bb:snap"]);
     assert!(o.status.success(), "{}", show(&o));
     let warm_ms = started(&o)["start_ms"].as_u64().unwrap_or(0);
     let id2 = started_id(&o);
     eprintln!("QEMU start to answered: cold from S3 {cold_ms} ms, warm {warm_ms} ms");
+    assert_eq!(
+        (inode("vmlinux"), inode("initramfs")),
+        boot_files,
+        "a warm start fetches no kernel or initramfs again"
+    );
+    let kernel_len = std::fs::metadata(snapdir1.join("vmlinux")).unwrap().len();
+    std::fs::write(snapdir1.join("vmlinux"), vec![0u8; kernel_len as usize]).unwrap();
     // A third clone: how much guest RAM three lazy clones at once share (the figure:
     // summed Pss against summed Rss of their QEMUs, /proc/<pid>/smaps_rollup, 2 s after the
     // third answered, as ci/bench-clone.sh measures materialized clones; printed, not
     // asserted).
     let o3 = kiln(d, &s3, &c1, &["--json", "start", "bb:snap"]);
     assert!(o3.status.success(), "{}", show(&o3));
+    assert_ne!(
+        inode("vmlinux"),
+        boot_files.0,
+        "a spoiled kernel copy is fetched again"
+    );
+    assert_eq!(
+        kiln_store::BlobDigest::of(&std::fs::read(snapdir1.join("vmlinux")).unwrap()),
+        snap.kernel.digest,
+        "the kernel in the cache is the snapshot's again"
+    );
     let id3 = started_id(&o3);
     std::thread::sleep(Duration::from_secs(2));
     let rollup = kiln_tests::vm::smaps_rollup_kb;
