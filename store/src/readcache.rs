@@ -42,7 +42,7 @@
 //! The locked sections are short, synchronous and run on a blocking thread
 //! (`spawn_blocking`), never across an `.await`. An in-process mutex orders the threads of
 //! one process (`flock` does not, on one open file). A listing costs a `stat` per entry
-//! (40 960 entries for 10 GiB of 256 KiB memory chunks: about 0.25 s in a
+//! (40 960 entries for 10 GiB of 256 KiB chunks: about 0.25 s in a
 //! debug build here; a hit of a 4 KiB entry about 85 µs).
 //!
 //! Temp files are outside the bound: at most one chunk (≤ 16 MiB) per admission in flight.

@@ -179,7 +179,7 @@ const TTL: Duration = Duration::from_secs(86_400);
 /// The mount's readahead, bytes: one page (FUSE `max_readahead`, answered at `FUSE_INIT`;
 /// the kernel offers 128 KiB). A fault on the memory file reads this much around the faulting
 /// page (`do_sync_mmap_readahead`'s read-around, centred on the page), and every memory chunk
-/// (256 KiB, [`kiln_store::Chunking::MEMORY_DEFAULT`]) the window touches is fetched whole,
+/// (64 KiB, [`kiln_store::Chunking::MEMORY_DEFAULT`]) the window touches is fetched whole,
 /// so the window is kept to the page. Measured by `kiln/tests/vm_lazy.rs` (busybox, 256 MiB
 /// guest, cold from the local S3 server, huge-page advice refused, one run each): memory
 /// served before the clone answered and ran a command was 16.8% of guest RAM with 128 KiB

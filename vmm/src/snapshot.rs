@@ -9,7 +9,7 @@
 //! 3. QMP `stop`; `migrate-set-capabilities` `x-ignore-shared` (RAM in the shared file is
 //!    not copied into the stream); `migrate` to `file:vmstate`; wait until `completed`; quit.
 //! 4. Flatten the overlay (`qemu-img convert -O raw`: the disk at that instant, not qcow2
-//!    bytes). Store: memory file chunks (fixed 256 KiB, [`Chunking::MEMORY_DEFAULT`], zero
+//!    bytes). Store: memory file chunks (fixed 64 KiB, [`Chunking::MEMORY_DEFAULT`], zero
 //!    chunks are holes), vmstate blob, kernel and initramfs blobs, disk chunks (FastCDC like
 //!    images), then the [`SnapshotManifest`] with its [`CompatKey`], then a copy of the image
 //!    manifest whose `snapshot` names it ([`snapshot_manifest`]), then the new tag
