@@ -24,7 +24,7 @@
 //!    the image manifest naming it are stored again with it (the first pair becomes garbage
 //!    for GC). A recording that fails is a warning: the snapshot stays without a list.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kiln_guest::protocol::{Message, ReadyCheck, Start};
@@ -496,6 +496,17 @@ async fn record_prefetch(
 /// whose timeout is 1 s did not finish within that second.
 const RECORD_CHECK_SLACK: Duration = Duration::from_secs(10);
 
+/// A fresh scratch directory name under `work_dir` for one recording restore: short, because
+/// the clone's QMP and guest sockets go three levels below it
+/// (`state/clones/<16 hex>/qmp.sock`, 38 bytes), and a Unix socket's path holds at most 107
+/// bytes (`sun_path`, unix(7)). With the name `kiln-prefetch-<pid>-<nanos>` a `TMPDIR` of
+/// 29 bytes was already too long, and every snapshot silently lost its prefetch list.
+fn recording_dir(work_dir: &Path) -> PathBuf {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    work_dir.join(format!("kpf-{}-{n}", std::process::id()))
+}
+
 /// The chunks of `first` that `other` lists too, in `first`'s order.
 fn common_chunks(
     first: &kiln_store::PrefetchList,
@@ -531,13 +542,7 @@ async fn record_restore(
     accel: Accel,
     opts: &SnapshotOptions,
 ) -> Result<(String, bool), String> {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let work = opts
-        .work_dir
-        .join(format!("kiln-prefetch-{}-{nanos}", std::process::id()));
+    let work = recording_dir(&opts.work_dir);
     let mut c = crate::clone::CloneOptions::new(
         work.join("state"),
         work.join("cache"),
@@ -704,6 +709,25 @@ async fn run_to_ready(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_recording_clones_sockets_fit_below_a_long_tmpdir() {
+        // The bench's TMPDIR (29 bytes) failed with the old name; 50 bytes fit now.
+        let tmpdir = Path::new("/var/cache/kiln-ci/bench-clone/with-more-room-xyzw");
+        assert_eq!(tmpdir.as_os_str().len(), 50);
+        let sock = recording_dir(tmpdir).join("state/clones/52139a4b30942840/qmp.sock");
+        assert!(
+            sock.as_os_str().len() < 108,
+            "{} is {} bytes",
+            sock.display(),
+            sock.as_os_str().len()
+        );
+        assert_ne!(
+            recording_dir(tmpdir),
+            recording_dir(tmpdir),
+            "one directory per call"
+        );
+    }
 
     /// The chunk log becomes the prefetch list in the order first read, each chunk once.
     #[test]
