@@ -14,11 +14,11 @@
 //! full, then moved into place.
 
 use std::fs;
-use std::io::{self, Read};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kiln_store::digest::{Hasher, Sha256Hash};
+use kiln_store::digest::Sha256Hash;
 use kiln_store::lease::Lease;
 use kiln_store::{BlobDigest, LocalBlobs, Manifest, ObjectRef, OciRef, Store, TagRef};
 
@@ -77,20 +77,10 @@ pub fn digest_of(bytes: &[u8]) -> Sha256Hash {
     Sha256Hash::of(bytes)
 }
 
-/// The sha256 of a file's content, read in 1 MiB pieces (a file that is a blob:
+/// The sha256 of a file's content ([`Sha256Hash::of_file`]; a file that is a blob:
 /// `BlobDigest(digest_of_file(p)?)`).
 pub fn digest_of_file(path: &Path) -> io::Result<Sha256Hash> {
-    let mut f = fs::File::open(path)?;
-    let mut h = Hasher::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(h.finish())
+    Sha256Hash::of_file(path)
 }
 
 /// What the base-image code needs from a store. Blocking calls; small and local.

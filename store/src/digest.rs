@@ -35,6 +35,22 @@ impl Sha256Hash {
         Self(Sha256::digest(bytes).into())
     }
 
+    /// Hashes the content of the file at `path`, read in 1 MiB pieces (a file that is a
+    /// blob: `BlobDigest(Sha256Hash::of_file(p)?)`). Errors: opening or reading it.
+    pub fn of_file(path: &std::path::Path) -> std::io::Result<Self> {
+        use std::io::Read as _;
+        let mut f = std::fs::File::open(path)?;
+        let mut h = Hasher::new();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = f.read(&mut buf)?;
+            if n == 0 {
+                return Ok(h.finish());
+            }
+            h.update(&buf[..n]);
+        }
+    }
+
     /// Lowercase hex, 64 characters, no prefix.
     pub fn hex(&self) -> String {
         hex::encode(self.0)

@@ -536,19 +536,7 @@ async fn materialize(
 /// Whether the file at `path` holds exactly the bytes of blob `digest` (read and hashed
 /// now; a missing or unreadable file does not).
 fn holds(path: &Path, digest: &kiln_store::BlobDigest) -> bool {
-    use std::io::Read as _;
-    let Ok(mut f) = std::fs::File::open(path) else {
-        return false;
-    };
-    let mut h = kiln_store::digest::Hasher::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        match f.read(&mut buf) {
-            Ok(0) => return h.finish() == digest.0,
-            Ok(n) => h.update(&buf[..n]),
-            Err(_) => return false,
-        }
-    }
+    kiln_store::digest::Sha256Hash::of_file(path).is_ok_and(|h| h == digest.0)
 }
 
 /// The accelerator probe's answer on this host, remembered beside the cached snapshots
