@@ -562,7 +562,7 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), Str
     // inheritable sets, no ambient ones; `--security=insecure`: every capability kiln has
     // (BuildKit's `getAllCaps`: the current process's), in every set, ambient too (kept
     // across the change of user, as runc keeps them).
-    use rustix::thread::{CapabilitySet, CapabilitySets};
+    use rustix::thread::CapabilitySet;
     let last_cap: u32 = fs::read_to_string("/proc/sys/kernel/cap_last_cap")
         .ok()
         .and_then(|s| s.trim().parse().ok())
@@ -587,15 +587,7 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), Str
     }
     let _ = rustix::thread::clear_ambient_capability_set();
     let set = CapabilitySet::from_bits_retain(caps);
-    rustix::thread::set_capabilities(
-        None,
-        CapabilitySets {
-            effective: set,
-            permitted: set,
-            inheritable: set,
-        },
-    )
-    .map_err(|e| format!("capset: {e}"))?;
+    set_all_capabilities(set)?;
 
     if insecure {
         rustix::thread::set_keep_capabilities(true).map_err(|e| format!("keepcaps: {e}"))?;
@@ -624,15 +616,7 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), Str
     if insecure {
         // The change of user cleared the effective set; the ambient set carries them all
         // across execve for any user. No no_new_privs, no seccomp filter.
-        rustix::thread::set_capabilities(
-            None,
-            CapabilitySets {
-                effective: set,
-                permitted: set,
-                inheritable: set,
-            },
-        )
-        .map_err(|e| format!("capset: {e}"))?;
+        set_all_capabilities(set)?;
         for cap in (0..=last_cap.min(63)).filter(|c| caps & (1u64 << c) != 0) {
             rustix::thread::configure_capability_in_ambient_set(
                 CapabilitySet::from_bits_retain(1u64 << cap),
@@ -660,6 +644,19 @@ fn pid1_main(plan: &ChildPlan, fds: &Fds, keeper_alive: RawFd) -> Result<(), Str
         "exec {program}: {}",
         std::io::Error::last_os_error()
     ))
+}
+
+/// Sets this thread's effective, permitted and inheritable capability sets to `set`.
+fn set_all_capabilities(set: rustix::thread::CapabilitySet) -> Result<(), String> {
+    rustix::thread::set_capabilities(
+        None,
+        rustix::thread::CapabilitySets {
+            effective: set,
+            permitted: set,
+            inheritable: set,
+        },
+    )
+    .map_err(|e| format!("capset: {e}"))
 }
 
 /// Every signal's disposition back to its default and an empty signal mask, as runc starts
