@@ -34,6 +34,7 @@ pub fn apply_layer(
         limits: limits.clone(),
         left_out: 0,
         whiteouts: 0,
+        last_walk: RefCell::new(None),
     };
     let mut archive = tar::Archive::new(stream);
     let mut entries_read = 0u64;
@@ -107,10 +108,19 @@ pub(super) struct Applier {
     left_out: u64,
     /// Whiteout entries read ([`LayerStats::whiteouts`]).
     whiteouts: u64,
+    /// The last walk's result, for the next entry in the same directory
+    /// ([`Applier::walk_resolved`]).
+    last_walk: RefCell<Option<LastWalk>>,
 }
 
 /// A directory a walk reached, with its path from the root (symlinks resolved).
-type ResolvedDir = (OwnedFd, Vec<Vec<u8>>);
+type ResolvedDir = (Rc<OwnedFd>, Vec<Vec<u8>>);
+
+/// A walk [`Applier::walk_resolved`] made: the components it was given and where it ended.
+struct LastWalk {
+    comps: Vec<Vec<u8>>,
+    reached: ResolvedDir,
+}
 
 /// An entry name split into its components by [`split_name`] (also used by the ext4
 /// flattener, which must place entries exactly as [`apply_layer`] does).
@@ -147,24 +157,47 @@ impl Applier {
     /// followed inside the root, a `..` above it refused) and returns the fd of the
     /// directory reached. Missing directories are made (0755, root) when `create`; otherwise
     /// `Ok(None)` is returned for a missing component.
-    fn walk(&self, comps: &[Vec<u8>], create: bool) -> Result<Option<OwnedFd>, LayerError> {
+    fn walk(&self, comps: &[Vec<u8>], create: bool) -> Result<Option<Rc<OwnedFd>>, LayerError> {
         Ok(self.walk_resolved(comps, create)?.map(|(fd, _)| fd))
     }
 
     /// [`Applier::walk`], with the path of the directory reached, symlinks resolved (what
     /// [`Applier::created`] is keyed by: the flattener sees one node under every path that
     /// leads to it).
+    ///
+    /// The same `comps` as the walk before gives that walk's result again, without a
+    /// system call: a layer lists a directory's entries one after the other, and a walk
+    /// costs a `stat`, an `open` and a `close` per component. It is the result a new walk
+    /// would give, because nothing the walk went through has changed since: each entry
+    /// walks to its parent first (replacing the remembered walk unless it is the same), and
+    /// then changes only names in that parent or below it (a removal, a replacement, a
+    /// directory's owner and mode), never a directory or symlink on the way to it: the way
+    /// to a directory never passes below it. A walk that failed or found a directory
+    /// missing is not remembered.
     fn walk_resolved(
         &self,
         comps: &[Vec<u8>],
         create: bool,
     ) -> Result<Option<ResolvedDir>, LayerError> {
+        if let Some(last) = self.last_walk.borrow().as_ref()
+            && last.comps == comps
+        {
+            return Ok(Some((last.reached.0.clone(), last.reached.1.clone())));
+        }
         let how = Walk::layer_parents(create);
         let (digest, entry) = self.err_entry();
         match walk_fd(self.root.as_fd(), comps, &how, None) {
             Ok(mut reached) => {
                 let path: Vec<Vec<u8>> = reached.dirs[1..].iter().map(|(_, n)| n.clone()).collect();
-                Ok(reached.dirs.pop().map(|(fd, _)| (fd, path)))
+                let Some((fd, _)) = reached.dirs.pop() else {
+                    return Ok(None);
+                };
+                let fd = Rc::new(fd);
+                *self.last_walk.borrow_mut() = Some(LastWalk {
+                    comps: comps.to_vec(),
+                    reached: (fd.clone(), path.clone()),
+                });
+                Ok(Some((fd, path)))
             }
             Err(WalkError::Missing) => Ok(None),
             Err(WalkError::Tree(e)) => Err(self.io(e.op, e.errno)),

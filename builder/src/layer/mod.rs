@@ -58,7 +58,7 @@ pub use apply::*;
 pub(crate) use framer::*;
 pub use meta::*;
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::ffi::OsStr;
 use std::io::{self, BufRead, BufReader, Read};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};

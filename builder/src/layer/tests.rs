@@ -1301,3 +1301,79 @@ fn whiteout_named_files_are_refused_by_the_layer_writer() {
         }
     }
 }
+
+/// The applier gives an entry the walk of the entry before when they name the same parent
+/// (`Applier::walk_resolved`): every entry must still land where a walk from the root puts
+/// it, whatever the entries before it walked through, changed or replaced.
+#[test]
+fn entries_land_where_a_walk_from_the_root_puts_them_whatever_came_before() {
+    fn names(dir: std::path::PathBuf) -> Vec<std::ffi::OsString> {
+        let mut n: Vec<_> = fs::read_dir(dir)
+            .expect("readdir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        n.sort();
+        n
+    }
+    // Parents of the same depth, one after the other; a parent through a symlink.
+    let s = Sandbox::new();
+    s.apply(&tar_of(vec![
+        E::File(b"p/f1", b"1"),
+        E::File(b"q/f2", b"2"),
+        E::File(b"p/f3", b"3"),
+        E::Sym(b"l", b"p"),
+        E::File(b"l/f4", b"4"),
+        E::File(b"p/f5", b"5"),
+        E::File(b"q/f6", b"6"),
+    ]))
+    .expect("apply");
+    assert_eq!(names(s.root().join("p")), ["f1", "f3", "f4", "f5"]);
+    assert_eq!(names(s.root().join("q")), ["f2", "f6"]);
+
+    // A directory made on the way (`a/x`), replaced by a symlink: the next files under
+    // `a/x` follow it to `b`.
+    let s = Sandbox::new();
+    s.apply(&tar_of(vec![
+        E::File(b"a/x/f1", b"one"),
+        E::File(b"a/x/f0", b"zero"),
+        E::Sym(b"a/x", b"../b"),
+        E::File(b"a/x/f2", b"two"),
+        E::File(b"a/x/f3", b"three"),
+    ]))
+    .expect("apply");
+    let root = s.root();
+    assert!(
+        fs::symlink_metadata(root.join("a/x"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert_eq!(names(root.join("b")), ["f2", "f3"]);
+    assert_eq!(fs::read(root.join("b/f2")).unwrap(), b"two");
+    s.assert_untouched("symlink over a walked directory");
+
+    // A directory replaced by a file, then by a directory again: only the later file is in it.
+    let s = Sandbox::new();
+    s.apply(&tar_of(vec![
+        E::File(b"d/f1", b"one"),
+        E::File(b"d", b"now a file"),
+        E::Dir(b"d"),
+        E::File(b"d/f2", b"two"),
+    ]))
+    .expect("apply");
+    assert_eq!(names(s.root().join("d")), ["f2"]);
+
+    // A lower layer's directory removed by a whiteout, then made again by a file under it.
+    let s = Sandbox::new();
+    s.apply(&tar_of(vec![E::File(b"w/old", b"lower")]))
+        .expect("lower");
+    s.apply(&tar_of(vec![
+        E::File(b"w/n1", b"one"),
+        E::File(b"w/.wh.old", b""),
+        E::File(b"w/n2", b"two"),
+        E::File(b".wh.w", b""),
+        E::File(b"w/n3", b"three"),
+    ]))
+    .expect("upper");
+    assert_eq!(names(s.root().join("w")), ["n1", "n2", "n3"]);
+}
