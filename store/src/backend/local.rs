@@ -56,10 +56,15 @@
 //! rename creates a new inode, so a rewrite with identical bytes still changes the version.
 //!
 //! Symlinks inside the root are never followed: before any operation, every existing directory
-//! between the root and the key (and `.tmp`, `.locks`) is checked with `lstat`, and objects are
-//! opened with `O_NOFOLLOW`, so a symlink planted in the store (say `tags/n -> /etc`) gives a
-//! [`BackendError::Other`] instead of a read or write outside the root. (The root itself may be
-//! a symlink: that is the owner's choice.)
+//! between the root and the key is checked with `lstat` (`.tmp` too before a write goes there,
+//! `.locks` before a compare-and-swap takes its lock; a commit of staged chunks checks each
+//! of their directories once), and objects are opened with `O_NOFOLLOW`, so a symlink planted
+//! in the store (say `tags/n -> /etc`) gives a [`BackendError::Other`] instead of a read or
+//! write outside the root. (The root itself may be a symlink: that is the owner's choice.)
+//! Staging a chunk costs two `lstat`s for its directories, one for its key and one for `.tmp`,
+//! and makes no directory that exists (before: six `lstat`s and a `mkdir` per chunk, and four
+//! more `lstat`s at the commit; `strace -c` of `kiln store import` of 64 MiB, 800 chunks:
+//! 12,020 `statx` and 832 `mkdir`).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
@@ -186,23 +191,28 @@ impl LocalBackend {
     }
 
     fn path(&self, key: &str) -> Result<PathBuf, BackendError> {
+        Ok(self.checked_path(key)?.0)
+    }
+
+    /// The path of `key` once every ancestor directory of it that exists is checked to be a
+    /// real directory (no symlink), and whether its own directory exists (then a write
+    /// need not make it). Costs one `lstat` per existing ancestor.
+    fn checked_path(&self, key: &str) -> Result<(PathBuf, bool), BackendError> {
         validate_key(key)?;
-        for d in [TMP_DIR, LOCK_DIR] {
-            no_symlink(&self.url, key, &self.root.join(d))?;
-        }
-        // Every ancestor directory of the key that exists must be a real directory.
         let mut p = self.root.clone();
         let mut segs = key.split('/').peekable();
+        let mut dir_exists = true;
         while let Some(seg) = segs.next() {
             if segs.peek().is_none() {
                 break;
             }
             p.push(seg);
             if !no_symlink(&self.url, key, &p)? {
+                dir_exists = false;
                 break;
             }
         }
-        Ok(self.root.join(key))
+        Ok((self.root.join(key), dir_exists))
     }
 
     fn tmp_path(&self) -> PathBuf {
@@ -457,6 +467,7 @@ impl Ctx {
         sync: bool,
         fill: impl FnOnce(&mut File, &mut Hasher) -> std::io::Result<()>,
     ) -> Result<PathBuf, BackendError> {
+        no_symlink(&self.url, key, &self.root.join(TMP_DIR))?;
         let mut f = OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -719,16 +730,18 @@ impl Backend for LocalBackend {
     }
 
     async fn stage_if_absent(&self, key: &str, data: Bytes) -> Result<Staged, BackendError> {
-        let dest = self.path(key)?;
+        let (dest, dir_exists) = self.checked_path(key)?;
         let key = key.to_string();
         self.blocking(move |c| {
-            if fs::symlink_metadata(&dest).is_ok_and(|m| m.is_file()) {
+            if dir_exists && fs::symlink_metadata(&dest).is_ok_and(|m| m.is_file()) {
                 return Ok(Staged::Done(PutOutcome::AlreadyExists));
             }
             // The object's directory is made now, so that the commit's syncfs covers its
             // entry in its parent.
-            let parent = dest.parent().unwrap_or(&c.root);
-            fs::create_dir_all(parent).map_err(|e| other(&c.url, "put", &key, e))?;
+            if !dir_exists {
+                let parent = dest.parent().unwrap_or(&c.root);
+                fs::create_dir_all(parent).map_err(|e| other(&c.url, "put", &key, e))?;
+            }
             let tmp = c.write_tmp_with(&key, None, false, |f, _| f.write_all(&data))?;
             Ok(Staged::Pending(StagedPut {
                 key,
@@ -740,11 +753,22 @@ impl Backend for LocalBackend {
     }
 
     async fn commit_staged(&self, staged: Vec<StagedPut>) -> Result<Vec<PutOutcome>, BackendError> {
-        // Every key was checked when staged; check again (a symlink planted since).
+        // Every key was checked when staged; check again (a symlink planted since), each
+        // directory once (an artifact's chunks share one).
         let mut dests = Vec::with_capacity(staged.len());
+        let mut checked = std::collections::HashSet::new();
         for s in &staged {
-            match self.path(&s.key) {
-                Ok(d) => dests.push(d),
+            let dir = s.key.rsplit_once('/').map_or("", |(d, _)| d);
+            let res = if checked.contains(dir) {
+                Ok(self.root.join(&s.key))
+            } else {
+                self.path(&s.key)
+            };
+            match res {
+                Ok(d) => {
+                    checked.insert(dir.to_string());
+                    dests.push(d);
+                }
                 Err(e) => {
                     self.discard_staged(staged).await;
                     return Err(e);
@@ -787,6 +811,7 @@ impl Backend for LocalBackend {
         let key = key.to_string();
         let expected = expected.cloned();
         self.blocking(move |c| {
+            no_symlink(&c.url, &key, &c.root.join(LOCK_DIR))?;
             let lock_path = c.root.join(LOCK_DIR).join(lock_name(&key));
             let lock = OpenOptions::new()
                 .create(true)
@@ -1037,6 +1062,11 @@ mod tests {
         assert!(b.list("chunks/").await.is_err());
         assert!(b.list("tags/n/").await.is_err());
         assert!(b.delete("chunks/victim").await.is_err());
+        assert!(
+            b.stage_if_absent("chunks/victim3", data.clone())
+                .await
+                .is_err()
+        );
         assert_eq!(fs::read(&victim).unwrap(), b"keep");
         let mut names: Vec<_> = fs::read_dir(outside.path())
             .unwrap()
@@ -1047,8 +1077,47 @@ mod tests {
         // A symlinked `.tmp` is refused too: temp files would be written outside.
         fs::remove_dir_all(dir.path().join(".tmp")).unwrap();
         std::os::unix::fs::symlink(outside.path(), dir.path().join(".tmp")).unwrap();
-        assert!(b.put("blobs/sha256/aa", data).await.is_err());
+        assert!(b.put("blobs/sha256/aa", data.clone()).await.is_err());
+        assert!(
+            b.stage_if_absent("blobs/sha256/bb", data.clone())
+                .await
+                .is_err()
+        );
         assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 1);
+        // A symlinked `.locks`: no lock file is made outside.
+        fs::remove_dir_all(dir.path().join(".locks")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join(".locks")).unwrap();
+        assert!(b.compare_and_swap("tags/t", None, data).await.is_err());
+        assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 1);
+    }
+
+    /// Staged chunks are committed only into directories checked at the commit: one
+    /// swapped for a symlink since they were staged (their directory is checked once for
+    /// all of them) fails the commit, and nothing is linked outside.
+    #[tokio::test]
+    async fn a_directory_swapped_for_a_symlink_before_the_commit_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let mut staged = Vec::new();
+        for i in 0..3 {
+            match b
+                .stage_if_absent(
+                    &format!("chunks/sha256/{i:064x}"),
+                    Bytes::from(vec![i as u8; 10]),
+                )
+                .await
+                .unwrap()
+            {
+                Staged::Pending(p) => staged.push(p),
+                Staged::Done(o) => panic!("not staged: {o:?}"),
+            }
+        }
+        fs::rename(dir.path().join("chunks/sha256"), dir.path().join("moved")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join("chunks/sha256")).unwrap();
+        assert!(b.commit_staged(staged).await.is_err());
+        assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 0);
+        assert_eq!(fs::read_dir(dir.path().join(".tmp")).unwrap().count(), 0);
     }
 
     #[tokio::test]
