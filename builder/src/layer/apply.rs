@@ -385,12 +385,17 @@ impl Applier {
             .ok_or_else(|| self.io("walk", io::Error::from(io::ErrorKind::NotFound)))?;
         resolved.push(base.clone());
         let dir = dir.as_fd();
-        let existing = match rustix::fs::statat(dir, os(base), AtFlags::SYMLINK_NOFOLLOW) {
-            Ok(st) => Some(FileType::from_raw_mode(st.st_mode)),
-            Err(Errno::NOENT) => None,
-            Err(e) => return Err(self.io("stat", e).into()),
-        };
         use tar::EntryType as T;
+        // What is at the name already. A regular file's is found by its exclusive create
+        // instead ([`Applier::create_file`]): most names are new.
+        let existing = match kind {
+            T::Regular | T::Continuous | T::GNUSparse => None,
+            _ => match rustix::fs::statat(dir, os(base), AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) => Some(FileType::from_raw_mode(st.st_mode)),
+                Err(Errno::NOENT) => None,
+                Err(e) => return Err(self.io("stat", e).into()),
+            },
+        };
         match kind {
             T::Directory => {
                 if existing.is_some_and(|t| t != FileType::Directory) {
@@ -420,12 +425,18 @@ impl Applier {
                 let file = std::fs::File::from(self.create_file(dir, base, existing.is_some())?);
                 let mut data = DataReader::new(entry, &extents);
                 let mut buf = vec![0u8; 128 << 10];
+                let mut end = 0;
                 while let Some((off, n)) = data.next_piece(&mut buf).map_err(ApplyFail::Read)? {
-                    write_skipping_zero_blocks(&file, off, &buf[..n])
+                    let written = write_skipping_zero_blocks(&file, off, &buf[..n])
                         .map_err(|e| self.io("write", e))?;
+                    end = end.max(written);
                 }
-                file.set_len(extents.size)
-                    .map_err(|e| self.io("set length", e))?;
+                // A hole at the end (a sparse file's, or zero blocks left out) is made by the
+                // length; a file written to its end has it already.
+                if end != extents.size {
+                    file.set_len(extents.size)
+                        .map_err(|e| self.io("set length", e))?;
+                }
                 self.set_fd_meta(file.as_fd(), &meta)?;
                 self.set_mtime(dir, base, meta.mtime)?;
             }
@@ -588,7 +599,8 @@ impl Applier {
     }
 
     /// Creates the regular file `base` in `dir` (mode 0600 until its metadata is set),
-    /// removing what is there first if `existing`.
+    /// removing what is there first: when `existing` says something is, or when the
+    /// exclusive create finds something (a symlink there is removed, never followed).
     fn create_file(
         &self,
         dir: BorrowedFd<'_>,
@@ -598,12 +610,21 @@ impl Applier {
         if existing {
             self.remove_all(dir, base, 0)?;
         }
-        rustix::fs::openat(
-            dir,
-            os(base),
-            OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )
+        let create = || {
+            rustix::fs::openat(
+                dir,
+                os(base),
+                OFlags::CREATE | OFlags::EXCL | OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o600),
+            )
+        };
+        match create() {
+            Err(Errno::EXIST) if !existing => {
+                self.remove_all(dir, base, 0)?;
+                create()
+            }
+            r => r,
+        }
         .map_err(|e| self.io("create file", e))
     }
 
@@ -713,16 +734,19 @@ pub(super) const ZERO_BLOCK: u64 = 4096;
 /// Writes `data` at `off` into a new file, leaving out every 4 KiB block (aligned to the
 /// file's start) that is all zero: the file is new, so those read back as zeros, and they
 /// stay holes (a layer written without sparse entries, or a sparse file's data with zero
-/// runs, costs no blocks for them).
+/// runs, costs no blocks for them). Returns the end of the last block written (bytes from
+/// the file's start; 0 when every block was zero): the file's length now, if nothing was
+/// written further on before.
 pub(super) fn write_skipping_zero_blocks(
     file: &std::fs::File,
     off: u64,
     data: &[u8],
-) -> io::Result<()> {
+) -> io::Result<u64> {
     use std::os::unix::fs::FileExt;
     // Runs of blocks that are not all zero are written with one call each.
     let mut run: Option<usize> = None;
     let mut pos = 0usize;
+    let mut end = 0u64;
     while pos < data.len() {
         let at = off + pos as u64;
         let n = ((ZERO_BLOCK - at % ZERO_BLOCK) as usize).min(data.len() - pos);
@@ -731,6 +755,7 @@ pub(super) fn write_skipping_zero_blocks(
             (false, None) => run = Some(pos),
             (true, Some(start)) => {
                 file.write_all_at(&data[start..pos], off + start as u64)?;
+                end = off + pos as u64;
                 run = None;
             }
             _ => {}
@@ -739,6 +764,7 @@ pub(super) fn write_skipping_zero_blocks(
     }
     if let Some(start) = run {
         file.write_all_at(&data[start..], off + start as u64)?;
+        end = off + data.len() as u64;
     }
-    Ok(())
+    Ok(end)
 }

@@ -1377,3 +1377,42 @@ fn entries_land_where_a_walk_from_the_root_puts_them_whatever_came_before() {
     .expect("upper");
     assert_eq!(names(s.root().join("w")), ["n1", "n2", "n3"]);
 }
+
+/// A regular file is made with an exclusive create, and what is already at its name is found
+/// that way (no `stat` first): a symlink there (to outside) is replaced, never followed, as
+/// is a directory with content or a lower layer's file. Its length is set only when its
+/// last blocks were zero and left out: every length still comes out exact.
+#[test]
+fn a_file_replaces_what_its_create_finds_and_gets_its_exact_length() {
+    let s = Sandbox::new();
+    let outside = s.dir.path().join("sentinel/keep");
+    s.apply(&tar_of(vec![E::File(b"lower", b"lower data")]))
+        .expect("lower");
+    let mut tail = vec![7u8; 5000];
+    tail.extend(vec![0u8; 8192]);
+    let mut middle = vec![0u8; 8192];
+    middle.extend(vec![9u8; 100]);
+    s.apply(&tar_of(vec![
+        E::Sym(b"out", outside.as_os_str().as_encoded_bytes()),
+        E::File(b"out", b"replaced"),
+        E::File(b"d/inner", b"x"),
+        E::File(b"d", b"no longer a directory"),
+        E::File(b"lower", b"upper data"),
+        E::File(b"zero-tail", &tail),
+        E::File(b"zero-head", &middle),
+        E::File(b"all-zero", &[0u8; 12288]),
+        E::File(b"empty", b""),
+    ]))
+    .expect("upper");
+    let root = s.root();
+    let read = |n: &str| fs::read(root.join(n)).expect(n);
+    assert_eq!(read("out"), b"replaced");
+    assert!(fs::symlink_metadata(root.join("out")).unwrap().is_file());
+    assert_eq!(read("d"), b"no longer a directory");
+    assert_eq!(read("lower"), b"upper data");
+    assert_eq!(read("zero-tail"), tail);
+    assert_eq!(read("zero-head"), middle);
+    assert_eq!(read("all-zero"), vec![0u8; 12288]);
+    assert_eq!(read("empty"), b"");
+    s.assert_untouched("files over a symlink out, a directory and a file");
+}
