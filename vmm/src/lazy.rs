@@ -16,9 +16,11 @@
 //! ## The files
 //! `<cache>/<snapshot hex>/mnt/` is the mount point; it holds `memory` and `disk.raw` (mode
 //! 0444, read-only; their sizes are the chunk tables' sizes). A read of a range fetches every
-//! chunk it covers through [`kiln_store::artifact::ArtifactReader`]: the store's read cache
-//! first ([`kiln_store::readcache`], bounded by `cache_max_mib`, least-recently-used), else
-//! the store (local or S3, with the store's bounded retries: `store_attempts`, and for
+//! chunk it covers through [`kiln_store::artifact::ArtifactReader`]: the chunks it read
+//! recently first (kept in memory, [`kiln_store::artifact::READER_MEMORY`]: a guest touches
+//! the pages of one chunk at different times), then the store's read cache
+//! ([`kiln_store::readcache`], bounded by `cache_max_mib`, least-recently-used), else the
+//! store (local or S3, with the store's bounded retries: `store_attempts`, and for
 //! `kiln __lazy-serve` the read bound `lazy_read_timeout_secs`), decompressed, its sha256
 //! checked, kept in the read cache, and answered. Zero chunks (holes of the table) are answered without any fetch. A chunk that
 //! fails its digest, or a store that cannot be reached once the retries are spent, answers
