@@ -127,6 +127,7 @@ conformance!(
     list_by_prefix,
     artifact_round_trip_sparse,
     corrupt_chunk_detected,
+    reader_keeps_recent_chunks,
     verify_reports_damage,
     gc_marks_and_sweeps,
     copy_between_stores,
@@ -571,6 +572,36 @@ async fn artifact_round_trip_sparse(f: Fixture) {
         .unwrap();
     assert_eq!(stats.chunks_transferred, 0);
     assert_eq!(stats.dedup_ratio(), 1.0);
+}
+
+/// A reader serves the pages of chunks it has read before from memory, not only those of
+/// the last one: the chunk objects are deleted after a first pass, and a second pass over
+/// the same chunks in another order still reads the right bytes.
+async fn reader_keeps_recent_chunks(f: Fixture) {
+    let data = noise(1 << 20, 17);
+    let (_, table) = publish_image(&f.store, &data, Chunking::Fixed { size: 64 << 10 }).await;
+    let reader = ArtifactReader::new(f.store.clone(), Arc::new(table.clone())).unwrap();
+    let pages = [0u64, 3, 5, 9];
+    let mut buf = vec![0u8; 4096];
+    for p in pages {
+        reader.read_at(p * (64 << 10), &mut buf).await.unwrap();
+    }
+    for p in pages {
+        let key = table.entries[p as usize].digest.unwrap().key();
+        f.store.backend().delete(&key).await.unwrap();
+    }
+    for p in pages.iter().rev() {
+        let off = p * (64 << 10) + 4096;
+        reader.read_at(off, &mut buf).await.unwrap();
+        assert!(
+            buf[..] == data[off as usize..off as usize + 4096],
+            "chunk {p}"
+        );
+    }
+    // A chunk never read is still fetched, and its absence is an error.
+    let key = table.entries[7].digest.unwrap().key();
+    f.store.backend().delete(&key).await.unwrap();
+    assert!(reader.read_at(7 * (64 << 10), &mut buf).await.is_err());
 }
 
 async fn corrupt_chunk_detected(f: Fixture) {

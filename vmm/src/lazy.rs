@@ -16,9 +16,11 @@
 //! ## The files
 //! `<cache>/<snapshot hex>/mnt/` is the mount point; it holds `memory` and `disk.raw` (mode
 //! 0444, read-only; their sizes are the chunk tables' sizes). A read of a range fetches every
-//! chunk it covers through [`kiln_store::artifact::ArtifactReader`]: the store's read cache
-//! first ([`kiln_store::readcache`], bounded by `cache_max_mib`, least-recently-used), else
-//! the store (local or S3, with the store's bounded retries: `store_attempts`, and for
+//! chunk it covers through [`kiln_store::artifact::ArtifactReader`]: the chunks it read
+//! recently first (kept in memory, [`kiln_store::artifact::READER_MEMORY`]: a guest touches
+//! the pages of one chunk at different times), then the store's read cache
+//! ([`kiln_store::readcache`], bounded by `cache_max_mib`, least-recently-used), else the
+//! store (local or S3, with the store's bounded retries: `store_attempts`, and for
 //! `kiln __lazy-serve` the read bound `lazy_read_timeout_secs`), decompressed, its sha256
 //! checked, kept in the read cache, and answered. Zero chunks (holes of the table) are answered without any fetch. A chunk that
 //! fails its digest, or a store that cannot be reached once the retries are spent, answers
@@ -380,15 +382,19 @@ fn note_chunks(
     }
 }
 
-/// Writes `msg` to `<dir>/failure` unless a failure is already recorded.
+/// Writes `msg` to `<dir>/failure` unless a failure is already recorded. The file appears
+/// whole (written under a name of its own, then linked, which fails when one is there): two
+/// reads failing at once each answer `EIO`, and the start that sees its clone die may read
+/// the file before the first writer has written it (seen by `kiln/tests/vm_lazy.rs`: "the
+/// chunk server refused a read: " with no reason).
 fn record_failure(dir: &Path, msg: &str) {
-    if let Ok(mut f) = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(dir.join(FAILURE))
-    {
-        let _ = f.write_all(msg.as_bytes());
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!("{FAILURE}.{}-{n}", std::process::id()));
+    if std::fs::write(&tmp, msg.as_bytes()).is_ok() {
+        let _ = std::fs::hard_link(&tmp, dir.join(FAILURE));
     }
+    let _ = std::fs::remove_file(&tmp);
 }
 
 /// The server's recorded read failure, if any (names the chunk and the store).
@@ -938,6 +944,23 @@ mod tests {
         note_chunks("memory", MEMORY_INO, &table, 0, 300, &seen, &log);
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text, format!("memory 0 {d} 100\nmemory 2 {d} 100\n"));
+    }
+
+    /// The first failure is kept, whole, and nothing else is left in the directory.
+    #[test]
+    fn first_failure_is_kept_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        record_failure(tmp.path(), "reading memory: chunk a");
+        record_failure(tmp.path(), "reading disk: chunk b");
+        assert_eq!(
+            failure(tmp.path()).as_deref(),
+            Some("reading memory: chunk a")
+        );
+        let names: Vec<_> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, [FAILURE]);
     }
 
     #[test]

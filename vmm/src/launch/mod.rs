@@ -90,7 +90,7 @@ use crate::qmp::{Qmp, QmpError};
 
 mod probe;
 
-pub use self::probe::{KvmNode, ProbeKey, probe_accel, probe_accel_cached};
+pub use self::probe::{KvmNode, ProbeKey, known_accel, probe_accel, probe_accel_cached};
 
 /// Machine type and its options, as passed to `-M` (before `memory-backend=`); recorded in
 /// the compatibility key. `pit=off`: see the module doc (QEMU `docs/system/i386/microvm.rst`

@@ -194,6 +194,21 @@ pub async fn probe_accel_cached(
     .await
 }
 
+/// The accelerator [`probe_accel_cached`] would answer without probing: `$KILN_ACCEL`, or a
+/// remembered answer whose key is this host's now; `None` when only a probe can tell.
+///
+/// Errors: a `$KILN_ACCEL` that is neither `tcg` nor `kvm`.
+pub fn known_accel(
+    host: &Host,
+    guest: &str,
+    cache_file: &Path,
+) -> Result<Option<Accel>, LaunchError> {
+    if let Some(a) = forced_accel()? {
+        return Ok(Some(a));
+    }
+    Ok(ProbeKey::current(host, guest).and_then(|k| read_probe_cache(cache_file, &k)))
+}
+
 async fn cached_probe(
     cache_file: &Path,
     key: Option<ProbeKey>,
