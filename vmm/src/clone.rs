@@ -316,7 +316,7 @@ async fn snapshot_of(
     store: &Store,
     d: ManifestDigest,
     image_ref: &str,
-) -> Result<(ManifestDigest, SnapshotManifest, kiln_store::ImageManifest), CloneError> {
+) -> Result<(ManifestDigest, SnapshotManifest), CloneError> {
     let Manifest::Image(img) = store.get_manifest(&d).await? else {
         return Err(CloneError::NotAnImage(image_ref.to_string()));
     };
@@ -329,7 +329,7 @@ async fn snapshot_of(
                 snapshot: sd.to_string(),
                 reason,
             })?;
-            Ok((sd, s, img))
+            Ok((sd, s))
         }
         Manifest::Image(_) => Err(CloneError::NotAnImage(image_ref.to_string())),
     }
@@ -359,14 +359,6 @@ pub async fn image_defaults(
     let Manifest::Image(img) = store.get_manifest(image).await? else {
         return Err(CloneError::NotAnImage(image.to_string()));
     };
-    defaults_of(store, &img).await
-}
-
-/// [`image_defaults`] of an image manifest already read.
-async fn defaults_of(
-    store: &Store,
-    img: &kiln_store::ImageManifest,
-) -> Result<Option<ImageDefaults>, CloneError> {
     let Some(cfg) = &img.oci_config else {
         return Ok(None);
     };
@@ -573,7 +565,7 @@ pub async fn start_clones_of(
     opts: &CloneOptions,
 ) -> Result<Vec<CloneRecord>, CloneError> {
     let image_ref = name;
-    let (digest, snap, img) = snapshot_of(store, image, image_ref).await?;
+    let (digest, snap) = snapshot_of(store, image, image_ref).await?;
     // Refused before anything is fetched or started.
     let grow = clone_disk_bytes(opts.disk_mib, snap.disk.size)?;
     let host = Host::detect().await?;
@@ -650,13 +642,7 @@ pub async fn start_clones_of(
             )),
         }
     };
-    let defaults = async {
-        if snap.image == image {
-            defaults_of(store, &img).await
-        } else {
-            image_defaults(store, &snap.image).await
-        }
-    };
+    let defaults = image_defaults(store, &snap.image);
     let ((boot, accel), (mut cached, served), defaults) = if known.is_some() {
         tokio::try_join!(boot, serve, defaults)?
     } else {
