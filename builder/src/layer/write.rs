@@ -317,7 +317,24 @@ fn walk<W: Write>(
 /// Whether `dir` carries overlayfs' opaque marker ([`overlay_opaque_xattr`] = `y`).
 pub fn is_opaque(dir: &Path) -> io::Result<bool> {
     let mut v = [0u8; 8];
-    match rustix::fs::lgetxattr(dir, overlay_opaque_xattr(), &mut v[..]) {
+    opaque_value(
+        rustix::fs::lgetxattr(dir, overlay_opaque_xattr(), &mut v[..]),
+        &v,
+    )
+}
+
+/// [`is_opaque`] of an open directory.
+pub(crate) fn is_opaque_fd(dir: std::os::fd::BorrowedFd<'_>) -> io::Result<bool> {
+    let mut v = [0u8; 8];
+    opaque_value(
+        rustix::fs::fgetxattr(dir, overlay_opaque_xattr(), &mut v[..]),
+        &v,
+    )
+}
+
+/// What a read of the opaque marker into `v` says (no such xattr: not opaque).
+fn opaque_value(read: rustix::io::Result<usize>, v: &[u8]) -> io::Result<bool> {
+    match read {
         Ok(n) => Ok(&v[..n] == b"y"),
         Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(false),
         Err(e) => Err(e.into()),
