@@ -40,8 +40,12 @@ pub(super) async fn stage_tree(ctx: &Arc<Ctx>, st: &StageOut) -> Result<PathBuf,
             .rev()
             .cloned()
             .collect();
-        Ok(c.dirs
-            .squashed(c.cache.as_ref(), &bottom_first, &c.layer_limits())?)
+        let t0 = Instant::now();
+        let tree = c
+            .dirs
+            .squashed(c.cache.as_ref(), &bottom_first, &c.layer_limits())?;
+        tracing::debug!(layers = bottom_first.len(), took = ?t0.elapsed(), "a stage's tree");
+        Ok(tree)
     })
     .await
     .map_err(|e| BuildError::Task(e.to_string()))?
