@@ -285,7 +285,11 @@ fn merge_lowers(
             }),
             None => Ok(()),
         };
-        stop(&lowers[stack[0]].1)?;
+        stop(
+            stack
+                .first()
+                .map_or("(no layer)", |&i| lowers[i].1.as_str()),
+        )?;
         let dest = open_dir(&out_root, &comps)?;
         let dirs = stack
             .iter()
@@ -910,6 +914,9 @@ mod tests {
         assert_eq!(fs::read(d.join("o/y")).unwrap(), b"y");
         assert!(!crate::layer::write::is_opaque(&d.join("o")).unwrap());
         assert_eq!(dirs.squashed(&cache, &both, &Limits::default()).unwrap(), d);
+        // No layers (a stage FROM scratch with no step): an empty tree.
+        let none = dirs.squashed(&cache, &[], &Limits::default()).unwrap();
+        assert_eq!(fs::read_dir(&none).unwrap().count(), 0);
         let other = dirs
             .squashed(&cache, &[l2, l1], &Limits::default())
             .unwrap();
@@ -921,8 +928,8 @@ mod tests {
             .squashed(&cache, &[l1, missing.parse().unwrap()], &Limits::default())
             .unwrap_err();
         assert!(e.to_string().contains(&missing), "{e}");
-        // The lock, two trees and the two layers' directories they are made of.
-        assert_eq!(fs::read_dir(t.path().join("layers")).unwrap().count(), 5);
+        // The lock, three trees and the two layers' directories they are made of.
+        assert_eq!(fs::read_dir(t.path().join("layers")).unwrap().count(), 6);
     }
 
     /// A lower layer's symlink (or file) where a later layer has a directory is replaced by
