@@ -6,7 +6,9 @@
 //! becomes the xattr `trusted.overlay.opaque=y` on its directory (as does `.wh.d` for a
 //! directory `d` the same layer makes again), so stacking the directories as lowers gives the
 //! same tree as applying the layers in order. A step's upper directory is already in that
-//! form and is moved here as is once its layer is written. Beside them, `<work>/layers/<hex>`
+//! form and is moved here once its layer is written, its times made the layer's first
+//! ([`crate::layer::write::settle_times`]): a layer's directory is the same whether a step
+//! made it or it was unpacked from the blob. Beside them, `<work>/layers/<hex>`
 //! of a list of layers is their merged tree, made of hard links into their directories
 //! ([`LayerDirs::squashed`]).
 //!
