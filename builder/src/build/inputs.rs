@@ -28,9 +28,9 @@ pub(super) struct Prepared {
     pub(super) _temps: Vec<TempDir>,
 }
 
-/// The merged tree of a finished stage as a plain directory: its layers squashed into one
-/// ([`LayerDirs::squashed`], each layer once at its topmost place as for lowers), made once
-/// per list of layers and collected with the layer directories.
+/// The merged tree of a finished stage as a plain directory: its layers' directories merged
+/// into one of hard links ([`LayerDirs::squashed`], each layer once at its topmost place as
+/// for lowers), made once per list of layers and collected with the layer directories.
 pub(super) async fn stage_tree(ctx: &Arc<Ctx>, st: &StageOut) -> Result<PathBuf, BuildError> {
     let c = ctx.clone();
     let digests: Vec<BlobDigest> = st.layers.iter().map(|l| l.desc.digest).collect();
@@ -40,8 +40,12 @@ pub(super) async fn stage_tree(ctx: &Arc<Ctx>, st: &StageOut) -> Result<PathBuf,
             .rev()
             .cloned()
             .collect();
-        Ok(c.dirs
-            .squashed(c.cache.as_ref(), &bottom_first, &c.layer_limits())?)
+        let t0 = Instant::now();
+        let tree = c
+            .dirs
+            .squashed(c.cache.as_ref(), &bottom_first, &c.layer_limits())?;
+        tracing::debug!(layers = bottom_first.len(), took = ?t0.elapsed(), "a stage's tree");
+        Ok(tree)
     })
     .await
     .map_err(|e| BuildError::Task(e.to_string()))?

@@ -3,9 +3,14 @@
 //! `<work>/layers/<hex>` holds the layer with digest `sha256:<hex>` on its own, in
 //! overlayfs' form (Linux `Documentation/filesystems/overlayfs.rst`): an OCI whiteout
 //! `.wh.x` becomes a character device 0/0 named `x`, and an opaque whiteout `.wh..wh..opq`
-//! becomes the xattr `trusted.overlay.opaque=y` on its directory, so stacking the
-//! directories as lowers gives the same tree as applying the layers in order. A step's upper
-//! directory is already in that form and is moved here as is once its layer is written.
+//! becomes the xattr `trusted.overlay.opaque=y` on its directory (as does `.wh.d` for a
+//! directory `d` the same layer makes again), so stacking the directories as lowers gives the
+//! same tree as applying the layers in order. A step's upper directory is already in that
+//! form and is moved here once its layer is written, its times made the layer's first
+//! ([`crate::layer::write::settle_times`]): a layer's directory is the same whether a step
+//! made it or it was unpacked from the blob. Beside them, `<work>/layers/<hex>`
+//! of a list of layers is their merged tree, made of hard links into their directories
+//! ([`LayerDirs::squashed`]).
 //!
 //! A directory appears under its final name only when complete (unpacked under a temporary
 //! name, then renamed), so a crash leaves at most a `*.tmp-*` directory, named after its
@@ -155,25 +160,28 @@ impl LayerDirs {
     }
 
     /// The tree of layers `digests` (bottom first) as one plain directory, made when missing:
-    /// each blob from `cache` applied in order by [`apply_layer`] (its walk that stays inside
-    /// the directory, `limits` per layer), so whiteouts and opaque directories are applied and
-    /// none is left as a marker. As the lowest lower of a mount it shows what those layers
-    /// stacked as lowers show ([`squash_plan`]); on its own it is their merged root file
-    /// system (a stage's tree for `COPY --from`), as the steps over them saw it.
+    /// what their layer directories ([`LayerDirs::ensure`], each unpacked from `cache` under
+    /// `limits` if it is not here yet) show stacked as overlayfs lowers, the tree the steps
+    /// over them saw, with whiteouts and opaque directories applied and no marker left
+    /// ([`merge_lowers`]). As the lowest lower of a mount it shows what those layers stacked
+    /// as lowers show ([`squash_plan`]); on its own it is their merged root file system (a
+    /// stage's tree for `COPY --from`).
     ///
-    /// To show what overlayfs shows, a layer's parent directories are its own: before a layer
-    /// is applied, every parent of its entries that is not a directory in the tree so far (a
-    /// symlink or a file of a lower layer) becomes an empty directory ([`own_parents`]).
-    /// Stacked as lowers, that layer's directory there hides the lower non-directory; applied
-    /// through it, a symlink of a lower layer would lead the entry (or a whiteout) elsewhere
-    /// in the tree, or be refused when it leads outside.
+    /// Its directories are new (owner, mode, kept xattrs and times of the topmost layer's
+    /// directory); every other entry is a hard link to the layer directory's file, so no
+    /// data is inflated or written again. The tree is read-only input, as the layer
+    /// directories are: read by `COPY --from`, bound read-only (a `rw` bind writes to an
+    /// overlay upper over it), mounted as a lower; nothing writes into it or changes the
+    /// metadata of its files.
     ///
     /// Named `<hex>`, the sha256 of [`SQUASH_KEY_VERSION`] and the digests one per line, beside
     /// the layer directories (a name no layer digest gives): made once per list of layers,
     /// under a temporary name and renamed, and collected with the layers by `kiln store gc`.
     ///
     /// Errors: a blob not in `cache` ([`LowerError::Missing`]), a layer refused or over
-    /// `limits` ([`LowerError::Layer`]), [`LowerError::Io`]; nothing is left behind.
+    /// `limits`, the deadline or a cancel while merging ([`LowerError::Layer`]),
+    /// [`LowerError::Io`] (a file linked more times than the file system allows, `EMLINK`,
+    /// included); nothing is left behind but the layer directories made.
     pub fn squashed(
         &self,
         cache: &dyn BlobCache,
@@ -190,18 +198,13 @@ impl LayerDirs {
         if dst.is_dir() {
             return Ok(dst);
         }
+        let mut lowers = Vec::with_capacity(digests.len());
+        for d in digests.iter().rev() {
+            lowers.push((self.ensure(cache, d, limits)?, d.to_string()));
+        }
         let tmp = self.temp(&hex);
         fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
-        let applied = digests.iter().try_for_each(|d| {
-            let blob = cache.blob_path(d)?.ok_or(LowerError::Missing(*d))?;
-            let label = d.to_string();
-            let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
-            own_parents(&tmp, f, &label, limits)?;
-            let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
-            apply_layer(&tmp, f, &label, limits)?;
-            Ok::<_, LowerError>(())
-        });
-        if let Err(e) = applied {
+        if let Err(e) = merge_lowers(&lowers, &tmp, limits) {
             let _ = fs::remove_dir_all(&tmp);
             return Err(e);
         }
@@ -209,9 +212,246 @@ impl LayerDirs {
     }
 }
 
+/// Makes in the empty directory `out` the tree that the layer directories `lowers`
+/// (topmost first, each with its digest for errors) show stacked as overlayfs lowers
+/// (Linux `Documentation/filesystems/overlayfs.rst`, "Multiple lower layers"), as plain
+/// entries: a name is what the topmost layer holding it holds; a character device 0/0 (a
+/// whiteout) hides it and everything of it below; a directory merges with the same
+/// directory of the layers below, down to the first one that is opaque
+/// (`trusted.overlay.opaque=y`, [`crate::layer::write::is_opaque_fd`]) or where the path is
+/// no directory (a file or whiteout there ends the merge). `out` itself is left as it is,
+/// as a layer's root's metadata is never applied.
+///
+/// A directory of `out` is made with the owner, mode, kept xattrs ([`crate::layer::keep_xattr`],
+/// as a layer's are applied) and access and modification times of its topmost layer's
+/// directory; anything else is hard-linked to the layer's file (symlinks, devices and FIFOs
+/// too, never followed), so it has the layer's inode with all its metadata, and files linked
+/// together in a layer stay linked together. Every directory is reached from a layer's root
+/// by [`crate::rootfs`]'s walk following no symlink, with a descriptor per layer only for
+/// the directory being merged; at most [`crate::rootfs::MAX_DEPTH`] deep. `limits`' deadline
+/// and cancel are checked before each directory.
+///
+/// Errors: [`LowerError::Layer`] (deadline, cancel, too deep), [`LowerError::Io`].
+fn merge_lowers(
+    lowers: &[(PathBuf, String)],
+    out: &Path,
+    limits: &Limits,
+) -> Result<(), LowerError> {
+    let open_root = |p: &Path| {
+        rustix::fs::open(
+            p,
+            OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| io_err("opening", p)(e.into()))
+    };
+    let roots = lowers
+        .iter()
+        .map(|(p, _)| open_root(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let out_root = open_root(out)?;
+    let how = Walk::own_dirs(false, false);
+    let at = |comps: &[Vec<u8>]| {
+        let mut p = out.to_path_buf();
+        p.extend(comps.iter().map(|c| std::ffi::OsStr::from_bytes(c)));
+        p
+    };
+    // Opens the directory `comps` below `root`, following nothing.
+    let open_dir = |root: &OwnedFd, comps: &[Vec<u8>]| -> Result<OwnedFd, LowerError> {
+        match walk_fd(root.as_fd(), comps, &how, None) {
+            Ok(mut reached) => Ok(reached.dirs.pop().expect("the root stays").0),
+            Err(e) => Err(io_err("reaching a layer directory for", &at(comps))(
+                walk_io(e),
+            )),
+        }
+    };
+    // Directories to merge: their path and the layers (indices into `lowers`, topmost
+    // first) whose directory they merge.
+    let mut todo: Vec<(Vec<Vec<u8>>, Vec<usize>)> = vec![(Vec::new(), (0..lowers.len()).collect())];
+    // Directories made, with the times they get once their content is in place.
+    let mut made: Vec<(Vec<Vec<u8>>, rustix::fs::Timestamps)> = Vec::new();
+    while let Some((comps, stack)) = todo.pop() {
+        let shown = || String::from_utf8_lossy(&comps.join(&b'/')).into_owned();
+        let stop = |digest: &str| match limits.stop() {
+            Some(LimitKind::Cancelled) => Err(LayerError::Cancelled {
+                digest: digest.to_string(),
+                entry: shown(),
+            }),
+            Some(_) => Err(LayerError::Deadline {
+                digest: digest.to_string(),
+                entry: shown(),
+            }),
+            None if comps.len() > crate::rootfs::MAX_DEPTH => Err(LayerError::TooDeep {
+                digest: digest.to_string(),
+                entry: shown(),
+            }),
+            None => Ok(()),
+        };
+        stop(
+            stack
+                .first()
+                .map_or("(no layer)", |&i| lowers[i].1.as_str()),
+        )?;
+        let dest = open_dir(&out_root, &comps)?;
+        let dirs = stack
+            .iter()
+            .map(|&i| Ok((i, open_dir(&roots[i], &comps)?)))
+            .collect::<Result<Vec<_>, LowerError>>()?;
+        let mut seen = std::collections::HashSet::new();
+        for (k, (layer, dir)) in dirs.iter().enumerate() {
+            let ioe = |what| io_err(what, &lowers[*layer].0);
+            for name in list_dir(dir.as_fd()).map_err(ioe("listing a directory of"))? {
+                if !seen.insert(name.clone()) {
+                    continue;
+                }
+                let name_os = std::ffi::OsStr::from_bytes(&name);
+                let st = rustix::fs::statat(dir, name_os, AtFlags::SYMLINK_NOFOLLOW)
+                    .map_err(|e| ioe("reading an entry of")(e.into()))?;
+                match FileType::from_raw_mode(st.st_mode) {
+                    FileType::CharacterDevice if st.st_rdev == 0 => {}
+                    FileType::Directory => {
+                        let mut child = comps.clone();
+                        child.push(name.clone());
+                        let top = open_sub(dir.as_fd(), name_os)
+                            .map_err(ioe("opening a directory of"))?;
+                        let mut below = vec![*layer];
+                        if !crate::layer::write::is_opaque_fd(top.as_fd())
+                            .map_err(ioe("reading the opaque marker in"))?
+                        {
+                            for (lower, ldir) in &dirs[k + 1..] {
+                                let lst = match rustix::fs::statat(
+                                    ldir,
+                                    name_os,
+                                    AtFlags::SYMLINK_NOFOLLOW,
+                                ) {
+                                    Ok(st) => st,
+                                    Err(Errno::NOENT) => continue,
+                                    Err(e) => {
+                                        return Err(io_err(
+                                            "reading an entry of",
+                                            &lowers[*lower].0,
+                                        )(
+                                            e.into()
+                                        ));
+                                    }
+                                };
+                                if FileType::from_raw_mode(lst.st_mode) != FileType::Directory {
+                                    break;
+                                }
+                                below.push(*lower);
+                                let sub = open_sub(ldir.as_fd(), name_os)
+                                    .map_err(io_err("opening a directory of", &lowers[*lower].0))?;
+                                if crate::layer::write::is_opaque_fd(sub.as_fd()).map_err(
+                                    io_err("reading the opaque marker in", &lowers[*lower].0),
+                                )? {
+                                    break;
+                                }
+                            }
+                        }
+                        copy_dir(top.as_fd(), &st, dest.as_fd(), name_os)
+                            .map_err(io_err("making the directory", &at(&child)))?;
+                        made.push((child.clone(), times_of(&st)));
+                        todo.push((child, below));
+                    }
+                    _ => rustix::fs::linkat(dir, name_os, &dest, name_os, AtFlags::empty())
+                        .map_err(|e| {
+                            io_err(
+                                "hard-linking",
+                                &at(&[comps.clone(), vec![name.clone()]].concat()),
+                            )(e.into())
+                        })?,
+                }
+            }
+        }
+    }
+    // Deepest first: a directory's time is set once nothing more is made in it.
+    made.sort_by_key(|(c, _)| std::cmp::Reverse(c.len()));
+    for (comps, times) in made {
+        let Some((name, parent)) = comps.split_last() else {
+            continue;
+        };
+        let dir = open_dir(&out_root, parent)?;
+        rustix::fs::utimensat(
+            &dir,
+            std::ffi::OsStr::from_bytes(name),
+            &times,
+            AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .map_err(|e| io_err("setting the times of", &at(&comps))(e.into()))?;
+    }
+    Ok(())
+}
+
+/// The access and modification times of `st`, to set again.
+fn times_of(st: &rustix::fs::Stat) -> rustix::fs::Timestamps {
+    let time = |tv_sec, tv_nsec| rustix::fs::Timespec { tv_sec, tv_nsec };
+    rustix::fs::Timestamps {
+        last_access: time(st.st_atime as _, st.st_atime_nsec as _),
+        last_modification: time(st.st_mtime as _, st.st_mtime_nsec as _),
+    }
+}
+
+/// Opens the directory `name` of `dir`, following no symlink.
+fn open_sub(dir: std::os::fd::BorrowedFd<'_>, name: &std::ffi::OsStr) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::openat(
+        dir,
+        name,
+        OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?)
+}
+
+/// The names in `dir`, `.` and `..` left out.
+fn list_dir(dir: std::os::fd::BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
+    let mut out = Vec::new();
+    for ent in rustix::fs::Dir::read_from(dir)? {
+        let ent = ent?;
+        let n = ent.file_name().to_bytes();
+        if n != b"." && n != b".." {
+            out.push(n.to_vec());
+        }
+    }
+    Ok(out)
+}
+
+/// Makes the directory `name` in `dest` with the owner, mode and kept xattrs
+/// ([`crate::layer::keep_xattr`]) of the directory `src` (whose `lstat` is `st`): owner
+/// first, as chown clears setuid and setgid.
+fn copy_dir(
+    src: std::os::fd::BorrowedFd<'_>,
+    st: &rustix::fs::Stat,
+    dest: std::os::fd::BorrowedFd<'_>,
+    name: &std::ffi::OsStr,
+) -> io::Result<()> {
+    rustix::fs::mkdirat(dest, name, Mode::from_raw_mode(0o700))?;
+    let fd = open_sub(dest, name)?;
+    rustix::fs::fchown(
+        &fd,
+        Some(rustix::process::Uid::from_raw(st.st_uid)),
+        Some(rustix::process::Gid::from_raw(st.st_gid)),
+    )?;
+    rustix::fs::fchmod(&fd, Mode::from_raw_mode(st.st_mode & 0o7777))?;
+    let mut names = vec![0u8; 64 << 10];
+    let n = match rustix::fs::flistxattr(src, &mut names[..]) {
+        Ok(n) => n,
+        Err(Errno::NOTSUP) => 0,
+        Err(e) => return Err(e.into()),
+    };
+    let mut value = vec![0u8; 64 << 10];
+    for key in names[..n].split(|b| *b == 0).filter(|k| !k.is_empty()) {
+        if !crate::layer::keep_xattr(key) {
+            continue;
+        }
+        let key = std::ffi::OsStr::from_bytes(key);
+        let m = rustix::fs::fgetxattr(src, key, &mut value[..])?;
+        rustix::fs::fsetxattr(&fd, key, &value[..m], XattrFlags::empty())?;
+    }
+    Ok(())
+}
+
 /// The first line of what names a squashed tree ([`LayerDirs::squashed`]): a new version
 /// when the way one is made changes, so that no older tree is reused.
-pub const SQUASH_KEY_VERSION: &str = "kiln squashed layers v1\n";
+pub const SQUASH_KEY_VERSION: &str = "kiln squashed layers v2\n";
 
 /// How many of a step's `lowers` lower directories (topmost first) go into one squashed tree
 /// ([`LayerDirs::squashed`]) when the mount takes at most `fit` lowers: 0 when all fit; else
@@ -280,9 +520,13 @@ pub fn diff_id_of(blob: &Path) -> io::Result<Sha256Hash> {
 }
 
 /// Second pass over a layer already applied to the empty directory `root`: its whiteouts
-/// become overlayfs markers. A whiteout under a path this layer made a symlink (or any
-/// non-directory) is dropped: overlayfs could not honour it either. Parents are walked with
-/// [`crate::rootfs`]'s walk, following no symlink.
+/// become overlayfs markers, a character device 0/0 in a directory whose times stay as the
+/// layer set them. A whiteout of a directory this same layer makes (`.wh.d` and `d/`) makes
+/// that directory opaque, so that it hides the lower layers' `d` instead of merging with it;
+/// of any other entry it made, it is dropped (the entry shadows the lower ones). A whiteout
+/// under a path this layer made a symlink (or any non-directory) is dropped: overlayfs could
+/// not honour it either. Parents are walked with [`crate::rootfs`]'s walk, following no
+/// symlink.
 fn mark_whiteouts(
     root: &Path,
     blob: impl Read,
@@ -317,16 +561,39 @@ fn mark_whiteouts(
                 WhiteoutKind::Remove(target) => {
                     let target = std::ffi::OsStr::from_bytes(target);
                     match rustix::fs::statat(&dir, target, AtFlags::SYMLINK_NOFOLLOW) {
-                        // Made by this same layer: the whiteout hides only lower layers' entry,
-                        // and this one shadows it already.
+                        // Made by this same layer: the whiteout hides only lower layers' entry.
+                        // A directory made again would merge with theirs: it is opaque.
+                        Ok(st) if FileType::from_raw_mode(st.st_mode) == FileType::Directory => {
+                            let made = rustix::fs::openat(
+                                &dir,
+                                target,
+                                OFlags::DIRECTORY
+                                    | OFlags::NOFOLLOW
+                                    | OFlags::RDONLY
+                                    | OFlags::CLOEXEC,
+                                Mode::empty(),
+                            )?;
+                            rustix::fs::fsetxattr(
+                                &made,
+                                overlay_opaque_xattr(),
+                                b"y",
+                                XattrFlags::empty(),
+                            )?
+                        }
+                        // Any other entry shadows the lower ones already.
                         Ok(_) => {}
-                        Err(Errno::NOENT) => rustix::fs::mknodat(
-                            &dir,
-                            target,
-                            FileType::CharacterDevice,
-                            Mode::empty(),
-                            rustix::fs::makedev(0, 0),
-                        )?,
+                        Err(Errno::NOENT) => {
+                            // The marker keeps the directory's times as the layer set them.
+                            let st = rustix::fs::fstat(&dir)?;
+                            rustix::fs::mknodat(
+                                &dir,
+                                target,
+                                FileType::CharacterDevice,
+                                Mode::empty(),
+                                rustix::fs::makedev(0, 0),
+                            )?;
+                            rustix::fs::futimens(&dir, &times_of(&st))?
+                        }
                         Err(e) => return Err(e.into()),
                     }
                 }
@@ -350,9 +617,10 @@ fn walk_io(e: WalkError<FsError>) -> io::Error {
 
 /// Calls `f` with a directory descriptor of `root` and the path components of each entry
 /// of the layer `blob` ([`crate::layer::split_name`]'s; entries it refuses are skipped, as
-/// [`apply_layer`] refuses them), in stream order: the one read of entry names that
-/// [`mark_whiteouts`] and [`own_parents`] share, beside [`apply_layer`]'s, through the same
-/// bounded reader under `limits` (bytes, time, entries). `what` names the pass in errors.
+/// [`apply_layer`] refuses them), in stream order: the one read of entry names of the passes
+/// over a layer besides [`apply_layer`]'s ([`mark_whiteouts`]; the blob-made squash the tests
+/// check [`merge_lowers`] against), through the same bounded reader under `limits` (bytes,
+/// time, entries). `what` names the pass in errors.
 fn for_each_entry_path(
     root: &Path,
     blob: impl Read,
@@ -391,41 +659,62 @@ fn for_each_entry_path(
     Ok(())
 }
 
-/// Before layer `blob` is applied to the tree `root` (the layers below it, applied): every
-/// parent path of its entries whose component is not a directory in the tree (a symlink, a
-/// file) is replaced by an empty directory (0755, root), as overlayfs shows this layer's
-/// directory over a lower non-directory. Nothing is followed ([`crate::rootfs`]'s walk with
-/// [`Walk::replace`]); a missing parent is left for the layer's apply to make. Entries are
-/// read as [`mark_whiteouts`] reads them ([`for_each_entry_path`]).
-fn own_parents(
-    root: &Path,
-    blob: impl Read,
-    digest: &str,
-    limits: &Limits,
-) -> Result<(), LowerError> {
-    let how = Walk::own_dirs(false, true);
-    for_each_entry_path(
-        root,
-        blob,
-        digest,
-        limits,
-        "making the parents of a layer in",
-        |root_fd, comps| {
-            let Some((_, parents)) = comps.split_last() else {
-                return Ok(());
-            };
-            match walk_fd(root_fd.as_fd(), parents, &how, None) {
-                Ok(_) | Err(WalkError::Missing) => Ok(()),
-                Err(e) => Err(walk_io(e)),
-            }
-        },
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
+
+    /// The squash as kiln made it before [`merge_lowers`], from the blobs (`digests` bottom
+    /// first, from `cache`) into the empty directory `root`: each layer applied in order by
+    /// [`apply_layer`], after its parents were made its own ([`own_parents`]). The oracle
+    /// the merged trees are checked against.
+    fn squash_from_blobs(
+        root: &Path,
+        cache: &dyn BlobCache,
+        digests: &[BlobDigest],
+        limits: &Limits,
+    ) -> Result<(), LowerError> {
+        for d in digests {
+            let blob = cache.blob_path(d)?.ok_or(LowerError::Missing(*d))?;
+            let label = d.to_string();
+            let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
+            own_parents(root, f, &label, limits)?;
+            let f = fs::File::open(&blob).map_err(io_err("opening", &blob))?;
+            apply_layer(root, f, &label, limits)?;
+        }
+        Ok(())
+    }
+
+    /// Before layer `blob` is applied to the tree `root` (the layers below it, applied): every
+    /// parent path of its entries whose component is not a directory in the tree (a symlink, a
+    /// file) is replaced by an empty directory (0755, root), as overlayfs shows this layer's
+    /// directory over a lower non-directory. Nothing is followed ([`crate::rootfs`]'s walk with
+    /// [`Walk::replace`]); a missing parent is left for the layer's apply to make. Entries are
+    /// read as [`mark_whiteouts`] reads them ([`for_each_entry_path`]).
+    fn own_parents(
+        root: &Path,
+        blob: impl Read,
+        digest: &str,
+        limits: &Limits,
+    ) -> Result<(), LowerError> {
+        let how = Walk::own_dirs(false, true);
+        for_each_entry_path(
+            root,
+            blob,
+            digest,
+            limits,
+            "making the parents of a layer in",
+            |root_fd, comps| {
+                let Some((_, parents)) = comps.split_last() else {
+                    return Ok(());
+                };
+                match walk_fd(root_fd.as_fd(), parents, &how, None) {
+                    Ok(_) | Err(WalkError::Missing) => Ok(()),
+                    Err(e) => Err(walk_io(e)),
+                }
+            },
+        )
+    }
 
     fn hdr() -> tar::Header {
         let mut h = tar::Header::new_gnu();
@@ -627,6 +916,9 @@ mod tests {
         assert_eq!(fs::read(d.join("o/y")).unwrap(), b"y");
         assert!(!crate::layer::write::is_opaque(&d.join("o")).unwrap());
         assert_eq!(dirs.squashed(&cache, &both, &Limits::default()).unwrap(), d);
+        // No layers (a stage FROM scratch with no step): an empty tree.
+        let none = dirs.squashed(&cache, &[], &Limits::default()).unwrap();
+        assert_eq!(fs::read_dir(&none).unwrap().count(), 0);
         let other = dirs
             .squashed(&cache, &[l2, l1], &Limits::default())
             .unwrap();
@@ -638,7 +930,8 @@ mod tests {
             .squashed(&cache, &[l1, missing.parse().unwrap()], &Limits::default())
             .unwrap_err();
         assert!(e.to_string().contains(&missing), "{e}");
-        assert_eq!(fs::read_dir(t.path().join("layers")).unwrap().count(), 3);
+        // The lock, three trees and the two layers' directories they are made of.
+        assert_eq!(fs::read_dir(t.path().join("layers")).unwrap().count(), 6);
     }
 
     /// A lower layer's symlink (or file) where a later layer has a directory is replaced by
@@ -693,6 +986,295 @@ mod tests {
             assert_eq!(fs::read_to_string(d.join(dir).join(file)).unwrap(), data);
         }
         assert!(!t.path().join("x").exists());
+    }
+
+    /// An entry of a test layer ([`layer_of`]).
+    enum E<'a> {
+        /// A directory: name, mode, uid, gid.
+        Dir(&'a str, u32, u32, u32),
+        /// A regular file: name, content, mode, uid.
+        File(&'a str, &'a [u8], u32, u32),
+        /// A symlink and its target.
+        Sym(&'a str, &'a str),
+        /// A hard link and its target.
+        Hard(&'a str, &'a str),
+        /// A FIFO.
+        Fifo(&'a str),
+        /// A character device: name, major, minor.
+        Dev(&'a str, u32, u32),
+        /// The xattr (name, value) of the next entry.
+        Xattr(&'a str, &'a [u8]),
+    }
+
+    /// A gzip layer of `entries`, the n-th with mtime `mtime + n`.
+    fn layer_of(mtime: u64, entries: &[E<'_>]) -> Vec<u8> {
+        let gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        let mut b = tar::Builder::new(gz);
+        for (n, e) in entries.iter().enumerate() {
+            let mut h = hdr();
+            h.set_mtime(mtime + n as u64);
+            h.set_size(0);
+            match *e {
+                E::Dir(name, mode, uid, gid) => {
+                    h.set_entry_type(tar::EntryType::Directory);
+                    h.set_mode(mode);
+                    h.set_uid(uid.into());
+                    h.set_gid(gid.into());
+                    b.append_data(&mut h, name, io::empty()).unwrap();
+                }
+                E::File(name, data, mode, uid) => {
+                    h.set_entry_type(tar::EntryType::Regular);
+                    h.set_mode(mode);
+                    h.set_uid(uid.into());
+                    h.set_size(data.len() as u64);
+                    b.append_data(&mut h, name, data).unwrap();
+                }
+                E::Sym(name, target) | E::Hard(name, target) => {
+                    h.set_entry_type(match e {
+                        E::Sym(..) => tar::EntryType::Symlink,
+                        _ => tar::EntryType::Link,
+                    });
+                    h.set_mode(0o777);
+                    b.append_link(&mut h, name, target).unwrap();
+                }
+                E::Fifo(name) | E::Dev(name, ..) => {
+                    h.set_entry_type(match e {
+                        E::Fifo(_) => tar::EntryType::Fifo,
+                        _ => tar::EntryType::Char,
+                    });
+                    if let E::Dev(_, major, minor) = *e {
+                        h.set_device_major(major).unwrap();
+                        h.set_device_minor(minor).unwrap();
+                    }
+                    h.set_mode(0o640);
+                    b.append_data(&mut h, name, io::empty()).unwrap();
+                }
+                E::Xattr(key, value) => b
+                    .append_pax_extensions([(format!("SCHILY.xattr.{key}").as_str(), value)])
+                    .unwrap(),
+            }
+        }
+        b.into_inner().unwrap().finish().unwrap()
+    }
+
+    /// Every entry below `root`, sorted by path, as one line each: path, type, mode, owner,
+    /// mtime, kept xattrs, content (a file's bytes, a symlink's target, a device's numbers)
+    /// and the first path of its inode in the tree (hard links), as `COPY --from` and a mount
+    /// over the tree would see them.
+    fn describe(root: &Path) -> Vec<String> {
+        fn walk(dir: &Path, rel: &str, out: &mut Vec<(String, fs::Metadata, String)>) {
+            let mut names: Vec<_> = fs::read_dir(dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            names.sort();
+            for name in names {
+                let path = dir.join(&name);
+                let rel = format!("{rel}/{}", name.to_string_lossy());
+                let md = match fs::symlink_metadata(&path) {
+                    Ok(md) => md,
+                    // Overlayfs lists a whiteout in a directory it merges with no lower one
+                    // (`/t/in` here), and finds nothing by its name.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        eprintln!("{rel}: listed, not found");
+                        continue;
+                    }
+                    Err(e) => panic!("{rel}: {e}"),
+                };
+                let ft = md.file_type();
+                let content = if ft.is_file() {
+                    String::from_utf8_lossy(&fs::read(&path).unwrap()).into_owned()
+                } else if ft.is_symlink() {
+                    fs::read_link(&path).unwrap().display().to_string()
+                } else if ft.is_char_device() || ft.is_block_device() {
+                    format!("dev {}", md.rdev())
+                } else {
+                    String::new()
+                };
+                let mut xattrs = Vec::new();
+                let mut buf = vec![0u8; 4096];
+                let n = rustix::fs::llistxattr(&path, &mut buf[..]).unwrap();
+                for k in buf[..n].split(|b| *b == 0).filter(|k| !k.is_empty()) {
+                    if crate::layer::keep_xattr(k) {
+                        let mut v = vec![0u8; 4096];
+                        let m = rustix::fs::lgetxattr(
+                            &path,
+                            std::ffi::OsStr::from_bytes(k),
+                            &mut v[..],
+                        )
+                        .unwrap();
+                        xattrs.push(format!(
+                            "{}={}",
+                            String::from_utf8_lossy(k),
+                            String::from_utf8_lossy(&v[..m])
+                        ));
+                    }
+                }
+                xattrs.sort();
+                let line = format!(
+                    "{rel} {:?} {:o} {}:{} {}.{} [{}] {content:?}",
+                    ft,
+                    md.mode() & 0o7777,
+                    md.uid(),
+                    md.gid(),
+                    md.mtime(),
+                    md.mtime_nsec(),
+                    xattrs.join(",")
+                );
+                let is_dir = ft.is_dir();
+                out.push((rel.clone(), md, line));
+                if is_dir {
+                    walk(&path, &rel, out);
+                }
+            }
+        }
+        let mut entries = Vec::new();
+        walk(root, "", &mut entries);
+        let mut first: std::collections::HashMap<(u64, u64), String> = Default::default();
+        entries
+            .into_iter()
+            .map(|(rel, md, line)| {
+                if md.is_dir() {
+                    return line;
+                }
+                let group = first.entry((md.dev(), md.ino())).or_insert(rel);
+                format!("{line} inode of {group}")
+            })
+            .collect()
+    }
+
+    /// The merged tree of a stage is the tree its layers' blobs applied in order give (the
+    /// squash kiln made before, [`squash_from_blobs`]) and the tree an overlay mount of its
+    /// layer directories shows: whiteouts of files and directories, opaque directories, a
+    /// whiteout and the directory made again in one layer, a file replaced by a directory
+    /// and a directory by a file, hard links (one of them replaced later), a symlink of a
+    /// lower layer under a later layer's entries, owners, modes, setgid, xattrs, mtimes,
+    /// devices and FIFOs. Its files are the layer directories' inodes, not copies.
+    #[test]
+    fn squashed_tree_is_the_blob_squash_and_the_overlay_view() {
+        if !rustix::process::geteuid().is_root() {
+            panic!("needs root (owners, devices, overlay mounts); CI runs as root");
+        }
+        let t = tempfile::tempdir().unwrap();
+        let cache = crate::cache::LocalCache::open(&t.path().join("store")).unwrap();
+        let put = |blob: Vec<u8>| {
+            let digest = BlobDigest::of(&blob);
+            cache.put_bytes(&digest, &blob).unwrap();
+            digest
+        };
+        let l1 = put(layer_of(
+            1_000,
+            &[
+                E::Dir("etc/", 0o755, 0, 0),
+                E::File("etc/passwd", b"root", 0o644, 0),
+                E::Dir("d/", 0o755, 0, 0),
+                E::File("d/a", b"a", 0o644, 0),
+                E::File("d/b", b"b", 0o600, 3),
+                E::Dir("o/", 0o755, 0, 0),
+                E::File("o/x", b"x", 0o644, 0),
+                E::Dir("o/sub/", 0o755, 0, 0),
+                E::File("o/sub/y", b"y", 0o644, 0),
+                E::File("f", b"f1", 0o644, 0),
+                E::Dir("dd/", 0o755, 0, 0),
+                E::File("dd/z", b"z", 0o644, 0),
+                E::File("h1", b"hard", 0o4755, 1000),
+                E::Hard("h2", "h1"),
+                E::Hard("h3", "h1"),
+                E::Sym("lnk", "d"),
+                E::Dir("t/", 0o755, 0, 0),
+                E::File("t/file", b"f", 0o644, 0),
+                E::File("gone", b"x", 0o644, 0),
+                E::Dir("rm/", 0o755, 0, 0),
+                E::File("rm/q", b"q", 0o644, 0),
+                E::Dir("w/", 0o755, 0, 0),
+                E::File("w/old", b"old", 0o644, 0),
+                E::Fifo("fifo"),
+                E::Dev("null", 1, 3),
+                E::Xattr("user.k", b"v1"),
+                E::File("xf", b"xf", 0o644, 0),
+                E::Xattr("user.d", b"1"),
+                E::Dir("xd/", 0o755, 0, 0),
+                E::Dir("s/", 0o2775, 1000, 50),
+                E::File("s/g", b"g", 0o664, 1000),
+            ],
+        ));
+        let l2 = put(layer_of(
+            2_000,
+            &[
+                E::File(".wh.gone", b"", 0o644, 0),
+                E::File(".wh.rm", b"", 0o644, 0),
+                E::Dir("d/", 0o750, 5, 6),
+                E::File("d/.wh.a", b"", 0o644, 0),
+                E::File("d/c", b"c", 0o644, 0),
+                E::Dir("o/", 0o755, 0, 0),
+                E::File("o/.wh..wh..opq", b"", 0o644, 0),
+                E::File("o/new", b"n", 0o644, 0),
+                E::Dir("f/", 0o711, 0, 0),
+                E::File("f/inner", b"i", 0o644, 0),
+                E::File("dd", b"now a file", 0o644, 0),
+                E::Dir("t/", 0o755, 0, 0),
+                E::Sym("t/in", "/etc"),
+                E::Sym("t/out", "../../../x"),
+                E::File("k1", b"k", 0o644, 0),
+                E::Hard("k2", "k1"),
+                E::Xattr("user.k", b"v2"),
+                E::File("xf", b"xf2", 0o644, 0),
+            ],
+        ));
+        let l3 = put(layer_of(
+            3_000,
+            &[
+                E::Dir("t/", 0o755, 0, 0),
+                E::Dir("t/in/", 0o755, 0, 0),
+                E::File("t/in/.wh.passwd", b"", 0o644, 0),
+                E::File("t/in/new", b"n", 0o644, 0),
+                E::Dir("t/out/", 0o755, 0, 0),
+                E::File("t/out/f", b"o", 0o644, 0),
+                E::Dir("t/file/", 0o755, 0, 0),
+                E::File("t/file/under", b"u", 0o644, 0),
+                E::Dir("lnk/", 0o755, 0, 0),
+                E::File("lnk/new", b"n", 0o644, 0),
+                E::File(".wh.w", b"", 0o644, 0),
+                E::Dir("w/", 0o755, 0, 0),
+                E::File("w/new", b"new", 0o644, 0),
+                E::Xattr("user.m", b"3"),
+                E::Dir("d/", 0o700, 7, 8),
+                E::File("h2", b"h2 again", 0o644, 0),
+            ],
+        ));
+        let digests = [l1, l2, l3];
+        let limits = Limits::default();
+        let expected = t.path().join("from-blobs");
+        fs::create_dir(&expected).unwrap();
+        squash_from_blobs(&expected, &cache, &digests, &limits).unwrap();
+        let want = describe(&expected);
+        assert!(want.iter().any(|l| l.starts_with("/w/new ")), "{want:#?}");
+        assert!(!want.iter().any(|l| l.starts_with("/w/old ")), "{want:#?}");
+
+        let dirs = LayerDirs::open(&t.path().join("layers")).unwrap();
+        let merged = dirs.squashed(&cache, &digests, &limits).unwrap();
+        assert_eq!(describe(&merged), want);
+
+        // The files are the layer directories' own.
+        let ino = |p: &Path| fs::symlink_metadata(p).unwrap().ino();
+        assert_eq!(ino(&merged.join("h1")), ino(&dirs.path(&l1).join("h1")));
+        assert_eq!(ino(&merged.join("d/c")), ino(&dirs.path(&l2).join("d/c")));
+
+        // What the steps saw: the layer directories stacked as overlay lowers.
+        let lowers: Vec<PathBuf> = digests.iter().rev().map(|d| dirs.path(d)).collect();
+        let scratch = t.path().join("mount");
+        for d in ["upper", "work", "mnt"] {
+            fs::create_dir_all(scratch.join(d)).unwrap();
+        }
+        let seen = crate::build::merged::with_merged(
+            lowers,
+            scratch.join("upper"),
+            scratch.join("work"),
+            scratch.join("mnt"),
+            |root| Ok(describe(root)),
+        )
+        .unwrap();
+        assert_eq!(seen, want);
     }
 
     /// The passes of their own over a layer (parents before a squash, whiteouts after an

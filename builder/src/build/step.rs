@@ -78,6 +78,8 @@ pub(super) async fn commit_upper(ctx: &Arc<Ctx>, mut s: Scratch) -> Result<Layer
         };
         c.cache.commit(&staged, &w.digest)?;
         remember_diff_id(&c.opts.work_dir, &w.digest, &w.diff_id);
+        crate::layer::write::settle_times(&upper, c.epoch)
+            .map_err(io_err("setting the times of", &upper))?;
         c.dirs.adopt(&upper, &w.digest)?;
         Ok(LayerRef {
             desc: Descriptor {

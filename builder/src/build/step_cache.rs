@@ -8,7 +8,8 @@ use super::*;
 /// (`RUN true` twice, a `WORKDIR` that changes nothing) is one directory, which overlayfs
 /// refuses to take twice ("conflicting lowerdir path", ELOOP), so only its topmost
 /// occurrence is kept ([`topmost_unique`]). Past `fit`, the lowest ones are one squashed
-/// tree made from their blobs instead ([`lower::squash_plan`], [`LayerDirs::squashed`]):
+/// tree, hard links into their directories, instead ([`lower::squash_plan`],
+/// [`LayerDirs::squashed`]):
 /// overlayfs' 500 lowers on the host, the microVM's disks
 /// ([`crate::exec::StepExecutor::max_lowers`]). With `fit` 0 every layer is given as it
 /// is, for the executor to refuse.

@@ -152,7 +152,7 @@ impl Limits {
     }
 
     /// Which of [`LimitKind::Deadline`] and [`LimitKind::Cancelled`] stops reading now.
-    fn stop(&self) -> Option<LimitKind> {
+    pub(crate) fn stop(&self) -> Option<LimitKind> {
         if self.cancelled() {
             Some(LimitKind::Cancelled)
         } else if self.expired() {

@@ -1416,3 +1416,54 @@ fn a_file_replaces_what_its_create_finds_and_gets_its_exact_length() {
     assert_eq!(read("empty"), b"");
     s.assert_untouched("files over a symlink out, a directory and a file");
 }
+
+/// An upper directory's times become its layer's (whole seconds, at most the epoch, access
+/// time equal), below it at any depth, and a symlink's target outside is never touched.
+#[test]
+fn settled_times_are_the_layers() {
+    let t = tempfile::tempdir().unwrap();
+    let outside = t.path().join("outside");
+    fs::write(&outside, b"o").unwrap();
+    let upper = t.path().join("upper");
+    fs::create_dir_all(upper.join("d/e")).unwrap();
+    fs::write(upper.join("d/e/f"), b"f").unwrap();
+    fs::write(upper.join("old"), b"old").unwrap();
+    std::os::unix::fs::symlink(&outside, upper.join("d/link")).unwrap();
+    let set = |p: &Path, secs: i64, nsec: i64| {
+        let ts = rustix::fs::Timespec {
+            tv_sec: secs,
+            tv_nsec: nsec,
+        };
+        rustix::fs::utimensat(
+            rustix::fs::CWD,
+            p,
+            &Timestamps {
+                last_access: ts,
+                last_modification: ts,
+            },
+            AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .unwrap();
+    };
+    set(&upper.join("old"), 1_000, 500);
+    set(&outside, 2_000_000_000, 7);
+    let epoch = 1_700_000_000;
+    write::settle_times(&upper, Some(epoch as u64)).unwrap();
+    for p in ["d", "d/e", "d/e/f", "d/link"] {
+        let md = fs::symlink_metadata(upper.join(p)).unwrap();
+        assert_eq!(
+            (md.mtime(), md.mtime_nsec(), md.atime()),
+            (epoch, 0, epoch),
+            "{p}"
+        );
+    }
+    let md = fs::symlink_metadata(upper.join("old")).unwrap();
+    assert_eq!((md.mtime(), md.mtime_nsec()), (1_000, 0));
+    let md = fs::metadata(&outside).unwrap();
+    assert_eq!((md.mtime(), md.mtime_nsec()), (2_000_000_000, 7));
+    // Without an epoch, whole seconds only.
+    set(&upper.join("d/e/f"), 1_800_000_000, 999);
+    write::settle_times(&upper, None).unwrap();
+    let md = fs::symlink_metadata(upper.join("d/e/f")).unwrap();
+    assert_eq!((md.mtime(), md.mtime_nsec()), (1_800_000_000, 0));
+}

@@ -88,6 +88,43 @@ pub fn write_upper_layer(
     write_tree(root, out, source_date_epoch, true)
 }
 
+/// Gives every entry below the upper directory `root` (`root` too) the times its layer holds
+/// for it, as [`write_upper_layer`] wrote them with `source_date_epoch`: the modification
+/// time in whole seconds, at most `source_date_epoch`, and the access time equal to it (what
+/// [`super::apply_layer`] sets). Called before the upper directory becomes its layer's
+/// directory (`crate::build::lower::LayerDirs::adopt`), so that the layer's directory is
+/// the same whether a step just made it or it was unpacked from the blob: the steps over it,
+/// a stage's tree for `COPY --from` and `RUN --mount=from=` made of its files, show the
+/// layer's times, never the time the step ran at under a `SOURCE_DATE_EPOCH`. Symlinks are
+/// never followed.
+///
+/// Errors: reading the tree or setting a time (`utimensat(2)`).
+pub fn settle_times(root: &Path, source_date_epoch: Option<u64>) -> io::Result<()> {
+    let md = std::fs::symlink_metadata(root)?;
+    // A directory's own times last: reading it moves its access time.
+    if md.is_dir() {
+        for e in std::fs::read_dir(root)? {
+            settle_times(&e?.path(), source_date_epoch)?;
+        }
+    }
+    let secs = md.mtime().max(0) as u64;
+    let secs = source_date_epoch.map_or(secs, |e| secs.min(e));
+    let t = rustix::fs::Timespec {
+        tv_sec: secs.min(i64::MAX as u64) as i64,
+        tv_nsec: 0,
+    };
+    rustix::fs::utimensat(
+        rustix::fs::CWD,
+        root,
+        &rustix::fs::Timestamps {
+            last_access: t,
+            last_modification: t,
+        },
+        rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+    )?;
+    Ok(())
+}
+
 fn write_tree(
     root: &Path,
     out: impl Write,
@@ -317,7 +354,24 @@ fn walk<W: Write>(
 /// Whether `dir` carries overlayfs' opaque marker ([`overlay_opaque_xattr`] = `y`).
 pub fn is_opaque(dir: &Path) -> io::Result<bool> {
     let mut v = [0u8; 8];
-    match rustix::fs::lgetxattr(dir, overlay_opaque_xattr(), &mut v[..]) {
+    opaque_value(
+        rustix::fs::lgetxattr(dir, overlay_opaque_xattr(), &mut v[..]),
+        &v,
+    )
+}
+
+/// [`is_opaque`] of an open directory.
+pub(crate) fn is_opaque_fd(dir: std::os::fd::BorrowedFd<'_>) -> io::Result<bool> {
+    let mut v = [0u8; 8];
+    opaque_value(
+        rustix::fs::fgetxattr(dir, overlay_opaque_xattr(), &mut v[..]),
+        &v,
+    )
+}
+
+/// What a read of the opaque marker into `v` says (no such xattr: not opaque).
+fn opaque_value(read: rustix::io::Result<usize>, v: &[u8]) -> io::Result<bool> {
+    match read {
         Ok(n) => Ok(&v[..n] == b"y"),
         Err(rustix::io::Errno::NODATA) | Err(rustix::io::Errno::NOTSUP) => Ok(false),
         Err(e) => Err(e.into()),
