@@ -39,7 +39,9 @@
 //! (`umount2(MNT_DETACH)`), kills every QEMU whose command line names the mount (a clone
 //! whose memory is no longer served would fault forever or die of `SIGBUS`), writes the
 //! reason into each such clone's directory (`stopped`, [`STOPPED`]; `kiln ps` and
-//! `kiln exec` show it), and exits. A server that has had no clone for a few seconds
+//! `kiln exec` show it), and exits. Those clones are the ones whose QEMU names the mount
+//! then, and the ones that did at its last look, every [`IDLE_INTERVAL`] while the server
+//! ran: a QEMU that met an unserved page first is already gone. A server that has had no clone for a few seconds
 //! ([`IDLE_CHECKS`] × [`IDLE_INTERVAL`]) unmounts and exits on its own. A start holds a
 //! shared `flock` on `<dir>/lazy.use` from before it looks for the server until its QEMU
 //! runs, and the server exits only while it holds that lock exclusively, so it never leaves
@@ -448,6 +450,45 @@ fn describe(status: i32) -> String {
     }
 }
 
+/// Waits for the child `child` to exit and returns its `waitpid` status, calling `tick`
+/// every [`IDLE_INTERVAL`] until then (through a pidfd; on a kernel without `pidfd_open`,
+/// Linux before 5.3, one blocking `waitpid` and no tick).
+fn wait_child(child: u32, mut tick: impl FnMut()) -> i32 {
+    // SAFETY: pidfd_open(2) of our own child; the fd is closed below.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, child as libc::pid_t, 0) } as i32;
+    if pidfd >= 0 {
+        loop {
+            tick();
+            let mut p = libc::pollfd {
+                fd: pidfd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: poll(2) of one valid pollfd.
+            let r = unsafe { libc::poll(&mut p, 1, IDLE_INTERVAL.as_millis() as i32) };
+            if r > 0
+                || (r < 0
+                    && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted)
+            {
+                break;
+            }
+        }
+        // SAFETY: closing the pidfd opened above.
+        unsafe { libc::close(pidfd) };
+    }
+    let mut status = 0;
+    loop {
+        // SAFETY: waitpid(2) on our own child with a valid out pointer.
+        let r = unsafe { libc::waitpid(child as libc::pid_t, &mut status, 0) };
+        if r == child as libc::pid_t {
+            return status;
+        }
+        if r < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return status;
+        }
+    }
+}
+
 fn watch(child: u32, snapshot: &ManifestDigest, dir: &Path) -> i32 {
     let rec = ServerRecord {
         server: ProcessId {
@@ -461,20 +502,21 @@ fn watch(child: u32, snapshot: &ManifestDigest, dir: &Path) -> i32 {
     if let Ok(bytes) = serde_json::to_vec(&rec) {
         let _ = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &path));
     }
-    let mut status = 0;
-    loop {
-        // SAFETY: waitpid(2) on our own child with a valid out pointer.
-        let r = unsafe { libc::waitpid(child as libc::pid_t, &mut status, 0) };
-        if r == child as libc::pid_t {
-            break;
-        }
-        if r < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            break;
-        }
-    }
+    let mnt = dir.join(MOUNT_DIR);
+    // The clones this server serves, by their directories, looked up every
+    // [`IDLE_INTERVAL`] while it runs: when it dies, a clone whose QEMU died with it (a
+    // page it could no longer read) before this process woke is told why all the same.
+    // Under load that came first: `vm_lazy`'s killed server once left its clone without a
+    // `stopped` (a CI run at 3624448).
+    let mut serving: HashSet<PathBuf> = HashSet::new();
+    let status = wait_child(child, || {
+        serving = crate::clone::qemus_in(&mnt)
+            .into_iter()
+            .filter_map(clone_dir_of)
+            .collect();
+    });
     let clean = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
     if !clean {
-        let mnt = dir.join(MOUNT_DIR);
         let reason = format!(
             "the chunk server of snapshot {snapshot} (pid {child}) {}, so the clone's memory \
              and disk could no longer be read",
@@ -482,10 +524,13 @@ fn watch(child: u32, snapshot: &ManifestDigest, dir: &Path) -> i32 {
         );
         eprintln!("kiln chunk server watcher: {reason}");
         detach(&mnt);
-        for pid in crate::clone::qemus_in(&mnt) {
-            if let Some(cdir) = clone_dir_of(pid) {
-                let _ = std::fs::write(cdir.join(STOPPED), &reason);
-            }
+        let qemus = crate::clone::qemus_in(&mnt);
+        serving.extend(qemus.iter().filter_map(|pid| clone_dir_of(*pid)));
+        // A clone removed meanwhile (`kiln rm`) has no directory left to tell.
+        for cdir in serving.iter().filter(|d| d.is_dir()) {
+            let _ = std::fs::write(cdir.join(STOPPED), &reason);
+        }
+        for pid in qemus {
             // SAFETY: kill(2) of a QEMU whose command line names this server's mount.
             unsafe {
                 libc::kill(pid as libc::pid_t, libc::SIGKILL);
