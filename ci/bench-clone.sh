@@ -30,6 +30,8 @@
 #   KILN_BENCH_MATERIALIZE_RUNS  cold --materialize starts; default 3
 #   KILN_BENCH_PROFILE           cargo profile of kiln; default release
 #   KILN_BENCH_KILN              a kiln binary to use instead of building one
+#   KILN_BENCH_PREFETCH_RESTORES restores recording the prefetch list (kiln snapshot
+#                                --prefetch-restores N); default: kiln's
 #   KILN_BENCH_DIR               work directory; default $KILN_CI_CACHE/bench-clone
 set -euo pipefail
 

@@ -29,7 +29,8 @@
 //! Env: `KILN_BENCH_KILN` (required), `KILN_BENCH_IMAGE` (`busybox`|`debian`, default
 //! busybox), `KILN_BENCH_STORE` (default: the build store), `KILN_BENCH_MEMORY_MIB`
 //! (default 256), `KILN_BENCH_RUNS` (default 10), `KILN_BENCH_MATERIALIZE_RUNS` (default 3),
-//! `KILN_BENCH_DIR` (work directory, emptied first); `KILN_TEST_BUSYBOX_OCI` or
+//! `KILN_BENCH_DIR` (work directory, emptied first), `KILN_BENCH_PREFETCH_RESTORES`
+//! (`kiln snapshot --prefetch-restores`; default: kiln's); `KILN_TEST_BUSYBOX_OCI` or
 //! `KILN_TEST_DEBIAN_OCI`, the guest kernel and, for S3, the `AWS_*` variables (from
 //! ci/setup.sh's env file).
 
@@ -197,20 +198,21 @@ fn main() {
     let mem = mem_mib.to_string();
     let (mut boots, mut snap_walls) = (Vec::new(), Vec::new());
     let mut last = Value::Null;
+    let restores = std::env::var("KILN_BENCH_PREFETCH_RESTORES").ok();
+    let mut snap_args = vec![
+        "--json",
+        "snapshot",
+        "bench:img",
+        "-t",
+        "bench:snap",
+        "--memory-mib",
+        &mem,
+    ];
+    if let Some(n) = &restores {
+        snap_args.extend(["--prefetch-restores", n.as_str()]);
+    }
     for i in 0..runs {
-        let (o, wall) = k.run(
-            &build,
-            &build_cache,
-            &[
-                "--json",
-                "snapshot",
-                "bench:img",
-                "-t",
-                "bench:snap",
-                "--memory-mib",
-                &mem,
-            ],
-        );
+        let (o, wall) = k.run(&build, &build_cache, &snap_args);
         let e = events(&o, "snapshot").pop().expect("a snapshot event");
         eprintln!(
             "cold boot {i}: ready in {} ms, saved in {} ms, kiln snapshot {:?}",
@@ -353,8 +355,10 @@ fn main() {
     let m = &at_answer[0][0];
     let d = &at_answer[0][1];
     println!(
-        "image {image}; guest RAM {mem_mib} MiB; store {store_url}; accelerator {}; runs {runs}",
-        k.accel.as_deref().unwrap_or("?")
+        "image {image}; guest RAM {mem_mib} MiB; store {store_url}; accelerator {}; runs {runs}; \
+         prefetch restores {}",
+        k.accel.as_deref().unwrap_or("?"),
+        restores.as_deref().unwrap_or("default")
     );
     println!(
         "snapshot: memory {} MiB, {:.1} MiB non-zero in {} chunks of {} KiB; disk {} MiB, \

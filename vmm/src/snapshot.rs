@@ -131,7 +131,15 @@ pub struct SnapshotOptions {
 /// TCG, 2026-12-05), two runs each, listed chunks 168 and 178 with one restore against 175
 /// and 173 with two, memory served or prefetched before the clone answered 14.75% and
 /// 15.62% of guest RAM against 15.43% and 15.14%. A restore reads the same chunks each
-/// time, so a second one costs a restore and removes nothing.
+/// time, so a second one costs a restore and removes nothing. Measured again with
+/// `ci/bench-clone.sh --store s3` (`KILN_BENCH_RUNS=3`, `KILN_BENCH_PREFETCH_RESTORES=1|2`,
+/// release kiln, TCG, 2026-12-06), memory served or prefetched when the clone answered,
+/// one restore against two: busybox (256 MiB) 9.91% and 9.94% against 9.77% and 9.81%;
+/// Debian fixture (512 MiB) 4.90% and 4.90% against 4.85% and 4.94%; disk the same or
+/// alternating between runs either way (Debian 0.14% or 0.57% of its non-zero bytes, with
+/// one restore and with two); the clones' start times within their run-to-run spread; and
+/// `kiln snapshot` about 3 s longer (busybox: 5.7 and 5.5 s past the ready check against
+/// 8.9 and 9.2 s). So one stays the default.
 pub const PREFETCH_RESTORES: u32 = 1;
 
 impl Default for SnapshotOptions {

@@ -946,8 +946,16 @@ impl Drop for Vm {
     }
 }
 
-/// `qemu-img create -f qcow2 -b BASE -F raw OVERLAY` (BASE by absolute path): the per-run
-/// copy-on-write disk over a raw ext4 image.
+/// `qemu-img create -f qcow2 -o extended_l2=on -b BASE -F raw OVERLAY` (BASE by absolute
+/// path): the per-run copy-on-write disk over a raw ext4 image.
+///
+/// With extended L2 entries ([`OVERLAY_OPTIONS`]) each 64 KiB cluster has 32 subclusters of
+/// 2 KiB, each allocated on its own: a guest write of a 4 KiB block is copied into the
+/// overlay alone. Without them QEMU allocates the whole cluster at the first write into it
+/// and first reads the rest of it from the base, so every ext4 block a clone writes (the
+/// journal, a bitmap, an inode table block) fetched the 64 KiB around it from a lazily
+/// served disk ([`crate::lazy`]). Measured with `ci/bench-clone.sh --store s3` (issue 35):
+/// the busybox clone's disk fetched before it answered was mostly those reads.
 pub async fn qcow2_overlay(host: &Host, base: &Path, overlay: &Path) -> Result<(), LaunchError> {
     let base = std::path::absolute(base).map_err(io_err(base))?;
     run_img(
@@ -957,6 +965,8 @@ pub async fn qcow2_overlay(host: &Host, base: &Path, overlay: &Path) -> Result<(
             "-q",
             "-f",
             "qcow2",
+            "-o",
+            OVERLAY_OPTIONS,
             "-b",
             &base.display().to_string(),
             "-F",
@@ -967,6 +977,10 @@ pub async fn qcow2_overlay(host: &Host, base: &Path, overlay: &Path) -> Result<(
     .await?;
     Ok(())
 }
+
+/// The qcow2 creation options of [`qcow2_overlay`]: extended L2 entries (subclusters,
+/// QEMU >= 5.2) over the default 64 KiB clusters.
+pub const OVERLAY_OPTIONS: &str = "extended_l2=on,cluster_size=65536";
 
 /// Bytes of console log kept in errors.
 const CONSOLE_TAIL_BYTES: usize = 4096;
@@ -1025,6 +1039,34 @@ pub fn console_report(path: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A 4 KiB block written into the overlay is all the overlay holds afterwards: nothing
+    /// else of the 64 KiB cluster around it was copied from the base (which, served lazily,
+    /// would have been fetched for it). Without extended L2 entries the whole cluster is.
+    #[tokio::test]
+    async fn a_block_written_to_the_overlay_copies_nothing_else_from_its_base() {
+        let host = Host::detect().await.expect("QEMU on this host");
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("base.raw");
+        std::fs::write(&base, vec![7u8; 1 << 20]).unwrap();
+        let overlay = dir.path().join("disk.qcow2");
+        qcow2_overlay(&host, &base, &overlay).await.unwrap();
+        let o = overlay.to_str().unwrap();
+        let qemu_io = host.qemu_img.with_file_name("qemu-io");
+        run(&qemu_io, &["-f", "qcow2", "-c", "write -P 1 4096 4096", o])
+            .await
+            .unwrap();
+        let map = run_img(&host, &["map", "--output=json", "-f", "qcow2", o])
+            .await
+            .unwrap();
+        let map: Vec<serde_json::Value> = serde_json::from_str(&map).unwrap();
+        let own: Vec<(u64, u64)> = map
+            .iter()
+            .filter(|e| e["depth"] == 0)
+            .map(|e| (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap()))
+            .collect();
+        assert_eq!(own, [(4096, 4096)], "the overlay's own ranges: {map:?}");
+    }
 
     #[test]
     fn qemu_messages_name_handed_files_by_their_paths() {
