@@ -36,7 +36,7 @@ use crate::cache::BlobCache;
 use crate::exec::rootless::overlay_opaque_xattr;
 use crate::layer::whiteout::WhiteoutKind;
 use crate::layer::{LayerError, LimitKind, Limits, Split, apply_layer, bounded_stream, split_name};
-use crate::rootfs::root::{FsError, walk_fd};
+use crate::rootfs::root::{FsError, dir_names, open_dir_at, walk_fd};
 use crate::rootfs::walk::{Walk, WalkError};
 
 /// Errors preparing lower directories.
@@ -300,7 +300,9 @@ fn merge_lowers(
         let mut seen = std::collections::HashSet::new();
         for (k, (layer, dir)) in dirs.iter().enumerate() {
             let ioe = |what| io_err(what, &lowers[*layer].0);
-            for name in list_dir(dir.as_fd()).map_err(ioe("listing a directory of"))? {
+            for name in
+                dir_names(dir.as_fd()).map_err(|e| ioe("listing a directory of")(e.into()))?
+            {
                 if !seen.insert(name.clone()) {
                     continue;
                 }
@@ -312,8 +314,8 @@ fn merge_lowers(
                     FileType::Directory => {
                         let mut child = comps.clone();
                         child.push(name.clone());
-                        let top = open_sub(dir.as_fd(), name_os)
-                            .map_err(ioe("opening a directory of"))?;
+                        let top = open_dir_at(dir.as_fd(), &name)
+                            .map_err(|e| ioe("opening a directory of")(e.into()))?;
                         let mut below = vec![*layer];
                         if !crate::layer::write::is_opaque_fd(top.as_fd())
                             .map_err(ioe("reading the opaque marker in"))?
@@ -339,8 +341,9 @@ fn merge_lowers(
                                     break;
                                 }
                                 below.push(*lower);
-                                let sub = open_sub(ldir.as_fd(), name_os)
-                                    .map_err(io_err("opening a directory of", &lowers[*lower].0))?;
+                                let sub = open_dir_at(ldir.as_fd(), &name).map_err(|e| {
+                                    io_err("opening a directory of", &lowers[*lower].0)(e.into())
+                                })?;
                                 if crate::layer::write::is_opaque_fd(sub.as_fd()).map_err(
                                     io_err("reading the opaque marker in", &lowers[*lower].0),
                                 )? {
@@ -391,29 +394,6 @@ fn times_of(st: &rustix::fs::Stat) -> rustix::fs::Timestamps {
     }
 }
 
-/// Opens the directory `name` of `dir`, following no symlink.
-fn open_sub(dir: std::os::fd::BorrowedFd<'_>, name: &std::ffi::OsStr) -> io::Result<OwnedFd> {
-    Ok(rustix::fs::openat(
-        dir,
-        name,
-        OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?)
-}
-
-/// The names in `dir`, `.` and `..` left out.
-fn list_dir(dir: std::os::fd::BorrowedFd<'_>) -> io::Result<Vec<Vec<u8>>> {
-    let mut out = Vec::new();
-    for ent in rustix::fs::Dir::read_from(dir)? {
-        let ent = ent?;
-        let n = ent.file_name().to_bytes();
-        if n != b"." && n != b".." {
-            out.push(n.to_vec());
-        }
-    }
-    Ok(out)
-}
-
 /// Makes the directory `name` in `dest` with the owner, mode and kept xattrs
 /// ([`crate::layer::keep_xattr`]) of the directory `src` (whose `lstat` is `st`): owner
 /// first, as chown clears setuid and setgid.
@@ -424,7 +404,7 @@ fn copy_dir(
     name: &std::ffi::OsStr,
 ) -> io::Result<()> {
     rustix::fs::mkdirat(dest, name, Mode::from_raw_mode(0o700))?;
-    let fd = open_sub(dest, name)?;
+    let fd = open_dir_at(dest, name.as_bytes())?;
     rustix::fs::fchown(
         &fd,
         Some(rustix::process::Uid::from_raw(st.st_uid)),
@@ -564,15 +544,7 @@ fn mark_whiteouts(
                         // Made by this same layer: the whiteout hides only lower layers' entry.
                         // A directory made again would merge with theirs: it is opaque.
                         Ok(st) if FileType::from_raw_mode(st.st_mode) == FileType::Directory => {
-                            let made = rustix::fs::openat(
-                                &dir,
-                                target,
-                                OFlags::DIRECTORY
-                                    | OFlags::NOFOLLOW
-                                    | OFlags::RDONLY
-                                    | OFlags::CLOEXEC,
-                                Mode::empty(),
-                            )?;
+                            let made = open_dir_at(dir.as_fd(), target.as_bytes())?;
                             rustix::fs::fsetxattr(
                                 &made,
                                 overlay_opaque_xattr(),

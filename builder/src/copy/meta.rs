@@ -62,18 +62,10 @@ pub(super) fn resolve_chown(spec: &str, db_root: &Path) -> Result<(u32, u32), Co
     Ok((u.uid, if numeric_alone { u.uid } else { u.gid }))
 }
 
-/// Whether an xattr is copied: not `system.*` (ACLs) nor `security.selinux` (host policy),
-/// as [`crate::layer`] does, and never overlayfs's own `trusted.overlay.*` or
-/// `user.overlay.*` (read instead of `trusted.` on a `userxattr` mount): in the step's upper
-/// directory overlayfs would obey them (an opaque marker hides the lower layers, a redirect
-/// points at another path of them), and the layer writer turns opaque markers into
-/// whiteouts.
-pub(crate) fn keep_xattr(name: &[u8]) -> bool {
-    !(name.starts_with(b"system.")
-        || name == b"security.selinux"
-        || name.starts_with(b"trusted.overlay.")
-        || name.starts_with(b"user.overlay."))
-}
+// Which xattrs are copied: the layer applier's rule, so that neither overlayfs' own xattrs
+// (obeyed in the step's upper directory) nor host policy (`security.selinux`, ACLs) pass
+// into a layer.
+use crate::layer::keep_xattr;
 
 /// The kept xattrs of an open file or directory, sorted by name.
 pub(crate) fn xattrs(fd: BorrowedFd<'_>) -> Vec<(Vec<u8>, Vec<u8>)> {

@@ -130,15 +130,7 @@ pub(super) fn join(a: &str, b: &[u8]) -> String {
 
 /// Lists the names in `dir` (without `.` and `..`), sorted bytewise.
 pub(crate) fn list(dir: BorrowedFd<'_>, shown: &str) -> Result<Vec<Vec<u8>>, CopyError> {
-    let mut out = Vec::new();
-    let d = rustix::fs::Dir::read_from(dir).map_err(ioe(shown, "readdir"))?;
-    for ent in d {
-        let ent = ent.map_err(ioe(shown, "readdir"))?;
-        let n = ent.file_name().to_bytes();
-        if n != b"." && n != b".." {
-            out.push(n.to_vec());
-        }
-    }
+    let mut out = crate::rootfs::root::dir_names(dir).map_err(ioe(shown, "readdir"))?;
     out.sort();
     Ok(out)
 }

@@ -310,16 +310,7 @@ impl Applier {
     }
 
     fn list(&self, dir: BorrowedFd<'_>) -> Result<Vec<Vec<u8>>, LayerError> {
-        let mut out = Vec::new();
-        let d = rustix::fs::Dir::read_from(dir).map_err(|e| self.io("readdir", e))?;
-        for ent in d {
-            let ent = ent.map_err(|e| self.io("readdir", e))?;
-            let n = ent.file_name().to_bytes();
-            if n != b"." && n != b".." {
-                out.push(n.to_vec());
-            }
-        }
-        Ok(out)
+        crate::rootfs::root::dir_names(dir).map_err(|e| self.io("readdir", e))
     }
 
     fn apply_entry(

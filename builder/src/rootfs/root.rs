@@ -293,6 +293,19 @@ impl Tree for Fs {
     }
 }
 
+/// The names in the open directory `dir`, `.` and `..` left out, in the order the file
+/// system gives them.
+pub(crate) fn dir_names(dir: BorrowedFd<'_>) -> rustix::io::Result<Vec<Vec<u8>>> {
+    let mut out = Vec::new();
+    for ent in rustix::fs::Dir::read_from(dir)? {
+        let n = ent?.file_name().to_bytes().to_vec();
+        if n != b"." && n != b".." {
+            out.push(n);
+        }
+    }
+    Ok(out)
+}
+
 /// Opens the directory `name` of `dir`, never following a symlink.
 pub(crate) fn open_dir_at(dir: BorrowedFd<'_>, name: &[u8]) -> rustix::io::Result<OwnedFd> {
     rustix::fs::openat(
