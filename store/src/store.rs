@@ -562,6 +562,103 @@ mod tests {
         }
     }
 
+    /// Verify on packed chunks: `--deep` finds a chunk whose bytes in its pack were
+    /// damaged; a pack cut short of what its index names and a damaged index are each
+    /// reported as a corrupt store file, and the chunks they held as missing.
+    #[tokio::test]
+    async fn verify_reports_damaged_packs_and_indexes() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::manifest::{ImageManifest, Manifest};
+        use crate::verify::Finding;
+        let dir = tempfile::tempdir().unwrap();
+        let url = dir.path().to_str().unwrap().to_string();
+        let store = Store::open(&url).await.unwrap();
+        let (table, _) = store
+            .put_artifact_reader(
+                std::io::Cursor::new(noise(1 << 20, 5)),
+                &PutArtifactOptions::default(),
+            )
+            .await
+            .unwrap();
+        let raw = store
+            .put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
+            .await
+            .unwrap();
+        store
+            .set_tag(&"img:v1".parse().unwrap(), None, raw.digest)
+            .await
+            .unwrap();
+        let gc = crate::gc::GcOptions::default();
+        assert!(store.verify(true, &gc).await.unwrap().findings.is_empty());
+        let packs = dir.path().join(".packs");
+        let file = |ext: &str| {
+            std::fs::read_dir(&packs)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .find(|p| p.extension().is_some_and(|x| x == ext))
+                .unwrap()
+        };
+        // One byte of the pack flipped (the start of the first chunk written: a zstd magic).
+        let pack = file("pack");
+        let mut bytes = std::fs::read(&pack).unwrap();
+        bytes[0] ^= 0xff;
+        std::fs::write(&pack, &bytes).unwrap();
+        let r = Store::open(&url)
+            .await
+            .unwrap()
+            .verify(true, &gc)
+            .await
+            .unwrap();
+        assert!(
+            r.findings
+                .iter()
+                .any(|f| matches!(f, Finding::CorruptChunk { .. })),
+            "{:?}",
+            r.findings
+        );
+        // The pack cut short.
+        std::fs::write(&pack, &bytes[..bytes.len() / 2]).unwrap();
+        let r = Store::open(&url)
+            .await
+            .unwrap()
+            .verify(false, &gc)
+            .await
+            .unwrap();
+        let name = pack.file_name().unwrap().to_str().unwrap();
+        assert!(
+            r.findings.iter().any(|f| matches!(f,
+                Finding::CorruptStoreFile { reason, .. } if reason.contains(name))),
+            "{:?}",
+            r.findings
+        );
+        assert!(
+            r.findings
+                .iter()
+                .any(|f| matches!(f, Finding::MissingChunk { .. })),
+            "{:?}",
+            r.findings
+        );
+        // The index damaged.
+        std::fs::write(&pack, &bytes).unwrap();
+        let idx = file("idx");
+        let mut ib = std::fs::read(&idx).unwrap();
+        ib[20] ^= 1;
+        std::fs::write(&idx, &ib).unwrap();
+        let r = Store::open(&url)
+            .await
+            .unwrap()
+            .verify(false, &gc)
+            .await
+            .unwrap();
+        let name = idx.display().to_string();
+        assert!(
+            r.findings.iter().any(|f| matches!(f,
+                Finding::CorruptStoreFile { file, reason } if *file == name && reason.contains("checksum"))),
+            "{:?}",
+            r.findings
+        );
+    }
+
     /// `verify --deep` reports such an object as a corrupt chunk (and does not load it).
     #[tokio::test]
     async fn verify_reports_an_oversized_chunk_object() {
