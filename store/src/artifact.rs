@@ -9,9 +9,11 @@
 //!   [`LEASE_BATCH`] chunks is added to the lease and only then looked up, under the store's
 //!   sweep lock ([`Lease::find_present`]); those found are relied on, the rest written, so
 //!   GC with any grace period keeps every chunk of the table (see [`crate::gc`]). Chunks are
-//!   written with [`Backend::stage_if_absent`] and committed once at the end
-//!   ([`Backend::commit_staged`]): on S3 each is durable when written; locally each is a temp
-//!   file made durable and visible by one `syncfs` for the whole artifact (the promise and its
+//!   written with [`Backend::stage_if_absent`] into the upload's batch
+//!   ([`Backend::stage_batch`], owned by the upload and given back to the commit) and
+//!   committed once at the end ([`Backend::commit_staged`]): on S3 each is durable when
+//!   written; locally all go into one pack file made durable by one fsync and visible by one
+//!   index (the promise and its
 //!   argument: [`crate::backend::local`]). The table is returned in input order; publish a
 //!   manifest naming it only after this returns (chunks, then manifest, then tag). Rerunning
 //!   after a crash uploads only what is missing (locally: what was committed is kept).
@@ -307,8 +309,9 @@ impl Store {
         })
     }
 
-    /// Commits what an upload staged ([`Backend::commit_staged`]; locally the one `syncfs(2)`,
-    /// which also makes durable the chunks found present in the store). Skipped only when
+    /// Commits what an upload staged into `batch` ([`Backend::commit_staged`]; locally the
+    /// fsync of the batch's pack and its index's publication, which also make durable the
+    /// chunks found present in the store). Skipped only when
     /// nothing was staged and nothing was found by asking the store (every chunk came from the
     /// known-chunk index, whose entries are durable). Then every chunk of the batch enters the
     /// known-chunk index (only now: the index must never name a chunk a power cut could still

@@ -1,4 +1,5 @@
-//! The local-directory backend: one file per key under a root directory.
+//! The local-directory backend: one file per key under a root directory, except the chunks
+//! of an upload, which share a pack file (see "Packs" below).
 //!
 //! Writes go to `<root>/.tmp/<unique>`, are fsynced (and, when the caller gives the expected
 //! sha256, hashed and checked), then published: `put_if_absent` with `link(2)` (fails on an
@@ -6,48 +7,118 @@
 //! `AlreadyExists`), `put` and `compare_and_swap` with `rename(2)` (atomic replace). The parent
 //! directory is fsynced after publishing. A crash leaves at most a stray file in `.tmp`.
 //!
-//! ## Chunks: durability with one sync
-//! An artifact's chunks ([`crate::Store::put_artifact`]) are written with
-//! [`Backend::stage_if_absent`]: each to its own `.tmp/<unique>` file, not fsynced, its key's
-//! directory made, and not yet linked to its key. At the end [`Backend::commit_staged`] does,
-//! in this order: one `syncfs(2)` of the store's file system; a `link(2)` of each staged file
-//! to its key (an existing object wins, as in `put_if_absent`) and the removal of its temp
-//! name; one fsync of each directory that got a new name (one for all chunks:
-//! `chunks/sha256/`). Only after that does `put_artifact` return its table, and only then does
-//! its caller write the manifest (fsynced, then linked, then its directory fsynced), and only
-//! after that the tag (compare-and-swap: fsynced, renamed, directory fsynced). For one
-//! `kiln store import` of a 512 MiB tarball of `/usr` (5,957 chunks; `strace -f -c -e
-//! trace=fsync,fdatasync,syncfs,openat`, 2026-12-05, issue 33) this is 1 `syncfs` and 207
-//! fsyncs (nearly all of the lease's record, rewritten once per 64 chunks) in place of 12,122
-//! fsyncs (one per chunk file and one per chunk link), and 6,543 `openat` in place of 12,251.
+//! ## Packs: an upload's chunks in one file, durable with one fsync
+//! Keys of the form `chunks/sha256/<64 lowercase hex>` may be *packed*; every other key
+//! (blobs, manifests, tags, fossils, a test's `chunks/sha256/aa`) is one file as above.
+//! Before (issue 33), each 64 KiB chunk was a file of its own (`.tmp/<unique>`, then a
+//! `link(2)` to its key at the commit, one `syncfs` per batch): `perf` of a 512 MiB
+//! `kiln store import` put about 30% of CPU in the kernel creating those files (11% lock
+//! contention on `.tmp`, 18% ext4 inode allocation), and a cold build of a small image made
+//! 1,466 chunk files.
 //!
-//! The promise:
-//! - **after a `kill -9` at any point**, `kiln store verify` is clean and no tag names missing
-//!   data. A killed process loses nothing it wrote (the page cache belongs to the kernel):
-//!   a staged chunk is either a whole temp file or no file, and is visible under its key
-//!   only once whole (link of a complete file). The manifest is written only after every
-//!   chunk it names is linked, and the tag only after the manifest, so any tag names a
-//!   manifest and chunks that exist. What a kill leaves is temp files in `.tmp` (at most the
-//!   staged chunks of the imports in flight, bytes: their stored size), which no listing,
-//!   verify or GC ever counts as objects; each names its writer (pid, start time, pid
-//!   namespace), and the next open of the store removes those of writers that are gone.
-//! - **after a power loss**, a tag never names a manifest whose chunks were not synced, and
-//!   no chunk key names bytes that were not synced. The data of a staged file is on stable
-//!   storage when `syncfs` returns (Linux 5.8 and later also report a failed writeback
-//!   there); its key is made only after that, so a chunk key never points at an unsynced or
-//!   torn file (a rerun after the power loss that finds the key present may rely on it). The
-//!   new keys are durable once their directory is fsynced, before `commit_staged` returns.
-//!   Chunks the import found present rather than wrote were linked, by whichever writer,
-//!   before the import looked, so before its `syncfs`, which writes that directory entry
-//!   too; their data was synced before their link (by the same rule, or by the fsync before
-//!   link of [`Backend::put_if_absent`]). The manifest is written after all this, and the tag
-//!   after the manifest's fsync, so a tag that survives a power loss names a manifest whose
-//!   every chunk was synced first. A power loss before the commit loses staged temp files
-//!   and nothing that any manifest names.
+//! **Layout.** Under `<root>/.packs/` (dot-named: no listing of objects walks it), for each
+//! committed batch `<name>` = `<writer>-<n>-<nanos>` ([`tmp_owner`] names the writer):
+//! - `<name>.pack`: the chunks' stored bytes (each exactly what a loose chunk file holds:
+//!   one zstd frame), concatenated;
+//! - `<name>.idx`: immutable, written at the commit: `KILNPIDX`, a version, the entry count,
+//!   the entries sorted by digest (sha256 of the chunk, offset u64, stored length u64), then
+//!   the sha256 of all that. A torn, altered or planted index (bad checksum, entries out of
+//!   order, bytes past its pack's end) is refused: logged, named by
+//!   [`Backend::layout_report`] and so by `kiln store verify` (`corruptStoreFile`), and its
+//!   chunks are not served (they read as absent, so verify also reports the manifests'
+//!   chunks missing, and the next upload of them writes them again). Refusing the one index
+//!   rather than the whole store keeps every other image readable;
+//! - `<name>.dead`: the digests of its deleted chunks, appended (32 bytes each, fsynced)
+//!   under the packs lock. Made empty at the commit, so that its size is a deletion counter:
+//!   it only grows.
 //!
-//! `syncfs` writes back the whole file system, other processes' dirty data included: its
-//! cost grows with what they wrote and did not sync, where one fsync per chunk grew with the
-//! number of chunks.
+//! The format is the backend's, not the local file system's: the S3 backend can reuse it
+//! (packs as objects, read by ranged GETs). S3 is unchanged in this slice: each chunk is
+//! still an object of its own there.
+//!
+//! **Staging.** [`Backend::stage_batch`] gives an upload its batch ([`PackBatch`]): a temp
+//! pack `.tmp/<name>.pack`, made at its first chunk. Each staged chunk reserves its range with
+//! one atomic add and is written there with `pwrite(2)`, so the stagers (the upload's
+//! parallel encoders) never wait on each other; nothing is fsynced yet. A chunk already
+//! present (packed or loose) is not written ([`Staged::Done`]).
+//!
+//! **Commit** ([`Backend::commit_staged`]), in this order:
+//! 1. fsync of the temp pack (one fsync for the whole batch, instead of a `syncfs`);
+//! 2. fsync of `chunks/sha256/`, when it exists (see the power-loss argument);
+//! 3. the exclusive `flock(2)` of `.locks/#packs` (released by the kernel if the process
+//!    dies), then a rescan of `.packs`: every index committed by any process before;
+//! 4. every staged chunk now present (packed, or a loose file another writer linked) is
+//!    dropped from the batch: [`PutOutcome::AlreadyExists`], its bytes left in this pack as
+//!    dead weight (counted in [`LayoutReport::dead_bytes`]); when none is left, the temp
+//!    pack is removed and nothing is published;
+//! 5. the index written to `.tmp/<name>.idx` and fsynced; `.packs/<name>.dead` made empty;
+//! 6. `rename(2)` of the pack, then of the index, into `.packs/`; fsync of `.packs/`;
+//! 7. the lock released. Only then does `put_artifact` return its table, and only then does
+//!    its caller write the manifest (fsynced, linked, its directory fsynced), and the tag
+//!    after the manifest (compare-and-swap: fsynced, renamed, directory fsynced).
+//!
+//! **The promise.**
+//! - *After a `kill -9` at any point*, `kiln store verify` is clean and no tag names missing
+//!   data. A packed chunk is visible only through an index, and an index appears (one
+//!   rename) only after the pack it names is complete and under its final name. A kill
+//!   before step 6 leaves a temp pack (and maybe a temp index) in `.tmp`; between the two
+//!   renames, a pack and an empty dead file in `.packs` with no index: both invisible to every
+//!   read, listing, verify and GC, both named by their writer, and removed by the next
+//!   open of the store once that writer is gone (the same rule as the temp files). The
+//!   manifest is written only after the commit returned, the tag only after the manifest,
+//!   so any tag names a manifest and chunks that exist.
+//! - *After a power loss*, a tag never names a manifest whose chunks were not synced, and
+//!   no index names bytes that were not synced. The pack's data is on stable storage when
+//!   step 1 returns, the index's when step 5 does, and both names when step 6's fsync of
+//!   `.packs/` does, before the commit returns and so before the manifest is written. Chunks
+//!   the upload found present rather than wrote: a packed one's index was renamed by a
+//!   committer that held the lock until it had fsynced `.packs/`, and this commit takes the
+//!   lock (step 3) after its look-ups, so that index is durable before this commit returns;
+//!   a loose one was linked after its data's fsync (by `put_if_absent`, or by the per-file
+//!   commit after its `syncfs`), and step 2 makes its directory entry durable even if its
+//!   writer has not fsynced the directory yet. A power loss before the commit returns loses
+//!   at most this batch, which no manifest names yet.
+//!
+//! The fsync of the pack replaces the `syncfs` of the store's file system: it costs what this
+//! batch wrote, not what every other process left dirty. A batch that holds no packed chunk
+//! (a backend handle's batch without a pack, or keys the packs do not take) is committed as
+//! before: each object its own `.tmp` file, one `syncfs`, then a `link(2)` of each, and
+//! their directories fsynced.
+//!
+//! **Reads.** The backend keeps a map digest → (pack, offset, length, index mtime), loaded
+//! from every index (minus its dead entries) at the first look-up. A hit is checked against
+//! its pack's dead file (one `lstat`: its size changed only if a chunk was deleted, by any
+//! process) and of `.packs` (the no-symlink rule). A miss compares `.packs`'s inode, mtime and
+//! ctime with the last scan (one `lstat`) and rescans when they changed, so a process sees
+//! the packs others committed; since those timestamps come from a coarse clock, a change in
+//! the same tick as the last one seen would not show, so for 100 ms after the last change
+//! seen every miss rescans. `get`, `get_range` (clipped to the entry) and `head` (size: the
+//! stored length; modified: the index's mtime, which GC's grace period uses) read the pack;
+//! on a miss, the loose file as before, so **stores written before packs keep working
+//! unchanged** (no migration). Open pack files are cached (at most 64). A pack deleted under
+//! a reader: rescan and retry once, then the loose file, then `NotFound`.
+//!
+//! **Other writes.** `put_if_absent` and `put_file_if_absent` of a packed chunk report
+//! `AlreadyExists`; otherwise they write a loose file as before (so a pull, which copies
+//! chunk by chunk, still makes one file per chunk: packs for pulls are a later slice). `put`
+//! of a chunk key writes a loose file and then deletes a packed entry (an overwrite). A chunk
+//! both loose and packed (two racing writers) is harmless: reads take the pack, a listing
+//! shows it once (with the later mtime), `delete` and `rename` remove both.
+//!
+//! **GC.** A listing whose prefix covers `chunks/sha256/` lists loose and live packed
+//! chunks. `delete` of a packed chunk appends its digest to its pack's dead file (under the
+//! lock, fsynced); when every entry of a pack is dead, its index, pack and dead file are
+//! removed (the index first: a pack without an index is invisible, and reaped if a crash
+//! stops the removal). `rename` of a packed chunk (GC's condemn step) writes the bytes as a
+//! loose file at the destination (tmp, fsync, rename, directory fsync), then deletes the
+//! packed entry: an interruption leaves both keys, never neither, as [`Backend::rename`]
+//! promises. The put-back (`fossil/…` → the chunk key) makes a loose chunk. A pack with
+//! some dead entries is not compacted in this slice: its dead bytes are reported by
+//! `kiln store verify` (`packDeadBytes`); compaction (copy the live entries to a new pack,
+//! then retire the old one, keeping GC's condemn-then-delete order) is the next slice.
+//!
+//! Memory: about 100 bytes per packed chunk for the map and the per-pack entry lists (100 MB
+//! for a million chunks, 64 GB of 64 KiB chunks).
 //!
 //! Compare-and-swap holds an exclusive `flock(2)` on `<root>/.locks/<key with / as %>` (or
 //! `#<sha256 hex of the key>` when that is longer than a file name may be) while
@@ -61,10 +132,13 @@
 //! of their directories once), and objects are opened with `O_NOFOLLOW`, so a symlink planted
 //! in the store (say `tags/n -> /etc`) gives a [`BackendError::Other`] instead of a read or
 //! write outside the root. (The root itself may be a symlink: that is the owner's choice.)
-//! Staging a chunk costs two `lstat`s for its directories, one for its key and one for `.tmp`,
-//! and makes no directory that exists (before: six `lstat`s and a `mkdir` per chunk, and four
-//! more `lstat`s at the commit; `strace -c` of `kiln store import` of 64 MiB, 800 chunks:
-//! 12,020 `statx` and 832 `mkdir`).
+//! `.packs` is checked with `lstat` at every look-up of a packed chunk and before every
+//! commit, and pack, index and dead files are opened with `O_NOFOLLOW`: a symlink planted at
+//! `.packs` fails every chunk read, write, listing and commit.
+//! Staging a chunk into a pack costs two `lstat`s for its directories, one for `.packs` (the
+//! look-up), one for its loose name and one for `.tmp`, and one `pwrite`; it makes no file
+//! (before packs: the same `lstat`s, and an `openat`, a `write` and a `close` of its own temp
+//! file, then a `link` and an `unlink` at the commit).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
@@ -680,9 +754,9 @@ impl Ctx {
         // 2. Chunks found present as loose files: their names, linked by another writer
         //    that may not have fsynced their directory yet.
         let loose_dir = self.root.join("chunks/sha256");
-        if no_symlink(&self.url, "chunks/sha256", &self.root.join("chunks"))?
-            && no_symlink(&self.url, "chunks/sha256", &loose_dir)?
-        {
+        let loose_dir_exists = no_symlink(&self.url, "chunks/sha256", &self.root.join("chunks"))?
+            && no_symlink(&self.url, "chunks/sha256", &loose_dir)?;
+        if loose_dir_exists {
             fsync_dir(&loose_dir).map_err(|e| err("fsync", e))?;
         }
         // 3. Under the lock: every index committed before is durable (its committer
@@ -702,9 +776,11 @@ impl Ctx {
                     "not a packed chunk",
                 ));
             };
+            // The view was just rescanned under the lock, and deletions take the lock too.
             let present = !seen.insert(d)
-                || self.packed(&s.key)?.is_some()
-                || fs::symlink_metadata(self.root.join(&s.key)).is_ok_and(|m| m.is_file());
+                || self.packs.contains(&d)
+                || (loose_dir_exists
+                    && fs::symlink_metadata(self.root.join(&s.key)).is_ok_and(|m| m.is_file()));
             if present {
                 outcomes.push(PutOutcome::AlreadyExists);
             } else {

@@ -355,6 +355,12 @@ impl Packs {
         Ok(self.read().map.get(d).cloned())
     }
 
+    /// Whether `d` is a live packed chunk in this process's view, as last scanned (the
+    /// commit's check, under the lock, right after a rescan).
+    pub(crate) fn contains(&self, d: &Sha256Hash) -> bool {
+        self.read().map.contains_key(d)
+    }
+
     /// Whether this process's view of pack `name`'s deletions is current; when it is not,
     /// reloads them (or forgets the pack, gone) and returns false.
     fn dead_is_current(&self, name: &Arc<str>) -> std::io::Result<bool> {

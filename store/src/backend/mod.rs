@@ -328,11 +328,13 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         })
     }
 
-    /// Put-if-absent of an immutable object whose durability may wait: a backend that can
-    /// make many writes durable at once (the local one: one `syncfs(2)` for all) writes the
-    /// bytes under a private name and returns [`Staged::Pending`]; the object exists only once
-    /// [`Backend::commit_staged`] returns. Others write it for good at once (the default:
-    /// [`Backend::put_if_absent`], no digest check).
+    /// Put-if-absent of an immutable object whose durability may wait, into `batch` (from
+    /// this backend's [`Backend::stage_batch`]): a backend that can make many writes durable
+    /// at once (the local one: a chunk is appended to the batch's pack file, made durable by
+    /// one fsync at the commit; [`local`], "Packs") writes the bytes where no reader sees them
+    /// and returns [`Staged::Pending`]; the object exists only once [`Backend::commit_staged`]
+    /// returns. Others write it for good at once (the default: [`Backend::put_if_absent`], no
+    /// digest check). Safe to call from many tasks at once on one batch.
     async fn stage_if_absent(
         &self,
         batch: &StageBatch,
