@@ -52,7 +52,9 @@
 //!    dead weight (counted in [`LayoutReport::dead_bytes`]); when none is left, the temp
 //!    pack is removed and nothing is published;
 //! 5. the index written to `.tmp/<name>.idx` and fsynced; `.packs/<name>.dead` made empty;
-//! 6. `rename(2)` of the pack, then of the index, into `.packs/`; fsync of `.packs/`;
+//! 6. `rename(2)` of the pack into `.packs/`, fsync of `.packs/`, then `rename(2)` of the
+//!    index, fsync of `.packs/` again (the first fsync so that no file system, journal or
+//!    not, can keep the index's name after a power loss and lose the pack's);
 //! 7. the lock released. Only then does `put_artifact` return its table, and only then does
 //!    its caller write the manifest (fsynced, linked, its directory fsynced), and the tag
 //!    after the manifest (compare-and-swap: fsynced, renamed, directory fsynced).
@@ -812,6 +814,9 @@ impl Ctx {
                 .create_new(true)
                 .open(self.packs.path(&batch.name, "dead"))?;
             fs::rename(&batch.tmp, self.packs.path(&batch.name, "pack"))?;
+            // The pack's name is durable before an index can name it (a file system
+            // without a journal does not order the two renames).
+            fsync_dir(self.packs.dir())?;
             fs::rename(&idx_tmp, self.packs.path(&batch.name, "idx"))?;
             fsync_dir(self.packs.dir())?;
             fs::symlink_metadata(self.packs.path(&batch.name, "idx"))?.modified()
