@@ -119,7 +119,7 @@
 //! `kiln store verify` (`packDeadBytes`); compaction (copy the live entries to a new pack,
 //! then retire the old one, keeping GC's condemn-then-delete order) is the next slice.
 //!
-//! Memory: about 100 bytes per packed chunk for the map and the per-pack entry lists (100 MB
+//! Memory: about 150 bytes per packed chunk for the map and the per-pack entry lists (150 MB
 //! for a million chunks, 64 GB of 64 KiB chunks).
 //!
 //! Compare-and-swap holds an exclusive `flock(2)` on `<root>/.locks/<key with / as %>` (or

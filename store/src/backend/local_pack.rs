@@ -436,6 +436,9 @@ impl Packs {
             s.remove(&n);
             self.forget_file(&n);
         }
+        // A refused index removed since is no longer reported.
+        s.problems
+            .retain(|f, _| f.strip_suffix(".idx").is_some_and(|n| names.contains(n)));
         for n in names {
             let file = format!("{n}.idx");
             if s.problems.contains_key(&file) {
