@@ -1819,6 +1819,29 @@ mod tests {
         assert_eq!(b.list("chunks/").await.unwrap().len(), 5);
     }
 
+    /// Another process's view is refreshed by `.packs`'s timestamps: one that scanned well
+    /// after the last change (not in the racy window) sees a pack committed later at its
+    /// next miss, and a delete at its next hit.
+    #[tokio::test]
+    async fn a_settled_view_sees_a_later_commit_and_delete() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let other = LocalBackend::open(dir.path()).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let xs: Vec<_> = (7..=8).map(chunk).collect();
+        assert!(other.head(&xs[0].0).await.unwrap().is_none());
+        assert!(
+            !other.packs.read().racy,
+            "scanned long after the last change"
+        );
+        let batch = b.stage_batch();
+        let staged = stage_all(&b, &batch, &xs).await;
+        b.commit_staged(batch, staged).await.unwrap();
+        assert_eq!(other.get(&xs[0].0).await.unwrap(), xs[0].1);
+        b.delete(&xs[1].0).await.unwrap();
+        assert!(other.head(&xs[1].0).await.unwrap().is_none());
+    }
+
     /// GC on packed chunks: a move to the fossil key leaves the bytes there and the key
     /// absent, a put back makes a loose chunk; a pack whose every entry is deleted goes
     /// with its index and dead file.

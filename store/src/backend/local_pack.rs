@@ -231,9 +231,9 @@ impl PackInfo {
 }
 
 #[derive(Debug, Default)]
-struct PackMap {
+pub(super) struct PackMap {
     stamp: Option<Stamp>,
-    racy: bool,
+    pub(super) racy: bool,
     packs: HashMap<Arc<str>, PackInfo>,
     map: HashMap<Sha256Hash, Loc>,
     /// Index files refused (file name → why): their chunks are not served.
@@ -311,7 +311,7 @@ impl Packs {
         self.dir.join(format!("{name}.{ext}"))
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, PackMap> {
+    pub(super) fn read(&self) -> std::sync::RwLockReadGuard<'_, PackMap> {
         self.state.read().unwrap_or_else(|p| p.into_inner())
     }
 
