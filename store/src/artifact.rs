@@ -9,9 +9,11 @@
 //!   [`LEASE_BATCH`] chunks is added to the lease and only then looked up, under the store's
 //!   sweep lock ([`Lease::find_present`]); those found are relied on, the rest written, so
 //!   GC with any grace period keeps every chunk of the table (see [`crate::gc`]). Chunks are
-//!   written with [`Backend::stage_if_absent`] and committed once at the end
-//!   ([`Backend::commit_staged`]): on S3 each is durable when written; locally each is a temp
-//!   file made durable and visible by one `syncfs` for the whole artifact (the promise and its
+//!   written with [`Backend::stage_if_absent`] into the upload's batch
+//!   ([`Backend::stage_batch`], owned by the upload and given back to the commit) and
+//!   committed once at the end ([`Backend::commit_staged`]): on S3 each is durable when
+//!   written; locally all go into one pack file made durable by one fsync and visible by one
+//!   index (the promise and its
 //!   argument: [`crate::backend::local`]). The table is returned in input order; publish a
 //!   manifest naming it only after this returns (chunks, then manifest, then tag). Rerunning
 //!   after a crash uploads only what is missing (locally: what was committed is kept).
@@ -29,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 
-use crate::backend::{Backend, PutOutcome, Staged, StagedPut};
+use crate::backend::{Backend, PutOutcome, StageBatch, Staged, StagedPut};
 use crate::chunk::{self, ChunkEntry, ChunkError, ChunkTable, Chunking};
 use crate::lease::Lease;
 use crate::manifest::ObjectRef;
@@ -139,6 +141,9 @@ impl Store {
         // Chunks written but not yet durable nor visible (the local backend's), committed
         // with one sync at the end (see `Store::commit_chunks`).
         let staging = &Mutex::new(Staging::default());
+        // This upload's batch (locally: its pack file), given back at the commit.
+        let batch_owned = self.backend.stage_batch();
+        let batch = &batch_owned;
         let store_one = |offset: u64, e: Result<chunk::EncodedChunk, u64>, found: Option<bool>| {
             let reporter = reporter.clone();
             async move {
@@ -159,7 +164,7 @@ impl Store {
                                 staging.lock().unwrap_or_else(|p| p.into_inner()).leased += 1;
                                 false
                             }
-                            None | Some(false) => self.stage_chunk(&enc, staging).await?,
+                            None | Some(false) => self.stage_chunk(&enc, batch, staging).await?,
                         };
                         let stored_len = enc.stored.len() as u64;
                         reporter.emit(ProgressEvent::Chunk {
@@ -248,23 +253,29 @@ impl Store {
             Err(e) => Err(e),
         };
         let staging = std::mem::take(&mut *staging.lock().unwrap_or_else(|p| p.into_inner()));
+        let batch = batch_owned;
         if let Err(e) = stored {
             self.backend
-                .discard_staged(staging.pending.into_iter().map(|(.., p)| p).collect())
+                .discard_staged(
+                    batch,
+                    staging.pending.into_iter().map(|(.., p)| p).collect(),
+                )
                 .await;
             return Err(e);
         }
-        self.commit_chunks(staging, &reporter).await?;
+        self.commit_chunks(staging, batch, &reporter).await?;
         table.validate()?;
         Ok((table, reporter.totals()))
     }
 
-    /// Writes one encoded chunk with [`Backend::stage_if_absent`]: a staged one is queued in
+    /// Writes one encoded chunk with [`Backend::stage_if_absent`] into the upload's `batch`
+    /// ([`Backend::stage_batch`]): a staged one is queued in
     /// `staging` for [`Store::commit_chunks`], one found present is noted there. Returns
     /// whether this call wrote the chunk's bytes.
     async fn stage_chunk(
         &self,
         enc: &chunk::EncodedChunk,
+        batch: &StageBatch,
         staging: &Mutex<Staging>,
     ) -> Result<bool, StoreError> {
         // Claimed under the lock, before the write: of two copies in flight at once, one
@@ -279,7 +290,7 @@ impl Store {
         }
         let r = self
             .backend
-            .stage_if_absent(&enc.digest.key(), enc.stored.clone())
+            .stage_if_absent(batch, &enc.digest.key(), enc.stored.clone())
             .await?;
         let mut s = staging.lock().unwrap_or_else(|p| p.into_inner());
         Ok(match r {
@@ -298,14 +309,20 @@ impl Store {
         })
     }
 
-    /// Commits what an upload staged ([`Backend::commit_staged`]; locally the one `syncfs(2)`,
-    /// which also makes durable the chunks found present in the store). Skipped only when
+    /// Commits what an upload staged into `batch` ([`Backend::commit_staged`]; locally the
+    /// fsync of the batch's pack and its index's publication, which also make durable the
+    /// chunks found present in the store). Skipped only when
     /// nothing was staged and nothing was found by asking the store (every chunk came from the
     /// known-chunk index, whose entries are durable). Then every chunk of the batch enters the
     /// known-chunk index (only now: the index must never name a chunk a power cut could still
     /// take away), and a staged chunk another writer published first is taken out of the
     /// totals (its progress event, sent when it was written, said `transferred`).
-    async fn commit_chunks(&self, staging: Staging, reporter: &Reporter) -> Result<(), StoreError> {
+    async fn commit_chunks(
+        &self,
+        staging: Staging,
+        batch: StageBatch,
+        reporter: &Reporter,
+    ) -> Result<(), StoreError> {
         let Staging {
             pending,
             found,
@@ -323,7 +340,7 @@ impl Store {
             .into_iter()
             .map(|(d, raw_len, p)| ((d, raw_len, p.len), p))
             .unzip();
-        let outcomes = self.backend.commit_staged(staged).await?;
+        let outcomes = self.backend.commit_staged(batch, staged).await?;
         let mut raced = 0u64;
         for ((d, raw_len, stored_len), o) in meta.iter().zip(&outcomes) {
             if *o == PutOutcome::AlreadyExists {

@@ -562,6 +562,103 @@ mod tests {
         }
     }
 
+    /// Verify on packed chunks: `--deep` finds a chunk whose bytes in its pack were
+    /// damaged; a pack cut short of what its index names and a damaged index are each
+    /// reported as a corrupt store file, and the chunks they held as missing.
+    #[tokio::test]
+    async fn verify_reports_damaged_packs_and_indexes() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::manifest::{ImageManifest, Manifest};
+        use crate::verify::Finding;
+        let dir = tempfile::tempdir().unwrap();
+        let url = dir.path().to_str().unwrap().to_string();
+        let store = Store::open(&url).await.unwrap();
+        let (table, _) = store
+            .put_artifact_reader(
+                std::io::Cursor::new(noise(1 << 20, 5)),
+                &PutArtifactOptions::default(),
+            )
+            .await
+            .unwrap();
+        let raw = store
+            .put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
+            .await
+            .unwrap();
+        store
+            .set_tag(&"img:v1".parse().unwrap(), None, raw.digest)
+            .await
+            .unwrap();
+        let gc = crate::gc::GcOptions::default();
+        assert!(store.verify(true, &gc).await.unwrap().findings.is_empty());
+        let packs = dir.path().join(".packs");
+        let file = |ext: &str| {
+            std::fs::read_dir(&packs)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .find(|p| p.extension().is_some_and(|x| x == ext))
+                .unwrap()
+        };
+        // One byte of the pack flipped (the start of the first chunk written: a zstd magic).
+        let pack = file("pack");
+        let mut bytes = std::fs::read(&pack).unwrap();
+        bytes[0] ^= 0xff;
+        std::fs::write(&pack, &bytes).unwrap();
+        let r = Store::open(&url)
+            .await
+            .unwrap()
+            .verify(true, &gc)
+            .await
+            .unwrap();
+        assert!(
+            r.findings
+                .iter()
+                .any(|f| matches!(f, Finding::CorruptChunk { .. })),
+            "{:?}",
+            r.findings
+        );
+        // The pack cut short.
+        std::fs::write(&pack, &bytes[..bytes.len() / 2]).unwrap();
+        let r = Store::open(&url)
+            .await
+            .unwrap()
+            .verify(false, &gc)
+            .await
+            .unwrap();
+        let name = pack.file_name().unwrap().to_str().unwrap();
+        assert!(
+            r.findings.iter().any(|f| matches!(f,
+                Finding::CorruptStoreFile { reason, .. } if reason.contains(name))),
+            "{:?}",
+            r.findings
+        );
+        assert!(
+            r.findings
+                .iter()
+                .any(|f| matches!(f, Finding::MissingChunk { .. })),
+            "{:?}",
+            r.findings
+        );
+        // The index damaged.
+        std::fs::write(&pack, &bytes).unwrap();
+        let idx = file("idx");
+        let mut ib = std::fs::read(&idx).unwrap();
+        ib[20] ^= 1;
+        std::fs::write(&idx, &ib).unwrap();
+        let r = Store::open(&url)
+            .await
+            .unwrap()
+            .verify(false, &gc)
+            .await
+            .unwrap();
+        let name = idx.display().to_string();
+        assert!(
+            r.findings.iter().any(|f| matches!(f,
+                Finding::CorruptStoreFile { file, reason } if *file == name && reason.contains("checksum"))),
+            "{:?}",
+            r.findings
+        );
+    }
+
     /// `verify --deep` reports such an object as a corrupt chunk (and does not load it).
     #[tokio::test]
     async fn verify_reports_an_oversized_chunk_object() {
@@ -584,7 +681,9 @@ mod tests {
             .unwrap();
         let victim = table.entries[0].digest.unwrap();
         let p = dir.path().join(victim.key());
-        std::fs::remove_file(&p).unwrap();
+        // The chunk is packed: deleted there, it is the file at its key that is read.
+        store.backend.delete(&victim.key()).await.unwrap();
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
         std::fs::File::create(&p).unwrap().set_len(1 << 40).unwrap();
         let r = store
             .verify(true, &crate::gc::GcOptions::default())
@@ -653,8 +752,16 @@ mod tests {
         };
         let opts = PutArtifactOptions::default();
         let root = dir.path().to_path_buf();
+        // Staged: 16 chunks' worth of bytes in `.tmp` (the upload's pack file).
+        let staged_bytes = |root: &std::path::Path| -> u64 {
+            temp_files(root)
+                .iter()
+                .filter_map(|p| std::fs::metadata(p).ok())
+                .map(|m| m.len())
+                .sum()
+        };
         let staged = async {
-            while temp_files(&root).len() < 16 {
+            while staged_bytes(&root) < 16 << 16 {
                 tokio::time::sleep(std::time::Duration::from_millis(10)).await;
             }
             // Let everything before the stall be staged.
@@ -766,12 +873,11 @@ mod tests {
                 .await
                 .unwrap();
         }
-        let on_disk = std::fs::read_dir(dir.path().join("chunks/sha256"))
-            .unwrap()
-            .count() as u64;
+        // Chunks in the store (loose or packed).
+        let on_disk = s1.backend.list("chunks/").await.unwrap().len() as u64;
         assert!(
             sa.chunks_transferred + sb.chunks_transferred >= on_disk,
-            "{on_disk} chunk files, {} + {} counted as written",
+            "{on_disk} chunks, {} + {} counted as written",
             sa.chunks_transferred,
             sb.chunks_transferred
         );
@@ -815,10 +921,12 @@ mod tests {
             "{:?}",
             temp_files(dir.path())
         );
-        let chunks = std::fs::read_dir(dir.path().join("chunks/sha256"))
+        let chunks = store.backend.list("chunks/").await.unwrap().len();
+        assert_eq!(chunks, 0, "chunks of a failed import were published");
+        let packs = std::fs::read_dir(dir.path().join(".packs"))
             .map(|d| d.count())
             .unwrap_or(0);
-        assert_eq!(chunks, 0, "chunks of a failed import were published");
+        assert_eq!(packs, 0, "a failed import committed a pack");
         let v = store
             .verify(true, &crate::gc::GcOptions::default())
             .await

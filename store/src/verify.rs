@@ -105,6 +105,15 @@ pub enum Finding {
         /// The absent blob.
         blob: BlobDigest,
     },
+    /// A file of the backend's own layout that is damaged (the local backend's pack index
+    /// that is torn, altered, or names bytes past its pack's end): the objects it would
+    /// hold are not served, so any a manifest names are also reported missing.
+    CorruptStoreFile {
+        /// The file.
+        file: String,
+        /// Why.
+        reason: String,
+    },
     /// A backend error while checking an object.
     Unreachable {
         /// The key.
@@ -142,6 +151,10 @@ pub struct VerifyReport {
     /// Fossils: objects a GC run condemned and has not judged yet (see [`crate::gc`]); each
     /// counts as presence of its object, and none is a finding.
     pub fossils: usize,
+    /// Bytes of the local backend's pack files that no live chunk uses (deleted chunks,
+    /// and chunks an upload wrote that another writer had published first): what a
+    /// compaction would reclaim. 0 on S3.
+    pub pack_dead_bytes: u64,
 }
 
 impl VerifyReport {
@@ -156,6 +169,14 @@ impl Store {
     /// orphans collectable and the cache TTL. Errors only when listing the store fails.
     pub async fn verify(&self, deep: bool, gc: &GcOptions) -> Result<VerifyReport, StoreError> {
         let mut report = VerifyReport::default();
+        // The backend's own files (pack indexes) first: a refused one hides its chunks.
+        let layout = self.backend.layout_report().await?;
+        report.pack_dead_bytes = layout.dead_bytes;
+        for (file, reason) in layout.problems {
+            report
+                .findings
+                .push(Finding::CorruptStoreFile { file, reason });
+        }
         // Tags, including corrupt ones (list_tags skips those).
         let mut roots: Vec<(ManifestDigest, Option<String>)> = Vec::new();
         for o in self.backend.list("tags/").await? {

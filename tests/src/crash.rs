@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use kiln_store::backend::{
-    Backend, BackendError, ObjectInfo, PutOutcome, Staged, StagedPut, Version,
+    Backend, BackendError, LayoutReport, ObjectInfo, PutOutcome, StageBatch, Staged, StagedPut,
+    Version,
 };
 use kiln_store::digest::Sha256Hash;
 
@@ -153,20 +154,37 @@ impl Backend for CrashAfterWrites {
         r
     }
 
-    async fn stage_if_absent(&self, key: &str, data: Bytes) -> Result<Staged, BackendError> {
-        let r = self.inner.stage_if_absent(key, data).await;
+    fn stage_batch(&self) -> StageBatch {
+        self.inner.stage_batch()
+    }
+
+    async fn layout_report(&self) -> Result<LayoutReport, BackendError> {
+        self.inner.layout_report().await
+    }
+
+    async fn stage_if_absent(
+        &self,
+        batch: &StageBatch,
+        key: &str,
+        data: Bytes,
+    ) -> Result<Staged, BackendError> {
+        let r = self.inner.stage_if_absent(batch, key, data).await;
         self.wrote(key).await;
         r
     }
 
-    async fn commit_staged(&self, staged: Vec<StagedPut>) -> Result<Vec<PutOutcome>, BackendError> {
-        let r = self.inner.commit_staged(staged).await;
+    async fn commit_staged(
+        &self,
+        batch: StageBatch,
+        staged: Vec<StagedPut>,
+    ) -> Result<Vec<PutOutcome>, BackendError> {
+        let r = self.inner.commit_staged(batch, staged).await;
         self.wrote("(commit of staged objects)").await;
         r
     }
 
-    async fn discard_staged(&self, staged: Vec<StagedPut>) {
-        self.inner.discard_staged(staged).await
+    async fn discard_staged(&self, batch: StageBatch, staged: Vec<StagedPut>) {
+        self.inner.discard_staged(batch, staged).await
     }
 
     async fn put(&self, key: &str, data: Bytes) -> Result<Version, BackendError> {

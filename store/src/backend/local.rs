@@ -1,4 +1,5 @@
-//! The local-directory backend: one file per key under a root directory.
+//! The local-directory backend: one file per key under a root directory, except the chunks
+//! of an upload, which share a pack file (see "Packs" below).
 //!
 //! Writes go to `<root>/.tmp/<unique>`, are fsynced (and, when the caller gives the expected
 //! sha256, hashed and checked), then published: `put_if_absent` with `link(2)` (fails on an
@@ -6,48 +7,120 @@
 //! `AlreadyExists`), `put` and `compare_and_swap` with `rename(2)` (atomic replace). The parent
 //! directory is fsynced after publishing. A crash leaves at most a stray file in `.tmp`.
 //!
-//! ## Chunks: durability with one sync
-//! An artifact's chunks ([`crate::Store::put_artifact`]) are written with
-//! [`Backend::stage_if_absent`]: each to its own `.tmp/<unique>` file, not fsynced, its key's
-//! directory made, and not yet linked to its key. At the end [`Backend::commit_staged`] does,
-//! in this order: one `syncfs(2)` of the store's file system; a `link(2)` of each staged file
-//! to its key (an existing object wins, as in `put_if_absent`) and the removal of its temp
-//! name; one fsync of each directory that got a new name (one for all chunks:
-//! `chunks/sha256/`). Only after that does `put_artifact` return its table, and only then does
-//! its caller write the manifest (fsynced, then linked, then its directory fsynced), and only
-//! after that the tag (compare-and-swap: fsynced, renamed, directory fsynced). For one
-//! `kiln store import` of a 512 MiB tarball of `/usr` (5,957 chunks; `strace -f -c -e
-//! trace=fsync,fdatasync,syncfs,openat`, 2026-12-05, issue 33) this is 1 `syncfs` and 207
-//! fsyncs (nearly all of the lease's record, rewritten once per 64 chunks) in place of 12,122
-//! fsyncs (one per chunk file and one per chunk link), and 6,543 `openat` in place of 12,251.
+//! ## Packs: an upload's chunks in one file, durable with one fsync
+//! Keys of the form `chunks/sha256/<64 lowercase hex>` may be *packed*; every other key
+//! (blobs, manifests, tags, fossils, a test's `chunks/sha256/aa`) is one file as above.
+//! Before (issue 33), each 64 KiB chunk was a file of its own (`.tmp/<unique>`, then a
+//! `link(2)` to its key at the commit, one `syncfs` per batch): `perf` of a 512 MiB
+//! `kiln store import` put about 30% of CPU in the kernel creating those files (11% lock
+//! contention on `.tmp`, 18% ext4 inode allocation), and a cold build of a small image made
+//! 1,466 chunk files.
 //!
-//! The promise:
-//! - **after a `kill -9` at any point**, `kiln store verify` is clean and no tag names missing
-//!   data. A killed process loses nothing it wrote (the page cache belongs to the kernel):
-//!   a staged chunk is either a whole temp file or no file, and is visible under its key
-//!   only once whole (link of a complete file). The manifest is written only after every
-//!   chunk it names is linked, and the tag only after the manifest, so any tag names a
-//!   manifest and chunks that exist. What a kill leaves is temp files in `.tmp` (at most the
-//!   staged chunks of the imports in flight, bytes: their stored size), which no listing,
-//!   verify or GC ever counts as objects; each names its writer (pid, start time, pid
-//!   namespace), and the next open of the store removes those of writers that are gone.
-//! - **after a power loss**, a tag never names a manifest whose chunks were not synced, and
-//!   no chunk key names bytes that were not synced. The data of a staged file is on stable
-//!   storage when `syncfs` returns (Linux 5.8 and later also report a failed writeback
-//!   there); its key is made only after that, so a chunk key never points at an unsynced or
-//!   torn file (a rerun after the power loss that finds the key present may rely on it). The
-//!   new keys are durable once their directory is fsynced, before `commit_staged` returns.
-//!   Chunks the import found present rather than wrote were linked, by whichever writer,
-//!   before the import looked, so before its `syncfs`, which writes that directory entry
-//!   too; their data was synced before their link (by the same rule, or by the fsync before
-//!   link of [`Backend::put_if_absent`]). The manifest is written after all this, and the tag
-//!   after the manifest's fsync, so a tag that survives a power loss names a manifest whose
-//!   every chunk was synced first. A power loss before the commit loses staged temp files
-//!   and nothing that any manifest names.
+//! **Layout.** Under `<root>/.packs/` (dot-named: no listing of objects walks it), for each
+//! committed batch `<name>` = `<writer>-<n>-<nanos>` ([`tmp_owner`] names the writer):
+//! - `<name>.pack`: the chunks' stored bytes (each exactly what a loose chunk file holds:
+//!   one zstd frame), concatenated;
+//! - `<name>.idx`: immutable, written at the commit: `KILNPIDX`, a version, the entry count,
+//!   the entries sorted by digest (sha256 of the chunk, offset u64, stored length u64), then
+//!   the sha256 of all that. A torn, altered or planted index (bad checksum, entries out of
+//!   order, bytes past its pack's end) is refused: logged, named by
+//!   [`Backend::layout_report`] and so by `kiln store verify` (`corruptStoreFile`), and its
+//!   chunks are not served (they read as absent, so verify also reports the manifests'
+//!   chunks missing, and the next upload of them writes them again). Refusing the one index
+//!   rather than the whole store keeps every other image readable;
+//! - `<name>.dead`: the digests of its deleted chunks, appended (32 bytes each, fsynced)
+//!   under the packs lock. Made empty at the commit, so that its size is a deletion counter:
+//!   it only grows.
 //!
-//! `syncfs` writes back the whole file system, other processes' dirty data included: its
-//! cost grows with what they wrote and did not sync, where one fsync per chunk grew with the
-//! number of chunks.
+//! The format is the backend's, not the local file system's: the S3 backend can reuse it
+//! (packs as objects, read by ranged GETs). S3 is unchanged in this slice: each chunk is
+//! still an object of its own there.
+//!
+//! **Staging.** [`Backend::stage_batch`] gives an upload its batch ([`PackBatch`]): a temp
+//! pack `.tmp/<name>.pack`, made at its first chunk. Each staged chunk reserves its range with
+//! one atomic add and is written there with `pwrite(2)`, so the stagers (the upload's
+//! parallel encoders) never wait on each other; nothing is fsynced yet. A chunk already
+//! present (packed or loose) is not written ([`Staged::Done`]).
+//!
+//! **Commit** ([`Backend::commit_staged`]), in this order:
+//! 1. fsync of the temp pack (one fsync for the whole batch, instead of a `syncfs`);
+//! 2. fsync of `chunks/sha256/`, when it exists (see the power-loss argument);
+//! 3. the exclusive `flock(2)` of `.locks/#packs` (released by the kernel if the process
+//!    dies), then a rescan of `.packs`: every index committed by any process before;
+//! 4. every staged chunk now present (packed, or a loose file another writer linked) is
+//!    dropped from the batch: [`PutOutcome::AlreadyExists`], its bytes left in this pack as
+//!    dead weight (counted in [`LayoutReport::dead_bytes`]); when none is left, the temp
+//!    pack is removed and nothing is published;
+//! 5. the index written to `.tmp/<name>.idx` and fsynced; `.packs/<name>.dead` made empty;
+//! 6. `rename(2)` of the pack into `.packs/`, fsync of `.packs/`, then `rename(2)` of the
+//!    index, fsync of `.packs/` again (the first fsync so that no file system, journal or
+//!    not, can keep the index's name after a power loss and lose the pack's);
+//! 7. the lock released. Only then does `put_artifact` return its table, and only then does
+//!    its caller write the manifest (fsynced, linked, its directory fsynced), and the tag
+//!    after the manifest (compare-and-swap: fsynced, renamed, directory fsynced).
+//!
+//! **The promise.**
+//! - *After a `kill -9` at any point*, `kiln store verify` is clean and no tag names missing
+//!   data. A packed chunk is visible only through an index, and an index appears (one
+//!   rename) only after the pack it names is complete and under its final name. A kill
+//!   before step 6 leaves a temp pack (and maybe a temp index) in `.tmp`; between the two
+//!   renames, a pack and an empty dead file in `.packs` with no index: both invisible to every
+//!   read, listing, verify and GC, both named by their writer, and removed by the next
+//!   open of the store once that writer is gone (the same rule as the temp files). The
+//!   manifest is written only after the commit returned, the tag only after the manifest,
+//!   so any tag names a manifest and chunks that exist.
+//! - *After a power loss*, a tag never names a manifest whose chunks were not synced, and
+//!   no index names bytes that were not synced. The pack's data is on stable storage when
+//!   step 1 returns, the index's when step 5 does, and both names when step 6's fsync of
+//!   `.packs/` does, before the commit returns and so before the manifest is written. Chunks
+//!   the upload found present rather than wrote: a packed one's index was renamed by a
+//!   committer that held the lock until it had fsynced `.packs/`, and this commit takes the
+//!   lock (step 3) after its look-ups, so that index is durable before this commit returns;
+//!   a loose one was linked after its data's fsync (by `put_if_absent`, or by the per-file
+//!   commit after its `syncfs`), and step 2 makes its directory entry durable even if its
+//!   writer has not fsynced the directory yet. A power loss before the commit returns loses
+//!   at most this batch, which no manifest names yet.
+//!
+//! The fsync of the pack replaces the `syncfs` of the store's file system: it costs what this
+//! batch wrote, not what every other process left dirty. A batch that holds no packed chunk
+//! (a backend handle's batch without a pack, or keys the packs do not take) is committed as
+//! before: each object its own `.tmp` file, one `syncfs`, then a `link(2)` of each, and
+//! their directories fsynced.
+//!
+//! **Reads.** The backend keeps a map digest → (pack, offset, length, index mtime), loaded
+//! from every index (minus its dead entries) at the first look-up. A hit is checked against
+//! its pack's dead file (one `lstat`: its size changed only if a chunk was deleted, by any
+//! process) and of `.packs` (the no-symlink rule). A miss compares `.packs`'s inode, mtime and
+//! ctime with the last scan (one `lstat`) and rescans when they changed, so a process sees
+//! the packs others committed; since those timestamps come from a coarse clock, a change in
+//! the same tick as the last one seen would not show, so for 100 ms after the last change
+//! seen every miss rescans. `get`, `get_range` (clipped to the entry) and `head` (size: the
+//! stored length; modified: the index's mtime, which GC's grace period uses) read the pack;
+//! on a miss, the loose file as before, so **stores written before packs keep working
+//! unchanged** (no migration). Open pack files are cached (at most 64). A pack deleted under
+//! a reader: rescan and retry once, then the loose file, then `NotFound`.
+//!
+//! **Other writes.** `put_if_absent` and `put_file_if_absent` of a packed chunk report
+//! `AlreadyExists`; otherwise they write a loose file as before (so a pull, which copies
+//! chunk by chunk, still makes one file per chunk: packs for pulls are a later slice). `put`
+//! of a chunk key writes a loose file and then deletes a packed entry (an overwrite). A chunk
+//! both loose and packed (two racing writers) is harmless: reads take the pack, a listing
+//! shows it once (with the later mtime), `delete` and `rename` remove both.
+//!
+//! **GC.** A listing whose prefix covers `chunks/sha256/` lists loose and live packed
+//! chunks. `delete` of a packed chunk appends its digest to its pack's dead file (under the
+//! lock, fsynced); when every entry of a pack is dead, its index, pack and dead file are
+//! removed (the index first: a pack without an index is invisible, and reaped if a crash
+//! stops the removal). `rename` of a packed chunk (GC's condemn step) writes the bytes as a
+//! loose file at the destination (tmp, fsync, rename, directory fsync), then deletes the
+//! packed entry: an interruption leaves both keys, never neither, as [`Backend::rename`]
+//! promises. The put-back (`fossil/…` → the chunk key) makes a loose chunk. A pack with
+//! some dead entries is not compacted in this slice: its dead bytes are reported by
+//! `kiln store verify` (`packDeadBytes`); compaction (copy the live entries to a new pack,
+//! then retire the old one, keeping GC's condemn-then-delete order) is the next slice.
+//!
+//! Memory: about 150 bytes per packed chunk for the map and the per-pack entry lists (150 MB
+//! for a million chunks, 64 GB of 64 KiB chunks).
 //!
 //! Compare-and-swap holds an exclusive `flock(2)` on `<root>/.locks/<key with / as %>` (or
 //! `#<sha256 hex of the key>` when that is longer than a file name may be) while
@@ -61,23 +134,29 @@
 //! of their directories once), and objects are opened with `O_NOFOLLOW`, so a symlink planted
 //! in the store (say `tags/n -> /etc`) gives a [`BackendError::Other`] instead of a read or
 //! write outside the root. (The root itself may be a symlink: that is the owner's choice.)
-//! Staging a chunk costs two `lstat`s for its directories, one for its key and one for `.tmp`,
-//! and makes no directory that exists (before: six `lstat`s and a `mkdir` per chunk, and four
-//! more `lstat`s at the commit; `strace -c` of `kiln store import` of 64 MiB, 800 chunks:
-//! 12,020 `statx` and 832 `mkdir`).
+//! `.packs` is checked with `lstat` at every look-up of a packed chunk and before every
+//! commit, and pack, index and dead files are opened with `O_NOFOLLOW`: a symlink planted at
+//! `.packs` fails every chunk read, write, listing and commit.
+//! Staging a chunk into a pack costs two `lstat`s for its directories, one for `.packs` (the
+//! look-up), one for its loose name and one for `.tmp`, and one `pwrite`; it makes no file
+//! (before packs: the same `lstat`s, and an `openat`, a `write` and a `close` of its own temp
+//! file, then a `link` and an `unlink` at the commit).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{ErrorKind, Read, Write};
 use std::ops::Range;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 
+pub(crate) use super::local_pack::PackBatch;
+use super::local_pack::{self, IdxEntry, PACK_DIR, PACK_LOCK, Packs, chunk_digest, chunk_key};
 use super::{
-    Backend, BackendError, MAX_MUTABLE_LEN, ObjectInfo, PutOutcome, Staged, StagedPut, Version,
-    too_large, validate_key,
+    Backend, BackendError, LayoutReport, MAX_MUTABLE_LEN, ObjectInfo, PutOutcome, StageBatch,
+    Staged, StagedPut, Version, too_large, validate_key,
 };
 use crate::digest::{Hasher, Sha256Hash};
 
@@ -89,6 +168,7 @@ const LOCK_DIR: &str = ".locks";
 pub struct LocalBackend {
     root: PathBuf,
     url: String,
+    packs: Arc<Packs>,
 }
 
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -122,18 +202,57 @@ fn reap_dead_writers(tmp: &Path) -> usize {
     let mut removed = 0;
     for e in entries.flatten() {
         let name = e.file_name();
-        let Some((owner, rest)) = name.to_str().and_then(crate::owner::ProcessId::parse_token)
-        else {
+        if name.to_str().is_some_and(|n| writer_is_gone(n, ns)) && fs::remove_file(e.path()).is_ok()
+        {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// Whether `name` (a temp file's or a pack's) names, by [`tmp_owner`], a writer of pid
+/// namespace `ns` that no longer runs.
+fn writer_is_gone(name: &str, ns: u64) -> bool {
+    let Some((owner, rest)) = crate::owner::ProcessId::parse_token(name) else {
+        return false;
+    };
+    let Some(writer_ns) = rest
+        .strip_prefix('n')
+        .and_then(|r| r.split('-').next())
+        .and_then(|n| n.parse::<u64>().ok())
+    else {
+        return false;
+    };
+    writer_ns == ns && !owner.is_alive()
+}
+
+/// Removes from `.packs` the files of packs that have no index (a commit killed between
+/// its pack's rename and its index's, or a delete of a pack's last chunk killed after its
+/// index went) when their writer is gone. Returns the files removed.
+fn reap_dead_packs(packs: &Path) -> usize {
+    let Some(ns) = crate::owner::pid_namespace() else {
+        return 0;
+    };
+    let Ok(entries) = fs::read_dir(packs) else {
+        return 0;
+    };
+    let names: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    let indexed: std::collections::HashSet<&str> = names
+        .iter()
+        .filter_map(|n| n.strip_suffix(".idx"))
+        .collect();
+    let mut removed = 0;
+    for n in &names {
+        let Some(stem) = n.strip_suffix(".pack").or_else(|| n.strip_suffix(".dead")) else {
             continue;
         };
-        let Some(writer_ns) = rest
-            .strip_prefix('n')
-            .and_then(|r| r.split('-').next())
-            .and_then(|n| n.parse::<u64>().ok())
-        else {
-            continue;
-        };
-        if writer_ns == ns && !owner.is_alive() && fs::remove_file(e.path()).is_ok() {
+        if !indexed.contains(stem)
+            && writer_is_gone(stem, ns)
+            && fs::remove_file(packs.join(n)).is_ok()
+        {
             removed += 1;
         }
     }
@@ -167,14 +286,18 @@ impl LocalBackend {
         let r = root.clone();
         let u = url.clone();
         tokio::task::spawn_blocking(move || {
-            for d in [TMP_DIR, LOCK_DIR] {
+            for d in [TMP_DIR, LOCK_DIR, PACK_DIR] {
                 fs::create_dir_all(r.join(d)).map_err(|e| other(&u, "open", "", e))?;
             }
             // A symlinked `.tmp` is refused at the first write; never reaped through.
-            let reaped = match no_symlink(&u, "", &r.join(TMP_DIR)) {
+            let mut reaped = match no_symlink(&u, "", &r.join(TMP_DIR)) {
                 Ok(_) => reap_dead_writers(&r.join(TMP_DIR)),
                 Err(_) => 0,
             };
+            // A symlinked `.packs` is refused by every chunk operation; never reaped through.
+            if no_symlink(&u, "", &r.join(PACK_DIR)).is_ok() {
+                reaped += reap_dead_packs(&r.join(PACK_DIR));
+            }
             if reaped > 0 {
                 tracing::info!(store = %u, files = reaped, "removed temp files of writers that are gone");
             }
@@ -182,7 +305,8 @@ impl LocalBackend {
         })
         .await
         .map_err(|e| join_err(&url, e))??;
-        Ok(Self { root, url })
+        let packs = Arc::new(Packs::new(root.join(PACK_DIR)));
+        Ok(Self { root, url, packs })
     }
 
     /// The root directory.
@@ -231,6 +355,7 @@ impl LocalBackend {
             url: self.url.clone(),
             root: self.root.clone(),
             tmp: self.tmp_path(),
+            packs: self.packs.clone(),
         }
     }
 
@@ -247,12 +372,13 @@ impl LocalBackend {
     /// Opens (creating if needed) a store rooted at `root`, from blocking code.
     pub fn open_blocking(root: &Path) -> Result<Self, BackendError> {
         let url = format!("file://{}", root.display());
-        for d in [TMP_DIR, LOCK_DIR] {
+        for d in [TMP_DIR, LOCK_DIR, PACK_DIR] {
             fs::create_dir_all(root.join(d)).map_err(|e| other(&url, "open", "", e))?;
         }
         Ok(Self {
             root: root.to_path_buf(),
             url,
+            packs: Arc::new(Packs::new(root.join(PACK_DIR))),
         })
     }
 
@@ -360,6 +486,7 @@ struct Ctx {
     url: String,
     root: PathBuf,
     tmp: PathBuf,
+    packs: Arc<Packs>,
 }
 
 fn other(url: &str, op: &'static str, key: &str, e: impl std::fmt::Display) -> BackendError {
@@ -424,7 +551,7 @@ impl Ctx {
         data: &[u8],
         expect: Option<Sha256Hash>,
     ) -> Result<PutOutcome, BackendError> {
-        if fs::symlink_metadata(dest).is_ok_and(|m| m.is_file()) {
+        if self.packed(key)?.is_some() || fs::symlink_metadata(dest).is_ok_and(|m| m.is_file()) {
             return Ok(PutOutcome::AlreadyExists);
         }
         let tmp = self.write_tmp(key, expect, |f, h| {
@@ -566,6 +693,205 @@ impl Ctx {
     }
 }
 
+/// Packed chunks ([`local_pack`]): look-up, reads, the commit of a batch, deletion.
+impl Ctx {
+    /// Where `key` is packed, when it is a packed-eligible key held by a live pack entry.
+    fn packed(&self, key: &str) -> Result<Option<local_pack::Loc>, BackendError> {
+        let Some(d) = chunk_digest(key) else {
+            return Ok(None);
+        };
+        self.packs
+            .lookup(&d)
+            .map_err(|e| other(&self.url, "resolve", key, e))
+    }
+
+    /// Bytes `range` of `key` when it is packed (`None`: not packed). A pack deleted under
+    /// the read is looked up again once.
+    fn read_packed(&self, key: &str, range: Range<u64>) -> Result<Option<Bytes>, BackendError> {
+        for _ in 0..2 {
+            let Some(loc) = self.packed(key)? else {
+                return Ok(None);
+            };
+            match self.packs.read_at(&loc, range.clone()) {
+                Ok(b) => return Ok(Some(Bytes::from(b))),
+                Err(e) if e.kind() == ErrorKind::NotFound => {
+                    self.packs.drop_pack(&loc.pack);
+                    self.packs
+                        .rescan()
+                        .map_err(|e| other(&self.url, "get", key, e))?;
+                }
+                Err(e) => return Err(other(&self.url, "get", key, e)),
+            }
+        }
+        Ok(None)
+    }
+
+    /// The exclusive lock of pack commits and deletions (`.locks/#packs`).
+    fn lock_packs(&self, key: &str) -> Result<File, BackendError> {
+        no_symlink(&self.url, key, &self.root.join(LOCK_DIR))?;
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(self.root.join(LOCK_DIR).join(PACK_LOCK))
+            .map_err(|e| other(&self.url, "lock", key, e))?;
+        lock.lock().map_err(|e| other(&self.url, "lock", key, e))?;
+        Ok(lock)
+    }
+
+    /// [`Backend::commit_staged`] of a batch's packed chunks (`staged`: the batch's entries,
+    /// in the caller's order). See the module doc ("Packs") for the order and why.
+    fn commit_pack(
+        &self,
+        batch: &PackBatch,
+        staged: &[StagedPut],
+    ) -> Result<Vec<PutOutcome>, BackendError> {
+        let err = |op: &'static str, e: std::io::Error| other(&self.url, op, &batch.name, e);
+        // 1. The pack's bytes are on stable storage before any index names them.
+        if !staged.is_empty()
+            && let Some(f) = batch.file()
+        {
+            f.sync_all().map_err(|e| err("fsync", e))?;
+        }
+        // 2. Chunks found present as loose files: their names, linked by another writer
+        //    that may not have fsynced their directory yet.
+        let loose_dir = self.root.join("chunks/sha256");
+        let loose_dir_exists = no_symlink(&self.url, "chunks/sha256", &self.root.join("chunks"))?
+            && no_symlink(&self.url, "chunks/sha256", &loose_dir)?;
+        if loose_dir_exists {
+            fsync_dir(&loose_dir).map_err(|e| err("fsync", e))?;
+        }
+        // 3. Under the lock: every index committed before is durable (its committer
+        //    fsynced `.packs` before releasing), and seen here.
+        let _lock = self.lock_packs(&batch.name)?;
+        no_symlink(&self.url, PACK_DIR, self.packs.dir())?;
+        self.packs.rescan().map_err(|e| err("resolve", e))?;
+        let mut outcomes = Vec::with_capacity(staged.len());
+        let mut created = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for s in staged {
+            let (Some(d), Some(offset)) = (chunk_digest(&s.key), s.packed) else {
+                return Err(other(
+                    &self.url,
+                    "commit_staged",
+                    &s.key,
+                    "not a packed chunk",
+                ));
+            };
+            // The view was just rescanned under the lock, and deletions take the lock too.
+            let present = !seen.insert(d)
+                || self.packs.contains(&d)
+                || (loose_dir_exists
+                    && fs::symlink_metadata(self.root.join(&s.key)).is_ok_and(|m| m.is_file()));
+            if present {
+                outcomes.push(PutOutcome::AlreadyExists);
+            } else {
+                outcomes.push(PutOutcome::Created);
+                created.push(IdxEntry {
+                    digest: d,
+                    offset,
+                    len: s.len,
+                });
+            }
+        }
+        if created.is_empty() {
+            // Nothing new: the batch's file goes as it drops.
+            return Ok(outcomes);
+        }
+        let pack_len = batch.len();
+        let live: u64 = created.iter().map(|e| e.len).sum();
+        let idx_bytes = local_pack::encode_index(&mut created);
+        let idx_tmp = self.root.join(TMP_DIR).join(format!("{}.idx", batch.name));
+        let done = (|| {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&idx_tmp)?;
+            f.write_all(&idx_bytes)?;
+            f.sync_all()?;
+            OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(self.packs.path(&batch.name, "dead"))?;
+            fs::rename(&batch.tmp, self.packs.path(&batch.name, "pack"))?;
+            // The pack's name is durable before an index can name it (a file system
+            // without a journal does not order the two renames).
+            fsync_dir(self.packs.dir())?;
+            fs::rename(&idx_tmp, self.packs.path(&batch.name, "idx"))?;
+            fsync_dir(self.packs.dir())?;
+            fs::symlink_metadata(self.packs.path(&batch.name, "idx"))?.modified()
+        })();
+        let modified = match done {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = fs::remove_file(&idx_tmp);
+                if fs::symlink_metadata(self.packs.path(&batch.name, "idx")).is_err() {
+                    let _ = fs::remove_file(self.packs.path(&batch.name, "pack"));
+                    let _ = fs::remove_file(self.packs.path(&batch.name, "dead"));
+                }
+                return Err(if crate::space::is_no_space(&e) {
+                    self.write_err(&batch.name, e)
+                } else {
+                    err("commit_staged", e)
+                });
+            }
+        };
+        tracing::debug!(
+            store = %self.url,
+            pack = %batch.name,
+            chunks = created.len(),
+            bytes = pack_len,
+            dead_bytes = pack_len - live,
+            "committed a pack"
+        );
+        self.packs.add(&batch.name, created, pack_len, modified);
+        Ok(outcomes)
+    }
+
+    /// Deletes the packed entry of `key`, if any, under the lock: its digest appended to
+    /// its pack's dead file (fsynced); the pack, its index and dead file removed once every
+    /// entry is dead (index first: a pack without an index is invisible). Returns whether
+    /// an entry was deleted.
+    fn delete_packed(&self, key: &str) -> Result<bool, BackendError> {
+        let Some(d) = chunk_digest(key) else {
+            return Ok(false);
+        };
+        if self.packed(key)?.is_none() {
+            return Ok(false);
+        }
+        let _lock = self.lock_packs(key)?;
+        let Some(loc) = self.packed(key)? else {
+            return Ok(false);
+        };
+        let err = |e: std::io::Error| other(&self.url, "delete", key, e);
+        let dead_path = self.packs.path(&loc.pack, "dead");
+        let dead_len = {
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = OpenOptions::new()
+                .append(true)
+                .create(true)
+                .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+                .open(&dead_path)
+                .map_err(err)?;
+            f.write_all(&d.0).map_err(err)?;
+            f.sync_all().map_err(err)?;
+            f.metadata().map_err(err)?.len()
+        };
+        if self.packs.mark_dead(&loc.pack, d, dead_len) {
+            for ext in ["idx", "pack", "dead"] {
+                match fs::remove_file(self.packs.path(&loc.pack, ext)) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == ErrorKind::NotFound => {}
+                    Err(e) => return Err(err(e)),
+                }
+            }
+            fsync_dir(self.packs.dir()).map_err(err)?;
+            self.packs.drop_pack(&loc.pack);
+        }
+        Ok(true)
+    }
+}
+
 /// Longest file name (bytes) on Linux file systems (`NAME_MAX`).
 const NAME_MAX: usize = 255;
 
@@ -625,6 +951,9 @@ impl Backend for LocalBackend {
         let path = self.path(key)?;
         let key = key.to_string();
         self.blocking(move |c| {
+            if let Some(b) = c.read_packed(&key, 0..u64::MAX)? {
+                return Ok(b);
+            }
             let mut f = open_nofollow(&path).map_err(|e| not_found_or(&c.url, "get", &key, e))?;
             let mut buf = Vec::new();
             f.read_to_end(&mut buf)
@@ -639,6 +968,9 @@ impl Backend for LocalBackend {
         let key = key.to_string();
         self.blocking(move |c| {
             use std::os::unix::fs::FileExt;
+            if let Some(b) = c.read_packed(&key, range.clone())? {
+                return Ok(b);
+            }
             let f = open_nofollow(&path).map_err(|e| not_found_or(&c.url, "get", &key, e))?;
             let len = f
                 .metadata()
@@ -678,11 +1010,21 @@ impl Backend for LocalBackend {
     async fn head(&self, key: &str) -> Result<Option<ObjectInfo>, BackendError> {
         let path = self.path(key)?;
         let key = key.to_string();
-        self.blocking(move |c| match fs::symlink_metadata(&path) {
-            Ok(m) if m.is_file() => Ok(Some(info_of(key, &m))),
-            Ok(_) => Ok(None),
-            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(other(&c.url, "head", &key, e)),
+        self.blocking(move |c| {
+            if let Some(loc) = c.packed(&key)? {
+                return Ok(Some(ObjectInfo {
+                    key,
+                    size: loc.len,
+                    modified: loc.modified,
+                    version: None,
+                }));
+            }
+            match fs::symlink_metadata(&path) {
+                Ok(m) if m.is_file() => Ok(Some(info_of(key, &m))),
+                Ok(_) => Ok(None),
+                Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(other(&c.url, "head", &key, e)),
+            }
         })
         .await
     }
@@ -709,7 +1051,7 @@ impl Backend for LocalBackend {
         let key = key.to_string();
         let src = path.to_path_buf();
         self.blocking(move |c| {
-            if fs::symlink_metadata(&dest).is_ok_and(|m| m.is_file()) {
+            if c.packed(&key)?.is_some() || fs::symlink_metadata(&dest).is_ok_and(|m| m.is_file()) {
                 return Ok(PutOutcome::AlreadyExists);
             }
             let tmp = c.write_tmp(&key, expect_sha256, |f, h| {
@@ -729,7 +1071,71 @@ impl Backend for LocalBackend {
         .await
     }
 
-    async fn stage_if_absent(&self, key: &str, data: Bytes) -> Result<Staged, BackendError> {
+    fn stage_batch(&self) -> StageBatch {
+        let tmp = self.tmp_path();
+        let name = tmp
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        StageBatch {
+            pack: Some(Arc::new(PackBatch::new(
+                name.clone(),
+                tmp.with_file_name(format!("{name}.pack")),
+            ))),
+        }
+    }
+
+    async fn layout_report(&self) -> Result<LayoutReport, BackendError> {
+        self.blocking(|c| {
+            c.packs
+                .rescan()
+                .map_err(|e| other(&c.url, "list", PACK_DIR, e))?;
+            Ok(c.packs.report())
+        })
+        .await
+    }
+
+    async fn stage_if_absent(
+        &self,
+        batch: &StageBatch,
+        key: &str,
+        data: Bytes,
+    ) -> Result<Staged, BackendError> {
+        if let (Some(pack), Some(_)) = (&batch.pack, chunk_digest(key)) {
+            // Packed: appended to the batch's pack at a range of its own.
+            self.checked_path(key)?;
+            let dest = self.root.join(key);
+            let pack = pack.clone();
+            let key = key.to_string();
+            return self
+                .blocking(move |c| {
+                    if c.packed(&key)?.is_some()
+                        || fs::symlink_metadata(&dest).is_ok_and(|m| m.is_file())
+                    {
+                        return Ok(Staged::Done(PutOutcome::AlreadyExists));
+                    }
+                    no_symlink(&c.url, &key, &c.root.join(TMP_DIR))?;
+                    let offset = pack.append(&data).map_err(|e| {
+                        if crate::space::is_no_space(&e) {
+                            BackendError::NoSpace {
+                                store: c.url.clone(),
+                                op: "put",
+                                key: key.clone(),
+                                space: crate::space::NoSpace::at("writing", &pack.tmp, None),
+                            }
+                        } else {
+                            other(&c.url, "put", &key, e)
+                        }
+                    })?;
+                    Ok(Staged::Pending(StagedPut {
+                        key,
+                        len: data.len() as u64,
+                        tmp: PathBuf::new(),
+                        packed: Some(offset),
+                    }))
+                })
+                .await;
+        }
         let (dest, dir_exists) = self.checked_path(key)?;
         let key = key.to_string();
         self.blocking(move |c| {
@@ -747,45 +1153,79 @@ impl Backend for LocalBackend {
                 key,
                 len: data.len() as u64,
                 tmp,
+                packed: None,
             }))
         })
         .await
     }
 
-    async fn commit_staged(&self, staged: Vec<StagedPut>) -> Result<Vec<PutOutcome>, BackendError> {
-        // Every key was checked when staged; check again (a symlink planted since), each
-        // directory once (an artifact's chunks share one).
-        let mut dests = Vec::with_capacity(staged.len());
-        let mut checked = std::collections::HashSet::new();
-        for s in &staged {
-            let dir = s.key.rsplit_once('/').map_or("", |(d, _)| d);
-            let res = if checked.contains(dir) {
-                Ok(self.root.join(&s.key))
-            } else {
-                self.path(&s.key)
-            };
-            match res {
-                Ok(d) => {
-                    checked.insert(dir.to_string());
-                    dests.push(d);
-                }
-                Err(e) => {
-                    self.discard_staged(staged).await;
-                    return Err(e);
+    async fn commit_staged(
+        &self,
+        batch: StageBatch,
+        staged: Vec<StagedPut>,
+    ) -> Result<Vec<PutOutcome>, BackendError> {
+        // Packed chunks, and objects staged one file each (a batch without a pack, or a key
+        // the packs do not take); outcomes go back in the order given.
+        let (packed, loose): (Vec<_>, Vec<_>) = staged
+            .into_iter()
+            .enumerate()
+            .partition(|(_, s)| s.packed.is_some());
+        let (loose_at, loose): (Vec<usize>, Vec<StagedPut>) = loose.into_iter().unzip();
+        let (packed_at, packed): (Vec<usize>, Vec<StagedPut>) = packed.into_iter().unzip();
+        let mut outcomes = vec![PutOutcome::AlreadyExists; loose_at.len() + packed_at.len()];
+        if !loose.is_empty() || batch.pack.is_none() {
+            // Every key was checked when staged; check again (a symlink planted since), each
+            // directory once (an artifact's chunks share one).
+            let mut dests = Vec::with_capacity(loose.len());
+            let mut checked = std::collections::HashSet::new();
+            for s in &loose {
+                let dir = s.key.rsplit_once('/').map_or("", |(d, _)| d);
+                let res = if checked.contains(dir) {
+                    Ok(self.root.join(&s.key))
+                } else {
+                    self.path(&s.key)
+                };
+                match res {
+                    Ok(d) => {
+                        checked.insert(dir.to_string());
+                        dests.push(d);
+                    }
+                    Err(e) => {
+                        self.discard_staged(batch, loose).await;
+                        return Err(e);
+                    }
                 }
             }
+            let out = self.blocking(move |c| c.commit(loose, dests)).await?;
+            for (i, o) in loose_at.into_iter().zip(out) {
+                outcomes[i] = o;
+            }
         }
-        self.blocking(move |c| c.commit(staged, dests)).await
+        if let Some(pack) = batch.pack {
+            let out = self
+                .blocking(move |c| {
+                    let out = c.commit_pack(&pack, &packed);
+                    // The batch's temp pack (if not committed) goes as its last handle drops.
+                    drop(pack);
+                    out
+                })
+                .await?;
+            for (i, o) in packed_at.into_iter().zip(out) {
+                outcomes[i] = o;
+            }
+        }
+        Ok(outcomes)
     }
 
-    async fn discard_staged(&self, staged: Vec<StagedPut>) {
-        if staged.is_empty() {
+    async fn discard_staged(&self, batch: StageBatch, staged: Vec<StagedPut>) {
+        if staged.is_empty() && batch.pack.is_none() {
             return;
         }
         let _ = self
             .blocking(move |_| {
-                // Each StagedPut removes its temp file as it drops.
+                // Each StagedPut removes its temp file as it drops, the batch its pack.
                 drop(staged);
+                drop(batch);
                 Ok(())
             })
             .await;
@@ -796,7 +1236,11 @@ impl Backend for LocalBackend {
         let key = key.to_string();
         self.blocking(move |c| {
             let tmp = c.write_tmp(&key, None, |f, _| f.write_all(&data))?;
-            c.publish_rename(&key, &tmp)
+            let v = c.publish_rename(&key, &tmp)?;
+            // An overwrite of a packed chunk: the new bytes are the object (written first,
+            // so the key is never absent), the packed entry is deleted.
+            c.delete_packed(&key)?;
+            Ok(v)
         })
         .await
     }
@@ -857,6 +1301,42 @@ impl Backend for LocalBackend {
             walk(&c.root, &c.root.join(&dir_part), &mut out)
                 .map_err(|e| other(&c.url, "list", &prefix, e))?;
             out.retain(|o| o.key.starts_with(&prefix));
+            // Packed chunks, when the prefix covers some: each key once (a chunk both loose
+            // and packed, two writers' copies, is listed with the later `modified`, so GC's
+            // grace period counts from the newer copy).
+            const CHUNKS: &str = "chunks/sha256/";
+            if CHUNKS.starts_with(prefix.as_str()) || prefix.starts_with(CHUNKS) {
+                c.packs
+                    .rescan()
+                    .map_err(|e| other(&c.url, "list", &prefix, e))?;
+                let mut at: std::collections::HashMap<String, usize> = out
+                    .iter()
+                    .enumerate()
+                    .map(|(i, o)| (o.key.clone(), i))
+                    .collect();
+                for (d, len, modified) in c.packs.live() {
+                    let key = chunk_key(&d);
+                    if !key.starts_with(&prefix) {
+                        continue;
+                    }
+                    match at.get(&key) {
+                        Some(&i) => {
+                            if out[i].modified < modified {
+                                out[i].modified = modified;
+                            }
+                        }
+                        None => {
+                            at.insert(key.clone(), out.len());
+                            out.push(ObjectInfo {
+                                key,
+                                size: len,
+                                modified,
+                                version: None,
+                            });
+                        }
+                    }
+                }
+            }
             Ok(out)
         })
         .await
@@ -865,10 +1345,14 @@ impl Backend for LocalBackend {
     async fn delete(&self, key: &str) -> Result<(), BackendError> {
         let path = self.path(key)?;
         let key = key.to_string();
-        self.blocking(move |c| match fs::remove_file(&path) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(other(&c.url, "delete", &key, e)),
+        self.blocking(move |c| {
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => return Err(other(&c.url, "delete", &key, e)),
+            }
+            c.delete_packed(&key)?;
+            Ok(())
         })
         .await
     }
@@ -877,12 +1361,21 @@ impl Backend for LocalBackend {
         let src = self.path(from)?;
         let dest = self.path(to)?;
         let from = from.to_string();
+        let to = to.to_string();
         self.blocking(move |c| {
             if !no_symlink(&c.url, &from, &src)? {
-                return Err(BackendError::NotFound {
-                    store: c.url.clone(),
-                    key: from,
-                });
+                // Packed: the bytes written at `to` (durably), then the entry deleted, so an
+                // interruption leaves both keys, never neither.
+                let Some(data) = c.read_packed(&from, 0..u64::MAX)? else {
+                    return Err(BackendError::NotFound {
+                        store: c.url.clone(),
+                        key: from,
+                    });
+                };
+                let tmp = c.write_tmp(&to, None, |f, _| f.write_all(&data))?;
+                c.publish_rename(&to, &tmp)?;
+                c.delete_packed(&from)?;
+                return Ok(());
             }
             let parent = dest.parent().unwrap_or(&c.root).to_path_buf();
             fs::create_dir_all(&parent).map_err(|e| other(&c.url, "rename", &from, e))?;
@@ -891,6 +1384,8 @@ impl Backend for LocalBackend {
             if let Some(p) = src.parent() {
                 fsync_dir(p).map_err(|e| other(&c.url, "rename", &from, e))?;
             }
+            // A packed copy too (two writers' copies): gone with the loose one.
+            c.delete_packed(&from)?;
             Ok(())
         })
         .await
@@ -978,11 +1473,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let b = LocalBackend::open(dir.path()).await.unwrap();
         let tmp_files = || fs::read_dir(dir.path().join(TMP_DIR)).unwrap().count();
+        let batch = b.stage_batch();
         let stage = |key: &'static str, data: &'static [u8]| {
-            let b = &b;
+            let (b, batch) = (&b, &batch);
             async move {
                 match b
-                    .stage_if_absent(key, Bytes::from_static(data))
+                    .stage_if_absent(batch, key, Bytes::from_static(data))
                     .await
                     .unwrap()
                 {
@@ -1000,25 +1496,38 @@ mod tests {
         b.put_if_absent("chunks/sha256/cc", Bytes::from_static(b"other"), None)
             .await
             .unwrap();
-        let out = b.commit_staged(vec![a, c]).await.unwrap();
+        let out = b.commit_staged(batch, vec![a, c]).await.unwrap();
         assert_eq!(out, [PutOutcome::Created, PutOutcome::AlreadyExists]);
         assert_eq!(&b.get("chunks/sha256/aa").await.unwrap()[..], b"a");
         assert_eq!(&b.get("chunks/sha256/cc").await.unwrap()[..], b"other");
         assert_eq!(tmp_files(), 0);
         // An object already there is found at staging time.
+        let batch = b.stage_batch();
         assert!(matches!(
-            b.stage_if_absent("chunks/sha256/aa", Bytes::from_static(b"a"))
+            b.stage_if_absent(&batch, "chunks/sha256/aa", Bytes::from_static(b"a"))
                 .await
                 .unwrap(),
             Staged::Done(PutOutcome::AlreadyExists)
         ));
         // Discarded: nothing stays.
-        let d = stage("chunks/sha256/dd", b"d").await;
-        b.discard_staged(vec![d]).await;
+        let d = match b
+            .stage_if_absent(&batch, "chunks/sha256/dd", Bytes::from_static(b"d"))
+            .await
+            .unwrap()
+        {
+            Staged::Pending(p) => p,
+            Staged::Done(o) => panic!("not staged: {o:?}"),
+        };
+        b.discard_staged(batch, vec![d]).await;
         assert_eq!(tmp_files(), 0);
         assert!(b.head("chunks/sha256/dd").await.unwrap().is_none());
         // An empty commit (the sync of what was found present) is fine.
-        assert!(b.commit_staged(Vec::new()).await.unwrap().is_empty());
+        assert!(
+            b.commit_staged(b.stage_batch(), Vec::new())
+                .await
+                .unwrap()
+                .is_empty()
+        );
     }
 
     #[tokio::test]
@@ -1063,7 +1572,7 @@ mod tests {
         assert!(b.list("tags/n/").await.is_err());
         assert!(b.delete("chunks/victim").await.is_err());
         assert!(
-            b.stage_if_absent("chunks/victim3", data.clone())
+            b.stage_if_absent(&b.stage_batch(), "chunks/victim3", data.clone())
                 .await
                 .is_err()
         );
@@ -1079,7 +1588,7 @@ mod tests {
         std::os::unix::fs::symlink(outside.path(), dir.path().join(".tmp")).unwrap();
         assert!(b.put("blobs/sha256/aa", data.clone()).await.is_err());
         assert!(
-            b.stage_if_absent("blobs/sha256/bb", data.clone())
+            b.stage_if_absent(&b.stage_batch(), "blobs/sha256/bb", data.clone())
                 .await
                 .is_err()
         );
@@ -1091,18 +1600,21 @@ mod tests {
         assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 1);
     }
 
-    /// Staged chunks are committed only into directories checked at the commit: one
-    /// swapped for a symlink since they were staged (their directory is checked once for
-    /// all of them) fails the commit, and nothing is linked outside.
+    /// Objects staged one file each (a batch without a pack) are committed only into
+    /// directories checked at the commit: one swapped for a symlink since they were staged
+    /// (their directory is checked once for all of them) fails the commit, and nothing is
+    /// linked outside.
     #[tokio::test]
     async fn a_directory_swapped_for_a_symlink_before_the_commit_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let outside = tempfile::tempdir().unwrap();
         let b = LocalBackend::open(dir.path()).await.unwrap();
         let mut staged = Vec::new();
+        let batch = StageBatch::immediate();
         for i in 0..3 {
             match b
                 .stage_if_absent(
+                    &batch,
                     &format!("chunks/sha256/{i:064x}"),
                     Bytes::from(vec![i as u8; 10]),
                 )
@@ -1115,7 +1627,7 @@ mod tests {
         }
         fs::rename(dir.path().join("chunks/sha256"), dir.path().join("moved")).unwrap();
         std::os::unix::fs::symlink(outside.path(), dir.path().join("chunks/sha256")).unwrap();
-        assert!(b.commit_staged(staged).await.is_err());
+        assert!(b.commit_staged(batch, staged).await.is_err());
         assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 0);
         assert_eq!(fs::read_dir(dir.path().join(".tmp")).unwrap().count(), 0);
     }
@@ -1160,5 +1672,300 @@ mod tests {
             "{:?}",
             r.findings
         );
+    }
+
+    fn chunk(i: u8) -> (String, Bytes) {
+        let data = Bytes::from(vec![i; 100 + usize::from(i)]);
+        (chunk_key(&Sha256Hash::of(&data)), data)
+    }
+
+    async fn stage_all(
+        b: &LocalBackend,
+        batch: &StageBatch,
+        items: &[(String, Bytes)],
+    ) -> Vec<StagedPut> {
+        let mut out = Vec::new();
+        for (k, d) in items {
+            match b.stage_if_absent(batch, k, d.clone()).await.unwrap() {
+                Staged::Pending(p) => out.push(p),
+                Staged::Done(o) => panic!("{k}: not staged: {o:?}"),
+            }
+        }
+        out
+    }
+
+    fn files(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(dir)
+            .map(|d| {
+                d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
+    /// Chunks staged into a batch go into one pack file: invisible (no key, not listed)
+    /// until the commit, then read whole and by range, headed and listed; the commit makes
+    /// one pack, one index and one dead file, and no chunk file; a chunk published by another
+    /// writer meanwhile wins (its bytes stay in the pack as dead weight).
+    #[tokio::test]
+    async fn packed_chunks_appear_only_at_their_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (1..=4).map(chunk).collect();
+        let batch = b.stage_batch();
+        let staged = stage_all(&b, &batch, &items).await;
+        assert_eq!(files(&dir.path().join(TMP_DIR)).len(), 1, "one temp pack");
+        for (k, _) in &items {
+            assert!(b.head(k).await.unwrap().is_none());
+            assert!(b.get(k).await.unwrap_err().is_not_found());
+        }
+        assert!(b.list("chunks/").await.unwrap().is_empty());
+        // Another writer publishes chunk 4 meanwhile, as a loose file.
+        b.put_if_absent(&items[3].0, items[3].1.clone(), None)
+            .await
+            .unwrap();
+        let out = b.commit_staged(batch, staged).await.unwrap();
+        assert_eq!(
+            out,
+            [
+                PutOutcome::Created,
+                PutOutcome::Created,
+                PutOutcome::Created,
+                PutOutcome::AlreadyExists
+            ]
+        );
+        assert!(files(&dir.path().join(TMP_DIR)).is_empty());
+        let packs = files(&dir.path().join(PACK_DIR));
+        assert_eq!(packs.len(), 3, "{packs:?}");
+        assert!(
+            packs.iter().all(|n| n.starts_with(tmp_owner())),
+            "{packs:?}"
+        );
+        for (k, d) in &items {
+            assert_eq!(b.get(k).await.unwrap(), *d);
+            let h = b.head(k).await.unwrap().unwrap();
+            assert_eq!(h.size, d.len() as u64);
+            assert_eq!(b.get_range(k, 10..20).await.unwrap(), d.slice(10..20));
+            // Clipped to the chunk, never into the next one.
+            assert_eq!(b.get_range(k, 50..100_000).await.unwrap(), d.slice(50..));
+        }
+        let mut listed: Vec<(String, u64)> = b
+            .list("chunks/")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|o| (o.key, o.size))
+            .collect();
+        listed.sort();
+        let mut want: Vec<(String, u64)> = items
+            .iter()
+            .map(|(k, d)| (k.clone(), d.len() as u64))
+            .collect();
+        want.sort();
+        assert_eq!(listed, want);
+        assert_eq!(b.list("").await.unwrap().len(), 4);
+        assert!(b.list("blobs/").await.unwrap().is_empty());
+        let r = b.layout_report().await.unwrap();
+        assert_eq!((r.packs, r.problems.len()), (1, 0));
+        assert_eq!(r.dead_bytes, items[3].1.len() as u64);
+        // Staged again: found present, put_if_absent too.
+        let batch = b.stage_batch();
+        assert!(matches!(
+            b.stage_if_absent(&batch, &items[0].0, items[0].1.clone())
+                .await
+                .unwrap(),
+            Staged::Done(PutOutcome::AlreadyExists)
+        ));
+        assert_eq!(
+            b.put_if_absent(&items[1].0, items[1].1.clone(), None)
+                .await
+                .unwrap(),
+            PutOutcome::AlreadyExists
+        );
+        assert!(!dir.path().join(&items[1].0).exists());
+    }
+
+    /// Two batches of one process at once (two uploads), and a second backend on the same
+    /// root (another process): each sees the other's committed pack.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn batches_at_once_and_other_processes_see_committed_packs() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let other = LocalBackend::open(dir.path()).await.unwrap();
+        let xs: Vec<_> = (1..=3).map(chunk).collect();
+        let ys: Vec<_> = (4..=6).map(chunk).collect();
+        // The other process has looked (and cached an empty view) before.
+        assert!(other.head(&xs[0].0).await.unwrap().is_none());
+        let (bx, by) = (b.stage_batch(), b.stage_batch());
+        let (sx, sy) = tokio::join!(stage_all(&b, &bx, &xs), stage_all(&b, &by, &ys));
+        let (ox, oy) = tokio::join!(b.commit_staged(bx, sx), b.commit_staged(by, sy));
+        assert!(
+            ox.unwrap()
+                .iter()
+                .chain(&oy.unwrap())
+                .all(|o| *o == PutOutcome::Created)
+        );
+        assert_eq!(files(&dir.path().join(PACK_DIR)).len(), 6);
+        for (k, d) in xs.iter().chain(&ys) {
+            assert_eq!(other.get(k).await.unwrap(), *d, "{k}");
+        }
+        assert_eq!(other.list("chunks/sha256/").await.unwrap().len(), 6);
+        // A delete by the other process is seen here at once.
+        other.delete(&xs[0].0).await.unwrap();
+        assert!(b.head(&xs[0].0).await.unwrap().is_none());
+        assert!(b.get(&xs[0].0).await.unwrap_err().is_not_found());
+        assert_eq!(b.list("chunks/").await.unwrap().len(), 5);
+    }
+
+    /// Another process's view is refreshed by `.packs`'s timestamps: one that scanned well
+    /// after the last change (not in the racy window) sees a pack committed later at its
+    /// next miss, and a delete at its next hit.
+    #[tokio::test]
+    async fn a_settled_view_sees_a_later_commit_and_delete() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let other = LocalBackend::open(dir.path()).await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let xs: Vec<_> = (7..=8).map(chunk).collect();
+        assert!(other.head(&xs[0].0).await.unwrap().is_none());
+        assert!(
+            !other.packs.read().racy,
+            "scanned long after the last change"
+        );
+        let batch = b.stage_batch();
+        let staged = stage_all(&b, &batch, &xs).await;
+        b.commit_staged(batch, staged).await.unwrap();
+        assert_eq!(other.get(&xs[0].0).await.unwrap(), xs[0].1);
+        b.delete(&xs[1].0).await.unwrap();
+        assert!(other.head(&xs[1].0).await.unwrap().is_none());
+    }
+
+    /// GC on packed chunks: a move to the fossil key leaves the bytes there and the key
+    /// absent, a put back makes a loose chunk; a pack whose every entry is deleted goes
+    /// with its index and dead file.
+    #[tokio::test]
+    async fn packed_chunks_are_renamed_and_deleted_and_an_all_dead_pack_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (1..=3).map(chunk).collect();
+        let batch = b.stage_batch();
+        let staged = stage_all(&b, &batch, &items).await;
+        b.commit_staged(batch, staged).await.unwrap();
+        let (k, d) = &items[0];
+        let fossil = format!("fossil/{k}");
+        b.rename(k, &fossil).await.unwrap();
+        assert!(b.head(k).await.unwrap().is_none());
+        assert_eq!(b.get(&fossil).await.unwrap(), *d);
+        assert!(b.rename(k, &fossil).await.unwrap_err().is_not_found());
+        b.rename(&fossil, k).await.unwrap();
+        assert_eq!(b.get(k).await.unwrap(), *d);
+        assert!(dir.path().join(k).is_file(), "put back as a loose chunk");
+        // Reopened (a fresh view): the dead entry stays dead, the loose copy is the object.
+        let fresh = LocalBackend::open(dir.path()).await.unwrap();
+        assert_eq!(fresh.get(k).await.unwrap(), *d);
+        assert_eq!(fresh.list("chunks/").await.unwrap().len(), 3);
+        for (k, _) in &items {
+            b.delete(k).await.unwrap();
+        }
+        assert!(b.list("chunks/").await.unwrap().is_empty());
+        assert!(files(&dir.path().join(PACK_DIR)).is_empty());
+        assert!(fresh.list("chunks/").await.unwrap().is_empty());
+        assert!(fresh.get(&items[1].0).await.unwrap_err().is_not_found());
+        // Deleting again is not an error.
+        b.delete(&items[1].0).await.unwrap();
+    }
+
+    /// A torn or planted index is refused, named in the layout report, and its chunks are
+    /// not served (they read as absent, so an upload writes them again).
+    #[tokio::test]
+    async fn a_torn_or_planted_index_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (1..=2).map(chunk).collect();
+        let batch = b.stage_batch();
+        let staged = stage_all(&b, &batch, &items).await;
+        b.commit_staged(batch, staged).await.unwrap();
+        let idx = files(&dir.path().join(PACK_DIR))
+            .into_iter()
+            .find(|n| n.ends_with(".idx"))
+            .unwrap();
+        let p = dir.path().join(PACK_DIR).join(&idx);
+        let bytes = fs::read(&p).unwrap();
+        fs::write(&p, &bytes[..bytes.len() - 5]).unwrap();
+        let fresh = LocalBackend::open(dir.path()).await.unwrap();
+        assert!(fresh.head(&items[0].0).await.unwrap().is_none());
+        let r = fresh.layout_report().await.unwrap();
+        assert_eq!(r.problems.len(), 1, "{:?}", r.problems);
+        assert!(
+            r.problems[0].0.ends_with(&idx) && r.problems[0].1.contains("checksum"),
+            "{:?}",
+            r.problems
+        );
+        // A planted index naming bytes past its pack's end.
+        let mut e = vec![IdxEntry {
+            digest: Sha256Hash::of(b"planted"),
+            offset: 0,
+            len: 1 << 30,
+        }];
+        fs::write(&p, local_pack::encode_index(&mut e)).unwrap();
+        let fresh = LocalBackend::open(dir.path()).await.unwrap();
+        let r = fresh.layout_report().await.unwrap();
+        assert!(r.problems[0].1.contains("bytes up to"), "{:?}", r.problems);
+        assert!(
+            fresh
+                .get(&chunk_key(&Sha256Hash::of(b"planted")))
+                .await
+                .unwrap_err()
+                .is_not_found()
+        );
+    }
+
+    /// A pack left without an index by a writer that is gone (killed between the pack's
+    /// rename and the index's) is removed at the next open; a live writer's stays.
+    #[tokio::test]
+    async fn an_index_less_pack_of_a_dead_writer_is_reaped_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        LocalBackend::open(dir.path()).await.unwrap();
+        let packs = dir.path().join(PACK_DIR);
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let ticks = crate::owner::start_ticks(pid).unwrap_or(1);
+        child.wait().unwrap();
+        let ns = crate::owner::pid_namespace().unwrap();
+        let dead = format!("p{pid}s{ticks}n{ns}-0-1");
+        let live = format!("{}-0-1", tmp_owner());
+        for n in [&dead, &live] {
+            fs::write(packs.join(format!("{n}.pack")), b"bytes").unwrap();
+            fs::write(packs.join(format!("{n}.dead")), b"").unwrap();
+        }
+        LocalBackend::open(dir.path()).await.unwrap();
+        assert_eq!(
+            files(&packs),
+            [format!("{live}.dead"), format!("{live}.pack")]
+        );
+    }
+
+    /// A symlink planted at `.packs` is never followed: chunk reads, writes, listings and
+    /// commits through it fail, and nothing is written outside.
+    #[tokio::test]
+    async fn a_symlink_at_packs_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        fs::create_dir_all(dir.path()).unwrap();
+        std::os::unix::fs::symlink(outside.path(), dir.path().join(PACK_DIR)).unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let (k, d) = chunk(1);
+        assert!(b.get(&k).await.is_err());
+        assert!(b.head(&k).await.is_err());
+        assert!(b.list("chunks/").await.is_err());
+        assert!(b.put_if_absent(&k, d.clone(), None).await.is_err());
+        let batch = b.stage_batch();
+        let staged = b.stage_if_absent(&batch, &k, d).await;
+        if let Ok(Staged::Pending(p)) = staged {
+            assert!(b.commit_staged(batch, vec![p]).await.is_err());
+        }
+        assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 0);
     }
 }

@@ -11,6 +11,7 @@
 //! no empty segment, no segment starting with `.` (so no `.`/`..`), only `[A-Za-z0-9._~-]` characters, at most 512 bytes.
 
 pub mod local;
+mod local_pack;
 pub mod retry;
 pub mod s3;
 
@@ -192,8 +193,43 @@ pub struct StagedPut {
     pub key: String,
     /// Bytes written (the object's size).
     pub len: u64,
-    /// Where the bytes wait (the local backend's temp file).
+    /// Where the bytes wait (the local backend's temp file; empty for a chunk in the
+    /// batch's pack).
     pub(crate) tmp: PathBuf,
+    /// Where the bytes wait in the batch's pack (the local backend's packed chunks).
+    pub(crate) packed: Option<u64>,
+}
+
+/// One upload's staged writes: what [`Backend::stage_if_absent`] writes into and what
+/// [`Backend::commit_staged`] or [`Backend::discard_staged`] ends. A backend that stages
+/// nothing (S3: every write is durable at once) gives an empty one; the local backend's holds
+/// the batch's pack file ([`local`], "Packs"). Two uploads at once in one process have two
+/// batches. Dropped unused (its upload cancelled), it removes what it wrote.
+#[derive(Debug, Default)]
+pub struct StageBatch {
+    pub(crate) pack: Option<Arc<local::PackBatch>>,
+}
+
+impl StageBatch {
+    /// A batch of a backend that stages nothing.
+    pub fn immediate() -> Self {
+        Self::default()
+    }
+}
+
+/// A backend's own files that are damaged, and the bytes its layout holds that no key
+/// names: what [`Backend::layout_report`] finds (the local backend's pack indexes).
+#[derive(Debug, Default, Clone)]
+pub struct LayoutReport {
+    /// (file, why) for each damaged file: its objects are not served.
+    pub problems: Vec<(String, String)>,
+    /// Pack files.
+    pub packs: u64,
+    /// Bytes of pack files.
+    pub pack_bytes: u64,
+    /// Bytes of pack files no live entry names (deleted chunks, and chunks a batch wrote
+    /// that another writer had published first), reclaimable by a compaction.
+    pub dead_bytes: u64,
 }
 
 /// A staged object takes its temp file with it when it drops: the one removal of a temp
@@ -292,21 +328,46 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         })
     }
 
-    /// Put-if-absent of an immutable object whose durability may wait: a backend that can
-    /// make many writes durable at once (the local one: one `syncfs(2)` for all) writes the
-    /// bytes under a private name and returns [`Staged::Pending`]; the object exists only once
-    /// [`Backend::commit_staged`] returns. Others write it for good at once (the default:
-    /// [`Backend::put_if_absent`], no digest check).
-    async fn stage_if_absent(&self, key: &str, data: Bytes) -> Result<Staged, BackendError> {
+    /// Put-if-absent of an immutable object whose durability may wait, into `batch` (from
+    /// this backend's [`Backend::stage_batch`]): a backend that can make many writes durable
+    /// at once (the local one: a chunk is appended to the batch's pack file, made durable by
+    /// one fsync at the commit; [`local`], "Packs") writes the bytes where no reader sees them
+    /// and returns [`Staged::Pending`]; the object exists only once [`Backend::commit_staged`]
+    /// returns. Others write it for good at once (the default: [`Backend::put_if_absent`], no
+    /// digest check). Safe to call from many tasks at once on one batch.
+    async fn stage_if_absent(
+        &self,
+        batch: &StageBatch,
+        key: &str,
+        data: Bytes,
+    ) -> Result<Staged, BackendError> {
+        let _ = batch;
         Ok(Staged::Done(self.put_if_absent(key, data, None).await?))
     }
 
-    /// Makes `staged` (from this backend's [`Backend::stage_if_absent`]) durable and visible,
+    /// A new batch for [`Backend::stage_if_absent`] (one per upload). Default: an empty one
+    /// (this backend stages nothing).
+    fn stage_batch(&self) -> StageBatch {
+        StageBatch::immediate()
+    }
+
+    /// The backend's own files that are damaged, and its layout's dead bytes
+    /// ([`LayoutReport`]); read by verify. Default: nothing (one object per key).
+    async fn layout_report(&self) -> Result<LayoutReport, BackendError> {
+        Ok(LayoutReport::default())
+    }
+
+    /// Makes `staged` (from this backend's [`Backend::stage_if_absent`] into `batch`) durable and visible,
     /// each as a put-if-absent (outcomes in the order given), and makes durable every object
     /// this process saw in the store before the call. Called once per batch, even an empty
     /// one, before anything that names the objects is written. Default: nothing to do
     /// (every write was already durable); a staged object it does not know is an error.
-    async fn commit_staged(&self, staged: Vec<StagedPut>) -> Result<Vec<PutOutcome>, BackendError> {
+    async fn commit_staged(
+        &self,
+        batch: StageBatch,
+        staged: Vec<StagedPut>,
+    ) -> Result<Vec<PutOutcome>, BackendError> {
+        let _ = batch;
         match staged.first() {
             None => Ok(Vec::new()),
             Some(s) => Err(BackendError::Other {
@@ -318,9 +379,10 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         }
     }
 
-    /// Forgets `staged` (removes what it wrote) after a failed batch. Default: nothing.
-    async fn discard_staged(&self, staged: Vec<StagedPut>) {
-        let _ = staged;
+    /// Forgets `batch` and `staged` (removes what they wrote) after a failed upload. Default:
+    /// nothing.
+    async fn discard_staged(&self, batch: StageBatch, staged: Vec<StagedPut>) {
+        let _ = (batch, staged);
     }
 
     /// Removes the object; absent is not an error.

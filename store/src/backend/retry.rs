@@ -21,7 +21,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde::Serialize;
 
-use super::{Backend, BackendError, ListPage, ObjectInfo, PutOutcome, Staged, StagedPut, Version};
+use super::{
+    Backend, BackendError, LayoutReport, ListPage, ObjectInfo, PutOutcome, StageBatch, Staged,
+    StagedPut, Version,
+};
 use crate::digest::Sha256Hash;
 
 /// Default [`RetryPolicy::max_attempts`]: 6.
@@ -445,11 +448,24 @@ impl Backend for Retrying {
         r
     }
 
-    async fn stage_if_absent(&self, key: &str, data: Bytes) -> Result<Staged, BackendError> {
+    fn stage_batch(&self) -> StageBatch {
+        self.inner.stage_batch()
+    }
+
+    async fn layout_report(&self) -> Result<LayoutReport, BackendError> {
+        self.inner.layout_report().await
+    }
+
+    async fn stage_if_absent(
+        &self,
+        batch: &StageBatch,
+        key: &str,
+        data: Bytes,
+    ) -> Result<Staged, BackendError> {
         let n = data.len() as u64;
         let r = self
             .run("stage_if_absent", key, || {
-                self.inner.stage_if_absent(key, data.clone())
+                self.inner.stage_if_absent(batch, key, data.clone())
             })
             .await
             .0;
@@ -464,17 +480,21 @@ impl Backend for Retrying {
 
     /// Not retried: it consumes the batch, and only the local backend stages (its failures
     /// are never transient).
-    async fn commit_staged(&self, staged: Vec<StagedPut>) -> Result<Vec<PutOutcome>, BackendError> {
+    async fn commit_staged(
+        &self,
+        batch: StageBatch,
+        staged: Vec<StagedPut>,
+    ) -> Result<Vec<PutOutcome>, BackendError> {
         self.metrics.requests.fetch_add(1, Ordering::Relaxed);
-        let r = self.inner.commit_staged(staged).await;
+        let r = self.inner.commit_staged(batch, staged).await;
         if r.is_err() {
             self.metrics.failures.fetch_add(1, Ordering::Relaxed);
         }
         r
     }
 
-    async fn discard_staged(&self, staged: Vec<StagedPut>) {
-        self.inner.discard_staged(staged).await
+    async fn discard_staged(&self, batch: StageBatch, staged: Vec<StagedPut>) {
+        self.inner.discard_staged(batch, staged).await
     }
 
     async fn put(&self, key: &str, data: Bytes) -> Result<Version, BackendError> {

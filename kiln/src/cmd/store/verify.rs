@@ -51,17 +51,23 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
             "store": store.url(), "deep": a.deep, "ok": r.is_ok(),
             "problems": r.findings.len(), "orphans": r.orphans.len(),
             "manifests": r.manifests, "chunks": r.chunks, "blobs": r.blobs,
+            "packDeadBytes": r.pack_dead_bytes,
         }),
         || {
             format!(
-                "{}: {} manifests, {} chunks, {} blobs checked{}; {} problems, {} orphans",
+                "{}: {} manifests, {} chunks, {} blobs checked{}; {} problems, {} orphans{}",
                 store.url(),
                 r.manifests,
                 r.chunks,
                 r.blobs,
                 if a.deep { " (deep)" } else { "" },
                 r.findings.len(),
-                r.orphans.len()
+                r.orphans.len(),
+                if r.pack_dead_bytes > 0 {
+                    format!("; {} bytes of packs unused (dead)", r.pack_dead_bytes)
+                } else {
+                    String::new()
+                }
             )
         },
     );

@@ -1,0 +1,677 @@
+//! The local backend's pack files: the index format, the batch being written, and the
+//! in-memory map of what every committed pack holds. The layout, the commit order and the
+//! durability argument are in [`super::local`] ("Packs").
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::{self, File, OpenOptions};
+use std::io::{ErrorKind, Read};
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, SystemTime};
+
+use crate::digest::Sha256Hash;
+
+/// The directory of committed packs, under the store's root. Dot-named: no listing of
+/// objects ever walks it.
+pub(crate) const PACK_DIR: &str = ".packs";
+/// The lock file (under `.locks`) held while packs are committed or entries marked dead.
+/// `#` is not in the key alphabet and a key's hashed lock name has 64 hex digits after it.
+pub(crate) const PACK_LOCK: &str = "#packs";
+const IDX_MAGIC: &[u8; 8] = b"KILNPIDX";
+const IDX_VERSION: u32 = 1;
+/// Magic, version, entry count.
+const IDX_HEADER: usize = 8 + 4 + 8;
+/// Digest, offset, stored length.
+const IDX_ENTRY: usize = 32 + 8 + 8;
+/// Open pack files kept for reads.
+const OPEN_PACKS_MAX: usize = 64;
+/// How long after a change of `.packs` its timestamps alone cannot show a second change:
+/// file system timestamps come from a coarse clock (one tick: 1 to 10 ms), so a change in the
+/// same tick as the last one seen leaves them equal. While the last change seen is younger
+/// than this, a miss rescans the directory.
+const RACY: Duration = Duration::from_millis(100);
+
+/// The digest of a key the packs may hold: `chunks/sha256/<64 lowercase hex>`.
+pub(crate) fn chunk_digest(key: &str) -> Option<Sha256Hash> {
+    Sha256Hash::from_hex(key.strip_prefix("chunks/sha256/")?).ok()
+}
+
+/// The key of a packed chunk.
+pub(crate) fn chunk_key(d: &Sha256Hash) -> String {
+    format!("chunks/sha256/{}", d.hex())
+}
+
+/// One chunk in a pack: its stored bytes are `len` bytes at `offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct IdxEntry {
+    pub(crate) digest: Sha256Hash,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+}
+
+/// An index file: `KILNPIDX`, version (u32 LE), entry count (u64 LE), the entries sorted by
+/// digest (digest, offset u64 LE, stored length u64 LE), then the sha256 of all of that.
+pub(crate) fn encode_index(entries: &mut [IdxEntry]) -> Vec<u8> {
+    entries.sort_by_key(|e| e.digest);
+    let mut out = Vec::with_capacity(IDX_HEADER + entries.len() * IDX_ENTRY + 32);
+    out.extend_from_slice(IDX_MAGIC);
+    out.extend_from_slice(&IDX_VERSION.to_le_bytes());
+    out.extend_from_slice(&(entries.len() as u64).to_le_bytes());
+    for e in entries.iter() {
+        out.extend_from_slice(&e.digest.0);
+        out.extend_from_slice(&e.offset.to_le_bytes());
+        out.extend_from_slice(&e.len.to_le_bytes());
+    }
+    let sum = Sha256Hash::of(&out);
+    out.extend_from_slice(&sum.0);
+    out
+}
+
+/// Parses an index, refusing a torn, altered or foreign one (the reason says which).
+pub(crate) fn decode_index(b: &[u8]) -> Result<Vec<IdxEntry>, String> {
+    if b.len() < IDX_HEADER + 32 || &b[..8] != IDX_MAGIC {
+        return Err(format!("not a pack index ({} bytes, no magic)", b.len()));
+    }
+    let (body, sum) = b.split_at(b.len() - 32);
+    if Sha256Hash::of(body).0 != sum {
+        return Err("checksum mismatch (torn or altered)".into());
+    }
+    let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+    let version = u32::from_le_bytes(b[8..12].try_into().unwrap_or([0; 4]));
+    if version != IDX_VERSION {
+        return Err(format!("version {version}, this kiln reads {IDX_VERSION}"));
+    }
+    let n = u64_at(12);
+    if (body.len() - IDX_HEADER) as u64 != n.saturating_mul(IDX_ENTRY as u64) {
+        return Err(format!("{n} entries do not fit its {} bytes", b.len()));
+    }
+    let mut out = Vec::with_capacity(n as usize);
+    for i in 0..n as usize {
+        let at = IDX_HEADER + i * IDX_ENTRY;
+        let mut d = [0u8; 32];
+        d.copy_from_slice(&b[at..at + 32]);
+        let e = IdxEntry {
+            digest: Sha256Hash(d),
+            offset: u64_at(at + 32),
+            len: u64_at(at + 40),
+        };
+        if out.last().is_some_and(|p: &IdxEntry| p.digest >= e.digest) {
+            return Err("entries out of order".into());
+        }
+        if e.offset.checked_add(e.len).is_none() {
+            return Err("entry past 2^64".into());
+        }
+        out.push(e);
+    }
+    Ok(out)
+}
+
+/// The digests of a dead file's whole records (a torn last one is not a deletion yet).
+fn decode_dead(b: &[u8]) -> HashSet<Sha256Hash> {
+    b.chunks_exact(32)
+        .map(|c| {
+            let mut d = [0u8; 32];
+            d.copy_from_slice(c);
+            Sha256Hash(d)
+        })
+        .collect()
+}
+
+/// One upload's pack while it is written: `.tmp/<writer>-<n>-<nanos>.pack`, made at the
+/// first chunk; parallel stagers reserve their ranges with one atomic add and write them
+/// with `pwrite`, so encoding stays parallel. Dropped uncommitted, it removes the file.
+#[derive(Debug)]
+pub(crate) struct PackBatch {
+    /// `<writer>-<n>-<nanos>`: the pack's, index's and dead file's name without extension.
+    pub(crate) name: String,
+    /// `.tmp/<name>.pack`.
+    pub(crate) tmp: PathBuf,
+    file: Mutex<Option<Arc<File>>>,
+    next: AtomicU64,
+}
+
+impl PackBatch {
+    pub(crate) fn new(name: String, tmp: PathBuf) -> Self {
+        Self {
+            name,
+            tmp,
+            file: Mutex::new(None),
+            next: AtomicU64::new(0),
+        }
+    }
+
+    /// Writes `data` at a range of its own; returns its offset.
+    pub(crate) fn append(&self, data: &[u8]) -> std::io::Result<u64> {
+        let f = {
+            let mut g = self.file.lock().unwrap_or_else(|p| p.into_inner());
+            match &*g {
+                Some(f) => f.clone(),
+                None => {
+                    let f = Arc::new(
+                        OpenOptions::new()
+                            .read(true)
+                            .write(true)
+                            .create_new(true)
+                            .open(&self.tmp)?,
+                    );
+                    *g = Some(f.clone());
+                    f
+                }
+            }
+        };
+        let off = self.next.fetch_add(data.len() as u64, Ordering::Relaxed);
+        f.write_all_at(data, off)?;
+        Ok(off)
+    }
+
+    /// The pack file, once a chunk was written.
+    pub(crate) fn file(&self) -> Option<Arc<File>> {
+        self.file.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Bytes reserved so far.
+    pub(crate) fn len(&self) -> u64 {
+        self.next.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for PackBatch {
+    fn drop(&mut self) {
+        // After a commit the file is under `.packs`: nothing to remove.
+        if self.file.get_mut().map(|f| f.is_some()).unwrap_or(true) {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Where a packed chunk is.
+#[derive(Debug, Clone)]
+pub(crate) struct Loc {
+    pub(crate) pack: Arc<str>,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+    /// The index's mtime (the chunk's `modified`).
+    pub(crate) modified: SystemTime,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Stamp {
+    ino: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+fn stamp_of(m: &fs::Metadata) -> Stamp {
+    Stamp {
+        ino: m.ino(),
+        mtime: (m.mtime(), m.mtime_nsec()),
+        ctime: (m.ctime(), m.ctime_nsec()),
+    }
+}
+
+#[derive(Debug)]
+struct PackInfo {
+    name: Arc<str>,
+    entries: Vec<IdxEntry>,
+    dead: HashSet<Sha256Hash>,
+    /// Size of the dead file when last read (it only grows, so a new size is a new delete).
+    dead_len: u64,
+    modified: SystemTime,
+    pack_len: u64,
+}
+
+impl PackInfo {
+    fn live(&self) -> impl Iterator<Item = &IdxEntry> {
+        self.entries
+            .iter()
+            .filter(|e| !self.dead.contains(&e.digest))
+    }
+}
+
+#[derive(Debug, Default)]
+pub(super) struct PackMap {
+    stamp: Option<Stamp>,
+    pub(super) racy: bool,
+    packs: HashMap<Arc<str>, PackInfo>,
+    map: HashMap<Sha256Hash, Loc>,
+    /// Index files refused (file name → why): their chunks are not served.
+    problems: BTreeMap<String, String>,
+}
+
+impl PackMap {
+    fn insert(&mut self, info: PackInfo) {
+        for e in info.live() {
+            self.map.entry(e.digest).or_insert_with(|| Loc {
+                pack: info.name.clone(),
+                offset: e.offset,
+                len: e.len,
+                modified: info.modified,
+            });
+        }
+        self.packs.insert(info.name.clone(), info);
+    }
+
+    fn remove(&mut self, name: &str) {
+        if let Some(info) = self.packs.remove(name) {
+            for e in &info.entries {
+                if self.map.get(&e.digest).is_some_and(|l| *l.pack == *name) {
+                    self.map.remove(&e.digest);
+                }
+            }
+        }
+    }
+
+    fn set_dead(&mut self, name: &str, dead: HashSet<Sha256Hash>, dead_len: u64) {
+        let Some(info) = self.packs.get_mut(name) else {
+            return;
+        };
+        for d in &dead {
+            if self.map.get(d).is_some_and(|l| *l.pack == *name) {
+                self.map.remove(d);
+            }
+        }
+        info.dead = dead;
+        info.dead_len = dead_len;
+    }
+}
+
+/// What every committed pack of a store holds, as this process last read it, and its open
+/// pack files.
+#[derive(Debug)]
+pub(crate) struct Packs {
+    dir: PathBuf,
+    state: RwLock<PackMap>,
+    open: Mutex<HashMap<Arc<str>, Arc<File>>>,
+}
+
+/// The error for a `.packs` that is a symlink.
+fn symlinked(dir: &Path) -> std::io::Error {
+    std::io::Error::other(format!(
+        "{} is a symlink; a store never follows one",
+        dir.display()
+    ))
+}
+
+impl Packs {
+    pub(crate) fn new(dir: PathBuf) -> Self {
+        Self {
+            dir,
+            state: RwLock::default(),
+            open: Mutex::default(),
+        }
+    }
+
+    pub(crate) fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub(crate) fn path(&self, name: &str, ext: &str) -> PathBuf {
+        self.dir.join(format!("{name}.{ext}"))
+    }
+
+    pub(super) fn read(&self) -> std::sync::RwLockReadGuard<'_, PackMap> {
+        self.state.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, PackMap> {
+        self.state.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `lstat` of `.packs`: a symlink is an error, an absent one `None`.
+    fn dir_meta(&self) -> std::io::Result<Option<fs::Metadata>> {
+        match fs::symlink_metadata(&self.dir) {
+            Ok(m) if m.file_type().is_symlink() => Err(symlinked(&self.dir)),
+            Ok(m) => Ok(Some(m)),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Where the live chunk `d` is packed, as of now: a hit is checked against its pack's
+    /// dead file (one `lstat`: another process may have deleted it), a miss against
+    /// `.packs`'s timestamps (one `lstat`: another process may have committed a pack).
+    pub(crate) fn lookup(&self, d: &Sha256Hash) -> std::io::Result<Option<Loc>> {
+        for _ in 0..3 {
+            let hit = self.read().map.get(d).cloned();
+            match hit {
+                Some(loc) => {
+                    if self.dir_meta()?.is_none() {
+                        self.rescan()?;
+                        continue;
+                    }
+                    if self.dead_is_current(&loc.pack)? {
+                        return Ok(Some(loc));
+                    }
+                }
+                None => {
+                    if !self.rescan_if_changed()? {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+        Ok(self.read().map.get(d).cloned())
+    }
+
+    /// Whether `d` is a live packed chunk in this process's view, as last scanned (the
+    /// commit's check, under the lock, right after a rescan).
+    pub(crate) fn contains(&self, d: &Sha256Hash) -> bool {
+        self.read().map.contains_key(d)
+    }
+
+    /// Whether this process's view of pack `name`'s deletions is current; when it is not,
+    /// reloads them (or forgets the pack, gone) and returns false.
+    fn dead_is_current(&self, name: &Arc<str>) -> std::io::Result<bool> {
+        let known = match self.read().packs.get(name) {
+            Some(i) => i.dead_len,
+            None => return Ok(false),
+        };
+        match fs::symlink_metadata(self.path(name, "dead")) {
+            Ok(m) if m.len() == known => Ok(true),
+            Ok(_) => {
+                self.reload_dead(name)?;
+                Ok(false)
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                if fs::symlink_metadata(self.path(name, "idx")).is_ok() {
+                    Ok(known == 0)
+                } else {
+                    self.write().remove(name);
+                    self.forget_file(name);
+                    Ok(false)
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn reload_dead(&self, name: &str) -> std::io::Result<()> {
+        let (dead, len) = read_dead(&self.path(name, "dead"))?;
+        self.write().set_dead(name, dead, len);
+        Ok(())
+    }
+
+    /// Rescans when `.packs` changed since the last scan (or may have: [`RACY`]). Returns
+    /// whether it rescanned.
+    pub(crate) fn rescan_if_changed(&self) -> std::io::Result<bool> {
+        let Some(m) = self.dir_meta()? else {
+            return Ok(false);
+        };
+        {
+            let s = self.read();
+            if !s.racy && s.stamp.as_ref() == Some(&stamp_of(&m)) {
+                return Ok(false);
+            }
+        }
+        self.rescan()?;
+        Ok(true)
+    }
+
+    /// Reads `.packs` again: loads the indexes not seen yet, forgets the packs gone, and
+    /// rereads the dead files that grew.
+    pub(crate) fn rescan(&self) -> std::io::Result<()> {
+        let mut s = self.write();
+        let Some(m) = self.dir_meta()? else {
+            *s = PackMap::default();
+            return Ok(());
+        };
+        let seen_at = SystemTime::now();
+        let stamp = stamp_of(&m);
+        let mut names = HashSet::new();
+        for e in fs::read_dir(&self.dir)? {
+            let e = e?;
+            if let Some(stem) = e.file_name().to_str().and_then(|n| n.strip_suffix(".idx")) {
+                names.insert(stem.to_string());
+            }
+        }
+        let gone: Vec<Arc<str>> = s
+            .packs
+            .keys()
+            .filter(|n| !names.contains(&***n))
+            .cloned()
+            .collect();
+        for n in gone {
+            s.remove(&n);
+            self.forget_file(&n);
+        }
+        // A refused index removed since is no longer reported.
+        s.problems
+            .retain(|f, _| f.strip_suffix(".idx").is_some_and(|n| names.contains(n)));
+        for n in names {
+            let file = format!("{n}.idx");
+            if s.problems.contains_key(&file) {
+                continue;
+            }
+            if let Some(info) = s.packs.get(n.as_str()) {
+                let len = match fs::symlink_metadata(self.path(&n, "dead")) {
+                    Ok(m) => m.len(),
+                    Err(e) if e.kind() == ErrorKind::NotFound => 0,
+                    Err(e) => return Err(e),
+                };
+                if len != info.dead_len {
+                    let (dead, len) = read_dead(&self.path(&n, "dead"))?;
+                    s.set_dead(&n, dead, len);
+                }
+                continue;
+            }
+            match self.load(&n) {
+                Ok(Some(info)) => s.insert(info),
+                Ok(None) => {}
+                Err(reason) => {
+                    tracing::warn!(file = %self.dir.join(&file).display(), %reason, "pack index refused: its chunks are not served");
+                    s.problems.insert(file, reason);
+                }
+            }
+        }
+        let changed = std::time::UNIX_EPOCH
+            + Duration::new(m.mtime().max(0) as u64, m.mtime_nsec().max(0) as u32).max(
+                Duration::new(m.ctime().max(0) as u64, m.ctime_nsec().max(0) as u32),
+            );
+        s.racy = seen_at < changed + RACY;
+        s.stamp = Some(stamp);
+        Ok(())
+    }
+
+    /// Loads pack `name` (its index checked, its pack long enough, its dead file read).
+    /// `Ok(None)`: removed meanwhile.
+    fn load(&self, name: &str) -> Result<Option<PackInfo>, String> {
+        let idx = self.path(name, "idx");
+        let (bytes, modified) = match open_nofollow(&idx) {
+            Ok(mut f) => {
+                let mut b = Vec::new();
+                let m = f
+                    .metadata()
+                    .and_then(|m| f.read_to_end(&mut b).map(|_| m))
+                    .map_err(|e| e.to_string())?;
+                if !m.is_file() {
+                    return Err("not a regular file".into());
+                }
+                (b, m.modified().unwrap_or(std::time::UNIX_EPOCH))
+            }
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e.to_string()),
+        };
+        let entries = decode_index(&bytes)?;
+        let pack_len = match fs::symlink_metadata(self.path(name, "pack")) {
+            Ok(m) if m.is_file() => m.len(),
+            Ok(_) => return Err(format!("{name}.pack is not a regular file")),
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                // Removed after the index by a delete of its last chunk, or lost.
+                if fs::symlink_metadata(&idx).is_err() {
+                    return Ok(None);
+                }
+                return Err(format!("its pack {name}.pack is missing"));
+            }
+            Err(e) => return Err(e.to_string()),
+        };
+        let end = entries.iter().map(|e| e.offset + e.len).max().unwrap_or(0);
+        if end > pack_len {
+            return Err(format!(
+                "its pack {name}.pack is {pack_len} bytes, the index names bytes up to {end}"
+            ));
+        }
+        let (dead, dead_len) = read_dead(&self.path(name, "dead")).map_err(|e| e.to_string())?;
+        Ok(Some(PackInfo {
+            name: Arc::from(name),
+            entries,
+            dead,
+            dead_len,
+            modified,
+            pack_len,
+        }))
+    }
+
+    /// Adds a pack this process just committed.
+    pub(crate) fn add(
+        &self,
+        name: &str,
+        entries: Vec<IdxEntry>,
+        pack_len: u64,
+        modified: SystemTime,
+    ) {
+        self.write().insert(PackInfo {
+            name: Arc::from(name),
+            entries,
+            dead: HashSet::new(),
+            dead_len: 0,
+            modified,
+            pack_len,
+        });
+    }
+
+    /// Notes `d` deleted from pack `name` (its dead file now `dead_len` bytes). Returns
+    /// whether every entry of the pack is dead.
+    pub(crate) fn mark_dead(&self, name: &str, d: Sha256Hash, dead_len: u64) -> bool {
+        let mut s = self.write();
+        if s.map.get(&d).is_some_and(|l| *l.pack == *name) {
+            s.map.remove(&d);
+        }
+        let Some(info) = s.packs.get_mut(name) else {
+            return false;
+        };
+        info.dead.insert(d);
+        info.dead_len = dead_len;
+        info.live().next().is_none()
+    }
+
+    /// Forgets pack `name` (deleted).
+    pub(crate) fn drop_pack(&self, name: &str) {
+        self.write().remove(name);
+        self.forget_file(name);
+    }
+
+    fn forget_file(&self, name: &str) {
+        self.open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name);
+    }
+
+    /// Bytes `range` (clipped to the entry) of the chunk at `loc`. `NotFound` when the pack
+    /// is gone.
+    pub(crate) fn read_at(
+        &self,
+        loc: &Loc,
+        range: std::ops::Range<u64>,
+    ) -> std::io::Result<Vec<u8>> {
+        let end = range.end.min(loc.len);
+        let start = range.start.min(end);
+        let f = {
+            let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+            match open.get(&loc.pack) {
+                Some(f) => f.clone(),
+                None => {
+                    self.dir_meta()?;
+                    let f = Arc::new(open_nofollow(&self.path(&loc.pack, "pack"))?);
+                    if open.len() >= OPEN_PACKS_MAX
+                        && let Some(k) = open.keys().next().cloned()
+                    {
+                        open.remove(&k);
+                    }
+                    open.insert(loc.pack.clone(), f.clone());
+                    f
+                }
+            }
+        };
+        let mut buf = vec![0u8; (end - start) as usize];
+        f.read_exact_at(&mut buf, loc.offset + start)?;
+        Ok(buf)
+    }
+
+    /// Every live packed chunk: (digest, stored length, modified).
+    pub(crate) fn live(&self) -> Vec<(Sha256Hash, u64, SystemTime)> {
+        self.read()
+            .map
+            .iter()
+            .map(|(d, l)| (*d, l.len, l.modified))
+            .collect()
+    }
+
+    /// Refused index files, pack count and bytes, and bytes no live entry names.
+    pub(crate) fn report(&self) -> super::LayoutReport {
+        let s = self.read();
+        let mut r = super::LayoutReport {
+            problems: s
+                .problems
+                .iter()
+                .map(|(f, why)| (self.dir.join(f).display().to_string(), why.clone()))
+                .collect(),
+            ..Default::default()
+        };
+        for info in s.packs.values() {
+            r.packs += 1;
+            r.pack_bytes += info.pack_len;
+            let live: u64 = info.live().map(|e| e.len).sum();
+            r.dead_bytes += info.pack_len.saturating_sub(live);
+        }
+        r
+    }
+}
+
+fn read_dead(p: &Path) -> std::io::Result<(HashSet<Sha256Hash>, u64)> {
+    match open_nofollow(p) {
+        Ok(mut f) => {
+            let mut b = Vec::new();
+            f.read_to_end(&mut b)?;
+            Ok((decode_dead(&b), b.len() as u64))
+        }
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok((HashSet::new(), 0)),
+        Err(e) => Err(e),
+    }
+}
+
+pub(crate) fn open_nofollow(p: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_index_round_trips_and_a_changed_one_is_refused() {
+        let mut e: Vec<IdxEntry> = (0..5u8)
+            .rev()
+            .map(|i| IdxEntry {
+                digest: Sha256Hash::of(&[i]),
+                offset: u64::from(i) * 10,
+                len: 10,
+            })
+            .collect();
+        let b = encode_index(&mut e);
+        assert_eq!(decode_index(&b).unwrap(), e);
+        let mut torn = b.clone();
+        torn.truncate(b.len() - 7);
+        assert!(decode_index(&torn).unwrap_err().contains("checksum"));
+        let mut flipped = b.clone();
+        flipped[30] ^= 1;
+        assert!(decode_index(&flipped).unwrap_err().contains("checksum"));
+        assert!(decode_index(b"garbage").is_err());
+    }
+}
