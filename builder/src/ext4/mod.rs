@@ -3,7 +3,9 @@
 //! [`build`] flattens the layer blobs ([`flatten`], bottom first, whiteouts applied) into one
 //! tar stream written straight into `mke2fs -d -` (e2fsprogs ≥ 1.47.1 reads a tarball from
 //! standard input when libarchive is installed; nothing is unpacked to disk and nothing is
-//! mounted), then indexes its directories with `e2fsck -fpD` and checks the result with
+//! mounted; each compressed layer is inflated once, its plain stream kept from the first
+//! pass for the second in the build's scratch directory, within [`Keep::in_dir`]'s bound),
+//! then indexes its directories with `e2fsck -fpD` and checks the result with
 //! `e2fsck -fn`; a failing check is an error.
 //!
 //! ## Directories
@@ -75,7 +77,7 @@
 
 mod flatten;
 
-pub use flatten::{Flat, FlatStats, LINK_MAX, MAX_SCAN_BYTES, Meta};
+pub use flatten::{Flat, FlatStats, KEEP_FREE_DIVISOR, Keep, LINK_MAX, MAX_SCAN_BYTES, Meta};
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -609,21 +611,32 @@ pub fn build(
     dest: &Path,
     opts: &Ext4Options,
 ) -> Result<Ext4Image, Ext4Error> {
-    let r = build_inner(layers, dest, opts);
+    let r = build_inner(layers, dest, opts, None);
     if r.is_err() {
         let _ = std::fs::remove_file(dest);
     }
     r
 }
 
+/// [`build`] without removing `dest` on error. `keep_max`: the most bytes of inflated layers
+/// the scan keeps for pass 2 ([`Keep`]); `None`: [`Keep::in_dir`] of the scratch directory.
 fn build_inner(
     layers: &[LayerBlob],
     dest: &Path,
     opts: &Ext4Options,
+    keep_max: Option<u64>,
 ) -> Result<Ext4Image, Ext4Error> {
     let tools = check_tools()?;
     let epoch = opts.source_date_epoch.unwrap_or(DEFAULT_EPOCH);
-    let flat = Flat::scan(layers, &opts.limits, opts.source_date_epoch, epoch)?;
+    let scratch = tempfile::tempdir().map_err(|source| Ext4Error::Io {
+        path: std::env::temp_dir(),
+        source,
+    })?;
+    let mut keep = Keep::in_dir(scratch.path());
+    if let Some(max) = keep_max {
+        keep.max_bytes = max;
+    }
+    let flat = Flat::scan_keeping(layers, &opts.limits, opts.source_date_epoch, epoch, &keep)?;
     let estimate = size_estimate(&flat.stats);
     let (mut mib, fixed) = match opts.disk_mib {
         Some(d) => (d, true),
@@ -636,10 +649,6 @@ fn build_inner(
             limit_mib: limit,
         });
     }
-    let scratch = tempfile::tempdir().map_err(|source| Ext4Error::Io {
-        path: std::env::temp_dir(),
-        source,
-    })?;
     let conf = scratch.path().join("mke2fs.conf");
     std::fs::write(&conf, MKE2FS_CONF).map_err(|source| Ext4Error::Io {
         path: conf.clone(),
