@@ -15,6 +15,8 @@
 //!    With [`Flat::scan_keeping`] (what [`super::build`] uses) the scan also keeps each
 //!    compressed layer's inflated stream in an unlinked temporary file, within a byte bound
 //!    taken from the free space ([`Keep`]), so that a layer is inflated once per image.
+//!    [`Scan`] is this pass a layer at a time: a build scans its base while its steps run
+//!    ([`super::Prescan`]) and the publish continues with the steps' layers.
 //! 2. [`Flat::write`] reads the layers again (a kept layer from its plain copy, others from
 //!    their blobs, inflating them again) and writes one tar (GNU headers, for their
 //!    atime and ctime fields, GNU long-name records for long names, PAX records for
@@ -520,6 +522,159 @@ fn scan_layer(
     Ok((out, bounded.bytes(), copy))
 }
 
+/// Pass 1 taken a layer at a time: [`Scan::new`], [`Scan::layer`] for each layer bottom
+/// first, then [`Scan::finish`] for the [`Flat`] that pass 2 writes. [`Flat::scan`] is this
+/// over all layers at once; a build starts one on its base layers while its steps run and
+/// continues it with the steps' layers when it publishes ([`super::Prescan`],
+/// [`Scan::resume`]).
+pub struct Scan {
+    flat: Flat,
+    /// Bytes of names, link targets and xattrs held so far, against `max_kept`.
+    kept: u64,
+    max_kept: u64,
+    keep: Option<Keep>,
+}
+
+impl Scan {
+    /// An empty scan: nothing read yet. `clamp`, `default_mtime` as in [`Flat::scan`];
+    /// `keep`: where and how much of the compressed layers' inflated streams to keep for
+    /// pass 2 ([`Keep`]; `None`: pass 2 inflates them again).
+    pub fn new(
+        limits: &Limits,
+        clamp: Option<u64>,
+        default_mtime: u64,
+        keep: Option<Keep>,
+    ) -> Scan {
+        Self::bounded(limits, clamp, default_mtime, keep, MAX_SCAN_BYTES)
+    }
+
+    /// [`Scan::new`] with another bound than [`MAX_SCAN_BYTES`].
+    pub(crate) fn bounded(
+        limits: &Limits,
+        clamp: Option<u64>,
+        default_mtime: u64,
+        keep: Option<Keep>,
+        max_kept: u64,
+    ) -> Scan {
+        Scan {
+            flat: Flat {
+                layers: Vec::new(),
+                limits: limits.clone(),
+                clamp,
+                default_mtime,
+                paths: BTreeMap::new(),
+                inodes: Vec::new(),
+                actions: Vec::new(),
+                spool: Spool { file: None, len: 0 },
+                copies: Vec::new(),
+                link_max_dirs: Vec::new(),
+                stats: FlatStats::default(),
+            },
+            kept: 0,
+            max_kept,
+            keep,
+        }
+    }
+
+    /// The layers read so far, bottom first.
+    pub fn layers(&self) -> &[LayerBlob] {
+        &self.flat.layers
+    }
+
+    /// This scan, to be continued by a flatten of `layers` with `limits`, `clamp` and
+    /// `default_mtime`, when it was made with the same settings (the same bounds and
+    /// deadline of [`Limits`]; its cancel flag may differ, and from here on `limits`' is
+    /// used) and what it has read is the bottom of `layers`. `None` otherwise: it is dropped
+    /// and the flatten scans from the start.
+    pub fn resume(
+        mut self,
+        layers: &[LayerBlob],
+        limits: &Limits,
+        clamp: Option<u64>,
+        default_mtime: u64,
+    ) -> Option<Scan> {
+        let f = &self.flat;
+        let same = f.limits.max_total_bytes == limits.max_total_bytes
+            && f.limits.max_entries == limits.max_entries
+            && f.limits.max_file_bytes == limits.max_file_bytes
+            && f.limits.deadline == limits.deadline
+            && f.clamp == clamp
+            && f.default_mtime == default_mtime
+            && layers.starts_with(&f.layers);
+        if !same {
+            return None;
+        }
+        self.flat.limits = limits.clone();
+        Some(self)
+    }
+
+    /// Reads the next layer up (`l`) into the tree. Errors: as [`Flat::scan`]; the scan is
+    /// gone with them.
+    pub fn layer(mut self, l: &LayerBlob) -> Result<Scan, Ext4Error> {
+        let li = self.flat.layers.len();
+        let f = &mut self.flat;
+        let room = self.keep.as_ref().map(|k| {
+            (
+                k.dir.as_path(),
+                k.max_bytes.saturating_sub(f.stats.kept_bytes),
+            )
+        });
+        let (entries, bytes, copy) = {
+            let Flat {
+                paths,
+                inodes,
+                spool,
+                limits,
+                ..
+            } = &mut *f;
+            // A plain lookup of the name (no symlink resolution): layers written from an
+            // overlay's upper directory name real paths.
+            let replaces = |comps: &[Vec<u8>]| {
+                li > 0
+                    && matches!(paths.get(&join(comps)),
+                        Some(Node::Leaf { ino, .. })
+                            if matches!(inodes[*ino].kind, Kind::File { .. }))
+            };
+            scan_layer(
+                l,
+                limits,
+                &mut self.kept,
+                self.max_kept,
+                &replaces,
+                spool,
+                room,
+            )?
+        };
+        if let Some(c) = &copy {
+            f.stats.layers_kept += 1;
+            f.stats.kept_bytes += c.len;
+        }
+        f.layers.push(l.clone());
+        f.copies.push(copy);
+        f.stats.entries_read += entries.len() as u64;
+        f.stats.layer_bytes += bytes;
+        f.actions.push(vec![Action::Skip; entries.len()]);
+        let mut cx = Cx {
+            digest: &l.digest,
+            entry: String::new(),
+        };
+        // In stream order, whiteouts too, as the applier goes ([`crate::layer::whiteout`]).
+        let mut made = Created::default();
+        for (ei, e) in entries.into_iter().enumerate() {
+            let pos = (li as u32, ei as u32);
+            cx.entry.clone_from(&e.name);
+            f.add(e, pos, &cx, &mut made)?;
+        }
+        Ok(self)
+    }
+
+    /// The final tree of the layers read, ready for [`Flat::write`].
+    pub fn finish(mut self) -> Flat {
+        self.flat.plan();
+        self.flat
+    }
+}
+
 /// The flattened tree in memory as a [`Tree`] for the walk: a directory is its path (`""`
 /// for the root), a symlink's leaf its target (other leaves empty).
 struct Model<'a>(&'a mut Flat);
@@ -618,66 +773,11 @@ impl Flat {
         max_kept: u64,
         keep: Option<&Keep>,
     ) -> Result<Flat, Ext4Error> {
-        let mut f = Flat {
-            layers: layers.to_vec(),
-            limits: limits.clone(),
-            clamp,
-            default_mtime,
-            paths: BTreeMap::new(),
-            inodes: Vec::new(),
-            actions: Vec::with_capacity(layers.len()),
-            spool: Spool { file: None, len: 0 },
-            copies: Vec::with_capacity(layers.len()),
-            link_max_dirs: Vec::new(),
-            stats: FlatStats::default(),
-        };
-        let mut kept = 0u64;
-        for (li, l) in layers.iter().enumerate() {
-            let room = keep.map(|k| {
-                (
-                    k.dir.as_path(),
-                    k.max_bytes.saturating_sub(f.stats.kept_bytes),
-                )
-            });
-            let (entries, bytes, copy) = {
-                let Flat {
-                    paths,
-                    inodes,
-                    spool,
-                    ..
-                } = &mut f;
-                // A plain lookup of the name (no symlink resolution): layers written from an
-                // overlay's upper directory name real paths.
-                let replaces = |comps: &[Vec<u8>]| {
-                    li > 0
-                        && matches!(paths.get(&join(comps)),
-                            Some(Node::Leaf { ino, .. })
-                                if matches!(inodes[*ino].kind, Kind::File { .. }))
-                };
-                scan_layer(l, limits, &mut kept, max_kept, &replaces, spool, room)?
-            };
-            if let Some(c) = &copy {
-                f.stats.layers_kept += 1;
-                f.stats.kept_bytes += c.len;
-            }
-            f.copies.push(copy);
-            f.stats.entries_read += entries.len() as u64;
-            f.stats.layer_bytes += bytes;
-            f.actions.push(vec![Action::Skip; entries.len()]);
-            let mut cx = Cx {
-                digest: &l.digest,
-                entry: String::new(),
-            };
-            // In stream order, whiteouts too, as the applier goes ([`crate::layer::whiteout`]).
-            let mut made = Created::default();
-            for (ei, e) in entries.into_iter().enumerate() {
-                let pos = (li as u32, ei as u32);
-                cx.entry.clone_from(&e.name);
-                f.add(e, pos, &cx, &mut made)?;
-            }
+        let mut s = Scan::bounded(limits, clamp, default_mtime, keep.cloned(), max_kept);
+        for l in layers {
+            s = s.layer(l)?;
         }
-        f.plan();
-        Ok(f)
+        Ok(s.finish())
     }
 
     /// Resolves `comps` (a directory path) inside the tree, with the walk `apply_layer`

@@ -1492,8 +1492,8 @@ fn layers_past_the_keep_limit_are_inflated_again_to_the_same_bytes() {
     let layers = three_layers(d.path());
     let a = d.path().join("kept.ext4");
     let b = d.path().join("none.ext4");
-    let ka = build_inner(&layers, &a, &opts(), None).unwrap();
-    let kb = build_inner(&layers, &b, &opts(), Some(0)).unwrap();
+    let ka = build_inner(None, &layers, &a, &opts(), None).unwrap();
+    let kb = build_inner(None, &layers, &b, &opts(), Some(0)).unwrap();
     assert_eq!((ka.stats.layers_kept, kb.stats.layers_kept), (2, 0));
     assert!(std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap());
 }
@@ -1525,5 +1525,114 @@ fn a_kept_layer_is_bounded_like_the_layer() {
         ),
         "{err}"
     );
+    assert_eq!(std::fs::read_dir(keep_dir.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn a_prescan_of_the_bottom_layers_is_continued_to_the_same_image() {
+    let d = tempfile::tempdir().unwrap();
+    let layers = three_layers(d.path());
+    let whole = d.path().join("whole.ext4");
+    build(&layers, &whole, &opts()).unwrap();
+    let keep_dir = tempfile::tempdir().unwrap();
+    let keep = Keep {
+        dir: keep_dir.path().to_path_buf(),
+        max_bytes: u64::MAX,
+    };
+    let p = Prescan::start(layers[..2].to_vec(), &Limits::default(), None, keep.clone());
+    let started = p.clone().take().expect("the prescan read both layers");
+    assert!(p.take().is_none(), "taken once");
+    assert_eq!(started.layers(), &layers[..2]);
+    // The prescanned layers are not read again: their blobs can go.
+    std::fs::remove_file(&layers[0].path).unwrap();
+    std::fs::remove_file(&layers[1].path).unwrap();
+    let cont = d.path().join("continued.ext4");
+    let built = build_from(Some(started), &layers, &cont, &opts()).unwrap();
+    assert_eq!(built.stats.layers_kept, 2, "{:?}", built.stats);
+    assert!(std::fs::read(&whole).unwrap() == std::fs::read(&cont).unwrap());
+
+    // Made with another SOURCE_DATE_EPOCH (or other layers): not continued; the flatten
+    // scans from the start and makes the image the options say.
+    let layers = three_layers(d.path());
+    let sde = Ext4Options {
+        source_date_epoch: Some(1_550_000_000),
+        ..opts()
+    };
+    let want = d.path().join("sde.ext4");
+    build(&layers, &want, &sde).unwrap();
+    for (p, o) in [
+        (
+            Prescan::start(layers[..2].to_vec(), &Limits::default(), None, keep.clone()),
+            &sde,
+        ),
+        (
+            Prescan::start(
+                layers[1..].to_vec(),
+                &Limits::default(),
+                Some(1_550_000_000),
+                keep.clone(),
+            ),
+            &sde,
+        ),
+    ] {
+        let got = d.path().join("other.ext4");
+        build_from(p.take(), &layers, &got, o).unwrap();
+        assert!(std::fs::read(&want).unwrap() == std::fs::read(&got).unwrap());
+    }
+    assert_eq!(std::fs::read_dir(keep_dir.path()).unwrap().count(), 0);
+}
+
+/// Files this process holds open under `dir` (unlinked ones too: `/proc/self/fd` names them
+/// `DIR/#N (deleted)`).
+fn open_under(dir: &Path) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|t| t.starts_with(dir))
+        .count()
+}
+
+#[test]
+fn a_failed_or_dropped_prescan_leaves_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let keep_dir = tempfile::tempdir().unwrap();
+    let keep = Keep {
+        dir: keep_dir.path().to_path_buf(),
+        max_bytes: u64::MAX,
+    };
+    // A layer past the bounds: the prescan ends with nothing, and the build says why.
+    let big = vec![blob(d.path(), &[E::File("f", &[0u8; 1 << 20])], Z::Gzip)];
+    let limits = Limits {
+        max_total_bytes: 64 << 10,
+        ..Limits::default()
+    };
+    let p = Prescan::start(big.clone(), &limits, None, keep.clone());
+    assert!(p.take().is_none());
+    let o = Ext4Options { limits, ..opts() };
+    let err = build_from(None, &big, &d.path().join("x.ext4"), &o).unwrap_err();
+    assert!(err.to_string().contains("limit"), "{err}");
+    // Dropped untaken, running or done: the thread is stopped and waited for, and its
+    // copies are gone.
+    let layers = three_layers(d.path());
+    let held = Prescan::start(layers.clone(), &Limits::default(), None, keep.clone())
+        .take()
+        .unwrap();
+    assert_eq!(
+        open_under(keep_dir.path()),
+        2,
+        "the two compressed layers' copies"
+    );
+    drop(held);
+    assert_eq!(open_under(keep_dir.path()), 0);
+    drop(Prescan::start(
+        layers.clone(),
+        &Limits::default(),
+        None,
+        keep.clone(),
+    ));
+    let p = Prescan::start(layers, &Limits::default(), None, keep);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    drop(p);
+    assert_eq!(open_under(keep_dir.path()), 0);
     assert_eq!(std::fs::read_dir(keep_dir.path()).unwrap().count(), 0);
 }
