@@ -98,6 +98,10 @@ pub struct PublishOptions {
     /// workspace's own ([`crate::build::key::workspace_key`] over [`flatten_key`]), so a
     /// publish reuses only what that workspace published. `None`: the operator's builds.
     pub workspace: Option<String>,
+    /// A scan of the image's bottom layers started earlier (the build's base, while its
+    /// steps ran), continued by the flatten when it was made with the same settings
+    /// ([`ext4::build_from`]); dropped unused when the image is reused.
+    pub prescan: Option<ext4::Prescan>,
 }
 
 /// Why publishing failed. Nothing is tagged when any step fails.
@@ -384,12 +388,16 @@ async fn publish_with(
         let layers = layers.to_vec();
         let o = ext4_opts.clone();
         let dest = scratch.to_path_buf();
-        tokio::task::spawn_blocking(move || ext4::build(&layers, &dest, &o))
-            .await
-            .map_err(|e| PublishError::Io {
-                path: scratch.to_path_buf(),
-                source: std::io::Error::other(e),
-            })??
+        let prescan = opts.prescan.clone();
+        tokio::task::spawn_blocking(move || {
+            let started = prescan.and_then(|p| p.take());
+            ext4::build_from(started, &layers, &dest, &o)
+        })
+        .await
+        .map_err(|e| PublishError::Io {
+            path: scratch.to_path_buf(),
+            source: std::io::Error::other(e),
+        })??
     };
     // 1. chunks
     let (table, _stats) = store

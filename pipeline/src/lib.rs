@@ -509,6 +509,16 @@ pub(crate) async fn run_leased(
         return Err(e.into());
     }
 
+    let froms: Vec<StageFrom> = bases.iter().map(StageFrom::of).collect();
+    let base_uses = report::base_uses(&bases);
+    let image_base = report::image_base(&froms, &base_uses, plan.target).map(|b| b.digest);
+    // The flatten's first pass over the image's base runs while the steps do; publishing
+    // continues it with the steps' layers. Dropped (stopped) when the build fails.
+    let prescan = match (&req.output, image_base) {
+        (Output::Image { .. }, Some(d)) => prescan_base(setup, &plan, &d),
+        _ => None,
+    };
+
     // 2. Steps.
     let t = Instant::now();
     let mut opts = build_options(setup, &req, resolve);
@@ -559,10 +569,7 @@ pub(crate) async fn run_leased(
         }
     };
     times.build = t.elapsed();
-    let froms: Vec<StageFrom> = bases.iter().map(StageFrom::of).collect();
-    let base_uses = report::base_uses(&bases);
-    let image_base = report::image_base(&froms, &base_uses, plan.target).map(|b| b.digest);
-    let r = finish(setup, &req, &out, image_base, &events, &mut times).await;
+    let r = finish(setup, &req, &out, image_base, prescan, &events, &mut times).await;
     let (image, snapshot, tags) = match r {
         Ok(r) => r,
         Err(e) => {
@@ -715,6 +722,33 @@ fn check_git_over_ssh(
     }
 }
 
+/// Starts the flatten's first pass over the layers of base image `digest`
+/// ([`kiln_builder::ext4::Prescan`]) with the bounds and `SOURCE_DATE_EPOCH` the publish
+/// uses, keeping inflated layers in the temporary directory. `None` when a blob is not in
+/// the cache or the epoch does not parse (the build reports that).
+fn prescan_base(
+    setup: &Setup,
+    plan: &kiln_recipes::plan::BuildPlan,
+    digest: &BlobDigest,
+) -> Option<kiln_builder::ext4::Prescan> {
+    let m = kiln_builder::base::manifest(setup.cache.as_ref(), digest).ok()?;
+    let mut layers = Vec::with_capacity(m.layers.len());
+    for l in &m.layers {
+        let path = setup.cache.blob_path(&l.digest).ok()??;
+        layers.push(kiln_builder::ext4::LayerBlob {
+            digest: l.digest.to_string(),
+            path,
+        });
+    }
+    let sde = kiln_builder::build::source_date_epoch(plan).ok()?;
+    Some(kiln_builder::ext4::Prescan::start(
+        layers,
+        &PublishOptions::default().limits,
+        sde,
+        kiln_builder::ext4::Keep::in_dir(&std::env::temp_dir()),
+    ))
+}
+
 /// The builder's options for `req`.
 fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> BuildOptions {
     let work = &setup.work_dir;
@@ -763,12 +797,14 @@ type Finished = (Option<PublishedImage>, Option<SnapshotSummary>, Vec<String>);
 
 /// Everything after the steps: publish, snapshot, the rebuild check, tags (or the rebuild
 /// check and the local OCI references). `image_base`: the OCI manifest of the image at the
-/// root of the target stage's `FROM` chain, if any.
+/// root of the target stage's `FROM` chain, if any; `prescan`: the flatten's first pass over
+/// its layers, started while the steps ran ([`prescan_base`]).
 async fn finish(
     setup: &Setup,
     req: &BuildRequest,
     out: &BuildOutput,
     image_base: Option<BlobDigest>,
+    prescan: Option<kiln_builder::ext4::Prescan>,
     events: &Arc<dyn EventSink>,
     times: &mut Times,
 ) -> Result<Finished, PipelineError> {
@@ -836,6 +872,7 @@ async fn finish(
                 Scope::Operator => None,
                 Scope::Tenant(t) => Some(t.workspace.clone()),
             },
+            prescan,
             ..Default::default()
         },
     )

@@ -391,10 +391,7 @@ pub async fn build_with(
             bases.len()
         )));
     }
-    let epoch = match plan.build_args.given.get("SOURCE_DATE_EPOCH") {
-        Some(v) => Some(config::parse_source_date_epoch(v).map_err(BuildError::Plan)?),
-        None => None,
-    };
+    let epoch = source_date_epoch(plan)?;
     let timeout = Duration::from_secs(plan.limits.timeout_secs);
     // What builds killed before they could clean up left: their step processes (any still
     // in a step cgroup), their scratch directories and their leases (crate::workdir).
@@ -487,6 +484,17 @@ pub async fn build_with(
         let _ = lease.release().await;
     }
     r
+}
+
+/// The build's `SOURCE_DATE_EPOCH` (a given build arg), seconds; `None` when not given.
+/// Errors: [`BuildError::Plan`] when it does not parse.
+pub fn source_date_epoch(plan: &BuildPlan) -> Result<Option<u64>, BuildError> {
+    match plan.build_args.given.get("SOURCE_DATE_EPOCH") {
+        Some(v) => Ok(Some(
+            config::parse_source_date_epoch(v).map_err(BuildError::Plan)?,
+        )),
+        None => Ok(None),
+    }
 }
 
 /// Adds `digests` (blobs) to the build's lease.

@@ -12,7 +12,13 @@
 //!    `apply_layer` would unpack. An entry replacing something removes it first (a directory
 //!    with everything below it). Each surviving object is given the stream position (layer,
 //!    entry index) it is written at.
-//! 2. [`Flat::write`] reads the layers again and writes one tar (GNU headers, for their
+//!    With [`Flat::scan_keeping`] (what [`super::build`] uses) the scan also keeps each
+//!    compressed layer's inflated stream in an unlinked temporary file, within a byte bound
+//!    taken from the free space ([`Keep`]), so that a layer is inflated once per image.
+//!    [`Scan`] is this pass a layer at a time: a build scans its base while its steps run
+//!    ([`super::Prescan`]) and the publish continues with the steps' layers.
+//! 2. [`Flat::write`] reads the layers again (a kept layer from its plain copy, others from
+//!    their blobs, inflating them again) and writes one tar (GNU headers, for their
 //!    atime and ctime fields, GNU long-name records for long names, PAX records for
 //!    xattrs): every
 //!    surviving entry at its own position, so files stay in layer order (the order that gave
@@ -48,12 +54,14 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
-use std::io::{self, Read, Write};
+use std::io::{self, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
 
 use crate::layer::whiteout::{Created, WhiteoutKind};
 use crate::layer::write::set_sparse;
 use crate::layer::{
-    DataReader, LayerError, LimitKind, Limits, Split, bounded_stream, read_meta, split_name,
+    Compression, DataReader, LayerError, LimitKind, Limits, Split, bounded_stream,
+    bounded_stream_as, read_meta, split_name,
 };
 
 use super::{Ext4Error, LayerBlob};
@@ -147,6 +155,10 @@ pub struct FlatStats {
     pub extra_links: u64,
     /// Files that replace a lower layer's file, written at its position.
     pub in_place: u64,
+    /// Compressed layers whose inflated stream the scan kept for pass 2 ([`Keep`]).
+    pub layers_kept: u64,
+    /// Bytes of those kept streams (plain tar, the [`Keep::max_bytes`] count).
+    pub kept_bytes: u64,
     /// Bytes of regular file data.
     pub data_bytes: u64,
     /// 4 KiB blocks the tree needs: file data, long symlinks, directory blocks, xattr blocks
@@ -164,6 +176,9 @@ pub struct Flat {
     inodes: Vec<Inode>,
     actions: Vec<Vec<Action>>,
     spool: Spool,
+    /// Per layer: its inflated stream kept by the scan ([`Keep`]), which pass 2 reads instead
+    /// of the blob.
+    copies: Vec<Option<Kept>>,
     /// Directories whose link count passes [`LINK_MAX`], see [`Flat::link_max_dirs`].
     link_max_dirs: Vec<Vec<u8>>,
     /// Counts of the flattened tree.
@@ -240,6 +255,82 @@ impl Read for SpoolReader<'_> {
     }
 }
 
+/// Where the scan keeps the inflated stream of each compressed layer (gzip, zstd, xz,
+/// bzip2) for pass 2, and how much, so that a publish inflates each layer once: pass 2 reads
+/// the plain tar back instead of inflating the blob again. A plain-tar layer is read from
+/// its blob in both passes. Each copy is an unlinked temporary file (`O_TMPFILE` through
+/// `tempfile::tempfile_in`) in [`Keep::dir`]: nothing is left behind however the build
+/// ends. A copy holds the bytes pass 1's tar reader read, so it is bounded by the same
+/// [`Limits`] (`max_total_bytes` per layer; a layer past them fails the scan).
+#[derive(Debug, Clone)]
+pub struct Keep {
+    /// Directory the copies are made in.
+    pub dir: PathBuf,
+    /// Most bytes kept over all layers. A layer is kept only while the total stays within
+    /// it: the copy of the layer that would pass it is dropped as it grows past the limit
+    /// and pass 2 inflates that layer from its blob; a later, smaller layer may still be
+    /// kept.
+    pub max_bytes: u64,
+}
+
+/// [`Keep::in_dir`] lets the copies take at most 1/`KEEP_FREE_DIVISOR` of the space free
+/// on the scratch file system when the scan starts, leaving the rest for the image, which
+/// holds about as many bytes of data as the layers' streams.
+pub const KEEP_FREE_DIVISOR: u64 = 4;
+
+impl Keep {
+    /// Copies in `dir`, at most a quarter ([`KEEP_FREE_DIVISOR`]) of the bytes available
+    /// to unprivileged writers on its file system now (`statvfs`: `f_bavail × f_frsize`,
+    /// what `df` calls available). `statvfs` failing keeps nothing.
+    pub fn in_dir(dir: &Path) -> Keep {
+        let free = rustix::fs::statvfs(dir)
+            .map(|s| s.f_bavail.saturating_mul(s.f_frsize))
+            .unwrap_or(0);
+        Keep {
+            dir: dir.to_path_buf(),
+            max_bytes: free / KEEP_FREE_DIVISOR,
+        }
+    }
+}
+
+/// One layer's kept inflated stream ([`Keep`]): `len` bytes of plain tar.
+struct Kept {
+    file: File,
+    len: u64,
+}
+
+/// Copies what a layer's reader reads into a file ([`Keep`]) while the copy stays within
+/// `max` bytes; past it, or on a failed write, the copy is dropped (the scan goes on).
+struct Tee<R> {
+    inner: R,
+    out: Option<BufWriter<File>>,
+    n: u64,
+    max: u64,
+}
+
+impl<R: Read> Read for Tee<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if let Some(w) = &mut self.out {
+            if self.n + n as u64 > self.max || w.write_all(&buf[..n]).is_err() {
+                // Not flushed: the unlinked file goes with what it holds.
+                drop(self.out.take().map(BufWriter::into_parts));
+            } else {
+                self.n += n as u64;
+            }
+        }
+        Ok(n)
+    }
+}
+
+impl<R> Tee<R> {
+    /// The copy, when it was kept whole and flushed.
+    fn finish(self) -> Option<Kept> {
+        let file = self.out?.into_inner().ok()?;
+        Some(Kept { file, len: self.n })
+    }
+}
+
 /// One entry as read in the scan.
 struct Scanned {
     comps: Vec<Vec<u8>>,
@@ -298,7 +389,9 @@ fn open_layer(l: &LayerBlob) -> Result<File, Ext4Error> {
 /// Reads every header of one layer (data skipped). `kept` counts the bytes of names, link
 /// targets and xattrs held so far, against [`MAX_SCAN_BYTES`].
 /// `replaces(comps)`: whether a file at that name replaces a lower layer's file (its data is
-/// then spooled, within the spool's bounds).
+/// then spooled, within the spool's bounds). `keep`: where a compressed layer's inflated
+/// stream is copied and how many bytes it may take ([`Keep`]); the copy is returned when it
+/// was kept whole.
 fn scan_layer(
     l: &LayerBlob,
     limits: &Limits,
@@ -306,9 +399,28 @@ fn scan_layer(
     max_kept: u64,
     replaces: &dyn Fn(&[Vec<u8>]) -> bool,
     spool: &mut Spool,
-) -> Result<(Vec<Scanned>, u64), Ext4Error> {
+    keep: Option<(&Path, u64)>,
+) -> Result<(Vec<Scanned>, u64, Option<Kept>), Ext4Error> {
     let (stream, bounded) = bounded_stream(open_layer(l)?, &l.digest, limits)?;
-    let mut archive = tar::Archive::new(stream);
+    let out = match keep {
+        Some((dir, max)) if max > 0 && bounded.compression() != Compression::None => {
+            match tempfile::tempfile_in(dir) {
+                Ok(f) => Some(BufWriter::with_capacity(1 << 20, f)),
+                Err(e) => {
+                    tracing::debug!(dir = %dir.display(), error = %e, "not keeping the inflated layer");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    let max = keep.map_or(0, |k| k.1);
+    let mut archive = tar::Archive::new(Tee {
+        inner: stream,
+        out,
+        n: 0,
+        max,
+    });
     let mut out = Vec::new();
     let mut last = String::from("(start)");
     let entries = archive.entries().map_err(|e| bounded.error(e, "(start)"))?;
@@ -406,7 +518,161 @@ fn scan_layer(
             map,
         });
     }
-    Ok((out, bounded.bytes()))
+    let copy = archive.into_inner().finish();
+    Ok((out, bounded.bytes(), copy))
+}
+
+/// Pass 1 taken a layer at a time: [`Scan::new`], [`Scan::layer`] for each layer bottom
+/// first, then [`Scan::finish`] for the [`Flat`] that pass 2 writes. [`Flat::scan`] is this
+/// over all layers at once; a build starts one on its base layers while its steps run and
+/// continues it with the steps' layers when it publishes ([`super::Prescan`],
+/// [`Scan::resume`]).
+pub struct Scan {
+    flat: Flat,
+    /// Bytes of names, link targets and xattrs held so far, against `max_kept`.
+    kept: u64,
+    max_kept: u64,
+    keep: Option<Keep>,
+}
+
+impl Scan {
+    /// An empty scan: nothing read yet. `clamp`, `default_mtime` as in [`Flat::scan`];
+    /// `keep`: where and how much of the compressed layers' inflated streams to keep for
+    /// pass 2 ([`Keep`]; `None`: pass 2 inflates them again).
+    pub fn new(
+        limits: &Limits,
+        clamp: Option<u64>,
+        default_mtime: u64,
+        keep: Option<Keep>,
+    ) -> Scan {
+        Self::bounded(limits, clamp, default_mtime, keep, MAX_SCAN_BYTES)
+    }
+
+    /// [`Scan::new`] with another bound than [`MAX_SCAN_BYTES`].
+    pub(crate) fn bounded(
+        limits: &Limits,
+        clamp: Option<u64>,
+        default_mtime: u64,
+        keep: Option<Keep>,
+        max_kept: u64,
+    ) -> Scan {
+        Scan {
+            flat: Flat {
+                layers: Vec::new(),
+                limits: limits.clone(),
+                clamp,
+                default_mtime,
+                paths: BTreeMap::new(),
+                inodes: Vec::new(),
+                actions: Vec::new(),
+                spool: Spool { file: None, len: 0 },
+                copies: Vec::new(),
+                link_max_dirs: Vec::new(),
+                stats: FlatStats::default(),
+            },
+            kept: 0,
+            max_kept,
+            keep,
+        }
+    }
+
+    /// The layers read so far, bottom first.
+    pub fn layers(&self) -> &[LayerBlob] {
+        &self.flat.layers
+    }
+
+    /// This scan, to be continued by a flatten of `layers` with `limits`, `clamp` and
+    /// `default_mtime`, when it was made with the same settings (the same bounds and
+    /// deadline of [`Limits`]; its cancel flag may differ, and from here on `limits`' is
+    /// used) and what it has read is the bottom of `layers`. `None` otherwise: it is dropped
+    /// and the flatten scans from the start.
+    pub fn resume(
+        mut self,
+        layers: &[LayerBlob],
+        limits: &Limits,
+        clamp: Option<u64>,
+        default_mtime: u64,
+    ) -> Option<Scan> {
+        let f = &self.flat;
+        let same = f.limits.max_total_bytes == limits.max_total_bytes
+            && f.limits.max_entries == limits.max_entries
+            && f.limits.max_file_bytes == limits.max_file_bytes
+            && f.limits.deadline == limits.deadline
+            && f.clamp == clamp
+            && f.default_mtime == default_mtime
+            && layers.starts_with(&f.layers);
+        if !same {
+            return None;
+        }
+        self.flat.limits = limits.clone();
+        Some(self)
+    }
+
+    /// Reads the next layer up (`l`) into the tree. Errors: as [`Flat::scan`]; the scan is
+    /// gone with them.
+    pub fn layer(mut self, l: &LayerBlob) -> Result<Scan, Ext4Error> {
+        let li = self.flat.layers.len();
+        let f = &mut self.flat;
+        let room = self.keep.as_ref().map(|k| {
+            (
+                k.dir.as_path(),
+                k.max_bytes.saturating_sub(f.stats.kept_bytes),
+            )
+        });
+        let (entries, bytes, copy) = {
+            let Flat {
+                paths,
+                inodes,
+                spool,
+                limits,
+                ..
+            } = &mut *f;
+            // A plain lookup of the name (no symlink resolution): layers written from an
+            // overlay's upper directory name real paths.
+            let replaces = |comps: &[Vec<u8>]| {
+                li > 0
+                    && matches!(paths.get(&join(comps)),
+                        Some(Node::Leaf { ino, .. })
+                            if matches!(inodes[*ino].kind, Kind::File { .. }))
+            };
+            scan_layer(
+                l,
+                limits,
+                &mut self.kept,
+                self.max_kept,
+                &replaces,
+                spool,
+                room,
+            )?
+        };
+        if let Some(c) = &copy {
+            f.stats.layers_kept += 1;
+            f.stats.kept_bytes += c.len;
+        }
+        f.layers.push(l.clone());
+        f.copies.push(copy);
+        f.stats.entries_read += entries.len() as u64;
+        f.stats.layer_bytes += bytes;
+        f.actions.push(vec![Action::Skip; entries.len()]);
+        let mut cx = Cx {
+            digest: &l.digest,
+            entry: String::new(),
+        };
+        // In stream order, whiteouts too, as the applier goes ([`crate::layer::whiteout`]).
+        let mut made = Created::default();
+        for (ei, e) in entries.into_iter().enumerate() {
+            let pos = (li as u32, ei as u32);
+            cx.entry.clone_from(&e.name);
+            f.add(e, pos, &cx, &mut made)?;
+        }
+        Ok(self)
+    }
+
+    /// The final tree of the layers read, ready for [`Flat::write`].
+    pub fn finish(mut self) -> Flat {
+        self.flat.plan();
+        self.flat
+    }
 }
 
 /// The flattened tree in memory as a [`Tree`] for the walk: a directory is its path (`""`
@@ -475,65 +741,43 @@ impl Flat {
         clamp: Option<u64>,
         default_mtime: u64,
     ) -> Result<Flat, Ext4Error> {
-        Self::scan_bounded(layers, limits, clamp, default_mtime, MAX_SCAN_BYTES)
+        Self::scan_bounded(layers, limits, clamp, default_mtime, MAX_SCAN_BYTES, None)
     }
 
-    /// [`Flat::scan`] with another bound than [`MAX_SCAN_BYTES`] on what it keeps.
+    /// [`Flat::scan`] that keeps each compressed layer's inflated stream as `keep` says, for
+    /// [`Flat::write`] to read instead of inflating the blob again.
+    pub fn scan_keeping(
+        layers: &[LayerBlob],
+        limits: &Limits,
+        clamp: Option<u64>,
+        default_mtime: u64,
+        keep: &Keep,
+    ) -> Result<Flat, Ext4Error> {
+        Self::scan_bounded(
+            layers,
+            limits,
+            clamp,
+            default_mtime,
+            MAX_SCAN_BYTES,
+            Some(keep),
+        )
+    }
+
+    /// [`Flat::scan`] with another bound than [`MAX_SCAN_BYTES`] on what it keeps in memory
+    /// and, when `keep` is given, copies of the inflated layers ([`Keep`]).
     pub(crate) fn scan_bounded(
         layers: &[LayerBlob],
         limits: &Limits,
         clamp: Option<u64>,
         default_mtime: u64,
         max_kept: u64,
+        keep: Option<&Keep>,
     ) -> Result<Flat, Ext4Error> {
-        let mut f = Flat {
-            layers: layers.to_vec(),
-            limits: limits.clone(),
-            clamp,
-            default_mtime,
-            paths: BTreeMap::new(),
-            inodes: Vec::new(),
-            actions: Vec::with_capacity(layers.len()),
-            spool: Spool { file: None, len: 0 },
-            link_max_dirs: Vec::new(),
-            stats: FlatStats::default(),
-        };
-        let mut kept = 0u64;
-        for (li, l) in layers.iter().enumerate() {
-            let (entries, bytes) = {
-                let Flat {
-                    paths,
-                    inodes,
-                    spool,
-                    ..
-                } = &mut f;
-                // A plain lookup of the name (no symlink resolution): layers written from an
-                // overlay's upper directory name real paths.
-                let replaces = |comps: &[Vec<u8>]| {
-                    li > 0
-                        && matches!(paths.get(&join(comps)),
-                            Some(Node::Leaf { ino, .. })
-                                if matches!(inodes[*ino].kind, Kind::File { .. }))
-                };
-                scan_layer(l, limits, &mut kept, max_kept, &replaces, spool)?
-            };
-            f.stats.entries_read += entries.len() as u64;
-            f.stats.layer_bytes += bytes;
-            f.actions.push(vec![Action::Skip; entries.len()]);
-            let mut cx = Cx {
-                digest: &l.digest,
-                entry: String::new(),
-            };
-            // In stream order, whiteouts too, as the applier goes ([`crate::layer::whiteout`]).
-            let mut made = Created::default();
-            for (ei, e) in entries.into_iter().enumerate() {
-                let pos = (li as u32, ei as u32);
-                cx.entry.clone_from(&e.name);
-                f.add(e, pos, &cx, &mut made)?;
-            }
+        let mut s = Scan::bounded(limits, clamp, default_mtime, keep.cloned(), max_kept);
+        for l in layers {
+            s = s.layer(l)?;
         }
-        f.plan();
-        Ok(f)
+        Ok(s.finish())
     }
 
     /// Resolves `comps` (a directory path) inside the tree, with the walk `apply_layer`
@@ -934,7 +1178,20 @@ impl Flat {
             flat: self,
         };
         for (li, l) in self.layers.iter().enumerate() {
-            let (stream, bounded) = bounded_stream(open_layer(l)?, &l.digest, &self.limits)?;
+            // A kept copy is plain tar: not sniffed (its first name could look compressed).
+            let (stream, bounded) = match &self.copies[li] {
+                Some(c) => bounded_stream_as(
+                    SpoolReader {
+                        file: Some(&c.file),
+                        off: 0,
+                        left: c.len,
+                    },
+                    Some(Compression::None),
+                    &l.digest,
+                    &self.limits,
+                )?,
+                None => bounded_stream(open_layer(l)?, &l.digest, &self.limits)?,
+            };
             let mut archive = tar::Archive::new(stream);
             let actions = &self.actions[li];
             let mut n = 0usize;

@@ -3,7 +3,10 @@
 //! [`build`] flattens the layer blobs ([`flatten`], bottom first, whiteouts applied) into one
 //! tar stream written straight into `mke2fs -d -` (e2fsprogs ≥ 1.47.1 reads a tarball from
 //! standard input when libarchive is installed; nothing is unpacked to disk and nothing is
-//! mounted), then indexes its directories with `e2fsck -fpD` and checks the result with
+//! mounted; each compressed layer is inflated once, its plain stream kept from the first
+//! pass for the second in the build's scratch directory, within [`Keep::in_dir`]'s bound;
+//! the first pass over a build's base image can run while its steps do, [`Prescan`] and
+//! [`build_from`]), then indexes its directories with `e2fsck -fpD` and checks the result with
 //! `e2fsck -fn`; a failing check is an error.
 //!
 //! ## Directories
@@ -75,7 +78,7 @@
 
 mod flatten;
 
-pub use flatten::{Flat, FlatStats, LINK_MAX, MAX_SCAN_BYTES, Meta};
+pub use flatten::{Flat, FlatStats, KEEP_FREE_DIVISOR, Keep, LINK_MAX, MAX_SCAN_BYTES, Meta, Scan};
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -609,21 +612,63 @@ pub fn build(
     dest: &Path,
     opts: &Ext4Options,
 ) -> Result<Ext4Image, Ext4Error> {
-    let r = build_inner(layers, dest, opts);
+    build_from(None, layers, dest, opts)
+}
+
+/// [`build`] continuing `started`, a scan of the bottom of `layers` (a [`Prescan`] of the
+/// build's base), when it was made with `opts`' settings ([`Scan::resume`]); otherwise, or
+/// with `None`, as [`build`].
+pub fn build_from(
+    started: Option<Scan>,
+    layers: &[LayerBlob],
+    dest: &Path,
+    opts: &Ext4Options,
+) -> Result<Ext4Image, Ext4Error> {
+    let r = build_inner(started, layers, dest, opts, None);
     if r.is_err() {
         let _ = std::fs::remove_file(dest);
     }
     r
 }
 
+/// [`build_from`] without removing `dest` on error. `keep_max`: the most bytes of inflated
+/// layers a new scan keeps for pass 2 ([`Keep`]); `None`: [`Keep::in_dir`] of the scratch
+/// directory.
 fn build_inner(
+    started: Option<Scan>,
     layers: &[LayerBlob],
     dest: &Path,
     opts: &Ext4Options,
+    keep_max: Option<u64>,
 ) -> Result<Ext4Image, Ext4Error> {
     let tools = check_tools()?;
     let epoch = opts.source_date_epoch.unwrap_or(DEFAULT_EPOCH);
-    let flat = Flat::scan(layers, &opts.limits, opts.source_date_epoch, epoch)?;
+    let scratch = tempfile::tempdir().map_err(|source| Ext4Error::Io {
+        path: std::env::temp_dir(),
+        source,
+    })?;
+    let sde = opts.source_date_epoch;
+    let had = started.is_some();
+    let mut scan = match started.and_then(|s| s.resume(layers, &opts.limits, sde, epoch)) {
+        Some(s) => {
+            tracing::debug!(layers = s.layers().len(), "continuing the prescan");
+            s
+        }
+        None => {
+            if had {
+                tracing::debug!("the prescan was made with other settings; scanning anew");
+            }
+            let mut keep = Keep::in_dir(scratch.path());
+            if let Some(max) = keep_max {
+                keep.max_bytes = max;
+            }
+            Scan::new(&opts.limits, sde, epoch, Some(keep))
+        }
+    };
+    for l in &layers[scan.layers().len()..] {
+        scan = scan.layer(l)?;
+    }
+    let flat = scan.finish();
     let estimate = size_estimate(&flat.stats);
     let (mut mib, fixed) = match opts.disk_mib {
         Some(d) => (d, true),
@@ -636,10 +681,6 @@ fn build_inner(
             limit_mib: limit,
         });
     }
-    let scratch = tempfile::tempdir().map_err(|source| Ext4Error::Io {
-        path: std::env::temp_dir(),
-        source,
-    })?;
     let conf = scratch.path().join("mke2fs.conf");
     std::fs::write(&conf, MKE2FS_CONF).map_err(|source| Ext4Error::Io {
         path: conf.clone(),
@@ -989,6 +1030,90 @@ fn e2fsck(
     let mut all = out.stdout;
     all.extend_from_slice(&out.stderr);
     Ok(Some((out.status.to_string(), tail(&all))))
+}
+
+/// A [`Scan`] of an image's bottom layers (a build's base image) on a thread of its own,
+/// started while the build's steps run, so that publishing continues it with the steps'
+/// layers ([`build_from`]) instead of reading the base again: the first pass over the base
+/// leaves the publish's critical path. Cloning shares it; it is taken once ([`Prescan::take`]).
+/// Dropping the last clone untaken stops the thread (through the cancel flag of its
+/// [`Limits`], checked on each read) and waits for it; what it kept ([`Keep`]: unlinked
+/// temporary files) goes with it. A scan that failed is not reported: the flatten that
+/// would continue it scans from the start and reports the error then.
+#[derive(Clone)]
+pub struct Prescan(std::sync::Arc<std::sync::Mutex<Option<Running>>>);
+
+struct Running {
+    thread: Option<std::thread::JoinHandle<Option<Scan>>>,
+    cancel: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            self.cancel
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            let _ = t.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for Prescan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Prescan")
+    }
+}
+
+impl Prescan {
+    /// Starts scanning `layers` (bottom first) with `limits` (their cancel flag replaced by
+    /// the prescan's own), `source_date_epoch` as in [`Ext4Options`], keeping inflated
+    /// streams as `keep` says.
+    pub fn start(
+        layers: Vec<LayerBlob>,
+        limits: &Limits,
+        source_date_epoch: Option<u64>,
+        keep: Keep,
+    ) -> Prescan {
+        let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let limits = Limits {
+            cancel: Some(cancel.clone()),
+            ..limits.clone()
+        };
+        let epoch = source_date_epoch.unwrap_or(DEFAULT_EPOCH);
+        let thread = std::thread::Builder::new()
+            .name("kiln-prescan".into())
+            .spawn(move || {
+                let mut s = Scan::new(&limits, source_date_epoch, epoch, Some(keep));
+                for l in &layers {
+                    s = match s.layer(l) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            tracing::debug!(layer = %l.digest, error = %e, "prescan stopped");
+                            return None;
+                        }
+                    };
+                }
+                Some(s)
+            });
+        let thread = match thread {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::debug!(error = %e, "no prescan thread");
+                None
+            }
+        };
+        Prescan(std::sync::Arc::new(std::sync::Mutex::new(Some(Running {
+            thread,
+            cancel,
+        }))))
+    }
+
+    /// Waits for the scan and takes it: `None` when it failed, was taken already or could
+    /// not start. Blocking.
+    pub fn take(&self) -> Option<Scan> {
+        let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+        running.thread.take()?.join().ok().flatten()
+    }
 }
 
 #[cfg(test)]

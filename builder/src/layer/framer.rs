@@ -273,12 +273,25 @@ pub(crate) struct BoundedStream {
     counters: Rc<Counters>,
     limits: Limits,
     digest: String,
+    compression: Compression,
 }
 
 /// Opens `layer` (gzip, zstd or plain) as a bounded tar stream. Errors: [`LayerError::Tar`]
 /// when the compression header is unreadable.
 pub(crate) fn bounded_stream<'a>(
     layer: impl Read + 'a,
+    digest: &str,
+    limits: &Limits,
+) -> Result<(Box<dyn Read + 'a>, BoundedStream), LayerError> {
+    bounded_stream_as(layer, None, digest, limits)
+}
+
+/// [`bounded_stream`] of a stream whose compression is known (`Some`: not sniffed, e.g. the
+/// plain tar a compressed layer inflated to, whose first name could start like a gzip
+/// member), or sniffed from its first bytes (`None`).
+pub(crate) fn bounded_stream_as<'a>(
+    layer: impl Read + 'a,
+    compression: Option<Compression>,
     digest: &str,
     limits: &Limits,
 ) -> Result<(Box<dyn Read + 'a>, BoundedStream), LayerError> {
@@ -289,8 +302,11 @@ pub(crate) fn bounded_stream<'a>(
         entry: "(start)".into(),
         source: e,
     };
-    let head = raw.fill_buf().map_err(tar_err)?;
-    let decoded: Box<dyn Read + 'a> = Compression::sniff(head).decoder(raw).map_err(tar_err)?;
+    let compression = match compression {
+        Some(c) => c,
+        None => Compression::sniff(raw.fill_buf().map_err(tar_err)?),
+    };
+    let decoded: Box<dyn Read + 'a> = compression.decoder(raw).map_err(tar_err)?;
     let counted = CountOut {
         inner: decoded,
         c: counters.clone(),
@@ -303,6 +319,7 @@ pub(crate) fn bounded_stream<'a>(
             counters,
             limits: limits.clone(),
             digest: digest.to_string(),
+            compression,
         },
     ))
 }
@@ -339,6 +356,11 @@ impl BoundedStream {
                 source: e,
             },
         }
+    }
+
+    /// The layer's compression (sniffed, or as given to [`bounded_stream_as`]).
+    pub(crate) fn compression(&self) -> Compression {
+        self.compression
     }
 
     /// Uncompressed bytes read so far.
