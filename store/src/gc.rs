@@ -27,6 +27,15 @@
 //! inputs records and index copies, [`crate::lease`]) are deleted last, and the locks released. `dry_run` moves and deletes nothing and reports
 //! what phase 1 would condemn.
 //!
+//! Last, still under the GC lock (the sweep lock released: writers need not wait),
+//! [`Backend::compact`] reclaims the space the backend's layout holds for what was deleted:
+//! the local backend copies the live chunks of each pack that is at least half dead into a
+//! new pack and retires the old one ([`crate::backend::local`], "Compaction"). It never
+//! changes which keys exist or their bytes and `modified` times, only where the bytes are,
+//! so everything above holds through it: a build that found a chunk present finds it
+//! still, and a mark sees the same keys. A dry run compacts nothing and reports what the
+//! compaction would reclaim once its deletes are done.
+//!
 //! Why an in-flight build or push loses nothing, whatever the grace period (even zero), on
 //! S3 as on a local directory. It rests on S3's strong read-after-write consistency (a
 //! write, delete or copy that has returned is seen by every later read, head and listing,
@@ -214,6 +223,10 @@ pub struct GcReport {
     pub expired: Vec<String>,
     /// Whether this was a dry run.
     pub dry_run: bool,
+    /// The backend's compaction after the deletes ([`Backend::compact`]: the local
+    /// backend's partly dead packs rewritten). In a dry run: what it would reclaim once
+    /// the objects of [`GcReport::collected`] are deleted.
+    pub compacted: crate::backend::CompactReport,
 }
 
 /// A root or reachable object that cannot be read: marking stops (see [`GcError::Unreadable`]).
@@ -566,7 +579,19 @@ impl Store {
                 self.backend.delete(k).await?;
             }
         }
+        // Writers need not wait for the compaction: it never changes which keys exist.
         drop(sweep);
+        // Compaction, after every delete and still under the GC lock.
+        report.compacted = match lock {
+            None => {
+                let doomed: Vec<String> = report.collected.iter().map(|c| c.key.clone()).collect();
+                self.backend.compact(true, &doomed).await?
+            }
+            Some(lock) => {
+                lock.check()?;
+                self.backend.compact(false, &[]).await?
+            }
+        };
         Ok(report)
     }
 

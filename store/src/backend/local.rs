@@ -155,8 +155,8 @@ use bytes::Bytes;
 pub(crate) use super::local_pack::PackBatch;
 use super::local_pack::{self, IdxEntry, PACK_DIR, PACK_LOCK, Packs, chunk_digest, chunk_key};
 use super::{
-    Backend, BackendError, LayoutReport, MAX_MUTABLE_LEN, ObjectInfo, PutOutcome, StageBatch,
-    Staged, StagedPut, Version, too_large, validate_key,
+    Backend, BackendError, CompactReport, LayoutReport, MAX_MUTABLE_LEN, ObjectInfo, PutOutcome,
+    StageBatch, Staged, StagedPut, Version, too_large, validate_key,
 };
 use crate::digest::{Hasher, Sha256Hash};
 
@@ -186,6 +186,45 @@ fn tmp_owner() -> &'static str {
         )
     })
 }
+
+/// A new unique temp or pack name: `<writer>-<n>-<nanos>` ([`tmp_owner`]).
+fn fresh_name() -> String {
+    let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{}-{}-{}", tmp_owner(), n, nanos)
+}
+
+/// A file removed when this drops, unless [`RemoveOnDrop::keep`] was called.
+struct RemoveOnDrop(Option<PathBuf>);
+
+impl RemoveOnDrop {
+    fn keep(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = fs::remove_file(p);
+        }
+    }
+}
+
+/// Removes `p`; absent is fine.
+fn remove_if_present(p: &Path) -> std::io::Result<()> {
+    match fs::remove_file(p) {
+        Err(e) if e.kind() != ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Largest piece a compaction reads and writes at once: its memory, whatever the chunks'
+/// size.
+const COMPACT_BUF: u64 = 1 << 20;
 
 /// Removes the temp files in `tmp` (the store's `.tmp`) of writers that are gone: named by
 /// [`tmp_owner`] for a process of this pid namespace (not 0: unknown) that no longer runs.
@@ -340,14 +379,7 @@ impl LocalBackend {
     }
 
     fn tmp_path(&self) -> PathBuf {
-        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        self.root
-            .join(TMP_DIR)
-            .join(format!("{}-{}-{}", tmp_owner(), n, nanos))
+        self.root.join(TMP_DIR).join(fresh_name())
     }
 
     fn ctx(&self) -> Ctx {
@@ -848,10 +880,10 @@ impl Ctx {
         Ok(outcomes)
     }
 
-    /// Deletes the packed entry of `key`, if any, under the lock: its digest appended to
-    /// its pack's dead file (fsynced); the pack, its index and dead file removed once every
-    /// entry is dead (index first: a pack without an index is invisible). Returns whether
-    /// an entry was deleted.
+    /// Deletes the packed entries of `key`, if any, under the lock: its digest appended to
+    /// each holding pack's dead file (fsynced; a chunk held by two packs, a compaction's
+    /// leftover, is deleted from both); a pack is retired once every entry is dead
+    /// ([`Ctx::retire_pack`]). Returns whether an entry was deleted.
     fn delete_packed(&self, key: &str) -> Result<bool, BackendError> {
         let Some(d) = chunk_digest(key) else {
             return Ok(false);
@@ -860,36 +892,263 @@ impl Ctx {
             return Ok(false);
         }
         let _lock = self.lock_packs(key)?;
-        let Some(loc) = self.packed(key)? else {
-            return Ok(false);
-        };
         let err = |e: std::io::Error| other(&self.url, "delete", key, e);
-        let dead_path = self.packs.path(&loc.pack, "dead");
-        let dead_len = {
-            use std::os::unix::fs::OpenOptionsExt;
-            let mut f = OpenOptions::new()
-                .append(true)
-                .create(true)
-                .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-                .open(&dead_path)
-                .map_err(err)?;
-            f.write_all(&d.0).map_err(err)?;
-            f.sync_all().map_err(err)?;
-            f.metadata().map_err(err)?.len()
-        };
-        if self.packs.mark_dead(&loc.pack, d, dead_len) {
-            for ext in ["idx", "pack", "dead"] {
-                match fs::remove_file(self.packs.path(&loc.pack, ext)) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == ErrorKind::NotFound => {}
-                    Err(e) => return Err(err(e)),
-                }
+        // Under the lock no pack is committed, compacted or retired: this view, refreshed
+        // if `.packs` changed since it was read, is current.
+        self.packs.rescan_if_changed().map_err(err)?;
+        let mut done: Vec<Arc<str>> = Vec::new();
+        while let Some(loc) = self.packed(key)? {
+            if done.contains(&loc.pack) {
+                return Err(other(
+                    &self.url,
+                    "delete",
+                    key,
+                    format!("still served by pack {} after its delete", loc.pack),
+                ));
             }
-            fsync_dir(self.packs.dir()).map_err(err)?;
-            self.packs.drop_pack(&loc.pack);
+            let dead_path = self.packs.path(&loc.pack, "dead");
+            let dead_len = {
+                use std::os::unix::fs::OpenOptionsExt;
+                let mut f = OpenOptions::new()
+                    .append(true)
+                    .create(true)
+                    .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+                    .open(&dead_path)
+                    .map_err(err)?;
+                f.write_all(&d.0).map_err(err)?;
+                f.sync_all().map_err(err)?;
+                f.metadata().map_err(err)?.len()
+            };
+            if self.packs.mark_dead(&loc.pack, d, dead_len) {
+                self.retire_pack(&loc.pack).map_err(err)?;
+            }
+            done.push(loc.pack);
         }
-        Ok(true)
+        Ok(!done.is_empty())
     }
+
+    /// Removes pack `name` (under the lock): its index first, made durable by an fsync of
+    /// `.packs` before its pack and dead file go, so that no crash or power loss leaves the
+    /// index without its pack (a pack without an index is invisible, and reaped).
+    fn retire_pack(&self, name: &str) -> std::io::Result<()> {
+        remove_if_present(&self.packs.path(name, "idx"))?;
+        fsync_dir(self.packs.dir())?;
+        self.packs.drop_pack(name);
+        remove_if_present(&self.packs.path(name, "pack"))?;
+        remove_if_present(&self.packs.path(name, "dead"))?;
+        fsync_dir(self.packs.dir())
+    }
+
+    /// [`Backend::compact`]: see the module doc ("Compaction").
+    fn compact(&self, dry_run: bool, also_dead: &[String]) -> Result<CompactReport, BackendError> {
+        let err = |e: std::io::Error| other(&self.url, "compact", PACK_DIR, e);
+        no_symlink(&self.url, PACK_DIR, self.packs.dir())?;
+        self.packs.rescan().map_err(err)?;
+        let also: std::collections::HashSet<Sha256Hash> =
+            also_dead.iter().filter_map(|k| chunk_digest(k)).collect();
+        let plans = self.packs.plan_compaction(&also);
+        let mut r = CompactReport::default();
+        if dry_run {
+            for p in &plans {
+                r.packs += 1;
+                r.bytes_before += p.pack_len;
+                r.bytes_copied += p.live_bytes;
+                r.bytes_reclaimed += p.pack_len - p.live_bytes;
+            }
+            return Ok(r);
+        }
+        {
+            // Under the lock every pack file without an index is a crash's leftover: a
+            // commit renames a pack and its index under the lock, a retirement removes
+            // them under it.
+            let _lock = self.lock_packs(PACK_DIR)?;
+            let (files, bytes) = reap_unindexed(self.packs.dir()).map_err(err)?;
+            if files > 0 {
+                fsync_dir(self.packs.dir()).map_err(err)?;
+            }
+            r.orphan_files = files;
+            r.bytes_reclaimed += bytes;
+        }
+        for p in &plans {
+            match self.compact_one(p) {
+                Ok(Some(copied)) => {
+                    r.packs += 1;
+                    r.bytes_before += p.pack_len;
+                    r.bytes_copied += copied;
+                    r.bytes_reclaimed += p.pack_len - copied;
+                }
+                Ok(None) => {}
+                Err(BackendError::NoSpace { space, .. }) => {
+                    // The file system is full: the packs done so far stay done.
+                    tracing::warn!(store = %self.url, pack = %p.name, %space, "compaction stopped: no space for a copy");
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if r.packs > 0 {
+            tracing::info!(
+                store = %self.url,
+                packs = r.packs,
+                copied = r.bytes_copied,
+                reclaimed = r.bytes_reclaimed,
+                "compacted packs"
+            );
+        }
+        Ok(r)
+    }
+
+    /// Compacts one pack: its serving entries copied (outside the lock) into a new pack,
+    /// which is committed as an upload's batch is, then the old pack retired, both under
+    /// the lock. Returns the bytes copied, or `None` when the pack was left as it is (gone
+    /// meanwhile, or it now serves a chunk the plan did not copy).
+    fn compact_one(&self, plan: &local_pack::CompactPlan) -> Result<Option<u64>, BackendError> {
+        let old: &str = &plan.name;
+        let err = |op: &'static str, e: std::io::Error| {
+            if crate::space::is_no_space(&e) {
+                BackendError::NoSpace {
+                    store: self.url.clone(),
+                    op: "compact",
+                    key: old.to_string(),
+                    space: crate::space::NoSpace::at("compacting", &self.root.join(TMP_DIR), None),
+                }
+            } else {
+                other(&self.url, op, old, e)
+            }
+        };
+        let name = fresh_name();
+        let tmp_pack = self.root.join(TMP_DIR).join(format!("{name}.pack"));
+        let mut guard = RemoveOnDrop(None);
+        let mut entries = Vec::with_capacity(plan.live.len());
+        let mut new_len = 0u64;
+        // 1. The copy, outside the lock: commits and deletes go on meanwhile.
+        if !plan.live.is_empty() {
+            use std::os::unix::fs::FileExt;
+            no_symlink(&self.url, old, &self.root.join(TMP_DIR))?;
+            let src = match local_pack::open_nofollow(&self.packs.path(old, "pack")) {
+                Ok(f) => f,
+                Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(err("compact", e)),
+            };
+            let mut dst = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp_pack)
+                .map_err(|e| err("compact", e))?;
+            guard = RemoveOnDrop(Some(tmp_pack.clone()));
+            let biggest = plan.live.iter().map(|e| e.len).max().unwrap_or(0);
+            let mut buf = vec![0u8; biggest.min(COMPACT_BUF) as usize];
+            for e in &plan.live {
+                let mut done = 0u64;
+                while done < e.len {
+                    let n = (e.len - done).min(buf.len() as u64) as usize;
+                    src.read_exact_at(&mut buf[..n], e.offset + done)
+                        .and_then(|_| dst.write_all(&buf[..n]))
+                        .map_err(|e| err("compact", e))?;
+                    done += n as u64;
+                }
+                entries.push(IdxEntry {
+                    digest: e.digest,
+                    offset: new_len,
+                    len: e.len,
+                });
+                new_len += e.len;
+            }
+            // The copy's bytes are on stable storage before any index names them.
+            dst.sync_all().map_err(|e| err("fsync", e))?;
+        }
+        // 2. Under the lock, on a view rescanned under it.
+        let _lock = self.lock_packs(old)?;
+        no_symlink(&self.url, PACK_DIR, self.packs.dir())?;
+        self.packs.rescan().map_err(|e| err("resolve", e))?;
+        let Some(now) = self.packs.serving_entries(old) else {
+            return Ok(None);
+        };
+        let copied: std::collections::HashSet<Sha256Hash> =
+            entries.iter().map(|e| e.digest).collect();
+        if now.iter().any(|e| !copied.contains(&e.digest)) {
+            // Served by another pack at the plan, whose copy went since: not copied, so
+            // this pack stays (the next compaction takes it).
+            return Ok(None);
+        }
+        // Chunks deleted meanwhile are not indexed again (their bytes are dead weight in
+        // the new pack).
+        let serving: std::collections::HashSet<Sha256Hash> = now.iter().map(|e| e.digest).collect();
+        entries.retain(|e| serving.contains(&e.digest));
+        if !entries.is_empty() {
+            let idx_bytes = local_pack::encode_index(&mut entries);
+            let idx_tmp = self.root.join(TMP_DIR).join(format!("{name}.idx"));
+            let mut idx_guard = RemoveOnDrop(Some(idx_tmp.clone()));
+            let published = (|| {
+                let f = OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&idx_tmp)?;
+                (&f).write_all(&idx_bytes)?;
+                // The old index's mtime: no chunk's `modified` changes.
+                f.set_modified(plan.modified)?;
+                f.sync_all()?;
+                OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(self.packs.path(&name, "dead"))?;
+                fs::rename(&tmp_pack, self.packs.path(&name, "pack"))?;
+                fsync_dir(self.packs.dir())?;
+                fs::rename(&idx_tmp, self.packs.path(&name, "idx"))?;
+                fsync_dir(self.packs.dir())
+            })();
+            if let Err(e) = published {
+                if fs::symlink_metadata(self.packs.path(&name, "idx")).is_err() {
+                    let _ = fs::remove_file(self.packs.path(&name, "pack"));
+                    let _ = fs::remove_file(self.packs.path(&name, "dead"));
+                }
+                return Err(err("compact", e));
+            }
+            idx_guard.keep();
+            guard.keep();
+            self.packs.add(&name, entries, new_len, plan.modified);
+        }
+        // 3. The new index is in place (and durable): the old pack goes.
+        self.retire_pack(old).map_err(|e| err("compact", e))?;
+        tracing::debug!(
+            store = %self.url,
+            pack = %old,
+            into = %name,
+            bytes = plan.pack_len,
+            copied = new_len,
+            "compacted a pack"
+        );
+        Ok(Some(new_len))
+    }
+}
+
+/// Removes the pack and dead files of `.packs` that have no index; returns the files and
+/// bytes removed. Only under the packs lock (see [`Ctx::compact`]).
+fn reap_unindexed(packs: &Path) -> std::io::Result<(u64, u64)> {
+    let names: Vec<String> = fs::read_dir(packs)?
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    let indexed: std::collections::HashSet<&str> = names
+        .iter()
+        .filter_map(|n| n.strip_suffix(".idx"))
+        .collect();
+    let (mut files, mut bytes) = (0, 0);
+    for n in &names {
+        let Some(stem) = n.strip_suffix(".pack").or_else(|| n.strip_suffix(".dead")) else {
+            continue;
+        };
+        if indexed.contains(stem) {
+            continue;
+        }
+        let p = packs.join(n);
+        let len = fs::symlink_metadata(&p).map(|m| m.len()).unwrap_or(0);
+        if fs::remove_file(&p).is_ok() {
+            files += 1;
+            bytes += len;
+        }
+    }
+    Ok((files, bytes))
 }
 
 /// Longest file name (bytes) on Linux file systems (`NAME_MAX`).
@@ -1093,6 +1352,15 @@ impl Backend for LocalBackend {
             Ok(c.packs.report())
         })
         .await
+    }
+
+    async fn compact(
+        &self,
+        dry_run: bool,
+        also_dead: &[String],
+    ) -> Result<CompactReport, BackendError> {
+        let also_dead = also_dead.to_vec();
+        self.blocking(move |c| c.compact(dry_run, &also_dead)).await
     }
 
     async fn stage_if_absent(
@@ -1967,5 +2235,247 @@ mod tests {
             assert!(b.commit_staged(batch, vec![p]).await.is_err());
         }
         assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 0);
+    }
+
+    /// Sum of the sizes of the `.pack` files under `.packs`.
+    fn pack_bytes(dir: &Path) -> u64 {
+        fs::read_dir(dir.join(PACK_DIR))
+            .unwrap()
+            .map(|e| e.unwrap())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".pack"))
+            .map(|e| e.metadata().unwrap().len())
+            .sum()
+    }
+
+    async fn commit_all(b: &LocalBackend, items: &[(String, Bytes)]) {
+        let batch = b.stage_batch();
+        let staged = stage_all(b, &batch, items).await;
+        let out = b.commit_staged(batch, staged).await.unwrap();
+        assert!(out.iter().all(|o| *o == PutOutcome::Created), "{out:?}");
+    }
+
+    /// A pack at least half dead is compacted: its live chunks stay readable with the same
+    /// bytes, size and `modified`, its dead bytes leave the disk; one less dead is left as
+    /// it is; a dry run reports the same figures and changes nothing.
+    #[tokio::test]
+    async fn compaction_keeps_live_chunks_and_frees_dead_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (1..=6).map(chunk).collect();
+        commit_all(&b, &items).await;
+        let total: u64 = items.iter().map(|(_, d)| d.len() as u64).sum();
+        assert_eq!(pack_bytes(dir.path()), total);
+        // Two of six dead (211 of 621 bytes, under half): left alone.
+        for (k, _) in &items[4..] {
+            b.delete(k).await.unwrap();
+        }
+        assert_eq!(
+            b.compact(false, &[]).await.unwrap(),
+            CompactReport::default()
+        );
+        assert_eq!(pack_bytes(dir.path()), total);
+        // A dry run counting a third as deleted (its GC would delete it) would compact.
+        let dry = b.compact(true, &[items[3].0.clone()]).await.unwrap();
+        let live: u64 = items[..3].iter().map(|(_, d)| d.len() as u64).sum();
+        assert_eq!(
+            dry,
+            CompactReport {
+                packs: 1,
+                bytes_before: total,
+                bytes_copied: live,
+                bytes_reclaimed: total - live,
+                orphan_files: 0,
+            }
+        );
+        assert_eq!(pack_bytes(dir.path()), total, "a dry run changes nothing");
+        let heads_before: Vec<_> = {
+            let mut v = Vec::new();
+            for (k, _) in &items[..3] {
+                v.push(b.head(k).await.unwrap().unwrap());
+            }
+            v
+        };
+        b.delete(&items[3].0).await.unwrap();
+        let before_files = files(&dir.path().join(PACK_DIR));
+        let r = b.compact(false, &[]).await.unwrap();
+        assert_eq!(r, dry);
+        assert_eq!(pack_bytes(dir.path()), live);
+        let after_files = files(&dir.path().join(PACK_DIR));
+        assert_eq!(after_files.len(), 3, "{after_files:?}");
+        assert!(before_files.iter().all(|f| !after_files.contains(f)));
+        for ((k, d), h) in items[..3].iter().zip(&heads_before) {
+            assert_eq!(b.get(k).await.unwrap(), *d);
+            assert_eq!(b.get_range(k, 10..20).await.unwrap(), d.slice(10..20));
+            let now = b.head(k).await.unwrap().unwrap();
+            assert_eq!((now.size, now.modified), (h.size, h.modified), "{k}");
+        }
+        for (k, _) in &items[3..] {
+            assert!(b.head(k).await.unwrap().is_none());
+        }
+        // Another process's fresh view: the same keys, no dead bytes, no problem.
+        let fresh = LocalBackend::open(dir.path()).await.unwrap();
+        assert_eq!(fresh.list("chunks/").await.unwrap().len(), 3);
+        let rep = fresh.layout_report().await.unwrap();
+        assert_eq!((rep.packs, rep.dead_bytes, rep.problems.len()), (1, 0, 0));
+        for (k, d) in &items[..3] {
+            assert_eq!(fresh.get(k).await.unwrap(), *d);
+            let h = fresh.head(k).await.unwrap().unwrap();
+            assert_eq!(h.modified, heads_before[0].modified);
+        }
+        // Nothing left to do; deleting the rest retires the new pack as any other.
+        assert_eq!(
+            b.compact(false, &[]).await.unwrap(),
+            CompactReport::default()
+        );
+        for (k, _) in &items[..3] {
+            b.delete(k).await.unwrap();
+        }
+        assert!(files(&dir.path().join(PACK_DIR)).is_empty());
+        assert!(files(&dir.path().join(TMP_DIR)).is_empty());
+    }
+
+    /// Another process that read the packs before a compaction reads through it: a stale
+    /// location (the old pack gone) is looked up again, a pack file it still has open
+    /// gives the same bytes; its deletes after the compaction reach the new pack.
+    #[tokio::test]
+    async fn another_process_reads_through_a_compaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let other = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (1..=8).map(chunk).collect();
+        commit_all(&b, &items).await;
+        // The other process knows every location; it has the pack open too.
+        for (k, d) in &items {
+            assert_eq!(other.get(k).await.unwrap(), *d);
+        }
+        // A second process that knows the locations but never opened the pack.
+        let cold = LocalBackend::open(dir.path()).await.unwrap();
+        for (k, _) in &items {
+            assert!(cold.head(k).await.unwrap().is_some());
+        }
+        for (k, _) in &items[..5] {
+            b.delete(k).await.unwrap();
+        }
+        let r = b.compact(false, &[]).await.unwrap();
+        assert_eq!(r.packs, 1);
+        for (k, d) in &items[5..] {
+            assert_eq!(other.get(k).await.unwrap(), *d, "{k}");
+            assert_eq!(cold.get(k).await.unwrap(), *d, "{k}");
+            assert_eq!(cold.get_range(k, 3..9).await.unwrap(), d.slice(3..9));
+        }
+        for (k, _) in &items[..5] {
+            assert!(cold.head(k).await.unwrap().is_none());
+            assert!(other.get(k).await.unwrap_err().is_not_found());
+        }
+        assert_eq!(cold.list("chunks/").await.unwrap().len(), 3);
+        // A delete by the stale process lands in the new pack.
+        cold.delete(&items[5].0).await.unwrap();
+        assert!(b.head(&items[5].0).await.unwrap().is_none());
+        assert!(
+            LocalBackend::open(dir.path())
+                .await
+                .unwrap()
+                .head(&items[5].0)
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    /// The state a compaction killed between its new index's rename and the old index's
+    /// removal leaves: the live chunks in two indexed packs. Every process reads them,
+    /// a delete removes both copies, the store is verify-clean (the copies count as dead
+    /// bytes), and the next compaction retires the old pack without copying anything. A
+    /// kill after the old index went (its pack and dead file left) is cleaned up too.
+    #[tokio::test]
+    async fn a_compaction_killed_before_retiring_leaves_harmless_duplicates() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (1..=6).map(chunk).collect();
+        commit_all(&b, &items).await;
+        for (k, _) in &items[..3] {
+            b.delete(k).await.unwrap();
+        }
+        let old_len = pack_bytes(dir.path());
+        // The new pack of a compaction: the live chunks, indexed, with an empty dead file.
+        let packs = dir.path().join(PACK_DIR);
+        let name = format!("{}-999-1", tmp_owner());
+        let mut bytes = Vec::new();
+        let mut entries = Vec::new();
+        for (k, d) in &items[3..] {
+            entries.push(IdxEntry {
+                digest: chunk_digest(k).unwrap(),
+                offset: bytes.len() as u64,
+                len: d.len() as u64,
+            });
+            bytes.extend_from_slice(d);
+        }
+        let live = bytes.len() as u64;
+        fs::write(packs.join(format!("{name}.pack")), &bytes).unwrap();
+        fs::write(packs.join(format!("{name}.dead")), b"").unwrap();
+        fs::write(
+            packs.join(format!("{name}.idx")),
+            local_pack::encode_index(&mut entries),
+        )
+        .unwrap();
+        // A stale process (knows the old pack only) and fresh ones.
+        let fresh = LocalBackend::open(dir.path()).await.unwrap();
+        for (k, d) in &items[3..] {
+            assert_eq!(b.get(k).await.unwrap(), *d);
+            assert_eq!(fresh.get(k).await.unwrap(), *d);
+        }
+        assert_eq!(fresh.list("chunks/").await.unwrap().len(), 3);
+        let rep = fresh.layout_report().await.unwrap();
+        assert_eq!((rep.packs, rep.problems.len()), (2, 0));
+        assert_eq!(
+            rep.dead_bytes, old_len,
+            "the old pack's copies count as dead"
+        );
+        let store = crate::Store::open(dir.path().to_str().unwrap())
+            .await
+            .unwrap();
+        let v = store
+            .verify(false, &crate::gc::GcOptions::default())
+            .await
+            .unwrap();
+        assert!(v.findings.is_empty(), "{:?}", v.findings);
+        // A delete removes both copies (seen by every process).
+        b.delete(&items[3].0).await.unwrap();
+        for p in [&b, &fresh, &LocalBackend::open(dir.path()).await.unwrap()] {
+            assert!(p.head(&items[3].0).await.unwrap().is_none());
+        }
+        // And what a kill after an old index's removal leaves: a pack and dead file
+        // without an index, of a writer that still runs (so not reaped at open).
+        let orphan = format!("{}-998-1", tmp_owner());
+        fs::write(packs.join(format!("{orphan}.pack")), b"0123456789").unwrap();
+        fs::write(packs.join(format!("{orphan}.dead")), b"").unwrap();
+        let r = fresh.compact(false, &[]).await.unwrap();
+        assert_eq!(
+            (r.packs, r.bytes_copied, r.orphan_files),
+            (1, 0, 2),
+            "{r:?}"
+        );
+        assert_eq!(r.bytes_reclaimed, old_len + 10);
+        assert_eq!(pack_bytes(dir.path()), live);
+        assert_eq!(
+            files(&packs),
+            [
+                format!("{name}.dead"),
+                format!("{name}.idx"),
+                format!("{name}.pack")
+            ]
+        );
+        for p in [&b, &fresh, &LocalBackend::open(dir.path()).await.unwrap()] {
+            for (k, d) in &items[4..] {
+                assert_eq!(p.get(k).await.unwrap(), *d);
+            }
+            assert_eq!(p.list("chunks/").await.unwrap().len(), 2);
+        }
+        let v = store
+            .verify(false, &crate::gc::GcOptions::default())
+            .await
+            .unwrap();
+        assert!(v.findings.is_empty(), "{:?}", v.findings);
+        assert_eq!(v.pack_dead_bytes, items[3].1.len() as u64);
     }
 }
