@@ -109,15 +109,82 @@
 //!
 //! **GC.** A listing whose prefix covers `chunks/sha256/` lists loose and live packed
 //! chunks. `delete` of a packed chunk appends its digest to its pack's dead file (under the
-//! lock, fsynced); when every entry of a pack is dead, its index, pack and dead file are
-//! removed (the index first: a pack without an index is invisible, and reaped if a crash
-//! stops the removal). `rename` of a packed chunk (GC's condemn step) writes the bytes as a
-//! loose file at the destination (tmp, fsync, rename, directory fsync), then deletes the
-//! packed entry: an interruption leaves both keys, never neither, as [`Backend::rename`]
-//! promises. The put-back (`fossil/…` → the chunk key) makes a loose chunk. A pack with
-//! some dead entries is not compacted in this slice: its dead bytes are reported by
-//! `kiln store verify` (`packDeadBytes`); compaction (copy the live entries to a new pack,
-//! then retire the old one, keeping GC's condemn-then-delete order) is the next slice.
+//! lock, fsynced; on a view refreshed under the lock, and in every pack that holds it, see
+//! "Duplicates"); when every entry of a pack is dead, the pack is *retired*: its index
+//! removed, `.packs` fsynced, then its pack and dead file removed and `.packs` fsynced again
+//! (a pack without an index is invisible, and reaped if a crash stops the removal; the
+//! fsync between keeps a power loss from undoing the index's removal but not the pack's).
+//! `rename` of a packed chunk (GC's condemn step) writes the bytes as a loose file at the
+//! destination (tmp, fsync, rename, directory fsync), then deletes the packed entry: an
+//! interruption leaves both keys, never neither, as [`Backend::rename`] promises. The
+//! put-back (`fossil/…` → the chunk key) makes a loose chunk.
+//!
+//! **Compaction** ([`Backend::compact`], run by [`crate::Store::gc`] after its deletes,
+//! under the GC lock). A pack's *dead bytes* are the bytes no serving entry names: deleted
+//! chunks, chunks a batch wrote that another writer had published first, and copies of
+//! chunks another pack serves. Without compaction a pack would live as long as one of its
+//! chunks does: a nightly image's pack holds its new chunks, the next nights reuse most of
+//! them, and when the old image is collected its pack keeps its dead bytes forever. A pack
+//! whose dead bytes are at least half its bytes ([`local_pack::COMPACT_DEAD_SHARE`], which
+//! says why half: the packs never take more than twice their live bytes, and a compaction
+//! copies at most what it frees) is compacted:
+//! 1. *Plan*, on a rescanned view: the entries the pack serves, in pack order.
+//! 2. *Copy*, outside the lock (commits and deletes go on): each entry read from the old
+//!    pack and written to a new temp pack `.tmp/<name>.pack` (`<name>` of the compacting
+//!    process) through one buffer of at most 1 MiB, never the whole pack in memory; then
+//!    fsynced.
+//! 3. *Commit*, under the packs lock, exactly as an upload's batch (steps 3 to 6 above):
+//!    rescan; the entries the old pack serves *now* are checked against those copied (one
+//!    it serves now but did not at the plan, its other copy gone since, makes the
+//!    compaction of this pack give up: the old pack stays, whole); those deleted meanwhile
+//!    are left out of the new index; the index written to `.tmp/<name>.idx` with **the old
+//!    index's mtime** (so no chunk's `modified`, which GC's grace period reads, changes) and
+//!    fsynced; `.packs/<name>.dead` made empty; the pack renamed in, `.packs` fsynced, the
+//!    index renamed in, `.packs` fsynced.
+//! 4. *Retire* the old pack, still under the lock, as an all-dead pack is (index, fsync,
+//!    pack and dead file, fsync). When no entry was left to copy, this is the only step.
+//!
+//! Before the compaction, under the lock, every pack or dead file in `.packs` without an
+//! index is removed: under the lock no commit is between its two renames and no retirement
+//! between its removals, so such a file is a crash's leftover (the open of a store reaps
+//! them only once the writer named in them is gone, which for a retired pack is the
+//! uploader, not the crashed compactor).
+//!
+//! *Why no live chunk is ever absent.* The new index is renamed in (step 3) before the old
+//! one is removed (step 4), and between the two every key the old pack served is served
+//! by both. Deletes take the lock, so none falls between step 3's check and step 4; one
+//! before step 3 is seen by its rescan (the chunk is left out), one after reaches the new
+//! pack (a delete refreshes its view under the lock). So at every instant the set of keys
+//! is the one deletes and commits made, whatever compaction does: a reader, a writer that
+//! found a chunk present ([`PutOutcome::AlreadyExists`], [`Staged::Done`]), GC's listing and
+//! marks, and leases see the same keys, with the same bytes, sizes and `modified` times.
+//! Compaction only changes where the bytes are. A reader of another process that still
+//! holds the old location finds the old pack's dead file or index gone at its next
+//! look-up, or the pack file gone at its read (`NotFound`: it rescans and retries once,
+//! "Reads"); one with the old pack file still open reads the old bytes, which are the same.
+//! A commit that rescans under the lock after step 3 finds the chunks present in the new
+//! pack, as before in the old one.
+//!
+//! *Kill -9* at each point: during the copy, a temp pack in `.tmp` (reaped at the next open
+//! once its writer is gone); between the pack's rename and the index's, an index-less pack
+//! in `.packs` (invisible; reaped at open, or by the next compaction); between the new
+//! index's rename and the old index's removal, every live chunk in two indexed packs:
+//! harmless (see "Duplicates"; verify is clean and counts the old copies as dead bytes),
+//! and the next compaction finds the old pack wholly dead and retires it without copying;
+//! after the old index's removal, its pack and dead file without an index (invisible;
+//! removed by the next compaction). *Power loss:* the new pack's data is durable before
+//! its index is written, the index's before its rename, and both names (two fsyncs of
+//! `.packs`) before anything of the old pack is removed; the old index's removal is
+//! durable before its pack's. So after a power loss the store is in one of the states
+//! above, each verify-clean with every live chunk readable.
+//!
+//! **Duplicates.** A chunk may be held by two packs (a compaction killed between its steps
+//! 3 and 4). Reads take one: the *serving* pack, the smaller (then the lower name), a rule
+//! of the packs alone, so every process agrees and a compacted pack (smaller than the pack
+//! it came from) serves. The other copies count as dead bytes ([`LayoutReport::dead_bytes`],
+//! so for compaction). When the serving pack's entry dies or the pack goes, the chunk is
+//! served from the next pack that holds it, in every process's view; a delete marks every
+//! copy dead.
 //!
 //! Memory: about 150 bytes per packed chunk for the map and the per-pack entry lists (150 MB
 //! for a million chunks, 64 GB of 64 KiB chunks).
