@@ -2420,6 +2420,12 @@ mod tests {
         for (k, _) in &items {
             assert!(cold.head(k).await.unwrap().is_some());
         }
+        // A third that looked before the deletes (its view of the dead file is empty).
+        let stale = LocalBackend::open(dir.path()).await.unwrap();
+        for (k, _) in &items {
+            assert!(stale.head(k).await.unwrap().is_some());
+        }
+        let old = files(&dir.path().join(PACK_DIR));
         for (k, _) in &items[..5] {
             b.delete(k).await.unwrap();
         }
@@ -2430,6 +2436,21 @@ mod tests {
             assert_eq!(cold.get(k).await.unwrap(), *d, "{k}");
             assert_eq!(cold.get_range(k, 3..9).await.unwrap(), d.slice(3..9));
         }
+        // The stale process's look-up passes (an empty dead file where it expects one, as
+        // between the old index's removal and its dead file's), its read of the old pack
+        // finds it gone (ENOENT): it rescans and reads the new pack.
+        let old_dead = dir
+            .path()
+            .join(PACK_DIR)
+            .join(old.iter().find(|n| n.ends_with(".dead")).unwrap());
+        fs::write(&old_dead, b"").unwrap();
+        let loc = stale
+            .packs
+            .lookup(&chunk_digest(&items[6].0).unwrap())
+            .unwrap();
+        assert!(loc.is_some_and(|l| old.contains(&format!("{}.pack", l.pack))));
+        assert_eq!(stale.get(&items[6].0).await.unwrap(), items[6].1);
+        fs::remove_file(&old_dead).unwrap();
         for (k, _) in &items[..5] {
             assert!(cold.head(k).await.unwrap().is_none());
             assert!(other.get(k).await.unwrap_err().is_not_found());

@@ -338,7 +338,7 @@ impl PackMap {
 
     /// `d` is no longer live in pack `name`: served from another pack that holds it, if any.
     fn unlink(&mut self, name: &str, d: &Sha256Hash) {
-        if !self.map.get(d).is_some_and(|l| *l.pack == *name) {
+        if self.map.get(d).is_none_or(|l| *l.pack != *name) {
             if let Some(a) = self.alts.get_mut(d) {
                 a.retain(|n| **n != *name);
                 if a.is_empty() {

@@ -227,8 +227,10 @@ pub struct LayoutReport {
     pub packs: u64,
     /// Bytes of pack files.
     pub pack_bytes: u64,
-    /// Bytes of pack files no live entry names (deleted chunks, and chunks a batch wrote
-    /// that another writer had published first), reclaimable by a compaction.
+    /// Bytes of pack files no serving entry names (deleted chunks, chunks a batch wrote
+    /// that another writer had published first, and copies of chunks another pack serves,
+    /// left by a killed compaction), reclaimable by a compaction ([`Backend::compact`]; GC
+    /// compacts a pack once half of it is dead, so up to that share stays).
     pub dead_bytes: u64,
 }
 
