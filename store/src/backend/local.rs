@@ -1124,6 +1124,8 @@ impl Ctx {
             // The copy's bytes are on stable storage before any index names them.
             dst.sync_all().map_err(|e| err("fsync", e))?;
         }
+        #[cfg(test)]
+        tests::before_compaction_commit(&self.root);
         // 2. Under the lock, on a view rescanned under it.
         let _lock = self.lock_packs(old)?;
         no_symlink(&self.url, PACK_DIR, self.packs.dir())?;
@@ -1730,6 +1732,26 @@ impl Backend for LocalBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    type Hook = Box<dyn FnOnce() + Send>;
+
+    /// Run by a compaction of the store at the path, once, between its copy and its
+    /// commit (what another process does meanwhile).
+    static BEFORE_COMPACTION_COMMIT: std::sync::Mutex<Vec<(PathBuf, Hook)>> =
+        std::sync::Mutex::new(Vec::new());
+
+    pub(super) fn before_compaction_commit(root: &Path) {
+        let hook = {
+            let mut hooks = BEFORE_COMPACTION_COMMIT.lock().unwrap();
+            hooks
+                .iter()
+                .position(|(r, _)| r == root)
+                .map(|i| hooks.remove(i).1)
+        };
+        if let Some(h) = hook {
+            h();
+        }
+    }
 
     #[tokio::test]
     async fn leftovers_and_hidden_files_are_not_objects() {
@@ -2629,5 +2651,96 @@ mod tests {
             "{reads} reads, {compacted} compactions; {} packs, {} bytes, {} dead",
             rep.packs, rep.pack_bytes, rep.dead_bytes
         );
+    }
+
+    /// What other processes do between a compaction's copy and its commit: a chunk deleted
+    /// then is not indexed again (its copied bytes are dead weight in the new pack); a
+    /// chunk the pack did not serve at the plan but serves now (the copy that served it
+    /// went) makes the compaction leave the pack whole.
+    #[tokio::test]
+    async fn a_compaction_commits_on_the_view_under_the_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (1..=6).map(chunk).collect();
+        commit_all(&b, &items).await;
+        for (k, _) in &items[3..] {
+            b.delete(k).await.unwrap();
+        }
+        let root = dir.path().to_path_buf();
+        let victim = items[1].0.clone();
+        BEFORE_COMPACTION_COMMIT.lock().unwrap().push((
+            root.clone(),
+            Box::new(move || {
+                let other = LocalBackend::open_blocking(&root).unwrap();
+                assert!(other.ctx().delete_packed(&victim).unwrap());
+            }),
+        ));
+        let r = b.compact(false, &[]).await.unwrap();
+        let copied: u64 = items[..3].iter().map(|(_, d)| d.len() as u64).sum();
+        assert_eq!((r.packs, r.bytes_copied), (1, copied));
+        for p in [&b, &LocalBackend::open(dir.path()).await.unwrap()] {
+            assert!(p.head(&items[1].0).await.unwrap().is_none());
+            for i in [0, 2] {
+                assert_eq!(p.get(&items[i].0).await.unwrap(), items[i].1);
+            }
+            let rep = p.layout_report().await.unwrap();
+            assert_eq!(
+                (rep.packs, rep.dead_bytes),
+                (1, items[1].1.len() as u64),
+                "{rep:?}"
+            );
+        }
+
+        // A pack P of chunks 7 to 12, 7 and 8 deleted; a smaller pack N (a compaction's
+        // leftover) serves 9 and 10, so P is two thirds dead. P's plan copies 11 and 12
+        // only; N goes before the commit, so P serves 9 and 10 again: P stays whole.
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (7..=12).map(chunk).collect();
+        commit_all(&b, &items).await;
+        for (k, _) in &items[..2] {
+            b.delete(k).await.unwrap();
+        }
+        let packs = dir.path().join(PACK_DIR);
+        let before = files(&packs);
+        let n = format!("{}-997-1", tmp_owner());
+        let mut bytes = Vec::new();
+        let mut entries = Vec::new();
+        for (k, d) in &items[2..4] {
+            entries.push(IdxEntry {
+                digest: chunk_digest(k).unwrap(),
+                offset: bytes.len() as u64,
+                len: d.len() as u64,
+            });
+            bytes.extend_from_slice(d);
+        }
+        fs::write(packs.join(format!("{n}.pack")), &bytes).unwrap();
+        fs::write(packs.join(format!("{n}.dead")), b"").unwrap();
+        fs::write(
+            packs.join(format!("{n}.idx")),
+            local_pack::encode_index(&mut entries),
+        )
+        .unwrap();
+        let root = dir.path().to_path_buf();
+        let n2 = n.clone();
+        BEFORE_COMPACTION_COMMIT.lock().unwrap().push((
+            root.clone(),
+            Box::new(move || {
+                for ext in ["idx", "pack", "dead"] {
+                    fs::remove_file(root.join(PACK_DIR).join(format!("{n2}.{ext}"))).unwrap();
+                }
+            }),
+        ));
+        let r = b.compact(false, &[]).await.unwrap();
+        assert_eq!(r.packs, 0, "{r:?}");
+        assert_eq!(files(&packs), before);
+        assert!(files(&dir.path().join(TMP_DIR)).is_empty());
+        for p in [&b, &LocalBackend::open(dir.path()).await.unwrap()] {
+            for (k, d) in &items[2..] {
+                assert_eq!(p.get(k).await.unwrap(), *d);
+            }
+        }
+        // P is a third dead now: the next compaction leaves it too.
+        assert_eq!(b.compact(false, &[]).await.unwrap().packs, 0);
     }
 }
