@@ -95,7 +95,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
                     String::new()
                 };
                 format!(
-                    "{verb} {} packs: {} bytes reclaimed ({} of {} bytes live, copied){orphans}",
+                    "{verb} {} packs: {} bytes reclaimed, their {} live bytes (of {}) copied{orphans}",
                     c.packs, c.bytes_reclaimed, c.bytes_copied, c.bytes_before
                 )
             },
