@@ -27,6 +27,15 @@
 //! inputs records and index copies, [`crate::lease`]) are deleted last, and the locks released. `dry_run` moves and deletes nothing and reports
 //! what phase 1 would condemn.
 //!
+//! Last, still under the GC lock (the sweep lock released: writers need not wait),
+//! [`Backend::compact`] reclaims the space the backend's layout holds for what was deleted:
+//! the local backend copies the live chunks of each pack that is at least half dead into a
+//! new pack and retires the old one ([`crate::backend::local`], "Compaction"). It never
+//! changes which keys exist or their bytes and `modified` times, only where the bytes are,
+//! so everything above holds through it: a build that found a chunk present finds it
+//! still, and a mark sees the same keys. A dry run compacts nothing and reports what the
+//! compaction would reclaim once its deletes are done.
+//!
 //! Why an in-flight build or push loses nothing, whatever the grace period (even zero), on
 //! S3 as on a local directory. It rests on S3's strong read-after-write consistency (a
 //! write, delete or copy that has returned is seen by every later read, head and listing,
@@ -214,6 +223,10 @@ pub struct GcReport {
     pub expired: Vec<String>,
     /// Whether this was a dry run.
     pub dry_run: bool,
+    /// The backend's compaction after the deletes ([`Backend::compact`]: the local
+    /// backend's partly dead packs rewritten). In a dry run: what it would reclaim once
+    /// the objects of [`GcReport::collected`] are deleted.
+    pub compacted: crate::backend::CompactReport,
 }
 
 /// A root or reachable object that cannot be read: marking stops (see [`GcError::Unreadable`]).
@@ -566,7 +579,19 @@ impl Store {
                 self.backend.delete(k).await?;
             }
         }
+        // Writers need not wait for the compaction: it never changes which keys exist.
         drop(sweep);
+        // Compaction, after every delete and still under the GC lock.
+        report.compacted = match lock {
+            None => {
+                let doomed: Vec<String> = report.collected.iter().map(|c| c.key.clone()).collect();
+                self.backend.compact(true, &doomed).await?
+            }
+            Some(lock) => {
+                lock.check()?;
+                self.backend.compact(false, &[]).await?
+            }
+        };
         Ok(report)
     }
 
@@ -1513,5 +1538,103 @@ mod tests {
             !dead.exists(),
             "a killed import's temp file is left for good"
         );
+    }
+
+    /// GC of one of two images that share chunks (the second is a quarter of the first
+    /// plus new bytes, so its upload reused that quarter and its pack holds only its new
+    /// chunks): the first image's pack is three quarters dead, so it is compacted, and the
+    /// packs' bytes on disk come down to the stored bytes of the live chunks. The store is
+    /// verify-clean, the live image reads back whole; a dry run had said what would go.
+    #[tokio::test]
+    async fn gc_compacts_the_pack_of_a_collected_image() {
+        use crate::artifact::PutArtifactOptions;
+        use crate::manifest::{ImageManifest, Manifest};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
+        let first: Vec<u8> = (0..8).flat_map(|i| data(100 + i)).collect();
+        let second: Vec<u8> = first[..2 << 20]
+            .iter()
+            .copied()
+            .chain(data(200))
+            .chain(data(201))
+            .collect();
+        let mut digests = Vec::new();
+        for (bytes, tag) in [(&first, "img:a"), (&second, "img:b")] {
+            let (table, _) = store
+                .put_artifact_reader(
+                    std::io::Cursor::new(bytes.clone()),
+                    &PutArtifactOptions::default(),
+                )
+                .await
+                .unwrap();
+            let raw = store
+                .put_manifest(&Manifest::Image(ImageManifest::new(table)))
+                .await
+                .unwrap();
+            store
+                .set_tag(&tag.parse().unwrap(), None, raw.digest)
+                .await
+                .unwrap();
+            digests.push(raw.digest);
+        }
+        let pack_bytes = || -> u64 {
+            walkdir(&dir.path().join(".packs"))
+                .iter()
+                .filter(|p| p.extension().is_some_and(|e| e == "pack"))
+                .map(|p| std::fs::metadata(p).unwrap().len())
+                .sum()
+        };
+        let stored = || async {
+            store
+                .backend
+                .list("chunks/")
+                .await
+                .unwrap()
+                .iter()
+                .map(|o| o.size)
+                .sum::<u64>()
+        };
+        let before = pack_bytes();
+        assert_eq!(before, stored().await, "every chunk packed, no dead bytes");
+        store.untag(&"img:a".parse().unwrap(), None).await.unwrap();
+        let opts = GcOptions {
+            grace: Duration::ZERO,
+            ..GcOptions::default()
+        };
+        let dry = store
+            .gc(&GcOptions {
+                dry_run: true,
+                ..opts
+            })
+            .await
+            .unwrap();
+        assert_eq!(dry.compacted.packs, 1, "{:?}", dry.compacted);
+        assert_eq!(pack_bytes(), before, "a dry run changes nothing");
+        let r = store.gc(&opts).await.unwrap();
+        assert!(!r.collected.is_empty());
+        assert_eq!(r.compacted.packs, 1, "{:?}", r.compacted);
+        let after = pack_bytes();
+        let live = stored().await;
+        assert_eq!(after, live, "{:?}", r.compacted);
+        assert_eq!(r.compacted.bytes_reclaimed, dry.compacted.bytes_reclaimed);
+        assert_eq!(before - after, r.compacted.bytes_reclaimed);
+        assert!(after < before / 2, "before {before}, after {after}");
+        eprintln!(
+            "pack bytes before GC {before}, after {after} (live chunks' stored bytes {live}); {:?}",
+            r.compacted
+        );
+        let v = store.verify(true, &GcOptions::default()).await.unwrap();
+        assert!(v.is_ok(), "{:?}", v.findings);
+        assert_eq!(v.pack_dead_bytes, 0);
+        assert!(v.orphans.is_empty(), "{:?}", v.orphans);
+        let Manifest::Image(im) = store.get_manifest(&digests[1]).await.unwrap() else {
+            panic!("not an image")
+        };
+        let out = dir.path().join("out");
+        store.materialize(&im.disk, &out, None).await.unwrap();
+        assert!(std::fs::read(&out).unwrap() == second);
+        // Nothing left to compact.
+        let again = store.gc(&opts).await.unwrap();
+        assert_eq!(again.compacted, crate::backend::CompactReport::default());
     }
 }

@@ -109,15 +109,82 @@
 //!
 //! **GC.** A listing whose prefix covers `chunks/sha256/` lists loose and live packed
 //! chunks. `delete` of a packed chunk appends its digest to its pack's dead file (under the
-//! lock, fsynced); when every entry of a pack is dead, its index, pack and dead file are
-//! removed (the index first: a pack without an index is invisible, and reaped if a crash
-//! stops the removal). `rename` of a packed chunk (GC's condemn step) writes the bytes as a
-//! loose file at the destination (tmp, fsync, rename, directory fsync), then deletes the
-//! packed entry: an interruption leaves both keys, never neither, as [`Backend::rename`]
-//! promises. The put-back (`fossil/…` → the chunk key) makes a loose chunk. A pack with
-//! some dead entries is not compacted in this slice: its dead bytes are reported by
-//! `kiln store verify` (`packDeadBytes`); compaction (copy the live entries to a new pack,
-//! then retire the old one, keeping GC's condemn-then-delete order) is the next slice.
+//! lock, fsynced; on a view refreshed under the lock, and in every pack that holds it, see
+//! "Duplicates"); when every entry of a pack is dead, the pack is *retired*: its index
+//! removed, `.packs` fsynced, then its pack and dead file removed and `.packs` fsynced again
+//! (a pack without an index is invisible, and reaped if a crash stops the removal; the
+//! fsync between keeps a power loss from undoing the index's removal but not the pack's).
+//! `rename` of a packed chunk (GC's condemn step) writes the bytes as a loose file at the
+//! destination (tmp, fsync, rename, directory fsync), then deletes the packed entry: an
+//! interruption leaves both keys, never neither, as [`Backend::rename`] promises. The
+//! put-back (`fossil/…` → the chunk key) makes a loose chunk.
+//!
+//! **Compaction** ([`Backend::compact`], run by [`crate::Store::gc`] after its deletes,
+//! under the GC lock). A pack's *dead bytes* are the bytes no serving entry names: deleted
+//! chunks, chunks a batch wrote that another writer had published first, and copies of
+//! chunks another pack serves. Without compaction a pack would live as long as one of its
+//! chunks does: a nightly image's pack holds its new chunks, the next nights reuse most of
+//! them, and when the old image is collected its pack keeps its dead bytes forever. A pack
+//! whose dead bytes are at least half its bytes ([`local_pack::COMPACT_DEAD_SHARE`], which
+//! says why half: the packs never take more than twice their live bytes, and a compaction
+//! copies at most what it frees) is compacted:
+//! 1. *Plan*, on a rescanned view: the entries the pack serves, in pack order.
+//! 2. *Copy*, outside the lock (commits and deletes go on): each entry read from the old
+//!    pack and written to a new temp pack `.tmp/<name>.pack` (`<name>` of the compacting
+//!    process) through one buffer of at most 1 MiB, never the whole pack in memory; then
+//!    fsynced.
+//! 3. *Commit*, under the packs lock, exactly as an upload's batch (steps 3 to 6 above):
+//!    rescan; the entries the old pack serves *now* are checked against those copied (one
+//!    it serves now but did not at the plan, its other copy gone since, makes the
+//!    compaction of this pack give up: the old pack stays, whole); those deleted meanwhile
+//!    are left out of the new index; the index written to `.tmp/<name>.idx` with **the old
+//!    index's mtime** (so no chunk's `modified`, which GC's grace period reads, changes) and
+//!    fsynced; `.packs/<name>.dead` made empty; the pack renamed in, `.packs` fsynced, the
+//!    index renamed in, `.packs` fsynced.
+//! 4. *Retire* the old pack, still under the lock, as an all-dead pack is (index, fsync,
+//!    pack and dead file, fsync). When no entry was left to copy, this is the only step.
+//!
+//! Before the compaction, under the lock, every pack or dead file in `.packs` without an
+//! index is removed: under the lock no commit is between its two renames and no retirement
+//! between its removals, so such a file is a crash's leftover (the open of a store reaps
+//! them only once the writer named in them is gone, which for a retired pack is the
+//! uploader, not the crashed compactor).
+//!
+//! *Why no live chunk is ever absent.* The new index is renamed in (step 3) before the old
+//! one is removed (step 4), and between the two every key the old pack served is served
+//! by both. Deletes take the lock, so none falls between step 3's check and step 4; one
+//! before step 3 is seen by its rescan (the chunk is left out), one after reaches the new
+//! pack (a delete refreshes its view under the lock). So at every instant the set of keys
+//! is the one deletes and commits made, whatever compaction does: a reader, a writer that
+//! found a chunk present ([`PutOutcome::AlreadyExists`], [`Staged::Done`]), GC's listing and
+//! marks, and leases see the same keys, with the same bytes, sizes and `modified` times.
+//! Compaction only changes where the bytes are. A reader of another process that still
+//! holds the old location finds the old pack's dead file or index gone at its next
+//! look-up, or the pack file gone at its read (`NotFound`: it rescans and retries once,
+//! "Reads"); one with the old pack file still open reads the old bytes, which are the same.
+//! A commit that rescans under the lock after step 3 finds the chunks present in the new
+//! pack, as before in the old one.
+//!
+//! *Kill -9* at each point: during the copy, a temp pack in `.tmp` (reaped at the next open
+//! once its writer is gone); between the pack's rename and the index's, an index-less pack
+//! in `.packs` (invisible; reaped at open, or by the next compaction); between the new
+//! index's rename and the old index's removal, every live chunk in two indexed packs:
+//! harmless (see "Duplicates"; verify is clean and counts the old copies as dead bytes),
+//! and the next compaction finds the old pack wholly dead and retires it without copying;
+//! after the old index's removal, its pack and dead file without an index (invisible;
+//! removed by the next compaction). *Power loss:* the new pack's data is durable before
+//! its index is written, the index's before its rename, and both names (two fsyncs of
+//! `.packs`) before anything of the old pack is removed; the old index's removal is
+//! durable before its pack's. So after a power loss the store is in one of the states
+//! above, each verify-clean with every live chunk readable.
+//!
+//! **Duplicates.** A chunk may be held by two packs (a compaction killed between its steps
+//! 3 and 4). Reads take one: the *serving* pack, the smaller (then the lower name), a rule
+//! of the packs alone, so every process agrees and a compacted pack (smaller than the pack
+//! it came from) serves. The other copies count as dead bytes ([`LayoutReport::dead_bytes`],
+//! so for compaction). When the serving pack's entry dies or the pack goes, the chunk is
+//! served from the next pack that holds it, in every process's view; a delete marks every
+//! copy dead.
 //!
 //! Memory: about 150 bytes per packed chunk for the map and the per-pack entry lists (150 MB
 //! for a million chunks, 64 GB of 64 KiB chunks).
@@ -155,8 +222,8 @@ use bytes::Bytes;
 pub(crate) use super::local_pack::PackBatch;
 use super::local_pack::{self, IdxEntry, PACK_DIR, PACK_LOCK, Packs, chunk_digest, chunk_key};
 use super::{
-    Backend, BackendError, LayoutReport, MAX_MUTABLE_LEN, ObjectInfo, PutOutcome, StageBatch,
-    Staged, StagedPut, Version, too_large, validate_key,
+    Backend, BackendError, CompactReport, LayoutReport, MAX_MUTABLE_LEN, ObjectInfo, PutOutcome,
+    StageBatch, Staged, StagedPut, Version, too_large, validate_key,
 };
 use crate::digest::{Hasher, Sha256Hash};
 
@@ -186,6 +253,45 @@ fn tmp_owner() -> &'static str {
         )
     })
 }
+
+/// A new unique temp or pack name: `<writer>-<n>-<nanos>` ([`tmp_owner`]).
+fn fresh_name() -> String {
+    let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{}-{}-{}", tmp_owner(), n, nanos)
+}
+
+/// A file removed when this drops, unless [`RemoveOnDrop::keep`] was called.
+struct RemoveOnDrop(Option<PathBuf>);
+
+impl RemoveOnDrop {
+    fn keep(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = fs::remove_file(p);
+        }
+    }
+}
+
+/// Removes `p`; absent is fine.
+fn remove_if_present(p: &Path) -> std::io::Result<()> {
+    match fs::remove_file(p) {
+        Err(e) if e.kind() != ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Largest piece a compaction reads and writes at once: its memory, whatever the chunks'
+/// size.
+const COMPACT_BUF: u64 = 1 << 20;
 
 /// Removes the temp files in `tmp` (the store's `.tmp`) of writers that are gone: named by
 /// [`tmp_owner`] for a process of this pid namespace (not 0: unknown) that no longer runs.
@@ -340,14 +446,7 @@ impl LocalBackend {
     }
 
     fn tmp_path(&self) -> PathBuf {
-        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        self.root
-            .join(TMP_DIR)
-            .join(format!("{}-{}-{}", tmp_owner(), n, nanos))
+        self.root.join(TMP_DIR).join(fresh_name())
     }
 
     fn ctx(&self) -> Ctx {
@@ -848,10 +947,10 @@ impl Ctx {
         Ok(outcomes)
     }
 
-    /// Deletes the packed entry of `key`, if any, under the lock: its digest appended to
-    /// its pack's dead file (fsynced); the pack, its index and dead file removed once every
-    /// entry is dead (index first: a pack without an index is invisible). Returns whether
-    /// an entry was deleted.
+    /// Deletes the packed entries of `key`, if any, under the lock: its digest appended to
+    /// each holding pack's dead file (fsynced; a chunk held by two packs, a compaction's
+    /// leftover, is deleted from both); a pack is retired once every entry is dead
+    /// ([`Ctx::retire_pack`]). Returns whether an entry was deleted.
     fn delete_packed(&self, key: &str) -> Result<bool, BackendError> {
         let Some(d) = chunk_digest(key) else {
             return Ok(false);
@@ -860,36 +959,265 @@ impl Ctx {
             return Ok(false);
         }
         let _lock = self.lock_packs(key)?;
-        let Some(loc) = self.packed(key)? else {
-            return Ok(false);
-        };
         let err = |e: std::io::Error| other(&self.url, "delete", key, e);
-        let dead_path = self.packs.path(&loc.pack, "dead");
-        let dead_len = {
-            use std::os::unix::fs::OpenOptionsExt;
-            let mut f = OpenOptions::new()
-                .append(true)
-                .create(true)
-                .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-                .open(&dead_path)
-                .map_err(err)?;
-            f.write_all(&d.0).map_err(err)?;
-            f.sync_all().map_err(err)?;
-            f.metadata().map_err(err)?.len()
-        };
-        if self.packs.mark_dead(&loc.pack, d, dead_len) {
-            for ext in ["idx", "pack", "dead"] {
-                match fs::remove_file(self.packs.path(&loc.pack, ext)) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == ErrorKind::NotFound => {}
-                    Err(e) => return Err(err(e)),
-                }
+        // Under the lock no pack is committed, compacted or retired: this view, refreshed
+        // if `.packs` changed since it was read, is current.
+        self.packs.rescan_if_changed().map_err(err)?;
+        let mut done: Vec<Arc<str>> = Vec::new();
+        while let Some(loc) = self.packed(key)? {
+            if done.contains(&loc.pack) {
+                return Err(other(
+                    &self.url,
+                    "delete",
+                    key,
+                    format!("still served by pack {} after its delete", loc.pack),
+                ));
             }
-            fsync_dir(self.packs.dir()).map_err(err)?;
-            self.packs.drop_pack(&loc.pack);
+            let dead_path = self.packs.path(&loc.pack, "dead");
+            let dead_len = {
+                use std::os::unix::fs::OpenOptionsExt;
+                let mut f = OpenOptions::new()
+                    .append(true)
+                    .create(true)
+                    .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+                    .open(&dead_path)
+                    .map_err(err)?;
+                f.write_all(&d.0).map_err(err)?;
+                f.sync_all().map_err(err)?;
+                f.metadata().map_err(err)?.len()
+            };
+            if self.packs.mark_dead(&loc.pack, d, dead_len) {
+                self.retire_pack(&loc.pack).map_err(err)?;
+            }
+            done.push(loc.pack);
         }
-        Ok(true)
+        Ok(!done.is_empty())
     }
+
+    /// Removes pack `name` (under the lock): its index first, made durable by an fsync of
+    /// `.packs` before its pack and dead file go, so that no crash or power loss leaves the
+    /// index without its pack (a pack without an index is invisible, and reaped).
+    fn retire_pack(&self, name: &str) -> std::io::Result<()> {
+        remove_if_present(&self.packs.path(name, "idx"))?;
+        fsync_dir(self.packs.dir())?;
+        self.packs.drop_pack(name);
+        remove_if_present(&self.packs.path(name, "pack"))?;
+        remove_if_present(&self.packs.path(name, "dead"))?;
+        fsync_dir(self.packs.dir())
+    }
+
+    /// [`Backend::compact`]: see the module doc ("Compaction").
+    fn compact(&self, dry_run: bool, also_dead: &[String]) -> Result<CompactReport, BackendError> {
+        let err = |e: std::io::Error| other(&self.url, "compact", PACK_DIR, e);
+        no_symlink(&self.url, PACK_DIR, self.packs.dir())?;
+        self.packs.rescan().map_err(err)?;
+        let also: std::collections::HashSet<Sha256Hash> =
+            also_dead.iter().filter_map(|k| chunk_digest(k)).collect();
+        let plans = self.packs.plan_compaction(&also);
+        let mut r = CompactReport::default();
+        if dry_run {
+            for p in &plans {
+                r.packs += 1;
+                r.bytes_before += p.pack_len;
+                r.bytes_copied += p.live_bytes;
+                r.bytes_reclaimed += p.pack_len - p.live_bytes;
+            }
+            return Ok(r);
+        }
+        {
+            // Under the lock every pack file without an index is a crash's leftover: a
+            // commit renames a pack and its index under the lock, a retirement removes
+            // them under it.
+            let _lock = self.lock_packs(PACK_DIR)?;
+            let (files, bytes) = reap_unindexed(self.packs.dir()).map_err(err)?;
+            if files > 0 {
+                fsync_dir(self.packs.dir()).map_err(err)?;
+            }
+            r.orphan_files = files;
+            r.bytes_reclaimed += bytes;
+        }
+        for p in &plans {
+            match self.compact_one(p) {
+                Ok(Some(copied)) => {
+                    r.packs += 1;
+                    r.bytes_before += p.pack_len;
+                    r.bytes_copied += copied;
+                    r.bytes_reclaimed += p.pack_len - copied;
+                }
+                Ok(None) => {}
+                Err(BackendError::NoSpace { space, .. }) => {
+                    // The file system is full: the packs done so far stay done.
+                    tracing::warn!(store = %self.url, pack = %p.name, %space, "compaction stopped: no space for a copy");
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if r.packs > 0 {
+            tracing::info!(
+                store = %self.url,
+                packs = r.packs,
+                copied = r.bytes_copied,
+                reclaimed = r.bytes_reclaimed,
+                "compacted packs"
+            );
+        }
+        Ok(r)
+    }
+
+    /// Compacts one pack: its serving entries copied (outside the lock) into a new pack,
+    /// which is committed as an upload's batch is, then the old pack retired, both under
+    /// the lock. Returns the bytes copied, or `None` when the pack was left as it is (gone
+    /// meanwhile, or it now serves a chunk the plan did not copy).
+    fn compact_one(&self, plan: &local_pack::CompactPlan) -> Result<Option<u64>, BackendError> {
+        let old: &str = &plan.name;
+        let err = |op: &'static str, e: std::io::Error| {
+            if crate::space::is_no_space(&e) {
+                BackendError::NoSpace {
+                    store: self.url.clone(),
+                    op: "compact",
+                    key: old.to_string(),
+                    space: crate::space::NoSpace::at("compacting", &self.root.join(TMP_DIR), None),
+                }
+            } else {
+                other(&self.url, op, old, e)
+            }
+        };
+        let name = fresh_name();
+        let tmp_pack = self.root.join(TMP_DIR).join(format!("{name}.pack"));
+        let mut guard = RemoveOnDrop(None);
+        let mut entries = Vec::with_capacity(plan.live.len());
+        let mut new_len = 0u64;
+        // 1. The copy, outside the lock: commits and deletes go on meanwhile.
+        if !plan.live.is_empty() {
+            use std::os::unix::fs::FileExt;
+            no_symlink(&self.url, old, &self.root.join(TMP_DIR))?;
+            let src = match local_pack::open_nofollow(&self.packs.path(old, "pack")) {
+                Ok(f) => f,
+                Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(err("compact", e)),
+            };
+            let mut dst = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp_pack)
+                .map_err(|e| err("compact", e))?;
+            guard = RemoveOnDrop(Some(tmp_pack.clone()));
+            let biggest = plan.live.iter().map(|e| e.len).max().unwrap_or(0);
+            let mut buf = vec![0u8; biggest.min(COMPACT_BUF) as usize];
+            for e in &plan.live {
+                let mut done = 0u64;
+                while done < e.len {
+                    let n = (e.len - done).min(buf.len() as u64) as usize;
+                    src.read_exact_at(&mut buf[..n], e.offset + done)
+                        .and_then(|_| dst.write_all(&buf[..n]))
+                        .map_err(|e| err("compact", e))?;
+                    done += n as u64;
+                }
+                entries.push(IdxEntry {
+                    digest: e.digest,
+                    offset: new_len,
+                    len: e.len,
+                });
+                new_len += e.len;
+            }
+            // The copy's bytes are on stable storage before any index names them.
+            dst.sync_all().map_err(|e| err("fsync", e))?;
+        }
+        #[cfg(test)]
+        tests::before_compaction_commit(&self.root);
+        // 2. Under the lock, on a view rescanned under it.
+        let _lock = self.lock_packs(old)?;
+        no_symlink(&self.url, PACK_DIR, self.packs.dir())?;
+        self.packs.rescan().map_err(|e| err("resolve", e))?;
+        let Some(now) = self.packs.serving_entries(old) else {
+            return Ok(None);
+        };
+        let copied: std::collections::HashSet<Sha256Hash> =
+            entries.iter().map(|e| e.digest).collect();
+        if now.iter().any(|e| !copied.contains(&e.digest)) {
+            // Served by another pack at the plan, whose copy went since: not copied, so
+            // this pack stays (the next compaction takes it).
+            return Ok(None);
+        }
+        // Chunks deleted meanwhile are not indexed again (their bytes are dead weight in
+        // the new pack).
+        let serving: std::collections::HashSet<Sha256Hash> = now.iter().map(|e| e.digest).collect();
+        entries.retain(|e| serving.contains(&e.digest));
+        if !entries.is_empty() {
+            let idx_bytes = local_pack::encode_index(&mut entries);
+            let idx_tmp = self.root.join(TMP_DIR).join(format!("{name}.idx"));
+            let mut idx_guard = RemoveOnDrop(Some(idx_tmp.clone()));
+            let published = (|| {
+                let f = OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&idx_tmp)?;
+                (&f).write_all(&idx_bytes)?;
+                // The old index's mtime: no chunk's `modified` changes.
+                f.set_modified(plan.modified)?;
+                f.sync_all()?;
+                OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(self.packs.path(&name, "dead"))?;
+                fs::rename(&tmp_pack, self.packs.path(&name, "pack"))?;
+                fsync_dir(self.packs.dir())?;
+                fs::rename(&idx_tmp, self.packs.path(&name, "idx"))?;
+                fsync_dir(self.packs.dir())
+            })();
+            if let Err(e) = published {
+                if fs::symlink_metadata(self.packs.path(&name, "idx")).is_err() {
+                    let _ = fs::remove_file(self.packs.path(&name, "pack"));
+                    let _ = fs::remove_file(self.packs.path(&name, "dead"));
+                }
+                return Err(err("compact", e));
+            }
+            idx_guard.keep();
+            guard.keep();
+            self.packs.add(&name, entries, new_len, plan.modified);
+        }
+        // 3. The new index is in place (and durable): the old pack goes.
+        self.retire_pack(old).map_err(|e| err("compact", e))?;
+        tracing::debug!(
+            store = %self.url,
+            pack = %old,
+            into = %name,
+            bytes = plan.pack_len,
+            copied = new_len,
+            "compacted a pack"
+        );
+        Ok(Some(new_len))
+    }
+}
+
+/// Removes the pack and dead files of `.packs` that have no index; returns the files and
+/// bytes removed. Only under the packs lock (see [`Ctx::compact`]).
+fn reap_unindexed(packs: &Path) -> std::io::Result<(u64, u64)> {
+    let names: Vec<String> = fs::read_dir(packs)?
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    let indexed: std::collections::HashSet<&str> = names
+        .iter()
+        .filter_map(|n| n.strip_suffix(".idx"))
+        .collect();
+    let (mut files, mut bytes) = (0, 0);
+    for n in &names {
+        let Some(stem) = n.strip_suffix(".pack").or_else(|| n.strip_suffix(".dead")) else {
+            continue;
+        };
+        if indexed.contains(stem) {
+            continue;
+        }
+        let p = packs.join(n);
+        let len = fs::symlink_metadata(&p).map(|m| m.len()).unwrap_or(0);
+        if fs::remove_file(&p).is_ok() {
+            files += 1;
+            bytes += len;
+        }
+    }
+    Ok((files, bytes))
 }
 
 /// Longest file name (bytes) on Linux file systems (`NAME_MAX`).
@@ -1093,6 +1421,15 @@ impl Backend for LocalBackend {
             Ok(c.packs.report())
         })
         .await
+    }
+
+    async fn compact(
+        &self,
+        dry_run: bool,
+        also_dead: &[String],
+    ) -> Result<CompactReport, BackendError> {
+        let also_dead = also_dead.to_vec();
+        self.blocking(move |c| c.compact(dry_run, &also_dead)).await
     }
 
     async fn stage_if_absent(
@@ -1395,6 +1732,26 @@ impl Backend for LocalBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    type Hook = Box<dyn FnOnce() + Send>;
+
+    /// Run by a compaction of the store at the path, once, between its copy and its
+    /// commit (what another process does meanwhile).
+    static BEFORE_COMPACTION_COMMIT: std::sync::Mutex<Vec<(PathBuf, Hook)>> =
+        std::sync::Mutex::new(Vec::new());
+
+    pub(super) fn before_compaction_commit(root: &Path) {
+        let hook = {
+            let mut hooks = BEFORE_COMPACTION_COMMIT.lock().unwrap();
+            hooks
+                .iter()
+                .position(|(r, _)| r == root)
+                .map(|i| hooks.remove(i).1)
+        };
+        if let Some(h) = hook {
+            h();
+        }
+    }
 
     #[tokio::test]
     async fn leftovers_and_hidden_files_are_not_objects() {
@@ -1967,5 +2324,423 @@ mod tests {
             assert!(b.commit_staged(batch, vec![p]).await.is_err());
         }
         assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 0);
+    }
+
+    /// Sum of the sizes of the `.pack` files under `.packs`.
+    fn pack_bytes(dir: &Path) -> u64 {
+        fs::read_dir(dir.join(PACK_DIR))
+            .unwrap()
+            .map(|e| e.unwrap())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".pack"))
+            .map(|e| e.metadata().unwrap().len())
+            .sum()
+    }
+
+    async fn commit_all(b: &LocalBackend, items: &[(String, Bytes)]) {
+        let batch = b.stage_batch();
+        let staged = stage_all(b, &batch, items).await;
+        let out = b.commit_staged(batch, staged).await.unwrap();
+        assert!(out.iter().all(|o| *o == PutOutcome::Created), "{out:?}");
+    }
+
+    /// A pack at least half dead is compacted: its live chunks stay readable with the same
+    /// bytes, size and `modified`, its dead bytes leave the disk; one less dead is left as
+    /// it is; a dry run reports the same figures and changes nothing.
+    #[tokio::test]
+    async fn compaction_keeps_live_chunks_and_frees_dead_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (1..=6).map(chunk).collect();
+        commit_all(&b, &items).await;
+        let total: u64 = items.iter().map(|(_, d)| d.len() as u64).sum();
+        assert_eq!(pack_bytes(dir.path()), total);
+        // Two of six dead (211 of 621 bytes, under half): left alone.
+        for (k, _) in &items[4..] {
+            b.delete(k).await.unwrap();
+        }
+        assert_eq!(
+            b.compact(false, &[]).await.unwrap(),
+            CompactReport::default()
+        );
+        assert_eq!(pack_bytes(dir.path()), total);
+        // A dry run counting a third as deleted (its GC would delete it) would compact.
+        let dry = b.compact(true, &[items[3].0.clone()]).await.unwrap();
+        let live: u64 = items[..3].iter().map(|(_, d)| d.len() as u64).sum();
+        assert_eq!(
+            dry,
+            CompactReport {
+                packs: 1,
+                bytes_before: total,
+                bytes_copied: live,
+                bytes_reclaimed: total - live,
+                orphan_files: 0,
+            }
+        );
+        assert_eq!(pack_bytes(dir.path()), total, "a dry run changes nothing");
+        let heads_before: Vec<_> = {
+            let mut v = Vec::new();
+            for (k, _) in &items[..3] {
+                v.push(b.head(k).await.unwrap().unwrap());
+            }
+            v
+        };
+        b.delete(&items[3].0).await.unwrap();
+        let before_files = files(&dir.path().join(PACK_DIR));
+        let r = b.compact(false, &[]).await.unwrap();
+        assert_eq!(r, dry);
+        assert_eq!(pack_bytes(dir.path()), live);
+        let after_files = files(&dir.path().join(PACK_DIR));
+        assert_eq!(after_files.len(), 3, "{after_files:?}");
+        assert!(before_files.iter().all(|f| !after_files.contains(f)));
+        for ((k, d), h) in items[..3].iter().zip(&heads_before) {
+            assert_eq!(b.get(k).await.unwrap(), *d);
+            assert_eq!(b.get_range(k, 10..20).await.unwrap(), d.slice(10..20));
+            let now = b.head(k).await.unwrap().unwrap();
+            assert_eq!((now.size, now.modified), (h.size, h.modified), "{k}");
+        }
+        for (k, _) in &items[3..] {
+            assert!(b.head(k).await.unwrap().is_none());
+        }
+        // Another process's fresh view: the same keys, no dead bytes, no problem.
+        let fresh = LocalBackend::open(dir.path()).await.unwrap();
+        assert_eq!(fresh.list("chunks/").await.unwrap().len(), 3);
+        let rep = fresh.layout_report().await.unwrap();
+        assert_eq!((rep.packs, rep.dead_bytes, rep.problems.len()), (1, 0, 0));
+        for (k, d) in &items[..3] {
+            assert_eq!(fresh.get(k).await.unwrap(), *d);
+            let h = fresh.head(k).await.unwrap().unwrap();
+            assert_eq!(h.modified, heads_before[0].modified);
+        }
+        // Nothing left to do; deleting the rest retires the new pack as any other.
+        assert_eq!(
+            b.compact(false, &[]).await.unwrap(),
+            CompactReport::default()
+        );
+        for (k, _) in &items[..3] {
+            b.delete(k).await.unwrap();
+        }
+        assert!(files(&dir.path().join(PACK_DIR)).is_empty());
+        assert!(files(&dir.path().join(TMP_DIR)).is_empty());
+    }
+
+    /// Another process that read the packs before a compaction reads through it: a stale
+    /// location (the old pack gone) is looked up again, a pack file it still has open
+    /// gives the same bytes; its deletes after the compaction reach the new pack.
+    #[tokio::test]
+    async fn another_process_reads_through_a_compaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let other = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (1..=8).map(chunk).collect();
+        commit_all(&b, &items).await;
+        // The other process knows every location; it has the pack open too.
+        for (k, d) in &items {
+            assert_eq!(other.get(k).await.unwrap(), *d);
+        }
+        // A second process that knows the locations but never opened the pack.
+        let cold = LocalBackend::open(dir.path()).await.unwrap();
+        for (k, _) in &items {
+            assert!(cold.head(k).await.unwrap().is_some());
+        }
+        // A third that looked before the deletes (its view of the dead file is empty).
+        let stale = LocalBackend::open(dir.path()).await.unwrap();
+        for (k, _) in &items {
+            assert!(stale.head(k).await.unwrap().is_some());
+        }
+        let old = files(&dir.path().join(PACK_DIR));
+        for (k, _) in &items[..5] {
+            b.delete(k).await.unwrap();
+        }
+        let r = b.compact(false, &[]).await.unwrap();
+        assert_eq!(r.packs, 1);
+        for (k, d) in &items[5..] {
+            assert_eq!(other.get(k).await.unwrap(), *d, "{k}");
+            assert_eq!(cold.get(k).await.unwrap(), *d, "{k}");
+            assert_eq!(cold.get_range(k, 3..9).await.unwrap(), d.slice(3..9));
+        }
+        // The stale process's look-up passes (an empty dead file where it expects one, as
+        // between the old index's removal and its dead file's), its read of the old pack
+        // finds it gone (ENOENT): it rescans and reads the new pack.
+        let old_dead = dir
+            .path()
+            .join(PACK_DIR)
+            .join(old.iter().find(|n| n.ends_with(".dead")).unwrap());
+        fs::write(&old_dead, b"").unwrap();
+        let loc = stale
+            .packs
+            .lookup(&chunk_digest(&items[6].0).unwrap())
+            .unwrap();
+        assert!(loc.is_some_and(|l| old.contains(&format!("{}.pack", l.pack))));
+        assert_eq!(stale.get(&items[6].0).await.unwrap(), items[6].1);
+        fs::remove_file(&old_dead).unwrap();
+        for (k, _) in &items[..5] {
+            assert!(cold.head(k).await.unwrap().is_none());
+            assert!(other.get(k).await.unwrap_err().is_not_found());
+        }
+        assert_eq!(cold.list("chunks/").await.unwrap().len(), 3);
+        // A delete by the stale process lands in the new pack.
+        cold.delete(&items[5].0).await.unwrap();
+        assert!(b.head(&items[5].0).await.unwrap().is_none());
+        assert!(
+            LocalBackend::open(dir.path())
+                .await
+                .unwrap()
+                .head(&items[5].0)
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    /// The state a compaction killed between its new index's rename and the old index's
+    /// removal leaves: the live chunks in two indexed packs. Every process reads them,
+    /// a delete removes both copies, the store is verify-clean (the copies count as dead
+    /// bytes), and the next compaction retires the old pack without copying anything. A
+    /// kill after the old index went (its pack and dead file left) is cleaned up too.
+    #[tokio::test]
+    async fn a_compaction_killed_before_retiring_leaves_harmless_duplicates() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (1..=6).map(chunk).collect();
+        commit_all(&b, &items).await;
+        for (k, _) in &items[..3] {
+            b.delete(k).await.unwrap();
+        }
+        let old_len = pack_bytes(dir.path());
+        // The new pack of a compaction: the live chunks, indexed, with an empty dead file.
+        let packs = dir.path().join(PACK_DIR);
+        let name = format!("{}-999-1", tmp_owner());
+        let mut bytes = Vec::new();
+        let mut entries = Vec::new();
+        for (k, d) in &items[3..] {
+            entries.push(IdxEntry {
+                digest: chunk_digest(k).unwrap(),
+                offset: bytes.len() as u64,
+                len: d.len() as u64,
+            });
+            bytes.extend_from_slice(d);
+        }
+        let live = bytes.len() as u64;
+        fs::write(packs.join(format!("{name}.pack")), &bytes).unwrap();
+        fs::write(packs.join(format!("{name}.dead")), b"").unwrap();
+        fs::write(
+            packs.join(format!("{name}.idx")),
+            local_pack::encode_index(&mut entries),
+        )
+        .unwrap();
+        // A stale process (knows the old pack only) and fresh ones.
+        let fresh = LocalBackend::open(dir.path()).await.unwrap();
+        for (k, d) in &items[3..] {
+            assert_eq!(b.get(k).await.unwrap(), *d);
+            assert_eq!(fresh.get(k).await.unwrap(), *d);
+        }
+        assert_eq!(fresh.list("chunks/").await.unwrap().len(), 3);
+        let rep = fresh.layout_report().await.unwrap();
+        assert_eq!((rep.packs, rep.problems.len()), (2, 0));
+        assert_eq!(
+            rep.dead_bytes, old_len,
+            "the old pack's copies count as dead"
+        );
+        let store = crate::Store::open(dir.path().to_str().unwrap())
+            .await
+            .unwrap();
+        let v = store
+            .verify(false, &crate::gc::GcOptions::default())
+            .await
+            .unwrap();
+        assert!(v.findings.is_empty(), "{:?}", v.findings);
+        // A delete removes both copies (seen by every process).
+        b.delete(&items[3].0).await.unwrap();
+        for p in [&b, &fresh, &LocalBackend::open(dir.path()).await.unwrap()] {
+            assert!(p.head(&items[3].0).await.unwrap().is_none());
+        }
+        // And what a kill after an old index's removal leaves: a pack and dead file
+        // without an index, of a writer that still runs (so not reaped at open).
+        let orphan = format!("{}-998-1", tmp_owner());
+        fs::write(packs.join(format!("{orphan}.pack")), b"0123456789").unwrap();
+        fs::write(packs.join(format!("{orphan}.dead")), b"").unwrap();
+        let r = fresh.compact(false, &[]).await.unwrap();
+        assert_eq!(
+            (r.packs, r.bytes_copied, r.orphan_files),
+            (1, 0, 2),
+            "{r:?}"
+        );
+        assert_eq!(r.bytes_reclaimed, old_len + 10);
+        assert_eq!(pack_bytes(dir.path()), live);
+        assert_eq!(
+            files(&packs),
+            [
+                format!("{name}.dead"),
+                format!("{name}.idx"),
+                format!("{name}.pack")
+            ]
+        );
+        for p in [&b, &fresh, &LocalBackend::open(dir.path()).await.unwrap()] {
+            for (k, d) in &items[4..] {
+                assert_eq!(p.get(k).await.unwrap(), *d);
+            }
+            assert_eq!(p.list("chunks/").await.unwrap().len(), 2);
+        }
+        let v = store
+            .verify(false, &crate::gc::GcOptions::default())
+            .await
+            .unwrap();
+        assert!(v.findings.is_empty(), "{:?}", v.findings);
+        assert_eq!(v.pack_dead_bytes, items[3].1.len() as u64);
+    }
+
+    /// Compactions racing readers of another process: over rounds of commits, deletes and
+    /// compactions (a round's pack compacted at once, older packs again as their chunks
+    /// die), a reader that reads every live chunk in a loop never misses one nor reads a
+    /// wrong byte.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn readers_never_miss_a_live_chunk_during_compactions() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let reader = Arc::new(LocalBackend::open(dir.path()).await.unwrap());
+        let live: Arc<tokio::sync::RwLock<Vec<(String, Bytes)>>> = Arc::default();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let task = {
+            let (reader, live, stop) = (reader.clone(), live.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut reads = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let keys = live.read().await;
+                    for (k, d) in keys.iter() {
+                        assert_eq!(reader.get(k).await.unwrap(), *d, "{k}");
+                        reads += 1;
+                    }
+                    drop(keys);
+                    tokio::task::yield_now().await;
+                }
+                reads
+            })
+        };
+        let mut compacted = 0;
+        for round in 0..20u8 {
+            let items: Vec<_> = (0..10).map(|i| chunk(round * 10 + i + 1)).collect();
+            commit_all(&b, &items).await;
+            let mut l = live.write().await;
+            l.extend(items[..4].iter().cloned());
+            // One older live chunk dies too (its pack, compacted before, dies again).
+            let older = (round > 0).then(|| l.remove(0));
+            drop(l);
+            for (k, _) in items[4..].iter().chain(&older) {
+                b.delete(k).await.unwrap();
+            }
+            compacted += b.compact(false, &[]).await.unwrap().packs;
+        }
+        stop.store(true, Ordering::Relaxed);
+        let reads = task.await.unwrap();
+        assert!(compacted >= 20, "{compacted}");
+        assert!(reads > 0);
+        let keys = live.read().await;
+        let fresh = LocalBackend::open(dir.path()).await.unwrap();
+        assert_eq!(fresh.list("chunks/").await.unwrap().len(), keys.len());
+        for (k, d) in keys.iter() {
+            assert_eq!(fresh.get(k).await.unwrap(), *d);
+        }
+        let rep = fresh.layout_report().await.unwrap();
+        assert!(
+            rep.dead_bytes * 2 <= rep.pack_bytes,
+            "{} dead of {}",
+            rep.dead_bytes,
+            rep.pack_bytes
+        );
+        eprintln!(
+            "{reads} reads, {compacted} compactions; {} packs, {} bytes, {} dead",
+            rep.packs, rep.pack_bytes, rep.dead_bytes
+        );
+    }
+
+    /// What other processes do between a compaction's copy and its commit: a chunk deleted
+    /// then is not indexed again (its copied bytes are dead weight in the new pack); a
+    /// chunk the pack did not serve at the plan but serves now (the copy that served it
+    /// went) makes the compaction leave the pack whole.
+    #[tokio::test]
+    async fn a_compaction_commits_on_the_view_under_the_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (1..=6).map(chunk).collect();
+        commit_all(&b, &items).await;
+        for (k, _) in &items[3..] {
+            b.delete(k).await.unwrap();
+        }
+        let root = dir.path().to_path_buf();
+        let victim = items[1].0.clone();
+        BEFORE_COMPACTION_COMMIT.lock().unwrap().push((
+            root.clone(),
+            Box::new(move || {
+                let other = LocalBackend::open_blocking(&root).unwrap();
+                assert!(other.ctx().delete_packed(&victim).unwrap());
+            }),
+        ));
+        let r = b.compact(false, &[]).await.unwrap();
+        let copied: u64 = items[..3].iter().map(|(_, d)| d.len() as u64).sum();
+        assert_eq!((r.packs, r.bytes_copied), (1, copied));
+        for p in [&b, &LocalBackend::open(dir.path()).await.unwrap()] {
+            assert!(p.head(&items[1].0).await.unwrap().is_none());
+            for i in [0, 2] {
+                assert_eq!(p.get(&items[i].0).await.unwrap(), items[i].1);
+            }
+            let rep = p.layout_report().await.unwrap();
+            assert_eq!(
+                (rep.packs, rep.dead_bytes),
+                (1, items[1].1.len() as u64),
+                "{rep:?}"
+            );
+        }
+
+        // A pack P of chunks 7 to 12, 7 and 8 deleted; a smaller pack N (a compaction's
+        // leftover) serves 9 and 10, so P is two thirds dead. P's plan copies 11 and 12
+        // only; N goes before the commit, so P serves 9 and 10 again: P stays whole.
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let items: Vec<_> = (7..=12).map(chunk).collect();
+        commit_all(&b, &items).await;
+        for (k, _) in &items[..2] {
+            b.delete(k).await.unwrap();
+        }
+        let packs = dir.path().join(PACK_DIR);
+        let before = files(&packs);
+        let n = format!("{}-997-1", tmp_owner());
+        let mut bytes = Vec::new();
+        let mut entries = Vec::new();
+        for (k, d) in &items[2..4] {
+            entries.push(IdxEntry {
+                digest: chunk_digest(k).unwrap(),
+                offset: bytes.len() as u64,
+                len: d.len() as u64,
+            });
+            bytes.extend_from_slice(d);
+        }
+        fs::write(packs.join(format!("{n}.pack")), &bytes).unwrap();
+        fs::write(packs.join(format!("{n}.dead")), b"").unwrap();
+        fs::write(
+            packs.join(format!("{n}.idx")),
+            local_pack::encode_index(&mut entries),
+        )
+        .unwrap();
+        let root = dir.path().to_path_buf();
+        let n2 = n.clone();
+        BEFORE_COMPACTION_COMMIT.lock().unwrap().push((
+            root.clone(),
+            Box::new(move || {
+                for ext in ["idx", "pack", "dead"] {
+                    fs::remove_file(root.join(PACK_DIR).join(format!("{n2}.{ext}"))).unwrap();
+                }
+            }),
+        ));
+        let r = b.compact(false, &[]).await.unwrap();
+        assert_eq!(r.packs, 0, "{r:?}");
+        assert_eq!(files(&packs), before);
+        assert!(files(&dir.path().join(TMP_DIR)).is_empty());
+        for p in [&b, &LocalBackend::open(dir.path()).await.unwrap()] {
+            for (k, d) in &items[2..] {
+                assert_eq!(p.get(k).await.unwrap(), *d);
+            }
+        }
+        // P is a third dead now: the next compaction leaves it too.
+        assert_eq!(b.compact(false, &[]).await.unwrap().packs, 0);
     }
 }

@@ -33,6 +33,41 @@ const OPEN_PACKS_MAX: usize = 64;
 /// than this, a miss rescans the directory.
 const RACY: Duration = Duration::from_millis(100);
 
+/// A pack is compacted once this share of its bytes is dead (one half). Then every pack
+/// left after a GC is at least half live, so the packs never take more than twice the
+/// bytes of the chunks they serve, however long the store lives; and a compaction copies
+/// at most as many bytes as it frees (live ≤ dead), so its cost is bounded by the space it
+/// reclaims: each byte deleted is copied at most once on average before it is freed. A
+/// lower share would copy more than it frees (at 10% dead, nine bytes copied per byte
+/// freed); a higher one would let the dead weight grow past the live bytes.
+pub(crate) const COMPACT_DEAD_SHARE: Share = Share { num: 1, den: 2 };
+
+/// A fraction `num / den`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Share {
+    num: u64,
+    den: u64,
+}
+
+impl Share {
+    /// `num / den` of `n`, rounded up.
+    fn threshold(self, n: u64) -> u64 {
+        (u128::from(n) * u128::from(self.num)).div_ceil(u128::from(self.den)) as u64
+    }
+}
+
+/// One pack to compact: its serving entries, in pack order, copied into a new pack.
+#[derive(Debug, Clone)]
+pub(crate) struct CompactPlan {
+    pub(crate) name: Arc<str>,
+    pub(crate) pack_len: u64,
+    pub(crate) live: Vec<IdxEntry>,
+    pub(crate) live_bytes: u64,
+    /// The index's mtime: the new index gets it too, so that no chunk's `modified` (GC's
+    /// grace period) changes.
+    pub(crate) modified: SystemTime,
+}
+
 /// The digest of a key the packs may hold: `chunks/sha256/<64 lowercase hex>`.
 pub(crate) fn chunk_digest(key: &str) -> Option<Sha256Hash> {
     Sha256Hash::from_hex(key.strip_prefix("chunks/sha256/")?).ok()
@@ -228,6 +263,36 @@ impl PackInfo {
             .iter()
             .filter(|e| !self.dead.contains(&e.digest))
     }
+
+    /// Whether `d` is a live entry of this pack (the entries are sorted by digest).
+    fn holds_live(&self, d: &Sha256Hash) -> bool {
+        !self.dead.contains(d) && self.entries.binary_search_by_key(d, |e| e.digest).is_ok()
+    }
+
+    fn entry(&self, d: &Sha256Hash) -> Option<&IdxEntry> {
+        self.entries
+            .binary_search_by_key(d, |e| e.digest)
+            .ok()
+            .map(|i| &self.entries[i])
+    }
+
+    /// Which of two packs holding one chunk serves it: the smaller, then the lower name.
+    /// Fixed by the packs alone (not by the order a process read them), so every process
+    /// agrees; a compacted pack is smaller than the pack it was copied from, so when a
+    /// compaction was killed before it retired the old pack, the new one serves and the
+    /// old one's entries all count as dead ([`Packs::plan_compaction`]).
+    fn rank(&self) -> (u64, &str) {
+        (self.pack_len, &self.name)
+    }
+
+    fn loc(&self, e: &IdxEntry) -> Loc {
+        Loc {
+            pack: self.name.clone(),
+            offset: e.offset,
+            len: e.len,
+            modified: self.modified,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -235,7 +300,12 @@ pub(super) struct PackMap {
     stamp: Option<Stamp>,
     pub(super) racy: bool,
     packs: HashMap<Arc<str>, PackInfo>,
+    /// Where each live chunk is served from: one pack, by [`PackInfo::rank`].
     map: HashMap<Sha256Hash, Loc>,
+    /// The other packs holding a live entry of a chunk (a duplicate: a compaction killed
+    /// before it retired the pack it copied). Rare; consulted when the serving pack's entry
+    /// dies or the pack goes, so the chunk stays served from the next one.
+    alts: HashMap<Sha256Hash, Vec<Arc<str>>>,
     /// Index files refused (file name → why): their chunks are not served.
     problems: BTreeMap<String, String>,
 }
@@ -243,22 +313,64 @@ pub(super) struct PackMap {
 impl PackMap {
     fn insert(&mut self, info: PackInfo) {
         for e in info.live() {
-            self.map.entry(e.digest).or_insert_with(|| Loc {
-                pack: info.name.clone(),
-                offset: e.offset,
-                len: e.len,
-                modified: info.modified,
-            });
+            let d = e.digest;
+            let current = self.map.get(&d).map(|l| l.pack.clone());
+            match current {
+                Some(cur) if *cur != *info.name => {
+                    let keep = self
+                        .packs
+                        .get(&cur)
+                        .is_some_and(|c| c.rank() <= info.rank());
+                    if keep {
+                        self.alts.entry(d).or_default().push(info.name.clone());
+                    } else {
+                        self.alts.entry(d).or_default().push(cur);
+                        self.map.insert(d, info.loc(e));
+                    }
+                }
+                _ => {
+                    self.map.insert(d, info.loc(e));
+                }
+            }
         }
         self.packs.insert(info.name.clone(), info);
+    }
+
+    /// `d` is no longer live in pack `name`: served from another pack that holds it, if any.
+    fn unlink(&mut self, name: &str, d: &Sha256Hash) {
+        if self.map.get(d).is_none_or(|l| *l.pack != *name) {
+            if let Some(a) = self.alts.get_mut(d) {
+                a.retain(|n| **n != *name);
+                if a.is_empty() {
+                    self.alts.remove(d);
+                }
+            }
+            return;
+        }
+        self.map.remove(d);
+        let Some(mut cands) = self.alts.remove(d) else {
+            return;
+        };
+        cands.retain(|n| **n != *name && self.packs.get(n).is_some_and(|p| p.holds_live(d)));
+        cands.sort_by(|a, b| self.packs[a].rank().cmp(&self.packs[b].rank()));
+        if cands.is_empty() {
+            return;
+        }
+        let best = cands.remove(0);
+        let info = &self.packs[&best];
+        if let Some(e) = info.entry(d) {
+            let loc = info.loc(e);
+            self.map.insert(*d, loc);
+        }
+        if !cands.is_empty() {
+            self.alts.insert(*d, cands);
+        }
     }
 
     fn remove(&mut self, name: &str) {
         if let Some(info) = self.packs.remove(name) {
             for e in &info.entries {
-                if self.map.get(&e.digest).is_some_and(|l| *l.pack == *name) {
-                    self.map.remove(&e.digest);
-                }
+                self.unlink(name, &e.digest);
             }
         }
     }
@@ -267,13 +379,18 @@ impl PackMap {
         let Some(info) = self.packs.get_mut(name) else {
             return;
         };
-        for d in &dead {
-            if self.map.get(d).is_some_and(|l| *l.pack == *name) {
-                self.map.remove(d);
-            }
-        }
+        let newly: Vec<Sha256Hash> = dead.difference(&info.dead).copied().collect();
         info.dead = dead;
         info.dead_len = dead_len;
+        for d in &newly {
+            self.unlink(name, d);
+        }
+    }
+
+    /// The entries of pack `name` that serve their chunk (see [`PackInfo::rank`]).
+    fn serving<'a>(&'a self, info: &'a PackInfo) -> impl Iterator<Item = &'a IdxEntry> {
+        info.live()
+            .filter(move |e| self.map.get(&e.digest).is_some_and(|l| l.pack == info.name))
     }
 }
 
@@ -545,15 +662,15 @@ impl Packs {
     /// whether every entry of the pack is dead.
     pub(crate) fn mark_dead(&self, name: &str, d: Sha256Hash, dead_len: u64) -> bool {
         let mut s = self.write();
-        if s.map.get(&d).is_some_and(|l| *l.pack == *name) {
-            s.map.remove(&d);
-        }
         let Some(info) = s.packs.get_mut(name) else {
+            s.unlink(name, &d);
             return false;
         };
         info.dead.insert(d);
         info.dead_len = dead_len;
-        info.live().next().is_none()
+        let all_dead = info.live().next().is_none();
+        s.unlink(name, &d);
+        all_dead
     }
 
     /// Forgets pack `name` (deleted).
@@ -623,10 +740,50 @@ impl Packs {
         for info in s.packs.values() {
             r.packs += 1;
             r.pack_bytes += info.pack_len;
-            let live: u64 = info.live().map(|e| e.len).sum();
+            let live: u64 = s.serving(info).map(|e| e.len).sum();
             r.dead_bytes += info.pack_len.saturating_sub(live);
         }
         r
+    }
+
+    /// The packs a compaction takes now: those whose dead bytes (bytes no serving entry
+    /// names: deleted chunks, chunks another writer had published first, copies another
+    /// pack serves) are at least [`COMPACT_DEAD_SHARE`] of the pack, counting the chunks of
+    /// `also_dead` as deleted too (a dry run's estimate of what its deletes would free).
+    /// Largest reclaim first.
+    pub(crate) fn plan_compaction(&self, also_dead: &HashSet<Sha256Hash>) -> Vec<CompactPlan> {
+        let s = self.read();
+        let mut out = Vec::new();
+        for info in s.packs.values() {
+            let mut live: Vec<IdxEntry> = s
+                .serving(info)
+                .filter(|e| !also_dead.contains(&e.digest))
+                .copied()
+                .collect();
+            let live_bytes: u64 = live.iter().map(|e| e.len).sum();
+            let dead = info.pack_len.saturating_sub(live_bytes);
+            if dead == 0 || dead < COMPACT_DEAD_SHARE.threshold(info.pack_len) {
+                continue;
+            }
+            // Read in the order of the pack: one sequential pass.
+            live.sort_by_key(|e| e.offset);
+            out.push(CompactPlan {
+                name: info.name.clone(),
+                pack_len: info.pack_len,
+                live,
+                live_bytes,
+                modified: info.modified,
+            });
+        }
+        out.sort_by_key(|p| std::cmp::Reverse(p.pack_len - p.live_bytes));
+        out
+    }
+
+    /// The entries of pack `name` that serve their chunk now (`None`: no such pack).
+    pub(crate) fn serving_entries(&self, name: &str) -> Option<Vec<IdxEntry>> {
+        let s = self.read();
+        let info = s.packs.get(name)?;
+        Some(s.serving(info).copied().collect())
     }
 }
 

@@ -227,9 +227,28 @@ pub struct LayoutReport {
     pub packs: u64,
     /// Bytes of pack files.
     pub pack_bytes: u64,
-    /// Bytes of pack files no live entry names (deleted chunks, and chunks a batch wrote
-    /// that another writer had published first), reclaimable by a compaction.
+    /// Bytes of pack files no serving entry names (deleted chunks, chunks a batch wrote
+    /// that another writer had published first, and copies of chunks another pack serves,
+    /// left by a killed compaction), reclaimable by a compaction ([`Backend::compact`]; GC
+    /// compacts a pack once half of it is dead, so up to that share stays).
     pub dead_bytes: u64,
+}
+
+/// What [`Backend::compact`] did or, in a dry run, would do.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CompactReport {
+    /// Packs compacted: rewritten with their live chunks only, or removed (none live).
+    pub packs: u64,
+    /// Bytes of those packs before.
+    pub bytes_before: u64,
+    /// Live bytes copied into new packs.
+    pub bytes_copied: u64,
+    /// Bytes freed: those packs' bytes less the bytes copied, and the files that crashes
+    /// left without an index, removed.
+    pub bytes_reclaimed: u64,
+    /// Pack and dead files without an index (a crash's leftovers) removed.
+    pub orphan_files: u64,
 }
 
 /// A staged object takes its temp file with it when it drops: the one removal of a temp
@@ -377,6 +396,20 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
                 message: "this backend stages nothing".into(),
             }),
         }
+    }
+
+    /// Reclaims the space the layout still holds for deleted objects (the local backend's
+    /// partly dead packs: [`local`], "Compaction") without changing which keys exist or
+    /// their bytes. With `dry_run`, changes nothing and reports what it would reclaim if
+    /// the objects `also_dead` (keys) were deleted too. Called by [`crate::Store::gc`] after
+    /// its deletes. Default: nothing to reclaim (one object per key).
+    async fn compact(
+        &self,
+        dry_run: bool,
+        also_dead: &[String],
+    ) -> Result<CompactReport, BackendError> {
+        let _ = (dry_run, also_dead);
+        Ok(CompactReport::default())
     }
 
     /// Forgets `batch` and `staged` (removes what they wrote) after a failed upload. Default:

@@ -22,8 +22,8 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use super::{
-    Backend, BackendError, LayoutReport, ListPage, ObjectInfo, PutOutcome, StageBatch, Staged,
-    StagedPut, Version,
+    Backend, BackendError, CompactReport, LayoutReport, ListPage, ObjectInfo, PutOutcome,
+    StageBatch, Staged, StagedPut, Version,
 };
 use crate::digest::Sha256Hash;
 
@@ -454,6 +454,14 @@ impl Backend for Retrying {
 
     async fn layout_report(&self) -> Result<LayoutReport, BackendError> {
         self.inner.layout_report().await
+    }
+
+    async fn compact(
+        &self,
+        dry_run: bool,
+        also_dead: &[String],
+    ) -> Result<CompactReport, BackendError> {
+        self.inner.compact(dry_run, also_dead).await
     }
 
     async fn stage_if_absent(

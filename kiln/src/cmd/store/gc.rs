@@ -3,6 +3,12 @@
 //! grace period, and leases that are no longer live (expired, or held by a process of this
 //! host that died) and expired cache entries. `--dry-run` lists them only.
 //!
+//! Then it compacts the store's partly dead packs (a local store: each pack at least half
+//! dead is rewritten with its live chunks only, [`kiln_store::backend::local`]), and
+//! reports the packs compacted and the bytes reclaimed (`compacted` event; `packsCompacted`
+//! and `packBytesReclaimed` in the `gc` event). `--dry-run` compacts nothing and reports
+//! what the compaction would reclaim once its deletes are done.
+//!
 //! For a local store it also cleans its build work directory (`<store>/.build`, the default
 //! of `kiln build`): what dead builds left (step processes still in their cgroups, scratch
 //! and unfinished directories, [`kiln_builder::build::clean_up_dead_builds`]), and, when no
@@ -68,6 +74,33 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
             format!("{verb} expired {k}")
         });
     }
+    let c = &r.compacted;
+    if c.packs > 0 || c.orphan_files > 0 {
+        let verb = if a.dry_run {
+            "would compact"
+        } else {
+            "compacted"
+        };
+        out.event(
+            "compacted",
+            json!({
+                "packs": c.packs, "bytesBefore": c.bytes_before, "bytesCopied": c.bytes_copied,
+                "bytesReclaimed": c.bytes_reclaimed, "orphanFiles": c.orphan_files,
+                "dryRun": a.dry_run,
+            }),
+            || {
+                let orphans = if c.orphan_files > 0 {
+                    format!(", and removed {} pack files a crash left", c.orphan_files)
+                } else {
+                    String::new()
+                };
+                format!(
+                    "{verb} {} packs: {} bytes reclaimed, their {} live bytes (of {}) copied{orphans}",
+                    c.packs, c.bytes_reclaimed, c.bytes_copied, c.bytes_before
+                )
+            },
+        );
+    }
     let bytes: u64 = r.collected.iter().map(|c| c.size).sum();
     out.event(
         "gc",
@@ -75,16 +108,20 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
             "store": store.url(), "dryRun": a.dry_run, "marked": r.marked,
             "youngKept": r.young_kept, "collected": r.collected.len(), "collectedBytes": bytes,
             "condemned": r.condemned, "resurrected": r.resurrected.len(),
-            "expired": r.expired.len(),
+            "expired": r.expired.len(), "packsCompacted": r.compacted.packs,
+            "packBytesReclaimed": r.compacted.bytes_reclaimed,
         }),
         || {
             format!(
-                "{}: {} live, {} young kept, {verb} {} objects ({bytes} bytes) and {} expired leases/cache entries",
+                "{}: {} live, {} young kept, {verb} {} objects ({bytes} bytes) and {} expired leases/cache entries; {} {} packs ({} bytes)",
                 store.url(),
                 r.marked,
                 r.young_kept,
                 r.collected.len(),
-                r.expired.len()
+                r.expired.len(),
+                if a.dry_run { "would compact" } else { "compacted" },
+                r.compacted.packs,
+                r.compacted.bytes_reclaimed,
             )
         },
     );
