@@ -246,7 +246,9 @@ fn push_pull_verify_gc() {
     assert!(n > 10, "{ev:?}");
     // A packed chunk's delete appends to its pack's dead file; a pack goes with its last chunk.
     assert!(
-        pack_file.exists() && idx_file.exists() && std::fs::metadata(&dead_file).unwrap().len() == 0,
+        pack_file.exists()
+            && idx_file.exists()
+            && std::fs::metadata(&dead_file).unwrap().len() == 0,
         "dry run deleted something"
     );
     let o = kiln(
