@@ -2,7 +2,7 @@
 //! moto's S3 and a pull back, verify finding a corrupt chunk, gc --dry-run. Needs the S3 server
 //! of `ci/setup.sh` (`source /var/cache/kiln-ci/env`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use serde_json::Value;
@@ -169,15 +169,43 @@ fn push_pull_verify_gc() {
         );
     }
 
-    // Corrupt one chunk of the pulled store: deep verify names it, exit 3.
-    let chunks = pulled.join("chunks/sha256");
-    let victim = std::fs::read_dir(&chunks)
+    // The pull wrote its chunks into one pack, not one file each.
+    let packs: Vec<PathBuf> = std::fs::read_dir(pulled.join(".packs"))
         .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
-    std::fs::write(&victim, b"not zstd").unwrap();
+        .map(|e| e.unwrap().path())
+        .collect();
+    let ends = |ext: &str| -> Vec<&PathBuf> {
+        packs
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == ext))
+            .collect()
+    };
+    assert_eq!(ends("pack").len(), 1, "{packs:?}");
+    assert_eq!(ends("idx").len(), 1, "{packs:?}");
+    let loose = std::fs::read_dir(pulled.join("chunks/sha256"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(loose, 0, "no loose chunk file");
+
+    // Corrupt one chunk of the pulled store (its bytes inside the pack, at the place the
+    // pack's index gives for its first entry: `KILNPIDX`, version u32, count u64, then
+    // sha256, offset u64 LE, length u64 LE): deep verify names it, exit 3.
+    let idx = std::fs::read(ends("idx")[0]).unwrap();
+    let entry = &idx[8 + 4 + 8..8 + 4 + 8 + 48];
+    let name: String = entry[..32].iter().map(|b| format!("{b:02x}")).collect();
+    let offset = u64::from_le_bytes(entry[32..40].try_into().unwrap());
+    let len = u64::from_le_bytes(entry[40..48].try_into().unwrap());
+    assert!(len >= 8);
+    let (pack_file, idx_file) = (ends("pack")[0].clone(), ends("idx")[0].clone());
+    let dead_file = pack_file.with_extension("dead");
+    {
+        use std::os::unix::fs::FileExt;
+        let pack = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&pack_file)
+            .unwrap();
+        pack.write_all_at(b"not zstd", offset).unwrap();
+    }
     let o = kiln(
         &store,
         &["--json", "store", "verify", "--deep", "--store", p],
@@ -186,8 +214,7 @@ fn push_pull_verify_gc() {
     let ev = json_lines(&o);
     let finding = last_event(&ev, "finding");
     assert_eq!(finding["finding"], "corruptChunk");
-    let name = victim.file_name().unwrap().to_str().unwrap();
-    assert!(finding["chunk"].as_str().unwrap().ends_with(name));
+    assert!(finding["chunk"].as_str().unwrap().ends_with(&name));
     // A shallow verify does not read chunks: exit 0.
     assert!(
         kiln(&store, &["store", "verify", "--store", p])
@@ -217,7 +244,13 @@ fn push_pull_verify_gc() {
     let ev = json_lines(&o);
     let n = last_event(&ev, "gc")["collected"].as_u64().unwrap();
     assert!(n > 10, "{ev:?}");
-    assert!(victim.exists(), "dry run deleted something");
+    // A packed chunk's delete appends to its pack's dead file; a pack goes with its last chunk.
+    assert!(
+        pack_file.exists()
+            && idx_file.exists()
+            && std::fs::metadata(&dead_file).unwrap().len() == 0,
+        "dry run deleted something"
+    );
     let o = kiln(
         &store,
         &["--json", "store", "gc", "--grace", "1h", "--store", p],
@@ -232,7 +265,10 @@ fn push_pull_verify_gc() {
         &["--json", "store", "gc", "--grace", "0s", "--store", p],
     );
     assert_eq!(last_event(&json_lines(&o), "gc")["collected"], n);
-    assert!(!victim.exists());
+    assert!(
+        !pack_file.exists() && !idx_file.exists(),
+        "the pack of the collected chunks is removed"
+    );
     assert!(
         kiln(&store, &["store", "gc", "--grace", "soon"])
             .status

@@ -11,7 +11,8 @@
 //!   GC with any grace period keeps every chunk of the table (see [`crate::gc`]). Chunks are
 //!   written with [`Backend::stage_if_absent`] into the upload's batch
 //!   ([`Backend::stage_batch`], owned by the upload and given back to the commit) and
-//!   committed once at the end ([`Backend::commit_staged`]): on S3 each is durable when
+//!   committed once at the end ([`Backend::commit_staged`]; the bookkeeping, shared with a
+//!   copy between stores, is `crate::staging`'s): on S3 each is durable when
 //!   written; locally all go into one pack file made durable by one fsync and visible by one
 //!   index (the promise and its
 //!   argument: [`crate::backend::local`]). The table is returned in input order; publish a
@@ -31,11 +32,12 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 
-use crate::backend::{Backend, PutOutcome, StageBatch, Staged, StagedPut};
+use crate::backend::Backend;
 use crate::chunk::{self, ChunkEntry, ChunkError, ChunkTable, Chunking};
 use crate::lease::Lease;
 use crate::manifest::ObjectRef;
 use crate::progress::{ProgressEvent, ProgressFn, Reporter, TransferStats};
+use crate::staging::Staging;
 
 /// Chunks leased (and then stored) per group during an upload.
 const LEASE_BATCH: usize = 64;
@@ -53,26 +55,6 @@ pub struct PutArtifactOptions {
     pub lease: Option<Arc<Lease>>,
     /// Progress callback.
     pub progress: Option<ProgressFn>,
-}
-
-/// An upload's chunks between their writes and the commit ([`Store::commit_chunks`]).
-/// Memory: two digests per distinct chunk, plus a key and temp path (about 200 bytes) per
-/// staged one.
-#[derive(Default)]
-struct Staging {
-    /// Staged (digest, raw length in bytes, the backend's handle), in no particular order.
-    pending: Vec<(crate::ChunkDigest, u64, StagedPut)>,
-    /// Found present by writing them (not written again; indexed after the commit).
-    found: Vec<crate::ChunkDigest>,
-    /// How many the lease found present (not written; not indexed, as before staging).
-    leased: usize,
-    /// Written for good at once (a backend that stages nothing).
-    written: Vec<crate::ChunkDigest>,
-    /// Every chunk this upload has written or is writing: a chunk the artifact holds again
-    /// (a repeated block) is not written a second time. Before, each repeat was staged to a
-    /// temp file of its own whose link then failed at the commit: 250 extra 64 KiB writes
-    /// for a 512 MiB import (`KILN_BENCH_SIZE=512 ci/bench-store.sh`).
-    claimed: std::collections::HashSet<crate::ChunkDigest>,
 }
 
 enum Piece {
@@ -255,111 +237,12 @@ impl Store {
         let staging = std::mem::take(&mut *staging.lock().unwrap_or_else(|p| p.into_inner()));
         let batch = batch_owned;
         if let Err(e) = stored {
-            self.backend
-                .discard_staged(
-                    batch,
-                    staging.pending.into_iter().map(|(.., p)| p).collect(),
-                )
-                .await;
+            self.discard_chunks(staging, batch).await;
             return Err(e);
         }
         self.commit_chunks(staging, batch, &reporter).await?;
         table.validate()?;
         Ok((table, reporter.totals()))
-    }
-
-    /// Writes one encoded chunk with [`Backend::stage_if_absent`] into the upload's `batch`
-    /// ([`Backend::stage_batch`]): a staged one is queued in
-    /// `staging` for [`Store::commit_chunks`], one found present is noted there. Returns
-    /// whether this call wrote the chunk's bytes.
-    async fn stage_chunk(
-        &self,
-        enc: &chunk::EncodedChunk,
-        batch: &StageBatch,
-        staging: &Mutex<Staging>,
-    ) -> Result<bool, StoreError> {
-        // Claimed under the lock, before the write: of two copies in flight at once, one
-        // writes. Should that write fail, the whole upload fails with it.
-        if !staging
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .claimed
-            .insert(enc.digest)
-        {
-            return Ok(false);
-        }
-        let r = self
-            .backend
-            .stage_if_absent(batch, &enc.digest.key(), enc.stored.clone())
-            .await?;
-        let mut s = staging.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(match r {
-            Staged::Done(PutOutcome::Created) => {
-                s.written.push(enc.digest);
-                true
-            }
-            Staged::Done(PutOutcome::AlreadyExists) => {
-                s.found.push(enc.digest);
-                false
-            }
-            Staged::Pending(p) => {
-                s.pending.push((enc.digest, enc.raw_len, p));
-                true
-            }
-        })
-    }
-
-    /// Commits what an upload staged into `batch` ([`Backend::commit_staged`]; locally the
-    /// fsync of the batch's pack and its index's publication, which also make durable the
-    /// chunks found present in the store). Skipped only when
-    /// nothing was staged and nothing was found by asking the store (every chunk came from the
-    /// known-chunk index, whose entries are durable). Then every chunk of the batch enters the
-    /// known-chunk index (only now: the index must never name a chunk a power cut could still
-    /// take away), and a staged chunk another writer published first is taken out of the
-    /// totals (its progress event, sent when it was written, said `transferred`).
-    async fn commit_chunks(
-        &self,
-        staging: Staging,
-        batch: StageBatch,
-        reporter: &Reporter,
-    ) -> Result<(), StoreError> {
-        let Staging {
-            pending,
-            found,
-            leased,
-            written,
-            claimed: _,
-        } = staging;
-        if pending.is_empty() && found.is_empty() && leased == 0 {
-            for d in written {
-                self.known.insert(d);
-            }
-            return Ok(());
-        }
-        let (meta, staged): (Vec<_>, Vec<_>) = pending
-            .into_iter()
-            .map(|(d, raw_len, p)| ((d, raw_len, p.len), p))
-            .unzip();
-        let outcomes = self.backend.commit_staged(batch, staged).await?;
-        let mut raced = 0u64;
-        for ((d, raw_len, stored_len), o) in meta.iter().zip(&outcomes) {
-            if *o == PutOutcome::AlreadyExists {
-                raced += 1;
-                reporter.uncount_transfer(*raw_len, *stored_len);
-            }
-            self.known.insert(*d);
-        }
-        if raced > 0 {
-            tracing::debug!(
-                store = %self.url(),
-                chunks = raced,
-                "staged chunks another writer had published meanwhile (its copy kept)"
-            );
-        }
-        for d in found.into_iter().chain(written) {
-            self.known.insert(d);
-        }
-        Ok(())
     }
 
     /// Writes the artifact `table` describes to `dest` as a sparse file: the file is sized

@@ -3,22 +3,32 @@
 //!
 //! [`copy_tag`] reads the tag in the source, collects the closure of manifests it reaches,
 //! and copies, in publish order: chunks (in parallel, bounded, skipping chunks the
-//! destination has or is known to have; each chunk is decompressed and verified before it is
-//! written, so corruption is never passed on), then blobs (verified), then manifests
-//! (referenced before referencing), then the tag. Every object goes through put-if-absent, so
-//! a rerun after a crash moves only what is missing. A lease on the destination covers every
-//! object relied on until the tag is set.
+//! destination's lease look-up finds present; each chunk is decompressed and verified before
+//! it is written, so corruption is never passed on), then blobs (verified), then manifests
+//! (referenced before referencing), then the tag. The chunks of one copy are staged into one
+//! batch of the destination ([`Backend::stage_batch`], [`Backend::stage_if_absent`]) and
+//! committed once ([`Backend::commit_staged`]) before any blob, manifest or tag is written:
+//! a pull into a local store makes one pack file with one fsync (`crate::backend::local`,
+//! "Packs"), not one file per chunk; on S3 each chunk is an object written at once, as
+//! before. The bookkeeping is the upload's (`crate::staging`): a chunk enters the
+//! destination's known-chunk index only after the commit, and a staged chunk another writer
+//! committed first is taken out of the totals. A failed copy discards its batch (a cancelled
+//! one's batch removes its temp pack as it drops). Every object goes through put-if-absent
+//! (chunks: stage-if-absent), so a rerun after a crash moves only what is missing. A lease on
+//! the destination covers every object relied on until the tag is set.
 
 use std::collections::{HashSet, VecDeque};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 
-use crate::backend::{Backend, PutOutcome};
+use crate::backend::Backend;
 use crate::digest::{BlobDigest, ChunkDigest, ManifestDigest};
 use crate::manifest::{ObjectRef, RawManifest, references};
 use crate::ociref::OciRef;
 use crate::progress::{ProgressEvent, ProgressFn, Reporter, TransferStats};
+use crate::staging::Staging;
 use crate::tag::TagRef;
 use crate::{Store, StoreError};
 
@@ -135,12 +145,21 @@ async fn copy_closure(
     let wanted: Vec<ObjectRef> = seen.iter().copied().collect();
     let present = &lease.find_present(&wanted).await?;
 
-    // Chunks.
-    futures::stream::iter(chunks)
+    // Chunks, staged into one batch of `dst` (locally: one pack file) and committed once,
+    // before any blob, manifest or tag naming them is written.
+    let batch_owned = dst.backend.stage_batch();
+    let batch = &batch_owned;
+    let staging = &Mutex::new(Staging::default());
+    let copied = futures::stream::iter(chunks)
         .map(|(c, len)| async move {
             let stored_len;
             let transferred = if present.contains(&ObjectRef::Chunk(c)) {
-                dst.known.insert(c);
+                // Indexed as known after the commit (which makes it durable here too).
+                staging
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .found
+                    .push(c);
                 stored_len = 0;
                 false
             } else {
@@ -148,11 +167,15 @@ async fn copy_closure(
                 stored_len = stored.len() as u64;
                 let url = src.url().to_string();
                 let s2 = stored.clone();
+                // Verified before it is written: corruption is never passed on.
                 tokio::task::spawn_blocking(move || crate::chunk::decode(&c, &s2, len, &url))
                     .await??;
-                let out = dst.backend.put_if_absent(&c.key(), stored, None).await?;
-                dst.known.insert(c);
-                out == PutOutcome::Created
+                let enc = crate::chunk::EncodedChunk {
+                    digest: c,
+                    raw_len: len,
+                    stored,
+                };
+                dst.stage_chunk(&enc, batch, staging).await?
             };
             reporter.emit(ProgressEvent::Chunk {
                 digest: c,
@@ -164,7 +187,13 @@ async fn copy_closure(
         })
         .buffer_unordered(src.parallelism.max(dst.parallelism))
         .try_collect::<()>()
-        .await?;
+        .await;
+    let staging = std::mem::take(&mut *staging.lock().unwrap_or_else(|p| p.into_inner()));
+    if let Err(e) = copied {
+        dst.discard_chunks(staging, batch_owned).await;
+        return Err(e);
+    }
+    dst.commit_chunks(staging, batch_owned, reporter).await?;
 
     // Blobs.
     for b in blobs {

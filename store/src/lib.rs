@@ -90,6 +90,7 @@ pub mod owner;
 pub mod progress;
 pub mod readcache;
 pub mod space;
+mod staging;
 pub mod store;
 pub mod tag;
 pub mod usage;

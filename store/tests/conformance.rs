@@ -131,6 +131,7 @@ conformance!(
     verify_reports_damage,
     gc_marks_and_sweeps,
     copy_between_stores,
+    failed_pull_leaves_nothing,
     read_cache_and_known_index,
     lease_covers_artifact_upload,
     oci_refs_round_trip,
@@ -939,12 +940,117 @@ async fn copy_between_stores(f: Fixture) {
     let out = c.tmp("pulled.img");
     c.store.materialize(&m.disk, &out, None).await.unwrap();
     assert!(std::fs::read(&out).unwrap() == data);
+    // The pull staged its chunks into one batch of `c`: one pack, no loose chunk file, and
+    // deep verify clean.
+    let root = c._dir.path().join("store");
+    let packs: Vec<String> = std::fs::read_dir(root.join(".packs"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        packs.iter().filter(|n| n.ends_with(".pack")).count(),
+        1,
+        "{packs:?}"
+    );
+    assert_eq!(
+        packs.iter().filter(|n| n.ends_with(".idx")).count(),
+        1,
+        "{packs:?}"
+    );
+    let loose = std::fs::read_dir(root.join("chunks/sha256"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(loose, 0, "no loose chunk file");
+    let pulled_chunks = c
+        .store
+        .backend()
+        .list("chunks/sha256/")
+        .await
+        .unwrap()
+        .len();
+    assert_eq!(pulled_chunks, table.chunk_digests().len());
+    assert!(
+        c.store
+            .verify(true, &GcOptions::default())
+            .await
+            .unwrap()
+            .is_ok()
+    );
     assert_eq!(
         c.store.get_blob(&layer.digest).await.unwrap().len(),
         70 << 20
     );
     // No lease is left behind.
     assert!(f.store.list_leases().await.unwrap().is_empty());
+}
+
+/// A pull into a local store that fails partway (a chunk missing in the source) leaves no
+/// pack, no temp pack and no chunk in the destination (its batch discarded); once the source
+/// is whole again, the rerun copies everything into one pack and deep verify is clean.
+async fn failed_pull_leaves_nothing(f: Fixture) {
+    let c = Fixture::local().await;
+    let data = noise(3 << 20, 37);
+    let (top, table) = publish_image(&f.store, &data, Chunking::DISK_DEFAULT).await;
+    let t: TagRef = "broken:v1".parse().unwrap();
+    f.store.set_tag(&t, None, top).await.unwrap();
+    let digests = table.chunk_digests();
+    let victim = digests[digests.len() / 2];
+    f.store.backend().delete(&victim.key()).await.unwrap();
+
+    assert!(
+        copy_tag(&f.store, &c.store, &t, &CopyOptions::default())
+            .await
+            .is_err()
+    );
+    let root = c._dir.path().join("store");
+    let files = |dir: &str| -> Vec<String> {
+        std::fs::read_dir(root.join(dir))
+            .map(|d| {
+                d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert_eq!(files(".packs"), Vec::<String>::new());
+    assert!(
+        files(".tmp").iter().all(|n| !n.ends_with(".pack")),
+        "{:?}",
+        files(".tmp")
+    );
+    assert!(
+        c.store
+            .backend()
+            .list("chunks/sha256/")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(c.store.resolve_tag(&t).await.is_err());
+
+    // The source whole again (an upload by a handle whose known-chunk index does not name
+    // the deleted chunk writes it again): the rerun copies all.
+    let fresh = Store::open_with(&f.url, f.opts.clone()).await.unwrap();
+    publish_image(&fresh, &data, Chunking::DISK_DEFAULT).await;
+    let r = copy_tag(&f.store, &c.store, &t, &CopyOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(r.stats.chunks_transferred, digests.len() as u64);
+    assert_eq!(
+        files(".packs")
+            .iter()
+            .filter(|n| n.ends_with(".pack"))
+            .count(),
+        1
+    );
+    assert_eq!(files("chunks/sha256").len(), 0, "no loose chunk file");
+    assert!(
+        c.store
+            .verify(true, &GcOptions::default())
+            .await
+            .unwrap()
+            .is_ok()
+    );
+    assert!(c.store.list_leases().await.unwrap().is_empty());
 }
 
 async fn read_cache_and_known_index(f: Fixture) {

@@ -1,5 +1,5 @@
 //! The local-directory backend: one file per key under a root directory, except the chunks
-//! of an upload, which share a pack file (see "Packs" below).
+//! of an upload or a copy between stores, which share a pack file (see "Packs" below).
 //!
 //! Writes go to `<root>/.tmp/<unique>`, are fsynced (and, when the caller gives the expected
 //! sha256, hashed and checked), then published: `put_if_absent` with `link(2)` (fails on an
@@ -100,9 +100,10 @@
 //! unchanged** (no migration). Open pack files are cached (at most 64). A pack deleted under
 //! a reader: rescan and retry once, then the loose file, then `NotFound`.
 //!
-//! **Other writes.** `put_if_absent` and `put_file_if_absent` of a packed chunk report
-//! `AlreadyExists`; otherwise they write a loose file as before (so a pull, which copies
-//! chunk by chunk, still makes one file per chunk: packs for pulls are a later slice). `put`
+//! **Other writes.** A copy between stores (`kiln store pull`, a push to a local store:
+//! [`crate::copy`]) stages its chunks into one batch as an upload does, so it makes one pack.
+//! `put_if_absent` and `put_file_if_absent` of a packed chunk report `AlreadyExists`;
+//! otherwise they write a loose file as before. `put`
 //! of a chunk key writes a loose file and then deletes a packed entry (an overwrite). A chunk
 //! both loose and packed (two racing writers) is harmless: reads take the pack, a listing
 //! shows it once (with the later mtime), `delete` and `rename` remove both.
