@@ -172,8 +172,14 @@ impl Applier {
     /// walks to its parent first (replacing the remembered walk unless it is the same), and
     /// then changes only names in that parent or below it (a removal, a replacement, a
     /// directory's owner and mode), never a directory or symlink on the way to it: the way
-    /// to a directory never passes below it. A walk that failed or found a directory
-    /// missing is not remembered.
+    /// to a directory never passes below it. That holds only for a walk that followed no
+    /// symlink, so only such a walk is remembered (its resolved path is `comps` itself). A
+    /// walk through a symlink may end above a component it went through (`a -> .` makes
+    /// `a/x`'s parent the root, where `a` itself lives): the entry `a/a` then replaces the
+    /// symlink `a` with a file, and the next entry `a/.wh.b` must find `a` no directory,
+    /// as a new walk does (found by the `layer_tree_equivalence` fuzz target, where the
+    /// flattener refused that whiteout and the apply, reusing the walk, took it). A walk
+    /// that failed or found a directory missing is not remembered either.
     fn walk_resolved(
         &self,
         comps: &[Vec<u8>],
@@ -193,7 +199,7 @@ impl Applier {
                     return Ok(None);
                 };
                 let fd = Rc::new(fd);
-                *self.last_walk.borrow_mut() = Some(LastWalk {
+                *self.last_walk.borrow_mut() = (path == comps).then(|| LastWalk {
                     comps: comps.to_vec(),
                     reached: (fd.clone(), path.clone()),
                 });

@@ -316,6 +316,32 @@ fn absolute_symlink_targets_stay_inside_root() {
     sb.assert_untouched("absolute symlink");
 }
 
+/// A walk through a symlink that ends above a component it went through is not reused for
+/// the next entry in the "same" directory: `a -> .` makes `a/a`'s parent the root, where
+/// that entry replaces the symlink `a` with a file, so `a/.wh.b` has no directory to go
+/// to. The flattener refuses it, and so must the apply (the `layer_tree_equivalence` fuzz
+/// target's input `AfABAAAAAAAAPQl6AAQJBQQJAYEPLgo=`: the apply, reusing the walk, took it
+/// and whited out the root's `b`).
+#[test]
+fn a_walk_through_a_symlink_is_not_reused_after_the_entry_replaced_it() {
+    let sb = Sandbox::new();
+    let t = tar_of(vec![
+        E::Dir(b"b"),
+        E::Dir(b"a"),
+        E::Sym(b"a", b"."),
+        E::File(b"a/a", b"replaces the symlink a"),
+        E::File(b"a/.wh.b", b""),
+    ]);
+    match sb.apply(&t) {
+        Err(LayerError::NotADirectory { entry, .. }) => assert_eq!(entry, "a/.wh.b"),
+        other => panic!("expected a/.wh.b to find no directory, got {other:?}"),
+    }
+    let r = sb.root();
+    assert!(r.join("a").is_file(), "a/a replaced the symlink a");
+    assert!(r.join("b").is_dir(), "the root's b is not whited out");
+    sb.assert_untouched("a walk through a replaced symlink");
+}
+
 /// Issue 17, case 3: `umoci insert ROOTFS /` writes the root as an entry named `/`, and
 /// absolute names (and hard-link targets) are read relative to the root, as GNU tar, buildah
 /// and containerd read them; nothing lands outside.
