@@ -1561,8 +1561,12 @@ impl Backend for LocalBackend {
         }
         let _ = self
             .blocking(move |_| {
-                // Each StagedPut removes its temp file as it drops, the batch its pack.
+                // Each StagedPut removes its temp file as it drops. The batch's pack goes
+                // now, even while a stage still running holds the batch.
                 drop(staged);
+                if let Some(p) = &batch.pack {
+                    p.discard();
+                }
                 drop(batch);
                 Ok(())
             })
@@ -1824,6 +1828,46 @@ mod tests {
     }
 
     /// A staged object is invisible (no key, not listed) until its commit; the commit makes
+    /// A discarded batch's temp pack goes at the discard, even while a stage still running
+    /// holds the batch (a failed pull's other chunks on the blocking pool: CI saw the temp
+    /// pack still there when `failed_pull_leaves_nothing` looked), and a stage after the
+    /// discard fails instead of making the file again.
+    #[tokio::test]
+    async fn a_discard_removes_the_temp_pack_while_a_stage_holds_the_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = LocalBackend::open(dir.path()).await.unwrap();
+        let packs_in_tmp = || {
+            fs::read_dir(dir.path().join(TMP_DIR))
+                .unwrap()
+                .filter(|e| {
+                    e.as_ref()
+                        .unwrap()
+                        .file_name()
+                        .to_string_lossy()
+                        .ends_with(".pack")
+                })
+                .count()
+        };
+        let batch = b.stage_batch();
+        let key = chunk_key(&Sha256Hash::of(b"a"));
+        let Staged::Pending(p) = b
+            .stage_if_absent(&batch, &key, Bytes::from_static(b"a"))
+            .await
+            .unwrap()
+        else {
+            panic!("not staged");
+        };
+        assert_eq!(packs_in_tmp(), 1);
+        // What a stage still in flight holds.
+        let in_flight = batch.pack.clone().expect("a local batch has a pack");
+        b.discard_staged(batch, vec![p]).await;
+        assert_eq!(packs_in_tmp(), 0, "the temp pack went at the discard");
+        assert!(in_flight.append(b"late").is_err());
+        drop(in_flight);
+        assert_eq!(packs_in_tmp(), 0, "a late stage made no file");
+        assert!(b.head(&key).await.unwrap().is_none());
+    }
+
     /// it an object, lets an object already at the key win, and leaves no temp file; a
     /// discarded batch leaves nothing at all.
     #[tokio::test]

@@ -165,6 +165,8 @@ pub(crate) struct PackBatch {
     pub(crate) tmp: PathBuf,
     file: Mutex<Option<Arc<File>>>,
     next: AtomicU64,
+    /// Set by [`PackBatch::discard`]: no append makes the file again.
+    discarded: std::sync::atomic::AtomicBool,
 }
 
 impl PackBatch {
@@ -174,6 +176,20 @@ impl PackBatch {
             tmp,
             file: Mutex::new(None),
             next: AtomicU64::new(0),
+            discarded: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Removes the temp pack now, and makes every later [`PackBatch::append`] fail: a failed
+    /// upload's discard must not wait for the last holder of the batch (a stage still
+    /// running on the blocking pool after its upload gave up), and such a stage must not
+    /// make the file again. A stage that got the file before writes into an unlinked inode,
+    /// freed when it closes.
+    pub(crate) fn discard(&self) {
+        let mut g = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        self.discarded.store(true, Ordering::SeqCst);
+        if g.take().is_some() {
+            let _ = fs::remove_file(&self.tmp);
         }
     }
 
@@ -181,6 +197,9 @@ impl PackBatch {
     pub(crate) fn append(&self, data: &[u8]) -> std::io::Result<u64> {
         let f = {
             let mut g = self.file.lock().unwrap_or_else(|p| p.into_inner());
+            if self.discarded.load(Ordering::SeqCst) {
+                return Err(std::io::Error::other("the upload's batch was discarded"));
+            }
             match &*g {
                 Some(f) => f.clone(),
                 None => {
