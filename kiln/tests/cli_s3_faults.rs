@@ -164,6 +164,7 @@ async fn a_hung_s3_server_is_retried_visibly_and_given_up_within_the_bound() {
     assert!(
         [
             "put_if_absent",
+            "stage_if_absent",
             "put_file_if_absent",
             "put",
             "head",
