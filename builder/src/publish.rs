@@ -279,6 +279,27 @@ async fn reusable(
     Ok(Some((d, m)))
 }
 
+/// The blob files of `layers` (bottom first) in the blob cache, as the flattener reads
+/// them: what a publish flattens, and what the pipeline's prescan of a base image scans.
+/// Errors: [`PublishError::MissingBlob`] for a layer the cache lacks.
+pub fn layer_blobs(
+    cache: &dyn BlobCache,
+    layers: &[image::Descriptor],
+) -> Result<Vec<LayerBlob>, PublishError> {
+    layers
+        .iter()
+        .map(|l| {
+            let path = cache
+                .blob_path(&l.digest)?
+                .ok_or(PublishError::MissingBlob(l.digest))?;
+            Ok(LayerBlob {
+                digest: l.digest.to_string(),
+                path,
+            })
+        })
+        .collect()
+}
+
 /// Publishes `image` into `store` and points `tags` at it, reusing the image manifest of an
 /// identical earlier publish when all of it is present (module doc, "Reusing an image").
 ///
@@ -294,16 +315,7 @@ pub async fn publish(
     tags: &[TagRef],
     opts: &PublishOptions,
 ) -> Result<Publication, PublishError> {
-    let mut layers = Vec::with_capacity(image.layers.len());
-    for l in &image.layers {
-        let path = cache
-            .blob_path(&l.digest)?
-            .ok_or(PublishError::MissingBlob(l.digest))?;
-        layers.push(LayerBlob {
-            digest: l.digest.to_string(),
-            path,
-        });
-    }
+    let layers = layer_blobs(cache, &image.layers)?;
     let ext4_opts = Ext4Options {
         disk_mib: opts.disk_mib.or(image.sandbox.disk_mib),
         max_mib: opts.max_mib.unwrap_or(ext4::DEFAULT_MAX_MIB),

@@ -732,14 +732,7 @@ fn prescan_base(
     digest: &BlobDigest,
 ) -> Option<kiln_builder::ext4::Prescan> {
     let m = kiln_builder::base::manifest(setup.cache.as_ref(), digest).ok()?;
-    let mut layers = Vec::with_capacity(m.layers.len());
-    for l in &m.layers {
-        let path = setup.cache.blob_path(&l.digest).ok()??;
-        layers.push(kiln_builder::ext4::LayerBlob {
-            digest: l.digest.to_string(),
-            path,
-        });
-    }
+    let layers = kiln_builder::publish::layer_blobs(setup.cache.as_ref(), &m.layers).ok()?;
     let sde = kiln_builder::build::source_date_epoch(plan).ok()?;
     Some(kiln_builder::ext4::Prescan::start(
         layers,
