@@ -27,8 +27,8 @@
 //!    needed earlier (an implicit parent) is written just before its first child. A regular
 //!    file that replaces a lower layer's regular file (an edited `/etc/passwd`, dpkg's
 //!    status) is written *in place*: at the position of that path's first version, its data
-//!    taken from a spool the scan filled (at most [`SPOOL_FILE_MAX`] per file and
-//!    [`SPOOL_TOTAL_MAX`] in all, in an unlinked temporary file; beyond that, or when the old
+//!    taken from a spool the scan filled (at most [`spool::SPOOL_FILE_MAX`] per file and
+//!    [`spool::SPOOL_TOTAL_MAX`] in all, in an unlinked temporary file; beyond that, or when the old
 //!    inode lives on through a hard link, it is written at its own position). mke2fs lays
 //!    file data out in stream order, so without this one changed file early in the base
 //!    layer shifts every later file by its blocks. Measured (2026-11-30, `measure_chunking`
@@ -55,7 +55,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::io::{self, BufWriter, Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::layer::whiteout::{Created, WhiteoutKind};
 use crate::layer::write::set_sparse;
@@ -66,6 +66,13 @@ use crate::layer::{
 
 use super::{Ext4Error, LayerBlob};
 use crate::rootfs::walk::{Lookup, Tree, Walk, WalkError, walk};
+
+mod keep;
+mod spool;
+
+pub use keep::{KEEP_FREE_DIVISOR, Keep};
+use keep::{Kept, Tee};
+use spool::{Spool, SpoolReader};
 
 /// Names, link targets and xattrs the scan keeps in memory over all layers, bytes (1 GiB;
 /// the Debian base needs about 1 MiB). A hostile image could otherwise fill memory with
@@ -190,146 +197,6 @@ pub struct Flat {
 /// pass it (2 + its subdirectories) has the count 1 instead: the kernel's `ext4_inc_count`
 /// sets it so, and `e2fsck` pass 4 expects it.
 pub const LINK_MAX: u64 = 65_000;
-
-/// Largest file whose data is spooled to be written in place, bytes.
-pub const SPOOL_FILE_MAX: u64 = 16 << 20;
-/// Largest total of spooled data, bytes.
-pub const SPOOL_TOTAL_MAX: u64 = 256 << 20;
-
-/// The data of files that replace a lower layer's file, kept (in an unlinked temporary file)
-/// so they can be written at the position of the file they replace: a changed file then
-/// does not shift every later file of the image by its blocks.
-struct Spool {
-    file: Option<File>,
-    len: u64,
-}
-
-impl Spool {
-    fn put(&mut self, data: &mut impl Read, size: u64) -> io::Result<Option<(u64, u64)>> {
-        if size > SPOOL_FILE_MAX || self.len + size > SPOOL_TOTAL_MAX {
-            return Ok(None);
-        }
-        let f = match &mut self.file {
-            Some(f) => f,
-            None => self.file.insert(tempfile::tempfile()?),
-        };
-        let off = self.len;
-        let n = io::copy(&mut data.take(size), f)?;
-        if n != size {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "file data shorter than its header says",
-            ));
-        }
-        self.len += size;
-        Ok(Some((off, size)))
-    }
-
-    fn reader(&self, (off, len): (u64, u64)) -> SpoolReader<'_> {
-        SpoolReader {
-            file: self.file.as_ref(),
-            off,
-            left: len,
-        }
-    }
-}
-
-struct SpoolReader<'a> {
-    file: Option<&'a File>,
-    off: u64,
-    left: u64,
-}
-
-impl Read for SpoolReader<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        use std::os::unix::fs::FileExt;
-        let Some(f) = self.file else { return Ok(0) };
-        let want = (buf.len() as u64).min(self.left) as usize;
-        if want == 0 {
-            return Ok(0);
-        }
-        let n = f.read_at(&mut buf[..want], self.off)?;
-        self.off += n as u64;
-        self.left -= n as u64;
-        Ok(n)
-    }
-}
-
-/// Where the scan keeps the inflated stream of each compressed layer (gzip, zstd, xz,
-/// bzip2) for pass 2, and how much, so that a publish inflates each layer once: pass 2 reads
-/// the plain tar back instead of inflating the blob again. A plain-tar layer is read from
-/// its blob in both passes. Each copy is an unlinked temporary file (`O_TMPFILE` through
-/// `tempfile::tempfile_in`) in [`Keep::dir`]: nothing is left behind however the build
-/// ends. A copy holds the bytes pass 1's tar reader read, so it is bounded by the same
-/// [`Limits`] (`max_total_bytes` per layer; a layer past them fails the scan).
-#[derive(Debug, Clone)]
-pub struct Keep {
-    /// Directory the copies are made in.
-    pub dir: PathBuf,
-    /// Most bytes kept over all layers. A layer is kept only while the total stays within
-    /// it: the copy of the layer that would pass it is dropped as it grows past the limit
-    /// and pass 2 inflates that layer from its blob; a later, smaller layer may still be
-    /// kept.
-    pub max_bytes: u64,
-}
-
-/// [`Keep::in_dir`] lets the copies take at most 1/`KEEP_FREE_DIVISOR` of the space free
-/// on the scratch file system when the scan starts, leaving the rest for the image, which
-/// holds about as many bytes of data as the layers' streams.
-pub const KEEP_FREE_DIVISOR: u64 = 4;
-
-impl Keep {
-    /// Copies in `dir`, at most a quarter ([`KEEP_FREE_DIVISOR`]) of the bytes available
-    /// to unprivileged writers on its file system now (`statvfs`: `f_bavail × f_frsize`,
-    /// what `df` calls available). `statvfs` failing keeps nothing.
-    pub fn in_dir(dir: &Path) -> Keep {
-        let free = rustix::fs::statvfs(dir)
-            .map(|s| s.f_bavail.saturating_mul(s.f_frsize))
-            .unwrap_or(0);
-        Keep {
-            dir: dir.to_path_buf(),
-            max_bytes: free / KEEP_FREE_DIVISOR,
-        }
-    }
-}
-
-/// One layer's kept inflated stream ([`Keep`]): `len` bytes of plain tar.
-struct Kept {
-    file: File,
-    len: u64,
-}
-
-/// Copies what a layer's reader reads into a file ([`Keep`]) while the copy stays within
-/// `max` bytes; past it, or on a failed write, the copy is dropped (the scan goes on).
-struct Tee<R> {
-    inner: R,
-    out: Option<BufWriter<File>>,
-    n: u64,
-    max: u64,
-}
-
-impl<R: Read> Read for Tee<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        if let Some(w) = &mut self.out {
-            if self.n + n as u64 > self.max || w.write_all(&buf[..n]).is_err() {
-                // Not flushed: the unlinked file goes with what it holds.
-                drop(self.out.take().map(BufWriter::into_parts));
-            } else {
-                self.n += n as u64;
-            }
-        }
-        Ok(n)
-    }
-}
-
-impl<R> Tee<R> {
-    /// The copy, when it was kept whole and flushed.
-    fn finish(self) -> Option<Kept> {
-        let file = self.out?.into_inner().ok()?;
-        Some(Kept { file, len: self.n })
-    }
-}
 
 /// One entry as read in the scan.
 struct Scanned {
