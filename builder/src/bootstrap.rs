@@ -335,7 +335,7 @@ pub async fn bootstrap(
             "size": config_bytes.len(),
         },
         "layers": [{
-            "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+            "mediaType": written.media_type,
             "digest": written.digest.to_string(),
             "size": written.size,
         }],

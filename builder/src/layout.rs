@@ -24,6 +24,7 @@ use kiln_store::BlobDigest;
 
 use crate::cache::{BlobCache, CacheError};
 use crate::image::{AnyManifest, Descriptor, ImageError, OCI_MANIFEST, Platform};
+pub use crate::oci_compat::LayerCompression;
 
 /// The annotation that names a tag in `index.json`.
 pub const REF_NAME: &str = "org.opencontainers.image.ref.name";
@@ -73,6 +74,9 @@ pub enum LayoutError {
     /// A cache problem.
     #[error(transparent)]
     Cache(#[from] CacheError),
+    /// A zstd layer could not be gzipped for the layout.
+    #[error(transparent)]
+    Compat(#[from] crate::oci_compat::CompatError),
 }
 
 /// An image in an OCI layout directory, as skopeo and umoci name it: `oci:DIR[:TAG]`
@@ -340,20 +344,23 @@ fn copy_in(dir: &Path, d: &Descriptor, cache: &dyn BlobCache) -> Result<(), Layo
 }
 
 /// Writes the image with manifest `digest` from `cache` into the layout at `dir` (created if
-/// needed) under `tag`.
+/// needed) under `tag`; with [`LayerCompression::Gzip`], its zstd layers gzipped for
+/// consumers that read no zstd ([`crate::oci_compat`]). Returns the digest of the manifest
+/// written: `digest` itself when no layer changed.
 pub fn export(
     cache: &dyn BlobCache,
     digest: &BlobDigest,
     dir: &Path,
     tag: &str,
-) -> Result<(), LayoutError> {
+    layers: LayerCompression,
+) -> Result<BlobDigest, LayoutError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| LayoutError::Io { path, source }
     };
     let blobs = dir.join("blobs/sha256");
     fs::create_dir_all(&blobs).map_err(io(&blobs))?;
-    for d in [dir.join("blobs"), blobs] {
+    for d in [dir.join("blobs"), blobs.clone()] {
         if !fs::symlink_metadata(&d).map_err(io(&d))?.is_dir() {
             return Err(LayoutError::Format {
                 dir: dir.to_path_buf(),
@@ -370,15 +377,33 @@ pub fn export(
             dir: dir.to_path_buf(),
             reason: format!("manifest {digest} is not in the local store"),
         })?;
-    let AnyManifest::Image(m) = AnyManifest::parse(&bytes, digest)? else {
+    let AnyManifest::Image(_) = AnyManifest::parse(&bytes, digest)? else {
         return Err(LayoutError::NoImage {
             dir: dir.to_path_buf(),
             reason: format!("{digest} is an index, not an image manifest"),
         });
     };
+    let gzip = match layers {
+        LayerCompression::Gzip => {
+            crate::oci_compat::with_gzip_layers(cache, &bytes, digest, &blobs)?
+        }
+        LayerCompression::AsBuilt => None,
+    };
+    let (bytes, digest, mut gzipped) = match gzip {
+        Some(g) => (g.manifest, g.digest, g.layers),
+        None => (bytes, *digest, Vec::new()),
+    };
+    let digest = &digest;
+    let AnyManifest::Image(m) = AnyManifest::parse(&bytes, digest)? else {
+        unreachable!("the layers of an image manifest were gzipped");
+    };
     for d in std::iter::once(&m.config).chain(&m.layers) {
         let dst = blob_path(dir, &d.digest);
         if fs::symlink_metadata(&dst).is_ok_and(|m| m.is_file()) {
+            continue;
+        }
+        if let Some(g) = gzipped.iter_mut().find(|g| g.digest == d.digest) {
+            write_replacing(&dst, |out| std::io::copy(&mut g.file, out).map(|_| ()))?;
             continue;
         }
         let src = cache
@@ -416,7 +441,8 @@ pub fn export(
         json!({ "schemaVersion": 2, "mediaType": crate::image::OCI_INDEX, "manifests": entries });
     // A JSON value always serializes.
     let body = serde_json::to_vec(&index).expect("JSON values serialize");
-    write_replacing(&dir.join("index.json"), |f| f.write_all(&body))
+    write_replacing(&dir.join("index.json"), |f| f.write_all(&body))?;
+    Ok(*digest)
 }
 
 #[cfg(test)]
@@ -559,7 +585,7 @@ mod tests {
         ] {
             std::os::unix::fs::symlink(&victim, p).unwrap();
         }
-        export(&cache, &md, &out, "t").unwrap();
+        export(&cache, &md, &out, "t", LayerCompression::Gzip).unwrap();
         assert_eq!(fs::read(&victim).unwrap(), b"keep");
         let c2 = LocalCache::open(&tmp.path().join("cache2")).unwrap();
         assert_eq!(import_t(&out, &c2).unwrap(), md);
@@ -569,7 +595,7 @@ mod tests {
         let elsewhere = tmp.path().join("elsewhere");
         fs::create_dir_all(elsewhere.join("sha256")).unwrap();
         std::os::unix::fs::symlink(&elsewhere, out2.join("blobs")).unwrap();
-        assert!(export(&cache, &md, &out2, "t").is_err());
+        assert!(export(&cache, &md, &out2, "t", LayerCompression::Gzip).is_err());
         assert_eq!(fs::read_dir(elsewhere.join("sha256")).unwrap().count(), 0);
     }
 

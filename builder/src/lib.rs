@@ -38,6 +38,7 @@ pub mod front;
 pub mod image;
 pub mod layer;
 pub mod layout;
+pub mod oci_compat;
 pub mod publish;
 pub mod reference;
 pub mod registry;

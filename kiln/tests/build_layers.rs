@@ -152,12 +152,20 @@ fn write_layout(dir: &Path, layers: &[Vec<u8>], tag: &str) {
 }
 
 /// The layer digests of store tag `tag` of `dir`'s store, bottom first (through
-/// `kiln export --format oci`).
+/// `kiln export --format oci --layer-compression as-built`: the layers as the image has them).
 fn image_layers(dir: &Path, tag: &str) -> Vec<String> {
     let out = dir.join(format!("export-{}", tag.replace(':', "-")));
     kiln_tests::run_ok(
         kiln_in(env!("CARGO_BIN_EXE_kiln"), dir)
-            .args(["export", tag, "--format", "oci", "-o"])
+            .args([
+                "export",
+                tag,
+                "--format",
+                "oci",
+                "--layer-compression",
+                "as-built",
+                "-o",
+            ])
             .arg(&out),
     );
     let json = |p: &Path| -> serde_json::Value {

@@ -403,7 +403,8 @@ fn offline_from_oci_layout_and_export() {
     // Export to a new layout that skopeo reads, then push it and pull it back by digest.
     let out = tempfile::tempdir().expect("tempdir");
     let dir = out.path().join("layout");
-    kiln_builder::layout::export(&cache, &digest, &dir, "exported").expect("export");
+    kiln_builder::layout::export(&cache, &digest, &dir, "exported", Default::default())
+        .expect("export");
     let inspect = Command::new("skopeo")
         .args(["inspect", &format!("oci:{}:exported", dir.display())])
         .output()
@@ -419,7 +420,12 @@ fn offline_from_oci_layout_and_export() {
     assert_eq!(d2, digest);
     let dst = format!("{registry_host}/kiln-test/pushed:exported");
     let pushed = rt
-        .block_on(reg.push(&cache, &digest, &dst.parse().expect("ref")))
+        .block_on(reg.push(
+            &cache,
+            &digest,
+            &dst.parse().expect("ref"),
+            Default::default(),
+        ))
         .expect("push");
     assert_eq!(pushed, digest);
     let (_d3, back) = store();
@@ -753,8 +759,13 @@ fn registry_layer_of_zeros_applies() {
     let compressed: u64 = m.layers.iter().map(|l| l.size).sum();
     assert!(compressed < 8 << 20, "layers are {compressed} bytes");
     let dst = format!("{registry_host}/kiln-test/zeros:256m");
-    rt.block_on(reg.push(&cache, &digest, &dst.parse().expect("ref")))
-        .expect("push");
+    rt.block_on(reg.push(
+        &cache,
+        &digest,
+        &dst.parse().expect("ref"),
+        Default::default(),
+    ))
+    .expect("push");
     let (_d2, fresh) = store();
     let (pulled, src) = rt
         .block_on(base::resolve(&dst, PullPolicy::Always, &reg, &fresh))

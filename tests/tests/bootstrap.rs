@@ -55,7 +55,14 @@ fn debootstrap_minbase_is_cached_by_inputs() {
     );
     // An ordinary OCI image: umoci reads it from an exported layout.
     let layout = t.path().join("layout");
-    kiln_builder::layout::export(&cache, &first.digest, &layout, "bookworm").expect("export");
+    kiln_builder::layout::export(
+        &cache,
+        &first.digest,
+        &layout,
+        "bookworm",
+        Default::default(),
+    )
+    .expect("export");
     let out = Command::new("umoci")
         .args([
             "unpack",

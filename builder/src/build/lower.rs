@@ -756,7 +756,7 @@ mod tests {
         let mut out = Vec::new();
         crate::layer::write::write_upper_layer(&d, &mut out, None).unwrap();
         let mut names = Vec::new();
-        let mut a = tar::Archive::new(flate2::read::GzDecoder::new(&out[..]));
+        let mut a = tar::Archive::new(decompressed(io::Cursor::new(out.clone())).unwrap());
         for e in a.entries().unwrap() {
             let mut e = e.unwrap();
             names.push(String::from_utf8(e.path_bytes().into_owned()).unwrap());
@@ -787,10 +787,11 @@ mod tests {
             ]
         );
         // The diff_id is the sha256 of the uncompressed tar.
-        let p = t.path().join("l.tgz");
+        let p = t.path().join("l.tar.zst");
         fs::write(&p, &out).unwrap();
         let mut raw = Vec::new();
-        flate2::read::GzDecoder::new(&out[..])
+        decompressed(io::Cursor::new(out.clone()))
+            .unwrap()
             .read_to_end(&mut raw)
             .unwrap();
         assert_eq!(diff_id_of(&p).unwrap(), crate::cache::digest_of(&raw));

@@ -101,6 +101,11 @@ pub fn clean_up_dead_builds(work_dir: &Path, cgroup_parent: &str) -> DeadBuilds 
 pub const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
 /// OCI gzip layer media type (`media-types.md`).
 pub const OCI_LAYER_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+/// OCI zstd layer media type (`media-types.md`, image spec v1.1): what a build writes its
+/// layers as ([`crate::layer::write`]).
+pub const OCI_LAYER_ZSTD: &str = "application/vnd.oci.image.layer.v1.tar+zstd";
+/// OCI uncompressed layer media type (`media-types.md`).
+pub const OCI_LAYER_TAR: &str = "application/vnd.oci.image.layer.v1.tar";
 /// The hostname written into `/etc/hostname` by the sandbox preparation layer.
 pub const SANDBOX_HOSTNAME: &str = "runtime-guest";
 /// The history `created_by` of the sandbox preparation layer.

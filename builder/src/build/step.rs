@@ -83,7 +83,7 @@ pub(super) async fn commit_upper(ctx: &Arc<Ctx>, mut s: Scratch) -> Result<Layer
         c.dirs.adopt(&upper, &w.digest)?;
         Ok(LayerRef {
             desc: Descriptor {
-                media_type: OCI_LAYER_GZIP.into(),
+                media_type: w.media_type.into(),
                 digest: w.digest,
                 size: w.size,
                 platform: None,

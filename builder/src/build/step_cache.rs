@@ -176,6 +176,18 @@ pub(super) async fn lookup(ctx: &Ctx, key: &str) -> Result<Option<LayerRef>, Bui
         return Ok(None);
     };
     let size = fs::metadata(&path).map_err(io_err("reading", &path))?.len();
+    // The layer's media type from its first bytes: an entry written before layers were zstd
+    // (issue 34) names a gzip layer, and is used as it is.
+    let mut head = [0u8; 6];
+    let n = {
+        use std::io::Read as _;
+        let mut f = fs::File::open(&path).map_err(io_err("reading", &path))?;
+        f.read(&mut head).map_err(io_err("reading", &path))?
+    };
+    let Some(media_type) = crate::layer::Compression::sniff(&head[..n]).oci_layer_media_type()
+    else {
+        return Ok(None);
+    };
     let diff_path = ctx.opts.work_dir.join("diffids").join(entry.layer.hex());
     // A record that does not read as a digest is made again from the blob.
     let recorded = fs::read_to_string(&diff_path)
@@ -195,7 +207,7 @@ pub(super) async fn lookup(ctx: &Ctx, key: &str) -> Result<Option<LayerRef>, Bui
     };
     Ok(Some(LayerRef {
         desc: Descriptor {
-            media_type: OCI_LAYER_GZIP.into(),
+            media_type: media_type.into(),
             digest,
             size,
             platform: None,

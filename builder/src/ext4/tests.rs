@@ -1425,10 +1425,11 @@ fn a_user_xattr_on_a_symlink_is_dropped_by_both() {
     );
 }
 
-/// The length of a gzip blob's inflated stream.
+/// The length of a layer blob's decompressed stream.
 fn inflated_len(blob: &LayerBlob) -> u64 {
     let f = std::fs::File::open(&blob.path).unwrap();
-    std::io::copy(&mut flate2::read::GzDecoder::new(f), &mut std::io::sink()).unwrap()
+    let mut r = crate::build::lower::decompressed(f).unwrap();
+    std::io::copy(&mut r, &mut std::io::sink()).unwrap()
 }
 
 #[test]

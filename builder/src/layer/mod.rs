@@ -409,6 +409,17 @@ impl Compression {
         }
     }
 
+    /// The OCI layer media type of a layer compressed so (`media-types.md`): `None` for xz
+    /// and bzip2, which have none.
+    pub fn oci_layer_media_type(self) -> Option<&'static str> {
+        match self {
+            Compression::None => Some(crate::build::OCI_LAYER_TAR),
+            Compression::Gzip => Some(crate::build::OCI_LAYER_GZIP),
+            Compression::Zstd => Some(crate::build::OCI_LAYER_ZSTD),
+            Compression::Xz | Compression::Bzip2 => None,
+        }
+    }
+
     /// The decompressed stream of `raw` (concatenated gzip, xz and bzip2 members are read
     /// through, as `gzip -d`, `xz -d` and `bzip2 -d` do). The one place that maps a
     /// [`Compression`] to a decoder: layer apply, the entry reader and `ADD`'s archive test

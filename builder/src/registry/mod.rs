@@ -29,6 +29,7 @@ use kiln_store::BlobDigest;
 
 use crate::cache::{BlobCache, CacheError};
 use crate::image::{AnyManifest, ImageError, MANIFEST_TYPES, Manifest, Platform};
+use crate::oci_compat::LayerCompression;
 use crate::reference::Reference;
 
 pub use auth::Credentials;
@@ -128,6 +129,9 @@ pub enum RegistryError {
     /// Something needed is not cached and the operation is offline.
     #[error("{0} is not in the store and --offline forbids asking a registry")]
     Offline(String),
+    /// A zstd layer could not be gzipped for the push.
+    #[error(transparent)]
+    Compat(#[from] crate::oci_compat::CompatError),
     /// An index nests too deeply.
     #[error("{0}: indexes nested more than 4 levels")]
     NestedIndex(String),
@@ -649,13 +653,16 @@ impl Registry {
     }
 
     /// Pushes an image from the cache (manifest `digest`) to `dst`, blobs first (skipping
-    /// those the registry has), then the manifest's raw bytes, so its digest is unchanged.
-    /// Returns the manifest digest.
+    /// those the registry has), then the manifest's raw bytes, so its digest is unchanged;
+    /// unless, with [`LayerCompression::Gzip`], it has zstd layers (a kiln build's), which
+    /// are pushed gzipped, under a manifest of their own, for consumers that read no zstd
+    /// ([`crate::oci_compat`]). Returns the digest of the manifest pushed.
     pub async fn push(
         &self,
         cache: &dyn BlobCache,
         digest: &BlobDigest,
         dst: &Reference,
+        layers: LayerCompression,
     ) -> Result<BlobDigest, RegistryError> {
         let client = self.client_for(dst);
         let auth = self.auth_for(dst)?;
@@ -670,10 +677,25 @@ impl Registry {
         let bytes = cache
             .read_blob(digest)?
             .ok_or_else(|| RegistryError::Offline(digest.to_string()))?;
-        let AnyManifest::Image(m) = AnyManifest::parse(&bytes, digest)? else {
+        let AnyManifest::Image(_) = AnyManifest::parse(&bytes, digest)? else {
             return Err(RegistryError::Offline(format!(
                 "{digest} (an index; push a platform manifest)"
             )));
+        };
+        let tmp = std::env::temp_dir();
+        let gzip = match layers {
+            LayerCompression::Gzip => {
+                crate::oci_compat::with_gzip_layers(cache, &bytes, digest, &tmp)?
+            }
+            LayerCompression::AsBuilt => None,
+        };
+        let (bytes, digest, mut gzipped) = match gzip {
+            Some(g) => (g.manifest, g.digest, g.layers),
+            None => (bytes, *digest, Vec::new()),
+        };
+        let digest = &digest;
+        let AnyManifest::Image(m) = AnyManifest::parse(&bytes, digest)? else {
+            unreachable!("the layers of an image manifest were gzipped");
         };
         let media_type = m
             .media_type
@@ -688,9 +710,22 @@ impl Registry {
             {
                 continue;
             }
-            let data = cache
-                .read_blob(&d.digest)?
-                .ok_or_else(|| RegistryError::Offline(digest_str.clone()))?;
+            let data = match gzipped.iter_mut().find(|g| g.digest == d.digest) {
+                Some(g) => {
+                    let mut data = Vec::with_capacity(g.size as usize);
+                    std::io::Read::read_to_end(&mut g.file, &mut data).map_err(|source| {
+                        crate::oci_compat::CompatError::Io {
+                            digest: g.from,
+                            dir: tmp.clone(),
+                            source,
+                        }
+                    })?;
+                    data
+                }
+                None => cache
+                    .read_blob(&d.digest)?
+                    .ok_or_else(|| RegistryError::Offline(digest_str.clone()))?,
+            };
             client
                 .push_blob(&oref, data, &digest_str)
                 .await

@@ -31,6 +31,10 @@ pub struct Args {
     /// Tag inside the layout (default: the reference's tag, else latest).
     #[arg(long)]
     pub tag: Option<String>,
+    /// How the layers are written (oci): `gzip` (the default) gzips the zstd layers a kiln
+    /// build writes, under a manifest of their own; `as-built` writes the image as it is.
+    #[arg(long, value_enum, default_value = "gzip")]
+    pub layer_compression: super::flags::LayerCompressionArg,
     #[command(flatten)]
     pub opts: ImageOpts,
 }
@@ -56,8 +60,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .unwrap_or("latest")
             .to_string(),
     };
-    layout::export(cache, &digest, &a.output, &tag)?;
-    println!("{digest}");
+    // The digest written: the image's own, or that of its zstd layers gzipped.
+    let written = layout::export(cache, &digest, &a.output, &tag, a.layer_compression.into())?;
+    println!("{written}");
     Ok(())
 }
 

@@ -292,3 +292,25 @@ mod tests {
         }
     }
 }
+
+/// `--layer-compression`: how an image's layers leave kiln (`kiln export --format oci`,
+/// `kiln push`).
+#[derive(Debug, Clone, Copy, Default, clap::ValueEnum)]
+pub enum LayerCompressionArg {
+    /// zstd layers (what kiln builds write) gzipped, under a manifest of their own: what
+    /// every OCI consumer reads (umoci 0.4 and Docker before 23 read no zstd).
+    #[default]
+    Gzip,
+    /// The layers as the image has them, under the manifest digest the build reported: for
+    /// consumers that read zstd (Docker 23+, containerd 1.5+, podman, skopeo).
+    AsBuilt,
+}
+
+impl From<LayerCompressionArg> for kiln_builder::layout::LayerCompression {
+    fn from(a: LayerCompressionArg) -> Self {
+        match a {
+            LayerCompressionArg::Gzip => Self::Gzip,
+            LayerCompressionArg::AsBuilt => Self::AsBuilt,
+        }
+    }
+}

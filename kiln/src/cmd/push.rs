@@ -13,11 +13,15 @@ pub struct Args {
     pub name: String,
     /// Where to push it (registry/repo:tag).
     pub reference: String,
+    /// How its layers are pushed: `gzip` (the default) gzips the zstd layers a kiln build
+    /// writes, under a manifest of their own; `as-built` pushes the image as it is.
+    #[arg(long, value_enum, default_value = "gzip")]
+    pub layer_compression: super::flags::LayerCompressionArg,
     #[command(flatten)]
     pub opts: ImageOpts,
 }
 
-/// Runs `kiln push`; prints the pushed manifest digest.
+/// Runs `kiln push`; prints the digest of the manifest pushed.
 pub fn run(a: Args) -> anyhow::Result<()> {
     let dst: Reference = a.reference.parse()?;
     let reg = a.opts.registry()?;
@@ -26,7 +30,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         s.fetch(&a.name).await?;
         let digest = base::lookup(&a.name, &s.cache)?
             .with_context(|| format!("{} is not in the store {}", a.name, s.store.url()))?;
-        anyhow::Ok(reg.push(&s.cache, &digest, &dst).await?)
+        anyhow::Ok(
+            reg.push(&s.cache, &digest, &dst, a.layer_compression.into())
+                .await?,
+        )
     })?;
     println!("{d}");
     Ok(())
