@@ -122,6 +122,43 @@ fn build_tag_export_skopeo_umoci() {
     );
     assert!(!bundle.join("rootfs/bin/vi").exists());
     assert!(bundle.join("rootfs/app").is_dir());
+
+    // A push gzips the layers as the export did (the same manifest, so the same digest);
+    // with --layer-compression as-built it pushes the build's own manifest.
+    let registry = require_env("KILN_TEST_REGISTRY");
+    let repo = format!("{registry}/kiln-test/cli-{}", std::process::id());
+    for (how, want) in [("gzip", exported), ("as-built", oci.as_str())] {
+        let out = kiln_tests::run_ok(
+            kiln(&store)
+                .args([
+                    "push",
+                    "demo:1",
+                    &format!("{repo}:{how}"),
+                    "--layer-compression",
+                ])
+                .arg(how),
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            want,
+            "kiln push --layer-compression {how}"
+        );
+        let out = Command::new("skopeo")
+            .args([
+                "inspect",
+                "--tls-verify=false",
+                &format!("docker://{repo}:{how}"),
+            ])
+            .output()
+            .expect("skopeo");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+        assert_eq!(v["Digest"], want, "the registry's digest after push {how}");
+    }
     assert_eq!(
         std::fs::read_to_string(bundle.join("rootfs/etc/hostname")).expect("hostname"),
         "runtime-guest\n"
