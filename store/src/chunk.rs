@@ -424,9 +424,10 @@ pub fn split<R: Read + Send + 'static>(
 /// [`split`] with content-defined cuts found on [`cdc_threads`] threads: the same chunks
 /// (same offsets and bytes, hence the same digests; see [`cdc_cuts`] for why), but data is
 /// read a batch of `T × CDC_SEGMENT` bytes ahead before its chunks come out, so use it for
-/// inputs whose reads do not stall (files). Memory for [`Chunking::Cdc`]: at most about
-/// `2 × T × CDC_SEGMENT` bytes (the batch being cut in `buf`, plus its chunks not yet taken),
-/// where `T` is the cutting threads: 32 MiB on a 2-core machine, 64 MiB at most.
+/// inputs whose reads do not stall (files). Memory for [`Chunking::Cdc`]: the batch, at most
+/// `T × CDC_SEGMENT + 2 × max + 4 KiB` bytes, where `T` is the cutting threads (16.5 MiB on a
+/// 2-core machine with [`Chunking::DISK_DEFAULT`], 32.5 MiB at most), plus the chunks the
+/// caller holds (each is copied out as it is taken).
 /// [`Chunking::Fixed`] is cut as by [`split`].
 pub fn split_parallel<R: Read + Send + 'static>(
     input: R,
@@ -602,8 +603,9 @@ fn cdc_cuts(cutter: &Cutter, data: &[u8], all: bool, segment: usize, threads: us
 /// plus one block). With more, data is collected until `segment × threads + max` bytes wait
 /// (or a zero run or the input's end ends the run of data) and then cut by [`cdc_cuts`] on
 /// `threads` threads; the cuts are those of cutting one chunk at a time, since a cut never
-/// looks more than `max` bytes ahead. Memory: the batch (under `segment × threads + 2 × max
-/// + ZERO_BLOCK` bytes in `buf`) and its chunks in `out` until taken.
+/// looks more than `max` bytes ahead. Memory: the batch, under `segment × threads + 2 × max
+/// + ZERO_BLOCK` bytes in `buf`, kept until its last chunk is taken; each chunk is copied
+/// out as it is taken.
 struct CdcSplit<R> {
     input: R,
     cutter: Cutter,
@@ -615,8 +617,17 @@ struct CdcSplit<R> {
     offset: u64,
     /// Zero bytes read after `buf`, in whole blocks, not yet placed.
     zeros: usize,
-    out: std::collections::VecDeque<RawChunk>,
+    /// Chunks cut and not yet taken, in order.
+    out: std::collections::VecDeque<Pending>,
     done: bool,
+}
+
+/// A chunk [`CdcSplit`] has cut and not yet given out.
+enum Pending {
+    /// A zero chunk.
+    Ready(RawChunk),
+    /// Data at `buf[at..at + len]`, `offset` in the input; `buf` keeps it until taken.
+    Data { offset: u64, at: usize, len: usize },
 }
 
 impl<R: Read> CdcSplit<R> {
@@ -634,19 +645,25 @@ impl<R: Read> CdcSplit<R> {
         }
         let rest = &self.buf[self.start..];
         let cuts = cdc_cuts(&self.cutter, rest, all, self.segment, self.threads);
+        // Chunks are copied out of `buf` as they are taken (Pending::Data), so a batch's
+        // chunks are not all held twice.
         for w in cuts.windows(2) {
-            self.out.push_back(RawChunk {
+            self.out.push_back(Pending::Data {
                 offset: self.offset + w[0] as u64,
-                data: rest[w[0]..w[1]].to_vec(),
+                at: self.start + w[0],
+                len: w[1] - w[0],
             });
         }
         // `cuts` is never empty: it starts with 0.
         let n = cuts[cuts.len() - 1];
         self.offset += n as u64;
         self.start += n;
-        // The cut part is dropped once it reaches `max` bytes, so what is left (under `max`
-        // bytes) moves about once per `max` bytes cut (once per batch) rather than once per
-        // chunk.
+    }
+
+    /// Drops the cut part of `buf` once nothing in `out` points into it and it has reached
+    /// `max` bytes, so what is left (under `max` bytes) moves about once per `max` bytes cut
+    /// (once per batch) rather than once per chunk.
+    fn compact(&mut self) {
         if self.start == self.buf.len() {
             self.buf.clear();
             self.start = 0;
@@ -660,10 +677,10 @@ impl<R: Read> CdcSplit<R> {
     fn zero_chunks(&mut self, mut n: usize) {
         while n > 0 {
             let k = n.min(self.cutter.max);
-            self.out.push_back(RawChunk {
+            self.out.push_back(Pending::Ready(RawChunk {
                 offset: self.offset,
                 data: vec![0; k],
-            });
+            }));
             self.offset += k as u64;
             n -= k;
         }
@@ -702,12 +719,20 @@ impl<R: Read> Iterator for CdcSplit<R> {
     fn next(&mut self) -> Option<Self::Item> {
         let mut block = [0u8; ZERO_BLOCK];
         loop {
-            if let Some(c) = self.out.pop_front() {
-                return Some(Ok(c));
+            match self.out.pop_front() {
+                Some(Pending::Ready(c)) => return Some(Ok(c)),
+                Some(Pending::Data { offset, at, len }) => {
+                    return Some(Ok(RawChunk {
+                        offset,
+                        data: self.buf[at..at + len].to_vec(),
+                    }));
+                }
+                None => {}
             }
             if self.done {
                 return None;
             }
+            self.compact();
             let n = match self.read_block(&mut block) {
                 Ok(n) => n,
                 Err(e) => {
