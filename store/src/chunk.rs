@@ -477,7 +477,7 @@ fn split_with<R: Read + Send + 'static>(
                 cutter,
                 segment,
                 threads,
-                buf: Vec::with_capacity(segment * threads + 2 * cutter.max + ZERO_BLOCK),
+                buf: Vec::with_capacity(batch(segment, threads) + 2 * cutter.max + ZERO_BLOCK),
                 start: 0,
                 offset: 0,
                 zeros: 0,
@@ -486,6 +486,12 @@ fn split_with<R: Read + Send + 'static>(
             })
         }
     })
+}
+
+/// Bytes of data [`CdcSplit`] collects (beyond `max`) before cutting: `segment × threads`,
+/// or none with one thread (a chunk is cut as soon as `max` bytes wait).
+fn batch(segment: usize, threads: usize) -> usize {
+    if threads > 1 { segment * threads } else { 0 }
 }
 
 /// The block size zero runs are found in, bytes: the ext4 block and the page.
@@ -603,8 +609,8 @@ fn cdc_cuts(cutter: &Cutter, data: &[u8], all: bool, segment: usize, threads: us
 /// plus one block). With more, data is collected until `segment × threads + max` bytes wait
 /// (or a zero run or the input's end ends the run of data) and then cut by [`cdc_cuts`] on
 /// `threads` threads; the cuts are those of cutting one chunk at a time, since a cut never
-/// looks more than `max` bytes ahead. Memory: the batch, under `segment × threads + 2 × max
-/// + ZERO_BLOCK` bytes in `buf`, kept until its last chunk is taken; each chunk is copied
+/// looks more than `max` bytes ahead. Memory: the batch, kept in `buf` until its last chunk
+/// is taken (under `segment × threads + 2 × max + ZERO_BLOCK` bytes); each chunk is copied
 /// out as it is taken.
 struct CdcSplit<R> {
     input: R,
@@ -635,12 +641,7 @@ impl<R: Read> CdcSplit<R> {
     /// a run of data (`all`); with more than one thread, only once a batch waits.
     fn cut(&mut self, all: bool) {
         let left = self.buf.len() - self.start;
-        let batch = if self.threads > 1 {
-            self.segment * self.threads
-        } else {
-            0
-        };
-        if left == 0 || (!all && left < batch + self.cutter.max) {
+        if left == 0 || (!all && left < batch(self.segment, self.threads) + self.cutter.max) {
             return;
         }
         let rest = &self.buf[self.start..];
