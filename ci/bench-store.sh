@@ -5,8 +5,10 @@
 #   - the single-core limits on that file: `sha256sum` and `zstd -3` MB/s;
 #   - the standard tools one after the other on it, `openssl dgst -sha256 FILE` then
 #     `zstd -3 -T0 FILE` (all cores), against `kiln store import` of it into a new local
-#     store: both times and kiln's speed as a ratio to the tools' (issue 16: >= 1.0);
-#   - import (chunk, hash, compress, write) into a local store and into S3 (moto), MB/s;
+#     store: both times and kiln's speed as a ratio to the tools' (issues 16 and 33: >= 1.0;
+#     kiln finds the FastCDC cuts of a file on up to 4 cores, 8 MiB per core at a time, and
+#     hashes and compresses chunks on all of them);
+#   - import (cut, hash, compress, write) into a local store and into S3 (moto), MB/s;
 #   - `kiln store push` local -> S3 and `kiln store pull` S3 -> a fresh local store, MB/s;
 #   - a second `kiln store push` of the same tag, every object already there: its time and
 #     the objects it checked;

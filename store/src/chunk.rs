@@ -410,10 +410,52 @@ pub struct RawChunk {
     pub data: Vec<u8>,
 }
 
-/// Cuts `input` into raw chunks by `chunking`, streaming (memory: about one max chunk).
+/// Cuts `input` into raw chunks by `chunking`, streaming, one chunk at a time: each chunk
+/// comes out as soon as the bytes that decide it have been read, so an input that stalls
+/// has everything before the stall cut (memory: about one max chunk). For an input whose
+/// reads do not stall, such as a file, [`split_parallel`] gives the same chunks faster.
 pub fn split<R: Read + Send + 'static>(
     input: R,
     chunking: Chunking,
+) -> Result<Box<dyn Iterator<Item = Result<RawChunk, ChunkError>> + Send>, ChunkError> {
+    split_with(input, chunking, CDC_SEGMENT, 1)
+}
+
+/// [`split`] with content-defined cuts found on [`cdc_threads`] threads: the same chunks
+/// (same offsets and bytes, hence the same digests; see [`cdc_cuts`] for why), but data is
+/// read a batch of `T × CDC_SEGMENT` bytes ahead before its chunks come out, so use it for
+/// inputs whose reads do not stall (files). Memory for [`Chunking::Cdc`]: the batch, at most
+/// `T × CDC_SEGMENT + 2 × max + 4 KiB` bytes, where `T` is the cutting threads (16.5 MiB on a
+/// 2-core machine with [`Chunking::DISK_DEFAULT`], 32.5 MiB at most), plus the chunks the
+/// caller holds (each is copied out as it is taken).
+/// [`Chunking::Fixed`] is cut as by [`split`].
+pub fn split_parallel<R: Read + Send + 'static>(
+    input: R,
+    chunking: Chunking,
+) -> Result<Box<dyn Iterator<Item = Result<RawChunk, ChunkError>> + Send>, ChunkError> {
+    split_with(input, chunking, CDC_SEGMENT, cdc_threads())
+}
+
+/// Bytes of data one thread finds content-defined cuts in at a time (8 MiB): a batch is this
+/// many bytes per cutting thread, and each segment but the first costs the stitch a few
+/// chunks cut twice (see [`cdc_cuts`]).
+pub const CDC_SEGMENT: usize = 8 << 20;
+
+/// Threads that cut a batch of content-defined chunks in [`split_parallel`]: the machine's
+/// cores, at most 4 (the batch, and so the memory, grows with them).
+pub fn cdc_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+}
+
+/// [`split`] with the CDC batch shape given: `segment` bytes per thread, `threads` threads;
+/// one thread cuts one chunk at a time as soon as `max` bytes wait (no batch). The chunks
+/// are the same for every `segment >= 1` and `threads >= 1` (the tests compare them); only
+/// speed, memory and how far ahead of its chunks the input is read differ.
+fn split_with<R: Read + Send + 'static>(
+    input: R,
+    chunking: Chunking,
+    segment: usize,
+    threads: usize,
 ) -> Result<Box<dyn Iterator<Item = Result<RawChunk, ChunkError>> + Send>, ChunkError> {
     chunking.validate()?;
     Ok(match chunking {
@@ -423,71 +465,210 @@ pub fn split<R: Read + Send + 'static>(
             offset: 0,
             done: false,
         }),
-        Chunking::Cdc { min, avg, max } => Box::new(CdcSplit {
-            input,
-            min: min as usize,
-            avg: avg as usize,
-            max: max as usize,
-            buf: Vec::with_capacity(2 * max as usize + ZERO_BLOCK),
-            start: 0,
-            offset: 0,
-            zeros: 0,
-            out: std::collections::VecDeque::new(),
-            done: false,
-        }),
+        Chunking::Cdc { min, avg, max } => {
+            let (segment, threads) = (segment.max(1), threads.max(1));
+            let cutter = Cutter {
+                min: min as usize,
+                avg: avg as usize,
+                max: max as usize,
+            };
+            Box::new(CdcSplit {
+                input,
+                cutter,
+                segment,
+                threads,
+                buf: Vec::with_capacity(batch(segment, threads) + 2 * cutter.max + ZERO_BLOCK),
+                start: 0,
+                offset: 0,
+                zeros: 0,
+                out: std::collections::VecDeque::new(),
+                done: false,
+            })
+        }
     })
+}
+
+/// Bytes of data [`CdcSplit`] collects (beyond `max`) before cutting: `segment × threads`,
+/// or none with one thread (a chunk is cut as soon as `max` bytes wait).
+fn batch(segment: usize, threads: usize) -> usize {
+    if threads > 1 { segment * threads } else { 0 }
 }
 
 /// The block size zero runs are found in, bytes: the ext4 block and the page.
 const ZERO_BLOCK: usize = 4096;
+
+/// The content-defined cut rule, the one place it is applied: FastCDC 2020 (`fastcdc`'s
+/// `v2020`, normalization level 1, seed 0) with these bounds in bytes.
+#[derive(Debug, Clone, Copy)]
+struct Cutter {
+    min: usize,
+    avg: usize,
+    max: usize,
+}
+
+impl Cutter {
+    /// Length in bytes of the chunk that starts at `rest[0]`, where `rest` is the data up to
+    /// the end of its run (a zero run or the input's end), or any longer prefix of it than
+    /// `max`: the cut depends only on `rest[..max]` (FastCDC looks at most `max` bytes ahead).
+    /// Never 0 for a non-empty `rest`.
+    fn len(&self, rest: &[u8]) -> usize {
+        let left = rest.len();
+        let (_, n) = fastcdc::v2020::FastCDC::new(rest, self.min, self.avg, self.max).cut(0, left);
+        if n == 0 { left } else { n }
+    }
+
+    /// The chain of cuts in `data` from `from`: `from`, then each next cut, until one at or
+    /// past `until`, or where cutting stops: at the end of `data`, or, unless `all`, where
+    /// fewer than `max` bytes are left (the data that follows may move that cut). Positions
+    /// are offsets in `data`, increasing; the last is where the chain ended.
+    fn chain(&self, data: &[u8], all: bool, from: usize, until: usize) -> Vec<usize> {
+        let mut v = vec![from];
+        let mut p = from;
+        while p < until && !self.stops(data.len(), all, p) {
+            p += self.len(&data[p..]);
+            v.push(p);
+        }
+        v
+    }
+
+    /// True when the chain stops at `p` in data of `len` bytes (see [`Cutter::chain`]).
+    fn stops(&self, len: usize, all: bool, p: usize) -> bool {
+        p == len || (!all && len - p < self.max)
+    }
+}
+
+/// The content-defined cuts of `data` (one run of data: no zero run inside), exactly those of
+/// `cutter.chain(data, all, 0, usize::MAX)`, found with up to `threads` threads over
+/// segments of `segment` bytes.
+///
+/// The argument (the usual one for parallel CDC; e.g. Xia et al. leave it to the caller, and
+/// `ci/bench-store.sh` measures the result): a cut depends only on the bytes from the
+/// previous cut on ([`Cutter::len`]). So the chain from any position is a function of that
+/// position alone, and two chains that share one position share every position after it.
+/// Segment `j`'s candidates are the chain from the segment's start `q_j` to its first
+/// position at or past `q_{j+1}`, found in parallel; the true chain is known through segment
+/// 0, and from its first position `p >= q_j` it is followed one cut at a time until it lands
+/// on one of segment `j`'s candidates, from where it *is* the candidates (through the first
+/// one past the segment). It usually lands within a few chunks (cuts of two chains fall on
+/// the same content once past `min`); where it never does (data without cut points, where
+/// every chunk is `max` long) segment `j` is cut twice, and the result is still exact.
+fn cdc_cuts(cutter: &Cutter, data: &[u8], all: bool, segment: usize, threads: usize) -> Vec<usize> {
+    let segments = data.len().div_ceil(segment);
+    if threads <= 1 || segments <= 1 {
+        return cutter.chain(data, all, 0, usize::MAX);
+    }
+    let bound = |j: usize| (j * segment).min(data.len());
+    // Candidates of segments 1.., spread over threads - 1 helpers while this thread cuts
+    // segment 0 for real.
+    let (mut out, cands) = std::thread::scope(|s| {
+        let helpers: Vec<_> = (0..threads - 1)
+            .map(|w| {
+                s.spawn(move || {
+                    (1..segments)
+                        .filter(|j| (j - 1) % (threads - 1) == w)
+                        .map(|j| (j, cutter.chain(data, all, bound(j), bound(j + 1))))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let out = cutter.chain(data, all, 0, bound(1));
+        let mut cands = vec![Vec::new(); segments];
+        for h in helpers {
+            // A helper panics only if the cut rule does; pass that on.
+            for (j, c) in h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)) {
+                cands[j] = c;
+            }
+        }
+        (out, cands)
+    });
+    for (j, cand) in cands.iter().enumerate().skip(1) {
+        loop {
+            // `out` is never empty: it starts with 0.
+            let p = out[out.len() - 1];
+            if p >= bound(j + 1) || cutter.stops(data.len(), all, p) {
+                break;
+            }
+            if let Ok(i) = cand.binary_search(&p) {
+                out.extend_from_slice(&cand[i + 1..]);
+                break;
+            }
+            out.push(p + cutter.len(&data[p..]));
+        }
+    }
+    out
+}
 
 /// FastCDC over the input's non-zero runs (see [`Chunking::Cdc`]): whole [`ZERO_BLOCK`]s of
 /// zeros, aligned to the input's start, that add up to at least `min` bytes in a row end the
 /// content-defined chunk before them and come out as zero chunks (at most `max` each, which
 /// the table records as holes). Shorter zero runs are data. Between zero runs the cut points
 /// are exactly `fastcdc::v2020::StreamCDC`'s (each cut is chosen from at least `max` bytes
-/// when that many remain). Memory: about one max chunk plus one block.
+/// when that many remain).
+///
+/// With one thread, a chunk is cut as soon as `max` bytes wait (memory: about one max chunk
+/// plus one block). With more, data is collected until `segment × threads + max` bytes wait
+/// (or a zero run or the input's end ends the run of data) and then cut by [`cdc_cuts`] on
+/// `threads` threads; the cuts are those of cutting one chunk at a time, since a cut never
+/// looks more than `max` bytes ahead. Memory: the batch, kept in `buf` until its last chunk
+/// is taken (under `segment × threads + 2 × max + ZERO_BLOCK` bytes); each chunk is copied
+/// out as it is taken.
 struct CdcSplit<R> {
     input: R,
-    min: usize,
-    avg: usize,
-    max: usize,
-    /// Data not yet cut is `buf[start..]`, starting at `offset` in the input; the cut part
-    /// before `start` is dropped once it reaches `max` bytes, so the rest is moved about
-    /// once per `max` bytes cut rather than once per chunk.
+    cutter: Cutter,
+    segment: usize,
+    threads: usize,
+    /// Data not yet cut is `buf[start..]`, starting at `offset` in the input.
     buf: Vec<u8>,
     start: usize,
     offset: u64,
     /// Zero bytes read after `buf`, in whole blocks, not yet placed.
     zeros: usize,
-    out: std::collections::VecDeque<RawChunk>,
+    /// Chunks cut and not yet taken, in order.
+    out: std::collections::VecDeque<Pending>,
     done: bool,
 }
 
+/// A chunk [`CdcSplit`] has cut and not yet given out.
+enum Pending {
+    /// A zero chunk.
+    Ready(RawChunk),
+    /// Data at `buf[at..at + len]`, `offset` in the input; `buf` keeps it until taken.
+    Data { offset: u64, at: usize, len: usize },
+}
+
 impl<R: Read> CdcSplit<R> {
-    /// Cuts chunks from `buf` while at least `max` bytes remain, or all of it at a segment's
-    /// end.
+    /// Cuts the data in `buf` while at least `max` bytes remain, or all of it at the end of
+    /// a run of data (`all`); with more than one thread, only once a batch waits.
     fn cut(&mut self, all: bool) {
-        loop {
-            let left = self.buf.len() - self.start;
-            if left == 0 || (!all && left < self.max) {
-                break;
-            }
-            let rest = &self.buf[self.start..];
-            let (_, n) =
-                fastcdc::v2020::FastCDC::new(rest, self.min, self.avg, self.max).cut(0, left);
-            let n = if n == 0 { left } else { n };
-            self.out.push_back(RawChunk {
-                offset: self.offset,
-                data: rest[..n].to_vec(),
-            });
-            self.offset += n as u64;
-            self.start += n;
+        let left = self.buf.len() - self.start;
+        if left == 0 || (!all && left < batch(self.segment, self.threads) + self.cutter.max) {
+            return;
         }
+        let rest = &self.buf[self.start..];
+        let cuts = cdc_cuts(&self.cutter, rest, all, self.segment, self.threads);
+        // Chunks are copied out of `buf` as they are taken (Pending::Data), so a batch's
+        // chunks are not all held twice.
+        for w in cuts.windows(2) {
+            self.out.push_back(Pending::Data {
+                offset: self.offset + w[0] as u64,
+                at: self.start + w[0],
+                len: w[1] - w[0],
+            });
+        }
+        // `cuts` is never empty: it starts with 0.
+        let n = cuts[cuts.len() - 1];
+        self.offset += n as u64;
+        self.start += n;
+    }
+
+    /// Drops the cut part of `buf` once nothing in `out` points into it and it has reached
+    /// `max` bytes, so what is left (under `max` bytes) moves about once per `max` bytes cut
+    /// (once per batch) rather than once per chunk.
+    fn compact(&mut self) {
         if self.start == self.buf.len() {
             self.buf.clear();
             self.start = 0;
-        } else if self.start >= self.max {
+        } else if self.start >= self.cutter.max {
             self.buf.drain(..self.start);
             self.start = 0;
         }
@@ -496,11 +677,11 @@ impl<R: Read> CdcSplit<R> {
     /// Emits `n` zero bytes after the data (a zero run): as chunks of at most `max`.
     fn zero_chunks(&mut self, mut n: usize) {
         while n > 0 {
-            let k = n.min(self.max);
-            self.out.push_back(RawChunk {
+            let k = n.min(self.cutter.max);
+            self.out.push_back(Pending::Ready(RawChunk {
                 offset: self.offset,
                 data: vec![0; k],
-            });
+            }));
             self.offset += k as u64;
             n -= k;
         }
@@ -510,7 +691,7 @@ impl<R: Read> CdcSplit<R> {
     /// data.
     fn place_zeros(&mut self) {
         let z = std::mem::take(&mut self.zeros);
-        if z >= self.min {
+        if z >= self.cutter.min {
             self.cut(true);
             self.zero_chunks(z);
         } else {
@@ -539,12 +720,20 @@ impl<R: Read> Iterator for CdcSplit<R> {
     fn next(&mut self) -> Option<Self::Item> {
         let mut block = [0u8; ZERO_BLOCK];
         loop {
-            if let Some(c) = self.out.pop_front() {
-                return Some(Ok(c));
+            match self.out.pop_front() {
+                Some(Pending::Ready(c)) => return Some(Ok(c)),
+                Some(Pending::Data { offset, at, len }) => {
+                    return Some(Ok(RawChunk {
+                        offset,
+                        data: self.buf[at..at + len].to_vec(),
+                    }));
+                }
+                None => {}
             }
             if self.done {
                 return None;
             }
+            self.compact();
             let n = match self.read_block(&mut block) {
                 Ok(n) => n,
                 Err(e) => {
@@ -555,10 +744,10 @@ impl<R: Read> Iterator for CdcSplit<R> {
             if n == ZERO_BLOCK && is_all_zero(&block) {
                 self.zeros += n;
                 // A long run goes out as it grows, so memory stays bounded.
-                if self.zeros >= self.min + self.max {
+                if self.zeros >= self.cutter.min + self.cutter.max {
                     self.cut(true);
-                    self.zero_chunks(self.max);
-                    self.zeros -= self.max;
+                    self.zero_chunks(self.cutter.max);
+                    self.zeros -= self.cutter.max;
                 }
                 continue;
             }
@@ -833,6 +1022,202 @@ mod tests {
         // An input of only zeros is all zero chunks; an empty one has none.
         assert!(cuts(&vec![0; 3 << 20]).iter().all(|x| x.2));
         assert!(cuts(&[]).is_empty());
+    }
+
+    /// The chunks of `data` straight from the definition in [`Chunking::Cdc`], one chunk at a
+    /// time over the whole input in memory: the long zero runs first, then each run of data
+    /// between them cut by [`Cutter::len`] from its start. The reference the streaming and
+    /// parallel cutting are compared with.
+    fn reference(data: &[u8], chunking: Chunking) -> Vec<(u64, usize, bool)> {
+        let Chunking::Cdc { min, avg, max } = chunking else {
+            unreachable!()
+        };
+        let c = Cutter {
+            min: min as usize,
+            avg: avg as usize,
+            max: max as usize,
+        };
+        let blocks = data.len() / ZERO_BLOCK;
+        let zero = |b: usize| is_all_zero(&data[b * ZERO_BLOCK..(b + 1) * ZERO_BLOCK]);
+        let mut runs = Vec::new();
+        let mut b = 0;
+        while b < blocks {
+            if zero(b) {
+                let s = b;
+                while b < blocks && zero(b) {
+                    b += 1;
+                }
+                if (b - s) * ZERO_BLOCK >= c.min {
+                    runs.push((s * ZERO_BLOCK, b * ZERO_BLOCK));
+                }
+            } else {
+                b += 1;
+            }
+        }
+        let mut out = Vec::new();
+        let data_run = |out: &mut Vec<(u64, usize, bool)>, from: usize, to: usize| {
+            let mut p = from;
+            while p < to {
+                let n = c.len(&data[p..to]);
+                out.push((p as u64, n, is_all_zero(&data[p..p + n])));
+                p += n;
+            }
+        };
+        let mut pos = 0;
+        for (s, e) in runs {
+            data_run(&mut out, pos, s);
+            let mut p = s;
+            while p < e {
+                let n = (e - p).min(c.max);
+                out.push((p as u64, n, true));
+                p += n;
+            }
+            pos = e;
+        }
+        data_run(&mut out, pos, data.len());
+        out
+    }
+
+    fn cuts_with(
+        data: &[u8],
+        chunking: Chunking,
+        segment: usize,
+        threads: usize,
+    ) -> Vec<(u64, usize, bool)> {
+        split_with(
+            std::io::Cursor::new(data.to_vec()),
+            chunking,
+            segment,
+            threads,
+        )
+        .unwrap()
+        .map(|c| {
+            let c = c.unwrap();
+            (c.offset, c.data.len(), is_all_zero(&c.data))
+        })
+        .collect()
+    }
+
+    /// Every batch shape cuts `data` as the reference does.
+    fn assert_same_cuts(what: &str, data: &[u8], chunking: Chunking) {
+        let want = reference(data, chunking);
+        let max = chunking.max_len();
+        let shapes = [
+            (CDC_SEGMENT, 1),
+            (CDC_SEGMENT, cdc_threads()),
+            (4096, 2),
+            (max - 1, 2),
+            (max, 3),
+            (max + 1, 4),
+            (3 * max + 12_345, 2),
+            (1 << 20, 3),
+        ];
+        for (segment, threads) in shapes {
+            let got = cuts_with(data, chunking, segment, threads);
+            assert!(
+                got == want,
+                "{what} ({} bytes), segment {segment}, {threads} threads: {} chunks, the \
+                 reference {}; first difference at {:?}",
+                data.len(),
+                got.len(),
+                want.len(),
+                got.iter().zip(&want).position(|(a, b)| a != b)
+            );
+        }
+    }
+
+    /// Small bounds so that short inputs hold many chunks and many segments.
+    const SMALL: Chunking = Chunking::Cdc {
+        min: 4096,
+        avg: 8192,
+        max: 16384,
+    };
+
+    #[test]
+    fn parallel_cuts_are_the_sequential_cuts() {
+        for chunking in [Chunking::DISK_DEFAULT, SMALL] {
+            let max = chunking.max_len();
+            // Random data.
+            assert_same_cuts("random", &pseudo_random(3_000_001, 7), chunking);
+            // Highly repetitive: a short period (cut points repeat with it) and one byte
+            // (no cut point: every chunk is max long, crossing every segment border).
+            let period: Vec<u8> = pseudo_random(1000, 3).repeat(3000);
+            assert_same_cuts("period 1000", &period, chunking);
+            assert_same_cuts("one byte", &vec![0x55; 2_000_003], chunking);
+            // Tiny inputs and inputs around a block, min, max and batch sizes.
+            let r = pseudo_random(3 * max + 8192, 11);
+            for n in [
+                0,
+                1,
+                100,
+                4095,
+                4096,
+                4097,
+                max - 1,
+                max,
+                max + 1,
+                2 * max,
+                2 * max + 1,
+                3 * max + 8192,
+            ] {
+                assert_same_cuts("short", &r[..n], chunking);
+            }
+            for n in [(1 << 20) - 1, 1 << 20, (1 << 20) + 1, (3 << 20) + 1] {
+                assert_same_cuts("segment-sized", &pseudo_random(n, 5), chunking);
+            }
+        }
+    }
+
+    #[test]
+    fn parallel_cuts_keep_zero_runs() {
+        let max = 256 << 10;
+        let mut data = pseudo_random(4 << 20, 9);
+        // Zero runs long and short, block-aligned and not, across 1 MiB borders, one
+        // longer than min + max (it goes out while it grows), one at the end.
+        for (at, len) in [
+            ((1 << 20) - 8192, 16384),      // exactly min, across a border
+            ((2 << 20) - 4096, 12288),      // shorter than min, across a border
+            ((2 << 20) + 100, 40000),       // not aligned
+            ((3 << 20) - 200_000, 700_000), // longer than min + max, across a border
+            ((4 << 20) - 20480, 20480),     // at the end
+        ] {
+            data[at..at + len].fill(0);
+        }
+        assert_same_cuts("zero runs", &data, Chunking::DISK_DEFAULT);
+        assert_same_cuts("zero runs", &data, SMALL);
+        // A run of max chunks (one byte repeated) up to a zero run and after it.
+        let mut flat = vec![7u8; 3 << 20];
+        flat[(1 << 20) + 4096..(1 << 20) + 4096 + max].fill(0);
+        assert_same_cuts("flat and zeros", &flat, Chunking::DISK_DEFAULT);
+        assert_same_cuts(
+            "only zeros",
+            &vec![0; (3 << 20) + 4096],
+            Chunking::DISK_DEFAULT,
+        );
+    }
+
+    #[test]
+    fn cdc_cuts_match_the_chain_on_every_shape() {
+        // The stitch alone, without zero runs or streaming, for both ends of data.
+        let c = Cutter {
+            min: 4096,
+            avg: 8192,
+            max: 16384,
+        };
+        let mut data = pseudo_random(1 << 20, 13);
+        data[300_000..500_000].fill(0x33);
+        for all in [false, true] {
+            let want = c.chain(&data, all, 0, usize::MAX);
+            for segment in [1000, 4095, 16384, 16385, 100_000, 300_001] {
+                for threads in 2..5 {
+                    assert_eq!(
+                        cdc_cuts(&c, &data, all, segment, threads),
+                        want,
+                        "all {all}, segment {segment}, {threads} threads"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
