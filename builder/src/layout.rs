@@ -384,9 +384,13 @@ pub fn export(
         });
     };
     let gzip = match layers {
-        LayerCompression::Gzip => {
-            crate::oci_compat::with_gzip_layers(cache, &bytes, digest, &blobs)?
-        }
+        LayerCompression::Gzip => crate::oci_compat::with_gzip_layers(
+            cache,
+            &bytes,
+            digest,
+            &blobs,
+            &crate::layer::Limits::default(),
+        )?,
         LayerCompression::AsBuilt => None,
     };
     let (bytes, digest, mut gzipped) = match gzip {

@@ -26,6 +26,7 @@ use kiln_store::BlobDigest;
 
 use crate::build::{OCI_LAYER_GZIP, OCI_LAYER_ZSTD};
 use crate::cache::{BlobCache, CacheError};
+use crate::layer::Limits;
 use crate::layer::write::HashWriter;
 
 /// How an image's layers leave kiln (`kiln export --format oci`, `kiln push`).
@@ -62,6 +63,9 @@ pub enum CompatError {
         /// The failure.
         source: io::Error,
     },
+    /// A layer's stream is not a tar within the [`Limits`] given (a decompression bomb, say).
+    #[error(transparent)]
+    Layer(#[from] crate::layer::LayerError),
     /// The manifest is not a JSON object with a `layers` array of descriptors.
     #[error("manifest {0}: not an image manifest with a layers array")]
     Manifest(BlobDigest),
@@ -93,13 +97,15 @@ pub struct GzipImage {
 
 /// `manifest` (the raw bytes of the OCI image manifest `digest`, its layers in `cache`) with
 /// every layer of media type `tar+zstd` gzipped, the gzip blobs in unlinked temporary files
-/// in `tmp`. `None` when no layer is zstd: the manifest is used as it is. Costs a zstd
-/// decompression and a gzip compression of each such layer (on every core).
+/// in `tmp`, each layer's tar stream bounded by `limits` as a layer apply's is (a bomb fails
+/// with [`CompatError::Layer`]). `None` when no layer is zstd: the manifest is used as it
+/// is. Costs a zstd decompression and a gzip compression of each such layer (on every core).
 pub fn with_gzip_layers(
     cache: &dyn BlobCache,
     manifest: &[u8],
     digest: &BlobDigest,
     tmp: &Path,
+    limits: &Limits,
 ) -> Result<Option<GzipImage>, CompatError> {
     let bad = || CompatError::Manifest(*digest);
     let mut v: Value = serde_json::from_slice(manifest).map_err(|_| bad())?;
@@ -120,7 +126,7 @@ pub fn with_gzip_layers(
         let (to, size) = match done.iter().find(|g| g.from == from) {
             Some(g) => (g.digest, g.size),
             None => {
-                let g = gzip_layer(cache, &from, tmp)?;
+                let g = gzip_layer(cache, &from, tmp, limits)?;
                 let r = (g.digest, g.size);
                 done.push(g);
                 r
@@ -143,11 +149,13 @@ pub fn with_gzip_layers(
     }))
 }
 
-/// Gzips the zstd layer `from` into an unlinked temporary file in `tmp`.
+/// Gzips the zstd layer `from` into an unlinked temporary file in `tmp`, its stream bounded
+/// by `limits`.
 fn gzip_layer(
     cache: &dyn BlobCache,
     from: &BlobDigest,
     tmp: &Path,
+    limits: &Limits,
 ) -> Result<GzipLayer, CompatError> {
     let path = cache.blob_path(from)?.ok_or(CompatError::Missing(*from))?;
     let io = |source| CompatError::Io {
@@ -159,8 +167,14 @@ fn gzip_layer(
     let out = HashWriter::new(io::BufWriter::new(file));
     let mut gz = crate::layer::pgzip::ParGzWriter::new(out, flate2::Compression::new(GZIP_LEVEL))
         .map_err(io)?;
-    let mut tar = crate::build::lower::decompressed(File::open(&path).map_err(io)?).map_err(io)?;
-    io::copy(&mut tar, &mut gz).map_err(io)?;
+    let (mut tar, bounded) =
+        crate::layer::bounded_stream(File::open(&path).map_err(io)?, &from.to_string(), limits)?;
+    if let Err(e) = io::copy(&mut tar, &mut gz) {
+        return Err(match e.kind() {
+            io::ErrorKind::Other => bounded.error(e, "(the layer's tar stream)").into(),
+            _ => io(e),
+        });
+    }
     let mut out = gz.finish().map_err(io)?;
     out.flush().map_err(io)?;
     let (w, digest, size) = out.finish();
@@ -228,7 +242,7 @@ mod tests {
             (OCI_LAYER_ZSTD, &a.digest, a.size),
         ]);
         let md = BlobDigest::of(&m);
-        let g = with_gzip_layers(&cache, &m, &md, d.path())
+        let g = with_gzip_layers(&cache, &m, &md, d.path(), &Limits::default())
             .unwrap()
             .unwrap();
         assert_eq!(g.digest, BlobDigest::of(&g.manifest));
@@ -259,7 +273,7 @@ mod tests {
                 .unwrap();
             assert_eq!(crate::cache::digest_of(&tar), w.diff_id, "the same tar");
         }
-        let again = with_gzip_layers(&cache, &m, &md, d.path())
+        let again = with_gzip_layers(&cache, &m, &md, d.path(), &Limits::default())
             .unwrap()
             .unwrap();
         assert_eq!(again.digest, g.digest, "one digest for one image");
@@ -273,15 +287,62 @@ mod tests {
         let m = manifest(&[(OCI_LAYER_GZIP, &l, 1)]);
         let md = BlobDigest::of(&m);
         assert!(
-            with_gzip_layers(&cache, &m, &md, d.path())
+            with_gzip_layers(&cache, &m, &md, d.path(), &Limits::default())
                 .unwrap()
                 .is_none()
         );
         // A zstd layer missing from the cache is named.
         let m = manifest(&[(OCI_LAYER_ZSTD, &l, 1)]);
-        match with_gzip_layers(&cache, &m, &BlobDigest::of(&m), d.path()) {
+        match with_gzip_layers(
+            &cache,
+            &m,
+            &BlobDigest::of(&m),
+            d.path(),
+            &Limits::default(),
+        ) {
             Err(CompatError::Missing(x)) => assert_eq!(x, l),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A zstd layer whose stream passes the bounds (a bomb: 64 MiB of zeros in a few KiB)
+    /// stops at them with a layer error naming it, and writes nothing past them.
+    #[test]
+    fn a_zstd_bomb_stops_at_the_bounds() {
+        let d = tempfile::tempdir().unwrap();
+        let cache = LocalCache::open(&d.path().join("cache")).unwrap();
+        let mut tar = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(64 << 20);
+        h.set_mode(0o644);
+        h.set_cksum();
+        tar.append_data(&mut h, "zeros", std::io::repeat(0).take(64 << 20))
+            .unwrap();
+        let tar = tar.into_inner().unwrap();
+        let bomb = zstd::encode_all(&tar[..], 19).unwrap();
+        assert!(bomb.len() < 64 << 10, "{} bytes", bomb.len());
+        let l = BlobDigest::of(&bomb);
+        cache.put_bytes(&l, &bomb).unwrap();
+        let m = manifest(&[(OCI_LAYER_ZSTD, &l, bomb.len() as u64)]);
+        let limits = Limits {
+            max_total_bytes: 1 << 20,
+            ..Limits::default()
+        };
+        match with_gzip_layers(&cache, &m, &BlobDigest::of(&m), d.path(), &limits) {
+            Err(CompatError::Layer(e)) => {
+                assert!(e.to_string().contains(&l.to_string()), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            with_gzip_layers(
+                &cache,
+                &m,
+                &BlobDigest::of(&m),
+                d.path(),
+                &Limits::default()
+            )
+            .is_ok()
+        );
     }
 }

@@ -684,9 +684,13 @@ impl Registry {
         };
         let tmp = std::env::temp_dir();
         let gzip = match layers {
-            LayerCompression::Gzip => {
-                crate::oci_compat::with_gzip_layers(cache, &bytes, digest, &tmp)?
-            }
+            LayerCompression::Gzip => crate::oci_compat::with_gzip_layers(
+                cache,
+                &bytes,
+                digest,
+                &tmp,
+                &crate::layer::Limits::default(),
+            )?,
             LayerCompression::AsBuilt => None,
         };
         let (bytes, digest, mut gzipped) = match gzip {
