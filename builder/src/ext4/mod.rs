@@ -1117,4 +1117,8 @@ impl Prescan {
 }
 
 #[cfg(test)]
+mod equivalence_tests;
+#[cfg(test)]
+mod keep_tests;
+#[cfg(test)]
 mod tests;

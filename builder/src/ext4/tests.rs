@@ -6,7 +6,7 @@ use std::path::Path;
 use super::*;
 use crate::cache::digest_of;
 
-enum E<'a> {
+pub(super) enum E<'a> {
     Dir(&'a str, u32),
     File(&'a str, &'a [u8]),
     FileMeta(&'a str, &'a [u8], u32, u32, u32, u64),
@@ -21,7 +21,7 @@ enum E<'a> {
     Fifo(&'a str),
 }
 
-fn tar_of(entries: &[E<'_>]) -> Vec<u8> {
+pub(super) fn tar_of(entries: &[E<'_>]) -> Vec<u8> {
     let mut b = tar::Builder::new(Vec::new());
     for e in entries {
         let mut h = tar::Header::new_gnu();
@@ -105,13 +105,13 @@ fn tar_of(entries: &[E<'_>]) -> Vec<u8> {
 }
 
 #[derive(Clone, Copy)]
-enum Z {
+pub(super) enum Z {
     Plain,
     Gzip,
     Zstd,
 }
 
-fn blob(dir: &Path, entries: &[E<'_>], z: Z) -> LayerBlob {
+pub(super) fn blob(dir: &Path, entries: &[E<'_>], z: Z) -> LayerBlob {
     let raw = tar_of(entries);
     let bytes = match z {
         Z::Plain => raw,
@@ -128,7 +128,7 @@ fn blob(dir: &Path, entries: &[E<'_>], z: Z) -> LayerBlob {
     LayerBlob { digest, path }
 }
 
-fn opts() -> Ext4Options {
+pub(super) fn opts() -> Ext4Options {
     Ext4Options {
         disk_mib: None,
         max_mib: DEFAULT_MAX_MIB,
@@ -137,10 +137,10 @@ fn opts() -> Ext4Options {
     }
 }
 
-const LONG: &str = "a-name-longer-than-one-hundred-bytes-so-that-the-writer-needs-a-pax-path-record-\
+pub(super) const LONG: &str = "a-name-longer-than-one-hundred-bytes-so-that-the-writer-needs-a-pax-path-record-\
                     for-it-and-then-some-more.txt";
 
-fn three_layers(dir: &Path) -> Vec<LayerBlob> {
+pub(super) fn three_layers(dir: &Path) -> Vec<LayerBlob> {
     let long_target = "t/".repeat(60);
     let l0 = blob(
         dir,
@@ -505,10 +505,10 @@ fn uuids_are_well_formed_and_seeded() {
 }
 
 /// One raw entry: name, kind, data, link target (bytes as given, uncleaned).
-type RawEntry<'a> = (&'a [u8], tar::EntryType, &'a [u8], &'a [u8]);
+pub(super) type RawEntry<'a> = (&'a [u8], tar::EntryType, &'a [u8], &'a [u8]);
 
 /// A tar of raw GNU headers.
-fn raw_tar(entries: &[RawEntry<'_>]) -> Vec<u8> {
+pub(super) fn raw_tar(entries: &[RawEntry<'_>]) -> Vec<u8> {
     let mut b = tar::Builder::new(Vec::new());
     for (name, kind, data, link) in entries {
         let mut h = tar::Header::new_gnu();
@@ -614,7 +614,7 @@ fn owner_ids_past_32_bits_are_refused_not_wrapped() {
 }
 
 /// A GNU long-name record (`L` name, `K` link target) holding `value` as given, then NUL.
-fn gnu_long(kind: tar::EntryType, value: &[u8]) -> Vec<u8> {
+pub(super) fn gnu_long(kind: tar::EntryType, value: &[u8]) -> Vec<u8> {
     let mut h = tar::Header::new_gnu();
     h.as_gnu_mut().unwrap().name[..13].copy_from_slice(b"././@LongLink");
     h.set_entry_type(kind);
@@ -629,7 +629,7 @@ fn gnu_long(kind: tar::EntryType, value: &[u8]) -> Vec<u8> {
 }
 
 /// A raw GNU header named `name` (cut to 100 bytes) of `kind` with `data`.
-fn gnu_entry(name: &[u8], kind: tar::EntryType, data: &[u8]) -> Vec<u8> {
+pub(super) fn gnu_entry(name: &[u8], kind: tar::EntryType, data: &[u8]) -> Vec<u8> {
     let mut h = tar::Header::new_gnu();
     let n = name.len().min(100);
     h.as_gnu_mut().unwrap().name[..n].copy_from_slice(&name[..n]);
@@ -774,7 +774,7 @@ fn read_file_reads_back_a_file_says_none_for_a_missing_one_and_refuses_unquotabl
 }
 
 /// A plain layer of `names` (directories when they end in `/`, else empty files).
-fn names_blob(dir: &Path, names: impl Iterator<Item = String>) -> LayerBlob {
+pub(super) fn names_blob(dir: &Path, names: impl Iterator<Item = String>) -> LayerBlob {
     let mut b = tar::Builder::new(Vec::new());
     for n in names {
         let mut h = tar::Header::new_gnu();
@@ -798,7 +798,7 @@ fn names_blob(dir: &Path, names: impl Iterator<Item = String>) -> LayerBlob {
 }
 
 /// `debugfs -R REQUEST IMG`: standard output and error.
-fn debugfs_says(img: &Path, request: &str) -> String {
+pub(super) fn debugfs_says(img: &Path, request: &str) -> String {
     let out = std::process::Command::new("debugfs")
         .arg("-R")
         .arg(request)
@@ -808,7 +808,7 @@ fn debugfs_says(img: &Path, request: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
 }
 
-fn assert_fsck_clean(img: &Path) {
+pub(super) fn assert_fsck_clean(img: &Path) {
     let out = std::process::Command::new("e2fsck")
         .arg("-fn")
         .arg(img)
@@ -824,7 +824,7 @@ fn assert_fsck_clean(img: &Path) {
 }
 
 /// Short distinct names (base 36, four characters, distinct below 36^4).
-fn short_name(i: usize) -> String {
+pub(super) fn short_name(i: usize) -> String {
     const D: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyz";
     [i / 46_656 % 36, i / 1296 % 36, i / 36 % 36, i % 36]
         .iter()
@@ -988,95 +988,9 @@ fn sparse_files_stay_sparse_in_the_image() {
     );
 }
 
-/// The flattener and the layer applier disagree on nothing (issue 17, case 2's differential
-/// test): for every layer corpus of these tests (the three-layer stack with whiteouts, an
-/// opaque directory, a file replacing a directory, hard links across layers, a symlinked
-/// parent, devices, xattrs and long names; the umoci-style layer with a root named `/` and
-/// absolute names; a sparse file), the flattened tar read back is the tree `apply_layer`
-/// makes when it applies the same layers in order. Every field of
-/// [`kiln_tests::ext4::Obj`] is compared (kind, mode, owner, mtime, content, link, xattrs),
-/// except one, measured here and left: a directory's mtime. The flattener gives a directory
-/// the mtime of its last entry (the epoch for an implicit parent); the applier, like
-/// containerd's, sets the mtimes of the directories a layer names after applying it, but a
-/// directory that a later layer writes into without naming it, or that it creates as an
-/// implicit parent, keeps the time of the apply. Applied trees are lower directories of
-/// steps only; images come from the flattener.
-#[test]
-fn flattened_tree_equals_the_applied_tree_for_every_corpus() {
-    use tar::EntryType as T;
-    let d = tempfile::tempdir().unwrap();
-    let mut corpora: Vec<(&str, Vec<LayerBlob>)> = vec![("three layers", three_layers(d.path()))];
-    let raw = raw_tar(&[
-        (b"/", T::Directory, b"", b""),
-        (b"/tmp/", T::Directory, b"", b""),
-        (b"/tmp/x", T::Regular, b"x", b""),
-        (b"//etc//conf", T::Regular, b"c", b""),
-        (b"/etc/conf-link", T::Link, b"", b"/etc/conf"),
-    ]);
-    let abs = d.path().join("abs");
-    std::fs::write(&abs, &raw).unwrap();
-    corpora.push((
-        "absolute names",
-        vec![LayerBlob {
-            digest: digest_of(&raw).to_string(),
-            path: abs,
-        }],
-    ));
-    let src = d.path().join("sparse-src");
-    std::fs::create_dir(&src).unwrap();
-    {
-        let f = std::fs::File::create(src.join("holes")).unwrap();
-        f.set_len(8 << 20).unwrap();
-        std::os::unix::fs::FileExt::write_at(&f, b"middle", 4 << 20).unwrap();
-    }
-    let mut sparse = Vec::new();
-    crate::layer::write::write_layer(&src, &mut sparse, Some(1_700_000_000)).unwrap();
-    let sp = d.path().join("sparse");
-    std::fs::write(&sp, &sparse).unwrap();
-    corpora.push((
-        "sparse file",
-        vec![LayerBlob {
-            digest: digest_of(&sparse).to_string(),
-            path: sp,
-        }],
-    ));
-
-    for (name, layers) in &corpora {
-        let mut out = Vec::new();
-        flatten(layers, &mut out, &Limits::default(), None)
-            .unwrap_or_else(|e| panic!("{name}: flatten: {e}"));
-        let flat = kiln_tests::ext4::tar_tree(&out);
-        let root = d.path().join(format!("applied-{}", name.replace(' ', "-")));
-        std::fs::create_dir(&root).unwrap();
-        for l in layers {
-            crate::layer::apply_layer(
-                &root,
-                std::fs::File::open(&l.path).unwrap(),
-                &l.digest,
-                &Limits::default(),
-            )
-            .unwrap_or_else(|e| panic!("{name}: apply {}: {e}", l.digest));
-        }
-        let mut applied = kiln_tests::ext4::dir_tree(&root);
-        let mut flat = flat;
-        for o in flat.values_mut().chain(applied.values_mut()) {
-            if o.kind == 'd' {
-                o.mtime = 0;
-            }
-        }
-        let diffs = kiln_tests::ext4::compare(&flat, &applied);
-        let extra: Vec<&String> = applied.keys().filter(|p| !flat.contains_key(*p)).collect();
-        assert!(
-            diffs.is_empty() && extra.is_empty(),
-            "{name}: flattened vs applied:\n{}\napplied only: {extra:?}",
-            diffs.join("\n")
-        );
-    }
-}
-
 /// The share of `b`'s non-zero raw chunk bytes, cut by the store's disk chunking
 /// ([`kiln_store::Chunking::DISK_DEFAULT`], FastCDC 16/64/256 KiB), that `a` does not have.
-fn new_chunk_share(a: &Path, b: &Path) -> f64 {
+pub(super) fn new_chunk_share(a: &Path, b: &Path) -> f64 {
     let chunks = |p: &Path| {
         let f = std::fs::File::open(p).unwrap();
         kiln_store::chunk::split(f, kiln_store::Chunking::DISK_DEFAULT)
@@ -1166,474 +1080,4 @@ fn a_new_uuid_rewrites_the_superblock_only() {
         .collect();
     // One block group (the image is under 128 MiB): the only superblock is in block 0.
     assert_eq!(differ, vec![0], "blocks that differ");
-}
-
-/// Flattens and applies `layers` (from `dir`), and returns what differs between the two
-/// trees (directory mtimes left out, as in
-/// [`flattened_tree_equals_the_applied_tree_for_every_corpus`]) and their hard-link groups
-/// (which names share an inode), or why one refused.
-fn flattened_vs_applied(dir: &Path, name: &str, layers: &[Vec<E<'_>>]) -> Vec<String> {
-    let blobs: Vec<LayerBlob> = layers.iter().map(|l| blob(dir, l, Z::Plain)).collect();
-    let mut out = Vec::new();
-    let flat = flatten(&blobs, &mut out, &Limits::default(), None).map(|_| ());
-    let root = dir.join(format!("applied-{name}"));
-    std::fs::create_dir(&root).unwrap();
-    let mut applied = Ok(());
-    for l in &blobs {
-        applied = crate::layer::apply_layer(
-            &root,
-            std::fs::File::open(&l.path).unwrap(),
-            &l.digest,
-            &Limits::default(),
-        )
-        .map(|_| ());
-        if applied.is_err() {
-            break;
-        }
-    }
-    match (flat, applied) {
-        (Ok(()), Ok(())) => {}
-        (Err(a), Err(b)) => {
-            let _ = (a, b);
-            return Vec::new();
-        }
-        (a, b) => return vec![format!("{name}: flatten {a:?}, apply {b:?}")],
-    }
-    let mut flat = kiln_tests::ext4::tar_tree(&out);
-    let mut applied = kiln_tests::ext4::dir_tree(&root);
-    for o in flat.values_mut().chain(applied.values_mut()) {
-        if o.kind == 'd' {
-            o.mtime = 0;
-        }
-    }
-    let mut diffs: Vec<String> = kiln_tests::ext4::compare(&flat, &applied)
-        .into_iter()
-        .map(|d| format!("{name}: {d}"))
-        .collect();
-    for p in applied.keys().filter(|p| !flat.contains_key(*p)) {
-        diffs.push(format!("{name}: only applied: {p}"));
-    }
-    let (fl, al) = (
-        kiln_tests::ext4::tar_link_groups(&out),
-        kiln_tests::ext4::dir_link_groups(&root),
-    );
-    if fl != al {
-        diffs.push(format!(
-            "{name}: hard-link groups: flattened {fl:?}, applied {al:?}"
-        ));
-    }
-    diffs
-}
-
-/// The invariant of [`flattened_tree_equals_the_applied_tree_for_every_corpus`], for layers
-/// whose opaque whiteout names a directory the layer wrote into through another path (a
-/// symlink, or the real one when the whiteout goes through the symlink). The flattener
-/// takes a layer's whiteouts first and keeps all of the layer's own entries; the applier
-/// took them in order and spared only what the layer made under the very path (symlinks not
-/// resolved) the whiteout names.
-#[test]
-fn flattened_tree_equals_the_applied_tree_with_whiteouts_through_symlinks() {
-    let d = tempfile::tempdir().unwrap();
-    let base = || {
-        vec![
-            E::Dir("usr/", 0o755),
-            E::Dir("usr/lib/", 0o755),
-            E::File("usr/lib/old", b"old"),
-            E::Sym("lib", "usr/lib"),
-        ]
-    };
-    let mut diffs = Vec::new();
-    // A file written through the symlink, then the real directory made opaque.
-    diffs.extend(flattened_vs_applied(
-        d.path(),
-        "opaque-by-real-path",
-        &[
-            base(),
-            vec![
-                E::File("lib/new", b"new"),
-                E::File("usr/lib/.wh..wh..opq", b""),
-            ],
-        ],
-    ));
-    // A file written by its real path, then its directory made opaque through the symlink.
-    diffs.extend(flattened_vs_applied(
-        d.path(),
-        "opaque-through-symlink",
-        &[
-            base(),
-            vec![
-                E::File("usr/lib/new", b"new"),
-                E::File("lib/.wh..wh..opq", b""),
-            ],
-        ],
-    ));
-    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
-}
-
-/// The same invariant for a whiteout whose parent is a symlink the same layer makes (`x ->
-/// usr/lib`, then `x/.wh.old`). Both take a layer's entries in stream order, so the
-/// whiteout goes through the new symlink and removes the lower layer's `usr/lib/old`, as
-/// containerd's in-order apply does. (The flattener used to take a layer's whiteouts first,
-/// where `x` was missing, and kept it.)
-#[test]
-fn flattened_tree_equals_the_applied_tree_with_a_whiteout_through_a_symlink_the_layer_makes() {
-    let d = tempfile::tempdir().unwrap();
-    let diffs = flattened_vs_applied(
-        d.path(),
-        "whiteout-through-new-symlink",
-        &[
-            vec![
-                E::Dir("usr/", 0o755),
-                E::Dir("usr/lib/", 0o755),
-                E::File("usr/lib/old", b"old"),
-                E::Sym("lib", "usr/lib"),
-            ],
-            vec![E::Sym("x", "usr/lib"), E::File("x/.wh.old", b"")],
-        ],
-    );
-    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
-}
-
-/// The same invariant for a layer that hard-links a lower layer's file and then whites the
-/// file out (`c` linked to `a`, then `.wh.a`): `c` is linked while `a` exists, and keeps
-/// its data once `a` is gone. (The flattener used to take the whiteout first and refuse
-/// the link, `HardLinkMissing`, in a layer `apply_layer` applied.)
-#[test]
-fn flattened_tree_equals_the_applied_tree_with_a_link_to_a_file_the_layer_whites_out() {
-    let d = tempfile::tempdir().unwrap();
-    let diffs = flattened_vs_applied(
-        d.path(),
-        "link-then-whiteout-target",
-        &[
-            vec![E::File("a", b"A")],
-            vec![E::Hard("c", "a"), E::File(".wh.a", b"")],
-        ],
-    );
-    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
-}
-
-/// A whiteout that comes after the layer's own entries below the path it names hides every
-/// lower entry there, at any depth, and keeps what the layer made (OCI `layer.md`: an
-/// opaque whiteout hides "all siblings" from lower layers, and whiteouts never hide the
-/// same layer's entries, whatever their order). Lower `d/sub/old` under a layer of
-/// `d/sub/new` then `d/.wh..wh..opq` (or `d/.wh.sub`) leaves `d/sub` holding `new` alone, in
-/// the applied tree and the image alike.
-#[test]
-fn a_whiteout_after_the_layers_own_entries_hides_the_lower_ones_below_them() {
-    let d = tempfile::tempdir().unwrap();
-    let lower = || {
-        vec![
-            E::Dir("d/", 0o755),
-            E::Dir("d/sub/", 0o755),
-            E::File("d/sub/old", b"old"),
-            E::File("d/gone", b"gone"),
-        ]
-    };
-    for (name, wh) in [
-        ("opaque-after", "d/.wh..wh..opq"),
-        ("remove-after", "d/.wh.sub"),
-    ] {
-        let layers = [
-            lower(),
-            vec![E::File("d/sub/new", b"new"), E::File(wh, b"")],
-        ];
-        let diffs = flattened_vs_applied(d.path(), name, &layers);
-        assert!(diffs.is_empty(), "{}", diffs.join("\n"));
-        let root = d.path().join(format!("applied-{name}"));
-        assert!(root.join("d/sub/new").exists(), "{name}");
-        assert!(
-            !root.join("d/sub/old").exists(),
-            "{name}: lower d/sub/old kept"
-        );
-        let gone_kept = root.join("d/gone").exists();
-        assert_eq!(gone_kept, name == "remove-after", "{name}: d/gone");
-    }
-}
-
-/// A hard link that replaces the directory holding its own target (`d/f`, then `d` linked
-/// to `d/f`): replacing `d` removes `d/f` first, so there is nothing left to link, as in
-/// containerd's in-order apply (remove the old path, then link). Both refuse
-/// (`HardLinkMissing`). The applier refused (`linkat`: no such file) while the flattener
-/// took the target's inode before removing `d` and made `d` a file holding `f`'s data.
-#[test]
-fn a_hard_link_over_the_directory_holding_its_target_is_refused_by_both() {
-    let d = tempfile::tempdir().unwrap();
-    for (name, layers) in [
-        (
-            "link-over-own-dir-same-layer",
-            vec![vec![
-                E::Dir("d/", 0o755),
-                E::File("d/f", b"f"),
-                E::Hard("d", "d/f"),
-            ]],
-        ),
-        (
-            "link-over-own-dir-lower",
-            vec![
-                vec![E::Dir("d/", 0o755), E::File("d/f", b"f")],
-                vec![E::Hard("d", "d/f")],
-            ],
-        ),
-    ] {
-        let diffs = flattened_vs_applied(d.path(), name, &layers);
-        assert!(diffs.is_empty(), "{}", diffs.join("\n"));
-        let blobs: Vec<LayerBlob> = layers.iter().map(|l| blob(d.path(), l, Z::Plain)).collect();
-        let r = flatten(&blobs, &mut Vec::new(), &Limits::default(), None);
-        assert!(
-            matches!(r, Err(Ext4Error::Layer(LayerError::HardLinkMissing { .. }))),
-            "{name}: {r:?}"
-        );
-    }
-}
-
-/// A symlink whose header gives a mode other than 0777 (`a -> c` with 0755, and a hard
-/// link to it). A Linux symlink is always 0777: the applier's `symlinkat` makes it so and
-/// nothing changes it. The flattener wrote the header's mode, which mke2fs puts in the
-/// image's inode, so the image's symlink was `lrwxr-xr-x` where the applied one is
-/// `lrwxrwxrwx`.
-#[test]
-fn a_symlinks_mode_is_0777_whatever_its_header_says() {
-    let d = tempfile::tempdir().unwrap();
-    let layers = [
-        vec![E::SymMode("a", "c", 0o755), E::SymMode("b", "a", 0o600)],
-        vec![E::Hard("h", "a")],
-    ];
-    let diffs = flattened_vs_applied(d.path(), "symlink-mode", &layers);
-    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
-}
-
-/// A `user.*` xattr on a symlink (`s -> t` with `user.note`). Linux keeps `user.*` xattrs on
-/// regular files and directories only (xattr(7)) and refuses them elsewhere (`EPERM`), so
-/// the applier refused the layer (`lsetxattr`), while the flattener wrote the xattr into
-/// the image; containerd applies such a layer and drops the xattr. The one metadata reader
-/// now drops `user.*` xattrs of symlinks, devices and FIFOs, for both; others stay.
-#[test]
-fn a_user_xattr_on_a_symlink_is_dropped_by_both() {
-    let d = tempfile::tempdir().unwrap();
-    let layers = [vec![
-        E::SymX("s", "t", &[("user.note", b"v")]),
-        E::FileX("f", b"f", &[("user.note", b"v")]),
-    ]];
-    let diffs = flattened_vs_applied(d.path(), "symlink-user-xattr", &layers);
-    assert!(diffs.is_empty(), "{}", diffs.join("\n"));
-    let root = d.path().join("applied-symlink-user-xattr");
-    let tree = kiln_tests::ext4::dir_tree(&root);
-    assert!(tree["s"].xattrs.is_empty(), "{:?}", tree["s"]);
-    assert_eq!(
-        tree["f"].xattrs.get("user.note").map(Vec::as_slice),
-        Some(&b"v"[..])
-    );
-}
-
-/// The length of a layer blob's decompressed stream.
-fn inflated_len(blob: &LayerBlob) -> u64 {
-    let f = std::fs::File::open(&blob.path).unwrap();
-    let mut r = crate::build::lower::decompressed(f).unwrap();
-    std::io::copy(&mut r, &mut std::io::sink()).unwrap()
-}
-
-#[test]
-fn pass_two_reads_the_kept_inflated_layers_not_the_blobs() {
-    let d = tempfile::tempdir().unwrap();
-    let layers = three_layers(d.path());
-    let mut want = Vec::new();
-    flatten(&layers, &mut want, &Limits::default(), None).unwrap();
-    let keep_dir = tempfile::tempdir().unwrap();
-    let keep = Keep {
-        dir: keep_dir.path().to_path_buf(),
-        max_bytes: u64::MAX,
-    };
-    let flat = Flat::scan_keeping(&layers, &Limits::default(), None, DEFAULT_EPOCH, &keep).unwrap();
-    // The gzip and the zstd layer are kept, the plain one is read from its blob.
-    assert_eq!(flat.stats.layers_kept, 2, "{:?}", flat.stats);
-    assert!(flat.stats.kept_bytes >= 1024, "{:?}", flat.stats);
-    assert_eq!(
-        std::fs::read_dir(keep_dir.path()).unwrap().count(),
-        0,
-        "the copies are unlinked"
-    );
-    // Pass 2 no longer needs the compressed blobs; twice, as a retry at a larger size does.
-    std::fs::remove_file(&layers[0].path).unwrap();
-    std::fs::remove_file(&layers[1].path).unwrap();
-    for _ in 0..2 {
-        let mut out = Vec::new();
-        flat.write(&mut out).unwrap();
-        assert!(out == want, "the same tar as from the blobs");
-    }
-}
-
-#[test]
-fn layers_past_the_keep_limit_are_inflated_again_to_the_same_bytes() {
-    let d = tempfile::tempdir().unwrap();
-    let layers = three_layers(d.path());
-    let mut want = Vec::new();
-    flatten(&layers, &mut want, &Limits::default(), None).unwrap();
-    let keep_dir = tempfile::tempdir().unwrap();
-    // Room for the gzip layer's stream (the tar reader reads at most all of it) and not
-    // for the zstd layer's too.
-    let keep = Keep {
-        dir: keep_dir.path().to_path_buf(),
-        max_bytes: inflated_len(&layers[0]),
-    };
-    let flat = Flat::scan_keeping(&layers, &Limits::default(), None, DEFAULT_EPOCH, &keep).unwrap();
-    assert_eq!(flat.stats.layers_kept, 1, "{:?}", flat.stats);
-    assert!(flat.stats.kept_bytes <= keep.max_bytes, "{:?}", flat.stats);
-    std::fs::remove_file(&layers[0].path).unwrap();
-    let mut out = Vec::new();
-    flat.write(&mut out).unwrap();
-    assert!(out == want, "the same tar with one layer inflated again");
-    // The zstd layer is read from its blob.
-    std::fs::remove_file(&layers[1].path).unwrap();
-    assert!(matches!(
-        flat.write(std::io::sink()),
-        Err(Ext4Error::Io { .. })
-    ));
-
-    // Nothing kept: the same image bytes as with every layer kept.
-    let layers = three_layers(d.path());
-    let a = d.path().join("kept.ext4");
-    let b = d.path().join("none.ext4");
-    let ka = build_inner(None, &layers, &a, &opts(), None).unwrap();
-    let kb = build_inner(None, &layers, &b, &opts(), Some(0)).unwrap();
-    assert_eq!((ka.stats.layers_kept, kb.stats.layers_kept), (2, 0));
-    assert!(std::fs::read(&a).unwrap() == std::fs::read(&b).unwrap());
-}
-
-#[test]
-fn a_kept_layer_is_bounded_like_the_layer() {
-    let d = tempfile::tempdir().unwrap();
-    let layers = vec![blob(d.path(), &[E::File("f", &[0u8; 1 << 20])], Z::Gzip)];
-    let limits = Limits {
-        max_total_bytes: 64 << 10,
-        ..Limits::default()
-    };
-    let keep_dir = tempfile::tempdir().unwrap();
-    let keep = Keep {
-        dir: keep_dir.path().to_path_buf(),
-        max_bytes: u64::MAX,
-    };
-    let err = match Flat::scan_keeping(&layers, &limits, None, DEFAULT_EPOCH, &keep) {
-        Err(e) => e,
-        Ok(_) => panic!("1 MiB inflated under a 64 KiB bound"),
-    };
-    assert!(
-        matches!(
-            err,
-            Ext4Error::Layer(LayerError::Limit {
-                kind: crate::layer::LimitKind::TotalBytes,
-                ..
-            })
-        ),
-        "{err}"
-    );
-    assert_eq!(std::fs::read_dir(keep_dir.path()).unwrap().count(), 0);
-}
-
-#[test]
-fn a_prescan_of_the_bottom_layers_is_continued_to_the_same_image() {
-    let d = tempfile::tempdir().unwrap();
-    let layers = three_layers(d.path());
-    let whole = d.path().join("whole.ext4");
-    build(&layers, &whole, &opts()).unwrap();
-    let keep_dir = tempfile::tempdir().unwrap();
-    let keep = Keep {
-        dir: keep_dir.path().to_path_buf(),
-        max_bytes: u64::MAX,
-    };
-    let p = Prescan::start(layers[..2].to_vec(), &Limits::default(), None, keep.clone());
-    let started = p.clone().take().expect("the prescan read both layers");
-    assert!(p.take().is_none(), "taken once");
-    assert_eq!(started.layers(), &layers[..2]);
-    // The prescanned layers are not read again: their blobs can go.
-    std::fs::remove_file(&layers[0].path).unwrap();
-    std::fs::remove_file(&layers[1].path).unwrap();
-    let cont = d.path().join("continued.ext4");
-    let built = build_from(Some(started), &layers, &cont, &opts()).unwrap();
-    assert_eq!(built.stats.layers_kept, 2, "{:?}", built.stats);
-    assert!(std::fs::read(&whole).unwrap() == std::fs::read(&cont).unwrap());
-
-    // Made with another SOURCE_DATE_EPOCH (or other layers): not continued; the flatten
-    // scans from the start and makes the image the options say.
-    let layers = three_layers(d.path());
-    let sde = Ext4Options {
-        source_date_epoch: Some(1_550_000_000),
-        ..opts()
-    };
-    let want = d.path().join("sde.ext4");
-    build(&layers, &want, &sde).unwrap();
-    for (p, o) in [
-        (
-            Prescan::start(layers[..2].to_vec(), &Limits::default(), None, keep.clone()),
-            &sde,
-        ),
-        (
-            Prescan::start(
-                layers[1..].to_vec(),
-                &Limits::default(),
-                Some(1_550_000_000),
-                keep.clone(),
-            ),
-            &sde,
-        ),
-    ] {
-        let got = d.path().join("other.ext4");
-        build_from(p.take(), &layers, &got, o).unwrap();
-        assert!(std::fs::read(&want).unwrap() == std::fs::read(&got).unwrap());
-    }
-    assert_eq!(std::fs::read_dir(keep_dir.path()).unwrap().count(), 0);
-}
-
-/// Files this process holds open under `dir` (unlinked ones too: `/proc/self/fd` names them
-/// `DIR/#N (deleted)`).
-fn open_under(dir: &Path) -> usize {
-    std::fs::read_dir("/proc/self/fd")
-        .unwrap()
-        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter(|t| t.starts_with(dir))
-        .count()
-}
-
-#[test]
-fn a_failed_or_dropped_prescan_leaves_nothing() {
-    let d = tempfile::tempdir().unwrap();
-    let keep_dir = tempfile::tempdir().unwrap();
-    let keep = Keep {
-        dir: keep_dir.path().to_path_buf(),
-        max_bytes: u64::MAX,
-    };
-    // A layer past the bounds: the prescan ends with nothing, and the build says why.
-    let big = vec![blob(d.path(), &[E::File("f", &[0u8; 1 << 20])], Z::Gzip)];
-    let limits = Limits {
-        max_total_bytes: 64 << 10,
-        ..Limits::default()
-    };
-    let p = Prescan::start(big.clone(), &limits, None, keep.clone());
-    assert!(p.take().is_none());
-    let o = Ext4Options { limits, ..opts() };
-    let err = build_from(None, &big, &d.path().join("x.ext4"), &o).unwrap_err();
-    assert!(err.to_string().contains("limit"), "{err}");
-    // Dropped untaken, running or done: the thread is stopped and waited for, and its
-    // copies are gone.
-    let layers = three_layers(d.path());
-    let held = Prescan::start(layers.clone(), &Limits::default(), None, keep.clone())
-        .take()
-        .unwrap();
-    assert_eq!(
-        open_under(keep_dir.path()),
-        2,
-        "the two compressed layers' copies"
-    );
-    drop(held);
-    assert_eq!(open_under(keep_dir.path()), 0);
-    drop(Prescan::start(
-        layers.clone(),
-        &Limits::default(),
-        None,
-        keep.clone(),
-    ));
-    let p = Prescan::start(layers, &Limits::default(), None, keep);
-    std::thread::sleep(std::time::Duration::from_millis(50));
-    drop(p);
-    assert_eq!(open_under(keep_dir.path()), 0);
-    assert_eq!(std::fs::read_dir(keep_dir.path()).unwrap().count(), 0);
 }
