@@ -274,7 +274,8 @@ impl Store {
     }
 
     /// Which of `objs` exist, in the order given (`true`: present). Answers for every object
-    /// from the store itself, never from the known-chunk index.
+    /// from the store itself, never from the known-chunk index. Packed chunks first
+    /// ([`Backend::packed_present`]), then the rest:
     ///
     /// Where the backend lists in key order ([`Backend::ordered_listing`]: S3) and at least
     /// [`LIST_MIN_KEYS`] objects share a key prefix (`chunks/sha256/`, ...), they are found by
@@ -288,7 +289,13 @@ impl Store {
         let mut out = vec![false; objs.len()];
         let keys: Vec<String> = objs.iter().map(|o| o.key()).collect();
         // By prefix (the key up to its last `/`), then by key.
-        let mut order: Vec<usize> = (0..keys.len()).collect();
+        // Chunks the backend holds in packs ([`Backend::packed_present`]: S3, one listing of
+        // each pack's dead markers); the rest as loose objects below.
+        let packed = self.backend.packed_present(&keys).await?;
+        let mut order: Vec<usize> = (0..keys.len()).filter(|&i| !packed[i]).collect();
+        for (i, p) in packed.iter().enumerate() {
+            out[i] = *p;
+        }
         let dir = |k: &str| k.rfind('/').map_or(0, |i| i + 1);
         order.sort_by(|&a, &b| {
             let (ka, kb) = (&keys[a], &keys[b]);

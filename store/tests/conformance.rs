@@ -1450,6 +1450,12 @@ async fn gc_compaction_keeps_every_live_object(f: Fixture) {
     }
     let v = s.verify(true, &GcOptions::default()).await.unwrap();
     assert!(v.is_ok(), "{:?}", v.findings);
-    assert_eq!(v.pack_dead_bytes, 0);
+    if f.url.starts_with("file://") {
+        assert_eq!(v.pack_dead_bytes, 0);
+    } else {
+        // S3 retires only wholly dead packs (issue 33's first slice): image a's pack keeps
+        // its deleted chunks as dead bytes, counted by verify.
+        assert!(v.pack_dead_bytes > 0);
+    }
     assert!(v.orphans.is_empty(), "{:?}", v.orphans);
 }

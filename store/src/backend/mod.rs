@@ -12,8 +12,10 @@
 
 pub mod local;
 mod local_pack;
+pub(crate) mod pack;
 pub mod retry;
 pub mod s3;
+mod s3_pack;
 
 use std::fmt;
 use std::ops::Range;
@@ -202,12 +204,15 @@ pub struct StagedPut {
 
 /// One upload's staged writes: what [`Backend::stage_if_absent`] writes into and what
 /// [`Backend::commit_staged`] or [`Backend::discard_staged`] ends. A backend that stages
-/// nothing (S3: every write is durable at once) gives an empty one; the local backend's holds
-/// the batch's pack file ([`local`], "Packs"). Two uploads at once in one process have two
-/// batches. Dropped unused (its upload cancelled), it removes what it wrote.
+/// nothing gives an empty one; the local backend's holds the batch's pack file ([`local`],
+/// "Packs"), the S3 backend's the packs being filled and sent ([`s3`], "Packs"). Two uploads at once in one process have two
+/// batches. Dropped unused (its upload cancelled), it removes what it wrote (locally; on S3 a
+/// pack already sent without its index stays, invisible, until a compaction removes it).
 #[derive(Debug, Default)]
 pub struct StageBatch {
     pub(crate) pack: Option<Arc<local::PackBatch>>,
+    /// The S3 backend's packs being written ([`s3`], "Packs").
+    pub(crate) s3: Option<Arc<s3_pack::S3Batch>>,
 }
 
 impl StageBatch {
@@ -362,6 +367,23 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     ) -> Result<Staged, BackendError> {
         let _ = batch;
         Ok(Staged::Done(self.put_if_absent(key, data, None).await?))
+    }
+
+    /// Which of `keys` are chunks this backend holds in packs, live, as of a look-up made
+    /// after the call began (`true`: present; a `false` says nothing, the key may still be
+    /// a loose object). Backs [`crate::Store::exist`], the writer's question, so a `true`
+    /// must never be stale (see [`crate::gc`]); a `false` may be (it costs a duplicate
+    /// write). Default: all `false`, no request (no packs).
+    async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        Ok(vec![false; keys.len()])
+    }
+
+    /// Sends what `batch` still holds unsent (the S3 backend's last pack and its index),
+    /// so that [`Backend::commit_staged`] has nothing left that can fail transiently.
+    /// Idempotent: the retry wrapper may call it again after a failure. Default: nothing.
+    async fn flush_staged(&self, batch: &StageBatch) -> Result<(), BackendError> {
+        let _ = batch;
+        Ok(())
     }
 
     /// A new batch for [`Backend::stage_if_absent`] (one per upload). Default: an empty one

@@ -486,13 +486,31 @@ impl Backend for Retrying {
         r
     }
 
-    /// Not retried: it consumes the batch, and only the local backend stages (its failures
-    /// are never transient).
+    async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        self.run("packed_present", "packs/", || {
+            self.inner.packed_present(keys)
+        })
+        .await
+        .0
+    }
+
+    async fn flush_staged(&self, batch: &StageBatch) -> Result<(), BackendError> {
+        self.run("flush_staged", "packs/", || self.inner.flush_staged(batch))
+            .await
+            .0
+    }
+
+    /// Not retried itself: it consumes the batch. What can fail transiently in it (the S3
+    /// backend's last pack and index PUTs) is sent first by [`Backend::flush_staged`], which
+    /// is retried; the local backend's failures are never transient.
     async fn commit_staged(
         &self,
         batch: StageBatch,
         staged: Vec<StagedPut>,
     ) -> Result<Vec<PutOutcome>, BackendError> {
+        if batch.s3.is_some() {
+            self.flush_staged(&batch).await?;
+        }
         self.metrics.requests.fetch_add(1, Ordering::Relaxed);
         let r = self.inner.commit_staged(batch, staged).await;
         if r.is_err() {
