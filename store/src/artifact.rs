@@ -12,10 +12,10 @@
 //!   written with [`Backend::stage_if_absent`] into the upload's batch
 //!   ([`Backend::stage_batch`], owned by the upload and given back to the commit) and
 //!   committed once at the end ([`Backend::commit_staged`]; the bookkeeping, shared with a
-//!   copy between stores, is `crate::staging`'s): on S3 each is durable when
-//!   written; locally all go into one pack file made durable by one fsync and visible by one
-//!   index (the promise and its
-//!   argument: [`crate::backend::local`]). The table is returned in input order; publish a
+//!   copy between stores, is `crate::staging`'s): locally all go into one pack file made
+//!   durable by one fsync and visible by one index (the promise and its argument:
+//!   [`crate::backend::local`]); on S3 into pack objects of 32 MiB, each visible by its index
+//!   once sent ([`crate::backend::s3`], "Packs"). The table is returned in input order; publish a
 //!   manifest naming it only after this returns (chunks, then manifest, then tag). Rerunning
 //!   after a crash uploads only what is missing (locally: what was committed is kept).
 //! - Random reads ([`ArtifactReader::read_at`]): offset → chunk by binary search, chunk

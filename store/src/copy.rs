@@ -9,8 +9,8 @@
 //! batch of the destination ([`Backend::stage_batch`], [`Backend::stage_if_absent`]) and
 //! committed once ([`Backend::commit_staged`]) before any blob, manifest or tag is written:
 //! a pull into a local store makes one pack file with one fsync (`crate::backend::local`,
-//! "Packs"), not one file per chunk; on S3 each chunk is an object written at once, as
-//! before. The bookkeeping is the upload's (`crate::staging`): a chunk enters the
+//! "Packs"), not one file per chunk; a push to S3 makes pack objects
+//! (`crate::backend::s3`, "Packs"), not one object per chunk. The bookkeeping is the upload's (`crate::staging`): a chunk enters the
 //! destination's known-chunk index only after the commit, and a staged chunk another writer
 //! committed first is taken out of the totals. A failed copy discards its batch (a cancelled
 //! one's batch removes its temp pack as it drops). Every object goes through put-if-absent

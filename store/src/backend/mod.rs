@@ -15,7 +15,7 @@ mod local_pack;
 pub(crate) mod pack;
 pub mod retry;
 pub mod s3;
-mod s3_pack;
+pub mod s3_pack;
 
 use std::fmt;
 use std::ops::Range;

@@ -12,6 +12,99 @@
 //! parts. `object_store`'s own retry loop is switched off: [`super::retry::Retrying`] is the one
 //! retry layer, and errors are classified here (5xx, 408, 429 and connection/timeout failures
 //! are `Transient`).
+//!
+//! ## Packs (issue 33): an upload's chunks in a few objects
+//! Before, each 64 KiB chunk was an object of its own: pushing an image was thousands of
+//! PUTs, and moto (the CI's S3) serves about 400 requests a second. Now the chunks an upload
+//! (or a copy into this store) stages go up in *packs*, in the local backend's format
+//! ([`super::pack`]: one encoder and decoder for both):
+//! - `packs/<name>.pack`: the chunks' stored bytes (each one zstd frame, exactly what a loose
+//!   chunk object holds), concatenated. `<name>` is `<host>-<pid>-<n>-<nanos>`, unique per
+//!   writer.
+//! - `packs/<name>.idx`: the `KILNPIDX` index (entries sorted by digest: digest, offset,
+//!   stored length; then a sha256 of it all), immutable.
+//! - `packs/<name>.dead/<hex>`: one empty object per deleted chunk of the pack (a key
+//!   segment may not start with `.`, [`validate_key`], hence `.dead/` inside the segment).
+//!
+//! Keys in manifests stay `chunks/sha256/<hex>`: where a chunk lives is the store's business
+//! (a manifest's digest must not depend on the store holding it). Loose chunk objects, from
+//! stores written before packs, or GC's put-backs, are read as before: **no migration**.
+//!
+//! **Writing.** [`Backend::stage_batch`] gives an upload an `S3Batch`: staged chunks are
+//! appended to an in-memory pack; at [`super::s3_pack::PACK_TARGET`] bytes (32 MiB, or
+//! [`S3Options::pack_target`]; see there why) the stager that filled it sends it: one PUT of
+//! the pack, and only once that returned, a put-if-absent of its index. The other stagers go
+//! on filling the next pack meanwhile, so memory is bounded by the pack being filled plus at
+//! most one pack in flight per stager. [`Backend::commit_staged`] (after
+//! [`Backend::flush_staged`], which the retry wrapper retries: sending is idempotent, a
+//! pack taken for sending is handed back to the batch if its send stops short, even by a
+//! dropped future) closes the last pack and sends it the same way; before that it lists
+//! `packs/` afresh and leaves out of the last pack every chunk another writer published
+//! meanwhile (their outcome is `AlreadyExists`, as locally; one process's commits take turns
+//! there, so two uploads in one process never publish a chunk twice). An index therefore
+//! appears only after its whole pack: a reader that sees an index can read every entry. A
+//! crash leaves at most a pack without an index: invisible to every read, listing, verify
+//! and GC; a failed upload's discard deletes the packs it sent, and
+//! [`Backend::compact`] deletes any pack without an index older than
+//! [`super::s3_pack::ORPHAN_AGE`] (24 h), which no writer still uploading can own: a writer never
+//! puts an index more than [`super::s3_pack::INDEX_DEADLINE`] (12 h) after its pack (it fails its
+//! upload instead). A chunk found live in a pack when staged is not written
+//! ([`Staged::Done`]); a loose object is not asked for there (the writer's look-up just did,
+//! [`crate::Store::exist`]), so a duplicate is possible, and harmless.
+//!
+//! **The view.** Each backend keeps a map digest → (pack, offset, stored length, index
+//! last-modified), built from one LIST of `packs/` (which also gives every dead marker) plus
+//! one GET of each index not loaded yet (indexes are immutable: each is loaded once; one that
+//! fails its checks is refused, see below). One listing runs at a time, and callers waiting
+//! for it share the next one, so a burst of look-ups costs at most two listings. How fresh
+//! it must be depends on the question:
+//! - *A hit is never trusted for a writer's question.* [`Backend::head`],
+//!   [`Backend::put_if_absent`], [`Backend::stage_if_absent`] and
+//!   [`Backend::packed_present`] (what [`crate::Store::exist`] asks first: one listing per
+//!   pack for all of an upload's look-ups in it) check the pack afresh with a LIST of
+//!   `packs/<name>.`: its dead markers, then its index, in key order. Live means: index
+//!   still there and no marker for the chunk, as of a request made after the call began.
+//! - *A miss* is looked up again: a read ([`Backend::get`], [`Backend::get_range`]) first
+//!   tries the loose object, and only when that is absent lists `packs/` again (so a store
+//!   written before packs costs no request more); [`Backend::head`] lists again on a loose
+//!   miss; a write look-up lists again at most every second
+//!   ([`super::s3_pack::WRITE_RELIST`]: a stale miss costs a duplicate, never safety).
+//! - A read of a packed chunk is one ranged GET of its pack, with a HEAD of its dead marker
+//!   at the same time (so a deleted chunk reads as absent, then its loose copy if any).
+//!
+//! **Deleting.** [`Backend::delete`] of a chunk deletes a loose object and writes a dead
+//! marker in every pack that holds the chunk live (on a view listed after the call began).
+//! [`Backend::rename`] of a packed chunk (GC's condemn step) PUTs its stored bytes at the
+//! destination as a loose object, *then* writes the dead markers: an interruption leaves both
+//! keys, never neither, as the trait promises. GC's put-back writes a loose
+//! `chunks/sha256/<hex>`. [`Backend::list`] over `chunks/` yields the loose objects and the
+//! live packed entries (size: stored length; modified: the index's last-modified, which
+//! GC's grace period reads), a chunk both loose and packed once, with the later time.
+//!
+//! **Why GC stays safe** ([`crate::gc`]'s argument, which rests on read-after-write
+//! consistency and on writers leasing before looking up). Packs change only *how* "X is
+//! present under its key" is decided: X is a live entry (index present, no marker) or a
+//! loose object. Condemning X makes it absent under its key by writes that have returned
+//! before phase 2 reads the leases: the copy to `fossil/X`, then the marker. Every positive
+//! answer a writer gets comes from requests made after its look-up began, so after its
+//! lease: a LIST of the pack's markers and index (strongly consistent), never the cached
+//! view. So a writer that found X present did so either before the marker was written (then
+//! its lease was written earlier still, phase 2 sees it and puts X back) or not at all (it
+//! wrote X afresh). A retired pack is no exception: its index is deleted before its pack
+//! and markers, and the fresh check lists the markers before the index, so a check that saw
+//! no marker and the index saw the pack before any of its markers went. A stale *miss* only
+//! makes a writer write X again (a new pack or loose object, which no GC phase deletes, as
+//! it deletes only fossils). Verify counts the fossil as presence, as before.
+//!
+//! **Damage.** An index that fails its checks (not an index, bad checksum, entries out of
+//! order, an entry past its pack's size, its pack missing) is refused: logged, reported by
+//! [`Backend::layout_report`] (so `kiln store verify`: `corruptStoreFile`), and only its own
+//! chunks are not served. The report also counts packs, their bytes and their dead bytes.
+//!
+//! **Compaction** ([`Backend::compact`], after GC's deletes, under its lock) retires every
+//! pack with no chunk left to serve: its index deleted first (the pack is invisible from
+//! then on), then the pack, then its markers. Packs partly dead are not rewritten yet: their
+//! dead bytes stay, counted by verify.
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -32,8 +125,9 @@ use tokio::io::AsyncReadExt;
 
 use super::pack::{IdxEntry, chunk_digest, chunk_key, decode_index, encode_index};
 use super::s3_pack::{
-    INDEX_DEADLINE, Listing, Loc, ORPHAN_AGE, PACK_PREFIX, PackMeta, PackObject, S3Batch, Sealed,
-    View, WRITE_RELIST, dead_key, dead_prefix, idx_key, pack_key, pack_prefix, parse_key,
+    INDEX_DEADLINE, Listing, Loc, ORPHAN_AGE, PACK_PREFIX, PACK_TARGET, PackMeta, PackObject,
+    S3Batch, Sealed, View, WRITE_RELIST, dead_key, dead_prefix, idx_key, pack_key, pack_prefix,
+    parse_key,
 };
 use super::{
     Backend, BackendError, CompactReport, LIST_PAGE_MAX, LayoutReport, ListPage, ObjectInfo,
@@ -65,6 +159,10 @@ pub struct S3Options {
     pub request_timeout: Option<Duration>,
     /// Connect timeout (default 5 s).
     pub connect_timeout: Option<Duration>,
+    /// Bytes at which an upload's pack is closed and sent (default
+    /// [`super::s3_pack::PACK_TARGET`], 32 MiB). Smaller keeps more of an upload that fails
+    /// part way on a flaky link (what was sent is kept per pack); larger makes fewer requests.
+    pub pack_target: Option<u64>,
 }
 
 impl S3Options {
@@ -83,8 +181,10 @@ pub struct S3Backend {
     bucket: String,
     prefix: String,
     url: String,
-    /// The view of the committed packs ([`s3_pack`]).
+    /// The view of the committed packs ([`super::s3_pack`]).
     packs: PackState,
+    /// [`S3Options::pack_target`].
+    pack_target: u64,
 }
 
 /// The process's view of the packs, and the one listing of `packs/` at a time.
@@ -150,6 +250,7 @@ impl S3Backend {
             prefix: prefix.to_string(),
             url,
             packs: PackState::default(),
+            pack_target: opts.pack_target.unwrap_or(PACK_TARGET).max(1),
         })
     }
 
@@ -870,7 +971,7 @@ impl Backend for S3Backend {
     fn stage_batch(&self) -> StageBatch {
         StageBatch {
             pack: None,
-            s3: Some(Arc::new(S3Batch::default())),
+            s3: Some(Arc::new(S3Batch::new(self.pack_target))),
         }
     }
 
@@ -1058,7 +1159,7 @@ impl Drop for GiveBack<'_> {
     }
 }
 
-/// The packs ([`s3_pack`]): look-ups, the fresh liveness check, sending a batch's packs.
+/// The packs ([`super::s3_pack`]): look-ups, the fresh liveness check, sending a batch's packs.
 impl S3Backend {
     fn view(&self) -> std::sync::RwLockReadGuard<'_, View> {
         self.packs.view.read().unwrap_or_else(|p| p.into_inner())

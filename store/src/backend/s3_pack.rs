@@ -35,7 +35,7 @@ pub const INDEX_DEADLINE: Duration = Duration::from_secs(12 * 3600);
 
 /// How stale the view may be for a writer's look-up (a stale miss only costs a duplicate
 /// write; a hit is always checked afresh).
-pub(crate) const WRITE_RELIST: Duration = Duration::from_secs(1);
+pub const WRITE_RELIST: Duration = Duration::from_secs(1);
 
 /// `packs/<name>.pack`.
 pub(crate) fn pack_key(name: &str) -> String {
@@ -291,12 +291,21 @@ struct BatchState {
 }
 
 /// One upload's packs on S3 ([`super::StageBatch`]).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct S3Batch {
     state: Mutex<BatchState>,
+    /// Bytes at which a pack closes.
+    target: u64,
 }
 
 impl S3Batch {
+    pub(crate) fn new(target: u64) -> Self {
+        Self {
+            state: Mutex::default(),
+            target,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, BatchState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -324,7 +333,7 @@ impl S3Batch {
             offset,
             len: data.len() as u64,
         });
-        let closed = s.filling.buf.len() as u64 >= PACK_TARGET;
+        let closed = s.filling.buf.len() as u64 >= self.target;
         if closed {
             Self::seal_locked(&mut s);
         }
@@ -453,7 +462,7 @@ mod tests {
 
     #[test]
     fn a_batch_closes_its_pack_at_the_target_and_a_retry_appends_nothing() {
-        let b = S3Batch::default();
+        let b = S3Batch::new(PACK_TARGET);
         let big = vec![7u8; (PACK_TARGET / 2) as usize];
         let (d1, d2) = (Sha256Hash::of(b"1"), Sha256Hash::of(b"2"));
         assert_eq!(b.append(d1, &big), (Some(0), false));
