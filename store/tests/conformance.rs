@@ -1782,3 +1782,51 @@ async fn s3_packs_a_store_of_loose_chunks_still_reads() {
     assert_eq!(stats.chunks_transferred, 0);
     assert_eq!(pack_objects(&s).await.0.len(), 0);
 }
+
+/// `get_many` on S3 reads packed chunks by spans of their pack, and answers for every key as
+/// `get_range(0..limit)` would: packed, deleted (absent), loose, absent, over the limit
+/// (clipped), in the order given, from a handle whose view is cold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3_packs_get_many_answers_as_one_read_each() {
+    let f = Fixture::s3("packs-get-many").await;
+    let (_, table) = publish_image(
+        &f.store,
+        &noise(2 << 20, 88),
+        Chunking::Fixed { size: 64 << 10 },
+    )
+    .await;
+    let keys: Vec<String> = table
+        .chunk_digests()
+        .iter()
+        .map(|d| ObjectRef::Chunk(*d).key())
+        .collect();
+    let b = f.store.backend();
+    b.delete(&keys[5]).await.unwrap();
+    let loose = "chunks/sha256/00000000000000000000000000000000000000000000000000000000000000aa";
+    b.put_if_absent(loose, Bytes::from_static(b"loose bytes"), None)
+        .await
+        .unwrap();
+    let mut asked = keys.clone();
+    asked.push(loose.into());
+    asked.push(
+        "chunks/sha256/00000000000000000000000000000000000000000000000000000000000000bb".into(),
+    );
+    asked.reverse();
+    let cold = f.reopen().await;
+    let cb = cold.backend();
+    let many = cb.get_many(&asked, 1 << 20).await;
+    assert_eq!(many.len(), asked.len());
+    for (k, r) in asked.iter().zip(&many) {
+        match cb.get_range(k, 0..1 << 20).await {
+            Ok(want) => assert_eq!(r.as_ref().unwrap(), &want, "{k}"),
+            Err(e) => {
+                assert!(e.is_not_found(), "{e}");
+                assert!(r.as_ref().unwrap_err().is_not_found(), "{k}");
+            }
+        }
+    }
+    assert!(many[0].as_ref().unwrap_err().is_not_found());
+    assert_eq!(many[1].as_ref().unwrap().as_ref(), b"loose bytes");
+    let clipped = cb.get_many(&asked[2..3], 10).await;
+    assert_eq!(clipped[0].as_ref().unwrap().len(), 10);
+}

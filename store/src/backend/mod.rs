@@ -282,6 +282,20 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// the backend; callers check lengths.
     async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes, BackendError>;
 
+    /// The first `limit` bytes of each of `keys` (as [`Backend::get_range`] with `0..limit`),
+    /// in the order given, each its own result (`NotFound` for one absent). For the bulk
+    /// reads of many chunks (a pull, an export, a clone's prefetch): the S3 backend reads the
+    /// chunks of one pack with a few ranged GETs of nearby entries ([`s3`], "Reading many").
+    /// Default: one `get_range` each, [`GET_MANY_IN_FLIGHT`] at once.
+    async fn get_many(&self, keys: &[String], limit: u64) -> Vec<Result<Bytes, BackendError>> {
+        use futures::StreamExt;
+        futures::stream::iter(keys.iter().cloned())
+            .map(|k| async move { self.get_range(&k, 0..limit).await })
+            .buffered(GET_MANY_IN_FLIGHT)
+            .collect()
+            .await
+    }
+
     /// Whole object and its version, for a later [`Backend::compare_and_swap`]. Only for the
     /// small mutable objects (tags, tag histories): an object over [`MAX_MUTABLE_LEN`] is
     /// [`BackendError::Other`], refused before its body is read.
@@ -450,6 +464,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// never neither. Errors: `NotFound` when `from` is absent.
     async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError>;
 }
+
+/// Reads [`Backend::get_many`] has in flight at once, by default.
+pub const GET_MANY_IN_FLIGHT: usize = 8;
 
 /// Largest object [`Backend::get_versioned`] reads, bytes (64 MiB, the manifest limit): far
 /// above any tag record or history, far below what would exhaust memory.

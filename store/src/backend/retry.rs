@@ -392,6 +392,21 @@ impl Backend for Retrying {
         r
     }
 
+    /// One pass through the backend's own bulk read; then each object it failed to read for
+    /// a reason worth retrying is read again alone ([`Backend::get_range`], retried as usual).
+    async fn get_many(&self, keys: &[String], limit: u64) -> Vec<Result<Bytes, BackendError>> {
+        self.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        let mut out = self.inner.get_many(keys, limit).await;
+        for (k, r) in keys.iter().zip(out.iter_mut()) {
+            if matches!(r, Err(BackendError::Transient { .. })) {
+                *r = self.get_range(k, 0..limit).await;
+            } else {
+                self.read(r);
+            }
+        }
+        out
+    }
+
     async fn get_versioned(&self, key: &str) -> Result<(Bytes, Version), BackendError> {
         let r = self
             .run("get", key, || self.inner.get_versioned(key))
