@@ -321,7 +321,7 @@ impl Store {
         let found: Vec<(usize, bool)> = futures::stream::iter(by_head)
             .map(|i| {
                 let key = &keys[i];
-                async move { Ok::<_, StoreError>((i, self.backend.head(key).await?.is_some())) }
+                async move { Ok::<_, StoreError>((i, self.backend.loose_present(key).await?)) }
             })
             .buffer_unordered(PRESENCE_CHECKS_IN_FLIGHT)
             .try_collect()

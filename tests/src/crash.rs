@@ -198,6 +198,9 @@ impl Backend for CrashAfterWrites {
     async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
         self.inner.packed_present(keys).await
     }
+    async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
+        self.inner.loose_present(key).await
+    }
 
     async fn put(&self, key: &str, data: Bytes) -> Result<Version, BackendError> {
         let r = self.inner.put(key, data).await;

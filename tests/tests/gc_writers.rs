@@ -168,6 +168,9 @@ impl Backend for BeforeSweepOf {
     async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
         self.inner.packed_present(keys).await
     }
+    async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
+        self.inner.loose_present(key).await
+    }
     async fn layout_report(&self) -> Result<LayoutReport, BackendError> {
         self.inner.layout_report().await
     }

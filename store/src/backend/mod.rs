@@ -392,6 +392,13 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         Ok(vec![false; keys.len()])
     }
 
+    /// Whether an object is at `key` outside the packs (a loose object): the rest of the
+    /// writer's question once [`Backend::packed_present`] said no ([`crate::Store::exist`]).
+    /// Default: [`Backend::head`].
+    async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
+        Ok(self.head(key).await?.is_some())
+    }
+
     /// Sends what `batch` still holds unsent (the S3 backend's last pack and its index),
     /// so that [`Backend::commit_staged`] has nothing left that can fail transiently.
     /// Idempotent: the retry wrapper may call it again after a failure. Default: nothing.

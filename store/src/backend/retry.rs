@@ -509,6 +509,12 @@ impl Backend for Retrying {
         .0
     }
 
+    async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
+        self.run("head", key, || self.inner.loose_present(key))
+            .await
+            .0
+    }
+
     async fn flush_staged(&self, batch: &StageBatch) -> Result<(), BackendError> {
         self.run("flush_staged", "packs/", || self.inner.flush_staged(batch))
             .await

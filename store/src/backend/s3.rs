@@ -1042,6 +1042,13 @@ impl Backend for S3Backend {
         }))
     }
 
+    /// One HEAD of the loose object: no listing of `packs/` (the caller asked
+    /// [`Backend::packed_present`] first, whose misses may be a second stale: a duplicate
+    /// write, never an unsafe answer).
+    async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
+        Ok(self.head_raw(key).await?.is_some())
+    }
+
     async fn flush_staged(&self, batch: &StageBatch) -> Result<(), BackendError> {
         match &batch.s3 {
             Some(b) => self.flush_batch(b).await,

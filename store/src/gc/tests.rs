@@ -250,6 +250,9 @@ impl Backend for Watched {
     async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, crate::BackendError> {
         self.inner.packed_present(keys).await
     }
+    async fn loose_present(&self, key: &str) -> Result<bool, crate::BackendError> {
+        self.inner.loose_present(key).await
+    }
 }
 
 async fn watched(dir: &std::path::Path) -> (std::sync::Arc<Watched>, Store) {
