@@ -14,10 +14,10 @@
 //!   written with [`Backend::stage_if_absent`] into the upload's batch
 //!   ([`Backend::stage_batch`], owned by the upload and given back to the commit) and
 //!   committed once at the end ([`Backend::commit_staged`]; the bookkeeping, shared with a
-//!   copy between stores, is `crate::staging`'s): on S3 each is durable when
-//!   written; locally all go into one pack file made durable by one fsync and visible by one
-//!   index (the promise and its
-//!   argument: [`crate::backend::local`]). The table is returned in input order; publish a
+//!   copy between stores, is `crate::staging`'s): locally all go into one pack file made
+//!   durable by one fsync and visible by one index (the promise and its argument:
+//!   [`crate::backend::local`]); on S3 into pack objects of 32 MiB, each visible by its index
+//!   once sent ([`crate::backend::s3`], "Packs"). The table is returned in input order; publish a
 //!   manifest naming it only after this returns (chunks, then manifest, then tag). Rerunning
 //!   after a crash uploads only what is missing (locally: what was committed is kept).
 //! - Random reads ([`ArtifactReader::read_at`]): offset → chunk by binary search, chunk
@@ -286,32 +286,50 @@ impl Store {
         }
         let file = Arc::new(file);
         let reporter = Reporter::new(progress);
-        let res = futures::stream::iter(table.entries.iter().cloned())
-            .map(|e| {
+        // In batches of READ_BATCH chunks, each read with one `get_chunks` (on S3, a few
+        // ranged GETs of the packs holding them), BATCHES_IN_FLIGHT batches at once.
+        let batches: Vec<Vec<ChunkEntry>> = table
+            .entries
+            .chunks(READ_BATCH)
+            .map(<[ChunkEntry]>::to_vec)
+            .collect();
+        let res = futures::stream::iter(batches)
+            .map(|batch| {
                 let file = file.clone();
                 let reporter = reporter.clone();
                 let partial = partial.clone();
                 async move {
-                    let Some(d) = e.digest else {
-                        reporter.emit(ProgressEvent::Hole { raw_len: e.raw_len });
-                        return Ok(0u64);
-                    };
-                    let raw = self.get_chunk(&d, e.raw_len).await?;
-                    check_len(self, &e, &raw)?;
-                    let n = raw.len() as u64;
-                    tokio::task::spawn_blocking(move || file.write_all_at(&raw, e.offset))
-                        .await?
-                        .map_err(|err| StoreError::io(&partial, err))?;
-                    reporter.emit(ProgressEvent::Chunk {
-                        digest: d,
-                        raw_len: e.raw_len,
-                        stored_len: e.stored_len,
-                        transferred: true,
-                    });
+                    let wanted: Vec<(crate::ChunkDigest, u64)> = batch
+                        .iter()
+                        .filter_map(|e| e.digest.map(|d| (d, e.raw_len)))
+                        .collect();
+                    let mut got = self.get_chunks(&wanted).await.into_iter();
+                    let mut n = 0u64;
+                    for e in batch {
+                        let Some(d) = e.digest else {
+                            reporter.emit(ProgressEvent::Hole { raw_len: e.raw_len });
+                            continue;
+                        };
+                        let raw = got.next().ok_or_else(|| {
+                            StoreError::io("materialize", std::io::Error::other("read lost"))
+                        })??;
+                        check_len(self, &e, &raw)?;
+                        n += raw.len() as u64;
+                        let file = file.clone();
+                        tokio::task::spawn_blocking(move || file.write_all_at(&raw, e.offset))
+                            .await?
+                            .map_err(|err| StoreError::io(&partial, err))?;
+                        reporter.emit(ProgressEvent::Chunk {
+                            digest: d,
+                            raw_len: e.raw_len,
+                            stored_len: e.stored_len,
+                            transferred: true,
+                        });
+                    }
                     Ok::<_, StoreError>(n)
                 }
             })
-            .buffer_unordered(self.parallelism)
+            .buffer_unordered(batches_in_flight(self.parallelism))
             .try_fold(0u64, |a, n| async move { Ok(a + n) })
             .await;
         let written = match res {
@@ -325,6 +343,17 @@ impl Store {
         std::fs::rename(&partial, dest).map_err(|e| StoreError::io(dest, e))?;
         Ok(written)
     }
+}
+
+/// Chunks read with one [`Store::get_chunks`] by the bulk readers (an export, a pull, a
+/// clone's prefetch): 64, 4 MiB of 64 KiB chunks, about 2 MiB stored, so on S3 a batch is
+/// usually one or two ranged GETs of a pack.
+pub const READ_BATCH: usize = 64;
+
+/// Batches read at once for `parallelism` chunk reads: a quarter as many, at least two
+/// (one batch is many chunks; the S3 backend reads its spans in parallel too).
+pub fn batches_in_flight(parallelism: usize) -> usize {
+    (parallelism / 4).max(2)
 }
 
 fn check_len(store: &Store, e: &ChunkEntry, raw: &[u8]) -> Result<(), StoreError> {

@@ -9,8 +9,8 @@
 //! batch of the destination ([`Backend::stage_batch`], [`Backend::stage_if_absent`]) and
 //! committed once ([`Backend::commit_staged`]) before any blob, manifest or tag is written:
 //! a pull into a local store makes one pack file with one fsync (`crate::backend::local`,
-//! "Packs"), not one file per chunk; on S3 each chunk is an object written at once, as
-//! before. The bookkeeping is the upload's (`crate::staging`): a chunk enters the
+//! "Packs"), not one file per chunk; a push to S3 makes pack objects
+//! (`crate::backend::s3`, "Packs"), not one object per chunk. The bookkeeping is the upload's (`crate::staging`): a chunk enters the
 //! destination's known-chunk index only after the commit, and a staged chunk another writer
 //! committed first is taken out of the totals. A failed copy discards its batch (a cancelled
 //! one's batch removes its temp pack as it drops). Every object goes through put-if-absent
@@ -21,6 +21,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 
 use crate::backend::Backend;
@@ -31,6 +32,13 @@ use crate::progress::{ProgressEvent, ProgressFn, Reporter, TransferStats};
 use crate::staging::Staging;
 use crate::tag::TagRef;
 use crate::{Store, StoreError};
+
+/// A chunk of a copy's read batch: digest, raw length, and its stored bytes as read
+/// (`None`: present in the destination, not read).
+type ToCopy = (ChunkDigest, u64, Option<Result<Bytes, StoreError>>);
+
+/// Chunks of one read batch verified and staged at once by a copy.
+const STAGES_PER_BATCH: usize = 4;
 
 /// Blobs up to this size (bytes, 64 MiB) are copied in memory; larger ones through a temp file.
 pub const IN_MEMORY_BLOB_LIMIT: u64 = 64 << 20;
@@ -150,42 +158,82 @@ async fn copy_closure(
     let batch_owned = dst.backend.stage_batch();
     let batch = &batch_owned;
     let staging = &Mutex::new(Staging::default());
-    let copied = futures::stream::iter(chunks)
-        .map(|(c, len)| async move {
-            let stored_len;
-            let transferred = if present.contains(&ObjectRef::Chunk(c)) {
-                // Indexed as known after the commit (which makes it durable here too).
-                staging
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .found
-                    .push(c);
-                stored_len = 0;
-                false
-            } else {
-                let stored = src.get_chunk_stored(&c).await?;
-                stored_len = stored.len() as u64;
-                let url = src.url().to_string();
-                let s2 = stored.clone();
-                // Verified before it is written: corruption is never passed on.
-                tokio::task::spawn_blocking(move || crate::chunk::decode(&c, &s2, len, &url))
-                    .await??;
-                let enc = crate::chunk::EncodedChunk {
-                    digest: c,
-                    raw_len: len,
-                    stored,
-                };
-                dst.stage_chunk(&enc, batch, staging).await?
-            };
-            reporter.emit(ProgressEvent::Chunk {
-                digest: c,
-                raw_len: len,
-                stored_len,
-                transferred,
-            });
-            Ok::<_, StoreError>(())
+    // Read in batches ([`crate::artifact::READ_BATCH`] chunks, one `get_chunks_stored`: on S3
+    // a few ranged GETs of the packs holding them), each batch's chunks then verified and
+    // staged a few at a time.
+    let groups: Vec<Vec<(ChunkDigest, u64)>> = chunks
+        .chunks(crate::artifact::READ_BATCH)
+        .map(<[(ChunkDigest, u64)]>::to_vec)
+        .collect();
+    let copied = futures::stream::iter(groups)
+        .map(|group| async move {
+            let missing: Vec<ChunkDigest> = group
+                .iter()
+                .map(|(c, _)| *c)
+                .filter(|c| !present.contains(&ObjectRef::Chunk(*c)))
+                .collect();
+            let mut read = src.get_chunks_stored(&missing).await.into_iter();
+            let items: Vec<ToCopy> = group
+                .into_iter()
+                .map(|(c, len)| {
+                    let r = if present.contains(&ObjectRef::Chunk(c)) {
+                        None
+                    } else {
+                        Some(read.next().unwrap_or_else(|| {
+                            Err(StoreError::io("copy", std::io::Error::other("read lost")))
+                        }))
+                    };
+                    (c, len, r)
+                })
+                .collect();
+            futures::stream::iter(items)
+                .map(|(c, len, read)| async move {
+                    let stored_len;
+                    let transferred = match read {
+                        None => {
+                            // Indexed as known after the commit (which makes it durable here
+                            // too).
+                            staging
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .found
+                                .push(c);
+                            stored_len = 0;
+                            false
+                        }
+                        Some(stored) => {
+                            let stored = stored?;
+                            stored_len = stored.len() as u64;
+                            let url = src.url().to_string();
+                            let s2 = stored.clone();
+                            // Verified before it is written: corruption is never passed on.
+                            tokio::task::spawn_blocking(move || {
+                                crate::chunk::decode(&c, &s2, len, &url)
+                            })
+                            .await??;
+                            let enc = crate::chunk::EncodedChunk {
+                                digest: c,
+                                raw_len: len,
+                                stored,
+                            };
+                            dst.stage_chunk(&enc, batch, staging).await?
+                        }
+                    };
+                    reporter.emit(ProgressEvent::Chunk {
+                        digest: c,
+                        raw_len: len,
+                        stored_len,
+                        transferred,
+                    });
+                    Ok::<_, StoreError>(())
+                })
+                .buffer_unordered(STAGES_PER_BATCH)
+                .try_collect::<()>()
+                .await
         })
-        .buffer_unordered(src.parallelism.max(dst.parallelism))
+        .buffer_unordered(crate::artifact::batches_in_flight(
+            src.parallelism.max(dst.parallelism),
+        ))
         .try_collect::<()>()
         .await;
     let staging = std::mem::take(&mut *staging.lock().unwrap_or_else(|p| p.into_inner()));

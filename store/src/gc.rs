@@ -63,6 +63,18 @@
 //!   holds for them as for its own. Verify counts a fossil as presence of its object
 //!   ([`crate::verify`]), so a store is verify-clean at every point of a run.
 //!
+//! Packs change what "present under its key" means, not the argument. In both backends a
+//! chunk may live in a pack (local: [`crate::backend::local`], "Packs"; S3:
+//! [`crate::backend::s3`], "Packs"), present while its pack's index names it and no
+//! deletion does; the condemn step copies it to its fossil key as a loose object and *then*
+//! records the deletion (a dead file's entry locally, a dead marker object on S3), so an
+//! interruption leaves both, never neither. What the argument needs of a look-up, that a
+//! writer finding X present saw the store as of after its lease, holds because a hit is
+//! always checked against the store itself when it is asked: locally an `lstat` of the
+//! pack's dead file (the sweep lock serialises it besides), on S3 a LIST of the pack's dead
+//! markers and index, never the process's cached map. A stale miss only makes the writer
+//! write X again (a new pack entry or loose object), which is the second case above.
+//!
 //! On a local store GC also holds the sweep lock (a `flock(2)` in the store directory)
 //! exclusively from its first lease read to its last delete, and look-ups for reuse take it
 //! shared ([`crate::lease::Lease::find_present`]), so there a look-up never falls between a

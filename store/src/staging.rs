@@ -6,8 +6,8 @@
 //! [`Staging`] behind a mutex), and then either commits once with [`Store::commit_chunks`]
 //! (before anything naming the chunks is written: chunks, then blobs and manifests, then the
 //! tag) or, on a failure, forgets it all with [`Store::discard_chunks`] (a batch dropped
-//! without either, e.g. a cancelled future, removes its temp pack as it drops). On S3 each
-//! chunk is durable when staged and the commit has nothing to write.
+//! without either, e.g. a cancelled future, removes its temp pack as it drops). On S3 the
+//! batch's packs are sent as they fill, and the commit sends the last one.
 
 use std::sync::Mutex;
 

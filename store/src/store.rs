@@ -274,7 +274,8 @@ impl Store {
     }
 
     /// Which of `objs` exist, in the order given (`true`: present). Answers for every object
-    /// from the store itself, never from the known-chunk index.
+    /// from the store itself, never from the known-chunk index. Packed chunks first
+    /// ([`Backend::packed_present`]), then the rest:
     ///
     /// Where the backend lists in key order ([`Backend::ordered_listing`]: S3) and at least
     /// [`LIST_MIN_KEYS`] objects share a key prefix (`chunks/sha256/`, ...), they are found by
@@ -288,7 +289,13 @@ impl Store {
         let mut out = vec![false; objs.len()];
         let keys: Vec<String> = objs.iter().map(|o| o.key()).collect();
         // By prefix (the key up to its last `/`), then by key.
-        let mut order: Vec<usize> = (0..keys.len()).collect();
+        // Chunks the backend holds in packs ([`Backend::packed_present`]: S3, one listing of
+        // each pack's dead markers); the rest as loose objects below.
+        let packed = self.backend.packed_present(&keys).await?;
+        let mut order: Vec<usize> = (0..keys.len()).filter(|&i| !packed[i]).collect();
+        for (i, p) in packed.iter().enumerate() {
+            out[i] = *p;
+        }
         let dir = |k: &str| k.rfind('/').map_or(0, |i| i + 1);
         order.sort_by(|&a, &b| {
             let (ka, kb) = (&keys[a], &keys[b]);
@@ -314,7 +321,7 @@ impl Store {
         let found: Vec<(usize, bool)> = futures::stream::iter(by_head)
             .map(|i| {
                 let key = &keys[i];
-                async move { Ok::<_, StoreError>((i, self.backend.head(key).await?.is_some())) }
+                async move { Ok::<_, StoreError>((i, self.backend.loose_present(key).await?)) }
             })
             .buffer_unordered(PRESENCE_CHECKS_IN_FLIGHT)
             .try_collect()
@@ -441,7 +448,78 @@ impl Store {
             return Ok(b);
         }
         let stored = self.get_chunk_stored(digest).await?;
-        let d = *digest;
+        self.decode_chunk(*digest, stored, max_raw_len).await
+    }
+
+    /// [`Store::get_chunk_stored`] of many chunks at once, in the order given: one
+    /// [`Backend::get_many`] (on S3 a few ranged GETs per pack instead of a GET per chunk),
+    /// then each chunk it found absent read alone the usual way (its fossil, say).
+    pub async fn get_chunks_stored(
+        &self,
+        digests: &[ChunkDigest],
+    ) -> Vec<Result<Bytes, StoreError>> {
+        let keys: Vec<String> = digests.iter().map(|d| d.key()).collect();
+        let got = self
+            .backend
+            .get_many(&keys, chunk::MAX_STORED_CHUNK_LEN + 1)
+            .await;
+        let mut out = Vec::with_capacity(digests.len());
+        for (d, r) in digests.iter().zip(got) {
+            out.push(match r {
+                Ok(b) if b.len() as u64 <= chunk::MAX_STORED_CHUNK_LEN => Ok(b),
+                Ok(_) => self.get_chunk_stored(d).await,
+                Err(e) if e.is_not_found() => self.get_chunk_stored(d).await,
+                Err(e) => Err(e.into()),
+            });
+        }
+        out
+    }
+
+    /// [`Store::get_chunk`] of many chunks at once (digest, raw length bound), in the order
+    /// given: the read cache first, the rest with [`Store::get_chunks_stored`], each then
+    /// decoded and verified (and cached) as [`Store::get_chunk`] does.
+    pub async fn get_chunks(
+        &self,
+        chunks: &[(ChunkDigest, u64)],
+    ) -> Vec<Result<Bytes, StoreError>> {
+        let mut out: Vec<Option<Result<Bytes, StoreError>>> = chunks.iter().map(|_| None).collect();
+        if let Some(c) = &self.cache {
+            for (i, (d, _)) in chunks.iter().enumerate() {
+                if let Some(b) = c.get(d).await {
+                    out[i] = Some(Ok(b));
+                }
+            }
+        }
+        let missing: Vec<usize> = (0..chunks.len()).filter(|&i| out[i].is_none()).collect();
+        let digests: Vec<ChunkDigest> = missing.iter().map(|&i| chunks[i].0).collect();
+        let stored = self.get_chunks_stored(&digests).await;
+        for (i, s) in missing.into_iter().zip(stored) {
+            let (d, max_raw_len) = chunks[i];
+            out[i] = Some(match s {
+                Ok(stored) => self.decode_chunk(d, stored, max_raw_len).await,
+                Err(e) => Err(e),
+            });
+        }
+        out.into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(StoreError::io(
+                        "get_chunks",
+                        std::io::Error::other("no read made"),
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// A chunk's stored bytes decoded and verified (the known index forgets it when they are
+    /// bad), then put in the read cache.
+    async fn decode_chunk(
+        &self,
+        d: ChunkDigest,
+        stored: Bytes,
+        max_raw_len: u64,
+    ) -> Result<Bytes, StoreError> {
         let url = self.url().to_string();
         let raw =
             tokio::task::spawn_blocking(move || chunk::decode(&d, &stored, max_raw_len, &url))
@@ -450,12 +528,12 @@ impl Store {
         let raw = match raw {
             Ok(r) => Bytes::from(r),
             Err(e) => {
-                self.known.forget(digest);
+                self.known.forget(&d);
                 return Err(e.into());
             }
         };
         if let Some(c) = &self.cache {
-            c.put(digest, raw.clone()).await;
+            c.put(&d, raw.clone()).await;
         }
         Ok(raw)
     }

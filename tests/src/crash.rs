@@ -187,6 +187,21 @@ impl Backend for CrashAfterWrites {
         self.inner.discard_staged(batch, staged).await
     }
 
+    /// A write when it sends anything (the S3 backend's last pack and index), counted like
+    /// the commit.
+    async fn flush_staged(&self, batch: &StageBatch) -> Result<(), BackendError> {
+        let r = self.inner.flush_staged(batch).await;
+        self.wrote("(flush of staged objects)").await;
+        r
+    }
+
+    async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        self.inner.packed_present(keys).await
+    }
+    async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
+        self.inner.loose_present(key).await
+    }
+
     async fn put(&self, key: &str, data: Bytes) -> Result<Version, BackendError> {
         let r = self.inner.put(key, data).await;
         self.wrote(key).await;

@@ -16,7 +16,8 @@ use futures_like::BoxFuture;
 use kiln_store::artifact::PutArtifactOptions;
 use kiln_store::backend::s3::{S3Backend, S3Options};
 use kiln_store::backend::{
-    Backend, BackendError, ListPage, ObjectInfo, PutOutcome, StoreUrl, Version,
+    Backend, BackendError, CompactReport, LayoutReport, ListPage, ObjectInfo, PutOutcome,
+    StageBatch, Staged, StagedPut, StoreUrl, Version,
 };
 use kiln_store::gc::GcOptions;
 use kiln_store::manifest::{ImageManifest, Manifest, ObjectRef};
@@ -138,6 +139,47 @@ impl Backend for BeforeSweepOf {
     async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError> {
         self.maybe_run(from).await;
         self.inner.rename(from, to).await
+    }
+    // The S3 backend's packs (issue 33): writes go through them as without the injector.
+    fn stage_batch(&self) -> StageBatch {
+        self.inner.stage_batch()
+    }
+    async fn stage_if_absent(
+        &self,
+        batch: &StageBatch,
+        key: &str,
+        data: Bytes,
+    ) -> Result<Staged, BackendError> {
+        self.inner.stage_if_absent(batch, key, data).await
+    }
+    async fn flush_staged(&self, batch: &StageBatch) -> Result<(), BackendError> {
+        self.inner.flush_staged(batch).await
+    }
+    async fn commit_staged(
+        &self,
+        batch: StageBatch,
+        staged: Vec<StagedPut>,
+    ) -> Result<Vec<PutOutcome>, BackendError> {
+        self.inner.commit_staged(batch, staged).await
+    }
+    async fn discard_staged(&self, batch: StageBatch, staged: Vec<StagedPut>) {
+        self.inner.discard_staged(batch, staged).await
+    }
+    async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        self.inner.packed_present(keys).await
+    }
+    async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
+        self.inner.loose_present(key).await
+    }
+    async fn layout_report(&self) -> Result<LayoutReport, BackendError> {
+        self.inner.layout_report().await
+    }
+    async fn compact(
+        &self,
+        dry_run: bool,
+        also_dead: &[String],
+    ) -> Result<CompactReport, BackendError> {
+        self.inner.compact(dry_run, also_dead).await
     }
 }
 

@@ -258,6 +258,9 @@ fn s3_through(
             allow_http: Some(true),
             request_timeout: Some(Duration::from_secs(3)),
             connect_timeout: Some(Duration::from_secs(3)),
+            // Packs of 256 KiB (four chunks), so an upload that gives up part way has sent
+            // some of its packs whole (issue 33: what was sent is kept per pack).
+            pack_target: Some(256 << 10),
             ..Default::default()
         },
         retry: RetryPolicy {

@@ -50,8 +50,9 @@
 //! ## The prefetch list
 //! A snapshot whose manifest carries a prefetch list ([`kiln_store::PrefetchList`], recorded
 //! by `kiln snapshot`: [`crate::snapshot`]) has those chunks fetched by the server as soon as
-//! it is mounted, [`PREFETCH_PARALLEL`] at a time, in the background while the clone starts:
-//! each through the store's read cache (verified, kept), so the clone's own reads of them
+//! it is mounted, in batches read with one [`Store::get_chunks`] each (on S3 a few ranged
+//! GETs per pack, not a GET per chunk), [`PREFETCH_PARALLEL`] reads' worth at a time, in the
+//! background while the clone starts: each through the store's read cache (verified, kept), so the clone's own reads of them
 //! hit the cache. Only for a store with a read cache (not a local directory, whose chunks are
 //! already on this host). When it is done the server writes [`PREFETCH_DONE`]. A chunk the
 //! clone reads before its prefetch has fetched it is fetched by both (the read does not wait).
@@ -107,7 +108,8 @@ pub const SERVER_RECORD: &str = "server.json";
 pub const SERVER_LOG: &str = "lazy.log";
 /// Written by the server when its prefetch is done: `<fetched> <failed> <bytes> <ms>`.
 pub const PREFETCH_DONE: &str = "prefetch.done";
-/// How many prefetch fetches run at once.
+/// How many chunk reads the prefetch has in flight (as batches of
+/// [`kiln_store::artifact::READ_BATCH`]: [`kiln_store::artifact::batches_in_flight`]).
 pub const PREFETCH_PARALLEL: usize = 8;
 /// The lock starts hold shared while they use the server.
 const USE_LOCK: &str = "lazy.use";
@@ -708,38 +710,49 @@ where
     std::process::exit(0);
 }
 
-/// Fetches `chunks` (digest, raw length) into the store's read cache, [`PREFETCH_PARALLEL`] at
-/// a time, then writes [`PREFETCH_DONE`] in `dir`. A chunk that fails is skipped (its first
-/// error goes to the server's log): the clone's own read of it will fail and be named.
+/// Fetches `chunks` (digest, raw length) into the store's read cache in batches of
+/// [`kiln_store::artifact::READ_BATCH`] in list order, each with one
+/// [`Store::get_chunks`] (on S3 a few ranged GETs of the packs holding them, instead of a
+/// GET per chunk), [`PREFETCH_PARALLEL`] chunk reads' worth of batches at a time, then
+/// writes [`PREFETCH_DONE`] in `dir`. A chunk that fails is skipped (its first error goes to
+/// the server's log): the clone's own read of it will fail and be named.
 async fn prefetch(store: Store, chunks: Vec<(kiln_store::ChunkDigest, u64)>, dir: PathBuf) {
     let t0 = std::time::Instant::now();
-    let slots = Arc::new(tokio::sync::Semaphore::new(PREFETCH_PARALLEL));
+    let slots = Arc::new(tokio::sync::Semaphore::new(
+        kiln_store::artifact::batches_in_flight(PREFETCH_PARALLEL),
+    ));
     let mut set = tokio::task::JoinSet::new();
-    for (d, len) in chunks {
-        let (store, slots) = (store.clone(), slots.clone());
+    for group in chunks.chunks(kiln_store::artifact::READ_BATCH) {
+        let (store, slots, group) = (store.clone(), slots.clone(), group.to_vec());
         set.spawn(async move {
             let _slot = slots.acquire_owned().await;
             store
-                .get_chunk(&d, len)
+                .get_chunks(&group)
                 .await
-                .map(|b| b.len() as u64)
-                .map_err(|e| e.to_string())
+                .into_iter()
+                .map(|r| r.map(|b| b.len() as u64).map_err(|e| e.to_string()))
+                .collect::<Vec<_>>()
         });
     }
     let (mut fetched, mut failed, mut bytes) = (0u64, 0u64, 0u64);
     while let Some(r) = set.join_next().await {
-        match r {
-            Ok(Ok(n)) => {
-                fetched += 1;
-                bytes += n;
-            }
-            Ok(Err(e)) => {
-                if failed == 0 {
-                    eprintln!("kiln chunk server: prefetch: {e}");
+        let Ok(results) = r else {
+            failed += 1;
+            continue;
+        };
+        for r in results {
+            match r {
+                Ok(n) => {
+                    fetched += 1;
+                    bytes += n;
                 }
-                failed += 1;
+                Err(e) => {
+                    if failed == 0 {
+                        eprintln!("kiln chunk server: prefetch: {e}");
+                    }
+                    failed += 1;
+                }
             }
-            Err(_) => failed += 1,
         }
     }
     let ms = t0.elapsed().as_millis();

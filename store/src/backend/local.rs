@@ -32,9 +32,9 @@
 //!   under the packs lock. Made empty at the commit, so that its size is a deletion counter:
 //!   it only grows.
 //!
-//! The format is the backend's, not the local file system's: the S3 backend can reuse it
-//! (packs as objects, read by ranged GETs). S3 is unchanged in this slice: each chunk is
-//! still an object of its own there.
+//! The format is the backend's, not the local file system's: the S3 backend uses it too
+//! (packs as objects, read by ranged GETs: [`super::s3`], "Packs"); the encoder and decoder
+//! are one module, [`super::pack`].
 //!
 //! **Staging.** [`Backend::stage_batch`] gives an upload its batch ([`PackBatch`]): a temp
 //! pack `.tmp/<name>.pack`, made at its first chunk. Each staged chunk reserves its range with
@@ -1411,6 +1411,7 @@ impl Backend for LocalBackend {
                 name.clone(),
                 tmp.with_file_name(format!("{name}.pack")),
             ))),
+            s3: None,
         }
     }
 

@@ -12,8 +12,10 @@
 
 pub mod local;
 mod local_pack;
+pub(crate) mod pack;
 pub mod retry;
 pub mod s3;
+pub mod s3_pack;
 
 use std::fmt;
 use std::ops::Range;
@@ -202,12 +204,15 @@ pub struct StagedPut {
 
 /// One upload's staged writes: what [`Backend::stage_if_absent`] writes into and what
 /// [`Backend::commit_staged`] or [`Backend::discard_staged`] ends. A backend that stages
-/// nothing (S3: every write is durable at once) gives an empty one; the local backend's holds
-/// the batch's pack file ([`local`], "Packs"). Two uploads at once in one process have two
-/// batches. Dropped unused (its upload cancelled), it removes what it wrote.
+/// nothing gives an empty one; the local backend's holds the batch's pack file ([`local`],
+/// "Packs"), the S3 backend's the packs being filled and sent ([`s3`], "Packs"). Two uploads at once in one process have two
+/// batches. Dropped unused (its upload cancelled), it removes what it wrote (locally; on S3 a
+/// pack already sent without its index stays, invisible, until a compaction removes it).
 #[derive(Debug, Default)]
 pub struct StageBatch {
     pub(crate) pack: Option<Arc<local::PackBatch>>,
+    /// The S3 backend's packs being written ([`s3`], "Packs").
+    pub(crate) s3: Option<Arc<s3_pack::S3Batch>>,
 }
 
 impl StageBatch {
@@ -276,6 +281,20 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Bytes `range` (half-open, in bytes) of the object. A range past the end is clipped by
     /// the backend; callers check lengths.
     async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes, BackendError>;
+
+    /// The first `limit` bytes of each of `keys` (as [`Backend::get_range`] with `0..limit`),
+    /// in the order given, each its own result (`NotFound` for one absent). For the bulk
+    /// reads of many chunks (a pull, an export, a clone's prefetch): the S3 backend reads the
+    /// chunks of one pack with a few ranged GETs of nearby entries ([`s3`], "Reading many").
+    /// Default: one `get_range` each, [`GET_MANY_IN_FLIGHT`] at once.
+    async fn get_many(&self, keys: &[String], limit: u64) -> Vec<Result<Bytes, BackendError>> {
+        use futures::StreamExt;
+        futures::stream::iter(keys.iter().cloned())
+            .map(|k| async move { self.get_range(&k, 0..limit).await })
+            .buffered(GET_MANY_IN_FLIGHT)
+            .collect()
+            .await
+    }
 
     /// Whole object and its version, for a later [`Backend::compare_and_swap`]. Only for the
     /// small mutable objects (tags, tag histories): an object over [`MAX_MUTABLE_LEN`] is
@@ -364,6 +383,30 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         Ok(Staged::Done(self.put_if_absent(key, data, None).await?))
     }
 
+    /// Which of `keys` are chunks this backend holds in packs, live, as of a look-up made
+    /// after the call began (`true`: present; a `false` says nothing, the key may still be
+    /// a loose object). Backs [`crate::Store::exist`], the writer's question, so a `true`
+    /// must never be stale (see [`crate::gc`]); a `false` may be (it costs a duplicate
+    /// write). Default: all `false`, no request (no packs).
+    async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        Ok(vec![false; keys.len()])
+    }
+
+    /// Whether an object is at `key` outside the packs (a loose object): the rest of the
+    /// writer's question once [`Backend::packed_present`] said no ([`crate::Store::exist`]).
+    /// Default: [`Backend::head`].
+    async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
+        Ok(self.head(key).await?.is_some())
+    }
+
+    /// Sends what `batch` still holds unsent (the S3 backend's last pack and its index),
+    /// so that [`Backend::commit_staged`] has nothing left that can fail transiently.
+    /// Idempotent: the retry wrapper may call it again after a failure. Default: nothing.
+    async fn flush_staged(&self, batch: &StageBatch) -> Result<(), BackendError> {
+        let _ = batch;
+        Ok(())
+    }
+
     /// A new batch for [`Backend::stage_if_absent`] (one per upload). Default: an empty one
     /// (this backend stages nothing).
     fn stage_batch(&self) -> StageBatch {
@@ -428,6 +471,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// never neither. Errors: `NotFound` when `from` is absent.
     async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError>;
 }
+
+/// Reads [`Backend::get_many`] has in flight at once, by default.
+pub const GET_MANY_IN_FLIGHT: usize = 8;
 
 /// Largest object [`Backend::get_versioned`] reads, bytes (64 MiB, the manifest limit): far
 /// above any tag record or history, far below what would exhaust memory.

@@ -392,6 +392,21 @@ impl Backend for Retrying {
         r
     }
 
+    /// One pass through the backend's own bulk read; then each object it failed to read for
+    /// a reason worth retrying is read again alone ([`Backend::get_range`], retried as usual).
+    async fn get_many(&self, keys: &[String], limit: u64) -> Vec<Result<Bytes, BackendError>> {
+        self.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        let mut out = self.inner.get_many(keys, limit).await;
+        for (k, r) in keys.iter().zip(out.iter_mut()) {
+            if matches!(r, Err(BackendError::Transient { .. })) {
+                *r = self.get_range(k, 0..limit).await;
+            } else {
+                self.read(r);
+            }
+        }
+        out
+    }
+
     async fn get_versioned(&self, key: &str) -> Result<(Bytes, Version), BackendError> {
         let r = self
             .run("get", key, || self.inner.get_versioned(key))
@@ -486,13 +501,37 @@ impl Backend for Retrying {
         r
     }
 
-    /// Not retried: it consumes the batch, and only the local backend stages (its failures
-    /// are never transient).
+    async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        self.run("packed_present", "packs/", || {
+            self.inner.packed_present(keys)
+        })
+        .await
+        .0
+    }
+
+    async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
+        self.run("head", key, || self.inner.loose_present(key))
+            .await
+            .0
+    }
+
+    async fn flush_staged(&self, batch: &StageBatch) -> Result<(), BackendError> {
+        self.run("flush_staged", "packs/", || self.inner.flush_staged(batch))
+            .await
+            .0
+    }
+
+    /// Not retried itself: it consumes the batch. What can fail transiently in it (the S3
+    /// backend's last pack and index PUTs) is sent first by [`Backend::flush_staged`], which
+    /// is retried; the local backend's failures are never transient.
     async fn commit_staged(
         &self,
         batch: StageBatch,
         staged: Vec<StagedPut>,
     ) -> Result<Vec<PutOutcome>, BackendError> {
+        if batch.s3.is_some() {
+            self.flush_staged(&batch).await?;
+        }
         self.metrics.requests.fetch_add(1, Ordering::Relaxed);
         let r = self.inner.commit_staged(batch, staged).await;
         if r.is_err() {

@@ -12,14 +12,115 @@
 //! parts. `object_store`'s own retry loop is switched off: [`super::retry::Retrying`] is the one
 //! retry layer, and errors are classified here (5xx, 408, 429 and connection/timeout failures
 //! are `Transient`).
+//!
+//! ## Packs (issue 33): an upload's chunks in a few objects
+//! Before, each 64 KiB chunk was an object of its own: pushing an image was thousands of
+//! PUTs, and moto (the CI's S3) serves about 400 requests a second. Now the chunks an upload
+//! (or a copy into this store) stages go up in *packs*, in the local backend's format
+//! ([`super::pack`]: one encoder and decoder for both):
+//! - `packs/<name>.pack`: the chunks' stored bytes (each one zstd frame, exactly what a loose
+//!   chunk object holds), concatenated. `<name>` is `<host>-<pid>-<n>-<nanos>`, unique per
+//!   writer.
+//! - `packs/<name>.idx`: the `KILNPIDX` index (entries sorted by digest: digest, offset,
+//!   stored length; then a sha256 of it all), immutable.
+//! - `packs/<name>.dead/<hex>`: one empty object per deleted chunk of the pack (a key
+//!   segment may not start with `.`, [`validate_key`], hence `.dead/` inside the segment).
+//!
+//! Keys in manifests stay `chunks/sha256/<hex>`: where a chunk lives is the store's business
+//! (a manifest's digest must not depend on the store holding it). Loose chunk objects, from
+//! stores written before packs, or GC's put-backs, are read as before: **no migration**.
+//!
+//! **Writing.** [`Backend::stage_batch`] gives an upload an `S3Batch`: staged chunks are
+//! appended to an in-memory pack; at [`super::s3_pack::PACK_TARGET`] bytes (32 MiB, or
+//! [`S3Options::pack_target`]; see there why) the stager that filled it sends it: one PUT of
+//! the pack, and only once that returned, a put-if-absent of its index. The other stagers go
+//! on filling the next pack meanwhile, so memory is bounded by the pack being filled plus at
+//! most one pack in flight per stager. [`Backend::commit_staged`] (after
+//! [`Backend::flush_staged`], which the retry wrapper retries: sending is idempotent, a
+//! pack taken for sending is handed back to the batch if its send stops short, even by a
+//! dropped future) closes the last pack and sends it the same way; before that it lists
+//! `packs/` afresh and leaves out of the last pack every chunk another writer published
+//! meanwhile (their outcome is `AlreadyExists`, as locally; one process's commits take turns
+//! there, so two uploads in one process never publish a chunk twice). An index therefore
+//! appears only after its whole pack: a reader that sees an index can read every entry. A
+//! crash leaves at most a pack without an index: invisible to every read, listing, verify
+//! and GC; a failed upload's discard deletes the packs it sent, and
+//! [`Backend::compact`] deletes any pack without an index older than
+//! [`super::s3_pack::ORPHAN_AGE`] (24 h), which no writer still uploading can own: a writer never
+//! puts an index more than [`super::s3_pack::INDEX_DEADLINE`] (12 h) after its pack (it fails its
+//! upload instead). A chunk found live in a pack when staged is not written
+//! ([`Staged::Done`]); a loose object is not asked for there (the writer's look-up just did,
+//! [`crate::Store::exist`]), so a duplicate is possible, and harmless.
+//!
+//! **The view.** Each backend keeps a map digest → (pack, offset, stored length, index
+//! last-modified), built from one LIST of `packs/` (which also gives every dead marker) plus
+//! one GET of each index not loaded yet (indexes are immutable: each is loaded once; one that
+//! fails its checks is refused, see below). One listing runs at a time, and callers waiting
+//! for it share the next one, so a burst of look-ups costs at most two listings. How fresh
+//! it must be depends on the question:
+//! - *A hit is never trusted for a writer's question.* [`Backend::head`],
+//!   [`Backend::put_if_absent`], [`Backend::stage_if_absent`] and
+//!   [`Backend::packed_present`] (what [`crate::Store::exist`] asks first: one listing per
+//!   pack for all of an upload's look-ups in it) check the pack afresh with a LIST of
+//!   `packs/<name>.`: its dead markers, then its index, in key order. Live means: index
+//!   still there and no marker for the chunk, as of a request made after the call began.
+//! - *A miss* is looked up again: a read ([`Backend::get`], [`Backend::get_range`]) first
+//!   tries the loose object, and only when that is absent lists `packs/` again (so a store
+//!   written before packs costs no request more); [`Backend::head`] lists again on a loose
+//!   miss; a write look-up lists again at most every second
+//!   ([`super::s3_pack::WRITE_RELIST`]: a stale miss costs a duplicate, never safety).
+//! - A read of a packed chunk is one ranged GET of its pack, with a HEAD of its dead marker
+//!   at the same time (so a deleted chunk reads as absent, then its loose copy if any).
+//!
+//! **Deleting.** [`Backend::delete`] of a chunk deletes a loose object and writes a dead
+//! marker in every pack that holds the chunk live (on a view listed after the call began).
+//! [`Backend::rename`] of a packed chunk (GC's condemn step) PUTs its stored bytes at the
+//! destination as a loose object, *then* writes the dead markers: an interruption leaves both
+//! keys, never neither, as the trait promises. GC's put-back writes a loose
+//! `chunks/sha256/<hex>`. [`Backend::list`] over `chunks/` yields the loose objects and the
+//! live packed entries (size: stored length; modified: the index's last-modified, which
+//! GC's grace period reads), a chunk both loose and packed once, with the later time.
+//!
+//! **Why GC stays safe** ([`crate::gc`]'s argument, which rests on read-after-write
+//! consistency and on writers leasing before looking up). Packs change only *how* "X is
+//! present under its key" is decided: X is a live entry (index present, no marker) or a
+//! loose object. Condemning X makes it absent under its key by writes that have returned
+//! before phase 2 reads the leases: the copy to `fossil/X`, then the marker. Every positive
+//! answer a writer gets comes from requests made after its look-up began, so after its
+//! lease: a LIST of the pack's markers and index (strongly consistent), never the cached
+//! view. So a writer that found X present did so either before the marker was written (then
+//! its lease was written earlier still, phase 2 sees it and puts X back) or not at all (it
+//! wrote X afresh). A retired pack is no exception: its index is deleted before its pack
+//! and markers, and the fresh check lists the markers before the index, so a check that saw
+//! no marker and the index saw the pack before any of its markers went. A stale *miss* only
+//! makes a writer write X again (a new pack or loose object, which no GC phase deletes, as
+//! it deletes only fossils). Verify counts the fossil as presence, as before.
+//!
+//! **Reading many** ([`Backend::get_many`], used by pulls, exports and a clone's
+//! prefetch): the requested chunks the view has packed are grouped by pack; each pack's dead
+//! markers are listed once (fresh, as every read), and its live entries, in pack order, are
+//! read by ranged GETs of spans of nearby entries ([`GET_MANY_GAP`], [`GET_MANY_SPAN`]).
+//! Everything else (loose objects, entries dead or moved) is read one by one as
+//! [`Backend::get_range`] would.
+//!
+//! **Damage.** An index that fails its checks (not an index, bad checksum, entries out of
+//! order, an entry past its pack's size, its pack missing) is refused: logged, reported by
+//! [`Backend::layout_report`] (so `kiln store verify`: `corruptStoreFile`), and only its own
+//! chunks are not served. The report also counts packs, their bytes and their dead bytes.
+//!
+//! **Compaction** ([`Backend::compact`], after GC's deletes, under its lock) retires every
+//! pack with no chunk left to serve: its index deleted first (the pack is invisible from
+//! then on), then the pack, then its markers. Packs partly dead are not rewritten yet: their
+//! dead bytes stay, counted by verify.
 
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::list::{PaginatedListOptions, PaginatedListStore};
 use object_store::path::Path as OsPath;
@@ -29,8 +130,15 @@ use object_store::{
 };
 use tokio::io::AsyncReadExt;
 
+use super::pack::{IdxEntry, chunk_digest, chunk_key, decode_index, encode_index};
+use super::s3_pack::{
+    INDEX_DEADLINE, Listing, Loc, ORPHAN_AGE, PACK_PREFIX, PACK_TARGET, PackMeta, PackObject,
+    S3Batch, Sealed, View, WRITE_RELIST, dead_key, dead_prefix, idx_key, pack_key, pack_prefix,
+    parse_key,
+};
 use super::{
-    Backend, BackendError, LIST_PAGE_MAX, ListPage, ObjectInfo, PutOutcome, Version, validate_key,
+    Backend, BackendError, CompactReport, LIST_PAGE_MAX, LayoutReport, ListPage, ObjectInfo,
+    PutOutcome, StageBatch, Staged, StagedPut, Version, validate_key,
 };
 use crate::digest::{Hasher, Sha256Hash};
 
@@ -58,6 +166,10 @@ pub struct S3Options {
     pub request_timeout: Option<Duration>,
     /// Connect timeout (default 5 s).
     pub connect_timeout: Option<Duration>,
+    /// Bytes at which an upload's pack is closed and sent (default
+    /// [`super::s3_pack::PACK_TARGET`], 32 MiB). Smaller keeps more of an upload that fails
+    /// part way on a flaky link (what was sent is kept per pack); larger makes fewer requests.
+    pub pack_target: Option<u64>,
 }
 
 impl S3Options {
@@ -76,6 +188,17 @@ pub struct S3Backend {
     bucket: String,
     prefix: String,
     url: String,
+    /// The view of the committed packs ([`super::s3_pack`]).
+    packs: PackState,
+    /// [`S3Options::pack_target`].
+    pack_target: u64,
+}
+
+/// The process's view of the packs, and the one listing of `packs/` at a time.
+#[derive(Debug, Default)]
+struct PackState {
+    view: std::sync::RwLock<View>,
+    relist: tokio::sync::Mutex<()>,
 }
 
 impl S3Backend {
@@ -133,6 +256,8 @@ impl S3Backend {
             bucket: bucket.to_string(),
             prefix: prefix.to_string(),
             url,
+            packs: PackState::default(),
+            pack_target: opts.pack_target.unwrap_or(PACK_TARGET).max(1),
         })
     }
 
@@ -403,13 +528,10 @@ fn classify(
     }
 }
 
-#[async_trait::async_trait]
-impl Backend for S3Backend {
-    fn url(&self) -> &str {
-        &self.url
-    }
-
-    async fn get(&self, key: &str) -> Result<Bytes, BackendError> {
+/// The primitives on plain objects, packs not consulted (what the trait methods were before
+/// packs, and what they still are for every key the packs do not take).
+impl S3Backend {
+    async fn get_raw(&self, key: &str) -> Result<Bytes, BackendError> {
         let p = self.path(key)?;
         let r = self
             .store
@@ -419,7 +541,7 @@ impl Backend for S3Backend {
         r.bytes().await.map_err(|e| self.err("get", key, e))
     }
 
-    async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes, BackendError> {
+    async fn get_range_raw(&self, key: &str, range: Range<u64>) -> Result<Bytes, BackendError> {
         let p = self.path(key)?;
         if range.start >= range.end {
             return Ok(Bytes::new());
@@ -436,28 +558,7 @@ impl Backend for S3Backend {
         }
     }
 
-    async fn get_versioned(&self, key: &str) -> Result<(Bytes, Version), BackendError> {
-        let p = self.path(key)?;
-        let r = self
-            .store
-            .get(&p)
-            .await
-            .map_err(|e| self.err("get", key, e))?;
-        if r.meta.size > super::MAX_MUTABLE_LEN {
-            return Err(super::too_large(&self.url, key, r.meta.size));
-        }
-        let etag = r.meta.e_tag.clone();
-        let bytes = r.bytes().await.map_err(|e| self.err("get", key, e))?;
-        let etag = etag.ok_or_else(|| BackendError::Other {
-            store: self.url.clone(),
-            op: "get",
-            key: key.to_string(),
-            message: "server returned no ETag".into(),
-        })?;
-        Ok((bytes, Version(etag)))
-    }
-
-    async fn head(&self, key: &str) -> Result<Option<ObjectInfo>, BackendError> {
+    async fn head_raw(&self, key: &str) -> Result<Option<ObjectInfo>, BackendError> {
         let p = self.path(key)?;
         match self.store.head(&p).await {
             Ok(m) => Ok(self.info(m)),
@@ -466,7 +567,7 @@ impl Backend for S3Backend {
         }
     }
 
-    async fn put_if_absent(
+    async fn put_if_absent_raw(
         &self,
         key: &str,
         data: Bytes,
@@ -495,7 +596,7 @@ impl Backend for S3Backend {
         }
     }
 
-    async fn put_file_if_absent(
+    async fn put_file_if_absent_raw(
         &self,
         key: &str,
         path: &Path,
@@ -511,10 +612,10 @@ impl Backend for S3Backend {
         if size <= MULTIPART_THRESHOLD {
             let data = tokio::fs::read(path).await.map_err(io)?;
             return self
-                .put_if_absent(key, Bytes::from(data), expect_sha256)
+                .put_if_absent_raw(key, Bytes::from(data), expect_sha256)
                 .await;
         }
-        if self.head(key).await?.is_some() {
+        if self.head_raw(key).await?.is_some() {
             return Ok(PutOutcome::AlreadyExists);
         }
         // Hash first so that a mismatch never uploads anything.
@@ -569,7 +670,7 @@ impl Backend for S3Backend {
         Ok(PutOutcome::Created)
     }
 
-    async fn put(&self, key: &str, data: Bytes) -> Result<Version, BackendError> {
+    async fn put_raw(&self, key: &str, data: Bytes) -> Result<Version, BackendError> {
         let p = self.path(key)?;
         let r = self
             .store
@@ -579,33 +680,7 @@ impl Backend for S3Backend {
         Ok(Version(r.e_tag.unwrap_or_default()))
     }
 
-    async fn compare_and_swap(
-        &self,
-        key: &str,
-        expected: Option<&Version>,
-        data: Bytes,
-    ) -> Result<Version, BackendError> {
-        let p = self.path(key)?;
-        let mode = match expected {
-            None => PutMode::Create,
-            Some(v) => PutMode::Update(UpdateVersion {
-                e_tag: Some(v.0.clone()),
-                version: None,
-            }),
-        };
-        let opts = PutOptions {
-            mode,
-            ..PutOptions::default()
-        };
-        let r = self
-            .store
-            .put_opts(&p, PutPayload::from(data), opts)
-            .await
-            .map_err(|e| self.err("cas", key, e))?;
-        Ok(Version(r.e_tag.unwrap_or_default()))
-    }
-
-    async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError> {
+    async fn list_raw(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError> {
         let dir = match prefix.rfind('/') {
             Some(i) => &prefix[..i],
             None => "",
@@ -633,6 +708,80 @@ impl Backend for S3Backend {
             .filter_map(|m| self.info(m))
             .filter(|o| o.key.starts_with(prefix))
             .collect())
+    }
+
+    async fn delete_raw(&self, key: &str) -> Result<(), BackendError> {
+        let p = self.path(key)?;
+        match self.store.delete(&p).await {
+            Ok(()) => Ok(()),
+            Err(e) if missing_key(&e) => Ok(()),
+            Err(e) => Err(self.err("delete", key, e)),
+        }
+    }
+
+    async fn rename_raw(&self, from: &str, to: &str) -> Result<(), BackendError> {
+        let (src, dest) = (self.path(from)?, self.path(to)?);
+        // CopyObject, then DeleteObject (object_store's `rename` would do the same, but this
+        // keeps each step's error naming its key).
+        self.store
+            .copy(&src, &dest)
+            .await
+            .map_err(|e| self.err("rename", from, e))?;
+        self.delete_raw(from).await
+    }
+}
+
+#[async_trait::async_trait]
+impl Backend for S3Backend {
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    async fn get_versioned(&self, key: &str) -> Result<(Bytes, Version), BackendError> {
+        let p = self.path(key)?;
+        let r = self
+            .store
+            .get(&p)
+            .await
+            .map_err(|e| self.err("get", key, e))?;
+        if r.meta.size > super::MAX_MUTABLE_LEN {
+            return Err(super::too_large(&self.url, key, r.meta.size));
+        }
+        let etag = r.meta.e_tag.clone();
+        let bytes = r.bytes().await.map_err(|e| self.err("get", key, e))?;
+        let etag = etag.ok_or_else(|| BackendError::Other {
+            store: self.url.clone(),
+            op: "get",
+            key: key.to_string(),
+            message: "server returned no ETag".into(),
+        })?;
+        Ok((bytes, Version(etag)))
+    }
+
+    async fn compare_and_swap(
+        &self,
+        key: &str,
+        expected: Option<&Version>,
+        data: Bytes,
+    ) -> Result<Version, BackendError> {
+        let p = self.path(key)?;
+        let mode = match expected {
+            None => PutMode::Create,
+            Some(v) => PutMode::Update(UpdateVersion {
+                e_tag: Some(v.0.clone()),
+                version: None,
+            }),
+        };
+        let opts = PutOptions {
+            mode,
+            ..PutOptions::default()
+        };
+        let r = self
+            .store
+            .put_opts(&p, PutPayload::from(data), opts)
+            .await
+            .map_err(|e| self.err("cas", key, e))?;
+        Ok(Version(r.e_tag.unwrap_or_default()))
     }
 
     fn ordered_listing(&self) -> bool {
@@ -678,24 +827,913 @@ impl Backend for S3Backend {
         })
     }
 
-    async fn delete(&self, key: &str) -> Result<(), BackendError> {
-        let p = self.path(key)?;
-        match self.store.delete(&p).await {
-            Ok(()) => Ok(()),
-            Err(e) if missing_key(&e) => Ok(()),
-            Err(e) => Err(self.err("delete", key, e)),
+    async fn get(&self, key: &str) -> Result<Bytes, BackendError> {
+        self.get_range_or_all(key, None).await
+    }
+
+    async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes, BackendError> {
+        if range.start >= range.end {
+            validate_key(key)?;
+            return Ok(Bytes::new());
         }
+        self.get_range_or_all(key, Some(range)).await
+    }
+
+    async fn get_many(&self, keys: &[String], limit: u64) -> Vec<Result<Bytes, BackendError>> {
+        let mut out: Vec<Option<Result<Bytes, BackendError>>> = keys.iter().map(|_| None).collect();
+        for (i, b) in self.get_many_packed(keys, limit).await {
+            out[i] = Some(Ok(b));
+        }
+        // The rest one by one: loose objects, entries found dead or in a pack gone, entries
+        // over `limit`, and any whose span failed (so the error is the object's own).
+        let rest: Vec<usize> = (0..keys.len()).filter(|&i| out[i].is_none()).collect();
+        let got: Vec<(usize, Result<Bytes, BackendError>)> = futures::stream::iter(rest)
+            .map(|i| async move { (i, self.get_range(&keys[i], 0..limit).await) })
+            .buffered(super::GET_MANY_IN_FLIGHT)
+            .collect()
+            .await;
+        for (i, r) in got {
+            out[i] = Some(r);
+        }
+        out.into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(BackendError::Other {
+                        store: self.url.clone(),
+                        op: "get",
+                        key: String::new(),
+                        message: "no read made".into(),
+                    })
+                })
+            })
+            .collect()
+    }
+
+    async fn head(&self, key: &str) -> Result<Option<ObjectInfo>, BackendError> {
+        let Some(d) = chunk_digest(key) else {
+            return self.head_raw(key).await;
+        };
+        if self.view().map.contains_key(&d)
+            && let Some(loc) = self.packed_live(&d, None).await?
+        {
+            return Ok(Some(packed_info(key, &loc)));
+        }
+        if let Some(i) = self.head_raw(key).await? {
+            return Ok(Some(i));
+        }
+        // Neither: maybe in a pack published since the view was listed (a listing begun
+        // now; heads that wait for it share the next one).
+        Ok(self
+            .packed_live(&d, Some(Instant::now()))
+            .await?
+            .map(|loc| packed_info(key, &loc)))
+    }
+
+    async fn put_if_absent(
+        &self,
+        key: &str,
+        data: Bytes,
+        expect_sha256: Option<Sha256Hash>,
+    ) -> Result<PutOutcome, BackendError> {
+        if let Some(d) = chunk_digest(key)
+            && self.view().map.contains_key(&d)
+            && self.packed_live(&d, None).await?.is_some()
+        {
+            return Ok(PutOutcome::AlreadyExists);
+        }
+        self.put_if_absent_raw(key, data, expect_sha256).await
+    }
+
+    async fn put_file_if_absent(
+        &self,
+        key: &str,
+        path: &Path,
+        expect_sha256: Option<Sha256Hash>,
+    ) -> Result<PutOutcome, BackendError> {
+        if let Some(d) = chunk_digest(key)
+            && self.view().map.contains_key(&d)
+            && self.packed_live(&d, None).await?.is_some()
+        {
+            return Ok(PutOutcome::AlreadyExists);
+        }
+        self.put_file_if_absent_raw(key, path, expect_sha256).await
+    }
+
+    async fn put(&self, key: &str, data: Bytes) -> Result<Version, BackendError> {
+        let v = self.put_raw(key, data).await?;
+        // An overwrite of a packed chunk: the new bytes are the object (written first, so
+        // the key is never absent), the packed entries die.
+        if let Some(d) = chunk_digest(key) {
+            self.delete_packed(&d).await?;
+        }
+        Ok(v)
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError> {
+        let mut out = self.list_raw(prefix).await?;
+        const CHUNKS: &str = "chunks/sha256/";
+        if !(CHUNKS.starts_with(prefix) || prefix.starts_with(CHUNKS)) {
+            return Ok(out);
+        }
+        self.refresh(Instant::now()).await?;
+        let mut at: HashMap<String, usize> = out
+            .iter()
+            .enumerate()
+            .map(|(i, o)| (o.key.clone(), i))
+            .collect();
+        let live: Vec<(Sha256Hash, u64, SystemTime)> = self
+            .view()
+            .map
+            .iter()
+            .map(|(d, l)| (*d, l.len, l.modified))
+            .collect();
+        for (d, len, modified) in live {
+            let key = chunk_key(&d);
+            if !key.starts_with(prefix) {
+                continue;
+            }
+            match at.get(&key) {
+                // Loose and packed (two writers' copies): once, with the later time.
+                Some(&i) => {
+                    if out[i].modified < modified {
+                        out[i].modified = modified;
+                    }
+                }
+                None => {
+                    at.insert(key.clone(), out.len());
+                    out.push(ObjectInfo {
+                        key,
+                        size: len,
+                        modified,
+                        version: None,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn delete(&self, key: &str) -> Result<(), BackendError> {
+        self.delete_raw(key).await?;
+        if let Some(d) = chunk_digest(key) {
+            self.delete_packed(&d).await?;
+        }
+        Ok(())
     }
 
     async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError> {
-        let (src, dest) = (self.path(from)?, self.path(to)?);
-        // CopyObject, then DeleteObject (object_store's `rename` would do the same, but this
-        // keeps each step's error naming its key).
-        self.store
-            .copy(&src, &dest)
+        validate_key(to)?;
+        let d = chunk_digest(from);
+        if let Some(d) = &d
+            && self.view().map.contains_key(d)
+            && let Some(bytes) = self.get_packed(d, 0..u64::MAX, None).await?
+        {
+            return self.rename_packed(from, to, d, bytes).await;
+        }
+        match (self.rename_raw(from, to).await, d) {
+            // Not a loose object: maybe in a pack written since the view was listed.
+            (Err(e), Some(d)) if e.is_not_found() => {
+                match self
+                    .get_packed(&d, 0..u64::MAX, Some(Instant::now()))
+                    .await?
+                {
+                    Some(bytes) => self.rename_packed(from, to, &d, bytes).await,
+                    None => Err(e),
+                }
+            }
+            (r, _) => r,
+        }
+    }
+
+    fn stage_batch(&self) -> StageBatch {
+        StageBatch {
+            pack: None,
+            s3: Some(Arc::new(S3Batch::new(self.pack_target))),
+        }
+    }
+
+    async fn stage_if_absent(
+        &self,
+        batch: &StageBatch,
+        key: &str,
+        data: Bytes,
+    ) -> Result<Staged, BackendError> {
+        let (Some(b), Some(d)) = (&batch.s3, chunk_digest(key)) else {
+            return Ok(Staged::Done(self.put_if_absent(key, data, None).await?));
+        };
+        validate_key(key)?;
+        // Found live in a pack (checked afresh: a stale hit is never relied on), it is not
+        // written. On a miss the view is listed again if older than [`WRITE_RELIST`], no
+        // more: a stale miss costs a duplicate (bytes, not safety), and the loose object is
+        // not asked for (the writer's look-up, `Store::exist` after its lease, just did).
+        let since = Instant::now()
+            .checked_sub(WRITE_RELIST)
+            .unwrap_or_else(Instant::now);
+        if !b.holds(&d) && self.packed_live(&d, Some(since)).await?.is_some() {
+            return Ok(Staged::Done(PutOutcome::AlreadyExists));
+        }
+        let (offset, _closed) = b.append(d, &data);
+        self.send_unsent(b).await?;
+        Ok(Staged::Pending(StagedPut {
+            key: key.to_string(),
+            len: data.len() as u64,
+            tmp: PathBuf::new(),
+            packed: Some(offset.unwrap_or(0)),
+        }))
+    }
+
+    /// One HEAD of the loose object: no listing of `packs/` (the caller asked
+    /// [`Backend::packed_present`] first, whose misses may be a second stale: a duplicate
+    /// write, never an unsafe answer).
+    async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
+        Ok(self.head_raw(key).await?.is_some())
+    }
+
+    async fn flush_staged(&self, batch: &StageBatch) -> Result<(), BackendError> {
+        match &batch.s3 {
+            Some(b) => self.flush_batch(b).await,
+            None => Ok(()),
+        }
+    }
+
+    async fn commit_staged(
+        &self,
+        batch: StageBatch,
+        staged: Vec<StagedPut>,
+    ) -> Result<Vec<PutOutcome>, BackendError> {
+        if let Some(b) = &batch.s3 {
+            self.flush_batch(b).await?;
+            return Ok(staged
+                .iter()
+                .map(|s| match chunk_digest(&s.key) {
+                    Some(d) if b.raced(&d) => PutOutcome::AlreadyExists,
+                    _ => PutOutcome::Created,
+                })
+                .collect());
+        }
+        match staged.first() {
+            None => Ok(Vec::new()),
+            Some(s) => Err(BackendError::Other {
+                store: self.url.clone(),
+                op: "commit_staged",
+                key: s.key.clone(),
+                message: "not a batch of this backend".into(),
+            }),
+        }
+    }
+
+    async fn discard_staged(&self, batch: StageBatch, staged: Vec<StagedPut>) {
+        drop(staged);
+        if let Some(b) = &batch.s3 {
+            // Packs sent without their index: invisible, removed now (or, if this fails, by
+            // a compaction once they are old).
+            for name in b.discard() {
+                let _ = self.delete_raw(&pack_key(&name)).await;
+            }
+        }
+    }
+
+    async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
+        let mut out = vec![false; keys.len()];
+        let digests: Vec<Option<Sha256Hash>> = keys.iter().map(|k| chunk_digest(k)).collect();
+        if digests.iter().all(Option::is_none) {
+            return Ok(out);
+        }
+        let since = Instant::now()
+            .checked_sub(WRITE_RELIST)
+            .unwrap_or_else(Instant::now);
+        self.refresh(since).await?;
+        // One listing per pack, made now (after the caller's lease): a hit is never stale.
+        let at: Vec<usize> = (0..keys.len()).filter(|&i| digests[i].is_some()).collect();
+        let ds: Vec<Sha256Hash> = digests.iter().flatten().copied().collect();
+        for (i, live) in at.into_iter().zip(self.live_now(&ds).await?) {
+            out[i] = live;
+        }
+        Ok(out)
+    }
+
+    async fn layout_report(&self) -> Result<LayoutReport, BackendError> {
+        self.refresh(Instant::now()).await?;
+        let v = self.view();
+        let mut r = LayoutReport {
+            problems: v
+                .problems
+                .iter()
+                .map(|(k, why)| (format!("{}/{k}", self.url), why.clone()))
+                .collect(),
+            ..Default::default()
+        };
+        let none = HashSet::new();
+        for p in v.packs.values() {
+            r.packs += 1;
+            r.pack_bytes += p.pack_len;
+            r.dead_bytes += p.pack_len.saturating_sub(v.serving_bytes(p, &none));
+        }
+        Ok(r)
+    }
+
+    async fn compact(
+        &self,
+        dry_run: bool,
+        also_dead: &[String],
+    ) -> Result<CompactReport, BackendError> {
+        self.refresh(Instant::now()).await?;
+        let also: HashSet<Sha256Hash> = also_dead.iter().filter_map(|k| chunk_digest(k)).collect();
+        let (retire, orphans, stray) = {
+            let v = self.view();
+            let retire: Vec<(String, u64)> = v
+                .packs
+                .values()
+                .filter(|p| v.serving_bytes(p, &also) == 0)
+                .map(|p| (p.name.to_string(), p.pack_len))
+                .collect();
+            let now = SystemTime::now();
+            let orphans: Vec<(String, u64)> = v
+                .orphans
+                .iter()
+                .filter(|(_, (_, m))| now.duration_since(*m).is_ok_and(|a| a > ORPHAN_AGE))
+                .map(|(n, (len, _))| (n.clone(), *len))
+                .collect();
+            (retire, orphans, v.stray_dead.clone())
+        };
+        let mut r = CompactReport::default();
+        for (_, len) in &retire {
+            r.packs += 1;
+            r.bytes_before += len;
+            r.bytes_reclaimed += len;
+        }
+        for (_, len) in &orphans {
+            r.orphan_files += 1;
+            r.bytes_reclaimed += len;
+        }
+        if dry_run {
+            return Ok(r);
+        }
+        // Every entry dead: the index first (the pack is invisible from then on), then the
+        // pack, then its markers (a look-up that still sees a marker also sees no index).
+        for (name, _) in &retire {
+            self.delete_raw(&idx_key(name)).await?;
+            self.delete_raw(&pack_key(name)).await?;
+            self.delete_markers(name).await?;
+            self.view_mut().set_dead(name, None);
+        }
+        for (name, _) in &orphans {
+            self.delete_raw(&pack_key(name)).await?;
+            self.delete_markers(name).await?;
+        }
+        for name in &stray {
+            self.delete_markers(name).await?;
+        }
+        Ok(r)
+    }
+}
+
+/// Sends a batch's closed pack back to the batch if its sending stops short (an error, or the
+/// future dropped: a cancelled or timed-out stage), so a retry or the commit sends it.
+struct GiveBack<'a> {
+    batch: &'a S3Batch,
+    pack: Option<Sealed>,
+}
+
+impl Drop for GiveBack<'_> {
+    fn drop(&mut self) {
+        if let Some(p) = self.pack.take() {
+            self.batch.give_back(p);
+        }
+    }
+}
+
+/// The packs ([`super::s3_pack`]): look-ups, the fresh liveness check, sending a batch's packs.
+impl S3Backend {
+    fn view(&self) -> std::sync::RwLockReadGuard<'_, View> {
+        self.packs.view.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn view_mut(&self) -> std::sync::RwLockWriteGuard<'_, View> {
+        self.packs.view.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every object whose key starts with `prefix` (a plain string prefix, not a directory),
+    /// in key order, through as many ListObjectsV2 pages as it takes.
+    async fn list_prefix_raw(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError> {
+        let full = if self.prefix.is_empty() {
+            prefix.to_string()
+        } else {
+            format!("{}/{prefix}", self.prefix)
+        };
+        let mut out = Vec::new();
+        let mut token = None;
+        loop {
+            let opts = PaginatedListOptions {
+                max_keys: Some(LIST_PAGE_MAX),
+                page_token: token.take(),
+                ..PaginatedListOptions::default()
+            };
+            let r = self
+                .lister
+                .list_paginated(Some(&full), opts)
+                .await
+                .map_err(|e| self.err("list", prefix, e))?;
+            out.extend(
+                r.result
+                    .objects
+                    .into_iter()
+                    .filter_map(|m| self.info(m))
+                    .filter(|o| o.key.starts_with(prefix)),
+            );
+            match r.page_token {
+                Some(t) => token = Some(t),
+                None => break,
+            }
+        }
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    /// Lists `packs/` and loads the indexes not seen yet (each once: they are immutable),
+    /// unless a listing that began at or after `since` is in the view already (one listing
+    /// at a time; callers waiting for it share it).
+    async fn refresh(&self, since: Instant) -> Result<(), BackendError> {
+        let _one = self.packs.relist.lock().await;
+        if self.view().listed_at.is_some_and(|t| t >= since) {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let listing = Listing::of(&self.list_prefix_raw(PACK_PREFIX).await?);
+        let to_load: Vec<String> = {
+            let v = self.view();
+            listing
+                .indexes
+                .keys()
+                .filter(|n| {
+                    !v.packs.contains_key(n.as_str()) && !v.problems.contains_key(&idx_key(n))
+                })
+                .cloned()
+                .collect()
+        };
+        let loaded: Vec<(String, Option<Decoded>)> = futures::stream::iter(to_load)
+            .map(|n| async move {
+                match self.get_raw(&idx_key(&n)).await {
+                    Ok(b) => Ok((n, Some(decode_index(&b)))),
+                    Err(e) if e.is_not_found() => Ok((n, None)),
+                    Err(e) => Err(e),
+                }
+            })
+            .buffer_unordered(INDEX_LOADS_IN_FLIGHT)
+            .try_collect()
+            .await?;
+        let mut v = self.view_mut();
+        v.packs
+            .retain(|n, _| listing.indexes.contains_key(&**n) && listing.packs.contains_key(&**n));
+        v.problems.retain(|k, _| {
+            matches!(parse_key(k), Some(PackObject::Index(n)) if listing.indexes.contains_key(n))
+        });
+        for (name, r) in loaded {
+            let Some(r) = r else { continue };
+            let checked = r.and_then(|entries| {
+                let Some(&(pack_len, _)) = listing.packs.get(&name) else {
+                    return Err(format!("its pack {} is missing", pack_key(&name)));
+                };
+                let end = entries.iter().map(|e| e.offset + e.len).max().unwrap_or(0);
+                if end > pack_len {
+                    return Err(format!(
+                        "its pack {} is {pack_len} bytes, the index names bytes up to {end}",
+                        pack_key(&name)
+                    ));
+                }
+                Ok((entries, pack_len))
+            });
+            match checked {
+                Ok((entries, pack_len)) => {
+                    let name: Arc<str> = Arc::from(name.as_str());
+                    let modified = listing.indexes[&*name];
+                    v.packs.insert(
+                        name.clone(),
+                        PackMeta {
+                            name,
+                            entries,
+                            dead: Default::default(),
+                            modified,
+                            pack_len,
+                        },
+                    );
+                }
+                Err(reason) => {
+                    let key = idx_key(&name);
+                    tracing::warn!(store = %self.url, %key, %reason, "pack index refused: its chunks are not served");
+                    v.problems.insert(key, reason);
+                }
+            }
+        }
+        for p in v.packs.values_mut() {
+            p.dead = listing.dead.get(&*p.name).cloned().unwrap_or_default();
+        }
+        v.orphans = listing
+            .packs
+            .iter()
+            .filter(|(n, _)| !listing.indexes.contains_key(*n))
+            .map(|(n, m)| (n.clone(), *m))
+            .collect();
+        v.stray_dead = listing
+            .dead
+            .keys()
+            .filter(|n| !listing.indexes.contains_key(*n) && !listing.packs.contains_key(*n))
+            .cloned()
+            .collect();
+        v.rebuild();
+        v.listed_at = Some(started);
+        Ok(())
+    }
+
+    /// Pack `name`'s dead markers as of now (`None`: its index is gone), from one listing of
+    /// `packs/<name>.`, which returns the markers before the index (key order): an index
+    /// seen after the markers means no retirement had removed markers before they were read
+    /// (a retirement removes the index first). The view is updated with what it shows.
+    async fn pack_now(&self, name: &str) -> Result<Option<HashSet<Sha256Hash>>, BackendError> {
+        let listing = Listing::of(&self.list_prefix_raw(&pack_prefix(name)).await?);
+        let dead = listing
+            .indexes
+            .contains_key(name)
+            .then(|| listing.dead.get(name).cloned().unwrap_or_default());
+        self.view_mut().set_dead(name, dead.clone());
+        Ok(dead)
+    }
+
+    /// Where chunk `d` is packed and live *now* (the view's location, checked with
+    /// [`S3Backend::pack_now`]), after a listing of `packs/` that began at `since` or later
+    /// when the view has no location for it. `None`: not packed (it may be a loose object).
+    async fn packed_live(
+        &self,
+        d: &Sha256Hash,
+        since: Option<Instant>,
+    ) -> Result<Option<Loc>, BackendError> {
+        let mut listed = false;
+        for _ in 0..3 {
+            let hit = self.view().map.get(d).cloned();
+            match hit {
+                Some(loc) => match self.pack_now(&loc.pack).await? {
+                    Some(dead) if !dead.contains(d) => return Ok(Some(loc)),
+                    // Dead or gone there: the view now says so; another pack may serve it.
+                    _ => {}
+                },
+                None => match since {
+                    Some(s) if !listed => {
+                        self.refresh(s).await?;
+                        listed = true;
+                    }
+                    _ => return Ok(None),
+                },
+            }
+        }
+        Ok(None)
+    }
+
+    /// Bytes `range` (clipped to the entry) of packed chunk `d`, read from its pack with one
+    /// ranged GET, its dead marker checked by a HEAD at the same time. `None`: not packed
+    /// live as far as the view knows after a listing that began at `since` (when given).
+    async fn get_packed(
+        &self,
+        d: &Sha256Hash,
+        range: Range<u64>,
+        since: Option<Instant>,
+    ) -> Result<Option<Bytes>, BackendError> {
+        let mut listed = false;
+        for _ in 0..3 {
+            let hit = self.view().map.get(d).cloned();
+            let Some(loc) = hit else {
+                match since {
+                    Some(s) if !listed => {
+                        self.refresh(s).await?;
+                        listed = true;
+                        continue;
+                    }
+                    _ => return Ok(None),
+                }
+            };
+            let end = range.end.min(loc.len);
+            let start = range.start.min(end);
+            let (pk, dk) = (pack_key(&loc.pack), dead_key(&loc.pack, d));
+            let (bytes, marker) = futures::join!(
+                self.get_range_raw(&pk, loc.offset + start..loc.offset + end),
+                self.head_raw(&dk)
+            );
+            if marker?.is_some() {
+                self.pack_now(&loc.pack).await?;
+                continue;
+            }
+            match bytes {
+                Ok(b) => return Ok(Some(b)),
+                // The pack retired under us: look again.
+                Err(e) if e.is_not_found() => {
+                    self.refresh(Instant::now()).await?;
+                    listed = true;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Which of `digests` the view has packed and are live now: one listing of each pack
+    /// holding some ([`S3Backend::pack_now`]), made after the call began.
+    async fn live_now(&self, digests: &[Sha256Hash]) -> Result<Vec<bool>, BackendError> {
+        let mut out = vec![false; digests.len()];
+        let mut by_pack: HashMap<Arc<str>, Vec<usize>> = HashMap::new();
+        {
+            let v = self.view();
+            for (i, d) in digests.iter().enumerate() {
+                if let Some(loc) = v.map.get(d) {
+                    by_pack.entry(loc.pack.clone()).or_default().push(i);
+                }
+            }
+        }
+        let checked: Vec<(Vec<usize>, Option<HashSet<Sha256Hash>>)> =
+            futures::stream::iter(by_pack)
+                .map(|(name, at)| async move { Ok((at, self.pack_now(&name).await?)) })
+                .buffer_unordered(PACK_CHECKS_IN_FLIGHT)
+                .try_collect()
+                .await?;
+        for (at, dead) in checked {
+            let Some(dead) = dead else { continue };
+            for i in at {
+                out[i] = !dead.contains(&digests[i]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Marks `d` dead in every pack that holds it live (one empty marker object each).
+    async fn delete_packed(&self, d: &Sha256Hash) -> Result<(), BackendError> {
+        // Fresh: a pack another writer published a moment ago is seen (one listing of
+        // `packs/`, shared by the deletes that wait for it).
+        self.refresh(Instant::now()).await?;
+        let holders = self.view().holders(d);
+        for name in holders {
+            self.put_raw(&dead_key(&name, d), Bytes::new()).await?;
+            let mut v = self.view_mut();
+            if let Some(p) = v.packs.get_mut(&name) {
+                p.dead.insert(*d);
+            }
+            v.rebuild();
+        }
+        Ok(())
+    }
+
+    /// Sends every closed pack of `batch` not sent yet: its pack (one PUT), then its index
+    /// (put-if-absent), so an index is never seen before its whole pack.
+    async fn send_unsent(&self, batch: &S3Batch) -> Result<(), BackendError> {
+        while let Some(p) = batch.take_unsent() {
+            let mut g = GiveBack {
+                batch,
+                pack: Some(p),
+            };
+            let Some(p) = g.pack.as_mut() else { break };
+            if p.pack_put.is_none() {
+                self.put_raw(&pack_key(&p.name), p.bytes.clone()).await?;
+                p.pack_put = Some(Instant::now());
+            }
+            if p.pack_put.is_some_and(|t| t.elapsed() > INDEX_DEADLINE) {
+                return Err(BackendError::Other {
+                    store: self.url.clone(),
+                    op: "put",
+                    key: idx_key(&p.name),
+                    message: format!(
+                        "its pack was sent more than {} s ago: a compaction may take it for a \
+                         crash's leftover, so the index is not written",
+                        INDEX_DEADLINE.as_secs()
+                    ),
+                });
+            }
+            let mut entries = p.entries.clone();
+            let idx = Bytes::from(encode_index(&mut entries));
+            self.put_if_absent_raw(&idx_key(&p.name), idx, None).await?;
+            batch.published(&p.name);
+            // This process's own pack joins its view at once (its time from the server).
+            if let Some(info) = self.head_raw(&idx_key(&p.name)).await? {
+                let name: Arc<str> = Arc::from(p.name.as_str());
+                let mut entries = p.entries.clone();
+                entries.sort_by_key(|e| e.digest);
+                let mut v = self.view_mut();
+                v.packs.insert(
+                    name.clone(),
+                    PackMeta {
+                        name,
+                        entries,
+                        dead: HashSet::new(),
+                        modified: info.modified,
+                        pack_len: p.bytes.len() as u64,
+                    },
+                );
+                v.rebuild();
+            }
+            g.pack = None;
+        }
+        Ok(())
+    }
+
+    /// The batch's last pack closed and everything sent. The chunks of the last pack that
+    /// another writer published since they were staged are left out of it (checked afresh,
+    /// one listing of `packs/` and one of each pack holding some), as the local commit does;
+    /// commits of one process take turns here, so two uploads in one process never publish
+    /// one chunk twice. (Across processes two racing uploads may: harmless, one copy
+    /// serves and the other is dead weight, [`LayoutReport::dead_bytes`].)
+    async fn flush_batch(&self, batch: &S3Batch) -> Result<(), BackendError> {
+        static COMMITS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+        let _turn = COMMITS.lock().await;
+        let filling = batch.filling_digests();
+        let mut present = HashSet::new();
+        if !filling.is_empty() {
+            self.refresh(Instant::now()).await?;
+            let live = self.live_now(&filling).await?;
+            present.extend(
+                filling
+                    .iter()
+                    .zip(live)
+                    .filter(|(_, l)| *l)
+                    .map(|(d, _)| *d),
+            );
+        }
+        batch.seal_without(&present);
+        self.send_unsent(batch).await?;
+        if !batch.all_sent() {
+            return Err(BackendError::Other {
+                store: self.url.clone(),
+                op: "commit_staged",
+                key: PACK_PREFIX.into(),
+                message: "a pack of this upload is still being sent by a stage that has not \
+                          returned"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// An index read and decoded (`Err`: refused, why).
+type Decoded = Result<Vec<IdxEntry>, String>;
+
+/// One ranged GET of [`Backend::get_many`]: a pack, and the entries read from it (index in
+/// the keys asked, location), in pack order.
+type Span = (Arc<str>, Vec<(usize, Loc)>);
+
+/// Entries of one pack at most this many bytes apart (256 KiB) are read by one ranged GET
+/// in [`Backend::get_many`]: reading a gap costs less than a request (moto serves about 400
+/// requests a second; 256 KiB at 100 MB/s is 2.5 ms).
+pub const GET_MANY_GAP: u64 = 256 << 10;
+/// Longest span one ranged GET of [`Backend::get_many`] reads (8 MiB, boto3's part size):
+/// long enough for about 250 compressed 64 KiB chunks, short enough that a few in flight
+/// keep memory small and a retried read repeats little.
+pub const GET_MANY_SPAN: u64 = 8 << 20;
+
+/// Index GETs in flight at once while the view loads new packs.
+const INDEX_LOADS_IN_FLIGHT: usize = 8;
+/// Packs whose dead markers are listed at once ([`Backend::packed_present`]).
+const PACK_CHECKS_IN_FLIGHT: usize = 8;
+
+/// What [`Backend::head`] says of a packed chunk: its stored length, and its index's time.
+fn packed_info(key: &str, loc: &Loc) -> ObjectInfo {
+    ObjectInfo {
+        key: key.to_string(),
+        size: loc.len,
+        modified: loc.modified,
+        version: None,
+    }
+}
+
+impl S3Backend {
+    /// [`Backend::get`] (`range` `None`) or [`Backend::get_range`] of any key: a chunk from
+    /// its pack when the view has it live; else the loose object; a loose miss looks for
+    /// packs written since (one listing of `packs/`) before it is `NotFound`. A store
+    /// written before packs is read as it was, with no request more.
+    async fn get_range_or_all(
+        &self,
+        key: &str,
+        range: Option<Range<u64>>,
+    ) -> Result<Bytes, BackendError> {
+        let raw = |range: Option<Range<u64>>| async move {
+            match range {
+                Some(r) => self.get_range_raw(key, r).await,
+                None => self.get_raw(key).await,
+            }
+        };
+        let Some(d) = chunk_digest(key) else {
+            return raw(range).await;
+        };
+        let r = range.clone().unwrap_or(0..u64::MAX);
+        if self.view().map.contains_key(&d)
+            && let Some(b) = self.get_packed(&d, r.clone(), None).await?
+        {
+            return Ok(b);
+        }
+        match raw(range).await {
+            Err(e) if e.is_not_found() => {
+                match self.get_packed(&d, r, Some(Instant::now())).await? {
+                    Some(b) => Ok(b),
+                    None => Err(e),
+                }
+            }
+            other => other,
+        }
+    }
+
+    /// [`Backend::rename`] of packed chunk `d` (its stored bytes `bytes`): the bytes written
+    /// at `to`, then the entry marked dead (and a loose copy, two writers', deleted), so an
+    /// interruption leaves both keys, never neither.
+    async fn rename_packed(
+        &self,
+        from: &str,
+        to: &str,
+        d: &Sha256Hash,
+        bytes: Bytes,
+    ) -> Result<(), BackendError> {
+        self.put_raw(to, bytes).await?;
+        self.delete_packed(d).await?;
+        self.delete_raw(from).await
+    }
+
+    /// [`Backend::get_many`]'s packed part: the live entries among `keys` that the view
+    /// places, grouped by pack; per pack one listing of its dead markers (fresh, as every
+    /// read), then its live entries in pack order read in spans: entries at most
+    /// [`GET_MANY_GAP`] apart share a ranged GET, up to [`GET_MANY_SPAN`] bytes. Returns
+    /// (index in `keys`, stored bytes) for those read; the caller reads the rest one by one.
+    async fn get_many_packed(&self, keys: &[String], limit: u64) -> Vec<(usize, Bytes)> {
+        let mut by_pack: HashMap<Arc<str>, Vec<(usize, Sha256Hash, Loc)>> = HashMap::new();
+        {
+            let v = self.view();
+            for (i, k) in keys.iter().enumerate() {
+                if let Some(d) = chunk_digest(k)
+                    && let Some(loc) = v.map.get(&d)
+                    && loc.len <= limit
+                {
+                    by_pack
+                        .entry(loc.pack.clone())
+                        .or_default()
+                        .push((i, d, loc.clone()));
+                }
+            }
+        }
+        let spans: Vec<Span> = futures::stream::iter(by_pack)
+            .map(|(name, items)| async move {
+                let Ok(Some(dead)) = self.pack_now(&name).await else {
+                    return Vec::new();
+                };
+                let mut live: Vec<(usize, Loc)> = items
+                    .into_iter()
+                    .filter(|(_, d, _)| !dead.contains(d))
+                    .map(|(i, _, l)| (i, l))
+                    .collect();
+                live.sort_by_key(|(_, l)| l.offset);
+                let mut spans: Vec<Span> = Vec::new();
+                for (i, l) in live {
+                    let joins = spans.last().is_some_and(|(_, s)| {
+                        let (first, last) = (&s[0].1, &s[s.len() - 1].1);
+                        let end = last.offset + last.len;
+                        l.offset <= end + GET_MANY_GAP
+                            && (l.offset + l.len).saturating_sub(first.offset) <= GET_MANY_SPAN
+                    });
+                    match spans.last_mut() {
+                        Some((_, s)) if joins => s.push((i, l)),
+                        _ => spans.push((name.clone(), vec![(i, l)])),
+                    }
+                }
+                spans
+            })
+            .buffer_unordered(PACK_CHECKS_IN_FLIGHT)
+            .flat_map(futures::stream::iter)
+            .collect()
+            .await;
+        futures::stream::iter(spans)
+            .map(|(name, items)| async move {
+                let start = items[0].1.offset;
+                let end = items
+                    .iter()
+                    .map(|(_, l)| l.offset + l.len)
+                    .max()
+                    .unwrap_or(start);
+                let Ok(b) = self.get_range_raw(&pack_key(&name), start..end).await else {
+                    return Vec::new();
+                };
+                items
+                    .into_iter()
+                    .filter_map(|(i, l)| {
+                        let at = (l.offset - start) as usize;
+                        let to = at + l.len as usize;
+                        (to <= b.len()).then(|| (i, b.slice(at..to)))
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .buffer_unordered(super::GET_MANY_IN_FLIGHT)
+            .flat_map(futures::stream::iter)
+            .collect()
             .await
-            .map_err(|e| self.err("rename", from, e))?;
-        self.delete(from).await
+    }
+
+    /// Removes every dead marker of pack `name`.
+    async fn delete_markers(&self, name: &str) -> Result<(), BackendError> {
+        for o in self.list_prefix_raw(&dead_prefix(name)).await? {
+            self.delete_raw(&o.key).await?;
+        }
+        Ok(())
     }
 }
 

@@ -241,6 +241,18 @@ impl Backend for Watched {
     ) {
         self.inner.discard_staged(batch, staged).await
     }
+    async fn flush_staged(
+        &self,
+        batch: &crate::backend::StageBatch,
+    ) -> Result<(), crate::BackendError> {
+        self.inner.flush_staged(batch).await
+    }
+    async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, crate::BackendError> {
+        self.inner.packed_present(keys).await
+    }
+    async fn loose_present(&self, key: &str) -> Result<bool, crate::BackendError> {
+        self.inner.loose_present(key).await
+    }
 }
 
 async fn watched(dir: &std::path::Path) -> (std::sync::Arc<Watched>, Store) {
