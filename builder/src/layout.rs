@@ -377,30 +377,19 @@ pub fn export(
             dir: dir.to_path_buf(),
             reason: format!("manifest {digest} is not in the local store"),
         })?;
-    let AnyManifest::Image(_) = AnyManifest::parse(&bytes, digest)? else {
+    let AnyManifest::Image(m) = AnyManifest::parse(&bytes, digest)? else {
         return Err(LayoutError::NoImage {
             dir: dir.to_path_buf(),
             reason: format!("{digest} is an index, not an image manifest"),
         });
     };
-    let gzip = match layers {
-        LayerCompression::Gzip => crate::oci_compat::with_gzip_layers(
-            cache,
-            &bytes,
-            digest,
-            &blobs,
-            &crate::layer::Limits::default(),
-        )?,
-        LayerCompression::AsBuilt => None,
-    };
-    let (bytes, digest, mut gzipped) = match gzip {
-        Some(g) => (g.manifest, g.digest, g.layers),
-        None => (bytes, *digest, Vec::new()),
-    };
+    let crate::oci_compat::Outgoing {
+        bytes,
+        digest,
+        manifest: m,
+        mut gzipped,
+    } = crate::oci_compat::outgoing(cache, bytes, digest, m, layers, &blobs)?;
     let digest = &digest;
-    let AnyManifest::Image(m) = AnyManifest::parse(&bytes, digest)? else {
-        unreachable!("the layers of an image manifest were gzipped");
-    };
     for d in std::iter::once(&m.config).chain(&m.layers) {
         let dst = blob_path(dir, &d.digest);
         if fs::symlink_metadata(&dst).is_ok_and(|m| m.is_file()) {

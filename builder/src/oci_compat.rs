@@ -95,6 +95,60 @@ pub struct GzipImage {
     pub layers: Vec<GzipLayer>,
 }
 
+/// An image manifest as it leaves kiln ([`outgoing`]).
+#[derive(Debug)]
+pub struct Outgoing {
+    /// The manifest's bytes.
+    pub bytes: Vec<u8>,
+    /// Their digest.
+    pub digest: BlobDigest,
+    /// Parsed.
+    pub manifest: crate::image::Manifest,
+    /// The gzipped layers to write instead of their zstd ones (none with
+    /// [`LayerCompression::AsBuilt`] or without zstd layers).
+    pub gzipped: Vec<GzipLayer>,
+}
+
+/// The image manifest `manifest` (raw bytes of the OCI image manifest `digest`, parsed as
+/// `parsed`, its layers in `cache`) as an export or a push writes it under `layers`: with
+/// [`LayerCompression::Gzip`], [`with_gzip_layers`] (the gzip blobs in `tmp`, each layer
+/// bounded by [`Limits::default`]); else as it is. The one place both decide it.
+pub fn outgoing(
+    cache: &dyn BlobCache,
+    manifest: Vec<u8>,
+    digest: &BlobDigest,
+    parsed: crate::image::Manifest,
+    layers: LayerCompression,
+    tmp: &Path,
+) -> Result<Outgoing, CompatError> {
+    let gzip = match layers {
+        LayerCompression::Gzip => {
+            with_gzip_layers(cache, &manifest, digest, tmp, &Limits::default())?
+        }
+        LayerCompression::AsBuilt => None,
+    };
+    Ok(match gzip {
+        None => Outgoing {
+            bytes: manifest,
+            digest: *digest,
+            manifest: parsed,
+            gzipped: Vec::new(),
+        },
+        Some(g) => {
+            let manifest = match crate::image::AnyManifest::parse(&g.manifest, &g.digest) {
+                Ok(crate::image::AnyManifest::Image(m)) => m,
+                _ => return Err(CompatError::Manifest(*digest)),
+            };
+            Outgoing {
+                bytes: g.manifest,
+                digest: g.digest,
+                manifest,
+                gzipped: g.layers,
+            }
+        }
+    })
+}
+
 /// `manifest` (the raw bytes of the OCI image manifest `digest`, its layers in `cache`) with
 /// every layer of media type `tar+zstd` gzipped, the gzip blobs in unlinked temporary files
 /// in `tmp`, each layer's tar stream bounded by `limits` as a layer apply's is (a bomb fails

@@ -677,30 +677,19 @@ impl Registry {
         let bytes = cache
             .read_blob(digest)?
             .ok_or_else(|| RegistryError::Offline(digest.to_string()))?;
-        let AnyManifest::Image(_) = AnyManifest::parse(&bytes, digest)? else {
+        let AnyManifest::Image(m) = AnyManifest::parse(&bytes, digest)? else {
             return Err(RegistryError::Offline(format!(
                 "{digest} (an index; push a platform manifest)"
             )));
         };
         let tmp = std::env::temp_dir();
-        let gzip = match layers {
-            LayerCompression::Gzip => crate::oci_compat::with_gzip_layers(
-                cache,
-                &bytes,
-                digest,
-                &tmp,
-                &crate::layer::Limits::default(),
-            )?,
-            LayerCompression::AsBuilt => None,
-        };
-        let (bytes, digest, mut gzipped) = match gzip {
-            Some(g) => (g.manifest, g.digest, g.layers),
-            None => (bytes, *digest, Vec::new()),
-        };
+        let crate::oci_compat::Outgoing {
+            bytes,
+            digest,
+            manifest: m,
+            mut gzipped,
+        } = crate::oci_compat::outgoing(cache, bytes, digest, m, layers, &tmp)?;
         let digest = &digest;
-        let AnyManifest::Image(m) = AnyManifest::parse(&bytes, digest)? else {
-            unreachable!("the layers of an image manifest were gzipped");
-        };
         let media_type = m
             .media_type
             .clone()

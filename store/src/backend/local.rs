@@ -221,7 +221,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 
 pub(crate) use super::local_pack::PackBatch;
-use super::local_pack::{self, IdxEntry, PACK_DIR, PACK_LOCK, Packs, chunk_digest, chunk_key};
+use super::local_pack::{self, IdxEntry, PACK_DIR, PACK_LOCK, Packs, chunk_digest};
 use super::{
     Backend, BackendError, CompactReport, LayoutReport, MAX_MUTABLE_LEN, ObjectInfo, PutOutcome,
     StageBatch, Staged, StagedPut, Version, too_large, validate_key,
@@ -1644,41 +1644,12 @@ impl Backend for LocalBackend {
             walk(&c.root, &c.root.join(&dir_part), &mut out)
                 .map_err(|e| other(&c.url, "list", &prefix, e))?;
             out.retain(|o| o.key.starts_with(&prefix));
-            // Packed chunks, when the prefix covers some: each key once (a chunk both loose
-            // and packed, two writers' copies, is listed with the later `modified`, so GC's
-            // grace period counts from the newer copy).
-            const CHUNKS: &str = "chunks/sha256/";
-            if CHUNKS.starts_with(prefix.as_str()) || prefix.starts_with(CHUNKS) {
+            // Packed chunks, when the prefix covers some.
+            if super::pack::lists_chunks(&prefix) {
                 c.packs
                     .rescan()
                     .map_err(|e| other(&c.url, "list", &prefix, e))?;
-                let mut at: std::collections::HashMap<String, usize> = out
-                    .iter()
-                    .enumerate()
-                    .map(|(i, o)| (o.key.clone(), i))
-                    .collect();
-                for (d, len, modified) in c.packs.live() {
-                    let key = chunk_key(&d);
-                    if !key.starts_with(&prefix) {
-                        continue;
-                    }
-                    match at.get(&key) {
-                        Some(&i) => {
-                            if out[i].modified < modified {
-                                out[i].modified = modified;
-                            }
-                        }
-                        None => {
-                            at.insert(key.clone(), out.len());
-                            out.push(ObjectInfo {
-                                key,
-                                size: len,
-                                modified,
-                                version: None,
-                            });
-                        }
-                    }
-                }
+                super::pack::add_packed(&mut out, &prefix, c.packs.live());
             }
             Ok(out)
         })

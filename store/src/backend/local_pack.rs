@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use crate::digest::Sha256Hash;
 
-pub(crate) use super::pack::{IdxEntry, chunk_digest, chunk_key, decode_index, encode_index};
+pub(crate) use super::pack::{IdxEntry, chunk_digest, decode_index, encode_index};
 
 /// The directory of committed packs, under the store's root. Dot-named: no listing of
 /// objects ever walks it.

@@ -24,6 +24,50 @@ pub(crate) fn chunk_key(d: &Sha256Hash) -> String {
     format!("chunks/sha256/{}", d.hex())
 }
 
+/// Whether a listing of `prefix` covers packed chunks (`chunks/sha256/...` keys).
+pub(crate) fn lists_chunks(prefix: &str) -> bool {
+    const CHUNKS: &str = "chunks/sha256/";
+    CHUNKS.starts_with(prefix) || prefix.starts_with(CHUNKS)
+}
+
+/// Adds to `out` (a listing of `prefix`'s loose objects) the live packed chunks `live`
+/// gives as (digest, stored length, modified) under `prefix`: each key once, so a chunk
+/// both loose and packed (two writers' copies) is listed with the later `modified`, and
+/// GC's grace period counts from the newer copy. What both backends' `list` does.
+pub(crate) fn add_packed(
+    out: &mut Vec<super::ObjectInfo>,
+    prefix: &str,
+    live: impl IntoIterator<Item = (Sha256Hash, u64, std::time::SystemTime)>,
+) {
+    let mut at: std::collections::HashMap<String, usize> = out
+        .iter()
+        .enumerate()
+        .map(|(i, o)| (o.key.clone(), i))
+        .collect();
+    for (d, len, modified) in live {
+        let key = chunk_key(&d);
+        if !key.starts_with(prefix) {
+            continue;
+        }
+        match at.get(&key) {
+            Some(&i) => {
+                if out[i].modified < modified {
+                    out[i].modified = modified;
+                }
+            }
+            None => {
+                at.insert(key.clone(), out.len());
+                out.push(super::ObjectInfo {
+                    key,
+                    size: len,
+                    modified,
+                    version: None,
+                });
+            }
+        }
+    }
+}
+
 /// One chunk in a pack: its stored bytes are `len` bytes at `offset`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct IdxEntry {

@@ -130,7 +130,7 @@ use object_store::{
 };
 use tokio::io::AsyncReadExt;
 
-use super::pack::{IdxEntry, chunk_digest, chunk_key, decode_index, encode_index};
+use super::pack::{IdxEntry, add_packed, chunk_digest, decode_index, encode_index, lists_chunks};
 use super::s3_pack::{
     INDEX_DEADLINE, Listing, Loc, ORPHAN_AGE, PACK_PREFIX, PACK_TARGET, PackMeta, PackObject,
     S3Batch, Sealed, View, WRITE_RELIST, dead_key, dead_prefix, idx_key, pack_key, pack_prefix,
@@ -931,45 +931,17 @@ impl Backend for S3Backend {
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError> {
         let mut out = self.list_raw(prefix).await?;
-        const CHUNKS: &str = "chunks/sha256/";
-        if !(CHUNKS.starts_with(prefix) || prefix.starts_with(CHUNKS)) {
+        if !lists_chunks(prefix) {
             return Ok(out);
         }
         self.refresh(Instant::now()).await?;
-        let mut at: HashMap<String, usize> = out
-            .iter()
-            .enumerate()
-            .map(|(i, o)| (o.key.clone(), i))
-            .collect();
         let live: Vec<(Sha256Hash, u64, SystemTime)> = self
             .view()
             .map
             .iter()
             .map(|(d, l)| (*d, l.len, l.modified))
             .collect();
-        for (d, len, modified) in live {
-            let key = chunk_key(&d);
-            if !key.starts_with(prefix) {
-                continue;
-            }
-            match at.get(&key) {
-                // Loose and packed (two writers' copies): once, with the later time.
-                Some(&i) => {
-                    if out[i].modified < modified {
-                        out[i].modified = modified;
-                    }
-                }
-                None => {
-                    at.insert(key.clone(), out.len());
-                    out.push(ObjectInfo {
-                        key,
-                        size: len,
-                        modified,
-                        version: None,
-                    });
-                }
-            }
-        }
+        add_packed(&mut out, prefix, live);
         Ok(out)
     }
 

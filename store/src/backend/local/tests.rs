@@ -1,4 +1,5 @@
 use super::*;
+use crate::backend::pack::chunk_key;
 
 type Hook = Box<dyn FnOnce() + Send>;
 
