@@ -1,0 +1,375 @@
+//! The S3 backend's packs (issue 33), against the real S3 server (moto): a push is one pack
+//! and one index; a pack without index is invisible; a damaged index refuses only its
+//! chunks; deletes and renames of packed chunks are seen at once; stores of loose chunks
+//! still read; batched reads answer as single ones.
+
+use super::*;
+
+/// The keys under `packs/` of an S3 store, by kind (pack, index, dead marker).
+async fn pack_objects(s: &Store) -> (Vec<String>, Vec<String>, Vec<String>) {
+    let mut out = (Vec::new(), Vec::new(), Vec::new());
+    for o in s.backend().list("packs/").await.unwrap() {
+        if o.key.contains(".dead/") {
+            out.2.push(o.key);
+        } else if o.key.ends_with(".idx") {
+            out.1.push(o.key);
+        } else if o.key.ends_with(".pack") {
+            out.0.push(o.key);
+        }
+    }
+    out
+}
+
+/// A push to S3 sends its chunks as packs, not one object per chunk: 96 chunks of 64 KiB go
+/// up as one pack and one index, none as a loose object; another handle (a second process)
+/// reads them, sees them present, and a second push of the same bytes uploads nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3_packs_hold_a_push_and_other_handles_read_it() {
+    let f = Fixture::s3("packs-push").await;
+    let data = noise(6 << 20, 81);
+    let (m, table) = publish_image(&f.store, &data, Chunking::Fixed { size: 64 << 10 }).await;
+    let (packs, idx, dead) = pack_objects(&f.store).await;
+    assert_eq!(
+        (packs.len(), idx.len(), dead.len()),
+        (1, 1, 0),
+        "{packs:?} {idx:?}"
+    );
+    let chunks = table.chunk_digests();
+    assert_eq!(chunks.len(), 96);
+    let other = f.reopen().await;
+    let listed = other.backend().list("chunks/").await.unwrap();
+    assert_eq!(listed.len(), 96);
+    let Manifest::Image(im) = other.get_manifest(&m).await.unwrap() else {
+        panic!("not an image")
+    };
+    let out = f.tmp("read");
+    other.materialize(&im.disk, &out, None).await.unwrap();
+    assert!(std::fs::read(&out).unwrap() == data);
+    let objs: Vec<ObjectRef> = chunks.iter().map(|d| ObjectRef::Chunk(*d)).collect();
+    assert!(other.exist(&objs).await.unwrap().iter().all(|p| *p));
+    let (_, stats) = f
+        .reopen()
+        .await
+        .put_artifact_reader(
+            std::io::Cursor::new(data.clone()),
+            &PutArtifactOptions {
+                chunking: Some(Chunking::Fixed { size: 64 << 10 }),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(stats.chunks_transferred, 0);
+    assert_eq!(pack_objects(&f.store).await.0.len(), 1);
+    let v = other.verify(true, &GcOptions::default()).await.unwrap();
+    assert!(v.is_ok(), "{:?}", v.findings);
+}
+
+/// A pack with no index (a push killed between its two PUTs) is invisible: its chunks read
+/// as absent, no listing shows them, verify is clean, and a compaction leaves it while it is
+/// young (its writer may still be uploading).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3_packs_a_pack_without_index_is_invisible() {
+    let f = Fixture::s3("packs-orphan").await;
+    let (m, _) = publish_image(
+        &f.store,
+        &noise(1 << 20, 82),
+        Chunking::Fixed { size: 64 << 10 },
+    )
+    .await;
+    f.store
+        .set_tag(&"a:v1".parse().unwrap(), None, m)
+        .await
+        .unwrap();
+    let local = Fixture::local().await;
+    let (_, t) = publish_image(
+        &local.store,
+        &noise(256 << 10, 83),
+        Chunking::Fixed { size: 64 << 10 },
+    )
+    .await;
+    let d = t.chunk_digests()[0];
+    let stored = local
+        .store
+        .backend()
+        .get(&ObjectRef::Chunk(d).key())
+        .await
+        .unwrap();
+    let b = f.store.backend();
+    b.put("packs/crashed-1-0-1.pack", stored).await.unwrap();
+    let other = f.reopen().await;
+    assert!(!other.has(&ObjectRef::Chunk(d)).await.unwrap());
+    assert!(
+        other
+            .backend()
+            .get(&ObjectRef::Chunk(d).key())
+            .await
+            .unwrap_err()
+            .is_not_found()
+    );
+    let listed = other.backend().list("chunks/").await.unwrap();
+    assert!(listed.iter().all(|o| o.key != ObjectRef::Chunk(d).key()));
+    let v = other.verify(true, &GcOptions::default()).await.unwrap();
+    assert!(v.is_ok(), "{:?}", v.findings);
+    let r = other.backend().compact(false, &[]).await.unwrap();
+    assert_eq!(r.orphan_files, 0, "a young index-less pack is left alone");
+    assert_eq!(pack_objects(&f.store).await.0.len(), 2);
+}
+
+/// A damaged or planted index is reported by verify (`corruptStoreFile`) and takes only its
+/// own chunks out of service: garbage under an index name, and image b's real index with one
+/// byte flipped. Image a stays readable; b's chunks read as absent and verify says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3_packs_a_damaged_index_refuses_only_its_chunks() {
+    let f = Fixture::s3("packs-damaged").await;
+    let chunking = Chunking::Fixed { size: 64 << 10 };
+    let a_data = noise(512 << 10, 84);
+    let (a, _) = publish_image(&f.store, &a_data, chunking).await;
+    let (_, a_idx, _) = pack_objects(&f.store).await;
+    let (b, b_table) = publish_image(&f.store, &noise(512 << 10, 85), chunking).await;
+    f.store
+        .set_tag(&"a:v1".parse().unwrap(), None, a)
+        .await
+        .unwrap();
+    f.store
+        .set_tag(&"b:v1".parse().unwrap(), None, b)
+        .await
+        .unwrap();
+    let (_, idx, _) = pack_objects(&f.store).await;
+    let b_idx = idx.iter().find(|k| !a_idx.contains(k)).unwrap().clone();
+    let be = f.store.backend();
+    let mut bytes = be.get(&b_idx).await.unwrap().to_vec();
+    bytes[30] ^= 1;
+    be.put(&b_idx, Bytes::from(bytes)).await.unwrap();
+    be.put(
+        "packs/planted-1-0-1.idx",
+        Bytes::from_static(b"not an index at all"),
+    )
+    .await
+    .unwrap();
+    be.put("packs/planted-1-0-1.pack", Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+
+    let other = f.reopen().await;
+    let v = other.verify(true, &GcOptions::default()).await.unwrap();
+    let corrupt: Vec<String> = v
+        .findings
+        .iter()
+        .filter_map(|x| match x {
+            Finding::CorruptStoreFile { file, .. } => Some(file.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(corrupt.len(), 2, "{:?}", v.findings);
+    assert!(corrupt.iter().any(|c| c.ends_with(&b_idx)), "{corrupt:?}");
+    assert!(
+        corrupt.iter().any(|c| c.ends_with("planted-1-0-1.idx")),
+        "{corrupt:?}"
+    );
+    let missing = v
+        .findings
+        .iter()
+        .filter(|x| matches!(x, Finding::MissingChunk { .. }))
+        .count();
+    assert_eq!(missing, b_table.chunk_digests().len(), "{:?}", v.findings);
+    let Manifest::Image(im) = other.get_manifest(&a).await.unwrap() else {
+        panic!("not an image")
+    };
+    let out = f.tmp("a");
+    other.materialize(&im.disk, &out, None).await.unwrap();
+    assert!(std::fs::read(&out).unwrap() == a_data);
+    for d in b_table.chunk_digests() {
+        assert!(!other.has(&ObjectRef::Chunk(d)).await.unwrap());
+    }
+}
+
+/// Delete and rename (GC's condemn step) of a packed chunk on S3: afterwards the key is
+/// absent for every handle, including one whose view still had it live (the check is
+/// fresh); the renamed bytes are at the destination, and a put-back makes the chunk a loose
+/// object again, present everywhere. Once every chunk of a pack is deleted, a compaction
+/// retires the pack (index, pack, markers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3_packs_delete_and_rename_of_a_packed_chunk() {
+    let f = Fixture::s3("packs-delete").await;
+    let (_, table) = publish_image(
+        &f.store,
+        &noise(256 << 10, 86),
+        Chunking::Fixed { size: 64 << 10 },
+    )
+    .await;
+    let ds = table.chunk_digests();
+    assert_eq!(ds.len(), 4);
+    let keys: Vec<String> = ds.iter().map(|d| ObjectRef::Chunk(*d).key()).collect();
+    let watcher = f.reopen().await;
+    for k in &keys {
+        assert!(watcher.backend().head(k).await.unwrap().is_some());
+    }
+    let stored = f.store.backend().get(&keys[1]).await.unwrap();
+    let gcer = f.reopen().await;
+    gcer.backend().delete(&keys[0]).await.unwrap();
+    gcer.backend()
+        .rename(&keys[1], &format!("fossil/{}", keys[1]))
+        .await
+        .unwrap();
+    for s in [&watcher, &gcer, &f.reopen().await] {
+        let b = s.backend();
+        assert!(b.head(&keys[0]).await.unwrap().is_none());
+        assert!(b.get(&keys[0]).await.unwrap_err().is_not_found());
+        assert!(b.head(&keys[1]).await.unwrap().is_none());
+        let objs = [ObjectRef::Chunk(ds[0]), ObjectRef::Chunk(ds[2])];
+        assert_eq!(s.exist(&objs).await.unwrap(), vec![false, true]);
+        assert!(b.head(&keys[2]).await.unwrap().is_some());
+    }
+    assert_eq!(
+        f.store
+            .backend()
+            .get(&format!("fossil/{}", keys[1]))
+            .await
+            .unwrap(),
+        stored
+    );
+    // GC's put-back: a loose object, read by all.
+    assert_eq!(
+        gcer.backend()
+            .put_if_absent(&keys[1], stored.clone(), None)
+            .await
+            .unwrap(),
+        PutOutcome::Created
+    );
+    // The put-back (above, by the first handle to try): a loose object, read by all.
+    assert_eq!(watcher.backend().get(&keys[1]).await.unwrap(), stored);
+    let listed: HashSet<String> = f
+        .reopen()
+        .await
+        .backend()
+        .list("chunks/")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.key)
+        .collect();
+    assert_eq!(
+        listed,
+        [&keys[1], &keys[2], &keys[3]]
+            .into_iter()
+            .cloned()
+            .collect()
+    );
+    let (_, _, dead) = pack_objects(&f.store).await;
+    assert_eq!(dead.len(), 2);
+    // Every chunk dead: the pack is retired whole.
+    for k in &keys[2..] {
+        gcer.backend().delete(k).await.unwrap();
+    }
+    let r = gcer.backend().compact(false, &[]).await.unwrap();
+    assert_eq!(r.packs, 1, "{r:?}");
+    assert_eq!(pack_objects(&f.store).await, (vec![], vec![], vec![]));
+    assert_eq!(watcher.backend().get(&keys[1]).await.unwrap(), stored);
+    assert!(watcher.backend().head(&keys[2]).await.unwrap().is_none());
+}
+
+/// A store written before packs (each chunk its own object) reads, lists, verifies and is
+/// found present as before; a push of the same image to it uploads nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3_packs_a_store_of_loose_chunks_still_reads() {
+    let f = Fixture::s3("packs-loose").await;
+    let local = Fixture::local().await;
+    let data = noise(1 << 20, 87);
+    let (m, table) = publish_image(&local.store, &data, Chunking::Fixed { size: 64 << 10 }).await;
+    let b = f.store.backend();
+    for d in table.chunk_digests() {
+        let k = ObjectRef::Chunk(d).key();
+        let stored = local.store.backend().get(&k).await.unwrap();
+        assert_eq!(
+            b.put_if_absent(&k, stored, None).await.unwrap(),
+            PutOutcome::Created
+        );
+    }
+    let mk = ObjectRef::Manifest(m).key();
+    b.put_if_absent(&mk, local.store.backend().get(&mk).await.unwrap(), None)
+        .await
+        .unwrap();
+    f.store
+        .set_tag(&"old:v1".parse().unwrap(), None, m)
+        .await
+        .unwrap();
+    let s = f.reopen().await;
+    let Manifest::Image(im) = s.get_manifest(&m).await.unwrap() else {
+        panic!("not an image")
+    };
+    let out = f.tmp("old");
+    s.materialize(&im.disk, &out, None).await.unwrap();
+    assert!(std::fs::read(&out).unwrap() == data);
+    assert_eq!(s.backend().list("chunks/").await.unwrap().len(), 16);
+    let v = s.verify(true, &GcOptions::default()).await.unwrap();
+    assert!(v.is_ok(), "{:?}", v.findings);
+    // A build's upload (leased, looked up first) finds every loose chunk present.
+    let lease = Arc::new(
+        s.create_lease("old-store", Duration::from_secs(600), [])
+            .await
+            .unwrap(),
+    );
+    let (_, stats) = s
+        .put_artifact_reader(
+            std::io::Cursor::new(data),
+            &PutArtifactOptions {
+                chunking: Some(Chunking::Fixed { size: 64 << 10 }),
+                lease: Some(lease.clone()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    lease.release().await.unwrap();
+    assert_eq!(stats.chunks_transferred, 0);
+    assert_eq!(pack_objects(&s).await.0.len(), 0);
+}
+
+/// `get_many` on S3 reads packed chunks by spans of their pack, and answers for every key as
+/// `get_range(0..limit)` would: packed, deleted (absent), loose, absent, over the limit
+/// (clipped), in the order given, from a handle whose view is cold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3_packs_get_many_answers_as_one_read_each() {
+    let f = Fixture::s3("packs-get-many").await;
+    let (_, table) = publish_image(
+        &f.store,
+        &noise(2 << 20, 88),
+        Chunking::Fixed { size: 64 << 10 },
+    )
+    .await;
+    let keys: Vec<String> = table
+        .chunk_digests()
+        .iter()
+        .map(|d| ObjectRef::Chunk(*d).key())
+        .collect();
+    let b = f.store.backend();
+    b.delete(&keys[5]).await.unwrap();
+    let loose = "chunks/sha256/00000000000000000000000000000000000000000000000000000000000000aa";
+    b.put_if_absent(loose, Bytes::from_static(b"loose bytes"), None)
+        .await
+        .unwrap();
+    let mut asked = keys.clone();
+    asked.push(loose.into());
+    asked.push(
+        "chunks/sha256/00000000000000000000000000000000000000000000000000000000000000bb".into(),
+    );
+    asked.reverse();
+    let cold = f.reopen().await;
+    let cb = cold.backend();
+    let many = cb.get_many(&asked, 1 << 20).await;
+    assert_eq!(many.len(), asked.len());
+    for (k, r) in asked.iter().zip(&many) {
+        match cb.get_range(k, 0..1 << 20).await {
+            Ok(want) => assert_eq!(r.as_ref().unwrap(), &want, "{k}"),
+            Err(e) => {
+                assert!(e.is_not_found(), "{e}");
+                assert!(r.as_ref().unwrap_err().is_not_found(), "{k}");
+            }
+        }
+    }
+    assert!(many[0].as_ref().unwrap_err().is_not_found());
+    assert_eq!(many[1].as_ref().unwrap().as_ref(), b"loose bytes");
+    let clipped = cb.get_many(&asked[2..3], 10).await;
+    assert_eq!(clipped[0].as_ref().unwrap().len(), 10);
+}
