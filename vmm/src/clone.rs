@@ -509,8 +509,11 @@ async fn materialize(
         Ok::<_, CloneError>(())
     };
     if what == Fetch::Boot {
-        fetch(&snap.kernel.digest, &c.kernel).await?;
-        fetch(&snap.initramfs.digest, &c.initramfs).await?;
+        // Both at once: the kernel (about 50 MB) is most of a cold start's wait before QEMU.
+        tokio::try_join!(
+            fetch(&snap.kernel.digest, &c.kernel),
+            fetch(&snap.initramfs.digest, &c.initramfs)
+        )?;
         return Ok(c);
     }
     // The vmstate first: small, and a corrupted one must fail before any QEMU starts.
