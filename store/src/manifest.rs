@@ -430,7 +430,8 @@ impl std::fmt::Display for ObjectRef {
 }
 
 /// Everything a manifest refers to directly: other manifests first, then blobs, then chunks
-/// (distinct, in table order). Holes refer to nothing.
+/// (distinct: a snapshot's prefetch list in its order, then the rest in table order). Holes
+/// refer to nothing.
 pub fn references(m: &Manifest) -> Vec<ObjectRef> {
     let mut out = Vec::new();
     let mut tables: Vec<&ChunkTable> = Vec::new();
@@ -453,6 +454,18 @@ pub fn references(m: &Manifest) -> Vec<ObjectRef> {
     }
     let mut seen = std::collections::HashSet::new();
     out.retain(|r| seen.insert(*r));
+    // A snapshot's prefetch list first, in its order: a copy writes chunks in this order, so
+    // on S3 the chunks a clone prefetches lie together in a pack and a few ranged GETs fetch
+    // them all (issue 35). A list that names a bad index changes only the order, not the set.
+    if let Manifest::Snapshot(s) = m
+        && let Some(Ok(listed)) = s.prefetch.as_ref().map(|p| p.chunks(s))
+    {
+        for (d, _) in listed {
+            if seen.insert(ObjectRef::Chunk(d)) {
+                out.push(ObjectRef::Chunk(d));
+            }
+        }
+    }
     for t in tables {
         for d in t.chunk_digests() {
             if seen.insert(ObjectRef::Chunk(d)) {
@@ -581,6 +594,70 @@ mod tests {
                 ObjectRef::Blob(BlobDigest::of(b"initrd")),
                 ObjectRef::Chunk(ChunkDigest::of(b"a")),
             ]
+        );
+    }
+
+    #[test]
+    fn a_snapshots_prefetched_chunks_come_first_in_list_order() {
+        let entry = |i: u64, name: &[u8]| ChunkEntry {
+            offset: i * 4,
+            raw_len: 4,
+            digest: Some(ChunkDigest::of(name)),
+            stored_len: 3,
+        };
+        let memory = ChunkTable {
+            size: 12,
+            chunking: Chunking::DISK_DEFAULT,
+            entries: vec![entry(0, b"m0"), entry(1, b"m1"), entry(2, b"m2")],
+        };
+        let disk = ChunkTable {
+            size: 8,
+            chunking: Chunking::DISK_DEFAULT,
+            entries: vec![entry(0, b"d0"), entry(1, b"m0")],
+        };
+        let blob = |b: &[u8]| BlobRef {
+            digest: BlobDigest::of(b),
+            size: b.len() as u64,
+            media_type: None,
+        };
+        let s = SnapshotManifest {
+            schema_version: SCHEMA_VERSION,
+            media_type: SNAPSHOT_MEDIA_TYPE.to_string(),
+            memory,
+            vmstate: blob(b"vmstate"),
+            disk,
+            compatibility_key: "qemu=10.0.2".into(),
+            image: ManifestDigest::of(b"image"),
+            kernel: blob(b"vmlinux"),
+            initramfs: blob(b"initrd"),
+            vcpus: 1,
+            memory_bytes: 12,
+            prefetch: Some(PrefetchList {
+                memory: vec![2, 0],
+                disk: vec![1, 0],
+            }),
+        };
+        let chunks = |m: &SnapshotManifest| -> Vec<ObjectRef> {
+            references(&Manifest::Snapshot(m.clone()))
+                .into_iter()
+                .filter(|r| matches!(r, ObjectRef::Chunk(_)))
+                .collect()
+        };
+        let c = |n: &[u8]| ObjectRef::Chunk(ChunkDigest::of(n));
+        // Listed first in list order (m0 once, though both tables and the list name it
+        // twice), then the rest in table order.
+        assert_eq!(chunks(&s), vec![c(b"m2"), c(b"m0"), c(b"d0"), c(b"m1")]);
+        // A hostile list changes nothing but the order: the same set, in table order.
+        let hostile = SnapshotManifest {
+            prefetch: Some(PrefetchList {
+                memory: vec![2, 9],
+                disk: vec![],
+            }),
+            ..s.clone()
+        };
+        assert_eq!(
+            chunks(&hostile),
+            vec![c(b"m0"), c(b"m1"), c(b"m2"), c(b"d0")]
         );
     }
 
