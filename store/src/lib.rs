@@ -82,6 +82,7 @@ pub mod chunk;
 pub mod copy;
 pub mod digest;
 pub mod gc;
+mod inflight;
 pub mod lease;
 pub mod local_blobs;
 pub mod manifest;

@@ -17,6 +17,7 @@ use crate::backend::s3::S3Options;
 use crate::backend::{self, Backend, PutOutcome};
 use crate::chunk::{self, EncodedChunk};
 use crate::digest::{ChunkDigest, ManifestDigest};
+use crate::inflight::{Claim, InFlight};
 use crate::manifest::{MAX_MANIFEST_LEN, Manifest, ManifestError, ObjectRef, RawManifest};
 use crate::readcache::ReadCache;
 use crate::{StoreError, unix_now};
@@ -133,6 +134,8 @@ pub struct Store {
     pub(crate) backend: Arc<Retrying>,
     pub(crate) known: Arc<KnownChunks>,
     pub(crate) cache: Option<Arc<ReadCache>>,
+    /// Chunk reads in flight, shared by the clones of this handle.
+    pub(crate) inflight: InFlight,
     pub(crate) parallelism: usize,
 }
 
@@ -174,6 +177,7 @@ impl Store {
             backend,
             known: Arc::new(KnownChunks::load(opts.known_index.clone(), opts.known_ttl)),
             cache,
+            inflight: InFlight::default(),
             parallelism: opts.parallelism.max(1),
         })
     }
@@ -185,6 +189,7 @@ impl Store {
             backend: Arc::new(Retrying::new(inner, opts.retry)),
             known: Arc::new(KnownChunks::load(opts.known_index, opts.known_ttl)),
             cache: None,
+            inflight: InFlight::default(),
             parallelism: opts.parallelism.max(1),
         }
     }
@@ -436,7 +441,8 @@ impl Store {
 
     /// A chunk's raw bytes, verified: decompressed with at most `max_raw_len` bytes and hashed.
     /// A mismatch is [`ChunkError::DigestMismatch`] naming chunk and store. Goes through the
-    /// read cache when one is configured.
+    /// read cache when one is configured. A chunk another read of this handle is fetching
+    /// is not fetched again: this read waits for that one's bytes ([`crate::inflight`]).
     pub async fn get_chunk(
         &self,
         digest: &ChunkDigest,
@@ -447,8 +453,20 @@ impl Store {
         {
             return Ok(b);
         }
+        let fetching = match self.inflight.claim(*digest) {
+            Claim::Mine(f) => Some(f),
+            Claim::Theirs(w) => match w.bytes().await {
+                Some(b) if b.len() as u64 <= max_raw_len => return Ok(b),
+                // Their fetch failed (or its chunk is over this read's bound): read it here.
+                _ => None,
+            },
+        };
         let stored = self.get_chunk_stored(digest).await?;
-        self.decode_chunk(*digest, stored, max_raw_len).await
+        let raw = self.decode_chunk(*digest, stored, max_raw_len).await?;
+        if let Some(f) = fetching {
+            f.done(&raw);
+        }
+        Ok(raw)
     }
 
     /// [`Store::get_chunk_stored`] of many chunks at once, in the order given: one
@@ -458,6 +476,9 @@ impl Store {
         &self,
         digests: &[ChunkDigest],
     ) -> Vec<Result<Bytes, StoreError>> {
+        if digests.is_empty() {
+            return Vec::new();
+        }
         let keys: Vec<String> = digests.iter().map(|d| d.key()).collect();
         let got = self
             .backend
@@ -476,8 +497,10 @@ impl Store {
     }
 
     /// [`Store::get_chunk`] of many chunks at once (digest, raw length bound), in the order
-    /// given: the read cache first, the rest with [`Store::get_chunks_stored`], each then
-    /// decoded and verified (and cached) as [`Store::get_chunk`] does.
+    /// given: the read cache first, then those no other read of this handle is fetching with
+    /// [`Store::get_chunks_stored`], each decoded and verified (and cached) as
+    /// [`Store::get_chunk`] does; last, the bytes of the chunks others were fetching (each
+    /// read alone if that fetch failed).
     pub async fn get_chunks(
         &self,
         chunks: &[(ChunkDigest, u64)],
@@ -490,14 +513,32 @@ impl Store {
                 }
             }
         }
-        let missing: Vec<usize> = (0..chunks.len()).filter(|&i| out[i].is_none()).collect();
-        let digests: Vec<ChunkDigest> = missing.iter().map(|&i| chunks[i].0).collect();
+        let (mut mine, mut theirs) = (Vec::new(), Vec::new());
+        for i in (0..chunks.len()).filter(|&i| out[i].is_none()) {
+            match self.inflight.claim(chunks[i].0) {
+                Claim::Mine(f) => mine.push((i, f)),
+                Claim::Theirs(w) => theirs.push((i, w)),
+            }
+        }
+        // Everything claimed here is fetched before any wait for another read's fetch.
+        let digests: Vec<ChunkDigest> = mine.iter().map(|(i, _)| chunks[*i].0).collect();
         let stored = self.get_chunks_stored(&digests).await;
-        for (i, s) in missing.into_iter().zip(stored) {
+        for ((i, fetching), s) in mine.into_iter().zip(stored) {
             let (d, max_raw_len) = chunks[i];
-            out[i] = Some(match s {
+            let raw = match s {
                 Ok(stored) => self.decode_chunk(d, stored, max_raw_len).await,
                 Err(e) => Err(e),
+            };
+            if let Ok(raw) = &raw {
+                fetching.done(raw);
+            }
+            out[i] = Some(raw);
+        }
+        for (i, w) in theirs {
+            let (d, max_raw_len) = chunks[i];
+            out[i] = Some(match w.bytes().await {
+                Some(b) if b.len() as u64 <= max_raw_len => Ok(b),
+                _ => self.get_chunk(&d, max_raw_len).await,
             });
         }
         out.into_iter()

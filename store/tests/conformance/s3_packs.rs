@@ -373,3 +373,42 @@ async fn s3_packs_get_many_answers_as_one_read_each() {
     let clipped = cb.get_many(&asked[2..3], 10).await;
     assert_eq!(clipped[0].as_ref().unwrap().len(), 10);
 }
+
+/// Reads of one packed chunk at once through one handle (a clone's page fault beside its
+/// prefetch) cost the requests of one read: the later ones wait for the first one's bytes.
+/// (S3 only: a local read completes before the next one looks, so there is nothing to share.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3_packs_concurrent_reads_of_a_chunk_fetch_it_once() {
+    let f = Fixture::s3("packs-inflight").await;
+    let (_, table) = publish_image(&f.store, &noise(1 << 20, 11), Chunking::DISK_DEFAULT).await;
+    let chunks: Vec<_> = table
+        .entries
+        .iter()
+        .filter_map(|e| e.digest.map(|d| (d, e.raw_len)))
+        .collect();
+    assert!(chunks.len() >= 3, "{} chunks", chunks.len());
+    let s = f.reopen().await;
+    // The first read of a handle may load what it knows of the store (S3: the packs).
+    s.get_chunk(&chunks[0].0, chunks[0].1).await.unwrap();
+    let before = s.metrics().requests;
+    let one = s.get_chunk(&chunks[1].0, chunks[1].1).await.unwrap();
+    let solo = s.metrics().requests - before;
+    assert_eq!(one.len() as u64, chunks[1].1);
+    let (d, n) = chunks[2];
+    let pair = [(d, n), (d, n)];
+    let before = s.metrics().requests;
+    // Polled in this order in one task: the first read has sent its request before the
+    // others look.
+    let (a, b, many) = tokio::join!(s.get_chunk(&d, n), s.get_chunk(&d, n), s.get_chunks(&pair));
+    let together = s.metrics().requests - before;
+    let a = a.unwrap();
+    assert_eq!(a.len() as u64, n);
+    assert_eq!(b.unwrap(), a);
+    for r in many {
+        assert_eq!(r.unwrap(), a);
+    }
+    assert!(
+        together <= solo,
+        "four reads of one chunk at once made {together} requests, one read alone {solo}"
+    );
+}
