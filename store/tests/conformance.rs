@@ -1336,7 +1336,7 @@ async fn import_table_is_pinned(f: Fixture) {
 /// asks the destination about every object: one chunk deleted there is uploaded again, and
 /// only it. Where the backend lists in key order (S3), the presence check of 512 chunks
 /// costs a few listing requests, not one `head` per chunk (issue 16: 2,797 heads took 5 s).
-/// 512 is twice [`kiln_store::store::LIST_MIN_KEYS`], the smallest group that is listed, and one
+/// 512 is twice [`kiln_store::store::LIST_MIN_KEYS`], the smallest group always listed, and one
 /// listing page ([`kiln_store::backend::LIST_PAGE_MAX`] keys) holds them all.
 async fn push_of_present_image_checks_every_object(f: Fixture) {
     let a = Fixture::local().await;
