@@ -25,13 +25,22 @@ use crate::{StoreError, unix_now};
 /// Presence checks ([`Store::exist`]) made one `head` each that are in flight at once.
 pub const PRESENCE_CHECKS_IN_FLIGHT: usize = 32;
 
-/// Fewest objects under one key prefix that [`Store::exist`] looks for in a listing rather
-/// than one `head` each (a listing page is a larger answer than a `head`).
+/// Fewest objects under one key prefix that [`Store::exist`] always looks for in a listing
+/// rather than one `head` each, whatever earlier walks of that prefix found (a listing page
+/// is a larger answer than a `head`).
 pub const LIST_MIN_KEYS: usize = 256;
 
 /// Objects a listing page must answer for, on average, for [`Store::exist`] to keep walking
-/// the listing past its first two pages rather than `head` the rest.
+/// the listing past its first two pages rather than `head` the rest. Also the fewest objects
+/// under one prefix that [`Store::exist`] walks a listing for at all: fewer cannot meet it.
 pub const LIST_MIN_PER_PAGE: usize = 8;
+
+/// How long a [`Store`] handle heads, rather than lists, the groups below [`LIST_MIN_KEYS`]
+/// of a key prefix whose listing walk gave up (10 minutes: a prefix dense with objects, a
+/// store of loose chunks written before packs, stays so until a GC; and a walk that gives
+/// up costs two listing pages, so a handle retrying every 10 minutes wastes next to
+/// nothing).
+pub const LIST_DENSE_RETRY: Duration = Duration::from_secs(600);
 
 /// Options for [`Store::open_with`]. `Default` gives: environment S3 settings, default retry
 /// policy, no read cache, in-memory known-chunk index, 8 parallel uploads.
@@ -137,6 +146,11 @@ pub struct Store {
     /// Chunk reads in flight, shared by the clones of this handle.
     pub(crate) inflight: InFlight,
     pub(crate) parallelism: usize,
+    /// Key prefixes whose listing walk ([`Store::exist`]) gave up, and when: too many other
+    /// objects under them for a listing page to answer for [`LIST_MIN_PER_PAGE`] of the
+    /// objects asked about. Their groups below [`LIST_MIN_KEYS`] are headed for
+    /// [`LIST_DENSE_RETRY`] after that.
+    pub(crate) dense: Arc<Mutex<HashMap<String, std::time::Instant>>>,
 }
 
 impl Store {
@@ -179,6 +193,7 @@ impl Store {
             cache,
             inflight: InFlight::default(),
             parallelism: opts.parallelism.max(1),
+            dense: Arc::default(),
         })
     }
 
@@ -191,6 +206,7 @@ impl Store {
             cache: None,
             inflight: InFlight::default(),
             parallelism: opts.parallelism.max(1),
+            dense: Arc::default(),
         }
     }
 
@@ -283,13 +299,30 @@ impl Store {
     /// ([`Backend::packed_present`]), then the rest:
     ///
     /// Where the backend lists in key order ([`Backend::ordered_listing`]: S3) and at least
-    /// [`LIST_MIN_KEYS`] objects share a key prefix (`chunks/sha256/`, ...), they are found by
-    /// walking the listing from the first one: a page of up to [`backend::LIST_PAGE_MAX`]
-    /// keys answers for every object up to its last key, so a push whose 2,797 objects are
-    /// all present costs a few requests instead of 2,797. Once a walk answers for fewer than
-    /// [`LIST_MIN_PER_PAGE`] objects a page (a store much larger than the set asked about),
-    /// the rest of that prefix is checked one `head` each. Everything else is one `head` per
-    /// object, [`PRESENCE_CHECKS_IN_FLIGHT`] at once. Errors: the first failed request.
+    /// [`LIST_MIN_PER_PAGE`] objects share a key prefix (`chunks/sha256/`, ...), they are
+    /// found by walking the listing from the first one: a page of up to
+    /// [`backend::LIST_PAGE_MAX`] keys answers for every object up to its last key. So a push
+    /// whose 2,797 objects are all present costs a few requests instead of 2,797 (issue 16),
+    /// and each group of 64 chunks an import leases and looks up
+    /// ([`crate::artifact`]) costs one listing instead of 64 heads in a store of packs, whose
+    /// `chunks/sha256/` holds no or few loose objects (issue 33: a 256 MiB import into S3
+    /// made about 4,000 heads, and ran at 17 MB/s against moto's ~400 requests a second).
+    /// Once a walk answers for fewer than [`LIST_MIN_PER_PAGE`] objects a page (a prefix
+    /// with many more objects than the set asked about: a store of loose chunks written
+    /// before packs), the rest of that prefix is checked one `head` each, and for
+    /// [`LIST_DENSE_RETRY`] this handle heads that prefix's groups below [`LIST_MIN_KEYS`]
+    /// without walking: a dense prefix costs an import two wasted pages, not two per group.
+    /// Everything else is one `head` per object, [`PRESENCE_CHECKS_IN_FLIGHT`] at once.
+    /// Errors: the first failed request.
+    ///
+    /// A walk's answer is as safe for the writer as a `head`'s (a `true` is never stale,
+    /// [`crate::gc`]; a `false` may be): each page is a listing request made after the call
+    /// began, so after the caller's lease ([`crate::lease::Lease::find_present`]), and a
+    /// listing is as strongly consistent as a `head` (a write, delete or copy that has
+    /// returned is seen by every later listing: Amazon S3 User Guide, "Amazon S3 data
+    /// consistency model"), so a key GC moved to its fossil before the page was listed is
+    /// not in it. Walk or `head` (and the memory of dense prefixes that chooses) changes
+    /// what the answer costs, never what it can see.
     pub async fn exist(&self, objs: &[ObjectRef]) -> Result<Vec<bool>, StoreError> {
         let mut out = vec![false; objs.len()];
         let keys: Vec<String> = objs.iter().map(|o| o.key()).collect();
@@ -316,11 +349,19 @@ impl Store {
                 .count();
             let (group, tail) = rest.split_at(n);
             rest = tail;
-            if !self.backend.ordered_listing() || group.len() < LIST_MIN_KEYS || prefix.is_empty() {
+            if !self.backend.ordered_listing()
+                || group.len() < LIST_MIN_PER_PAGE
+                || prefix.is_empty()
+                || (group.len() < LIST_MIN_KEYS && self.recently_dense(prefix))
+            {
                 by_head.extend_from_slice(group);
                 continue;
             }
             let done = self.walk_listing(prefix, group, &keys, &mut out).await?;
+            if done < group.len() {
+                self.lock_dense()
+                    .insert(prefix.to_string(), std::time::Instant::now());
+            }
             by_head.extend_from_slice(&group[done..]);
         }
         let found: Vec<(usize, bool)> = futures::stream::iter(by_head)
@@ -335,6 +376,18 @@ impl Store {
             out[i] = p;
         }
         Ok(out)
+    }
+
+    fn lock_dense(&self) -> std::sync::MutexGuard<'_, HashMap<String, std::time::Instant>> {
+        // Never held across a panic point; recover anyway.
+        self.dense.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether a listing walk under `prefix` gave up less than [`LIST_DENSE_RETRY`] ago.
+    fn recently_dense(&self, prefix: &str) -> bool {
+        self.lock_dense()
+            .get(prefix)
+            .is_some_and(|t| t.elapsed() < LIST_DENSE_RETRY)
     }
 
     /// [`Store::exist`]'s listing walk over `group` (indices into `keys`, sorted by key, all

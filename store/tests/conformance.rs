@@ -1172,6 +1172,59 @@ async fn s3_missing_bucket_is_named() {
 
 /// OCI references (pulled images) on every backend: set, list, copy in and out with their
 /// blobs, GC keeps what they reach until the reference goes, verify knows them.
+/// A presence check under a prefix too dense for a listing walk answers right, and the
+/// handle then heads that prefix's small groups instead of paying two listing pages each
+/// time ([`kiln_store::store::LIST_DENSE_RETRY`]); a fresh handle walks again. The prefix:
+/// 2,500 loose blobs, so a page of 1,000 keys spans about 40% of the key space; the group:
+/// 16 absent blobs one sixteenth of the key space apart, so two pages answer for at most
+/// 14 of them, fewer than 8 a page, and the walk gives up. S3 only: the local backend never
+/// lists for presence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3_a_dense_prefix_is_headed_after_one_walk() {
+    use futures::StreamExt;
+    let f = Fixture::s3("dense-prefix").await;
+    let present: Vec<ObjectRef> = futures::stream::iter(0..2500u32)
+        .map(|i| {
+            let s = f.store.clone();
+            async move {
+                let b = s.put_blob(Bytes::from(format!("blob {i}"))).await.unwrap();
+                ObjectRef::Blob(b.digest)
+            }
+        })
+        .buffer_unordered(32)
+        .collect()
+        .await;
+    let spread = |n: u8| -> Vec<ObjectRef> {
+        (0..16u8)
+            .map(|i| {
+                let mut h = [n; 32];
+                h[0] = (i << 4) | 1;
+                ObjectRef::Blob(kiln_store::BlobDigest(kiln_store::digest::Sha256Hash(h)))
+            })
+            .collect()
+    };
+    // (listing requests, HEADs) of one look-up, whose answers are checked.
+    let ask = |s: Store, objs: Vec<ObjectRef>, want: bool| async move {
+        let before = s.metrics().wire;
+        let found = s.exist(&objs).await.unwrap();
+        assert_eq!(found, vec![want; objs.len()]);
+        let w = s.metrics().wire;
+        (w.lists - before.lists, w.heads - before.heads)
+    };
+    let s = f.reopen().await;
+    let (lists, heads) = ask(s.clone(), spread(1), false).await;
+    assert_eq!(lists, 2, "the first walk lists two pages and gives up");
+    assert!((2..=10).contains(&heads), "{heads} HEADs after the walk");
+    assert_eq!(
+        ask(s.clone(), spread(2), false).await,
+        (0, 16),
+        "the same handle heads the next group"
+    );
+    assert_eq!(ask(s.clone(), present[..16].to_vec(), true).await, (0, 16));
+    let (lists, _) = ask(f.reopen().await, spread(3), false).await;
+    assert_eq!(lists, 2, "a fresh handle walks again");
+}
+
 async fn oci_refs_round_trip(f: Fixture) {
     let a = Fixture::local().await;
     let c = Fixture::local().await;
@@ -1283,7 +1336,7 @@ async fn import_table_is_pinned(f: Fixture) {
 /// asks the destination about every object: one chunk deleted there is uploaded again, and
 /// only it. Where the backend lists in key order (S3), the presence check of 512 chunks
 /// costs a few listing requests, not one `head` per chunk (issue 16: 2,797 heads took 5 s).
-/// 512 is twice [`kiln_store::store::LIST_MIN_KEYS`], the smallest group that is listed, and one
+/// 512 is twice [`kiln_store::store::LIST_MIN_KEYS`], the smallest group always listed, and one
 /// listing page ([`kiln_store::backend::LIST_PAGE_MAX`] keys) holds them all.
 async fn push_of_present_image_checks_every_object(f: Fixture) {
     let a = Fixture::local().await;

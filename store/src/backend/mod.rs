@@ -168,6 +168,33 @@ pub struct ListPage {
     pub truncated: bool,
 }
 
+/// Requests a backend sent to its server since it was opened, by kind
+/// ([`Backend::wire_requests`]): what the server saw, each attempt of a retried request
+/// counted. The S3 backend counts every HTTP request its client sends; the local backend
+/// has no server and counts nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WireRequests {
+    /// HEAD requests (an object's metadata, a presence check).
+    pub heads: u64,
+    /// GET requests of an object, whole or ranged.
+    pub gets: u64,
+    /// Listing requests (S3 ListObjectsV2: a GET with `list-type=2`).
+    pub lists: u64,
+    /// PUT requests (objects, parts, server-side copies).
+    pub puts: u64,
+    /// DELETE requests.
+    pub deletes: u64,
+    /// Any other method (POST: a multipart upload's start and end, a batch delete).
+    pub other: u64,
+}
+
+impl WireRequests {
+    /// Every request counted.
+    pub fn total(&self) -> u64 {
+        self.heads + self.gets + self.lists + self.puts + self.deletes + self.other
+    }
+}
+
 /// Result of [`Backend::put_if_absent`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PutOutcome {
@@ -339,6 +366,12 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Every object whose key starts with `prefix` (a plain string prefix ending in `/`),
     /// recursively, in no particular order.
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>, BackendError>;
+
+    /// Requests sent to the backend's server since it was opened ([`WireRequests`]).
+    /// Default: none (a backend without a server).
+    fn wire_requests(&self) -> WireRequests {
+        WireRequests::default()
+    }
 
     /// Whether [`Backend::list_page`] works here: one request lists many keys in key order
     /// (S3's ListObjectsV2). `false` by default, and for the local backend, where a `stat`

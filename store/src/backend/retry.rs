@@ -169,6 +169,10 @@ pub struct MetricsSnapshot {
     pub bytes_read: u64,
     /// See [`Metrics::bytes_written`].
     pub bytes_written: u64,
+    /// Requests the wrapped backend sent to its server ([`Backend::wire_requests`]): a
+    /// primitive call above may be none (a chunk staged in memory) or many (a listing of
+    /// `packs/` and the indexes it loads).
+    pub wire: super::WireRequests,
 }
 
 /// The observer slot (a newtype only to give it a `Debug`).
@@ -231,6 +235,7 @@ impl Retrying {
             failures: m.failures.load(Ordering::Relaxed),
             bytes_read: m.bytes_read.load(Ordering::Relaxed),
             bytes_written: m.bytes_written.load(Ordering::Relaxed),
+            wire: self.inner.wire_requests(),
         }
     }
 
@@ -422,6 +427,10 @@ impl Backend for Retrying {
 
     async fn head(&self, key: &str) -> Result<Option<ObjectInfo>, BackendError> {
         self.run("head", key, || self.inner.head(key)).await.0
+    }
+
+    fn wire_requests(&self) -> super::WireRequests {
+        self.inner.wire_requests()
     }
 
     async fn put_if_absent(

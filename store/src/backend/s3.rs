@@ -122,6 +122,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::client::{
+    HttpClient, HttpConnector, HttpError, HttpRequest, HttpResponse, HttpService, ReqwestConnector,
+};
 use object_store::list::{PaginatedListOptions, PaginatedListStore};
 use object_store::path::Path as OsPath;
 use object_store::{
@@ -138,7 +141,7 @@ use super::s3_pack::{
 };
 use super::{
     Backend, BackendError, CompactReport, LIST_PAGE_MAX, LayoutReport, ListPage, ObjectInfo,
-    PutOutcome, StageBatch, Staged, StagedPut, Version, validate_key,
+    PutOutcome, StageBatch, Staged, StagedPut, Version, WireRequests, validate_key,
 };
 use crate::digest::{Hasher, Sha256Hash};
 
@@ -197,6 +200,77 @@ pub struct S3Backend {
     packs: PackState,
     /// [`S3Options::pack_target`].
     pack_target: u64,
+    /// Every HTTP request the client sent ([`Backend::wire_requests`]).
+    wire: Arc<WireCounts>,
+}
+
+/// The HTTP requests an [`S3Backend`]'s client sent, by kind ([`WireRequests`]).
+#[derive(Debug, Default)]
+struct WireCounts {
+    heads: std::sync::atomic::AtomicU64,
+    gets: std::sync::atomic::AtomicU64,
+    lists: std::sync::atomic::AtomicU64,
+    puts: std::sync::atomic::AtomicU64,
+    deletes: std::sync::atomic::AtomicU64,
+    other: std::sync::atomic::AtomicU64,
+}
+
+impl WireCounts {
+    /// Counts one request of `method` whose URL query is `query` (a ListObjectsV2 is a GET
+    /// with `list-type=2` in it).
+    fn count(&self, method: &reqwest::Method, query: Option<&str>) {
+        use reqwest::Method;
+        let c = match *method {
+            Method::HEAD => &self.heads,
+            Method::GET if query.is_some_and(|q| q.contains("list-type=2")) => &self.lists,
+            Method::GET => &self.gets,
+            Method::PUT => &self.puts,
+            Method::DELETE => &self.deletes,
+            _ => &self.other,
+        };
+        c.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> WireRequests {
+        let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        WireRequests {
+            heads: n(&self.heads),
+            gets: n(&self.gets),
+            lists: n(&self.lists),
+            puts: n(&self.puts),
+            deletes: n(&self.deletes),
+            other: n(&self.other),
+        }
+    }
+}
+
+/// `object_store`'s own reqwest client, each request counted in a [`WireCounts`] as it is
+/// sent.
+#[derive(Debug)]
+struct CountingConnector(Arc<WireCounts>);
+
+impl HttpConnector for CountingConnector {
+    fn connect(&self, options: &ClientOptions) -> object_store::Result<HttpClient> {
+        Ok(HttpClient::new(Counting {
+            inner: ReqwestConnector::default().connect(options)?,
+            counts: self.0.clone(),
+        }))
+    }
+}
+
+/// An HTTP client that counts each request ([`CountingConnector`]).
+#[derive(Debug)]
+struct Counting {
+    inner: HttpClient,
+    counts: Arc<WireCounts>,
+}
+
+#[async_trait::async_trait]
+impl HttpService for Counting {
+    async fn call(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
+        self.counts.count(req.method(), req.uri().query());
+        self.inner.execute(req).await
+    }
 }
 
 /// The process's view of the packs, and the one listing of `packs/` at a time.
@@ -246,7 +320,9 @@ impl S3Backend {
             max_retries: 0,
             ..RetryConfig::default()
         };
+        let wire = Arc::new(WireCounts::default());
         let store = b
+            .with_http_connector(CountingConnector(wire.clone()))
             .with_client_options(client)
             .with_retry(retry)
             .build()
@@ -263,6 +339,7 @@ impl S3Backend {
             url,
             packs: PackState::default(),
             pack_target: opts.pack_target.unwrap_or(PACK_TARGET).max(1),
+            wire,
         })
     }
 
@@ -791,6 +868,10 @@ impl Backend for S3Backend {
 
     fn ordered_listing(&self) -> bool {
         true
+    }
+
+    fn wire_requests(&self) -> WireRequests {
+        self.wire.snapshot()
     }
 
     async fn list_page(

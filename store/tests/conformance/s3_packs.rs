@@ -411,4 +411,82 @@ async fn s3_packs_concurrent_reads_of_a_chunk_fetch_it_once() {
         together <= solo,
         "four reads of one chunk at once made {together} requests, one read alone {solo}"
     );
+
+/// A leased import into S3 (what `kiln store import` does) looks its chunks up a group at a
+/// time with a listing of `chunks/sha256/`, not one HEAD per chunk (issue 33: a 256 MiB
+/// import made about 4,000 HEADs and ran at 17 MB/s against moto): 512 chunks in groups of
+/// 64 cost a few requests per group, counted on the wire ([`Store::metrics`]'s `wire`,
+/// every HTTP request the client sent). A second import of the same chunks behind 16 that
+/// are loose objects finds every one present (the 16 by the listing, the rest in the pack)
+/// and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3_leased_import_looks_chunks_up_by_listing() {
+    let f = Fixture::s3("leased-import").await;
+    let chunking = Chunking::Fixed { size: 16 << 10 };
+    let data = noise(8 << 20, 89);
+    let lease = Arc::new(
+        f.store
+            .create_lease("import-1", Duration::from_secs(600), [])
+            .await
+            .unwrap(),
+    );
+    let opts = PutArtifactOptions {
+        chunking: Some(chunking),
+        lease: Some(lease.clone()),
+        ..Default::default()
+    };
+    let before = f.store.metrics().wire;
+    let (table, stats) = f
+        .store
+        .put_artifact_reader(std::io::Cursor::new(data.clone()), &opts)
+        .await
+        .unwrap();
+    let wire = f.store.metrics().wire;
+    let chunks = table.chunk_digests().len() as u64;
+    assert_eq!(chunks, 512);
+    assert_eq!(stats.chunks_transferred, 512);
+    let (heads, total) = (wire.heads - before.heads, wire.total() - before.total());
+    // Per group of 64: its lease part (a PUT), a listing of chunks/sha256/, and at most
+    // a listing of packs/ a second; then the pack and its index.
+    assert!(
+        heads <= 8 && total <= chunks / 8,
+        "{heads} HEADs, {total} requests for {chunks} chunks: {:?}",
+        wire
+    );
+
+    // 16 chunks written as loose objects, then imported with the rest: found, not written.
+    let extra = noise(16 * (16 << 10), 90);
+    for c in extra.chunks(16 << 10) {
+        f.store.put_chunk(Bytes::copy_from_slice(c)).await.unwrap();
+    }
+    let again = f.reopen().await;
+    let before = again.metrics().wire;
+    let lease2 = Arc::new(
+        again
+            .create_lease("import-2", Duration::from_secs(600), [])
+            .await
+            .unwrap(),
+    );
+    let (table2, stats2) = again
+        .put_artifact_reader(
+            std::io::Cursor::new([extra, data].concat()),
+            &PutArtifactOptions {
+                chunking: Some(chunking),
+                lease: Some(lease2.clone()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let wire = again.metrics().wire;
+    assert_eq!(table2.chunk_digests().len(), 528);
+    assert_eq!(stats2.chunks_transferred, 0, "every chunk was present");
+    let (heads, total) = (wire.heads - before.heads, wire.total() - before.total());
+    assert!(
+        heads <= 8 && total <= 528 / 8,
+        "{heads} HEADs, {total} requests for 528 present chunks: {:?}",
+        wire
+    );
+    lease.release().await.unwrap();
+    lease2.release().await.unwrap();
 }
