@@ -411,6 +411,7 @@ async fn s3_packs_concurrent_reads_of_a_chunk_fetch_it_once() {
         together <= solo,
         "four reads of one chunk at once made {together} requests, one read alone {solo}"
     );
+}
 
 /// A leased import into S3 (what `kiln store import` does) looks its chunks up a group at a
 /// time with a listing of `chunks/sha256/`, not one HEAD per chunk (issue 33: a 256 MiB
