@@ -54,9 +54,10 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
-use std::io::{self, BufWriter, Read, Write};
+use std::io::{self, Read, Write};
 use std::path::Path;
 
+use crate::layer::shared::Inflation;
 use crate::layer::whiteout::{Created, WhiteoutKind};
 use crate::layer::write::set_sparse;
 use crate::layer::{
@@ -272,7 +273,8 @@ fn scan_layer(
     let out = match keep {
         Some((dir, max)) if max > 0 && bounded.compression() != Compression::None => {
             match tempfile::tempfile_in(dir) {
-                Ok(f) => Some(BufWriter::with_capacity(1 << 20, f)),
+                // Published under the digest: an unpack of this layer meanwhile follows it.
+                Ok(f) => Some(Inflation::publish(&l.digest, f)),
                 Err(e) => {
                     tracing::debug!(dir = %dir.display(), error = %e, "not keeping the inflated layer");
                     None
@@ -282,12 +284,7 @@ fn scan_layer(
         _ => None,
     };
     let max = keep.map_or(0, |k| k.1);
-    let mut archive = tar::Archive::new(Tee {
-        inner: stream,
-        out,
-        n: 0,
-        max,
-    });
+    let mut archive = tar::Archive::new(Tee::new(stream, out, max));
     let mut out = Vec::new();
     let mut last = String::from("(start)");
     let entries = archive.entries().map_err(|e| bounded.error(e, "(start)"))?;
@@ -1049,7 +1046,7 @@ impl Flat {
             let (stream, bounded) = match &self.copies[li] {
                 Some(c) => bounded_stream_as(
                     SpoolReader {
-                        file: Some(&c.file),
+                        file: Some(c.inf.file()),
                         off: 0,
                         left: c.len,
                     },
