@@ -139,7 +139,9 @@ impl LayerDirs {
         }
     }
 
-    /// The directory of layer `digest`, unpacking the blob from `cache` first if needed.
+    /// The directory of layer `digest`, unpacking the blob from `cache` first if needed
+    /// (from the layer's shared inflated stream when the flatten's scan of the build's base
+    /// is making or keeping one, [`crate::layer::shared`]).
     pub fn ensure(
         &self,
         cache: &dyn BlobCache,
@@ -895,6 +897,9 @@ mod tests {
             Some(1_700_000_000),
             keep,
         );
+        // Its copy is there from the start: an unpack that comes before the scan's thread
+        // reads anything follows it too.
+        assert!(crate::layer::shared::follow(&layer.digest, &path).is_some());
         let scan = p.take().expect("the prescan read the layer");
         // The blob gone: what is unpacked comes from the scan's copy.
         let aside = t.path().join("aside");

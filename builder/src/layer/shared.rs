@@ -138,6 +138,33 @@ impl Inflation {
     }
 }
 
+/// A copy published before its writer starts ([`Reserved::new`]), so that a reader of the
+/// layer that comes first follows it rather than inflating the blob on its own: a build's
+/// prescan reserves its base's copies before the steps' unpack can start. Dropped without
+/// [`Reserved::take`] (the layer turned out plain, or is not kept), the copy is abandoned and
+/// its followers read the blob.
+pub(crate) struct Reserved(Option<Arc<Inflation>>);
+
+impl Reserved {
+    /// Publishes an empty copy of layer `digest` into `file` ([`Inflation::publish`]).
+    pub(crate) fn new(digest: &str, file: File) -> Reserved {
+        Reserved(Some(Inflation::publish(digest, file)))
+    }
+
+    /// The copy, for its writer.
+    pub(crate) fn take(mut self) -> Option<Arc<Inflation>> {
+        self.0.take()
+    }
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        if let Some(inf) = self.0.take() {
+            inf.abandon();
+        }
+    }
+}
+
 /// A reader of layer `digest`'s inflated stream (blob at `blob`) from its live copy, when
 /// one is being made or kept ([`Inflation::publish`]); `None` otherwise (the caller
 /// inflates the blob as usual).
@@ -325,6 +352,38 @@ mod tests {
             .read_to_end(&mut Vec::new())
             .unwrap_err();
         assert!(e.to_string().contains(&digest), "{e}");
+    }
+
+    /// A copy reserved and then not written (its layer turned out plain, or is not kept) is
+    /// abandoned when dropped: its follower reads the blob.
+    #[test]
+    fn a_reserved_copy_dropped_unwritten_sends_its_followers_to_the_blob() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = stream(200_000);
+        let (path, digest) = blob(dir.path(), "reserved", &data);
+        let r = Reserved::new(&digest, tempfile::tempfile().unwrap());
+        let (following, wait) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            let mut f = follow(&digest, &path).unwrap();
+            following.send(()).unwrap();
+            let mut got = Vec::new();
+            f.read_to_end(&mut got).unwrap();
+            got
+        });
+        wait.recv().unwrap();
+        drop(r);
+        assert_eq!(reader.join().unwrap(), data);
+        // Taken, it is the writer's: not abandoned.
+        let (path, digest) = blob(dir.path(), "taken", &data);
+        let inf = Reserved::new(&digest, tempfile::tempfile().unwrap())
+            .take()
+            .unwrap();
+        inf.append(&data).unwrap();
+        inf.complete(true);
+        let mut got = Vec::new();
+        let mut f = follow(&digest, &path).unwrap();
+        f.read_to_end(&mut got).unwrap();
+        assert!(got == data && f.own.is_none());
     }
 
     /// A copy is followed only while someone holds it; then readers inflate on their own.

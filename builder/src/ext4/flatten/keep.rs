@@ -14,6 +14,8 @@ use crate::layer::shared::Inflation;
 /// `tempfile::tempfile_in`) in [`Keep::dir`]: nothing is left behind however the build
 /// ends. A copy holds the bytes pass 1's tar reader read, so it is bounded by the same
 /// [`crate::layer::Limits`] (`max_total_bytes` per layer; a layer past them fails the scan).
+/// While it lives, a copy is also the layer's shared inflated stream
+/// ([`crate::layer::shared`]), which an unpack of the same layer reads as it grows.
 #[derive(Debug, Clone)]
 pub struct Keep {
     /// Directory the copies are made in.
