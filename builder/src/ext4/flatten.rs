@@ -261,7 +261,9 @@ fn open_layer(l: &LayerBlob) -> Result<File, Ext4Error> {
 /// `replaces(comps)`: whether a file at that name replaces a lower layer's file (its data is
 /// then spooled, within the spool's bounds). `keep`: where a compressed layer's inflated
 /// stream is copied and how many bytes it may take ([`Keep`]); the copy is returned when it
-/// was kept whole.
+/// was kept whole. `reserved`: the copy published ahead for this layer ([`Scan::reserve`]),
+/// written when the layer is kept, else abandoned.
+#[allow(clippy::too_many_arguments)]
 fn scan_layer(
     l: &LayerBlob,
     limits: &Limits,

@@ -88,10 +88,10 @@ impl<R> Tee<R> {
     }
 
     fn flush(&mut self) {
-        if let Some(inf) = &self.out {
-            if inf.append(&self.buf).is_err() {
-                self.drop_copy();
-            }
+        if let Some(inf) = &self.out
+            && inf.append(&self.buf).is_err()
+        {
+            self.drop_copy();
         }
         self.buf.clear();
     }
