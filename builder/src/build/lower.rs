@@ -35,7 +35,10 @@ use kiln_store::digest::{Hasher, Sha256Hash};
 use crate::cache::BlobCache;
 use crate::exec::rootless::overlay_opaque_xattr;
 use crate::layer::whiteout::WhiteoutKind;
-use crate::layer::{LayerError, LimitKind, Limits, Split, apply_layer, bounded_stream, split_name};
+use crate::layer::{
+    Compression, LayerError, LimitKind, Limits, Split, apply_layer_as, bounded_stream_as,
+    split_name,
+};
 use crate::rootfs::root::{FsError, dir_names, open_dir_at, walk_fd};
 use crate::rootfs::walk::{Walk, WalkError};
 
@@ -136,7 +139,9 @@ impl LayerDirs {
         }
     }
 
-    /// The directory of layer `digest`, unpacking the blob from `cache` first if needed.
+    /// The directory of layer `digest`, unpacking the blob from `cache` first if needed
+    /// (from the layer's shared inflated stream when the flatten's scan of the build's base
+    /// is making or keeping one, [`crate::layer::shared`]).
     pub fn ensure(
         &self,
         cache: &dyn BlobCache,
@@ -453,9 +458,9 @@ pub fn squash_plan(lowers: usize, fit: usize) -> Option<usize> {
 }
 
 /// Unpacks the layer blob at `blob` (a tar stream, compressed or not) into the empty
-/// directory `dir` in overlayfs' form (the module doc): [`apply_layer`], with its bounds
+/// directory `dir` in overlayfs' form (the module doc): [`apply_layer`](crate::layer::apply_layer), with its bounds
 /// `limits` and its walk that stays inside `dir`, then the whiteouts turned into overlayfs
-/// markers (a second read of the blob, only when [`apply_layer`] counted whiteouts). `digest` names the layer in errors. What a microVM step sends back (its upper
+/// markers (a second read of the blob, only when [`apply_layer`](crate::layer::apply_layer) counted whiteouts). `digest` names the layer in errors. What a microVM step sends back (its upper
 /// directory as a tar stream) is unpacked this way into the step's upper directory.
 ///
 /// Errors: [`LowerError::Layer`] (a bad or hostile stream, a bound), [`LowerError::Io`]; the
@@ -466,15 +471,34 @@ pub fn unpack_overlay_form(
     digest: &str,
     limits: &Limits,
 ) -> Result<(), LowerError> {
-    let f = fs::File::open(blob).map_err(io_err("opening", blob))?;
-    let stats = apply_layer(dir, f, digest, limits)?;
+    let (f, compression) = layer_stream(blob, digest)?;
+    let stats = apply_layer_as(dir, f, compression, digest, limits)?;
     // Most layers (a base's, a step's that removed nothing) have no whiteout: then the
     // marker pass would read the whole blob again for nothing.
     if stats.whiteouts == 0 {
         return Ok(());
     }
+    let (f, compression) = layer_stream(blob, digest)?;
+    mark_whiteouts(dir, f, compression, digest, limits)
+}
+
+/// The stream of layer `digest` (blob at `blob`) and its compression when known: the plain
+/// tar of its live shared copy when the flattener's scan of the build's base is inflating or
+/// keeping it ([`crate::layer::shared`]; the base is then inflated once, not once per
+/// reader), else the blob itself (its compression sniffed by the reader).
+fn layer_stream(
+    blob: &Path,
+    digest: &str,
+) -> Result<(Box<dyn Read>, Option<Compression>), LowerError> {
+    if let Some(copy) = crate::layer::shared::follow(digest, blob) {
+        tracing::debug!(
+            layer = digest,
+            "unpacking from the scan's shared inflated copy"
+        );
+        return Ok((Box::new(copy), Some(Compression::None)));
+    }
     let f = fs::File::open(blob).map_err(io_err("opening", blob))?;
-    mark_whiteouts(dir, f, digest, limits)
+    Ok((Box::new(f), None))
 }
 
 /// A decompressing reader for a layer blob (by magic bytes: [`crate::layer::Compression`]).
@@ -510,6 +534,7 @@ pub fn diff_id_of(blob: &Path) -> io::Result<Sha256Hash> {
 fn mark_whiteouts(
     root: &Path,
     blob: impl Read,
+    compression: Option<Compression>,
     digest: &str,
     limits: &Limits,
 ) -> Result<(), LowerError> {
@@ -517,6 +542,7 @@ fn mark_whiteouts(
     for_each_entry_path(
         root,
         blob,
+        compression,
         digest,
         limits,
         "marking whiteouts in",
@@ -589,13 +615,14 @@ fn walk_io(e: WalkError<FsError>) -> io::Error {
 
 /// Calls `f` with a directory descriptor of `root` and the path components of each entry
 /// of the layer `blob` ([`crate::layer::split_name`]'s; entries it refuses are skipped, as
-/// [`apply_layer`] refuses them), in stream order: the one read of entry names of the passes
-/// over a layer besides [`apply_layer`]'s ([`mark_whiteouts`]; the blob-made squash the tests
+/// [`apply_layer`](crate::layer::apply_layer) refuses them), in stream order: the one read of entry names of the passes
+/// over a layer besides [`apply_layer`](crate::layer::apply_layer)'s ([`mark_whiteouts`]; the blob-made squash the tests
 /// check [`merge_lowers`] against), through the same bounded reader under `limits` (bytes,
 /// time, entries). `what` names the pass in errors.
 fn for_each_entry_path(
     root: &Path,
     blob: impl Read,
+    compression: Option<Compression>,
     digest: &str,
     limits: &Limits,
     what: &'static str,
@@ -607,7 +634,7 @@ fn for_each_entry_path(
         Mode::empty(),
     )
     .map_err(|e| io_err("opening", root)(e.into()))?;
-    let (stream, bounded) = bounded_stream(blob, digest, limits)?;
+    let (stream, bounded) = bounded_stream_as(blob, compression, digest, limits)?;
     let mut archive = tar::Archive::new(stream);
     let mut last = String::from("(start)");
     let entries = archive.entries().map_err(|e| bounded.error(e, &last))?;
@@ -634,11 +661,12 @@ fn for_each_entry_path(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layer::apply_layer;
     use std::os::unix::fs::{FileTypeExt, MetadataExt};
 
     /// The squash as kiln made it before [`merge_lowers`], from the blobs (`digests` bottom
     /// first, from `cache`) into the empty directory `root`: each layer applied in order by
-    /// [`apply_layer`], after its parents were made its own ([`own_parents`]). The oracle
+    /// [`apply_layer`](crate::layer::apply_layer), after its parents were made its own ([`own_parents`]). The oracle
     /// the merged trees are checked against.
     fn squash_from_blobs(
         root: &Path,
@@ -673,6 +701,7 @@ mod tests {
         for_each_entry_path(
             root,
             blob,
+            None,
             digest,
             limits,
             "making the parents of a layer in",
@@ -795,6 +824,98 @@ mod tests {
             .read_to_end(&mut raw)
             .unwrap();
         assert_eq!(diff_id_of(&p).unwrap(), crate::cache::digest_of(&raw));
+    }
+
+    /// A layer whose inflated stream a flatten scan keeps (the prescan of a build's base) is
+    /// unpacked from that shared copy, not from its blob ([`layer_stream`]): the same
+    /// directory as unpacked from the blob, whiteouts marked (a second read of the copy),
+    /// with the blob gone meanwhile; and the image the scan continues to is the image made
+    /// from the blob. Once the scan is gone, unpacks read the blob again.
+    #[test]
+    fn a_layer_being_scanned_is_unpacked_from_the_scans_copy() {
+        use crate::ext4::{self, Keep, LayerBlob, Prescan};
+        if !rustix::process::geteuid().is_root() {
+            panic!("needs root (mknod, trusted.* xattrs); CI runs as root");
+        }
+        let t = tempfile::tempdir().unwrap();
+        let cache = crate::cache::LocalCache::open(&t.path().join("store")).unwrap();
+        // Past the copy's 1 MiB write-behind, so it is appended in pieces.
+        let big: Vec<u8> = (0..3u32 << 20).map(|i| (i % 251) as u8).collect();
+        let blob = tar_gz(&[
+            ("a/", None),
+            ("a/.wh.gone", Some(b"")),
+            ("b/", None),
+            ("b/.wh..wh..opq", Some(b"")),
+            ("b/kept", Some(b"k")),
+            ("big", Some(&big)),
+            ("f", Some(b"data")),
+        ]);
+        let digest = BlobDigest::of(&blob);
+        cache.put_bytes(&digest, &blob).unwrap();
+        let path = cache.blob_path(&digest).unwrap().unwrap();
+        let layer = LayerBlob {
+            digest: digest.to_string(),
+            path: path.clone(),
+        };
+        let unpack = |name: &str| {
+            let dir = t.path().join(name);
+            fs::create_dir(&dir).unwrap();
+            unpack_overlay_form(&dir, &path, &layer.digest, &Limits::default()).map(|()| dir)
+        };
+        // A whiteout's own times are those of its making (`mknodat`), so two unpacks differ
+        // there and nowhere else.
+        let tree = |dir: &Path| -> Vec<String> {
+            describe(dir)
+                .into_iter()
+                .map(|l| match l.contains("\"dev 0\"") {
+                    true => format!("{} whiteout", l.split(' ').next().unwrap_or_default()),
+                    false => l,
+                })
+                .collect()
+        };
+        let opts = ext4::Ext4Options {
+            disk_mib: None,
+            max_mib: ext4::DEFAULT_MAX_MIB,
+            source_date_epoch: Some(1_700_000_000),
+            limits: Limits::default(),
+        };
+
+        // The reference: from the blob, no copy alive.
+        assert!(crate::layer::shared::follow(&layer.digest, &path).is_none());
+        let want = unpack("want").unwrap();
+        let want_img = t.path().join("want.ext4");
+        ext4::build(std::slice::from_ref(&layer), &want_img, &opts).unwrap();
+        assert!(crate::layer::shared::follow(&layer.digest, &path).is_none());
+
+        let keep = Keep {
+            dir: t.path().to_path_buf(),
+            max_bytes: u64::MAX,
+        };
+        let p = Prescan::start(
+            vec![layer.clone()],
+            &Limits::default(),
+            Some(1_700_000_000),
+            keep,
+        );
+        // Its copy is there from the start: an unpack that comes before the scan's thread
+        // reads anything follows it too.
+        assert!(crate::layer::shared::follow(&layer.digest, &path).is_some());
+        let scan = p.take().expect("the prescan read the layer");
+        // The blob gone: what is unpacked comes from the scan's copy.
+        let aside = t.path().join("aside");
+        fs::rename(&path, &aside).unwrap();
+        let got = unpack("got").unwrap();
+        assert!(tree(&got) == tree(&want), "the same tree as from the blob");
+        assert!(crate::layer::write::is_opaque(&got.join("b")).unwrap());
+        let got_img = t.path().join("got.ext4");
+        ext4::build_from(Some(scan), std::slice::from_ref(&layer), &got_img, &opts).unwrap();
+        assert!(fs::read(&got_img).unwrap() == fs::read(&want_img).unwrap());
+
+        // The scan and its copy are gone: the blob is read again (here: missing).
+        assert!(crate::layer::shared::follow(&layer.digest, &path).is_none());
+        assert!(unpack("after").is_err());
+        fs::rename(&aside, &path).unwrap();
+        assert!(tree(&unpack("again").unwrap()) == tree(&want));
     }
 
     #[test]
@@ -1280,7 +1401,7 @@ mod tests {
             "{err}"
         );
         assert_eq!(fs::read_dir(&root).unwrap().count(), 0);
-        let err = mark_whiteouts(&root, &blob[..], "sha256:many", &limits).unwrap_err();
+        let err = mark_whiteouts(&root, &blob[..], None, "sha256:many", &limits).unwrap_err();
         assert!(err.to_string().contains("entry count exceeds"), "{err}");
     }
 

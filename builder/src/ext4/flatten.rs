@@ -16,7 +16,9 @@
 //!    compressed layer's inflated stream in an unlinked temporary file, within a byte bound
 //!    taken from the free space ([`Keep`]), so that a layer is inflated once per image.
 //!    [`Scan`] is this pass a layer at a time: a build scans its base while its steps run
-//!    ([`super::Prescan`]) and the publish continues with the steps' layers.
+//!    ([`super::Prescan`]) and the publish continues with the steps' layers. The copy is
+//!    shared while it grows ([`crate::layer::shared`]): the unpack of the base into its layer
+//!    directory for the steps reads it instead of inflating the blob a second time.
 //! 2. [`Flat::write`] reads the layers again (a kept layer from its plain copy, others from
 //!    their blobs, inflating them again) and writes one tar (GNU headers, for their
 //!    atime and ctime fields, GNU long-name records for long names, PAX records for
@@ -54,9 +56,10 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
-use std::io::{self, BufWriter, Read, Write};
+use std::io::{self, Read, Write};
 use std::path::Path;
 
+use crate::layer::shared::{Inflation, Reserved};
 use crate::layer::whiteout::{Created, WhiteoutKind};
 use crate::layer::write::set_sparse;
 use crate::layer::{
@@ -258,7 +261,9 @@ fn open_layer(l: &LayerBlob) -> Result<File, Ext4Error> {
 /// `replaces(comps)`: whether a file at that name replaces a lower layer's file (its data is
 /// then spooled, within the spool's bounds). `keep`: where a compressed layer's inflated
 /// stream is copied and how many bytes it may take ([`Keep`]); the copy is returned when it
-/// was kept whole.
+/// was kept whole. `reserved`: the copy published ahead for this layer ([`Scan::reserve`]),
+/// written when the layer is kept, else abandoned.
+#[allow(clippy::too_many_arguments)]
 fn scan_layer(
     l: &LayerBlob,
     limits: &Limits,
@@ -267,27 +272,28 @@ fn scan_layer(
     replaces: &dyn Fn(&[Vec<u8>]) -> bool,
     spool: &mut Spool,
     keep: Option<(&Path, u64)>,
+    reserved: Option<Reserved>,
 ) -> Result<(Vec<Scanned>, u64, Option<Kept>), Ext4Error> {
     let (stream, bounded) = bounded_stream(open_layer(l)?, &l.digest, limits)?;
     let out = match keep {
         Some((dir, max)) if max > 0 && bounded.compression() != Compression::None => {
-            match tempfile::tempfile_in(dir) {
-                Ok(f) => Some(BufWriter::with_capacity(1 << 20, f)),
-                Err(e) => {
-                    tracing::debug!(dir = %dir.display(), error = %e, "not keeping the inflated layer");
-                    None
-                }
+            match reserved {
+                Some(r) => r.take(),
+                // Published under the digest: an unpack of this layer meanwhile follows it.
+                None => match tempfile::tempfile_in(dir) {
+                    Ok(f) => Some(Inflation::publish(&l.digest, f)),
+                    Err(e) => {
+                        tracing::debug!(dir = %dir.display(), error = %e, "not keeping the inflated layer");
+                        None
+                    }
+                },
             }
         }
+        // Not kept: a copy reserved for it is abandoned (dropped).
         _ => None,
     };
     let max = keep.map_or(0, |k| k.1);
-    let mut archive = tar::Archive::new(Tee {
-        inner: stream,
-        out,
-        n: 0,
-        max,
-    });
+    let mut archive = tar::Archive::new(Tee::new(stream, out, max));
     let mut out = Vec::new();
     let mut last = String::from("(start)");
     let entries = archive.entries().map_err(|e| bounded.error(e, "(start)"))?;
@@ -400,6 +406,8 @@ pub struct Scan {
     kept: u64,
     max_kept: u64,
     keep: Option<Keep>,
+    /// Copies published ahead for layers not read yet ([`Scan::reserve`]), by digest.
+    reserved: Vec<(String, Reserved)>,
 }
 
 impl Scan {
@@ -440,6 +448,29 @@ impl Scan {
             kept: 0,
             max_kept,
             keep,
+            reserved: Vec::new(),
+        }
+    }
+
+    /// Publishes now, before any is read, the copies this scan will keep of `layers`
+    /// ([`crate::layer::shared::Reserved`]): an unpack of one of them that starts before the
+    /// scan reaches it follows the copy instead of inflating the blob too. Nothing when the
+    /// scan keeps nothing or a temporary file cannot be made.
+    pub(crate) fn reserve(&mut self, layers: &[LayerBlob]) {
+        let Some(keep) = &self.keep else { return };
+        if keep.max_bytes == 0 {
+            return;
+        }
+        for l in layers {
+            match tempfile::tempfile_in(&keep.dir) {
+                Ok(f) => self
+                    .reserved
+                    .push((l.digest.clone(), Reserved::new(&l.digest, f))),
+                Err(e) => {
+                    tracing::debug!(dir = %keep.dir.display(), error = %e, "no copy reserved");
+                    return;
+                }
+            }
         }
     }
 
@@ -479,6 +510,11 @@ impl Scan {
     /// gone with them.
     pub fn layer(mut self, l: &LayerBlob) -> Result<Scan, Ext4Error> {
         let li = self.flat.layers.len();
+        let reserved = self
+            .reserved
+            .iter()
+            .position(|(d, _)| *d == l.digest)
+            .map(|i| self.reserved.remove(i).1);
         let f = &mut self.flat;
         let room = self.keep.as_ref().map(|k| {
             (
@@ -510,6 +546,7 @@ impl Scan {
                 &replaces,
                 spool,
                 room,
+                reserved,
             )?
         };
         if let Some(c) = &copy {
@@ -1049,7 +1086,7 @@ impl Flat {
             let (stream, bounded) = match &self.copies[li] {
                 Some(c) => bounded_stream_as(
                     SpoolReader {
-                        file: Some(&c.file),
+                        file: Some(c.inf.file()),
                         off: 0,
                         left: c.len,
                     },

@@ -6,7 +6,8 @@
 //! mounted; each compressed layer is inflated once, its plain stream kept from the first
 //! pass for the second in the build's scratch directory, within [`Keep::in_dir`]'s bound;
 //! the first pass over a build's base image can run while its steps do, [`Prescan`] and
-//! [`build_from`]), then indexes its directories with `e2fsck -fpD` and checks the result with
+//! [`build_from`], and the steps' unpack of the base reads that pass's plain stream,
+//! [`crate::layer::shared`]), then indexes its directories with `e2fsck -fpD` and checks the result with
 //! `e2fsck -fn`; a failing check is an error.
 //!
 //! ## Directories
@@ -1080,10 +1081,13 @@ impl Prescan {
             ..limits.clone()
         };
         let epoch = source_date_epoch.unwrap_or(DEFAULT_EPOCH);
+        // The copies are published before the thread starts, so the steps' unpack of the
+        // base, which may start first, follows them (crate::layer::shared).
+        let mut s = Scan::new(&limits, source_date_epoch, epoch, Some(keep));
+        s.reserve(&layers);
         let thread = std::thread::Builder::new()
             .name("kiln-prescan".into())
             .spawn(move || {
-                let mut s = Scan::new(&limits, source_date_epoch, epoch, Some(keep));
                 for l in &layers {
                     s = match s.layer(l) {
                         Ok(s) => s,

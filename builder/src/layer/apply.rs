@@ -13,6 +13,18 @@ pub fn apply_layer(
     digest: &str,
     limits: &Limits,
 ) -> Result<LayerStats, LayerError> {
+    apply_layer_as(root, layer, None, digest, limits)
+}
+
+/// [`apply_layer`] of a stream whose compression is known (`Some`: not sniffed, e.g. a
+/// layer's plain tar read from its shared copy, [`super::shared`]), or sniffed (`None`).
+pub(crate) fn apply_layer_as(
+    root: &Path,
+    layer: impl Read,
+    compression: Option<Compression>,
+    digest: &str,
+    limits: &Limits,
+) -> Result<LayerStats, LayerError> {
     let root_fd = rustix::fs::open(
         root,
         OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
@@ -24,7 +36,7 @@ pub fn apply_layer(
         op: "open root",
         source: e.into(),
     })?;
-    let (stream, bounded) = bounded_stream(layer, digest, limits)?;
+    let (stream, bounded) = bounded_stream_as(layer, compression, digest, limits)?;
     let mut applier = Applier {
         root: root_fd,
         digest: digest.to_string(),

@@ -51,6 +51,7 @@ mod apply;
 mod framer;
 mod meta;
 pub mod pgzip;
+pub(crate) mod shared;
 pub mod whiteout;
 pub mod write;
 
