@@ -1222,7 +1222,10 @@ async fn s3_a_dense_prefix_is_headed_after_one_walk() {
         (2..=2 + r).contains(&lists),
         "the first walk lists two pages and gives up: {lists} listings, {r} retries"
     );
-    assert!((2..=10 + r).contains(&heads), "{heads} HEADs after the walk");
+    assert!(
+        (2..=10 + r).contains(&heads),
+        "{heads} HEADs after the walk"
+    );
     for (objs, want, what) in [
         (spread(2), false, "the same handle heads the next group"),
         (present[..16].to_vec(), true, "and a group that is there"),

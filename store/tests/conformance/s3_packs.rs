@@ -491,3 +491,36 @@ async fn s3_leased_import_looks_chunks_up_by_listing() {
     lease.release().await.unwrap();
     lease2.release().await.unwrap();
 }
+
+/// A batched read on a handle that has not listed the packs yet (a clone's chunk server
+/// starting its prefetch) lists them first and reads the packed chunks by a few ranged
+/// GETs, not one by one (issue 35: eight prefetch batches at once made 879 requests of a
+/// Debian clone's cold start, each chunk a loose GET, a ranged GET and a marker HEAD).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3_packs_a_fresh_handle_reads_a_batch_by_ranges() {
+    let f = Fixture::s3("packs-fresh-batch").await;
+    let (_, table) = publish_image(
+        &f.store,
+        &noise(4 << 20, 91),
+        Chunking::Fixed { size: 64 << 10 },
+    )
+    .await;
+    let chunks = table.chunk_digests();
+    assert_eq!(chunks.len(), 64);
+    let s = f.reopen().await;
+    let before = s.metrics().wire;
+    let read = s.get_chunks_stored(&chunks).await;
+    let w = s.metrics().wire;
+    assert!(read.iter().all(Result::is_ok));
+    let (gets, heads, lists) = (
+        w.gets - before.gets,
+        w.heads - before.heads,
+        w.lists - before.lists,
+    );
+    // One listing of `packs/` and the GET of its index, one listing of the pack's markers,
+    // and the chunks in a ranged GET or two.
+    assert!(
+        gets <= 4 && heads == 0 && lists <= 3,
+        "64 packed chunks on a fresh handle: {gets} GETs, {heads} HEADs, {lists} listings"
+    );
+}
