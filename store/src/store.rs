@@ -576,15 +576,24 @@ impl Store {
         // Everything claimed here is fetched before any wait for another read's fetch.
         let digests: Vec<ChunkDigest> = mine.iter().map(|(i, _)| chunks[*i].0).collect();
         let stored = self.get_chunks_stored(&digests).await;
-        for ((i, fetching), s) in mine.into_iter().zip(stored) {
-            let (d, max_raw_len) = chunks[i];
-            let raw = match s {
-                Ok(stored) => self.decode_chunk(d, stored, max_raw_len).await,
-                Err(e) => Err(e),
-            };
-            if let Ok(raw) = &raw {
-                fetching.done(raw);
-            }
+        // Decoded on every core, each handed to its waiters as soon as it is verified.
+        let decoded: Vec<(usize, Result<Bytes, StoreError>)> =
+            futures::stream::iter(mine.into_iter().zip(stored))
+                .map(|((i, fetching), s)| async move {
+                    let (d, max_raw_len) = chunks[i];
+                    let raw = match s {
+                        Ok(stored) => self.decode_chunk(d, stored, max_raw_len).await,
+                        Err(e) => Err(e),
+                    };
+                    if let Ok(raw) = &raw {
+                        fetching.done(raw);
+                    }
+                    (i, raw)
+                })
+                .buffer_unordered(self.parallelism)
+                .collect()
+                .await;
+        for (i, raw) in decoded {
             out[i] = Some(raw);
         }
         for (i, w) in theirs {
