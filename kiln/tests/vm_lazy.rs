@@ -409,7 +409,8 @@ fn vm_lazy_start_from_s3() {
     }
 
     // 4. A store that stops answering chunk reads (a fault injector in front of S3 stalls
-    //    every chunk GET; manifests, blobs and leases pass): the start fails within the lazy
+    //    every read of chunk bytes: a GET of a loose chunk object or of a pack; manifests,
+    //    blobs, leases, listings and pack indexes pass): the start fails within the lazy
     //    read bound (3 s here), naming a chunk and the store, not on the 60 s restore
     //    timeout; the server then leaves.
     let upstream = std::env::var("KILN_TEST_S3_ENDPOINT").expect("KILN_TEST_S3_ENDPOINT");
@@ -417,6 +418,7 @@ fn vm_lazy_start_from_s3() {
         .block_on(FaultProxy::start(upstream.trim_start_matches("http://")))
         .expect("fault proxy");
     proxy.stall_requests_containing(b"/chunks/sha256/", Duration::from_secs(120));
+    proxy.stall_requests_containing(b".pack HTTP/", Duration::from_secs(120));
     let c3 = d.join("cache3");
     let o = kiln_with(
         d,
@@ -452,11 +454,16 @@ fn vm_lazy_start_from_s3() {
     );
 
     // 5. Chunks corrupted in the store (a valid zstd frame of other bytes under their
-    //    names) are refused at read, and the failed start names one; no clone is left.
+    //    names: each packed copy deleted, which marks it dead in its pack, then the frame
+    //    put as its loose object) are refused at read, and the failed start names one; no
+    //    clone is left.
     rt.block_on(async {
         let s = Store::open(&s3).await.expect("s3 store");
         let bad = kiln_store::chunk::encode(&vec![0x5a; 256 << 10]).expect("encode");
         for hex in &memory_chunks {
+            kiln_store::Backend::delete(s.backend().as_ref(), &format!("chunks/sha256/{hex}"))
+                .await
+                .expect("delete the packed copy");
             kiln_store::Backend::put(
                 s.backend().as_ref(),
                 &format!("chunks/sha256/{hex}"),

@@ -11,7 +11,8 @@
 //! gets a [`Fetching`] guard, which hands the raw (verified) bytes to every waiter when the
 //! fetch succeeds ([`Fetching::done`]); dropped without them (an error, a cancelled read), it
 //! lets the waiters go without bytes, and each then reads the chunk itself, as it would have
-//! without this map. A later claim of a digest in flight gets a [`Waiter`]. Nothing is kept
+//! without this map; so does a waiter that has waited as long as one read of its own may
+//! take ([`Waiter::bytes`]). A later claim of a digest in flight gets a [`Waiter`]. Nothing is kept
 //! once a fetch ends: the read cache ([`crate::readcache`]) is what keeps chunks.
 //!
 //! A reader fetches everything it claimed before it waits for anything another reader
@@ -19,6 +20,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::watch;
@@ -94,11 +96,17 @@ impl Drop for Fetching {
 }
 
 impl Waiter {
-    /// The bytes the fetching reader got, or `None` if it ended without them (the waiter
-    /// then reads the chunk itself).
-    pub(crate) async fn bytes(mut self) -> Option<Bytes> {
-        if let Ok(v) = self.0.wait_for(Option::is_some).await {
-            return v.clone();
+    /// The bytes the fetching reader got, or `None` if it ended without them or had not
+    /// got them within `within` (the waiter then reads the chunk itself). The bound is the
+    /// store's on one read ([`crate::backend::retry::RetryPolicy::operation_timeout`]): a
+    /// waiter gives up no later than its own read would have, whatever bounds the fetcher
+    /// (a lazy clone's page fault must fail within the chunk server's read bound even when
+    /// the prefetch it waits for is stalled; `kiln/tests/vm_lazy.rs`, case 4).
+    pub(crate) async fn bytes(mut self, within: Duration) -> Option<Bytes> {
+        match tokio::time::timeout(within, self.0.wait_for(Option::is_some)).await {
+            Ok(Ok(v)) => return v.clone(),
+            Ok(Err(_)) => {}
+            Err(_) => return None,
         }
         // Closed: the fetcher is gone; it may still have sent the bytes just before.
         self.0.borrow().clone()
@@ -119,7 +127,7 @@ mod tests {
         let Claim::Theirs(w) = f.claim(d) else {
             panic!("the second claim waits")
         };
-        let waiting = tokio::spawn(w.bytes());
+        let waiting = tokio::spawn(w.bytes(Duration::from_secs(60)));
         tokio::task::yield_now().await;
         assert!(!waiting.is_finished());
         mine.done(&Bytes::from_static(b"raw"));
@@ -138,9 +146,28 @@ mod tests {
         let Claim::Theirs(w) = f.claim(d) else {
             panic!("the second claim waits")
         };
-        let waiting = tokio::spawn(w.bytes());
+        let waiting = tokio::spawn(w.bytes(Duration::from_secs(60)));
         drop(mine);
         assert_eq!(waiting.await.unwrap(), None);
         assert_eq!(f.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_waiter_stops_waiting_for_a_stalled_fetch_at_its_bound() {
+        let f = InFlight::default();
+        let d = ChunkDigest::of(b"z");
+        let Claim::Mine(_stalled) = f.claim(d) else {
+            panic!("the first claim fetches")
+        };
+        let Claim::Theirs(w) = f.claim(d) else {
+            panic!("the second claim waits")
+        };
+        let t = std::time::Instant::now();
+        assert_eq!(w.bytes(Duration::from_millis(200)).await, None);
+        let waited = t.elapsed();
+        assert!(
+            waited >= Duration::from_millis(200) && waited < Duration::from_secs(10),
+            "{waited:?}"
+        );
     }
 }

@@ -508,9 +508,10 @@ impl Store {
         }
         let fetching = match self.inflight.claim(*digest) {
             Claim::Mine(f) => Some(f),
-            Claim::Theirs(w) => match w.bytes().await {
+            Claim::Theirs(w) => match w.bytes(self.backend.policy().operation_timeout).await {
                 Some(b) if b.len() as u64 <= max_raw_len => return Ok(b),
-                // Their fetch failed (or its chunk is over this read's bound): read it here.
+                // Their fetch failed or is slower than a read of ours may be (or its chunk
+                // is over this read's bound): read it here.
                 _ => None,
             },
         };
@@ -598,10 +599,12 @@ impl Store {
         }
         for (i, w) in theirs {
             let (d, max_raw_len) = chunks[i];
-            out[i] = Some(match w.bytes().await {
-                Some(b) if b.len() as u64 <= max_raw_len => Ok(b),
-                _ => self.get_chunk(&d, max_raw_len).await,
-            });
+            out[i] = Some(
+                match w.bytes(self.backend.policy().operation_timeout).await {
+                    Some(b) if b.len() as u64 <= max_raw_len => Ok(b),
+                    _ => self.get_chunk(&d, max_raw_len).await,
+                },
+            );
         }
         out.into_iter()
             .map(|r| {

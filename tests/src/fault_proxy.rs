@@ -36,8 +36,9 @@ pub enum Fault {
 struct Plan {
     /// (cumulative upload offset in bytes, fault), ascending.
     pending: VecDeque<(u64, Fault)>,
-    /// Client bytes that make their connection stall (forward nothing more) for this long.
-    stall_matching: Option<(Vec<u8>, Duration)>,
+    /// Client bytes that make their connection stall (forward nothing more) for this long,
+    /// any of them.
+    stall_matching: Vec<(Vec<u8>, Duration)>,
 }
 
 /// A running proxy. Dropping it stops accepting (connections in flight finish on their own).
@@ -124,9 +125,12 @@ impl FaultProxy {
 
     /// From now on, a client read that contains `needle` is not forwarded, and its connection
     /// forwards nothing more in either direction for `stall` (then closes); other
-    /// connections go on. Each such stall counts as a fault fired.
+    /// connections go on. Each such stall counts as a fault fired. Each call adds a needle: a
+    /// read containing any of them stalls.
     pub fn stall_requests_containing(&self, needle: &[u8], stall: Duration) {
-        lock(&self.plan).stall_matching = Some((needle.to_vec(), stall));
+        lock(&self.plan)
+            .stall_matching
+            .push((needle.to_vec(), stall));
     }
 
     /// Faults fired so far.
@@ -191,7 +195,7 @@ async fn relay(
         // Claim this read's byte range [start, start + n) and see whether a fault falls in it.
         let matched = {
             let p = lock(&plan);
-            p.stall_matching.as_ref().and_then(|(needle, d)| {
+            p.stall_matching.iter().find_map(|(needle, d)| {
                 buf[..n as usize]
                     .windows(needle.len())
                     .any(|w| w == needle.as_slice())

@@ -397,11 +397,26 @@ impl Backend for Retrying {
         r
     }
 
-    /// One pass through the backend's own bulk read; then each object it failed to read for
-    /// a reason worth retrying is read again alone ([`Backend::get_range`], retried as usual).
+    /// One pass through the backend's own bulk read, bounded as one operation
+    /// ([`RetryPolicy::operation_timeout`]: a pass with no answer by then counts as a
+    /// transient failure of every object); then each object it failed to read for a reason
+    /// worth retrying is read again alone ([`Backend::get_range`], retried as usual).
     async fn get_many(&self, keys: &[String], limit: u64) -> Vec<Result<Bytes, BackendError>> {
         self.metrics.requests.fetch_add(1, Ordering::Relaxed);
-        let mut out = self.inner.get_many(keys, limit).await;
+        let bound = self.policy.operation_timeout;
+        let mut out = match tokio::time::timeout(bound, self.inner.get_many(keys, limit)).await {
+            Ok(out) => out,
+            Err(_) => keys
+                .iter()
+                .map(|k| {
+                    Err(BackendError::Transient {
+                        store: self.inner.url().to_string(),
+                        key: k.clone(),
+                        message: format!("a batched read had no answer within {bound:?}"),
+                    })
+                })
+                .collect(),
+        };
         for (k, r) in keys.iter().zip(out.iter_mut()) {
             if matches!(r, Err(BackendError::Transient { .. })) {
                 *r = self.get_range(k, 0..limit).await;
