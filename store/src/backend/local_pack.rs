@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 
 use crate::digest::Sha256Hash;
 
-pub(crate) use super::pack::{IdxEntry, chunk_digest, decode_index, encode_index};
+pub(crate) use super::pack::{IdxEntry, Loc, chunk_digest, decode_index, encode_index};
 
 /// The directory of committed packs, under the store's root. Dot-named: no listing of
 /// objects ever walks it.
@@ -161,16 +161,6 @@ impl Drop for PackBatch {
     }
 }
 
-/// Where a packed chunk is.
-#[derive(Debug, Clone)]
-pub(crate) struct Loc {
-    pub(crate) pack: Arc<str>,
-    pub(crate) offset: u64,
-    pub(crate) len: u64,
-    /// The index's mtime (the chunk's `modified`).
-    pub(crate) modified: SystemTime,
-}
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Stamp {
     ino: u64,
@@ -226,12 +216,7 @@ impl PackInfo {
     }
 
     fn loc(&self, e: &IdxEntry) -> Loc {
-        Loc {
-            pack: self.name.clone(),
-            offset: e.offset,
-            len: e.len,
-            modified: self.modified,
-        }
+        Loc::of(&self.name, e, self.modified)
     }
 }
 

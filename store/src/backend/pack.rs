@@ -5,6 +5,9 @@
 //! One format, one encoder and one decoder: a pack written by either backend can be read by
 //! the other's code.
 
+use std::sync::Arc;
+use std::time::SystemTime;
+
 use crate::digest::Sha256Hash;
 
 const IDX_MAGIC: &[u8; 8] = b"KILNPIDX";
@@ -13,6 +16,31 @@ const IDX_VERSION: u32 = 1;
 const IDX_HEADER: usize = 8 + 4 + 8;
 /// Digest, offset, stored length.
 const IDX_ENTRY: usize = 32 + 8 + 8;
+
+/// Where a packed chunk is (either backend's view of its packs).
+#[derive(Debug, Clone)]
+pub(crate) struct Loc {
+    /// The pack's name.
+    pub(crate) pack: Arc<str>,
+    /// The chunk's offset in the pack, bytes.
+    pub(crate) offset: u64,
+    /// Its stored length, bytes.
+    pub(crate) len: u64,
+    /// The index's last-modified time (the chunk's `modified`, which GC's grace reads).
+    pub(crate) modified: SystemTime,
+}
+
+impl Loc {
+    /// Entry `e` of the index of pack `pack`, last modified at `modified`.
+    pub(crate) fn of(pack: &Arc<str>, e: &IdxEntry, modified: SystemTime) -> Self {
+        Self {
+            pack: pack.clone(),
+            offset: e.offset,
+            len: e.len,
+            modified,
+        }
+    }
+}
 
 /// The digest of a key the packs may hold: `chunks/sha256/<64 lowercase hex>`.
 pub(crate) fn chunk_digest(key: &str) -> Option<Sha256Hash> {

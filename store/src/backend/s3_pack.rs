@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime};
 use bytes::Bytes;
 
 use super::ObjectInfo;
-use super::pack::IdxEntry;
+pub(crate) use super::pack::{IdxEntry, Loc};
 use crate::digest::Sha256Hash;
 
 /// The prefix of every pack object.
@@ -104,16 +104,6 @@ pub(crate) fn parse_key(key: &str) -> Option<PackObject<'_>> {
     rest.strip_suffix(".pack").map(PackObject::Pack)
 }
 
-/// Where a packed chunk is.
-#[derive(Debug, Clone)]
-pub(crate) struct Loc {
-    pub(crate) pack: Arc<str>,
-    pub(crate) offset: u64,
-    pub(crate) len: u64,
-    /// The index's last-modified time (the chunk's `modified`).
-    pub(crate) modified: SystemTime,
-}
-
 /// One committed pack, as last seen.
 #[derive(Debug)]
 pub(crate) struct PackMeta {
@@ -134,12 +124,7 @@ impl PackMeta {
     }
 
     fn loc(&self, e: &IdxEntry) -> Loc {
-        Loc {
-            pack: self.name.clone(),
-            offset: e.offset,
-            len: e.len,
-            modified: self.modified,
-        }
+        Loc::of(&self.name, e, self.modified)
     }
 
     /// Which of two packs holding a live chunk serves it: the smaller, then the lower name
