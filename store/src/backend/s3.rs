@@ -975,9 +975,7 @@ impl Backend for S3Backend {
         let Some(d) = chunk_digest(key) else {
             return self.head_raw(key).await;
         };
-        if self.view().map.contains_key(&d)
-            && let Some(loc) = self.packed_live(&d, None).await?
-        {
+        if let Some(loc) = self.packed_live(&d, None).await? {
             return Ok(Some(packed_info(key, &loc)));
         }
         if let Some(i) = self.head_raw(key).await? {
@@ -998,7 +996,6 @@ impl Backend for S3Backend {
         expect_sha256: Option<Sha256Hash>,
     ) -> Result<PutOutcome, BackendError> {
         if let Some(d) = chunk_digest(key)
-            && self.view().map.contains_key(&d)
             && self.packed_live(&d, None).await?.is_some()
         {
             return Ok(PutOutcome::AlreadyExists);
@@ -1013,7 +1010,6 @@ impl Backend for S3Backend {
         expect_sha256: Option<Sha256Hash>,
     ) -> Result<PutOutcome, BackendError> {
         if let Some(d) = chunk_digest(key)
-            && self.view().map.contains_key(&d)
             && self.packed_live(&d, None).await?.is_some()
         {
             return Ok(PutOutcome::AlreadyExists);

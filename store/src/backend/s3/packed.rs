@@ -443,9 +443,7 @@ impl S3Backend {
             return raw(range).await;
         };
         let r = range.clone().unwrap_or(0..u64::MAX);
-        if self.view().map.contains_key(&d)
-            && let Some(b) = self.get_packed(&d, r.clone(), None).await?
-        {
+        if let Some(b) = self.get_packed(&d, r.clone(), None).await? {
             return Ok(b);
         }
         match raw(range).await {
