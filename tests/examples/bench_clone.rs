@@ -24,7 +24,9 @@
 //! Every start has the accelerator the snapshot was made with in `KILN_ACCEL` (a host that
 //! has probed before; the probe is not part of a start's time). Times: "answered" is the
 //! start's `start_ms` (QEMU spawned → the guest answered `restore`), "whole" the wall time
-//! of the `kiln start` process. Prints a table on stdout, progress on stderr.
+//! of the `kiln start` process; a warm start's phases (`prepare_ms`, `spawn_ms`, `resume_ms`,
+//! `guest_ms` of its `started` event) say where that time went. Prints a table on stdout,
+//! progress on stderr.
 //!
 //! Env: `KILN_BENCH_KILN` (required), `KILN_BENCH_IMAGE` (`busybox`|`debian`, default
 //! busybox), `KILN_BENCH_STORE` (default: the build store), `KILN_BENCH_MEMORY_MIB`
@@ -128,6 +130,11 @@ fn events(o: &Output, name: &str) -> Vec<Value> {
         .filter(|v| v["event"] == name)
         .collect()
 }
+
+/// The phases of a `started` event (`phases`, kiln-vmm's `StartPhases`): before QEMU, then
+/// the three parts of "answered". The whole `kiln start` less their sum is the process's own
+/// start and exit.
+const PHASES: [&str; 4] = ["prepare_ms", "spawn_ms", "resume_ms", "guest_ms"];
 
 fn ms_of(v: &Value, field: &str) -> f64 {
     v[field].as_u64().unwrap_or(0) as f64
@@ -272,9 +279,13 @@ fn main() {
 
     // 4. Warm lazy starts beside the last cold clone, then three at once.
     let (mut warm_ans, mut warm_whole) = (Vec::new(), Vec::new());
+    let mut warm_phases: [Vec<f64>; 4] = Default::default();
     for i in 0..runs {
         let (started, whole) = k.start(&store_url, &warm_cache, &[]);
         let c = &started[0];
+        for (v, name) in warm_phases.iter_mut().zip(PHASES) {
+            v.push(c["phases"][name].as_f64().unwrap_or(0.0));
+        }
         eprintln!(
             "warm lazy start {i}: answered in {} ms, whole {whole:.0} ms",
             c["start_ms"]
@@ -382,6 +393,9 @@ fn main() {
     println!("lazy cold, whole kiln start        {}", stats(&cold_whole));
     println!("lazy warm, answered                {}", stats(&warm_ans));
     println!("lazy warm, whole kiln start        {}", stats(&warm_whole));
+    for (v, name) in warm_phases.iter().zip(PHASES) {
+        println!("  warm phase {name:21} {}", stats(v));
+    }
     println!(
         "materialize cold, answered         {}",
         stats(&mat_cold_ans)

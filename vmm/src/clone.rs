@@ -277,12 +277,31 @@ pub struct CloneRecord {
     pub started_unix: u64,
     /// QEMU start → `restored`, ms.
     pub start_ms: u64,
+    /// Where the start's time went, ms (all 0 in records written before this field existed).
+    #[serde(default)]
+    pub phases: StartPhases,
     /// The clone's directory (QMP socket, overlay, console log).
     pub dir: PathBuf,
     /// The clone's disk size, bytes (the image's unless grown with
     /// [`CloneOptions::disk_mib`]); 0 in records written before this field existed.
     #[serde(default)]
     pub disk_bytes: u64,
+}
+
+/// The phases of one clone's start, ms each, in order: what `kiln start` did before this
+/// clone's QEMU was spawned, then the three parts of [`CloneRecord::start_ms`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartPhases {
+    /// The call's start → this clone's QEMU spawned: the tag and manifests read, the kernel,
+    /// initramfs and vmstate fetched or checked, the chunk server running, the overlay made
+    /// (for the second clone of a call and later, from the previous clone's answer).
+    pub prepare_ms: u64,
+    /// QEMU spawned (jailed) → its QMP monitor answering.
+    pub spawn_ms: u64,
+    /// `migrate-incoming` of the vmstate, its end, `cont` (and `block_resize` when grown).
+    pub resume_ms: u64,
+    /// The guest channel connected, `restore` sent → `restored` received.
+    pub guest_ms: u64,
 }
 
 impl CloneRecord {
@@ -492,9 +511,9 @@ async fn materialize(
         dir,
     };
     // Replaced by rename, never rewritten in place: a QEMU of another start may be reading
-    // the previous copy. A copy an earlier start left is hashed again and kept when it still
-    // holds the blob: a warm start then reads the 50 MB kernel from the local disk instead
-    // of the store (measured: 435 ms of a 1,018 ms warm start from S3).
+    // the previous copy. A copy an earlier start left is kept when it still holds the blob
+    // ([`holds`]): a warm start then reads the 50 MB kernel from the local disk instead of
+    // the store (measured: 435 ms of a 1,018 ms warm start from S3).
     let fetch = async |digest: &kiln_store::BlobDigest, dest: &Path| {
         let (d, p) = (*digest, dest.to_path_buf());
         if tokio::task::spawn_blocking(move || holds(&p, &d))
@@ -506,6 +525,8 @@ async fn materialize(
         let tmp = dest.with_extension(format!("tmp-{}", std::process::id()));
         store.get_blob_to_file(digest, &tmp).await?;
         std::fs::rename(&tmp, dest).map_err(io_err(dest))?;
+        // Hashed as it came (get_blob_to_file): stamped so that the next start need not.
+        stamp_verified(dest, digest);
         Ok::<_, CloneError>(())
     };
     if what == Fetch::Boot {
@@ -536,15 +557,80 @@ async fn materialize(
     Ok(c)
 }
 
-/// Whether the file at `path` holds exactly the bytes of blob `digest` (read and hashed
-/// now; a missing or unreadable file does not).
+/// Whether the file at `path` holds exactly the bytes of blob `digest`. Without reading it
+/// when its stamp (`<path>.verified`, [`stamp_verified`]) names this digest and the file's
+/// identity now; else it is read and hashed now, and stamped when it holds the blob. A
+/// missing or unreadable file does not.
+///
+/// Why a stamp may stand for a hash: it is written only after the bytes were hashed, and it
+/// names the file by device, inode, size, mtime and ctime (stat(2)). A copy replaced by
+/// rename has another inode; a write in place moves mtime and ctime, and ctime cannot be set
+/// back by any call (utimensat(2) sets it to now). What a stamp does not catch is what a
+/// hash of the page cache would not either: media that rot under an unchanged inode.
+/// Measured (issue 35, busybox snapshot, warm `kiln start`): hashing the 53 MB kernel took
+/// about 100 ms of every start, before QEMU could be spawned.
 fn holds(path: &Path, digest: &kiln_store::BlobDigest) -> bool {
-    kiln_store::digest::Sha256Hash::of_file(path).is_ok_and(|h| h == digest.0)
+    if std::fs::read_to_string(stamp_path(path))
+        .is_ok_and(|s| Some(s.trim()) == file_identity(path, digest).as_deref())
+    {
+        return true;
+    }
+    let ok = kiln_store::digest::Sha256Hash::of_file(path).is_ok_and(|h| h == digest.0);
+    if ok {
+        stamp_verified(path, digest);
+    }
+    ok
+}
+
+/// `<path>.verified`: where [`holds`] keeps what it last verified of `path`.
+fn stamp_path(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".verified");
+    PathBuf::from(p)
+}
+
+/// The stamp of `path` holding `digest`: the digest, then the file's device, inode, size,
+/// mtime and ctime (seconds and nanoseconds), space-separated; `None` when `path` cannot be
+/// stat'ed.
+fn file_identity(path: &Path, digest: &kiln_store::BlobDigest) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some(format!(
+        "{digest} {} {} {} {} {} {} {}",
+        m.dev(),
+        m.ino(),
+        m.size(),
+        m.mtime(),
+        m.mtime_nsec(),
+        m.ctime(),
+        m.ctime_nsec()
+    ))
+}
+
+/// Records that `path` was just verified to hold `digest` ([`holds`]), written to a
+/// temporary name and renamed over the stamp. A stamp that cannot be written is only
+/// logged: the next start hashes the file again.
+fn stamp_verified(path: &Path, digest: &kiln_store::BlobDigest) {
+    let Some(line) = file_identity(path, digest) else {
+        return;
+    };
+    let stamp = stamp_path(path);
+    let mut tmp = stamp.clone().into_os_string();
+    tmp.push(format!(".tmp-{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    if let Err(e) = std::fs::write(&tmp, line).and_then(|()| std::fs::rename(&tmp, &stamp)) {
+        let _ = std::fs::remove_file(&tmp);
+        tracing::debug!(path = %stamp.display(), error = %e, "not stamping a verified copy");
+    }
 }
 
 /// The accelerator probe's answer on this host, remembered beside the cached snapshots
 /// (`<cache>/accel.json`, [`launch::probe_accel_cached`]).
 pub const PROBE_CACHE: &str = "accel.json";
+
+/// QEMU's version and its jail's root plan, remembered beside the cached snapshots
+/// (`<cache>/qemu.json`, [`launch::facts`]).
+pub const QEMU_FACTS: &str = "qemu.json";
 
 /// Starts `opts.count` clones of the snapshot attached to `image_ref`, all or none: when one
 /// fails, those already started by this call are stopped before the error returns. See the
@@ -567,11 +653,12 @@ pub async fn start_clones_of(
     name: &str,
     opts: &CloneOptions,
 ) -> Result<Vec<CloneRecord>, CloneError> {
+    let begun = Instant::now();
     let image_ref = name;
     let (digest, snap) = snapshot_of(store, image, image_ref).await?;
     // Refused before anything is fetched or started.
     let grow = clone_disk_bytes(opts.disk_mib, snap.disk.size)?;
-    let host = Host::detect().await?;
+    let host = Host::detect_cached(&opts.cache_dir.join(QEMU_FACTS)).await?;
     let guest = format!("{} {}", snap.kernel.digest, snap.initramfs.digest);
     let check = |accel: Accel| {
         host_key(
@@ -663,8 +750,10 @@ pub async fn start_clones_of(
     let clones_dir = opts.state_dir.join("clones");
     std::fs::create_dir_all(&clones_dir).map_err(io_err(&clones_dir))?;
     let mut out: Vec<CloneRecord> = Vec::new();
+    let mut since = begun;
     for _ in 0..opts.count {
         match start_one(
+            since,
             &host,
             accel,
             &snap,
@@ -678,7 +767,10 @@ pub async fn start_clones_of(
         )
         .await
         {
-            Ok(rec) => out.push(rec),
+            Ok(rec) => {
+                since = Instant::now();
+                out.push(rec)
+            }
             Err(e) => {
                 // A read the chunk server refused (a corrupt chunk, an unreachable store) is
                 // why the clone died: say so, naming the chunk.
@@ -755,6 +847,7 @@ fn random_bytes(n: usize) -> Result<Vec<u8>, LaunchError> {
 
 #[allow(clippy::too_many_arguments)]
 async fn start_one(
+    since: Instant,
     host: &Host,
     accel: Accel,
     snap: &SnapshotManifest,
@@ -801,6 +894,10 @@ async fn start_one(
         kernel_args: vec![],
     };
     let t0 = Instant::now();
+    let mut phases = StartPhases {
+        prepare_ms: millis(t0 - since),
+        ..StartPhases::default()
+    };
     let started_unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -828,6 +925,8 @@ async fn start_one(
         // QEMU outlives this process from here on; a reaper finds it by its command line even
         // if this process dies before this line.
         write_starting(&dir, Some(vm.pid))?;
+        phases.spawn_ms = millis(t0.elapsed());
+        let resuming = Instant::now();
         resume_incoming(vm, &cached.vmstate, opts.restore_timeout).await?;
         if let Some(size) = grow {
             // Grows the overlay and tells the guest (see the module doc).
@@ -844,6 +943,8 @@ async fn start_one(
             source,
             console: launch::console_report(&spec.serial_log),
         };
+        phases.resume_ms = millis(resuming.elapsed());
+        let answering = Instant::now();
         let mut ch = GuestChannel::connect(&spec.guest_socket, opts.restore_timeout)
             .await
             .map_err(|e| guest_err("connecting to the guest channel", e))?;
@@ -882,6 +983,7 @@ async fn start_one(
                 });
             }
         };
+        phases.guest_ms = millis(answering.elapsed());
         Ok::<_, CloneError>(r)
     }
     .await;
@@ -913,7 +1015,8 @@ async fn start_one(
         random: r.random,
         boot_id: r.boot_id,
         started_unix,
-        start_ms: t0.elapsed().as_millis() as u64,
+        start_ms: millis(t0.elapsed()),
+        phases,
         dir: dir.clone(),
         disk_bytes: grow.unwrap_or(snap.disk.size),
     };
@@ -929,6 +1032,10 @@ async fn start_one(
     let _ = std::fs::remove_file(dir.join(STARTING));
     vm.detach();
     Ok(rec)
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// The file of a clone being started (`<clone dir>/starting.json`), written (atomically, by
@@ -1100,6 +1207,58 @@ mod tests {
     /// A start killed between QEMU's spawn and its record must still be reaped: the reaper
     /// finds the clone's QEMU processes by the directory in their command line, and only those.
     #[test]
+    fn a_stamp_stands_for_a_hash_only_while_the_file_is_the_one_hashed() {
+        use std::os::unix::fs::FileExt;
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("vmlinux");
+        std::fs::write(&f, b"kernel bytes").unwrap();
+        let digest = BlobDigest(kiln_store::digest::Sha256Hash::of(b"kernel bytes"));
+        let other = BlobDigest(kiln_store::digest::Sha256Hash::of(b"other"));
+        assert!(!holds(&f, &other), "another blob's digest");
+        assert!(
+            !stamp_path(&f).exists(),
+            "no stamp for a file that does not hold it"
+        );
+        assert!(holds(&f, &digest));
+        let stamp = std::fs::read_to_string(stamp_path(&f)).unwrap();
+        assert!(stamp.starts_with(&digest.to_string()), "{stamp}");
+        // The stamp answers now: a file whose bytes the hash would refuse but whose identity
+        // is the stamped one cannot be made without changing ctime, so fake the stamp of a
+        // file that does not hold the blob to show that it is trusted as written.
+        let liar = d.path().join("liar");
+        std::fs::write(&liar, b"not the kernel").unwrap();
+        std::fs::write(stamp_path(&liar), file_identity(&liar, &digest).unwrap()).unwrap();
+        assert!(
+            holds(&liar, &digest),
+            "a stamp matching the file is trusted"
+        );
+        // A write in place, even of the same length: mtime and ctime move, the stamp no
+        // longer matches, and the hash refuses it.
+        std::thread::sleep(Duration::from_millis(10));
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&f)
+            .unwrap()
+            .write_all_at(b"K", 0)
+            .unwrap();
+        assert!(!holds(&f, &digest), "changed in place");
+        // Replaced by rename with the right bytes: another inode, hashed again and stamped.
+        let tmp = d.path().join("vmlinux.tmp");
+        std::fs::write(&tmp, b"kernel bytes").unwrap();
+        std::fs::rename(&tmp, &f).unwrap();
+        assert!(holds(&f, &digest));
+        assert_ne!(std::fs::read_to_string(stamp_path(&f)).unwrap(), stamp);
+        // A stamp naming another digest does not stand for this one.
+        std::fs::write(stamp_path(&f), file_identity(&f, &other).unwrap()).unwrap();
+        assert!(holds(&f, &digest), "hashed again");
+        assert!(
+            std::fs::read_to_string(stamp_path(&f))
+                .unwrap()
+                .starts_with(&digest.to_string())
+        );
+    }
+
+    #[test]
     fn abandoned_start_reaps_the_qemus_that_name_its_directory() {
         let tmp = tempfile::tempdir().unwrap();
         let fake = tmp.path().join("qemu-system-x86_64");
@@ -1219,6 +1378,7 @@ mod tests {
             boot_id: String::new(),
             started_unix: 0,
             start_ms: 0,
+            phases: StartPhases::default(),
             dir: ours.clone(),
             disk_bytes: 0,
         };

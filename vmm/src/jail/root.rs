@@ -20,10 +20,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::{Component, Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use crate::launch::LaunchError;
+use crate::launch::{Host, LaunchError, facts};
 
 /// What is mounted read-only in a jailed QEMU's root, each at its host path.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RootPlan {
     /// The QEMU binary as it is executed: absolute (a bare name is looked up in `PATH`).
     pub exe: PathBuf,
@@ -56,19 +56,36 @@ impl RootPlan {
 /// The plans read so far, by the QEMU path a [`crate::launch::Host`] names.
 static PLANS: Mutex<Option<HashMap<PathBuf, Arc<RootPlan>>>> = Mutex::new(None);
 
-/// The root plan for the QEMU at `qemu` (read on first use, then kept).
+/// The root plan for `host`'s QEMU: read on first use, then kept for the life of the
+/// process, and remembered in [`Host::facts_file`] when it names one (read from there
+/// while the binary stays the same: [`crate::launch::facts`]).
 ///
 /// Errors: `qemu` not found on `PATH`, `ldd` or `qemu -L help` failing, a library `ldd`
 /// could not find, or a path that is not absolute and plain ([`LaunchError::Host`]).
-pub async fn plan_for(qemu: &Path) -> Result<Arc<RootPlan>, LaunchError> {
+pub async fn plan_for(host: &Host) -> Result<Arc<RootPlan>, LaunchError> {
+    let qemu = host.qemu.as_path();
     let known = |plans: &Option<HashMap<PathBuf, Arc<RootPlan>>>| {
         plans.as_ref().and_then(|m| m.get(qemu)).cloned()
     };
     if let Some(p) = known(&PLANS.lock().unwrap_or_else(|e| e.into_inner())) {
         return Ok(p);
     }
+    let key = host
+        .facts_file
+        .as_deref()
+        .and_then(|f| facts::BinaryKey::current(qemu).map(|k| (f, k)));
+    let remembered = key.as_ref().and_then(|(f, k)| facts::read(f, k).plan);
     // Read without the lock held (two first starts at once both read; one plan stays).
-    let plan = Arc::new(read_plan(qemu).await?);
+    let plan = Arc::new(match remembered {
+        Some(p) => p,
+        None => {
+            let p = read_plan(qemu).await?;
+            if let Some((f, k)) = &key {
+                facts::update(f, k, |x| x.plan = Some(p.clone()));
+            }
+            p
+        }
+    });
     let mut plans = PLANS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(p) = known(&plans) {
         return Ok(p);

@@ -88,6 +88,7 @@ use std::time::Duration;
 
 use crate::qmp::{Qmp, QmpError};
 
+pub mod facts;
 mod probe;
 
 pub use self::probe::{KvmNode, ProbeKey, known_accel, probe_accel, probe_accel_cached};
@@ -240,20 +241,45 @@ pub struct Host {
     /// Host TSC frequency, kHz (`cpu MHz` of `/proc/cpuinfo` × 1000; on this host the TSC is
     /// invariant, `constant_tsc nonstop_tsc`), given to TCG guests as `tsc_early_khz`.
     pub tsc_khz: Option<u64>,
+    /// Where QEMU's version and its jail's root plan are remembered ([`facts`]); `None`:
+    /// read afresh by each process.
+    pub facts_file: Option<PathBuf>,
 }
 
 impl Host {
     /// Finds QEMU (`$KILN_QEMU` or `qemu-system-x86_64` on `PATH`, and `qemu-img`) and reads
     /// its version.
     pub async fn detect() -> Result<Self, LaunchError> {
+        Self::detect_with(None).await
+    }
+
+    /// [`Host::detect`], with QEMU's version (and later its jail's root plan) remembered in
+    /// `facts_file` ([`facts`]) while the binary stays the same.
+    pub async fn detect_cached(facts_file: &Path) -> Result<Self, LaunchError> {
+        Self::detect_with(Some(facts_file)).await
+    }
+
+    async fn detect_with(facts_file: Option<&Path>) -> Result<Self, LaunchError> {
         let qemu = PathBuf::from(
             std::env::var("KILN_QEMU").unwrap_or_else(|_| "qemu-system-x86_64".into()),
         );
         let qemu_img =
             PathBuf::from(std::env::var("KILN_QEMU_IMG").unwrap_or_else(|_| "qemu-img".into()));
-        let out = run(&qemu, &["--version"]).await?;
-        let qemu_version = parse_qemu_version(&out)
-            .ok_or_else(|| LaunchError::Host(format!("cannot read QEMU's version from {out:?}")))?;
+        let key = facts_file.and_then(|f| facts::BinaryKey::current(&qemu).map(|k| (f, k)));
+        let known = key.as_ref().and_then(|(f, k)| facts::read(f, k).version);
+        let qemu_version = match known {
+            Some(v) => v,
+            None => {
+                let out = run(&qemu, &["--version"]).await?;
+                let v = parse_qemu_version(&out).ok_or_else(|| {
+                    LaunchError::Host(format!("cannot read QEMU's version from {out:?}"))
+                })?;
+                if let Some((f, k)) = &key {
+                    facts::update(f, k, |x| x.version = Some(v.clone()));
+                }
+                v
+            }
+        };
         let tsc_khz = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
             .and_then(|s| parse_tsc_khz(&s));
@@ -262,6 +288,7 @@ impl Host {
             qemu_img,
             qemu_version,
             tsc_khz,
+            facts_file: facts_file.map(Path::to_path_buf),
         })
     }
 }
@@ -725,7 +752,7 @@ impl Vm {
         // blocking flock, so a task awaiting under it can starve the thread another start
         // blocks on it).
         let root = if crate::jail::can_drop() {
-            Some(crate::jail::root::plan_for(&host.qemu).await?)
+            Some(crate::jail::root::plan_for(host).await?)
         } else {
             None
         };

@@ -86,7 +86,7 @@ pub struct KvmNode {
 }
 
 /// The boot id file (random(4)).
-const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
+pub(super) const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
 /// The KVM device.
 const KVM_DEV: &str = "/dev/kvm";
 
@@ -143,7 +143,7 @@ impl ProbeKey {
 
 /// `program` when it names a path (has a `/`), else the first executable file of that name
 /// in a `PATH` directory (as execvp(3) searches), absolute.
-fn resolve_program(program: &Path) -> Option<PathBuf> {
+pub(super) fn resolve_program(program: &Path) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     if program.as_os_str().as_encoded_bytes().contains(&b'/') {
         return std::path::absolute(program).ok();
@@ -163,9 +163,6 @@ struct CachedProbe {
     key: ProbeKey,
     accel: Accel,
 }
-
-/// Largest probe cache file read, bytes (it holds a few hundred).
-const PROBE_CACHE_MAX: u64 = 64 << 10;
 
 /// [`probe_accel`], remembered per host in `cache_file` (JSON: the [`ProbeKey`] and the
 /// answer). `$KILN_ACCEL` wins as in [`probe_accel`] and is not written. A file whose key
@@ -228,34 +225,17 @@ async fn cached_probe(
 }
 
 fn read_probe_cache(file: &Path, key: &ProbeKey) -> Option<Accel> {
-    use std::io::Read;
-    let mut bytes = Vec::new();
-    std::fs::File::open(file)
-        .ok()?
-        .take(PROBE_CACHE_MAX)
-        .read_to_end(&mut bytes)
-        .ok()?;
-    match serde_json::from_slice::<CachedProbe>(&bytes) {
-        Ok(c) if c.key == *key => Some(c.accel),
-        Ok(_) => {
+    match super::facts::read_json::<CachedProbe>(file)? {
+        c if c.key == *key => Some(c.accel),
+        _ => {
             tracing::debug!(file = %file.display(), "accelerator probe cache is stale");
-            None
-        }
-        Err(e) => {
-            tracing::debug!(file = %file.display(), error = %e, "ignoring a corrupt accelerator probe cache");
             None
         }
     }
 }
 
 fn write_probe_cache(file: &Path, key: ProbeKey, accel: Accel) -> Result<(), LaunchError> {
-    let dir = file.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    let tmp = file.with_extension(format!("tmp-{}", std::process::id()));
-    // Serializing strings and integers cannot fail.
-    let bytes = serde_json::to_vec_pretty(&CachedProbe { key, accel }).unwrap_or_default();
-    std::fs::write(&tmp, bytes).map_err(io_err(&tmp))?;
-    std::fs::rename(&tmp, file).map_err(io_err(file))
+    super::facts::write_json(file, &CachedProbe { key, accel })
 }
 
 /// Boots `kernel` + `initramfs` under KVM with kiln's own command line ([`VmSpec::args`], a
