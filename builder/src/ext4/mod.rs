@@ -8,7 +8,9 @@
 //! the first pass over a build's base image can run while its steps do, [`Prescan`] and
 //! [`build_from`], and the steps' unpack of the base reads that pass's plain stream,
 //! [`crate::layer::shared`]), then indexes its directories with `e2fsck -fpD` and checks the result with
-//! `e2fsck -fn`; a failing check is an error.
+//! `e2fsck -fn`; a failing check is an error. [`build_unchecked`] returns once the check has
+//! started ([`Check`]), so that a publish chunks the image while it is checked and publishes
+//! nothing made of it before the check passed.
 //!
 //! ## Directories
 //! mke2fs 1.47.2 writes every directory of a tarball linear (no htree index, even with
@@ -632,9 +634,56 @@ pub fn build_from(
     r
 }
 
-/// [`build_from`] without removing `dest` on error. `keep_max`: the most bytes of inflated
-/// layers a new scan keeps for pass 2 ([`Keep`]); `None`: [`Keep::in_dir`] of the scratch
-/// directory.
+/// [`build_from`] up to and with the indexing pass (`e2fsck -fpD`), returning as soon as
+/// the final check (`e2fsck -fn`) has started on a thread of its own: the image at `dest` is
+/// complete and will not change, so a caller may read it (chunk it into a store) while it is
+/// checked, but must not publish anything made of it before [`Check::wait`] says it passed.
+/// On an error of this function `dest` is removed; when the check fails, the caller removes
+/// it.
+pub fn build_unchecked(
+    started: Option<Scan>,
+    layers: &[LayerBlob],
+    dest: &Path,
+    opts: &Ext4Options,
+) -> Result<(Ext4Image, Check), Ext4Error> {
+    let r = make_inner(started, layers, dest, opts, None);
+    if r.is_err() {
+        let _ = std::fs::remove_file(dest);
+    }
+    r
+}
+
+/// The `e2fsck -fn` check of an image [`build_unchecked`] made, running on a thread of its
+/// own. Dropping it without [`Check::wait`] leaves the check to finish unobserved.
+#[derive(Debug)]
+pub struct Check(std::thread::JoinHandle<Result<(), Ext4Error>>);
+
+impl Check {
+    /// Starts `e2fsck -fn IMG` on a new thread (in [`tool_env`] with `epoch` and `sde`).
+    fn start(img: &Path, epoch: u64, sde: Option<u64>) -> Result<Check, Ext4Error> {
+        let img = img.to_path_buf();
+        std::thread::Builder::new()
+            .name("kiln-e2fsck".into())
+            .spawn(move || fsck(&img, epoch, sde))
+            .map(Check)
+            .map_err(|source| Ext4Error::Io {
+                path: PathBuf::from("(e2fsck thread)"),
+                source,
+            })
+    }
+
+    /// Waits for the check: `Ok` when `e2fsck -fn` exited 0, else [`Ext4Error::Fsck`] (or
+    /// [`Ext4Error::Tools`] when it could not run). Blocking.
+    pub fn wait(self) -> Result<(), Ext4Error> {
+        self.0.join().unwrap_or_else(|_| {
+            Err(Ext4Error::Tools {
+                problem: "the e2fsck -fn thread panicked".into(),
+            })
+        })
+    }
+}
+
+/// [`build_from`] without removing `dest` on error: [`make_inner`], then its check.
 fn build_inner(
     started: Option<Scan>,
     layers: &[LayerBlob],
@@ -642,6 +691,27 @@ fn build_inner(
     opts: &Ext4Options,
     keep_max: Option<u64>,
 ) -> Result<Ext4Image, Ext4Error> {
+    let (image, check) = make_inner(started, layers, dest, opts, keep_max)?;
+    check.wait()?;
+    Ok(image)
+}
+
+/// Test-only corruption of images between the indexing pass and the check, to prove that an
+/// image failing `e2fsck -fn` is never published: every image made under a directory listed
+/// here gets 64 bytes of 0xff over its first group descriptor (offset 4096, block 1).
+#[cfg(test)]
+pub(crate) static CORRUPT_UNDER: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// The image of [`build_unchecked`] without removing `dest` on error. `keep_max`: the most
+/// bytes of inflated layers a new scan keeps for pass 2 ([`Keep`]); `None`: [`Keep::in_dir`]
+/// of the scratch directory.
+fn make_inner(
+    started: Option<Scan>,
+    layers: &[LayerBlob],
+    dest: &Path,
+    opts: &Ext4Options,
+    keep_max: Option<u64>,
+) -> Result<(Ext4Image, Check), Ext4Error> {
     let tools = check_tools()?;
     let epoch = opts.source_date_epoch.unwrap_or(DEFAULT_EPOCH);
     let scratch = tempfile::tempdir().map_err(|source| Ext4Error::Io {
@@ -697,11 +767,13 @@ fn build_inner(
             Ok(()) => {
                 debugfs_edits(&flat, dest, epoch, sde, scratch.path())?;
                 index_dirs(dest, epoch, sde)?;
-                fsck(dest, epoch, sde)?;
+                #[cfg(test)]
+                corrupt_if_asked(dest);
+                let check = Check::start(dest, epoch, sde)?;
                 let mut tool = BTreeMap::new();
                 tool.insert("mke2fs".to_string(), tools.version.clone());
                 tool.insert("args".to_string(), args.join(" "));
-                return Ok(Ext4Image {
+                let image = Ext4Image {
                     size_bytes: mib * MIB,
                     filesystem: kiln_store::Filesystem {
                         kind: "ext4".into(),
@@ -712,7 +784,8 @@ fn build_inner(
                     },
                     stats: flat.stats,
                     estimate,
-                });
+                };
+                return Ok((image, check));
             }
             Err(Ext4Error::Mke2fs { stderr, .. }) if host_full(&stderr) => {
                 // The free space that matters is what is left without the partial image.
@@ -750,6 +823,21 @@ fn build_inner(
             }
             Err(e) => return Err(e),
         }
+    }
+}
+
+/// [`CORRUPT_UNDER`]'s corruption of `img` when it lies under one of its directories.
+#[cfg(test)]
+fn corrupt_if_asked(img: &Path) {
+    use std::os::unix::fs::FileExt as _;
+    let asked = CORRUPT_UNDER
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .any(|d| img.starts_with(d));
+    if asked {
+        let f = std::fs::OpenOptions::new().write(true).open(img).unwrap();
+        f.write_all_at(&[0xff; 64], u64::from(BLOCK_SIZE)).unwrap();
     }
 }
 
