@@ -4,9 +4,12 @@
 //!   [`crate::chunk::split_parallel`], content-defined cuts found a batch of 8 MiB per core at
 //!   a time on up to 4 cores, at most `cores × 8 MiB + 2 × max chunk` of input held; any other
 //!   reader by [`crate::chunk::split`], one chunk at a time; the same chunks either way); chunks are hashed and compressed on the blocking pool and stored with
-//!   put-if-absent, at most [`crate::StoreOptions::parallelism`] in flight (memory: about
-//!   `2 × parallelism × max chunk`, plus two groups of
-//!   compressed chunks when a lease is given, one being written while the next is encoded). All-zero chunks become holes. Without a lease,
+//!   put-if-absent, at most [`crate::StoreOptions::parallelism`] in flight; the cutter runs at
+//!   most [`READ_AHEAD`] bytes of cut chunks ahead of the encoders, so that it reads and cuts
+//!   the next batch while the last is encoded (memory: that, plus about
+//!   `2 × parallelism × max chunk`, plus [`GROUPS_IN_FLIGHT`] groups of compressed chunks
+//!   when a lease is given, the older ones being leased and written while the next is
+//!   encoded). All-zero chunks become holes. Without a lease,
 //!   chunks in the known-chunk index are skipped. With a lease, each group of
 //!   [`LEASE_BATCH`] chunks is added to the lease and only then looked up, under the store's
 //!   sweep lock ([`Lease::find_present`]); those found are relied on, the rest written, so
@@ -41,11 +44,19 @@ use crate::manifest::ObjectRef;
 use crate::progress::{ProgressEvent, ProgressFn, Reporter, TransferStats};
 use crate::staging::Staging;
 
-/// Chunks leased (and then stored) per group during an upload.
-const LEASE_BATCH: usize = 64;
-/// Groups of [`LEASE_BATCH`] chunks being looked up and written at once during a leased
-/// upload: while one is, the next is encoded.
-const GROUPS_IN_FLIGHT: usize = 2;
+/// Chunks leased (and then stored) per group during an upload: 256, 16 MiB of 64 KiB chunks.
+/// Each group costs a lease part (locally a file written and fsynced, renamed, its directory
+/// fsynced; on S3 a PUT), the sweep lock and a look-up.
+///
+/// Measured (issue 33, `strace -f -T` of `kiln store import` of a 256 MiB tarball of `/usr`
+/// into a new local store): with groups of 64, 48 lease parts and 108 fsyncs of 0.1 to 17 ms
+/// each, in the pipeline between encoding and writing.
+const LEASE_BATCH: usize = 256;
+/// Groups of [`LEASE_BATCH`] chunks in flight during a leased upload, in order: the older
+/// ones leased, looked up and written while the newest is encoded. Encoding stops while all
+/// are busy: with 2 (one written, one encoded), every lease part's fsyncs stopped it, and an
+/// import used about 1.4 of 2 cores (issue 33).
+const GROUPS_IN_FLIGHT: usize = 3;
 use crate::{Store, StoreError};
 
 /// Options for [`Store::put_artifact`].
@@ -59,9 +70,26 @@ pub struct PutArtifactOptions {
     pub progress: Option<ProgressFn>,
 }
 
+/// Bytes of raw chunks cut and not yet hashed and compressed that an upload holds at most
+/// (32 MiB): two batches of [`chunk::split_parallel`] on a 2-core machine, one on 4 cores.
+///
+/// Measured (issue 33, 256 MiB tarball of `/usr`, 2 cores, `perf` and `time`): with the
+/// cutter held to [`crate::StoreOptions::parallelism`] chunks ahead (512 KiB), it read and cut
+/// each 16 MiB batch while the encoders waited for it, so an import used about 1.35 of the 2
+/// cores.
+const READ_AHEAD: usize = 32 << 20;
+
 enum Piece {
-    Hole { offset: u64, len: u64 },
-    Data { offset: u64, data: Vec<u8> },
+    Hole {
+        offset: u64,
+        len: u64,
+    },
+    Data {
+        offset: u64,
+        data: Vec<u8>,
+        /// This chunk's share of [`READ_AHEAD`], given back once it is encoded.
+        _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    },
 }
 
 impl Store {
@@ -100,7 +128,19 @@ impl Store {
         chunking: Chunking,
         opts: &PutArtifactOptions,
     ) -> Result<(ChunkTable, TransferStats), StoreError> {
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Piece, ChunkError>>(self.parallelism);
+        // The cutter runs up to READ_AHEAD bytes of cut chunks ahead of the encoders (a byte
+        // budget: each data chunk holds its length in permits until it is encoded), so that it
+        // reads and cuts the next batch while the last one is hashed and compressed. The
+        // channel's count bound is set above what the budget lets through at the smallest
+        // usual chunk, so the bytes bind first.
+        let budget = Arc::new(tokio::sync::Semaphore::new(READ_AHEAD));
+        let min_len = match chunking {
+            Chunking::Fixed { size } => size as usize,
+            Chunking::Cdc { min, .. } => min as usize,
+        };
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Piece, ChunkError>>(
+            READ_AHEAD / min_len.max(1) + self.parallelism,
+        );
         let producer = tokio::task::spawn_blocking(move || {
             for c in pieces {
                 let p = c.map(|c| {
@@ -110,9 +150,15 @@ impl Store {
                             len: c.data.len() as u64,
                         }
                     } else {
+                        // Closed never (the semaphore lives as long as this thread holds it);
+                        // a chunk above the whole budget waits for all of it.
+                        let n = c.data.len().clamp(1, READ_AHEAD) as u32;
+                        let permit =
+                            futures::executor::block_on(budget.clone().acquire_many_owned(n)).ok();
                         Piece::Data {
                             offset: c.offset,
                             data: c.data,
+                            _permit: permit,
                         }
                     }
                 });
@@ -128,9 +174,15 @@ impl Store {
             .map(|p| async move {
                 match p? {
                     Piece::Hole { offset, len } => Ok::<_, StoreError>((offset, Err(len))),
-                    Piece::Data { offset, data } => {
+                    Piece::Data {
+                        offset,
+                        data,
+                        _permit,
+                    } => {
+                        // The permit goes with the raw bytes, once encoded.
                         let enc =
                             tokio::task::spawn_blocking(move || chunk::encode(&data)).await??;
+                        drop(_permit);
                         Ok((offset, Ok(enc)))
                     }
                 }

@@ -77,7 +77,9 @@ fn decode_dead(b: &[u8]) -> HashSet<Sha256Hash> {
 
 /// One upload's pack while it is written: `.tmp/<writer>-<n>-<nanos>.pack`, made at the
 /// first chunk; parallel stagers reserve their ranges with one atomic add and write them
-/// with `pwrite`, so encoding stays parallel. Dropped uncommitted, it removes the file.
+/// with `pwrite`, so encoding stays parallel. Every [`WRITEBACK_WINDOW`] bytes reserved, the
+/// kernel is asked to start writing the range back (see there). Dropped uncommitted, it
+/// removes the file.
 #[derive(Debug)]
 pub(crate) struct PackBatch {
     /// `<writer>-<n>-<nanos>`: the pack's, index's and dead file's name without extension.
@@ -86,6 +88,8 @@ pub(crate) struct PackBatch {
     pub(crate) tmp: PathBuf,
     file: Mutex<Option<Arc<File>>>,
     next: AtomicU64,
+    /// Bytes from the pack's start whose writeback was started ([`start_writeback`]).
+    started: AtomicU64,
     /// Set by [`PackBatch::discard`]: no append makes the file again.
     discarded: std::sync::atomic::AtomicBool,
 }
@@ -97,6 +101,7 @@ impl PackBatch {
             tmp,
             file: Mutex::new(None),
             next: AtomicU64::new(0),
+            started: AtomicU64::new(0),
             discarded: std::sync::atomic::AtomicBool::new(false),
         }
     }
@@ -138,6 +143,18 @@ impl PackBatch {
         };
         let off = self.next.fetch_add(data.len() as u64, Ordering::Relaxed);
         f.write_all_at(data, off)?;
+        let end = off + data.len() as u64;
+        let from = self.started.load(Ordering::Relaxed);
+        // One stager starts each window; ranges reserved in it and not yet written are left
+        // to the commit's fsync.
+        if end >= from + WRITEBACK_WINDOW
+            && self
+                .started
+                .compare_exchange(from, end, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            start_writeback(&f, from, end - from);
+        }
         Ok(off)
     }
 
@@ -150,6 +167,36 @@ impl PackBatch {
     pub(crate) fn len(&self) -> u64 {
         self.next.load(Ordering::Relaxed)
     }
+}
+
+/// Bytes of a pack being written after which the kernel is asked to start writing them back
+/// (8 MiB), so that the commit's one fsync waits for the last window rather than the whole
+/// pack.
+///
+/// Measured (issue 33, `strace -f -T` of `kiln store import` of a 256 MiB tarball of `/usr`
+/// into a new local store, 2 cores): without it, the pack's fsync took 0.12 s of a 1.4 s
+/// import, with both cores idle.
+const WRITEBACK_WINDOW: u64 = 8 << 20;
+
+/// Asks the kernel to start writing `len` bytes of `f` from `from` back to the disk, without
+/// waiting (`sync_file_range(2)` with `SYNC_FILE_RANGE_WRITE` only). A hint: durability is
+/// still the commit's fsync, which also reports any write-back error (this call neither
+/// waits for nor consumes one: the kernel keeps it for the file until an fsync reads it).
+/// Errors are ignored. Elsewhere than Linux it does nothing.
+fn start_writeback(f: &File, from: u64, len: u64) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let (Ok(from), Ok(len)) = (i64::try_from(from), i64::try_from(len)) else {
+            return;
+        };
+        // SAFETY: sync_file_range takes a file descriptor and integers, and touches no memory
+        // of ours; the descriptor stays open while `f` is borrowed.
+        let _ =
+            unsafe { libc::sync_file_range(f.as_raw_fd(), from, len, libc::SYNC_FILE_RANGE_WRITE) };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (f, from, len);
 }
 
 impl Drop for PackBatch {

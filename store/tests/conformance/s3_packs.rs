@@ -447,7 +447,7 @@ async fn s3_leased_import_looks_chunks_up_by_listing() {
     assert_eq!(chunks, 512);
     assert_eq!(stats.chunks_transferred, 512);
     let (heads, total) = (wire.heads - before.heads, wire.total() - before.total());
-    // Per group of 64: its lease part (a PUT), a listing of chunks/sha256/, and at most
+    // Per group of chunks (the upload's lease batch): its lease part (a PUT), a listing of chunks/sha256/, and at most
     // a listing of packs/ a second; then the pack and its index.
     assert!(
         heads <= 8 && total <= chunks / 8,
