@@ -244,16 +244,21 @@ fn vm_lazy_start_from_s3() {
     }
     // A second clone of the same snapshot on this host: warm (the server's page cache and
     // the chunk cache hold what the first one read). Both start times printed.
-    // The kernel and initramfs the first start fetched are kept (hashed again, not fetched
-    // again: a file fetched anew is a new inode, renamed over the old one). A copy that no
-    // longer holds its blob is fetched again before the third start below.
+    // The first start had no accelerator remembered, so its probe fetched and booted the
+    // snapshot's kernel and initramfs; no restore reads them (launch::stub), so the warm
+    // start leaves them alone, and runs with the kernel copy spoiled. The vmstate copy is
+    // kept (its stamp stands for a hash: a file fetched anew is a new inode, renamed over the
+    // old one); a copy that no longer holds its blob is fetched again before the third start
+    // below.
     use std::os::unix::fs::MetadataExt as _;
     let inode = |f: &str| {
         std::fs::metadata(snapdir1.join(f))
             .unwrap_or_else(|e| panic!("{f}: {e}"))
             .ino()
     };
-    let boot_files = (inode("vmlinux"), inode("initramfs"));
+    let cached_files = (inode("vmlinux"), inode("initramfs"), inode("vmstate"));
+    let kernel_len = std::fs::metadata(snapdir1.join("vmlinux")).unwrap().len();
+    std::fs::write(snapdir1.join("vmlinux"), vec![0u8; kernel_len as usize]).unwrap();
     let cold_ms = started(&o_cold)["start_ms"].as_u64().unwrap_or(0);
     let o = kiln(d, &s3, &c1, &["--json", "start", "bb:snap"]);
     assert!(o.status.success(), "{}", show(&o));
@@ -261,12 +266,17 @@ fn vm_lazy_start_from_s3() {
     let id2 = started_id(&o);
     eprintln!("QEMU start to answered: cold from S3 {cold_ms} ms, warm {warm_ms} ms");
     assert_eq!(
-        (inode("vmlinux"), inode("initramfs")),
-        boot_files,
-        "a warm start fetches no kernel or initramfs again"
+        (inode("vmlinux"), inode("initramfs"), inode("vmstate")),
+        cached_files,
+        "a warm start fetches no kernel, initramfs or vmstate again"
     );
-    let kernel_len = std::fs::metadata(snapdir1.join("vmlinux")).unwrap().len();
-    std::fs::write(snapdir1.join("vmlinux"), vec![0u8; kernel_len as usize]).unwrap();
+    assert_eq!(
+        std::fs::read(snapdir1.join("vmlinux")).unwrap(),
+        vec![0u8; kernel_len as usize],
+        "a restore neither reads nor repairs the kernel copy"
+    );
+    let vmstate_len = std::fs::metadata(snapdir1.join("vmstate")).unwrap().len();
+    std::fs::write(snapdir1.join("vmstate"), vec![0u8; vmstate_len as usize]).unwrap();
     // A third clone: how much guest RAM three lazy clones at once share (the figure:
     // summed Pss against summed Rss of their QEMUs, /proc/<pid>/smaps_rollup, 2 s after the
     // third answered, as ci/bench-clone.sh measures materialized clones; printed, not
@@ -274,14 +284,14 @@ fn vm_lazy_start_from_s3() {
     let o3 = kiln(d, &s3, &c1, &["--json", "start", "bb:snap"]);
     assert!(o3.status.success(), "{}", show(&o3));
     assert_ne!(
-        inode("vmlinux"),
-        boot_files.0,
-        "a spoiled kernel copy is fetched again"
+        inode("vmstate"),
+        cached_files.2,
+        "a spoiled vmstate copy is fetched again"
     );
     assert_eq!(
-        kiln_store::BlobDigest::of(&std::fs::read(snapdir1.join("vmlinux")).unwrap()),
-        snap.kernel.digest,
-        "the kernel in the cache is the snapshot's again"
+        kiln_store::BlobDigest::of(&std::fs::read(snapdir1.join("vmstate")).unwrap()),
+        snap.vmstate.digest,
+        "the vmstate in the cache is the snapshot's again"
     );
     let id3 = started_id(&o3);
     std::thread::sleep(Duration::from_secs(2));
@@ -475,8 +485,27 @@ fn vm_lazy_start_from_s3() {
     });
     let c2 = d.join("cache2");
     let snapdir2 = c2.join(snap_digest.hex());
-    let o = kiln(d, &s3, &c2, &["start", "bb:snap"]);
+    // On a fresh cache with the accelerator given (the one the first start probed), a start
+    // fetches neither kernel nor initramfs: QEMU gets launch::stub's.
+    let probed: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(c1.join("accel.json")).expect("the probe's answer"))
+            .expect("accel.json");
+    let accel = probed["accel"]
+        .as_str()
+        .expect("an accelerator")
+        .to_string();
+    let o = kiln_with(
+        d,
+        &s3,
+        &c2,
+        &[("KILN_ACCEL", &accel)],
+        &["start", "bb:snap"],
+    );
     assert!(!o.status.success(), "{}", show(&o));
+    assert!(
+        !snapdir2.join("vmlinux").exists() && !snapdir2.join("initramfs").exists(),
+        "a start with its accelerator known fetched a kernel or initramfs"
+    );
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         memory_chunks.iter().any(|h| err.contains(h.as_str())) && err.contains("chunk server"),

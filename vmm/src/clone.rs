@@ -2,11 +2,12 @@
 //!
 //! [`start_clones`]:
 //! 1. Resolve the image tag; its manifest's `snapshot` names the [`SnapshotManifest`].
-//! 2. Fetch kernel and initramfs (blobs, digest-checked) into the local snapshot cache
-//!    (`<cache>/<snapshot hex>/`), pick the accelerator (probed once per host and remembered in
-//!    `<cache>/accel.json`: [`launch::probe_accel_cached`]), and compare this host's
-//!    [`CompatKey`](crate::compat::CompatKey) with the stored one: a mismatch is refused ([`CloneError::Compat`]) and
-//!    nothing is removed from the store.
+//! 2. Pick the accelerator (`$KILN_ACCEL`, or probed once per host and remembered in
+//!    `<cache>/accel.json`: [`launch::probe_accel_cached`]; only a probe fetches the
+//!    snapshot's kernel and initramfs, digest-checked, into `<cache>/<snapshot hex>/`, to boot
+//!    them), and compare this host's [`CompatKey`](crate::compat::CompatKey) with the stored
+//!    one: a mismatch is refused ([`CloneError::Compat`]) and nothing is removed from the
+//!    store. QEMU is handed [`launch::stub`]'s kernel and initramfs: a restore runs neither.
 //! 3. Fetch the vmstate (digest-checked). Lazily ([`Serving::Lazy`], what `kiln start` and
 //!    the nightly's smoke clones use): make sure the snapshot's chunk server runs
 //!    ([`crate::lazy::ensure_server`]) and start the clones from its files
@@ -676,12 +677,11 @@ pub async fn start_clones_of(
         })
     };
     // An accelerator known without a probe ($KILN_ACCEL, or this host's remembered probe)
-    // lets the compatibility check come first and everything after it overlap: the kernel
-    // and initramfs (53 MB from the store on a cold host), the vmstate, the chunk server's
-    // start, the image's config. Measured cold from the local S3 server (issue 35, busybox):
-    // one after the other, the kernel alone took 450 ms (7 ranges of 8 MiB) and the chunk
-    // server, whose prefetch the clone then waited for, was spawned 540 ms into the start;
-    // overlapped, it is spawned at once. Otherwise the probe needs the kernel first.
+    // lets the compatibility check come first and everything after it overlap: the vmstate,
+    // the chunk server's start, the image's config. Measured cold from the local S3 server
+    // (issue 35, busybox): one after the other, the chunk server, whose prefetch the clone
+    // then waited for, was spawned 540 ms into the start; overlapped, it is spawned at once.
+    // Otherwise the probe needs the kernel (53 MB from the store on a cold host) first.
     let known = match opts.accel {
         Some(a) => Some(a),
         None => launch::known_accel(&host, &guest, &opts.cache_dir.join(PROBE_CACHE))?,
@@ -689,11 +689,14 @@ pub async fn start_clones_of(
     if let Some(a) = known {
         check(a)?;
     }
+    // A restore runs none of the kernel and initramfs it is given (launch::stub): they are
+    // fetched only for the accelerator probe, which boots them.
     let boot = async {
-        let cached = materialize(store, &digest, &snap, &opts.cache_dir, Fetch::Boot).await?;
         let accel = match known {
             Some(a) => a,
             None => {
+                let cached =
+                    materialize(store, &digest, &snap, &opts.cache_dir, Fetch::Boot).await?;
                 let a = launch::probe_accel_cached(
                     &host,
                     &cached.kernel,
@@ -707,7 +710,8 @@ pub async fn start_clones_of(
                 a
             }
         };
-        Ok::<_, CloneError>((cached, accel))
+        let stub = launch::stub::restore_stub(&opts.cache_dir)?;
+        Ok::<_, CloneError>((stub, accel))
     };
     // With a chunk server, nothing of memory or disk is fetched before QEMU runs: the
     // server fetches what the clones read (module doc, step 3).
@@ -741,8 +745,7 @@ pub async fn start_clones_of(
         let (s, d) = tokio::try_join!(serve, defaults)?;
         (b, s, d)
     };
-    cached.kernel = boot.kernel;
-    cached.initramfs = boot.initramfs;
+    (cached.kernel, cached.initramfs) = boot;
     if let Some(s) = &served {
         cached.memory = s.memory.clone();
         cached.disk = s.disk.clone();

@@ -90,6 +90,7 @@ use crate::qmp::{Qmp, QmpError};
 
 pub mod facts;
 mod probe;
+pub mod stub;
 
 pub use self::probe::{KvmNode, ProbeKey, known_accel, probe_accel, probe_accel_cached};
 
