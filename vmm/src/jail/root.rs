@@ -129,25 +129,17 @@ async fn read_plan(qemu: &Path) -> Result<RootPlan, LaunchError> {
     Ok(RootPlan { exe, files, dirs })
 }
 
-/// `qemu` itself when it names a path, else the first executable file of that name in
-/// `PATH` (as execvp(3) looks it up), made absolute.
+/// `qemu` made absolute when it names a path, else the first executable file of that name
+/// in `PATH` (as execvp(3) looks it up): [`crate::launch`]'s one lookup.
+///
+/// Errors: nothing found ([`LaunchError::Host`]).
 pub(crate) fn find_exe(qemu: &Path) -> Result<PathBuf, LaunchError> {
-    let found = if qemu.components().count() > 1 {
-        Some(qemu.to_path_buf())
-    } else {
-        std::env::var_os("PATH").and_then(|path| {
-            std::env::split_paths(&path)
-                .map(|d| d.join(qemu))
-                .find(|p| p.is_file())
-        })
-    };
-    let p = found.ok_or_else(|| {
+    crate::launch::resolve_program(qemu).ok_or_else(|| {
         LaunchError::Host(format!(
             "{}: not found on PATH (is qemu-system-x86 installed? see ci/setup.sh)",
             qemu.display()
         ))
-    })?;
-    std::path::absolute(&p).map_err(crate::launch::io_err(&p))
+    })
 }
 
 /// The files of `ldd`'s output: `name => /path (0x…)` and `/path (0x…)` lines give a path;

@@ -49,7 +49,7 @@ impl BinaryKey {
     /// it cannot be read (then nothing is remembered).
     pub fn current(program: &Path) -> Option<BinaryKey> {
         use std::os::unix::fs::MetadataExt;
-        let path = super::probe::resolve_program(program)?;
+        let path = super::resolve_program(program)?;
         let m = std::fs::metadata(&path).ok()?;
         let boot_id = std::fs::read_to_string(super::probe::BOOT_ID)
             .ok()?

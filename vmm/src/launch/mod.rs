@@ -92,6 +92,7 @@ pub mod facts;
 mod probe;
 pub mod stub;
 
+pub(crate) use self::probe::resolve_program;
 pub use self::probe::{KvmNode, ProbeKey, known_accel, probe_accel, probe_accel_cached};
 
 /// Machine type and its options, as passed to `-M` (before `memory-backend=`); recorded in

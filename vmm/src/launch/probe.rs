@@ -143,7 +143,7 @@ impl ProbeKey {
 
 /// `program` when it names a path (has a `/`), else the first executable file of that name
 /// in a `PATH` directory (as execvp(3) searches), absolute.
-pub(super) fn resolve_program(program: &Path) -> Option<PathBuf> {
+pub(crate) fn resolve_program(program: &Path) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     if program.as_os_str().as_encoded_bytes().contains(&b'/') {
         return std::path::absolute(program).ok();
