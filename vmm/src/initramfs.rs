@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::kernel::{self, Kernel, KernelError};
+use crate::replace_file;
 
 /// Where the init finds its module list (must match kiln-guest-init's `MODULE_LIST`).
 pub const MODULE_LIST: &str = "kiln/modules";
@@ -297,29 +298,6 @@ pub fn build(
         size: bytes.len() as u64,
         modules: mods.into_iter().map(|m| m.name).collect(),
     })
-}
-
-/// Replace `out` with `bytes` (mode 0644): written to a temporary file of this call's own in
-/// `out`'s directory, then renamed over it. Builders running at once (two `kiln kernel`s on
-/// one cache, tests) each rename a whole file, and a QEMU opening `out` meanwhile reads one of
-/// them whole. (One fixed temporary name let a second builder truncate the file the first was
-/// about to rename, so a VM could boot a torn initramfs.)
-///
-/// Errors: I/O creating, writing or renaming the temporary file.
-fn replace_file(out: &Path, bytes: &[u8]) -> io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    let dir = out
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".initramfs-")
-        .tempfile_in(dir)?;
-    tmp.write_all(bytes)?;
-    tmp.as_file()
-        .set_permissions(fs::Permissions::from_mode(0o644))?;
-    tmp.persist(out).map_err(|e| e.error)?;
-    Ok(())
 }
 
 /// The guest kernel and initramfs, ready for `-kernel` and `-initrd`.

@@ -72,3 +72,27 @@ pub enum VmmError {
     #[error(transparent)]
     Exec(#[from] ExecError),
 }
+
+/// Replaces `out` with `bytes` (mode 0644): written to a temporary file of this call's own in
+/// `out`'s directory, then renamed over it. Writers running at once (two `kiln kernel`s on one
+/// cache, two clone starts in one server process, tests) each rename a whole file, and a
+/// reader (a QEMU opening an initramfs, a start reading a cache file) sees one of them whole.
+/// (One fixed temporary name let a second builder truncate the file the first was about to
+/// rename, so a VM could boot a torn initramfs; a name made of the pid alone is shared by the
+/// tasks of one process.)
+///
+/// Errors: I/O creating, writing or renaming the temporary file.
+pub(crate) fn replace_file(out: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
+    let dir = out
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    let mut tmp = tempfile::Builder::new().prefix(".kiln-").tempfile_in(dir)?;
+    tmp.write_all(bytes)?;
+    tmp.as_file()
+        .set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    tmp.persist(out).map_err(|e| e.error)?;
+    Ok(())
+}

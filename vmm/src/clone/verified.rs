@@ -53,19 +53,15 @@ fn file_identity(path: &Path, digest: &kiln_store::BlobDigest) -> Option<String>
     ))
 }
 
-/// Records that `path` was just verified to hold `digest` ([`holds`]), written to a
-/// temporary name and renamed over the stamp. A stamp that cannot be written is only
+/// Records that `path` was just verified to hold `digest` ([`holds`]), replacing the stamp
+/// ([`crate::replace_file`]). A stamp that cannot be written is only
 /// logged: the next start hashes the file again.
 pub(super) fn stamp_verified(path: &Path, digest: &kiln_store::BlobDigest) {
     let Some(line) = file_identity(path, digest) else {
         return;
     };
     let stamp = stamp_path(path);
-    let mut tmp = stamp.clone().into_os_string();
-    tmp.push(format!(".tmp-{}", std::process::id()));
-    let tmp = PathBuf::from(tmp);
-    if let Err(e) = std::fs::write(&tmp, line).and_then(|()| std::fs::rename(&tmp, &stamp)) {
-        let _ = std::fs::remove_file(&tmp);
+    if let Err(e) = crate::replace_file(&stamp, line.as_bytes()) {
         tracing::debug!(path = %stamp.display(), error = %e, "not stamping a verified copy");
     }
 }

@@ -127,18 +127,16 @@ pub(crate) fn read_json<T: DeserializeOwned>(file: &Path) -> Option<T> {
         .ok()
 }
 
-/// Writes `value` as JSON to a temporary name beside `file` (its directory made first),
-/// then renames it over `file`.
+/// Replaces `file` with `value` as JSON ([`crate::replace_file`]; its directory made
+/// first).
 ///
 /// Errors: the directory, the write or the rename ([`LaunchError::Io`]).
 pub(crate) fn write_json<T: Serialize>(file: &Path, value: &T) -> Result<(), LaunchError> {
     let dir = file.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    let tmp = file.with_extension(format!("tmp-{}", std::process::id()));
     // Serializing strings, paths and integers cannot fail.
     let bytes = serde_json::to_vec_pretty(value).unwrap_or_default();
-    std::fs::write(&tmp, bytes).map_err(io_err(&tmp))?;
-    std::fs::rename(&tmp, file).map_err(io_err(file))
+    crate::replace_file(file, &bytes).map_err(io_err(file))
 }
 
 #[cfg(test)]

@@ -75,7 +75,7 @@ pub fn pvh_stub() -> Vec<u8> {
 
 /// The stub kernel and initramfs, written under `dir` (`restore-vmlinux`,
 /// `restore-initramfs`) unless already there with these bytes (a copy that differs is
-/// replaced by rename).
+/// replaced: [`crate::replace_file`]).
 ///
 /// Errors: creating `dir` or writing either file ([`LaunchError::Io`]).
 pub fn restore_stub(dir: &Path) -> Result<(PathBuf, PathBuf), LaunchError> {
@@ -86,9 +86,7 @@ pub fn restore_stub(dir: &Path) -> Result<(PathBuf, PathBuf), LaunchError> {
         if std::fs::read(path).is_ok_and(|b| b == bytes) {
             continue;
         }
-        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-        std::fs::write(&tmp, &bytes).map_err(io_err(&tmp))?;
-        std::fs::rename(&tmp, path).map_err(io_err(path))?;
+        crate::replace_file(path, &bytes).map_err(io_err(path))?;
     }
     Ok((kernel, initramfs))
 }
