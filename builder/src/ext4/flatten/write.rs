@@ -9,6 +9,18 @@ pub(super) enum WriteFail {
     Out(Ext4Error),
 }
 
+impl WriteFail {
+    /// The failure of an entry with no body to read (a directory, a hard link), as the
+    /// output's: a read error there can only be the empty body's, so it is reported as one
+    /// of writing the stream.
+    fn into_output(self) -> Ext4Error {
+        match self {
+            WriteFail::Out(e) => e,
+            WriteFail::Read(e) => Ext4Error::output(e),
+        }
+    }
+}
+
 pub(super) struct Writer<'a, W: Write> {
     pub(super) b: tar::Builder<W>,
     pub(super) emitted: HashSet<Vec<u8>>,
@@ -58,10 +70,7 @@ impl<W: Write> Writer<'_, W> {
             None,
             io::empty(),
         )
-        .map_err(|e| match e {
-            WriteFail::Out(e) => e,
-            WriteFail::Read(e) => Ext4Error::output(e),
-        })?;
+        .map_err(WriteFail::into_output)?;
         self.emitted.insert(path.to_vec());
         Ok(())
     }
@@ -85,10 +94,7 @@ impl<W: Write> Writer<'_, W> {
             None,
             io::empty(),
         )
-        .map_err(|e| match e {
-            WriteFail::Out(e) => e,
-            WriteFail::Read(e) => Ext4Error::output(e),
-        })
+        .map_err(WriteFail::into_output)
     }
 
     pub(super) fn inode(
