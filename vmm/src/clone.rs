@@ -748,7 +748,7 @@ pub(crate) async fn resume_incoming(
     timeout: Duration,
 ) -> Result<(), QmpError> {
     vm.qmp
-        .set_capabilities(&[("x-ignore-shared", true)])
+        .set_capabilities(&[("x-ignore-shared", true), ("events", true)])
         .await?;
     vm.qmp
         .execute(

@@ -25,6 +25,11 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 /// few hundred bytes).
 pub const MAX_LINE: usize = 1 << 20;
 
+/// How long [`Qmp::wait_migration`] waits for a `MIGRATION` event before asking for the
+/// status again (100 ms): the most a lost event, or a migration started without the `events`
+/// capability, adds to the wait.
+pub const MIGRATION_POLL: Duration = Duration::from_millis(100);
+
 /// Errors of the QMP client.
 #[derive(Debug, thiserror::Error)]
 pub enum QmpError {
@@ -252,8 +257,16 @@ impl Qmp {
         Ok(())
     }
 
-    /// Polls `query-migrate` every 10 ms until its status is `completed` (Ok), `failed` or
-    /// `cancelled` (error with QEMU's `error-desc`), or `timeout` passes.
+    /// Waits until `query-migrate`'s status is `completed` (Ok), `failed` or `cancelled`
+    /// (error with QEMU's `error-desc`), or `timeout` passes. Between two queries it waits for
+    /// QEMU's next `MIGRATION` event, sent on each status change when the `events` migration
+    /// capability is on (QEMU `qapi/migration.json`; set it with [`Qmp::set_capabilities`]
+    /// before the migration starts), for at most [`MIGRATION_POLL`], so a completion is seen
+    /// when it happens and a missed event costs at most that.
+    ///
+    /// Measured (issue 35, 15 warm clones each of the busybox snapshot under TCG, alternating
+    /// with the 10 ms poll this replaces, load 4-5): the clone's resume phase (incoming
+    /// migration and `cont`) took 2-22 ms, mean 6.2, against 3-24 ms, mean 9.3, with the poll.
     pub async fn wait_migration(&mut self, timeout: Duration) -> Result<(), QmpError> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
@@ -269,13 +282,19 @@ impl Qmp {
                 }
                 _ => {}
             }
-            if tokio::time::Instant::now() >= deadline {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
                 return Err(QmpError::Timeout {
                     what: "migration to complete".into(),
                     ms: timeout.as_millis(),
                 });
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            // An event queued while the query ran (or one of an earlier status) returns at
+            // once; the next query tells which status it is.
+            match self.wait_event("MIGRATION", left.min(MIGRATION_POLL)).await {
+                Ok(_) | Err(QmpError::Timeout { .. }) => {}
+                Err(e) => return Err(e),
+            }
         }
     }
 
