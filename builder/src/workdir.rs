@@ -197,8 +197,9 @@ pub fn collect_layers(work_dir: &Path, dry_run: bool) -> io::Result<LayersCollec
 /// Removes every unpacked layer directory (`<64 hex>`) of the host's shared layer directory
 /// `dir` (the module documentation), when no build of the host holds it (the exclusive lock
 /// is taken without waiting; a busy directory is reported, not waited for), and first the
-/// unfinished `*.tmp-*` directories of dead builds (not counted). With `dry_run`, only
-/// counts. A missing `dir` has nothing. [`LayersCollected::images`] is always 0: the
+/// unfinished `*.tmp-*` directories of dead builds (not counted), and then the lock files
+/// of unpacks (`<64 hex>.unpacking`, [`crate::build::lower::UNPACKING`]). With `dry_run`,
+/// only counts. A missing `dir` has nothing. [`LayersCollected::images`] is always 0: the
 /// microVM executor's images of these layers are in each work directory's `run/`
 /// ([`collect_layers`]). Errors: as [`collect_layers`].
 pub fn collect_shared_layers(dir: &Path, dry_run: bool) -> io::Result<LayersCollected> {
@@ -209,7 +210,22 @@ pub fn collect_shared_layers(dir: &Path, dry_run: bool) -> io::Result<LayersColl
         remove_dead_entries(dir, ".tmp-");
     }
     Ok(match collect_dirs(dir, dry_run)? {
-        Some((out, _held)) => out,
+        Some((out, _held)) => {
+            // No build holds the directory, so none holds a lock of an unpack in it.
+            if !dry_run {
+                for e in fs::read_dir(dir)?.flatten() {
+                    let name = e.file_name();
+                    let name = name.to_string_lossy();
+                    let unpacking = name
+                        .strip_suffix(crate::build::lower::UNPACKING)
+                        .is_some_and(is_hex);
+                    if unpacking && e.file_type().is_ok_and(|t| t.is_file()) {
+                        fs::remove_file(e.path()).map_err(named(&e.path()))?;
+                    }
+                }
+            }
+            out
+        }
         None => LayersCollected {
             busy: true,
             ..LayersCollected::default()

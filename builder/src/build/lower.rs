@@ -25,7 +25,9 @@
 //! `<cache>/layers`), a layer unpacked from a blob ([`LayerDirs::ensure`]: a base's layers, a
 //! cached step's) is unpacked there instead, as `<shared>/<hex>`, and found there by every
 //! later build of the host, whatever its store or work directory: a base is unpacked once
-//! per host, not once per store. The same promises hold there: complete-then-rename, dead
+//! per host, not once per store; two builds that need the same layer at once unpack it once,
+//! the second waiting on the first's lock (`<hex>.unpacking`, [`UNPACKING`]) within its own
+//! deadline. The same promises hold there: complete-then-rename, dead
 //! builds' `*.tmp-*` reaped on open, and a shared lock on `<shared>/.lock` held by every
 //! build, which `kiln store gc` of any local store takes exclusively, without waiting,
 //! before it empties the directory ([`crate::workdir::collect_shared_layers`]).
@@ -222,7 +224,13 @@ impl LayerDirs {
 
     /// The directory of layer `digest`, unpacking the blob from `cache` first if needed
     /// (from the layer's shared inflated stream when the flatten's scan of the build's base
-    /// is making or keeping one, [`crate::layer::shared`]).
+    /// is making or keeping one, [`crate::layer::shared`]): into the host's shared directory
+    /// when there is one (the module documentation; waiting, within `limits`' deadline and
+    /// cancel, while another build unpacks the same layer there), else into the work
+    /// directory. Errors: [`LowerError::Missing`] (no blob), [`LowerError::Mismatch`] (the
+    /// blob's bytes are not `digest`; only with a shared directory), [`LowerError::Layer`]
+    /// (a bad or hostile layer, a bound, the deadline or a cancel), [`LowerError::Io`];
+    /// nothing is left under the layer's name then.
     pub fn ensure(
         &self,
         cache: &dyn BlobCache,
@@ -238,8 +246,16 @@ impl LayerDirs {
             .ok_or(LowerError::Missing(*digest))?;
         // Into the host's shared directory only from a blob whose bytes are its digest
         // (the module documentation): a function of the digest alone.
+        let mut _unpacking = None;
         let into = match &self.shared {
             Some(shared) => {
+                // One unpack of a digest at a time on the host: a build that finds another
+                // unpacking it waits, then finds it made.
+                _unpacking = Some(lock_unpacking(shared, digest, limits)?);
+                let dst = shared.join(digest.hex());
+                if dst.is_dir() {
+                    return Ok(dst);
+                }
                 let actual = Sha256Hash::of_file(&blob).map_err(io_err("hashing", &blob))?;
                 if actual != digest.0 {
                     return Err(LowerError::Mismatch {
@@ -326,6 +342,48 @@ fn open_private(dir: &Path) -> Result<crate::workdir::LayersLock, LowerError> {
         .map_err(io_err("locking", &dir.join(crate::workdir::LAYERS_LOCK)))?;
     crate::workdir::remove_dead_entries(dir, ".tmp-");
     Ok(lock)
+}
+
+/// The suffix of the lock file `<hex>.unpacking` that a build holds in the host's shared
+/// layer directory while it unpacks layer `<hex>` there ([`lock_unpacking`]).
+pub const UNPACKING: &str = ".unpacking";
+
+/// Takes the exclusive lock on `<shared>/<hex>.unpacking` (created when missing), retrying
+/// every 20 ms while another build holds it, so that two builds of the host never unpack the
+/// same layer at once: the second then finds the first's directory. Released when dropped.
+/// The files stay (empty); `kiln store gc` removes them with the layers
+/// ([`crate::workdir::collect_shared_layers`]). Errors: [`LowerError::Layer`] when `limits`'
+/// deadline passes or the build is cancelled while waiting, [`LowerError::Io`].
+fn lock_unpacking(
+    shared: &Path,
+    digest: &BlobDigest,
+    limits: &Limits,
+) -> Result<OwnedFd, LowerError> {
+    let path = shared.join(format!("{}{UNPACKING}", digest.hex()));
+    let fd = rustix::fs::open(
+        &path,
+        OFlags::RDWR | OFlags::CREATE | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )
+    .map_err(|e| io_err("opening", &path)(e.into()))?;
+    loop {
+        match rustix::fs::flock(&fd, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(fd),
+            Err(Errno::WOULDBLOCK) => {}
+            Err(e) => return Err(io_err("locking", &path)(e.into())),
+        }
+        let (digest, entry) = (
+            digest.to_string(),
+            "(waiting for another build's unpack)".into(),
+        );
+        match limits.stop() {
+            Some(LimitKind::Cancelled) => {
+                return Err(LayerError::Cancelled { digest, entry }.into());
+            }
+            Some(_) => return Err(LayerError::Deadline { digest, entry }.into()),
+            None => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    }
 }
 
 /// A fresh temporary directory name under `dir`, named after this process
@@ -1117,7 +1175,12 @@ mod tests {
             v.sort();
             v
         };
-        let mut want = vec![".lock".to_string(), digest.hex()];
+        let mut want = vec![
+            ".lock".to_string(),
+            digest.hex(),
+            format!("{}{UNPACKING}", digest.hex()),
+            format!("{}{UNPACKING}", odigest.hex()),
+        ];
         want.sort();
         assert_eq!(names(&shared), want);
 
@@ -1172,9 +1235,15 @@ mod tests {
         let dry = crate::workdir::collect_shared_layers(&shared, true).unwrap();
         assert_eq!((dry.busy, dry.dirs, dry.images), (false, 1, 0));
         assert!(d.is_dir());
+        assert!(
+            shared
+                .join(format!("{}{UNPACKING}", digest.hex()))
+                .is_file()
+        );
         let done = crate::workdir::collect_shared_layers(&shared, false).unwrap();
         assert_eq!(done, dry);
         assert!(!d.exists());
+        assert!(!shared.join(format!("{}{UNPACKING}", digest.hex())).exists());
         assert!(
             live.is_dir(),
             "a live build's unfinished directory is its own"
@@ -1187,6 +1256,58 @@ mod tests {
             crate::workdir::collect_shared_layers(&t.path().join("none"), false).unwrap(),
             crate::workdir::LayersCollected::default()
         );
+    }
+
+    /// Issue 34: a build that needs a layer another build of the host is unpacking into the
+    /// shared directory waits for it, unpacks nothing itself and finds the other's directory;
+    /// a wait stops at the build's deadline.
+    #[test]
+    fn a_layer_being_unpacked_by_another_build_is_waited_for() {
+        let t = tempfile::tempdir().unwrap();
+        let shared = t.path().join("shared");
+        let cache = crate::cache::LocalCache::open(&t.path().join("store")).unwrap();
+        let blob = tar_gz(&[("f", Some(b"data"))]);
+        let digest = BlobDigest::of(&blob);
+        cache.put_bytes(&digest, &blob).unwrap();
+        let a = LayerDirs::open_shared(&t.path().join("a"), Some(&shared)).unwrap();
+        let b = LayerDirs::open_shared(&t.path().join("b"), Some(&shared)).unwrap();
+        // Build a is unpacking (holds the lock, its directory not there yet).
+        let held = lock_unpacking(&shared, &digest, &Limits::default()).unwrap();
+        let late = Limits {
+            deadline: Some(std::time::Instant::now() + std::time::Duration::from_millis(200)),
+            ..Limits::default()
+        };
+        let e = b.ensure(&cache, &digest, &late).unwrap_err();
+        assert!(
+            matches!(e, LowerError::Layer(LayerError::Deadline { .. })),
+            "{e}"
+        );
+        let waiting = {
+            let (b, cache) = (b.clone(), cache.clone());
+            std::thread::spawn(move || b.ensure(&cache, &digest, &Limits::default()))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(!waiting.is_finished(), "b waits for a's unpack");
+        let temps = |dir: &Path| {
+            fs::read_dir(dir)
+                .unwrap()
+                .filter(|e| {
+                    let n = e.as_ref().unwrap().file_name();
+                    n.to_string_lossy().contains(".tmp-")
+                })
+                .count()
+        };
+        assert_eq!(temps(&shared), 0, "b unpacks nothing meanwhile");
+        // a's unpack completes (as LayerDirs::ensure does it), then releases the lock.
+        let tmp = temp_in(&shared, &digest.hex());
+        fs::create_dir(&tmp).unwrap();
+        fs::write(tmp.join("made-by-a"), b"").unwrap();
+        fs::rename(&tmp, shared.join(digest.hex())).unwrap();
+        drop(held);
+        let got = waiting.join().unwrap().unwrap();
+        assert_eq!(got, shared.join(digest.hex()));
+        assert!(got.join("made-by-a").is_file(), "b found a's directory");
+        assert_eq!(a.ensure(&cache, &digest, &Limits::default()).unwrap(), got);
     }
 
     #[test]
