@@ -24,7 +24,7 @@
 //! from blobs whose digest was checked, for every work directory (every store) of the host
 //! ([`crate::build::lower::LayerDirs`]). It keeps the same promises with the same lock: every
 //! build holds a shared lock on its `.lock` too; [`collect_shared_layers`] (run by `kiln store
-//! gc` of any local store on the host) takes it exclusively without waiting, so it removes
+//! gc` of any store, local or S3) takes it exclusively without waiting, so it removes
 //! nothing while any build of the host runs; unfinished `*.tmp-*` directories of dead builds
 //! are removed by the next build that opens it and by `kiln store gc`
 //! ([`remove_dead_entries`]).

@@ -32,7 +32,7 @@
 //! under `<cache>/chunks`, at most `cache_max_mib` MiB. `layer_dir` is this machine's shared
 //! directory of unpacked layers: every build of the host (`kiln build`, `kiln serve`, `kiln
 //! nightly`), whatever its store, unpacks a base's layers there once, digest checked, and
-//! finds them there again (`kiln_builder::build::lower`); `kiln store gc` of a local store
+//! finds them there again (`kiln_builder::build::lower`); `kiln store gc` (any store)
 //! empties it when no build runs. It is used only on the file system of the build's work
 //! directory. S3 credentials are never read from
 //! the config file: they come from the usual `AWS_*` variables. `bootstrap_mirror` is the

@@ -29,7 +29,7 @@
 //! the second waiting on the first's lock (`<hex>.unpacking`, [`UNPACKING`]) within its own
 //! deadline. The same promises hold there: complete-then-rename, dead
 //! builds' `*.tmp-*` reaped on open, and a shared lock on `<shared>/.lock` held by every
-//! build, which `kiln store gc` of any local store takes exclusively, without waiting,
+//! build, which `kiln store gc` of any store takes exclusively, without waiting,
 //! before it empties the directory ([`crate::workdir::collect_shared_layers`]).
 //!
 //! Why sharing it between builds, stores and tenants is safe: a directory there is made only

@@ -181,7 +181,8 @@ pub struct BuildOptions {
     pub history: Option<String>,
     /// The host's shared layer directory: layers unpacked from blobs go there, digest
     /// checked, and are found there by every build of the host whatever its work directory
-    /// ([`lower::LayerDirs::open_shared`], used only on `work_dir`'s file system); `None`:
+    /// ([`lower::LayerDirs::open_shared`], used only on `work_dir`'s file system; its path,
+    /// like `work_dir`'s, must not hold `:` or `,`, as it becomes an overlay lower); `None`:
     /// into `work_dir/layers`, as a step's own layers always go.
     pub shared_layers: Option<PathBuf>,
 }
