@@ -14,6 +14,14 @@
 #   - kiln: the release build, `kiln build -f CASE/Dockerfile CASE` into a new store with a
 #     new cache directory and an empty config file; cold build = the command's wall time;
 #     no-change rebuild = the wall time of the same command again into the same store.
+#     The host's shared layer directory (`KILN_LAYER_DIR`, issue 34: a base is unpacked
+#     once per host, whatever the store) is KEPT between cold runs by default, as on a
+#     host that has built before: a cold kiln build then has a new store and a new cache
+#     directory but finds its base already unpacked. The first run on a new machine (or
+#     with KILN_BENCH_LAYERS=fresh, which empties it before every cold run) unpacks the
+#     base as part of the cold build. Each kiln line of the log says how many unpacked
+#     layers the directory held before the cold run. (A kiln older than issue 34 ignores
+#     the variable and unpacks into the new store every time.)
 #     Peak RSS: kiln's own (VmHWM, read from /proc every 50 ms while it runs) and the
 #     largest of kiln and the processes it waited for (wait4's ru_maxrss, what
 #     `/usr/bin/time -f %M` prints), both in MiB, the largest over the pairs.
@@ -24,6 +32,9 @@
 #   KILN_BENCH_CASES  cases; default "small apt multistage"
 #   KILN_BENCH_DIR    work directory (stores, logs, raw figures); default
 #                     /var/tmp/kiln-bench-pipeline, emptied at the start
+#   KILN_BENCH_LAYER_DIR  kiln's shared layer directory; default /var/tmp/kiln-bench-layers,
+#                     outside KILN_BENCH_DIR so that it outlives one run of this script
+#   KILN_BENCH_LAYERS kept (default) or fresh: keep it between cold runs, or empty it first
 # The base images come from the peer's make-base-images.sh (registry on 127.0.0.1:5100;
 # its first run bootstraps Debian, about a minute). Do not run it beside a compile.
 set -euo pipefail
@@ -36,6 +47,9 @@ pairs=${1:-3}
 peer=${KILN_PEER_DIR:-$(dirname "$repo")/shared/peer}
 cases=${KILN_BENCH_CASES:-small apt multistage}
 work=${KILN_BENCH_DIR:-/var/tmp/kiln-bench-pipeline}
+layer_dir=${KILN_BENCH_LAYER_DIR:-/var/tmp/kiln-bench-layers}
+layers_mode=${KILN_BENCH_LAYERS:-kept}
+case $layers_mode in kept | fresh) ;; *) echo "KILN_BENCH_LAYERS: kept or fresh, not $layers_mode" >&2; exit 1 ;; esac
 log() { printf 'bench-pipeline: %s\n' "$*" >&2; }
 
 [ -x "$peer/peer-pipeline.sh" ] || { log "no peer pipeline at $peer (set KILN_PEER_DIR)"; exit 1; }
@@ -78,12 +92,17 @@ run_peer() { # CASE PAIR
 run_kiln() { # CASE PAIR
   local store=$work/kiln-store cfg=$work/kiln-config.toml out=$work/raw/kiln.$1.$2
   rm -rf "$store" "$work/kiln-cache" && : >"$cfg"
+  if [ "$layers_mode" = fresh ]; then rm -rf "$layer_dir"; fi
+  local held=0
+  if [ -d "$layer_dir" ]; then
+    held=$(find "$layer_dir" -mindepth 1 -maxdepth 1 -type d -regextype egrep -regex '.*/[0-9a-f]{64}' | wc -l)
+  fi
   local -a cmd=(env -u KILN_STORE -u KILN_BUILD_DIR KILN_CONFIG="$cfg" KILN_CACHE="$work/kiln-cache"
-    KILN_LOG=warn "$kiln" build --progress plain --store "$store" -t "bench-$1:latest"
-    -f "$peer/cases/$1/Dockerfile" "$peer/cases/$1")
+    KILN_LAYER_DIR="$layer_dir" KILN_LOG=warn "$kiln" build --progress plain --store "$store"
+    -t "bench-$1:latest" -f "$peer/cases/$1/Dockerfile" "$peer/cases/$1")
   measure "$out.cold.log" "${cmd[@]}" >"$out.cold"
   measure "$out.rebuild.log" "${cmd[@]}" >"$out.rebuild"
-  log "pair $2 $1 kiln: cold $(cut -d' ' -f1 "$out.cold") s, rebuild $(cut -d' ' -f1 "$out.rebuild") s"
+  log "pair $2 $1 kiln: cold $(cut -d' ' -f1 "$out.cold") s, rebuild $(cut -d' ' -f1 "$out.rebuild") s; shared layer dir ($layers_mode) held $held layers before"
   rm -rf "$store" "$work/kiln-cache"
 }
 
@@ -98,9 +117,9 @@ for i in $(seq "$pairs"); do
 done
 
 # shellcheck disable=SC2086 # the case list is split on purpose
-python3 - "$work/raw" "$pairs" $cases <<'PY'
+python3 - "$work/raw" "$pairs" "$layers_mode" $cases <<'PY'
 import re, statistics, sys
-raw, pairs, cases = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+raw, pairs, layers_mode, cases = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 
 def phase(text, name):
     return float(re.search(rf"^{name} +([0-9.]+) s", text, re.M).group(1))
@@ -127,6 +146,7 @@ for kind in ("cold", "rebuild"):
         rows.append((label, spread(peer), spread(kiln), spread(ratios, "", "{:.2f}"),
                      f"{max(hwm):.0f} / {max(tree):.0f}"))
 print(f"kiln build vs the peer pipeline, {pairs} cold pair(s) per case: median (min–max)")
+print(f"kiln's shared layer directory: {layers_mode} between cold runs (see the script's header)")
 print()
 print("| case | peer | kiln | kiln / peer | kiln peak RSS MiB (own / with children) |")
 print("| --- | ---: | ---: | ---: | ---: |")

@@ -18,6 +18,16 @@
 //! build never loses a lower directory it mounted. A later build unpacks again what it needs.
 //! The microVM executor's disk images of those layers, under `run/` ([`VM_LOWER_IMAGES`],
 //! [`VM_SQUASHED_IMAGES`]), are a cache of the same kind and go with them.
+//!
+//! The host's shared layer directory (`kiln`'s `layer_dir` setting, default
+//! `<cache>/layers`; [`crate::build::BuildOptions::shared_layers`]) holds the layers unpacked
+//! from blobs whose digest was checked, for every work directory (every store) of the host
+//! ([`crate::build::lower::LayerDirs`]). It keeps the same promises with the same lock: every
+//! build holds a shared lock on its `.lock` too; [`collect_shared_layers`] (run by `kiln store
+//! gc` of any store, local or S3) takes it exclusively without waiting, so it removes
+//! nothing while any build of the host runs; unfinished `*.tmp-*` directories of dead builds
+//! are removed by the next build that opens it and by `kiln store gc`
+//! ([`remove_dead_entries`]).
 
 use std::fs;
 use std::io;
@@ -151,37 +161,16 @@ pub struct LayersCollected {
 /// waited for). With `dry_run`, only counts. Errors: the lock file cannot be created, or a
 /// directory or image cannot be removed (named in the error).
 pub fn collect_layers(work_dir: &Path, dry_run: bool) -> io::Result<LayersCollected> {
-    let mut out = LayersCollected::default();
     let layers = work_dir.join("layers");
     if !layers.is_dir() {
-        return Ok(out);
+        return Ok(LayersCollected::default());
     }
-    let fd = open_lock(&layers)?;
-    match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
-        Ok(()) => {}
-        Err(rustix::io::Errno::WOULDBLOCK) => {
-            out.busy = true;
-            return Ok(out);
-        }
-        Err(e) => return Err(e.into()),
-    }
-    let is_hex = |s: &str| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit());
-    let named = |path: &Path| {
-        let shown = path.display().to_string();
-        move |err: io::Error| io::Error::new(err.kind(), format!("{shown}: {err}"))
+    let Some((mut out, _held)) = collect_dirs(&layers, dry_run)? else {
+        return Ok(LayersCollected {
+            busy: true,
+            ..LayersCollected::default()
+        });
     };
-    for e in fs::read_dir(&layers)?.flatten() {
-        let name = e.file_name();
-        if !is_hex(&name.to_string_lossy()) || !e.file_type().is_ok_and(|t| t.is_dir()) {
-            continue;
-        }
-        let path = e.path();
-        out.bytes += tree_size(&path);
-        out.dirs += 1;
-        if !dry_run {
-            fs::remove_dir_all(&path).map_err(named(&path))?;
-        }
-    }
     let run = work_dir.join("run");
     for images in [VM_LOWER_IMAGES, VM_SQUASHED_IMAGES] {
         let Ok(rd) = fs::read_dir(run.join(images)) else {
@@ -203,6 +192,81 @@ pub fn collect_layers(work_dir: &Path, dry_run: bool) -> io::Result<LayersCollec
         }
     }
     Ok(out)
+}
+
+/// Removes every unpacked layer directory (`<64 hex>`) of the host's shared layer directory
+/// `dir` (the module documentation), when no build of the host holds it (the exclusive lock
+/// is taken without waiting; a busy directory is reported, not waited for), and first the
+/// unfinished `*.tmp-*` directories of dead builds (not counted), and then the lock files
+/// of unpacks (`<64 hex>.unpacking`, [`crate::build::lower::UNPACKING`]). With `dry_run`,
+/// only counts. A missing `dir` has nothing. [`LayersCollected::images`] is always 0: the
+/// microVM executor's images of these layers are in each work directory's `run/`
+/// ([`collect_layers`]). Errors: as [`collect_layers`].
+pub fn collect_shared_layers(dir: &Path, dry_run: bool) -> io::Result<LayersCollected> {
+    if !dir.is_dir() {
+        return Ok(LayersCollected::default());
+    }
+    if !dry_run {
+        remove_dead_entries(dir, ".tmp-");
+    }
+    Ok(match collect_dirs(dir, dry_run)? {
+        Some((out, _held)) => {
+            // No build holds the directory, so none holds a lock of an unpack in it.
+            if !dry_run {
+                for e in fs::read_dir(dir)?.flatten() {
+                    let name = e.file_name();
+                    let name = name.to_string_lossy();
+                    let unpacking = name
+                        .strip_suffix(crate::build::lower::UNPACKING)
+                        .is_some_and(is_hex);
+                    if unpacking && e.file_type().is_ok_and(|t| t.is_file()) {
+                        fs::remove_file(e.path()).map_err(named(&e.path()))?;
+                    }
+                }
+            }
+            out
+        }
+        None => LayersCollected {
+            busy: true,
+            ..LayersCollected::default()
+        },
+    })
+}
+
+fn is_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn named(path: &Path) -> impl FnOnce(io::Error) -> io::Error {
+    let shown = path.display().to_string();
+    move |err: io::Error| io::Error::new(err.kind(), format!("{shown}: {err}"))
+}
+
+/// Takes `layers/.lock` (of the existing directory `layers`) exclusively without waiting and
+/// removes (with `dry_run`, counts) the `<64 hex>` directories of `layers`; returns what was
+/// done and the lock, to hold while anything else that goes with the layers is removed.
+/// `None` when a build holds the directory: nothing was done.
+fn collect_dirs(layers: &Path, dry_run: bool) -> io::Result<Option<(LayersCollected, OwnedFd)>> {
+    let mut out = LayersCollected::default();
+    let fd = open_lock(layers)?;
+    match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::WOULDBLOCK) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    for e in fs::read_dir(layers)?.flatten() {
+        let name = e.file_name();
+        if !is_hex(&name.to_string_lossy()) || !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let path = e.path();
+        out.bytes += tree_size(&path);
+        out.dirs += 1;
+        if !dry_run {
+            fs::remove_dir_all(&path).map_err(named(&path))?;
+        }
+    }
+    Ok(Some((out, fd)))
 }
 
 /// Bytes allocated to everything under `dir` (`st_blocks` × 512: what was really written,

@@ -14,6 +14,7 @@
 //! | `store` | `KILN_STORE` | `--store` | `$XDG_DATA_HOME/kiln/store`, else `~/.local/share/kiln/store` |
 //! | `cache` | `KILN_CACHE` | | `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln` |
 //! | `cache_max_mib` | `KILN_CACHE_MAX_MIB` | | `10240` |
+//! | `layer_dir` | `KILN_LAYER_DIR` | | `<cache>/layers` |
 //! | `log` | `KILN_LOG`, then `RUST_LOG` | `-v` (info), `-vv` (debug), `-vvv` (trace) | `warn` |
 //! | `store_attempts` | `KILN_STORE_ATTEMPTS` | | `6` |
 //! | `store_timeout_secs` | `KILN_STORE_TIMEOUT_SECS` | | `300` |
@@ -28,7 +29,12 @@
 //! | `serve.state_dir` | `KILN_SERVE_STATE_DIR` | `kiln serve --state-dir` | `$KILN_STATE_DIR/serve`, else `$XDG_STATE_HOME/kiln/serve`, else `~/.local/state/kiln/serve` |
 //!
 //! `cache` is this machine's cache directory: chunks read from a remote (S3) store are kept
-//! under `<cache>/chunks`, at most `cache_max_mib` MiB. S3 credentials are never read from
+//! under `<cache>/chunks`, at most `cache_max_mib` MiB. `layer_dir` is this machine's shared
+//! directory of unpacked layers: every build of the host (`kiln build`, `kiln serve`, `kiln
+//! nightly`), whatever its store, unpacks a base's layers there once, digest checked, and
+//! finds them there again (`kiln_builder::build::lower`); `kiln store gc` (any store)
+//! empties it when no build runs. It is used only on the file system of the build's work
+//! directory. S3 credentials are never read from
 //! the config file: they come from the usual `AWS_*` variables. `bootstrap_mirror` is the
 //! archive `kiln build` bootstraps `from: {bootstrap: ...}` recipes from when they name no
 //! mirror; by default the first release suite (no `-updates`, `-security`...) in this host's
@@ -247,6 +253,7 @@ struct FileConfig {
     store: Option<String>,
     cache: Option<String>,
     cache_max_mib: Option<u64>,
+    layer_dir: Option<String>,
     log: Option<String>,
     store_attempts: Option<u64>,
     store_timeout_secs: Option<u64>,
@@ -269,6 +276,8 @@ pub struct Config {
     pub cache: Setting<PathBuf>,
     /// Bound of the chunk read cache, MiB.
     pub cache_max_mib: Setting<u64>,
+    /// The host's shared directory of unpacked layers (the module documentation).
+    pub layer_dir: Setting<PathBuf>,
     /// The tracing filter (`warn`, `info`, `debug`, `trace`, or an `EnvFilter` directive).
     pub log: Setting<String>,
     /// Attempts of one store operation in all, the first included (1 to
@@ -458,6 +467,17 @@ impl Config {
             },
             None => Setting {
                 value: DEFAULT_CACHE_MAX_MIB,
+                origin: Origin::Default,
+            },
+        };
+
+        let layer_dir = match pick(None, &["KILN_LAYER_DIR"], file.layer_dir) {
+            Some(s) => Setting {
+                value: check_dir("layer_dir", &s.value, &s.origin, home.as_deref())?,
+                origin: s.origin,
+            },
+            None => Setting {
+                value: cache.value.join("layers"),
                 origin: Origin::Default,
             },
         };
@@ -673,6 +693,7 @@ impl Config {
             store,
             cache,
             cache_max_mib,
+            layer_dir,
             log,
             store_attempts,
             store_timeout_secs,
@@ -755,6 +776,11 @@ impl Config {
                 "cache_max_mib",
                 Some(self.cache_max_mib.value.to_string()),
                 &self.cache_max_mib.origin,
+            ),
+            (
+                "layer_dir",
+                Some(self.layer_dir.value.display().to_string()),
+                &self.layer_dir.origin,
             ),
             ("log", Some(self.log.value.clone()), &self.log.origin),
             (

@@ -695,9 +695,23 @@ fn busybox_layout() -> String {
 /// `kiln build CTX -t repro:1 --build-context` [`busybox_layout`] `FLAGS` by
 /// [`fresh_kiln`]`(dir, label, epoch)`; fails the test if the build fails.
 fn build_fresh(dir: &Path, ctx: &Path, label: &str, flags: &[&str], epoch: Option<&str>) -> Fresh {
+    build_fresh_with(dir, ctx, label, flags, epoch, &[])
+}
+
+/// [`build_fresh`] with `envs` set for the build too.
+fn build_fresh_with(
+    dir: &Path,
+    ctx: &Path,
+    label: &str,
+    flags: &[&str],
+    epoch: Option<&str>,
+    envs: &[(&str, &Path)],
+) -> Fresh {
     let iid = dir.join(format!("iid-{label}"));
+    let mut build = fresh_kiln(dir, label, epoch);
+    build.envs(envs.iter().copied());
     let out = kiln_tests::run_ok(
-        fresh_kiln(dir, label, epoch)
+        build
             .arg("build")
             .arg(ctx)
             .args(["-t", "repro:1", "--progress", "plain"])
@@ -776,6 +790,76 @@ fn write_context(ctx: &Path) {
         .append_data(&mut h, "tarme/t.txt", &b"t\n"[..])
         .expect("tar");
     std::fs::write(ctx.join("local.tar"), archive.into_inner().expect("tar")).expect("write");
+}
+
+/// Issue 34, a base unpacked once per host: a build into a fresh store (its own work, cache
+/// and state directories) with the host's shared layer directory (`KILN_LAYER_DIR`) of an
+/// earlier build into another store finds its base's layers there, unpacked by the earlier
+/// build, and unpacks none again (the same directories, the same inodes, none of them in its
+/// own work directory), and gives the same image. The steps' own layers stay in each build's
+/// work directory; `kiln store gc` then empties the shared directory, as no build runs.
+#[test]
+fn a_second_store_reuses_the_hosts_unpacked_base() {
+    let (t, ctx) = repro_recipe();
+    let shared = t.path().join("host-layers");
+    let epoch = ["--build-arg", "SOURCE_DATE_EPOCH=1700000000"];
+    let envs = [("KILN_LAYER_DIR", shared.as_path())];
+    let unpacked = || -> std::collections::BTreeMap<String, u64> {
+        std::fs::read_dir(&shared)
+            .expect("the shared layer directory")
+            .map(|e| e.expect("entry"))
+            .filter(|e| e.file_name().len() == 64)
+            .map(|e| {
+                let ino = std::os::unix::fs::MetadataExt::ino(&e.metadata().expect("stat"));
+                (e.file_name().to_string_lossy().into_owned(), ino)
+            })
+            .collect()
+    };
+    let a = build_fresh_with(t.path(), &ctx, "a", &epoch, None, &envs);
+    let first = unpacked();
+    assert!(
+        !first.is_empty(),
+        "the base was unpacked into {}",
+        shared.display()
+    );
+    let own = |label: &str| -> Vec<String> {
+        std::fs::read_dir(t.path().join(format!("work-{label}/layers")))
+            .expect("the work directory's layers")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .filter(|n| n.len() == 64)
+            .collect()
+    };
+    let own_a = own("a");
+    assert!(
+        !own_a.is_empty(),
+        "the steps' layers are the work directory's"
+    );
+    assert!(own_a.iter().all(|n| !first.contains_key(n)), "{own_a:?}");
+    let b = build_fresh_with(t.path(), &ctx, "b", &epoch, None, &envs);
+    assert_eq!(
+        unpacked(),
+        first,
+        "the same directories, not unpacked again"
+    );
+    let own_b = own("b");
+    assert!(own_b.iter().all(|n| !first.contains_key(n)), "{own_b:?}");
+    assert_eq!(a.manifest, b.manifest, "image manifest digest");
+    assert_eq!(a.oci, b.oci, "OCI manifest digest");
+    kiln_tests::assert_same_bytes(&a.ext4, &b.ext4);
+    // And the same image as a build with a shared directory of its own.
+    let c = build_fresh(t.path(), &ctx, "c", &epoch, None);
+    assert_eq!(a.manifest, c.manifest, "image manifest digest");
+
+    let gc = kiln_tests::run_ok(
+        fresh_kiln(t.path(), "b", None)
+            .env("KILN_LAYER_DIR", &shared)
+            .args(["store", "gc", "--grace", "0s"]),
+    );
+    assert!(
+        unpacked().is_empty(),
+        "{}",
+        String::from_utf8_lossy(&gc.stdout)
+    );
 }
 
 /// Issue 34, reproducible: [`repro_recipe`] built twice with `SOURCE_DATE_EPOCH` into fresh

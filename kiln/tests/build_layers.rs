@@ -236,12 +236,18 @@ fn steps_over_505_layers_squash_the_lowest_and_keep_every_layer() {
     assert!(built.len() >= LAYERS + 4, "{} layers", built.len());
 
     // The lowest 250 were merged into one directory, made once for the four steps, of hard
-    // links into their own unpacked directories (each unpacked once, no file written twice);
-    // the layers over them are lowers of their own.
+    // links into their own unpacked directories (each unpacked once, no file written twice,
+    // into the host's shared layers, `KILN_LAYER_DIR` of kiln_in); the layers over them are
+    // lowers of their own.
     let work = dir.join("store/.build/layers");
+    let host = dir.join("host-layers");
     let hex = |d: &String| d["sha256:".len()..].to_string();
     for i in [0, 249, 250, LAYERS - 1] {
-        assert!(work.join(hex(&digests[i])).is_dir(), "layer {i} unpacked");
+        assert!(host.join(hex(&digests[i])).is_dir(), "layer {i} unpacked");
+        assert!(
+            !work.join(hex(&digests[i])).exists(),
+            "layer {i} unpacked once"
+        );
     }
     let known: std::collections::HashSet<String> = built.iter().map(hex).collect();
     let squashed: Vec<String> = std::fs::read_dir(&work)
@@ -259,14 +265,16 @@ fn steps_over_505_layers_squash_the_lowest_and_keep_every_layer() {
     let ino = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).expect("stat"));
     assert_eq!(
         ino(&tree.join("l/249")),
-        ino(&work.join(hex(&digests[249])).join("l/249")),
+        ino(&host.join(hex(&digests[249])).join("l/249")),
         "the squashed tree links the layer's file"
     );
 
     // `kiln store gc` takes the squashed directory with the unpacked layers.
     let c = kiln_builder::workdir::collect_layers(&dir.join("store/.build"), false)
         .expect("collect layers");
-    // The squashed directory, the 505 layers and the four steps'.
-    assert!(!c.busy && c.dirs >= 1 + LAYERS + 4, "{c:?}");
+    // The squashed directory and the four steps'; the 505 layers are the host's.
+    assert!(!c.busy && c.dirs >= 5, "{c:?}");
     assert!(!tree.exists());
+    let c = kiln_builder::workdir::collect_shared_layers(&host, false).expect("collect layers");
+    assert!(!c.busy && c.dirs >= LAYERS, "{c:?}");
 }

@@ -250,6 +250,10 @@ pub struct Setup {
     /// Scratch and layer directories (`layers/`, step uppers, `cache-mounts/`, bootstrap
     /// trees); see [`BuildOptions::work_dir`] for what the file system must allow.
     pub work_dir: PathBuf,
+    /// The host's shared layer directory, where layers unpacked from blobs are kept for
+    /// every build of the host, whatever its store ([`BuildOptions::shared_layers`]; `kiln`'s
+    /// `layer_dir`); `None`: in each work directory.
+    pub layer_dir: Option<PathBuf>,
     /// Registry access for base images (plain-HTTP registries, credentials).
     pub registry: RegistryOptions,
     /// Mirror for `from: {bootstrap: ...}` recipes that name none.
@@ -309,6 +313,7 @@ impl Setup {
             store,
             cache: Arc::new(cache),
             work_dir: local.join(".build"),
+            layer_dir: None,
             registry: RegistryOptions::default(),
             bootstrap_mirror: None,
             boot: None,
@@ -777,6 +782,7 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
         Output::Oci { refs } => refs.first().map(|r| r.to_string()),
     };
     opts.resolve = resolve;
+    opts.shared_layers = setup.layer_dir.clone();
     opts.cache_mount_dir = match &req.cache_mounts {
         CacheMountScope::Shared => None,
         CacheMountScope::Workspace(w) => {

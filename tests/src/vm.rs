@@ -156,6 +156,7 @@ pub fn kiln_in(bin: &str, dir: &Path) -> Command {
     c.env("KILN_STORE", dir.join("store"))
         .env("KILN_STATE_DIR", dir.join("state"))
         .env("KILN_SNAPSHOT_CACHE", dir.join("cache"))
+        .env("KILN_LAYER_DIR", dir.join("host-layers"))
         .env("KILN_KERNEL", &a.kernel)
         .env("KILN_INITRAMFS", &a.initramfs)
         .env("TMPDIR", dir);

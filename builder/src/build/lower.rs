@@ -18,6 +18,34 @@
 //! ([`crate::workdir`]). An open [`LayerDirs`] holds the shared lock on `layers/.lock`, so
 //! `kiln store gc` ([`crate::workdir::collect_layers`]) never removes a layer while a build
 //! may mount it.
+//!
+//! # The host's shared layers
+//!
+//! Opened with a shared directory ([`LayerDirs::open_shared`]; `kiln`'s `layer_dir`, default
+//! `<cache>/layers`), a layer unpacked from a blob ([`LayerDirs::ensure`]: a base's layers, a
+//! cached step's) is unpacked there instead, as `<shared>/<hex>`, and found there by every
+//! later build of the host, whatever its store or work directory: a base is unpacked once
+//! per host, not once per store; two builds that need the same layer at once unpack it once,
+//! the second waiting on the first's lock (`<hex>.unpacking`, [`UNPACKING`]) within its own
+//! deadline. The same promises hold there: complete-then-rename, dead
+//! builds' `*.tmp-*` reaped on open, and a shared lock on `<shared>/.lock` held by every
+//! build, which `kiln store gc` of any store takes exclusively, without waiting,
+//! before it empties the directory ([`crate::workdir::collect_shared_layers`]).
+//!
+//! Why sharing it between builds, stores and tenants is safe: a directory there is made only
+//! by [`LayerDirs::ensure`], from the blob the build's cache holds under `sha256:<hex>`,
+//! after the blob's bytes were hashed and found to be `<hex>` ([`LowerError::Mismatch`]
+//! otherwise), by the one deterministic unpack ([`unpack_overlay_form`]). So `<shared>/<hex>`
+//! is a function of the digest alone: any build that names the digest would make the same
+//! tree from its own blob, and no build's choice changes what another finds. Nothing else
+//! writes there: a step's upper directory (what a tenant's command made) is adopted into
+//! the build's own work directory only ([`LayerDirs::adopt`]), never under a name in the
+//! shared directory, and steps mount layer directories read-only (as overlay lowers, or as
+//! the microVM executor's disk images made from them). The directory is private (0700) as
+//! `layers/` is. Squashed trees ([`LayerDirs::squashed`]) stay in the work directory; they
+//! hard-link into the shared layers, so the shared directory is used only when it is on the
+//! work directory's file system (else the build unpacks into its work directory, as without
+//! one).
 
 use std::fs;
 use std::io::{self, Read};
@@ -54,6 +82,17 @@ pub enum LowerError {
     /// The layer could not be applied.
     #[error(transparent)]
     Layer(#[from] crate::layer::LayerError),
+    /// The layer blob's bytes do not hash to its digest: not unpacked into the host's
+    /// shared layers ([`LayerDirs::open_shared`]).
+    #[error("layer {digest}: the blob at {path} hashes to sha256:{actual}")]
+    Mismatch {
+        /// The digest the blob is stored under.
+        digest: BlobDigest,
+        /// The blob.
+        path: PathBuf,
+        /// What its bytes hash to (hex).
+        actual: String,
+    },
     /// A file-system operation failed.
     #[error("{what} {path}: {source}")]
     Io {
@@ -68,12 +107,16 @@ pub enum LowerError {
 
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// The per-digest layer directories under one work directory.
+/// The per-digest layer directories under one work directory, and the host's shared ones
+/// (the module documentation).
 #[derive(Debug, Clone)]
 pub struct LayerDirs {
     root: PathBuf,
-    /// Held while any clone lives: the layers are in use.
-    _lock: std::sync::Arc<crate::workdir::LayersLock>,
+    /// The host's shared layer directory, when used.
+    shared: Option<PathBuf>,
+    /// Held while any clone lives: the layers are in use (the work directory's, then the
+    /// shared directory's).
+    _locks: std::sync::Arc<Vec<crate::workdir::LayersLock>>,
 }
 
 fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> LowerError + 'a {
@@ -91,31 +134,71 @@ impl LayerDirs {
     /// (a registry layer's `b 254:0` made `brw-rw-rw-`; found by the attack pass), which no
     /// other user may reach by path.
     pub fn open(root: &Path) -> Result<LayerDirs, LowerError> {
-        use std::os::unix::fs::PermissionsExt;
-        fs::create_dir_all(root).map_err(io_err("creating", root))?;
-        fs::set_permissions(root, fs::Permissions::from_mode(0o700))
-            .map_err(io_err("making private", root))?;
-        let lock = crate::workdir::LayersLock::shared(root)
-            .map_err(io_err("locking", &root.join(crate::workdir::LAYERS_LOCK)))?;
-        crate::workdir::remove_dead_entries(root, ".tmp-");
+        LayerDirs::open_shared(root, None)
+    }
+
+    /// [`LayerDirs::open`], and with `shared` the host's shared layer directory (the module
+    /// documentation) opened the same way (created 0700, its shared lock taken, waiting
+    /// while `kiln store gc` collects it, dead builds' unfinished directories removed).
+    /// `shared` is used only when it is on `root`'s file system (the squashed trees in
+    /// `root` hard-link into it); else it is only created, that is logged, and layers are
+    /// unpacked into `root`. Errors: [`LowerError::Io`] (either directory cannot be made, made
+    /// private or locked).
+    pub fn open_shared(root: &Path, shared: Option<&Path>) -> Result<LayerDirs, LowerError> {
+        use std::os::unix::fs::MetadataExt;
+        let root_lock = open_private(root)?;
+        let mut locks = vec![root_lock];
+        let shared = match shared {
+            Some(dir) => {
+                let dev = |p: &Path| {
+                    fs::metadata(p)
+                        .map(|m| m.dev())
+                        .map_err(io_err("reading", p))
+                };
+                fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
+                if dev(root)? == dev(dir)? {
+                    locks.push(open_private(dir)?);
+                    Some(dir.to_path_buf())
+                } else {
+                    tracing::info!(
+                        shared = %dir.display(),
+                        work = %root.display(),
+                        "the shared layer directory is on another file system: \
+                         unpacking layers into the work directory"
+                    );
+                    None
+                }
+            }
+            None => None,
+        };
         Ok(LayerDirs {
             root: root.to_path_buf(),
-            _lock: std::sync::Arc::new(lock),
+            shared,
+            _locks: std::sync::Arc::new(locks),
         })
     }
 
-    /// The directory of layer `digest` (whether or not it exists yet).
+    /// The host's shared layer directory this build unpacks into, when it uses one
+    /// ([`LayerDirs::open_shared`]).
+    pub fn shared(&self) -> Option<&Path> {
+        self.shared.as_deref()
+    }
+
+    /// The directory of layer `digest`: the host's shared one when it is there, else the
+    /// work directory's (whether or not it exists yet).
     pub fn path(&self, digest: &BlobDigest) -> PathBuf {
+        if let Some(shared) = &self.shared {
+            let p = shared.join(digest.hex());
+            if p.is_dir() {
+                return p;
+            }
+        }
         self.root.join(digest.hex())
     }
 
     /// A fresh temporary directory name under the root (same file system).
     pub fn temp(&self, label: &str) -> PathBuf {
-        self.root.join(format!(
-            "{label}.tmp-{}-{}",
-            crate::workdir::owner_token(),
-            TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
-        ))
+        temp_in(&self.root, label)
     }
 
     /// Moves a finished directory in as layer `digest` (an upper directory whose layer was
@@ -141,7 +224,13 @@ impl LayerDirs {
 
     /// The directory of layer `digest`, unpacking the blob from `cache` first if needed
     /// (from the layer's shared inflated stream when the flatten's scan of the build's base
-    /// is making or keeping one, [`crate::layer::shared`]).
+    /// is making or keeping one, [`crate::layer::shared`]): into the host's shared directory
+    /// when there is one (the module documentation; waiting, within `limits`' deadline and
+    /// cancel, while another build unpacks the same layer there), else into the work
+    /// directory. Errors: [`LowerError::Missing`] (no blob), [`LowerError::Mismatch`] (the
+    /// blob's bytes are not `digest`; only with a shared directory), [`LowerError::Layer`]
+    /// (a bad or hostile layer, a bound, the deadline or a cancel), [`LowerError::Io`];
+    /// nothing is left under the layer's name then.
     pub fn ensure(
         &self,
         cache: &dyn BlobCache,
@@ -155,13 +244,37 @@ impl LayerDirs {
         let blob = cache
             .blob_path(digest)?
             .ok_or(LowerError::Missing(*digest))?;
-        let tmp = self.temp(&digest.hex());
+        // Into the host's shared directory only from a blob whose bytes are its digest
+        // (the module documentation): a function of the digest alone.
+        let mut _unpacking = None;
+        let into = match &self.shared {
+            Some(shared) => {
+                // One unpack of a digest at a time on the host: a build that finds another
+                // unpacking it waits, then finds it made.
+                _unpacking = Some(lock_unpacking(shared, digest, limits)?);
+                let dst = shared.join(digest.hex());
+                if dst.is_dir() {
+                    return Ok(dst);
+                }
+                let actual = Sha256Hash::of_file(&blob).map_err(io_err("hashing", &blob))?;
+                if actual != digest.0 {
+                    return Err(LowerError::Mismatch {
+                        digest: *digest,
+                        path: blob,
+                        actual: actual.hex(),
+                    });
+                }
+                shared
+            }
+            None => &self.root,
+        };
+        let tmp = temp_in(into, &digest.hex());
         fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
         if let Err(e) = unpack_overlay_form(&tmp, &blob, &digest.to_string(), limits) {
             let _ = fs::remove_dir_all(&tmp);
             return Err(e);
         }
-        self.adopt(&tmp, digest)
+        self.adopt_as(&tmp, into.join(digest.hex()))
     }
 
     /// The tree of layers `digests` (bottom first) as one plain directory, made when missing:
@@ -215,6 +328,72 @@ impl LayerDirs {
         }
         self.adopt_as(&tmp, dst)
     }
+}
+
+/// Creates `dir` (and its parents) when missing, makes it 0700 and takes its shared lock
+/// ([`crate::workdir::LayersLock::shared`]), then removes the unfinished directories of
+/// builds that died in it.
+fn open_private(dir: &Path) -> Result<crate::workdir::LayersLock, LowerError> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+        .map_err(io_err("making private", dir))?;
+    let lock = crate::workdir::LayersLock::shared(dir)
+        .map_err(io_err("locking", &dir.join(crate::workdir::LAYERS_LOCK)))?;
+    crate::workdir::remove_dead_entries(dir, ".tmp-");
+    Ok(lock)
+}
+
+/// The suffix of the lock file `<hex>.unpacking` that a build holds in the host's shared
+/// layer directory while it unpacks layer `<hex>` there ([`lock_unpacking`]).
+pub const UNPACKING: &str = ".unpacking";
+
+/// Takes the exclusive lock on `<shared>/<hex>.unpacking` (created when missing), retrying
+/// every 20 ms while another build holds it, so that two builds of the host never unpack the
+/// same layer at once: the second then finds the first's directory. Released when dropped.
+/// The files stay (empty); `kiln store gc` removes them with the layers
+/// ([`crate::workdir::collect_shared_layers`]). Errors: [`LowerError::Layer`] when `limits`'
+/// deadline passes or the build is cancelled while waiting, [`LowerError::Io`].
+fn lock_unpacking(
+    shared: &Path,
+    digest: &BlobDigest,
+    limits: &Limits,
+) -> Result<OwnedFd, LowerError> {
+    let path = shared.join(format!("{}{UNPACKING}", digest.hex()));
+    let fd = rustix::fs::open(
+        &path,
+        OFlags::RDWR | OFlags::CREATE | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )
+    .map_err(|e| io_err("opening", &path)(e.into()))?;
+    loop {
+        match rustix::fs::flock(&fd, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(fd),
+            Err(Errno::WOULDBLOCK) => {}
+            Err(e) => return Err(io_err("locking", &path)(e.into())),
+        }
+        let (digest, entry) = (
+            digest.to_string(),
+            "(waiting for another build's unpack)".into(),
+        );
+        match limits.stop() {
+            Some(LimitKind::Cancelled) => {
+                return Err(LayerError::Cancelled { digest, entry }.into());
+            }
+            Some(_) => return Err(LayerError::Deadline { digest, entry }.into()),
+            None => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    }
+}
+
+/// A fresh temporary directory name under `dir`, named after this process
+/// ([`crate::workdir::owner_token`]) so that it is reaped once the process is dead.
+fn temp_in(dir: &Path, label: &str) -> PathBuf {
+    dir.join(format!(
+        "{label}.tmp-{}-{}",
+        crate::workdir::owner_token(),
+        TMP_COUNTER.fetch_add(1, Ordering::Relaxed)
+    ))
 }
 
 /// Makes in the empty directory `out` the tree that the layer directories `lowers`
@@ -916,6 +1095,219 @@ mod tests {
         assert!(unpack("after").is_err());
         fs::rename(&aside, &path).unwrap();
         assert!(tree(&unpack("again").unwrap()) == tree(&want));
+    }
+
+    /// Issue 34: a layer unpacked from its blob by a build of one work directory goes into
+    /// the host's shared directory, and a build of another work directory (another store, its
+    /// own blob cache) finds it there and unpacks nothing (the same inode); a step's adopted
+    /// directory stays in its own work directory; a blob whose bytes are not its digest is
+    /// never unpacked there.
+    #[test]
+    fn the_hosts_shared_layers_are_unpacked_once() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().unwrap();
+        let shared = t.path().join("host/layers");
+        let blob = tar_gz(&[("etc/", None), ("etc/os-release", Some(b"debian"))]);
+        let digest = BlobDigest::of(&blob);
+        let limits = Limits::default();
+        let store = |name: &str| {
+            let cache = crate::cache::LocalCache::open(&t.path().join(name)).unwrap();
+            cache.put_bytes(&digest, &blob).unwrap();
+            let dirs =
+                LayerDirs::open_shared(&t.path().join(name).join(".build/layers"), Some(&shared))
+                    .unwrap();
+            (cache, dirs)
+        };
+        let (cache_a, a) = store("a");
+        assert_eq!(a.shared(), Some(shared.as_path()));
+        let d = a.ensure(&cache_a, &digest, &limits).unwrap();
+        assert_eq!(d, shared.join(digest.hex()));
+        assert!(!t.path().join("a/.build/layers").join(digest.hex()).exists());
+        let mode = fs::metadata(&shared).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700, "the shared directory is private");
+        let ino = |p: &Path| fs::symlink_metadata(p).unwrap().ino();
+        let (dir_ino, file_ino) = (ino(&d), ino(&d.join("etc/os-release")));
+
+        // Another store: found, not unpacked again (its blob even gone).
+        let (cache_b, b) = store("b");
+        let blob_b = cache_b.blob_path(&digest).unwrap().unwrap();
+        fs::remove_file(&blob_b).unwrap();
+        assert_eq!(b.path(&digest), d);
+        assert_eq!(b.ensure(&cache_b, &digest, &limits).unwrap(), d);
+        assert_eq!(
+            (ino(&d), ino(&d.join("etc/os-release"))),
+            (dir_ino, file_ino)
+        );
+        // Its squashed trees are its own, linking the shared files.
+        let sq = b.squashed(&cache_b, &[digest], &limits).unwrap();
+        assert!(
+            sq.starts_with(t.path().join("b/.build/layers")),
+            "{}",
+            sq.display()
+        );
+        assert_eq!(ino(&sq.join("etc/os-release")), file_ino);
+
+        // A step's upper directory is adopted into its own work directory.
+        let upper = b.temp("upper");
+        fs::create_dir_all(upper.join("made")).unwrap();
+        let step = BlobDigest::of(b"a step's layer");
+        let adopted = b.adopt(&upper, &step).unwrap();
+        assert_eq!(adopted, t.path().join("b/.build/layers").join(step.hex()));
+        assert!(!shared.join(step.hex()).exists());
+
+        // A blob whose bytes are not its digest: refused, nothing left in the shared
+        // directory (and nothing in the work directory).
+        let other = tar_gz(&[("x", Some(b"x"))]);
+        let odigest = BlobDigest::of(&other);
+        cache_b.put_bytes(&odigest, &other).unwrap();
+        let opath = cache_b.blob_path(&odigest).unwrap().unwrap();
+        let mut perms = fs::metadata(&opath).unwrap().permissions();
+        perms.set_mode(0o644);
+        fs::set_permissions(&opath, perms).unwrap();
+        fs::write(&opath, tar_gz(&[("y", Some(b"swapped"))])).unwrap();
+        let e = b.ensure(&cache_b, &odigest, &limits).unwrap_err();
+        assert!(matches!(e, LowerError::Mismatch { .. }), "{e}");
+        let names = |dir: &Path| -> Vec<String> {
+            let mut v: Vec<String> = fs::read_dir(dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            v.sort();
+            v
+        };
+        let mut want = vec![
+            ".lock".to_string(),
+            digest.hex(),
+            format!("{}{UNPACKING}", digest.hex()),
+            format!("{}{UNPACKING}", odigest.hex()),
+        ];
+        want.sort();
+        assert_eq!(names(&shared), want);
+
+        // Without a shared directory, layers are the work directory's, as before.
+        let (cache_c, _) = store("c");
+        let c = LayerDirs::open(&t.path().join("c/.build/own")).unwrap();
+        assert_eq!(c.shared(), None);
+        let own = c.ensure(&cache_c, &digest, &limits).unwrap();
+        assert_eq!(own, t.path().join("c/.build/own").join(digest.hex()));
+    }
+
+    /// Issue 34: `kiln store gc`'s collection of the host's shared layers removes nothing
+    /// while a build (of any work directory) holds them, and everything once none does;
+    /// an unfinished directory of a dead build there is removed by the next build that opens
+    /// the directory, and by the collection; a live build's is kept.
+    #[test]
+    fn the_hosts_shared_layers_are_collected_only_when_no_build_holds_them() {
+        let t = tempfile::tempdir().unwrap();
+        let shared = t.path().join("shared");
+        let cache = crate::cache::LocalCache::open(&t.path().join("store")).unwrap();
+        let blob = tar_gz(&[("f", Some(b"data"))]);
+        let digest = BlobDigest::of(&blob);
+        cache.put_bytes(&digest, &blob).unwrap();
+        let limits = Limits::default();
+        let dead = {
+            let mut child = std::process::Command::new("true").spawn().unwrap();
+            let pid = child.id();
+            let start_ticks = kiln_store::owner::start_ticks(pid).unwrap_or(1);
+            child.wait().unwrap();
+            kiln_store::owner::ProcessId { pid, start_ticks }
+        };
+        let crashed = shared.join(format!("{}.tmp-{}-0", digest.hex(), dead.token()));
+        fs::create_dir_all(crashed.join("etc")).unwrap();
+        let a = LayerDirs::open_shared(&t.path().join("a"), Some(&shared)).unwrap();
+        assert!(!crashed.exists(), "a dead build's unpack is reaped on open");
+        let d = a.ensure(&cache, &digest, &limits).unwrap();
+        let live = temp_in(&shared, "live");
+        fs::create_dir(&live).unwrap();
+
+        // A build of another work directory holds the shared directory too.
+        let b = LayerDirs::open_shared(&t.path().join("b"), Some(&shared)).unwrap();
+        drop(a);
+        fs::create_dir_all(&crashed).unwrap();
+        let busy = crate::workdir::collect_shared_layers(&shared, false).unwrap();
+        assert!(busy.busy && busy.dirs == 0, "{busy:?}");
+        assert!(d.is_dir() && live.is_dir());
+        assert!(
+            !crashed.exists(),
+            "dead builds' leftovers go even while builds run"
+        );
+        drop(b);
+        let dry = crate::workdir::collect_shared_layers(&shared, true).unwrap();
+        assert_eq!((dry.busy, dry.dirs, dry.images), (false, 1, 0));
+        assert!(d.is_dir());
+        assert!(
+            shared
+                .join(format!("{}{UNPACKING}", digest.hex()))
+                .is_file()
+        );
+        let done = crate::workdir::collect_shared_layers(&shared, false).unwrap();
+        assert_eq!(done, dry);
+        assert!(!d.exists());
+        assert!(!shared.join(format!("{}{UNPACKING}", digest.hex())).exists());
+        assert!(
+            live.is_dir(),
+            "a live build's unfinished directory is its own"
+        );
+        // Unpacked again on use.
+        let c = LayerDirs::open_shared(&t.path().join("c"), Some(&shared)).unwrap();
+        assert_eq!(c.ensure(&cache, &digest, &limits).unwrap(), d);
+        assert_eq!(fs::read(d.join("f")).unwrap(), b"data");
+        assert_eq!(
+            crate::workdir::collect_shared_layers(&t.path().join("none"), false).unwrap(),
+            crate::workdir::LayersCollected::default()
+        );
+    }
+
+    /// Issue 34: a build that needs a layer another build of the host is unpacking into the
+    /// shared directory waits for it, unpacks nothing itself and finds the other's directory;
+    /// a wait stops at the build's deadline.
+    #[test]
+    fn a_layer_being_unpacked_by_another_build_is_waited_for() {
+        let t = tempfile::tempdir().unwrap();
+        let shared = t.path().join("shared");
+        let cache = crate::cache::LocalCache::open(&t.path().join("store")).unwrap();
+        let blob = tar_gz(&[("f", Some(b"data"))]);
+        let digest = BlobDigest::of(&blob);
+        cache.put_bytes(&digest, &blob).unwrap();
+        let a = LayerDirs::open_shared(&t.path().join("a"), Some(&shared)).unwrap();
+        let b = LayerDirs::open_shared(&t.path().join("b"), Some(&shared)).unwrap();
+        // Build a is unpacking (holds the lock, its directory not there yet).
+        let held = lock_unpacking(&shared, &digest, &Limits::default()).unwrap();
+        let late = Limits {
+            deadline: Some(std::time::Instant::now() + std::time::Duration::from_millis(200)),
+            ..Limits::default()
+        };
+        let e = b.ensure(&cache, &digest, &late).unwrap_err();
+        assert!(
+            matches!(e, LowerError::Layer(LayerError::Deadline { .. })),
+            "{e}"
+        );
+        let waiting = {
+            let (b, cache) = (b.clone(), cache.clone());
+            std::thread::spawn(move || b.ensure(&cache, &digest, &Limits::default()))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(!waiting.is_finished(), "b waits for a's unpack");
+        let temps = |dir: &Path| {
+            fs::read_dir(dir)
+                .unwrap()
+                .filter(|e| {
+                    let n = e.as_ref().unwrap().file_name();
+                    n.to_string_lossy().contains(".tmp-")
+                })
+                .count()
+        };
+        assert_eq!(temps(&shared), 0, "b unpacks nothing meanwhile");
+        // a's unpack completes (as LayerDirs::ensure does it), then releases the lock.
+        let tmp = temp_in(&shared, &digest.hex());
+        fs::create_dir(&tmp).unwrap();
+        fs::write(tmp.join("made-by-a"), b"").unwrap();
+        fs::rename(&tmp, shared.join(digest.hex())).unwrap();
+        drop(held);
+        let got = waiting.join().unwrap().unwrap();
+        assert_eq!(got, shared.join(digest.hex()));
+        assert!(got.join("made-by-a").is_file(), "b found a's directory");
+        assert_eq!(a.ensure(&cache, &digest, &Limits::default()).unwrap(), got);
     }
 
     #[test]

@@ -179,6 +179,12 @@ pub struct BuildOptions {
     /// compared with the same recipe position in the last build of this name
     /// ([`why::index_id`]); `None`: with the last run of the same instruction text.
     pub history: Option<String>,
+    /// The host's shared layer directory: layers unpacked from blobs go there, digest
+    /// checked, and are found there by every build of the host whatever its work directory
+    /// ([`lower::LayerDirs::open_shared`], used only on `work_dir`'s file system; its path,
+    /// like `work_dir`'s, must not hold `:` or `,`, as it becomes an overlay lower); `None`:
+    /// into `work_dir/layers`, as a step's own layers always go.
+    pub shared_layers: Option<PathBuf>,
 }
 
 impl BuildOptions {
@@ -203,6 +209,7 @@ impl BuildOptions {
             cache_mount_dir: None,
             lease: None,
             history: None,
+            shared_layers: None,
         }
     }
 }
@@ -418,7 +425,8 @@ pub async fn build_with(
             "cleaned up after dead builds"
         );
     }
-    let dirs = LayerDirs::open(&opts.work_dir.join("layers"))?;
+    let dirs =
+        LayerDirs::open_shared(&opts.work_dir.join("layers"), opts.shared_layers.as_deref())?;
     let cancel = Arc::new(AtomicBool::new(false));
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -16,6 +16,12 @@
 //! images of them under `run/`, a cache re-made from the store's blobs on use
 //! ([`kiln_builder::workdir::collect_layers`]). A dry run removes none of it and
 //! reports the layers it would.
+//!
+//! Whatever the store, it then empties this host's shared directory of unpacked layers (the
+//! `layer_dir` setting, default `<cache>/layers`) the same way, when no build on the host
+//! holds it, first removing what dead builds left unfinished there
+//! ([`kiln_builder::workdir::collect_shared_layers`]): a layer there is unpacked again, from
+//! the blob, by the next build that needs it.
 
 use std::path::Path;
 use std::time::Duration;
@@ -57,6 +63,8 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
     if let kiln_store::StoreUrl::Local(root) = kiln_store::StoreUrl::parse(store.url())? {
         clean_work_dir(out, &root.join(".build"), a.dry_run, verb)?;
     }
+    let config = crate::config::Config::load(&crate::config::Flags::store(a.store.as_deref()))?;
+    clean_shared_layers(out, &config.layer_dir.value, a.dry_run, verb)?;
     for c in &r.collected {
         out.event(
             "collected",
@@ -155,6 +163,30 @@ fn clean_work_dir(out: &Out, work: &Path, dry_run: bool, verb: &str) -> CmdResul
                     layers.display(),
                     c.dirs,
                     c.images,
+                    c.bytes
+                )
+            }
+        },
+    );
+    Ok(())
+}
+
+/// The host's shared layer directory's part of `kiln store gc` (see the module docs).
+fn clean_shared_layers(out: &Out, dir: &Path, dry_run: bool, verb: &str) -> CmdResult {
+    let c = kiln_builder::workdir::collect_shared_layers(dir, dry_run)
+        .map_err(|e| anyhow::anyhow!("collecting shared layers in {}: {e}", dir.display()))?;
+    out.event(
+        "layers",
+        json!({"path": dir, "busy": c.busy, "dirs": c.dirs, "images": c.images,
+               "bytes": c.bytes, "dryRun": dry_run}),
+        || {
+            if c.busy {
+                format!("{}: kept, a build is using it", dir.display())
+            } else {
+                format!(
+                    "{}: {verb} {} unpacked layers ({} bytes)",
+                    dir.display(),
+                    c.dirs,
                     c.bytes
                 )
             }
