@@ -3,7 +3,7 @@
 //! - Upload ([`Store::put_artifact`]): the input is cut on a blocking thread (a file by
 //!   [`crate::chunk::split_parallel`], content-defined cuts found a batch of 8 MiB per core at
 //!   a time on up to 4 cores, at most `cores × 8 MiB + 2 × max chunk` of input held; any other
-//!   reader by [`crate::chunk::split`], one chunk at a time; the same chunks either way); chunks are hashed and compressed on the blocking pool and stored with
+//!   reader by [`crate::chunk::split`], one chunk at a time; the same chunks either way); chunks are hashed and compressed on the upload's own threads (one per core) and stored with
 //!   put-if-absent, at most [`crate::StoreOptions::parallelism`] in flight; the cutter runs at
 //!   most [`READ_AHEAD`] bytes of cut chunks ahead of the encoders, so that it reads and cuts
 //!   the next batch while the last is encoded (memory: that, plus about
