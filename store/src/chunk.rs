@@ -1196,6 +1196,59 @@ mod tests {
         );
     }
 
+    /// A reader that gives at most `step` bytes per read, and sometimes `Interrupted`.
+    struct Trickle {
+        data: Vec<u8>,
+        pos: usize,
+        step: usize,
+        reads: usize,
+    }
+
+    impl Read for Trickle {
+        fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+            self.reads += 1;
+            if self.reads.is_multiple_of(7) {
+                return Err(std::io::ErrorKind::Interrupted.into());
+            }
+            let n = out.len().min(self.step).min(self.data.len() - self.pos);
+            out[..n].copy_from_slice(&self.data[self.pos..self.pos + n]);
+            self.pos += n;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn cuts_do_not_depend_on_how_the_input_is_read() {
+        // Data with zero runs long and short, aligned and not, and a partial last block.
+        let mut data = pseudo_random((3 << 20) + 1234, 21);
+        for (at, len) in [(100_000, 20480), (1 << 20, 300_000), (2 << 20, 8192)] {
+            data[at..at + len].fill(0);
+        }
+        for chunking in [Chunking::DISK_DEFAULT, SMALL] {
+            let want = reference(&data, chunking);
+            for step in [1, 4095, 4096, 4097, 65_537, 1 << 20, usize::MAX] {
+                for threads in [1, 2] {
+                    let input = Trickle {
+                        data: data.clone(),
+                        pos: 0,
+                        step,
+                        reads: 0,
+                    };
+                    let got: Vec<_> = split_with(input, chunking, CDC_SEGMENT / 8, threads)
+                        .unwrap()
+                        .map(|c| {
+                            let c = c.unwrap();
+                            let at = c.offset as usize;
+                            assert_eq!(c.data, data[at..at + c.data.len()]);
+                            (c.offset, c.data.len(), is_all_zero(&c.data))
+                        })
+                        .collect();
+                    assert!(got == want, "step {step}, {threads} threads");
+                }
+            }
+        }
+    }
+
     #[test]
     fn cdc_cuts_match_the_chain_on_every_shape() {
         // The stitch alone, without zero runs or streaming, for both ends of data.
