@@ -495,7 +495,8 @@ impl Store {
     /// A chunk's raw bytes, verified: decompressed with at most `max_raw_len` bytes and hashed.
     /// A mismatch is [`ChunkError::DigestMismatch`] naming chunk and store. Goes through the
     /// read cache when one is configured. A chunk another read of this handle is fetching
-    /// is not fetched again: this read waits for that one's bytes ([`crate::inflight`]).
+    /// is not fetched again: this read waits for that one's bytes ([`crate::inflight`]),
+    /// within one operation bound in all ([`Store::theirs_or_fetch`]).
     pub async fn get_chunk(
         &self,
         digest: &ChunkDigest,
@@ -506,21 +507,73 @@ impl Store {
         {
             return Ok(b);
         }
-        let fetching = match self.inflight.claim(*digest) {
-            Claim::Mine(f) => Some(f),
-            Claim::Theirs(w) => match w.bytes(self.backend.policy().operation_timeout).await {
-                Some(b) if b.len() as u64 <= max_raw_len => return Ok(b),
-                // Their fetch failed or is slower than a read of ours may be (or its chunk
-                // is over this read's bound): read it here.
-                _ => None,
-            },
-        };
-        let stored = self.get_chunk_stored(digest).await?;
-        let raw = self.decode_chunk(*digest, stored, max_raw_len).await?;
-        if let Some(f) = fetching {
-            f.done(&raw);
+        match self.inflight.claim(*digest) {
+            Claim::Mine(f) => {
+                let raw = self.fetch_chunk(digest, max_raw_len).await?;
+                f.done(&raw);
+                Ok(raw)
+            }
+            Claim::Theirs(w) => self.theirs_or_fetch(w, digest, max_raw_len).await,
         }
-        Ok(raw)
+    }
+
+    /// A chunk's stored bytes fetched, decoded and verified ([`Store::get_chunk_stored`],
+    /// then [`Store::decode_chunk`]), whatever other reads of it are doing.
+    async fn fetch_chunk(
+        &self,
+        digest: &ChunkDigest,
+        max_raw_len: u64,
+    ) -> Result<Bytes, StoreError> {
+        let stored = self.get_chunk_stored(digest).await?;
+        self.decode_chunk(*digest, stored, max_raw_len).await
+    }
+
+    /// The bytes of a chunk another read of this handle is fetching (`theirs`), when that
+    /// fetch brings them; when it fails first (or brings a chunk over `max_raw_len`), this
+    /// read's own fetch. Both within one operation bound of the store
+    /// ([`RetryPolicy::operation_timeout`]) counted from the call, so a read that meets
+    /// another waits no longer than a fetch of its own may take: the chunk server's read
+    /// bound (`lazy_read_timeout_secs`) then holds for the clone's reads of chunks its
+    /// prefetch is fetching, which otherwise waited for the prefetch's whole bound and then
+    /// their own (issue 35, a stalled store: 6 s for a 3 s bound). At the bound:
+    /// [`BackendError::GaveUp`](crate::backend::BackendError::GaveUp) naming the chunk.
+    async fn theirs_or_fetch(
+        &self,
+        theirs: crate::inflight::Waiter,
+        digest: &ChunkDigest,
+        max_raw_len: u64,
+    ) -> Result<Bytes, StoreError> {
+        let bound = self.backend.policy().operation_timeout;
+        let started = std::time::Instant::now();
+        if let Some(b) = theirs.bytes(bound).await
+            && b.len() as u64 <= max_raw_len
+        {
+            return Ok(b);
+        }
+        let gave_up = |last: &str| {
+            StoreError::Backend(backend::BackendError::GaveUp {
+                store: self.url().to_string(),
+                op: "get",
+                key: digest.key(),
+                attempts: 0,
+                elapsed: started.elapsed(),
+                bound: Some(bound),
+                last: last.to_string(),
+            })
+        };
+        let left = bound.saturating_sub(started.elapsed());
+        if left.is_zero() {
+            return Err(gave_up(
+                "another read of this chunk was fetching it and brought nothing",
+            ));
+        }
+        tokio::time::timeout(left, self.fetch_chunk(digest, max_raw_len))
+            .await
+            .unwrap_or_else(|_| {
+                Err(gave_up(
+                    "another read of this chunk failed, and this read's own fetch had no answer yet",
+                ))
+            })
     }
 
     /// [`Store::get_chunk_stored`] of many chunks at once, in the order given: one
@@ -599,12 +652,7 @@ impl Store {
         }
         for (i, w) in theirs {
             let (d, max_raw_len) = chunks[i];
-            out[i] = Some(
-                match w.bytes(self.backend.policy().operation_timeout).await {
-                    Some(b) if b.len() as u64 <= max_raw_len => Ok(b),
-                    _ => self.get_chunk(&d, max_raw_len).await,
-                },
-            );
+            out[i] = Some(self.theirs_or_fetch(w, &d, max_raw_len).await);
         }
         out.into_iter()
             .map(|r| {
@@ -744,6 +792,66 @@ mod tests {
             );
             assert!(err.to_string().contains("limit"), "{err}");
         }
+    }
+
+    /// A read that meets another's fetch of the same chunk waits for it within one operation
+    /// bound of the store in all: when that fetch brings nothing by then, the read gives up,
+    /// naming the chunk, instead of waiting a second bound for a fetch of its own; when that
+    /// fetch fails first, the read fetches the chunk itself.
+    #[tokio::test]
+    async fn a_read_that_waits_for_another_fetch_stays_within_one_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = dir.path().to_str().unwrap().to_string();
+        let bound = Duration::from_millis(300);
+        let opts = StoreOptions {
+            retry: RetryPolicy {
+                operation_timeout: bound,
+                ..RetryPolicy::default()
+            },
+            ..StoreOptions::default()
+        };
+        let store = Store::open_with(&url, opts).await.unwrap();
+        let enc = chunk::encode(b"a chunk in the store").unwrap();
+        store.put_encoded_chunk(&enc).await.unwrap();
+        // Another read's fetch that never ends (held, never done): the chunk is in the
+        // store, so a read that fell back to a fetch of its own would get it.
+        let Claim::Mine(stalled) = store.inflight.claim(enc.digest) else {
+            panic!("the first claim fetches")
+        };
+        for r in [
+            store.get_chunk(&enc.digest, 1 << 20).await,
+            store
+                .get_chunks(&[(enc.digest, 1 << 20)])
+                .await
+                .pop()
+                .unwrap(),
+        ] {
+            let err = r.unwrap_err();
+            assert!(
+                matches!(
+                    &err,
+                    StoreError::Backend(backend::BackendError::GaveUp { bound: Some(b), .. })
+                        if *b == bound
+                ),
+                "{err}"
+            );
+            let msg = err.to_string();
+            assert!(
+                msg.contains(&url) && msg.contains(&enc.digest.hex()) && msg.contains("gave up in"),
+                "{msg}"
+            );
+        }
+        // That fetch fails (ends without bytes): the read fetches the chunk itself.
+        drop(stalled);
+        let Claim::Mine(failing) = store.inflight.claim(enc.digest) else {
+            panic!("the claim was released")
+        };
+        let (read, ()) = tokio::join!(store.get_chunk(&enc.digest, 1 << 20), async {
+            // The read above claims first (polled first) and waits for this fetch.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            drop(failing);
+        });
+        assert_eq!(&read.unwrap()[..], b"a chunk in the store");
     }
 
     /// Verify on packed chunks: `--deep` finds a chunk whose bytes in its pack were

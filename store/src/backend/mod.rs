@@ -92,7 +92,8 @@ pub enum BackendError {
         op: &'static str,
         /// The key (or, for `list`, the prefix) being accessed.
         key: String,
-        /// Attempts made, the last one included.
+        /// Attempts made, the last one included; 0 for a chunk read that waited for another
+        /// read's fetch of the same chunk and made none of its own (`Store::get_chunk`).
         attempts: u32,
         /// Time from the first attempt's start to giving up.
         elapsed: std::time::Duration,

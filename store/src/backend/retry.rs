@@ -134,6 +134,10 @@ pub(crate) fn gave_up_text(attempts: &u32, elapsed: &Duration, bound: &Option<Du
         None if *attempts == 1 => "its only attempt failed".to_string(),
         None => format!("all {attempts} attempts failed"),
     };
+    if *attempts == 0 {
+        // A read that waited for another's fetch of the same object (Store::get_chunk).
+        return format!("gave up in {:.1}s ({reason})", elapsed.as_secs_f64());
+    }
     format!(
         "gave up after {attempts} attempt{} in {:.1}s ({reason})",
         if *attempts == 1 { "" } else { "s" },
