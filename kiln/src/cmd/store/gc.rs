@@ -150,31 +150,21 @@ fn clean_work_dir(out: &Out, work: &Path, dry_run: bool, verb: &str) -> CmdResul
     let layers = work.join("layers");
     let c = kiln_builder::workdir::collect_layers(work, dry_run)
         .map_err(|e| anyhow::anyhow!("collecting unpacked layers in {}: {e}", layers.display()))?;
-    out.event(
-        "layers",
-        json!({"path": layers, "busy": c.busy, "dirs": c.dirs, "images": c.images,
-               "bytes": c.bytes, "dryRun": dry_run}),
-        || {
-            if c.busy {
-                format!("{}: kept, a build is using it", layers.display())
-            } else {
-                format!(
-                    "{}: {verb} {} unpacked layers and {} microVM disk images of layers ({} bytes)",
-                    layers.display(),
-                    c.dirs,
-                    c.images,
-                    c.bytes
-                )
-            }
-        },
-    );
+    layers_event(out, &layers, &c, dry_run, verb, true);
     Ok(())
 }
 
-/// The host's shared layer directory's part of `kiln store gc` (see the module docs).
-fn clean_shared_layers(out: &Out, dir: &Path, dry_run: bool, verb: &str) -> CmdResult {
-    let c = kiln_builder::workdir::collect_shared_layers(dir, dry_run)
-        .map_err(|e| anyhow::anyhow!("collecting shared layers in {}: {e}", dir.display()))?;
+/// The `layers` event of one collection `c` of unpacked layers in `dir`; the text names the
+/// microVM disk images of layers when `images` (a work directory's, not the host's shared
+/// directory, which has none).
+fn layers_event(
+    out: &Out,
+    dir: &Path,
+    c: &kiln_builder::workdir::LayersCollected,
+    dry_run: bool,
+    verb: &str,
+    images: bool,
+) {
     out.event(
         "layers",
         json!({"path": dir, "busy": c.busy, "dirs": c.dirs, "images": c.images,
@@ -182,6 +172,14 @@ fn clean_shared_layers(out: &Out, dir: &Path, dry_run: bool, verb: &str) -> CmdR
         || {
             if c.busy {
                 format!("{}: kept, a build is using it", dir.display())
+            } else if images {
+                format!(
+                    "{}: {verb} {} unpacked layers and {} microVM disk images of layers ({} bytes)",
+                    dir.display(),
+                    c.dirs,
+                    c.images,
+                    c.bytes
+                )
             } else {
                 format!(
                     "{}: {verb} {} unpacked layers ({} bytes)",
@@ -192,5 +190,12 @@ fn clean_shared_layers(out: &Out, dir: &Path, dry_run: bool, verb: &str) -> CmdR
             }
         },
     );
+}
+
+/// The host's shared layer directory's part of `kiln store gc` (see the module docs).
+fn clean_shared_layers(out: &Out, dir: &Path, dry_run: bool, verb: &str) -> CmdResult {
+    let c = kiln_builder::workdir::collect_shared_layers(dir, dry_run)
+        .map_err(|e| anyhow::anyhow!("collecting shared layers in {}: {e}", dir.display()))?;
+    layers_event(out, dir, &c, dry_run, verb, false);
     Ok(())
 }
