@@ -748,7 +748,7 @@ pub(crate) async fn resume_incoming(
     timeout: Duration,
 ) -> Result<(), QmpError> {
     vm.qmp
-        .set_capabilities(&[("x-ignore-shared", true), ("events", true)])
+        .set_capabilities(crate::qmp::MIGRATION_CAPABILITIES)
         .await?;
     vm.qmp
         .execute(

@@ -25,6 +25,12 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 /// few hundred bytes).
 pub const MAX_LINE: usize = 1 << 20;
 
+/// The migration capabilities of both ends of kiln's migrations, the save of a snapshot's
+/// vmstate and every restore of it: `x-ignore-shared` (RAM stays in the memory file, so the
+/// two ends must agree on it) and `events` (the `MIGRATION` events
+/// [`Qmp::wait_migration`] waits for).
+pub const MIGRATION_CAPABILITIES: &[(&str, bool)] = &[("x-ignore-shared", true), ("events", true)];
+
 /// How long [`Qmp::wait_migration`] waits for a `MIGRATION` event before asking for the
 /// status again (100 ms): the most a lost event, or a migration started without the `events`
 /// capability, adds to the wait.
@@ -260,9 +266,10 @@ impl Qmp {
     /// Waits until `query-migrate`'s status is `completed` (Ok), `failed` or `cancelled`
     /// (error with QEMU's `error-desc`), or `timeout` passes. Between two queries it waits for
     /// QEMU's next `MIGRATION` event, sent on each status change when the `events` migration
-    /// capability is on (QEMU `qapi/migration.json`; set it with [`Qmp::set_capabilities`]
-    /// before the migration starts), for at most [`MIGRATION_POLL`], so a completion is seen
-    /// when it happens and a missed event costs at most that.
+    /// capability is on (QEMU `qapi/migration.json`; [`MIGRATION_CAPABILITIES`], set with
+    /// [`Qmp::set_capabilities`] before the migration starts), for at most
+    /// [`MIGRATION_POLL`], so a completion is seen when it happens and a missed event costs
+    /// at most that.
     ///
     /// Measured (issue 35, 15 warm clones each of the busybox snapshot under TCG, alternating
     /// with the 10 ms poll this replaces, load 4-5): the clone's resume phase (incoming

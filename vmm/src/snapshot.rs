@@ -633,7 +633,7 @@ fn parse_chunk_log(log: &str) -> kiln_store::PrefetchList {
 pub(crate) async fn save_vmstate(vm: &mut Vm, vmstate: &std::path::Path) -> Result<(), QmpError> {
     vm.qmp.execute("stop", None).await?;
     vm.qmp
-        .set_capabilities(&[("x-ignore-shared", true), ("events", true)])
+        .set_capabilities(crate::qmp::MIGRATION_CAPABILITIES)
         .await?;
     vm.qmp
         .execute(
