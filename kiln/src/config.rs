@@ -351,6 +351,15 @@ fn read_file(path: &Path) -> Result<Option<String>, ConfigError> {
 }
 
 impl Config {
+    /// Puts this host's settings that every pipeline caller (`kiln build`, `kiln nightly`,
+    /// `kiln serve`) shares on `setup`: the shared layer directory (`layer_dir`) and the
+    /// bootstrap mirror (`bootstrap_mirror`: `from: {bootstrap: ...}` without a mirror gets
+    /// it, else this host's apt archive; see `kiln config show`).
+    pub fn apply_host(&self, setup: &mut kiln_pipeline::Setup) {
+        setup.layer_dir = Some(self.layer_dir.value.clone());
+        setup.bootstrap_mirror = self.bootstrap_mirror.value.clone();
+    }
+
     /// Loads the configuration from the process environment and the config file, under
     /// `flags`.
     pub fn load(flags: &Flags) -> Result<Self, ConfigError> {

@@ -540,10 +540,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
             insecure: a.insecure.clone(),
             ..RegistryOptions::default()
         };
-        // `from: {bootstrap: ...}` without a mirror: the configured one, else this host's apt
-        // archive (see `kiln config show`).
-        setup.layer_dir = Some(config.layer_dir.value.clone());
-        setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
+        config.apply_host(&mut setup);
         setup.boot = boot;
         setup.chunk_server = Some(super::start::lazy_server(a.store.as_deref())?);
         setup.jobs = a.jobs.max(1);

@@ -133,8 +133,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         insecure: a.insecure.clone(),
         ..RegistryOptions::default()
     };
-    setup.layer_dir = Some(config.layer_dir.value.clone());
-    setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
+    config.apply_host(&mut setup);
     setup.boot = Some(boot);
     setup.chunk_server = Some(super::start::lazy_server(a.store.as_deref())?);
     setup.addresses = a.egress.addresses()?;

@@ -420,8 +420,7 @@ async fn serve(a: Args) -> anyhow::Result<()> {
         insecure: a.insecure.clone(),
         ..RegistryOptions::default()
     };
-    setup.layer_dir = Some(config.layer_dir.value.clone());
-    setup.bootstrap_mirror = config.bootstrap_mirror.value.clone();
+    config.apply_host(&mut setup);
     setup.addresses = a.egress.addresses()?;
     a.cache_disks.apply(&mut setup);
     setup.ca_certs = a.egress.ca_certs()?;
