@@ -262,7 +262,13 @@ fn namespace_child(
     }
     if child == 0 {
         // SAFETY: as above; the child exits without returning. It closes its copies of the
-        // parent's ends first, so that its read ends when the parent's end closes.
+        // parent's ends first, so that its read ends when the parent's end closes; the
+        // parent also writes a byte there first, because a child forked at the same time by
+        // another thread holds a copy of that end too (a fork copies every descriptor, and
+        // close-on-exec does nothing without an exec), and with an end-of-file alone the two
+        // children waited for each other forever, their parents in `waitpid` (a `kiln serve`
+        // running builds at once hung: serve_api's identical_builds_at_once_all_succeed, 1
+        // run in 5).
         unsafe {
             libc::close(ready_r_fd);
             libc::close(done_w_fd);
@@ -277,6 +283,9 @@ fn namespace_child(
     }
     drop((ready_w, done_r));
     let reap = |done_w: OwnedFd| {
+        // The byte ends the child's read (see the child); a failed write (the child is gone)
+        // leaves nothing to wake.
+        let _ = rustix::io::write(&done_w, b"x");
         drop(done_w);
         let mut st = 0;
         // SAFETY: waiting for our own child.
