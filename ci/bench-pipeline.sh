@@ -35,6 +35,15 @@
 #   KILN_BENCH_LAYER_DIR  kiln's shared layer directory; default /var/tmp/kiln-bench-layers,
 #                     outside KILN_BENCH_DIR so that it outlives one run of this script
 #   KILN_BENCH_LAYERS kept (default) or fresh: keep it between cold runs, or empty it first
+#   KILN_BENCH_NETWORK  the steps' network on each side (issue 34: the apt case's network
+#                     share of the gap, measured with the same mode on both sides):
+#                     as-is (default): each pipeline's own default, the peer's
+#                       `--network host` (peer-pipeline.sh) and kiln's slirp4netns;
+#                     host: both in the host's network namespace (kiln `--network host
+#                       --allow network.host`, a trusted CLI build's opt-in, as
+#                       `docker build --network host`). (Both through slirp4netns is not
+#                       offered: buildah 1.28 as root takes `slirp4netns` for the name of a
+#                       network and fails, "network not found".)
 # The base images come from the peer's make-base-images.sh (registry on 127.0.0.1:5100;
 # its first run bootstraps Debian, about a minute). Do not run it beside a compile.
 set -euo pipefail
@@ -50,6 +59,13 @@ work=${KILN_BENCH_DIR:-/var/tmp/kiln-bench-pipeline}
 layer_dir=${KILN_BENCH_LAYER_DIR:-/var/tmp/kiln-bench-layers}
 layers_mode=${KILN_BENCH_LAYERS:-kept}
 case $layers_mode in kept | fresh) ;; *) echo "KILN_BENCH_LAYERS: kept or fresh, not $layers_mode" >&2; exit 1 ;; esac
+network=${KILN_BENCH_NETWORK:-as-is}
+kiln_net=()
+case $network in
+  as-is) ;;
+  host) kiln_net=(--network host --allow network.host) ;;
+  *) echo "KILN_BENCH_NETWORK: as-is or host, not $network" >&2; exit 1 ;;
+esac
 log() { printf 'bench-pipeline: %s\n' "$*" >&2; }
 
 [ -x "$peer/peer-pipeline.sh" ] || { log "no peer pipeline at $peer (set KILN_PEER_DIR)"; exit 1; }
@@ -98,7 +114,7 @@ run_kiln() { # CASE PAIR
     held=$(find "$layer_dir" -mindepth 1 -maxdepth 1 -type d -regextype egrep -regex '.*/[0-9a-f]{64}' | wc -l)
   fi
   local -a cmd=(env -u KILN_STORE -u KILN_BUILD_DIR KILN_CONFIG="$cfg" KILN_CACHE="$work/kiln-cache"
-    KILN_LAYER_DIR="$layer_dir" KILN_LOG=warn "$kiln" build --progress plain --store "$store"
+    KILN_LAYER_DIR="$layer_dir" KILN_LOG=warn "$kiln" build --progress plain --store "$store" "${kiln_net[@]}"
     -t "bench-$1:latest" -f "$peer/cases/$1/Dockerfile" "$peer/cases/$1")
   measure "$out.cold.log" "${cmd[@]}" >"$out.cold"
   measure "$out.rebuild.log" "${cmd[@]}" >"$out.rebuild"
@@ -117,9 +133,9 @@ for i in $(seq "$pairs"); do
 done
 
 # shellcheck disable=SC2086 # the case list is split on purpose
-python3 - "$work/raw" "$pairs" "$layers_mode" $cases <<'PY'
+python3 - "$work/raw" "$pairs" "$layers_mode" "$network" $cases <<'PY'
 import re, statistics, sys
-raw, pairs, layers_mode, cases = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+raw, pairs, layers_mode, network, cases = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
 
 def phase(text, name):
     return float(re.search(rf"^{name} +([0-9.]+) s", text, re.M).group(1))
@@ -147,6 +163,7 @@ for kind in ("cold", "rebuild"):
                      f"{max(hwm):.0f} / {max(tree):.0f}"))
 print(f"kiln build vs the peer pipeline, {pairs} cold pair(s) per case: median (min–max)")
 print(f"kiln's shared layer directory: {layers_mode} between cold runs (see the script's header)")
+print(f"the steps' network: {network} (KILN_BENCH_NETWORK, see the script's header)")
 print()
 print("| case | peer | kiln | kiln / peer | kiln peak RSS MiB (own / with children) |")
 print("| --- | ---: | ---: | ---: | ---: |")

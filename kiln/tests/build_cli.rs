@@ -595,8 +595,9 @@ fn a_16_gib_sparse_file_builds_into_a_small_layer_and_image() {
 }
 
 /// `--network` and `--network-allow` set every step's network over the recipe's: the step's
-/// log shows which interfaces it has and whether it got the egress proxy; contradicting
-/// flags and a bad entry are refused before anything runs.
+/// log shows which interfaces it has (with `--network host`, the host's) and whether it got
+/// the egress proxy; contradicting flags, `--network host` without its entitlement and a
+/// bad entry are refused before anything runs.
 #[test]
 fn network_flags_set_every_steps_network() {
     let bb = require_env("KILN_TEST_BUSYBOX_REF");
@@ -623,6 +624,43 @@ fn network_flags_set_every_steps_network() {
         "slirp4netns's tap0: {default}"
     );
     assert_eq!(step_line(&["--network", "none"]), "nets:lo, proxy=unset");
+    // `docker build --network host`: the step is in this process's network namespace (the
+    // host's), a `none` step still in one of its own.
+    let (_t2, ctx2, store2) = setup(&format!(
+        "FROM {bb}\nRUN x=netns; echo \"$x:$(readlink /proc/self/ns/net)\"\n\
+         RUN --network=none x=nonens; echo \"$x:$(readlink /proc/self/ns/net)\"\n"
+    ));
+    let netns = |flags: &[&str]| {
+        let out = kiln(&store2)
+            .args([
+                "build",
+                "--oci-only",
+                "--progress",
+                "plain",
+                "--network",
+                "host",
+            ])
+            .args(flags)
+            .arg(&ctx2)
+            .output()
+            .expect("run kiln");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{flags:?}: {stderr}");
+        let line = |tag: &str| {
+            stderr
+                .lines()
+                .find_map(|l| l.find(tag).map(|i| l[i + tag.len()..].trim().to_string()))
+                .unwrap_or_else(|| panic!("{flags:?}: no {tag} in {stderr}"))
+        };
+        (line("netns:"), line("nonens:"))
+    };
+    let ours = std::fs::read_link("/proc/self/ns/net").expect("our network namespace");
+    let (host, none) = netns(&["--allow", "network.host"]);
+    assert_eq!(host, ours.to_string_lossy(), "--network host");
+    assert!(
+        none.starts_with("net:[") && none != host,
+        "RUN --network=none: {none}"
+    );
     assert_eq!(
         step_line(&[
             "--network-allow",
@@ -644,6 +682,21 @@ fn network_flags_set_every_steps_network() {
         (
             &["--network", "none", "--allow", "network.host"][..],
             "--network none and --allow network.host contradict each other",
+        ),
+        (
+            &["--network", "host"][..],
+            "--network host needs the network.host entitlement (--allow network.host)",
+        ),
+        (
+            &[
+                "--network",
+                "host",
+                "--allow",
+                "network.host",
+                "--network-allow",
+                "a.example",
+            ][..],
+            "--network host and --network-allow contradict each other",
         ),
     ] {
         let out = kiln(&store)

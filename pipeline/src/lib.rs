@@ -754,7 +754,8 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
     opts.no_cache = req.no_cache;
     opts.no_cache_filter = req.no_cache_filter.clone();
     opts.jobs = setup.jobs.max(1);
-    opts.exec.allow_network_host = req.network == NetworkPolicy::AllowHost;
+    opts.exec.allow_network_host =
+        matches!(req.network, NetworkPolicy::AllowHost | NetworkPolicy::Host);
     opts.exec.allow_insecure = req.allow_insecure;
     opts.network = req.network.step_network();
     opts.exec.run_dir = work.join("run");

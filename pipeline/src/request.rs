@@ -235,6 +235,10 @@ pub enum NetworkPolicy {
     Sandboxed,
     /// As `Sandboxed`, and `RUN --network=host` is allowed (`--allow network.host`).
     AllowHost,
+    /// As `AllowHost`, and every step the recipe gives the default network runs in the
+    /// host's network namespace too (`docker build --network host`); `none` and
+    /// allow-list steps keep theirs. Trusted builds only, as `AllowHost`.
+    Host,
     /// No step has any network, whatever the recipe says.
     None,
     /// Every step the recipe gives the default network or an allow-list reaches only what
@@ -263,6 +267,7 @@ impl NetworkPolicy {
     pub(crate) fn step_network(&self) -> Option<kiln_recipes::plan::Network> {
         match self {
             NetworkPolicy::Sandboxed | NetworkPolicy::AllowHost => None,
+            NetworkPolicy::Host => Some(kiln_recipes::plan::Network::Host),
             NetworkPolicy::None => Some(kiln_recipes::plan::Network::None),
             NetworkPolicy::Allow(e) => Some(kiln_recipes::plan::Network::Allow(e.clone())),
         }

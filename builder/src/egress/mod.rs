@@ -55,9 +55,13 @@ pub const PROXY_PORT: u16 = 3128;
 /// recipe's own `step`). A build-wide `none` makes every step `none`; a build-wide
 /// allow-list replaces `default` and allow-list steps' network with it, keeps `none` steps
 /// as they are and leaves `host` steps to the `network.host` entitlement; a build-wide
-/// `default` or `host` changes nothing.
+/// `host` (`docker build --network host`) gives `default` steps the host's network and
+/// keeps `none` and allow-list steps as they are (each asked for less than the default);
+/// a build-wide `default` changes nothing. Whether a `host` step may run is the
+/// executor's check of the `network.host` entitlement, whichever way it got `host`.
 pub fn effective_network(step: &Network, over: Option<&Network>) -> Network {
     match (over, step) {
+        (Some(Network::Host), Network::Default) => Network::Host,
         (None | Some(Network::Default | Network::Host), s) => s.clone(),
         (Some(Network::None), _) => Network::None,
         (Some(Network::Allow(e)), Network::Default | Network::Allow(_)) => {
@@ -122,5 +126,10 @@ mod tests {
             Network::Host
         );
         assert_eq!(effective_network(&other, Some(&Network::Default)), other);
+        let host = Some(&Network::Host);
+        assert_eq!(effective_network(&Network::Default, host), Network::Host);
+        assert_eq!(effective_network(&Network::None, host), Network::None);
+        assert_eq!(effective_network(&allow, host), allow);
+        assert_eq!(effective_network(&Network::Host, host), Network::Host);
     }
 }

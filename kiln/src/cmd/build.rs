@@ -121,8 +121,10 @@ pub struct Args {
     #[arg(long = "allow", value_name = "ENTITLEMENT")]
     pub allow: Vec<String>,
     /// The network of every `RUN` step, over the recipe's (`docker build --network`):
-    /// `default` keeps what each step asks for, `none` gives no step any network.
-    #[arg(long, value_name = "MODE", value_parser = ["default", "none"])]
+    /// `default` keeps what each step asks for, `none` gives no step any network, `host`
+    /// runs every step that asks for the default network in the host's network namespace
+    /// (needs `--allow network.host`; `none` steps keep none).
+    #[arg(long, value_name = "MODE", value_parser = ["default", "none", "host"])]
     pub network: Option<String>,
     /// An allow-list for every step with the default network (repeatable): a domain,
     /// `*.domain`, an address or a CIDR range; the steps reach only these, through the
@@ -348,11 +350,17 @@ fn published_line(
 }
 
 /// The build's [`NetworkPolicy`] from `--network`, `--network-allow`/`--network-deny` and
-/// `--allow network.host`. Errors: modes that contradict each other, a bad list entry.
+/// `--allow network.host`. Errors: modes that contradict each other, `--network host`
+/// without the entitlement (as BuildKit: `--allow network.host`), a bad list entry.
 fn network_policy(a: &Args) -> anyhow::Result<NetworkPolicy> {
     let host = a.allow.iter().any(|e| e == "network.host");
     let listed = !a.network_allow.is_empty();
     match a.network.as_deref() {
+        Some("host") if listed => bail!("--network host and --network-allow contradict each other"),
+        Some("host") if !host => {
+            bail!("--network host needs the network.host entitlement (--allow network.host)")
+        }
+        Some("host") => return Ok(NetworkPolicy::Host),
         Some("none") if listed => bail!("--network none and --network-allow contradict each other"),
         Some("none") if host => {
             bail!("--network none and --allow network.host contradict each other")
