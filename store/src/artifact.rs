@@ -518,6 +518,11 @@ pub struct ArtifactReader {
     table: Arc<ChunkTable>,
     /// Recently read chunks (verified raw bytes), at most [`READER_MEMORY`] bytes.
     recent: Mutex<Recent>,
+    /// How long a chunk's failed read is remembered ([`ArtifactReader::remembering_failures`]);
+    /// zero: not at all.
+    remember_failures: std::time::Duration,
+    /// Chunk index → when its read failed, and the error's text.
+    failed: Mutex<std::collections::HashMap<usize, (std::time::Instant, String)>>,
 }
 
 /// Chunk index → (raw bytes, last use), bounded in bytes; the least recently used goes first.
@@ -565,7 +570,21 @@ impl ArtifactReader {
             store,
             table,
             recent: Mutex::default(),
+            remember_failures: std::time::Duration::ZERO,
+            failed: Mutex::default(),
         })
+    }
+
+    /// This reader, remembering each chunk whose read fails for `d`: a read of that chunk
+    /// within `d` of the failure fails at once ([`ChunkError::FailedRecently`], with the
+    /// failure's text) instead of asking the store again. For a reader whose caller retries a
+    /// failed read at once: a lazy clone's chunk server, whose QEMU reads a page or block again
+    /// right after an `EIO` (issue 35: with a store that stopped answering and a 3 s read
+    /// bound, a clone's start read the disk's first block twice and one memory page three
+    /// times, each retry waiting the whole bound again: 15 s before the start could fail).
+    pub fn remembering_failures(mut self, d: std::time::Duration) -> Self {
+        self.remember_failures = d;
+        self
     }
 
     /// Artifact size in bytes.
@@ -582,9 +601,25 @@ impl ArtifactReader {
             // Holes may be large; they are served without this buffer (see read_at).
             None => return Ok(Bytes::new()),
             Some(d) => {
-                let raw = self.store.get_chunk(&d, e.raw_len).await?;
-                check_len(&self.store, e, &raw)?;
-                raw
+                if let Some(err) = self.failed_recently(i, &d) {
+                    return Err(err);
+                }
+                let got = match self.store.get_chunk(&d, e.raw_len).await {
+                    Ok(raw) => check_len(&self.store, e, &raw).map(|()| raw),
+                    Err(err) => Err(err),
+                };
+                match got {
+                    Ok(raw) => raw,
+                    Err(err) => {
+                        if !self.remember_failures.is_zero() {
+                            self.failed
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .insert(i, (std::time::Instant::now(), err.to_string()));
+                        }
+                        return Err(err);
+                    }
+                }
             }
         };
         self.recent
@@ -592,6 +627,29 @@ impl ArtifactReader {
             .unwrap_or_else(|p| p.into_inner())
             .put(i, raw.clone(), READER_MEMORY);
         Ok(raw)
+    }
+
+    /// The remembered failure of chunk `i` (digest `d`), if its read failed less than
+    /// [`ArtifactReader::remembering_failures`] ago (an older one is forgotten here).
+    fn failed_recently(&self, i: usize, d: &crate::ChunkDigest) -> Option<StoreError> {
+        if self.remember_failures.is_zero() {
+            return None;
+        }
+        let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        let (at, reason) = failed.get(&i)?;
+        let ago = at.elapsed();
+        if ago >= self.remember_failures {
+            failed.remove(&i);
+            return None;
+        }
+        Some(
+            ChunkError::FailedRecently {
+                digest: *d,
+                ago,
+                reason: reason.clone(),
+            }
+            .into(),
+        )
     }
 
     /// Fills `buf` from byte `offset`, crossing chunks as needed. Returns the bytes read (less

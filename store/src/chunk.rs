@@ -130,6 +130,17 @@ pub enum ChunkError {
     /// Reading the input artifact failed.
     #[error("reading input: {0}")]
     Io(#[from] std::io::Error),
+    /// A chunk whose read failed a moment ago, not asked for again
+    /// ([`crate::artifact::ArtifactReader::remembering_failures`]).
+    #[error("chunk {digest}: its read failed {ago:.1?} ago, not tried again yet: {reason}")]
+    FailedRecently {
+        /// The chunk.
+        digest: ChunkDigest,
+        /// How long ago the read failed.
+        ago: std::time::Duration,
+        /// That read's error (it names the store).
+        reason: String,
+    },
 }
 
 /// How an artifact is cut into chunks. Recorded in its [`ChunkTable`].

@@ -84,6 +84,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 
 use crate::backend::{Backend, BackendError, Version};
@@ -120,6 +121,19 @@ pub const GC_LOCK_TTL: Duration = Duration::from_secs(600);
 
 /// How often a running GC renews its lock (every minute, well inside [`GC_LOCK_TTL`]).
 pub const GC_LOCK_RENEW: Duration = Duration::from_secs(60);
+
+/// Moves to fossil keys (phase 1) and deletes of fossils (phase 2) a GC run has in flight at
+/// once, within one kind of object (manifests, blobs, chunks: the kinds still go one after
+/// the other). Each object's move or delete is independent of the others' (see the module
+/// doc), so only their order by kind matters. On S3 one packed chunk's move is six requests
+/// (a ranged GET and a HEAD, a PUT of the fossil, a listing of `packs/`, a PUT of the dead
+/// marker, a DELETE of any loose copy) and that listing grows with every marker written;
+/// moves in flight together share one listing. Measured (issue 35, `kiln/tests/vm_lazy.rs`'s
+/// last `kiln store gc`: about 870 objects of one snapshot on the test S3 server, moto, load
+/// 3 to 7 on 2 cores): one at a time the run took 40 and 43 s; 64 at a time 19 to 21 s (three
+/// runs), phase 1 then 12 s; 16 at a time, phase 1 took 14 s (one run). What is left is the
+/// server's time per request.
+pub const GC_MOVES_IN_FLIGHT: usize = 64;
 
 /// Errors from garbage collection.
 #[derive(Debug, thiserror::Error)]
@@ -548,19 +562,21 @@ impl Store {
                 manifests_of(&report.collected)
             }
             Some(lock) => {
-                // Phase 1: condemn.
-                for (r, _) in &doomed {
-                    lock.check()?;
-                    let key = r.key();
-                    match self.backend.rename(&key, &fossil_key(&key)).await {
-                        Ok(()) => report.condemned += 1,
-                        // Gone meanwhile (another store handle's delete of a stray object).
-                        Err(e) if e.is_not_found() => {}
-                        Err(e) => return Err(e.into()),
-                    }
-                    if let ObjectRef::Chunk(d) = r {
-                        self.known.forget(d);
-                    }
+                // Phase 1: condemn, one kind after the other (the order above), at most
+                // GC_MOVES_IN_FLIGHT moves of one kind at a time.
+                for kind in [0, 1, 2] {
+                    // The futures made first (a closure over borrowed items in the stream
+                    // would make `gc`'s future `Send` for one lifetime only).
+                    let moves: Vec<_> = doomed
+                        .iter()
+                        .filter(|(r, _)| kind_order(r) == kind)
+                        .map(|(r, _)| self.condemn(lock, *r))
+                        .collect();
+                    let moved: Vec<bool> = futures::stream::iter(moves)
+                        .buffered(GC_MOVES_IN_FLIGHT)
+                        .try_collect()
+                        .await?;
+                    report.condemned += moved.into_iter().filter(|m| *m).count();
                 }
                 // Phase 2: mark again, then judge every fossil.
                 lock.check()?;
@@ -607,6 +623,40 @@ impl Store {
         Ok(report)
     }
 
+    /// Phase 1's move of `r` to its fossil key, under `lock`. Returns whether it was moved
+    /// (not: it was gone meanwhile, another store handle's delete of a stray object).
+    async fn condemn(&self, lock: &GcLock, r: ObjectRef) -> Result<bool, StoreError> {
+        lock.check()?;
+        let key = r.key();
+        let moved = match self.backend.rename(&key, &fossil_key(&key)).await {
+            Ok(()) => true,
+            Err(e) if e.is_not_found() => false,
+            Err(e) => return Err(e.into()),
+        };
+        if let ObjectRef::Chunk(d) = r {
+            self.known.forget(&d);
+        }
+        Ok(moved)
+    }
+
+    /// Phase 2's delete of the fossil `f` of `r`, under `lock`.
+    async fn delete_fossil(
+        &self,
+        lock: &GcLock,
+        r: ObjectRef,
+        f: &crate::backend::ObjectInfo,
+    ) -> Result<Collected, StoreError> {
+        lock.check()?;
+        self.backend.delete(&f.key).await?;
+        if let ObjectRef::Chunk(d) = r {
+            self.known.forget(&d);
+        }
+        Ok(Collected {
+            key: r.key(),
+            size: f.size,
+        })
+    }
+
     /// Phase 2's verdict on every fossil: put back those whose object is in `live` (chunks
     /// first, then blobs, then manifests), delete the rest (manifests first).
     async fn judge_fossils(
@@ -640,16 +690,19 @@ impl Store {
             report.resurrected.push(key);
         }
         doomed.sort_by_key(|(r, _)| kind_order(r));
-        for (r, f) in doomed {
-            lock.check()?;
-            self.backend.delete(&f.key).await?;
-            if let ObjectRef::Chunk(d) = r {
-                self.known.forget(&d);
-            }
-            report.collected.push(Collected {
-                key: r.key(),
-                size: f.size,
-            });
+        // One kind after the other (manifests first), at most GC_MOVES_IN_FLIGHT deletes of
+        // one kind at a time.
+        for kind in [0, 1, 2] {
+            let deletes: Vec<_> = doomed
+                .iter()
+                .filter(|(r, _)| kind_order(r) == kind)
+                .map(|(r, f)| self.delete_fossil(lock, *r, f))
+                .collect();
+            let collected: Vec<Collected> = futures::stream::iter(deletes)
+                .buffered(GC_MOVES_IN_FLIGHT)
+                .try_collect()
+                .await?;
+            report.collected.extend(collected);
         }
         Ok(())
     }

@@ -128,6 +128,7 @@ conformance!(
     artifact_round_trip_sparse,
     corrupt_chunk_detected,
     reader_keeps_recent_chunks,
+    reader_remembers_a_failed_chunk_for_a_while,
     verify_reports_damage,
     gc_marks_and_sweeps,
     copy_between_stores,
@@ -604,6 +605,50 @@ async fn reader_keeps_recent_chunks(f: Fixture) {
     let key = table.entries[7].digest.unwrap().key();
     f.store.backend().delete(&key).await.unwrap();
     assert!(reader.read_at(7 * (64 << 10), &mut buf).await.is_err());
+}
+
+/// A reader remembering failures answers a chunk whose read failed with that failure, at
+/// once, for as long as it remembers (the chunk back in the store meanwhile is not read), and
+/// asks the store again after that.
+async fn reader_remembers_a_failed_chunk_for_a_while(f: Fixture) {
+    let data = noise(1 << 20, 23);
+    let (_, table) = publish_image(&f.store, &data, Chunking::Fixed { size: 64 << 10 }).await;
+    let victim = table.entries[2].digest.unwrap();
+    let good = kiln_store::chunk::encode(&data[2 << 16..3 << 16]).unwrap();
+    let table = Arc::new(table);
+    let mut buf = vec![0u8; 4096];
+    for (remember, wait) in [
+        (Duration::from_secs(600), Duration::ZERO),
+        (Duration::from_millis(100), Duration::from_millis(300)),
+    ] {
+        f.store.backend().delete(&victim.key()).await.unwrap();
+        let reader = ArtifactReader::new(f.store.clone(), table.clone())
+            .unwrap()
+            .remembering_failures(remember);
+        let first = reader.read_at(2 << 16, &mut buf).await.unwrap_err();
+        assert!(!first.to_string().is_empty());
+        f.store
+            .backend()
+            .put(&victim.key(), good.stored.clone())
+            .await
+            .unwrap();
+        tokio::time::sleep(wait).await;
+        let again = reader.read_at((2 << 16) + 8192, &mut buf).await;
+        if wait.is_zero() {
+            let e = again.unwrap_err();
+            assert!(
+                matches!(e, StoreError::Chunk(ChunkError::FailedRecently { .. }))
+                    && e.to_string().contains(&victim.to_string())
+                    && e.to_string().contains(&first.to_string()),
+                "{e}"
+            );
+        } else {
+            again.unwrap();
+            assert!(buf[..] == data[(2 << 16) + 8192..(2 << 16) + 8192 + 4096]);
+        }
+        // Other chunks are read as ever.
+        reader.read_at(0, &mut buf).await.unwrap();
+    }
 }
 
 async fn corrupt_chunk_detected(f: Fixture) {

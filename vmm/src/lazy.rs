@@ -24,7 +24,9 @@
 //! `kiln __lazy-serve` the read bound `lazy_read_timeout_secs`), decompressed, its sha256
 //! checked, kept in the read cache, and answered. Zero chunks (holes of the table) are answered without any fetch. A chunk that
 //! fails its digest, or a store that cannot be reached once the retries are spent, answers
-//! the read with `EIO`, never with wrong bytes; the first such error is written to
+//! the read with `EIO`, never with wrong bytes, and so does every read of that chunk for
+//! [`FAILURE_MEMORY`] after, without asking the store again (QEMU retries a failed read at
+//! once; each retry would wait the whole read bound again); the first such error is written to
 //! `<dir>/failure` ([`FAILURE`]) so that the clone start that hit it names the chunk
 //! ([`crate::clone::CloneError::ChunkServer`]). Every chunk served is appended once to
 //! `<dir>/chunks.log` ([`CHUNK_LOG`], lines `memory|disk <index> <digest> <raw bytes>`).
@@ -122,6 +124,15 @@ const USE_LOCK: &str = "lazy.use";
 pub const IDLE_INTERVAL: Duration = Duration::from_secs(1);
 /// How many checks in a row without a clone make the server exit.
 pub const IDLE_CHECKS: u32 = 3;
+
+/// How long a chunk whose read failed is answered at once with that failure (`EIO`) instead
+/// of being asked of the store again ([`ArtifactReader::remembering_failures`]): 5 s. QEMU
+/// reads a page or block again right after an `EIO`: measured (issue 35, `vm_lazy`'s stalled
+/// store, 3 s read bound, under load), a restore read the disk's first block twice and one
+/// memory page three times, each read issued within 15 ms of the last one's failure,
+/// and each waited the whole bound: 15 s before the start could fail, 6 s with this. A store
+/// that comes back is asked again at most this long after the failure.
+pub const FAILURE_MEMORY: Duration = Duration::from_secs(5);
 
 /// How long the server's lease lasts after its last renewal (10 min: a server that hangs or
 /// whose host vanishes stops protecting the snapshot after that).
@@ -640,7 +651,8 @@ where
     let file = |name: &'static str, t: &ChunkTable| -> Result<Served1, String> {
         let table = Arc::new(t.clone());
         let reader = ArtifactReader::new(store.clone(), table.clone())
-            .map_err(|e| format!("{name} of {snapshot}: {e}"))?;
+            .map_err(|e| format!("{name} of {snapshot}: {e}"))?
+            .remembering_failures(FAILURE_MEMORY);
         Ok(Served1 {
             name,
             table,

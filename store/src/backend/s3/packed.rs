@@ -412,6 +412,12 @@ pub const GET_MANY_SPAN: u64 = 8 << 20;
 const INDEX_LOADS_IN_FLIGHT: usize = 8;
 /// Packs whose dead markers are listed at once ([`Backend::packed_present`]).
 const PACK_CHECKS_IN_FLIGHT: usize = 8;
+/// Dead markers of one retired pack deleted at once (a compaction's last step: the pack and
+/// its index are gone, so their order does not matter). Measured (issue 35, `vm_lazy`'s last
+/// `kiln store gc` against the test S3 server, one pack of 870 dead chunks, one run each):
+/// one at a time the compaction took 3.3 s, 16 at a time 2.6 s (the server's time per
+/// request is most of it).
+const MARKER_DELETES_IN_FLIGHT: usize = 16;
 
 /// What [`Backend::head`] says of a packed chunk: its stored length, and its index's time.
 pub(super) fn packed_info(key: &str, loc: &Loc) -> ObjectInfo {
@@ -551,9 +557,11 @@ impl S3Backend {
 
     /// Removes every dead marker of pack `name`.
     pub(super) async fn delete_markers(&self, name: &str) -> Result<(), BackendError> {
-        for o in self.list_prefix_raw(&dead_prefix(name)).await? {
-            self.delete_raw(&o.key).await?;
-        }
-        Ok(())
+        let markers = self.list_prefix_raw(&dead_prefix(name)).await?;
+        let deletes: Vec<_> = markers.iter().map(|o| self.delete_raw(&o.key)).collect();
+        futures::stream::iter(deletes)
+            .buffer_unordered(MARKER_DELETES_IN_FLIGHT)
+            .try_collect::<()>()
+            .await
     }
 }
