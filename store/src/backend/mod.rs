@@ -447,6 +447,15 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         Ok(self.head(key).await?.is_some())
     }
 
+    /// [`Backend::loose_present`] of each of `keys`, in the order given: [`crate::Store::exist`]'s
+    /// objects that neither [`Backend::packed_present`] nor a listing answered for. The
+    /// local backend looks all of them up in one blocking call. Default: one
+    /// [`Backend::loose_present`] each, [`crate::store::PRESENCE_CHECKS_IN_FLIGHT`] at once.
+    /// Errors: the first failed look-up (its error alone, or one per key).
+    async fn loose_present_many(&self, keys: &[String]) -> Vec<Result<bool, BackendError>> {
+        present_each(self, keys).await
+    }
+
     /// Sends what `batch` still holds unsent (the S3 backend's last pack and its index),
     /// so that [`Backend::commit_staged`] has nothing left that can fail transiently.
     /// Idempotent: the retry wrapper may call it again after a failure. Default: nothing.
@@ -538,6 +547,20 @@ pub(crate) async fn stage_each<B: Backend + ?Sized>(
     futures::stream::iter(items)
         .map(|(k, d)| async move { b.stage_if_absent(batch, &k, d).await })
         .buffered(STAGE_MANY_IN_FLIGHT)
+        .collect()
+        .await
+}
+
+/// [`Backend::loose_present_many`]'s default: one [`Backend::loose_present`] of `b` each,
+/// [`crate::store::PRESENCE_CHECKS_IN_FLIGHT`] at once, answers in the order given.
+pub(crate) async fn present_each<B: Backend + ?Sized>(
+    b: &B,
+    keys: &[String],
+) -> Vec<Result<bool, BackendError>> {
+    use futures::StreamExt;
+    futures::stream::iter(keys.iter().cloned())
+        .map(|k| async move { b.loose_present(&k).await })
+        .buffered(crate::store::PRESENCE_CHECKS_IN_FLIGHT)
         .collect()
         .await
 }

@@ -582,6 +582,20 @@ impl Backend for Retrying {
         .0
     }
 
+    /// A local store ([`Retrying::passes_batches`]): the backend's own look-up of all of
+    /// them, one call. Any other: [`Backend::loose_present`] of each, retried as usual.
+    async fn loose_present_many(&self, keys: &[String]) -> Vec<Result<bool, BackendError>> {
+        if !self.passes_batches() {
+            return super::present_each(self, keys).await;
+        }
+        self.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        let out = self.inner.loose_present_many(keys).await;
+        if out.iter().any(Result::is_err) {
+            self.metrics.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        out
+    }
+
     async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
         self.run("head", key, || self.inner.loose_present(key))
             .await
