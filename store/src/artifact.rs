@@ -3,20 +3,23 @@
 //! - Upload ([`Store::put_artifact`]): the input is cut on a blocking thread (a file by
 //!   [`crate::chunk::split_parallel`], content-defined cuts found a batch of 8 MiB per core at
 //!   a time on up to 4 cores, at most `cores × 8 MiB + 2 × max chunk` of input held; any other
-//!   reader by [`crate::chunk::split`], one chunk at a time; the same chunks either way); chunks are hashed and compressed on the upload's own threads (one per core) and stored with
-//!   put-if-absent, at most [`crate::StoreOptions::parallelism`] in flight; the cutter runs at
+//!   reader by [`crate::chunk::split`], one chunk at a time; the same chunks either way); chunks are hashed and compressed on the upload's own threads (one per core, at most
+//!   [`crate::StoreOptions::parallelism`] chunks in flight) and stored with put-if-absent; the cutter runs at
 //!   most [`READ_AHEAD`] bytes of cut chunks ahead of the encoders, so that it reads and cuts
 //!   the next batch while the last is encoded (memory: that, plus about
-//!   `2 × parallelism × max chunk`, plus [`GROUPS_IN_FLIGHT`] groups of compressed chunks
-//!   when a lease is given, the older ones being leased and written while the next is
-//!   encoded). All-zero chunks become holes. Without a lease,
-//!   chunks in the known-chunk index are skipped. With a lease, each group of
-//!   [`LEASE_BATCH`] chunks is added to the lease and only then looked up, under the store's
+//!   `2 × parallelism × max chunk`, plus [`GROUPS_IN_FLIGHT`] groups of compressed chunks,
+//!   the older ones being looked up and written while the next is encoded). All-zero chunks
+//!   become holes. Encoded chunks are stored a group at a time: with a lease, groups of
+//!   [`LEASE_BATCH`]; without, the chunks encoded by the time the group is taken (at most
+//!   [`LEASE_BATCH`]). Without a lease, chunks in the known-chunk index are skipped. With a
+//!   lease, each group is added to the lease and only then looked up, under the store's
 //!   sweep lock ([`Lease::find_present`]); those found are relied on, the rest written, so
-//!   GC with any grace period keeps every chunk of the table (see [`crate::gc`]). Chunks are
-//!   written with [`Backend::stage_if_absent`] into the upload's batch
-//!   ([`Backend::stage_batch`], owned by the upload and given back to the commit) and
-//!   committed once at the end ([`Backend::commit_staged`]; the bookkeeping, shared with a
+//!   GC with any grace period keeps every chunk of the table (see [`crate::gc`]). A group's
+//!   chunks are written with one [`Backend::stage_many_if_absent`] (locally one blocking
+//!   call for the group, not one per chunk) into the upload's batch
+//!   ([`Backend::stage_batch`], owned by the upload and given back to the commit), the
+//!   groups one after another in input order (so a pack holds its chunks in input order),
+//!   and committed once at the end ([`Backend::commit_staged`]; the bookkeeping, shared with a
 //!   copy between stores, is `crate::staging`'s): locally all go into one pack file made
 //!   durable by one fsync and visible by one index (the promise and its argument:
 //!   [`crate::backend::local`]); on S3 into pack objects of 32 MiB, each visible by its index
@@ -28,6 +31,7 @@
 //! - [`Store::materialize`]: writes the artifact to a sparse file (holes for zero entries) with
 //!   positional writes, bounded parallelism, to `<dest>.partial` then renamed.
 
+use std::collections::HashSet;
 use std::fs::File;
 use std::io::Read;
 use std::os::unix::fs::FileExt;
@@ -52,8 +56,8 @@ use crate::staging::Staging;
 /// into a new local store): with groups of 64, 48 lease parts and 108 fsyncs of 0.1 to 17 ms
 /// each, in the pipeline between encoding and writing.
 const LEASE_BATCH: usize = 256;
-/// Groups of [`LEASE_BATCH`] chunks in flight during a leased upload, in order: the older
-/// ones leased, looked up and written while the newest is encoded. Encoding stops while all
+/// Groups of chunks in flight during an upload (of [`LEASE_BATCH`] chunks when leased), in
+/// order: the older ones leased, looked up and written while the newest is encoded. Encoding stops while all
 /// are busy: with 2 (one written, one encoded), every lease part's fsyncs stopped it, and an
 /// import used about 1.4 of 2 cores (issue 33).
 const GROUPS_IN_FLIGHT: usize = 3;
@@ -78,6 +82,9 @@ pub struct PutArtifactOptions {
 /// each 16 MiB batch while the encoders waited for it, so an import used about 1.35 of the 2
 /// cores.
 const READ_AHEAD: usize = 32 << 20;
+
+/// A piece of the input once encoded: its offset, and its chunk or (a hole) its length.
+type Encoded = (u64, Result<chunk::EncodedChunk, u64>);
 
 enum Piece {
     Hole {
@@ -174,7 +181,7 @@ impl Store {
         let encoded = tokio_stream_from(rx)
             .map(|p| async move {
                 match p? {
-                    Piece::Hole { offset, len } => Ok::<_, StoreError>((offset, Err(len))),
+                    Piece::Hole { offset, len } => Ok::<Encoded, StoreError>((offset, Err(len))),
                     Piece::Data {
                         offset,
                         data,
@@ -188,35 +195,66 @@ impl Store {
                 }
             })
             .buffered(self.parallelism);
-        // `found`: `None` without a lease (the known-chunk index may skip the write);
-        // `Some(p)` with one: whether the chunk was found under it (then it is not written).
         // Chunks written but not yet durable nor visible (the local backend's), committed
         // with one sync at the end (see `Store::commit_chunks`).
         let staging = &Mutex::new(Staging::default());
         // This upload's batch (locally: its pack file), given back at the commit.
         let batch_owned = self.backend.stage_batch();
         let batch = &batch_owned;
-        let store_one = |offset: u64, e: Result<chunk::EncodedChunk, u64>, found: Option<bool>| {
-            let reporter = reporter.clone();
-            async move {
-                match e {
+        // The group whose chunks are written next: groups write one after another in input
+        // order, so a batch holds its chunks in input order (locally, the pack file).
+        let (turn, _) = tokio::sync::watch::channel(0usize);
+        let turn = &turn;
+        let reporter = &reporter;
+        // Stage 2, per group of chunks: which ones are relied on without a write (with a
+        // lease, those found under it; without, those in the known-chunk index), then, in
+        // turn, the others written with one `stage_chunks`, then the group's table entries.
+        let store_group = |i: usize, group: Vec<Result<Encoded, StoreError>>| async move {
+            let group: Vec<Encoded> = group.into_iter().collect::<Result<_, _>>()?;
+            let chunks = || group.iter().filter_map(|(_, e)| e.as_ref().ok());
+            let found: HashSet<crate::ChunkDigest> = match &opts.lease {
+                // Leased, then looked up under the sweep lock (Lease::find_present). The
+                // known-chunk index is not trusted here: GC may have deleted a chunk since.
+                Some(lease) => {
+                    let objs: Vec<ObjectRef> =
+                        chunks().map(|e| ObjectRef::Chunk(e.digest)).collect();
+                    let present = lease.find_present(&objs).await?;
+                    chunks()
+                        .map(|e| e.digest)
+                        .filter(|d| present.contains(&ObjectRef::Chunk(*d)))
+                        .collect()
+                }
+                None => chunks()
+                    .map(|e| e.digest)
+                    .filter(|d| self.known.contains(d))
+                    .collect(),
+            };
+            let missing: Vec<&chunk::EncodedChunk> =
+                chunks().filter(|e| !found.contains(&e.digest)).collect();
+            // Never closed while this upload runs (the sender is borrowed here).
+            let _ = turn.subscribe().wait_for(|&n| n == i).await;
+            let wrote = self.stage_chunks(&missing, batch, staging).await;
+            turn.send_replace(i + 1);
+            let mut wrote = wrote?.into_iter();
+            let mut leased = 0;
+            let entries: Vec<ChunkEntry> = group
+                .into_iter()
+                .map(|(offset, e)| match e {
                     Err(len) => {
                         reporter.emit(ProgressEvent::Hole { raw_len: len });
-                        Ok::<_, StoreError>(ChunkEntry {
+                        ChunkEntry {
                             offset,
                             raw_len: len,
                             digest: None,
                             stored_len: 0,
-                        })
+                        }
                     }
                     Ok(enc) => {
-                        let uploaded = match found {
-                            None if self.known.contains(&enc.digest) => false,
-                            Some(true) => {
-                                staging.lock().unwrap_or_else(|p| p.into_inner()).leased += 1;
-                                false
-                            }
-                            None | Some(false) => self.stage_chunk(&enc, batch, staging).await?,
+                        let uploaded = if found.contains(&enc.digest) {
+                            leased += usize::from(opts.lease.is_some());
+                            false
+                        } else {
+                            wrote.next().unwrap_or(false)
                         };
                         let stored_len = enc.stored.len() as u64;
                         reporter.emit(ProgressEvent::Chunk {
@@ -225,76 +263,46 @@ impl Store {
                             stored_len,
                             transferred: uploaded,
                         });
-                        Ok(ChunkEntry {
+                        ChunkEntry {
                             offset,
                             raw_len: enc.raw_len,
                             digest: Some(enc.digest),
                             stored_len,
-                        })
+                        }
                     }
-                }
+                })
+                .collect();
+            if leased > 0 {
+                staging.lock().unwrap_or_else(|p| p.into_inner()).leased += leased;
             }
+            Ok::<_, StoreError>(entries)
         };
         let mut table = ChunkTable {
             size: 0,
             chunking,
             entries: Vec::new(),
         };
-        let mut push = |e: ChunkEntry| {
-            table.size = e.end();
-            table.push(e);
-        };
         let stored = async {
-            if let Some(lease) = &opts.lease {
-                // Stage 2 with a lease: per group, lease the chunks and then look them up under
-                // the sweep lock (Lease::find_present), then write the missing ones in parallel.
-                // The known-chunk index is not trusted here: GC may have deleted a chunk since.
-                // GROUPS_IN_FLIGHT groups at once, in order: while one is looked up and written,
-                // the next one's chunks are hashed and compressed (before, encoding stopped for
-                // every group's look-up and writes).
-                let store_one = &store_one;
-                let mut groups = std::pin::pin!(
-                    encoded
-                        .chunks(LEASE_BATCH)
-                        .map(|group| async move {
-                            let group: Vec<_> = group.into_iter().collect::<Result<_, _>>()?;
-                            let objs: Vec<ObjectRef> = group
-                                .iter()
-                                .filter_map(|(_, e)| match e {
-                                    Ok(enc) => Some(ObjectRef::Chunk(enc.digest)),
-                                    Err(_) => None,
-                                })
-                                .collect();
-                            let present = lease.find_present(&objs).await?;
-                            futures::stream::iter(group)
-                                .map(|(offset, e)| {
-                                    let found = match &e {
-                                        Ok(enc) => present.contains(&ObjectRef::Chunk(enc.digest)),
-                                        Err(_) => false,
-                                    };
-                                    store_one(offset, e, Some(found))
-                                })
-                                .buffered(self.parallelism)
-                                .try_collect::<Vec<ChunkEntry>>()
-                                .await
-                        })
-                        .buffered(GROUPS_IN_FLIGHT)
-                );
-                while let Some(entries) = groups.try_next().await? {
-                    entries.into_iter().for_each(&mut push);
-                }
+            // With a lease, groups of LEASE_BATCH (each costs a lease part and a look-up);
+            // without, the chunks encoded by the time the last group was taken (at most
+            // LEASE_BATCH), so that writes follow the encoders closely. GROUPS_IN_FLIGHT at
+            // once, in order: while one is looked up and written, the next one's chunks are
+            // hashed and compressed.
+            let groups = if opts.lease.is_some() {
+                encoded.chunks(LEASE_BATCH).left_stream()
             } else {
-                // Stage 2 without a lease: store as encoded chunks arrive (fully pipelined).
-                let mut stored = std::pin::pin!(
-                    encoded
-                        .map(|r| async move {
-                            let (offset, e) = r?;
-                            store_one(offset, e, None).await
-                        })
-                        .buffered(self.parallelism)
-                );
-                while let Some(e) = stored.try_next().await? {
-                    push(e);
+                encoded.ready_chunks(LEASE_BATCH).right_stream()
+            };
+            let mut groups = std::pin::pin!(
+                groups
+                    .enumerate()
+                    .map(|(i, g)| store_group(i, g))
+                    .buffered(GROUPS_IN_FLIGHT)
+            );
+            while let Some(entries) = groups.try_next().await? {
+                for e in entries {
+                    table.size = e.end();
+                    table.push(e);
                 }
             }
             Ok::<_, StoreError>(())
@@ -310,7 +318,7 @@ impl Store {
             self.discard_chunks(staging, batch).await;
             return Err(e);
         }
-        self.commit_chunks(staging, batch, &reporter).await?;
+        self.commit_chunks(staging, batch, reporter).await?;
         table.validate()?;
         Ok((table, reporter.totals()))
     }

@@ -6,7 +6,8 @@
 //! destination's lease look-up finds present; each chunk is decompressed and verified before
 //! it is written, so corruption is never passed on), then blobs (verified), then manifests
 //! (referenced before referencing), then the tag. The chunks of one copy are staged into one
-//! batch of the destination ([`Backend::stage_batch`], [`Backend::stage_if_absent`]) and
+//! batch of the destination ([`Backend::stage_batch`], one [`Backend::stage_many_if_absent`]
+//! per read batch) and
 //! committed once ([`Backend::commit_staged`]) before any blob, manifest or tag is written:
 //! a pull into a local store makes one pack file with one fsync (`crate::backend::local`,
 //! "Packs"), not one file per chunk; a push to S3 makes pack objects
@@ -37,7 +38,7 @@ use crate::{Store, StoreError};
 /// (`None`: present in the destination, not read).
 type ToCopy = (ChunkDigest, u64, Option<Result<Bytes, StoreError>>);
 
-/// Chunks of one read batch verified and staged at once by a copy.
+/// Chunks of one read batch verified at once by a copy (then staged together).
 const STAGES_PER_BATCH: usize = 4;
 
 /// Blobs up to this size (bytes, 64 MiB) are copied in memory; larger ones through a temp file.
@@ -159,8 +160,8 @@ async fn copy_closure(
     let batch = &batch_owned;
     let staging = &Mutex::new(Staging::default());
     // Read in batches ([`crate::artifact::READ_BATCH`] chunks, one `get_chunks_stored`: on S3
-    // a few ranged GETs of the packs holding them), each batch's chunks then verified and
-    // staged a few at a time.
+    // a few ranged GETs of the packs holding them), each batch's chunks then verified a few
+    // at a time and staged together (locally: one blocking call for the batch).
     let groups: Vec<Vec<(ChunkDigest, u64)>> = chunks
         .chunks(crate::artifact::READ_BATCH)
         .map(<[(ChunkDigest, u64)]>::to_vec)
@@ -186,50 +187,56 @@ async fn copy_closure(
                     (c, len, r)
                 })
                 .collect();
-            futures::stream::iter(items)
-                .map(|(c, len, read)| async move {
-                    let stored_len;
-                    let transferred = match read {
-                        None => {
-                            // Indexed as known after the commit (which makes it durable here
-                            // too).
-                            staging
-                                .lock()
-                                .unwrap_or_else(|p| p.into_inner())
-                                .found
-                                .push(c);
-                            stored_len = 0;
-                            false
-                        }
-                        Some(stored) => {
-                            let stored = stored?;
-                            stored_len = stored.len() as u64;
-                            let url = src.url().to_string();
-                            let s2 = stored.clone();
-                            // Verified before it is written: corruption is never passed on.
-                            tokio::task::spawn_blocking(move || {
-                                crate::chunk::decode(&c, &s2, len, &url)
-                            })
-                            .await??;
-                            let enc = crate::chunk::EncodedChunk {
-                                digest: c,
-                                raw_len: len,
-                                stored,
-                            };
-                            dst.stage_chunk(&enc, batch, staging).await?
-                        }
-                    };
-                    reporter.emit(ProgressEvent::Chunk {
-                        digest: c,
-                        raw_len: len,
-                        stored_len,
-                        transferred,
-                    });
-                    Ok::<_, StoreError>(())
-                })
-                .buffer_unordered(STAGES_PER_BATCH)
-                .try_collect::<()>()
-                .await
+            // Each chunk read is verified before it is written: corruption is never passed
+            // on. Then the batch's chunks are staged with one `stage_chunks`.
+            let checked: Vec<(ChunkDigest, u64, Option<crate::chunk::EncodedChunk>)> =
+                futures::stream::iter(items)
+                    .map(|(c, len, read)| async move {
+                        let Some(stored) = read else {
+                            return Ok::<_, StoreError>((c, len, None));
+                        };
+                        let stored = stored?;
+                        let url = src.url().to_string();
+                        let s2 = stored.clone();
+                        tokio::task::spawn_blocking(move || {
+                            crate::chunk::decode(&c, &s2, len, &url)
+                        })
+                        .await??;
+                        let enc = crate::chunk::EncodedChunk {
+                            digest: c,
+                            raw_len: len,
+                            stored,
+                        };
+                        Ok((c, len, Some(enc)))
+                    })
+                    .buffered(STAGES_PER_BATCH)
+                    .try_collect()
+                    .await?;
+            let encs: Vec<&crate::chunk::EncodedChunk> =
+                checked.iter().filter_map(|(_, _, e)| e.as_ref()).collect();
+            let mut wrote = dst.stage_chunks(&encs, batch, staging).await?.into_iter();
+            for (c, len, enc) in checked {
+                let (stored_len, transferred) = match enc {
+                    Some(enc) => (enc.stored.len() as u64, wrote.next().unwrap_or(false)),
+                    None => {
+                        // Indexed as known after the commit (which makes it durable here
+                        // too).
+                        staging
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .found
+                            .push(c);
+                        (0, false)
+                    }
+                };
+                reporter.emit(ProgressEvent::Chunk {
+                    digest: c,
+                    raw_len: len,
+                    stored_len,
+                    transferred,
+                });
+            }
+            Ok::<_, StoreError>(())
         })
         .buffer_unordered(crate::artifact::batches_in_flight(
             src.parallelism.max(dst.parallelism),

@@ -2,7 +2,8 @@
 //! `put_artifact_reader`) and a copy between stores ([`crate::copy`]).
 //!
 //! A writer takes one batch of the store ([`Backend::stage_batch`]; locally, one pack file),
-//! writes each chunk into it with [`Store::stage_chunk`] (in parallel; the bookkeeping is a
+//! writes its chunks into it a group at a time with [`Store::stage_chunks`] (one
+//! [`Backend::stage_many_if_absent`] per group, groups in parallel; the bookkeeping is a
 //! [`Staging`] behind a mutex), and then either commits once with [`Store::commit_chunks`]
 //! (before anything naming the chunks is written: chunks, then blobs and manifests, then the
 //! tag) or, on a failure, forgets it all with [`Store::discard_chunks`] (a batch dropped
@@ -39,45 +40,76 @@ pub(crate) struct Staging {
 }
 
 impl Store {
-    /// Writes one encoded chunk with [`Backend::stage_if_absent`] into the writer's `batch`
-    /// ([`Backend::stage_batch`]): a staged one is queued in
-    /// `staging` for [`Store::commit_chunks`], one found present is noted there. Returns
-    /// whether this call wrote the chunk's bytes.
-    pub(crate) async fn stage_chunk(
+    /// Writes encoded chunks with one [`Backend::stage_many_if_absent`] into the writer's
+    /// `batch` ([`Backend::stage_batch`]), in the order given (locally: appended to the
+    /// batch's pack in that order): a staged one is queued in `staging` for
+    /// [`Store::commit_chunks`], one found present is noted there. Returns, for each chunk,
+    /// whether this call wrote its bytes (not for one this batch holds already, from an
+    /// earlier call or earlier in `encs`). Errors: the first failed write (every result is
+    /// noted in `staging` first, so that the discard removes what was written).
+    pub(crate) async fn stage_chunks(
         &self,
-        enc: &chunk::EncodedChunk,
+        encs: &[&chunk::EncodedChunk],
         batch: &StageBatch,
         staging: &Mutex<Staging>,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Vec<bool>, StoreError> {
         // Claimed under the lock, before the write: of two copies in flight at once, one
         // writes. Should that write fail, the whole upload (or copy) fails with it.
-        if !staging
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .claimed
-            .insert(enc.digest)
-        {
-            return Ok(false);
+        let mine: Vec<bool> = {
+            let mut s = staging.lock().unwrap_or_else(|p| p.into_inner());
+            encs.iter().map(|e| s.claimed.insert(e.digest)).collect()
+        };
+        let items: Vec<(String, bytes::Bytes)> = encs
+            .iter()
+            .zip(&mine)
+            .filter(|(_, m)| **m)
+            .map(|(e, _)| (e.digest.key(), e.stored.clone()))
+            .collect();
+        let mut results = if items.is_empty() {
+            Vec::new()
+        } else {
+            self.backend.stage_many_if_absent(batch, items).await
         }
-        let r = self
-            .backend
-            .stage_if_absent(batch, &enc.digest.key(), enc.stored.clone())
-            .await?;
+        .into_iter();
         let mut s = staging.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(match r {
-            Staged::Done(PutOutcome::Created) => {
-                s.written.push(enc.digest);
-                true
-            }
-            Staged::Done(PutOutcome::AlreadyExists) => {
-                s.found.push(enc.digest);
-                false
-            }
-            Staged::Pending(p) => {
-                s.pending.push((enc.digest, enc.raw_len, p));
-                true
-            }
-        })
+        let mut first_err = None;
+        let wrote = encs
+            .iter()
+            .zip(mine)
+            .map(|(enc, mine)| {
+                if !mine {
+                    return false;
+                }
+                match results.next() {
+                    Some(Ok(Staged::Done(PutOutcome::Created))) => {
+                        s.written.push(enc.digest);
+                        true
+                    }
+                    Some(Ok(Staged::Done(PutOutcome::AlreadyExists))) => {
+                        s.found.push(enc.digest);
+                        false
+                    }
+                    Some(Ok(Staged::Pending(p))) => {
+                        s.pending.push((enc.digest, enc.raw_len, p));
+                        true
+                    }
+                    Some(Err(e)) => {
+                        first_err.get_or_insert(StoreError::from(e));
+                        false
+                    }
+                    None => {
+                        first_err.get_or_insert_with(|| {
+                            StoreError::io("stage", std::io::Error::other("a stage lost"))
+                        });
+                        false
+                    }
+                }
+            })
+            .collect();
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(wrote),
+        }
     }
 
     /// Commits what an upload or a copy staged into `batch` ([`Backend::commit_staged`]; locally the

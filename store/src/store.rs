@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 
 use crate::backend::retry::{MetricsSnapshot, RetryPolicy, Retrying};
 use crate::backend::s3::S3Options;
@@ -312,7 +312,8 @@ impl Store {
     /// before packs), the rest of that prefix is checked one `head` each, and for
     /// [`LIST_DENSE_RETRY`] this handle heads that prefix's groups below [`LIST_MIN_KEYS`]
     /// without walking: a dense prefix costs an import two wasted pages, not two per group.
-    /// Everything else is one `head` per object, [`PRESENCE_CHECKS_IN_FLIGHT`] at once.
+    /// Everything else is one `head` per object ([`Backend::loose_present_many`]: locally
+    /// all in one blocking call; on S3 [`PRESENCE_CHECKS_IN_FLIGHT`] at once).
     /// Errors: the first failed request.
     ///
     /// A walk's answer is as safe for the writer as a `head`'s (a `true` is never stale,
@@ -364,16 +365,21 @@ impl Store {
             }
             by_head.extend_from_slice(&group[done..]);
         }
-        let found: Vec<(usize, bool)> = futures::stream::iter(by_head)
-            .map(|i| {
-                let key = &keys[i];
-                async move { Ok::<_, StoreError>((i, self.backend.loose_present(key).await?)) }
-            })
-            .buffer_unordered(PRESENCE_CHECKS_IN_FLIGHT)
-            .try_collect()
-            .await?;
-        for (i, p) in found {
-            out[i] = p;
+        if by_head.is_empty() {
+            return Ok(out);
+        }
+        let asked: Vec<String> = by_head.iter().map(|&i| keys[i].clone()).collect();
+        let found = self.backend.loose_present_many(&asked).await;
+        if found.len() != by_head.len() {
+            // An error for all of them (a blocking call that panicked, ...).
+            let e = found.into_iter().find_map(Result::err);
+            return Err(e.map_or_else(
+                || StoreError::io("exist", std::io::Error::other("a look-up lost")),
+                StoreError::from,
+            ));
+        }
+        for (i, p) in by_head.into_iter().zip(found) {
+            out[i] = p?;
         }
         Ok(out)
     }

@@ -417,6 +417,20 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         Ok(Staged::Done(self.put_if_absent(key, data, None).await?))
     }
 
+    /// [`Backend::stage_if_absent`] of each of `items` (key, bytes) into `batch`, each its
+    /// own result, in the order given; a backend that appends to a pack appends them in that
+    /// order. For an upload's or a copy's group of chunks: the local backend stages a whole
+    /// group in one blocking call (one hand-off to a thread of the blocking pool and back,
+    /// instead of one per chunk). Default: one [`Backend::stage_if_absent`] each,
+    /// [`STAGE_MANY_IN_FLIGHT`] at once.
+    async fn stage_many_if_absent(
+        &self,
+        batch: &StageBatch,
+        items: Vec<(String, Bytes)>,
+    ) -> Vec<Result<Staged, BackendError>> {
+        stage_each(self, batch, items).await
+    }
+
     /// Which of `keys` are chunks this backend holds in packs, live, as of a look-up made
     /// after the call began (`true`: present; a `false` says nothing, the key may still be
     /// a loose object). Backs [`crate::Store::exist`], the writer's question, so a `true`
@@ -431,6 +445,15 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// Default: [`Backend::head`].
     async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
         Ok(self.head(key).await?.is_some())
+    }
+
+    /// [`Backend::loose_present`] of each of `keys`, in the order given: [`crate::Store::exist`]'s
+    /// objects that neither [`Backend::packed_present`] nor a listing answered for. The
+    /// local backend looks all of them up in one blocking call. Default: one
+    /// [`Backend::loose_present`] each, [`crate::store::PRESENCE_CHECKS_IN_FLIGHT`] at once.
+    /// Errors: the first failed look-up (its error alone, or one per key).
+    async fn loose_present_many(&self, keys: &[String]) -> Vec<Result<bool, BackendError>> {
+        present_each(self, keys).await
     }
 
     /// Sends what `batch` still holds unsent (the S3 backend's last pack and its index),
@@ -508,6 +531,39 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
 
 /// Reads [`Backend::get_many`] has in flight at once, by default.
 pub const GET_MANY_IN_FLIGHT: usize = 8;
+
+/// Stages [`Backend::stage_many_if_absent`] has in flight at once, by default (as many as
+/// an upload had before it staged by groups: [`crate::StoreOptions::parallelism`]'s default).
+pub const STAGE_MANY_IN_FLIGHT: usize = 8;
+
+/// [`Backend::stage_many_if_absent`]'s default: one [`Backend::stage_if_absent`] of `b`
+/// each, [`STAGE_MANY_IN_FLIGHT`] at once, results in the order given.
+pub(crate) async fn stage_each<B: Backend + ?Sized>(
+    b: &B,
+    batch: &StageBatch,
+    items: Vec<(String, Bytes)>,
+) -> Vec<Result<Staged, BackendError>> {
+    use futures::StreamExt;
+    futures::stream::iter(items)
+        .map(|(k, d)| async move { b.stage_if_absent(batch, &k, d).await })
+        .buffered(STAGE_MANY_IN_FLIGHT)
+        .collect()
+        .await
+}
+
+/// [`Backend::loose_present_many`]'s default: one [`Backend::loose_present`] of `b` each,
+/// [`crate::store::PRESENCE_CHECKS_IN_FLIGHT`] at once, answers in the order given.
+pub(crate) async fn present_each<B: Backend + ?Sized>(
+    b: &B,
+    keys: &[String],
+) -> Vec<Result<bool, BackendError>> {
+    use futures::StreamExt;
+    futures::stream::iter(keys.iter().cloned())
+        .map(|k| async move { b.loose_present(&k).await })
+        .buffered(crate::store::PRESENCE_CHECKS_IN_FLIGHT)
+        .collect()
+        .await
+}
 
 /// Largest object [`Backend::get_versioned`] reads, bytes (64 MiB, the manifest limit): far
 /// above any tag record or history, far below what would exhaust memory.

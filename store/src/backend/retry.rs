@@ -376,6 +376,15 @@ impl Retrying {
     fn wrote(&self, n: u64) {
         self.metrics.bytes_written.fetch_add(n, Ordering::Relaxed);
     }
+
+    /// Whether a call on many objects goes to the backend's own implementation once, not
+    /// retried: for the local backend (URL `file://…`, as `Store::local_root` tells), whose
+    /// failures are never transient and whose batched calls are one blocking call each
+    /// (issue 33). Any other backend's are made one object at a time here, each retried
+    /// with its own time bound.
+    fn passes_batches(&self) -> bool {
+        self.inner.url().starts_with("file://")
+    }
 }
 
 #[async_trait::async_trait]
@@ -539,12 +548,52 @@ impl Backend for Retrying {
         r
     }
 
+    /// A local store ([`Retrying::passes_batches`]): the backend's own staging of all of
+    /// them, one call. Any other: [`Backend::stage_if_absent`] of each, retried as usual (on
+    /// S3 each stage may send a pack; each has its own time bound, as before).
+    async fn stage_many_if_absent(
+        &self,
+        batch: &StageBatch,
+        items: Vec<(String, Bytes)>,
+    ) -> Vec<Result<Staged, BackendError>> {
+        if !self.passes_batches() {
+            return super::stage_each(self, batch, items).await;
+        }
+        self.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        let lens: Vec<u64> = items.iter().map(|(_, d)| d.len() as u64).collect();
+        let out = self.inner.stage_many_if_absent(batch, items).await;
+        for (n, r) in lens.into_iter().zip(&out) {
+            match r {
+                Ok(Staged::Pending(_) | Staged::Done(PutOutcome::Created)) => self.wrote(n),
+                Ok(_) => {}
+                Err(_) => {
+                    self.metrics.failures.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        out
+    }
+
     async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
         self.run("packed_present", "packs/", || {
             self.inner.packed_present(keys)
         })
         .await
         .0
+    }
+
+    /// A local store ([`Retrying::passes_batches`]): the backend's own look-up of all of
+    /// them, one call. Any other: [`Backend::loose_present`] of each, retried as usual.
+    async fn loose_present_many(&self, keys: &[String]) -> Vec<Result<bool, BackendError>> {
+        if !self.passes_batches() {
+            return super::present_each(self, keys).await;
+        }
+        self.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        let out = self.inner.loose_present_many(keys).await;
+        if out.iter().any(Result::is_err) {
+            self.metrics.failures.fetch_add(1, Ordering::Relaxed);
+        }
+        out
     }
 
     async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
