@@ -973,6 +973,10 @@ impl Backend for LocalBackend {
         &self.url
     }
 
+    fn failures_are_final(&self) -> bool {
+        true
+    }
+
     async fn get(&self, key: &str) -> Result<Bytes, BackendError> {
         let path = self.path(key)?;
         let key = key.to_string();

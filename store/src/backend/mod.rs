@@ -303,6 +303,16 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// The store's URL, used to name the store in errors (`file:///...`, `s3://bucket/prefix`).
     fn url(&self) -> &str;
 
+    /// Whether every failure of this backend is final: a retry would meet it again (a file
+    /// system's errors), never a transient one. The retry wrapper then passes its calls on
+    /// many objects ([`Backend::stage_many_if_absent`], [`Backend::loose_present_many`])
+    /// through once; for any other backend it makes them one object at a time, each retried
+    /// with its own time bound. Default: `false`; the local backend: `true`. A wrapper that
+    /// injects transient faults keeps the default.
+    fn failures_are_final(&self) -> bool {
+        false
+    }
+
     /// Whole object. Errors: `NotFound`.
     async fn get(&self, key: &str) -> Result<Bytes, BackendError>;
 

@@ -378,12 +378,11 @@ impl Retrying {
     }
 
     /// Whether a call on many objects goes to the backend's own implementation once, not
-    /// retried: for the local backend (URL `file://…`, as `Store::local_root` tells), whose
-    /// failures are never transient and whose batched calls are one blocking call each
-    /// (issue 33). Any other backend's are made one object at a time here, each retried
-    /// with its own time bound.
+    /// retried: for a backend whose failures are all final ([`Backend::failures_are_final`]:
+    /// the local one, whose batched calls are one blocking call each, issue 33). Any other
+    /// backend's are made one object at a time here, each retried with its own time bound.
     fn passes_batches(&self) -> bool {
-        self.inner.url().starts_with("file://")
+        self.inner.failures_are_final()
     }
 }
 
@@ -548,9 +547,10 @@ impl Backend for Retrying {
         r
     }
 
-    /// A local store ([`Retrying::passes_batches`]): the backend's own staging of all of
-    /// them, one call. Any other: [`Backend::stage_if_absent`] of each, retried as usual (on
-    /// S3 each stage may send a pack; each has its own time bound, as before).
+    /// A backend whose failures are final, such as the local one
+    /// ([`Retrying::passes_batches`]): the backend's own staging of all of them, one call.
+    /// Any other: [`Backend::stage_if_absent`] of each, retried as usual (on S3 each stage
+    /// may send a pack; each has its own time bound, as before).
     async fn stage_many_if_absent(
         &self,
         batch: &StageBatch,
@@ -582,8 +582,9 @@ impl Backend for Retrying {
         .0
     }
 
-    /// A local store ([`Retrying::passes_batches`]): the backend's own look-up of all of
-    /// them, one call. Any other: [`Backend::loose_present`] of each, retried as usual.
+    /// A backend whose failures are final, such as the local one
+    /// ([`Retrying::passes_batches`]): the backend's own look-up of all of them, one call.
+    /// Any other: [`Backend::loose_present`] of each, retried as usual.
     async fn loose_present_many(&self, keys: &[String]) -> Vec<Result<bool, BackendError>> {
         if !self.passes_batches() {
             return super::present_each(self, keys).await;
