@@ -184,9 +184,10 @@ impl StopClones {
 
 impl Drop for StopClones {
     /// Stops every clone, then waits (at most 15 s) for the mounts under the directory to
-    /// go: a lazy clone's chunk server unmounts only after its idle checks (3 × 1 s, `vmm`'s
-    /// `lazy::IDLE_CHECKS`), and a `TempDir` dropped before that could not remove its mount
-    /// point and left the whole directory in `/tmp` (0.5 GB a run for `vm_lazy_debian`).
+    /// go: a lazy clone's chunk server unmounts on its own once its last clone has closed
+    /// its files (`vmm`'s `lazy` module doc), not at once, and a `TempDir` dropped before
+    /// that could not remove its mount point and left the whole directory in `/tmp` (0.5 GB
+    /// a run for `vm_lazy_debian`).
     /// What is still mounted then is detached (`umount -l`).
     fn drop(&mut self) {
         let _ = kiln_in(&self.bin, &self.dir)
