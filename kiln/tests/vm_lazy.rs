@@ -471,22 +471,27 @@ fn vm_lazy_start_from_s3() {
     rt.block_on(async {
         let s = Store::open(&s3).await.expect("s3 store");
         let bad = kiln_store::chunk::encode(&vec![0x5a; 256 << 10]).expect("encode");
-        // 16 chunks at a time: one after the other, the ~400 deletes and puts to the test
-        // S3 server took 7 s of this test.
-        futures_util::stream::iter(&memory_chunks)
-            .map(|hex| {
+        // Every packed copy marked dead with one batched delete (one listing of `packs/`
+        // for all of them), then the frames put 32 at a time: one delete after the other,
+        // the ~400 deletes and puts to the test S3 server took 7 s of this test, 16 at a
+        // time 4.5 s, this way 2.7 s (one run).
+        let keys: Vec<String> = memory_chunks
+            .iter()
+            .map(|hex| format!("chunks/sha256/{hex}"))
+            .collect();
+        for r in kiln_store::Backend::delete_many(s.backend().as_ref(), &keys).await {
+            r.expect("delete the packed copy");
+        }
+        futures_util::stream::iter(&keys)
+            .map(|key| {
                 let (backend, stored) = (s.backend(), bad.stored.clone());
                 async move {
-                    let key = format!("chunks/sha256/{hex}");
-                    kiln_store::Backend::delete(backend.as_ref(), &key)
-                        .await
-                        .expect("delete the packed copy");
-                    kiln_store::Backend::put(backend.as_ref(), &key, stored)
+                    kiln_store::Backend::put(backend.as_ref(), key, stored)
                         .await
                         .expect("overwrite chunk");
                 }
             })
-            .buffer_unordered(16)
+            .buffer_unordered(32)
             .collect::<Vec<()>>()
             .await;
     });

@@ -14,7 +14,7 @@ use std::process::Output;
 
 use kiln_store::{Store, TagRef};
 use kiln_tests::stores::{Kind, fresh_url};
-use kiln_tests::vm::{StopClones, kiln_in, oci_image, show, sleeping_sandbox, started_id};
+use kiln_tests::vm::{StopClones, cached_oci_image, kiln_in, show, sleeping_sandbox, started_id};
 
 /// `kiln` of this test's directory `d` ([`kiln_in`]) on `store`, with its snapshot and
 /// chunk caches under `cache` (a fresh one holds nothing of any snapshot).
@@ -36,10 +36,10 @@ fn a_debian_image_starts_lazily_from_s3_and_runs_a_command() {
     let local = d.join("store").to_str().expect("utf-8").to_string();
     let s3 = fresh_url(Kind::S3, d, "lazy-debian");
     let rt = tokio::runtime::Runtime::new().expect("runtime");
-    rt.block_on(async {
+    let root = rt.block_on(async {
         let store = Store::open(&local).await.expect("store");
         let tag: TagRef = "deb:latest".parse().expect("tag");
-        oci_image(
+        cached_oci_image(
             &store,
             d,
             "KILN_TEST_DEBIAN_OCI",
@@ -48,10 +48,10 @@ fn a_debian_image_starts_lazily_from_s3_and_runs_a_command() {
             &tag,
             sleeping_sandbox(),
         )
-        .await;
+        .await
     });
     // The fixture's own answer, read on the host from the tree the image was made of.
-    let version = std::fs::read_to_string(d.join("rootfs-kiln_test_debian_oci/etc/debian_version"))
+    let version = std::fs::read_to_string(root.join("etc/debian_version"))
         .expect("the fixture's /etc/debian_version");
 
     let c0 = d.join("cache0");

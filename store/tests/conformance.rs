@@ -139,6 +139,7 @@ conformance!(
     import_table_is_pinned,
     push_of_present_image_checks_every_object,
     rename_moves_and_replaces,
+    rename_many_and_delete_many_answer_each_key,
     gc_compaction_keeps_every_live_object,
 );
 
@@ -1403,6 +1404,45 @@ async fn rename_moves_and_replaces(f: Fixture) {
     assert!(b.list("fossil/").await.unwrap().is_empty());
     let err = b.rename("chunks/sha256/bb", "fossil/x").await.unwrap_err();
     assert!(err.is_not_found(), "{err}");
+}
+
+/// `rename_many` and `delete_many` (GC's batched calls) answer each key as `rename` and
+/// `delete` would, in the order given: moved, replacing what was at the destination;
+/// `NotFound` for an absent source (the others still moved); a delete of an absent key is
+/// no error.
+async fn rename_many_and_delete_many_answer_each_key(f: Fixture) {
+    let b = f.store.backend();
+    b.put("chunks/sha256/aa", Bytes::from_static(b"one"))
+        .await
+        .unwrap();
+    b.put("blobs/sha256/cc", Bytes::from_static(b"three"))
+        .await
+        .unwrap();
+    b.put("fossil/blobs/sha256/cc", Bytes::from_static(b"old"))
+        .await
+        .unwrap();
+    let pairs: Vec<(String, String)> = ["chunks/sha256/aa", "chunks/sha256/bb", "blobs/sha256/cc"]
+        .iter()
+        .map(|k| (k.to_string(), format!("fossil/{k}")))
+        .collect();
+    let r = b.rename_many(&pairs).await;
+    assert_eq!(r.len(), 3);
+    assert!(r[0].is_ok(), "{:?}", r[0]);
+    assert!(r[1].as_ref().is_err_and(|e| e.is_not_found()), "{:?}", r[1]);
+    assert!(r[2].is_ok(), "{:?}", r[2]);
+    assert!(b.head("chunks/sha256/aa").await.unwrap().is_none());
+    assert!(b.head("blobs/sha256/cc").await.unwrap().is_none());
+    assert_eq!(&b.get("fossil/chunks/sha256/aa").await.unwrap()[..], b"one");
+    assert_eq!(
+        &b.get("fossil/blobs/sha256/cc").await.unwrap()[..],
+        b"three"
+    );
+    let keys: Vec<String> = pairs.iter().map(|(_, t)| t.clone()).collect();
+    let r = b.delete_many(&keys).await;
+    assert_eq!(r.len(), 3);
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert!(b.list("fossil/").await.unwrap().is_empty());
+    assert!(b.delete_many(&[]).await.is_empty());
 }
 
 /// GC of one of two images sharing chunks, with another handle (a second process) that

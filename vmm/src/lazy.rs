@@ -43,11 +43,14 @@
 //! reason into each such clone's directory (`stopped`, [`STOPPED`]; `kiln ps` and
 //! `kiln exec` show it), and exits. Those clones are the ones whose QEMU names the mount
 //! then, and the ones that did at its last look, every [`IDLE_INTERVAL`] while the server
-//! ran: a QEMU that met an unserved page first is already gone. A server that has had no clone for a few seconds
-//! ([`IDLE_CHECKS`] × [`IDLE_INTERVAL`]) unmounts and exits on its own. A start holds a
+//! ran: a QEMU that met an unserved page first is already gone. A server whose last clone
+//! has left unmounts and exits on its own, and releases its lease: at once when the mount's
+//! files were opened and are all closed again (counted by the FUSE `open` and `release`;
+//! a QEMU holds its files until it exits), else once no QEMU has named the mount for a few
+//! seconds ([`IDLE_CHECKS`] × [`IDLE_INTERVAL`]: a server nobody opened). A start holds a
 //! shared `flock` on `<dir>/lazy.use` from before it looks for the server until its QEMU
-//! runs, and the server exits only while it holds that lock exclusively, so it never leaves
-//! under a start that is about to use it.
+//! runs, and the server exits only while it holds that lock exclusively and no QEMU names
+//! the mount, so it never leaves under a start that is about to use it, nor under a clone.
 //!
 //! ## The prefetch list
 //! A snapshot whose manifest carries a prefetch list ([`kiln_store::PrefetchList`], recorded
@@ -124,6 +127,9 @@ const USE_LOCK: &str = "lazy.use";
 pub const IDLE_INTERVAL: Duration = Duration::from_secs(1);
 /// How many checks in a row without a clone make the server exit.
 pub const IDLE_CHECKS: u32 = 3;
+/// How often a server whose files were opened and are all closed again asks for the use
+/// lock, while a start holds it shared (50 ms: an `flock` attempt each, no process scan).
+pub const CLOSED_POLL: Duration = Duration::from_millis(50);
 
 /// How long a chunk whose read failed is answered at once with that failure (`EIO`) instead
 /// of being asked of the store again ([`ArtifactReader::remembering_failures`]): 5 s. QEMU
@@ -217,8 +223,58 @@ struct Served1 {
     reader: Arc<ArtifactReader>,
 }
 
+/// The mount's open files, counted by the FUSE `open` and `release` (a `release` comes once
+/// the last reference to an open file is gone: its last descriptor closed and its last
+/// mapping unmapped, so a QEMU holds its files until it exits), and a wake-up of the idle
+/// thread ([`idle_exit`]) when the count comes back to 0.
+#[derive(Debug, Default)]
+struct OpenFiles {
+    /// Open files now; whether the mount was opened since the idle thread last found a
+    /// clone without open files ("armed": only then does a count of 0 mean a clone left).
+    state: Mutex<(usize, bool)>,
+    changed: std::sync::Condvar,
+}
+
+impl OpenFiles {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, bool)> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn opened(&self) {
+        let mut s = self.lock();
+        s.0 += 1;
+        s.1 = true;
+    }
+
+    fn released(&self) {
+        let mut s = self.lock();
+        s.0 = s.0.saturating_sub(1);
+        if s.0 == 0 {
+            self.changed.notify_all();
+        }
+    }
+
+    /// Whether files were opened and every one is closed again.
+    fn all_closed(&self) -> bool {
+        let s = self.lock();
+        s.1 && s.0 == 0
+    }
+
+    /// Forgets that files were opened (until the next open).
+    fn disarm(&self) {
+        self.lock().1 = false;
+    }
+
+    /// Waits `d`, or less if the last open file is closed meanwhile.
+    fn wait(&self, d: Duration) {
+        let s = self.lock();
+        let _ = self.changed.wait_timeout(s, d);
+    }
+}
+
 /// The FUSE file system of one snapshot: two read-only files.
 struct LazyFs {
+    open: Arc<OpenFiles>,
     files: [Served1; 2],
     rt: tokio::runtime::Handle,
     dir: PathBuf,
@@ -296,8 +352,23 @@ impl Filesystem for LazyFs {
         if flags.acc_mode() != OpenAccMode::O_RDONLY {
             return reply.error(Errno::EROFS);
         }
+        self.open.opened();
         // Keep the page cache across opens: every clone of the snapshot shares it.
         reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE);
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: fuser::ReplyEmpty,
+    ) {
+        self.open.released();
+        reply.ok();
     }
 
     fn read(
@@ -665,7 +736,9 @@ where
         .append(true)
         .open(&log_path)
         .map_err(|e| format!("{}: {e}", log_path.display()))?;
+    let open = Arc::new(OpenFiles::default());
     let fs = LazyFs {
+        open: open.clone(),
         files: [file(MEMORY_FILE, &snap.memory)?, file("disk", &snap.disk)?],
         rt: rt.handle().clone(),
         dir: dir.to_path_buf(),
@@ -714,7 +787,7 @@ where
         rt.spawn(prefetch(store.clone(), chunks, dir.to_path_buf()));
     }
     let use_lock = dir.join(USE_LOCK);
-    std::thread::spawn(move || idle_exit(&use_lock, &mnt, unmounter));
+    std::thread::spawn(move || idle_exit(&use_lock, &mnt, &open, unmounter));
     let served = session
         .run()
         .map_err(|e| format!("serving {}: {e}", dir.display()));
@@ -818,19 +891,35 @@ async fn hold_snapshot(
     Err(format!("snapshot {digest} was deleted from the store"))
 }
 
-/// Unmounts once no QEMU has named the mount for [`IDLE_CHECKS`] checks in a row and no
-/// start holds the use lock; keeps that lock (exclusive) until the process exits.
-fn idle_exit(use_lock: &Path, mnt: &Path, mut unmounter: fuser::SessionUnmounter) {
+/// Unmounts once no start holds the use lock and no QEMU names the mount, and either the
+/// mount's files were opened and are all closed again (the last clone left: asked for at
+/// once, then every [`CLOSED_POLL`] while a start holds the lock) or no QEMU has named the
+/// mount for [`IDLE_CHECKS`] checks in a row, [`IDLE_INTERVAL`] apart (a server nobody
+/// opened, or whose files stay open without a QEMU naming the mount). Keeps that lock
+/// (exclusive) until the process exits.
+fn idle_exit(
+    use_lock: &Path,
+    mnt: &Path,
+    open: &OpenFiles,
+    mut unmounter: fuser::SessionUnmounter,
+) {
     let mut idle = 0;
     loop {
-        std::thread::sleep(IDLE_INTERVAL);
-        if !crate::clone::qemus_in(mnt).is_empty() {
-            idle = 0;
-            continue;
-        }
-        idle += 1;
-        if idle < IDLE_CHECKS {
-            continue;
+        open.wait(if open.all_closed() {
+            CLOSED_POLL
+        } else {
+            IDLE_INTERVAL
+        });
+        let closed = open.all_closed();
+        if !closed {
+            if !crate::clone::qemus_in(mnt).is_empty() {
+                idle = 0;
+                continue;
+            }
+            idle += 1;
+            if idle < IDLE_CHECKS {
+                continue;
+            }
         }
         let Ok(f) = open_lock(use_lock) else {
             continue;
@@ -840,6 +929,9 @@ fn idle_exit(use_lock: &Path, mnt: &Path, mut unmounter: fuser::SessionUnmounter
             continue;
         }
         if !crate::clone::qemus_in(mnt).is_empty() {
+            // A QEMU names the mount with none of its files open (one starting, or one on
+            // its way out): back to the checks a second apart until files are opened again.
+            open.disarm();
             idle = 0;
             continue;
         }

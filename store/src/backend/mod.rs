@@ -537,6 +537,49 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// DeleteObject: an interruption between the two leaves both keys holding the object,
     /// never neither. Errors: `NotFound` when `from` is absent.
     async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError>;
+
+    /// [`Backend::delete`] of each of `keys`, each its own result, in the order given (GC's
+    /// deletes of fossils, a compaction's of dead markers). The S3 backend deletes up to
+    /// 1,000 keys with one DeleteObjects request (S3 API reference, DeleteObjects) and marks
+    /// the chunks among them dead in their packs after one listing of `packs/`. Default: one
+    /// [`Backend::delete`] each, [`MANY_IN_FLIGHT`] at once.
+    async fn delete_many(&self, keys: &[String]) -> Vec<Result<(), BackendError>> {
+        use futures::StreamExt;
+        futures::stream::iter(keys.iter().cloned())
+            .map(|k| async move { self.delete(&k).await })
+            .buffered(MANY_IN_FLIGHT)
+            .collect()
+            .await
+    }
+
+    /// [`Backend::rename`] of each of `pairs` (from, to), each its own result, in the order
+    /// given; each keeps the promise of [`Backend::rename`] (an interruption leaves both keys
+    /// holding the object, never neither). GC's condemn step. The S3 backend reads the packed
+    /// chunks among them by spans of their packs ([`Backend::get_many`]'s way), writes every
+    /// destination, then the dead markers (after one listing of `packs/`), then deletes the
+    /// loose sources with DeleteObjects. Default: one [`Backend::rename`] each,
+    /// [`MANY_IN_FLIGHT`] at once.
+    async fn rename_many(&self, pairs: &[(String, String)]) -> Vec<Result<(), BackendError>> {
+        rename_each(self, pairs).await
+    }
+}
+
+/// Calls [`Backend::delete_many`] and [`Backend::rename_many`] have in flight at once by
+/// default (64: what GC had in flight before they existed, [`crate::gc::GC_BATCH`]).
+pub const MANY_IN_FLIGHT: usize = 64;
+
+/// [`Backend::rename_many`]'s default: one [`Backend::rename`] of `b` each,
+/// [`MANY_IN_FLIGHT`] at once, results in the order given.
+pub(crate) async fn rename_each<B: Backend + ?Sized>(
+    b: &B,
+    pairs: &[(String, String)],
+) -> Vec<Result<(), BackendError>> {
+    use futures::StreamExt;
+    futures::stream::iter(pairs.iter().cloned())
+        .map(|(f, t)| async move { b.rename(&f, &t).await })
+        .buffered(MANY_IN_FLIGHT)
+        .collect()
+        .await
 }
 
 /// Reads [`Backend::get_many`] has in flight at once, by default.

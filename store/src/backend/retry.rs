@@ -377,6 +377,35 @@ impl Retrying {
         self.metrics.bytes_written.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// `pass`, a call of the backend's own on many objects (`keys`), bounded as one operation
+    /// ([`RetryPolicy::operation_timeout`]): with no answer by then, every key's result is a
+    /// transient failure (`what` says which call), for the caller to retry one by one.
+    async fn bulk_pass<F>(
+        &self,
+        keys: &[String],
+        what: &str,
+        pass: F,
+    ) -> Vec<Result<(), BackendError>>
+    where
+        F: std::future::Future<Output = Vec<Result<(), BackendError>>>,
+    {
+        self.metrics.requests.fetch_add(1, Ordering::Relaxed);
+        let bound = self.policy.operation_timeout;
+        match tokio::time::timeout(bound, pass).await {
+            Ok(out) if out.len() == keys.len() => out,
+            Ok(_) | Err(_) => keys
+                .iter()
+                .map(|k| {
+                    Err(BackendError::Transient {
+                        store: self.inner.url().to_string(),
+                        key: k.clone(),
+                        message: format!("{what} had no answer within {bound:?}"),
+                    })
+                })
+                .collect(),
+        }
+    }
+
     /// Whether a call on many objects goes to the backend's own implementation once, not
     /// retried: for a backend whose failures are all final ([`Backend::failures_are_final`]:
     /// the local one, whose batched calls are one blocking call each, issue 33). Any other
@@ -695,6 +724,45 @@ impl Backend for Retrying {
 
     async fn delete(&self, key: &str) -> Result<(), BackendError> {
         self.run("delete", key, || self.inner.delete(key)).await.0
+    }
+
+    /// One pass through the backend's own bulk delete, bounded as one operation (no answer
+    /// by then counts as a transient failure of every key); then each key it failed to
+    /// delete for a reason worth retrying is deleted alone ([`Backend::delete`], retried as
+    /// usual). Deleting again is harmless: absent is not an error.
+    async fn delete_many(&self, keys: &[String]) -> Vec<Result<(), BackendError>> {
+        let mut out = self
+            .bulk_pass(keys, "a batched delete", self.inner.delete_many(keys))
+            .await;
+        for (k, r) in keys.iter().zip(out.iter_mut()) {
+            if matches!(r, Err(BackendError::Transient { .. })) {
+                *r = self.delete(k).await;
+            }
+        }
+        out
+    }
+
+    /// As [`Retrying::delete_many`]: one bounded pass through the backend's own, then each
+    /// pair that failed transiently renamed alone ([`Backend::rename`], retried as usual,
+    /// which also recognises a move whose reply was lost).
+    async fn rename_many(&self, pairs: &[(String, String)]) -> Vec<Result<(), BackendError>> {
+        let keys: Vec<String> = pairs.iter().map(|(f, _)| f.clone()).collect();
+        let mut out = self
+            .bulk_pass(&keys, "a batched rename", self.inner.rename_many(pairs))
+            .await;
+        for ((f, t), r) in pairs.iter().zip(out.iter_mut()) {
+            if matches!(r, Err(BackendError::Transient { .. })) {
+                *r = match self.rename(f, t).await {
+                    // The pass may have moved it before it failed.
+                    Err(e) if e.is_not_found() => match self.inner.head(t).await {
+                        Ok(Some(_)) => Ok(()),
+                        _ => Err(e),
+                    },
+                    r => r,
+                };
+            }
+        }
+        out
     }
 
     async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError> {

@@ -76,7 +76,13 @@
 //! marker in every pack that holds the chunk live (on a view listed after the call began).
 //! [`Backend::rename`] of a packed chunk (GC's condemn step) PUTs its stored bytes at the
 //! destination as a loose object, *then* writes the dead markers: an interruption leaves both
-//! keys, never neither, as the trait promises. GC's put-back writes a loose
+//! keys, never neither, as the trait promises. [`Backend::delete_many`] and
+//! [`Backend::rename_many`] (GC's deletes of fossils and its condemn step) do the same for
+//! many keys with one listing of `packs/` for all of them (made after the call began), the
+//! packed sources read by spans as [`Backend::get_many`] reads, and the loose objects deleted
+//! with DeleteObjects ([`DELETE_OBJECTS_MAX`] keys a request); a rename of many writes every
+//! destination before any dead marker, and deletes a source only after its markers, so each
+//! key keeps the order of a rename alone. GC's put-back writes a loose
 //! `chunks/sha256/<hex>`. [`Backend::list`] over `chunks/` yields the loose objects and the
 //! live packed entries (size: stored length; modified: the index's last-modified, which
 //! GC's grace period reads), a chunk both loose and packed once, with the later time.
@@ -110,7 +116,7 @@
 //!
 //! **Compaction** ([`Backend::compact`], after GC's deletes, under its lock) retires every
 //! pack with no chunk left to serve: its index deleted first (the pack is invisible from
-//! then on), then the pack, then its markers. Packs partly dead are not rewritten yet: their
+//! then on), then the pack, then its markers (DeleteObjects). Packs partly dead are not rewritten yet: their
 //! dead bytes stay, counted by verify.
 
 use std::collections::{HashMap, HashSet};
@@ -149,6 +155,9 @@ mod packed;
 
 use packed::packed_info;
 pub use packed::{GET_MANY_GAP, GET_MANY_SPAN};
+
+/// Keys one DeleteObjects request deletes at most (1,000: S3 API reference, DeleteObjects).
+pub const DELETE_OBJECTS_MAX: usize = 1000;
 
 /// Files larger than this (bytes, 16 MiB) are uploaded with multipart upload.
 pub const MULTIPART_THRESHOLD: u64 = 16 << 20;
@@ -801,6 +810,95 @@ impl S3Backend {
         }
     }
 
+    /// DeleteObjects of `keys` (up to [`DELETE_OBJECTS_MAX`] per request), each key's
+    /// result in the order given; absent is not an error (S3 answers "Deleted"). A request
+    /// that fails fails each of its keys as it was classified (a transient failure is
+    /// retried key by key by the retry wrapper); a key the answer names as not deleted fails
+    /// as S3's code for it says.
+    async fn delete_raw_many(&self, keys: &[String]) -> Vec<Result<(), BackendError>> {
+        let mut out = Vec::with_capacity(keys.len());
+        for part in keys.chunks(DELETE_OBJECTS_MAX) {
+            let paths: Vec<Result<OsPath, BackendError>> =
+                part.iter().map(|k| self.path(k)).collect();
+            let valid: Vec<OsPath> = paths
+                .iter()
+                .filter_map(|p| p.as_ref().ok().cloned())
+                .collect();
+            let answers: Vec<object_store::Result<OsPath>> = self
+                .store
+                .delete_stream(futures::stream::iter(valid.clone().into_iter().map(Ok)).boxed())
+                .collect()
+                .await;
+            // One answer per key, in order; anything else is the whole request failing.
+            let (whole, mut answers) = if answers.len() == valid.len() {
+                (None, answers.into_iter())
+            } else {
+                let e = match answers.into_iter().find_map(Result::err) {
+                    Some(e) => self.err("delete", &part[0], e),
+                    None => BackendError::Transient {
+                        store: self.url.clone(),
+                        key: part[0].clone(),
+                        message: "DeleteObjects answered for fewer keys than asked".into(),
+                    },
+                };
+                (Some(e), Vec::new().into_iter())
+            };
+            for (k, p) in part.iter().zip(paths) {
+                out.push(match (p, &whole) {
+                    (Err(e), _) => Err(e),
+                    (Ok(_), Some(e)) => Err(self.again(e, "delete", k)),
+                    (Ok(_), None) => match answers.next() {
+                        Some(Ok(_)) => Ok(()),
+                        Some(Err(e)) if missing_key(&e) => Ok(()),
+                        Some(Err(e)) => Err(self.err("delete", k, e)),
+                        None => Err(self.again(
+                            &BackendError::Transient {
+                                store: self.url.clone(),
+                                key: k.clone(),
+                                message: "no answer".into(),
+                            },
+                            "delete",
+                            k,
+                        )),
+                    },
+                });
+            }
+        }
+        out
+    }
+
+    /// `e`, a failure of a call on many keys, as the failure of `key` (op `op`): the same
+    /// kind (transient stays transient, so the retry wrapper retries that key alone), its
+    /// text.
+    pub(super) fn again(&self, e: &BackendError, op: &'static str, key: &str) -> BackendError {
+        match e {
+            BackendError::Transient { message, .. } => BackendError::Transient {
+                store: self.url.clone(),
+                key: key.to_string(),
+                message: message.clone(),
+            },
+            BackendError::NotFound { .. } => BackendError::NotFound {
+                store: self.url.clone(),
+                key: key.to_string(),
+            },
+            other => BackendError::Other {
+                store: self.url.clone(),
+                op,
+                key: key.to_string(),
+                message: other.to_string(),
+            },
+        }
+    }
+
+    /// CopyObject of `from` to `to` (server side).
+    async fn copy_raw(&self, from: &str, to: &str) -> Result<(), BackendError> {
+        let (src, dest) = (self.path(from)?, self.path(to)?);
+        self.store
+            .copy(&src, &dest)
+            .await
+            .map_err(|e| self.err("rename", from, e))
+    }
+
     async fn rename_raw(&self, from: &str, to: &str) -> Result<(), BackendError> {
         let (src, dest) = (self.path(from)?, self.path(to)?);
         // CopyObject, then DeleteObject (object_store's `rename` would do the same, but this
@@ -1049,6 +1147,31 @@ impl Backend for S3Backend {
             self.delete_packed(&d).await?;
         }
         Ok(())
+    }
+
+    async fn delete_many(&self, keys: &[String]) -> Vec<Result<(), BackendError>> {
+        let mut out = self.delete_raw_many(keys).await;
+        // The chunks among them: marked dead in their packs after the loose deletes, as
+        // `delete` does, with one listing of `packs/` for all of them.
+        let chunks: Vec<(usize, Sha256Hash)> = keys
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| out[*i].is_ok())
+            .filter_map(|(i, k)| Some((i, chunk_digest(k)?)))
+            .collect();
+        if !chunks.is_empty() {
+            let ds: Vec<Sha256Hash> = chunks.iter().map(|(_, d)| *d).collect();
+            if let Err(e) = self.delete_packed_many(&ds).await {
+                for (i, _) in chunks {
+                    out[i] = Err(self.again(&e, "delete", &keys[i]));
+                }
+            }
+        }
+        out
+    }
+
+    async fn rename_many(&self, pairs: &[(String, String)]) -> Vec<Result<(), BackendError>> {
+        self.rename_many_impl(pairs).await
     }
 
     async fn rename(&self, from: &str, to: &str) -> Result<(), BackendError> {

@@ -269,6 +269,106 @@ async fn s3_packs_delete_and_rename_of_a_packed_chunk() {
     assert!(watcher.backend().head(&keys[2]).await.unwrap().is_none());
 }
 
+/// GC's batched calls on packed chunks: `rename_many` of two packed chunks and one loose
+/// one (and a pair whose destination key is invalid) moves the three, each fossil holding the
+/// chunk's stored bytes, and every handle then finds none of them under its key; only the
+/// two packed ones have dead markers. `delete_many` of the other two packed chunks leaves the
+/// pack with nothing to serve (compaction retires it) and of the fossils deletes them with
+/// one DeleteObjects request, no DELETE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn s3_packs_rename_many_and_delete_many_of_packed_chunks() {
+    let f = Fixture::s3("packs-many").await;
+    let (_, table) = publish_image(
+        &f.store,
+        &noise(256 << 10, 87),
+        Chunking::Fixed { size: 64 << 10 },
+    )
+    .await;
+    let ds = table.chunk_digests();
+    assert_eq!(ds.len(), 4);
+    let keys: Vec<String> = ds.iter().map(|d| ObjectRef::Chunk(*d).key()).collect();
+    let watcher = f.reopen().await;
+    for k in &keys {
+        assert!(watcher.backend().head(k).await.unwrap().is_some());
+    }
+    let stored: Vec<Bytes> =
+        futures::future::join_all(keys[..2].iter().map(|k| f.store.backend().get(k)))
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+    let loose = "chunks/sha256/00aa".to_string();
+    f.store
+        .backend()
+        .put(&loose, Bytes::from_static(b"loose"))
+        .await
+        .unwrap();
+    let gcer = f.reopen().await;
+    let mut pairs: Vec<(String, String)> = [&keys[0], &keys[1], &loose]
+        .iter()
+        .map(|k| (k.to_string(), format!("fossil/{k}")))
+        .collect();
+    pairs.push((keys[2].clone(), "fossil/.bad".into()));
+    let r = gcer.backend().rename_many(&pairs).await;
+    assert!(r[..3].iter().all(Result::is_ok), "{r:?}");
+    assert!(r[3].is_err(), "an invalid destination is refused: {r:?}");
+    for s in [&watcher, &gcer, &f.reopen().await] {
+        let b = s.backend();
+        for k in [&keys[0], &keys[1], &loose] {
+            assert!(b.head(k).await.unwrap().is_none(), "{k} moved");
+        }
+        assert!(
+            b.head(&keys[2]).await.unwrap().is_some(),
+            "a refused pair stays"
+        );
+        let objs = [ObjectRef::Chunk(ds[0]), ObjectRef::Chunk(ds[2])];
+        assert_eq!(s.exist(&objs).await.unwrap(), vec![false, true]);
+    }
+    for (k, want) in keys[..2].iter().zip(&stored) {
+        assert_eq!(
+            &f.store.backend().get(&format!("fossil/{k}")).await.unwrap(),
+            want
+        );
+    }
+    assert_eq!(
+        &f.store
+            .backend()
+            .get(&format!("fossil/{loose}"))
+            .await
+            .unwrap()[..],
+        b"loose"
+    );
+    let (_, _, dead) = pack_objects(&f.store).await;
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    let r = gcer.backend().delete_many(&keys[2..]).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    for s in [&watcher, &gcer] {
+        assert!(s.backend().head(&keys[3]).await.unwrap().is_none());
+    }
+    let c = gcer.backend().compact(false, &[]).await.unwrap();
+    assert_eq!(c.packs, 1, "{c:?}");
+    assert_eq!(pack_objects(&f.store).await, (vec![], vec![], vec![]));
+    let fossils: Vec<String> = gcer
+        .backend()
+        .list("fossil/")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|o| o.key)
+        .collect();
+    assert_eq!(fossils.len(), 3, "{fossils:?}");
+    let before = gcer.backend().wire_requests();
+    let r = gcer.backend().delete_many(&fossils).await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    let after = gcer.backend().wire_requests();
+    assert_eq!(
+        (after.deletes - before.deletes, after.other - before.other),
+        (0, 1),
+        "one DeleteObjects request"
+    );
+    assert!(gcer.backend().list("fossil/").await.unwrap().is_empty());
+}
+
 /// A store written before packs (each chunk its own object) reads, lists, verifies and is
 /// found present as before; a push of the same image to it uploads nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

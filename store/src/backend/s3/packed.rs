@@ -302,6 +302,49 @@ impl S3Backend {
         Ok(())
     }
 
+    /// [`S3Backend::delete_packed`] of each of `ds`: one listing of `packs/` (made after the
+    /// call began), then a dead marker in every pack that holds one of them live,
+    /// [`MARKERS_IN_FLIGHT`] at once.
+    pub(super) async fn delete_packed_many(&self, ds: &[Sha256Hash]) -> Result<(), BackendError> {
+        self.refresh(Instant::now()).await?;
+        let marks: Vec<(Arc<str>, Sha256Hash)> = {
+            let v = self.view();
+            ds.iter()
+                .flat_map(|d| v.holders(d).into_iter().map(move |n| (n, *d)))
+                .collect()
+        };
+        let written: Vec<Result<(Arc<str>, Sha256Hash), BackendError>> =
+            futures::stream::iter(marks)
+                .map(|(name, d)| async move {
+                    self.put_raw(&dead_key(&name, &d), Bytes::new()).await?;
+                    Ok((name, d))
+                })
+                .buffer_unordered(MARKERS_IN_FLIGHT)
+                .collect()
+                .await;
+        let mut first_err = None;
+        {
+            let mut v = self.view_mut();
+            for w in written {
+                match w {
+                    Ok((name, d)) => {
+                        if let Some(p) = v.packs.get_mut(&name) {
+                            p.dead.insert(d);
+                        }
+                    }
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+            v.rebuild();
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// Sends every closed pack of `batch` not sent yet: its pack (one PUT), then its index
     /// (put-if-absent), so an index is never seen before its whole pack.
     pub(super) async fn send_unsent(&self, batch: &S3Batch) -> Result<(), BackendError> {
@@ -392,6 +435,17 @@ impl S3Backend {
     }
 }
 
+/// Where one pair of [`S3Backend::rename_many_impl`] stands after its destination's write.
+enum Step {
+    /// Written (from a pack's bytes when `packed`); its source still to go.
+    Written {
+        /// Read from a pack: its entries are to be marked dead.
+        packed: bool,
+    },
+    /// Finished, by a failure or by a rename of its own.
+    Done(Result<(), BackendError>),
+}
+
 /// An index read and decoded (`Err`: refused, why).
 type Decoded = Result<Vec<IdxEntry>, String>;
 
@@ -412,12 +466,9 @@ pub const GET_MANY_SPAN: u64 = 8 << 20;
 const INDEX_LOADS_IN_FLIGHT: usize = 8;
 /// Packs whose dead markers are listed at once ([`Backend::packed_present`]).
 const PACK_CHECKS_IN_FLIGHT: usize = 8;
-/// Dead markers of one retired pack deleted at once (a compaction's last step: the pack and
-/// its index are gone, so their order does not matter). Measured (issue 35, `vm_lazy`'s last
-/// `kiln store gc` against the test S3 server, one pack of 870 dead chunks, one run each):
-/// one at a time the compaction took 3.3 s, 16 at a time 2.6 s (the server's time per
-/// request is most of it).
-const MARKER_DELETES_IN_FLIGHT: usize = 16;
+/// Writes [`Backend::rename_many`] and [`Backend::delete_many`] have in flight at once on
+/// S3 (destinations, dead markers): 32.
+const MARKERS_IN_FLIGHT: usize = 32;
 
 /// What [`Backend::head`] says of a packed chunk: its stored length, and its index's time.
 pub(super) fn packed_info(key: &str, loc: &Loc) -> ObjectInfo {
@@ -555,13 +606,100 @@ impl S3Backend {
             .await
     }
 
-    /// Removes every dead marker of pack `name`.
+    /// Removes every dead marker of pack `name`: one listing, then DeleteObjects requests
+    /// of up to [`DELETE_OBJECTS_MAX`] markers each.
     pub(super) async fn delete_markers(&self, name: &str) -> Result<(), BackendError> {
-        let markers = self.list_prefix_raw(&dead_prefix(name)).await?;
-        let deletes: Vec<_> = markers.iter().map(|o| self.delete_raw(&o.key)).collect();
-        futures::stream::iter(deletes)
-            .buffer_unordered(MARKER_DELETES_IN_FLIGHT)
-            .try_collect::<()>()
+        let markers: Vec<String> = self
+            .list_prefix_raw(&dead_prefix(name))
+            .await?
+            .into_iter()
+            .map(|o| o.key)
+            .collect();
+        self.delete_raw_many(&markers).await.into_iter().collect()
+    }
+
+    /// [`Backend::rename_many`]: each pair keeps [`Backend::rename`]'s promise (the
+    /// destination written before the source goes), in four steps over all of them:
+    /// 1. the packed chunks among the sources are read as [`Backend::get_many`] reads them
+    ///    (each pack's dead markers listed once, fresh; ranged GETs of spans of entries);
+    /// 2. every destination is written, [`MARKERS_IN_FLIGHT`] at once: a packed chunk's
+    ///    stored bytes by a PUT, any other source by CopyObject (a loose chunk not found is
+    ///    renamed alone by [`Backend::rename`], which looks for packs written since);
+    /// 3. the packed chunks written are marked dead in every pack holding them
+    ///    ([`S3Backend::delete_packed_many`]: one listing of `packs/`);
+    /// 4. the sources written are deleted with DeleteObjects (a packed chunk's loose copy,
+    ///    two writers', goes with it).
+    ///
+    /// A failure stops its own pair at its step (so it never loses its source before its
+    /// destination is written); the others go on.
+    pub(super) async fn rename_many_impl(
+        &self,
+        pairs: &[(String, String)],
+    ) -> Vec<Result<(), BackendError>> {
+        let mut out: Vec<Option<Result<(), BackendError>>> = pairs
+            .iter()
+            .map(|(_, to)| validate_key(to).err().map(Err))
+            .collect();
+        let froms: Vec<String> = pairs.iter().map(|(f, _)| f.clone()).collect();
+        let packed: HashMap<usize, Bytes> = self
+            .get_many_packed(&froms, u64::MAX)
             .await
+            .into_iter()
+            .collect();
+        let todo: Vec<usize> = (0..pairs.len()).filter(|i| out[*i].is_none()).collect();
+        let packed = &packed;
+        let steps: Vec<(usize, Step)> = futures::stream::iter(todo)
+            .map(|i| async move {
+                let (from, to) = &pairs[i];
+                let step = match packed.get(&i) {
+                    Some(b) => match self.put_raw(to, b.clone()).await {
+                        Ok(_) => Step::Written { packed: true },
+                        Err(e) => Step::Done(Err(e)),
+                    },
+                    None => match self.copy_raw(from, to).await {
+                        Ok(()) => Step::Written { packed: false },
+                        // Not a loose object: maybe in a pack written since the view was
+                        // listed, so renamed alone, whole.
+                        Err(e) if e.is_not_found() && chunk_digest(from).is_some() => {
+                            Step::Done(self.rename(from, to).await)
+                        }
+                        Err(e) => Step::Done(Err(e)),
+                    },
+                };
+                (i, step)
+            })
+            .buffer_unordered(MARKERS_IN_FLIGHT)
+            .collect()
+            .await;
+        let (mut marked, mut sources) = (Vec::new(), Vec::new());
+        for (i, step) in steps {
+            match step {
+                Step::Done(r) => out[i] = Some(r),
+                Step::Written { packed } => {
+                    if packed {
+                        marked.push(i);
+                    }
+                    sources.push(i);
+                }
+            }
+        }
+        if !marked.is_empty() {
+            let ds: Vec<Sha256Hash> = marked
+                .iter()
+                .filter_map(|i| chunk_digest(&pairs[*i].0))
+                .collect();
+            if let Err(e) = self.delete_packed_many(&ds).await {
+                for i in marked {
+                    out[i] = Some(Err(self.again(&e, "rename", &pairs[i].0)));
+                }
+            }
+        }
+        sources.retain(|i| out[*i].is_none());
+        sources.sort_unstable();
+        let keys: Vec<String> = sources.iter().map(|i| pairs[*i].0.clone()).collect();
+        for (i, r) in sources.into_iter().zip(self.delete_raw_many(&keys).await) {
+            out[i] = Some(r);
+        }
+        out.into_iter().map(|r| r.unwrap_or(Ok(()))).collect()
     }
 }
