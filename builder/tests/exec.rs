@@ -659,6 +659,40 @@ fn hostile_hosts_symlinks_stay_inside_the_root() {
     assert!(!f.upper.join("run").exists());
 }
 
+/// Issue 34: the step's root overlay is mounted `volatile` (its upper is the step's scratch,
+/// so a step's fsync need not reach the disk), and the same upper and work directories mount
+/// again for another step: overlayfs' `work/incompat/volatile` marker, which would refuse
+/// that, is cleared before a volatile mount. (Linux 6.18 shows the option as
+/// `fsync=volatile`, older kernels as `volatile`.)
+#[test]
+fn the_step_root_is_volatile_and_its_directories_mount_again() {
+    let f = fixture("volatile");
+    let (r, lines) = f.run(&f.spec(
+        "grep ' / / ' /proc/self/mountinfo; echo a | dd of=/a conv=fsync 2>/dev/null; echo ok",
+    ));
+    r.unwrap();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let options = lines[0].rsplit(' ').next().unwrap();
+    assert!(
+        lines[0].contains(" - overlay ")
+            && options
+                .split(',')
+                .any(|o| o == "volatile" || o == "fsync=volatile"),
+        "the root's mount: {}",
+        lines[0]
+    );
+    assert_eq!(lines[1], "ok");
+    assert!(
+        f.work.join("work/incompat/volatile").is_dir(),
+        "overlayfs marks a volatile mount's work directory"
+    );
+    assert_eq!(fs::read_to_string(f.upper.join("a")).unwrap(), "a\n");
+    let (r, lines) = f.run(&f.spec("cat /a; echo b > /b"));
+    r.unwrap();
+    assert_eq!(lines, vec!["a"]);
+    assert_eq!(fs::read_to_string(f.upper.join("b")).unwrap(), "b\n");
+}
+
 /// Two steps stacked on the Debian bookworm minbase fixture (ci/fixtures.sh), unpacked with
 /// umoci: the second step's lower directories are the first step's upper over the base, and
 /// its USER comes from the /etc/passwd the first step wrote.

@@ -80,12 +80,15 @@ fn mount_overlay(
     } else {
         lowers.iter().map(PathBuf::as_path).collect()
     };
+    // Volatile: the upper is a step's scratch (captured as a layer, whose blob the build
+    // cache syncs, or removed), never read again as it stood after a crash.
     crate::exec::overlay::mount(
         &lowers,
         upper,
         work,
         target,
         MountAttrFlags::MOUNT_ATTR_NODEV | MountAttrFlags::MOUNT_ATTR_NOSUID,
+        crate::exec::overlay::Durability::Volatile,
     )
 }
 
@@ -202,5 +205,55 @@ mod tests {
         );
         let mounts = fs::read_to_string("/proc/self/mountinfo").unwrap();
         assert!(!mounts.contains(mnt.to_str().unwrap()));
+    }
+
+    /// Issue 34: the merged view is a volatile overlay (its upper is a step's scratch), and
+    /// the same upper and work directories mount again (overlayfs' marker of a volatile
+    /// mount is cleared first).
+    #[test]
+    fn the_merged_view_is_volatile_and_mounts_again() {
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "needs root (overlayfs); CI runs as root"
+        );
+        let t = tempfile::tempdir().unwrap();
+        let lower = t.path().join("lower");
+        fs::create_dir_all(&lower).unwrap();
+        let (upper, work, mnt) = (
+            t.path().join("upper"),
+            t.path().join("work"),
+            t.path().join("mnt"),
+        );
+        for d in [&upper, &work, &mnt] {
+            fs::create_dir(d).unwrap();
+        }
+        for round in 0..2 {
+            let at = mnt.clone();
+            let line = with_merged(
+                vec![lower.clone()],
+                upper.clone(),
+                work.clone(),
+                mnt.clone(),
+                move |root| {
+                    fs::write(root.join(format!("f{round}")), "x").map_err(|e| e.to_string())?;
+                    // This thread's own mount namespace.
+                    let mounts = fs::read_to_string("/proc/thread-self/mountinfo")
+                        .map_err(|e| e.to_string())?;
+                    let at = format!(" {} ", at.display());
+                    Ok(mounts.lines().find(|l| l.contains(&at)).map(str::to_string))
+                },
+            )
+            .unwrap()
+            .expect("the view's mount");
+            let options = line.rsplit(' ').next().unwrap();
+            assert!(
+                options
+                    .split(',')
+                    .any(|o| o == "volatile" || o == "fsync=volatile"),
+                "{line}"
+            );
+            assert!(work.join("work/incompat/volatile").is_dir());
+        }
+        assert!(upper.join("f0").is_file() && upper.join("f1").is_file());
     }
 }

@@ -1493,3 +1493,41 @@ fn settled_times_are_the_layers() {
     let md = fs::symlink_metadata(upper.join("d/e/f")).unwrap();
     assert_eq!((md.mtime(), md.mtime_nsec()), (1_800_000_000, 0));
 }
+
+/// Issue 34: a layer written with the tar on one thread and zstd on another
+/// ([`write::write_layer`]) is byte for byte the one-thread zstd frame of its tar, whatever
+/// the pieces it was handed over in: the same blob digest as before the split, and its diff
+/// id is the tar's sha256. Several MiB, so that many pieces and zstd blocks pass.
+#[test]
+fn a_layer_is_the_one_thread_zstd_frame_of_its_tar() {
+    let t = tempfile::tempdir().unwrap();
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut text = Vec::new();
+    while text.len() < 5 << 20 {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        text.extend_from_slice(format!("line {} of {}\n", x >> 40, x % 97).as_bytes());
+    }
+    fs::create_dir_all(t.path().join("usr/lib")).unwrap();
+    fs::write(t.path().join("usr/lib/big"), &text).unwrap();
+    for i in 0..300 {
+        fs::write(
+            t.path().join(format!("usr/f{i}")),
+            format!("{i}\n").repeat(i),
+        )
+        .unwrap();
+    }
+    let mut blob = Vec::new();
+    let w = write::write_layer(t.path(), &mut blob, Some(1_700_000_000)).unwrap();
+    assert_eq!(kiln_store::BlobDigest::of(&blob), w.digest);
+    assert_eq!(w.size, blob.len() as u64);
+    let tar = zstd::stream::decode_all(&blob[..]).unwrap();
+    assert!(tar.len() > 5 << 20);
+    assert_eq!(kiln_store::digest::Sha256Hash::of(&tar), w.diff_id);
+    let mut z = zstd::stream::write::Encoder::new(Vec::new(), write::ZSTD_LEVEL).unwrap();
+    z.include_checksum(true).unwrap();
+    z.write_all(&tar).unwrap();
+    assert!(
+        z.finish().unwrap() == blob,
+        "not the one-thread frame of its tar"
+    );
+}
