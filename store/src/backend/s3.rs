@@ -120,6 +120,7 @@
 //! dead bytes stay, counted by verify.
 
 use std::collections::{HashMap, HashSet};
+use std::fmt;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -153,6 +154,9 @@ use crate::digest::{Hasher, Sha256Hash};
 
 mod errors;
 mod packed;
+
+#[cfg(test)]
+mod fault_tests;
 
 use errors::{classify, missing_key, range_not_satisfiable};
 
@@ -257,17 +261,50 @@ impl WireCounts {
 }
 
 /// `object_store`'s own reqwest client, each request counted in a [`WireCounts`] as it is
-/// sent.
+/// sent (and, in a test, passed by its [`Tamper`]).
 #[derive(Debug)]
-struct CountingConnector(Arc<WireCounts>);
+struct CountingConnector(Arc<WireCounts>, Option<TamperHook>);
 
 impl HttpConnector for CountingConnector {
     fn connect(&self, options: &ClientOptions) -> object_store::Result<HttpClient> {
         Ok(HttpClient::new(Counting {
             inner: ReqwestConnector::default().connect(options)?,
             counts: self.0.clone(),
+            tamper: self.1.clone(),
         }))
     }
+}
+
+/// A fault injector's hand in an [`S3Backend`]'s HTTP exchanges, for tests only
+/// ([`S3Backend::open_tampered`]; none in a store opened by [`S3Backend::open`]): it sees
+/// each request before it is sent and says what the client gets back. It stands in for a
+/// server, or a network, that answers wrongly, which the test S3 server cannot be made to
+/// do on demand.
+pub(crate) type Tamper = dyn Fn(&HttpRequest) -> Tampered + Send + Sync;
+
+/// [`Tamper`], shared, with a `Debug` for the client that holds it.
+#[derive(Clone)]
+struct TamperHook(Arc<Tamper>);
+
+impl fmt::Debug for TamperHook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("TamperHook")
+    }
+}
+
+/// What a [`Tamper`] does to one request.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) enum Tampered {
+    /// Sent, and answered as the server answers.
+    Pass,
+    /// Sent (the server acts on it), and answered with this status and body instead of the
+    /// server's answer: a reply garbled on its way back.
+    Garbled {
+        /// The HTTP status the client sees.
+        status: u16,
+        /// The body the client sees.
+        body: String,
+    },
 }
 
 /// An HTTP client that counts each request ([`CountingConnector`]).
@@ -275,13 +312,27 @@ impl HttpConnector for CountingConnector {
 struct Counting {
     inner: HttpClient,
     counts: Arc<WireCounts>,
+    tamper: Option<TamperHook>,
 }
 
 #[async_trait::async_trait]
 impl HttpService for Counting {
     async fn call(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
         self.counts.count(req.method(), req.uri().query());
-        self.inner.execute(req).await
+        let Some(t) = &self.tamper else {
+            return self.inner.execute(req).await;
+        };
+        let what = (t.0)(&req);
+        let answer = self.inner.execute(req).await?;
+        match what {
+            Tampered::Pass => Ok(answer),
+            Tampered::Garbled { status, body } => {
+                let mut r = HttpResponse::new(body.into());
+                *r.status_mut() = reqwest::StatusCode::from_u16(status)
+                    .unwrap_or(reqwest::StatusCode::INTERNAL_SERVER_ERROR);
+                Ok(r)
+            }
+        }
     }
 }
 
@@ -295,6 +346,26 @@ struct PackState {
 impl S3Backend {
     /// Builds the client (no request is made). `prefix` has no leading or trailing `/`.
     pub fn open(bucket: &str, prefix: &str, opts: &S3Options) -> Result<Self, BackendError> {
+        Self::open_via(bucket, prefix, opts, None)
+    }
+
+    /// [`S3Backend::open`] with a fault injector in its HTTP client ([`Tamper`]; tests).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn open_tampered(
+        bucket: &str,
+        prefix: &str,
+        opts: &S3Options,
+        tamper: Arc<Tamper>,
+    ) -> Result<Self, BackendError> {
+        Self::open_via(bucket, prefix, opts, Some(TamperHook(tamper)))
+    }
+
+    fn open_via(
+        bucket: &str,
+        prefix: &str,
+        opts: &S3Options,
+        tamper: Option<TamperHook>,
+    ) -> Result<Self, BackendError> {
         let url = if prefix.is_empty() {
             format!("s3://{bucket}")
         } else {
@@ -334,7 +405,7 @@ impl S3Backend {
         };
         let wire = Arc::new(WireCounts::default());
         let store = b
-            .with_http_connector(CountingConnector(wire.clone()))
+            .with_http_connector(CountingConnector(wire.clone(), tamper))
             .with_client_options(client)
             .with_retry(retry)
             .build()

@@ -1,0 +1,201 @@
+//! The S3 backend's calls on many objects against answers the test server (moto) never
+//! gives, injected by a [`Tamper`] in the backend's HTTP client: a DeleteObjects answer
+//! garbled on its way back (naming a key that was not asked, or not XML at all), and one
+//! that says `NoSuchKey` for keys that are absent (what some S3-compatible servers answer,
+//! where S3 says "Deleted"). GC's condemn and delete phases (`Backend::rename_many`,
+//! `Backend::delete_many`) must come through each with every object accounted for: a store
+//! verify calls clean, no fossil left, the garbage gone.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::*;
+use crate::artifact::PutArtifactOptions;
+use crate::gc::GcOptions;
+use crate::manifest::{ImageManifest, Manifest};
+use crate::{Store, StoreOptions};
+
+/// The test server's options, from the environment (as the conformance suite reads it).
+fn s3_options() -> S3Options {
+    let endpoint = std::env::var("KILN_TEST_S3_ENDPOINT").unwrap_or_else(|_| {
+        panic!(
+            "KILN_TEST_S3_ENDPOINT is not set: run ci/setup.sh and source \
+             /var/cache/kiln-ci/env (S3 tests never skip)"
+        )
+    });
+    let var = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
+    S3Options {
+        endpoint: Some(endpoint),
+        allow_http: Some(true),
+        region: Some(var("AWS_REGION", "us-east-1")),
+        access_key_id: Some(var("AWS_ACCESS_KEY_ID", "kiln-test")),
+        secret_access_key: Some(var("AWS_SECRET_ACCESS_KEY", "kiln-test")),
+        ..S3Options::default()
+    }
+}
+
+/// A backend on a fresh prefix of the test bucket whose HTTP client goes through `tamper`;
+/// returns it and its prefix.
+fn tampered(test: &str, tamper: Arc<Tamper>) -> (S3Backend, String) {
+    let bucket = std::env::var("KILN_TEST_S3_BUCKET").unwrap_or_else(|_| "kiln-test".into());
+    let run = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let prefix = format!("s3-faults-{}-{run}/{test}", std::process::id());
+    let b = S3Backend::open_tampered(&bucket, &prefix, &s3_options(), tamper).unwrap();
+    (b, prefix)
+}
+
+/// Whether `req` is a DeleteObjects request (`POST /?delete`).
+fn is_delete_objects(req: &HttpRequest) -> bool {
+    req.method() == reqwest::Method::POST && req.uri().query().is_some_and(|q| q.contains("delete"))
+}
+
+/// The keys a DeleteObjects request asks for (its body's `<Key>` elements, bucket prefix
+/// included).
+fn asked(req: &HttpRequest) -> Vec<String> {
+    let body = req
+        .body()
+        .as_bytes()
+        .map(|b| String::from_utf8_lossy(b).into_owned())
+        .unwrap_or_default();
+    body.split("<Key>")
+        .skip(1)
+        .filter_map(|s| s.split("</Key>").next())
+        .map(str::to_string)
+        .collect()
+}
+
+/// A DeleteObjects answer (200) with an `<Error>` of `code` for each of `keys`.
+fn errors_for(keys: &[String], code: &str) -> String {
+    let mut body = String::from(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n\
+         <DeleteResult xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">",
+    );
+    for k in keys {
+        body.push_str(&format!(
+            "<Error><Key>{k}</Key><Code>{code}</Code><Message>injected</Message></Error>"
+        ));
+    }
+    body.push_str("</DeleteResult>");
+    body
+}
+
+/// Puts garbage in `s` (an image manifest no tag names, its chunks packed, a loose blob),
+/// waits out S3's one-second times, and runs GC with no grace: returns the run's result.
+async fn gc_over_garbage(s: &Store) -> Result<crate::gc::GcReport, crate::StoreError> {
+    let data: Vec<u8> = (0..400_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let (table, _) = s
+        .put_artifact_reader(std::io::Cursor::new(data), &PutArtifactOptions::default())
+        .await
+        .unwrap();
+    assert!(!table.chunk_digests().is_empty());
+    s.put_manifest(&Manifest::Image(ImageManifest::new(table)))
+        .await
+        .unwrap();
+    s.put_blob(Bytes::from_static(b"stray blob")).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    s.gc(&GcOptions {
+        grace: Duration::ZERO,
+        ..GcOptions::default()
+    })
+    .await
+}
+
+/// Asserts `s` holds nothing GC should have taken: no chunk, blob, manifest or fossil, and
+/// verify finds nothing.
+async fn assert_swept(s: &Store) {
+    for prefix in ["chunks/", "blobs/", "manifests/", "fossil/"] {
+        let left = s.backend().list(prefix).await.unwrap();
+        assert!(left.is_empty(), "{prefix}: {left:?}");
+    }
+    let v = s.verify(true, &GcOptions::default()).await.unwrap();
+    assert!(v.is_ok(), "{v:?}");
+}
+
+/// A DeleteObjects answer garbled on its way back (the deletes done by the server) must
+/// fail its keys as a lost reply, for the retry wrapper to delete them one by one, not stop
+/// GC: before, an answer naming a key that was not asked made object_store panic
+/// (`find_position(..).unwrap()` in its DeleteObjects reader), taking the process down in
+/// GC's condemn step, and an answer that is not XML failed every key for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_comes_through_garbled_delete_objects_answers() {
+    for (name, garble) in [("not-asked", 0), ("not-xml", 1), ("cut-short", 2)] {
+        let garbled = Arc::new(AtomicUsize::new(0));
+        let g = garbled.clone();
+        let prefix_of_bucket = Arc::new(std::sync::OnceLock::<String>::new());
+        let p = prefix_of_bucket.clone();
+        let tamper: Arc<Tamper> = Arc::new(move |req: &HttpRequest| {
+            if !is_delete_objects(req) {
+                return Tampered::Pass;
+            }
+            // Every other one, so that a key retried alone gets through.
+            if g.fetch_add(1, Ordering::SeqCst) % 2 == 1 {
+                return Tampered::Pass;
+            }
+            let body = match garble {
+                0 => errors_for(
+                    &[format!(
+                        "{}/not-asked",
+                        p.get().cloned().unwrap_or_default()
+                    )],
+                    "AccessDenied",
+                ),
+                1 => "<html><body>502 Bad Gateway</body></html>".to_string(),
+                _ => "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<DeleteResult xmlns=\"http"
+                    .to_string(),
+            };
+            Tampered::Garbled { status: 200, body }
+        });
+        let (b, prefix) = tampered(name, tamper);
+        prefix_of_bucket.set(prefix).unwrap();
+        let s = Store::from_backend(Arc::new(b), StoreOptions::default());
+        let r = gc_over_garbage(&s).await;
+        let r = r.unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(
+            garbled.load(Ordering::SeqCst) > 0,
+            "{name}: no DeleteObjects request was made"
+        );
+        assert!(
+            r.condemned > 0 && r.collected.len() == r.condemned,
+            "{name}: {r:?}"
+        );
+        assert_swept(&s).await;
+    }
+}
+
+/// `Backend::delete_many` says absent is not an error: a server that answers DeleteObjects
+/// with `NoSuchKey` for a key that is not there (S3 itself says "Deleted") must not fail
+/// the key (before: a final error, so a GC phase, or a compaction deleting markers, stopped
+/// on a key that was already gone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_many_takes_no_such_key_as_deleted() {
+    let tamper: Arc<Tamper> = Arc::new(|req: &HttpRequest| {
+        if !is_delete_objects(req) {
+            return Tampered::Pass;
+        }
+        Tampered::Garbled {
+            status: 200,
+            body: errors_for(&asked(req), "NoSuchKey"),
+        }
+    });
+    let (b, _) = tampered("no-such-key", tamper);
+    let keys: Vec<String> = [
+        "fossil/blobs/sha256/aa",
+        "fossil/chunks/sha256/bb",
+        "chunks/sha256/cc",
+    ]
+    .iter()
+    .map(|k| k.to_string())
+    .collect();
+    for (k, r) in keys.iter().zip(b.delete_many(&keys).await) {
+        assert!(r.is_ok(), "{k}: {r:?}");
+    }
+    // And through GC: its fossils' deletes and its moves' deletes of loose sources.
+    let s = Store::from_backend(Arc::new(b), StoreOptions::default());
+    let r = gc_over_garbage(&s).await.unwrap();
+    assert!(r.condemned > 0 && r.collected.len() == r.condemned, "{r:?}");
+    assert_swept(&s).await;
+}
