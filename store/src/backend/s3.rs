@@ -465,6 +465,27 @@ impl S3Backend {
     }
 }
 
+/// `f` (a delete by object_store), or, when it panics, why: object_store makes every delete
+/// a DeleteObjects request (S3 API reference, DeleteObjects) and panics on an answer that
+/// names a key the request did not ask for (0.14's reader looks each named key up among those
+/// asked and unwraps). Such an answer is garbled, so nothing is known of what the server did:
+/// the caller fails its keys as transient (a lost reply; deleting again is harmless), where
+/// the panic would have taken the process down (GC in its condemn step, say).
+async fn unpanicked<T>(f: impl std::future::Future<Output = T>) -> Result<T, String> {
+    use futures::FutureExt;
+    std::panic::AssertUnwindSafe(f)
+        .catch_unwind()
+        .await
+        .map_err(|p| {
+            let what = p
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| p.downcast_ref::<&str>().copied())
+                .unwrap_or("a panic");
+            format!("the DeleteObjects answer could not be read (object_store: {what})")
+        })
+}
+
 fn to_system_time(secs: i64, nanos: u32) -> SystemTime {
     if secs < 0 {
         return UNIX_EPOCH;
@@ -656,7 +677,15 @@ impl S3Backend {
 
     async fn delete_raw(&self, key: &str) -> Result<(), BackendError> {
         let p = self.path(key)?;
-        match self.store.delete(&p).await {
+        let done =
+            unpanicked(self.store.delete(&p))
+                .await
+                .map_err(|message| BackendError::Transient {
+                    store: self.url.clone(),
+                    key: key.to_string(),
+                    message,
+                })?;
+        match done {
             Ok(()) => Ok(()),
             Err(e) if missing_key(&e) => Ok(()),
             Err(e) => Err(self.err("delete", key, e)),
@@ -677,24 +706,34 @@ impl S3Backend {
                 .iter()
                 .filter_map(|p| p.as_ref().ok().cloned())
                 .collect();
-            let answers: Vec<object_store::Result<OsPath>> = self
-                .store
-                .delete_stream(futures::stream::iter(valid.clone().into_iter().map(Ok)).boxed())
-                .collect()
-                .await;
+            let answers = unpanicked(
+                self.store
+                    .delete_stream(futures::stream::iter(valid.clone().into_iter().map(Ok)).boxed())
+                    .collect::<Vec<object_store::Result<OsPath>>>(),
+            )
+            .await;
             // One answer per key, in order; anything else is the whole request failing.
-            let (whole, mut answers) = if answers.len() == valid.len() {
-                (None, answers.into_iter())
-            } else {
-                let e = match answers.into_iter().find_map(Result::err) {
-                    Some(e) => self.err("delete", &part[0], e),
-                    None => BackendError::Transient {
+            let (whole, mut answers) = match answers {
+                Err(why) => (
+                    Some(BackendError::Transient {
                         store: self.url.clone(),
                         key: part[0].clone(),
-                        message: "DeleteObjects answered for fewer keys than asked".into(),
-                    },
-                };
-                (Some(e), Vec::new().into_iter())
+                        message: why,
+                    }),
+                    Vec::new().into_iter(),
+                ),
+                Ok(answers) if answers.len() == valid.len() => (None, answers.into_iter()),
+                Ok(answers) => {
+                    let e = match answers.into_iter().find_map(Result::err) {
+                        Some(e) => self.err("delete", &part[0], e),
+                        None => BackendError::Transient {
+                            store: self.url.clone(),
+                            key: part[0].clone(),
+                            message: "DeleteObjects answered for fewer keys than asked".into(),
+                        },
+                    };
+                    (Some(e), Vec::new().into_iter())
+                }
             };
             for (k, p) in part.iter().zip(paths) {
                 out.push(match (p, &whole) {
