@@ -305,6 +305,14 @@ pub(crate) enum Tampered {
         /// The body the client sees.
         body: String,
     },
+    /// Not sent (the server never sees it), answered with this status and body: with every
+    /// request from some point on, a process killed there (what it sent before is done).
+    Refused {
+        /// The HTTP status the client sees.
+        status: u16,
+        /// The body the client sees.
+        body: String,
+    },
 }
 
 /// An HTTP client that counts each request ([`CountingConnector`]).
@@ -322,17 +330,18 @@ impl HttpService for Counting {
         let Some(t) = &self.tamper else {
             return self.inner.execute(req).await;
         };
-        let what = (t.0)(&req);
-        let answer = self.inner.execute(req).await?;
-        match what {
-            Tampered::Pass => Ok(answer),
+        let (status, body) = match (t.0)(&req) {
+            Tampered::Pass => return self.inner.execute(req).await,
             Tampered::Garbled { status, body } => {
-                let mut r = HttpResponse::new(body.into());
-                *r.status_mut() = reqwest::StatusCode::from_u16(status)
-                    .unwrap_or(reqwest::StatusCode::INTERNAL_SERVER_ERROR);
-                Ok(r)
+                self.inner.execute(req).await?;
+                (status, body)
             }
-        }
+            Tampered::Refused { status, body } => (status, body),
+        };
+        let mut r = HttpResponse::new(body.into());
+        *r.status_mut() = reqwest::StatusCode::from_u16(status)
+            .unwrap_or(reqwest::StatusCode::INTERNAL_SERVER_ERROR);
+        Ok(r)
     }
 }
 

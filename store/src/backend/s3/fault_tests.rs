@@ -199,3 +199,179 @@ async fn delete_many_takes_no_such_key_as_deleted() {
     assert!(r.condemned > 0 && r.collected.len() == r.condemned, "{r:?}");
     assert_swept(&s).await;
 }
+
+/// A store on a fresh prefix whose process is "killed" at a request: from request `limit`
+/// on (counted in `sent`, from 0), nothing is sent and every request is refused (403
+/// AccessDenied, a final failure, so nothing is retried): what was sent before is done,
+/// nothing after. Returns the store, its backend, its URL, `sent` and `limit`.
+struct Killable {
+    store: Store,
+    backend: Arc<S3Backend>,
+    url: String,
+    sent: Arc<AtomicUsize>,
+    limit: Arc<AtomicUsize>,
+    /// Whether a DeleteObjects request naming a fossil was sent (GC's second phase began).
+    fossils_deleted: Arc<std::sync::atomic::AtomicBool>,
+}
+
+fn killable(test: &str) -> Killable {
+    let sent = Arc::new(AtomicUsize::new(0));
+    let limit = Arc::new(AtomicUsize::new(usize::MAX));
+    let fossils_deleted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (s2, l2, f2) = (sent.clone(), limit.clone(), fossils_deleted.clone());
+    let tamper: Arc<Tamper> = Arc::new(move |req: &HttpRequest| {
+        if s2.fetch_add(1, Ordering::SeqCst) < l2.load(Ordering::SeqCst) {
+            if is_delete_objects(req) && asked(req).iter().any(|k| k.contains("/fossil/")) {
+                f2.store(true, Ordering::SeqCst);
+            }
+            return Tampered::Pass;
+        }
+        Tampered::Refused {
+            status: 403,
+            body: "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>AccessDenied</Code>\
+                   <Message>killed</Message></Error>"
+                .to_string(),
+        }
+    });
+    let (b, prefix) = tampered(test, tamper);
+    let bucket = std::env::var("KILN_TEST_S3_BUCKET").unwrap_or_else(|_| "kiln-test".into());
+    let backend = Arc::new(b);
+    Killable {
+        store: Store::from_backend(backend.clone(), StoreOptions::default()),
+        backend,
+        url: format!("s3://{bucket}/{prefix}"),
+        sent,
+        limit,
+        fossils_deleted,
+    }
+}
+
+/// Puts in `s` an image a tag keeps, and garbage: an image no tag names (its chunks
+/// packed, one of them also a loose object, as two writers leave it) and a loose blob.
+async fn live_and_garbage(k: &Killable) {
+    let s = &k.store;
+    let put = |seed: u32| async move {
+        let data: Vec<u8> = (0..300_000u32)
+            .map(|i| (i.wrapping_add(seed).wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        let (table, _) = s
+            .put_artifact_reader(std::io::Cursor::new(data), &PutArtifactOptions::default())
+            .await
+            .unwrap();
+        let raw = s
+            .put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
+            .await
+            .unwrap();
+        (raw.digest, table)
+    };
+    let (kept, _) = put(1).await;
+    s.set_tag(&"keep:v1".parse().unwrap(), None, kept)
+        .await
+        .unwrap();
+    let (_, dropped) = put(2).await;
+    let both = dropped.chunk_digests()[0].key();
+    let stored = k.backend.get(&both).await.unwrap();
+    k.backend.put_raw(&both, stored).await.unwrap();
+    s.put_blob(Bytes::from_static(b"stray blob")).await.unwrap();
+}
+
+/// GC on S3 killed at each of its requests in turn (its batched moves' fossil writes, dead
+/// markers and DeleteObjects, its fossil deletes, its compaction): the store it leaves is
+/// one verify calls clean, and the next GC (the dead one's lock taken over) sweeps every
+/// piece of garbage and every fossil, the kept image whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_killed_at_every_request_leaves_a_clean_store_the_next_gc_sweeps() {
+    let opts = GcOptions {
+        grace: Duration::ZERO,
+        ..GcOptions::default()
+    };
+    // A whole run's requests, counted.
+    let whole = killable("whole");
+    live_and_garbage(&whole).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    whole.sent.store(0, Ordering::SeqCst);
+    whole.store.gc(&opts).await.unwrap();
+    let total = whole.sent.load(Ordering::SeqCst);
+    assert!(total > 10, "{total} requests");
+    // One store per kill point, all made before the one wait for S3's clock.
+    let mut runs = Vec::new();
+    for n in 0..total {
+        let k = killable(&format!("killed-at-{n}"));
+        live_and_garbage(&k).await;
+        let mut objects = Vec::new();
+        for prefix in ["chunks/", "blobs/", "manifests/"] {
+            objects.extend(
+                k.backend
+                    .list(prefix)
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .map(|o| o.key),
+            );
+        }
+        runs.push((n, k, objects));
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    for (n, k, objects) in runs {
+        k.sent.store(0, Ordering::SeqCst);
+        k.limit.store(n, Ordering::SeqCst);
+        let killed = k.store.gc(&opts).await;
+        let after = Store::open_with(
+            &k.url,
+            StoreOptions {
+                s3: s3_options(),
+                ..StoreOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+        let v = after.verify(true, &GcOptions::default()).await.unwrap();
+        assert!(
+            v.is_ok(),
+            "killed at request {n} of {total} ({killed:?}): {v:?}"
+        );
+        // Until the second phase deletes fossils, a move leaves every object under its key
+        // or its fossil key, or both, never neither (garbage included: the order of the
+        // writes is what a writer relying on the object needs).
+        if !k.fossils_deleted.load(Ordering::SeqCst) {
+            for key in &objects {
+                let here = after.backend().head(key).await.unwrap().is_some();
+                let fossil = after
+                    .backend()
+                    .head(&crate::gc::fossil_key(key))
+                    .await
+                    .unwrap()
+                    .is_some();
+                assert!(
+                    here || fossil,
+                    "killed at request {n} of {total}: {key} is gone, its fossil too"
+                );
+            }
+        }
+        // The dead run's lock names this (live) process: taken over as a dead owner's is.
+        after
+            .backend()
+            .delete(crate::gc::GC_LOCK_KEY)
+            .await
+            .unwrap();
+        after.gc(&opts).await.unwrap();
+        let v = after.verify(true, &GcOptions::default()).await.unwrap();
+        assert!(v.is_ok(), "killed at request {n}, then GC again: {v:?}");
+        let left: Vec<String> = after
+            .backend()
+            .list("fossil/")
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|o| o.key)
+            .collect();
+        assert!(
+            left.is_empty(),
+            "killed at request {n}, then GC again: {left:?}"
+        );
+        let blobs = after.backend().list("blobs/").await.unwrap();
+        assert!(blobs.is_empty(), "killed at request {n}: {blobs:?}");
+        let manifests = after.backend().list("manifests/").await.unwrap();
+        assert_eq!(manifests.len(), 1, "killed at request {n}: {manifests:?}");
+    }
+}
