@@ -375,3 +375,87 @@ async fn gc_killed_at_every_request_leaves_a_clean_store_the_next_gc_sweeps() {
         assert_eq!(manifests.len(), 1, "killed at request {n}: {manifests:?}");
     }
 }
+
+/// GC on S3 through a server that fails one write in k (spread over the run), in turn
+/// before acting on it (503 SlowDown) and after (a 500 where its answer was: the reply
+/// lost), at every stage of
+/// the batched moves and deletes: the retry wrapper's one pass and per-key retries finish
+/// the run, which leaves a store verify calls clean with every piece of garbage and every
+/// fossil gone and the kept image whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_finishes_through_lost_replies_and_refusals_of_one_write_in_k() {
+    let mut runs = Vec::new();
+    for every in [3usize, 5, 8] {
+        let count = Arc::new(AtomicUsize::new(0));
+        let on = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (c, o) = (count.clone(), on.clone());
+        let tamper: Arc<Tamper> = Arc::new(move |req: &HttpRequest| {
+            if !o.load(Ordering::SeqCst) || req.method() == reqwest::Method::GET {
+                return Tampered::Pass;
+            }
+            // Writes only (PUT, POST, DELETE): the fossils, markers and DeleteObjects.
+            // Spread, not periodic, so that a call made of several writes gets through
+            // on some attempt.
+            let n = c.fetch_add(1, Ordering::SeqCst) + 1;
+            if (n.wrapping_mul(2_654_435_761) >> 7) % every != 0 {
+                return Tampered::Pass;
+            }
+            let body = |code: &str| {
+                format!(
+                    "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code>\
+                     <Message>injected</Message></Error>"
+                )
+            };
+            if (n.wrapping_mul(2_654_435_761) >> 11) % 2 == 0 {
+                Tampered::Refused {
+                    status: 503,
+                    body: body("SlowDown"),
+                }
+            } else {
+                Tampered::Garbled {
+                    status: 500,
+                    body: body("InternalError"),
+                }
+            }
+        });
+        let (b, prefix) = tampered(&format!("every-{every}"), tamper);
+        let backend = Arc::new(b);
+        let k = Killable {
+            store: Store::from_backend(backend.clone(), StoreOptions::default()),
+            backend,
+            url: prefix,
+            sent: count,
+            limit: Arc::new(AtomicUsize::new(0)),
+            fossils_deleted: Arc::default(),
+        };
+        live_and_garbage(&k).await;
+        runs.push((every, k, on));
+    }
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    for (every, k, on) in runs {
+        on.store(true, Ordering::SeqCst);
+        let r = k
+            .store
+            .gc(&GcOptions {
+                grace: Duration::ZERO,
+                ..GcOptions::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("one write in {every} failing: {e}"));
+        on.store(false, Ordering::SeqCst);
+        assert!(
+            k.sent.load(Ordering::SeqCst) >= every,
+            "one write in {every}: no fault"
+        );
+        assert!(r.condemned > 0, "one write in {every}: {r:?}");
+        let s = &k.store;
+        let v = s.verify(true, &GcOptions::default()).await.unwrap();
+        assert!(v.is_ok(), "one write in {every}: {v:?}");
+        for prefix in ["fossil/", "blobs/"] {
+            let left = s.backend().list(prefix).await.unwrap();
+            assert!(left.is_empty(), "one write in {every}: {prefix}: {left:?}");
+        }
+        let manifests = s.backend().list("manifests/").await.unwrap();
+        assert_eq!(manifests.len(), 1, "one write in {every}: {manifests:?}");
+    }
+}
