@@ -312,68 +312,75 @@ async fn gc_killed_at_every_request_leaves_a_clean_store_the_next_gc_sweeps() {
         runs.push((n, k, objects));
     }
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    for (n, k, objects) in runs {
-        k.sent.store(0, Ordering::SeqCst);
-        k.limit.store(n, Ordering::SeqCst);
-        let killed = k.store.gc(&opts).await;
-        let after = Store::open_with(
-            &k.url,
-            StoreOptions {
-                s3: s3_options(),
-                ..StoreOptions::default()
-            },
-        )
-        .await
-        .unwrap();
-        let v = after.verify(true, &GcOptions::default()).await.unwrap();
-        assert!(
-            v.is_ok(),
-            "killed at request {n} of {total} ({killed:?}): {v:?}"
-        );
-        // Until the second phase deletes fossils, a move leaves every object under its key
-        // or its fossil key, or both, never neither (garbage included: the order of the
-        // writes is what a writer relying on the object needs).
-        if !k.fossils_deleted.load(Ordering::SeqCst) {
-            for key in &objects {
-                let here = after.backend().head(key).await.unwrap().is_some();
-                let fossil = after
+    // Four kill points at a time (each its own store): the server's time per request is
+    // most of it.
+    futures::stream::iter(runs)
+        .for_each_concurrent(4, |(n, k, objects)| {
+            let opts = &opts;
+            async move {
+                k.sent.store(0, Ordering::SeqCst);
+                k.limit.store(n, Ordering::SeqCst);
+                let killed = k.store.gc(opts).await;
+                let after = Store::open_with(
+                    &k.url,
+                    StoreOptions {
+                        s3: s3_options(),
+                        ..StoreOptions::default()
+                    },
+                )
+                .await
+                .unwrap();
+                let v = after.verify(true, &GcOptions::default()).await.unwrap();
+                assert!(
+                    v.is_ok(),
+                    "killed at request {n} of {total} ({killed:?}): {v:?}"
+                );
+                // Until the second phase deletes fossils, a move leaves every object under its key
+                // or its fossil key, or both, never neither (garbage included: the order of the
+                // writes is what a writer relying on the object needs).
+                if !k.fossils_deleted.load(Ordering::SeqCst) {
+                    for key in &objects {
+                        let here = after.backend().head(key).await.unwrap().is_some();
+                        let fossil = after
+                            .backend()
+                            .head(&crate::gc::fossil_key(key))
+                            .await
+                            .unwrap()
+                            .is_some();
+                        assert!(
+                            here || fossil,
+                            "killed at request {n} of {total}: {key} is gone, its fossil too"
+                        );
+                    }
+                }
+                // The dead run's lock names this (live) process: taken over as a dead owner's is.
+                after
                     .backend()
-                    .head(&crate::gc::fossil_key(key))
+                    .delete(crate::gc::GC_LOCK_KEY)
+                    .await
+                    .unwrap();
+                after.gc(opts).await.unwrap();
+                let v = after.verify(true, &GcOptions::default()).await.unwrap();
+                assert!(v.is_ok(), "killed at request {n}, then GC again: {v:?}");
+                let left: Vec<String> = after
+                    .backend()
+                    .list("fossil/")
                     .await
                     .unwrap()
-                    .is_some();
+                    .into_iter()
+                    .map(|o| o.key)
+                    .collect();
                 assert!(
-                    here || fossil,
-                    "killed at request {n} of {total}: {key} is gone, its fossil too"
+                    left.is_empty(),
+                    "killed at request {n}, then GC again: {left:?}"
                 );
+                let blobs = after.backend().list("blobs/").await.unwrap();
+                assert!(blobs.is_empty(), "killed at request {n}: {blobs:?}");
+                let manifests = after.backend().list("manifests/").await.unwrap();
+                assert_eq!(manifests.len(), 1, "killed at request {n}: {manifests:?}");
             }
-        }
-        // The dead run's lock names this (live) process: taken over as a dead owner's is.
-        after
-            .backend()
-            .delete(crate::gc::GC_LOCK_KEY)
-            .await
-            .unwrap();
-        after.gc(&opts).await.unwrap();
-        let v = after.verify(true, &GcOptions::default()).await.unwrap();
-        assert!(v.is_ok(), "killed at request {n}, then GC again: {v:?}");
-        let left: Vec<String> = after
-            .backend()
-            .list("fossil/")
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|o| o.key)
-            .collect();
-        assert!(
-            left.is_empty(),
-            "killed at request {n}, then GC again: {left:?}"
-        );
-        let blobs = after.backend().list("blobs/").await.unwrap();
-        assert!(blobs.is_empty(), "killed at request {n}: {blobs:?}");
-        let manifests = after.backend().list("manifests/").await.unwrap();
-        assert_eq!(manifests.len(), 1, "killed at request {n}: {manifests:?}");
-    }
+        })
+        .await;
 }
 
 /// GC on S3 through a server that fails one write in k (spread over the run), in turn
