@@ -2,9 +2,10 @@
 //! gives, injected by a [`Tamper`] in the backend's HTTP client: a DeleteObjects answer
 //! garbled on its way back (naming a key that was not asked, or not XML at all), and one
 //! that says `NoSuchKey` for keys that are absent (what some S3-compatible servers answer,
-//! where S3 says "Deleted"). GC's condemn and delete phases (`Backend::rename_many`,
-//! `Backend::delete_many`) must come through each with every object accounted for: a store
-//! verify calls clean, no fossil left, the garbage gone.
+//! where S3 says "Deleted"); a process killed at each request of a GC run in turn; and a
+//! server that fails one write in k, before or after acting on it. GC's condemn and delete
+//! phases (`Backend::rename_many`, `Backend::delete_many`) must come through each with every
+//! object accounted for: a store verify calls clean, no fossil left, the garbage gone.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
