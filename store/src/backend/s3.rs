@@ -120,6 +120,7 @@
 //! dead bytes stay, counted by verify.
 
 use std::collections::{HashMap, HashSet};
+use std::fmt;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -153,6 +154,9 @@ use crate::digest::{Hasher, Sha256Hash};
 
 mod errors;
 mod packed;
+
+#[cfg(test)]
+mod fault_tests;
 
 use errors::{classify, missing_key, range_not_satisfiable};
 
@@ -257,17 +261,58 @@ impl WireCounts {
 }
 
 /// `object_store`'s own reqwest client, each request counted in a [`WireCounts`] as it is
-/// sent.
+/// sent (and, in a test, passed by its [`Tamper`]).
 #[derive(Debug)]
-struct CountingConnector(Arc<WireCounts>);
+struct CountingConnector(Arc<WireCounts>, Option<TamperHook>);
 
 impl HttpConnector for CountingConnector {
     fn connect(&self, options: &ClientOptions) -> object_store::Result<HttpClient> {
         Ok(HttpClient::new(Counting {
             inner: ReqwestConnector::default().connect(options)?,
             counts: self.0.clone(),
+            tamper: self.1.clone(),
         }))
     }
+}
+
+/// A fault injector's hand in an [`S3Backend`]'s HTTP exchanges, for tests only
+/// ([`S3Backend::open_tampered`]; none in a store opened by [`S3Backend::open`]): it sees
+/// each request before it is sent and says what the client gets back. It stands in for a
+/// server, or a network, that answers wrongly, which the test S3 server cannot be made to
+/// do on demand.
+pub(crate) type Tamper = dyn Fn(&HttpRequest) -> Tampered + Send + Sync;
+
+/// [`Tamper`], shared, with a `Debug` for the client that holds it.
+#[derive(Clone)]
+struct TamperHook(Arc<Tamper>);
+
+impl fmt::Debug for TamperHook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("TamperHook")
+    }
+}
+
+/// What a [`Tamper`] does to one request.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) enum Tampered {
+    /// Sent, and answered as the server answers.
+    Pass,
+    /// Sent (the server acts on it), and answered with this status and body instead of the
+    /// server's answer: a reply garbled on its way back.
+    Garbled {
+        /// The HTTP status the client sees.
+        status: u16,
+        /// The body the client sees.
+        body: String,
+    },
+    /// Not sent (the server never sees it), answered with this status and body: with every
+    /// request from some point on, a process killed there (what it sent before is done).
+    Refused {
+        /// The HTTP status the client sees.
+        status: u16,
+        /// The body the client sees.
+        body: String,
+    },
 }
 
 /// An HTTP client that counts each request ([`CountingConnector`]).
@@ -275,13 +320,28 @@ impl HttpConnector for CountingConnector {
 struct Counting {
     inner: HttpClient,
     counts: Arc<WireCounts>,
+    tamper: Option<TamperHook>,
 }
 
 #[async_trait::async_trait]
 impl HttpService for Counting {
     async fn call(&self, req: HttpRequest) -> Result<HttpResponse, HttpError> {
         self.counts.count(req.method(), req.uri().query());
-        self.inner.execute(req).await
+        let Some(t) = &self.tamper else {
+            return self.inner.execute(req).await;
+        };
+        let (status, body) = match (t.0)(&req) {
+            Tampered::Pass => return self.inner.execute(req).await,
+            Tampered::Garbled { status, body } => {
+                self.inner.execute(req).await?;
+                (status, body)
+            }
+            Tampered::Refused { status, body } => (status, body),
+        };
+        let mut r = HttpResponse::new(body.into());
+        *r.status_mut() = reqwest::StatusCode::from_u16(status)
+            .unwrap_or(reqwest::StatusCode::INTERNAL_SERVER_ERROR);
+        Ok(r)
     }
 }
 
@@ -295,6 +355,26 @@ struct PackState {
 impl S3Backend {
     /// Builds the client (no request is made). `prefix` has no leading or trailing `/`.
     pub fn open(bucket: &str, prefix: &str, opts: &S3Options) -> Result<Self, BackendError> {
+        Self::open_via(bucket, prefix, opts, None)
+    }
+
+    /// [`S3Backend::open`] with a fault injector in its HTTP client ([`Tamper`]; tests).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn open_tampered(
+        bucket: &str,
+        prefix: &str,
+        opts: &S3Options,
+        tamper: Arc<Tamper>,
+    ) -> Result<Self, BackendError> {
+        Self::open_via(bucket, prefix, opts, Some(TamperHook(tamper)))
+    }
+
+    fn open_via(
+        bucket: &str,
+        prefix: &str,
+        opts: &S3Options,
+        tamper: Option<TamperHook>,
+    ) -> Result<Self, BackendError> {
         let url = if prefix.is_empty() {
             format!("s3://{bucket}")
         } else {
@@ -334,7 +414,7 @@ impl S3Backend {
         };
         let wire = Arc::new(WireCounts::default());
         let store = b
-            .with_http_connector(CountingConnector(wire.clone()))
+            .with_http_connector(CountingConnector(wire.clone(), tamper))
             .with_client_options(client)
             .with_retry(retry)
             .build()
@@ -392,6 +472,27 @@ impl S3Backend {
             version: meta.e_tag.map(Version),
         })
     }
+}
+
+/// `f` (a delete by object_store), or, when it panics, why: object_store makes every delete
+/// a DeleteObjects request (S3 API reference, DeleteObjects) and panics on an answer that
+/// names a key the request did not ask for (0.14's reader looks each named key up among those
+/// asked and unwraps). Such an answer is garbled, so nothing is known of what the server did:
+/// the caller fails its keys as transient (a lost reply; deleting again is harmless), where
+/// the panic would have taken the process down (GC in its condemn step, say).
+async fn unpanicked<T>(f: impl std::future::Future<Output = T>) -> Result<T, String> {
+    use futures::FutureExt;
+    std::panic::AssertUnwindSafe(f)
+        .catch_unwind()
+        .await
+        .map_err(|p| {
+            let what = p
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| p.downcast_ref::<&str>().copied())
+                .unwrap_or("a panic");
+            format!("the DeleteObjects answer could not be read (object_store: {what})")
+        })
 }
 
 fn to_system_time(secs: i64, nanos: u32) -> SystemTime {
@@ -585,7 +686,15 @@ impl S3Backend {
 
     async fn delete_raw(&self, key: &str) -> Result<(), BackendError> {
         let p = self.path(key)?;
-        match self.store.delete(&p).await {
+        let done =
+            unpanicked(self.store.delete(&p))
+                .await
+                .map_err(|message| BackendError::Transient {
+                    store: self.url.clone(),
+                    key: key.to_string(),
+                    message,
+                })?;
+        match done {
             Ok(()) => Ok(()),
             Err(e) if missing_key(&e) => Ok(()),
             Err(e) => Err(self.err("delete", key, e)),
@@ -606,24 +715,34 @@ impl S3Backend {
                 .iter()
                 .filter_map(|p| p.as_ref().ok().cloned())
                 .collect();
-            let answers: Vec<object_store::Result<OsPath>> = self
-                .store
-                .delete_stream(futures::stream::iter(valid.clone().into_iter().map(Ok)).boxed())
-                .collect()
-                .await;
+            let answers = unpanicked(
+                self.store
+                    .delete_stream(futures::stream::iter(valid.clone().into_iter().map(Ok)).boxed())
+                    .collect::<Vec<object_store::Result<OsPath>>>(),
+            )
+            .await;
             // One answer per key, in order; anything else is the whole request failing.
-            let (whole, mut answers) = if answers.len() == valid.len() {
-                (None, answers.into_iter())
-            } else {
-                let e = match answers.into_iter().find_map(Result::err) {
-                    Some(e) => self.err("delete", &part[0], e),
-                    None => BackendError::Transient {
+            let (whole, mut answers) = match answers {
+                Err(why) => (
+                    Some(BackendError::Transient {
                         store: self.url.clone(),
                         key: part[0].clone(),
-                        message: "DeleteObjects answered for fewer keys than asked".into(),
-                    },
-                };
-                (Some(e), Vec::new().into_iter())
+                        message: why,
+                    }),
+                    Vec::new().into_iter(),
+                ),
+                Ok(answers) if answers.len() == valid.len() => (None, answers.into_iter()),
+                Ok(answers) => {
+                    let e = match answers.into_iter().find_map(Result::err) {
+                        Some(e) => self.err("delete", &part[0], e),
+                        None => BackendError::Transient {
+                            store: self.url.clone(),
+                            key: part[0].clone(),
+                            message: "DeleteObjects answered for fewer keys than asked".into(),
+                        },
+                    };
+                    (Some(e), Vec::new().into_iter())
+                }
             };
             for (k, p) in part.iter().zip(paths) {
                 out.push(match (p, &whole) {

@@ -141,8 +141,21 @@ fn no_such_bucket(e: &object_store::Error) -> bool {
 }
 
 /// Whether `e` is "no object at this key": a 404 that is not a missing bucket.
+///
+/// A DeleteObjects answer that names the key with the code `NoSuchKey` counts too: S3 answers
+/// "Deleted" for an absent key, some S3-compatible servers `NoSuchKey`, and either way
+/// nothing is there (object_store 0.14 makes every delete a DeleteObjects request, and
+/// renders the key's error as "... (code: NoSuchKey)").
 pub(super) fn missing_key(e: &object_store::Error) -> bool {
-    matches!(e, object_store::Error::NotFound { .. }) && !no_such_bucket(e)
+    match e {
+        object_store::Error::NotFound { .. } => !no_such_bucket(e),
+        object_store::Error::Generic { .. } => {
+            let (chain, _) = render_chain(e);
+            chain.contains("DeleteObjects request failed for key")
+                && chain.contains("(code: NoSuchKey)")
+        }
+        _ => false,
+    }
 }
 
 /// Whether `e` is S3's answer to a range wholly past the end of an object: 416 InvalidRange
@@ -205,6 +218,10 @@ pub(super) fn classify(
                 "RequestTimeout",
                 "connection",
                 "timed out",
+                // A DeleteObjects answer that could not be read (not XML, cut short, a key
+                // that is not a key): what the server did is unknown, as with a lost reply,
+                // and deleting again is harmless.
+                "Got invalid DeleteObjects response",
             ]
             .iter()
             .any(|m| chain.contains(m))
