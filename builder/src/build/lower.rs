@@ -27,7 +27,8 @@
 //! later build of the host, whatever its store or work directory: a base is unpacked once
 //! per host, not once per store; two builds that need the same layer at once unpack it once,
 //! the second waiting on the first's lock (`<hex>.unpacking`, [`UNPACKING`]) within its own
-//! deadline. The same promises hold there: complete-then-rename, dead
+//! deadline. The same promises hold there: complete-then-rename (made durable first there,
+//! [`sync_file_system`]: a torn directory would outlive any one build), dead
 //! builds' `*.tmp-*` reaped on open, and a shared lock on `<shared>/.lock` held by every
 //! build, which `kiln store gc` of any store takes exclusively, without waiting,
 //! before it empties the directory ([`crate::workdir::collect_shared_layers`]).
@@ -274,6 +275,12 @@ impl LayerDirs {
             let _ = fs::remove_dir_all(&tmp);
             return Err(e);
         }
+        if self.shared.is_some()
+            && let Err(e) = sync_file_system(&tmp)
+        {
+            let _ = fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
         self.adopt_as(&tmp, into.join(digest.hex()))
     }
 
@@ -342,6 +349,23 @@ fn open_private(dir: &Path) -> Result<crate::workdir::LayersLock, LowerError> {
         .map_err(io_err("locking", &dir.join(crate::workdir::LAYERS_LOCK)))?;
     crate::workdir::remove_dead_entries(dir, ".tmp-");
     Ok(lock)
+}
+
+/// Makes everything written under `dir` durable before it is renamed to its final name in
+/// the host's shared layer directory: one `syncfs(2)` of its file system. Without it, a host
+/// crash could leave the rename on disk (ext4 journals it) but not the files' data (delayed
+/// allocation writes it back later): a `<hex>` directory whose files are empty or short,
+/// which every later build of the host would mount as that layer. Once per layer and host
+/// (bases are unpacked once), so the cost is one flush of the unpacked tree. Errors:
+/// [`LowerError::Io`].
+fn sync_file_system(dir: &Path) -> Result<(), LowerError> {
+    let fd = rustix::fs::open(
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| io_err("opening", dir)(e.into()))?;
+    rustix::fs::syncfs(&fd).map_err(|e| io_err("syncing the file system of", dir)(e.into()))
 }
 
 /// The suffix of the lock file `<hex>.unpacking` that a build holds in the host's shared
