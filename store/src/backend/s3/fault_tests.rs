@@ -34,17 +34,60 @@ fn s3_options() -> S3Options {
     }
 }
 
-/// A backend on a fresh prefix of the test bucket whose HTTP client goes through `tamper`;
-/// returns it and its prefix.
-fn tampered(test: &str, tamper: Arc<Tamper>) -> (S3Backend, String) {
-    let bucket = std::env::var("KILN_TEST_S3_BUCKET").unwrap_or_else(|_| "kiln-test".into());
+/// A new bucket of the test S3 server, for one store of these tests, created with a plain
+/// `PUT /<bucket>` (S3 API reference, CreateBucket; moto takes it unsigned). These tests
+/// delete many objects at once (DeleteObjects), and moto answers a listing of a bucket with a
+/// 500 when a key it lists is deleted meanwhile: in the shared test bucket, another test's
+/// listing, or this test's own checks, failed so (seen in CI: `gc_killed_at_every_request…`,
+/// "HTTP 500 Internal Server Error" listing `blobs/`). A bucket per store keeps each store's
+/// deletes out of every other listing, other tests' and the kill points run side by side, as
+/// `vm_lazy` does (`kiln_tests::stores::fresh_bucket_url`).
+fn fresh_bucket() -> String {
+    use std::io::{Read, Write};
+    use std::sync::atomic::AtomicU64;
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::SeqCst);
+    let endpoint = s3_options().endpoint.expect("endpoint");
+    let host = endpoint
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+        % 1_000_000_000_000;
+    // Bucket names: 3 to 63 lowercase letters, digits and hyphens.
+    let bucket = format!("kiln-f-{}-{nanos}-{n}", std::process::id());
+    let mut s = std::net::TcpStream::connect(&host)
+        .unwrap_or_else(|e| panic!("S3 test server {host}: {e}: run ci/setup.sh"));
+    write!(
+        s,
+        "PUT /{bucket} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n\
+         Connection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    assert!(
+        reply.starts_with("HTTP/1.1 200"),
+        "creating bucket {bucket} on {host}: {}",
+        reply.lines().next().unwrap_or("")
+    );
+    bucket
+}
+
+/// A backend in a bucket of its own ([`fresh_bucket`]) whose HTTP client goes through
+/// `tamper`; returns it, its bucket and its prefix.
+fn tampered(test: &str, tamper: Arc<Tamper>) -> (S3Backend, String, String) {
+    let bucket = fresh_bucket();
     let run = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_nanos();
     let prefix = format!("s3-faults-{}-{run}/{test}", std::process::id());
     let b = S3Backend::open_tampered(&bucket, &prefix, &s3_options(), tamper).unwrap();
-    (b, prefix)
+    (b, bucket, prefix)
 }
 
 /// Whether `req` is a DeleteObjects request (`POST /?delete`).
@@ -150,7 +193,7 @@ async fn gc_comes_through_garbled_delete_objects_answers() {
             };
             Tampered::Garbled { status: 200, body }
         });
-        let (b, prefix) = tampered(name, tamper);
+        let (b, _, prefix) = tampered(name, tamper);
         prefix_of_bucket.set(prefix).unwrap();
         let s = Store::from_backend(Arc::new(b), StoreOptions::default());
         let r = gc_over_garbage(&s).await;
@@ -182,7 +225,7 @@ async fn delete_many_takes_no_such_key_as_deleted() {
             body: errors_for(&asked(req), "NoSuchKey"),
         }
     });
-    let (b, _) = tampered("no-such-key", tamper);
+    let (b, _, _) = tampered("no-such-key", tamper);
     let keys: Vec<String> = [
         "fossil/blobs/sha256/aa",
         "fossil/chunks/sha256/bb",
@@ -234,8 +277,7 @@ fn killable(test: &str) -> Killable {
                 .to_string(),
         }
     });
-    let (b, prefix) = tampered(test, tamper);
-    let bucket = std::env::var("KILN_TEST_S3_BUCKET").unwrap_or_else(|_| "kiln-test".into());
+    let (b, bucket, prefix) = tampered(test, tamper);
     let backend = Arc::new(b);
     Killable {
         store: Store::from_backend(backend.clone(), StoreOptions::default()),
@@ -426,7 +468,7 @@ async fn gc_finishes_through_lost_replies_and_refusals_of_one_write_in_k() {
                 }
             }
         });
-        let (b, prefix) = tampered(&format!("every-{every}"), tamper);
+        let (b, _, prefix) = tampered(&format!("every-{every}"), tamper);
         let backend = Arc::new(b);
         let k = Killable {
             store: Store::from_backend(backend.clone(), StoreOptions::default()),
