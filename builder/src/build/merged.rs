@@ -88,7 +88,6 @@ fn mount_overlay(
         work,
         target,
         MountAttrFlags::MOUNT_ATTR_NODEV | MountAttrFlags::MOUNT_ATTR_NOSUID,
-        crate::exec::overlay::Durability::Volatile,
     )
 }
 

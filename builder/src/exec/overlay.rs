@@ -19,7 +19,7 @@
 //! `ADD` step's upper, captured the same way, or a throwaway one). If the host crashes
 //! while one is mounted, the build dies with it and nothing reads that upper again as it
 //! stood. The durable copy of what a step made is its layer blob, which the build cache
-//! writes with its own syncs. So the callers ask for [`Durability::Volatile`]: overlayfs'
+//! writes with its own syncs. So [`mount`] always mounts with overlayfs'
 //! `volatile` option (Linux 5.10+, `Documentation/filesystems/overlayfs.rst`, "Volatile
 //! mount"), with which `fsync`, `fdatasync`, `syncfs` and `sync` through the overlay skip the
 //! upper file system. Measured on a cold `kiln build` of the peer's `apt` case
@@ -31,9 +31,8 @@
 //! lost writes in a crash). kiln never mounts one upper twice, but [`mount`] removes the
 //! marker before a volatile mount all the same ([`clear_volatile_marker`]): its fallback to
 //! mount(2) may follow a new-API attempt that got as far as creating the superblock, and
-//! a caller asking for a volatile mount says that what the upper held may be lost.
-//! [`Durability::Synced`] is for an upper whose content must survive a crash; no caller
-//! needs it today.
+//! every upper kiln mounts is one whose content may be lost. An overlay whose upper must
+//! survive a crash would need a mount without the option; no caller needs one.
 
 use std::ffi::CString;
 use std::path::Path;
@@ -48,17 +47,6 @@ use super::rootless::in_user_namespace;
 /// The most bytes of options mount(2) takes: it copies at most a page (4096 bytes on
 /// x86-64); kept a little under it.
 pub const MAX_MOUNT_DATA: usize = 4000;
-
-/// Whether syncs through an overlay reach its upper file system (the module documentation,
-/// "Volatile overlays").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Durability {
-    /// overlayfs' default: `fsync` and `syncfs` through the overlay sync the upper.
-    Synced,
-    /// The `volatile` option: they skip the upper, for a scratch upper whose content after
-    /// a crash is thrown away.
-    Volatile,
-}
 
 /// Where overlayfs marks a work directory that was mounted volatile: `work/incompat/volatile`
 /// under the work directory (`fs/overlayfs/`: `OVL_WORKDIR_NAME`, `"incompat"`,
@@ -82,8 +70,8 @@ pub fn clear_volatile_marker(work: &Path) -> Result<(), String> {
 
 /// Mounts an overlay of `lowers` (topmost first; at least one), `upper` and `work` on
 /// `target`, with the mount attributes `attrs` (`MOUNT_ATTR_NODEV`, `_NOSUID`, `_NOEXEC`)
-/// and `durability` ([`Durability::Volatile`]: the `volatile` option, after removing a
-/// marker a volatile mount of `work` left, [`clear_volatile_marker`]).
+/// and the `volatile` option (the module documentation, "Volatile overlays"; after removing
+/// a marker an earlier mount of `work` left, [`clear_volatile_marker`]).
 ///
 /// Errors: what failed, as text (the new API's error when mount(2) cannot take the
 /// options either, with the number of layers).
@@ -93,12 +81,8 @@ pub fn mount(
     work: &Path,
     target: &Path,
     attrs: MountAttrFlags,
-    durability: Durability,
 ) -> Result<(), String> {
-    let volatile = durability == Durability::Volatile;
-    if volatile {
-        clear_volatile_marker(work)?;
-    }
+    clear_volatile_marker(work)?;
     let new_api = || -> Result<(), String> {
         let fs =
             fsopen("overlay", FsOpenFlags::FSOPEN_CLOEXEC).map_err(|e| format!("fsopen: {e}"))?;
@@ -112,9 +96,7 @@ pub fn mount(
         if in_user_namespace() {
             fsconfig_set_flag(&fs, "userxattr").map_err(|e| format!("overlay userxattr: {e}"))?;
         }
-        if volatile {
-            fsconfig_set_flag(&fs, "volatile").map_err(|e| format!("overlay volatile: {e}"))?;
-        }
+        fsconfig_set_flag(&fs, "volatile").map_err(|e| format!("overlay volatile: {e}"))?;
         fsconfig_create(&fs).map_err(|e| format!("creating the overlay: {e}"))?;
         let mnt = fsmount(&fs, FsMountFlags::FSMOUNT_CLOEXEC, attrs)
             .map_err(|e| format!("fsmount: {e}"))?;
@@ -130,11 +112,9 @@ pub fn mount(
     let Err(e) = new_api() else {
         return Ok(());
     };
-    if volatile {
-        // The attempt may have made the superblock, and with it the marker.
-        clear_volatile_marker(work)?;
-    }
-    let Some(data) = options(lowers, upper, work, volatile) else {
+    // The attempt may have made the superblock, and with it the marker.
+    clear_volatile_marker(work)?;
+    let Some(data) = options(lowers, upper, work, true) else {
         return Err(format!(
             "{} layers need the new mount API's lowerdir+ (Linux 6.8+): {e}",
             lowers.len()

@@ -150,7 +150,7 @@ fn mnt(
 /// nodes the step makes with CAP_MKNOD cannot be opened). The builder gives a step at most
 /// [`crate::exec::OVERLAY_MAX_LOWERS`] lower directories, squashing the lowest past that
 /// ([`crate::build::lower::squash_plan`]), under overlayfs' own limit. Volatile
-/// ([`crate::exec::overlay::Durability::Volatile`]): the upper is the step's scratch, captured
+/// (the `volatile` option, [`crate::exec::overlay`]): the upper is the step's scratch, captured
 /// as a layer (whose blob the build cache syncs) or removed after the step, so the step's
 /// own `fsync` calls (dpkg's, one per package file) need not reach the disk.
 fn mount_overlay(plan: &ChildPlan, merged: &str) -> Result<(), String> {
@@ -161,7 +161,6 @@ fn mount_overlay(plan: &ChildPlan, merged: &str) -> Result<(), String> {
         &plan.spec.work_dir,
         Path::new(merged),
         rustix::mount::MountAttrFlags::MOUNT_ATTR_NODEV,
-        crate::exec::overlay::Durability::Volatile,
     )
 }
 

@@ -213,8 +213,6 @@ pub(crate) fn mount_all(
                             work,
                             Path::new(&lower),
                             MountAttrFlags::MOUNT_ATTR_NOSUID | MountAttrFlags::MOUNT_ATTR_NODEV,
-                            // The upper is the step's scratch, discarded with it.
-                            crate::exec::overlay::Durability::Volatile,
                         )
                         .map_err(|e| format!("mounting rw bind /{}: {e}", m.rel))?;
                     }
