@@ -139,6 +139,81 @@ impl LayersLock {
         rustix::fs::flock(&fd, FlockOperation::LockShared)?;
         Ok(LayersLock { _fd: fd })
     }
+
+    /// [`LayersLock::shared`] for a work directory's `layers/` (`work_dir/layers`), first
+    /// dropping every cache of unpacked layers the work directory kept from an earlier boot
+    /// of the host. Those are written without syncs (adopted step uppers, layers unpacked
+    /// from the blob cache, squashed trees, `trees/image-*`, the microVM executor's disk
+    /// images of them) and renamed into place complete, so after a host crash one can be
+    /// there by its final name with files the crash emptied or cut short (ext4 journals
+    /// the rename but writes delayed data back later), and every later build would read it
+    /// as that layer. All of them are caches of blobs the store keeps, made again when
+    /// needed.
+    ///
+    /// How: `layers/` names the boot it was last opened in ([`BOOT_STAMP`], the host's
+    /// `/proc/sys/kernel/random/boot_id`, random(4)). When it names another boot (or none:
+    /// a work directory of an older kiln), this takes the lock exclusively, waiting for any
+    /// [`collect_layers`], looks again (another build of this boot may have been first),
+    /// removes the caches ([`BootCheck::dropped`]), writes the stamp, and only then takes
+    /// the lock shared. In the boot that wrote them the stamp is read and nothing else is
+    /// done. The stamp needs no sync: a crash always changes the boot id, so a lost stamp
+    /// only makes the next boot drop the caches, as it must anyway. Where the boot id
+    /// cannot be read, nothing is dropped. Errors: the lock file cannot be created or
+    /// locked, a cache cannot be removed, or the stamp cannot be written (each named).
+    pub fn shared_this_boot(layers: &Path) -> io::Result<BootCheck> {
+        let fd = open_lock(layers)?;
+        let stamp = layers.join(BOOT_STAMP);
+        let stamped = || {
+            fs::read_to_string(&stamp)
+                .ok()
+                .map(|s| s.trim().to_string())
+        };
+        let mut dropped = None;
+        if let Some(boot) = boot_id().filter(|b| stamped().as_ref() != Some(b)) {
+            rustix::fs::flock(&fd, FlockOperation::LockExclusive)?;
+            if stamped().as_ref() != Some(&boot) {
+                let work_dir = layers.parent().unwrap_or(layers);
+                let mut out = remove_layer_dirs(layers, false)?;
+                remove_layer_images(&work_dir.join("run"), false, &mut out)?;
+                out.dirs += remove_image_trees(&work_dir.join("trees"), &mut out.bytes)?;
+                let tmp = layers.join(format!("{BOOT_STAMP}.tmp-{}", owner_token()));
+                fs::write(&tmp, format!("{boot}\n")).map_err(named(&tmp))?;
+                fs::rename(&tmp, &stamp).map_err(named(&stamp))?;
+                dropped = Some(out);
+            }
+        }
+        // flock(2) converts the lock, not atomically: a `kiln store gc` taking it in between
+        // finds nothing of this build's to remove yet.
+        rustix::fs::flock(&fd, FlockOperation::LockShared)?;
+        Ok(BootCheck {
+            lock: LayersLock { _fd: fd },
+            dropped,
+        })
+    }
+}
+
+/// The file in a work directory's `layers/` naming the boot of the host in which it was
+/// last opened ([`LayersLock::shared_this_boot`]): the boot id, one line.
+pub const BOOT_STAMP: &str = ".boot-id";
+
+/// What [`LayersLock::shared_this_boot`] found.
+#[derive(Debug)]
+pub struct BootCheck {
+    /// The shared lock, held.
+    pub lock: LayersLock,
+    /// The caches of an earlier boot it removed, when `layers/` named another boot (or
+    /// none): [`LayersCollected::dirs`] counts the unpacked and squashed layer directories
+    /// and `trees/image-*`, [`LayersCollected::images`] the microVM executor's disk images.
+    pub dropped: Option<LayersCollected>,
+}
+
+/// This boot of the host: `/proc/sys/kernel/random/boot_id` (random(4)), or `None` where it
+/// cannot be read.
+fn boot_id() -> Option<String> {
+    fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
 }
 
 /// What [`collect_layers`] did.
@@ -171,7 +246,14 @@ pub fn collect_layers(work_dir: &Path, dry_run: bool) -> io::Result<LayersCollec
             ..LayersCollected::default()
         });
     };
-    let run = work_dir.join("run");
+    remove_layer_images(&work_dir.join("run"), dry_run, &mut out)?;
+    Ok(out)
+}
+
+/// Removes (with `dry_run`, counts) the microVM executor's disk images of layers
+/// (`<64 hex>.ext4` under `run/vm-lowers` and `run/vm-squashed`), adding them to `out`.
+/// The caller holds `layers/.lock` exclusively. Errors: an image cannot be removed.
+fn remove_layer_images(run: &Path, dry_run: bool, out: &mut LayersCollected) -> io::Result<()> {
     for images in [VM_LOWER_IMAGES, VM_SQUASHED_IMAGES] {
         let Ok(rd) = fs::read_dir(run.join(images)) else {
             continue;
@@ -191,7 +273,31 @@ pub fn collect_layers(work_dir: &Path, dry_run: bool) -> io::Result<LayersCollec
             }
         }
     }
-    Ok(out)
+    Ok(())
+}
+
+/// Removes the images unpacked as trees (`trees/image-<64 hex>`, [`crate::build`]'s
+/// `COPY --from=<image>`) and adds their allocated bytes to `bytes`; returns how many. The
+/// caller holds `layers/.lock` exclusively. Errors: one cannot be removed.
+fn remove_image_trees(trees: &Path, bytes: &mut u64) -> io::Result<usize> {
+    let Ok(rd) = fs::read_dir(trees) else {
+        return Ok(0);
+    };
+    let mut n = 0;
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let is_tree = name
+            .to_string_lossy()
+            .strip_prefix("image-")
+            .is_some_and(is_hex);
+        if is_tree && e.file_type().is_ok_and(|t| t.is_dir()) {
+            let path = e.path();
+            *bytes += tree_size(&path);
+            fs::remove_dir_all(&path).map_err(named(&path))?;
+            n += 1;
+        }
+    }
+    Ok(n)
 }
 
 /// Removes every unpacked layer directory (`<64 hex>`) of the host's shared layer directory
@@ -247,13 +353,19 @@ fn named(path: &Path) -> impl FnOnce(io::Error) -> io::Error {
 /// done and the lock, to hold while anything else that goes with the layers is removed.
 /// `None` when a build holds the directory: nothing was done.
 fn collect_dirs(layers: &Path, dry_run: bool) -> io::Result<Option<(LayersCollected, OwnedFd)>> {
-    let mut out = LayersCollected::default();
     let fd = open_lock(layers)?;
     match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => {}
         Err(rustix::io::Errno::WOULDBLOCK) => return Ok(None),
         Err(e) => return Err(e.into()),
     }
+    Ok(Some((remove_layer_dirs(layers, dry_run)?, fd)))
+}
+
+/// Removes (with `dry_run`, counts) the `<64 hex>` directories of `layers`. The caller holds
+/// `layers/.lock` exclusively. Errors: one cannot be removed (named).
+fn remove_layer_dirs(layers: &Path, dry_run: bool) -> io::Result<LayersCollected> {
+    let mut out = LayersCollected::default();
     for e in fs::read_dir(layers)?.flatten() {
         let name = e.file_name();
         if !is_hex(&name.to_string_lossy()) || !e.file_type().is_ok_and(|t| t.is_dir()) {
@@ -266,7 +378,7 @@ fn collect_dirs(layers: &Path, dry_run: bool) -> io::Result<Option<(LayersCollec
             fs::remove_dir_all(&path).map_err(named(&path))?;
         }
     }
-    Ok(Some((out, fd)))
+    Ok(out)
 }
 
 /// Bytes allocated to everything under `dir` (`st_blocks` × 512: what was really written,
@@ -407,5 +519,66 @@ mod tests {
         for dir in [VM_LOWER_IMAGES, VM_SQUASHED_IMAGES] {
             assert!(run.join(dir).join("notes.ext4").is_file());
         }
+    }
+
+    /// A work directory whose `layers/` names another boot (or none) loses every unpacked
+    /// layer, squashed tree, image tree and disk image of them on its first open, and
+    /// nothing else; in the boot that stamped it, an open removes nothing.
+    #[test]
+    fn the_first_open_after_a_reboot_drops_an_earlier_boots_layers() {
+        let t = tempfile::tempdir().unwrap();
+        let (layers, run, trees) = (
+            t.path().join("layers"),
+            t.path().join("run"),
+            t.path().join("trees"),
+        );
+        let (a, b) = ("ab".repeat(32), "cd".repeat(32));
+        let earlier_boot = |stamp: Option<&str>| {
+            fs::create_dir_all(layers.join(&a).join("etc")).unwrap();
+            fs::write(layers.join(&a).join("etc/f"), b"torn?").unwrap();
+            fs::create_dir_all(trees.join(format!("image-{a}"))).unwrap();
+            fs::create_dir_all(run.join(VM_LOWER_IMAGES)).unwrap();
+            fs::write(
+                run.join(VM_LOWER_IMAGES).join(format!("{a}.ext4")),
+                [1; 4096],
+            )
+            .unwrap();
+            match stamp {
+                Some(s) => fs::write(layers.join(BOOT_STAMP), s).unwrap(),
+                None => {
+                    let _ = fs::remove_file(layers.join(BOOT_STAMP));
+                }
+            }
+        };
+        let kept = [
+            layers.join("not-a-layer"),
+            trees.join("image-short"),
+            run.join(VM_LOWER_IMAGES).join("notes"),
+        ];
+        for k in &kept {
+            fs::create_dir_all(k).unwrap();
+        }
+        let now = boot_id().expect("this host's boot id");
+        // A stamp of another boot, then none at all (a work directory of an older kiln).
+        for stamp in [Some("00000000-0000-0000-0000-000000000000\n"), None] {
+            earlier_boot(stamp);
+            let check = LayersLock::shared_this_boot(&layers).unwrap();
+            let d = check.dropped.expect("an earlier boot's layers are dropped");
+            assert_eq!((d.dirs, d.images), (2, 1), "{d:?}");
+            assert!(!layers.join(&a).exists());
+            assert!(!trees.join(format!("image-{a}")).exists());
+            assert!(!run.join(VM_LOWER_IMAGES).join(format!("{a}.ext4")).exists());
+            assert!(kept.iter().all(|k| k.is_dir()));
+            let stamped = fs::read_to_string(layers.join(BOOT_STAMP)).unwrap();
+            assert_eq!(stamped.trim(), now);
+        }
+        // In this boot, a layer made after the check stays through the next open, which
+        // holds the lock shared: a second build of the boot opens beside it.
+        fs::create_dir_all(layers.join(&b)).unwrap();
+        let first = LayersLock::shared_this_boot(&layers).unwrap();
+        let second = LayersLock::shared_this_boot(&layers).unwrap();
+        assert!(first.dropped.is_none() && second.dropped.is_none());
+        assert!(layers.join(&b).is_dir());
+        assert!(collect_layers(t.path(), true).unwrap().busy);
     }
 }

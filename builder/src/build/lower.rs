@@ -15,7 +15,11 @@
 //! A directory appears under its final name only when complete (unpacked under a temporary
 //! name, then renamed), so a crash leaves at most a `*.tmp-*` directory, named after its
 //! owner and removed by the next [`LayerDirs::open`] once that owner is dead
-//! ([`crate::workdir`]). An open [`LayerDirs`] holds the shared lock on `layers/.lock`, so
+//! ([`crate::workdir`]). Those renames are not made durable (a step's upper is written
+//! without syncs), so a host crash can leave a directory under its final name with files
+//! cut short; the first [`LayerDirs::open`] of a work directory after a reboot removes every
+//! `<hex>` an earlier boot left ([`crate::workdir::LayersLock::shared_this_boot`]), and they
+//! are unpacked again from their blobs. An open [`LayerDirs`] holds the shared lock on `layers/.lock`, so
 //! `kiln store gc` ([`crate::workdir::collect_layers`]) never removes a layer while a build
 //! may mount it.
 //!
@@ -147,7 +151,7 @@ impl LayerDirs {
     /// private or locked).
     pub fn open_shared(root: &Path, shared: Option<&Path>) -> Result<LayerDirs, LowerError> {
         use std::os::unix::fs::MetadataExt;
-        let root_lock = open_private(root)?;
+        let root_lock = open_private(root, true)?;
         let mut locks = vec![root_lock];
         let shared = match shared {
             Some(dir) => {
@@ -158,7 +162,7 @@ impl LayerDirs {
                 };
                 fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
                 if dev(root)? == dev(dir)? {
-                    locks.push(open_private(dir)?);
+                    locks.push(open_private(dir, false)?);
                     Some(dir.to_path_buf())
                 } else {
                     tracing::info!(
@@ -339,14 +343,33 @@ impl LayerDirs {
 
 /// Creates `dir` (and its parents) when missing, makes it 0700 and takes its shared lock
 /// ([`crate::workdir::LayersLock::shared`]), then removes the unfinished directories of
-/// builds that died in it.
-fn open_private(dir: &Path) -> Result<crate::workdir::LayersLock, LowerError> {
+/// builds that died in it. With `work_dir` (a work directory's `layers/`, not the host's
+/// shared directory, whose layers are made durable before they are named), the lock is
+/// taken by [`crate::workdir::LayersLock::shared_this_boot`], which first drops what an
+/// earlier boot of the host left.
+fn open_private(dir: &Path, work_dir: bool) -> Result<crate::workdir::LayersLock, LowerError> {
     use std::os::unix::fs::PermissionsExt;
     fs::create_dir_all(dir).map_err(io_err("creating", dir))?;
     fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
         .map_err(io_err("making private", dir))?;
-    let lock = crate::workdir::LayersLock::shared(dir)
-        .map_err(io_err("locking", &dir.join(crate::workdir::LAYERS_LOCK)))?;
+    let lock_file = dir.join(crate::workdir::LAYERS_LOCK);
+    let locking = io_err("locking", &lock_file);
+    let lock = if work_dir {
+        let check = crate::workdir::LayersLock::shared_this_boot(dir).map_err(locking)?;
+        if let Some(d) = check.dropped.filter(|d| d.dirs + d.images > 0) {
+            tracing::info!(
+                dir = %dir.display(),
+                dirs = d.dirs,
+                images = d.images,
+                bytes = d.bytes,
+                "removed the unpacked layers an earlier boot of the host left \
+                 (a crash may have cut them short); they are unpacked again when needed"
+            );
+        }
+        check.lock
+    } else {
+        crate::workdir::LayersLock::shared(dir).map_err(locking)?
+    };
     crate::workdir::remove_dead_entries(dir, ".tmp-");
     Ok(lock)
 }

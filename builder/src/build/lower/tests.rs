@@ -575,8 +575,9 @@ fn squashed_tree_applies_the_layers_in_order_once() {
         .squashed(&cache, &[l1, missing.parse().unwrap()], &Limits::default())
         .unwrap_err();
     assert!(e.to_string().contains(&missing), "{e}");
-    // The lock, three trees and the two layers' directories they are made of.
-    assert_eq!(fs::read_dir(t.path().join("layers")).unwrap().count(), 6);
+    // The lock, the boot stamp, three trees and the two layers' directories they are made
+    // of.
+    assert_eq!(fs::read_dir(t.path().join("layers")).unwrap().count(), 7);
 }
 
 /// A lower layer's symlink (or file) where a later layer has a directory is replaced by
