@@ -39,6 +39,17 @@
 //! guest init grows the root file system online before it answers (`fs_bytes` in
 //! `restored`); a snapshot whose init does not answer it is refused
 //! ([`CloneError::BadSnapshot`]).
+//!
+//! # The restore message
+//! `kiln snapshot` saves the guest with the host still connected to its channel, so the
+//! guest init is saved blocked in its read of the port. Without a disk to grow, a start
+//! connects to the channel before `migrate-incoming`, waits until QEMU has accepted the
+//! connection ([`wait_connected`]), and sends `restore` then: the device state loads with its
+//! port connected (QEMU's virtio-serial tells the guest only of a change), and the guest's
+//! read returns the message as soon as `cont` runs it. A guest saved disconnected (a snapshot
+//! of an older kiln), or a host connecting after `cont`, has the guest init find the port
+//! closed and read again every 20 ms until the host is there, so the message waits up to
+//! that long. With a disk to grow, `restore` is sent after `block_resize`, as above.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -736,6 +747,39 @@ pub async fn start_clones_of(
     Ok(out)
 }
 
+/// How long [`wait_connected`] waits for QEMU to accept the host's connection.
+const ACCEPT_WAIT: Duration = Duration::from_millis(200);
+
+/// Waits until QEMU has accepted the host's connection to the socket chardev `label`, so that
+/// the device state loaded next finds its port connected: QMP `query-chardev` describes an
+/// unaccepted socket with a `filename` beginning `disconnected:` (QEMU
+/// `chardev/char-socket.c`). Polled every millisecond, at most [`ACCEPT_WAIT`]. Best effort:
+/// past the bound, or on a QMP error, the start goes on, and the guest is told the host left
+/// and came back, as when the host connects after `cont`, and reads the message on its next
+/// poll (module doc, "The restore message").
+async fn wait_connected(qmp: &mut Qmp, label: &str) {
+    let deadline = Instant::now() + ACCEPT_WAIT;
+    loop {
+        let Ok(v) = qmp.execute("query-chardev", None).await else {
+            return;
+        };
+        let accepted = v.as_array().into_iter().flatten().any(|c| {
+            c["label"] == label
+                && c["filename"]
+                    .as_str()
+                    .is_some_and(|f| !f.starts_with("disconnected:"))
+        });
+        if accepted {
+            return;
+        }
+        if Instant::now() >= deadline {
+            tracing::debug!(label, "QEMU had not accepted the channel's connection");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 /// Resumes a QEMU started with `-incoming defer` ([`VmSpec::incoming`]) from the device
 /// state in `vmstate` (handed to a jailed QEMU at its start), its RAM being the memory file
 /// it maps: `x-ignore-shared`, `migrate-incoming file:<vmstate>`, the migration's end within
@@ -866,6 +910,33 @@ async fn start_one(
         write_starting(&dir, Some(vm.pid))?;
         phases.spawn_ms = millis(t0.elapsed());
         let resuming = Instant::now();
+        let guest_err = |what: &str, source: ChannelError| CloneError::Guest {
+            id: id.clone(),
+            what: what.to_string(),
+            source,
+            console: launch::console_report(&spec.serial_log),
+        };
+        let restore_message = || -> Result<Message, CloneError> {
+            Ok(Message::Restore(Restore {
+                image_user: defaults.map(|d| d.user.clone()),
+                image_env: defaults.map(|d| d.env.clone()),
+                disk_bytes: grow,
+                ..fresh_restore(opts.env.clone())?
+            }))
+        };
+        // The restore message waits in the channel before the guest runs, unless the disk
+        // grows first (module doc, "The restore message").
+        let mut early = None;
+        if grow.is_none() {
+            let mut ch = GuestChannel::connect(&spec.guest_socket, opts.restore_timeout)
+                .await
+                .map_err(|e| guest_err("connecting to the guest channel", e))?;
+            wait_connected(&mut vm.qmp, launch::GUEST_CHARDEV).await;
+            ch.send(&restore_message()?)
+                .await
+                .map_err(|e| guest_err("sending restore", e))?;
+            early = Some(ch);
+        }
         resume_incoming(vm, &cached.vmstate, opts.restore_timeout).await?;
         if let Some(size) = grow {
             // Grows the overlay and tells the guest (see the module doc).
@@ -876,25 +947,20 @@ async fn start_one(
                 )
                 .await?;
         }
-        let guest_err = |what: &str, source: ChannelError| CloneError::Guest {
-            id: id.clone(),
-            what: what.to_string(),
-            source,
-            console: launch::console_report(&spec.serial_log),
-        };
         phases.resume_ms = millis(resuming.elapsed());
         let answering = Instant::now();
-        let mut ch = GuestChannel::connect(&spec.guest_socket, opts.restore_timeout)
-            .await
-            .map_err(|e| guest_err("connecting to the guest channel", e))?;
-        ch.send(&Message::Restore(Restore {
-            image_user: defaults.map(|d| d.user.clone()),
-            image_env: defaults.map(|d| d.env.clone()),
-            disk_bytes: grow,
-            ..fresh_restore(opts.env.clone())?
-        }))
-        .await
-        .map_err(|e| guest_err("sending restore", e))?;
+        let mut ch = match early {
+            Some(ch) => ch,
+            None => {
+                let mut ch = GuestChannel::connect(&spec.guest_socket, opts.restore_timeout)
+                    .await
+                    .map_err(|e| guest_err("connecting to the guest channel", e))?;
+                ch.send(&restore_message()?)
+                    .await
+                    .map_err(|e| guest_err("sending restore", e))?;
+                ch
+            }
+        };
         let left = opts.restore_timeout.saturating_sub(t0.elapsed());
         let r = match ch
             .recv_significant("restored", left)

@@ -346,14 +346,17 @@ pub async fn snapshot_manifest(
         &[(vmstate.as_path(), crate::jail::Access::Create)],
     )
     .await?;
-    run_to_ready(&mut vm, &spec, image.sandbox.as_ref(), opts).await?;
+    let channel = run_to_ready(&mut vm, &spec, image.sandbox.as_ref(), opts).await?;
     let boot_to_ready = t0.elapsed();
     tracing::info!(?boot_to_ready, "guest ready");
 
-    // 3. Pause and save the device state.
+    // 3. Pause and save the device state, the guest channel still connected: the guest is
+    // saved waiting in its read of the port, which a clone whose host connected before its
+    // `cont` answers at once (crate::clone, "The restore message").
     let t1 = Instant::now();
     save_vmstate(&mut vm, &vmstate).await?;
     let save = t1.elapsed();
+    drop(channel);
     vm.quit().await;
 
     // 4. Flatten the disk and store everything.
@@ -662,13 +665,14 @@ async fn guest_err(vm: &mut Vm, spec: &VmSpec, what: &str, source: ChannelError)
     }
 }
 
-/// Connects the guest channel, waits for `hello`, sends `start`, waits for `ready`.
+/// Connects the guest channel, waits for `hello`, sends `start`, waits for `ready`; returns
+/// the channel, still connected.
 async fn run_to_ready(
     vm: &mut Vm,
     spec: &VmSpec,
     sandbox: Option<&SandboxSpec>,
     opts: &SnapshotOptions,
-) -> Result<(), SnapshotError> {
+) -> Result<GuestChannel, SnapshotError> {
     let ch = GuestChannel::connect(&spec.guest_socket, opts.boot_timeout)
         .await
         .map_err(|e| ("connecting to the guest channel", e));
@@ -697,7 +701,7 @@ async fn run_to_ready(
         Err(e) => return Err(guest_err(vm, spec, "waiting for ready", e).await),
     };
     match ready {
-        Message::Ready(_) => Ok(()),
+        Message::Ready(_) => Ok(ch),
         Message::Failed(f) => Err(SnapshotError::GuestFailed {
             reason: format!("{:?}: {}", f.kind, f.reason),
             console: launch::console_report(&spec.serial_log),

@@ -95,6 +95,10 @@ pub mod stub;
 pub(crate) use self::probe::resolve_program;
 pub use self::probe::{KvmNode, ProbeKey, known_accel, probe_accel, probe_accel_cached};
 
+/// The id of the guest channel's chardev (the unix socket [`VmSpec::guest_socket`] QEMU
+/// listens on, behind the `virtserialport` the guest init reads).
+pub(crate) const GUEST_CHARDEV: &str = "guest";
+
 /// Machine type and its options, as passed to `-M` (before `memory-backend=`); recorded in
 /// the compatibility key. `pit=off`: see the module doc (QEMU `docs/system/i386/microvm.rst`
 /// lists `pit`, `pic`, `rtc` and `isa-serial` as optional devices of this machine).
@@ -587,10 +591,10 @@ impl VmSpec {
             "-device".into(),
             "virtio-serial-device".into(),
             "-chardev".into(),
-            chardev("guest", &self.guest_socket),
+            chardev(GUEST_CHARDEV, &self.guest_socket),
             "-device".into(),
             format!(
-                "virtserialport,chardev=guest,name={}",
+                "virtserialport,chardev={GUEST_CHARDEV},name={}",
                 crate::channel::PORT_NAME
             ),
         ];
