@@ -291,7 +291,7 @@ pub(super) async fn run_step(
                 index,
                 step,
                 Vec::new(),
-                upper,
+                upper.clone(),
                 s.work.clone(),
                 remaining,
                 &mounts,
@@ -301,7 +301,12 @@ pub(super) async fn run_step(
                 instruction: short(&describe(step)),
                 error: e,
             })?;
+            if let Some(dir) = &ctx.opts.package_cache {
+                let add = crate::exec::mounts::packages::package_mounts(dir, &spec.mounts);
+                spec.mounts.extend(add);
+            }
             spec.lower_dirs = step_lowers(ctx, &st.layers, ctx.executor.max_lowers(&spec)).await?;
+            let lowers = spec.lower_dirs.clone();
             // The plan's env merged over the base's, then what the spec adds after it (the
             // proxy build args, secret env).
             let added: Vec<String> = spec
@@ -346,6 +351,21 @@ pub(super) async fn run_step(
             match r {
                 Ok(report) => {
                     ctx.log_bytes.fetch_add(report.log_bytes, Ordering::Relaxed);
+                    // Whoever builds, and whether a package cache was mounted or not.
+                    let up = upper.clone();
+                    tokio::task::spawn_blocking(move || {
+                        crate::exec::mounts::packages::drop_package_dirs(&up, &lowers)
+                    })
+                    .await
+                    .map_err(|e| BuildError::Task(e.to_string()))?
+                    .map_err(|e| BuildError::Step {
+                        location: loc.to_string(),
+                        instruction: short(&describe(step)),
+                        error: ExecError::Io {
+                            what: "dropping the package download directories from the layer".into(),
+                            source: e,
+                        },
+                    })?;
                 }
                 Err(ExecError::Cancelled) => return Err(BuildError::Cancelled),
                 Err(ExecError::Timeout { stopped, .. }) if Instant::now() >= ctx.deadline => {

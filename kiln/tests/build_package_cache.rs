@@ -1,0 +1,257 @@
+//! Issue 34: the package download cache of `RUN` steps (README "Package download cache";
+//! `kiln_builder::exec::mounts::packages`). apt's, pip's and npm's download directories
+//! (`/var/cache/apt`, `/root/.cache/pip`, `/root/.npm`) never enter a layer, whoever builds;
+//! `kiln build` mounts the host's cache (`<cache>/packages`) there, a tenant's build through
+//! `kiln serve` gets none. As root, on the busybox fixture (`KILN_TEST_BUSYBOX_REF`).
+//!
+//! The recipe's first stage says whether its step sees a file an earlier build's step left in
+//! each directory (`/saw`), then leaves one there itself; the last stage copies `/saw` and
+//! fails when the first stage's tree (its layers, bound with `--mount=from=`) holds one.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use kiln_tests::require_env;
+use kiln_tests::serve::{Launch, Server, client, json_of, rt, submit, tar_dir, terminal, wait_for};
+use serde_json::json;
+
+/// The `kiln` binary under test.
+const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+
+/// The package download directories, as the step sees them.
+const DIRS: &str = "/var/cache/apt /root/.cache/pip /root/.npm";
+
+/// What `/saw` holds after a step that found no earlier build's file.
+const UNSEEN: &str = "unseen /var/cache/apt\nunseen /root/.cache/pip\nunseen /root/.npm\n";
+
+/// What `/saw` holds after a step that found all three.
+const SEEN: &str = "seen /var/cache/apt\nseen /root/.cache/pip\nseen /root/.npm\n";
+
+fn recipe(bb: &str) -> String {
+    format!(
+        "FROM {bb} AS s\n\
+         RUN for d in {DIRS}; do if [ -e $d/marker ]; then echo seen $d; \
+         else echo unseen $d; fi; done > /saw \
+         && for d in {DIRS}; do mkdir -p $d && echo downloaded > $d/marker; done\n\
+         FROM {bb}\n\
+         COPY --from=s /saw /saw\n\
+         RUN --mount=type=bind,from=s,target=/s for d in {DIRS}; do \
+         if [ -e /s$d/marker ]; then echo \"stage s has $d/marker\" >&2; exit 1; fi; done\n"
+    )
+}
+
+/// `kiln build` of `ctx` into `store` with the host cache `cache`, tagged `tag`, with
+/// `SOURCE_DATE_EPOCH` and `extra`: the image digest.
+fn build(ctx: &Path, store: &Path, cache: &Path, tag: &str, extra: &[&str]) -> String {
+    let out = kiln_tests::run_ok(
+        Command::new(KILN)
+            .env("KILN_STORE", store)
+            .env("KILN_CACHE", cache)
+            .env("KILN_CONFIG", cache.join("no-config.toml"))
+            .arg("build")
+            .arg(ctx)
+            .args(["-t", tag, "--progress", "plain"])
+            .args(["--build-arg", "SOURCE_DATE_EPOCH=1700000000"])
+            .args(extra),
+    );
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .lines()
+        .last()
+        .expect("a digest line")
+        .to_string()
+}
+
+/// The entries of every layer of store tag `tag` (`kiln export --format oci`, gzip layers,
+/// listed with `tar -tz`), and the content of `/saw` in the image (the topmost layer that
+/// has it).
+fn layers(store: &Path, cache: &Path, tag: &str) -> (Vec<String>, String) {
+    let out = store.with_extension(format!("export-{}", tag.replace(':', "-")));
+    kiln_tests::run_ok(
+        Command::new(KILN)
+            .env("KILN_STORE", store)
+            .env("KILN_CACHE", cache)
+            .env("KILN_CONFIG", cache.join("no-config.toml"))
+            .args(["export", tag, "--format", "oci", "-o"])
+            .arg(&out),
+    );
+    let json = |p: &Path| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(p).expect("read")).expect("json")
+    };
+    let index = json(&out.join("index.json"));
+    let m = index["manifests"][0]["digest"].as_str().expect("digest");
+    let manifest = json(&out.join("blobs/sha256").join(&m["sha256:".len()..]));
+    let (mut entries, mut saw) = (Vec::new(), String::new());
+    for l in manifest["layers"].as_array().expect("layers") {
+        let d = l["digest"].as_str().expect("digest");
+        let blob = out.join("blobs/sha256").join(&d["sha256:".len()..]);
+        let list = kiln_tests::run_ok(Command::new("tar").arg("-tzf").arg(&blob));
+        let list = String::from_utf8(list.stdout).expect("utf-8");
+        for e in list.lines() {
+            let e = e.trim_start_matches("./").trim_end_matches('/').to_string();
+            if e == "saw" {
+                let o = kiln_tests::run_ok(Command::new("tar").arg("-xzOf").arg(&blob).arg(&e));
+                saw = String::from_utf8(o.stdout).expect("utf-8");
+            }
+            entries.push(e);
+        }
+    }
+    (entries, saw)
+}
+
+/// The entries of `entries` in or at a package download directory (or a parent made for one).
+fn package_entries(entries: &[String]) -> Vec<&String> {
+    entries
+        .iter()
+        .filter(|e| {
+            ["var/cache/apt", "root/.cache", "root/.npm"]
+                .iter()
+                .any(|p| e.starts_with(p))
+                || e.ends_with("marker")
+        })
+        .collect()
+}
+
+fn context(dir: &Path, dockerfile: &str) -> std::path::PathBuf {
+    let ctx = dir.join("ctx");
+    std::fs::create_dir_all(&ctx).expect("mkdir");
+    std::fs::write(ctx.join("Dockerfile"), dockerfile).expect("write");
+    ctx
+}
+
+/// A file one `kiln build`'s step writes in a package download directory is there for the
+/// next `kiln build`'s step on the host (same host cache), in no layer of either, and not in
+/// the first stage's tree that the build's later step reads; `--no-package-cache` builds
+/// without it, to the first build's digest.
+#[test]
+fn cli_builds_share_the_package_cache_and_no_layer_holds_it() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let ctx = context(t.path(), &recipe(&bb));
+    let (store, cache) = (t.path().join("store"), t.path().join("cache"));
+
+    let first = build(&ctx, &store, &cache, "pkg:1", &[]);
+    let (entries, saw) = layers(&store, &cache, "pkg:1");
+    assert_eq!(saw, UNSEEN, "a new host cache is empty");
+    assert_eq!(
+        package_entries(&entries),
+        Vec::<&String>::new(),
+        "{entries:?}"
+    );
+    assert!(
+        cache.join("packages/apt/data/marker").is_file(),
+        "the step's download is in the host's cache"
+    );
+
+    // Another build on the host: its step sees the first build's files.
+    let second = build(&ctx, &store, &cache, "pkg:2", &["--no-cache"]);
+    let (entries, saw) = layers(&store, &cache, "pkg:2");
+    assert_eq!(saw, SEEN, "the second build's step sees the host's cache");
+    assert_eq!(
+        package_entries(&entries),
+        Vec::<&String>::new(),
+        "{entries:?}"
+    );
+    assert_ne!(second, first, "/saw differs");
+
+    // Without the cache: nothing seen, the first build's image.
+    let off = build(
+        &ctx,
+        &store,
+        &cache,
+        "pkg:3",
+        &["--no-cache", "--no-package-cache"],
+    );
+    assert_eq!(
+        off, first,
+        "--no-package-cache gives the layers of an empty cache"
+    );
+}
+
+/// A recipe's own mount on a package download directory wins over the host's cache: what the
+/// step writes there goes to the recipe's cache, which the next build's mount finds, and
+/// not to the host's package cache.
+#[test]
+fn a_recipes_own_cache_mount_on_a_package_dir_wins() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let (store, cache) = (t.path().join("store"), t.path().join("cache"));
+    let own = context(
+        &t.path().join("own"),
+        &format!(
+            "FROM {bb}\n\
+             RUN --mount=type=cache,target=/root/.npm,id=mine echo own > /root/.npm/own\n"
+        ),
+    );
+    build(&own, &store, &cache, "own:1", &[]);
+    let check = context(
+        &t.path().join("check"),
+        &format!(
+            "FROM {bb}\n\
+             RUN --mount=type=cache,target=/root/.npm/,id=mine cat /root/.npm/own > /own\n\
+             RUN if [ -e /root/.npm/own ]; then echo in the host cache >&2; exit 1; fi\n"
+        ),
+    );
+    build(&check, &store, &cache, "own:2", &[]);
+    assert!(
+        !cache.join("packages/npm/data/own").exists(),
+        "the recipe's mount, not the host's package cache, took the file"
+    );
+}
+
+/// A tenant's build through `kiln serve` (with the same host cache as the `kiln build` before
+/// it, which left its files there) sees none of the host's package cache and gives the
+/// image, so the layers, of the CLI's build from an empty cache.
+#[test]
+fn an_api_build_sees_no_package_cache_and_gives_the_cli_digest() {
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let (t, state, store) = kiln_tests::serve::env();
+    let ctx = context(t.path(), &recipe(&bb));
+    let cache = t.path().join("cache");
+    let cli = build(&ctx, &store, &cache, "pkg:1", &[]);
+    assert!(cache.join("packages/pip/data/marker").is_file());
+
+    let s = Server::launch(&Launch {
+        bin: KILN.as_ref(),
+        state: &state,
+        store: &store,
+        db: &[],
+        cache: Some(&cache),
+        listen: "127.0.0.1:0",
+        netns: None,
+        env: &[],
+        extra: &[],
+    });
+    let key = s.key("acme", &[]);
+    let c = client();
+    rt().block_on(async {
+        let r = submit(
+            &c,
+            &s,
+            &key,
+            &json!({"tags": ["app:1"], "build_args": {"SOURCE_DATE_EPOCH": "1700000000"}}),
+            Some(&tar_dir(&ctx)),
+            None,
+            None,
+        )
+        .await;
+        assert_eq!(r.status(), 202);
+        let id = json_of(r).await["id"].as_str().expect("id").to_string();
+        let v = wait_for(&c, &s, &key, &id, Duration::from_secs(300), terminal).await;
+        assert_eq!(v["state"], "succeeded", "{v:#}");
+        assert_eq!(
+            v["image"],
+            cli.as_str(),
+            "the tenant's step saw no host cache, and its layers are the CLI's: {v:#}"
+        );
+    });
+}
