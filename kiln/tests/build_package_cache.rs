@@ -255,3 +255,44 @@ fn an_api_build_sees_no_package_cache_and_gives_the_cli_digest() {
         );
     });
 }
+
+/// A step may remove the download directories (`rm -rf /root/.npm`, as
+/// `base-images/debian.yaml` does after `npm install -g`): it removes the package layer's
+/// symlink, not the host's cache (a mount there would fail with "Device or resource busy").
+/// What the step then writes at those paths is dropped from its layer too.
+#[test]
+fn a_step_may_remove_the_package_dirs() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+    let bb = require_env("KILN_TEST_BUSYBOX_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let (store, cache) = (t.path().join("store"), t.path().join("cache"));
+    let ctx = context(
+        t.path(),
+        &format!(
+            "FROM {bb}\n\
+             RUN set -e; for d in {DIRS}; do echo kept > $d/kept; done; \
+             rm -rf /var/cache/apt /root/.cache /root/.npm; \
+             for d in {DIRS}; do test ! -e $d/kept; mkdir -p $d; echo again > $d/marker; done; \
+             echo done > /done\n"
+        ),
+    );
+    build(&ctx, &store, &cache, "rm:1", &[]);
+    for name in ["apt", "pip", "npm"] {
+        let kept = cache.join("packages").join(name).join("data/kept");
+        assert!(
+            kept.is_file(),
+            "{} stays in the host's cache",
+            kept.display()
+        );
+    }
+    let (entries, _) = layers(&store, &cache, "rm:1");
+    assert!(entries.iter().any(|e| e == "done"), "{entries:?}");
+    assert_eq!(
+        package_entries(&entries),
+        Vec::<&String>::new(),
+        "{entries:?}"
+    );
+}

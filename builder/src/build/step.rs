@@ -301,12 +301,25 @@ pub(super) async fn run_step(
                 instruction: short(&describe(step)),
                 error: e,
             })?;
+            // The package download directories (issue 34,
+            // [`crate::exec::mounts::packages`]): the host's cache for a trusted build, the
+            // package layer above the step's layers for every build.
+            let own = spec.mounts.clone();
             if let Some(dir) = &ctx.opts.package_cache {
-                let add = crate::exec::mounts::packages::package_mounts(dir, &spec.mounts);
-                spec.mounts.extend(add);
+                spec.mounts
+                    .extend(crate::exec::mounts::packages::package_mounts(dir, &own));
             }
-            spec.lower_dirs = step_lowers(ctx, &st.layers, ctx.executor.max_lowers(&spec)).await?;
-            let lowers = spec.lower_dirs.clone();
+            let max = ctx.executor.max_lowers(&spec);
+            let lowers = step_lowers(ctx, &st.layers, max.saturating_sub(1).max(1)).await?;
+            let layers = ctx.opts.work_dir.join("package-layers");
+            let (dir, l) = (layers.clone(), lowers.clone());
+            let package_layer = tokio::task::spawn_blocking(move || {
+                crate::exec::mounts::packages::package_layer(&dir, &l, &own)
+            })
+            .await
+            .map_err(|e| BuildError::Task(e.to_string()))?
+            .map_err(io_err("making the package layer in", &layers))?;
+            spec.lower_dirs = package_layer.into_iter().chain(lowers.clone()).collect();
             // The plan's env merged over the base's, then what the spec adds after it (the
             // proxy build args, secret env).
             let added: Vec<String> = spec
