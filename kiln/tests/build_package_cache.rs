@@ -5,8 +5,9 @@
 //! `kiln serve` gets none. As root, on the busybox fixture (`KILN_TEST_BUSYBOX_REF`).
 //!
 //! The recipe's first stage says whether its step sees a file an earlier build's step left in
-//! each directory (`/saw`), then leaves one there itself; the last stage copies `/saw` and
-//! fails when the first stage's tree (its layers, bound with `--mount=from=`) holds one.
+//! each directory (`/saw`), then leaves one there itself; the last stage, on the first,
+//! fails when the first stage's tree (its layers, bound with `--mount=from=`) holds one, or
+//! kiln's own directory of the caches.
 
 use std::path::Path;
 use std::process::Command;
@@ -34,10 +35,10 @@ fn recipe(bb: &str) -> String {
          RUN for d in {DIRS}; do if [ -e $d/marker ]; then echo seen $d; \
          else echo unseen $d; fi; done > /saw \
          && for d in {DIRS}; do mkdir -p $d && echo downloaded > $d/marker; done\n\
-         FROM {bb}\n\
-         COPY --from=s /saw /saw\n\
-         RUN --mount=type=bind,from=s,target=/s for d in {DIRS}; do \
-         if [ -e /s$d/marker ]; then echo \"stage s has $d/marker\" >&2; exit 1; fi; done\n"
+         FROM s\n\
+         RUN --mount=type=bind,from=s,target=/s for d in {DIRS} /var/cache/kiln-packages; do \
+         if [ -e /s$d/marker ] || [ -e /s$d/apt ]; then echo \"stage s has $d\" >&2; exit 1; fi; \
+         done\n"
     )
 }
 
