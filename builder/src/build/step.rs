@@ -310,7 +310,7 @@ pub(super) async fn run_step(
                     .extend(crate::exec::mounts::packages::package_mounts(dir, &own));
             }
             let max = ctx.executor.max_lowers(&spec);
-            let lowers = step_lowers(ctx, &st.layers, max.saturating_sub(1).max(1)).await?;
+            let lowers = step_lowers(ctx, &st.layers, max, 1).await?;
             let layers = ctx.opts.work_dir.join("package-layers");
             let (dir, l) = (layers.clone(), lowers.clone());
             let package_layer = tokio::task::spawn_blocking(move || {
@@ -398,7 +398,7 @@ pub(super) async fn run_step(
             }
         }
         Action::Mkdir(m) => {
-            let lowers = step_lowers(ctx, &st.layers, OVERLAY_MAX_LOWERS).await?;
+            let lowers = step_lowers(ctx, &st.layers, OVERLAY_MAX_LOWERS, 0).await?;
             let (path, mode) = (m.path.clone(), m.mode);
             let user = user.clone();
             let r = tokio::task::spawn_blocking({
@@ -452,7 +452,7 @@ pub(super) async fn run_step(
                 .map_err(copy_err(loc))?;
         }
         Action::Copy(c) | Action::Add(c) => {
-            let lowers = step_lowers(ctx, &st.layers, OVERLAY_MAX_LOWERS).await?;
+            let lowers = step_lowers(ctx, &st.layers, OVERLAY_MAX_LOWERS, 0).await?;
             let sources = prepared.sources.clone().ok_or_else(|| BuildError::Copy {
                 location: loc.to_string(),
                 message: "sources were not prepared".into(),
