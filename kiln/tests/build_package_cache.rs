@@ -21,13 +21,13 @@ use serde_json::json;
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
 /// The package download directories, as the step sees them.
-const DIRS: &str = "/var/cache/apt /root/.cache/pip /root/.npm";
+const DIRS: &str = "/var/cache/apt /root/.cache/pip/http-v2 /root/.npm";
 
 /// What `/saw` holds after a step that found no earlier build's file.
-const UNSEEN: &str = "unseen /var/cache/apt\nunseen /root/.cache/pip\nunseen /root/.npm\n";
+const UNSEEN: &str = "unseen /var/cache/apt\nunseen /root/.cache/pip/http-v2\nunseen /root/.npm\n";
 
 /// What `/saw` holds after a step that found all three.
-const SEEN: &str = "seen /var/cache/apt\nseen /root/.cache/pip\nseen /root/.npm\n";
+const SEEN: &str = "seen /var/cache/apt\nseen /root/.cache/pip/http-v2\nseen /root/.npm\n";
 
 fn recipe(bb: &str) -> String {
     format!(
@@ -64,17 +64,18 @@ fn build(ctx: &Path, store: &Path, cache: &Path, tag: &str, extra: &[&str]) -> S
         .to_string()
 }
 
-/// The entries of every layer of store tag `tag` (`kiln export --format oci`, gzip layers,
-/// listed with `tar -tz`), and the content of `/saw` in the image (the topmost layer that
-/// has it).
-fn layers(store: &Path, cache: &Path, tag: &str) -> (Vec<String>, String) {
+/// The entries of each layer of store tag `tag`, bottom first (`kiln export --format oci
+/// --layer-compression as-built`, zstd layers, listed with `tar --zstd -t`), and the content
+/// of `/saw` in the image (the topmost layer that has it).
+fn layers(store: &Path, cache: &Path, tag: &str) -> (Vec<Vec<String>>, String) {
     let out = store.with_extension(format!("export-{}", tag.replace(':', "-")));
     kiln_tests::run_ok(
         Command::new(KILN)
             .env("KILN_STORE", store)
             .env("KILN_CACHE", cache)
             .env("KILN_CONFIG", cache.join("no-config.toml"))
-            .args(["export", tag, "--format", "oci", "-o"])
+            .args(["export", tag, "--format", "oci"])
+            .args(["--layer-compression", "as-built", "-o"])
             .arg(&out),
     );
     let json = |p: &Path| -> serde_json::Value {
@@ -83,32 +84,43 @@ fn layers(store: &Path, cache: &Path, tag: &str) -> (Vec<String>, String) {
     let index = json(&out.join("index.json"));
     let m = index["manifests"][0]["digest"].as_str().expect("digest");
     let manifest = json(&out.join("blobs/sha256").join(&m["sha256:".len()..]));
-    let (mut entries, mut saw) = (Vec::new(), String::new());
+    let (mut all, mut saw) = (Vec::new(), String::new());
     for l in manifest["layers"].as_array().expect("layers") {
         let d = l["digest"].as_str().expect("digest");
         let blob = out.join("blobs/sha256").join(&d["sha256:".len()..]);
-        let list = kiln_tests::run_ok(Command::new("tar").arg("-tzf").arg(&blob));
-        let list = String::from_utf8(list.stdout).expect("utf-8");
-        for e in list.lines() {
+        let tar = |args: &[&str]| {
+            let o = kiln_tests::run_ok(Command::new("tar").arg("--zstd").args(args).arg(&blob));
+            String::from_utf8(o.stdout).expect("utf-8")
+        };
+        let mut entries = Vec::new();
+        for e in tar(&["-tf"]).lines() {
             let e = e.trim_start_matches("./").trim_end_matches('/').to_string();
             if e == "saw" {
-                let o = kiln_tests::run_ok(Command::new("tar").arg("-xzOf").arg(&blob).arg(&e));
-                saw = String::from_utf8(o.stdout).expect("utf-8");
+                saw = tar(&["-xOf"]);
             }
             entries.push(e);
         }
+        all.push(entries);
     }
-    (entries, saw)
+    let _ = std::fs::remove_dir_all(&out);
+    (all, saw)
 }
 
-/// The entries of `entries` in or at a package download directory (or a parent made for one).
-fn package_entries(entries: &[String]) -> Vec<&String> {
-    entries
+/// The entries of `layers` in or at a package download directory or kiln's directory of
+/// them (or a parent made for one).
+fn package_entries(layers: &[Vec<String>]) -> Vec<&String> {
+    layers
         .iter()
+        .flatten()
         .filter(|e| {
-            ["var/cache/apt", "root/.cache", "root/.npm"]
-                .iter()
-                .any(|p| e.starts_with(p))
+            [
+                "var/cache/apt",
+                "var/cache/kiln-packages",
+                "root/.cache",
+                "root/.npm",
+            ]
+            .iter()
+            .any(|p| e.starts_with(p))
                 || e.ends_with("marker")
         })
         .collect()
@@ -219,7 +231,7 @@ fn an_api_build_sees_no_package_cache_and_gives_the_cli_digest() {
     let ctx = context(t.path(), &recipe(&bb));
     let cache = t.path().join("cache");
     let cli = build(&ctx, &store, &cache, "pkg:1", &[]);
-    assert!(cache.join("packages/pip/data/marker").is_file());
+    assert!(cache.join("packages/pip-http-v2/data/marker").is_file());
 
     let s = Server::launch(&Launch {
         bin: KILN.as_ref(),
@@ -281,7 +293,7 @@ fn a_step_may_remove_the_package_dirs() {
         ),
     );
     build(&ctx, &store, &cache, "rm:1", &[]);
-    for name in ["apt", "pip", "npm"] {
+    for name in ["apt", "pip-http-v2", "npm"] {
         let kept = cache.join("packages").join(name).join("data/kept");
         assert!(
             kept.is_file(),
@@ -290,10 +302,84 @@ fn a_step_may_remove_the_package_dirs() {
         );
     }
     let (entries, _) = layers(&store, &cache, "rm:1");
-    assert!(entries.iter().any(|e| e == "done"), "{entries:?}");
+    assert!(entries.iter().flatten().any(|e| e == "done"), "{entries:?}");
     assert_eq!(
         package_entries(&entries),
         Vec::<&String>::new(),
         "{entries:?}"
     );
+}
+
+/// apt, pip and npm themselves (the tools fixture, `KILN_TEST_TOOLS_REF`, from the local
+/// package servers of `kiln_tests::pkgs` through the egress proxy): a second `kiln build` on
+/// the host installs the same packages without fetching apt's `.deb` or npm's tarball again,
+/// and no layer of either holds anything of the caches. pip keeps its cache on (`pip cache
+/// info` fails when pip disabled it, as it does for a cache directory that is a symlink);
+/// the test's index sends no caching headers, so pip stores nothing from it. The recipe
+/// removes Debian's `docker-clean`, as BuildKit's documentation does.
+#[test]
+fn apt_pip_and_npm_take_their_downloads_from_the_hosts_cache() {
+    use kiln_tests::pkgs::{HELLO, PackageServers};
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "kiln build tests need root (CI runs them as root)"
+    );
+    let tools = require_env("KILN_TEST_TOOLS_REF");
+    let t = tempfile::tempdir().expect("tempdir");
+    let (store, cache) = (t.path().join("store"), t.path().join("cache"));
+    let PackageServers { apt, pypi, npm } = PackageServers::start(&t.path().join("servers"));
+    let ctx = context(
+        t.path(),
+        &format!(
+            "FROM {tools}\n\
+             RUN set -e; rm -f /etc/apt/apt.conf.d/docker-clean /etc/apt/sources.list \
+             /etc/apt/sources.list.d/*; \
+             echo 'deb [trusted=yes] http://apt.test:{}/ test main' > /etc/apt/sources.list.d/t.list; \
+             apt-get -q update; apt-get -q install -y kiln-hello; \
+             pip install -q --break-system-packages --index-url http://pypi.test:{}/simple \
+             --trusted-host pypi.test kiln-hello; pip cache info > /dev/null; \
+             mkdir -p /app; cd /app; npm install --no-audit --no-fund --no-update-notifier \
+             --registry http://npm.test:{}/ kiln-hello; \
+             cat /usr/share/kiln-hello/hello.txt > /hello; \
+             python3 -c 'import kiln_hello; print(kiln_hello.MSG)' >> /hello; \
+             node -p \"require('kiln-hello')\" >> /hello\n",
+            apt.port, pypi.port, npm.port
+        ),
+    );
+    let mut args = vec![
+        "--egress-allow-private-for-tests".to_string(),
+        "--no-cache".to_string(),
+    ];
+    for name in PackageServers::HOSTS {
+        args.extend([
+            "--network-allow".into(),
+            name.into(),
+            "--egress-host-for-tests".into(),
+            format!("{name}=127.0.0.1"),
+        ]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let fetched = |server: &kiln_tests::http::LocalServer, path: &str| {
+        let seen = server.seen.lock().expect("lock").clone();
+        seen.iter().filter(|l| l.starts_with(path)).count()
+    };
+    let (deb, tgz) = (
+        "GET /pool/kiln-hello_1.0_all.deb ",
+        "GET /tarballs/kiln-hello-1.0.0.tgz ",
+    );
+    for (n, tag) in ["tools:1", "tools:2"].into_iter().enumerate() {
+        build(&ctx, &store, &cache, tag, &args);
+        // The step's layer and the sandbox layer over it; the base's hold apt's own.
+        let (all, _) = layers(&store, &cache, tag);
+        let own = &all[all.len() - 2..];
+        assert_eq!(package_entries(own), Vec::<&String>::new(), "{own:?}");
+        assert!(own[0].iter().any(|e| e == "hello"), "{own:?}");
+        // The first build fetched each once; the second, nothing more.
+        assert_eq!(
+            (fetched(&apt, deb), fetched(&npm, tgz)),
+            (1, 1),
+            "build {n}"
+        );
+    }
+    let _ = HELLO;
 }
