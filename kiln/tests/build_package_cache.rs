@@ -21,13 +21,13 @@ use serde_json::json;
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
 
 /// The package download directories, as the step sees them.
-const DIRS: &str = "/var/cache/apt /root/.cache/pip/http-v2 /root/.npm";
+const DIRS: &str = "/var/cache/apt /root/.cache/pip /root/.npm";
 
 /// What `/saw` holds after a step that found no earlier build's file.
-const UNSEEN: &str = "unseen /var/cache/apt\nunseen /root/.cache/pip/http-v2\nunseen /root/.npm\n";
+const UNSEEN: &str = "unseen /var/cache/apt\nunseen /root/.cache/pip\nunseen /root/.npm\n";
 
 /// What `/saw` holds after a step that found all three.
-const SEEN: &str = "seen /var/cache/apt\nseen /root/.cache/pip/http-v2\nseen /root/.npm\n";
+const SEEN: &str = "seen /var/cache/apt\nseen /root/.cache/pip\nseen /root/.npm\n";
 
 fn recipe(bb: &str) -> String {
     format!(
@@ -231,7 +231,7 @@ fn an_api_build_sees_no_package_cache_and_gives_the_cli_digest() {
     let ctx = context(t.path(), &recipe(&bb));
     let cache = t.path().join("cache");
     let cli = build(&ctx, &store, &cache, "pkg:1", &[]);
-    assert!(cache.join("packages/pip-http-v2/data/marker").is_file());
+    assert!(cache.join("packages/pip/data/marker").is_file());
 
     let s = Server::launch(&Launch {
         bin: KILN.as_ref(),
@@ -293,7 +293,7 @@ fn a_step_may_remove_the_package_dirs() {
         ),
     );
     build(&ctx, &store, &cache, "rm:1", &[]);
-    for name in ["apt", "pip-http-v2", "npm"] {
+    for name in ["apt", "pip", "npm"] {
         let kept = cache.join("packages").join(name).join("data/kept");
         assert!(
             kept.is_file(),
@@ -313,9 +313,9 @@ fn a_step_may_remove_the_package_dirs() {
 /// apt, pip and npm themselves (the tools fixture, `KILN_TEST_TOOLS_REF`, from the local
 /// package servers of `kiln_tests::pkgs` through the egress proxy): a second `kiln build` on
 /// the host installs the same packages without fetching apt's `.deb` or npm's tarball again,
-/// and no layer of either holds anything of the caches. pip keeps its cache on (`pip cache
-/// info` fails when pip disabled it, as it does for a cache directory that is a symlink);
-/// the test's index sends no caching headers, so pip stores nothing from it. The recipe
+/// and no layer of either holds anything of the caches. pip keeps its cache on through the
+/// symlink (`pip cache info` fails when pip disabled it); the test's index sends no caching
+/// headers, so pip stores nothing from it. The recipe
 /// removes Debian's `docker-clean`, as BuildKit's documentation does.
 #[test]
 fn apt_pip_and_npm_take_their_downloads_from_the_hosts_cache() {

@@ -1,16 +1,15 @@
 //! The package download cache of `RUN` steps (issue 34): the directories apt, pip and npm
-//! download into ([`PACKAGE_DIRS`]) never enter a step's layer, whoever builds; a trusted
+//! download into ([`PACKAGE_CACHES`]) never enter a step's layer, whoever builds; a trusted
 //! build (the CLI, the nightly) also gets a host-wide cache there, a tenant's build never
 //! does.
 //!
 //! **What every step sees.** Each `RUN` step, whoever builds, gets one more lower layer on
-//! top of its layers ([`package_layer`]): each cached directory ([`PACKAGE_CACHES`]:
-//! `/var/cache/apt`, `/root/.npm`, and pip's `http`, `http-v2` and `wheels` in
-//! `/root/.cache/pip`) is a symlink to a directory of kiln's own,
-//! `/var/cache/kiln-packages/<name>` ([`PACKAGES_DIR`]), with their parents as the image has
-//! them (owner, mode and times copied from the topmost layer that has them). The symlink is what a recipe can remove: `rm -rf /root/.npm` or
+//! top of its layers ([`package_layer`]): each download directory (`/var/cache/apt`, ...) is
+//! a symlink to a directory of kiln's own, `/var/cache/kiln-packages/<name>` ([`PACKAGES_DIR`]),
+//! with their parents as the image has them (owner, mode and times copied from the topmost
+//! layer that has them). The symlink is what a recipe can remove: `rm -rf /root/.npm` or
 //! `rm -rf /var/cache/apt` remove it (and nothing of the cache), where a mount there would
-//! fail with "Device or resource busy". A cached directory whose parent is not a real
+//! fail with "Device or resource busy". A download directory whose parent is not a real
 //! directory of the image, or that a mount of the recipe's own is on, above or under, gets
 //! no symlink.
 //!
@@ -78,38 +77,22 @@ impl PackageCache {
     }
 }
 
-/// The package download directories, whose contents never enter a layer. Changing this list
-/// (or [`PACKAGE_CACHES`], [`PACKAGES_DIR`]) changes layers: bump
-/// [`crate::build::key::KEY_VERSION`] with it.
+/// The package download directories. Changing this list (or [`PACKAGES_DIR`]) changes
+/// layers: bump [`crate::build::key::KEY_VERSION`] with it.
 ///
 /// - apt: `/var/cache/apt` (`Dir::Cache`): the downloaded packages (`archives/`) and the
 ///   binary caches apt makes from its lists (`pkgcache.bin`, `srcpkgcache.bin`; remade
 ///   when missing), as in BuildKit's documented `target=/var/cache/apt`.
-/// - pip: `/root/.cache/pip`, pip's cache (HTTP responses, wheels it built, its self-check)
-///   for `HOME=/root`.
+/// - pip: `/root/.cache/pip`, pip's cache (HTTP responses, wheels it built) for `HOME=/root`.
 /// - npm: `/root/.npm`, npm's cache (`_cacache`) and logs for `HOME=/root`.
-pub const PACKAGE_DIRS: [&str; 3] = ["/var/cache/apt", "/root/.cache/pip", "/root/.npm"];
-
-/// The cached directories under [`PACKAGE_DIRS`], each a symlink to its cache. pip's own
-/// directory stays a real one, its HTTP caches (`http` before pip 23.3, `http-v2` after) and
-/// built wheels are the links: pip run as root refuses a cache directory that is a symlink
-/// (it opens it with `O_NOFOLLOW` to check its owner) and disables the cache.
-pub const PACKAGE_CACHES: [PackageCache; 5] = [
+pub const PACKAGE_CACHES: [PackageCache; 3] = [
     PackageCache {
         name: "apt",
         target: "/var/cache/apt",
     },
     PackageCache {
-        name: "pip-http",
-        target: "/root/.cache/pip/http",
-    },
-    PackageCache {
-        name: "pip-http-v2",
-        target: "/root/.cache/pip/http-v2",
-    },
-    PackageCache {
-        name: "pip-wheels",
-        target: "/root/.cache/pip/wheels",
+        name: "pip",
+        target: "/root/.cache/pip",
     },
     PackageCache {
         name: "npm",
@@ -338,7 +321,7 @@ pub fn package_layer(
     r.map(|()| Some(dir))
 }
 
-/// Removes the package download directories ([`PACKAGE_DIRS`], each resolved through the
+/// Removes the package download directories ([`PACKAGE_CACHES`], each resolved through the
 /// step's layers `lowers` as the image has them, without the package layer) and
 /// [`PACKAGES_DIR`] from the step's upper directory `upper` after the step: each with
 /// everything under it, or whatever the step left in its place (a whiteout, a file, a
@@ -349,7 +332,11 @@ pub fn package_layer(
 /// Errors: removing an entry of `upper`.
 pub fn drop_package_dirs(upper: &Path, lowers: &[PathBuf]) -> std::io::Result<()> {
     let mut rels = Vec::new();
-    for target in PACKAGE_DIRS.into_iter().chain([PACKAGES_DIR]) {
+    for target in PACKAGE_CACHES
+        .iter()
+        .map(|p| p.target)
+        .chain([PACKAGES_DIR])
+    {
         let rel = super::canonical(lowers, target).join("/");
         if rel.is_empty() || !super::real_dirs_to(upper, &rel) {
             continue;
@@ -424,9 +411,7 @@ mod tests {
             all(&[]),
             [
                 "/var/cache/kiln-packages/apt",
-                "/var/cache/kiln-packages/pip-http",
-                "/var/cache/kiln-packages/pip-http-v2",
-                "/var/cache/kiln-packages/pip-wheels",
+                "/var/cache/kiln-packages/pip",
                 "/var/cache/kiln-packages/npm"
             ]
         );
@@ -439,13 +424,9 @@ mod tests {
             all(&[
                 tmpfs_at("/root/./.npm/_cacache"),
                 tmpfs_at("/var/cache/aptx"),
-                tmpfs_at("/var/cache/kiln-packages/pip-wheels/x"),
-                tmpfs_at("/root/.cache/pip/http"),
+                tmpfs_at("/var/cache/kiln-packages/pip/x"),
             ]),
-            [
-                "/var/cache/kiln-packages/apt",
-                "/var/cache/kiln-packages/pip-http-v2"
-            ]
+            ["/var/cache/kiln-packages/apt"]
         );
         let m = &package_mounts(Path::new("/c"), &[])[0];
         assert_eq!(
@@ -490,13 +471,7 @@ mod tests {
             fs::read_link(l.join("var/cache/apt")).unwrap(),
             Path::new("/var/cache/kiln-packages/apt")
         );
-        assert_eq!(
-            fs::read_link(l.join("root/.cache/pip/http-v2")).unwrap(),
-            Path::new("/var/cache/kiln-packages/pip-http-v2")
-        );
-        assert!(
-            md("root/.cache/pip").is_dir() && md("var/cache/kiln-packages/pip-wheels").is_dir()
-        );
+        assert!(md("root/.cache").is_dir() && md("var/cache/kiln-packages/pip").is_dir());
         // Made once: the same lowers give the same directory.
         assert_eq!(
             package_layer(&layers, &lowers, &[]).unwrap(),
@@ -536,8 +511,8 @@ mod tests {
         .unwrap();
         fs::create_dir_all(upper.join("var/cache/apt")).unwrap();
         fs::write(upper.join("var/cache/apt/pkgcache.bin"), "bin").unwrap();
-        fs::create_dir_all(upper.join("root/.cache/pip/selfcheck")).unwrap();
-        fs::write(upper.join("root/.cache/pip/selfcheck/x"), "x").unwrap();
+        fs::create_dir_all(upper.join("root/.cache/pip/http")).unwrap();
+        fs::write(upper.join("root/.cache/pip/http/x"), "x").unwrap();
         fs::create_dir_all(upper.join("root/.npm/_cacache")).unwrap();
         fs::create_dir_all(upper.join("var/lib")).unwrap();
         fs::write(upper.join("var/lib/kept"), "kept").unwrap();
