@@ -299,7 +299,7 @@ pub fn package_layer(
             };
             rustix::fs::utimensat(
                 rustix::fs::CWD,
-                &tmp.join(rel),
+                tmp.join(rel),
                 &rustix::fs::Timestamps {
                     last_access: t,
                     last_modification: t,
