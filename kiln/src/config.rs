@@ -352,11 +352,13 @@ fn read_file(path: &Path) -> Result<Option<String>, ConfigError> {
 
 impl Config {
     /// Puts this host's settings that every pipeline caller (`kiln build`, `kiln nightly`,
-    /// `kiln serve`) shares on `setup`: the shared layer directory (`layer_dir`) and the
+    /// `kiln serve`) shares on `setup`: the shared layer directory (`layer_dir`), the package
+    /// download cache (`<cache>/packages`, never a tenant's build's) and the
     /// bootstrap mirror (`bootstrap_mirror`: `from: {bootstrap: ...}` without a mirror gets
     /// it, else this host's apt archive; see `kiln config show`).
     pub fn apply_host(&self, setup: &mut kiln_pipeline::Setup) {
         setup.layer_dir = Some(self.layer_dir.value.clone());
+        setup.package_cache = Some(self.cache.value.join("packages"));
         setup.bootstrap_mirror = self.bootstrap_mirror.value.clone();
     }
 

@@ -357,9 +357,10 @@ fn base_dockerfile(bb: &str) -> String {
 }
 
 /// Twelve steps over the base, five of them `RUN` steps at the points where the squash
-/// changes: over 30 and 31 lowers (the lowest 16 squashed, the second step reusing the
-/// disk), 32 (24 squashed), then seven `COPY` steps (no VM), then 40 and 41 (32 squashed,
-/// the second reusing it). Each `RUN` step reads the tree as the squash must show it and
+/// changes, with one of the 16 disks the step's package layer
+/// (`kiln_builder::exec::mounts::packages`): over 30 lowers (the lowest 16 squashed), 31 and
+/// 32 (24 squashed, the second step reusing the disk), then seven `COPY` steps (no VM), then
+/// 40 and 41 (32 squashed, the second reusing it). Each `RUN` step reads the tree as the squash must show it and
 /// writes something of its own (so no two layers are the same).
 fn top_dockerfile() -> String {
     let mut d = String::from("FROM squash-base:1\n");
@@ -422,8 +423,8 @@ fn vm_steps_over_thirty_layers_squash_the_lowest_and_match_the_namespace_executo
     eprintln!("12 steps, 5 in a vm: {:?}", t1.elapsed());
     // The base's 30, the steps' 12 and this build's sandbox preparation layer.
     assert_eq!((vm.steps_run, vm.layers.len()), (12, 43));
-    // `RUN` steps over 30, 31, 32, 40 and 41 lowers on 16 disks: the lowest 16, then 24,
-    // then 32 squashed, each made once: three squashed directories beside the unpacked
+    // `RUN` steps over 30, 31, 32, 40 and 41 lowers on 15 disks (the package layer takes the
+    // 16th): the lowest 16, then 24, then 32 squashed, each made once: three squashed directories beside the unpacked
     // layers (named after no layer), each made a disk image once.
     let known: std::collections::HashSet<String> =
         vm.layers.iter().map(|l| l.digest.hex()).collect();

@@ -254,6 +254,11 @@ pub struct Setup {
     /// every build of the host, whatever its store ([`BuildOptions::shared_layers`]; `kiln`'s
     /// `layer_dir`); `None`: in each work directory.
     pub layer_dir: Option<PathBuf>,
+    /// The host's package download cache (`kiln`'s `<cache>/packages`), mounted on the
+    /// package download directories of the `RUN` steps of builds that ask for it
+    /// ([`BuildRequest::package_cache`]) and are not a tenant's
+    /// ([`kiln_builder::exec::mounts::packages`]); `None`: no build gets one.
+    pub package_cache: Option<PathBuf>,
     /// Registry access for base images (plain-HTTP registries, credentials).
     pub registry: RegistryOptions,
     /// Mirror for `from: {bootstrap: ...}` recipes that name none.
@@ -314,6 +319,7 @@ impl Setup {
             cache: Arc::new(cache),
             work_dir: local.join(".build"),
             layer_dir: None,
+            package_cache: None,
             registry: RegistryOptions::default(),
             bootstrap_mirror: None,
             boot: None,
@@ -789,6 +795,13 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
         CacheMountScope::Workspace(w) => {
             Some(work.join("cache-mounts-by-workspace").join(w.as_str()))
         }
+    };
+    // A host-wide cache is never a tenant's, whatever the request says (issue 34).
+    opts.package_cache = match (&req.scope, &req.cache_mounts) {
+        (Scope::Operator, CacheMountScope::Shared) if req.package_cache => {
+            setup.package_cache.clone()
+        }
+        _ => None,
     };
     opts
 }

@@ -57,6 +57,13 @@ pub struct BuildRequest {
     pub executor: Executor,
     /// Which `RUN --mount=type=cache` directories the build sees.
     pub cache_mounts: CacheMountScope,
+    /// Whether the host's package download cache ([`crate::Setup::package_cache`]) is
+    /// mounted on the package download directories of the `RUN` steps
+    /// ([`kiln_builder::exec::mounts::packages`]): `kiln build` and `kiln nightly` ask for it
+    /// unless `--no-package-cache`. A tenant's build ([`Scope::Tenant`], or a workspace's
+    /// [`CacheMountScope`]) never gets it, whatever this says. The layers are the same either
+    /// way: those directories leave every `RUN` step's layer.
+    pub package_cache: bool,
     /// Whose build it is: a tenant's ([`Scope::Tenant`]) names only its workspace's images,
     /// the operator's global bases and registries, and its build-cache and image-cache
     /// entries are its workspace's own ([`kiln_builder::base`]).
@@ -99,7 +106,8 @@ pub struct BuildRequest {
 impl BuildRequest {
     /// A request for `recipe` over `context` with every other field at its default: no
     /// build args, last stage, `linux/amd64`, pull when missing, cache on, no secrets,
-    /// sandboxed network, default limits, the namespace executor, shared cache mounts, a
+    /// sandboxed network, default limits, the namespace executor, shared cache mounts, no
+    /// package download cache, a
     /// published image with no tags and no snapshot, a fresh cancellation token, no rebuild
     /// check.
     pub fn new(recipe: Recipe, context: ContextSource) -> Self {
@@ -119,6 +127,7 @@ impl BuildRequest {
             limits: Limits::default(),
             executor: Executor::default(),
             cache_mounts: CacheMountScope::default(),
+            package_cache: false,
             scope: Scope::Operator,
             output: Output::Image {
                 tags: Vec::new(),

@@ -13,8 +13,11 @@
 use serde::Serialize;
 use sha2::{Digest as _, Sha256};
 
-/// Version of the key scheme: bumping it invalidates every entry.
-pub const KEY_VERSION: u32 = 1;
+/// Version of the key scheme: bumping it invalidates every entry. 2: a `RUN` step's layer
+/// holds nothing of the package download directories
+/// ([`crate::exec::mounts::packages::PACKAGE_CACHES`]), so a layer made before cannot be
+/// taken for one made now.
+pub const KEY_VERSION: u32 = 2;
 
 fn hash(doc: &impl Serialize) -> String {
     // Plain structs of strings always serialize.

@@ -671,15 +671,24 @@ pub const SQUASH_KEY_VERSION: &str = "kiln squashed layers v2\n";
 /// reuse the same tree for up to `fit / 2` steps before a larger one is made. `None`: `fit`
 /// is 0, so no squash fits.
 pub fn squash_plan(lowers: usize, fit: usize) -> Option<usize> {
-    if lowers <= fit {
+    squash_plan_reserving(lowers, fit, 0)
+}
+
+/// [`squash_plan`] for a mount that also takes `reserve` lower directories of its own (a
+/// `RUN` step's package layer, [`crate::exec::mounts::packages::package_layer`]): at most
+/// `fit - reserve` of the step's lowers, squashed in the same multiples of `fit / 2`, so
+/// that a `RUN` step reuses the squashed tree of a `COPY` step beside it. `None`: no room.
+pub fn squash_plan_reserving(lowers: usize, fit: usize, reserve: usize) -> Option<usize> {
+    let room = fit.saturating_sub(reserve);
+    if lowers <= room {
         return Some(0);
     }
-    if fit == 0 {
+    if room == 0 {
         return None;
     }
-    // The top `fit - 1` stay; the rest, rounded up to a multiple of the step, squash.
+    // The top `room - 1` stay; the rest, rounded up to a multiple of the step, squash.
     let step = (fit / 2).max(1);
-    let need = lowers - (fit - 1);
+    let need = lowers - (room - 1);
     Some(need.div_ceil(step).saturating_mul(step).min(lowers))
 }
 

@@ -172,6 +172,12 @@ pub struct BuildOptions {
     /// `work_dir/cache-mounts`. Builds given different directories share no cache mount
     /// (the caller's scope, e.g. one directory per workspace).
     pub cache_mount_dir: Option<PathBuf>,
+    /// The host's package download cache, one directory per entry of
+    /// [`crate::exec::mounts::packages::PACKAGE_CACHES`] under it, mounted on those paths in
+    /// every `RUN` step ([`crate::exec::mounts::packages::package_mounts`]); only for trusted
+    /// builds (the CLI, the nightly), never a tenant's. `None`: no cache mounted. Either way
+    /// those paths leave every `RUN` step's layer, so the layers do not depend on it.
+    pub package_cache: Option<PathBuf>,
     /// The store lease the build records what it relies on in (the caller's, taken before
     /// it resolved the bases); `None`: the build takes its own.
     pub lease: Option<Arc<kiln_store::lease::Lease>>,
@@ -207,6 +213,7 @@ impl BuildOptions {
             recipe_digest: None,
             resolve: Default::default(),
             cache_mount_dir: None,
+            package_cache: None,
             lease: None,
             history: None,
             shared_layers: None,

@@ -291,7 +291,7 @@ pub(super) async fn run_step(
                 index,
                 step,
                 Vec::new(),
-                upper,
+                upper.clone(),
                 s.work.clone(),
                 remaining,
                 &mounts,
@@ -301,7 +301,25 @@ pub(super) async fn run_step(
                 instruction: short(&describe(step)),
                 error: e,
             })?;
-            spec.lower_dirs = step_lowers(ctx, &st.layers, ctx.executor.max_lowers(&spec)).await?;
+            // The package download directories (issue 34,
+            // [`crate::exec::mounts::packages`]): the host's cache for a trusted build, the
+            // package layer above the step's layers for every build.
+            let own = spec.mounts.clone();
+            if let Some(dir) = &ctx.opts.package_cache {
+                spec.mounts
+                    .extend(crate::exec::mounts::packages::package_mounts(dir, &own));
+            }
+            let max = ctx.executor.max_lowers(&spec);
+            let lowers = step_lowers(ctx, &st.layers, max, 1).await?;
+            let layers = ctx.opts.work_dir.join("package-layers");
+            let (dir, l) = (layers.clone(), lowers.clone());
+            let package_layer = tokio::task::spawn_blocking(move || {
+                crate::exec::mounts::packages::package_layer(&dir, &l, &own)
+            })
+            .await
+            .map_err(|e| BuildError::Task(e.to_string()))?
+            .map_err(io_err("making the package layer in", &layers))?;
+            spec.lower_dirs = package_layer.into_iter().chain(lowers.clone()).collect();
             // The plan's env merged over the base's, then what the spec adds after it (the
             // proxy build args, secret env).
             let added: Vec<String> = spec
@@ -346,6 +364,21 @@ pub(super) async fn run_step(
             match r {
                 Ok(report) => {
                     ctx.log_bytes.fetch_add(report.log_bytes, Ordering::Relaxed);
+                    // Whoever builds, and whether a package cache was mounted or not.
+                    let up = upper.clone();
+                    tokio::task::spawn_blocking(move || {
+                        crate::exec::mounts::packages::drop_package_dirs(&up, &lowers)
+                    })
+                    .await
+                    .map_err(|e| BuildError::Task(e.to_string()))?
+                    .map_err(|e| BuildError::Step {
+                        location: loc.to_string(),
+                        instruction: short(&describe(step)),
+                        error: ExecError::Io {
+                            what: "dropping the package download directories from the layer".into(),
+                            source: e,
+                        },
+                    })?;
                 }
                 Err(ExecError::Cancelled) => return Err(BuildError::Cancelled),
                 Err(ExecError::Timeout { stopped, .. }) if Instant::now() >= ctx.deadline => {
@@ -365,7 +398,7 @@ pub(super) async fn run_step(
             }
         }
         Action::Mkdir(m) => {
-            let lowers = step_lowers(ctx, &st.layers, OVERLAY_MAX_LOWERS).await?;
+            let lowers = step_lowers(ctx, &st.layers, OVERLAY_MAX_LOWERS, 0).await?;
             let (path, mode) = (m.path.clone(), m.mode);
             let user = user.clone();
             let r = tokio::task::spawn_blocking({
@@ -419,7 +452,7 @@ pub(super) async fn run_step(
                 .map_err(copy_err(loc))?;
         }
         Action::Copy(c) | Action::Add(c) => {
-            let lowers = step_lowers(ctx, &st.layers, OVERLAY_MAX_LOWERS).await?;
+            let lowers = step_lowers(ctx, &st.layers, OVERLAY_MAX_LOWERS, 0).await?;
             let sources = prepared.sources.clone().ok_or_else(|| BuildError::Copy {
                 location: loc.to_string(),
                 message: "sources were not prepared".into(),

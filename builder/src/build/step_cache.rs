@@ -11,18 +11,20 @@ use super::*;
 /// tree, hard links into their directories, instead ([`lower::squash_plan`],
 /// [`LayerDirs::squashed`]):
 /// overlayfs' 500 lowers on the host, the microVM's disks
-/// ([`crate::exec::StepExecutor::max_lowers`]). With `fit` 0 every layer is given as it
-/// is, for the executor to refuse.
+/// ([`crate::exec::StepExecutor::max_lowers`]), less `reserve` the step's mount takes
+/// besides ([`lower::squash_plan_reserving`]: a `RUN` step's package layer). With no room
+/// every layer is given as it is, for the executor to refuse.
 pub(super) async fn step_lowers(
     ctx: &Arc<Ctx>,
     layers: &[LayerRef],
     fit: usize,
+    reserve: usize,
 ) -> Result<Vec<PathBuf>, BuildError> {
     let c = ctx.clone();
     let digests: Vec<BlobDigest> = layers.iter().map(|l| l.desc.digest).collect();
     tokio::task::spawn_blocking(move || {
         let unique = topmost_unique(&digests);
-        let squash = lower::squash_plan(unique.len(), fit).unwrap_or(0);
+        let squash = lower::squash_plan_reserving(unique.len(), fit, reserve).unwrap_or(0);
         let keep = unique.len() - squash;
         let mut dirs = Vec::with_capacity(keep + 1);
         for d in &unique[..keep] {

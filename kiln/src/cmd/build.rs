@@ -85,6 +85,10 @@ pub struct Args {
     /// Do not use the build cache for these stages (name or index, repeatable).
     #[arg(long = "no-cache-filter", value_delimiter = ',')]
     pub no_cache_filter: Vec<String>,
+    /// Do not mount this host's package download cache (`<cache>/packages`) on the `RUN`
+    /// steps' apt, pip and npm download directories; they stay out of the layers either way.
+    #[arg(long = "no-package-cache")]
+    pub no_package_cache: bool,
     /// Target platform, `os/arch[/variant]` (default linux/amd64).
     #[arg(long)]
     pub platform: Option<String>,
@@ -506,6 +510,7 @@ pub fn run(a: Args, cli: &super::Out) -> anyhow::Result<()> {
     }
     req.no_cache = a.no_cache;
     req.no_cache_filter = a.no_cache_filter.clone();
+    req.package_cache = !a.no_package_cache;
     req.secrets = secrets;
     req.network = network_policy(&a)?;
     req.limits.vcpus = Some(a.vcpus);

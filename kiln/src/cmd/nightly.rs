@@ -51,6 +51,10 @@ pub struct Args {
     /// Build argument `NAME=value` (repeatable).
     #[arg(long = "build-arg", value_name = "NAME=VALUE")]
     build_args: Vec<String>,
+    /// Do not mount this host's package download cache on the build's `RUN` steps (as
+    /// `kiln build --no-package-cache`).
+    #[arg(long = "no-package-cache")]
+    no_package_cache: bool,
     /// Also write the report (JSON) to this file.
     #[arg(long = "report-file", value_name = "FILE")]
     report_file: Option<PathBuf>,
@@ -110,6 +114,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         },
         ContextSource::dir(&dir, Some(&file)).map_err(anyhow::Error::from)?,
     );
+    build.package_cache = !a.no_package_cache;
     for b in &a.build_args {
         let (k, v) = b
             .split_once('=')

@@ -513,6 +513,23 @@ fn squash_plans_fit_the_mount_and_grow_in_steps() {
             assert!(s <= lowers && mounted <= fit, "{lowers} on {fit}: {s}");
         }
     }
+    // A RUN step's package layer takes one lower: the same multiples, so a RUN over 505
+    // layers reuses the 250 a COPY beside it squashed.
+    assert_eq!(squash_plan_reserving(505, 500, 1), Some(250));
+    assert_eq!(squash_plan_reserving(506, 500, 0), Some(250));
+    assert_eq!(squash_plan_reserving(15, 16, 1), Some(0));
+    assert_eq!(squash_plan_reserving(16, 16, 1), Some(8));
+    assert_eq!(squash_plan_reserving(1, 1, 1), None);
+    for lowers in 0..=1200 {
+        for fit in [2, 3, 7, 16, 22, 500] {
+            let s = squash_plan_reserving(lowers, fit, 1).unwrap();
+            let mounted = lowers - s + usize::from(s > 0);
+            assert!(
+                s <= lowers && mounted < fit,
+                "{lowers} on {fit} less 1: {s}"
+            );
+        }
+    }
 }
 
 /// A squashed tree is the layers applied in order: a whiteout and an opaque directory

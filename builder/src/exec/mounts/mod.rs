@@ -42,6 +42,7 @@ use sha2::{Digest, Sha256};
 use crate::secrets::{SecretValue, Secrets};
 
 mod ns;
+pub mod packages;
 
 pub(in crate::exec) use ns::mount_point;
 pub(crate) use ns::{Idmap, check_owners, mount_all};
@@ -1010,9 +1011,14 @@ fn fd_path(fd: &OwnedFd) -> String {
 /// up for them) that the step left empty and that no lower layer has as they are. Both
 /// executors call it, so a step's layer is the same under either.
 pub fn cleanup(p: &PreparedMounts, upper: &Path, lowers: &[PathBuf]) {
+    cleanup_rels(p.mounts.iter().map(|m| m.rel.as_str()), upper, lowers);
+}
+
+/// [`cleanup`] of the paths `rels` (relative to the root, resolved through the lowers).
+fn cleanup_rels<'a>(rels: impl Iterator<Item = &'a str>, upper: &Path, lowers: &[PathBuf]) {
     let mut paths: Vec<String> = Vec::new();
-    for m in &p.mounts {
-        let comps: Vec<&str> = m.rel.split('/').collect();
+    for rel in rels {
+        let comps: Vec<&str> = rel.split('/').collect();
         for i in (1..=comps.len()).rev() {
             let rel = comps[..i].join("/");
             if !paths.contains(&rel) {
