@@ -796,9 +796,13 @@ fn build_options(setup: &Setup, req: &BuildRequest, resolve: ResolveOptions) -> 
             Some(work.join("cache-mounts-by-workspace").join(w.as_str()))
         }
     };
-    // A host-wide cache is never a tenant's, whatever the request says (issue 34).
-    opts.package_cache = match (&req.scope, &req.cache_mounts) {
-        (Scope::Operator, CacheMountScope::Shared) if req.package_cache => {
+    // A host-wide cache is never a tenant's, whatever the request says (issue 34). Nor, for
+    // now, a microVM build's: its three cache disks would be more than the builder
+    // snapshot's two, and every RUN step of the build would boot cold instead of restoring
+    // it; until the three share one disk, those builds download as before (the layers are
+    // the same either way).
+    opts.package_cache = match (&req.scope, &req.cache_mounts, req.executor) {
+        (Scope::Operator, CacheMountScope::Shared, Executor::Namespace) if req.package_cache => {
             setup.package_cache.clone()
         }
         _ => None,

@@ -61,7 +61,8 @@ pub struct BuildRequest {
     /// mounted on the package download directories of the `RUN` steps
     /// ([`kiln_builder::exec::mounts::packages`]): `kiln build` and `kiln nightly` ask for it
     /// unless `--no-package-cache`. A tenant's build ([`Scope::Tenant`], or a workspace's
-    /// [`CacheMountScope`]) never gets it, whatever this says. The layers are the same either
+    /// [`CacheMountScope`]) never gets it, whatever this says, nor, for now, a build under
+    /// [`Executor::Vm`] (`crate::build_options` says why). The layers are the same either
     /// way: those directories leave every `RUN` step's layer.
     pub package_cache: bool,
     /// Whose build it is: a tenant's ([`Scope::Tenant`]) names only its workspace's images,
