@@ -7,7 +7,10 @@
 //! hashed them in 0.17 s and hashed and compressed them in 1.18 s (2026-12-07, a timing
 //! example over the image). While mke2fs writes file data, the other core reads what it has
 //! written and encodes it, at a lower priority than mke2fs (nice 10, this thread only), into
-//! an [`EncodeMemo`].
+//! an [`EncodeMemo`]. On a quiet machine it has the idle core; on a busy one it yields: at
+//! nice 0, with another compile running (load 4), it encoded more (2,100–2,700 chunks against
+//! 240–1,200) but slowed mke2fs, and the publish took 4.3–5.4 s against 3.6–3.8 s (the
+//! `publish_phase` example, three pairs, 2026-12-07).
 //!
 //! What it reads: mke2fs writes the files' data in increasing block order into one region
 //! that grows (the largest extent of data in the file, found with `SEEK_DATA`/`SEEK_HOLE`,
@@ -102,6 +105,7 @@ fn run(path: &Path, chunking: Chunking, memo: &EncodeMemo, stop: &Arc<AtomicBool
         file,
         pos: None,
         limit: 0,
+        beyond: None,
         stop: stop.clone(),
         path: path.to_path_buf(),
     };
@@ -131,15 +135,19 @@ fn run(path: &Path, chunking: Chunking, memo: &EncodeMemo, stop: &Arc<AtomicBool
 }
 
 /// The image as mke2fs writes it: reads follow the largest extent of data, up to [`MARGIN`]
-/// short of its end, waiting while there is nothing more to read; end of input when
-/// stopped, or when a hole is found where the region was (the file was made anew).
+/// short of its end, waiting while there is nothing more to read. When the extent stops
+/// growing and an extent past it grows (mke2fs's data went past a region it skips, such as
+/// the journal), the rest of the extent and the hole after it (zeros) are read up to the
+/// extent that grew, and that one is followed. End of input when stopped, or when a hole
+/// is found where the region was (the file was made anew).
 struct Growing {
     file: File,
     /// Where the next read starts; `None` until the region is found.
     pos: Option<u64>,
-    /// Reads up to here need no look at the file (`MARGIN` short of the region's end when
-    /// last looked at).
+    /// Reads up to here need no look at the file.
     limit: u64,
+    /// While waiting at the region's end: the extents past it when last looked at.
+    beyond: Option<Vec<(u64, u64)>>,
     stop: Arc<AtomicBool>,
     path: PathBuf,
 }
@@ -152,23 +160,35 @@ impl Growing {
         u64::try_from(r).ok()
     }
 
-    /// The largest extent of data in the file (of the first 256), as `(start, end)`.
-    fn largest(&self) -> Option<(u64, u64)> {
-        let mut best: Option<(u64, u64)> = None;
-        let mut p = 0;
-        for _ in 0..256 {
+    /// The extents of data from `from` on (at most 256), as `(start, end)` byte offsets.
+    fn extents(&self, from: u64) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let mut p = from;
+        while out.len() < 256 {
             let Some(d) = self.seek(p, libc::SEEK_DATA) else {
                 break;
             };
             let Some(h) = self.seek(d, libc::SEEK_HOLE).filter(|&h| h > d) else {
                 break;
             };
-            if best.is_none_or(|(s, e)| h - d > e - s) {
-                best = Some((d, h));
-            }
+            out.push((d, h));
             p = h;
         }
-        best
+        out
+    }
+
+    /// Where the next extent to follow starts: `None` while the region at `pos` (ending at
+    /// `end`) is the one growing, else the start of the first extent past it that grew or
+    /// appeared since the last look.
+    fn moved_on(&mut self, end: u64) -> Option<u64> {
+        let now = self.extents(end);
+        let grew = self.beyond.as_ref().and_then(|before| {
+            now.iter()
+                .find(|(s, e)| !before.iter().any(|(bs, be)| bs == s && be >= e))
+                .map(|(s, _)| *s)
+        });
+        self.beyond = Some(now);
+        grew
     }
 }
 
@@ -182,11 +202,14 @@ impl Read for Growing {
                 Some(pos) if pos < self.limit => {
                     let n = (self.limit - pos).min(buf.len() as u64) as usize;
                     let k = self.file.read_at(&mut buf[..n], pos)?;
+                    if k == 0 {
+                        return Ok(0);
+                    }
                     self.pos = Some(pos + k as u64);
                     return Ok(k);
                 }
                 None => {
-                    if let Some((s, e)) = self.largest()
+                    if let Some((s, e)) = self.extents(0).into_iter().max_by_key(|(s, e)| e - s)
                         && e - s >= START
                     {
                         (self.pos, self.limit) = (Some(s), s);
@@ -200,6 +223,12 @@ impl Read for Growing {
                     let end = self.seek(pos, libc::SEEK_HOLE).unwrap_or(pos);
                     if end.saturating_sub(MARGIN) > pos {
                         self.limit = end - MARGIN;
+                        self.beyond = None;
+                        continue;
+                    }
+                    if let Some(next) = self.moved_on(end) {
+                        self.limit = next;
+                        self.beyond = None;
                         continue;
                     }
                 }
