@@ -29,13 +29,16 @@ use bytes::Bytes;
 use crate::ChunkDigest;
 use crate::chunk::{self, ChunkError, EncodedChunk};
 
+/// Digest → (offset in the memo's file, stored length), and the file's end: bytes.
+type Index = (HashMap<ChunkDigest, (u64, u32)>, u64);
+
 /// Stored bytes of chunks encoded ahead, by digest. Shared between threads.
 #[derive(Debug)]
 pub struct EncodeMemo {
     file: File,
     max_bytes: u64,
     /// Digest → (offset in `file`, stored length), and the file's end.
-    index: Mutex<(HashMap<ChunkDigest, (u64, u32)>, u64)>,
+    index: Mutex<Index>,
     /// Chunks [`EncodeMemo::encode`] took from it.
     taken: std::sync::atomic::AtomicU64,
 }
@@ -77,7 +80,7 @@ impl EncodeMemo {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, (HashMap<ChunkDigest, (u64, u32)>, u64)> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Index> {
         self.index.lock().unwrap_or_else(|p| p.into_inner())
     }
 
