@@ -40,6 +40,7 @@ pub mod layer;
 pub mod layout;
 pub mod oci_compat;
 pub mod publish;
+mod publish_ahead;
 pub mod reference;
 pub mod registry;
 pub mod remote;

@@ -6,7 +6,8 @@
 //! 1. flattens the layers into one ext4 image with [`crate::ext4::build_unchecked`]
 //!    (deterministic), in a scratch file beside the blob cache;
 //! 2. stores it as a chunked artifact ([`Store::put_artifact`], FastCDC 16/64/256 KiB unless
-//!    [`PublishOptions::chunking`] says otherwise) while `e2fsck -fn` checks it
+//!    [`PublishOptions::chunking`] says otherwise), taking the chunks encoded while step 1
+//!    wrote the image from their memo ([`crate::publish_ahead`]), while `e2fsck -fn` checks it
 //!    ([`crate::ext4::Check`]); a failed check stops the publish there, before any manifest,
 //!    image cache entry or tag;
 //! 3. stores the OCI manifest, config and layers as blobs of the store, while step 1 runs
@@ -411,6 +412,12 @@ async fn publish_with(
         path: scratch.to_path_buf(),
         source: std::io::Error::other(e),
     };
+    // Chunks of the image encoded while mke2fs writes it (crate::publish_ahead), taken by
+    // the upload below instead of compressing them again; the chunk table is the same.
+    let chunking = opts.chunking.unwrap_or(Chunking::DISK_DEFAULT);
+    let ahead = scratch
+        .parent()
+        .and_then(|dir| crate::publish_ahead::Ahead::start(scratch, chunking, dir));
     let build = {
         let layers = layers.to_vec();
         let o = ext4_opts.clone();
@@ -444,6 +451,7 @@ async fn publish_with(
         Ok::<_, PublishError>((oci_manifest, oci_config, blobs))
     };
     let (built, blobs) = tokio::join!(build, blobs);
+    let memo = ahead.map(crate::publish_ahead::Ahead::finish);
     let (built, check) = built.map_err(joined)??;
     // 2. chunks, while `e2fsck -fn` checks the image (both only read it). Nothing made of the
     // image (manifest, image entry, tag) is written before the check passed; the chunks a
@@ -456,9 +464,17 @@ async fn publish_with(
                 chunking: opts.chunking,
                 lease: opts.lease.clone(),
                 progress: opts.progress.clone(),
+                memo: memo.clone(),
             },
         )
         .await;
+    if let Some(m) = &memo {
+        tracing::debug!(
+            encoded_ahead = m.len(),
+            taken = m.taken(),
+            "chunks encoded while the image was made"
+        );
+    }
     check.await.map_err(joined)??;
     let (table, _stats) = chunked?;
     let (oci_manifest, oci_config, blobs) = blobs?;

@@ -3,7 +3,8 @@
 //! - Upload ([`Store::put_artifact`]): the input is cut on a blocking thread (a file by
 //!   [`crate::chunk::split_parallel`], content-defined cuts found a batch of 8 MiB per core at
 //!   a time on up to 4 cores, at most `cores × 8 MiB + 2 × max chunk` of input held; any other
-//!   reader by [`crate::chunk::split`], one chunk at a time; the same chunks either way); chunks are hashed and compressed on the upload's own threads (one per core, at most
+//!   reader by [`crate::chunk::split`], one chunk at a time; the same chunks either way); chunks are hashed and compressed (a chunk whose digest [`PutArtifactOptions::memo`] holds is only hashed:
+//!   [`crate::memo`]) on the upload's own threads (one per core, at most
 //!   [`crate::StoreOptions::parallelism`] chunks in flight) and stored with put-if-absent; the cutter runs at
 //!   most [`READ_AHEAD`] bytes of cut chunks ahead of the encoders, so that it reads and cuts
 //!   the next batch while the last is encoded (memory: that, plus about
@@ -45,6 +46,7 @@ use crate::backend::Backend;
 use crate::chunk::{self, ChunkEntry, ChunkError, ChunkTable, Chunking};
 use crate::lease::Lease;
 use crate::manifest::ObjectRef;
+use crate::memo::EncodeMemo;
 use crate::progress::{ProgressEvent, ProgressFn, Reporter, TransferStats};
 use crate::staging::Staging;
 
@@ -72,6 +74,9 @@ pub struct PutArtifactOptions {
     pub lease: Option<Arc<Lease>>,
     /// Progress callback.
     pub progress: Option<ProgressFn>,
+    /// Chunks encoded ahead ([`crate::memo`]): a chunk whose digest it holds is not
+    /// compressed again. The table is the same with or without it.
+    pub memo: Option<Arc<EncodeMemo>>,
 }
 
 /// Bytes of raw chunks cut and not yet hashed and compressed that an upload holds at most
@@ -177,7 +182,7 @@ impl Store {
         });
         let reporter = Reporter::new(opts.progress.clone());
         // Stage 1: hash and compress on the upload's encoder threads, in input order.
-        let encoders = &Encoders::start(self.parallelism.min(encoder_threads()));
+        let encoders = &Encoders::start(self.parallelism.min(encoder_threads()), opts.memo.clone());
         let encoded = tokio_stream_from(rx)
             .map(|p| async move {
                 match p? {
@@ -459,12 +464,13 @@ struct Encoders {
 }
 
 impl Encoders {
-    /// Starts `n` threads (at least one).
-    fn start(n: usize) -> Self {
+    /// Starts `n` threads (at least one), taking what `memo` holds from it.
+    fn start(n: usize, memo: Option<Arc<EncodeMemo>>) -> Self {
         let (jobs, rx) = std::sync::mpsc::channel::<EncodeJob>();
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..n.max(1) {
             let rx = rx.clone();
+            let memo = memo.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("kiln-encode-{i}"))
                 .spawn(move || {
@@ -473,7 +479,10 @@ impl Encoders {
                         let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
                         let Ok((data, done)) = job else { return };
                         // The upload may have stopped waiting; nothing to do then.
-                        let _ = done.send(chunk::encode(&data));
+                        let _ = done.send(match &memo {
+                            Some(m) => m.encode(&data),
+                            None => chunk::encode(&data),
+                        });
                     }
                 });
             // Without any thread, each job is encoded by the caller (see `encode`).

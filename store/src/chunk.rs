@@ -367,7 +367,11 @@ thread_local! {
 
 /// Hashes and compresses one raw chunk (CPU-bound: call from a blocking thread for big ones).
 pub fn encode(raw: &[u8]) -> Result<EncodedChunk, ChunkError> {
-    let digest = ChunkDigest::of(raw);
+    encode_hashed(raw, ChunkDigest::of(raw))
+}
+
+/// [`encode`] of `raw` whose sha256 the caller has computed: `digest` (not checked).
+pub fn encode_hashed(raw: &[u8], digest: ChunkDigest) -> Result<EncodedChunk, ChunkError> {
     let stored = COMPRESSOR.with(|c| -> std::io::Result<Vec<u8>> {
         let mut c = c.borrow_mut();
         let c = match &mut *c {

@@ -86,6 +86,7 @@ mod inflight;
 pub mod lease;
 pub mod local_blobs;
 pub mod manifest;
+pub mod memo;
 pub mod ociref;
 pub mod owner;
 pub mod progress;

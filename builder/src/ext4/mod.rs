@@ -10,7 +10,8 @@
 //! [`crate::layer::shared`]), then indexes its directories with `e2fsck -fpD` and checks the result with
 //! `e2fsck -fn`; a failing check is an error. [`build_unchecked`] returns once the check has
 //! started ([`Check`]), so that a publish chunks the image while it is checked and publishes
-//! nothing made of it before the check passed.
+//! nothing made of it before the check passed. The e2fsprogs run with their syncs skipped
+//! (`nosync`: every image is a scratch file the caller chunks into a store and removes).
 //!
 //! ## Directories
 //! mke2fs 1.47.2 writes every directory of a tarball linear (no htree index, even with
@@ -80,6 +81,7 @@
 //! is not retried.
 
 mod flatten;
+mod nosync;
 
 pub use flatten::{Flat, FlatStats, KEEP_FREE_DIVISOR, Keep, LINK_MAX, MAX_SCAN_BYTES, Meta, Scan};
 
@@ -348,8 +350,10 @@ pub const TOOL_PATH: &str = "/usr/local/sbin:/usr/sbin:/sbin:/usr/local/bin:/usr
 /// A clean environment for e2fsprogs: `E2FSPROGS_FAKE_TIME` = `epoch` (mke2fs's own times),
 /// `E2FSCK_TIME` = `epoch` (the superblock times a repairing e2fsck writes),
 /// `SOURCE_DATE_EPOCH` only when the build sets one (mke2fs 1.47.2 then also clamps file
-/// times to it, which [`Flat`] has already done), the pinned configuration when given.
+/// times to it, which [`Flat`] has already done), the pinned configuration when given; and
+/// without syncs ([`nosync`]: the images are scratch files).
 fn tool_env(cmd: &mut Command, epoch: u64, sde: Option<u64>, conf: Option<&Path>) {
+    nosync::without_syncs(cmd);
     cmd.env_clear()
         .env("PATH", TOOL_PATH)
         .env("LC_ALL", "C")
@@ -609,7 +613,8 @@ pub fn flatten(
 
 /// Makes the ext4 image of `layers` at `dest` (replaced if present) and checks it. See the
 /// module doc for what is pinned and how the size is chosen. Blocking; runs `mke2fs` and
-/// `e2fsck`. Errors: see [`Ext4Error`]; on error `dest` is removed.
+/// `e2fsck`, without their syncs ([`nosync`]): the image is not made durable, a caller that
+/// keeps it must sync it. Errors: see [`Ext4Error`]; on error `dest` is removed.
 pub fn build(
     layers: &[LayerBlob],
     dest: &Path,
@@ -736,10 +741,12 @@ fn make_inner(
             Scan::new(&opts.limits, sde, epoch, Some(keep))
         }
     };
+    let t0 = std::time::Instant::now();
     for l in &layers[scan.layers().len()..] {
         scan = scan.layer(l)?;
     }
     let flat = scan.finish();
+    let scanned = t0.elapsed();
     let estimate = size_estimate(&flat.stats);
     let (mut mib, fixed) = match opts.disk_mib {
         Some(d) => (d, true),
@@ -765,8 +772,16 @@ fn make_inner(
         let sde = opts.source_date_epoch;
         match run_mke2fs(&flat, dest, &args, mib, epoch, sde, &conf) {
             Ok(()) => {
+                let made = t0.elapsed();
                 debugfs_edits(&flat, dest, epoch, sde, scratch.path())?;
                 index_dirs(dest, epoch, sde)?;
+                tracing::debug!(
+                    scan_ms = scanned.as_millis() as u64,
+                    mke2fs_ms = (made - scanned).as_millis() as u64,
+                    edits_and_index_ms = (t0.elapsed() - made).as_millis() as u64,
+                    mib,
+                    "ext4 image made"
+                );
                 #[cfg(test)]
                 corrupt_if_asked(dest);
                 let check = Check::start(dest, epoch, sde)?;

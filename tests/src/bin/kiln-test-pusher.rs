@@ -56,6 +56,7 @@ async fn import(file: &str, tag: &str, url: &str, crash: Option<u64>) -> Result<
         chunking: None,
         lease: Some(lease.clone()),
         progress: None,
+        memo: None,
     };
     let (table, stats) = store
         .put_artifact(std::path::Path::new(file), &opts)

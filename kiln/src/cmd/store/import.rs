@@ -46,6 +46,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         chunking: None,
         lease: Some(lease.clone()),
         progress: Some(progress.callback(out)),
+        memo: None,
     };
     let stored = async {
         let (table, _) = store.put_artifact(&a.file, &opts).await?;
