@@ -50,6 +50,10 @@ pub const VM_LOWER_IMAGES: &str = "vm-lowers";
 /// image is now one of [`VM_LOWER_IMAGES`].
 pub const VM_SQUASHED_IMAGES: &str = "vm-squashed";
 
+/// Where, under the work directory, the `RUN` steps' package layers are kept
+/// (`<hex>`, [`crate::exec::mounts::packages::package_layer`]).
+pub const PACKAGE_LAYERS: &str = "package-layers";
+
 /// This process's owner token (`p<pid>s<start>`, [`ProcessId::token`]), read once.
 pub fn owner_token() -> &'static str {
     static TOKEN: OnceLock<String> = OnceLock::new();
@@ -101,7 +105,7 @@ pub fn remove_dead_entries(dir: &Path, prefix: &str) -> Vec<PathBuf> {
 
 /// Removes what dead builds left in `work_dir` (the build's work directory, `.build` of a
 /// local store): `run/step-*` scratch, unfinished `layers/*.tmp-*` (step upper, work and
-/// unpack directories), `trees/*.tmp-*` and the microVM executor's unfinished disk images
+/// unpack directories), `trees/*.tmp-*`, `package-layers/*.tmp-*` and the microVM executor's unfinished disk images
 /// (`run/vm-lowers/*.tmp-*`, `run/vm-squashed/*.tmp-*`), of owners that no longer run.
 /// Returns the paths removed.
 pub fn reap_dead_builds(work_dir: &Path) -> Vec<PathBuf> {
@@ -109,6 +113,7 @@ pub fn reap_dead_builds(work_dir: &Path) -> Vec<PathBuf> {
     let mut removed = remove_dead_entries(&run, "step-");
     removed.extend(remove_dead_entries(&work_dir.join("layers"), ".tmp-"));
     removed.extend(remove_dead_entries(&work_dir.join("trees"), ".tmp-"));
+    removed.extend(remove_dead_entries(&work_dir.join(PACKAGE_LAYERS), ".tmp-"));
     for images in [VM_LOWER_IMAGES, VM_SQUASHED_IMAGES] {
         removed.extend(remove_dead_entries(&run.join(images), ".tmp-"));
     }

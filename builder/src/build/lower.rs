@@ -435,7 +435,7 @@ fn lock_unpacking(
 
 /// A fresh temporary directory name under `dir`, named after this process
 /// ([`crate::workdir::owner_token`]) so that it is reaped once the process is dead.
-fn temp_in(dir: &Path, label: &str) -> PathBuf {
+pub(crate) fn temp_in(dir: &Path, label: &str) -> PathBuf {
     dir.join(format!(
         "{label}.tmp-{}-{}",
         crate::workdir::owner_token(),

@@ -311,7 +311,7 @@ pub(super) async fn run_step(
             }
             let max = ctx.executor.max_lowers(&spec);
             let lowers = step_lowers(ctx, &st.layers, max, 1).await?;
-            let layers = ctx.opts.work_dir.join("package-layers");
+            let layers = ctx.opts.work_dir.join(crate::workdir::PACKAGE_LAYERS);
             let (dir, l) = (layers.clone(), lowers.clone());
             let package_layer = tokio::task::spawn_blocking(move || {
                 crate::exec::mounts::packages::package_layer(&dir, &l, &own)

@@ -148,14 +148,19 @@ pub fn settle_times(root: &Path, source_date_epoch: Option<u64>) -> io::Result<(
         }
     }
     let secs = md.mtime().max(0) as u64;
-    let secs = source_date_epoch.map_or(secs, |e| secs.min(e));
+    set_times(root, source_date_epoch.map_or(secs, |e| secs.min(e)))
+}
+
+/// Sets `path`'s access and modification times to `secs` (whole seconds since the epoch),
+/// not following a symlink (`utimensat(2)` with `AT_SYMLINK_NOFOLLOW`).
+pub(crate) fn set_times(path: &Path, secs: u64) -> io::Result<()> {
     let t = rustix::fs::Timespec {
         tv_sec: secs.min(i64::MAX as u64) as i64,
         tv_nsec: 0,
     };
     rustix::fs::utimensat(
         rustix::fs::CWD,
-        root,
+        path,
         &rustix::fs::Timestamps {
             last_access: t,
             last_modification: t,

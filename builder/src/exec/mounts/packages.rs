@@ -48,7 +48,6 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use sha2::{Digest as _, Sha256};
 
@@ -235,8 +234,6 @@ fn layer_entries(lowers: &[PathBuf], own: &[StepMount]) -> BTreeMap<String, Entr
     out
 }
 
-static PACKAGE_LAYER: AtomicU64 = AtomicU64::new(0);
-
 /// The package layer of a `RUN` step over `lowers` (its layers' directories, topmost first)
 /// whose own mounts are `own` (module doc): a directory `<layers>/<hex>`, named by the
 /// sha256 of what it holds (the first 16 bytes, in hex), made once (under a temporary name,
@@ -264,12 +261,9 @@ pub fn package_layer(
         return Ok(Some(dir));
     }
     fs::create_dir_all(layers)?;
-    let tmp = layers.join(format!(
-        "tmp-{}-{}-{}",
-        crate::workdir::owner_token(),
-        std::process::id(),
-        PACKAGE_LAYER.fetch_add(1, Ordering::Relaxed)
-    ));
+    // Named after this process, so that a dead build's is reaped
+    // ([`crate::workdir::reap_dead_builds`]).
+    let tmp = crate::build::lower::temp_in(layers, "package");
     let made = (|| -> std::io::Result<()> {
         fs::create_dir(&tmp)?;
         fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755))?;
@@ -293,19 +287,7 @@ pub fn package_layer(
                 Entry::Dir(.., t) => *t,
                 Entry::Link(_) => 0,
             };
-            let t = rustix::fs::Timespec {
-                tv_sec: time,
-                tv_nsec: 0,
-            };
-            rustix::fs::utimensat(
-                rustix::fs::CWD,
-                tmp.join(rel),
-                &rustix::fs::Timestamps {
-                    last_access: t,
-                    last_modification: t,
-                },
-                rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
-            )?;
+            crate::layer::write::set_times(&tmp.join(rel), time.max(0) as u64)?;
         }
         Ok(())
     })();
