@@ -105,9 +105,9 @@ pub fn remove_dead_entries(dir: &Path, prefix: &str) -> Vec<PathBuf> {
 
 /// Removes what dead builds left in `work_dir` (the build's work directory, `.build` of a
 /// local store): `run/step-*` scratch, unfinished `layers/*.tmp-*` (step upper, work and
-/// unpack directories), `trees/*.tmp-*`, `package-layers/*.tmp-*` and the microVM executor's unfinished disk images
-/// (`run/vm-lowers/*.tmp-*`, `run/vm-squashed/*.tmp-*`), of owners that no longer run.
-/// Returns the paths removed.
+/// unpack directories), `trees/*.tmp-*`, `package-layers/*.tmp-*` and the microVM
+/// executor's unfinished disk images (`run/vm-lowers/*.tmp-*`, `run/vm-squashed/*.tmp-*`),
+/// of owners that no longer run. Returns the paths removed.
 pub fn reap_dead_builds(work_dir: &Path) -> Vec<PathBuf> {
     let run = work_dir.join("run");
     let mut removed = remove_dead_entries(&run, "step-");
@@ -149,11 +149,11 @@ impl LayersLock {
     /// dropping every cache of unpacked layers the work directory kept from an earlier boot
     /// of the host. Those are written without syncs (adopted step uppers, layers unpacked
     /// from the blob cache, squashed trees, `trees/image-*`, the microVM executor's disk
-    /// images of them) and renamed into place complete, so after a host crash one can be
-    /// there by its final name with files the crash emptied or cut short (ext4 journals
-    /// the rename but writes delayed data back later), and every later build would read it
-    /// as that layer. All of them are caches of blobs the store keeps, made again when
-    /// needed.
+    /// images of them, the `RUN` steps' package layers) and renamed into place complete,
+    /// so after a host crash one can be there by its final name with files the crash
+    /// emptied or cut short (ext4 journals the rename but writes delayed data back later),
+    /// and every later build would read it as that layer. All of them are caches of blobs
+    /// the store keeps or of the recipe, made again when needed.
     ///
     /// How: `layers/` names the boot it was last opened in ([`BOOT_STAMP`], the host's
     /// `/proc/sys/kernel/random/boot_id`, random(4)). When it names another boot (or none:
@@ -181,6 +181,7 @@ impl LayersLock {
                 let mut out = remove_layer_dirs(layers, false)?;
                 remove_layer_images(&work_dir.join("run"), false, &mut out)?;
                 out.dirs += remove_image_trees(&work_dir.join("trees"), &mut out.bytes)?;
+                remove_package_layers(&work_dir.join(PACKAGE_LAYERS), false, &mut out)?;
                 let tmp = layers.join(format!("{BOOT_STAMP}.tmp-{}", owner_token()));
                 fs::write(&tmp, format!("{boot}\n")).map_err(named(&tmp))?;
                 fs::rename(&tmp, &stamp).map_err(named(&stamp))?;
@@ -234,9 +235,10 @@ pub struct LayersCollected {
     pub bytes: u64,
 }
 
-/// Removes every unpacked layer directory (`<64 hex>`) under `work_dir/layers`, and every
+/// Removes every unpacked layer directory (`<64 hex>`) under `work_dir/layers`, every
 /// disk image the microVM executor made of layers (`<64 hex>.ext4` under
-/// `work_dir/run/vm-lowers` and `work_dir/run/vm-squashed`), when no build holds
+/// `work_dir/run/vm-lowers` and `work_dir/run/vm-squashed`), and every package layer
+/// (`work_dir/package-layers/<32 hex>`, counted in [`LayersCollected::dirs`]), when no build holds
 /// `layers/` (the exclusive lock is taken without waiting; a busy directory is reported, not
 /// waited for). With `dry_run`, only counts. Errors: the lock file cannot be created, or a
 /// directory or image cannot be removed (named in the error).
@@ -252,7 +254,34 @@ pub fn collect_layers(work_dir: &Path, dry_run: bool) -> io::Result<LayersCollec
         });
     };
     remove_layer_images(&work_dir.join("run"), dry_run, &mut out)?;
+    remove_package_layers(&work_dir.join(PACKAGE_LAYERS), dry_run, &mut out)?;
     Ok(out)
+}
+
+/// Removes (with `dry_run`, counts) the `RUN` steps' package layers (`<32 hex>` directories
+/// of `dir`, [`PACKAGE_LAYERS`]), adding them to `out`'s directories and bytes: like the
+/// unpacked layers, made again by the next step that needs one. The caller holds
+/// `layers/.lock` exclusively (a build holds it shared while it uses them). Errors: one
+/// cannot be removed (named).
+fn remove_package_layers(dir: &Path, dry_run: bool, out: &mut LayersCollected) -> io::Result<()> {
+    let Ok(rd) = fs::read_dir(dir) else {
+        return Ok(());
+    };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        let is_layer = name.len() == 32 && name.bytes().all(|b| b.is_ascii_hexdigit());
+        if !is_layer || !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let path = e.path();
+        out.bytes += tree_size(&path);
+        out.dirs += 1;
+        if !dry_run {
+            fs::remove_dir_all(&path).map_err(named(&path))?;
+        }
+    }
+    Ok(())
 }
 
 /// Removes (with `dry_run`, counts) the microVM executor's disk images of layers
@@ -499,6 +528,13 @@ mod tests {
         fs::write(layers.join(&hex).join("etc/f"), vec![0u8; 1000]).unwrap();
         fs::create_dir_all(layers.join("not-a-layer")).unwrap();
         let run = t.path().join("run");
+        let package = t.path().join(PACKAGE_LAYERS).join("ef".repeat(16));
+        fs::create_dir_all(package.join("var/cache")).unwrap();
+        std::os::unix::fs::symlink(
+            "/var/cache/kiln-packages/apt",
+            package.join("var/cache/apt"),
+        )
+        .unwrap();
         let mut images = Vec::new();
         for (dir, byte) in [(VM_LOWER_IMAGES, 1u8), (VM_SQUASHED_IMAGES, 2u8)] {
             fs::create_dir_all(run.join(dir)).unwrap();
@@ -511,14 +547,16 @@ mod tests {
         let busy = collect_layers(t.path(), false).unwrap();
         assert!(busy.busy && busy.dirs == 0 && busy.images == 0, "{busy:?}");
         assert!(layers.join(&hex).is_dir() && images.iter().all(|i| i.is_file()));
+        assert!(package.is_dir());
         drop(lock);
         let dry = collect_layers(t.path(), true).unwrap();
-        assert_eq!((dry.busy, dry.dirs, dry.images), (false, 1, 2));
+        assert_eq!((dry.busy, dry.dirs, dry.images), (false, 2, 2));
         assert!(dry.bytes >= 1000 + 2 * 8192, "{dry:?}");
         assert!(layers.join(&hex).is_dir() && images.iter().all(|i| i.is_file()));
+        assert!(package.is_dir());
         let done = collect_layers(t.path(), false).unwrap();
         assert_eq!(done, dry);
-        assert!(!layers.join(&hex).exists());
+        assert!(!layers.join(&hex).exists() && !package.exists());
         assert!(images.iter().all(|i| !i.exists()), "{images:?}");
         assert!(layers.join("not-a-layer").is_dir());
         for dir in [VM_LOWER_IMAGES, VM_SQUASHED_IMAGES] {
@@ -527,8 +565,8 @@ mod tests {
     }
 
     /// A work directory whose `layers/` names another boot (or none) loses every unpacked
-    /// layer, squashed tree, image tree and disk image of them on its first open, and
-    /// nothing else; in the boot that stamped it, an open removes nothing.
+    /// layer, squashed tree, image tree, package layer and disk image of them on its first
+    /// open, and nothing else; in the boot that stamped it, an open removes nothing.
     #[test]
     fn the_first_open_after_a_reboot_drops_an_earlier_boots_layers() {
         let t = tempfile::tempdir().unwrap();
@@ -542,6 +580,7 @@ mod tests {
             fs::create_dir_all(layers.join(&a).join("etc")).unwrap();
             fs::write(layers.join(&a).join("etc/f"), b"torn?").unwrap();
             fs::create_dir_all(trees.join(format!("image-{a}"))).unwrap();
+            fs::create_dir_all(t.path().join(PACKAGE_LAYERS).join("ef".repeat(16))).unwrap();
             fs::create_dir_all(run.join(VM_LOWER_IMAGES)).unwrap();
             fs::write(
                 run.join(VM_LOWER_IMAGES).join(format!("{a}.ext4")),
@@ -559,6 +598,7 @@ mod tests {
             layers.join("not-a-layer"),
             trees.join("image-short"),
             run.join(VM_LOWER_IMAGES).join("notes"),
+            t.path().join(PACKAGE_LAYERS).join("ef"),
         ];
         for k in &kept {
             fs::create_dir_all(k).unwrap();
@@ -569,8 +609,9 @@ mod tests {
             earlier_boot(stamp);
             let check = LayersLock::shared_this_boot(&layers).unwrap();
             let d = check.dropped.expect("an earlier boot's layers are dropped");
-            assert_eq!((d.dirs, d.images), (2, 1), "{d:?}");
+            assert_eq!((d.dirs, d.images), (3, 1), "{d:?}");
             assert!(!layers.join(&a).exists());
+            assert!(!t.path().join(PACKAGE_LAYERS).join("ef".repeat(16)).exists());
             assert!(!trees.join(format!("image-{a}")).exists());
             assert!(!run.join(VM_LOWER_IMAGES).join(format!("{a}.ext4")).exists());
             assert!(kept.iter().all(|k| k.is_dir()));
