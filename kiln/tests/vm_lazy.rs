@@ -25,7 +25,7 @@ use kiln_tests::vm::{
 };
 use kiln_vmm::lazy;
 
-/// How many of the memory chunks the first clone read section 5 corrupts in the store.
+/// How many of the memory chunks a restore reads first section 5 corrupts in the store.
 const CORRUPTED_CHUNKS: usize = 32;
 
 /// `kiln` with its state, snapshot cache and chunk cache in `dir`, the store `store`, and
@@ -377,12 +377,17 @@ fn vm_lazy_start_from_s3() {
         &["store", "push", "bb:snap", "--to", &s3],
     );
     assert!(o.status.success(), "{}", show(&o));
-    // The first memory chunks the first clone read, in the order it read them: all read
-    // while it restored, before it answered (it read hundreds), so every restore of the
-    // snapshot reads them before it can answer (section 5 corrupts them).
+    // The first memory chunks of the prefetch list: the first a restore of the snapshot
+    // reads, in the order the recording restore first read them (it read hundreds before it
+    // answered), so every restore reads them before it can answer (section 5 corrupts
+    // them). Not the chunks the first clone's server served: those the prefetch put into
+    // the page cache first were never asked of it.
     let mut memory_chunks: Vec<String> = Vec::new();
-    for (_, _, digest) in served.iter().filter(|(n, _, _)| n == "memory") {
-        let hex = digest.trim_start_matches("sha256:").to_string();
+    for i in &list.memory {
+        let digest = snap.memory.entries[*i as usize]
+            .digest
+            .expect("a listed chunk");
+        let hex = digest.to_string().trim_start_matches("sha256:").to_string();
         if memory_chunks.len() < CORRUPTED_CHUNKS && !memory_chunks.contains(&hex) {
             memory_chunks.push(hex);
         }
@@ -390,7 +395,7 @@ fn vm_lazy_start_from_s3() {
     assert_eq!(
         memory_chunks.len(),
         CORRUPTED_CHUNKS,
-        "memory chunks were read"
+        "the prefetch list names memory chunks"
     );
 
     // 3. Killing the chunk server stops its clone with the reason and leaves no mount.
@@ -481,8 +486,9 @@ fn vm_lazy_start_from_s3() {
     // 5. Chunks corrupted in the store (a valid zstd frame of other bytes under their
     //    names: each packed copy deleted, which marks it dead in its pack, then the frame
     //    put as its loose object) are refused at read, and the failed start names one; no
-    //    clone is left. The chunks are the first the first clone read (above): corrupting
-    //    every chunk it read, about 400, took 2.7 s of this test, where these take a tenth.
+    //    clone is left. The chunks are the first a restore reads (above): corrupting every
+    //    chunk the first clone read, about 400, took 2.7 s of this test, where these take a
+    //    tenth. The prefetch finds them corrupt too and puts none of them in the page cache.
     rt.block_on(async {
         let s = Store::open(&s3).await.expect("s3 store");
         let bad = kiln_store::chunk::encode(&vec![0x5a; 256 << 10]).expect("encode");
