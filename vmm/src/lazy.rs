@@ -944,7 +944,10 @@ async fn prefetch(
                 .zip(&group)
                 .map(|(r, c)| {
                     let raw = r.map_err(|e| e.to_string())?;
-                    let _ = pages.send((c.ino, c.offset, raw.clone()));
+                    // A length other than the table's is the reader's to refuse, by name.
+                    if raw.len() as u64 == c.raw_len {
+                        let _ = pages.send((c.ino, c.offset, raw.clone()));
+                    }
                     Ok(raw.len() as u64)
                 })
                 .collect::<Vec<Result<u64, String>>>();
@@ -1241,6 +1244,38 @@ mod tests {
         note_chunks("memory", MEMORY_INO, &table, 0, 300, &seen, &log);
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text, format!("memory 0 {d} 100\nmemory 2 {d} 100\n"));
+    }
+
+    /// A read is widened to the whole chunks it falls in (their rest goes to the page
+    /// cache), unless they are longer than MAX_SPAN together; at the end nothing is widened.
+    #[test]
+    fn a_read_widens_to_its_chunks_up_to_the_span_bound() {
+        let chunk = 64 << 10;
+        let e = |offset, raw_len| ChunkEntry {
+            offset,
+            raw_len,
+            digest: Some(ChunkDigest::of(b"a")),
+            stored_len: 10,
+        };
+        let table = ChunkTable {
+            size: 3 * chunk + MAX_SPAN + 4096,
+            chunking: Chunking::MEMORY_DEFAULT,
+            entries: vec![
+                e(0, chunk),
+                e(chunk, chunk),
+                e(2 * chunk, chunk),
+                e(3 * chunk, MAX_SPAN + 4096),
+            ],
+        };
+        // One page in the second chunk: that chunk.
+        assert_eq!(chunk_span(&table, chunk + 4096, 4096), (chunk, 2 * chunk));
+        // A read across the first two chunks: both.
+        assert_eq!(chunk_span(&table, chunk - 4096, 8192), (0, 2 * chunk));
+        // A chunk over the bound: the read as asked.
+        let off = 3 * chunk + 8192;
+        assert_eq!(chunk_span(&table, off, 4096), (off, off + 4096));
+        // At the end of the file: nothing to widen.
+        assert_eq!(chunk_span(&table, table.size, 0), (table.size, table.size));
     }
 
     /// The first failure is kept, whole, and nothing else is left in the directory.
