@@ -143,6 +143,65 @@ fn vm_lazy_start_from_s3() {
     );
     let listed_chunks = list.chunks(&snap).expect("a valid list");
 
+    // 4. A store that stops answering chunk reads (a fault injector in front of S3
+    //    stalls every read of chunk bytes: a GET of a loose chunk object or of a
+    //    pack; manifests, blobs, leases, listings and pack indexes pass): the start
+    //    fails within the lazy read bound (3 s here), naming a chunk and the store,
+    //    not on the 60 s restore timeout; the server then leaves.
+    //    It waits out two read bounds with little to do, so it runs from here on beside
+    //    sections 1 to 3 and 5: its start has a cache, a chunk server and an endpoint of
+    //    its own (its fault injector stalls only its reads); section 2 tells its server's
+    //    lease apart, and section 6 waits for it.
+    let c3 = d.join("cache3");
+    let stalled = {
+        let (d, s3, c3) = (d.to_path_buf(), s3.clone(), c3.clone());
+        let snap_hex = snap_digest.hex();
+        let chunk_hexes: Vec<String> = lazy::snapshot_objects(&snap_digest, &snap)
+            .iter()
+            .filter_map(|o| match o {
+                ObjectRef::Chunk(c) => {
+                    Some(c.to_string().trim_start_matches("sha256:").to_string())
+                }
+                _ => None,
+            })
+            .collect();
+        std::thread::spawn(move || {
+            let d = d.as_path();
+            let upstream = std::env::var("KILN_TEST_S3_ENDPOINT").expect("KILN_TEST_S3_ENDPOINT");
+            let prt = tokio::runtime::Runtime::new().expect("runtime");
+            let proxy = prt
+                .block_on(FaultProxy::start(upstream.trim_start_matches("http://")))
+                .expect("fault proxy");
+            proxy.stall_requests_containing(b"/chunks/sha256/", Duration::from_secs(120));
+            proxy.stall_requests_containing(b".pack HTTP/", Duration::from_secs(120));
+            let o = kiln_with(
+                d,
+                &s3,
+                &c3,
+                &[
+                    ("KILN_S3_ENDPOINT", &proxy.url()),
+                    ("KILN_LAZY_READ_TIMEOUT_SECS", "3"),
+                ],
+                &["start", "bb:snap"],
+            );
+            assert!(!o.status.success(), "{}", show(&o));
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(
+                err.contains("chunk server")
+                    && err.contains("gave up")
+                    && err.contains(&s3)
+                    && chunk_hexes.iter().any(|h| err.contains(h.as_str())),
+                "the unanswered chunk read is named with its store: {}",
+                show(&o)
+            );
+            assert!(proxy.fired() > 0, "chunk reads were stalled");
+            assert!(
+                wait_unmounted(&c3.join(&snap_hex)),
+                "the idle server unmounted"
+            );
+        })
+    };
+
     // 1. Cold from S3: nothing of the snapshot is local, the clone answers and runs a
     //    command, and the chunks served are a strict subset of the snapshot's.
     let c1 = d.join("cache1");
@@ -326,7 +385,27 @@ fn vm_lazy_start_from_s3() {
             s.exist(&objects).await.expect("exist")
         })
     };
-    let leases = lazy_leases();
+    // Section 4's start has a chunk server of its own, leasing the same objects: told apart
+    // by its pid (its record is written as it starts).
+    let stalled_record = c3.join(snap_digest.hex()).join(lazy::SERVER_RECORD);
+    for _ in 0..200 {
+        if stalled_record.exists() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let stalled_server = std::fs::read(&stalled_record)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<lazy::ServerRecord>(&b).ok())
+        .map(|r| r.server.pid);
+    let leases: Vec<_> = lazy_leases()
+        .into_iter()
+        .filter(|l| {
+            l.owner
+                .as_ref()
+                .is_none_or(|o| Some(o.process.pid) != stalled_server)
+        })
+        .collect();
     assert_eq!(leases.len(), 1, "one server, one lease: {leases:?}");
     assert!(
         keys.is_subset(&leases[0].objects),
@@ -403,167 +482,113 @@ fn vm_lazy_start_from_s3() {
         &std::fs::read(snapdir1.join(lazy::SERVER_RECORD)).expect("server record"),
     )
     .expect("server record json");
-    // Section 4 waits on read bounds (two 3 s bounds in sequence) with little to do, so it
-    // runs beside sections 3 and 5 (other caches, other servers: it stalls only its own
-    // reads, through its own endpoint). Section 6 needs all three done.
-    std::thread::scope(|scope| {
-        let stalled = scope.spawn(|| {
-            // 4. A store that stops answering chunk reads (a fault injector in front of S3
-            //    stalls every read of chunk bytes: a GET of a loose chunk object or of a
-            //    pack; manifests, blobs, leases, listings and pack indexes pass): the start
-            //    fails within the lazy read bound (3 s here), naming a chunk and the store,
-            //    not on the 60 s restore timeout; the server then leaves.
-            let upstream = std::env::var("KILN_TEST_S3_ENDPOINT").expect("KILN_TEST_S3_ENDPOINT");
-            let proxy = rt
-                .block_on(FaultProxy::start(upstream.trim_start_matches("http://")))
-                .expect("fault proxy");
-            proxy.stall_requests_containing(b"/chunks/sha256/", Duration::from_secs(120));
-            proxy.stall_requests_containing(b".pack HTTP/", Duration::from_secs(120));
-            let c3 = d.join("cache3");
-            let o = kiln_with(
-                d,
-                &s3,
-                &c3,
-                &[
-                    ("KILN_S3_ENDPOINT", &proxy.url()),
-                    ("KILN_LAZY_READ_TIMEOUT_SECS", "3"),
-                ],
-                &["start", "bb:snap"],
-            );
-            assert!(!o.status.success(), "{}", show(&o));
-            let err = String::from_utf8_lossy(&o.stderr);
-            let chunk_hexes: Vec<String> = objects
-                .iter()
-                .filter_map(|o| match o {
-                    ObjectRef::Chunk(c) => {
-                        Some(c.to_string().trim_start_matches("sha256:").to_string())
-                    }
-                    _ => None,
-                })
-                .collect();
-            assert!(
-                err.contains("chunk server")
-                    && err.contains("gave up")
-                    && err.contains(&s3)
-                    && chunk_hexes.iter().any(|h| err.contains(h.as_str())),
-                "the unanswered chunk read is named with its store: {}",
-                show(&o)
-            );
-            assert!(proxy.fired() > 0, "chunk reads were stalled");
-            assert!(
-                wait_unmounted(&c3.join(snap_digest.hex())),
-                "the idle server unmounted"
-            );
-        });
-        // 3. Killing the chunk server stops its clone with the reason and leaves no mount.
-        // The chunk server this test's `kiln start` spawned, by its recorded pid.
-        let k = Command::new("kill")
-            .args(["-KILL", &rec.server.pid.to_string()])
-            .status()
-            .expect("kill");
-        assert!(k.success());
-        assert!(wait_unmounted(&snapdir1), "the mount is gone");
-        let clone_dir: PathBuf = d.join("state/clones").join(&id);
-        let mut stopped = None;
-        for _ in 0..600 {
-            stopped = std::fs::read_to_string(clone_dir.join(lazy::STOPPED)).ok();
-            if stopped.is_some() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
+    // 3. Killing the chunk server stops its clone with the reason and leaves no mount.
+    // The chunk server this test's `kiln start` spawned, by its recorded pid.
+    let k = Command::new("kill")
+        .args(["-KILL", &rec.server.pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(k.success());
+    assert!(wait_unmounted(&snapdir1), "the mount is gone");
+    let clone_dir: PathBuf = d.join("state/clones").join(&id);
+    let mut stopped = None;
+    for _ in 0..600 {
+        stopped = std::fs::read_to_string(clone_dir.join(lazy::STOPPED)).ok();
+        if stopped.is_some() {
+            break;
         }
-        let stopped = stopped.expect("the watcher says why the clone stopped");
-        assert!(
-            stopped.contains("chunk server") && stopped.contains("signal 9"),
-            "{stopped}"
-        );
-        let o = kiln(d, &s3, &c1, &["--json", "ps"]);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let stopped = stopped.expect("the watcher says why the clone stopped");
+    assert!(
+        stopped.contains("chunk server") && stopped.contains("signal 9"),
+        "{stopped}"
+    );
+    let o = kiln(d, &s3, &c1, &["--json", "ps"]);
+    assert!(o.status.success(), "{}", show(&o));
+    let o = kiln(d, &s3, &c1, &["exec", &id, "--", "true"]);
+    assert_eq!(o.status.code(), Some(125), "{}", show(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("chunk server"),
+        "kiln exec says why: {}",
+        show(&o)
+    );
+    for i in [&id, &id2, &id3] {
+        let o = kiln(d, &s3, &c1, &["stop", i]);
         assert!(o.status.success(), "{}", show(&o));
-        let o = kiln(d, &s3, &c1, &["exec", &id, "--", "true"]);
-        assert_eq!(o.status.code(), Some(125), "{}", show(&o));
-        assert!(
-            String::from_utf8_lossy(&o.stderr).contains("chunk server"),
-            "kiln exec says why: {}",
-            show(&o)
-        );
-        for i in [&id, &id2, &id3] {
-            let o = kiln(d, &s3, &c1, &["stop", i]);
-            assert!(o.status.success(), "{}", show(&o));
-        }
+    }
 
-        // 5. Chunks corrupted in the store (a valid zstd frame of other bytes under their
-        //    names: each packed copy deleted, which marks it dead in its pack, then the
-        //    frame put as its loose object) are refused at read, and the failed start names
-        //    one; no clone is left. The chunks are the first a restore reads (above):
-        //    corrupting every chunk the first clone read, about 400, took 2.7 s of this
-        //    test, where these take a tenth. The prefetch finds them corrupt too and puts
-        //    none of them in the page cache.
-        rt.block_on(async {
-            let s = Store::open(&s3).await.expect("s3 store");
-            let bad = kiln_store::chunk::encode(&vec![0x5a; 256 << 10]).expect("encode");
-            // Every packed copy marked dead with one batched delete (one listing of `packs/`
-            // for all of them), then the frames put 32 at a time.
-            let keys: Vec<String> = memory_chunks
-                .iter()
-                .map(|hex| format!("chunks/sha256/{hex}"))
-                .collect();
-            for r in kiln_store::Backend::delete_many(s.backend().as_ref(), &keys).await {
-                r.expect("delete the packed copy");
-            }
-            futures_util::stream::iter(&keys)
-                .map(|key| {
-                    let (backend, stored) = (s.backend(), bad.stored.clone());
-                    async move {
-                        kiln_store::Backend::put(backend.as_ref(), key, stored)
-                            .await
-                            .expect("overwrite chunk");
-                    }
-                })
-                .buffer_unordered(32)
-                .collect::<Vec<()>>()
-                .await;
-        });
-        let c2 = d.join("cache2");
-        let snapdir2 = c2.join(snap_digest.hex());
-        // On a fresh cache with the accelerator given (the one the first start probed), a start
-        // fetches neither kernel nor initramfs: QEMU gets launch::stub's.
-        let probed: serde_json::Value = serde_json::from_slice(
-            &std::fs::read(c1.join("accel.json")).expect("the probe's answer"),
-        )
-        .expect("accel.json");
-        let accel = probed["accel"]
-            .as_str()
-            .expect("an accelerator")
-            .to_string();
-        let o = kiln_with(
-            d,
-            &s3,
-            &c2,
-            &[("KILN_ACCEL", &accel)],
-            &["start", "bb:snap"],
-        );
-        assert!(!o.status.success(), "{}", show(&o));
-        assert!(
-            !snapdir2.join("vmlinux").exists() && !snapdir2.join("initramfs").exists(),
-            "a start with its accelerator known fetched a kernel or initramfs"
-        );
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(
-            memory_chunks.iter().any(|h| err.contains(h.as_str())) && err.contains("chunk server"),
-            "a corrupted chunk is named: {}",
-            show(&o)
-        );
-        let o = kiln(d, &s3, &c2, &["--json", "ps"]);
-        assert!(
-            String::from_utf8_lossy(&o.stdout).trim().is_empty()
-                || !String::from_utf8_lossy(&o.stdout).contains("running"),
-            "{}",
-            show(&o)
-        );
-        // With no clone left, the server leaves on its own, and its mount with it.
-        assert!(wait_unmounted(&snapdir2), "the idle server unmounted");
-        stalled.join().expect("section 4");
+    // 5. Chunks corrupted in the store (a valid zstd frame of other bytes under their
+    //    names: each packed copy deleted, which marks it dead in its pack, then the
+    //    frame put as its loose object) are refused at read, and the failed start names
+    //    one; no clone is left. The chunks are the first a restore reads (above):
+    //    corrupting every chunk the first clone read, about 400, took 2.7 s of this
+    //    test, where these take a tenth. The prefetch finds them corrupt too and puts
+    //    none of them in the page cache.
+    rt.block_on(async {
+        let s = Store::open(&s3).await.expect("s3 store");
+        let bad = kiln_store::chunk::encode(&vec![0x5a; 256 << 10]).expect("encode");
+        // Every packed copy marked dead with one batched delete (one listing of `packs/`
+        // for all of them), then the frames put 32 at a time.
+        let keys: Vec<String> = memory_chunks
+            .iter()
+            .map(|hex| format!("chunks/sha256/{hex}"))
+            .collect();
+        for r in kiln_store::Backend::delete_many(s.backend().as_ref(), &keys).await {
+            r.expect("delete the packed copy");
+        }
+        futures_util::stream::iter(&keys)
+            .map(|key| {
+                let (backend, stored) = (s.backend(), bad.stored.clone());
+                async move {
+                    kiln_store::Backend::put(backend.as_ref(), key, stored)
+                        .await
+                        .expect("overwrite chunk");
+                }
+            })
+            .buffer_unordered(32)
+            .collect::<Vec<()>>()
+            .await;
     });
+    let c2 = d.join("cache2");
+    let snapdir2 = c2.join(snap_digest.hex());
+    // On a fresh cache with the accelerator given (the one the first start probed), a start
+    // fetches neither kernel nor initramfs: QEMU gets launch::stub's.
+    let probed: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(c1.join("accel.json")).expect("the probe's answer"))
+            .expect("accel.json");
+    let accel = probed["accel"]
+        .as_str()
+        .expect("an accelerator")
+        .to_string();
+    let o = kiln_with(
+        d,
+        &s3,
+        &c2,
+        &[("KILN_ACCEL", &accel)],
+        &["start", "bb:snap"],
+    );
+    assert!(!o.status.success(), "{}", show(&o));
+    assert!(
+        !snapdir2.join("vmlinux").exists() && !snapdir2.join("initramfs").exists(),
+        "a start with its accelerator known fetched a kernel or initramfs"
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        memory_chunks.iter().any(|h| err.contains(h.as_str())) && err.contains("chunk server"),
+        "a corrupted chunk is named: {}",
+        show(&o)
+    );
+    let o = kiln(d, &s3, &c2, &["--json", "ps"]);
+    assert!(
+        String::from_utf8_lossy(&o.stdout).trim().is_empty()
+            || !String::from_utf8_lossy(&o.stdout).contains("running"),
+        "{}",
+        show(&o)
+    );
+    // With no clone left, the server leaves on its own, and its mount with it.
+    assert!(wait_unmounted(&snapdir2), "the idle server unmounted");
+    stalled.join().expect("section 4");
 
     // 6. With no server left the leases end: the idle servers released theirs, the killed
     //    one's owner is dead; untagged, the snapshot is then collected whole. An idle server
