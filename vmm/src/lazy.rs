@@ -870,8 +870,10 @@ where
     {
         // Checked with the rest of the manifest (check_snapshot): every index is a chunk.
         // The disk's first: QEMU reads the disk's first block when it opens it, before the
-        // guest runs and touches memory (with the disk last, a cold Debian start's QEMU
-        // waited 155 ms for the last batch there).
+        // guest runs and touches memory. With the disk last, a cold Debian start's first
+        // read waited 155 ms, until the last batch came (the debug timeline); five cold
+        // starts each from the local S3 server: Debian 423 -> 298 ms with the disk first,
+        // busybox (one disk chunk listed) 235 -> 274 ms.
         let mut chunks = Vec::new();
         for (ino, table, list) in [
             (DISK_INO, &snap.disk, &p.disk),
