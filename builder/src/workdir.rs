@@ -261,27 +261,14 @@ pub fn collect_layers(work_dir: &Path, dry_run: bool) -> io::Result<LayersCollec
 /// Removes (with `dry_run`, counts) the `RUN` steps' package layers (`<32 hex>` directories
 /// of `dir`, [`PACKAGE_LAYERS`]), adding them to `out`'s directories and bytes: like the
 /// unpacked layers, made again by the next step that needs one. The caller holds
-/// `layers/.lock` exclusively (a build holds it shared while it uses them). Errors: one
-/// cannot be removed (named).
+/// `layers/.lock` exclusively (a build holds it shared while it uses them). A missing `dir`
+/// has none. Errors: as [`remove_dirs_named`].
 fn remove_package_layers(dir: &Path, dry_run: bool, out: &mut LayersCollected) -> io::Result<()> {
-    let Ok(rd) = fs::read_dir(dir) else {
+    if !dir.is_dir() {
         return Ok(());
-    };
-    for e in rd.flatten() {
-        let name = e.file_name();
-        let name = name.to_string_lossy();
-        let is_layer = name.len() == 32 && name.bytes().all(|b| b.is_ascii_hexdigit());
-        if !is_layer || !e.file_type().is_ok_and(|t| t.is_dir()) {
-            continue;
-        }
-        let path = e.path();
-        out.bytes += tree_size(&path);
-        out.dirs += 1;
-        if !dry_run {
-            fs::remove_dir_all(&path).map_err(named(&path))?;
-        }
     }
-    Ok(())
+    let is_layer = |name: &str| name.len() == 32 && name.bytes().all(|b| b.is_ascii_hexdigit());
+    remove_dirs_named(dir, is_layer, dry_run, out)
 }
 
 /// Removes (with `dry_run`, counts) the microVM executor's disk images of layers
@@ -397,12 +384,25 @@ fn collect_dirs(layers: &Path, dry_run: bool) -> io::Result<Option<(LayersCollec
 }
 
 /// Removes (with `dry_run`, counts) the `<64 hex>` directories of `layers`. The caller holds
-/// `layers/.lock` exclusively. Errors: one cannot be removed (named).
+/// `layers/.lock` exclusively. Errors: as [`remove_dirs_named`].
 fn remove_layer_dirs(layers: &Path, dry_run: bool) -> io::Result<LayersCollected> {
     let mut out = LayersCollected::default();
-    for e in fs::read_dir(layers)?.flatten() {
+    remove_dirs_named(layers, is_hex, dry_run, &mut out)?;
+    Ok(out)
+}
+
+/// Removes (with `dry_run`, counts in `out`'s directories and bytes) the directories of
+/// `dir` whose names `is_cache` takes. Errors: `dir` cannot be read, or one cannot be
+/// removed (named).
+fn remove_dirs_named(
+    dir: &Path,
+    is_cache: impl Fn(&str) -> bool,
+    dry_run: bool,
+    out: &mut LayersCollected,
+) -> io::Result<()> {
+    for e in fs::read_dir(dir)?.flatten() {
         let name = e.file_name();
-        if !is_hex(&name.to_string_lossy()) || !e.file_type().is_ok_and(|t| t.is_dir()) {
+        if !is_cache(&name.to_string_lossy()) || !e.file_type().is_ok_and(|t| t.is_dir()) {
             continue;
         }
         let path = e.path();
@@ -412,7 +412,7 @@ fn remove_layer_dirs(layers: &Path, dry_run: bool) -> io::Result<LayersCollected
             fs::remove_dir_all(&path).map_err(named(&path))?;
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Bytes allocated to everything under `dir` (`st_blocks` × 512: what was really written,

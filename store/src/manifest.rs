@@ -271,9 +271,13 @@ pub struct PrefetchList {
 }
 
 impl PrefetchList {
-    /// The listed chunks of `snap` as (digest, raw length), memory first. Errors name the
-    /// first index that is out of its table or a hole (a hostile manifest).
-    pub fn chunks(&self, snap: &SnapshotManifest) -> Result<Vec<(ChunkDigest, u64)>, String> {
+    /// The listed chunks of `snap`, memory first, each as whether it is a disk chunk and its
+    /// table entry. Errors name the first index that is out of its table or a hole (a
+    /// hostile manifest).
+    pub fn entries<'a>(
+        &self,
+        snap: &'a SnapshotManifest,
+    ) -> Result<Vec<(bool, &'a ChunkEntry)>, String> {
         let mut out = Vec::with_capacity(self.memory.len() + self.disk.len());
         for (name, table, list) in [
             ("memory", &snap.memory, &self.memory),
@@ -281,11 +285,7 @@ impl PrefetchList {
         ] {
             for &i in list {
                 match table.entries.get(i as usize) {
-                    Some(ChunkEntry {
-                        digest: Some(d),
-                        raw_len,
-                        ..
-                    }) => out.push((*d, *raw_len)),
+                    Some(e) if e.digest.is_some() => out.push((name == "disk", e)),
                     Some(_) => return Err(format!("prefetch list: {name} chunk {i} is a hole")),
                     None => {
                         return Err(format!(
@@ -297,6 +297,15 @@ impl PrefetchList {
             }
         }
         Ok(out)
+    }
+
+    /// [`PrefetchList::entries`] as (digest, raw length).
+    pub fn chunks(&self, snap: &SnapshotManifest) -> Result<Vec<(ChunkDigest, u64)>, String> {
+        Ok(self
+            .entries(snap)?
+            .into_iter()
+            .filter_map(|(_, e)| Some((e.digest?, e.raw_len)))
+            .collect())
     }
 }
 
