@@ -199,6 +199,22 @@ fn vm_lazy_start_from_s3() {
                 wait_unmounted(&c3.join(&snap_hex)),
                 "the idle server unmounted"
             );
+            // It releases its lease after it has unmounted, through this fault proxy: the
+            // proxy stays up until the server has exited, or the release would fail and
+            // leave its lease for section 6 to find.
+            let rec: lazy::ServerRecord = serde_json::from_slice(
+                &std::fs::read(c3.join(&snap_hex).join(lazy::SERVER_RECORD))
+                    .expect("the stalled start's server record"),
+            )
+            .expect("server record json");
+            for _ in 0..600 {
+                if !rec.server.is_alive() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            assert!(!rec.server.is_alive(), "the idle server exited");
+            rec.server.pid
         })
     };
 
@@ -588,7 +604,11 @@ fn vm_lazy_start_from_s3() {
     );
     // With no clone left, the server leaves on its own, and its mount with it.
     assert!(wait_unmounted(&snapdir2), "the idle server unmounted");
-    stalled.join().expect("section 4");
+    let stalled_pid = stalled.join().expect("section 4");
+    let second_server = std::fs::read(snapdir2.join(lazy::SERVER_RECORD))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<lazy::ServerRecord>(&b).ok())
+        .map(|r| r.server.pid);
 
     // 6. With no server left the leases end: the idle servers released theirs, the killed
     //    one's owner is dead; untagged, the snapshot is then collected whole. An idle server
@@ -611,7 +631,10 @@ fn vm_lazy_start_from_s3() {
     }
     assert!(
         only_the_killed(&leases),
-        "only the killed server's lease is left: {leases:?}"
+        "only the killed server's lease is left (killed server pid {}, the second start's \
+         server pid {:?}, the stalled start's server pid {stalled_pid}): {leases:?}",
+        rec.server.pid,
+        second_server,
     );
     let o = kiln(d, &s3, &c1, &["untag", "bb:snap"]);
     assert!(o.status.success(), "{}", show(&o));
