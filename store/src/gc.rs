@@ -16,8 +16,9 @@
 //! 1. *Condemn.* Every listed, unmarked chunk, blob and manifest last modified more than
 //!    [`GcOptions::grace`] ago is moved to its fossil key, `fossil/<key>` ([`fossil_key`];
 //!    [`Backend::rename_many`], up to [`GC_BATCH`] objects of one kind per call: a rename
-//!    each locally; on S3 the destinations written, then the packed sources marked dead, then
-//!    the loose sources deleted), manifests first. Nothing is deleted yet.
+//!    each locally; on S3 the destinations written, then the packed sources marked dead (a
+//!    pack left serving nothing retired whole instead, as compaction would), then the loose
+//!    sources deleted), manifests first. Nothing is deleted yet.
 //! 2. *Delete.* Once every move is done, the roots are gathered again (leases, then tags,
 //!    cache entries, OCI references) and marked again, loading any manifest published
 //!    meanwhile. Every fossil (this run's, and any a crashed run left) whose object is now

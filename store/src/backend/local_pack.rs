@@ -373,6 +373,8 @@ pub(crate) struct Packs {
     dir: PathBuf,
     state: RwLock<PackMap>,
     open: Mutex<HashMap<Arc<str>, Arc<File>>>,
+    /// Packs a delete retired whole since the last compaction.
+    pub(crate) retired_early: super::RetiredEarly,
 }
 
 /// The error for a `.packs` that is a symlink.
@@ -389,6 +391,7 @@ impl Packs {
             dir,
             state: RwLock::default(),
             open: Mutex::default(),
+            retired_early: super::RetiredEarly::default(),
         }
     }
 
@@ -630,17 +633,17 @@ impl Packs {
         });
     }
 
-    /// Notes `d` deleted from pack `name` (its dead file now `dead_len` bytes). Returns
-    /// whether every entry of the pack is dead.
-    pub(crate) fn mark_dead(&self, name: &str, d: Sha256Hash, dead_len: u64) -> bool {
+    /// Notes `d` deleted from pack `name` (its dead file now `dead_len` bytes). Returns the
+    /// pack's length in bytes when every entry of it is dead (`None`: some entry lives).
+    pub(crate) fn mark_dead(&self, name: &str, d: Sha256Hash, dead_len: u64) -> Option<u64> {
         let mut s = self.write();
         let Some(info) = s.packs.get_mut(name) else {
             s.unlink(name, &d);
-            return false;
+            return None;
         };
         info.dead.insert(d);
         info.dead_len = dead_len;
-        let all_dead = info.live().next().is_none();
+        let all_dead = info.live().next().is_none().then_some(info.pack_len);
         s.unlink(name, &d);
         all_dead
     }

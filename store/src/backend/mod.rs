@@ -284,6 +284,31 @@ pub struct CompactReport {
     pub orphan_files: u64,
 }
 
+/// Packs a delete retired whole since the last [`Backend::compact`]: compaction's work done
+/// early (both backends retire a pack once every entry is dead, at the delete that made it
+/// so; GC's condemn step makes most of them), which the next compaction reports as its own,
+/// so a GC reports what its dry run said compaction would reclaim.
+#[derive(Debug, Default)]
+pub(crate) struct RetiredEarly(std::sync::Mutex<CompactReport>);
+
+impl RetiredEarly {
+    /// Notes one pack of `pack_len` bytes retired.
+    pub(crate) fn note(&self, pack_len: u64) {
+        let mut r = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        r.packs += 1;
+        r.bytes_before += pack_len;
+        r.bytes_reclaimed += pack_len;
+    }
+
+    /// Adds what was noted since the last call to `r`, and forgets it.
+    pub(crate) fn report_into(&self, r: &mut CompactReport) {
+        let early = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        r.packs += early.packs;
+        r.bytes_before += early.bytes_before;
+        r.bytes_reclaimed += early.bytes_reclaimed;
+    }
+}
+
 /// A staged object takes its temp file with it when it drops: the one removal of a temp
 /// name, whether it was committed (linked to its key first), discarded, or dropped unused
 /// (its upload's future dropped, say a cancelled build, or a stage finishing on the blocking

@@ -73,7 +73,10 @@
 //!   at the same time (so a deleted chunk reads as absent, then its loose copy if any).
 //!
 //! **Deleting.** [`Backend::delete`] of a chunk deletes a loose object and writes a dead
-//! marker in every pack that holds the chunk live (on a view listed after the call began).
+//! marker in every pack that holds the chunk live (on a view listed after the call began);
+//! a pack that would then serve no chunk at all is retired whole instead, as compaction
+//! retires it (below): a few requests a pack, not one a chunk, when GC condemns a whole
+//! snapshot.
 //! [`Backend::rename`] of a packed chunk (GC's condemn step) PUTs its stored bytes at the
 //! destination as a loose object, *then* writes the dead markers: an interruption leaves both
 //! keys, never neither, as the trait promises. [`Backend::delete_many`] and
@@ -116,7 +119,8 @@
 //!
 //! **Compaction** ([`Backend::compact`], after GC's deletes, under its lock) retires every
 //! pack with no chunk left to serve: its index deleted first (the pack is invisible from
-//! then on), then the pack, then its markers (DeleteObjects). Packs partly dead are not rewritten yet: their
+//! then on), then the pack, then its markers (DeleteObjects). It reports, as its own, the
+//! packs the deletes since the last compaction retired early. Packs partly dead are not rewritten yet: their
 //! dead bytes stay, counted by verify.
 
 use std::collections::{HashMap, HashSet};
@@ -350,6 +354,8 @@ impl HttpService for Counting {
 struct PackState {
     view: std::sync::RwLock<View>,
     relist: tokio::sync::Mutex<()>,
+    /// Packs a delete retired whole since the last [`Backend::compact`].
+    retired_early: super::RetiredEarly,
 }
 
 impl S3Backend {
@@ -1263,14 +1269,10 @@ impl Backend for S3Backend {
         if dry_run {
             return Ok(r);
         }
-        // Every entry dead: the index first (the pack is invisible from then on), then the
-        // pack, then its markers (a look-up that still sees a marker also sees no index).
         for (name, _) in &retire {
-            self.delete_raw(&idx_key(name)).await?;
-            self.delete_raw(&pack_key(name)).await?;
-            self.delete_markers(name).await?;
-            self.view_mut().set_dead(name, None);
+            self.retire_pack(name).await?;
         }
+        self.packs.retired_early.report_into(&mut r);
         for (name, _) in &orphans {
             self.delete_raw(&pack_key(name)).await?;
             self.delete_markers(name).await?;

@@ -273,8 +273,9 @@ async fn s3_packs_delete_and_rename_of_a_packed_chunk() {
 /// one (and a pair whose destination key is invalid) moves the three, each fossil holding the
 /// chunk's stored bytes, and every handle then finds none of them under its key; only the
 /// two packed ones have dead markers. `delete_many` of the other two packed chunks leaves the
-/// pack with nothing to serve (compaction retires it) and of the fossils deletes them with
-/// one DeleteObjects request, no DELETE.
+/// pack with nothing to serve: it retires the pack whole (no marker written; the next
+/// compaction reports it) and of the fossils deletes them with one DeleteObjects request,
+/// no DELETE.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn s3_packs_rename_many_and_delete_many_of_packed_chunks() {
     let f = Fixture::s3("packs-many").await;
@@ -340,14 +341,29 @@ async fn s3_packs_rename_many_and_delete_many_of_packed_chunks() {
     );
     let (_, _, dead) = pack_objects(&f.store).await;
     assert_eq!(dead.len(), 2, "{dead:?}");
+    let before = gcer.backend().wire_requests();
     let r = gcer.backend().delete_many(&keys[2..]).await;
     assert!(r.iter().all(Result::is_ok), "{r:?}");
-    for s in [&watcher, &gcer] {
-        assert!(s.backend().head(&keys[3]).await.unwrap().is_none());
+    let after = gcer.backend().wire_requests();
+    assert_eq!(
+        after.puts - before.puts,
+        0,
+        "a pack left serving nothing takes no marker: it is retired whole"
+    );
+    assert_eq!(pack_objects(&f.store).await, (vec![], vec![], vec![]));
+    for s in [&watcher, &gcer, &f.reopen().await] {
+        for k in &keys {
+            assert!(s.backend().head(k).await.unwrap().is_none());
+        }
+        let objs = [ObjectRef::Chunk(ds[2]), ObjectRef::Chunk(ds[3])];
+        assert_eq!(s.exist(&objs).await.unwrap(), vec![false, false]);
     }
+    // The next compaction reports the pack the delete retired, as its own; then nothing.
     let c = gcer.backend().compact(false, &[]).await.unwrap();
     assert_eq!(c.packs, 1, "{c:?}");
-    assert_eq!(pack_objects(&f.store).await, (vec![], vec![], vec![]));
+    assert!(c.bytes_reclaimed > 0, "{c:?}");
+    let c = gcer.backend().compact(false, &[]).await.unwrap();
+    assert_eq!(c, Default::default());
     let fossils: Vec<String> = gcer
         .backend()
         .list("fossil/")

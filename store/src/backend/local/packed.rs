@@ -202,8 +202,9 @@ impl Ctx {
                 f.sync_all().map_err(err)?;
                 f.metadata().map_err(err)?.len()
             };
-            if self.packs.mark_dead(&loc.pack, d, dead_len) {
+            if let Some(pack_len) = self.packs.mark_dead(&loc.pack, d, dead_len) {
                 self.retire_pack(&loc.pack).map_err(err)?;
+                self.packs.retired_early.note(pack_len);
             }
             done.push(loc.pack);
         }
@@ -273,6 +274,7 @@ impl Ctx {
                 Err(e) => return Err(e),
             }
         }
+        self.packs.retired_early.report_into(&mut r);
         if r.packs > 0 {
             tracing::info!(
                 store = %self.url,

@@ -304,14 +304,39 @@ impl S3Backend {
 
     /// [`S3Backend::delete_packed`] of each of `ds`: one listing of `packs/` (made after the
     /// call began), then a dead marker in every pack that holds one of them live,
-    /// [`MARKERS_IN_FLIGHT`] at once.
+    /// [`MARKERS_IN_FLIGHT`] at once; except that a pack left serving nothing once `ds` are
+    /// gone is retired whole instead ([`S3Backend::retire_pack`]: its index, its pack, its
+    /// markers), which makes every entry of it absent at once.
+    ///
+    /// GC's condemn step, which deletes every chunk of an untagged snapshot, then writes a
+    /// few requests a pack rather than one a chunk: measured on the local S3 server
+    /// (`vm_lazy`'s last GC, 875 packed chunks in whole packs; the server's request log, to
+    /// the second), 837 marker PUTs took 2.3 s of the run's 6.1 s; retiring the packs
+    /// instead, the run took 3 to 4 s, most of it the 875 fossil PUTs. The view says which pack serves each live chunk
+    /// ([`View::map`](super::super::s3_pack::View)), so a pack serving nothing holds only
+    /// chunks of `ds`, dead ones, and copies another pack serves: retiring it loses no
+    /// chunk that is not deleted, as compaction's retirement ([`Backend::compact`]) does
+    /// later anyway.
     pub(super) async fn delete_packed_many(&self, ds: &[Sha256Hash]) -> Result<(), BackendError> {
         self.refresh(Instant::now()).await?;
-        let marks: Vec<(Arc<str>, Sha256Hash)> = {
+        let gone: HashSet<Sha256Hash> = ds.iter().copied().collect();
+        // (pack, its bytes) to retire; (pack, chunk) markers to write.
+        type Marks = Vec<(Arc<str>, Sha256Hash)>;
+        let (retire, marks): (Vec<(Arc<str>, u64)>, Marks) = {
             let v = self.view();
-            ds.iter()
+            let mut holders: Marks = ds
+                .iter()
                 .flat_map(|d| v.holders(d).into_iter().map(move |n| (n, *d)))
-                .collect()
+                .collect();
+            let mut retire: Vec<(Arc<str>, u64)> = holders
+                .iter()
+                .map(|(n, _)| (n.clone(), v.packs[n].pack_len))
+                .collect();
+            retire.sort();
+            retire.dedup();
+            retire.retain(|(n, _)| v.serving_bytes(&v.packs[n], &gone) == 0);
+            holders.retain(|(n, _)| !retire.iter().any(|(r, _)| r == n));
+            (retire, holders)
         };
         let written: Vec<Result<(Arc<str>, Sha256Hash), BackendError>> =
             futures::stream::iter(marks)
@@ -339,10 +364,29 @@ impl S3Backend {
             }
             v.rebuild();
         }
+        for (name, len) in &retire {
+            match self.retire_pack(name).await {
+                Ok(()) => self.packs.retired_early.note(*len),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
         match first_err {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// Retires pack `name`, which serves no chunk: its index first (the pack is invisible
+    /// from then on), then the pack, then its markers (a look-up that still sees a marker
+    /// also sees no index), and drops it from the view.
+    pub(super) async fn retire_pack(&self, name: &str) -> Result<(), BackendError> {
+        self.delete_raw(&idx_key(name)).await?;
+        self.delete_raw(&pack_key(name)).await?;
+        self.delete_markers(name).await?;
+        self.view_mut().set_dead(name, None);
+        Ok(())
     }
 
     /// Sends every closed pack of `batch` not sent yet: its pack (one PUT), then its index
