@@ -948,7 +948,7 @@ impl Backend for S3Backend {
         if unplaced {
             let _ = self.refresh(started).await;
         }
-        for (i, b) in self.get_many_packed(keys, limit).await {
+        for (i, b) in self.get_many_packed(keys, limit, started).await {
             out[i] = Some(Ok(b));
         }
         // The rest one by one: loose objects, entries found dead or in a pack gone, entries
