@@ -695,6 +695,23 @@ impl Store {
         Ok(self.backend.pack_together(&keys).await?)
     }
 
+    /// [`Store::pack_together`] of `snap`'s prefetch list in the order a clone's chunk
+    /// server fetches it ([`crate::PrefetchList::fetch_order`]), where a snapshot's chunks
+    /// come into a store: `kiln snapshot` (kiln-vmm) once the list is recorded, and a copy
+    /// ([`crate::copy`]) that brings the snapshot manifest. Nothing for a snapshot without
+    /// a list, or with one that names no chunk of it (the chunk server then fetches
+    /// nothing either).
+    pub async fn pack_prefetch(
+        &self,
+        snap: &crate::SnapshotManifest,
+    ) -> Result<backend::PackedTogether, StoreError> {
+        let Some(Ok(entries)) = snap.prefetch.as_ref().map(|p| p.fetch_order(snap)) else {
+            return Ok(backend::PackedTogether::default());
+        };
+        let digests: Vec<ChunkDigest> = entries.into_iter().filter_map(|(_, e)| e.digest).collect();
+        self.pack_together(&digests).await
+    }
+
     /// A chunk's stored bytes decoded and verified (the known index forgets it when they are
     /// bad), then put in the read cache.
     async fn decode_chunk(
