@@ -547,9 +547,10 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
     /// them was 13 ranged GETs of 32 MiB packs and 11 listings, about 300 ms (issue 35).
     /// Which copy then serves, and why GC, compaction and verify stay right with two:
     /// [`s3`], "Packing together". Errors: a key that is not a chunk's, a chunk that cannot
-    /// be read, a write that fails (nothing is then published; a pack sent without its
-    /// index is removed, or left to a compaction). Default: nothing written (the local
-    /// backend reads a chunk from a file on this host, where order gains nothing).
+    /// be read, a write that fails (a pack published before it stays, a whole copy like the
+    /// others; one sent without its index is invisible, left to a compaction). Default:
+    /// nothing written (the local backend reads a chunk from a file on this host, where
+    /// order gains nothing).
     async fn pack_together(&self, keys: &[String]) -> Result<PackedTogether, BackendError> {
         let _ = keys;
         Ok(PackedTogether::default())

@@ -120,8 +120,9 @@
 //! same way), which a batch of the prefetch reads as one span of one small pack.
 //! - *Which copy serves*: of the packs holding a chunk live, the smaller, then the lower
 //!   name ([`super::s3_pack::PackMeta::rank`]), a rule of the packs alone, so every process
-//!   reads the same copy. The prefetch pack (the Debian fixture's list: about 400 chunks) is
-//!   smaller than the 32 MiB packs, so it serves what they hold. A listed chunk that a
+//!   reads the same copy. The prefetch pack (the busybox fixture's list in `vm_lazy`: 305
+//!   chunks, 4.9 MB stored) is smaller than the 32 MiB packs, so it serves what they hold
+//!   (there, read back in fetch order: one listing and one ranged GET). A listed chunk that a
 //!   still smaller pack holds (an upload's last pack: the few disk chunks a snapshot's boot
 //!   changed, an image's last pack; another snapshot's smaller prefetch pack) is served from
 //!   that one, and the batches holding such chunks read that pack too: a listing and a
