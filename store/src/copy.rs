@@ -263,7 +263,12 @@ async fn copy_closure(
         if let Ok(crate::Manifest::Snapshot(s)) = raw.parse()
             && let Err(e) = dst.pack_prefetch(&s).await
         {
-            tracing::warn!(store = %dst.url(), snapshot = %raw.digest, error = %e, "packing the prefetch list's chunks together failed; they stay where they are");
+            tracing::warn!(
+                store = %dst.url(),
+                snapshot = %raw.digest,
+                error = %e,
+                "packing the prefetch list's chunks together failed; they stay where they are"
+            );
         }
     }
 

@@ -55,8 +55,11 @@
 //! ## The prefetch list
 //! A snapshot whose manifest carries a prefetch list ([`kiln_store::PrefetchList`], recorded
 //! by `kiln snapshot`: [`crate::snapshot`]) has those chunks fetched by the server as soon as
-//! it is mounted, in batches read with one [`Store::get_chunks`] each (on S3 a few ranged
-//! GETs per pack, not a GET per chunk), [`PREFETCH_BATCHES`] batches at a time, in the
+//! it is mounted, in the fetch order ([`kiln_store::PrefetchList::fetch_order`]: the disk's
+//! chunks first), in batches read with one [`Store::get_chunks`] each (on S3 a few ranged
+//! GETs per pack, not a GET per chunk; `kiln snapshot` and a push to S3 write the listed
+//! chunks again into a pack of their own in this very order, [`Store::pack_prefetch`], so a
+//! batch is about one ranged GET of one small pack), [`PREFETCH_BATCHES`] batches at a time, in the
 //! background while the clone starts: each through the store's read cache (verified, kept),
 //! and then into the kernel's page cache of the file it is served in ([`push_pages`]), so
 //! the clone's faults on those pages never reach the server. Only for a store with a read
