@@ -202,3 +202,109 @@ async fn packing_together_refuses_a_key_that_is_not_a_chunks() {
     assert!(e.to_string().contains("not a chunk's key"), "{e}");
     assert!(s3.list_raw("packs/").await.unwrap().is_empty());
 }
+
+/// A push of a snapshot to S3 ([`crate::copy::copy_tag`]) writes its prefetch list's chunks
+/// again into a pack of their own, in the chunk server's fetch order (the disk's first), which
+/// serves them; pushing it again, the manifest already there, writes no other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_packs_a_snapshots_prefetch_list_in_fetch_order_once() {
+    use crate::manifest::{PrefetchList, SCHEMA_VERSION, SNAPSHOT_MEDIA_TYPE, SnapshotManifest};
+    let dir = tempfile::tempdir().unwrap();
+    let local = Store::open_dir(dir.path()).await.unwrap();
+    let memory_opts = PutArtifactOptions {
+        chunking: Some(Chunking::MEMORY_DEFAULT),
+        ..Default::default()
+    };
+    let data = incompressible(12 << 16);
+    let (memory, _) = local
+        .put_artifact_reader(std::io::Cursor::new(data[..8 << 16].to_vec()), &memory_opts)
+        .await
+        .unwrap();
+    let (disk, _) = local
+        .put_artifact_reader(std::io::Cursor::new(data[8 << 16..].to_vec()), &memory_opts)
+        .await
+        .unwrap();
+    let image = local
+        .put_manifest(&Manifest::Image(ImageManifest::new(disk.clone())))
+        .await
+        .unwrap();
+    let blob = |b: &'static [u8]| local.put_blob(Bytes::from_static(b));
+    let snap = SnapshotManifest {
+        schema_version: SCHEMA_VERSION,
+        media_type: SNAPSHOT_MEDIA_TYPE.to_string(),
+        memory: memory.clone(),
+        vmstate: blob(b"vmstate").await.unwrap(),
+        disk: disk.clone(),
+        compatibility_key: "qemu=10.0.2".into(),
+        image: image.digest,
+        kernel: blob(b"vmlinux").await.unwrap(),
+        initramfs: blob(b"initrd").await.unwrap(),
+        vcpus: 1,
+        memory_bytes: 8 << 16,
+        prefetch: Some(PrefetchList {
+            memory: vec![5, 1],
+            disk: vec![2, 0, 3],
+        }),
+    };
+    let raw = local.put_manifest(&Manifest::Snapshot(snap)).await.unwrap();
+    let tag = TagRef::new("snap", "v1").unwrap();
+    local.set_tag(&tag, None, raw.digest).await.unwrap();
+
+    let bucket = fresh_bucket();
+    let prefix = "together-push";
+    let s3 = Arc::new(open(&bucket, prefix, PACK_TARGET));
+    let remote = Store::from_backend(s3.clone(), StoreOptions::default());
+    let opts = crate::copy::CopyOptions::default();
+    crate::copy::copy_tag(&local, &remote, &tag, &opts)
+        .await
+        .unwrap();
+    let d = |t: &crate::ChunkTable, i: usize| t.entries[i].digest.unwrap().0;
+    let want = vec![
+        d(&disk, 2),
+        d(&disk, 0),
+        d(&disk, 3),
+        d(&memory, 5),
+        d(&memory, 1),
+    ];
+    let packs = || async {
+        let other = open(&bucket, prefix, PACK_TARGET);
+        other.refresh(Instant::now()).await.unwrap();
+        let v = other.view();
+        let mut packs: Vec<(String, Vec<Sha256Hash>, usize)> = v
+            .packs
+            .values()
+            .map(|p| {
+                let mut e = p.entries.clone();
+                e.sort_by_key(|e| e.offset);
+                let serving = e.iter().filter(|e| v.map[&e.digest].pack == p.name).count();
+                (
+                    p.name.to_string(),
+                    e.iter().map(|e| e.digest).collect(),
+                    serving,
+                )
+            })
+            .collect();
+        packs.sort_by_key(|(_, e, _)| e.len());
+        packs
+    };
+    // The push's own pack (all twelve) and the prefetch pack, which serves its five.
+    let first = packs().await;
+    assert_eq!(
+        first
+            .iter()
+            .map(|(_, e, s)| (e.len(), *s))
+            .collect::<Vec<_>>(),
+        vec![(5, 5), (12, 7)]
+    );
+    assert_eq!(first[0].1, want);
+    crate::copy::copy_tag(&local, &remote, &tag, &opts)
+        .await
+        .unwrap();
+    let again = packs().await;
+    assert_eq!(
+        again.iter().map(|(n, _, _)| n).collect::<Vec<_>>(),
+        first.iter().map(|(n, _, _)| n).collect::<Vec<_>>()
+    );
+    let v = remote.verify(true, &GcOptions::default()).await.unwrap();
+    assert!(v.is_ok(), "{v:?}");
+}
