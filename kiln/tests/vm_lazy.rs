@@ -17,7 +17,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use kiln_store::{ObjectRef, Store, TagRef};
+use kiln_store::{Backend, ObjectRef, Store, TagRef};
 use kiln_tests::fault_proxy::FaultProxy;
 use kiln_tests::stores::fresh_bucket_url;
 use kiln_tests::vm::{
@@ -142,6 +142,39 @@ fn vm_lazy_start_from_s3() {
         all.len()
     );
     let listed_chunks = list.chunks(&snap).expect("a valid list");
+    // The push wrote the listed chunks again into a pack of their own, in the chunk
+    // server's fetch order (`Store::pack_prefetch`), and that pack serves them: read in that
+    // order by a process that knows every pack, they take one listing (that pack's dead
+    // markers) and a ranged GET per span of up to 8 MiB (`GET_MANY_SPAN`).
+    let (lists, gets, bytes) = rt.block_on(async {
+        let s = Store::open(&s3).await.expect("s3 store");
+        // Loads every pack's index.
+        s.backend().list("chunks/").await.expect("listing chunks");
+        let keys: Vec<String> = list
+            .fetch_order(&snap)
+            .expect("a valid list")
+            .into_iter()
+            .filter_map(|(_, e)| e.digest.map(|d| d.key()))
+            .collect();
+        let before = s.backend().wire_requests();
+        let got = s.backend().get_many(&keys, u64::MAX).await;
+        let after = s.backend().wire_requests();
+        let bytes: u64 = got
+            .iter()
+            .map(|r| r.as_ref().expect("a listed chunk").len() as u64)
+            .sum();
+        (after.lists - before.lists, after.gets - before.gets, bytes)
+    });
+    eprintln!(
+        "prefetch list in fetch order: {} chunks, {bytes} bytes stored, read with {lists} \
+         listings and {gets} ranged GETs",
+        listed_chunks.len()
+    );
+    assert_eq!(lists, 1, "the listed chunks are served from one pack");
+    assert!(
+        gets <= bytes.div_ceil(kiln_store::backend::s3::GET_MANY_SPAN) + 1,
+        "{gets} ranged GETs for {bytes} bytes"
+    );
 
     // 4. A store that stops answering chunk reads (a fault injector in front of S3
     //    stalls every read of chunk bytes: a GET of a loose chunk object or of a

@@ -16,7 +16,9 @@
 //! committed first is taken out of the totals. A failed copy discards its batch (a cancelled
 //! one's batch removes its temp pack as it drops). Every object goes through put-if-absent
 //! (chunks: stage-if-absent), so a rerun after a crash moves only what is missing. A lease on
-//! the destination covers every object relied on until the tag is set.
+//! the destination covers every object relied on until the tag is set. A snapshot manifest
+//! the destination did not have has its prefetch list's chunks written again into a pack of
+//! their own once the chunks are committed ([`Store::pack_prefetch`]; on S3 only).
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::Mutex;
@@ -249,6 +251,26 @@ async fn copy_closure(
         return Err(e);
     }
     dst.commit_chunks(staging, batch_owned, reporter).await?;
+
+    // A snapshot that comes into `dst` with this copy: its prefetch list's chunks into a
+    // pack of their own, in the order a clone's chunk server fetches them
+    // ([`Store::pack_prefetch`]; on S3, where a push's packs hold them among others,
+    // interleaved by the batches in flight). A failure is a warning: the chunks are here.
+    for raw in &order {
+        if present.contains(&ObjectRef::Manifest(raw.digest)) {
+            continue;
+        }
+        if let Ok(crate::Manifest::Snapshot(s)) = raw.parse()
+            && let Err(e) = dst.pack_prefetch(&s).await
+        {
+            tracing::warn!(
+                store = %dst.url(),
+                snapshot = %raw.digest,
+                error = %e,
+                "packing the prefetch list's chunks together failed; they stay where they are"
+            );
+        }
+    }
 
     // Blobs.
     for b in blobs {

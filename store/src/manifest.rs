@@ -299,6 +299,23 @@ impl PrefetchList {
         Ok(out)
     }
 
+    /// [`PrefetchList::entries`] in the order a clone's chunk server fetches them: the
+    /// disk's chunks first, then memory's, each in list order (a stable partition). The one
+    /// definition of that order, for the chunk server (`kiln_vmm::lazy`) and for the pack
+    /// the listed chunks are written into in that order ([`crate::Store::pack_together`]).
+    /// Why the disk first: a cold Debian start's first read waited 155 ms for the last
+    /// batch with the disk's chunks last; five cold starts each from the local S3 server,
+    /// Debian 423 -> 298 ms with them first (issue 35). Errors: as
+    /// [`PrefetchList::entries`].
+    pub fn fetch_order<'a>(
+        &self,
+        snap: &'a SnapshotManifest,
+    ) -> Result<Vec<(bool, &'a ChunkEntry)>, String> {
+        let mut entries = self.entries(snap)?;
+        entries.sort_by_key(|(disk, _)| !disk);
+        Ok(entries)
+    }
+
     /// [`PrefetchList::entries`] as (digest, raw length).
     pub fn chunks(&self, snap: &SnapshotManifest) -> Result<Vec<(ChunkDigest, u64)>, String> {
         Ok(self
@@ -667,6 +684,67 @@ mod tests {
         assert_eq!(
             chunks(&hostile),
             vec![c(b"m0"), c(b"m1"), c(b"m2"), c(b"d0")]
+        );
+    }
+
+    #[test]
+    fn the_fetch_order_is_the_disks_chunks_then_memorys_each_in_list_order() {
+        let entry = |i: u64, name: &[u8]| ChunkEntry {
+            offset: i * 4,
+            raw_len: 4,
+            digest: Some(ChunkDigest::of(name)),
+            stored_len: 3,
+        };
+        let t = |names: &[&[u8]]| ChunkTable {
+            size: 4 * names.len() as u64,
+            chunking: Chunking::DISK_DEFAULT,
+            entries: names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| entry(i as u64, n))
+                .collect(),
+        };
+        let blob = |b: &[u8]| BlobRef {
+            digest: BlobDigest::of(b),
+            size: b.len() as u64,
+            media_type: None,
+        };
+        let s = SnapshotManifest {
+            schema_version: SCHEMA_VERSION,
+            media_type: SNAPSHOT_MEDIA_TYPE.to_string(),
+            memory: t(&[b"m0", b"m1", b"m2"]),
+            vmstate: blob(b"vmstate"),
+            disk: t(&[b"d0", b"d1", b"d2"]),
+            compatibility_key: "qemu=10.0.2".into(),
+            image: ManifestDigest::of(b"image"),
+            kernel: blob(b"vmlinux"),
+            initramfs: blob(b"initrd"),
+            vcpus: 1,
+            memory_bytes: 12,
+            prefetch: Some(PrefetchList {
+                memory: vec![2, 0],
+                disk: vec![1, 2, 0],
+            }),
+        };
+        let order: Vec<(bool, ChunkDigest)> = s
+            .prefetch
+            .as_ref()
+            .unwrap()
+            .fetch_order(&s)
+            .unwrap()
+            .into_iter()
+            .map(|(disk, e)| (disk, e.digest.unwrap()))
+            .collect();
+        let c = ChunkDigest::of;
+        assert_eq!(
+            order,
+            vec![
+                (true, c(b"d1")),
+                (true, c(b"d2")),
+                (true, c(b"d0")),
+                (false, c(b"m2")),
+                (false, c(b"m0")),
+            ]
         );
     }
 

@@ -672,6 +672,46 @@ impl Store {
             .collect()
     }
 
+    /// Writes the stored bytes of the chunks `digests` (each stored already), in the order
+    /// given, into new packs of their own: [`Backend::pack_together`] (on S3, a second copy
+    /// of each, which then serves when its pack is the smaller; locally nothing, a chunk is
+    /// read from a file on this host, where order gains nothing). For a snapshot's prefetch
+    /// list in the order a clone's chunk server fetches it
+    /// ([`crate::PrefetchList::fetch_order`]): a cold start then reads it with a few
+    /// ranged GETs of one small pack (the S3 backend's "Packing together").
+    ///
+    /// Not leased: a lease protects what a writer relies on finding present, and this
+    /// relies on nothing. It reads each chunk (one condemned by a GC meanwhile reads as
+    /// absent, and the call fails) and writes a copy no writer is told of: a writer still
+    /// finds a chunk present only by a fresh check of the store, and a GC's condemn marks
+    /// the chunk dead in every copy its listing shows; a copy published after that listing
+    /// makes the chunk present again, never absent (the GC argument's "written afresh"
+    /// case: garbage, if nothing references it, for a later GC). Errors: the backend's.
+    pub async fn pack_together(
+        &self,
+        digests: &[ChunkDigest],
+    ) -> Result<backend::PackedTogether, StoreError> {
+        let keys: Vec<String> = digests.iter().map(|d| d.key()).collect();
+        Ok(self.backend.pack_together(&keys).await?)
+    }
+
+    /// [`Store::pack_together`] of `snap`'s prefetch list in the order a clone's chunk
+    /// server fetches it ([`crate::PrefetchList::fetch_order`]), where a snapshot's chunks
+    /// come into a store: `kiln snapshot` (kiln-vmm) once the list is recorded, and a copy
+    /// ([`crate::copy`]) that brings the snapshot manifest. Nothing for a snapshot without
+    /// a list, or with one that names no chunk of it (the chunk server then fetches
+    /// nothing either).
+    pub async fn pack_prefetch(
+        &self,
+        snap: &crate::SnapshotManifest,
+    ) -> Result<backend::PackedTogether, StoreError> {
+        let Some(Ok(entries)) = snap.prefetch.as_ref().map(|p| p.fetch_order(snap)) else {
+            return Ok(backend::PackedTogether::default());
+        };
+        let digests: Vec<ChunkDigest> = entries.into_iter().filter_map(|(_, e)| e.digest).collect();
+        self.pack_together(&digests).await
+    }
+
     /// A chunk's stored bytes decoded and verified (the known index forgets it when they are
     /// bad), then put in the read cache.
     async fn decode_chunk(

@@ -151,9 +151,10 @@ pub struct VerifyReport {
     /// Fossils: objects a GC run condemned and has not judged yet (see [`crate::gc`]); each
     /// counts as presence of its object, and none is a finding.
     pub fossils: usize,
-    /// Bytes of the local backend's pack files that no live chunk uses (deleted chunks,
-    /// and chunks an upload wrote that another writer had published first): what a
-    /// compaction would reclaim. 0 on S3.
+    /// Bytes of pack files that serve no chunk ([`crate::backend::LayoutReport::dead_bytes`]:
+    /// deleted chunks, chunks an upload wrote that another writer had published first, and
+    /// on S3 copies of chunks another pack serves, such as a prefetch list's older copies,
+    /// [`crate::Store::pack_together`]): what a compaction would reclaim.
     pub pack_dead_bytes: u64,
 }
 

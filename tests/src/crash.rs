@@ -198,6 +198,12 @@ impl Backend for CrashAfterWrites {
     async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, BackendError> {
         self.inner.packed_present(keys).await
     }
+    async fn pack_together(
+        &self,
+        keys: &[String],
+    ) -> Result<kiln_store::backend::PackedTogether, BackendError> {
+        self.inner.pack_together(keys).await
+    }
     async fn loose_present(&self, key: &str) -> Result<bool, BackendError> {
         self.inner.loose_present(key).await
     }

@@ -55,8 +55,11 @@
 //! ## The prefetch list
 //! A snapshot whose manifest carries a prefetch list ([`kiln_store::PrefetchList`], recorded
 //! by `kiln snapshot`: [`crate::snapshot`]) has those chunks fetched by the server as soon as
-//! it is mounted, in batches read with one [`Store::get_chunks`] each (on S3 a few ranged
-//! GETs per pack, not a GET per chunk), [`PREFETCH_BATCHES`] batches at a time, in the
+//! it is mounted, in the fetch order ([`kiln_store::PrefetchList::fetch_order`]: the disk's
+//! chunks first), in batches read with one [`Store::get_chunks`] each (on S3 a few ranged
+//! GETs per pack, not a GET per chunk; `kiln snapshot` and a push to S3 write the listed
+//! chunks again into a pack of their own in this very order, [`Store::pack_prefetch`], so a
+//! batch is about one ranged GET of one small pack), [`PREFETCH_BATCHES`] batches at a time, in the
 //! background while the clone starts: each through the store's read cache (verified, kept),
 //! and then into the kernel's page cache of the file it is served in ([`push_pages`]), so
 //! the clone's faults on those pages never reach the server. Only for a store with a read
@@ -868,14 +871,14 @@ where
     if let Some(p) = &snap.prefetch
         && store.local_root().is_none()
     {
-        // Checked with the rest of the manifest (check_snapshot). With the disk's chunks
-        // first: with them last, a cold Debian start's first read waited 155 ms, until the
-        // last batch came (the debug timeline); five cold starts each from the local S3
-        // server: Debian 423 -> 298 ms with the disk first, busybox (one disk chunk listed)
-        // 235 -> 274 ms.
-        let mut entries = p.entries(&snap).unwrap_or_default();
-        entries.sort_by_key(|(disk, _)| !disk);
-        let chunks: Vec<Listed> = entries
+        // Checked with the rest of the manifest (check_snapshot). In the fetch order, the
+        // disk's chunks first (PrefetchList::fetch_order says why), which is also the order
+        // `kiln snapshot` wrote them into a pack of their own (crate::snapshot, step 5): a
+        // batch is then one span of that pack. Busybox (one disk chunk listed): 235 -> 274
+        // ms with the disk first, five cold starts each from the local S3 server.
+        let chunks: Vec<Listed> = p
+            .fetch_order(&snap)
+            .unwrap_or_default()
             .into_iter()
             .filter_map(|(disk, e)| {
                 Some(Listed {

@@ -22,8 +22,8 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use super::{
-    Backend, BackendError, CompactReport, LayoutReport, ListPage, ObjectInfo, PutOutcome,
-    StageBatch, Staged, StagedPut, Version,
+    Backend, BackendError, CompactReport, LayoutReport, ListPage, ObjectInfo, PackedTogether,
+    PutOutcome, StageBatch, Staged, StagedPut, Version,
 };
 use crate::digest::Sha256Hash;
 
@@ -552,6 +552,20 @@ impl Backend for Retrying {
         })
         .await
         .0
+    }
+
+    /// Retried as a whole: an attempt that failed published nothing but, at worst, a whole
+    /// pack whose index's answer was lost, a duplicate copy like any other (the S3 backend's
+    /// "Packing together"), and a pack sent without its index is invisible.
+    async fn pack_together(&self, keys: &[String]) -> Result<PackedTogether, BackendError> {
+        let r = self
+            .run("pack_together", "packs/", || self.inner.pack_together(keys))
+            .await
+            .0;
+        if let Ok(p) = &r {
+            self.wrote(p.bytes);
+        }
+        r
     }
 
     async fn stage_if_absent(

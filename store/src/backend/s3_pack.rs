@@ -273,6 +273,8 @@ struct BatchState {
     digests: HashSet<Sha256Hash>,
     /// Chunks left out at the last pack's closing: published by another writer first.
     raced: HashSet<Sha256Hash>,
+    /// Packs published (index PUT returned), in that order.
+    published: Vec<String>,
 }
 
 /// One upload's packs on S3 ([`super::StageBatch`]).
@@ -398,7 +400,14 @@ impl S3Batch {
 
     /// Notes pack `name` published (its index PUT returned).
     pub(crate) fn published(&self, name: &str) {
-        self.lock().pack_only.remove(name);
+        let mut s = self.lock();
+        s.pack_only.remove(name);
+        s.published.push(name.to_string());
+    }
+
+    /// The packs published, in the order their indexes' PUTs returned.
+    pub(crate) fn published_names(&self) -> Vec<String> {
+        self.lock().published.clone()
     }
 
     /// Whether anything is left to send.

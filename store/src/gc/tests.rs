@@ -250,6 +250,12 @@ impl Backend for Watched {
     async fn packed_present(&self, keys: &[String]) -> Result<Vec<bool>, crate::BackendError> {
         self.inner.packed_present(keys).await
     }
+    async fn pack_together(
+        &self,
+        keys: &[String],
+    ) -> Result<crate::backend::PackedTogether, crate::BackendError> {
+        self.inner.pack_together(keys).await
+    }
     async fn loose_present(&self, key: &str) -> Result<bool, crate::BackendError> {
         self.inner.loose_present(key).await
     }

@@ -16,7 +16,7 @@ use crate::manifest::{ImageManifest, Manifest};
 use crate::{Store, StoreOptions};
 
 /// The test server's options, from the environment (as the conformance suite reads it).
-fn s3_options() -> S3Options {
+pub(super) fn s3_options() -> S3Options {
     let endpoint = std::env::var("KILN_TEST_S3_ENDPOINT").unwrap_or_else(|_| {
         panic!(
             "KILN_TEST_S3_ENDPOINT is not set: run ci/setup.sh and source \
@@ -42,7 +42,7 @@ fn s3_options() -> S3Options {
 /// "HTTP 500 Internal Server Error" listing `blobs/`). A bucket per store keeps each store's
 /// deletes out of every other listing, other tests' and the kill points run side by side, as
 /// `vm_lazy` does (`kiln_tests::stores::fresh_bucket_url`).
-fn fresh_bucket() -> String {
+pub(super) fn fresh_bucket() -> String {
     use std::io::{Read, Write};
     use std::sync::atomic::AtomicU64;
     static N: AtomicU64 = AtomicU64::new(0);

@@ -767,3 +767,68 @@ impl S3Backend {
         out.into_iter().map(|r| r.unwrap_or(Ok(()))).collect()
     }
 }
+
+/// Chunks [`Backend::pack_together`] reads with one [`Backend::get_many`] at a time (256:
+/// 16 MiB of 64 KiB chunks raw, about half a pack stored), so it holds at most one pack
+/// being filled and one group read.
+const TOGETHER_READ: usize = 256;
+
+impl S3Backend {
+    /// [`Backend::pack_together`] ([`super`], "Packing together"): the chunks read in groups
+    /// of [`TOGETHER_READ`] as [`Backend::get_many`] reads them (fresh dead markers, spans of
+    /// their packs), appended in the order given to a batch of their own ([`S3Batch`], the
+    /// uploads' own), each pack sent as it closes and the last one at the end by the uploads'
+    /// send path ([`S3Backend::send_unsent`]: the pack's PUT, then its index's within
+    /// [`INDEX_DEADLINE`]). Unlike an upload's commit it leaves out no chunk another pack
+    /// holds: the copy is the point. On a failure nothing sent is removed: a pack without its
+    /// index is invisible and a compaction removes it after [`ORPHAN_AGE`]; a pack whose
+    /// index PUT failed may have its index after all (a lost answer), and is then a whole
+    /// duplicate, which removing its pack would make damage.
+    pub(super) async fn pack_together_impl(
+        &self,
+        keys: &[String],
+    ) -> Result<PackedTogether, BackendError> {
+        let mut seen = HashSet::new();
+        let mut order: Vec<(String, Sha256Hash)> = Vec::with_capacity(keys.len());
+        for k in keys {
+            let d = chunk_digest(k).ok_or_else(|| BackendError::Other {
+                store: self.url.clone(),
+                op: "pack_together",
+                key: k.clone(),
+                message: "not a chunk's key".into(),
+            })?;
+            if seen.insert(d) {
+                order.push((k.clone(), d));
+            }
+        }
+        let batch = S3Batch::new(self.pack_target);
+        let limit = crate::chunk::MAX_STORED_CHUNK_LEN;
+        let mut bytes = 0u64;
+        for group in order.chunks(TOGETHER_READ) {
+            let ks: Vec<String> = group.iter().map(|(k, _)| k.clone()).collect();
+            let got = self.get_many(&ks, limit + 1).await;
+            for ((k, d), r) in group.iter().zip(got) {
+                let b = r?;
+                if b.len() as u64 > limit {
+                    return Err(BackendError::Other {
+                        store: self.url.clone(),
+                        op: "pack_together",
+                        key: k.clone(),
+                        message: format!("over the {limit}-byte limit for a stored chunk"),
+                    });
+                }
+                bytes += b.len() as u64;
+                if batch.append(*d, &b).1 {
+                    self.send_unsent(&batch).await?;
+                }
+            }
+        }
+        batch.seal_without(&HashSet::new());
+        self.send_unsent(&batch).await?;
+        Ok(PackedTogether {
+            packs: batch.published_names(),
+            chunks: order.len() as u64,
+            bytes,
+        })
+    }
+}
