@@ -93,7 +93,9 @@ pub enum BackendError {
         /// The key (or, for `list`, the prefix) being accessed.
         key: String,
         /// Attempts made, the last one included; 0 for a chunk read that waited for another
-        /// read's fetch of the same chunk and made none of its own (`Store::get_chunk`).
+        /// read's fetch of the same chunk and made none of its own (`Store::get_chunk`), or
+        /// for an object of a batched read left unread once the store answered neither the
+        /// batch nor another object alone ([`retry::Retrying`]'s `get_many`).
         attempts: u32,
         /// Time from the first attempt's start to giving up.
         elapsed: std::time::Duration,
