@@ -14,6 +14,8 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -207,6 +209,27 @@ fn vm_lazy_start_from_s3() {
                 .expect("fault proxy");
             proxy.stall_requests_containing(b"/chunks/sha256/", Duration::from_secs(120));
             proxy.stall_requests_containing(b".pack HTTP/", Duration::from_secs(120));
+            // The server's record, read while the start runs: the server removes it when it
+            // exits, which it may do as soon as the start has failed.
+            let ran = Arc::new(AtomicBool::new(false));
+            let watcher = {
+                let (path, ran) = (c3.join(&snap_hex).join(lazy::SERVER_RECORD), ran.clone());
+                std::thread::spawn(move || {
+                    loop {
+                        let over = ran.load(Ordering::SeqCst);
+                        if let Some(rec) = std::fs::read(&path)
+                            .ok()
+                            .and_then(|b| serde_json::from_slice::<lazy::ServerRecord>(&b).ok())
+                        {
+                            return Some(rec);
+                        }
+                        if over {
+                            return None;
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                })
+            };
             let o = kiln_with(
                 d,
                 &s3,
@@ -217,6 +240,11 @@ fn vm_lazy_start_from_s3() {
                 ],
                 &["start", "bb:snap"],
             );
+            ran.store(true, Ordering::SeqCst);
+            let rec = watcher
+                .join()
+                .expect("record watcher")
+                .expect("the stalled start's server record, seen while the start ran");
             assert!(!o.status.success(), "{}", show(&o));
             let err = String::from_utf8_lossy(&o.stderr);
             assert!(
@@ -235,11 +263,6 @@ fn vm_lazy_start_from_s3() {
             // It releases its lease after it has unmounted, through this fault proxy: the
             // proxy stays up until the server has exited, or the release would fail and
             // leave its lease for section 6 to find.
-            let rec: lazy::ServerRecord = serde_json::from_slice(
-                &std::fs::read(c3.join(&snap_hex).join(lazy::SERVER_RECORD))
-                    .expect("the stalled start's server record"),
-            )
-            .expect("server record json");
             for _ in 0..600 {
                 if !rec.server.is_alive() {
                     break;
