@@ -623,46 +623,54 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_snapshots_prefetched_chunks_come_first_in_list_order() {
-        let entry = |i: u64, name: &[u8]| ChunkEntry {
-            offset: i * 4,
-            raw_len: 4,
-            digest: Some(ChunkDigest::of(name)),
-            stored_len: 3,
-        };
-        let memory = ChunkTable {
-            size: 12,
+    /// A snapshot manifest whose memory and disk tables hold a 4-byte chunk a name, named
+    /// after its content (`ChunkDigest::of(name)`), with prefetch list `prefetch`.
+    fn snapshot_of(memory: &[&[u8]], disk: &[&[u8]], prefetch: PrefetchList) -> SnapshotManifest {
+        let table = |names: &[&[u8]]| ChunkTable {
+            size: 4 * names.len() as u64,
             chunking: Chunking::DISK_DEFAULT,
-            entries: vec![entry(0, b"m0"), entry(1, b"m1"), entry(2, b"m2")],
-        };
-        let disk = ChunkTable {
-            size: 8,
-            chunking: Chunking::DISK_DEFAULT,
-            entries: vec![entry(0, b"d0"), entry(1, b"m0")],
+            entries: names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| ChunkEntry {
+                    offset: i as u64 * 4,
+                    raw_len: 4,
+                    digest: Some(ChunkDigest::of(n)),
+                    stored_len: 3,
+                })
+                .collect(),
         };
         let blob = |b: &[u8]| BlobRef {
             digest: BlobDigest::of(b),
             size: b.len() as u64,
             media_type: None,
         };
-        let s = SnapshotManifest {
+        SnapshotManifest {
             schema_version: SCHEMA_VERSION,
             media_type: SNAPSHOT_MEDIA_TYPE.to_string(),
-            memory,
+            memory: table(memory),
             vmstate: blob(b"vmstate"),
-            disk,
+            disk: table(disk),
             compatibility_key: "qemu=10.0.2".into(),
             image: ManifestDigest::of(b"image"),
             kernel: blob(b"vmlinux"),
             initramfs: blob(b"initrd"),
             vcpus: 1,
-            memory_bytes: 12,
-            prefetch: Some(PrefetchList {
+            memory_bytes: 4 * memory.len() as u64,
+            prefetch: Some(prefetch),
+        }
+    }
+
+    #[test]
+    fn a_snapshots_prefetched_chunks_come_first_in_list_order() {
+        let s = snapshot_of(
+            &[b"m0", b"m1", b"m2"],
+            &[b"d0", b"m0"],
+            PrefetchList {
                 memory: vec![2, 0],
                 disk: vec![1, 0],
-            }),
-        };
+            },
+        );
         let chunks = |m: &SnapshotManifest| -> Vec<ObjectRef> {
             references(&Manifest::Snapshot(m.clone()))
                 .into_iter()
@@ -689,43 +697,14 @@ mod tests {
 
     #[test]
     fn the_fetch_order_is_the_disks_chunks_then_memorys_each_in_list_order() {
-        let entry = |i: u64, name: &[u8]| ChunkEntry {
-            offset: i * 4,
-            raw_len: 4,
-            digest: Some(ChunkDigest::of(name)),
-            stored_len: 3,
-        };
-        let t = |names: &[&[u8]]| ChunkTable {
-            size: 4 * names.len() as u64,
-            chunking: Chunking::DISK_DEFAULT,
-            entries: names
-                .iter()
-                .enumerate()
-                .map(|(i, n)| entry(i as u64, n))
-                .collect(),
-        };
-        let blob = |b: &[u8]| BlobRef {
-            digest: BlobDigest::of(b),
-            size: b.len() as u64,
-            media_type: None,
-        };
-        let s = SnapshotManifest {
-            schema_version: SCHEMA_VERSION,
-            media_type: SNAPSHOT_MEDIA_TYPE.to_string(),
-            memory: t(&[b"m0", b"m1", b"m2"]),
-            vmstate: blob(b"vmstate"),
-            disk: t(&[b"d0", b"d1", b"d2"]),
-            compatibility_key: "qemu=10.0.2".into(),
-            image: ManifestDigest::of(b"image"),
-            kernel: blob(b"vmlinux"),
-            initramfs: blob(b"initrd"),
-            vcpus: 1,
-            memory_bytes: 12,
-            prefetch: Some(PrefetchList {
+        let s = snapshot_of(
+            &[b"m0", b"m1", b"m2"],
+            &[b"d0", b"d1", b"d2"],
+            PrefetchList {
                 memory: vec![2, 0],
                 disk: vec![1, 2, 0],
-            }),
-        };
+            },
+        );
         let order: Vec<(bool, ChunkDigest)> = s
             .prefetch
             .as_ref()

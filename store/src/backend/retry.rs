@@ -976,6 +976,27 @@ mod tests {
         }
     }
 
+    /// A store that never answers (every call hangs), behind [`Retrying`] with an operation
+    /// bound of `bound`.
+    async fn hung(bound: Duration) -> (tempfile::TempDir, Retrying) {
+        let dir = tempfile::tempdir().unwrap();
+        let hung = Flaky {
+            inner: LocalBackend::open(dir.path()).await.unwrap(),
+            fail_before: 0,
+            lose_reply: false,
+            hang: true,
+            calls: AtomicU32::new(0),
+        };
+        let r = Retrying::new(
+            Arc::new(hung),
+            RetryPolicy {
+                operation_timeout: bound,
+                ..fast()
+            },
+        );
+        (dir, r)
+    }
+
     async fn flaky(fail_before: u32, lose_reply: bool) -> (tempfile::TempDir, Retrying) {
         let dir = tempfile::tempdir().unwrap();
         let inner = LocalBackend::open(dir.path()).await.unwrap();
@@ -1056,22 +1077,8 @@ mod tests {
     /// abandoned when the bound runs out, and a retry whose wait would pass it is not begun.
     #[tokio::test]
     async fn an_operation_gives_up_at_its_time_bound() {
-        let dir = tempfile::tempdir().unwrap();
-        let hung = Flaky {
-            inner: LocalBackend::open(dir.path()).await.unwrap(),
-            fail_before: 0,
-            lose_reply: false,
-            hang: true,
-            calls: AtomicU32::new(0),
-        };
         let bound = Duration::from_millis(300);
-        let r = Retrying::new(
-            Arc::new(hung),
-            RetryPolicy {
-                operation_timeout: bound,
-                ..fast()
-            },
-        );
+        let (_dir, r) = hung(bound).await;
         let t = Instant::now();
         let e = r.get("k").await.unwrap_err();
         assert!(t.elapsed() < bound * 4, "{:?}", t.elapsed());
@@ -1115,22 +1122,8 @@ mod tests {
     /// first read alone with its attempt, the others said to be left unread and why.
     #[tokio::test]
     async fn a_batched_read_of_a_store_that_answers_nothing_gives_up_at_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let hung = Flaky {
-            inner: LocalBackend::open(dir.path()).await.unwrap(),
-            fail_before: 0,
-            lose_reply: false,
-            hang: true,
-            calls: AtomicU32::new(0),
-        };
         let bound = Duration::from_millis(200);
-        let r = Retrying::new(
-            Arc::new(hung),
-            RetryPolicy {
-                operation_timeout: bound,
-                ..fast()
-            },
-        );
+        let (_dir, r) = hung(bound).await;
         let keys: Vec<String> = (0..20).map(|i| format!("chunks/sha256/{i:02x}")).collect();
         let t = Instant::now();
         let out = r.get_many(&keys, 1 << 20).await;
