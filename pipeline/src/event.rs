@@ -110,6 +110,9 @@ pub enum Event {
         accel: String,
         /// VMM start → the ready check passed, milliseconds.
         boot_to_ready_ms: u64,
+        /// The ready check passed → the guest idle and its `ready` sent, milliseconds
+        /// (`kiln_vmm::snapshot::SnapshotReport::settle`).
+        settle_ms: u64,
         /// Pause → snapshot saved, milliseconds.
         save_ms: u64,
         /// Guest RAM, bytes.

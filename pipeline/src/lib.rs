@@ -940,6 +940,7 @@ async fn finish(
                 image: r.image,
                 accel: r.accel.name().to_string(),
                 boot_to_ready_ms: r.boot_to_ready.as_millis() as u64,
+                settle_ms: r.settle.as_millis() as u64,
                 save_ms: r.save.as_millis() as u64,
                 memory_bytes: r.memory_bytes,
                 memory_stored_bytes: r.memory_stored_bytes,

@@ -6,7 +6,8 @@
 //! 1. the image (`busybox`: the busybox fixture, 64 MiB; `debian`: the Debian fixture,
 //!    512 MiB; each with a start command and a ready check) is put into a local build store
 //!    and booted cold to READY `KILN_BENCH_RUNS` times by `kiln snapshot` (each a full
-//!    boot-once snapshot; QEMU spawned → ready check passed);
+//!    boot-once snapshot; QEMU spawned → ready check passed, the guest's wait for idle
+//!    after it reported apart);
 //! 2. the last snapshot is pushed to the store `KILN_BENCH_STORE` (a local directory by
 //!    default, `s3://…` for the local S3 server);
 //! 3. cold lazy starts: `KILN_BENCH_RUNS` times `kiln start` from that store with an empty
@@ -203,7 +204,7 @@ fn main() {
     });
     let build_cache = work.join("cache-build");
     let mem = mem_mib.to_string();
-    let (mut boots, mut snap_walls) = (Vec::new(), Vec::new());
+    let (mut boots, mut settles, mut snap_walls) = (Vec::new(), Vec::new(), Vec::new());
     let mut last = Value::Null;
     let restores = std::env::var("KILN_BENCH_PREFETCH_RESTORES").ok();
     let mut snap_args = vec![
@@ -222,10 +223,11 @@ fn main() {
         let (o, wall) = k.run(&build, &build_cache, &snap_args);
         let e = events(&o, "snapshot").pop().expect("a snapshot event");
         eprintln!(
-            "cold boot {i}: ready in {} ms, saved in {} ms, kiln snapshot {:?}",
-            e["boot_to_ready_ms"], e["save_ms"], wall
+            "cold boot {i}: ready in {} ms, idle {} ms later, saved in {} ms, kiln snapshot {:?}",
+            e["boot_to_ready_ms"], e["settle_ms"], e["save_ms"], wall
         );
         boots.push(ms_of(&e, "boot_to_ready_ms"));
+        settles.push(ms_of(&e, "settle_ms"));
         snap_walls.push(wall.as_secs_f64() * 1000.0);
         last = e;
     }
@@ -388,6 +390,7 @@ fn main() {
         snap.prefetch.as_ref().map_or(0, |l| l.disk.len()),
     );
     println!("cold boot to READY (kiln snapshot) {}", stats(&boots));
+    println!("  ready check passed → guest idle  {}", stats(&settles));
     println!("  whole kiln snapshot              {}", stats(&snap_walls));
     println!("lazy cold, answered                {}", stats(&cold_ans));
     println!("lazy cold, whole kiln start        {}", stats(&cold_whole));

@@ -60,6 +60,14 @@ async fn env() -> Env {
     }
 }
 
+/// A start command that writes `/tmp/started` (the ready check's mark), keeps the vCPU busy
+/// for 1 s more (guest uptime, centiseconds; `${c#0}` keeps `.09` from reading as octal),
+/// writes a random UUID to `/tmp/settled` and sleeps.
+const BUSY_AFTER_READY: &str = "echo up > /tmp/started; read u _ < /proc/uptime; c=${u#*.}; \
+     end=$(( ${u%.*} * 100 + ${c#0} + 100 )); \
+     while read u _ < /proc/uptime; c=${u#*.}; [ $(( ${u%.*} * 100 + ${c#0} )) -lt $end ]; \
+     do :; done; cat /proc/sys/kernel/random/uuid > /tmp/settled; exec sleep 1000000";
+
 #[test]
 fn vm_boot_once_snapshot_and_three_clones() {
     rt().block_on(async {
@@ -72,7 +80,10 @@ fn vm_boot_once_snapshot_and_three_clones() {
             &tag,
             SandboxSpec {
                 start: Some(StartSpec {
-                    argv: sh("echo up > /tmp/started; exec sleep 1000000"),
+                    // Still busy for 1 s after the ready check can pass (guest uptime, in
+                    // centiseconds): the snapshot must wait for it (kiln-guest-init's idle
+                    // wait), or every clone finishes it after its restore.
+                    argv: sh(BUSY_AFTER_READY),
                     user: None,
                     env: vec!["FROM_IMAGE=1".into()],
                     workdir: Some("/".into()),
@@ -144,6 +155,39 @@ fn vm_boot_once_snapshot_and_three_clones() {
             v.dedup();
             v.len()
         };
+        // The start command's work after the check was done before the snapshot: every
+        // clone has the same mark, a random UUID drawn at its end. Drawn after a clone's
+        // restore (the snapshot saved while the command was busy), it would differ from
+        // clone to clone: each reseeds its random pool before it answers, long before the
+        // command's remaining busy time is up.
+        let mut marks = Vec::new();
+        for c in &clones {
+            let mut out = Vec::new();
+            let status = kiln_vmm::exec::exec(
+                &state,
+                &c.id,
+                &kiln_vmm::exec::ExecRequest {
+                    argv: vec!["cat".into(), "/tmp/settled".into()],
+                    ..Default::default()
+                },
+                |_, data| out.extend_from_slice(data),
+            )
+            .await
+            .expect("exec in a clone");
+            assert_eq!(status.code, Some(0), "clone {}: no /tmp/settled", c.id);
+            marks.push(String::from_utf8_lossy(&out).trim().to_string());
+        }
+        assert!(
+            marks.iter().all(|m| m.len() == 36 && *m == marks[0]),
+            "the start command's work ran after the restore in each clone (snapshot saved \
+             while it was busy; the guest waited {:?} for idle): {marks:?}",
+            r.settle
+        );
+        assert!(
+            r.settle > Duration::ZERO && r.settle < Duration::from_secs(5),
+            "{:?}",
+            r.settle
+        );
         assert_eq!(distinct(|c| &c.machine_id), 3, "{clones:#?}");
         assert_eq!(distinct(|c| &c.random), 3, "{clones:#?}");
         assert!(

@@ -291,6 +291,7 @@ mod tests {
             .send(&Message::Ready(Ready {
                 elapsed_ms: 3,
                 attempts: 1,
+                settled_ms: 0,
             }))
             .await
             .unwrap();

@@ -170,8 +170,13 @@ pub struct SnapshotReport {
     pub image: ManifestDigest,
     /// The accelerator used.
     pub accel: Accel,
-    /// QEMU spawned → the guest's `ready` (cold boot, init, start command, ready check).
+    /// QEMU spawned → the ready check passed (cold boot, init, start command, ready check):
+    /// the guest's `ready` arrived [`SnapshotReport::settle`] later.
     pub boot_to_ready: Duration,
+    /// The ready check passed → the guest idle and its `ready` sent (the guest init's wait
+    /// for what still ran, which would otherwise run again in every clone; its
+    /// `ready.settled_ms`, 0 from an init that does not wait).
+    pub settle: Duration,
     /// `stop` → migration completed.
     pub save: Duration,
     /// Guest RAM, bytes.
@@ -349,9 +354,9 @@ pub async fn snapshot_manifest(
         &[(vmstate.as_path(), crate::jail::Access::Create)],
     )
     .await?;
-    let channel = run_to_ready(&mut vm, &spec, image.sandbox.as_ref(), opts).await?;
-    let boot_to_ready = t0.elapsed();
-    tracing::info!(?boot_to_ready, "guest ready");
+    let (channel, settle) = run_to_ready(&mut vm, &spec, image.sandbox.as_ref(), opts).await?;
+    let boot_to_ready = t0.elapsed().saturating_sub(settle);
+    tracing::info!(?boot_to_ready, ?settle, "guest ready");
 
     // 3. Pause and save the device state, the guest channel still connected: the guest is
     // saved waiting in its read of the port, which a clone whose host connected before its
@@ -463,6 +468,7 @@ pub async fn snapshot_manifest(
         image: img_raw.digest,
         accel,
         boot_to_ready,
+        settle,
         save,
         memory_bytes: opts.memory_bytes,
         memory_stored_bytes,
@@ -693,13 +699,14 @@ async fn guest_err(vm: &mut Vm, spec: &VmSpec, what: &str, source: ChannelError)
 }
 
 /// Connects the guest channel, waits for `hello`, sends `start`, waits for `ready`; returns
-/// the channel, still connected.
+/// the channel, still connected, and the guest's wait for idle after its check passed
+/// (`ready.settled_ms`).
 async fn run_to_ready(
     vm: &mut Vm,
     spec: &VmSpec,
     sandbox: Option<&SandboxSpec>,
     opts: &SnapshotOptions,
-) -> Result<GuestChannel, SnapshotError> {
+) -> Result<(GuestChannel, Duration), SnapshotError> {
     let ch = GuestChannel::connect(&spec.guest_socket, opts.boot_timeout)
         .await
         .map_err(|e| ("connecting to the guest channel", e));
@@ -728,7 +735,7 @@ async fn run_to_ready(
         Err(e) => return Err(guest_err(vm, spec, "waiting for ready", e).await),
     };
     match ready {
-        Message::Ready(_) => Ok(ch),
+        Message::Ready(r) => Ok((ch, Duration::from_millis(r.settled_ms))),
         Message::Failed(f) => Err(SnapshotError::GuestFailed {
             reason: format!("{:?}: {}", f.kind, f.reason),
             console: launch::console_report(&spec.serial_log),

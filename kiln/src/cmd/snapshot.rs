@@ -68,6 +68,7 @@ pub async fn run(out: &Out, a: Args) -> CmdResult {
         json!({
             "tag": tag.to_string(), "image": r.image, "snapshot": r.snapshot,
             "accel": r.accel.name(), "boot_to_ready_ms": r.boot_to_ready.as_millis() as u64,
+            "settle_ms": r.settle.as_millis() as u64,
             "save_ms": r.save.as_millis() as u64, "memory_bytes": r.memory_bytes,
             "memory_stored_bytes": r.memory_stored_bytes, "vmstate_bytes": r.vmstate_bytes,
             "compatibility_key": r.key.render(), "prefetch_chunks": r.prefetch_chunks,

@@ -24,7 +24,7 @@
 //! ```text
 //! guest → host  hello    {init_version}                      once the init runs
 //! host → guest  start    {argv, user, env, workdir, ready}   the image manifest's sandbox
-//! guest → host  ready    {elapsed_ms, attempts}              ready check passed
+//! guest → host  ready    {elapsed_ms, attempts, settled_ms}  ready check passed, guest idle
 //!            or failed   {kind, reason}                      check timed out, command died
 //! host → guest  restore  {entropy, time_unix_ns, env,        after a snapshot is restored
 //!                         image_user, image_env}
@@ -268,6 +268,12 @@ pub struct Ready {
     /// Ready-check attempts run, the passing one included (0 without a check).
     #[serde(default)]
     pub attempts: u32,
+    /// Time from the passing check to this message, ms: the init waits until the guest is
+    /// idle (nothing runnable but itself, nothing waiting for I/O), at most 2 s, so that the
+    /// snapshot saved at `ready` has nothing half done for every clone to finish. 0 from an
+    /// init that does not wait.
+    #[serde(default)]
+    pub settled_ms: u64,
 }
 
 /// Why the guest failed to become ready.
@@ -649,6 +655,7 @@ mod tests {
             Message::Ready(Ready {
                 elapsed_ms: 12,
                 attempts: 2,
+                settled_ms: 40,
             }),
             Message::Failed(Failed {
                 kind: FailureKind::ReadyTimeout,
@@ -1150,6 +1157,19 @@ mod tests {
             panic!("not a start: {start:?}")
         };
         assert_eq!(start.ready.unwrap().retries, 7);
+    }
+
+    #[test]
+    fn a_ready_from_an_init_that_does_not_wait_for_idle_reads_as_no_wait() {
+        let msg = decode_body(br#"{"v":1,"type":"ready","elapsed_ms":9,"attempts":2}"#).unwrap();
+        assert_eq!(
+            msg,
+            Message::Ready(Ready {
+                elapsed_ms: 9,
+                attempts: 2,
+                settled_ms: 0,
+            })
+        );
     }
 
     #[test]

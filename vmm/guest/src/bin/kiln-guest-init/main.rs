@@ -28,6 +28,7 @@ mod diff;
 mod egress;
 mod exec;
 mod grow;
+mod idle;
 mod proc;
 mod serve;
 mod sys;

@@ -97,11 +97,17 @@ impl Sender {
     pub fn send(&self, msg: &Message) {
         let mut port = self.0.lock().unwrap_or_else(|p| p.into_inner());
         match protocol::write_message(&mut *port, msg) {
-            // Liveness traffic and output chunks are not logged: there may be many.
+            // Liveness traffic and output chunks are not logged: there may be many. Nor is
+            // `ready`: its line comes before it (a line after it would still be on its way
+            // out of the serial port when the snapshot is saved, and every clone would send
+            // it again).
             Ok(())
                 if matches!(
                     msg,
-                    Message::Pong(_) | Message::Output(_) | Message::DiffData(_)
+                    Message::Pong(_)
+                        | Message::Output(_)
+                        | Message::DiffData(_)
+                        | Message::Ready(_)
                 ) => {}
             Ok(()) => log!("sent {}", msg.type_name()),
             Err(e) => log!("sending {}: {e}", msg.type_name()),
@@ -348,14 +354,25 @@ fn run_start(start: Start, tx: Sender) {
         },
     };
     let elapsed_ms = elapsed_ms(t0);
-    log!("ready after {elapsed_ms} ms ({attempts} checks)");
     // The snapshot is taken after `ready`: the paths every clone's restore looks up are
     // looked up now, so that their dentries (a missing file's too) are in the memory it
     // keeps and no clone reads their directories from its lazily served disk.
     let _ = ssh_host_keys_missing();
+    // What still runs is saved half done and runs again in every clone (crate::idle).
+    let settled = crate::idle::wait_idle(crate::idle::MAX_WAIT);
+    let settled_ms = settled.waited.as_millis().try_into().unwrap_or(u64::MAX);
+    if settled.idle {
+        log!("ready after {elapsed_ms} ms ({attempts} checks); idle {settled_ms} ms later");
+    } else {
+        log!(
+            "ready after {elapsed_ms} ms ({attempts} checks); still busy {settled_ms} ms later, \
+             saved busy"
+        );
+    }
     tx.send(&Message::Ready(Ready {
         elapsed_ms,
         attempts,
+        settled_ms,
     }));
     if let Some(pid) = child
         && let Some(status) = proc::wait(pid, None)
