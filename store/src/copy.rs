@@ -260,15 +260,9 @@ async fn copy_closure(
         if present.contains(&ObjectRef::Manifest(raw.digest)) {
             continue;
         }
-        if let Ok(crate::Manifest::Snapshot(s)) = raw.parse()
-            && let Err(e) = dst.pack_prefetch(&s).await
-        {
-            tracing::warn!(
-                store = %dst.url(),
-                snapshot = %raw.digest,
-                error = %e,
-                "packing the prefetch list's chunks together failed; they stay where they are"
-            );
+        if let Ok(crate::Manifest::Snapshot(s)) = raw.parse() {
+            let span = tracing::info_span!("pack_prefetch", snapshot = %raw.digest);
+            tracing::Instrument::instrument(dst.pack_prefetch(&s), span).await;
         }
     }
 

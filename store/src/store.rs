@@ -701,15 +701,42 @@ impl Store {
     /// ([`crate::copy`]) that brings the snapshot manifest. Nothing for a snapshot without
     /// a list, or with one that names no chunk of it (the chunk server then fetches
     /// nothing either).
+    ///
+    /// Best effort, as both callers want it: the chunks are stored either way. What it
+    /// packed is logged (`tracing` info: packs, chunks, bytes, ms) and returned; a failure is
+    /// logged as a warning and returns `None`.
     pub async fn pack_prefetch(
         &self,
         snap: &crate::SnapshotManifest,
-    ) -> Result<backend::PackedTogether, StoreError> {
+    ) -> Option<backend::PackedTogether> {
         let Some(Ok(entries)) = snap.prefetch.as_ref().map(|p| p.fetch_order(snap)) else {
-            return Ok(backend::PackedTogether::default());
+            return Some(backend::PackedTogether::default());
         };
         let digests: Vec<ChunkDigest> = entries.into_iter().filter_map(|(_, e)| e.digest).collect();
-        self.pack_together(&digests).await
+        let t0 = std::time::Instant::now();
+        match self.pack_together(&digests).await {
+            Ok(p) => {
+                if p.chunks > 0 {
+                    tracing::info!(
+                        store = %self.url(),
+                        packs = ?p.packs,
+                        chunks = p.chunks,
+                        bytes = p.bytes,
+                        ms = t0.elapsed().as_millis() as u64,
+                        "the prefetch list's chunks packed together in fetch order"
+                    );
+                }
+                Some(p)
+            }
+            Err(e) => {
+                tracing::warn!(
+                    store = %self.url(),
+                    error = %e,
+                    "packing the prefetch list's chunks together failed; they stay where they are"
+                );
+                None
+            }
+        }
     }
 
     /// A chunk's stored bytes decoded and verified (the known index forgets it when they are

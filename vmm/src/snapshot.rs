@@ -452,7 +452,10 @@ pub async fn snapshot_manifest(
                 prefetch_chunks = list.memory.len() + list.disk.len();
                 prefetch_checks_passed = passed;
                 snap.prefetch = Some(list);
-                pack_prefetch(store, &snap).await;
+                // Its chunks again, in fetch order, in a pack of their own: on S3 a cold
+                // start reads them with a few ranged GETs of one small pack instead of spans
+                // of the 32 MiB packs the uploads left them in; locally nothing.
+                store.pack_prefetch(&snap).await;
                 snap_raw = store.put_manifest(&Manifest::Snapshot(snap)).await?;
                 img_raw = store
                     .put_manifest(&Manifest::Image(with_snapshot(snap_raw.digest)))
@@ -478,29 +481,6 @@ pub async fn snapshot_manifest(
         prefetch_chunks,
         prefetch_checks_passed,
     })
-}
-
-/// Writes the chunks of `snap`'s prefetch list into a pack of their own in the order a
-/// clone's chunk server fetches them ([`Store::pack_prefetch`]: on S3 a second copy of each,
-/// which a cold start reads with a few ranged GETs of one small pack instead of spans of the
-/// 32 MiB packs the uploads left them in; locally nothing). A failure is a warning: the
-/// chunks are stored anyway.
-async fn pack_prefetch(store: &Store, snap: &SnapshotManifest) {
-    let t0 = Instant::now();
-    match store.pack_prefetch(snap).await {
-        Ok(p) if p.chunks > 0 => tracing::info!(
-            packs = ?p.packs,
-            chunks = p.chunks,
-            bytes = p.bytes,
-            ms = t0.elapsed().as_millis() as u64,
-            "the prefetch list's chunks packed together in fetch order"
-        ),
-        Ok(_) => {}
-        Err(e) => tracing::warn!(
-            error = %e,
-            "packing the prefetch list's chunks together failed; they stay where they are"
-        ),
-    }
 }
 
 /// Step 5 of the module doc: [`SnapshotOptions::prefetch_restores`] recordings
