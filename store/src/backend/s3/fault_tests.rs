@@ -697,3 +697,44 @@ async fn a_discarded_upload_keeps_a_pack_another_writer_found_its_chunks_in() {
     let v = t.other.verify(true, &GcOptions::default()).await.unwrap();
     assert!(v.is_ok(), "{v:?}");
 }
+
+/// A pack published (its index PUT answered), then the HEAD of its index that adds it to
+/// the view fails for good: the upload fails and discards its batch, and the pack, whose
+/// index is in the store, must stay (before, the failed send handed it back to the batch as
+/// a pack without its index, and the discard deleted it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discarded_upload_keeps_a_pack_published_before_a_later_request_failed() {
+    let heads = Arc::new(AtomicUsize::new(0));
+    let h = heads.clone();
+    let tamper: Arc<Tamper> = Arc::new(move |req: &HttpRequest| {
+        if req.method() != reqwest::Method::HEAD || !req.uri().path().ends_with(".idx") {
+            return Tampered::Pass;
+        }
+        h.fetch_add(1, Ordering::SeqCst);
+        Tampered::Refused {
+            status: 403,
+            body: error_body("AccessDenied"),
+        }
+    });
+    let bucket = fresh_bucket();
+    let prefix = format!("s3-faults-{}/discard-published", std::process::id());
+    let opts = S3Options {
+        pack_target: Some(300 << 10),
+        ..s3_options()
+    };
+    let b = S3Backend::open_tampered(&bucket, &prefix, &opts, tamper).unwrap();
+    let s = Store::from_backend(Arc::new(b), StoreOptions::default());
+    let (data, put_opts) = twelve_chunks();
+    let r = s
+        .put_artifact_reader(std::io::Cursor::new(data), &put_opts)
+        .await;
+    assert!(r.is_err(), "the upload went through: {r:?}");
+    assert!(heads.load(Ordering::SeqCst) > 0);
+    let other = Store::from_backend(
+        Arc::new(S3Backend::open(&bucket, &prefix, &opts).unwrap()),
+        StoreOptions::default(),
+    );
+    let v = other.verify(true, &GcOptions::default()).await.unwrap();
+    assert!(v.is_ok(), "{v:?}");
+    assert!(other.backend().layout_report().await.unwrap().packs >= 1);
+}
