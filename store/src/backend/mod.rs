@@ -583,8 +583,9 @@ pub trait Backend: Send + Sync + fmt::Debug + 'static {
         Ok(PackedTogether::default())
     }
 
-    /// Forgets `batch` and `staged` (removes what they wrote) after a failed upload. Default:
-    /// nothing.
+    /// Forgets `batch` and `staged` after a failed upload, removing what they wrote that no
+    /// reader or writer can have seen (on S3, a pack whose index PUT failed stays: its index
+    /// may be stored all the same, an answer lost, [`s3`], "Packs"). Default: nothing.
     async fn discard_staged(&self, batch: StageBatch, staged: Vec<StagedPut>) {
         let _ = (batch, staged);
     }

@@ -44,7 +44,10 @@
 //! there, so two uploads in one process never publish a chunk twice). An index therefore
 //! appears only after its whole pack: a reader that sees an index can read every entry. A
 //! crash leaves at most a pack without an index: invisible to every read, listing, verify
-//! and GC; a failed upload's discard deletes the packs it sent, and
+//! and GC; a failed upload's discard deletes the packs it sent whose index PUT was never
+//! begun, and leaves those whose index PUT failed (the index may be stored all the same, an
+//! answer lost: the pack is then published, garbage for GC, and deleting it would leave an
+//! index naming bytes gone, under chunks another writer may have found present), and
 //! [`Backend::compact`] deletes any pack without an index older than
 //! [`super::s3_pack::ORPHAN_AGE`] (24 h), which no writer still uploading can own: a writer never
 //! puts an index more than [`super::s3_pack::INDEX_DEADLINE`] (12 h) after its pack (it fails its
@@ -1234,10 +1237,24 @@ impl Backend for S3Backend {
     async fn discard_staged(&self, batch: StageBatch, staged: Vec<StagedPut>) {
         drop(staged);
         if let Some(b) = &batch.s3 {
-            // Packs sent without their index: invisible, removed now (or, if this fails, by
-            // a compaction once they are old).
-            for name in b.discard() {
-                let _ = self.delete_raw(&pack_key(&name)).await;
+            let d = b.discard();
+            // Packs sent whose index PUT was never begun: invisible for good, removed now
+            // (or, if this fails, by a compaction once they are old).
+            for name in &d.delete {
+                let _ = self.delete_raw(&pack_key(name)).await;
+            }
+            // Packs whose index PUT failed may be published all the same (the server stored
+            // the index, its answer was lost): deleting one would leave an index naming
+            // bytes that are gone, under chunks another writer may have found present
+            // meanwhile. Confirming with a HEAD would not do: a request still on its way can
+            // store the index after the HEAD. Left: garbage for GC if published, else a pack
+            // without an index that a compaction removes after `ORPHAN_AGE`.
+            if !d.left.is_empty() {
+                tracing::debug!(
+                    store = %self.url,
+                    packs = ?d.left,
+                    "discarded upload: packs whose index PUT may have been stored are left for GC or compaction"
+                );
             }
         }
     }

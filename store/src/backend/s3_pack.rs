@@ -267,8 +267,14 @@ struct BatchState {
     filling: Filling,
     /// Closed packs not yet published (pack or index PUT still to do).
     unsent: Vec<Sealed>,
-    /// Packs whose PUT returned but whose index did not (removed by a discard).
+    /// Packs whose PUT returned but whose index PUT has not (a discard removes those whose
+    /// index PUT was never begun, [`BatchState::index_begun`]).
     pack_only: HashSet<String>,
+    /// Packs whose index PUT was begun: the index may be in the store whatever that PUT's
+    /// caller saw (an error after the server stored it: a lost answer, a timeout, a reset
+    /// connection, a future dropped with its request sent), so another writer may already
+    /// rely on its chunks. A discard never deletes such a pack (see [`S3Batch::discard`]).
+    index_begun: HashSet<String>,
     /// Every chunk this batch holds (a retried stage finds its chunk here).
     digests: HashSet<Sha256Hash>,
     /// Chunks left out at the last pack's closing: published by another writer first.
@@ -398,6 +404,12 @@ impl S3Batch {
         g.unsent.push(s);
     }
 
+    /// Notes that pack `name`'s index PUT is about to be sent: from then on the index may be
+    /// in the store, whatever the PUT returns, and a discard leaves the pack.
+    pub(crate) fn index_begun(&self, name: &str) {
+        self.lock().index_begun.insert(name.to_string());
+    }
+
     /// Notes pack `name` published (its index PUT returned).
     pub(crate) fn published(&self, name: &str) {
         let mut s = self.lock();
@@ -416,22 +428,38 @@ impl S3Batch {
         s.unsent.is_empty() && s.filling.entries.is_empty()
     }
 
-    /// Forgets everything; returns the packs whose PUT returned without their index (the
-    /// discard removes them).
-    pub(crate) fn discard(&self) -> Vec<String> {
+    /// Forgets everything. Returns, sorted, the packs the discard deletes (their PUT
+    /// returned and their index PUT was never begun: no index can ever name them, so no
+    /// reader or writer can see them) and the packs it must leave (their index PUT was begun
+    /// and did not return success, so the index may be in the store: a published pack that
+    /// another writer may already rely on, garbage for GC to collect once nothing references
+    /// it; or, if the index never arrived, a pack without an index, which a compaction
+    /// removes after [`ORPHAN_AGE`]). A pack whose index PUT returned is published and
+    /// in neither list.
+    pub(crate) fn discard(&self) -> Discarded {
         let mut s = self.lock();
-        let mut out: Vec<String> = s.pack_only.drain().collect();
-        out.extend(
+        let mut sent: Vec<String> = s.pack_only.drain().collect();
+        sent.extend(
             s.unsent
                 .drain(..)
                 .filter(|u| u.pack_put.is_some())
                 .map(|u| u.name),
         );
         s.filling = Filling::default();
-        out.sort();
-        out.dedup();
-        out
+        sent.sort();
+        sent.dedup();
+        let (left, delete) = sent.into_iter().partition(|n| s.index_begun.contains(n));
+        Discarded { delete, left }
     }
+}
+
+/// What [`S3Batch::discard`] found of a batch's packs sent but not published.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Discarded {
+    /// Packs no index names or ever will: the discard deletes them.
+    pub(crate) delete: Vec<String>,
+    /// Packs whose index may be in the store (its PUT's outcome unknown): left as they are.
+    pub(crate) left: Vec<String>,
 }
 
 #[cfg(test)]
@@ -465,5 +493,34 @@ mod tests {
         let s = b.take_unsent().unwrap();
         assert_eq!(s.entries.len(), 2);
         assert!(b.all_sent());
+    }
+
+    #[test]
+    fn a_discard_deletes_only_packs_whose_index_put_was_never_begun() {
+        // Packs close at one byte: three chunks, three packs, each one's PUT returned.
+        let b = S3Batch::new(1);
+        for x in [b"1", b"2", b"3"] {
+            assert!(b.append(Sha256Hash::of(x), x).1);
+        }
+        let mut sealed: Vec<Sealed> = std::iter::from_fn(|| b.take_unsent()).collect();
+        for s in &mut sealed {
+            s.pack_put = Some(Instant::now());
+        }
+        let names: Vec<String> = sealed.iter().map(|s| s.name.clone()).collect();
+        // The first's index PUT failed (its outcome unknown), the second's was never sent,
+        // the third's returned.
+        b.index_begun(&names[0]);
+        b.index_begun(&names[2]);
+        b.published(&names[2]);
+        let mut sealed = sealed.into_iter();
+        b.give_back(sealed.next().unwrap());
+        b.give_back(sealed.next().unwrap());
+        assert_eq!(
+            b.discard(),
+            Discarded {
+                delete: vec![names[1].clone()],
+                left: vec![names[0].clone()],
+            }
+        );
     }
 }

@@ -509,3 +509,232 @@ async fn gc_finishes_through_lost_replies_and_refusals_of_one_write_in_k() {
         assert_eq!(manifests.len(), 1, "one write in {every}: {manifests:?}");
     }
 }
+
+/// Whether `req` is the PUT of a pack's index (`packs/<name>.idx`).
+fn is_index_put(req: &HttpRequest) -> bool {
+    req.method() == reqwest::Method::PUT && req.uri().path().ends_with(".idx")
+}
+
+/// An S3 error body of `code`.
+fn error_body(code: &str) -> String {
+    format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code>\
+         <Message>injected</Message></Error>"
+    )
+}
+
+/// An upload whose first pack index PUT reaches the server (which stores the index) and
+/// whose answer is lost (a 500 in its place), and whose every later index PUT is not sent:
+/// refused with a 503 (retried) while `hold` is set, then with a 403 (final), so that the
+/// upload fails in its staging and discards its batch. Its packs close at 300 KiB (five
+/// 64 KiB chunks zstd cannot shrink), so the first one is sent while chunks are staged.
+struct LostIndexAnswer {
+    /// The uploading store (its backend behind the tamper, retried every 20 ms).
+    store: Store,
+    /// A store on the same bucket and prefix, untampered: another writer, or a later reader.
+    other: Store,
+    /// Index PUTs the upload sent or tried (from 2 on, the first one's answer was received).
+    index_puts: Arc<AtomicUsize>,
+    /// While set, the index PUTs after the first are refused as transient (the upload retries).
+    hold: Arc<std::sync::atomic::AtomicBool>,
+}
+
+fn lost_index_answer(test: &str, hold: bool) -> LostIndexAnswer {
+    let index_puts = Arc::new(AtomicUsize::new(0));
+    let hold = Arc::new(std::sync::atomic::AtomicBool::new(hold));
+    let (n, h) = (index_puts.clone(), hold.clone());
+    let tamper: Arc<Tamper> = Arc::new(move |req: &HttpRequest| {
+        if !is_index_put(req) {
+            return Tampered::Pass;
+        }
+        if n.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Tampered::Garbled {
+                status: 500,
+                body: error_body("InternalError"),
+            };
+        }
+        if h.load(Ordering::SeqCst) {
+            Tampered::Refused {
+                status: 503,
+                body: error_body("SlowDown"),
+            }
+        } else {
+            Tampered::Refused {
+                status: 403,
+                body: error_body("AccessDenied"),
+            }
+        }
+    });
+    let bucket = fresh_bucket();
+    let prefix = format!("s3-faults-{}/{test}", std::process::id());
+    let opts = S3Options {
+        pack_target: Some(300 << 10),
+        ..s3_options()
+    };
+    let b = S3Backend::open_tampered(&bucket, &prefix, &opts, tamper).unwrap();
+    let retry = crate::backend::retry::RetryPolicy {
+        max_attempts: 10_000,
+        base_delay: Duration::from_millis(20),
+        max_delay: Duration::from_millis(20),
+        operation_timeout: Duration::from_secs(60),
+    };
+    let store = Store::from_backend(
+        Arc::new(b),
+        StoreOptions {
+            retry,
+            ..StoreOptions::default()
+        },
+    );
+    let other = S3Backend::open(&bucket, &prefix, &opts).unwrap();
+    LostIndexAnswer {
+        store,
+        other: Store::from_backend(Arc::new(other), StoreOptions::default()),
+        index_puts,
+        hold,
+    }
+}
+
+/// Twelve 64 KiB chunks zstd cannot shrink (xorshift64), and the upload options that cut
+/// them so.
+fn twelve_chunks() -> (Vec<u8>, PutArtifactOptions) {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let data = (0..12 << 16)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect();
+    let opts = PutArtifactOptions {
+        chunking: Some(crate::chunk::Chunking::MEMORY_DEFAULT),
+        ..PutArtifactOptions::default()
+    };
+    (data, opts)
+}
+
+/// A failed upload whose first pack's index reached the server, its answer lost: the
+/// index is in the store, so the pack is published, and the discard must not delete it
+/// (before, it did: verify then found an index whose pack is missing, `corruptStoreFile`).
+/// The store stays clean, and GC takes the pack's chunks as the garbage they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discarded_upload_leaves_a_pack_whose_index_answer_was_lost() {
+    let t = lost_index_answer("discard-lost-index", false);
+    let (data, opts) = twelve_chunks();
+    let r = t
+        .store
+        .put_artifact_reader(std::io::Cursor::new(data), &opts)
+        .await;
+    assert!(r.is_err(), "the upload went through: {r:?}");
+    assert!(t.index_puts.load(Ordering::SeqCst) >= 2);
+    let v = t.other.verify(true, &GcOptions::default()).await.unwrap();
+    assert!(v.is_ok(), "{v:?}");
+    let packs = t.other.backend().layout_report().await.unwrap().packs;
+    assert_eq!(packs, 1, "the pack whose index was stored");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    t.other
+        .gc(&GcOptions {
+            grace: Duration::ZERO,
+            ..GcOptions::default()
+        })
+        .await
+        .unwrap();
+    let left = t.other.backend().list("chunks/").await.unwrap();
+    assert!(left.is_empty(), "{left:?}");
+    assert_eq!(t.other.backend().layout_report().await.unwrap().packs, 0);
+    let v = t.other.verify(true, &GcOptions::default()).await.unwrap();
+    assert!(v.is_ok(), "{v:?}");
+}
+
+/// The same lost answer, with another writer uploading the same bytes while the first
+/// upload retries: it finds the published pack's chunks present, writes none of them and
+/// tags an image naming them. The first upload then fails and discards its batch: the
+/// pack must stay (before, the discard deleted it, and the other writer's image lost the
+/// chunks it had found present).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discarded_upload_keeps_a_pack_another_writer_found_its_chunks_in() {
+    let t = lost_index_answer("discard-relied-on", true);
+    let (data, opts) = twelve_chunks();
+    let failing = t
+        .store
+        .put_artifact_reader(std::io::Cursor::new(data.clone()), &opts);
+    let other = async {
+        // A second index PUT is a retry, sent once the first one's answer came back: the
+        // index is stored by then.
+        while t.index_puts.load(Ordering::SeqCst) < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (table, _) = t
+            .other
+            .put_artifact_reader(std::io::Cursor::new(data.clone()), &opts)
+            .await
+            .unwrap();
+        let m = t
+            .other
+            .put_manifest(&Manifest::Image(ImageManifest::new(table.clone())))
+            .await
+            .unwrap();
+        t.other
+            .set_tag(&"relied:v1".parse().unwrap(), None, m.digest)
+            .await
+            .unwrap();
+        t.hold.store(false, Ordering::SeqCst);
+        table
+    };
+    let (r, table) = tokio::join!(failing, other);
+    assert!(r.is_err(), "the upload went through: {r:?}");
+    let wanted: Vec<(crate::ChunkDigest, u64)> = table
+        .entries
+        .iter()
+        .map(|e| (e.digest.unwrap(), e.raw_len))
+        .collect();
+    assert_eq!(wanted.len(), 12);
+    for (e, got) in table.entries.iter().zip(t.other.get_chunks(&wanted).await) {
+        let at = e.offset as usize..(e.offset + e.raw_len) as usize;
+        let got = got.unwrap_or_else(|err| panic!("chunk at {}: {err}", e.offset));
+        assert!(got[..] == data[at], "chunk at {}", e.offset);
+    }
+    let v = t.other.verify(true, &GcOptions::default()).await.unwrap();
+    assert!(v.is_ok(), "{v:?}");
+}
+
+/// A pack published (its index PUT answered), then the HEAD of its index that adds it to
+/// the view fails for good: the upload fails and discards its batch, and the pack, whose
+/// index is in the store, must stay (before, the failed send handed it back to the batch as
+/// a pack without its index, and the discard deleted it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discarded_upload_keeps_a_pack_published_before_a_later_request_failed() {
+    let heads = Arc::new(AtomicUsize::new(0));
+    let h = heads.clone();
+    let tamper: Arc<Tamper> = Arc::new(move |req: &HttpRequest| {
+        if req.method() != reqwest::Method::HEAD || !req.uri().path().ends_with(".idx") {
+            return Tampered::Pass;
+        }
+        h.fetch_add(1, Ordering::SeqCst);
+        Tampered::Refused {
+            status: 403,
+            body: error_body("AccessDenied"),
+        }
+    });
+    let bucket = fresh_bucket();
+    let prefix = format!("s3-faults-{}/discard-published", std::process::id());
+    let opts = S3Options {
+        pack_target: Some(300 << 10),
+        ..s3_options()
+    };
+    let b = S3Backend::open_tampered(&bucket, &prefix, &opts, tamper).unwrap();
+    let s = Store::from_backend(Arc::new(b), StoreOptions::default());
+    let (data, put_opts) = twelve_chunks();
+    let r = s
+        .put_artifact_reader(std::io::Cursor::new(data), &put_opts)
+        .await;
+    assert!(r.is_err(), "the upload went through: {r:?}");
+    assert!(heads.load(Ordering::SeqCst) > 0);
+    let other = Store::from_backend(
+        Arc::new(S3Backend::open(&bucket, &prefix, &opts).unwrap()),
+        StoreOptions::default(),
+    );
+    let v = other.verify(true, &GcOptions::default()).await.unwrap();
+    assert!(v.is_ok(), "{v:?}");
+    assert!(other.backend().layout_report().await.unwrap().packs >= 1);
+}

@@ -416,7 +416,14 @@ impl S3Backend {
             }
             let mut entries = p.entries.clone();
             let idx = Bytes::from(encode_index(&mut entries));
+            // Before the request: once sent, the index may be stored even if this call
+            // fails (an answer lost, a timeout, the future dropped), and a discard must then
+            // leave the pack ([`S3Batch::discard`]).
+            batch.index_begun(&p.name);
             self.put_if_absent_raw(&idx_key(&p.name), idx, None).await?;
+            // Published: out of the guard, so that a failure below (the HEAD) neither hands
+            // it back to be sent again nor leaves it to a discard.
+            let Some(p) = g.pack.take() else { break };
             batch.published(&p.name);
             // This process's own pack joins its view at once (its time from the server).
             if let Some(info) = self.head_raw(&idx_key(&p.name)).await? {
@@ -436,7 +443,6 @@ impl S3Backend {
                 );
                 v.rebuild();
             }
-            g.pack = None;
         }
         Ok(())
     }
