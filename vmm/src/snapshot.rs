@@ -5,7 +5,10 @@
 //! 2. Boot QEMU ([`crate::launch`]) with the memory file `share=on`; wait for the guest's
 //!    `hello` (bounded by [`SnapshotOptions::boot_timeout`]); send `start` built from the image
 //!    manifest's `sandbox`; wait for `ready` or `failed` (bounded by
-//!    [`SnapshotOptions::ready_timeout`]).
+//!    [`SnapshotOptions::ready_timeout`]). The guest init sends `ready` once the check has
+//!    passed and the guest is idle (at most 2 s later; kiln-guest-init's `idle` module), so
+//!    that no clone finishes work the boot left half done; the wait is
+//!    [`SnapshotReport::settle`], apart from [`SnapshotReport::boot_to_ready`].
 //! 3. QMP `stop`; `migrate-set-capabilities` `x-ignore-shared` (RAM in the shared file is
 //!    not copied into the stream); `migrate` to `file:vmstate`; wait until `completed`; quit.
 //! 4. Flatten the overlay (`qemu-img convert -O raw`: the disk at that instant, not qcow2
