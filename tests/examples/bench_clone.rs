@@ -11,7 +11,8 @@
 //! 2. the last snapshot is pushed to the store `KILN_BENCH_STORE` (a local directory by
 //!    default, `s3://…` for the local S3 server);
 //! 3. cold lazy starts: `KILN_BENCH_RUNS` times `kiln start` from that store with an empty
-//!    snapshot cache and chunk cache (a chunk server of its own each time), and what the
+//!    snapshot cache and chunk cache (a chunk server of its own each time; only the host's
+//!    QEMU facts are copied in, [`host_facts`]), and what the
 //!    chunk server had fetched when `kiln start` returned (the clone answered) and after one
 //!    `kiln exec` in it, counted by [`kiln_tests::lazy::fetched`] as `kiln/tests/vm_lazy.rs`
 //!    counts it;
@@ -23,7 +24,8 @@
 //!    whole snapshot downloaded first) and `KILN_BENCH_RUNS` warm (cache filled).
 //!
 //! Every start has the accelerator the snapshot was made with in `KILN_ACCEL` (a host that
-//! has probed before; the probe is not part of a start's time). Times: "answered" is the
+//! has probed before; the probe is not part of a start's time), and the QEMU facts of an
+//! earlier start on this host. Times: "answered" is the
 //! start's `start_ms` (QEMU spawned → the guest answered `restore`), "whole" the wall time
 //! of the `kiln start` process; a warm start's phases (`prepare_ms`, `spawn_ms`, `resume_ms`,
 //! `guest_ms` of its `started` event) say where that time went. Prints a table on stdout,
@@ -121,6 +123,20 @@ impl Kiln {
 
     fn stop(&self, store: &str, cache: &Path, id: &str) {
         self.run(store, cache, &["stop", id]);
+    }
+}
+
+/// A cold start's host is not a new host: the QEMU facts an earlier start on it remembered
+/// (`kiln_vmm::clone::QEMU_FACTS` in the snapshot cache: QEMU's version and its jail's root
+/// plan, from `ldd` and `-L help`) are copied from `from` into the empty cache `to`, as the
+/// accelerator probe's answer is handed to every start in `KILN_ACCEL`. Nothing of the
+/// snapshot is copied. Without it each cold start also ran those two commands: about 100 ms
+/// more in `spawn_ms` (three Debian cold starts, issue 35).
+fn host_facts(from: &Path, to: &Path) {
+    let facts = from.join(kiln_vmm::clone::QEMU_FACTS);
+    if facts.is_file() {
+        std::fs::create_dir_all(to).expect("cache dir");
+        std::fs::copy(&facts, to.join(kiln_vmm::clone::QEMU_FACTS)).expect("copy QEMU facts");
     }
 }
 
@@ -253,6 +269,7 @@ fn main() {
     let mut anchor = None;
     for i in 0..runs {
         let cache = work.join(format!("cache-cold-{i}"));
+        host_facts(&build_cache, &cache);
         let (started, whole) = k.start(&store_url, &cache, &[]);
         let c = &started[0];
         let snapdir = cache.join(digest.hex());
@@ -325,6 +342,7 @@ fn main() {
     let mut mat_cache = work.clone();
     for i in 0..mat_runs {
         mat_cache = work.join(format!("cache-mat-{i}"));
+        host_facts(&build_cache, &mat_cache);
         let (started, whole) = k.start(&store_url, &mat_cache, &["--materialize"]);
         let c = &started[0];
         eprintln!(
