@@ -539,6 +539,21 @@ struct LostIndexAnswer {
     hold: Arc<std::sync::atomic::AtomicBool>,
 }
 
+/// Two handles on one fresh prefix named after `test`, packs closing at 300 KiB (five
+/// incompressible 64 KiB chunks): the first through `tamper`, the second untampered.
+fn small_packs(test: &str, tamper: Arc<Tamper>) -> (S3Backend, S3Backend) {
+    let bucket = fresh_bucket();
+    let prefix = format!("s3-faults-{}/{test}", std::process::id());
+    let opts = S3Options {
+        pack_target: Some(300 << 10),
+        ..s3_options()
+    };
+    (
+        S3Backend::open_tampered(&bucket, &prefix, &opts, tamper).unwrap(),
+        S3Backend::open(&bucket, &prefix, &opts).unwrap(),
+    )
+}
+
 fn lost_index_answer(test: &str, hold: bool) -> LostIndexAnswer {
     let index_puts = Arc::new(AtomicUsize::new(0));
     let hold = Arc::new(std::sync::atomic::AtomicBool::new(hold));
@@ -565,13 +580,7 @@ fn lost_index_answer(test: &str, hold: bool) -> LostIndexAnswer {
             }
         }
     });
-    let bucket = fresh_bucket();
-    let prefix = format!("s3-faults-{}/{test}", std::process::id());
-    let opts = S3Options {
-        pack_target: Some(300 << 10),
-        ..s3_options()
-    };
-    let b = S3Backend::open_tampered(&bucket, &prefix, &opts, tamper).unwrap();
+    let (b, other) = small_packs(test, tamper);
     let retry = crate::backend::retry::RetryPolicy {
         max_attempts: 10_000,
         base_delay: Duration::from_millis(20),
@@ -585,7 +594,6 @@ fn lost_index_answer(test: &str, hold: bool) -> LostIndexAnswer {
             ..StoreOptions::default()
         },
     );
-    let other = S3Backend::open(&bucket, &prefix, &opts).unwrap();
     LostIndexAnswer {
         store,
         other: Store::from_backend(Arc::new(other), StoreOptions::default()),
@@ -597,15 +605,7 @@ fn lost_index_answer(test: &str, hold: bool) -> LostIndexAnswer {
 /// Twelve 64 KiB chunks zstd cannot shrink (xorshift64), and the upload options that cut
 /// them so.
 fn twelve_chunks() -> (Vec<u8>, PutArtifactOptions) {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let data = (0..12 << 16)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect();
+    let data = super::together_tests::incompressible(12 << 16);
     let opts = PutArtifactOptions {
         chunking: Some(crate::chunk::Chunking::MEMORY_DEFAULT),
         ..PutArtifactOptions::default()
@@ -716,13 +716,7 @@ async fn a_discarded_upload_keeps_a_pack_published_before_a_later_request_failed
             body: error_body("AccessDenied"),
         }
     });
-    let bucket = fresh_bucket();
-    let prefix = format!("s3-faults-{}/discard-published", std::process::id());
-    let opts = S3Options {
-        pack_target: Some(300 << 10),
-        ..s3_options()
-    };
-    let b = S3Backend::open_tampered(&bucket, &prefix, &opts, tamper).unwrap();
+    let (b, other) = small_packs("discard-published", tamper);
     let s = Store::from_backend(Arc::new(b), StoreOptions::default());
     let (data, put_opts) = twelve_chunks();
     let r = s
@@ -730,10 +724,7 @@ async fn a_discarded_upload_keeps_a_pack_published_before_a_later_request_failed
         .await;
     assert!(r.is_err(), "the upload went through: {r:?}");
     assert!(heads.load(Ordering::SeqCst) > 0);
-    let other = Store::from_backend(
-        Arc::new(S3Backend::open(&bucket, &prefix, &opts).unwrap()),
-        StoreOptions::default(),
-    );
+    let other = Store::from_backend(Arc::new(other), StoreOptions::default());
     let v = other.verify(true, &GcOptions::default()).await.unwrap();
     assert!(v.is_ok(), "{v:?}");
     assert!(other.backend().layout_report().await.unwrap().packs >= 1);

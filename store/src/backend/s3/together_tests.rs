@@ -25,7 +25,7 @@ fn open(bucket: &str, prefix: &str, target: u64) -> S3Backend {
 }
 
 /// `n` bytes zstd cannot shrink (xorshift64).
-fn incompressible(n: usize) -> Vec<u8> {
+pub(super) fn incompressible(n: usize) -> Vec<u8> {
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     (0..n)
         .map(|_| {
