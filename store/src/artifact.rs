@@ -528,6 +528,10 @@ fn tokio_stream_from<T: Send + 'static>(
 /// only the last chunk was kept here.
 pub const READER_MEMORY: u64 = 32 << 20;
 
+/// Chunks [`ArtifactReader::read_at`] fetches at once (8: 512 KiB of 64 KiB chunks, twice
+/// the widest read a lazy clone's chunk server makes).
+pub const READ_AT_PARALLEL: usize = 8;
+
 /// Random access to an artifact by byte offset.
 #[derive(Debug)]
 pub struct ArtifactReader {
@@ -671,7 +675,17 @@ impl ArtifactReader {
 
     /// Fills `buf` from byte `offset`, crossing chunks as needed. Returns the bytes read (less
     /// than `buf.len()` only at the end of the artifact). Every chunk is verified.
+    ///
+    /// The chunks the range falls in are fetched [`READ_AT_PARALLEL`] at a time, in order
+    /// (holes are zeros, fetched never): a read of k chunks no cache holds waits about one
+    /// store round trip, not k one after another. On a failure the first failing chunk's
+    /// error, in offset order. A lazy clone's disk reads are such reads: the guest's
+    /// readahead asks for up to 128 KiB, two or three content-defined chunks (issue 35: in a
+    /// cold Debian clone from the local S3 server, those reads took 54-58 ms against 26-32 ms
+    /// for a read of one chunk).
     pub async fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<usize, StoreError> {
+        // (entry, where in buf, where in the chunk, bytes), in offset order.
+        let mut parts: Vec<(usize, usize, usize, usize)> = Vec::new();
         let mut done = 0usize;
         while done < buf.len() {
             let pos = offset + done as u64;
@@ -684,10 +698,17 @@ impl ArtifactReader {
             if e.is_hole() {
                 buf[done..done + avail].fill(0);
             } else {
-                let raw = self.chunk(i).await?;
-                buf[done..done + avail].copy_from_slice(&raw[within..within + avail]);
+                parts.push((i, done, within, avail));
             }
             done += avail;
+        }
+        let entries: Vec<usize> = parts.iter().map(|p| p.0).collect();
+        let mut fetched = futures::stream::iter(entries)
+            .map(|i| self.chunk(i))
+            .buffered(READ_AT_PARALLEL);
+        for &(_, at, within, avail) in &parts {
+            let raw = fetched.next().await.expect("one fetch for each part")?;
+            buf[at..at + avail].copy_from_slice(&raw[within..within + avail]);
         }
         Ok(done)
     }

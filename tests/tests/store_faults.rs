@@ -367,6 +367,64 @@ async fn s3_upload_that_gives_up_resumes_on_rerun() {
     assert_whole(&url, "img:v1", &bytes, dir.path()).await;
 }
 
+/// A read across chunks asks the store for all of them at once (issue 35: a lazy clone's disk
+/// reads span two or three chunks, and each used to wait for the one before it): with every
+/// read of chunk bytes stalled by the fault injector (a loose chunk's GET or a pack's ranged
+/// GET; listings and pack indexes pass), one `read_at` over three chunks has all three reads
+/// in flight. One after another, the second could not be asked for before the first gave up
+/// at its 60 s request bound.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_read_across_chunks_asks_for_them_at_once_s3() {
+    use kiln_tests::fault_proxy::FaultProxy;
+    use std::time::{Duration, Instant};
+    let proxy = FaultProxy::start(&kiln_tests::stores::s3_host_port())
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let url = fresh_url(Kind::S3, dir.path(), "read-at");
+    let file = dir.path().join("a.img");
+    write_artifact(&file, 31);
+    let (table, _) = Store::open(&url)
+        .await
+        .unwrap()
+        .put_artifact(&file, &kiln_store::artifact::PutArtifactOptions::default())
+        .await
+        .unwrap();
+    let first = &table.entries[0];
+    let third = &table.entries[2];
+    assert!(
+        table.entries[..3].iter().all(|e| e.digest.is_some()),
+        "three stored chunks first: {:?}",
+        &table.entries[..3]
+    );
+    let mut opts = s3_through(&proxy, 1);
+    opts.s3.request_timeout = Some(Duration::from_secs(60));
+    let store = Store::open_with(&url, opts).await.unwrap();
+    let reader =
+        kiln_store::artifact::ArtifactReader::new(store, std::sync::Arc::new(table.clone()))
+            .unwrap();
+    proxy.stall_requests_containing(b"/chunks/sha256/", Duration::from_secs(120));
+    proxy.stall_requests_containing(b".pack HTTP/", Duration::from_secs(120));
+    let (from, len) = (
+        first.offset,
+        (third.offset + third.raw_len - first.offset) as usize,
+    );
+    let read = tokio::spawn(async move {
+        let mut buf = vec![0u8; len];
+        reader.read_at(from, &mut buf).await.map(|_| ())
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while proxy.fired() < 3 && Instant::now() < deadline && !read.is_finished() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let fired = proxy.fired();
+    read.abort();
+    assert_eq!(
+        fired, 3,
+        "chunk reads in flight at once for a read of three chunks"
+    );
+}
+
 // ---- concurrent pushers -------------------------------------------------------------------------
 
 async fn concurrent_pushers(kind: Kind) {
