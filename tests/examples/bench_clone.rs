@@ -10,16 +10,15 @@
 //!    after it reported apart);
 //! 2. the last snapshot is pushed to the store `KILN_BENCH_STORE` (a local directory by
 //!    default, `s3://…` for the local S3 server);
-//! 3. cold lazy starts: `KILN_BENCH_RUNS` times `kiln start` from that store with an empty
-//!    snapshot cache and chunk cache (a chunk server of its own each time; only the host's
-//!    QEMU facts are copied in, [`host_facts`]), and what the
+//! 3. lazy starts, cold and warm taking turns, `KILN_BENCH_RUNS` of each: a cold `kiln start`
+//!    from that store with an empty snapshot cache and chunk cache (a chunk server of its own
+//!    each time; only the host's QEMU facts are copied in, [`host_facts`]), with what the
 //!    chunk server had fetched when `kiln start` returned (the clone answered) and after one
 //!    `kiln exec` in it, counted by [`kiln_tests::lazy::fetched`] as `kiln/tests/vm_lazy.rs`
-//!    counts it;
-//! 4. warm lazy starts: `KILN_BENCH_RUNS` times `kiln start` on the last cold start's cache
-//!    and running chunk server (its clone kept running meanwhile, so the server stays),
-//!    then two more clones beside it: three at once, summed Pss against summed Rss of
-//!    their QEMUs;
+//!    counts it; then a warm `kiln start` on the first cold start's cache and running chunk
+//!    server (that clone kept running meanwhile, so the server stays);
+//! 4. two more clones beside the first cold one: three at once, summed Pss against summed
+//!    Rss of their QEMUs;
 //! 5. `kiln start --materialize`: `KILN_BENCH_MATERIALIZE_RUNS` cold (empty cache, the
 //!    whole snapshot downloaded first) and `KILN_BENCH_RUNS` warm (cache filled).
 //!
@@ -27,9 +26,9 @@
 //! has probed before; the probe is not part of a start's time), and the QEMU facts of an
 //! earlier start on this host. Times: "answered" is the
 //! start's `start_ms` (QEMU spawned → the guest answered `restore`), "whole" the wall time
-//! of the `kiln start` process; a warm start's phases (`prepare_ms`, `spawn_ms`, `resume_ms`,
-//! `guest_ms` of its `started` event) say where that time went. Prints a table on stdout,
-//! progress on stderr.
+//! of the `kiln start` process; a start's phases (`prepare_ms`, `spawn_ms`, `resume_ms`,
+//! `guest_ms` of its `started` event), warm and cold, say where that time went. Prints a
+//! table on stdout, progress on stderr.
 //!
 //! Env: `KILN_BENCH_KILN` (required), `KILN_BENCH_IMAGE` (`busybox`|`debian`, default
 //! busybox), `KILN_BENCH_STORE` (default: the build store), `KILN_BENCH_MEMORY_MIB`
@@ -262,16 +261,26 @@ fn main() {
         snapshot_of(&s, &"bench:snap".parse().expect("tag")).await
     });
 
-    // 3. Cold lazy starts.
+    // 3. Cold and warm lazy starts, taking turns: a cold start (empty caches), then a warm one
+    //    beside the first cold clone (kept running, so its chunk server stays), and so on, so
+    //    each pair meets the host in the same state (a 2-core host's load and the S3 server's
+    //    drift over a run: measured one block after the other, runs of one binary gave
+    //    cold/warm from 1.76x to 2.82x, issue 35).
     let (mut cold_ans, mut cold_whole) = (Vec::new(), Vec::new());
+    let (mut warm_ans, mut warm_whole) = (Vec::new(), Vec::new());
+    let mut cold_phases: [Vec<f64>; 4] = Default::default();
+    let mut warm_phases: [Vec<f64>; 4] = Default::default();
     let (mut at_answer, mut after_exec): (Vec<[Fetched; 2]>, Vec<[Fetched; 2]>) =
         (Vec::new(), Vec::new());
-    let mut anchor = None;
+    let mut anchor: Option<(PathBuf, String)> = None;
     for i in 0..runs {
         let cache = work.join(format!("cache-cold-{i}"));
         host_facts(&build_cache, &cache);
         let (started, whole) = k.start(&store_url, &cache, &[]);
         let c = &started[0];
+        for (v, name) in cold_phases.iter_mut().zip(PHASES) {
+            v.push(c["phases"][name].as_f64().unwrap_or(0.0));
+        }
         let snapdir = cache.join(digest.hex());
         let f = fetched(&snapdir, &snap);
         let id = c["id"].as_str().expect("id").to_string();
@@ -288,19 +297,13 @@ fn main() {
         cold_whole.push(whole);
         at_answer.push(f);
         after_exec.push(g);
-        if i + 1 == runs {
+        if anchor.is_none() {
             anchor = Some((cache, id));
         } else {
             k.stop(&store_url, &cache, &id);
         }
-    }
-    let (warm_cache, anchor_id) = anchor.expect("a cold start");
-
-    // 4. Warm lazy starts beside the last cold clone, then three at once.
-    let (mut warm_ans, mut warm_whole) = (Vec::new(), Vec::new());
-    let mut warm_phases: [Vec<f64>; 4] = Default::default();
-    for i in 0..runs {
-        let (started, whole) = k.start(&store_url, &warm_cache, &[]);
+        let (warm_cache, _) = anchor.as_ref().expect("the first cold start");
+        let (started, whole) = k.start(&store_url, warm_cache, &[]);
         let c = &started[0];
         for (v, name) in warm_phases.iter_mut().zip(PHASES) {
             v.push(c["phases"][name].as_f64().unwrap_or(0.0));
@@ -311,8 +314,11 @@ fn main() {
         );
         warm_ans.push(ms_of(c, "start_ms"));
         warm_whole.push(whole);
-        k.stop(&store_url, &warm_cache, c["id"].as_str().expect("id"));
+        k.stop(&store_url, warm_cache, c["id"].as_str().expect("id"));
     }
+    let (warm_cache, anchor_id) = anchor.expect("a cold start");
+
+    // 4. Three lazy clones at once: two more beside the first cold one.
     let (two, _) = k.start(&store_url, &warm_cache, &["--count", "2"]);
     std::thread::sleep(Duration::from_secs(2));
     let mut pids: Vec<u64> = two.iter().filter_map(|c| c["pid"].as_u64()).collect();
@@ -416,6 +422,9 @@ fn main() {
     println!("lazy warm, whole kiln start        {}", stats(&warm_whole));
     for (v, name) in warm_phases.iter().zip(PHASES) {
         println!("  warm phase {name:21} {}", stats(v));
+    }
+    for (v, name) in cold_phases.iter().zip(PHASES) {
+        println!("  cold phase {name:21} {}", stats(v));
     }
     println!(
         "materialize cold, answered         {}",
