@@ -163,23 +163,65 @@ pub fn kiln_in(bin: &str, dir: &Path) -> Command {
     c
 }
 
-/// Stops every clone of a VM test's state directory (`dir/state`, as [`kiln_in`] sets it)
-/// when dropped, with `kiln stop --all`, so that a test that fails or panics half-way leaves
-/// no QEMU or chunk server running. Declare it after the temporary directory it names, so it
-/// drops first.
+/// Stops every clone of a VM test's state directory when dropped, so that a test that fails
+/// or panics half-way leaves no QEMU or chunk server running: with `kiln stop --all` for the
+/// clones a `kiln` binary started ([`StopClones::new`]), with `kiln_vmm`'s own
+/// [`clone::list`](kiln_vmm::clone::list) and [`clone::stop`](kiln_vmm::clone::stop) for the
+/// clones a test started through the library ([`StopClones::library`]). Declare it
+/// after the temporary directory it names, so it drops first.
 pub struct StopClones {
-    bin: String,
+    how: Stopper,
+    /// The directory under which the clones' mounts are waited for after the stop.
     dir: PathBuf,
+}
+
+/// How [`StopClones`] stops the clones.
+enum Stopper {
+    /// `bin stop --all`, set up by [`kiln_in`].
+    Binary(String),
+    /// `clone::list` and `clone::stop` on this state directory.
+    Library(PathBuf),
 }
 
 impl StopClones {
     /// A guard for the clones [`kiln_in`]`(bin, dir)` starts.
     pub fn new(bin: &str, dir: &Path) -> Self {
         Self {
-            bin: bin.to_string(),
+            how: Stopper::Binary(bin.to_string()),
             dir: dir.to_path_buf(),
         }
     }
+
+    /// A guard for the clones a test starts through `kiln_vmm::clone` with `state_dir` as
+    /// their state directory ([`CloneOptions`](kiln_vmm::clone::CloneOptions)), whose
+    /// snapshot cache directories (where lazy clones mount) are under `dir`.
+    pub fn library(dir: &Path, state_dir: &Path) -> Self {
+        Self {
+            how: Stopper::Library(state_dir.to_path_buf()),
+            dir: dir.to_path_buf(),
+        }
+    }
+}
+
+/// Stops every clone recorded under `state_dir`, as `kiln stop --all` does, on a thread
+/// with a runtime of its own: the guard is dropped inside a test's `block_on` (where
+/// another `block_on` would panic), as well as outside any runtime.
+fn stop_all_in(state_dir: &Path) {
+    let state_dir = state_dir.to_path_buf();
+    let stopper = std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        rt.block_on(async {
+            for c in kiln_vmm::clone::list(&state_dir).unwrap_or_default() {
+                let _ = kiln_vmm::clone::stop(&state_dir, &c.id).await;
+            }
+        });
+    });
+    let _ = stopper.join();
 }
 
 impl Drop for StopClones {
@@ -190,9 +232,12 @@ impl Drop for StopClones {
     /// a run for `vm_lazy_debian`).
     /// What is still mounted then is detached (`umount -l`).
     fn drop(&mut self) {
-        let _ = kiln_in(&self.bin, &self.dir)
-            .args(["stop", "--all"])
-            .output();
+        match &self.how {
+            Stopper::Binary(bin) => {
+                let _ = kiln_in(bin, &self.dir).args(["stop", "--all"]).output();
+            }
+            Stopper::Library(state_dir) => stop_all_in(state_dir),
+        }
         let dir = self.dir.canonicalize().unwrap_or_else(|_| self.dir.clone());
         let mounts_under = || -> Vec<String> {
             let prefix = format!("{}/", dir.display());
