@@ -616,3 +616,65 @@ pub fn wait_unmounted(snapdir: &Path) -> bool {
     }
     false
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A test that panics inside its `block_on` with a clone running (here a stand-in: a
+    /// shell named `qemu-system-x86_64` that names the clone's directory, which is what
+    /// `kiln_vmm` takes for the clone's QEMU) leaves it stopped and its directory gone.
+    #[test]
+    fn a_panicking_test_stops_its_library_clones() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let state = tmp.path().join("state");
+        let dir = state.join("clones/ab12");
+        std::fs::create_dir_all(&dir).expect("clone dir");
+        let fake = tmp.path().join("qemu-system-x86_64");
+        std::fs::copy("/bin/sh", &fake).expect("fake qemu");
+        let mut qemu = Command::new(&fake)
+            .args(["-c", "read x", "qemu"])
+            .arg(dir.join("qmp.sock"))
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        let rec = kiln_vmm::clone::CloneRecord {
+            id: "ab12".into(),
+            pid: qemu.id(),
+            image: "i:t".into(),
+            snapshot: String::new(),
+            machine_id: String::new(),
+            random: String::new(),
+            boot_id: String::new(),
+            started_unix: 0,
+            start_ms: 0,
+            phases: Default::default(),
+            dir: dir.clone(),
+            disk_bytes: 0,
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !rec.running() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(rec.running(), "the stand-in is taken for the clone's QEMU");
+        std::fs::write(
+            dir.join("clone.json"),
+            serde_json::to_vec(&rec).expect("json"),
+        )
+        .expect("clone.json");
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            rt.block_on(async {
+                let _stop = StopClones::library(tmp.path(), &state);
+                panic!("an assertion fails with a clone running");
+            })
+        }));
+        assert!(panicked.is_err());
+        assert!(qemu.wait().expect("wait").code().is_none(), "killed");
+        assert!(!dir.exists(), "the clone's directory is removed");
+        assert!(kiln_vmm::clone::list(&state).expect("list").is_empty());
+    }
+}
