@@ -5,6 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use rand::rngs::StdRng;
+use rand::{RngCore, SeedableRng};
 use serde_json::Value;
 
 fn kiln(store: &Path, args: &[&str]) -> Output {
@@ -43,16 +45,10 @@ fn s3_url(label: &str) -> String {
 
 /// 2 MiB of data, 1 MiB of zeros, 1 MiB of data: chunks and a hole.
 fn artifact(path: &Path, seed: u8) -> Vec<u8> {
-    let mut x: u32 = 0x1234_5678 ^ u32::from(seed);
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        x as u8
-    };
-    let mut b: Vec<u8> = (0..2 << 20).map(|_| next()).collect();
-    b.extend(std::iter::repeat_n(0u8, 1 << 20));
-    b.extend((0..1 << 20).map(|_| next()));
+    let mut rng = StdRng::seed_from_u64(seed.into());
+    let mut b = vec![0; 4 << 20];
+    rng.fill_bytes(&mut b[..2 << 20]);
+    rng.fill_bytes(&mut b[3 << 20..]);
     std::fs::write(path, &b).unwrap();
     b
 }

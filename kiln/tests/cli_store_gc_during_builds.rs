@@ -12,6 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use kiln_tests::require_env;
+use rand::rngs::StdRng;
+use rand::{RngCore, SeedableRng};
 
 fn kiln(store: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kiln"))
@@ -32,15 +34,8 @@ fn text(o: &Output) -> String {
 
 /// 1 MiB of pseudo-random data from `seed` (distinct chunks per seed).
 fn artifact(path: &Path, seed: u32) {
-    let mut x: u32 = 0x9e37_79b9 ^ seed.wrapping_mul(0x85eb_ca6b);
-    let b: Vec<u8> = (0..1 << 20)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect();
+    let mut b = vec![0; 1 << 20];
+    StdRng::seed_from_u64(seed.into()).fill_bytes(&mut b);
     std::fs::write(path, b).expect("write artifact");
 }
 

@@ -823,6 +823,7 @@ impl<R: Read> Iterator for FixedSplit<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::random_bytes;
 
     fn entry(offset: u64, raw_len: u64, hole: bool) -> ChunkEntry {
         ChunkEntry {
@@ -949,12 +950,6 @@ mod tests {
         assert!(!is_all_zero(&v));
     }
 
-    fn pseudo_random(n: usize, seed: u32) -> Vec<u8> {
-        (0..n as u32)
-            .map(|i| ((i ^ seed).wrapping_mul(2654435761) >> 13) as u8)
-            .collect()
-    }
-
     fn cuts(data: &[u8]) -> Vec<(u64, usize, bool)> {
         split(std::io::Cursor::new(data.to_vec()), Chunking::DISK_DEFAULT)
             .unwrap()
@@ -967,7 +962,7 @@ mod tests {
 
     #[test]
     fn cdc_without_zero_runs_cuts_where_fastcdc_streaming_does() {
-        let data = pseudo_random(3_000_001, 7);
+        let data = random_bytes(7, 3_000_001);
         let Chunking::Cdc { min, avg, max } = Chunking::DISK_DEFAULT else {
             unreachable!()
         };
@@ -989,8 +984,8 @@ mod tests {
     #[test]
     fn cdc_cuts_around_zero_runs_and_keeps_short_ones_as_data() {
         // data (100 KiB) | 1 MiB + 4 KiB of zero blocks | data | 8 KiB of zeros | data
-        let a = pseudo_random(100 << 10, 1);
-        let b = pseudo_random(300 << 10, 2);
+        let a = random_bytes(1, 100 << 10);
+        let b = random_bytes(2, 300 << 10);
         let mut data = a.clone();
         data.resize(data.len() + (1 << 20) + 4096, 0);
         let run_end = data.len() as u64;
@@ -1153,14 +1148,14 @@ mod tests {
         for chunking in [Chunking::DISK_DEFAULT, SMALL] {
             let max = chunking.max_len();
             // Random data.
-            assert_same_cuts("random", &pseudo_random(3_000_001, 7), chunking);
+            assert_same_cuts("random", &random_bytes(7, 3_000_001), chunking);
             // Highly repetitive: a short period (cut points repeat with it) and one byte
             // (no cut point: every chunk is max long, crossing every segment border).
-            let period: Vec<u8> = pseudo_random(1000, 3).repeat(3000);
+            let period: Vec<u8> = random_bytes(3, 1000).repeat(3000);
             assert_same_cuts("period 1000", &period, chunking);
             assert_same_cuts("one byte", &vec![0x55; 2_000_003], chunking);
             // Tiny inputs and inputs around a block, min, max and batch sizes.
-            let r = pseudo_random(3 * max + 8192, 11);
+            let r = random_bytes(11, 3 * max + 8192);
             for n in [
                 0,
                 1,
@@ -1178,7 +1173,7 @@ mod tests {
                 assert_same_cuts("short", &r[..n], chunking);
             }
             for n in [(1 << 20) - 1, 1 << 20, (1 << 20) + 1, (3 << 20) + 1] {
-                assert_same_cuts("segment-sized", &pseudo_random(n, 5), chunking);
+                assert_same_cuts("segment-sized", &random_bytes(5, n), chunking);
             }
         }
     }
@@ -1186,7 +1181,7 @@ mod tests {
     #[test]
     fn parallel_cuts_keep_zero_runs() {
         let max = 256 << 10;
-        let mut data = pseudo_random(4 << 20, 9);
+        let mut data = random_bytes(9, 4 << 20);
         // Zero runs long and short, block-aligned and not, across 1 MiB borders, one
         // longer than min + max (it goes out while it grows), one at the end.
         for (at, len) in [
@@ -1235,7 +1230,7 @@ mod tests {
     #[test]
     fn cuts_do_not_depend_on_how_the_input_is_read() {
         // Data with zero runs long and short, aligned and not, and a partial last block.
-        let mut data = pseudo_random((3 << 20) + 1234, 21);
+        let mut data = random_bytes(21, (3 << 20) + 1234);
         for (at, len) in [(100_000, 20480), (1 << 20, 300_000), (2 << 20, 8192)] {
             data[at..at + len].fill(0);
         }
@@ -1272,7 +1267,7 @@ mod tests {
             avg: 8192,
             max: 16384,
         };
-        let mut data = pseudo_random(1 << 20, 13);
+        let mut data = random_bytes(13, 1 << 20);
         data[300_000..500_000].fill(0x33);
         for all in [false, true] {
             let want = c.chain(&data, all, 0, usize::MAX);
@@ -1290,9 +1285,7 @@ mod tests {
 
     #[test]
     fn split_covers_input_exactly() {
-        let data: Vec<u8> = (0..1_000_003u32)
-            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
-            .collect();
+        let data = random_bytes(1, 1_000_003);
         for chunking in [Chunking::DISK_DEFAULT, Chunking::Fixed { size: 65536 }] {
             let mut pos = 0u64;
             for c in split(std::io::Cursor::new(data.clone()), chunking).unwrap() {

@@ -95,6 +95,8 @@ pub mod space;
 mod staging;
 pub mod store;
 pub mod tag;
+#[cfg(test)]
+mod test_support;
 pub mod usage;
 pub mod verify;
 

@@ -167,16 +167,9 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_upload_with_a_memo_makes_the_same_table() {
         use crate::artifact::PutArtifactOptions;
-        let mut x = 7u64;
-        let mut data: Vec<u8> = (0..3 << 20)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                // Compressible noise, so stored lengths differ from raw ones.
-                ((x >> 24) % 16) as u8
-            })
-            .collect();
+        // Compressible noise (16 byte values), so stored lengths differ from raw ones.
+        let mut data = crate::test_support::random_bytes(7, 3 << 20);
+        data.iter_mut().for_each(|b| *b %= 16);
         data.extend(std::iter::repeat_n(0u8, 1 << 20));
         data.extend_from_within(..(1 << 20));
         let dir = tempfile::tempdir().unwrap();

@@ -838,6 +838,7 @@ impl From<tokio::task::JoinError> for StoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::random_bytes;
 
     /// A huge object planted under a chunk key is refused without being read into memory.
     #[tokio::test]
@@ -940,7 +941,7 @@ mod tests {
         let store = Store::open(&url).await.unwrap();
         let (table, _) = store
             .put_artifact_reader(
-                std::io::Cursor::new(noise(1 << 20, 5)),
+                std::io::Cursor::new(random_bytes(5, 1 << 20)),
                 &PutArtifactOptions::default(),
             )
             .await
@@ -1079,19 +1080,6 @@ mod tests {
         }
     }
 
-    /// Incompressible bytes, no two 64 KiB windows alike.
-    fn noise(len: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 24) as u8
-            })
-            .collect()
-    }
-
     /// The files (not directories) in the local store's `.tmp`.
     fn temp_files(root: &std::path::Path) -> Vec<std::path::PathBuf> {
         std::fs::read_dir(root.join(".tmp"))
@@ -1112,7 +1100,7 @@ mod tests {
         let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
         let (hold, wait) = std::sync::mpsc::channel::<()>();
         let reader = Stalling {
-            data: std::io::Cursor::new(noise(4 << 20, 7)),
+            data: std::io::Cursor::new(random_bytes(7, 4 << 20)),
             wait,
         };
         let opts = PutArtifactOptions::default();
@@ -1157,7 +1145,7 @@ mod tests {
         use crate::progress::ProgressEvent;
         let dir = tempfile::tempdir().unwrap();
         let s = Store::open(dir.path().to_str().unwrap()).await.unwrap();
-        let x = noise(2 << 20, 3);
+        let x = random_bytes(3, 2 << 20);
         let a = [x.clone(), x.clone(), x].concat();
         let seen: Arc<Mutex<Vec<(crate::ChunkDigest, bool)>>> = Arc::default();
         let keep = seen.clone();
@@ -1205,7 +1193,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().to_str().unwrap();
         let (s1, s2) = (Store::open(p).await.unwrap(), Store::open(p).await.unwrap());
-        let (x, y) = (noise(2 << 20, 1), noise(2 << 20, 2));
+        let (x, y) = (random_bytes(1, 2 << 20), random_bytes(2, 2 << 20));
         let a = [x.clone(), y.clone()].concat();
         let b = [y.clone(), x.clone(), y.clone()].concat();
         let opts = PutArtifactOptions::default();
@@ -1275,7 +1263,7 @@ mod tests {
         let store = Store::open(dir.path().to_str().unwrap()).await.unwrap();
         let r = store
             .put_artifact_reader(
-                Failing(std::io::Cursor::new(noise(3 << 20, 9))),
+                Failing(std::io::Cursor::new(random_bytes(9, 3 << 20))),
                 &PutArtifactOptions::default(),
             )
             .await;

@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use kiln_store::ChunkDigest;
 use kiln_store::readcache::ReadCache;
+use rand::rngs::StdRng;
+use rand::{RngCore, SeedableRng};
 
 /// Set (to the cache directory) in the children; the child test does nothing without it.
 const CHILD_DIR: &str = "KILN_TEST_READCACHE_CHILD_DIR";
@@ -30,15 +32,9 @@ const TASKS: u32 = 4;
 /// that differ per chunk.
 fn chunk(owner: u32, i: u32) -> Vec<u8> {
     let len = 4096 + (i as usize * 997) % 16384;
-    let mut x = (u64::from(owner) << 32 | u64::from(i)).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    let mut out = vec![0; len];
+    StdRng::seed_from_u64(u64::from(owner) << 32 | u64::from(i)).fill_bytes(&mut out);
+    out
 }
 
 /// Entries of the cache directory: (name, bytes), excluding the cache's own files (dot names).

@@ -55,16 +55,14 @@ pub fn fresh_url(kind: Kind, dir: &std::path::Path, label: &str) -> String {
     }
 }
 
-/// Deterministic pseudo-random bytes (xorshift64*), half of them compressible runs, so that
+/// Deterministic pseudo-random bytes from `seed`, half of them compressible runs, so that
 /// chunks are distinct and zstd has something to do.
 pub fn test_bytes(seed: u64, len: usize) -> Vec<u8> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    use rand::{RngCore, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut out = Vec::with_capacity(len);
     while out.len() < len {
-        s ^= s >> 12;
-        s ^= s << 25;
-        s ^= s >> 27;
-        let v = s.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        let v = rng.next_u64();
         if v.is_multiple_of(4) {
             let run = (v >> 8) as usize % 200;
             out.extend(std::iter::repeat_n((v >> 16) as u8, run));

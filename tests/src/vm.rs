@@ -163,23 +163,65 @@ pub fn kiln_in(bin: &str, dir: &Path) -> Command {
     c
 }
 
-/// Stops every clone of a VM test's state directory (`dir/state`, as [`kiln_in`] sets it)
-/// when dropped, with `kiln stop --all`, so that a test that fails or panics half-way leaves
-/// no QEMU or chunk server running. Declare it after the temporary directory it names, so it
-/// drops first.
+/// Stops every clone of a VM test's state directory when dropped, so that a test that fails
+/// or panics half-way leaves no QEMU or chunk server running: with `kiln stop --all` for the
+/// clones a `kiln` binary started ([`StopClones::new`]), with `kiln_vmm`'s own
+/// [`clone::list`](kiln_vmm::clone::list) and [`clone::stop`](kiln_vmm::clone::stop) for the
+/// clones a test started through the library ([`StopClones::library`]). Declare it
+/// after the temporary directory it names, so it drops first.
 pub struct StopClones {
-    bin: String,
+    how: Stopper,
+    /// The directory under which the clones' mounts are waited for after the stop.
     dir: PathBuf,
+}
+
+/// How [`StopClones`] stops the clones.
+enum Stopper {
+    /// `bin stop --all`, set up by [`kiln_in`].
+    Binary(String),
+    /// `clone::list` and `clone::stop` on this state directory.
+    Library(PathBuf),
 }
 
 impl StopClones {
     /// A guard for the clones [`kiln_in`]`(bin, dir)` starts.
     pub fn new(bin: &str, dir: &Path) -> Self {
         Self {
-            bin: bin.to_string(),
+            how: Stopper::Binary(bin.to_string()),
             dir: dir.to_path_buf(),
         }
     }
+
+    /// A guard for the clones a test starts through `kiln_vmm::clone` with `state_dir` as
+    /// their state directory ([`CloneOptions`](kiln_vmm::clone::CloneOptions)), whose
+    /// snapshot cache directories (where lazy clones mount) are under `dir`.
+    pub fn library(dir: &Path, state_dir: &Path) -> Self {
+        Self {
+            how: Stopper::Library(state_dir.to_path_buf()),
+            dir: dir.to_path_buf(),
+        }
+    }
+}
+
+/// Stops every clone recorded under `state_dir`, as `kiln stop --all` does, on a thread
+/// with a runtime of its own: the guard is dropped inside a test's `block_on` (where
+/// another `block_on` would panic), as well as outside any runtime.
+fn stop_all_in(state_dir: &Path) {
+    let state_dir = state_dir.to_path_buf();
+    let stopper = std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        rt.block_on(async {
+            for c in kiln_vmm::clone::list(&state_dir).unwrap_or_default() {
+                let _ = kiln_vmm::clone::stop(&state_dir, &c.id).await;
+            }
+        });
+    });
+    let _ = stopper.join();
 }
 
 impl Drop for StopClones {
@@ -190,9 +232,12 @@ impl Drop for StopClones {
     /// a run for `vm_lazy_debian`).
     /// What is still mounted then is detached (`umount -l`).
     fn drop(&mut self) {
-        let _ = kiln_in(&self.bin, &self.dir)
-            .args(["stop", "--all"])
-            .output();
+        match &self.how {
+            Stopper::Binary(bin) => {
+                let _ = kiln_in(bin, &self.dir).args(["stop", "--all"]).output();
+            }
+            Stopper::Library(state_dir) => stop_all_in(state_dir),
+        }
         let dir = self.dir.canonicalize().unwrap_or_else(|_| self.dir.clone());
         let mounts_under = || -> Vec<String> {
             let prefix = format!("{}/", dir.display());
@@ -570,4 +615,66 @@ pub fn wait_unmounted(snapdir: &Path) -> bool {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A test that panics inside its `block_on` with a clone running (here a stand-in: a
+    /// shell named `qemu-system-x86_64` that names the clone's directory, which is what
+    /// `kiln_vmm` takes for the clone's QEMU) leaves it stopped and its directory gone.
+    #[test]
+    fn a_panicking_test_stops_its_library_clones() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let state = tmp.path().join("state");
+        let dir = state.join("clones/ab12");
+        std::fs::create_dir_all(&dir).expect("clone dir");
+        let fake = tmp.path().join("qemu-system-x86_64");
+        std::fs::copy("/bin/sh", &fake).expect("fake qemu");
+        let mut qemu = Command::new(&fake)
+            .args(["-c", "read x", "qemu"])
+            .arg(dir.join("qmp.sock"))
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        let rec = kiln_vmm::clone::CloneRecord {
+            id: "ab12".into(),
+            pid: qemu.id(),
+            image: "i:t".into(),
+            snapshot: String::new(),
+            machine_id: String::new(),
+            random: String::new(),
+            boot_id: String::new(),
+            started_unix: 0,
+            start_ms: 0,
+            phases: Default::default(),
+            dir: dir.clone(),
+            disk_bytes: 0,
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !rec.running() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(rec.running(), "the stand-in is taken for the clone's QEMU");
+        std::fs::write(
+            dir.join("clone.json"),
+            serde_json::to_vec(&rec).expect("json"),
+        )
+        .expect("clone.json");
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            rt.block_on(async {
+                let _stop = StopClones::library(tmp.path(), &state);
+                panic!("an assertion fails with a clone running");
+            })
+        }));
+        assert!(panicked.is_err());
+        assert!(qemu.wait().expect("wait").code().is_none(), "killed");
+        assert!(!dir.exists(), "the clone's directory is removed");
+        assert!(kiln_vmm::clone::list(&state).expect("list").is_empty());
+    }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use kiln_store::{
     Manifest, ObjectRef, ReadySpec, SandboxSpec, StartSpec, Store, StoreError, TagRef,
 };
-use kiln_tests::vm::{busybox_image, guest_assets, oci_image, sh};
+use kiln_tests::vm::{StopClones, busybox_image, guest_assets, oci_image, sh};
 use kiln_vmm::clone::{self, CloneError, CloneOptions, Serving};
 use kiln_vmm::launch::Accel;
 use kiln_vmm::snapshot::{SnapshotError, SnapshotOptions, snapshot_image};
@@ -141,6 +141,7 @@ fn vm_boot_once_snapshot_and_three_clones() {
         // Three clones: each answers restore with its own machine id and random bytes.
         let state = e.work.join("state");
         let cache = e.work.join("cache");
+        let _stop = StopClones::library(&e.work, &state);
         let mut opts = CloneOptions::new(state.clone(), cache.clone(), Serving::Materialized);
         opts.count = 3;
         opts.env = vec!["CLONE_ENV=yes".into()];
@@ -382,6 +383,7 @@ fn vm_debian_image_boots_to_ready_and_clones() {
             .await
             .expect("Debian boots once to READY");
         let state = e.work.join("state");
+        let _stop = StopClones::library(&e.work, &state);
         let opts = CloneOptions::new(state.clone(), e.work.join("cache"), Serving::Materialized);
         let clones = clone::start_clones(&e.store, &snap, &opts)
             .await

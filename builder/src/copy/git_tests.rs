@@ -9,6 +9,8 @@ use std::process::Command;
 
 use kiln_recipes::dockerignore::Dockerignore;
 use kiln_recipes::plan::{CopySource, CopyStep};
+use rand::rngs::StdRng;
+use rand::{RngCore, SeedableRng};
 
 use super::fetch::{FetchError, FetchOptions, fetch_urls};
 use super::*;
@@ -74,9 +76,8 @@ fn served() -> Served {
     fs::set_permissions(work.join("bin/run.sh"), fs::Permissions::from_mode(0o775)).unwrap();
     fs::write(work.join("sub/inner/x.txt"), "x").unwrap();
     // 64 KiB that do not compress: past the size bound of the bounded test.
-    let big: Vec<u8> = (0..65536u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-        .collect();
+    let mut big = vec![0; 65536];
+    StdRng::seed_from_u64(1).fill_bytes(&mut big);
     fs::write(work.join("big.bin"), big).unwrap();
     symlink("a.txt", work.join("link")).unwrap();
     fs::write(

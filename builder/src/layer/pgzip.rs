@@ -257,11 +257,13 @@ fn deflate_block(level: Compression, dict: &[u8], data: &[u8]) -> io::Result<Vec
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::rngs::StdRng;
+    use rand::{RngCore, SeedableRng};
     use std::io::Read;
 
     /// Bytes that compress somewhat (text-like runs with a pseudo-random mix), `len` long.
     fn sample(len: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed | 1;
+        let mut rng = StdRng::seed_from_u64(seed);
         let words: [&[u8]; 6] = [
             b"usr/lib/",
             b"python3 ",
@@ -272,9 +274,7 @@ mod tests {
         ];
         let mut v = Vec::with_capacity(len + 16);
         while v.len() < len {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+            let x = rng.next_u64();
             if x.is_multiple_of(5) {
                 v.push((x >> 24) as u8);
             } else {
@@ -333,15 +333,8 @@ mod tests {
         // 16 KiB of bytes that do not compress, repeated over four blocks: one stream stores
         // them once; so do the blocks, each reaching into the one before through its
         // dictionary (without it, each later block stores them again).
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let unit: Vec<u8> = (0..16 << 10)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 32) as u8
-            })
-            .collect();
+        let mut unit = vec![0; 16 << 10];
+        StdRng::seed_from_u64(1).fill_bytes(&mut unit);
         let data: Vec<u8> = unit.iter().copied().cycle().take(4 * BLOCK).collect();
         let blocks = gz(&data, 2).len();
         let mut single = flate2::write::GzEncoder::new(Vec::new(), Compression::new(6));

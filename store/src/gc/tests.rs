@@ -273,17 +273,9 @@ async fn watched(dir: &std::path::Path) -> (std::sync::Arc<Watched>, Store) {
     (w, store)
 }
 
-/// 1 MiB of pseudo-random bytes (xorshift from `seed`): several distinct chunks.
+/// 1 MiB of pseudo-random bytes from `seed`: several distinct chunks.
 fn data(seed: u32) -> Vec<u8> {
-    let mut x = 0x9e37_79b9u32 ^ seed;
-    (0..1u32 << 20)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
+    crate::test_support::random_bytes(seed.into(), 1 << 20)
 }
 
 /// Every chunk and the manifest an upload under a lease writes is in the lease before it

@@ -1061,17 +1061,9 @@ async fn an_uploads_pack_holds_its_chunks_in_input_order() {
     use crate::artifact::PutArtifactOptions;
     let input = tempfile::tempdir().unwrap();
     let file = input.path().join("in");
-    // Deterministic pseudo-random bytes (xorshift): about 380 chunks of 64 KiB on average,
-    // more than one lease group.
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-    let data: Vec<u8> = (0..24 << 20)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect();
+    // Deterministic pseudo-random bytes: about 380 chunks of 64 KiB on average, more than
+    // one lease group.
+    let data = crate::test_support::random_bytes(1, 24 << 20);
     fs::write(&file, &data).unwrap();
     for leased in [false, true] {
         let dir = tempfile::tempdir().unwrap();

@@ -128,9 +128,7 @@ fn errors_for(keys: &[String], code: &str) -> String {
 /// Puts garbage in `s` (an image manifest no tag names, its chunks packed, a loose blob),
 /// waits out S3's one-second times, and runs GC with no grace: returns the run's result.
 async fn gc_over_garbage(s: &Store) -> Result<crate::gc::GcReport, crate::StoreError> {
-    let data: Vec<u8> = (0..400_000u32)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-        .collect();
+    let data = crate::test_support::random_bytes(1, 400_000);
     let (table, _) = s
         .put_artifact_reader(std::io::Cursor::new(data), &PutArtifactOptions::default())
         .await
@@ -293,10 +291,12 @@ fn killable(test: &str) -> Killable {
 /// packed, one of them also a loose object, as two writers leave it) and a loose blob.
 async fn live_and_garbage(k: &Killable) {
     let s = &k.store;
-    let put = |seed: u32| async move {
-        let data: Vec<u8> = (0..300_000u32)
-            .map(|i| (i.wrapping_add(seed).wrapping_mul(2_654_435_761) >> 13) as u8)
-            .collect();
+    // Image `seed` is `bytes` from offset `seed` on: the two images are the same bytes one
+    // byte apart.
+    let bytes = crate::test_support::random_bytes(1, 300_002);
+    let bytes = &bytes;
+    let put = |seed: usize| async move {
+        let data = bytes[seed..seed + 300_000].to_vec();
         let (table, _) = s
             .put_artifact_reader(std::io::Cursor::new(data), &PutArtifactOptions::default())
             .await
@@ -602,10 +602,9 @@ fn lost_index_answer(test: &str, hold: bool) -> LostIndexAnswer {
     }
 }
 
-/// Twelve 64 KiB chunks zstd cannot shrink (xorshift64), and the upload options that cut
-/// them so.
+/// Twelve 64 KiB chunks zstd cannot shrink, and the upload options that cut them so.
 fn twelve_chunks() -> (Vec<u8>, PutArtifactOptions) {
-    let data = super::together_tests::incompressible(12 << 16);
+    let data = crate::test_support::random_bytes(1, 12 << 16);
     let opts = PutArtifactOptions {
         chunking: Some(crate::chunk::Chunking::MEMORY_DEFAULT),
         ..PutArtifactOptions::default()

@@ -13,6 +13,7 @@ use crate::artifact::PutArtifactOptions;
 use crate::chunk::Chunking;
 use crate::gc::GcOptions;
 use crate::manifest::{ImageManifest, Manifest};
+use crate::test_support::random_bytes;
 use crate::{ChunkDigest, Store, StoreOptions, TagRef};
 
 /// A backend on `bucket`/`prefix` whose packs close at `target` bytes.
@@ -24,19 +25,6 @@ fn open(bucket: &str, prefix: &str, target: u64) -> S3Backend {
     S3Backend::open(bucket, prefix, &opts).unwrap()
 }
 
-/// `n` bytes zstd cannot shrink (xorshift64).
-pub(super) fn incompressible(n: usize) -> Vec<u8> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunks_packed_together_are_one_new_pack_in_order_and_gc_takes_every_copy() {
     let bucket = fresh_bucket();
@@ -46,7 +34,7 @@ async fn chunks_packed_together_are_one_new_pack_in_order_and_gc_takes_every_cop
     let target = 300 << 10;
     let s3 = Arc::new(open(&bucket, &prefix, target));
     let store = Store::from_backend(s3.clone(), StoreOptions::default());
-    let data = incompressible(10 << 16);
+    let data = random_bytes(1, 10 << 16);
     let (table, _) = store
         .put_artifact_reader(
             std::io::Cursor::new(data.clone()),
@@ -215,7 +203,7 @@ async fn a_push_packs_a_snapshots_prefetch_list_in_fetch_order_once() {
         chunking: Some(Chunking::MEMORY_DEFAULT),
         ..Default::default()
     };
-    let data = incompressible(12 << 16);
+    let data = random_bytes(1, 12 << 16);
     let (memory, _) = local
         .put_artifact_reader(std::io::Cursor::new(data[..8 << 16].to_vec()), &memory_opts)
         .await
