@@ -6,9 +6,6 @@
 use std::path::Path;
 use std::process::Command;
 
-use rand::rngs::StdRng;
-use rand::{RngCore, SeedableRng};
-
 struct Unmount<'a>(&'a Path);
 
 impl Drop for Unmount<'_> {
@@ -17,11 +14,17 @@ impl Drop for Unmount<'_> {
     }
 }
 
-/// `len` incompressible bytes, so that layers and chunks are as big as the file.
+/// `len` incompressible bytes (xorshift), so that layers and chunks are as big as the file.
 fn noise(len: usize, seed: u32) -> Vec<u8> {
-    let mut out = vec![0; len];
-    StdRng::seed_from_u64(seed.into()).fill_bytes(&mut out);
-    out
+    let mut x = 0x9e37_79b9 ^ seed;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect()
 }
 
 #[test]
