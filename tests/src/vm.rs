@@ -616,4 +616,3 @@ pub fn wait_unmounted(snapdir: &Path) -> bool {
     }
     false
 }
-
