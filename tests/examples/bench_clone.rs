@@ -152,6 +152,26 @@ fn events(o: &Output, name: &str) -> Vec<Value> {
 /// start and exit.
 const PHASES: [&str; 4] = ["prepare_ms", "spawn_ms", "resume_ms", "guest_ms"];
 
+/// The [`PHASES`] of a run of starts, ms, one list per phase.
+#[derive(Default)]
+struct Phases([Vec<f64>; 4]);
+
+impl Phases {
+    /// Adds the phases of one `started` event.
+    fn push(&mut self, started: &Value) {
+        for (v, name) in self.0.iter_mut().zip(PHASES) {
+            v.push(started["phases"][name].as_f64().unwrap_or(0.0));
+        }
+    }
+
+    /// One table line per phase, labelled `what` (warm, cold).
+    fn print(&self, what: &str) {
+        for (v, name) in self.0.iter().zip(PHASES) {
+            println!("  {what} phase {name:21} {}", stats(v));
+        }
+    }
+}
+
 fn ms_of(v: &Value, field: &str) -> f64 {
     v[field].as_u64().unwrap_or(0) as f64
 }
@@ -268,8 +288,7 @@ fn main() {
     //    cold/warm from 1.76x to 2.82x, issue 35).
     let (mut cold_ans, mut cold_whole) = (Vec::new(), Vec::new());
     let (mut warm_ans, mut warm_whole) = (Vec::new(), Vec::new());
-    let mut cold_phases: [Vec<f64>; 4] = Default::default();
-    let mut warm_phases: [Vec<f64>; 4] = Default::default();
+    let (mut cold_phases, mut warm_phases) = (Phases::default(), Phases::default());
     let (mut at_answer, mut after_exec): (Vec<[Fetched; 2]>, Vec<[Fetched; 2]>) =
         (Vec::new(), Vec::new());
     let mut anchor: Option<(PathBuf, String)> = None;
@@ -278,9 +297,7 @@ fn main() {
         host_facts(&build_cache, &cache);
         let (started, whole) = k.start(&store_url, &cache, &[]);
         let c = &started[0];
-        for (v, name) in cold_phases.iter_mut().zip(PHASES) {
-            v.push(c["phases"][name].as_f64().unwrap_or(0.0));
-        }
+        cold_phases.push(c);
         let snapdir = cache.join(digest.hex());
         let f = fetched(&snapdir, &snap);
         let id = c["id"].as_str().expect("id").to_string();
@@ -305,9 +322,7 @@ fn main() {
         let (warm_cache, _) = anchor.as_ref().expect("the first cold start");
         let (started, whole) = k.start(&store_url, warm_cache, &[]);
         let c = &started[0];
-        for (v, name) in warm_phases.iter_mut().zip(PHASES) {
-            v.push(c["phases"][name].as_f64().unwrap_or(0.0));
-        }
+        warm_phases.push(c);
         eprintln!(
             "warm lazy start {i}: answered in {} ms, whole {whole:.0} ms",
             c["start_ms"]
@@ -420,12 +435,8 @@ fn main() {
     println!("lazy cold, whole kiln start        {}", stats(&cold_whole));
     println!("lazy warm, answered                {}", stats(&warm_ans));
     println!("lazy warm, whole kiln start        {}", stats(&warm_whole));
-    for (v, name) in warm_phases.iter().zip(PHASES) {
-        println!("  warm phase {name:21} {}", stats(v));
-    }
-    for (v, name) in cold_phases.iter().zip(PHASES) {
-        println!("  cold phase {name:21} {}", stats(v));
-    }
+    warm_phases.print("warm");
+    cold_phases.print("cold");
     println!(
         "materialize cold, answered         {}",
         stats(&mat_cold_ans)
