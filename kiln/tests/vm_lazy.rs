@@ -7,7 +7,8 @@
 //! object of the snapshot through `kiln store gc` while its clones run, even untagged, and
 //! once no server runs GC collects them; a store that stops answering chunk reads (a fault
 //! injector in front of S3) fails the start within the lazy read bound, naming the chunk
-//! and the store. One boot for all of it.
+//! and the store, and one that does not answer the server's lease fails it naming the
+//! lease, with no read served. One boot for all of it.
 //! Needs what `ci/setup.sh` exports (`KILN_TEST_BUSYBOX_OCI`, the guest kernel, the S3
 //! server's `AWS_*` and `KILN_TEST_S3_*`).
 
@@ -271,6 +272,74 @@ fn vm_lazy_start_from_s3() {
             }
             assert!(!rec.server.is_alive(), "the idle server exited");
             rec.server.pid
+        })
+    };
+
+    // 7. A store that does not answer the chunk server's lease (a fault injector stalls
+    //    every request naming `leases/`; manifests, blobs and chunks pass): the server
+    //    takes its lease while the start goes on (lazy::serve), so the start fails once
+    //    the lazy bound (3 s here) gives up on the lease, naming it and the store; no read
+    //    was served before (its chunk log is empty), no page went to the page cache, the
+    //    server exited, its mount is gone and no QEMU of the start is left. Beside the
+    //    other sections, as section 4 is (a cache, a server and an endpoint of its own; it
+    //    writes no lease, so section 2 and 6 count none of it); section 6 waits for it.
+    let c7 = d.join("cache7");
+    let unleased = {
+        let (d, s3, c7) = (d.to_path_buf(), s3.clone(), c7.clone());
+        let snapdir = c7.join(snap_digest.hex());
+        std::thread::spawn(move || {
+            let d = d.as_path();
+            let upstream = std::env::var("KILN_TEST_S3_ENDPOINT").expect("KILN_TEST_S3_ENDPOINT");
+            let prt = tokio::runtime::Runtime::new().expect("runtime");
+            let proxy = prt
+                .block_on(FaultProxy::start(upstream.trim_start_matches("http://")))
+                .expect("fault proxy");
+            proxy.stall_requests_containing(b"/leases/", Duration::from_secs(120));
+            let qemus = QemuUids::watch(&c7);
+            let o = kiln_with(
+                d,
+                &s3,
+                &c7,
+                &[
+                    ("KILN_S3_ENDPOINT", &proxy.url()),
+                    ("KILN_LAZY_READ_TIMEOUT_SECS", "3"),
+                ],
+                &["start", "bb:snap"],
+            );
+            assert!(!o.status.success(), "{}", show(&o));
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(
+                err.contains("chunk server")
+                    && err.contains("leasing snapshot")
+                    && err.contains(&s3),
+                "the lease that could not be taken is named with its store: {}",
+                show(&o)
+            );
+            assert!(proxy.fired() > 0, "the lease's requests were stalled");
+            assert!(wait_unmounted(&snapdir), "the server left its mount");
+            for _ in 0..600 {
+                if lazy::server_of(&snapdir).is_none()
+                    && !snapdir.join(lazy::SERVER_RECORD).exists()
+                {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            assert!(
+                !snapdir.join(lazy::SERVER_RECORD).exists(),
+                "the server and its watcher exited"
+            );
+            let log = std::fs::read_to_string(snapdir.join(lazy::CHUNK_LOG)).unwrap_or_default();
+            assert!(log.is_empty(), "chunks served without a lease:\n{log}");
+            let left = kiln_tests::vm::qemu_uids(&c7.display().to_string());
+            assert!(
+                left.is_empty(),
+                "QEMUs of the failed start left running: {left:?}"
+            );
+            eprintln!(
+                "a start whose lease could not be taken: {} QEMU started, and stopped",
+                qemus.seen().len()
+            );
         })
     };
 
@@ -661,6 +730,7 @@ fn vm_lazy_start_from_s3() {
     // With no clone left, the server leaves on its own, and its mount with it.
     assert!(wait_unmounted(&snapdir2), "the idle server unmounted");
     let stalled_pid = stalled.join().expect("section 4");
+    unleased.join().expect("section 7");
     let second_server = std::fs::read(snapdir2.join(lazy::SERVER_RECORD))
         .ok()
         .and_then(|b| serde_json::from_slice::<lazy::ServerRecord>(&b).ok())

@@ -81,7 +81,14 @@
 //! `lazy-<16 hex of the snapshot>-<pid>-<ns>`) on the snapshot manifest and everything it
 //! names: every memory and disk chunk, the vmstate, kernel and initramfs blobs, and the image
 //! manifest. So `kiln store gc` keeps every chunk a clone may still read even after the
-//! snapshot's tag is gone. It is written before the first read is served, expires
+//! snapshot's tag is gone. It is taken in the background once the snapshot manifest is read,
+//! while the server mounts and says "ready" and the clone's QEMU starts (its requests, a PUT
+//! and a look under the sweep lock, are then off the start's path); every read waits for it,
+//! and no page reaches the page cache before it is held. A lease that cannot be taken (the
+//! store fails, or the snapshot was deleted meanwhile) is recorded as the server's failure
+//! ([`FAILURE`]), every waiting read fails, and the server exits with status 1: its watcher
+//! detaches the mount and stops the clones that had begun to start from it, whose start then
+//! fails naming the lease. The lease expires
 //! [`LEASE_TTL`] after its last renewal (every [`LEASE_RENEW`] while the server runs), and is
 //! released when the idle server leaves; a server that dies leaves a lease whose owner is
 //! dead, which GC on this host releases at once (and others at its expiry). The server's
@@ -296,6 +303,45 @@ struct LazyFs {
     log: Arc<Mutex<Option<std::fs::File>>>,
     /// Where the rest of each chunk a read fetched goes ([`push_pages`]).
     pages: std::sync::mpsc::Sender<Push>,
+    /// Every read waits for the lease first.
+    gate: LeaseGate,
+}
+
+/// Whether the server holds its lease ([`hold_snapshot`], taken in the background while the
+/// mount is made): `None` while it is being taken, then `Ok` or the error, as text.
+#[derive(Clone)]
+struct LeaseGate(tokio::sync::watch::Receiver<Option<Result<(), String>>>);
+
+impl LeaseGate {
+    /// Waits until the lease is held (`Ok`) or could not be taken (the error).
+    async fn held(&self) -> Result<(), String> {
+        let mut rx = self.0.clone();
+        match rx.wait_for(Option::is_some).await {
+            Ok(v) => v.clone().unwrap_or(Ok(())),
+            Err(_) => Err("the chunk server's lease was never taken".into()),
+        }
+    }
+}
+
+/// A lease that could not be taken: no read may be served, so the server records why
+/// ([`FAILURE`]: the start of a clone that was reading names it), fails every waiting read
+/// and exits with status 1. Its watcher then detaches the mount and stops every clone that
+/// had begun to start from it ([`run_daemon`]), as when a server dies.
+fn lease_failed(
+    dir: &Path,
+    msg: &str,
+    tx: &tokio::sync::watch::Sender<Option<Result<(), String>>>,
+) -> ! {
+    tracing::error!("{msg}");
+    eprintln!("kiln chunk server: {msg}");
+    record_failure(dir, msg);
+    let _ = tx.send(Some(Err(msg.to_string())));
+    std::process::exit(1);
+}
+
+/// Milliseconds since `t0`, for the server's debug log.
+fn since(t0: std::time::Instant) -> u64 {
+    t0.elapsed().as_millis() as u64
 }
 
 fn attr(ino: u64, size: u64) -> FileAttr {
@@ -406,9 +452,12 @@ impl Filesystem for LazyFs {
         // fault (a page, its readahead window, or a huge page's worth).
         tracing::debug!(file = name, offset, size, "read");
         let (seen, log, dir) = (self.seen.clone(), self.log.clone(), self.dir.clone());
-        let pages = self.pages.clone();
+        let (pages, gate) = (self.pages.clone(), self.gate.clone());
         let asked = std::time::Instant::now();
         self.rt.spawn(async move {
+            if gate.held().await.is_err() {
+                return reply.error(Errno::EIO);
+            }
             let len = (size as u64).min(table.size.saturating_sub(offset)) as usize;
             // The whole chunks the request falls in: the rest of them goes to the page cache
             // once the request is answered.
@@ -773,6 +822,7 @@ fn serve<F>(snapshot: &ManifestDigest, dir: &Path, open_store: F) -> Result<(), 
 where
     F: FnOnce(&tokio::runtime::Runtime) -> Result<Store, String>,
 {
+    let t0 = std::time::Instant::now();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -787,16 +837,17 @@ where
         Manifest::Image(_) => return Err(format!("{snapshot} is not a snapshot manifest")),
     };
     crate::clone::check_snapshot(&snap).map_err(|r| format!("snapshot {snapshot}: {r}"))?;
+    tracing::debug!(ms = since(t0), "snapshot manifest read");
     let (pages, pages_rx) = std::sync::mpsc::channel::<Push>();
     if let Some(p) = &snap.prefetch
         && store.local_root().is_none()
     {
-        // Begun before the lease is written, the mount made and "ready" said: the clone's
+        // Begun before the lease is held, the mount made and "ready" said: the clone's
         // first faults wait for the prefetch's first batches, and the lease's requests
         // (a PUT, then a look under the sweep lock) are 3 round trips the prefetch need not
         // wait for. Nothing is served before the lease is held: the prefetch only fills the
         // read cache (every chunk verified by its digest, so one GC deletes meanwhile fails
-        // and is skipped) and queues pages for the page cache, stored once mounted.
+        // and is skipped) and queues pages for the page cache, stored once the lease is held.
         // Measured (issue 35, the Debian fixture with 512 MiB, cold from the local S3 server,
         // 8 starts each way alternating, host loaded by a build): answered median 314 ms
         // against 384 ms with the prefetch begun after "ready".
@@ -825,13 +876,25 @@ where
             dir.to_path_buf(),
         ));
     }
-    let lease = Arc::new(
-        rt.block_on(hold_snapshot(&store, snapshot, &snap))
-            .map_err(|e| format!("leasing snapshot {snapshot} in {}: {e}", store.url()))?,
-    );
-    {
-        let lease = lease.clone();
+    // Taken while the mount is made and the clone's QEMU starts: its requests (a PUT, then a
+    // look under the sweep lock) are round trips no clone need wait for before its first
+    // read, and nothing is served before it is held (LeaseGate).
+    let held: Arc<std::sync::OnceLock<Lease>> = Arc::default();
+    let gate = {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        let (store, snapshot, snap) = (store.clone(), *snapshot, snap.clone());
+        let (held, dir) = (held.clone(), dir.to_path_buf());
         rt.spawn(async move {
+            let lease = match hold_snapshot(&store, &snapshot, &snap).await {
+                Ok(l) => l,
+                Err(e) => {
+                    let msg = format!("leasing snapshot {snapshot} in {}: {e}", store.url());
+                    lease_failed(&dir, &msg, &tx);
+                }
+            };
+            tracing::debug!(ms = since(t0), "lease held");
+            let lease = held.get_or_init(|| lease);
+            let _ = tx.send(Some(Ok(())));
             loop {
                 tokio::time::sleep(LEASE_RENEW).await;
                 if let Err(e) = lease.renew(LEASE_TTL).await {
@@ -840,7 +903,8 @@ where
                 }
             }
         });
-    }
+        LeaseGate(rx)
+    };
     let file = |name: &'static str, t: &ChunkTable| -> Result<Served1, String> {
         let table = Arc::new(t.clone());
         let reader = ArtifactReader::new(store.clone(), table.clone())
@@ -867,6 +931,7 @@ where
         seen: Arc::default(),
         log: Arc::new(Mutex::new(Some(log))),
         pages: pages.clone(),
+        gate: gate.clone(),
     };
     let mnt = dir.join(MOUNT_DIR);
     std::fs::create_dir_all(&mnt).map_err(|e| format!("{}: {e}", mnt.display()))?;
@@ -891,9 +956,16 @@ where
         .map_err(|e| format!("mount {}: {e}", mnt.display()))?;
     let unmounter = session.unmount_callable();
     {
-        let (notifier, mnt) = (session.notifier(), mnt.clone());
-        std::thread::spawn(move || push_pages(notifier, mnt, pages_rx));
+        let (notifier, mnt, rt) = (session.notifier(), mnt.clone(), rt.handle().clone());
+        let gate = gate.clone();
+        std::thread::spawn(move || {
+            // Nothing reaches the page cache before the lease is held.
+            if rt.block_on(gate.held()).is_ok() {
+                push_pages(notifier, mnt, pages_rx)
+            }
+        });
     }
+    tracing::debug!(ms = since(t0), "mounted");
     {
         let mut out = std::io::stdout().lock();
         let _ = out.write_all(b"ready\n");
@@ -911,8 +983,13 @@ where
     let served = session
         .run()
         .map_err(|e| format!("serving {}: {e}", dir.display()));
-    // No clone is left: the snapshot need not be kept any more.
-    if let Err(e) = rt.block_on(lease.release()) {
+    // No clone is left: the snapshot need not be kept any more. A lease still being taken
+    // (a server nobody used, left at once) is waited for, so as to release it: bounded by
+    // the store's operation timeout, and a lease that fails ends the process (lease_failed).
+    let _ = rt.block_on(gate.held());
+    if let Some(lease) = held.get()
+        && let Err(e) = rt.block_on(lease.release())
+    {
         eprintln!("kiln chunk server: releasing its lease: {e}");
     }
     served?;
