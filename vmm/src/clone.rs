@@ -56,7 +56,9 @@ use std::time::{Duration, Instant};
 
 use kiln_guest::protocol::{Message, Restore};
 use kiln_store::owner::ProcessId;
-use kiln_store::{Manifest, ManifestDigest, SnapshotManifest, Store, StoreError, TagRef};
+use kiln_store::{
+    Manifest, ManifestDigest, RawManifest, SnapshotManifest, Store, StoreError, TagRef,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::channel::{ChannelError, GuestChannel};
@@ -350,20 +352,21 @@ async fn snapshot_of(
     store: &Store,
     d: ManifestDigest,
     image_ref: &str,
-) -> Result<(ManifestDigest, SnapshotManifest), CloneError> {
+) -> Result<(ManifestDigest, SnapshotManifest, RawManifest), CloneError> {
     let Manifest::Image(img) = store.get_manifest(&d).await? else {
         return Err(CloneError::NotAnImage(image_ref.to_string()));
     };
     let Some(sd) = img.snapshot else {
         return Err(CloneError::NoSnapshot(image_ref.to_string()));
     };
-    match store.get_manifest(&sd).await? {
+    let raw = store.get_raw_manifest(&sd).await?;
+    match raw.parse().map_err(StoreError::from)? {
         Manifest::Snapshot(s) => {
             check_snapshot(&s).map_err(|reason| CloneError::BadSnapshot {
                 snapshot: sd.to_string(),
                 reason,
             })?;
-            Ok((sd, s))
+            Ok((sd, s, raw))
         }
         Manifest::Image(_) => Err(CloneError::NotAnImage(image_ref.to_string())),
     }
@@ -603,7 +606,7 @@ pub async fn start_clones_of(
 ) -> Result<Vec<CloneRecord>, CloneError> {
     let begun = Instant::now();
     let image_ref = name;
-    let (digest, snap) = snapshot_of(store, image, image_ref).await?;
+    let (digest, snap, raw_snap) = snapshot_of(store, image, image_ref).await?;
     // Refused before anything is fetched or started.
     let grow = clone_disk_bytes(opts.disk_mib, snap.disk.size)?;
     let host = Host::detect_cached(&opts.cache_dir.join(QEMU_FACTS)).await?;
@@ -670,7 +673,7 @@ pub async fn start_clones_of(
                 let (c, served) = tokio::try_join!(
                     materialize(store, &digest, &snap, &opts.cache_dir, Fetch::VmState),
                     async {
-                        lazy::ensure_server(program, &digest, &dir, opts.restore_timeout)
+                        lazy::ensure_server(program, &raw_snap, &dir, opts.restore_timeout)
                             .await
                             .map_err(CloneError::Lazy)
                     }
@@ -1202,12 +1205,47 @@ pub async fn stop(state_dir: &Path, id: &str) -> Result<bool, CloneError> {
     Ok(was_running)
 }
 
+/// A snapshot manifest for unit tests: `memory_bytes` of guest RAM in a memory table of
+/// `table` bytes (one hole), a 1 MiB disk (one hole), `vcpus`; every blob the same.
 #[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) fn test_snapshot(memory_bytes: u64, table: u64, vcpus: u32) -> SnapshotManifest {
     use kiln_store::chunk::{ChunkEntry, ChunkTable, Chunking};
     use kiln_store::manifest::{SCHEMA_VERSION, SNAPSHOT_MEDIA_TYPE};
     use kiln_store::{BlobDigest, BlobRef};
+    let blob = BlobRef {
+        digest: BlobDigest::of(b"x"),
+        size: 1,
+        media_type: None,
+    };
+    let t = |size| ChunkTable {
+        size,
+        chunking: Chunking::MEMORY_DEFAULT,
+        entries: vec![ChunkEntry {
+            offset: 0,
+            raw_len: size,
+            digest: None,
+            stored_len: 0,
+        }],
+    };
+    SnapshotManifest {
+        schema_version: SCHEMA_VERSION,
+        media_type: SNAPSHOT_MEDIA_TYPE.into(),
+        memory: t(table),
+        vmstate: blob.clone(),
+        disk: t(1 << 20),
+        compatibility_key: String::new(),
+        image: ManifestDigest::of(b"i"),
+        kernel: blob.clone(),
+        initramfs: blob,
+        vcpus,
+        memory_bytes,
+        prefetch: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
 
     /// A start killed between QEMU's spawn and its record must still be reaped: the reaper
     /// finds the clone's QEMU processes by the directory in their command line, and only those.
@@ -1345,38 +1383,6 @@ mod tests {
         }
     }
 
-    fn snap(memory_bytes: u64, table: u64, vcpus: u32) -> SnapshotManifest {
-        let blob = BlobRef {
-            digest: BlobDigest::of(b"x"),
-            size: 1,
-            media_type: None,
-        };
-        let t = |size| ChunkTable {
-            size,
-            chunking: Chunking::MEMORY_DEFAULT,
-            entries: vec![ChunkEntry {
-                offset: 0,
-                raw_len: size,
-                digest: None,
-                stored_len: 0,
-            }],
-        };
-        SnapshotManifest {
-            schema_version: SCHEMA_VERSION,
-            media_type: SNAPSHOT_MEDIA_TYPE.into(),
-            memory: t(table),
-            vmstate: blob.clone(),
-            disk: t(1 << 20),
-            compatibility_key: String::new(),
-            image: ManifestDigest::of(b"i"),
-            kernel: blob.clone(),
-            initramfs: blob,
-            vcpus,
-            memory_bytes,
-            prefetch: None,
-        }
-    }
-
     #[test]
     fn image_defaults_come_from_the_oci_config() {
         let d = parse_image_defaults(
@@ -1424,7 +1430,7 @@ mod tests {
 
     #[test]
     fn hostile_snapshot_shapes_are_refused() {
-        assert!(check_snapshot(&snap(256 << 20, 256 << 20, 1)).is_ok());
+        assert!(check_snapshot(&test_snapshot(256 << 20, 256 << 20, 1)).is_ok());
         for (m, t, v) in [
             (0, 0, 1),
             ((256 << 20) + 1, (256 << 20) + 1, 1),
@@ -1433,7 +1439,10 @@ mod tests {
             (256 << 20, 256 << 20, 0),
             (256 << 20, 256 << 20, 10_000),
         ] {
-            assert!(check_snapshot(&snap(m, t, v)).is_err(), "{m} {t} {v}");
+            assert!(
+                check_snapshot(&test_snapshot(m, t, v)).is_err(),
+                "{m} {t} {v}"
+            );
         }
     }
 

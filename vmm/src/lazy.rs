@@ -98,7 +98,7 @@
 
 use std::collections::HashSet;
 use std::ffi::{OsStr, OsString};
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -113,7 +113,7 @@ use kiln_store::artifact::ArtifactReader;
 use kiln_store::lease::Lease;
 use kiln_store::manifest::{ObjectRef, references};
 use kiln_store::owner::{ProcessId, start_ticks};
-use kiln_store::{ChunkTable, Manifest, ManifestDigest, SnapshotManifest, Store};
+use kiln_store::{ChunkTable, Manifest, ManifestDigest, RawManifest, SnapshotManifest, Store};
 use serde::{Deserialize, Serialize};
 
 /// The mount point's name inside the snapshot's cache directory.
@@ -828,11 +828,15 @@ where
         .enable_all()
         .build()
         .map_err(|e| format!("runtime: {e}"))?;
+    let handed = handed_manifest(snapshot);
     let store = open_store(&rt)?;
-    let snap = match rt
-        .block_on(store.get_manifest(snapshot))
-        .map_err(|e| e.to_string())?
-    {
+    let manifest = match handed {
+        Some(m) => m,
+        None => rt
+            .block_on(store.get_manifest(snapshot))
+            .map_err(|e| e.to_string())?,
+    };
+    let snap = match manifest {
         Manifest::Snapshot(s) => s,
         Manifest::Image(_) => return Err(format!("{snapshot} is not a snapshot manifest")),
     };
@@ -995,6 +999,42 @@ where
     served?;
     // Keep the use lock (held by the idle thread) until the process exits.
     std::process::exit(0);
+}
+
+/// The snapshot manifest the starter handed over on standard input ([`ensure_server`]):
+/// [`manifest_from`] of it, or `None` when it is a terminal.
+fn handed_manifest(digest: &ManifestDigest) -> Option<Manifest> {
+    let stdin = std::io::stdin();
+    if stdin.is_terminal() {
+        return None;
+    }
+    manifest_from(stdin.lock(), digest)
+}
+
+/// The manifest in `r` (read to its end, at most [`kiln_store::manifest::MAX_MANIFEST_LEN`]
+/// bytes) when those bytes are the manifest `digest` names (their sha256) and parse; else
+/// `None`, and the server reads it from the store: nothing handed over (a server started by
+/// hand), or other bytes (a starter's bug, logged as a warning).
+fn manifest_from(r: impl std::io::Read, digest: &ManifestDigest) -> Option<Manifest> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    let limit = kiln_store::manifest::MAX_MANIFEST_LEN as u64;
+    r.take(limit + 1).read_to_end(&mut bytes).ok()?;
+    if bytes.is_empty() {
+        return None;
+    }
+    let raw = RawManifest::new(bytes.into());
+    match (raw.digest == *digest, raw.parse()) {
+        (true, Ok(m)) => Some(m),
+        (same, parsed) => {
+            tracing::warn!(
+                digest_matches = same,
+                parses = parsed.is_ok(),
+                "the snapshot manifest handed over is not {digest}; reading it from the store"
+            );
+            None
+        }
+    }
 }
 
 /// A chunk of the prefetch list: its digest and raw length, and where it is served (inode,
@@ -1204,18 +1244,22 @@ pub fn server_of(dir: &Path) -> Option<ServerRecord> {
     (r.server.is_alive() && is_mounted(&dir.join(MOUNT_DIR))).then_some(r)
 }
 
-/// Makes sure the chunk server of `snapshot` runs for `dir` (`<cache>/<snapshot hex>`),
-/// starting `program` (its arguments then `DIGEST DIR` appended) when none does, and waits
-/// up to `timeout` for it to say "ready". Returns the files to start clones from, holding
-/// the use lock (see the module doc).
+/// Makes sure the chunk server of the snapshot manifest `manifest` (its bytes as stored,
+/// read and checked by the caller) runs for `dir` (`<cache>/<snapshot hex>`), starting
+/// `program` (its arguments then `DIGEST DIR` appended) when none does, with the manifest's
+/// bytes on its standard input ([`run_daemon`] takes them when their digest is `DIGEST`:
+/// one read of the store less before it mounts), and waits up to `timeout` for it to say
+/// "ready". Returns the files to start clones from, holding the use lock (see the module
+/// doc).
 ///
 /// Errors: [`LazyError::Start`] with the server's log when it exits or stays silent.
 pub async fn ensure_server(
     program: &[OsString],
-    snapshot: &ManifestDigest,
+    manifest: &RawManifest,
     dir: &Path,
     timeout: Duration,
 ) -> Result<Served, LazyError> {
+    let snapshot = &manifest.digest;
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     {
         // Its mount is open to other users (allow_other): only root walks to it.
@@ -1266,7 +1310,7 @@ pub async fn ensure_server(
         .args(args)
         .arg(snapshot.to_string())
         .arg(dir)
-        .stdin(std::process::Stdio::null())
+        .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(log)
         // Its own process group: a Ctrl-C of the `kiln start` that spawned it does not
@@ -1276,6 +1320,15 @@ pub async fn ensure_server(
         .spawn()
         .map_err(io_err(Path::new(prog)))?;
     let stdout = child.stdout.take();
+    if let Some(mut stdin) = child.stdin.take() {
+        // Written beside the wait for "ready" (a manifest is larger than a pipe's buffer);
+        // a server that stops reading has failed, which the wait tells.
+        let bytes = manifest.bytes.clone();
+        tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            let _ = stdin.write_all(&bytes).await;
+        });
+    }
     let wait_ready = async {
         use tokio::io::AsyncBufReadExt;
         let Some(out) = stdout else {
@@ -1372,6 +1425,21 @@ mod tests {
     }
 
     /// The first failure is kept, whole, and nothing else is left in the directory.
+    #[test]
+    fn a_handed_manifest_is_taken_only_with_its_digest() {
+        let snap = crate::clone::test_snapshot(256 << 20, 256 << 20, 1);
+        let raw = RawManifest::encode(&Manifest::Snapshot(snap.clone())).unwrap();
+        let taken = manifest_from(&raw.bytes[..], &raw.digest);
+        assert!(matches!(taken, Some(Manifest::Snapshot(s)) if s == snap));
+        // Nothing handed over, or bytes of another digest: read from the store.
+        assert!(manifest_from(&b""[..], &raw.digest).is_none());
+        let other = ManifestDigest::of(b"other");
+        assert!(manifest_from(&raw.bytes[..], &other).is_none());
+        // The right digest of bytes that are no manifest.
+        let junk = b"not json";
+        assert!(manifest_from(&junk[..], &ManifestDigest::of(junk)).is_none());
+    }
+
     #[test]
     fn first_failure_is_kept_whole() {
         let tmp = tempfile::tempdir().unwrap();

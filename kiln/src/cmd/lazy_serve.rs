@@ -1,6 +1,8 @@
 //! `kiln __lazy-serve [--store URL] DIGEST DIR` (hidden): the chunk server that `kiln start`
 //! spawns to serve a snapshot's memory file and disk to its clones on demand
-//! ([`kiln_vmm::lazy`]). Not for people: `kiln start` runs it, and it prints only "ready".
+//! ([`kiln_vmm::lazy`]). Not for people: `kiln start` runs it, with the snapshot manifest's
+//! bytes on its standard input (taken when their sha256 is DIGEST, else read from the store),
+//! and it prints only "ready".
 
 use std::path::PathBuf;
 use std::process::ExitCode;
