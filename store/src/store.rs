@@ -514,24 +514,23 @@ impl Store {
             return Ok(b);
         }
         match self.inflight.claim(*digest) {
-            Claim::Mine(f) => {
-                let raw = self.fetch_chunk(digest, max_raw_len).await?;
-                f.done(&raw);
-                Ok(raw)
-            }
+            Claim::Mine(f) => self.fetch_chunk(digest, max_raw_len, Some(f)).await,
             Claim::Theirs(w) => self.theirs_or_fetch(w, digest, max_raw_len).await,
         }
     }
 
     /// A chunk's stored bytes fetched, decoded and verified ([`Store::get_chunk_stored`],
-    /// then [`Store::decode_chunk`]), whatever other reads of it are doing.
+    /// then [`Store::decode_chunk`], which hands them to `fetching`'s waiters), whatever
+    /// other reads of it are doing.
     async fn fetch_chunk(
         &self,
         digest: &ChunkDigest,
         max_raw_len: u64,
+        fetching: Option<crate::inflight::Fetching>,
     ) -> Result<Bytes, StoreError> {
         let stored = self.get_chunk_stored(digest).await?;
-        self.decode_chunk(*digest, stored, max_raw_len).await
+        self.decode_chunk(*digest, stored, max_raw_len, fetching)
+            .await
     }
 
     /// The bytes of a chunk another read of this handle is fetching (`theirs`), when that
@@ -573,7 +572,7 @@ impl Store {
                 "another read of this chunk was fetching it and brought nothing",
             ));
         }
-        tokio::time::timeout(left, self.fetch_chunk(digest, max_raw_len))
+        tokio::time::timeout(left, self.fetch_chunk(digest, max_raw_len, None))
             .await
             .unwrap_or_else(|_| {
                 Err(gave_up(
@@ -642,12 +641,12 @@ impl Store {
                 .map(|((i, fetching), s)| async move {
                     let (d, max_raw_len) = chunks[i];
                     let raw = match s {
-                        Ok(stored) => self.decode_chunk(d, stored, max_raw_len).await,
+                        Ok(stored) => {
+                            self.decode_chunk(d, stored, max_raw_len, Some(fetching))
+                                .await
+                        }
                         Err(e) => Err(e),
                     };
-                    if let Ok(raw) = &raw {
-                        fetching.done(raw);
-                    }
                     (i, raw)
                 })
                 .buffer_unordered(self.parallelism)
@@ -740,12 +739,15 @@ impl Store {
     }
 
     /// A chunk's stored bytes decoded and verified (the known index forgets it when they are
-    /// bad), then put in the read cache.
+    /// bad), handed to the waiters of `fetching` (the other reads of it), then put in the
+    /// read cache: a write no reader need wait for (a file written and renamed under the
+    /// cache's lock, on the blocking pool).
     async fn decode_chunk(
         &self,
         d: ChunkDigest,
         stored: Bytes,
         max_raw_len: u64,
+        fetching: Option<crate::inflight::Fetching>,
     ) -> Result<Bytes, StoreError> {
         let url = self.url().to_string();
         let raw =
@@ -759,6 +761,9 @@ impl Store {
                 return Err(e.into());
             }
         };
+        if let Some(f) = fetching {
+            f.done(&raw);
+        }
         if let Some(c) = &self.cache {
             c.put(&d, raw.clone()).await;
         }
