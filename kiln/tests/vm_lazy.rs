@@ -60,6 +60,36 @@ fn kiln_with(
         .expect("run kiln")
 }
 
+/// A fault injector in front of the S3 server that stalls every request containing one of
+/// `needles` (for 120 s, longer than any start waits), and the runtime it runs on: keep both
+/// while a server may still talk through it.
+fn stalling_proxy(needles: &[&[u8]]) -> (tokio::runtime::Runtime, FaultProxy) {
+    let upstream = std::env::var("KILN_TEST_S3_ENDPOINT").expect("KILN_TEST_S3_ENDPOINT");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let proxy = rt
+        .block_on(FaultProxy::start(upstream.trim_start_matches("http://")))
+        .expect("fault proxy");
+    for n in needles {
+        proxy.stall_requests_containing(n, Duration::from_secs(120));
+    }
+    (rt, proxy)
+}
+
+/// `kiln start bb:snap` from the store `s3` through `proxy`, its chunk server bounded to 3 s
+/// a read (`KILN_LAZY_READ_TIMEOUT_SECS`), with the snapshot cache `cache`.
+fn start_through(d: &Path, s3: &str, cache: &Path, proxy: &FaultProxy) -> Output {
+    kiln_with(
+        d,
+        s3,
+        cache,
+        &[
+            ("KILN_S3_ENDPOINT", &proxy.url()),
+            ("KILN_LAZY_READ_TIMEOUT_SECS", "3"),
+        ],
+        &["start", "bb:snap"],
+    )
+}
+
 fn show(o: &Output) -> String {
     format!(
         "exit {:?}\nstdout: {}\nstderr: {}",
@@ -203,13 +233,7 @@ fn vm_lazy_start_from_s3() {
             .collect();
         std::thread::spawn(move || {
             let d = d.as_path();
-            let upstream = std::env::var("KILN_TEST_S3_ENDPOINT").expect("KILN_TEST_S3_ENDPOINT");
-            let prt = tokio::runtime::Runtime::new().expect("runtime");
-            let proxy = prt
-                .block_on(FaultProxy::start(upstream.trim_start_matches("http://")))
-                .expect("fault proxy");
-            proxy.stall_requests_containing(b"/chunks/sha256/", Duration::from_secs(120));
-            proxy.stall_requests_containing(b".pack HTTP/", Duration::from_secs(120));
+            let (_prt, proxy) = stalling_proxy(&[b"/chunks/sha256/", b".pack HTTP/"]);
             // The server's record, read while the start runs: the server removes it when it
             // exits, which it may do as soon as the start has failed.
             let ran = Arc::new(AtomicBool::new(false));
@@ -231,16 +255,7 @@ fn vm_lazy_start_from_s3() {
                     }
                 })
             };
-            let o = kiln_with(
-                d,
-                &s3,
-                &c3,
-                &[
-                    ("KILN_S3_ENDPOINT", &proxy.url()),
-                    ("KILN_LAZY_READ_TIMEOUT_SECS", "3"),
-                ],
-                &["start", "bb:snap"],
-            );
+            let o = start_through(d, &s3, &c3, &proxy);
             ran.store(true, Ordering::SeqCst);
             let rec = watcher
                 .join()
@@ -289,23 +304,9 @@ fn vm_lazy_start_from_s3() {
         let snapdir = c7.join(snap_digest.hex());
         std::thread::spawn(move || {
             let d = d.as_path();
-            let upstream = std::env::var("KILN_TEST_S3_ENDPOINT").expect("KILN_TEST_S3_ENDPOINT");
-            let prt = tokio::runtime::Runtime::new().expect("runtime");
-            let proxy = prt
-                .block_on(FaultProxy::start(upstream.trim_start_matches("http://")))
-                .expect("fault proxy");
-            proxy.stall_requests_containing(b"/leases/", Duration::from_secs(120));
+            let (_prt, proxy) = stalling_proxy(&[b"/leases/"]);
             let qemus = QemuUids::watch(&c7);
-            let o = kiln_with(
-                d,
-                &s3,
-                &c7,
-                &[
-                    ("KILN_S3_ENDPOINT", &proxy.url()),
-                    ("KILN_LAZY_READ_TIMEOUT_SECS", "3"),
-                ],
-                &["start", "bb:snap"],
-            );
+            let o = start_through(d, &s3, &c7, &proxy);
             assert!(!o.status.success(), "{}", show(&o));
             let err = String::from_utf8_lossy(&o.stderr);
             assert!(
