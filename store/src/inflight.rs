@@ -79,8 +79,10 @@ impl InFlight {
 }
 
 impl Fetching {
-    /// The fetch succeeded: `raw` (decoded and verified) goes to every waiter.
-    pub(crate) fn done(self, raw: &Bytes) {
+    /// The fetch succeeded: `raw` (decoded and verified) goes to every waiter, and to every
+    /// claim of the digest until this guard is dropped (the fetcher keeps it while it writes
+    /// the chunk into the read cache, so that no read in between fetches it again).
+    pub(crate) fn done(&self, raw: &Bytes) {
         self.tx.send_replace(Some(raw.clone()));
     }
 }
@@ -132,6 +134,16 @@ mod tests {
         assert!(!waiting.is_finished());
         mine.done(&Bytes::from_static(b"raw"));
         assert_eq!(waiting.await.unwrap().as_deref(), Some(&b"raw"[..]));
+        // Done, but the fetcher still holds its claim (it writes the read cache): a claim
+        // now takes the bytes at once, and fetches nothing.
+        let Claim::Theirs(late) = f.claim(d) else {
+            panic!("a claim between done and the end of the fetch waits")
+        };
+        assert_eq!(
+            late.bytes(Duration::from_millis(1)).await.as_deref(),
+            Some(&b"raw"[..])
+        );
+        drop(mine);
         assert_eq!(f.len(), 0, "nothing kept once the fetch ended");
         assert!(matches!(f.claim(d), Claim::Mine(_)));
     }

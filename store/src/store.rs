@@ -761,12 +761,15 @@ impl Store {
                 return Err(e.into());
             }
         };
-        if let Some(f) = fetching {
+        if let Some(f) = &fetching {
             f.done(&raw);
         }
         if let Some(c) = &self.cache {
             c.put(&d, raw.clone()).await;
         }
+        // Claims of the chunk made meanwhile took the bytes from `fetching`; from here on a
+        // read finds them in the cache.
+        drop(fetching);
         Ok(raw)
     }
 
