@@ -308,34 +308,31 @@ struct LazyFs {
 }
 
 /// Whether the server holds its lease ([`hold_snapshot`], taken in the background while the
-/// mount is made): `None` while it is being taken, then `Ok` or the error, as text.
+/// mount is made). A lease that cannot be taken ends the process ([`lease_failed`]), so the
+/// only other end is a lease task that is gone without one.
 #[derive(Clone)]
-struct LeaseGate(tokio::sync::watch::Receiver<Option<Result<(), String>>>);
+struct LeaseGate(tokio::sync::watch::Receiver<bool>);
 
 impl LeaseGate {
-    /// Waits until the lease is held (`Ok`) or could not be taken (the error).
+    /// Waits until the lease is held; an error when the lease task ended without it.
     async fn held(&self) -> Result<(), String> {
         let mut rx = self.0.clone();
-        match rx.wait_for(Option::is_some).await {
-            Ok(v) => v.clone().unwrap_or(Ok(())),
+        match rx.wait_for(|held| *held).await {
+            Ok(_) => Ok(()),
             Err(_) => Err("the chunk server's lease was never taken".into()),
         }
     }
 }
 
 /// A lease that could not be taken: no read may be served, so the server records why
-/// ([`FAILURE`]: the start of a clone that was reading names it), fails every waiting read
-/// and exits with status 1. Its watcher then detaches the mount and stops every clone that
-/// had begun to start from it ([`run_daemon`]), as when a server dies.
-fn lease_failed(
-    dir: &Path,
-    msg: &str,
-    tx: &tokio::sync::watch::Sender<Option<Result<(), String>>>,
-) -> ! {
+/// ([`FAILURE`]: the start of a clone that was reading names it) and exits with status 1;
+/// the kernel then fails every read still waiting on the mount. Its watcher detaches the
+/// mount and stops every clone that had begun to start from it ([`run_daemon`]), as when a
+/// server dies.
+fn lease_failed(dir: &Path, msg: &str) -> ! {
     tracing::error!("{msg}");
     eprintln!("kiln chunk server: {msg}");
     record_failure(dir, msg);
-    let _ = tx.send(Some(Err(msg.to_string())));
     std::process::exit(1);
 }
 
@@ -885,7 +882,7 @@ where
     // read, and nothing is served before it is held (LeaseGate).
     let held: Arc<std::sync::OnceLock<Lease>> = Arc::default();
     let gate = {
-        let (tx, rx) = tokio::sync::watch::channel(None);
+        let (tx, rx) = tokio::sync::watch::channel(false);
         let (store, snapshot, snap) = (store.clone(), *snapshot, snap.clone());
         let (held, dir) = (held.clone(), dir.to_path_buf());
         rt.spawn(async move {
@@ -893,12 +890,12 @@ where
                 Ok(l) => l,
                 Err(e) => {
                     let msg = format!("leasing snapshot {snapshot} in {}: {e}", store.url());
-                    lease_failed(&dir, &msg, &tx);
+                    lease_failed(&dir, &msg);
                 }
             };
             tracing::debug!(ms = since(t0), "lease held");
             let lease = held.get_or_init(|| lease);
-            let _ = tx.send(Some(Ok(())));
+            let _ = tx.send(true);
             loop {
                 tokio::time::sleep(LEASE_RENEW).await;
                 if let Err(e) = lease.renew(LEASE_TTL).await {
@@ -1424,7 +1421,7 @@ mod tests {
         assert_eq!(chunk_span(&table, table.size, 0), (table.size, table.size));
     }
 
-    /// The first failure is kept, whole, and nothing else is left in the directory.
+    /// A manifest handed over is taken only when its bytes are the digest's and parse.
     #[test]
     fn a_handed_manifest_is_taken_only_with_its_digest() {
         let snap = crate::clone::test_snapshot(256 << 20, 256 << 20, 1);
@@ -1440,6 +1437,7 @@ mod tests {
         assert!(manifest_from(&junk[..], &ManifestDigest::of(junk)).is_none());
     }
 
+    /// The first failure is kept, whole, and nothing else is left in the directory.
     #[test]
     fn first_failure_is_kept_whole() {
         let tmp = tempfile::tempdir().unwrap();
