@@ -348,11 +348,13 @@ struct Cached {
     disk: PathBuf,
 }
 
+/// The snapshot manifest attached to the image manifest `d`, checked ([`check_snapshot`]):
+/// parsed, and its bytes as stored (their digest is the snapshot's).
 async fn snapshot_of(
     store: &Store,
     d: ManifestDigest,
     image_ref: &str,
-) -> Result<(ManifestDigest, SnapshotManifest, RawManifest), CloneError> {
+) -> Result<(SnapshotManifest, RawManifest), CloneError> {
     let Manifest::Image(img) = store.get_manifest(&d).await? else {
         return Err(CloneError::NotAnImage(image_ref.to_string()));
     };
@@ -366,7 +368,7 @@ async fn snapshot_of(
                 snapshot: sd.to_string(),
                 reason,
             })?;
-            Ok((sd, s, raw))
+            Ok((s, raw))
         }
         Manifest::Image(_) => Err(CloneError::NotAnImage(image_ref.to_string())),
     }
@@ -606,7 +608,8 @@ pub async fn start_clones_of(
 ) -> Result<Vec<CloneRecord>, CloneError> {
     let begun = Instant::now();
     let image_ref = name;
-    let (digest, snap, raw_snap) = snapshot_of(store, image, image_ref).await?;
+    let (snap, raw_snap) = snapshot_of(store, image, image_ref).await?;
+    let digest = raw_snap.digest;
     // Refused before anything is fetched or started.
     let grow = clone_disk_bytes(opts.disk_mib, snap.disk.size)?;
     let host = Host::detect_cached(&opts.cache_dir.join(QEMU_FACTS)).await?;
